@@ -1,0 +1,34 @@
+# Fresh machine: `make demo` or `make test`. Everything is installed into .venv from nothing.
+PYTHON ?= python3
+VENV   ?= .venv
+TORCH  ?= torch==2.13.0
+PY      = $(VENV)/bin/python
+PIP     = $(PY) -m pip
+STAMP   = $(VENV)/.geomesh-installed
+
+.PHONY: setup demo test bench protos clean
+
+setup: $(STAMP)
+
+# Re-runs only when the dependency list changes; torch goes in first so that nothing pulls a CUDA build.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q "$(TORCH)"
+	$(PIP) install -q -e ".[test]"
+	touch $(STAMP)
+
+demo: setup
+	$(VENV)/bin/geomesh-peer demo
+
+test: setup
+	$(VENV)/bin/pytest -q tests
+
+bench: setup
+	for f in benchmarks/*.py; do echo "== $$f"; $(PY) $$f || exit 1; done
+
+protos: setup
+	$(PY) -m geomesh_p2p.wire.generate
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,0 +1,67 @@
+"""Record schemas shared by the DHT, the planner and the round protocol (pydantic, versioned).
+
+A record travels as its JSON bytes inside a signed DHT value; the DHT never unpickles anything.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+RECORD_SCHEMA_VERSION = 1
+
+
+class PeerRecord(BaseModel):
+    """What a peer announces under ``<run>/peers`` (subkey = its PeerID), refreshed every few seconds.
+
+    Units: bytes for memory, bytes/s for bandwidth, tokens/s for throughput, unix seconds for time.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    schema_version: int = RECORD_SCHEMA_VERSION
+    peer_id: str = Field(description="PeerID (base58 of SHA-256 of the Ed25519 public key)")
+    address: Optional[str] = Field(
+        default=None, description="host:port the peer serves on; None means client-only (behind NAT)"
+    )
+    device: str = Field(description="device name, e.g. 'NVIDIA H100 80GB HBM3' or 'cpu: AMD EPYC'")
+    memory_bytes: int = Field(ge=0, description="memory budget usable for training, bytes")
+    tokens_per_s: dict[int, float] = Field(
+        default_factory=dict, description="measured training throughput per batch size (sequences), tokens/s"
+    )
+    max_batch: int = Field(ge=1, description="largest batch (sequences) that fits in one micro-step")
+    upload_bps: float = Field(gt=0, description="upload bandwidth, bytes/s")
+    download_bps: float = Field(gt=0, description="download bandwidth, bytes/s")
+    version: str = Field(description="software version (geomesh_p2p.__version__)")
+    protocol_version: int = 1
+    run_config_hash: str = Field(description="hash of the run config every peer of a run shares")
+    round: int = Field(ge=0, default=0, description="the round this peer is in or will join")
+    weights_digest: Optional[str] = Field(default=None, description="digest of its global weights at `round`")
+    timestamp: float = Field(default_factory=time.time, description="unix seconds when announced")
+
+    @field_validator("tokens_per_s")
+    @classmethod
+    def _positive_throughput(cls, v: dict[int, float]) -> dict[int, float]:
+        for b, tps in v.items():
+            if b < 1 or not (tps > 0):
+                raise ValueError(f"tokens_per_s[{b}]={tps}: batch must be >=1 and throughput > 0")
+        return v
+
+    @property
+    def client_only(self) -> bool:
+        """True when the peer accepts no connections: it owns no collective part."""
+        return self.address is None
+
+    def best_tokens_per_s(self) -> float:
+        """Highest measured throughput over batch sizes, tokens/s (0.0 when nothing was measured)."""
+        return max(self.tokens_per_s.values(), default=0.0)
+
+    def to_bytes(self) -> bytes:
+        return self.model_dump_json().encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "PeerRecord":
+        """Parse JSON bytes; raises pydantic.ValidationError on anything malformed."""
+        return cls.model_validate_json(data)
