@@ -1,0 +1,306 @@
+"""Node identity: Ed25519 keys, PeerIDs and signed envelopes (DESIGN.md, "Identity and trust").
+
+* A node's key lives in a file (raw 32-byte Ed25519 private key, PEM-free) created with mode 0600
+  and reused across restarts. A key file that others can read is refused.
+* PeerID = SHA-256 of the raw 32-byte public key. Printed as base58 (``PeerID.to_string``), short
+  form = its first 10 characters.
+* A signed envelope binds run id, round, sender, timestamp, nonce, payload SHA-256 and a ``kind``
+  (the RPC it belongs to, so a signed Ping cannot be replayed as a Store).
+* :class:`Verifier` checks all of that plus a clock-skew window, a bounded replay cache, a payload
+  size limit and an optional allow-list, and raises :class:`EnvelopeError` with a gRPC status code
+  and a reason.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import secrets
+import stat
+import struct
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable, Optional
+
+import base58
+import grpc
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+from geomesh_p2p.wire import envelope_pb2
+
+PUBLIC_KEY_BYTES = 32
+PEER_ID_BYTES = 32
+NONCE_BYTES = 16
+SIGNATURE_BYTES = 64
+_DOMAIN = b"geomesh-p2p/envelope/v1\x00"
+
+
+class IdentityError(Exception):
+    """A key file is missing, unreadable, corrupt or too permissive. ``str()`` is a one-line message."""
+
+
+class PeerID(bytes):
+    """32-byte SHA-256 of an Ed25519 public key. ``str()`` gives the base58 form."""
+
+    def __new__(cls, value: bytes) -> "PeerID":
+        if len(value) != PEER_ID_BYTES:
+            raise ValueError(f"PeerID must be {PEER_ID_BYTES} bytes, got {len(value)}")
+        return super().__new__(cls, value)
+
+    @classmethod
+    def from_public_key(cls, public_key: bytes) -> "PeerID":
+        """PeerID of a raw 32-byte Ed25519 public key."""
+        return cls(hashlib.sha256(public_key).digest())
+
+    @classmethod
+    def from_string(cls, text: str) -> "PeerID":
+        """Parse the base58 form; raises ValueError on bad text."""
+        return cls(base58.b58decode(text))
+
+    def to_string(self) -> str:
+        return base58.b58encode(bytes(self)).decode()
+
+    def short(self) -> str:
+        """First 10 base58 characters: enough to tell peers apart in logs."""
+        return self.to_string()[:10]
+
+    def __str__(self) -> str:
+        return self.to_string()
+
+    def __repr__(self) -> str:
+        return f"PeerID({self.short()}…)"
+
+
+class Identity:
+    """An Ed25519 key pair and its PeerID."""
+
+    def __init__(self, private_key: Ed25519PrivateKey):
+        self._private_key = private_key
+        self.public_key_bytes: bytes = private_key.public_key().public_bytes(
+            serialization.Encoding.Raw, serialization.PublicFormat.Raw
+        )
+        self.peer_id = PeerID.from_public_key(self.public_key_bytes)
+
+    @classmethod
+    def generate(cls) -> "Identity":
+        return cls(Ed25519PrivateKey.generate())
+
+    @classmethod
+    def load_or_create(cls, path: str | os.PathLike) -> "Identity":
+        """Load the key at ``path``, or create it (mode 0600, parent folders 0700) when absent.
+
+        Raises IdentityError (one line) when the file is readable by group/others, unreadable,
+        not a 32-byte Ed25519 key, or the path is a folder.
+        """
+        p = Path(path).expanduser()
+        if p.is_dir():
+            raise IdentityError(f"identity path {p} is a folder, expected a key file")
+        if not p.exists():
+            try:
+                p.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+                ident = cls.generate()
+                raw = ident._private_key.private_bytes(
+                    serialization.Encoding.Raw, serialization.PrivateFormat.Raw, serialization.NoEncryption()
+                )
+                # O_EXCL: never overwrite a key that appeared meanwhile; 0600 from birth, no chmod race.
+                fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                with os.fdopen(fd, "wb") as f:
+                    f.write(raw)
+                return ident
+            except OSError as e:
+                raise IdentityError(f"cannot create identity file {p}: {e.strerror}") from None
+        try:
+            mode = p.stat().st_mode
+            if mode & (stat.S_IRWXG | stat.S_IRWXO):
+                raise IdentityError(
+                    f"identity file {p} is accessible by other users (mode {stat.S_IMODE(mode):o}); "
+                    f"fix it with: chmod 600 {p}"
+                )
+            raw = p.read_bytes()
+        except OSError as e:
+            raise IdentityError(f"cannot read identity file {p}: {e.strerror}") from None
+        if len(raw) != 32:
+            raise IdentityError(f"identity file {p} is corrupt: expected a 32-byte Ed25519 key, found {len(raw)} bytes")
+        return cls(Ed25519PrivateKey.from_private_bytes(raw))
+
+    def sign(self, data: bytes) -> bytes:
+        """Ed25519 signature (64 bytes) of ``data``."""
+        return self._private_key.sign(data)
+
+    def sign_message(self, *, run_id: str, round: int, kind: str, payload: bytes) -> envelope_pb2.SignedMessage:
+        """Wrap ``payload`` in a signed envelope bound to run, round, kind, now and a fresh nonce."""
+        env = envelope_pb2.Envelope(
+            run_id=run_id,
+            round=round,
+            sender=bytes(self.peer_id),
+            public_key=self.public_key_bytes,
+            timestamp=time.time(),
+            nonce=secrets.token_bytes(NONCE_BYTES),
+            payload_sha256=hashlib.sha256(payload).digest(),
+            kind=kind,
+        )
+        env.signature = self.sign(canonical_header(env))
+        return envelope_pb2.SignedMessage(envelope=env, payload=payload)
+
+
+def verify_signature(public_key: bytes, signature: bytes, data: bytes) -> bool:
+    """True when ``signature`` is a valid Ed25519 signature of ``data`` by ``public_key`` (raw 32 bytes)."""
+    try:
+        Ed25519PublicKey.from_public_bytes(public_key).verify(signature, data)
+        return True
+    except (InvalidSignature, ValueError):
+        return False
+
+
+def _lp(b: bytes) -> bytes:
+    return struct.pack("<I", len(b)) + b
+
+
+def canonical_header(env: envelope_pb2.Envelope) -> bytes:
+    """The exact bytes an envelope signature covers (length-prefixed fields, little-endian numbers).
+
+    Independent of protobuf serialization, which is not canonical.
+    """
+    return b"".join(
+        [
+            _DOMAIN,
+            _lp(env.run_id.encode()),
+            struct.pack("<Q", env.round),
+            _lp(env.sender),
+            _lp(env.public_key),
+            struct.pack("<d", env.timestamp),
+            _lp(env.nonce),
+            _lp(env.payload_sha256),
+            _lp(env.kind.encode()),
+        ]
+    )
+
+
+class EnvelopeError(Exception):
+    """A message was refused. ``code`` is the gRPC status to answer with, ``reason`` says why."""
+
+    def __init__(self, code: grpc.StatusCode, reason: str):
+        super().__init__(f"{code.name}: {reason}")
+        self.code = code
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class Verified:
+    """What a verified envelope tells: who sent what, for which round, when."""
+
+    sender: PeerID
+    public_key: bytes
+    run_id: str
+    round: int
+    kind: str
+    timestamp: float
+    payload: bytes
+
+
+class Verifier:
+    """Checks signed envelopes; thread-safe.
+
+    Checks, in order (each failure an :class:`EnvelopeError` with the status in brackets):
+    malformed fields [INVALID_ARGUMENT], payload over ``max_payload_bytes`` [RESOURCE_EXHAUSTED],
+    another run id [FAILED_PRECONDITION], wrong kind [INVALID_ARGUMENT], sender != SHA-256(public key)
+    or bad signature [UNAUTHENTICATED], payload hash mismatch (tampered) [DATA_LOSS], timestamp outside
+    ``max_skew_s`` [OUT_OF_RANGE], sender not allowed [PERMISSION_DENIED], nonce already seen
+    [ALREADY_EXISTS]. The nonce is recorded only after every other check passed, so a forged copy
+    cannot burn a legitimate nonce.
+
+    Replay cache: (sender, nonce) pairs, kept for 2 x ``max_skew_s`` (older messages fail the skew
+    check anyway) and at most ``replay_cache_size`` entries (oldest evicted first).
+    """
+
+    def __init__(
+        self,
+        run_id: str,
+        *,
+        max_skew_s: float = 30.0,
+        replay_cache_size: int = 200_000,
+        max_payload_bytes: int = 64 << 20,
+        allow: Optional[Callable[[PeerID], bool]] = None,
+        clock: Callable[[], float] = time.time,
+    ):
+        self.run_id = run_id
+        self.max_skew_s = max_skew_s
+        self.replay_cache_size = replay_cache_size
+        self.max_payload_bytes = max_payload_bytes
+        self.allow = allow
+        self.clock = clock
+        self._seen: "OrderedDict[bytes, float]" = OrderedDict()
+        self._lock = threading.Lock()
+
+    def verify(
+        self,
+        msg: envelope_pb2.SignedMessage,
+        *,
+        kind: Optional[str] = None,
+        max_payload_bytes: Optional[int] = None,
+        check_replay: bool = True,
+    ) -> Verified:
+        """Verify ``msg``; return what it says, or raise EnvelopeError. ``kind`` = expected kind."""
+        env = msg.envelope
+        limit = self.max_payload_bytes if max_payload_bytes is None else max_payload_bytes
+        if not msg.HasField("envelope"):
+            raise EnvelopeError(grpc.StatusCode.INVALID_ARGUMENT, "message has no envelope")
+        if (
+            len(env.public_key) != PUBLIC_KEY_BYTES
+            or len(env.sender) != PEER_ID_BYTES
+            or len(env.nonce) != NONCE_BYTES
+            or len(env.signature) != SIGNATURE_BYTES
+            or len(env.payload_sha256) != 32
+        ):
+            raise EnvelopeError(grpc.StatusCode.INVALID_ARGUMENT, "malformed envelope: a field has the wrong length")
+        if len(msg.payload) > limit:
+            raise EnvelopeError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED, f"payload of {len(msg.payload)} bytes is over the limit of {limit}"
+            )
+        if env.run_id != self.run_id:
+            raise EnvelopeError(
+                grpc.StatusCode.FAILED_PRECONDITION, f"message is for run {env.run_id!r}, this node serves {self.run_id!r}"
+            )
+        if kind is not None and env.kind != kind:
+            raise EnvelopeError(grpc.StatusCode.INVALID_ARGUMENT, f"envelope kind {env.kind!r} does not match {kind!r}")
+        if PeerID.from_public_key(env.public_key) != env.sender:
+            raise EnvelopeError(grpc.StatusCode.UNAUTHENTICATED, "sender PeerID does not match its public key")
+        if not verify_signature(env.public_key, env.signature, canonical_header(env)):
+            raise EnvelopeError(grpc.StatusCode.UNAUTHENTICATED, "bad signature")
+        if hashlib.sha256(msg.payload).digest() != env.payload_sha256:
+            raise EnvelopeError(grpc.StatusCode.DATA_LOSS, "payload does not match its signed SHA-256 (tampered)")
+        now = self.clock()
+        if abs(now - env.timestamp) > self.max_skew_s:
+            raise EnvelopeError(
+                grpc.StatusCode.OUT_OF_RANGE,
+                f"timestamp is {env.timestamp - now:+.1f}s from this node's clock (allowed ±{self.max_skew_s:.0f}s)",
+            )
+        sender = PeerID(env.sender)
+        if self.allow is not None and not self.allow(sender):
+            raise EnvelopeError(grpc.StatusCode.PERMISSION_DENIED, f"sender {sender.short()} is not allowed")
+        if check_replay:
+            self._check_nonce(env.sender + env.nonce, now)
+        return Verified(sender, bytes(env.public_key), env.run_id, env.round, env.kind, env.timestamp, msg.payload)
+
+    def _check_nonce(self, key: bytes, now: float) -> None:
+        with self._lock:
+            horizon = now - 2 * self.max_skew_s
+            while self._seen:
+                oldest_key, t = next(iter(self._seen.items()))
+                if t >= horizon and len(self._seen) < self.replay_cache_size:
+                    break
+                self._seen.popitem(last=False)
+            if key in self._seen:
+                raise EnvelopeError(grpc.StatusCode.ALREADY_EXISTS, "nonce already seen (replayed message)")
+            self._seen[key] = now
+
+
+def allow_list(public_keys_or_ids: Iterable[str]) -> Callable[[PeerID], bool]:
+    """An ``allow`` callback for :class:`Verifier` from base58 PeerIDs (private runs)."""
+    allowed = {PeerID.from_string(s) for s in public_keys_or_ids}
+    return lambda pid: pid in allowed

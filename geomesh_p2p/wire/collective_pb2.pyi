@@ -1,0 +1,105 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class PushPartRequest(_message.Message):
+    __slots__ = ("round", "part", "start", "end", "packet")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    PART_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    PACKET_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    part: int
+    start: int
+    end: int
+    packet: bytes
+    def __init__(self, round: _Optional[int] = ..., part: _Optional[int] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., packet: _Optional[bytes] = ...) -> None: ...
+
+class PushPartResponse(_message.Message):
+    __slots__ = ("accepted", "reason")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    accepted: bool
+    reason: str
+    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class PullPartRequest(_message.Message):
+    __slots__ = ("round", "part", "wait_s")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    PART_FIELD_NUMBER: _ClassVar[int]
+    WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    part: int
+    wait_s: float
+    def __init__(self, round: _Optional[int] = ..., part: _Optional[int] = ..., wait_s: _Optional[float] = ...) -> None: ...
+
+class Contribution(_message.Message):
+    __slots__ = ("signed_message",)
+    SIGNED_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    signed_message: bytes
+    def __init__(self, signed_message: _Optional[bytes] = ...) -> None: ...
+
+class PullPartResponse(_message.Message):
+    __slots__ = ("round", "part", "ready", "contributors", "tokens", "contributions", "aggregate", "mode")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    PART_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
+    CONTRIBUTORS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CONTRIBUTIONS_FIELD_NUMBER: _ClassVar[int]
+    AGGREGATE_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    part: int
+    ready: bool
+    contributors: _containers.RepeatedScalarFieldContainer[bytes]
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    contributions: _containers.RepeatedCompositeFieldContainer[Contribution]
+    aggregate: bytes
+    mode: str
+    def __init__(self, round: _Optional[int] = ..., part: _Optional[int] = ..., ready: _Optional[bool] = ..., contributors: _Optional[_Iterable[bytes]] = ..., tokens: _Optional[_Iterable[int]] = ..., contributions: _Optional[_Iterable[_Union[Contribution, _Mapping]]] = ..., aggregate: _Optional[bytes] = ..., mode: _Optional[str] = ...) -> None: ...
+
+class StateRequest(_message.Message):
+    __slots__ = ("round", "offset", "length")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    offset: int
+    length: int
+    def __init__(self, round: _Optional[int] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
+
+class StateChunk(_message.Message):
+    __slots__ = ("round", "digest", "total_bytes", "offset", "data")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    digest: str
+    total_bytes: int
+    offset: int
+    data: bytes
+    def __init__(self, round: _Optional[int] = ..., digest: _Optional[str] = ..., total_bytes: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StatusResponse(_message.Message):
+    __slots__ = ("round", "digest", "peer_id", "record")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    RECORD_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    digest: str
+    peer_id: str
+    record: bytes
+    def __init__(self, round: _Optional[int] = ..., digest: _Optional[str] = ..., peer_id: _Optional[str] = ..., record: _Optional[bytes] = ...) -> None: ...

@@ -1,0 +1,89 @@
+"""Identity: key files (mode 0600, refused when others can read them), PeerIDs, envelopes."""
+
+from __future__ import annotations
+
+import os
+import stat
+import time
+
+import grpc
+import pytest
+
+from geomesh_p2p.identity import EnvelopeError, Identity, IdentityError, PeerID, Verifier, canonical_header
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def test_key_file_created_0600_and_reused(tmp_path):
+    path = tmp_path / "sub" / "node.key"
+    a = Identity.load_or_create(path)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert path.stat().st_size == 32
+    b = Identity.load_or_create(path)
+    assert a.peer_id == b.peer_id
+    assert len(bytes(a.peer_id)) == 32
+    assert PeerID.from_string(str(a.peer_id)) == a.peer_id
+    assert str(a.peer_id).startswith(a.peer_id.short()) and len(a.peer_id.short()) == 10
+
+
+def test_key_readable_by_others_refused_with_fix(tmp_path):
+    path = tmp_path / "node.key"
+    Identity.load_or_create(path)
+    os.chmod(path, 0o644)
+    with pytest.raises(IdentityError) as ei:
+        Identity.load_or_create(path)
+    assert f"chmod 600 {path}" in str(ei.value)
+    assert "\n" not in str(ei.value)
+
+
+def test_corrupt_key_and_bad_paths(tmp_path):
+    bad = tmp_path / "bad.key"
+    bad.write_bytes(b"not a key")
+    os.chmod(bad, 0o600)
+    with pytest.raises(IdentityError, match="corrupt: expected a 32-byte Ed25519 key, found 9 bytes"):
+        Identity.load_or_create(bad)
+    with pytest.raises(IdentityError, match="is a folder"):
+        Identity.load_or_create(tmp_path)
+
+
+def test_envelope_binds_every_field():
+    ident = Identity.generate()
+    v = Verifier("run", max_skew_s=10)
+    msg = ident.sign_message(run_id="run", round=3, kind="k", payload=b"p")
+    ok = v.verify(msg, kind="k", check_replay=False)
+    assert (ok.sender, ok.round, ok.payload, ok.kind) == (ident.peer_id, 3, b"p", "k")
+    # Any change to a signed header field breaks the signature.
+    for field, value in [("round", 4), ("kind", "k2"), ("timestamp", msg.envelope.timestamp + 1),
+                         ("nonce", os.urandom(16))]:
+        m = type(msg)()
+        m.CopyFrom(msg)
+        setattr(m.envelope, field, value)
+        with pytest.raises(EnvelopeError) as ei:
+            v.verify(m, check_replay=False)
+        assert ei.value.code == grpc.StatusCode.UNAUTHENTICATED, field
+
+
+def test_replay_cache_is_bounded_and_expires():
+    now = [1000.0]
+    v = Verifier("run", max_skew_s=5, replay_cache_size=3, clock=lambda: now[0])
+    ident = Identity.generate()
+    msgs = []
+    for _ in range(5):
+        m = ident.sign_message(run_id="run", round=0, kind="k", payload=b"")
+        m.envelope.timestamp = now[0]
+        m.envelope.signature = ident.sign(canonical_header(m.envelope))
+        msgs.append(m)
+        v.verify(m)
+    assert len(v._seen) == 3  # bounded
+    with pytest.raises(EnvelopeError) as ei:
+        v.verify(msgs[-1])
+    assert ei.value.code == grpc.StatusCode.ALREADY_EXISTS
+    now[0] += 11  # past 2 x skew: entries expire, and the old message fails the skew check instead
+    with pytest.raises(EnvelopeError) as ei:
+        v.verify(msgs[-1])
+    assert ei.value.code == grpc.StatusCode.OUT_OF_RANGE
+    fresh = ident.sign_message(run_id="run", round=0, kind="k", payload=b"")
+    fresh.envelope.timestamp = now[0]
+    fresh.envelope.signature = ident.sign(canonical_header(fresh.envelope))
+    v.verify(fresh)
+    assert len(v._seen) == 1  # the expired entries were pruned

@@ -1,0 +1,219 @@
+"""Signed envelopes over gRPC: every kind of bad request is refused with its own status, and the
+server keeps serving the next valid call."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+
+import grpc
+import pytest
+
+from geomesh_p2p.identity import Identity, canonical_header
+from geomesh_p2p.transport import DHT_PING, DHT_STORE, RpcError, Transport, TransportConfig, current_request
+from geomesh_p2p.wire import envelope_pb2
+
+pytestmark = pytest.mark.timeout(60)
+
+RUN = "test-run"
+
+
+async def _echo(verified, context) -> bytes:
+    assert current_request() is verified
+    return b"echo:" + verified.payload
+
+
+@pytest.fixture
+async def pair():
+    """A server (echo on Ping, limit 1 KiB on Store) and a client transport; both stopped on teardown."""
+    server_id, client_id = Identity.generate(), Identity.generate()
+    server = Transport(server_id, RUN, TransportConfig(max_skew_s=5.0))
+    server.add_unary(DHT_PING, _echo)
+    server.add_unary(DHT_STORE, _echo, max_payload_bytes=1024)
+    address = await server.start()
+    client = Transport(client_id, RUN, TransportConfig(client_only=True))
+    try:
+        yield server, client, address
+    finally:
+        await client.stop()
+        await server.stop()
+
+
+async def _raw_call(address: str, msg: envelope_pb2.SignedMessage, method: str = DHT_PING):
+    async with grpc.aio.insecure_channel(address) as ch:
+        mc = ch.unary_unary(method, request_serializer=envelope_pb2.SignedMessage.SerializeToString,
+                            response_deserializer=envelope_pb2.SignedMessage.FromString)
+        return await mc(msg, timeout=5)
+
+
+def _resign(identity: Identity, msg: envelope_pb2.SignedMessage) -> None:
+    msg.envelope.signature = identity.sign(canonical_header(msg.envelope))
+
+
+async def test_valid_call_round_trip_is_signed_by_server(pair):
+    server, client, address = pair
+    reply = await client.call(address, DHT_PING, b"hello", round=7)
+    assert reply.payload == b"echo:hello"
+    assert reply.sender == server.identity.peer_id
+    assert reply.round == 7
+    assert reply.kind == DHT_PING + "+resp"
+    assert client.stats.bytes_sent > 5 and client.stats.bytes_received > 10
+
+
+def _fresh(client: Transport, payload: bytes = b"x", kind: str = DHT_PING, run: str = RUN):
+    return client.identity.sign_message(run_id=run, round=1, kind=kind, payload=payload)
+
+
+def _bad_signature(c):
+    m = _fresh(c)
+    m.envelope.signature = bytes(64)
+    return m
+
+
+def _tampered(c):
+    m = _fresh(c, b"original")
+    m.payload = b"tampered"
+    return m
+
+
+def _other_run(c):
+    return _fresh(c, run="another-run")
+
+
+def _skewed(c):
+    m = _fresh(c)
+    m.envelope.timestamp = time.time() - 3600
+    _resign(c.identity, m)
+    return m
+
+
+def _too_big(c):
+    return _fresh(c, b"z" * 2048, kind=DHT_STORE)
+
+
+def _impersonation(c):
+    m = _fresh(c)
+    m.envelope.sender = hashlib.sha256(b"someone else").digest()
+    _resign(c.identity, m)
+    return m
+
+
+def _wrong_kind(c):
+    return _fresh(c, kind=DHT_STORE)  # signed for Store, sent to Ping
+
+
+def _malformed(c):
+    m = _fresh(c)
+    m.envelope.nonce = b"short"
+    return m
+
+
+@pytest.mark.parametrize(
+    "make, method, code, reason",
+    [
+        (_bad_signature, DHT_PING, grpc.StatusCode.UNAUTHENTICATED, "bad signature"),
+        (_tampered, DHT_PING, grpc.StatusCode.DATA_LOSS, "tampered"),
+        (_other_run, DHT_PING, grpc.StatusCode.FAILED_PRECONDITION, "another-run"),
+        (_skewed, DHT_PING, grpc.StatusCode.OUT_OF_RANGE, "timestamp"),
+        (_too_big, DHT_STORE, grpc.StatusCode.RESOURCE_EXHAUSTED, "over the limit of 1024"),
+        (_impersonation, DHT_PING, grpc.StatusCode.UNAUTHENTICATED, "does not match its public key"),
+        (_wrong_kind, DHT_PING, grpc.StatusCode.INVALID_ARGUMENT, "kind"),
+        (_malformed, DHT_PING, grpc.StatusCode.INVALID_ARGUMENT, "malformed"),
+    ],
+)
+async def test_bad_requests_refused_and_server_keeps_serving(pair, make, method, code, reason):
+    server, client, address = pair
+    with pytest.raises(grpc.aio.AioRpcError) as ei:
+        await _raw_call(address, make(client), method)
+    assert ei.value.code() == code
+    assert reason in ei.value.details()
+    assert server.stats.rejected >= 1
+    reply = await client.call(address, DHT_PING, b"next")
+    assert reply.payload == b"echo:next"
+
+
+async def test_replayed_nonce_refused(pair):
+    server, client, address = pair
+    msg = _fresh(client, b"once")
+    assert (await _raw_call(address, msg)).payload == b"echo:once"
+    with pytest.raises(grpc.aio.AioRpcError) as ei:
+        await _raw_call(address, msg)
+    assert ei.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    assert "nonce already seen" in ei.value.details()
+    assert (await client.call(address, DHT_PING, b"after")).payload == b"echo:after"
+
+
+async def test_sender_not_in_allow_list_refused():
+    banned, ok = Identity.generate(), Identity.generate()
+    server = Transport(Identity.generate(), RUN, allow=lambda pid: pid != banned.peer_id)
+    server.add_unary(DHT_PING, _echo)
+    address = await server.start()
+    clients = [Transport(i, RUN, TransportConfig(client_only=True)) for i in (banned, ok)]
+    try:
+        with pytest.raises(RpcError) as ei:
+            await clients[0].call(address, DHT_PING, b"x")
+        assert ei.value.code == grpc.StatusCode.PERMISSION_DENIED
+        assert banned.peer_id.short() in ei.value.reason
+        assert (await clients[1].call(address, DHT_PING, b"y")).payload == b"echo:y"
+    finally:
+        for c in clients:
+            await c.stop()
+        await server.stop()
+
+
+async def test_deadline_is_enforced_and_reported():
+    async def slow(verified, context):
+        await asyncio.sleep(5)
+        return b""
+
+    server = Transport(Identity.generate(), RUN)
+    server.add_unary(DHT_PING, slow)
+    address = await server.start()
+    client = Transport(Identity.generate(), RUN, TransportConfig(client_only=True))
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(RpcError) as ei:
+            await client.call(address, DHT_PING, b"", timeout=0.3)
+        assert ei.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert time.monotonic() - t0 < 3
+    finally:
+        await client.stop()
+        await server.stop(grace=0)
+
+
+async def test_unreachable_peer_is_an_rpc_error():
+    client = Transport(Identity.generate(), RUN, TransportConfig(client_only=True))
+    try:
+        with pytest.raises(RpcError) as ei:
+            await client.call("127.0.0.1:1", DHT_PING, b"", timeout=2)
+        assert ei.value.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+    finally:
+        await client.stop()
+
+
+async def test_forged_reply_is_refused_by_client(pair):
+    """A server that signs its reply for another run: the client refuses the reply."""
+    server, client, address = pair
+    evil = Transport(Identity.generate(), "other-run")
+    evil.add_unary(DHT_PING, _echo)
+    evil.verifier.run_id = RUN  # accepts our request, but signs replies for "other-run"
+    evil_addr = await evil.start()
+    try:
+        with pytest.raises(RpcError) as ei:
+            await client.call(evil_addr, DHT_PING, b"x")
+        assert "reply refused" in ei.value.reason
+    finally:
+        await evil.stop()
+
+
+async def test_stop_leaves_no_task_behind():
+    t = Transport(Identity.generate(), RUN)
+    t.add_unary(DHT_PING, _echo)
+    await t.start()
+    ev = asyncio.Event()
+    task = t.tasks.spawn(ev.wait(), name="waiter")
+    assert len(t.tasks) == 1
+    await t.stop()
+    assert len(t.tasks) == 0
+    assert task.cancelled()
