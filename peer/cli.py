@@ -1,0 +1,100 @@
+"""``geomesh-peer``: join a GeoMesh swarm as a volunteer, run a local demo swarm, or manage identity.
+
+Subcommands:
+  identity   create or show this node's Ed25519 key and print its PeerID
+  join       train with a swarm reached through one or more bootstrap nodes
+  demo       a whole swarm on this machine (bootstrap + N peers as OS processes)
+  profile    measure this device (memory, tokens/s per batch size) and print it
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from geomesh_p2p import __version__
+
+DEFAULT_IDENTITY = "~/.geomesh/identity.key"
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", metavar="FILE", help="YAML/JSON file of option values (flags on the command line win)")
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="log verbosity (default: %(default)s)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="geomesh-peer",
+        description="GeoMesh-P2P volunteer node: adaptive workload balancing + sign-compressed DiLoCo over gRPC.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n", 2)[2],
+    )
+    ap.add_argument("--version", action="version", version=f"geomesh-peer {__version__}")
+    sub = ap.add_subparsers(dest="command", metavar="COMMAND")
+
+    ident = sub.add_parser("identity", help="create or show this node's key and PeerID")
+    ident.add_argument("--identity", default=DEFAULT_IDENTITY, metavar="PATH",
+                       help="Ed25519 key file, created with mode 0600 if absent (default: %(default)s)")
+    _add_common(ident)
+
+    try:
+        from peer import node_cli  # the training node (join / demo / profile)
+    except ImportError:
+        node_cli = None
+    if node_cli is not None:
+        node_cli.add_subcommands(sub, _add_common)
+    else:
+        for name, text in [("join", "train with a swarm (not built yet)"), ("demo", "local demo swarm (not built yet)")]:
+            sp = sub.add_parser(name, help=text)
+            _add_common(sp)
+    return ap
+
+
+def cmd_identity(ns: argparse.Namespace) -> int:
+    from geomesh_p2p.identity import Identity, IdentityError
+
+    try:
+        ident = Identity.load_or_create(ns.identity)
+    except IdentityError as e:
+        print(f"geomesh-peer: {e}", file=sys.stderr)
+        return 2
+    print(f"PeerID: {ident.peer_id}")
+    print(f"short:  {ident.peer_id.short()}")
+    print(f"key:    {ns.identity}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from peer.config import ConfigFileError, load_config_defaults
+
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    if ns.command is None:
+        parser.print_help()
+        return 0
+    # Config file values become defaults of the chosen subcommand; explicit flags still win.
+    if getattr(ns, "config", None):
+        sub = parser._subparsers._group_actions[0].choices[ns.command]
+        try:
+            sub.set_defaults(**load_config_defaults(sub, ns.config))
+        except ConfigFileError as e:
+            print(f"geomesh-peer: {e}", file=sys.stderr)
+            return 2
+        ns = parser.parse_args(argv)
+    logging.basicConfig(level=getattr(ns, "log_level", "INFO"),
+                        format="%(asctime)s %(levelname).1s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    if ns.command == "identity":
+        return cmd_identity(ns)
+    handler = getattr(ns, "handler", None)
+    if handler is None:
+        print(f"geomesh-peer {ns.command}: not available yet in this build; see README.md", file=sys.stderr)
+        return 0
+    try:
+        return handler(ns)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
