@@ -24,6 +24,11 @@ Usage::
     python scripts/make_corpus.py --deb-dir DIR   # uses DIR/bible-kjv-text_*.deb, DIR/bible-kjv_*.deb
     python scripts/make_corpus.py --raw dump.txt  # uses an existing `bible ... Gen1:1-Rev22:21` dump
 
+It also trains the default byte-level BPE tokenizer (vocab 4096) on the result and
+writes it next to the corpus as ``tokenizer-<key>.json`` (see
+``geomesh_p2p/data/tokenizer.py``), so peers never train it at start-up and all use
+byte-identical merges.
+
 Checks done before writing: 66 books, 1189 chapters, 31102 verses, no digit left in
 the text. Prints the SHA-256 of the plain text (recorded in docs/data.md).
 """
@@ -129,6 +134,12 @@ def main(argv: list[str] | None = None) -> int:
     tmp = out.with_name(out.name + ".tmp")
     tmp.write_bytes(xz)
     os.replace(tmp, out)
+    sys.path.insert(0, str(REPO))
+    from geomesh_p2p.data.tokenizer import tokenizer_key, train_tokenizer
+    tok = train_tokenizer(text, 4096)
+    tok_path = out.parent / f"tokenizer-{tokenizer_key(text, 4096)}.json"
+    tok_path.write_text(tok.to_str(), encoding="utf-8")
+    print(f"make_corpus: tokenizer -> {tok_path}")
     print(f"make_corpus: {stats}; {len(data)} bytes plain, sha256 {hashlib.sha256(data).hexdigest()}; "
           f"{len(xz)} bytes xz -> {out}")
     return 0
