@@ -1,0 +1,706 @@
+"""Round planning: adaptive workload balancing (AWB) and the uniform DiLoCo baseline.
+
+AWB is the "adaptive workload balancing" half of GeoMesh (arXiv 2609.18388, "GeoMesh:
+Workload-Balanced and Sign-Compressed Geo-Distributed LLM Training"); DESIGN.md, "Round r", step 2.
+The round leader turns the members' announced :class:`~geomesh_p2p.records.PeerRecord` s into a
+:class:`RoundPlan`: per peer a batch size and a number of inner steps such that every peer's
+compute plus its own communication fills the same sync window ``T``, so that fast GPUs do more
+useful work instead of idling at the barrier. Everything here is a pure, deterministic function
+of its inputs (no clock, no I/O, no randomness): the same records and config give the same plan
+bytes whatever the order of the records.
+
+The model (units: sequences, tokens, seconds, bytes, bytes/s)
+--------------------------------------------------------------
+For each peer ``i`` (records sorted by ``peer_id``):
+
+* **Micro-batch** ``m_i``: the measured batch size with the highest tokens/s among those that fit
+  in memory (``<= max_batch``); ties go to the larger batch. With no measured batch that fits,
+  ``m_i = max_batch`` with interpolated throughput (see :func:`interpolate_tokens_per_s`).
+* **Batch per inner step** ``b_i = m_i * a_i`` with ``a_i = ceil(target_batch / m_i)`` gradient
+  accumulation steps: ``target_batch`` is a floor on the sequences per optimizer step (micro-batched
+  when it does not fit or when a smaller micro-batch is faster); a peer whose best micro-batch is
+  larger than ``target_batch`` uses it whole (the paper's "batch that fits its memory").
+* **Step time** ``s_i = b_i * seq_len / tps_i(m_i)`` seconds.
+* **Communication time** ``c_i = 2 * latency_s + payload_bytes / upload_bps_i +
+  payload_bytes / download_bps_i``. The sum, not the max: the collective has two *sequential*
+  phases (push the parts to their owners, then pull the aggregates, which exist only once every
+  contribution to a part has arrived), the first bound by the upload link and the second by the
+  download link, each paying one request latency. Overlap of the two directions happens only on
+  the owners' side and is already counted by the caller in ``payload_bytes``.
+* **Window** ``T``:
+
+  - ``target_tokens_per_round`` set: the smallest ``T`` at which the planned budgets sum to at least
+    the target (``window_s``, if also set, caps it);
+  - else ``window_s`` set: that window;
+  - else ``T = max_i c_i / comm_share`` (communication over the slowest link is ``comm_share`` of
+    the round);
+
+  and always ``T >= max_i (c_i + min_inner_steps * s_i)`` so that the slowest peer fits its minimum
+  number of steps (an explicit ``window_s`` that is too short is stretched). Whole steps leave each
+  peer up to one step of slack; the planner then moves ``T`` within ``window_slack`` of that value
+  (never above an explicit ``window_s``) to the candidate that minimises the largest idle fraction.
+  Candidates are the instants where some peer finishes a whole step, so the last finisher ends
+  exactly at ``T``.
+* **Inner steps** ``H_i = clip(floor((T - c_i) / s_i), min_inner_steps, max_inner_steps)``, token
+  budget ``b_i * seq_len * H_i``, predicted idle ``idle_i = T - (H_i * s_i + c_i)`` and straggler
+  idle fraction ``idle_i / T``. Unclipped, ``0 <= idle_i < s_i``.
+
+The uniform plan (:func:`plan_uniform`, the DiLoCo baseline) gives every peer the same micro-batch
+``min(target_batch, min_i max_batch_i)``, the same batch and the same ``H = uniform_inner_steps``;
+``T`` is set by the slowest peer, so faster peers idle for the difference. Its partition is equal
+parts among the peers that accept connections.
+
+The collective partition (:func:`partition`) gives contiguous parts of the flat parameter vector to
+the peers that accept connections, sized by bandwidth with hivemind's ``load_balance_peers`` (the
+butterfly all-reduce LP: an owner of a fraction ``f`` moves ``(1 + (N - 2) f)`` vectors); client-only
+peers own nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import warnings
+from typing import Callable, Literal, Mapping, Optional, Sequence
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from geomesh_p2p.records import PeerRecord
+
+logger = logging.getLogger(__name__)
+
+PLAN_SCHEMA_VERSION = 1
+
+Method = Literal["geomesh", "awb", "diloco", "css", "ddp"]
+Mode = Literal["relay", "reencode"]
+
+#: methods planned with AWB; the others get the uniform plan (ddp with one inner step per round)
+BALANCED_METHODS = frozenset({"geomesh", "awb"})
+
+_STEP_EPS = 1e-9  # relative slack so that T = c + k*s computed in floats still yields k steps
+_MAX_BREAKPOINTS_PER_PEER = 1000
+
+
+# --------------------------------------------------------------------------------------------
+# schemas
+
+
+class PlanConfig(BaseModel):
+    """What the leader needs besides the peers' records to plan a round (shared by the run).
+
+    Units: sequences for batches, tokens, seconds, bytes. Raises ``pydantic.ValidationError`` (a
+    ``ValueError``) on out-of-range values.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    seq_len: int = Field(ge=1, description="tokens per sequence")
+    target_batch: int = Field(
+        ge=1, description="desired sequences per inner step (a floor; micro-batched when it does not fit)"
+    )
+    target_tokens_per_round: Optional[int] = Field(
+        default=None, ge=1, description="tokens the whole group should train per round; None: derive from the window"
+    )
+    window_s: Optional[float] = Field(
+        default=None, gt=0, description="sync window T, seconds; None: T such that comm is comm_share of it"
+    )
+    comm_share: float = Field(default=0.1, gt=0, le=1, description="target fraction of the window spent communicating")
+    min_inner_steps: int = Field(default=1, ge=1)
+    max_inner_steps: int = Field(default=500, ge=1)
+    payload_bytes: int = Field(
+        ge=0, description="bytes one peer sends and (again) receives per round in the collective"
+    )
+    latency_s: float = Field(default=0.05, ge=0, description="one request's latency, seconds (paid once per phase)")
+    exchange_timeout_s: float = Field(
+        default=30.0, gt=0, description="seconds after the training deadline by which the collective must finish"
+    )
+    mode: Mode = "reencode"
+    method: Method = "geomesh"
+    uniform_inner_steps: int = Field(default=20, ge=1, description="H for the uniform (DiLoCo) plan")
+    window_slack: float = Field(
+        default=0.05, ge=0, le=0.5, description="relative room the AWB planner has to move T to cut straggler idle"
+    )
+    part_align: int = Field(default=1, ge=1, description="partition parts are multiples of this many elements")
+
+    @model_validator(mode="after")
+    def _steps_range(self) -> "PlanConfig":
+        if self.max_inner_steps < self.min_inner_steps:
+            raise ValueError(
+                f"max_inner_steps={self.max_inner_steps} is below min_inner_steps={self.min_inner_steps}"
+            )
+        return self
+
+
+class PeerAssignment(BaseModel):
+    """One peer's share of a round. Units: sequences, tokens, elements, seconds.
+
+    ``batch_size`` sequences per inner (optimizer) step, run as ``accum_steps`` forward/backward
+    passes of ``micro_batch`` sequences; ``token_budget = batch_size * seq_len * inner_steps``.
+    ``[part_start, part_end)`` is the slice of the flat parameter vector this peer owns in the
+    collective (empty for client-only peers). ``predicted_*`` are the planner's expectations.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    peer_id: str = Field(min_length=1)
+    batch_size: int = Field(ge=1)
+    micro_batch: int = Field(ge=1)
+    accum_steps: int = Field(ge=1)
+    inner_steps: int = Field(ge=0)
+    token_budget: int = Field(ge=0)
+    part_start: int = Field(ge=0)
+    part_end: int = Field(ge=0)
+    predicted_compute_s: float = Field(ge=0)
+    predicted_comm_s: float = Field(ge=0)
+    predicted_idle_s: float = Field(ge=0)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "PeerAssignment":
+        if self.micro_batch * self.accum_steps != self.batch_size:
+            raise ValueError(
+                f"peer {self.peer_id}: batch_size={self.batch_size} != micro_batch={self.micro_batch}"
+                f" * accum_steps={self.accum_steps}"
+            )
+        if self.part_end < self.part_start:
+            raise ValueError(f"peer {self.peer_id}: part_end={self.part_end} < part_start={self.part_start}")
+        return self
+
+    @property
+    def owns_part(self) -> bool:
+        return self.part_end > self.part_start
+
+
+class RoundPlan(BaseModel):
+    """The leader's plan for one round, stored (signed) under ``<run>/plan/<r>``. JSON on the wire.
+
+    Times are unix seconds (``train_deadline``: hard stop for inner steps, ``= start + window_s``;
+    each peer is planned to stop ``predicted_comm_s`` earlier; ``exchange_deadline``: the collective
+    must be over). ``numel``: elements of the flat parameter vector; the owners' parts tile
+    ``[0, numel)``. ``from_bytes`` raises ``pydantic.ValidationError`` on malformed or inconsistent
+    input (unsorted or duplicate peers, budgets that do not match, parts that overlap or leave gaps).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    schema_version: int = PLAN_SCHEMA_VERSION
+    run_id: str
+    round: int = Field(ge=0)
+    leader: str
+    method: Method
+    mode: Mode
+    numel: int = Field(ge=0)
+    seq_len: int = Field(ge=1)
+    window_s: float = Field(gt=0)
+    train_deadline: float
+    exchange_deadline: float
+    start_digest: Optional[str] = None
+    created_at: float
+    assignments: list[PeerAssignment] = Field(min_length=1)
+
+    @field_validator("schema_version")
+    @classmethod
+    def _known_version(cls, v: int) -> int:
+        if v != PLAN_SCHEMA_VERSION:
+            raise ValueError(f"plan schema_version {v} is not the supported {PLAN_SCHEMA_VERSION}")
+        return v
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "RoundPlan":
+        ids = [a.peer_id for a in self.assignments]
+        if any(a >= b for a, b in zip(ids, ids[1:])):
+            raise ValueError("assignments must be sorted by peer_id without duplicates")
+        if self.exchange_deadline < self.train_deadline:
+            raise ValueError(
+                f"exchange_deadline={self.exchange_deadline} is before train_deadline={self.train_deadline}"
+            )
+        for a in self.assignments:
+            if a.token_budget != a.batch_size * self.seq_len * a.inner_steps:
+                raise ValueError(
+                    f"peer {a.peer_id}: token_budget={a.token_budget} != batch_size*seq_len*inner_steps"
+                    f" = {a.batch_size * self.seq_len * a.inner_steps}"
+                )
+            if a.part_end > self.numel:
+                raise ValueError(f"peer {a.peer_id}: part_end={a.part_end} beyond numel={self.numel}")
+        pos = 0
+        for pid, start, end in sorted(self.owners(), key=lambda o: o[1]):
+            if start != pos:
+                raise ValueError(f"peer {pid}: part starts at {start}, expected {pos} (gap or overlap)")
+            pos = end
+        if pos != self.numel:
+            raise ValueError(f"parts cover [0, {pos}) but numel={self.numel}")
+        return self
+
+    # helpers -------------------------------------------------------------------------------
+    def participants(self) -> list[str]:
+        """PeerIDs in the round, sorted."""
+        return [a.peer_id for a in self.assignments]
+
+    def assignment(self, peer_id: str) -> PeerAssignment:
+        """This peer's assignment; raises KeyError when it is not in the plan."""
+        for a in self.assignments:
+            if a.peer_id == peer_id:
+                return a
+        raise KeyError(f"peer {peer_id} is not in the plan for round {self.round}")
+
+    def owners(self) -> list[tuple[str, int, int]]:
+        """(peer_id, start, end) of every peer owning a non-empty part, in peer_id (= start) order."""
+        return [(a.peer_id, a.part_start, a.part_end) for a in self.assignments if a.owns_part]
+
+    def predicted_straggler_idle(self) -> dict[str, float]:
+        """peer_id -> predicted idle time at the barrier as a fraction of the window (0..1)."""
+        return {a.peer_id: a.predicted_idle_s / self.window_s for a in self.assignments}
+
+    def total_token_budget(self) -> int:
+        """Tokens the whole group is planned to train this round."""
+        return sum(a.token_budget for a in self.assignments)
+
+    def to_bytes(self) -> bytes:
+        """JSON bytes (deterministic for equal plans)."""
+        return self.model_dump_json().encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "RoundPlan":
+        """Parse JSON bytes; raises pydantic.ValidationError on anything malformed."""
+        return cls.model_validate_json(data)
+
+
+# --------------------------------------------------------------------------------------------
+# throughput model
+
+
+def interpolate_tokens_per_s(tokens_per_s: Mapping[int, float], batch: int) -> float:
+    """Training throughput (tokens/s) at ``batch`` sequences from measured ``{batch: tokens/s}``.
+
+    The step time per batch is modelled as affine in the batch size (a fixed cost plus a cost per
+    sequence), so it is interpolated linearly between the nearest measured batch sizes. Below the
+    smallest measured batch the step time is taken as that batch's (pessimistic: throughput scales
+    down with the batch); above the largest, throughput is taken as saturated (step time grows in
+    proportion). Raises ValueError when nothing is measured or ``batch < 1``.
+    """
+    if batch < 1:
+        raise ValueError(f"batch={batch} must be >= 1")
+    if not tokens_per_s:
+        raise ValueError("tokens_per_s is empty: no measured throughput")
+    if batch in tokens_per_s:
+        return float(tokens_per_s[batch])
+    sizes = sorted(tokens_per_s)
+    # u(b) = seconds per step per token of sequence length = b / tps(b)
+    if batch < sizes[0]:
+        return float(tokens_per_s[sizes[0]]) * batch / sizes[0]
+    if batch > sizes[-1]:
+        return float(tokens_per_s[sizes[-1]])
+    hi = next(b for b in sizes if b > batch)
+    lo = max(b for b in sizes if b < batch)
+    u_lo, u_hi = lo / tokens_per_s[lo], hi / tokens_per_s[hi]
+    u = u_lo + (u_hi - u_lo) * (batch - lo) / (hi - lo)
+    return batch / u
+
+
+def _check_records(records: Sequence[PeerRecord]) -> list[PeerRecord]:
+    """Validate what the planner relies on; return the records sorted by peer_id."""
+    if not records:
+        raise ValueError("no peers to plan for")
+    seen: set[str] = set()
+    for r in records:
+        pid = r.peer_id
+        if pid in seen:
+            raise ValueError(f"peer {pid}: duplicate peer_id")
+        seen.add(pid)
+        if not r.tokens_per_s:
+            raise ValueError(f"peer {pid}: tokens_per_s is empty (no measured throughput)")
+        for b, v in r.tokens_per_s.items():
+            if not (b >= 1 and math.isfinite(v) and v > 0):
+                raise ValueError(f"peer {pid}: tokens_per_s[{b}]={v} must be a positive finite throughput")
+        if not (r.max_batch >= 1):
+            raise ValueError(f"peer {pid}: max_batch={r.max_batch} must be >= 1")
+        for field in ("upload_bps", "download_bps"):
+            v = getattr(r, field)
+            if not (math.isfinite(v) and v > 0):
+                raise ValueError(f"peer {pid}: {field}={v} must be a positive finite bandwidth (bytes/s)")
+    return sorted(records, key=lambda r: r.peer_id)
+
+
+def best_micro_batch(record: PeerRecord) -> int:
+    """The measured batch size with the highest tokens/s that fits ``max_batch`` (ties: larger).
+
+    With no measured batch that fits, ``max_batch`` itself (its throughput is interpolated).
+    """
+    fits = {b: v for b, v in record.tokens_per_s.items() if b <= record.max_batch}
+    if not fits:
+        return record.max_batch
+    return max(fits, key=lambda b: (fits[b], b))
+
+
+def comm_time(record: PeerRecord, cfg: PlanConfig) -> float:
+    """Predicted seconds of this peer's collective: ``2*latency + payload/up + payload/down``."""
+    return 2 * cfg.latency_s + cfg.payload_bytes / record.upload_bps + cfg.payload_bytes / record.download_bps
+
+
+class _PeerModel:
+    __slots__ = ("peer_id", "micro", "accum", "batch", "step_s", "comm_s")
+
+    def __init__(self, record: PeerRecord, cfg: PlanConfig, micro: int):
+        self.peer_id = record.peer_id
+        self.micro = micro
+        self.accum = max(1, -(-cfg.target_batch // micro))
+        self.batch = micro * self.accum
+        self.step_s = self.batch * cfg.seq_len / interpolate_tokens_per_s(record.tokens_per_s, micro)
+        self.comm_s = comm_time(record, cfg)
+
+
+def _inner_steps(T: np.ndarray, s: np.ndarray, c: np.ndarray, cfg: PlanConfig) -> np.ndarray:
+    """H = clip(floor((T - c) / s), min, max), broadcasting T against the peers."""
+    raw = np.floor((T - c) / s + _STEP_EPS)
+    return np.clip(raw, cfg.min_inner_steps, cfg.max_inner_steps).astype(np.int64)
+
+
+def _window_for_tokens(s, c, tokens_per_step, T_lo: float, cfg: PlanConfig) -> float:
+    """Smallest T >= T_lo whose planned budgets sum to >= the target (or all peers at max steps)."""
+    target = cfg.target_tokens_per_round
+
+    def tokens(T: float) -> int:
+        return int((_inner_steps(np.float64(T), s, c, cfg) * tokens_per_step).sum())
+
+    T_hi = float(np.max(c + cfg.max_inner_steps * s))
+    if T_hi <= T_lo or tokens(T_lo) >= target:
+        return T_lo
+    if tokens(T_hi) < target:
+        return T_hi
+    lo, hi = T_lo, T_hi  # tokens(lo) < target <= tokens(hi)
+    for _ in range(200):
+        mid = 0.5 * (lo + hi)
+        if mid <= lo or mid >= hi:
+            break
+        if tokens(mid) >= target:
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
+def _choose_window(s: np.ndarray, c: np.ndarray, tokens_per_step: np.ndarray, cfg: PlanConfig) -> float:
+    """The sync window T (seconds) for AWB; see the module docstring."""
+    T_feasible = float(np.max(c + cfg.min_inner_steps * s))
+    slack = cfg.window_slack
+    if cfg.target_tokens_per_round is not None:
+        T_base = _window_for_tokens(s, c, tokens_per_step, T_feasible, cfg)
+        lo, hi = T_base * (1 - slack), T_base * (1 + slack)
+        if cfg.window_s is not None:
+            T_base = min(T_base, cfg.window_s)
+            hi = min(hi, cfg.window_s)
+            lo = min(lo, hi)
+    elif cfg.window_s is not None:
+        T_base = cfg.window_s
+        lo, hi = T_base * (1 - slack), T_base
+    else:
+        T_base = float(np.max(c)) / cfg.comm_share
+        lo, hi = T_base * (1 - slack), T_base * (1 + slack)
+    lo = max(lo, T_feasible)
+    hi = max(hi, lo)
+    T_base = min(max(T_base, lo), hi)
+    if hi == lo:
+        return lo
+
+    # candidate windows: the instants at which some peer completes a whole step, within [lo, hi]
+    cands = [lo, hi, T_base]
+    for s_i, c_i in zip(s, c):
+        k_lo = max(math.ceil((lo - c_i) / s_i), cfg.min_inner_steps)
+        k_hi = min(math.floor((hi - c_i) / s_i), cfg.max_inner_steps)
+        if k_hi < k_lo or k_hi - k_lo > _MAX_BREAKPOINTS_PER_PEER:
+            continue  # none in range, or so many that this peer's idle is negligible anyway
+        cands.extend((c_i + np.arange(k_lo, k_hi + 1) * s_i).tolist())
+    Ts = np.unique(np.clip(np.asarray(cands, dtype=np.float64), lo, hi))
+    H = _inner_steps(Ts[:, None], s[None, :], c[None, :], cfg)
+    finish = H * s[None, :] + c[None, :]
+    ok = np.all(finish <= Ts[:, None] * (1 + 1e-9), axis=1)
+    worst = np.max((Ts[:, None] - finish) / Ts[:, None], axis=1)
+    worst = np.where(ok, worst, np.inf)
+    best = float(np.min(worst))
+    if not math.isfinite(best):
+        return T_base
+    # among the (near-)best, prefer the one closest to the base window, then the shorter
+    pick = min(
+        (i for i in range(len(Ts)) if worst[i] <= best + 1e-12),
+        key=lambda i: (abs(Ts[i] - T_base), Ts[i]),
+    )
+    return float(Ts[pick])
+
+
+# --------------------------------------------------------------------------------------------
+# partition
+
+
+_load_balance_peers: Optional[Callable] = None
+
+
+def _hivemind_load_balance(vector_size: int, bandwidths: list[float], min_size: int) -> tuple[int, ...]:
+    global _load_balance_peers
+    if _load_balance_peers is None:  # importing hivemind takes seconds: only when needed
+        from hivemind.averaging.load_balancing import load_balance_peers
+
+        _load_balance_peers = load_balance_peers
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # scipy's "interior-point is deprecated"
+        return tuple(int(x) for x in _load_balance_peers(vector_size, bandwidths, min_size))
+
+
+def _proportional(total: int, weights: list[float]) -> list[int]:
+    """Largest-remainder split of ``total`` in proportion to ``weights`` (deterministic)."""
+    wsum = sum(weights)
+    exact = [total * w / wsum for w in weights]
+    sizes = [int(math.floor(x)) for x in exact]
+    order = sorted(range(len(weights)), key=lambda i: (-(exact[i] - sizes[i]), i))
+    for i in order[: total - sum(sizes)]:
+        sizes[i] += 1
+    return sizes
+
+
+def partition(
+    numel: int, owners: Sequence[PeerRecord], *, align: int = 1, min_size: int = 0, equal: bool = False
+) -> list[tuple[str, int, int]]:
+    """Split ``[0, numel)`` into contiguous parts, one per peer, in peer_id order.
+
+    Peers that accept connections get parts sized by their bandwidth (``min(upload_bps,
+    download_bps)``, bytes/s) with hivemind's ``load_balance_peers`` (which may give a slow peer
+    nothing); client-only peers (``address is None``) get an empty part. ``equal=True`` splits
+    equally among the owners instead (the uniform baseline). Parts are multiples of ``align``
+    elements except the last non-empty one. Returns ``[(peer_id, start, end)]`` for every peer
+    given, sorted by peer_id; the non-empty parts tile ``[0, numel)`` exactly.
+
+    Raises ValueError for ``numel < 0``, no peers, duplicate peer ids, a non-positive bandwidth, or
+    no peer that accepts connections (someone must own the parts).
+    """
+    if numel < 0:
+        raise ValueError(f"numel={numel} must be >= 0")
+    if align < 1:
+        raise ValueError(f"align={align} must be >= 1")
+    if not owners:
+        raise ValueError("no peers to partition among")
+    recs = sorted(owners, key=lambda r: r.peer_id)
+    ids = [r.peer_id for r in recs]
+    if len(set(ids)) != len(ids):
+        raise ValueError("duplicate peer_id in partition input")
+    for r in recs:
+        for field in ("upload_bps", "download_bps"):
+            v = getattr(r, field)
+            if not (math.isfinite(v) and v > 0):
+                raise ValueError(f"peer {r.peer_id}: {field}={v} must be a positive finite bandwidth (bytes/s)")
+    bw = [0.0 if r.client_only else float(min(r.upload_bps, r.download_bps)) for r in recs]
+    n_owners = sum(1 for b in bw if b > 0)
+    if n_owners == 0:
+        raise ValueError("no peer accepts connections (all client-only): nobody can own a part")
+
+    units = -(-numel // align)
+    if units == 0:
+        sizes = [0] * len(recs)
+    elif equal:
+        sizes = _proportional(units, [1.0 if b > 0 else 0.0 for b in bw])
+    elif n_owners == 1:
+        sizes = [units if b > 0 else 0 for b in bw]
+    else:
+        try:
+            sizes = list(_hivemind_load_balance(units, bw, min_size // align if min_size else 0))
+        except Exception as e:  # noqa: BLE001 - a solver failure must not stop the round
+            logger.warning("load_balance_peers failed (%s); splitting in proportion to bandwidth", e)
+            sizes = []
+        if (
+            len(sizes) != len(recs)
+            or sum(sizes) != units
+            or any(x < 0 for x in sizes)
+            or any(x > 0 for x, b in zip(sizes, bw) if b == 0)
+        ):
+            if sizes:
+                logger.warning("load_balance_peers gave an unusable split %s; using bandwidth-proportional", sizes)
+            sizes = _proportional(units, bw)
+
+    sizes = [x * align for x in sizes]
+    excess = sum(sizes) - numel
+    if excess:
+        last = max(i for i, x in enumerate(sizes) if x > 0)
+        sizes[last] -= excess  # excess < align <= sizes[last]
+    out, pos = [], 0
+    for r, size in zip(recs, sizes):
+        out.append((r.peer_id, pos, pos + size))
+        pos += size
+    assert pos == numel
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# plans
+
+
+def _build_plan(
+    recs: list[PeerRecord],
+    models: list[_PeerModel],
+    H: np.ndarray,
+    T: float,
+    parts: list[tuple[str, int, int]],
+    cfg: PlanConfig,
+    *,
+    run_id: str,
+    round: int,
+    leader: str,
+    numel: int,
+    start_time: float,
+    start_digest: Optional[str],
+    created_at: Optional[float],
+) -> RoundPlan:
+    assignments = []
+    for m, h, (pid, start, end) in zip(models, H.tolist(), parts):
+        assert pid == m.peer_id
+        compute = h * m.step_s
+        assignments.append(
+            PeerAssignment(
+                peer_id=pid,
+                batch_size=m.batch,
+                micro_batch=m.micro,
+                accum_steps=m.accum,
+                inner_steps=int(h),
+                token_budget=int(h) * m.batch * cfg.seq_len,
+                part_start=start,
+                part_end=end,
+                predicted_compute_s=compute,
+                predicted_comm_s=m.comm_s,
+                predicted_idle_s=max(0.0, T - compute - m.comm_s),
+            )
+        )
+    train_deadline = start_time + T
+    return RoundPlan(
+        run_id=run_id,
+        round=round,
+        leader=leader,
+        method=cfg.method,
+        mode=cfg.mode,
+        numel=numel,
+        seq_len=cfg.seq_len,
+        window_s=T,
+        train_deadline=train_deadline,
+        exchange_deadline=train_deadline + cfg.exchange_timeout_s,
+        start_digest=start_digest,
+        created_at=start_time if created_at is None else created_at,
+        assignments=assignments,
+    )
+
+
+def plan_round(
+    records: Sequence[PeerRecord],
+    cfg: PlanConfig,
+    *,
+    run_id: str,
+    round: int,
+    leader: str,
+    numel: int,
+    start_time: float,
+    start_digest: Optional[str] = None,
+    created_at: Optional[float] = None,
+) -> RoundPlan:
+    """Plan a round with adaptive workload balancing (GeoMesh's AWB; see the module docstring).
+
+    Every peer gets the batch size that fits its memory at its best measured tokens/s and the
+    number of inner steps ``H_i = clip(floor((T - c_i) / s_i), min, max)`` that fills the common
+    window ``T`` (seconds) with its compute (``H_i * s_i``) plus its communication (``c_i``), so
+    its predicted idle ``T - H_i s_i - c_i`` is under one step. ``numel``: elements of the flat
+    parameter vector to partition; ``start_time``: unix seconds the round starts (deadlines are
+    ``start_time + T`` and that ``+ exchange_timeout_s``); ``created_at`` defaults to
+    ``start_time`` so that the plan is a pure function of its inputs.
+
+    The result does not depend on the order of ``records``. Raises ValueError for no peers, a
+    duplicate peer_id, a peer with no measured throughput or a non-positive bandwidth (the message
+    names the peer and field), no peer that accepts connections, or ``numel < 0``.
+    """
+    recs = _check_records(records)
+    models = [_PeerModel(r, cfg, best_micro_batch(r)) for r in recs]
+    s = np.array([m.step_s for m in models], dtype=np.float64)
+    c = np.array([m.comm_s for m in models], dtype=np.float64)
+    tokens_per_step = np.array([m.batch * cfg.seq_len for m in models], dtype=np.int64)
+    T = _choose_window(s, c, tokens_per_step, cfg)
+    H = _inner_steps(np.float64(T), s, c, cfg)
+    parts = partition(numel, recs, align=cfg.part_align)
+    return _build_plan(
+        recs, models, H, T, parts, cfg, run_id=run_id, round=round, leader=leader, numel=numel,
+        start_time=start_time, start_digest=start_digest, created_at=created_at,
+    )
+
+
+def plan_uniform(
+    records: Sequence[PeerRecord],
+    cfg: PlanConfig,
+    *,
+    run_id: str,
+    round: int,
+    leader: str,
+    numel: int,
+    start_time: float,
+    start_digest: Optional[str] = None,
+    created_at: Optional[float] = None,
+    inner_steps: Optional[int] = None,
+) -> RoundPlan:
+    """Plan a round the DiLoCo way: the same batch and inner steps for every peer.
+
+    Micro-batch ``m = min(target_batch, min_i max_batch_i)`` (fits everyone), batch
+    ``m * ceil(target_batch / m)``, ``H = inner_steps`` (default ``cfg.uniform_inner_steps``) for
+    all; the window is set by the slowest peer, ``T = max_i (H s_i + c_i)``, so faster peers idle
+    ``T - H s_i - c_i``. Parts are equal among the peers that accept connections. Same arguments,
+    determinism and errors as :func:`plan_round`.
+    """
+    recs = _check_records(records)
+    H_all = cfg.uniform_inner_steps if inner_steps is None else int(inner_steps)
+    if H_all < 1:
+        raise ValueError(f"inner_steps={H_all} must be >= 1")
+    micro = min(cfg.target_batch, min(r.max_batch for r in recs))
+    models = [_PeerModel(r, cfg, micro) for r in recs]
+    H = np.full(len(models), H_all, dtype=np.int64)
+    T = max(H_all * m.step_s + m.comm_s for m in models)
+    parts = partition(numel, recs, align=cfg.part_align, equal=True)
+    return _build_plan(
+        recs, models, H, T, parts, cfg, run_id=run_id, round=round, leader=leader, numel=numel,
+        start_time=start_time, start_digest=start_digest, created_at=created_at,
+    )
+
+
+def make_plan(records: Sequence[PeerRecord], cfg: PlanConfig, **kwargs) -> RoundPlan:
+    """Plan by ``cfg.method``: ``geomesh``/``awb`` -> :func:`plan_round`; ``diloco``/``css`` ->
+    :func:`plan_uniform`; ``ddp`` -> :func:`plan_uniform` with one inner step (a sync every step).
+    Keyword arguments as for :func:`plan_round`."""
+    if cfg.method in BALANCED_METHODS:
+        return plan_round(records, cfg, **kwargs)
+    if cfg.method == "ddp":
+        return plan_uniform(records, cfg, inner_steps=1, **kwargs)
+    return plan_uniform(records, cfg, **kwargs)
+
+
+def format_plan_table(plan: RoundPlan, names: Optional[Mapping[str, str]] = None) -> str:
+    """A plain-text table of a plan (one row per peer) for logs, the CLI and ``pytest -s``.
+
+    ``names`` optionally maps peer_id to a label (e.g. the GPU name) shown instead of the id.
+    """
+    names = names or {}
+    head = (
+        f"round {plan.round} method={plan.method} mode={plan.mode} window={plan.window_s:.3f}s"
+        f" tokens={plan.total_token_budget()}"
+    )
+    cols = ["peer", "batch", "micro", "accum", "H", "tokens", "compute_s", "comm_s", "idle_s", "idle%", "part"]
+    rows = []
+    idle = plan.predicted_straggler_idle()
+    for a in plan.assignments:
+        rows.append(
+            [
+                names.get(a.peer_id, a.peer_id[:12]),
+                str(a.batch_size),
+                str(a.micro_batch),
+                str(a.accum_steps),
+                str(a.inner_steps),
+                str(a.token_budget),
+                f"{a.predicted_compute_s:.3f}",
+                f"{a.predicted_comm_s:.3f}",
+                f"{a.predicted_idle_s:.3f}",
+                f"{100 * idle[a.peer_id]:.2f}",
+                f"[{a.part_start},{a.part_end})" if a.owns_part else "-",
+            ]
+        )
+    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
+    fmt = "  ".join("{:<%d}" % widths[0] if i == 0 else "{:>%d}" % w for i, w in enumerate(widths))
+    lines = [head, fmt.format(*cols)] + [fmt.format(*r) for r in rows]
+    return "\n".join(lines)
