@@ -1,0 +1,469 @@
+"""Inner loop: a Hugging Face causal LM trained for H steps per round (DiLoCo inner phase).
+
+Models are always built from a configuration (:data:`PRESETS` or a JSON file), never
+downloaded: ``from_pretrained`` is not used anywhere. Weights travel between peers as one
+flat fp32 CPU vector (:func:`flat_params` / :func:`load_flat_`).
+
+Inner optimizer defaults follow DiLoCo (Douillard et al. 2023, arXiv 2311.08105) and
+this project's pre-build measurements (docs/../DESIGN "Measured before building"):
+AdamW, lr 1e-3 for the tiny preset with H = 20, betas (0.9, 0.95), weight decay 0.1
+(applied to matrices/embeddings only, not to biases or norm gains), linear warm-up then
+cosine decay to ``min_lr_ratio * lr`` over the whole run, grad-norm clip 1.0. Lion
+(``lion_pytorch.Lion``, lr ~1e-4) is available but untuned: the design measured it far
+worse (perplexity 208 vs 106.5).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+__all__ = ["PRESETS", "ConfigError", "build_model", "model_config", "flat_params",
+           "load_flat_", "num_params", "InnerResult", "InnerTrainer", "lr_at",
+           "DEFAULT_INNER"]
+
+_NO_DROPOUT_GPT2 = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
+
+#: Model presets: Hugging Face config kwargs plus ``model_type``. Dropout is off
+#: (pre-training regime; also keeps gradients deterministic). ``vocab_size`` is
+#: normally overridden by :func:`build_model` with the tokenizer's. Parameter counts
+#: below are at vocab 4096 with tied input/output embeddings.
+PRESETS: dict[str, dict[str, Any]] = {
+    # 0.94M params: the model the design's pre-build measurements used. CPU-friendly.
+    "tiny": {"model_type": "gpt2", "vocab_size": 4096, "n_layer": 2, "n_embd": 128,
+             "n_head": 4, "n_positions": 128, **_NO_DROPOUT_GPT2},
+    # 12.3M params.
+    "small": {"model_type": "gpt2", "vocab_size": 4096, "n_layer": 6, "n_embd": 384,
+              "n_head": 6, "n_positions": 256, **_NO_DROPOUT_GPT2},
+    # GPT-2 small shape (124M at the GPT-2 vocab of 50257; 88M at vocab 4096).
+    "gpt2-124m": {"model_type": "gpt2", "vocab_size": 50257, "n_layer": 12, "n_embd": 768,
+                  "n_head": 12, "n_positions": 1024, **_NO_DROPOUT_GPT2},
+    # 0.93M params, LLaMA architecture (RMSNorm, SwiGLU, RoPE), like the paper's family.
+    "llama-tiny": {"model_type": "llama", "vocab_size": 4096, "hidden_size": 128,
+                   "intermediate_size": 352, "num_hidden_layers": 2,
+                   "num_attention_heads": 4, "num_key_value_heads": 4,
+                   "max_position_embeddings": 256, "tie_word_embeddings": True,
+                   "attention_dropout": 0.0, "bos_token_id": 0, "eos_token_id": 0},
+}
+
+#: Inner-optimizer defaults per optimizer name (lr for the tiny preset).
+DEFAULT_INNER: dict[str, dict[str, Any]] = {
+    "adamw": {"lr": 1e-3, "betas": (0.9, 0.95), "weight_decay": 0.1},
+    "lion": {"lr": 1e-4, "betas": (0.9, 0.99), "weight_decay": 0.1},
+}
+
+
+class ConfigError(ValueError):
+    """Unknown preset, unreadable/unparsable model config file, or an invalid config.
+
+    The message is one line and names the preset or file.
+    """
+
+
+def _read_config_file(path: str | os.PathLike) -> dict[str, Any]:
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise ConfigError(f"model config file not found: {p}")
+    try:
+        d = json.loads(p.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"model config file {p} is not valid JSON "
+                          f"(line {e.lineno} column {e.colno}: {e.msg})") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"cannot read model config file {p}: {e}") from None
+    if not isinstance(d, dict):
+        raise ConfigError(f"model config file {p} must hold a JSON object")
+    return d
+
+
+def model_config(preset: str | None = "tiny", config_file: str | os.PathLike | None = None,
+                 vocab_size: int | None = None):
+    """The ``transformers.PretrainedConfig`` :func:`build_model` would use (no weights).
+
+    ``config_file`` (JSON) wins over ``preset``. It is either a Hugging Face
+    ``config.json`` (must contain ``"model_type"``, e.g. ``"gpt2"`` or ``"llama"``) or
+    ``{"preset": "<name>", ...overrides}``. ``vocab_size`` overrides both.
+
+    Raises:
+        ConfigError: unknown preset / model_type, missing or unparsable file, or a
+            configuration the model class rejects.
+    """
+    from transformers import AutoConfig
+
+    if config_file is not None:
+        d = _read_config_file(config_file)
+        source = f"model config file {Path(config_file).expanduser()}"
+        if "preset" in d:
+            name = d.pop("preset")
+            if name not in PRESETS:
+                raise ConfigError(f"{source}: unknown preset {name!r} "
+                                  f"(known: {', '.join(PRESETS)})")
+            d = {**PRESETS[name], **d}
+    else:
+        if preset not in PRESETS:
+            raise ConfigError(f"unknown model preset {preset!r} (known: {', '.join(PRESETS)})")
+        d = dict(PRESETS[preset])
+        source = f"preset {preset!r}"
+    model_type = d.pop("model_type", None)
+    if not isinstance(model_type, str):
+        raise ConfigError(f"{source}: missing \"model_type\" (e.g. \"gpt2\", \"llama\") "
+                          "or \"preset\"")
+    for k in ("architectures", "transformers_version", "_name_or_path", "auto_map"):
+        d.pop(k, None)  # harmless in HF config.json, irrelevant here; auto_map = remote code
+    if vocab_size is not None:
+        d["vocab_size"] = int(vocab_size)
+    d.setdefault("use_cache", False)
+    # Our tokenizers put <|endoftext|> at id 0; GPT-2's default 50256 is out of range
+    # for a smaller vocabulary (and transformers warns about it).
+    if model_type == "gpt2" and int(d.get("vocab_size", 50257)) <= 50256:
+        d.setdefault("bos_token_id", 0)
+        d.setdefault("eos_token_id", 0)
+    for attr in ("bos_token_id", "eos_token_id"):
+        v = d.get(attr)
+        if isinstance(v, int) and "vocab_size" in d and v >= int(d["vocab_size"]):
+            d[attr] = 0
+    try:
+        cfg = AutoConfig.for_model(model_type, **d)
+    except Exception as e:
+        raise ConfigError(f"{source}: invalid configuration ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0] if str(e) else ''})") from None
+    return cfg
+
+
+def build_model(preset: str | None = "tiny", config_file: str | os.PathLike | None = None,
+                vocab_size: int | None = None, seed: int = 0):
+    """A freshly initialised causal LM, fp32 on CPU, in train mode.
+
+    Built with ``AutoModelForCausalLM.from_config`` (never ``from_pretrained``; nothing
+    is downloaded). Initialisation draws from the global torch RNG inside
+    ``torch.random.fork_rng`` seeded with ``seed``, so the same (config, seed, torch
+    and transformers versions) give bitwise-identical weights and the caller's RNG
+    state is untouched. Attention uses PyTorch SDPA.
+
+    Raises:
+        ConfigError: see :func:`model_config`; also when the model class rejects it.
+    """
+    from transformers import AutoModelForCausalLM
+
+    cfg = model_config(preset, config_file, vocab_size)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(int(seed))
+        try:
+            model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+        except Exception as e:
+            src = f"model config file {config_file}" if config_file else f"preset {preset!r}"
+            raise ConfigError(f"{src}: cannot build model ({type(e).__name__}: "
+                              f"{str(e).splitlines()[0] if str(e) else ''})") from None
+    model = model.float()
+    if getattr(model, "loss_type", "ForCausalLM") is None:
+        # transformers 5 derives it from the class name; GPT2LMHeadModel matches nothing
+        # and would log a warning on first use. Same loss either way.
+        model.loss_type = "ForCausalLM"
+    model.train()
+    return model
+
+
+def num_params(model) -> int:
+    """Number of elements of :func:`flat_params` (tied weights counted once)."""
+    return sum(p.numel() for _, p in model.named_parameters())
+
+
+def flat_params(model) -> torch.Tensor:
+    """All trainable parameters as one new fp32 CPU tensor ``[P]``.
+
+    Order: ``model.named_parameters()`` order, each tensor flattened row-major.
+    ``named_parameters`` yields a shared tensor once, so tied weights (GPT-2's
+    ``lm_head.weight`` is ``transformer.wte.weight``) appear once, under the first name.
+    Buffers (e.g. rotary caches) are not included. Always a copy.
+    """
+    with torch.no_grad():
+        parts = [p.detach().reshape(-1).to(device="cpu", dtype=torch.float32)
+                 for _, p in model.named_parameters()]
+        return torch.cat(parts) if parts else torch.empty(0, dtype=torch.float32)
+
+
+def load_flat_(model, flat: torch.Tensor) -> None:
+    """Copy a flat vector (layout of :func:`flat_params`) into the model's parameters.
+
+    ``flat`` may be on any device and of any floating dtype; values are converted to
+    each parameter's device and dtype. Raises ``ValueError`` on a size mismatch.
+    """
+    flat = flat.reshape(-1)
+    total = num_params(model)
+    if flat.numel() != total:
+        raise ValueError(f"flat vector has {flat.numel()} elements, model has {total}")
+    off = 0
+    with torch.no_grad():
+        for _, p in model.named_parameters():
+            n = p.numel()
+            p.copy_(flat[off:off + n].view_as(p))
+            off += n
+
+
+def lr_at(step: int, *, lr: float, warmup_steps: int, total_steps: int,
+          min_lr_ratio: float = 0.1) -> float:
+    """Learning rate at global inner step ``step`` (0-based).
+
+    Linear warm-up ``lr * (step + 1) / warmup_steps`` for ``step < warmup_steps``, then
+    cosine from ``lr`` down to ``min_lr_ratio * lr`` at ``step = total_steps``, constant
+    after that.
+    """
+    if warmup_steps > 0 and step < warmup_steps:
+        return lr * (step + 1) / warmup_steps
+    span = max(1, total_steps - warmup_steps)
+    t = min(1.0, max(0.0, (step - warmup_steps) / span))
+    return lr * (min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * t)))
+
+
+@dataclass
+class InnerResult:
+    """Outcome of one :meth:`InnerTrainer.run`.
+
+    Attributes:
+        steps_done: optimizer steps completed this round (<= ``inner_steps``).
+        tokens: tokens actually trained on, ``steps_done * batch_size * seq_len``.
+        mean_loss: mean over the completed steps of the batch's training loss (nats per
+            token); NaN when no step was done.
+        last_loss: training loss of the last completed step (NaN if none).
+        compute_s: wall-clock seconds spent in the steps, including the emulated
+            slow-down of ``speed_factor``; the basis for tokens/s re-profiling.
+        stopped_early: True when the deadline or ``should_stop`` ended the round before
+            ``inner_steps`` steps.
+    """
+
+    steps_done: int
+    tokens: int
+    mean_loss: float
+    last_loss: float
+    compute_s: float
+    stopped_early: bool
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.compute_s if self.compute_s > 0 else 0.0
+
+
+class InnerTrainer:
+    """Runs the inner steps of a round on one peer.
+
+    The inner optimizer is created once and its state (Adam moments, step counts) persists
+    across rounds, as in DiLoCo: at the start of a round the caller loads the new global
+    weights with :func:`load_flat_` and calls :meth:`run`; only the weights are reset,
+    not the optimizer. The learning-rate schedule follows :attr:`global_step`, the number
+    of inner steps this trainer has taken over the whole run (see :func:`lr_at`).
+
+    Args:
+        model: a causal LM from :func:`build_model`; moved to ``device``.
+        dataset: a :class:`~geomesh_p2p.data.TokenDataset`.
+        device: ``"cpu"``, ``"cuda"``, ``"cuda:1"``, ...
+        seq_len: tokens per training row (<= the model's context).
+        optimizer: ``"adamw"`` (torch.optim.AdamW, betas (0.9, 0.95)) or ``"lion"``
+            (``lion_pytorch.Lion``, betas (0.9, 0.99)).
+        lr, weight_decay: peak learning rate and decoupled weight decay; ``None`` takes
+            :data:`DEFAULT_INNER`. Weight decay applies to tensors with ``ndim >= 2``.
+        warmup_steps, total_steps: schedule over global inner steps (:func:`lr_at`).
+        grad_clip: max global grad norm (``<= 0`` disables).
+        seed, peer_id: with the round and step, pick the training batches
+            (:meth:`TokenDataset.sample_batch`).
+        speed_factor: ``f < 1`` emulates a slower device: after each step the trainer
+            sleeps ``(1/f - 1)`` times the step's compute time, so a step takes ``1/f``
+            as long. ``f >= 1`` does nothing.
+        amp: bf16 autocast for the forward pass, on CUDA only (ignored on CPU).
+        min_lr_ratio: final lr as a fraction of ``lr``.
+    """
+
+    def __init__(self, model, dataset, *, device: str | torch.device = "cpu", seq_len: int,
+                 optimizer: str = "adamw", lr: float | None = None,
+                 weight_decay: float | None = None, warmup_steps: int = 0,
+                 total_steps: int = 1000, grad_clip: float = 1.0, seed: int = 0,
+                 peer_id: str = "peer", speed_factor: float = 1.0, amp: bool = False,
+                 min_lr_ratio: float = 0.1):
+        if optimizer not in DEFAULT_INNER:
+            raise ValueError(f"unknown inner optimizer {optimizer!r} (use 'adamw' or 'lion')")
+        if speed_factor <= 0:
+            raise ValueError(f"speed_factor must be > 0, got {speed_factor}")
+        ctx = getattr(model.config, "n_positions", None) or getattr(
+            model.config, "max_position_embeddings", None)
+        if ctx is not None and seq_len > ctx:
+            raise ValueError(f"seq_len {seq_len} exceeds the model context {ctx}")
+        self.device = torch.device(device)
+        self.model = model.to(self.device)
+        self.model.train()
+        self.dataset = dataset
+        self.seq_len = int(seq_len)
+        defaults = DEFAULT_INNER[optimizer]
+        self.optimizer_name = optimizer
+        self.lr = float(defaults["lr"] if lr is None else lr)
+        self.weight_decay = float(defaults["weight_decay"] if weight_decay is None else weight_decay)
+        self.warmup_steps = int(warmup_steps)
+        self.total_steps = int(total_steps)
+        self.min_lr_ratio = float(min_lr_ratio)
+        self.grad_clip = float(grad_clip)
+        self.seed = int(seed)
+        self.peer_id = str(peer_id)
+        self.speed_factor = float(speed_factor)
+        self.amp = bool(amp) and self.device.type == "cuda"
+        self.global_step = 0
+        self._step_time_ema: float | None = None
+
+        decay, no_decay = [], []
+        for _, p in self.model.named_parameters():
+            if p.requires_grad:
+                (decay if p.ndim >= 2 else no_decay).append(p)
+        groups = [{"params": decay, "weight_decay": self.weight_decay},
+                  {"params": no_decay, "weight_decay": 0.0}]
+        if optimizer == "adamw":
+            self.optimizer = torch.optim.AdamW(groups, lr=self.lr, betas=defaults["betas"],
+                                               eps=1e-8)
+        else:
+            try:
+                from lion_pytorch import Lion
+            except ImportError:
+                raise ImportError("optimizer='lion' needs lion-pytorch (pip install lion-pytorch)") from None
+            self.optimizer = Lion(groups, lr=self.lr, betas=defaults["betas"])
+
+    # -- pieces ---------------------------------------------------------------------
+
+    def _autocast(self):
+        if self.amp:
+            return torch.autocast(device_type="cuda", dtype=torch.bfloat16)
+        return nullcontext()
+
+    def accumulate_grad(self, batch: torch.Tensor, micro_batch: int | None = None) -> float:
+        """Forward/backward one batch (int64 ``[B, seq_len]``) into ``.grad``.
+
+        Splits it into micro-batches of ``micro_batch`` rows (the last may be smaller),
+        scaling each micro-batch loss by ``rows / B`` so the accumulated gradient equals
+        that of the whole batch. Does not zero gradients or step. Returns the batch's
+        mean loss (nats per predicted token).
+        """
+        b = batch.shape[0]
+        mb = b if not micro_batch or micro_batch >= b else int(micro_batch)
+        total = 0.0
+        for i in range(0, b, mb):
+            x = batch[i:i + mb].to(self.device, non_blocking=True)
+            with self._autocast():
+                loss = self.model(input_ids=x, labels=x).loss
+            (loss * (x.shape[0] / b)).backward()
+            total += loss.detach().float().item() * (x.shape[0] / b)
+        return total
+
+    def _set_lr(self) -> float:
+        lr = lr_at(self.global_step, lr=self.lr, warmup_steps=self.warmup_steps,
+                   total_steps=self.total_steps, min_lr_ratio=self.min_lr_ratio)
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        return lr
+
+    # -- main loop ------------------------------------------------------------------
+
+    def run(self, *, round: int, inner_steps: int, batch_size: int,
+            micro_batch: int | None = None, deadline: float | None = None,
+            progress: Callable[[int, float, float], None] | None = None,
+            should_stop: Callable[[], bool] | None = None) -> InnerResult:
+        """Run up to ``inner_steps`` optimizer steps of ``batch_size`` rows each.
+
+        Before each step the loop ends early (``stopped_early=True``) when
+        ``should_stop()`` is true, when ``time.time() >= deadline`` (unix seconds), or
+        when the step would predictably end after the deadline (now + a running mean of
+        the step time, emulated slow-down included). A step in progress is always
+        finished; no partial step is applied. Step ``k`` (0-based within the round)
+        trains on ``dataset.sample_batch(seed, peer_id, round, k, batch_size, seq_len)``,
+        with gradient accumulation over ``micro_batch``-row slices when
+        ``micro_batch < batch_size``. ``progress(k + 1, loss, tokens_per_s)`` is called
+        after each step (tokens/s of that step, emulation included).
+
+        Raises:
+            FloatingPointError: a non-finite training loss (weights are not updated).
+        """
+        if inner_steps < 0 or batch_size < 1:
+            raise ValueError("inner_steps must be >= 0 and batch_size >= 1")
+        self.model.train()
+        losses: list[float] = []
+        stopped = False
+        tokens_per_step = batch_size * self.seq_len
+        t_start = time.perf_counter()
+        for k in range(inner_steps):
+            if should_stop is not None and should_stop():
+                stopped = True
+                break
+            if deadline is not None:
+                now = time.time()
+                est = self._step_time_ema or 0.0
+                if now >= deadline or now + est > deadline:
+                    stopped = True
+                    break
+            t0 = time.perf_counter()
+            self._set_lr()
+            batch = self.dataset.sample_batch(seed=self.seed, peer_id=self.peer_id,
+                                              round=round, step=k, batch_size=batch_size,
+                                              seq_len=self.seq_len)
+            self.optimizer.zero_grad(set_to_none=True)
+            loss = self.accumulate_grad(batch, micro_batch)
+            if not math.isfinite(loss):
+                self.optimizer.zero_grad(set_to_none=True)
+                raise FloatingPointError(f"non-finite training loss {loss} at round {round} "
+                                         f"step {k} (global step {self.global_step})")
+            if self.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+            self.optimizer.step()
+            self.global_step += 1
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            compute = time.perf_counter() - t0
+            if self.speed_factor < 1.0:
+                time.sleep(compute * (1.0 / self.speed_factor - 1.0))
+            dt = time.perf_counter() - t0
+            self._step_time_ema = dt if self._step_time_ema is None else (
+                0.7 * self._step_time_ema + 0.3 * dt)
+            losses.append(loss)
+            if progress is not None:
+                progress(k + 1, loss, tokens_per_step / dt if dt > 0 else 0.0)
+        compute_s = time.perf_counter() - t_start
+        n = len(losses)
+        return InnerResult(steps_done=n, tokens=n * tokens_per_step,
+                           mean_loss=sum(losses) / n if n else float("nan"),
+                           last_loss=losses[-1] if n else float("nan"),
+                           compute_s=compute_s, stopped_early=stopped or n < inner_steps)
+
+    @torch.no_grad()
+    def evaluate(self, max_batches: int = 8, batch_size: int = 8) -> float:
+        """Perplexity on the held-out split: ``exp`` of the mean next-token loss.
+
+        Uses the first ``max_batches`` fixed batches of
+        :meth:`TokenDataset.eval_batches` at this trainer's ``seq_len`` (each batch
+        weighted by its rows), so repeated calls on the same weights give the same value.
+        The model is put back in train mode afterwards.
+        """
+        was_training = self.model.training
+        self.model.eval()
+        tot, rows = 0.0, 0
+        try:
+            for x in self.dataset.eval_batches(self.seq_len, batch_size, max_batches):
+                x = x.to(self.device)
+                with self._autocast():
+                    loss = self.model(input_ids=x, labels=x).loss
+                tot += loss.float().item() * x.shape[0]
+                rows += x.shape[0]
+        finally:
+            self.model.train(was_training)
+        return math.exp(tot / rows)
+
+    # -- persistence ------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Inner optimizer state and the global step (torch objects; save with torch.save
+        or flatten; never sent over the wire)."""
+        return {"optimizer": self.optimizer.state_dict(), "global_step": self.global_step}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.global_step = int(state["global_step"])
