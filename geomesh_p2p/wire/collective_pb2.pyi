@@ -6,19 +6,31 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
-class PushPartRequest(_message.Message):
-    __slots__ = ("round", "part", "start", "end", "packet")
+class PartContribution(_message.Message):
+    __slots__ = ("round", "part", "start", "end", "tokens", "spec_id", "encoding", "packet")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     PART_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     END_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_ID_FIELD_NUMBER: _ClassVar[int]
+    ENCODING_FIELD_NUMBER: _ClassVar[int]
     PACKET_FIELD_NUMBER: _ClassVar[int]
     round: int
     part: int
     start: int
     end: int
+    tokens: int
+    spec_id: bytes
+    encoding: str
     packet: bytes
-    def __init__(self, round: _Optional[int] = ..., part: _Optional[int] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., packet: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, round: _Optional[int] = ..., part: _Optional[int] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., tokens: _Optional[int] = ..., spec_id: _Optional[bytes] = ..., encoding: _Optional[str] = ..., packet: _Optional[bytes] = ...) -> None: ...
+
+class PushPartRequest(_message.Message):
+    __slots__ = ("contribution",)
+    CONTRIBUTION_FIELD_NUMBER: _ClassVar[int]
+    contribution: bytes
+    def __init__(self, contribution: _Optional[bytes] = ...) -> None: ...
 
 class PushPartResponse(_message.Message):
     __slots__ = ("accepted", "reason")
@@ -29,14 +41,16 @@ class PushPartResponse(_message.Message):
     def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class PullPartRequest(_message.Message):
-    __slots__ = ("round", "part", "wait_s")
+    __slots__ = ("round", "part", "wait_s", "spec_id")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     PART_FIELD_NUMBER: _ClassVar[int]
     WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    SPEC_ID_FIELD_NUMBER: _ClassVar[int]
     round: int
     part: int
     wait_s: float
-    def __init__(self, round: _Optional[int] = ..., part: _Optional[int] = ..., wait_s: _Optional[float] = ...) -> None: ...
+    spec_id: bytes
+    def __init__(self, round: _Optional[int] = ..., part: _Optional[int] = ..., wait_s: _Optional[float] = ..., spec_id: _Optional[bytes] = ...) -> None: ...
 
 class Contribution(_message.Message):
     __slots__ = ("signed_message",)
@@ -44,25 +58,45 @@ class Contribution(_message.Message):
     signed_message: bytes
     def __init__(self, signed_message: _Optional[bytes] = ...) -> None: ...
 
-class PullPartResponse(_message.Message):
-    __slots__ = ("round", "part", "ready", "contributors", "tokens", "contributions", "aggregate", "mode")
+class PartResult(_message.Message):
+    __slots__ = ("round", "part", "start", "end", "spec_id", "mode", "contributors", "tokens", "contributions", "aggregate", "aggregate_encoding", "closed_by")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     PART_FIELD_NUMBER: _ClassVar[int]
-    READY_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    SPEC_ID_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
     CONTRIBUTORS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     CONTRIBUTIONS_FIELD_NUMBER: _ClassVar[int]
     AGGREGATE_FIELD_NUMBER: _ClassVar[int]
-    MODE_FIELD_NUMBER: _ClassVar[int]
+    AGGREGATE_ENCODING_FIELD_NUMBER: _ClassVar[int]
+    CLOSED_BY_FIELD_NUMBER: _ClassVar[int]
     round: int
     part: int
-    ready: bool
+    start: int
+    end: int
+    spec_id: bytes
+    mode: str
     contributors: _containers.RepeatedScalarFieldContainer[bytes]
     tokens: _containers.RepeatedScalarFieldContainer[int]
     contributions: _containers.RepeatedCompositeFieldContainer[Contribution]
     aggregate: bytes
-    mode: str
-    def __init__(self, round: _Optional[int] = ..., part: _Optional[int] = ..., ready: _Optional[bool] = ..., contributors: _Optional[_Iterable[bytes]] = ..., tokens: _Optional[_Iterable[int]] = ..., contributions: _Optional[_Iterable[_Union[Contribution, _Mapping]]] = ..., aggregate: _Optional[bytes] = ..., mode: _Optional[str] = ...) -> None: ...
+    aggregate_encoding: str
+    closed_by: str
+    def __init__(self, round: _Optional[int] = ..., part: _Optional[int] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., spec_id: _Optional[bytes] = ..., mode: _Optional[str] = ..., contributors: _Optional[_Iterable[bytes]] = ..., tokens: _Optional[_Iterable[int]] = ..., contributions: _Optional[_Iterable[_Union[Contribution, _Mapping]]] = ..., aggregate: _Optional[bytes] = ..., aggregate_encoding: _Optional[str] = ..., closed_by: _Optional[str] = ...) -> None: ...
+
+class PullPartResponse(_message.Message):
+    __slots__ = ("round", "part", "ready", "signed_result")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    PART_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
+    SIGNED_RESULT_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    part: int
+    ready: bool
+    signed_result: bytes
+    def __init__(self, round: _Optional[int] = ..., part: _Optional[int] = ..., ready: _Optional[bool] = ..., signed_result: _Optional[bytes] = ...) -> None: ...
 
 class StateRequest(_message.Message):
     __slots__ = ("round", "offset", "length")
