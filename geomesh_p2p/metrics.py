@@ -1,0 +1,153 @@
+"""What a person watching a node wants: one table row per round, JSON lines, Prometheus gauges.
+
+Idle accounting of a round (all in seconds of wall-clock, shown as % of the round):
+
+* ``straggler_idle``: from the end of this peer's inner steps to the planned barrier (the plan's
+  train deadline, or the moment the aggregate was ready if that came first): the time it waited
+  because others were still computing. AWB drives this towards 0 for every peer.
+* ``network_idle``: the rest of the non-compute time (end of compute to aggregate ready, minus the
+  straggler idle): the time it waited on the network.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Optional
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RoundRecord:
+    """One round as this peer saw it. Units: seconds, tokens, bytes; percentages of ``round_s``."""
+
+    round: int
+    peers: int
+    leader: str
+    batch_size: int
+    inner_steps_planned: int
+    inner_steps_done: int
+    tokens: int
+    train_loss: float
+    eval_ppl: Optional[float]
+    compute_s: float
+    straggler_idle_s: float
+    network_idle_s: float
+    round_s: float
+    bytes_sent: int
+    bytes_received: int
+    digest: str
+    digest_agree: Optional[bool] = None
+    contributors: int = 0
+    missing_parts: int = 0
+    time: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def straggler_idle_pct(self) -> float:
+        return 100.0 * self.straggler_idle_s / self.round_s if self.round_s > 0 else 0.0
+
+    @property
+    def network_idle_pct(self) -> float:
+        return 100.0 * self.network_idle_s / self.round_s if self.round_s > 0 else 0.0
+
+    def to_json(self) -> str:
+        d = asdict(self)
+        d["straggler_idle_pct"] = round(self.straggler_idle_pct, 2)
+        d["network_idle_pct"] = round(self.network_idle_pct, 2)
+        return json.dumps(d, sort_keys=True)
+
+
+HEADER = (f"{'round':>5} {'peers':>5} {'batch':>5} {'H':>7} {'tokens':>8} {'loss':>7} {'eval ppl':>9} "
+          f"{'strag%':>6} {'net%':>5} {'sent':>9} {'recv':>9} {'time':>6} digest")
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
+        n /= 1024
+    return str(n)
+
+
+def format_row(r: RoundRecord) -> str:
+    """One fixed-width table row (see HEADER)."""
+    ppl = f"{r.eval_ppl:9.2f}" if r.eval_ppl is not None else f"{'-':>9}"
+    h = f"{r.inner_steps_done}/{r.inner_steps_planned}"
+    agree = {None: "", True: " ok", False: " MISMATCH"}[r.digest_agree]
+    return (f"{r.round:>5} {r.peers:>5} {r.batch_size:>5} {h:>7} {r.tokens:>8} {r.train_loss:>7.3f} {ppl} "
+            f"{r.straggler_idle_pct:>6.1f} {r.network_idle_pct:>5.1f} {_fmt_bytes(r.bytes_sent):>9} "
+            f"{_fmt_bytes(r.bytes_received):>9} {r.round_s:>6.1f} {r.digest[:8]}{agree}")
+
+
+class RoundLog:
+    """Prints the round table, appends JSON lines (``--log-json``), feeds Prometheus (``--metrics-port``)."""
+
+    def __init__(self, json_path: Optional[str] = None, metrics_port: Optional[int] = None,
+                 metrics_host: str = "127.0.0.1", print_fn=print):
+        self.json_path = Path(json_path) if json_path else None
+        if self.json_path:
+            self.json_path.parent.mkdir(parents=True, exist_ok=True)
+        self.print_fn = print_fn
+        self._printed_header = False
+        self._server = None
+        self._thread: Optional[threading.Thread] = None
+        self._gauges = {}
+        if metrics_port is not None:
+            self._start_prometheus(metrics_host, metrics_port)
+
+    def _start_prometheus(self, host: str, port: int) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+
+        self.registry = CollectorRegistry()
+        g = lambda name, doc: Gauge(f"geomesh_{name}", doc, registry=self.registry)  # noqa: E731
+        self._gauges = {
+            "round": g("round", "last finished round"),
+            "peers": g("peers", "participants of the last round"),
+            "train_loss": g("train_loss", "mean inner-step loss of the last round"),
+            "eval_ppl": g("eval_perplexity", "eval perplexity of the global weights"),
+            "straggler_idle": g("straggler_idle_ratio", "straggler idle share of the last round"),
+            "network_idle": g("network_idle_ratio", "network idle share of the last round"),
+            "round_s": g("round_seconds", "wall time of the last round"),
+        }
+        self._tokens = Counter("geomesh_tokens", "tokens trained by this peer", registry=self.registry)
+        self._bytes_sent = Counter("geomesh_sent_bytes", "bytes sent in exchanges", registry=self.registry)
+        self._bytes_recv = Counter("geomesh_received_bytes", "bytes received in exchanges", registry=self.registry)
+        started = start_http_server(port, addr=host, registry=self.registry)
+        if isinstance(started, tuple):  # prometheus-client >= 0.20 returns (server, thread)
+            self._server, self._thread = started
+        log.info("Prometheus metrics on http://%s:%d/metrics", host, port)
+
+    def add(self, r: RoundRecord) -> None:
+        if not self._printed_header:
+            self.print_fn(HEADER)
+            self._printed_header = True
+        self.print_fn(format_row(r))
+        if self.json_path:
+            with self.json_path.open("a") as f:
+                f.write(r.to_json() + "\n")
+        if self._gauges:
+            gz = self._gauges
+            gz["round"].set(r.round)
+            gz["peers"].set(r.peers)
+            gz["train_loss"].set(r.train_loss)
+            if r.eval_ppl is not None:
+                gz["eval_ppl"].set(r.eval_ppl)
+            gz["straggler_idle"].set(r.straggler_idle_pct / 100)
+            gz["network_idle"].set(r.network_idle_pct / 100)
+            gz["round_s"].set(r.round_s)
+            self._tokens.inc(r.tokens)
+            self._bytes_sent.inc(r.bytes_sent)
+            self._bytes_recv.inc(r.bytes_received)
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            if self._thread is not None:
+                self._thread.join(timeout=5)
+            self._server = None

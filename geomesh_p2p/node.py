@@ -1,0 +1,536 @@
+"""A training peer: DHT + capability + round protocol + collective + inner training, wired together.
+
+Lifecycle (DESIGN.md, all of it):
+
+1. Start the gRPC transport (server unless client-only), join the DHT through the bootstraps,
+   register the collective and the state server, announce a PeerRecord every few seconds.
+2. Build the model and data from the run config, profile this device (tokens/s per batch size).
+3. Take the global state: ``--resume`` from the newest checkpoint; else, when the swarm is already
+   past round 0, download it from peers whose digest is the majority's; else initialise from the
+   run seed (every fresh peer gets the same weights, so their digests agree).
+4. Each round r: agree on the plan (leader by rendezvous hashing, :mod:`geomesh_p2p.round`), run
+   the assigned inner steps until the train deadline, exchange the pseudo-gradient through the
+   collective, apply the outer Nesterov step, publish the new digest, evaluate, log a row,
+   checkpoint every N rounds. A peer not in the plan (late joiner, re-syncing) waits for the
+   round to end and downloads the new state.
+5. Ctrl+C / SIGTERM: finish the exchange if it is under way, write a checkpoint, stop every task,
+   exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Literal, Optional
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+import geomesh_p2p
+from geomesh_p2p.identity import Identity
+from geomesh_p2p.metrics import RoundLog, RoundRecord
+from geomesh_p2p.records import PeerRecord
+from geomesh_p2p.transport import Transport, TransportConfig
+
+log = logging.getLogger(__name__)
+
+
+class RunConfig(BaseModel):
+    """What every peer of a run shares; its hash is in every PeerRecord and mismatches are refused."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    run_id: str = "geomesh-demo"
+    model: str = Field("tiny", description="model preset, or the SHA-256 of --model-config's contents")
+    model_config_json: Optional[str] = Field(None, description="contents of --model-config, if given")
+    data: str = Field("kjv", description="'kjv' (shipped) or an identifier of --data's contents")
+    vocab_size: int = 4096
+    seq_len: int = 64
+    seed: int = 0
+    method: Literal["geomesh", "awb", "css", "diloco"] = "geomesh"
+    mode: Literal["relay", "reencode"] = "reencode"
+    aggregate_encoding: Literal["sign", "int8", "fp16"] = "sign"
+    block_size: int = 2048
+    error_feedback: bool = False
+    clip_k: float = 4.0
+    inner_optimizer: Literal["adamw", "lion"] = "adamw"
+    inner_lr: float = 1e-3
+    warmup_steps: int = 20
+    total_inner_steps: int = 2000
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    target_batch: int = 8
+    window_s: Optional[float] = 6.0
+    uniform_inner_steps: int = 20
+    comm_share: float = 0.1
+    max_inner_steps: int = 200
+
+    def config_hash(self) -> str:
+        """First 16 hex chars of SHA-256 of the canonical JSON of this config."""
+        return hashlib.sha256(json.dumps(self.model_dump(), sort_keys=True).encode()).hexdigest()[:16]
+
+    def diff(self, other: "RunConfig") -> list[str]:
+        """Human-readable differences, e.g. ["inner_lr: 0.001 vs 0.0003"]."""
+        a, b = self.model_dump(), other.model_dump()
+        return [f"{k}: {a[k]!r} vs {b[k]!r}" for k in a if a[k] != b[k]]
+
+
+class NodeConfig(BaseModel):
+    """Per-peer settings (not shared). Units: seconds, bytes, bytes/s."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    bootstrap: list[str] = Field(default_factory=list)
+    host: str = "127.0.0.1"
+    port: int = 0
+    advertise_host: Optional[str] = None
+    client_only: bool = False
+    identity: str = "~/.geomesh/identity.key"
+    device: str = "auto"
+    threads: Optional[int] = None
+    data_path: Optional[str] = None
+    model_config_file: Optional[str] = None
+    checkpoint_dir: Optional[str] = None
+    checkpoint_every: int = 5
+    resume: bool = False
+    rounds: Optional[int] = None
+    target_ppl: Optional[float] = None
+    min_peers: int = 1
+    wait_peers_s: float = 60.0
+    speed_factor: float = 1.0
+    memory_budget_bytes: Optional[int] = None
+    upload_bps: Optional[float] = None
+    download_bps: Optional[float] = None
+    added_latency_s: float = 0.0
+    profile_batches: list[int] = Field(default_factory=lambda: [4, 8, 16])
+    eval_batches: int = 8
+    announce_period_s: float = 2.0
+    plan_timeout_s: float = 4.0
+    gather_wait_s: float = 4.0
+    log_json: Optional[str] = None
+    metrics_port: Optional[int] = None
+    summary_json: Optional[str] = None
+
+
+class PeerNode:
+    """One volunteer node. ``await node.run()`` trains until ``rounds`` / ``target_ppl`` / stop()."""
+
+    def __init__(self, run: RunConfig, cfg: NodeConfig, identity: Optional[Identity] = None):
+        self.run_cfg = run
+        self.cfg = cfg
+        self.identity = identity or Identity.load_or_create(cfg.identity)
+        self.me = str(self.identity.peer_id)
+        self.config_hash = run.config_hash()
+        self.round = 0
+        self.digest: Optional[str] = None
+        self.theta: Optional[torch.Tensor] = None
+        self.outer = None
+        self._stop = asyncio.Event()
+        self._in_exchange = False
+        self.history: list[RoundRecord] = []
+        self.initial_ppl: Optional[float] = None
+        self.time_to_target: Optional[float] = None
+        self._t_start = time.time()
+        self.transport: Optional[Transport] = None
+        self.tps_ema: dict[int, float] = {}
+        self._syncing = False
+
+    # ------------------------------------------------------------------ setup
+    def request_stop(self) -> None:
+        """Ask the node to stop after the current step (or after the exchange, if one is under way)."""
+        if not self._stop.is_set():
+            log.info("stop requested: %s", "finishing the exchange first" if self._in_exchange else "leaving")
+        self._stop.set()
+
+    async def start(self) -> None:
+        from geomesh_p2p.collective import CollectiveService
+        from geomesh_p2p.dht import DHTNode
+        from geomesh_p2p.round import PlanStore
+        from geomesh_p2p.state_sync import StateServer
+
+        c = self.cfg
+        if c.threads:
+            torch.set_num_threads(c.threads)
+        tcfg = TransportConfig(host=c.host, port=c.port, advertise_host=c.advertise_host,
+                               client_only=c.client_only, added_latency_s=c.added_latency_s)
+        self.transport = Transport(self.identity, self.run_cfg.run_id, tcfg)
+        self.dht = DHTNode(self.transport)
+        self.collective = CollectiveService(self.transport)
+        self.state_server = StateServer(self.transport)
+        address = await self.transport.start()
+        log.info("peer %s serving on %s", self.identity.peer_id.short(), address or "(client-only)")
+        await self.dht.join(c.bootstrap)
+        self.plans = PlanStore(self.dht, self.identity, self.run_cfg.run_id)
+        self._build_training()
+        self.round_log = RoundLog(c.log_json, c.metrics_port)
+
+    def _build_training(self) -> None:
+        from geomesh_p2p.capability import detect_device, measure_throughput
+        from geomesh_p2p.data import load_dataset
+        from geomesh_p2p.optim import OuterNesterov
+        from geomesh_p2p.training import InnerTrainer, build_model, flat_params
+
+        r, c = self.run_cfg, self.cfg
+        self.dataset = load_dataset(c.data_path, seq_len=r.seq_len, vocab_size=r.vocab_size)
+        self.device_info = detect_device(c.device, c.memory_budget_bytes)
+        device = "cuda" if self.device_info.kind == "cuda" and c.device == "auto" else (
+            c.device if c.device != "auto" else "cpu")
+        self.device = torch.device(device)
+        self.model = build_model(r.model if not c.model_config_file else None, config_file=c.model_config_file,
+                                 vocab_size=self.dataset.vocab_size, seed=r.seed).to(self.device)
+        self.numel = flat_params(self.model).numel()
+        self.trainer = InnerTrainer(
+            self.model, self.dataset, device=self.device, seq_len=r.seq_len, optimizer=r.inner_optimizer,
+            lr=r.inner_lr, weight_decay=0.1, warmup_steps=r.warmup_steps, total_steps=r.total_inner_steps,
+            seed=r.seed, peer_id=self.me, speed_factor=c.speed_factor)
+        self.outer = OuterNesterov(self.numel, lr=r.outer_lr, momentum=r.outer_momentum)
+        t0 = time.time()
+        # Profile on a throwaway copy so the real model's weights and optimizer stay untouched.
+        import copy
+        probe = copy.deepcopy(self.model)
+        self.tps_ema = measure_throughput(probe, seq_len=r.seq_len, batch_sizes=c.profile_batches,
+                                          device=self.device, vocab_size=self.dataset.vocab_size, steps=2,
+                                          warmup=1, speed_factor=c.speed_factor)
+        del probe
+        log.info("device %s: %s tokens/s per batch (%.1fs to measure)", self.device_info.name,
+                 {b: round(t) for b, t in self.tps_ema.items()}, time.time() - t0)
+
+    # ------------------------------------------------------------------ records
+    def my_record(self) -> PeerRecord:
+        c = self.cfg
+        max_batch = max(self.tps_ema) if self.tps_ema else 1
+        return PeerRecord(
+            peer_id=self.me, address=self.transport.address, device=self.device_info.name,
+            memory_bytes=self.device_info.memory_bytes, tokens_per_s=dict(self.tps_ema),
+            max_batch=max_batch, upload_bps=c.upload_bps or 1e8, download_bps=c.download_bps or 1e8,
+            version=geomesh_p2p.__version__, protocol_version=geomesh_p2p.PROTOCOL_VERSION,
+            run_config_hash=self.config_hash, round=self.round,
+            weights_digest=None if self._syncing else self.digest)
+
+    async def announce(self) -> None:
+        from geomesh_p2p.dht import announce_record
+
+        await announce_record(self.dht, self.run_cfg.run_id, self.identity, self.my_record(),
+                              ttl_s=4 * self.cfg.announce_period_s)
+
+    async def _announce_loop(self) -> None:
+        while True:
+            try:
+                await self.announce()
+            except Exception as e:  # a failed refresh is retried next period
+                log.warning("announce failed: %s", e)
+            await asyncio.sleep(self.cfg.announce_period_s)
+
+    async def peers(self) -> list[PeerRecord]:
+        """Live, compatible peers of this run (this node's own record always included, fresh)."""
+        from geomesh_p2p.dht import live_peers
+
+        recs = await live_peers(self.dht, self.run_cfg.run_id, expected_version=geomesh_p2p.__version__,
+                                expected_config_hash=self.config_hash)
+        out = {r.peer_id: r for r in recs}
+        out[self.me] = self.my_record()
+        return list(out.values())
+
+    # ------------------------------------------------------------------ state
+    def _set_state(self, round: int, theta: torch.Tensor, momentum: Optional[torch.Tensor]) -> None:
+        from geomesh_p2p.state import digest
+        from geomesh_p2p.state_sync import Snapshot
+        from geomesh_p2p.training import load_flat_
+
+        self.round = round
+        self.theta = theta.clone()
+        if momentum is not None:
+            self.outer.load_state_dict({"momentum": momentum.clone()})
+        load_flat_(self.model, self.theta)
+        self.digest = digest(self.theta, self.outer.momentum)
+        self.state_server.publish(Snapshot(round, self.theta, self.outer.momentum.clone(), self.digest))
+
+    async def _initial_state(self) -> None:
+        from geomesh_p2p.state import load_latest_checkpoint
+        from geomesh_p2p.training import flat_params
+
+        if self.cfg.resume and self.cfg.checkpoint_dir:
+            ck = load_latest_checkpoint(self.cfg.checkpoint_dir)
+            if ck is not None:
+                rnd, theta, momentum, meta = ck
+                if meta.get("run_config_hash") not in (None, self.config_hash):
+                    raise RuntimeError(f"checkpoint in {self.cfg.checkpoint_dir} is from another run config "
+                                       f"({meta.get('run_config_hash')} vs {self.config_hash})")
+                self._set_state(rnd, theta, momentum)
+                log.info("resumed from checkpoint at round %d (digest %s)", rnd, self.digest[:8])
+                return
+            log.info("--resume: no checkpoint in %s, starting fresh", self.cfg.checkpoint_dir)
+        # Fresh peer: join the swarm's state if it already trained, else the seed's.
+        self._set_state(0, flat_params(self.model), torch.zeros(self.numel))
+        recs = [r for r in await self.peers() if r.peer_id != self.me]
+        if any(r.round > 0 and r.weights_digest for r in recs):
+            await self._catch_up()
+
+    async def _catch_up(self) -> None:
+        """Download the newest majority state from the swarm (late join or digest mismatch)."""
+        from geomesh_p2p.round import digest_majority
+        from geomesh_p2p.state_sync import StateSyncError, download_state
+
+        self._syncing = True
+        try:
+            for attempt in range(30):
+                recs = [r for r in await self.peers() if r.peer_id != self.me]
+                top = max((r.round for r in recs if r.weights_digest), default=None)
+                if top is None:
+                    return
+                majority, _, _ = digest_majority(recs, top)
+                donors = [r.address for r in recs if r.round == top and r.weights_digest == majority and r.address]
+                self.round = top
+                await self.announce()  # tell the leader we are syncing for this round
+                try:
+                    snap = await download_state(self.transport, donors, round=top, numel=self.numel,
+                                                expected_digest=majority)
+                except StateSyncError as e:
+                    log.info("state download for round %d failed (%s); retrying", top, e)
+                    await asyncio.sleep(0.5)
+                    continue
+                self._set_state(snap.round, snap.theta, snap.momentum)
+                log.info("downloaded state of round %d from %d donor(s), digest %s", top, len(donors), self.digest[:8])
+                return
+            raise RuntimeError("could not download the swarm's state after 30 attempts")
+        finally:
+            self._syncing = False
+            await self.announce()
+
+    def checkpoint(self) -> Optional[Path]:
+        from geomesh_p2p.state import save_checkpoint
+
+        if not self.cfg.checkpoint_dir or self.theta is None:
+            return None
+        return save_checkpoint(self.cfg.checkpoint_dir, round=self.round, theta=self.theta,
+                               momentum=self.outer.momentum,
+                               meta={"run_config_hash": self.config_hash, "peer_id": self.me,
+                                     "run_config": self.run_cfg.model_dump()})
+
+    # ------------------------------------------------------------------ rounds
+    def _plan_config(self, n_peers: int):
+        from geomesh_p2p.planner import PlanConfig
+
+        r = self.run_cfg
+        p = self.numel
+        sign_bytes = (p + 7) // 8 + 4 * ((p + r.block_size - 1) // r.block_size)
+        per_peer = {"reencode": 2 * sign_bytes, "relay": sign_bytes * max(1, n_peers)}[r.mode]
+        if r.method == "diloco" or r.method == "awb":
+            per_peer = 2 * 4 * p
+        return PlanConfig(seq_len=r.seq_len, target_batch=r.target_batch, window_s=r.window_s,
+                          comm_share=r.comm_share, payload_bytes=per_peer, mode=r.mode, method=r.method,
+                          uniform_inner_steps=r.uniform_inner_steps, max_inner_steps=r.max_inner_steps,
+                          exchange_timeout_s=max(5.0, 3 * self.cfg.plan_timeout_s))
+
+    def _make_plan(self, members, leader):
+        from geomesh_p2p.planner import BALANCED_METHODS, plan_round, plan_uniform
+
+        cfg = self._plan_config(len(members))
+        fn = plan_round if self.run_cfg.method in BALANCED_METHODS else plan_uniform
+        return fn(members, cfg, run_id=self.run_cfg.run_id, round=self.round, leader=leader, numel=self.numel,
+                  start_time=time.time() + 0.5, start_digest=self.digest)
+
+    async def _gather_members(self, expected: set[str], min_peers: int, wait_s: float) -> list[PeerRecord]:
+        """Peers in sync for this round: announced this round with this digest. Waits for ``expected``
+        peers (last round's participants) and for peers announced as syncing, up to ``wait_s``."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            recs = await self.peers()
+            synced = [r for r in recs if r.round == self.round and r.weights_digest == self.digest]
+            ids = {r.peer_id for r in synced}
+            syncing = {r.peer_id for r in recs if r.round == self.round and r.weights_digest is None}
+            if (expected | syncing) <= ids and len(ids) >= min_peers:
+                return synced
+            if time.monotonic() > deadline or self._stop.is_set():
+                return synced
+            await asyncio.sleep(0.2)
+
+    async def run(self) -> int:
+        """Train until done; returns a process exit code (0 on success or clean stop)."""
+        await self.start()
+        announcer = self.transport.tasks.spawn(self._announce_loop(), name="announce")
+        try:
+            await self._initial_state()
+            self.initial_ppl = self.trainer.evaluate(max_batches=self.cfg.eval_batches)
+            log.info("round %d: eval perplexity %.2f (initial)", self.round, self.initial_ppl)
+            expected: set[str] = set()
+            first = True
+            while not self._stop.is_set():
+                if self.cfg.rounds is not None and self.round >= self.cfg.rounds:
+                    break
+                await self.announce()
+                members = await self._gather_members(
+                    expected, self.cfg.min_peers if first else 1,
+                    self.cfg.wait_peers_s if first else self.cfg.gather_wait_s)
+                first = False
+                expected = await self._one_round(members)
+                if self._reached_target():
+                    break
+        finally:
+            announcer.cancel()
+            await self.shutdown()
+        return 0
+
+    def _reached_target(self) -> bool:
+        t = self.cfg.target_ppl
+        if t is None or not self.history or self.history[-1].eval_ppl is None:
+            return False
+        if self.history[-1].eval_ppl <= t:
+            if self.time_to_target is None:
+                self.time_to_target = time.time() - self._t_start
+            return True
+        return False
+
+    async def _one_round(self, members: list[PeerRecord]) -> set[str]:
+        """Run round ``self.round``; returns the participants expected next round."""
+        from geomesh_p2p.collective import CollectiveSpec, PartOwner
+        from geomesh_p2p.round import obtain_plan
+        from geomesh_p2p.training import flat_params
+
+        r = self.round
+        t_round = time.time()
+        plan = await obtain_plan(self.plans, r, members, self._make_plan, plan_timeout_s=self.cfg.plan_timeout_s)
+        if plan is None:
+            log.warning("round %d: no plan appeared; retrying", r)
+            return set()
+        if self.me not in plan.participants() or plan.start_digest != self.digest:
+            why = "not in the plan" if self.me not in plan.participants() else "weights differ from the plan's"
+            log.info("round %d: %s; waiting for the round to end, then syncing", r, why)
+            await asyncio.sleep(max(0.0, plan.exchange_deadline - time.time()))
+            await self._wait_for_round(r + 1)
+            await self._catch_up()
+            return set(plan.participants())
+        a = plan.assignment(self.me)
+        sent0, recv0 = self.transport.stats.snapshot()
+        loop = asyncio.get_running_loop()
+        result = await loop.run_in_executor(None, lambda: self.trainer.run(
+            round=r, inner_steps=a.inner_steps, batch_size=a.batch_size, micro_batch=a.micro_batch,
+            deadline=plan.train_deadline, should_stop=self._stop.is_set))
+        t_compute_end = time.time()
+        delta = self.theta - flat_params(self.model)
+        records = {x.peer_id: x for x in members}
+        owners = []
+        for i, (pid, start, end) in enumerate(plan.owners()):
+            addr = records[pid].address if pid in records else None
+            owners.append(PartOwner(peer_id=pid, address=addr or "", start=start, end=end))
+        spec = CollectiveSpec(
+            run_id=self.run_cfg.run_id, round=r,
+            participants={x.peer_id: x.token_budget for x in plan.assignments},
+            owners=owners, numel=self.numel, mode=plan.mode,
+            aggregate_encoding=self.run_cfg.aggregate_encoding if self.run_cfg.method in ("geomesh", "css") else "fp32",
+            block_size=self.run_cfg.block_size, clip_k=self.run_cfg.clip_k,
+            deadline=plan.exchange_deadline - 0.25 * (plan.exchange_deadline - plan.train_deadline),
+            pull_deadline=plan.exchange_deadline)
+        self._in_exchange = True
+        try:
+            ar = await self.collective.all_reduce(spec, delta, tokens=result.tokens)
+        finally:
+            self._in_exchange = False
+        t_agg = time.time()
+        self.outer.step(self.theta, ar.aggregate)
+        self._set_state(r + 1, self.theta, None)
+        sent1, recv1 = self.transport.stats.snapshot()
+        await self.announce()
+        ppl = self.trainer.evaluate(max_batches=self.cfg.eval_batches)
+        barrier = min(plan.train_deadline, t_agg)
+        straggler = max(0.0, barrier - t_compute_end)
+        network = max(0.0, (t_agg - t_compute_end) - straggler)
+        rec = RoundRecord(
+            round=r, peers=len(plan.assignments), leader=plan.leader[:10], batch_size=a.batch_size,
+            inner_steps_planned=a.inner_steps, inner_steps_done=result.steps_done, tokens=result.tokens,
+            train_loss=result.mean_loss, eval_ppl=ppl, compute_s=result.compute_s,
+            straggler_idle_s=straggler, network_idle_s=network, round_s=time.time() - t_round,
+            bytes_sent=sent1 - sent0, bytes_received=recv1 - recv0, digest=self.digest,
+            contributors=sum(len(v) for v in ar.contributors.values()), missing_parts=len(ar.missing_parts),
+            time=time.time())
+        rec.digest_agree = await self._check_digest(r + 1, plan.participants())
+        self.history.append(rec)
+        self.round_log.add(rec)
+        self._update_throughput(a.micro_batch, result)
+        if self.cfg.checkpoint_dir and (r + 1) % self.cfg.checkpoint_every == 0:
+            self.checkpoint()
+        contributed = {pid for part in ar.contributors.values() for pid, _ in part}
+        return contributed or set(plan.participants())
+
+    def _update_throughput(self, micro_batch: int, result) -> None:
+        """Re-profiling (beyond the paper's one-off profile): EMA of this round's measured tokens/s."""
+        if result.compute_s > 0 and result.tokens > 0:
+            tps = result.tokens / result.compute_s
+            old = self.tps_ema.get(micro_batch, tps)
+            self.tps_ema[micro_batch] = 0.7 * old + 0.3 * tps
+
+    async def _wait_for_round(self, r: int, timeout_s: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and not self._stop.is_set():
+            recs = [x for x in await self.peers() if x.peer_id != self.me]
+            if any(x.round >= r and x.weights_digest for x in recs):
+                return
+            await asyncio.sleep(0.2)
+
+    async def _check_digest(self, r: int, participants: list[str], wait_s: float = 2.0) -> Optional[bool]:
+        """Compare this peer's digest with the majority of the round's participants (waits briefly)."""
+        from geomesh_p2p.round import digest_majority
+
+        deadline = time.monotonic() + wait_s
+        while True:
+            recs = [x for x in await self.peers() if x.peer_id in participants]
+            majority, agree, total = digest_majority(recs, r)
+            if total >= len(participants) or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.1)
+        if majority is None or total <= 1:
+            return None
+        if majority != self.digest:
+            log.error("round %d: my digest %s differs from the majority's %s (%d/%d); re-syncing",
+                      r, self.digest[:8], majority[:8], agree, total)
+            return False
+        return True
+
+    async def shutdown(self) -> None:
+        """Checkpoint, stop tasks, server and channels. Safe to call twice."""
+        if self.transport is None:
+            return
+        try:
+            path = self.checkpoint()
+            if path:
+                log.info("checkpoint written: %s (round %d)", path, self.round)
+        except Exception as e:
+            log.error("final checkpoint failed: %s", e)
+        if self.cfg.summary_json:
+            self.write_summary(self.cfg.summary_json)
+        try:
+            await self.dht.shutdown()
+        finally:
+            await self.transport.stop(grace=0.5)
+            self.round_log.close()
+            self.transport = None
+
+    def summary(self) -> dict:
+        h = self.history
+        return {
+            "peer_id": self.me,
+            "rounds": len(h),
+            "last_round": self.round,
+            "initial_eval_ppl": self.initial_ppl,
+            "final_eval_ppl": h[-1].eval_ppl if h else self.initial_ppl,
+            "time_to_target_s": self.time_to_target,
+            "straggler_idle_pct": (sum(r.straggler_idle_s for r in h) / max(1e-9, sum(r.round_s for r in h)) * 100) if h else 0.0,
+            "network_idle_pct": (sum(r.network_idle_s for r in h) / max(1e-9, sum(r.round_s for r in h)) * 100) if h else 0.0,
+            "bytes_sent": sum(r.bytes_sent for r in h),
+            "bytes_received": sum(r.bytes_received for r in h),
+            "digests": {r.round + 1: r.digest for r in h},
+            "digest_mismatches": sum(1 for r in h if r.digest_agree is False),
+            "rows": [json.loads(r.to_json()) for r in h],
+        }
+
+    def write_summary(self, path: str) -> None:
+        p = Path(path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        tmp = p.with_suffix(p.suffix + ".tmp")
+        tmp.write_text(json.dumps(self.summary(), indent=1))
+        os.replace(tmp, p)

@@ -1,0 +1,171 @@
+"""Round lifecycle: leader election, the signed plan in the DHT, digest agreement (DESIGN.md "Round r").
+
+Leader election is rendezvous hashing: every candidate PeerID p gets the rank H(r, p) = SHA-256 of
+``"<run>/<r>/<p>"``; the lowest rank leads round r. Candidate i (0-based, in rank order of the
+members a peer sees) publishes its plan only after ``i * plan_timeout_s`` without a plan from a
+better-ranked leader, so a leader that died before publishing is replaced within one timeout.
+
+Several plans can exist for one round (peers that saw different member sets may each think they
+lead). Every peer follows the same deterministic rule: among the valid plans it can read, the one
+whose leader has the lowest rank wins. A peer waits ``settle_s`` after the first plan appears and
+reads again before deciding, so late-published better-ranked plans are seen too. A plan is valid
+when it is signed by its leader (the DHT record's owner), names that leader and this round.
+
+Digest agreement: after the outer step each peer publishes the digest of its global weights in its
+PeerRecord; :func:`digest_majority` finds the majority digest of a round, and a peer whose digest
+differs is flagged for re-sync.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Awaitable, Callable, Iterable, Optional, Sequence
+
+from pydantic import ValidationError
+
+from geomesh_p2p.planner import RoundPlan
+from geomesh_p2p.records import PeerRecord
+
+log = logging.getLogger(__name__)
+
+
+def plan_key(run_id: str, round: int) -> str:
+    """DHT key under which the leaders of ``round`` store their plans (subkey = leader PeerID)."""
+    return f"{run_id}/plan/{round}"
+
+
+def leader_rank(run_id: str, round: int, peer_id: str) -> bytes:
+    """Rendezvous-hash rank of ``peer_id`` for ``round`` (lower leads). 32 bytes."""
+    return hashlib.sha256(f"{run_id}/{round}/{peer_id}".encode()).digest()
+
+
+def leader_order(run_id: str, round: int, peer_ids: Iterable[str]) -> list[str]:
+    """Candidates for leading ``round``, best first (deterministic for the same set)."""
+    return sorted(set(peer_ids), key=lambda p: leader_rank(run_id, round, p))
+
+
+def choose_plan(run_id: str, round: int, plans: Sequence[RoundPlan]) -> Optional[RoundPlan]:
+    """The plan every peer follows for ``round``: the one whose leader ranks lowest. None if no plan."""
+    valid = [p for p in plans if p.round == round and p.run_id == run_id]
+    if not valid:
+        return None
+    return min(valid, key=lambda p: leader_rank(run_id, round, p.leader))
+
+
+def digest_majority(records: Iterable[PeerRecord], round: int) -> tuple[Optional[str], int, int]:
+    """Majority weights digest among records announced at ``round``.
+
+    Returns (digest or None, votes for it, records counted). Ties break on the digest string so
+    every peer picks the same one.
+    """
+    votes = Counter(r.weights_digest for r in records if r.round == round and r.weights_digest)
+    if not votes:
+        return None, 0, 0
+    digest, n = max(votes.items(), key=lambda kv: (kv[1], kv[0]))
+    return digest, n, sum(votes.values())
+
+
+@dataclass
+class DigestCheck:
+    """Outcome of the digest check after the outer step of a round."""
+
+    round: int
+    mine: str
+    majority: Optional[str]
+    agree: int
+    total: int
+
+    @property
+    def matches(self) -> bool:
+        return self.majority is None or self.mine == self.majority
+
+    @property
+    def needs_resync(self) -> bool:
+        """True when a strict majority of other peers hold different weights than this peer."""
+        return self.majority is not None and self.mine != self.majority and self.agree * 2 > self.total
+
+
+class PlanStore:
+    """Reads and writes signed plans in the DHT (the DHT record owner is the plan's leader)."""
+
+    def __init__(self, dht, identity, run_id: str, ttl_s: float = 600.0):
+        self.dht, self.identity, self.run_id, self.ttl_s = dht, identity, run_id, ttl_s
+
+    async def publish(self, plan: RoundPlan) -> bool:
+        me = str(self.identity.peer_id)
+        return await self.dht.store(plan_key(self.run_id, plan.round), plan.to_bytes(),
+                                    expiration_time=time.time() + self.ttl_s, subkey=me, owner=self.identity)
+
+    async def read(self, round: int) -> list[RoundPlan]:
+        """Valid plans for ``round``: parsed, for this run and round, signed by the leader they name."""
+        found = await self.dht.get(plan_key(self.run_id, round))
+        plans = []
+        for subkey, entry in (found or {}).items():
+            value, _expiration, owner = entry
+            try:
+                plan = RoundPlan.from_bytes(value)
+            except (ValidationError, ValueError) as e:
+                log.warning("ignoring malformed plan for round %d from %s: %s", round, subkey, str(e)[:120])
+                continue
+            if owner is None or str(owner) != plan.leader or subkey != plan.leader:
+                log.warning("ignoring plan for round %d: leader %s did not sign it", round, plan.leader[:10])
+                continue
+            if plan.round != round or plan.run_id != self.run_id:
+                log.warning("ignoring plan stored for round %d that says run %s round %d", round, plan.run_id, plan.round)
+                continue
+            plans.append(plan)
+        return plans
+
+
+async def obtain_plan(
+    store: PlanStore,
+    round: int,
+    members: Sequence[PeerRecord],
+    make_plan: Callable[[Sequence[PeerRecord], str], RoundPlan],
+    *,
+    plan_timeout_s: float = 5.0,
+    settle_s: float = 0.5,
+    poll_s: float = 0.1,
+    give_up_s: Optional[float] = None,
+) -> Optional[RoundPlan]:
+    """Agree on the plan of ``round``: publish one if this peer's turn as leader comes, follow the best.
+
+    ``members`` is this peer's view of the live, in-sync peers (itself included); ``make_plan(members,
+    leader)`` computes a plan. Returns None when no plan appeared within ``give_up_s`` (default:
+    (len(members) + 1) * plan_timeout_s).
+    """
+    me = str(store.identity.peer_id)
+    order = leader_order(store.run_id, round, [m.peer_id for m in members])
+    my_turn = order.index(me) if me in order else None
+    give_up_s = give_up_s if give_up_s is not None else (len(order) + 1) * plan_timeout_s
+    t0 = time.monotonic()
+    published = False
+    while True:
+        elapsed = time.monotonic() - t0
+        plans = await store.read(round)
+        if plans:
+            await asyncio.sleep(settle_s)  # let a better-ranked plan published meanwhile become visible
+            plans = await store.read(round) or plans
+            chosen = choose_plan(store.run_id, round, plans)
+            if chosen is not None:
+                if len(plans) > 1:
+                    log.info("round %d: %d plans seen, following leader %s (lowest rank)",
+                             round, len(plans), chosen.leader[:10])
+                return chosen
+        if my_turn is not None and not published and elapsed >= my_turn * plan_timeout_s:
+            if my_turn > 0:
+                log.warning("round %d: no plan from %d better-ranked leader(s) after %.1fs; taking over",
+                            round, my_turn, elapsed)
+            plan = make_plan(members, me)
+            published = await store.publish(plan)
+            if not published:
+                log.warning("round %d: could not store my plan in the DHT", round)
+            continue
+        if elapsed > give_up_s:
+            return None
+        await asyncio.sleep(poll_s)
