@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ageomesh_p2p/wire/dht.proto\x12\x0cgeomesh.wire\"=\n\x08NodeInfo\x12\x0f\n\x07node_id\x18\x01 \x01(\x0c\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0f\n\x07peer_id\x18\x03 \x01(\x0c\"\x80\x01\n\x0cSignedRecord\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x0e\n\x06subkey\x18\x02 \x01(\x0c\x12\r\n\x05value\x18\x03 \x01(\x0c\x12\x17\n\x0f\x65xpiration_time\x18\x04 \x01(\x01\x12\x18\n\x10owner_public_key\x18\x05 \x01(\x0c\x12\x11\n\tsignature\x18\x06 \x01(\x0c\"5\n\x0bPingRequest\x12&\n\x06sender\x18\x01 \x01(\x0b\x32\x16.geomesh.wire.NodeInfo\"B\n\x0cPingResponse\x12$\n\x04node\x18\x01 \x01(\x0b\x32\x16.geomesh.wire.NodeInfo\x12\x0c\n\x04time\x18\x02 \x01(\x01\"c\n\x0cStoreRequest\x12&\n\x06sender\x18\x01 \x01(\x0b\x32\x16.geomesh.wire.NodeInfo\x12+\n\x07records\x18\x02 \x03(\x0b\x32\x1a.geomesh.wire.SignedRecord\"0\n\rStoreResponse\x12\x0e\n\x06stored\x18\x01 \x03(\x08\x12\x0f\n\x07reasons\x18\x02 \x03(\t\"C\n\x0b\x46indRequest\x12&\n\x06sender\x18\x01 \x01(\x0b\x32\x16.geomesh.wire.NodeInfo\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\"o\n\nFindResult\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12+\n\x07records\x18\x02 \x03(\x0b\x32\x1a.geomesh.wire.SignedRecord\x12\'\n\x07nearest\x18\x03 \x03(\x0b\x32\x16.geomesh.wire.NodeInfo\"9\n\x0c\x46indResponse\x12)\n\x07results\x18\x01 \x03(\x0b\x32\x18.geomesh.wire.FindResultb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ageomesh_p2p/wire/dht.proto\x12\x0cgeomesh.wire\"=\n\x08NodeInfo\x12\x0f\n\x07node_id\x18\x01 \x01(\x0c\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0f\n\x07peer_id\x18\x03 \x01(\x0c\"\x90\x01\n\x0cSignedRecord\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x13\n\x06subkey\x18\x02 \x01(\tH\x00\x88\x01\x01\x12\r\n\x05value\x18\x03 \x01(\x0c\x12\x17\n\x0f\x65xpiration_time\x18\x04 \x01(\x01\x12\x18\n\x10owner_public_key\x18\x05 \x01(\x0c\x12\x11\n\tsignature\x18\x06 \x01(\x0c\x42\t\n\x07_subkey\"e\n\x0bPingRequest\x12&\n\x06sender\x18\x01 \x01(\x0b\x32\x16.geomesh.wire.NodeInfo\x12\x14\n\x0c\x64ht_protocol\x18\x02 \x01(\r\x12\x18\n\x10software_version\x18\x03 \x01(\t\"r\n\x0cPingResponse\x12$\n\x04node\x18\x01 \x01(\x0b\x32\x16.geomesh.wire.NodeInfo\x12\x0c\n\x04time\x18\x02 \x01(\x01\x12\x14\n\x0c\x64ht_protocol\x18\x03 \x01(\r\x12\x18\n\x10software_version\x18\x04 \x01(\t\"c\n\x0cStoreRequest\x12&\n\x06sender\x18\x01 \x01(\x0b\x32\x16.geomesh.wire.NodeInfo\x12+\n\x07records\x18\x02 \x03(\x0b\x32\x1a.geomesh.wire.SignedRecord\"<\n\x0cStoreOutcome\x12\x0e\n\x06stored\x18\x01 \x01(\x08\x12\x0c\n\x04\x63ode\x18\x02 \x01(\r\x12\x0e\n\x06reason\x18\x03 \x01(\t\"=\n\rStoreResponse\x12,\n\x08outcomes\x18\x01 \x03(\x0b\x32\x1a.geomesh.wire.StoreOutcome\"C\n\x0b\x46indRequest\x12&\n\x06sender\x18\x01 \x01(\x0b\x32\x16.geomesh.wire.NodeInfo\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\"o\n\nFindResult\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12+\n\x07records\x18\x02 \x03(\x0b\x32\x1a.geomesh.wire.SignedRecord\x12\'\n\x07nearest\x18\x03 \x03(\x0b\x32\x16.geomesh.wire.NodeInfo\"9\n\x0c\x46indResponse\x12)\n\x07results\x18\x01 \x03(\x0b\x32\x18.geomesh.wire.FindResultb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,19 +34,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_NODEINFO']._serialized_start=44
   _globals['_NODEINFO']._serialized_end=105
   _globals['_SIGNEDRECORD']._serialized_start=108
-  _globals['_SIGNEDRECORD']._serialized_end=236
-  _globals['_PINGREQUEST']._serialized_start=238
-  _globals['_PINGREQUEST']._serialized_end=291
-  _globals['_PINGRESPONSE']._serialized_start=293
-  _globals['_PINGRESPONSE']._serialized_end=359
-  _globals['_STOREREQUEST']._serialized_start=361
-  _globals['_STOREREQUEST']._serialized_end=460
-  _globals['_STORERESPONSE']._serialized_start=462
-  _globals['_STORERESPONSE']._serialized_end=510
-  _globals['_FINDREQUEST']._serialized_start=512
-  _globals['_FINDREQUEST']._serialized_end=579
-  _globals['_FINDRESULT']._serialized_start=581
-  _globals['_FINDRESULT']._serialized_end=692
-  _globals['_FINDRESPONSE']._serialized_start=694
-  _globals['_FINDRESPONSE']._serialized_end=751
+  _globals['_SIGNEDRECORD']._serialized_end=252
+  _globals['_PINGREQUEST']._serialized_start=254
+  _globals['_PINGREQUEST']._serialized_end=355
+  _globals['_PINGRESPONSE']._serialized_start=357
+  _globals['_PINGRESPONSE']._serialized_end=471
+  _globals['_STOREREQUEST']._serialized_start=473
+  _globals['_STOREREQUEST']._serialized_end=572
+  _globals['_STOREOUTCOME']._serialized_start=574
+  _globals['_STOREOUTCOME']._serialized_end=634
+  _globals['_STORERESPONSE']._serialized_start=636
+  _globals['_STORERESPONSE']._serialized_end=697
+  _globals['_FINDREQUEST']._serialized_start=699
+  _globals['_FINDREQUEST']._serialized_end=766
+  _globals['_FINDRESULT']._serialized_start=768
+  _globals['_FINDRESULT']._serialized_end=879
+  _globals['_FINDRESPONSE']._serialized_start=881
+  _globals['_FINDRESPONSE']._serialized_end=938
 # @@protoc_insertion_point(module_scope)

@@ -24,27 +24,35 @@ class SignedRecord(_message.Message):
     EXPIRATION_TIME_FIELD_NUMBER: _ClassVar[int]
     OWNER_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
-    key: bytes
-    subkey: bytes
+    key: str
+    subkey: str
     value: bytes
     expiration_time: float
     owner_public_key: bytes
     signature: bytes
-    def __init__(self, key: _Optional[bytes] = ..., subkey: _Optional[bytes] = ..., value: _Optional[bytes] = ..., expiration_time: _Optional[float] = ..., owner_public_key: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, key: _Optional[str] = ..., subkey: _Optional[str] = ..., value: _Optional[bytes] = ..., expiration_time: _Optional[float] = ..., owner_public_key: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class PingRequest(_message.Message):
-    __slots__ = ("sender",)
+    __slots__ = ("sender", "dht_protocol", "software_version")
     SENDER_FIELD_NUMBER: _ClassVar[int]
+    DHT_PROTOCOL_FIELD_NUMBER: _ClassVar[int]
+    SOFTWARE_VERSION_FIELD_NUMBER: _ClassVar[int]
     sender: NodeInfo
-    def __init__(self, sender: _Optional[_Union[NodeInfo, _Mapping]] = ...) -> None: ...
+    dht_protocol: int
+    software_version: str
+    def __init__(self, sender: _Optional[_Union[NodeInfo, _Mapping]] = ..., dht_protocol: _Optional[int] = ..., software_version: _Optional[str] = ...) -> None: ...
 
 class PingResponse(_message.Message):
-    __slots__ = ("node", "time")
+    __slots__ = ("node", "time", "dht_protocol", "software_version")
     NODE_FIELD_NUMBER: _ClassVar[int]
     TIME_FIELD_NUMBER: _ClassVar[int]
+    DHT_PROTOCOL_FIELD_NUMBER: _ClassVar[int]
+    SOFTWARE_VERSION_FIELD_NUMBER: _ClassVar[int]
     node: NodeInfo
     time: float
-    def __init__(self, node: _Optional[_Union[NodeInfo, _Mapping]] = ..., time: _Optional[float] = ...) -> None: ...
+    dht_protocol: int
+    software_version: str
+    def __init__(self, node: _Optional[_Union[NodeInfo, _Mapping]] = ..., time: _Optional[float] = ..., dht_protocol: _Optional[int] = ..., software_version: _Optional[str] = ...) -> None: ...
 
 class StoreRequest(_message.Message):
     __slots__ = ("sender", "records")
@@ -54,13 +62,21 @@ class StoreRequest(_message.Message):
     records: _containers.RepeatedCompositeFieldContainer[SignedRecord]
     def __init__(self, sender: _Optional[_Union[NodeInfo, _Mapping]] = ..., records: _Optional[_Iterable[_Union[SignedRecord, _Mapping]]] = ...) -> None: ...
 
-class StoreResponse(_message.Message):
-    __slots__ = ("stored", "reasons")
+class StoreOutcome(_message.Message):
+    __slots__ = ("stored", "code", "reason")
     STORED_FIELD_NUMBER: _ClassVar[int]
-    REASONS_FIELD_NUMBER: _ClassVar[int]
-    stored: _containers.RepeatedScalarFieldContainer[bool]
-    reasons: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, stored: _Optional[_Iterable[bool]] = ..., reasons: _Optional[_Iterable[str]] = ...) -> None: ...
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    stored: bool
+    code: int
+    reason: str
+    def __init__(self, stored: _Optional[bool] = ..., code: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class StoreResponse(_message.Message):
+    __slots__ = ("outcomes",)
+    OUTCOMES_FIELD_NUMBER: _ClassVar[int]
+    outcomes: _containers.RepeatedCompositeFieldContainer[StoreOutcome]
+    def __init__(self, outcomes: _Optional[_Iterable[_Union[StoreOutcome, _Mapping]]] = ...) -> None: ...
 
 class FindRequest(_message.Message):
     __slots__ = ("sender", "keys")
