@@ -1,0 +1,222 @@
+"""A whole GeoMesh swarm on this machine: one bootstrap and N peers as separate OS processes on
+127.0.0.1, training the small model on the shipped corpus. Heterogeneity is emulated per peer
+(--speed-factors: a peer with factor f sleeps so that each step takes 1/f as long; --memory-budgets
+caps its batch). Prints one row per round for the swarm, stops at --target-ppl or --rounds, and
+writes --summary-json. Every process it starts is stopped when it ends, also on Ctrl+C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def add_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("demo")
+    g.add_argument("--peers", type=int, default=3, help="number of peer processes (default: %(default)s)")
+    g.add_argument("--speed-factors", default="1.0,0.55,0.4",
+                   help="per-peer relative speed, comma-separated, cycled (default: %(default)s)")
+    g.add_argument("--memory-budgets", default="",
+                   help="per-peer CPU memory budget in GB, comma-separated (default: none)")
+    g.add_argument("--rounds", type=int, default=40, help="stop after this many rounds (default: %(default)s)")
+    g.add_argument("--target-ppl", type=float, default=None,
+                   help="stop once the swarm's eval perplexity reaches this (default: 0.5x the initial's... see README)")
+    g.add_argument("--workdir", help="where logs, keys and checkpoints go (default: a temporary folder)")
+    g.add_argument("--summary-json", help="write the demo summary here")
+    g.add_argument("--threads-per-peer", type=int, default=1, help="torch threads per peer (default: %(default)s)")
+    g.add_argument("--timeout-s", type=float, default=900, help="give up after this long (default: %(default)s)")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_flags(ns: argparse.Namespace) -> list[str]:
+    out = ["--run-id", ns.run_id, "--model", ns.model, "--vocab-size", str(ns.vocab_size),
+           "--seq-len", str(ns.seq_len), "--seed", str(ns.seed), "--method", ns.method, "--mode", ns.mode,
+           "--aggregate-encoding", ns.aggregate_encoding, "--block-size", str(ns.block_size),
+           "--inner-optimizer", ns.inner_optimizer, "--inner-lr", str(ns.inner_lr), "--outer-lr", str(ns.outer_lr),
+           "--outer-momentum", str(ns.outer_momentum), "--target-batch", str(ns.target_batch),
+           "--window-s", str(ns.window_s), "--uniform-inner-steps", str(ns.uniform_inner_steps)]
+    if ns.model_config:
+        out += ["--model-config", ns.model_config]
+    if ns.data:
+        out += ["--data", ns.data]
+    if ns.error_feedback:
+        out.append("--error-feedback")
+    return out
+
+
+class Swarm:
+    """Starts and owns the demo's processes; :meth:`stop` ends every one of them, by PID."""
+
+    def __init__(self, workdir: Path):
+        self.workdir = workdir
+        self.procs: list[tuple[str, subprocess.Popen]] = []
+
+    def spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
+        logf = open(self.workdir / f"{name}.log", "w")
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        p = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        logf.close()
+        self.procs.append((name, p))
+        return p
+
+    def stop(self, grace_s: float = 30.0) -> None:
+        for _, p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGINT)
+        deadline = time.time() + grace_s
+        for _, p in self.procs:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+def _read_rows(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass  # a line being written
+    return rows
+
+
+def cmd_demo(ns: argparse.Namespace) -> int:
+    speeds = [float(x) for x in ns.speed_factors.split(",") if x]
+    budgets = [float(x) for x in ns.memory_budgets.split(",") if x]
+    if ns.peers < 1 or not speeds or any(s <= 0 for s in speeds):
+        print("geomesh-peer demo: --peers must be >= 1 and --speed-factors positive numbers", file=sys.stderr)
+        return 2
+    workdir = Path(ns.workdir or tempfile.mkdtemp(prefix="geomesh-demo-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    bport = _free_port()
+    exe = [sys.executable, "-m"]
+    swarm = Swarm(workdir)
+    print(f"GeoMesh demo: bootstrap + {ns.peers} peers on 127.0.0.1, method {ns.method}, logs in {workdir}")
+    t0 = time.time()
+    rc = 0
+    try:
+        swarm.spawn("bootstrap", exe + ["bootstrap.cli", "--host", "127.0.0.1", "--port", str(bport),
+                                        "--run-id", ns.run_id, "--identity", str(workdir / "bootstrap.key")])
+        for i in range(ns.peers):
+            f = speeds[i % len(speeds)]
+            argv = exe + ["peer.cli", "join", "--bootstrap", f"127.0.0.1:{bport}",
+                          "--identity", str(workdir / f"peer{i}.key"), "--speed-factor", str(f),
+                          "--min-peers", str(ns.peers), "--rounds", str(ns.rounds),
+                          "--threads", str(ns.threads_per_peer),
+                          "--log-json", str(workdir / f"peer{i}.jsonl"),
+                          "--summary-json", str(workdir / f"peer{i}.summary.json"),
+                          "--checkpoint-dir", str(workdir / f"ckpt{i}")] + _run_flags(ns)
+            if budgets:
+                argv += ["--memory-budget-gb", str(budgets[i % len(budgets)])]
+            swarm.spawn(f"peer{i}", argv)
+            print(f"  peer{i}: speed factor {f}")
+        rc = _watch(ns, swarm, workdir, t0)
+    except KeyboardInterrupt:
+        print("\ninterrupted: stopping the swarm")
+        rc = 130
+    finally:
+        swarm.stop()
+    summary = _summarize(ns, workdir, t0)
+    if ns.summary_json:
+        Path(ns.summary_json).write_text(json.dumps(summary, indent=1))
+    _print_summary(summary)
+    if rc == 0 and ns.target_ppl is not None and not summary["reached_target"]:
+        rc = 1
+    return rc
+
+
+def _watch(ns, swarm: Swarm, workdir: Path, t0: float) -> int:
+    """Print one swarm row per finished round until the target, the last round or a failure."""
+    shown = -1
+    print(f"{'round':>5} {'peers':>5} {'batch/H per peer':<28} {'loss':>6} {'eval ppl':>9} "
+          f"{'strag% max':>10} {'net% max':>8} {'KB sent/peer':>12} {'time':>6} digests")
+    while time.time() - t0 < ns.timeout_s:
+        rows = [_read_rows(workdir / f"peer{i}.jsonl") for i in range(ns.peers)]
+        done_round = min((len(r) for r in rows), default=0) - 1
+        while shown < done_round:
+            shown += 1
+            rr = [r[shown] for r in rows]
+            digests = {r["digest"] for r in rr}
+            bh = " ".join(f"{r['batch_size']}/{r['inner_steps_done']}" for r in rr)
+            print(f"{shown:>5} {rr[0]['peers']:>5} {bh:<28} {sum(r['train_loss'] for r in rr)/len(rr):>6.3f} "
+                  f"{rr[0]['eval_ppl']:>9.2f} {max(r['straggler_idle_pct'] for r in rr):>10.1f} "
+                  f"{max(r['network_idle_pct'] for r in rr):>8.1f} "
+                  f"{sum(r['bytes_sent'] for r in rr)/len(rr)/1024:>12.1f} {rr[0]['round_s']:>6.1f} "
+                  f"{'equal' if len(digests) == 1 else 'DIFFER'}", flush=True)
+            if ns.target_ppl is not None and rr[0]["eval_ppl"] <= ns.target_ppl:
+                print(f"target eval perplexity {ns.target_ppl} reached at round {shown} "
+                      f"after {time.time() - t0:.0f}s")
+                return 0
+        for name, p in swarm.procs:
+            if p.poll() is not None and p.returncode != 0:
+                print(f"{name} exited with code {p.returncode}; its log: {workdir / (name + '.log')}")
+                tail = (workdir / f"{name}.log").read_text().splitlines()[-15:]
+                print("\n".join("    " + line for line in tail))
+                return 1
+        if all(p.poll() is not None for name, p in swarm.procs if name.startswith("peer")):
+            return 0
+        time.sleep(0.5)
+    print(f"demo timed out after {ns.timeout_s:.0f}s")
+    return 1
+
+
+def _summarize(ns, workdir: Path, t0: float) -> dict:
+    rows = [_read_rows(workdir / f"peer{i}.jsonl") for i in range(ns.peers)]
+    n = min((len(r) for r in rows), default=0)
+    curve = [rows[0][k]["eval_ppl"] for k in range(n)] if n else []
+    initial = None
+    s0 = workdir / "peer0.summary.json"
+    if s0.exists():
+        initial = json.loads(s0.read_text()).get("initial_eval_ppl")
+    t_target = None
+    if ns.target_ppl is not None:
+        for k in range(n):
+            if rows[0][k]["eval_ppl"] <= ns.target_ppl:
+                t_target = rows[0][k]["time"] - t0
+                break
+    per_peer = []
+    for i, r in enumerate(rows):
+        tot = sum(x["round_s"] for x in r) or 1e-9
+        per_peer.append({
+            "peer": i,
+            "straggler_idle_pct": round(100 * sum(x["straggler_idle_s"] for x in r) / tot, 2),
+            "network_idle_pct": round(100 * sum(x["network_idle_s"] for x in r) / tot, 2),
+            "bytes_sent": sum(x["bytes_sent"] for x in r),
+            "bytes_received": sum(x["bytes_received"] for x in r),
+        })
+    digests_matched = all(len({rows[i][k]["digest"] for i in range(ns.peers)}) == 1 for k in range(n))
+    return {
+        "method": ns.method, "peers": ns.peers, "rounds": n,
+        "initial_eval_ppl": initial, "final_eval_ppl": curve[-1] if curve else None,
+        "eval_ppl_curve": curve, "target_ppl": ns.target_ppl,
+        "reached_target": t_target is not None, "time_to_target_s": t_target,
+        "wall_s": time.time() - t0, "per_peer": per_peer, "digests_matched_every_round": digests_matched and n > 0,
+        "workdir": str(workdir),
+    }
+
+
+def _print_summary(s: dict) -> None:
+    print("\nsummary:")
+    print(f"  rounds {s['rounds']}, eval perplexity {s['initial_eval_ppl']} -> {s['final_eval_ppl']}"
+          f" (target {s['target_ppl']}: {'reached in %.0fs' % s['time_to_target_s'] if s['reached_target'] else 'not reached'})")
+    for p in s["per_peer"]:
+        print(f"  peer{p['peer']}: straggler idle {p['straggler_idle_pct']:.1f}%, network idle "
+              f"{p['network_idle_pct']:.1f}%, sent {p['bytes_sent']/1e6:.2f} MB")
+    print(f"  digests equal on every peer every round: {s['digests_matched_every_round']}")

@@ -1,0 +1,213 @@
+"""``geomesh-peer join | demo | profile``: flags, validation at start, clean Ctrl+C. No protocol logic."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+import sys
+
+log = logging.getLogger("geomesh-peer")
+
+
+def _positive_float(text: str) -> float:
+    v = float(text)
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return v
+
+
+def _host_port(text: str) -> str:
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
+    return text
+
+
+def add_run_flags(p: argparse.ArgumentParser) -> None:
+    """Flags of the run config: every peer of a run must use the same values (they are hashed)."""
+    g = p.add_argument_group("run config (shared by every peer of a run; mismatches are refused)")
+    g.add_argument("--run-id", default="geomesh-demo", help="name of the training run (default: %(default)s)")
+    g.add_argument("--model", default="tiny", help="model preset: tiny, small, gpt2-124m, llama-tiny (default: %(default)s)")
+    g.add_argument("--model-config", metavar="FILE.json", help="transformers config JSON instead of a preset")
+    g.add_argument("--data", metavar="PATH", help=".txt/.txt.xz/.jsonl/.parquet training text (default: the shipped KJV corpus)")
+    g.add_argument("--vocab-size", type=int, default=4096, help="byte-level BPE vocabulary (default: %(default)s)")
+    g.add_argument("--seq-len", type=int, default=64, help="tokens per sequence (default: %(default)s)")
+    g.add_argument("--seed", type=int, default=0, help="run seed: initial weights and data order (default: %(default)s)")
+    g.add_argument("--method", default="geomesh", choices=["geomesh", "awb", "css", "diloco"],
+                   help="geomesh = AWB + sign compression; awb / css = one of them; diloco = neither (default: %(default)s)")
+    g.add_argument("--mode", default="reencode", choices=["relay", "reencode"],
+                   help="how part owners serve the aggregate (default: %(default)s)")
+    g.add_argument("--aggregate-encoding", default="sign", choices=["sign", "int8", "fp16"],
+                   help="reencode mode: encoding of the aggregate (default: %(default)s)")
+    g.add_argument("--block-size", type=int, default=2048, help="elements per sign-codec scale (default: %(default)s)")
+    g.add_argument("--error-feedback", action="store_true", help="keep the compression residual (off: it hurt under Nesterov)")
+    g.add_argument("--inner-optimizer", default="adamw", choices=["adamw", "lion"], help="(default: %(default)s)")
+    g.add_argument("--inner-lr", type=_positive_float, default=1e-3, help="(default: %(default)s)")
+    g.add_argument("--outer-lr", type=_positive_float, default=0.7, help="outer Nesterov lr, DiLoCo's 0.7 (default: %(default)s)")
+    g.add_argument("--outer-momentum", type=float, default=0.9, help="(default: %(default)s)")
+    g.add_argument("--target-batch", type=int, default=8, help="sequences per inner step (default: %(default)s)")
+    g.add_argument("--window-s", type=_positive_float, default=6.0, help="sync window per round, seconds (default: %(default)s)")
+    g.add_argument("--uniform-inner-steps", type=int, default=20, help="H of the uniform (diloco/css) plan (default: %(default)s)")
+
+
+def add_node_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("this node")
+    g.add_argument("--bootstrap", action="append", type=_host_port, default=[], metavar="HOST:PORT",
+                   help="a bootstrap (or any live peer) to join through; repeatable")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    g.add_argument("--port", type=int, default=0, help="port to listen on; 0 = any free (default: %(default)s)")
+    g.add_argument("--advertise-host", help="address others dial (default: --host)")
+    g.add_argument("--client-only", action="store_true", help="behind NAT: accept no connections, own no part")
+    g.add_argument("--identity", default="~/.geomesh/identity.key", metavar="PATH", help="Ed25519 key file (default: %(default)s)")
+    g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: %(default)s)")
+    g.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    g.add_argument("--checkpoint-dir", metavar="DIR", help="write safetensors checkpoints here")
+    g.add_argument("--checkpoint-every", type=int, default=5, help="rounds between checkpoints (default: %(default)s)")
+    g.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir")
+    g.add_argument("--rounds", type=int, help="stop after this round")
+    g.add_argument("--target-ppl", type=_positive_float, help="stop once eval perplexity is at or below this")
+    g.add_argument("--min-peers", type=int, default=1, help="peers to wait for before round 0 (default: %(default)s)")
+    g.add_argument("--wait-peers-s", type=float, default=60.0, help="how long to wait for --min-peers (default: %(default)s)")
+    g.add_argument("--speed-factor", type=_positive_float, default=1.0,
+                   help="emulate a slower device: each step takes 1/f as long (default: %(default)s)")
+    g.add_argument("--memory-budget-gb", type=_positive_float, help="memory budget for batches on CPU (GB)")
+    g.add_argument("--upload-mbps", type=_positive_float, help="state your upload bandwidth (Mbit/s) instead of measuring")
+    g.add_argument("--download-mbps", type=_positive_float, help="state your download bandwidth (Mbit/s)")
+    g.add_argument("--added-latency-ms", type=float, default=0.0, help="add this latency to every outgoing call (WAN emulation)")
+    g.add_argument("--log-json", metavar="PATH", help="append one JSON line per round here")
+    g.add_argument("--summary-json", metavar="PATH", help="write a run summary here at exit")
+    g.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
+
+
+def run_config_from(ns: argparse.Namespace):
+    """Build the RunConfig; reads --model-config and fingerprints --data. Raises ValueError with the path."""
+    import hashlib
+    from pathlib import Path
+
+    from geomesh_p2p.node import RunConfig
+
+    model_json = None
+    if ns.model_config:
+        try:
+            model_json = Path(ns.model_config).read_text()
+            json.loads(model_json)
+        except OSError as e:
+            raise ValueError(f"cannot read --model-config {ns.model_config}: {e.strerror}") from None
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--model-config {ns.model_config} is not valid JSON: {e}") from None
+    data_id = "kjv"
+    if ns.data:
+        p = Path(ns.data)
+        if not p.is_file():
+            raise ValueError(f"--data {ns.data}: no such file")
+        try:
+            with p.open("rb") as f:
+                head = f.read(1 << 20)
+        except OSError as e:
+            raise ValueError(f"--data {ns.data}: cannot read: {e.strerror}") from None
+        data_id = f"{p.name}:{p.stat().st_size}:{hashlib.sha256(head).hexdigest()[:16]}"
+    return RunConfig(
+        run_id=ns.run_id, model=ns.model if not model_json else hashlib.sha256(model_json.encode()).hexdigest()[:16],
+        model_config_json=model_json, data=data_id, vocab_size=ns.vocab_size, seq_len=ns.seq_len, seed=ns.seed,
+        method=ns.method, mode=ns.mode, aggregate_encoding=ns.aggregate_encoding, block_size=ns.block_size,
+        error_feedback=ns.error_feedback, inner_optimizer=ns.inner_optimizer, inner_lr=ns.inner_lr,
+        outer_lr=ns.outer_lr, outer_momentum=ns.outer_momentum, target_batch=ns.target_batch,
+        window_s=ns.window_s, uniform_inner_steps=ns.uniform_inner_steps)
+
+
+def node_config_from(ns: argparse.Namespace):
+    from geomesh_p2p.node import NodeConfig
+
+    mbps = lambda v: None if v is None else v * 1e6 / 8  # noqa: E731  Mbit/s -> bytes/s
+    return NodeConfig(
+        bootstrap=ns.bootstrap, host=ns.host, port=ns.port, advertise_host=ns.advertise_host,
+        client_only=ns.client_only, identity=ns.identity, device=ns.device, threads=ns.threads,
+        data_path=ns.data, model_config_file=ns.model_config, checkpoint_dir=ns.checkpoint_dir,
+        checkpoint_every=ns.checkpoint_every, resume=ns.resume, rounds=ns.rounds, target_ppl=ns.target_ppl,
+        min_peers=ns.min_peers, wait_peers_s=ns.wait_peers_s, speed_factor=ns.speed_factor,
+        memory_budget_bytes=int(ns.memory_budget_gb * 2**30) if ns.memory_budget_gb else None,
+        upload_bps=mbps(ns.upload_mbps), download_bps=mbps(ns.download_mbps),
+        added_latency_s=ns.added_latency_ms / 1000, log_json=ns.log_json, summary_json=ns.summary_json,
+        metrics_port=ns.metrics_port)
+
+
+async def _run_node(node) -> int:
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, node.request_stop)
+    try:
+        return await node.run()
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+
+
+def cmd_join(ns: argparse.Namespace) -> int:
+    from geomesh_p2p.identity import Identity, IdentityError
+    from geomesh_p2p.node import PeerNode
+
+    if not ns.bootstrap:
+        log.info("no --bootstrap given: starting a new swarm (others can join through this peer)")
+    try:
+        run = run_config_from(ns)
+        cfg = node_config_from(ns)
+        identity = Identity.load_or_create(ns.identity)
+    except (ValueError, IdentityError) as e:
+        print(f"geomesh-peer join: {e}", file=sys.stderr)
+        return 2
+    node = PeerNode(run, cfg, identity)
+    try:
+        return asyncio.run(_run_node(node))
+    except Exception as e:  # known start-up failures are reported in one line, not a traceback
+        from geomesh_p2p.errors import UserFacingError
+
+        if isinstance(e, UserFacingError):
+            print(f"geomesh-peer join: {e}", file=sys.stderr)
+            return 1
+        raise
+
+
+def cmd_profile(ns: argparse.Namespace) -> int:
+    from geomesh_p2p.capability import format_profile_table, profile
+
+    result = profile(preset=ns.model, seq_len=ns.seq_len, batch_sizes=ns.batch_sizes, device=ns.device,
+                     speed_factor=ns.speed_factor,
+                     memory_budget_bytes=int(ns.memory_budget_gb * 2**30) if ns.memory_budget_gb else None,
+                     upload_bps=ns.upload_mbps * 1e6 / 8 if ns.upload_mbps else None,
+                     download_bps=ns.download_mbps * 1e6 / 8 if ns.download_mbps else None)
+    print(json.dumps(result, indent=1, default=str) if ns.json else format_profile_table(result))
+    return 0
+
+
+def add_subcommands(sub, add_common) -> None:
+    join = sub.add_parser("join", help="train with a swarm", description="Join a GeoMesh swarm and train.")
+    add_node_flags(join)
+    add_run_flags(join)
+    add_common(join)
+    join.set_defaults(handler=cmd_join)
+
+    from peer import demo
+
+    d = sub.add_parser("demo", help="a whole swarm on this machine (bootstrap + N peer processes)",
+                       description=demo.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    demo.add_flags(d)
+    add_run_flags(d)
+    add_common(d)
+    d.set_defaults(handler=demo.cmd_demo)
+
+    prof = sub.add_parser("profile", help="measure this device: memory, tokens/s per batch size")
+    prof.add_argument("--model", default="tiny", help="model preset to measure (default: %(default)s)")
+    prof.add_argument("--seq-len", type=int, default=64, help="(default: %(default)s)")
+    prof.add_argument("--batch-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 8, 16],
+                      help="comma-separated batch sizes (default: 1,4,8,16)")
+    prof.add_argument("--device", default="auto", help="(default: %(default)s)")
+    prof.add_argument("--speed-factor", type=_positive_float, default=1.0, help="(default: %(default)s)")
+    prof.add_argument("--memory-budget-gb", type=_positive_float, help="CPU memory budget (GB)")
+    prof.add_argument("--upload-mbps", type=_positive_float, help="state the upload bandwidth (Mbit/s)")
+    prof.add_argument("--download-mbps", type=_positive_float, help="state the download bandwidth (Mbit/s)")
+    prof.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    add_common(prof)
+    prof.set_defaults(handler=cmd_profile)
