@@ -162,12 +162,29 @@ def cmd_join(ns: argparse.Namespace) -> int:
     try:
         return asyncio.run(_run_node(node))
     except Exception as e:  # known start-up failures are reported in one line, not a traceback
-        from geomesh_p2p.errors import UserFacingError
-
-        if isinstance(e, UserFacingError):
+        if isinstance(e, user_facing_errors()):
             print(f"geomesh-peer join: {e}", file=sys.stderr)
             return 1
         raise
+
+
+def user_facing_errors() -> tuple[type[BaseException], ...]:
+    """Errors whose message is enough for the user (bad data path, bad model config, no bootstrap...)."""
+    from geomesh_p2p.data import DataError
+    from geomesh_p2p.errors import UserFacingError
+    from geomesh_p2p.identity import IdentityError
+    from geomesh_p2p.state import StateError
+    from geomesh_p2p.state_sync import StateSyncError
+    from geomesh_p2p.training import ConfigError
+
+    errs = [UserFacingError, DataError, IdentityError, StateError, StateSyncError, ConfigError]
+    try:
+        from geomesh_p2p.dht import DHTJoinError
+
+        errs.append(DHTJoinError)
+    except ImportError:
+        pass
+    return tuple(errs)
 
 
 def cmd_profile(ns: argparse.Namespace) -> int:
