@@ -148,24 +148,26 @@ async def obtain_plan(
     while True:
         elapsed = time.monotonic() - t0
         plans = await store.read(round)
-        if plans:
+        best = choose_plan(store.run_id, round, plans)
+        my_turn_now = my_turn is not None and not published and elapsed >= my_turn * plan_timeout_s
+        # Publish when it is my turn, unless a plan from a better-ranked leader already exists.
+        if my_turn_now and (best is None or leader_rank(store.run_id, round, me) < leader_rank(store.run_id, round, best.leader)):
+            if my_turn > 0 and best is None:
+                log.warning("round %d: no plan from %d better-ranked leader(s) after %.1fs; taking over",
+                            round, my_turn, elapsed)
+            published = await store.publish(make_plan(members, me))
+            if not published:
+                log.warning("round %d: could not store my plan in the DHT", round)
+                my_turn = None  # do not retry every poll; follow whatever plan appears
+            continue
+        if best is not None:
             await asyncio.sleep(settle_s)  # let a better-ranked plan published meanwhile become visible
             plans = await store.read(round) or plans
             chosen = choose_plan(store.run_id, round, plans)
-            if chosen is not None:
-                if len(plans) > 1:
-                    log.info("round %d: %d plans seen, following leader %s (lowest rank)",
-                             round, len(plans), chosen.leader[:10])
-                return chosen
-        if my_turn is not None and not published and elapsed >= my_turn * plan_timeout_s:
-            if my_turn > 0:
-                log.warning("round %d: no plan from %d better-ranked leader(s) after %.1fs; taking over",
-                            round, my_turn, elapsed)
-            plan = make_plan(members, me)
-            published = await store.publish(plan)
-            if not published:
-                log.warning("round %d: could not store my plan in the DHT", round)
-            continue
+            if len(plans) > 1:
+                log.info("round %d: %d plans seen, following leader %s (lowest rank)",
+                         round, len(plans), chosen.leader[:10])
+            return chosen
         if elapsed > give_up_s:
             return None
         await asyncio.sleep(poll_s)

@@ -1,0 +1,164 @@
+"""Round protocol: rendezvous leader, take-over when the leader dies, one plan despite split views,
+digest majority. The DHT is an in-memory stand-in with the same store/get contract (owner = signer),
+so these tests isolate the round logic; the real DHT is covered in test_dht*.py."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from geomesh_p2p.identity import Identity, PeerID
+from geomesh_p2p.planner import PlanConfig, plan_round
+from geomesh_p2p.records import PeerRecord
+from geomesh_p2p.round import (
+    DigestCheck,
+    PlanStore,
+    choose_plan,
+    digest_majority,
+    leader_order,
+    leader_rank,
+    obtain_plan,
+)
+
+pytestmark = pytest.mark.timeout(60)
+RUN = "round-test"
+
+
+class MemoryDHT:
+    """Shared dict: key -> subkey -> (value, expiration, owner PeerID)."""
+
+    def __init__(self):
+        self.data: dict = {}
+        self.fail_writes_from: set = set()
+
+    def view(self):
+        dht = self
+
+        class View:
+            async def store(self, key, value, expiration_time, subkey=None, owner=None):
+                if owner is not None and owner.peer_id in dht.fail_writes_from:
+                    return False
+                dht.data.setdefault(key, {})[subkey] = (value, expiration_time, owner.peer_id if owner else None)
+                return True
+
+            async def get(self, key, latest=True):
+                return dict(dht.data.get(key, {}))
+
+        return View()
+
+
+def _record(ident: Identity, speed: float, address: str | None = "127.0.0.1:1") -> PeerRecord:
+    return PeerRecord(peer_id=str(ident.peer_id), address=address, device="cpu", memory_bytes=8 << 30,
+                      tokens_per_s={4: 1000 * speed, 8: 1800 * speed}, max_batch=8, upload_bps=1e7,
+                      download_bps=1e7, version="0.1.0", run_config_hash="h", round=3, weights_digest="d0")
+
+
+CFG = PlanConfig(seq_len=64, target_batch=8, window_s=5.0, payload_bytes=10_000)
+
+
+def _planner(round_):
+    def make(members, leader):
+        return plan_round(members, CFG, run_id=RUN, round=round_, leader=leader, numel=1000,
+                          start_time=time.time() + 1, start_digest="d0")
+    return make
+
+
+def test_leader_order_is_rendezvous_and_view_independent():
+    ids = [str(Identity.generate().peer_id) for _ in range(6)]
+    full = leader_order(RUN, 3, ids)
+    assert full == sorted(ids, key=lambda p: leader_rank(RUN, 3, p))
+    # any subset keeps the relative order: the best of a subset is its best in the full order
+    subset = ids[1:4]
+    assert leader_order(RUN, 3, subset) == [p for p in full if p in subset]
+    # another round gives another order (with 6 peers, equal orders for 5 rounds is ~(1/720)^5)
+    assert any(leader_order(RUN, r, ids) != full for r in range(4, 9))
+
+
+async def test_all_peers_follow_one_plan_and_leader_is_first_in_order():
+    ids = [Identity.generate() for _ in range(4)]
+    members = [_record(i, s) for i, s in zip(ids, (1.0, 0.55, 0.45, 0.4))]
+    dht = MemoryDHT()
+    plans = await asyncio.gather(*[
+        obtain_plan(PlanStore(dht.view(), i, RUN), 3, members, _planner(3), plan_timeout_s=1.0, settle_s=0.1)
+        for i in ids])
+    assert len({p.to_bytes() for p in plans}) == 1
+    assert plans[0].leader == leader_order(RUN, 3, [m.peer_id for m in members])[0]
+    assert set(plans[0].participants()) == {m.peer_id for m in members}
+
+
+async def test_leader_dies_before_publishing_next_takes_over_within_timeout():
+    ids = [Identity.generate() for _ in range(3)]
+    members = [_record(i, 1.0) for i in ids]
+    order = leader_order(RUN, 5, [m.peer_id for m in members])
+    dead = next(i for i in ids if str(i.peer_id) == order[0])
+    alive = [i for i in ids if i is not dead]
+    dht = MemoryDHT()
+    t0 = time.monotonic()
+    plans = await asyncio.gather(*[
+        obtain_plan(PlanStore(dht.view(), i, RUN), 5, members, _planner(5), plan_timeout_s=1.0, settle_s=0.1)
+        for i in alive])
+    elapsed = time.monotonic() - t0
+    assert {p.leader for p in plans} == {order[1]}
+    assert 1.0 <= elapsed < 1.0 + 1.5  # one plan timeout, plus settle and polling
+
+
+async def test_split_views_still_follow_one_plan():
+    """A sees {A,B,C,D}; B sees only {B,C}: if B thinks it leads, the better-ranked leader still wins."""
+    ids = [Identity.generate() for _ in range(4)]
+    recs = {str(i.peer_id): _record(i, 1.0) for i in ids}
+    order = leader_order(RUN, 7, list(recs))
+    by_id = {str(i.peer_id): i for i in ids}
+    best, second = order[0], order[1]
+    full_view = list(recs.values())
+    partial_view = [recs[second], recs[order[2]]]  # misses the best-ranked peer
+    dht = MemoryDHT()
+    key = f"{RUN}/plan/7"
+    # The partial-view peer publishes first (it believes it leads) ...
+    t_second = asyncio.create_task(obtain_plan(PlanStore(dht.view(), by_id[second], RUN), 7, partial_view,
+                                               _planner(7), plan_timeout_s=1.0, settle_s=0.5))
+    while key not in dht.data:
+        await asyncio.sleep(0.01)
+    assert set(dht.data[key]) == {second}
+    # ... then the best-ranked peer, seeing a worse-ranked plan, publishes its own anyway.
+    r_best = await obtain_plan(PlanStore(dht.view(), by_id[best], RUN), 7, full_view, _planner(7),
+                               plan_timeout_s=1.0, settle_s=0.5)
+    r_second = await t_second
+    assert set(dht.data[key]) == {best, second}
+    assert r_best.leader == r_second.leader == best
+    assert r_best.to_bytes() == r_second.to_bytes()
+    assert choose_plan(RUN, 7, [r_second, r_best]).leader == best
+
+
+async def test_forged_or_misattributed_plan_is_ignored():
+    ids = [Identity.generate() for _ in range(2)]
+    members = [_record(i, 1.0) for i in ids]
+    dht = MemoryDHT()
+    plan = _planner(2)(members, str(ids[0].peer_id))
+    # stored by ids[1] but claiming ids[0] leads: not signed by its leader -> ignored
+    await dht.view().store(f"{RUN}/plan/2", plan.to_bytes(), time.time() + 60, subkey=str(ids[0].peer_id), owner=ids[1])
+    dht.data[f"{RUN}/plan/2"]["garbage"] = (b"{not json", time.time() + 60, ids[1].peer_id)
+    assert await PlanStore(dht.view(), ids[1], RUN).read(2) == []
+
+
+def test_client_only_peer_gets_no_partition():
+    ids = [Identity.generate() for _ in range(3)]
+    members = [_record(ids[0], 1.0), _record(ids[1], 0.5), _record(ids[2], 0.5, address=None)]
+    plan = _planner(1)(members, str(ids[0].peer_id))
+    a = plan.assignment(str(ids[2].peer_id))
+    assert a.part_start == a.part_end and a.inner_steps >= 1
+    owners = plan.owners()
+    assert str(ids[2].peer_id) not in [o[0] for o in owners]
+    assert owners[0][1] == 0 and owners[-1][2] == 1000
+
+
+def test_digest_majority_flags_the_odd_one_out():
+    ids = [Identity.generate() for _ in range(4)]
+    recs = [_record(i, 1.0).model_copy(update={"round": 4, "weights_digest": d})
+            for i, d in zip(ids, ["aa", "aa", "aa", "bb"])]
+    majority, agree, total = digest_majority(recs, 4)
+    assert (majority, agree, total) == ("aa", 3, 4)
+    assert DigestCheck(4, "bb", majority, agree, total).needs_resync
+    assert not DigestCheck(4, "aa", majority, agree, total).needs_resync
+    assert digest_majority(recs, 5) == (None, 0, 0)
