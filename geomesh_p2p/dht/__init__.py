@@ -1,0 +1,47 @@
+"""Kademlia DHT over gRPC with signed, owner-protected records (DESIGN.md, "DHT").
+
+Main entry points:
+
+* :class:`DHTNode` — join / store / get over a :class:`~geomesh_p2p.transport.Transport`
+  (reuses hivemind's DHTID, RoutingTable, traverse_dht, DHTLocalStorage);
+* :mod:`~geomesh_p2p.dht.records` — record signing and the owner rule;
+* :class:`PeerAnnouncer`, :func:`announce_loop`, :func:`live_peers`, :func:`check_compatible` —
+  ``<run>/peers`` announcements.
+"""
+
+from geomesh_p2p.dht.announce import (
+    IncompatibleSwarmError,
+    PeerAnnouncer,
+    announce_loop,
+    check_compatible,
+    check_swarm,
+    live_peers,
+    peers_key,
+)
+from geomesh_p2p.dht.node import (
+    DHT_PROTOCOL_VERSION,
+    Contact,
+    DHTJoinError,
+    DHTNode,
+    DHTStats,
+    DHTValue,
+    LookupStats,
+)
+from geomesh_p2p.dht.records import (
+    RecordError,
+    RecordLimits,
+    VerifiedRecord,
+    key_id_of,
+    make_record,
+    node_id_of,
+    owned_key,
+    required_owner,
+    verify_record,
+)
+
+__all__ = [
+    "DHT_PROTOCOL_VERSION", "Contact", "DHTJoinError", "DHTNode", "DHTStats", "DHTValue", "LookupStats",
+    "IncompatibleSwarmError", "PeerAnnouncer", "announce_loop", "check_compatible", "check_swarm", "live_peers",
+    "peers_key", "RecordError", "RecordLimits", "VerifiedRecord", "key_id_of", "make_record", "node_id_of",
+    "owned_key", "required_owner", "verify_record",
+]

@@ -1,0 +1,231 @@
+"""Peer announcements: each peer keeps its signed :class:`~geomesh_p2p.records.PeerRecord` under
+``<run>/peers`` (subkey = its base58 PeerID, so only it can write it) and reads everyone else's.
+
+* :class:`PeerAnnouncer` / :func:`announce_loop` re-store the record every ``period_s`` seconds with a
+  lifetime of ``ttl_s`` (default 3 periods): a peer that dies drops out of :func:`live_peers` within
+  ``ttl_s`` seconds.
+* :func:`live_peers` reads the records, drops malformed ones and those of incompatible peers, and
+  logs why (once per peer and reason).
+* :func:`check_compatible` says exactly what differs between two records: run-config hash, software
+  version (major.minor must match), protocol version, record schema version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Awaitable, Callable, Dict, List, Optional, Union
+
+from pydantic import ValidationError
+
+from geomesh_p2p.dht.node import DHTNode
+from geomesh_p2p.identity import Identity
+from geomesh_p2p.records import PeerRecord
+
+log = logging.getLogger(__name__)
+
+RecordSource = Union[PeerRecord, Callable[[], PeerRecord], Callable[[], Awaitable[PeerRecord]]]
+_logged: Dict[tuple, None] = {}
+
+
+def peers_key(run_id: str) -> str:
+    """The DHT key of a run's peer records."""
+    return f"{run_id}/peers"
+
+
+def _short(text: Optional[str], n: int = 12) -> str:
+    if text is None:
+        return "none"
+    return text if len(text) <= n else text[:n] + "…"
+
+
+def _major_minor(version: str) -> tuple:
+    parts = version.split(".")
+    return tuple(parts[:2]) if len(parts) >= 2 else (version,)
+
+
+def check_compatible(mine: PeerRecord, other: PeerRecord) -> Optional[str]:
+    """None when ``other`` can train with ``mine``; else what differs, e.g.
+    ``"run-config hash 3f9a0c1d2e4b… vs 77aa01bc9d3e…; version 0.1.0 vs 0.2.0"``.
+
+    Rules: same run-config hash, same software major.minor (patch may differ), same protocol version,
+    same record schema version.
+    """
+    diffs = []
+    if mine.run_config_hash != other.run_config_hash:
+        a, b = mine.run_config_hash, other.run_config_hash
+        n = 12
+        while n < max(len(a), len(b)) and a[:n] == b[:n]:
+            n += 8
+        diffs.append(f"run-config hash {_short(a, n)} vs {_short(b, n)}")
+    if _major_minor(mine.version) != _major_minor(other.version):
+        diffs.append(f"version {mine.version} vs {other.version}")
+    if mine.protocol_version != other.protocol_version:
+        diffs.append(f"protocol version {mine.protocol_version} vs {other.protocol_version}")
+    if mine.schema_version != other.schema_version:
+        diffs.append(f"record schema version {mine.schema_version} vs {other.schema_version}")
+    return "; ".join(diffs) or None
+
+
+def _log_once(who: str, msg: str, level: int = logging.WARNING) -> None:
+    key = (who, msg)
+    if key in _logged:
+        return
+    if len(_logged) > 4096:
+        _logged.clear()
+    _logged[key] = None
+    log.log(level, "%s: %s", who, msg)
+
+
+async def live_peers(node: DHTNode, run_id: Optional[str] = None, *, expected_version: Optional[str] = None,
+                     expected_config_hash: Optional[str] = None, mine: Optional[PeerRecord] = None,
+                     latest: bool = True) -> List[PeerRecord]:
+    """The unexpired, valid, compatible PeerRecords of ``run_id`` (default: the node's run), sorted by
+    peer id.
+
+    Dropped (and logged once): records that do not parse, whose ``peer_id`` is not the subkey they
+    sit under, whose version's major.minor differs from ``expected_version``, whose run-config hash
+    differs from ``expected_config_hash``, or that :func:`check_compatible` rejects against ``mine``.
+    Signatures and the owner rule were already checked by the DHT.
+    """
+    run_id = run_id or node.run_id
+    found = await node.get(peers_key(run_id), latest=latest)
+    out: List[PeerRecord] = []
+    for subkey, item in found.items():
+        who = f"peer record {subkey[:10] if subkey else '(no subkey)'}…"
+        if subkey is None or item.owner is None or subkey != item.owner.to_string():
+            _log_once(who, "dropped: not under its owner's PeerID subkey")
+            continue
+        try:
+            rec = PeerRecord.from_bytes(item.value)
+        except ValidationError as e:
+            first = e.errors()[0] if e.errors() else {"loc": (), "msg": str(e)}
+            _log_once(who, f"dropped: malformed PeerRecord ({'.'.join(map(str, first['loc']))}: {first['msg']})")
+            continue
+        if rec.peer_id != subkey:
+            _log_once(who, f"dropped: record names peer {rec.peer_id[:10]}…, signed by {subkey[:10]}…")
+            continue
+        reasons = []
+        if expected_config_hash is not None and rec.run_config_hash != expected_config_hash:
+            reasons.append(f"run-config hash {_short(expected_config_hash)} vs {_short(rec.run_config_hash)}")
+        if expected_version is not None and _major_minor(expected_version) != _major_minor(rec.version):
+            reasons.append(f"version {expected_version} vs {rec.version}")
+        if mine is not None and rec.peer_id != mine.peer_id:
+            diff = check_compatible(mine, rec)
+            if diff and diff not in reasons:
+                reasons.append(diff)
+        if reasons:
+            _log_once(who, "incompatible, ignored: " + "; ".join(reasons))
+            continue
+        out.append(rec)
+    out.sort(key=lambda r: r.peer_id)
+    return out
+
+
+class IncompatibleSwarmError(RuntimeError):
+    """The swarm's peers run another config or version. ``str()`` says, per peer, what differs."""
+
+
+async def check_swarm(node: DHTNode, mine: PeerRecord, run_id: Optional[str] = None) -> List[PeerRecord]:
+    """Raise :class:`IncompatibleSwarmError` when live peers exist and none is compatible with ``mine``
+    (joining would train alone); return the compatible ones otherwise (possibly empty: a new swarm)."""
+    all_peers = await live_peers(node, run_id)
+    others = [p for p in all_peers if p.peer_id != mine.peer_id]
+    ok, bad = [], []
+    for p in others:
+        diff = check_compatible(mine, p)
+        (bad if diff else ok).append((p, diff))
+    if others and not ok:
+        detail = "; ".join(f"peer {p.peer_id[:10]}…: {d}" for p, d in bad[:5])
+        raise IncompatibleSwarmError(f"no compatible peer in run {run_id or node.run_id!r}: {detail}")
+    return [p for p, _ in ok]
+
+
+class PeerAnnouncer:
+    """Keeps this peer's record in the DHT: stores it now, then every ``period_s`` seconds, each
+    time with ``timestamp`` = now and expiration = now + ``ttl_s`` (default 3 x period).
+
+    ``record`` is a PeerRecord, or a (sync or async) function returning the current one (called at
+    each announcement, so round, throughput and digest stay fresh). Its ``peer_id`` must be the
+    identity's PeerID (ValueError otherwise). Runs as a task of the node (cancelled by
+    ``node.shutdown()``) or until :meth:`stop`.
+    """
+
+    def __init__(self, node: DHTNode, record: RecordSource, *, identity: Optional[Identity] = None,
+                 run_id: Optional[str] = None, period_s: float = 5.0, ttl_s: Optional[float] = None):
+        if period_s <= 0:
+            raise ValueError("period_s must be > 0")
+        self.node = node
+        self.identity = identity or node.identity
+        self.run_id = run_id or node.run_id
+        self.period_s = period_s
+        self.ttl_s = ttl_s if ttl_s is not None else 3 * period_s
+        self._source = record
+        self.announced = 0
+        self.last: Optional[PeerRecord] = None
+        self._task: Optional[asyncio.Task] = None
+        self._wake = asyncio.Event()
+
+    def update(self, record: RecordSource) -> None:
+        """Use ``record`` from now on and announce it at once (when running)."""
+        self._source = record
+        self._wake.set()
+
+    async def _current(self) -> PeerRecord:
+        src = self._source
+        rec = src() if callable(src) else src
+        if asyncio.iscoroutine(rec):
+            rec = await rec
+        if not isinstance(rec, PeerRecord):
+            raise TypeError(f"record source gave {type(rec).__name__}, expected PeerRecord")
+        return rec
+
+    async def announce_once(self) -> bool:
+        """Store the current record now; True when at least one node accepted it."""
+        rec = await self._current()
+        mine = self.identity.peer_id.to_string()
+        if rec.peer_id != mine:
+            raise ValueError(f"PeerRecord.peer_id {rec.peer_id[:10]}… is not this identity's PeerID {mine[:10]}…")
+        now = time.time()
+        rec = rec.model_copy(update={"timestamp": now})
+        ok = await self.node.store(peers_key(self.run_id), rec.to_bytes(), now + self.ttl_s,
+                                   subkey=mine, owner=self.identity)
+        self.last = rec
+        self.announced += 1
+        return ok
+
+    async def run(self) -> None:
+        """Announce forever (errors are logged, never fatal)."""
+        while True:
+            try:
+                if not await self.announce_once():
+                    log.debug("announcement of %s was accepted by no node", self.identity.peer_id.short())
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # keep announcing whatever happens
+                log.warning("announcing %s failed: %r", self.identity.peer_id.short(), e)
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout=self.period_s)
+            except asyncio.TimeoutError:
+                pass
+
+    def start(self) -> asyncio.Task:
+        """Start announcing in the background (a task owned by the node)."""
+        if self._task is None or self._task.done():
+            self._task = self.node.tasks.spawn(self.run(), name="dht-announce")
+        return self._task
+
+    async def stop(self) -> None:
+        """Stop announcing; the record expires ``ttl_s`` after the last announcement."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+
+
+async def announce_loop(node: DHTNode, record: RecordSource, *, identity: Optional[Identity] = None,
+                        run_id: Optional[str] = None, period_s: float = 5.0, ttl_s: Optional[float] = None) -> None:
+    """Announce ``record`` every ``period_s`` seconds until cancelled (see :class:`PeerAnnouncer`)."""
+    await PeerAnnouncer(node, record, identity=identity, run_id=run_id, period_s=period_s, ttl_s=ttl_s).run()

@@ -1,0 +1,871 @@
+"""A Kademlia DHT node whose RPCs (ping, store, find) run over the project's gRPC transport.
+
+Kademlia: Maymounkov & Mazières, "Kademlia: A Peer-to-peer Information System Based on the XOR
+Metric" (IPTPS 2002). Semantics follow hivemind's ``hivemind.dht.node.DHTNode`` (batched store and
+find, values with expiration times, subkey dictionaries, newest expiration wins), and the
+transport-free parts are hivemind's own: ``DHTID`` and ``RoutingTable`` (hivemind.dht.routing),
+``traverse_dht`` (hivemind.dht.traverse), ``DHTLocalStorage`` (hivemind.dht.storage) and the
+``Blacklist`` of unresponsive peers (hivemind.dht.node). No libp2p daemon is started.
+
+Differences from hivemind:
+
+* every RPC is a signed envelope (geomesh_p2p.transport): the sender's PeerID is authenticated, and a
+  node's DHTID is SHA-1 of its PeerID (checked), so nobody picks its place in the key space;
+* values are :mod:`signed records <geomesh_p2p.dht.records>` with owner rules, checked on store and
+  again by the reader on find (a lying node cannot forge, alter or revive a record);
+* replies from a node are accepted only when signed by the PeerID its contact says.
+
+Usage::
+
+    node = DHTNode(transport, k=20, alpha=3)   # registers DHT handlers: before transport.start()
+    await transport.start()
+    await node.join(["host:port", ...])        # DHTJoinError when no bootstrap answers
+    await node.store("run/key", b"value", time.time() + 60)
+    found = await node.get("run/key")          # {None: DHTValue(b"value", exp, None)}
+    await node.shutdown()                      # then transport.stop() (the caller owns it)
+
+Units: seconds and unix seconds for time, bytes for sizes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Collection, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
+
+import grpc
+from google.protobuf.message import DecodeError
+from hivemind.dht.node import Blacklist
+from hivemind.dht.routing import DHTID, RoutingTable
+from hivemind.dht.storage import DHTLocalStorage, DictionaryDHTValue
+from hivemind.dht.traverse import traverse_dht
+
+from geomesh_p2p import __version__
+from geomesh_p2p.dht.records import (
+    DEFAULT_LIMITS,
+    RecordError,
+    RecordLimits,
+    SignedRecord,
+    VerifiedRecord,
+    key_id_of,
+    make_record,
+    node_id_of,
+    verify_record,
+)
+from geomesh_p2p.identity import EnvelopeError, Identity, PeerID, Verified
+from geomesh_p2p.transport import DHT_FIND, DHT_PING, DHT_STORE, RpcError, TaskOwner, Transport
+from geomesh_p2p.wire import dht_pb2
+
+log = logging.getLogger(__name__)
+
+DHT_PROTOCOL_VERSION = 1
+
+# RPC failures that mean "this node cannot serve us" (as opposed to "it refused this record").
+_UNREACHABLE = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.UNIMPLEMENTED,
+}
+
+
+class DHTJoinError(RuntimeError):
+    """No bootstrap node answered (after retries with backoff), or all of them refused us."""
+
+
+class _WrongPeer(RpcError):
+    """The node at an address is not the one its contact names (restarted with another key, or a lie)."""
+
+
+@dataclass(frozen=True)
+class Contact:
+    """How to reach a DHT node: its PeerID and the ``host:port`` it serves on."""
+
+    peer_id: PeerID
+    address: str
+
+    @property
+    def node_id(self) -> DHTID:
+        return node_id_of(self.peer_id)
+
+    def __repr__(self) -> str:
+        return f"Contact({self.peer_id.short()}@{self.address})"
+
+
+class DHTValue(NamedTuple):
+    """One value found under a key (or one of its subkeys)."""
+
+    value: bytes
+    expiration_time: float  # unix seconds
+    owner: Optional[PeerID]  # who signed it; None = unsigned
+
+
+@dataclass
+class LookupStats:
+    """What one lookup cost. ``hops``: longest chain of find calls, each learnt from the previous
+    answer (1 = answered by a node already in the routing table). ``found_hop``: hop of the first
+    node that returned a value (0 = found locally; None = not found)."""
+
+    rpcs: int = 0
+    failures: int = 0
+    hops: int = 0
+    found_hop: Optional[int] = None
+    seconds: float = 0.0
+
+
+@dataclass
+class DHTStats:
+    """Counters of this node since start."""
+
+    lookups: int = 0
+    rpcs_sent: int = 0
+    rpc_failures: int = 0
+    stores_accepted: int = 0
+    records_refused: int = 0
+    records_dropped_on_find: int = 0
+    republished: int = 0
+
+
+class _OnceLog:
+    """Logs each (who, reason head) once, so a misbehaving peer cannot flood the log."""
+
+    def __init__(self, capacity: int = 4096):
+        self._seen: Dict[tuple, None] = {}
+        self.capacity = capacity
+
+    def __call__(self, level: int, who: str, msg: str) -> None:
+        key = (who, msg[:48])
+        if key in self._seen:
+            return
+        if len(self._seen) >= self.capacity:
+            self._seen.pop(next(iter(self._seen)))
+        self._seen[key] = None
+        log.log(level, "%s: %s", who, msg)
+
+
+def _parse(cls, payload: bytes, name: str):
+    try:
+        return cls.FromString(payload)
+    except (DecodeError, ValueError) as e:
+        raise RecordError(grpc.StatusCode.INVALID_ARGUMENT, f"malformed {name}: {e}") from None
+
+
+def _valid_address(address: str) -> bool:
+    host, sep, port = address.rpartition(":")
+    return bool(sep) and bool(host) and port.isdigit() and 0 < int(port) < 65536 and len(address) <= 256
+
+
+class _Merge:
+    """Best record per slot seen during a get: signed beats unsigned, then the latest expiration."""
+
+    def __init__(self) -> None:
+        self.best: Dict[Optional[str], VerifiedRecord] = {}
+
+    def add(self, vr: VerifiedRecord) -> None:
+        cur = self.best.get(vr.subkey)
+        if cur is None or (vr.signed, vr.expiration_time) > (cur.signed, cur.expiration_time):
+            self.best[vr.subkey] = vr
+
+    def result(self, now: float) -> Dict[Optional[str], DHTValue]:
+        return {sk: DHTValue(vr.value, vr.expiration_time, vr.owner)
+                for sk, vr in self.best.items() if vr.expiration_time > now}
+
+
+class DHTNode:
+    """One Kademlia node over a :class:`~geomesh_p2p.transport.Transport` (k=20, alpha=3 by default).
+
+    :param transport: not yet started (the constructor registers the DHT handlers on it), unless it
+        is client-only. The caller owns it: :meth:`shutdown` does not stop it.
+    :param k: bucket size and lookup beam width (Kademlia's k).
+    :param alpha: concurrent find calls per lookup (Kademlia's alpha; traverse_dht's num_workers).
+    :param num_replicas: nodes a value is stored on, default k.
+    :param depth_modulo: hivemind RoutingTable's b: split a full bucket not holding our own id when
+        its depth is not a multiple of this.
+    :param rpc_timeout_s: deadline of every DHT call, seconds.
+    :param refresh_period_s: refresh buckets not used for this long (random-id lookup); re-dial the
+        bootstrap nodes when the routing table is empty. Seconds.
+    :param republish_period_s: every period (±10%), re-store every held record expiring later than
+        ``2 * rpc_timeout_s`` from now on the current k nearest nodes, unless it was received or
+        republished within the period (Kademlia's hourly republish, scaled). Records this node
+        published itself are republished until they expire, even on a client-only node.
+    :param limits: record and request limits (see :class:`~geomesh_p2p.dht.records.RecordLimits`).
+    :param blacklist_s: skip a node that did not answer for this long (doubling on repeats).
+    :param join_attempts, join_backoff_s: :meth:`join` retries, with backoff doubling from this
+        (±20% jitter), capped at 8 s.
+    :param storage_size: max keys held (earliest expiring evicted first); None = unbounded.
+    """
+
+    def __init__(self, transport: Transport, *, k: int = 20, alpha: int = 3, num_replicas: Optional[int] = None,
+                 depth_modulo: int = 5, rpc_timeout_s: float = 3.0, refresh_period_s: float = 60.0,
+                 republish_period_s: float = 60.0, limits: RecordLimits = DEFAULT_LIMITS,
+                 blacklist_s: float = 2.0, join_attempts: int = 5, join_backoff_s: float = 0.5,
+                 storage_size: Optional[int] = None):
+        if k < 1 or alpha < 1:
+            raise ValueError(f"k and alpha must be >= 1 (got k={k}, alpha={alpha})")
+        self.transport = transport
+        self.identity: Identity = transport.identity
+        self.peer_id: PeerID = transport.identity.peer_id
+        self.node_id: DHTID = node_id_of(self.peer_id)
+        self.run_id: str = transport.run_id
+        self.client_only: bool = transport.config.client_only
+        self.k, self.alpha = k, alpha
+        self.num_replicas = num_replicas or k
+        self.rpc_timeout_s = rpc_timeout_s
+        self.refresh_period_s = refresh_period_s
+        self.republish_period_s = republish_period_s
+        self.limits = limits
+        self.join_attempts, self.join_backoff_s = join_attempts, join_backoff_s
+        self.routing_table = RoutingTable(self.node_id, k, depth_modulo)
+        self.storage = DHTLocalStorage(maxsize=storage_size)
+        self.blacklist = Blacklist(blacklist_s, 2.0)
+        self.stats = DHTStats()
+        self.tasks = TaskOwner(f"dht {self.peer_id.short()}")
+        self.bootstrap_addresses: List[str] = []
+        self._published: Dict[Tuple[DHTID, Optional[str]], SignedRecord] = {}
+        self._fresh: Dict[Tuple[DHTID, Optional[str]], float] = {}
+        self._pinging: set = set()
+        self._started = False
+        self._alive = True
+        self._once = _OnceLog()
+        if not self.client_only:
+            if transport.address is not None:
+                raise RuntimeError("create the DHTNode before transport.start(), so that its handlers are served")
+            transport.add_unary(DHT_PING, self._rpc_ping, max_payload_bytes=16 << 10)
+            transport.add_unary(DHT_STORE, self._rpc_store, max_payload_bytes=limits.max_store_payload())
+            transport.add_unary(DHT_FIND, self._rpc_find, max_payload_bytes=limits.max_keys_per_find * 64 + 4096)
+
+    @classmethod
+    async def create(cls, transport: Transport, *, bootstrap: Sequence[str] = (), **kwargs) -> "DHTNode":
+        """Make a node, start ``transport`` if it is not started yet, and :meth:`join` ``bootstrap``.
+
+        Raises DHTJoinError (see :meth:`join`), OSError when the port cannot be bound.
+        """
+        node = cls(transport, **kwargs)
+        if not transport.config.client_only and transport.address is None:
+            await transport.start()
+        await node.join(bootstrap)
+        return node
+
+    # ------------------------------------------------------------------ small helpers
+    @property
+    def address(self) -> Optional[str]:
+        """``host:port`` this node serves on; None for a client-only node (or before start)."""
+        return self.transport.address
+
+    @property
+    def serving(self) -> bool:
+        return not self.client_only and self.transport.address is not None
+
+    def self_info(self) -> dht_pb2.NodeInfo:
+        if not self.serving:
+            return dht_pb2.NodeInfo(peer_id=bytes(self.peer_id))
+        return dht_pb2.NodeInfo(node_id=self.node_id.to_bytes(), address=self.address, peer_id=bytes(self.peer_id))
+
+    def contacts(self) -> List[Contact]:
+        """Every node in the routing table (not replacements), nearest buckets first."""
+        return [c for b in self.routing_table.buckets for c in b.nodes_to_peer_id.values()]
+
+    def _alive_check(self) -> None:
+        if not self._alive:
+            raise EnvelopeError(grpc.StatusCode.UNAVAILABLE, "DHT node has shut down")
+
+    # ------------------------------------------------------------------ routing table upkeep
+    def _on_contact(self, contact: Contact) -> None:
+        """``contact`` answered us or called us: add it (Kademlia 2.2), push it the values it should hold."""
+        if contact.peer_id == self.peer_id:
+            return
+        node_id = contact.node_id
+        self.blacklist.register_success(contact.peer_id)
+        is_new = node_id not in self.routing_table
+        if is_new and self._started and self._alive:
+            self._hand_over(node_id, contact)
+        old = self.routing_table.get(node_id=node_id)
+        if old is not None and old != contact:
+            self._forget(node_id)
+        to_ping = self.routing_table.add_or_update_node(node_id, contact)
+        if to_ping is not None and self._alive and self._started:
+            ping_id, ping_contact = to_ping
+            if ping_id not in self._pinging:
+                self._pinging.add(ping_id)
+                self.tasks.spawn(self._check_stale(ping_id, ping_contact), name="dht-ping-stale")
+
+    def _forget(self, node_id: DHTID) -> None:
+        try:
+            del self.routing_table[node_id]
+        except KeyError:
+            pass
+
+    def _on_failure(self, contact: Contact) -> None:
+        self.stats.rpc_failures += 1
+        self.blacklist.register_failure(contact.peer_id)
+        if self.routing_table.get(node_id=contact.node_id) == contact:
+            self._forget(contact.node_id)
+
+    async def _check_stale(self, node_id: DHTID, contact: Contact) -> None:
+        """A bucket is full: ping its least recently seen node; drop it if silent (its replacement moves in)."""
+        try:
+            await self.ping(contact.address, expected=contact.peer_id)
+        except (RpcError, DHTJoinError):
+            pass
+        finally:
+            self._pinging.discard(node_id)
+
+    def _hand_over(self, new_id: DHTID, contact: Contact) -> None:
+        """Send a newcomer the records it is now among the nearest for, when this node is the nearest
+        holder it knows (hivemind DHTProtocol.update_routing_table; Kademlia section 2.5)."""
+        records: List[SignedRecord] = []
+        for key_id, _slot, rec in self._held_records(min_remaining_s=self.rpc_timeout_s):
+            neighbors = self.routing_table.get_nearest_neighbors(key_id, self.num_replicas, exclude=self.node_id)
+            if neighbors:
+                if new_id.xor_distance(key_id) >= neighbors[-1][0].xor_distance(key_id) and \
+                        len(neighbors) >= self.num_replicas:
+                    continue
+                if self.node_id.xor_distance(key_id) >= neighbors[0][0].xor_distance(key_id):
+                    continue
+            records.append(rec)
+        if records:
+            self.tasks.spawn(self._send_records(contact, records), name="dht-hand-over")
+
+    # ------------------------------------------------------------------ outgoing RPCs
+    async def _call(self, contact_or_address, method: str, request, response_cls, expected: Optional[PeerID] = None):
+        """Call ``method``; returns (sender Contact, parsed response). Raises RpcError (incl. bad reply)."""
+        if isinstance(contact_or_address, Contact):
+            address, expected = contact_or_address.address, contact_or_address.peer_id
+        else:
+            address = contact_or_address
+        self.stats.rpcs_sent += 1
+        reply: Verified = await self.transport.call(address, method, request.SerializeToString(),
+                                                    timeout=self.rpc_timeout_s)
+        contact = Contact(reply.sender, address)
+        if expected is not None and reply.sender != expected:
+            raise _WrongPeer(address, method, grpc.StatusCode.FAILED_PRECONDITION,
+                             f"reply signed by {reply.sender.short()}, expected {expected.short()}")
+        try:
+            response = response_cls.FromString(reply.payload)
+        except DecodeError as e:
+            raise RpcError(address, method, grpc.StatusCode.DATA_LOSS, f"malformed reply: {e}") from None
+        return contact, response
+
+    async def ping(self, address: str, *, expected: Optional[PeerID] = None) -> Contact:
+        """Ping ``address``; on an answer, add the node to the routing table and return its Contact.
+
+        Raises RpcError when it does not answer or refuses, DHTJoinError on a DHT protocol mismatch.
+        """
+        req = dht_pb2.PingRequest(sender=self.self_info(), dht_protocol=DHT_PROTOCOL_VERSION,
+                                  software_version=__version__)
+        try:
+            contact, resp = await self._call(address, DHT_PING, req, dht_pb2.PingResponse, expected)
+        except RpcError as err:
+            if expected is not None:
+                self._on_failure(Contact(expected, address))
+            raise err
+        if resp.dht_protocol != DHT_PROTOCOL_VERSION:
+            raise DHTJoinError(f"{address} speaks DHT protocol {resp.dht_protocol}, this node {DHT_PROTOCOL_VERSION} "
+                               f"(software {resp.software_version or '?'} vs {__version__})")
+        self._on_contact(contact)
+        return contact
+
+    async def _find(self, contact: Contact, key_ids: Sequence[DHTID]
+                    ) -> Optional[Dict[DHTID, Tuple[List[VerifiedRecord], Dict[DHTID, Contact]]]]:
+        """FIND at ``contact``; None when it fails. Invalid records and contacts in the reply are dropped."""
+        if contact.peer_id in self.blacklist:
+            return None
+        req = dht_pb2.FindRequest(sender=self.self_info(), keys=[k.to_bytes() for k in key_ids])
+        try:
+            contact, resp = await self._call(contact, DHT_FIND, req, dht_pb2.FindResponse)
+        except RpcError as err:
+            log.debug("find at %r failed: %s", contact, err)
+            self._on_failure(contact)
+            return None
+        self._on_contact(contact)
+        if len(resp.results) != len(key_ids):
+            self._once(logging.WARNING, contact.peer_id.short(), "find reply does not match the keys asked")
+            return None
+        now = time.time()
+        out: Dict[DHTID, Tuple[List[VerifiedRecord], Dict[DHTID, Contact]]] = {}
+        for key_id, result in zip(key_ids, resp.results):
+            records: List[VerifiedRecord] = []
+            for rec in result.records:
+                try:
+                    records.append(verify_record(rec, run_id=self.run_id, now=now, limits=self.limits,
+                                                 expected_key_id=key_id))
+                except RecordError as err:
+                    self.stats.records_dropped_on_find += 1
+                    self._once(logging.WARNING, contact.peer_id.short(),
+                               f"dropped a record it returned: {err.code.name}: {err.reason}")
+            nearest: Dict[DHTID, Contact] = {}
+            for info in result.nearest:
+                if len(info.peer_id) != 32 or not _valid_address(info.address):
+                    continue
+                nid = node_id_of(info.peer_id)
+                if info.node_id != nid.to_bytes() or nid == self.node_id:
+                    continue
+                if PeerID(info.peer_id) in self.blacklist:
+                    continue
+                nearest[nid] = Contact(PeerID(info.peer_id), info.address)
+            out[key_id] = (records, nearest)
+        return out
+
+    async def _send_records(self, contact: Contact, records: List[SignedRecord]) -> Optional[List[dht_pb2.StoreOutcome]]:
+        """STORE ``records`` at ``contact`` in chunks; outcomes in order, None when it did not answer."""
+        outcomes: List[dht_pb2.StoreOutcome] = []
+        step = self.limits.max_records_per_store
+        for i in range(0, len(records), step):
+            chunk = records[i:i + step]
+            req = dht_pb2.StoreRequest(sender=self.self_info(), records=chunk)
+            try:
+                contact, resp = await self._call(contact, DHT_STORE, req, dht_pb2.StoreResponse)
+            except RpcError as err:
+                if _unusable(err):
+                    log.debug("store at %r failed: %s", contact, err)
+                    self._on_failure(contact)
+                    return None
+                # the node answered but refused every record: report why
+                outcomes.extend(dht_pb2.StoreOutcome(stored=False, code=err.code.value[0], reason=err.reason)
+                                for _ in chunk)
+                continue
+            self._on_contact(contact)
+            if len(resp.outcomes) != len(chunk):
+                self._once(logging.WARNING, contact.peer_id.short(), "store reply does not match the records sent")
+                return None
+            outcomes.extend(resp.outcomes)
+        return outcomes
+
+    # ------------------------------------------------------------------ lookups
+    def _initial(self, key_ids: Iterable[DHTID], beam: int) -> Dict[DHTID, Contact]:
+        nodes: Dict[DHTID, Contact] = {}
+        for key_id in key_ids:
+            for nid, contact in self.routing_table.get_nearest_neighbors(key_id, beam, exclude=self.node_id):
+                if contact.peer_id not in self.blacklist:
+                    nodes[nid] = contact
+        return nodes
+
+    async def _traverse(self, key_ids: Sequence[DHTID], *, beam: int,
+                        on_records: Optional[Callable[[DHTID, List[VerifiedRecord], int], bool]] = None,
+                        stats: Optional[LookupStats] = None, await_all: bool = True
+                        ) -> Tuple[Dict[DHTID, List[DHTID]], Dict[DHTID, Contact]]:
+        """Iterative Kademlia lookup of ``key_ids`` with hivemind's traverse_dht (alpha workers).
+
+        ``on_records(key_id, records, hop) -> stop`` sees every verified record returned.
+        Returns (nearest node ids per key, nearest-first, never self; contact of every node seen).
+        """
+        stats = stats if stats is not None else LookupStats()
+        self.stats.lookups += 1
+        t0 = time.perf_counter()
+        contacts = self._initial(key_ids, beam)
+        depth: Dict[DHTID, int] = {nid: 1 for nid in contacts}
+
+        async def get_neighbors(peer: DHTID, queries: Collection[DHTID]) -> Dict[DHTID, Tuple[Tuple[DHTID, ...], bool]]:
+            queries = list(queries)
+            hop = depth.get(peer, 1)
+            stats.rpcs += 1
+            stats.hops = max(stats.hops, hop)
+            try:
+                response = await self._find(contacts[peer], queries)
+            except Exception as e:  # never let a worker die: traverse_dht would hang
+                log.exception("find failed unexpectedly: %r", e)
+                response = None
+            if response is None:
+                stats.failures += 1
+                return {q: ((), False) for q in queries}
+            output = {}
+            for q, (records, nearest) in response.items():
+                for nid, c in nearest.items():
+                    contacts.setdefault(nid, c)
+                    depth.setdefault(nid, hop + 1)
+                stop = on_records(q, records, hop) if (on_records is not None and records) else False
+                output[q] = tuple(nearest.keys()), stop
+            return output
+
+        nearest, _visited = await traverse_dht(
+            queries=list(key_ids), initial_nodes=list(contacts), beam_size=beam, num_workers=self.alpha,
+            queries_per_call=max(1, min(int(len(key_ids) ** 0.5), 16)), get_neighbors=get_neighbors,
+            visited_nodes={q: {self.node_id} for q in key_ids}, await_all_tasks=await_all)
+        stats.seconds += time.perf_counter() - t0
+        return nearest, contacts
+
+    async def find_nearest_nodes(self, key_ids: Sequence[DHTID], k: Optional[int] = None,
+                                 stats: Optional[LookupStats] = None) -> Dict[DHTID, List[Tuple[DHTID, Contact]]]:
+        """The ``k`` (default self.k) nearest live nodes to each id, nearest first, never this node."""
+        k = k or self.k
+        nearest, contacts = await self._traverse(list(key_ids), beam=max(k, self.k), stats=stats)
+        return {q: [(nid, contacts[nid]) for nid in ids[:k]] for q, ids in nearest.items()}
+
+    # ------------------------------------------------------------------ join
+    async def join(self, bootstrap: Iterable[str] = (), *, attempts: Optional[int] = None) -> int:
+        """Join the swarm through ``bootstrap`` addresses (``host:port``; several allowed; none = start a
+        new swarm), then look up this node's own id to fill the routing table and make it known.
+
+        Pings all bootstraps at once, ``attempts`` times (default ``join_attempts``) with backoff
+        doubling from ``join_backoff_s``. Starts the refresh and republish tasks. Returns the number of
+        nodes in the routing table. Raises DHTJoinError naming each bootstrap and why it failed.
+        """
+        addresses = list(dict.fromkeys(a.strip() for a in bootstrap if a and a.strip()))
+        for a in addresses:
+            if not _valid_address(a):
+                raise DHTJoinError(f"bootstrap address {a!r} is not host:port")
+        addresses = [a for a in addresses if a != self.address]
+        self.bootstrap_addresses = addresses
+        self._start_background()
+        if not addresses:
+            return len(self.contacts())
+        attempts = max(1, attempts or self.join_attempts)
+        delay = self.join_backoff_s
+        errors: Dict[str, str] = {}
+        ok: List[Contact] = []
+        t0 = time.monotonic()
+        for attempt in range(attempts):
+            results = await asyncio.gather(*(self.ping(a) for a in addresses), return_exceptions=True)
+            ok = [r for r in results if isinstance(r, Contact)]
+            if ok:
+                break
+            definitive = True
+            for a, r in zip(addresses, results):
+                if isinstance(r, RpcError):
+                    errors[a] = f"{r.code.name}: {r.reason}" if r.reason else r.code.name
+                    definitive &= r.code not in _UNREACHABLE
+                else:
+                    errors[a] = str(r)
+            if definitive or attempt == attempts - 1:
+                break
+            await asyncio.sleep(delay * random.uniform(0.8, 1.2))
+            delay = min(delay * 2, 8.0)
+        if not ok:
+            detail = "; ".join(f"{a}: {e}" for a, e in errors.items())
+            raise DHTJoinError(f"could not join the DHT: no bootstrap node answered "
+                               f"({attempt + 1} attempt(s) over {time.monotonic() - t0:.1f}s): {detail}")
+        await self.find_nearest_nodes([self.node_id])
+        n = len(self.contacts())
+        log.info("DHT node %s joined via %s: %d nodes known", self.peer_id.short(), ", ".join(addresses), n)
+        return n
+
+    def _start_background(self) -> None:
+        if self._started:
+            return
+        self._started = True
+        if self.refresh_period_s and self.refresh_period_s > 0:
+            self.tasks.spawn(self._refresh_loop(), name="dht-refresh")
+        if self.republish_period_s and self.republish_period_s > 0:
+            self.tasks.spawn(self._republish_loop(), name="dht-republish")
+
+    async def _refresh_loop(self) -> None:
+        while self._alive:
+            await asyncio.sleep(self.refresh_period_s * random.uniform(0.9, 1.1))
+            try:
+                await self.refresh_once()
+            except Exception as e:  # keep refreshing whatever happens
+                log.warning("DHT refresh failed: %r", e)
+
+    async def refresh_once(self) -> None:
+        """Re-dial bootstraps if no node is known; look up a random id in each stale bucket."""
+        if not self.contacts() and self.bootstrap_addresses:
+            await asyncio.gather(*(self.ping(a) for a in self.bootstrap_addresses), return_exceptions=True)
+            if self.contacts():
+                await self.find_nearest_nodes([self.node_id])
+        threshold = time.time() - self.refresh_period_s
+        stale = [DHTID(random.randint(b.lower, b.upper - 1)) for b in self.routing_table.buckets
+                 if b.last_updated < threshold]
+        if stale:
+            await self.find_nearest_nodes(stale)
+
+    # ------------------------------------------------------------------ local storage
+    def _held_records(self, min_remaining_s: float = 0.0) -> List[Tuple[DHTID, Tuple[DHTID, Optional[str]], SignedRecord]]:
+        """Every record this node holds that expires later than now + ``min_remaining_s``."""
+        horizon = time.time() + min_remaining_s
+        out = []
+        for key_id, item in list(self.storage.items()):
+            if isinstance(item.value, DictionaryDHTValue):
+                for subkey, sub in list(item.value.items()):
+                    if sub.expiration_time > horizon:
+                        out.append((key_id, (key_id, subkey), SignedRecord.FromString(sub.value)))
+            elif item.expiration_time > horizon:
+                out.append((key_id, (key_id, None), SignedRecord.FromString(item.value)))
+        return out
+
+    def _local_records(self, key_id: DHTID) -> List[SignedRecord]:
+        item = self.storage.get(key_id)
+        if item is None:
+            return []
+        if isinstance(item.value, DictionaryDHTValue):
+            return [SignedRecord.FromString(sub.value) for _, sub in list(item.value.items())]
+        return [SignedRecord.FromString(item.value)]
+
+    def _store_local(self, rec: SignedRecord, *, from_peer: Optional[PeerID]) -> dht_pb2.StoreOutcome:
+        """Validate ``rec`` and keep it if it is newer than what this node holds for its slot.
+
+        Never raises: the outcome carries the status code and reason. Note: compares expirations
+        before calling DHTLocalStorage, whose TimedStorage.store (hivemind 1.1.12) re-arms the
+        eviction of a held newer value at the older expiration when it rejects an older one.
+        """
+        now = time.time()
+        try:
+            vr = verify_record(rec, run_id=self.run_id, now=now, limits=self.limits)
+            held = self.storage.get(vr.key_id)
+            cur_bytes: Optional[bytes] = None
+            cur_exp = float("-inf")
+            if vr.subkey is None:
+                if held is not None and isinstance(held.value, DictionaryDHTValue):
+                    if len(held.value) > 0:
+                        raise RecordError(grpc.StatusCode.FAILED_PRECONDITION,
+                                          "key holds values under subkeys; store with a subkey")
+                elif held is not None:
+                    cur_bytes, cur_exp = held.value, held.expiration_time
+            elif held is not None:
+                if isinstance(held.value, DictionaryDHTValue):
+                    sub = held.value.get(vr.subkey)
+                    if sub is not None:
+                        cur_bytes, cur_exp = sub.value, sub.expiration_time
+                    elif len(held.value) >= self.limits.max_subkeys_per_key:
+                        raise RecordError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                          f"key already holds {self.limits.max_subkeys_per_key} subkeys")
+                else:  # a plain value would be replaced by a dictionary
+                    cur_bytes, cur_exp = held.value, held.expiration_time
+            if cur_bytes is not None:
+                cur = SignedRecord.FromString(cur_bytes)
+                if cur.owner_public_key and cur.owner_public_key != vr.record.owner_public_key:
+                    holder = PeerID.from_public_key(cur.owner_public_key).short()
+                    raise RecordError(grpc.StatusCode.PERMISSION_DENIED,
+                                      f"slot is held by a record signed by {holder} for {cur_exp - now:.0f}s more")
+                if cur_exp >= vr.expiration_time:
+                    if from_peer is not None and cur_exp == vr.expiration_time:
+                        self._fresh[(vr.key_id, vr.subkey)] = now
+                    return dht_pb2.StoreOutcome(stored=False, code=0,
+                                                reason=f"a value expiring {cur_exp - vr.expiration_time:+.1f}s later is held")
+            stored = self.storage.store(vr.key_id, rec.SerializeToString(), vr.expiration_time, subkey=vr.subkey)
+        except RecordError as err:
+            self.stats.records_refused += 1
+            return dht_pb2.StoreOutcome(stored=False, code=err.code.value[0], reason=err.reason)
+        if stored:
+            self.stats.stores_accepted += 1
+            if from_peer is not None:
+                self._fresh[(vr.key_id, vr.subkey)] = now
+        return dht_pb2.StoreOutcome(stored=bool(stored), code=0, reason="" if stored else "not stored")
+
+    # ------------------------------------------------------------------ incoming RPCs
+    def _note_sender(self, verified: Verified, info: dht_pb2.NodeInfo) -> None:
+        """Check the request's sender NodeInfo against its signed envelope; add it when it serves."""
+        if info.peer_id and info.peer_id != bytes(verified.sender):
+            raise RecordError(grpc.StatusCode.INVALID_ARGUMENT, "sender NodeInfo names another PeerID than the signer")
+        if info.node_id and info.node_id != node_id_of(verified.sender).to_bytes():
+            raise RecordError(grpc.StatusCode.INVALID_ARGUMENT, "sender node_id is not SHA-1 of its PeerID")
+        if info.address:
+            if not _valid_address(info.address):
+                raise RecordError(grpc.StatusCode.INVALID_ARGUMENT, f"sender address {info.address[:60]!r} is not host:port")
+            self._on_contact(Contact(verified.sender, info.address))
+
+    async def _rpc_ping(self, verified: Verified, context) -> bytes:
+        self._alive_check()
+        req = _parse(dht_pb2.PingRequest, verified.payload, "PingRequest")
+        if req.dht_protocol != DHT_PROTOCOL_VERSION:
+            raise RecordError(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"DHT protocol {req.dht_protocol} vs {DHT_PROTOCOL_VERSION} on this node "
+                              f"(software {req.software_version or '?'} vs {__version__})")
+        self._note_sender(verified, req.sender)
+        return dht_pb2.PingResponse(node=self.self_info(), time=time.time(), dht_protocol=DHT_PROTOCOL_VERSION,
+                                    software_version=__version__).SerializeToString()
+
+    async def _rpc_store(self, verified: Verified, context) -> bytes:
+        self._alive_check()
+        req = _parse(dht_pb2.StoreRequest, verified.payload, "StoreRequest")
+        if not req.records:
+            raise RecordError(grpc.StatusCode.INVALID_ARGUMENT, "StoreRequest holds no records")
+        if len(req.records) > self.limits.max_records_per_store:
+            raise RecordError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              f"{len(req.records)} records in one store, over the limit of {self.limits.max_records_per_store}")
+        self._note_sender(verified, req.sender)
+        outcomes = [self._store_local(rec, from_peer=verified.sender) for rec in req.records]
+        refused = [o for o in outcomes if o.code != 0]
+        for o in refused:
+            self._once(logging.WARNING, f"refused record from {verified.sender.short()}",
+                       f"{grpc.StatusCode(_code(o.code)).name}: {o.reason}")
+        if refused and len(refused) == len(outcomes):
+            first = refused[0]
+            reason = first.reason if len(outcomes) == 1 else f"all {len(outcomes)} records refused; first: {first.reason}"
+            raise RecordError(_code(first.code), reason)
+        return dht_pb2.StoreResponse(outcomes=outcomes).SerializeToString()
+
+    async def _rpc_find(self, verified: Verified, context) -> bytes:
+        self._alive_check()
+        req = _parse(dht_pb2.FindRequest, verified.payload, "FindRequest")
+        if not req.keys:
+            raise RecordError(grpc.StatusCode.INVALID_ARGUMENT, "FindRequest holds no keys")
+        if len(req.keys) > self.limits.max_keys_per_find:
+            raise RecordError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              f"{len(req.keys)} keys in one find, over the limit of {self.limits.max_keys_per_find}")
+        if any(len(k) != DHTID.HASH_NBYTES for k in req.keys):
+            raise RecordError(grpc.StatusCode.INVALID_ARGUMENT, f"a key is not a {DHTID.HASH_NBYTES}-byte DHTID")
+        self._note_sender(verified, req.sender)
+        exclude = node_id_of(verified.sender)
+        resp = dht_pb2.FindResponse()
+        for raw in req.keys:
+            key_id = DHTID.from_bytes(raw)
+            result = resp.results.add(key=raw)
+            result.records.extend(self._local_records(key_id))
+            for nid, c in self.routing_table.get_nearest_neighbors(key_id, self.k, exclude=exclude):
+                result.nearest.add(node_id=nid.to_bytes(), address=c.address, peer_id=bytes(c.peer_id))
+        return resp.SerializeToString()
+
+    # ------------------------------------------------------------------ public API: store / get
+    def _check_own(self, rec: SignedRecord) -> VerifiedRecord:
+        return verify_record(rec, run_id=self.run_id, now=time.time(), limits=self.limits)
+
+    async def store(self, key: str, value: bytes, expiration_time: float, subkey: Optional[str] = None,
+                    owner: Optional[Identity] = None) -> bool:
+        """Store ``value`` under ``key`` (and ``subkey``) on the k nearest nodes until ``expiration_time``
+        (unix seconds). Signed by ``owner`` when given; an owner-named key or subkey requires it.
+
+        Returns True when at least one node (this one included, when it serves) accepted it; False when
+        none did (unreachable, or each holds a newer value or refused it: reasons are logged).
+        Raises RecordError at once when the record breaks a rule (size, lifetime, owner).
+        This node republishes the record until it expires (see ``republish_period_s``).
+        """
+        rec = make_record(key, value, expiration_time, subkey=subkey, owner=owner, run_id=self.run_id)
+        vr = self._check_own(rec)
+        self._published[(vr.key_id, vr.subkey)] = rec
+        ok = await self._replicate({vr.key_id: [rec]})
+        return ok[vr.key_id][0]
+
+    async def store_record(self, rec: SignedRecord) -> bool:
+        """Store a record built elsewhere (e.g. by :func:`~geomesh_p2p.dht.records.make_record`); see :meth:`store`."""
+        vr = self._check_own(rec)
+        self._published[(vr.key_id, vr.subkey)] = rec
+        ok = await self._replicate({vr.key_id: [rec]})
+        return ok[vr.key_id][0]
+
+    async def _replicate(self, by_key: Dict[DHTID, List[SignedRecord]], *, from_peer_self: bool = True
+                         ) -> Dict[DHTID, List[bool]]:
+        """Store each key's records on its ``num_replicas`` nearest nodes (this one included when it
+        serves); an unreachable target is replaced by the next nearest. Returns, per key, per record:
+        accepted by at least one node."""
+        key_ids = list(by_key)
+        nearest, contacts = await self._traverse(key_ids, beam=max(self.k, self.num_replicas))
+        result: Dict[DHTID, List[bool]] = {q: [False] * len(by_key[q]) for q in key_ids}
+
+        async def store_key(q: DHTID) -> None:
+            records = by_key[q]
+            candidates: List[Optional[DHTID]] = list(nearest.get(q, []))
+            if self.serving:
+                candidates.append(None)  # None = this node
+            candidates.sort(key=lambda nid: q.xor_distance(self.node_id if nid is None else nid))
+            reasons: List[str] = []
+            done = 0
+            while candidates and done < self.num_replicas:
+                batch = candidates[:self.num_replicas - done]
+                candidates = candidates[len(batch):]
+                outs = await asyncio.gather(*(self._store_at(nid, contacts, records) for nid in batch))
+                for out in outs:
+                    if out is None:
+                        continue
+                    done += 1
+                    for i, o in enumerate(out):
+                        if o.stored:
+                            result[q][i] = True
+                        elif o.reason:
+                            reasons.append(o.reason)
+            if not all(result[q]) and reasons:
+                self._once(logging.INFO, f"store {records[0].key!r}", f"not accepted: {reasons[0]}")
+
+        await asyncio.gather(*(store_key(q) for q in key_ids))
+        return result
+
+    async def _store_at(self, nid: Optional[DHTID], contacts: Dict[DHTID, Contact], records: List[SignedRecord]):
+        if nid is None:
+            return [self._store_local(r, from_peer=None) for r in records]
+        return await self._send_records(contacts[nid], records)
+
+    async def get(self, key: str, latest: bool = True, *, stats: Optional[LookupStats] = None
+                  ) -> Dict[Optional[str], DHTValue]:
+        """Find ``key``: ``{subkey or None: DHTValue(value, expiration_time, owner)}``, ``{}`` if absent.
+
+        ``latest=True`` asks all k nearest nodes and keeps, per subkey, the signed record with the
+        latest expiration (an unsigned one only when no signed one exists); ``latest=False`` stops at
+        the first node that has any value (faster; a dictionary may then be partial). Every record is
+        verified (signature, owner rule, expiry, size, key) before it is returned.
+        """
+        key_id = key_id_of(key)
+        stats = stats if stats is not None else LookupStats()
+        merge = _Merge()
+        now = time.time()
+        for rec in self._local_records(key_id):
+            try:
+                merge.add(verify_record(rec, run_id=self.run_id, now=now, limits=self.limits, expected_key_id=key_id))
+                stats.found_hop = 0
+            except RecordError:
+                pass
+        if merge.best and not latest:
+            return merge.result(now)
+
+        def on_records(q: DHTID, records: List[VerifiedRecord], hop: int) -> bool:
+            for vr in records:
+                merge.add(vr)
+            if stats.found_hop is None:
+                stats.found_hop = hop
+            return not latest
+
+        await self._traverse([key_id], beam=self.k, on_records=on_records, stats=stats, await_all=False)
+        return merge.result(time.time())
+
+    # ------------------------------------------------------------------ republish
+    async def _republish_loop(self) -> None:
+        while self._alive:
+            await asyncio.sleep(self.republish_period_s * random.uniform(0.9, 1.1))
+            try:
+                await self.republish_once()
+            except Exception as e:  # keep going whatever happens
+                log.warning("DHT republish failed: %r", e)
+
+    async def republish_once(self) -> int:
+        """Re-store held and self-published records on their current nearest nodes (see class doc).
+        Returns the number of records sent."""
+        now = time.time()
+        margin = 2 * self.rpc_timeout_s
+        for slot, rec in list(self._published.items()):
+            if rec.expiration_time <= now + margin:
+                del self._published[slot]
+        for slot, t in list(self._fresh.items()):
+            if t < now - 2 * self.republish_period_s:
+                del self._fresh[slot]
+        by_key: Dict[DHTID, Dict[Optional[str], SignedRecord]] = {}
+        for key_id, slot, rec in self._held_records(min_remaining_s=margin):
+            if self._fresh.get(slot, 0.0) > now - self.republish_period_s * 0.9:
+                continue
+            by_key.setdefault(key_id, {})[slot[1]] = rec
+        for (key_id, subkey), rec in self._published.items():
+            by_key.setdefault(key_id, {})[subkey] = rec  # own records always, newest version
+        if not by_key:
+            return 0
+        payload = {q: list(recs.values()) for q, recs in by_key.items()}
+        n = sum(len(v) for v in payload.values())
+        keys = list(payload)
+        for i in range(0, len(keys), self.limits.max_keys_per_find):
+            part = {q: payload[q] for q in keys[i:i + self.limits.max_keys_per_find]}
+            await self._replicate(part)
+        for q, recs in payload.items():
+            for rec in recs:
+                self._fresh[(q, rec.subkey if rec.HasField("subkey") else None)] = time.time()
+        self.stats.republished += n
+        return n
+
+    # ------------------------------------------------------------------ shutdown
+    async def shutdown(self) -> None:
+        """Stop refresh/republish and every task of this node; answer DHT calls with UNAVAILABLE.
+        Does not stop the transport (other services may share it)."""
+        self._alive = False
+        await self.tasks.close()
+
+
+def _unusable(err: RpcError) -> bool:
+    """True when a failed call means the node cannot serve us (not merely a refusal of our records)."""
+    return err.code in _UNREACHABLE or isinstance(err, _WrongPeer) or err.reason.startswith("reply refused")
+
+
+def _code(value: int) -> grpc.StatusCode:
+    for c in grpc.StatusCode:
+        if c.value[0] == value:
+            return c
+    return grpc.StatusCode.UNKNOWN

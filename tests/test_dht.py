@@ -1,0 +1,177 @@
+"""Kademlia over gRPC: 32 nodes in one process, churn, re-publishing, joining, client-only nodes."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import pytest
+
+from geomesh_p2p.dht import DHTJoinError, DHTNode, LookupStats, key_id_of
+from geomesh_p2p.identity import Identity
+from tests.dht_helpers import start_node, start_swarm, stop_all, stop_node, wait_for
+
+pytestmark = pytest.mark.timeout(60)
+
+
+async def test_32_nodes_value_found_from_every_node_survives_a_third_dying_and_newcomers_join():
+    t0 = time.monotonic()
+    nodes = await start_swarm(32)
+    newcomers = []
+    try:
+        rnd = random.Random(7)
+        # a value stored at any node ...
+        stored = {}
+        for i, at in enumerate(rnd.sample(nodes, 4)):
+            key, value = f"run/key-{i}", f"value-{i}".encode()
+            assert await at.store(key, value, time.time() + 120)
+            stored[key] = value
+        assert await nodes[5].store("run/dict", b"a", time.time() + 120, subkey="sa")
+        assert await nodes[9].store("run/dict", b"b", time.time() + 120, subkey="sb")
+        # ... is found from every node
+        for node in nodes:
+            for key, value in stored.items():
+                found = await node.get(key, latest=False)
+                assert found[None].value == value, (node.peer_id, key)
+        for node in rnd.sample(nodes, 4):
+            stats = LookupStats()
+            found = await node.get("run/dict", latest=True, stats=stats)
+            assert {sk: v.value for sk, v in found.items()} == {"sa": b"a", "sb": b"b"}
+            assert stats.hops <= 3
+        # killing a third of the nodes loses no value stored before
+        dead = rnd.sample(nodes, len(nodes) // 3)
+        await stop_all(dead)
+        alive = [n for n in nodes if n not in dead]
+        for node in alive:
+            for key, value in stored.items():
+                found = await node.get(key, latest=False)
+                assert found[None].value == value
+        for node in rnd.sample(alive, 3):
+            found = await node.get("run/dict", latest=True)
+            assert set(found) == {"sa", "sb"}
+        # a new node joins through any live node, finds old values, and its value is found by others
+        for via in rnd.sample(alive, 2):
+            newcomers.append(await start_node([via.address]))
+        new = newcomers[-1]
+        for key, value in stored.items():
+            assert (await newcomers[0].get(key))[None].value == value
+        assert await new.store("run/new", b"fresh", time.time() + 60)
+        for node in rnd.sample(alive, 8) + newcomers:
+            assert (await node.get("run/new", latest=False))[None].value == b"fresh"
+    finally:
+        await stop_all(nodes + newcomers)
+    assert time.monotonic() - t0 < 45
+
+
+async def test_replicas_are_republished_before_they_expire():
+    # small k so that only 3 nodes hold the value: kill them one by one, the survivors re-replicate
+    nodes = await start_swarm(12, k=3, num_replicas=3, republish_period_s=0.5, refresh_period_s=0.5)
+    try:
+        publisher = nodes[0]
+        key = "run/orphan"
+        assert await publisher.store(key, b"keep me", time.time() + 120)
+        await stop_node(publisher)
+        alive = nodes[1:]
+        kid = key_id_of(key)
+
+        def holders():
+            return [n for n in alive if kid in n.storage]
+
+        for _ in range(3):
+            async def enough():
+                return len(holders()) >= 2
+            await wait_for(enough, timeout=20, what="the value to be re-replicated")
+            victim = holders()[0]
+            await stop_node(victim)
+            alive.remove(victim)
+        async def some():
+            return len(holders()) >= 1
+        await wait_for(some, timeout=20, what="a holder to remain")
+        for node in random.sample(alive, 3):
+            assert (await node.get(key))[None].value == b"keep me"
+        assert sum(n.stats.republished for n in alive) > 0
+    finally:
+        await stop_all(nodes)
+
+
+async def test_expired_values_disappear_and_newest_expiration_wins():
+    nodes = await start_swarm(4)
+    try:
+        now = time.time()
+        assert await nodes[0].store("run/x", b"old", now + 60)
+        assert await nodes[1].store("run/x", b"new", now + 90)
+        assert not await nodes[2].store("run/x", b"older", now + 30)  # a newer value is held everywhere
+        for n in nodes:
+            assert (await n.get("run/x"))[None].value == b"new"
+        assert await nodes[3].store("run/short", b"v", time.time() + 1.0)
+        assert (await nodes[0].get("run/short"))[None].value == b"v"
+        async def gone():
+            return await nodes[0].get("run/short") == {}
+        await wait_for(gone, timeout=5, what="the value to expire")
+    finally:
+        await stop_all(nodes)
+
+
+async def test_client_only_node_joins_stores_and_gets_by_calling_others():
+    nodes = await start_swarm(3)
+    client = None
+    try:
+        client = await start_node([nodes[0].address], client_only=True)
+        assert client.address is None
+        assert await client.store("run/from-client", b"hello", time.time() + 30)
+        assert (await nodes[2].get("run/from-client"))[None].value == b"hello"
+        assert await nodes[1].store("run/to-client", b"world", time.time() + 30)
+        assert (await client.get("run/to-client"))[None].value == b"world"
+        # nobody put the client-only node in a routing table
+        for n in nodes:
+            assert all(c.peer_id != client.peer_id for c in n.contacts())
+    finally:
+        await stop_all(nodes + ([client] if client else []))
+
+
+async def test_join_without_answering_bootstrap_raises_clear_error():
+    t0 = time.monotonic()
+    with pytest.raises(DHTJoinError) as ei:
+        await start_node(["127.0.0.1:1", "127.0.0.1:2"], join_attempts=3, join_backoff_s=0.05)
+    msg = str(ei.value)
+    assert "127.0.0.1:1" in msg and "127.0.0.1:2" in msg and "3 attempt" in msg and "UNAVAILABLE" in msg
+    assert time.monotonic() - t0 < 10
+    with pytest.raises(DHTJoinError, match="not host:port"):
+        await start_node(["nonsense"])
+
+
+async def test_join_refused_by_another_run_says_so_without_retrying():
+    other = await start_node(run_id="another-run")
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(DHTJoinError) as ei:
+            await start_node([other.address], join_attempts=5, join_backoff_s=1.0)
+        assert "another-run" in str(ei.value)
+        assert time.monotonic() - t0 < 1.0  # a refusal is final: no backoff
+    finally:
+        await stop_node(other)
+
+
+async def test_several_bootstraps_one_dead():
+    a = await start_node()
+    b = None
+    try:
+        b = await start_node(["127.0.0.1:1", a.address])
+        assert [c.peer_id for c in b.contacts()] == [a.peer_id]
+    finally:
+        await stop_all([a] + ([b] if b else []))
+
+
+async def test_create_starts_transport_and_joins():
+    from geomesh_p2p.transport import Transport
+
+    a = await start_node()
+    t = Transport(Identity.generate(), a.run_id)
+    node = await DHTNode.create(t, bootstrap=[a.address], k=20, alpha=3, refresh_period_s=30)
+    try:
+        assert node.address is not None and len(node.contacts()) == 1
+        with pytest.raises(RuntimeError, match="before transport.start"):
+            DHTNode(t)
+    finally:
+        await stop_all([a, node])
