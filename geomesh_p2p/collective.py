@@ -41,6 +41,7 @@ import json
 import logging
 import math
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence, Union
 
@@ -148,10 +149,12 @@ def make_partition(
         raise ValueError(f"bandwidths must be finite and >= 0, got {bws}")
     if all(b is not None and b == 0 for b in bws):
         bws = [None] * len(bws)
-    from hivemind.averaging.load_balancing import load_balance_peers  # slow import: only when needed
+    with warnings.catch_warnings():  # hivemind/scipy deprecation chatter, not ours to fix
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from hivemind.averaging.load_balancing import load_balance_peers  # slow import: only when needed
 
-    units = -(-numel // block_size)
-    sizes = load_balance_peers(units, bws, -(-min_size // block_size) if min_size else 0)
+        units = -(-numel // block_size)
+        sizes = load_balance_peers(units, bws, -(-min_size // block_size) if min_size else 0)
     parts, start = [], 0
     for (pid, addr, _), n_units in zip(owners, sizes):
         if n_units <= 0:
