@@ -1,0 +1,181 @@
+"""Peer announcements under <run>/peers: simultaneous joins form one swarm, the swarm outlives its
+bootstrap, dead peers expire, incompatible peers are refused with what differs."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import pytest
+
+from geomesh_p2p import __version__
+from geomesh_p2p.dht import (
+    IncompatibleSwarmError,
+    PeerAnnouncer,
+    announce_loop,
+    check_compatible,
+    check_swarm,
+    live_peers,
+    peers_key,
+)
+from geomesh_p2p.identity import Identity
+from geomesh_p2p.records import PeerRecord
+from tests.dht_helpers import RUN, start_node, stop_all, stop_node, wait_for
+
+pytestmark = pytest.mark.timeout(60)
+
+PERIOD = 0.4
+CONFIG_HASH = "c0ffee" * 8
+
+
+def peer_record(node, **changes) -> PeerRecord:
+    fields = dict(peer_id=node.peer_id.to_string(), address=node.address, device="cpu: test", memory_bytes=1 << 30,
+                  tokens_per_s={8: 1000.0}, max_batch=8, upload_bps=1e7, download_bps=1e7, version=__version__,
+                  run_config_hash=CONFIG_HASH)
+    fields.update(changes)
+    return PeerRecord(**fields)
+
+
+async def start_peer(bootstrap, **record_changes):
+    node = await start_node(bootstrap, refresh_period_s=1.0, republish_period_s=2.0)
+    announcer = PeerAnnouncer(node, lambda: peer_record(node, **record_changes), period_s=PERIOD)
+    announcer.start()
+    return node, announcer
+
+
+async def sees(node, peer_ids) -> bool:
+    return {r.peer_id for r in await live_peers(node, RUN)} == {p.to_string() for p in peer_ids}
+
+
+async def test_four_peers_joining_one_bootstrap_at_once_form_one_swarm_that_outlives_it():
+    boot = await start_node(refresh_period_s=1.0)
+    peers = []
+    try:
+        started = await asyncio.gather(*(start_peer([boot.address]) for _ in range(4)))
+        peers = [n for n, _ in started]
+        ids = [n.peer_id for n in peers]
+        t0 = time.monotonic()
+        for n in peers + [boot]:
+            await wait_for(lambda n=n: sees(n, ids), timeout=8 * PERIOD, interval=PERIOD / 4,
+                           what=f"{n.peer_id.short()} to see all four peers")
+        assert time.monotonic() - t0 < 8 * PERIOD
+        # the bootstrap dies: the peers still see each other (records keep being refreshed) ...
+        await stop_node(boot)
+        ttl = 3 * PERIOD
+        await asyncio.sleep(ttl + PERIOD)
+        for n in peers:
+            assert await sees(n, ids)
+        # ... and find new records and newcomers
+        assert await peers[0].store(f"{RUN}/after-bootstrap", b"new", time.time() + 30)
+        for n in peers[1:]:
+            assert (await n.get(f"{RUN}/after-bootstrap"))[None].value == b"new"
+        late, late_announcer = await start_peer([peers[2].address])
+        peers.append(late)
+        for n in peers:
+            await wait_for(lambda n=n: sees(n, ids + [late.peer_id]), timeout=8 * PERIOD, interval=PERIOD / 4,
+                           what="everyone to see the newcomer")
+        # a dead peer drops out within its record's lifetime
+        await stop_node(peers[1])
+        gone = peers.pop(1)
+        survivors = [p.peer_id for p in peers]
+        for n in peers:
+            await wait_for(lambda n=n: sees(n, survivors), timeout=ttl + 4 * PERIOD, interval=PERIOD / 4,
+                           what=f"{gone.peer_id.short()} to expire")
+    finally:
+        await stop_all(peers + [boot])
+
+
+async def test_incompatible_peer_is_refused_with_what_differs(caplog):
+    boot = await start_node()
+    nodes = []
+    try:
+        a, _ = await start_peer([boot.address])
+        b, _ = await start_peer([boot.address], run_config_hash="deadbeef" * 8)
+        c, _ = await start_peer([boot.address], version="0.2.0")
+        nodes = [a, b, c]
+        await wait_for(lambda: sees(boot, [a.peer_id, b.peer_id, c.peer_id]), timeout=10, what="all records")
+        mine = peer_record(a)
+        with caplog.at_level(logging.WARNING, logger="geomesh_p2p.dht.announce"):
+            compatible = await live_peers(a, RUN, mine=mine)
+        assert [r.peer_id for r in compatible] == [a.peer_id.to_string()]
+        text = caplog.text
+        assert "run-config hash c0ffeec0ffee… vs deadbeefdead…" in text
+        assert f"version {__version__} vs 0.2.0" in text
+        filtered = await live_peers(a, RUN, expected_config_hash=CONFIG_HASH, expected_version=__version__)
+        assert len(filtered) == 1
+        assert len(await live_peers(a, RUN)) == 3
+        with pytest.raises(IncompatibleSwarmError, match="run-config hash"):
+            await check_swarm(b, peer_record(b, run_config_hash="deadbeef" * 8).model_copy(
+                update={"run_config_hash": "f00d" * 16}))
+    finally:
+        await stop_all(nodes + [boot])
+
+
+def test_check_compatible_messages():
+    ident = Identity.generate()
+
+    class N:  # enough of a node for peer_record
+        peer_id = ident.peer_id
+        address = "127.0.0.1:1"
+
+    mine = peer_record(N)
+    assert check_compatible(mine, mine) is None
+    assert check_compatible(mine, peer_record(N, version="0.1.7")) is None  # patch releases interoperate
+    assert check_compatible(mine, peer_record(N, version="0.2.0")) == f"version {__version__} vs 0.2.0"
+    msg = check_compatible(mine, peer_record(N, run_config_hash="c0ffee" * 4 + "abcdef" * 4))
+    assert msg == "run-config hash c0ffeec0ffeec0ffeec0ffeec0ff… vs c0ffeec0ffeec0ffeec0ffeeabcd…"  # long enough to differ
+    two = check_compatible(mine, peer_record(N, protocol_version=2, version="1.0.0"))
+    assert two == f"version {__version__} vs 1.0.0; protocol version 1 vs 2"
+
+
+async def test_malformed_or_misplaced_peer_records_are_dropped(caplog):
+    node = await start_node()
+    try:
+        me = node.identity
+        key = peers_key(RUN)
+        assert await node.store(key, b"{not json", time.time() + 30, subkey=me.peer_id.to_string(), owner=me)
+        other = Identity.generate()
+        rec = peer_record(node).model_copy(update={"peer_id": me.peer_id.to_string()})
+        assert await node.store(key, rec.to_bytes(), time.time() + 30, subkey=other.peer_id.to_string(), owner=other)
+        assert await node.store(key, b"{}", time.time() + 30, subkey="unowned")
+        with caplog.at_level(logging.WARNING, logger="geomesh_p2p.dht.announce"):
+            assert await live_peers(node, RUN) == []
+        assert "malformed PeerRecord" in caplog.text
+        assert "record names peer" in caplog.text
+        assert "not under its owner's PeerID subkey" in caplog.text
+        # an announcer refuses a record of another peer
+        with pytest.raises(ValueError, match="not this identity's PeerID"):
+            await PeerAnnouncer(node, peer_record(node, peer_id=other.peer_id.to_string())).announce_once()
+    finally:
+        await stop_all([node])
+
+
+async def test_announce_loop_refreshes_and_update_announces_at_once():
+    node = await start_node()
+    try:
+        task = asyncio.ensure_future(announce_loop(node, lambda: peer_record(node, round=1), period_s=0.2))
+        await wait_for(lambda: sees(node, [node.peer_id]), timeout=5, what="own record")
+        first = (await live_peers(node))[0].timestamp
+        await wait_for(lambda: _newer(node, first), timeout=5, what="a refreshed record")
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+        ann = PeerAnnouncer(node, peer_record(node, round=2), period_s=30)
+        ann.start()
+        await wait_for(lambda: _round_is(node, 2), timeout=5, what="round 2")
+        ann.update(peer_record(node, round=3))
+        await wait_for(lambda: _round_is(node, 3), timeout=5, what="round 3 announced at once")
+        await ann.stop()
+    finally:
+        await stop_all([node])
+
+
+async def _newer(node, t) -> bool:
+    recs = await live_peers(node)
+    return bool(recs) and recs[0].timestamp > t
+
+
+async def _round_is(node, r) -> bool:
+    recs = await live_peers(node)
+    return bool(recs) and recs[0].round == r
