@@ -165,8 +165,13 @@ class PeerNode:
         address = await self.transport.start()
         log.info("peer %s serving on %s", self.identity.peer_id.short(), address or "(client-only)")
         await self.dht.join(c.bootstrap)
+        from geomesh_p2p.dht import PeerAnnouncer
+
+        self.announcer = PeerAnnouncer(self.dht, self.my_record, period_s=c.announce_period_s,
+                                       ttl_s=4 * c.announce_period_s)
         self.plans = PlanStore(self.dht, self.identity, self.run_cfg.run_id)
-        self._build_training()
+        # Off the event loop: tokenizing and profiling take seconds, and the DHT must keep answering.
+        await asyncio.to_thread(self._build_training)
         self.round_log = RoundLog(c.log_json, c.metrics_port)
 
     def _build_training(self) -> None:
@@ -188,7 +193,8 @@ class PeerNode:
             self.model, self.dataset, device=self.device, seq_len=r.seq_len, optimizer=r.inner_optimizer,
             lr=r.inner_lr, weight_decay=0.1, warmup_steps=r.warmup_steps, total_steps=r.total_inner_steps,
             seed=r.seed, peer_id=self.me, speed_factor=c.speed_factor)
-        self.outer = OuterNesterov(self.numel, lr=r.outer_lr, momentum=r.outer_momentum)
+        self.outer = OuterNesterov(lr=r.outer_lr, momentum=r.outer_momentum)
+        self.outer.buf = torch.zeros(self.numel)
         t0 = time.time()
         # Profile on a throwaway copy so the real model's weights and optimizer stay untouched.
         import copy
@@ -213,25 +219,18 @@ class PeerNode:
             weights_digest=None if self._syncing else self.digest)
 
     async def announce(self) -> None:
-        from geomesh_p2p.dht import announce_record
-
-        await announce_record(self.dht, self.run_cfg.run_id, self.identity, self.my_record(),
-                              ttl_s=4 * self.cfg.announce_period_s)
-
-    async def _announce_loop(self) -> None:
-        while True:
-            try:
-                await self.announce()
-            except Exception as e:  # a failed refresh is retried next period
-                log.warning("announce failed: %s", e)
-            await asyncio.sleep(self.cfg.announce_period_s)
+        """Store this peer's current record now (the announcer also refreshes it every period)."""
+        try:
+            await self.announcer.announce_once()
+        except Exception as e:  # a failed announcement is retried by the announcer's loop
+            log.warning("announce failed: %s", e)
 
     async def peers(self) -> list[PeerRecord]:
         """Live, compatible peers of this run (this node's own record always included, fresh)."""
         from geomesh_p2p.dht import live_peers
 
         recs = await live_peers(self.dht, self.run_cfg.run_id, expected_version=geomesh_p2p.__version__,
-                                expected_config_hash=self.config_hash)
+                                expected_config_hash=self.config_hash, latest=True)
         out = {r.peer_id: r for r in recs}
         out[self.me] = self.my_record()
         return list(out.values())
@@ -245,10 +244,10 @@ class PeerNode:
         self.round = round
         self.theta = theta.clone()
         if momentum is not None:
-            self.outer.load_state_dict({"momentum": momentum.clone()})
+            self.outer.buf = momentum.detach().to(torch.float32).reshape(-1).contiguous().clone()
         load_flat_(self.model, self.theta)
-        self.digest = digest(self.theta, self.outer.momentum)
-        self.state_server.publish(Snapshot(round, self.theta, self.outer.momentum.clone(), self.digest))
+        self.digest = digest(self.theta, self.outer.buf)
+        self.state_server.publish(Snapshot(round, self.theta.clone(), self.outer.buf.clone(), self.digest))
 
     async def _initial_state(self) -> None:
         from geomesh_p2p.state import load_latest_checkpoint
@@ -308,7 +307,7 @@ class PeerNode:
         if not self.cfg.checkpoint_dir or self.theta is None:
             return None
         return save_checkpoint(self.cfg.checkpoint_dir, round=self.round, theta=self.theta,
-                               momentum=self.outer.momentum,
+                               momentum=self.outer.buf,
                                meta={"run_config_hash": self.config_hash, "peer_id": self.me,
                                      "run_config": self.run_cfg.model_dump()})
 
@@ -353,10 +352,10 @@ class PeerNode:
     async def run(self) -> int:
         """Train until done; returns a process exit code (0 on success or clean stop)."""
         await self.start()
-        announcer = self.transport.tasks.spawn(self._announce_loop(), name="announce")
         try:
             await self._initial_state()
-            self.initial_ppl = self.trainer.evaluate(max_batches=self.cfg.eval_batches)
+            self.announcer.start()
+            self.initial_ppl = await asyncio.to_thread(self.trainer.evaluate, max_batches=self.cfg.eval_batches)
             log.info("round %d: eval perplexity %.2f (initial)", self.round, self.initial_ppl)
             expected: set[str] = set()
             first = True
@@ -372,7 +371,6 @@ class PeerNode:
                 if self._reached_target():
                     break
         finally:
-            announcer.cancel()
             await self.shutdown()
         return 0
 
@@ -414,6 +412,7 @@ class PeerNode:
         t_compute_end = time.time()
         delta = self.theta - flat_params(self.model)
         records = {x.peer_id: x for x in members}
+        compressed = self.run_cfg.method in ("geomesh", "css")
         owners = []
         for i, (pid, start, end) in enumerate(plan.owners()):
             addr = records[pid].address if pid in records else None
@@ -422,7 +421,8 @@ class PeerNode:
             run_id=self.run_cfg.run_id, round=r,
             participants={x.peer_id: x.token_budget for x in plan.assignments},
             owners=owners, numel=self.numel, mode=plan.mode,
-            aggregate_encoding=self.run_cfg.aggregate_encoding if self.run_cfg.method in ("geomesh", "css") else "fp32",
+            aggregate_encoding=self.run_cfg.aggregate_encoding if compressed else "fp32",
+            push_encoding="sign" if compressed else "fp32",
             block_size=self.run_cfg.block_size, clip_k=self.run_cfg.clip_k,
             deadline=plan.exchange_deadline - 0.25 * (plan.exchange_deadline - plan.train_deadline),
             pull_deadline=plan.exchange_deadline)
@@ -436,7 +436,7 @@ class PeerNode:
         self._set_state(r + 1, self.theta, None)
         sent1, recv1 = self.transport.stats.snapshot()
         await self.announce()
-        ppl = self.trainer.evaluate(max_batches=self.cfg.eval_batches)
+        ppl = await asyncio.to_thread(self.trainer.evaluate, max_batches=self.cfg.eval_batches)
         barrier = min(plan.train_deadline, t_agg)
         straggler = max(0.0, barrier - t_compute_end)
         network = max(0.0, (t_agg - t_compute_end) - straggler)
@@ -504,6 +504,8 @@ class PeerNode:
         if self.cfg.summary_json:
             self.write_summary(self.cfg.summary_json)
         try:
+            await self.announcer.stop()
+            await self.collective.close()
             await self.dht.shutdown()
         finally:
             await self.transport.stop(grace=0.5)
