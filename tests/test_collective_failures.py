@@ -1,0 +1,338 @@
+"""Failures during one all-reduce (DESIGN.md, Round r step 6): a peer fails before sending, half way
+through sending, is slow past the deadline, an owner fails while reducing, an owner is slow, a peer
+cancels; plus a real multi-process round where one peer is SIGKILLed mid-round.
+
+In every case the survivors finish within the push deadline + 2 s, hold bitwise-identical
+aggregates, agree on who contributed to what, and the aggregate equals the reference computed from
+those contributor lists (a part whose owner is gone is zero for everyone).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+from geomesh_p2p import compression
+from geomesh_p2p.collective import CollectiveService, CollectiveSpec, PartOwner
+from geomesh_p2p.transport import COLLECTIVE_PUSH, RpcError
+from geomesh_p2p.wire import collective_pb2
+
+from tests.collective_util import RUN, Swarm, craft_contribution, deltas_for, pid_order, reference
+
+pytestmark = pytest.mark.timeout(60)
+
+SLACK_S = 2.0  # survivors finish by deadline + this
+
+
+class Faulty(CollectiveService):
+    """A CollectiveService with injectable faults (async callables, or None for normal behaviour)."""
+
+    def __init__(self, transport, **kw):
+        super().__init__(transport, **kw)
+        self.push_fault = None  # async (spec, part) -> None, before delivering a part
+        self.reduce_fault = None  # async (spec, part) -> None, before an owned part is reduced
+        self.delivered: dict[int, asyncio.Event] = {}
+        self.reached = asyncio.Event()  # set by faults that mark "the failure point is reached"
+
+    def _ev(self, j: int) -> asyncio.Event:
+        return self.delivered.setdefault(j, asyncio.Event())
+
+    async def _before_push(self, spec, part):
+        if self.push_fault is not None:
+            await self.push_fault(spec, part)
+
+    async def _before_reduce(self, spec, part):
+        if self.reduce_fault is not None:
+            await self.reduce_fault(spec, part)
+
+    async def _deliver(self, state, j, delta, tokens):
+        ok = await super()._deliver(state, j, delta, tokens)
+        self._ev(j).set()
+        return ok
+
+
+async def hang_forever():
+    await asyncio.Event().wait()
+
+
+@pytest.fixture
+async def swarm():
+    made = []
+
+    async def make(n_servers=3, n_clients=1, **kw):
+        s = Swarm(n_servers, n_clients, service_cls=Faulty, **kw)
+        made.append(s)
+        return await s.start()
+
+    try:
+        yield make
+    finally:
+        for s in made:
+            await s.stop()
+
+
+async def timed(coro):
+    res = await coro
+    return res, time.time()
+
+
+def start_round(sw: Swarm, spec, deltas, tokens, who):
+    return {k: asyncio.ensure_future(timed(sw.services[k].all_reduce(spec, deltas[sw.pids[k]], tokens[sw.pids[k]])))
+            for k in who}
+
+
+def check_survivors(sw: Swarm, spec, deltas, tokens, outs: dict, *, missing=(), absent_from=None):
+    """Identical aggregates / contributor lists, on time, equal to the reference; returns one result."""
+    results = [r for r, _ in outs.values()]
+    first = results[0]
+    for (r, finished) in outs.values():
+        assert finished <= spec.deadline + SLACK_S, finished - spec.deadline
+        assert torch.equal(r.aggregate, first.aggregate)
+        assert r.contributors == first.contributors
+        assert r.missing_parts == sorted(missing)
+    for j in missing:
+        o = spec.owners[j]
+        assert torch.count_nonzero(first.aggregate[o.start:o.end]) == 0
+    for j, who in (absent_from or {}).items():
+        assert all(p not in who for p, _ in first.contributors[j]), (j, who)
+    contributors = {j: [p for p, _ in c] for j, c in first.contributors.items()}
+    for j, c in contributors.items():
+        assert c == pid_order(c)
+    assert torch.equal(first.aggregate, reference(spec, deltas, tokens, contributors))
+    return first
+
+
+def setup_round(sw: Swarm, numel=30_000, **kw):
+    spec = sw.spec(numel, block_size=1024, **kw)
+    deltas = deltas_for(sw.pids, numel, seed=11)
+    tokens = {p: 10 * (k + 1) for k, p in enumerate(sw.pids)}
+    return spec, deltas, tokens
+
+
+# ------------------------------------------------------------------------------------ senders
+
+
+@pytest.mark.parametrize("mode", ["relay", "reencode"])
+async def test_client_peer_fails_before_sending(swarm, mode):
+    sw = await swarm()
+    spec, deltas, tokens = setup_round(sw, mode=mode)
+    await sw.stop_one(3)  # the client-only peer is gone before the round
+    outs = {k: await t for k, t in start_round(sw, spec, deltas, tokens, [0, 1, 2]).items()}
+    first = check_survivors(sw, spec, deltas, tokens, outs, absent_from={j: [sw.pids[3]] for j in range(3)})
+    assert all(len(first.contributors[j]) == 3 for j in range(3))
+
+
+async def test_owner_fails_before_sending(swarm):
+    sw = await swarm()
+    spec, deltas, tokens = setup_round(sw, mode="reencode")
+    await sw.stop_one(2)  # owner of part 2 is gone: its part is skipped by all, it is absent from the rest
+    outs = {k: await t for k, t in start_round(sw, spec, deltas, tokens, [0, 1, 3]).items()}
+    check_survivors(sw, spec, deltas, tokens, outs, missing=[2], absent_from={0: [sw.pids[2]], 1: [sw.pids[2]]})
+
+
+@pytest.mark.parametrize("mode", ["relay", "reencode"])
+async def test_peer_fails_half_way_through_sending(swarm, mode):
+    """Owner 2 delivers part 0, then dies (transport stopped, task gone) before parts 1 and 2."""
+    sw = await swarm()
+    spec, deltas, tokens = setup_round(sw, mode=mode)
+    victim = sw.services[2]
+
+    async def fault(spec_, part):
+        if part != 0:
+            await victim._ev(0).wait()
+            victim.reached.set()
+            await hang_forever()
+
+    victim.push_fault = fault
+    tasks = start_round(sw, spec, deltas, tokens, [0, 1, 2, 3])
+    await victim.reached.wait()
+    tasks.pop(2).cancel()
+    await sw.stop_one(2)
+    outs = {k: await t for k, t in tasks.items()}
+    first = check_survivors(sw, spec, deltas, tokens, outs, missing=[2], absent_from={1: [sw.pids[2]]})
+    assert sw.pids[2] in [p for p, _ in first.contributors[0]]
+
+
+@pytest.mark.parametrize("mode", ["relay", "reencode"])
+async def test_sender_slow_past_the_deadline_is_left_out_and_still_gets_the_result(swarm, mode):
+    sw = await swarm()
+    spec, deltas, tokens = setup_round(sw, mode=mode)
+    slow = sw.services[3]
+
+    async def fault(spec_, part):
+        await asyncio.sleep(spec_.deadline - time.time() + 0.2)  # the fault itself: too slow
+
+    slow.push_fault = fault
+    outs = {k: await t for k, t in start_round(sw, spec, deltas, tokens, [0, 1, 2, 3]).items()}
+    check_survivors(sw, spec, deltas, tokens, outs, absent_from={j: [sw.pids[3]] for j in range(3)})
+    assert not any(outs[3][0].pushed.values())
+    assert all(all(outs[k][0].pushed.values()) for k in (0, 1, 2))
+    # a push arriving after the part closed is refused, with the reason
+    pkt = compression.encode(torch.randn(spec.owners[0].size), spec.block_size, 1).to_bytes()
+    payload = collective_pb2.PushPartRequest(contribution=craft_contribution(sw.ids[3], spec, 0, pkt)).SerializeToString()
+    with pytest.raises(RpcError) as ei:
+        await sw.transports[3].call(sw.addresses[0], COLLECTIVE_PUSH, payload, round=spec.round)
+    assert ei.value.code == grpc.StatusCode.FAILED_PRECONDITION and "closed (deadline)" in ei.value.reason
+
+
+# ------------------------------------------------------------------------------------- owners
+
+
+@pytest.mark.parametrize("mode", ["relay", "reencode"])
+async def test_owner_fails_while_reducing(swarm, mode):
+    sw = await swarm()
+    spec, deltas, tokens = setup_round(sw, mode=mode)
+    victim = sw.services[1]
+
+    async def fault(spec_, part):
+        victim.reached.set()
+        await hang_forever()
+
+    victim.reduce_fault = fault
+    tasks = start_round(sw, spec, deltas, tokens, [0, 1, 2, 3])
+    await victim.reached.wait()  # every push to part 1 arrived; the owner now dies
+    tasks.pop(1).cancel()
+    await sw.stop_one(1)
+    outs = {k: await t for k, t in tasks.items()}
+    first = check_survivors(sw, spec, deltas, tokens, outs, missing=[1])
+    # its own pushes to parts 0 and 2 had landed before it died: still counted
+    assert all(sw.pids[1] in [p for p, _ in first.contributors[j]] for j in (0, 2))
+
+
+@pytest.mark.parametrize("delay, missing", [(0.5, []), (None, [1])])
+async def test_owner_slow(swarm, delay, missing):
+    """Slow but before the pull deadline: everyone waits for it. Slower than the pull deadline:
+    every peer, the owner included, skips that part."""
+    sw = await swarm()
+    spec, deltas, tokens = setup_round(sw, mode="reencode")
+    owner = sw.services[1]
+
+    async def fault(spec_, part):
+        await asyncio.sleep(delay if delay is not None else spec_.pull_deadline - time.time() + 1.0)
+
+    owner.reduce_fault = fault
+    outs = {k: await t for k, t in start_round(sw, spec, deltas, tokens, [0, 1, 2, 3]).items()}
+    check_survivors(sw, spec, deltas, tokens, outs, missing=missing)
+
+
+@pytest.mark.parametrize("who", [3, 0])
+async def test_peer_cancels(swarm, who):
+    """A peer cancels its all-reduce after delivering part 0. A cancelled owner keeps serving its
+    part (the service, not the call, holds it), so nobody loses that range."""
+    sw = await swarm()
+    spec, deltas, tokens = setup_round(sw, mode="relay")
+    quitter = sw.services[who]
+
+    async def fault(spec_, part):
+        if part != 0:
+            await quitter._ev(0).wait()
+            quitter.reached.set()
+            await hang_forever()
+
+    quitter.push_fault = fault
+    tasks = start_round(sw, spec, deltas, tokens, [0, 1, 2, 3])
+    await quitter.reached.wait()
+    t = tasks.pop(who)
+    t.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await t
+    outs = {k: await t for k, t in tasks.items()}
+    first = check_survivors(sw, spec, deltas, tokens, outs,
+                            absent_from={j: [sw.pids[who]] for j in range(1, 3)})
+    assert sw.pids[who] in [p for p, _ in first.contributors[0]]
+
+
+# ------------------------------------------------------------------------------ real processes
+
+WORKER = Path(__file__).with_name("collective_worker.py")
+
+
+class Proc:
+    def __init__(self, proc: asyncio.subprocess.Process):
+        self.proc = proc
+
+    async def read(self, timeout: float = 60.0) -> dict:
+        while True:
+            line = await asyncio.wait_for(self.proc.stdout.readline(), timeout)
+            if not line:
+                raise EOFError(f"worker {self.proc.pid} exited (rc={self.proc.returncode})")
+            try:
+                return json.loads(line)
+            except json.JSONDecodeError:
+                continue
+
+    def send(self, obj) -> None:
+        self.proc.stdin.write((json.dumps(obj) if not isinstance(obj, str) else obj).encode() + b"\n")
+
+
+@pytest.fixture
+async def workers(tmp_path):
+    procs: list[Proc] = []
+
+    async def spawn(n: int) -> list[Proc]:
+        env = dict(os.environ, PYTHONPATH=str(WORKER.parent.parent))
+        for k in range(n):
+            err = open(tmp_path / f"worker{k}.err", "wb")
+            p = await asyncio.create_subprocess_exec(sys.executable, str(WORKER), "--run", RUN,
+                                                     stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+                                                     stderr=err, env=env)
+            err.close()
+            procs.append(Proc(p))
+        return procs
+
+    try:
+        yield spawn
+    finally:
+        for p in procs:
+            if p.proc.returncode is None:
+                try:
+                    os.kill(p.proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            await p.proc.wait()
+
+
+async def test_processes_one_sigkilled_mid_round(workers, tmp_path):
+    """Three peers as OS processes; peer 2 (owner of part 2) delivers part 0 and is SIGKILLed."""
+    procs = await workers(3)
+    ready = [await p.read() for p in procs]
+    pids = [r["peer_id"] for r in ready]
+    numel, B = 24_576, 1024
+    owners = [PartOwner(r["peer_id"], r["address"], k * numel // 3, (k + 1) * numel // 3) for k, r in enumerate(ready)]
+    now = time.time()
+    spec = CollectiveSpec(RUN, 5, {p: 1000 for p in pids}, owners, numel, now + 3.0, now + 4.0, mode="relay",
+                          block_size=B)
+    seeds, tokens = [101, 102, 103], [30, 20, 10]
+    for k, p in enumerate(procs):
+        p.send({"spec": spec.to_dict(), "seed": seeds[k], "tokens": tokens[k], "out": str(tmp_path / f"agg{k}.f32"),
+                "stall_after_part": 0 if k == 2 else None})
+    ev = await procs[2].read()
+    assert ev == {"event": "delivered", "part": 0, "accepted": True}
+    os.kill(procs[2].proc.pid, signal.SIGKILL)
+    await procs[2].proc.wait()
+    done = [await procs[k].read() for k in (0, 1)]
+    for d in done:
+        assert d["event"] == "done" and d["missing"] == [2]
+        assert d["finished_at"] <= spec.deadline + SLACK_S
+        assert d["contributors"] == done[0]["contributors"]
+    contributors = {int(j): [p for p, _ in c] for j, c in done[0]["contributors"].items()}
+    assert set(contributors[0]) == set(pids) and set(contributors[1]) == set(pids[:2])
+    aggs = [np.fromfile(tmp_path / f"agg{k}.f32", dtype="<f4") for k in (0, 1)]
+    assert aggs[0].tobytes() == aggs[1].tobytes()
+    deltas = {p: torch.randn(numel, generator=torch.Generator().manual_seed(s)) for p, s in zip(pids, seeds)}
+    ref = reference(spec, deltas, dict(zip(pids, tokens)), contributors)
+    assert torch.equal(torch.from_numpy(aggs[0].copy()), ref)
+    for k in (0, 1):
+        procs[k].send("exit")
+        await procs[k].proc.stdin.drain()
+        assert await asyncio.wait_for(procs[k].proc.wait(), 20) == 0
