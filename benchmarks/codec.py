@@ -1,0 +1,125 @@
+"""Sign codec throughput against torch.clone, measured side by side in one run.
+
+    python benchmarks/codec.py [--numel 124000000] [--repeats 5] [--block-size 2048] [--device cpu]
+                               [--markdown docs/codec-benchmark.md]
+
+Throughput is GB/s of fp32 input (4 * P bytes / seconds), median over the repeats; each repeat
+times every operation once, interleaved, so machine noise hits them alike. Baselines:
+``torch.clone`` (allocates a new tensor, as encode/decode do) and ``copy_`` into a preallocated
+tensor (pure memory bandwidth). Goals (DESIGN: codec vs memcpy): encode >= 1.0x clone,
+decode >= 0.8x clone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from geomesh_p2p.compression import SignPacket, decode, encode  # noqa: E402
+
+ENCODE_GOAL = 1.0
+DECODE_GOAL = 0.8
+
+
+def _timer(device: torch.device):
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def timed(fn):
+        sync()
+        t0 = time.perf_counter()
+        res = fn()
+        sync()
+        return time.perf_counter() - t0, res
+
+    return timed
+
+
+def run(numel: int, repeats: int, block_size: int, device: str, seed: int = 0) -> list[str]:
+    dev = torch.device(device)
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    v = torch.randn(numel, generator=gen).to(dev)
+    timed = _timer(dev)
+    pre = torch.empty_like(v)
+    out = torch.empty_like(v)
+
+    p = encode(v, block_size)  # warm-up (workspace, LUT)
+    decode(p, device=dev, out=out)
+    data = p.to_bytes()
+    assert len(data) == p.nbytes()
+
+    names = ["torch.clone", "copy_ (prealloc)", "encode", "decode (new tensor)", "decode (out=)",
+             "to_bytes", "from_bytes"]
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for _ in range(repeats):
+        t, c = timed(lambda: v.clone())
+        times["torch.clone"].append(t)
+        del c
+        times["copy_ (prealloc)"].append(timed(lambda: pre.copy_(v))[0])
+        t, p = timed(lambda: encode(v, block_size))
+        times["encode"].append(t)
+        t, d = timed(lambda: decode(p, device=dev))
+        times["decode (new tensor)"].append(t)
+        del d
+        times["decode (out=)"].append(timed(lambda: decode(p, device=dev, out=out))[0])
+        t, data = timed(p.to_bytes)
+        times["to_bytes"].append(t)
+        times["from_bytes"].append(timed(lambda: SignPacket.from_bytes(data))[0])
+
+    fp32_bytes = 4 * numel
+    med = {n: statistics.median(ts) for n, ts in times.items()}
+    clone = med["torch.clone"]
+    lines = [
+        f"P = {numel:,} fp32 elements, block size {block_size}, device {dev} "
+        f"({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}), "
+        f"median of {repeats} interleaved repeats",
+        "",
+        f"compressed {p.nbytes():,} bytes / fp32 {fp32_bytes:,} bytes = 1/{fp32_bytes / p.nbytes():.2f} "
+        f"({p.nbytes() / fp32_bytes:.4f})",
+        "",
+        "| operation | median ms | GB/s of fp32 | x torch.clone |",
+        "| --- | ---: | ---: | ---: |",
+    ]
+    for n in names:
+        t = med[n]
+        lines.append(f"| {n} | {t * 1e3:.1f} | {fp32_bytes / t / 1e9:.2f} | {clone / t:.2f} |")
+    enc, dec = clone / med["encode"], clone / med["decode (new tensor)"]
+    lines += [
+        "",
+        f"encode {enc:.2f}x clone (goal >= {ENCODE_GOAL}x: {'met' if enc >= ENCODE_GOAL else 'MISSED'}); "
+        f"decode {dec:.2f}x clone (goal >= {DECODE_GOAL}x: {'met' if dec >= DECODE_GOAL else 'MISSED'}); "
+        f"against copy_ into a preallocated tensor: encode {med['copy_ (prealloc)'] / med['encode']:.2f}x, "
+        f"decode (out=) {med['copy_ (prealloc)'] / med['decode (out=)']:.2f}x",
+    ]
+    return lines
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--numel", type=int, default=124_000_000, help="elements (default: GPT-2 small, 124M)")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--block-size", type=int, default=2048)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--markdown", metavar="PATH", help="also write the results as markdown to PATH")
+    args = ap.parse_args(argv)
+    lines = run(args.numel, args.repeats, args.block_size, args.device, args.seed)
+    print("\n".join(lines))
+    if args.markdown:
+        cmd = "python benchmarks/codec.py " + " ".join(argv if argv is not None else sys.argv[1:])
+        with open(args.markdown, "w") as f:
+            f.write("# Sign codec benchmark\n\n")
+            f.write(f"Reproduce with:\n\n```\n{cmd}\n```\n\n")
+            f.write("\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

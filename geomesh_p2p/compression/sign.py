@@ -1,0 +1,428 @@
+"""Sign codec of Compressed Sign Synchronization (CSS), GeoMesh (arXiv 2609.18388).
+
+A float vector v of P elements is sent as
+
+* one sign bit per element, packed 8 to a byte, and
+* one fp32 scale per block of B consecutive elements: the mean of |v| over the block
+  (the last block, which may be shorter, averages over its real elements only);
+
+and decodes to ``scale[block(i)] * (+1 | -1)``: a scaled signSGD message
+(Bernstein et al. 2018, "signSGD: compressed optimisation for non-convex problems").
+
+Conventions (part of the wire format):
+
+* **Sign of zero.** Bit 1 means negative, bit 0 non-negative. An element is negative iff
+  ``v < 0``, so both ``+0.0`` and ``-0.0`` encode as ``+`` and decode to ``+scale``.
+* **Bit order.** Little-endian within a byte: element ``8k + j`` is bit ``j`` (value ``1 << j``)
+  of byte ``k`` (numpy ``packbits(..., bitorder="little")``). Unused high bits of the last
+  byte are 0, and a packet whose padding bits are not 0 is rejected.
+* **Decoding** is one fp32 multiply per element, ``scale * (+1.0 or -1.0)``, which is exact,
+  so every machine and device decodes the same bytes to bit-identical values.
+* **Encoding** is deterministic for a given machine; the block sums behind the scales are
+  fp32 reductions whose rounding may differ in the last place between CPU vector widths and
+  GPUs. The bytes a sender produced are the reference everyone decodes.
+
+Wire layout of a sign packet: the 32-byte header (see ``_format``) with kind 1, then
+``4 * ceil(P/B)`` bytes of scales (fp32 little-endian), then ``ceil(P/8)`` bytes of signs.
+Total ``32 + ceil(P/8) + 4*ceil(P/B)`` bytes: for B = 2048 and large P that is 4P / 31.5.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from ._format import (
+    DEFAULT_BLOCK_SIZE,
+    HEADER_SIZE,
+    KIND_SIGN,
+    CodecError,
+    as_flat_fp32,
+    ceil_div,
+    check_block_size,
+    check_cpu_tensor,
+    check_length,
+    check_numel,
+    check_scales,
+    check_tokens,
+    pack_header,
+    raise_non_finite,
+    read_array,
+    tensor_bytes,
+    unpack_header,
+)
+
+__all__ = ["SignPacket", "encode", "decode", "sign_payload_nbytes"]
+
+# Work is split into chunks that start on a byte and block boundary. On CPU a chunk holds
+# fewer than at::internal::GRAIN_SIZE (32768) elements, so every torch op on it runs inline
+# in the calling thread (no OpenMP team, no barrier per op: robust when the cores are
+# shared), its temporaries stay in L1/L2, and the chunks are spread over a small pool of
+# worker threads (torch ops release the GIL). On CUDA chunks only bound temporaries.
+_GRAIN = 32768
+_CPU_BIG_CHUNK = 1 << 19  # when lcm(8, B) >= _GRAIN: OpenMP-parallel ops in the caller's thread
+_CUDA_CHUNK = 1 << 26
+_MAX_ALIGN = 1 << 22  # lcm(8, B) above this: one unchunked segment
+_MIN_CHUNKS_PER_WORKER = 4
+
+# x * _GATHER puts the low bits of the 8 bytes of x (bytes 0..7 = elements 0..7, each 0 or 1)
+# into bits 56..63, element j at bit 56 + j; every other partial product lands elsewhere and
+# no two overlap, so there are no carries. The product wraps modulo 2**64.
+_GATHER = 0x0102040810204080
+
+
+def sign_payload_nbytes(numel: int, block_size: int = DEFAULT_BLOCK_SIZE) -> int:
+    """Payload bytes of a sign packet: ``ceil(P/8) + 4 * ceil(P/B)`` (header not included)."""
+    return ceil_div(numel, 8) + 4 * ceil_div(numel, block_size)
+
+
+@dataclass(frozen=True)
+class SignPacket:
+    """One sign-compressed vector (a peer's pseudo-gradient part, or a re-encoded aggregate).
+
+    Attributes:
+        numel: P, number of fp32 elements encoded (>= 0).
+        block_size: B, elements per scale block (1 <= B < 2**32).
+        tokens: n_i, tokens the sender trained on (>= 0); the aggregation weight.
+        signs: uint8 CPU tensor [ceil(P/8)]; element 8k+j is bit j of byte k, 1 = negative.
+        scales: float32 CPU tensor [ceil(P/B)]; mean |v| of each block, finite and >= 0.
+
+    Construction validates shapes, dtypes, device, scales and padding bits (CodecError).
+    Source: GeoMesh CSS (arXiv 2609.18388), scaled signSGD.
+    """
+
+    numel: int
+    block_size: int
+    tokens: int
+    signs: torch.Tensor
+    scales: torch.Tensor
+
+    def __post_init__(self):
+        numel = check_numel(self.numel)
+        block_size = check_block_size(self.block_size)
+        tokens = check_tokens(self.tokens)
+        object.__setattr__(self, "numel", numel)
+        object.__setattr__(self, "block_size", block_size)
+        object.__setattr__(self, "tokens", tokens)
+        check_cpu_tensor(self.signs, "signs", torch.uint8, ceil_div(numel, 8))
+        check_cpu_tensor(self.scales, "scales", torch.float32, ceil_div(numel, block_size))
+        check_scales(self.scales)
+        rem = numel % 8
+        if rem and int(self.signs[-1]) >> rem:
+            raise CodecError(f"padding bits of the last sign byte must be 0 (P % 8 = {rem})")
+
+    @property
+    def num_blocks(self) -> int:
+        return ceil_div(self.numel, self.block_size)
+
+    def nbytes(self) -> int:
+        """Exact size of :meth:`to_bytes` in bytes: ``32 + ceil(P/8) + 4 * ceil(P/B)``."""
+        return HEADER_SIZE + sign_payload_nbytes(self.numel, self.block_size)
+
+    def to_bytes(self) -> bytes:
+        """Serialize: header (kind 1), fp32 LE scales, packed signs. See the module doc."""
+        return b"".join(
+            (
+                pack_header(KIND_SIGN, self.numel, self.block_size, self.tokens),
+                tensor_bytes(self.scales, "<f4"),
+                tensor_bytes(self.signs, "u1"),
+            )
+        )
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "SignPacket":
+        """Parse bytes from :meth:`to_bytes`. Raises CodecError for a truncated or over-long
+        buffer, bad magic/version/kind, block_size 0, NaN/Inf/negative scales, or non-zero
+        padding bits."""
+        _, numel, block_size, tokens, view = unpack_header(data, KIND_SIGN)
+        if block_size == 0:
+            raise CodecError("sign packet with block_size 0")
+        nb = ceil_div(numel, block_size)
+        ns = ceil_div(numel, 8)
+        check_length(view, HEADER_SIZE + 4 * nb + ns, "sign")
+        scales = read_array(view, HEADER_SIZE, "<f4", nb)
+        signs = read_array(view, HEADER_SIZE + 4 * nb, "u1", ns)
+        return cls(numel, block_size, tokens, signs, scales)
+
+
+# ----------------------------------------------------------------------------------------
+# encode
+
+
+def _plan(device: torch.device, numel: int, block_size: int) -> tuple[int, int]:
+    """(chunk elements, worker threads) for a vector; chunk 0 means one unchunked segment."""
+    align = 8 * block_size // math.gcd(8, block_size)
+    if align > _MAX_ALIGN or numel < 2 * align:
+        return 0, 1
+    if device.type != "cpu":
+        return max(align, _CUDA_CHUNK // align * align), 1
+    if align >= _GRAIN:
+        return max(align, _CPU_BIG_CHUNK // align * align), 1
+    chunk = (_GRAIN - 1) // align * align
+    workers = max(1, min(torch.get_num_threads(), numel // chunk // _MIN_CHUNKS_PER_WORKER))
+    return chunk, workers
+
+
+class _Workspace:
+    """Scratch buffers for one chunk (CPU: one per worker thread, reused across calls)."""
+
+    def __init__(self, n: int, device: torch.device):
+        self.n = n
+        self.neg = torch.empty(n, dtype=torch.bool, device=device)
+        self.words = torch.empty(n // 8, dtype=torch.int64, device=device)
+        self.absv = torch.empty(n, dtype=torch.int32, device=device)
+        self.idx = torch.empty(n // 8, dtype=torch.int32, device=device)
+
+
+_tls = threading.local()
+
+
+def _workspace(n: int, device: torch.device) -> _Workspace:
+    if device.type != "cpu":
+        return _Workspace(n, device)
+    ws = getattr(_tls, "ws", None)
+    if ws is None or ws.n != n:
+        ws = _Workspace(n, device)
+        _tls.ws = ws
+    return ws
+
+
+_POOL: ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def _run_parallel(fn, nchunks: int, workers: int) -> None:
+    """Call ``fn(lo, hi)`` on contiguous ranges covering [0, nchunks), on ``workers`` threads."""
+    if workers <= 1:
+        fn(0, nchunks)
+        return
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None or _POOL._max_workers < workers:
+            _POOL = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="geomesh-codec")
+        pool = _POOL
+    bounds = [(nchunks * k // workers, nchunks * (k + 1) // workers) for k in range(workers)]
+    futures = [pool.submit(fn, lo, hi) for lo, hi in bounds[1:]]
+    fn(*bounds[0])  # the caller's thread takes the first range
+    for f in futures:
+        f.result()
+
+
+def _encode_segment(vs: torch.Tensor, signs: torch.Tensor, sums: torch.Tensor, block_size: int) -> None:
+    """Generic path: sign bits and per-block |v| sums of a segment of any length that starts
+    on a byte and block boundary (``signs``/``sums``: the segment's slices of the outputs)."""
+    n = vs.numel()
+    n8 = n - n % 8
+    if n8:
+        # 8 bools (bytes 0/1) viewed as one int64, gathered into its top byte.
+        words = torch.mul(torch.lt(vs[:n8], 0).view(torch.int64), _GATHER)
+        signs[: n8 // 8].copy_(words.view(torch.uint8).view(-1, 8)[:, 7])
+    if n8 < n:
+        tail = torch.lt(vs[n8:], 0).to(torch.uint8)
+        weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=vs.device)
+        signs[n8 // 8:].copy_((tail * weights[: n - n8]).sum(dtype=torch.uint8).reshape(1))
+    nfull = n // block_size
+    if nfull:
+        torch.linalg.vector_norm(vs[: nfull * block_size].view(nfull, block_size), 1, dim=1, out=sums[:nfull])
+    if nfull * block_size < n:
+        sums[nfull:].copy_(vs[nfull * block_size:].abs().sum().reshape(1))
+
+
+def _encode_chunked(v: torch.Tensor, signs: torch.Tensor, sums: torch.Tensor, block_size: int,
+                    chunk: int, workers: int) -> int:
+    """Fast path over the whole chunks of ``v``; returns how many elements it covered."""
+    nch = v.numel() // chunk
+    covered = nch * chunk
+    nbc = chunk // block_size
+    v_chunks = v[:covered].view(nch, chunk).unbind(0)
+    vi_chunks = v[:covered].view(torch.int32).view(nch, chunk).unbind(0)
+    s_chunks = signs[: covered // 8].view(nch, chunk // 8).unbind(0)
+    u_chunks = sums[: nch * nbc].view(nch, nbc).unbind(0)
+    device = v.device
+
+    def work(lo: int, hi: int) -> None:
+        ws = _workspace(chunk, device)
+        neg = ws.neg
+        neg64 = neg.view(torch.int64)
+        words = ws.words
+        top = words.view(torch.uint8).view(-1, 8)[:, 7]
+        absi = ws.absv
+        absf = absi.view(torch.float32).view(nbc, block_size)
+        lt, mul, band, tsum = torch.lt, torch.mul, torch.bitwise_and, torch.sum
+        for c in range(lo, hi):
+            lt(v_chunks[c], 0, out=neg)
+            mul(neg64, _GATHER, out=words)
+            s_chunks[c].copy_(top)
+            band(vi_chunks[c], 0x7FFFFFFF, out=absi)  # |v|: clear the sign bit
+            tsum(absf, 1, out=u_chunks[c])
+
+    _run_parallel(work, nch, workers)
+    return covered
+
+
+def encode(v: torch.Tensor, block_size: int = DEFAULT_BLOCK_SIZE, tokens: int = 0) -> SignPacket:
+    """Sign-compress a vector.
+
+    Args:
+        v: float tensor of any shape (flattened in row-major order; non-fp32 dtypes are
+            converted to fp32 first), on CPU or CUDA. Work runs on ``v``'s device; only the
+            packed signs and the scales are moved to the CPU.
+        block_size: B, elements per scale (default 2048).
+        tokens: n_i, the token count the sender trained on (>= 0).
+
+    Returns:
+        SignPacket with signs uint8 [ceil(P/8)] and scales fp32 [ceil(P/B)] on the CPU;
+        serialized size ``32 + ceil(P/8) + 4*ceil(P/B)`` bytes.
+
+    Raises:
+        CodecError: if ``v`` holds NaN or Inf (no packet is produced), is not a floating
+            tensor, or block_size/tokens are out of range.
+
+    Source: GeoMesh CSS (arXiv 2609.18388): per block, packed signs and the mean |v|.
+    """
+    block_size = check_block_size(block_size)
+    tokens = check_tokens(tokens)
+    v = as_flat_fp32(v)
+    device = v.device
+    P = v.numel()
+    nb = ceil_div(P, block_size)
+    signs = torch.empty(ceil_div(P, 8), dtype=torch.uint8, device=device)
+    sums = torch.empty(nb, dtype=torch.float32, device=device)
+
+    chunk, workers = _plan(device, P, block_size)
+    covered = _encode_chunked(v, signs, sums, block_size, chunk, workers) if chunk else 0
+    if covered < P:
+        _encode_segment(v[covered:], signs[covered // 8:], sums[covered // block_size:], block_size)
+
+    # Mean |v|: full blocks divide by B, the last one by its real length.
+    last = P - (nb - 1) * block_size if nb else 0
+    scales = sums
+    if nb and last != block_size:
+        scales[: nb - 1].div_(block_size)
+        scales[nb - 1:].div_(last)
+    else:
+        scales.div_(block_size)
+    scales = scales.cpu()
+    signs = signs.cpu()
+    if nb and not bool(torch.isfinite(scales).all()):
+        raise_non_finite(v)
+        # All inputs finite but an fp32 block sum overflowed: redo the sums in fp64.
+        counts = torch.full((nb,), float(block_size), dtype=torch.float64, device=device)
+        counts[-1] = last
+        scales = (_block_abs_sums(v, block_size, torch.float64) / counts).to(torch.float32).cpu()
+    return SignPacket(P, block_size, tokens, signs, scales)
+
+
+# ----------------------------------------------------------------------------------------
+# decode
+
+_LUT: dict[torch.device, torch.Tensor] = {}
+_LUT_LOCK = threading.Lock()
+
+
+def _sign_lut(device: torch.device) -> torch.Tensor:
+    """fp32 [256, 8]: row b holds +1/-1 for the 8 bits of byte b (bit j -> column j)."""
+    lut = _LUT.get(device)
+    if lut is None:
+        bits = (torch.arange(256, dtype=torch.int64)[:, None] >> torch.arange(8)) & 1
+        lut = (1.0 - 2.0 * bits.to(torch.float32)).contiguous().to(device)
+        with _LUT_LOCK:
+            _LUT[device] = lut
+    return lut
+
+
+def _decode_segment(signs: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, lut: torch.Tensor,
+                    block_size: int) -> None:
+    """Generic path: decode a segment starting on a byte and block boundary into ``out``."""
+    n = out.numel()
+    nbytes8 = n // 8
+    if nbytes8:
+        torch.index_select(lut, 0, signs[:nbytes8].to(torch.int32), out=out[: nbytes8 * 8].view(nbytes8, 8))
+    if nbytes8 * 8 < n:
+        out[nbytes8 * 8:].copy_(lut[signs[nbytes8].to(torch.int64), : n - nbytes8 * 8])
+    nfull = n // block_size
+    if nfull:
+        out[: nfull * block_size].view(nfull, block_size).mul_(scales[:nfull, None])
+    if nfull * block_size < n:
+        out[nfull * block_size:].mul_(scales[nfull])
+
+
+def _decode_chunked(signs: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, lut: torch.Tensor,
+                    block_size: int, chunk: int, workers: int) -> int:
+    """Fast path over the whole chunks; returns how many elements it covered."""
+    nch = out.numel() // chunk
+    covered = nch * chunk
+    nbc = chunk // block_size
+    s_chunks = signs[: covered // 8].view(nch, chunk // 8).unbind(0)
+    o8_chunks = out[:covered].view(nch, chunk // 8, 8).unbind(0)
+    ob_chunks = out[:covered].view(nch, nbc, block_size).unbind(0)
+    u_chunks = scales[: nch * nbc].view(nch, nbc, 1).unbind(0)
+    device = out.device
+
+    def work(lo: int, hi: int) -> None:
+        idx = _workspace(chunk, device).idx
+        index_select = torch.index_select
+        for c in range(lo, hi):
+            idx.copy_(s_chunks[c])
+            index_select(lut, 0, idx, out=o8_chunks[c])  # +1/-1 per element
+            ob_chunks[c].mul_(u_chunks[c])  # scale * sign: one multiply
+
+    _run_parallel(work, nch, workers)
+    return covered
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    if a.type != b.type:
+        return False
+    return a.index is None or b.index is None or a.index == b.index
+
+
+def decode(p: SignPacket, device=None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Decode a sign packet to ``scale * (+1 | -1)`` per element.
+
+    Args:
+        p: the packet.
+        device: where to build the result (default: ``out``'s device, else CPU).
+        out: optional preallocated contiguous fp32 tensor with P elements to write into
+            (avoids allocating P * 4 bytes).
+
+    Returns:
+        fp32 tensor [P] (``out`` itself if given). Each element is one exact fp32 multiply
+        ``scale * (+1.0 | -1.0)``, bit-identical on every device.
+
+    Raises:
+        CodecError: if ``out`` has the wrong dtype, size, device or is not contiguous.
+    """
+    if not isinstance(p, SignPacket):
+        raise CodecError(f"decode expects a SignPacket, got {type(p).__name__}")
+    P = p.numel
+    if out is not None:
+        if not isinstance(out, torch.Tensor) or out.dtype != torch.float32:
+            raise CodecError("out must be a float32 tensor")
+        if out.numel() != P or not out.is_contiguous():
+            raise CodecError(f"out must be contiguous with {P} elements, got shape {list(out.shape)}")
+        if device is not None and not _same_device(torch.device(device), out.device):
+            raise CodecError(f"out is on {out.device} but device={device} was requested")
+        device = out.device
+        result = out
+        flat = out.view(-1)
+    else:
+        device = torch.device("cpu") if device is None else torch.device(device)
+        result = flat = torch.empty(P, dtype=torch.float32, device=device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if P == 0:
+        return result
+    B = p.block_size
+    signs = p.signs.to(device, non_blocking=True)
+    scales = p.scales.to(device, non_blocking=True)
+    lut = _sign_lut(device)
+    chunk, workers = _plan(device, P, B)
+    covered = _decode_chunked(signs, scales, flat, lut, B, chunk, workers) if chunk else 0
+    if covered < P:
+        _decode_segment(signs[covered // 8:], scales[covered // B:], flat[covered:], lut, B)
+    return result
