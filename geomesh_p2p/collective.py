@@ -655,8 +655,12 @@ class CollectiveService:
         if part.closed_by is not None:
             return
         part.closed_by = reason
-        log.debug("round %d: part %d closed (%s) with %d contributions", state.spec.round, part.index, reason,
-                  len(part.contributions))
+        absent = [p for p in state.spec.participants if p not in part.contributions]
+        if absent:
+            log.warning("round %d: part %d closed at the deadline without %s (left out of this part)",
+                        state.spec.round, part.index, ", ".join(_short(p) for p in sorted(absent)))
+        else:
+            log.debug("round %d: part %d closed (%s)", state.spec.round, part.index, reason)
         self._tasks.spawn(self._finish(state, part), name=f"reduce r{state.spec.round} p{part.index}")
 
     async def _close_at_deadline(self, state: _RoundState) -> None:

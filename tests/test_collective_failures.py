@@ -336,3 +336,44 @@ async def test_processes_one_sigkilled_mid_round(workers, tmp_path):
         procs[k].send("exit")
         await procs[k].proc.stdin.drain()
         assert await asyncio.wait_for(procs[k].proc.wait(), 20) == 0
+
+
+async def test_owner_gone_after_serving_some_peers_the_rest_get_its_signed_result_from_them(swarm):
+    """Owner 1 serves parts to peers 0 and 2, then dies before the client-only peer 3 pulls: peer 3
+    gets the owner-signed result from a peer that cached it, so nobody diverges."""
+    sw = await swarm()
+    spec, deltas, tokens = setup_round(sw, mode="reencode")
+    late = sw.services[3]
+    got: dict[int, asyncio.Event] = {k: asyncio.Event() for k in (0, 2)}
+    owner_gone = asyncio.Event()
+
+    class Tracking:
+        def __init__(self, svc, k):
+            orig = svc._obtain
+
+            async def obtain(state, j):
+                out = await orig(state, j)
+                if j == 1:
+                    got[k].set()
+                return out
+
+            svc._obtain = obtain
+
+    for k in (0, 2):
+        Tracking(sw.services[k], k)
+    orig_pull = late._pull
+
+    async def slow_pull(spec_, j):
+        if j == 1:
+            await owner_gone.wait()
+        return await orig_pull(spec_, j)
+
+    late._pull = slow_pull
+    tasks = start_round(sw, spec, deltas, tokens, [0, 1, 2, 3])
+    await got[0].wait()
+    await got[2].wait()
+    tasks.pop(1).cancel()
+    await sw.stop_one(1)
+    owner_gone.set()
+    outs = {k: await t for k, t in tasks.items()}
+    check_survivors(sw, spec, deltas, tokens, outs, missing=[])
