@@ -1,0 +1,222 @@
+"""Outer optimizer, state digests, checkpoints and state transfer (optim, state)."""
+
+import hashlib
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import geomesh_p2p.state as state_mod
+from geomesh_p2p.optim import OuterNesterov
+from geomesh_p2p.state import (CheckpointError, StateError, chunks_to_state, digest,
+                               list_checkpoints, load_latest_checkpoint, save_checkpoint,
+                               state_to_chunks)
+
+P = 10_007
+
+
+def _inputs(seed, steps=20, n=P):
+    g = torch.Generator().manual_seed(seed)
+    theta = torch.randn(n, generator=g) * 0.05
+    aggs = [torch.randn(n, generator=g) * 1e-3 for _ in range(steps)]
+    return theta, aggs
+
+
+# --- OuterNesterov -------------------------------------------------------------------
+
+def test_outer_nesterov_matches_float64_reference():
+    theta, aggs = _inputs(0)
+    ref = theta.double()
+    buf = torch.zeros(P, dtype=torch.float64)
+    opt = OuterNesterov(lr=0.7, momentum=0.9)
+    for g in aggs:
+        opt.step(theta, g)
+        buf = 0.9 * buf + g.double()
+        ref = ref - 0.7 * (g.double() + 0.9 * buf)
+    assert (theta.double() - ref).abs().max().item() < 1e-6
+    assert (opt.buf.double() - buf).abs().max().item() < 1e-6
+    assert opt.steps == len(aggs)
+
+
+def test_outer_nesterov_equals_torch_sgd_semantics():
+    theta, aggs = _inputs(1, steps=5)
+    p = torch.nn.Parameter(theta.clone())
+    sgd = torch.optim.SGD([p], lr=0.7, momentum=0.9, nesterov=True)
+    opt = OuterNesterov()
+    for g in aggs:
+        opt.step(theta, g)
+        p.grad = g.clone()
+        sgd.step()
+    assert (theta - p.detach()).abs().max().item() < 1e-6
+
+
+def test_outer_nesterov_bit_identical():
+    theta_a, aggs = _inputs(2)
+    theta_b = theta_a.clone()
+    a, b = OuterNesterov(), OuterNesterov()
+    # numpy float32 re-implementation: same six roundings -> same bits
+    th_np = theta_a.numpy().copy()
+    buf_np = np.zeros_like(th_np)
+    mu, lr = np.float32(0.9), np.float32(0.7)
+    for g in aggs:
+        a.step(theta_a, g)
+        b.step(theta_b, g.clone())
+        gn = g.numpy()
+        buf_np = mu * buf_np
+        buf_np = buf_np + gn
+        upd = mu * buf_np
+        upd = gn + upd
+        upd = lr * upd
+        th_np = th_np - upd
+    assert torch.equal(theta_a, theta_b) and torch.equal(a.buf, b.buf)
+    assert np.array_equal(theta_a.numpy(), th_np) and np.array_equal(a.buf.numpy(), buf_np)
+    assert digest(theta_a, a.buf) == digest(theta_b, b.buf)
+
+
+def test_outer_state_dict_roundtrip_and_input_checks():
+    theta, aggs = _inputs(3, steps=6)
+    a = OuterNesterov()
+    for g in aggs[:3]:
+        a.step(theta, g)
+    sd = a.state_dict()
+    assert isinstance(sd["buf"], torch.Tensor) and sd["buf"].dtype == torch.float32
+    b = OuterNesterov(lr=0.1)
+    b.load_state_dict(sd)
+    assert b.lr == 0.7 and b.steps == 3
+    theta_b = theta.clone()
+    for g in aggs[3:]:
+        a.step(theta, g)
+        b.step(theta_b, g)
+    assert torch.equal(theta, theta_b)
+    with pytest.raises(ValueError, match="fp32"):
+        a.step(theta.double(), aggs[0].double())
+    with pytest.raises(ValueError):
+        a.step(theta, aggs[0][:-1])
+    with pytest.raises(ValueError):
+        OuterNesterov(momentum=1.0)
+
+
+# --- digest --------------------------------------------------------------------------
+
+def test_digest_definition_and_sensitivity():
+    theta, (mom, *_) = _inputs(4, steps=1)
+    d = digest(theta)
+    assert len(d) == 32 and int(d, 16) >= 0
+    expect = hashlib.blake2b(theta.numpy().astype("<f4").tobytes()).hexdigest()[:32]
+    assert d == expect
+    both = hashlib.blake2b(theta.numpy().astype("<f4").tobytes()
+                           + mom.numpy().astype("<f4").tobytes()).hexdigest()[:32]
+    assert digest(theta, mom) == both != d
+    flipped = theta.clone()
+    flipped.view(torch.int32)[123] ^= 1  # one bit of one element
+    assert digest(flipped) != d
+    assert digest(torch.tensor([0.0])) != digest(torch.tensor([-0.0]))
+    with pytest.raises(StateError):
+        digest(theta.double())
+
+
+# --- checkpoints ---------------------------------------------------------------------
+
+def test_checkpoint_roundtrip_bitwise_and_atomic(tmp_path):
+    assert load_latest_checkpoint(tmp_path / "none") is None
+    assert load_latest_checkpoint(tmp_path) is None
+    theta, (mom, *_) = _inputs(5, steps=1)
+    theta[0] = -0.0
+    for r in range(5):
+        path = save_checkpoint(tmp_path, round=r, theta=theta + r, momentum=mom,
+                               meta={"run_config_hash": "abc123", "peer": "x"}, keep=2)
+    assert path.name == "ckpt-00000004.json"
+    names = sorted(os.listdir(tmp_path))
+    assert names == ["ckpt-00000003.json", "ckpt-00000003.safetensors",
+                     "ckpt-00000004.json", "ckpt-00000004.safetensors"]  # keep=2, no temp files
+    rnd, th, mo, rec = load_latest_checkpoint(tmp_path)
+    assert rnd == 4 and torch.equal(th, theta + 4) and torch.equal(mo, mom)
+    assert th.dtype == torch.float32
+    assert rec["digest"] == digest(theta + 4, mom) and rec["run_config_hash"] == "abc123"
+    assert rec["meta"]["peer"] == "x" and rec["round"] == 4 and rec["time"] > 0
+    # without momentum, and bitwise -0.0 preserved
+    save_checkpoint(tmp_path, round=7, theta=theta, momentum=None, meta={})
+    rnd, th, mo, rec = load_latest_checkpoint(tmp_path)
+    assert rnd == 7 and mo is None and torch.equal(th.view(torch.int32), theta.view(torch.int32))
+    assert rec["run_config_hash"] is None
+    assert [r for r, _ in list_checkpoints(tmp_path)] == [3, 4, 7]
+
+
+def test_checkpoint_failed_write_leaves_previous(tmp_path, monkeypatch):
+    theta, _ = _inputs(6, steps=0)
+    save_checkpoint(tmp_path, round=1, theta=theta, momentum=None, meta={})
+
+    def boom(*a, **k):
+        raise OSError("disk full")
+
+    import safetensors.torch
+    monkeypatch.setattr(safetensors.torch, "save_file", boom)
+    with pytest.raises(OSError, match="disk full"):
+        save_checkpoint(tmp_path, round=2, theta=theta + 1, momentum=None, meta={})
+    assert sorted(os.listdir(tmp_path)) == ["ckpt-00000001.json", "ckpt-00000001.safetensors"]
+    assert load_latest_checkpoint(tmp_path)[0] == 1
+    with pytest.raises(TypeError):
+        save_checkpoint(tmp_path, round=3, theta=theta, momentum=None, meta={"x": object()})
+
+
+def test_corrupt_checkpoint_rejected(tmp_path):
+    theta, (mom, *_) = _inputs(7, steps=1)
+    save_checkpoint(tmp_path, round=0, theta=theta, momentum=mom, meta={})
+    w = tmp_path / "ckpt-00000000.safetensors"
+    data = bytearray(w.read_bytes())
+    data[-10] ^= 0x40  # a flipped bit in the tensor data
+    w.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="digest") as ei:
+        load_latest_checkpoint(tmp_path)
+    assert "ckpt-00000000.safetensors" in str(ei.value)
+    w.write_bytes(bytes(data[:100]))  # truncated
+    with pytest.raises(CheckpointError, match="ckpt-00000000.safetensors"):
+        load_latest_checkpoint(tmp_path)
+    (tmp_path / "ckpt-00000000.json").write_text("{oops")
+    with pytest.raises(CheckpointError, match="ckpt-00000000.json"):
+        load_latest_checkpoint(tmp_path)
+
+
+# --- transfer chunks -----------------------------------------------------------------
+
+@pytest.mark.parametrize("chunk_bytes", [1, 7, 4096, 40_028, 1 << 22])
+def test_state_chunks_roundtrip_bitwise(chunk_bytes):
+    n = 10_007 if chunk_bytes > 1 else 101
+    theta, (mom, *_) = _inputs(8, steps=1, n=n)
+    theta[3] = float("nan")
+    chunks = list(state_to_chunks(theta, mom, chunk_bytes))
+    assert all(isinstance(c, bytes) for c in chunks)
+    assert chunks[0].startswith(state_mod.STREAM_MAGIC)
+    assert all(len(c) == chunk_bytes for c in chunks[1:-1]) and len(chunks[-1]) <= chunk_bytes
+    assert sum(len(c) for c in chunks[1:]) == 8 * n
+    th, mo = chunks_to_state(chunks)
+    assert torch.equal(th.view(torch.int32), theta.view(torch.int32))
+    assert torch.equal(mo, mom)
+    th2, mo2 = chunks_to_state(iter(state_to_chunks(theta, None, chunk_bytes)))
+    assert mo2 is None and torch.equal(th2.view(torch.int32), theta.view(torch.int32))
+    th2[0] = 1.0  # writable
+
+
+def test_state_chunks_same_on_every_donor_and_rejects_damage():
+    theta, (mom, *_) = _inputs(9, steps=1)
+    a = list(state_to_chunks(theta, mom, 1000))
+    b = list(state_to_chunks(theta.clone(), mom.clone(), 1000))
+    assert a == b  # chunk k is interchangeable between donors
+    payload = b"".join(a[1:])
+    th, _ = chunks_to_state([a[0], payload[:5], payload[5:]])  # re-chunked
+    assert torch.equal(th, theta)
+    with pytest.raises(StateError, match="truncated"):
+        chunks_to_state(a[:-1])
+    with pytest.raises(StateError, match="longer"):
+        chunks_to_state(a + [b"x"])
+    bad = bytearray(a[3])
+    bad[0] ^= 1
+    with pytest.raises(StateError, match="digest"):
+        chunks_to_state(a[:3] + [bytes(bad)] + a[4:])
+    with pytest.raises(StateError, match="magic"):
+        chunks_to_state([b"PK\x03\x04" + a[0][4:]] + a[1:])
+    with pytest.raises(StateError):
+        chunks_to_state([])
+    with pytest.raises(StateError):
+        list(state_to_chunks(theta, mom[:-1], 1000))

@@ -1,0 +1,249 @@
+"""Model building, flat parameters and the inner loop (geomesh_p2p.training)."""
+
+import json
+import math
+import time
+
+import pytest
+import torch
+
+import geomesh_p2p.training as training
+from geomesh_p2p.data import TokenDataset, load_dataset
+from geomesh_p2p.training import (PRESETS, ConfigError, InnerTrainer, build_model,
+                                  flat_params, load_flat_, lr_at, model_config, num_params)
+
+SEQ = 64
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # With other processes on a 2-core box, 2 intra-op threads run ~10x slower than 1
+    # (spin-waiting); one thread keeps this file's runtime predictable.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def ds(tmp_path_factory):
+    return load_dataset(None, seq_len=SEQ, cache_dir=tmp_path_factory.mktemp("gmcache"))
+
+
+def _trainer(ds, **kw):
+    model = build_model("tiny", vocab_size=ds.vocab_size, seed=kw.pop("model_seed", 0))
+    args = dict(device="cpu", seq_len=SEQ, lr=1e-3, weight_decay=0.1, warmup_steps=3,
+                total_steps=200, seed=0, peer_id="p0")
+    args.update(kw)
+    return InnerTrainer(model, ds, **args)
+
+
+# --- models --------------------------------------------------------------------------
+
+def test_presets_build_from_config_only():
+    assert set(PRESETS) >= {"tiny", "small", "gpt2-124m", "llama-tiny"}
+    tiny = build_model("tiny", vocab_size=4096)
+    assert 0.8e6 < num_params(tiny) < 1.2e6
+    assert tiny.config.n_layer in (2, 3, 4) and tiny.config.n_embd == 128
+    assert tiny.config.n_head == 4 and tiny.config.n_positions == 128
+    assert next(tiny.parameters()).dtype == torch.float32 and tiny.training
+    llama = build_model("llama-tiny", vocab_size=4096)
+    assert type(llama).__name__ == "LlamaForCausalLM"
+    x = torch.randint(0, 4096, (2, 16))
+    assert math.isfinite(llama(input_ids=x, labels=x).loss.item())
+    small = model_config("small", vocab_size=4096)
+    assert small.n_embd * small.n_layer >= 384 * 6
+    big = model_config("gpt2-124m")
+    assert (big.n_layer, big.n_embd, big.n_head, big.n_positions, big.vocab_size) == (12, 768, 12, 1024, 50257)
+
+
+def test_init_deterministic_from_seed():
+    a = flat_params(build_model("tiny", seed=7))
+    rng_before = torch.random.get_rng_state()
+    b = flat_params(build_model("tiny", seed=7))
+    assert torch.equal(torch.random.get_rng_state(), rng_before)  # caller RNG untouched
+    assert torch.equal(a, b)
+    assert not torch.equal(a, flat_params(build_model("tiny", seed=8)))
+
+
+def test_json_config_files(tmp_path):
+    f = tmp_path / "m.json"
+    f.write_text(json.dumps({"preset": "tiny", "n_layer": 1}))
+    m = build_model(config_file=str(f), vocab_size=512)
+    assert m.config.n_layer == 1 and m.config.vocab_size == 512
+    hf = tmp_path / "config.json"
+    hf.write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"],
+                              "n_layer": 1, "n_embd": 64, "n_head": 2, "n_positions": 32,
+                              "vocab_size": 300}))
+    m2 = build_model(config_file=hf)
+    assert m2.config.n_embd == 64 and m2.config.eos_token_id == 0
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"preset": "tiny",,}')
+    with pytest.raises(ConfigError, match="bad.json") as ei:
+        build_model(config_file=bad)
+    assert isinstance(ei.value, ValueError) and "line 1" in str(ei.value)
+    with pytest.raises(ConfigError, match="nothere.json"):
+        build_model(config_file=tmp_path / "nothere.json")
+    with pytest.raises(ConfigError, match="huge"):
+        build_model("huge")
+    notype = tmp_path / "notype.json"
+    notype.write_text('{"n_layer": 2}')
+    with pytest.raises(ConfigError, match="model_type"):
+        build_model(config_file=notype)
+    badshape = tmp_path / "badshape.json"
+    badshape.write_text('{"preset": "tiny", "n_embd": 130, "n_head": 4}')
+    with pytest.raises(ConfigError, match="badshape.json"):
+        build_model(config_file=badshape)
+
+
+def test_flat_params_roundtrip_bitwise():
+    m = build_model("tiny", seed=1)
+    flat = flat_params(m)
+    assert flat.dtype == torch.float32 and flat.device.type == "cpu" and flat.dim() == 1
+    # tied lm_head / wte counted once; order = named_parameters order
+    assert m.lm_head.weight is m.transformer.wte.weight
+    names = [n for n, _ in m.named_parameters()]
+    assert "lm_head.weight" not in names and names[0] == "transformer.wte.weight"
+    assert flat.numel() == num_params(m)
+    assert torch.equal(flat[: m.transformer.wte.weight.numel()], m.transformer.wte.weight.detach().reshape(-1))
+    other = build_model("tiny", seed=2)
+    assert not torch.equal(flat_params(other), flat)
+    load_flat_(other, flat)
+    assert torch.equal(flat_params(other), flat)
+    assert torch.equal(other.lm_head.weight, m.lm_head.weight)
+    load_flat_(other, flat.double())  # any dtype
+    assert torch.equal(flat_params(other), flat)
+    with pytest.raises(ValueError, match="elements"):
+        load_flat_(other, flat[:-1])
+    flat[0] += 1  # a copy, not a view
+    assert not torch.equal(flat_params(m), flat)
+
+
+def test_lr_schedule():
+    kw = dict(lr=1.0, warmup_steps=10, total_steps=110, min_lr_ratio=0.1)
+    assert lr_at(0, **kw) == pytest.approx(0.1)
+    assert lr_at(9, **kw) == pytest.approx(1.0)
+    assert lr_at(10, **kw) == pytest.approx(1.0)
+    assert lr_at(60, **kw) == pytest.approx(0.55)
+    assert lr_at(110, **kw) == pytest.approx(0.1) == lr_at(500, **kw)
+
+
+# --- inner loop ----------------------------------------------------------------------
+
+def test_inner_training_lowers_loss_and_perplexity(ds):
+    tr = _trainer(ds)
+    ppl0 = tr.evaluate(max_batches=4, batch_size=8)
+    assert ppl0 == tr.evaluate(max_batches=4, batch_size=8)  # deterministic
+    assert 2000 < ppl0 < 10000  # ~ vocab size at init
+    seen = []
+    res = tr.run(round=0, inner_steps=30, batch_size=8,
+                 progress=lambda s, loss, tps: seen.append((s, loss, tps)))
+    assert res.steps_done == 30 and not res.stopped_early
+    assert res.tokens == 30 * 8 * SEQ
+    assert [s for s, _, _ in seen] == list(range(1, 31)) and all(t > 0 for _, _, t in seen)
+    first = sum(l for _, l, _ in seen[:5]) / 5
+    last = sum(l for _, l, _ in seen[-5:]) / 5
+    assert last < first - 1.0
+    assert res.last_loss == seen[-1][1] and res.compute_s > 0
+    ppl1 = tr.evaluate(max_batches=4, batch_size=8)
+    assert ppl1 < ppl0 / 3
+    # inner optimizer state persists across rounds; the schedule follows global steps
+    assert tr.global_step == 30 and len(tr.optimizer.state) > 0
+    state_before = {id(p): float(s["step"]) for p, s in tr.optimizer.state.items()}
+    load_flat_(tr.model, flat_params(build_model("tiny", vocab_size=ds.vocab_size)))
+    tr.run(round=1, inner_steps=2, batch_size=4)
+    assert tr.global_step == 32
+    assert all(float(tr.optimizer.state[p]["step"]) == float(state_before[id(p)]) + 2
+               for p in tr.optimizer.state)
+
+
+def test_same_inputs_same_weights(ds):
+    a, b = _trainer(ds), _trainer(ds)
+    a.run(round=2, inner_steps=3, batch_size=4)
+    b.run(round=2, inner_steps=3, batch_size=4)
+    assert torch.equal(flat_params(a.model), flat_params(b.model))
+    c = _trainer(ds, peer_id="p1")
+    c.run(round=2, inner_steps=3, batch_size=4)
+    assert not torch.equal(flat_params(a.model), flat_params(c.model))
+
+
+def test_deadline_stops_early_and_reports_real_tokens(ds):
+    tr = _trainer(ds)
+    warm = tr.run(round=0, inner_steps=2, batch_size=4)  # warm up kernels, measure a step
+    step_s = warm.compute_s / 2
+    t0 = time.time()
+    res = tr.run(round=1, inner_steps=10_000, batch_size=4, deadline=t0 + 6 * step_s)
+    took = time.time() - t0
+    assert res.stopped_early and 0 < res.steps_done < 10_000
+    assert res.tokens == res.steps_done * 4 * SEQ
+    assert took < 6 * step_s + 4 * max(step_s, 0.5)  # stopped near the deadline
+    assert tr.global_step == 2 + res.steps_done
+    # a deadline already past: nothing is done
+    res2 = tr.run(round=2, inner_steps=5, batch_size=4, deadline=time.time() - 1)
+    assert res2.steps_done == 0 and res2.tokens == 0 and res2.stopped_early
+    assert math.isnan(res2.mean_loss)
+    # should_stop
+    calls = []
+    res3 = tr.run(round=3, inner_steps=5, batch_size=4,
+                  should_stop=lambda: calls.append(1) or len(calls) > 2)
+    assert res3.steps_done == 2 and res3.stopped_early
+
+
+def test_grad_accumulation_matches_full_batch(ds):
+    tr = _trainer(ds)
+    batch = ds.sample_batch(seed=0, peer_id="p0", round=0, step=0, batch_size=4, seq_len=SEQ)
+    tr.optimizer.zero_grad(set_to_none=True)
+    loss_full = tr.accumulate_grad(batch, micro_batch=4)
+    g_full = torch.cat([p.grad.reshape(-1).clone() for p in tr.model.parameters()])
+    tr.optimizer.zero_grad(set_to_none=True)
+    loss_acc = tr.accumulate_grad(batch, micro_batch=2)
+    g_acc = torch.cat([p.grad.reshape(-1).clone() for p in tr.model.parameters()])
+    assert abs(loss_full - loss_acc) < 1e-5
+    assert (g_full - g_acc).abs().max().item() < 1e-5
+    tr.optimizer.zero_grad(set_to_none=True)
+    tr.accumulate_grad(batch, micro_batch=3)  # uneven split: rows weighted
+    g3 = torch.cat([p.grad.reshape(-1).clone() for p in tr.model.parameters()])
+    assert (g_full - g3).abs().max().item() < 1e-5
+    # whole run with accumulation == without, up to float noise
+    a, b = _trainer(ds), _trainer(ds)
+    ra = a.run(round=0, inner_steps=2, batch_size=4, micro_batch=2)
+    rb = b.run(round=0, inner_steps=2, batch_size=4)
+    assert abs(ra.mean_loss - rb.mean_loss) < 1e-4
+    assert (flat_params(a.model) - flat_params(b.model)).abs().max().item() < 1e-4
+
+
+def test_speed_factor_sleeps_proportionally(ds, monkeypatch):
+    slept = []
+    monkeypatch.setattr(training.time, "sleep", lambda s: slept.append(s))
+    tr = _trainer(ds, speed_factor=0.25)
+    res = tr.run(round=0, inner_steps=3, batch_size=2)
+    assert len(slept) == 3 and all(s > 0 for s in slept)
+    assert res.steps_done == 3
+    slept.clear()
+    _trainer(ds, speed_factor=1.0).run(round=0, inner_steps=2, batch_size=2)
+    assert slept == []
+    with pytest.raises(ValueError):
+        _trainer(ds, speed_factor=0)
+
+
+def test_lion_and_errors(ds):
+    pytest.importorskip("lion_pytorch")
+    tr = _trainer(ds, optimizer="lion", lr=1e-4)
+    before = flat_params(tr.model)
+    res = tr.run(round=0, inner_steps=2, batch_size=2)
+    assert res.steps_done == 2 and not torch.equal(before, flat_params(tr.model))
+    with pytest.raises(ValueError, match="sgd"):
+        _trainer(ds, optimizer="sgd")
+    with pytest.raises(ValueError, match="context"):
+        _trainer(ds, seq_len=256)
+
+
+def test_nonfinite_loss_raises():
+    d = TokenDataset(torch.arange(2000) % 50, vocab_size=50)
+    m = build_model("tiny", vocab_size=50)
+    tr = InnerTrainer(m, d, device="cpu", seq_len=16, lr=1e-3, seed=0, peer_id="x")
+    load_flat_(m, torch.full((num_params(m),), float("nan")))
+    before = flat_params(m)
+    with pytest.raises(FloatingPointError, match="non-finite"):
+        tr.run(round=0, inner_steps=1, batch_size=2)
+    assert torch.equal(before.isnan(), flat_params(m).isnan())
