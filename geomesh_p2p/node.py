@@ -97,6 +97,7 @@ class NodeConfig(BaseModel):
     model_config_file: Optional[str] = None
     checkpoint_dir: Optional[str] = None
     checkpoint_every: int = 5
+    checkpoint_keep: int = 3
     resume: bool = False
     rounds: Optional[int] = None
     target_ppl: Optional[float] = None
@@ -215,7 +216,7 @@ class PeerNode:
             memory_bytes=self.device_info.memory_bytes, tokens_per_s=dict(self.tps_ema),
             max_batch=max_batch, upload_bps=c.upload_bps or 1e8, download_bps=c.download_bps or 1e8,
             version=geomesh_p2p.__version__, protocol_version=geomesh_p2p.PROTOCOL_VERSION,
-            run_config_hash=self.config_hash, round=self.round,
+            run_config_hash=self.config_hash, run_config=self.run_cfg.model_dump(), round=self.round,
             weights_digest=None if self._syncing else self.digest)
 
     async def announce(self) -> None:
@@ -249,9 +250,33 @@ class PeerNode:
         self.digest = digest(self.theta, self.outer.buf)
         self.state_server.publish(Snapshot(round, self.theta.clone(), self.outer.buf.clone(), self.digest))
 
+    async def _check_swarm(self) -> None:
+        """Refuse to start when the swarm's live peers all run another config or version.
+
+        Raises IncompatibleSwarmError naming the differing fields (e.g. "inner_lr: 0.001 here vs
+        0.0003 in the swarm").
+        """
+        from geomesh_p2p.dht import IncompatibleSwarmError, check_compatible, live_peers
+
+        mine = self.my_record()
+        others = [r for r in await live_peers(self.dht, self.run_cfg.run_id) if r.peer_id != self.me]
+        if not others or any(check_compatible(mine, r) is None for r in others):
+            return
+        other = others[0]
+        detail = check_compatible(mine, other)
+        if other.run_config and other.run_config_hash != self.config_hash:
+            a, b = self.run_cfg.model_dump(), other.run_config
+            fields = [f"{k}: {a.get(k)!r} here vs {b.get(k)!r} in the swarm"
+                      for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+            detail = "; ".join(fields) or detail
+        raise IncompatibleSwarmError(
+            f"the {len(others)} live peer(s) of run {self.run_cfg.run_id!r} use another run config: {detail}")
+
     async def _initial_state(self) -> None:
         from geomesh_p2p.state import load_latest_checkpoint
         from geomesh_p2p.training import flat_params
+
+        await self._check_swarm()
 
         if self.cfg.resume and self.cfg.checkpoint_dir:
             ck = load_latest_checkpoint(self.cfg.checkpoint_dir)
@@ -307,7 +332,7 @@ class PeerNode:
         if not self.cfg.checkpoint_dir or self.theta is None:
             return None
         return save_checkpoint(self.cfg.checkpoint_dir, round=self.round, theta=self.theta,
-                               momentum=self.outer.buf,
+                               momentum=self.outer.buf, keep=self.cfg.checkpoint_keep,
                                meta={"run_config_hash": self.config_hash, "peer_id": self.me,
                                      "run_config": self.run_cfg.model_dump()})
 

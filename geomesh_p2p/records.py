@@ -37,6 +37,9 @@ class PeerRecord(BaseModel):
     version: str = Field(description="software version (geomesh_p2p.__version__)")
     protocol_version: int = 1
     run_config_hash: str = Field(description="hash of the run config every peer of a run shares")
+    run_config: Optional[dict] = Field(
+        default=None, description="the run config itself (JSON object), so a mismatch can say which field differs"
+    )
     round: int = Field(ge=0, default=0, description="the round this peer is in or will join")
     weights_digest: Optional[str] = Field(default=None, description="digest of its global weights at `round`")
     timestamp: float = Field(default_factory=time.time, description="unix seconds when announced")

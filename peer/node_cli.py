@@ -77,6 +77,9 @@ def add_node_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--upload-mbps", type=_positive_float, help="state your upload bandwidth (Mbit/s) instead of measuring")
     g.add_argument("--download-mbps", type=_positive_float, help="state your download bandwidth (Mbit/s)")
     g.add_argument("--added-latency-ms", type=float, default=0.0, help="add this latency to every outgoing call (WAN emulation)")
+    g.add_argument("--profile-batches", type=lambda t: [int(x) for x in t.split(",")], default=[4, 8, 16],
+                   metavar="B,B,...", help="batch sizes to measure tokens/s at start-up (default: 4,8,16)")
+    g.add_argument("--checkpoint-keep", type=int, default=3, help="checkpoints kept (default: %(default)s)")
     g.add_argument("--log-json", metavar="PATH", help="append one JSON line per round here")
     g.add_argument("--summary-json", metavar="PATH", help="write a run summary here at exit")
     g.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
@@ -126,11 +129,11 @@ def node_config_from(ns: argparse.Namespace):
         bootstrap=ns.bootstrap, host=ns.host, port=ns.port, advertise_host=ns.advertise_host,
         client_only=ns.client_only, identity=ns.identity, device=ns.device, threads=ns.threads,
         data_path=ns.data, model_config_file=ns.model_config, checkpoint_dir=ns.checkpoint_dir,
-        checkpoint_every=ns.checkpoint_every, resume=ns.resume, rounds=ns.rounds, target_ppl=ns.target_ppl,
+        checkpoint_every=ns.checkpoint_every, checkpoint_keep=ns.checkpoint_keep, resume=ns.resume, rounds=ns.rounds, target_ppl=ns.target_ppl,
         min_peers=ns.min_peers, wait_peers_s=ns.wait_peers_s, speed_factor=ns.speed_factor,
         memory_budget_bytes=int(ns.memory_budget_gb * 2**30) if ns.memory_budget_gb else None,
         upload_bps=mbps(ns.upload_mbps), download_bps=mbps(ns.download_mbps),
-        added_latency_s=ns.added_latency_ms / 1000, log_json=ns.log_json, summary_json=ns.summary_json,
+        added_latency_s=ns.added_latency_ms / 1000, profile_batches=ns.profile_batches, log_json=ns.log_json, summary_json=ns.summary_json,
         metrics_port=ns.metrics_port)
 
 
@@ -178,12 +181,9 @@ def user_facing_errors() -> tuple[type[BaseException], ...]:
     from geomesh_p2p.training import ConfigError
 
     errs = [UserFacingError, DataError, IdentityError, StateError, StateSyncError, ConfigError]
-    try:
-        from geomesh_p2p.dht import DHTJoinError
+    from geomesh_p2p.dht import DHTJoinError, IncompatibleSwarmError
 
-        errs.append(DHTJoinError)
-    except ImportError:
-        pass
+    errs += [DHTJoinError, IncompatibleSwarmError]
     return tuple(errs)
 
 
