@@ -1,0 +1,246 @@
+"""Collective bytes and wall time: relay vs reencode (sign) vs an fp32 butterfly, side by side.
+
+    python benchmarks/collective.py [--peers 4 8] [--numel 25000000] [--block-size 2048]
+                                    [--markdown docs/collective-benchmark.md]
+
+For each group size N, N peers run as separate OS processes on 127.0.0.1 (each its own Identity,
+Transport and CollectiveService; equal parts via ``make_partition``), and run three rounds over the
+same transport in one run, in this order:
+
+* ``relay``     sign pushes; owners forward the signed contributions; every peer averages.
+* ``reencode``  sign pushes; owners average and send the mean sign-encoded.
+* ``fp32``      fp32 pushes; owners average and send the fp32 mean (a butterfly all-reduce:
+                hivemind's reduce-scatter + all-gather pattern, over our gRPC transport).
+
+Per peer: serialized SignedMessage bytes of all PushPart/PullPart traffic (client and server side,
+requests and replies, counted by the transport) of that round; wall time = from the common start
+to the last peer's result. Ratios are fp32 bytes / mode bytes (goal for reencode sign: >= 30x).
+"identical" = every peer's aggregate has the same SHA-256. "rel. err" = ||agg - fp32 mean|| /
+||fp32 mean|| on the Gaussian test vectors (independent per peer: a worst case for sign
+compression, not a convergence figure).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, ROOT)
+
+RUN = "bench-collective"
+MODES = [  # (name, mode, push_encoding, aggregate_encoding)
+    ("relay", "relay", "sign", "sign"),
+    ("reencode", "reencode", "sign", "sign"),
+    ("fp32", "reencode", "fp32", "fp32"),
+]
+
+
+# ------------------------------------------------------------------------------------- worker
+
+
+def _emit(obj) -> None:
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+async def _worker(seed: int, numel: int) -> int:
+    from geomesh_p2p.collective import CollectiveService, CollectiveSpec
+    from geomesh_p2p.identity import Identity
+    from geomesh_p2p.transport import COLLECTIVE_PULL, COLLECTIVE_PUSH, Transport, TransportConfig
+
+    torch.set_num_threads(1)
+    ident = Identity.generate()
+    transport = Transport(ident, RUN, TransportConfig(default_timeout_s=600.0))
+    service = CollectiveService(transport, long_poll_s=30.0)
+    address = await transport.start()
+    delta = torch.randn(numel, generator=torch.Generator().manual_seed(seed))
+    loop = asyncio.get_running_loop()
+
+    def stats():
+        by = transport.stats.by_method
+        a, b = by.get(COLLECTIVE_PUSH, (0, 0)), by.get(COLLECTIVE_PULL, (0, 0))
+        return [a[0] + b[0], a[1] + b[1]]
+
+    _emit({"event": "ready", "peer_id": ident.peer_id.to_string(), "address": address})
+    try:
+        while True:
+            line = await loop.run_in_executor(None, sys.stdin.readline)
+            if not line:
+                break
+            cmd = json.loads(line)
+            if cmd["cmd"] == "exit":
+                break
+            if cmd["cmd"] == "stats":
+                _emit({"event": "stats", "bytes": stats()})
+                continue
+            spec = CollectiveSpec.from_dict(cmd["spec"])
+            before = stats()
+            await asyncio.sleep(max(0.0, cmd["start_at"] - time.time()))
+            res = await service.all_reduce(spec, delta, cmd["tokens"])
+            finished = time.time()
+            if cmd.get("out"):
+                res.aggregate.numpy().astype("<f4").tofile(cmd["out"])
+            _emit({"event": "done", "finished_at": finished, "before": before, "missing": res.missing_parts,
+                   "sha256": hashlib.sha256(res.aggregate.numpy().tobytes()).hexdigest()})
+    finally:
+        await service.close()
+        await transport.stop(grace=1.0)
+    return 0
+
+
+# ------------------------------------------------------------------------------------- parent
+
+
+class _Proc:
+    def __init__(self, proc):
+        self.proc = proc
+
+    async def read(self, timeout=900.0) -> dict:
+        while True:
+            line = await asyncio.wait_for(self.proc.stdout.readline(), timeout)
+            if not line:
+                raise RuntimeError(f"worker {self.proc.pid} exited (rc {self.proc.returncode}); see its stderr")
+            try:
+                return json.loads(line)
+            except json.JSONDecodeError:
+                continue
+
+    def send(self, obj) -> None:
+        self.proc.stdin.write(json.dumps(obj).encode() + b"\n")
+
+
+async def run_group(n: int, numel: int, block_size: int, tmp: str) -> dict:
+    from geomesh_p2p.collective import CollectiveSpec, make_partition
+
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    procs = []
+    try:
+        for k in range(n):
+            p = await asyncio.create_subprocess_exec(
+                sys.executable, os.path.abspath(__file__), "--worker", "--seed", str(1000 + k), "--numel", str(numel),
+                stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=env)
+            procs.append(_Proc(p))
+        ready = [await p.read() for p in procs]
+        pids = [r["peer_id"] for r in ready]
+        owners = make_partition(numel, [(r["peer_id"], r["address"], 1.0) for r in ready], block_size=block_size)
+        tokens = {p: 1000 * (k + 1) for k, p in enumerate(pids)}
+        rows = {}
+        for r, (name, mode, push, agg) in enumerate(MODES, start=1):
+            start_at = time.time() + 2.0
+            spec = CollectiveSpec(RUN, r, {p: 10**9 for p in pids}, owners, numel, start_at + 600.0, start_at + 660.0,
+                                  mode=mode, push_encoding=push, aggregate_encoding=agg, block_size=block_size)
+            out = os.path.join(tmp, f"agg-{n}-{name}.f32")
+            for k, p in enumerate(procs):
+                p.send({"cmd": "round", "spec": spec.to_dict(), "tokens": tokens[pids[k]], "start_at": start_at,
+                        "out": out if k == 0 else None})
+            done = [await p.read() for p in procs]
+            for p in procs:
+                p.send({"cmd": "stats"})
+            after = [await p.read() for p in procs]
+            sent = [a["bytes"][0] - d["before"][0] for a, d in zip(after, done)]
+            recv = [a["bytes"][1] - d["before"][1] for a, d in zip(after, done)]
+            rows[name] = {
+                "sent": sent, "recv": recv, "wall_s": max(d["finished_at"] for d in done) - start_at,
+                "identical": len({d["sha256"] for d in done}) == 1,
+                "missing": sorted({j for d in done for j in d["missing"]}), "out": out,
+            }
+        ref = torch.from_numpy(np.fromfile(rows["fp32"]["out"], dtype="<f4"))
+        for name, row in rows.items():
+            agg = torch.from_numpy(np.fromfile(row["out"], dtype="<f4"))
+            row["rel_err"] = float((agg - ref).norm() / ref.norm())
+            os.unlink(row["out"]) if name != "fp32" else None
+        os.unlink(rows["fp32"]["out"])
+        for p in procs:
+            p.send({"cmd": "exit"})
+        for p in procs:
+            await asyncio.wait_for(p.proc.wait(), 60)
+        return rows
+    finally:
+        for p in procs:
+            if p.proc.returncode is None:
+                p.proc.kill()
+                await p.proc.wait()
+
+
+def _mb(x: float) -> str:
+    return f"{x / 1e6:.2f}"
+
+
+def table(results: dict, numel: int) -> str:
+    lines = [
+        f"numel = {numel:,} fp32 elements ({4 * numel / 1e6:.0f} MB); bytes per peer in MB (mean over peers; max in brackets)",
+        "",
+        "| peers | mode | sent MB/peer | received MB/peer | wall s | fp32 bytes / mode bytes | identical | rel. err vs fp32 |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for n, rows in results.items():
+        fp = rows["fp32"]
+        fp_bytes = np.mean(fp["sent"]) + np.mean(fp["recv"])
+        for name, row in rows.items():
+            s, r = np.mean(row["sent"]), np.mean(row["recv"])
+            label = {"relay": "relay (sign)", "reencode": "reencode (sign)", "fp32": "fp32 butterfly"}[name]
+            lines.append(
+                f"| {n} | {label} | {_mb(s)} [{_mb(max(row['sent']))}] | {_mb(r)} [{_mb(max(row['recv']))}] | "
+                f"{row['wall_s']:.2f} | {fp_bytes / (s + r):.1f}x | {'yes' if row['identical'] else 'NO'} | "
+                f"{row['rel_err']:.3f} |")
+    return "\n".join(lines)
+
+
+async def main_async(ns) -> int:
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for n in ns.peers:
+            t0 = time.time()
+            results[n] = await run_group(n, ns.numel, ns.block_size, tmp)
+            print(f"# {n} peers done in {time.time() - t0:.1f}s", file=sys.stderr)
+    cmd = "python benchmarks/collective.py " + " ".join(sys.argv[1:])
+    head = (f"command: {cmd.strip()}\nmachine: {platform.platform()}, {os.cpu_count()} CPUs, python "
+            f"{platform.python_version()}, torch {torch.__version__}\n")
+    text = head + "\n" + table(results, ns.numel)
+    print(text)
+    ok = all(rows["reencode"]["identical"] and rows["relay"]["identical"] for rows in results.values())
+    ratios = []
+    for rows in results.values():
+        fp = np.mean(rows["fp32"]["sent"]) + np.mean(rows["fp32"]["recv"])
+        ratios.append(fp / (np.mean(rows["reencode"]["sent"]) + np.mean(rows["reencode"]["recv"])))
+    goal = all(r >= 30 for r in ratios)
+    print(f"\nreencode (sign) vs fp32: {', '.join(f'{r:.1f}x' for r in ratios)} fewer bytes "
+          f"(goal >= 30x: {'met' if goal else 'NOT met'}); identical aggregates on all peers: {'yes' if ok else 'NO'}")
+    if ns.markdown:
+        with open(ns.markdown, "w") as f:
+            f.write(text + "\n")
+    if ns.json:
+        with open(ns.json, "w") as f:
+            json.dump({str(n): {m: {k: v for k, v in row.items() if k != "out"} for m, row in rows.items()}
+                       for n, rows in results.items()}, f, indent=1)
+    return 0 if (ok and goal) else 1
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--peers", type=int, nargs="+", default=[4, 8])
+    ap.add_argument("--numel", type=int, default=25_000_000)
+    ap.add_argument("--block-size", type=int, default=2048)
+    ap.add_argument("--markdown", default=None, help="also write the table to this file")
+    ap.add_argument("--json", default=None, help="also write raw figures to this JSON file")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
+    ns = ap.parse_args(argv)
+    if ns.worker:
+        return asyncio.run(_worker(ns.seed, ns.numel))
+    return asyncio.run(main_async(ns))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
