@@ -38,7 +38,8 @@ For each peer ``i`` (records sorted by ``peer_id``):
   and always ``T >= max_i (c_i + min_inner_steps * s_i)`` so that the slowest peer fits its minimum
   number of steps (an explicit ``window_s`` that is too short is stretched). Whole steps leave each
   peer up to one step of slack; the planner then moves ``T`` within ``window_slack`` of that value
-  (never above an explicit ``window_s``) to the candidate that minimises the largest idle fraction.
+  (never above an explicit ``window_s``, nor above a token target that the minimum steps already
+  exceed) to the candidate that minimises the largest idle fraction.
   Candidates are the instants where some peer finishes a whole step, so the last finisher ends
   exactly at ``T``.
 * **Inner steps** ``H_i = clip(floor((T - c_i) / s_i), min_inner_steps, max_inner_steps)``, token
@@ -386,6 +387,8 @@ def _choose_window(s: np.ndarray, c: np.ndarray, tokens_per_step: np.ndarray, cf
     if cfg.target_tokens_per_round is not None:
         T_base = _window_for_tokens(s, c, tokens_per_step, T_feasible, cfg)
         lo, hi = T_base * (1 - slack), T_base * (1 + slack)
+        if T_base <= T_feasible:
+            hi = T_base  # the minimum steps already overshoot the target: do not add more
         if cfg.window_s is not None:
             T_base = min(T_base, cfg.window_s)
             hi = min(hi, cfg.window_s)
