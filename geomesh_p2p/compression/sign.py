@@ -227,9 +227,25 @@ def _encode_segment(vs: torch.Tensor, signs: torch.Tensor, sums: torch.Tensor, b
         signs[n8 // 8:].copy_((tail * weights[: n - n8]).sum(dtype=torch.uint8).reshape(1))
     nfull = n // block_size
     if nfull:
-        torch.linalg.vector_norm(vs[: nfull * block_size].view(nfull, block_size), 1, dim=1, out=sums[:nfull])
+        # Same arithmetic as the chunked path (|v| by clearing the sign bit, then a row sum),
+        # so a block's scale does not depend on which path computed it.
+        head = vs[: nfull * block_size]
+        absv = torch.bitwise_and(head.view(torch.int32), 0x7FFFFFFF).view(torch.float32)
+        torch.sum(absv.view(nfull, block_size), 1, out=sums[:nfull])
     if nfull * block_size < n:
         sums[nfull:].copy_(vs[nfull * block_size:].abs().sum().reshape(1))
+
+
+def _block_abs_sums(v: torch.Tensor, block_size: int, dtype=torch.float32) -> torch.Tensor:
+    """Plain per-block sums of |v| in ``dtype``; used for the fp32-overflow fallback."""
+    n = v.numel()
+    nfull = n // block_size
+    parts = []
+    if nfull:
+        parts.append(v[: nfull * block_size].to(dtype).abs().view(nfull, block_size).sum(dim=1))
+    if nfull * block_size < n:
+        parts.append(v[nfull * block_size:].to(dtype).abs().sum().reshape(1))
+    return torch.cat(parts) if parts else torch.empty(0, dtype=dtype, device=v.device)
 
 
 def _encode_chunked(v: torch.Tensor, signs: torch.Tensor, sums: torch.Tensor, block_size: int,
