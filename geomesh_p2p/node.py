@@ -388,6 +388,9 @@ class PeerNode:
                 if self.cfg.rounds is not None and self.round >= self.cfg.rounds:
                     break
                 await self.announce()
+                if await self._behind():
+                    await self._catch_up()
+                    continue
                 members = await self._gather_members(
                     expected, self.cfg.min_peers if first else 1,
                     self.cfg.wait_peers_s if first else self.cfg.gather_wait_s)
@@ -398,6 +401,10 @@ class PeerNode:
         finally:
             await self.shutdown()
         return 0
+
+    async def _behind(self) -> bool:
+        """True when live peers already hold the state of a later round (this peer must catch up)."""
+        return any(p.round > self.round and p.weights_digest for p in await self.peers() if p.peer_id != self.me)
 
     def _reached_target(self) -> bool:
         t = self.cfg.target_ppl

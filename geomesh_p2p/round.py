@@ -93,8 +93,9 @@ class DigestCheck:
 class PlanStore:
     """Reads and writes signed plans in the DHT (the DHT record owner is the plan's leader)."""
 
-    def __init__(self, dht, identity, run_id: str, ttl_s: float = 600.0):
+    def __init__(self, dht, identity, run_id: str, ttl_s: float = 120.0, stale_after_s: float = 30.0):
         self.dht, self.identity, self.run_id, self.ttl_s = dht, identity, run_id, ttl_s
+        self.stale_after_s = stale_after_s
 
     async def publish(self, plan: RoundPlan) -> bool:
         me = str(self.identity.peer_id)
@@ -118,6 +119,8 @@ class PlanStore:
             if plan.round != round or plan.run_id != self.run_id:
                 log.warning("ignoring plan stored for round %d that says run %s round %d", round, plan.run_id, plan.round)
                 continue
+            if plan.exchange_deadline + self.stale_after_s < time.time():
+                continue  # a finished round of an earlier swarm (e.g. before a restart): not ours to follow
             plans.append(plan)
         return plans
 

@@ -32,18 +32,18 @@ def test_three_peers_late_joiner_and_resume(swarm, tmp_path):
     entry = f"127.0.0.1:{port}"
     names = ["p0", "p1", "p2"]
     for i, n in enumerate(names):
-        swarm.peer(n, "--rounds", "7", "--min-peers", "3", "--checkpoint-dir", str(tmp_path / f"ck_{n}"),
+        swarm.peer(n, "--rounds", "10", "--min-peers", "3", "--checkpoint-dir", str(tmp_path / f"ck_{n}"),
                    "--checkpoint-every", "1", "--speed-factor", ["1.0", "0.6", "0.4"][i],
                    port=port if i == 0 else 0, bootstrap=None if i == 0 else entry)
     # A fourth peer joins once the swarm is past round 1: it must download the state.
     swarm.wait_for(lambda: len(swarm.rows("p0")) >= 2, 240, "round 1 to finish")
-    swarm.peer("late", "--rounds", "7", bootstrap=entry)
+    swarm.peer("late", "--rounds", "10", bootstrap=entry)
     codes = swarm.wait_exit(names + ["late"], 300)
     assert codes == {n: 0 for n in names + ["late"]}, codes
 
     rows = {n: swarm.rows(n) for n in names}
-    assert [x["round"] for x in rows["p0"]] == list(range(7))
-    for r in range(7):
+    assert [x["round"] for x in rows["p0"]] == list(range(10))
+    for r in range(10):
         assert len(set(_digests(swarm, names, r).values())) == 1, f"digests differ after round {r}"
     ppl = [x["eval_ppl"] for x in rows["p0"]]
     assert ppl[-1] < ppl[0] * 0.8, ppl
@@ -55,9 +55,9 @@ def test_three_peers_late_joiner_and_resume(swarm, tmp_path):
         assert x["digest"] == _digests(swarm, ["p0"], x["round"])["p0"], f"late joiner differs at round {x['round']}"
     assert max(x["peers"] for x in rows["p0"]) == 4
 
-    # Stop-and-resume: the same three peers continue at round 7 from identical weights.
+    # Stop-and-resume: the same three peers continue at round 10 from identical weights.
     for i, n in enumerate(names):
-        swarm.peer(n, "--rounds", "9", "--min-peers", "3", "--resume", "--checkpoint-dir", str(tmp_path / f"ck_{n}"),
+        swarm.peer(n, "--rounds", "12", "--min-peers", "3", "--resume", "--checkpoint-dir", str(tmp_path / f"ck_{n}"),
                    port=port if i == 0 else 0, bootstrap=None if i == 0 else entry)
     codes = swarm.wait_exit(names, 240)
     assert codes == {n: 0 for n in names}, codes
@@ -65,9 +65,9 @@ def test_three_peers_late_joiner_and_resume(swarm, tmp_path):
     for n in names:
         m = re.search(r"resumed from checkpoint at round (\d+) \(digest (\w+)\)", swarm.text(n))
         assert m, swarm.text(n)[-2000:]
-        assert int(m.group(1)) == 7 and last_digest.startswith(m.group(2))
-        assert [x["round"] for x in swarm.rows(n)][-2:] == [7, 8]
-    for r in (7, 8):
+        assert int(m.group(1)) == 10 and last_digest.startswith(m.group(2))
+        assert [x["round"] for x in swarm.rows(n)][-2:] == [10, 11]
+    for r in (10, 11):
         assert len(set(_digests(swarm, names, r).values())) == 1
 
 
