@@ -30,6 +30,7 @@ Total ``32 + ceil(P/8) + 4*ceil(P/B)`` bytes: for B = 2048 and large P that is 4
 from __future__ import annotations
 
 import math
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -192,6 +193,7 @@ def _workspace(n: int, device: torch.device) -> _Workspace:
 
 
 _POOL: ThreadPoolExecutor | None = None
+_POOL_PID = 0
 _POOL_LOCK = threading.Lock()
 
 
@@ -200,10 +202,12 @@ def _run_parallel(fn, nchunks: int, workers: int) -> None:
     if workers <= 1:
         fn(0, nchunks)
         return
-    global _POOL
+    global _POOL, _POOL_PID
     with _POOL_LOCK:
-        if _POOL is None or _POOL._max_workers < workers:
+        # A new pool after a fork too: the child has none of the parent's threads.
+        if _POOL is None or _POOL._max_workers < workers or _POOL_PID != os.getpid():
             _POOL = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="geomesh-codec")
+            _POOL_PID = os.getpid()
         pool = _POOL
     bounds = [(nchunks * k // workers, nchunks * (k + 1) // workers) for k in range(workers)]
     futures = [pool.submit(fn, lo, hi) for lo, hi in bounds[1:]]
