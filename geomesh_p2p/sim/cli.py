@@ -1,0 +1,175 @@
+"""``geomesh-sim``: replay a geo-distributed training run on a virtual clock.
+
+Example (the paper's 4-GPU testbed, GeoMesh arXiv 2609.18388)::
+
+    geomesh-sim --profile paper4 --methods diloco,awb,css,geomesh,async \\
+        --json out.json --plot out.png
+
+Prints one row per method: time to the target perplexity (virtual hours), final eval perplexity,
+straggler idle of the fastest peer, network idle, GB sent per peer, compute utilisation. Times,
+idle shares and bytes are *charged* for the profile's reference workload (e.g. a 150M-parameter
+model); perplexities are *trained* on the small proxy model. See geomesh_p2p.sim.engine.
+Exit status 2 on a bad profile, method or argument (one-line message).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from typing import Optional, Sequence
+
+from geomesh_p2p.errors import UserFacingError
+
+DEFAULT_METHODS = "diloco,awb,css,geomesh,async"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="geomesh-sim",
+        description="Virtual-time simulator of GeoMesh and its baselines (ddp, diloco, awb, css, geomesh, "
+                    "async). Charges time for the profile's reference workload; trains a small proxy model "
+                    "for the perplexity.",
+        epilog="Method variants: geomesh+ef (error feedback), geomesh+relay, geomesh+int8 / +fp16 "
+               "(re-encoded aggregate), geomesh+lion (+lr=X), +outer_lr=X, awb/geomesh+window=share|match.")
+    p.add_argument("--profile", default="paper4",
+                   help="shipped profile name (paper4, homogeneous4, volunteer32) or a path to a YAML file "
+                        "(default: %(default)s)")
+    p.add_argument("--methods", default=DEFAULT_METHODS,
+                   help="comma-separated methods to compare (default: %(default)s)")
+    p.add_argument("--target-ppl", type=float, default=None,
+                   help="eval perplexity that defines 'time to target' (default: the profile's target_ppl, "
+                        "else 1.05 x diloco's final perplexity, else 1.05 x the first method's)")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="token budget of every method in DiLoCo rounds (default: the profile's train.rounds)")
+    p.add_argument("--seed", type=int, default=None, help="seed for data order and initial weights "
+                                                            "(default: the profile's train.seed)")
+    p.add_argument("--data", default=None, help="training corpus (.txt/.txt.xz/.jsonl/.parquet; default: the "
+                                                "shipped KJV corpus)")
+    p.add_argument("--json", dest="json_path", default=None, help="write all results (curves, per-round "
+                                                                  "records, summaries) to this JSON file")
+    p.add_argument("--plot", default=None, help="write a PNG: perplexity vs virtual time, idle breakdown")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default: %(default)s)")
+    p.add_argument("--show-plans", action="store_true", help="print each method's first round plan")
+    p.add_argument("--no-progress", action="store_true", help="no progress display")
+    p.add_argument("--list-profiles", action="store_true", help="list the shipped profiles and exit")
+    return p
+
+
+def _die(msg: str) -> int:
+    print(f"geomesh-sim: error: {msg}", file=sys.stderr)
+    return 2
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    from geomesh_p2p.sim.hardware import load_profile, shipped_profiles
+    from geomesh_p2p.sim.methods import parse_methods
+
+    if args.list_profiles:
+        for name in shipped_profiles():
+            prof = load_profile(name)
+            print(f"{name:14s} {prof.description}")
+        return 0
+    if args.threads < 1:
+        return _die(f"--threads must be >= 1, got {args.threads}")
+    if args.rounds is not None and args.rounds < 1:
+        return _die(f"--rounds must be >= 1, got {args.rounds}")
+    if args.target_ppl is not None and not args.target_ppl > 1:
+        return _die(f"--target-ppl must be > 1, got {args.target_ppl}")
+    try:
+        profile = load_profile(args.profile)
+        specs = parse_methods(args.methods)
+    except (UserFacingError, ValueError) as e:
+        return _die(str(e))
+    try:
+        return _run(args, profile, specs, argv)
+    except UserFacingError as e:
+        return _die(str(e))
+    except KeyboardInterrupt:
+        return _die("interrupted")
+
+
+def _run(args, profile, specs, argv) -> int:
+    import torch
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from geomesh_p2p.data import DataError
+    from geomesh_p2p.sim import report
+    from geomesh_p2p.sim.engine import Simulator
+
+    torch.set_num_threads(args.threads)
+    console = Console(stderr=True)
+    command = "geomesh-sim " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+
+    progress = None
+    tasks: dict[str, int] = {}
+    if not args.no_progress:
+        progress = Progress(TextColumn("{task.description:<24}"), BarColumn(), TextColumn("{task.percentage:>5.1f}%"),
+                            TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=console, transient=False)
+
+    def on_progress(label, done, budget, t, ppl):
+        if progress is None:
+            return
+        if label not in tasks:
+            tasks[label] = progress.add_task(label, total=budget, info="")
+        info = f"t={t / 3600:.3f} h" + (f" ppl={ppl:.1f}" if ppl is not None else "")
+        progress.update(tasks[label], completed=done, info=info)
+
+    console.print(f"[bold]geomesh-sim[/] profile [cyan]{profile.name}[/]: {profile.description}")
+    try:
+        sim = Simulator(profile, rounds=args.rounds, seed=args.seed, data=args.data, progress=on_progress)
+    except DataError as e:
+        return _die(str(e))
+    console.print(f"charged: {profile.reference.model}, {profile.reference.params / 1e6:.0f}M params; "
+                  f"trained: preset {profile.train.preset!r} ({sim.numel / 1e6:.2f}M params), seq {profile.train.seq_len}; "
+                  f"budget {sim.rounds} DiLoCo rounds = {sim.budget_ref / 1e6:.1f}M reference tokens")
+    results = []
+    if progress is not None:
+        progress.start()
+    try:
+        for spec in specs:
+            results.append(sim.run(spec))
+    finally:
+        if progress is not None:
+            progress.stop()
+
+    if args.target_ppl is not None:
+        target, source = args.target_ppl, "--target-ppl"
+    elif profile.target_ppl is not None:
+        target, source = profile.target_ppl, f"profile {profile.name} target_ppl"
+    else:
+        base = next((r for r in results if r.spec.label == "diloco"), results[0])
+        target = round(1.05 * base.curve[-1][1], 2)
+        source = f"auto: 1.05 x {base.spec.label}'s final perplexity"
+    rows = report.summaries(results, target)
+    title = (f"{profile.name}: target ppl {target:g} ({source}); charged = virtual time of "
+             f"{profile.reference.params / 1e6:.0f}M-param reference, trained = {profile.train.preset} proxy ppl")
+    out = Console()
+    if args.show_plans:
+        for r in results:
+            pi = r.plan_info
+            out.print(f"[bold]{r.spec.label}[/] first plan: window {pi['window_s']:.2f} s, "
+                      f"{pi['tokens_ref_per_round'] / 1e6:.2f}M ref tokens/round")
+            for p in pi["peers"]:
+                out.print(f"  {p['name']:<14} batch {p['batch']:>3} (proxy {p['proxy_batch']}) H {p['inner_steps']:>3}"
+                          f"  compute {p['predicted_compute_s']:.2f} s  comm {p['predicted_comm_s']:.2f} s")
+    if out.is_terminal:
+        out.print(report.rich_table(rows, title=title))
+    else:
+        print(report.format_table(rows, title=title))
+    if args.json_path:
+        obj = report.to_json(results, rows, profile=profile, target_ppl=target, target_source=source, command=command,
+                             budget_ref=sim.budget_ref, diloco_tokens_per_round=sim.diloco_tokens_per_round,
+                             numel=sim.numel)
+        report.dump_json(obj, args.json_path)
+        console.print(f"wrote {args.json_path}")
+    if args.plot:
+        report.plot(results, rows, args.plot, target_ppl=target, title=f"geomesh-sim --profile {profile.name}")
+        console.print(f"wrote {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
