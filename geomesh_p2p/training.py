@@ -5,7 +5,7 @@ downloaded: ``from_pretrained`` is not used anywhere. Weights travel between pee
 flat fp32 CPU vector (:func:`flat_params` / :func:`load_flat_`).
 
 Inner optimizer defaults follow DiLoCo (Douillard et al. 2023, arXiv 2311.08105) and
-this project's pre-build measurements (docs/../DESIGN "Measured before building"):
+this project's pre-build measurements (DESIGN.md, "Measured before building"):
 AdamW, lr 1e-3 for the tiny preset with H = 20, betas (0.9, 0.95), weight decay 0.1
 (applied to matrices/embeddings only, not to biases or norm gains), linear warm-up then
 cosine decay to ``min_lr_ratio * lr`` over the whole run, grad-norm clip 1.0. Lion
@@ -294,6 +294,11 @@ class InnerTrainer:
             model.config, "max_position_embeddings", None)
         if ctx is not None and seq_len > ctx:
             raise ValueError(f"seq_len {seq_len} exceeds the model context {ctx}")
+        mv = getattr(model.config, "vocab_size", None)
+        dv = getattr(dataset, "vocab_size", None)
+        if mv is not None and dv is not None and dv > mv:
+            raise ValueError(f"dataset vocabulary ({dv}) is larger than the model's ({mv}); "
+                             "build the model with vocab_size=dataset.vocab_size")
         self.device = torch.device(device)
         self.model = model.to(self.device)
         self.model.train()
@@ -312,7 +317,7 @@ class InnerTrainer:
         self.speed_factor = float(speed_factor)
         self.amp = bool(amp) and self.device.type == "cuda"
         self.global_step = 0
-        self._step_time_ema: float | None = None
+        self._row_time_ema: float | None = None  # seconds per batch row, for the deadline
 
         decay, no_decay = [], []
         for _, p in self.model.named_parameters():
@@ -373,8 +378,9 @@ class InnerTrainer:
 
         Before each step the loop ends early (``stopped_early=True``) when
         ``should_stop()`` is true, when ``time.time() >= deadline`` (unix seconds), or
-        when the step would predictably end after the deadline (now + a running mean of
-        the step time, emulated slow-down included). A step in progress is always
+        when the step would predictably end after the deadline (now + ``batch_size``
+        times a running mean of the time per batch row, kept across rounds, emulated
+        slow-down included). A step in progress is always
         finished; no partial step is applied. Step ``k`` (0-based within the round)
         trains on ``dataset.sample_batch(seed, peer_id, round, k, batch_size, seq_len)``,
         with gradient accumulation over ``micro_batch``-row slices when
@@ -397,7 +403,7 @@ class InnerTrainer:
                 break
             if deadline is not None:
                 now = time.time()
-                est = self._step_time_ema or 0.0
+                est = (self._row_time_ema or 0.0) * batch_size
                 if now >= deadline or now + est > deadline:
                     stopped = True
                     break
@@ -422,8 +428,9 @@ class InnerTrainer:
             if self.speed_factor < 1.0:
                 time.sleep(compute * (1.0 / self.speed_factor - 1.0))
             dt = time.perf_counter() - t0
-            self._step_time_ema = dt if self._step_time_ema is None else (
-                0.7 * self._step_time_ema + 0.3 * dt)
+            per_row = dt / batch_size
+            self._row_time_ema = per_row if self._row_time_ema is None else (
+                0.7 * self._row_time_ema + 0.3 * per_row)
             losses.append(loss)
             if progress is not None:
                 progress(k + 1, loss, tokens_per_step / dt if dt > 0 else 0.0)

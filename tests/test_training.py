@@ -236,6 +236,8 @@ def test_lion_and_errors(ds):
         _trainer(ds, optimizer="sgd")
     with pytest.raises(ValueError, match="context"):
         _trainer(ds, seq_len=256)
+    with pytest.raises(ValueError, match="vocabulary"):
+        InnerTrainer(build_model("tiny", vocab_size=100), ds, seq_len=SEQ)
 
 
 def test_nonfinite_loss_raises():
