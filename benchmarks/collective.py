@@ -199,6 +199,7 @@ def table(results: dict, numel: int) -> str:
 
 async def main_async(ns) -> int:
     results = {}
+    load0 = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
         for n in ns.peers:
             t0 = time.time()
@@ -206,7 +207,8 @@ async def main_async(ns) -> int:
             print(f"# {n} peers done in {time.time() - t0:.1f}s", file=sys.stderr)
     cmd = "python benchmarks/collective.py " + " ".join(sys.argv[1:])
     head = (f"command: {cmd.strip()}\nmachine: {platform.platform()}, {os.cpu_count()} CPUs, python "
-            f"{platform.python_version()}, torch {torch.__version__}\n")
+            f"{platform.python_version()}, torch {torch.__version__}; 1-min load average {load0:.1f} at start, "
+            f"{os.getloadavg()[0]:.1f} at end (other work on the machine inflates wall times, not bytes)\n")
     text = head + "\n" + table(results, ns.numel)
     print(text)
     ok = all(rows["reencode"]["identical"] and rows["relay"]["identical"] for rows in results.values())

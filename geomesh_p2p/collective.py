@@ -753,7 +753,8 @@ class CollectiveService:
 
         Args:
             spec: the round's :class:`CollectiveSpec`; this node must be a participant.
-            delta: fp32 tensor with ``spec.numel`` elements (any shape, flattened), finite.
+            delta: fp32 tensor with ``spec.numel`` elements (any shape, flattened), finite; not
+                modified by this call, and must not be modified by the caller until it returns.
             tokens: tokens this peer trained on this round (>= 0; capped by the receivers).
 
         Returns:
@@ -966,6 +967,8 @@ class CollectiveService:
         if (res.round, res.part, res.start, res.end, res.spec_id, res.mode) != (
                 spec.round, j, o.start, o.end, spec.spec_id, spec.mode):
             raise EnvelopeError(Code.INVALID_ARGUMENT, "part result does not match the round's spec")
+        if max(len(res.contributors), len(res.contributions)) > len(spec.participants):
+            raise EnvelopeError(Code.INVALID_ARGUMENT, "part result lists more contributors than participants")
         if spec.mode == "reencode":
             if len(res.contributors) != len(res.tokens):
                 raise EnvelopeError(Code.INVALID_ARGUMENT, "part result lists contributors and tokens of different lengths")

@@ -293,6 +293,8 @@ def _forged(ident, spec, j, pkt):
         ("other_spec", grpc.StatusCode.FAILED_PRECONDITION, "another spec"),
         ("not_owner", grpc.StatusCode.NOT_FOUND, "does not own part"),
         ("wrong_encoding", grpc.StatusCode.INVALID_ARGUMENT, "encoding"),
+        ("wrong_block_size", grpc.StatusCode.INVALID_ARGUMENT, "block size"),
+        ("tampered", grpc.StatusCode.DATA_LOSS, "tampered"),
     ],
 )
 async def test_bad_pushes_refused_named_in_log_and_round_still_completes(swarms, caplog, case, code, reason):
@@ -330,6 +332,14 @@ async def test_bad_pushes_refused_named_in_log_and_round_still_completes(swarms,
         contribution = craft_contribution(sender, spec, j, good)
     elif case == "wrong_encoding":
         contribution = craft_contribution(sender, spec, j, good, encoding="fp32")
+    elif case == "wrong_block_size":
+        contribution = craft_contribution(sender, spec, j, compression.encode(torch.randn(size), 512, 5).to_bytes())
+    elif case == "tampered":
+        from geomesh_p2p.wire import envelope_pb2
+
+        m = envelope_pb2.SignedMessage.FromString(craft_contribution(sender, spec, j, good))
+        m.payload = m.payload[:-1] + bytes([m.payload[-1] ^ 1])
+        contribution = m.SerializeToString()
     payload = collective_pb2.PushPartRequest(contribution=contribution).SerializeToString()
     caplog.set_level(logging.WARNING, logger="geomesh_p2p.collective")
     try:

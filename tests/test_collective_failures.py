@@ -302,6 +302,7 @@ async def workers(tmp_path):
             await p.proc.wait()
 
 
+@pytest.mark.timeout(150)  # three cold Python+torch starts on a busy 2-core machine
 async def test_processes_one_sigkilled_mid_round(workers, tmp_path):
     """Three peers as OS processes; peer 2 (owner of part 2) delivers part 0 and is SIGKILLed."""
     procs = await workers(3)
