@@ -85,9 +85,9 @@ async def test_replicas_are_republished_before_they_expire():
             victim = holders()[0]
             await stop_node(victim)
             alive.remove(victim)
-        async def some():
-            return len(holders()) >= 1
-        await wait_for(some, timeout=20, what="a holder to remain")
+        async def replicated():
+            return len(holders()) >= 2
+        await wait_for(replicated, timeout=20, what="the value to be re-replicated after the last kill")
         for node in random.sample(alive, 3):
             assert (await node.get(key))[None].value == b"keep me"
         assert sum(n.stats.republished for n in alive) > 0

@@ -195,6 +195,8 @@ class DHTNode:
         published itself are republished until they expire, even on a client-only node.
     :param limits: record and request limits (see :class:`~geomesh_p2p.dht.records.RecordLimits`).
     :param blacklist_s: skip a node that did not answer for this long (doubling on repeats).
+    :param max_failures: drop a node from the routing table after this many failed calls in a row
+        (at once when a replacement is waiting in its bucket).
     :param join_attempts, join_backoff_s: :meth:`join` retries, with backoff doubling from this
         (±20% jitter), capped at 8 s.
     :param storage_size: max keys held (earliest expiring evicted first); None = unbounded.
@@ -203,8 +205,8 @@ class DHTNode:
     def __init__(self, transport: Transport, *, k: int = 20, alpha: int = 3, num_replicas: Optional[int] = None,
                  depth_modulo: int = 5, rpc_timeout_s: float = 3.0, refresh_period_s: float = 60.0,
                  republish_period_s: float = 60.0, limits: RecordLimits = DEFAULT_LIMITS,
-                 blacklist_s: float = 2.0, join_attempts: int = 5, join_backoff_s: float = 0.5,
-                 storage_size: Optional[int] = None):
+                 blacklist_s: float = 2.0, max_failures: int = 3, join_attempts: int = 5,
+                 join_backoff_s: float = 0.5, storage_size: Optional[int] = None):
         if k < 1 or alpha < 1:
             raise ValueError(f"k and alpha must be >= 1 (got k={k}, alpha={alpha})")
         self.transport = transport
@@ -229,6 +231,9 @@ class DHTNode:
         self._published: Dict[Tuple[DHTID, Optional[str]], SignedRecord] = {}
         self._fresh: Dict[Tuple[DHTID, Optional[str]], float] = {}
         self._pinging: set = set()
+        self._failures: Dict[PeerID, int] = {}
+        self._removed: Dict[str, Contact] = {}  # recently dropped contacts, re-dialled if the table empties
+        self.max_failures = max_failures
         self._started = False
         self._alive = True
         self._once = _OnceLog()
@@ -281,6 +286,8 @@ class DHTNode:
             return
         node_id = contact.node_id
         self.blacklist.register_success(contact.peer_id)
+        self._failures.pop(contact.peer_id, None)
+        self._removed.pop(contact.address, None)
         is_new = node_id not in self.routing_table
         if is_new and self._started and self._alive:
             self._hand_over(node_id, contact)
@@ -301,10 +308,22 @@ class DHTNode:
             pass
 
     def _on_failure(self, contact: Contact) -> None:
+        """``contact`` did not answer: skip it for a while (blacklist with backoff) and drop it from the
+        routing table after ``max_failures`` failures in a row, or at once when its bucket has a
+        replacement waiting (Kademlia 4.1: do not empty the table on a transient outage)."""
         self.stats.rpc_failures += 1
         self.blacklist.register_failure(contact.peer_id)
-        if self.routing_table.get(node_id=contact.node_id) == contact:
-            self._forget(contact.node_id)
+        n = self._failures[contact.peer_id] = self._failures.get(contact.peer_id, 0) + 1
+        node_id = contact.node_id
+        if self.routing_table.get(node_id=node_id) != contact:
+            return
+        bucket = self.routing_table.buckets[self.routing_table.get_bucket_index(node_id)]
+        if n >= self.max_failures or bucket.replacement_nodes:
+            self._forget(node_id)
+            self._failures.pop(contact.peer_id, None)
+            self._removed[contact.address] = contact
+            while len(self._removed) > 4 * self.k:
+                self._removed.pop(next(iter(self._removed)))
 
     async def _check_stale(self, node_id: DHTID, contact: Contact) -> None:
         """A bucket is full: ping its least recently seen node; drop it if silent (its replacement moves in)."""
@@ -457,8 +476,23 @@ class DHTNode:
         stats = stats if stats is not None else LookupStats()
         self.stats.lookups += 1
         t0 = time.perf_counter()
+        failures = stats.failures
+        stopped: set = set()
+        nearest, contacts = await self._traverse_once(key_ids, beam, on_records, stats, await_all, stopped)
+        if stats.failures > failures and len(stopped) < len(key_ids):
+            # hivemind's traverse_dht keeps a silent node in the beam, so nodes behind it may have been
+            # skipped; silent nodes are now out of the routing table and blacklisted: look again.
+            again = [q for q in key_ids if q not in stopped]
+            nearest2, contacts2 = await self._traverse_once(again, beam, on_records, stats, await_all, stopped)
+            nearest.update(nearest2)
+            contacts.update(contacts2)
+        stats.seconds += time.perf_counter() - t0
+        return nearest, contacts
+
+    async def _traverse_once(self, key_ids, beam, on_records, stats, await_all, stopped: set):
         contacts = self._initial(key_ids, beam)
         depth: Dict[DHTID, int] = {nid: 1 for nid in contacts}
+        failed: set = set()
 
         async def get_neighbors(peer: DHTID, queries: Collection[DHTID]) -> Dict[DHTID, Tuple[Tuple[DHTID, ...], bool]]:
             queries = list(queries)
@@ -472,6 +506,7 @@ class DHTNode:
                 response = None
             if response is None:
                 stats.failures += 1
+                failed.add(peer)
                 return {q: ((), False) for q in queries}
             output = {}
             for q, (records, nearest) in response.items():
@@ -479,6 +514,8 @@ class DHTNode:
                     contacts.setdefault(nid, c)
                     depth.setdefault(nid, hop + 1)
                 stop = on_records(q, records, hop) if (on_records is not None and records) else False
+                if stop:
+                    stopped.add(q)
                 output[q] = tuple(nearest.keys()), stop
             return output
 
@@ -486,8 +523,7 @@ class DHTNode:
             queries=list(key_ids), initial_nodes=list(contacts), beam_size=beam, num_workers=self.alpha,
             queries_per_call=max(1, min(int(len(key_ids) ** 0.5), 16)), get_neighbors=get_neighbors,
             visited_nodes={q: {self.node_id} for q in key_ids}, await_all_tasks=await_all)
-        stats.seconds += time.perf_counter() - t0
-        return nearest, contacts
+        return {q: [n for n in ids if n not in failed] for q, ids in nearest.items()}, contacts
 
     async def find_nearest_nodes(self, key_ids: Sequence[DHTID], k: Optional[int] = None,
                                  stats: Optional[LookupStats] = None) -> Dict[DHTID, List[Tuple[DHTID, Contact]]]:
@@ -562,9 +598,11 @@ class DHTNode:
                 log.warning("DHT refresh failed: %r", e)
 
     async def refresh_once(self) -> None:
-        """Re-dial bootstraps if no node is known; look up a random id in each stale bucket."""
-        if not self.contacts() and self.bootstrap_addresses:
-            await asyncio.gather(*(self.ping(a) for a in self.bootstrap_addresses), return_exceptions=True)
+        """Re-dial bootstraps and recently dropped nodes if no node is known; look up a random id in
+        each stale bucket."""
+        if not self.contacts() and (self.bootstrap_addresses or self._removed):
+            again = list(dict.fromkeys(self.bootstrap_addresses + list(self._removed)))
+            await asyncio.gather(*(self.ping(a) for a in again), return_exceptions=True)
             if self.contacts():
                 await self.find_nearest_nodes([self.node_id])
         threshold = time.time() - self.refresh_period_s
