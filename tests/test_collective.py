@@ -11,6 +11,8 @@ import struct
 import grpc
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from geomesh_p2p import compression
 from geomesh_p2p.collective import (
@@ -137,6 +139,29 @@ def test_token_weighted_mean_matches_numpy_reference_bitwise():
         ref, used = reference_part(spec, 0, deltas, tokens, ids)
         got = token_weighted_mean([(tokens[p], items[ids.index(p)][1]) for p in order], P, clip_k=k)
         assert torch.equal(got, ref), k
+
+
+_IDS = [Identity.generate().peer_id.to_string() for _ in range(6)]
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    c=st.integers(1, 5), size=st.integers(1, 3000), block=st.sampled_from([1, 7, 64, 256]),
+    clip=st.sampled_from([None, 0.5, 1.0, 4.0]), seed=st.integers(0, 2**31 - 1),
+    toks=st.lists(st.integers(0, 10**7), min_size=5, max_size=5),
+    caps=st.lists(st.integers(0, 10**7), min_size=5, max_size=5),
+)
+def test_token_weighted_mean_property_matches_reference(c, size, block, clip, seed, toks, caps):
+    g = torch.Generator().manual_seed(seed)
+    ids = _IDS[:c]
+    deltas = {p: torch.randn(size, generator=g) * float(10 ** (k - 2)) for k, p in enumerate(ids)}
+    spec = CollectiveSpec(RUN, 0, dict(zip(ids, caps)), [PartOwner(_IDS[5], "h:1", 0, size)], size, 1.0, 2.0,
+                          mode="relay", block_size=block, clip_k=clip)
+    tokens = dict(zip(ids, toks))
+    ref, used = reference_part(spec, 0, deltas, tokens, ids)
+    items = [(n, compression.encode(deltas[p], block, tokens[p])) for p, n in used]
+    got = token_weighted_mean(items, size, clip_k=clip)
+    assert torch.equal(got, ref)
 
 
 # --------------------------------------------------------------------------------- all-reduce
