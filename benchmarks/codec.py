@@ -43,6 +43,7 @@ def _timer(device: torch.device):
 
 
 def run(numel: int, repeats: int, block_size: int, device: str, seed: int = 0) -> list[str]:
+    load0 = os.getloadavg()
     dev = torch.device(device)
     gen = torch.Generator(device="cpu").manual_seed(seed)
     v = torch.randn(numel, generator=gen).to(dev)
@@ -79,7 +80,8 @@ def run(numel: int, repeats: int, block_size: int, device: str, seed: int = 0) -
     lines = [
         f"P = {numel:,} fp32 elements, block size {block_size}, device {dev} "
         f"({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}), "
-        f"median of {repeats} interleaved repeats",
+        f"median of {repeats} interleaved repeats; load average before/after "
+        f"{load0[0]:.2f} / {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs",
         "",
         f"compressed {p.nbytes():,} bytes / fp32 {fp32_bytes:,} bytes = 1/{fp32_bytes / p.nbytes():.2f} "
         f"({p.nbytes() / fp32_bytes:.4f})",

@@ -169,11 +169,23 @@ def check_cpu_tensor(t, name: str, dtype: torch.dtype, length: int) -> None:
         raise CodecError(f"{name} must be contiguous")
 
 
+def all_finite(t: torch.Tensor) -> bool:
+    """True if every element of ``t`` is finite. CPU tensors are checked with numpy, single
+    threaded: for the small tensors checked here that avoids waking torch's OpenMP team,
+    which costs milliseconds when the cores are busy."""
+    if t.numel() == 0:
+        return True
+    if t.device.type == "cpu" and t.numel() < (1 << 20) and t.dtype in (torch.float32, torch.float64):
+        return bool(np.isfinite(t.numpy()).all())
+    return bool(torch.isfinite(t).all())
+
+
 def check_scales(scales: torch.Tensor, name: str = "scales") -> None:
-    """Scales must be finite and carry no sign bit (>= +0.0)."""
+    """Scales (CPU fp32) must be finite and carry no sign bit (>= +0.0)."""
     if scales.numel() == 0:
         return
-    if not bool(torch.isfinite(scales).all()):
+    a = scales.numpy()
+    if not np.isfinite(a).all():
         raise CodecError(f"{name} contain NaN or Inf")
-    if bool(torch.signbit(scales).any()):
+    if np.signbit(a).any():
         raise CodecError(f"{name} must be non-negative (no sign bit set)")

@@ -24,6 +24,7 @@ from ._format import (
     KIND_FP16,
     KIND_INT8,
     CodecError,
+    all_finite,
     as_flat_fp32,
     ceil_div,
     check_block_size,
@@ -134,7 +135,7 @@ class Fp16Packet:
         object.__setattr__(self, "numel", numel)
         object.__setattr__(self, "tokens", check_tokens(self.tokens))
         check_cpu_tensor(self.values, "values", torch.float16, numel)
-        if numel and not bool(torch.isfinite(self.values).all()):
+        if not all_finite(self.values):
             raise CodecError("fp16 values contain NaN or Inf")
 
     @property
@@ -180,7 +181,7 @@ def encode_int8(v: torch.Tensor, block_size: int = DEFAULT_BLOCK_SIZE, tokens: i
         segs.append((v[nfull * block_size:].view(1, -1), q[nfull * block_size:].view(1, -1), scales[nfull:]))
     for vv, qq, ss in segs:
         torch.amax(vv.abs(), dim=1, out=ss)
-        if not bool(torch.isfinite(ss).all()):
+        if not all_finite(ss):
             raise_non_finite(v)
         ss.div_(127.0)
         safe = torch.where(ss > 0, ss, torch.ones_like(ss))
@@ -197,7 +198,7 @@ def encode_fp16(v: torch.Tensor, tokens: int = 0) -> Fp16Packet:
     tokens = check_tokens(tokens)
     v = as_flat_fp32(v)
     h = v.to(torch.float16)
-    if v.numel() and not bool(torch.isfinite(h).all()):
+    if not all_finite(h):
         raise_non_finite(v)
         raise CodecError("input exceeds the fp16 range (|v| > 65504); use int8 or sign encoding")
     return Fp16Packet(v.numel(), tokens, h.cpu())

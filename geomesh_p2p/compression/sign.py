@@ -35,6 +35,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ._format import (
@@ -318,22 +319,21 @@ def encode(v: torch.Tensor, block_size: int = DEFAULT_BLOCK_SIZE, tokens: int = 
     if covered < P:
         _encode_segment(v[covered:], signs[covered // 8:], sums[covered // block_size:], block_size)
 
-    # Mean |v|: full blocks divide by B, the last one by its real length.
+    # Mean |v|: full blocks divide by B, the last one by its real length (on CPU in numpy,
+    # single threaded: cheaper than an OpenMP-parallel op for ceil(P/B) elements).
     last = P - (nb - 1) * block_size if nb else 0
-    scales = sums
-    if nb and last != block_size:
-        scales[: nb - 1].div_(block_size)
-        scales[nb - 1:].div_(last)
-    else:
-        scales.div_(block_size)
-    scales = scales.cpu()
+    scales = sums.cpu()
     signs = signs.cpu()
-    if nb and not bool(torch.isfinite(scales).all()):
-        raise_non_finite(v)
-        # All inputs finite but an fp32 block sum overflowed: redo the sums in fp64.
-        counts = torch.full((nb,), float(block_size), dtype=torch.float64, device=device)
-        counts[-1] = last
-        scales = (_block_abs_sums(v, block_size, torch.float64) / counts).to(torch.float32).cpu()
+    if nb:
+        a = scales.numpy()
+        np.divide(a[: nb - 1], np.float32(block_size), out=a[: nb - 1])
+        np.divide(a[nb - 1:], np.float32(last), out=a[nb - 1:])
+        if not np.isfinite(a).all():
+            raise_non_finite(v)
+            # All inputs finite but an fp32 block sum overflowed: redo the sums in fp64.
+            counts = torch.full((nb,), float(block_size), dtype=torch.float64, device=device)
+            counts[-1] = last
+            scales = (_block_abs_sums(v, block_size, torch.float64) / counts).to(torch.float32).cpu()
     return SignPacket(P, block_size, tokens, signs, scales)
 
 
