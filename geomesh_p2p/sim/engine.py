@@ -46,9 +46,9 @@ import torch
 
 from geomesh_p2p import compression
 from geomesh_p2p.optim import OuterNesterov
-from geomesh_p2p.planner import PlanConfig, RoundPlan, partition, plan_round, plan_uniform
-from geomesh_p2p.sim.clock import (ExchangeBytes, Link, RoundTiming, async_exchange_s, charge_round,
-                                   encoded_nbytes, exchange_bytes)
+from geomesh_p2p.planner import RoundPlan
+from geomesh_p2p.sim.charge import Charger, RoundCharge, speed_factor
+from geomesh_p2p.sim.clock import async_exchange_s, encoded_nbytes
 from geomesh_p2p.sim.hardware import Profile, SimPeer
 from geomesh_p2p.sim.methods import MethodSpec
 from geomesh_p2p.training import InnerTrainer, build_model, flat_params, load_flat_
@@ -146,14 +146,6 @@ def time_to_target(curve: list[tuple[float, float, float]], target: Optional[flo
     return None
 
 
-def _rng_factor(seed: int, round: int, idx: int, sigma: float) -> float:
-    """Deterministic lognormal speed factor (mean 1) of peer ``idx`` in ``round``."""
-    if sigma <= 0:
-        return 1.0
-    g = np.random.default_rng([int(seed), int(round), int(idx), 0x5EED])
-    return float(math.exp(sigma * g.standard_normal() - 0.5 * sigma * sigma))
-
-
 class Simulator:
     """Runs methods on one profile. Build once (loads data, initial weights), then :meth:`run`.
 
@@ -161,7 +153,7 @@ class Simulator:
         profile: a :class:`~geomesh_p2p.sim.hardware.Profile`.
         rounds: token budget in DiLoCo rounds (default ``profile.train.rounds``).
         seed: data/initialisation seed (default ``profile.train.seed``).
-        data: corpus path (None: the shipped KJV corpus).
+        data: corpus path (None: the shipped KJV corpus); ``dataset``: an already loaded one.
         progress: optional callback, see :data:`ProgressFn`.
     """
 
@@ -175,23 +167,18 @@ class Simulator:
         self.rounds = int(rounds if rounds is not None else self.tr.rounds)
         self.seed = int(seed if seed is not None else self.tr.seed)
         self.progress = progress
-        self.peers = profile.sim_peers()
-        self.n = len(self.peers)
-        self.links = [Link(p.up_bps, p.down_bps, p.latency_s) for p in self.peers]
-        self.owners_mask = [not p.client_only for p in self.peers]
-        self.fastest = max(range(self.n), key=lambda i: (self.peers[i].speed, -i))
         self.dataset = dataset if dataset is not None else load_dataset(data, self.tr.seq_len)
         self.base_model = build_model(self.tr.preset, vocab_size=self.dataset.vocab_size, seed=self.seed)
         self.theta0 = flat_params(self.base_model)
         self.numel = self.theta0.numel()
         self.block = self.tr.block_size
+        self.charger = Charger(profile, self.numel)
+        self.peers = self.charger.peers
+        self.n = self.charger.n
+        self.fastest = self.charger.fastest
         self._eval_trainer = InnerTrainer(copy.deepcopy(self.base_model), self.dataset, seq_len=self.tr.seq_len)
-        self._records0 = [p.record(self.ref) for p in self.peers]
-        pair = [a.latency_s + b.latency_s for i, a in enumerate(self.peers) for b in self.peers[i + 1:]]
-        self.mean_pair_latency_s = float(np.mean(pair)) if pair else 0.0
-        self._partition_cache: dict[bool, list[tuple[str, int, int]]] = {}
         # DiLoCo's tokens per round fix every method's budget
-        self.diloco_tokens_per_round = self._uniform_plan(self._records0, None, "diloco").total_token_budget()
+        self.diloco_tokens_per_round = self.charger.diloco_tokens_per_round
         self.budget_ref = self.rounds * self.diloco_tokens_per_round
 
     # ------------------------------------------------------------------------------ helpers
@@ -200,63 +187,15 @@ class Simulator:
         load_flat_(self._eval_trainer.model, theta)
         return self._eval_trainer.evaluate(max_batches=self.tr.eval_batches, batch_size=self.tr.eval_batch_size)
 
-    def _parts(self, equal: bool) -> list[tuple[str, int, int]]:
-        if equal not in self._partition_cache:
-            self._partition_cache[equal] = partition(self.numel, self._records0, align=self.block, equal=equal)
-        return self._partition_cache[equal]
-
-    def _ref_part_elems(self, parts) -> list[int]:
-        """Reference-model elements owned by each peer (same fractions as the proxy's parts)."""
-        P = self.ref.params
-        elems = [int(round(P * (e - s) / self.numel)) for _, s, e in parts]
-        owned = [i for i, x in enumerate(elems) if x > 0]
-        if owned:
-            elems[owned[-1]] += P - sum(elems)
-        return elems
-
-    def _bytes(self, spec: Optional[MethodSpec], parts) -> ExchangeBytes:
-        contribution = spec.contribution if spec else "fp32"
-        aggregate = spec.aggregate if spec else "fp32"
-        mode = spec.mode if spec and spec.compressed else "reencode"
-        return exchange_bytes(self._ref_part_elems(parts), contribution=contribution, aggregate=aggregate,
-                              mode=mode, block_size=self.block)
-
-    def _plan_config(self, spec: Optional[MethodSpec], xb: ExchangeBytes, planner_method: str, **kw) -> PlanConfig:
-        # What one peer itself moves per direction: its pushes (upload) and its pulls (download).
-        # The owners' serving traffic is charged by the clock but not predicted by the planner.
-        payload = max(max(xb.push_up[i], xb.pull_down[i]) for i in range(self.n))
-        pl = self.profile.plan
-        return PlanConfig(
-            seq_len=self.ref.seq_len, target_batch=pl.target_batch, payload_bytes=int(payload),
-            latency_s=self.mean_pair_latency_s, comm_share=pl.comm_share, min_inner_steps=pl.min_inner_steps,
-            max_inner_steps=pl.max_inner_steps, uniform_inner_steps=pl.inner_steps, window_slack=pl.window_slack,
-            part_align=self.block, method=planner_method,
-            mode=spec.mode if spec is not None and spec.compressed else "reencode", **kw)
-
-    def _uniform_plan(self, records, spec: Optional[MethodSpec], planner_method: str,
-                      inner_steps: Optional[int] = None) -> RoundPlan:
-        xb = self._bytes(spec, self._parts(True))
-        cfg = self._plan_config(spec, xb, planner_method)
-        return plan_uniform(records, cfg, run_id="sim", round=0, leader=records[0].peer_id, numel=self.numel,
-                            start_time=0.0, inner_steps=inner_steps)
-
-    def _balanced_plan(self, records, spec: MethodSpec) -> RoundPlan:
-        xb = self._bytes(spec, self._parts(False))
-        rule = spec.window or self.profile.plan.window.get(spec.base, "comm_share")
-        kw = {"target_tokens_per_round": self.diloco_tokens_per_round} if rule == "match_diloco" else {}
-        cfg = self._plan_config(spec, xb, spec.base, **kw)
-        return plan_round(records, cfg, run_id="sim", round=0, leader=records[0].peer_id, numel=self.numel,
-                          start_time=0.0)
-
     def _tiny_batch(self, ref_batch: int) -> int:
         return max(1, int(round(ref_batch / self.tr.batch_div)))
 
-    def _trainer(self, spec: MethodSpec, idx: int, model=None) -> InnerTrainer:
+    def _trainer(self, spec: MethodSpec, idx: int) -> InnerTrainer:
         lr = spec.inner_lr if spec.inner_lr is not None else (
             self.tr.lion_lr if spec.inner == "lion" else self.tr.inner_lr)
-        return InnerTrainer(model if model is not None else copy.deepcopy(self.base_model), self.dataset,
-                            seq_len=self.tr.seq_len, optimizer=spec.inner, lr=lr, seed=self.seed,
-                            peer_id=self.peers[idx].peer_id, min_lr_ratio=self.tr.min_lr_ratio, total_steps=1)
+        return InnerTrainer(copy.deepcopy(self.base_model), self.dataset, seq_len=self.tr.seq_len,
+                            optimizer=spec.inner, lr=lr, seed=self.seed, peer_id=self.peers[idx].peer_id,
+                            min_lr_ratio=self.tr.min_lr_ratio, total_steps=1)
 
     def _schedule(self, trainer: InnerTrainer, total_steps: int) -> None:
         trainer.total_steps = max(1, int(total_steps))
@@ -278,6 +217,14 @@ class Simulator:
                       for p, a in zip(self.peers, plan.assignments)],
         }
 
+    def _log(self, r: int, t: float, ch: RoundCharge, tokens_trained: int, loss: float, ppl, window) -> RoundLog:
+        tm = ch.timing
+        return RoundLog(
+            index=r, t_end_s=t, round_s=tm.round_s, compute_s=tm.compute_s, straggler_s=tm.straggler_s,
+            network_s=[tm.network_s] * self.n, sent=[ch.xb.sent(i) for i in range(self.n)],
+            received=[ch.xb.received(i) for i in range(self.n)], tokens_ref=ch.tokens_ref,
+            tokens_trained=tokens_trained, train_loss=loss, eval_ppl=ppl, window_s=window, inner_steps=ch.steps)
+
     # ------------------------------------------------------------------------------ methods
     def run(self, spec: MethodSpec) -> MethodResult:
         """Simulate one method until it has trained the token budget."""
@@ -286,11 +233,6 @@ class Simulator:
         if spec.base == "ddp":
             return self._run_ddp(spec)
         return self._run_sync(spec)
-
-    def _plan_for(self, spec: MethodSpec, records) -> RoundPlan:
-        if spec.balanced:
-            return self._balanced_plan(records, spec)
-        return self._uniform_plan(records, spec, spec.base)
 
     def _aggregate(self, spec: MethodSpec, deltas: list[torch.Tensor], tokens: list[int], efs,
                    plan: RoundPlan) -> Optional[torch.Tensor]:
@@ -318,6 +260,7 @@ class Simulator:
 
     def _run_sync(self, spec: MethodSpec) -> MethodResult:
         wall0 = time.perf_counter()
+        ch_ = self.charger
         sigma = self.profile.speed_jitter
         est = [1.0] * self.n  # re-profiled speed factor each peer announces
         plans: dict[tuple, RoundPlan] = {}
@@ -325,8 +268,7 @@ class Simulator:
         def get_plan() -> RoundPlan:
             key = tuple(round(x, 6) for x in est)
             if key not in plans:
-                recs = [p.record(self.ref, f) for p, f in zip(self.peers, est)] if sigma > 0 else self._records0
-                plans[key] = self._plan_for(spec, recs)
+                plans[key] = ch_.plan(spec, ch_.records(est) if sigma > 0 else None)
             return plans[key]
 
         plan0 = get_plan()
@@ -348,26 +290,13 @@ class Simulator:
         r = 0
         while done_ref < self.budget_ref:
             plan = get_plan()
-            T = plan.window_s
-            f = [_rng_factor(self.seed, r, i, sigma) for i in range(self.n)]
-            steps, compute, step_s = [], [], []
-            for i, (p, a) in enumerate(zip(self.peers, plan.assignments)):
-                s_i = a.batch_size * self.ref.seq_len / p.tokens_per_s(self.ref, a.micro_batch, f[i])
-                h = a.inner_steps
-                if h * s_i > T * (1 + 1e-9):  # the train deadline stops a slowed peer (whole steps only)
-                    h = min(h, int(math.floor(T / s_i + 1e-9)))
-                steps.append(h)
-                step_s.append(s_i)
-                compute.append(h * s_i)
-            part_elems = self._ref_part_elems([(a.peer_id, a.part_start, a.part_end) for a in plan.assignments])
-            xb = exchange_bytes(part_elems, contribution=spec.contribution, aggregate=spec.aggregate,
-                                mode=spec.mode if spec.compressed else "reencode", block_size=self.block)
-            timing = charge_round(compute, self.links, xb, [x > 0 for x in part_elems])
-            # ---- real training of the proxy
+            f = [speed_factor(self.seed, r, i, sigma) for i in range(self.n)]
+            ch = ch_.charge(spec, plan, f)
+            # ---- real training of the proxy, peer by peer in PeerID order
             deltas, tokens, losses = [], [], []
             for i, tr in enumerate(trainers):
                 load_flat_(tr.model, theta)
-                res = tr.run(round=r, inner_steps=steps[i],
+                res = tr.run(round=r, inner_steps=ch.steps[i],
                              batch_size=self._tiny_batch(plan.assignments[i].batch_size))
                 deltas.append(theta - flat_params(tr.model))
                 tokens.append(res.tokens)
@@ -376,19 +305,13 @@ class Simulator:
             agg = self._aggregate(spec, deltas, tokens, efs, plan)
             if agg is not None:
                 outer.step(theta, agg)
-            t += timing.round_s
-            tokens_ref = sum(h * a.batch_size * self.ref.seq_len for h, a in zip(steps, plan.assignments))
-            done_ref += tokens_ref
+            t += ch.timing.round_s
+            done_ref += ch.tokens_ref
             tok_trained += sum(tokens)
             ppl = self.evaluate(theta)
             curve.append((t, ppl, float(done_ref)))
-            logs.append(RoundLog(
-                index=r, t_end_s=t, round_s=timing.round_s, compute_s=timing.compute_s,
-                straggler_s=timing.straggler_s, network_s=[timing.network_s] * self.n,
-                sent=[xb.sent(i) for i in range(self.n)], received=[xb.received(i) for i in range(self.n)],
-                tokens_ref=tokens_ref, tokens_trained=sum(tokens),
-                train_loss=float(np.mean(losses)) if losses else float("nan"), eval_ppl=ppl, window_s=T,
-                inner_steps=steps))
+            logs.append(self._log(r, t, ch, sum(tokens), float(np.mean(losses)) if losses else float("nan"), ppl,
+                                  plan.window_s))
             # re-profiling (DESIGN.md "Round r" step 7): EMA of the measured speed factor
             if sigma > 0:
                 est = [0.7 * e + 0.3 * fi for e, fi in zip(est, f)]
@@ -398,15 +321,11 @@ class Simulator:
 
     def _run_ddp(self, spec: MethodSpec) -> MethodResult:
         """fp32 sync every step. Charged: per step, the slowest peer's step plus an fp32 all-reduce.
-        Trained: one trainer on the summed batch (the same gradient as averaging the peers')."""
+        Trained: one trainer on the summed batch (the gradient of the peers' averaged batches)."""
         wall0 = time.perf_counter()
-        plan = self._uniform_plan(self._records0, spec, "ddp", inner_steps=1)
-        part_elems = self._ref_part_elems([(a.peer_id, a.part_start, a.part_end) for a in plan.assignments])
-        xb = exchange_bytes(part_elems, contribution="fp32", aggregate="fp32", mode="reencode",
-                            block_size=self.block)
+        plan = self.charger.plan(spec)
         big_batch = sum(self._tiny_batch(a.batch_size) for a in plan.assignments)
-        tokens_ref_step = plan.total_token_budget()
-        steps_total = math.ceil(self.budget_ref / tokens_ref_step)
+        steps_total = math.ceil(self.budget_ref / plan.total_token_budget())
         trainer = self._trainer(spec, 0)
         trainer.peer_id = "ddp"
         self._schedule(trainer, steps_total)
@@ -419,44 +338,36 @@ class Simulator:
         logs: list[RoundLog] = []
         self._report(spec.label, 0, 0.0, ppl)
         for r in range(steps_total):
-            compute = [a.batch_size * self.ref.seq_len
-                       / p.tokens_per_s(self.ref, a.micro_batch, _rng_factor(self.seed, r, i, sigma))
-                       for i, (p, a) in enumerate(zip(self.peers, plan.assignments))]
-            timing = charge_round(compute, self.links, xb, [x > 0 for x in part_elems])
+            ch = self.charger.charge(spec, plan, [speed_factor(self.seed, r, i, sigma) for i in range(self.n)])
             res = trainer.run(round=r, inner_steps=1, batch_size=big_batch)
             theta = flat_params(trainer.model)
-            t += timing.round_s
-            done_ref += tokens_ref_step
+            t += ch.timing.round_s
+            done_ref += ch.tokens_ref
             tok_trained += res.tokens
             ppl = None
             if (r + 1) % eval_every == 0 or r == steps_total - 1:
                 ppl = self.evaluate(theta)
                 curve.append((t, ppl, float(done_ref)))
                 self._report(spec.label, done_ref, t, ppl)
-            logs.append(RoundLog(
-                index=r, t_end_s=t, round_s=timing.round_s, compute_s=timing.compute_s,
-                straggler_s=timing.straggler_s, network_s=[timing.network_s] * self.n,
-                sent=[xb.sent(i) for i in range(self.n)], received=[xb.received(i) for i in range(self.n)],
-                tokens_ref=tokens_ref_step, tokens_trained=res.tokens, train_loss=res.mean_loss, eval_ppl=ppl,
-                window_s=plan.window_s, inner_steps=[1] * self.n))
+            logs.append(self._log(r, t, ch, res.tokens, res.mean_loss, ppl, plan.window_s))
         return self._result(spec, logs, curve, t, done_ref, tok_trained, wall0, self.plan_info(plan))
 
     def _run_async(self, spec: MethodSpec) -> MethodResult:
         """Asynchronous DiLoCo-style updates (HALoS-like baselines): each peer trains H steps from the
         weights it last pulled, pushes its fp32 pseudo-gradient, which is applied to the global
         weights (outer Nesterov, scaled by its share of a round's tokens) when it arrives, then
-        pulls the current weights and starts again. No barrier, so no straggler idle; updates are
-        stale by the number of others' updates applied since the pull."""
+        pulls the current weights and starts again. No barrier, so no straggler idle; an update is
+        stale by the number of others' updates applied since its pull."""
         wall0 = time.perf_counter()
         sigma = self.profile.speed_jitter
-        plan = self._uniform_plan(self._records0, spec, "diloco")
+        plan = self.charger.plan(spec)
         nbytes = encoded_nbytes("fp32", self.ref.params, self.block)
         max_lat = max(p.latency_s for p in self.peers)
-        xfer = [async_exchange_s(lk, max_lat, nbytes) for lk in self.links]  # (push_s, pull_s)
+        xfer = [async_exchange_s(lk, max_lat, nbytes) for lk in self.charger.links]  # (push_s, pull_s)
         asg = plan.assignments
         H = [a.inner_steps for a in asg]
         tb = [self._tiny_batch(a.batch_size) for a in asg]
-        step_s = [a.batch_size * self.ref.seq_len / p.tokens_per_s(self.ref, a.micro_batch) for p, a in zip(self.peers, asg)]
+        step_s = self.charger.step_s(plan)
         ref_tok = [h * a.batch_size * self.ref.seq_len for h, a in zip(H, asg)]
         round_trained = sum(h * b * self.tr.seq_len for h, b in zip(H, tb))
         cycle = [xfer[i][1] + H[i] * step_s[i] + xfer[i][0] for i in range(self.n)]
@@ -475,7 +386,7 @@ class Simulator:
 
         def start_cycle(i: int, t_start: float, first: bool) -> None:
             pull = 0.0 if first else xfer[i][1]
-            f = _rng_factor(self.seed, local_round[i], i, sigma)
+            f = speed_factor(self.seed, local_round[i], i, sigma)
             comp = H[i] * step_s[i] / f
             tr = trainers[i]
             snap = theta.clone()
