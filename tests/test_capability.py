@@ -1,0 +1,228 @@
+"""Device capability: throughput, speed emulation, memory limits, bandwidth and re-profiling math."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from geomesh_p2p.capability import (
+    DeviceInfo,
+    ThroughputEMA,
+    analytic_activation_bytes,
+    default_batch_sizes,
+    detect_device,
+    estimate_memory,
+    find_max_batch,
+    format_profile_table,
+    measure_bandwidth,
+    measure_throughput,
+    profile,
+)
+from geomesh_p2p.records import PeerRecord
+
+SEQ = 64
+VOCAB = 256
+
+
+def tiny_config() -> GPT2Config:
+    return GPT2Config(
+        n_layer=2, n_embd=64, n_head=2, vocab_size=VOCAB, n_positions=SEQ, bos_token_id=0, eos_token_id=0
+    )
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One intra-op thread: on a shared 2-core machine, spinning OpenMP threads make steps ~40x slower."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def model() -> GPT2LMHeadModel:
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(tiny_config())
+
+
+def test_measure_throughput_positive_and_leaves_model_untouched(model):
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    model.eval()
+    rng_before = torch.random.get_rng_state()
+    tps = measure_throughput(model, SEQ, [1, 2, 4], "cpu", VOCAB, steps=1, warmup=0)
+    assert sorted(tps) == [1, 2, 4] and all(v > 0 for v in tps.values())
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert not model.training  # mode restored
+    assert all(p.grad is None for p in model.parameters())
+    assert torch.equal(torch.random.get_rng_state(), rng_before)  # dropout draws did not shift the RNG
+    # a factory works too, and the vocab size comes from the config when not given
+    tps2 = measure_throughput(lambda: GPT2LMHeadModel(tiny_config()), SEQ, [2], "cpu", None, steps=1, warmup=0)
+    assert tps2[2] > 0
+
+
+class _SleepyLM(torch.nn.Module):
+    """A stand-in causal LM whose step time is a fixed sleep: immune to CPU contention."""
+
+    def __init__(self, seconds: float):
+        super().__init__()
+        self.seconds = seconds
+        self.config = type("Cfg", (), {"vocab_size": 16})()
+        self.w = torch.nn.Parameter(torch.ones(4))
+
+    def forward(self, input_ids, labels):
+        time.sleep(self.seconds)
+        loss = (self.w.sum() * input_ids.float().mean() * 0 + self.w.pow(2).sum())
+        return type("Out", (), {"loss": loss})()
+
+
+def test_speed_factor_sleeps_in_proportion():
+    m = _SleepyLM(0.02)
+    full = measure_throughput(m, 8, [2], "cpu", steps=3, warmup=0)[2]
+    slow = measure_throughput(m, 8, [2], "cpu", steps=3, warmup=0, speed_factor=0.25)[2]
+    assert full == pytest.approx(2 * 8 / 0.02, rel=0.5)
+    assert 0.2 < slow / full < 0.3
+
+
+def test_speed_factor_halves_measured_throughput(model):
+    # real steps on a shared CPU whose load drifts: pair adjacent measurements (alternating which
+    # goes first) and take the median of the per-pair ratios
+    measure_throughput(model, 32, [2], "cpu", VOCAB, steps=1, warmup=1)  # warm up kernels
+    ratios = []
+    for k in range(5):
+        kinds = (1.0, 0.5) if k % 2 == 0 else (0.5, 1.0)
+        got = {f: measure_throughput(model, 32, [2], "cpu", VOCAB, steps=3, warmup=0, speed_factor=f)[2] for f in kinds}
+        ratios.append(got[0.5] / got[1.0])
+    ratio = statistics.median(ratios)
+    assert 0.3 < ratio < 0.75, ratios
+
+
+def test_measure_throughput_rejects_bad_input(model):
+    with pytest.raises(ValueError):
+        measure_throughput(model, SEQ, [], "cpu", VOCAB)
+    with pytest.raises(ValueError):
+        measure_throughput(model, SEQ, [0, 2], "cpu", VOCAB)
+    with pytest.raises(ValueError, match="speed_factor"):
+        measure_throughput(model, SEQ, [1], "cpu", VOCAB, speed_factor=0.0)
+    with pytest.raises(ValueError, match="speed_factor"):
+        measure_throughput(model, SEQ, [1], "cpu", VOCAB, speed_factor=2.0)
+    with pytest.raises(ValueError, match="device"):
+        measure_throughput(model, SEQ, [1], "tpu", VOCAB)
+
+
+def test_detect_device_cpu():
+    info = detect_device("cpu")
+    assert info.kind == "cpu" and info.name.startswith("cpu:") and len(info.name) > 5
+    assert info.memory_bytes > 0
+    assert info.torch_device == torch.device("cpu")
+    assert detect_device("cpu", cpu_memory_budget_bytes=123_456_789).memory_bytes == 123_456_789
+    with pytest.raises(ValueError):
+        detect_device("cpu", cpu_memory_budget_bytes=0)
+    with pytest.raises(ValueError):
+        detect_device("not-a-device")
+    auto = detect_device("auto")
+    assert auto.kind == ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error when CUDA is absent")
+def test_detect_device_cuda_absent():
+    with pytest.raises(RuntimeError, match="CUDA"):
+        detect_device("cuda")
+
+
+def test_find_max_batch_cpu_respects_budget(model):
+    est = estimate_memory(model, SEQ)
+    assert est.per_sequence_bytes > 0 and est.static_bytes >= 16 * est.n_params
+    # the measured activations are in the range of the textbook formula
+    analytic = analytic_activation_bytes(2, 64, 2, SEQ, VOCAB)
+    assert 0.3 * analytic < est.per_sequence_bytes < 5 * analytic
+    results = []
+    for budget in (est.bytes_for(1), est.bytes_for(3) + 10, est.bytes_for(20), 4 * est.bytes_for(20)):
+        b = find_max_batch(model, SEQ, "cpu", budget)
+        assert est.bytes_for(b) <= budget < est.bytes_for(b + 1)
+        results.append(b)
+    assert results[:3] == [1, 3, 20] and results[3] >= results[2]
+    assert results == sorted(results)
+    assert find_max_batch(model, SEQ, "cpu", 10**12, limit=37) == 37
+    with pytest.raises(ValueError, match="memory_bytes"):
+        find_max_batch(model, SEQ, "cpu", est.bytes_for(1) - 1)
+    with pytest.raises(ValueError):
+        find_max_batch(model, SEQ, "cpu", 10**9, start=4, limit=2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_paths():  # pragma: no cover - runs only where a GPU is present
+    info = detect_device("cuda")
+    assert info.kind == "cuda" and info.memory_bytes > 0
+    m = GPT2LMHeadModel(tiny_config()).cuda()
+    tps = measure_throughput(m, SEQ, [1, 8], "cuda", VOCAB, steps=2)
+    assert all(v > 0 for v in tps.values())
+    budget = 64 * 2**20
+    small = find_max_batch(m, SEQ, "cuda", budget, limit=4096)
+    large = find_max_batch(m, SEQ, "cuda", 4 * budget, limit=4096)
+    assert 1 <= small <= large
+
+
+def test_measure_bandwidth():
+    assert measure_bandwidth([(1000, 1.0), (3000, 1.0)]) == 2000.0
+    assert measure_bandwidth([(1000, 0.6)], latency_s=0.1) == pytest.approx(2000.0)
+    for bad in ([], [(-1, 1.0)], [(10, 0.0)], [(0, 1.0)]):
+        with pytest.raises(ValueError):
+            measure_bandwidth(bad)
+    with pytest.raises(ValueError):
+        measure_bandwidth([(10, 1.0)], latency_s=-1)
+
+
+def test_throughput_ema_math():
+    ema = ThroughputEMA(alpha=0.25, tokens_per_s={4: 100.0, 8: 160.0})
+    assert ema.update(4, 300, 1.5) == 0.25 * 200.0 + 0.75 * 100.0  # 125
+    # the device got 1.25x faster at batch 4: batch 8's figure follows
+    assert ema.tokens_per_s == {4: 125.0, 8: 200.0}
+    assert ema.update(16, 1000, 2.0) == 500.0  # first observation taken as is
+    assert ema.tokens_per_s == {4: 125.0, 8: 200.0, 16: 500.0}
+    plain = ThroughputEMA(alpha=0.5, tokens_per_s={4: 100.0, 8: 160.0}, rescale_others=False)
+    plain.update(4, 200, 1.0)
+    assert plain.tokens_per_s == {4: 150.0, 8: 160.0}
+
+    assert ema.upload_bps is None
+    assert ema.update_link(1000, 1.0, "up") == 1000.0
+    assert ema.update_link(3000, 1.0, "upload") == 0.25 * 3000.0 + 0.75 * 1000.0
+    assert ema.update_link(500, 0.5, "down") == 1000.0
+    assert ema.record_fields() == {
+        "tokens_per_s": {4: 125.0, 8: 200.0, 16: 500.0},
+        "upload_bps": 1500.0,
+        "download_bps": 1000.0,
+    }
+    rec = PeerRecord(
+        peer_id="p", device="cpu: x", memory_bytes=1, tokens_per_s={4: 1.0}, max_batch=4,
+        upload_bps=1.0, download_bps=1.0, version="0.1.0", run_config_hash="h", timestamp=5.0,
+    )
+    new = ema.apply(rec)
+    assert new.tokens_per_s == ema.tokens_per_s and new.upload_bps == 1500.0 and new.timestamp == 5.0
+    for bad in (lambda: ThroughputEMA(alpha=0.0), lambda: ema.update(0, 1, 1.0), lambda: ema.update(1, 1, 0.0),
+                lambda: ema.update_link(1, 1.0, "sideways"), lambda: ema.update_link(0, 1.0, "up")):
+        with pytest.raises(ValueError):
+            bad()
+
+
+def test_profile_and_table():
+    est = estimate_memory(GPT2LMHeadModel(tiny_config()), SEQ)
+    result = profile(
+        lambda: GPT2LMHeadModel(tiny_config()), SEQ, device="cpu", cpu_memory_budget_bytes=est.bytes_for(4),
+        upload_bps=12.5e6, steps=1, warmup=0,
+    )
+    assert result["device"]["kind"] == "cpu" and result["max_batch"] == 4
+    assert sorted(result["tokens_per_s"]) == [1, 2, 4]
+    assert result["bandwidth"] == {"upload_bps": 12.5e6, "download_bps": None}
+    json.dumps(result)  # JSON-serialisable for `geomesh-peer profile --json`
+    table = format_profile_table(result)
+    print("\n" + table)
+    assert "max batch" in table and result["device"]["name"] in table
+    assert format_profile_table(json.loads(json.dumps(result)))  # also from parsed JSON (string keys)
+    assert default_batch_sizes(100) == [1, 2, 4, 8, 16, 32, 64]
+    assert default_batch_sizes(12) == [1, 2, 4, 8, 12]
+    assert isinstance(detect_device("cpu"), DeviceInfo)
