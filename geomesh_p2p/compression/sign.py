@@ -67,7 +67,7 @@ __all__ = ["SignPacket", "encode", "decode", "sign_payload_nbytes"]
 # worker threads (torch ops release the GIL). On CUDA chunks only bound temporaries.
 _GRAIN = 32768
 _CPU_BIG_CHUNK = 1 << 19  # when lcm(8, B) >= _GRAIN: OpenMP-parallel ops in the caller's thread
-_CUDA_CHUNK = 1 << 26
+_CUDA_CHUNK = 1 << 24
 _MAX_ALIGN = 1 << 22  # lcm(8, B) above this: one unchunked segment
 _MIN_CHUNKS_PER_WORKER = 4
 
@@ -438,8 +438,8 @@ def decode(p: SignPacket, device=None, out: torch.Tensor | None = None) -> torch
     if P == 0:
         return result
     B = p.block_size
-    signs = p.signs.to(device, non_blocking=True)
-    scales = p.scales.to(device, non_blocking=True)
+    signs = p.signs.to(device)
+    scales = p.scales.to(device)
     lut = _sign_lut(device)
     chunk, workers = _plan(device, P, B)
     covered = _decode_chunked(signs, scales, flat, lut, B, chunk, workers) if chunk else 0
