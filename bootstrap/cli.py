@@ -1,0 +1,211 @@
+"""``geomesh-bootstrap``: run a DHT node that does not train, the entry point newcomers dial.
+
+  geomesh-bootstrap --host 0.0.0.0 --port 31337 --advertise-host PUBLIC_IP
+  geomesh-peer join --bootstrap PUBLIC_IP:31337            # on each volunteer
+
+Prints the address to dial and the node's PeerID, logs the number of live peers of the run every
+--status-interval seconds, and exits with status 0 on Ctrl+C (SIGINT) or SIGTERM. Several bootstraps
+may serve one swarm: start each with --bootstrap pointing at the others, and give peers all of them
+(--bootstrap is repeatable). Peers keep finding each other when every bootstrap is gone.
+
+Every option can also come from --config FILE (YAML or JSON; keys are the long option names);
+flags on the command line win.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import socket
+import sys
+from typing import NoReturn, Optional
+
+from geomesh_p2p import __version__
+
+DEFAULT_IDENTITY = "~/.geomesh/bootstrap.key"
+DEFAULT_RUN_ID = "geomesh-demo"
+DEFAULT_PORT = 31337
+PROG = "geomesh-bootstrap"
+
+log = logging.getLogger("geomesh.bootstrap")
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line (no usage dump): ``geomesh-bootstrap: error: ...``."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = _Parser(prog=PROG, description=__doc__.split("\n\n", 1)[0],
+                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
+    ap.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    ap.add_argument("--host", default="0.0.0.0",
+                    help="interface to listen on; 0.0.0.0 = all (default: %(default)s)")
+    ap.add_argument("--port", type=int, default=DEFAULT_PORT,
+                    help="TCP port to listen on; 0 = any free port (default: %(default)s)")
+    ap.add_argument("--advertise-host", default=None, metavar="HOST",
+                    help="host others should dial, when it differs from --host (default: --host, or this "
+                         "machine's outward address when --host is 0.0.0.0)")
+    ap.add_argument("--identity", default=DEFAULT_IDENTITY, metavar="PATH",
+                    help="Ed25519 key file, created with mode 0600 if absent; keeps the PeerID stable across "
+                         "restarts (default: %(default)s)")
+    ap.add_argument("--run-id", default=DEFAULT_RUN_ID,
+                    help="training run this swarm serves; peers of other runs are refused (default: %(default)s)")
+    ap.add_argument("--bootstrap", action="append", default=[], metavar="HOST:PORT",
+                    help="another bootstrap node of the same swarm to join (repeatable; default: none, start "
+                         "a new swarm)")
+    ap.add_argument("--status-interval", type=float, default=30.0, metavar="SECONDS",
+                    help="log the number of live peers this often (default: %(default)s)")
+    ap.add_argument("--k", type=int, default=20, help="Kademlia bucket size and replication (default: %(default)s)")
+    ap.add_argument("--alpha", type=int, default=3, help="Kademlia lookup parallelism (default: %(default)s)")
+    ap.add_argument("--rpc-timeout", type=float, default=3.0, metavar="SECONDS",
+                    help="deadline of each DHT call (default: %(default)s)")
+    ap.add_argument("--refresh-period", type=float, default=60.0, metavar="SECONDS",
+                    help="refresh idle routing-table buckets this often (default: %(default)s)")
+    ap.add_argument("--republish-period", type=float, default=60.0, metavar="SECONDS",
+                    help="re-replicate held records this often (default: %(default)s)")
+    ap.add_argument("--config", metavar="FILE", default=None,
+                    help="YAML/JSON file of option values (flags on the command line win) (default: none)")
+    ap.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                    help="log verbosity (default: %(default)s)")
+    return ap
+
+
+def _fail(message: str) -> int:
+    print(f"{PROG}: {message}", file=sys.stderr)
+    return 2
+
+
+def _outward_host() -> str:
+    """This machine's address on its default route (no packet is sent); 127.0.0.1 when there is none."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        s.connect(("10.255.255.255", 1))
+        return s.getsockname()[0]
+    except OSError:
+        return "127.0.0.1"
+    finally:
+        s.close()
+
+
+def _check(ns: argparse.Namespace) -> Optional[str]:
+    """A one-line complaint about the option values, or None."""
+    if not 0 <= ns.port <= 65535:
+        return f"--port {ns.port}: must be between 0 and 65535"
+    for b in ns.bootstrap:
+        host, sep, port = str(b).rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            return f"--bootstrap {b!r}: expected HOST:PORT"
+    if ns.status_interval <= 0:
+        return f"--status-interval {ns.status_interval}: must be > 0"
+    if ns.k < 1 or ns.alpha < 1:
+        return f"--k {ns.k} / --alpha {ns.alpha}: must be >= 1"
+    if ns.rpc_timeout <= 0:
+        return f"--rpc-timeout {ns.rpc_timeout}: must be > 0"
+    if not ns.run_id:
+        return "--run-id: must not be empty"
+    return None
+
+
+def parse(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    """Parse ``argv`` with --config values as defaults. Raises SystemExit(2) with a one-line message."""
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    if ns.config:
+        from peer.config import ConfigFileError, load_config_defaults
+
+        try:
+            parser.set_defaults(**load_config_defaults(parser, ns.config))
+        except ConfigFileError as e:
+            parser.exit(2, f"{PROG}: {e}\n")
+        ns = parser.parse_args(argv)
+        if isinstance(ns.bootstrap, str):
+            ns.bootstrap = [ns.bootstrap]
+    problem = _check(ns)
+    if problem:
+        parser.exit(2, f"{PROG}: {problem}\n")
+    return ns
+
+
+async def serve(ns: argparse.Namespace, identity) -> int:
+    """Run the bootstrap node until SIGINT/SIGTERM. Returns the exit status."""
+    from geomesh_p2p.dht import DHTJoinError, DHTNode, live_peers
+    from geomesh_p2p.transport import Transport, TransportConfig
+
+    advertise = ns.advertise_host
+    if advertise is None and ns.host in ("0.0.0.0", "::", ""):
+        advertise = _outward_host()
+    transport = Transport(identity, ns.run_id, TransportConfig(host=ns.host, port=ns.port, advertise_host=advertise))
+    node = DHTNode(transport, k=ns.k, alpha=ns.alpha, rpc_timeout_s=ns.rpc_timeout,
+                   refresh_period_s=ns.refresh_period, republish_period_s=ns.republish_period)
+    try:
+        address = await transport.start()
+    except (OSError, RuntimeError) as e:
+        await transport.stop(grace=0)
+        reason = str(e).splitlines()[0].split(";")[0] if str(e) else type(e).__name__
+        return _fail(f"cannot listen on {ns.host}:{ns.port}: {reason}")
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+
+    print(f"{PROG} {__version__}: run {ns.run_id!r}, DHT node serving on {address}", flush=True)
+    print(f"PeerID: {identity.peer_id}", flush=True)
+    print(f"peers join with: --bootstrap {address}", flush=True)
+    try:
+        try:
+            await node.join(ns.bootstrap)
+        except DHTJoinError as e:  # the others may come later: keep serving, re-dial them on refresh
+            log.warning("%s; serving alone for now", e)
+        while not stop.is_set():
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=ns.status_interval)
+            except asyncio.TimeoutError:
+                pass
+            if stop.is_set():
+                break
+            try:
+                peers = await live_peers(node, ns.run_id)
+                log.info("live peers: %d (routing table: %d nodes; %d keys held)",
+                         len(peers), len(node.contacts()), len(node.storage))
+            except Exception as e:  # a status line must never stop the node
+                log.warning("could not count live peers: %r", e)
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+        await node.shutdown()
+        await transport.stop(grace=1.0)
+    print(f"{PROG}: stopped", flush=True)
+    return 0
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """Entry point of ``geomesh-bootstrap``. Returns 0 on a clean stop (SIGINT/SIGTERM), 2 on bad options."""
+    try:
+        ns = parse(argv)
+    except SystemExit as e:  # --help/--version (0) or a one-line error (2)
+        return int(e.code or 0)
+    if ns.log_level != "DEBUG":  # gRPC's C core would print its own multi-line errors (e.g. on bind)
+        os.environ.setdefault("GRPC_VERBOSITY", "NONE")
+    logging.basicConfig(level=ns.log_level, format="%(asctime)s %(levelname).1s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
+    from geomesh_p2p.identity import Identity, IdentityError
+
+    try:
+        identity = Identity.load_or_create(ns.identity)
+    except IdentityError as e:
+        return _fail(f"--identity: {e}")
+    try:
+        return asyncio.run(serve(ns, identity))
+    except KeyboardInterrupt:  # a second Ctrl+C during shutdown
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,111 @@
+"""``python -m geomesh_p2p.dht``: a small DHT client for checks by hand and process tests.
+
+Joins a swarm through --bootstrap, optionally announces a minimal PeerRecord (as a peer that does not
+train would), stores --put KEY=VALUE values, and prints one JSON line per --period::
+
+    {"peer_id": "...", "address": "...", "peers": ["<PeerID>", ...], "values": {"KEY": "VALUE"|null}}
+
+where ``peers`` are the live peers of the run and ``values`` the --get keys. Without --watch it prints
+once and exits; with --watch it runs until SIGINT/SIGTERM (exit 0). Exit 2 on bad options, 1 when
+the join fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+import sys
+import time
+from typing import Optional
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m geomesh_p2p.dht", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--bootstrap", action="append", default=[], metavar="HOST:PORT",
+                    help="node to join through (repeatable; default: none)")
+    ap.add_argument("--run-id", default="geomesh-demo", help="run id (default: %(default)s)")
+    ap.add_argument("--identity", default=None, metavar="PATH",
+                    help="Ed25519 key file (default: a fresh key for this process)")
+    ap.add_argument("--host", default="127.0.0.1", help="interface to serve on (default: %(default)s)")
+    ap.add_argument("--port", type=int, default=0, help="port; 0 = any free one (default: %(default)s)")
+    ap.add_argument("--client-only", action="store_true", help="do not serve; only call others (default: off)")
+    ap.add_argument("--announce", action="store_true", help="announce a minimal PeerRecord (default: off)")
+    ap.add_argument("--put", action="append", default=[], metavar="KEY=VALUE",
+                    help="store VALUE (UTF-8) under KEY, re-stored every period (repeatable; default: none)")
+    ap.add_argument("--get", action="append", default=[], metavar="KEY", help="key to read and print (repeatable)")
+    ap.add_argument("--period", type=float, default=1.0, help="seconds between prints (default: %(default)s)")
+    ap.add_argument("--ttl", type=float, default=None, help="lifetime of stored values, s (default: 3 x period)")
+    ap.add_argument("--watch", action="store_true", help="keep printing until stopped (default: print once)")
+    ap.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                    help="log verbosity (default: %(default)s)")
+    return ap
+
+
+async def run(ns: argparse.Namespace) -> int:
+    from geomesh_p2p import __version__
+    from geomesh_p2p.dht import DHTJoinError, DHTNode, PeerAnnouncer, live_peers
+    from geomesh_p2p.identity import Identity
+    from geomesh_p2p.records import PeerRecord
+    from geomesh_p2p.transport import Transport, TransportConfig
+
+    identity = Identity.load_or_create(ns.identity) if ns.identity else Identity.generate()
+    transport = Transport(identity, ns.run_id, TransportConfig(host=ns.host, port=ns.port, client_only=ns.client_only))
+    node = DHTNode(transport, refresh_period_s=max(1.0, 5 * ns.period), republish_period_s=max(1.0, 5 * ns.period))
+    ttl = ns.ttl or 3 * ns.period
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await transport.start()
+        try:
+            await node.join(ns.bootstrap)
+        except DHTJoinError as e:
+            print(f"python -m geomesh_p2p.dht: {e}", file=sys.stderr)
+            return 1
+        if ns.announce:
+            record = PeerRecord(peer_id=identity.peer_id.to_string(), address=transport.address, device="dht-tool",
+                                memory_bytes=0, max_batch=1, upload_bps=1.0, download_bps=1.0, version=__version__,
+                                run_config_hash="none")
+            PeerAnnouncer(node, record, period_s=ns.period, ttl_s=ttl).start()
+        puts = [p.split("=", 1) for p in ns.put]
+        while True:
+            for key, value in puts:
+                await node.store(key, value.encode(), time.time() + ttl)
+            peers = [r.peer_id for r in await live_peers(node, ns.run_id)]
+            values = {}
+            for key in ns.get:
+                found = await node.get(key)
+                values[key] = found[None].value.decode(errors="replace") if None in found else None
+            print(json.dumps({"peer_id": identity.peer_id.to_string(), "address": transport.address,
+                              "peers": peers, "values": values}), flush=True)
+            if not ns.watch:
+                return 0
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=ns.period)
+            except asyncio.TimeoutError:
+                pass
+            if stop.is_set():
+                return 0
+    finally:
+        await node.shutdown()
+        await transport.stop(grace=0.5)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ns = build_parser().parse_args(argv)
+    if any("=" not in p for p in ns.put):
+        print("python -m geomesh_p2p.dht: --put expects KEY=VALUE", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=ns.log_level, format="%(asctime)s %(levelname).1s %(name)s: %(message)s")
+    try:
+        return asyncio.run(run(ns))
+    except KeyboardInterrupt:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
