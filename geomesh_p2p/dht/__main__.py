@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import signal
 import sys
 import time
@@ -100,6 +101,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if any("=" not in p for p in ns.put):
         print("python -m geomesh_p2p.dht: --put expects KEY=VALUE", file=sys.stderr)
         return 2
+    if ns.log_level != "DEBUG":
+        os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     logging.basicConfig(level=ns.log_level, format="%(asctime)s %(levelname).1s %(name)s: %(message)s")
     try:
         return asyncio.run(run(ns))
