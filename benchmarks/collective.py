@@ -91,7 +91,10 @@ async def _worker(seed: int, numel: int) -> int:
             finished = time.time()
             if cmd.get("out"):
                 res.aggregate.numpy().astype("<f4").tofile(cmd["out"])
+            complete = all(res.pushed.values()) and all(len(c) == len(spec.participants)
+                                                        for c in res.contributors.values())
             _emit({"event": "done", "finished_at": finished, "before": before, "missing": res.missing_parts,
+                   "complete": complete,
                    "sha256": hashlib.sha256(res.aggregate.numpy().tobytes()).hexdigest()})
     finally:
         await service.close()
@@ -120,7 +123,7 @@ class _Proc:
         self.proc.stdin.write(json.dumps(obj).encode() + b"\n")
 
 
-async def run_group(n: int, numel: int, block_size: int, tmp: str) -> dict:
+async def run_group(n: int, numel: int, block_size: int, tmp: str, deadline_s: float) -> dict:
     from geomesh_p2p.collective import CollectiveSpec, make_partition
 
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
@@ -138,7 +141,8 @@ async def run_group(n: int, numel: int, block_size: int, tmp: str) -> dict:
         rows = {}
         for r, (name, mode, push, agg) in enumerate(MODES, start=1):
             start_at = time.time() + 2.0
-            spec = CollectiveSpec(RUN, r, {p: 10**9 for p in pids}, owners, numel, start_at + 600.0, start_at + 660.0,
+            spec = CollectiveSpec(RUN, r, {p: 10**9 for p in pids}, owners, numel, start_at + deadline_s,
+                                  start_at + deadline_s + 30.0,
                                   mode=mode, push_encoding=push, aggregate_encoding=agg, block_size=block_size)
             out = os.path.join(tmp, f"agg-{n}-{name}.f32")
             for k, p in enumerate(procs):
@@ -154,6 +158,7 @@ async def run_group(n: int, numel: int, block_size: int, tmp: str) -> dict:
                 "sent": sent, "recv": recv, "wall_s": max(d["finished_at"] for d in done) - start_at,
                 "identical": len({d["sha256"] for d in done}) == 1,
                 "missing": sorted({j for d in done for j in d["missing"]}), "out": out,
+                "complete": all(not d["missing"] and d["complete"] for d in done),
             }
         ref = torch.from_numpy(np.fromfile(rows["fp32"]["out"], dtype="<f4"))
         for name, row in rows.items():
@@ -193,7 +198,7 @@ def table(results: dict, numel: int) -> str:
             lines.append(
                 f"| {n} | {label} | {_mb(s)} [{_mb(max(row['sent']))}] | {_mb(r)} [{_mb(max(row['recv']))}] | "
                 f"{row['wall_s']:.2f} | {fp_bytes / (s + r):.1f}x | {'yes' if row['identical'] else 'NO'} | "
-                f"{row['rel_err']:.3f} |")
+                f"{row['rel_err']:.3f} |" + ("" if row["complete"] else " INCOMPLETE (a push or part was lost)"))
     return "\n".join(lines)
 
 
@@ -203,7 +208,7 @@ async def main_async(ns) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for n in ns.peers:
             t0 = time.time()
-            results[n] = await run_group(n, ns.numel, ns.block_size, tmp)
+            results[n] = await run_group(n, ns.numel, ns.block_size, tmp, ns.deadline_s)
             print(f"# {n} peers done in {time.time() - t0:.1f}s", file=sys.stderr)
     cmd = "python benchmarks/collective.py " + " ".join(sys.argv[1:])
     head = (f"command: {cmd.strip()}\nmachine: {platform.platform()}, {os.cpu_count()} CPUs, python "
@@ -211,14 +216,15 @@ async def main_async(ns) -> int:
             f"{os.getloadavg()[0]:.1f} at end (other work on the machine inflates wall times, not bytes)\n")
     text = head + "\n" + table(results, ns.numel)
     print(text)
-    ok = all(rows["reencode"]["identical"] and rows["relay"]["identical"] for rows in results.values())
+    ok = all(row["identical"] and row["complete"] for rows in results.values() for row in rows.values())
     ratios = []
     for rows in results.values():
         fp = np.mean(rows["fp32"]["sent"]) + np.mean(rows["fp32"]["recv"])
         ratios.append(fp / (np.mean(rows["reencode"]["sent"]) + np.mean(rows["reencode"]["recv"])))
     goal = all(r >= 30 for r in ratios)
     print(f"\nreencode (sign) vs fp32: {', '.join(f'{r:.1f}x' for r in ratios)} fewer bytes "
-          f"(goal >= 30x: {'met' if goal else 'NOT met'}); identical aggregates on all peers: {'yes' if ok else 'NO'}")
+          f"(goal >= 30x: {'met' if goal else 'NOT met'}); every round complete with identical aggregates on all "
+          f"peers: {'yes' if ok else 'NO'}")
     if ns.markdown:
         with open(ns.markdown, "w") as f:
             f.write(text + "\n")
@@ -234,6 +240,8 @@ def main(argv=None) -> int:
     ap.add_argument("--peers", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--numel", type=int, default=25_000_000)
     ap.add_argument("--block-size", type=int, default=2048)
+    ap.add_argument("--deadline-s", type=float, default=240.0,
+                    help="push deadline after the start (parts close as soon as everyone pushed)")
     ap.add_argument("--markdown", default=None, help="also write the table to this file")
     ap.add_argument("--json", default=None, help="also write raw figures to this JSON file")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

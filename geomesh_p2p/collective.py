@@ -64,8 +64,11 @@ CONTRIBUTION_KIND = "geomesh.collective/Contribution"  # inner envelope kind of 
 RESULT_KIND = "geomesh.collective/PartResult"  # inner envelope kind of an owner's part result
 
 Code = grpc.StatusCode
-_RETRY_PUSH = {Code.UNAVAILABLE}
-_RETRY_PULL = {Code.UNAVAILABLE, Code.DEADLINE_EXCEEDED, Code.CANCELLED, Code.UNKNOWN, Code.INTERNAL}
+# OUT_OF_RANGE: the envelope's timestamp aged past the skew window between signing and
+# verification (a large message on a slow or congested link): re-signing and resending can succeed.
+_RETRY_PUSH = {Code.UNAVAILABLE, Code.OUT_OF_RANGE}
+_RETRY_PULL = {Code.UNAVAILABLE, Code.DEADLINE_EXCEEDED, Code.CANCELLED, Code.UNKNOWN, Code.INTERNAL,
+               Code.OUT_OF_RANGE}
 
 
 def _pid_str(p: Union[PeerID, str, bytes]) -> str:
@@ -454,6 +457,7 @@ class CollectiveService:
         hold_unknown_round_s: float = 2.0,
         max_held_requests: int = 256,
         push_grace_s: float = 0.5,
+        max_concurrent_pushes: int = 2,
     ):
         if transport.address is not None:
             raise RuntimeError("create the CollectiveService before transport.start()")
@@ -464,6 +468,7 @@ class CollectiveService:
         self.hold_unknown_round_s = hold_unknown_round_s
         self.max_held_requests = max_held_requests
         self.push_grace_s = push_grace_s
+        self.max_concurrent_pushes = max(1, int(max_concurrent_pushes))
         self._rounds: dict[int, _RoundState] = {}
         self._oldest_kept = 0  # rounds below this were pruned
         self._round_events: dict[int, asyncio.Event] = {}
@@ -782,7 +787,15 @@ class CollectiveService:
         state.contributing = True
         s_before = self._collective_bytes()
 
-        pushes = [asyncio.ensure_future(self._deliver(state, j, delta, int(tokens))) for j in range(len(spec.owners))]
+        # Butterfly order: start with the part after "mine" so that not every sender hits owner 0
+        # first; at most max_concurrent_pushes uploads at once, so each upload gets the link to
+        # itself and arrives soon after it was signed (the receiver checks the envelope's age).
+        n_parts = len(spec.owners)
+        me_rank = sorted(spec.participants, key=_pid_bytes).index(me)
+        order = [(me_rank + 1 + k) % n_parts for k in range(n_parts)]
+        uploads = asyncio.Semaphore(self.max_concurrent_pushes)
+        by_part = {j: asyncio.ensure_future(self._deliver(state, j, delta, int(tokens), uploads)) for j in order}
+        pushes = [by_part[j] for j in range(n_parts)]
         pulls = [asyncio.ensure_future(self._obtain(state, j)) for j in range(len(spec.owners))]
         try:
             outcomes = await asyncio.gather(*pulls)
@@ -825,11 +838,21 @@ class CollectiveService:
         return self.transport.identity.sign_message(run_id=spec.run_id, round=spec.round, kind=CONTRIBUTION_KIND,
                                                     payload=c.SerializeToString()).SerializeToString()
 
-    async def _deliver(self, state: _RoundState, j: int, delta: torch.Tensor, tokens: int) -> bool:
-        """Encode, sign and push part ``j`` to its owner, retrying UNAVAILABLE until the deadline."""
+    async def _deliver(self, state: _RoundState, j: int, delta: torch.Tensor, tokens: int,
+                       uploads: Optional[asyncio.Semaphore] = None) -> bool:
+        """Encode, sign and push part ``j`` to its owner, retrying UNAVAILABLE / OUT_OF_RANGE until
+        the deadline. ``uploads`` bounds the pushes in flight (the local part does not count)."""
         spec = state.spec
         owner = spec.owners[j]
         await self._before_push(spec, j)
+        if owner.peer_id != self.peer_id and uploads is not None:
+            async with uploads:
+                return await self._deliver_now(state, j, delta, tokens)
+        return await self._deliver_now(state, j, delta, tokens)
+
+    async def _deliver_now(self, state: _RoundState, j: int, delta: torch.Tensor, tokens: int) -> bool:
+        spec = state.spec
+        owner = spec.owners[j]
         signed = await asyncio.to_thread(self._contribution_bytes, spec, j, delta, tokens)
         if owner.peer_id == self.peer_id:
             part = state.parts[j]

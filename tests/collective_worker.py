@@ -42,8 +42,8 @@ class StallingService(CollectiveService):
         if self.stall_after_part is not None and part != self.stall_after_part:
             await asyncio.Event().wait()  # never delivers this part
 
-    async def _deliver(self, state, j, delta, tokens):
-        ok = await super()._deliver(state, j, delta, tokens)
+    async def _deliver(self, state, j, delta, tokens, uploads=None):
+        ok = await super()._deliver(state, j, delta, tokens, uploads)
         if self.stall_after_part == j:
             emit({"event": "delivered", "part": j, "accepted": ok})
         return ok

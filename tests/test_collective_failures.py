@@ -55,8 +55,8 @@ class Faulty(CollectiveService):
         if self.reduce_fault is not None:
             await self.reduce_fault(spec, part)
 
-    async def _deliver(self, state, j, delta, tokens):
-        ok = await super()._deliver(state, j, delta, tokens)
+    async def _deliver(self, state, j, delta, tokens, uploads=None):
+        ok = await super()._deliver(state, j, delta, tokens, uploads)
         self._ev(j).set()
         return ok
 
