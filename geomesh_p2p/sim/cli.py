@@ -15,6 +15,7 @@ Exit status 2 on a bad profile, method or argument (one-line message).
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 from typing import Optional, Sequence
@@ -49,7 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", dest="json_path", default=None, help="write all results (curves, per-round "
                                                                   "records, summaries) to this JSON file")
     p.add_argument("--plot", default=None, help="write a PNG: perplexity vs virtual time, idle breakdown")
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default: %(default)s)")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads per method (default: %(default)s)")
+    p.add_argument("--jobs", type=int, default=0,
+                   help="methods simulated in parallel processes; 0 = auto: min(#methods, CPUs / threads) "
+                        "(results do not depend on it; default: %(default)s)")
     p.add_argument("--show-plans", action="store_true", help="print each method's first round plan")
     p.add_argument("--no-progress", action="store_true", help="no progress display")
     p.add_argument("--list-profiles", action="store_true", help="list the shipped profiles and exit")
@@ -73,6 +77,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0
     if args.threads < 1:
         return _die(f"--threads must be >= 1, got {args.threads}")
+    if args.jobs < 0:
+        return _die(f"--jobs must be >= 0, got {args.jobs}")
     if args.rounds is not None and args.rounds < 1:
         return _die(f"--rounds must be >= 1, got {args.rounds}")
     if args.target_ppl is not None and not args.target_ppl > 1:
@@ -118,19 +124,24 @@ def _run(args, profile, specs, argv) -> int:
         progress.update(tasks[label], completed=done, info=info)
 
     console.print(f"[bold]geomesh-sim[/] profile [cyan]{profile.name}[/]: {profile.description}")
+    jobs = args.jobs or max(1, min(len(specs), (os.cpu_count() or 1) // args.threads))
+    jobs = min(jobs, len(specs))
     try:
-        sim = Simulator(profile, rounds=args.rounds, seed=args.seed, data=args.data, progress=on_progress)
+        sim = Simulator(profile, rounds=args.rounds, seed=args.seed, data=args.data,
+                        progress=on_progress if jobs == 1 else None)
     except DataError as e:
         return _die(str(e))
     console.print(f"charged: {profile.reference.model}, {profile.reference.params / 1e6:.0f}M params; "
                   f"trained: preset {profile.train.preset!r} ({sim.numel / 1e6:.2f}M params), seq {profile.train.seq_len}; "
-                  f"budget {sim.rounds} DiLoCo rounds = {sim.budget_ref / 1e6:.1f}M reference tokens")
-    results = []
+                  f"budget {sim.rounds} DiLoCo rounds = {sim.budget_ref / 1e6:.1f}M reference tokens"
+                  + (f"; {jobs} parallel jobs" if jobs > 1 else ""))
     if progress is not None:
         progress.start()
     try:
-        for spec in specs:
-            results.append(sim.run(spec))
+        if jobs == 1:
+            results = [sim.run(spec) for spec in specs]
+        else:
+            results = _run_parallel(profile, specs, args, jobs, on_progress)
     finally:
         if progress is not None:
             progress.stop()
@@ -169,6 +180,49 @@ def _run(args, profile, specs, argv) -> int:
         report.plot(results, rows, args.plot, target_ppl=target, title=f"geomesh-sim --profile {profile.name}")
         console.print(f"wrote {args.plot}")
     return 0
+
+
+def _worker(profile_json: str, label: str, rounds, seed, data, threads: int, queue):
+    """One method in a child process (spawned): its own Simulator, progress through ``queue``."""
+    import torch
+
+    from geomesh_p2p.sim.engine import Simulator
+    from geomesh_p2p.sim.hardware import Profile
+    from geomesh_p2p.sim.methods import parse_method
+
+    torch.set_num_threads(threads)
+    profile = Profile.model_validate_json(profile_json)
+
+    def prog(lbl, done, budget, t, ppl):
+        queue.put((lbl, done, budget, t, ppl))
+
+    sim = Simulator(profile, rounds=rounds, seed=seed, data=data, progress=prog)
+    return sim.run(parse_method(label))
+
+
+def _run_parallel(profile, specs, args, jobs: int, on_progress):
+    """Run methods in ``jobs`` spawned processes; results in the order of ``specs``."""
+    import multiprocessing as mp
+    import queue as queue_mod
+    from concurrent.futures import ProcessPoolExecutor
+
+    ctx = mp.get_context("spawn")
+    with ctx.Manager() as manager:
+        q = manager.Queue()
+        with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as ex:
+            futs = [ex.submit(_worker, profile.model_dump_json(), s.label, args.rounds, args.seed, args.data,
+                              args.threads, q) for s in specs]
+            while not all(f.done() for f in futs):
+                try:
+                    on_progress(*q.get(timeout=0.2))
+                except queue_mod.Empty:
+                    pass
+            while True:
+                try:
+                    on_progress(*q.get_nowait())
+                except queue_mod.Empty:
+                    break
+            return [f.result() for f in futs]
 
 
 if __name__ == "__main__":  # pragma: no cover
