@@ -81,11 +81,11 @@ class _SleepyLM(torch.nn.Module):
 
 
 def test_speed_factor_sleeps_in_proportion():
-    m = _SleepyLM(0.02)
+    m = _SleepyLM(0.04)
     full = measure_throughput(m, 8, [2], "cpu", steps=3, warmup=0)[2]
     slow = measure_throughput(m, 8, [2], "cpu", steps=3, warmup=0, speed_factor=0.25)[2]
-    assert full == pytest.approx(2 * 8 / 0.02, rel=0.5)
-    assert 0.2 < slow / full < 0.3
+    assert full <= 2 * 8 / 0.04  # a step cannot beat its sleep
+    assert 0.18 < slow / full < 0.32
 
 
 def test_speed_factor_halves_measured_throughput(model):
