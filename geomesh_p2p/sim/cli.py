@@ -111,12 +111,19 @@ def _run(args, profile, specs, argv) -> int:
 
     progress = None
     tasks: dict[str, int] = {}
-    if not args.no_progress:
+    plain_next: dict[str, float] = {}
+    if not args.no_progress and console.is_terminal:
         progress = Progress(TextColumn("{task.description:<24}"), BarColumn(), TextColumn("{task.percentage:>5.1f}%"),
                             TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=console, transient=False)
 
     def on_progress(label, done, budget, t, ppl):
-        if progress is None:
+        if args.no_progress:
+            return
+        if progress is None:  # not a terminal (a log file): a plain line every 10% per method
+            if done >= plain_next.get(label, 0.0) or done >= budget:
+                plain_next[label] = done + 0.1 * budget
+                ppl_s = f" ppl={ppl:.1f}" if ppl is not None else ""
+                print(f"[{label}] {100 * done / budget:5.1f}% t={t / 3600:.3f} h{ppl_s}", file=sys.stderr, flush=True)
             return
         if label not in tasks:
             tasks[label] = progress.add_task(label, total=budget, info="")
