@@ -614,13 +614,14 @@ def default_batch_sizes(max_batch: int, cap: int = 64) -> list[int]:
 
 
 def profile(
-    model_factory: ModelOrFactory,
-    seq_len: int,
+    model_factory: Optional[ModelOrFactory] = None,
+    seq_len: int = 64,
     *,
+    preset: Optional[str] = None,
     vocab_size: Optional[int] = None,
     device: str = "auto",
     batch_sizes: Optional[Iterable[int]] = None,
-    cpu_memory_budget_bytes: Optional[int] = None,
+    memory_budget_bytes: Optional[int] = None,
     upload_bps: Optional[float] = None,
     download_bps: Optional[float] = None,
     steps: int = 3,
@@ -631,23 +632,42 @@ def profile(
 ) -> dict[str, Any]:
     """Profile this machine for a model: device, max batch, tokens/s per batch, stated bandwidth.
 
-    Returns a JSON-serialisable dict: ``device`` {kind, name, memory_bytes}, ``seq_len``,
-    ``n_params``, ``max_batch``, ``tokens_per_s`` {batch: tokens/s} (default batch sizes: powers of
-    two up to ``min(max_batch, max_measured_batch)``), ``bandwidth`` ({upload_bps, download_bps}
-    in bytes/s as stated by flags, or None: links are measured during the run), ``speed_factor``.
-    Errors as in :func:`detect_device`, :func:`find_max_batch` and :func:`measure_throughput`;
-    RuntimeError when no batch size could be measured.
+    The model is ``model_factory`` (a module or a callable building one) or, by name, a
+    ``preset`` of :func:`geomesh_p2p.training.build_model` (with ``vocab_size`` if given).
+    ``memory_budget_bytes``: the training memory budget on a CPU (default: a share of
+    MemAvailable), a cap on the free memory on a GPU.
+
+    Returns a JSON-serialisable dict: ``device`` {kind, name, memory_bytes, index}, ``seq_len``,
+    ``n_params``, ``max_batch``, ``tokens_per_s`` {batch: tokens/s} (for ``batch_sizes`` up to
+    ``max_batch``; default: powers of two up to ``min(max_batch, max_measured_batch)``),
+    ``bandwidth`` ({upload_bps, download_bps} in bytes/s as stated by flags, or None: links are
+    measured during the run), ``speed_factor``. Raises ValueError for neither or both of
+    ``model_factory``/``preset``, a non-positive bandwidth or budget, and as
+    :func:`detect_device`, :func:`find_max_batch` and :func:`measure_throughput` do; RuntimeError
+    when no batch size could be measured.
     """
+    if (model_factory is None) == (preset is None):
+        raise ValueError("give exactly one of model_factory and preset")
     for name, v in (("upload_bps", upload_bps), ("download_bps", download_bps)):
         if v is not None and not (math.isfinite(v) and v > 0):
             raise ValueError(f"{name}={v} must be a positive bandwidth (bytes/s)")
-    info = detect_device(device, cpu_memory_budget_bytes)
+    if memory_budget_bytes is not None and memory_budget_bytes <= 0:
+        raise ValueError(f"memory_budget_bytes={memory_budget_bytes} must be > 0")
+    info = detect_device(device, memory_budget_bytes)
+    if info.kind == "cuda" and memory_budget_bytes is not None:
+        info = DeviceInfo(info.kind, info.name, min(info.memory_bytes, int(memory_budget_bytes)), info.index)
     dev = info.torch_device
+    if preset is not None:
+        from geomesh_p2p.training import build_model  # only for the by-name convenience
+
+        model_factory = build_model(preset, vocab_size=vocab_size)
     model = _materialize(model_factory, dev)
     n_params = sum(p.numel() for p in model.parameters())
     max_batch = find_max_batch(model, seq_len, dev, info.memory_bytes, limit=limit, vocab_size=vocab_size)
     sizes = sorted(set(batch_sizes)) if batch_sizes is not None else default_batch_sizes(max_batch, max_measured_batch)
-    sizes = [b for b in sizes if b <= max_batch] or [min(sizes)]
+    if not sizes:
+        raise ValueError("batch_sizes is empty")
+    sizes = [b for b in sizes if b <= max_batch] or [max_batch]
     tps = measure_throughput(
         model, seq_len, sizes, dev, vocab_size, steps=steps, warmup=warmup, speed_factor=speed_factor
     )

@@ -212,7 +212,7 @@ def test_throughput_ema_math():
 def test_profile_and_table():
     est = estimate_memory(GPT2LMHeadModel(tiny_config()), SEQ)
     result = profile(
-        lambda: GPT2LMHeadModel(tiny_config()), SEQ, device="cpu", cpu_memory_budget_bytes=est.bytes_for(4),
+        lambda: GPT2LMHeadModel(tiny_config()), SEQ, device="cpu", memory_budget_bytes=est.bytes_for(4),
         upload_bps=12.5e6, steps=1, warmup=0,
     )
     assert result["device"]["kind"] == "cpu" and result["max_batch"] == 4
@@ -223,6 +223,12 @@ def test_profile_and_table():
     print("\n" + table)
     assert "max batch" in table and result["device"]["name"] in table
     assert format_profile_table(json.loads(json.dumps(result)))  # also from parsed JSON (string keys)
+    # by preset name, as `geomesh-peer profile --model tiny` calls it
+    by_name = profile(preset="tiny", seq_len=32, device="cpu", batch_sizes=[1, 2], memory_budget_bytes=2 * 2**30,
+                      steps=1, warmup=0)
+    assert sorted(by_name["tokens_per_s"]) == [1, 2] and by_name["n_params"] > 0
+    with pytest.raises(ValueError):
+        profile(seq_len=32, device="cpu")
     assert default_batch_sizes(100) == [1, 2, 4, 8, 16, 32, 64]
     assert default_batch_sizes(12) == [1, 2, 4, 8, 12]
     assert isinstance(detect_device("cpu"), DeviceInfo)
