@@ -12,6 +12,7 @@ Idle accounting of a round (all in seconds of wall-clock, shown as % of the roun
 from __future__ import annotations
 
 import json
+import math
 import logging
 import threading
 from dataclasses import asdict, dataclass, field
@@ -56,7 +57,8 @@ class RoundRecord:
         return 100.0 * self.network_idle_s / self.round_s if self.round_s > 0 else 0.0
 
     def to_json(self) -> str:
-        d = asdict(self)
+        """One JSON object (strict JSON: NaN/Inf become null)."""
+        d = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in asdict(self).items()}
         d["straggler_idle_pct"] = round(self.straggler_idle_pct, 2)
         d["network_idle_pct"] = round(self.network_idle_pct, 2)
         return json.dumps(d, sort_keys=True)
@@ -79,7 +81,8 @@ def format_row(r: RoundRecord) -> str:
     ppl = f"{r.eval_ppl:9.2f}" if r.eval_ppl is not None else f"{'-':>9}"
     h = f"{r.inner_steps_done}/{r.inner_steps_planned}"
     agree = {None: "", True: " ok", False: " MISMATCH"}[r.digest_agree]
-    return (f"{r.round:>5} {r.peers:>5} {r.batch_size:>5} {h:>7} {r.tokens:>8} {r.train_loss:>7.3f} {ppl} "
+    loss = f"{r.train_loss:>7.3f}" if math.isfinite(r.train_loss) else f"{'-':>7}"
+    return (f"{r.round:>5} {r.peers:>5} {r.batch_size:>5} {h:>7} {r.tokens:>8} {loss} {ppl} "
             f"{r.straggler_idle_pct:>6.1f} {r.network_idle_pct:>5.1f} {_fmt_bytes(r.bytes_sent):>9} "
             f"{_fmt_bytes(r.bytes_received):>9} {r.round_s:>6.1f} {r.digest[:8]}{agree}")
 

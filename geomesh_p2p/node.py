@@ -160,7 +160,7 @@ class PeerNode:
         tcfg = TransportConfig(host=c.host, port=c.port, advertise_host=c.advertise_host,
                                client_only=c.client_only, added_latency_s=c.added_latency_s)
         self.transport = Transport(self.identity, self.run_cfg.run_id, tcfg)
-        self.dht = DHTNode(self.transport)
+        self.dht = DHTNode(self.transport, join_attempts=8)
         self.collective = CollectiveService(self.transport)
         self.state_server = StateServer(self.transport)
         address = await self.transport.start()
@@ -303,6 +303,8 @@ class PeerNode:
         self._syncing = True
         try:
             for attempt in range(30):
+                if self._stop.is_set():
+                    return
                 recs = [r for r in await self.peers() if r.peer_id != self.me]
                 top = max((r.round for r in recs if r.weights_digest), default=None)
                 if top is None:
@@ -376,8 +378,8 @@ class PeerNode:
 
     async def run(self) -> int:
         """Train until done; returns a process exit code (0 on success or clean stop)."""
-        await self.start()
         try:
+            await self.start()
             await self._initial_state()
             self.announcer.start()
             self.initial_ppl = await asyncio.to_thread(self.trainer.evaluate, max_batches=self.cfg.eval_batches)
@@ -402,6 +404,19 @@ class PeerNode:
             await self.shutdown()
         return 0
 
+    async def _unless_stopped(self, coro):
+        """Await ``coro`` unless a stop is requested first (then cancel it and return None)."""
+        task = asyncio.ensure_future(coro)
+        stop = asyncio.ensure_future(self._stop.wait())
+        try:
+            await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        return task.result() if task.done() and not task.cancelled() else None
+
     async def _behind(self) -> bool:
         """True when live peers already hold the state of a later round (this peer must catch up)."""
         return any(p.round > self.round and p.weights_digest for p in await self.peers() if p.peer_id != self.me)
@@ -424,7 +439,10 @@ class PeerNode:
 
         r = self.round
         t_round = time.time()
-        plan = await obtain_plan(self.plans, r, members, self._make_plan, plan_timeout_s=self.cfg.plan_timeout_s)
+        plan = await self._unless_stopped(
+            obtain_plan(self.plans, r, members, self._make_plan, plan_timeout_s=self.cfg.plan_timeout_s))
+        if self._stop.is_set():
+            return set()
         if plan is None:
             log.warning("round %d: no plan appeared; retrying", r)
             return set()
@@ -442,6 +460,10 @@ class PeerNode:
             round=r, inner_steps=a.inner_steps, batch_size=a.batch_size, micro_batch=a.micro_batch,
             deadline=plan.train_deadline, should_stop=self._stop.is_set))
         t_compute_end = time.time()
+        if self._stop.is_set():
+            # Not exchanging yet: leave now; the others leave this peer out of the parts it did not send.
+            log.info("round %d: leaving before the exchange", r)
+            return set()
         delta = self.theta - flat_params(self.model)
         records = {x.peer_id: x for x in members}
         compressed = self.run_cfg.method in ("geomesh", "css")
@@ -528,7 +550,7 @@ class PeerNode:
         if self.transport is None:
             return
         try:
-            path = self.checkpoint()
+            path = self.checkpoint() if self.outer is not None else None
             if path:
                 log.info("checkpoint written: %s (round %d)", path, self.round)
         except Exception as e:
@@ -536,12 +558,16 @@ class PeerNode:
         if self.cfg.summary_json:
             self.write_summary(self.cfg.summary_json)
         try:
-            await self.announcer.stop()
-            await self.collective.close()
-            await self.dht.shutdown()
+            if getattr(self, "announcer", None) is not None:
+                await self.announcer.stop()
+            if getattr(self, "collective", None) is not None:
+                await self.collective.close()
+            if getattr(self, "dht", None) is not None:
+                await self.dht.shutdown()
         finally:
             await self.transport.stop(grace=0.5)
-            self.round_log.close()
+            if getattr(self, "round_log", None) is not None:
+                self.round_log.close()
             self.transport = None
 
     def summary(self) -> dict:

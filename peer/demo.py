@@ -155,7 +155,9 @@ def _watch(ns, swarm: Swarm, workdir: Path, t0: float) -> int:
             rr = [r[shown] for r in rows]
             digests = {r["digest"] for r in rr}
             bh = " ".join(f"{r['batch_size']}/{r['inner_steps_done']}" for r in rr)
-            print(f"{shown:>5} {rr[0]['peers']:>5} {bh:<28} {sum(r['train_loss'] for r in rr)/len(rr):>6.3f} "
+            losses = [r["train_loss"] for r in rr if r["train_loss"] is not None]
+            loss = sum(losses) / len(losses) if losses else float("nan")
+            print(f"{shown:>5} {rr[0]['peers']:>5} {bh:<28} {loss:>6.3f} "
                   f"{rr[0]['eval_ppl']:>9.2f} {max(r['straggler_idle_pct'] for r in rr):>10.1f} "
                   f"{max(r['network_idle_pct'] for r in rr):>8.1f} "
                   f"{sum(r['bytes_sent'] for r in rr)/len(rr)/1024:>12.1f} {rr[0]['round_s']:>6.1f} "

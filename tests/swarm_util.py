@@ -94,7 +94,7 @@ class ProcSwarm:
         for p in self.procs.values():
             if p.poll() is None:
                 p.send_signal(signal.SIGINT)
-        deadline = time.time() + 20
+        deadline = time.time() + 40
         for p in self.procs.values():
             try:
                 p.wait(timeout=max(0.1, deadline - time.time()))
