@@ -33,7 +33,7 @@ import asyncio
 import logging
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Collection, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
 import grpc
@@ -670,7 +670,7 @@ class DHTNode:
                     raise RecordError(grpc.StatusCode.PERMISSION_DENIED,
                                       f"slot is held by a record signed by {holder} for {cur_exp - now:.0f}s more")
                 if cur_exp >= vr.expiration_time:
-                    if from_peer is not None and cur_exp == vr.expiration_time:
+                    if from_peer is not None and cur_exp == vr.expiration_time and self.republish_period_s:
                         self._fresh[(vr.key_id, vr.subkey)] = now
                     return dht_pb2.StoreOutcome(stored=False, code=0,
                                                 reason=f"a value expiring {cur_exp - vr.expiration_time:+.1f}s later is held")
@@ -680,7 +680,7 @@ class DHTNode:
             return dht_pb2.StoreOutcome(stored=False, code=err.code.value[0], reason=err.reason)
         if stored:
             self.stats.stores_accepted += 1
-            if from_peer is not None:
+            if from_peer is not None and self.republish_period_s:
                 self._fresh[(vr.key_id, vr.subkey)] = now
         return dht_pb2.StoreOutcome(stored=bool(stored), code=0, reason="" if stored else "not stored")
 
@@ -740,10 +740,16 @@ class DHTNode:
         self._note_sender(verified, req.sender)
         exclude = node_id_of(verified.sender)
         resp = dht_pb2.FindResponse()
+        budget = self.transport.config.max_message_bytes // 2  # room for the nearest lists and the envelope
         for raw in req.keys:
             key_id = DHTID.from_bytes(raw)
             result = resp.results.add(key=raw)
-            result.records.extend(self._local_records(key_id))
+            for rec in self._local_records(key_id):
+                budget -= rec.ByteSize() + 8
+                if budget < 0:
+                    self._once(logging.WARNING, "find", "reply truncated at the message size limit")
+                    break
+                result.records.append(rec)
             for nid, c in self.routing_table.get_nearest_neighbors(key_id, self.k, exclude=exclude):
                 result.nearest.add(node_id=nid.to_bytes(), address=c.address, peer_id=bytes(c.peer_id))
         return resp.SerializeToString()
