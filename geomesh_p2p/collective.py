@@ -498,8 +498,10 @@ class CollectiveService:
             if state.spec.spec_id != spec.spec_id:
                 raise ValueError(f"round {spec.round} is already registered with a different spec")
             return state
-        if spec.round < self._oldest_kept:
-            raise ValueError(f"round {spec.round} is older than the rounds kept here (from {self._oldest_kept})")
+        if spec.round < self._oldest_kept or (
+                len(self._rounds) >= self.max_rounds_kept and spec.round < min(self._rounds)):
+            raise ValueError(f"round {spec.round} is older than the rounds kept here "
+                             f"({self.rounds_kept() or 'from ' + str(self._oldest_kept)})")
         mine = spec.part_index_of(self.peer_id)
         if mine and self.transport.config.client_only:
             raise ValueError("a client-only peer cannot own a part")
