@@ -33,11 +33,12 @@ def _timer(device: torch.device):
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     def timed(fn):
+        """(wall seconds, process CPU seconds over all threads, result)."""
         sync()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         res = fn()
         sync()
-        return time.perf_counter() - t0, res
+        return time.perf_counter() - t0, time.process_time() - c0, res
 
     return timed
 
@@ -58,24 +59,27 @@ def run(numel: int, repeats: int, block_size: int, device: str, seed: int = 0) -
 
     names = ["torch.clone", "copy_ (prealloc)", "encode", "decode (new tensor)", "decode (out=)",
              "to_bytes", "from_bytes"]
+    ops = {
+        "torch.clone": lambda: v.clone(),
+        "copy_ (prealloc)": lambda: pre.copy_(v),
+        "encode": lambda: encode(v, block_size),
+        "decode (new tensor)": lambda: decode(p, device=dev),
+        "decode (out=)": lambda: decode(p, device=dev, out=out),
+        "to_bytes": lambda: p.to_bytes(),
+        "from_bytes": lambda: SignPacket.from_bytes(data),
+    }
     times: dict[str, list[float]] = {n: [] for n in names}
+    cpu: dict[str, list[float]] = {n: [] for n in names}
     for _ in range(repeats):
-        t, c = timed(lambda: v.clone())
-        times["torch.clone"].append(t)
-        del c
-        times["copy_ (prealloc)"].append(timed(lambda: pre.copy_(v))[0])
-        t, p = timed(lambda: encode(v, block_size))
-        times["encode"].append(t)
-        t, d = timed(lambda: decode(p, device=dev))
-        times["decode (new tensor)"].append(t)
-        del d
-        times["decode (out=)"].append(timed(lambda: decode(p, device=dev, out=out))[0])
-        t, data = timed(p.to_bytes)
-        times["to_bytes"].append(t)
-        times["from_bytes"].append(timed(lambda: SignPacket.from_bytes(data))[0])
+        for n in names:  # one of each per repeat, interleaved
+            t, c, res = timed(ops[n])
+            times[n].append(t)
+            cpu[n].append(c)
+            del res
 
     fp32_bytes = 4 * numel
     med = {n: statistics.median(ts) for n, ts in times.items()}
+    med_cpu = {n: statistics.median(ts) for n, ts in cpu.items()}
     clone = med["torch.clone"]
     lines = [
         f"P = {numel:,} fp32 elements, block size {block_size}, device {dev} "
@@ -86,12 +90,12 @@ def run(numel: int, repeats: int, block_size: int, device: str, seed: int = 0) -
         f"compressed {p.nbytes():,} bytes / fp32 {fp32_bytes:,} bytes = 1/{fp32_bytes / p.nbytes():.2f} "
         f"({p.nbytes() / fp32_bytes:.4f})",
         "",
-        "| operation | median ms | GB/s of fp32 | x torch.clone |",
-        "| --- | ---: | ---: | ---: |",
+        "| operation | median ms | GB/s of fp32 | x torch.clone | CPU ms (all threads) |",
+        "| --- | ---: | ---: | ---: | ---: |",
     ]
     for n in names:
         t = med[n]
-        lines.append(f"| {n} | {t * 1e3:.1f} | {fp32_bytes / t / 1e9:.2f} | {clone / t:.2f} |")
+        lines.append(f"| {n} | {t * 1e3:.1f} | {fp32_bytes / t / 1e9:.2f} | {clone / t:.2f} | {med_cpu[n] * 1e3:.0f} |")
     enc, dec = clone / med["encode"], clone / med["decode (new tensor)"]
     lines += [
         "",

@@ -138,6 +138,16 @@ def test_sign_of_zero_and_bit_order():
     d = decode(p)
     assert d[1].item() == p.scales[0].item() and not torch.signbit(d[1])
     assert d[2].item() == p.scales[0].item() and not torch.signbit(d[2])
+    # Subnormals keep their sign.
+    tiny = torch.tensor([-1e-45, 1e-45, -1e-40, 0.0, -0.0, -1.0, 1.0, 0.0])
+    assert encode(tiny, 8).signs.tolist() == [0b0010_0101]
+    big = torch.zeros(300_000)
+    big[1::3] = -1e-45
+    big[2::3] = -0.0
+    p = encode(big)
+    signs_ref, scales_ref = vector_reference(big, 2048)
+    assert p.signs.tolist() == signs_ref.tolist()
+    np.testing.assert_allclose(p.scales.numpy(), scales_ref, rtol=0, atol=1.5e-45)  # means underflow
     # An all-zero block: scale 0, decodes to +0.0.
     z = decode(encode(torch.tensor([0.0, -0.0, 0.0]), 2))
     assert z.tolist() == [0.0, 0.0, 0.0] and not torch.signbit(z).any()
