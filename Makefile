@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: setup
-	$(VENV)/bin/geomesh-peer demo
+	$(VENV)/bin/geomesh-peer demo --workdir runs/demo --summary-json runs/demo/summary.json
 
 test: setup
 	$(VENV)/bin/pytest -q tests

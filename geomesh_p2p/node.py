@@ -176,7 +176,7 @@ class PeerNode:
         self.round_log = RoundLog(c.log_json, c.metrics_port)
 
     def _build_training(self) -> None:
-        from geomesh_p2p.capability import detect_device, measure_throughput
+        from geomesh_p2p.capability import detect_device, find_max_batch, measure_throughput
         from geomesh_p2p.data import load_dataset
         from geomesh_p2p.optim import OuterNesterov
         from geomesh_p2p.training import InnerTrainer, build_model, flat_params
@@ -203,14 +203,17 @@ class PeerNode:
         self.tps_ema = measure_throughput(probe, seq_len=r.seq_len, batch_sizes=c.profile_batches,
                                           device=self.device, vocab_size=self.dataset.vocab_size, steps=2,
                                           warmup=1, speed_factor=c.speed_factor)
+        self.max_batch = find_max_batch(probe, seq_len=r.seq_len, device=self.device,
+                                        memory_bytes=self.device_info.memory_bytes, limit=256,
+                                        vocab_size=self.dataset.vocab_size)
         del probe
-        log.info("device %s: %s tokens/s per batch (%.1fs to measure)", self.device_info.name,
-                 {b: round(t) for b, t in self.tps_ema.items()}, time.time() - t0)
+        log.info("device %s: %s tokens/s per batch, max batch %d (%.1fs to measure)", self.device_info.name,
+                 {b: round(t) for b, t in self.tps_ema.items()}, self.max_batch, time.time() - t0)
 
     # ------------------------------------------------------------------ records
     def my_record(self) -> PeerRecord:
         c = self.cfg
-        max_batch = max(self.tps_ema) if self.tps_ema else 1
+        max_batch = max(1, self.max_batch)
         return PeerRecord(
             peer_id=self.me, address=self.transport.address, device=self.device_info.name,
             memory_bytes=self.device_info.memory_bytes, tokens_per_s=dict(self.tps_ema),
@@ -465,12 +468,11 @@ class PeerNode:
             log.info("round %d: leaving before the exchange", r)
             return set()
         delta = self.theta - flat_params(self.model)
-        records = {x.peer_id: x for x in members}
         compressed = self.run_cfg.method in ("geomesh", "css")
-        owners = []
-        for i, (pid, start, end) in enumerate(plan.owners()):
-            addr = records[pid].address if pid in records else None
-            owners.append(PartOwner(peer_id=pid, address=addr or "", start=start, end=end))
+        # Owners' addresses come from the plan (the leader's view), so every peer dials the same ones.
+        addresses = {x.peer_id: x.address for x in plan.assignments}
+        owners = [PartOwner(peer_id=pid, address=addresses.get(pid) or "", start=start, end=end)
+                  for pid, start, end in plan.owners()]
         spec = CollectiveSpec(
             run_id=self.run_cfg.run_id, round=r,
             participants={x.peer_id: x.token_budget for x in plan.assignments},

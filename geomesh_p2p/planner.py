@@ -145,6 +145,7 @@ class PeerAssignment(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     peer_id: str = Field(min_length=1)
+    address: Optional[str] = Field(default=None, description="host:port as the leader saw it; None = client-only")
     batch_size: int = Field(ge=1)
     micro_batch: int = Field(ge=1)
     accum_steps: int = Field(ge=1)
@@ -339,10 +340,11 @@ def comm_time(record: PeerRecord, cfg: PlanConfig) -> float:
 
 
 class _PeerModel:
-    __slots__ = ("peer_id", "micro", "accum", "batch", "step_s", "comm_s")
+    __slots__ = ("peer_id", "address", "micro", "accum", "batch", "step_s", "comm_s")
 
     def __init__(self, record: PeerRecord, cfg: PlanConfig, micro: int):
         self.peer_id = record.peer_id
+        self.address = record.address
         self.micro = micro
         self.accum = max(1, -(-cfg.target_batch // micro))
         self.batch = micro * self.accum
@@ -557,6 +559,7 @@ def _build_plan(
         assignments.append(
             PeerAssignment(
                 peer_id=pid,
+                address=m.address,
                 batch_size=m.batch,
                 micro_batch=m.micro,
                 accum_steps=m.accum,

@@ -82,7 +82,9 @@ class TransportConfig:
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     default_timeout_s: float = 10.0
     keepalive_s: float = 20.0
-    max_skew_s: float = 30.0
+    # The skew window also covers the time a large message spends in flight (a 25 MB part over a slow
+    # uplink takes tens of seconds), so it is wider than clock skew alone needs.
+    max_skew_s: float = 120.0
     added_latency_s: float = 0.0
     tls: Optional[TlsConfig] = None
     client_only: bool = False

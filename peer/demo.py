@@ -27,8 +27,8 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--memory-budgets", default="",
                    help="per-peer CPU memory budget in GB, comma-separated (default: none)")
     g.add_argument("--rounds", type=int, default=40, help="stop after this many rounds (default: %(default)s)")
-    g.add_argument("--target-ppl", type=float, default=None,
-                   help="stop once the swarm's eval perplexity reaches this (default: 0.5x the initial's... see README)")
+    g.add_argument("--target-ppl", type=float, default=250.0,
+                   help="stop once the swarm's eval perplexity reaches this; the initial is ~4200 (default: %(default)s)")
     g.add_argument("--workdir", help="where logs, keys and checkpoints go (default: a temporary folder)")
     g.add_argument("--summary-json", help="write the demo summary here")
     g.add_argument("--threads-per-peer", type=int, default=1, help="torch threads per peer (default: %(default)s)")
