@@ -105,6 +105,12 @@ def cmd_demo(ns: argparse.Namespace) -> int:
         return 2
     workdir = Path(ns.workdir or tempfile.mkdtemp(prefix="geomesh-demo-"))
     workdir.mkdir(parents=True, exist_ok=True)
+    # A rerun in the same folder starts clean: remove what an earlier demo wrote (keys are kept).
+    import shutil
+    for old in list(workdir.glob("peer*.jsonl")) + list(workdir.glob("*.summary.json")) + list(workdir.glob("*.log")):
+        old.unlink()
+    for old in workdir.glob("ckpt*"):
+        shutil.rmtree(old, ignore_errors=True)
     bport = _free_port()
     exe = [sys.executable, "-m"]
     swarm = Swarm(workdir)
