@@ -313,6 +313,8 @@ class DHTNode:
         replacement waiting (Kademlia 4.1: do not empty the table on a transient outage)."""
         self.stats.rpc_failures += 1
         self.blacklist.register_failure(contact.peer_id)
+        if len(self._failures) > 64 * self.k:  # bound the memory of peers met once and gone
+            self._failures.clear()
         n = self._failures[contact.peer_id] = self._failures.get(contact.peer_id, 0) + 1
         node_id = contact.node_id
         if self.routing_table.get(node_id=node_id) != contact:
