@@ -352,6 +352,20 @@ class _PeerModel:
         self.comm_s = comm_time(record, cfg)
 
 
+def _best_in_window(record: PeerRecord, current: "_PeerModel", T: float, cfg: PlanConfig) -> "_PeerModel":
+    """The micro-batch (among measured ones that fit memory) training the most tokens within ``T``."""
+    best, best_tokens = current, None
+    for micro in sorted(b for b in record.tokens_per_s if b <= record.max_batch):
+        m = current if micro == current.micro else _PeerModel(record, cfg, micro)
+        h = int(_inner_steps(np.float64(T), np.array([m.step_s]), np.array([m.comm_s]), cfg)[0])
+        if h * m.step_s + m.comm_s > T * (1 + 1e-9):
+            continue  # does not fit even its minimum steps
+        tokens = h * m.batch
+        if best_tokens is None or tokens > best_tokens or (tokens == best_tokens and m is current):
+            best, best_tokens = m, tokens
+    return best
+
+
 def _inner_steps(T: np.ndarray, s: np.ndarray, c: np.ndarray, cfg: PlanConfig) -> np.ndarray:
     """H = clip(floor((T - c) / s), min, max), broadcasting T against the peers."""
     raw = np.floor((T - c) / s + _STEP_EPS)
@@ -622,6 +636,12 @@ def plan_round(
     c = np.array([m.comm_s for m in models], dtype=np.float64)
     tokens_per_step = np.array([m.batch * cfg.seq_len for m in models], dtype=np.int64)
     T = _choose_window(s, c, tokens_per_step, cfg)
+    # Step granularity: with few, long steps a peer can lose most of a step to rounding. Once T is
+    # known, each peer takes the measured micro-batch that trains the most tokens inside T (ties:
+    # the throughput-optimal one), which can be a smaller, slightly less efficient batch.
+    models = [_best_in_window(r, m, T, cfg) for r, m in zip(recs, models)]
+    s = np.array([m.step_s for m in models], dtype=np.float64)
+    c = np.array([m.comm_s for m in models], dtype=np.float64)
     H = _inner_steps(np.float64(T), s, c, cfg)
     parts = partition(numel, recs, align=cfg.part_align)
     return _build_plan(

@@ -432,3 +432,18 @@ def test_partition_properties(numel, bws, align):
     assert pos == numel
     assert partition(numel, list(reversed(recs)), align=align) == parts
     assert math.isfinite(sum(e - s for _, s, e in parts))
+
+
+def test_slow_peer_takes_a_smaller_batch_when_big_steps_would_idle():
+    """Window 7 s; the slow peer's best-throughput batch (16, 284 tokens/s) steps in 3.6 s, so one
+    step fits (49% idle); batch 8 (277 tokens/s) steps in 1.85 s and fits 3: 24 sequences instead of
+    16 in the same window, 21% idle."""
+    fast = make_record("a", peak_tps=4000, max_batch=16, up_bps=1e9, measured=(4, 8, 16), half_batch=1)
+    slow = PeerRecord(peer_id="b", address="b.example:7000", device="dev-b", memory_bytes=GB,
+                      tokens_per_s={8: 64 * 8 / 1.85, 16: 64 * 16 / 3.6}, max_batch=16, upload_bps=1e9,
+                      download_bps=1e9, version="0.1.0", run_config_hash="cfg")
+    cfg = PlanConfig(seq_len=64, target_batch=8, window_s=7.0, payload_bytes=1000, latency_s=0.0, window_slack=0.0)
+    plan = plan_round([fast, slow], cfg, numel=1000, **PLAN_KW)
+    b = plan.assignment("b")
+    assert (b.micro_batch, b.inner_steps) == (8, 3)
+    assert 0.20 < plan.predicted_straggler_idle()["b"] < 0.21
