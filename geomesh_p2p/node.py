@@ -24,6 +24,7 @@ import hashlib
 import json
 import logging
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Literal, Optional
@@ -461,7 +462,8 @@ class PeerNode:
         loop = asyncio.get_running_loop()
         result = await loop.run_in_executor(None, lambda: self.trainer.run(
             round=r, inner_steps=a.inner_steps, batch_size=a.batch_size, micro_batch=a.micro_batch,
-            deadline=plan.train_deadline, should_stop=self._stop.is_set))
+            deadline=plan.train_deadline, should_stop=self._stop.is_set,
+            progress=self._progress_printer(r, a.inner_steps)))
         t_compute_end = time.time()
         if self._stop.is_set():
             # Not exchanging yet: leave now; the others leave this peer out of the parts it did not send.
@@ -506,12 +508,26 @@ class PeerNode:
             time=time.time())
         rec.digest_agree = await self._check_digest(r + 1, plan.participants())
         self.history.append(rec)
+        if sys.stdout.isatty():
+            sys.stdout.write("\r\x1b[K")  # clear the progress line before the row
         self.round_log.add(rec)
         self._update_throughput(a.micro_batch, result)
         if self.cfg.checkpoint_dir and (r + 1) % self.cfg.checkpoint_every == 0:
             self.checkpoint()
         contributed = {pid for part in ar.contributors.values() for pid, _ in part}
         return contributed or set(plan.participants())
+
+    @staticmethod
+    def _progress_printer(r: int, planned: int):
+        """A live progress line for the inner steps, on a terminal only (logs stay clean)."""
+        if not sys.stdout.isatty():
+            return None
+
+        def show(step: int, loss: float, tokens_per_s: float) -> None:
+            sys.stdout.write(f"\r  round {r}: inner step {step}/{planned}  loss {loss:.3f}  "
+                             f"{tokens_per_s:,.0f} tokens/s\x1b[K")
+            sys.stdout.flush()
+        return show
 
     def _update_throughput(self, micro_batch: int, result) -> None:
         """Re-profiling (beyond the paper's one-off profile): EMA of this round's measured tokens/s."""

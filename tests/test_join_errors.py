@@ -1,0 +1,81 @@
+"""`geomesh-peer join` with bad input: one line on stderr naming the problem, non-zero exit, no traceback."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.swarm_util import FAST, ProcSwarm, free_port
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def _join(tmp_path, *args, timeout=180):
+    argv = [sys.executable, "-m", "peer.cli", "join", "--identity", str(tmp_path / "id.key"), *FAST, *args]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout,
+                          env=dict(os.environ, PYTHONUNBUFFERED="1"))
+
+
+def _one_line_error(r) -> str:
+    assert r.returncode != 0
+    assert "Traceback" not in r.stderr, r.stderr
+    lines = [x for x in r.stderr.splitlines() if x.startswith("geomesh-peer")]
+    assert len(lines) == 1, r.stderr
+    return lines[0]
+
+
+def test_missing_data_path(tmp_path):
+    line = _one_line_error(_join(tmp_path, "--data", str(tmp_path / "nope.txt")))
+    assert f"--data {tmp_path / 'nope.txt'}: no such file" in line
+
+
+def test_unreadable_data_path(tmp_path):
+    if os.geteuid() == 0:
+        # root reads anything: a folder stands in for an unreadable file
+        line = _one_line_error(_join(tmp_path, "--data", str(tmp_path)))
+        assert "no such file" in line
+        return
+    f = tmp_path / "secret.txt"
+    f.write_text("x")
+    f.chmod(0)
+    assert "cannot read" in _one_line_error(_join(tmp_path, "--data", str(f)))
+
+
+def test_model_config_that_does_not_parse(tmp_path):
+    cfg = tmp_path / "model.json"
+    cfg.write_text('{"n_layer": 2,, }')
+    line = _one_line_error(_join(tmp_path, "--model-config", str(cfg)))
+    assert f"--model-config {cfg} is not valid JSON" in line
+
+
+def test_bootstrap_that_does_not_answer(tmp_path):
+    port = free_port()  # nobody listens there
+    r = _join(tmp_path, "--bootstrap", f"127.0.0.1:{port}")
+    line = _one_line_error(r)
+    assert "could not join the DHT" in line and f"127.0.0.1:{port}" in line
+    assert "attempt" in line  # it retried with backoff before giving up
+
+
+def test_bad_flag_values_fail_at_start(tmp_path):
+    for args, text in [(["--bootstrap", "notaport"], "expected HOST:PORT"),
+                       (["--window-s", "0"], "must be > 0"),
+                       (["--speed-factor", "-1"], "must be > 0")]:
+        r = _join(tmp_path, *args, timeout=60)
+        assert r.returncode == 2 and text in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
+
+
+def test_incompatible_run_config_is_refused_saying_what_differs(tmp_path):
+    swarm = ProcSwarm(tmp_path)
+    port = free_port()
+    try:
+        swarm.peer("a", "--rounds", "50", port=port)
+        swarm.wait_for(lambda: "round 0: eval perplexity" in swarm.text("a"), 180, "the first peer to start")
+        r = _join(tmp_path, "--bootstrap", f"127.0.0.1:{port}", "--inner-lr", "0.0003")
+        line = _one_line_error(r)
+        assert "use another run config" in line
+        assert "inner_lr: 0.0003 here vs 0.001 in the swarm" in line
+    finally:
+        swarm.stop_all()
