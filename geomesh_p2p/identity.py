@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import secrets
 import stat
@@ -275,7 +276,7 @@ class Verifier:
         if hashlib.sha256(msg.payload).digest() != env.payload_sha256:
             raise EnvelopeError(grpc.StatusCode.DATA_LOSS, "payload does not match its signed SHA-256 (tampered)")
         now = self.clock()
-        if abs(now - env.timestamp) > self.max_skew_s:
+        if not math.isfinite(env.timestamp) or abs(now - env.timestamp) > self.max_skew_s:
             raise EnvelopeError(
                 grpc.StatusCode.OUT_OF_RANGE,
                 f"timestamp is {env.timestamp - now:+.1f}s from this node's clock (allowed ±{self.max_skew_s:.0f}s)",

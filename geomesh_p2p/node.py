@@ -437,14 +437,15 @@ class PeerNode:
 
     async def _one_round(self, members: list[PeerRecord]) -> set[str]:
         """Run round ``self.round``; returns the participants expected next round."""
-        from geomesh_p2p.collective import CollectiveSpec, PartOwner
         from geomesh_p2p.round import obtain_plan
-        from geomesh_p2p.training import flat_params
+        from geomesh_p2p.training import flat_params, load_flat_
 
         r = self.round
         t_round = time.time()
+        live = {x.peer_id: x for x in await self.peers()}
         plan = await self._unless_stopped(
-            obtain_plan(self.plans, r, members, self._make_plan, plan_timeout_s=self.cfg.plan_timeout_s))
+            obtain_plan(self.plans, r, members, self._make_plan, plan_timeout_s=self.cfg.plan_timeout_s,
+                        accept=lambda p: self._plan_problem(p, live)))
         if self._stop.is_set():
             return set()
         if plan is None:
@@ -453,7 +454,7 @@ class PeerNode:
         if self.me not in plan.participants() or plan.start_digest != self.digest:
             why = "not in the plan" if self.me not in plan.participants() else "weights differ from the plan's"
             log.info("round %d: %s; waiting for the round to end, then syncing", r, why)
-            await asyncio.sleep(max(0.0, plan.exchange_deadline - time.time()))
+            await self._unless_stopped(asyncio.sleep(max(0.0, plan.exchange_deadline - time.time())))
             await self._wait_for_round(r + 1)
             await self._catch_up()
             return set(plan.participants())
@@ -468,14 +469,34 @@ class PeerNode:
         if self._stop.is_set():
             # Not exchanging yet: leave now; the others leave this peer out of the parts it did not send.
             log.info("round %d: leaving before the exchange", r)
+            load_flat_(self.model, self.theta)
             return set()
         delta = self.theta - flat_params(self.model)
+        try:
+            spec = self._collective_spec(plan)
+        except ValueError as e:  # _plan_problem should have caught it; never crash on a leader's plan
+            log.error("round %d: the plan of %s cannot be executed (%s); skipping the round", r, plan.leader[:10], e)
+            load_flat_(self.model, self.theta)  # back to the global weights: this round's steps are void
+            return set()
+        self._in_exchange = True
+        try:
+            ar = await self.collective.all_reduce(spec, delta, tokens=result.tokens)
+        finally:
+            self._in_exchange = False
+        t_agg = time.time()
+        return await self._finish_round(r, plan, a, result, ar, t_round, t_compute_end, t_agg, sent0, recv0)
+
+    def _collective_spec(self, plan):
+        """The collective's spec for ``plan``. Raises ValueError when the plan cannot be executed."""
+        from geomesh_p2p.collective import CollectiveSpec, PartOwner
+
+        r = plan.round
         compressed = self.run_cfg.method in ("geomesh", "css")
         # Owners' addresses come from the plan (the leader's view), so every peer dials the same ones.
         addresses = {x.peer_id: x.address for x in plan.assignments}
         owners = [PartOwner(peer_id=pid, address=addresses.get(pid) or "", start=start, end=end)
                   for pid, start, end in plan.owners()]
-        spec = CollectiveSpec(
+        return CollectiveSpec(
             run_id=self.run_cfg.run_id, round=r,
             participants={x.peer_id: x.token_budget for x in plan.assignments},
             owners=owners, numel=self.numel, mode=plan.mode,
@@ -484,12 +505,33 @@ class PeerNode:
             block_size=self.run_cfg.block_size, clip_k=self.run_cfg.clip_k,
             deadline=plan.exchange_deadline - 0.25 * (plan.exchange_deadline - plan.train_deadline),
             pull_deadline=plan.exchange_deadline)
-        self._in_exchange = True
-        try:
-            ar = await self.collective.all_reduce(spec, delta, tokens=result.tokens)
-        finally:
-            self._in_exchange = False
-        t_agg = time.time()
+
+    def _plan_problem(self, plan, live: dict) -> Optional[str]:
+        """Why this peer must not follow ``plan`` (None: it may). Guards against a rogue or broken
+        leader: wrong model size or settings, unknown leader or participants, owners at addresses
+        their records do not announce, deadlines far in the future (a stall)."""
+        rc = self.run_cfg
+        if plan.numel != self.numel:
+            return f"it is for {plan.numel} parameters, the model has {self.numel}"
+        if plan.seq_len != rc.seq_len or plan.method != rc.method or plan.mode != rc.mode:
+            return "its seq_len / method / mode differ from the run config"
+        if plan.leader not in live:
+            return "its leader is not a live peer of this run"
+        unknown = [p[:10] for p in plan.participants() if p not in live]
+        if unknown:
+            return f"it names peers that are not live: {unknown}"
+        for a in plan.assignments:
+            if a.part_end > a.part_start and a.address != live[a.peer_id].address:
+                return f"owner {a.peer_id[:10]} is placed at {a.address}, its record says {live[a.peer_id].address}"
+            if a.inner_steps > rc.max_inner_steps:
+                return f"{a.inner_steps} inner steps for {a.peer_id[:10]} exceed the run's {rc.max_inner_steps}"
+        horizon = 4 * (rc.window_s or 60.0) + 120.0
+        if plan.train_deadline - time.time() > horizon or plan.exchange_deadline - plan.train_deadline > horizon:
+            return "its deadlines are unreasonably far in the future"
+        return None
+
+    async def _finish_round(self, r, plan, a, result, ar, t_round, t_compute_end, t_agg, sent0, recv0) -> set[str]:
+        """Outer step, digest, evaluation, the round's row, checkpoint; re-sync on a digest mismatch."""
         self.outer.step(self.theta, ar.aggregate)
         self._set_state(r + 1, self.theta, None)
         sent1, recv1 = self.transport.stats.snapshot()
@@ -507,12 +549,15 @@ class PeerNode:
             contributors=sum(len(v) for v in ar.contributors.values()), missing_parts=len(ar.missing_parts),
             time=time.time())
         rec.digest_agree = await self._check_digest(r + 1, plan.participants())
+        resync = rec.digest_agree is False
         self.history.append(rec)
         if sys.stdout.isatty():
             sys.stdout.write("\r\x1b[K")  # clear the progress line before the row
         self.round_log.add(rec)
         self._update_throughput(a.micro_batch, result)
-        if self.cfg.checkpoint_dir and (r + 1) % self.cfg.checkpoint_every == 0:
+        if resync:
+            await self._catch_up()
+        elif self.cfg.checkpoint_dir and (r + 1) % self.cfg.checkpoint_every == 0:
             self.checkpoint()
         contributed = {pid for part in ar.contributors.values() for pid, _ in part}
         return contributed or set(plan.participants())

@@ -96,14 +96,16 @@ class PlanStore:
     def __init__(self, dht, identity, run_id: str, ttl_s: float = 120.0, stale_after_s: float = 30.0):
         self.dht, self.identity, self.run_id, self.ttl_s = dht, identity, run_id, ttl_s
         self.stale_after_s = stale_after_s
+        self._refused: set = set()
 
     async def publish(self, plan: RoundPlan) -> bool:
         me = str(self.identity.peer_id)
         return await self.dht.store(plan_key(self.run_id, plan.round), plan.to_bytes(),
                                     expiration_time=time.time() + self.ttl_s, subkey=me, owner=self.identity)
 
-    async def read(self, round: int) -> list[RoundPlan]:
-        """Valid plans for ``round``: parsed, for this run and round, signed by the leader they name."""
+    async def read(self, round: int, accept: Optional[Callable[[RoundPlan], Optional[str]]] = None) -> list[RoundPlan]:
+        """Valid plans for ``round``: parsed, for this run and round, signed by the leader they name,
+        and passing ``accept`` (a check returning a reason to refuse, or None)."""
         found = await self.dht.get(plan_key(self.run_id, round))
         plans = []
         for subkey, entry in (found or {}).items():
@@ -121,6 +123,13 @@ class PlanStore:
                 continue
             if plan.exchange_deadline + self.stale_after_s < time.time():
                 continue  # a finished round of an earlier swarm (e.g. before a restart): not ours to follow
+            reason = accept(plan) if accept is not None else None
+            if reason is not None:
+                key = (round, plan.leader, reason)
+                if key not in self._refused:
+                    self._refused.add(key)
+                    log.warning("refusing the plan of round %d from %s: %s", round, plan.leader[:10], reason)
+                continue
             plans.append(plan)
         return plans
 
@@ -135,12 +144,14 @@ async def obtain_plan(
     settle_s: float = 0.5,
     poll_s: float = 0.1,
     give_up_s: Optional[float] = None,
+    accept: Optional[Callable[[RoundPlan], Optional[str]]] = None,
 ) -> Optional[RoundPlan]:
     """Agree on the plan of ``round``: publish one if this peer's turn as leader comes, follow the best.
 
     ``members`` is this peer's view of the live, in-sync peers (itself included); ``make_plan(members,
     leader)`` computes a plan. Returns None when no plan appeared within ``give_up_s`` (default:
-    (len(members) + 1) * plan_timeout_s).
+    (len(members) + 1) * plan_timeout_s). ``accept(plan)`` returns a reason to refuse a plan (a
+    rogue or broken leader's), or None; refused plans are ignored as if absent.
     """
     me = str(store.identity.peer_id)
     order = leader_order(store.run_id, round, [m.peer_id for m in members])
@@ -150,7 +161,7 @@ async def obtain_plan(
     published = False
     while True:
         elapsed = time.monotonic() - t0
-        plans = await store.read(round)
+        plans = await store.read(round, accept)
         best = choose_plan(store.run_id, round, plans)
         my_turn_now = my_turn is not None and not published and elapsed >= my_turn * plan_timeout_s
         # Publish when it is my turn, unless a plan from a better-ranked leader already exists.
@@ -165,7 +176,7 @@ async def obtain_plan(
             continue
         if best is not None:
             await asyncio.sleep(settle_s)  # let a better-ranked plan published meanwhile become visible
-            plans = await store.read(round) or plans
+            plans = await store.read(round, accept) or plans
             chosen = choose_plan(store.run_id, round, plans)
             if len(plans) > 1:
                 log.info("round %d: %d plans seen, following leader %s (lowest rank)",

@@ -20,7 +20,7 @@ import torch
 
 from geomesh_p2p.identity import EnvelopeError
 from geomesh_p2p.state import digest as state_digest
-from geomesh_p2p.transport import STATE_GET, RpcError, Transport
+from geomesh_p2p.transport import STATE_GET, STATE_STATUS, RpcError, Transport
 from geomesh_p2p.wire import collective_pb2
 
 log = logging.getLogger(__name__)
@@ -54,6 +54,14 @@ class StateServer:
         self._snapshot: Optional[Snapshot] = None
         self._blob: Optional[memoryview] = None
         transport.add_stream(STATE_GET, self._handle, max_payload_bytes=1024)
+        transport.add_unary(STATE_STATUS, self._status, max_payload_bytes=1024)
+        self.peer_id = str(transport.identity.peer_id)
+
+    async def _status(self, verified, context) -> bytes:
+        """This node's round and digest: a cheap liveness and sync check for operators and tests."""
+        snap = self._snapshot
+        return collective_pb2.StatusResponse(round=snap.round if snap else 0, digest=snap.digest if snap else "",
+                                             peer_id=self.peer_id).SerializeToString()
 
     def publish(self, snap: Snapshot) -> None:
         """Make ``snap`` the state served from now on (called at each round boundary)."""
@@ -61,7 +69,10 @@ class StateServer:
         self._snapshot = snap
 
     async def _handle(self, verified, context):
-        req = collective_pb2.StateRequest.FromString(verified.payload)
+        try:
+            req = collective_pb2.StateRequest.FromString(verified.payload)
+        except Exception:
+            raise EnvelopeError(grpc.StatusCode.INVALID_ARGUMENT, "StateRequest is malformed") from None
         snap, blob = self._snapshot, self._blob
         if snap is None:
             raise EnvelopeError(grpc.StatusCode.UNAVAILABLE, "this node has no state yet")

@@ -47,6 +47,15 @@ UnaryHandler = Callable[[Verified, grpc.aio.ServicerContext], Awaitable[bytes]]
 StreamHandler = Callable[[Verified, grpc.aio.ServicerContext], AsyncIterator[bytes]]
 
 
+def _parse_request(data: bytes) -> SignedMessage:
+    """Request deserializer that never raises: garbage becomes an empty message, which the
+    interceptor refuses with INVALID_ARGUMENT ("message has no envelope") and logs once."""
+    try:
+        return SignedMessage.FromString(data)
+    except Exception:  # DecodeError and friends: the bytes are not a SignedMessage
+        return SignedMessage()
+
+
 def current_request() -> Verified:
     """The verified request of the RPC being handled (set by the interceptor). RuntimeError outside one."""
     v = _current.get()
@@ -294,7 +303,7 @@ class Transport:
 
     def _make_generic_handlers(self) -> list[grpc.GenericRpcHandler]:
         by_service: dict[str, dict[str, grpc.RpcMethodHandler]] = {}
-        ser, de = SignedMessage.SerializeToString, SignedMessage.FromString
+        ser, de = SignedMessage.SerializeToString, _parse_request
 
         for method, h in self._unary.items():
             async def unary(request, context, _h=h, _m=method):
@@ -338,15 +347,20 @@ class Transport:
         if c.client_only:
             return None
         interceptor = EnvelopeInterceptor(self.verifier, self.stats, self._payload_limits.get)
-        self._server = grpc.aio.server(interceptors=[interceptor], options=self._options())
+        # No SO_REUSEPORT: a second node on a taken port must fail, not silently share its traffic.
+        self._server = grpc.aio.server(interceptors=[interceptor], options=self._options() + [("grpc.so_reuseport", 0)])
         self._server.add_generic_rpc_handlers(self._make_generic_handlers())
         bind = f"{c.host}:{c.port}"
-        if c.tls is not None:
-            port = self._server.add_secure_port(bind, c.tls.server_credentials())
-        else:
-            port = self._server.add_insecure_port(bind)
+        try:
+            if c.tls is not None:
+                port = self._server.add_secure_port(bind, c.tls.server_credentials())
+            else:
+                port = self._server.add_insecure_port(bind)
+        except RuntimeError:  # grpc raises RuntimeError("Failed to bind ...") for a port in use
+            port = 0
         if port == 0:
-            raise OSError(f"cannot listen on {bind}")
+            self._server = None
+            raise OSError(f"cannot listen on {bind}: the port is in use or the address is not local")
         await self._server.start()
         self.address = f"{c.advertise_host or c.host}:{port}"
         return self.address

@@ -19,6 +19,13 @@ def _positive_float(text: str) -> float:
     return v
 
 
+def _non_negative_int(text: str) -> int:
+    v = int(text)
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return v
+
+
 def _host_port(text: str) -> str:
     host, sep, port = text.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
@@ -67,7 +74,7 @@ def add_node_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--checkpoint-dir", metavar="DIR", help="write safetensors checkpoints here")
     g.add_argument("--checkpoint-every", type=int, default=5, help="rounds between checkpoints (default: %(default)s)")
     g.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir")
-    g.add_argument("--rounds", type=int, help="stop after this round")
+    g.add_argument("--rounds", type=_non_negative_int, help="stop once this many rounds are done (round numbers start at 0)")
     g.add_argument("--target-ppl", type=_positive_float, help="stop once eval perplexity is at or below this")
     g.add_argument("--min-peers", type=int, default=1, help="peers to wait for before round 0 (default: %(default)s)")
     g.add_argument("--wait-peers-s", type=float, default=60.0, help="how long to wait for --min-peers (default: %(default)s)")
@@ -180,7 +187,7 @@ def user_facing_errors() -> tuple[type[BaseException], ...]:
     from geomesh_p2p.state_sync import StateSyncError
     from geomesh_p2p.training import ConfigError
 
-    errs = [UserFacingError, DataError, IdentityError, StateError, StateSyncError, ConfigError]
+    errs = [UserFacingError, DataError, IdentityError, StateError, StateSyncError, ConfigError, OSError]
     from geomesh_p2p.dht import DHTJoinError, IncompatibleSwarmError
 
     errs += [DHTJoinError, IncompatibleSwarmError]

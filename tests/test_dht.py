@@ -62,8 +62,9 @@ async def test_32_nodes_value_found_from_every_node_survives_a_third_dying_and_n
 
 
 async def test_replicas_are_republished_before_they_expire():
-    # small k so that only 3 nodes hold the value: kill them one by one, the survivors re-replicate
-    nodes = await start_swarm(12, k=3, num_replicas=3, republish_period_s=0.5, refresh_period_s=0.5)
+    # 3 replicas only (every node still knows every other: k=20 > 12 nodes, so this tests
+    # re-replication, not routing): kill the holders one by one, the survivors re-replicate
+    nodes = await start_swarm(12, num_replicas=3, republish_period_s=0.5, refresh_period_s=0.5)
     try:
         publisher = nodes[0]
         key = "run/orphan"
@@ -87,7 +88,7 @@ async def test_replicas_are_republished_before_they_expire():
         await wait_for(replicated, timeout=20, what="the value to be re-replicated after the last kill")
         for node in random.sample(alive, 3):
             assert (await node.get(key))[None].value == b"keep me"
-        assert sum(n.stats.republished for n in alive) > 0
+        assert sum(n.stats.republished for n in nodes) > 0  # the dead ones may have done it
     finally:
         await stop_all(nodes)
 

@@ -87,3 +87,15 @@ def test_replay_cache_is_bounded_and_expires():
     fresh.envelope.signature = ident.sign(canonical_header(fresh.envelope))
     v.verify(fresh)
     assert len(v._seen) == 1  # the expired entries were pruned
+
+
+def test_non_finite_timestamp_refused():
+    ident = Identity.generate()
+    v = Verifier("run", max_skew_s=10)
+    for ts in (float("nan"), float("inf")):
+        m = ident.sign_message(run_id="run", round=0, kind="k", payload=b"")
+        m.envelope.timestamp = ts
+        m.envelope.signature = ident.sign(canonical_header(m.envelope))
+        with pytest.raises(EnvelopeError) as ei:
+            v.verify(m)
+        assert ei.value.code == grpc.StatusCode.OUT_OF_RANGE

@@ -217,3 +217,24 @@ async def test_stop_leaves_no_task_behind():
     await t.stop()
     assert len(t.tasks) == 0
     assert task.cancelled()
+
+
+async def test_garbage_bytes_refused_as_invalid_argument_and_server_keeps_serving(pair):
+    server, client, address = pair
+    async with grpc.aio.insecure_channel(address) as ch:
+        mc = ch.unary_unary(DHT_PING, request_serializer=lambda b: b,
+                            response_deserializer=envelope_pb2.SignedMessage.FromString)
+        with pytest.raises(grpc.aio.AioRpcError) as ei:
+            await mc(b"\xff\xfe garbage that is not a protobuf", timeout=5)
+    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "no envelope" in ei.value.details()
+    assert (await client.call(address, DHT_PING, b"ok")).payload == b"echo:ok"
+
+
+async def test_port_in_use_is_a_clear_oserror(pair):
+    server, client, address = pair
+    other = Transport(Identity.generate(), RUN, TransportConfig(port=int(address.rsplit(":", 1)[1])))
+    other.add_unary(DHT_PING, _echo)
+    with pytest.raises(OSError, match="port is in use"):
+        await other.start()
+    await other.stop()

@@ -459,12 +459,21 @@ class DHTNode:
 
     # ------------------------------------------------------------------ lookups
     def _initial(self, key_ids: Iterable[DHTID], beam: int) -> Dict[DHTID, Contact]:
+        """Per key, the ``beam`` nearest known nodes that are not blacklisted (looking further out
+        when the nearest are); the blacklisted ones only when no other node is known."""
         nodes: Dict[DHTID, Contact] = {}
+        fallback: Dict[DHTID, Contact] = {}
         for key_id in key_ids:
-            for nid, contact in self.routing_table.get_nearest_neighbors(key_id, beam, exclude=self.node_id):
-                if contact.peer_id not in self.blacklist:
-                    nodes[nid] = contact
-        return nodes
+            want = beam
+            while True:
+                got = self.routing_table.get_nearest_neighbors(key_id, want, exclude=self.node_id)
+                usable = [(nid, c) for nid, c in got if c.peer_id not in self.blacklist]
+                if len(usable) >= beam or len(got) < want:
+                    break
+                want *= 2
+            nodes.update(usable[:beam])
+            fallback.update(got[:beam])
+        return nodes or fallback
 
     async def _traverse(self, key_ids: Sequence[DHTID], *, beam: int,
                         on_records: Optional[Callable[[DHTID, List[VerifiedRecord], int], bool]] = None,

@@ -134,10 +134,12 @@ def plot(results: Sequence[MethodResult], rows: Sequence[dict[str, Any]], path: 
     ax1.set_yscale("log")
     all_ppl = [p for r in results for _, p, _ in r.curve]
     if all_ppl:
+        # from the best value to what most methods show a fifth into their run (a diverging method
+        # leaves the frame instead of squashing the others)
         lo = min(all_ppl)
-        later = [p for r in results for _, p, _ in r.curve[len(r.curve) // 5:]]
-        hi = max(later) if later else max(all_ppl)
-        ax1.set_ylim(lo * 0.93, max(hi * 1.3, lo * 1.5))
+        fifth = sorted(r.curve[max(1, len(r.curve) // 5)][1] for r in results if len(r.curve) > 1)
+        hi = fifth[len(fifth) // 2] if fifth else max(all_ppl)
+        ax1.set_ylim(lo * 0.93, max(hi * 1.6, lo * 1.5))
     ax1.set_xlabel("virtual time [h] (charged: reference workload)")
     ax1.set_ylabel("eval perplexity (trained: proxy model)")
     ax1.set_title("Perplexity vs virtual time")

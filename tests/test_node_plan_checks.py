@@ -1,0 +1,55 @@
+"""A peer refuses plans it must not follow (rogue or broken leader), before choosing among plans."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from geomesh_p2p.identity import Identity
+from geomesh_p2p.node import NodeConfig, PeerNode, RunConfig
+from geomesh_p2p.planner import PlanConfig, plan_round
+from geomesh_p2p.records import PeerRecord
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def _rec(ident, addr):
+    return PeerRecord(peer_id=str(ident.peer_id), address=addr, device="cpu", memory_bytes=1 << 30,
+                      tokens_per_s={8: 1000.0}, max_batch=8, upload_bps=1e7, download_bps=1e7, version="0.1.0",
+                      run_config_hash="h", round=2, weights_digest="d")
+
+
+@pytest.fixture
+def node_and_plan():
+    run = RunConfig(seq_len=32, window_s=5.0)
+    ids = [Identity.generate() for _ in range(2)]
+    recs = [_rec(ids[0], "127.0.0.1:1001"), _rec(ids[1], "127.0.0.1:1002")]
+    node = PeerNode(run, NodeConfig(), identity=ids[0])
+    node.numel = 5000
+    cfg = PlanConfig(seq_len=32, target_batch=8, window_s=5.0, payload_bytes=1000, mode=run.mode, method=run.method)
+    plan = plan_round(recs, cfg, run_id=run.run_id, round=2, leader=recs[1].peer_id, numel=5000,
+                      start_time=time.time() + 1, start_digest="d")
+    return node, plan, {r.peer_id: r for r in recs}
+
+
+def test_a_sane_plan_is_accepted(node_and_plan):
+    node, plan, live = node_and_plan
+    assert node._plan_problem(plan, live) is None
+
+
+def test_rogue_or_broken_plans_are_refused(node_and_plan):
+    node, plan, live = node_and_plan
+    rogue = Identity.generate()
+    cases = {
+        "parameters": plan.model_copy(update={"numel": 7048}),
+        "not a live peer": plan.model_copy(update={"leader": str(rogue.peer_id)}),
+        "unreasonably far": plan.model_copy(update={"exchange_deadline": time.time() + 3600}),
+    }
+    moved = [a.model_copy(update={"address": "10.9.9.9:1"}) if a.part_end > a.part_start else a
+             for a in plan.assignments]
+    cases["its record says"] = plan.model_copy(update={"assignments": moved})
+    for expected, bad in cases.items():
+        reason = node._plan_problem(bad, live)
+        assert reason is not None and expected in reason, (expected, reason)
