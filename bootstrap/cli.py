@@ -148,7 +148,9 @@ async def serve(ns: argparse.Namespace, identity) -> int:
     except (OSError, RuntimeError) as e:
         await transport.stop(grace=0)
         reason = str(e).splitlines()[0].split(";")[0] if str(e) else type(e).__name__
-        return _fail(f"cannot listen on {ns.host}:{ns.port}: {reason}")
+        if not reason.startswith("cannot listen"):
+            reason = f"cannot listen on {ns.host}:{ns.port}: {reason}"
+        return _fail(reason)
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -163,9 +163,16 @@ def test_bootstrap_prints_address_and_peer_id_then_exits_0_on_signal(tmp_path, p
     assert not any("Traceback" in e for e in boot.err), boot.err
     if sig != signal.SIGTERM:
         return
-    # same identity file => same PeerID on restart
+    # same identity file => same PeerID on restart; a second bootstrap on its port fails with one line
     again = procs(_bootstrap_argv(tmp_path), "bootstrap-again")
     assert again.wait_line(r"^PeerID: (\w+)$", START_TIMEOUT).group(1) == peer_id
+    port = again.out[0].rsplit(":", 1)[1]
+    busy = procs(["-m", "bootstrap.cli", "--host", "127.0.0.1", "--port", port, "--identity",
+                  str(tmp_path / "other.key")], "busy")
+    assert busy.p.wait(START_TIMEOUT) == 2
+    time.sleep(0.5)
+    assert len(busy.err) == 1 and busy.err[0].startswith(f"geomesh-bootstrap: cannot listen on 127.0.0.1:{port}"), \
+        busy.err
 
 
 def test_bootstrap_that_cannot_listen_fails_with_one_line(tmp_path, procs):
