@@ -327,7 +327,7 @@ class PeerNode:
                 self._set_state(snap.round, snap.theta, snap.momentum)
                 log.info("downloaded state of round %d from %d donor(s), digest %s", top, len(donors), self.digest[:8])
                 return
-            raise RuntimeError("could not download the swarm's state after 30 attempts")
+            raise StateSyncError("could not download the swarm's state after 30 attempts; see the log for why")
         finally:
             self._syncing = False
             await self.announce()
