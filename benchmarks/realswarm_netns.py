@@ -331,6 +331,19 @@ def summarize(res: dict, skip_first: bool) -> dict:
     rounds_ok = [rd for rd, rs in by_round.items()
                  if len(rs) == len(names) and len({r["digest"] for r in rs}) == 1
                  and all(r["peers"] == len(names) for r in rs)]
+    # Cross-check of the node's own split, re-derived from compute_s only (approximate: assumes the
+    # peers start a round together): the fastest peer waits max_j compute_j - its compute for the
+    # slowest; what is left of the round beyond the slowest peer's compute is exchange + outer step
+    # + eval ("non-compute").
+    d_strag, d_noncomp = [], []
+    for rd, rs in by_round.items():
+        if len(rs) != len(names) or (skip_first and rd == min(by_round)):
+            continue
+        f = next((r for r in rows[names[0]] if r["round"] == rd), None)
+        cmax = max(r["compute_s"] for r in rs)
+        if f and f["round_s"] > 0:
+            d_strag.append(100.0 * max(0.0, cmax - f["compute_s"]) / f["round_s"])
+            d_noncomp.append(100.0 * statistics.mean(max(0.0, r["round_s"] - cmax) / r["round_s"] for r in rs))
     last_ppl = [r["eval_ppl"] for r in sorted(rows[names[0]], key=lambda r: r["round"])][-1:] or [float("nan")]
     tokens = sum(r.get("tokens", 0) for n in names for r in use(rows[n]))
     return {
@@ -338,6 +351,8 @@ def summarize(res: dict, skip_first: bool) -> dict:
         "rounds": len(by_round), "rounds_digest_equal": len(rounds_ok),
         "digests_ok": len(by_round) > 0 and len(rounds_ok) == len(by_round),
         "straggler_idle_fastest_pct": pct(fast, "straggler_idle_s") if fast else float("nan"),
+        "derived_straggler_fastest_pct": statistics.mean(d_strag) if d_strag else float("nan"),
+        "derived_noncompute_pct": statistics.mean(d_noncomp) if d_noncomp else float("nan"),
         "straggler_idle_max_pct": max(strag_all) if strag_all else float("nan"),
         "network_idle_mean_pct": statistics.mean(net) if net else float("nan"),
         "mb_sent_per_peer_round": statistics.mean(sent) / 1e6 if sent else float("nan"),
@@ -358,16 +373,18 @@ def fmt(v, f="{:.2f}"):
 
 
 def table(sums: list[dict], sim: dict | None) -> str:
-    head = ["source", "method", "strag% fastest", "net% mean", "MB sent/peer/round", "round s", "tokens/round",
+    head = ["source", "method", "strag% fastest", "net% mean", "derived strag% / non-compute%", "MB sent/peer/round", "round s", "tokens/round",
             "eval ppl", "digests equal"]
     body = []
     for s in sums:
         body.append(["measured", s["method"], fmt(s["straggler_idle_fastest_pct"], "{:.1f}"),
-                     fmt(s["network_idle_mean_pct"], "{:.1f}"), fmt(s["mb_sent_per_peer_round"], "{:.3f}"),
+                     fmt(s["network_idle_mean_pct"], "{:.1f}"),
+                     fmt(s["derived_straggler_fastest_pct"], "{:.1f}") + " / " + fmt(s["derived_noncompute_pct"], "{:.1f}"),
+                     fmt(s["mb_sent_per_peer_round"], "{:.3f}"),
                      fmt(s["round_s"], "{:.1f}"), fmt(s["tokens_per_round"], "{:.0f}"), fmt(s["final_ppl"], "{:.0f}"),
                      f"{'yes' if s['digests_ok'] else 'NO'} ({s['rounds_digest_equal']}/{s['rounds']})"])
     for m, s in (sim or {}).items():
-        body.append(["simulator", m, fmt(s.get("strag"), "{:.1f}"), fmt(s.get("net"), "{:.1f}"),
+        body.append(["simulator", m, fmt(s.get("strag"), "{:.1f}"), fmt(s.get("net"), "{:.1f}"), "-",
                      fmt(s.get("mb_sent"), "{:.3f}"), fmt(s.get("round_s"), "{:.1f}"),
                      fmt(s.get("tokens_per_round"), "{:.0f}"), fmt(s.get("ppl"), "{:.0f}"), "n/a"])
     w = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(head)]
@@ -431,6 +448,10 @@ def run_sim(args, peers_cfg, workdir: Path, numel: int, tokens_per_s: float) -> 
     if p.returncode != 0 or not out.exists():
         tail = (p.stderr or p.stdout).strip().splitlines()[-1:] or ["?"]
         return None, f"simulator could not run this profile (exit {p.returncode}): {tail[0]}"
+    return parse_sim(out), f"simulator ran profile {prof} ({' '.join(cmd[1:])})"
+
+
+def parse_sim(out: Path) -> dict:
     data = json.loads(out.read_text())
     res = {}
     for s in data["summaries"]:
@@ -443,7 +464,7 @@ def run_sim(args, peers_cfg, workdir: Path, numel: int, tokens_per_s: float) -> 
                   "round_s": statistics.mean(r["round_s"] for r in rounds) if rounds else None,
                   "tokens_per_round": (statistics.mean(r["tokens_trained"] for r in rounds) if rounds else None),
                   "ppl": s.get("final_ppl")}
-    return res, f"simulator ran profile {prof} ({' '.join(cmd[1:])})"
+    return res
 
 
 def tiny_numel() -> int:
@@ -479,6 +500,8 @@ def main(argv=None) -> int:
     ap.add_argument("--sim-timeout-s", type=float, default=240)
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--json", default=None, help="write all figures here")
+    ap.add_argument("--report-only", metavar="DIR", default=None,
+                    help="start nothing: re-read the logs (and sim.json) an earlier run left in DIR and print the table")
     args = ap.parse_args(argv)
     args.methods = [m for m in args.methods.split(",") if m]
 
@@ -489,6 +512,8 @@ def main(argv=None) -> int:
 
     lab = None
     net_note = ""
+    if args.report_only:
+        return report_only(args, Path(args.report_only), peers_cfg)
     if args.no_netns:
         net_note = "FALLBACK (--no-netns): all processes on 127.0.0.1, links NOT shaped (bandwidth only stated)"
     elif os.geteuid() != 0:
@@ -579,6 +604,20 @@ def main(argv=None) -> int:
                                                "summaries": sums, "sim": sim, "sim_note": sim_note,
                                                "tc": tc, "args": vars(args)}, indent=1, default=str))
     return 0 if all(s["status"] == "ok" and s["digests_ok"] for s in sums) and len(sums) == len(results) else 1
+
+
+def report_only(args, workdir: Path, peers_cfg) -> int:
+    results = []
+    for m in args.methods:
+        names = sorted(p.stem for p in (workdir / m).glob("peer*.jsonl"))
+        results.append({"method": m, "status": "ok (re-read)", "rows": {n: read_rows(workdir / m / f"{n}.jsonl")
+                                                                         for n in names}})
+    sums = [summarize(r, args.skip_first) for r in results if any(r["rows"].values())]
+    sim = parse_sim(workdir / "sim.json") if (workdir / "sim.json").exists() else None
+    print(f"re-read from {workdir}; links " + "/".join(str(p["mbit"]) for p in peers_cfg) + " Mbit/s"
+          + (", round 0 left out" if args.skip_first else ""))
+    print(table(sums, sim))
+    return 0
 
 
 if __name__ == "__main__":
