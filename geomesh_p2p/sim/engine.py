@@ -114,6 +114,7 @@ class MethodResult:
             "final_ppl": self.curve[-1][1] if self.curve else None,
             "best_ppl": min(c[1] for c in self.curve) if self.curve else None,
             "straggler_idle_fastest_pct": 100.0 * self.straggler_s[f] / T,
+            "straggler_idle_mean_pct": 100.0 * sum(self.straggler_s) / (n * T),
             "network_idle_pct": 100.0 * sum(self.network_s) / (n * T),
             "network_idle_fastest_pct": 100.0 * self.network_s[f] / T,
             "compute_util_pct": 100.0 * sum(self.compute_s) / (n * T),
