@@ -107,10 +107,12 @@ class MethodResult:
         n = len(self.peers)
         T = self.total_s if self.total_s > 0 else float("nan")
         f = self.fastest
-        ttt = time_to_target(self.curve, target_ppl) if target_ppl else None
+        cross = _crossing(self.curve, target_ppl) if target_ppl else None
         return {
             "method": self.spec.label,
-            "time_to_target_h": None if ttt is None else ttt / 3600.0,
+            "time_to_target_h": None if cross is None else cross[0] / 3600.0,
+            "tokens_to_target_M": None if cross is None else cross[1] / 1e6,
+            "throughput_ktok_s": self.tokens_ref / T / 1e3,
             "final_ppl": self.curve[-1][1] if self.curve else None,
             "best_ppl": min(c[1] for c in self.curve) if self.curve else None,
             "straggler_idle_fastest_pct": 100.0 * self.straggler_s[f] / T,
@@ -131,20 +133,27 @@ class MethodResult:
         }
 
 
+def _crossing(curve: list[tuple[float, float, float]], target: Optional[float]) -> Optional[tuple[float, float]]:
+    """(virtual s, reference tokens) at which eval perplexity first reaches ``target``, linear in
+    log-perplexity between the two evaluations around the crossing; None if it never does."""
+    if target is None:
+        return None
+    for k, (t, p, n) in enumerate(curve):
+        if p <= target:
+            if k == 0:
+                return t, n
+            t0, p0, n0 = curve[k - 1]
+            a, b = math.log(p0), math.log(p)
+            w = (a - math.log(target)) / (a - b) if a != b else 1.0
+            return t0 + w * (t - t0), n0 + w * (n - n0)
+    return None
+
+
 def time_to_target(curve: list[tuple[float, float, float]], target: Optional[float]) -> Optional[float]:
     """Virtual seconds at which eval perplexity first reaches ``target`` (linear in log-perplexity
     between the two evaluations around the crossing), or None if it never does."""
-    if target is None:
-        return None
-    for k, (t, p, _) in enumerate(curve):
-        if p <= target:
-            if k == 0:
-                return t
-            t0, p0, _ = curve[k - 1]
-            a, b = math.log(p0), math.log(p)
-            w = (a - math.log(target)) / (a - b) if a != b else 1.0
-            return t0 + w * (t - t0)
-    return None
+    c = _crossing(curve, target)
+    return None if c is None else c[0]
 
 
 class Simulator:

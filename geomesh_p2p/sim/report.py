@@ -20,6 +20,7 @@ COLUMNS = [
     ("method", "method", "{}", None),
     ("time_to_target_h", "time to target [h]", "{:.3f}", True),
     ("speedup", "x diloco", "{:.2f}", True),
+    ("tokens_to_target_M", "ref tokens to target [M]", "{:.1f}", False),
     ("final_ppl", "final ppl", "{:.2f}", False),
     ("straggler_idle_fastest_pct", "straggler idle fastest %", "{:.1f}", True),
     ("network_idle_pct", "network idle %", "{:.1f}", True),
@@ -139,7 +140,7 @@ def plot(results: Sequence[MethodResult], rows: Sequence[dict[str, Any]], path: 
         lo = min(all_ppl)
         fifth = sorted(r.curve[max(1, len(r.curve) // 5)][1] for r in results if len(r.curve) > 1)
         hi = fifth[len(fifth) // 2] if fifth else max(all_ppl)
-        ax1.set_ylim(lo * 0.93, max(hi * 1.6, lo * 1.5))
+        ax1.set_ylim(lo * 0.93, max(hi * 2.2, lo * 1.5))
     ax1.set_xlabel("virtual time [h] (charged: reference workload)")
     ax1.set_ylabel("eval perplexity (trained: proxy model)")
     ax1.set_title("Perplexity vs virtual time")
