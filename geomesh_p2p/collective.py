@@ -382,6 +382,8 @@ class AllReduceResult:
         bytes_sent / bytes_received: serialized SignedMessage bytes of this node's PushPart and
             PullPart traffic (client and server side) while the call ran.
         wall_s: seconds the call took.
+        last_compute_end: unix seconds when the last contributor (of any part) finished its inner
+            steps, as the senders stated it: the barrier for straggler-idle accounting (0 if unknown).
     """
 
     aggregate: torch.Tensor
@@ -391,6 +393,7 @@ class AllReduceResult:
     bytes_sent: int
     bytes_received: int
     wall_s: float
+    last_compute_end: float = 0.0
 
     def tokens(self, part: int) -> int:
         """Total tokens aggregated in ``part`` (0 if missing)."""
@@ -403,6 +406,7 @@ class _Contribution:
     tokens: int  # claimed
     packet: Any  # SignPacket or fp32 tensor
     signed: bytes  # SignedMessage bytes of the PartContribution
+    compute_end: float = 0.0  # unix seconds the sender says its inner steps ended
 
 
 @dataclass
@@ -421,6 +425,7 @@ class _RoundState:
     parts: dict[int, _OwnedPart]
     cache: dict[int, bytes] = field(default_factory=dict)  # owner-signed results pulled from others
     contributing: bool = False
+    compute_end: float = 0.0  # this node's, carried in its contributions
 
 
 # ------------------------------------------------------------------------------------ service
@@ -613,7 +618,9 @@ class CollectiveService:
                     raise compression.CodecError(f"block size {packet.block_size}, the round uses {spec.block_size}")
         except compression.CodecError as e:
             raise EnvelopeError(Code.INVALID_ARGUMENT, f"bad packet: {e}") from None
-        return _Contribution(sender, int(c.tokens), packet, signed)
+        # A claimed compute end in the future is clamped: it only feeds idle accounting.
+        return _Contribution(sender, int(c.tokens), packet, signed, min(float(c.compute_end), time.time())
+                             if math.isfinite(c.compute_end) else 0.0)
 
     async def _handle_push(self, verified: Verified, context) -> bytes:
         caller = verified.sender.to_string()
@@ -697,7 +704,8 @@ class CollectiveService:
             round=spec.round, part=part.index, start=o.start, end=o.end, spec_id=spec.spec_id, mode=spec.mode,
             contributors=[_pid_bytes(c.sender) for c in contributions], tokens=used,
             aggregate_encoding=spec.aggregate_encoding if spec.mode == "reencode" else "",
-            closed_by=part.closed_by or "")
+            closed_by=part.closed_by or "",
+            last_compute_end=max((c.compute_end for c in contributions), default=0.0))
         if spec.mode == "relay":
             res.contributions.extend(collective_pb2.Contribution(signed_message=c.signed) for c in contributions)
         else:
@@ -755,7 +763,8 @@ class CollectiveService:
             raise
 
     # ----------------------------------------------------------------------------- peer side
-    async def all_reduce(self, spec: CollectiveSpec, delta: torch.Tensor, tokens: int) -> AllReduceResult:
+    async def all_reduce(self, spec: CollectiveSpec, delta: torch.Tensor, tokens: int,
+                         compute_end: Optional[float] = None) -> AllReduceResult:
         """Contribute ``delta`` (trained on ``tokens`` tokens) and return the round's aggregate.
 
         Args:
@@ -763,6 +772,8 @@ class CollectiveService:
             delta: fp32 tensor with ``spec.numel`` elements (any shape, flattened), finite; not
                 modified by this call, and must not be modified by the caller until it returns.
             tokens: tokens this peer trained on this round (>= 0; capped by the receivers).
+            compute_end: unix seconds when this peer's inner steps ended (default: now); carried
+                in its contributions so that every peer can tell straggler from network idle.
 
         Returns:
             :class:`AllReduceResult`. It returns by ``spec.pull_deadline`` (plus the time to decode),
@@ -787,6 +798,7 @@ class CollectiveService:
         if state.contributing:
             raise ValueError(f"round {spec.round} was already run on this node")
         state.contributing = True
+        state.compute_end = t0 if compute_end is None else float(compute_end)
         s_before = self._collective_bytes()
 
         # Butterfly order: start with the part after "mine" so that not every sender hits owner 0
@@ -809,6 +821,7 @@ class CollectiveService:
 
         aggregate = torch.zeros(spec.numel, dtype=torch.float32)
         contributors, missing = {}, []
+        last_compute_end = 0.0
         for j, out in enumerate(outcomes):
             o = spec.owners[j]
             if out is None:
@@ -816,19 +829,21 @@ class CollectiveService:
                 continue
             aggregate[o.start:o.end] = out[0]
             contributors[j] = out[1]
+            last_compute_end = max(last_compute_end, out[2])
         if missing:
             log.warning("round %d: parts %s have no result (owner gone or refused): zero update for %s", spec.round,
                         missing, ", ".join(f"[{spec.owners[j].start}, {spec.owners[j].end})" for j in missing))
         s_after = self._collective_bytes()
         return AllReduceResult(aggregate, contributors, missing, pushed, s_after[0] - s_before[0],
-                               s_after[1] - s_before[1], time.time() - t0)
+                               s_after[1] - s_before[1], time.time() - t0, last_compute_end)
 
     def _collective_bytes(self) -> tuple[int, int]:
         by = self.transport.stats.by_method
         a, b = by.get(COLLECTIVE_PUSH, (0, 0)), by.get(COLLECTIVE_PULL, (0, 0))
         return a[0] + b[0], a[1] + b[1]
 
-    def _contribution_bytes(self, spec: CollectiveSpec, j: int, delta: torch.Tensor, tokens: int) -> bytes:
+    def _contribution_bytes(self, spec: CollectiveSpec, j: int, delta: torch.Tensor, tokens: int,
+                            compute_end: float = 0.0) -> bytes:
         o = spec.owners[j]
         v = delta[o.start:o.end]
         if spec.push_encoding == "fp32":
@@ -836,7 +851,8 @@ class CollectiveService:
         else:
             packet = compression.encode(v, block_size=spec.block_size, tokens=tokens).to_bytes()
         c = collective_pb2.PartContribution(round=spec.round, part=j, start=o.start, end=o.end, tokens=tokens,
-                                            spec_id=spec.spec_id, encoding=spec.push_encoding, packet=packet)
+                                            spec_id=spec.spec_id, encoding=spec.push_encoding, packet=packet,
+                                            compute_end=compute_end)
         return self.transport.identity.sign_message(run_id=spec.run_id, round=spec.round, kind=CONTRIBUTION_KIND,
                                                     payload=c.SerializeToString()).SerializeToString()
 
@@ -855,7 +871,8 @@ class CollectiveService:
     async def _deliver_now(self, state: _RoundState, j: int, delta: torch.Tensor, tokens: int) -> bool:
         spec = state.spec
         owner = spec.owners[j]
-        signed = await asyncio.to_thread(self._contribution_bytes, spec, j, delta, tokens)
+        signed = await asyncio.to_thread(self._contribution_bytes, spec, j, delta, tokens,
+                                         state.compute_end)
         if owner.peer_id == self.peer_id:
             part = state.parts[j]
             try:
@@ -891,7 +908,7 @@ class CollectiveService:
                 return False
             return collective_pb2.PushPartResponse.FromString(reply.payload).accepted
 
-    async def _obtain(self, state: _RoundState, j: int) -> Optional[tuple[torch.Tensor, list[tuple[str, int]]]]:
+    async def _obtain(self, state: _RoundState, j: int) -> Optional[tuple[torch.Tensor, list[tuple[str, int]], float]]:
         """Result of part ``j`` as (fp32 [size], contributors), or None if none by the pull deadline."""
         spec = state.spec
         owner = spec.owners[j]
@@ -970,7 +987,8 @@ class CollectiveService:
             await asyncio.sleep(min(delay, max(0.0, spec.pull_deadline - time.time())))
             delay = min(2 * delay, 0.5)
 
-    def _read_result(self, spec: CollectiveSpec, j: int, signed: bytes) -> tuple[torch.Tensor, list[tuple[str, int]]]:
+    def _read_result(self, spec: CollectiveSpec, j: int, signed: bytes
+                     ) -> tuple[torch.Tensor, list[tuple[str, int]], float]:
         """Verify the owner-signed PartResult of part ``j`` and turn it into (fp32 [size], contributors).
 
         Relay: every forwarded contribution is re-verified; invalid ones and repeated senders are
@@ -1001,7 +1019,8 @@ class CollectiveService:
                 out = _decode_aggregate(spec.aggregate_encoding, res.aggregate, o.size)
             except compression.CodecError as e:
                 raise EnvelopeError(Code.INVALID_ARGUMENT, f"bad aggregate: {e}") from None
-            return out, [(PeerID(bytes(p)).to_string(), int(n)) for p, n in zip(res.contributors, res.tokens)]
+            return (out, [(PeerID(bytes(p)).to_string(), int(n)) for p, n in zip(res.contributors, res.tokens)],
+                    float(res.last_compute_end) if math.isfinite(res.last_compute_end) else 0.0)
         taken: dict[str, _Contribution] = {}
         for item in res.contributions:
             try:
@@ -1016,4 +1035,4 @@ class CollectiveService:
         used = [min(c.tokens, spec.participants[c.sender]) for c in ordered]
         out = token_weighted_mean([(n, c.packet) for n, c in zip(used, ordered)], o.size, clip_k=spec.clip_k,
                                   encoding=spec.push_encoding)
-        return out, [(c.sender, n) for c, n in zip(ordered, used)]
+        return out, [(c.sender, n) for c, n in zip(ordered, used)], max((c.compute_end for c in ordered), default=0.0)

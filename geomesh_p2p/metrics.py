@@ -2,11 +2,11 @@
 
 Idle accounting of a round (all in seconds of wall-clock, shown as % of the round):
 
-* ``straggler_idle``: from the end of this peer's inner steps to the planned barrier (the plan's
-  train deadline, or the moment the aggregate was ready if that came first): the time it waited
-  because others were still computing. AWB drives this towards 0 for every peer.
+* ``straggler_idle``: from the end of this peer's inner steps to the moment the last contributor
+  of the round finished its own (each contribution states its sender's compute end): the time it
+  waited because others were still computing. AWB drives this towards 0 for every peer.
 * ``network_idle``: the rest of the non-compute time (end of compute to aggregate ready, minus the
-  straggler idle): the time it waited on the network.
+  straggler idle): the time it waited on transfers, its own and the others'.
 """
 
 from __future__ import annotations

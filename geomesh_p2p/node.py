@@ -480,7 +480,7 @@ class PeerNode:
             return set()
         self._in_exchange = True
         try:
-            ar = await self.collective.all_reduce(spec, delta, tokens=result.tokens)
+            ar = await self.collective.all_reduce(spec, delta, tokens=result.tokens, compute_end=t_compute_end)
         finally:
             self._in_exchange = False
         t_agg = time.time()
@@ -537,7 +537,9 @@ class PeerNode:
         sent1, recv1 = self.transport.stats.snapshot()
         await self.announce()
         ppl = await asyncio.to_thread(self.trainer.evaluate, max_batches=self.cfg.eval_batches)
-        barrier = min(plan.train_deadline, t_agg)
+        # The barrier is when the last contributor finished computing (stated in its contributions):
+        # waiting until then is straggler idle, waiting after it is network idle (the paper's split).
+        barrier = min(ar.last_compute_end or t_compute_end, t_agg)
         straggler = max(0.0, barrier - t_compute_end)
         network = max(0.0, (t_agg - t_compute_end) - straggler)
         rec = RoundRecord(

@@ -7,6 +7,7 @@ import asyncio
 import logging
 import math
 import struct
+import time
 
 import grpc
 import pytest
@@ -422,8 +423,8 @@ async def test_relay_reader_drops_a_tampered_contribution_consistently(swarms):
         mode="relay", contributions=[collective_pb2.Contribution(signed_message=m) for m in (good, bad)])
     signed = sw.ids[1].sign_message(run_id=RUN, round=spec.round, kind="geomesh.collective/PartResult",
                                     payload=res.SerializeToString()).SerializeToString()
-    out1, who1 = svc._read_result(spec, j, signed)
-    out2, who2 = sw.services[1]._read_result(spec, j, signed)
+    out1, who1, _ = svc._read_result(spec, j, signed)
+    out2, who2, _ = sw.services[1]._read_result(spec, j, signed)
     assert who1 == who2 == [(sw.pids[0], 2)]
     assert torch.equal(out1, out2)
     assert torch.equal(out1, compression.decode(compression.SignPacket.from_bytes(pk[0])))
@@ -441,3 +442,14 @@ async def test_pull_from_non_participant_refused(swarms):
         assert ei.value.code == grpc.StatusCode.PERMISSION_DENIED
     finally:
         await rogue.stop()
+
+
+async def test_last_compute_end_is_the_latest_contributors_stated_time(swarms):
+    """Idle accounting: every peer learns when the last contributor finished computing."""
+    sw = await swarms(3)
+    spec = sw.spec(3 * 4096, mode="reencode")
+    t = time.time()
+    ends = [t - 3.0, t - 1.0, t - 2.0]
+    results = await asyncio.gather(*[
+        svc.all_reduce(spec, torch.randn(spec.numel), 10, compute_end=e) for svc, e in zip(sw.services, ends)])
+    assert [r.last_compute_end for r in results] == [t - 1.0] * 3

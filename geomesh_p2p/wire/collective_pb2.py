@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!geomesh_p2p/wire/collective.proto\x12\x0cgeomesh.wire\"\x8e\x01\n\x10PartContribution\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x0c\n\x04part\x18\x02 \x01(\r\x12\r\n\x05start\x18\x03 \x01(\x04\x12\x0b\n\x03\x65nd\x18\x04 \x01(\x04\x12\x0e\n\x06tokens\x18\x05 \x01(\x04\x12\x0f\n\x07spec_id\x18\x06 \x01(\x0c\x12\x10\n\x08\x65ncoding\x18\x07 \x01(\t\x12\x0e\n\x06packet\x18\x08 \x01(\x0c\"\'\n\x0fPushPartRequest\x12\x14\n\x0c\x63ontribution\x18\x01 \x01(\x0c\"4\n\x10PushPartResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\"O\n\x0fPullPartRequest\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x0c\n\x04part\x18\x02 \x01(\r\x12\x0e\n\x06wait_s\x18\x03 \x01(\x01\x12\x0f\n\x07spec_id\x18\x04 \x01(\x0c\"&\n\x0c\x43ontribution\x12\x16\n\x0esigned_message\x18\x01 \x01(\x0c\"\xff\x01\n\nPartResult\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x0c\n\x04part\x18\x02 \x01(\r\x12\r\n\x05start\x18\x03 \x01(\x04\x12\x0b\n\x03\x65nd\x18\x04 \x01(\x04\x12\x0f\n\x07spec_id\x18\x05 \x01(\x0c\x12\x0c\n\x04mode\x18\x06 \x01(\t\x12\x14\n\x0c\x63ontributors\x18\x07 \x03(\x0c\x12\x0e\n\x06tokens\x18\x08 \x03(\x04\x12\x31\n\rcontributions\x18\t \x03(\x0b\x32\x1a.geomesh.wire.Contribution\x12\x11\n\taggregate\x18\n \x01(\x0c\x12\x1a\n\x12\x61ggregate_encoding\x18\x0b \x01(\t\x12\x11\n\tclosed_by\x18\x0c \x01(\t\"U\n\x10PullPartResponse\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x0c\n\x04part\x18\x02 \x01(\r\x12\r\n\x05ready\x18\x03 \x01(\x08\x12\x15\n\rsigned_result\x18\x04 \x01(\x0c\"=\n\x0cStateRequest\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0e\n\x06length\x18\x03 \x01(\x04\"^\n\nStateChunk\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x0e\n\x06\x64igest\x18\x02 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x04\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\"\x0f\n\rStatusRequest\"P\n\x0eStatusResponse\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x0e\n\x06\x64igest\x18\x02 \x01(\t\x12\x0f\n\x07peer_id\x18\x03 \x01(\t\x12\x0e\n\x06record\x18\x04 \x01(\x0c\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!geomesh_p2p/wire/collective.proto\x12\x0cgeomesh.wire\"\xa3\x01\n\x10PartContribution\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x0c\n\x04part\x18\x02 \x01(\r\x12\r\n\x05start\x18\x03 \x01(\x04\x12\x0b\n\x03\x65nd\x18\x04 \x01(\x04\x12\x0e\n\x06tokens\x18\x05 \x01(\x04\x12\x0f\n\x07spec_id\x18\x06 \x01(\x0c\x12\x10\n\x08\x65ncoding\x18\x07 \x01(\t\x12\x0e\n\x06packet\x18\x08 \x01(\x0c\x12\x13\n\x0b\x63ompute_end\x18\t \x01(\x01\"\'\n\x0fPushPartRequest\x12\x14\n\x0c\x63ontribution\x18\x01 \x01(\x0c\"4\n\x10PushPartResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\"O\n\x0fPullPartRequest\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x0c\n\x04part\x18\x02 \x01(\r\x12\x0e\n\x06wait_s\x18\x03 \x01(\x01\x12\x0f\n\x07spec_id\x18\x04 \x01(\x0c\"&\n\x0c\x43ontribution\x12\x16\n\x0esigned_message\x18\x01 \x01(\x0c\"\x99\x02\n\nPartResult\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x0c\n\x04part\x18\x02 \x01(\r\x12\r\n\x05start\x18\x03 \x01(\x04\x12\x0b\n\x03\x65nd\x18\x04 \x01(\x04\x12\x0f\n\x07spec_id\x18\x05 \x01(\x0c\x12\x0c\n\x04mode\x18\x06 \x01(\t\x12\x14\n\x0c\x63ontributors\x18\x07 \x03(\x0c\x12\x0e\n\x06tokens\x18\x08 \x03(\x04\x12\x31\n\rcontributions\x18\t \x03(\x0b\x32\x1a.geomesh.wire.Contribution\x12\x11\n\taggregate\x18\n \x01(\x0c\x12\x1a\n\x12\x61ggregate_encoding\x18\x0b \x01(\t\x12\x11\n\tclosed_by\x18\x0c \x01(\t\x12\x18\n\x10last_compute_end\x18\r \x01(\x01\"U\n\x10PullPartResponse\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x0c\n\x04part\x18\x02 \x01(\r\x12\r\n\x05ready\x18\x03 \x01(\x08\x12\x15\n\rsigned_result\x18\x04 \x01(\x0c\"=\n\x0cStateRequest\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0e\n\x06length\x18\x03 \x01(\x04\"^\n\nStateChunk\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x0e\n\x06\x64igest\x18\x02 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x04\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\"\x0f\n\rStatusRequest\"P\n\x0eStatusResponse\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x0e\n\x06\x64igest\x18\x02 \x01(\t\x12\x0f\n\x07peer_id\x18\x03 \x01(\t\x12\x0e\n\x06record\x18\x04 \x01(\x0c\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,25 +32,25 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'geomesh_p2p.wire.collective
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_PARTCONTRIBUTION']._serialized_start=52
-  _globals['_PARTCONTRIBUTION']._serialized_end=194
-  _globals['_PUSHPARTREQUEST']._serialized_start=196
-  _globals['_PUSHPARTREQUEST']._serialized_end=235
-  _globals['_PUSHPARTRESPONSE']._serialized_start=237
-  _globals['_PUSHPARTRESPONSE']._serialized_end=289
-  _globals['_PULLPARTREQUEST']._serialized_start=291
-  _globals['_PULLPARTREQUEST']._serialized_end=370
-  _globals['_CONTRIBUTION']._serialized_start=372
-  _globals['_CONTRIBUTION']._serialized_end=410
-  _globals['_PARTRESULT']._serialized_start=413
-  _globals['_PARTRESULT']._serialized_end=668
-  _globals['_PULLPARTRESPONSE']._serialized_start=670
-  _globals['_PULLPARTRESPONSE']._serialized_end=755
-  _globals['_STATEREQUEST']._serialized_start=757
-  _globals['_STATEREQUEST']._serialized_end=818
-  _globals['_STATECHUNK']._serialized_start=820
-  _globals['_STATECHUNK']._serialized_end=914
-  _globals['_STATUSREQUEST']._serialized_start=916
-  _globals['_STATUSREQUEST']._serialized_end=931
-  _globals['_STATUSRESPONSE']._serialized_start=933
-  _globals['_STATUSRESPONSE']._serialized_end=1013
+  _globals['_PARTCONTRIBUTION']._serialized_end=215
+  _globals['_PUSHPARTREQUEST']._serialized_start=217
+  _globals['_PUSHPARTREQUEST']._serialized_end=256
+  _globals['_PUSHPARTRESPONSE']._serialized_start=258
+  _globals['_PUSHPARTRESPONSE']._serialized_end=310
+  _globals['_PULLPARTREQUEST']._serialized_start=312
+  _globals['_PULLPARTREQUEST']._serialized_end=391
+  _globals['_CONTRIBUTION']._serialized_start=393
+  _globals['_CONTRIBUTION']._serialized_end=431
+  _globals['_PARTRESULT']._serialized_start=434
+  _globals['_PARTRESULT']._serialized_end=715
+  _globals['_PULLPARTRESPONSE']._serialized_start=717
+  _globals['_PULLPARTRESPONSE']._serialized_end=802
+  _globals['_STATEREQUEST']._serialized_start=804
+  _globals['_STATEREQUEST']._serialized_end=865
+  _globals['_STATECHUNK']._serialized_start=867
+  _globals['_STATECHUNK']._serialized_end=961
+  _globals['_STATUSREQUEST']._serialized_start=963
+  _globals['_STATUSREQUEST']._serialized_end=978
+  _globals['_STATUSRESPONSE']._serialized_start=980
+  _globals['_STATUSRESPONSE']._serialized_end=1060
 # @@protoc_insertion_point(module_scope)

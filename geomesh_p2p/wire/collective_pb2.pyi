@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PartContribution(_message.Message):
-    __slots__ = ("round", "part", "start", "end", "tokens", "spec_id", "encoding", "packet")
+    __slots__ = ("round", "part", "start", "end", "tokens", "spec_id", "encoding", "packet", "compute_end")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     PART_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,7 @@ class PartContribution(_message.Message):
     SPEC_ID_FIELD_NUMBER: _ClassVar[int]
     ENCODING_FIELD_NUMBER: _ClassVar[int]
     PACKET_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_END_FIELD_NUMBER: _ClassVar[int]
     round: int
     part: int
     start: int
@@ -24,7 +25,8 @@ class PartContribution(_message.Message):
     spec_id: bytes
     encoding: str
     packet: bytes
-    def __init__(self, round: _Optional[int] = ..., part: _Optional[int] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., tokens: _Optional[int] = ..., spec_id: _Optional[bytes] = ..., encoding: _Optional[str] = ..., packet: _Optional[bytes] = ...) -> None: ...
+    compute_end: float
+    def __init__(self, round: _Optional[int] = ..., part: _Optional[int] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., tokens: _Optional[int] = ..., spec_id: _Optional[bytes] = ..., encoding: _Optional[str] = ..., packet: _Optional[bytes] = ..., compute_end: _Optional[float] = ...) -> None: ...
 
 class PushPartRequest(_message.Message):
     __slots__ = ("contribution",)
@@ -59,7 +61,7 @@ class Contribution(_message.Message):
     def __init__(self, signed_message: _Optional[bytes] = ...) -> None: ...
 
 class PartResult(_message.Message):
-    __slots__ = ("round", "part", "start", "end", "spec_id", "mode", "contributors", "tokens", "contributions", "aggregate", "aggregate_encoding", "closed_by")
+    __slots__ = ("round", "part", "start", "end", "spec_id", "mode", "contributors", "tokens", "contributions", "aggregate", "aggregate_encoding", "closed_by", "last_compute_end")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     PART_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
@@ -72,6 +74,7 @@ class PartResult(_message.Message):
     AGGREGATE_FIELD_NUMBER: _ClassVar[int]
     AGGREGATE_ENCODING_FIELD_NUMBER: _ClassVar[int]
     CLOSED_BY_FIELD_NUMBER: _ClassVar[int]
+    LAST_COMPUTE_END_FIELD_NUMBER: _ClassVar[int]
     round: int
     part: int
     start: int
@@ -84,7 +87,8 @@ class PartResult(_message.Message):
     aggregate: bytes
     aggregate_encoding: str
     closed_by: str
-    def __init__(self, round: _Optional[int] = ..., part: _Optional[int] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., spec_id: _Optional[bytes] = ..., mode: _Optional[str] = ..., contributors: _Optional[_Iterable[bytes]] = ..., tokens: _Optional[_Iterable[int]] = ..., contributions: _Optional[_Iterable[_Union[Contribution, _Mapping]]] = ..., aggregate: _Optional[bytes] = ..., aggregate_encoding: _Optional[str] = ..., closed_by: _Optional[str] = ...) -> None: ...
+    last_compute_end: float
+    def __init__(self, round: _Optional[int] = ..., part: _Optional[int] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., spec_id: _Optional[bytes] = ..., mode: _Optional[str] = ..., contributors: _Optional[_Iterable[bytes]] = ..., tokens: _Optional[_Iterable[int]] = ..., contributions: _Optional[_Iterable[_Union[Contribution, _Mapping]]] = ..., aggregate: _Optional[bytes] = ..., aggregate_encoding: _Optional[str] = ..., closed_by: _Optional[str] = ..., last_compute_end: _Optional[float] = ...) -> None: ...
 
 class PullPartResponse(_message.Message):
     __slots__ = ("round", "part", "ready", "signed_result")
