@@ -467,10 +467,9 @@ class PeerNode:
             progress=self._progress_printer(r, a.inner_steps)))
         t_compute_end = time.time()
         if self._stop.is_set():
-            # Not exchanging yet: leave now; the others leave this peer out of the parts it did not send.
-            log.info("round %d: leaving before the exchange", r)
-            load_flat_(self.model, self.theta)
-            return set()
+            # Finish the round anyway (the inner steps stopped early): the parts this peer owns stay
+            # served and the others get a full update; the node leaves right after.
+            log.info("round %d: stop requested; exchanging what was trained, then leaving", r)
         delta = self.theta - flat_params(self.model)
         try:
             spec = self._collective_spec(plan)

@@ -164,8 +164,12 @@ async def obtain_plan(
         plans = await store.read(round, accept)
         best = choose_plan(store.run_id, round, plans)
         my_turn_now = my_turn is not None and not published and elapsed >= my_turn * plan_timeout_s
-        # Publish when it is my turn, unless a plan from a better-ranked leader already exists.
-        if my_turn_now and (best is None or leader_rank(store.run_id, round, me) < leader_rank(store.run_id, round, best.leader)):
+        # Publish when it is my turn, unless a plan from a better-ranked leader already exists, or a
+        # worse-ranked one has already started (its peers are training: a competing plan would only
+        # split the round; this peer follows it, or waits and catches up if it is not in it).
+        if my_turn_now and (best is None or (
+                leader_rank(store.run_id, round, me) < leader_rank(store.run_id, round, best.leader)
+                and time.time() < best.created_at)):
             if my_turn > 0 and best is None:
                 log.warning("round %d: no plan from %d better-ranked leader(s) after %.1fs; taking over",
                             round, my_turn, elapsed)

@@ -37,11 +37,13 @@ def load_config_defaults(parser: argparse.ArgumentParser, path: str | None) -> d
         return {}
     if not isinstance(data, dict):
         raise ConfigFileError(f"config file {p} must hold a mapping of option names to values")
-    known = {a.dest for a in parser._actions}
+    actions = {a.dest: a for a in parser._actions}
     out = {}
     for key, value in data.items():
         dest = str(key).replace("-", "_")
-        if dest not in known or dest in ("help", "config"):
+        if dest not in actions or dest in ("help", "config"):
             raise ConfigFileError(f"config file {p}: unknown option {key!r}")
+        if isinstance(actions[dest], argparse._AppendAction) and not isinstance(value, list):
+            value = [value]  # a repeatable flag given once: `bootstrap: host:port`
         out[dest] = value
     return out

@@ -60,3 +60,17 @@ def test_console_scripts_help():
     r = subprocess.run([os.path.join(os.path.dirname(sys.executable), "geomesh-peer"), "--no-such-flag"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "unrecognized arguments: --no-such-flag" in r.stderr
+
+
+def test_config_file_repeatable_flag_given_once(tmp_path):
+    import argparse
+
+    from peer.config import load_config_defaults
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--bootstrap", action="append", default=[])
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("bootstrap: 127.0.0.1:31337\n")
+    assert load_config_defaults(ap, str(cfg)) == {"bootstrap": ["127.0.0.1:31337"]}
+    cfg.write_text("bootstrap: [a:1, b:2]\n")
+    assert load_config_defaults(ap, str(cfg)) == {"bootstrap": ["a:1", "b:2"]}

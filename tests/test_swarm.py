@@ -65,7 +65,7 @@ def test_three_peers_train_then_resume_with_identical_weights(swarm, tmp_path):
         assert len({_digest(swarm, n, r) for n in names}) == 1
 
 
-def test_peer_killed_mid_round_then_late_joiner_catches_up(swarm):
+def test_peer_killed_mid_round_then_restarts_and_catches_up(swarm, tmp_path):
     port = free_port()
     entry = f"127.0.0.1:{port}"
     names = ["k0", "k1", "k2"]
@@ -82,8 +82,9 @@ def test_peer_killed_mid_round_then_late_joiner_catches_up(swarm):
         assert _digest(swarm, "k0", r) == _digest(swarm, "k1", r)
     assert swarm.rows("k0")[2]["peers"] == 2
 
-    # A new peer joins mid-run: it downloads the state and trains in step with the others.
-    swarm.peer("late", "--rounds", "60", bootstrap=entry)
+    # The killed peer comes back with the same identity mid-run (its old record may still be in the
+    # DHT): it downloads the state and trains in step with the others.
+    swarm.peer("late", "--rounds", "60", "--identity", str(tmp_path / "k2.key"), bootstrap=entry)
     swarm.wait_for(lambda: len(swarm.rows("late")) >= 2, 300, "the late joiner to train two rounds")
     swarm.stop_all()
     assert {n: swarm.procs[n].returncode for n in ("k0", "k1", "late")} == {"k0": 0, "k1": 0, "late": 0}
