@@ -222,7 +222,8 @@ def _summarize(ns, workdir: Path, t0: float) -> dict:
 
 def _print_summary(s: dict) -> None:
     print("\nsummary:")
-    print(f"  rounds {s['rounds']}, eval perplexity {s['initial_eval_ppl']} -> {s['final_eval_ppl']}"
+    fmt = lambda v: "?" if v is None else f"{v:.2f}"  # noqa: E731
+    print(f"  rounds {s['rounds']}, eval perplexity {fmt(s['initial_eval_ppl'])} -> {fmt(s['final_eval_ppl'])}"
           f" (target {s['target_ppl']}: {'reached in %.0fs' % s['time_to_target_s'] if s['reached_target'] else 'not reached'})")
     for p in s["per_peer"]:
         print(f"  peer{p['peer']}: straggler idle {p['straggler_idle_pct']:.1f}%, network idle "
