@@ -55,6 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="methods simulated in parallel processes; 0 = auto: min(#methods, CPUs / threads) "
                         "(results do not depend on it; default: %(default)s)")
     p.add_argument("--show-plans", action="store_true", help="print each method's first round plan")
+    p.add_argument("--charged-only", action="store_true",
+                   help="no training: print what the clock charges for one round of each method (seconds)")
     p.add_argument("--no-progress", action="store_true", help="no progress display")
     p.add_argument("--list-profiles", action="store_true", help="list the shipped profiles and exit")
     return p
@@ -89,6 +91,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (UserFacingError, ValueError) as e:
         return _die(str(e))
     try:
+        if args.charged_only:
+            return _charged_only(profile, specs)
         return _run(args, profile, specs, argv)
     except UserFacingError as e:
         return _die(str(e))
@@ -186,6 +190,43 @@ def _run(args, profile, specs, argv) -> int:
     if args.plot:
         report.plot(results, rows, args.plot, target_ppl=target, title=f"geomesh-sim --profile {profile.name}")
         console.print(f"wrote {args.plot}")
+    return 0
+
+
+def _charged_only(profile, specs) -> int:
+    """One round of each method on the clock, without training (fast)."""
+    from geomesh_p2p.sim.charge import Charger
+    from geomesh_p2p.training import build_model, num_params
+
+    numel = num_params(build_model(profile.train.preset, seed=profile.train.seed))
+    ch = Charger(profile, numel)
+    print(f"{profile.name}: one round of each method, charged for {profile.reference.model} "
+          f"(DiLoCo: {ch.diloco_tokens_per_round / 1e6:.2f}M tokens per round); no training")
+    head = ["method", "window s", "round s", "tokens/round [M]", "x diloco tokens", "k tokens/s",
+            "straggler idle fastest %", "network idle %", "compute util %", "MB sent/peer", "H min..max"]
+    rows = []
+    skipped = []
+    for spec in specs:
+        if spec.base == "async":
+            skipped.append(spec.label)
+            continue
+        plan = ch.plan(spec)
+        rc = ch.charge(spec, plan)
+        tm = rc.timing
+        R = tm.round_s
+        H = [a.inner_steps for a in plan.assignments]
+        rows.append([spec.label, f"{plan.window_s:.2f}", f"{R:.2f}", f"{rc.tokens_ref / 1e6:.2f}",
+                     f"{rc.tokens_ref / ch.diloco_tokens_per_round:.2f}", f"{rc.tokens_ref / R / 1e3:.0f}",
+                     f"{100 * tm.straggler_s[ch.fastest] / R:.1f}", f"{100 * tm.network_s / R:.1f}",
+                     f"{100 * sum(tm.compute_s) / len(H) / R:.1f}",
+                     f"{sum(rc.xb.sent(i) for i in range(ch.n)) / ch.n / 1e6:.1f}", f"{min(H)}..{max(H)}"])
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
+    print("| " + " | ".join(h.ljust(w) for h, w in zip(head, widths)) + " |")
+    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    for r in rows:
+        print("| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |")
+    if skipped:
+        print(f"not shown (event-driven, no rounds; run without --charged-only): {', '.join(skipped)}")
     return 0
 
 
