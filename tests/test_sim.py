@@ -218,3 +218,17 @@ def test_tiny_comparison_straggler_idle_and_determinism(toy_sim):
     again = toy_sim.run(parse_method("geomesh"))
     assert [p for _, p, _ in again.curve] == [p for _, p, _ in res["geomesh"].curve]
     assert report.format_table(list(rows.values())).count("\n") == 4
+
+
+def test_cli_charged_only_prints_the_toy_round(tmp_path, capsys):
+    from geomesh_p2p.sim.cli import main
+
+    prof = tmp_path / "toy2.yaml"
+    prof.write_text(TOY)
+    assert main(["--profile", str(prof), "--methods", "diloco,css,async", "--charged-only"]) == 0
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("| diloco"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    # window 5 s, round 5 s, 100 tokens; fast peer idles 0.5 of 5 s; network 4 of 5 s
+    assert cells[1:4] == ["5.00", "5.00", "0.00"] and cells[6:8] == ["10.0", "80.0"]
+    assert "async" in out.splitlines()[-1]
