@@ -454,8 +454,11 @@ class PeerNode:
         if self.me not in plan.participants() or plan.start_digest != self.digest:
             why = "not in the plan" if self.me not in plan.participants() else "weights differ from the plan's"
             log.info("round %d: %s; waiting for the round to end, then syncing", r, why)
-            await self._unless_stopped(asyncio.sleep(max(0.0, plan.exchange_deadline - time.time())))
-            await self._wait_for_round(r + 1)
+            # Announce as syncing for the next round now, so that its leader waits for this peer.
+            self._syncing, self.round = True, r + 1
+            await self.announce()
+            # Catch up as soon as the others announce round r+1 (well before the plan's exchange deadline).
+            await self._wait_for_round(r + 1, timeout_s=max(5.0, plan.exchange_deadline - time.time() + 5.0))
             await self._catch_up()
             return set(plan.participants())
         a = plan.assignment(self.me)
