@@ -122,12 +122,16 @@ def plot(results: Sequence[MethodResult], rows: Sequence[dict[str, Any]], path: 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5.2), gridspec_kw={"width_ratios": [1.35, 1]})
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14.5, 5.4), gridspec_kw={"width_ratios": [1.35, 1]})
     cmap = plt.get_cmap("tab10")
+    ends = [r.curve[-1][0] for r in results if len(r.curve) > 1 and r.curve[-1][0] > 0]
+    logx = bool(ends) and max(ends) / min(ends) > 8  # e.g. volunteer32: 1.25 h against 0.06 h
     for k, r in enumerate(results):
-        ts = [t / 3600.0 for t, _, _ in r.curve]
-        ps = [p for _, p, _ in r.curve]
-        ax1.plot(ts, ps, label=r.spec.label, color=cmap(k % 10), lw=1.6)
+        pts = [(t / 3600.0, p) for t, p, _ in r.curve if not (logx and t <= 0)]
+        ax1.plot([a for a, _ in pts], [b for _, b in pts], label=r.spec.label, color=cmap(k % 10), lw=1.6,
+                 marker="o" if len(pts) < 4 else None, ms=4)
+    if logx:
+        ax1.set_xscale("log")
     if target_ppl:
         ax1.axhline(target_ppl, color="0.4", ls="--", lw=1)
         ax1.text(ax1.get_xlim()[1], target_ppl, f" target {target_ppl:.1f}", va="bottom", ha="right",
@@ -141,7 +145,7 @@ def plot(results: Sequence[MethodResult], rows: Sequence[dict[str, Any]], path: 
         fifth = sorted(r.curve[max(1, len(r.curve) // 5)][1] for r in results if len(r.curve) > 1)
         hi = fifth[len(fifth) // 2] if fifth else max(all_ppl)
         ax1.set_ylim(lo * 0.93, max(hi * 2.2, lo * 1.5))
-    ax1.set_xlabel("virtual time [h] (charged: reference workload)")
+    ax1.set_xlabel("virtual time [h] (charged: reference workload)" + (", log scale" if logx else ""))
     ax1.set_ylabel("eval perplexity (trained: proxy model)")
     ax1.set_title("Perplexity vs virtual time")
     ax1.grid(True, which="both", alpha=0.3)
@@ -168,7 +172,7 @@ def plot(results: Sequence[MethodResult], rows: Sequence[dict[str, Any]], path: 
     ax2.set_ylabel("% of the run (fastest peer)")
     fastest = results[0].peers[results[0].fastest].name if results else ""
     ax2.set_title(f"Where the fastest GPU's time goes ({fastest})\nlabels: straggler/network idle %", fontsize=10)
-    ax2.legend(fontsize=7, loc="lower right")
+    ax2.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     if title:
         fig.suptitle(title, fontsize=11)
     fig.tight_layout()
