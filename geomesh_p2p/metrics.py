@@ -88,7 +88,8 @@ def format_row(r: RoundRecord) -> str:
 
 
 class RoundLog:
-    """Prints the round table, appends JSON lines (``--log-json``), feeds Prometheus (``--metrics-port``)."""
+    """Prints the round table, appends JSON lines (``--log-json``), feeds Prometheus (``--metrics-port``;
+    port 0 picks a free one, see :attr:`metrics_port`). :meth:`close` stops the HTTP server."""
 
     def __init__(self, json_path: Optional[str] = None, metrics_port: Optional[int] = None,
                  metrics_host: str = "127.0.0.1", print_fn=print):
@@ -120,10 +121,14 @@ class RoundLog:
         self._tokens = Counter("geomesh_tokens", "tokens trained by this peer", registry=self.registry)
         self._bytes_sent = Counter("geomesh_sent_bytes", "bytes sent in exchanges", registry=self.registry)
         self._bytes_recv = Counter("geomesh_received_bytes", "bytes received in exchanges", registry=self.registry)
-        started = start_http_server(port, addr=host, registry=self.registry)
-        if isinstance(started, tuple):  # prometheus-client >= 0.20 returns (server, thread)
-            self._server, self._thread = started
-        log.info("Prometheus metrics on http://%s:%d/metrics", host, port)
+        # prometheus-client >= 0.20 (the dependency's floor) returns (server, thread): close() stops both.
+        self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
+        log.info("Prometheus metrics on http://%s:%d/metrics", host, self.metrics_port)
+
+    @property
+    def metrics_port(self) -> Optional[int]:
+        """The port the metrics server listens on (the one chosen when 0 was asked), or None."""
+        return self._server.server_address[1] if self._server is not None else None
 
     def add(self, r: RoundRecord) -> None:
         if not self._printed_header:
@@ -148,9 +153,11 @@ class RoundLog:
             self._bytes_recv.inc(r.bytes_received)
 
     def close(self) -> None:
+        """Stop the metrics HTTP server (its serving thread ends, the port is released). Idempotent."""
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
             if self._thread is not None:
                 self._thread.join(timeout=5)
             self._server = None
+            self._thread = None

@@ -27,13 +27,14 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="geomesh-peer",
         description="GeoMesh-P2P volunteer node: adaptive workload balancing + sign-compressed DiLoCo over gRPC.",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=__doc__.split("\n", 2)[2],
+        epilog="geomesh-peer COMMAND --help explains the flags of a command.",
     )
     ap.add_argument("--version", action="version", version=f"geomesh-peer {__version__}")
-    sub = ap.add_subparsers(dest="command", metavar="COMMAND")
+    # The commands are listed once, by argparse, from each parser's one-line help.
+    sub = ap.add_subparsers(dest="command", metavar="COMMAND", title="commands")
 
-    ident = sub.add_parser("identity", help="create or show this node's key and PeerID")
+    ident = sub.add_parser("identity", help="create or show this node's key and print its PeerID",
+                           description="Create (mode 0600) or show this node's Ed25519 key and print its PeerID.")
     ident.add_argument("--identity", default=DEFAULT_IDENTITY, metavar="PATH",
                        help="Ed25519 key file, created with mode 0600 if absent (default: %(default)s)")
     _add_common(ident)

@@ -52,6 +52,10 @@ def _run_flags(ns: argparse.Namespace) -> list[str]:
         out += ["--model-config", ns.model_config]
     if ns.data:
         out += ["--data", ns.data]
+    if getattr(ns, "data_column", None) is not None:
+        out += ["--data-column", ns.data_column]
+    if getattr(ns, "data_max_bytes", None) is not None:
+        out += ["--data-max-bytes", str(ns.data_max_bytes)]
     if ns.error_feedback:
         out.append("--error-feedback")
     return out

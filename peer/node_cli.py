@@ -11,11 +11,23 @@ import sys
 
 log = logging.getLogger("geomesh-peer")
 
+# Defaults of --data-column / --data-max-bytes (kept in sync with geomesh_p2p.data.hub, which is
+# not imported here so that --help stays fast).
+DEFAULT_HF_COLUMN = "text"
+DEFAULT_HF_MAX_BYTES = 50_000_000
+
 
 def _positive_float(text: str) -> float:
     v = float(text)
     if not v > 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return v
+
+
+def _positive_int(text: str) -> int:
+    v = int(text)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
     return v
 
 
@@ -39,7 +51,13 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--run-id", default="geomesh-demo", help="name of the training run (default: %(default)s)")
     g.add_argument("--model", default="tiny", help="model preset: tiny, small, gpt2-124m, llama-tiny (default: %(default)s)")
     g.add_argument("--model-config", metavar="FILE.json", help="transformers config JSON instead of a preset")
-    g.add_argument("--data", metavar="PATH", help=".txt/.txt.xz/.jsonl/.parquet training text (default: the shipped KJV corpus)")
+    g.add_argument("--data", metavar="PATH|hf:NAME[:CONFIG][@SPLIT]",
+                   help=".txt/.txt.xz/.jsonl/.parquet training text, or a Hugging Face dataset streamed from the hub, "
+                        "e.g. hf:wikitext:wikitext-2-raw-v1@train (default: the shipped KJV corpus)")
+    g.add_argument("--data-column", metavar="NAME",
+                   help=f"with --data hf:...: the string column holding the text (default: {DEFAULT_HF_COLUMN})")
+    g.add_argument("--data-max-bytes", type=_positive_int, metavar="N",
+                   help=f"with --data hf:...: take only the first N bytes of text (default: {DEFAULT_HF_MAX_BYTES})")
     g.add_argument("--vocab-size", type=int, default=4096, help="byte-level BPE vocabulary (default: %(default)s)")
     g.add_argument("--seq-len", type=int, default=64, help="tokens per sequence (default: %(default)s)")
     g.add_argument("--seed", type=int, default=0, help="run seed: initial weights and data order (default: %(default)s)")
@@ -92,8 +110,22 @@ def add_node_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
 
 
+def data_spec_from(ns: argparse.Namespace) -> str | None:
+    """What the node loads: None (shipped corpus), a file path, or a canonical ``hf:`` spec that
+    carries --data-column / --data-max-bytes. Raises ValueError (DataError) with the spec."""
+    column, max_bytes = getattr(ns, "data_column", None), getattr(ns, "data_max_bytes", None)
+    if ns.data and ns.data.startswith("hf:"):
+        from geomesh_p2p.data.hub import parse_hf_spec
+
+        return parse_hf_spec(ns.data, column=column, max_bytes=max_bytes).canonical()
+    if column is not None or max_bytes is not None:
+        raise ValueError("--data-column and --data-max-bytes apply only to --data hf:NAME[:CONFIG][@SPLIT]")
+    return ns.data or None
+
+
 def run_config_from(ns: argparse.Namespace):
-    """Build the RunConfig; reads --model-config and fingerprints --data. Raises ValueError with the path."""
+    """Build the RunConfig; reads --model-config and fingerprints --data (an hf: spec is identified by its
+    canonical form). Raises ValueError with the path or spec."""
     import hashlib
     from pathlib import Path
 
@@ -109,7 +141,10 @@ def run_config_from(ns: argparse.Namespace):
         except json.JSONDecodeError as e:
             raise ValueError(f"--model-config {ns.model_config} is not valid JSON: {e}") from None
     data_id = "kjv"
-    if ns.data:
+    spec = data_spec_from(ns)
+    if spec is not None and spec.startswith("hf:"):
+        data_id = spec  # name, config, split, column, max bytes (and revision): all compared between peers
+    elif ns.data:
         p = Path(ns.data)
         if not p.is_file():
             raise ValueError(f"--data {ns.data}: no such file")
@@ -135,7 +170,7 @@ def node_config_from(ns: argparse.Namespace):
     return NodeConfig(
         bootstrap=ns.bootstrap, host=ns.host, port=ns.port, advertise_host=ns.advertise_host,
         client_only=ns.client_only, identity=ns.identity, device=ns.device, threads=ns.threads,
-        data_path=ns.data, model_config_file=ns.model_config, checkpoint_dir=ns.checkpoint_dir,
+        data_path=data_spec_from(ns), model_config_file=ns.model_config, checkpoint_dir=ns.checkpoint_dir,
         checkpoint_every=ns.checkpoint_every, checkpoint_keep=ns.checkpoint_keep, resume=ns.resume, rounds=ns.rounds, target_ppl=ns.target_ppl,
         min_peers=ns.min_peers, wait_peers_s=ns.wait_peers_s, speed_factor=ns.speed_factor,
         memory_budget_bytes=int(ns.memory_budget_gb * 2**30) if ns.memory_budget_gb else None,
@@ -207,7 +242,7 @@ def cmd_profile(ns: argparse.Namespace) -> int:
 
 
 def add_subcommands(sub, add_common) -> None:
-    join = sub.add_parser("join", help="train with a swarm", description="Join a GeoMesh swarm and train.")
+    join = sub.add_parser("join", help="train with a swarm (via one or more --bootstrap nodes)", description="Join a GeoMesh swarm and train.")
     add_node_flags(join)
     add_run_flags(join)
     add_common(join)
@@ -215,14 +250,15 @@ def add_subcommands(sub, add_common) -> None:
 
     from peer import demo
 
-    d = sub.add_parser("demo", help="a whole swarm on this machine (bootstrap + N peer processes)",
+    d = sub.add_parser("demo", help="a whole swarm on this machine (bootstrap + N peers)",
                        description=demo.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     demo.add_flags(d)
     add_run_flags(d)
     add_common(d)
     d.set_defaults(handler=demo.cmd_demo)
 
-    prof = sub.add_parser("profile", help="measure this device: memory, tokens/s per batch size")
+    prof = sub.add_parser("profile", help="measure this device: memory, tokens/s per batch size",
+                          description="Measure this device (memory, tokens/s per batch size) and print it.")
     prof.add_argument("--model", default="tiny", help="model preset to measure (default: %(default)s)")
     prof.add_argument("--seq-len", type=int, default=64, help="(default: %(default)s)")
     prof.add_argument("--batch-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 8, 16],

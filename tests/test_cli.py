@@ -74,3 +74,67 @@ def test_config_file_repeatable_flag_given_once(tmp_path):
     assert load_config_defaults(ap, str(cfg)) == {"bootstrap": ["127.0.0.1:31337"]}
     cfg.write_text("bootstrap: [a:1, b:2]\n")
     assert load_config_defaults(ap, str(cfg)) == {"bootstrap": ["a:1", "b:2"]}
+
+
+def test_help_lists_each_command_once_with_one_line(monkeypatch):
+    from peer.cli import build_parser
+
+    monkeypatch.setenv("COLUMNS", "80")
+    text = build_parser().format_help()
+    expected = {
+        "identity": "create or show this node's key and print its PeerID",
+        "join": "train with a swarm (via one or more --bootstrap nodes)",
+        "demo": "a whole swarm on this machine (bootstrap + N peers)",
+        "profile": "measure this device: memory, tokens/s per batch size",
+    }
+    lines = text.splitlines()
+    for name, help_text in expected.items():
+        hits = [l for l in lines if l.split()[:1] == [name]]
+        assert hits == [f"    {name:<8}  {help_text}"], text
+    assert "Subcommands:" not in text
+
+
+def _join_ns(*args):
+    from peer.cli import build_parser
+
+    return build_parser().parse_args(["join", *args])
+
+
+def test_hf_data_spec_goes_into_run_config():
+    from peer import node_cli
+    from geomesh_p2p.data import hub
+
+    assert (node_cli.DEFAULT_HF_COLUMN, node_cli.DEFAULT_HF_MAX_BYTES) == \
+        (hub.DEFAULT_HF_COLUMN, hub.DEFAULT_HF_MAX_BYTES)
+    ns = _join_ns("--data", "hf:wikitext:wikitext-2-raw-v1", "--data-max-bytes", "1000")
+    canonical = "hf:wikitext:wikitext-2-raw-v1@train?column=text&max_bytes=1000"
+    run = node_cli.run_config_from(ns)
+    assert run.data == canonical
+    assert node_cli.node_config_from(ns).data_path == canonical  # what the node loads
+    other = node_cli.run_config_from(_join_ns("--data", "hf:wikitext:wikitext-2-raw-v1",
+                                              "--data-max-bytes", "1000", "--data-column", "body"))
+    assert other.data == "hf:wikitext:wikitext-2-raw-v1@train?column=body&max_bytes=1000"
+    assert run.config_hash() != other.config_hash()
+    assert run.diff(other) == [f"data: {canonical!r} vs {other.data!r}"]
+    # the defaults, spelled out or not, give the same identifier
+    a = node_cli.run_config_from(_join_ns("--data", "hf:wikitext"))
+    b = node_cli.run_config_from(_join_ns("--data", "hf:wikitext@train", "--data-column", "text",
+                                          "--data-max-bytes", "50000000"))
+    assert a.data == b.data == "hf:wikitext@train?column=text&max_bytes=50000000"
+    assert node_cli.node_config_from(_join_ns()).data_path is None
+
+
+def test_join_bad_data_flags_fail_in_one_line(tmp_path, capsys):
+    key = str(tmp_path / "id.key")
+    assert main(["join", "--identity", key, "--data", "hf:wikitext?max_bytes=0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "geomesh-peer join: bad data spec 'hf:wikitext?max_bytes=0': max_bytes must be >= 1, got 0"
+    (tmp_path / "t.txt").write_text("text")
+    assert main(["join", "--identity", key, "--data", str(tmp_path / "t.txt"), "--data-column", "body"]) == 2
+    assert capsys.readouterr().err.strip() == ("geomesh-peer join: --data-column and --data-max-bytes apply "
+                                               "only to --data hf:NAME[:CONFIG][@SPLIT]")
+    with pytest.raises(SystemExit) as ei:
+        main(["join", "--data", "hf:wikitext", "--data-max-bytes", "0"])
+    assert ei.value.code == 2
+    assert "--data-max-bytes: must be >= 1, got 0" in capsys.readouterr().err
+    assert not os.path.exists(key)  # refused before creating anything

@@ -3,14 +3,15 @@
 import json
 import lzma
 import re
+import sys
 
 import pytest
 import torch
 
 import geomesh_p2p.data.tokenizer as tokmod
-from geomesh_p2p.data import (DataError, TokenDataset, batch_seed, encode_corpus,
-                              get_tokenizer, load_dataset, load_text, tokenizer_key,
-                              train_tokenizer)
+from geomesh_p2p.data import (DataError, HFSpec, TokenDataset, batch_seed, encode_corpus,
+                              get_tokenizer, load_dataset, load_text, parse_hf_spec,
+                              tokenizer_key, train_tokenizer)
 
 
 @pytest.fixture(scope="module")
@@ -218,3 +219,217 @@ def test_seq_len_too_long(tmp_path):
     (tmp_path / "t.txt").write_text("In the beginning. " * 40)
     with pytest.raises(DataError, match="too few tokens"):
         load_dataset(tmp_path / "t.txt", seq_len=512, vocab_size=300, cache_dir=tmp_path)
+
+
+# --- Hugging Face datasets: --data hf:NAME[:CONFIG][@SPLIT] ---------------------------
+# Nothing here reaches the network: specs are parsed offline, real loads read a local
+# directory through `datasets` in offline mode, and one test fakes the loader.
+
+@pytest.fixture
+def hf_offline(monkeypatch, tmp_path):
+    """`datasets` in offline mode (env vars for a fresh import, constants if already imported)."""
+    for var in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"):
+        monkeypatch.setenv(var, "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf-home" / "datasets"))
+    import datasets  # a dependency: fail, do not skip, if it is missing
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    return datasets
+
+
+def _write_jsonl(path, rows):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+
+
+HF_ROWS = [{"text": "First doc.", "body": "b1"},
+           {"text": "", "body": "b2"},           # empty: skipped
+           {"text": None, "body": "b3"},         # null: skipped
+           {"text": "Café au lait", "body": "b4"},
+           {"text": "third", "body": "b5"}]
+
+
+def test_hf_spec_parsing_exact_fields():
+    s = parse_hf_spec("hf:wikitext:wikitext-2-raw-v1@train")
+    assert s == HFSpec(name="wikitext", config="wikitext-2-raw-v1", split="train", column="text",
+                       max_bytes=50_000_000, revision=None)
+    assert s.canonical() == "hf:wikitext:wikitext-2-raw-v1@train?column=text&max_bytes=50000000"
+    assert parse_hf_spec(s.canonical()) == s and str(s) == s.canonical()
+    assert parse_hf_spec("hf:wikitext") == HFSpec(name="wikitext", config=None, split="train",
+                                                   column="text", max_bytes=50_000_000)
+    assert parse_hf_spec("hf:Salesforce/wikitext@validation?column=body&max_bytes=1000&revision=abc123") \
+        == HFSpec(name="Salesforce/wikitext", config=None, split="validation", column="body",
+                  max_bytes=1000, revision="abc123")
+    assert parse_hf_spec("hf:org/ds:cfg?revision=v1.0").canonical() \
+        == "hf:org/ds:cfg@train?column=text&max_bytes=50000000&revision=v1.0"
+    # --data-column / --data-max-bytes fill in what the spec leaves out
+    assert parse_hf_spec("hf:/data/dir@test", column="content", max_bytes=123) \
+        == HFSpec(name="/data/dir", config=None, split="test", column="content", max_bytes=123)
+    assert parse_hf_spec("hf:x?column=c&max_bytes=5", column="c", max_bytes=5).canonical() \
+        == "hf:x@train?column=c&max_bytes=5"
+    # every field is in the identifier: specs that differ in any of them differ
+    ids = {parse_hf_spec(x).canonical() for x in [
+        "hf:a", "hf:b", "hf:a:c1", "hf:a@test", "hf:a?column=body", "hf:a?max_bytes=10",
+        "hf:a?revision=r1"]}
+    assert len(ids) == 7
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("hf:", "no dataset name"),
+    ("hf:@train", "no dataset name"),
+    ("hf:wikitext:", "empty config"),
+    ("hf:wikitext@", "empty split"),
+    ("hf:wiki text", "whitespace"),
+    ("hf:x?max_bytes=0", "max_bytes must be >= 1, got 0"),
+    ("hf:x?max_bytes=lots", "max_bytes must be an integer, got 'lots'"),
+    ("hf:x?column=", "empty column name"),
+    ("hf:x?revision=", "empty revision"),
+    ("hf:x?colum=text", "unknown option 'colum'"),
+    ("hf:x?column=a&column=b", "option 'column' given twice"),
+    ("wikitext", "starts with 'hf:'"),
+])
+def test_hf_bad_spec_is_dataerror_naming_it(spec, message):
+    with pytest.raises(DataError) as ei:
+        parse_hf_spec(spec)
+    msg = str(ei.value)
+    assert message in msg and repr(spec) in msg and "\n" not in msg
+
+
+def test_hf_spec_conflicting_options():
+    with pytest.raises(DataError, match=r"column='a' in the spec but 'b' given separately"):
+        parse_hf_spec("hf:x?column=a", column="b")
+    with pytest.raises(DataError, match=r"max_bytes=10 in the spec but 20 given separately"):
+        parse_hf_spec("hf:x?max_bytes=10", max_bytes=20)
+    with pytest.raises(DataError, match=r"max_bytes must be >= 1, got -1"):
+        parse_hf_spec("hf:x", max_bytes=-1)
+
+
+@pytest.mark.timeout(60)
+def test_hf_local_directory_exact_text_and_truncation(tmp_path, hf_offline):
+    d = tmp_path / "corpus"
+    _write_jsonl(d / "train.jsonl", HF_ROWS)
+    full = "First doc.\n\nCafé au lait\n\nthird"
+    assert load_text(f"hf:{d}") == full
+    assert load_text(f"hf:{d}@train?column=body") == "b1\n\nb2\n\nb3\n\nb4\n\nb5"
+    # max_bytes counts UTF-8 bytes of the joined text and cuts exactly there ...
+    assert load_text(f"hf:{d}?max_bytes=12") == "First doc.\n\n"
+    assert load_text(f"hf:{d}?max_bytes=15") == "First doc.\n\nCaf"
+    # ... except inside a character, which is dropped whole ("é" is bytes 16 and 17)
+    assert load_text(f"hf:{d}?max_bytes=16") == "First doc.\n\nCaf"
+    assert load_text(f"hf:{d}?max_bytes=17") == "First doc.\n\nCafé"
+    assert len(full.encode()) == 32
+    assert load_text(f"hf:{d}?max_bytes=31") == full[:-1]
+    assert load_text(f"hf:{d}?max_bytes=32") == full == load_text(f"hf:{d}?max_bytes=10000")
+
+
+@pytest.mark.timeout(60)
+def test_hf_errors_name_the_spec(tmp_path, hf_offline, monkeypatch):
+    d = tmp_path / "corpus"
+    _write_jsonl(d / "train.jsonl", HF_ROWS)
+    # column absent
+    with pytest.raises(DataError) as ei:
+        load_text(f"hf:{d}?column=content")
+    assert str(ei.value) == (f"data hf:{d}@train?column=content&max_bytes=50000000: no column 'content' "
+                             "(columns: text, body); choose one with --data-column")
+    # split absent
+    with pytest.raises(DataError, match=r"@validation\?column=text&max_bytes=50000000: cannot load .*validation"):
+        load_text(f"hf:{d}@validation")
+    # a hub dataset while offline: says so and suggests a local copy
+    with pytest.raises(DataError) as ei:
+        load_text("hf:wikitext:wikitext-2-raw-v1@train")
+    msg = str(ei.value)
+    assert msg.startswith("data hf:wikitext:wikitext-2-raw-v1@train?column=text&max_bytes=50000000: "
+                          "offline mode is on")
+    assert "pass a local file" in msg and "\n" not in msg
+    # only empty rows
+    _write_jsonl(tmp_path / "empty" / "train.jsonl", [{"text": ""}, {"text": None}])
+    with pytest.raises(DataError, match="no text in column 'text'"):
+        load_text(f"hf:{tmp_path / 'empty'}")
+    # the datasets package missing
+    monkeypatch.setitem(sys.modules, "datasets", None)
+    with pytest.raises(DataError) as ei:
+        load_text("hf:wikitext")
+    assert str(ei.value) == ("data hf:wikitext@train?column=text&max_bytes=50000000: reading a Hugging Face "
+                             "dataset needs the 'datasets' package (pip install datasets)")
+
+
+class _FakeStream:
+    """Stands in for datasets.IterableDataset; counts the rows consumed."""
+
+    def __init__(self, rows, column_names=None):
+        self.rows, self.column_names, self.consumed = rows, column_names, 0
+
+    def __iter__(self):
+        for r in self.rows:
+            self.consumed += 1
+            yield r
+
+
+@pytest.mark.timeout(60)
+def test_hf_streams_only_what_max_bytes_needs(monkeypatch):
+    import types
+
+    calls = []
+    stream = _FakeStream([{"text": "x" * 10}] * 1000)  # column_names None: checked per row
+
+    def fake_load_dataset(*args, **kwargs):
+        calls.append((args, kwargs))
+        return stream
+
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=fake_load_dataset))
+    text = load_text("hf:org/big:cfg@train?max_bytes=25&revision=0123abc")
+    assert text == "x" * 10 + "\n\n" + "x" * 10 + "\n\n" + "x"
+    assert calls == [(("org/big", "cfg"), {"split": "train", "streaming": True, "revision": "0123abc"})]
+    assert stream.consumed == 3  # 10 + 2 + 10 + 2 + 10 >= 25: stops reading
+    stream.rows = [{"text": "ok"}, {"body": "no text"}]
+    with pytest.raises(DataError, match=r"row 1 has no column 'text' \(columns: body\)"):
+        load_text("hf:org/big")
+    stream.rows = [{"text": ["a", "list"]}]
+    with pytest.raises(DataError, match=r"column 'text' is not text \(row 0 holds a list\)"):
+        load_text("hf:org/big")
+
+    def unreachable(*args, **kwargs):
+        raise ConnectionError("Couldn't reach 'org/big' on the Hub (LocalEntryNotFoundError)")
+
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=unreachable))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+    with pytest.raises(DataError) as ei:
+        load_text("hf:org/big")
+    assert str(ei.value).startswith("data hf:org/big@train?column=text&max_bytes=50000000: this machine "
+                                    "cannot reach the Hugging Face hub (offline?): Couldn't reach")
+
+    class ConnectError(Exception):  # as httpx names it, raised while streaming rows
+        pass
+
+    def broken_rows():
+        yield {"text": "one"}
+        raise ConnectError("[Errno -3] Temporary failure in name resolution")
+
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(
+        load_dataset=lambda *a, **k: _FakeStream(broken_rows())))
+    with pytest.raises(DataError, match=r"^data hf:org/big@train\?column=text&max_bytes=50000000: this machine "
+                                        r"cannot reach the Hugging Face hub \(offline\?\): \[Errno -3\]"):
+        load_text("hf:org/big")
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(
+        load_dataset=lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom\nsecond line"))))
+    with pytest.raises(DataError) as ei:
+        load_text("hf:org/big")
+    assert str(ei.value) == "data hf:org/big@train?column=text&max_bytes=50000000: cannot load (RuntimeError: boom)"
+
+
+@pytest.mark.timeout(60)
+def test_hf_dataset_end_to_end(tmp_path, hf_offline, kjv):
+    d = tmp_path / "corpus"
+    docs = [kjv[i:i + 3_000] for i in range(0, 60_000, 3_000)]
+    _write_jsonl(d / "train.jsonl", [{"text": t} for t in docs])
+    spec = f"hf:{d}?max_bytes=40000"
+    ds1 = load_dataset(spec, seq_len=32, vocab_size=300, cache_dir=tmp_path / "c")
+    # 13 whole documents and their separators (39,026 bytes), then 974 bytes of the 14th (ASCII)
+    assert load_text(spec) == "\n\n".join(docs[:13]) + "\n\n" + docs[13][:974]
+    ds2 = load_dataset(spec, seq_len=32, vocab_size=300, cache_dir=tmp_path / "c")
+    assert ds1.fingerprint == ds2.fingerprint and torch.equal(ds1.train, ds2.train)

@@ -2,7 +2,8 @@
 
 Public API:
 
-* :func:`load_text` — the shipped KJV corpus or a .txt / .txt.xz / .jsonl / .parquet file.
+* :func:`load_text` — the shipped KJV corpus, a .txt / .txt.xz / .jsonl / .parquet file, or a
+  Hugging Face dataset spec ``hf:NAME[:CONFIG][@SPLIT]`` (:func:`parse_hf_spec`).
 * :func:`get_tokenizer` — byte-level BPE trained on the corpus (shipped / cached) or a
   user ``tokenizer.json``.
 * :class:`TokenDataset` — token ids with a fixed held-out split; deterministic per-peer
@@ -13,6 +14,7 @@ Public API:
 
 from .corpus import DataError, cache_dir_default, load_text
 from .dataset import TokenDataset, batch_seed, load_dataset
+from .hub import HFSpec, is_hf_spec, load_hf_text, parse_hf_spec
 from .tokenizer import (EOS_TOKEN, encode_corpus, get_tokenizer, tokenizer_fingerprint,
                         tokenizer_key, train_tokenizer)
 
@@ -21,4 +23,5 @@ __all__ = [
     "get_tokenizer", "train_tokenizer", "tokenizer_key", "tokenizer_fingerprint",
     "encode_corpus", "EOS_TOKEN",
     "TokenDataset", "load_dataset", "batch_seed",
+    "HFSpec", "is_hf_spec", "parse_hf_spec", "load_hf_text",
 ]

@@ -1,4 +1,4 @@
-"""Reading raw training text: the shipped KJV corpus or a user file.
+"""Reading raw training text: the shipped KJV corpus, a user file or a Hugging Face dataset.
 
 The shipped corpus, ``geomesh_p2p/data/kjv.txt.xz``, is the King James Version of the
 Bible from Debian's ``bible-kjv-text`` 4.38 with every verse reference removed (one verse
@@ -82,17 +82,25 @@ def load_text(path: str | os.PathLike | None = None) -> str:
     """Return a corpus as one ``str``.
 
     Args:
-        path: ``None`` for the shipped KJV corpus; otherwise a file ending in
+        path: ``None`` for the shipped KJV corpus; a Hugging Face dataset spec
+            ``hf:NAME[:CONFIG][@SPLIT][?column=COL&max_bytes=N&revision=REV]`` (a string;
+            see :mod:`geomesh_p2p.data.hub`); otherwise a file ending in
             ``.txt`` (UTF-8), ``.txt.xz`` / ``.xz`` (lzma-compressed UTF-8), ``.jsonl``
             (one JSON object a line, field ``"text"``; documents joined with a blank
             line) or ``.parquet`` (column ``"text"``, read with pyarrow if installed).
+            A file whose name starts with ``hf:`` needs a directory in front (``./hf:x.txt``).
 
     Raises:
         DataError: the path does not exist, is not a readable file, is not valid UTF-8,
-            has an unsupported suffix, lacks the ``text`` field/column, or is empty.
+            has an unsupported suffix, lacks the ``text`` field/column, or is empty; for an
+            ``hf:`` spec, see :func:`geomesh_p2p.data.hub.load_hf_text`.
     """
     if path is None:
         return lzma.decompress(_shipped_bytes()).decode("ascii")
+    if isinstance(path, str) and path.startswith("hf:"):
+        from .hub import load_hf_text  # imported here: hub imports this module
+
+        return load_hf_text(path)
     p = Path(path).expanduser()
     if not p.exists():
         raise DataError(f"data file not found: {p}")

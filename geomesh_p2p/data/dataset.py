@@ -150,8 +150,8 @@ def load_dataset(data: str | os.PathLike | None, seq_len: int, vocab_size: int =
     """Load, tokenize (cached) and split a corpus.
 
     Args:
-        data: a path accepted by :func:`~geomesh_p2p.data.load_text`, or ``None`` for
-            the shipped KJV corpus.
+        data: a path or ``hf:`` dataset spec accepted by
+            :func:`~geomesh_p2p.data.load_text`, or ``None`` for the shipped KJV corpus.
         seq_len: training window length; both splits must hold at least one window.
         vocab_size: BPE vocabulary size when training the tokenizer (ignored with
             ``tokenizer_file``).

@@ -1,0 +1,144 @@
+"""RoundLog: the round table, --log-json lines and the Prometheus endpoint (--metrics-port)."""
+
+from __future__ import annotations
+
+import json
+import math
+import socket
+import threading
+import time
+import urllib.request
+
+import pytest
+
+from geomesh_p2p.metrics import HEADER, RoundLog, RoundRecord, format_row
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def _record(**over) -> RoundRecord:
+    fields = dict(round=7, peers=3, leader="peerA", batch_size=16, inner_steps_planned=9,
+                  inner_steps_done=8, tokens=8192, train_loss=4.5, eval_ppl=250.25, compute_s=6.0,
+                  straggler_idle_s=1.0, network_idle_s=0.5, round_s=8.0, bytes_sent=200_000,
+                  bytes_received=300_000, digest="abcdef0123456789", digest_agree=True,
+                  contributors=3, missing_parts=0, time=1_700_000_000.5)
+    fields.update(over)
+    return RoundRecord(**fields)
+
+
+def _scrape(port: int) -> dict[str, float]:
+    """GET /metrics (no proxy, 5 s timeout) -> {sample name: value} for the geomesh_* samples."""
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    with opener.open(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+        assert resp.status == 200
+        body = resp.read().decode()
+    out = {}
+    for line in body.splitlines():
+        if line.startswith("geomesh_") and not line.split()[0].endswith("_created"):
+            name, value = line.split()
+            out[name] = float(value)
+    return out
+
+
+@pytest.fixture
+def served():
+    """A RoundLog serving metrics on a free port of 127.0.0.1; closed (and checked closed) after."""
+    before = set(threading.enumerate())
+    printed: list[str] = []
+    rl = RoundLog(metrics_port=0, metrics_host="127.0.0.1", print_fn=printed.append)
+    thread = rl._thread
+    try:
+        yield rl, printed
+    finally:
+        port = rl.metrics_port
+        rl.close()
+    # close() stopped the server: the serving thread ended, the port refuses, no thread is left over
+    assert rl.metrics_port is None and rl._thread is None
+    assert thread is not None and not thread.is_alive()
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()
+    deadline = time.monotonic() + 5
+    while set(threading.enumerate()) - before and time.monotonic() < deadline:
+        time.sleep(0.02)  # a request handler thread may still be returning
+    assert not set(threading.enumerate()) - before
+
+
+def test_prometheus_gauges_exact(served):
+    rl, printed = served
+    port = rl.metrics_port
+    assert isinstance(port, int) and port > 0
+    assert rl._server.server_address[0] == "127.0.0.1"
+    rl.add(_record())
+    assert printed == [HEADER, format_row(_record())]
+    m = _scrape(port)
+    assert m == {
+        "geomesh_round": 7.0,
+        "geomesh_peers": 3.0,
+        "geomesh_train_loss": 4.5,
+        "geomesh_eval_perplexity": 250.25,
+        "geomesh_straggler_idle_ratio": 0.125,   # 1.0 s of an 8.0 s round
+        "geomesh_network_idle_ratio": 0.0625,    # 0.5 s of 8.0 s
+        "geomesh_round_seconds": 8.0,
+        "geomesh_tokens_total": 8192.0,
+        "geomesh_sent_bytes_total": 200_000.0,
+        "geomesh_received_bytes_total": 300_000.0,
+    }
+    # next round: gauges are replaced, counters add up, a round without eval keeps the last ppl
+    rl.add(_record(round=8, peers=2, train_loss=4.25, eval_ppl=None, straggler_idle_s=0.0,
+                   network_idle_s=2.0, round_s=4.0, tokens=1000, bytes_sent=1, bytes_received=2))
+    assert printed[0] == HEADER and len(printed) == 3
+    assert _scrape(port) == {
+        "geomesh_round": 8.0,
+        "geomesh_peers": 2.0,
+        "geomesh_train_loss": 4.25,
+        "geomesh_eval_perplexity": 250.25,
+        "geomesh_straggler_idle_ratio": 0.0,
+        "geomesh_network_idle_ratio": 0.5,
+        "geomesh_round_seconds": 4.0,
+        "geomesh_tokens_total": 9192.0,
+        "geomesh_sent_bytes_total": 200_001.0,
+        "geomesh_received_bytes_total": 300_002.0,
+    }
+
+
+def test_close_is_idempotent_and_no_server_without_port(tmp_path):
+    rl = RoundLog(print_fn=lambda _: None)
+    assert rl.metrics_port is None
+    rl.add(_record())  # no gauges, no file: nothing to do but print
+    rl.close()
+    rl.close()
+    served = RoundLog(metrics_port=0, print_fn=lambda _: None)
+    thread = served._thread
+    served.close()
+    served.close()
+    assert not thread.is_alive()
+
+
+def test_json_lines_exact(tmp_path):
+    path = tmp_path / "logs" / "rounds.jsonl"  # the folder is created
+    rl = RoundLog(json_path=str(path), print_fn=lambda _: None)
+    rl.add(_record())
+    rl.add(_record(round=8, train_loss=math.nan, eval_ppl=None, digest_agree=None, round_s=0.0,
+                   extra={"note": "x"}))
+    rl.close()
+    lines = path.read_text().splitlines()
+    assert len(lines) == 2
+    first = json.loads(lines[0])
+    assert first == {
+        "round": 7, "peers": 3, "leader": "peerA", "batch_size": 16, "inner_steps_planned": 9,
+        "inner_steps_done": 8, "tokens": 8192, "train_loss": 4.5, "eval_ppl": 250.25,
+        "compute_s": 6.0, "straggler_idle_s": 1.0, "network_idle_s": 0.5, "round_s": 8.0,
+        "bytes_sent": 200_000, "bytes_received": 300_000, "digest": "abcdef0123456789",
+        "digest_agree": True, "contributors": 3, "missing_parts": 0, "time": 1_700_000_000.5,
+        "extra": {}, "straggler_idle_pct": 12.5, "network_idle_pct": 6.25,
+    }
+    second = json.loads(lines[1])  # strict JSON: NaN became null; a 0 s round gives 0 %
+    assert "NaN" not in lines[1]
+    assert {k: second[k] for k in ("round", "train_loss", "eval_ppl", "digest_agree", "round_s",
+                                   "straggler_idle_pct", "network_idle_pct", "extra")} == {
+        "round": 8, "train_loss": None, "eval_ppl": None, "digest_agree": None, "round_s": 0.0,
+        "straggler_idle_pct": 0.0, "network_idle_pct": 0.0, "extra": {"note": "x"}}
+    # appending: a new RoundLog on the same file adds lines after the old ones
+    rl2 = RoundLog(json_path=str(path), print_fn=lambda _: None)
+    rl2.add(_record(round=9))
+    assert [json.loads(l)["round"] for l in path.read_text().splitlines()] == [7, 8, 9]
