@@ -143,6 +143,9 @@ async def serve(ns: argparse.Namespace, identity) -> int:
     transport = Transport(identity, ns.run_id, TransportConfig(host=ns.host, port=ns.port, advertise_host=advertise))
     node = DHTNode(transport, k=ns.k, alpha=ns.alpha, rpc_timeout_s=ns.rpc_timeout,
                    refresh_period_s=ns.refresh_period, republish_period_s=ns.republish_period)
+    from geomesh_p2p.links import LinkProbeService
+
+    LinkProbeService(transport)  # joining peers measure their link against the bootstrap
     try:
         address = await transport.start()
     except (OSError, RuntimeError) as e:

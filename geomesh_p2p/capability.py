@@ -711,8 +711,10 @@ def format_profile_table(result: Mapping[str, Any]) -> str:
     bw = result.get("bandwidth")
     if bw:
         up, down = bw.get("upload_bps"), bw.get("download_bps")
+        how = (f"measured against {bw['measured_against']}, RTT {1000 * bw.get('rtt_s', 0.0):.1f} ms"
+               if bw.get("measured_against") else "stated")
         lines.append(
-            f"bandwidth   up {_fmt_bytes(up)}/s, down {_fmt_bytes(down)}/s (stated)"
+            f"bandwidth   up {_fmt_bytes(up)}/s, down {_fmt_bytes(down)}/s ({how})"
             if (up or down)
             else "bandwidth   not stated"
         )

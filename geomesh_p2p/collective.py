@@ -52,6 +52,7 @@ from google.protobuf.message import DecodeError
 
 from geomesh_p2p import compression
 from geomesh_p2p.identity import EnvelopeError, PeerID, Verified, Verifier
+from geomesh_p2p.links import LinkSample, link_sample
 from geomesh_p2p.transport import COLLECTIVE_PULL, COLLECTIVE_PUSH, RpcError, TaskOwner, Transport
 from geomesh_p2p.wire import collective_pb2, envelope_pb2
 
@@ -84,6 +85,11 @@ def _pid_str(p: Union[PeerID, str, bytes]) -> str:
 
 def _pid_bytes(p: str) -> bytes:
     return bytes(PeerID.from_string(p))
+
+
+def _held(stated: float, call_s: float) -> float:
+    """A server's stated hold (seconds), clamped to [0, call_s]; a bogus value counts as 0."""
+    return min(max(0.0, float(stated)), call_s) if math.isfinite(stated) else 0.0
 
 
 def _short(p: str) -> str:
@@ -384,6 +390,9 @@ class AllReduceResult:
         wall_s: seconds the call took.
         last_compute_end: unix seconds when the last contributor (of any part) finished its inner
             steps, as the senders stated it: the barrier for straggler-idle accounting (0 if unknown).
+        upload / download: this node's pushes to other owners and its pulls of ready results as
+            :class:`~geomesh_p2p.links.LinkSample` (payload bytes over the busy time of the link,
+            the owners' stated hold taken out), or None when nothing crossed the network.
     """
 
     aggregate: torch.Tensor
@@ -394,6 +403,8 @@ class AllReduceResult:
     bytes_received: int
     wall_s: float
     last_compute_end: float = 0.0
+    upload: Optional[LinkSample] = None
+    download: Optional[LinkSample] = None
 
     def tokens(self, part: int) -> int:
         """Total tokens aggregated in ``part`` (0 if missing)."""
@@ -426,6 +437,8 @@ class _RoundState:
     cache: dict[int, bytes] = field(default_factory=dict)  # owner-signed results pulled from others
     contributing: bool = False
     compute_end: float = 0.0  # this node's, carried in its contributions
+    # (direction "up"/"down", payload bytes, start, end) in monotonic seconds, server hold taken out
+    transfers: list[tuple[str, int, float, float]] = field(default_factory=list)
 
 
 # ------------------------------------------------------------------------------------ service
@@ -623,6 +636,7 @@ class CollectiveService:
                              if math.isfinite(c.compute_end) else 0.0)
 
     async def _handle_push(self, verified: Verified, context) -> bytes:
+        t_in = time.monotonic()
         caller = verified.sender.to_string()
         round_, part_ix = verified.round, None
         try:
@@ -646,7 +660,9 @@ class CollectiveService:
             part = state.parts.get(part_ix)
             if part is None:
                 raise EnvelopeError(Code.NOT_FOUND, f"this node does not own part {part_ix} of round {spec.round}")
-            return self._accept(state, part, c).SerializeToString()
+            resp = self._accept(state, part, c)
+            resp.held_s = time.monotonic() - t_in  # lets the sender time its upload without our work
+            return resp.SerializeToString()
         except EnvelopeError as err:
             self._log_once((round_, caller, "push", err.code), logging.WARNING,
                            "round %d: refused part %s from %s: %s: %s", round_,
@@ -753,8 +769,8 @@ class CollectiveService:
                 if not part.ready.is_set():
                     return not_ready.SerializeToString()
                 signed = part.signed_result
-            return collective_pb2.PullPartResponse(round=req.round, part=req.part, ready=True,
-                                                   signed_result=signed).SerializeToString()
+            return collective_pb2.PullPartResponse(round=req.round, part=req.part, ready=True, signed_result=signed,
+                                                   held_s=time.monotonic() - t0).SerializeToString()
         except EnvelopeError as err:
             if err.code != Code.NOT_FOUND:
                 self._log_once((verified.round, caller, "pull", err.code), logging.WARNING,
@@ -834,8 +850,10 @@ class CollectiveService:
             log.warning("round %d: parts %s have no result (owner gone or refused): zero update for %s", spec.round,
                         missing, ", ".join(f"[{spec.owners[j].start}, {spec.owners[j].end})" for j in missing))
         s_after = self._collective_bytes()
+        up = link_sample((n, a, b) for d, n, a, b in state.transfers if d == "up")
+        down = link_sample((n, a, b) for d, n, a, b in state.transfers if d == "down")
         return AllReduceResult(aggregate, contributors, missing, pushed, s_after[0] - s_before[0],
-                               s_after[1] - s_before[1], time.time() - t0, last_compute_end)
+                               s_after[1] - s_before[1], time.time() - t0, last_compute_end, up, down)
 
     def _collective_bytes(self) -> tuple[int, int]:
         by = self.transport.stats.by_method
@@ -891,8 +909,10 @@ class CollectiveService:
                             _short(owner.peer_id))
                 return False
             try:
+                t_call = time.monotonic()
                 reply = await self.transport.call(owner.address, COLLECTIVE_PUSH, payload, round=spec.round,
                                                   timeout=remaining + self.push_grace_s)
+                t_reply = time.monotonic()
             except RpcError as e:
                 if e.code in _RETRY_PUSH and spec.deadline - time.time() > 0:
                     await asyncio.sleep(min(delay, max(0.0, spec.deadline - time.time())))
@@ -906,7 +926,10 @@ class CollectiveService:
                 log.warning("round %d: part %d: %s answered instead of owner %s", spec.round, j,
                             reply.sender.short(), _short(owner.peer_id))
                 return False
-            return collective_pb2.PushPartResponse.FromString(reply.payload).accepted
+            resp = collective_pb2.PushPartResponse.FromString(reply.payload)
+            # The bytes were on the wire before the owner's handler ran: its hold ends the interval early.
+            state.transfers.append(("up", len(payload), t_call, t_reply - _held(resp.held_s, t_reply - t_call)))
+            return resp.accepted
 
     async def _obtain(self, state: _RoundState, j: int) -> Optional[tuple[torch.Tensor, list[tuple[str, int]], float]]:
         """Result of part ``j`` as (fp32 [size], contributors), or None if none by the pull deadline."""
@@ -952,10 +975,17 @@ class CollectiveService:
             wait_s = max(0.0, min(self.long_poll_s, remaining - 0.25))
             req = collective_pb2.PullPartRequest(round=spec.round, part=j, wait_s=wait_s, spec_id=spec.spec_id)
             try:
+                t_call = time.monotonic()
                 reply = await self.transport.call(owner.address, COLLECTIVE_PULL, req.SerializeToString(),
                                                   round=spec.round, timeout=remaining)
+                t_reply = time.monotonic()
                 resp = collective_pb2.PullPartResponse.FromString(reply.payload)
                 if resp.ready:
+                    # The long poll comes first, the result's bytes after it: the hold starts the interval late.
+                    state = self._rounds.get(spec.round)
+                    if state is not None:
+                        state.transfers.append(("down", len(reply.payload),
+                                                t_call + _held(resp.held_s, t_reply - t_call), t_reply))
                     return resp.signed_result
                 if wait_s < 0.05:
                     await asyncio.sleep(min(0.05, max(0.0, spec.pull_deadline - time.time())))

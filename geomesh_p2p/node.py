@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Literal, Optional
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 import geomesh_p2p
 from geomesh_p2p.identity import Identity
@@ -39,6 +39,9 @@ from geomesh_p2p.records import PeerRecord
 from geomesh_p2p.transport import Transport, TransportConfig
 
 log = logging.getLogger(__name__)
+
+#: Bandwidth assumed for a direction that is neither stated nor measured yet (bytes/s, 800 Mbit/s).
+DEFAULT_LINK_BPS = 1e8
 
 
 class RunConfig(BaseModel):
@@ -53,7 +56,7 @@ class RunConfig(BaseModel):
     vocab_size: int = 4096
     seq_len: int = 64
     seed: int = 0
-    method: Literal["geomesh", "awb", "css", "diloco"] = "geomesh"
+    method: Literal["geomesh", "awb", "css", "diloco", "ddp"] = "geomesh"
     mode: Literal["relay", "reencode"] = "reencode"
     aggregate_encoding: Literal["sign", "int8", "fp16"] = "sign"
     block_size: int = 2048
@@ -70,6 +73,12 @@ class RunConfig(BaseModel):
     uniform_inner_steps: int = 20
     comm_share: float = 0.1
     max_inner_steps: int = 200
+
+    @model_validator(mode="after")
+    def _ddp_uses_adamw(self) -> "RunConfig":
+        if self.method == "ddp" and self.inner_optimizer != "adamw":
+            raise ValueError("method 'ddp' applies AdamW to the averaged gradient; use inner_optimizer 'adamw'")
+        return self
 
     def config_hash(self) -> str:
         """First 16 hex chars of SHA-256 of the canonical JSON of this config."""
@@ -108,9 +117,13 @@ class NodeConfig(BaseModel):
     memory_budget_bytes: Optional[int] = None
     upload_bps: Optional[float] = None
     download_bps: Optional[float] = None
+    probe_bytes: int = Field(4 << 20, gt=0, le=16 << 20, description="bytes each way of the start-up link probe")
+    min_link_sample_bytes: int = Field(64 << 10, ge=1, description="smallest round sample used to update a link EMA")
+    ema_alpha: float = Field(0.3, gt=0, le=1, description="weight of a new measurement in the re-profiling EMAs")
     added_latency_s: float = 0.0
     profile_batches: list[int] = Field(default_factory=lambda: [4, 8, 16])
     eval_batches: int = 8
+    eval_every: int = Field(1, ge=1, description="evaluate every this many rounds (and at the last)")
     announce_period_s: float = 2.0
     plan_timeout_s: float = 4.0
     gather_wait_s: float = 4.0
@@ -139,7 +152,9 @@ class PeerNode:
         self.time_to_target: Optional[float] = None
         self._t_start = time.time()
         self.transport: Optional[Transport] = None
-        self.tps_ema: dict[int, float] = {}
+        self.ema = None  # capability.ThroughputEMA: tokens/s per micro-batch and link bytes/s, re-profiled
+        self.rtt_s = 0.0  # round-trip time to the probed node (seconds), taken out of link samples
+        self.max_batch = 1
         self._syncing = False
 
     # ------------------------------------------------------------------ setup
@@ -152,6 +167,7 @@ class PeerNode:
     async def start(self) -> None:
         from geomesh_p2p.collective import CollectiveService
         from geomesh_p2p.dht import DHTNode
+        from geomesh_p2p.links import LinkProbeService
         from geomesh_p2p.round import PlanStore
         from geomesh_p2p.state_sync import StateServer
 
@@ -164,9 +180,11 @@ class PeerNode:
         self.dht = DHTNode(self.transport, join_attempts=8)
         self.collective = CollectiveService(self.transport)
         self.state_server = StateServer(self.transport)
+        LinkProbeService(self.transport)
         address = await self.transport.start()
         log.info("peer %s serving on %s", self.identity.peer_id.short(), address or "(client-only)")
         await self.dht.join(c.bootstrap)
+        probed = await self._probe_links()
         from geomesh_p2p.dht import PeerAnnouncer
 
         self.announcer = PeerAnnouncer(self.dht, self.my_record, period_s=c.announce_period_s,
@@ -174,6 +192,7 @@ class PeerNode:
         self.plans = PlanStore(self.dht, self.identity, self.run_cfg.run_id)
         # Off the event loop: tokenizing and profiling take seconds, and the DHT must keep answering.
         await asyncio.to_thread(self._build_training)
+        self._init_ema(probed)
         self.round_log = RoundLog(c.log_json, c.metrics_port)
 
     def _build_training(self) -> None:
@@ -191,17 +210,28 @@ class PeerNode:
         self.model = build_model(r.model if not c.model_config_file else None, config_file=c.model_config_file,
                                  vocab_size=self.dataset.vocab_size, seed=r.seed).to(self.device)
         self.numel = flat_params(self.model).numel()
+        # Outer optimizer state: Nesterov's momentum [P], or the ddp baseline's AdamW moments [2P].
+        self.state_numel = self.numel * (2 if r.method == "ddp" else 1)
         self.trainer = InnerTrainer(
             self.model, self.dataset, device=self.device, seq_len=r.seq_len, optimizer=r.inner_optimizer,
             lr=r.inner_lr, weight_decay=0.1, warmup_steps=r.warmup_steps, total_steps=r.total_inner_steps,
             seed=r.seed, peer_id=self.me, speed_factor=c.speed_factor)
-        self.outer = OuterNesterov(lr=r.outer_lr, momentum=r.outer_momentum)
-        self.outer.buf = torch.zeros(self.numel)
+        if r.method == "ddp":
+            # Data-parallel baseline: the "outer" step is AdamW on the swarm's mean gradient.
+            from geomesh_p2p.optim import SyncAdamW
+            from geomesh_p2p.training import DEFAULT_INNER, lr_at
+
+            self.outer = SyncAdamW(
+                lambda rnd: lr_at(rnd, lr=r.inner_lr, warmup_steps=r.warmup_steps, total_steps=r.total_inner_steps),
+                betas=DEFAULT_INNER["adamw"]["betas"], weight_decay=0.1, decay_mask=self.trainer.decay_mask())
+        else:
+            self.outer = OuterNesterov(lr=r.outer_lr, momentum=r.outer_momentum)
+        self.outer.buf = torch.zeros(self.state_numel)
         t0 = time.time()
         # Profile on a throwaway copy so the real model's weights and optimizer stay untouched.
         import copy
         probe = copy.deepcopy(self.model)
-        self.tps_ema = measure_throughput(probe, seq_len=r.seq_len, batch_sizes=c.profile_batches,
+        self.profiled_tps = measure_throughput(probe, seq_len=r.seq_len, batch_sizes=c.profile_batches,
                                           device=self.device, vocab_size=self.dataset.vocab_size, steps=2,
                                           warmup=1, speed_factor=c.speed_factor)
         self.max_batch = find_max_batch(probe, seq_len=r.seq_len, device=self.device,
@@ -209,7 +239,35 @@ class PeerNode:
                                         vocab_size=self.dataset.vocab_size)
         del probe
         log.info("device %s: %s tokens/s per batch, max batch %d (%.1fs to measure)", self.device_info.name,
-                 {b: round(t) for b, t in self.tps_ema.items()}, self.max_batch, time.time() - t0)
+                 {b: round(t) for b, t in self.profiled_tps.items()}, self.max_batch, time.time() - t0)
+
+    async def _probe_links(self):
+        """Measure this peer's link against the first bootstrap that answers (links.probe_link);
+        None when both directions are stated by flags or no bootstrap answers the probe."""
+        from geomesh_p2p.links import probe_link
+
+        c = self.cfg
+        if c.upload_bps and c.download_bps:
+            return None
+        for b in c.bootstrap:
+            try:
+                res = await probe_link(self.transport, b, nbytes=c.probe_bytes, repeats=2, timeout_s=30.0)
+            except Exception as e:  # an old or busy bootstrap: the first rounds will measure instead
+                log.info("link probe of %s failed (%s); bandwidth will be measured in the first round", b, e)
+                continue
+            log.info("link to %s: upload %.1f MB/s, download %.1f MB/s, RTT %.1f ms (probe of %d KiB)", b,
+                     res.upload_bps / 1e6, res.download_bps / 1e6, res.rtt_s * 1e3, res.nbytes >> 10)
+            return res
+        return None
+
+    def _init_ema(self, probed) -> None:
+        from geomesh_p2p.capability import ThroughputEMA
+
+        c = self.cfg
+        up = c.upload_bps or (probed.upload_bps if probed else None)
+        down = c.download_bps or (probed.download_bps if probed else None)
+        self.rtt_s = probed.rtt_s if probed else 0.0
+        self.ema = ThroughputEMA(alpha=c.ema_alpha, tokens_per_s=self.profiled_tps, upload_bps=up, download_bps=down)
 
     # ------------------------------------------------------------------ records
     def my_record(self) -> PeerRecord:
@@ -217,8 +275,9 @@ class PeerNode:
         max_batch = max(1, self.max_batch)
         return PeerRecord(
             peer_id=self.me, address=self.transport.address, device=self.device_info.name,
-            memory_bytes=self.device_info.memory_bytes, tokens_per_s=dict(self.tps_ema),
-            max_batch=max_batch, upload_bps=c.upload_bps or 1e8, download_bps=c.download_bps or 1e8,
+            memory_bytes=self.device_info.memory_bytes, tokens_per_s=self.ema.tokens_per_s,
+            max_batch=max_batch, upload_bps=c.upload_bps or self.ema.upload_bps or DEFAULT_LINK_BPS,
+            download_bps=c.download_bps or self.ema.download_bps or DEFAULT_LINK_BPS,
             version=geomesh_p2p.__version__, protocol_version=geomesh_p2p.PROTOCOL_VERSION,
             run_config_hash=self.config_hash, run_config=self.run_cfg.model_dump(), round=self.round,
             weights_digest=None if self._syncing else self.digest)
@@ -286,6 +345,10 @@ class PeerNode:
             ck = load_latest_checkpoint(self.cfg.checkpoint_dir)
             if ck is not None:
                 rnd, theta, momentum, meta = ck
+                if momentum is None or momentum.numel() != self.state_numel:
+                    raise RuntimeError(f"checkpoint in {self.cfg.checkpoint_dir} holds no or another optimizer "
+                                       f"state ({0 if momentum is None else momentum.numel()} elements, this run "
+                                       f"needs {self.state_numel}); was it written by another --method?")
                 if meta.get("run_config_hash") not in (None, self.config_hash):
                     raise RuntimeError(f"checkpoint in {self.cfg.checkpoint_dir} is from another run config "
                                        f"({meta.get('run_config_hash')} vs {self.config_hash})")
@@ -294,7 +357,7 @@ class PeerNode:
                 return
             log.info("--resume: no checkpoint in %s, starting fresh", self.cfg.checkpoint_dir)
         # Fresh peer: join the swarm's state if it already trained, else the seed's.
-        self._set_state(0, flat_params(self.model), torch.zeros(self.numel))
+        self._set_state(0, flat_params(self.model), torch.zeros(self.state_numel))
         recs = [r for r in await self.peers() if r.peer_id != self.me]
         if any(r.round > 0 and r.weights_digest for r in recs):
             await self._catch_up()
@@ -319,7 +382,7 @@ class PeerNode:
                 await self.announce()  # tell the leader we are syncing for this round
                 try:
                     snap = await download_state(self.transport, donors, round=top, numel=self.numel,
-                                                expected_digest=majority)
+                                                expected_digest=majority, state_numel=self.state_numel)
                 except StateSyncError as e:
                     log.info("state download for round %d failed (%s); retrying", top, e)
                     await asyncio.sleep(0.5)
@@ -350,20 +413,21 @@ class PeerNode:
         p = self.numel
         sign_bytes = (p + 7) // 8 + 4 * ((p + r.block_size - 1) // r.block_size)
         per_peer = {"reencode": 2 * sign_bytes, "relay": sign_bytes * max(1, n_peers)}[r.mode]
-        if r.method == "diloco" or r.method == "awb":
+        if r.method in ("diloco", "awb", "ddp"):
             per_peer = 2 * 4 * p
         return PlanConfig(seq_len=r.seq_len, target_batch=r.target_batch, window_s=r.window_s,
+                          part_align=r.block_size if r.method in ("geomesh", "css") else 1,
                           comm_share=r.comm_share, payload_bytes=per_peer, mode=r.mode, method=r.method,
                           uniform_inner_steps=r.uniform_inner_steps, max_inner_steps=r.max_inner_steps,
                           exchange_timeout_s=max(5.0, 3 * self.cfg.plan_timeout_s))
 
     def _make_plan(self, members, leader):
-        from geomesh_p2p.planner import BALANCED_METHODS, plan_round, plan_uniform
+        from geomesh_p2p.planner import make_plan
 
         cfg = self._plan_config(len(members))
-        fn = plan_round if self.run_cfg.method in BALANCED_METHODS else plan_uniform
-        return fn(members, cfg, run_id=self.run_cfg.run_id, round=self.round, leader=leader, numel=self.numel,
-                  start_time=time.time() + 0.5, start_digest=self.digest)
+        # geomesh/awb: AWB plan; diloco/css: uniform; ddp: uniform with one step per round.
+        return make_plan(members, cfg, run_id=self.run_cfg.run_id, round=self.round, leader=leader, numel=self.numel,
+                         start_time=time.time() + 0.5, start_digest=self.digest)
 
     async def _gather_members(self, expected: set[str], min_peers: int, wait_s: float) -> list[PeerRecord]:
         """Peers in sync for this round: announced this round with this digest. Waits for ``expected``
@@ -464,16 +528,23 @@ class PeerNode:
         a = plan.assignment(self.me)
         sent0, recv0 = self.transport.stats.snapshot()
         loop = asyncio.get_running_loop()
-        result = await loop.run_in_executor(None, lambda: self.trainer.run(
-            round=r, inner_steps=a.inner_steps, batch_size=a.batch_size, micro_batch=a.micro_batch,
-            deadline=plan.train_deadline, should_stop=self._stop.is_set,
-            progress=self._progress_printer(r, a.inner_steps)))
+        grad = None
+        if self.run_cfg.method == "ddp":
+            # DDP: exchange this batch's gradient, not a pseudo-gradient; every peer then applies
+            # the same AdamW step to the mean (optim.SyncAdamW).
+            grad, result = await loop.run_in_executor(None, lambda: self.trainer.gradient(
+                round=r, batch_size=a.batch_size, micro_batch=a.micro_batch))
+        else:
+            result = await loop.run_in_executor(None, lambda: self.trainer.run(
+                round=r, inner_steps=a.inner_steps, batch_size=a.batch_size, micro_batch=a.micro_batch,
+                deadline=plan.train_deadline, should_stop=self._stop.is_set,
+                progress=self._progress_printer(r, a.inner_steps)))
         t_compute_end = time.time()
         if self._stop.is_set():
             # Finish the round anyway (the inner steps stopped early): the parts this peer owns stay
             # served and the others get a full update; the node leaves right after.
             log.info("round %d: stop requested; exchanging what was trained, then leaving", r)
-        delta = self.theta - flat_params(self.model)
+        delta = grad if grad is not None else self.theta - flat_params(self.model)
         try:
             spec = self._collective_spec(plan)
         except ValueError as e:  # _plan_problem should have caught it; never crash on a leader's plan
@@ -534,11 +605,13 @@ class PeerNode:
 
     async def _finish_round(self, r, plan, a, result, ar, t_round, t_compute_end, t_agg, sent0, recv0) -> set[str]:
         """Outer step, digest, evaluation, the round's row, checkpoint; re-sync on a digest mismatch."""
-        self.outer.step(self.theta, ar.aggregate)
+        self.outer.step(self.theta, ar.aggregate, round=r)
         self._set_state(r + 1, self.theta, None)
         sent1, recv1 = self.transport.stats.snapshot()
         await self.announce()
-        ppl = await asyncio.to_thread(self.trainer.evaluate, max_batches=self.cfg.eval_batches)
+        last = self.cfg.rounds is not None and r + 1 >= self.cfg.rounds
+        ppl = (await asyncio.to_thread(self.trainer.evaluate, max_batches=self.cfg.eval_batches)
+               if (r + 1) % self.cfg.eval_every == 0 or last else None)
         # The barrier is when the last contributor finished computing (stated in its contributions):
         # waiting until then is straggler idle, waiting after it is network idle (the paper's split).
         barrier = min(ar.last_compute_end or t_compute_end, t_agg)
@@ -559,6 +632,7 @@ class PeerNode:
             sys.stdout.write("\r\x1b[K")  # clear the progress line before the row
         self.round_log.add(rec)
         self._update_throughput(a.micro_batch, result)
+        self._update_links(ar)
         if resync:
             await self._catch_up()
         elif self.cfg.checkpoint_dir and (r + 1) % self.cfg.checkpoint_every == 0:
@@ -579,11 +653,24 @@ class PeerNode:
         return show
 
     def _update_throughput(self, micro_batch: int, result) -> None:
-        """Re-profiling (beyond the paper's one-off profile): EMA of this round's measured tokens/s."""
+        """Re-profiling (beyond the paper's one-off profile): EMA of this round's measured tokens/s
+        (the other micro-batch sizes are rescaled by the same ratio, capability.ThroughputEMA)."""
         if result.compute_s > 0 and result.tokens > 0:
-            tps = result.tokens / result.compute_s
-            old = self.tps_ema.get(micro_batch, tps)
-            self.tps_ema[micro_batch] = 0.7 * old + 0.3 * tps
+            self.ema.update(micro_batch, result.tokens, result.compute_s)
+
+    def _update_links(self, ar) -> None:
+        """Fold this round's measured exchange into the link EMAs (links.py). A direction stated by
+        a flag stays as stated; samples under ``min_link_sample_bytes`` (latency-bound) are skipped.
+        The probe's RTT is taken out once per sample (floored at a tenth of the busy time), since the
+        planner charges latency separately."""
+        c = self.cfg
+        for direction, sample, stated in (("up", ar.upload, c.upload_bps), ("down", ar.download, c.download_bps)):
+            if stated or sample is None or sample.nbytes < c.min_link_sample_bytes:
+                continue
+            seconds = max(sample.seconds - self.rtt_s, 0.1 * sample.seconds)
+            new = self.ema.update_link(sample.nbytes, seconds, direction)
+            log.debug("round %d: %sload %.1f MB/s measured (%d bytes in %.3fs), EMA %.1f MB/s", self.round - 1,
+                      direction, sample.nbytes / seconds / 1e6, sample.nbytes, seconds, new / 1e6)
 
     async def _wait_for_round(self, r: int, timeout_s: float = 30.0) -> None:
         deadline = time.monotonic() + timeout_s
@@ -644,7 +731,7 @@ class PeerNode:
             "rounds": len(h),
             "last_round": self.round,
             "initial_eval_ppl": self.initial_ppl,
-            "final_eval_ppl": h[-1].eval_ppl if h else self.initial_ppl,
+            "final_eval_ppl": next((r.eval_ppl for r in reversed(h) if r.eval_ppl is not None), self.initial_ppl),
             "time_to_target_s": self.time_to_target,
             "straggler_idle_pct": (sum(r.straggler_idle_s for r in h) / max(1e-9, sum(r.round_s for r in h)) * 100) if h else 0.0,
             "network_idle_pct": (sum(r.network_idle_s for r in h) / max(1e-9, sum(r.round_s for r in h)) * 100) if h else 0.0,

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["OuterNesterov"]
+__all__ = ["OuterNesterov", "SyncAdamW"]
 
 
 class OuterNesterov:
@@ -53,14 +53,18 @@ class OuterNesterov:
             raise ValueError(f"{name} must be a contiguous 1-D fp32 CPU tensor, "
                              f"got {t.dtype} {tuple(t.shape)} on {t.device}")
 
+    #: fp32 elements of optimizer state per parameter (the momentum buffer): state is ``[P]``.
+    state_factor = 1
+
     @torch.no_grad()
-    def step(self, theta: torch.Tensor, aggregate: torch.Tensor) -> None:
+    def step(self, theta: torch.Tensor, aggregate: torch.Tensor, round: int | None = None) -> None:
         """Apply one outer step to ``theta`` in place.
 
         Args:
             theta: global weights, fp32 CPU ``[P]`` (modified in place).
             aggregate: averaged pseudo-gradient ``θ_global − θ_local``, fp32 CPU ``[P]``
                 (not modified).
+            round: unused (the same signature as :meth:`SyncAdamW.step`).
 
         Raises:
             ValueError: wrong dtype / device / shape, or a size different from the
@@ -97,3 +101,90 @@ class OuterNesterov:
         buf = state.get("buf")
         self.buf = None if buf is None else (
             buf.detach().to(device="cpu", dtype=torch.float32).reshape(-1).contiguous().clone())
+
+
+class SyncAdamW:
+    """AdamW over the swarm's averaged gradient, for the ``ddp`` baseline (a sync every step).
+
+    DDP semantics (Li et al. 2020, "PyTorch Distributed"; DiLoCo's data-parallel baseline): every
+    peer computes the gradient of its own batch, the swarm averages the gradients (token-weighted
+    fp32 mean), and every peer applies the *same* optimizer step to the *same* global weights. As
+    with :class:`OuterNesterov`, the update is separate elementwise fp32 kernels (no fused
+    ``addcdiv_``/``lerp_``, no reduction, hence no gradient clipping), so the result is
+    bit-identical on every peer and the state can be digested, checkpointed and sent to a late
+    joiner. Loshchilov & Hutter 2019 (decoupled weight decay)::
+
+        m ← β1·m + (1−β1)·g          v ← β2·v + (1−β2)·g²
+        θ ← θ − η_t·λ·mask·θ          θ ← θ − η_t·(m / (1−β1^t)) / (sqrt(v / (1−β2^t)) + ε)
+
+    with ``t = round + 1`` (every round is one step, so the step count is the round number and
+    needs no state of its own) and ``η_t = lr_at(round)`` (warm-up + cosine, the inner schedule).
+
+    Args:
+        lr_at: ``round -> learning rate`` (a Python float).
+        betas, eps, weight_decay: AdamW's (DiLoCo's inner settings: (0.9, 0.95), 1e-8, 0.1).
+        decay_mask: fp32 CPU ``[P]`` of 0/1: which elements get weight decay (matrices, not
+            biases or norms, like the inner optimizer); None decays none.
+
+    State: :attr:`buf` = ``[m; v]``, fp32 CPU ``[2P]`` (zeros until the first step).
+    """
+
+    state_factor = 2
+
+    def __init__(self, lr_at, betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
+                 weight_decay: float = 0.1, decay_mask: torch.Tensor | None = None):
+        if not (0 <= betas[0] < 1 and 0 <= betas[1] < 1) or eps <= 0 or weight_decay < 0:
+            raise ValueError(f"need 0 <= betas < 1, eps > 0, weight_decay >= 0; got {betas}, {eps}, {weight_decay}")
+        self.lr_at = lr_at
+        self.beta1, self.beta2 = float(betas[0]), float(betas[1])
+        self.eps = float(eps)
+        self.weight_decay = float(weight_decay)
+        self.decay_mask = decay_mask
+        self.buf: torch.Tensor | None = None
+        self.steps = 0
+
+    @torch.no_grad()
+    def step(self, theta: torch.Tensor, aggregate: torch.Tensor, round: int | None = None) -> None:
+        """Apply the AdamW step of round ``round`` (0-based) to ``theta`` in place.
+
+        Args:
+            theta: global weights, fp32 CPU ``[P]`` (modified in place).
+            aggregate: the swarm's mean gradient, fp32 CPU ``[P]`` (not modified).
+            round: the round being finished; ``None`` uses the count of steps applied here.
+
+        Raises:
+            ValueError: wrong dtype / device / shape; a state or mask of the wrong size.
+        """
+        OuterNesterov._check("theta", theta)
+        OuterNesterov._check("aggregate", aggregate)
+        p = theta.numel()
+        if aggregate.numel() != p:
+            raise ValueError(f"theta {p} and aggregate {aggregate.numel()} elements differ")
+        if self.buf is None:
+            self.buf = torch.zeros(2 * p, dtype=torch.float32)
+        elif self.buf.numel() != 2 * p:
+            raise ValueError(f"AdamW state has {self.buf.numel()} elements, expected 2 x {p}")
+        if self.decay_mask is not None and self.decay_mask.numel() != p:
+            raise ValueError(f"decay mask has {self.decay_mask.numel()} elements, theta {p}")
+        t = (self.steps if round is None else int(round)) + 1
+        lr = float(self.lr_at(t - 1))
+        m, v, g = self.buf[:p], self.buf[p:], aggregate
+        torch.mul(m, self.beta1, out=m)
+        tmp = torch.mul(g, 1.0 - self.beta1)
+        torch.add(m, tmp, out=m)                       # m = β1·m + (1−β1)·g
+        torch.mul(v, self.beta2, out=v)
+        torch.mul(g, g, out=tmp)
+        torch.mul(tmp, 1.0 - self.beta2, out=tmp)
+        torch.add(v, tmp, out=v)                       # v = β2·v + (1−β2)·g²
+        if self.weight_decay > 0 and self.decay_mask is not None:
+            torch.mul(theta, lr * self.weight_decay, out=tmp)
+            torch.mul(tmp, self.decay_mask, out=tmp)   # exact: the mask is 0 or 1
+            torch.sub(theta, tmp, out=theta)           # θ = θ − η·λ·mask·θ
+        denom = torch.div(v, 1.0 - self.beta2 ** t)
+        torch.sqrt(denom, out=denom)                   # IEEE sqrt: correctly rounded everywhere
+        torch.add(denom, self.eps, out=denom)
+        torch.div(m, 1.0 - self.beta1 ** t, out=tmp)
+        torch.div(tmp, denom, out=tmp)
+        torch.mul(tmp, lr, out=tmp)
+        torch.sub(theta, tmp, out=theta)               # θ = θ − η·m̂/(sqrt(v̂)+ε)
+        self.steps = t

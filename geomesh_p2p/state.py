@@ -148,8 +148,11 @@ def save_checkpoint(directory: str | os.PathLike, *, round: int, theta: torch.Te
     tensors = {"theta": theta}
     if momentum is not None:
         momentum = momentum.detach().to("cpu").reshape(-1).contiguous()
-        if momentum.dtype != torch.float32 or momentum.numel() != theta.numel():
-            raise StateError("momentum must be fp32 with as many elements as theta")
+        # k·P elements: the outer optimizer's state (Nesterov: the momentum, k = 1; the ddp
+        # baseline's AdamW: its two moments, k = 2).
+        if momentum.dtype != torch.float32 or theta.numel() == 0 or momentum.numel() % theta.numel() \
+                or momentum.numel() == 0:
+            raise StateError("momentum (optimizer state) must be fp32 with k x as many elements as theta")
         tensors["momentum"] = momentum
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
@@ -217,8 +220,9 @@ def load_latest_checkpoint(directory: str | os.PathLike
                               f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
     theta = tensors.get("theta")
     momentum = tensors.get("momentum")
-    if theta is None or theta.dtype != torch.float32 or (
-            momentum is not None and momentum.shape != theta.shape):
+    if theta is None or theta.dtype != torch.float32 or theta.dim() != 1 or theta.numel() == 0 or (
+            momentum is not None and (momentum.dim() != 1 or momentum.numel() == 0
+                                      or momentum.numel() % theta.numel())):
         raise CheckpointError(f"corrupt checkpoint weights {wpath}: missing or malformed tensors")
     if bool(record.get("has_momentum")) != (momentum is not None):
         raise CheckpointError(f"corrupt checkpoint {wpath}: momentum presence disagrees with metadata")

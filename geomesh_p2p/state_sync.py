@@ -34,7 +34,8 @@ class StateSyncError(RuntimeError):
 
 @dataclass(frozen=True)
 class Snapshot:
-    """Global state at the start of ``round``: weights and outer momentum, fp32 CPU [P] each."""
+    """Global state at the start of ``round``: weights fp32 CPU [P] and the outer optimizer's state
+    (``momentum``) fp32 CPU [k·P] (k = 1 for Nesterov's momentum, 2 for the ddp baseline's AdamW)."""
 
     round: int
     theta: torch.Tensor
@@ -97,16 +98,18 @@ async def download_state(
     numel: int,
     expected_digest: str,
     timeout_s: float = 120.0,
+    state_numel: Optional[int] = None,
 ) -> Snapshot:
     """Download the round-``round`` state (P = ``numel``) from ``donors`` (addresses), in parallel.
 
-    The ``2*P*4`` bytes are split into one contiguous piece per donor; a donor that fails or sends
+    ``state_numel``: elements of the outer optimizer's state (default P: Nesterov's momentum; 2P
+    for the ddp baseline's AdamW moments). The ``(P + state_numel) * 4`` bytes are split into one contiguous piece per donor; a donor that fails or sends
     something inconsistent has its piece retried on the next donor. Raises StateSyncError when the
     state cannot be assembled or its digest differs from ``expected_digest``.
     """
     if not donors:
         raise StateSyncError("no donor to download the state from")
-    total = 2 * numel * 4
+    total = (numel + (numel if state_numel is None else int(state_numel))) * 4
     buf = bytearray(total)
     n = len(donors)
     bounds = [(total * i // n, total * (i + 1) // n) for i in range(n)]

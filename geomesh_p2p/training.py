@@ -441,6 +441,47 @@ class InnerTrainer:
                            last_loss=losses[-1] if n else float("nan"),
                            compute_s=compute_s, stopped_early=stopped or n < inner_steps)
 
+    def gradient(self, *, round: int, batch_size: int, micro_batch: int | None = None
+                 ) -> tuple[torch.Tensor, InnerResult]:
+        """The gradient of one batch at the current weights, for the ``ddp`` baseline (no step).
+
+        Trains on ``dataset.sample_batch(seed, peer_id, round, 0, batch_size, seq_len)`` with
+        gradient accumulation over ``micro_batch`` rows; the emulated slow-down applies. Returns
+        ``(grad, result)``: ``grad`` an fp32 CPU ``[P]`` tensor in :func:`flat_params` order (zeros
+        for parameters without a gradient), ``result`` an :class:`InnerResult` of one step.
+
+        Raises:
+            FloatingPointError: a non-finite loss.
+        """
+        if batch_size < 1:
+            raise ValueError("batch_size must be >= 1")
+        self.model.train()
+        t0 = time.perf_counter()
+        batch = self.dataset.sample_batch(seed=self.seed, peer_id=self.peer_id, round=round, step=0,
+                                          batch_size=batch_size, seq_len=self.seq_len)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self.accumulate_grad(batch, micro_batch)
+        if not math.isfinite(loss):
+            self.optimizer.zero_grad(set_to_none=True)
+            raise FloatingPointError(f"non-finite training loss {loss} at round {round}")
+        with torch.no_grad():
+            grad = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1)
+                              .to(device="cpu", dtype=torch.float32) for _, p in self.model.named_parameters()])
+        self.optimizer.zero_grad(set_to_none=True)
+        compute = time.perf_counter() - t0
+        if self.speed_factor < 1.0:
+            time.sleep(compute * (1.0 / self.speed_factor - 1.0))
+        dt = time.perf_counter() - t0
+        self.global_step += 1
+        return grad, InnerResult(steps_done=1, tokens=batch_size * self.seq_len, mean_loss=loss, last_loss=loss,
+                                 compute_s=dt, stopped_early=False)
+
+    def decay_mask(self) -> torch.Tensor:
+        """fp32 CPU ``[P]`` of 0/1 in :func:`flat_params` order: 1 where the inner optimizer applies
+        weight decay (tensors with ``ndim >= 2``), for :class:`geomesh_p2p.optim.SyncAdamW`."""
+        return torch.cat([torch.full((p.numel(),), 1.0 if p.ndim >= 2 else 0.0)
+                          for _, p in self.model.named_parameters()])
+
     @torch.no_grad()
     def evaluate(self, max_batches: int = 8, batch_size: int = 8) -> float:
         """Perplexity on the held-out split: ``exp`` of the mean next-token loss.

@@ -37,6 +37,7 @@ COLLECTIVE_PUSH = "/geomesh.wire.Collective/PushPart"
 COLLECTIVE_PULL = "/geomesh.wire.Collective/PullPart"
 STATE_GET = "/geomesh.wire.State/GetState"
 STATE_STATUS = "/geomesh.wire.State/Status"
+LINK_PROBE = "/geomesh.wire.Link/Probe"
 
 DEFAULT_MAX_MESSAGE_BYTES = 128 << 20
 RESPONSE_SUFFIX = "+resp"

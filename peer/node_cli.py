@@ -38,6 +38,13 @@ def _non_negative_int(text: str) -> int:
     return v
 
 
+def _probe_mb(text: str) -> float:
+    v = float(text)
+    if not 0 < v <= 16:
+        raise argparse.ArgumentTypeError(f"must be in (0, 16] MiB, got {text}")
+    return v
+
+
 def _host_port(text: str) -> str:
     host, sep, port = text.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
@@ -61,8 +68,9 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--vocab-size", type=int, default=4096, help="byte-level BPE vocabulary (default: %(default)s)")
     g.add_argument("--seq-len", type=int, default=64, help="tokens per sequence (default: %(default)s)")
     g.add_argument("--seed", type=int, default=0, help="run seed: initial weights and data order (default: %(default)s)")
-    g.add_argument("--method", default="geomesh", choices=["geomesh", "awb", "css", "diloco"],
-                   help="geomesh = AWB + sign compression; awb / css = one of them; diloco = neither (default: %(default)s)")
+    g.add_argument("--method", default="geomesh", choices=["geomesh", "awb", "css", "diloco", "ddp"],
+                   help="geomesh = AWB + sign compression; awb / css = one of them; diloco = neither; "
+                        "ddp = fp32 gradient sync every step, AdamW on the mean (default: %(default)s)")
     g.add_argument("--mode", default="reencode", choices=["relay", "reencode"],
                    help="how part owners serve the aggregate (default: %(default)s)")
     g.add_argument("--aggregate-encoding", default="sign", choices=["sign", "int8", "fp16"],
@@ -105,6 +113,9 @@ def add_node_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--profile-batches", type=lambda t: [int(x) for x in t.split(",")], default=[4, 8, 16],
                    metavar="B,B,...", help="batch sizes to measure tokens/s at start-up (default: 4,8,16)")
     g.add_argument("--checkpoint-keep", type=int, default=3, help="checkpoints kept (default: %(default)s)")
+    g.add_argument("--eval-every", type=int, default=1, metavar="N",
+                   help="evaluate the global weights every N rounds and at the last (default: %(default)s; "
+                        "raise it for --method ddp, whose rounds are single steps)")
     g.add_argument("--log-json", metavar="PATH", help="append one JSON line per round here")
     g.add_argument("--summary-json", metavar="PATH", help="write a run summary here at exit")
     g.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
@@ -176,6 +187,7 @@ def node_config_from(ns: argparse.Namespace):
         memory_budget_bytes=int(ns.memory_budget_gb * 2**30) if ns.memory_budget_gb else None,
         upload_bps=mbps(ns.upload_mbps), download_bps=mbps(ns.download_mbps),
         added_latency_s=ns.added_latency_ms / 1000, profile_batches=ns.profile_batches, log_json=ns.log_json, summary_json=ns.summary_json,
+        eval_every=ns.eval_every,
         metrics_port=ns.metrics_port)
 
 
@@ -237,8 +249,32 @@ def cmd_profile(ns: argparse.Namespace) -> int:
                      memory_budget_bytes=int(ns.memory_budget_gb * 2**30) if ns.memory_budget_gb else None,
                      upload_bps=ns.upload_mbps * 1e6 / 8 if ns.upload_mbps else None,
                      download_bps=ns.download_mbps * 1e6 / 8 if ns.download_mbps else None)
+    if ns.probe:
+        try:
+            probed = asyncio.run(_probe(ns.probe, ns.run_id, ns.probe_mb))
+        except Exception as e:  # unreachable / refusing node: say so, keep the device profile
+            print(f"geomesh-peer profile: link probe of {ns.probe} failed: {e}", file=sys.stderr)
+            return 1
+        result["bandwidth"] = {"upload_bps": ns.upload_mbps * 1e6 / 8 if ns.upload_mbps else probed.upload_bps,
+                               "download_bps": ns.download_mbps * 1e6 / 8 if ns.download_mbps else probed.download_bps,
+                               "rtt_s": probed.rtt_s, "measured_against": probed.address,
+                               "probe_bytes": probed.nbytes}
     print(json.dumps(result, indent=1, default=str) if ns.json else format_profile_table(result))
     return 0
+
+
+async def _probe(address: str, run_id: str, mb: float):
+    """Measure the link to ``address`` with a throwaway identity and a client-only transport."""
+    from geomesh_p2p.identity import Identity
+    from geomesh_p2p.links import probe_link
+    from geomesh_p2p.transport import Transport, TransportConfig
+
+    t = Transport(Identity.generate(), run_id, TransportConfig(client_only=True))
+    await t.start()
+    try:
+        return await probe_link(t, address, nbytes=max(1, int(mb * (1 << 20))), timeout_s=30.0)
+    finally:
+        await t.stop(grace=0)
 
 
 def add_subcommands(sub, add_common) -> None:
@@ -268,6 +304,11 @@ def add_subcommands(sub, add_common) -> None:
     prof.add_argument("--memory-budget-gb", type=_positive_float, help="CPU memory budget (GB)")
     prof.add_argument("--upload-mbps", type=_positive_float, help="state the upload bandwidth (Mbit/s)")
     prof.add_argument("--download-mbps", type=_positive_float, help="state the download bandwidth (Mbit/s)")
+    prof.add_argument("--probe", type=_host_port, metavar="HOST:PORT",
+                      help="also measure upload/download bandwidth with real transfers to this bootstrap or peer")
+    prof.add_argument("--probe-mb", type=_probe_mb, default=4.0,
+                      help="MiB each way per probe transfer, at most 16 (default: %(default)s)")
+    prof.add_argument("--run-id", default="geomesh-demo", help="run id the probed node serves (default: %(default)s)")
     prof.add_argument("--json", action="store_true", help="print JSON instead of a table")
     add_common(prof)
     prof.set_defaults(handler=cmd_profile)

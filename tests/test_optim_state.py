@@ -220,3 +220,101 @@ def test_state_chunks_same_on_every_donor_and_rejects_damage():
         chunks_to_state([])
     with pytest.raises(StateError):
         list(state_to_chunks(theta, mom[:-1], 1000))
+
+
+# --- SyncAdamW (the ddp baseline's step) ---------------------------------------------------
+
+def _adamw_reference(theta, aggs, mask, lrs, betas=(0.9, 0.95), eps=1e-8, wd=0.1):
+    """torch.optim.AdamW, one param group per mask value, fed the same gradients."""
+    p_dec = torch.nn.Parameter(theta[mask.bool()].clone())
+    p_nod = torch.nn.Parameter(theta[~mask.bool()].clone())
+    opt = torch.optim.AdamW([{"params": [p_dec], "weight_decay": wd}, {"params": [p_nod], "weight_decay": 0.0}],
+                            lr=lrs[0], betas=betas, eps=eps, foreach=False)
+    for g, lr in zip(aggs, lrs):
+        for group in opt.param_groups:
+            group["lr"] = lr
+        p_dec.grad, p_nod.grad = g[mask.bool()].clone(), g[~mask.bool()].clone()
+        opt.step()
+    out = theta.clone()
+    out[mask.bool()], out[~mask.bool()] = p_dec.detach(), p_nod.detach()
+    return out
+
+
+def test_sync_adamw_matches_torch_adamw_and_is_bit_identical():
+    from geomesh_p2p.optim import SyncAdamW
+
+    theta, aggs = _inputs(3, steps=8, n=4099)
+    mask = (torch.arange(4099) % 3 != 0).float()
+    lrs = [1e-3 * (k + 1) / 4 if k < 4 else 1e-3 for k in range(8)]
+    runs = []
+    for _ in range(2):
+        th = theta.clone()
+        opt = SyncAdamW(lambda r: lrs[r], decay_mask=mask)
+        for r, g in enumerate(aggs):
+            opt.step(th, g, round=r)
+        runs.append((th, opt.buf.clone()))
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
+    assert runs[0][1].numel() == 2 * 4099 and SyncAdamW.state_factor == 2
+    ref = _adamw_reference(theta, aggs, mask, lrs)
+    torch.testing.assert_close(runs[0][0], ref, rtol=1e-5, atol=1e-7)
+    assert not torch.equal(runs[0][0], theta)
+
+
+def test_sync_adamw_step_count_comes_from_the_round():
+    """A peer that got the state of round 5 (m, v) steps exactly as one that ran rounds 0..5."""
+    from geomesh_p2p.optim import SyncAdamW
+
+    theta, aggs = _inputs(4, steps=6, n=257)
+    a = SyncAdamW(lambda r: 1e-3)
+    ta = theta.clone()
+    for r, g in enumerate(aggs[:5]):
+        a.step(ta, g, round=r)
+    b = SyncAdamW(lambda r: 1e-3)
+    b.buf, tb = a.buf.clone(), ta.clone()
+    a.step(ta, aggs[5], round=5)
+    b.step(tb, aggs[5], round=5)
+    assert torch.equal(ta, tb)
+    c = SyncAdamW(lambda r: 1e-3)
+    c.buf = torch.zeros(257)  # a Nesterov-sized state: refused, not misread
+    with pytest.raises(ValueError, match="2 x 257"):
+        c.step(theta.clone(), aggs[0])
+
+
+def test_checkpoint_holds_k_times_p_optimizer_state(tmp_path):
+    theta = torch.randn(100)
+    state = torch.randn(200)
+    save_checkpoint(tmp_path, round=3, theta=theta, momentum=state)
+    rnd, th, st, _ = load_latest_checkpoint(tmp_path)
+    assert rnd == 3 and torch.equal(th, theta) and torch.equal(st, state)
+    with pytest.raises(StateError, match="k x as many"):
+        save_checkpoint(tmp_path, round=4, theta=theta, momentum=torch.randn(150))
+
+
+def test_ddp_step_equals_adamw_on_the_union_of_the_peers_batches(tmp_path):
+    """Two peers' gradients, token-weighted and averaged, then SyncAdamW: the same weights as one
+    AdamW step on the gradient of both batches together (data parallelism, not an approximation)."""
+    from geomesh_p2p.collective import token_weighted_mean
+    from geomesh_p2p.data import load_dataset
+    from geomesh_p2p.optim import SyncAdamW
+    from geomesh_p2p.training import InnerTrainer, build_model, flat_params
+
+    torch.set_num_threads(1)
+    ds = load_dataset(None, seq_len=32, cache_dir=tmp_path)
+    model = build_model("tiny", vocab_size=ds.vocab_size, seed=0)
+    theta0 = flat_params(model)
+    trainers = [InnerTrainer(build_model("tiny", vocab_size=ds.vocab_size, seed=0), ds, seq_len=32, peer_id=f"p{i}")
+                for i in range(2)]
+    grads = [t.gradient(round=0, batch_size=4)[0] for t in trainers]
+    mean = token_weighted_mean([(128, g) for g in grads], theta0.numel(), clip_k=None, encoding="fp32")
+    theta = theta0.clone()
+    SyncAdamW(lambda r: 1e-3, decay_mask=trainers[0].decay_mask()).step(theta, mean, round=0)
+    # reference: one model, both batches as one batch of 8, torch AdamW
+    ref = InnerTrainer(model, ds, seq_len=32, peer_id="ref", lr=1e-3, grad_clip=0.0, warmup_steps=0)
+    batch = torch.cat([ds.sample_batch(seed=0, peer_id=f"p{i}", round=0, step=0, batch_size=4, seq_len=32)
+                       for i in range(2)])
+    ref.optimizer.zero_grad()
+    ref.accumulate_grad(batch)
+    ref._set_lr()
+    ref.optimizer.step()
+    torch.testing.assert_close(theta, flat_params(model), rtol=1e-4, atol=1e-6)
+    assert not torch.equal(theta, theta0)

@@ -93,3 +93,41 @@ def test_peer_killed_mid_round_then_restarts_and_catches_up(swarm, tmp_path):
     for x in late[:2]:
         assert x["peers"] == 3
         assert x["digest"] == _digest(swarm, "k0", x["round"]) == _digest(swarm, "k1", x["round"])
+
+
+def test_ddp_baseline_runs_as_a_swarm_mode(swarm, tmp_path):
+    """``--method ddp``: two peers exchange fp32 gradients every step and apply the same AdamW step;
+    digests equal after every round, perplexity falls, and a resumed peer keeps the AdamW moments."""
+    port = free_port()
+    entry = f"127.0.0.1:{port}"
+    names = ["d0", "d1"]
+    for i, n in enumerate(names):
+        swarm.peer(n, "--method", "ddp", "--rounds", "6", "--min-peers", "2", "--eval-every", "3",
+                   "--checkpoint-dir", str(tmp_path / f"ck_{n}"), port=port if i == 0 else 0,
+                   bootstrap=None if i == 0 else entry)
+        if i == 0:
+            swarm.wait_for(lambda: "serving on" in swarm.text("d0"), 120, "the first peer to listen")
+    assert swarm.wait_exit(names, 300) == {n: 0 for n in names}
+    rows = swarm.rows("d0")
+    assert [x["round"] for x in rows] == list(range(6))
+    assert all(x["inner_steps_planned"] == 1 and x["inner_steps_done"] == 1 for x in rows)
+    for r in range(6):
+        assert len({_digest(swarm, n, r) for n in names}) == 1, f"digests differ after round {r}"
+    # evaluated every 3 rounds and at the last
+    assert [x["round"] for x in rows if x["eval_ppl"] is not None] == [2, 5]
+    ppl = [x["eval_ppl"] for x in rows if x["eval_ppl"] is not None]
+    assert ppl[-1] < ppl[0], ppl
+
+    # Resume: the checkpoint holds the AdamW moments ([2P]); both continue in step from round 6.
+    for i, n in enumerate(names):
+        swarm.peer(n, "--method", "ddp", "--rounds", "8", "--min-peers", "2", "--eval-every", "3", "--resume",
+                   "--checkpoint-dir", str(tmp_path / f"ck_{n}"), port=port if i == 0 else 0,
+                   bootstrap=None if i == 0 else entry)
+        if i == 0:
+            swarm.wait_for(lambda: swarm.text("d0").count("serving on") >= 2, 120, "the first peer to listen")
+    assert swarm.wait_exit(names, 300) == {n: 0 for n in names}
+    for n in names:
+        m = re.search(r"resumed from checkpoint at round (\d+) \(digest (\w+)\)", swarm.text(n))
+        assert m and int(m.group(1)) == 6 and rows[-1]["digest"].startswith(m.group(2)), swarm.text(n)[-2000:]
+    for r in (6, 7):
+        assert len({_digest(swarm, n, r) for n in names}) == 1, f"digests differ after round {r}"

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!geomesh_p2p/wire/collective.proto\x12\x0cgeomesh.wire\"\xa3\x01\n\x10PartContribution\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x0c\n\x04part\x18\x02 \x01(\r\x12\r\n\x05start\x18\x03 \x01(\x04\x12\x0b\n\x03\x65nd\x18\x04 \x01(\x04\x12\x0e\n\x06tokens\x18\x05 \x01(\x04\x12\x0f\n\x07spec_id\x18\x06 \x01(\x0c\x12\x10\n\x08\x65ncoding\x18\x07 \x01(\t\x12\x0e\n\x06packet\x18\x08 \x01(\x0c\x12\x13\n\x0b\x63ompute_end\x18\t \x01(\x01\"\'\n\x0fPushPartRequest\x12\x14\n\x0c\x63ontribution\x18\x01 \x01(\x0c\"4\n\x10PushPartResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\"O\n\x0fPullPartRequest\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x0c\n\x04part\x18\x02 \x01(\r\x12\x0e\n\x06wait_s\x18\x03 \x01(\x01\x12\x0f\n\x07spec_id\x18\x04 \x01(\x0c\"&\n\x0c\x43ontribution\x12\x16\n\x0esigned_message\x18\x01 \x01(\x0c\"\x99\x02\n\nPartResult\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x0c\n\x04part\x18\x02 \x01(\r\x12\r\n\x05start\x18\x03 \x01(\x04\x12\x0b\n\x03\x65nd\x18\x04 \x01(\x04\x12\x0f\n\x07spec_id\x18\x05 \x01(\x0c\x12\x0c\n\x04mode\x18\x06 \x01(\t\x12\x14\n\x0c\x63ontributors\x18\x07 \x03(\x0c\x12\x0e\n\x06tokens\x18\x08 \x03(\x04\x12\x31\n\rcontributions\x18\t \x03(\x0b\x32\x1a.geomesh.wire.Contribution\x12\x11\n\taggregate\x18\n \x01(\x0c\x12\x1a\n\x12\x61ggregate_encoding\x18\x0b \x01(\t\x12\x11\n\tclosed_by\x18\x0c \x01(\t\x12\x18\n\x10last_compute_end\x18\r \x01(\x01\"U\n\x10PullPartResponse\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x0c\n\x04part\x18\x02 \x01(\r\x12\r\n\x05ready\x18\x03 \x01(\x08\x12\x15\n\rsigned_result\x18\x04 \x01(\x0c\"=\n\x0cStateRequest\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0e\n\x06length\x18\x03 \x01(\x04\"^\n\nStateChunk\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x0e\n\x06\x64igest\x18\x02 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x04\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\"\x0f\n\rStatusRequest\"P\n\x0eStatusResponse\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x0e\n\x06\x64igest\x18\x02 \x01(\t\x12\x0f\n\x07peer_id\x18\x03 \x01(\t\x12\x0e\n\x06record\x18\x04 \x01(\x0c\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!geomesh_p2p/wire/collective.proto\x12\x0cgeomesh.wire\"\xa3\x01\n\x10PartContribution\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x0c\n\x04part\x18\x02 \x01(\r\x12\r\n\x05start\x18\x03 \x01(\x04\x12\x0b\n\x03\x65nd\x18\x04 \x01(\x04\x12\x0e\n\x06tokens\x18\x05 \x01(\x04\x12\x0f\n\x07spec_id\x18\x06 \x01(\x0c\x12\x10\n\x08\x65ncoding\x18\x07 \x01(\t\x12\x0e\n\x06packet\x18\x08 \x01(\x0c\x12\x13\n\x0b\x63ompute_end\x18\t \x01(\x01\"\'\n\x0fPushPartRequest\x12\x14\n\x0c\x63ontribution\x18\x01 \x01(\x0c\"D\n\x10PushPartResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0e\n\x06held_s\x18\x03 \x01(\x01\"O\n\x0fPullPartRequest\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x0c\n\x04part\x18\x02 \x01(\r\x12\x0e\n\x06wait_s\x18\x03 \x01(\x01\x12\x0f\n\x07spec_id\x18\x04 \x01(\x0c\"&\n\x0c\x43ontribution\x12\x16\n\x0esigned_message\x18\x01 \x01(\x0c\"\x99\x02\n\nPartResult\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x0c\n\x04part\x18\x02 \x01(\r\x12\r\n\x05start\x18\x03 \x01(\x04\x12\x0b\n\x03\x65nd\x18\x04 \x01(\x04\x12\x0f\n\x07spec_id\x18\x05 \x01(\x0c\x12\x0c\n\x04mode\x18\x06 \x01(\t\x12\x14\n\x0c\x63ontributors\x18\x07 \x03(\x0c\x12\x0e\n\x06tokens\x18\x08 \x03(\x04\x12\x31\n\rcontributions\x18\t \x03(\x0b\x32\x1a.geomesh.wire.Contribution\x12\x11\n\taggregate\x18\n \x01(\x0c\x12\x1a\n\x12\x61ggregate_encoding\x18\x0b \x01(\t\x12\x11\n\tclosed_by\x18\x0c \x01(\t\x12\x18\n\x10last_compute_end\x18\r \x01(\x01\"e\n\x10PullPartResponse\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x0c\n\x04part\x18\x02 \x01(\r\x12\r\n\x05ready\x18\x03 \x01(\x08\x12\x15\n\rsigned_result\x18\x04 \x01(\x0c\x12\x0e\n\x06held_s\x18\x05 \x01(\x01\"=\n\x0cStateRequest\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0e\n\x06length\x18\x03 \x01(\x04\"^\n\nStateChunk\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x0e\n\x06\x64igest\x18\x02 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x04\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\"\x0f\n\rStatusRequest\"P\n\x0eStatusResponse\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x0e\n\x06\x64igest\x18\x02 \x01(\t\x12\x0f\n\x07peer_id\x18\x03 \x01(\t\x12\x0e\n\x06record\x18\x04 \x01(\x0c\"8\n\x10LinkProbeRequest\x12\x13\n\x0breply_bytes\x18\x01 \x01(\x04\x12\x0f\n\x07padding\x18\x02 \x01(\x0c\"L\n\x11LinkProbeResponse\x12\x16\n\x0ereceived_bytes\x18\x01 \x01(\x04\x12\x0f\n\x07padding\x18\x02 \x01(\x0c\x12\x0e\n\x06held_s\x18\x03 \x01(\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,21 +36,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PUSHPARTREQUEST']._serialized_start=217
   _globals['_PUSHPARTREQUEST']._serialized_end=256
   _globals['_PUSHPARTRESPONSE']._serialized_start=258
-  _globals['_PUSHPARTRESPONSE']._serialized_end=310
-  _globals['_PULLPARTREQUEST']._serialized_start=312
-  _globals['_PULLPARTREQUEST']._serialized_end=391
-  _globals['_CONTRIBUTION']._serialized_start=393
-  _globals['_CONTRIBUTION']._serialized_end=431
-  _globals['_PARTRESULT']._serialized_start=434
-  _globals['_PARTRESULT']._serialized_end=715
-  _globals['_PULLPARTRESPONSE']._serialized_start=717
-  _globals['_PULLPARTRESPONSE']._serialized_end=802
-  _globals['_STATEREQUEST']._serialized_start=804
-  _globals['_STATEREQUEST']._serialized_end=865
-  _globals['_STATECHUNK']._serialized_start=867
-  _globals['_STATECHUNK']._serialized_end=961
-  _globals['_STATUSREQUEST']._serialized_start=963
-  _globals['_STATUSREQUEST']._serialized_end=978
-  _globals['_STATUSRESPONSE']._serialized_start=980
-  _globals['_STATUSRESPONSE']._serialized_end=1060
+  _globals['_PUSHPARTRESPONSE']._serialized_end=326
+  _globals['_PULLPARTREQUEST']._serialized_start=328
+  _globals['_PULLPARTREQUEST']._serialized_end=407
+  _globals['_CONTRIBUTION']._serialized_start=409
+  _globals['_CONTRIBUTION']._serialized_end=447
+  _globals['_PARTRESULT']._serialized_start=450
+  _globals['_PARTRESULT']._serialized_end=731
+  _globals['_PULLPARTRESPONSE']._serialized_start=733
+  _globals['_PULLPARTRESPONSE']._serialized_end=834
+  _globals['_STATEREQUEST']._serialized_start=836
+  _globals['_STATEREQUEST']._serialized_end=897
+  _globals['_STATECHUNK']._serialized_start=899
+  _globals['_STATECHUNK']._serialized_end=993
+  _globals['_STATUSREQUEST']._serialized_start=995
+  _globals['_STATUSREQUEST']._serialized_end=1010
+  _globals['_STATUSRESPONSE']._serialized_start=1012
+  _globals['_STATUSRESPONSE']._serialized_end=1092
+  _globals['_LINKPROBEREQUEST']._serialized_start=1094
+  _globals['_LINKPROBEREQUEST']._serialized_end=1150
+  _globals['_LINKPROBERESPONSE']._serialized_start=1152
+  _globals['_LINKPROBERESPONSE']._serialized_end=1228
 # @@protoc_insertion_point(module_scope)

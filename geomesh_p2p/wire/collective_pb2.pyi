@@ -35,12 +35,14 @@ class PushPartRequest(_message.Message):
     def __init__(self, contribution: _Optional[bytes] = ...) -> None: ...
 
 class PushPartResponse(_message.Message):
-    __slots__ = ("accepted", "reason")
+    __slots__ = ("accepted", "reason", "held_s")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    HELD_S_FIELD_NUMBER: _ClassVar[int]
     accepted: bool
     reason: str
-    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
+    held_s: float
+    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., held_s: _Optional[float] = ...) -> None: ...
 
 class PullPartRequest(_message.Message):
     __slots__ = ("round", "part", "wait_s", "spec_id")
@@ -91,16 +93,18 @@ class PartResult(_message.Message):
     def __init__(self, round: _Optional[int] = ..., part: _Optional[int] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., spec_id: _Optional[bytes] = ..., mode: _Optional[str] = ..., contributors: _Optional[_Iterable[bytes]] = ..., tokens: _Optional[_Iterable[int]] = ..., contributions: _Optional[_Iterable[_Union[Contribution, _Mapping]]] = ..., aggregate: _Optional[bytes] = ..., aggregate_encoding: _Optional[str] = ..., closed_by: _Optional[str] = ..., last_compute_end: _Optional[float] = ...) -> None: ...
 
 class PullPartResponse(_message.Message):
-    __slots__ = ("round", "part", "ready", "signed_result")
+    __slots__ = ("round", "part", "ready", "signed_result", "held_s")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     PART_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
     SIGNED_RESULT_FIELD_NUMBER: _ClassVar[int]
+    HELD_S_FIELD_NUMBER: _ClassVar[int]
     round: int
     part: int
     ready: bool
     signed_result: bytes
-    def __init__(self, round: _Optional[int] = ..., part: _Optional[int] = ..., ready: _Optional[bool] = ..., signed_result: _Optional[bytes] = ...) -> None: ...
+    held_s: float
+    def __init__(self, round: _Optional[int] = ..., part: _Optional[int] = ..., ready: _Optional[bool] = ..., signed_result: _Optional[bytes] = ..., held_s: _Optional[float] = ...) -> None: ...
 
 class StateRequest(_message.Message):
     __slots__ = ("round", "offset", "length")
@@ -141,3 +145,21 @@ class StatusResponse(_message.Message):
     peer_id: str
     record: bytes
     def __init__(self, round: _Optional[int] = ..., digest: _Optional[str] = ..., peer_id: _Optional[str] = ..., record: _Optional[bytes] = ...) -> None: ...
+
+class LinkProbeRequest(_message.Message):
+    __slots__ = ("reply_bytes", "padding")
+    REPLY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PADDING_FIELD_NUMBER: _ClassVar[int]
+    reply_bytes: int
+    padding: bytes
+    def __init__(self, reply_bytes: _Optional[int] = ..., padding: _Optional[bytes] = ...) -> None: ...
+
+class LinkProbeResponse(_message.Message):
+    __slots__ = ("received_bytes", "padding", "held_s")
+    RECEIVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PADDING_FIELD_NUMBER: _ClassVar[int]
+    HELD_S_FIELD_NUMBER: _ClassVar[int]
+    received_bytes: int
+    padding: bytes
+    held_s: float
+    def __init__(self, received_bytes: _Optional[int] = ..., padding: _Optional[bytes] = ..., held_s: _Optional[float] = ...) -> None: ...

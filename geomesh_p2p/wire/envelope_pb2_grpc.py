@@ -415,3 +415,76 @@ class State:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class LinkStub:
+    """Missing associated documentation comment in .proto file."""
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Probe = channel.unary_unary(
+                '/geomesh.wire.Link/Probe',
+                request_serializer=geomesh__p2p_dot_wire_dot_envelope__pb2.SignedMessage.SerializeToString,
+                response_deserializer=geomesh__p2p_dot_wire_dot_envelope__pb2.SignedMessage.FromString,
+                _registered_method=True)
+
+
+class LinkServicer:
+    """Missing associated documentation comment in .proto file."""
+
+    def Probe(self, request, context):
+        """Bandwidth probe: the caller uploads padding and asks for padding back (geomesh_p2p.links).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_LinkServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Probe': grpc.unary_unary_rpc_method_handler(
+                    servicer.Probe,
+                    request_deserializer=geomesh__p2p_dot_wire_dot_envelope__pb2.SignedMessage.FromString,
+                    response_serializer=geomesh__p2p_dot_wire_dot_envelope__pb2.SignedMessage.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'geomesh.wire.Link', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('geomesh.wire.Link', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Link:
+    """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def Probe(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/geomesh.wire.Link/Probe',
+            geomesh__p2p_dot_wire_dot_envelope__pb2.SignedMessage.SerializeToString,
+            geomesh__p2p_dot_wire_dot_envelope__pb2.SignedMessage.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

@@ -1,0 +1,168 @@
+"""Link bandwidth measured from real transfers (issue #5; DESIGN.md "Round r" step 7, re-profiling).
+
+Two sources, both over the project's own gRPC transport:
+
+* **Every round's exchange.** The collective times each PushPart (upload) and each ready PullPart
+  (download) call; the server states in its reply how long it held the request (verifying, waiting
+  for a round to open, long-polling), which is taken out, so what is left is the time the bytes were
+  on the wire plus one round trip. Concurrent transfers share the link, so the bandwidth of a round
+  is ``bytes / busy time``, the busy time being the length of the *union* of the transfer intervals
+  (:func:`link_sample`). The node folds each round's sample into an EMA
+  (:class:`geomesh_p2p.capability.ThroughputEMA`) and announces it, so the next plan fits the links
+  as they really were.
+* **A probe at start-up** (:func:`probe_link`): before a peer has taken part in any round it uploads
+  and downloads a few MiB to/from a bootstrap or peer (``/geomesh.wire.Link/Probe``, served by every
+  node, :class:`LinkProbeService`), so its first announcement carries a measured figure instead of a
+  guess. ``geomesh-peer profile --probe HOST:PORT`` prints the same measurement.
+
+Neither measurement can tell this peer's link from the other end's: it is a lower bound on this
+peer's bandwidth (a slow counterpart or a loaded CPU shows up as a slow link). That is what the
+planner needs: how fast this peer's exchange really went.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+import grpc
+
+from geomesh_p2p.identity import EnvelopeError
+from geomesh_p2p.transport import LINK_PROBE, RpcError, Transport, Verified
+from geomesh_p2p.wire import collective_pb2
+
+log = logging.getLogger(__name__)
+
+#: The most padding a probe may upload or ask back (bytes); larger requests are refused.
+MAX_PROBE_BYTES = 16 << 20
+
+
+@dataclass(frozen=True)
+class LinkSample:
+    """Bytes moved in one direction and the seconds the link was busy moving them.
+
+    Attributes:
+        nbytes: payload bytes (int, >= 0).
+        seconds: busy seconds (float, > 0): the union of the transfer intervals.
+        transfers: how many transfers the sample is made of.
+    """
+
+    nbytes: int
+    seconds: float
+    transfers: int
+
+    @property
+    def bytes_per_s(self) -> float:
+        """Bandwidth in bytes/s (``nbytes / seconds``)."""
+        return self.nbytes / self.seconds
+
+
+def busy_seconds(intervals: Iterable[tuple[float, float]]) -> float:
+    """Length (seconds) of the union of ``[start, end)`` intervals; empty or inverted ones count 0.
+
+    Example: ``busy_seconds([(0, 2), (1, 3), (5, 6)]) == 4.0``.
+    """
+    spans = sorted((float(a), float(b)) for a, b in intervals if b > a)
+    total, cur_a, cur_b = 0.0, None, None
+    for a, b in spans:
+        if cur_b is None or a > cur_b:
+            if cur_b is not None:
+                total += cur_b - cur_a
+            cur_a, cur_b = a, b
+        else:
+            cur_b = max(cur_b, b)
+    if cur_b is not None:
+        total += cur_b - cur_a
+    return total
+
+
+def link_sample(transfers: Iterable[tuple[int, float, float]], min_bytes: int = 1) -> Optional[LinkSample]:
+    """A :class:`LinkSample` from transfers ``(nbytes, start_s, end_s)`` (monotonic seconds).
+
+    Returns None when fewer than ``min_bytes`` bytes moved or the busy time is 0 (nothing to learn).
+    Raises ValueError for negative bytes or non-finite times.
+    """
+    items = list(transfers)
+    for n, a, b in items:
+        if n < 0 or not (math.isfinite(a) and math.isfinite(b)):
+            raise ValueError(f"bad transfer ({n} bytes, {a}..{b} s)")
+    nbytes = sum(n for n, _, _ in items)
+    busy = busy_seconds((a, b) for _, a, b in items)
+    if nbytes < max(1, min_bytes) or busy <= 0:
+        return None
+    return LinkSample(nbytes, busy, len(items))
+
+
+class LinkProbeService:
+    """Serves ``/geomesh.wire.Link/Probe`` on a transport: receives the caller's padding and sends
+    back ``reply_bytes`` zero bytes (at most :data:`MAX_PROBE_BYTES` each way). Create it before
+    ``await transport.start()``. A request over the cap is refused with INVALID_ARGUMENT."""
+
+    def __init__(self, transport: Transport, max_bytes: int = MAX_PROBE_BYTES):
+        self.max_bytes = int(max_bytes)
+        transport.add_unary(LINK_PROBE, self._handle, max_payload_bytes=self.max_bytes + 1024)
+
+    async def _handle(self, verified: Verified, context) -> bytes:
+        t0 = time.monotonic()
+        try:
+            req = collective_pb2.LinkProbeRequest.FromString(verified.payload)
+        except Exception:
+            raise EnvelopeError(grpc.StatusCode.INVALID_ARGUMENT, "LinkProbeRequest is malformed") from None
+        if req.reply_bytes > self.max_bytes:
+            raise EnvelopeError(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"probe asks for {req.reply_bytes} bytes back; the most is {self.max_bytes}")
+        resp = collective_pb2.LinkProbeResponse(received_bytes=len(req.padding), padding=bytes(req.reply_bytes))
+        resp.held_s = time.monotonic() - t0
+        return resp.SerializeToString()
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    """What :func:`probe_link` measured against one address. Units: bytes/s and seconds."""
+
+    address: str
+    rtt_s: float
+    upload_bps: float
+    download_bps: float
+    nbytes: int
+
+
+async def probe_link(transport: Transport, address: str, nbytes: int = 4 << 20, repeats: int = 2,
+                     timeout_s: float = 60.0) -> ProbeResult:
+    """Measure this node's link to ``address`` with real transfers of ``nbytes`` each way.
+
+    First an empty probe gives the round-trip time (the best of three); then ``repeats`` uploads of
+    ``nbytes`` and ``repeats`` downloads of ``nbytes``; each direction's bandwidth is
+    ``bytes / (seconds - rtt - server hold)``, taking the best repeat (the least disturbed).
+
+    Raises ValueError for ``nbytes`` outside (0, MAX_PROBE_BYTES] or ``repeats < 1``; RpcError when
+    the address does not answer or refuses (e.g. an older node without the probe: UNIMPLEMENTED).
+    """
+    if not (0 < nbytes <= MAX_PROBE_BYTES):
+        raise ValueError(f"nbytes={nbytes} must be in (0, {MAX_PROBE_BYTES}]")
+    if repeats < 1:
+        raise ValueError(f"repeats={repeats} must be >= 1")
+
+    async def once(up: int, down: int) -> tuple[float, float]:
+        req = collective_pb2.LinkProbeRequest(reply_bytes=down, padding=bytes(up)).SerializeToString()
+        t0 = time.monotonic()
+        reply = await transport.call(address, LINK_PROBE, req, timeout=timeout_s)
+        dt = time.monotonic() - t0
+        resp = collective_pb2.LinkProbeResponse.FromString(reply.payload)
+        if resp.received_bytes != up or len(resp.padding) != down:
+            raise RpcError(address, LINK_PROBE, grpc.Statusgrpc.StatusCode.INVALID_ARGUMENT,
+                           f"probe reply says {resp.received_bytes} bytes received, sent {len(resp.padding)}")
+        held = min(max(0.0, resp.held_s if math.isfinite(resp.held_s) else 0.0), dt)
+        return dt, held
+
+    rtt = min([(await once(0, 0))[0] for _ in range(3)])
+    best_up = best_down = 0.0
+    for _ in range(repeats):
+        dt, held = await once(nbytes, 0)
+        best_up = max(best_up, nbytes / max(dt - held - rtt, 1e-6))
+        dt, held = await once(0, nbytes)
+        best_down = max(best_down, nbytes / max(dt - held - rtt, 1e-6))
+    return ProbeResult(address, rtt, best_up, best_down, nbytes)

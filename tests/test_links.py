@@ -1,0 +1,156 @@
+"""Link bandwidth measured from real transfers (geomesh_p2p.links, the collective's timing, the node's EMA)."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from types import SimpleNamespace
+
+import grpc
+import pytest
+import torch
+
+from geomesh_p2p.capability import ThroughputEMA
+from geomesh_p2p.identity import Identity
+from geomesh_p2p.links import (MAX_PROBE_BYTES, LinkProbeService, LinkSample, busy_seconds, link_sample,
+                               probe_link)
+from geomesh_p2p.transport import LINK_PROBE, RpcError, Transport, TransportConfig
+from geomesh_p2p.wire import collective_pb2
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_busy_seconds_is_the_union_of_intervals():
+    assert busy_seconds([]) == 0.0
+    assert busy_seconds([(0, 2), (1, 3), (5, 6)]) == 4.0
+    assert busy_seconds([(5, 6), (0, 2), (1, 3)]) == 4.0  # order does not matter
+    assert busy_seconds([(0, 10), (2, 3), (4, 5)]) == 10.0  # nested
+    assert busy_seconds([(0, 1), (1, 2)]) == 2.0  # touching
+    assert busy_seconds([(3, 1), (0, 0.5)]) == 0.5  # an inverted interval counts 0
+
+
+def test_link_sample_bytes_over_busy_time():
+    s = link_sample([(1000, 0.0, 1.0), (3000, 0.5, 2.0)])
+    assert s == LinkSample(4000, 2.0, 2)
+    assert s.bytes_per_s == 2000.0
+    assert link_sample([]) is None
+    assert link_sample([(10, 0.0, 1.0)], min_bytes=11) is None
+    assert link_sample([(10, 1.0, 1.0)]) is None  # no busy time: nothing to learn
+    with pytest.raises(ValueError):
+        link_sample([(-1, 0.0, 1.0)])
+    with pytest.raises(ValueError):
+        link_sample([(1, 0.0, math.inf)])
+
+
+@pytest.fixture
+async def probe_server():
+    t = Transport(Identity.generate(), "links-test", TransportConfig(port=0))
+    LinkProbeService(t, max_bytes=1 << 20)
+    address = await t.start()
+    c = Transport(Identity.generate(), "links-test", TransportConfig(client_only=True, added_latency_s=0.02))
+    await c.start()
+    try:
+        yield t, c, address
+    finally:
+        await c.stop(grace=0)
+        await t.stop(grace=0)
+
+
+async def test_probe_measures_real_transfers(probe_server):
+    server, client, address = probe_server
+    sent0 = client.stats.snapshot()[0]
+    res = await probe_link(client, address, nbytes=256 << 10, repeats=2)
+    # 3 empty probes + 2 uploads of 256 KiB + 2 downloads of 256 KiB went over the wire.
+    sent, received = (a - b for a, b in zip(client.stats.snapshot(), (sent0, 0)))
+    assert 2 * (256 << 10) <= sent < 2 * (256 << 10) + 7 * 1024
+    assert received >= 2 * (256 << 10)
+    # The 20 ms added before every call is in the RTT, and taken out of the bandwidth.
+    assert res.rtt_s >= 0.02
+    assert res.upload_bps > 0 and res.download_bps > 0 and res.nbytes == 256 << 10
+    assert res.address == address
+
+
+async def test_probe_over_the_cap_is_refused_and_the_server_keeps_serving(probe_server):
+    server, client, address = probe_server
+    req = collective_pb2.LinkProbeRequest(reply_bytes=(1 << 20) + 1).SerializeToString()
+    with pytest.raises(RpcError) as e:
+        await client.call(address, LINK_PROBE, req, timeout=5)
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "the most is 1048576" in e.value.reason
+    with pytest.raises(RpcError) as e:
+        await client.call(address, LINK_PROBE, b"\xff\xff\xff", timeout=5)
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    res = await probe_link(client, address, nbytes=1024, repeats=1)
+    assert res.nbytes == 1024
+    with pytest.raises(ValueError):
+        await probe_link(client, address, nbytes=MAX_PROBE_BYTES + 1)
+
+
+async def test_collective_reports_upload_and_download_samples():
+    """Three peers all-reduce over loopback: each one's upload sample is exactly the bytes of the
+    PushPart payloads it sent to the two other owners, its download sample the two results pulled."""
+    from geomesh_p2p.collective import CollectiveService, CollectiveSpec, make_partition
+
+    ids = [Identity.generate() for _ in range(3)]
+    ts = [Transport(i, "links-test", TransportConfig(port=0)) for i in ids]
+    services = [CollectiveService(t) for t in ts]
+    try:
+        addrs = [await t.start() for t in ts]
+        pids = [str(i.peer_id) for i in ids]
+        numel = 3 * 4096
+        owners = make_partition(numel, [(p, a, 1.0) for p, a in zip(pids, addrs)])
+        spec = CollectiveSpec(run_id="links-test", round=0, participants={p: 100 for p in pids}, owners=owners,
+                              numel=numel, mode="reencode", aggregate_encoding="sign", push_encoding="sign",
+                              block_size=2048, deadline=time.time() + 20, pull_deadline=time.time() + 25)
+        deltas = [torch.randn(numel, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+        results = await asyncio.gather(*(s.all_reduce(spec, d, tokens=100) for s, d in zip(services, deltas)))
+        for k, r in enumerate(results):
+            assert r.upload is not None and r.download is not None
+            assert r.upload.transfers == 2 and r.download.transfers == 2
+            # exact payload bytes: two PushPart requests (a signed contribution of 1 part each)
+            pushed = sum(len(collective_pb2.PushPartRequest(
+                contribution=services[k]._contribution_bytes(spec, j, deltas[k], 100, services[k]._rounds[0].compute_end)
+            ).SerializeToString())
+                for j in range(3) if owners[j].peer_id != pids[k])
+            assert r.upload.nbytes == pushed
+            assert 0 < r.upload.seconds <= r.wall_s and 0 < r.download.seconds <= r.wall_s
+    finally:
+        for s in services:
+            await s.close()
+        for t in ts:
+            await t.stop(grace=0)
+
+
+def _node_with(upload_bps=None, download_bps=None, rtt_s=0.0):
+    from geomesh_p2p.node import NodeConfig, PeerNode
+
+    node = PeerNode.__new__(PeerNode)
+    node.cfg = NodeConfig(upload_bps=upload_bps, download_bps=download_bps, min_link_sample_bytes=1000)
+    node.ema = ThroughputEMA(alpha=0.5, tokens_per_s={8: 100.0}, upload_bps=upload_bps or 1000.0,
+                             download_bps=download_bps or 1000.0)
+    node.rtt_s = rtt_s
+    node.round = 1
+    return node
+
+
+def test_node_folds_measured_links_into_its_ema():
+    node = _node_with(rtt_s=0.5)
+    ar = SimpleNamespace(upload=LinkSample(3000, 1.5, 2), download=LinkSample(500, 0.1, 1))
+    node._update_links(ar)
+    # up: 3000 bytes in 1.5 s - 0.5 s RTT = 3000 B/s; EMA 0.5 * 3000 + 0.5 * 1000
+    assert node.ema.upload_bps == 2000.0
+    # down: 500 bytes is under min_link_sample_bytes: unchanged
+    assert node.ema.download_bps == 1000.0
+    ar = SimpleNamespace(upload=None, download=LinkSample(4000, 0.5, 2))
+    node._update_links(ar)
+    # RTT floor: max(0.5 - 0.5, 0.05) = 0.05 s -> 80000 B/s
+    assert node.ema.download_bps == 0.5 * 80000.0 + 0.5 * 1000.0
+    assert node.ema.upload_bps == 2000.0
+
+
+def test_stated_bandwidth_is_not_overwritten():
+    node = _node_with(upload_bps=5e6)
+    node._update_links(SimpleNamespace(upload=LinkSample(10_000, 1.0, 1), download=LinkSample(10_000, 1.0, 1)))
+    assert node.ema.upload_bps == 5e6
+    assert node.ema.download_bps == 0.5 * 10_000 + 0.5 * 1000.0
