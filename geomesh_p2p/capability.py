@@ -535,20 +535,25 @@ class ThroughputEMA:
                     raise ValueError(f"{direction}load_bps={v} must be > 0")
                 self._link[direction] = float(v)
 
-    def _ema(self, old: Optional[float], x: float) -> float:
-        return x if old is None else self.alpha * x + (1.0 - self.alpha) * old
+    def _ema(self, old: Optional[float], x: float, alpha: Optional[float] = None) -> float:
+        a = self.alpha if alpha is None else float(alpha)
+        return x if old is None else a * x + (1.0 - a) * old
 
-    def update(self, batch: int, tokens: int, seconds: float) -> float:
+    def update(self, batch: int, tokens: int, seconds: float, alpha: Optional[float] = None) -> float:
         """Fold in ``tokens`` trained in ``seconds`` at micro-batch ``batch``; returns the new tokens/s.
 
-        Raises ValueError for ``batch < 1``, ``tokens <= 0`` or ``seconds <= 0``.
+        ``alpha`` overrides the weight of this observation (1.0: replace, e.g. a start-up profile
+        by the first measurement taken in the swarm). Raises ValueError for ``batch < 1``,
+        ``tokens <= 0``, ``seconds <= 0`` or ``alpha`` outside (0, 1].
         """
+        if alpha is not None and not (0 < alpha <= 1):
+            raise ValueError(f"alpha={alpha} must be in (0, 1]")
         if batch < 1:
             raise ValueError(f"batch={batch} must be >= 1")
         if tokens <= 0 or not (math.isfinite(seconds) and seconds > 0):
             raise ValueError(f"tokens={tokens} and seconds={seconds} must be > 0")
         old = self._tps.get(batch)
-        new = self._ema(old, tokens / seconds)
+        new = self._ema(old, tokens / seconds, alpha)
         if old is not None and self.rescale_others:
             ratio = new / old
             for b in self._tps:
@@ -557,16 +562,18 @@ class ThroughputEMA:
         self._tps[batch] = new
         return new
 
-    def update_link(self, nbytes: int, seconds: float, direction: str) -> float:
+    def update_link(self, nbytes: int, seconds: float, direction: str, alpha: Optional[float] = None) -> float:
         """Fold in a transfer of ``nbytes`` in ``seconds``; ``direction`` 'up'/'upload' or
-        'down'/'download'. Returns the new bytes/s. Raises ValueError for a bad direction,
-        ``nbytes <= 0`` or ``seconds <= 0``."""
+        'down'/'download'; ``alpha`` as in :meth:`update`. Returns the new bytes/s. Raises
+        ValueError for a bad direction, ``nbytes <= 0``, ``seconds <= 0`` or a bad ``alpha``."""
+        if alpha is not None and not (0 < alpha <= 1):
+            raise ValueError(f"alpha={alpha} must be in (0, 1]")
         key = {"up": "up", "upload": "up", "down": "down", "download": "down"}.get(direction)
         if key is None:
             raise ValueError(f"direction={direction!r}: expected 'up' or 'down'")
         if nbytes <= 0 or not (math.isfinite(seconds) and seconds > 0):
             raise ValueError(f"nbytes={nbytes} and seconds={seconds} must be > 0")
-        self._link[key] = self._ema(self._link[key], nbytes / seconds)
+        self._link[key] = self._ema(self._link[key], nbytes / seconds, alpha)
         return self._link[key]
 
     @property

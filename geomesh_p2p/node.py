@@ -155,6 +155,7 @@ class PeerNode:
         self.ema = None  # capability.ThroughputEMA: tokens/s per micro-batch and link bytes/s, re-profiled
         self.rtt_s = 0.0  # round-trip time to the probed node (seconds), taken out of link samples
         self.max_batch = 1
+        self._measured: set[str] = set()  # quantities measured in a round at least once ("tps", "up", "down")
         self._syncing = False
 
     # ------------------------------------------------------------------ setup
@@ -656,7 +657,11 @@ class PeerNode:
         """Re-profiling (beyond the paper's one-off profile): EMA of this round's measured tokens/s
         (the other micro-batch sizes are rescaled by the same ratio, capability.ThroughputEMA)."""
         if result.compute_s > 0 and result.tokens > 0:
-            self.ema.update(micro_batch, result.tokens, result.compute_s)
+            # The start-up profile is a prior, taken alone and with other processes starting up; the
+            # first measurement in the swarm replaces it (then the EMA smooths round-to-round noise).
+            first = "tps" not in self._measured
+            self._measured.add("tps")
+            self.ema.update(micro_batch, result.tokens, result.compute_s, alpha=1.0 if first else None)
 
     def _update_links(self, ar) -> None:
         """Fold this round's measured exchange into the link EMAs (links.py). A direction stated by
@@ -668,7 +673,9 @@ class PeerNode:
             if stated or sample is None or sample.nbytes < c.min_link_sample_bytes:
                 continue
             seconds = max(sample.seconds - self.rtt_s, 0.1 * sample.seconds)
-            new = self.ema.update_link(sample.nbytes, seconds, direction)
+            first = direction not in self._measured  # the first real exchange replaces the probe's figure
+            self._measured.add(direction)
+            new = self.ema.update_link(sample.nbytes, seconds, direction, alpha=1.0 if first else None)
             log.debug("round %d: %sload %.1f MB/s measured (%d bytes in %.3fs), EMA %.1f MB/s", self.round - 1,
                       direction, sample.nbytes / seconds / 1e6, sample.nbytes, seconds, new / 1e6)
 

@@ -131,6 +131,7 @@ def _node_with(upload_bps=None, download_bps=None, rtt_s=0.0):
                              download_bps=download_bps or 1000.0)
     node.rtt_s = rtt_s
     node.round = 1
+    node._measured = {"up", "down", "tps"}  # past the first round: plain EMA
     return node
 
 
@@ -154,3 +155,18 @@ def test_stated_bandwidth_is_not_overwritten():
     node._update_links(SimpleNamespace(upload=LinkSample(10_000, 1.0, 1), download=LinkSample(10_000, 1.0, 1)))
     assert node.ema.upload_bps == 5e6
     assert node.ema.download_bps == 0.5 * 10_000 + 0.5 * 1000.0
+
+
+def test_first_measurement_replaces_the_start_up_figure():
+    """The probe's (or start-up profile's) figure is a prior: the first round's sample replaces it,
+    later samples are averaged in."""
+    node = _node_with()
+    node._measured = set()
+    node._update_links(SimpleNamespace(upload=LinkSample(6000, 2.0, 1), download=None))
+    assert node.ema.upload_bps == 3000.0 and node._measured == {"up"}
+    node._update_links(SimpleNamespace(upload=LinkSample(1000, 1.0, 1), download=None))
+    assert node.ema.upload_bps == 0.5 * 1000.0 + 0.5 * 3000.0
+    node._update_throughput(8, SimpleNamespace(tokens=512, compute_s=2.0))
+    assert node.ema.tokens_per_s == {8: 256.0}
+    node._update_throughput(8, SimpleNamespace(tokens=512, compute_s=1.0))
+    assert node.ema.tokens_per_s == {8: 0.5 * 512.0 + 0.5 * 256.0}
