@@ -252,7 +252,8 @@ def run_method(method: str, args, lab: NetLab | None, workdir: Path, procs: Proc
         argv = prefix + exe + ["peer.cli", "join", "--identity", str(workdir / f"peer{i}.key"),
                                "--host", host, "--advertise-host", host, "--port", str(port),
                                "--speed-factor", str(pc["speed"]),
-                               "--upload-mbps", str(pc["mbit"]), "--download-mbps", str(pc["mbit"]),
+                               *([] if args.measure_links else
+                                 ["--upload-mbps", str(pc["mbit"]), "--download-mbps", str(pc["mbit"])]),
                                "--added-latency-ms", str(pc["latency_ms"]),
                                "--log-json", str(mdir / f"peer{i}.jsonl"),
                                "--summary-json", str(mdir / f"peer{i}.summary.json")] + common
@@ -497,6 +498,8 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-first", action="store_true", help="leave round 0 out of the idle/time figures")
     ap.add_argument("--no-netns", action="store_true", help="do not use namespaces: 127.0.0.1, unshaped")
     ap.add_argument("--no-sim", action="store_true")
+    ap.add_argument("--measure-links", action="store_true",
+                    help="do not state each peer's bandwidth: peers measure it (start-up probe + every exchange)")
     ap.add_argument("--sim-timeout-s", type=float, default=240)
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--json", default=None, help="write all figures here")
@@ -592,6 +595,19 @@ def main(argv=None) -> int:
         print(f"{s['method']}: status {s['status']}; compute of fastest {s['compute_s_fastest']:.2f}s/round, "
               f"measured fastest tokens/s {s['fast_tokens_per_s']:.0f}; plans (batch/H) "
               + "; ".join(f"{n}: {' '.join(v)}" for n, v in s["plans"].items()))
+    if args.measure_links:
+        print("links measured by the peers (Mbit/s, upload/download): shaped | start-up probe | announced at the end")
+        for r in results:
+            for i, pc in enumerate(peers_cfg):
+                try:
+                    lk = json.loads((workdir / r["method"] / f"peer{i}.summary.json").read_text())["links"]
+                except (OSError, ValueError, KeyError):
+                    print(f"  {r['method']:8s} {pc['name']}: no summary")
+                    continue
+                mb = lambda v: "-" if v is None else f"{v * 8 / 1e6:.2f}"  # noqa: E731  bytes/s -> Mbit/s
+                pr = lk.get("probe") or {}
+                print(f"  {r['method']:8s} {pc['name']:10s} {pc['mbit']:.2f} | {mb(pr.get('upload_bps'))}/"
+                      f"{mb(pr.get('download_bps'))} | {mb(lk.get('upload_bps'))}/{mb(lk.get('download_bps'))}")
     by = {s["method"]: s for s in sums}
     if "diloco" in by and "geomesh" in by:
         d, g = by["diloco"], by["geomesh"]

@@ -131,20 +131,24 @@ class ProbeResult:
 
 
 async def probe_link(transport: Transport, address: str, nbytes: int = 4 << 20, repeats: int = 2,
-                     timeout_s: float = 60.0) -> ProbeResult:
-    """Measure this node's link to ``address`` with real transfers of ``nbytes`` each way.
+                     timeout_s: float = 60.0, target_s: float = 0.5, first_bytes: int = 256 << 10) -> ProbeResult:
+    """Measure this node's link to ``address`` with real transfers of up to ``nbytes`` each way.
 
-    First an empty probe gives the round-trip time (the best of three); then ``repeats`` uploads of
-    ``nbytes`` and ``repeats`` downloads of ``nbytes``; each direction's bandwidth is
-    ``bytes / (seconds - rtt - server hold)``, taking the best repeat (the least disturbed).
+    First an empty probe gives the round-trip time (the best of three). Then, per direction, a
+    sizing transfer of ``min(first_bytes, nbytes)`` and ``repeats`` transfers sized to take about
+    ``target_s`` seconds at the rate seen so far (between 64 KiB and ``nbytes``), so a slow link is
+    not held for long and a fast one is not measured on a few packets. Each transfer's rate is
+    ``bytes / (seconds - rtt - server hold)``; the best one is kept (the least disturbed).
+    ``ProbeResult.nbytes`` is the largest transfer made.
 
-    Raises ValueError for ``nbytes`` outside (0, MAX_PROBE_BYTES] or ``repeats < 1``; RpcError when
-    the address does not answer or refuses (e.g. an older node without the probe: UNIMPLEMENTED).
+    Raises ValueError for ``nbytes`` outside (0, MAX_PROBE_BYTES], ``repeats < 1`` or
+    ``target_s <= 0``; RpcError when the address does not answer or refuses (e.g. an older node
+    without the probe: UNIMPLEMENTED).
     """
     if not (0 < nbytes <= MAX_PROBE_BYTES):
         raise ValueError(f"nbytes={nbytes} must be in (0, {MAX_PROBE_BYTES}]")
-    if repeats < 1:
-        raise ValueError(f"repeats={repeats} must be >= 1")
+    if repeats < 1 or not target_s > 0:
+        raise ValueError(f"repeats={repeats} must be >= 1 and target_s={target_s} > 0")
 
     async def once(up: int, down: int) -> tuple[float, float]:
         req = collective_pb2.LinkProbeRequest(reply_bytes=down, padding=bytes(up)).SerializeToString()
@@ -159,10 +163,18 @@ async def probe_link(transport: Transport, address: str, nbytes: int = 4 << 20, 
         return dt, held
 
     rtt = min([(await once(0, 0))[0] for _ in range(3)])
-    best_up = best_down = 0.0
-    for _ in range(repeats):
-        dt, held = await once(nbytes, 0)
-        best_up = max(best_up, nbytes / max(dt - held - rtt, 1e-6))
-        dt, held = await once(0, nbytes)
-        best_down = max(best_down, nbytes / max(dt - held - rtt, 1e-6))
-    return ProbeResult(address, rtt, best_up, best_down, nbytes)
+    largest = 0
+
+    async def direction(up: bool) -> float:
+        nonlocal largest
+        best, size = 0.0, min(first_bytes, nbytes)
+        for k in range(repeats + 1):
+            dt, held = await (once(size, 0) if up else once(0, size))
+            largest = max(largest, size)
+            best = max(best, size / max(dt - held - rtt, 1e-6))
+            size = int(min(nbytes, max(64 << 10, best * target_s)))
+        return best
+
+    best_up = await direction(True)
+    best_down = await direction(False)
+    return ProbeResult(address, rtt, best_up, best_down, largest)

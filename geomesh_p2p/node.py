@@ -155,6 +155,7 @@ class PeerNode:
         self.ema = None  # capability.ThroughputEMA: tokens/s per micro-batch and link bytes/s, re-profiled
         self.rtt_s = 0.0  # round-trip time to the probed node (seconds), taken out of link samples
         self.max_batch = 1
+        self.probe_result = None  # links.ProbeResult of the start-up probe, if one was made
         self._measured: set[str] = set()  # quantities measured in a round at least once ("tps", "up", "down")
         self._syncing = False
 
@@ -256,8 +257,9 @@ class PeerNode:
             except Exception as e:  # an old or busy bootstrap: the first rounds will measure instead
                 log.info("link probe of %s failed (%s); bandwidth will be measured in the first round", b, e)
                 continue
-            log.info("link to %s: upload %.1f MB/s, download %.1f MB/s, RTT %.1f ms (probe of %d KiB)", b,
+            log.info("link to %s: upload %.2f MB/s, download %.2f MB/s, RTT %.1f ms (probe, up to %d KiB)", b,
                      res.upload_bps / 1e6, res.download_bps / 1e6, res.rtt_s * 1e3, res.nbytes >> 10)
+            self.probe_result = res
             return res
         return None
 
@@ -746,6 +748,15 @@ class PeerNode:
             "bytes_received": sum(r.bytes_received for r in h),
             "digests": {r.round + 1: r.digest for r in h},
             "digest_mismatches": sum(1 for r in h if r.digest_agree is False),
+            # bytes/s: what this peer announced last (stated by a flag, else measured) and the probe's figures
+            "links": {
+                "upload_bps": self.cfg.upload_bps or (self.ema.upload_bps if self.ema else None),
+                "download_bps": self.cfg.download_bps or (self.ema.download_bps if self.ema else None),
+                "stated": {"upload": self.cfg.upload_bps is not None, "download": self.cfg.download_bps is not None},
+                "probe": None if self.probe_result is None else {
+                    "address": self.probe_result.address, "rtt_s": self.probe_result.rtt_s,
+                    "upload_bps": self.probe_result.upload_bps, "download_bps": self.probe_result.download_bps},
+            },
             "rows": [json.loads(r.to_json()) for r in h],
         }
 
