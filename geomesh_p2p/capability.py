@@ -184,8 +184,10 @@ def _default_optimizer(params: Iterable[torch.nn.Parameter]) -> torch.optim.Opti
 class _Session:
     """Model in train mode, an optimizer, forked RNG; restores the model's state on exit."""
 
-    def __init__(self, model: torch.nn.Module, dev: torch.device, optimizer_factory: Optional[OptimizerFactory]):
+    def __init__(self, model: torch.nn.Module, dev: torch.device, optimizer_factory: Optional[OptimizerFactory],
+                 amp: bool = False):
         self.model, self.dev = model, dev
+        self.amp = bool(amp) and dev.type == "cuda"  # bf16 autocast as training uses it (CUDA only)
         self.optimizer_factory = optimizer_factory or _default_optimizer
         self._rng = torch.random.fork_rng(devices=[dev.index] if dev.type == "cuda" else [])
 
@@ -198,7 +200,11 @@ class _Session:
 
     def step(self, x: torch.Tensor) -> None:
         self.opt.zero_grad(set_to_none=True)
-        loss = self.model(input_ids=x, labels=x).loss
+        if self.amp:
+            with torch.autocast(device_type="cuda", dtype=torch.bfloat16):
+                loss = self.model(input_ids=x, labels=x).loss
+        else:
+            loss = self.model(input_ids=x, labels=x).loss
         loss.backward()
         self.opt.step()
 
@@ -236,6 +242,7 @@ def measure_throughput(
     optimizer_factory: Optional[OptimizerFactory] = None,
     speed_factor: float = 1.0,
     seed: int = 0,
+    amp: bool = False,
 ) -> dict[int, float]:
     """Training throughput in tokens/s for each batch size (sequences of ``seq_len`` tokens).
 
@@ -245,7 +252,8 @@ def measure_throughput(
     is a module (moved to ``device``; its weights are untouched with the default lr=0 AdamW) or a
     callable building one. ``speed_factor`` f in (0, 1] emulates a slower device: after each step
     it sleeps so that the step takes 1/f as long. On an out-of-memory error the batch size and all
-    larger ones are left out of the result.
+    larger ones are left out of the result. ``amp``: bf16 autocast for the forward pass on CUDA
+    (as :class:`geomesh_p2p.training.InnerTrainer` trains there); ignored on CPU.
 
     Raises ValueError for ``seq_len < 1``, no/invalid batch sizes, ``steps < 1``, ``warmup < 0``,
     ``speed_factor`` outside (0, 1], or a missing vocab size.
@@ -264,7 +272,7 @@ def measure_throughput(
     vocab = _vocab_size(model, vocab_size)
     gen = torch.Generator().manual_seed(seed)
     result: dict[int, float] = {}
-    with _Session(model, dev, optimizer_factory) as sess:
+    with _Session(model, dev, optimizer_factory, amp=amp) as sess:
         for b in sizes:
             x = torch.randint(0, vocab, (b, seq_len), generator=gen).to(dev)
             times = []

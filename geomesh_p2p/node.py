@@ -122,6 +122,7 @@ class NodeConfig(BaseModel):
     ema_alpha: float = Field(0.3, gt=0, le=1, description="weight of a new measurement in the re-profiling EMAs")
     added_latency_s: float = 0.0
     profile_batches: list[int] = Field(default_factory=lambda: [4, 8, 16])
+    amp: bool = Field(True, description="bf16 autocast for the forward pass on CUDA (ignored on CPU)")
     eval_batches: int = 8
     eval_every: int = Field(1, ge=1, description="evaluate every this many rounds (and at the last)")
     announce_period_s: float = 2.0
@@ -217,7 +218,7 @@ class PeerNode:
         self.trainer = InnerTrainer(
             self.model, self.dataset, device=self.device, seq_len=r.seq_len, optimizer=r.inner_optimizer,
             lr=r.inner_lr, weight_decay=0.1, warmup_steps=r.warmup_steps, total_steps=r.total_inner_steps,
-            seed=r.seed, peer_id=self.me, speed_factor=c.speed_factor)
+            seed=r.seed, peer_id=self.me, speed_factor=c.speed_factor, amp=c.amp)
         if r.method == "ddp":
             # Data-parallel baseline: the "outer" step is AdamW on the swarm's mean gradient.
             from geomesh_p2p.optim import SyncAdamW
@@ -235,7 +236,7 @@ class PeerNode:
         probe = copy.deepcopy(self.model)
         self.profiled_tps = measure_throughput(probe, seq_len=r.seq_len, batch_sizes=c.profile_batches,
                                           device=self.device, vocab_size=self.dataset.vocab_size, steps=2,
-                                          warmup=1, speed_factor=c.speed_factor)
+                                          warmup=1, speed_factor=c.speed_factor, amp=c.amp)
         self.max_batch = find_max_batch(probe, seq_len=r.seq_len, device=self.device,
                                         memory_bytes=self.device_info.memory_bytes, limit=256,
                                         vocab_size=self.dataset.vocab_size)

@@ -97,6 +97,8 @@ def add_node_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--identity", default="~/.geomesh/identity.key", metavar="PATH", help="Ed25519 key file (default: %(default)s)")
     g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: %(default)s)")
     g.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    g.add_argument("--no-amp", dest="amp", action="store_false",
+                   help="on CUDA, train in fp32 instead of bf16 autocast (the outer step is always fp32)")
     g.add_argument("--checkpoint-dir", metavar="DIR", help="write safetensors checkpoints here")
     g.add_argument("--checkpoint-every", type=int, default=5, help="rounds between checkpoints (default: %(default)s)")
     g.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir")
@@ -187,7 +189,7 @@ def node_config_from(ns: argparse.Namespace):
         memory_budget_bytes=int(ns.memory_budget_gb * 2**30) if ns.memory_budget_gb else None,
         upload_bps=mbps(ns.upload_mbps), download_bps=mbps(ns.download_mbps),
         added_latency_s=ns.added_latency_ms / 1000, profile_batches=ns.profile_batches, log_json=ns.log_json, summary_json=ns.summary_json,
-        eval_every=ns.eval_every,
+        eval_every=ns.eval_every, amp=getattr(ns, "amp", True),
         metrics_port=ns.metrics_port)
 
 
