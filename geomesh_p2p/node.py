@@ -747,7 +747,8 @@ class PeerNode:
             "network_idle_pct": (sum(r.network_idle_s for r in h) / max(1e-9, sum(r.round_s for r in h)) * 100) if h else 0.0,
             "bytes_sent": sum(r.bytes_sent for r in h),
             "bytes_received": sum(r.bytes_received for r in h),
-            "digests": {r.round + 1: r.digest for r in h},
+            # the weights digest after each round's outer step (= the digest round r+1 starts from)
+            "digests_after_round": {r.round: r.digest for r in h},
             "digest_mismatches": sum(1 for r in h if r.digest_agree is False),
             # bytes/s: what this peer announced last (stated by a flag, else measured) and the probe's figures
             "links": {

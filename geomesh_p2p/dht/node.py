@@ -683,6 +683,9 @@ class DHTNode:
                 if cur_exp >= vr.expiration_time:
                     if from_peer is not None and cur_exp == vr.expiration_time and self.republish_period_s:
                         self._fresh[(vr.key_id, vr.subkey)] = now
+                    if cur_bytes == rec.SerializeToString():
+                        # A republish of exactly the record held here: it is stored, nothing to say.
+                        return dht_pb2.StoreOutcome(stored=True, code=0, reason="")
                     return dht_pb2.StoreOutcome(stored=False, code=0,
                                                 reason=f"a value expiring {cur_exp - vr.expiration_time:+.1f}s later is held")
             stored = self.storage.store(vr.key_id, rec.SerializeToString(), vr.expiration_time, subkey=vr.subkey)
