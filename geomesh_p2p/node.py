@@ -187,6 +187,8 @@ class PeerNode:
         address = await self.transport.start()
         log.info("peer %s serving on %s", self.identity.peer_id.short(), address or "(client-only)")
         await self.dht.join(c.bootstrap)
+        # Refuse an incompatible run config now, before spending half a minute on data and profiling.
+        await self._check_swarm(self._placeholder_record())
         probed = await self._probe_links()
         from geomesh_p2p.dht import PeerAnnouncer
 
@@ -317,7 +319,15 @@ class PeerNode:
         self.digest = digest(self.theta, self.outer.buf)
         self.state_server.publish(Snapshot(round, self.theta.clone(), self.outer.buf.clone(), self.digest))
 
-    async def _check_swarm(self) -> None:
+    def _placeholder_record(self) -> PeerRecord:
+        """This peer's version, protocol and run config, before its device is profiled (never announced)."""
+        return PeerRecord(
+            peer_id=self.me, address=self.transport.address, device="(starting)", memory_bytes=0, max_batch=1,
+            upload_bps=1.0, download_bps=1.0, version=geomesh_p2p.__version__,
+            protocol_version=geomesh_p2p.PROTOCOL_VERSION, run_config_hash=self.config_hash,
+            run_config=self.run_cfg.model_dump())
+
+    async def _check_swarm(self, mine: Optional[PeerRecord] = None) -> None:
         """Refuse to start when the swarm's live peers all run another config or version.
 
         Raises IncompatibleSwarmError naming the differing fields (e.g. "inner_lr: 0.001 here vs
@@ -325,7 +335,7 @@ class PeerNode:
         """
         from geomesh_p2p.dht import IncompatibleSwarmError, check_compatible, live_peers
 
-        mine = self.my_record()
+        mine = mine or self.my_record()
         others = [r for r in await live_peers(self.dht, self.run_cfg.run_id) if r.peer_id != self.me]
         if not others or any(check_compatible(mine, r) is None for r in others):
             return

@@ -77,5 +77,7 @@ def test_incompatible_run_config_is_refused_saying_what_differs(tmp_path):
         line = _one_line_error(r)
         assert "use another run config" in line
         assert "inner_lr: 0.0003 here vs 0.001 in the swarm" in line
+        # refused right after joining the DHT: no data loading, no device profiling first
+        assert "tokens/s per batch" not in r.stdout + r.stderr
     finally:
         swarm.stop_all()
