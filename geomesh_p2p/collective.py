@@ -175,6 +175,43 @@ def make_partition(
     return parts
 
 
+def _bytes_per_element(encoding: str, block_size: int) -> float:
+    """Upper bound of the encoded bytes per element (headers aside) of a packet in ``encoding``."""
+    scales = 4.0 / block_size
+    return {"fp32": 4.0, "fp16": 2.0 + scales, "int8": 1.0 + scales, "sign": 0.125 + scales}[encoding]
+
+
+def max_part_elements(*, push_encoding: str, mode: str, aggregate_encoding: str, n_participants: int,
+                      block_size: int, max_message_bytes: int) -> int:
+    """The most elements one part may hold so that every message about it fits ``max_message_bytes``.
+
+    The largest messages of a part are a contribution (``push_encoding``) and its result: the
+    re-encoded aggregate (reencode) or all ``n_participants`` contributions (relay). A tenth of the
+    limit plus 64 KiB are left for envelopes and protobuf framing. Returns a positive multiple of
+    ``block_size``. Raises ValueError when not even one block fits.
+    """
+    push = _bytes_per_element(push_encoding, block_size)
+    result = push * max(1, n_participants) if mode == "relay" else _bytes_per_element(aggregate_encoding, block_size)
+    room = 0.9 * max_message_bytes - (64 << 10)
+    n = int(room // max(push, result)) // block_size * block_size
+    if n < block_size:
+        raise ValueError(f"a part of one block ({block_size} elements) does not fit {max_message_bytes} bytes")
+    return n
+
+
+def split_owners(owners: Sequence[PartOwner], max_elements: int) -> list[PartOwner]:
+    """Cut every part longer than ``max_elements`` into consecutive parts of that size (the last one
+    shorter), same owner and address: a peer then owns several parts, each small enough for one gRPC
+    message. Deterministic, so every peer derives the same spec from the same plan."""
+    if max_elements < 1:
+        raise ValueError(f"max_elements={max_elements} must be >= 1")
+    out = []
+    for o in owners:
+        for a in range(o.start, o.end, max_elements):
+            out.append(PartOwner(o.peer_id, o.address, a, min(o.end, a + max_elements)))
+    return out
+
+
 @dataclass(frozen=True)
 class CollectiveSpec:
     """Everything one all-reduce needs to agree on; built by the round protocol from the RoundPlan.

@@ -575,20 +575,24 @@ class PeerNode:
 
     def _collective_spec(self, plan):
         """The collective's spec for ``plan``. Raises ValueError when the plan cannot be executed."""
-        from geomesh_p2p.collective import CollectiveSpec, PartOwner
+        from geomesh_p2p.collective import CollectiveSpec, PartOwner, max_part_elements, split_owners
 
         r = plan.round
         compressed = self.run_cfg.method in ("geomesh", "css")
+        push, agg = ("sign", self.run_cfg.aggregate_encoding) if compressed else ("fp32", "fp32")
         # Owners' addresses come from the plan (the leader's view), so every peer dials the same ones.
         addresses = {x.peer_id: x.address for x in plan.assignments}
         owners = [PartOwner(peer_id=pid, address=addresses.get(pid) or "", start=start, end=end)
                   for pid, start, end in plan.owners()]
+        # A part too big for one gRPC message (fp32 baselines of large models) is cut into several.
+        owners = split_owners(owners, max_part_elements(
+            push_encoding=push, mode=plan.mode, aggregate_encoding=agg, n_participants=len(plan.assignments),
+            block_size=self.run_cfg.block_size, max_message_bytes=self.transport.config.max_message_bytes))
         return CollectiveSpec(
             run_id=self.run_cfg.run_id, round=r,
             participants={x.peer_id: x.token_budget for x in plan.assignments},
             owners=owners, numel=self.numel, mode=plan.mode,
-            aggregate_encoding=self.run_cfg.aggregate_encoding if compressed else "fp32",
-            push_encoding="sign" if compressed else "fp32",
+            aggregate_encoding=agg, push_encoding=push,
             block_size=self.run_cfg.block_size, clip_k=self.run_cfg.clip_k,
             deadline=plan.exchange_deadline - 0.25 * (plan.exchange_deadline - plan.train_deadline),
             pull_deadline=plan.exchange_deadline)

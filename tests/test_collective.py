@@ -453,3 +453,48 @@ async def test_last_compute_end_is_the_latest_contributors_stated_time(swarms):
     results = await asyncio.gather(*[
         svc.all_reduce(spec, torch.randn(spec.numel), 10, compute_end=e) for svc, e in zip(sw.services, ends)])
     assert [r.last_compute_end for r in results] == [t - 1.0] * 3
+
+
+async def test_parts_too_big_for_one_message_are_split_and_still_exact():
+    """fp32 parts larger than the gRPC message limit fail whole (the push is refused and the part is
+    missing); cut with split_owners(max_part_elements(...)) the same vectors reduce exactly."""
+    from geomesh_p2p.collective import make_partition, max_part_elements, split_owners
+    from geomesh_p2p.transport import Transport, TransportConfig
+
+    limit = 256 << 10
+    ids = [Identity.generate() for _ in range(3)]
+    ts = [Transport(i, RUN, TransportConfig(port=0, max_message_bytes=limit, default_timeout_s=5.0)) for i in ids]
+    svcs = [CollectiveService(t) for t in ts]
+    try:
+        addrs = [await t.start() for t in ts]
+        pids = [str(i.peer_id) for i in ids]
+        numel = 240_000  # fp32 parts of ~320 KB each, over the 256 KiB limit
+        owners = make_partition(numel, [(p, a, 1.0) for p, a in zip(pids, addrs)], block_size=1024)
+        deltas = deltas_for(pids, numel, seed=5)
+        tokens = dict(zip(pids, (100, 200, 300)))
+
+        def spec(round_, own):
+            now = time.time()
+            return CollectiveSpec(RUN, round_, {p: 10**9 for p in pids}, own, numel, now + 1.5, now + 2.5,
+                                  mode="reencode", aggregate_encoding="fp32", push_encoding="fp32", block_size=1024)
+
+        whole = spec(1, owners)
+        res = await asyncio.gather(*[s.all_reduce(whole, deltas[p], tokens[p]) for s, p in zip(svcs, pids)])
+        assert all(sorted(r.missing_parts) == [0, 1, 2] for r in res)  # every remote push was too big
+
+        n = max_part_elements(push_encoding="fp32", mode="reencode", aggregate_encoding="fp32", n_participants=3,
+                              block_size=1024, max_message_bytes=limit)
+        assert n == int((0.9 * limit - (64 << 10)) // 4) // 1024 * 1024  # 41,984 elements
+        split = split_owners(owners, n)
+        assert len(split) == 6 and [o.peer_id for o in split] == [pids[0]] * 2 + [pids[1]] * 2 + [pids[2]] * 2
+        assert all(o.end - o.start <= n for o in split) and split[-1].end == numel
+        cut = spec(2, split)
+        res = await asyncio.gather(*[s.all_reduce(cut, deltas[p], tokens[p]) for s, p in zip(svcs, pids)])
+        ref = reference(cut, deltas, tokens, {j: pids for j in range(len(split))})
+        for r in res:
+            assert r.missing_parts == [] and torch.equal(r.aggregate, ref)
+    finally:
+        for s in svcs:
+            await s.close()
+        for t in ts:
+            await t.stop(grace=0)
