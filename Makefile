@@ -2,6 +2,8 @@
 PYTHON ?= python3
 VENV   ?= .venv
 TORCH  ?= torch==2.13.0
+# e.g. TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu" for the CPU build from PyTorch's index
+TORCH_PIP_ARGS ?=
 PY      = $(VENV)/bin/python
 PIP     = $(PY) -m pip
 STAMP   = $(VENV)/.geomesh-installed
@@ -14,7 +16,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q "$(TORCH)"
+	$(PIP) install -q $(TORCH_PIP_ARGS) "$(TORCH)"
 	$(PIP) install -q -e ".[test]"
 	touch $(STAMP)
 

@@ -41,7 +41,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = _Parser(prog=PROG, description=__doc__.split("\n\n", 1)[0],
+    ap = _Parser(prog=PROG, description=__doc__.split("\n\n", 1)[0].replace("``", ""),
                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
     ap.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     ap.add_argument("--host", default="0.0.0.0",

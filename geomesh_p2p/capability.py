@@ -728,8 +728,10 @@ def format_profile_table(result: Mapping[str, Any]) -> str:
         up, down = bw.get("upload_bps"), bw.get("download_bps")
         how = (f"measured against {bw['measured_against']}, RTT {1000 * bw.get('rtt_s', 0.0):.1f} ms"
                if bw.get("measured_against") else "stated")
+        # Mbit/s, the unit of the --upload-mbps / --download-mbps flags
+        mbit = lambda v: "-" if not v else f"{v * 8 / 1e6:,.1f} Mbit/s"  # noqa: E731
         lines.append(
-            f"bandwidth   up {_fmt_bytes(up)}/s, down {_fmt_bytes(down)}/s ({how})"
+            f"bandwidth   up {mbit(up)}, down {mbit(down)} ({how})"
             if (up or down)
             else "bandwidth   not stated"
         )

@@ -702,8 +702,8 @@ class CollectiveService:
             return resp.SerializeToString()
         except EnvelopeError as err:
             self._log_once((round_, caller, "push", err.code), logging.WARNING,
-                           "round %d: refused part %s from %s: %s: %s", round_,
-                           "?" if part_ix is None else part_ix, _short(caller), err.code.name, err.reason)
+                           "round %d: refused a push%s from %s: %s: %s", round_,
+                           "" if part_ix is None else f" of part {part_ix}", _short(caller), err.code.name, err.reason)
             raise
 
     def _accept(self, state: _RoundState, part: _OwnedPart, c: _Contribution) -> collective_pb2.PushPartResponse:

@@ -150,10 +150,10 @@ async def probe_link(transport: Transport, address: str, nbytes: int = 4 << 20, 
     if repeats < 1 or not target_s > 0:
         raise ValueError(f"repeats={repeats} must be >= 1 and target_s={target_s} > 0")
 
-    async def once(up: int, down: int) -> tuple[float, float]:
+    async def once(up: int, down: int, timeout: float = timeout_s) -> tuple[float, float]:
         req = collective_pb2.LinkProbeRequest(reply_bytes=down, padding=bytes(up)).SerializeToString()
         t0 = time.monotonic()
-        reply = await transport.call(address, LINK_PROBE, req, timeout=timeout_s)
+        reply = await transport.call(address, LINK_PROBE, req, timeout=timeout)
         dt = time.monotonic() - t0
         resp = collective_pb2.LinkProbeResponse.FromString(reply.payload)
         if resp.received_bytes != up or len(resp.padding) != down:
@@ -162,7 +162,7 @@ async def probe_link(transport: Transport, address: str, nbytes: int = 4 << 20, 
         held = min(max(0.0, resp.held_s if math.isfinite(resp.held_s) else 0.0), dt)
         return dt, held
 
-    rtt = min([(await once(0, 0))[0] for _ in range(3)])
+    rtt = min([(await once(0, 0, min(timeout_s, 10.0)))[0] for _ in range(3)])
     largest = 0
 
     async def direction(up: bool) -> float:

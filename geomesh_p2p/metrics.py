@@ -43,7 +43,7 @@ class RoundRecord:
     bytes_received: int
     digest: str
     digest_agree: Optional[bool] = None
-    contributors: int = 0
+    contributors: int = 0  # distinct peers whose contribution was taken in at least one part
     missing_parts: int = 0
     time: float = 0.0
     extra: dict = field(default_factory=dict)

@@ -159,6 +159,7 @@ class PeerNode:
         self.probe_result = None  # links.ProbeResult of the start-up probe, if one was made
         self._measured: set[str] = set()  # quantities measured in a round at least once ("tps", "up", "down")
         self._syncing = False
+        self._leaving = False  # announced once this peer is on its way out (Ctrl+C / SIGTERM)
 
     # ------------------------------------------------------------------ setup
     def request_stop(self) -> None:
@@ -260,8 +261,8 @@ class PeerNode:
             except Exception as e:  # an old or busy bootstrap: the first rounds will measure instead
                 log.info("link probe of %s failed (%s); bandwidth will be measured in the first round", b, e)
                 continue
-            log.info("link to %s: upload %.2f MB/s, download %.2f MB/s, RTT %.1f ms (probe, up to %d KiB)", b,
-                     res.upload_bps / 1e6, res.download_bps / 1e6, res.rtt_s * 1e3, res.nbytes >> 10)
+            log.info("link to %s: upload %.1f Mbit/s, download %.1f Mbit/s, RTT %.1f ms (probe, up to %d KiB)", b,
+                     res.upload_bps * 8e-6, res.download_bps * 8e-6, res.rtt_s * 1e3, res.nbytes >> 10)
             self.probe_result = res
             return res
         return None
@@ -286,7 +287,7 @@ class PeerNode:
             download_bps=c.download_bps or self.ema.download_bps or DEFAULT_LINK_BPS,
             version=geomesh_p2p.__version__, protocol_version=geomesh_p2p.PROTOCOL_VERSION,
             run_config_hash=self.config_hash, run_config=self.run_cfg.model_dump(), round=self.round,
-            weights_digest=None if self._syncing else self.digest)
+            weights_digest=None if self._syncing else self.digest, leaving=self._leaving)
 
     async def announce(self) -> None:
         """Store this peer's current record now (the announcer also refreshes it every period)."""
@@ -295,12 +296,13 @@ class PeerNode:
         except Exception as e:  # a failed announcement is retried by the announcer's loop
             log.warning("announce failed: %s", e)
 
-    async def peers(self) -> list[PeerRecord]:
-        """Live, compatible peers of this run (this node's own record always included, fresh)."""
+    async def peers(self, include_leaving: bool = False) -> list[PeerRecord]:
+        """Live, compatible peers of this run (this node's own record always included, fresh); peers
+        that announced they are leaving only with ``include_leaving``."""
         from geomesh_p2p.dht import live_peers
 
         recs = await live_peers(self.dht, self.run_cfg.run_id, expected_version=geomesh_p2p.__version__,
-                                expected_config_hash=self.config_hash, latest=True)
+                                expected_config_hash=self.config_hash, latest=True, include_leaving=include_leaving)
         out = {r.peer_id: r for r in recs}
         out[self.me] = self.my_record()
         return list(out.values())
@@ -445,10 +447,17 @@ class PeerNode:
 
     async def _gather_members(self, expected: set[str], min_peers: int, wait_s: float) -> list[PeerRecord]:
         """Peers in sync for this round: announced this round with this digest. Waits for ``expected``
-        peers (last round's participants) and for peers announced as syncing, up to ``wait_s``."""
+        peers (last round's participants, less those that announced they are leaving) and for peers
+        announced as syncing, up to ``wait_s``. Returns None at once when a live peer already holds a
+        later round (this peer must catch up before it can take part)."""
         deadline = time.monotonic() + wait_s
         while True:
-            recs = await self.peers()
+            everyone = await self.peers(include_leaving=True)
+            # A peer that said it is leaving is not waited for (it finished its last exchange).
+            expected = expected - {r.peer_id for r in everyone if r.leaving}
+            recs = [r for r in everyone if not r.leaving]
+            if any(r.round > self.round and r.weights_digest for r in recs):
+                return None  # the swarm is ahead (e.g. resumed from an older checkpoint): catch up first
             synced = [r for r in recs if r.round == self.round and r.weights_digest == self.digest]
             ids = {r.peer_id for r in synced}
             syncing = {r.peer_id for r in recs if r.round == self.round and r.weights_digest is None}
@@ -478,26 +487,27 @@ class PeerNode:
                 members = await self._gather_members(
                     expected, self.cfg.min_peers if first else 1,
                     self.cfg.wait_peers_s if first else self.cfg.gather_wait_s)
+                if members is None:
+                    continue  # _behind() is true now: the next pass catches up
                 first = False
                 expected = await self._one_round(members)
                 if self._reached_target():
                     break
+            self._log_done()
         finally:
             await self.shutdown()
         return 0
 
-    async def _unless_stopped(self, coro):
-        """Await ``coro`` unless a stop is requested first (then cancel it and return None)."""
-        task = asyncio.ensure_future(coro)
-        stop = asyncio.ensure_future(self._stop.wait())
-        try:
-            await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            stop.cancel()
-            if not task.done():
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
-        return task.result() if task.done() and not task.cancelled() else None
+    def _log_done(self) -> None:
+        """One closing line: why the node stops, rounds trained here, the last perplexity."""
+        h = self.history
+        why = ("stop requested" if self._stop.is_set() else
+               f"target eval perplexity {self.cfg.target_ppl:g} reached" if self._reached_target() else
+               f"--rounds {self.cfg.rounds} reached")
+        ppl = next((r.eval_ppl for r in reversed(h) if r.eval_ppl is not None), self.initial_ppl)
+        log.info("done (%s): %d round(s) trained here, now at round %d, eval perplexity %.2f (from %.2f)", why,
+                 len(h), self.round, ppl if ppl is not None else float("nan"),
+                 self.initial_ppl if self.initial_ppl is not None else float("nan"))
 
     async def _behind(self) -> bool:
         """True when live peers already hold the state of a later round (this peer must catch up)."""
@@ -521,13 +531,15 @@ class PeerNode:
         r = self.round
         t_round = time.time()
         live = {x.peer_id: x for x in await self.peers()}
-        plan = await self._unless_stopped(
-            obtain_plan(self.plans, r, members, self._make_plan, plan_timeout_s=self.cfg.plan_timeout_s,
-                        accept=lambda p: self._plan_problem(p, live)))
-        if self._stop.is_set():
-            return set()
+        # Not cancelled by a stop request (it is bounded by the plan timeouts): once the others follow a
+        # plan that names this peer, it must serve its part and contribute (0 steps if stopping).
+        plan = await obtain_plan(self.plans, r, members, self._make_plan, plan_timeout_s=self.cfg.plan_timeout_s,
+                                 accept=lambda p: self._plan_problem(p, live))
         if plan is None:
-            log.warning("round %d: no plan appeared; retrying", r)
+            if not self._stop.is_set():
+                log.warning("round %d: no plan appeared; retrying", r)
+            return set()
+        if self._stop.is_set() and self.me not in plan.participants():
             return set()
         if self.me not in plan.participants() or plan.start_digest != self.digest:
             why = "not in the plan" if self.me not in plan.participants() else "weights differ from the plan's"
@@ -626,6 +638,10 @@ class PeerNode:
         self.outer.step(self.theta, ar.aggregate, round=r)
         self._set_state(r + 1, self.theta, None)
         sent1, recv1 = self.transport.stats.snapshot()
+        if self._stop.is_set():
+            # Say so with the new round's record, before the others gather for it.
+            self._leaving = True
+            log.info("round %d: exchange done; announcing that this peer leaves", r)
         await self.announce()
         last = self.cfg.rounds is not None and r + 1 >= self.cfg.rounds
         ppl = (await asyncio.to_thread(self.trainer.evaluate, max_batches=self.cfg.eval_batches)
@@ -641,7 +657,8 @@ class PeerNode:
             train_loss=result.mean_loss, eval_ppl=ppl, compute_s=result.compute_s,
             straggler_idle_s=straggler, network_idle_s=network, round_s=time.time() - t_round,
             bytes_sent=sent1 - sent0, bytes_received=recv1 - recv0, digest=self.digest,
-            contributors=sum(len(v) for v in ar.contributors.values()), missing_parts=len(ar.missing_parts),
+            contributors=len({pid for part in ar.contributors.values() for pid, _ in part}),
+            missing_parts=len(ar.missing_parts),
             time=time.time())
         rec.digest_agree = await self._check_digest(r + 1, plan.participants())
         resync = rec.digest_agree is False
@@ -693,8 +710,8 @@ class PeerNode:
             first = direction not in self._measured  # the first real exchange replaces the probe's figure
             self._measured.add(direction)
             new = self.ema.update_link(sample.nbytes, seconds, direction, alpha=1.0 if first else None)
-            log.debug("round %d: %sload %.1f MB/s measured (%d bytes in %.3fs), EMA %.1f MB/s", self.round - 1,
-                      direction, sample.nbytes / seconds / 1e6, sample.nbytes, seconds, new / 1e6)
+            log.debug("round %d: %sload %.1f Mbit/s measured (%d bytes in %.3fs), EMA %.1f Mbit/s", self.round - 1,
+                      direction, sample.nbytes / seconds * 8e-6, sample.nbytes, seconds, new * 8e-6)
 
     async def _wait_for_round(self, r: int, timeout_s: float = 30.0) -> None:
         deadline = time.monotonic() + timeout_s
@@ -737,6 +754,10 @@ class PeerNode:
             self.write_summary(self.cfg.summary_json)
         try:
             if getattr(self, "announcer", None) is not None:
+                if not self._leaving and getattr(self, "ema", None) is not None:
+                    self._leaving = True
+                    log.info("announcing that this peer leaves")
+                    await self.announce()  # the others plan their next round without this peer
                 await self.announcer.stop()
             if getattr(self, "collective", None) is not None:
                 await self.collective.close()

@@ -43,6 +43,7 @@ class PeerRecord(BaseModel):
     round: int = Field(ge=0, default=0, description="the round this peer is in or will join")
     weights_digest: Optional[str] = Field(default=None, description="digest of its global weights at `round`")
     timestamp: float = Field(default_factory=time.time, description="unix seconds when announced")
+    leaving: bool = Field(default=False, description="the peer is shutting down: plan the next rounds without it")
 
     @field_validator("tokens_per_s")
     @classmethod

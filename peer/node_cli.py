@@ -210,6 +210,9 @@ def cmd_join(ns: argparse.Namespace) -> int:
 
     if not ns.bootstrap:
         log.info("no --bootstrap given: starting a new swarm (others can join through this peer)")
+    warning = reachability_warning(ns)
+    if warning:
+        log.warning(warning)
     try:
         run = run_config_from(ns)
         cfg = node_config_from(ns)
@@ -225,6 +228,31 @@ def cmd_join(ns: argparse.Namespace) -> int:
             print(f"geomesh-peer join: {e}", file=sys.stderr)
             return 1
         raise
+
+
+def _is_loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def reachability_warning(ns: argparse.Namespace):
+    """A warning when this peer would serve on a loopback address while its bootstrap is elsewhere:
+    peers on other machines could not reach the parts it owns. None when all is well."""
+    if ns.client_only:
+        return None
+    own = ns.advertise_host or ns.host
+    remote = [b for b in ns.bootstrap if not _is_loopback(b.rpartition(":")[0])]
+    if _is_loopback(own) and remote:
+        return (f"this peer listens on {ns.host} and tells others to dial {own}, but its bootstrap {remote[0]} is on "
+                f"another machine: nobody there can reach it. Pass --host 0.0.0.0 --advertise-host YOUR_PUBLIC_IP "
+                f"(and open --port), or --client-only behind NAT")
+    return None
 
 
 def user_facing_errors() -> tuple[type[BaseException], ...]:
@@ -246,17 +274,19 @@ def user_facing_errors() -> tuple[type[BaseException], ...]:
 def cmd_profile(ns: argparse.Namespace) -> int:
     from geomesh_p2p.capability import format_profile_table, profile
 
+    probed = None
+    if ns.probe:  # first: a wrong --run-id or a dead address fails before the device is measured
+        try:
+            probed = asyncio.run(_probe(ns.probe, ns.run_id, ns.probe_mb))
+        except Exception as e:  # unreachable / refusing node: say so in one line
+            print(f"geomesh-peer profile: link probe of {ns.probe} failed: {e}", file=sys.stderr)
+            return 1
     result = profile(preset=ns.model, seq_len=ns.seq_len, batch_sizes=ns.batch_sizes, device=ns.device,
                      speed_factor=ns.speed_factor,
                      memory_budget_bytes=int(ns.memory_budget_gb * 2**30) if ns.memory_budget_gb else None,
                      upload_bps=ns.upload_mbps * 1e6 / 8 if ns.upload_mbps else None,
                      download_bps=ns.download_mbps * 1e6 / 8 if ns.download_mbps else None)
-    if ns.probe:
-        try:
-            probed = asyncio.run(_probe(ns.probe, ns.run_id, ns.probe_mb))
-        except Exception as e:  # unreachable / refusing node: say so, keep the device profile
-            print(f"geomesh-peer profile: link probe of {ns.probe} failed: {e}", file=sys.stderr)
-            return 1
+    if probed is not None:
         result["bandwidth"] = {"upload_bps": ns.upload_mbps * 1e6 / 8 if ns.upload_mbps else probed.upload_bps,
                                "download_bps": ns.download_mbps * 1e6 / 8 if ns.download_mbps else probed.download_bps,
                                "rtt_s": probed.rtt_s, "measured_against": probed.address,
@@ -298,11 +328,12 @@ def add_subcommands(sub, add_common) -> None:
     prof = sub.add_parser("profile", help="measure this device: memory, tokens/s per batch size",
                           description="Measure this device (memory, tokens/s per batch size) and print it.")
     prof.add_argument("--model", default="tiny", help="model preset to measure (default: %(default)s)")
-    prof.add_argument("--seq-len", type=int, default=64, help="(default: %(default)s)")
+    prof.add_argument("--seq-len", type=int, default=64, help="tokens per sequence (default: %(default)s)")
     prof.add_argument("--batch-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 8, 16],
                       help="comma-separated batch sizes (default: 1,4,8,16)")
-    prof.add_argument("--device", default="auto", help="(default: %(default)s)")
-    prof.add_argument("--speed-factor", type=_positive_float, default=1.0, help="(default: %(default)s)")
+    prof.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: %(default)s)")
+    prof.add_argument("--speed-factor", type=_positive_float, default=1.0,
+                      help="emulate a slower device: each step takes 1/f as long (default: %(default)s)")
     prof.add_argument("--memory-budget-gb", type=_positive_float, help="CPU memory budget (GB)")
     prof.add_argument("--upload-mbps", type=_positive_float, help="state the upload bandwidth (Mbit/s)")
     prof.add_argument("--download-mbps", type=_positive_float, help="state the download bandwidth (Mbit/s)")

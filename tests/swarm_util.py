@@ -86,6 +86,10 @@ class ProcSwarm:
         self.wait_for(lambda: all(self.procs[n].poll() is not None for n in names), timeout, f"{names} to exit")
         return {n: self.procs[n].returncode for n in names}
 
+    def interrupt(self, name: str) -> None:
+        """Ctrl+C: SIGINT to the peer (it finishes its exchange, announces it leaves, exits)."""
+        self.procs[name].send_signal(signal.SIGINT)
+
     def kill(self, name: str) -> None:
         self.procs[name].send_signal(signal.SIGKILL)
         self.procs[name].wait()

@@ -131,3 +131,26 @@ def test_ddp_baseline_runs_as_a_swarm_mode(swarm, tmp_path):
         assert m and int(m.group(1)) == 6 and rows[-1]["digest"].startswith(m.group(2)), swarm.text(n)[-2000:]
     for r in (6, 7):
         assert len({_digest(swarm, n, r) for n in names}) == 1, f"digests differ after round {r}"
+
+
+def test_ctrl_c_peer_leaves_cleanly_and_the_others_plan_without_it(swarm):
+    """SIGINT: the peer finishes its exchange, announces that it leaves and exits 0; the next round
+    of the others is planned without it, so no part goes missing and nobody waits for it."""
+    port = free_port()
+    entry = f"127.0.0.1:{port}"
+    names = ["c0", "c1", "c2"]
+    for i, n in enumerate(names):
+        swarm.peer(n, "--rounds", "60", "--min-peers", "3", port=port if i == 0 else 0,
+                   bootstrap=None if i == 0 else entry)
+        if i == 0:
+            swarm.wait_for(lambda: "serving on" in swarm.text("c0"), 120, "the first peer to listen")
+    swarm.wait_for(lambda: len(swarm.rows("c2")) >= 1, 240, "round 0 to finish")
+    swarm.interrupt("c2")
+    assert swarm.wait_exit(["c2"], 120) == {"c2": 0}
+    assert "announcing that this peer leaves" in swarm.text("c2")
+    last = swarm.rows("c2")[-1]["round"]
+    swarm.wait_for(lambda: any(x["round"] >= last + 2 for x in swarm.rows("c0")), 120, "two rounds without c2")
+    after = [x for x in swarm.rows("c0") if x["round"] > last]
+    assert after and all(x["peers"] == 2 and x["missing_parts"] == 0 for x in after), after
+    for r in (last + 1, last + 2):
+        assert _digest(swarm, "c0", r) == _digest(swarm, "c1", r)

@@ -80,13 +80,14 @@ def _log_once(who: str, msg: str, level: int = logging.WARNING) -> None:
 
 async def live_peers(node: DHTNode, run_id: Optional[str] = None, *, expected_version: Optional[str] = None,
                      expected_config_hash: Optional[str] = None, mine: Optional[PeerRecord] = None,
-                     latest: bool = True) -> List[PeerRecord]:
+                     latest: bool = True, include_leaving: bool = False) -> List[PeerRecord]:
     """The unexpired, valid, compatible PeerRecords of ``run_id`` (default: the node's run), sorted by
     peer id.
 
     Dropped (and logged once): records that do not parse, whose ``peer_id`` is not the subkey they
     sit under, whose version's major.minor differs from ``expected_version``, whose run-config hash
     differs from ``expected_config_hash``, or that :func:`check_compatible` rejects against ``mine``.
+    Records of peers that announced they are leaving are left out too, unless ``include_leaving``.
     Signatures and the owner rule were already checked by the DHT.
     """
     run_id = run_id or node.run_id
@@ -117,6 +118,8 @@ async def live_peers(node: DHTNode, run_id: Optional[str] = None, *, expected_ve
                 reasons.append(diff)
         if reasons:
             _log_once(who, "incompatible, ignored: " + "; ".join(reasons))
+            continue
+        if rec.leaving and not include_leaving:
             continue
         out.append(rec)
     out.sort(key=lambda r: r.peer_id)
