@@ -99,11 +99,39 @@ def link_sample(transfers: Iterable[tuple[int, float, float]], min_bytes: int = 
 class LinkProbeService:
     """Serves ``/geomesh.wire.Link/Probe`` on a transport: receives the caller's padding and sends
     back ``reply_bytes`` zero bytes (at most :data:`MAX_PROBE_BYTES` each way). Create it before
-    ``await transport.start()``. A request over the cap is refused with INVALID_ARGUMENT."""
+    ``await transport.start()``.
 
-    def __init__(self, transport: Transport, max_bytes: int = MAX_PROBE_BYTES):
+    Refusals (the node keeps serving): a request over the cap or malformed, INVALID_ARGUMENT; more
+    than ``max_per_minute`` probes from one caller in the last 60 s, or replies of more than
+    ``max_reply_bytes_per_10s`` bytes in all in the last 10 s, RESOURCE_EXHAUSTED. A probe is cheap
+    to ask and costly to answer: a flood must not take the link or memory from the DHT and the
+    collective. (A newcomer's probe moves a few MiB; the budget serves several at once.)
+    """
+
+    def __init__(self, transport: Transport, max_bytes: int = MAX_PROBE_BYTES, max_per_minute: int = 40,
+                 max_reply_bytes_per_10s: int = 64 << 20):
         self.max_bytes = int(max_bytes)
+        self.max_per_minute = int(max_per_minute)
+        self.max_reply_bytes_per_10s = int(max_reply_bytes_per_10s)
+        self._recent: dict[str, list[float]] = {}
+        self._replies: list[tuple[float, int]] = []
         transport.add_unary(LINK_PROBE, self._handle, max_payload_bytes=self.max_bytes + 1024)
+
+    def _admit(self, caller: str, reply_bytes: int) -> None:
+        now = time.monotonic()
+        if len(self._recent) > 4096:  # bounded memory under a Sybil flood: forget the idle ones
+            self._recent = {k: v for k, v in self._recent.items() if v and now - v[-1] < 60.0}
+        times = [t for t in self._recent.get(caller, []) if now - t < 60.0]
+        if len(times) >= self.max_per_minute:
+            raise EnvelopeError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"more than {self.max_per_minute} probes in a minute from this peer")
+        self._replies = [(t, n) for t, n in self._replies if now - t < 10.0]
+        if reply_bytes and sum(n for _, n in self._replies) + reply_bytes > self.max_reply_bytes_per_10s:
+            raise EnvelopeError(grpc.StatusCode.RESOURCE_EXHAUSTED, "probe reply budget spent; try again shortly")
+        times.append(now)
+        self._recent[caller] = times
+        if reply_bytes:
+            self._replies.append((now, reply_bytes))
 
     async def _handle(self, verified: Verified, context) -> bytes:
         t0 = time.monotonic()
@@ -114,6 +142,7 @@ class LinkProbeService:
         if req.reply_bytes > self.max_bytes:
             raise EnvelopeError(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"probe asks for {req.reply_bytes} bytes back; the most is {self.max_bytes}")
+        self._admit(verified.sender.to_string(), int(req.reply_bytes))
         resp = collective_pb2.LinkProbeResponse(received_bytes=len(req.padding), padding=bytes(req.reply_bytes))
         resp.held_s = time.monotonic() - t0
         return resp.SerializeToString()
@@ -157,7 +186,7 @@ async def probe_link(transport: Transport, address: str, nbytes: int = 4 << 20, 
         dt = time.monotonic() - t0
         resp = collective_pb2.LinkProbeResponse.FromString(reply.payload)
         if resp.received_bytes != up or len(resp.padding) != down:
-            raise RpcError(address, LINK_PROBE, grpc.Statusgrpc.StatusCode.INVALID_ARGUMENT,
+            raise RpcError(address, LINK_PROBE, grpc.StatusCode.INVALID_ARGUMENT,
                            f"probe reply says {resp.received_bytes} bytes received, sent {len(resp.padding)}")
         held = min(max(0.0, resp.held_s if math.isfinite(resp.held_s) else 0.0), dt)
         return dt, held
@@ -171,7 +200,9 @@ async def probe_link(transport: Transport, address: str, nbytes: int = 4 << 20, 
         for k in range(repeats + 1):
             dt, held = await (once(size, 0) if up else once(0, size))
             largest = max(largest, size)
-            best = max(best, size / max(dt - held - rtt, 1e-6))
+            # The server states its hold; trusting it for more than half the call would let a lying
+            # bootstrap make this link look arbitrarily fast.
+            best = max(best, size / max(dt - held - rtt, 0.5 * dt))
             size = int(min(nbytes, max(64 << 10, best * target_s)))
         return best
 

@@ -33,6 +33,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 import geomesh_p2p
+from geomesh_p2p.errors import UserFacingError
 from geomesh_p2p.identity import Identity
 from geomesh_p2p.metrics import RoundLog, RoundRecord
 from geomesh_p2p.records import PeerRecord
@@ -42,6 +43,13 @@ log = logging.getLogger(__name__)
 
 #: Bandwidth assumed for a direction that is neither stated nor measured yet (bytes/s, 800 Mbit/s).
 DEFAULT_LINK_BPS = 1e8
+
+
+def _link(bps: Optional[float]) -> float:
+    """A bandwidth for this peer's record: the default when unknown, else clamped to the record's bounds."""
+    from geomesh_p2p.records import MAX_LINK_BPS, MIN_LINK_BPS
+
+    return DEFAULT_LINK_BPS if not bps else min(max(float(bps), MIN_LINK_BPS), MAX_LINK_BPS)
 
 
 class RunConfig(BaseModel):
@@ -120,6 +128,7 @@ class NodeConfig(BaseModel):
     probe_bytes: int = Field(4 << 20, gt=0, le=16 << 20, description="bytes each way of the start-up link probe")
     min_link_sample_bytes: int = Field(64 << 10, ge=1, description="smallest round sample used to update a link EMA")
     ema_alpha: float = Field(0.3, gt=0, le=1, description="weight of a new measurement in the re-profiling EMAs")
+    link_step_ratio: float = Field(4.0, ge=1, description="most a round's link sample may move the figure (x or /)")
     added_latency_s: float = 0.0
     profile_batches: list[int] = Field(default_factory=lambda: [4, 8, 16])
     amp: bool = Field(True, description="bf16 autocast for the forward pass on CUDA (ignored on CPU)")
@@ -154,7 +163,7 @@ class PeerNode:
         self._t_start = time.time()
         self.transport: Optional[Transport] = None
         self.ema = None  # capability.ThroughputEMA: tokens/s per micro-batch and link bytes/s, re-profiled
-        self.rtt_s = 0.0  # round-trip time to the probed node (seconds), taken out of link samples
+        self.rtt_s = 0.0  # round-trip time to the probed bootstrap (seconds), as measured at start
         self.max_batch = 1
         self.probe_result = None  # links.ProbeResult of the start-up probe, if one was made
         self._measured: set[str] = set()  # quantities measured in a round at least once ("tps", "up", "down")
@@ -283,8 +292,8 @@ class PeerNode:
         return PeerRecord(
             peer_id=self.me, address=self.transport.address, device=self.device_info.name,
             memory_bytes=self.device_info.memory_bytes, tokens_per_s=self.ema.tokens_per_s,
-            max_batch=max_batch, upload_bps=c.upload_bps or self.ema.upload_bps or DEFAULT_LINK_BPS,
-            download_bps=c.download_bps or self.ema.download_bps or DEFAULT_LINK_BPS,
+            max_batch=max_batch, upload_bps=_link(c.upload_bps or self.ema.upload_bps),
+            download_bps=_link(c.download_bps or self.ema.download_bps),
             version=geomesh_p2p.__version__, protocol_version=geomesh_p2p.PROTOCOL_VERSION,
             run_config_hash=self.config_hash, run_config=self.run_cfg.model_dump(), round=self.round,
             weights_digest=None if self._syncing else self.digest, leaving=self._leaving)
@@ -361,13 +370,17 @@ class PeerNode:
             ck = load_latest_checkpoint(self.cfg.checkpoint_dir)
             if ck is not None:
                 rnd, theta, momentum, meta = ck
-                if momentum is None or momentum.numel() != self.state_numel:
-                    raise RuntimeError(f"checkpoint in {self.cfg.checkpoint_dir} holds no or another optimizer "
-                                       f"state ({0 if momentum is None else momentum.numel()} elements, this run "
-                                       f"needs {self.state_numel}); was it written by another --method?")
                 if meta.get("run_config_hash") not in (None, self.config_hash):
-                    raise RuntimeError(f"checkpoint in {self.cfg.checkpoint_dir} is from another run config "
-                                       f"({meta.get('run_config_hash')} vs {self.config_hash})")
+                    old = (meta.get("meta") or {}).get("run_config") or {}
+                    diff = [f"{k}: {old.get(k)!r} there vs {v!r} here" for k, v in self.run_cfg.model_dump().items()
+                            if k in old and old[k] != v]
+                    raise UserFacingError(f"checkpoint in {self.cfg.checkpoint_dir} is from another run config ("
+                                          + ("; ".join(diff) or f"{meta.get('run_config_hash')} vs {self.config_hash}")
+                                          + "); resume with the same flags, or use another --checkpoint-dir")
+                if momentum is None or momentum.numel() != self.state_numel:
+                    raise UserFacingError(f"checkpoint in {self.cfg.checkpoint_dir} holds no or another optimizer "
+                                          f"state ({0 if momentum is None else momentum.numel()} elements, this run "
+                                          f"needs {self.state_numel}); was it written by another --method?")
                 self._set_state(rnd, theta, momentum)
                 log.info("resumed from checkpoint at round %d (digest %s)", rnd, self.digest[:8])
                 return
@@ -438,9 +451,20 @@ class PeerNode:
                           exchange_timeout_s=max(5.0, 3 * self.cfg.plan_timeout_s))
 
     def _make_plan(self, members, leader):
-        from geomesh_p2p.planner import make_plan
+        from geomesh_p2p.planner import comm_time, make_plan
 
         cfg = self._plan_config(len(members))
+        if self.run_cfg.window_s:
+            # A peer whose link cannot move its share of the exchange in half the window would stretch
+            # the round for everyone (or make a plan the others refuse): plan without it this round.
+            limit = 0.5 * self.run_cfg.window_s
+            slow = [m for m in members if comm_time(m, cfg) > limit]
+            if slow and len(slow) < len(members):
+                log.warning("round %d: planning without %s: predicted exchange %s s > %.1f s (half the window)",
+                            self.round, ", ".join(m.peer_id[:10] for m in slow),
+                            ", ".join(f"{comm_time(m, cfg):.1f}" for m in slow), limit)
+                members = [m for m in members if m not in slow]
+                cfg = self._plan_config(len(members))
         # geomesh/awb: AWB plan; diloco/css: uniform; ddp: uniform with one step per round.
         return make_plan(members, cfg, run_id=self.run_cfg.run_id, round=self.round, leader=leader, numel=self.numel,
                          start_time=time.time() + 0.5, start_digest=self.digest)
@@ -700,13 +724,19 @@ class PeerNode:
     def _update_links(self, ar) -> None:
         """Fold this round's measured exchange into the link EMAs (links.py). A direction stated by
         a flag stays as stated; samples under ``min_link_sample_bytes`` (latency-bound) are skipped.
-        The probe's RTT is taken out once per sample (floored at a tenth of the busy time), since the
-        planner charges latency separately."""
+        The busy time keeps its latency (the RTT to the bootstrap says nothing about the RTT to the
+        owners). A sample moves the figure by at most ``link_step_ratio`` either way per round: the
+        owners state their own hold times, so a lying owner can skew one sample, not the record."""
         c = self.cfg
         for direction, sample, stated in (("up", ar.upload, c.upload_bps), ("down", ar.download, c.download_bps)):
             if stated or sample is None or sample.nbytes < c.min_link_sample_bytes:
                 continue
-            seconds = max(sample.seconds - self.rtt_s, 0.1 * sample.seconds)
+            seconds = sample.seconds
+            current = self.ema.upload_bps if direction == "up" else self.ema.download_bps
+            if current:
+                rate = sample.nbytes / seconds
+                rate = min(max(rate, current / c.link_step_ratio), current * c.link_step_ratio)
+                seconds = sample.nbytes / rate
             first = direction not in self._measured  # the first real exchange replaces the probe's figure
             self._measured.add(direction)
             new = self.ema.update_link(sample.nbytes, seconds, direction, alpha=1.0 if first else None)

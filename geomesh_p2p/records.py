@@ -13,13 +13,20 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 RECORD_SCHEMA_VERSION = 1
 
 
+#: Bandwidth bounds of a record, bytes/s: 1 B/s .. 1 TB/s (anything outside is an error or a lie).
+MIN_LINK_BPS, MAX_LINK_BPS = 1.0, 1e12
+#: Throughput bound of a record, tokens/s.
+MAX_TOKENS_PER_S = 1e10
+
+
 class PeerRecord(BaseModel):
     """What a peer announces under ``<run>/peers`` (subkey = its PeerID), refreshed every few seconds.
 
     Units: bytes for memory, bytes/s for bandwidth, tokens/s for throughput, unix seconds for time.
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # No NaN / Infinity anywhere: a record feeds the planner's arithmetic on every peer.
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     schema_version: int = RECORD_SCHEMA_VERSION
     peer_id: str = Field(description="PeerID (base58 of SHA-256 of the Ed25519 public key)")
@@ -32,8 +39,8 @@ class PeerRecord(BaseModel):
         default_factory=dict, description="measured training throughput per batch size (sequences), tokens/s"
     )
     max_batch: int = Field(ge=1, description="largest batch (sequences) that fits in one micro-step")
-    upload_bps: float = Field(gt=0, description="upload bandwidth, bytes/s")
-    download_bps: float = Field(gt=0, description="download bandwidth, bytes/s")
+    upload_bps: float = Field(ge=MIN_LINK_BPS, le=MAX_LINK_BPS, description="upload bandwidth, bytes/s")
+    download_bps: float = Field(ge=MIN_LINK_BPS, le=MAX_LINK_BPS, description="download bandwidth, bytes/s")
     version: str = Field(description="software version (geomesh_p2p.__version__)")
     protocol_version: int = 1
     run_config_hash: str = Field(description="hash of the run config every peer of a run shares")
@@ -49,8 +56,8 @@ class PeerRecord(BaseModel):
     @classmethod
     def _positive_throughput(cls, v: dict[int, float]) -> dict[int, float]:
         for b, tps in v.items():
-            if b < 1 or not (tps > 0):
-                raise ValueError(f"tokens_per_s[{b}]={tps}: batch must be >=1 and throughput > 0")
+            if b < 1 or not (0 < tps <= MAX_TOKENS_PER_S):
+                raise ValueError(f"tokens_per_s[{b}]={tps}: batch must be >=1 and throughput in (0, {MAX_TOKENS_PER_S:g}]")
         return v
 
     @property

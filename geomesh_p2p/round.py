@@ -173,7 +173,14 @@ async def obtain_plan(
             if my_turn > 0 and best is None:
                 log.warning("round %d: no plan from %d better-ranked leader(s) after %.1fs; taking over",
                             round, my_turn, elapsed)
-            published = await store.publish(make_plan(members, me))
+            try:
+                plan = make_plan(members, me)
+            except Exception as e:  # a broken record or a planner bug must not end the node
+                log.error("round %d: planning failed (%s: %s); leaving the round to the next leader", round,
+                          type(e).__name__, e)
+                my_turn = None
+                continue
+            published = await store.publish(plan)
             if not published:
                 log.warning("round %d: could not store my plan in the DHT", round)
                 my_turn = None  # do not retry every poll; follow whatever plan appears

@@ -21,18 +21,20 @@ from pathlib import Path
 
 def add_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("demo")
-    g.add_argument("--peers", type=int, default=3, help="number of peer processes (default: %(default)s)")
+    from peer.node_cli import _int_at_least, _positive_float
+
+    g.add_argument("--peers", type=_int_at_least(1, 64), default=3, help="number of peer processes (default: %(default)s)")
     g.add_argument("--speed-factors", default="1.0,0.55,0.4",
                    help="per-peer relative speed, comma-separated, cycled (default: %(default)s)")
     g.add_argument("--memory-budgets", default="",
                    help="per-peer CPU memory budget in GB, comma-separated (default: none)")
-    g.add_argument("--rounds", type=int, default=40, help="stop after this many rounds (default: %(default)s)")
-    g.add_argument("--target-ppl", type=float, default=250.0,
+    g.add_argument("--rounds", type=_int_at_least(1), default=40, help="stop after this many rounds (default: %(default)s)")
+    g.add_argument("--target-ppl", type=_positive_float, default=250.0,
                    help="stop once the swarm's eval perplexity reaches this; the initial is ~4200 (default: %(default)s)")
     g.add_argument("--workdir", help="where logs, keys and checkpoints go (default: a temporary folder)")
     g.add_argument("--summary-json", help="write the demo summary here")
-    g.add_argument("--threads-per-peer", type=int, default=1, help="torch threads per peer (default: %(default)s)")
-    g.add_argument("--timeout-s", type=float, default=900, help="give up after this long (default: %(default)s)")
+    g.add_argument("--threads-per-peer", type=_int_at_least(1), default=1, help="torch threads per peer (default: %(default)s)")
+    g.add_argument("--timeout-s", type=_positive_float, default=900, help="give up after this long (default: %(default)s)")
 
 
 def _free_port() -> int:
@@ -102,10 +104,16 @@ def _read_rows(path: Path) -> list[dict]:
 
 
 def cmd_demo(ns: argparse.Namespace) -> int:
-    speeds = [float(x) for x in ns.speed_factors.split(",") if x]
-    budgets = [float(x) for x in ns.memory_budgets.split(",") if x]
-    if ns.peers < 1 or not speeds or any(s <= 0 for s in speeds):
-        print("geomesh-peer demo: --peers must be >= 1 and --speed-factors positive numbers", file=sys.stderr)
+    try:
+        speeds = [float(x) for x in ns.speed_factors.split(",") if x.strip()]
+        budgets = [float(x) for x in ns.memory_budgets.split(",") if x.strip()]
+    except ValueError:
+        print(f"geomesh-peer demo: --speed-factors {ns.speed_factors!r} / --memory-budgets {ns.memory_budgets!r}: "
+              "expected comma-separated numbers", file=sys.stderr)
+        return 2
+    if not speeds or any(not 0 < s <= 1 for s in speeds) or any(not b > 0 for b in budgets):
+        print("geomesh-peer demo: --speed-factors must be numbers in (0, 1] and --memory-budgets numbers > 0 (GB)",
+              file=sys.stderr)
         return 2
     workdir = Path(ns.workdir or tempfile.mkdtemp(prefix="geomesh-demo-"))
     workdir.mkdir(parents=True, exist_ok=True)
@@ -121,6 +129,11 @@ def cmd_demo(ns: argparse.Namespace) -> int:
     print(f"GeoMesh demo: bootstrap + {ns.peers} peers on 127.0.0.1, method {ns.method}, logs in {workdir}")
     t0 = time.time()
     rc = 0
+
+    def on_term(signum, _frame):  # SIGTERM stops the swarm like Ctrl+C does (no orphaned peers)
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    old_term = signal.signal(signal.SIGTERM, on_term)
     try:
         swarm.spawn("bootstrap", exe + ["bootstrap.cli", "--host", "127.0.0.1", "--port", str(bport),
                                         "--run-id", ns.run_id, "--identity", str(workdir / "bootstrap.key")])
@@ -143,6 +156,7 @@ def cmd_demo(ns: argparse.Namespace) -> int:
         rc = 130
     finally:
         swarm.stop()
+        signal.signal(signal.SIGTERM, old_term)
     summary = _summarize(ns, workdir, t0)
     if ns.summary_json:
         Path(ns.summary_json).write_text(json.dumps(summary, indent=1))

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import json
 import logging
+import math
 import signal
 import sys
 
@@ -19,9 +20,61 @@ DEFAULT_HF_MAX_BYTES = 50_000_000
 
 def _positive_float(text: str) -> float:
     v = float(text)
-    if not v > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    if not (v > 0 and math.isfinite(v)):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
     return v
+
+
+def _non_negative_float(text: str) -> float:
+    v = float(text)
+    if not (v >= 0 and math.isfinite(v)):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return v
+
+
+def _int_at_least(lo: int, hi: int | None = None):
+    """An argparse type: an integer in [lo, hi]."""
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if v < lo or (hi is not None and v > hi):
+            raise argparse.ArgumentTypeError(f"must be in [{lo}, {hi}], got {text}" if hi is not None
+                                             else f"must be >= {lo}, got {text}")
+        return v
+    return parse
+
+
+def _mbps(text: str) -> float:
+    v = _positive_float(text)
+    if not 0.001 <= v <= 1e6:
+        raise argparse.ArgumentTypeError(f"must be between 0.001 and 1,000,000 Mbit/s, got {text}")
+    return v
+
+
+def _speed_factor(text: str) -> float:
+    v = _positive_float(text)
+    if v > 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1] (1 = this device's own speed), got {text}")
+    return v
+
+
+def _momentum(text: str) -> float:
+    v = float(text)
+    if not 0 <= v < 1:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text}")
+    return v
+
+
+def _batch_list(text: str) -> list[int]:
+    try:
+        sizes = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"batch sizes must be integers >= 1, got {text!r}")
+    return sizes
 
 
 def _positive_int(text: str) -> int:
@@ -40,8 +93,8 @@ def _non_negative_int(text: str) -> int:
 
 def _probe_mb(text: str) -> float:
     v = float(text)
-    if not 0 < v <= 16:
-        raise argparse.ArgumentTypeError(f"must be in (0, 16] MiB, got {text}")
+    if not 0.0625 <= v <= 16:
+        raise argparse.ArgumentTypeError(f"must be between 0.0625 (64 KiB) and 16 MiB, got {text}")
     return v
 
 
@@ -65,8 +118,8 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
                    help=f"with --data hf:...: the string column holding the text (default: {DEFAULT_HF_COLUMN})")
     g.add_argument("--data-max-bytes", type=_positive_int, metavar="N",
                    help=f"with --data hf:...: take only the first N bytes of text (default: {DEFAULT_HF_MAX_BYTES})")
-    g.add_argument("--vocab-size", type=int, default=4096, help="byte-level BPE vocabulary (default: %(default)s)")
-    g.add_argument("--seq-len", type=int, default=64, help="tokens per sequence (default: %(default)s)")
+    g.add_argument("--vocab-size", type=_int_at_least(257), default=4096, help="byte-level BPE vocabulary (default: %(default)s)")
+    g.add_argument("--seq-len", type=_int_at_least(1), default=64, help="tokens per sequence (default: %(default)s)")
     g.add_argument("--seed", type=int, default=0, help="run seed: initial weights and data order (default: %(default)s)")
     g.add_argument("--method", default="geomesh", choices=["geomesh", "awb", "css", "diloco", "ddp"],
                    help="geomesh = AWB + sign compression; awb / css = one of them; diloco = neither; "
@@ -75,15 +128,15 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
                    help="how part owners serve the aggregate (default: %(default)s)")
     g.add_argument("--aggregate-encoding", default="sign", choices=["sign", "int8", "fp16"],
                    help="reencode mode: encoding of the aggregate (default: %(default)s)")
-    g.add_argument("--block-size", type=int, default=2048, help="elements per sign-codec scale (default: %(default)s)")
+    g.add_argument("--block-size", type=_int_at_least(1), default=2048, help="elements per sign-codec scale (default: %(default)s)")
     g.add_argument("--error-feedback", action="store_true", help="keep the compression residual (off: it hurt under Nesterov)")
     g.add_argument("--inner-optimizer", default="adamw", choices=["adamw", "lion"], help="(default: %(default)s)")
     g.add_argument("--inner-lr", type=_positive_float, default=1e-3, help="(default: %(default)s)")
     g.add_argument("--outer-lr", type=_positive_float, default=0.7, help="outer Nesterov lr, DiLoCo's 0.7 (default: %(default)s)")
-    g.add_argument("--outer-momentum", type=float, default=0.9, help="(default: %(default)s)")
-    g.add_argument("--target-batch", type=int, default=8, help="sequences per inner step (default: %(default)s)")
+    g.add_argument("--outer-momentum", type=_momentum, default=0.9, help="(default: %(default)s)")
+    g.add_argument("--target-batch", type=_int_at_least(1), default=8, help="sequences per inner step (default: %(default)s)")
     g.add_argument("--window-s", type=_positive_float, default=6.0, help="sync window per round, seconds (default: %(default)s)")
-    g.add_argument("--uniform-inner-steps", type=int, default=20, help="H of the uniform (diloco/css) plan (default: %(default)s)")
+    g.add_argument("--uniform-inner-steps", type=_int_at_least(1), default=20, help="H of the uniform (diloco/css) plan (default: %(default)s)")
 
 
 def add_node_flags(p: argparse.ArgumentParser) -> None:
@@ -91,36 +144,36 @@ def add_node_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--bootstrap", action="append", type=_host_port, default=[], metavar="HOST:PORT",
                    help="a bootstrap (or any live peer) to join through; repeatable")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
-    g.add_argument("--port", type=int, default=0, help="port to listen on; 0 = any free (default: %(default)s)")
+    g.add_argument("--port", type=_int_at_least(0, 65535), default=0, help="port to listen on; 0 = any free (default: %(default)s)")
     g.add_argument("--advertise-host", help="address others dial (default: --host)")
     g.add_argument("--client-only", action="store_true", help="behind NAT: accept no connections, own no part")
     g.add_argument("--identity", default="~/.geomesh/identity.key", metavar="PATH", help="Ed25519 key file (default: %(default)s)")
     g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: %(default)s)")
-    g.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    g.add_argument("--threads", type=_int_at_least(1), help="torch CPU threads (default: torch's choice)")
     g.add_argument("--no-amp", dest="amp", action="store_false",
                    help="on CUDA, train in fp32 instead of bf16 autocast (the outer step is always fp32)")
     g.add_argument("--checkpoint-dir", metavar="DIR", help="write safetensors checkpoints here")
-    g.add_argument("--checkpoint-every", type=int, default=5, help="rounds between checkpoints (default: %(default)s)")
+    g.add_argument("--checkpoint-every", type=_int_at_least(1), default=5, help="rounds between checkpoints (default: %(default)s)")
     g.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir")
     g.add_argument("--rounds", type=_non_negative_int, help="stop once this many rounds are done (round numbers start at 0)")
     g.add_argument("--target-ppl", type=_positive_float, help="stop once eval perplexity is at or below this")
-    g.add_argument("--min-peers", type=int, default=1, help="peers to wait for before round 0 (default: %(default)s)")
-    g.add_argument("--wait-peers-s", type=float, default=60.0, help="how long to wait for --min-peers (default: %(default)s)")
-    g.add_argument("--speed-factor", type=_positive_float, default=1.0,
+    g.add_argument("--min-peers", type=_int_at_least(1), default=1, help="peers to wait for before round 0 (default: %(default)s)")
+    g.add_argument("--wait-peers-s", type=_non_negative_float, default=60.0, help="how long to wait for --min-peers (default: %(default)s)")
+    g.add_argument("--speed-factor", type=_speed_factor, default=1.0,
                    help="emulate a slower device: each step takes 1/f as long (default: %(default)s)")
     g.add_argument("--memory-budget-gb", type=_positive_float, help="memory budget for batches on CPU (GB)")
-    g.add_argument("--upload-mbps", type=_positive_float, help="state your upload bandwidth (Mbit/s) instead of measuring")
-    g.add_argument("--download-mbps", type=_positive_float, help="state your download bandwidth (Mbit/s)")
-    g.add_argument("--added-latency-ms", type=float, default=0.0, help="add this latency to every outgoing call (WAN emulation)")
-    g.add_argument("--profile-batches", type=lambda t: [int(x) for x in t.split(",")], default=[4, 8, 16],
+    g.add_argument("--upload-mbps", type=_mbps, help="state your upload bandwidth (Mbit/s) instead of measuring")
+    g.add_argument("--download-mbps", type=_mbps, help="state your download bandwidth (Mbit/s)")
+    g.add_argument("--added-latency-ms", type=_non_negative_float, default=0.0, help="add this latency to every outgoing call (WAN emulation)")
+    g.add_argument("--profile-batches", type=_batch_list, default=[4, 8, 16],
                    metavar="B,B,...", help="batch sizes to measure tokens/s at start-up (default: 4,8,16)")
-    g.add_argument("--checkpoint-keep", type=int, default=3, help="checkpoints kept (default: %(default)s)")
-    g.add_argument("--eval-every", type=int, default=1, metavar="N",
+    g.add_argument("--checkpoint-keep", type=_int_at_least(1), default=3, help="checkpoints kept (default: %(default)s)")
+    g.add_argument("--eval-every", type=_int_at_least(1), default=1, metavar="N",
                    help="evaluate the global weights every N rounds and at the last (default: %(default)s; "
                         "raise it for --method ddp, whose rounds are single steps)")
     g.add_argument("--log-json", metavar="PATH", help="append one JSON line per round here")
     g.add_argument("--summary-json", metavar="PATH", help="write a run summary here at exit")
-    g.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
+    g.add_argument("--metrics-port", type=_int_at_least(0, 65535), help="serve Prometheus metrics on this port")
 
 
 def data_spec_from(ns: argparse.Namespace) -> str | None:
@@ -328,15 +381,15 @@ def add_subcommands(sub, add_common) -> None:
     prof = sub.add_parser("profile", help="measure this device: memory, tokens/s per batch size",
                           description="Measure this device (memory, tokens/s per batch size) and print it.")
     prof.add_argument("--model", default="tiny", help="model preset to measure (default: %(default)s)")
-    prof.add_argument("--seq-len", type=int, default=64, help="tokens per sequence (default: %(default)s)")
-    prof.add_argument("--batch-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 8, 16],
+    prof.add_argument("--seq-len", type=_int_at_least(1), default=64, help="tokens per sequence (default: %(default)s)")
+    prof.add_argument("--batch-sizes", type=_batch_list, default=[1, 4, 8, 16],
                       help="comma-separated batch sizes (default: 1,4,8,16)")
     prof.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: %(default)s)")
-    prof.add_argument("--speed-factor", type=_positive_float, default=1.0,
+    prof.add_argument("--speed-factor", type=_speed_factor, default=1.0,
                       help="emulate a slower device: each step takes 1/f as long (default: %(default)s)")
     prof.add_argument("--memory-budget-gb", type=_positive_float, help="CPU memory budget (GB)")
-    prof.add_argument("--upload-mbps", type=_positive_float, help="state the upload bandwidth (Mbit/s)")
-    prof.add_argument("--download-mbps", type=_positive_float, help="state the download bandwidth (Mbit/s)")
+    prof.add_argument("--upload-mbps", type=_mbps, help="state the upload bandwidth (Mbit/s)")
+    prof.add_argument("--download-mbps", type=_mbps, help="state the download bandwidth (Mbit/s)")
     prof.add_argument("--probe", type=_host_port, metavar="HOST:PORT",
                       help="also measure upload/download bandwidth with real transfers to this bootstrap or peer")
     prof.add_argument("--probe-mb", type=_probe_mb, default=4.0,

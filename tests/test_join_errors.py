@@ -61,8 +61,15 @@ def test_bootstrap_that_does_not_answer(tmp_path):
 
 def test_bad_flag_values_fail_at_start(tmp_path):
     for args, text in [(["--bootstrap", "notaport"], "expected HOST:PORT"),
-                       (["--window-s", "0"], "must be > 0"),
-                       (["--speed-factor", "-1"], "must be > 0")]:
+                       (["--window-s", "0"], "argument --window-s: must be a finite number > 0"),
+                       (["--speed-factor", "-1"], "argument --speed-factor: must be a finite number > 0"),
+                       (["--speed-factor", "2"], "argument --speed-factor: must be in (0, 1]"),
+                       (["--upload-mbps", "1e-320"], "argument --upload-mbps: must be between 0.001"),
+                       (["--download-mbps", "inf"], "argument --download-mbps: must be a finite number"),
+                       (["--port", "70000"], "argument --port: must be in [0, 65535]"),
+                       (["--eval-every", "0"], "argument --eval-every: must be >= 1"),
+                       (["--profile-batches", "4,x"], "argument --profile-batches: expected comma-separated"),
+                       (["--outer-momentum", "1"], "argument --outer-momentum: must be in [0, 1)")]:
         r = _join(tmp_path, *args, timeout=60)
         assert r.returncode == 2 and text in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
 
@@ -81,3 +88,17 @@ def test_incompatible_run_config_is_refused_saying_what_differs(tmp_path):
         assert "tokens/s per batch" not in r.stdout + r.stderr
     finally:
         swarm.stop_all()
+
+
+def test_resume_from_a_checkpoint_of_another_run_config_is_refused(tmp_path):
+    """A ddp checkpoint resumed as geomesh: one line naming the differing field, no traceback."""
+    import torch
+
+    from geomesh_p2p.node import RunConfig
+    from geomesh_p2p.state import save_checkpoint
+
+    other = RunConfig(method="ddp")
+    save_checkpoint(tmp_path / "ck", round=4, theta=torch.zeros(10), momentum=torch.zeros(20),
+                    meta={"run_config_hash": other.config_hash(), "run_config": other.model_dump()})
+    line = _one_line_error(_join(tmp_path, "--resume", "--checkpoint-dir", str(tmp_path / "ck")))
+    assert "is from another run config" in line and "method: 'ddp' there vs 'geomesh' here" in line

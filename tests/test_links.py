@@ -139,22 +139,25 @@ def test_node_folds_measured_links_into_its_ema():
     node = _node_with(rtt_s=0.5)
     ar = SimpleNamespace(upload=LinkSample(3000, 1.5, 2), download=LinkSample(500, 0.1, 1))
     node._update_links(ar)
-    # up: 3000 bytes in 1.5 s - 0.5 s RTT = 3000 B/s; EMA 0.5 * 3000 + 0.5 * 1000
-    assert node.ema.upload_bps == 2000.0
+    # up: 3000 bytes in 1.5 s busy = 2000 B/s (the bootstrap's RTT is not taken out); EMA 0.5 * 2000 + 0.5 * 1000
+    assert node.ema.upload_bps == 1500.0
     # down: 500 bytes is under min_link_sample_bytes: unchanged
     assert node.ema.download_bps == 1000.0
-    ar = SimpleNamespace(upload=None, download=LinkSample(4000, 0.5, 2))
-    node._update_links(ar)
-    # RTT floor: max(0.5 - 0.5, 0.05) = 0.05 s -> 80000 B/s
-    assert node.ema.download_bps == 0.5 * 80000.0 + 0.5 * 1000.0
-    assert node.ema.upload_bps == 2000.0
+
+
+def test_one_sample_moves_the_figure_at_most_link_step_ratio():
+    """An owner that lies about its hold time skews one sample; the record moves by at most 4x."""
+    node = _node_with()
+    node._update_links(SimpleNamespace(upload=LinkSample(1_000_000, 0.001, 1), download=LinkSample(4000, 400.0, 1)))
+    assert node.ema.upload_bps == 0.5 * 4000.0 + 0.5 * 1000.0  # 1e9 B/s claimed, 4x the figure taken
+    assert node.ema.download_bps == 0.5 * 250.0 + 0.5 * 1000.0  # 10 B/s claimed, 1/4 of the figure taken
 
 
 def test_stated_bandwidth_is_not_overwritten():
     node = _node_with(upload_bps=5e6)
-    node._update_links(SimpleNamespace(upload=LinkSample(10_000, 1.0, 1), download=LinkSample(10_000, 1.0, 1)))
+    node._update_links(SimpleNamespace(upload=LinkSample(10_000, 1.0, 1), download=LinkSample(3_000, 1.0, 1)))
     assert node.ema.upload_bps == 5e6
-    assert node.ema.download_bps == 0.5 * 10_000 + 0.5 * 1000.0
+    assert node.ema.download_bps == 0.5 * 3_000 + 0.5 * 1000.0
 
 
 def test_first_measurement_replaces_the_start_up_figure():
@@ -170,3 +173,63 @@ def test_first_measurement_replaces_the_start_up_figure():
     assert node.ema.tokens_per_s == {8: 256.0}
     node._update_throughput(8, SimpleNamespace(tokens=512, compute_s=1.0))
     assert node.ema.tokens_per_s == {8: 0.5 * 512.0 + 0.5 * 256.0}
+
+
+async def test_probe_flood_is_refused_per_caller_and_by_reply_budget():
+    t = Transport(Identity.generate(), "links-test", TransportConfig(port=0))
+    LinkProbeService(t, max_bytes=1 << 20, max_per_minute=5, max_reply_bytes_per_10s=3 << 20)
+    address = await t.start()
+    a = Transport(Identity.generate(), "links-test", TransportConfig(client_only=True))
+    b = Transport(Identity.generate(), "links-test", TransportConfig(client_only=True))
+    await a.start()
+    await b.start()
+    try:
+        big = collective_pb2.LinkProbeRequest(reply_bytes=1 << 20).SerializeToString()
+        for _ in range(3):  # 3 MiB of replies: the whole 10 s budget
+            await a.call(address, LINK_PROBE, big, timeout=5)
+        with pytest.raises(RpcError) as e:
+            await b.call(address, LINK_PROBE, big, timeout=5)
+        assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "budget" in e.value.reason
+        empty = collective_pb2.LinkProbeRequest().SerializeToString()
+        await a.call(address, LINK_PROBE, empty, timeout=5)  # empty probes cost no budget
+        await a.call(address, LINK_PROBE, empty, timeout=5)  # the 5th call of this minute
+        with pytest.raises(RpcError) as e:
+            await a.call(address, LINK_PROBE, empty, timeout=5)
+        assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "in a minute" in e.value.reason
+        await b.call(address, LINK_PROBE, empty, timeout=5)  # another caller is still served
+    finally:
+        await a.stop(grace=0)
+        await b.stop(grace=0)
+        await t.stop(grace=0)
+
+
+class _LyingProbe(LinkProbeService):
+    """Claims it held every probe for a day (so the transfer would seem to take no time)."""
+
+    async def _handle(self, verified, context):
+        resp = collective_pb2.LinkProbeResponse.FromString(await super()._handle(verified, context))
+        resp.held_s = 86400.0
+        return resp.SerializeToString()
+
+
+async def test_a_lying_probe_server_inflates_the_figure_at_most_twofold():
+    t = Transport(Identity.generate(), "links-test", TransportConfig(port=0))
+    LinkProbeService(t, max_bytes=1 << 20)
+    honest = await t.start()
+    liar_t = Transport(Identity.generate(), "links-test", TransportConfig(port=0))
+    _LyingProbe(liar_t, max_bytes=1 << 20)
+    liar = await liar_t.start()
+    c = Transport(Identity.generate(), "links-test", TransportConfig(client_only=True, added_latency_s=0.05))
+    await c.start()
+    try:
+        res = await probe_link(c, liar, nbytes=64 << 10, repeats=1)
+        # every transfer counts at least half its call time: <= 2 * bytes / call time, and a call
+        # takes at least the 50 ms added latency
+        assert res.upload_bps <= 2 * (64 << 10) / 0.05 and res.download_bps <= 2 * (64 << 10) / 0.05
+        assert math.isfinite(res.upload_bps) and res.upload_bps > 0
+        ref = await probe_link(c, honest, nbytes=64 << 10, repeats=1)
+        assert ref.upload_bps > 0
+    finally:
+        await c.stop(grace=0)
+        await liar_t.stop(grace=0)
+        await t.stop(grace=0)
