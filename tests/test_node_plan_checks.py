@@ -53,3 +53,19 @@ def test_rogue_or_broken_plans_are_refused(node_and_plan):
     for expected, bad in cases.items():
         reason = node._plan_problem(bad, live)
         assert reason is not None and expected in reason, (expected, reason)
+
+
+def test_a_peer_too_slow_for_half_the_window_is_planned_out():
+    """A record announcing 2 B/s would stretch the window to days (and every peer would refuse that
+    plan); the leader plans the round without it instead."""
+    from geomesh_p2p.node import NodeConfig, PeerNode, RunConfig
+
+    ids = [Identity.generate() for _ in range(3)]
+    recs = [_rec(i, f"127.0.0.1:{7000 + k}") for k, i in enumerate(ids)]
+    slow = recs[2].model_copy(update={"upload_bps": 2.0, "download_bps": 2.0})
+    node = PeerNode.__new__(PeerNode)
+    node.run_cfg, node.cfg = RunConfig(window_s=6.0), NodeConfig()
+    node.numel, node.round, node.digest = 1_000_000, 0, "d"
+    plan = node._make_plan([recs[0], recs[1], slow], recs[0].peer_id)
+    assert sorted(plan.participants()) == sorted([recs[0].peer_id, recs[1].peer_id])
+    assert plan.train_deadline - time.time() < 10.0

@@ -104,6 +104,27 @@ async def test_leader_dies_before_publishing_next_takes_over_within_timeout():
     assert 1.0 <= elapsed < 1.0 + 1.5  # one plan timeout, plus settle and polling
 
 
+async def test_a_leader_whose_planner_fails_hands_the_round_to_the_next():
+    """A record that breaks the first leader's planner must not end that node: it logs, steps aside,
+    and every peer (itself included) follows the next leader's plan."""
+    ids = [Identity.generate() for _ in range(3)]
+    members = [_record(i, 1.0) for i in ids]
+    order = leader_order(RUN, 6, [m.peer_id for m in members])
+    broken = next(i for i in ids if str(i.peer_id) == order[0])
+    good = _planner(6)
+
+    def failing(members_, leader):
+        raise ValueError("upload_bps=inf must be a positive finite bandwidth")
+
+    dht = MemoryDHT()
+    plans = await asyncio.gather(*[
+        obtain_plan(PlanStore(dht.view(), i, RUN), 6, members, failing if i is broken else good,
+                    plan_timeout_s=1.0, settle_s=0.1)
+        for i in ids])
+    assert {p.leader for p in plans} == {order[1]}
+    assert len({p.to_bytes() for p in plans}) == 1
+
+
 async def test_split_views_still_follow_one_plan():
     """A sees {A,B,C,D}; B sees only {B,C}: if B thinks it leads, the better-ranked leader still wins."""
     ids = [Identity.generate() for _ in range(4)]
