@@ -4,7 +4,7 @@ Subcommands:
   identity   create or show this node's Ed25519 key and print its PeerID
   join       train with a swarm reached through one or more bootstrap nodes
   demo       a whole swarm on this machine (bootstrap + N peers as OS processes)
-  profile    measure this device (memory, tokens/s per batch size) and print it
+  profile    measure this device (memory, tokens/s per batch size; link bandwidth with --probe)
 """
 
 from __future__ import annotations
