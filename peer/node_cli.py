@@ -378,7 +378,7 @@ def add_subcommands(sub, add_common) -> None:
     add_common(d)
     d.set_defaults(handler=demo.cmd_demo)
 
-    prof = sub.add_parser("profile", help="measure this device: memory, tokens/s per batch size, link bandwidth (--probe)",
+    prof = sub.add_parser("profile", help="measure this device: memory, tokens/s, link (--probe)",
                           description="Measure this device (memory, tokens/s per batch size) and print it.")
     prof.add_argument("--model", default="tiny", help="model preset to measure (default: %(default)s)")
     prof.add_argument("--seq-len", type=_int_at_least(1), default=64, help="tokens per sequence (default: %(default)s)")
