@@ -85,7 +85,7 @@ def test_help_lists_each_command_once_with_one_line(monkeypatch):
         "identity": "create or show this node's key and print its PeerID",
         "join": "train with a swarm (via one or more --bootstrap nodes)",
         "demo": "a whole swarm on this machine (bootstrap + N peers)",
-        "profile": "measure this device: memory, tokens/s per batch size",
+        "profile": "measure this device: memory, tokens/s, link (--probe)",
     }
     lines = text.splitlines()
     for name, help_text in expected.items():
