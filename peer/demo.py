@@ -142,6 +142,8 @@ def cmd_demo(ns: argparse.Namespace) -> int:
             argv = exe + ["peer.cli", "join", "--bootstrap", f"127.0.0.1:{bport}",
                           "--identity", str(workdir / f"peer{i}.key"), "--speed-factor", str(f),
                           "--min-peers", str(ns.peers), "--rounds", str(ns.rounds),
+                          # every peer evaluates the same global weights, so all stop after the same round
+                          *(["--target-ppl", str(ns.target_ppl)] if ns.target_ppl is not None else []),
                           "--threads", str(ns.threads_per_peer),
                           "--log-json", str(workdir / f"peer{i}.jsonl"),
                           "--summary-json", str(workdir / f"peer{i}.summary.json"),
@@ -188,7 +190,12 @@ def _watch(ns, swarm: Swarm, workdir: Path, t0: float) -> int:
                   f"{'equal' if len(digests) == 1 else 'DIFFER'}", flush=True)
             if ns.target_ppl is not None and rr[0]["eval_ppl"] <= ns.target_ppl:
                 print(f"target eval perplexity {ns.target_ppl} reached at round {shown} "
-                      f"after {time.time() - t0:.0f}s")
+                      f"after {rr[0]['time'] - t0:.0f}s")
+                # The peers saw the same perplexity and stop by themselves; give them the time to.
+                peers = [p for name, p in swarm.procs if name.startswith("peer")]
+                deadline = time.time() + 60
+                while time.time() < deadline and any(p.poll() is None for p in peers):
+                    time.sleep(0.2)
                 return 0
         for name, p in swarm.procs:
             if p.poll() is not None and p.returncode != 0:
