@@ -37,7 +37,7 @@ from geomesh_p2p.wire import collective_pb2
 log = logging.getLogger(__name__)
 
 #: The most padding a probe may upload or ask back (bytes); larger requests are refused.
-MAX_PROBE_BYTES = 16 << 20
+MAX_PROBE_BYTES = 4 << 20
 
 
 @dataclass(frozen=True)

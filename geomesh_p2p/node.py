@@ -125,7 +125,7 @@ class NodeConfig(BaseModel):
     memory_budget_bytes: Optional[int] = None
     upload_bps: Optional[float] = None
     download_bps: Optional[float] = None
-    probe_bytes: int = Field(4 << 20, gt=0, le=16 << 20, description="bytes each way of the start-up link probe")
+    probe_bytes: int = Field(4 << 20, gt=0, le=4 << 20, description="bytes each way of the start-up link probe")
     min_link_sample_bytes: int = Field(64 << 10, ge=1, description="smallest round sample used to update a link EMA")
     ema_alpha: float = Field(0.3, gt=0, le=1, description="weight of a new measurement in the re-profiling EMAs")
     link_step_ratio: float = Field(4.0, ge=1, description="most a round's link sample may move the figure (x or /)")
@@ -397,13 +397,15 @@ class PeerNode:
         from geomesh_p2p.state_sync import StateSyncError, download_state
 
         self._syncing = True
+        start_round = self.round
         try:
             for attempt in range(30):
                 if self._stop.is_set():
                     return
                 recs = [r for r in await self.peers() if r.peer_id != self.me]
-                top = max((r.round for r in recs if r.weights_digest), default=None)
+                top = self._swarm_round(recs)
                 if top is None:
+                    self.round = start_round
                     return
                 majority, _, _ = digest_majority(recs, top)
                 donors = [r.address for r in recs if r.round == top and r.weights_digest == majority and r.address]
@@ -419,6 +421,7 @@ class PeerNode:
                 self._set_state(snap.round, snap.theta, snap.momentum)
                 log.info("downloaded state of round %d from %d donor(s), digest %s", top, len(donors), self.digest[:8])
                 return
+            self.round = start_round  # nothing was downloaded: this peer still holds its own state
             raise StateSyncError("could not download the swarm's state after 30 attempts; see the log for why")
         finally:
             self._syncing = False
@@ -458,11 +461,14 @@ class PeerNode:
             # A peer whose link cannot move its share of the exchange in half the window would stretch
             # the round for everyone (or make a plan the others refuse): plan without it this round.
             limit = 0.5 * self.run_cfg.window_s
-            slow = [m for m in members if comm_time(m, cfg) > limit]
+            # Likewise one that needs more than half the window for a single sequence.
+            seq = self.run_cfg.seq_len
+            slow = [m for m in members if comm_time(m, cfg) > limit or seq / max(m.best_tokens_per_s(), 1e-9) > limit]
             if slow and len(slow) < len(members):
-                log.warning("round %d: planning without %s: predicted exchange %s s > %.1f s (half the window)",
-                            self.round, ", ".join(m.peer_id[:10] for m in slow),
-                            ", ".join(f"{comm_time(m, cfg):.1f}" for m in slow), limit)
+                log.warning("round %d: planning without %s: predicted exchange %s s, one sequence %s s; the limit is "
+                            "%.1f s (half the window)", self.round, ", ".join(m.peer_id[:10] for m in slow),
+                            ", ".join(f"{comm_time(m, cfg):.1f}" for m in slow),
+                            ", ".join(f"{seq / max(m.best_tokens_per_s(), 1e-9):.1f}" for m in slow), limit)
                 members = [m for m in members if m not in slow]
                 cfg = self._plan_config(len(members))
         # geomesh/awb: AWB plan; diloco/css: uniform; ddp: uniform with one step per round.
@@ -480,7 +486,8 @@ class PeerNode:
             # A peer that said it is leaving is not waited for (it finished its last exchange).
             expected = expected - {r.peer_id for r in everyone if r.leaving}
             recs = [r for r in everyone if not r.leaving]
-            if any(r.round > self.round and r.weights_digest for r in recs):
+            sr = self._swarm_round(recs)
+            if sr is not None and sr > self.round:
                 return None  # the swarm is ahead (e.g. resumed from an older checkpoint): catch up first
             synced = [r for r in recs if r.round == self.round and r.weights_digest == self.digest]
             ids = {r.peer_id for r in synced}
@@ -493,6 +500,8 @@ class PeerNode:
 
     async def run(self) -> int:
         """Train until done; returns a process exit code (0 on success or clean stop)."""
+        from geomesh_p2p.state_sync import StateSyncError
+
         try:
             await self.start()
             await self._initial_state()
@@ -506,7 +515,11 @@ class PeerNode:
                     break
                 await self.announce()
                 if await self._behind():
-                    await self._catch_up()
+                    try:
+                        await self._catch_up()
+                    except StateSyncError as e:  # keep serving and retry: the donors may come back
+                        log.warning("catching up failed (%s); retrying in a few seconds", e)
+                        await asyncio.sleep(3.0)
                     continue
                 members = await self._gather_members(
                     expected, self.cfg.min_peers if first else 1,
@@ -534,8 +547,22 @@ class PeerNode:
                  self.initial_ppl if self.initial_ppl is not None else float("nan"))
 
     async def _behind(self) -> bool:
-        """True when live peers already hold the state of a later round (this peer must catch up)."""
-        return any(p.round > self.round and p.weights_digest for p in await self.peers() if p.peer_id != self.me)
+        """True when the swarm already holds the state of a later round (this peer must catch up)."""
+        sr = self._swarm_round(await self.peers())
+        return sr is not None and sr > self.round
+
+    def _swarm_round(self, recs) -> Optional[int]:
+        """The round the other peers are at: the round announced (with a digest) by the most of them,
+        ties to the later one; None unless more than half of them announce it (or there is one other).
+        One record alone cannot drag a peer to a round nobody else is at (a forged or unreachable
+        peer claiming round 10**15 would make every peer try to download a state that does not exist)."""
+        from collections import Counter
+
+        rounds = [r.round for r in recs if r.weights_digest and r.peer_id != self.me]
+        if not rounds:
+            return None
+        r, n = max(Counter(rounds).items(), key=lambda kv: (kv[1], kv[0]))
+        return r if 2 * n > len(rounds) or len(rounds) == 1 else None
 
     def _reached_target(self) -> bool:
         t = self.cfg.target_ppl
@@ -693,7 +720,12 @@ class PeerNode:
         self._update_throughput(a.micro_batch, result)
         self._update_links(ar)
         if resync:
-            await self._catch_up()
+            from geomesh_p2p.state_sync import StateSyncError
+
+            try:
+                await self._catch_up()
+            except StateSyncError as e:  # the next round's _behind() check tries again
+                log.warning("re-sync failed (%s); will retry", e)
         elif self.cfg.checkpoint_dir and (r + 1) % self.cfg.checkpoint_every == 0:
             self.checkpoint()
         contributed = {pid for part in ar.contributors.values() for pid, _ in part}
@@ -757,7 +789,8 @@ class PeerNode:
 
         deadline = time.monotonic() + wait_s
         while True:
-            recs = [x for x in await self.peers() if x.peer_id in participants]
+            # leaving peers count too: their last record carries the digest they ended the round with
+            recs = [x for x in await self.peers(include_leaving=True) if x.peer_id in participants]
             majority, agree, total = digest_majority(recs, r)
             if total >= len(participants) or time.monotonic() > deadline:
                 break

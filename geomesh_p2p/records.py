@@ -15,8 +15,9 @@ RECORD_SCHEMA_VERSION = 1
 
 #: Bandwidth bounds of a record, bytes/s: 1 B/s .. 1 TB/s (anything outside is an error or a lie).
 MIN_LINK_BPS, MAX_LINK_BPS = 1.0, 1e12
-#: Throughput bound of a record, tokens/s.
-MAX_TOKENS_PER_S = 1e10
+#: Throughput bounds of a record, tokens/s, and the largest batch (sequences) it may state.
+MIN_TOKENS_PER_S, MAX_TOKENS_PER_S = 1e-3, 1e10
+MAX_BATCH = 1 << 20
 
 
 class PeerRecord(BaseModel):
@@ -34,11 +35,11 @@ class PeerRecord(BaseModel):
         default=None, description="host:port the peer serves on; None means client-only (behind NAT)"
     )
     device: str = Field(description="device name, e.g. 'NVIDIA H100 80GB HBM3' or 'cpu: AMD EPYC'")
-    memory_bytes: int = Field(ge=0, description="memory budget usable for training, bytes")
+    memory_bytes: int = Field(ge=0, le=1 << 50, description="memory budget usable for training, bytes")
     tokens_per_s: dict[int, float] = Field(
         default_factory=dict, description="measured training throughput per batch size (sequences), tokens/s"
     )
-    max_batch: int = Field(ge=1, description="largest batch (sequences) that fits in one micro-step")
+    max_batch: int = Field(ge=1, le=MAX_BATCH, description="largest batch (sequences) that fits in one micro-step")
     upload_bps: float = Field(ge=MIN_LINK_BPS, le=MAX_LINK_BPS, description="upload bandwidth, bytes/s")
     download_bps: float = Field(ge=MIN_LINK_BPS, le=MAX_LINK_BPS, description="download bandwidth, bytes/s")
     version: str = Field(description="software version (geomesh_p2p.__version__)")
@@ -49,15 +50,16 @@ class PeerRecord(BaseModel):
     )
     round: int = Field(ge=0, default=0, description="the round this peer is in or will join")
     weights_digest: Optional[str] = Field(default=None, description="digest of its global weights at `round`")
-    timestamp: float = Field(default_factory=time.time, description="unix seconds when announced")
+    timestamp: float = Field(default_factory=time.time, ge=0, le=1e11, description="unix seconds when announced")
     leaving: bool = Field(default=False, description="the peer is shutting down: plan the next rounds without it")
 
     @field_validator("tokens_per_s")
     @classmethod
     def _positive_throughput(cls, v: dict[int, float]) -> dict[int, float]:
         for b, tps in v.items():
-            if b < 1 or not (0 < tps <= MAX_TOKENS_PER_S):
-                raise ValueError(f"tokens_per_s[{b}]={tps}: batch must be >=1 and throughput in (0, {MAX_TOKENS_PER_S:g}]")
+            if not 1 <= b <= MAX_BATCH or not (MIN_TOKENS_PER_S <= tps <= MAX_TOKENS_PER_S):
+                raise ValueError(f"tokens_per_s[{b}]={tps}: batch must be in [1, {MAX_BATCH}] and throughput in "
+                                 f"[{MIN_TOKENS_PER_S:g}, {MAX_TOKENS_PER_S:g}]")
         return v
 
     @property

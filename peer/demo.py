@@ -133,7 +133,8 @@ def cmd_demo(ns: argparse.Namespace) -> int:
     def on_term(signum, _frame):  # SIGTERM stops the swarm like Ctrl+C does (no orphaned peers)
         raise KeyboardInterrupt(f"signal {signum}")
 
-    old_term = signal.signal(signal.SIGTERM, on_term)
+    # SIGTERM and SIGHUP (a closed terminal, a dropped SSH session) stop the swarm like Ctrl+C does
+    old = {s: signal.signal(s, on_term) for s in (signal.SIGTERM, signal.SIGHUP)}
     try:
         swarm.spawn("bootstrap", exe + ["bootstrap.cli", "--host", "127.0.0.1", "--port", str(bport),
                                         "--run-id", ns.run_id, "--identity", str(workdir / "bootstrap.key")])
@@ -158,7 +159,8 @@ def cmd_demo(ns: argparse.Namespace) -> int:
         rc = 130
     finally:
         swarm.stop()
-        signal.signal(signal.SIGTERM, old_term)
+        for s, h in old.items():
+            signal.signal(s, h)
     summary = _summarize(ns, workdir, t0)
     if ns.summary_json:
         Path(ns.summary_json).write_text(json.dumps(summary, indent=1))

@@ -93,8 +93,8 @@ def _non_negative_int(text: str) -> int:
 
 def _probe_mb(text: str) -> float:
     v = float(text)
-    if not 0.0625 <= v <= 16:
-        raise argparse.ArgumentTypeError(f"must be between 0.0625 (64 KiB) and 16 MiB, got {text}")
+    if not 0.0625 <= v <= 4:
+        raise argparse.ArgumentTypeError(f"must be between 0.0625 (64 KiB) and 4 MiB, got {text}")
     return v
 
 
@@ -393,7 +393,7 @@ def add_subcommands(sub, add_common) -> None:
     prof.add_argument("--probe", type=_host_port, metavar="HOST:PORT",
                       help="also measure upload/download bandwidth with real transfers to this bootstrap or peer")
     prof.add_argument("--probe-mb", type=_probe_mb, default=4.0,
-                      help="MiB each way per probe transfer, at most 16 (default: %(default)s)")
+                      help="MiB each way per probe transfer, at most 4 (default: %(default)s)")
     prof.add_argument("--run-id", default="geomesh-demo", help="run id the probed node serves (default: %(default)s)")
     prof.add_argument("--json", action="store_true", help="print JSON instead of a table")
     add_common(prof)

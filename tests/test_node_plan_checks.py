@@ -69,3 +69,39 @@ def test_a_peer_too_slow_for_half_the_window_is_planned_out():
     plan = node._make_plan([recs[0], recs[1], slow], recs[0].peer_id)
     assert sorted(plan.participants()) == sorted([recs[0].peer_id, recs[1].peer_id])
     assert plan.train_deadline - time.time() < 10.0
+
+
+def test_one_record_alone_cannot_drag_a_peer_to_a_far_round():
+    """_swarm_round: the round most other peers announce (more than half of them), so a single forged
+    or unreachable record claiming round 10**15 is not taken as 'the swarm is ahead'."""
+    node = PeerNode.__new__(PeerNode)
+    node.me = "me"
+    ids = [Identity.generate() for _ in range(3)]
+    honest = [_rec(i, f"127.0.0.1:{7100 + k}").model_copy(update={"round": 5}) for k, i in enumerate(ids[:2])]
+    forged = _rec(ids[2], "127.0.0.1:7199").model_copy(update={"round": 10**15})
+    assert node._swarm_round(honest + [forged]) == 5
+    assert node._swarm_round([honest[0], forged]) is None  # one each: no majority, nobody to follow
+    assert node._swarm_round([forged]) == 10**15  # a single other peer is followed (a 2-peer swarm)
+    syncing = honest[1].model_copy(update={"weights_digest": None, "round": 9})
+    assert node._swarm_round([honest[0], syncing]) == 5  # peers without a digest are not counted
+
+
+def test_records_refuse_values_that_would_break_the_planner():
+    from pydantic import ValidationError
+
+    base = _rec(Identity.generate(), "127.0.0.1:7000").model_dump()
+    for field, value in [("tokens_per_s", {4: 1e-300}), ("max_batch", 10**30), ("timestamp", 1e300),
+                         ("upload_bps", 1e-300), ("memory_bytes", 10**30)]:
+        with pytest.raises(ValidationError):
+            PeerRecord.model_validate({**base, field: value})
+
+
+def test_a_peer_too_slow_to_train_one_sequence_in_half_the_window_is_planned_out():
+    ids = [Identity.generate() for _ in range(3)]
+    recs = [_rec(i, f"127.0.0.1:{7000 + k}") for k, i in enumerate(ids)]
+    crawl = recs[2].model_copy(update={"tokens_per_s": {8: 2.0}})  # 32 s for one 64-token sequence
+    node = PeerNode.__new__(PeerNode)
+    node.run_cfg, node.cfg = RunConfig(window_s=6.0), NodeConfig()
+    node.numel, node.round, node.digest = 1_000_000, 0, "d"
+    plan = node._make_plan([recs[0], recs[1], crawl], recs[0].peer_id)
+    assert sorted(plan.participants()) == sorted([recs[0].peer_id, recs[1].peer_id])
