@@ -593,7 +593,9 @@ class PeerNode:
         if self._stop.is_set() and self.me not in plan.participants():
             return set()
         if self.me not in plan.participants() or plan.start_digest != self.digest:
-            why = "not in the plan" if self.me not in plan.participants() else "weights differ from the plan's"
+            why = (f"not in the plan of leader {plan.leader[:10]} (it joined late, or the leader found its link or "
+                   f"device too slow for the {plan.window_s:.1f} s window: see the leader's log)"
+                   if self.me not in plan.participants() else "weights differ from the plan's")
             log.info("round %d: %s; waiting for the round to end, then syncing", r, why)
             # Announce as syncing for the next round now, so that its leader waits for this peer.
             self._syncing, self.round = True, r + 1
