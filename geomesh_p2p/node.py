@@ -546,6 +546,15 @@ class PeerNode:
                  len(h), self.round, ppl if ppl is not None else float("nan"),
                  self.initial_ppl if self.initial_ppl is not None else float("nan"))
 
+    async def _refresh_live(self, live: dict, period_s: float = 0.25) -> None:
+        """Add newly seen live peers to ``live`` (peer_id -> record) every ``period_s`` until cancelled."""
+        while True:
+            await asyncio.sleep(period_s)
+            try:
+                live.update({x.peer_id: x for x in await self.peers()})
+            except Exception as e:  # a failed DHT read: keep the last view
+                log.debug("refreshing live peers failed: %s", e)
+
     async def _behind(self) -> bool:
         """True when the swarm already holds the state of a later round (this peer must catch up)."""
         sr = self._swarm_round(await self.peers())
@@ -584,8 +593,15 @@ class PeerNode:
         live = {x.peer_id: x for x in await self.peers()}
         # Not cancelled by a stop request (it is bounded by the plan timeouts): once the others follow a
         # plan that names this peer, it must serve its part and contribute (0 steps if stopping).
-        plan = await obtain_plan(self.plans, r, members, self._make_plan, plan_timeout_s=self.cfg.plan_timeout_s,
-                                 accept=lambda p: self._plan_problem(p, live))
+        # Keep the view of live peers fresh while plans are read: a peer that (re)joined just now may lead
+        # a better-ranked plan, and refusing it as "not live" would split the round.
+        refresher = asyncio.ensure_future(self._refresh_live(live))
+        try:
+            plan = await obtain_plan(self.plans, r, members, self._make_plan, plan_timeout_s=self.cfg.plan_timeout_s,
+                                     accept=lambda p: self._plan_problem(p, live))
+        finally:
+            refresher.cancel()
+            await asyncio.gather(refresher, return_exceptions=True)
         if plan is None:
             if not self._stop.is_set():
                 log.warning("round %d: no plan appeared; retrying", r)
