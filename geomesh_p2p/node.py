@@ -163,7 +163,6 @@ class PeerNode:
         self._t_start = time.time()
         self.transport: Optional[Transport] = None
         self.ema = None  # capability.ThroughputEMA: tokens/s per micro-batch and link bytes/s, re-profiled
-        self.rtt_s = 0.0  # round-trip time to the probed bootstrap (seconds), as measured at start
         self.max_batch = 1
         self.probe_result = None  # links.ProbeResult of the start-up probe, if one was made
         self._measured: set[str] = set()  # quantities measured in a round at least once ("tps", "up", "down")
@@ -282,7 +281,6 @@ class PeerNode:
         c = self.cfg
         up = c.upload_bps or (probed.upload_bps if probed else None)
         down = c.download_bps or (probed.download_bps if probed else None)
-        self.rtt_s = probed.rtt_s if probed else 0.0
         self.ema = ThroughputEMA(alpha=c.ema_alpha, tokens_per_s=self.profiled_tps, upload_bps=up, download_bps=down)
 
     # ------------------------------------------------------------------ records

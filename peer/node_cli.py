@@ -92,7 +92,7 @@ def _non_negative_int(text: str) -> int:
 
 
 def _probe_mb(text: str) -> float:
-    v = float(text)
+    v = _positive_float(text)
     if not 0.0625 <= v <= 4:
         raise argparse.ArgumentTypeError(f"must be between 0.0625 (64 KiB) and 4 MiB, got {text}")
     return v
