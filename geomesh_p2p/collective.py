@@ -50,7 +50,8 @@ import numpy as np
 import torch
 from google.protobuf.message import DecodeError
 
-from geomesh_p2p import compression
+from geomesh_p2p import aggregation, compression
+from geomesh_p2p.aggregation import token_weighted_mean  # noqa: F401  (re-exported: the simulator and tests use it)
 from geomesh_p2p.identity import EnvelopeError, PeerID, Verified, Verifier
 from geomesh_p2p.links import LinkSample, link_sample
 from geomesh_p2p.transport import COLLECTIVE_PULL, COLLECTIVE_PUSH, RpcError, TaskOwner, Transport
@@ -231,6 +232,14 @@ class CollectiveSpec:
         clip_k: scale clipping factor (None = off); see :func:`token_weighted_mean`.
         push_encoding: ``"sign"`` (CSS) or ``"fp32"`` (uncompressed baseline: an fp32 butterfly
             all-reduce when combined with reencode/fp32; no scale clipping).
+        rule: aggregation rule of every part (:data:`geomesh_p2p.aggregation.RULES`): ``"mean"`` (the
+            token-weighted mean) or a robust rule (``"meanmed"``, ``"vote"``); see docs/security.md.
+        weight_cap: each contributor's weight is at most this multiple of the median weight (None = off).
+        min_agreement: robust rules drop a contribution whose signs agree with the first-pass consensus
+            on fewer than this share of elements (None = off).
+        quorum: a part result counts only when it aggregates at least ``ceil(quorum x participants)``
+            contributions (0 = any); below it every reader treats the part as missing (the same bytes
+            give the same decision everywhere), so an owner cannot replace the group's update with its own.
 
     ``spec_id`` (SHA-256 of the canonical JSON of all fields) travels in every push and pull;
     a peer with a different spec for the same round is refused with ``FAILED_PRECONDITION``.
@@ -248,6 +257,10 @@ class CollectiveSpec:
     block_size: int = 2048
     clip_k: Optional[float] = 4.0
     push_encoding: str = "sign"
+    rule: str = "mean"
+    weight_cap: Optional[float] = None
+    min_agreement: Optional[float] = None
+    quorum: float = 0.0
     spec_id: bytes = field(init=False, repr=False, compare=False, default=b"")
 
     def __post_init__(self):
@@ -290,6 +303,17 @@ class CollectiveSpec:
             raise ValueError(f"push_encoding must be one of {PUSH_ENCODINGS}, got {self.push_encoding!r}")
         if self.pull_deadline < self.deadline:
             raise ValueError("pull_deadline must not be before deadline")
+        if self.rule not in aggregation.RULES:
+            raise ValueError(f"rule must be one of {aggregation.RULES}, got {self.rule!r}")
+        for name in ("weight_cap", "min_agreement"):
+            x = getattr(self, name)
+            if x is not None:
+                object.__setattr__(self, name, float(x))
+                if not (math.isfinite(x) and x > 0):
+                    raise ValueError(f"{name} must be > 0 or None, got {x}")
+        object.__setattr__(self, "quorum", float(self.quorum))
+        if not 0.0 <= self.quorum <= 1.0:
+            raise ValueError(f"quorum must be in [0, 1], got {self.quorum}")
         object.__setattr__(self, "spec_id", hashlib.sha256(self._canonical_json().encode()).digest())
 
     def to_dict(self) -> dict[str, Any]:
@@ -300,7 +324,8 @@ class CollectiveSpec:
             "owners": [[o.peer_id, o.address, o.start, o.end] for o in self.owners],
             "deadline": self.deadline, "pull_deadline": self.pull_deadline, "mode": self.mode,
             "aggregate_encoding": self.aggregate_encoding, "block_size": self.block_size,
-            "clip_k": self.clip_k, "push_encoding": self.push_encoding,
+            "clip_k": self.clip_k, "push_encoding": self.push_encoding, "rule": self.rule,
+            "weight_cap": self.weight_cap, "min_agreement": self.min_agreement, "quorum": self.quorum,
         }
 
     @classmethod
@@ -312,11 +337,22 @@ class CollectiveSpec:
     def _canonical_json(self) -> str:
         d = self.to_dict()
         d["deadline"], d["pull_deadline"] = repr(self.deadline), repr(self.pull_deadline)
-        d["clip_k"] = None if self.clip_k is None else repr(self.clip_k)
+        for k in ("clip_k", "weight_cap", "min_agreement", "quorum"):
+            d[k] = None if d[k] is None else repr(d[k])
         return json.dumps(d, sort_keys=True, separators=(",", ":"))
 
     def part_index_of(self, peer_id: str) -> list[int]:
         return [j for j, o in enumerate(self.owners) if o.peer_id == peer_id]
+
+    def quorum_count(self) -> int:
+        """Fewest contributions a part result must aggregate to count: ``ceil(quorum x participants)``."""
+        return math.ceil(self.quorum * len(self.participants) - 1e-9)
+
+    def aggregate(self, items: Sequence[tuple[int, Any]], numel: int) -> torch.Tensor:
+        """This round's rule over ``(tokens capped by the plan, packet)`` in PeerID order -> fp32 [numel]."""
+        return aggregation.aggregate_part(items, numel, rule=self.rule, encoding=self.push_encoding,
+                                          clip_k=self.clip_k, weight_cap=self.weight_cap,
+                                          min_agreement=self.min_agreement)
 
 
 # ------------------------------------------------------------------------------- the arithmetic
@@ -334,58 +370,6 @@ def _fp32_from_bytes(data: bytes, numel: int) -> torch.Tensor:
     if not bool(torch.isfinite(t).all()):
         raise compression.CodecError("fp32 values contain NaN or Inf")
     return t
-
-
-def token_weighted_mean(
-    items: Sequence[tuple[int, Any]], numel: int, *, clip_k: Optional[float], encoding: str = "sign"
-) -> torch.Tensor:
-    """The CSS aggregate of one part: ``sum_i n_i * decode_i / sum_i n_i``, computed one fixed way.
-
-    Args:
-        items: ``(tokens, packet)`` in the fixed order (ascending raw PeerID). ``tokens`` already
-            capped (``min(claimed, cap)``). ``packet``: a :class:`compression.SignPacket` of
-            ``numel`` elements (``encoding="sign"``) or an fp32 tensor [numel] (``"fp32"``).
-        numel: elements of the part.
-        clip_k: scale clipping factor, or None.
-        encoding: ``"sign"`` or ``"fp32"``.
-
-    Returns:
-        fp32 tensor [numel]; all zeros when no item has tokens > 0.
-
-    The exact rule (each step one IEEE fp32 rounding; the same on every peer, so relay peers and
-    a reencode owner get the same bits):
-
-    1. Items with ``tokens == 0`` are dropped (they stay named as contributors with 0 tokens).
-       ``N = sum(tokens)`` (exact integer).
-    2. Sign only, if ``clip_k`` is set: per block b, ``med_b`` = the median over the C remaining
-       items of their scale ``s_ib`` (sorted ascending; the middle one for odd C,
-       ``(lo + hi) * 0.5`` for even C); ``cap_b = med_b * fp32(clip_k)``; ``s'_ib = min(s_ib, cap_b)``.
-    3. ``w_i = fp32(n_i / N)`` (the quotient in float64, then rounded to fp32).
-    4. Sign: ``c_ib = s'_ib * w_i`` and ``x_i = decode(SignPacket(signs_i, scales=c_i))`` =
-       ``+-c_ib`` exactly. fp32: ``x_i = v_i * w_i``.
-    5. ``acc = 0``; for each item in order: ``acc = acc + x_i``.
-    """
-    active = [(int(n), p) for n, p in items if int(n) > 0]
-    acc = torch.zeros(numel, dtype=torch.float32)
-    if not active:
-        return acc
-    total = sum(n for n, _ in active)
-    if encoding == "fp32":
-        for n, v in active:
-            acc = acc + v * torch.tensor(n / total, dtype=torch.float32)
-        return acc
-    cap = None
-    if clip_k is not None:
-        scales = torch.stack([p.scales for _, p in active])  # [C, blocks]
-        srt = torch.sort(scales, dim=0).values
-        c = srt.shape[0]
-        med = srt[c // 2] if c % 2 == 1 else (srt[c // 2 - 1] + srt[c // 2]) * torch.tensor(0.5, dtype=torch.float32)
-        cap = med * torch.tensor(clip_k, dtype=torch.float32)
-    for n, p in active:
-        s = p.scales if cap is None else torch.minimum(p.scales, cap)
-        c_i = s * torch.tensor(n / total, dtype=torch.float32)
-        acc = acc + compression.decode(compression.SignPacket(p.numel, p.block_size, n, p.signs, c_i))
-    return acc
 
 
 def _encode_aggregate(kind: str, v: torch.Tensor, block_size: int, tokens: int) -> bytes:
@@ -427,6 +411,9 @@ class AllReduceResult:
         wall_s: seconds the call took.
         last_compute_end: unix seconds when the last contributor (of any part) finished its inner
             steps, as the senders stated it: the barrier for straggler-idle accounting (0 if unknown).
+        contributions: relay mode: sender (base58 PeerID) -> part index -> its verified packet for that
+            part (a :class:`compression.SignPacket`, or an fp32 tensor for fp32 pushes), as relayed by the
+            owners; what verified work (:mod:`geomesh_p2p.verify`) re-checks. Empty in reencode mode.
         upload / download: this node's pushes to other owners and its pulls of ready results as
             :class:`~geomesh_p2p.links.LinkSample` (payload bytes over the busy time of the link,
             the owners' stated hold taken out), or None when nothing crossed the network.
@@ -442,6 +429,7 @@ class AllReduceResult:
     last_compute_end: float = 0.0
     upload: Optional[LinkSample] = None
     download: Optional[LinkSample] = None
+    contributions: dict[str, dict[int, Any]] = field(default_factory=dict)
 
     def tokens(self, part: int) -> int:
         """Total tokens aggregated in ``part`` (0 if missing)."""
@@ -762,8 +750,7 @@ class CollectiveService:
         if spec.mode == "relay":
             res.contributions.extend(collective_pb2.Contribution(signed_message=c.signed) for c in contributions)
         else:
-            mean = token_weighted_mean([(n, c.packet) for n, c in zip(used, contributions)], o.size,
-                                       clip_k=spec.clip_k, encoding=spec.push_encoding)
+            mean = spec.aggregate([(n, c.packet) for n, c in zip(used, contributions)], o.size)
             res.aggregate = _encode_aggregate(spec.aggregate_encoding, mean, spec.block_size, sum(used))
         return self.transport.identity.sign_message(
             run_id=spec.run_id, round=spec.round, kind=RESULT_KIND, payload=res.SerializeToString()
@@ -874,6 +861,7 @@ class CollectiveService:
 
         aggregate = torch.zeros(spec.numel, dtype=torch.float32)
         contributors, missing = {}, []
+        packets: dict[str, dict[int, Any]] = {}
         last_compute_end = 0.0
         for j, out in enumerate(outcomes):
             o = spec.owners[j]
@@ -883,6 +871,8 @@ class CollectiveService:
             aggregate[o.start:o.end] = out[0]
             contributors[j] = out[1]
             last_compute_end = max(last_compute_end, out[2])
+            for sender, packet in out[3].items():
+                packets.setdefault(sender, {})[j] = packet
         if missing:
             log.warning("round %d: parts %s have no result (owner gone or refused): zero update for %s", spec.round,
                         missing, ", ".join(f"[{spec.owners[j].start}, {spec.owners[j].end})" for j in missing))
@@ -890,7 +880,7 @@ class CollectiveService:
         up = link_sample((n, a, b) for d, n, a, b in state.transfers if d == "up")
         down = link_sample((n, a, b) for d, n, a, b in state.transfers if d == "down")
         return AllReduceResult(aggregate, contributors, missing, pushed, s_after[0] - s_before[0],
-                               s_after[1] - s_before[1], time.time() - t0, last_compute_end, up, down)
+                               s_after[1] - s_before[1], time.time() - t0, last_compute_end, up, down, packets)
 
     def _collective_bytes(self) -> tuple[int, int]:
         by = self.transport.stats.by_method
@@ -968,8 +958,10 @@ class CollectiveService:
             state.transfers.append(("up", len(payload), t_call, t_reply - _held(resp.held_s, t_reply - t_call)))
             return resp.accepted
 
-    async def _obtain(self, state: _RoundState, j: int) -> Optional[tuple[torch.Tensor, list[tuple[str, int]], float]]:
-        """Result of part ``j`` as (fp32 [size], contributors), or None if none by the pull deadline."""
+    async def _obtain(self, state: _RoundState, j: int
+                      ) -> Optional[tuple[torch.Tensor, list[tuple[str, int]], float, dict[str, Any]]]:
+        """Result of part ``j`` as (fp32 [size], contributors, last compute end, relayed packets by sender),
+        or None if none by the pull deadline."""
         spec = state.spec
         owner = spec.owners[j]
         if owner.peer_id == self.peer_id:
@@ -991,8 +983,9 @@ class CollectiveService:
         try:
             out = await asyncio.to_thread(self._read_result, spec, j, signed)
         except EnvelopeError as err:
-            log.error("round %d: result of part %d from %s refused: %s: %s", spec.round, j, _short(owner.peer_id),
-                      err.code.name, err.reason)
+            # A hostile or broken owner, not a fault of this node: every reader refuses the same bytes.
+            log.warning("round %d: result of part %d from %s refused: %s: %s", spec.round, j, _short(owner.peer_id),
+                        err.code.name, err.reason)
             return None
         if owner.peer_id != self.peer_id and spec.round in self._rounds:
             state.cache[j] = signed  # serve it to peers that cannot reach the owner
@@ -1055,7 +1048,7 @@ class CollectiveService:
             delay = min(2 * delay, 0.5)
 
     def _read_result(self, spec: CollectiveSpec, j: int, signed: bytes
-                     ) -> tuple[torch.Tensor, list[tuple[str, int]], float]:
+                     ) -> tuple[torch.Tensor, list[tuple[str, int]], float, dict[str, Any]]:
         """Verify the owner-signed PartResult of part ``j`` and turn it into (fp32 [size], contributors).
 
         Relay: every forwarded contribution is re-verified; invalid ones and repeated senders are
@@ -1086,8 +1079,12 @@ class CollectiveService:
                 out = _decode_aggregate(spec.aggregate_encoding, res.aggregate, o.size)
             except compression.CodecError as e:
                 raise EnvelopeError(Code.INVALID_ARGUMENT, f"bad aggregate: {e}") from None
+            if len(res.contributors) < spec.quorum_count():
+                raise EnvelopeError(Code.FAILED_PRECONDITION,
+                                    f"part result aggregates {len(res.contributors)} contribution(s), the quorum is "
+                                    f"{spec.quorum_count()} of {len(spec.participants)}")
             return (out, [(PeerID(bytes(p)).to_string(), int(n)) for p, n in zip(res.contributors, res.tokens)],
-                    float(res.last_compute_end) if math.isfinite(res.last_compute_end) else 0.0)
+                    float(res.last_compute_end) if math.isfinite(res.last_compute_end) else 0.0, {})
         taken: dict[str, _Contribution] = {}
         for item in res.contributions:
             try:
@@ -1098,8 +1095,12 @@ class CollectiveService:
                                spec.round, j, _short(o.peer_id), err.reason)
                 continue
             taken.setdefault(c.sender, c)
+        if len(taken) < spec.quorum_count():
+            raise EnvelopeError(Code.FAILED_PRECONDITION,
+                                f"part result holds {len(taken)} valid contribution(s), the quorum is "
+                                f"{spec.quorum_count()} of {len(spec.participants)}")
         ordered = sorted(taken.values(), key=lambda c: _pid_bytes(c.sender))
         used = [min(c.tokens, spec.participants[c.sender]) for c in ordered]
-        out = token_weighted_mean([(n, c.packet) for n, c in zip(used, ordered)], o.size, clip_k=spec.clip_k,
-                                  encoding=spec.push_encoding)
-        return out, [(c.sender, n) for c, n in zip(ordered, used)], max((c.compute_end for c in ordered), default=0.0)
+        out = spec.aggregate([(n, c.packet) for n, c in zip(used, ordered)], o.size)
+        return (out, [(c.sender, n) for c, n in zip(ordered, used)], max((c.compute_end for c in ordered), default=0.0),
+                {c.sender: c.packet for c in ordered})

@@ -47,9 +47,12 @@ def _run_flags(ns: argparse.Namespace) -> list[str]:
     out = ["--run-id", ns.run_id, "--model", ns.model, "--vocab-size", str(ns.vocab_size),
            "--seq-len", str(ns.seq_len), "--seed", str(ns.seed), "--method", ns.method, "--mode", ns.mode,
            "--aggregate-encoding", ns.aggregate_encoding, "--block-size", str(ns.block_size),
+           "--aggregation", ns.aggregation, "--weight-cap", str(ns.weight_cap),
+           "--min-agreement", str(ns.min_agreement), "--quorum", str(ns.quorum),
            "--inner-optimizer", ns.inner_optimizer, "--inner-lr", str(ns.inner_lr), "--outer-lr", str(ns.outer_lr),
            "--outer-momentum", str(ns.outer_momentum), "--target-batch", str(ns.target_batch),
-           "--window-s", str(ns.window_s), "--uniform-inner-steps", str(ns.uniform_inner_steps)]
+           "--window-s", str(ns.window_s), "--uniform-inner-steps", str(ns.uniform_inner_steps),
+           "--pow-bits", str(ns.pow_bits)]
     if ns.model_config:
         out += ["--model-config", ns.model_config]
     if ns.data:

@@ -423,8 +423,8 @@ async def test_relay_reader_drops_a_tampered_contribution_consistently(swarms):
         mode="relay", contributions=[collective_pb2.Contribution(signed_message=m) for m in (good, bad)])
     signed = sw.ids[1].sign_message(run_id=RUN, round=spec.round, kind="geomesh.collective/PartResult",
                                     payload=res.SerializeToString()).SerializeToString()
-    out1, who1, _ = svc._read_result(spec, j, signed)
-    out2, who2, _ = sw.services[1]._read_result(spec, j, signed)
+    out1, who1, _, _ = svc._read_result(spec, j, signed)
+    out2, who2, _, _ = sw.services[1]._read_result(spec, j, signed)
     assert who1 == who2 == [(sw.pids[0], 2)]
     assert torch.equal(out1, out2)
     assert torch.equal(out1, compression.decode(compression.SignPacket.from_bytes(pk[0])))

@@ -30,7 +30,7 @@ from ._format import (
 )
 from .dense import Fp16Packet, Int8Packet, decode_fp16, decode_int8, encode_fp16, encode_int8
 from .feedback import ErrorFeedback
-from .sign import SignPacket, decode, encode, sign_payload_nbytes
+from .sign import SignPacket, decode, encode, sign_payload_nbytes, slice_packet
 
 Packet = SignPacket | Int8Packet | Fp16Packet
 KINDS = ("sign", "int8", "fp16")
@@ -39,7 +39,7 @@ __all__ = [
     "DEFAULT_BLOCK_SIZE", "HEADER_SIZE", "MAGIC", "FORMAT_VERSION", "KINDS", "Packet",
     "CodecError", "SignPacket", "Int8Packet", "Fp16Packet", "ErrorFeedback",
     "encode", "decode", "encode_int8", "decode_int8", "encode_fp16", "decode_fp16",
-    "encode_as", "decode_any", "packet_from_bytes", "packet_kind", "sign_payload_nbytes",
+    "encode_as", "decode_any", "packet_from_bytes", "packet_kind", "sign_payload_nbytes", "slice_packet",
 ]
 
 

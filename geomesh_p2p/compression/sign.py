@@ -348,6 +348,22 @@ _LUT: dict[torch.device, torch.Tensor] = {}
 _LUT_LOCK = threading.Lock()
 
 
+def slice_packet(p: SignPacket, start: int, end: int) -> SignPacket:
+    """The packet of elements ``[start, end)`` of ``p`` (what encoding ``v[start:end]`` alone gives).
+
+    ``start`` must be a multiple of the block size and of 8, and ``end`` too unless it is ``p.numel``
+    (parts of the collective are aligned to the block). Copies the bytes (O(end - start) / 8).
+
+    Raises:
+        CodecError: a misaligned or out-of-range slice.
+    """
+    B = p.block_size
+    if not (0 <= start < end <= p.numel) or start % B or start % 8 or (end != p.numel and (end % B or end % 8)):
+        raise CodecError(f"slice [{start}, {end}) of {p.numel} elements is not aligned to blocks of {B} and bytes")
+    return SignPacket(end - start, B, p.tokens, p.signs[start // 8: ceil_div(end, 8)].clone(),
+                      p.scales[start // B: ceil_div(end, B)].clone())
+
+
 def _sign_lut(device: torch.device) -> torch.Tensor:
     """fp32 [256, 8]: row b holds +1/-1 for the 8 bits of byte b (bit j -> column j)."""
     lut = _LUT.get(device)

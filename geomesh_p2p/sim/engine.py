@@ -259,7 +259,15 @@ class Simulator:
         packets = []
         for d, n, ef in zip(deltas, tokens, efs):
             packets.append(ef.encode(d, n) if ef is not None else compression.encode(d, self.block, n))
-        mean = token_weighted_mean(list(zip(tokens, packets)), self.numel, clip_k=self.tr.clip_k)
+        if spec.rule == "mean":
+            mean = token_weighted_mean(list(zip(tokens, packets)), self.numel, clip_k=self.tr.clip_k)
+        else:  # robust rules are per part (their medians and agreement are per owner's range)
+            from geomesh_p2p.aggregation import aggregate_part
+
+            mean = torch.empty(self.numel)
+            for _, s, e in plan.owners():
+                parts = [(n, compression.slice_packet(p, s, e)) for n, p in zip(tokens, packets)]
+                mean[s:e] = aggregate_part(parts, e - s, rule=spec.rule, clip_k=self.tr.clip_k)
         if spec.mode == "relay":
             return mean
         out = torch.empty_like(mean)

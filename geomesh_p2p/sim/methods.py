@@ -19,6 +19,9 @@ Variants: ``base+mod+mod...`` with modifiers
 * ``ef`` — worker-side error feedback on the sign contributions (css/geomesh);
 * ``relay`` / ``reencode`` — how owners serve parts (css/geomesh; default reencode);
 * ``sign`` / ``int8`` / ``fp16`` — encoding of the re-encoded aggregate (default sign);
+* ``mean`` / ``meanmed`` / ``vote`` — aggregation rule of the sign contributions (css/geomesh; default
+  ``mean``, the paper's token-weighted mean; the swarm's default is ``meanmed``, see
+  :mod:`geomesh_p2p.aggregation` and docs/security.md);
 * ``lion`` / ``adamw`` — inner optimizer (Lion uses the profile's ``train.lion_lr``);
 * ``lr=X`` — inner peak learning rate; ``outer_lr=X`` — outer Nesterov lr;
 * ``window=share`` / ``window=match`` — AWB window rule (awb/geomesh): comm is ``comm_share``
@@ -60,6 +63,7 @@ class MethodSpec:
     inner_lr: Optional[float] = None
     outer_lr: Optional[float] = None
     window: Optional[str] = None  # "comm_share" | "match_diloco" | None (profile's rule)
+    rule: str = "mean"  # aggregation rule of sign contributions (geomesh_p2p.aggregation.RULES)
 
     @property
     def compressed(self) -> bool:
@@ -90,7 +94,7 @@ def parse_method(label: str) -> MethodSpec:
     for mod in parts[1:]:
         key, _, val = mod.partition("=")
         key = key.lower()
-        if key in ("ef", "relay", "reencode", "sign", "int8", "fp16") and not spec.compressed:
+        if key in ("ef", "relay", "reencode", "sign", "int8", "fp16", "mean", "meanmed", "vote") and not spec.compressed:
             raise MethodError(f"method {label!r}: modifier {mod!r} applies to css/geomesh only")
         if key == "ef":
             spec = replace(spec, error_feedback=True)
@@ -98,6 +102,8 @@ def parse_method(label: str) -> MethodSpec:
             spec = replace(spec, mode=key)
         elif key in ("sign", "int8", "fp16"):
             spec = replace(spec, aggregate=key)
+        elif key in ("mean", "meanmed", "vote"):
+            spec = replace(spec, rule=key)
         elif key in ("lion", "adamw"):
             spec = replace(spec, inner=key)
         elif key == "lr" and val:
@@ -110,7 +116,7 @@ def parse_method(label: str) -> MethodSpec:
             spec = replace(spec, window="comm_share" if val in ("share", "comm_share") else "match_diloco")
         else:
             raise MethodError(f"method {label!r}: unknown modifier {mod!r} (ef, relay, reencode, sign,"
-                              " int8, fp16, lion, adamw, lr=X, outer_lr=X, window=share|match)")
+                              " int8, fp16, mean, meanmed, vote, lion, adamw, lr=X, outer_lr=X, window=share|match)")
     return spec
 
 
