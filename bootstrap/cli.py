@@ -69,6 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="refresh idle routing-table buckets this often (default: %(default)s)")
     ap.add_argument("--republish-period", type=float, default=60.0, metavar="SECONDS",
                     help="re-replicate held records this often (default: %(default)s)")
+    ap.add_argument("--allow-peers", metavar="FILE", default=None,
+                    help="private run: serve only the peers listed in FILE (one base58 PeerID or public key per "
+                         "line; include the other bootstraps); everyone else is refused with PERMISSION_DENIED "
+                         "(default: open run)")
     ap.add_argument("--config", metavar="FILE", default=None,
                     help="YAML/JSON file of option values (flags on the command line win) (default: none)")
     ap.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
@@ -132,15 +136,19 @@ def parse(argv: Optional[list[str]] = None) -> argparse.Namespace:
     return ns
 
 
-async def serve(ns: argparse.Namespace, identity) -> int:
-    """Run the bootstrap node until SIGINT/SIGTERM. Returns the exit status."""
+async def serve(ns: argparse.Namespace, identity, allow_peers: Optional[list[str]] = None) -> int:
+    """Run the bootstrap node until SIGINT/SIGTERM. Returns the exit status. ``allow_peers``: the
+    entries of --allow-peers (private run), None for an open run."""
     from geomesh_p2p.dht import DHTJoinError, DHTNode, live_peers
+    from geomesh_p2p.identity import allow_list
     from geomesh_p2p.transport import Transport, TransportConfig
 
     advertise = ns.advertise_host
     if advertise is None and ns.host in ("0.0.0.0", "::", ""):
         advertise = _outward_host()
-    transport = Transport(identity, ns.run_id, TransportConfig(host=ns.host, port=ns.port, advertise_host=advertise))
+    allow = allow_list(allow_peers, also=[identity.peer_id]) if allow_peers is not None else None
+    transport = Transport(identity, ns.run_id, TransportConfig(host=ns.host, port=ns.port, advertise_host=advertise),
+                          allow=allow)
     node = DHTNode(transport, k=ns.k, alpha=ns.alpha, rpc_timeout_s=ns.rpc_timeout,
                    refresh_period_s=ns.refresh_period, republish_period_s=ns.republish_period)
     from geomesh_p2p.links import LinkProbeService
@@ -163,6 +171,8 @@ async def serve(ns: argparse.Namespace, identity) -> int:
     print(f"{PROG} {__version__}: run {ns.run_id!r}, DHT node serving on {address}", flush=True)
     print(f"PeerID: {identity.peer_id}", flush=True)
     print(f"peers join with: --bootstrap {address}", flush=True)
+    if allow is not None:
+        print(f"private run: {len(allow_peers)} allowed peer(s) from --allow-peers {ns.allow_peers}", flush=True)
     try:
         try:
             await node.join(ns.bootstrap)
@@ -206,8 +216,16 @@ def main(argv: Optional[list[str]] = None) -> int:
         identity = Identity.load_or_create(ns.identity)
     except IdentityError as e:
         return _fail(f"--identity: {e}")
+    allow_peers = None
+    if ns.allow_peers:
+        from geomesh_p2p.admission import read_allow_file
+
+        try:
+            allow_peers = read_allow_file(ns.allow_peers)
+        except ValueError as e:
+            return _fail(f"--allow-peers: {e}")
     try:
-        return asyncio.run(serve(ns, identity))
+        return asyncio.run(serve(ns, identity, allow_peers))
     except KeyboardInterrupt:  # a second Ctrl+C during shutdown
         return 0
 

@@ -283,7 +283,8 @@ class Verifier:
             )
         sender = PeerID(env.sender)
         if self.allow is not None and not self.allow(sender):
-            raise EnvelopeError(grpc.StatusCode.PERMISSION_DENIED, f"sender {sender.short()} is not allowed")
+            raise EnvelopeError(grpc.StatusCode.PERMISSION_DENIED,
+                                f"sender {sender.short()} is not allowed (not on this node's allow-list, --allow-peers)")
         if check_replay:
             self._check_nonce(env.sender + env.nonce, now)
         return Verified(sender, bytes(env.public_key), env.run_id, env.round, env.kind, env.timestamp, msg.payload)
@@ -301,7 +302,16 @@ class Verifier:
             self._seen[key] = now
 
 
-def allow_list(public_keys_or_ids: Iterable[str]) -> Callable[[PeerID], bool]:
-    """An ``allow`` callback for :class:`Verifier` from base58 PeerIDs (private runs)."""
-    allowed = {PeerID.from_string(s) for s in public_keys_or_ids}
+def allow_list(public_keys_or_ids: Iterable[str], *, also: Iterable[PeerID] = ()) -> Callable[[PeerID], bool]:
+    """An ``allow`` callback for :class:`Verifier` (private runs) from base58 PeerIDs or raw Ed25519 public
+    keys (both are 32 bytes: each entry admits the PeerID it is and the PeerID of the key it is; a
+    stranger would need a key whose SHA-256 is a listed value). ``also``: PeerIDs admitted besides
+    (this node's own). Raises ValueError on an entry that is not 32 bytes of base58."""
+    allowed = set(also)
+    for s in public_keys_or_ids:
+        raw = base58.b58decode(s.strip())
+        if len(raw) != PEER_ID_BYTES:
+            raise ValueError(f"allow-list entry {s[:60]!r} is not a base58 PeerID or public key")
+        allowed.add(PeerID(raw))
+        allowed.add(PeerID.from_public_key(raw))
     return lambda pid: pid in allowed

@@ -33,6 +33,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 import geomesh_p2p
+from geomesh_p2p.admission import DEFAULT_POW_BITS, MAX_POW_BITS
 from geomesh_p2p.errors import UserFacingError
 from geomesh_p2p.identity import Identity
 from geomesh_p2p.metrics import RoundLog, RoundRecord
@@ -81,6 +82,9 @@ class RunConfig(BaseModel):
     uniform_inner_steps: int = 20
     comm_share: float = 0.1
     max_inner_steps: int = 200
+    pow_bits: int = Field(DEFAULT_POW_BITS, ge=0, le=MAX_POW_BITS,
+                          description="proof of work per identity (leading zero bits of SHA-256; admission.py); "
+                                      "records without it are ignored. 0 = off (private runs use --allow-peers)")
 
     @model_validator(mode="after")
     def _ddp_uses_adamw(self) -> "RunConfig":
@@ -140,6 +144,8 @@ class NodeConfig(BaseModel):
     log_json: Optional[str] = None
     metrics_port: Optional[int] = None
     summary_json: Optional[str] = None
+    allow_peers: Optional[list[str]] = Field(
+        None, description="private run: base58 PeerIDs / public keys of the only peers this node deals with")
 
 
 class PeerNode:
@@ -168,6 +174,47 @@ class PeerNode:
         self._measured: set[str] = set()  # quantities measured in a round at least once ("tps", "up", "down")
         self._syncing = False
         self._leaving = False  # announced once this peer is on its way out (Ctrl+C / SIGTERM)
+        self._init_admission()
+
+    def _init_admission(self) -> None:
+        """Standing ledger, proof-of-work state and the record filter (issue 12); allow-list when private."""
+        from geomesh_p2p.admission import Admission
+        from geomesh_p2p.identity import IdentityError, allow_list
+        from geomesh_p2p.standing import OnceLog, Standing
+
+        self.standing = Standing()
+        self.pow_nonce: Optional[int] = None
+        # The nonce is cached next to the key file, only when that file holds this identity's key.
+        self._pow_cache = None
+        try:
+            key = Path(self.cfg.identity).expanduser()
+            if key.is_file() and Identity.load_or_create(key).peer_id == self.identity.peer_id:
+                self._pow_cache = str(key)
+        except (IdentityError, OSError):
+            pass
+        self._allow = (allow_list(self.cfg.allow_peers, also=[self.identity.peer_id])
+                       if self.cfg.allow_peers is not None else None)
+        self.admission = Admission(self.run_cfg.run_id, self.run_cfg.pow_bits, self._allow)
+        self._vote_log = OnceLog()
+
+    async def _prove_work(self) -> None:
+        """This identity's proof of work for the run: cached next to the key file, else computed (seconds)."""
+        from geomesh_p2p.admission import load_or_solve_pow, pow_cache_path
+
+        bits = self.run_cfg.pow_bits
+        if bits <= 0:
+            return
+        cache = pow_cache_path(self._pow_cache) if self._pow_cache else None
+        if cache is None or not cache.exists():
+            log.info("computing this identity's proof of work for run %r (%d bits, ~%.0e hashes)...",
+                     self.run_cfg.run_id, bits, 2.0 ** bits)
+        nonce, took, cached = await asyncio.to_thread(load_or_solve_pow, self.identity, self.run_cfg.run_id, bits,
+                                                      cache, self._stop.is_set)
+        if nonce is None:
+            raise UserFacingError("stopped while computing the proof of work")
+        self.pow_nonce = nonce
+        if not cached:
+            log.info("proof of work done in %.1fs%s", took, f" (cached in {cache})" if cache else "")
 
     # ------------------------------------------------------------------ setup
     def request_stop(self) -> None:
@@ -188,7 +235,8 @@ class PeerNode:
             torch.set_num_threads(c.threads)
         tcfg = TransportConfig(host=c.host, port=c.port, advertise_host=c.advertise_host,
                                client_only=c.client_only, added_latency_s=c.added_latency_s)
-        self.transport = Transport(self.identity, self.run_cfg.run_id, tcfg)
+        await self._prove_work()
+        self.transport = Transport(self.identity, self.run_cfg.run_id, tcfg, allow=self._allow)
         self.dht = DHTNode(self.transport, join_attempts=8)
         self.collective = CollectiveService(self.transport)
         self.state_server = StateServer(self.transport)
@@ -294,7 +342,8 @@ class PeerNode:
             download_bps=_link(c.download_bps or self.ema.download_bps),
             version=geomesh_p2p.__version__, protocol_version=geomesh_p2p.PROTOCOL_VERSION,
             run_config_hash=self.config_hash, run_config=self.run_cfg.model_dump(), round=self.round,
-            weights_digest=None if self._syncing else self.digest, leaving=self._leaving)
+            weights_digest=None if self._syncing else self.digest, leaving=self._leaving,
+            pow_nonce=self.pow_nonce, standing=self.standing.attestations(exclude=self.me))
 
     async def announce(self) -> None:
         """Store this peer's current record now (the announcer also refreshes it every period)."""
@@ -305,12 +354,13 @@ class PeerNode:
 
     async def peers(self, include_leaving: bool = False) -> list[PeerRecord]:
         """Live, compatible peers of this run (this node's own record always included, fresh); peers
-        that announced they are leaving only with ``include_leaving``."""
+        that announced they are leaving only with ``include_leaving``. Records without a valid proof of
+        work, or of identities off the allow-list in a private run, are ignored (admission.py)."""
         from geomesh_p2p.dht import live_peers
 
         recs = await live_peers(self.dht, self.run_cfg.run_id, expected_version=geomesh_p2p.__version__,
                                 expected_config_hash=self.config_hash, latest=True, include_leaving=include_leaving)
-        out = {r.peer_id: r for r in recs}
+        out = {r.peer_id: r for r in self.admission.filter(recs)}
         out[self.me] = self.my_record()
         return list(out.values())
 
@@ -380,6 +430,9 @@ class PeerNode:
                                           f"state ({0 if momentum is None else momentum.numel()} elements, this run "
                                           f"needs {self.state_numel}); was it written by another --method?")
                 self._set_state(rnd, theta, momentum)
+                from geomesh_p2p.standing import Standing
+
+                self.standing = Standing.from_meta((meta.get("meta") or {}).get("standing"))
                 log.info("resumed from checkpoint at round %d (digest %s)", rnd, self.digest[:8])
                 return
             log.info("--resume: no checkpoint in %s, starting fresh", self.cfg.checkpoint_dir)
@@ -390,8 +443,8 @@ class PeerNode:
             await self._catch_up()
 
     async def _catch_up(self) -> None:
-        """Download the newest majority state from the swarm (late join or digest mismatch)."""
-        from geomesh_p2p.round import digest_majority
+        """Download the state the swarm's vote backs (late join or digest mismatch): weighted by standing
+        once this peer knows who delivered, else by distinct addresses with history (standing.py)."""
         from geomesh_p2p.state_sync import StateSyncError, download_state
 
         self._syncing = True
@@ -401,23 +454,28 @@ class PeerNode:
                 if self._stop.is_set():
                     return
                 recs = [r for r in await self.peers() if r.peer_id != self.me]
-                top = self._swarm_round(recs)
-                if top is None:
+                choice = self._state_vote(recs).choice
+                if choice is None:
                     self.round = start_round
                     return
-                majority, _, _ = digest_majority(recs, top)
-                donors = [r.address for r in recs if r.round == top and r.weights_digest == majority and r.address]
+                if choice.digest == self.digest:
+                    # This peer holds the backed state already (its digest check was outvoted by identities
+                    # without standing, or the others have not moved on yet).
+                    self.round = choice.round
+                    return
+                top, donors = choice.round, choice.donors
                 self.round = top
                 await self.announce()  # tell the leader we are syncing for this round
                 try:
                     snap = await download_state(self.transport, donors, round=top, numel=self.numel,
-                                                expected_digest=majority, state_numel=self.state_numel)
+                                                expected_digest=choice.digest, state_numel=self.state_numel)
                 except StateSyncError as e:
                     log.info("state download for round %d failed (%s); retrying", top, e)
                     await asyncio.sleep(0.5)
                     continue
                 self._set_state(snap.round, snap.theta, snap.momentum)
-                log.info("downloaded state of round %d from %d donor(s), digest %s", top, len(donors), self.digest[:8])
+                log.info("downloaded state of round %d from %d donor(s), digest %s (%s vote: %g of %g)", top,
+                         len(donors), self.digest[:8], choice.mode, choice.backing, choice.total)
                 return
             self.round = start_round  # nothing was downloaded: this peer still holds its own state
             raise StateSyncError("could not download the swarm's state after 30 attempts; see the log for why")
@@ -433,7 +491,7 @@ class PeerNode:
         return save_checkpoint(self.cfg.checkpoint_dir, round=self.round, theta=self.theta,
                                momentum=self.outer.buf, keep=self.cfg.checkpoint_keep,
                                meta={"run_config_hash": self.config_hash, "peer_id": self.me,
-                                     "run_config": self.run_cfg.model_dump()})
+                                     "run_config": self.run_cfg.model_dump(), "standing": self.standing.to_meta()})
 
     # ------------------------------------------------------------------ rounds
     def _plan_config(self, n_peers: int):
@@ -559,17 +617,29 @@ class PeerNode:
         return sr is not None and sr > self.round
 
     def _swarm_round(self, recs) -> Optional[int]:
-        """The round the other peers are at: the round announced (with a digest) by the most of them,
-        ties to the later one; None unless more than half of them announce it (or there is one other).
-        One record alone cannot drag a peer to a round nobody else is at (a forged or unreachable
-        peer claiming round 10**15 would make every peer try to download a state that does not exist)."""
-        from collections import Counter
+        """The round the other peers are at: the round of the state their vote backs (standing.choose_state),
+        None when no state is backed by more than half of the vote. Votes count work, not identities: a
+        peer that trained weighs each record by the rounds it saw that peer deliver (30 fresh identities
+        announcing round+1 weigh nothing); a fresh peer counts distinct addresses, preferring peers others
+        vouch for. One record alone cannot drag a peer to a round nobody else is at."""
+        vote = self._state_vote(recs)
+        return vote.choice.round if vote.choice is not None else None
 
-        rounds = [r.round for r in recs if r.weights_digest and r.peer_id != self.me]
-        if not rounds:
-            return None
-        r, n = max(Counter(rounds).items(), key=lambda kv: (kv[1], kv[0]))
-        return r if 2 * n > len(rounds) or len(rounds) == 1 else None
+    def _state_vote(self, recs):
+        """:func:`~geomesh_p2p.standing.choose_state` for this peer; logs once a state that most identities
+        announce but the standing this peer sees does not back, when it would have moved this peer."""
+        from geomesh_p2p.standing import OnceLog, choose_state
+
+        vote = choose_state(recs, me=self.me, standing=getattr(self, "standing", None),
+                            trained=bool(getattr(self, "history", None)))
+        ref = vote.refusal
+        if ref is not None:
+            mine = (getattr(self, "round", 0), getattr(self, "digest", None))
+            if ref.round > mine[0] or (ref.round == mine[0] and ref.digest != mine[1]):
+                if getattr(self, "_vote_log", None) is None:
+                    self._vote_log = OnceLog()
+                self._vote_log(("refused", ref.round, ref.digest), logging.WARNING, "%s", ref.message())
+        return vote
 
     def _reached_target(self) -> bool:
         t = self.cfg.target_ppl
@@ -704,6 +774,7 @@ class PeerNode:
         """Outer step, digest, evaluation, the round's row, checkpoint; re-sync on a digest mismatch."""
         self.outer.step(self.theta, ar.aggregate, round=r)
         self._set_state(r + 1, self.theta, None)
+        self.standing.credit(r, {pid for part in ar.contributors.values() for pid, _ in part})  # standing.py
         sent1, recv1 = self.transport.stats.snapshot()
         if self._stop.is_set():
             # Say so with the new round's record, before the others gather for it.

@@ -18,6 +18,8 @@ MIN_LINK_BPS, MAX_LINK_BPS = 1.0, 1e12
 #: Throughput bounds of a record, tokens/s, and the largest batch (sequences) it may state.
 MIN_TOKENS_PER_S, MAX_TOKENS_PER_S = 1e-3, 1e10
 MAX_BATCH = 1 << 20
+#: Most peers a record may vouch for in ``standing``.
+MAX_ATTESTED = 64
 
 
 class PeerRecord(BaseModel):
@@ -52,6 +54,12 @@ class PeerRecord(BaseModel):
     weights_digest: Optional[str] = Field(default=None, description="digest of its global weights at `round`")
     timestamp: float = Field(default_factory=time.time, ge=0, le=1e11, description="unix seconds when announced")
     leaving: bool = Field(default=False, description="the peer is shutting down: plan the next rounds without it")
+    pow_nonce: Optional[int] = Field(
+        default=None, ge=0, le=(1 << 64) - 1,
+        description="proof of work for this PeerID and run (geomesh_p2p.admission); checked by every reader")
+    standing: dict[str, int] = Field(
+        default_factory=dict, description="peers this one saw deliver: PeerID prefix -> rounds of its last "
+                                          "window (geomesh_p2p.standing); what a fresh joiner reads as history")
 
     @field_validator("tokens_per_s")
     @classmethod
@@ -60,6 +68,13 @@ class PeerRecord(BaseModel):
             if not 1 <= b <= MAX_BATCH or not (MIN_TOKENS_PER_S <= tps <= MAX_TOKENS_PER_S):
                 raise ValueError(f"tokens_per_s[{b}]={tps}: batch must be in [1, {MAX_BATCH}] and throughput in "
                                  f"[{MIN_TOKENS_PER_S:g}, {MAX_TOKENS_PER_S:g}]")
+        return v
+
+    @field_validator("standing")
+    @classmethod
+    def _bounded_standing(cls, v: dict[str, int]) -> dict[str, int]:
+        if len(v) > MAX_ATTESTED or any(not 1 <= len(k) <= 64 or not 0 <= c <= 1 << 20 for k, c in v.items()):
+            raise ValueError(f"standing: at most {MAX_ATTESTED} entries, names of 1..64 characters, counts in [0, 2**20]")
         return v
 
     @property

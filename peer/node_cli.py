@@ -16,6 +16,8 @@ log = logging.getLogger("geomesh-peer")
 # not imported here so that --help stays fast).
 DEFAULT_HF_COLUMN = "text"
 DEFAULT_HF_MAX_BYTES = 50_000_000
+# Proof of work per identity (kept in sync with geomesh_p2p.admission, not imported for the same reason).
+DEFAULT_POW_BITS, MAX_POW_BITS = 22, 40
 
 
 def _positive_float(text: str) -> float:
@@ -137,6 +139,10 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--target-batch", type=_int_at_least(1), default=8, help="sequences per inner step (default: %(default)s)")
     g.add_argument("--window-s", type=_positive_float, default=6.0, help="sync window per round, seconds (default: %(default)s)")
     g.add_argument("--uniform-inner-steps", type=_int_at_least(1), default=20, help="H of the uniform (diloco/css) plan (default: %(default)s)")
+    g.add_argument("--pow-bits", type=_int_at_least(0, MAX_POW_BITS), default=DEFAULT_POW_BITS, metavar="BITS",
+                   help="proof of work per identity, in leading zero bits of SHA-256 (computed once per key and run, "
+                        "cached next to the key file; records without it are ignored); 0 = off "
+                        "(default: %(default)s, a few seconds of one CPU core)")
 
 
 def add_node_flags(p: argparse.ArgumentParser) -> None:
@@ -174,6 +180,9 @@ def add_node_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--log-json", metavar="PATH", help="append one JSON line per round here")
     g.add_argument("--summary-json", metavar="PATH", help="write a run summary here at exit")
     g.add_argument("--metrics-port", type=_int_at_least(0, 65535), help="serve Prometheus metrics on this port")
+    g.add_argument("--allow-peers", metavar="FILE",
+                   help="private run: deal only with the peers listed in FILE (one base58 PeerID or public key per "
+                        "line; include the bootstraps); everyone else's records and requests are refused")
 
 
 def data_spec_from(ns: argparse.Namespace) -> str | None:
@@ -226,7 +235,7 @@ def run_config_from(ns: argparse.Namespace):
         method=ns.method, mode=ns.mode, aggregate_encoding=ns.aggregate_encoding, block_size=ns.block_size,
         error_feedback=ns.error_feedback, inner_optimizer=ns.inner_optimizer, inner_lr=ns.inner_lr,
         outer_lr=ns.outer_lr, outer_momentum=ns.outer_momentum, target_batch=ns.target_batch,
-        window_s=ns.window_s, uniform_inner_steps=ns.uniform_inner_steps)
+        window_s=ns.window_s, uniform_inner_steps=ns.uniform_inner_steps, pow_bits=getattr(ns, "pow_bits", DEFAULT_POW_BITS))
 
 
 def node_config_from(ns: argparse.Namespace):
@@ -243,7 +252,16 @@ def node_config_from(ns: argparse.Namespace):
         upload_bps=mbps(ns.upload_mbps), download_bps=mbps(ns.download_mbps),
         added_latency_s=ns.added_latency_ms / 1000, profile_batches=ns.profile_batches, log_json=ns.log_json, summary_json=ns.summary_json,
         eval_every=ns.eval_every, amp=getattr(ns, "amp", True),
-        metrics_port=ns.metrics_port)
+        metrics_port=ns.metrics_port, allow_peers=_allow_peers(ns))
+
+
+def _allow_peers(ns: argparse.Namespace):
+    """Entries of --allow-peers FILE (None when not given). Raises ValueError naming the file and line."""
+    if not getattr(ns, "allow_peers", None):
+        return None
+    from geomesh_p2p.admission import read_allow_file
+
+    return read_allow_file(ns.allow_peers)
 
 
 async def _run_node(node) -> int:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 # Small and fast: tests are about the protocol, not the model.
 FAST = ["--threads", "1", "--seq-len", "32", "--window-s", "2.5", "--profile-batches", "4,8",
-        "--target-batch", "4", "--run-id", "test-swarm"]
+        "--target-batch", "4", "--run-id", "test-swarm", "--pow-bits", "8"]
 
 
 def free_port() -> int:

@@ -1,0 +1,180 @@
+"""Votes that count work, not identities (issue 12): the swarm's round, the state digest a peer adopts
+and its donors are weighted by standing (rounds seen delivered), so fresh Sybil identities cannot
+move a peer that trained, and a fresh joiner prefers the digest of peers others vouch for."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from geomesh_p2p.identity import Identity
+from geomesh_p2p.node import PeerNode
+from geomesh_p2p.records import PeerRecord
+from geomesh_p2p.standing import Standing, attest_key, choose_state, history
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def _rec(ident, *, round, digest, address, standing=None) -> PeerRecord:
+    return PeerRecord(peer_id=str(ident.peer_id), address=address, device="cpu", memory_bytes=1 << 30,
+                      tokens_per_s={8: 1000.0}, max_batch=8, upload_bps=1e7, download_bps=1e7, version="0.1.0",
+                      run_config_hash="h", round=round, weights_digest=digest, standing=standing or {})
+
+
+def _sybils(n, *, round, digest, one_address=False):
+    ids = [Identity.generate() for _ in range(n)]
+    return [_rec(i, round=round, digest=digest, address="127.0.0.1:6666" if one_address else f"127.0.0.1:{20000 + k}")
+            for k, i in enumerate(ids)]
+
+
+def _honest(n=3, *, round, digest, delivered=5):
+    """``n`` honest peers that trained together: each record vouches for the others."""
+    ids = [Identity.generate() for _ in range(n)]
+    recs = []
+    for k, i in enumerate(ids):
+        vouch = {attest_key(str(o.peer_id)): delivered for o in ids if o is not i}
+        recs.append(_rec(i, round=round, digest=digest, address=f"127.0.0.1:{7000 + k}", standing=vouch))
+    return ids, recs
+
+
+def _node(*, round=5, digest="honest", standing=None, trained=True):
+    node = PeerNode.__new__(PeerNode)
+    node.me = str(Identity.generate().peer_id)
+    node.round, node.digest = round, digest
+    node.standing = standing if standing is not None else Standing()
+    node.history = [object()] if trained else []
+    return node
+
+
+# ------------------------------------------------------------------------------------------ the ledger
+def test_standing_counts_delivered_rounds_in_a_window_and_survives_a_checkpoint():
+    s = Standing(window=3)
+    assert not s.known and s.weight("a") == 0
+    s.credit(0, ["a", "b"])
+    s.credit(0, ["a", "b", "c"])  # a round is credited once
+    s.credit(1, ["a"])
+    s.credit(2, ["a", "c"])
+    assert (s.weight("a"), s.weight("b"), s.weight("c")) == (3, 1, 1)
+    s.credit(3, ["c"])  # round 0 leaves the window
+    assert (s.weight("a"), s.weight("b"), s.weight("c")) == (2, 0, 2)
+    assert s.attestations(exclude="c") == {"a": 2}
+    t = Standing.from_meta(s.to_meta(), window=3)
+    assert (t.weight("a"), t.weight("c"), t.last_round) == (2, 2, 3)
+    assert not Standing.from_meta({"rounds": "garbage"}).known
+
+
+# ------------------------------------------------------------------------------------------ a peer that trained
+def test_thirty_zero_standing_records_announcing_round_plus_one_do_not_move_a_trained_peer(caplog):
+    """The attack of issue 12: 30 records announce round+1 with the digest of forged weights. Counting
+    identities (the old rule) the swarm is 'at round 6'; weighted by standing it stays at 5."""
+    ids, honest = _honest(round=5, digest="honest")
+    node = _node()
+    for r in range(5):
+        node.standing.credit(r, [str(i.peer_id) for i in ids] + [node.me])
+    forged = _sybils(30, round=6, digest="zeros")
+    with caplog.at_level(logging.WARNING, logger="geomesh_p2p.standing"):
+        assert node._swarm_round(honest + forged) == 5
+        assert node._swarm_round(honest + forged) == 5
+    refusals = [r.getMessage() for r in caplog.records if "refusing the state of round 6" in r.getMessage()]
+    assert len(refusals) == 1 and "30 peer(s)" in refusals[0] and "0 of the 15" in refusals[0]
+    vote = choose_state(honest + forged, me=node.me, standing=node.standing, trained=True)
+    assert (vote.choice.round, vote.choice.digest) == (5, "honest") and vote.choice.mode == "standing"
+    assert set(vote.choice.donors) == {r.address for r in honest}
+    # ... even with no honest record in view (an eclipse), a peer that trained adopts nothing
+    assert node._swarm_round(forged) is None
+    # ... but when the peers it saw deliver move on, so does it
+    moved = [r.model_copy(update={"round": 6, "weights_digest": "next"}) for r in honest]
+    assert node._swarm_round(moved + forged) == 6
+
+
+async def test_catch_up_of_a_trained_peer_refuses_the_forged_majority(monkeypatch):
+    ids, honest = _honest(round=6, digest="honest6")
+    forged = _sybils(30, round=7, digest="zeros")
+    node = _node(round=6, digest="honest6")
+    for r in range(6):
+        node.standing.credit(r, [str(i.peer_id) for i in ids])
+    called = []
+
+    async def fake_download(*a, **kw):
+        called.append(kw)
+        raise AssertionError("must not download")
+
+    async def peers(include_leaving=False):
+        return honest + forged
+
+    async def announce():
+        pass
+
+    import geomesh_p2p.state_sync as ss
+
+    monkeypatch.setattr(ss, "download_state", fake_download)
+    node.peers, node.announce = peers, announce
+    node._stop, node._syncing = __import__("asyncio").Event(), False
+    assert not await node._behind()
+    await node._catch_up()  # e.g. a digest check that the Sybils in the plan outvoted
+    assert not called and (node.round, node.digest) == (6, "honest6")
+
+
+# ------------------------------------------------------------------------------------------ a fresh joiner
+@pytest.mark.parametrize("sybil_round", [7, 8])
+@pytest.mark.parametrize("one_address", [False, True])
+def test_fresh_joiner_picks_the_honest_digest_over_thirty_fresh_sybils(sybil_round, one_address):
+    ids, honest = _honest(round=7, digest="honest")
+    forged = _sybils(30, round=sybil_round, digest="forged", one_address=one_address)
+    node = _node(round=0, digest="seed", trained=False)
+    assert node._swarm_round(honest + forged) == 7
+    vote = choose_state(honest + forged, me=node.me, standing=node.standing)
+    assert (vote.choice.round, vote.choice.digest, vote.choice.mode) == (7, "honest", "fresh")
+    assert set(vote.choice.donors) == {r.address for r in honest}
+    assert all(history(honest + forged, r.peer_id) == 5 for r in honest)
+    assert all(history(honest + forged, r.peer_id) == 0 for r in forged)
+    # a Sybil's claim about itself is no history
+    selfish = forged[0].model_copy(update={"standing": {attest_key(forged[0].peer_id): 32}})
+    assert history([selfish] + honest, selfish.peer_id) == 0
+
+
+async def test_fresh_joiner_downloads_the_honest_state(monkeypatch):
+    from geomesh_p2p.state_sync import Snapshot
+
+    ids, honest = _honest(round=7, digest="honest")
+    forged = _sybils(30, round=7, digest="forged")
+    node = _node(round=0, digest="seed", trained=False)
+    got = []
+
+    async def fake_download(transport, donors, *, round, numel, expected_digest, state_numel=None, **kw):
+        got.append((list(donors), round, expected_digest))
+        return Snapshot(round, torch.zeros(2), torch.zeros(2), expected_digest)
+
+    async def peers(include_leaving=False):
+        return honest + forged
+
+    async def announce():
+        pass
+
+    def set_state(rnd, theta, momentum):
+        node.round, node.digest = rnd, "honest"
+
+    import geomesh_p2p.state_sync as ss
+
+    monkeypatch.setattr(ss, "download_state", fake_download)
+    node.peers, node.announce, node._set_state = peers, announce, set_state
+    node._stop, node._syncing, node.transport, node.numel, node.state_numel = (
+        __import__("asyncio").Event(), False, None, 2, 2)
+    await node._catch_up()
+    assert got == [([r.address for r in honest], 7, "honest")]
+    assert (node.round, node.digest) == (7, "honest")
+
+
+def test_young_swarm_counts_addresses_not_identities():
+    """Nobody has delivered yet (no history anywhere): one address, one vote; 30 identities behind one
+    address lose to 2 honest addresses, and a lone record still leads a 2-peer swarm."""
+    a, b = Identity.generate(), Identity.generate()
+    honest = [_rec(a, round=3, digest="h", address="127.0.0.1:7001"),
+              _rec(b, round=3, digest="h", address="127.0.0.1:7002")]
+    crowd = _sybils(30, round=4, digest="f", one_address=True)
+    node = _node(round=0, digest="seed", trained=False)
+    assert node._swarm_round(honest + crowd) == 3
+    assert node._swarm_round(crowd) == 4  # one address: a 2-peer swarm is followed
+    assert node._swarm_round(honest[:1] + crowd) is None  # one address each: no majority
