@@ -40,6 +40,10 @@ DEFAULT_EXTRA_BYTES_PER_PARAM = 8
 #: headroom on measured activation memory for what autograd does not save: the gradient of the
 #: logits and of one layer's activations during backward, allocator fragmentation
 DEFAULT_ACTIVATION_SAFETY = 1.5
+#: the most a peer's announced tokens/s may grow in one re-profiling update (x): its self-measured
+#: compute time is not evidence (a free rider can report ~0 s), so a figure can only be inflated
+#: slowly; a real speed-up (a profile taken under load) is reached in a few rounds (2x per round).
+MAX_TPS_GROWTH_PER_UPDATE = 2.0
 
 
 # --------------------------------------------------------------------------------------------
@@ -547,21 +551,29 @@ class ThroughputEMA:
         a = self.alpha if alpha is None else float(alpha)
         return x if old is None else a * x + (1.0 - a) * old
 
-    def update(self, batch: int, tokens: int, seconds: float, alpha: Optional[float] = None) -> float:
+    def update(self, batch: int, tokens: int, seconds: float, alpha: Optional[float] = None,
+               max_growth: Optional[float] = None) -> float:
         """Fold in ``tokens`` trained in ``seconds`` at micro-batch ``batch``; returns the new tokens/s.
 
         ``alpha`` overrides the weight of this observation (1.0: replace, e.g. a start-up profile
-        by the first measurement taken in the swarm). Raises ValueError for ``batch < 1``,
-        ``tokens <= 0``, ``seconds <= 0`` or ``alpha`` outside (0, 1].
+        by the first measurement taken in the swarm). ``max_growth`` (>= 1): the new figure is at
+        most that many times the previous one for ``batch`` (or, when ``batch`` is new, the best
+        figure known), e.g. :data:`MAX_TPS_GROWTH_PER_UPDATE`. Raises ValueError for ``batch < 1``,
+        ``tokens <= 0``, ``seconds <= 0``, ``alpha`` outside (0, 1] or ``max_growth < 1``.
         """
         if alpha is not None and not (0 < alpha <= 1):
             raise ValueError(f"alpha={alpha} must be in (0, 1]")
+        if max_growth is not None and not max_growth >= 1:
+            raise ValueError(f"max_growth={max_growth} must be >= 1")
         if batch < 1:
             raise ValueError(f"batch={batch} must be >= 1")
         if tokens <= 0 or not (math.isfinite(seconds) and seconds > 0):
             raise ValueError(f"tokens={tokens} and seconds={seconds} must be > 0")
         old = self._tps.get(batch)
         new = self._ema(old, tokens / seconds, alpha)
+        ref = old if old is not None else max(self._tps.values(), default=None)
+        if max_growth is not None and ref is not None:
+            new = min(new, ref * max_growth)
         if old is not None and self.rescale_others:
             ratio = new / old
             for b in self._tps:

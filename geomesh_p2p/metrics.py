@@ -22,6 +22,19 @@ from typing import Optional
 log = logging.getLogger(__name__)
 
 
+def json_safe(value):
+    """``value`` with every non-finite float (NaN, +-inf), however deeply nested in dicts, lists and
+    tuples, replaced by None: ``json.dumps`` would write ``NaN`` / ``Infinity``, which is not JSON
+    (strict parsers and ``jq`` refuse the whole line). Dict keys are kept; tuples become lists."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
+
+
 @dataclass
 class RoundRecord:
     """One round as this peer saw it. Units: seconds, tokens, bytes; percentages of ``round_s``."""
@@ -57,11 +70,11 @@ class RoundRecord:
         return 100.0 * self.network_idle_s / self.round_s if self.round_s > 0 else 0.0
 
     def to_json(self) -> str:
-        """One JSON object (strict JSON: NaN/Inf become null)."""
-        d = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in asdict(self).items()}
+        """One JSON object (strict JSON: NaN/Inf become null, ``extra`` included)."""
+        d = asdict(self)
         d["straggler_idle_pct"] = round(self.straggler_idle_pct, 2)
         d["network_idle_pct"] = round(self.network_idle_pct, 2)
-        return json.dumps(d, sort_keys=True)
+        return json.dumps(json_safe(d), sort_keys=True, allow_nan=False)
 
 
 HEADER = (f"{'round':>5} {'peers':>5} {'batch':>5} {'H':>7} {'tokens':>8} {'loss':>7} {'eval ppl':>9} "

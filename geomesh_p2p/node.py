@@ -45,12 +45,25 @@ log = logging.getLogger(__name__)
 #: Bandwidth assumed for a direction that is neither stated nor measured yet (bytes/s, 800 Mbit/s).
 DEFAULT_LINK_BPS = 1e8
 
+#: Rounds during which a peer owns no part after a part it owned had no valid result (owner gone, or a
+#: result every reader refused, e.g. below the quorum). All honest peers saw the same missing part, so
+#: honest leaders agree; the peer still contributes, it only stops deciding a range.
+OWNER_PENALTY_ROUNDS = 5
+
 
 def _link(bps: Optional[float]) -> float:
     """A bandwidth for this peer's record: the default when unknown, else clamped to the record's bounds."""
     from geomesh_p2p.records import MAX_LINK_BPS, MIN_LINK_BPS
 
     return DEFAULT_LINK_BPS if not bps else min(max(float(bps), MIN_LINK_BPS), MAX_LINK_BPS)
+
+
+def _record_tps(tps: dict) -> dict:
+    """This peer's tokens/s figures clamped to what a record may state (an EMA fed a near-zero
+    compute time must not make the record invalid, and with it every announcement)."""
+    from geomesh_p2p.records import MAX_TOKENS_PER_S, MIN_TOKENS_PER_S
+
+    return {b: min(max(float(v), MIN_TOKENS_PER_S), MAX_TOKENS_PER_S) for b, v in tps.items()}
 
 
 class RunConfig(BaseModel):
@@ -66,11 +79,19 @@ class RunConfig(BaseModel):
     seq_len: int = 64
     seed: int = 0
     method: Literal["geomesh", "awb", "css", "diloco", "ddp"] = "geomesh"
-    mode: Literal["relay", "reencode"] = "reencode"
+    mode: Literal["relay", "reencode"] = Field(
+        "relay", description="relay: every peer aggregates the signed contributions itself (an owner cannot forge "
+                             "the update); reencode: the owner sends its re-encoded aggregate (fewer bytes; trusted owners)")
     aggregate_encoding: Literal["sign", "int8", "fp16"] = "sign"
     block_size: int = 2048
     error_feedback: bool = False
     clip_k: float = 4.0
+    aggregation: Literal["mean", "meanmed", "vote"] = Field(
+        "meanmed", description="rule of every part (geomesh_p2p.aggregation): robust 'meanmed' / 'vote', or 'mean'")
+    weight_cap: Optional[float] = Field(1.0, gt=0, description="no contributor weighs more than this x the median weight")
+    min_agreement: Optional[float] = Field(
+        0.5, gt=0, le=1, description="robust rules drop a contribution agreeing with the consensus on fewer elements")
+    quorum: float = Field(0.5, ge=0, le=1, description="a part result must aggregate this share of the participants")
     inner_optimizer: Literal["adamw", "lion"] = "adamw"
     inner_lr: float = 1e-3
     warmup_steps: int = 20
@@ -174,6 +195,7 @@ class PeerNode:
         self._measured: set[str] = set()  # quantities measured in a round at least once ("tps", "up", "down")
         self._syncing = False
         self._leaving = False  # announced once this peer is on its way out (Ctrl+C / SIGTERM)
+        self._owner_penalty: dict[str, int] = {}  # peer id -> last round it owns no part (OWNER_PENALTY_ROUNDS)
         self._init_admission()
 
     def _init_admission(self) -> None:
@@ -337,7 +359,7 @@ class PeerNode:
         max_batch = max(1, self.max_batch)
         return PeerRecord(
             peer_id=self.me, address=self.transport.address, device=self.device_info.name,
-            memory_bytes=self.device_info.memory_bytes, tokens_per_s=self.ema.tokens_per_s,
+            memory_bytes=self.device_info.memory_bytes, tokens_per_s=_record_tps(self.ema.tokens_per_s),
             max_batch=max_batch, upload_bps=_link(c.upload_bps or self.ema.upload_bps),
             download_bps=_link(c.download_bps or self.ema.download_bps),
             version=geomesh_p2p.__version__, protocol_version=geomesh_p2p.PROTOCOL_VERSION,
@@ -509,9 +531,30 @@ class PeerNode:
                           uniform_inner_steps=r.uniform_inner_steps, max_inner_steps=r.max_inner_steps,
                           exchange_timeout_s=max(5.0, 3 * self.cfg.plan_timeout_s))
 
+    def _note_failed_owners(self, spec, ar) -> None:
+        """Owners of parts with no valid result this round own no part for ``OWNER_PENALTY_ROUNDS`` rounds."""
+        for j in ar.missing_parts:
+            pid = spec.owners[j].peer_id
+            if pid == self.me:
+                continue
+            if pid not in self._owner_penalty:
+                log.warning("round %d: part %d of %s had no valid result; it owns no part for the next %d rounds",
+                            spec.round, j, pid[:10], OWNER_PENALTY_ROUNDS)
+            self._owner_penalty[pid] = spec.round + OWNER_PENALTY_ROUNDS
+
+    def _without_parts(self, members):
+        """``members`` with the peers under an owner penalty planned as client-only (they own no part),
+        unless that would leave no owner at all."""
+        self._owner_penalty = {p: until for p, until in self._owner_penalty.items() if until >= self.round}
+        barred = [m for m in members if m.peer_id in self._owner_penalty and m.address]
+        if not barred or all(m in barred or not m.address for m in members):
+            return members
+        return [m.model_copy(update={"address": None}) if m in barred else m for m in members]
+
     def _make_plan(self, members, leader):
         from geomesh_p2p.planner import comm_time, make_plan
 
+        members = self._without_parts(members)
         cfg = self._plan_config(len(members))
         if self.run_cfg.window_s:
             # A peer whose link cannot move its share of the exchange in half the window would stretch
@@ -527,9 +570,13 @@ class PeerNode:
                             ", ".join(f"{seq / max(m.best_tokens_per_s(), 1e-9):.1f}" for m in slow), limit)
                 members = [m for m in members if m not in slow]
                 cfg = self._plan_config(len(members))
-        # geomesh/awb: AWB plan; diloco/css: uniform; ddp: uniform with one step per round.
+        # geomesh/awb: AWB plan; diloco/css: uniform; ddp: uniform with one step per round. Claims are
+        # bounded by the planner (planner.bound_records) and, for the peers of the last round, by what
+        # their delivered contributions support (_delivered_rates).
+        evidence = getattr(self, "_supported_tps", None)
+        supported = evidence[1] if evidence is not None and evidence[0] == self.round - 1 else None
         return make_plan(members, cfg, run_id=self.run_cfg.run_id, round=self.round, leader=leader, numel=self.numel,
-                         start_time=time.time() + 0.5, start_digest=self.digest)
+                         start_time=time.time() + 0.5, start_digest=self.digest, supported_tokens_per_s=supported)
 
     async def _gather_members(self, expected: set[str], min_peers: int, wait_s: float) -> list[PeerRecord]:
         """Peers in sync for this round: announced this round with this digest. Waits for ``expected``
@@ -692,22 +739,35 @@ class PeerNode:
         sent0, recv0 = self.transport.stats.snapshot()
         loop = asyncio.get_running_loop()
         grad = None
-        if self.run_cfg.method == "ddp":
-            # DDP: exchange this batch's gradient, not a pseudo-gradient; every peer then applies
-            # the same AdamW step to the mean (optim.SyncAdamW).
-            grad, result = await loop.run_in_executor(None, lambda: self.trainer.gradient(
-                round=r, batch_size=a.batch_size, micro_batch=a.micro_batch))
-        else:
-            result = await loop.run_in_executor(None, lambda: self.trainer.run(
-                round=r, inner_steps=a.inner_steps, batch_size=a.batch_size, micro_batch=a.micro_batch,
-                deadline=plan.train_deadline, should_stop=self._stop.is_set,
-                progress=self._progress_printer(r, a.inner_steps)))
+        t_train = time.perf_counter()
+        try:
+            if self.run_cfg.method == "ddp":
+                # DDP: exchange this batch's gradient, not a pseudo-gradient; every peer then applies
+                # the same AdamW step to the mean (optim.SyncAdamW).
+                grad, result = await loop.run_in_executor(None, lambda: self.trainer.gradient(
+                    round=r, batch_size=a.batch_size, micro_batch=a.micro_batch))
+            else:
+                result = await loop.run_in_executor(None, lambda: self.trainer.run(
+                    round=r, inner_steps=a.inner_steps, batch_size=a.batch_size, micro_batch=a.micro_batch,
+                    deadline=plan.train_deadline, should_stop=self._stop.is_set,
+                    progress=self._progress_printer(r, a.inner_steps)))
+        except FloatingPointError as e:
+            # The global weights give a non-finite loss (e.g. a hostile update blew them up): this peer
+            # has nothing sound to contribute this round, but it keeps serving and following the swarm.
+            log.warning("round %d: %s; contributing nothing this round", r, e)
+            grad, result = None, self._no_work(time.perf_counter() - t_train)
+            load_flat_(self.model, self.theta)
         t_compute_end = time.time()
         if self._stop.is_set():
             # Finish the round anyway (the inner steps stopped early): the parts this peer owns stay
             # served and the others get a full update; the node leaves right after.
             log.info("round %d: stop requested; exchanging what was trained, then leaving", r)
         delta = grad if grad is not None else self.theta - flat_params(self.model)
+        if not bool(torch.isfinite(delta).all()):
+            log.warning("round %d: this peer's update has non-finite values (its inner steps diverged); "
+                        "contributing nothing this round", r)
+            delta, result = torch.zeros_like(delta), self._no_work(result.compute_s)
+            load_flat_(self.model, self.theta)
         try:
             spec = self._collective_spec(plan)
         except ValueError as e:  # _plan_problem should have caught it; never crash on a leader's plan
@@ -719,6 +779,7 @@ class PeerNode:
             ar = await self.collective.all_reduce(spec, delta, tokens=result.tokens, compute_end=t_compute_end)
         finally:
             self._in_exchange = False
+        self._note_failed_owners(spec, ar)
         t_agg = time.time()
         return await self._finish_round(r, plan, a, result, ar, t_round, t_compute_end, t_agg, sent0, recv0)
 
@@ -743,13 +804,17 @@ class PeerNode:
             owners=owners, numel=self.numel, mode=plan.mode,
             aggregate_encoding=agg, push_encoding=push,
             block_size=self.run_cfg.block_size, clip_k=self.run_cfg.clip_k,
+            rule=self.run_cfg.aggregation if compressed else "mean",
+            weight_cap=self.run_cfg.weight_cap, min_agreement=self.run_cfg.min_agreement, quorum=self.run_cfg.quorum,
             deadline=plan.exchange_deadline - 0.25 * (plan.exchange_deadline - plan.train_deadline),
             pull_deadline=plan.exchange_deadline)
 
     def _plan_problem(self, plan, live: dict) -> Optional[str]:
         """Why this peer must not follow ``plan`` (None: it may). Guards against a rogue or broken
         leader: wrong model size or settings, unknown leader or participants, owners at addresses
-        their records do not announce, deadlines far in the future (a stall)."""
+        their records do not announce, deadlines far in the future (a stall); then
+        :func:`geomesh_p2p.planner.check_plan`: batches, steps, window, token budgets and ownership
+        within what the participants' records and the run config support."""
         rc = self.run_cfg
         if plan.numel != self.numel:
             return f"it is for {plan.numel} parameters, the model has {self.numel}"
@@ -768,12 +833,21 @@ class PeerNode:
         horizon = 4 * (rc.window_s or 60.0) + 120.0
         if plan.train_deadline - time.time() > horizon or plan.exchange_deadline - plan.train_deadline > horizon:
             return "its deadlines are unreasonably far in the future"
-        return None
+        # Batches, steps, window, budgets and ownership, recomputed from the records (issue 11).
+        from geomesh_p2p.planner import check_plan
+
+        barred = [p for p, until in getattr(self, "_owner_penalty", {}).items() if until >= self.round]
+        return check_plan(plan, live, self._plan_config(len(plan.assignments)), now=time.time(), barred=barred)
 
     async def _finish_round(self, r, plan, a, result, ar, t_round, t_compute_end, t_agg, sent0, recv0) -> set[str]:
         """Outer step, digest, evaluation, the round's row, checkpoint; re-sync on a digest mismatch."""
-        self.outer.step(self.theta, ar.aggregate, round=r)
+        self._outer_step(r, plan, ar.aggregate)
         self._set_state(r + 1, self.theta, None)
+        # Re-profile before announcing round r+1: the record a leader gathers for r+1 then already holds
+        # the figures every follower will check its plan against (planner.check_plan).
+        self._update_throughput(a.micro_batch, result)
+        self._update_links(ar)
+        self._supported_tps = (r, self._delivered_rates(plan, ar))
         self.standing.credit(r, {pid for part in ar.contributors.values() for pid, _ in part})  # standing.py
         sent1, recv1 = self.transport.stats.snapshot()
         if self._stop.is_set():
@@ -804,8 +878,6 @@ class PeerNode:
         if sys.stdout.isatty():
             sys.stdout.write("\r\x1b[K")  # clear the progress line before the row
         self.round_log.add(rec)
-        self._update_throughput(a.micro_batch, result)
-        self._update_links(ar)
         if resync:
             from geomesh_p2p.state_sync import StateSyncError
 
@@ -817,6 +889,62 @@ class PeerNode:
             self.checkpoint()
         contributed = {pid for part in ar.contributors.values() for pid, _ in part}
         return contributed or set(plan.participants())
+
+    @staticmethod
+    def _no_work(compute_s: float):
+        """The InnerResult of a round in which this peer trained nothing usable (0 tokens: the
+        collective gives its contribution no weight)."""
+        from geomesh_p2p.training import InnerResult
+
+        return InnerResult(steps_done=0, tokens=0, mean_loss=float("nan"), last_loss=float("nan"),
+                           compute_s=max(0.0, compute_s), stopped_early=True)
+
+    def _outer_step(self, r: int, plan, aggregate: torch.Tensor) -> None:
+        """Apply the outer step to ``self.theta`` / ``self.outer.buf``, except on collective parts
+        whose aggregate has a non-finite value or whose new weights or optimizer state would not be
+        finite: those keep their values from before the step (one WARNING line). Every honest peer
+        holds the same weights, state and aggregate bytes, so every one skips the same parts and the
+        digests stay equal. Parts: the plan's owner ranges, ``[start, end)`` elements of ``[P]``."""
+        ranges = [(start, end) for _, start, end in plan.owners()] or [(0, self.theta.numel())]
+        bad_in = {(s, e) for s, e in ranges if not bool(torch.isfinite(aggregate[s:e]).all())}
+        if bad_in:
+            aggregate = aggregate.clone()
+            for s, e in bad_in:
+                aggregate[s:e] = 0.0
+        theta0 = self.theta.clone()
+        buf0 = None if self.outer.buf is None else self.outer.buf.clone()
+        self.outer.step(self.theta, aggregate, round=r)
+        buf, p = self.outer.buf, self.theta.numel()
+        # Optimizer state is k consecutive [P] slices (Nesterov: momentum; AdamW: m then v).
+        views = [(self.theta, theta0)] + ([] if buf is None or buf0 is None else [
+            (buf[k * p:(k + 1) * p], buf0[k * p:(k + 1) * p]) for k in range(buf.numel() // p)])
+        bad = sorted(bad_in | {(s, e) for s, e in ranges
+                               if any(not bool(torch.isfinite(new[s:e]).all()) for new, _ in views)})
+        for s, e in bad:
+            for new, old in views:
+                new[s:e] = old[s:e]
+        if bad:
+            log.warning("round %d: outer step skipped on %d of %d parts (%d of %d elements): %d with non-finite "
+                        "aggregate values, %d where the step would overflow", r, len(bad), len(ranges),
+                        sum(e - s for s, e in bad), p, len(bad_in), len(bad) - len(bad_in))
+
+    @staticmethod
+    def _delivered_rates(plan, ar) -> dict[str, float]:
+        """peer_id -> tokens/s its contribution to this round supports: the tokens the owners took from
+        it (its claim, capped to its plan budget; the most over the parts) over the compute seconds its
+        plan predicted. The next leader plans no peer above ``planner.EVIDENCE_GROWTH`` x this. It bounds
+        how fast a peer's planned rate can grow, not a claim made at the budget: telling work done from
+        a claim is verified work's job (geomesh_p2p.verify)."""
+        delivered: dict[str, int] = {}
+        for part in ar.contributors.values():
+            for pid, n in part:
+                delivered[pid] = max(delivered.get(pid, 0), int(n))
+        rates = {}
+        for a in plan.assignments:
+            n = delivered.get(a.peer_id, 0)
+            if n > 0 and a.predicted_compute_s > 0:
+                rates[a.peer_id] = n / a.predicted_compute_s
+        return rates
 
     @staticmethod
     def _progress_printer(r: int, planned: int):
@@ -832,13 +960,19 @@ class PeerNode:
 
     def _update_throughput(self, micro_batch: int, result) -> None:
         """Re-profiling (beyond the paper's one-off profile): EMA of this round's measured tokens/s
-        (the other micro-batch sizes are rescaled by the same ratio, capability.ThroughputEMA)."""
+        (the other micro-batch sizes are rescaled by the same ratio, capability.ThroughputEMA), growing
+        at most ``capability.MAX_TPS_GROWTH_PER_UPDATE`` x per round."""
+        from geomesh_p2p.capability import MAX_TPS_GROWTH_PER_UPDATE
+
         if result.compute_s > 0 and result.tokens > 0:
             # The start-up profile is a prior, taken alone and with other processes starting up; the
             # first measurement in the swarm replaces it (then the EMA smooths round-to-round noise).
             first = "tps" not in self._measured
             self._measured.add("tps")
-            self.ema.update(micro_batch, result.tokens, result.compute_s, alpha=1.0 if first else None)
+            # A self-measured compute time is not evidence (a free rider can report ~0 s): the announced
+            # figure grows at most MAX_TPS_GROWTH_PER_UPDATE x per round, first measurement included.
+            self.ema.update(micro_batch, result.tokens, result.compute_s, alpha=1.0 if first else None,
+                            max_growth=MAX_TPS_GROWTH_PER_UPDATE)
 
     def _update_links(self, ar) -> None:
         """Fold this round's measured exchange into the link EMAs (links.py). A direction stated by
@@ -951,5 +1085,8 @@ class PeerNode:
         p = Path(path)
         p.parent.mkdir(parents=True, exist_ok=True)
         tmp = p.with_suffix(p.suffix + ".tmp")
-        tmp.write_text(json.dumps(self.summary(), indent=1))
+        from geomesh_p2p.metrics import json_safe
+
+        # strict JSON: an infinite perplexity (weights a hostile update blew up) is written as null
+        tmp.write_text(json.dumps(json_safe(self.summary()), indent=1, allow_nan=False))
         os.replace(tmp, p)

@@ -54,15 +54,33 @@ parts among the peers that accept connections.
 The collective partition (:func:`partition`) gives contiguous parts of the flat parameter vector to
 the peers that accept connections, sized by bandwidth with hivemind's ``load_balance_peers`` (the
 butterfly all-reduce LP: an owner of a fraction ``f`` moves ``(1 + (N - 2) f)`` vectors); client-only
-peers own nothing.
+peers own nothing. No owner gets more than :func:`max_owner_units` (about ``OWNER_SHARE_FACTOR / n``
+of the vector, ``n`` the peers that accept connections): the LP alone hands a peer with twice the
+others' bandwidth the whole vector as soon as ``N = 3``.
+
+Untrusted records (DESIGN.md "Untrusted volunteers", issue 11)
+--------------------------------------------------------------
+Records are what peers *say*. Before planning, :func:`bound_records` clamps every claim to a bounded
+multiple of the members' lower median (``statistics.median_low``: with two members, the smaller
+one, so one liar cannot drag the median up): tokens/s to ``THROUGHPUT_SPREAD_CAP`` x, ``max_batch``
+to ``BATCH_SPREAD_CAP`` x, each bandwidth direction to ``BANDWIDTH_SPREAD_CAP`` x. The leader may
+also pass what each peer's last *delivered* contribution supports (``supported_tokens_per_s``): the
+peer's inner steps are then planned at no more than ``EVIDENCE_GROWTH`` x that rate (this only lowers
+``H_i``; the window stays what every follower can recompute). After the inner steps are known, no
+budget exceeds ``BUDGET_MEDIAN_FACTOR`` x the plan's lower-median budget (``H_i`` is lowered; a peer
+already at ``min_inner_steps`` keeps them). Followers run :func:`check_plan` on every plan: it
+recomputes these bounds from the records they see and the run's :class:`PlanConfig` and refuses a
+plan outside them with a one-line reason (the next leader then takes over, :mod:`geomesh_p2p.round`).
+Every plan :func:`make_plan` makes passes :func:`check_plan` on the same records by construction.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import statistics
 import warnings
-from typing import Callable, Literal, Mapping, Optional, Sequence
+from typing import Callable, Collection, Literal, Mapping, Optional, Sequence
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -81,6 +99,40 @@ BALANCED_METHODS = frozenset({"geomesh", "awb"})
 
 _STEP_EPS = 1e-9  # relative slack so that T = c + k*s computed in floats still yields k steps
 _MAX_BREAKPOINTS_PER_PEER = 1000
+
+# Bounds on claims and plans (issue 11). Each is a multiple of the members' lower median, so that a
+# minority of liars cannot move the reference; honest swarms sit well inside them.
+#: tokens/s claims count up to this many times the members' lower-median throughput. Real GPU spreads
+#: on one model are < 4x between data-centre cards (H100 vs RTX 6000 Ada: 2.5x, GeoMesh's testbed) and
+#: ~14x only with T4-class cards among H100s (volunteer32), where the slow ones sit *below* the median;
+#: 8x leaves a 2x margin over the data-centre spread. An inflated record gets at most 8x the median.
+THROUGHPUT_SPREAD_CAP = 8.0
+#: ``max_batch`` claims count up to this many times the members' lower-median ``max_batch`` (memory
+#: spreads: 80 GB vs 10-24 GB cards, < 8x).
+BATCH_SPREAD_CAP = 8
+#: bandwidth claims (each direction) count up to this many times the members' lower median: link
+#: spreads among volunteers are wider than GPU spreads (20 Mbit/s home uplinks vs 1 Gbit/s data
+#: centres, 50x in volunteer32), and a fast-link claim buys ownership, which OWNER_SHARE_FACTOR caps.
+BANDWIDTH_SPREAD_CAP = 64.0
+#: a peer's planned rate is at most this many times what its last delivered contribution supports
+#: (tokens it delivered / compute seconds it was planned): a record can only grow that fast per round.
+EVIDENCE_GROWTH = 2.0
+#: no token budget exceeds this many times the plan's lower-median budget (unless it is a single
+#: ``min_inner_steps`` block of its own batch). Honest budgets spread by throughput *and* by link:
+#: a slow link leaves a peer less of the window (the paper's 4 GPUs with an fp32 exchange, sim
+#: profile paper4 method awb: the L40S gets one step, the H100 5.6x the median), so the factor matches
+#: THROUGHPUT_SPREAD_CAP rather than the 4x GPU spread (4x would cut that honest plan's tokens by
+#: 18%). It also bounds a peer's share of the round's tokens: :func:`max_token_share` (4 peers: 80%).
+BUDGET_MEDIAN_FACTOR = 8.0
+#: no owner gets more than ~OWNER_SHARE_FACTOR / n of the vector (n: participants that accept
+#: connections): twice the fair share; the partition enforces it (:func:`max_owner_units`).
+OWNER_SHARE_FACTOR = 2.0
+#: how far a follower's recomputation (window, budget ceilings) may differ from the leader's: views of
+#: the records can differ between leader and follower by one re-announcement. Followers' recomputation
+#: from the same records is exact; attacks are orders of magnitude outside.
+PLAN_CHECK_TOLERANCE = 1.5
+#: how far in the future a plan may say it was created (the envelope's clock-skew window, identity.Verifier)
+MAX_CLOCK_SKEW_S = 30.0
 
 
 # --------------------------------------------------------------------------------------------
@@ -323,6 +375,57 @@ def _check_records(records: Sequence[PeerRecord]) -> list[PeerRecord]:
     return sorted(records, key=lambda r: r.peer_id)
 
 
+def bound_records(records: Sequence[PeerRecord]) -> list[PeerRecord]:
+    """``records`` (same order) with each claim clamped to a bounded multiple of the members' lower median.
+
+    Per record: every tokens/s entry to ``THROUGHPUT_SPREAD_CAP`` x the lower median of the members'
+    best tokens/s; ``max_batch`` to ``BATCH_SPREAD_CAP`` x the lower median ``max_batch``;
+    ``upload_bps`` and ``download_bps`` each to ``BANDWIDTH_SPREAD_CAP`` x the lower median of that
+    direction. Only upper clamps: claiming less only costs the claimer its share. Records within the
+    bounds are returned as they are; clamped ones are copies (``model_copy``, not re-validated: the
+    values only shrink). Pure and deterministic; the leader plans on the result and every follower
+    recomputes it from the same records (:func:`check_plan`).
+
+    Not evidence: a record is what its peer says. Delivered work bounds a peer's rate further on the
+    leader (``supported_tokens_per_s`` of :func:`plan_round`); bandwidth is bounded only relative to
+    the median (a peer measures its own links, not the others').
+    """
+    if not records:
+        return []
+    tps_cap = THROUGHPUT_SPREAD_CAP * statistics.median_low([r.best_tokens_per_s() for r in records])
+    batch_cap = int(BATCH_SPREAD_CAP * statistics.median_low([r.max_batch for r in records]))
+    up_cap = BANDWIDTH_SPREAD_CAP * statistics.median_low([r.upload_bps for r in records])
+    down_cap = BANDWIDTH_SPREAD_CAP * statistics.median_low([r.download_bps for r in records])
+    out = []
+    for r in records:
+        update: dict = {}
+        if r.tokens_per_s and r.best_tokens_per_s() > tps_cap:
+            update["tokens_per_s"] = {b: min(v, tps_cap) for b, v in r.tokens_per_s.items()}
+        if r.max_batch > batch_cap:
+            update["max_batch"] = max(1, batch_cap)
+        if r.upload_bps > up_cap:
+            update["upload_bps"] = up_cap
+        if r.download_bps > down_cap:
+            update["download_bps"] = down_cap
+        out.append(r.model_copy(update=update) if update else r)
+    return out
+
+
+def max_owner_units(units: int, n_owners: int) -> int:
+    """The most partition units (multiples of ``part_align`` elements) one owner may get:
+    ``max(1, ceil(OWNER_SHARE_FACTOR * units / n_owners))``. ``n_owners``: peers that accept
+    connections (>= 1). Always leaves room for all ``units`` (``n_owners * cap >= units``)."""
+    return max(1, math.ceil(OWNER_SHARE_FACTOR * units / max(1, n_owners)))
+
+
+def max_token_share(n_peers: int) -> float:
+    """The largest share of a round's token budget one of ``n_peers`` can hold when every budget is
+    within ``BUDGET_MEDIAN_FACTOR`` (F) x the lower median: ``F / (F + n_peers // 2)`` (at least
+    ``n_peers // 2`` other budgets are >= the lower median). 2 peers: 8/9; 4 peers: 4/5; 7 peers:
+    8/11; 1 peer: 1."""
+    return BUDGET_MEDIAN_FACTOR / (BUDGET_MEDIAN_FACTOR + n_peers // 2)
+
+
 def best_micro_batch(record: PeerRecord) -> int:
     """The measured batch size with the highest tokens/s that fits ``max_batch`` (ties: larger).
 
@@ -339,6 +442,11 @@ def comm_time(record: PeerRecord, cfg: PlanConfig) -> float:
     return 2 * cfg.latency_s + cfg.payload_bytes / record.upload_bps + cfg.payload_bytes / record.download_bps
 
 
+def accum_steps_for(micro_batch: int, target_batch: int) -> int:
+    """Gradient-accumulation steps of a micro-batch: ``max(1, ceil(target_batch / micro_batch))``."""
+    return max(1, -(-target_batch // micro_batch))
+
+
 class _PeerModel:
     __slots__ = ("peer_id", "address", "micro", "accum", "batch", "step_s", "comm_s")
 
@@ -346,10 +454,18 @@ class _PeerModel:
         self.peer_id = record.peer_id
         self.address = record.address
         self.micro = micro
-        self.accum = max(1, -(-cfg.target_batch // micro))
+        self.accum = accum_steps_for(micro, cfg.target_batch)
         self.batch = micro * self.accum
         self.step_s = self.batch * cfg.seq_len / interpolate_tokens_per_s(record.tokens_per_s, micro)
         self.comm_s = comm_time(record, cfg)
+
+    def with_step_s(self, step_s: float) -> "_PeerModel":
+        """A copy planned at another step time (seconds)."""
+        m = object.__new__(_PeerModel)
+        for k in self.__slots__:
+            setattr(m, k, getattr(self, k))
+        m.step_s = step_s
+        return m
 
 
 def _best_in_window(record: PeerRecord, current: "_PeerModel", T: float, cfg: PlanConfig) -> "_PeerModel":
@@ -475,6 +591,22 @@ def _proportional(total: int, weights: list[float]) -> list[int]:
     return sizes
 
 
+def _cap_sizes(sizes: list[int], weights: list[float], cap: int) -> list[int]:
+    """``sizes`` (units) with none above ``cap``: the excess goes to the uncapped peers of positive
+    weight in proportion to their weights, again until nobody is over (deterministic). Needs
+    ``cap * (peers of positive weight) >= sum(sizes)``."""
+    sizes = list(sizes)
+    for _ in range(len(sizes) + 1):  # each pass saturates at least one more peer, or ends
+        excess = sum(max(0, x - cap) for x in sizes)
+        if excess == 0:
+            return sizes
+        sizes = [min(x, cap) for x in sizes]
+        room = [i for i, (x, w) in enumerate(zip(sizes, weights)) if w > 0 and x < cap]
+        for i, extra in zip(room, _proportional(excess, [weights[i] for i in room])):
+            sizes[i] += extra
+    raise AssertionError(f"could not cap parts at {cap} units: {sizes}")  # unreachable when cap*n >= total
+
+
 def partition(
     numel: int, owners: Sequence[PeerRecord], *, align: int = 1, min_size: int = 0, equal: bool = False
 ) -> list[tuple[str, int, int]]:
@@ -484,7 +616,9 @@ def partition(
     download_bps)``, bytes/s) with hivemind's ``load_balance_peers`` (which may give a slow peer
     nothing); client-only peers (``address is None``) get an empty part. ``equal=True`` splits
     equally among the owners instead (the uniform baseline). Parts are multiples of ``align``
-    elements except the last non-empty one. Returns ``[(peer_id, start, end)]`` for every peer
+    elements except the last non-empty one. No owner gets more than :func:`max_owner_units` units
+    (about ``OWNER_SHARE_FACTOR / n`` of the vector, n = peers that accept connections): the excess
+    goes to the others in proportion to bandwidth. Returns ``[(peer_id, start, end)]`` for every peer
     given, sorted by peer_id; the non-empty parts tile ``[0, numel)`` exactly.
 
     Raises ValueError for ``numel < 0``, no peers, duplicate peer ids, a non-positive bandwidth, or
@@ -532,6 +666,9 @@ def partition(
             if sizes:
                 logger.warning("load_balance_peers gave an unusable split %s; using bandwidth-proportional", sizes)
             sizes = _proportional(units, bw)
+    if units:
+        sizes = _cap_sizes(sizes, [1.0 if b > 0 else 0.0 for b in bw] if equal else bw,
+                           max_owner_units(units, n_owners))
 
     sizes = [x * align for x in sizes]
     excess = sum(sizes) - numel
@@ -615,6 +752,7 @@ def plan_round(
     start_time: float,
     start_digest: Optional[str] = None,
     created_at: Optional[float] = None,
+    supported_tokens_per_s: Optional[Mapping[str, float]] = None,
 ) -> RoundPlan:
     """Plan a round with adaptive workload balancing (GeoMesh's AWB; see the module docstring).
 
@@ -626,28 +764,71 @@ def plan_round(
     ``start_time + T`` and that ``+ exchange_timeout_s``); ``created_at`` defaults to
     ``start_time`` so that the plan is a pure function of its inputs.
 
+    Claims are bounded first (:func:`bound_records`). ``supported_tokens_per_s`` (peer_id ->
+    tokens/s), when the leader has it, is what each peer's last delivered contribution supports
+    (tokens delivered / compute seconds planned for it); a peer is then planned at no more than
+    ``EVIDENCE_GROWTH`` x that rate: its ``H_i`` is lowered, the window ``T`` is not (followers
+    recompute ``T`` from the records alone). Finally no budget exceeds ``BUDGET_MEDIAN_FACTOR`` x the
+    lower-median budget unless it is ``min_inner_steps`` steps of its batch.
+
     The result does not depend on the order of ``records``. Raises ValueError for no peers, a
     duplicate peer_id, a peer with no measured throughput or a non-positive bandwidth (the message
     names the peer and field), no peer that accepts connections, or ``numel < 0``.
     """
-    recs = _check_records(records)
+    recs = bound_records(_check_records(records))
     models = [_PeerModel(r, cfg, best_micro_batch(r)) for r in recs]
-    s = np.array([m.step_s for m in models], dtype=np.float64)
-    c = np.array([m.comm_s for m in models], dtype=np.float64)
+    s, c = _step_and_comm(models)
     tokens_per_step = np.array([m.batch * cfg.seq_len for m in models], dtype=np.int64)
     T = _choose_window(s, c, tokens_per_step, cfg)
     # Step granularity: with few, long steps a peer can lose most of a step to rounding. Once T is
     # known, each peer takes the measured micro-batch that trains the most tokens inside T (ties:
     # the throughput-optimal one), which can be a smaller, slightly less efficient batch.
     models = [_best_in_window(r, m, T, cfg) for r, m in zip(recs, models)]
-    s = np.array([m.step_s for m in models], dtype=np.float64)
-    c = np.array([m.comm_s for m in models], dtype=np.float64)
+    if supported_tokens_per_s:
+        models = _bound_by_evidence(recs, models, supported_tokens_per_s, cfg)
+    s, c = _step_and_comm(models)
     H = _inner_steps(np.float64(T), s, c, cfg)
+    H = _cap_budgets(models, H, cfg)
     parts = partition(numel, recs, align=cfg.part_align)
     return _build_plan(
         recs, models, H, T, parts, cfg, run_id=run_id, round=round, leader=leader, numel=numel,
         start_time=start_time, start_digest=start_digest, created_at=created_at,
     )
+
+
+def _step_and_comm(models: Sequence[_PeerModel]) -> tuple[np.ndarray, np.ndarray]:
+    """(step seconds, comm seconds) of the peers as float64 arrays."""
+    return (np.array([m.step_s for m in models], dtype=np.float64),
+            np.array([m.comm_s for m in models], dtype=np.float64))
+
+
+def _bound_by_evidence(recs: Sequence[PeerRecord], models: list[_PeerModel], supported: Mapping[str, float],
+                       cfg: PlanConfig) -> list[_PeerModel]:
+    """Models whose step time is at least what ``EVIDENCE_GROWTH`` x the supported rate allows.
+    Longer steps only: a peer with no (or unusable) evidence keeps its model."""
+    out = []
+    for r, m in zip(recs, models):
+        rate = supported.get(r.peer_id)
+        if rate is not None and math.isfinite(rate) and rate > 0:
+            ceiling = EVIDENCE_GROWTH * float(rate)
+            if interpolate_tokens_per_s(r.tokens_per_s, m.micro) > ceiling:
+                m = m.with_step_s(m.batch * cfg.seq_len / ceiling)
+        out.append(m)
+    return out
+
+
+def _cap_budgets(models: Sequence[_PeerModel], H: np.ndarray, cfg: PlanConfig) -> np.ndarray:
+    """``H`` lowered so that no budget exceeds ``BUDGET_MEDIAN_FACTOR`` x the lower-median budget,
+    never below ``min_inner_steps``. The lower median is unchanged by the cap (a capped budget stays
+    >= half the limit >= the median, since the factor is >= 2), so one pass suffices."""
+    step_tokens = [m.batch * cfg.seq_len for m in models]
+    budgets = [int(h) * t for h, t in zip(H.tolist(), step_tokens)]
+    limit = BUDGET_MEDIAN_FACTOR * statistics.median_low(budgets)
+    out = H.copy()
+    for i, (b, t) in enumerate(zip(budgets, step_tokens)):
+        if b > limit:
+            out[i] = max(cfg.min_inner_steps, math.floor(limit / t))
+    return out
 
 
 def plan_uniform(
@@ -668,10 +849,11 @@ def plan_uniform(
     Micro-batch ``m = min(target_batch, min_i max_batch_i)`` (fits everyone), batch
     ``m * ceil(target_batch / m)``, ``H = inner_steps`` (default ``cfg.uniform_inner_steps``) for
     all; the window is set by the slowest peer, ``T = max_i (H s_i + c_i)``, so faster peers idle
-    ``T - H s_i - c_i``. Parts are equal among the peers that accept connections. Same arguments,
-    determinism and errors as :func:`plan_round`.
+    ``T - H s_i - c_i``. Parts are equal among the peers that accept connections. Claims are
+    bounded as in :func:`plan_round` (:func:`bound_records`). Same arguments, determinism and
+    errors as :func:`plan_round`.
     """
-    recs = _check_records(records)
+    recs = bound_records(_check_records(records))
     H_all = cfg.uniform_inner_steps if inner_steps is None else int(inner_steps)
     if H_all < 1:
         raise ValueError(f"inner_steps={H_all} must be >= 1")
@@ -689,12 +871,120 @@ def plan_uniform(
 def make_plan(records: Sequence[PeerRecord], cfg: PlanConfig, **kwargs) -> RoundPlan:
     """Plan by ``cfg.method``: ``geomesh``/``awb`` -> :func:`plan_round`; ``diloco``/``css`` ->
     :func:`plan_uniform`; ``ddp`` -> :func:`plan_uniform` with one inner step (a sync every step).
-    Keyword arguments as for :func:`plan_round`."""
+    Keyword arguments as for :func:`plan_round` (``supported_tokens_per_s`` is used by AWB only:
+    uniform plans give every peer the same steps)."""
     if cfg.method in BALANCED_METHODS:
         return plan_round(records, cfg, **kwargs)
+    kwargs.pop("supported_tokens_per_s", None)
     if cfg.method == "ddp":
         return plan_uniform(records, cfg, inner_steps=1, **kwargs)
     return plan_uniform(records, cfg, **kwargs)
+
+
+def reference_window(records: Sequence[PeerRecord], cfg: PlanConfig) -> float:
+    """The window (seconds) an honest leader plans for these records and ``cfg``: what
+    :func:`make_plan` would choose (claims bounded by :func:`bound_records`). Raises ValueError like
+    :func:`plan_round` for records it cannot plan."""
+    recs = bound_records(_check_records(records))
+    if cfg.method in BALANCED_METHODS:
+        models = [_PeerModel(r, cfg, best_micro_batch(r)) for r in recs]
+        s, c = _step_and_comm(models)
+        return _choose_window(s, c, np.array([m.batch * cfg.seq_len for m in models], dtype=np.int64), cfg)
+    H = 1 if cfg.method == "ddp" else cfg.uniform_inner_steps
+    micro = min(cfg.target_batch, min(r.max_batch for r in recs))
+    return max(H * m.step_s + m.comm_s for m in (_PeerModel(r, cfg, micro) for r in recs))
+
+
+def check_plan(plan: RoundPlan, records: Mapping[str, PeerRecord], cfg: PlanConfig, *, now: float,
+               barred: Collection[str] = ()) -> Optional[str]:
+    """Why a follower must refuse ``plan`` (a one-line reason), or None when it is within bounds.
+
+    A pure function of the plan, the follower's view of the records (``peer_id -> PeerRecord``), the
+    :class:`PlanConfig` the run implies (the one the follower would plan with for these participants)
+    and ``now`` (unix seconds). Every plan that :func:`make_plan` makes from the same records and
+    config passes; a rogue or broken leader's plan is refused when any of these fails:
+
+    * settings: ``seq_len`` / ``method`` / ``mode`` as in ``cfg``; every participant has a record;
+    * batch: ``micro_batch`` within the record's bounded ``max_batch`` (:func:`bound_records`:
+      what it announces, at most ``BATCH_SPREAD_CAP`` x the lower median); ``accum_steps`` exactly
+      what ``target_batch`` implies; uniform methods: the same micro-batch for all, the fixed ``H``;
+    * steps: every participant gets ``min_inner_steps..max_inner_steps`` (AWB). No peer is planned
+      with 0 steps: the stated rule for a peer that cannot keep up is to leave it out of the plan
+      (``PeerNode._make_plan``: exchange or one sequence longer than half the window);
+    * window: ``window_s`` within ``PLAN_CHECK_TOLERANCE`` x (either way) of :func:`reference_window`,
+      ``train_deadline = created_at + window_s``, ``created_at`` at most ``MAX_CLOCK_SKEW_S`` ahead;
+    * budgets: each at most ``PLAN_CHECK_TOLERANCE`` x (bounded best tokens/s x ``window_s``); at
+      most ``BUDGET_MEDIAN_FACTOR`` x the plan's lower-median budget unless it is
+      ``min_inner_steps`` steps of its own batch; hence a share of the total at most
+      :func:`max_token_share`;
+    * ownership: no owner without an address in its record, none with more than
+      :func:`max_owner_units` x ``part_align`` elements, counting as possible owners the
+      participants whose record has an address, less ``barred`` (peers this follower itself bars
+      from owning, e.g. after a part they owned had no valid result: a leader that bars them too
+      plans them as client-only; one that bars others cannot shrink the count).
+    """
+    if plan.seq_len != cfg.seq_len or plan.method != cfg.method or plan.mode != cfg.mode:
+        return (f"its seq_len/method/mode {plan.seq_len}/{plan.method}/{plan.mode} differ from the run's "
+                f"{cfg.seq_len}/{cfg.method}/{cfg.mode}")
+    missing = [pid[:10] for pid in plan.participants() if pid not in records]
+    if missing:
+        return f"it names peers without a record: {missing}"
+    recs = [records[pid] for pid in plan.participants()]
+    try:
+        T_ref = reference_window(recs, cfg)
+    except ValueError as e:
+        return f"its participants' records cannot be planned ({e})"
+    by_id = {r.peer_id: r for r in bound_records(recs)}
+    seq = cfg.seq_len
+    balanced = cfg.method in BALANCED_METHODS
+    uniform_H = 1 if cfg.method == "ddp" else cfg.uniform_inner_steps
+    uniform_micro = min(cfg.target_batch, min(r.max_batch for r in by_id.values()))
+    for a in plan.assignments:
+        r, who = by_id[a.peer_id], a.peer_id[:10]
+        if a.micro_batch > r.max_batch:
+            return f"micro-batch {a.micro_batch} for {who} exceeds the {r.max_batch} its record supports"
+        if a.accum_steps != accum_steps_for(a.micro_batch, cfg.target_batch):
+            return (f"{who} accumulates {a.accum_steps} micro-batches of {a.micro_batch}; target batch "
+                    f"{cfg.target_batch} means {accum_steps_for(a.micro_batch, cfg.target_batch)}")
+        if balanced and not cfg.min_inner_steps <= a.inner_steps <= cfg.max_inner_steps:
+            return (f"{a.inner_steps} inner steps for {who}, outside {cfg.min_inner_steps}..{cfg.max_inner_steps}"
+                    " (a peer that cannot keep up is left out of the plan, not given 0 steps)")
+        if not balanced and (a.inner_steps != uniform_H or a.micro_batch != uniform_micro):
+            return (f"{who} gets {a.inner_steps} steps of micro-batch {a.micro_batch}; method {cfg.method} gives "
+                    f"everyone {uniform_H} of {uniform_micro}")
+        if a.owns_part and records[a.peer_id].address is None:
+            return f"client-only peer {who} owns a part"
+    T = plan.window_s
+    if not T_ref / PLAN_CHECK_TOLERANCE <= T <= T_ref * PLAN_CHECK_TOLERANCE:
+        return f"its window {T:.3g} s is far from the {T_ref:.3g} s the records support"
+    if abs(plan.train_deadline - plan.created_at - T) > 1e-6 * T + 1e-3:
+        return "its train deadline is not its start plus its window"
+    if plan.created_at - now > MAX_CLOCK_SKEW_S:
+        return f"it starts {plan.created_at - now:.0f} s in the future"
+    budgets = [a.token_budget for a in plan.assignments]
+    limit = BUDGET_MEDIAN_FACTOR * statistics.median_low(budgets)
+    total = sum(budgets)
+    share = max_token_share(len(budgets))
+    for a in plan.assignments:
+        who = a.peer_id[:10]
+        ceiling = PLAN_CHECK_TOLERANCE * by_id[a.peer_id].best_tokens_per_s() * T
+        if a.token_budget > ceiling:
+            return (f"token budget {a.token_budget} for {who} exceeds the {ceiling:.0f} its bounded throughput "
+                    f"supports in {T:.3g} s")
+        floor = cfg.min_inner_steps * a.batch_size * seq
+        if a.token_budget > max(limit, floor):
+            return (f"token budget {a.token_budget} for {who} is over {BUDGET_MEDIAN_FACTOR:g}x the plan's median "
+                    f"budget ({limit / BUDGET_MEDIAN_FACTOR:.0f})")
+        if a.token_budget > floor and a.token_budget > share * total * (1 + 1e-12):
+            return f"{who} holds {a.token_budget / total:.0%} of the round's tokens, over the {share:.0%} bound"
+    n_owners = max(1, sum(1 for r in recs if r.address is not None and r.peer_id not in barred))
+    units = -(-plan.numel // cfg.part_align)
+    cap = max_owner_units(units, n_owners) * cfg.part_align
+    for pid, start, end in plan.owners():
+        if end - start > cap:
+            return (f"{pid[:10]} owns {end - start} of {plan.numel} elements, over the {cap} bound "
+                    f"({OWNER_SHARE_FACTOR:g}x a fair share among {n_owners} owners)")
+    return None
 
 
 def format_plan_table(plan: RoundPlan, names: Optional[Mapping[str, str]] = None) -> str:

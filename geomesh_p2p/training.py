@@ -16,6 +16,7 @@ worse (perplexity 208 vs 106.5).
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import time
@@ -26,9 +27,11 @@ from typing import Any, Callable
 
 import torch
 
+log = logging.getLogger(__name__)
+
 __all__ = ["PRESETS", "ConfigError", "build_model", "model_config", "flat_params",
            "load_flat_", "num_params", "InnerResult", "InnerTrainer", "lr_at",
-           "DEFAULT_INNER"]
+           "DEFAULT_INNER", "perplexity"]
 
 _NO_DROPOUT_GPT2 = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
 
@@ -221,6 +224,17 @@ def lr_at(step: int, *, lr: float, warmup_steps: int, total_steps: int,
     span = max(1, total_steps - warmup_steps)
     t = min(1.0, max(0.0, (step - warmup_steps) / span))
     return lr * (min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * t)))
+
+
+def perplexity(mean_loss: float) -> float:
+    """``exp(mean_loss)`` (nats per token), or ``inf`` when that overflows (loss > ~709.78) or the
+    loss is NaN / infinite: an undefined perplexity is reported as the worst one. Never raises."""
+    if not math.isfinite(mean_loss):
+        return math.inf
+    try:
+        return math.exp(mean_loss)
+    except OverflowError:
+        return math.inf
 
 
 @dataclass
@@ -489,7 +503,9 @@ class InnerTrainer:
         Uses the first ``max_batches`` fixed batches of
         :meth:`TokenDataset.eval_batches` at this trainer's ``seq_len`` (each batch
         weighted by its rows), so repeated calls on the same weights give the same value.
-        The model is put back in train mode afterwards.
+        The model is put back in train mode afterwards. Weights that give a non-finite or huge
+        loss (a hostile update can push them there) give ``inf`` (:func:`perplexity`) and one
+        WARNING line, never an exception.
         """
         was_training = self.model.training
         self.model.eval()
@@ -503,7 +519,12 @@ class InnerTrainer:
                 rows += x.shape[0]
         finally:
             self.model.train(was_training)
-        return math.exp(tot / rows)
+        mean = tot / rows if rows else float("nan")
+        ppl = perplexity(mean)
+        if not math.isfinite(ppl):
+            log.warning("eval loss is %s nats/token: reporting perplexity inf (the global weights are broken)",
+                        f"{mean:.4g}")
+        return ppl
 
     # -- persistence ------------------------------------------------------------------
 

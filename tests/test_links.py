@@ -169,10 +169,23 @@ def test_first_measurement_replaces_the_start_up_figure():
     assert node.ema.upload_bps == 3000.0 and node._measured == {"up"}
     node._update_links(SimpleNamespace(upload=LinkSample(1000, 1.0, 1), download=None))
     assert node.ema.upload_bps == 0.5 * 1000.0 + 0.5 * 3000.0
+    node._update_throughput(8, SimpleNamespace(tokens=512, compute_s=4.0))
+    assert node.ema.tokens_per_s == {8: 128.0}
     node._update_throughput(8, SimpleNamespace(tokens=512, compute_s=2.0))
-    assert node.ema.tokens_per_s == {8: 256.0}
-    node._update_throughput(8, SimpleNamespace(tokens=512, compute_s=1.0))
-    assert node.ema.tokens_per_s == {8: 0.5 * 512.0 + 0.5 * 256.0}
+    assert node.ema.tokens_per_s == {8: 0.5 * 256.0 + 0.5 * 128.0}
+
+
+def test_announced_throughput_grows_at_most_2x_per_round():
+    """A self-measured compute time is not evidence: a free rider reporting 1 ms for its planned work
+    moves its announced tokens/s by at most MAX_TPS_GROWTH_PER_UPDATE (2x) per round, the first
+    measurement included; slowing down is taken as measured."""
+    node = _node_with()
+    node._measured = set()
+    for expected in (200.0, 400.0, 800.0):
+        node._update_throughput(8, SimpleNamespace(tokens=204_800, compute_s=1e-3))
+        assert node.ema.tokens_per_s == {8: expected}
+    node._update_throughput(8, SimpleNamespace(tokens=80, compute_s=1.0))
+    assert node.ema.tokens_per_s == {8: 0.5 * 80.0 + 0.5 * 800.0}
 
 
 async def test_probe_flood_is_refused_per_caller_and_by_reply_budget():

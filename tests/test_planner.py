@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import statistics
 
 import pydantic
 import pytest
@@ -12,10 +13,12 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from geomesh_p2p.planner import (
+    BUDGET_MEDIAN_FACTOR,
     PLAN_SCHEMA_VERSION,
     PlanConfig,
     RoundPlan,
     best_micro_batch,
+    check_plan,
     format_plan_table,
     interpolate_tokens_per_s,
     make_plan,
@@ -343,6 +346,11 @@ def test_awb_plan_properties(recs, cfg, numel):
     by_id = {r.peer_id: r for r in recs}
     T = plan.window_s
     assert plan.participants() == sorted(by_id)
+    # an honest plan passes the followers' checks, whatever the records
+    assert check_plan(plan, by_id, cfg, now=plan.created_at) is None
+    # budgets lowered to BUDGET_MEDIAN_FACTOR x the lower median may idle more than one step
+    limit = BUDGET_MEDIAN_FACTOR * statistics.median_low([a.token_budget for a in plan.assignments])
+    capped = {a.peer_id for a in plan.assignments if a.token_budget + a.batch_size * cfg.seq_len > limit}
     step_tokens = 0
     for a in plan.assignments:
         r = by_id[a.peer_id]
@@ -356,7 +364,7 @@ def test_awb_plan_properties(recs, cfg, numel):
         step_s = a.predicted_compute_s / a.inner_steps
         finish = a.predicted_compute_s + a.predicted_comm_s
         assert finish <= T * (1 + 1e-9) + 1e-9
-        if a.inner_steps < cfg.max_inner_steps:
+        if a.inner_steps < cfg.max_inner_steps and a.peer_id not in capped:
             assert T - finish < step_s * (1 + 1e-6) + 1e-9
         assert a.predicted_idle_s == pytest.approx(max(0.0, T - finish), abs=1e-9 * T)
         if r.client_only:
@@ -364,16 +372,16 @@ def test_awb_plan_properties(recs, cfg, numel):
     # explicit window is an upper bound unless the slowest peer's min steps need more
     feasible = max(a.predicted_comm_s + cfg.min_inner_steps * a.predicted_compute_s / a.inner_steps
                    for a in plan.assignments)
-    capped = cfg.window_s is not None and T <= max(cfg.window_s, feasible) * (1 + 1e-9)
+    window_capped = cfg.window_s is not None and T <= max(cfg.window_s, feasible) * (1 + 1e-9)
     if cfg.window_s is not None:
-        assert capped
+        assert window_capped
     # tokens near the target (within the window slack and a step per peer) unless steps are clipped
     if cfg.target_tokens_per_round is not None:
         target, total = cfg.target_tokens_per_round, plan.total_token_budget()
         rate = sum(a.batch_size * cfg.seq_len * a.inner_steps / a.predicted_compute_s for a in plan.assignments)
         bound = cfg.window_slack / (1 - cfg.window_slack) * T * rate + 2 * step_tokens
         if total < target - bound:
-            assert capped or any(a.inner_steps == cfg.max_inner_steps for a in plan.assignments)
+            assert window_capped or capped or any(a.inner_steps == cfg.max_inner_steps for a in plan.assignments)
         if total > target + bound:
             assert any(a.inner_steps == cfg.min_inner_steps for a in plan.assignments)
     # partition: contiguous cover of [0, numel), no overlap, client-only own nothing
@@ -394,7 +402,9 @@ def test_awb_plan_properties(recs, cfg, numel):
 @settings(PROPS, max_examples=30)
 @given(recs=swarms(), cfg=configs(), numel=st.integers(0, 10**7))
 def test_uniform_plan_properties(recs, cfg, numel):
+    cfg = cfg.model_copy(update={"method": "diloco"})
     plan = plan_uniform(recs, cfg, numel=numel, **PLAN_KW)
+    assert check_plan(plan, {r.peer_id: r for r in recs}, cfg, now=plan.created_at) is None
     assert len({(a.batch_size, a.micro_batch, a.inner_steps) for a in plan.assignments}) == 1
     a0 = plan.assignments[0]
     assert a0.inner_steps == cfg.uniform_inner_steps

@@ -1,0 +1,482 @@
+"""Issue 11: plans that followers check, capability claims bounded by behaviour, no hostile value
+crashes an honest peer (planner.check_plan / bound_records, node guards, metrics, perplexity)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import random
+import statistics
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from geomesh_p2p.capability import MAX_TPS_GROWTH_PER_UPDATE, ThroughputEMA
+from geomesh_p2p.identity import Identity
+from geomesh_p2p.metrics import RoundLog, RoundRecord, format_row, json_safe
+from geomesh_p2p.node import NodeConfig, PeerNode, RunConfig
+from geomesh_p2p.optim import OuterNesterov, SyncAdamW
+from geomesh_p2p.planner import (
+    BANDWIDTH_SPREAD_CAP,
+    BATCH_SPREAD_CAP,
+    BUDGET_MEDIAN_FACTOR,
+    EVIDENCE_GROWTH,
+    OWNER_SHARE_FACTOR,
+    THROUGHPUT_SPREAD_CAP,
+    PlanConfig,
+    RoundPlan,
+    bound_records,
+    check_plan,
+    make_plan,
+    max_owner_units,
+    max_token_share,
+    partition,
+    plan_round,
+)
+from geomesh_p2p.records import MAX_BATCH, MAX_LINK_BPS, MAX_TOKENS_PER_S, MIN_LINK_BPS, MIN_TOKENS_PER_S, PeerRecord
+from geomesh_p2p.training import perplexity
+
+pytestmark = pytest.mark.timeout(120)
+
+GB = 10**9
+MBIT = 1e6 / 8
+T0 = 1_700_000_000.0
+KW = dict(run_id="run", round=5, leader="p0", start_time=T0, start_digest="d")
+
+
+def rec(pid, tps, max_batch=64, up_mbit=800.0, down_mbit=None, *, client_only=False, batches=(4, 8, 16, 32, 64),
+        half=4.0, memory_gb=48):
+    """A record whose throughput saturates with the batch: tps(b) = tps * b / (b + half)."""
+    return PeerRecord(peer_id=pid, address=None if client_only else f"{pid}.example:7000", device=f"dev-{pid}",
+                      memory_bytes=memory_gb * GB, tokens_per_s={b: tps * b / (b + half) for b in batches},
+                      max_batch=max_batch, upload_bps=up_mbit * MBIT,
+                      download_bps=(down_mbit or up_mbit) * MBIT, version="0.1.0", run_config_hash="h")
+
+
+def paper_swarm():
+    # GeoMesh's testbed: H100, A100, L40S, RTX 6000 Ada, speeds 1.0/0.55/0.45/0.40, 940-580 Mbit/s
+    return [rec("p0", 160_000 * 1.00, 64, 940), rec("p1", 160_000 * 0.55, 64, 800),
+            rec("p2", 160_000 * 0.45, 32, 700), rec("p3", 160_000 * 0.40, 32, 580)]
+
+
+def paper_cfg(**kw):
+    args = dict(seq_len=1024, target_batch=32, payload_bytes=2 * 150_000_000 // 8, part_align=2048)
+    args.update(kw)
+    return PlanConfig(**args)
+
+
+def by_id(recs):
+    return {r.peer_id: r for r in recs}
+
+
+def rogue_of(plan: RoundPlan, me: str, budget: int = 14_000_000_000_000, H: int = 200) -> RoundPlan:
+    """What the issue's rogue leader published: sole owner of every element, a 1.4e13-token budget
+    for itself, 0 steps for everyone else (the same construction as adversary.py's)."""
+    out = []
+    for a in plan.assignments:
+        if a.peer_id == me:
+            accum = -(-budget // (plan.seq_len * H * a.micro_batch))
+            batch = a.micro_batch * accum
+            out.append({**a.model_dump(), "batch_size": batch, "accum_steps": accum, "inner_steps": H,
+                        "token_budget": batch * plan.seq_len * H, "part_start": 0, "part_end": plan.numel})
+        else:
+            out.append({**a.model_dump(), "inner_steps": 0, "token_budget": 0, "part_start": 0, "part_end": 0,
+                        "predicted_compute_s": 0.0})
+    return RoundPlan.model_validate({**plan.model_dump(), "assignments": out})
+
+
+def with_assignment(plan: RoundPlan, pid: str, **update) -> RoundPlan:
+    """``plan`` with one assignment changed (token_budget kept consistent)."""
+    out = []
+    for a in plan.assignments:
+        d = a.model_dump()
+        if a.peer_id == pid:
+            d.update(update)
+            d["token_budget"] = d["batch_size"] * plan.seq_len * d["inner_steps"]
+        out.append(d)
+    return RoundPlan.model_validate({**plan.model_dump(), "assignments": out})
+
+
+# ------------------------------------------------------------------------------------------
+# 1. plans that followers check
+
+
+def test_honest_paper_and_demo_plans_pass():
+    recs = paper_swarm()
+    for method in ("geomesh", "awb", "diloco", "css", "ddp"):
+        cfg = paper_cfg(method=method)
+        plan = make_plan(recs, cfg, numel=150_000_000, **KW)
+        assert check_plan(plan, by_id(recs), cfg, now=T0) is None, method
+    # the demo: 3 CPU peers at speed factors 1.0 / 0.55 / 0.4, tiny model, 6 s window
+    demo = [rec(f"d{i}", 2400 * f, 256, 800, batches=(4, 8, 16)) for i, f in enumerate((1.0, 0.55, 0.4))]
+    cfg = PlanConfig(seq_len=64, target_batch=8, window_s=6.0, payload_bytes=2 * 120_000, part_align=2048)
+    plan = make_plan(demo, cfg, numel=950_000, **KW)
+    assert check_plan(plan, by_id(demo), cfg, now=T0) is None
+
+
+GPUS = [  # relative speed, memory GB (volunteer32 + paper4 spreads)
+    (1.00, 80), (0.55, 80), (0.45, 48), (0.40, 48), (0.30, 48), (0.40, 24), (0.25, 24), (0.18, 10), (0.07, 16)]
+
+
+@st.composite
+def honest_swarms(draw):
+    n = draw(st.integers(1, 12))
+    recs = []
+    for i in range(n):
+        speed, mem = draw(st.sampled_from(GPUS))
+        jitter = draw(st.floats(0.8, 1.25))
+        up = draw(st.floats(20.0, 1000.0))
+        down = draw(st.floats(up, 1000.0))
+        client = i > 0 and draw(st.booleans())
+        recs.append(rec(f"g{i:02d}", 150_000 * speed * jitter, max(1, int(mem * 0.8)), up, down, client_only=client,
+                        batches=tuple(b for b in (1, 2, 4, 8, 16, 32, 64) if b <= mem)))
+    random.Random(draw(st.integers(0, 999))).shuffle(recs)
+    return recs
+
+
+@st.composite
+def node_configs(draw):
+    p = draw(st.sampled_from([1_000_000, 150_000_000]))
+    sign = p // 8 + 4 * (p // 2048)
+    return PlanConfig(seq_len=draw(st.sampled_from([64, 1024])), target_batch=draw(st.sampled_from([8, 32])),
+                      window_s=draw(st.none() | st.floats(2.0, 120.0)), comm_share=0.1,
+                      payload_bytes=draw(st.sampled_from([2 * sign, 8 * p])), max_inner_steps=200,
+                      method=draw(st.sampled_from(["geomesh", "awb", "diloco", "css", "ddp"])),
+                      mode=draw(st.sampled_from(["relay", "reencode"])), part_align=2048), p
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(recs=honest_swarms(), cfg_p=node_configs(), evidence=st.lists(st.floats(1.0, 1e6), min_size=12, max_size=12))
+def test_honest_plans_always_pass_the_followers_checks(recs, cfg_p, evidence):
+    """Whatever honest records and run config, and whatever delivered-work evidence the leader holds,
+    its plan passes every follower's check (which does not know the evidence)."""
+    cfg, numel = cfg_p
+    supported = {r.peer_id: e for r, e in zip(recs, evidence)}
+    plan = make_plan(recs, cfg, numel=numel, supported_tokens_per_s=supported, **KW)
+    assert check_plan(plan, by_id(recs), cfg, now=T0) is None
+    # and the bounds hold with real values: shares of ownership and of tokens
+    n_owners = sum(1 for r in recs if r.address)
+    units = -(-numel // 2048)
+    assert max(e - s for _, s, e in plan.owners()) <= max_owner_units(units, n_owners) * 2048
+    budgets = [a.token_budget for a in plan.assignments]
+    floors = [cfg.min_inner_steps * a.batch_size * cfg.seq_len for a in plan.assignments]
+    limit = BUDGET_MEDIAN_FACTOR * statistics.median_low(budgets)
+    assert all(b <= max(limit, f) for b, f in zip(budgets, floors))
+
+
+def test_the_rogue_leader_plan_and_its_variants_are_refused():
+    recs = paper_swarm()
+    cfg = paper_cfg()
+    live = by_id(recs)
+    honest = plan_round(recs, cfg, numel=150_000_000, **KW)
+    assert check_plan(honest, live, cfg, now=T0) is None
+
+    rogue = rogue_of(honest, "p0")
+    assert rogue.assignment("p0").token_budget >= 14_000_000_000_000
+    assert check_plan(rogue, live, cfg, now=T0) is not None
+
+    a0 = honest.assignment("p0")
+    cases = {
+        # a huge batch through accumulation (what the rogue plan does)
+        "accumulates": with_assignment(honest, "p0", batch_size=a0.micro_batch * 1000, accum_steps=1000),
+        # a micro-batch over what the record (bounded) supports: an honest peer would run out of memory
+        "micro-batch": with_assignment(honest, "p2", micro_batch=64, accum_steps=1, batch_size=64),
+        # 0 steps for a planned peer while the others train
+        "inner steps": with_assignment(honest, "p3", inner_steps=0),
+        # the most steps the run allows, at the record's batch: more than its throughput supports
+        "bounded throughput": with_assignment(honest, "p0", inner_steps=cfg.max_inner_steps),
+        # the leader's budget kept, everyone else cut to one step: over 8x the median budget
+        "median budget": RoundPlan.model_validate({**honest.model_dump(), "assignments": [
+            {**a.model_dump(), "inner_steps": 1, "token_budget": a.batch_size * cfg.seq_len}
+            if a.peer_id != "p0" else a.model_dump() for a in honest.assignments]}),
+        "window": honest.model_copy(update={"window_s": 5 * honest.window_s,
+                                            "train_deadline": honest.created_at + 5 * honest.window_s,
+                                            "exchange_deadline": honest.created_at + 5 * honest.window_s + 30}),
+        "in the future": honest.model_copy(update={"created_at": T0 + 3600, "train_deadline": T0 + 3600 +
+                                                   honest.window_s, "exchange_deadline": T0 + 3700 + honest.window_s}),
+    }
+    # sole owner of every element, all else honest
+    cases["owns"] = RoundPlan.model_validate({**honest.model_dump(), "assignments": [
+        {**a.model_dump(), "part_start": 0, "part_end": honest.numel if a.peer_id == "p0" else 0}
+        for a in honest.assignments]})
+    for expected, bad in cases.items():
+        reason = check_plan(bad, live, cfg, now=T0)
+        assert reason is not None and expected in reason, (expected, reason)
+
+
+def test_a_follower_refuses_the_rogue_plan_before_following_it():
+    """Through PeerNode._plan_problem (what obtain_plan's accept= calls): the rogue plan of the issue
+    is refused with a one-line reason; the node's own honest plan for the same records is not."""
+    run = RunConfig(seq_len=32, window_s=5.0)
+    ids = [Identity.generate() for _ in range(4)]
+    recs = [PeerRecord(peer_id=str(i.peer_id), address=f"127.0.0.1:{7000 + k}", device="cpu", memory_bytes=1 << 30,
+                       tokens_per_s={8: 2000.0 * f}, max_batch=8, upload_bps=1e7, download_bps=1e7,
+                       version="0.1.0", run_config_hash="h", round=0, weights_digest="d")
+            for k, (i, f) in enumerate(zip(ids, (1.0, 0.55, 0.45, 0.4)))]
+    node = PeerNode(run, NodeConfig(), identity=ids[0])
+    node.numel, node.round, node.digest = 200_000, 0, "d"
+    live = by_id(recs)
+    plan = node._make_plan(recs, recs[0].peer_id)
+    assert node._plan_problem(plan, live) is None
+    reason = node._plan_problem(rogue_of(plan, recs[0].peer_id, H=run.max_inner_steps), live)
+    assert reason is not None and "\n" not in reason
+
+
+def test_token_share_and_ownership_bounds_have_the_stated_values():
+    assert BUDGET_MEDIAN_FACTOR == 8.0 and OWNER_SHARE_FACTOR == 2.0
+    assert [max_token_share(n) for n in (1, 2, 4, 7)] == [1.0, 8 / 9, 8 / 10, 8 / 11]
+    assert max_owner_units(1000, 4) == 500 and max_owner_units(1000, 3) == 667
+    assert max_owner_units(1, 4) == 1 and max_owner_units(1000, 1) == 2000
+
+
+def test_partition_caps_an_owner_at_twice_its_fair_share():
+    """hivemind's LP gives a peer with 2x the others' bandwidth the whole vector when N = 3 (its
+    aggregator load equals their client load): the cap leaves it 2/3, the rest by bandwidth."""
+    recs = [rec("a", 1000.0, up_mbit=200.0), rec("b", 1000.0, up_mbit=100.0), rec("c", 1000.0, up_mbit=100.0)]
+    parts = {pid: e - s for pid, s, e in partition(3000, recs)}
+    assert parts == {"a": 2000, "b": 500, "c": 500}
+    # barred peers (no part at the leader) do not enlarge the cap a follower allows the others
+    cfg = PlanConfig(seq_len=8, target_batch=4, payload_bytes=1000, window_s=5.0)
+    plan = plan_round(recs, cfg, numel=3000, **KW)
+    assert max(e - s for _, s, e in plan.owners()) <= 2000
+    sole = RoundPlan.model_validate({**plan.model_dump(), "assignments": [
+        {**a.model_dump(), "part_start": 0, "part_end": 3000 if a.peer_id == "a" else 0} for a in plan.assignments]})
+    assert "owns 3000 of 3000" in check_plan(sole, by_id(recs), cfg, now=T0)
+    assert "owns 3000 of 3000" in check_plan(sole, by_id(recs), cfg, now=T0, barred={"zzz-unknown"})
+
+
+# ------------------------------------------------------------------------------------------
+# 2. capability claims bounded by behaviour
+
+
+def test_an_inflated_record_is_planned_like_at_most_8x_the_median():
+    """The issue's attacker: 1e10 tokens/s at batch 65,536, 1 TB/s. Unbounded, leaders planned it
+    838,860,800 tokens/round vs 9-26k for honest peers; bounded, its figures are 8x the lower median."""
+    honest = [rec(f"h{i}", 2000.0 * f, 256, 800, batches=(4, 8, 16)) for i, f in enumerate((1.0, 0.55, 0.4))]
+    liar = PeerRecord(peer_id="x", address="x:1", device="cpu", memory_bytes=1 << 40,
+                      tokens_per_s={4: 1000.0, 8: 1400.0, 16: 1600.0, 65_536: 1e10}, max_batch=65_536,
+                      upload_bps=1e12, download_bps=1e12, version="0.1.0", run_config_hash="h")
+    recs = honest + [liar]
+    b = by_id(bound_records(recs))
+    med_tps = statistics.median_low([r.best_tokens_per_s() for r in recs])
+    assert b["x"].best_tokens_per_s() == THROUGHPUT_SPREAD_CAP * med_tps
+    assert b["x"].max_batch == BATCH_SPREAD_CAP * 256
+    assert b["x"].upload_bps == BANDWIDTH_SPREAD_CAP * 800 * MBIT
+    assert all(b[r.peer_id] == r for r in honest)  # honest records are untouched
+    cfg = PlanConfig(seq_len=64, target_batch=8, window_s=6.0, payload_bytes=240_000, part_align=2048)
+    plan = plan_round(recs, cfg, numel=950_000, **KW)
+    x = plan.assignment("x")
+    med = statistics.median_low([a.token_budget for a in plan.assignments])
+    assert x.token_budget <= BUDGET_MEDIAN_FACTOR * med
+    assert x.token_budget <= THROUGHPUT_SPREAD_CAP * med_tps * plan.window_s
+    assert x.token_budget < 838_860_800 / 1000
+    # two peers, one liar: the lower median is the honest figure
+    pair = bound_records([honest[0], liar])
+    assert pair[1].best_tokens_per_s() == THROUGHPUT_SPREAD_CAP * honest[0].best_tokens_per_s()
+
+
+def test_delivered_work_bounds_the_planned_rate():
+    """A free rider whose record says 10x what its last contribution supports is planned at no more
+    than EVIDENCE_GROWTH x the supported rate; the window (what followers recompute) is unchanged."""
+    recs = [rec(f"h{i}", 2000.0, 256, 800, batches=(8,)) for i in range(3)] + [rec("z", 8000.0, 256, 800, batches=(8,))]
+    cfg = PlanConfig(seq_len=64, target_batch=8, window_s=6.0, payload_bytes=240_000)
+    free = plan_round(recs, cfg, numel=10_000, **KW)
+    bounded = plan_round(recs, cfg, numel=10_000, supported_tokens_per_s={"z": 800.0}, **KW)
+    assert bounded.window_s == free.window_s
+    z0, z1 = free.assignment("z"), bounded.assignment("z")
+    # its claim: 8000 * 8 / 12 = 5333 tokens/s; its evidence allows 2 x 800 = 1600
+    assert z0.token_budget == z0.inner_steps * 8 * 64 and z0.token_budget > 3 * EVIDENCE_GROWTH * 800.0 * free.window_s
+    assert z1.token_budget <= EVIDENCE_GROWTH * 800.0 * bounded.window_s
+    assert z1.inner_steps == math.floor((bounded.window_s - z1.predicted_comm_s) / (8 * 64 / 1600.0) + 1e-9)
+    assert all(bounded.assignment(f"h{i}") == free.assignment(f"h{i}") for i in range(3))
+    assert check_plan(bounded, by_id(recs), cfg, now=T0) is None
+
+
+def test_node_evidence_is_tokens_delivered_over_planned_compute():
+    plan = SimpleNamespace(assignments=[SimpleNamespace(peer_id="a", predicted_compute_s=2.0),
+                                        SimpleNamespace(peer_id="b", predicted_compute_s=4.0),
+                                        SimpleNamespace(peer_id="c", predicted_compute_s=1.0)])
+    ar = SimpleNamespace(contributors={0: [("a", 1000), ("b", 400)], 1: [("a", 1000), ("b", 800)]})
+    assert PeerNode._delivered_rates(plan, ar) == {"a": 500.0, "b": 200.0}  # c delivered nothing
+
+
+def test_throughput_ema_growth_bound():
+    ema = ThroughputEMA(alpha=0.3, tokens_per_s={8: 100.0, 16: 150.0})
+    assert ema.update(8, 10**9, 1e-3, max_growth=MAX_TPS_GROWTH_PER_UPDATE) == 200.0
+    assert ema.tokens_per_s == {8: 200.0, 16: 300.0}
+    assert ema.update(32, 10**9, 1e-3, max_growth=2.0) == 600.0  # a new batch: 2x the best figure known
+    with pytest.raises(ValueError):
+        ema.update(8, 10, 1.0, max_growth=0.5)
+
+
+# ------------------------------------------------------------------------------------------
+# 3. no hostile value crashes an honest peer
+
+
+def test_perplexity_never_raises():
+    assert perplexity(2.0) == pytest.approx(math.exp(2.0))
+    assert perplexity(566.0) == pytest.approx(math.exp(566.0))  # the issue's 3.4e246 is still finite
+    for loss in (710.0, 1e300, float("inf"), float("nan")):
+        assert perplexity(loss) == math.inf
+
+
+def test_evaluate_a_model_blown_up_by_a_hostile_update(caplog):
+    from geomesh_p2p.data import TokenDataset
+    from geomesh_p2p.training import InnerTrainer, build_model, load_flat_, num_params
+
+    torch.set_num_threads(1)
+    d = TokenDataset(torch.arange(4000) % 50, vocab_size=50)
+    m = build_model("tiny", vocab_size=50)
+    tr = InnerTrainer(m, d, device="cpu", seq_len=16, lr=1e-3, seed=0, peer_id="x")
+    for value in (1e30, float("nan")):
+        load_flat_(m, torch.full((num_params(m),), value))
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="geomesh_p2p.training"):
+            assert tr.evaluate(max_batches=1, batch_size=2) == math.inf
+        assert len(caplog.records) == 1 and "perplexity inf" in caplog.records[0].getMessage()
+
+
+def test_metrics_rows_json_and_gauges_take_inf_and_nan(tmp_path):
+    r = RoundRecord(round=3, peers=4, leader="x", batch_size=8, inner_steps_planned=5, inner_steps_done=0,
+                    tokens=0, train_loss=float("nan"), eval_ppl=math.inf, compute_s=0.1, straggler_idle_s=0.0,
+                    network_idle_s=0.0, round_s=1.0, bytes_sent=1, bytes_received=1, digest="abcdef01",
+                    extra={"scale": float("inf"), "xs": [1.0, float("nan")]})
+    strict = json.loads(r.to_json(), parse_constant=lambda c: pytest.fail(f"not JSON: {c}"))
+    assert strict["eval_ppl"] is None and strict["extra"] == {"scale": None, "xs": [1.0, None]}
+    assert "inf" in format_row(r)
+    printed = []
+    log = RoundLog(json_path=str(tmp_path / "rows.jsonl"), metrics_port=0, print_fn=printed.append)
+    try:
+        log.add(r)
+    finally:
+        log.close()
+    assert json.loads((tmp_path / "rows.jsonl").read_text())["eval_ppl"] is None
+    assert json_safe({"a": (math.inf, -math.inf, 2.5)}) == {"a": [None, None, 2.5]}
+
+
+def test_summary_json_is_strict_with_an_infinite_perplexity(tmp_path):
+    node = PeerNode(RunConfig(), NodeConfig(), identity=Identity.generate())
+    node.initial_ppl = math.inf
+    node.write_summary(str(tmp_path / "s.json"))
+    data = json.loads((tmp_path / "s.json").read_text(), parse_constant=lambda c: pytest.fail(f"not JSON: {c}"))
+    assert data["initial_eval_ppl"] is None and data["final_eval_ppl"] is None
+
+
+def _outer_node(outer, theta):
+    node = PeerNode(RunConfig(), NodeConfig(), identity=Identity.generate())
+    node.outer, node.theta = outer, theta.clone()
+    return node
+
+
+@pytest.mark.parametrize("make_outer", [lambda: OuterNesterov(lr=0.7, momentum=0.9),
+                                        lambda: SyncAdamW(lambda r: 1e-3)])
+def test_outer_step_skips_parts_whose_aggregate_or_result_is_not_finite(make_outer, caplog):
+    theta = torch.linspace(-1, 1, 12)
+    plan = SimpleNamespace(owners=lambda: [("a", 0, 4), ("b", 4, 8), ("c", 8, 12)])
+    agg = torch.full((12,), 0.01)
+    agg[5] = float("nan")         # part b: a forged aggregate with a NaN
+    agg[8:12] = 3e38              # part c: finite, but Nesterov's momentum sum overflows to inf
+    ref = make_outer()
+    ref.buf = torch.zeros(12 * ref.state_factor)
+    node = _outer_node(make_outer(), theta)
+    node.outer.buf = torch.zeros(12 * ref.state_factor)
+    clean = theta.clone()
+    ref.step(clean, torch.full((12,), 0.01), round=0)
+    with caplog.at_level("WARNING", logger="geomesh_p2p.node"):
+        node._outer_step(0, plan, agg)
+    assert torch.equal(node.theta[:4], clean[:4])  # part a stepped as usual
+    skipped = [(4, 8), (8, 12)]  # Nesterov: buf + g overflows; AdamW: v = g^2 overflows
+    for s, e in skipped:  # untouched: weights and every optimizer-state slice
+        assert torch.equal(node.theta[s:e], theta[s:e])
+        for k in range(ref.state_factor):
+            assert torch.equal(node.outer.buf[k * 12 + s:k * 12 + e], torch.zeros(e - s))
+    assert bool(torch.isfinite(node.theta).all()) and bool(torch.isfinite(node.outer.buf).all())
+    assert len(caplog.records) == 1
+    assert "2 of 3 parts (8 of 12 elements): 1 with non-finite aggregate values, 1 where the step would overflow" \
+        in caplog.records[0].getMessage()
+
+
+def test_a_peer_whose_training_diverges_contributes_nothing_and_keeps_going(monkeypatch, caplog):
+    """trainer.run raising FloatingPointError (global weights that give a NaN loss) or a non-finite
+    update: one WARNING line, a zero contribution of 0 tokens, the model back at the global weights."""
+    import geomesh_p2p.round as round_mod
+
+    run = RunConfig(seq_len=16, window_s=5.0)
+    me = Identity.generate()
+    node = PeerNode(run, NodeConfig(), identity=me)
+    r0 = PeerRecord(peer_id=node.me, address="127.0.0.1:7000", device="cpu", memory_bytes=1 << 30,
+                    tokens_per_s={8: 1000.0}, max_batch=8, upload_bps=1e7, download_bps=1e7, version="0.1.0",
+                    run_config_hash="h", weights_digest="d")
+    node.numel, node.round, node.digest = 40, 0, "d"
+    cfg = PlanConfig(seq_len=16, target_batch=8, window_s=5.0, payload_bytes=100, mode=run.mode, method=run.method)
+    plan = plan_round([r0], cfg, run_id=run.run_id, round=0, leader=node.me, numel=40, start_time=time.time(),
+                      start_digest="d")
+    model = torch.nn.Linear(4, 8)  # 40 parameters
+    node.model = model
+    node.theta = torch.zeros(40)
+
+    async def fake_obtain(*a, **k):
+        return plan
+
+    async def fake_peers(include_leaving=False):
+        return [r0]
+
+    sent = {}
+
+    async def fake_all_reduce(spec, delta, tokens, compute_end=None):
+        sent.update(delta=delta.clone(), tokens=tokens)
+        return SimpleNamespace(missing_parts=[], contributors={}, aggregate=torch.zeros(40))
+
+    async def fake_finish(r, plan_, a, result, ar, *rest):
+        sent["result"] = result
+        return set()
+
+    monkeypatch.setattr(round_mod, "obtain_plan", fake_obtain)
+    node.plans = None  # obtain_plan is replaced: no DHT
+    node.peers = fake_peers
+    node.transport = SimpleNamespace(stats=SimpleNamespace(snapshot=lambda: (0, 0)))
+    node.collective = SimpleNamespace(all_reduce=fake_all_reduce)
+    node._collective_spec = lambda p: "spec"
+    node._finish_round = fake_finish
+
+    def diverge(**kw):
+        with torch.no_grad():
+            model.weight.fill_(float("nan"))
+        raise FloatingPointError("non-finite training loss nan at round 0 step 0")
+
+    for trainer_run in (diverge, lambda **kw: (model.weight.data.fill_(float("inf")), SimpleNamespace(
+            steps_done=1, tokens=128, mean_loss=3.0, last_loss=3.0, compute_s=0.5, stopped_early=False))[1]):
+        node.trainer = SimpleNamespace(run=trainer_run)
+        sent.clear()
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="geomesh_p2p.node"):
+            asyncio.run(node._one_round([r0]))
+        assert sent["tokens"] == 0 and torch.equal(sent["delta"], torch.zeros(40))
+        assert sent["result"].tokens == 0 and sent["result"].steps_done == 0
+        assert torch.equal(torch.cat([model.weight.reshape(-1), model.bias]), torch.zeros(40))
+        assert len([x for x in caplog.records if x.levelno == logging.WARNING]) == 1
+        assert "contributing nothing" in caplog.records[-1].getMessage()
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(st.sampled_from([MIN_TOKENS_PER_S, 1.0, 1e5, MAX_TOKENS_PER_S]),
+                          st.sampled_from([1, 64, MAX_BATCH]),
+                          st.sampled_from([MIN_LINK_BPS, 1e6, MAX_LINK_BPS])), min_size=1, max_size=6),
+       st.none() | st.floats(0.01, 1e6))
+def test_planner_maths_with_extreme_records(figures, window_s):
+    """Records at the edges of what they may state (1e-3..1e10 tokens/s, batch 1..2**20, 1 B/s..1 TB/s)
+    give a finite plan that passes the checks, or a ValueError: never an overflow or a NaN."""
+    recs = [PeerRecord(peer_id=f"e{i}", address=f"e{i}:1", device="x", memory_bytes=1,
+                       tokens_per_s={b: tps}, max_batch=b, upload_bps=bw, download_bps=bw, version="0.1.0",
+                       run_config_hash="h") for i, (tps, b, bw) in enumerate(figures)]
+    cfg = PlanConfig(seq_len=1024, target_batch=32, window_s=window_s, payload_bytes=10**9, part_align=2048)
+    plan = plan_round(recs, cfg, numel=10**9, **KW)
+    assert math.isfinite(plan.window_s) and plan.window_s > 0
+    assert all(math.isfinite(a.predicted_compute_s) for a in plan.assignments)
+    assert check_plan(plan, by_id(recs), cfg, now=T0) is None
