@@ -62,6 +62,16 @@ def _speed_factor(text: str) -> float:
     return v
 
 
+def _fraction(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}") from None
+    if not 0 <= v <= 1:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text}")
+    return v
+
+
 def _momentum(text: str) -> float:
     v = float(text)
     if not 0 <= v < 1:
@@ -126,8 +136,25 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--method", default="geomesh", choices=["geomesh", "awb", "css", "diloco", "ddp"],
                    help="geomesh = AWB + sign compression; awb / css = one of them; diloco = neither; "
                         "ddp = fp32 gradient sync every step, AdamW on the mean (default: %(default)s)")
-    g.add_argument("--mode", default="reencode", choices=["relay", "reencode"],
-                   help="how part owners serve the aggregate (default: %(default)s)")
+    g.add_argument("--mode", default="relay", choices=["relay", "reencode"],
+                   help="how part owners serve a part: relay = forward the signed contributions, every peer "
+                        "aggregates them itself (an owner cannot forge the update; bytes grow with the group); "
+                        "reencode = send the owner's re-encoded aggregate (~2 P/8 bytes per peer; trusted owners "
+                        "only) (default: %(default)s)")
+    g.add_argument("--aggregation", default="meanmed", choices=["mean", "meanmed", "vote"],
+                   help="aggregation rule of compressed methods: meanmed = bounded-weight mean of signs x median "
+                        "block scale, vote = weighted sign majority x median scale (both drop contributions that "
+                        "disagree with the consensus), mean = plain token-weighted mean (not robust to attackers; "
+                        "docs/security.md) (default: %(default)s)")
+    g.add_argument("--weight-cap", type=_positive_float, default=1.0, metavar="X",
+                   help="no contributor weighs more than X times the median weight, whatever tokens it claims "
+                        "(default: %(default)s)")
+    g.add_argument("--min-agreement", type=_fraction, default=0.5, metavar="F",
+                   help="robust rules drop a contribution whose signs agree with the consensus on fewer than F of "
+                        "the elements; 0 = off (default: %(default)s)")
+    g.add_argument("--quorum", type=_fraction, default=0.5, metavar="F",
+                   help="a part result counts only if it holds contributions of at least F of the round's "
+                        "participants (default: %(default)s)")
     g.add_argument("--aggregate-encoding", default="sign", choices=["sign", "int8", "fp16"],
                    help="reencode mode: encoding of the aggregate (default: %(default)s)")
     g.add_argument("--block-size", type=_int_at_least(1), default=2048, help="elements per sign-codec scale (default: %(default)s)")
@@ -233,6 +260,7 @@ def run_config_from(ns: argparse.Namespace):
         run_id=ns.run_id, model=ns.model if not model_json else hashlib.sha256(model_json.encode()).hexdigest()[:16],
         model_config_json=model_json, data=data_id, vocab_size=ns.vocab_size, seq_len=ns.seq_len, seed=ns.seed,
         method=ns.method, mode=ns.mode, aggregate_encoding=ns.aggregate_encoding, block_size=ns.block_size,
+        aggregation=ns.aggregation, weight_cap=ns.weight_cap, min_agreement=ns.min_agreement or None, quorum=ns.quorum,
         error_feedback=ns.error_feedback, inner_optimizer=ns.inner_optimizer, inner_lr=ns.inner_lr,
         outer_lr=ns.outer_lr, outer_momentum=ns.outer_momentum, target_batch=ns.target_batch,
         window_s=ns.window_s, uniform_inner_steps=ns.uniform_inner_steps, pow_bits=getattr(ns, "pow_bits", DEFAULT_POW_BITS))

@@ -66,6 +66,7 @@ def test_a_peer_too_slow_for_half_the_window_is_planned_out():
     node = PeerNode.__new__(PeerNode)
     node.run_cfg, node.cfg = RunConfig(window_s=6.0), NodeConfig()
     node.numel, node.round, node.digest = 1_000_000, 0, "d"
+    node._owner_penalty = {}
     plan = node._make_plan([recs[0], recs[1], slow], recs[0].peer_id)
     assert sorted(plan.participants()) == sorted([recs[0].peer_id, recs[1].peer_id])
     assert plan.train_deadline - time.time() < 10.0
@@ -103,5 +104,6 @@ def test_a_peer_too_slow_to_train_one_sequence_in_half_the_window_is_planned_out
     node = PeerNode.__new__(PeerNode)
     node.run_cfg, node.cfg = RunConfig(window_s=6.0), NodeConfig()
     node.numel, node.round, node.digest = 1_000_000, 0, "d"
+    node._owner_penalty = {}
     plan = node._make_plan([recs[0], recs[1], crawl], recs[0].peer_id)
     assert sorted(plan.participants()) == sorted([recs[0].peer_id, recs[1].peer_id])
