@@ -188,12 +188,13 @@ def _watch(ns, swarm: Swarm, workdir: Path, t0: float) -> int:
             bh = " ".join(f"{r['batch_size']}/{r['inner_steps_done']}" for r in rr)
             losses = [r["train_loss"] for r in rr if r["train_loss"] is not None]
             loss = sum(losses) / len(losses) if losses else float("nan")
+            ppl = rr[0]["eval_ppl"]  # None when not evaluated or not finite (strict JSON)
             print(f"{shown:>5} {rr[0]['peers']:>5} {bh:<28} {loss:>6.3f} "
-                  f"{rr[0]['eval_ppl']:>9.2f} {max(r['straggler_idle_pct'] for r in rr):>10.1f} "
+                  f"{(f'{ppl:.2f}' if ppl is not None else '-'):>9} {max(r['straggler_idle_pct'] for r in rr):>10.1f} "
                   f"{max(r['network_idle_pct'] for r in rr):>8.1f} "
                   f"{sum(r['bytes_sent'] for r in rr)/len(rr)/1024:>12.1f} {rr[0]['round_s']:>6.1f} "
                   f"{'equal' if len(digests) == 1 else 'DIFFER'}", flush=True)
-            if ns.target_ppl is not None and rr[0]["eval_ppl"] <= ns.target_ppl:
+            if ns.target_ppl is not None and ppl is not None and ppl <= ns.target_ppl:
                 print(f"target eval perplexity {ns.target_ppl} reached at round {shown} "
                       f"after {rr[0]['time'] - t0:.0f}s")
                 # The peers saw the same perplexity and stop by themselves; give them the time to.
@@ -226,7 +227,7 @@ def _summarize(ns, workdir: Path, t0: float) -> dict:
     t_target = None
     if ns.target_ppl is not None:
         for k in range(n):
-            if rows[0][k]["eval_ppl"] <= ns.target_ppl:
+            if rows[0][k]["eval_ppl"] is not None and rows[0][k]["eval_ppl"] <= ns.target_ppl:
                 t_target = rows[0][k]["time"] - t0
                 break
     per_peer = []
