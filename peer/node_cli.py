@@ -312,6 +312,9 @@ def cmd_join(ns: argparse.Namespace) -> int:
     warning = reachability_warning(ns)
     if warning:
         log.warning(warning)
+    trust = trust_warning(ns)
+    if trust:
+        log.warning(trust)
     try:
         run = run_config_from(ns)
         cfg = node_config_from(ns)
@@ -327,6 +330,22 @@ def cmd_join(ns: argparse.Namespace) -> int:
             print(f"geomesh-peer join: {e}", file=sys.stderr)
             return 1
         raise
+
+
+def trust_warning(ns: argparse.Namespace) -> str | None:
+    """A one-line warning when an open run (no --allow-peers) uses settings that trust other peers
+    (docs/security.md): the owner-computed aggregate of --mode reencode, the plain mean of --aggregation mean."""
+    if getattr(ns, "allow_peers", None):
+        return None
+    trusting = []
+    if ns.mode == "reencode" and ns.method in ("geomesh", "css"):
+        trusting.append("--mode reencode lets each part owner compute its range's update alone")
+    if ns.aggregation == "mean" and ns.method in ("geomesh", "css"):
+        trusting.append("--aggregation mean lets one contributor steer the update")
+    if not trusting:
+        return None
+    return ("open run (no --allow-peers): " + "; ".join(trusting) +
+            ". Use the defaults (--mode relay --aggregation meanmed) unless every peer is trusted (docs/security.md)")
 
 
 def _is_loopback(host: str) -> bool:

@@ -115,3 +115,16 @@ def test_slice_packet_equals_encoding_the_slice():
         assert "not aligned" in str(e)
     else:
         raise AssertionError("a misaligned slice was accepted")
+
+
+def test_open_runs_are_warned_about_trusting_settings():
+    import argparse
+
+    from peer.node_cli import trust_warning
+
+    ns = argparse.Namespace(allow_peers=None, mode="reencode", method="geomesh", aggregation="mean")
+    w = trust_warning(ns)
+    assert "--mode reencode" in w and "--aggregation mean" in w and "docs/security.md" in w
+    assert trust_warning(argparse.Namespace(allow_peers=None, mode="relay", method="geomesh", aggregation="meanmed")) is None
+    assert trust_warning(argparse.Namespace(allow_peers="peers.txt", mode="reencode", method="geomesh",
+                                            aggregation="mean")) is None
