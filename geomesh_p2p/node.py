@@ -38,6 +38,7 @@ from geomesh_p2p.errors import UserFacingError
 from geomesh_p2p.identity import Identity
 from geomesh_p2p.metrics import RoundLog, RoundRecord
 from geomesh_p2p.records import PeerRecord
+from geomesh_p2p import swarm_status
 from geomesh_p2p.transport import Transport, TransportConfig
 
 log = logging.getLogger(__name__)
@@ -878,6 +879,7 @@ class PeerNode:
         if sys.stdout.isatty():
             sys.stdout.write("\r\x1b[K")  # clear the progress line before the row
         self.round_log.add(rec)
+        swarm_status.publish_round_summary(self, rec)  # the bootstrap's status page (issue 16)
         if resync:
             from geomesh_p2p.state_sync import StateSyncError
 
