@@ -8,7 +8,7 @@ PY      = $(VENV)/bin/python
 PIP     = $(PY) -m pip
 STAMP   = $(VENV)/.geomesh-installed
 
-.PHONY: setup demo test bench protos clean
+.PHONY: setup browser demo test bench protos clean
 
 setup: $(STAMP)
 
@@ -23,7 +23,14 @@ $(STAMP): pyproject.toml
 demo: setup
 	$(VENV)/bin/geomesh-peer demo --workdir runs/demo --summary-json runs/demo/summary.json
 
-test: setup
+# Headless Chromium + its driver (Debian packages) for the status page's browser test; installed only when
+# missing. Without root or a package mirror the install fails, and that test is skipped saying why.
+browser:
+	@command -v chromium >/dev/null 2>&1 && command -v chromedriver >/dev/null 2>&1 || \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null) || \
+	  echo "make: could not install chromium + chromium-driver: the browser test will be skipped"
+
+test: setup browser
 	$(VENV)/bin/pytest -q tests
 
 bench: setup

@@ -8,6 +8,10 @@ Prints the address to dial and the node's PeerID, logs the number of live peers 
 may serve one swarm: start each with --bootstrap pointing at the others, and give peers all of them
 (--bootstrap is repeatable). Peers keep finding each other when every bootstrap is gone.
 
+With --http-port PORT it also serves a read-only status page (http://HOST:PORT/: peers, round, leader,
+plan, digests, plots of loss / perplexity / tokens/s / idle) and its JSON (/api/swarm, /api/rounds),
+built from the run's signed DHT records; --http-host says where it listens (default 127.0.0.1).
+
 Every option can also come from --config FILE (YAML or JSON; keys are the long option names);
 flags on the command line win.
 """
@@ -73,6 +77,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help="private run: serve only the peers listed in FILE (one base58 PeerID or public key per "
                          "line; include the other bootstraps); everyone else is refused with PERMISSION_DENIED "
                          "(default: open run)")
+    ap.add_argument("--http-port", type=int, default=None, metavar="PORT",
+                    help="serve the read-only status page and /api/swarm, /api/rounds on this port; 0 = any free "
+                         "port (default: off)")
+    ap.add_argument("--http-host", default="127.0.0.1", metavar="HOST",
+                    help="interface the status page listens on; 0.0.0.0 = all (default: %(default)s)")
+    ap.add_argument("--http-poll", type=float, default=2.0, metavar="SECONDS",
+                    help="how often the status page re-reads the swarm's records (default: %(default)s)")
     ap.add_argument("--config", metavar="FILE", default=None,
                     help="YAML/JSON file of option values (flags on the command line win) (default: none)")
     ap.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
@@ -105,6 +116,10 @@ def _check(ns: argparse.Namespace) -> Optional[str]:
         host, sep, port = str(b).rpartition(":")
         if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
             return f"--bootstrap {b!r}: expected HOST:PORT"
+    if ns.http_port is not None and not 0 <= ns.http_port <= 65535:
+        return f"--http-port {ns.http_port}: must be between 0 and 65535"
+    if not ns.http_poll > 0:
+        return f"--http-poll {ns.http_poll}: must be > 0"
     if ns.status_interval <= 0:
         return f"--status-interval {ns.status_interval}: must be > 0"
     if ns.k < 1 or ns.alpha < 1:
@@ -163,6 +178,19 @@ async def serve(ns: argparse.Namespace, identity, allow_peers: Optional[list[str
             reason = f"cannot listen on {ns.host}:{ns.port}: {reason}"
         return _fail(reason)
 
+    status = None
+    if ns.http_port is not None:
+        from geomesh_p2p.status_http import StatusServer
+        from geomesh_p2p.swarm_status import SwarmWatcher
+
+        watcher = SwarmWatcher(node, ns.run_id, poll_s=ns.http_poll, allow=allow)
+        status = StatusServer(watcher, ns.http_host, ns.http_port)
+        try:
+            url = await status.start()
+        except OSError as e:
+            await transport.stop(grace=0)
+            return _fail(f"cannot serve the status page on {ns.http_host}:{ns.http_port}: {e.strerror or e}")
+
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -173,11 +201,15 @@ async def serve(ns: argparse.Namespace, identity, allow_peers: Optional[list[str
     print(f"peers join with: --bootstrap {address}", flush=True)
     if allow is not None:
         print(f"private run: {len(allow_peers)} allowed peer(s) from --allow-peers {ns.allow_peers}", flush=True)
+    if status is not None:
+        print(f"status page on {url} (JSON: {url}api/swarm, {url}api/rounds)", flush=True)
     try:
         try:
             await node.join(ns.bootstrap)
         except DHTJoinError as e:  # the others may come later: keep serving, re-dial them on refresh
             log.warning("%s; serving alone for now", e)
+        if status is not None:
+            status.watcher.start()
         while not stop.is_set():
             try:
                 await asyncio.wait_for(stop.wait(), timeout=ns.status_interval)
@@ -194,6 +226,9 @@ async def serve(ns: argparse.Namespace, identity, allow_peers: Optional[list[str
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
+        if status is not None:
+            await status.stop()
+            await status.watcher.stop()
         await node.shutdown()
         await transport.stop(grace=1.0)
     print(f"{PROG}: stopped", flush=True)

@@ -309,7 +309,7 @@ class SwarmWatcher:
                 "last_seen_s": round(max(0.0, now - r.timestamp), 1),
                 "address": clean_text(r.address) if r.address else None,
                 "version": clean_text(r.version, 24),
-                "digest": clean_text(r.weights_digest, 8) if r.weights_digest else None,
+                "digest": clean_text(r.weights_digest[:8]) if r.weights_digest else None,
                 "batch": a.batch_size if a is not None else None,
                 "inner_steps": a.inner_steps if a is not None else None,
             })

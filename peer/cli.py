@@ -5,6 +5,8 @@ Subcommands:
   join       train with a swarm reached through one or more bootstrap nodes
   demo       a whole swarm on this machine (bootstrap + N peers as OS processes)
   profile    measure this device (memory, tokens/s per batch size; link bandwidth with --probe)
+  status     the swarm's peers, round, leader and digests, read from its DHT through a bootstrap
+  checkpoints / export / generate   inspect checkpoints, write one as a Hugging Face folder, sample from it
 """
 
 from __future__ import annotations
@@ -45,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
         node_cli = None
     if node_cli is not None:
         node_cli.add_subcommands(sub, _add_common)
+        from peer import tools_cli  # status, checkpoints, export, generate
+
+        tools_cli.add_subcommands(sub, _add_common)
     else:
         for name, text in [("join", "train with a swarm (not built yet)"), ("demo", "local demo swarm (not built yet)")]:
             sp = sub.add_parser(name, help=text)
