@@ -163,11 +163,15 @@ def _median(xs: List[float]) -> Optional[float]:
     return float(statistics.median(xs)) if xs else None
 
 
-def _state(rec: PeerRecord, plan_members: Optional[set]) -> str:
+def _state(rec: PeerRecord, plan_members: Optional[set], current: Optional[int]) -> str:
+    """leaving / syncing (downloading the swarm's state) / behind (more than one round behind the
+    swarm's round) / client-only / waiting (not in the current round's plan) / training."""
     if rec.leaving:
         return "leaving"
     if rec.weights_digest is None:
         return "syncing"
+    if current is not None and rec.round < current - 1:
+        return "behind"
     if rec.client_only:
         return "client-only"
     if plan_members is not None and rec.peer_id not in plan_members:
@@ -305,7 +309,7 @@ class SwarmWatcher:
                 "device": clean_text(r.device), "memory_gib": round(r.memory_bytes / 2**30, 2),
                 "tokens_per_s": round(r.best_tokens_per_s(), 1),
                 "up_mbps": round(r.upload_bps * 8e-6, 2), "down_mbps": round(r.download_bps * 8e-6, 2),
-                "round": r.round, "state": _state(r, members),
+                "round": r.round, "state": _state(r, members, current),
                 "last_seen_s": round(max(0.0, now - r.timestamp), 1),
                 "address": clean_text(r.address) if r.address else None,
                 "version": clean_text(r.version, 24),

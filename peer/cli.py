@@ -25,9 +25,21 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="log verbosity (default: %(default)s)")
 
 
+class _Formatter(argparse.HelpFormatter):
+    """Each command's help on its name's line: argparse measures command names without the extra
+    indent it then prints them with, so a long name (``checkpoints``) would get a line of its own."""
+
+    def add_argument(self, action):
+        super().add_argument(action)
+        if action.help is not argparse.SUPPRESS and hasattr(action, "_get_subactions"):
+            for sub in action._get_subactions():
+                self._action_max_length = max(self._action_max_length, len(sub.metavar or sub.dest or "")
+                                              + self._current_indent + self._indent_increment)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
-        prog="geomesh-peer",
+        prog="geomesh-peer", formatter_class=_Formatter,
         description="GeoMesh-P2P volunteer node: adaptive workload balancing + sign-compressed DiLoCo over gRPC.",
         epilog="geomesh-peer COMMAND --help explains the flags of a command.",
     )

@@ -206,7 +206,7 @@ def cmd_generate(ns: argparse.Namespace) -> int:
 
 
 def add_subcommands(sub, add_common) -> None:
-    st = sub.add_parser("status", help="the swarm's peers, round, leader and digests, read from its DHT",
+    st = sub.add_parser("status", help="a swarm's peers, round, leader and digests (from its DHT)",
                         description="Read a run's signed DHT records through a bootstrap and print its peers "
                                     "(device, memory, tokens/s, link, round, state), round, leader, plan, digests "
                                     "and last rounds. Exits 1 with one line when the bootstrap cannot be reached.")
@@ -221,7 +221,7 @@ def add_subcommands(sub, add_common) -> None:
     add_common(st)
     st.set_defaults(handler=cmd_status)
 
-    ck = sub.add_parser("checkpoints", help="list the checkpoints of a directory: rounds, digests, sizes, run config",
+    ck = sub.add_parser("checkpoints", help="list a checkpoint directory: rounds, digests, sizes, config",
                         description="List the checkpoints of DIR (round, digest, size, parameters, run config).")
     ck.add_argument("directory", metavar="DIR", help="a --checkpoint-dir")
     ck.add_argument("--verify", action="store_true", help="re-read every weights file and check its digest")
@@ -237,7 +237,7 @@ def add_subcommands(sub, add_common) -> None:
                        help="the run's --data, when it did not train on the shipped corpus (rebuilds its tokenizer)")
         p.add_argument("--run-id", default=None, help="refuse a checkpoint of another run")
 
-    ex = sub.add_parser("export", help="write a checkpoint as a Hugging Face folder (transformers loads it offline)",
+    ex = sub.add_parser("export", help="write a checkpoint as a Hugging Face (transformers) folder",
                         description="Write the global weights of a checkpoint as a Hugging Face folder: config.json, "
                                     "model.safetensors and the run's tokenizer files, so that "
                                     "AutoModelForCausalLM.from_pretrained(OUT) and AutoTokenizer.from_pretrained(OUT) "

@@ -86,11 +86,16 @@ def test_help_lists_each_command_once_with_one_line(monkeypatch):
         "join": "train with a swarm (via one or more --bootstrap nodes)",
         "demo": "a whole swarm on this machine (bootstrap + N peers)",
         "profile": "measure this device: memory, tokens/s, link (--probe)",
+        "status": "a swarm's peers, round, leader and digests (from its DHT)",
+        "checkpoints": "list a checkpoint directory: rounds, digests, sizes, config",
+        "export": "write a checkpoint as a Hugging Face (transformers) folder",
+        "generate": "continue a prompt with a checkpoint's model",
     }
     lines = text.splitlines()
+    width = max(map(len, expected))
     for name, help_text in expected.items():
         hits = [l for l in lines if l.split()[:1] == [name]]
-        assert hits == [f"    {name:<8}  {help_text}"], text
+        assert hits == [f"    {name:<{width}}  {help_text}"], text
     assert "Subcommands:" not in text
 
 

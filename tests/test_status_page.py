@@ -131,38 +131,44 @@ def _record(ident: Identity, *, device: str, run_config: dict, cfg_hash: str, ro
         weights_digest="d" * 32, pow_nonce=solve_pow(RUN, bytes(ident.peer_id), pow_bits) if nonce else None, **kw)
 
 
+async def _store_200(boot):
+    """200 peers (every tenth with an absurd or hostile device name) stored on ``boot``, 60 of them with
+    round summaries; plus 4 records without proof of work and 4 of another run config."""
+    cfg = {"pow_bits": 8, "run_id": RUN}
+    now = time.time()
+    hostile = [HOSTILE, "x" * 5000, "line\nbreak\x1b[2J\u202eevil", "</td></tr><script>alert(2)</script>", ""]
+    idents = [Identity.generate() for _ in range(208)]
+    for i, ident in enumerate(idents):
+        pid = str(ident.peer_id)
+        if i < 200:
+            rec = _record(ident, device=hostile[(i // 10) % len(hostile)] if i % 10 == 0 else f"GPU model {i}",
+                          run_config=cfg, cfg_hash="a" * 16, round=40 + (i % 3 == 0))
+        elif i < 204:  # no proof of work: ignored
+            rec = _record(ident, device="no pow", run_config=cfg, cfg_hash="a" * 16, round=40, nonce=False)
+        else:  # another run config: ignored
+            rec = _record(ident, device="other", run_config={"pow_bits": 8}, cfg_hash="b" * 16, round=999)
+        assert await boot.store_record(make_record(peers_key(RUN), rec.to_bytes(), now + 600, subkey=pid,
+                                                   owner=ident, run_id=RUN))
+        if i < 60:
+            rows = [RoundSummary(round=r, time=now - (40 - r) * 3, peers=200, leader=pid[:10], batch=8, steps=10,
+                                 steps_planned=10, tokens=5120, loss=8.0 - r * 0.05, eval_ppl=3000.0 / (r + 1),
+                                 compute_s=2.0, round_s=3.0, straggler_s=0.1, network_s=0.3, sent=10000,
+                                 recv=20000, digest="d" * 16, agree=True)
+                    for r in range(40 - KEEP_ROUNDS, 40)]
+            value = RoundSummaries(peer_id=pid, rounds=rows).to_bytes()
+            assert await boot.store_record(make_record(rounds_key(RUN), value, now + 600, subkey=pid,
+                                                       owner=ident, run_id=RUN))
+
+
+
 @pytest.mark.timeout(120)
 async def test_200_peers_with_hostile_strings_answer_fast():
-    """200 generated peers (some with absurd or hostile device names), 60 with round summaries; the
-    view holds all 200, cleaned; /, /api/swarm and /api/rounds answer in well under a second (measured
-    and printed, not asserted)."""
+    """200 generated peers: the view holds all 200, cleaned; /, /api/swarm and /api/rounds answer in
+    well under a second (measured and printed, not asserted)."""
     boot = await start_node(run_id=RUN)
     watcher = server = None
     try:
-        cfg = {"pow_bits": 8, "run_id": RUN}
-        now = time.time()
-        hostile = [HOSTILE, "x" * 5000, "line\nbreak\x1b[2J\u202eevil", "</td></tr><script>alert(2)</script>", ""]
-        idents = [Identity.generate() for _ in range(208)]
-        for i, ident in enumerate(idents):
-            pid = str(ident.peer_id)
-            if i < 200:
-                rec = _record(ident, device=hostile[(i // 10) % len(hostile)] if i % 10 == 0 else f"GPU model {i}",
-                              run_config=cfg, cfg_hash="a" * 16, round=40 + (i % 3 == 0))
-            elif i < 204:  # no proof of work: ignored
-                rec = _record(ident, device="no pow", run_config=cfg, cfg_hash="a" * 16, round=40, nonce=False)
-            else:  # another run config: ignored
-                rec = _record(ident, device="other", run_config={"pow_bits": 8}, cfg_hash="b" * 16, round=999)
-            assert await boot.store_record(make_record(peers_key(RUN), rec.to_bytes(), now + 600, subkey=pid,
-                                                       owner=ident, run_id=RUN))
-            if i < 60:
-                rows = [RoundSummary(round=r, time=now - (40 - r) * 3, peers=200, leader=pid[:10], batch=8, steps=10,
-                                     steps_planned=10, tokens=5120, loss=8.0 - r * 0.05, eval_ppl=3000.0 / (r + 1),
-                                     compute_s=2.0, round_s=3.0, straggler_s=0.1, network_s=0.3, sent=10000,
-                                     recv=20000, digest="d" * 16, agree=True)
-                        for r in range(40 - KEEP_ROUNDS, 40)]
-                value = RoundSummaries(peer_id=pid, rounds=rows).to_bytes()
-                assert await boot.store_record(make_record(rounds_key(RUN), value, now + 600, subkey=pid,
-                                                           owner=ident, run_id=RUN))
+        await _store_200(boot)
         watcher = SwarmWatcher(boot, RUN)
         t0 = time.perf_counter()
         view = await watcher.refresh()
@@ -422,3 +428,68 @@ def test_render_status_prints_record_strings_literally():
                        "batch": 8, "inner_steps": 4, "last_seen_s": 1.0}]}
     render_status(view, {"rounds": []}, Console(file=buf, width=200, color_system=None))
     assert "[bold red]x[/] " + HOSTILE in buf.getvalue()
+
+
+@pytest.mark.timeout(240)
+async def test_200_peers_render_in_chromium(browser):
+    """The page with 200 peers: every row drawn, hostile strings as text, no element injected."""
+    from selenium.webdriver.common.by import By
+
+    boot = await start_node(run_id=RUN)
+    watcher = SwarmWatcher(boot, RUN)
+    server = StatusServer(watcher, "127.0.0.1", 0)
+    try:
+        await _store_200(boot)
+        await watcher.refresh()
+        url = await server.start()
+
+        def look():
+            t0 = time.perf_counter()
+            browser.get(url)
+            _wait(lambda: len(browser.find_elements(By.CSS_SELECTOR, "#peers tbody tr")) == 200, 60, "200 rows")
+            drawn = time.perf_counter() - t0
+            cells = [td.get_attribute("textContent") for td in browser.find_elements(By.CSS_SELECTOR, "td.device")]
+            assert HOSTILE in cells and "</td></tr><script>alert(2)</script>" in cells
+            assert browser.find_elements(By.TAG_NAME, "img") == [] and browser.find_elements(By.CSS_SELECTOR,
+                                                                                             "td script") == []
+            assert browser.execute_script("return window.geomesh.errors") == 0
+            _wait(lambda: browser.execute_script(
+                "var c = window.geomesh.charts['chart-loss']; return c ? c.data[0].length : 0;") == KEEP_ROUNDS,
+                30, "the loss plot")
+            return drawn
+
+        drawn = await asyncio.to_thread(look)
+        print(f"\n200 peers: page loaded and all rows drawn in {drawn * 1e3:.0f} ms")
+    finally:
+        await server.stop()
+        await watcher.stop()
+        await stop_node(boot)
+
+
+@pytest.mark.timeout(180)
+def test_bootstrap_status_page_stops_with_the_bootstrap(tmp_path):
+    """--http-port: the page answers; SIGINT stops the bootstrap (exit 0) and releases the port; a port
+    already taken is one line and exit status 2."""
+    s = ProcSwarm(tmp_path)
+    port, http_port = free_port(), free_port()
+    try:
+        p = s._spawn("b", [sys.executable, "-m", "bootstrap.cli", "--host", "127.0.0.1", "--port", str(port),
+                           "--run-id", RUN, "--identity", str(tmp_path / "b.key"), "--http-port", str(http_port)])
+        s.wait_for(lambda: "status page on" in s.text("b"), 90, "the status page")
+        doc = _get_json(f"http://127.0.0.1:{http_port}/api/swarm")
+        assert doc["run_id"] == RUN and doc["peers"] == []
+        with socket.socket() as taken:
+            taken.bind(("127.0.0.1", 0))
+            taken.listen()
+            busy = subprocess.run([sys.executable, "-m", "bootstrap.cli", "--host", "127.0.0.1", "--port", "0",
+                                   "--run-id", RUN, "--identity", str(tmp_path / "c.key"), "--http-port",
+                                   str(taken.getsockname()[1])], cwd=ROOT, capture_output=True, text=True, timeout=90)
+        assert busy.returncode == 2
+        err = [x for x in busy.stderr.splitlines() if x.strip()]
+        assert len(err) == 1 and "cannot serve the status page" in err[0], busy.stderr
+        s.interrupt("b")
+        assert s.wait_exit(["b"], 30) == {"b": 0}
+        with pytest.raises(OSError):
+            socket.create_connection(("127.0.0.1", http_port), timeout=2).close()
+    finally:
+        s.stop_all()

@@ -109,10 +109,12 @@
     Object.keys(CHARTS).forEach(function (id) {
       var c = CHARTS[id];
       var xs = [], ys = c.series.map(function () { return []; });
-      rounds.forEach(function (r) {
+      // x must grow: order by the time a round ended (a peer catching up reports late rounds late)
+      rounds.slice().sort(function (a, b) { return a.time - b.time; }).forEach(function (r) {
         var vals = c.pick(r);
         if (vals.every(function (x) { return x === null || x === undefined; })) return;
         if (c.log && !(vals[0] > 0)) return;
+        if (xs.length && r.time <= xs[xs.length - 1]) return;
         xs.push(r.time);
         vals.forEach(function (x, i) { ys[i].push(x === undefined ? null : x); });
       });
