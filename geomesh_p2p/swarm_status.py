@@ -353,7 +353,7 @@ class SwarmWatcher:
                 agree = True
             leaders = Counter(x.leader for x in rows)
             out.append({
-                "round": r, "time": max(x.time for x in rows), "reporters": len(rows),
+                "round": r, "time": _median([x.time for x in rows]), "reporters": len(rows),
                 "peers": int(_median([x.peers for x in rows]) or 0),
                 "leader": clean_text(max(leaders.items(), key=lambda kv: (kv[1], kv[0]))[0], 10),
                 "loss": _median([x.loss for x in rows]),

@@ -298,6 +298,17 @@ def browser(tmp_path):
         drv.quit()
 
 
+PEER_ROWS_JS = """return Array.from(document.querySelectorAll('#peers tbody tr')).map(function (tr) {
+    return {peer: tr.getAttribute('data-peer'), cells: Array.from(tr.cells).map(function (td) { return td.innerText; }),
+            device: (tr.querySelector('td.device') || {}).innerText};
+});"""
+
+
+def _peer_rows(browser) -> dict:
+    """What the peers table shows, read in one go (the page redraws it every 2 s): short id -> row."""
+    return {r["peer"]: r for r in browser.execute_script(PEER_ROWS_JS)}
+
+
 def _wait(cond, timeout: float, what: str, poll: float = 0.5):
     deadline = time.time() + timeout
     last = None
@@ -324,18 +335,16 @@ def test_status_page_in_headless_chromium(swarm, browser, tmp_path):
     browser.get(swarm["url"])
     assert browser.title == "GeoMesh-P2P swarm"
 
-    def row(pid):
-        return browser.find_element(By.CSS_SELECTOR, f'#peers tr[data-peer="{pid[:10]}"]')
-
+    wanted = [pid[:10] for pid in ids.values()] + [swarm["hostile"][:10]]
+    rows = _wait(lambda: (lambda r: r if all(w in r for w in wanted) else None)(_peer_rows(browser)), 60,
+                 "the rows of both peers and of the hostile record")
     # both peers' rows, each with its device
     for pid in ids.values():
-        tr = _wait(lambda: row(pid), 60, f"the row of peer {pid[:10]}")
-        assert tr.find_element(By.CSS_SELECTOR, "td.device").text == devices[pid]
-        assert tr.find_elements(By.TAG_NAME, "td")[0].text == pid[:10]
+        assert rows[pid[:10]]["cells"][0] == pid[:10]
+        assert rows[pid[:10]]["device"] == " ".join(clean_text(devices[pid]).split())  # as HTML lays text out
     # the hostile device name is shown as text, and is not an element
-    hostile_row = _wait(lambda: row(swarm["hostile"]), 60, "the hostile record's row")
-    assert hostile_row.find_element(By.CSS_SELECTOR, "td.device").text == HOSTILE
-    assert "leaving" in hostile_row.text
+    assert rows[swarm["hostile"][:10]]["device"] == HOSTILE
+    assert "leaving" in rows[swarm["hostile"][:10]]["cells"]
     assert browser.find_elements(By.TAG_NAME, "img") == []
     with pytest.raises(NoAlertPresentException):
         browser.switch_to.alert.text  # noqa: B018  (no alert(1) ran)
@@ -446,9 +455,9 @@ async def test_200_peers_render_in_chromium(browser):
         def look():
             t0 = time.perf_counter()
             browser.get(url)
-            _wait(lambda: len(browser.find_elements(By.CSS_SELECTOR, "#peers tbody tr")) == 200, 60, "200 rows")
+            rows = _wait(lambda: (lambda r: r if len(r) == 200 else None)(_peer_rows(browser)), 60, "200 rows")
             drawn = time.perf_counter() - t0
-            cells = [td.get_attribute("textContent") for td in browser.find_elements(By.CSS_SELECTOR, "td.device")]
+            cells = [r["device"] for r in rows.values()]
             assert HOSTILE in cells and "</td></tr><script>alert(2)</script>" in cells
             assert browser.find_elements(By.TAG_NAME, "img") == [] and browser.find_elements(By.CSS_SELECTOR,
                                                                                              "td script") == []
