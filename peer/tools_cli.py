@@ -88,7 +88,10 @@ def render_status(view: dict, rounds: dict, console=None) -> None:
                   _fmt(p["up_mbps"]), _fmt(p["down_mbps"]), str(p["round"]), Text(p["state"]),
                   "-" if p.get("batch") is None else f"{p['batch']}/{p['inner_steps']}",
                   f"{p['last_seen_s']:.0f} s")
-    console.print(t)
+    if view.get("peers"):
+        console.print(t)
+    else:
+        console.print(Text(f"no live peer in run {view.get('run_id')} (or none has announced itself yet)"))
     if view.get("ignored"):
         console.print(Text(f"{view['ignored']} record(s) ignored (other run config, no proof of work, not allowed)"))
     rows = (rounds or {}).get("rounds") or []
@@ -109,6 +112,10 @@ def cmd_status(ns: argparse.Namespace) -> int:
     import os
 
     os.environ.setdefault("GRPC_VERBOSITY", "NONE")
+    if ns.log_level == "INFO":  # the default: the DHT's progress lines would only clutter the table
+        import logging
+
+        logging.getLogger("geomesh_p2p").setLevel(logging.WARNING)
     from geomesh_p2p.dht import DHTJoinError
     from geomesh_p2p.identity import IdentityError
 
