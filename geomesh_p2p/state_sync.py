@@ -11,6 +11,7 @@ using it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -122,14 +123,17 @@ async def download_state(
             req = collective_pb2.StateRequest(round=round, offset=start, length=end - start)
             try:
                 got = start
-                async for v in transport.call_stream(donor, STATE_GET, req.SerializeToString(), round=round,
-                                                     timeout=timeout_s):
-                    chunk = collective_pb2.StateChunk.FromString(v.payload)
-                    if (chunk.total_bytes != total or chunk.offset != got or chunk.digest != expected_digest
-                            or got + len(chunk.data) > end):
-                        raise StateSyncError(f"donor {donor} sent an inconsistent chunk at {chunk.offset}")
-                    buf[got:got + len(chunk.data)] = chunk.data
-                    got += len(chunk.data)
+                # aclosing: a piece abandoned half-way (inconsistent chunk) cancels its stream now, in
+                # this task, rather than whenever the generator is garbage-collected
+                async with contextlib.aclosing(transport.call_stream(donor, STATE_GET, req.SerializeToString(),
+                                                                     round=round, timeout=timeout_s)) as stream:
+                    async for v in stream:
+                        chunk = collective_pb2.StateChunk.FromString(v.payload)
+                        if (chunk.total_bytes != total or chunk.offset != got or chunk.digest != expected_digest
+                                or got + len(chunk.data) > end):
+                            raise StateSyncError(f"donor {donor} sent an inconsistent chunk at {chunk.offset}")
+                        buf[got:got + len(chunk.data)] = chunk.data
+                        got += len(chunk.data)
                 if got != end:
                     raise StateSyncError(f"donor {donor} stopped at byte {got} of {end}")
                 return

@@ -1,14 +1,30 @@
-"""gRPC transport: an asyncio server whose interceptor verifies every envelope, and a channel cache.
+"""gRPC transport: an asyncio server that bounds and verifies every request, and a channel cache.
 
 Every RPC in GeoMesh-P2P carries one :class:`~geomesh_p2p.wire.envelope_pb2.SignedMessage` each way
-(a stream of them for state download). The server's :class:`EnvelopeInterceptor` verifies the
-request envelope (signature, run, skew, replay, size, allow-list; see ``identity.Verifier``) before
-the handler runs; a refusal is a specific gRPC status with a reason, logged once per sender and
-reason, and the server keeps serving. Replies are signed by the server and verified by the client.
+(a stream of them for state download). The server verifies the request envelope (signature, run,
+skew, replay, size, allow-list; see ``identity.Verifier``) before the handler runs; a refusal is a
+specific gRPC status with a reason, logged once per caller address and reason, and the server keeps
+serving. Replies are signed by the server and verified by the client.
 
-Limits: max message size both ways (default 128 MiB), a deadline on every call (default 10 s),
-keepalive pings, optional TLS. ``added_latency_s`` delays each outgoing call, to emulate WAN latency
-where netem is unavailable (DESIGN.md, "Measuring").
+Bounded resources (server side; see :class:`TransportConfig` and :class:`_Guard`):
+
+* size: every method has a payload limit; the server-wide ``grpc.max_receive_message_length`` is
+  the largest of them (plus the envelope), so a node that serves only small methods (a bootstrap:
+  DHT and link probe) refuses anything bigger from the 5-byte length prefix, before receiving it;
+  a request over its own method's limit is refused from its length before it is parsed or verified
+  (limits can be lowered while serving: :meth:`Transport.set_payload_limit`);
+* requests are received one at a time per remote IP and size class (and a few at a time in all); the
+  others wait, at ~64 KiB of flow-control window each, in a bounded queue where connections that
+  already delivered a valid request go first; a request over 1 MiB keeps its slot until its handler
+  returns; a connection that sent an oversized request is refused for a while; the payload is sliced
+  out once (not copied by protobuf on every read) and a big one is verified off the event loop;
+* concurrent calls per method class in total and per verified sender;
+* connections: in total (``grpc.max_allowed_incoming_connections``), streams per connection,
+  handshake timeout, idle timeout and maximum age.
+
+Limits both ways (default 128 MiB), a deadline on every call (default 10 s), keepalive pings,
+optional TLS. ``added_latency_s`` delays each outgoing call, to emulate WAN latency where netem is
+unavailable (DESIGN.md, "Measuring"). A client-cancelled call (unary or streaming) ends quietly.
 """
 
 from __future__ import annotations
@@ -16,8 +32,11 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
+import resource
+import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Awaitable, Callable, Optional
+from typing import AsyncIterator, Awaitable, Callable, Dict, Optional, Tuple
 
 import grpc
 import grpc.aio
@@ -41,6 +60,34 @@ LINK_PROBE = "/geomesh.wire.Link/Probe"
 
 DEFAULT_MAX_MESSAGE_BYTES = 128 << 20
 RESPONSE_SUFFIX = "+resp"
+# Bytes a SignedMessage adds to its payload: keys, signature, hashes, nonce, run id, kind, round,
+# timestamp and protobuf tags (~250 bytes with a short run id); generous, so a payload at its
+# method's limit always fits.
+ENVELOPE_OVERHEAD = 4096
+
+# Payload limits of methods registered without one (their requests are small, their replies are not).
+DEFAULT_PAYLOAD_LIMITS: Dict[str, int] = {
+    COLLECTIVE_PULL: 4 << 10,
+    STATE_GET: 1 << 10,
+    STATE_STATUS: 1 << 10,
+}
+
+# Method classes for the concurrent-call caps (class "other": any method not listed).
+METHOD_CLASS: Dict[str, str] = {
+    DHT_PING: "dht", DHT_STORE: "dht", DHT_FIND: "dht",
+    COLLECTIVE_PUSH: "collective", COLLECTIVE_PULL: "collective",
+    STATE_GET: "state", STATE_STATUS: "state",
+    LINK_PROBE: "probe",
+}
+# (calls in progress in total, calls in progress per verified sender), per class. Collective pulls are
+# long polls (CollectiveService holds at most 256); a state download is one stream per donor piece.
+DEFAULT_CALL_LIMITS: Dict[str, Tuple[int, int]] = {
+    "dht": (512, 32),
+    "collective": (1024, 128),
+    "state": (32, 8),
+    "probe": (16, 4),
+    "other": (256, 32),
+}
 
 _current: contextvars.ContextVar[Optional[Verified]] = contextvars.ContextVar("geomesh_verified", default=None)
 
@@ -48,17 +95,112 @@ UnaryHandler = Callable[[Verified, grpc.aio.ServicerContext], Awaitable[bytes]]
 StreamHandler = Callable[[Verified, grpc.aio.ServicerContext], AsyncIterator[bytes]]
 
 
-def _parse_request(data: bytes) -> SignedMessage:
-    """Request deserializer that never raises: garbage becomes an empty message, which the
-    interceptor refuses with INVALID_ARGUMENT ("message has no envelope") and logs once."""
+class _Request:
+    """A request SignedMessage split by :func:`_split_request`: ``envelope`` parsed by protobuf (it is
+    small), ``payload`` one ``bytes`` slice of the received buffer. It offers what
+    ``identity.Verifier.verify`` reads (``HasField``, ``envelope``, ``payload``) and ``ByteSize``."""
+
+    __slots__ = ("envelope", "payload", "_size")
+
+    def __init__(self, envelope, payload: bytes, size: int):
+        self.envelope, self.payload, self._size = envelope, payload, size
+
+    def HasField(self, name: str) -> bool:  # noqa: N802  (protobuf's name)
+        return name == "envelope" and self.envelope is not None
+
+    def ByteSize(self) -> int:  # noqa: N802
+        return self._size
+
+
+def _varint(data: bytes, i: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if i >= len(data) or shift > 63:
+            raise ValueError("truncated or overlong varint")
+        b = data[i]
+        i += 1
+        value |= (b & 0x7F) << shift
+        if b < 0x80:
+            return value, i
+        shift += 7
+
+
+def _split_request(data: bytes):
+    """Parse a SignedMessage without protobuf's copy of its payload: with upb, every read of
+    ``msg.payload`` returns a fresh copy (a 100 MiB payload: ~0.5 s and 100 MiB each time, and the
+    verifier reads it three times, on the event loop). Fields 1 (envelope) and 2 (payload) at most
+    once each, unknown fields skipped; anything else is malformed and becomes an empty message."""
     try:
-        return SignedMessage.FromString(data)
-    except Exception:  # DecodeError and friends: the bytes are not a SignedMessage
+        n = len(data)
+        env_at = payload_at = None
+        i = 0
+        while i < n:
+            key, i = _varint(data, i)
+            field, wire = key >> 3, key & 7
+            if wire == 2:
+                length, i = _varint(data, i)
+                if i + length > n:
+                    raise ValueError("truncated field")
+                if field in (1, 2):
+                    if (env_at if field == 1 else payload_at) is not None:
+                        raise ValueError("repeated field")
+                    if field == 1:
+                        env_at = (i, i + length)
+                    else:
+                        payload_at = (i, i + length)
+                i += length
+            elif field in (1, 2):
+                raise ValueError("wrong wire type")
+            elif wire == 0:
+                _, i = _varint(data, i)
+            elif wire == 1:
+                i += 8
+            elif wire == 5:
+                i += 4
+            else:
+                raise ValueError("group or bad wire type")
+            if i > n:
+                raise ValueError("truncated field")
+        envelope = envelope_pb2.Envelope.FromString(data[env_at[0]:env_at[1]]) if env_at is not None else None
+        payload = data[payload_at[0]:payload_at[1]] if payload_at is not None else b""
+        return _Request(envelope, payload, n)
+    except Exception:  # ValueError, DecodeError: not a SignedMessage
         return SignedMessage()
 
 
+class _Oversized:
+    """What the request deserializer returns for a message over its method's limit (never parsed)."""
+
+    __slots__ = ("nbytes",)
+
+    def __init__(self, nbytes: int):
+        self.nbytes = nbytes
+
+
+def _sized_parser(max_message: Callable[[], int]) -> Callable[[bytes], object]:
+    """A request deserializer that refuses, from its length alone, a message over ``max_message()``
+    bytes: it is neither parsed (a protobuf copy) nor hashed and signature-checked."""
+
+    def parse(data: bytes):
+        if len(data) > max_message():
+            return _Oversized(len(data))
+        return _split_request(data)
+
+    return parse
+
+
+def peer_ip(peer: str) -> str:
+    """The remote IP of a gRPC ``context.peer()`` string ("ipv4:1.2.3.4:5", "ipv6:[::1]:5"); the
+    string itself when it has no port (e.g. "unix:...")."""
+    kind, _, rest = peer.partition(":")
+    if kind in ("ipv4", "ipv6") and rest:
+        host = rest.rsplit(":", 1)[0]
+        return host.strip("[]")
+    return peer
+
+
 def current_request() -> Verified:
-    """The verified request of the RPC being handled (set by the interceptor). RuntimeError outside one."""
+    """The verified request of the RPC being handled (set before its handler runs). RuntimeError outside one."""
     v = _current.get()
     if v is None:
         raise RuntimeError("no verified request in this context")
@@ -98,6 +240,35 @@ class TransportConfig:
     added_latency_s: float = 0.0
     tls: Optional[TlsConfig] = None
     client_only: bool = False
+    max_channels: int = 1024  # client channels kept open (least recently used closed first)
+    # ---- server-side resource bounds (see the module docstring) ----
+    # Connections: in total (also at most half the process's file-descriptor limit), streams per
+    # connection, seconds to finish the HTTP/2 handshake, idle seconds before a connection is closed,
+    # maximum age (then ``connection_age_grace_s`` for the calls in flight).
+    max_connections: int = 1024
+    max_streams_per_connection: int = 256
+    handshake_timeout_s: float = 10.0
+    connection_idle_s: float = 300.0
+    connection_age_s: float = 3600.0
+    connection_age_grace_s: float = 300.0
+    # Calls in progress on the server, all methods (gRPC answers RESOURCE_EXHAUSTED beyond).
+    max_concurrent_rpcs: int = 4096
+    # Requests being received at once (each may hold up to the server-wide limit in memory, twice,
+    # while it is read; see _Guard), per remote IP and in all, per size class (large: half of
+    # max_reads), and requests waiting to be received (~64 KiB each), per IP and in all.
+    max_reads_per_ip: int = 1
+    max_reads: int = 8
+    max_waiting_per_ip: int = 256
+    max_waiting: int = 2048
+    # A connection that sent a request over its method's limit is refused for this long.
+    oversize_penalty_s: float = 30.0
+    # {method class: (calls in total, calls per verified sender)}; missing classes use DEFAULT_CALL_LIMITS.
+    call_limits: Dict[str, Tuple[int, int]] = field(default_factory=dict)
+    # HTTP/2 BDP probing on the server grows every stream's receive window to the link's
+    # bandwidth-delay product (~16 MB per stream on loopback), so each request waiting for its turn
+    # would hold that much; off, a waiting request holds 64 KiB and a request being read gets a
+    # window sized to its message.
+    server_bdp_probe: bool = False
 
 
 @dataclass
@@ -129,14 +300,14 @@ class RpcError(Exception):
 
 
 class _RejectLog:
-    """Logs each (sender, status, reason head) once, so a flood of bad messages is not a flood of logs."""
+    """Logs each (caller IP, status, reason head) once, so a flood of bad messages is not a flood of logs."""
 
     def __init__(self, capacity: int = 4096):
         self._seen: dict[tuple, None] = {}
         self.capacity = capacity
 
     def __call__(self, peer: str, method: str, err: EnvelopeError) -> None:
-        key = (peer, err.code, err.reason[:40])
+        key = (peer_ip(peer), err.code, err.reason[:40])
         if key in self._seen:
             return
         if len(self._seen) >= self.capacity:
@@ -145,69 +316,205 @@ class _RejectLog:
         log.warning("refused %s from %s: %s: %s", method, peer, err.code.name, err.reason)
 
 
-class EnvelopeInterceptor(grpc.aio.ServerInterceptor):
-    """Verifies the request envelope of every geomesh RPC before its handler runs.
+class _Pool:
+    """Read slots of one size class: at most ``per_ip`` per remote IP and ``total`` in all; waiters
+    in two FIFO lanes, connections with a good record first."""
 
-    The expected envelope kind is the RPC's full method name, so a message signed for one RPC cannot
-    be replayed against another. On failure the call is aborted with the verifier's status code and
-    reason; nothing reaches the handler.
+    def __init__(self, name: str, per_ip: int, total: int):
+        self.name, self.per_ip, self.total = name, max(1, int(per_ip)), max(1, int(total))
+        self.reading = 0
+        self.by_ip: Dict[str, int] = {}
+        self.fast: "OrderedDict[object, tuple[str, asyncio.Future]]" = OrderedDict()
+        self.queue: "OrderedDict[object, tuple[str, asyncio.Future]]" = OrderedDict()
+
+    def waits(self, ip: str, fast: bool) -> bool:
+        """Whether a request of ``ip`` waits in this lane or ahead of it."""
+        lanes = (self.fast,) if fast else (self.fast, self.queue)
+        return any(q_ip == ip for lane in lanes for q_ip, _ in lane.values())
+
+    def free_for(self, ip: str) -> bool:
+        return self.reading < self.total and self.by_ip.get(ip, 0) < self.per_ip
+
+    def take(self, ip: str) -> None:
+        self.reading += 1
+        self.by_ip[ip] = self.by_ip.get(ip, 0) + 1
+
+    def give(self, ip: str) -> None:
+        self.reading -= 1
+        n = self.by_ip[ip] - 1
+        if n:
+            self.by_ip[ip] = n
+        else:
+            del self.by_ip[ip]
+
+
+class _Guard:
+    """Admission of requests on one server: who may be read now, who waits, who is refused.
+
+    What gRPC (C core, chttp2) holds before this code runs: the call's headers and, per stream, at most
+    its HTTP/2 receive window of request data (64 KiB with BDP probing off, see
+    ``TransportConfig.server_bdp_probe``; the sender blocks on flow control beyond it). A request over
+    the server-wide ``grpc.max_receive_message_length`` is refused by the core from its 5-byte length
+    prefix, without receiving it. Once a handler asks for the message (``context.read()``), the core
+    opens the window and buffers the whole message (up to that server-wide limit), then copies it into
+    a Python ``bytes`` object for the deserializer: so a request to a method with a small limit can
+    still cost up to the server-wide limit, twice over, while it is read. Hence:
+
+    * reads take a slot of their method's size class ("small": payload limit up to 1 MiB, e.g. DHT
+      ping and find, pulls, state requests; "large": the rest, e.g. DHT store, link probe, PushPart),
+      at most ``max_reads_per_ip`` per remote IP and ``max_reads`` in all per class (large: half of
+      them, at least 1); the others wait holding only their flow-control window, at most
+      ``max_waiting_per_ip`` per IP and ``max_waiting`` in all (more: RESOURCE_EXHAUSTED at once),
+      in two FIFO lanes: connections that already delivered a valid signed request first (an honest
+      peer's DHT ping does not queue behind a flood of new connections from its IP);
+    * a request bigger than 1 MiB keeps its slot until its handler returns (its bytes live that
+      long), a smaller one gives it back once read;
+    * the deserializer checks the length against the method's own limit before parsing;
+      :meth:`penalize` then refuses that connection (``context.peer()``, IP and port) for
+      ``oversize_penalty_s`` seconds before reading anything more from it;
+    * :meth:`enter_call` caps calls in progress per method class in total and per verified sender.
     """
 
-    def __init__(self, verifier: Verifier, stats: TrafficStats, max_payload: Callable[[str], Optional[int]]):
-        self.verifier = verifier
-        self.stats = stats
-        self.max_payload = max_payload
-        self.reject_log = _RejectLog()
+    SMALL_LIMIT = 1 << 20
 
-    async def intercept_service(self, continuation, handler_call_details):
-        handler = await continuation(handler_call_details)
-        method = handler_call_details.method
-        if handler is None or not method.startswith("/geomesh.wire."):
-            return handler
-        verifier, stats, reject_log = self.verifier, self.stats, self.reject_log
-        limit = self.max_payload(method)
+    def __init__(self, config: "TransportConfig"):
+        c = config
+        self.pools = {"small": _Pool("small", c.max_reads_per_ip, c.max_reads),
+                      "large": _Pool("large", c.max_reads_per_ip, max(1, c.max_reads // 2))}
+        self.max_waiting_per_ip, self.max_waiting = max(0, c.max_waiting_per_ip), max(0, c.max_waiting)
+        self.penalty_s = c.oversize_penalty_s
+        self.limits = {**DEFAULT_CALL_LIMITS, **c.call_limits}
+        self._waiting_by_ip: Dict[str, int] = {}
+        self._waiting = 0
+        self._penalty: "OrderedDict[str, float]" = OrderedDict()  # connection -> until (monotonic)
+        self._good: "OrderedDict[str, None]" = OrderedDict()  # connections that sent a valid request
+        self._calls: Dict[str, int] = {}
+        self._sender_calls: Dict[tuple, int] = {}
+        self.refused = 0
 
-        async def _verify(request: SignedMessage, context) -> Optional[Verified]:
-            stats.add(method, 0, request.ByteSize())
-            try:
-                return verifier.verify(request, kind=method, max_payload_bytes=limit)
-            except EnvelopeError as err:
-                stats.rejected += 1
-                reject_log(context.peer(), method, err)
-                await context.abort(err.code, err.reason)
+    def pool_for(self, payload_limit: int) -> str:
+        return "small" if payload_limit <= self.SMALL_LIMIT else "large"
 
-        if handler.unary_unary is not None:
-            inner = handler.unary_unary
+    # -------------------------------------------------------------- reading
+    def _refuse(self, reason: str) -> EnvelopeError:
+        self.refused += 1
+        return EnvelopeError(grpc.StatusCode.RESOURCE_EXHAUSTED, reason)
 
-            async def unary(request, context):
-                verified = await _verify(request, context)
-                token = _current.set(verified)
-                try:
-                    return await inner(request, context)
-                finally:
-                    _current.reset(token)
+    def penalize(self, peer: str) -> None:
+        self._good.pop(peer, None)
+        self._penalty[peer] = time.monotonic() + self.penalty_s
+        self._penalty.move_to_end(peer)
+        while len(self._penalty) > 8192:
+            self._penalty.popitem(last=False)
 
-            return grpc.unary_unary_rpc_method_handler(
-                unary, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
-            )
-        if handler.unary_stream is not None:
-            inner_s = handler.unary_stream
+    def _penalized(self, peer: str) -> Optional[float]:
+        until = self._penalty.get(peer)
+        if until is None:
+            return None
+        left = until - time.monotonic()
+        if left <= 0:
+            del self._penalty[peer]
+            return None
+        return left
 
-            async def unary_stream(request, context):
-                verified = await _verify(request, context)
-                token = _current.set(verified)
-                try:
-                    async for item in inner_s(request, context):
-                        yield item
-                finally:
-                    _current.reset(token)
+    def _unwait(self, ip: str) -> None:
+        self._waiting -= 1
+        n = self._waiting_by_ip[ip] - 1
+        if n:
+            self._waiting_by_ip[ip] = n
+        else:
+            del self._waiting_by_ip[ip]
 
-            return grpc.unary_stream_rpc_method_handler(
-                unary_stream,
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
-        return handler
+    def _wake(self, pool: _Pool) -> None:
+        """Start the first waiting reads (good connections first, FIFO) whose IP and the pool have a free slot."""
+        for lane in (pool.fast, pool.queue):
+            for key, (ip, fut) in list(lane.items()):
+                if pool.reading >= pool.total:
+                    return
+                if fut.done():
+                    continue
+                if pool.free_for(ip):
+                    del lane[key]
+                    self._unwait(ip)
+                    pool.take(ip)
+                    fut.set_result(None)
+
+    def mark_good(self, peer: str) -> None:
+        """``peer`` (a connection) delivered a valid signed request: its next ones wait in the first lane."""
+        self._good[peer] = None
+        self._good.move_to_end(peer)
+        while len(self._good) > 8192:
+            self._good.popitem(last=False)
+
+    async def acquire_read(self, peer: str, pool_name: str = "small") -> tuple:
+        """Wait for a read slot for a request from ``peer``; returns a ticket for :meth:`release_read`.
+        Raises EnvelopeError(RESOURCE_EXHAUSTED) when the connection is penalized or the queues are full."""
+        left = self._penalized(peer)
+        if left is not None:
+            raise self._refuse(f"this connection sent a request over its method's size limit; refused for {left:.0f}s more")
+        ip = peer_ip(peer)
+        pool = self.pools[pool_name]
+        fast = peer in self._good
+        if pool.free_for(ip) and not pool.waits(ip, fast):  # nobody of this IP waits ahead of it
+            pool.take(ip)
+            return pool, ip
+        mine = self._waiting_by_ip.get(ip, 0)
+        if mine >= self.max_waiting_per_ip or self._waiting >= self.max_waiting:
+            raise self._refuse(f"too many requests waiting to be received ({mine} from {ip}, {self._waiting} in all)")
+        fut = asyncio.get_running_loop().create_future()
+        key = object()
+        lane = pool.fast if fast else pool.queue
+        lane[key] = (ip, fut)
+        self._waiting_by_ip[ip] = mine + 1
+        self._waiting += 1
+        try:
+            await fut
+        except BaseException:  # cancelled (deadline, client gone, server stop) while waiting
+            if key in lane:
+                del lane[key]
+                self._unwait(ip)
+            elif fut.done() and not fut.cancelled():  # granted just as it was cancelled: give it back
+                self.release_read((pool, ip))
+            raise
+        return pool, ip
+
+    def release_read(self, ticket: tuple) -> None:
+        pool, ip = ticket
+        pool.give(ip)
+        self._wake(pool)
+
+    # -------------------------------------------------------------- calls in progress
+    def enter_call(self, method: str, sender: PeerID) -> tuple:
+        """Count a verified call; raises EnvelopeError(RESOURCE_EXHAUSTED) over a cap. Returns the token
+        for :meth:`leave_call`."""
+        cls = METHOD_CLASS.get(method, "other")
+        total, per_sender = self.limits.get(cls, DEFAULT_CALL_LIMITS["other"])
+        key = (cls, bytes(sender))
+        mine = self._sender_calls.get(key, 0)
+        if mine >= per_sender:
+            raise self._refuse(f"{mine} {cls} calls from this sender in progress (at most {per_sender} per caller)")
+        n = self._calls.get(cls, 0)
+        if n >= total:
+            raise self._refuse(f"{n} {cls} calls in progress (at most {total} in total); try again shortly")
+        self._sender_calls[key] = mine + 1
+        self._calls[cls] = n + 1
+        return cls, key
+
+    def leave_call(self, token: tuple) -> None:
+        cls, key = token
+        self._calls[cls] -= 1
+        n = self._sender_calls[key] - 1
+        if n:
+            self._sender_calls[key] = n
+        else:
+            del self._sender_calls[key]
+
+    def snapshot(self) -> dict:
+        """Counters, for tests and benchmarks."""
+        return {"reading": sum(p.reading for p in self.pools.values()), "waiting": self._waiting,
+                "ips": len(set().union(*(p.by_ip for p in self.pools.values()))),
+                "calls": {k: v for k, v in self._calls.items() if v}, "penalized": len(self._penalty),
+                "refused": self.refused}
 
 
 class TaskOwner:
@@ -267,23 +574,52 @@ class Transport:
         self._unary: dict[str, UnaryHandler] = {}
         self._stream: dict[str, StreamHandler] = {}
         self._payload_limits: dict[str, int] = {}
+        self._guard = _Guard(self.config)
+        self._reject_log = _RejectLog()
         self._server: Optional[grpc.aio.Server] = None
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._channels: "OrderedDict[str, grpc.aio.Channel]" = OrderedDict()  # least recently used first
+        self._evicted: set = set()  # evicted channels still closing
         self.tasks = TaskOwner(f"transport {identity.peer_id.short()}")
         self._closed = False
 
     # ---------------------------------------------------------------- server side
     def add_unary(self, method: str, handler: UnaryHandler, max_payload_bytes: Optional[int] = None) -> None:
-        """Serve ``method`` (full name, e.g. DHT_PING) with ``handler``; optional per-method payload limit."""
+        """Serve ``method`` (full name, e.g. DHT_PING) with ``handler``; optional per-method payload limit
+        (default: DEFAULT_PAYLOAD_LIMITS for the method, else ``max_message_bytes``)."""
         self._unary[method] = handler
-        if max_payload_bytes is not None:
-            self._payload_limits[method] = max_payload_bytes
+        self._set_limit(method, max_payload_bytes)
 
     def add_stream(self, method: str, handler: StreamHandler, max_payload_bytes: Optional[int] = None) -> None:
         """Serve a server-streaming ``method``; ``handler`` is an async generator of payload bytes."""
         self._stream[method] = handler
+        self._set_limit(method, max_payload_bytes)
+
+    def _set_limit(self, method: str, max_payload_bytes: Optional[int]) -> None:
+        if max_payload_bytes is None:
+            max_payload_bytes = DEFAULT_PAYLOAD_LIMITS.get(method)
         if max_payload_bytes is not None:
-            self._payload_limits[method] = max_payload_bytes
+            self._payload_limits[method] = int(max_payload_bytes)
+        else:
+            self._payload_limits.pop(method, None)
+
+    def set_payload_limit(self, method: str, max_payload_bytes: Optional[int]) -> None:
+        """Change ``method``'s payload limit, also while serving (e.g. the collective, once it knows the
+        largest part of a round). Checked on every request from its length before parsing; the
+        server-wide limit that gRPC applies before receiving is fixed at :meth:`start` (the largest
+        limit registered then), so raise limits before starting, lower them at any time."""
+        self._set_limit(method, max_payload_bytes)
+
+    def payload_limit(self, method: str) -> int:
+        """Largest request payload ``method`` accepts, bytes."""
+        return min(self._payload_limits.get(method, self.config.max_message_bytes), self.config.max_message_bytes)
+
+    def max_request_bytes(self) -> int:
+        """The server-wide ``grpc.max_receive_message_length``: the largest request any served method
+        accepts (payload limit + envelope), at most ``max_message_bytes``."""
+        methods = list(self._unary) + list(self._stream)
+        if not methods:
+            return self.config.max_message_bytes
+        return min(self.config.max_message_bytes, max(self.payload_limit(m) + ENVELOPE_OVERHEAD for m in methods))
 
     def _options(self) -> list[tuple[str, int]]:
         c = self.config
@@ -298,44 +634,152 @@ class Transport:
             ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
         ]
 
+    def _server_options(self) -> list[tuple[str, int]]:
+        c = self.config
+        opts = dict(self._options())
+        try:  # a full fd table stops accept() for everyone: keep connections well below it
+            soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        except (ValueError, OSError):
+            soft = resource.RLIM_INFINITY
+        max_conn = c.max_connections if soft == resource.RLIM_INFINITY else min(c.max_connections, max(16, soft // 2))
+        opts.update({
+            "grpc.max_receive_message_length": self.max_request_bytes(),
+            "grpc.max_allowed_incoming_connections": int(max_conn),
+            "grpc.max_concurrent_streams": int(c.max_streams_per_connection),
+            "grpc.server_handshake_timeout_ms": int(c.handshake_timeout_s * 1000),
+            "grpc.max_connection_idle_ms": int(c.connection_idle_s * 1000),
+            "grpc.max_connection_age_ms": int(c.connection_age_s * 1000),
+            "grpc.max_connection_age_grace_ms": int(c.connection_age_grace_s * 1000),
+            "grpc.http2.bdp_probe": int(bool(c.server_bdp_probe)),
+            # No SO_REUSEPORT: a second node on a taken port must fail, not silently share its traffic.
+            "grpc.so_reuseport": 0,
+        })
+        return list(opts.items())
+
     def _sign_reply(self, request: Verified, method: str, payload: bytes) -> SignedMessage:
         return self.identity.sign_message(run_id=self.run_id, round=request.round,
                                           kind=method + RESPONSE_SUFFIX, payload=payload)
 
+    async def _receive(self, method: str, context) -> tuple[Verified, Optional[tuple]]:
+        """Admit, read and verify the one request message of a call (see :class:`_Guard`). Returns the
+        verified request and, for a request over 1 MiB, its read slot (release it when the handler is
+        done). Raises EnvelopeError with the status to answer."""
+        guard = self._guard
+        peer = context.peer()
+        limit = self.payload_limit(method)
+        ticket = await guard.acquire_read(peer, guard.pool_for(limit))
+        try:
+            request = await context.read()
+            if request is grpc.aio.EOF or request is None:
+                raise EnvelopeError(grpc.StatusCode.INVALID_ARGUMENT, "call carries no request message")
+            if isinstance(request, _Oversized):
+                guard.penalize(peer)
+                self.stats.add(method, 0, request.nbytes)
+                raise EnvelopeError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                    f"request of {request.nbytes} bytes: payload over the limit of {limit} bytes of {method}")
+            size = request.ByteSize()
+            self.stats.add(method, 0, size)
+            if size > guard.SMALL_LIMIT:  # hashing a big payload would hold up every other call
+                verified = await asyncio.to_thread(self.verifier.verify, request, kind=method, max_payload_bytes=limit)
+            else:
+                verified = self.verifier.verify(request, kind=method, max_payload_bytes=limit)
+            del request
+        except BaseException:
+            guard.release_read(ticket)
+            raise
+        if size <= guard.SMALL_LIMIT:
+            guard.release_read(ticket)
+            ticket = None
+        return verified, ticket
+
+    async def _admit(self, method: str, context) -> tuple:
+        """(verified request, read slot or None, call token); aborts the call on a refusal.
+
+        Refusals abort *outside* the ``except`` block, with nothing big left in this frame: gRPC keeps
+        the abort exception on the call's state, whose traceback (frames and their locals) would
+        otherwise hold the request message in a reference cycle until the next garbage collection,
+        i.e. hundreds of refused requests' bytes under a flood."""
+        ticket = None
+        try:
+            verified, ticket = await self._receive(method, context)
+            token = self._guard.enter_call(method, verified.sender)
+            self._guard.mark_good(context.peer())
+            return verified, ticket, token
+        except EnvelopeError as err:
+            refusal = (err.code, err.reason)
+            self.stats.rejected += 1
+            self._reject_log(context.peer(), method, err)
+        if ticket is not None:
+            self._guard.release_read(ticket)
+        verified = None  # noqa: F841  (see the docstring)
+        await context.abort(*refusal)
+
+    def _done(self, ticket: Optional[tuple], token: tuple) -> None:
+        self._guard.leave_call(token)
+        if ticket is not None:
+            self._guard.release_read(ticket)
+
     def _make_generic_handlers(self) -> list[grpc.GenericRpcHandler]:
+        """One handler per method. Each is registered as request-streaming, although clients make
+        ordinary unary calls (the wire is the same): the handler then runs *before* the request is
+        received, so it can queue or refuse it first (see :class:`_Guard`), and reads it itself."""
         by_service: dict[str, dict[str, grpc.RpcMethodHandler]] = {}
-        ser, de = SignedMessage.SerializeToString, _parse_request
+        ser = SignedMessage.SerializeToString
 
         for method, h in self._unary.items():
-            async def unary(request, context, _h=h, _m=method):
-                verified = current_request()
+            async def unary(request_iterator, context, _h=h, _m=method):
+                verified, ticket, token = await self._admit(_m, context)
+                var = _current.set(verified)
+                refusal = None
                 try:
                     payload = await _h(verified, context)
                 except EnvelopeError as err:
+                    refusal = (err.code, err.reason)
+                finally:
+                    self._done(ticket, token)
+                    _current.reset(var)  # a coroutine: same task, same context
+                if refusal is not None:  # abort outside the except block: see _admit
                     self.stats.rejected += 1
-                    await context.abort(err.code, err.reason)
+                    verified = payload = None
+                    await context.abort(*refusal)
                 reply = self._sign_reply(verified, _m, payload)
                 self.stats.add(_m, reply.ByteSize(), 0)
                 return reply
 
+            de = _sized_parser(lambda _m=method: self.payload_limit(_m) + ENVELOPE_OVERHEAD)
             service, name = method.rsplit("/", 1)
-            by_service.setdefault(service.lstrip("/"), {})[name] = grpc.unary_unary_rpc_method_handler(
+            by_service.setdefault(service.lstrip("/"), {})[name] = grpc.stream_unary_rpc_method_handler(
                 unary, request_deserializer=de, response_serializer=ser)
 
         for method, h in self._stream.items():
-            async def stream(request, context, _h=h, _m=method):
-                verified = current_request()
+            async def stream(request_iterator, context, _h=h, _m=method):
+                # A coroutine that writes (not an async generator): a client's cancel arrives here as
+                # CancelledError, in this task, and the handler's generator is closed right here, in the
+                # context it ran in (an abandoned generator would be closed later by asyncio's finalizer
+                # in another task and context, which printed "Token ... created in a different Context").
+                verified, ticket, token = await self._admit(_m, context)
+                var = _current.set(verified)
+                gen = _h(verified, context)
+                refusal = None
                 try:
-                    async for payload in _h(verified, context):
+                    async for payload in gen:
                         reply = self._sign_reply(verified, _m, payload)
                         self.stats.add(_m, reply.ByteSize(), 0)
-                        yield reply
+                        await context.write(reply)
                 except EnvelopeError as err:
+                    refusal = (err.code, err.reason)
+                finally:
+                    self._done(ticket, token)
+                    await gen.aclose()
+                    _current.reset(var)
+                if refusal is not None:
                     self.stats.rejected += 1
-                    await context.abort(err.code, err.reason)
+                    verified = gen = None
+                    await context.abort(*refusal)
 
+            de = _sized_parser(lambda _m=method: self.payload_limit(_m) + ENVELOPE_OVERHEAD)
             service, name = method.rsplit("/", 1)
-            by_service.setdefault(service.lstrip("/"), {})[name] = grpc.unary_stream_rpc_method_handler(
+            by_service.setdefault(service.lstrip("/"), {})[name] = grpc.stream_stream_rpc_method_handler(
                 stream, request_deserializer=de, response_serializer=ser)
         return [grpc.method_handlers_generic_handler(s, m) for s, m in by_service.items()]
 
@@ -347,9 +791,9 @@ class Transport:
         c = self.config
         if c.client_only:
             return None
-        interceptor = EnvelopeInterceptor(self.verifier, self.stats, self._payload_limits.get)
-        # No SO_REUSEPORT: a second node on a taken port must fail, not silently share its traffic.
-        self._server = grpc.aio.server(interceptors=[interceptor], options=self._options() + [("grpc.so_reuseport", 0)])
+        self._guard = _Guard(c)
+        self._server = grpc.aio.server(options=self._server_options(),
+                                       maximum_concurrent_rpcs=max(1, int(c.max_concurrent_rpcs)))
         self._server.add_generic_rpc_handlers(self._make_generic_handlers())
         bind = f"{c.host}:{c.port}"
         try:
@@ -368,6 +812,9 @@ class Transport:
 
     # ---------------------------------------------------------------- client side
     def _channel(self, address: str) -> grpc.aio.Channel:
+        """The cached channel to ``address``. At most ``max_channels`` are kept (addresses come from
+        other nodes, e.g. the ones a caller claims): the least recently used is closed, with a grace
+        period for its calls in flight."""
         ch = self._channels.get(address)
         if ch is None:
             if self.config.tls is not None:
@@ -375,6 +822,13 @@ class Transport:
             else:
                 ch = grpc.aio.insecure_channel(address, options=self._options())
             self._channels[address] = ch
+            while len(self._channels) > max(1, self.config.max_channels):
+                _, old = self._channels.popitem(last=False)
+                self._evicted.add(old)
+                task = self.tasks.spawn(old.close(grace=self.config.default_timeout_s), name="close-channel")
+                task.add_done_callback(lambda _t, ch=old: self._evicted.discard(ch))
+        else:
+            self._channels.move_to_end(address)
         return ch
 
     def _check_reply(self, address: str, method: str, reply: SignedMessage) -> Verified:
@@ -431,6 +885,7 @@ class Transport:
         if self._server is not None:
             await self._server.stop(grace)
             self._server = None
-        channels, self._channels = list(self._channels.values()), {}
+        channels, self._channels = list(self._channels.values()) + list(self._evicted), OrderedDict()
+        self._evicted = set()
         for ch in channels:
             await ch.close()

@@ -67,7 +67,8 @@ async def test_four_peers_joining_one_bootstrap_at_once_form_one_swarm_that_outl
         for n in peers:
             assert await sees(n, ids)
         # ... and find new records and newcomers
-        assert await peers[0].store(f"{RUN}/after-bootstrap", b"new", time.time() + 30)
+        assert await peers[0].store(f"{RUN}/after-bootstrap", b"new", time.time() + 30,
+                                    owner=peers[0].identity)  # values under the run's keys are signed
         for n in peers[1:]:
             assert (await n.get(f"{RUN}/after-bootstrap"))[None].value == b"new"
         late, late_announcer = await start_peer([peers[2].address])
@@ -138,7 +139,7 @@ async def test_malformed_or_misplaced_peer_records_are_dropped(caplog):
         other = Identity.generate()
         rec = peer_record(node).model_copy(update={"peer_id": me.peer_id.to_string()})
         assert await node.store(key, rec.to_bytes(), time.time() + 30, subkey=other.peer_id.to_string(), owner=other)
-        assert await node.store(key, b"{}", time.time() + 30, subkey="unowned")
+        assert await node.store(key, b"{}", time.time() + 30, subkey="unowned", owner=other)
         with caplog.at_level(logging.WARNING, logger="geomesh_p2p.dht.announce"):
             assert await live_peers(node, RUN) == []
         assert "malformed PeerRecord" in caplog.text

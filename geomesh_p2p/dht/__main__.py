@@ -35,7 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--client-only", action="store_true", help="do not serve; only call others (default: off)")
     ap.add_argument("--announce", action="store_true", help="announce a minimal PeerRecord (default: off)")
     ap.add_argument("--put", action="append", default=[], metavar="KEY=VALUE",
-                    help="store VALUE (UTF-8) under KEY, re-stored every period (repeatable; default: none)")
+                    help="store VALUE (UTF-8) under KEY, signed by this node, re-stored every period "
+                         "(repeatable; default: none)")
     ap.add_argument("--get", action="append", default=[], metavar="KEY", help="key to read and print (repeatable)")
     ap.add_argument("--period", type=float, default=1.0, help="seconds between prints (default: %(default)s)")
     ap.add_argument("--ttl", type=float, default=None, help="lifetime of stored values, s (default: 3 x period)")
@@ -75,7 +76,8 @@ async def run(ns: argparse.Namespace) -> int:
         puts = [p.split("=", 1) for p in ns.put]
         while True:
             for key, value in puts:
-                await node.store(key, value.encode(), time.time() + ttl)
+                # signed by this node: values under a run's keys must be, and nodes keep unsigned ones briefly
+                await node.store(key, value.encode(), time.time() + ttl, owner=identity)
             peers = [r.peer_id for r in await live_peers(node, ns.run_id)]
             values = {}
             for key in ns.get:

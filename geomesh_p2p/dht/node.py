@@ -13,7 +13,15 @@ Differences from hivemind:
   node's DHTID is SHA-1 of its PeerID (checked), so nobody picks its place in the key space;
 * values are :mod:`signed records <geomesh_p2p.dht.records>` with owner rules, checked on store and
   again by the reader on find (a lying node cannot forge, alter or revive a record);
-* replies from a node are accepted only when signed by the PeerID its contact says.
+* replies from a node are accepted only when signed by the PeerID its contact says;
+* a node that calls us enters the routing table only after it answered a ping at the address it
+  claims (so signed pings naming fake addresses cannot fill the table or Find answers), and at most
+  ``max_contacts_per_ip`` identities per IP and ``max_contacts_per_subnet`` per /24 (IPv6: /48) are
+  admitted (loopback exempt unless ``limit_loopback``); replacement lists are bounded (k per bucket);
+* storage is bounded by :class:`~geomesh_p2p.dht.quota.StorageQuota` (per owner, per key, unsigned,
+  total); values under the run's keys must be signed; an unsigned value lives at most
+  ``RecordLimits.max_unsigned_ttl_s`` from when it was stored (a holder's republish does not extend
+  it; its publisher's does), so a flood of them spreads at most that long, within every node's quota.
 
 Usage::
 
@@ -30,9 +38,12 @@ Units: seconds and unix seconds for time, bytes for sizes.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import ipaddress
 import logging
 import random
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Collection, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
@@ -55,6 +66,7 @@ from geomesh_p2p.dht.records import (
     node_id_of,
     verify_record,
 )
+from geomesh_p2p.dht.quota import DEFAULT_QUOTA, StorageLedger, StorageQuota
 from geomesh_p2p.identity import EnvelopeError, Identity, PeerID, Verified
 from geomesh_p2p.transport import DHT_FIND, DHT_PING, DHT_STORE, RpcError, TaskOwner, Transport
 from geomesh_p2p.wire import dht_pb2
@@ -129,6 +141,9 @@ class DHTStats:
     records_refused: int = 0
     records_dropped_on_find: int = 0
     republished: int = 0
+    contacts_checked: int = 0  # callers pinged back at the address they claim
+    contacts_unverified: int = 0  # ... that did not answer there
+    contacts_refused: int = 0  # not admitted: per-IP/subnet limit, or too many checks pending
 
 
 class _OnceLog:
@@ -200,13 +215,22 @@ class DHTNode:
     :param join_attempts, join_backoff_s: :meth:`join` retries, with backoff doubling from this
         (±20% jitter), capped at 8 s.
     :param storage_size: max keys held (earliest expiring evicted first); None = unbounded.
+    :param quota: bytes held per owner, per key, unsigned and in total (see :mod:`~geomesh_p2p.dht.quota`).
+    :param max_contacts_per_ip, max_contacts_per_subnet: identities admitted into the routing table
+        (replacements included) per IP and per /24 (IPv6 /48; private and loopback addresses: no
+        subnet limit); 0 = no limit.
+    :param limit_loopback: apply the per-IP limit to loopback addresses too (a local swarm shares one).
+    :param max_contact_checks: ping-backs of unknown callers in flight (more callers: not admitted now;
+        they are when they call again).
     """
 
     def __init__(self, transport: Transport, *, k: int = 20, alpha: int = 3, num_replicas: Optional[int] = None,
                  depth_modulo: int = 5, rpc_timeout_s: float = 3.0, refresh_period_s: float = 60.0,
                  republish_period_s: float = 60.0, limits: RecordLimits = DEFAULT_LIMITS,
                  blacklist_s: float = 2.0, max_failures: int = 3, join_attempts: int = 5,
-                 join_backoff_s: float = 0.5, storage_size: Optional[int] = None):
+                 join_backoff_s: float = 0.5, storage_size: Optional[int] = None,
+                 quota: StorageQuota = DEFAULT_QUOTA, max_contacts_per_ip: int = 8, max_contacts_per_subnet: int = 32,
+                 limit_loopback: bool = False, max_contact_checks: int = 64):
         if k < 1 or alpha < 1:
             raise ValueError(f"k and alpha must be >= 1 (got k={k}, alpha={alpha})")
         self.transport = transport
@@ -224,6 +248,12 @@ class DHTNode:
         self.join_attempts, self.join_backoff_s = join_attempts, join_backoff_s
         self.routing_table = RoutingTable(self.node_id, k, depth_modulo)
         self.storage = DHTLocalStorage(maxsize=storage_size)
+        self.ledger = StorageLedger(quota)
+        self.max_contacts_per_ip, self.max_contacts_per_subnet = max_contacts_per_ip, max_contacts_per_subnet
+        self.limit_loopback = limit_loopback
+        self.max_contact_checks = max_contact_checks
+        self._checking: Dict[PeerID, str] = {}  # callers being pinged back -> claimed address
+        self._unanswered: "OrderedDict[str, float]" = OrderedDict()  # address -> monotonic time of a failed check
         self.blacklist = Blacklist(blacklist_s, 2.0)
         self.stats = DHTStats()
         self.tasks = TaskOwner(f"dht {self.peer_id.short()}")
@@ -281,7 +311,8 @@ class DHTNode:
 
     # ------------------------------------------------------------------ routing table upkeep
     def _on_contact(self, contact: Contact) -> None:
-        """``contact`` answered us or called us: add it (Kademlia 2.2), push it the values it should hold."""
+        """``contact`` answered us at its address: add it (Kademlia 2.2) unless its IP or subnet already
+        has its share of the table, and push it the values it should hold."""
         if contact.peer_id == self.peer_id:
             return
         node_id = contact.node_id
@@ -289,17 +320,104 @@ class DHTNode:
         self._failures.pop(contact.peer_id, None)
         self._removed.pop(contact.address, None)
         is_new = node_id not in self.routing_table
+        old = self.routing_table.get(node_id=node_id)
+        if (is_new or old != contact) and not self._admissible(contact):
+            self.stats.contacts_refused += 1
+            return
         if is_new and self._started and self._alive:
             self._hand_over(node_id, contact)
-        old = self.routing_table.get(node_id=node_id)
         if old is not None and old != contact:
             self._forget(node_id)
         to_ping = self.routing_table.add_or_update_node(node_id, contact)
+        self._trim_replacements(node_id)
         if to_ping is not None and self._alive and self._started:
             ping_id, ping_contact = to_ping
             if ping_id not in self._pinging:
                 self._pinging.add(ping_id)
                 self.tasks.spawn(self._check_stale(ping_id, ping_contact), name="dht-ping-stale")
+
+    @staticmethod
+    def _groups(address: str) -> Tuple[str, Optional[str], bool]:
+        """(IP or host name, subnet or None, is loopback) of a ``host:port`` address."""
+        host = address.rpartition(":")[0].strip("[]")
+        try:
+            ip = ipaddress.ip_address(host)
+        except ValueError:
+            return host.lower(), None, host.lower() == "localhost"
+        if ip.version == 6 and ip.ipv4_mapped is not None:
+            ip = ip.ipv4_mapped
+        if ip.is_loopback or ip.is_private or ip.is_link_local:
+            return str(ip), None, ip.is_loopback
+        bits = 24 if ip.version == 4 else 48
+        return str(ip), str(ipaddress.ip_network(f"{ip}/{bits}", strict=False)), False
+
+    def _admissible(self, contact: Contact) -> bool:
+        """Whether the table (with replacements) has room for one more identity at this IP and subnet."""
+        ip, subnet, loopback = self._groups(contact.address)
+        per_ip = self.max_contacts_per_ip if (self.limit_loopback or not loopback) else 0
+        per_subnet = self.max_contacts_per_subnet if subnet is not None else 0
+        if not per_ip and not per_subnet:
+            return True
+        n_ip = n_subnet = 0
+        for c in self.routing_table.uid_to_peer_id.values():
+            if c.peer_id == contact.peer_id:
+                continue
+            cip, csub, _ = self._groups(c.address)
+            n_ip += cip == ip
+            n_subnet += subnet is not None and csub == subnet
+        if per_ip and n_ip >= per_ip:
+            self._once(logging.INFO, f"routing table {ip}", f"already holds {n_ip} nodes at {ip}; not adding more")
+            return False
+        if per_subnet and n_subnet >= per_subnet:
+            self._once(logging.INFO, f"routing table {subnet}", f"already holds {n_subnet} nodes in {subnet}; not adding more")
+            return False
+        return True
+
+    def _trim_replacements(self, node_id: DHTID) -> None:
+        """hivemind keeps every replacement candidate of a full bucket: keep the k most recent."""
+        bucket = self.routing_table.buckets[self.routing_table.get_bucket_index(node_id)]
+        while len(bucket.replacement_nodes) > self.k:
+            old_id = next(iter(bucket.replacement_nodes))
+            self._forget(old_id)
+
+    def _check_contact(self, contact: Contact) -> None:
+        """An unknown node called us naming ``contact.address``: ping it back there (in the background)
+        and add it only if it answers, signed by the same PeerID. Bounded: one check per PeerID, at
+        most ``max_contact_checks`` at once, an address that did not answer is not tried again for
+        ``refresh_period_s``."""
+        if not self._alive or contact.peer_id in self._checking:
+            return
+        failed_at = self._unanswered.get(contact.address)
+        if failed_at is not None:
+            if time.monotonic() - failed_at < self.refresh_period_s:
+                return
+            del self._unanswered[contact.address]
+        if len(self._checking) >= self.max_contact_checks or not self._admissible(contact):
+            self.stats.contacts_refused += 1
+            return
+        self._checking[contact.peer_id] = contact.address
+        self.stats.contacts_checked += 1
+        self.tasks.spawn(self._ping_back(contact), name="dht-check-contact")
+
+    async def _ping_back(self, contact: Contact) -> None:
+        # Not self.ping(): a caller that lied about its address is not blacklisted or counted as a failure
+        # of a known node (those tables would grow with every fake identity).
+        req = dht_pb2.PingRequest(sender=self.self_info(), dht_protocol=DHT_PROTOCOL_VERSION,
+                                  software_version=__version__)
+        try:
+            answered, resp = await self._call(contact.address, DHT_PING, req, dht_pb2.PingResponse, contact.peer_id)
+            if resp.dht_protocol != DHT_PROTOCOL_VERSION:
+                raise RpcError(contact.address, DHT_PING, grpc.StatusCode.FAILED_PRECONDITION,
+                               f"speaks DHT protocol {resp.dht_protocol}")
+            self._on_contact(answered)
+        except RpcError as err:
+            self.stats.contacts_unverified += 1
+            self._unanswered[contact.address] = time.monotonic()
+            while len(self._unanswered) > 4096:
+                self._unanswered.popitem(last=False)
+            log.debug("caller %r did not answer at its address: %s", contact, err)
+        finally:
+            self._checking.pop(contact.peer_id, None)
 
     def _forget(self, node_id: DHTID) -> None:
         try:
@@ -654,6 +772,12 @@ class DHTNode:
         now = time.time()
         try:
             vr = verify_record(rec, run_id=self.run_id, now=now, limits=self.limits)
+            if vr.owner is None and vr.expiration_time > now + self.limits.max_unsigned_ttl_s:
+                # an unsigned value is stored for a short while only (nobody is accountable for it)
+                rec = SignedRecord()
+                rec.CopyFrom(vr.record)
+                rec.expiration_time = now + self.limits.max_unsigned_ttl_s
+                vr = dataclasses.replace(vr, expiration_time=rec.expiration_time, record=rec)
             held = self.storage.get(vr.key_id)
             cur_bytes: Optional[bytes] = None
             cur_exp = float("-inf")
@@ -688,7 +812,14 @@ class DHTNode:
                         return dht_pb2.StoreOutcome(stored=True, code=0, reason="")
                     return dht_pb2.StoreOutcome(stored=False, code=0,
                                                 reason=f"a value expiring {cur_exp - vr.expiration_time:+.1f}s later is held")
-            stored = self.storage.store(vr.key_id, rec.SerializeToString(), vr.expiration_time, subkey=vr.subkey)
+            data = rec.SerializeToString()
+            slot = (vr.key_id, vr.subkey)
+            self.ledger.charge(slot, vr.owner, len(data), vr.expiration_time, now)
+            stored = self.storage.store(vr.key_id, data, vr.expiration_time, subkey=vr.subkey)
+            if not stored:
+                self.ledger.forget(slot)
+            elif vr.subkey is not None:
+                self.ledger.forget((vr.key_id, None))  # a plain value it replaced, if any
         except RecordError as err:
             self.stats.records_refused += 1
             return dht_pb2.StoreOutcome(stored=False, code=err.code.value[0], reason=err.reason)
@@ -700,7 +831,8 @@ class DHTNode:
 
     # ------------------------------------------------------------------ incoming RPCs
     def _note_sender(self, verified: Verified, info: dht_pb2.NodeInfo) -> None:
-        """Check the request's sender NodeInfo against its signed envelope; add it when it serves."""
+        """Check the request's sender NodeInfo against its signed envelope; when it names an address,
+        refresh it if known there, else ping it back there before adding it (:meth:`_check_contact`)."""
         if info.peer_id and info.peer_id != bytes(verified.sender):
             raise RecordError(grpc.StatusCode.INVALID_ARGUMENT, "sender NodeInfo names another PeerID than the signer")
         if info.node_id and info.node_id != node_id_of(verified.sender).to_bytes():
@@ -708,7 +840,11 @@ class DHTNode:
         if info.address:
             if not _valid_address(info.address):
                 raise RecordError(grpc.StatusCode.INVALID_ARGUMENT, f"sender address {info.address[:60]!r} is not host:port")
-            self._on_contact(Contact(verified.sender, info.address))
+            contact = Contact(verified.sender, info.address)
+            if self.routing_table.get(node_id=contact.node_id) == contact:
+                self._on_contact(contact)  # known at this address (it answered us there): refresh it
+            else:
+                self._check_contact(contact)  # the address is a claim until it answers there
 
     async def _rpc_ping(self, verified: Verified, context) -> bytes:
         self._alive_check()
@@ -779,7 +915,9 @@ class DHTNode:
 
         Returns True when at least one node (this one included, when it serves) accepted it; False when
         none did (unreachable, or each holds a newer value or refused it: reasons are logged).
-        Raises RecordError at once when the record breaks a rule (size, lifetime, owner).
+        Raises RecordError at once when the record breaks a rule (size, lifetime, owner, unsigned under
+        a run key). Nodes keep an unsigned value at most ``limits.max_unsigned_ttl_s``; its publisher
+        re-stores it every ``republish_period_s``.
         This node republishes the record until it expires (see ``republish_period_s``).
         """
         rec = make_record(key, value, expiration_time, subkey=subkey, owner=owner, run_id=self.run_id)

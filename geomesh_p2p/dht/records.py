@@ -14,6 +14,10 @@ Owner rule (who may write a slot ``(key, subkey)``):
 * any other slot is unowned: signed or unsigned records are accepted there, but a node never lets a
   record replace an unexpired *signed* record of a different signer (first signer holds the slot
   until its record expires). Use an owner-named subkey when squatting matters.
+* under the run's own keys (``<run id>/...``) only signed records are accepted (``signed_run_keys``),
+  on store and on find: every record there counts against its signer's storage quota
+  (:mod:`geomesh_p2p.dht.quota`). Unsigned records elsewhere are stored with a short lifetime (a
+  node caps their expiration at ``max_unsigned_ttl_s`` from now).
 
 Limits (:class:`RecordLimits`): key and subkey length, value size (64 KiB), lifetime (24 h), records
 per store call, keys per find call, subkeys per key. A record that breaks a rule raises
@@ -59,6 +63,8 @@ class RecordLimits:
     max_records_per_store: int = 64
     max_keys_per_find: int = 64
     max_subkeys_per_key: int = 2048
+    signed_run_keys: bool = True  # values under "<run id>/..." must be signed
+    max_unsigned_ttl_s: float = 60.0  # a node stores an unsigned value at most this long
 
     def max_store_payload(self) -> int:
         """Upper bound of a valid StoreRequest payload, bytes (the transport refuses bigger ones)."""
@@ -172,8 +178,9 @@ def verify_record(rec: SignedRecord, *, run_id: str, now: float, limits: RecordL
     Checks (status in brackets): empty or oversized key/subkey [INVALID_ARGUMENT], value over
     ``max_value_bytes`` [RESOURCE_EXHAUSTED], non-finite expiration [INVALID_ARGUMENT], expired or
     beyond ``now + max_ttl_s`` [OUT_OF_RANGE], half-present or wrong-length signature fields
-    [INVALID_ARGUMENT], bad signature [UNAUTHENTICATED], slot owned by another peer or unsigned
-    [PERMISSION_DENIED], key that does not hash to ``expected_key_id`` [INVALID_ARGUMENT].
+    [INVALID_ARGUMENT], bad signature [UNAUTHENTICATED], slot owned by another peer or unsigned,
+    unsigned under a run key [PERMISSION_DENIED], key that does not hash to ``expected_key_id``
+    [INVALID_ARGUMENT].
     """
     key = rec.key
     subkey = rec.subkey if rec.HasField("subkey") else None
@@ -205,6 +212,9 @@ def verify_record(rec: SignedRecord, *, run_id: str, now: float, limits: RecordL
         if not verify_signature(pk, sig, canonical_record_bytes(run_id, key, subkey, rec.value, exp, pk)):
             raise RecordError(grpc.StatusCode.UNAUTHENTICATED, "bad record signature (forged or altered record)")
         owner = PeerID.from_public_key(pk)
+    if owner is None and limits.signed_run_keys and key.startswith(run_id + "/"):
+        raise RecordError(grpc.StatusCode.PERMISSION_DENIED,
+                          f"unsigned value under a key of run {run_id!r}: values under {run_id}/... must be signed")
     need = required_owner(key, subkey)
     if need is not None and owner != need:
         what = "subkey" if OWNER_MARK not in key else "key"

@@ -1,0 +1,111 @@
+"""Helpers of the tests that measure a server in its own process: start it, read its memory from
+/proc/<pid>/status, stop it by PID in teardown; signed calls on a connection of their own."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import grpc
+import pytest
+
+from geomesh_p2p.identity import Identity
+from geomesh_p2p.wire import envelope_pb2
+
+ROOT = Path(__file__).resolve().parent.parent
+MiB = 1 << 20
+START_TIMEOUT = 90  # a cold interpreter imports torch + hivemind
+
+
+def status_kib(pid: int, field: str) -> int:
+    """A ``kB`` field of /proc/<pid>/status (VmRSS, VmHWM), in KiB."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise KeyError(field)
+
+
+class Server:
+    """A server process (stopped by PID in teardown); ``address`` from the first 'serving on' line."""
+
+    def __init__(self, argv):
+        self.p = subprocess.Popen([sys.executable, *argv], cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True,
+                                  env={**os.environ, "PYTHONUNBUFFERED": "1", "GRPC_VERBOSITY": "NONE"})
+        self.lines: list[str] = []
+        self.address = None
+        found = threading.Event()
+
+        def pump():
+            for line in self.p.stdout:
+                self.lines.append(line.rstrip("\n"))
+                m = re.search(r"serving on (\S+)", line)
+                if m and self.address is None:
+                    self.address = m.group(1)
+                    found.set()
+            found.set()
+
+        threading.Thread(target=pump, daemon=True).start()
+        if not found.wait(START_TIMEOUT) or self.address is None:
+            self.stop()
+            raise AssertionError(f"server did not start: {self.lines[-20:]}")
+
+    def kib(self, field: str) -> int:
+        return status_kib(self.p.pid, field)
+
+    def stop(self) -> None:
+        if self.p.poll() is None:
+            self.p.terminate()
+            try:
+                self.p.wait(30)
+            except subprocess.TimeoutExpired:
+                self.p.kill()
+                self.p.wait(10)
+
+
+@pytest.fixture
+def servers():
+    started: list[Server] = []
+
+    def spawn(argv):
+        s = Server(argv)
+        started.append(s)
+        return s
+
+    yield spawn
+    for s in started:
+        s.stop()
+
+
+async def signed_call(address: str, identity: Identity, method: str, payload: bytes, *, run: str,
+                      timeout: float = 60.0) -> grpc.StatusCode:
+    """One signed call on its own connection (as a flood would make); returns the status code."""
+    msg = identity.sign_message(run_id=run, round=0, kind=method, payload=payload)
+    opts = [("grpc.max_send_message_length", 1 << 30), ("grpc.max_receive_message_length", 1 << 30),
+            ("grpc.use_local_subchannel_pool", 1)]
+    async with grpc.aio.insecure_channel(address, options=opts) as ch:
+        mc = ch.unary_unary(method, request_serializer=envelope_pb2.SignedMessage.SerializeToString,
+                            response_deserializer=envelope_pb2.SignedMessage.FromString)
+        try:
+            await mc(msg, timeout=timeout)
+            return grpc.StatusCode.OK
+        except grpc.aio.AioRpcError as e:
+            return e.code()
+
+
+def closed_ports(n: int) -> list[int]:
+    """``n`` local ports nobody listens on (bound, then released)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()

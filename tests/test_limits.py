@@ -1,0 +1,324 @@
+"""Bounded resources on the gRPC server (issue 12, "Bounded resources everywhere"): per-method size
+limits applied before a request is parsed (and, on a bootstrap, before it is received), a bounded
+number of requests received at once, concurrent-call caps per sender and in total, a connection
+cap, and client-cancelled streams that end without a traceback.
+
+Memory is measured on a separate server process (VmHWM in /proc/<pid>/status: the peak resident
+set), so the figures are the server's alone."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+import random
+import select
+import socket
+
+import grpc
+import pytest
+import torch
+
+from geomesh_p2p import transport as transport_mod
+from geomesh_p2p.dht.node import DHT_PROTOCOL_VERSION
+from geomesh_p2p.identity import EnvelopeError, Identity
+from geomesh_p2p.state_sync import Snapshot, StateServer
+from geomesh_p2p.transport import DHT_PING, DHT_STORE, STATE_GET, RpcError, Transport, TransportConfig
+from geomesh_p2p.wire import collective_pb2, dht_pb2
+from tests.proc_util import MiB, closed_ports, servers, signed_call  # noqa: F401  (servers: a fixture)
+
+pytestmark = pytest.mark.timeout(240)
+
+RUN = "limits-test"
+
+
+# --------------------------------------------------------------------------- helpers
+def ping_payload(size: int = 0) -> bytes:
+    req = dht_pb2.PingRequest(dht_protocol=DHT_PROTOCOL_VERSION, software_version="x" * size)
+    return req.SerializeToString()
+
+
+async def _valid_pings(address: str, n: int = 3) -> None:
+    me = Identity.generate()
+    for _ in range(n):
+        assert await signed_call(address, me, DHT_PING, ping_payload(), run=RUN) == grpc.StatusCode.OK
+
+
+# --------------------------------------------------------------------------- sizes, before receipt
+async def test_bootstrap_refuses_oversized_requests_before_receiving_them(servers, tmp_path):
+    """5 concurrent signed 64 MiB requests to a bootstrap: refused from their length prefix (the
+    bootstrap's server-wide limit is its largest method's, ~4 MiB), so its memory does not grow by
+    them. Before: the 128 MiB server-wide limit let each be received, parsed and hashed (+~0.3 GB)."""
+    boot = servers(["-m", "bootstrap.cli", "--host", "127.0.0.1", "--port", "0", "--run-id", RUN,
+                    "--identity", str(tmp_path / "boot.key"), "--status-interval", "3600", "--log-level", "WARNING"])
+    await _valid_pings(boot.address)
+    hwm0 = boot.kib("VmHWM")
+    attackers = [Identity.generate() for _ in range(5)]
+    big = ping_payload(64 * MiB)
+    codes = await asyncio.gather(*(signed_call(boot.address, a, DHT_PING, big, run=RUN) for a in attackers),
+                                 *(signed_call(boot.address, a, DHT_STORE, big, run=RUN) for a in attackers))
+    del big
+    assert codes == [grpc.StatusCode.RESOURCE_EXHAUSTED] * 10
+    await _valid_pings(boot.address)
+    grown_mib = (boot.kib("VmHWM") - hwm0) / 1024
+    print(f"bootstrap peak RSS grew by {grown_mib:.0f} MiB")
+    assert grown_mib < 32, f"bootstrap peak RSS grew by {grown_mib:.0f} MiB"
+
+
+async def test_peer_receives_a_bounded_number_of_oversized_requests_at_once(servers):
+    """A peer must accept 128 MiB messages (collective parts), so a 48 MiB request to Ping is received
+    before it is refused; but only ``max_reads_per_ip`` (2) at a time per IP, and it is refused from
+    its length, neither parsed nor verified. 6 concurrent ones: peak RSS grows by about 2 x (core
+    buffer + bytes copy) ~ 200 MiB. Before: all 6 at once, each parsed and hashed (> 0.6 GB)."""
+    peer = servers(["benchmarks/floods.py", "--serve", "peer", "--run-id", RUN])
+    await _valid_pings(peer.address)
+    hwm0 = peer.kib("VmHWM")
+    attackers = [Identity.generate() for _ in range(6)]
+    big = ping_payload(48 * MiB)
+    codes = await asyncio.gather(*(signed_call(peer.address, a, DHT_PING, big, run=RUN) for a in attackers))
+    del big
+    assert codes == [grpc.StatusCode.RESOURCE_EXHAUSTED] * 6
+    await _valid_pings(peer.address)
+    grown_mib = (peer.kib("VmHWM") - hwm0) / 1024
+    print(f"peer peak RSS grew by {grown_mib:.0f} MiB")
+    assert grown_mib < 260, f"peer peak RSS grew by {grown_mib:.0f} MiB"
+
+
+async def test_oversized_request_is_refused_before_parsing_and_its_connection_is_penalized():
+    seen = []
+
+    async def echo(verified, context):
+        seen.append(verified.payload)
+        return b"ok"
+
+    server = Transport(Identity.generate(), RUN)
+    server.add_unary(DHT_PING, echo, max_payload_bytes=1024)
+    server.add_unary(DHT_STORE, echo)  # no limit: the server-wide limit stays max_message_bytes
+    address = await server.start()
+    client = Transport(Identity.generate(), RUN, TransportConfig(client_only=True))
+    try:
+        assert server.max_request_bytes() == server.config.max_message_bytes
+        with pytest.raises(RpcError) as ei:
+            await client.call(address, DHT_PING, b"z" * 100_000)
+        assert ei.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "over the limit of 1024" in ei.value.reason
+        assert server.stats.rejected == 1 and seen == []
+        # the same connection is refused for a while, before anything is read from it
+        with pytest.raises(RpcError) as ei:
+            await client.call(address, DHT_STORE, b"small")
+        assert ei.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "refused for" in ei.value.reason
+        # other connections are served (Transports in one process share a connection per address)
+        assert await signed_call(address, Identity.generate(), DHT_PING, b"fine", run=RUN) == grpc.StatusCode.OK
+    finally:
+        await client.stop()
+        await server.stop(grace=0)
+
+
+def test_request_split_matches_protobuf_and_refuses_malformed_bytes():
+    """The server splits a SignedMessage itself (no protobuf copy of the payload): same envelope and
+    payload as protobuf for every well-formed message, an empty message for malformed bytes."""
+    rnd = random.Random(7)
+    me = Identity.generate()
+    for n in (0, 1, 127, 128, 300, 70_000):
+        msg = me.sign_message(run_id=RUN, round=rnd.randrange(1 << 40), kind=DHT_PING, payload=rnd.randbytes(n))
+        raw = msg.SerializeToString()
+        got = transport_mod._split_request(raw)
+        assert got.HasField("envelope") and got.envelope == msg.envelope and got.payload == msg.payload
+        assert got.ByteSize() == len(raw)
+        extra = raw + bytes([0x18, 0x05])  # an unknown varint field 3 is skipped, as protobuf does
+        assert transport_mod._split_request(extra).payload == msg.payload
+        for bad in (raw[:-1], raw + raw[:2], raw + b"\x0a\x00", raw + b"\x10\x01", b"\xff" * 8):
+            assert not transport_mod._split_request(bad).HasField("envelope")
+
+
+async def test_server_wide_limit_is_the_largest_method_limit():
+    server = Transport(Identity.generate(), RUN)
+    server.add_unary(DHT_PING, None, max_payload_bytes=16 << 10)
+    server.add_unary(DHT_STORE, None, max_payload_bytes=4 * MiB)
+    assert server.max_request_bytes() < 4 * MiB + 8192
+    assert dict(server._server_options())["grpc.max_receive_message_length"] == server.max_request_bytes()
+
+
+# --------------------------------------------------------------------------- concurrent calls
+async def test_concurrent_calls_capped_per_sender_and_in_total():
+    release = asyncio.Event()
+
+    async def hold(verified, context):
+        await release.wait()
+        return b"done"
+
+    cfg = TransportConfig(call_limits={"dht": (3, 2)})
+    server = Transport(Identity.generate(), RUN, cfg)
+    server.add_unary(DHT_PING, hold)
+    address = await server.start()
+    a, b, c = (Transport(Identity.generate(), RUN, TransportConfig(client_only=True)) for _ in range(3))
+    try:
+        held = [asyncio.ensure_future(a.call(address, DHT_PING, b"1")),
+                asyncio.ensure_future(a.call(address, DHT_PING, b"2"))]
+        while server._guard.snapshot()["calls"].get("dht", 0) < 2:
+            await asyncio.sleep(0.01)
+        with pytest.raises(RpcError) as ei:
+            await a.call(address, DHT_PING, b"3")
+        assert ei.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "per caller" in ei.value.reason
+        held.append(asyncio.ensure_future(b.call(address, DHT_PING, b"4")))
+        while server._guard.snapshot()["calls"].get("dht", 0) < 3:
+            await asyncio.sleep(0.01)
+        with pytest.raises(RpcError) as ei:
+            await c.call(address, DHT_PING, b"5")
+        assert ei.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "in total" in ei.value.reason
+        release.set()
+        assert [r.payload for r in await asyncio.gather(*held)] == [b"done"] * 3
+        assert (await c.call(address, DHT_PING, b"6")).payload == b"done"
+        assert server._guard.snapshot()["calls"].get("dht", 0) == 0
+    finally:
+        release.set()
+        for t in (a, b, c):
+            await t.stop()
+        await server.stop(grace=0)
+
+
+async def test_reads_wait_for_a_slot_per_ip_and_the_queue_is_bounded():
+    """The admission of reads alone (no gRPC): one read per IP and two in all per size class; a
+    bounded queue; FIFO within an IP; another IP is not held up by a busy one."""
+    guard = transport_mod._Guard(TransportConfig(max_reads_per_ip=1, max_reads=2, max_waiting_per_ip=1, max_waiting=2))
+    a = await guard.acquire_read("ipv4:10.0.0.1:1000")  # reading
+    waiting = asyncio.ensure_future(guard.acquire_read("ipv4:10.0.0.1:1001"))
+    await asyncio.sleep(0)
+    assert guard.snapshot()["waiting"] == 1 and not waiting.done()
+    with pytest.raises(EnvelopeError) as ei:  # a second waiter from the same IP
+        await guard.acquire_read("ipv4:10.0.0.1:1002")
+    assert ei.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    big = await guard.acquire_read("ipv4:10.0.0.1:1003", "large")  # the large class has its own slots
+    b = await guard.acquire_read("ipv4:10.0.0.2:1000")  # another IP reads at once
+    third = asyncio.ensure_future(guard.acquire_read("ipv4:10.0.0.3:1000"))  # the total (2) is full: waits
+    await asyncio.sleep(0)
+    assert not third.done() and guard.snapshot()["waiting"] == 2
+    with pytest.raises(EnvelopeError) as ei:  # the queue (2 in all) is full
+        await guard.acquire_read("ipv4:10.0.0.4:1000")
+    assert ei.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    guard.release_read(a)  # 10.0.0.1's waiter is first in line
+    first = await waiting
+    assert first[1] == "10.0.0.1" and not third.done()
+    guard.release_read(b)
+    last = await third
+    assert last[1] == "10.0.0.3"
+    # a connection that already delivered a valid request goes ahead of the others of its IP
+    guard.mark_good("ipv4:10.0.0.1:9")
+    new = asyncio.ensure_future(guard.acquire_read("ipv4:10.0.0.6:1"))  # waits (total full)
+    await asyncio.sleep(0)
+    good = asyncio.ensure_future(guard.acquire_read("ipv4:10.0.0.1:9"))  # waits too (10.0.0.1 reads)
+    await asyncio.sleep(0)
+    guard.release_read(first)  # a slot for 10.0.0.1: the good connection, although it came later
+    assert (await good)[1] == "10.0.0.1" and not new.done()
+    guard.release_read(last)
+    first, last = await new, good.result()
+    gone = asyncio.ensure_future(guard.acquire_read("ipv4:10.0.0.5:1"))  # waits, then its caller goes away
+    await asyncio.sleep(0)
+    gone.cancel()
+    await asyncio.gather(gone, return_exceptions=True)
+    for t in (first, last, big):
+        guard.release_read(t)
+    snap = guard.snapshot()
+    assert (snap["reading"], snap["waiting"], snap["ips"], snap["refused"]) == (0, 0, 0, 2)
+
+
+# --------------------------------------------------------------------------- connections
+async def test_connections_beyond_the_cap_are_closed_at_once():
+    server = Transport(Identity.generate(), RUN, TransportConfig(max_connections=8))
+    server.add_unary(DHT_PING, lambda v, c: None)
+    address = await server.start()
+    host, port = address.rsplit(":", 1)
+    socks = [socket.create_connection((host, int(port))) for _ in range(20)]
+    try:
+        closed = 0
+        for s in socks:  # each gets either the server's HTTP/2 SETTINGS (accepted) or EOF (refused)
+            r, _, _ = select.select([s], [], [], 10)
+            assert r, "the server neither greeted nor closed a connection"
+            if s.recv(64) == b"":
+                closed += 1
+        assert closed == 12
+    finally:
+        for s in socks:
+            s.close()
+        await server.stop(grace=0)
+
+
+async def test_client_keeps_a_bounded_number_of_channels():
+    """Addresses come from other nodes (a caller names its own): the channel cache is an LRU."""
+    client = Transport(Identity.generate(), RUN, TransportConfig(client_only=True, max_channels=2))
+    try:
+        for port in closed_ports(5):
+            with pytest.raises(RpcError):
+                await client.call(f"127.0.0.1:{port}", DHT_PING, b"", timeout=2)
+        assert len(client._channels) == 2
+    finally:
+        await client.stop()
+    assert not client._channels and not client._evicted
+
+
+# --------------------------------------------------------------------------- quiet cancellation
+async def test_client_cancelled_state_streams_end_without_a_traceback(caplog):
+    loop = asyncio.get_running_loop()
+    reported = []
+    loop.set_exception_handler(lambda _loop, ctx: reported.append(ctx))
+    server = Transport(Identity.generate(), RUN)
+    state = StateServer(server, chunk_bytes=64 << 10)
+    state.publish(Snapshot(3, torch.randn(1 << 18), torch.zeros(1 << 18), "digest"))
+    address = await server.start()
+    client = Transport(Identity.generate(), RUN, TransportConfig(client_only=True))
+    try:
+        with caplog.at_level(logging.DEBUG):
+            for _ in range(3):
+                req = collective_pb2.StateRequest(round=3, offset=0, length=0).SerializeToString()
+                n = 0
+                async for _v in client.call_stream(address, STATE_GET, req, round=3):
+                    n += 1
+                    if n == 2:
+                        break  # the client cancels the stream
+            for _ in range(5):  # let the server see the cancellations and any abandoned generator be finalized
+                gc.collect()
+                await asyncio.sleep(0.1)
+            # a full download still works
+            chunks = [v async for v in client.call_stream(address, STATE_GET, req, round=3)]
+            assert len(chunks) == 32
+        errors = [r for r in caplog.records if r.levelno >= logging.WARNING]
+        assert reported == [] and errors == [], (reported, [r.getMessage() for r in errors])
+        assert server._guard.snapshot()["calls"].get("state", 0) == 0
+    finally:
+        loop.set_exception_handler(None)
+        await client.stop()
+        await server.stop(grace=0)
+
+
+async def test_state_download_retries_a_bad_donor_and_closes_its_stream(caplog):
+    """download_state over three donors, one of which serves another state: its piece moves to a good
+    donor, and the abandoned stream is cancelled at once (the donor counts no state call after)."""
+    from geomesh_p2p.state import digest
+    from geomesh_p2p.state_sync import download_state
+
+    theta, momentum = torch.randn(1 << 16), torch.randn(1 << 16)
+    good = digest(theta, momentum)
+    servers_, addresses = [], []
+    for k in range(3):
+        t = Transport(Identity.generate(), RUN)
+        st = StateServer(t, chunk_bytes=16 << 10)
+        wrong = k == 1
+        th = theta + 1 if wrong else theta
+        st.publish(Snapshot(5, th, momentum, digest(th, momentum) if wrong else good))
+        addresses.append(await t.start())
+        servers_.append(t)
+    client = Transport(Identity.generate(), RUN, TransportConfig(client_only=True))
+    try:
+        with caplog.at_level(logging.WARNING):
+            snap = await download_state(client, addresses, round=5, numel=theta.numel(), expected_digest=good)
+        assert snap.digest == good and torch.equal(snap.theta, theta)
+        assert any("inconsistent chunk" in r.getMessage() for r in caplog.records)
+        for _ in range(20):
+            if all(t._guard.snapshot()["calls"].get("state", 0) == 0 for t in servers_):
+                break
+            await asyncio.sleep(0.05)
+        assert [t._guard.snapshot()["calls"].get("state", 0) for t in servers_] == [0, 0, 0]
+    finally:
+        await client.stop()
+        for t in servers_:
+            await t.stop(grace=0)
