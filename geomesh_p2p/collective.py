@@ -68,7 +68,8 @@ RESULT_KIND = "geomesh.collective/PartResult"  # inner envelope kind of an owner
 Code = grpc.StatusCode
 # OUT_OF_RANGE: the envelope's timestamp aged past the skew window between signing and
 # verification (a large message on a slow or congested link): re-signing and resending can succeed.
-_RETRY_PUSH = {Code.UNAVAILABLE, Code.OUT_OF_RANGE}
+# RESOURCE_EXHAUSTED: the owner's transport is busy (per-caller / per-class call caps): try again.
+_RETRY_PUSH = {Code.UNAVAILABLE, Code.OUT_OF_RANGE, Code.RESOURCE_EXHAUSTED}
 _RETRY_PULL = {Code.UNAVAILABLE, Code.DEADLINE_EXCEEDED, Code.CANCELLED, Code.UNKNOWN, Code.INTERNAL,
                Code.OUT_OF_RANGE}
 
@@ -240,6 +241,13 @@ class CollectiveSpec:
         quorum: a part result counts only when it aggregates at least ``ceil(quorum x participants)``
             contributions (0 = any); below it every reader treats the part as missing (the same bytes
             give the same decision everywhere), so an owner cannot replace the group's update with its own.
+            Participants on ``probation`` count in neither side: the basis is the established
+            participants and so are the contributions counted (see :meth:`quorum_count`).
+        probation: participants on probation (new identities, :mod:`geomesh_p2p.probation`): they
+            may contribute, but the quorum is counted without them, and an owner closes a part
+            ``grace_s`` seconds after every *established* participant pushed it, without waiting for
+            them until the deadline. At least one participant must be established.
+        grace_s: see ``probation`` (unused when nobody is on probation).
 
     ``spec_id`` (SHA-256 of the canonical JSON of all fields) travels in every push and pull;
     a peer with a different spec for the same round is refused with ``FAILED_PRECONDITION``.
@@ -261,6 +269,8 @@ class CollectiveSpec:
     weight_cap: Optional[float] = None
     min_agreement: Optional[float] = None
     quorum: float = 0.0
+    probation: Sequence[str] = ()
+    grace_s: float = 1.0
     spec_id: bytes = field(init=False, repr=False, compare=False, default=b"")
 
     def __post_init__(self):
@@ -314,6 +324,15 @@ class CollectiveSpec:
         object.__setattr__(self, "quorum", float(self.quorum))
         if not 0.0 <= self.quorum <= 1.0:
             raise ValueError(f"quorum must be in [0, 1], got {self.quorum}")
+        probation = tuple(sorted({_pid_str(p) for p in self.probation}))
+        if any(p not in parts for p in probation):
+            raise ValueError("every peer on probation must be a participant")
+        if len(probation) >= len(parts):
+            raise ValueError("at least one participant must be established (not on probation)")
+        object.__setattr__(self, "probation", probation)
+        object.__setattr__(self, "grace_s", float(self.grace_s))
+        if not (math.isfinite(self.grace_s) and self.grace_s >= 0):
+            raise ValueError(f"grace_s must be finite and >= 0, got {self.grace_s}")
         object.__setattr__(self, "spec_id", hashlib.sha256(self._canonical_json().encode()).digest())
 
     def to_dict(self) -> dict[str, Any]:
@@ -326,6 +345,7 @@ class CollectiveSpec:
             "aggregate_encoding": self.aggregate_encoding, "block_size": self.block_size,
             "clip_k": self.clip_k, "push_encoding": self.push_encoding, "rule": self.rule,
             "weight_cap": self.weight_cap, "min_agreement": self.min_agreement, "quorum": self.quorum,
+            "probation": list(self.probation), "grace_s": self.grace_s,
         }
 
     @classmethod
@@ -339,14 +359,28 @@ class CollectiveSpec:
         d["deadline"], d["pull_deadline"] = repr(self.deadline), repr(self.pull_deadline)
         for k in ("clip_k", "weight_cap", "min_agreement", "quorum"):
             d[k] = None if d[k] is None else repr(d[k])
+        if self.probation:
+            d["grace_s"] = repr(self.grace_s)
+        else:  # specs without probation keep the spec_id they had before the field existed
+            del d["probation"], d["grace_s"]
         return json.dumps(d, sort_keys=True, separators=(",", ":"))
 
     def part_index_of(self, peer_id: str) -> list[int]:
         return [j for j, o in enumerate(self.owners) if o.peer_id == peer_id]
 
+    def established(self) -> list[str]:
+        """Participants not on probation (the quorum's basis)."""
+        return [p for p in self.participants if p not in self.probation]
+
     def quorum_count(self) -> int:
-        """Fewest contributions a part result must aggregate to count: ``ceil(quorum x participants)``."""
-        return math.ceil(self.quorum * len(self.participants) - 1e-9)
+        """Fewest contributions *of established participants* a part result must aggregate to count:
+        ``ceil(quorum x established participants)`` (every participant when nobody is on probation)."""
+        return math.ceil(self.quorum * len(self.established()) - 1e-9)
+
+    def quorum_met(self, senders) -> bool:
+        """True when ``senders`` (the contributors of a part result) reach :meth:`quorum_count`."""
+        probation = set(self.probation)
+        return sum(1 for p in set(senders) if p not in probation) >= self.quorum_count()
 
     def aggregate(self, items: Sequence[tuple[int, Any]], numel: int) -> torch.Tensor:
         """This round's rule over ``(tokens capped by the plan, packet)`` in PeerID order -> fp32 [numel]."""
@@ -451,6 +485,7 @@ class _OwnedPart:
     owner: PartOwner
     contributions: dict[str, _Contribution] = field(default_factory=dict)
     closed_by: Optional[str] = None
+    closing_early: bool = False  # every established participant pushed: the close is scheduled
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     signed_result: Optional[bytes] = None
 
@@ -704,14 +739,27 @@ class CollectiveService:
         part.contributions[c.sender] = c
         if len(part.contributions) == len(spec.participants):
             self._close(state, part, "all pushed")
+        elif spec.probation and not part.closing_early and all(p in part.contributions for p in spec.established()):
+            # Every established participant pushed: the peers on probation get a short grace, not the deadline.
+            part.closing_early = True
+            self._tasks.spawn(self._close_after_grace(state, part), name=f"grace r{spec.round} p{part.index}")
         return collective_pb2.PushPartResponse(accepted=True, reason="")
+
+    async def _close_after_grace(self, state: _RoundState, part: _OwnedPart) -> None:
+        await asyncio.sleep(max(0.0, min(state.spec.grace_s, state.spec.deadline - time.time())))
+        if self._rounds.get(state.spec.round) is state:
+            self._close(state, part, "established pushed")
 
     def _close(self, state: _RoundState, part: _OwnedPart, reason: str) -> None:
         if part.closed_by is not None:
             return
         part.closed_by = reason
         absent = [p for p in state.spec.participants if p not in part.contributions]
-        if absent:
+        if absent and reason == "established pushed":
+            log.info("round %d: part %d closed %.1fs after every established participant pushed, without %s "
+                     "(on probation)", state.spec.round, part.index, state.spec.grace_s,
+                     ", ".join(_short(p) for p in sorted(absent)))
+        elif absent:
             log.warning("round %d: part %d closed at the deadline without %s (left out of this part)",
                         state.spec.round, part.index, ", ".join(_short(p) for p in sorted(absent)))
         else:
@@ -1079,10 +1127,10 @@ class CollectiveService:
                 out = _decode_aggregate(spec.aggregate_encoding, res.aggregate, o.size)
             except compression.CodecError as e:
                 raise EnvelopeError(Code.INVALID_ARGUMENT, f"bad aggregate: {e}") from None
-            if len(res.contributors) < spec.quorum_count():
+            if not spec.quorum_met(PeerID(bytes(p)).to_string() for p in res.contributors):
                 raise EnvelopeError(Code.FAILED_PRECONDITION,
                                     f"part result aggregates {len(res.contributors)} contribution(s), the quorum is "
-                                    f"{spec.quorum_count()} of {len(spec.participants)}")
+                                    f"{spec.quorum_count()} of {len(spec.established())} established participant(s)")
             return (out, [(PeerID(bytes(p)).to_string(), int(n)) for p, n in zip(res.contributors, res.tokens)],
                     float(res.last_compute_end) if math.isfinite(res.last_compute_end) else 0.0, {})
         taken: dict[str, _Contribution] = {}
@@ -1095,10 +1143,10 @@ class CollectiveService:
                                spec.round, j, _short(o.peer_id), err.reason)
                 continue
             taken.setdefault(c.sender, c)
-        if len(taken) < spec.quorum_count():
+        if not spec.quorum_met(taken):
             raise EnvelopeError(Code.FAILED_PRECONDITION,
                                 f"part result holds {len(taken)} valid contribution(s), the quorum is "
-                                f"{spec.quorum_count()} of {len(spec.participants)}")
+                                f"{spec.quorum_count()} of {len(spec.established())} established participant(s)")
         ordered = sorted(taken.values(), key=lambda c: _pid_bytes(c.sender))
         used = [min(c.tokens, spec.participants[c.sender]) for c in ordered]
         out = spec.aggregate([(n, c.packet) for n, c in zip(used, ordered)], o.size)

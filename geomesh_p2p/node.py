@@ -51,6 +51,11 @@ DEFAULT_LINK_BPS = 1e8
 #: honest leaders agree; the peer still contributes, it only stops deciding a range.
 OWNER_PENALTY_ROUNDS = 5
 
+#: Envelope, protobuf and codec headers around a pushed part (bytes): the push limit is 4 x numel + this.
+PUSH_FRAMING_BYTES = 1 << 20
+#: A PullPart request is a few ids and numbers (bytes).
+PULL_REQUEST_BYTES = 16 << 10
+
 
 def _link(bps: Optional[float]) -> float:
     """A bandwidth for this peer's record: the default when unknown, else clamped to the record's bounds."""
@@ -170,6 +175,24 @@ class NodeConfig(BaseModel):
         None, description="private run: base58 PeerIDs / public keys of the only peers this node deals with")
 
 
+def check_writable_dir(path: str, flag: str) -> Path:
+    """Create ``path`` if needed and check that a file can be written there (then removed).
+
+    Raises:
+        UserFacingError: one line naming ``flag`` and the reason (read-only, not a directory, no permission).
+    """
+    import tempfile
+
+    d = Path(path).expanduser()
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=d, prefix=".write-check-"):
+            pass
+    except OSError as e:
+        raise UserFacingError(f"{flag} {path}: cannot write there ({e.strerror or e})") from None
+    return d
+
+
 class PeerNode:
     """One volunteer node. ``await node.run()`` trains until ``rounds`` / ``target_ppl`` / stop()."""
 
@@ -197,6 +220,7 @@ class PeerNode:
         self._syncing = False
         self._leaving = False  # announced once this peer is on its way out (Ctrl+C / SIGTERM)
         self._owner_penalty: dict[str, int] = {}  # peer id -> last round it owns no part (OWNER_PENALTY_ROUNDS)
+        self._noshow_penalty: dict[str, int] = {}  # peer id -> last round it is not planned (probation.py, no-shows)
         self._init_admission()
 
     def _init_admission(self) -> None:
@@ -256,6 +280,8 @@ class PeerNode:
         c = self.cfg
         if c.threads:
             torch.set_num_threads(c.threads)
+        if c.checkpoint_dir:
+            check_writable_dir(c.checkpoint_dir, "--checkpoint-dir")
         tcfg = TransportConfig(host=c.host, port=c.port, advertise_host=c.advertise_host,
                                client_only=c.client_only, added_latency_s=c.added_latency_s)
         await self._prove_work()
@@ -295,6 +321,13 @@ class PeerNode:
         self.model = build_model(r.model if not c.model_config_file else None, config_file=c.model_config_file,
                                  vocab_size=self.dataset.vocab_size, seed=r.seed).to(self.device)
         self.numel = flat_params(self.model).numel()
+        # No legitimate push exceeds one fp32 copy of the vector (the fp32 baselines' largest part) plus
+        # framing: a larger one is refused from its length prefix, before it is read (issue 12).
+        from geomesh_p2p.transport import COLLECTIVE_PULL, COLLECTIVE_PUSH
+
+        self.transport.set_payload_limit(COLLECTIVE_PUSH, min(self.transport.config.max_message_bytes,
+                                                              4 * self.numel + PUSH_FRAMING_BYTES))
+        self.transport.set_payload_limit(COLLECTIVE_PULL, PULL_REQUEST_BYTES)
         # Outer optimizer state: Nesterov's momentum [P], or the ddp baseline's AdamW moments [2P].
         self.state_numel = self.numel * (2 if r.method == "ddp" else 1)
         self.trainer = InnerTrainer(
@@ -506,6 +539,17 @@ class PeerNode:
             self._syncing = False
             await self.announce()
 
+    async def _checkpoint_or_warn(self) -> Optional[Path]:
+        """Write a checkpoint in a worker thread; a failure (disk full, directory gone read-only, ...) is one
+        WARNING line: the previous checkpoint stays valid (writes are atomic), training goes on and the next
+        checkpoint retries. Awaited before the next round starts, so the state does not change while it is written."""
+        try:
+            return await asyncio.to_thread(self.checkpoint)
+        except Exception as e:  # never end a training peer over its checkpoint
+            log.warning("round %d: checkpoint failed (%s: %s); the previous one stays valid, retrying at the next",
+                        self.round, type(e).__name__, e)
+            return None
+
     def checkpoint(self) -> Optional[Path]:
         from geomesh_p2p.state import save_checkpoint
 
@@ -543,19 +587,77 @@ class PeerNode:
                             spec.round, j, pid[:10], OWNER_PENALTY_ROUNDS)
             self._owner_penalty[pid] = spec.round + OWNER_PENALTY_ROUNDS
 
-    def _without_parts(self, members):
+    def _without_parts(self, members, probation=()):
         """``members`` with the peers under an owner penalty planned as client-only (they own no part),
-        unless that would leave no owner at all."""
+        unless that would leave no owner at all; peers on ``probation`` always own no part."""
         self._owner_penalty = {p: until for p, until in self._owner_penalty.items() if until >= self.round}
+        if probation:
+            members = [m.model_copy(update={"address": None}) if m.peer_id in probation and m.address else m
+                       for m in members]
         barred = [m for m in members if m.peer_id in self._owner_penalty and m.address]
         if not barred or all(m in barred or not m.address for m in members):
             return members
         return [m.model_copy(update={"address": None}) if m in barred else m for m in members]
 
+    def _noshows(self) -> dict[str, int]:
+        """Peers under a no-show penalty this round (peer id -> last round of it); expired ones dropped."""
+        pen = getattr(self, "_noshow_penalty", None)
+        if pen is None:
+            pen = self._noshow_penalty = {}
+        for p in [p for p, until in pen.items() if until < self.round]:
+            del pen[p]
+        return pen
+
+    def _note_no_shows(self, plan, ar) -> None:
+        """Participants of ``plan`` in no aggregate this node applied are not planned (nor leader
+        candidates) for ``probation.noshow_penalty_rounds`` rounds. Every honest peer applied the same
+        aggregates, so honest leaders agree. Nothing is concluded when no part had a result."""
+        from geomesh_p2p.probation import absent_participants, noshow_penalty_rounds
+
+        pen = self._noshows()
+        marked = set(plan.probation())
+        for pid in absent_participants(plan.participants(), ar.contributors):
+            if pid == getattr(self, "me", None):
+                continue
+            rounds = noshow_penalty_rounds(pid in marked)
+            if pid not in pen:
+                log.log(logging.INFO if pid in marked else logging.WARNING,
+                        "round %d: %s%s was planned and contributed to no part; not planned for the next %d rounds",
+                        plan.round, pid[:10], " (on probation)" if pid in marked else "", rounds)
+            pen[pid] = plan.round + rounds
+
+    def _standing_view(self, records):
+        """This node's :class:`~geomesh_p2p.probation.StandingView` of ``records`` for the current round."""
+        from geomesh_p2p.probation import StandingView
+
+        return StandingView(getattr(self, "standing", None), records, round=self.round, me=getattr(self, "me", None))
+
+    def _admit(self, members):
+        """(members to plan, those of them on probation): no-shows left out; of the peers on probation
+        (standing below ``probation.threshold``), at most ``probation_slots(established)``, highest
+        standing first, then by a per-round rendezvous hash (probation.py)."""
+        from geomesh_p2p import probation as pb
+
+        pen = self._noshows()
+        me = getattr(self, "me", None)
+        kept = [m for m in members if m.peer_id not in pen or m.peer_id == me]
+        view = self._standing_view(members)
+        est, waiting = pb.split(view, [m.peer_id for m in kept])
+        chosen = pb.select_probation(self.run_cfg.run_id, self.round, view, waiting, pb.probation_slots(len(est)))
+        left = len(waiting) - len(chosen)
+        if left or len(kept) < len(members):
+            log.info("round %d: planning %d established peer(s) and %d of %d on probation; %d no-show(s) left out",
+                     self.round, len(est), len(chosen), len(waiting), len(members) - len(kept))
+        keep = set(est) | set(chosen)
+        return [m for m in kept if m.peer_id in keep], tuple(chosen)
+
     def _make_plan(self, members, leader):
         from geomesh_p2p.planner import comm_time, make_plan
+        from geomesh_p2p.probation import probation_slots
 
-        members = self._without_parts(members)
+        members, chosen = self._admit(members)
+        probation = chosen
+        members = self._without_parts(members, probation)
         cfg = self._plan_config(len(members))
         if self.run_cfg.window_s:
             # A peer whose link cannot move its share of the exchange in half the window would stretch
@@ -570,6 +672,11 @@ class PeerNode:
                             ", ".join(f"{comm_time(m, cfg):.1f}" for m in slow),
                             ", ".join(f"{seq / max(m.best_tokens_per_s(), 1e-9):.1f}" for m in slow), limit)
                 members = [m for m in members if m not in slow]
+                # Still at most probation_slots(established) on probation (those first in line stay).
+                ids = {m.peer_id for m in members}
+                n_est = sum(1 for p in ids if p not in probation)
+                probation = tuple(p for p in chosen if p in ids)[:probation_slots(n_est)]
+                members = [m for m in members if m.peer_id not in chosen or m.peer_id in probation]
                 cfg = self._plan_config(len(members))
         # geomesh/awb: AWB plan; diloco/css: uniform; ddp: uniform with one step per round. Claims are
         # bounded by the planner (planner.bound_records) and, for the peers of the last round, by what
@@ -577,14 +684,19 @@ class PeerNode:
         evidence = getattr(self, "_supported_tps", None)
         supported = evidence[1] if evidence is not None and evidence[0] == self.round - 1 else None
         return make_plan(members, cfg, run_id=self.run_cfg.run_id, round=self.round, leader=leader, numel=self.numel,
-                         start_time=time.time() + 0.5, start_digest=self.digest, supported_tokens_per_s=supported)
+                         start_time=time.time() + 0.5, start_digest=self.digest, supported_tokens_per_s=supported,
+                         probation=probation)
 
     async def _gather_members(self, expected: set[str], min_peers: int, wait_s: float) -> list[PeerRecord]:
         """Peers in sync for this round: announced this round with this digest. Waits for ``expected``
         peers (last round's participants, less those that announced they are leaving) and for peers
-        announced as syncing, up to ``wait_s``. Returns None at once when a live peer already holds a
-        later round (this peer must catch up before it can take part)."""
-        deadline = time.monotonic() + wait_s
+        announced as syncing, up to ``wait_s`` (syncing peers on probation, e.g. identities that only
+        announce, up to ``probation.PROBATION_SYNC_WAIT_S``). Returns None at once when a live peer already
+        holds a later round (this peer must catch up before it can take part)."""
+        from geomesh_p2p.probation import PROBATION_SYNC_WAIT_S
+
+        t0 = time.monotonic()
+        deadline = t0 + wait_s
         while True:
             everyone = await self.peers(include_leaving=True)
             # A peer that said it is leaving is not waited for (it finished its last exchange).
@@ -596,6 +708,9 @@ class PeerNode:
             synced = [r for r in recs if r.round == self.round and r.weights_digest == self.digest]
             ids = {r.peer_id for r in synced}
             syncing = {r.peer_id for r in recs if r.round == self.round and r.weights_digest is None}
+            if syncing - ids and time.monotonic() - t0 > PROBATION_SYNC_WAIT_S:
+                view = self._standing_view(recs)
+                syncing = {p for p in syncing if view.established(p)}
             if (expected | syncing) <= ids and len(ids) >= min_peers:
                 return synced
             if time.monotonic() > deadline or self._stop.is_set():
@@ -712,9 +827,15 @@ class PeerNode:
         # Keep the view of live peers fresh while plans are read: a peer that (re)joined just now may lead
         # a better-ranked plan, and refusing it as "not live" would split the round.
         refresher = asyncio.ensure_future(self._refresh_live(live))
+        # Leader candidates: the established members, no-shows excepted (probation.leader_candidates), so
+        # identities that only announce never lead and cost the take-over nothing.
+        from geomesh_p2p.probation import leader_candidates
+
+        candidates = leader_candidates(self._standing_view(list(live.values())), [m.peer_id for m in members],
+                                       barred=self._noshows())
         try:
             plan = await obtain_plan(self.plans, r, members, self._make_plan, plan_timeout_s=self.cfg.plan_timeout_s,
-                                     accept=lambda p: self._plan_problem(p, live))
+                                     accept=lambda p: self._plan_problem(p, live), candidates=candidates)
         finally:
             refresher.cancel()
             await asyncio.gather(refresher, return_exceptions=True)
@@ -781,12 +902,14 @@ class PeerNode:
         finally:
             self._in_exchange = False
         self._note_failed_owners(spec, ar)
+        self._note_no_shows(plan, ar)
         t_agg = time.time()
         return await self._finish_round(r, plan, a, result, ar, t_round, t_compute_end, t_agg, sent0, recv0)
 
     def _collective_spec(self, plan):
         """The collective's spec for ``plan``. Raises ValueError when the plan cannot be executed."""
         from geomesh_p2p.collective import CollectiveSpec, PartOwner, max_part_elements, split_owners
+        from geomesh_p2p.probation import early_close_grace_s
 
         r = plan.round
         compressed = self.run_cfg.method in ("geomesh", "css")
@@ -807,6 +930,7 @@ class PeerNode:
             block_size=self.run_cfg.block_size, clip_k=self.run_cfg.clip_k,
             rule=self.run_cfg.aggregation if compressed else "mean",
             weight_cap=self.run_cfg.weight_cap, min_agreement=self.run_cfg.min_agreement, quorum=self.run_cfg.quorum,
+            probation=plan.probation(), grace_s=early_close_grace_s(plan.window_s),
             deadline=plan.exchange_deadline - 0.25 * (plan.exchange_deadline - plan.train_deadline),
             pull_deadline=plan.exchange_deadline)
 
@@ -834,6 +958,13 @@ class PeerNode:
         horizon = 4 * (rc.window_s or 60.0) + 120.0
         if plan.train_deadline - time.time() > horizon or plan.exchange_deadline - plan.train_deadline > horizon:
             return "its deadlines are unreasonably far in the future"
+        # Probation (issue 12): the leader is not a new identity, and those it plans as established are
+        # established in this peer's view too (lenient by the rounds this peer did not see).
+        from geomesh_p2p.probation import marking_problem
+
+        reason = marking_problem(plan, self._standing_view(list(live.values())), live.keys())
+        if reason is not None:
+            return reason
         # Batches, steps, window, budgets and ownership, recomputed from the records (issue 11).
         from geomesh_p2p.planner import check_plan
 
@@ -851,14 +982,21 @@ class PeerNode:
         self._supported_tps = (r, self._delivered_rates(plan, ar))
         self.standing.credit(r, {pid for part in ar.contributors.values() for pid, _ in part})  # standing.py
         sent1, recv1 = self.transport.stats.snapshot()
-        if self._stop.is_set():
-            # Say so with the new round's record, before the others gather for it.
-            self._leaving = True
-            log.info("round %d: exchange done; announcing that this peer leaves", r)
-        await self.announce()
         last = self.cfg.rounds is not None and r + 1 >= self.cfg.rounds
+        if self._stop.is_set() or last:
+            # Say so with the new round's record, before the others gather for it (issue 14 #4: every way
+            # of leaving announces before the next gather; --target-ppl right after the evaluation below).
+            self._leaving = True
+            log.info("round %d: exchange done; announcing that this peer leaves (%s)", r,
+                     "stop requested" if self._stop.is_set() else f"--rounds {self.cfg.rounds} reached")
+        await self.announce()
         ppl = (await asyncio.to_thread(self.trainer.evaluate, max_batches=self.cfg.eval_batches)
                if (r + 1) % self.cfg.eval_every == 0 or last else None)
+        t = self.cfg.target_ppl
+        if t is not None and ppl is not None and ppl <= t and not self._leaving:
+            self._leaving = True
+            log.info("round %d: target eval perplexity %g reached; announcing that this peer leaves", r, t)
+            await self.announce()
         # The barrier is when the last contributor finished computing (stated in its contributions):
         # waiting until then is straggler idle, waiting after it is network idle (the paper's split).
         barrier = min(ar.last_compute_end or t_compute_end, t_agg)
@@ -873,7 +1011,11 @@ class PeerNode:
             contributors=len({pid for part in ar.contributors.values() for pid, _ in part}),
             missing_parts=len(ar.missing_parts),
             time=time.time())
-        rec.digest_agree = await self._check_digest(r + 1, plan.participants())
+        # Only the participants that delivered vote on the digest (and are waited for): a no-show, e.g. an
+        # identity on probation that never takes part, would hold every check for its whole wait.
+        delivered = {pid for part in ar.contributors.values() for pid, _ in part}
+        rec.digest_agree = await self._check_digest(
+            r + 1, [p for p in plan.participants() if p in delivered] or plan.participants())
         resync = rec.digest_agree is False
         self.history.append(rec)
         if sys.stdout.isatty():
@@ -888,7 +1030,7 @@ class PeerNode:
             except StateSyncError as e:  # the next round's _behind() check tries again
                 log.warning("re-sync failed (%s); will retry", e)
         elif self.cfg.checkpoint_dir and (r + 1) % self.cfg.checkpoint_every == 0:
-            self.checkpoint()
+            await self._checkpoint_or_warn()
         contributed = {pid for part in ar.contributors.values() for pid, _ in part}
         return contributed or set(plan.participants())
 
@@ -1030,20 +1172,22 @@ class PeerNode:
         """Checkpoint, stop tasks, server and channels. Safe to call twice."""
         if self.transport is None:
             return
+        # Leaving is announced first (before the checkpoint, which takes seconds on a large model), so
+        # the others plan their next round without this peer whatever the reason it stops.
         try:
-            path = self.checkpoint() if self.outer is not None else None
-            if path:
-                log.info("checkpoint written: %s (round %d)", path, self.round)
-        except Exception as e:
-            log.error("final checkpoint failed: %s", e)
+            if getattr(self, "announcer", None) is not None and not self._leaving and getattr(self, "ema", None) is not None:
+                self._leaving = True
+                log.info("announcing that this peer leaves")
+                await self.announce()
+        except Exception as e:  # the DHT may be gone already; the record expires on its own
+            log.warning("could not announce that this peer leaves: %s", e)
+        path = await self._checkpoint_or_warn() if self.outer is not None else None
+        if path:
+            log.info("checkpoint written: %s (round %d)", path, self.round)
         if self.cfg.summary_json:
             self.write_summary(self.cfg.summary_json)
         try:
             if getattr(self, "announcer", None) is not None:
-                if not self._leaving and getattr(self, "ema", None) is not None:
-                    self._leaving = True
-                    log.info("announcing that this peer leaves")
-                    await self.announce()  # the others plan their next round without this peer
                 await self.announcer.stop()
             if getattr(self, "collective", None) is not None:
                 await self.collective.close()

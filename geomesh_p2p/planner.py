@@ -127,6 +127,10 @@ BUDGET_MEDIAN_FACTOR = 8.0
 #: no owner gets more than ~OWNER_SHARE_FACTOR / n of the vector (n: participants that accept
 #: connections): twice the fair share; the partition enforces it (:func:`max_owner_units`).
 OWNER_SHARE_FACTOR = 2.0
+
+#: From this many possible owners on, followers accept that the leader bars a minority of them from owning
+#: (check_plan: its owner penalties may differ from the follower's); below it, only the follower's own bars.
+LEADER_BAR_MIN_OWNERS = 4
 #: how far a follower's recomputation (window, budget ceilings) may differ from the leader's: views of
 #: the records can differ between leader and follower by one re-announcement. Followers' recomputation
 #: from the same records is exact; attacks are orders of magnitude outside.
@@ -208,6 +212,9 @@ class PeerAssignment(BaseModel):
     predicted_compute_s: float = Field(ge=0)
     predicted_comm_s: float = Field(ge=0)
     predicted_idle_s: float = Field(ge=0)
+    probation: bool = Field(
+        default=False, description="a new identity (geomesh_p2p.probation): owns no part, bounded budget, "
+                                   "not counted in the part quorum")
 
     @model_validator(mode="after")
     def _consistent(self) -> "PeerAssignment":
@@ -218,6 +225,8 @@ class PeerAssignment(BaseModel):
             )
         if self.part_end < self.part_start:
             raise ValueError(f"peer {self.peer_id}: part_end={self.part_end} < part_start={self.part_start}")
+        if self.probation and self.part_end > self.part_start:
+            raise ValueError(f"peer {self.peer_id} is on probation and owns a part")
         return self
 
     @property
@@ -300,6 +309,14 @@ class RoundPlan(BaseModel):
     def owners(self) -> list[tuple[str, int, int]]:
         """(peer_id, start, end) of every peer owning a non-empty part, in peer_id (= start) order."""
         return [(a.peer_id, a.part_start, a.part_end) for a in self.assignments if a.owns_part]
+
+    def probation(self) -> list[str]:
+        """PeerIDs the plan marks as on probation (geomesh_p2p.probation), sorted."""
+        return [a.peer_id for a in self.assignments if a.probation]
+
+    def established(self) -> list[str]:
+        """PeerIDs the plan counts as established (the part quorum's basis), sorted."""
+        return [a.peer_id for a in self.assignments if not a.probation]
 
     def predicted_straggler_idle(self) -> dict[str, float]:
         """peer_id -> predicted idle time at the barrier as a fraction of the window (0..1)."""
@@ -702,6 +719,7 @@ def _build_plan(
     start_time: float,
     start_digest: Optional[str],
     created_at: Optional[float],
+    probation: Collection[str] = (),
 ) -> RoundPlan:
     assignments = []
     for m, h, (pid, start, end) in zip(models, H.tolist(), parts):
@@ -721,6 +739,7 @@ def _build_plan(
                 predicted_compute_s=compute,
                 predicted_comm_s=m.comm_s,
                 predicted_idle_s=max(0.0, T - compute - m.comm_s),
+                probation=pid in probation,
             )
         )
     train_deadline = start_time + T
@@ -753,6 +772,7 @@ def plan_round(
     start_digest: Optional[str] = None,
     created_at: Optional[float] = None,
     supported_tokens_per_s: Optional[Mapping[str, float]] = None,
+    probation: Collection[str] = (),
 ) -> RoundPlan:
     """Plan a round with adaptive workload balancing (GeoMesh's AWB; see the module docstring).
 
@@ -789,10 +809,13 @@ def plan_round(
     s, c = _step_and_comm(models)
     H = _inner_steps(np.float64(T), s, c, cfg)
     H = _cap_budgets(models, H, cfg)
-    parts = partition(numel, recs, align=cfg.part_align)
+    probation = _probation_ids(recs, probation)
+    if probation:
+        H = _cap_budgets(models, _cap_probation(models, H, cfg, probation), cfg)
+    parts = partition(numel, _owners_only(recs, probation), align=cfg.part_align)
     return _build_plan(
         recs, models, H, T, parts, cfg, run_id=run_id, round=round, leader=leader, numel=numel,
-        start_time=start_time, start_digest=start_digest, created_at=created_at,
+        start_time=start_time, start_digest=start_digest, created_at=created_at, probation=probation,
     )
 
 
@@ -831,6 +854,39 @@ def _cap_budgets(models: Sequence[_PeerModel], H: np.ndarray, cfg: PlanConfig) -
     return out
 
 
+def _probation_ids(recs: Sequence[PeerRecord], probation: Collection[str]) -> frozenset:
+    """The probation peers among ``recs``; empty when that would leave no established peer (then the
+    marking means nothing: geomesh_p2p.probation, 'nobody established')."""
+    ids = frozenset(r.peer_id for r in recs if r.peer_id in set(probation))
+    return ids if len(ids) < len(recs) else frozenset()
+
+
+def _owners_only(recs: Sequence[PeerRecord], probation: Collection[str]) -> list[PeerRecord]:
+    """``recs`` with the probation peers made client-only: they own no part (:func:`partition` raises
+    ValueError when no established peer accepts connections)."""
+    return [r.model_copy(update={"address": None}) if r.peer_id in probation else r for r in recs]
+
+
+def _cap_probation(models: Sequence[_PeerModel], H: np.ndarray, cfg: PlanConfig,
+                   probation: Collection[str]) -> np.ndarray:
+    """``H`` lowered so that no probation peer's budget exceeds ``PROBATION_BUDGET_FACTOR`` x the
+    lower-median budget of the established peers, never below ``min_inner_steps``."""
+    if not probation:
+        return H
+    from geomesh_p2p.probation import PROBATION_BUDGET_FACTOR
+
+    step_tokens = [m.batch * cfg.seq_len for m in models]
+    est = [int(h) * t for m, h, t in zip(models, H.tolist(), step_tokens) if m.peer_id not in probation]
+    if not est:
+        return H
+    limit = PROBATION_BUDGET_FACTOR * statistics.median_low(est)
+    out = H.copy()
+    for i, (m, t) in enumerate(zip(models, step_tokens)):
+        if m.peer_id in probation and int(out[i]) * t > limit:
+            out[i] = max(cfg.min_inner_steps, math.floor(limit / t))
+    return out
+
+
 def plan_uniform(
     records: Sequence[PeerRecord],
     cfg: PlanConfig,
@@ -843,6 +899,7 @@ def plan_uniform(
     start_digest: Optional[str] = None,
     created_at: Optional[float] = None,
     inner_steps: Optional[int] = None,
+    probation: Collection[str] = (),
 ) -> RoundPlan:
     """Plan a round the DiLoCo way: the same batch and inner steps for every peer.
 
@@ -861,10 +918,11 @@ def plan_uniform(
     models = [_PeerModel(r, cfg, micro) for r in recs]
     H = np.full(len(models), H_all, dtype=np.int64)
     T = max(H_all * m.step_s + m.comm_s for m in models)
-    parts = partition(numel, recs, align=cfg.part_align, equal=True)
+    probation = _probation_ids(recs, probation)
+    parts = partition(numel, _owners_only(recs, probation), align=cfg.part_align, equal=True)
     return _build_plan(
         recs, models, H, T, parts, cfg, run_id=run_id, round=round, leader=leader, numel=numel,
-        start_time=start_time, start_digest=start_digest, created_at=created_at,
+        start_time=start_time, start_digest=start_digest, created_at=created_at, probation=probation,
     )
 
 
@@ -921,7 +979,12 @@ def check_plan(plan: RoundPlan, records: Mapping[str, PeerRecord], cfg: PlanConf
       :func:`max_owner_units` x ``part_align`` elements, counting as possible owners the
       participants whose record has an address, less ``barred`` (peers this follower itself bars
       from owning, e.g. after a part they owned had no valid result: a leader that bars them too
-      plans them as client-only; one that bars others cannot shrink the count).
+      plans them as client-only; one that bars others cannot shrink the count);
+    * probation (:mod:`geomesh_p2p.probation`): at most ``probation_slots(established)`` participants
+      marked ``probation``, none of them owning a part, each budget at most ``PLAN_CHECK_TOLERANCE x
+      PROBATION_BUDGET_FACTOR`` x the established participants' lower-median budget (or its
+      ``min_inner_steps`` steps); they do not count as possible owners. Whether the marking matches this
+      follower's view of standing is checked by ``probation.marking_problem`` (the node's).
     """
     if plan.seq_len != cfg.seq_len or plan.method != cfg.method or plan.mode != cfg.mode:
         return (f"its seq_len/method/mode {plan.seq_len}/{plan.method}/{plan.mode} differ from the run's "
@@ -977,13 +1040,50 @@ def check_plan(plan: RoundPlan, records: Mapping[str, PeerRecord], cfg: PlanConf
                     f"budget ({limit / BUDGET_MEDIAN_FACTOR:.0f})")
         if a.token_budget > floor and a.token_budget > share * total * (1 + 1e-12):
             return f"{who} holds {a.token_budget / total:.0%} of the round's tokens, over the {share:.0%} bound"
-    n_owners = max(1, sum(1 for r in recs if r.address is not None and r.peer_id not in barred))
+    reason = _probation_problem(plan, cfg)
+    if reason is not None:
+        return reason
+    on_probation = set(plan.probation())
+    possible = {r.peer_id for r in recs if r.address is not None and r.peer_id not in on_probation}
+    # The leader may bar owners this follower does not (an owner penalty it saw and this follower did not,
+    # e.g. while it was syncing): from 4 possible owners on, a minority of them is accepted as the leader's
+    # call, so honest views that differ do not refuse honest plans, while a rogue leader still cannot make
+    # itself sole owner (each owner stays under ~2 OWNER_SHARE_FACTOR / n of the vector).
+    unowned = possible - {pid for pid, _, _ in plan.owners()}
+    mine = len(unowned & set(barred))
+    leeway = (len(possible) - 1) // 2 if len(possible) >= LEADER_BAR_MIN_OWNERS else 0
+    n_owners = max(1, len(possible) - max(mine, min(len(unowned), leeway)))
     units = -(-plan.numel // cfg.part_align)
     cap = max_owner_units(units, n_owners) * cfg.part_align
     for pid, start, end in plan.owners():
         if end - start > cap:
             return (f"{pid[:10]} owns {end - start} of {plan.numel} elements, over the {cap} bound "
                     f"({OWNER_SHARE_FACTOR:g}x a fair share among {n_owners} owners)")
+    return None
+
+
+def _probation_problem(plan: RoundPlan, cfg: PlanConfig) -> Optional[str]:
+    """Count, ownership and budgets of the participants ``plan`` marks as on probation (see check_plan)."""
+    from geomesh_p2p.probation import PROBATION_BUDGET_FACTOR, probation_slots
+
+    marked = [a for a in plan.assignments if a.probation]
+    if not marked:
+        return None
+    est = [a for a in plan.assignments if not a.probation]
+    if not est:
+        return "it marks every participant as on probation"
+    slots = probation_slots(len(est))
+    if len(marked) > slots:
+        return (f"it plans {len(marked)} peers on probation with {len(est)} established; at most {slots} may join "
+                f"a round")
+    limit = PLAN_CHECK_TOLERANCE * PROBATION_BUDGET_FACTOR * statistics.median_low([a.token_budget for a in est])
+    for a in marked:
+        if a.owns_part:
+            return f"{a.peer_id[:10]} is on probation and owns a part"
+        floor = cfg.min_inner_steps * a.batch_size * cfg.seq_len
+        if a.token_budget > max(limit, floor):
+            return (f"token budget {a.token_budget} for {a.peer_id[:10]} (on probation) is over "
+                    f"{PROBATION_BUDGET_FACTOR:g}x the established peers' median budget")
     return None
 
 

@@ -1,9 +1,23 @@
 """Round lifecycle: leader election, the signed plan in the DHT, digest agreement (DESIGN.md "Round r").
 
 Leader election is rendezvous hashing: every candidate PeerID p gets the rank H(r, p) = SHA-256 of
-``"<run>/<r>/<p>"``; the lowest rank leads round r. Candidate i (0-based, in rank order of the
-members a peer sees) publishes its plan only after ``i * plan_timeout_s`` without a plan from a
-better-ranked leader, so a leader that died before publishing is replaced within one timeout.
+``"<run>/<r>/<p>"``; the lowest rank leads round r. Candidates are the members a peer sees that may
+lead (the node passes the established ones, :func:`geomesh_p2p.probation.leader_candidates`: new
+identities never lead). Candidate i (0-based, in rank order) publishes its plan only after
+:func:`takeover_delay` without a plan from a better-ranked leader: ``i * plan_timeout_s`` for the
+first ``LEADER_WAIT_CANDIDATES`` (so a leader that died before publishing is replaced within one
+timeout), then only a short ``stagger_s`` more per candidate, never more than
+``(LEADER_WAIT_CANDIDATES + 1) * plan_timeout_s`` in all. So silent candidates (identities that announce
+and never lead) cost a bounded wait however many there are.
+
+Why this cannot fork an honest round: waiting less only makes *more* candidates publish, and which plan
+is followed does not depend on who published first. Every peer, candidate or not, follows
+:func:`choose_plan` over the valid plans it reads after ``settle_s``: the lowest-ranked leader's. Two
+honest leaders publishing (one took over while the other was slow) is harmless as long as every
+follower sees both before deciding; a better-ranked candidate does not publish once a worse-ranked
+plan has started (its peers are training), which is the rule that already kept late leaders from
+splitting a round. The stagger keeps the candidates past the bounded ones from all publishing at once
+(each sees the first of them and stays quiet).
 
 Several plans can exist for one round (peers that saw different member sets may each think they
 lead). Every peer follows the same deterministic rule: among the valid plans it can read, the one
@@ -32,6 +46,20 @@ from geomesh_p2p.planner import RoundPlan
 from geomesh_p2p.records import PeerRecord
 
 log = logging.getLogger(__name__)
+
+
+#: Better-ranked candidates a follower waits a whole ``plan_timeout_s`` for before the next takes over;
+#: past them each further candidate waits only ``stagger_s`` more (see :func:`takeover_delay`).
+LEADER_WAIT_CANDIDATES = 2
+
+
+def takeover_delay(index: int, plan_timeout_s: float, stagger_s: float,
+                   wait_candidates: int = LEADER_WAIT_CANDIDATES) -> float:
+    """Seconds without a better-ranked plan after which the candidate at ``index`` (0 = best) publishes:
+    ``min(i, M) * T + min(max(0, i - M) * stagger_s, T)`` with ``M = wait_candidates``, ``T =
+    plan_timeout_s``; bounded by ``(M + 1) * T`` whatever the number of candidates."""
+    m = max(0, int(wait_candidates))
+    return min(index, m) * plan_timeout_s + min(max(0, index - m) * stagger_s, plan_timeout_s)
 
 
 def plan_key(run_id: str, round: int) -> str:
@@ -145,25 +173,36 @@ async def obtain_plan(
     poll_s: float = 0.1,
     give_up_s: Optional[float] = None,
     accept: Optional[Callable[[RoundPlan], Optional[str]]] = None,
+    candidates: Optional[Sequence[str]] = None,
+    stagger_s: Optional[float] = None,
+    wait_candidates: int = LEADER_WAIT_CANDIDATES,
 ) -> Optional[RoundPlan]:
     """Agree on the plan of ``round``: publish one if this peer's turn as leader comes, follow the best.
 
     ``members`` is this peer's view of the live, in-sync peers (itself included); ``make_plan(members,
-    leader)`` computes a plan. Returns None when no plan appeared within ``give_up_s`` (default:
-    (len(members) + 1) * plan_timeout_s). ``accept(plan)`` returns a reason to refuse a plan (a
+    leader)`` computes a plan. ``candidates``: the PeerIDs that may lead (default: every member); a peer
+    that is not one never publishes. Candidate i publishes after :func:`takeover_delay` (``stagger_s``
+    defaults to ``settle_s``). Returns None when no plan appeared within ``give_up_s`` (default: the
+    last candidate's delay + 2 * plan_timeout_s). ``accept(plan)`` returns a reason to refuse a plan (a
     rogue or broken leader's), or None; refused plans are ignored as if absent.
     """
     me = str(store.identity.peer_id)
-    order = leader_order(store.run_id, round, [m.peer_id for m in members])
+    pool = [m.peer_id for m in members] if candidates is None else list(candidates)
+    order = leader_order(store.run_id, round, pool)
     my_turn = order.index(me) if me in order else None
-    give_up_s = give_up_s if give_up_s is not None else (len(order) + 1) * plan_timeout_s
+    stagger_s = settle_s if stagger_s is None else stagger_s
+
+    def delay(i: int) -> float:
+        return takeover_delay(i, plan_timeout_s, stagger_s, wait_candidates)
+
+    give_up_s = give_up_s if give_up_s is not None else delay(max(0, len(order) - 1)) + 2 * plan_timeout_s
     t0 = time.monotonic()
     published = False
     while True:
         elapsed = time.monotonic() - t0
         plans = await store.read(round, accept)
         best = choose_plan(store.run_id, round, plans)
-        my_turn_now = my_turn is not None and not published and elapsed >= my_turn * plan_timeout_s
+        my_turn_now = my_turn is not None and not published and elapsed >= delay(my_turn)
         # Publish when it is my turn, unless a plan from a better-ranked leader already exists, or a
         # worse-ranked one has already started (its peers are training: a competing plan would only
         # split the round; this peer follows it, or waits and catches up if it is not in it).

@@ -75,6 +75,10 @@ class Standing:
     def last_round(self) -> Optional[int]:
         return self._rounds[-1][0] if self._rounds else None
 
+    def credited_rounds(self) -> list[int]:
+        """The rounds this ledger holds (credited, still in the window), oldest first."""
+        return [r for r, _ in self._rounds]
+
     def credit(self, round: int, contributors: Iterable[str]) -> None:
         """Record that ``contributors`` delivered in ``round`` (once per round; a repeat is ignored)."""
         ids = frozenset(str(p) for p in contributors)

@@ -1,0 +1,316 @@
+"""Probation for new identities (issue 12, the planning half; geomesh_p2p/probation.py): a burst of
+identities that never take part gets one probation slot (no part, bounded budget, outside the quorum),
+owners do not wait for them, a no-show is not planned again for a while, and they never lead.
+Unit tests with fake records; tests/test_sybil.py runs the attack with processes."""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from geomesh_p2p import probation as pb
+from geomesh_p2p.collective import CollectiveSpec, PartOwner
+from geomesh_p2p.identity import Identity
+from geomesh_p2p.node import NodeConfig, PeerNode, RunConfig
+from geomesh_p2p.planner import check_plan, make_plan
+from geomesh_p2p.records import PeerRecord
+from geomesh_p2p.round import LEADER_WAIT_CANDIDATES, PlanStore, leader_order, obtain_plan, takeover_delay
+from geomesh_p2p.standing import Standing, attest_key
+
+from .collective_util import Swarm
+from .test_round import MemoryDHT
+
+pytestmark = pytest.mark.timeout(60)
+RUN = RunConfig(seq_len=32, window_s=5.0)
+
+
+def _rec(ident, port, *, tps=1000.0, standing=None, round=5) -> PeerRecord:
+    return PeerRecord(peer_id=str(ident.peer_id), address=f"127.0.0.1:{port}", device="cpu", memory_bytes=1 << 30,
+                      tokens_per_s={4: tps * 0.6, 8: tps}, max_batch=8, upload_bps=1e7, download_bps=1e7,
+                      version="0.1.0", run_config_hash="h", round=round, weights_digest="d", standing=standing or {})
+
+
+def _swarm(n_honest=3, n_sybils=30, delivered=5):
+    """Honest records (they trained rounds 0..delivered-1 together) and Sybil records claiming 20x."""
+    hon = [Identity.generate() for _ in range(n_honest)]
+    syb = [Identity.generate() for _ in range(n_sybils)]
+    vouch = {attest_key(str(i.peer_id)): 32 for i in syb}  # Sybils vouch for each other
+    honest = [_rec(i, 7000 + k, standing={attest_key(str(o.peer_id)): delivered for o in hon if o is not i})
+              for k, i in enumerate(hon)]
+    sybils = [_rec(i, 9000, tps=20_000.0, standing=vouch) for i in syb]
+    return hon, honest, sybils
+
+
+def _node(me: str, *, round=5, credited=(), standing=None) -> PeerNode:
+    node = PeerNode.__new__(PeerNode)
+    node.run_cfg, node.cfg = RUN, NodeConfig()
+    node.numel, node.round, node.digest, node.me = 200_000, round, "d", me
+    node._owner_penalty = {}
+    node._noshow_penalty = {}
+    if standing is None:
+        standing = Standing()
+        for r, ids in credited:
+            standing.credit(r, ids)
+    node.standing = standing
+    return node
+
+
+def _trained_node(honest, me=None, rounds=5):
+    ids = [r.peer_id for r in honest]
+    return _node(me or ids[0], round=rounds, credited=[(r, ids) for r in range(rounds)])
+
+
+# ------------------------------------------------------------------------------------ probation selection
+def test_thirty_new_identities_get_one_probation_slot_no_part_and_a_bounded_budget():
+    _, honest, sybils = _swarm()
+    node = _trained_node(honest)
+    plan = node._make_plan(honest + sybils, honest[0].peer_id)
+    assert len(plan.participants()) == 4, len(plan.participants())  # before probation: 33
+    assert set(plan.established()) == {r.peer_id for r in honest}
+    [sybil] = plan.probation()
+    a = plan.assignment(sybil)
+    assert not a.owns_part and sybil not in [o[0] for o in plan.owners()]
+    est_budgets = [plan.assignment(r.peer_id).token_budget for r in honest]
+    assert a.token_budget <= pb.PROBATION_BUDGET_FACTOR * statistics.median_low(est_budgets)
+    # Every honest peer (same ledger) picks the same Sybil, and follows the plan.
+    for other in honest[1:]:
+        o = _trained_node(honest, me=other.peer_id)
+        assert o._make_plan(honest + sybils, other.peer_id).probation() == [sybil]
+        live = {r.peer_id: r for r in honest + sybils}
+        o.numel = plan.numel
+        assert o._plan_problem(plan, live) is None
+    # Another round, another slot (a Sybil cannot pick its slot; rendezvous hash per round).
+    picks = {pb.select_probation("run", r, node._standing_view(honest), [s.peer_id for s in sybils], 1)[0]
+             for r in range(20)}
+    assert len(picks) > 5
+
+
+def test_more_established_peers_open_more_slots_and_a_newcomer_that_delivered_keeps_its_slot():
+    assert [pb.probation_slots(n) for n in (0, 1, 3, 4, 7, 8, 40)] == [1, 1, 1, 1, 1, 2, 10]
+    _, honest, sybils = _swarm()
+    newcomer = _rec(Identity.generate(), 7100)
+    ids = [r.peer_id for r in honest]
+    # the newcomer delivered in round 4 only: standing 1 < 3, but ahead of 30 zero-standing identities
+    node = _node(ids[0], credited=[(r, ids + ([newcomer.peer_id] if r == 4 else [])) for r in range(5)])
+    for _ in range(3):
+        plan = node._make_plan(honest + sybils + [newcomer], ids[0])
+        assert plan.probation() == [newcomer.peer_id]
+        node.round += 1
+
+
+def test_a_fresh_swarm_plans_everyone_established_exactly_as_before():
+    ids = [Identity.generate() for _ in range(3)]
+    recs = [_rec(i, 7000 + k, round=0) for k, i in enumerate(ids)]
+    node = _node(recs[0].peer_id, round=0)  # nobody has standing yet
+    node.run_cfg = RunConfig(seq_len=32, window_s=5.0)
+    t = time.time()
+    plan = node._make_plan(recs, recs[0].peer_id)
+    assert plan.probation() == [] and len(plan.participants()) == 3
+    cfg = node._plan_config(3)
+    plain = make_plan(recs, cfg, run_id=RUN.run_id, round=0, leader=recs[0].peer_id, numel=node.numel,
+                      start_time=plan.created_at, start_digest="d")
+    assert [a.model_dump() for a in plain.assignments] == [a.model_dump() for a in plan.assignments]
+    # round 1: those who delivered round 0 are established (threshold min(K, r) = 1), a late joiner is not
+    late = _rec(Identity.generate(), 7200, round=1)
+    node = _node(recs[0].peer_id, round=1, credited=[(0, [r.peer_id for r in recs])])
+    assert node._make_plan(recs + [late], recs[0].peer_id).probation() == [late.peer_id]
+    assert time.time() - t < 20
+
+
+def test_a_view_fills_missed_rounds_from_attestations_of_peers_it_saw_deliver():
+    _, honest, sybils = _swarm()
+    assert [pb.threshold(r) for r in range(6)] == [0, 1, 2, 3, 3, 3]
+    # a late joiner with an empty ledger: the honest peers vouch for each other, nobody for it
+    me = Identity.generate()
+    view = pb.StandingView(Standing(), honest + sybils + [_rec(me, 7300)], round=5, me=str(me.peer_id))
+    assert all(view.established(r.peer_id) for r in honest)
+    assert not view.established(str(me.peer_id))
+    assert view.plausible(sybils[0].peer_id)  # it missed everything: lenient as a follower
+    # once it delivered one round with the honest peers, Sybil attestations no longer count
+    s = Standing()
+    s.credit(5, [r.peer_id for r in honest] + [str(me.peer_id)])
+    view = pb.StandingView(s, honest + sybils, round=6, me=str(me.peer_id))
+    assert all(view.established(r.peer_id) for r in honest)
+    assert not any(view.established(x.peer_id) for x in sybils)
+    assert not view.established(str(me.peer_id))  # its ledger: 1 < 3, and nobody it saw deliver vouches more
+    # a peer that restarted: the peers it trained with vouch for the rounds it delivered before (as in their
+    # view, so it leads when they expect it to); identities it never saw deliver cannot do that
+    known = [r.model_copy(update={"standing": {**r.standing, attest_key(str(me.peer_id)): 3}}) for r in honest]
+    assert pb.StandingView(s, known + sybils, round=6, me=str(me.peer_id)).established(str(me.peer_id))
+    liars = [x.model_copy(update={"standing": {attest_key(str(me.peer_id)): 32}}) for x in sybils]
+    assert not pb.StandingView(s, honest + liars, round=6, me=str(me.peer_id)).established(str(me.peer_id))
+    assert pb.StandingView(Standing(), honest + liars, round=6, me=str(me.peer_id)).score(str(me.peer_id)) == 0
+
+
+# ------------------------------------------------------------------------------------ plan checks
+def test_followers_refuse_a_probation_leader_and_sybils_planned_as_established():
+    hon, honest, sybils = _swarm()
+    node = _trained_node(honest)
+    live = {r.peer_id: r for r in honest + sybils}
+    # a Sybil leading, even with an honest-looking plan
+    rogue = _trained_node(honest)
+    rogue.me = sybils[0].peer_id
+    plan = rogue._make_plan(honest + sybils, sybils[0].peer_id)
+    reason = node._plan_problem(plan, live)
+    assert reason is not None and "probation" in reason, reason
+    # an honest leader whose view was fooled: Sybils planned as established
+    fooled = _node(honest[1].peer_id)  # empty ledger, sees Sybil vouches
+    fooled.standing = Standing()
+    plan = fooled._make_plan(honest + sybils[:3], honest[1].peer_id)
+    reason = node._plan_problem(plan, live)
+    assert reason is not None and "as established" in reason, reason
+    # too many on probation for the established ones, whatever the view
+    cfg = node._plan_config(5)
+    plan = make_plan(honest + sybils[:2], cfg, run_id=RUN.run_id, round=5, leader=honest[0].peer_id,
+                     numel=node.numel, start_time=time.time(), start_digest="d",
+                     probation=[s.peer_id for s in sybils[:2]])
+    reason = check_plan(plan, live, cfg, now=time.time())
+    assert reason is not None and "at most 1 may join" in reason, reason
+
+
+def test_a_late_joiner_follows_the_honest_plan():
+    _, honest, sybils = _swarm()
+    plan = _trained_node(honest)._make_plan(honest + sybils, honest[0].peer_id)
+    joiner = _node(str(Identity.generate().peer_id))
+    live = {r.peer_id: r for r in honest + sybils}
+    assert joiner._plan_problem(plan, live) is None
+
+
+# ------------------------------------------------------------------------------------ quorum and early close
+def _spec(pids, probation=(), quorum=0.5):
+    owners = [PartOwner(pids[0], "127.0.0.1:1", 0, 4096)]
+    return CollectiveSpec("r", 1, {p: 100 for p in pids}, owners, 4096, time.time() + 5, time.time() + 6,
+                          mode="relay", quorum=quorum, probation=probation)
+
+
+def test_the_quorum_counts_established_participants_and_their_contributions_only():
+    pids = [str(Identity.generate().peer_id) for _ in range(4)]
+    plain = _spec(pids)
+    assert plain.quorum_count() == 2
+    spec = _spec(pids, probation=[pids[3]])
+    assert spec.established() == sorted(pids[:3]) or set(spec.established()) == set(pids[:3])
+    assert spec.quorum_count() == 2  # ceil(0.5 x 3)
+    assert not spec.quorum_met([pids[0], pids[3]])  # a probation contribution does not make the quorum
+    assert spec.quorum_met([pids[0], pids[1]])
+    assert CollectiveSpec.from_dict(spec.to_dict()).spec_id == spec.spec_id
+    assert spec.spec_id != plain.spec_id
+    with pytest.raises(ValueError):
+        _spec(pids, probation=pids)  # somebody must be established
+    # thirty no-shows on probation cannot make a part miss its quorum (before: 33 x 0.5 = 17 needed)
+    many = pids[:3] + [str(Identity.generate().peer_id) for _ in range(30)]
+    assert _spec(many, probation=many[3:]).quorum_count() == 2
+
+
+@pytest.fixture
+async def swarms():
+    made = []
+
+    async def make(*a, **kw):
+        s = Swarm(*a, **kw)
+        made.append(s)
+        return await s.start()
+
+    try:
+        yield make
+    finally:
+        for s in made:
+            await s.stop()
+
+
+async def test_owners_close_parts_a_grace_after_the_established_pushed_not_at_the_deadline(swarms):
+    sw = await swarms(3, n_clients=1)  # the client is on probation and never pushes
+    pids = sw.pids
+    spec = sw.spec(3 * 2048, mode="relay", deadline_s=8.0, pull_s=2.0, rule="meanmed", quorum=0.5,
+                   probation=[pids[3]], grace_s=0.3)
+    g = torch.Generator().manual_seed(0)
+    deltas = [torch.randn(spec.numel, generator=g) for _ in range(3)]
+    t0 = time.monotonic()
+    results = await asyncio.gather(*[sw.services[k].all_reduce(spec, deltas[k], tokens=100) for k in range(3)])
+    took = time.monotonic() - t0
+    assert took < 4.0, took  # before: every part waited for the no-show until the 8 s deadline
+    for res in results:
+        assert res.missing_parts == []
+        assert all({p for p, _ in who} == set(pids[:3]) for who in res.contributors.values())
+    assert len({bytes(r.aggregate.numpy()) for r in results}) == 1
+
+
+# ------------------------------------------------------------------------------------ no-shows
+def test_a_planned_peer_that_contributed_nothing_is_not_planned_for_a_while():
+    _, honest, sybils = _swarm(n_sybils=2)
+    node = _trained_node(honest)
+    plan = node._make_plan(honest + sybils, honest[0].peer_id)
+    [sybil] = plan.probation()
+    ar = SimpleNamespace(contributors={0: [(r.peer_id, 100) for r in honest]})
+    node._note_no_shows(plan, ar)
+    node.round += 1
+    nxt = node._make_plan(honest + sybils, honest[0].peer_id)
+    assert sybil not in nxt.participants() and len(nxt.participants()) == 4  # the other Sybil's turn
+    node.round += pb.PROBATION_NOSHOW_PENALTY_ROUNDS
+    assert sybil in node._make_plan([*honest, next(s for s in sybils if s.peer_id == sybil)],
+                                    honest[0].peer_id).participants()
+    # an established no-show: shorter, and it is no leader candidate meanwhile
+    node = _trained_node(honest)
+    ar = SimpleNamespace(contributors={0: [(r.peer_id, 100) for r in honest[:2]]})
+    node._note_no_shows(node._make_plan(honest, honest[0].peer_id), ar)
+    assert node._noshows() == {honest[2].peer_id: 5 + pb.NOSHOW_PENALTY_ROUNDS}
+    node.round = 6
+    assert honest[2].peer_id not in node._make_plan(honest, honest[0].peer_id).participants()
+    assert honest[2].peer_id not in pb.leader_candidates(node._standing_view(honest), [r.peer_id for r in honest],
+                                                         node._noshows())
+    # nothing is concluded from a round without any part result
+    node = _trained_node(honest)
+    node._note_no_shows(node._make_plan(honest, honest[0].peer_id), SimpleNamespace(contributors={}))
+    assert node._noshows() == {}
+
+
+# ------------------------------------------------------------------------------------ leader candidates
+def test_leader_candidates_are_the_established_members():
+    _, honest, sybils = _swarm()
+    node = _trained_node(honest)
+    ids = [r.peer_id for r in honest + sybils]
+    assert set(pb.leader_candidates(node._standing_view(honest + sybils), ids)) == {r.peer_id for r in honest}
+    fresh = _node(honest[0].peer_id, round=0)
+    assert set(pb.leader_candidates(fresh._standing_view(honest), [r.peer_id for r in honest])) == \
+        {r.peer_id for r in honest}
+
+
+def test_takeover_delay_is_bounded_whatever_the_number_of_candidates():
+    T = 4.0
+    assert [takeover_delay(i, T, 0.5) for i in range(3)] == [0.0, 4.0, 8.0]
+    assert takeover_delay(3, T, 0.5) == 8.5
+    assert max(takeover_delay(i, T, 0.5) for i in range(1000)) == (LEADER_WAIT_CANDIDATES + 1) * T
+
+
+async def test_silent_better_ranked_candidates_cost_a_bounded_wait_and_non_candidates_never_publish():
+    from geomesh_p2p.planner import PlanConfig, plan_round
+
+    cfg = PlanConfig(seq_len=64, target_batch=8, window_s=5.0, payload_bytes=10_000)
+    ids = [Identity.generate() for _ in range(12)]
+    members = [_rec(i, 7000 + k) for k, i in enumerate(ids)]
+    pool = [m.peer_id for m in members]
+    order = leader_order("r", 3, pool)
+    live = next(i for i in ids if str(i.peer_id) == order[-1])  # the worst-ranked of 12 candidates
+    sybil = next(i for i in ids if str(i.peer_id) == order[0])  # best-ranked, but not a candidate
+
+    def planner(ms, leader):
+        return plan_round(ms, cfg, run_id="r", round=3, leader=leader, numel=1000, start_time=time.time() + 1)
+
+    dht = MemoryDHT()
+    T = 0.4
+    t0 = time.monotonic()
+    silent_candidates = pool  # every other candidate is silent (never runs obtain_plan)
+    plan = await obtain_plan(PlanStore(dht.view(), live, "r"), 3, members, planner, plan_timeout_s=T, settle_s=0.05,
+                             candidates=silent_candidates)
+    took = time.monotonic() - t0
+    assert plan.leader == str(live.peer_id)
+    assert took < (LEADER_WAIT_CANDIDATES + 1) * T + 0.5, took  # before: 11 x T
+    # a non-candidate never publishes, even when it ranks first and nobody else does
+    dht2 = MemoryDHT()
+    got = await obtain_plan(PlanStore(dht2.view(), sybil, "r"), 3, members, planner, plan_timeout_s=0.1,
+                            settle_s=0.05, candidates=[p for p in pool if p != str(sybil.peer_id)], give_up_s=0.5)
+    assert got is None and dht2.data == {}
