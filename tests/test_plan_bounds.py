@@ -480,3 +480,18 @@ def test_planner_maths_with_extreme_records(figures, window_s):
     assert math.isfinite(plan.window_s) and plan.window_s > 0
     assert all(math.isfinite(a.predicted_compute_s) for a in plan.assignments)
     assert check_plan(plan, by_id(recs), cfg, now=T0) is None
+
+
+def test_a_leader_may_bar_a_minority_of_owners_but_not_make_itself_sole_owner():
+    """Honest views differ (a peer that was syncing did not see an owner's failed part): from 4 possible
+    owners on, a plan that bars one of them is within bounds; sole ownership never is."""
+    recs = [rec(x, 1000.0, up_mbit=100.0) for x in "abcd"]
+    cfg = PlanConfig(seq_len=8, target_batch=4, payload_bytes=1000, window_s=5.0)
+    # the leader bars "d" (it planned it as client-only): three owners of 4000 elements
+    leader_view = [r if r.peer_id != "d" else r.model_copy(update={"address": None}) for r in recs]
+    plan = plan_round(leader_view, cfg, numel=4000, **KW)
+    assert {pid for pid, _, _ in plan.owners()} == {"a", "b", "c"}
+    assert check_plan(plan, by_id(recs), cfg, now=T0) is None  # this follower does not bar "d" itself
+    sole = RoundPlan.model_validate({**plan.model_dump(), "assignments": [
+        {**a.model_dump(), "part_start": 0, "part_end": 4000 if a.peer_id == "a" else 0} for a in plan.assignments]})
+    assert "owns 4000 of 4000" in check_plan(sole, by_id(recs), cfg, now=T0)
