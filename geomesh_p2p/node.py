@@ -175,6 +175,14 @@ class NodeConfig(BaseModel):
         None, description="private run: base58 PeerIDs / public keys of the only peers this node deals with")
 
 
+#: How long a peer waits for the address of a record under its own PeerID to answer at start (seconds).
+IDENTITY_PING_TIMEOUT_S = 3.0
+
+
+class DuplicateIdentityError(UserFacingError):
+    """Another live process runs this PeerID (the same --identity key file)."""
+
+
 def check_writable_dir(path: str, flag: str) -> Path:
     """Create ``path`` if needed and check that a file can be written there (then removed).
 
@@ -295,6 +303,7 @@ class PeerNode:
         await self.dht.join(c.bootstrap)
         # Refuse an incompatible run config now, before spending half a minute on data and profiling.
         await self._check_swarm(self._placeholder_record())
+        await self._check_identity_unique()
         probed = await self._probe_links()
         from geomesh_p2p.dht import PeerAnnouncer
 
@@ -441,6 +450,38 @@ class PeerNode:
             upload_bps=1.0, download_bps=1.0, version=geomesh_p2p.__version__,
             protocol_version=geomesh_p2p.PROTOCOL_VERSION, run_config_hash=self.config_hash,
             run_config=self.run_cfg.model_dump())
+
+    async def _check_identity_unique(self) -> None:
+        """Refuse to start when another live process already runs this PeerID (issue 14 #7).
+
+        A record under this PeerID at another address may be this identity's previous run (a restart
+        within the record's lifetime) or a second process with the same key: the address is pinged, and
+        only an answer signed by this very PeerID (only the key's holder can sign it) proves the second.
+
+        Raises:
+            DuplicateIdentityError: "this PeerID is already live at ADDRESS".
+        """
+        from geomesh_p2p import __version__
+        from geomesh_p2p.dht import live_peers
+        from geomesh_p2p.dht.node import DHT_PROTOCOL_VERSION
+        from geomesh_p2p.transport import DHT_PING
+        from geomesh_p2p.wire import dht_pb2
+
+        mine = self.transport.address
+        for rec in await live_peers(self.dht, self.run_cfg.run_id, include_leaving=True):
+            if rec.peer_id != self.me or not rec.address or rec.address == mine:
+                continue
+            req = dht_pb2.PingRequest(sender=self.dht.self_info(), dht_protocol=DHT_PROTOCOL_VERSION,
+                                      software_version=__version__)
+            try:
+                reply = await self.transport.call(rec.address, DHT_PING, req.SerializeToString(),
+                                                  timeout=IDENTITY_PING_TIMEOUT_S)
+            except Exception:  # nobody there (a stale record of this identity's previous run)
+                continue
+            if reply.sender == self.identity.peer_id:
+                raise DuplicateIdentityError(
+                    f"this PeerID ({self.identity.peer_id.short()}) is already live at {rec.address}: another "
+                    f"process runs with the same --identity key; give each peer its own key file")
 
     async def _check_swarm(self, mine: Optional[PeerRecord] = None) -> None:
         """Refuse to start when the swarm's live peers all run another config or version.

@@ -86,6 +86,11 @@ def test_incompatible_run_config_is_refused_saying_what_differs(tmp_path):
         assert "inner_lr: 0.0003 here vs 0.001 in the swarm" in line
         # refused right after joining the DHT: no data loading, no device profiling first
         assert "tokens/s per batch" not in r.stdout + r.stderr
+        # the same key in a second process (issue 14 #7): refused, naming where it already runs
+        r = _join(tmp_path, "--bootstrap", f"127.0.0.1:{port}", "--identity", str(tmp_path / "a.key"))
+        line = _one_line_error(r)
+        assert "is already live at 127.0.0.1:" in line and "own key file" in line
+        assert swarm.procs["a"].poll() is None  # the first one goes on
     finally:
         swarm.stop_all()
 

@@ -139,8 +139,9 @@ def test_ctrl_c_peer_leaves_cleanly_and_the_others_plan_without_it(swarm):
     port = free_port()
     entry = f"127.0.0.1:{port}"
     names = ["c0", "c1", "c2"]
+    rounds = {"c0": "60", "c1": "4", "c2": "60"}  # c1 leaves by --rounds (issue 14 #4), c2 by Ctrl+C
     for i, n in enumerate(names):
-        swarm.peer(n, "--rounds", "60", "--min-peers", "3", port=port if i == 0 else 0,
+        swarm.peer(n, "--rounds", rounds[n], "--min-peers", "3", port=port if i == 0 else 0,
                    bootstrap=None if i == 0 else entry)
         if i == 0:
             swarm.wait_for(lambda: "serving on" in swarm.text("c0"), 120, "the first peer to listen")
@@ -154,3 +155,10 @@ def test_ctrl_c_peer_leaves_cleanly_and_the_others_plan_without_it(swarm):
     assert after and all(x["peers"] == 2 and x["missing_parts"] == 0 for x in after), after
     for r in (last + 1, last + 2):
         assert _digest(swarm, "c0", r) == _digest(swarm, "c1", r)
+    # --rounds 4: c1 announces that it leaves with its round-4 record, before c0 gathers round 4, so
+    # c0's round 4 is planned without it (before: planned with it, waiting to the deadline for its part).
+    assert swarm.wait_exit(["c1"], 120) == {"c1": 0}
+    assert max(x["round"] for x in swarm.rows("c1")) == 3
+    swarm.wait_for(lambda: any(x["round"] >= 4 for x in swarm.rows("c0")), 120, "c0's round 4 without c1")
+    r4 = next(x for x in swarm.rows("c0") if x["round"] == 4)
+    assert r4["peers"] == 1 and r4["missing_parts"] == 0, r4

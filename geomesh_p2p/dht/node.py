@@ -90,6 +90,10 @@ class DHTJoinError(RuntimeError):
     """No bootstrap node answered (after retries with backoff), or all of them refused us."""
 
 
+class IdentityInUseError(DHTJoinError):
+    """A bootstrap answered signed by this node's own PeerID: another live process holds the same key."""
+
+
 class _WrongPeer(RpcError):
     """The node at an address is not the one its contact names (restarted with another key, or a lie)."""
 
@@ -687,6 +691,11 @@ class DHTNode:
         for attempt in range(attempts):
             results = await asyncio.gather(*(self.ping(a) for a in addresses), return_exceptions=True)
             ok = [r for r in results if isinstance(r, Contact)]
+            twins = [r for r in ok if r.peer_id == self.peer_id]
+            if twins:
+                raise IdentityInUseError(f"this PeerID ({self.peer_id.short()}) is already live at {twins[0].address}: "
+                                         f"another process runs with the same --identity key; give each peer its "
+                                         f"own key file")
             if ok:
                 break
             definitive = True
