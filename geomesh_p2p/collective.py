@@ -448,6 +448,7 @@ class AllReduceResult:
         contributions: relay mode: sender (base58 PeerID) -> part index -> its verified packet for that
             part (a :class:`compression.SignPacket`, or an fp32 tensor for fp32 pushes), as relayed by the
             owners; what verified work (:mod:`geomesh_p2p.verify`) re-checks. Empty in reencode mode.
+        part_ranges: ``[start, end)`` of every part, in part order (the spec's owners).
         upload / download: this node's pushes to other owners and its pulls of ready results as
             :class:`~geomesh_p2p.links.LinkSample` (payload bytes over the busy time of the link,
             the owners' stated hold taken out), or None when nothing crossed the network.
@@ -464,6 +465,12 @@ class AllReduceResult:
     upload: Optional[LinkSample] = None
     download: Optional[LinkSample] = None
     contributions: dict[str, dict[int, Any]] = field(default_factory=dict)
+    part_ranges: list[tuple[int, int]] = field(default_factory=list)
+
+    def idle_ranges(self) -> list[tuple[int, int]]:
+        """``[start, end)`` element ranges of the parts that aggregated no token this round (missing, or
+        every contribution had 0 tokens): nobody trained there, so the outer step must not move them."""
+        return [rg for j, rg in enumerate(self.part_ranges) if j in self.missing_parts or self.tokens(j) == 0]
 
     def tokens(self, part: int) -> int:
         """Total tokens aggregated in ``part`` (0 if missing)."""
@@ -928,7 +935,8 @@ class CollectiveService:
         up = link_sample((n, a, b) for d, n, a, b in state.transfers if d == "up")
         down = link_sample((n, a, b) for d, n, a, b in state.transfers if d == "down")
         return AllReduceResult(aggregate, contributors, missing, pushed, s_after[0] - s_before[0],
-                               s_after[1] - s_before[1], time.time() - t0, last_compute_end, up, down, packets)
+                               s_after[1] - s_before[1], time.time() - t0, last_compute_end, up, down, packets,
+                               [(o.start, o.end) for o in spec.owners])
 
     def _collective_bytes(self) -> tuple[int, int]:
         by = self.transport.stats.by_method

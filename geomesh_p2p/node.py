@@ -1014,7 +1014,7 @@ class PeerNode:
 
     async def _finish_round(self, r, plan, a, result, ar, t_round, t_compute_end, t_agg, sent0, recv0) -> set[str]:
         """Outer step, digest, evaluation, the round's row, checkpoint; re-sync on a digest mismatch."""
-        self._outer_step(r, plan, ar.aggregate)
+        self._outer_step(r, plan, ar.aggregate, idle=ar.idle_ranges())
         self._set_state(r + 1, self.theta, None)
         # Re-profile before announcing round r+1: the record a leader gathers for r+1 then already holds
         # the figures every follower will check its plan against (planner.check_plan).
@@ -1084,12 +1084,23 @@ class PeerNode:
         return InnerResult(steps_done=0, tokens=0, mean_loss=float("nan"), last_loss=float("nan"),
                            compute_s=max(0.0, compute_s), stopped_early=True)
 
-    def _outer_step(self, r: int, plan, aggregate: torch.Tensor) -> None:
+    def _outer_step(self, r: int, plan, aggregate: torch.Tensor, idle=()) -> None:
         """Apply the outer step to ``self.theta`` / ``self.outer.buf``, except on collective parts
         whose aggregate has a non-finite value or whose new weights or optimizer state would not be
         finite: those keep their values from before the step (one WARNING line). Every honest peer
         holds the same weights, state and aggregate bytes, so every one skips the same parts and the
-        digests stay equal. Parts: the plan's owner ranges, ``[start, end)`` elements of ``[P]``."""
+        digests stay equal. Parts: the plan's owner ranges, ``[start, end)`` elements of ``[P]``.
+
+        ``idle``: ranges that aggregated no token (missing parts, rounds nobody trained in): weights and
+        outer momentum stay as they were there (issue 14 #8: momentum alone must not move the model
+        through rounds that trained nothing); one INFO line."""
+        if idle:
+            p = self.theta.numel()
+            n_idle = sum(e - s for s, e in idle)
+            log.info("round %d: %d of %d elements aggregated no token (%s); weights and outer momentum unchanged "
+                     "there", r, n_idle, p, "the whole model" if n_idle >= p else f"{len(idle)} part(s)")
+            if n_idle >= p:
+                return
         ranges = [(start, end) for _, start, end in plan.owners()] or [(0, self.theta.numel())]
         bad_in = {(s, e) for s, e in ranges if not bool(torch.isfinite(aggregate[s:e]).all())}
         if bad_in:
@@ -1106,6 +1117,9 @@ class PeerNode:
         bad = sorted(bad_in | {(s, e) for s, e in ranges
                                if any(not bool(torch.isfinite(new[s:e]).all()) for new, _ in views)})
         for s, e in bad:
+            for new, old in views:
+                new[s:e] = old[s:e]
+        for s, e in idle:
             for new, old in views:
                 new[s:e] = old[s:e]
         if bad:
