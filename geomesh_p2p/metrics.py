@@ -35,6 +35,10 @@ def json_safe(value):
     return value
 
 
+#: A round in which a peer does fewer than this share of its planned inner steps is flagged "underfilled".
+UNDERFILLED_SHARE = 0.5
+
+
 @dataclass
 class RoundRecord:
     """One round as this peer saw it. Units: seconds, tokens, bytes; percentages of ``round_s``."""
@@ -62,6 +66,12 @@ class RoundRecord:
     extra: dict = field(default_factory=dict)
 
     @property
+    def underfilled(self) -> bool:
+        """This peer trained less than ``UNDERFILLED_SHARE`` of the inner steps its plan gave it (issue 14
+        #9: rounds that train nothing must not look healthy)."""
+        return self.inner_steps_planned > 0 and self.inner_steps_done < UNDERFILLED_SHARE * self.inner_steps_planned
+
+    @property
     def straggler_idle_pct(self) -> float:
         return 100.0 * self.straggler_idle_s / self.round_s if self.round_s > 0 else 0.0
 
@@ -74,6 +84,7 @@ class RoundRecord:
         d = asdict(self)
         d["straggler_idle_pct"] = round(self.straggler_idle_pct, 2)
         d["network_idle_pct"] = round(self.network_idle_pct, 2)
+        d["underfilled"] = self.underfilled
         return json.dumps(json_safe(d), sort_keys=True, allow_nan=False)
 
 
@@ -92,7 +103,7 @@ def _fmt_bytes(n: int) -> str:
 def format_row(r: RoundRecord) -> str:
     """One fixed-width table row (see HEADER)."""
     ppl = f"{r.eval_ppl:9.2f}" if r.eval_ppl is not None else f"{'-':>9}"
-    h = f"{r.inner_steps_done}/{r.inner_steps_planned}"
+    h = f"{r.inner_steps_done}/{r.inner_steps_planned}" + ("!" if r.underfilled else "")
     agree = {None: "", True: " ok", False: " MISMATCH"}[r.digest_agree]
     loss = f"{r.train_loss:>7.3f}" if math.isfinite(r.train_loss) else f"{'-':>7}"
     return (f"{r.round:>5} {r.peers:>5} {r.batch_size:>5} {h:>7} {r.tokens:>8} {loss} {ppl} "
@@ -132,6 +143,8 @@ class RoundLog:
             "round_s": g("round_seconds", "wall time of the last round"),
         }
         self._tokens = Counter("geomesh_tokens", "tokens trained by this peer", registry=self.registry)
+        self._underfilled = Counter("geomesh_underfilled_rounds", "rounds in which this peer trained less than "
+                                    f"{UNDERFILLED_SHARE:.0%} of its planned inner steps", registry=self.registry)
         self._bytes_sent = Counter("geomesh_sent_bytes", "bytes sent in exchanges", registry=self.registry)
         self._bytes_recv = Counter("geomesh_received_bytes", "bytes received in exchanges", registry=self.registry)
         # prometheus-client >= 0.20 (the dependency's floor) returns (server, thread): close() stops both.
@@ -161,6 +174,8 @@ class RoundLog:
             gz["straggler_idle"].set(r.straggler_idle_pct / 100)
             gz["network_idle"].set(r.network_idle_pct / 100)
             gz["round_s"].set(r.round_s)
+            if r.underfilled:
+                self._underfilled.inc()
             self._tokens.inc(r.tokens)
             self._bytes_sent.inc(r.bytes_sent)
             self._bytes_recv.inc(r.bytes_received)

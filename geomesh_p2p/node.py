@@ -1061,6 +1061,11 @@ class PeerNode:
         self.history.append(rec)
         if sys.stdout.isatty():
             sys.stdout.write("\r\x1b[K")  # clear the progress line before the row
+        if rec.underfilled and not self._stop.is_set():
+            # Flagged in the table ("!"), the JSON row and Prometheus too; the next plan already follows the
+            # re-measured tokens/s (_update_throughput), so a mis-profiled peer gets fewer steps.
+            log.warning("round %d: trained %d of %d planned inner steps (device slower than profiled, or busy)",
+                        r, rec.inner_steps_done, rec.inner_steps_planned)
         self.round_log.add(rec)
         swarm_status.publish_round_summary(self, rec)  # the bootstrap's status page (issue 16)
         if resync:

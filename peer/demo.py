@@ -185,7 +185,8 @@ def _watch(ns, swarm: Swarm, workdir: Path, t0: float) -> int:
             shown += 1
             rr = [r[shown] for r in rows]
             digests = {r["digest"] for r in rr}
-            bh = " ".join(f"{r['batch_size']}/{r['inner_steps_done']}" for r in rr)
+            bh = " ".join(f"{r['batch_size']}/{r['inner_steps_done']}" + ("!" if r.get("underfilled") else "")
+                          for r in rr)
             losses = [r["train_loss"] for r in rr if r["train_loss"] is not None]
             loss = sum(losses) / len(losses) if losses else float("nan")
             ppl = rr[0]["eval_ppl"]  # None when not evaluated or not finite (strict JSON)

@@ -81,7 +81,7 @@ def test_prometheus_gauges_exact(served):
         "geomesh_round_seconds": 8.0,
         "geomesh_tokens_total": 8192.0,
         "geomesh_sent_bytes_total": 200_000.0,
-        "geomesh_received_bytes_total": 300_000.0,
+        "geomesh_received_bytes_total": 300_000.0, "geomesh_underfilled_rounds_total": 0.0,
     }
     # next round: gauges are replaced, counters add up, a round without eval keeps the last ppl
     rl.add(_record(round=8, peers=2, train_loss=4.25, eval_ppl=None, straggler_idle_s=0.0,
@@ -97,7 +97,7 @@ def test_prometheus_gauges_exact(served):
         "geomesh_round_seconds": 4.0,
         "geomesh_tokens_total": 9192.0,
         "geomesh_sent_bytes_total": 200_001.0,
-        "geomesh_received_bytes_total": 300_002.0,
+        "geomesh_received_bytes_total": 300_002.0, "geomesh_underfilled_rounds_total": 0.0,
     }
 
 
@@ -130,7 +130,7 @@ def test_json_lines_exact(tmp_path):
         "compute_s": 6.0, "straggler_idle_s": 1.0, "network_idle_s": 0.5, "round_s": 8.0,
         "bytes_sent": 200_000, "bytes_received": 300_000, "digest": "abcdef0123456789",
         "digest_agree": True, "contributors": 3, "missing_parts": 0, "time": 1_700_000_000.5,
-        "extra": {}, "straggler_idle_pct": 12.5, "network_idle_pct": 6.25,
+        "extra": {}, "straggler_idle_pct": 12.5, "network_idle_pct": 6.25, "underfilled": False,
     }
     second = json.loads(lines[1])  # strict JSON: NaN became null; a 0 s round gives 0 %
     assert "NaN" not in lines[1]
@@ -142,3 +142,19 @@ def test_json_lines_exact(tmp_path):
     rl2 = RoundLog(json_path=str(path), print_fn=lambda _: None)
     rl2.add(_record(round=9))
     assert [json.loads(l)["round"] for l in path.read_text().splitlines()] == [7, 8, 9]
+
+
+def test_a_round_that_trains_less_than_half_its_plan_is_flagged():
+    """Issue 14 #9: '0/4' rounds looked healthy. Flagged in the row ('!'), the JSON and Prometheus."""
+    import json as _json
+
+    from geomesh_p2p.metrics import RoundRecord, format_row
+
+    base = dict(round=3, peers=3, leader="x", batch_size=8, inner_steps_planned=4, tokens=0, train_loss=float("nan"),
+                eval_ppl=None, compute_s=0.1, straggler_idle_s=0.0, network_idle_s=0.0, round_s=2.0, bytes_sent=0,
+                bytes_received=0, digest="abcdef0123")
+    low = RoundRecord(inner_steps_done=1, **base)
+    ok = RoundRecord(inner_steps_done=2, **base)
+    assert low.underfilled and not ok.underfilled
+    assert " 1/4! " in format_row(low) and " 2/4 " in format_row(ok)
+    assert _json.loads(low.to_json())["underfilled"] is True
