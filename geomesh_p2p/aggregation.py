@@ -138,7 +138,7 @@ def _signed_weights(items: Sequence[tuple[int, Any]]) -> list[torch.Tensor]:
 
 
 def _robust_sign(items: Sequence[tuple[int, Any]], numel: int, rule: str, weight_cap: Optional[float],
-                 min_agreement: Optional[float]) -> torch.Tensor:
+                 min_agreement: Optional[float], dropped: Optional[list] = None) -> torch.Tensor:
     """``vote`` / ``meanmed`` over sign packets (tokens capped by the plan), in the given order.
 
     1. Items with 0 tokens are left out. Over the C others: ``T`` = median token count, ``M_b`` = median
@@ -181,6 +181,9 @@ def _robust_sign(items: Sequence[tuple[int, Any]], numel: int, rule: str, weight
             keep.append(n == 0 or agree >= min_agreement * n)
         if not all(keep) and any(keep):
             kept = [item for item, k in zip(pos, keep) if k]
+            if dropped is not None:
+                gone = {id(p) for (_, p), k in zip(pos, keep) if not k}
+                dropped.extend(i for i, (_, p) in enumerate(items) if id(p) in gone)
             v, _ = combine(kept, min(t_all, _median_int([n for n, _ in kept])))
     block = pos[0][1].block_size
     med = m_all if kept is pos else torch.minimum(m_all, median_rows(torch.stack([p.scales for _, p in kept])))
@@ -193,6 +196,7 @@ def _robust_sign(items: Sequence[tuple[int, Any]], numel: int, rule: str, weight
 def aggregate_part(
     items: Sequence[tuple[int, Any]], numel: int, *, rule: str = "vote", encoding: str = "sign",
     clip_k: Optional[float] = 4.0, weight_cap: Optional[float] = 1.0, min_agreement: Optional[float] = 0.5,
+    dropped: Optional[list] = None,
 ) -> torch.Tensor:
     """The aggregate of one part under ``rule``: what every peer applies for that range.
 
@@ -206,6 +210,10 @@ def aggregate_part(
         clip_k: scale clipping of the ``mean`` rule (None = off).
         weight_cap: bound on each weight as a multiple of the median weight (None = off); applied by
             every rule.
+        min_agreement: robust rules: the agreement filter's threshold (None = off).
+        dropped: if a list is given, the indices (into ``items``) of the items the agreement filter
+            dropped are appended to it (the same on every peer: the collective leaves them out of the
+            part's contributors, so a peer dropped in every part counts as having delivered nothing).
 
     Returns:
         fp32 tensor [numel] (zeros when no item has weight).
@@ -219,4 +227,4 @@ def aggregate_part(
         weights = bounded_weights([n for n, _ in items], weight_cap)
         return token_weighted_mean([(w, p) for w, (_, p) in zip(weights, items)], numel, clip_k=clip_k,
                                    encoding=encoding)
-    return _robust_sign(items, numel, rule, weight_cap, min_agreement)
+    return _robust_sign(items, numel, rule, weight_cap, min_agreement, dropped)

@@ -382,11 +382,12 @@ class CollectiveSpec:
         probation = set(self.probation)
         return sum(1 for p in set(senders) if p not in probation) >= self.quorum_count()
 
-    def aggregate(self, items: Sequence[tuple[int, Any]], numel: int) -> torch.Tensor:
-        """This round's rule over ``(tokens capped by the plan, packet)`` in PeerID order -> fp32 [numel]."""
+    def aggregate(self, items: Sequence[tuple[int, Any]], numel: int, dropped: Optional[list] = None) -> torch.Tensor:
+        """This round's rule over ``(tokens capped by the plan, packet)`` in PeerID order -> fp32 [numel];
+        the indices of items the agreement filter dropped are appended to ``dropped`` if given."""
         return aggregation.aggregate_part(items, numel, rule=self.rule, encoding=self.push_encoding,
                                           clip_k=self.clip_k, weight_cap=self.weight_cap,
-                                          min_agreement=self.min_agreement)
+                                          min_agreement=self.min_agreement, dropped=dropped)
 
 
 # ------------------------------------------------------------------------------- the arithmetic
@@ -796,16 +797,20 @@ class CollectiveService:
     def _build_result(self, spec: CollectiveSpec, part: _OwnedPart, contributions: list[_Contribution]) -> bytes:
         o = part.owner
         used = [min(c.tokens, spec.participants[c.sender]) for c in contributions]
+        mean, listed = None, list(range(len(contributions)))
+        if spec.mode == "reencode":
+            dropped: list[int] = []
+            mean = spec.aggregate([(n, c.packet) for n, c in zip(used, contributions)], o.size, dropped)
+            listed = [i for i in listed if i not in set(dropped)]  # the filter's drops delivered nothing here
         res = collective_pb2.PartResult(
             round=spec.round, part=part.index, start=o.start, end=o.end, spec_id=spec.spec_id, mode=spec.mode,
-            contributors=[_pid_bytes(c.sender) for c in contributions], tokens=used,
+            contributors=[_pid_bytes(contributions[i].sender) for i in listed], tokens=[used[i] for i in listed],
             aggregate_encoding=spec.aggregate_encoding if spec.mode == "reencode" else "",
             closed_by=part.closed_by or "",
             last_compute_end=max((c.compute_end for c in contributions), default=0.0))
         if spec.mode == "relay":
             res.contributions.extend(collective_pb2.Contribution(signed_message=c.signed) for c in contributions)
         else:
-            mean = spec.aggregate([(n, c.packet) for n, c in zip(used, contributions)], o.size)
             res.aggregate = _encode_aggregate(spec.aggregate_encoding, mean, spec.block_size, sum(used))
         return self.transport.identity.sign_message(
             run_id=spec.run_id, round=spec.round, kind=RESULT_KIND, payload=res.SerializeToString()
@@ -1157,6 +1162,9 @@ class CollectiveService:
                                 f"{spec.quorum_count()} of {len(spec.established())} established participant(s)")
         ordered = sorted(taken.values(), key=lambda c: _pid_bytes(c.sender))
         used = [min(c.tokens, spec.participants[c.sender]) for c in ordered]
-        out = spec.aggregate([(n, c.packet) for n, c in zip(used, ordered)], o.size)
-        return (out, [(c.sender, n) for c, n in zip(ordered, used)], max((c.compute_end for c in ordered), default=0.0),
-                {c.sender: c.packet for c in ordered})
+        dropped: list[int] = []
+        out = spec.aggregate([(n, c.packet) for n, c in zip(used, ordered)], o.size, dropped)
+        # A contribution the agreement filter dropped delivered nothing to this part: it is not listed as a
+        # contributor (every reader drops the same ones), so one dropped everywhere counts as a no-show.
+        listed = [(c.sender, n) for i, (c, n) in enumerate(zip(ordered, used)) if i not in set(dropped)]
+        return (out, listed, max((c.compute_end for c in ordered), default=0.0), {c.sender: c.packet for c in ordered})

@@ -51,7 +51,9 @@ def test_a_flipped_contribution_is_dropped_by_the_agreement_filter():
     items = [(100, compression.encode(h, 2048, 100)) for h in honest]
     evil = (100, compression.encode(-1000 * honest[0], 2048, 10**9))
     alone = aggregate_part(items, 4096, rule="meanmed")
-    attacked = aggregate_part(items + [evil], 4096, rule="meanmed")
+    dropped: list[int] = []
+    attacked = aggregate_part(items + [evil], 4096, rule="meanmed", dropped=dropped)
+    assert dropped == [3]
     assert torch.equal(alone, attacked)  # bitwise: the flipped one had no say at all
     # Without the filter it still cannot move the magnitude (median scale, weight capped) ...
     unfiltered = aggregate_part(items + [evil], 4096, rule="meanmed", min_agreement=None)

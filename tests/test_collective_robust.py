@@ -75,6 +75,8 @@ async def test_a_flipping_contributor_has_no_say_in_relay_mode(swarms):
     assert all(r.missing_parts == [] for r in res)
     assert all(torch.equal(r.aggregate, res[0].aggregate) for r in res)  # bitwise, attacker included
     assert torch.equal(res[0].aggregate, _expected(spec, deltas, tokens, honest))
+    # Dropped by the filter in every part: listed as contributor nowhere (a no-show for the planner).
+    assert all(sw.pids[3] not in dict(who) and len(who) == 3 for who in res[0].contributors.values())
     # The relayed packets are exposed for verified work: every sender, every part.
     assert set(res[0].contributions) == set(sw.pids)
     assert all(set(v) == {0, 1, 2, 3} for v in res[0].contributions.values())
