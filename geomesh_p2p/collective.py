@@ -51,6 +51,7 @@ import torch
 from google.protobuf.message import DecodeError
 
 from geomesh_p2p import aggregation, compression
+from geomesh_p2p.aio import wait_event
 from geomesh_p2p.aggregation import token_weighted_mean  # noqa: F401  (re-exported: the simulator and tests use it)
 from geomesh_p2p.identity import EnvelopeError, PeerID, Verified, Verifier
 from geomesh_p2p.links import LinkSample, link_sample
@@ -642,9 +643,7 @@ class CollectiveService:
         ev = self._round_events.setdefault(round, asyncio.Event())
         self._held += 1
         try:
-            await asyncio.wait_for(ev.wait(), hold_s)
-        except asyncio.TimeoutError:
-            pass
+            await wait_event(ev, hold_s)
         finally:
             self._held -= 1
             if self._held == 0:
@@ -845,12 +844,7 @@ class CollectiveService:
                 signed = cached
             else:
                 left = wait_s - (time.monotonic() - t0)
-                if not part.ready.is_set() and left > 0:
-                    try:
-                        await asyncio.wait_for(part.ready.wait(), left)
-                    except asyncio.TimeoutError:
-                        pass
-                if not part.ready.is_set():
+                if not await wait_event(part.ready, left):
                     return not_ready.SerializeToString()
                 signed = part.signed_result
             return collective_pb2.PullPartResponse(round=req.round, part=req.part, ready=True, signed_result=signed,
@@ -1028,12 +1022,7 @@ class CollectiveService:
         if owner.peer_id == self.peer_id:
             part = state.parts[j]
             left = spec.pull_deadline - time.time()
-            if not part.ready.is_set() and left > 0:
-                try:
-                    await asyncio.wait_for(part.ready.wait(), left)
-                except asyncio.TimeoutError:
-                    pass
-            if not part.ready.is_set():
+            if not await wait_event(part.ready, left):
                 log.warning("round %d: my own part %d is not reduced by the pull deadline", spec.round, j)
                 return None
             signed = part.signed_result

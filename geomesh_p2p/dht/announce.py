@@ -19,6 +19,7 @@ from typing import Awaitable, Callable, Dict, List, Optional, Union
 
 from pydantic import ValidationError
 
+from geomesh_p2p.aio import wait_event
 from geomesh_p2p.dht.node import DHTNode
 from geomesh_p2p.identity import Identity
 from geomesh_p2p.records import PeerRecord
@@ -209,10 +210,7 @@ class PeerAnnouncer:
             except Exception as e:  # keep announcing whatever happens
                 log.warning("announcing %s failed: %r", self.identity.peer_id.short(), e)
             self._wake.clear()
-            try:
-                await asyncio.wait_for(self._wake.wait(), timeout=self.period_s)
-            except asyncio.TimeoutError:
-                pass
+            await wait_event(self._wake, self.period_s)
 
     def start(self) -> asyncio.Task:
         """Start announcing in the background (a task owned by the node)."""
