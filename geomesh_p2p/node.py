@@ -872,11 +872,13 @@ class PeerNode:
         # identities that only announce never lead and cost the take-over nothing.
         from geomesh_p2p.probation import leader_candidates
 
+        members = self._verified_members(members)
         candidates = leader_candidates(self._standing_view(list(live.values())), [m.peer_id for m in members],
                                        barred=self._noshows())
         try:
             plan = await obtain_plan(self.plans, r, members, self._make_plan, plan_timeout_s=self.cfg.plan_timeout_s,
-                                     accept=lambda p: self._plan_problem(p, live), candidates=candidates)
+                                     accept=lambda p: self._plan_problem(p, live) or self._verified_plan_problem(p),
+                                     candidates=candidates)
         finally:
             refresher.cancel()
             await asyncio.gather(refresher, return_exceptions=True)
@@ -1014,6 +1016,7 @@ class PeerNode:
 
     async def _finish_round(self, r, plan, a, result, ar, t_round, t_compute_end, t_agg, sent0, recv0) -> set[str]:
         """Outer step, digest, evaluation, the round's row, checkpoint; re-sync on a digest mismatch."""
+        self._verify_round(r, plan, a, ar)  # before the outer step: it keeps this round's start weights
         self._outer_step(r, plan, ar.aggregate, idle=ar.idle_ranges())
         self._set_state(r + 1, self.theta, None)
         # Re-profile before announcing round r+1: the record a leader gathers for r+1 then already holds
@@ -1079,6 +1082,48 @@ class PeerNode:
             await self._checkpoint_or_warn()
         contributed = {pid for part in ar.contributors.values() for pid, _ in part}
         return contributed or set(plan.participants())
+
+    def _verify_round(self, r: int, plan, a, ar) -> None:
+        """Verified work (:mod:`geomesh_p2p.verify`): keep round ``r``'s start weights and the signed
+        contributions received (relay mode), then, off the event loop and in parallel with the evaluation,
+        check the contributor this peer's selection draws and re-check published evidence. Bounded by
+        ``time_share`` of the window after the exchange (skipped with a debug line past it); at most one
+        such task runs at a time. Never raises: a failure here must not cost the round."""
+        try:
+            from geomesh_p2p import verify
+
+            if not ar.contributions:
+                return  # reencode mode (or nothing received): no contributions to check
+            wv = getattr(self, "_work_verifier", None)
+            if wv is None:
+                wv = self._work_verifier = verify.WorkVerifier.for_node(self)
+            wv.keep_round(r, theta=self.theta.clone(), plan=plan, part_ranges=ar.part_ranges, packets=ar.contributions)
+            running = getattr(self, "_verify_task", None)
+            if running is not None and not running.done():
+                log.debug("round %d: verified work skipped: the previous check is still running", r)
+                return
+            deadline = time.time() + max(1.0, wv.cfg.time_share * float(plan.window_s))
+            self._verify_task = asyncio.ensure_future(wv.run_round(
+                r, micro_batch=a.micro_batch, seconds_per_row=getattr(self.trainer, "_row_time_ema", None),
+                deadline=deadline, signed_of=lambda part, sender: verify.signed_contribution(
+                    self.collective, r, part, sender)))
+            self._verify_task.add_done_callback(
+                lambda t: t.cancelled() or t.exception() is None or log.warning(
+                    "round %d: verified work failed: %s", r, t.exception()))
+        except Exception as e:
+            log.warning("round %d: verified work skipped: %s", r, e)
+
+    def _verified_plan_problem(self, plan) -> Optional[str]:
+        """Why this peer refuses ``plan`` for verified work's sake (an excluded peer that leads would plan
+        itself back in): :meth:`geomesh_p2p.verify.WorkVerifier.plan_problem`. None: no objection."""
+        wv = getattr(self, "_work_verifier", None)
+        return None if wv is None else wv.plan_problem(plan, me=self.me)
+
+    def _verified_members(self, members):
+        """The planner's input without the peers that verified work excluded (their evidence re-checked
+        here, :meth:`geomesh_p2p.verify.WorkVerifier.filter`); this peer itself always stays."""
+        wv = getattr(self, "_work_verifier", None)
+        return members if wv is None else wv.filter(members, keep=self.me)
 
     @staticmethod
     def _no_work(compute_s: float):
