@@ -57,7 +57,10 @@ fp32 and bf16 autocast agree on 99.81-99.93% of the elements (|g|-weighted 99.99
 100%, and the statistics move by <= 0.001. CPU/GPU kernels could not be measured here: the thresholds
 keep >= 0.014 (trace) and >= 0.08 (plain) from the lowest honest value for them. With the three other
 peers' contributions as the basis (``--basis others``; an earlier version of the script) wrong data fell
-below 0.515 in 40-80% of the checks, honest no lower than 0.525. The first idea, a fresh AdamW re-run of k = 1, 2,
+below 0.515 in 40-80% of the checks, honest no lower than 0.525. At seq_len 32, batch 4 (the attack
+suite's setting; rounds 1, 6, 13, 5 draws, H = 5 / 20 / 40): honest trace >= 0.585 / 0.555 / 0.537 and
+plain >= 0.677, wrong data below 0.515 in 33% of the checks, stale (own / global) in 67-80%, flipped and
+noise always failed. The first idea, a fresh AdamW re-run of k = 1, 2,
 4 steps compared by sign with the contribution, gave honest 0.61-0.81 against wrong data 0.60-0.79 and
 stale 0.57-0.74 over the same rounds: no threshold separates them.
 
