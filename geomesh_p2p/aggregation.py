@@ -58,6 +58,22 @@ def _cap(tokens: Sequence[int], bound: int) -> list[int]:
     return [min(max(0, int(n)), bound) for n in tokens]
 
 
+def median_active(x: torch.Tensor) -> torch.Tensor:
+    """Per column of ``x`` [C, K] fp32 (>= 0), the median of its positive entries (0 where none): a
+    contributor whose block scale is 0 abstains from the block's magnitude too. Even counts take
+    ``(lo + hi) * 0.5`` (two IEEE roundings), as :func:`median_rows`."""
+    active = x > 0
+    cnt = active.sum(dim=0)  # [K]
+    inf = torch.tensor(float("inf"), dtype=torch.float32)
+    srt = torch.sort(torch.where(active, x, inf), dim=0).values
+    hi_i = (cnt // 2).clamp(max=x.shape[0] - 1)
+    lo_i = ((cnt - 1) // 2).clamp(min=0)
+    hi = srt.gather(0, hi_i.unsqueeze(0)).squeeze(0)
+    lo = srt.gather(0, lo_i.unsqueeze(0)).squeeze(0)
+    odd = torch.where(cnt % 2 == 1, hi, (lo + hi) * torch.tensor(0.5, dtype=torch.float32))
+    return torch.where(cnt > 0, odd, torch.zeros((), dtype=torch.float32))
+
+
 def bounded_weights(tokens: Sequence[int], weight_cap: Optional[float]) -> list[int]:
     """Token counts ``tokens`` (already capped by the plan) bounded to ``weight_cap x`` their median.
 
@@ -142,10 +158,12 @@ def _robust_sign(items: Sequence[tuple[int, Any]], numel: int, rule: str, weight
     """``vote`` / ``meanmed`` over sign packets (tokens capped by the plan), in the given order.
 
     1. Items with 0 tokens are left out. Over the C others: ``T`` = median token count, ``M_b`` = median
-       block scale (:func:`median_rows`). A minority cannot move either beyond the honest range.
+       of the positive block scales (:func:`median_active`; a zero block abstains). A minority cannot
+       move either beyond the honest range.
     2. Weights ``n'_i = min(n_i, weight_cap x T)`` (integers); ``w_i = fp32(n'_i / sum n')``.
        ``v = sum_i w_i * a_ib * sign_i`` accumulated in order (exact ``+-w_i`` terms, one rounding per
-       addition), where ``a_ib = 0`` if the item's scale in block b is 0 (a zero contribution abstains).
+       addition), where ``a_ib = 0`` if the item's scale in block b is 0 (a zero contribution abstains),
+       then divided by ``W_b = sum_i w_i * a_ib`` (same order): the mean over the items that vote there.
     3. Agreement filter (``min_agreement``, C > 2): an item whose signs match ``sign(v)`` on fewer than
        ``min_agreement`` of the elements where both are non-zero (integer counts: exact) is dropped and
        step 2 runs again over the kept ones, with ``T = min(T, median of the kept)``. Honest pseudo-
@@ -159,7 +177,8 @@ def _robust_sign(items: Sequence[tuple[int, Any]], numel: int, rule: str, weight
     if not pos:
         return torch.zeros(numel, dtype=torch.float32)
     t_all = _median_int([n for n, _ in pos])
-    m_all = median_rows(torch.stack([p.scales for _, p in pos]))
+    m_all = median_active(torch.stack([p.scales for _, p in pos]))
+    block = pos[0][1].block_size
 
     def combine(chosen, t):
         toks = [n for n, _ in chosen] if weight_cap is None else _cap([n for n, _ in chosen], max(1, int(t * weight_cap)))
@@ -167,6 +186,15 @@ def _robust_sign(items: Sequence[tuple[int, Any]], numel: int, rule: str, weight
         v = torch.zeros(numel, dtype=torch.float32)
         for x in sw:
             v = v + x
+        # Normalise per block by the weight of the items that vote there (an abstaining zero block must
+        # not shrink the others' update): sum_i w_i a_ib in the same order, one division per element.
+        total = sum(toks)
+        wsum = torch.zeros_like(chosen[0][1].scales)
+        for n, (_, p) in zip(toks, chosen):
+            wsum = wsum + torch.where(p.scales > 0, torch.tensor(n / total, dtype=torch.float32),
+                                      torch.zeros((), dtype=torch.float32))
+        den = wsum.repeat_interleave(block)[:numel]
+        v = torch.where(den > 0, v / torch.where(den > 0, den, torch.ones((), dtype=torch.float32)), v)
         return v, sw
 
     v, sw = combine(pos, t_all)
@@ -185,8 +213,7 @@ def _robust_sign(items: Sequence[tuple[int, Any]], numel: int, rule: str, weight
                 gone = {id(p) for (_, p), k in zip(pos, keep) if not k}
                 dropped.extend(i for i, (_, p) in enumerate(items) if id(p) in gone)
             v, _ = combine(kept, min(t_all, _median_int([n for n, _ in kept])))
-    block = pos[0][1].block_size
-    med = m_all if kept is pos else torch.minimum(m_all, median_rows(torch.stack([p.scales for _, p in kept])))
+    med = m_all if kept is pos else torch.minimum(m_all, median_active(torch.stack([p.scales for _, p in kept])))
     mag = med.repeat_interleave(block)[:numel]
     if rule == "vote":
         return torch.sign(v) * mag
