@@ -806,10 +806,13 @@ class PeerNode:
                  len(h), self.round, ppl if ppl is not None else float("nan"),
                  self.initial_ppl if self.initial_ppl is not None else float("nan"))
 
-    async def _refresh_live(self, live: dict, period_s: float = 0.25) -> None:
-        """Add newly seen live peers to ``live`` (peer_id -> record) every ``period_s`` until cancelled."""
-        while True:
-            await asyncio.sleep(period_s)
+    async def _refresh_live(self, live: dict, stop: asyncio.Event, period_s: float = 0.25) -> None:
+        """Add newly seen live peers to ``live`` (peer_id -> record) every ``period_s`` until ``stop`` is set.
+        Stopped by the event, not cancelled: a DHT lookup cancelled mid-flight leaves hivemind's
+        ``traverse_dht`` helper tasks pending ("Task was destroyed but it is pending!")."""
+        from geomesh_p2p.aio import wait_event
+
+        while not await wait_event(stop, period_s):
             try:
                 live.update({x.peer_id: x for x in await self.peers()})
             except Exception as e:  # a failed DHT read: keep the last view
@@ -867,7 +870,8 @@ class PeerNode:
         # plan that names this peer, it must serve its part and contribute (0 steps if stopping).
         # Keep the view of live peers fresh while plans are read: a peer that (re)joined just now may lead
         # a better-ranked plan, and refusing it as "not live" would split the round.
-        refresher = asyncio.ensure_future(self._refresh_live(live))
+        refresh_stop = asyncio.Event()
+        refresher = asyncio.ensure_future(self._refresh_live(live, refresh_stop))
         # Leader candidates: the established members, no-shows excepted (probation.leader_candidates), so
         # identities that only announce never lead and cost the take-over nothing.
         from geomesh_p2p.probation import leader_candidates
@@ -880,7 +884,7 @@ class PeerNode:
                                      accept=lambda p: self._plan_problem(p, live) or self._verified_plan_problem(p),
                                      candidates=candidates)
         finally:
-            refresher.cancel()
+            refresh_stop.set()  # the lookup under way finishes (bounded by the DHT's RPC timeouts)
             await asyncio.gather(refresher, return_exceptions=True)
         if plan is None:
             if not self._stop.is_set():
@@ -1012,6 +1016,15 @@ class PeerNode:
         from geomesh_p2p.planner import check_plan
 
         barred = [p for p, until in getattr(self, "_owner_penalty", {}).items() if until >= self.round]
+        # Penalties hold whoever leads (an adversarial review found a no-show leading and giving itself 64%
+        # of the model again): a leader this peer saw deliver nothing, or a part given to an owner whose
+        # part had no valid result, is refused; the next leader takes over.
+        noshows = self._noshows()
+        if plan.leader in noshows and plan.leader != self.me:
+            return f"its leader {plan.leader[:10]} contributed to no part recently (not planned until round {noshows[plan.leader]})"
+        owning = [pid for pid, _, _ in plan.owners() if pid in barred and pid != self.me]
+        if owning:
+            return f"it gives a part to {owning[0][:10]}, whose part had no valid result in a recent round"
         return check_plan(plan, live, self._plan_config(len(plan.assignments)), now=time.time(), barred=barred)
 
     async def _finish_round(self, r, plan, a, result, ar, t_round, t_compute_end, t_agg, sent0, recv0) -> set[str]:

@@ -43,7 +43,31 @@ def load_config_defaults(parser: argparse.ArgumentParser, path: str | None) -> d
         dest = str(key).replace("-", "_")
         if dest not in actions or dest in ("help", "config"):
             raise ConfigFileError(f"config file {p}: unknown option {key!r}")
-        if isinstance(actions[dest], argparse._AppendAction) and not isinstance(value, list):
+        action = actions[dest]
+        if isinstance(action, argparse._AppendAction) and not isinstance(value, list):
             value = [value]  # a repeatable flag given once: `bootstrap: host:port`
-        out[dest] = value
+        out[dest] = _checked(p, key, action, value)
     return out
+
+
+def _checked(path: Path, key, action: argparse.Action, value):
+    """``value`` from the file run through the option's own ``type`` and ``choices``, as the same flag on
+    the command line would be (ranges, types: a ``threads: -3`` fails here, not in the node)."""
+    def one(v):
+        if action.type is not None and v is not None:
+            text = ",".join(str(x) for x in v) if isinstance(v, list) else str(v)
+            try:
+                v = action.type(text)
+            except (argparse.ArgumentTypeError, ValueError, TypeError) as e:
+                raise ConfigFileError(f"config file {path}: {key}: {e}") from None
+        if action.choices is not None and v not in action.choices:
+            raise ConfigFileError(f"config file {path}: {key}: {v!r} is not one of {', '.join(map(str, action.choices))}")
+        return v
+
+    if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+        if not isinstance(value, bool):
+            raise ConfigFileError(f"config file {path}: {key}: expected true or false, got {value!r}")
+        return value
+    if isinstance(action, argparse._AppendAction):
+        return [one(v) for v in value]
+    return one(value)

@@ -76,6 +76,32 @@ def test_config_file_repeatable_flag_given_once(tmp_path):
     assert load_config_defaults(ap, str(cfg)) == {"bootstrap": ["a:1", "b:2"]}
 
 
+def test_config_file_values_get_the_flags_checks(tmp_path):
+    """A value from --config goes through the flag's own type and choices (found by an adversarial
+    review: `threads: -3` gave a traceback in the node, `port: 70000` listened on 4464)."""
+    import argparse
+
+    import pytest
+
+    from peer.config import ConfigFileError, load_config_defaults
+    from peer.node_cli import add_node_flags, add_run_flags
+
+    ap = argparse.ArgumentParser()
+    add_run_flags(ap)
+    add_node_flags(ap)
+    cfg = tmp_path / "c.yaml"
+    for text, expect in [("threads: -3", "threads: must be >= 1, got -3"), ("port: 70000", "port: must be in [0, 65535]"),
+                         ("rounds: -5", "rounds:"), ("quorum: 1.5", "quorum: must be in [0, 1], got 1.5"),
+                         ("aggregation: median", "aggregation: 'median' is not one of"),
+                         ("client_only: 3", "client_only: expected true or false")]:
+        cfg.write_text(text + "\n")
+        with pytest.raises(ConfigFileError, match=expect.replace("[", r"\[").replace("]", r"\]")):
+            load_config_defaults(ap, str(cfg))
+    cfg.write_text("threads: 2\nprofile_batches: [4, 8]\nquorum: 0.75\nclient_only: true\n")
+    assert load_config_defaults(ap, str(cfg)) == {"threads": 2, "profile_batches": [4, 8], "quorum": 0.75,
+                                                  "client_only": True}
+
+
 def test_help_lists_each_command_once_with_one_line(monkeypatch):
     from peer.cli import build_parser
 

@@ -495,3 +495,25 @@ def test_a_leader_may_bar_a_minority_of_owners_but_not_make_itself_sole_owner():
     sole = RoundPlan.model_validate({**plan.model_dump(), "assignments": [
         {**a.model_dump(), "part_start": 0, "part_end": 4000 if a.peer_id == "a" else 0} for a in plan.assignments]})
     assert "owns 4000 of 4000" in check_plan(sole, by_id(recs), cfg, now=T0)
+
+
+def test_penalties_hold_whoever_leads(monkeypatch):
+    """Adversarial review: a peer under a no-show / owner penalty led a round and gave itself 64% of the
+    model again. Followers now refuse such a plan (the next leader takes over)."""
+    from geomesh_p2p.node import NodeConfig, PeerNode, RunConfig
+
+    recs = [rec(x, 1000.0, up_mbit=100.0) for x in ("p0", "p1", "p2")]
+    cfg = PlanConfig(seq_len=8, target_batch=4, payload_bytes=1000, window_s=5.0, mode="relay")
+    plan = plan_round(recs, cfg, numel=3000, **KW)  # led by p0, which owns a part
+    node = PeerNode.__new__(PeerNode)
+    node.run_cfg, node.cfg, node.numel, node.round, node.me = RunConfig(seq_len=8, window_s=5.0), NodeConfig(), 3000, 5, "p1"
+    node._owner_penalty, node._noshow_penalty = {}, {"p0": 7}
+    live = by_id(recs)
+    monkeypatch.setattr("geomesh_p2p.probation.marking_problem", lambda *a, **k: None)
+    monkeypatch.setattr("geomesh_p2p.planner.check_plan", lambda *a, **k: None)
+    monkeypatch.setattr(time, "time", lambda: T0)
+    assert "its leader p0 contributed to no part recently" in node._plan_problem(plan, live)
+    node._noshow_penalty, node._owner_penalty = {}, {"p0": 9}
+    assert "it gives a part to p0, whose part had no valid result" in node._plan_problem(plan, live)
+    node._owner_penalty = {}
+    assert node._plan_problem(plan, live) is None
