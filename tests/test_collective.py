@@ -32,22 +32,6 @@ from tests.collective_util import RUN, Swarm, craft_contribution, deltas_for, pi
 pytestmark = pytest.mark.timeout(60)
 
 
-@pytest.fixture
-async def swarms():
-    made: list[Swarm] = []
-
-    async def make(n_servers, n_clients=0, **kw) -> Swarm:
-        s = Swarm(n_servers, n_clients, **kw)
-        made.append(s)
-        return await s.start()
-
-    try:
-        yield make
-    finally:
-        for s in made:
-            await s.stop()
-
-
 # --------------------------------------------------------------------------------- partition
 
 

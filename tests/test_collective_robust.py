@@ -23,22 +23,6 @@ pytestmark = pytest.mark.timeout(120)
 ROBUST = dict(rule="meanmed", weight_cap=1.0, min_agreement=0.5, quorum=0.5)
 
 
-@pytest.fixture
-async def swarms():
-    made: list[Swarm] = []
-
-    async def make(n_servers, n_clients=0, **kw) -> Swarm:
-        s = Swarm(n_servers, n_clients, **kw)
-        made.append(s)
-        return await s.start()
-
-    try:
-        yield make
-    finally:
-        for s in made:
-            await s.stop()
-
-
 def _honest_deltas(pids, numel, seed=0):
     g = torch.Generator().manual_seed(seed)
     base = torch.randn(numel, generator=g)

@@ -206,22 +206,6 @@ def test_the_quorum_counts_established_participants_and_their_contributions_only
     assert _spec(many, probation=many[3:]).quorum_count() == 2
 
 
-@pytest.fixture
-async def swarms():
-    made = []
-
-    async def make(*a, **kw):
-        s = Swarm(*a, **kw)
-        made.append(s)
-        return await s.start()
-
-    try:
-        yield make
-    finally:
-        for s in made:
-            await s.stop()
-
-
 async def test_owners_close_parts_a_grace_after_the_established_pushed_not_at_the_deadline(swarms):
     sw = await swarms(3, n_clients=1)  # the client is on probation and never pushes
     pids = sw.pids
