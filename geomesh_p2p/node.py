@@ -179,6 +179,10 @@ class NodeConfig(BaseModel):
 IDENTITY_PING_TIMEOUT_S = 3.0
 
 
+class StoppedBeforeJoining(Exception):
+    """Ctrl+C / SIGTERM arrived while the node was still joining the DHT (a clean stop, exit 0)."""
+
+
 class DuplicateIdentityError(UserFacingError):
     """Another live process runs this PeerID (the same --identity key file)."""
 
@@ -300,7 +304,19 @@ class PeerNode:
         LinkProbeService(self.transport)
         address = await self.transport.start()
         log.info("peer %s serving on %s", self.identity.peer_id.short(), address or "(client-only)")
-        await self.dht.join(c.bootstrap)
+        # Ctrl+C during the join's retries ends the node at once (not after the last backoff, ~30 s).
+        join = asyncio.ensure_future(self.dht.join(c.bootstrap))
+        stopped = asyncio.ensure_future(self._stop.wait())
+        try:
+            await asyncio.wait({join, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopped.cancel()
+            if not join.done():
+                join.cancel()
+            await asyncio.gather(stopped, join, return_exceptions=True)
+        if join.cancelled():
+            raise StoppedBeforeJoining("stop requested while joining the DHT")
+        join.result()
         # Refuse an incompatible run config now, before spending half a minute on data and profiling.
         await self._check_swarm(self._placeholder_record())
         await self._check_identity_unique()
@@ -763,7 +779,11 @@ class PeerNode:
         from geomesh_p2p.state_sync import StateSyncError
 
         try:
-            await self.start()
+            try:
+                await self.start()
+            except StoppedBeforeJoining:
+                log.info("stop requested before this peer joined the swarm: leaving")
+                return 0
             await self._initial_state()
             self.announcer.start()
             self.initial_ppl = await asyncio.to_thread(self.trainer.evaluate, max_batches=self.cfg.eval_batches)

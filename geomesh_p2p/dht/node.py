@@ -707,7 +707,10 @@ class DHTNode:
                     errors[a] = str(r)
             if definitive or attempt == attempts - 1:
                 break
-            await asyncio.sleep(delay * random.uniform(0.8, 1.2))
+            wait = delay * random.uniform(0.8, 1.2)
+            log.info("no bootstrap answered yet (%s); retrying in %.1f s (attempt %d of %d)",
+                     "; ".join(f"{a}: {e}" for a, e in errors.items()), wait, attempt + 1, attempts)
+            await asyncio.sleep(wait)
             delay = min(delay * 2, 8.0)
         if not ok:
             detail = "; ".join(f"{a}: {e}" for a, e in errors.items())
