@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tests.collective_util import Swarm
+from tests.swarm_util import ProcSwarm
 
 
 @pytest.fixture
@@ -23,3 +24,14 @@ async def swarms():
     finally:
         for s in made:
             await s.stop()
+
+
+@pytest.fixture
+def swarm(tmp_path):
+    """A :class:`ProcSwarm` of peer processes in ``tmp_path``; every process it started is stopped in
+    teardown (SIGINT, then SIGKILL), also when the test fails. Modules with their own ``swarm`` override it."""
+    s = ProcSwarm(tmp_path)
+    try:
+        yield s
+    finally:
+        s.stop_all()

@@ -14,15 +14,6 @@ from tests.swarm_util import ProcSwarm, free_port
 pytestmark = pytest.mark.timeout(480)
 
 
-@pytest.fixture
-def swarm(tmp_path):
-    s = ProcSwarm(tmp_path)
-    try:
-        yield s
-    finally:
-        s.stop_all()
-
-
 def _digest(swarm, name, r):
     return next(x["digest"] for x in swarm.rows(name) if x["round"] == r)
 

@@ -35,15 +35,6 @@ SYBIL_FROM_ROUND = 3
 pytestmark = pytest.mark.timeout(240)
 
 
-@pytest.fixture
-def swarm(tmp_path):
-    s = ProcSwarm(tmp_path)
-    try:
-        yield s
-    finally:
-        s.stop_all()
-
-
 def test_thirty_sybil_identities_that_never_take_part_do_not_slow_or_split_the_honest_peers(swarm):
     port = free_port()
     entry = f"127.0.0.1:{port}"
