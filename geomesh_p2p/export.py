@@ -93,7 +93,7 @@ def list_checkpoint_info(directory: str | os.PathLike, verify: bool = False) -> 
 def load_checkpoint(directory: str | os.PathLike, round: Optional[int] = None):
     """``(round, theta, momentum, record)`` of the checkpoint of ``round`` (default: the newest) in
     ``directory``; the digest of the tensors is checked against the metadata. Raises ExportError."""
-    from geomesh_p2p.state import CKPT_FORMAT, digest, list_checkpoints
+    from geomesh_p2p.state import CheckpointError, digest, list_checkpoints, read_checkpoint_files
 
     d = Path(directory).expanduser()
     if not d.is_dir():
@@ -107,18 +107,9 @@ def load_checkpoint(directory: str | os.PathLike, round: Optional[int] = None):
         raise ExportError(f"{d}: no checkpoint of round {round} (rounds: {', '.join(map(str, sorted(found)))})")
     meta_path = found[round]
     try:
-        record = json.loads(meta_path.read_text(encoding="utf-8"))
-        if not isinstance(record, dict) or record.get("format") != CKPT_FORMAT:
-            raise ValueError("not a geomesh checkpoint record")
-    except (OSError, ValueError) as e:
-        raise ExportError(f"corrupt checkpoint metadata {meta_path}: {_one_line(e)}") from None
-    wpath = meta_path.parent / str(record.get("weights", meta_path.stem + ".safetensors"))
-    try:
-        from safetensors.torch import load_file
-
-        tensors = load_file(str(wpath))
-    except Exception as e:
-        raise ExportError(f"corrupt or missing checkpoint weights {wpath}: {_one_line(e)}") from None
+        record, tensors, wpath = read_checkpoint_files(meta_path)
+    except CheckpointError as e:
+        raise ExportError(str(e).splitlines()[0]) from None
     theta, momentum = tensors.get("theta"), tensors.get("momentum")
     if theta is None or theta.dtype != torch.float32 or theta.dim() != 1 or theta.numel() == 0:
         raise ExportError(f"corrupt checkpoint weights {wpath}: no fp32 'theta' vector")

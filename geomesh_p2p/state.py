@@ -116,6 +116,29 @@ def list_checkpoints(directory: str | os.PathLike) -> list[tuple[int, Path]]:
     return sorted(out)
 
 
+def read_checkpoint_files(meta_path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], Path]:
+    """Read one checkpoint's JSON record and its safetensors file: ``(record, tensors, weights path)``.
+
+    Raises:
+        CheckpointError: one line naming the file: unreadable or foreign JSON, missing or corrupt weights.
+    """
+    from safetensors.torch import load_file
+
+    try:
+        record = json.loads(meta_path.read_text(encoding="utf-8"))
+        if not isinstance(record, dict) or record.get("format") != CKPT_FORMAT:
+            raise ValueError("not a geomesh checkpoint record")
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"corrupt checkpoint metadata {meta_path}: {e}") from None
+    wpath = meta_path.parent / str(record.get("weights", meta_path.stem + ".safetensors"))
+    try:
+        tensors = load_file(str(wpath))
+    except Exception as e:
+        raise CheckpointError(f"corrupt or missing checkpoint weights {wpath}: "
+                              f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+    return record, tensors, wpath
+
+
 def save_checkpoint(directory: str | os.PathLike, *, round: int, theta: torch.Tensor,
                     momentum: torch.Tensor | None, meta: dict[str, Any] | None = None,
                     keep: int = 3) -> Path:
@@ -200,24 +223,11 @@ def load_latest_checkpoint(directory: str | os.PathLike
             or its digest does not match the stored one (bit rot, truncation, tampering).
             Older checkpoints are not tried silently; the message names the file.
     """
-    from safetensors.torch import load_file
-
     ckpts = list_checkpoints(directory)
     if not ckpts:
         return None
     rnd, meta_path = ckpts[-1]
-    try:
-        record = json.loads(meta_path.read_text(encoding="utf-8"))
-        if not isinstance(record, dict) or record.get("format") != CKPT_FORMAT:
-            raise ValueError("not a geomesh checkpoint record")
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"corrupt checkpoint metadata {meta_path}: {e}") from None
-    wpath = meta_path.parent / str(record.get("weights", meta_path.stem + ".safetensors"))
-    try:
-        tensors = load_file(str(wpath))
-    except Exception as e:
-        raise CheckpointError(f"corrupt or missing checkpoint weights {wpath}: "
-                              f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+    record, tensors, wpath = read_checkpoint_files(meta_path)
     theta = tensors.get("theta")
     momentum = tensors.get("momentum")
     if theta is None or theta.dtype != torch.float32 or theta.dim() != 1 or theta.numel() == 0 or (
