@@ -52,15 +52,16 @@ def encoded_nbytes(kind: str, numel: int, block_size: int, *, header: bool = Tru
     * ``"int8"``: ``32 + P + 4 * ceil(P/B)``;
     * ``"fp16"``: ``32 + 2 * P`` (no blocks).
 
-    ``header=False`` leaves the 32-byte codec header out (the payload alone). ``numel <= 0`` gives 0
-    (no part, no message). Raises ValueError for an unknown ``kind`` or ``block_size`` < 1.
+    ``header=False`` leaves the 32-byte codec header out (the payload alone); an empty packet
+    (``numel == 0``) is its header alone. Raises ValueError for an unknown ``kind``, ``numel`` < 0
+    or ``block_size`` < 1.
     """
     if kind not in ENCODINGS:
         raise ValueError(f"unknown encoding {kind!r} ({', '.join(ENCODINGS)})")
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
-    if numel <= 0:
-        return 0
+    if numel < 0:
+        raise ValueError(f"numel must be >= 0, got {numel}")
     if kind == "fp32":
         return 4 * numel
     head = CODEC_HEADER_BYTES if header else 0

@@ -85,6 +85,7 @@ from typing import Callable, Collection, Literal, Mapping, Optional, Sequence
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from geomesh_p2p import method as _method
 from geomesh_p2p.records import PeerRecord
 
 logger = logging.getLogger(__name__)
@@ -94,8 +95,9 @@ PLAN_SCHEMA_VERSION = 1
 Method = Literal["geomesh", "awb", "diloco", "css", "ddp"]
 Mode = Literal["relay", "reencode"]
 
-#: methods planned with AWB; the others get the uniform plan (ddp with one inner step per round)
-BALANCED_METHODS = frozenset({"geomesh", "awb"})
+#: methods planned with AWB; the others get the uniform plan (ddp with one inner step per round).
+#: Re-exported from :mod:`geomesh_p2p.method`, where every method's rule lives.
+BALANCED_METHODS = _method.BALANCED_METHODS
 
 _STEP_EPS = 1e-9  # relative slack so that T = c + k*s computed in floats still yields k steps
 _MAX_BREAKPOINTS_PER_PEER = 1000
@@ -624,58 +626,53 @@ def _cap_sizes(sizes: list[int], weights: list[float], cap: int) -> list[int]:
     raise AssertionError(f"could not cap parts at {cap} units: {sizes}")  # unreachable when cap*n >= total
 
 
-def partition(
-    numel: int, owners: Sequence[PeerRecord], *, align: int = 1, min_size: int = 0, equal: bool = False
-) -> list[tuple[str, int, int]]:
-    """Split ``[0, numel)`` into contiguous parts, one per peer, in peer_id order.
+def part_sizes(numel: int, bandwidths: Sequence[Optional[float]], *, align: int = 1, min_size: int = 0,
+               equal: bool = False) -> list[int]:
+    """THE partition rule (the planner's :func:`partition` and the collective's ``make_partition``
+    both call it): how many elements of ``[0, numel)`` each peer gets, in the order given.
 
-    Peers that accept connections get parts sized by their bandwidth (``min(upload_bps,
-    download_bps)``, bytes/s) with hivemind's ``load_balance_peers`` (which may give a slow peer
-    nothing); client-only peers (``address is None``) get an empty part. ``equal=True`` splits
-    equally among the owners instead (the uniform baseline). Parts are multiples of ``align``
-    elements except the last non-empty one. No owner gets more than :func:`max_owner_units` units
-    (about ``OWNER_SHARE_FACTOR / n`` of the vector, n = peers that accept connections): the excess
-    goes to the others in proportion to bandwidth. Returns ``[(peer_id, start, end)]`` for every peer
-    given, sorted by peer_id; the non-empty parts tile ``[0, numel)`` exactly.
+    ``bandwidths[i]``: peer i's bandwidth (bytes/s, any common unit: only ratios matter); ``0`` =
+    client-only (gets nothing); ``None`` = unknown (the mean of the positive ones; all unknown:
+    equal shares). Sizes come from hivemind's ``load_balance_peers`` (which may give a slow peer
+    nothing; a failure falls back to shares in proportion to bandwidth), or equal shares with
+    ``equal=True``. Every size is a multiple of ``align`` elements except the last non-empty one;
+    ``min_size``: a peer that would get fewer elements gets none (load_balance_peers' rule). No
+    peer gets more than :func:`max_owner_units` units: the excess goes to the others in proportion
+    to bandwidth. The sizes sum to ``numel``.
 
-    Raises ValueError for ``numel < 0``, no peers, duplicate peer ids, a non-positive bandwidth, or
-    no peer that accepts connections (someone must own the parts).
+    Raises ValueError for ``numel < 0``, ``align < 1``, no peers, a negative or non-finite
+    bandwidth, or no peer with a positive (or unknown) bandwidth.
     """
     if numel < 0:
         raise ValueError(f"numel={numel} must be >= 0")
     if align < 1:
         raise ValueError(f"align={align} must be >= 1")
-    if not owners:
+    if not bandwidths:
         raise ValueError("no peers to partition among")
-    recs = sorted(owners, key=lambda r: r.peer_id)
-    ids = [r.peer_id for r in recs]
-    if len(set(ids)) != len(ids):
-        raise ValueError("duplicate peer_id in partition input")
-    for r in recs:
-        for field in ("upload_bps", "download_bps"):
-            v = getattr(r, field)
-            if not (math.isfinite(v) and v > 0):
-                raise ValueError(f"peer {r.peer_id}: {field}={v} must be a positive finite bandwidth (bytes/s)")
-    bw = [0.0 if r.client_only else float(min(r.upload_bps, r.download_bps)) for r in recs]
+    if any(b is not None and not (math.isfinite(b) and b >= 0) for b in bandwidths):
+        raise ValueError(f"bandwidths must be finite and >= 0, got {list(bandwidths)}")
+    known = [float(b) for b in bandwidths if b is not None and b > 0]
+    unknown = known and sum(known) / len(known) or 1.0
+    bw = [unknown if b is None else float(b) for b in bandwidths]
     n_owners = sum(1 for b in bw if b > 0)
     if n_owners == 0:
         raise ValueError("no peer accepts connections (all client-only): nobody can own a part")
 
     units = -(-numel // align)
     if units == 0:
-        sizes = [0] * len(recs)
+        sizes = [0] * len(bw)
     elif equal:
         sizes = _proportional(units, [1.0 if b > 0 else 0.0 for b in bw])
     elif n_owners == 1:
         sizes = [units if b > 0 else 0 for b in bw]
     else:
         try:
-            sizes = list(_hivemind_load_balance(units, bw, min_size // align if min_size else 0))
+            sizes = list(_hivemind_load_balance(units, bw, -(-min_size // align) if min_size else 0))
         except Exception as e:  # noqa: BLE001 - a solver failure must not stop the round
             logger.warning("load_balance_peers failed (%s); splitting in proportion to bandwidth", e)
             sizes = []
         if (
-            len(sizes) != len(recs)
+            len(sizes) != len(bw)
             or sum(sizes) != units
             or any(x < 0 for x in sizes)
             or any(x > 0 for x, b in zip(sizes, bw) if b == 0)
@@ -692,6 +689,38 @@ def partition(
     if excess:
         last = max(i for i, x in enumerate(sizes) if x > 0)
         sizes[last] -= excess  # excess < align <= sizes[last]
+    return sizes
+
+
+def partition(
+    numel: int, owners: Sequence[PeerRecord], *, align: int = 1, min_size: int = 0, equal: bool = False
+) -> list[tuple[str, int, int]]:
+    """Split ``[0, numel)`` into contiguous parts, one per peer, in peer_id order, by :func:`part_sizes`.
+
+    Peers that accept connections get parts sized by their bandwidth (``min(upload_bps,
+    download_bps)``, bytes/s); client-only peers (``address is None``) get an empty part.
+    ``equal=True`` splits equally among the owners instead (the uniform baseline). Returns
+    ``[(peer_id, start, end)]`` for every peer given, sorted by peer_id; the non-empty parts tile
+    ``[0, numel)`` exactly.
+
+    Raises ValueError for ``numel < 0``, no peers, duplicate peer ids, a non-positive bandwidth, or
+    no peer that accepts connections (someone must own the parts).
+    """
+    if numel < 0:
+        raise ValueError(f"numel={numel} must be >= 0")
+    if not owners:
+        raise ValueError("no peers to partition among")
+    recs = sorted(owners, key=lambda r: r.peer_id)
+    ids = [r.peer_id for r in recs]
+    if len(set(ids)) != len(ids):
+        raise ValueError("duplicate peer_id in partition input")
+    for r in recs:
+        for field in ("upload_bps", "download_bps"):
+            v = getattr(r, field)
+            if not (math.isfinite(v) and v > 0):
+                raise ValueError(f"peer {r.peer_id}: {field}={v} must be a positive finite bandwidth (bytes/s)")
+    bw = [0.0 if r.client_only else float(min(r.upload_bps, r.download_bps)) for r in recs]
+    sizes = part_sizes(numel, bw, align=align, min_size=min_size, equal=equal)
     out, pos = [], 0
     for r, size in zip(recs, sizes):
         out.append((r.peer_id, pos, pos + size))
@@ -931,12 +960,16 @@ def make_plan(records: Sequence[PeerRecord], cfg: PlanConfig, **kwargs) -> Round
     :func:`plan_uniform`; ``ddp`` -> :func:`plan_uniform` with one inner step (a sync every step).
     Keyword arguments as for :func:`plan_round` (``supported_tokens_per_s`` is used by AWB only:
     uniform plans give every peer the same steps)."""
-    if cfg.method in BALANCED_METHODS:
+    rule = _method_rule(cfg)
+    if rule.balanced:
         return plan_round(records, cfg, **kwargs)
     kwargs.pop("supported_tokens_per_s", None)
-    if cfg.method == "ddp":
-        return plan_uniform(records, cfg, inner_steps=1, **kwargs)
-    return plan_uniform(records, cfg, **kwargs)
+    return plan_uniform(records, cfg, inner_steps=rule.uniform_inner_steps, **kwargs)
+
+
+def _method_rule(cfg: PlanConfig) -> "_method.MethodRule":
+    """The :class:`~geomesh_p2p.method.MethodRule` of ``cfg.method`` (balanced or not, uniform steps)."""
+    return _method.MethodRule.of(cfg.method, mode=cfg.mode, uniform_inner_steps=cfg.uniform_inner_steps)
 
 
 def reference_window(records: Sequence[PeerRecord], cfg: PlanConfig) -> float:
@@ -944,11 +977,12 @@ def reference_window(records: Sequence[PeerRecord], cfg: PlanConfig) -> float:
     :func:`make_plan` would choose (claims bounded by :func:`bound_records`). Raises ValueError like
     :func:`plan_round` for records it cannot plan."""
     recs = bound_records(_check_records(records))
-    if cfg.method in BALANCED_METHODS:
+    rule = _method_rule(cfg)
+    if rule.balanced:
         models = [_PeerModel(r, cfg, best_micro_batch(r)) for r in recs]
         s, c = _step_and_comm(models)
         return _choose_window(s, c, np.array([m.batch * cfg.seq_len for m in models], dtype=np.int64), cfg)
-    H = 1 if cfg.method == "ddp" else cfg.uniform_inner_steps
+    H = rule.uniform_inner_steps
     micro = min(cfg.target_batch, min(r.max_batch for r in recs))
     return max(H * m.step_s + m.comm_s for m in (_PeerModel(r, cfg, micro) for r in recs))
 
@@ -999,8 +1033,8 @@ def check_plan(plan: RoundPlan, records: Mapping[str, PeerRecord], cfg: PlanConf
         return f"its participants' records cannot be planned ({e})"
     by_id = {r.peer_id: r for r in bound_records(recs)}
     seq = cfg.seq_len
-    balanced = cfg.method in BALANCED_METHODS
-    uniform_H = 1 if cfg.method == "ddp" else cfg.uniform_inner_steps
+    rule = _method_rule(cfg)
+    balanced, uniform_H = rule.balanced, rule.uniform_inner_steps
     uniform_micro = min(cfg.target_batch, min(r.max_batch for r in by_id.values()))
     for a in plan.assignments:
         r, who = by_id[a.peer_id], a.peer_id[:10]

@@ -1,5 +1,7 @@
 """MethodRule (geomesh_p2p.method): what each method implies, with real values; the one codec-size formula."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -26,7 +28,7 @@ def test_rule_of_every_method(method, compressed, push, agg, balanced, steps, ru
     assert (m.balanced, m.uniform_inner_steps, m.rule, m.part_align, m.block_size) == (balanced, steps, rule, align, 1024)
     assert (m.outer_state_slots, m.exchanges_gradient) == (slots, grad)
     assert m.balanced == (method in BALANCED_METHODS)
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         m.method = "css"  # frozen
 
 
@@ -49,7 +51,7 @@ def test_payload_bytes_per_method():
         assert MethodRule.of(m, block_size=B).payload_bytes(P, 5) == 8 * P
 
 
-@pytest.mark.parametrize("numel", [1, 7, 8, 9, 1000, 2048, 2049, 5000, 65537])
+@pytest.mark.parametrize("numel", [0, 1, 7, 8, 9, 1000, 2048, 2049, 5000, 65537])
 @pytest.mark.parametrize("block", [1, 3, 64, 256, 2048])
 def test_encoded_nbytes_is_the_length_of_real_encoded_bytes(numel, block):
     v = torch.randn(numel, generator=torch.Generator().manual_seed(numel + block))
@@ -61,7 +63,9 @@ def test_encoded_nbytes_is_the_length_of_real_encoded_bytes(numel, block):
 
 
 def test_encoded_nbytes_edges_and_per_element():
-    assert encoded_nbytes("sign", 0, 256) == 0
+    assert encoded_nbytes("sign", 0, 256) == 32 and encoded_nbytes("fp32", 0, 256) == 0
+    with pytest.raises(ValueError, match="numel"):
+        encoded_nbytes("sign", -1, 256)
     with pytest.raises(ValueError, match="unknown encoding"):
         encoded_nbytes("bf16", 10, 256)
     assert bytes_per_element("sign", 2048) == 0.125 + 4 / 2048

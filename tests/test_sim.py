@@ -47,7 +47,7 @@ def test_encoded_sizes_match_the_codec():
     assert encoded_nbytes("int8", 5000, 256) == compression.encode_int8(v, 256, 3).nbytes()
     assert encoded_nbytes("fp16", 5000, 256) == compression.encode_fp16(v, 3).nbytes()
     assert encoded_nbytes("fp32", 5000, 256) == 20000
-    assert encoded_nbytes("sign", 0, 256) == 0
+    assert encoded_nbytes("sign", 0, 256) == compression.encode(torch.zeros(0), 256, 3).nbytes() == 32
 
 
 def test_exchange_bytes_two_peers_and_relay_growth():

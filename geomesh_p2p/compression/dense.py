@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from geomesh_p2p.method import encoded_nbytes
+
 from ._format import (
     DEFAULT_BLOCK_SIZE,
     HEADER_SIZE,
@@ -90,7 +92,7 @@ class Int8Packet:
 
     def nbytes(self) -> int:
         """Exact size of :meth:`to_bytes`: ``32 + 4*ceil(P/B) + P`` bytes."""
-        return HEADER_SIZE + 4 * ceil_div(self.numel, self.block_size) + self.numel
+        return encoded_nbytes("int8", self.numel, self.block_size)  # the one codec-size formula
 
     def to_bytes(self) -> bytes:
         return b"".join(
@@ -144,7 +146,7 @@ class Fp16Packet:
 
     def nbytes(self) -> int:
         """Exact size of :meth:`to_bytes`: ``32 + 2*P`` bytes."""
-        return HEADER_SIZE + 2 * self.numel
+        return encoded_nbytes("fp16", self.numel, 1)  # the one codec-size formula (no blocks)
 
     def to_bytes(self) -> bytes:
         return pack_header(KIND_FP16, self.numel, 0, self.tokens) + tensor_bytes(self.values, "<f2")

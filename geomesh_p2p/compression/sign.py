@@ -38,6 +38,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from geomesh_p2p.method import encoded_nbytes
+
 from ._format import (
     DEFAULT_BLOCK_SIZE,
     HEADER_SIZE,
@@ -78,8 +80,9 @@ _GATHER = 0x0102040810204080
 
 
 def sign_payload_nbytes(numel: int, block_size: int = DEFAULT_BLOCK_SIZE) -> int:
-    """Payload bytes of a sign packet: ``ceil(P/8) + 4 * ceil(P/B)`` (header not included)."""
-    return ceil_div(numel, 8) + 4 * ceil_div(numel, block_size)
+    """Payload bytes of a sign packet: ``ceil(P/8) + 4 * ceil(P/B)`` (header not included;
+    ``geomesh_p2p.method.encoded_nbytes``, the one codec-size formula)."""
+    return encoded_nbytes("sign", numel, block_size, header=False)
 
 
 @dataclass(frozen=True)
@@ -123,7 +126,7 @@ class SignPacket:
 
     def nbytes(self) -> int:
         """Exact size of :meth:`to_bytes` in bytes: ``32 + ceil(P/8) + 4 * ceil(P/B)``."""
-        return HEADER_SIZE + sign_payload_nbytes(self.numel, self.block_size)
+        return encoded_nbytes("sign", self.numel, self.block_size)
 
     def to_bytes(self) -> bytes:
         """Serialize: header (kind 1), fp32 LE scales, packed signs. See the module doc."""

@@ -29,6 +29,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from geomesh_p2p.method import MethodRule
 from geomesh_p2p.planner import PlanConfig, RoundPlan, partition, plan_round, plan_uniform
 from geomesh_p2p.records import PeerRecord
 from geomesh_p2p.sim.clock import ExchangeBytes, Link, RoundTiming, charge_round, exchange_bytes
@@ -136,9 +137,9 @@ class Charger:
         """The plan of ``spec`` (ddp: uniform with H = 1; async: the uniform plan)."""
         if spec.balanced:
             return self.balanced_plan(spec, records)
-        if spec.base == "ddp":
-            return self.uniform_plan(spec, "ddp", records, inner_steps=1)
-        return self.uniform_plan(spec, "diloco" if spec.base == "async" else spec.base, records)
+        base = "diloco" if spec.base == "async" else spec.base
+        rule = MethodRule.of(base, uniform_inner_steps=self.profile.plan.inner_steps)
+        return self.uniform_plan(spec, base, records, inner_steps=rule.uniform_inner_steps)
 
     def records(self, factors: Sequence[float]) -> list[PeerRecord]:
         """Records announcing re-profiled speeds (``factors`` x the nominal throughput)."""

@@ -46,29 +46,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
+# The one codec-size formula (pure Python, no torch): the codec's packets, the collective's part
+# limits and the planner's payload estimate use it too. Re-exported here for the simulator's users.
+from geomesh_p2p.method import CODEC_HEADER_BYTES as HEADER_BYTES
+from geomesh_p2p.method import encoded_nbytes
+
 __all__ = ["HEADER_BYTES", "encoded_nbytes", "ExchangeBytes", "exchange_bytes", "Link", "RoundTiming",
            "charge_round", "collective_end_times", "async_exchange_s"]
-
-HEADER_BYTES = 32  # geomesh_p2p.compression.HEADER_SIZE (kept here so this module imports nothing heavy)
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def encoded_nbytes(kind: str, numel: int, block_size: int) -> int:
-    """Bytes of ``numel`` elements encoded as ``kind`` in {"fp32", "sign", "int8", "fp16"} (0 for 0)."""
-    if numel <= 0:
-        return 0
-    if kind == "fp32":
-        return 4 * numel
-    if kind == "sign":
-        return HEADER_BYTES + _ceil_div(numel, 8) + 4 * _ceil_div(numel, block_size)
-    if kind == "int8":
-        return HEADER_BYTES + numel + 4 * _ceil_div(numel, block_size)
-    if kind == "fp16":
-        return HEADER_BYTES + 2 * numel
-    raise ValueError(f"unknown encoding {kind!r} (fp32, sign, int8, fp16)")
 
 
 @dataclass(frozen=True)
@@ -102,8 +86,9 @@ def exchange_bytes(part_elems: Sequence[int], *, contribution: str, aggregate: s
     if mode not in ("relay", "reencode"):
         raise ValueError(f"unknown mode {mode!r} (relay, reencode)")
     n = len(part_elems)
-    c = [encoded_nbytes(contribution, e, block_size) for e in part_elems]
-    a = [encoded_nbytes(aggregate, e, block_size) for e in part_elems]
+    # a peer that owns nothing (e == 0) is sent no message about it
+    c = [encoded_nbytes(contribution, e, block_size) if e > 0 else 0 for e in part_elems]
+    a = [encoded_nbytes(aggregate, e, block_size) if e > 0 else 0 for e in part_elems]
     total_c = sum(c)
     push_up = [total_c - c[i] for i in range(n)]
     push_down = [(n - 1) * c[j] for j in range(n)]
