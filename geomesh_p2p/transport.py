@@ -95,6 +95,11 @@ UnaryHandler = Callable[[Verified, grpc.aio.ServicerContext], Awaitable[bytes]]
 StreamHandler = Callable[[Verified, grpc.aio.ServicerContext], AsyncIterator[bytes]]
 
 
+#: Payloads over this many bytes are hashed, signed or verified, and encoded, in a worker thread
+#: (issue 13): SHA-256 of 1 MiB takes ~1 ms; of a 100 MiB part, ~0.1-0.5 s of a stalled loop.
+BIG_PAYLOAD_BYTES = 1 << 20
+
+
 class _Request:
     """A request SignedMessage split by :func:`_split_request`: ``envelope`` parsed by protobuf (it is
     small), ``payload`` one ``bytes`` slice of the received buffer. It offers what
@@ -656,9 +661,21 @@ class Transport:
         })
         return list(opts.items())
 
-    def _sign_reply(self, request: Verified, method: str, payload: bytes) -> SignedMessage:
-        return self.identity.sign_message(run_id=self.run_id, round=request.round,
-                                          kind=method + RESPONSE_SUFFIX, payload=payload)
+    def _sign_encode(self, *, round: int, kind: str, payload: bytes) -> bytes:
+        """Sign ``payload`` (its SHA-256 is computed once, in :meth:`Identity.sign_message`) and encode
+        the SignedMessage: the bytes sent on the wire (same format as protobuf's serializer)."""
+        return self.identity.sign_message(run_id=self.run_id, round=round, kind=kind,
+                                          payload=payload).SerializeToString()
+
+    async def _signed(self, *, round: int, kind: str, payload: bytes) -> bytes:
+        """:meth:`_sign_encode`, in a worker thread for a payload over 1 MiB: hashing and encoding
+        100 MiB takes ~0.1-0.5 s, which would stall every other call on this event loop."""
+        if len(payload) > BIG_PAYLOAD_BYTES:
+            return await asyncio.to_thread(self._sign_encode, round=round, kind=kind, payload=payload)
+        return self._sign_encode(round=round, kind=kind, payload=payload)
+
+    async def _sign_reply(self, request: Verified, method: str, payload: bytes) -> bytes:
+        return await self._signed(round=request.round, kind=method + RESPONSE_SUFFIX, payload=payload)
 
     async def _receive(self, method: str, context) -> tuple[Verified, Optional[tuple]]:
         """Admit, read and verify the one request message of a call (see :class:`_Guard`). Returns the
@@ -724,7 +741,7 @@ class Transport:
         ordinary unary calls (the wire is the same): the handler then runs *before* the request is
         received, so it can queue or refuse it first (see :class:`_Guard`), and reads it itself."""
         by_service: dict[str, dict[str, grpc.RpcMethodHandler]] = {}
-        ser = SignedMessage.SerializeToString
+        ser = None  # replies are signed and encoded by _sign_reply (in a thread when big): bytes as they are
 
         for method, h in self._unary.items():
             async def unary(request_iterator, context, _h=h, _m=method):
@@ -742,8 +759,8 @@ class Transport:
                     self.stats.rejected += 1
                     verified = payload = None
                     await context.abort(*refusal)
-                reply = self._sign_reply(verified, _m, payload)
-                self.stats.add(_m, reply.ByteSize(), 0)
+                reply = await self._sign_reply(verified, _m, payload)
+                self.stats.add(_m, len(reply), 0)
                 return reply
 
             de = _sized_parser(lambda _m=method: self.payload_limit(_m) + ENVELOPE_OVERHEAD)
@@ -763,8 +780,8 @@ class Transport:
                 refusal = None
                 try:
                     async for payload in gen:
-                        reply = self._sign_reply(verified, _m, payload)
-                        self.stats.add(_m, reply.ByteSize(), 0)
+                        reply = await self._sign_reply(verified, _m, payload)
+                        self.stats.add(_m, len(reply), 0)
                         await context.write(reply)
                 except EnvelopeError as err:
                     refusal = (err.code, err.reason)
@@ -831,8 +848,12 @@ class Transport:
             self._channels.move_to_end(address)
         return ch
 
-    def _check_reply(self, address: str, method: str, reply: SignedMessage) -> Verified:
+    async def _check_reply(self, address: str, method: str, reply) -> Verified:
+        """Verify a reply (split by :func:`_split_request`: its payload is read once, not copied by
+        protobuf); in a worker thread when it is over 1 MiB (hashing it would stall the loop)."""
         try:
+            if reply.ByteSize() > BIG_PAYLOAD_BYTES:
+                return await asyncio.to_thread(self.verifier.verify, reply, kind=method + RESPONSE_SUFFIX)
             return self.verifier.verify(reply, kind=method + RESPONSE_SUFFIX)
         except EnvelopeError as err:
             raise RpcError(address, method, err.code, f"reply refused: {err.reason}") from None
@@ -845,34 +866,32 @@ class Transport:
         """
         if self._closed:
             raise RpcError(address, method, grpc.StatusCode.CANCELLED, "transport is closed")
-        request = self.identity.sign_message(run_id=self.run_id, round=round, kind=method, payload=payload)
+        request = await self._signed(round=round, kind=method, payload=payload)
         if self.config.added_latency_s > 0:
             await asyncio.sleep(self.config.added_latency_s)
-        mc = self._channel(address).unary_unary(
-            method, request_serializer=SignedMessage.SerializeToString, response_deserializer=SignedMessage.FromString)
+        mc = self._channel(address).unary_unary(method, request_serializer=None, response_deserializer=_split_request)
         try:
             reply = await mc(request, timeout=timeout or self.config.default_timeout_s)
         except grpc.aio.AioRpcError as e:
-            self.stats.add(method, request.ByteSize(), 0)
+            self.stats.add(method, len(request), 0)
             raise RpcError(address, method, e.code(), e.details() or "") from None
         self.stats.calls += 1
-        self.stats.add(method, request.ByteSize(), reply.ByteSize())
-        return self._check_reply(address, method, reply)
+        self.stats.add(method, len(request), reply.ByteSize())
+        return await self._check_reply(address, method, reply)
 
     async def call_stream(self, address: str, method: str, payload: bytes, *, round: int = 0,
                           timeout: Optional[float] = None) -> AsyncIterator[Verified]:
         """Server-streaming call; yields each verified reply. Same errors as :meth:`call`."""
-        request = self.identity.sign_message(run_id=self.run_id, round=round, kind=method, payload=payload)
+        request = await self._signed(round=round, kind=method, payload=payload)
         if self.config.added_latency_s > 0:
             await asyncio.sleep(self.config.added_latency_s)
-        mc = self._channel(address).unary_stream(
-            method, request_serializer=SignedMessage.SerializeToString, response_deserializer=SignedMessage.FromString)
+        mc = self._channel(address).unary_stream(method, request_serializer=None, response_deserializer=_split_request)
         call = mc(request, timeout=timeout or self.config.default_timeout_s)
-        self.stats.add(method, request.ByteSize(), 0)
+        self.stats.add(method, len(request), 0)
         try:
             async for reply in call:
                 self.stats.add(method, 0, reply.ByteSize())
-                yield self._check_reply(address, method, reply)
+                yield await self._check_reply(address, method, reply)
         except grpc.aio.AioRpcError as e:
             raise RpcError(address, method, e.code(), e.details() or "") from None
         finally:

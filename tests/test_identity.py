@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import stat
 import time
@@ -99,3 +100,40 @@ def test_non_finite_timestamp_refused():
         with pytest.raises(EnvelopeError) as ei:
             v.verify(m)
         assert ei.value.code == grpc.StatusCode.OUT_OF_RANGE
+
+
+def test_verify_reads_and_hashes_the_payload_once(monkeypatch):
+    """Issue 17: ``Verifier.verify`` read a protobuf payload three times (each read of a upb bytes field
+    is a copy) and the envelope's payload hash is computed once per message."""
+    import geomesh_p2p.identity as identity_mod
+
+    ident = Identity.generate()
+    payload = os.urandom(4096)
+    hashed = []
+    real = identity_mod.payload_hash
+    monkeypatch.setattr(identity_mod, "payload_hash", lambda p: hashed.append(len(p)) or real(p))
+    msg = ident.sign_message(run_id="run", round=1, kind="k", payload=payload)
+    assert hashed == [4096]  # signing: one hash of the payload
+
+    class Counting:  # what verify reads of a SignedMessage, counting payload reads
+        reads = 0
+
+        def HasField(self, name):  # noqa: N802
+            return msg.HasField(name)
+
+        envelope = msg.envelope
+
+        @property
+        def payload(self):
+            Counting.reads += 1
+            return msg.payload
+
+    ok = Verifier("run").verify(Counting(), kind="k")
+    assert ok.payload == payload and Counting.reads == 1 and hashed == [4096, 4096]
+    # a precomputed hash (e.g. from a worker thread) is signed as is: no second hash
+    pre = hashlib.sha256(payload).digest()
+    m2 = ident.sign_message(run_id="run", round=1, kind="k", payload=payload, payload_sha256=pre)
+    assert m2.envelope.payload_sha256 == pre and len(hashed) == 2
+    assert Verifier("run").verify(m2, kind="k").payload == payload
+    with pytest.raises(ValueError, match="32 bytes"):
+        ident.sign_message(run_id="run", round=1, kind="k", payload=payload, payload_sha256=b"x")

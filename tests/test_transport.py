@@ -238,3 +238,27 @@ async def test_port_in_use_is_a_clear_oserror(pair):
     with pytest.raises(OSError, match="port is in use"):
         await other.start()
     await other.stop()
+
+
+async def test_big_payloads_are_hashed_off_the_event_loop_once_per_message(pair, monkeypatch):
+    """Issue 13/17: the SHA-256 of a payload over 1 MiB (request and reply, both ends) is computed in a
+    worker thread, once per message; small payloads stay on the loop (a thread hop costs more)."""
+    import threading
+
+    import geomesh_p2p.identity as identity_mod
+
+    server, client, address = pair
+    loop_thread = threading.get_ident()
+    hashed = []  # (payload bytes, on the loop thread?)
+    real = identity_mod.payload_hash
+    monkeypatch.setattr(identity_mod, "payload_hash",
+                        lambda p: hashed.append((len(p), threading.get_ident() == loop_thread)) or real(p))
+    big = bytes(range(256)) * (8 << 10)  # 2 MiB
+    reply = await client.call(address, DHT_PING, big, round=2)
+    assert reply.payload == b"echo:" + big
+    n, m = len(big), len(big) + 5
+    # client signs, server verifies, server signs its reply, client verifies: four hashes, none on the loop
+    assert sorted(hashed) == sorted([(n, False), (n, False), (m, False), (m, False)])
+    hashed.clear()
+    assert (await client.call(address, DHT_PING, b"hi")).payload == b"echo:hi"
+    assert sorted(hashed) == [(2, True), (2, True), (7, True), (7, True)]
