@@ -18,6 +18,16 @@ to the last peer's result. Ratios are fp32 bytes / mode bytes (goal for reencode
 "identical" = every peer's aggregate has the same SHA-256. "rel. err" = ||agg - fp32 mean|| /
 ||fp32 mean|| on the Gaussian test vectors (independent per peer: a worst case for sign
 compression, not a convergence figure).
+
+Exchange memory (issue 13):
+
+    python benchmarks/collective.py --memory [--peers 3] [--numel 25000000] [--modes fp32 relay]
+
+runs one all-reduce of every mode with ``--peers`` services in ONE fresh child process each (the
+peers' deltas allocated first) and prints the peak extra resident memory the exchange needed
+(``resource.getrusage(RUSAGE_SELF).ru_maxrss`` after the exchange minus before it; tracemalloc
+does not see torch's allocations), per peer, in MB and in full fp32 vectors (``4 * numel`` bytes),
+and its wall time.
 """
 
 from __future__ import annotations
@@ -235,6 +245,72 @@ async def main_async(ns) -> int:
     return 0 if (ok and goal) else 1
 
 
+# ------------------------------------------------------------------------------ exchange memory
+
+
+async def _memory_child(n: int, numel: int, block_size: int, mode_name: str) -> dict:
+    """One all-reduce of ``mode_name`` among ``n`` in-process services; peak RSS growth and wall time."""
+    import resource
+
+    from geomesh_p2p.collective import CollectiveService, CollectiveSpec, make_partition
+    from geomesh_p2p.identity import Identity
+    from geomesh_p2p.transport import Transport, TransportConfig
+
+    _, mode, push, agg = next(m for m in MODES if m[0] == mode_name)
+    ids = [Identity.generate() for _ in range(n)]
+    transports = [Transport(i, RUN, TransportConfig(default_timeout_s=600.0)) for i in ids]
+    services = [CollectiveService(t, long_poll_s=30.0) for t in transports]
+    try:
+        addrs = [await t.start() for t in transports]
+        pids = [i.peer_id.to_string() for i in ids]
+        owners = make_partition(numel, [(p, a, 1.0) for p, a in zip(pids, addrs)], block_size=block_size)
+        deltas = [torch.randn(numel, generator=torch.Generator().manual_seed(1000 + k)) for k in range(n)]
+        now = time.time()
+        spec = CollectiveSpec(RUN, 1, {p: 10**9 for p in pids}, owners, numel, now + 600.0, now + 660.0, mode=mode,
+                              push_encoding=push, aggregate_encoding=agg, block_size=block_size)
+        rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+        t0 = time.perf_counter()
+        res = await asyncio.gather(*(s.all_reduce(spec, d, 1000 * (k + 1))
+                                     for k, (s, d) in enumerate(zip(services, deltas))))
+        wall = time.perf_counter() - t0
+        rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        digests = {hashlib.sha256(r.aggregate.numpy().tobytes()).hexdigest() for r in res}
+        return {"mode": mode_name, "peers": n, "numel": numel, "extra_bytes": rss1 - rss0, "wall_s": wall,
+                "identical": len(digests) == 1, "missing": sorted({j for r in res for j in r.missing_parts})}
+    finally:
+        for s in services:
+            await s.close()
+        for t in transports:
+            await t.stop(grace=0.5)
+
+
+def memory_main(ns) -> int:
+    """``--memory``: one child process per mode (a fresh peak RSS each); prints a table."""
+    import subprocess
+
+    lines = [f"exchange memory: {ns.peers[0]} peers in one process, numel = {ns.numel:,} "
+             f"({4 * ns.numel / 1e6:.0f} MB per fp32 vector); command: python benchmarks/collective.py "
+             + " ".join(sys.argv[1:]), "",
+             "| mode | peak extra RSS MB (all peers) | per peer MB | per peer, fp32 vectors | wall s | identical |",
+             "|---|---|---|---|---|---|"]
+    ok = True
+    for name in ns.modes:
+        out = subprocess.run([sys.executable, os.path.abspath(__file__), "--memory-child", name, "--peers",
+                              str(ns.peers[0]), "--numel", str(ns.numel), "--block-size", str(ns.block_size)],
+                             capture_output=True, text=True, timeout=1800,
+                             env=dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1"))
+        if out.returncode != 0:
+            print(out.stderr, file=sys.stderr)
+            return 1
+        r = json.loads(out.stdout.strip().splitlines()[-1])
+        per = r["extra_bytes"] / r["peers"]
+        ok = ok and r["identical"] and not r["missing"]
+        lines.append(f"| {name} | {r['extra_bytes'] / 1e6:.0f} | {per / 1e6:.0f} | {per / (4 * r['numel']):.2f} | "
+                     f"{r['wall_s']:.2f} | {'yes' if r['identical'] and not r['missing'] else 'NO'} |")
+    print("\n".join(lines))
+    return 0 if ok else 1
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--peers", type=int, nargs="+", default=[4, 8])
@@ -244,9 +320,22 @@ def main(argv=None) -> int:
                     help="push deadline after the start (parts close as soon as everyone pushed)")
     ap.add_argument("--markdown", default=None, help="also write the table to this file")
     ap.add_argument("--json", default=None, help="also write raw figures to this JSON file")
+    ap.add_argument("--memory", action="store_true",
+                    help="measure the exchange's peak extra RSS and wall time instead (default --peers 3)")
+    ap.add_argument("--modes", nargs="+", default=["fp32", "relay"], choices=[m[0] for m in MODES],
+                    help="--memory: the modes measured (default: %(default)s)")
+    ap.add_argument("--memory-child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     ns = ap.parse_args(argv)
+    if ns.memory_child:
+        torch.set_num_threads(1)
+        _emit(asyncio.run(_memory_child(ns.peers[0], ns.numel, ns.block_size, ns.memory_child)))
+        return 0
+    if ns.memory:
+        if ns.peers == [4, 8]:
+            ns.peers = [3]
+        return memory_main(ns)
     if ns.worker:
         return asyncio.run(_worker(ns.seed, ns.numel))
     return asyncio.run(main_async(ns))
