@@ -482,6 +482,322 @@ def find_max_batch(
 
 
 # --------------------------------------------------------------------------------------------
+# the minimum memory a method needs, and the start-up profile (issue 13)
+
+#: fp32 bytes per parameter of the state kept besides the weights, per inner optimizer
+INNER_OPTIMIZER_STATE_COPIES = {"adamw": 2, "lion": 1}
+#: copies of ``[P]`` fp32 held by each method's outer optimizer: Nesterov momentum (DiLoCo's outer
+#: step) for the DiLoCo family, AdamW's two moments for the ``ddp`` baseline
+OUTER_STATE_COPIES = {"geomesh": 1, "awb": 1, "css": 1, "diloco": 1, "ddp": 2}
+
+
+@dataclass(frozen=True)
+class MethodMemory:
+    """The least memory (bytes) a peer of a method holds for a model of ``n_params`` parameters.
+
+    fp32 throughout (4 bytes per element); activations, the exchange's buffers and the runtime are
+    not included. ``weights``: the trained model ``[P]``; ``gradients``: its ``.grad`` ``[P]``;
+    ``inner_optimizer``: the inner optimizer's state (AdamW: two moments, ``2P``; 0 for ``ddp``,
+    which takes no inner step); ``global_weights``: the round's global weights ``[P]`` kept to form
+    the pseudo-gradient; ``outer_state``: Nesterov momentum ``[P]`` (DiLoCo family) or AdamW's
+    moments ``[2P]`` (``ddp``); ``error_feedback``: the compression residual ``[P]`` when enabled.
+    """
+
+    method: str
+    n_params: int
+    weights: int
+    gradients: int
+    inner_optimizer: int
+    global_weights: int
+    outer_state: int
+    error_feedback: int = 0
+
+    @property
+    def total(self) -> int:
+        """Sum of the parts, bytes."""
+        return (self.weights + self.gradients + self.inner_optimizer + self.global_weights + self.outer_state
+                + self.error_feedback)
+
+
+def method_min_memory(n_params: int, method: str = "geomesh", *, inner_optimizer: str = "adamw",
+                      error_feedback: bool = False, bytes_per_element: int = 4) -> MethodMemory:
+    """The minimum memory of ``method`` for ``n_params`` parameters (see :class:`MethodMemory`).
+
+    ``geomesh``/``diloco`` with AdamW: ``24 * P`` bytes (weights, gradients, 2 AdamW moments, global
+    weights, outer momentum); ``ddp``: ``20 * P`` (no inner optimizer state, AdamW's two moments as
+    the outer state). Raises ValueError for an unknown method or inner optimizer or ``n_params < 0``.
+    """
+    if method not in OUTER_STATE_COPIES:
+        raise ValueError(f"unknown method {method!r} (known: {', '.join(OUTER_STATE_COPIES)})")
+    if inner_optimizer not in INNER_OPTIMIZER_STATE_COPIES:
+        raise ValueError(f"unknown inner optimizer {inner_optimizer!r}")
+    if n_params < 0:
+        raise ValueError(f"n_params={n_params} must be >= 0")
+    p = int(n_params) * int(bytes_per_element)
+    inner = 0 if method == "ddp" else INNER_OPTIMIZER_STATE_COPIES[inner_optimizer] * p
+    return MethodMemory(method=method, n_params=int(n_params), weights=p, gradients=p, inner_optimizer=inner,
+                        global_weights=p, outer_state=OUTER_STATE_COPIES[method] * p,
+                        error_feedback=p if error_feedback and method != "ddp" else 0)
+
+
+def preset_min_memory(preset: str, method: str = "geomesh", *, vocab_size: int = 4096, **kw: Any) -> MethodMemory:
+    """:func:`method_min_memory` for a model preset of :mod:`geomesh_p2p.training` at ``vocab_size``
+    (the shipped tokenizer's 4096 by default), tied weights counted once. Counts the parameters
+    without allocating them (:func:`geomesh_p2p.training.count_params`). Raises
+    :class:`geomesh_p2p.training.ConfigError` for an unknown preset."""
+    from geomesh_p2p.training import count_params
+
+    return method_min_memory(count_params(preset, vocab_size=vocab_size), method, **kw)
+
+
+def _rss_bytes() -> Optional[int]:
+    """Resident set size of this process (bytes) from /proc/self/statm; None where unreadable."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+#: A memory probe runs a callable and returns (bytes in use just before, peak bytes while it ran).
+MemoryProbe = Callable[[Callable[[], None]], "tuple[int, int]"]
+
+
+def rss_probe(fn: Callable[[], None], interval_s: float = 0.002) -> tuple[int, int]:
+    """Run ``fn`` and return ``(RSS before, peak RSS while it ran)`` of this process, bytes.
+
+    The peak is sampled from /proc/self/statm every ``interval_s`` by a helper thread (a training
+    step holds its activations for tens of milliseconds, far longer than the interval). The kernel's
+    VmHWM is not reset (``clear_refs``), so an outside observer's peak RSS stays meaningful.
+    Raises OSError where /proc/self/statm is unreadable.
+    """
+    import threading
+
+    before = _rss_bytes()
+    if before is None:
+        raise OSError("/proc/self/statm is not readable: cannot measure RSS on this system")
+    peak = [before]
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.wait(interval_s):
+            v = _rss_bytes()
+            if v is not None and v > peak[0]:
+                peak[0] = v
+
+    t = threading.Thread(target=sample, name="rss-probe", daemon=True)
+    t.start()
+    try:
+        fn()
+    finally:
+        done.set()
+        t.join()
+    after = _rss_bytes() or before
+    return before, max(peak[0], after)
+
+
+def _cuda_probe(dev: torch.device) -> MemoryProbe:
+    def probe(fn: Callable[[], None]) -> tuple[int, int]:
+        _sync(dev)
+        before = torch.cuda.memory_allocated(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        fn()
+        _sync(dev)
+        return int(before), int(torch.cuda.max_memory_allocated(dev))
+
+    return probe
+
+
+@dataclass(frozen=True)
+class TrainingProfile:
+    """Result of :func:`profile_training`.
+
+    Attributes:
+        tokens_per_s: ``{batch: tokens/s}`` for the batch sizes measured (at least one).
+        max_batch: largest batch whose predicted peak fits the budget (``>= 1``).
+        memory: the fitted model of the peak (bytes): ``static_bytes`` = memory in use before the
+            first step + gradients + optimizer state + ``extra_bytes``; ``per_sequence_bytes`` from
+            the measured peaks.
+        memory_bytes: the budget (bytes).
+        peak_bytes: ``{batch: measured peak}`` (bytes) of each step measured, the memory step at
+            batch 1 included.
+        skipped: requested batch sizes not measured (over the budget, the time budget or
+            ``max_sizes``).
+        seconds: wall-clock duration of the profile.
+    """
+
+    tokens_per_s: dict[int, float]
+    max_batch: int
+    memory: MemoryEstimate
+    memory_bytes: int
+    peak_bytes: dict[int, int]
+    skipped: list[int]
+    seconds: float
+
+
+def profile_training(
+    model: ModelOrFactory,
+    seq_len: int,
+    device: Union[str, torch.device, DeviceInfo],
+    memory_bytes: int,
+    *,
+    vocab_size: Optional[int] = None,
+    batch_sizes: Optional[Iterable[int]] = None,
+    max_sizes: int = 3,
+    steps: int = 2,
+    warmup: int = 0,
+    time_budget_s: float = 30.0,
+    speed_factor: float = 1.0,
+    amp: bool = False,
+    limit: int = 256,
+    extra_bytes: Optional[int] = None,
+    optimizer_factory: Optional[OptimizerFactory] = None,
+    memory_probe: Optional[MemoryProbe] = None,
+    logger: Optional[Any] = None,
+) -> TrainingProfile:
+    """Start-up profile within a memory budget: the largest batch that fits, and tokens/s per batch.
+
+    Never runs a step whose predicted peak exceeds ``memory_bytes``. Order:
+
+    1. Static check, before any step: memory in use now + gradients (``P`` x parameter bytes) +
+       optimizer state (``2P``, AdamW) + ``extra_bytes`` (default on CPU: ``8P`` bytes, the global
+       weights and the outer momentum the node holds besides; 0 on CUDA, where those live in host
+       memory) must fit, else ValueError.
+    2. One step at batch 1 under ``memory_probe`` (CPU: :func:`rss_probe`, the process's RSS; CUDA:
+       the allocator's peak). Its growth minus gradients and optimizer state is taken as the cost
+       of one sequence (a linear extrapolation that over-counts the batch-independent part: safe).
+       ``max_batch = min(limit, (memory_bytes - static) // per_sequence)``; ValueError when 0.
+    3. Up to ``max_sizes`` of ``batch_sizes`` (default 1, 2, 4, ...) that fit, smallest first:
+       ``warmup`` untimed then ``steps`` timed steps each (tokens/s = ``batch * seq_len`` / median
+       step time). A size is skipped when the steps it needs, predicted from the last tokens/s,
+       would end the profile after ``time_budget_s`` (the first size is always measured). Each
+       measured peak can only raise ``per_sequence`` (and lower ``max_batch``), so later sizes are
+       checked against what was seen.
+
+    One INFO line per batch size on ``logger`` (default: this module's), with tokens/s and the
+    peak against the budget. The model's weights, mode and the RNG are left as they were (lr=0
+    AdamW, forked RNG, see :func:`measure_throughput`). ``speed_factor`` and ``amp`` as there.
+
+    Raises:
+        ValueError: bad arguments, or the budget is below the static memory or batch 1.
+        OSError: the default CPU probe cannot read /proc/self/statm.
+    """
+    import logging
+
+    log = logger or logging.getLogger(__name__)
+    if seq_len < 1:
+        raise ValueError(f"seq_len={seq_len} must be >= 1")
+    if memory_bytes <= 0:
+        raise ValueError(f"memory_bytes={memory_bytes} must be > 0")
+    if steps < 1 or warmup < 0 or max_sizes < 1 or limit < 1:
+        raise ValueError(f"need steps >= 1 ({steps}), warmup >= 0 ({warmup}), max_sizes >= 1 ({max_sizes}), "
+                         f"limit >= 1 ({limit})")
+    if not (0 < speed_factor <= 1):
+        raise ValueError(f"speed_factor={speed_factor} must be in (0, 1]")
+    t_start = time.perf_counter()
+    dev = _parse_device(device)
+    m = _materialize(model, dev)
+    vocab = _vocab_size(m, vocab_size)
+    params = [p for p in m.parameters() if p.requires_grad]
+    n_params = sum(p.numel() for p in m.parameters())
+    param_bytes = sum(p.numel() * p.element_size() for p in params)
+    grad_opt = 3 * param_bytes  # gradients + AdamW's two moments, allocated by the first step
+    if extra_bytes is None:
+        extra_bytes = DEFAULT_EXTRA_BYTES_PER_PARAM * n_params if dev.type == "cpu" else 0
+    probe = memory_probe or (_cuda_probe(dev) if dev.type == "cuda" else rss_probe)
+    gib = 2.0**30
+
+    if batch_sizes is None:
+        wanted = [1 << i for i in range(0, 11) if (1 << i) <= limit]
+    else:
+        wanted = sorted(set(int(b) for b in batch_sizes))
+        if not wanted or wanted[0] < 1:
+            raise ValueError(f"batch_sizes={wanted}: need at least one batch size, all >= 1")
+
+    gen = torch.Generator().manual_seed(0)
+    peaks: dict[int, int] = {}
+    tps: dict[int, float] = {}
+    skipped: list[int] = []
+    with _Session(m, dev, optimizer_factory, amp=amp) as sess:
+
+        def run_step(b: int) -> float:
+            x = torch.randint(0, vocab, (b, seq_len), generator=gen).to(dev)
+            t0 = time.perf_counter()
+            sess.step(x)
+            _sync(dev)
+            dt = time.perf_counter() - t0
+            if speed_factor < 1:
+                time.sleep(dt * (1.0 / speed_factor - 1.0))
+                dt = time.perf_counter() - t0
+            return dt
+
+        # 1. static part, checked before any step
+        base_probe_before = None
+        before0, _ = probe(lambda: None)
+        static = int(before0 + grad_opt + extra_bytes)
+        if static >= memory_bytes:
+            raise ValueError(
+                f"memory budget {memory_bytes / gib:.2f} GiB is below what training this model needs before any "
+                f"activation: {static / gib:.2f} GiB ({before0 / gib:.2f} in use + {grad_opt / gib:.2f} gradients and "
+                f"AdamW state + {extra_bytes / gib:.2f} global weights and outer state)")
+        # 2. one step at batch 1: its growth gives the cost of a sequence
+        dt1 = [0.0]
+        base_probe_before, peak1 = probe(lambda: dt1.__setitem__(0, run_step(1)))
+        static = int(base_probe_before + grad_opt + extra_bytes)
+        per_seq = max(1, int(peak1 - base_probe_before - grad_opt))
+        peaks[1] = int(peak1)
+
+        def max_fit() -> int:
+            return int(min(limit, max(0, (memory_bytes - static) // per_seq)))
+
+        if max_fit() < 1:
+            raise ValueError(
+                f"memory budget {memory_bytes / gib:.2f} GiB is below the predicted peak of one sequence of "
+                f"{seq_len} tokens: {(static + per_seq) / gib:.2f} GiB (measured step peak {peak1 / gib:.2f} GiB "
+                f"+ {extra_bytes / gib:.2f} GiB global weights and outer state)")
+        log.info("profile: %d parameters, seq_len %d, budget %.2f GiB: batch 1 step %.2fs, peak %.2f GiB; "
+                 "predicted %.0f MiB per sequence, max batch %d", n_params, seq_len, memory_bytes / gib, dt1[0],
+                 (peak1 + extra_bytes) / gib, per_seq / 2**20, max_fit())
+        # 3. tokens/s at a few batch sizes that fit, within the time budget
+        last_tps = seq_len / dt1[0] if dt1[0] > 0 else None
+        for b in wanted:
+            if len(tps) >= max_sizes or b > max_fit():
+                skipped.append(b)
+                continue
+            elapsed = time.perf_counter() - t_start
+            if tps and last_tps and elapsed + (warmup + steps) * b * seq_len / last_tps > time_budget_s:
+                skipped.append(b)
+                continue
+            times: list[float] = []
+
+            def timed() -> None:
+                for i in range(warmup + steps):
+                    dt = run_step(b)
+                    if i >= warmup:
+                        times.append(dt)
+
+            before_b, peak_b = probe(timed)
+            peaks[b] = max(peaks.get(b, 0), int(peak_b))
+            # everything above the static part at this batch is charged to its sequences
+            per_seq = max(per_seq, int(math.ceil((peak_b - base_probe_before - grad_opt) / b)))
+            tps[b] = last_tps = b * seq_len / statistics.median(times)
+            log.info("profile: batch %d: %.0f tokens/s (%.2fs/step over %d steps), peak %.2f GiB of %.2f GiB "
+                     "budget (with %.2f GiB global weights and outer state)", b, tps[b], statistics.median(times),
+                     steps, (peak_b + extra_bytes) / gib, memory_bytes / gib, extra_bytes / gib)
+        if not tps:  # every requested size over the budget: measure the largest that fits
+            b = max_fit()
+            times = [run_step(b) for _ in range(steps)]
+            tps[b] = b * seq_len / statistics.median(times)
+            log.info("profile: batch %d (none of %s fits): %.0f tokens/s", b, wanted, tps[b])
+    if skipped:
+        log.info("profile: not measured: batch %s (over the budget, %d sizes, or past %.0fs)",
+                 ",".join(map(str, skipped)), max_sizes, time_budget_s)
+    est = MemoryEstimate(static_bytes=static, per_sequence_bytes=per_seq, n_params=n_params)
+    return TrainingProfile(tokens_per_s=tps, max_batch=max(1, max_fit()), memory=est, memory_bytes=int(memory_bytes),
+                           peak_bytes=peaks, skipped=skipped, seconds=time.perf_counter() - t_start)
+
+
+# --------------------------------------------------------------------------------------------
 # bandwidth and re-profiling
 
 
@@ -651,27 +967,30 @@ def profile(
     memory_budget_bytes: Optional[int] = None,
     upload_bps: Optional[float] = None,
     download_bps: Optional[float] = None,
-    steps: int = 3,
-    warmup: int = 1,
+    steps: int = 2,
+    warmup: int = 0,
     speed_factor: float = 1.0,
-    max_measured_batch: int = 64,
-    limit: int = 1024,
+    max_sizes: int = 3,
+    time_budget_s: float = 30.0,
+    limit: int = 256,
+    memory_probe: Optional[MemoryProbe] = None,
 ) -> dict[str, Any]:
     """Profile this machine for a model: device, max batch, tokens/s per batch, stated bandwidth.
 
     The model is ``model_factory`` (a module or a callable building one) or, by name, a
     ``preset`` of :func:`geomesh_p2p.training.build_model` (with ``vocab_size`` if given).
-    ``memory_budget_bytes``: the training memory budget on a CPU (default: a share of
-    MemAvailable), a cap on the free memory on a GPU.
+    ``memory_budget_bytes``: the training memory budget on a CPU (the process's peak RSS; default:
+    a share of MemAvailable), a cap on the free memory on a GPU. Measured by
+    :func:`profile_training` (a few batch sizes, ``steps`` timed steps each, within
+    ``time_budget_s``; ``memory_probe`` as there).
 
     Returns a JSON-serialisable dict: ``device`` {kind, name, memory_bytes, index}, ``seq_len``,
-    ``n_params``, ``max_batch``, ``tokens_per_s`` {batch: tokens/s} (for ``batch_sizes`` up to
-    ``max_batch``; default: powers of two up to ``min(max_batch, max_measured_batch)``),
-    ``bandwidth`` ({upload_bps, download_bps} in bytes/s as stated by flags, or None: links are
-    measured during the run), ``speed_factor``. Raises ValueError for neither or both of
+    ``n_params``, ``max_batch``, ``tokens_per_s`` {batch: tokens/s}, ``memory`` {static_bytes,
+    per_sequence_bytes, peak_bytes {batch: bytes}}, ``profile_s`` (seconds), ``bandwidth``
+    ({upload_bps, download_bps} in bytes/s as stated by flags, or None: links are measured during
+    the run), ``speed_factor``. Raises ValueError for neither or both of
     ``model_factory``/``preset``, a non-positive bandwidth or budget, and as
-    :func:`detect_device`, :func:`find_max_batch` and :func:`measure_throughput` do; RuntimeError
-    when no batch size could be measured.
+    :func:`detect_device` and :func:`profile_training` do.
     """
     if (model_factory is None) == (preset is None):
         raise ValueError("give exactly one of model_factory and preset")
@@ -690,16 +1009,9 @@ def profile(
         model_factory = build_model(preset, vocab_size=vocab_size)
     model = _materialize(model_factory, dev)
     n_params = sum(p.numel() for p in model.parameters())
-    max_batch = find_max_batch(model, seq_len, dev, info.memory_bytes, limit=limit, vocab_size=vocab_size)
-    sizes = sorted(set(batch_sizes)) if batch_sizes is not None else default_batch_sizes(max_batch, max_measured_batch)
-    if not sizes:
-        raise ValueError("batch_sizes is empty")
-    sizes = [b for b in sizes if b <= max_batch] or [max_batch]
-    tps = measure_throughput(
-        model, seq_len, sizes, dev, vocab_size, steps=steps, warmup=warmup, speed_factor=speed_factor
-    )
-    if not tps:
-        raise RuntimeError(f"no batch size of {sizes} could be measured on {info.name}")
+    prof = profile_training(model, seq_len, dev, info.memory_bytes, vocab_size=vocab_size, batch_sizes=batch_sizes,
+                            max_sizes=max_sizes, steps=steps, warmup=warmup, time_budget_s=time_budget_s,
+                            speed_factor=speed_factor, limit=limit, memory_probe=memory_probe)
     bandwidth = None
     if upload_bps is not None or download_bps is not None:
         bandwidth = {"upload_bps": upload_bps, "download_bps": download_bps}
@@ -707,8 +1019,11 @@ def profile(
         "device": asdict(info),
         "seq_len": seq_len,
         "n_params": n_params,
-        "max_batch": max_batch,
-        "tokens_per_s": tps,
+        "max_batch": prof.max_batch,
+        "tokens_per_s": prof.tokens_per_s,
+        "memory": {"static_bytes": prof.memory.static_bytes, "per_sequence_bytes": prof.memory.per_sequence_bytes,
+                   "peak_bytes": prof.peak_bytes},
+        "profile_s": prof.seconds,
         "bandwidth": bandwidth,
         "speed_factor": speed_factor,
     }

@@ -21,7 +21,11 @@ from geomesh_p2p.capability import (
     format_profile_table,
     measure_bandwidth,
     measure_throughput,
+    method_min_memory,
+    preset_min_memory,
     profile,
+    profile_training,
+    rss_probe,
 )
 from geomesh_p2p.records import PeerRecord
 
@@ -210,25 +214,145 @@ def test_throughput_ema_math():
 
 
 def test_profile_and_table():
-    est = estimate_memory(GPT2LMHeadModel(tiny_config()), SEQ)
-    result = profile(
-        lambda: GPT2LMHeadModel(tiny_config()), SEQ, device="cpu", memory_budget_bytes=est.bytes_for(4),
-        upload_bps=12.5e6, steps=1, warmup=0,
-    )
+    m = GPT2LMHeadModel(tiny_config())
+    fake = FakeMemory(m, base=GIB, per_seq=8 * MIB)
+    budget = fake.base + fake.grad_opt + 8 * m.num_parameters() + 4 * fake.per_seq + MIB
+    result = profile(m, SEQ, device="cpu", memory_budget_bytes=budget, upload_bps=12.5e6, steps=1,
+                     batch_sizes=[1, 2, 4, 8], memory_probe=fake)
     assert result["device"]["kind"] == "cpu" and result["max_batch"] == 4
-    assert sorted(result["tokens_per_s"]) == [1, 2, 4]
+    assert sorted(result["tokens_per_s"]) == [1, 2, 4] and max(fake.batches) == 4
+    assert result["memory"]["per_sequence_bytes"] == 8 * MIB
     assert result["bandwidth"] == {"upload_bps": 12.5e6, "download_bps": None}
     json.dumps(result)  # JSON-serialisable for `geomesh-peer profile --json`
     table = format_profile_table(result)
     print("\n" + table)
     assert "max batch" in table and result["device"]["name"] in table
     assert format_profile_table(json.loads(json.dumps(result)))  # also from parsed JSON (string keys)
-    # by preset name, as `geomesh-peer profile --model tiny` calls it
-    by_name = profile(preset="tiny", seq_len=32, device="cpu", batch_sizes=[1, 2], memory_budget_bytes=2 * 2**30,
-                      steps=1, warmup=0)
-    assert sorted(by_name["tokens_per_s"]) == [1, 2] and by_name["n_params"] > 0
+    # by preset name, as `geomesh-peer profile --model tiny` calls it (the real RSS probe)
+    by_name = profile(preset="tiny", seq_len=32, device="cpu", batch_sizes=[1, 2], memory_budget_bytes=4 * GIB,
+                      steps=1)
+    assert sorted(by_name["tokens_per_s"]) == [1, 2] and by_name["n_params"] == 937472
     with pytest.raises(ValueError):
         profile(seq_len=32, device="cpu")
     assert default_batch_sizes(100) == [1, 2, 4, 8, 16, 32, 64]
     assert default_batch_sizes(12) == [1, 2, 4, 8, 12]
     assert isinstance(detect_device("cpu"), DeviceInfo)
+
+
+# --- start-up profile within a memory budget (issue 13) ---------------------------------------
+
+GIB, MIB = 2**30, 2**20
+
+
+class FakeMemory:
+    """A memory probe that reports a modelled peak instead of the RSS: ``base`` in use before the
+    first step, then gradients + AdamW state (``3 x`` parameter bytes, allocated by the first step)
+    plus ``per_seq(b)`` bytes per sequence of the largest batch the probed callable ran (seen by a
+    hook on the input embedding). Records every batch size run in ``batches``."""
+
+    def __init__(self, model, base: int, per_seq: int, per_seq_from: dict | None = None):
+        self.base, self.per_seq, self.per_seq_from = base, per_seq, per_seq_from or {}
+        self.grad_opt = 3 * 4 * model.num_parameters()
+        self.allocated = False
+        self.batches: list[int] = []
+        self._seen: list[int] = []
+        model.get_input_embeddings().register_forward_pre_hook(lambda mod, args: self._seen.append(args[0].shape[0]))
+
+    def __call__(self, fn):
+        self._seen.clear()
+        before = self.base + (self.grad_opt if self.allocated else 0)
+        fn()
+        self.batches += self._seen
+        if not self._seen:
+            return before, before
+        self.allocated = True
+        b = max(self._seen)
+        per = max([v for k, v in self.per_seq_from.items() if b >= k], default=self.per_seq)
+        return before, self.base + self.grad_opt + b * per
+
+
+@pytest.mark.timeout(60)
+def test_profile_training_never_runs_a_batch_over_the_budget(caplog):
+    m = GPT2LMHeadModel(tiny_config())
+    fake = FakeMemory(m, base=GIB, per_seq=10 * MIB)
+    extra = 8 * m.num_parameters()  # global weights + outer momentum, fp32
+    budget = fake.base + fake.grad_opt + extra + 5 * fake.per_seq + fake.per_seq // 2
+    with caplog.at_level("INFO", logger="geomesh_p2p.capability"):
+        prof = profile_training(m, SEQ, "cpu", budget, vocab_size=VOCAB, batch_sizes=[1, 2, 4, 8, 16], steps=1,
+                                memory_probe=fake)
+    assert prof.max_batch == 5 and prof.memory.bytes_for(5) <= budget < prof.memory.bytes_for(6)
+    assert prof.memory.static_bytes == fake.base + fake.grad_opt + extra
+    assert prof.memory.per_sequence_bytes == 10 * MIB
+    assert sorted(prof.tokens_per_s) == [1, 2, 4] and prof.skipped == [8, 16]
+    assert max(fake.batches) == 4 and fake.batches[0] == 1  # the memory step at batch 1 comes first
+    assert prof.peak_bytes == {1: GIB + fake.grad_opt + 10 * MIB, 2: GIB + fake.grad_opt + 20 * MIB,
+                               4: GIB + fake.grad_opt + 40 * MIB}
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("profile: batch ")]
+    assert len(lines) == 3 and all("tokens/s" in ln and "GiB" in ln for ln in lines)
+
+
+@pytest.mark.timeout(60)
+def test_profile_training_a_larger_peak_than_predicted_lowers_the_max_batch():
+    m = GPT2LMHeadModel(tiny_config())
+    # batch 1 suggests 10 MiB per sequence; from batch 2 on each sequence costs 30 MiB
+    fake = FakeMemory(m, base=GIB, per_seq=10 * MIB, per_seq_from={2: 30 * MIB})
+    budget = fake.base + fake.grad_opt + 8 * m.num_parameters() + 5 * fake.per_seq
+    prof = profile_training(m, SEQ, "cpu", budget, vocab_size=VOCAB, batch_sizes=[1, 2, 4, 8], steps=1,
+                            memory_probe=fake)
+    assert prof.memory.per_sequence_bytes == 30 * MIB and prof.max_batch == 1
+    assert max(fake.batches) == 2 and sorted(prof.tokens_per_s) == [1, 2] and prof.skipped == [4, 8]
+
+
+@pytest.mark.timeout(60)
+def test_profile_training_refuses_a_budget_below_the_static_memory_or_one_sequence():
+    m = GPT2LMHeadModel(tiny_config())
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    fake = FakeMemory(m, base=GIB, per_seq=10 * MIB)
+    static = fake.base + fake.grad_opt + 8 * m.num_parameters()
+    with pytest.raises(ValueError, match="before any activation"):
+        profile_training(m, SEQ, "cpu", static, vocab_size=VOCAB, memory_probe=fake)
+    assert fake.batches == []  # refused before any step
+    with pytest.raises(ValueError, match="one sequence"):
+        profile_training(m, SEQ, "cpu", static + 10 * MIB - 1, vocab_size=VOCAB, memory_probe=fake)
+    assert fake.batches == [1]
+    assert all(torch.equal(before[k], v) for k, v in m.state_dict().items())  # lr=0: weights untouched
+    with pytest.raises(ValueError):
+        profile_training(m, SEQ, "cpu", GIB, vocab_size=VOCAB, steps=0, memory_probe=fake)
+
+
+@pytest.mark.timeout(60)
+def test_profile_training_time_budget_bounds_the_sizes_tried():
+    m = GPT2LMHeadModel(tiny_config())
+    fake = FakeMemory(m, base=GIB, per_seq=MIB)
+    # a time budget of 0 s: the first size is measured, every later one would end past it
+    prof = profile_training(m, SEQ, "cpu", 64 * GIB, vocab_size=VOCAB, batch_sizes=[2, 4, 8], steps=1,
+                            time_budget_s=0.0, memory_probe=fake)
+    assert sorted(prof.tokens_per_s) == [2] and prof.skipped == [4, 8] and prof.max_batch == 256
+    # max_sizes bounds them too; default sizes are powers of two
+    prof = profile_training(m, SEQ, "cpu", 64 * GIB, vocab_size=VOCAB, steps=1, max_sizes=2, memory_probe=fake)
+    assert sorted(prof.tokens_per_s) == [1, 2] and prof.skipped[:2] == [4, 8]
+
+
+def test_rss_probe_sees_an_allocation():
+    def alloc():
+        x = torch.ones(64 * MIB // 4)  # 64 MiB, touched
+        del x
+
+    before, peak = rss_probe(alloc)
+    assert before > 0 and peak - before >= 48 * MIB  # sampled: most of the 64 MiB at least
+
+
+def test_method_min_memory_exact_bytes():
+    g = method_min_memory(1000, "geomesh")
+    assert (g.weights, g.gradients, g.inner_optimizer, g.global_weights, g.outer_state) == (4000, 4000, 8000, 4000, 4000)
+    assert g.total == 24000 == method_min_memory(1000, "diloco").total
+    assert method_min_memory(1000, "ddp").total == 20000  # no inner state; AdamW's 2 moments outside
+    assert method_min_memory(1000, "geomesh", inner_optimizer="lion").total == 20000
+    assert method_min_memory(1000, "geomesh", error_feedback=True).total == 28000
+    assert preset_min_memory("tiny").total == 24 * 937472
+    assert preset_min_memory("gpt2-124m", "ddp").total == 20 * 88988160
+    assert preset_min_memory("llama-150m").total == 24 * 153641984 == 3687407616
+    for bad in (lambda: method_min_memory(1, "sgd"), lambda: method_min_memory(1, inner_optimizer="sgd"),
+                lambda: method_min_memory(-1)):
+        with pytest.raises(ValueError):
+            bad()

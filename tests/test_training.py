@@ -9,7 +9,7 @@ import torch
 
 import geomesh_p2p.training as training
 from geomesh_p2p.data import TokenDataset, load_dataset
-from geomesh_p2p.training import (PRESETS, ConfigError, InnerTrainer, build_model,
+from geomesh_p2p.training import (PRESETS, ConfigError, InnerTrainer, build_model, count_params,
                                   flat_params, load_flat_, lr_at, model_config, num_params)
 
 SEQ = 64
@@ -55,6 +55,25 @@ def test_presets_build_from_config_only():
     assert small.n_embd * small.n_layer >= 384 * 6
     big = model_config("gpt2-124m")
     assert (big.n_layer, big.n_embd, big.n_head, big.n_positions, big.vocab_size) == (12, 768, 12, 1024, 50257)
+
+
+def test_llama_150m_preset_and_exact_counts():
+    # The paper's ~150M LLaMA-style model at the shipped tokenizer's vocabulary (4096, tied
+    # embeddings): 12 layers x (4 x 1024^2 attention + 3 x 1024 x 2688 SwiGLU + 2 x 1024 norms)
+    # + 4096 x 1024 embedding + 1024 final norm.
+    per_layer = 4 * 1024 * 1024 + 3 * 1024 * 2688 + 2 * 1024
+    assert count_params("llama-150m", vocab_size=4096) == 12 * per_layer + 4096 * 1024 + 1024 == 153_641_984
+    cfg = model_config("llama-150m", vocab_size=4096)
+    assert type(cfg).__name__ == "LlamaConfig" and cfg.tie_word_embeddings and cfg.use_cache is False
+    assert (cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, cfg.num_attention_heads,
+            cfg.max_position_embeddings) == (1024, 2688, 12, 16, 1024)
+    assert count_params("gpt2-124m", vocab_size=4096) == 88_988_160
+    assert count_params("gpt2-124m") == 124_439_808  # at GPT-2's own vocabulary, 50257
+    assert count_params("tiny", vocab_size=4096) == 937_472 == num_params(build_model("tiny", vocab_size=4096))
+    assert count_params("llama-tiny", vocab_size=4096) == 926_336 == num_params(
+        build_model("llama-tiny", vocab_size=4096))
+    with pytest.raises(ConfigError, match="llama-9b"):
+        count_params("llama-9b")
 
 
 def test_init_deterministic_from_seed():
