@@ -443,7 +443,10 @@ def test_a_peer_whose_training_diverges_contributes_nothing_and_keeps_going(monk
     node.transport = SimpleNamespace(stats=SimpleNamespace(snapshot=lambda: (0, 0)))
     node.collective = SimpleNamespace(all_reduce=fake_all_reduce)
     node._collective_spec = lambda p: "spec"
-    node._finish_round = fake_finish
+    from geomesh_p2p.round import RoundDriver  # the finish phase is the round driver's (issue 13)
+
+    monkeypatch.setattr(RoundDriver, "finish", lambda self, ctx: fake_finish(ctx.round, ctx.plan, ctx.assignment,
+                                                                             ctx.result, ctx.ar))
 
     def diverge(**kw):
         with torch.no_grad():

@@ -22,7 +22,9 @@ splitting a round. The stagger keeps the candidates past the bounded ones from a
 Several plans can exist for one round (peers that saw different member sets may each think they
 lead). Every peer follows the same deterministic rule: among the valid plans it can read, the one
 whose leader has the lowest rank wins. A peer waits ``settle_s`` after the first plan appears and
-reads again before deciding, so late-published better-ranked plans are seen too. A plan is valid
+reads again before deciding, so late-published better-ranked plans are seen too (no settle once
+``settle_s`` has passed since the plan's start time: an honest better-ranked leader does not publish
+after a plan has started, so whatever it published before is visible by then). A plan is valid
 when it is signed by its leader (the DHT record's owner), names that leader and this round.
 
 Digest agreement: after the outer step each peer publishes the digest of its global weights in its
@@ -38,11 +40,12 @@ import logging
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import Awaitable, Callable, Iterable, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 from pydantic import ValidationError
 
 from geomesh_p2p.planner import RoundPlan
+from geomesh_p2p.round.backoff import Backoff
 from geomesh_p2p.records import PeerRecord
 
 log = logging.getLogger(__name__)
@@ -170,7 +173,7 @@ async def obtain_plan(
     *,
     plan_timeout_s: float = 5.0,
     settle_s: float = 0.5,
-    poll_s: float = 0.1,
+    poll_s: float = 1.0,
     give_up_s: Optional[float] = None,
     accept: Optional[Callable[[RoundPlan], Optional[str]]] = None,
     candidates: Optional[Sequence[str]] = None,
@@ -183,7 +186,8 @@ async def obtain_plan(
     leader)`` computes a plan. ``candidates``: the PeerIDs that may lead (default: every member); a peer
     that is not one never publishes. Candidate i publishes after :func:`takeover_delay` (``stagger_s``
     defaults to ``settle_s``). Returns None when no plan appeared within ``give_up_s`` (default: the
-    last candidate's delay + 2 * plan_timeout_s). ``accept(plan)`` returns a reason to refuse a plan (a
+    last candidate's delay + 2 * plan_timeout_s). DHT reads back off from 50 ms to ``poll_s`` (x1.5),
+restarting when the plans seen change and at each candidate's take-over instant. ``accept(plan)`` returns a reason to refuse a plan (a
     rogue or broken leader's), or None; refused plans are ignored as if absent.
     """
     me = str(store.identity.peer_id)
@@ -196,11 +200,20 @@ async def obtain_plan(
         return takeover_delay(i, plan_timeout_s, stagger_s, wait_candidates)
 
     give_up_s = give_up_s if give_up_s is not None else delay(max(0, len(order) - 1)) + 2 * plan_timeout_s
+    # Take-over instants (seconds after t0): a plan is most likely to appear right after one of them, so
+    # the reads wake there and back off (50 ms -> poll cap, x1.5) in between instead of polling every poll_s.
+    turns = sorted({delay(i) for i in range(len(order))})
+    backoff = Backoff(first=min(0.05, poll_s), cap=max(poll_s, 1.0))
     t0 = time.monotonic()
     published = False
+    seen: Optional[frozenset] = None
     while True:
         elapsed = time.monotonic() - t0
         plans = await store.read(round, accept)
+        now_seen = frozenset(p.leader for p in plans)
+        if now_seen != seen:
+            seen = now_seen
+            backoff.reset()  # something changed: read again soon
         best = choose_plan(store.run_id, round, plans)
         my_turn_now = my_turn is not None and not published and elapsed >= delay(my_turn)
         # Publish when it is my turn, unless a plan from a better-ranked leader already exists, or a
@@ -225,8 +238,12 @@ async def obtain_plan(
                 my_turn = None  # do not retry every poll; follow whatever plan appears
             continue
         if best is not None:
-            await asyncio.sleep(settle_s)  # let a better-ranked plan published meanwhile become visible
-            plans = await store.read(round, accept) or plans
+            # Settle only while a better-ranked leader may still publish legitimately: until settle_s past
+            # the plan's start (created_at); a peer reading later decides at once.
+            wait = min(settle_s, best.created_at + settle_s - time.time())
+            if wait > 0:
+                await asyncio.sleep(wait)  # let a better-ranked plan published meanwhile become visible
+                plans = await store.read(round, accept) or plans
             chosen = choose_plan(store.run_id, round, plans)
             if len(plans) > 1:
                 log.info("round %d: %d plans seen, following leader %s (lowest rank)",
@@ -234,4 +251,9 @@ async def obtain_plan(
             return chosen
         if elapsed > give_up_s:
             return None
-        await asyncio.sleep(poll_s)
+        step = backoff.next()
+        upcoming = [t - elapsed for t in turns if t > elapsed]
+        if upcoming and upcoming[0] <= step:
+            step = upcoming[0] + 0.01  # wake just past the next take-over instant ...
+            backoff.reset()  # ... and look closely for the plan it brings
+        await asyncio.sleep(max(0.0, min(step, give_up_s - elapsed + 0.01)))

@@ -1,0 +1,27 @@
+"""Round lifecycle: plan agreement (:mod:`.plans`), the round state machine (:mod:`.driver`) and its
+injected collaborators (:mod:`.ports`). Every name of the former ``geomesh_p2p/round.py`` is importable
+from here."""
+
+from geomesh_p2p.round.backoff import Backoff
+from geomesh_p2p.round.plans import (LEADER_WAIT_CANDIDATES, DigestCheck, PlanStore, choose_plan, digest_majority,
+                                     leader_order, leader_rank, obtain_plan, plan_key, takeover_delay)
+from geomesh_p2p.round.driver import DriverConfig, Phase, RoundContext, RoundDriver, no_work
+from geomesh_p2p.round.ports import (Clock, Collective, GlobalStatePort, Membership, PlanAgreement, RoundPolicy,
+                                     SystemClock, Trainer)
+
+__all__ = ["Backoff", "LEADER_WAIT_CANDIDATES", "DigestCheck", "PlanStore", "choose_plan", "digest_majority",
+           "leader_order", "leader_rank", "obtain_plan", "plan_key", "takeover_delay", "DriverConfig", "Phase",
+           "RoundContext", "RoundDriver", "no_work", "Clock", "Collective", "GlobalStatePort", "Membership",
+           "PlanAgreement", "RoundPolicy", "SystemClock", "Trainer", "DhtPlanAgreement"]
+
+
+class DhtPlanAgreement:
+    """:class:`PlanAgreement` over a :class:`PlanStore` (the DHT): :func:`obtain_plan`, looked up on this
+    module at call time (tests replace ``geomesh_p2p.round.obtain_plan``)."""
+
+    def __init__(self, store: PlanStore):
+        self.store = store
+
+    async def agree(self, round, members, make_plan, *, accept, candidates, plan_timeout_s):
+        return await obtain_plan(self.store, round, members, make_plan,
+                                 plan_timeout_s=plan_timeout_s, accept=accept, candidates=candidates)

@@ -1,0 +1,491 @@
+"""The round state machine (issue 13): gather members -> agree on a plan -> train -> exchange ->
+outer step -> digest check / re-sync, with every collaborator injected (:mod:`geomesh_p2p.round.ports`).
+
+One :class:`RoundDriver` runs the rounds of one peer. Each phase is a method and :attr:`RoundDriver.phase`
+says which one runs (the node's status and the tests read it). Whole-model work (inner steps, the outer
+step, loading weights, the digest, evaluation, checkpoints) runs in worker threads, never on the event
+loop. Waiting for peers or for a round reads the DHT with capped exponential backoff (50 ms -> 1 s,
+x1.5, restarting when what is read changes) instead of fixed-period polling. docs/round.md lists the
+phases, their timeouts and the DHT requests of one round.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from geomesh_p2p.metrics import RoundRecord
+from geomesh_p2p.planner import RoundPlan
+from geomesh_p2p.probation import PROBATION_SYNC_WAIT_S
+from geomesh_p2p.records import PeerRecord
+from geomesh_p2p.round.backoff import Backoff
+from geomesh_p2p.round.plans import digest_majority
+from geomesh_p2p.round.ports import (Clock, Collective, GlobalStatePort, Membership, PlanAgreement, RoundPolicy,
+                                     SystemClock, Trainer)
+from geomesh_p2p.state_sync import StateSyncError
+
+# Round log lines keep the node's logger name: operators' filters and the tests' caplog select on it.
+log = logging.getLogger("geomesh_p2p.node.round")
+
+__all__ = ["Phase", "DriverConfig", "RoundDriver", "RoundContext", "no_work"]
+
+
+class Phase(enum.Enum):
+    """Where the driver is."""
+
+    IDLE = "idle"
+    GATHER = "gather"
+    PLAN = "plan"
+    TRAIN = "train"
+    EXCHANGE = "exchange"
+    FINISH = "finish"
+    RESYNC = "resync"
+    DONE = "done"
+
+
+@dataclass
+class DriverConfig:
+    """The driver's knobs (seconds). ``min_peers`` and ``wait_peers_s`` apply before the first round;
+    later rounds gather for ``gather_wait_s``."""
+
+    min_peers: int = 1
+    wait_peers_s: float = 60.0
+    gather_wait_s: float = 4.0
+    plan_timeout_s: float = 4.0
+    digest_wait_s: float = 2.0
+    rounds: Optional[int] = None
+    target_ppl: Optional[float] = None
+    eval_every: int = 1
+    eval_batches: int = 8
+    checkpoint_every: int = 5
+    checkpointing: bool = False
+    method_gradient: bool = False  # ddp: exchange one batch's gradient, not a pseudo-gradient
+    backoff_first_s: float = 0.05
+    backoff_cap_s: float = 1.0
+    live_refresh_s: float = 1.0  # refresh of the live view while plans are read (backoff cap)
+
+
+def no_work(compute_s: float):
+    """The InnerResult of a round in which this peer trained nothing usable (0 tokens: the collective
+    gives its contribution no weight)."""
+    from geomesh_p2p.training import InnerResult  # training imports transformers: load it only when needed
+
+    return InnerResult(steps_done=0, tokens=0, mean_loss=float("nan"), last_loss=float("nan"),
+                       compute_s=max(0.0, compute_s), stopped_early=True)
+
+
+@dataclass
+class RoundContext:
+    """What one round carries from phase to phase. Times are wall-clock seconds, bytes are totals."""
+
+    round: int
+    t_round: float
+    members: list = field(default_factory=list)
+    live: dict = field(default_factory=dict)
+    plan: Optional[RoundPlan] = None
+    assignment: Any = None
+    result: Any = None
+    delta: Optional[torch.Tensor] = None
+    spec: Any = None
+    ar: Any = None
+    t_compute_end: float = 0.0
+    t_agg: float = 0.0
+    sent0: int = 0
+    recv0: int = 0
+
+
+class RoundDriver:
+    """Runs rounds until ``rounds`` / ``target_ppl`` / ``stop``.
+
+    Args:
+        membership, plans, trainer, collective, state, policy: the ports (:mod:`geomesh_p2p.round.ports`).
+        cfg: :class:`DriverConfig`.
+        stop: set to stop; a round under exchange finishes first (its parts stay served).
+        clock: wall and monotonic time (injected in tests).
+        traffic: ``() -> (bytes sent, bytes received)`` so far, for the round's row.
+        history: the node's list of RoundRecord rows (appended to).
+    """
+
+    def __init__(self, *, membership: Membership, plans: PlanAgreement, trainer: Trainer, collective: Collective,
+                 state: GlobalStatePort, policy: RoundPolicy, cfg: DriverConfig, stop: asyncio.Event,
+                 clock: Optional[Clock] = None, traffic: Callable[[], tuple[int, int]] = lambda: (0, 0),
+                 history: Optional[list] = None, leaving: Callable[[bool], None] = lambda _: None,
+                 loop_stall: Callable[[], Optional[float]] = lambda: None):
+        self.membership, self.plans, self.trainer, self.collective = membership, plans, trainer, collective
+        self.state, self.policy, self.cfg, self.stop = state, policy, cfg, stop
+        self.clock = clock or SystemClock()
+        self.traffic = traffic
+        self.history = history if history is not None else []
+        self.set_leaving = leaving
+        self.loop_stall = loop_stall
+        self.phase = Phase.IDLE
+        self.in_exchange = False
+        self.leaving = False
+        self._waiting_logged: Optional[tuple[int, int]] = None
+
+    @property
+    def me(self) -> str:
+        return self.membership.me
+
+    def _backoff(self) -> Backoff:
+        return Backoff(self.cfg.backoff_first_s, max(self.cfg.backoff_first_s, self.cfg.backoff_cap_s))
+
+    async def _pause(self, seconds: float) -> bool:
+        """Wait ``seconds`` or until stop; True when stopped. (The only sleep of the driver: backoff.)"""
+        from geomesh_p2p.aio import wait_event
+
+        return await wait_event(self.stop, seconds)
+
+    # ------------------------------------------------------------------ the loop
+    async def run(self) -> None:
+        """Rounds until done. Catches up first whenever the swarm holds a later round."""
+        expected: set[str] = set()
+        first = True
+        while not self.stop.is_set():
+            if self.cfg.rounds is not None and self.state.round >= self.cfg.rounds:
+                break
+            await self.membership.announce()
+            if await self.behind():
+                await self.resync("the swarm is at a later round")
+                continue
+            members = await self.gather(expected, first=first)
+            if members is None:
+                continue  # the swarm is ahead: the next pass catches up
+            if self.stop.is_set() and not members:
+                break
+            first = False
+            expected = await self.one_round(members)
+            if self.reached_target():
+                break
+        self.phase = Phase.DONE
+
+    async def behind(self) -> bool:
+        """True when the swarm's vote backs a later round than this peer's."""
+        sr = self.policy.swarm_round(await self.membership.peers())
+        return sr is not None and sr > self.state.round
+
+    def reached_target(self) -> bool:
+        """True once the last row's evaluation is at or under ``target_ppl``."""
+        t = self.cfg.target_ppl
+        h = self.history
+        return t is not None and bool(h) and h[-1].eval_ppl is not None and h[-1].eval_ppl <= t
+
+    async def resync(self, why: str) -> None:
+        """Download the swarm's state; a failure is one warning and a pause (the donors may come back)."""
+        self.phase = Phase.RESYNC
+        try:
+            await self.state.catch_up()
+        except StateSyncError as e:
+            log.warning("catching up failed (%s; %s); retrying in a few seconds", e, why)
+            await self._pause(3.0)
+
+    # ------------------------------------------------------------------ phases
+    async def gather(self, expected: set[str], *, first: bool) -> Optional[list[PeerRecord]]:
+        """Phase GATHER: the peers in sync for this round (announced it with this digest). Waits for
+        ``expected`` (last round's contributors, less those leaving) and peers announced as syncing, up to
+        ``gather_wait_s`` (``wait_peers_s`` and ``min_peers`` before the first round; syncing peers on
+        probation up to ``PROBATION_SYNC_WAIT_S``). None at once when the swarm holds a later round.
+        Short of ``min_peers``, one INFO line "waiting for N peers, M live" (not one per read)."""
+        self.phase = Phase.GATHER
+        min_peers = self.cfg.min_peers if first else 1
+        wait_s = self.cfg.wait_peers_s if first else self.cfg.gather_wait_s
+        t0 = self.clock.monotonic()
+        backoff = self._backoff()
+        last_ids: Optional[frozenset] = None
+        while True:
+            everyone = await self.membership.peers(include_leaving=True)
+            # A peer that said it is leaving is not waited for (it finished its last exchange).
+            expected = expected - {r.peer_id for r in everyone if r.leaving}
+            recs = [r for r in everyone if not r.leaving]
+            sr = self.policy.swarm_round(recs)
+            if sr is not None and sr > self.state.round:
+                return None
+            synced = [r for r in recs if r.round == self.state.round and r.weights_digest == self.state.digest]
+            ids = {r.peer_id for r in synced}
+            syncing = {r.peer_id for r in recs if r.round == self.state.round and r.weights_digest is None}
+            if syncing - ids and self.clock.monotonic() - t0 > PROBATION_SYNC_WAIT_S:
+                syncing = {p for p in syncing if self.policy.standing_established(recs, p)}
+            if (expected | syncing) <= ids and len(ids) >= min_peers:
+                return synced
+            if len(ids) < min_peers and self._waiting_logged != (min_peers, len(recs)):
+                self._waiting_logged = (min_peers, len(recs))
+                log.info("round %d: waiting for %d peers, %d live (up to %.0f s)", self.state.round, min_peers,
+                         len(recs), wait_s)
+            if self.clock.monotonic() - t0 > wait_s or self.stop.is_set():
+                return synced
+            now_ids = frozenset(r.peer_id for r in recs)
+            if now_ids != last_ids:
+                last_ids = now_ids
+                backoff.reset()
+            if await self._pause(min(backoff.next(), max(0.0, wait_s - (self.clock.monotonic() - t0)) + 0.01)):
+                return synced
+
+    async def one_round(self, members: list[PeerRecord]) -> set[str]:
+        """Run round ``state.round`` with ``members``; returns the participants expected next round."""
+        ctx = RoundContext(round=self.state.round, t_round=self.clock.time(), members=members)
+        if not await self.agree(ctx):
+            return set()
+        if not await self.train(ctx):
+            return set()
+        if not await self.exchange(ctx):
+            return set()
+        return await self.finish(ctx)
+
+    async def _refresh_live(self, live: dict, done: asyncio.Event) -> None:
+        """Add newly seen live peers to ``live`` until ``done``: backoff, restarting when a peer appears.
+        Stopped by the event, not cancelled: a DHT lookup cancelled mid-flight leaves hivemind's
+        ``traverse_dht`` helper tasks pending ("Task was destroyed but it is pending!")."""
+        from geomesh_p2p.aio import wait_event
+
+        backoff = Backoff(self.cfg.backoff_first_s * 4, max(self.cfg.backoff_first_s * 4, self.cfg.live_refresh_s))
+        while not await wait_event(done, backoff.next()):
+            try:
+                fresh = {x.peer_id: x for x in await self.membership.peers()}
+            except Exception as e:  # a failed DHT read: keep the last view
+                log.debug("refreshing live peers failed: %s", e)
+                continue
+            if set(fresh) - set(live):
+                backoff.reset()
+            live.update(fresh)
+
+    async def agree(self, ctx: RoundContext) -> bool:
+        """Phase PLAN: the plan this peer follows (it publishes one when its turn as leader comes). A peer
+        alone in the run plans its own round at once (no DHT round trips eat its window). False: no
+        round for this peer (no plan, or not in it: it waited for the round's end and re-synced)."""
+        self.phase = Phase.PLAN
+        r = ctx.round
+        live = ctx.live
+        live.update({x.peer_id: x for x in await self.membership.peers()})
+        members, candidates = self.policy.leader_candidates(ctx.members, live)
+        if [m.peer_id for m in members] == [self.me] and set(live) == {self.me}:
+            # Lone peer: nobody else can lead, follow or read a plan; plan with a fresh start time so
+            # the whole window trains (the DHT, maybe unreachable, is not asked).
+            try:
+                plan = self.policy.make_plan(members, self.me)
+            except Exception as e:
+                log.error("round %d: planning failed (%s: %s)", r, type(e).__name__, e)
+                await self._pause(self.cfg.plan_timeout_s)
+                return False
+        else:
+            # Not cancelled by a stop request (bounded by the plan timeouts): once the others follow a plan
+            # naming this peer, it must serve its part and contribute (0 steps if stopping). The live view
+            # stays fresh meanwhile: a peer that (re)joined just now may lead a better-ranked plan.
+            done = asyncio.Event()
+            refresher = asyncio.ensure_future(self._refresh_live(live, done))
+            try:
+                plan = await self.plans.agree(r, members, self.policy.make_plan,
+                                              accept=lambda p: self.policy.plan_problem(p, live),
+                                              candidates=candidates, plan_timeout_s=self.cfg.plan_timeout_s)
+            finally:
+                done.set()  # the lookup under way finishes (bounded by the DHT's RPC timeouts)
+                await asyncio.gather(refresher, return_exceptions=True)
+        if plan is None:
+            if not self.stop.is_set():
+                log.warning("round %d: no plan appeared; retrying", r)
+            return False
+        ctx.plan = plan
+        if self.stop.is_set() and self.me not in plan.participants():
+            return False
+        if self.me not in plan.participants() or plan.start_digest != self.state.digest:
+            await self.wait_out(ctx)
+            return False
+        return True
+
+    async def wait_out(self, ctx: RoundContext) -> None:
+        """A planned-out peer (joined late, too slow for the window, or other weights): announce as syncing
+        for the next round (its leader then waits for it), wait for the others to announce it, re-sync."""
+        plan, r = ctx.plan, ctx.round
+        why = (f"not in the plan of leader {plan.leader[:10]} (it joined late, or the leader found its link or "
+               f"device too slow for the {plan.window_s:.1f} s window: see the leader's log)"
+               if self.me not in plan.participants() else "weights differ from the plan's")
+        log.info("round %d: %s; waiting for the round to end, then syncing", r, why)
+        self.state.syncing, self.state.round = True, r + 1
+        await self.membership.announce()
+        await self.wait_for_round(r + 1, timeout_s=max(5.0, plan.exchange_deadline - self.clock.time() + 5.0))
+        await self.resync("planned out")
+
+    async def wait_for_round(self, r: int, timeout_s: float = 30.0) -> bool:
+        """Wait until another peer announces round ``r`` with a digest (backoff); True when one did."""
+        deadline = self.clock.monotonic() + timeout_s
+        backoff = self._backoff()
+        while self.clock.monotonic() < deadline and not self.stop.is_set():
+            recs = [x for x in await self.membership.peers() if x.peer_id != self.me]
+            if any(x.round >= r and x.weights_digest for x in recs):
+                return True
+            if await self._pause(min(backoff.next(), max(0.0, deadline - self.clock.monotonic()) + 0.01)):
+                break
+        return False
+
+    async def train(self, ctx: RoundContext) -> bool:
+        """Phase TRAIN: the assigned inner steps (a worker thread) until the plan's train deadline, then
+        this peer's pseudo-gradient. A diverged or non-finite update is replaced by a zero contribution of
+        0 tokens (one WARNING line) and the model goes back to the global weights."""
+        self.phase = Phase.TRAIN
+        plan, r = ctx.plan, ctx.round
+        a = ctx.assignment = plan.assignment(self.me)
+        ctx.sent0, ctx.recv0 = self.traffic()
+        grad = None
+        t_train = time.perf_counter()
+        try:
+            if self.cfg.method_gradient:
+                grad, result = await asyncio.to_thread(lambda: self.trainer.gradient(
+                    round=r, batch_size=a.batch_size, micro_batch=a.micro_batch))
+            else:
+                result = await asyncio.to_thread(lambda: self.trainer.run(
+                    round=r, inner_steps=a.inner_steps, batch_size=a.batch_size, micro_batch=a.micro_batch,
+                    deadline=plan.train_deadline, should_stop=self.stop.is_set,
+                    progress=_progress_printer(r, a.inner_steps)))
+        except FloatingPointError as e:
+            # The global weights give a non-finite loss (e.g. a hostile update blew them up): this peer has
+            # nothing sound to contribute this round, but it keeps serving and following the swarm.
+            log.warning("round %d: %s; contributing nothing this round", r, e)
+            grad, result = None, no_work(time.perf_counter() - t_train)
+            await asyncio.to_thread(self.state.reset_model)
+        ctx.t_compute_end = self.clock.time()
+        if self.stop.is_set():
+            # Finish the round anyway (the inner steps stopped early): the parts this peer owns stay
+            # served and the others get a full update; the node leaves right after.
+            log.info("round %d: stop requested; exchanging what was trained, then leaving", r)
+        delta = grad if grad is not None else await asyncio.to_thread(self.state.pseudo_gradient)
+        if not await asyncio.to_thread(lambda: bool(torch.isfinite(delta).all())):
+            log.warning("round %d: this peer's update has non-finite values (its inner steps diverged); "
+                        "contributing nothing this round", r)
+            delta, result = torch.zeros_like(delta), no_work(result.compute_s)
+            await asyncio.to_thread(self.state.reset_model)
+        ctx.delta, ctx.result = delta, result
+        try:
+            ctx.spec = self.policy.collective_spec(plan)
+        except ValueError as e:  # plan_problem should have caught it; never crash on a leader's plan
+            log.error("round %d: the plan of %s cannot be executed (%s); skipping the round", r, plan.leader[:10], e)
+            await asyncio.to_thread(self.state.reset_model)  # this round's steps are void
+            return False
+        return True
+
+    async def exchange(self, ctx: RoundContext) -> bool:
+        """Phase EXCHANGE: the collective all-reduce of this peer's update (a stop request waits for it)."""
+        self.phase = Phase.EXCHANGE
+        self.in_exchange = True
+        try:
+            ctx.ar = await self.collective.all_reduce(ctx.spec, ctx.delta, tokens=ctx.result.tokens,
+                                                      compute_end=ctx.t_compute_end)
+        finally:
+            self.in_exchange = False
+        ctx.t_agg = self.clock.time()
+        self.policy.after_exchange(ctx.spec, ctx.plan, ctx.ar)
+        return True
+
+    async def finish(self, ctx: RoundContext) -> set[str]:
+        """Phase FINISH: outer step and digest (worker thread), re-profiling, announcement, evaluation, the
+        round's row, digest check, then a checkpoint or a re-sync on a digest mismatch. Returns the
+        participants expected next round (this round's contributors)."""
+        self.phase = Phase.FINISH
+        r, plan, a, result, ar = ctx.round, ctx.plan, ctx.assignment, ctx.result, ctx.ar
+        self.policy.before_outer_step(r, plan, a, ar)  # verified work keeps this round's start weights
+        idle = ar.idle_ranges() if hasattr(ar, "idle_ranges") else ()
+        await asyncio.to_thread(self.state.outer_step, r, plan, ar.aggregate, idle)
+        await asyncio.to_thread(self.state.commit, r + 1)
+        # Re-profile before announcing round r+1: the record a leader gathers for r+1 then already holds
+        # the figures every follower will check its plan against (planner.check_plan).
+        self.policy.after_outer_step(r, plan, a, result, ar)
+        sent1, recv1 = self.traffic()
+        last = self.cfg.rounds is not None and r + 1 >= self.cfg.rounds
+        if self.stop.is_set() or last:
+            # Say so with the new round's record, before the others gather for it (every way of leaving
+            # announces before the next gather; --target-ppl right after the evaluation below).
+            self._leave()
+            log.info("round %d: exchange done; announcing that this peer leaves (%s)", r,
+                     "stop requested" if self.stop.is_set() else f"--rounds {self.cfg.rounds} reached")
+        await self.membership.announce()
+        ppl = (await asyncio.to_thread(self.trainer.evaluate, max_batches=self.cfg.eval_batches)
+               if (r + 1) % self.cfg.eval_every == 0 or last else None)
+        t = self.cfg.target_ppl
+        if t is not None and ppl is not None and ppl <= t and not self.leaving:
+            self._leave()
+            log.info("round %d: target eval perplexity %g reached; announcing that this peer leaves", r, t)
+            await self.membership.announce()
+        # The barrier is when the last contributor finished computing (stated in its contributions):
+        # waiting until then is straggler idle, waiting after it is network idle (the paper's split).
+        barrier = min(ar.last_compute_end or ctx.t_compute_end, ctx.t_agg)
+        straggler = max(0.0, barrier - ctx.t_compute_end)
+        network = max(0.0, (ctx.t_agg - ctx.t_compute_end) - straggler)
+        delivered = {pid for part in ar.contributors.values() for pid, _ in part}
+        rec = RoundRecord(
+            round=r, peers=len(plan.assignments), leader=plan.leader[:10], batch_size=a.batch_size,
+            inner_steps_planned=a.inner_steps, inner_steps_done=result.steps_done, tokens=result.tokens,
+            train_loss=result.mean_loss, eval_ppl=ppl, compute_s=result.compute_s,
+            straggler_idle_s=straggler, network_idle_s=network, round_s=self.clock.time() - ctx.t_round,
+            bytes_sent=sent1 - ctx.sent0, bytes_received=recv1 - ctx.recv0, digest=self.state.digest,
+            contributors=len(delivered), missing_parts=len(ar.missing_parts), time=self.clock.time())
+        stall = self.loop_stall()
+        if stall is not None and hasattr(rec, "loop_stall_ms"):
+            rec.loop_stall_ms = stall * 1e3
+        # Only the participants that delivered vote on the digest (and are waited for): a no-show, e.g. an
+        # identity on probation that never takes part, would hold every check for its whole wait.
+        rec.digest_agree = await self.check_digest(
+            r + 1, [p for p in plan.participants() if p in delivered] or plan.participants())
+        self.history.append(rec)
+        if sys.stdout.isatty():
+            sys.stdout.write("\r\x1b[K")  # clear the progress line before the row
+        if rec.underfilled and not self.stop.is_set():
+            # Flagged in the table ("!"), the JSON row and Prometheus too; the next plan already follows the
+            # re-measured tokens/s, so a mis-profiled peer gets fewer steps.
+            log.warning("round %d: trained %d of %d planned inner steps (device slower than profiled, or busy)",
+                        r, rec.inner_steps_done, rec.inner_steps_planned)
+        self.policy.publish_record(rec)
+        if rec.digest_agree is False:
+            self.phase = Phase.RESYNC
+            try:
+                await self.state.catch_up()
+            except StateSyncError as e:  # the next round's behind() check tries again
+                log.warning("re-sync failed (%s); will retry", e)
+        elif self.cfg.checkpointing and (r + 1) % self.cfg.checkpoint_every == 0:
+            await self.state.checkpoint_or_warn()
+        return delivered or set(plan.participants())
+
+    def _leave(self) -> None:
+        self.leaving = True
+        self.set_leaving(True)
+
+    async def check_digest(self, r: int, participants: Sequence[str]) -> Optional[bool]:
+        """This peer's digest against the majority of the round's participants (waits up to
+        ``digest_wait_s`` for their records, backoff). None: nobody else to compare with."""
+        deadline = self.clock.monotonic() + self.cfg.digest_wait_s
+        backoff = self._backoff()
+        counted = -1
+        while True:
+            # leaving peers count too: their last record carries the digest they ended the round with
+            recs = [x for x in await self.membership.peers(include_leaving=True) if x.peer_id in participants]
+            majority, agree, total = digest_majority(recs, r)
+            if total >= len(participants) or self.clock.monotonic() > deadline:
+                break
+            if total != counted:
+                counted = total
+                backoff.reset()
+            if await self._pause(min(backoff.next(), max(0.0, deadline - self.clock.monotonic()) + 0.01)):
+                break
+        if majority is None or total <= 1:
+            return None
+        if majority != self.state.digest:
+            log.error("round %d: my digest %s differs from the majority's %s (%d/%d); re-syncing",
+                      r, (self.state.digest or "")[:8], majority[:8], agree, total)
+            return False
+        return True
+
+
+def _progress_printer(r: int, planned: int):
+    """A live progress line for the inner steps, on a terminal only (logs stay clean)."""
+    if not sys.stdout.isatty():
+        return None
+
+    def show(step: int, loss: float, tokens_per_s: float) -> None:
+        sys.stdout.write(f"\r  round {r}: inner step {step}/{planned}  loss {loss:.3f}  "
+                         f"{tokens_per_s:,.0f} tokens/s\x1b[K")
+        sys.stdout.flush()
+    return show

@@ -1,0 +1,521 @@
+"""The node's round rules, as a mixin of :class:`~geomesh_p2p.node.PeerNode` (issue 13): planning
+(admission of members, penalties for failed owners and no-shows, the plan itself), the checks a
+follower makes on a leader's plan, the collective's spec, the outer step per part, re-profiling (EMAs),
+the state vote and the re-sync. It implements :class:`~geomesh_p2p.round.ports.RoundPolicy` and the
+state half of :class:`~geomesh_p2p.round.ports.GlobalStatePort` for the driver.
+
+Attributes it reads on the node: ``run_cfg``, ``cfg``, ``me``, ``numel``, ``round``, ``digest``, ``standing``,
+``theta`` / ``outer`` (global weights [P] and outer optimizer, fp32 CPU), ``ema``, ``transport``, ``dht``,
+``model``, ``trainer``, ``collective``; penalties ``_owner_penalty`` / ``_noshow_penalty`` (peer id -> last
+round of the penalty).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+import time
+from typing import Optional, Sequence
+
+import torch
+
+from geomesh_p2p import capability, collective, planner, state_sync, swarm_status, verify
+from geomesh_p2p import probation as pb
+from geomesh_p2p.planner import PlanConfig
+from geomesh_p2p.round.driver import no_work
+from geomesh_p2p.standing import OnceLog, choose_state
+
+# Round log lines keep the node's logger name: operators' filters and the tests' caplog select on it.
+log = logging.getLogger("geomesh_p2p.node.round")
+
+__all__ = ["NodeRoundPolicy", "OWNER_PENALTY_ROUNDS", "outer_step_per_part"]
+
+#: Rounds during which a peer owns no part after a part it owned had no valid result (owner gone, or a
+#: result every reader refused, e.g. below the quorum). All honest peers saw the same missing part, so
+#: honest leaders agree; the peer still contributes, it only stops deciding a range.
+OWNER_PENALTY_ROUNDS = 5
+
+
+def outer_step_per_part(outer, theta: torch.Tensor, aggregate: torch.Tensor, ranges: Sequence[tuple[int, int]],
+                        r: int, idle: Sequence[tuple[int, int]] = ()) -> tuple[list, set]:
+    """Apply ``outer``'s step (OuterNesterov / SyncAdamW: element-wise) part by part, in place.
+
+    Each part ``[s, e)`` of ``ranges`` steps on a private copy of its slices of ``theta`` and of the k
+    optimizer-state slices (``outer.buf``: k consecutive [P] slices, Nesterov momentum or AdamW m then v),
+    written back only when every new value is finite; a part whose aggregate is not finite is not stepped.
+    Elements in ``idle`` ranges keep weights and state. Peak extra memory is (1 + k) x the largest part
+    (not (1 + k) x P: 1.2 GB at 150M parameters). Bitwise equal to one whole-vector step on the parts
+    that step (the ops are element-wise).
+
+    Args:
+        theta: [P] fp32 CPU global weights (modified in place).
+        aggregate: [P] fp32 CPU, not modified.
+    Returns:
+        (parts skipped, sorted; the subset of them skipped for a non-finite aggregate).
+    """
+    p = theta.numel()
+    if outer.buf is None:
+        outer.buf = torch.zeros(p * int(getattr(outer, "state_factor", 1)), dtype=torch.float32)
+    buf = outer.buf
+    k = buf.numel() // p if p else 0
+    steps_after = None
+    bad, bad_in = [], set()
+    for s, e in ranges:
+        if not bool(torch.isfinite(aggregate[s:e]).all()):
+            bad.append((s, e))
+            bad_in.add((s, e))
+            continue
+        part = copy.copy(outer)  # shares lr / momentum / schedule; its buffer is this part's own copy
+        part.buf = torch.cat([buf[j * p + s:j * p + e] for j in range(k)]) if k else None
+        if getattr(outer, "decay_mask", None) is not None:
+            part.decay_mask = outer.decay_mask[s:e]
+        new = theta[s:e].clone()
+        part.step(new, aggregate[s:e].contiguous(), round=r)
+        steps_after = part.steps
+        if not bool(torch.isfinite(new).all()) or (part.buf is not None and not bool(torch.isfinite(part.buf).all())):
+            bad.append((s, e))
+            continue
+        n = e - s
+        for i0, i1 in idle:  # idle elements keep their values
+            a0, a1 = max(i0, s), min(i1, e)
+            if a0 < a1:
+                new[a0 - s:a1 - s] = theta[a0:a1]
+                for j in range(k):
+                    part.buf[j * n + a0 - s:j * n + a1 - s] = buf[j * p + a0:j * p + a1]
+        theta[s:e] = new
+        for j in range(k):
+            buf[j * p + s:j * p + e] = part.buf[j * n:(j + 1) * n]
+    if steps_after is None:  # no part stepped: the step count still advances, as a whole-vector step would
+        part = copy.copy(outer)
+        part.buf = torch.zeros(0) if k else None
+        if getattr(outer, "decay_mask", None) is not None:
+            part.decay_mask = outer.decay_mask[:0]
+        part.step(theta[:0].clone(), aggregate[:0].contiguous(), round=r)
+        steps_after = part.steps
+    outer.steps = steps_after
+    return sorted(bad), bad_in
+
+
+class NodeRoundPolicy:
+    """Mixin of :class:`~geomesh_p2p.node.PeerNode`: the round rules (see the module docstring)."""
+
+    # ------------------------------------------------------------------ RoundPolicy port
+    def make_plan(self, members, leader):
+        """This peer's plan when it leads (:meth:`_make_plan`)."""
+        return self._make_plan(members, leader)
+
+    def plan_problem(self, plan, live: dict) -> Optional[str]:
+        """Why this peer refuses ``plan``: :meth:`_plan_problem`, then verified work's objection."""
+        return self._plan_problem(plan, live) or self._verified_plan_problem(plan)
+
+    def leader_candidates(self, members, live: dict):
+        """(members without the peers verified work excluded, the established ones that may lead)."""
+        members = self._verified_members(members)
+        return members, pb.leader_candidates(self._standing_view(list(live.values())), [m.peer_id for m in members],
+                                             barred=self._noshows())
+
+    def collective_spec(self, plan):
+        return self._collective_spec(plan)
+
+    def swarm_round(self, records) -> Optional[int]:
+        return self._swarm_round(records)
+
+    def standing_established(self, records, peer_id: str) -> bool:
+        return self._standing_view(records).established(peer_id)
+
+    def after_exchange(self, spec, plan, ar) -> None:
+        self._note_failed_owners(spec, ar)
+        self._note_no_shows(plan, ar)
+
+    def before_outer_step(self, r, plan, assignment, ar) -> None:
+        self._verify_round(r, plan, assignment, ar)
+
+    def after_outer_step(self, r, plan, assignment, result, ar) -> None:
+        """Re-profile before round r+1 is announced: its leader then plans with the figures every follower
+        checks the plan against (planner.check_plan); delivered rates; standing credits (standing.py)."""
+        self._update_throughput(assignment.micro_batch, result)
+        self._update_links(ar)
+        self._supported_tps = (r, self._delivered_rates(plan, ar))
+        self.standing.credit(r, {pid for part in ar.contributors.values() for pid, _ in part})
+
+    def publish_record(self, rec) -> None:
+        self.round_log.add(rec)
+        swarm_status.publish_round_summary(self, rec)  # the bootstrap's status page (issue 16)
+
+    # ------------------------------------------------------------------ outer step
+    def _outer_step(self, r: int, plan, aggregate: torch.Tensor, idle=()) -> None:
+        """Apply the outer step to ``self.theta`` / ``self.outer.buf`` part by part
+        (:func:`outer_step_per_part`): parts whose aggregate has a non-finite value, or whose new weights
+        or optimizer state would not be finite, keep their values (one WARNING line). Every honest peer
+        holds the same weights, state and aggregate bytes, so every one skips the same parts and the
+        digests stay equal. Parts: the plan's owner ranges, ``[start, end)`` elements of ``[P]``.
+
+        ``idle``: ranges that aggregated no token (missing parts, rounds nobody trained in): weights and
+        outer momentum stay as they were there (issue 14 #8: momentum alone must not move the model
+        through rounds that trained nothing); one INFO line. Synchronous: the driver runs it in a thread."""
+        p = self.theta.numel()
+        if idle:
+            n_idle = sum(e - s for s, e in idle)
+            log.info("round %d: %d of %d elements aggregated no token (%s); weights and outer momentum unchanged "
+                     "there", r, n_idle, p, "the whole model" if n_idle >= p else f"{len(idle)} part(s)")
+            if n_idle >= p:
+                return
+        ranges = [(start, end) for _, start, end in plan.owners()] or [(0, p)]
+        bad, bad_in = outer_step_per_part(self.outer, self.theta, aggregate, ranges, r, idle)
+        if bad:
+            log.warning("round %d: outer step skipped on %d of %d parts (%d of %d elements): %d with non-finite "
+                        "aggregate values, %d where the step would overflow", r, len(bad), len(ranges),
+                        sum(e - s for s, e in bad), p, len(bad_in), len(bad) - len(bad_in))
+
+    outer_step = _outer_step
+
+    # ------------------------------------------------------------------ moved from node.py
+    async def _catch_up(self) -> None:
+        """Download the state the swarm's vote backs (late join or digest mismatch): weighted by standing
+        once this peer knows who delivered, else by distinct addresses with history (standing.py)."""
+
+        self._syncing = True
+        start_round = self.round
+        try:
+            for attempt in range(30):
+                if self._stop.is_set():
+                    return
+                recs = [r for r in await self.peers() if r.peer_id != self.me]
+                choice = self._state_vote(recs).choice
+                if choice is None:
+                    self.round = start_round
+                    return
+                if choice.digest == self.digest:
+                    # This peer holds the backed state already (its digest check was outvoted by identities
+                    # without standing, or the others have not moved on yet).
+                    self.round = choice.round
+                    return
+                top, donors = choice.round, choice.donors
+                self.round = top
+                await self.announce()  # tell the leader we are syncing for this round
+                try:
+                    snap = await state_sync.download_state(self.transport, donors, round=top, numel=self.numel,
+                                                expected_digest=choice.digest, state_numel=self.state_numel)
+                except state_sync.StateSyncError as e:
+                    log.info("state download for round %d failed (%s); retrying", top, e)
+                    await asyncio.sleep(0.5)
+                    continue
+                await asyncio.to_thread(self._set_state, snap.round, snap.theta, snap.momentum)
+                log.info("downloaded state of round %d from %d donor(s), digest %s (%s vote: %g of %g)", top,
+                         len(donors), self.digest[:8], choice.mode, choice.backing, choice.total)
+                return
+            self.round = start_round  # nothing was downloaded: this peer still holds its own state
+            raise state_sync.StateSyncError("could not download the swarm's state after 30 attempts; see the log for why")
+        finally:
+            self._syncing = False
+            await self.announce()
+
+    async def _behind(self) -> bool:
+        """True when the swarm already holds the state of a later round (this peer must catch up)."""
+        sr = self._swarm_round(await self.peers())
+        return sr is not None and sr > self.round
+
+    def _swarm_round(self, recs) -> Optional[int]:
+        """The round the other peers are at: the round of the state their vote backs (standing.choose_state),
+        None when no state is backed by more than half of the vote. Votes count work, not identities: a
+        peer that trained weighs each record by the rounds it saw that peer deliver (30 fresh identities
+        announcing round+1 weigh nothing); a fresh peer counts distinct addresses, preferring peers others
+        vouch for. One record alone cannot drag a peer to a round nobody else is at."""
+        vote = self._state_vote(recs)
+        return vote.choice.round if vote.choice is not None else None
+
+    def _state_vote(self, recs):
+        """:func:`~geomesh_p2p.standing.choose_state` for this peer; logs once a state that most identities
+        announce but the standing this peer sees does not back, when it would have moved this peer."""
+        vote = choose_state(recs, me=self.me, standing=getattr(self, "standing", None),
+                            trained=bool(getattr(self, "history", None)))
+        ref = vote.refusal
+        if ref is not None:
+            mine = (getattr(self, "round", 0), getattr(self, "digest", None))
+            if ref.round > mine[0] or (ref.round == mine[0] and ref.digest != mine[1]):
+                if getattr(self, "_vote_log", None) is None:
+                    self._vote_log = OnceLog()
+                self._vote_log(("refused", ref.round, ref.digest), logging.WARNING, "%s", ref.message())
+        return vote
+
+    def _plan_config(self, n_peers: int):
+        r = self.run_cfg
+        p = self.numel
+        sign_bytes = (p + 7) // 8 + 4 * ((p + r.block_size - 1) // r.block_size)
+        per_peer = {"reencode": 2 * sign_bytes, "relay": sign_bytes * max(1, n_peers)}[r.mode]
+        if r.method in ("diloco", "awb", "ddp"):
+            per_peer = 2 * 4 * p
+        return PlanConfig(seq_len=r.seq_len, target_batch=r.target_batch, window_s=r.window_s,
+                          part_align=r.block_size if r.method in ("geomesh", "css") else 1,
+                          comm_share=r.comm_share, payload_bytes=per_peer, mode=r.mode, method=r.method,
+                          uniform_inner_steps=r.uniform_inner_steps, max_inner_steps=r.max_inner_steps,
+                          exchange_timeout_s=max(5.0, 3 * self.cfg.plan_timeout_s))
+
+    def _note_failed_owners(self, spec, ar) -> None:
+        """Owners of parts with no valid result this round own no part for ``OWNER_PENALTY_ROUNDS`` rounds."""
+        for j in ar.missing_parts:
+            pid = spec.owners[j].peer_id
+            if pid == self.me:
+                continue
+            if pid not in self._owner_penalty:
+                log.warning("round %d: part %d of %s had no valid result; it owns no part for the next %d rounds",
+                            spec.round, j, pid[:10], OWNER_PENALTY_ROUNDS)
+            self._owner_penalty[pid] = spec.round + OWNER_PENALTY_ROUNDS
+
+    def _without_parts(self, members, probation=()):
+        """``members`` with the peers under an owner penalty planned as client-only (they own no part),
+        unless that would leave no owner at all; peers on ``probation`` always own no part."""
+        self._owner_penalty = {p: until for p, until in self._owner_penalty.items() if until >= self.round}
+        if probation:
+            members = [m.model_copy(update={"address": None}) if m.peer_id in probation and m.address else m
+                       for m in members]
+        barred = [m for m in members if m.peer_id in self._owner_penalty and m.address]
+        if not barred or all(m in barred or not m.address for m in members):
+            return members
+        return [m.model_copy(update={"address": None}) if m in barred else m for m in members]
+
+    def _noshows(self) -> dict[str, int]:
+        """Peers under a no-show penalty this round (peer id -> last round of it); expired ones dropped."""
+        pen = getattr(self, "_noshow_penalty", None)
+        if pen is None:
+            pen = self._noshow_penalty = {}
+        for p in [p for p, until in pen.items() if until < self.round]:
+            del pen[p]
+        return pen
+
+    def _note_no_shows(self, plan, ar) -> None:
+        """Participants of ``plan`` in no aggregate this node applied are not planned (nor leader
+        candidates) for ``probation.noshow_penalty_rounds`` rounds. Every honest peer applied the same
+        aggregates, so honest leaders agree. Nothing is concluded when no part had a result."""
+        pen = self._noshows()
+        marked = set(plan.probation())
+        for pid in pb.absent_participants(plan.participants(), ar.contributors):
+            if pid == getattr(self, "me", None):
+                continue
+            rounds = pb.noshow_penalty_rounds(pid in marked)
+            if pid not in pen:
+                log.log(logging.INFO if pid in marked else logging.WARNING,
+                        "round %d: %s%s was planned and contributed to no part; not planned for the next %d rounds",
+                        plan.round, pid[:10], " (on probation)" if pid in marked else "", rounds)
+            pen[pid] = plan.round + rounds
+
+    def _standing_view(self, records):
+        """This node's :class:`~geomesh_p2p.probation.StandingView` of ``records`` for the current round."""
+        return pb.StandingView(getattr(self, "standing", None), records, round=self.round, me=getattr(self, "me", None))
+
+    def _admit(self, members):
+        """(members to plan, those of them on probation): no-shows left out; of the peers on probation
+        (standing below ``probation.threshold``), at most ``probation_slots(established)``, highest
+        standing first, then by a per-round rendezvous hash (probation.py)."""
+        pen = self._noshows()
+        me = getattr(self, "me", None)
+        kept = [m for m in members if m.peer_id not in pen or m.peer_id == me]
+        view = self._standing_view(members)
+        est, waiting = pb.split(view, [m.peer_id for m in kept])
+        chosen = pb.select_probation(self.run_cfg.run_id, self.round, view, waiting, pb.probation_slots(len(est)))
+        left = len(waiting) - len(chosen)
+        if left or len(kept) < len(members):
+            log.info("round %d: planning %d established peer(s) and %d of %d on probation; %d no-show(s) left out",
+                     self.round, len(est), len(chosen), len(waiting), len(members) - len(kept))
+        keep = set(est) | set(chosen)
+        return [m for m in kept if m.peer_id in keep], tuple(chosen)
+
+    def _make_plan(self, members, leader):
+        members, chosen = self._admit(members)
+        probation = chosen
+        members = self._without_parts(members, probation)
+        cfg = self._plan_config(len(members))
+        if self.run_cfg.window_s:
+            # A peer whose link cannot move its share of the exchange in half the window would stretch
+            # the round for everyone (or make a plan the others refuse): plan without it this round.
+            limit = 0.5 * self.run_cfg.window_s
+            # Likewise one that needs more than half the window for a single sequence.
+            seq = self.run_cfg.seq_len
+            slow = [m for m in members if planner.comm_time(m, cfg) > limit or seq / max(m.best_tokens_per_s(), 1e-9) > limit]
+            if slow and len(slow) < len(members):
+                log.warning("round %d: planning without %s: predicted exchange %s s, one sequence %s s; the limit is "
+                            "%.1f s (half the window)", self.round, ", ".join(m.peer_id[:10] for m in slow),
+                            ", ".join(f"{planner.comm_time(m, cfg):.1f}" for m in slow),
+                            ", ".join(f"{seq / max(m.best_tokens_per_s(), 1e-9):.1f}" for m in slow), limit)
+                members = [m for m in members if m not in slow]
+                # Still at most probation_slots(established) on probation (those first in line stay).
+                ids = {m.peer_id for m in members}
+                n_est = sum(1 for p in ids if p not in probation)
+                probation = tuple(p for p in chosen if p in ids)[:pb.probation_slots(n_est)]
+                members = [m for m in members if m.peer_id not in chosen or m.peer_id in probation]
+                cfg = self._plan_config(len(members))
+        # geomesh/awb: AWB plan; diloco/css: uniform; ddp: uniform with one step per round. Claims are
+        # bounded by the planner (planner.bound_records) and, for the peers of the last round, by what
+        # their delivered contributions support (_delivered_rates).
+        evidence = getattr(self, "_supported_tps", None)
+        supported = evidence[1] if evidence is not None and evidence[0] == self.round - 1 else None
+        return planner.make_plan(members, cfg, run_id=self.run_cfg.run_id, round=self.round, leader=leader, numel=self.numel,
+                         start_time=time.time() + 0.5, start_digest=self.digest, supported_tokens_per_s=supported,
+                         probation=probation)
+
+    def _plan_problem(self, plan, live: dict) -> Optional[str]:
+        """Why this peer must not follow ``plan`` (None: it may). Guards against a rogue or broken
+        leader: wrong model size or settings, unknown leader or participants, owners at addresses
+        their records do not announce, deadlines far in the future (a stall); then
+        :func:`geomesh_p2p.planner.check_plan`: batches, steps, window, token budgets and ownership
+        within what the participants' records and the run config support."""
+        rc = self.run_cfg
+        if plan.numel != self.numel:
+            return f"it is for {plan.numel} parameters, the model has {self.numel}"
+        if plan.seq_len != rc.seq_len or plan.method != rc.method or plan.mode != rc.mode:
+            return "its seq_len / method / mode differ from the run config"
+        if plan.leader not in live:
+            return "its leader is not a live peer of this run"
+        unknown = [p[:10] for p in plan.participants() if p not in live]
+        if unknown:
+            return f"it names peers that are not live: {unknown}"
+        for a in plan.assignments:
+            if a.part_end > a.part_start and a.address != live[a.peer_id].address:
+                return f"owner {a.peer_id[:10]} is placed at {a.address}, its record says {live[a.peer_id].address}"
+            if a.inner_steps > rc.max_inner_steps:
+                return f"{a.inner_steps} inner steps for {a.peer_id[:10]} exceed the run's {rc.max_inner_steps}"
+        horizon = 4 * (rc.window_s or 60.0) + 120.0
+        if plan.train_deadline - time.time() > horizon or plan.exchange_deadline - plan.train_deadline > horizon:
+            return "its deadlines are unreasonably far in the future"
+        # Probation (issue 12): the leader is not a new identity, and those it plans as established are
+        # established in this peer's view too (lenient by the rounds this peer did not see).
+        reason = pb.marking_problem(plan, self._standing_view(list(live.values())), live.keys())
+        if reason is not None:
+            return reason
+        # Batches, steps, window, budgets and ownership, recomputed from the records (issue 11).
+        barred = [p for p, until in getattr(self, "_owner_penalty", {}).items() if until >= self.round]
+        # Penalties hold whoever leads (an adversarial review found a no-show leading and giving itself 64%
+        # of the model again): a leader this peer saw deliver nothing, or a part given to an owner whose
+        # part had no valid result, is refused; the next leader takes over.
+        noshows = self._noshows()
+        if plan.leader in noshows and plan.leader != self.me:
+            return f"its leader {plan.leader[:10]} contributed to no part recently (not planned until round {noshows[plan.leader]})"
+        owning = [pid for pid, _, _ in plan.owners() if pid in barred and pid != self.me]
+        if owning:
+            return f"it gives a part to {owning[0][:10]}, whose part had no valid result in a recent round"
+        return planner.check_plan(plan, live, self._plan_config(len(plan.assignments)), now=time.time(), barred=barred)
+
+    def _collective_spec(self, plan):
+        """The collective's spec for ``plan``. Raises ValueError when the plan cannot be executed."""
+        r = plan.round
+        compressed = self.run_cfg.method in ("geomesh", "css")
+        push, agg = ("sign", self.run_cfg.aggregate_encoding) if compressed else ("fp32", "fp32")
+        # Owners' addresses come from the plan (the leader's view), so every peer dials the same ones.
+        addresses = {x.peer_id: x.address for x in plan.assignments}
+        owners = [collective.PartOwner(peer_id=pid, address=addresses.get(pid) or "", start=start, end=end)
+                  for pid, start, end in plan.owners()]
+        # A part too big for one gRPC message (fp32 baselines of large models) is cut into several.
+        owners = collective.split_owners(owners, collective.max_part_elements(
+            push_encoding=push, mode=plan.mode, aggregate_encoding=agg, n_participants=len(plan.assignments),
+            block_size=self.run_cfg.block_size, max_message_bytes=self.transport.config.max_message_bytes))
+        return collective.CollectiveSpec(
+            run_id=self.run_cfg.run_id, round=r,
+            participants={x.peer_id: x.token_budget for x in plan.assignments},
+            owners=owners, numel=self.numel, mode=plan.mode,
+            aggregate_encoding=agg, push_encoding=push,
+            block_size=self.run_cfg.block_size, clip_k=self.run_cfg.clip_k,
+            rule=self.run_cfg.aggregation if compressed else "mean",
+            weight_cap=self.run_cfg.weight_cap, min_agreement=self.run_cfg.min_agreement, quorum=self.run_cfg.quorum,
+            probation=plan.probation(), grace_s=pb.early_close_grace_s(plan.window_s),
+            deadline=plan.exchange_deadline - 0.25 * (plan.exchange_deadline - plan.train_deadline),
+            pull_deadline=plan.exchange_deadline)
+
+    def _verify_round(self, r: int, plan, a, ar) -> None:
+        """Verified work (:mod:`geomesh_p2p.verify`): keep round ``r``'s start weights and the signed
+        contributions received (relay mode), then, off the event loop and in parallel with the evaluation,
+        check the contributor this peer's selection draws and re-check published evidence. Bounded by
+        ``time_share`` of the window after the exchange (skipped with a debug line past it); at most one
+        such task runs at a time. Never raises: a failure here must not cost the round."""
+        try:
+            if not ar.contributions:
+                return  # reencode mode (or nothing received): no contributions to check
+            wv = getattr(self, "_work_verifier", None)
+            if wv is None:
+                wv = self._work_verifier = verify.WorkVerifier.for_node(self)
+            wv.keep_round(r, theta=self.theta.clone(), plan=plan, part_ranges=ar.part_ranges, packets=ar.contributions)
+            running = getattr(self, "_verify_task", None)
+            if running is not None and not running.done():
+                log.debug("round %d: verified work skipped: the previous check is still running", r)
+                return
+            deadline = time.time() + max(1.0, wv.cfg.time_share * float(plan.window_s))
+            self._verify_task = asyncio.ensure_future(wv.run_round(
+                r, micro_batch=a.micro_batch, seconds_per_row=getattr(self.trainer, "_row_time_ema", None),
+                deadline=deadline, signed_of=lambda part, sender: verify.signed_contribution(
+                    self.collective, r, part, sender)))
+            self._verify_task.add_done_callback(
+                lambda t: t.cancelled() or t.exception() is None or log.warning(
+                    "round %d: verified work failed: %s", r, t.exception()))
+        except Exception as e:
+            log.warning("round %d: verified work skipped: %s", r, e)
+
+    def _verified_plan_problem(self, plan) -> Optional[str]:
+        """Why this peer refuses ``plan`` for verified work's sake (an excluded peer that leads would plan
+        itself back in): :meth:`geomesh_p2p.verify.WorkVerifier.plan_problem`. None: no objection."""
+        wv = getattr(self, "_work_verifier", None)
+        return None if wv is None else wv.plan_problem(plan, me=self.me)
+
+    def _verified_members(self, members):
+        """The planner's input without the peers that verified work excluded (their evidence re-checked
+        here, :meth:`geomesh_p2p.verify.WorkVerifier.filter`); this peer itself always stays."""
+        wv = getattr(self, "_work_verifier", None)
+        return members if wv is None else wv.filter(members, keep=self.me)
+
+    @staticmethod
+    def _no_work(compute_s: float):
+        """The InnerResult of a round in which this peer trained nothing usable (:func:`driver.no_work`)."""
+        return no_work(compute_s)
+
+    @staticmethod
+    def _delivered_rates(plan, ar) -> dict[str, float]:
+        """peer_id -> tokens/s its contribution to this round supports: the tokens the owners took from
+        it (its claim, capped to its plan budget; the most over the parts) over the compute seconds its
+        plan predicted. The next leader plans no peer above ``planner.EVIDENCE_GROWTH`` x this. It bounds
+        how fast a peer's planned rate can grow, not a claim made at the budget: telling work done from
+        a claim is verified work's job (geomesh_p2p.verify)."""
+        delivered: dict[str, int] = {}
+        for part in ar.contributors.values():
+            for pid, n in part:
+                delivered[pid] = max(delivered.get(pid, 0), int(n))
+        rates = {}
+        for a in plan.assignments:
+            n = delivered.get(a.peer_id, 0)
+            if n > 0 and a.predicted_compute_s > 0:
+                rates[a.peer_id] = n / a.predicted_compute_s
+        return rates
+
+    def _update_throughput(self, micro_batch: int, result) -> None:
+        """Re-profiling (beyond the paper's one-off profile): EMA of this round's measured tokens/s
+        (the other micro-batch sizes are rescaled by the same ratio, capability.ThroughputEMA), growing
+        at most ``capability.MAX_TPS_GROWTH_PER_UPDATE`` x per round."""
+        if result.compute_s > 0 and result.tokens > 0:
+            # The start-up profile is a prior, taken alone and with other processes starting up; the
+            # first measurement in the swarm replaces it (then the EMA smooths round-to-round noise).
+            first = "tps" not in self._measured
+            self._measured.add("tps")
+            # A self-measured compute time is not evidence (a free rider can report ~0 s): the announced
+            # figure grows at most capability.MAX_TPS_GROWTH_PER_UPDATE x per round, first measurement included.
+            self.ema.update(micro_batch, result.tokens, result.compute_s, alpha=1.0 if first else None,
+                            max_growth=capability.MAX_TPS_GROWTH_PER_UPDATE)
+
+    def _update_links(self, ar) -> None:
+        """Fold this round's measured exchange into the link EMAs (links.py). A direction stated by
+        a flag stays as stated; samples under ``min_link_sample_bytes`` (latency-bound) are skipped.
+        The busy time keeps its latency (the RTT to the bootstrap says nothing about the RTT to the
+        owners). A sample moves the figure by at most ``link_step_ratio`` either way per round: the
+        owners state their own hold times, so a lying owner can skew one sample, not the record."""
+        c = self.cfg
+        for direction, sample, stated in (("up", ar.upload, c.upload_bps), ("down", ar.download, c.download_bps)):
+            if stated or sample is None or sample.nbytes < c.min_link_sample_bytes:
+                continue
+            seconds = sample.seconds
+            current = self.ema.upload_bps if direction == "up" else self.ema.download_bps
+            if current:
+                rate = sample.nbytes / seconds
+                rate = min(max(rate, current / c.link_step_ratio), current * c.link_step_ratio)
+                seconds = sample.nbytes / rate
+            first = direction not in self._measured  # the first real exchange replaces the probe's figure
+            self._measured.add(direction)
+            new = self.ema.update_link(sample.nbytes, seconds, direction, alpha=1.0 if first else None)
+            log.debug("round %d: %sload %.1f Mbit/s measured (%d bytes in %.3fs), EMA %.1f Mbit/s", self.round - 1,
+                      direction, sample.nbytes / seconds * 8e-6, sample.nbytes, seconds, new * 8e-6)

@@ -1,0 +1,144 @@
+"""The round driver's collaborators, as small structural interfaces (``typing.Protocol``).
+
+:class:`~geomesh_p2p.round.driver.RoundDriver` touches the rest of the node only through these, so it
+is unit-tested with in-memory fakes (tests/test_round_driver.py). The node satisfies them with its
+DHT records (:class:`Membership`), the signed plans in the DHT (:class:`PlanAgreement`), the inner
+trainer (:class:`Trainer`), the collective (:class:`Collective`), its global state
+(:class:`GlobalStatePort`) and its planning rules (:class:`RoundPolicy`).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Optional, Protocol, Sequence
+
+import torch
+
+from geomesh_p2p.planner import RoundPlan
+from geomesh_p2p.records import PeerRecord
+
+__all__ = ["Clock", "SystemClock", "Membership", "PlanAgreement", "Trainer", "Collective", "GlobalStatePort",
+           "RoundPolicy"]
+
+
+class Clock(Protocol):
+    """Time source of the driver (an injected fake makes timing tests instant)."""
+
+    def time(self) -> float:
+        """Wall-clock seconds (plans' deadlines are wall-clock)."""
+
+    def monotonic(self) -> float:
+        """Monotonic seconds (timeouts)."""
+
+
+class SystemClock:
+    """:class:`Clock` over :mod:`time`."""
+
+    def time(self) -> float:
+        return time.time()
+
+    def monotonic(self) -> float:
+        return time.monotonic()
+
+
+class Membership(Protocol):
+    """Live records of the run and this peer's own announcement."""
+
+    me: str
+
+    async def peers(self, include_leaving: bool = False) -> list[PeerRecord]:
+        """Live, admitted records of this run, this peer's own (fresh) included; one DHT read."""
+
+    async def announce(self) -> None:
+        """Store this peer's record now (round, digest, leaving); one DHT write. Never raises."""
+
+
+class PlanAgreement(Protocol):
+    """Signed plans of a round (geomesh_p2p.round.plans.obtain_plan over a PlanStore)."""
+
+    async def agree(self, round: int, members: Sequence[PeerRecord],
+                    make_plan: Callable[[Sequence[PeerRecord], str], RoundPlan], *,
+                    accept: Callable[[RoundPlan], Optional[str]], candidates: Sequence[str],
+                    plan_timeout_s: float) -> Optional[RoundPlan]:
+        """The plan every peer follows for ``round`` (publishing one when this peer's turn comes), or None."""
+
+
+class Trainer(Protocol):
+    """Inner training (geomesh_p2p.training.InnerTrainer); synchronous, the driver runs it in a thread."""
+
+    def run(self, *, round: int, inner_steps: int, batch_size: int, micro_batch: Optional[int] = None,
+            deadline: Optional[float] = None, progress=None, should_stop=None) -> Any:
+        """Inner steps on the model; returns an InnerResult (steps_done, tokens, mean_loss, compute_s)."""
+
+    def gradient(self, *, round: int, batch_size: int, micro_batch: Optional[int] = None) -> tuple[torch.Tensor, Any]:
+        """One batch's gradient [P] fp32 and its InnerResult (the ddp baseline)."""
+
+    def evaluate(self, max_batches: int = 8) -> float:
+        """Held-out perplexity of the model."""
+
+
+class Collective(Protocol):
+    """The exchange (geomesh_p2p.collective.CollectiveService)."""
+
+    async def all_reduce(self, spec, delta: torch.Tensor, tokens: int, compute_end: Optional[float] = None) -> Any:
+        """Aggregate ``delta`` [P] fp32 with the plan's participants; returns an AllReduceResult."""
+
+
+class GlobalStatePort(Protocol):
+    """The global weights and outer-optimizer state this peer holds. Synchronous methods touch the whole
+    model: the driver calls them through ``asyncio.to_thread``."""
+
+    round: int
+    digest: Optional[str]
+
+    def pseudo_gradient(self) -> torch.Tensor:
+        """Global weights minus the model's weights after the inner steps: [P] fp32."""
+
+    def reset_model(self) -> None:
+        """Load the global weights back into the model (this round's inner steps are void)."""
+
+    def outer_step(self, r: int, plan: RoundPlan, aggregate: torch.Tensor, idle=()) -> None:
+        """Apply round ``r``'s outer step per part (non-finite parts and ``idle`` ranges keep their values)."""
+
+    def commit(self, round: int) -> str:
+        """Load the new global weights into the model, recompute the digest, publish the snapshot; returns it."""
+
+    async def catch_up(self) -> None:
+        """Download the state the swarm backs (raises StateSyncError when no donor delivers)."""
+
+    async def checkpoint_or_warn(self) -> Any:
+        """Write a checkpoint off the loop; failures are one warning (returns None then)."""
+
+
+class RoundPolicy(Protocol):
+    """The node's rules for planning and for what a round's outcome means (penalties, standing, EMAs)."""
+
+    def make_plan(self, members: Sequence[PeerRecord], leader: str) -> RoundPlan:
+        """This peer's plan of the round when it leads."""
+
+    def plan_problem(self, plan: RoundPlan, live: dict) -> Optional[str]:
+        """Why this peer refuses ``plan`` (None: it follows it)."""
+
+    def leader_candidates(self, members: Sequence[PeerRecord], live: dict) -> tuple[list[PeerRecord], list[str]]:
+        """(the members to plan, the PeerIDs that may lead)."""
+
+    def collective_spec(self, plan: RoundPlan):
+        """The collective's spec of ``plan`` (raises ValueError when it cannot be executed)."""
+
+    def swarm_round(self, records: Sequence[PeerRecord]) -> Optional[int]:
+        """The round the swarm's vote backs, None when none is backed."""
+
+    def standing_established(self, records: Sequence[PeerRecord], peer_id: str) -> bool:
+        """Whether ``peer_id`` is established in this peer's view (syncing peers on probation are not waited for)."""
+
+    def after_exchange(self, spec, plan: RoundPlan, ar) -> None:
+        """Penalties for failed owners and no-shows."""
+
+    def before_outer_step(self, r: int, plan: RoundPlan, assignment, ar) -> None:
+        """Verified work keeps round ``r``'s start weights (never raises)."""
+
+    def after_outer_step(self, r: int, plan: RoundPlan, assignment, result, ar) -> None:
+        """Re-profiling (EMAs), delivered rates, standing credits."""
+
+    def publish_record(self, record) -> None:
+        """The round's row to the log, Prometheus and the status page."""
