@@ -108,14 +108,33 @@ def _outward_host() -> str:
         s.close()
 
 
+def _fmt(host: str, port: int) -> str:
+    """``host:port`` for a message (IPv6 in brackets; as given when it does not format)."""
+    from geomesh_p2p.addr import AddressError, format_address
+
+    try:
+        return format_address(host, port)
+    except AddressError:
+        return f"{host}:{port}"
+
+
 def _check(ns: argparse.Namespace) -> Optional[str]:
     """A one-line complaint about the option values, or None."""
     if not 0 <= ns.port <= 65535:
         return f"--port {ns.port}: must be between 0 and 65535"
+    from geomesh_p2p.addr import AddressError, normalize_host, parse_address
+
     for b in ns.bootstrap:
-        host, sep, port = str(b).rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            return f"--bootstrap {b!r}: expected HOST:PORT"
+        try:
+            parse_address(str(b))
+        except AddressError as e:
+            return f"--bootstrap {e}"
+    for flag, host in (("--host", ns.host), ("--advertise-host", ns.advertise_host), ("--http-host", ns.http_host)):
+        if host is not None and host != "":
+            try:
+                normalize_host(host)
+            except AddressError as e:
+                return f"{flag}: {e}"
     if ns.http_port is not None and not 0 <= ns.http_port <= 65535:
         return f"--http-port {ns.http_port}: must be between 0 and 65535"
     if not ns.http_poll > 0:
@@ -158,8 +177,10 @@ async def serve(ns: argparse.Namespace, identity, allow_peers: Optional[list[str
     from geomesh_p2p.identity import allow_list
     from geomesh_p2p.transport import Transport, TransportConfig
 
+    from geomesh_p2p.addr import is_wildcard_host
+
     advertise = ns.advertise_host
-    if advertise is None and ns.host in ("0.0.0.0", "::", ""):
+    if advertise is None and is_wildcard_host(ns.host):
         advertise = _outward_host()
     allow = allow_list(allow_peers, also=[identity.peer_id]) if allow_peers is not None else None
     transport = Transport(identity, ns.run_id, TransportConfig(host=ns.host, port=ns.port, advertise_host=advertise),
@@ -175,7 +196,7 @@ async def serve(ns: argparse.Namespace, identity, allow_peers: Optional[list[str
         await transport.stop(grace=0)
         reason = str(e).splitlines()[0].split(";")[0] if str(e) else type(e).__name__
         if not reason.startswith("cannot listen"):
-            reason = f"cannot listen on {ns.host}:{ns.port}: {reason}"
+            reason = f"cannot listen on {_fmt(ns.host, ns.port)}: {reason}"
         return _fail(reason)
 
     status = None
@@ -189,7 +210,7 @@ async def serve(ns: argparse.Namespace, identity, allow_peers: Optional[list[str
             url = await status.start()
         except OSError as e:
             await transport.stop(grace=0)
-            return _fail(f"cannot serve the status page on {ns.http_host}:{ns.http_port}: {e.strerror or e}")
+            return _fail(f"cannot serve the status page on {_fmt(ns.http_host, ns.http_port)}: {e.strerror or e}")
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

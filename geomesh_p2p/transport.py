@@ -41,6 +41,7 @@ from typing import AsyncIterator, Awaitable, Callable, Dict, Optional, Tuple
 import grpc
 import grpc.aio
 
+from geomesh_p2p.addr import AddressError, format_address
 from geomesh_p2p.identity import EnvelopeError, Identity, PeerID, Verified, Verifier
 from geomesh_p2p.wire import envelope_pb2
 
@@ -808,11 +809,15 @@ class Transport:
         c = self.config
         if c.client_only:
             return None
+        try:  # an IPv6 literal in brackets, or gRPC reads it as a host name
+            bind = format_address(c.host, c.port)
+            advertised_host = format_address(c.advertise_host or c.host, 1).rpartition(":")[0]
+        except AddressError as e:
+            raise OSError(f"cannot listen on {c.host}:{c.port}: {e}") from None
         self._guard = _Guard(c)
         self._server = grpc.aio.server(options=self._server_options(),
                                        maximum_concurrent_rpcs=max(1, int(c.max_concurrent_rpcs)))
         self._server.add_generic_rpc_handlers(self._make_generic_handlers())
-        bind = f"{c.host}:{c.port}"
         try:
             if c.tls is not None:
                 port = self._server.add_secure_port(bind, c.tls.server_credentials())
@@ -824,7 +829,7 @@ class Transport:
             self._server = None
             raise OSError(f"cannot listen on {bind}: the port is in use or the address is not local")
         await self._server.start()
-        self.address = f"{c.advertise_host or c.host}:{port}"
+        self.address = f"{advertised_host}:{port}"
         return self.address
 
     # ---------------------------------------------------------------- client side

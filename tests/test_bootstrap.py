@@ -109,6 +109,8 @@ def test_defaults_and_help(capsys):
     (["--port", "70000"], "--port 70000"),
     (["--frobnicate"], "--frobnicate"),
     (["--bootstrap", "nohostport"], "--bootstrap 'nohostport'"),
+    (["--bootstrap", "::1:31337"], "needs brackets, e.g. [::1]:31337"),
+    (["--host", "no:such:host"], "--host: host 'no:such:host' holds ':' but is not an IPv6 address"),
     (["--log-level", "LOUD"], "--log-level"),
     (["--status-interval", "0"], "--status-interval"),
 ])

@@ -19,6 +19,7 @@ from geomesh_p2p.dht.announce import (
     peers_key,
 )
 from geomesh_p2p.dht.node import (
+    DHT_CHECK_REACHABLE,
     DHT_PROTOCOL_VERSION,
     Contact,
     DHTJoinError,
@@ -26,6 +27,7 @@ from geomesh_p2p.dht.node import (
     DHTStats,
     DHTValue,
     LookupStats,
+    Reachability,
 )
 from geomesh_p2p.dht.records import (
     RecordError,
@@ -40,7 +42,7 @@ from geomesh_p2p.dht.records import (
 )
 
 __all__ = [
-    "DHT_PROTOCOL_VERSION", "Contact", "DHTJoinError", "DHTNode", "DHTStats", "DHTValue", "LookupStats",
+    "DHT_CHECK_REACHABLE", "DHT_PROTOCOL_VERSION", "Contact", "Reachability", "DHTJoinError", "DHTNode", "DHTStats", "DHTValue", "LookupStats",
     "IncompatibleSwarmError", "PeerAnnouncer", "announce_loop", "check_compatible", "check_swarm", "live_peers",
     "peers_key", "RecordError", "RecordLimits", "VerifiedRecord", "key_id_of", "make_record", "node_id_of",
     "owned_key", "required_owner", "verify_record",

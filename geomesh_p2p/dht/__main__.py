@@ -3,9 +3,12 @@
 Joins a swarm through --bootstrap, optionally announces a minimal PeerRecord (as a peer that does not
 train would), stores --put KEY=VALUE values, and prints one JSON line per --period::
 
-    {"peer_id": "...", "address": "...", "peers": ["<PeerID>", ...], "values": {"KEY": "VALUE"|null}}
+    {"peer_id": "...", "address": "...", "reachable": true, "peers": ["<PeerID>", ...],
+     "values": {"KEY": "VALUE"|null}}
 
-where ``peers`` are the live peers of the run and ``values`` the --get keys. Without --watch it prints
+where ``address`` is what others dial (null: client-only, or the bootstrap could not dial it back),
+``reachable`` the bootstrap's dial-back verdict (null: not checked), ``peers`` the live peers of
+the run and ``values`` the --get keys. Without --watch it prints
 once and exits; with --watch it runs until SIGINT/SIGTERM (exit 0). Exit 2 on bad options, 1 when
 the join fails.
 """
@@ -32,6 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="Ed25519 key file (default: a fresh key for this process)")
     ap.add_argument("--host", default="127.0.0.1", help="interface to serve on (default: %(default)s)")
     ap.add_argument("--port", type=int, default=0, help="port; 0 = any free one (default: %(default)s)")
+    ap.add_argument("--advertise-host", default=None, metavar="HOST",
+                    help="host others dial, when it differs from --host (default: --host)")
     ap.add_argument("--client-only", action="store_true", help="do not serve; only call others (default: off)")
     ap.add_argument("--announce", action="store_true", help="announce a minimal PeerRecord (default: off)")
     ap.add_argument("--put", action="append", default=[], metavar="KEY=VALUE",
@@ -54,7 +59,8 @@ async def run(ns: argparse.Namespace) -> int:
     from geomesh_p2p.transport import Transport, TransportConfig
 
     identity = Identity.load_or_create(ns.identity) if ns.identity else Identity.generate()
-    transport = Transport(identity, ns.run_id, TransportConfig(host=ns.host, port=ns.port, client_only=ns.client_only))
+    transport = Transport(identity, ns.run_id, TransportConfig(host=ns.host, port=ns.port, client_only=ns.client_only,
+                                                                  advertise_host=ns.advertise_host))
     node = DHTNode(transport, refresh_period_s=max(1.0, 5 * ns.period), republish_period_s=max(1.0, 5 * ns.period))
     ttl = ns.ttl or 3 * ns.period
     stop = asyncio.Event()
@@ -62,14 +68,18 @@ async def run(ns: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     try:
-        await transport.start()
+        try:
+            await transport.start()
+        except OSError as e:
+            print(f"python -m geomesh_p2p.dht: {e}", file=sys.stderr)
+            return 1
         try:
             await node.join(ns.bootstrap)
         except DHTJoinError as e:
             print(f"python -m geomesh_p2p.dht: {e}", file=sys.stderr)
             return 1
         if ns.announce:
-            record = PeerRecord(peer_id=identity.peer_id.to_string(), address=transport.address, device="dht-tool",
+            record = PeerRecord(peer_id=identity.peer_id.to_string(), address=node.advertised_address, device="dht-tool",
                                 memory_bytes=0, max_batch=1, upload_bps=1.0, download_bps=1.0, version=__version__,
                                 run_config_hash="none")
             PeerAnnouncer(node, record, period_s=ns.period, ttl_s=ttl).start()
@@ -83,8 +93,9 @@ async def run(ns: argparse.Namespace) -> int:
             for key in ns.get:
                 found = await node.get(key)
                 values[key] = found[None].value.decode(errors="replace") if None in found else None
-            print(json.dumps({"peer_id": identity.peer_id.to_string(), "address": transport.address,
-                              "peers": peers, "values": values}), flush=True)
+            print(json.dumps({"peer_id": identity.peer_id.to_string(), "address": node.advertised_address,
+                              "reachable": node.reachability.reachable, "peers": peers, "values": values}),
+                  flush=True)
             if not ns.watch:
                 return 0
             try:

@@ -55,6 +55,7 @@ from hivemind.dht.storage import DHTLocalStorage, DictionaryDHTValue
 from hivemind.dht.traverse import traverse_dht
 
 from geomesh_p2p import __version__
+from geomesh_p2p.addr import AddressError, host_of, ip_of, parse_address, valid_address
 from geomesh_p2p.dht.records import (
     DEFAULT_LIMITS,
     RecordError,
@@ -74,6 +75,9 @@ from geomesh_p2p.wire import dht_pb2
 log = logging.getLogger(__name__)
 
 DHT_PROTOCOL_VERSION = 1
+# "Dial me back" (as Petals' bootstraps do): request PingRequest naming the address to check; reply
+# StoreOutcome with stored = reached, code = the gRPC status of the dial-back, reason = why not.
+DHT_CHECK_REACHABLE = "/geomesh.wire.Dht/CheckReachable"
 
 # RPC failures that mean "this node cannot serve us" (as opposed to "it refused this record").
 _UNREACHABLE = {
@@ -111,6 +115,23 @@ class Contact:
 
     def __repr__(self) -> str:
         return f"Contact({self.peer_id.short()}@{self.address})"
+
+
+@dataclass(frozen=True)
+class Reachability:
+    """Whether other nodes can dial this one at the address it advertises, as a bootstrap found by
+    dialling it back during :meth:`DHTNode.join`.
+
+    ``reachable``: True (a bootstrap reached it), False (every bootstrap asked failed to: the node then
+    serves nobody and advertises no address, like a client-only node), None (not checked: client-only,
+    no bootstrap, or no bootstrap supports the check). ``checked_by``: the bootstrap addresses asked;
+    ``reason``: one line, why not reached.
+    """
+
+    address: Optional[str]
+    reachable: Optional[bool]
+    checked_by: Tuple[str, ...] = ()
+    reason: str = ""
 
 
 class DHTValue(NamedTuple):
@@ -175,8 +196,8 @@ def _parse(cls, payload: bytes, name: str):
 
 
 def _valid_address(address: str) -> bool:
-    host, sep, port = address.rpartition(":")
-    return bool(sep) and bool(host) and port.isdigit() and 0 < int(port) < 65536 and len(address) <= 256
+    """``host:port`` with an IPv6 literal in brackets (geomesh_p2p.addr), at most 256 characters."""
+    return valid_address(address)
 
 
 class _Merge:
@@ -226,6 +247,9 @@ class DHTNode:
     :param limit_loopback: apply the per-IP limit to loopback addresses too (a local swarm shares one).
     :param max_contact_checks: ping-backs of unknown callers in flight (more callers: not admitted now;
         they are when they call again).
+    :param check_reachability: during :meth:`join`, ask the bootstraps to dial this node back at its
+        advertised address; when none can, the node advertises no address (client-only) and logs a
+        warning (:attr:`reachability`, :attr:`advertised_address`).
     """
 
     def __init__(self, transport: Transport, *, k: int = 20, alpha: int = 3, num_replicas: Optional[int] = None,
@@ -234,7 +258,7 @@ class DHTNode:
                  blacklist_s: float = 2.0, max_failures: int = 3, join_attempts: int = 5,
                  join_backoff_s: float = 0.5, storage_size: Optional[int] = None,
                  quota: StorageQuota = DEFAULT_QUOTA, max_contacts_per_ip: int = 8, max_contacts_per_subnet: int = 32,
-                 limit_loopback: bool = False, max_contact_checks: int = 64):
+                 limit_loopback: bool = False, max_contact_checks: int = 64, check_reachability: bool = True):
         if k < 1 or alpha < 1:
             raise ValueError(f"k and alpha must be >= 1 (got k={k}, alpha={alpha})")
         self.transport = transport
@@ -256,6 +280,7 @@ class DHTNode:
         self.max_contacts_per_ip, self.max_contacts_per_subnet = max_contacts_per_ip, max_contacts_per_subnet
         self.limit_loopback = limit_loopback
         self.max_contact_checks = max_contact_checks
+        self.check_reachability = check_reachability
         self._checking: Dict[PeerID, str] = {}  # callers being pinged back -> claimed address
         self._unanswered: "OrderedDict[str, float]" = OrderedDict()  # address -> monotonic time of a failed check
         self.blacklist = Blacklist(blacklist_s, 2.0)
@@ -271,12 +296,15 @@ class DHTNode:
         self._started = False
         self._alive = True
         self._once = _OnceLog()
+        self.reachability = Reachability(None, None)
+        self._dialing_back: set = set()  # PeerIDs whose CheckReachable is being answered
         if not self.client_only:
             if transport.address is not None:
                 raise RuntimeError("create the DHTNode before transport.start(), so that its handlers are served")
             transport.add_unary(DHT_PING, self._rpc_ping, max_payload_bytes=16 << 10)
             transport.add_unary(DHT_STORE, self._rpc_store, max_payload_bytes=limits.max_store_payload())
             transport.add_unary(DHT_FIND, self._rpc_find, max_payload_bytes=limits.max_keys_per_find * 64 + 4096)
+            transport.add_unary(DHT_CHECK_REACHABLE, self._rpc_check_reachable, max_payload_bytes=16 << 10)
 
     @classmethod
     async def create(cls, transport: Transport, *, bootstrap: Sequence[str] = (), **kwargs) -> "DHTNode":
@@ -297,8 +325,17 @@ class DHTNode:
         return self.transport.address
 
     @property
+    def advertised_address(self) -> Optional[str]:
+        """The ``host:port`` others should dial (put it in this peer's records); None when this node is
+        client-only, not started, or a bootstrap could not dial it back at its address (see
+        :attr:`reachability`)."""
+        if self.client_only or self.reachability.reachable is False:
+            return None
+        return self.transport.address
+
+    @property
     def serving(self) -> bool:
-        return not self.client_only and self.transport.address is not None
+        return self.advertised_address is not None
 
     def self_info(self) -> dht_pb2.NodeInfo:
         if not self.serving:
@@ -343,13 +380,10 @@ class DHTNode:
     @staticmethod
     def _groups(address: str) -> Tuple[str, Optional[str], bool]:
         """(IP or host name, subnet or None, is loopback) of a ``host:port`` address."""
-        host = address.rpartition(":")[0].strip("[]")
-        try:
-            ip = ipaddress.ip_address(host)
-        except ValueError:
+        host = host_of(address)
+        ip = ip_of(host)
+        if ip is None:
             return host.lower(), None, host.lower() == "localhost"
-        if ip.version == 6 and ip.ipv4_mapped is not None:
-            ip = ip.ipv4_mapped
         if ip.is_loopback or ip.is_private or ip.is_link_local:
             return str(ip), None, ip.is_loopback
         bits = 24 if ip.version == 4 else 48
@@ -676,8 +710,10 @@ class DHTNode:
         """
         addresses = list(dict.fromkeys(a.strip() for a in bootstrap if a and a.strip()))
         for a in addresses:
-            if not _valid_address(a):
-                raise DHTJoinError(f"bootstrap address {a!r} is not host:port")
+            try:
+                parse_address(a)
+            except AddressError as e:
+                raise DHTJoinError(f"bootstrap address is not host:port: {e}") from None
         addresses = [a for a in addresses if a != self.address]
         self.bootstrap_addresses = addresses
         self._start_background()
@@ -716,6 +752,12 @@ class DHTNode:
             detail = "; ".join(f"{a}: {e}" for a, e in errors.items())
             raise DHTJoinError(f"could not join the DHT: no bootstrap node answered "
                                f"({attempt + 1} attempt(s) over {time.monotonic() - t0:.1f}s): {detail}")
+        if self.check_reachability and not self.client_only:
+            self.reachability = await self.check_reachable([c.address for c in ok])
+            if self.reachability.reachable is False:
+                log.warning("nobody can dial this node at %s (bootstrap %s could not: %s); continuing as a "
+                            "client-only node that owns no part. Check --advertise-host, --port and the firewall",
+                            self.reachability.address, self.reachability.checked_by[0], self.reachability.reason)
         await self.find_nearest_nodes([self.node_id])
         n = len(self.contacts())
         log.info("DHT node %s joined via %s: %d nodes known", self.peer_id.short(), ", ".join(addresses), n)
@@ -868,6 +910,66 @@ class DHTNode:
         self._note_sender(verified, req.sender)
         return dht_pb2.PingResponse(node=self.self_info(), time=time.time(), dht_protocol=DHT_PROTOCOL_VERSION,
                                     software_version=__version__).SerializeToString()
+
+    async def _rpc_check_reachable(self, verified: Verified, context) -> bytes:
+        """Dial the caller back at the address its request names and say whether it answered there,
+        signed by its PeerID (at most one dial-back per caller at a time; the address must be the one
+        its NodeInfo claims, so this node dials no third party's address on request)."""
+        self._alive_check()
+        req = _parse(dht_pb2.PingRequest, verified.payload, "PingRequest")
+        info = req.sender
+        if info.peer_id and info.peer_id != bytes(verified.sender):
+            raise RecordError(grpc.StatusCode.INVALID_ARGUMENT, "sender NodeInfo names another PeerID than the signer")
+        if not _valid_address(info.address):
+            raise RecordError(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"no address to dial back ({info.address[:60]!r} is not host:port)")
+        if verified.sender in self._dialing_back:
+            raise RecordError(grpc.StatusCode.RESOURCE_EXHAUSTED, "a dial-back of this peer is under way")
+        self._dialing_back.add(verified.sender)
+        ping = dht_pb2.PingRequest(sender=self.self_info(), dht_protocol=DHT_PROTOCOL_VERSION,
+                                   software_version=__version__)
+        try:
+            answered, resp = await self._call(info.address, DHT_PING, ping, dht_pb2.PingResponse, verified.sender)
+        except RpcError as err:
+            return dht_pb2.StoreOutcome(stored=False, code=err.code.value[0],
+                                        reason=f"{err.code.name}: {err.reason or 'no answer'}"[:300]).SerializeToString()
+        finally:
+            self._dialing_back.discard(verified.sender)
+        if resp.dht_protocol == DHT_PROTOCOL_VERSION:
+            self._on_contact(answered)  # it answered at its address: it is a contact now
+        return dht_pb2.StoreOutcome(stored=True, code=0, reason="").SerializeToString()
+
+    async def check_reachable(self, bootstraps: Sequence[str]) -> Reachability:
+        """Ask each of ``bootstraps`` (at once) to dial this node back at its advertised address.
+
+        Reachable when any of them reached it; unreachable when every one that supports the check
+        failed to; None (unknown) when none supports it (older software) or none answered. Never raises.
+        Deadline of each call: 2 x ``rpc_timeout_s`` + 1 s (the dial-back itself has ``rpc_timeout_s``).
+        """
+        address = self.transport.address
+        if self.client_only or address is None or not bootstraps:
+            return Reachability(address, None)
+        req = dht_pb2.PingRequest(sender=dht_pb2.NodeInfo(node_id=self.node_id.to_bytes(), address=address,
+                                                          peer_id=bytes(self.peer_id)),
+                                  dht_protocol=DHT_PROTOCOL_VERSION, software_version=__version__)
+
+        async def ask(b: str) -> Optional[dht_pb2.StoreOutcome]:
+            try:
+                reply = await self.transport.call(b, DHT_CHECK_REACHABLE, req.SerializeToString(),
+                                                  timeout=2 * self.rpc_timeout_s + 1.0)
+                return dht_pb2.StoreOutcome.FromString(reply.payload)
+            except (RpcError, DecodeError) as e:
+                log.debug("reachability check at %s failed: %s", b, e)
+                return None
+
+        outs = await asyncio.gather(*(ask(b) for b in bootstraps))
+        asked = tuple(b for b, o in zip(bootstraps, outs) if o is not None)
+        if any(o is not None and o.stored for o in outs):
+            return Reachability(address, True, asked)
+        if not asked:
+            return Reachability(address, None)
+        reason = next(o.reason for o in outs if o is not None)
+        return Reachability(address, False, asked, reason)
 
     async def _rpc_store(self, verified: Verified, context) -> bytes:
         self._alive_check()

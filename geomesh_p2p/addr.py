@@ -1,0 +1,146 @@
+"""The one parser and formatter of ``host:port`` network addresses (IPv6 literals in brackets).
+
+Every place that forms an address to bind, dial or advertise calls :func:`format_address`; every
+place that reads one (a flag, a DHT contact, a record) calls :func:`parse_address` or
+:func:`valid_address`. An IPv6 literal is always written in brackets, ``[::1]:31337`` (RFC 3986
+section 3.2.2; the form gRPC and every URL parser expect): without them ``::1:31337`` is ambiguous and
+gRPC reads it as a host name ("Misformatted domain name").
+
+    >>> format_address("::1", 31337)
+    '[::1]:31337'
+    >>> parse_address("[::1]:31337")
+    ('::1', 31337)
+    >>> parse_address("example.org:80")
+    ('example.org', 80)
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from typing import Optional, Tuple
+
+MAX_ADDRESS_CHARS = 256  # longer strings are refused (they come from other nodes)
+
+
+class AddressError(ValueError):
+    """A ``host:port`` string that cannot be used; the message says what is wrong in one line."""
+
+
+def _strip_brackets(host: str) -> str:
+    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
+
+
+def normalize_host(host: str) -> str:
+    """``host`` without brackets and surrounding spaces ("[::1]" -> "::1"). Raises AddressError when
+    it is empty or holds a ':' without being an IPv6 literal."""
+    h = _strip_brackets(host.strip())
+    if not h:
+        raise AddressError("empty host")
+    if ":" in h:
+        try:
+            ipaddress.IPv6Address(h.split("%", 1)[0])  # "%eth0": a zone index of a link-local address
+        except ValueError:
+            raise AddressError(f"host {host!r} holds ':' but is not an IPv6 address") from None
+    return h
+
+
+def is_ipv6(host: str) -> bool:
+    """Whether ``host`` (bracketed or not) is an IPv6 literal."""
+    return ":" in _strip_brackets(host.strip())
+
+
+def format_address(host: str, port: int) -> str:
+    """``host:port``, with an IPv6 literal in brackets (``[::1]:5``). ``host`` may already be bracketed.
+
+    Raises AddressError on an empty host or a port outside 0..65535 (0 only to bind a free port).
+    """
+    h = normalize_host(host)
+    if not 0 <= int(port) <= 65535:
+        raise AddressError(f"port {port} is not between 0 and 65535")
+    return f"[{h}]:{int(port)}" if ":" in h else f"{h}:{int(port)}"
+
+
+def parse_address(address: str) -> Tuple[str, int]:
+    """``(host, port)`` of a ``host:port`` string; the host comes back without brackets.
+
+    Accepts ``1.2.3.4:5``, ``name:5``, ``[::1]:5``. Raises AddressError (one line) when the port is
+    missing or not in 1..65535, the host is empty, or an IPv6 literal is not in brackets (``::1:5``:
+    which colon starts the port is a guess, so it is refused with the bracketed form to use).
+    """
+    text = address.strip()
+    if len(text) > MAX_ADDRESS_CHARS:
+        raise AddressError(f"address of {len(text)} characters (at most {MAX_ADDRESS_CHARS})")
+    if text.startswith("["):
+        end = text.find("]")
+        if end < 0 or text[end + 1:end + 2] != ":":
+            raise AddressError(f"{address!r} is not [IPV6]:PORT")
+        host, port = text[1:end], text[end + 2:]
+    else:
+        host, sep, port = text.rpartition(":")
+        if not sep:
+            raise AddressError(f"{address!r} has no port: expected HOST:PORT")
+        if ":" in host:
+            raise AddressError(f"{address!r}: an IPv6 address needs brackets, e.g. [{host}]:{port}")
+    if not host:
+        raise AddressError(f"{address!r} has no host: expected HOST:PORT")
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise AddressError(f"{address!r}: port {port!r} is not a number in 1..65535")
+    return normalize_host(host), int(port)
+
+
+def valid_address(address: str) -> bool:
+    """Whether :func:`parse_address` accepts ``address`` (never raises)."""
+    try:
+        parse_address(address)
+        return True
+    except (AddressError, TypeError):
+        return False
+
+
+def canonical_address(address: str) -> str:
+    """``address`` re-formatted by :func:`format_address` (one spelling per address, e.g. for keys of
+    tables). Raises AddressError like :func:`parse_address`."""
+    return format_address(*parse_address(address))
+
+
+def host_of(address: str) -> str:
+    """The host of a ``host:port`` address, without brackets; the whole string (brackets stripped)
+    when it does not parse (it is then only used to group or compare, never dialled)."""
+    try:
+        return parse_address(address)[0]
+    except AddressError:
+        return _strip_brackets(address.rpartition(":")[0] or address)
+
+
+def is_loopback_host(host: str) -> bool:
+    """Whether ``host`` ("127.0.0.9", "::1", "[::1]", "localhost") is a loopback address."""
+    h = _strip_brackets(host.strip())
+    if h.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(h.split("%", 1)[0]).is_loopback
+    except ValueError:
+        return False
+
+
+def is_wildcard_host(host: str) -> bool:
+    """Whether ``host`` means "every interface" ("0.0.0.0", "::", "[::]", ""): one binds to it but
+    nobody can dial it."""
+    h = _strip_brackets(host.strip())
+    if not h:
+        return True
+    try:
+        return ipaddress.ip_address(h).is_unspecified
+    except ValueError:
+        return False
+
+
+def ip_of(host: str) -> Optional[ipaddress._BaseAddress]:
+    """The IP address ``host`` is a literal of (IPv4-mapped IPv6 as IPv4), None for a host name."""
+    try:
+        ip = ipaddress.ip_address(_strip_brackets(host.strip()).split("%", 1)[0])
+    except ValueError:
+        return None
+    if ip.version == 6 and ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped
+    return ip

@@ -1,0 +1,102 @@
+"""Network faults of issue 14, each as its smallest reproducer: an advertised address nobody can dial
+(#5), a restarted bootstrap (#2), skewed clocks (#1)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+
+import pytest
+
+from geomesh_p2p.dht import DHTNode
+from geomesh_p2p.identity import Identity
+from geomesh_p2p.transport import Transport, TransportConfig
+from tests.dht_helpers import RUN, start_node, stop_all, stop_node
+from tests.test_bootstrap import START_TIMEOUT, procs  # noqa: F401  (the fixture)
+
+pytestmark = pytest.mark.timeout(120)
+
+
+async def _node_advertising(host: str, bootstrap: list[str]) -> DHTNode:
+    t = Transport(Identity.generate(), RUN, TransportConfig(host="127.0.0.1", port=0, advertise_host=host))
+    node = DHTNode(t, rpc_timeout_s=2.0)
+    await t.start()
+    await node.join(bootstrap)
+    return node
+
+
+# ---------------------------------------------------------------- 5. unreachable advertised address
+async def test_a_node_advertising_an_address_nobody_listens_on_becomes_client_only():
+    boot = await start_node()
+    nodes = [boot]
+    try:
+        good = await start_node([boot.address])
+        nodes.append(good)
+        assert good.reachability.reachable is True and good.advertised_address == good.address
+        # 127.0.0.9 is loopback, but the node listens on 127.0.0.1 only: nothing answers there
+        bad = await _node_advertising("127.0.0.9", [boot.address])
+        nodes.append(bad)
+        assert bad.address.startswith("127.0.0.9:")
+        r = bad.reachability
+        assert (r.reachable, r.checked_by, r.address) == (False, (boot.address,), bad.address)
+        assert r.reason.startswith("UNAVAILABLE") or r.reason.startswith("DEADLINE_EXCEEDED"), r.reason
+        assert bad.advertised_address is None and not bad.serving
+        assert bad.self_info().address == ""  # it names no address in its calls: nobody adds it
+        # it still uses the DHT as a client, and no node lists it as a contact
+        assert await bad.store(f"{RUN}/k", b"from a client", time.time() + 30, owner=bad.identity)
+        assert (await good.get(f"{RUN}/k"))[None].value == b"from a client"
+        for n in (boot, good):
+            assert bad.peer_id not in {c.peer_id for c in n.contacts()}
+        nearest = await good.find_nearest_nodes([bad.node_id])
+        assert bad.peer_id not in {c.peer_id for _, c in nearest[bad.node_id]}
+    finally:
+        await stop_all(nodes)
+
+
+async def test_reachability_is_not_checked_without_bootstrap_or_when_client_only():
+    alone = await start_node()
+    client = await start_node([alone.address], client_only=True)
+    try:
+        assert alone.reachability.reachable is None and alone.advertised_address == alone.address
+        assert client.reachability.reachable is None and client.advertised_address is None
+    finally:
+        await stop_node(client)
+        await stop_node(alone)
+
+
+def _boot_argv(tmp_path, *extra):
+    return ["-m", "bootstrap.cli", "--host", "127.0.0.1", "--port", "0", "--identity", str(tmp_path / "boot.key"),
+            "--run-id", "faults", "--status-interval", "0.5", *extra]
+
+
+def test_process_advertising_an_unreachable_host_warns_and_runs_client_only(tmp_path, procs):  # noqa: F811
+    boot = procs(_boot_argv(tmp_path), "bootstrap")
+    address = boot.wait_line(r"serving on (\S+:\d+)", START_TIMEOUT).group(1)
+    peer = procs(["-m", "geomesh_p2p.dht", "--bootstrap", address, "--run-id", "faults", "--announce",
+                  "--advertise-host", "127.0.0.9"], "peer")
+    row = json.loads(peer.wait_line(r"^\{", START_TIMEOUT).string)
+    assert (row["address"], row["reachable"]) == (None, False)
+    assert peer.p.wait(30) == 0
+    warnings = [e for e in peer.err if "nobody can dial this node at 127.0.0.9:" in e]
+    assert len(warnings) == 1 and "client-only" in warnings[0], peer.err
+    assert not any("Traceback" in e for e in peer.err), peer.err
+    assert boot.stop(signal.SIGTERM) == 0
+
+
+def test_bootstrap_and_peer_processes_on_ipv6_loopback(tmp_path, procs):  # noqa: F811
+    from tests.test_addr import _has_ipv6_loopback
+
+    if not _has_ipv6_loopback():
+        pytest.skip("this machine has no IPv6 loopback (::1)")
+    boot = procs(_boot_argv(tmp_path, "--host", "::1"), "bootstrap")
+    address = boot.wait_line(r"serving on (\S+:\d+)", START_TIMEOUT).group(1)
+    assert address.startswith("[::1]:")
+    peer = procs(["-m", "geomesh_p2p.dht", "--bootstrap", address, "--run-id", "faults", "--announce",
+                  "--host", "::1", "--watch", "--period", "0.5"], "peer")
+    row = json.loads(peer.wait_line(r"^\{", START_TIMEOUT).string)
+    assert row["address"].startswith("[::1]:") and row["reachable"] is True
+    me = row["peer_id"]
+    peer.wait_line(rf'"peers": \["{me}"\]', 30)  # its announcement, read back over [::1]
+    assert peer.stop(signal.SIGTERM) == 0 and not any("Traceback" in e for e in peer.err), peer.err
+    assert boot.stop(signal.SIGTERM) == 0
