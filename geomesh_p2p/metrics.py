@@ -7,6 +7,9 @@ Idle accounting of a round (all in seconds of wall-clock, shown as % of the roun
   waited because others were still computing. AWB drives this towards 0 for every peer.
 * ``network_idle``: the rest of the non-compute time (end of compute to aggregate ready, minus the
   straggler idle): the time it waited on transfers, its own and the others'.
+
+``loop_stall_ms``: the worst event-loop stall of the round (:class:`geomesh_p2p.looplag.LoopLagMonitor`):
+while the loop is stalled this peer serves nothing (parts, state, DHT), so slower peers wait on it.
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ class RoundRecord:
     contributors: int = 0  # distinct peers whose contribution was taken in at least one part
     missing_parts: int = 0
     time: float = 0.0
+    loop_stall_ms: Optional[float] = None  # worst event-loop stall of the round, ms (None: not measured)
     extra: dict = field(default_factory=dict)
 
     @property
@@ -89,7 +93,7 @@ class RoundRecord:
 
 
 HEADER = (f"{'round':>5} {'peers':>5} {'batch':>5} {'H':>7} {'tokens':>8} {'loss':>7} {'eval ppl':>9} "
-          f"{'strag%':>6} {'net%':>5} {'sent':>9} {'recv':>9} {'time':>6} digest")
+          f"{'strag%':>6} {'net%':>5} {'sent':>9} {'recv':>9} {'time':>6} {'stall':>6} digest")
 
 
 def _fmt_bytes(n: int) -> str:
@@ -106,9 +110,10 @@ def format_row(r: RoundRecord) -> str:
     h = f"{r.inner_steps_done}/{r.inner_steps_planned}" + ("!" if r.underfilled else "")
     agree = {None: "", True: " ok", False: " MISMATCH"}[r.digest_agree]
     loss = f"{r.train_loss:>7.3f}" if math.isfinite(r.train_loss) else f"{'-':>7}"
+    stall = f"{r.loop_stall_ms:.0f}ms" if r.loop_stall_ms is not None and math.isfinite(r.loop_stall_ms) else "-"
     return (f"{r.round:>5} {r.peers:>5} {r.batch_size:>5} {h:>7} {r.tokens:>8} {loss} {ppl} "
             f"{r.straggler_idle_pct:>6.1f} {r.network_idle_pct:>5.1f} {_fmt_bytes(r.bytes_sent):>9} "
-            f"{_fmt_bytes(r.bytes_received):>9} {r.round_s:>6.1f} {r.digest[:8]}{agree}")
+            f"{_fmt_bytes(r.bytes_received):>9} {r.round_s:>6.1f} {stall:>6} {r.digest[:8]}{agree}")
 
 
 class RoundLog:
@@ -129,7 +134,7 @@ class RoundLog:
             self._start_prometheus(metrics_host, metrics_port)
 
     def _start_prometheus(self, host: str, port: int) -> None:
-        from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
         self.registry = CollectorRegistry()
         g = lambda name, doc: Gauge(f"geomesh_{name}", doc, registry=self.registry)  # noqa: E731
@@ -141,7 +146,11 @@ class RoundLog:
             "straggler_idle": g("straggler_idle_ratio", "straggler idle share of the last round"),
             "network_idle": g("network_idle_ratio", "network idle share of the last round"),
             "round_s": g("round_seconds", "wall time of the last round"),
+            "loop_stall": g("loop_stall_seconds", "worst event-loop stall of the last round"),
         }
+        self._loop_stall = Histogram("geomesh_round_loop_stall_seconds", "worst event-loop stall per round",
+                                     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
+                                     registry=self.registry)
         self._tokens = Counter("geomesh_tokens", "tokens trained by this peer", registry=self.registry)
         self._underfilled = Counter("geomesh_underfilled_rounds", "rounds in which this peer trained less than "
                                     f"{UNDERFILLED_SHARE:.0%} of its planned inner steps", registry=self.registry)
@@ -174,6 +183,9 @@ class RoundLog:
             gz["straggler_idle"].set(r.straggler_idle_pct / 100)
             gz["network_idle"].set(r.network_idle_pct / 100)
             gz["round_s"].set(r.round_s)
+            if r.loop_stall_ms is not None and math.isfinite(r.loop_stall_ms):
+                gz["loop_stall"].set(r.loop_stall_ms / 1000)
+                self._loop_stall.observe(r.loop_stall_ms / 1000)
             if r.underfilled:
                 self._underfilled.inc()
             self._tokens.inc(r.tokens)

@@ -21,7 +21,7 @@ def _record(**over) -> RoundRecord:
                   inner_steps_done=8, tokens=8192, train_loss=4.5, eval_ppl=250.25, compute_s=6.0,
                   straggler_idle_s=1.0, network_idle_s=0.5, round_s=8.0, bytes_sent=200_000,
                   bytes_received=300_000, digest="abcdef0123456789", digest_agree=True,
-                  contributors=3, missing_parts=0, time=1_700_000_000.5)
+                  contributors=3, missing_parts=0, time=1_700_000_000.5, loop_stall_ms=30.0)
     fields.update(over)
     return RoundRecord(**fields)
 
@@ -70,7 +70,13 @@ def test_prometheus_gauges_exact(served):
     assert rl._server.server_address[0] == "127.0.0.1"
     rl.add(_record())
     assert printed == [HEADER, format_row(_record())]
+    assert printed[1].split()[-3:-1] == ["30ms", "abcdef01"]  # the round's worst loop stall
     m = _scrape(port)
+    stall = {k: m.pop(k) for k in list(m) if k.startswith("geomesh_round_loop_stall_seconds")}
+    assert stall == {**{f'geomesh_round_loop_stall_seconds_bucket{{le="{b}"}}': float(float(b) >= 0.05) for b in
+                        ("0.005", "0.01", "0.025", "0.05", "0.1", "0.25", "0.5", "1.0", "2.5", "5.0")},
+                     'geomesh_round_loop_stall_seconds_bucket{le="+Inf"}': 1.0,
+                     "geomesh_round_loop_stall_seconds_count": 1.0, "geomesh_round_loop_stall_seconds_sum": 0.03}
     assert m == {
         "geomesh_round": 7.0,
         "geomesh_peers": 3.0,
@@ -79,15 +85,22 @@ def test_prometheus_gauges_exact(served):
         "geomesh_straggler_idle_ratio": 0.125,   # 1.0 s of an 8.0 s round
         "geomesh_network_idle_ratio": 0.0625,    # 0.5 s of 8.0 s
         "geomesh_round_seconds": 8.0,
+        "geomesh_loop_stall_seconds": 0.03,
         "geomesh_tokens_total": 8192.0,
         "geomesh_sent_bytes_total": 200_000.0,
         "geomesh_received_bytes_total": 300_000.0, "geomesh_underfilled_rounds_total": 0.0,
     }
     # next round: gauges are replaced, counters add up, a round without eval keeps the last ppl
     rl.add(_record(round=8, peers=2, train_loss=4.25, eval_ppl=None, straggler_idle_s=0.0,
-                   network_idle_s=2.0, round_s=4.0, tokens=1000, bytes_sent=1, bytes_received=2))
+                   network_idle_s=2.0, round_s=4.0, tokens=1000, bytes_sent=1, bytes_received=2,
+                   loop_stall_ms=1500.0))
     assert printed[0] == HEADER and len(printed) == 3
-    assert _scrape(port) == {
+    m = _scrape(port)
+    assert (m.pop("geomesh_round_loop_stall_seconds_count"), m.pop("geomesh_round_loop_stall_seconds_sum"),
+            m['geomesh_round_loop_stall_seconds_bucket{le="1.0"}'],
+            m['geomesh_round_loop_stall_seconds_bucket{le="2.5"}']) == (2.0, 1.53, 1.0, 2.0)
+    m = {k: v for k, v in m.items() if not k.startswith("geomesh_round_loop_stall_seconds")}
+    assert m == {
         "geomesh_round": 8.0,
         "geomesh_peers": 2.0,
         "geomesh_train_loss": 4.25,
@@ -95,6 +108,7 @@ def test_prometheus_gauges_exact(served):
         "geomesh_straggler_idle_ratio": 0.0,
         "geomesh_network_idle_ratio": 0.5,
         "geomesh_round_seconds": 4.0,
+        "geomesh_loop_stall_seconds": 1.5,
         "geomesh_tokens_total": 9192.0,
         "geomesh_sent_bytes_total": 200_001.0,
         "geomesh_received_bytes_total": 300_002.0, "geomesh_underfilled_rounds_total": 0.0,
@@ -119,7 +133,7 @@ def test_json_lines_exact(tmp_path):
     rl = RoundLog(json_path=str(path), print_fn=lambda _: None)
     rl.add(_record())
     rl.add(_record(round=8, train_loss=math.nan, eval_ppl=None, digest_agree=None, round_s=0.0,
-                   extra={"note": "x"}))
+                   extra={"note": "x"}, loop_stall_ms=None))
     rl.close()
     lines = path.read_text().splitlines()
     assert len(lines) == 2
@@ -130,13 +144,14 @@ def test_json_lines_exact(tmp_path):
         "compute_s": 6.0, "straggler_idle_s": 1.0, "network_idle_s": 0.5, "round_s": 8.0,
         "bytes_sent": 200_000, "bytes_received": 300_000, "digest": "abcdef0123456789",
         "digest_agree": True, "contributors": 3, "missing_parts": 0, "time": 1_700_000_000.5,
-        "extra": {}, "straggler_idle_pct": 12.5, "network_idle_pct": 6.25, "underfilled": False,
+        "loop_stall_ms": 30.0, "extra": {}, "straggler_idle_pct": 12.5, "network_idle_pct": 6.25, "underfilled": False,
     }
     second = json.loads(lines[1])  # strict JSON: NaN became null; a 0 s round gives 0 %
     assert "NaN" not in lines[1]
     assert {k: second[k] for k in ("round", "train_loss", "eval_ppl", "digest_agree", "round_s",
-                                   "straggler_idle_pct", "network_idle_pct", "extra")} == {
+                                   "straggler_idle_pct", "network_idle_pct", "extra", "loop_stall_ms")} == {
         "round": 8, "train_loss": None, "eval_ppl": None, "digest_agree": None, "round_s": 0.0,
+        "loop_stall_ms": None,
         "straggler_idle_pct": 0.0, "network_idle_pct": 0.0, "extra": {"note": "x"}}
     # appending: a new RoundLog on the same file adds lines after the old ones
     rl2 = RoundLog(json_path=str(path), print_fn=lambda _: None)
