@@ -1,25 +1,48 @@
-# GeoMesh-P2P volunteer node.
-#   docker build -t geomesh .
-# CPU:   docker run --rm -it geomesh join --bootstrap HOST:PORT
-# GPU:   docker run --rm -it --gpus all -p 31337:31337 geomesh join --bootstrap HOST:PORT --device cuda:0 \
-#            --host 0.0.0.0 --advertise-host YOUR_PUBLIC_IP --port 31337
-# Keep the identity across restarts: -v geomesh-home:/root/.geomesh
-# For a CUDA build of torch pass --build-arg TORCH=torch (the default pins the CPU-friendly 2.13.0 wheel).
-FROM python:3.11-slim
+# syntax=docker/dockerfile:1
+# GeoMesh-P2P volunteer node (a peer, or a bootstrap with --entrypoint geomesh-bootstrap). How to build
+# and run it, reachable or behind NAT, CPU or CUDA: docs/docker.md. In short:
+#   docker build -t geomesh-p2p .                       # CPU image (torch from PyTorch's CPU index)
+#   docker run --rm -it -p 31337:31337 -v geomesh-id:/home/geomesh/.geomesh geomesh-p2p \
+#       join --bootstrap bootstrap.example.org:31337 --host 0.0.0.0 --port 31337 --advertise-host 203.0.113.7
+# CUDA image: --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu128, run with --gpus all.
+# tests/test_dockerfile.py checks this file's invariants (no engine runs in CI).
 
+ARG PYTHON_IMAGE=python:3.11-slim
+
+# ---------------------------------------------------------------- build: a venv with torch + the project
+FROM ${PYTHON_IMAGE} AS build
+# PyTorch's CPU index: plain torch from PyPI is the CUDA build (several GB of nvidia-* wheels).
+# For a CUDA image pass the index of your CUDA version, e.g. https://download.pytorch.org/whl/cu128.
+ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
 ARG TORCH=torch==2.13.0
-ENV PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1
-WORKDIR /opt/geomesh
-
-RUN apt-get update && apt-get install -y --no-install-recommends make && rm -rf /var/lib/apt/lists/*
-COPY pyproject.toml README.md Makefile ./
+# optional extras, comma-separated: hf (--data hf:...), lion (--inner-optimizer lion), sim (geomesh-sim --plot)
+ARG EXTRAS=
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+RUN python -m venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH
+# torch first, from TORCH_INDEX only, so that installing the project finds it satisfied and pulls no other build
+RUN pip install --index-url "$TORCH_INDEX" "$TORCH"
+WORKDIR /src
+COPY pyproject.toml README.md ./
 COPY geomesh_p2p ./geomesh_p2p
 COPY peer ./peer
 COPY bootstrap ./bootstrap
-# Same steps as `make setup`: torch first, then the project.
-RUN make setup TORCH="$TORCH" VENV=/opt/venv
-ENV PATH=/opt/venv/bin:$PATH
+# a regular (non-editable) install: the runtime stage gets the venv and not the source
+RUN pip install "/src${EXTRAS:+[$EXTRAS]}" && geomesh-peer --version
 
-EXPOSE 31337
+# ---------------------------------------------------------------- runtime: the venv, a non-root user
+FROM ${PYTHON_IMAGE} AS runtime
+ENV PATH=/opt/venv/bin:$PATH PYTHONUNBUFFERED=1
+COPY --from=build /opt/venv /opt/venv
+# The volumes' mount points exist and belong to the user, so fresh named volumes are writable by it.
+RUN useradd --create-home --uid 10001 --shell /usr/sbin/nologin geomesh \
+    && mkdir -p /home/geomesh/.geomesh /data /checkpoints \
+    && chown geomesh:geomesh /home/geomesh/.geomesh /data /checkpoints
+USER geomesh
+WORKDIR /home/geomesh
+# identity keys (~/.geomesh: identity.key, bootstrap.key, their proof-of-work caches), training text, checkpoints
+VOLUME ["/home/geomesh/.geomesh", "/data", "/checkpoints"]
+# 31337: gRPC (a peer's --port, a bootstrap's default); 9100: Prometheus (--metrics-port 9100)
+EXPOSE 31337 9100
 ENTRYPOINT ["geomesh-peer"]
 CMD ["--help"]
