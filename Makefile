@@ -8,7 +8,7 @@ PY      = $(VENV)/bin/python
 PIP     = $(PY) -m pip
 STAMP   = $(VENV)/.geomesh-installed
 
-.PHONY: setup browser demo test bench protos clean
+.PHONY: setup browser demo test test-quick lint bench protos clean
 
 setup: $(STAMP)
 
@@ -32,6 +32,18 @@ browser:
 
 test: setup browser
 	$(VENV)/bin/pytest -q tests
+
+# The tests that start no processes (pytest -m "not e2e"; tests/conftest.py names the others): a few
+# minutes on 2 cores. No browser needed.
+test-quick: setup
+	$(VENV)/bin/pytest -q -m "not e2e" tests
+
+# Lint (rules in pyproject.toml's [tool.ruff.lint]: real defects, not style) and types of the library.
+# `ruff format --check` is not run yet: 110 of 122 files would be reformatted.
+LINT_PATHS = geomesh_p2p peer bootstrap tests benchmarks
+lint: setup
+	$(VENV)/bin/ruff check $(LINT_PATHS)
+	$(VENV)/bin/mypy geomesh_p2p
 
 bench: setup
 	for f in benchmarks/*.py; do echo "== $$f"; $(PY) $$f || exit 1; done
