@@ -38,6 +38,7 @@ class LoopLagMonitor:
         self.samples = 0
         self._worst = 0.0
         self._task: Optional[asyncio.Task] = None
+        self._tick: Optional[asyncio.Event] = None  # set (and replaced) at each wake-up
 
     @property
     def running(self) -> bool:
@@ -60,6 +61,19 @@ class LoopLagMonitor:
                 self._worst = late
             if late > self.worst_ever:
                 self.worst_ever = late
+            tick, self._tick = self._tick, asyncio.Event()
+            if tick is not None:
+                tick.set()
+
+    async def wait_samples(self, n: int = 1) -> None:
+        """Wait until the monitor has measured ``n`` more wake-ups (tests, and callers that want a
+        measurement covering the present moment). Raises RuntimeError when it is not running."""
+        for _ in range(n):
+            if not self.running:
+                raise RuntimeError("the loop-lag monitor is not running")
+            if self._tick is None:
+                self._tick = asyncio.Event()
+            await self._tick.wait()
 
     def take_worst(self) -> float:
         """The worst stall (seconds) since the previous call (or :meth:`start`); resets it to 0.

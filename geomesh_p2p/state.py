@@ -459,12 +459,14 @@ class GlobalState:
             self.round = int(round)
             return self.digest
 
-    def read(self, start: int, end: int, *, round: int | None = None, blocking: bool = True) -> bytes:
+    def read(self, start: int, end: int, *, round: int | None = None, digest: str | None = None,
+             blocking: bool = True) -> bytes:
         """Bytes ``[start, end)`` of the buffer (its raw little-endian fp32 bytes, the order of
         :func:`state_to_chunks`'s payload), for the state server. One copy of the range only.
 
         ``round``: the round the reader is serving; when the state is at another round (it moved
-        on between two chunks of one piece) the read is refused. ``blocking=False``: refuse
+        on between two chunks of one piece) the read is refused; likewise ``digest`` (a re-sync may
+        load another state of the same round). ``blocking=False``: refuse
         rather than wait while the state is being changed (lock held), so the event loop never
         waits on an outer step.
 
@@ -479,6 +481,9 @@ class GlobalState:
         try:
             if round is not None and self.round != round:
                 raise StateChanged(f"state of round {round} asked, this node now holds round {self.round}")
+            if digest is not None and self.digest != digest:
+                raise StateChanged(f"state {digest[:8]} of round {self.round} was replaced by "
+                                   f"{(self.digest or '-')[:8]} (re-synced)")
             return bytes(self._bytes()[start:end])
         finally:
             self.lock.release()

@@ -144,3 +144,150 @@ def test_checkpoint_has_the_tensor_writers_format_and_loads_back(tmp_path, k):
 def test_checkpoint_before_any_digest_is_refused(tmp_path):
     with pytest.raises(StateError, match="no digest yet"):
         GlobalState(P, 1).save_checkpoint(tmp_path)
+
+
+# --------------------------------------------------------------------------- serving and downloading
+import asyncio  # noqa: E402
+
+from geomesh_p2p.identity import EnvelopeError, Identity  # noqa: E402
+from geomesh_p2p.state_sync import StateServer, StateSyncError, download_state  # noqa: E402
+from geomesh_p2p.transport import STATE_GET, RpcError, Transport, TransportConfig  # noqa: E402
+from geomesh_p2p.wire import collective_pb2  # noqa: E402
+
+RUN = "state-sync-test"
+CHUNK = 16 << 10
+
+
+class StallingServer(StateServer):
+    """A donor that sends ``stall_after`` chunks of a request, then nothing (a donor gone quiet); requests
+    starting before byte ``refuse_below`` are refused. ``closed`` is set when a stalled stream is closed."""
+
+    def __init__(self, transport, *, stall_after: int, refuse_below: int = 0, **kw):
+        super().__init__(transport, **kw)
+        self.stall_after, self.refuse_below = stall_after, refuse_below
+        self.stalled, self.closed, self.release = asyncio.Event(), asyncio.Event(), asyncio.Event()
+
+    async def _handle(self, verified, context):
+        req = collective_pb2.StateRequest.FromString(verified.payload)
+        if req.offset < self.refuse_below:
+            raise EnvelopeError(grpc.StatusCode.FAILED_PRECONDITION, "refused (test)")
+        n = 0
+        try:
+            async for chunk in super()._handle(verified, context):
+                if n == self.stall_after:
+                    self.stalled.set()
+                    await self.release.wait()
+                yield chunk
+                n += 1
+        finally:
+            if self.stalled.is_set():
+                self.closed.set()
+
+
+import grpc  # noqa: E402
+
+
+async def _donors(gs_list, make=StateServer, **kw):
+    """One transport + state server per GlobalState in ``gs_list`` (or per (GlobalState, kwargs))."""
+    out = []
+    for item in gs_list:
+        gs, extra = item if isinstance(item, tuple) else (item, {})
+        t = Transport(Identity.generate(), RUN, TransportConfig(host="127.0.0.1", port=0))
+        srv = (extra.pop("cls", make))(t, chunk_bytes=CHUNK, state=gs, **extra)
+        out.append((t, srv, await t.start()))
+    return out
+
+
+def _state(round=5, seed=1, k=1, p=1 << 15):
+    g = torch.Generator().manual_seed(seed)
+    gs = GlobalState(p, k)
+    gs.load(round, torch.randn(p, generator=g), torch.randn(k * p, generator=g))
+    return gs
+
+
+@pytest.mark.timeout(60)
+async def test_a_donor_that_stops_mid_piece_loses_its_piece_to_the_other_donor():
+    gs = _state()
+    donors = await _donors([(gs, {"cls": StallingServer, "stall_after": 2}), gs])
+    client = Transport(Identity.generate(), RUN, TransportConfig(client_only=True))
+    events = []
+    try:
+        addrs = [a for _, _, a in donors]
+        snap = await download_state(client, addrs, round=5, numel=gs.num_params, expected_digest=gs.digest,
+                                    stall_timeout_s=1.0, on_event=lambda *e: events.append(e))
+        # bitwise the donor's state, in one buffer the snapshot's tensors are views of
+        assert snap.digest == gs.digest and torch.equal(snap.buffer.view(torch.int32), gs.buffer.view(torch.int32))
+        assert snap.theta.data_ptr() == snap.buffer.data_ptr()
+        assert snap.to_global_state().buffer is snap.buffer
+        # piece 0 stalled on donor 0 after 2 chunks and was finished by donor 1, from the byte it reached
+        assert ("stalled", 0, addrs[0]) in [e[:3] for e in events]
+        assert ("start", 0, addrs[1], str(2 * CHUNK)) in events
+        assert ("done", 0, addrs[1], "") in events and ("done", 1, addrs[1], "") in events
+        assert donors[0][1].closed.is_set() or await asyncio.wait_for(donors[0][1].closed.wait(), 10) is True
+    finally:
+        await client.stop()
+        for t, srv, _ in donors:
+            await t.stop(grace=0)
+
+
+@pytest.mark.timeout(60)
+async def test_a_piece_that_fails_on_every_donor_cancels_its_siblings():
+    """Piece 0 is refused by both donors; piece 1 streams from a donor that went quiet (the stall watchdog
+    set far beyond the test's timeout): the failure of piece 0 alone must end the download and close piece
+    1's stream."""
+    gs = _state()
+    other_round = _state(round=4)
+    donors = await _donors([other_round, (gs, {"cls": StallingServer, "stall_after": 1,
+                                               "refuse_below": gs.nbytes // 2})])
+    client = Transport(Identity.generate(), RUN, TransportConfig(client_only=True))
+    events = []
+    try:
+        addrs = [a for _, _, a in donors]
+        with pytest.raises(StateSyncError, match="piece 0 failed on every donor"):
+            await download_state(client, addrs, round=5, numel=gs.num_params, expected_digest=gs.digest,
+                                 stall_timeout_s=600.0, on_event=lambda *e: events.append(e))
+        # no piece task outlives the call
+        assert [t.get_name() for t in asyncio.all_tasks() if t.get_name().startswith("state-piece")] == []
+        kinds = [e[:3] for e in events]
+        assert ("failed", 0, addrs[0]) in kinds and ("cancelled", 1, "") in kinds
+        assert any(e[:3] == ("failed", 0, addrs[0]) and "holds round 4" in e[3] for e in events)
+        assert not any(e[0] == "done" for e in events)
+        await asyncio.wait_for(donors[1][1].closed.wait(), 10)  # the donor saw piece 1's stream closed
+    finally:
+        await client.stop()
+        for t, srv, _ in donors:
+            await t.stop(grace=0)
+
+
+@pytest.mark.timeout(60)
+async def test_a_state_that_moves_on_mid_piece_is_refused_with_a_reason():
+    gs = _state()
+    srv_gs = _state()
+    donors = await _donors([(srv_gs, {"cls": StallingServer, "stall_after": 1})])
+    client = Transport(Identity.generate(), RUN, TransportConfig(client_only=True))
+    (t, srv, addr), = donors
+    try:
+        req = collective_pb2.StateRequest(round=5, offset=0, length=0).SerializeToString()
+        got = []
+
+        async def pull():
+            async for v in client.call_stream(addr, STATE_GET, req, round=5, timeout=20):
+                got.append(collective_pb2.StateChunk.FromString(v.payload))
+
+        task = asyncio.ensure_future(pull())
+        await asyncio.wait_for(srv.stalled.wait(), 10)
+        await asyncio.to_thread(srv_gs.commit, 6)  # the outer step of the next round
+        srv.release.set()
+        with pytest.raises(RpcError) as ei:
+            await task
+        assert ei.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        assert "state of round 5 no longer held" in ei.value.reason and "now holds round 6" in ei.value.reason
+        # the chunk read before the commit still goes out; the next read sees round 6 and refuses
+        assert [c.offset for c in got] == [0, CHUNK] and b"".join(c.data for c in got) == gs.read(0, 2 * CHUNK)
+        # a new request for the old round is refused up front
+        with pytest.raises(RpcError, match="state for round 5 asked, this node holds round 6"):
+            async for _ in client.call_stream(addr, STATE_GET, req, round=5, timeout=20):
+                pass
+    finally:
+        await client.stop()
+        await t.stop(grace=0)

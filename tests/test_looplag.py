@@ -14,10 +14,10 @@ pytestmark = pytest.mark.timeout(30)
 
 
 async def _samples(m: LoopLagMonitor, n: int) -> None:
-    """Wait until the monitor has measured ``n`` more wake-ups (an event, not a fixed sleep)."""
-    target = m.samples + n
-    while m.samples < target:
-        await asyncio.sleep(m.interval_s / 2)
+    """Wait until the monitor has measured ``n`` more wake-ups (its event, not a fixed sleep)."""
+    before = m.samples
+    await m.wait_samples(n)
+    assert m.samples >= before + n
 
 
 async def test_a_blocking_call_on_the_loop_is_reported():
