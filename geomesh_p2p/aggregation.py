@@ -95,7 +95,8 @@ def bounded_weights(tokens: Sequence[int], weight_cap: Optional[float]) -> list[
 
 
 def token_weighted_mean(
-    items: Sequence[tuple[int, Any]], numel: int, *, clip_k: Optional[float], encoding: str = "sign"
+    items: Sequence[tuple[int, Any]], numel: int, *, clip_k: Optional[float], encoding: str = "sign",
+    out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """The ``mean`` rule of one part: ``sum_i n_i * decode_i / sum_i n_i``, computed one fixed way.
 
@@ -106,9 +107,11 @@ def token_weighted_mean(
         numel: elements of the part.
         clip_k: scale clipping factor, or None.
         encoding: ``"sign"`` or ``"fp32"``.
+        out: optional contiguous fp32 tensor [numel] to accumulate into (overwritten; e.g. the
+            part's slice of the round's aggregate), so no other full-size tensor is kept.
 
     Returns:
-        fp32 tensor [numel]; all zeros when no item has tokens > 0.
+        fp32 tensor [numel] (``out`` if given); all zeros when no item has tokens > 0.
 
     The exact rule (each step one IEEE fp32 rounding; the same on every peer, so relay peers and
     a reencode owner get the same bits):
@@ -120,15 +123,25 @@ def token_weighted_mean(
     4. Sign: ``c_ib = s'_ib * w_i`` and ``x_i = decode(SignPacket(signs_i, scales=c_i))`` =
        ``+-c_ib`` exactly. fp32: ``x_i = v_i * w_i``.
     5. ``acc = 0``; for each item in order: ``acc = acc + x_i``.
+
+    Memory: ``acc`` (or ``out``) plus one scratch tensor [numel] for ``x_i``; every step is an
+    unfused elementwise op into them (the same IEEE roundings as ``acc = acc + x_i``).
     """
     active = [(int(n), p) for n, p in items if int(n) > 0]
-    acc = torch.zeros(numel, dtype=torch.float32)
+    if out is None:
+        acc = torch.zeros(numel, dtype=torch.float32)
+    else:
+        if out.dtype != torch.float32 or out.numel() != numel or not out.is_contiguous():
+            raise ValueError(f"out must be a contiguous fp32 tensor of {numel} elements")
+        acc = out.zero_()
     if not active:
         return acc
     total = sum(n for n, _ in active)
+    x = torch.empty(numel, dtype=torch.float32)  # the one scratch buffer: x_i, then acc += x_i
     if encoding == "fp32":
         for n, v in active:
-            acc = acc + v * torch.tensor(n / total, dtype=torch.float32)
+            torch.mul(v, torch.tensor(n / total, dtype=torch.float32), out=x)
+            acc.add_(x)
         return acc
     cap = None
     if clip_k is not None:
@@ -137,7 +150,7 @@ def token_weighted_mean(
     for n, p in active:
         s = p.scales if cap is None else torch.minimum(p.scales, cap)
         c_i = s * torch.tensor(n / total, dtype=torch.float32)
-        acc = acc + compression.decode(compression.SignPacket(p.numel, p.block_size, n, p.signs, c_i))
+        acc.add_(compression.decode(compression.SignPacket(p.numel, p.block_size, n, p.signs, c_i), out=x))
     return acc
 
 
@@ -223,7 +236,7 @@ def _robust_sign(items: Sequence[tuple[int, Any]], numel: int, rule: str, weight
 def aggregate_part(
     items: Sequence[tuple[int, Any]], numel: int, *, rule: str = "vote", encoding: str = "sign",
     clip_k: Optional[float] = 4.0, weight_cap: Optional[float] = 1.0, min_agreement: Optional[float] = 0.5,
-    dropped: Optional[list] = None,
+    dropped: Optional[list] = None, out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """The aggregate of one part under ``rule``: what every peer applies for that range.
 
@@ -241,9 +254,11 @@ def aggregate_part(
         dropped: if a list is given, the indices (into ``items``) of the items the agreement filter
             dropped are appended to it (the same on every peer: the collective leaves them out of the
             part's contributors, so a peer dropped in every part counts as having delivered nothing).
+        out: optional contiguous fp32 tensor [numel] the result is written into (see
+            :func:`token_weighted_mean`).
 
     Returns:
-        fp32 tensor [numel] (zeros when no item has weight).
+        fp32 tensor [numel] (``out`` if given; zeros when no item has weight).
 
     Raises:
         ValueError: an unknown rule.
@@ -253,5 +268,6 @@ def aggregate_part(
     if rule == "mean" or encoding == "fp32":
         weights = bounded_weights([n for n, _ in items], weight_cap)
         return token_weighted_mean([(w, p) for w, (_, p) in zip(weights, items)], numel, clip_k=clip_k,
-                                   encoding=encoding)
-    return _robust_sign(items, numel, rule, weight_cap, min_agreement, dropped)
+                                   encoding=encoding, out=out)
+    res = _robust_sign(items, numel, rule, weight_cap, min_agreement, dropped)
+    return res if out is None else out.copy_(res)

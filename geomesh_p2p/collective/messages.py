@@ -1,0 +1,276 @@
+"""The collective's signed messages: build and check a sender's contribution to a part, build and
+read an owner's part result. Pure and synchronous (no I/O, no event loop): the service runs them in
+worker threads (each may touch a whole part: hashing, parsing, decoding).
+
+Every check raises :class:`~geomesh_p2p.identity.EnvelopeError` (a gRPC status + reason), and the
+same bytes give the same decision on every peer.
+
+Memory: protobuf's upb returns a fresh copy on every read of a bytes field, so each field is read
+once; an fp32 packet is a read-only view *into the signed bytes* kept anyway (:func:`_fp32_in`),
+not a second copy; a part result's aggregate is decoded straight into the caller's buffer.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import grpc
+import torch
+from google.protobuf.message import DecodeError
+
+from geomesh_p2p import compression
+from geomesh_p2p.collective.aggregate import decode_aggregate, encode_aggregate, fp32_to_bytes, fp32_view
+from geomesh_p2p.collective.spec import CollectiveSpec, PartOwner, _pid_bytes, _short
+from geomesh_p2p.identity import EnvelopeError, Identity, PeerID, Verifier
+from geomesh_p2p.wire import collective_pb2, envelope_pb2
+
+__all__ = ["CONTRIBUTION_KIND", "RESULT_KIND", "Contribution", "contribution_bytes", "push_request_bytes",
+           "check_contribution", "build_result", "read_result"]
+
+log = logging.getLogger(__name__)
+
+CONTRIBUTION_KIND = "geomesh.collective/Contribution"  # inner envelope kind of a sender's part
+RESULT_KIND = "geomesh.collective/PartResult"  # inner envelope kind of an owner's part result
+
+Code = grpc.StatusCode
+
+
+@dataclass
+class Contribution:
+    """A verified contribution to one part.
+
+    Attributes:
+        sender: base58 PeerID of the signer.
+        tokens: tokens it claims (not yet capped by the plan).
+        packet: a :class:`compression.SignPacket` [part size], or a read-only fp32 tensor [part size]
+            viewing ``signed`` (fp32 pushes).
+        signed: the SignedMessage bytes of the PartContribution (what relay forwards, verify re-checks).
+        compute_end: unix seconds the sender says its inner steps ended (clamped to now).
+    """
+
+    sender: str
+    tokens: int  # claimed
+    packet: Any  # SignPacket or fp32 tensor
+    signed: bytes  # SignedMessage bytes of the PartContribution
+    compute_end: float = 0.0  # unix seconds the sender says its inner steps ended
+
+
+def contribution_bytes(identity: Identity, spec: CollectiveSpec, j: int, delta: torch.Tensor, tokens: int,
+                       compute_end: float = 0.0) -> bytes:
+    """Encode part ``j`` of ``delta`` (fp32 [numel], CPU) as ``spec.push_encoding`` and sign it:
+    the SignedMessage bytes of a PartContribution. Raises compression.CodecError on NaN / Inf."""
+    o = spec.owners[j]
+    v = delta[o.start:o.end]
+    if spec.push_encoding == "fp32":
+        packet = fp32_to_bytes(v)
+    else:
+        packet = compression.encode(v, block_size=spec.block_size, tokens=tokens).to_bytes()
+    payload = collective_pb2.PartContribution(round=spec.round, part=j, start=o.start, end=o.end, tokens=tokens,
+                                              spec_id=spec.spec_id, encoding=spec.push_encoding, packet=packet,
+                                              compute_end=compute_end).SerializeToString()
+    del packet  # the payload holds it: one part-sized copy less while signing
+    return identity.sign_message(run_id=spec.run_id, round=spec.round, kind=CONTRIBUTION_KIND,
+                                 payload=payload).SerializeToString()
+
+
+def push_request_bytes(signed: bytes) -> bytes:
+    """The PushPartRequest bytes carrying a signed contribution."""
+    return collective_pb2.PushPartRequest(contribution=signed).SerializeToString()
+
+
+def _fp32_in(signed: bytes, packet: bytes, numel: int) -> torch.Tensor:
+    """A read-only fp32 tensor [numel] of ``packet``'s values, viewing ``signed`` (which embeds
+    ``packet`` verbatim) so that a kept contribution holds one copy of its part, not two. Any
+    occurrence of the same bytes holds the same values, so which one ``find`` meets does not matter.
+    Raises compression.CodecError on a wrong length or NaN / Inf."""
+    if len(packet) != 4 * numel:
+        raise compression.CodecError(f"wrong fp32 length: {len(packet)} bytes, expected {4 * numel}")
+    off = signed.find(packet) if numel else -1
+    if off < 0:
+        return fp32_view(packet, numel)
+    return fp32_view(memoryview(signed)[off:off + len(packet)], numel)
+
+
+def check_contribution(verifier: Verifier, spec: CollectiveSpec, part: Optional[int], signed: bytes,
+                       caller: Optional[str]) -> tuple[int, Contribution]:
+    """Verify a sender-signed contribution; returns ``(part index, Contribution)``.
+
+    ``part``: the part it must be for (a relay reader, the own part), or None: the part it names
+    (an owner on push; a part index beyond the spec is refused before the signature is checked).
+    ``caller``: the peer that pushed it (must be the signer), or None (forwarded).
+
+    Raises EnvelopeError: malformed (INVALID_ARGUMENT), forged or tampered (UNAUTHENTICATED /
+    DATA_LOSS), not the caller's or not a participant's (PERMISSION_DENIED), another round's or
+    spec's (INVALID_ARGUMENT / FAILED_PRECONDITION), wrong part, range, encoding, length, block
+    size, malformed packet or NaN / Inf (INVALID_ARGUMENT).
+    """
+    peek = part is None
+    try:
+        msg = envelope_pb2.SignedMessage.FromString(signed)
+    except DecodeError:
+        raise EnvelopeError(Code.INVALID_ARGUMENT,
+                            "contribution is malformed" if peek else "contribution is not a SignedMessage") from None
+    c = None
+    if peek:
+        try:
+            c = collective_pb2.PartContribution.FromString(msg.payload)
+        except DecodeError:
+            raise EnvelopeError(Code.INVALID_ARGUMENT, "contribution is malformed") from None
+        part = c.part
+        if part >= len(spec.owners):
+            raise EnvelopeError(Code.INVALID_ARGUMENT, f"part {part} does not exist in round {spec.round}")
+    v = verifier.verify(msg, kind=CONTRIBUTION_KIND, check_replay=False)
+    del msg  # its payload copy is no longer needed
+    sender = v.sender.to_string()
+    if caller is not None and sender != caller:
+        raise EnvelopeError(Code.PERMISSION_DENIED,
+                            f"contribution signed by {_short(sender)} but pushed by {_short(caller)}")
+    if c is None:
+        try:
+            c = collective_pb2.PartContribution.FromString(v.payload)
+        except DecodeError:
+            raise EnvelopeError(Code.INVALID_ARGUMENT, "contribution payload is malformed") from None
+    # (peek: c was parsed from the very payload the verifier hashed, so it is the signed content)
+    if c.round != v.round or c.round != spec.round:
+        raise EnvelopeError(Code.INVALID_ARGUMENT,
+                            f"contribution is for round {c.round} (envelope {v.round}), expected {spec.round}")
+    v = None  # release the verifier's payload copy before the packet is read
+    if c.spec_id != spec.spec_id:
+        raise EnvelopeError(Code.FAILED_PRECONDITION, f"contribution was made for another spec of round {spec.round}")
+    if sender not in spec.participants:
+        raise EnvelopeError(Code.PERMISSION_DENIED,
+                            f"sender {_short(sender)} is not a participant of round {spec.round}")
+    if c.part != part:
+        raise EnvelopeError(Code.INVALID_ARGUMENT, f"contribution is for part {c.part}, expected {part}")
+    o = spec.owners[part]
+    if (c.start, c.end) != (o.start, o.end):
+        raise EnvelopeError(Code.INVALID_ARGUMENT,
+                            f"wrong range [{c.start}, {c.end}) for part {part}, expected [{o.start}, {o.end})")
+    if c.encoding != spec.push_encoding:
+        raise EnvelopeError(Code.INVALID_ARGUMENT, f"encoding {c.encoding!r}, the round uses {spec.push_encoding!r}")
+    try:
+        if c.encoding == "fp32":
+            packet = _fp32_in(signed, c.packet, o.size)
+        else:
+            packet = compression.packet_from_bytes(c.packet)
+            if not isinstance(packet, compression.SignPacket):
+                raise compression.CodecError(f"packet is a {type(packet).__name__}, expected a sign packet")
+            if packet.numel != o.size:
+                raise compression.CodecError(f"wrong length: {packet.numel} elements, part {part} has {o.size}")
+            if packet.block_size != spec.block_size:
+                raise compression.CodecError(f"block size {packet.block_size}, the round uses {spec.block_size}")
+    except compression.CodecError as e:
+        raise EnvelopeError(Code.INVALID_ARGUMENT, f"bad packet: {e}") from None
+    # A claimed compute end in the future is clamped: it only feeds idle accounting.
+    return part, Contribution(sender, int(c.tokens), packet, signed, min(float(c.compute_end), time.time())
+                              if math.isfinite(c.compute_end) else 0.0)
+
+
+def build_result(identity: Identity, spec: CollectiveSpec, index: int, owner: PartOwner, closed_by: str,
+                 contributions: list[Contribution]) -> bytes:
+    """The owner-signed PartResult (SignedMessage bytes) of part ``index`` from ``contributions``
+    (sorted by raw PeerID): relay forwards them; reencode aggregates them (``spec.aggregate``) and
+    encodes the mean as ``spec.aggregate_encoding``; contributions the agreement filter dropped
+    are not listed."""
+    used = [min(c.tokens, spec.participants[c.sender]) for c in contributions]
+    aggregate, listed = b"", list(range(len(contributions)))
+    if spec.mode == "reencode":
+        dropped: list[int] = []
+        mean = spec.aggregate([(n, c.packet) for n, c in zip(used, contributions)], owner.size, dropped)
+        listed = [i for i in listed if i not in set(dropped)]  # the filter's drops delivered nothing here
+        aggregate = encode_aggregate(spec.aggregate_encoding, mean, spec.block_size, sum(used))
+        del mean
+    res = collective_pb2.PartResult(
+        round=spec.round, part=index, start=owner.start, end=owner.end, spec_id=spec.spec_id, mode=spec.mode,
+        contributors=[_pid_bytes(contributions[i].sender) for i in listed], tokens=[used[i] for i in listed],
+        aggregate_encoding=spec.aggregate_encoding if spec.mode == "reencode" else "",
+        closed_by=closed_by or "",
+        last_compute_end=max((c.compute_end for c in contributions), default=0.0))
+    if spec.mode == "relay":
+        res.contributions.extend(collective_pb2.Contribution(signed_message=c.signed) for c in contributions)
+    else:
+        res.aggregate = aggregate
+        del aggregate
+    payload = res.SerializeToString()
+    del res
+    return identity.sign_message(run_id=spec.run_id, round=spec.round, kind=RESULT_KIND,
+                                 payload=payload).SerializeToString()
+
+
+def read_result(verifier: Verifier, spec: CollectiveSpec, j: int, signed: bytes, out: Optional[torch.Tensor] = None,
+                on_bad_relay: Optional[Callable[[str], None]] = None,
+                ) -> tuple[torch.Tensor, list[tuple[str, int]], float, dict[str, Any]]:
+    """Verify the owner-signed PartResult of part ``j``; returns (fp32 [part size] -- ``out`` when
+    given, e.g. the part's slice of the round's aggregate --, contributors ``[(peer, tokens used)]``,
+    last compute end (unix s), relayed sign packets by sender).
+
+    Relay: every forwarded contribution is re-verified; invalid ones (``on_bad_relay(reason)`` is
+    called) and repeated senders are dropped (the same bytes give the same choice on every peer),
+    the rest are sorted by raw PeerID, capped and aggregated by ``spec.aggregate``. fp32 relayed
+    contributions are not returned (verified work checks sign packets only; keeping them would pin
+    every sender's whole part).
+
+    Raises EnvelopeError when the result is malformed, not the owner's, not this round's spec, or
+    below the quorum (``out`` may then hold partial values: the caller zeroes a refused part).
+    """
+    o = spec.owners[j]
+    try:
+        msg = envelope_pb2.SignedMessage.FromString(signed)
+    except DecodeError:
+        raise EnvelopeError(Code.INVALID_ARGUMENT, "part result is not a SignedMessage") from None
+    v = verifier.verify(msg, kind=RESULT_KIND, check_replay=False)
+    del msg
+    if v.sender.to_string() != o.peer_id:
+        raise EnvelopeError(Code.PERMISSION_DENIED, f"part result signed by {v.sender.short()}, not its owner")
+    try:
+        res = collective_pb2.PartResult.FromString(v.payload)
+    except DecodeError:
+        raise EnvelopeError(Code.INVALID_ARGUMENT, "part result payload is malformed") from None
+    v = None  # the verifier's payload copy: res holds what is needed
+    if (res.round, res.part, res.start, res.end, res.spec_id, res.mode) != (
+            spec.round, j, o.start, o.end, spec.spec_id, spec.mode):
+        raise EnvelopeError(Code.INVALID_ARGUMENT, "part result does not match the round's spec")
+    if max(len(res.contributors), len(res.contributions)) > len(spec.participants):
+        raise EnvelopeError(Code.INVALID_ARGUMENT, "part result lists more contributors than participants")
+    if spec.mode == "reencode":
+        if len(res.contributors) != len(res.tokens):
+            raise EnvelopeError(Code.INVALID_ARGUMENT, "part result lists contributors and tokens of different lengths")
+        try:
+            agg = decode_aggregate(spec.aggregate_encoding, res.aggregate, o.size, out=out)
+        except compression.CodecError as e:
+            raise EnvelopeError(Code.INVALID_ARGUMENT, f"bad aggregate: {e}") from None
+        if not spec.quorum_met(PeerID(bytes(p)).to_string() for p in res.contributors):
+            raise EnvelopeError(Code.FAILED_PRECONDITION,
+                                f"part result aggregates {len(res.contributors)} contribution(s), the quorum is "
+                                f"{spec.quorum_count()} of {len(spec.established())} established participant(s)")
+        return (agg, [(PeerID(bytes(p)).to_string(), int(n)) for p, n in zip(res.contributors, res.tokens)],
+                float(res.last_compute_end) if math.isfinite(res.last_compute_end) else 0.0, {})
+    taken: dict[str, Contribution] = {}
+    items = list(res.contributions)
+    del res
+    for item in items:
+        try:
+            _, c = check_contribution(verifier, spec, j, item.signed_message, None)
+        except EnvelopeError as err:
+            if on_bad_relay is not None:
+                on_bad_relay(err.reason)
+            continue
+        taken.setdefault(c.sender, c)
+    del items
+    if not spec.quorum_met(taken):
+        raise EnvelopeError(Code.FAILED_PRECONDITION,
+                            f"part result holds {len(taken)} valid contribution(s), the quorum is "
+                            f"{spec.quorum_count()} of {len(spec.established())} established participant(s)")
+    ordered = sorted(taken.values(), key=lambda c: _pid_bytes(c.sender))
+    used = [min(c.tokens, spec.participants[c.sender]) for c in ordered]
+    dropped: list[int] = []
+    agg = spec.aggregate([(n, c.packet) for n, c in zip(used, ordered)], o.size, dropped, out=out)
+    # A contribution the agreement filter dropped delivered nothing to this part: it is not listed as a
+    # contributor (every reader drops the same ones), so one dropped everywhere counts as a no-show.
+    listed = [(c.sender, n) for i, (c, n) in enumerate(zip(ordered, used)) if i not in set(dropped)]
+    packets = {c.sender: c.packet for c in ordered if isinstance(c.packet, compression.SignPacket)}
+    return agg, listed, max((c.compute_end for c in ordered), default=0.0), packets
