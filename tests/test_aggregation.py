@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -140,3 +141,36 @@ def test_abstaining_zero_contributions_do_not_shrink_the_update():
              (100, _packet([0, 0, 0, 0]))]
     out = aggregate_part(items, 4, rule="meanmed", min_agreement=None)
     assert out.tolist() == [1.5, -1.5, 1.5, -1.5]  # mean of signs 1, median of the positive scales (1, 2)
+
+
+def test_mean_into_a_preallocated_buffer_is_bitwise_the_same():
+    """``out=`` (the collective's part slice) gives the same bits as a fresh result, for sign and fp32."""
+    from geomesh_p2p.collective import fp32_view
+
+    g = torch.Generator().manual_seed(7)
+    vs = [torch.randn(5000, generator=g) * (k + 1) for k in range(3)]
+    tokens = [100, 250, 0]
+    packets = [compression.encode(v, 256, n) for v, n in zip(vs, tokens)]
+    for items, enc in (([(n, p) for n, p in zip(tokens, packets)], "sign"),
+                       ([(n, fp32_view(v.numpy().astype("<f4").tobytes(), 5000)) for n, v in zip(tokens, vs)], "fp32")):
+        fresh = aggregate_part(items, 5000, rule="mean", encoding=enc, clip_k=4.0)
+        buf = torch.full((6000,), 7.0)
+        out = aggregate_part(items, 5000, rule="mean", encoding=enc, clip_k=4.0, out=buf[500:5500])
+        assert out.data_ptr() == buf[500:5500].data_ptr()
+        assert torch.equal(out, fresh) and bool((buf[:500] == 7).all()) and bool((buf[5500:] == 7).all())
+    robust = [(n, p) for n, p in zip(tokens, packets)]
+    buf = torch.empty(5000)
+    assert torch.equal(aggregate_part(robust, 5000, rule="meanmed", out=buf), aggregate_part(robust, 5000, rule="meanmed"))
+
+
+def test_fp32_view_reads_the_bytes_without_a_copy_and_refuses_bad_ones():
+    from geomesh_p2p.collective import fp32_view
+
+    v = torch.tensor([1.5, -2.0, 3.25], dtype=torch.float32)
+    data = v.numpy().astype("<f4").tobytes()
+    t = fp32_view(data, 3)
+    assert torch.equal(t, v)
+    with pytest.raises(compression.CodecError, match="wrong fp32 length"):
+        fp32_view(data, 4)
+    with pytest.raises(compression.CodecError, match="NaN or Inf"):
+        fp32_view(torch.tensor([1.0, float("nan")]).numpy().tobytes(), 2)

@@ -42,18 +42,20 @@ from __future__ import annotations
 
 from geomesh_p2p.aggregation import token_weighted_mean
 from geomesh_p2p.collective.aggregate import decode_aggregate, encode_aggregate, fp32_to_bytes, fp32_view
-from geomesh_p2p.collective.client import _RETRY_PULL, _RETRY_PUSH, AllReduceResult, CollectiveService, _held
+from geomesh_p2p.collective.client import _RETRY_PULL, _RETRY_PUSH, _held  # noqa: F401  (older names)
+from geomesh_p2p.collective.client import AllReduceResult, CollectiveService
 from geomesh_p2p.collective.messages import CONTRIBUTION_KIND, RESULT_KIND, Contribution
-from geomesh_p2p.collective.owner import OwnerService, _OwnedPart, _RoundState
+from geomesh_p2p.collective.owner import _OwnedPart, _RoundState  # noqa: F401  (verify.py reads _rounds)
+from geomesh_p2p.collective.owner import OwnerService
 from geomesh_p2p.collective.spec import (
     AGGREGATE_ENCODINGS,
     MODES,
     PUSH_ENCODINGS,
     CollectiveSpec,
     PartOwner,
-    _pid_bytes,
-    _pid_str,
-    _short,
+    _pid_bytes,  # noqa: F401
+    _pid_str,  # noqa: F401
+    _short,  # noqa: F401
     make_partition,
     max_part_elements,
     split_owners,
@@ -77,6 +79,3 @@ def _fp32_from_bytes(data: bytes, numel: int):
     """Raw little-endian fp32 -> a writable fp32 tensor [numel] (a copy); CodecError on a wrong
     length or NaN/Inf. (The exchange itself uses the zero-copy :func:`fp32_view`.)"""
     return fp32_view(data, numel).clone()
-
-
-_ = (_RETRY_PULL, _RETRY_PUSH, _held, _OwnedPart, _RoundState, _pid_bytes, _pid_str, _short)  # re-exported

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import sys
 import warnings
-from typing import Optional
+from typing import Optional, Union
 
 import numpy as np
 import torch
@@ -34,7 +34,7 @@ def fp32_to_bytes(v: torch.Tensor) -> bytes:
     return v.detach().cpu().contiguous().numpy().astype("<f4", copy=False).tobytes()
 
 
-def fp32_view(data: bytes, numel: int, *, check_finite: bool = True) -> torch.Tensor:
+def fp32_view(data: Union[bytes, memoryview], numel: int, *, check_finite: bool = True) -> torch.Tensor:
     """Raw little-endian fp32 bytes -> a read-only fp32 tensor [numel] that *views* ``data`` (no copy
     on little-endian hosts; it keeps ``data`` alive). Never write to it.
 

@@ -108,19 +108,18 @@ def check_contribution(verifier: Verifier, spec: CollectiveSpec, part: Optional[
     spec's (INVALID_ARGUMENT / FAILED_PRECONDITION), wrong part, range, encoding, length, block
     size, malformed packet or NaN / Inf (INVALID_ARGUMENT).
     """
-    peek = part is None
     try:
         msg = envelope_pb2.SignedMessage.FromString(signed)
     except DecodeError:
-        raise EnvelopeError(Code.INVALID_ARGUMENT,
-                            "contribution is malformed" if peek else "contribution is not a SignedMessage") from None
+        raise EnvelopeError(Code.INVALID_ARGUMENT, "contribution is malformed" if part is None
+                            else "contribution is not a SignedMessage") from None
     c = None
-    if peek:
+    if part is None:
         try:
             c = collective_pb2.PartContribution.FromString(msg.payload)
         except DecodeError:
             raise EnvelopeError(Code.INVALID_ARGUMENT, "contribution is malformed") from None
-        part = c.part
+        part = int(c.part)
         if part >= len(spec.owners):
             raise EnvelopeError(Code.INVALID_ARGUMENT, f"part {part} does not exist in round {spec.round}")
     v = verifier.verify(msg, kind=CONTRIBUTION_KIND, check_replay=False)
@@ -138,7 +137,7 @@ def check_contribution(verifier: Verifier, spec: CollectiveSpec, part: Optional[
     if c.round != v.round or c.round != spec.round:
         raise EnvelopeError(Code.INVALID_ARGUMENT,
                             f"contribution is for round {c.round} (envelope {v.round}), expected {spec.round}")
-    v = None  # release the verifier's payload copy before the packet is read
+    del v  # release the verifier's payload copy before the packet is read
     if c.spec_id != spec.spec_id:
         raise EnvelopeError(Code.FAILED_PRECONDITION, f"contribution was made for another spec of round {spec.round}")
     if sender not in spec.participants:
@@ -152,6 +151,7 @@ def check_contribution(verifier: Verifier, spec: CollectiveSpec, part: Optional[
                             f"wrong range [{c.start}, {c.end}) for part {part}, expected [{o.start}, {o.end})")
     if c.encoding != spec.push_encoding:
         raise EnvelopeError(Code.INVALID_ARGUMENT, f"encoding {c.encoding!r}, the round uses {spec.push_encoding!r}")
+    packet: Any
     try:
         if c.encoding == "fp32":
             packet = _fp32_in(signed, c.packet, o.size)
@@ -230,7 +230,7 @@ def read_result(verifier: Verifier, spec: CollectiveSpec, j: int, signed: bytes,
         res = collective_pb2.PartResult.FromString(v.payload)
     except DecodeError:
         raise EnvelopeError(Code.INVALID_ARGUMENT, "part result payload is malformed") from None
-    v = None  # the verifier's payload copy: res holds what is needed
+    del v  # the verifier's payload copy: res holds what is needed
     if (res.round, res.part, res.start, res.end, res.spec_id, res.mode) != (
             spec.round, j, o.start, o.end, spec.spec_id, spec.mode):
         raise EnvelopeError(Code.INVALID_ARGUMENT, "part result does not match the round's spec")
