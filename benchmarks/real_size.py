@@ -250,7 +250,9 @@ def run_helper(model: str, method: str, vocab_size: int) -> dict:
 # one (model, method)
 
 
-def run_one(model: str, method: str, args, workdir: Path, procs: Procs) -> dict:
+def run_one(model: str, method: str, args, workdir: Path, procs: Procs, results: list) -> dict:
+    """Run one (model, method) swarm, append its result to ``results`` (also when interrupted) and
+    return it. Raises KeyboardInterrupt after the summary when interrupted."""
     tag = f"{model}-{method}"
     d = workdir / tag
     d.mkdir(parents=True, exist_ok=True)
@@ -285,10 +287,16 @@ def run_one(model: str, method: str, args, workdir: Path, procs: Procs) -> dict:
     status = "ok"
     joiner = None
     download_s = None
+    interrupted = False
+    hwm_profiled: dict[str, int] = {}
     try:
         def rounds_done() -> bool:
             nonlocal last
             counts = [len(read_rows(d / f"peer{i}.jsonl")) for i in range(args.peers)]
+            for p in peers:  # peak RSS once the start-up profile is done: what start-up alone costs
+                if p.name not in hwm_profiled and _PROFILED.search(p.text()):
+                    p.sample()
+                    hwm_profiled[p.name] = p.hwm
             if counts != last:
                 print(f"[{tag}] {time.time() - t0:6.0f}s rounds logged per peer: {counts}", flush=True)
                 last = counts
@@ -302,21 +310,36 @@ def run_one(model: str, method: str, args, workdir: Path, procs: Procs) -> dict:
                                            "--rounds", str(args.rounds + 3)] + common, d / "joiner.log")
         t_prof = wait_for(lambda: bool(_PROFILED.search(joiner.text())), args.timeout_s,
                           "the joiner's start-up profile", [joiner])
-        t_dl = wait_for(lambda: bool(_DOWNLOADED.search(joiner.text())), args.timeout_s,
-                        "the joiner's state download", [joiner])
-        download_s = t_dl - t_prof
-        print(f"[{tag}] joiner downloaded the state in {download_s:.1f}s "
-              f"({t_dl - joiner.started:.0f}s after its start)", flush=True)
+        # Either it downloads, or it logs a round without one: the swarm's state is still the seed's,
+        # which the joiner holds already (every round so far aggregated nothing).
+        t_dl = wait_for(lambda: bool(_DOWNLOADED.search(joiner.text()) or read_rows(d / "joiner.jsonl")),
+                        args.timeout_s, "the joiner's state download", [joiner])
+        if _DOWNLOADED.search(joiner.text()):
+            download_s = t_dl - t_prof
+            print(f"[{tag}] joiner downloaded the state in {download_s:.1f}s "
+                  f"({t_dl - joiner.started:.0f}s after its start)", flush=True)
+        else:
+            status = "joiner did not download: the swarm's state was still its own seed state"
+            print(f"[{tag}] {status}", flush=True)
     except RuntimeError as e:
         status = f"failed: {e}"
         print(f"[{tag}] {status}", flush=True)
+    except KeyboardInterrupt:
+        status = "interrupted"
+        print(f"[{tag}] interrupted: stopping its processes, then the summary of what was logged", flush=True)
+        interrupted = True
     finally:
         procs.stop([*names, *([joiner.name] if joiner else []), boot.name], grace_s=args.grace_s)
-    return summarise(tag, model, method, facts, d, peers, joiner, download_s, status, time.time() - t0, args)
+    res = summarise(tag, model, method, facts, d, peers, joiner, download_s, status, time.time() - t0, args,
+                    hwm_profiled)
+    results.append(res)
+    if interrupted:
+        raise KeyboardInterrupt
+    return res
 
 
 def summarise(tag, model, method, facts, d: Path, peers: list[Proc], joiner, download_s, status, wall_s,
-              args) -> dict:
+              args, hwm_profiled: dict) -> dict:
     min_bytes = facts["min_bytes"][method]["total"]
     rows = {i: [r for r in read_rows(d / f"peer{i}.jsonl")] for i in range(len(peers))}
     by_round: dict[int, dict[int, dict]] = {}
@@ -338,13 +361,18 @@ def summarise(tag, model, method, facts, d: Path, peers: list[Proc], joiner, dow
                        "max_round_minus_compute_minus_idle_s": max(over_ns),
                        "digests_equal": len(digests) == 1 and len(rr) == len(peers)})
     peer_mem = [{"name": p.name, "peak_rss_bytes": p.peak_rss, "ratio_to_min": p.peak_rss / min_bytes,
-                 "exit": p.returncode} for p in peers]
+                 "peak_rss_after_profile_bytes": hwm_profiled.get(p.name), "exit": p.returncode} for p in peers]
+    jrows = read_rows(d / "joiner.jsonl")
     res = {"tag": tag, "model": model, "method": method, "status": status, "wall_s": wall_s,
            "n_params": facts["n_params"], "min_bytes": facts["min_bytes"][method], "peers": peer_mem,
            "sum_peak_rss_bytes": sum(p.peak_rss for p in peers), "rounds": rounds,
            "checkpoint_s": facts["checkpoint_s"], "checkpoint_bytes": facts["checkpoint_bytes"],
            "joiner": None if joiner is None else {"download_s": download_s, "peak_rss_bytes": joiner.peak_rss,
                                                  "ratio_to_min": joiner.peak_rss / min_bytes,
+                                                 "rounds_logged": len(jrows),
+                                                 "worst_stall_ms": max((r["loop_stall_ms"] for r in jrows
+                                                                        if r.get("loop_stall_ms") is not None),
+                                                                       default=None),
                                                  "exit": joiner.returncode},
            "settings": {k: getattr(args, k) for k in ("seq_len", "batch", "inner_steps", "window_s", "threads",
                                                         "profile_batches", "peers", "rounds")}}
@@ -364,8 +392,9 @@ def print_result(res: dict) -> None:
           f"{mb['global_weights']:,} + outer state {mb['outer_state']:,}")
     for p in res["peers"]:
         goal = f" (goal <= {GOAL_RSS_RATIO}x)" if res["method"] == "geomesh" else ""
+        after = p.get("peak_rss_after_profile_bytes")
         print(f"  {p['name']:<28} peak RSS {_g(p['peak_rss_bytes']):>10}  = {p['ratio_to_min']:.2f}x the minimum{goal}"
-              f"  exit {p['exit']}")
+              f"  (peak once profiled: {'-' if after is None else _g(after)})  exit {p['exit']}")
     tot = res["sum_peak_rss_bytes"]
     print(f"  sum of the peers' peaks {_g(tot)} ({100 * tot / GOAL_BASELINE_BUDGET:.0f}% of 24 GiB)")
     print(f"{'round':>5} {'peers':>5} {'compute s':>16} {'round s':>16} {'stall ms':>9} {'round-compute s':>15} "
@@ -379,7 +408,9 @@ def print_result(res: dict) -> None:
     j = res["joiner"]
     if j:
         dl = "-" if j["download_s"] is None else f"{j['download_s']:.1f}s"
-        print(f"  joiner: download {dl}, peak RSS {_g(j['peak_rss_bytes'])} ({j['ratio_to_min']:.2f}x)")
+        st = "-" if j.get("worst_stall_ms") is None else f"{j['worst_stall_ms']:.0f} ms"
+        print(f"  joiner: download {dl}, peak RSS {_g(j['peak_rss_bytes'])} ({j['ratio_to_min']:.2f}x), "
+              f"{j.get('rounds_logged', 0)} round(s) logged, worst stall {st}")
     print(f"  checkpoint write: {res['checkpoint_s']:.2f}s for {_g(res['checkpoint_bytes'])}")
 
 
@@ -428,7 +459,7 @@ def main(argv=None) -> int:
     try:
         for model in args.model.split(","):
             for method in args.method.split(","):
-                results.append(run_one(model.strip(), method.strip(), args, workdir, procs))
+                run_one(model.strip(), method.strip(), args, workdir, procs, results)
     except KeyboardInterrupt:
         print("interrupted: stopping the processes this script started", flush=True)
         return 130
@@ -445,7 +476,7 @@ def main(argv=None) -> int:
               f"  worst stall {max(worst) if worst else float('nan'):.0f} ms"
               f"  max overhead {max(over) if over else float('nan'):.2f}s"
               f"  digests {'equal' if r['rounds'] and all(x['digests_equal'] for x in r['rounds']) else 'NOT equal'}")
-    return 0 if all(r["status"] == "ok" for r in results) else 1
+    return 0 if results and all(r["status"] == "ok" for r in results) else 1
 
 
 if __name__ == "__main__":
