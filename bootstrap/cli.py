@@ -25,6 +25,7 @@ import os
 import signal
 import socket
 import sys
+import time
 from typing import NoReturn, Optional
 
 from geomesh_p2p import __version__
@@ -58,6 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--identity", default=DEFAULT_IDENTITY, metavar="PATH",
                     help="Ed25519 key file, created with mode 0600 if absent; keeps the PeerID stable across "
                          "restarts (default: %(default)s)")
+    ap.add_argument("--state-file", default=None, metavar="PATH",
+                    help="where the routing table and the run's last known round are saved (every "
+                         "--status-interval and on exit) and read back after a restart, so the swarm's "
+                         "peers are re-dialled at once; '' = none (default: the --identity path with the "
+                         "suffix .state.json)")
     ap.add_argument("--run-id", default=DEFAULT_RUN_ID,
                     help="training run this swarm serves; peers of other runs are refused (default: %(default)s)")
     ap.add_argument("--bootstrap", action="append", default=[], metavar="HOST:PORT",
@@ -116,6 +122,13 @@ def _fmt(host: str, port: int) -> str:
         return format_address(host, port)
     except AddressError:
         return f"{host}:{port}"
+
+
+def state_path(ns: argparse.Namespace) -> Optional[str]:
+    """The --state-file to use: the flag, else next to --identity; None when '' (off)."""
+    if ns.state_file is not None:
+        return ns.state_file or None
+    return os.path.splitext(os.path.expanduser(ns.identity))[0] + ".state.json"
 
 
 def _check(ns: argparse.Namespace) -> Optional[str]:
@@ -224,11 +237,35 @@ async def serve(ns: argparse.Namespace, identity, allow_peers: Optional[list[str
         print(f"private run: {len(allow_peers)} allowed peer(s) from --allow-peers {ns.allow_peers}", flush=True)
     if status is not None:
         print(f"status page on {url} (JSON: {url}api/swarm, {url}api/rounds)", flush=True)
+    from geomesh_p2p.dht.progress import BootstrapState, SwarmProgress, publish_progress
+
+    state_file = state_path(ns)
+    saved = await asyncio.to_thread(BootstrapState.load, state_file, ns.run_id) if state_file else None
+    me = identity.peer_id.to_string()
+    progress: Optional[SwarmProgress] = saved.swarm_progress(by=me) if saved is not None else None
+
+    async def save_state() -> None:
+        if not state_file:
+            return
+        try:
+            await asyncio.to_thread(BootstrapState.capture(node, progress).save, state_file)
+        except OSError as e:  # the bootstrap keeps serving; the next interval tries again
+            log.warning("could not save the bootstrap state to %s: %s", state_file, e.strerror or e)
+
     try:
         try:
             await node.join(ns.bootstrap)
         except DHTJoinError as e:  # the others may come later: keep serving, re-dial them on refresh
             log.warning("%s; serving alone for now", e)
+        if saved is not None:
+            # Re-dial the swarm it knew before the restart: its peers re-enter the table now, not when
+            # they happen to call (they may never: their tables are not empty).
+            known = saved.contact_list()
+            n = await node.rejoin(known)
+            log.info("restored state of %s: re-dialled %d saved contact(s), %d answered%s", state_file, len(known), n,
+                     f"; the run was at round {progress.round}" if progress is not None else "")
+        if progress is not None:
+            await publish_progress(node, progress, identity)
         if status is not None:
             status.watcher.start()
         while not stop.is_set():
@@ -242,9 +279,14 @@ async def serve(ns: argparse.Namespace, identity, allow_peers: Optional[list[str
                 peers = await live_peers(node, ns.run_id)
                 log.info("live peers: %d (routing table: %d nodes; %d keys held)",
                          len(peers), len(node.contacts()), len(node.storage))
+                if peers:  # live peers are the truth; with none, the last known progress stays
+                    progress = SwarmProgress(max(r.round for r in peers), time.time(), len(peers), me)
+                    await publish_progress(node, progress, identity)
             except Exception as e:  # a status line must never stop the node
                 log.warning("could not count live peers: %r", e)
+            await save_state()
     finally:
+        await save_state()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
         if status is not None:

@@ -100,3 +100,78 @@ def test_bootstrap_and_peer_processes_on_ipv6_loopback(tmp_path, procs):  # noqa
     peer.wait_line(rf'"peers": \["{me}"\]', 30)  # its announcement, read back over [::1]
     assert peer.stop(signal.SIGTERM) == 0 and not any("Traceback" in e for e in peer.err), peer.err
     assert boot.stop(signal.SIGTERM) == 0
+
+
+# ---------------------------------------------------------------- 2. a restarted bootstrap
+def _dht_argv(address, *extra):
+    return ["-m", "geomesh_p2p.dht", "--bootstrap", address, "--run-id", "faults", "--announce", "--watch",
+            "--period", "0.5", *extra]
+
+
+def _wait_file(path, cond, timeout, what):
+    """Poll a JSON file until ``cond(data)``; AssertionError after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            data = json.loads(path.read_text())
+            if cond(data):
+                return data
+        except (OSError, ValueError):
+            pass
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("state", ["saved", "none"])
+def test_newcomer_joining_through_a_restarted_bootstrap_finds_the_swarm(tmp_path, procs, state):  # noqa: F811
+    """SIGKILL the bootstrap of a swarm, restart it on the same address: a newcomer joining through it
+    sees the swarm. 'saved': the bootstrap re-dials the routing table it saved; 'none' (--state-file ''):
+    the old peers' periodic ping of their bootstrap makes it learn them again."""
+    from tests.swarm_util import free_port
+
+    port = free_port()
+    argv = _boot_argv(tmp_path, "--port", str(port)) + (["--state-file", ""] if state == "none" else [])
+    boot = procs(argv, "bootstrap")
+    address = boot.wait_line(r"serving on (\S+:\d+)", START_TIMEOUT).group(1)
+    old = [procs(_dht_argv(address), f"peer{i}") for i in range(2)]
+    ids = sorted(json.loads(p.wait_line(r"^\{", START_TIMEOUT).string)["peer_id"] for p in old)
+    for p in old:
+        p.wait_line(rf'"peers": \["{ids[0]}", "{ids[1]}"\]', 30)
+    if state == "saved":
+        _wait_file(tmp_path / "boot.state.json", lambda d: len(d["contacts"]) == 2, 30, "the saved routing table")
+    boot.stop(signal.SIGKILL)
+    for _ in range(8):  # ~4 s of announcements: each old peer drops the dead bootstrap from its table
+        old[0].wait_line(r"^\{", 30)
+    boot = procs(argv, "bootstrap-restarted")
+    assert boot.wait_line(r"serving on (\S+:\d+)", START_TIMEOUT).group(1) == address
+    new = procs(_dht_argv(address), "newcomer")
+    me = json.loads(new.wait_line(r"^\{", START_TIMEOUT).string)["peer_id"]
+    everyone = '", "'.join(sorted(ids + [me]))
+    new.wait_line(rf'"peers": \["{everyone}"\]', 30)
+    for p in old + [new]:
+        assert p.stop(signal.SIGTERM) == 0 and not any("Traceback" in e for e in p.err), p.err
+    assert boot.stop(signal.SIGTERM) == 0
+
+
+@pytest.mark.timeout(240)
+def test_newcomer_of_a_run_whose_peers_all_left_learns_the_round_it_was_at(tmp_path, procs):  # noqa: F811
+    """The bootstrap saw the run at round 7, every peer left, the bootstrap restarted: a newcomer finds
+    no live peer but learns round 7 (so it can say so and wait or resume, not restart at round 0)."""
+    from tests.swarm_util import free_port
+
+    argv = _boot_argv(tmp_path, "--port", str(free_port()))
+    boot = procs(argv, "bootstrap")
+    address = boot.wait_line(r"serving on (\S+:\d+)", START_TIMEOUT).group(1)
+    peer = procs(_dht_argv(address, "--round", "7"), "peer")
+    peer.wait_line(r'"progress": 7', 30)  # the bootstrap published it, the peer reads it back
+    _wait_file(tmp_path / "boot.state.json", lambda d: (d["progress"] or {}).get("round") == 7, 30, "saved round")
+    assert peer.stop(signal.SIGTERM) == 0
+    boot.stop(signal.SIGKILL)
+    boot = procs(argv, "bootstrap-restarted")
+    boot.wait_line(r"serving on (\S+:\d+)", START_TIMEOUT)
+    new = procs(["-m", "geomesh_p2p.dht", "--bootstrap", address, "--run-id", "faults"], "newcomer")
+    row = json.loads(new.wait_line(r"^\{", START_TIMEOUT).string)
+    assert (row["peers"], row["progress"]) == ([], 7)
+    assert new.p.wait(30) == 0
+    assert boot.stop(signal.SIGTERM) == 0

@@ -5,6 +5,8 @@ Main entry points:
 * :class:`DHTNode` — join / store / get over a :class:`~geomesh_p2p.transport.Transport`
   (reuses hivemind's DHTID, RoutingTable, traverse_dht, DHTLocalStorage);
 * :mod:`~geomesh_p2p.dht.records` — record signing and the owner rule;
+* :mod:`~geomesh_p2p.dht.progress` — a bootstrap's saved state and the run's last known round
+  (:func:`swarm_progress`), kept across its restarts;
 * :class:`PeerAnnouncer`, :func:`announce_loop`, :func:`live_peers`, :func:`check_compatible` —
   ``<run>/peers`` announcements.
 """
@@ -29,6 +31,13 @@ from geomesh_p2p.dht.node import (
     LookupStats,
     Reachability,
 )
+from geomesh_p2p.dht.progress import (
+    BootstrapState,
+    SwarmProgress,
+    progress_key,
+    publish_progress,
+    swarm_progress,
+)
 from geomesh_p2p.dht.records import (
     RecordError,
     RecordLimits,
@@ -45,5 +54,6 @@ __all__ = [
     "DHT_CHECK_REACHABLE", "DHT_PROTOCOL_VERSION", "Contact", "Reachability", "DHTJoinError", "DHTNode", "DHTStats", "DHTValue", "LookupStats",
     "IncompatibleSwarmError", "PeerAnnouncer", "announce_loop", "check_compatible", "check_swarm", "live_peers",
     "peers_key", "RecordError", "RecordLimits", "VerifiedRecord", "key_id_of", "make_record", "node_id_of",
-    "owned_key", "required_owner", "verify_record",
+    "owned_key", "required_owner", "verify_record", "BootstrapState", "SwarmProgress", "progress_key",
+    "publish_progress", "swarm_progress",
 ]

@@ -4,11 +4,12 @@ Joins a swarm through --bootstrap, optionally announces a minimal PeerRecord (as
 train would), stores --put KEY=VALUE values, and prints one JSON line per --period::
 
     {"peer_id": "...", "address": "...", "reachable": true, "peers": ["<PeerID>", ...],
-     "values": {"KEY": "VALUE"|null}}
+     "values": {"KEY": "VALUE"|null}, "progress": 12|null}
 
 where ``address`` is what others dial (null: client-only, or the bootstrap could not dial it back),
 ``reachable`` the bootstrap's dial-back verdict (null: not checked), ``peers`` the live peers of
-the run and ``values`` the --get keys. Without --watch it prints
+the run, ``values`` the --get keys and ``progress`` the newest round a bootstrap saw the run at
+(null: none known). Without --watch it prints
 once and exits; with --watch it runs until SIGINT/SIGTERM (exit 0). Exit 2 on bad options, 1 when
 the join fails.
 """
@@ -39,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="host others dial, when it differs from --host (default: --host)")
     ap.add_argument("--client-only", action="store_true", help="do not serve; only call others (default: off)")
     ap.add_argument("--announce", action="store_true", help="announce a minimal PeerRecord (default: off)")
+    ap.add_argument("--round", type=int, default=0, help="round the announced PeerRecord names (default: %(default)s)")
     ap.add_argument("--put", action="append", default=[], metavar="KEY=VALUE",
                     help="store VALUE (UTF-8) under KEY, signed by this node, re-stored every period "
                          "(repeatable; default: none)")
@@ -54,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
 async def run(ns: argparse.Namespace) -> int:
     from geomesh_p2p import __version__
     from geomesh_p2p.dht import DHTJoinError, DHTNode, PeerAnnouncer, live_peers
+    from geomesh_p2p.dht.progress import swarm_progress
     from geomesh_p2p.identity import Identity
     from geomesh_p2p.records import PeerRecord
     from geomesh_p2p.transport import Transport, TransportConfig
@@ -81,7 +84,7 @@ async def run(ns: argparse.Namespace) -> int:
         if ns.announce:
             record = PeerRecord(peer_id=identity.peer_id.to_string(), address=node.advertised_address, device="dht-tool",
                                 memory_bytes=0, max_batch=1, upload_bps=1.0, download_bps=1.0, version=__version__,
-                                run_config_hash="none")
+                                run_config_hash="none", round=ns.round)
             PeerAnnouncer(node, record, period_s=ns.period, ttl_s=ttl).start()
         puts = [p.split("=", 1) for p in ns.put]
         while True:
@@ -93,9 +96,10 @@ async def run(ns: argparse.Namespace) -> int:
             for key in ns.get:
                 found = await node.get(key)
                 values[key] = found[None].value.decode(errors="replace") if None in found else None
+            progress = await swarm_progress(node)
             print(json.dumps({"peer_id": identity.peer_id.to_string(), "address": node.advertised_address,
-                              "reachable": node.reachability.reachable, "peers": peers, "values": values}),
-                  flush=True)
+                              "reachable": node.reachability.reachable, "peers": peers, "values": values,
+                              "progress": None if progress is None else progress.round}), flush=True)
             if not ns.watch:
                 return 0
             try:

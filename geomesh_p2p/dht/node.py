@@ -247,6 +247,10 @@ class DHTNode:
     :param limit_loopback: apply the per-IP limit to loopback addresses too (a local swarm shares one).
     :param max_contact_checks: ping-backs of unknown callers in flight (more callers: not admitted now;
         they are when they call again).
+    :param bootstrap_refresh_s: ping every bootstrap address this often (default: the refresh period,
+        at most 15 s; 0 = never), even while other nodes are known: a bootstrap that restarted with an
+        empty routing table learns of this node again (it pings it back and adds it), so newcomers
+        joining through it find the swarm (issue 14 #2). Seconds.
     :param check_reachability: during :meth:`join`, ask the bootstraps to dial this node back at its
         advertised address; when none can, the node advertises no address (client-only) and logs a
         warning (:attr:`reachability`, :attr:`advertised_address`).
@@ -258,7 +262,8 @@ class DHTNode:
                  blacklist_s: float = 2.0, max_failures: int = 3, join_attempts: int = 5,
                  join_backoff_s: float = 0.5, storage_size: Optional[int] = None,
                  quota: StorageQuota = DEFAULT_QUOTA, max_contacts_per_ip: int = 8, max_contacts_per_subnet: int = 32,
-                 limit_loopback: bool = False, max_contact_checks: int = 64, check_reachability: bool = True):
+                 limit_loopback: bool = False, max_contact_checks: int = 64, check_reachability: bool = True,
+                 bootstrap_refresh_s: Optional[float] = None):
         if k < 1 or alpha < 1:
             raise ValueError(f"k and alpha must be >= 1 (got k={k}, alpha={alpha})")
         self.transport = transport
@@ -281,12 +286,14 @@ class DHTNode:
         self.limit_loopback = limit_loopback
         self.max_contact_checks = max_contact_checks
         self.check_reachability = check_reachability
+        self.bootstrap_refresh_s = min(refresh_period_s, 15.0) if bootstrap_refresh_s is None else bootstrap_refresh_s
         self._checking: Dict[PeerID, str] = {}  # callers being pinged back -> claimed address
         self._unanswered: "OrderedDict[str, float]" = OrderedDict()  # address -> monotonic time of a failed check
         self.blacklist = Blacklist(blacklist_s, 2.0)
         self.stats = DHTStats()
         self.tasks = TaskOwner(f"dht {self.peer_id.short()}")
         self.bootstrap_addresses: List[str] = []
+        self.bootstrap_peers: Dict[PeerID, str] = {}  # PeerIDs that answered at a bootstrap address
         self._published: Dict[Tuple[DHTID, Optional[str]], SignedRecord] = {}
         self._fresh: Dict[Tuple[DHTID, Optional[str]], float] = {}
         self._pinging: set = set()
@@ -752,6 +759,8 @@ class DHTNode:
             detail = "; ".join(f"{a}: {e}" for a, e in errors.items())
             raise DHTJoinError(f"could not join the DHT: no bootstrap node answered "
                                f"({attempt + 1} attempt(s) over {time.monotonic() - t0:.1f}s): {detail}")
+        for c in ok:
+            self.bootstrap_peers[c.peer_id] = c.address
         if self.check_reachability and not self.client_only:
             self.reachability = await self.check_reachable([c.address for c in ok])
             if self.reachability.reachable is False:
@@ -771,6 +780,42 @@ class DHTNode:
             self.tasks.spawn(self._refresh_loop(), name="dht-refresh")
         if self.republish_period_s and self.republish_period_s > 0:
             self.tasks.spawn(self._republish_loop(), name="dht-republish")
+        if self.bootstrap_refresh_s and self.bootstrap_refresh_s > 0:
+            self.tasks.spawn(self._bootstrap_loop(), name="dht-bootstrap-refresh")
+
+    async def _bootstrap_loop(self) -> None:
+        while self._alive:
+            await asyncio.sleep(self.bootstrap_refresh_s * random.uniform(0.9, 1.1))
+            try:
+                await self.ping_bootstraps()
+            except Exception as e:  # keep going whatever happens
+                log.warning("DHT bootstrap refresh failed: %r", e)
+
+    async def ping_bootstraps(self) -> int:
+        """Ping every bootstrap address once (at once; failures are only counted). A bootstrap that
+        restarted with an empty table pings this node back and adds it; one that is back after an
+        outage re-enters this node's table. Returns the number that answered."""
+        addresses = [a for a in self.bootstrap_addresses if a != self.address]
+        if not addresses:
+            return 0
+        results = await asyncio.gather(*(self.ping(a) for a in addresses), return_exceptions=True)
+        answered = 0
+        for a, r in zip(addresses, results):
+            if isinstance(r, Contact):
+                answered += 1
+                self.bootstrap_peers[r.peer_id] = a
+        return answered
+
+    async def rejoin(self, contacts: Sequence[Contact]) -> int:
+        """Ping ``contacts`` (e.g. the routing table a bootstrap saved before a restart) once, each
+        expected to answer signed by its PeerID, then look up this node's own id. Never raises.
+        Returns the number of nodes in the routing table after."""
+        contacts = [c for c in contacts if c.peer_id != self.peer_id and _valid_address(c.address)]
+        if contacts:
+            await asyncio.gather(*(self.ping(c.address, expected=c.peer_id) for c in contacts), return_exceptions=True)
+            if self.contacts():
+                await self.find_nearest_nodes([self.node_id])
+        return len(self.contacts())
 
     async def _refresh_loop(self) -> None:
         while self._alive:

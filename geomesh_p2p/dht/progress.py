@@ -1,0 +1,173 @@
+"""What a bootstrap knows of its run's progress, kept across its restarts (issue 14 #2).
+
+A bootstrap counts the live peers of its run and the newest round they announce; it publishes that as
+a :class:`SwarmProgress` under ``<run>/progress``, subkey = its own PeerID (so only it can write its
+entry), and saves it with its routing table in a :class:`BootstrapState` file. After a restart it
+re-dials the saved contacts (:meth:`~geomesh_p2p.dht.node.DHTNode.rejoin`) and publishes the saved
+progress again, so:
+
+* the swarm's peers are back in its routing table at once (newcomers joining through it find them);
+* a newcomer that finds *no* live peer learns the run was at round N (:func:`swarm_progress`) and can
+  say so, then wait or resume from a checkpoint, instead of starting from the seed at round 0 alone.
+
+Only entries signed by a bootstrap this node joined through count (``DHTNode.bootstrap_peers``): any
+peer could write its own subkey, and a fake "round 10^9" must not make newcomers wait forever.
+Units: seconds, unix seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import List, Optional
+
+from geomesh_p2p.dht.node import Contact, DHTNode
+from geomesh_p2p.identity import Identity, PeerID
+
+log = logging.getLogger(__name__)
+
+STATE_VERSION = 1
+PROGRESS_TTL_S = 24 * 3600.0  # the longest a DHT record may live (RecordLimits.max_ttl_s)
+MAX_SAVED_CONTACTS = 256
+
+
+def progress_key(run_id: str) -> str:
+    """The DHT key of a run's bootstrap progress entries."""
+    return f"{run_id}/progress"
+
+
+@dataclass(frozen=True)
+class SwarmProgress:
+    """The newest round a bootstrap saw the run's live peers announce.
+
+    ``round``: that round; ``seen_at``: unix time (the bootstrap's clock) it last saw a live peer;
+    ``peers``: live peers it counted then; ``by``: base58 PeerID of the bootstrap that says so.
+    """
+
+    round: int
+    seen_at: float
+    peers: int
+    by: str = ""
+
+    def to_bytes(self) -> bytes:
+        return json.dumps({"round": self.round, "seen_at": self.seen_at, "peers": self.peers},
+                          sort_keys=True).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes, by: str = "") -> "SwarmProgress":
+        """Raises ValueError on anything but {"round": int >= 0, "seen_at": number, "peers": int >= 0}."""
+        d = json.loads(data.decode())
+        rnd, seen, peers = d.get("round"), d.get("seen_at"), d.get("peers")
+        if not (isinstance(rnd, int) and rnd >= 0 and isinstance(peers, int) and peers >= 0
+                and isinstance(seen, (int, float))):
+            raise ValueError(f"malformed progress entry {d!r:.80}")
+        return cls(rnd, float(seen), peers, by)
+
+
+async def publish_progress(node: DHTNode, progress: SwarmProgress, identity: Optional[Identity] = None) -> bool:
+    """Store ``progress`` under ``<run>/progress``, subkey = this node's PeerID, signed, for 24 h (the
+    node republishes it). Returns whether a node accepted it."""
+    identity = identity or node.identity
+    return await node.store(progress_key(node.run_id), progress.to_bytes(), time.time() + PROGRESS_TTL_S,
+                            subkey=identity.peer_id.to_string(), owner=identity)
+
+
+async def swarm_progress(node: DHTNode, run_id: Optional[str] = None) -> Optional[SwarmProgress]:
+    """The newest :class:`SwarmProgress` published by a bootstrap ``node`` joined through (see the
+    module doc), or None when none is known. Malformed entries are skipped."""
+    trusted = {pid.to_string() for pid in node.bootstrap_peers}
+    if not trusted:
+        return None
+    found = await node.get(progress_key(run_id or node.run_id))
+    best: Optional[SwarmProgress] = None
+    for subkey, item in found.items():
+        if subkey not in trusted or item.owner is None or item.owner.to_string() != subkey:
+            continue
+        try:
+            p = SwarmProgress.from_bytes(item.value, by=subkey)
+        except (ValueError, UnicodeDecodeError):
+            continue
+        if best is None or (p.round, p.seen_at) > (best.round, best.seen_at):
+            best = p
+    return best
+
+
+@dataclass
+class BootstrapState:
+    """What a bootstrap saves to survive a restart: its run, routing table and the run's progress."""
+
+    run_id: str
+    contacts: List[List[str]] = field(default_factory=list)  # [base58 PeerID, "host:port"]
+    progress: Optional[dict] = None  # SwarmProgress fields (round, seen_at, peers)
+    saved_at: float = 0.0
+    version: int = STATE_VERSION
+
+    @classmethod
+    def capture(cls, node: DHTNode, progress: Optional[SwarmProgress]) -> "BootstrapState":
+        """This node's routing table (at most MAX_SAVED_CONTACTS contacts) and ``progress``, now."""
+        contacts = [[c.peer_id.to_string(), c.address] for c in node.contacts()[:MAX_SAVED_CONTACTS]]
+        prog = None if progress is None else {"round": progress.round, "seen_at": progress.seen_at,
+                                              "peers": progress.peers}
+        return cls(node.run_id, contacts, prog, time.time())
+
+    def contact_list(self) -> List[Contact]:
+        """The saved contacts (malformed entries skipped)."""
+        out = []
+        for entry in self.contacts:
+            try:
+                pid_text, address = entry
+                pid = PeerID.from_string(pid_text)
+            except (ValueError, TypeError):
+                continue
+            out.append(Contact(pid, str(address)))
+        return out
+
+    def swarm_progress(self, by: str = "") -> Optional[SwarmProgress]:
+        if not self.progress:
+            return None
+        try:
+            return SwarmProgress.from_bytes(json.dumps(self.progress).encode(), by=by)
+        except ValueError:
+            return None
+
+    def save(self, path: str) -> None:
+        """Write atomically (a temporary file in the same directory, then rename): a crash mid-write
+        leaves the previous file. Blocking file I/O: call it in a worker thread. Raises OSError."""
+        p = Path(path).expanduser()
+        p.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=p.name + ".", suffix=".tmp", dir=p.parent)
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(asdict(self), f)
+            os.replace(tmp, p)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+
+    @classmethod
+    def load(cls, path: str, run_id: str) -> Optional["BootstrapState"]:
+        """The state saved at ``path`` for ``run_id``; None when there is none, it is of another run or
+        version, or it does not parse (logged). Blocking file I/O: call it in a worker thread."""
+        p = Path(path).expanduser()
+        try:
+            d = json.loads(p.read_text())
+            state = cls(run_id=d["run_id"], contacts=list(d.get("contacts") or []), progress=d.get("progress"),
+                        saved_at=float(d.get("saved_at", 0.0)), version=int(d.get("version", 0)))
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            log.warning("ignoring the saved bootstrap state %s: %s", p, e)
+            return None
+        if state.version != STATE_VERSION or state.run_id != run_id:
+            log.info("ignoring the saved bootstrap state %s: it is of run %r (version %d)", p, state.run_id,
+                     state.version)
+            return None
+        return state

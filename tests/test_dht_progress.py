@@ -1,0 +1,78 @@
+"""geomesh_p2p.dht.progress: a bootstrap's last known round of its run, and its saved state."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from geomesh_p2p.dht import BootstrapState, SwarmProgress, publish_progress, swarm_progress
+from tests.dht_helpers import RUN, start_node, stop_all, wait_for
+
+pytestmark = pytest.mark.timeout(60)
+
+
+async def test_only_a_bootstraps_own_entry_counts():
+    boot = await start_node()
+    liar = await start_node([boot.address])
+    newcomer = await start_node([boot.address])
+    try:
+        assert set(newcomer.bootstrap_peers) == {boot.peer_id}
+        assert await swarm_progress(newcomer) is None
+        # any peer can write its own subkey: a fake round from a non-bootstrap is ignored
+        assert await publish_progress(liar, SwarmProgress(10 ** 9, 1.0, 1))
+        assert await swarm_progress(newcomer) is None
+        assert await publish_progress(boot, SwarmProgress(31, 1234.5, 3))
+        assert await swarm_progress(newcomer) == SwarmProgress(31, 1234.5, 3, boot.peer_id.to_string())
+        assert await swarm_progress(boot) is None  # it joined through nobody
+    finally:
+        await stop_all([newcomer, liar, boot])
+
+
+async def test_state_saves_and_loads_for_its_run_only(tmp_path):
+    boot = await start_node()
+    peer = await start_node([boot.address])
+    try:
+        path = tmp_path / "sub" / "boot.state.json"
+        BootstrapState.capture(boot, SwarmProgress(12, 99.0, 2)).save(str(path))
+        data = json.loads(path.read_text())
+        assert data["run_id"] == RUN and data["contacts"] == [[peer.peer_id.to_string(), peer.address]]
+        assert data["progress"] == {"round": 12, "seen_at": 99.0, "peers": 2}
+        state = BootstrapState.load(str(path), RUN)
+        assert [(c.peer_id, c.address) for c in state.contact_list()] == [(peer.peer_id, peer.address)]
+        assert state.swarm_progress(by="b") == SwarmProgress(12, 99.0, 2, "b")
+        assert BootstrapState.load(str(path), "another-run") is None
+        assert BootstrapState.load(str(tmp_path / "absent.json"), RUN) is None
+        path.write_text("{not json")
+        assert BootstrapState.load(str(path), RUN) is None
+        assert list(tmp_path.joinpath("sub").iterdir()) == [path]  # no temporary file left behind
+    finally:
+        await stop_all([peer, boot])
+
+
+async def test_a_restarted_node_rejoins_saved_contacts():
+    boot = await start_node()
+    peers = [await start_node([boot.address]) for _ in range(2)]
+    fresh = await start_node()
+    try:
+        assert await fresh.rejoin([c for c in boot.contacts()]) == 3  # the two, and the bootstrap they know
+        assert {c.peer_id for c in fresh.contacts()} == {p.peer_id for p in peers} | {boot.peer_id}
+    finally:
+        await stop_all(peers + [boot, fresh])
+
+
+async def test_peers_ping_their_bootstrap_while_others_are_known():
+    boot = await start_node()
+    peer = await start_node([boot.address])
+    other = await start_node([boot.address])
+    try:
+        async def knows_other():
+            return other.peer_id in {c.peer_id for c in peer.contacts()}
+
+        await wait_for(knows_other, 10, what="the peer to know the other peer")
+        peer._forget(boot.node_id)  # as after the bootstrap's outage: the others still fill the table
+        assert peer.contacts() and boot.peer_id not in {c.peer_id for c in peer.contacts()}
+        assert await peer.ping_bootstraps() == 1
+        assert boot.peer_id in {c.peer_id for c in peer.contacts()}
+    finally:
+        await stop_all([peer, other, boot])
