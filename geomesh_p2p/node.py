@@ -44,6 +44,7 @@ from geomesh_p2p.dht.node import DHT_PROTOCOL_VERSION
 from geomesh_p2p.errors import UserFacingError
 from geomesh_p2p.identity import Identity, IdentityError, allow_list
 from geomesh_p2p.links import LinkProbeService, probe_link
+from geomesh_p2p.looplag import LoopLagMonitor
 from geomesh_p2p.metrics import RoundLog, RoundRecord, json_safe
 from geomesh_p2p.optim import OuterNesterov, SyncAdamW
 from geomesh_p2p.records import MAX_LINK_BPS, MAX_TOKENS_PER_S, MIN_LINK_BPS, MIN_TOKENS_PER_S, PeerRecord
@@ -224,6 +225,8 @@ class PeerNode(NodeRoundPolicy):
         await asyncio.to_thread(self._build_training)
         self._init_ema(probed)
         self.round_log = RoundLog(c.log_json, c.metrics_port)
+        self.looplag = LoopLagMonitor()  # worst event-loop stall per round, in each row (loop_stall_ms)
+        self.looplag.start()
 
     def _build_training(self) -> None:
 
@@ -243,20 +246,24 @@ class PeerNode(NodeRoundPolicy):
                                                               4 * self.numel + PUSH_FRAMING_BYTES))
         self.transport.set_payload_limit(COLLECTIVE_PULL, PULL_REQUEST_BYTES)
         # Outer optimizer state: Nesterov's momentum [P], or the ddp baseline's AdamW moments [2P].
-        self.state_numel = self.numel * (2 if r.method == "ddp" else 1)
+        rule = self.method_rule
+        self.state_numel = self.numel * rule.outer_state_slots
         self.trainer = InnerTrainer(
             self.model, self.dataset, device=self.device, seq_len=r.seq_len, optimizer=r.inner_optimizer,
             lr=r.inner_lr, weight_decay=0.1, warmup_steps=r.warmup_steps, total_steps=r.total_inner_steps,
             seed=r.seed, peer_id=self.me, speed_factor=c.speed_factor, amp=c.amp)
-        if r.method == "ddp":
+        if rule.exchanges_gradient:
             # Data-parallel baseline: the "outer" step is AdamW on the swarm's mean gradient.
-
             self.outer = SyncAdamW(
                 lambda rnd: lr_at(rnd, lr=r.inner_lr, warmup_steps=r.warmup_steps, total_steps=r.total_inner_steps),
                 betas=DEFAULT_INNER["adamw"]["betas"], weight_decay=0.1, decay_mask=self.trainer.decay_mask())
         else:
             self.outer = OuterNesterov(lr=r.outer_lr, momentum=r.outer_momentum)
-        self.outer.buf = torch.zeros(self.state_numel)
+        # The global state in one buffer [(1 + k) * P]: theta and the outer optimizer's state are views of it,
+        # stepped in place (no copies of the model per round), hashed in place (state.GlobalState).
+        self.gstate = gstate.GlobalState(self.numel, rule.outer_state_slots)
+        self.theta = self.gstate.theta
+        self.outer.buf = self.gstate.opt_state
         t0 = time.time()
         # Profile on a throwaway copy so the real model's weights and optimizer stay untouched.
         probe = copy.deepcopy(self.model)
@@ -328,14 +335,21 @@ class PeerNode(NodeRoundPolicy):
         return list(out.values())
 
     def _set_state(self, round: int, theta: torch.Tensor, momentum: Optional[torch.Tensor]) -> None:
-
+        """Make (``theta`` [P] fp32, ``momentum`` [k * P] fp32 or None: unchanged) the global state of ``round``:
+        copied into the state buffer (not when ``theta`` is already its view: the outer step's result),
+        digest recomputed in place, weights loaded into the model, snapshot served. Synchronous, whole-model:
+        call it in a worker thread."""
+        gs = self.gstate
+        with gs.lock:
+            if theta is not gs.theta:
+                gs.theta.copy_(theta.detach().reshape(-1))
+            if momentum is not None:
+                gs.opt_state.copy_(momentum.detach().to(torch.float32).reshape(-1))
+            self.digest = gs.commit(round)
         self.round = round
-        self.theta = theta if theta is self.theta else theta.clone()  # commit: already the new state
-        if momentum is not None:
-            self.outer.buf = momentum.detach().to(torch.float32).reshape(-1).contiguous().clone()
-        load_flat_(self.model, self.theta)
-        self.digest = gstate.digest(self.theta, self.outer.buf)
-        self.state_server.publish(Snapshot(round, self.theta.clone(), self.outer.buf.clone(), self.digest))
+        self.theta = gs.theta
+        load_flat_(self.model, gs.theta)
+        self.state_server.publish(Snapshot(round, gs.theta, gs.opt_state, self.digest))  # publish copies
 
     def _placeholder_record(self) -> PeerRecord:
         """This peer's version, protocol and run config, before its device is profiled (never announced)."""
@@ -412,14 +426,14 @@ class PeerNode(NodeRoundPolicy):
                     raise UserFacingError(f"checkpoint in {self.cfg.checkpoint_dir} holds no or another optimizer "
                                           f"state ({0 if momentum is None else momentum.numel()} elements, this run "
                                           f"needs {self.state_numel}); was it written by another --method?")
-                self._set_state(rnd, theta, momentum)
+                await asyncio.to_thread(self._set_state, rnd, theta, momentum)
 
                 self.standing = Standing.from_meta((meta.get("meta") or {}).get("standing"))
                 log.info("resumed from checkpoint at round %d (digest %s)", rnd, self.digest[:8])
                 return
             log.info("--resume: no checkpoint in %s, starting fresh", self.cfg.checkpoint_dir)
         # Fresh peer: join the swarm's state if it already trained, else the seed's.
-        self._set_state(0, flat_params(self.model), torch.zeros(self.state_numel))
+        await asyncio.to_thread(self._set_state, 0, flat_params(self.model), torch.zeros(self.state_numel))
         recs = [r for r in await self.peers() if r.peer_id != self.me]
         if any(r.round > 0 and r.weights_digest for r in recs):
             await self._catch_up()
@@ -474,12 +488,14 @@ class PeerNode(NodeRoundPolicy):
         cfg = DriverConfig(min_peers=c.min_peers, wait_peers_s=c.wait_peers_s, gather_wait_s=c.gather_wait_s,
                            plan_timeout_s=c.plan_timeout_s, rounds=c.rounds, target_ppl=c.target_ppl,
                            eval_every=c.eval_every, eval_batches=c.eval_batches, checkpoint_every=c.checkpoint_every,
-                           checkpointing=bool(c.checkpoint_dir), method_gradient=self.run_cfg.method == "ddp")
+                           checkpointing=bool(c.checkpoint_dir),
+                           exchanges_gradient=self.method_rule.exchanges_gradient)
         transport = self.transport
         self._round_driver = RoundDriver(
             membership=self, plans=DhtPlanAgreement(self.plans), trainer=self.trainer, collective=self.collective,
             state=self, policy=self, cfg=cfg, stop=self._stop, history=self.history,
-            traffic=lambda: transport.stats.snapshot(), leaving=self._set_leaving)
+            traffic=lambda: transport.stats.snapshot(), leaving=self._set_leaving,
+            loop_stall=self.looplag.take_worst if getattr(self, "looplag", None) is not None else lambda: None)
         return self._round_driver
 
     def _set_leaving(self, leaving: bool) -> None:
@@ -506,6 +522,14 @@ class PeerNode(NodeRoundPolicy):
     def pseudo_gradient(self) -> torch.Tensor:
         """Global weights minus the model's after the inner steps: [P] fp32 (worker thread)."""
         return self.theta - flat_params(self.model)
+
+    def outer_step(self, r: int, plan, aggregate: torch.Tensor, idle=()) -> None:
+        """Round ``r``'s outer step in place, per part (:meth:`_outer_step`), under the state's lock (worker thread)."""
+        lock = getattr(getattr(self, "gstate", None), "lock", None)
+        if lock is None:
+            return self._outer_step(r, plan, aggregate, idle)
+        with lock:
+            return self._outer_step(r, plan, aggregate, idle)
 
     def reset_model(self) -> None:
         """The model back at the global weights (worker thread)."""
@@ -562,6 +586,8 @@ class PeerNode(NodeRoundPolicy):
         if self.cfg.summary_json:
             self.write_summary(self.cfg.summary_json)
         try:
+            if getattr(self, "looplag", None) is not None:
+                await self.looplag.stop()
             if getattr(self, "announcer", None) is not None:
                 await self.announcer.stop()
             if getattr(self, "collective", None) is not None:

@@ -21,6 +21,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from geomesh_p2p.aio import wait_event
 from geomesh_p2p.metrics import RoundRecord
 from geomesh_p2p.planner import RoundPlan
 from geomesh_p2p.probation import PROBATION_SYNC_WAIT_S
@@ -66,7 +67,7 @@ class DriverConfig:
     eval_batches: int = 8
     checkpoint_every: int = 5
     checkpointing: bool = False
-    method_gradient: bool = False  # ddp: exchange one batch's gradient, not a pseudo-gradient
+    exchanges_gradient: bool = False  # ddp (MethodRule.exchanges_gradient): one batch's gradient, no pseudo-gradient
     backoff_first_s: float = 0.05
     backoff_cap_s: float = 1.0
     live_refresh_s: float = 1.0  # refresh of the live view while plans are read (backoff cap)
@@ -118,6 +119,8 @@ class RoundDriver:
                  clock: Optional[Clock] = None, traffic: Callable[[], tuple[int, int]] = lambda: (0, 0),
                  history: Optional[list] = None, leaving: Callable[[bool], None] = lambda _: None,
                  loop_stall: Callable[[], Optional[float]] = lambda: None):
+        """``loop_stall``: the worst event-loop stall (seconds) since its previous call (LoopLagMonitor.take_worst),
+        into each round's row as ``loop_stall_ms``; None: not measured."""
         self.membership, self.plans, self.trainer, self.collective = membership, plans, trainer, collective
         self.state, self.policy, self.cfg, self.stop = state, policy, cfg, stop
         self.clock = clock or SystemClock()
@@ -139,9 +142,7 @@ class RoundDriver:
 
     async def _pause(self, seconds: float) -> bool:
         """Wait ``seconds`` or until stop; True when stopped. (The only sleep of the driver: backoff.)"""
-        from geomesh_p2p.aio import wait_event
-
-        return await wait_event(self.stop, seconds)
+        return await self.clock.wait(self.stop, seconds)
 
     # ------------------------------------------------------------------ the loop
     async def run(self) -> None:
@@ -158,8 +159,8 @@ class RoundDriver:
             members = await self.gather(expected, first=first)
             if members is None:
                 continue  # the swarm is ahead: the next pass catches up
-            if self.stop.is_set() and not members:
-                break
+            if self.stop.is_set() and {m.peer_id for m in members} <= {self.me}:
+                break  # stopped while alone: nobody plans with this peer (with others, it still takes part)
             first = False
             expected = await self.one_round(members)
             if self.reached_target():
@@ -242,8 +243,6 @@ class RoundDriver:
         """Add newly seen live peers to ``live`` until ``done``: backoff, restarting when a peer appears.
         Stopped by the event, not cancelled: a DHT lookup cancelled mid-flight leaves hivemind's
         ``traverse_dht`` helper tasks pending ("Task was destroyed but it is pending!")."""
-        from geomesh_p2p.aio import wait_event
-
         backoff = Backoff(self.cfg.backoff_first_s * 4, max(self.cfg.backoff_first_s * 4, self.cfg.live_refresh_s))
         while not await wait_event(done, backoff.next()):
             try:
@@ -316,7 +315,8 @@ class RoundDriver:
         deadline = self.clock.monotonic() + timeout_s
         backoff = self._backoff()
         while self.clock.monotonic() < deadline and not self.stop.is_set():
-            recs = [x for x in await self.membership.peers() if x.peer_id != self.me]
+            # leaving peers count: their last record says they finished round r - 1
+            recs = [x for x in await self.membership.peers(include_leaving=True) if x.peer_id != self.me]
             if any(x.round >= r and x.weights_digest for x in recs):
                 return True
             if await self._pause(min(backoff.next(), max(0.0, deadline - self.clock.monotonic()) + 0.01)):
@@ -334,7 +334,7 @@ class RoundDriver:
         grad = None
         t_train = time.perf_counter()
         try:
-            if self.cfg.method_gradient:
+            if self.cfg.exchanges_gradient:
                 grad, result = await asyncio.to_thread(lambda: self.trainer.gradient(
                     round=r, batch_size=a.batch_size, micro_batch=a.micro_batch))
             else:
@@ -424,7 +424,7 @@ class RoundDriver:
             bytes_sent=sent1 - ctx.sent0, bytes_received=recv1 - ctx.recv0, digest=self.state.digest,
             contributors=len(delivered), missing_parts=len(ar.missing_parts), time=self.clock.time())
         stall = self.loop_stall()
-        if stall is not None and hasattr(rec, "loop_stall_ms"):
+        if stall is not None:
             rec.loop_stall_ms = stall * 1e3
         # Only the participants that delivered vote on the digest (and are waited for): a no-show, e.g. an
         # identity on probation that never takes part, would hold every check for its whole wait.

@@ -22,6 +22,7 @@ import torch
 
 from geomesh_p2p import capability, collective, planner, state_sync, swarm_status, verify
 from geomesh_p2p import probation as pb
+from geomesh_p2p.method import MethodRule
 from geomesh_p2p.planner import PlanConfig
 from geomesh_p2p.round.driver import no_work
 from geomesh_p2p.standing import OnceLog, choose_state
@@ -239,16 +240,16 @@ class NodeRoundPolicy:
                 self._vote_log(("refused", ref.round, ref.digest), logging.WARNING, "%s", ref.message())
         return vote
 
+    @property
+    def method_rule(self) -> MethodRule:
+        """What the run's method means for a round (encodings, balanced or uniform, part alignment)."""
+        return MethodRule.from_run(self.run_cfg)
+
     def _plan_config(self, n_peers: int):
-        r = self.run_cfg
-        p = self.numel
-        sign_bytes = (p + 7) // 8 + 4 * ((p + r.block_size - 1) // r.block_size)
-        per_peer = {"reencode": 2 * sign_bytes, "relay": sign_bytes * max(1, n_peers)}[r.mode]
-        if r.method in ("diloco", "awb", "ddp"):
-            per_peer = 2 * 4 * p
+        r, rule = self.run_cfg, self.method_rule
         return PlanConfig(seq_len=r.seq_len, target_batch=r.target_batch, window_s=r.window_s,
-                          part_align=r.block_size if r.method in ("geomesh", "css") else 1,
-                          comm_share=r.comm_share, payload_bytes=per_peer, mode=r.mode, method=r.method,
+                          part_align=rule.part_align, comm_share=r.comm_share,
+                          payload_bytes=rule.payload_bytes(self.numel, n_peers), mode=r.mode, method=r.method,
                           uniform_inner_steps=r.uniform_inner_steps, max_inner_steps=r.max_inner_steps,
                           exchange_timeout_s=max(5.0, 3 * self.cfg.plan_timeout_s))
 
@@ -399,8 +400,8 @@ class NodeRoundPolicy:
     def _collective_spec(self, plan):
         """The collective's spec for ``plan``. Raises ValueError when the plan cannot be executed."""
         r = plan.round
-        compressed = self.run_cfg.method in ("geomesh", "css")
-        push, agg = ("sign", self.run_cfg.aggregate_encoding) if compressed else ("fp32", "fp32")
+        rule = self.method_rule
+        push, agg = rule.push_encoding, rule.aggregate_encoding
         # Owners' addresses come from the plan (the leader's view), so every peer dials the same ones.
         addresses = {x.peer_id: x.address for x in plan.assignments}
         owners = [collective.PartOwner(peer_id=pid, address=addresses.get(pid) or "", start=start, end=end)
@@ -415,7 +416,7 @@ class NodeRoundPolicy:
             owners=owners, numel=self.numel, mode=plan.mode,
             aggregate_encoding=agg, push_encoding=push,
             block_size=self.run_cfg.block_size, clip_k=self.run_cfg.clip_k,
-            rule=self.run_cfg.aggregation if compressed else "mean",
+            rule=rule.rule,
             weight_cap=self.run_cfg.weight_cap, min_agreement=self.run_cfg.min_agreement, quorum=self.run_cfg.quorum,
             probation=plan.probation(), grace_s=pb.early_close_grace_s(plan.window_s),
             deadline=plan.exchange_deadline - 0.25 * (plan.exchange_deadline - plan.train_deadline),

@@ -9,11 +9,13 @@ trainer (:class:`Trainer`), the collective (:class:`Collective`), its global sta
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any, Callable, Optional, Protocol, Sequence
 
 import torch
 
+from geomesh_p2p.aio import wait_event
 from geomesh_p2p.planner import RoundPlan
 from geomesh_p2p.records import PeerRecord
 
@@ -30,6 +32,9 @@ class Clock(Protocol):
     def monotonic(self) -> float:
         """Monotonic seconds (timeouts)."""
 
+    async def wait(self, event: asyncio.Event, seconds: float) -> bool:
+        """Wait up to ``seconds`` for ``event``; True when it is set."""
+
 
 class SystemClock:
     """:class:`Clock` over :mod:`time`."""
@@ -39,6 +44,9 @@ class SystemClock:
 
     def monotonic(self) -> float:
         return time.monotonic()
+
+    async def wait(self, event: asyncio.Event, seconds: float) -> bool:
+        return await wait_event(event, seconds)
 
 
 class Membership(Protocol):

@@ -1,0 +1,389 @@
+"""The round state machine (geomesh_p2p.round.driver.RoundDriver) with in-memory fakes: no processes, no
+gRPC. Records live in a shared dict, plans in an in-memory DHT with the real store/get contract (owner =
+signer) and the real plan agreement (obtain_plan), the collective averages the participants' updates.
+Waiting for peers runs on an injected virtual clock where timing matters (the lone peer's wait)."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from geomesh_p2p.identity import Identity
+from geomesh_p2p.planner import PlanConfig, plan_round
+from geomesh_p2p.records import PeerRecord
+from geomesh_p2p.round import DhtPlanAgreement, DriverConfig, Phase, PlanStore, RoundDriver, leader_order
+from geomesh_p2p.round.policy import outer_step_per_part
+from geomesh_p2p.state_sync import StateSyncError
+
+pytestmark = pytest.mark.timeout(60)
+RUN = "driver-test"
+NUMEL = 64
+CFG = PlanConfig(seq_len=16, target_batch=8, window_s=5.0, payload_bytes=1000)
+
+
+def _digest(theta: torch.Tensor) -> str:
+    return hashlib.sha256(theta.numpy().tobytes()).hexdigest()[:16]
+
+
+class MemoryDHT:
+    """key -> subkey -> (value, expiration, owner PeerID): the DHT's store/get contract for plans."""
+
+    def __init__(self):
+        self.data: dict = {}
+
+    async def store(self, key, value, expiration_time, subkey=None, owner=None):
+        self.data.setdefault(key, {})[subkey] = (value, expiration_time, owner.peer_id if owner else None)
+        return True
+
+    async def get(self, key, latest=True):
+        return dict(self.data.get(key, {}))
+
+
+class Swarm:
+    """Shared records, plans and one exchange per round."""
+
+    def __init__(self):
+        self.records: dict[str, PeerRecord] = {}
+        self.dht = MemoryDHT()
+        self.pushes: dict[int, dict] = {}
+        self.pushed: dict[int, asyncio.Event] = {}
+
+
+class FakeClock:
+    """Virtual time: a wait advances it at once (no real sleep); ``on_wait`` sees every wait."""
+
+    def __init__(self, on_wait=None):
+        self.t = 1000.0
+        self.on_wait = on_wait
+
+    def time(self):
+        return time.time()  # plans' deadlines are real wall-clock times
+
+    def monotonic(self):
+        return self.t
+
+    async def wait(self, event, seconds):
+        self.t += seconds
+        if self.on_wait is not None:
+            self.on_wait(self.t)
+        await asyncio.sleep(0)
+        return event.is_set()
+
+
+class FakePeer:
+    """Every port of one peer: membership, global state, trainer, collective and policy."""
+
+    def __init__(self, swarm: Swarm, ident: Identity, *, exchange_timeout_s: float = 2.0):
+        self.swarm, self.ident, self.me = swarm, ident, str(ident.peer_id)
+        self.round, self.syncing, self.leaving = 0, False, False
+        self.theta = torch.zeros(NUMEL)
+        self.model = self.theta.clone()
+        self.digest = _digest(self.theta)
+        self.exchange_timeout_s = exchange_timeout_s
+        self.rows, self.catch_ups, self.agreements = [], 0, 0
+        self.corrupt_outer_step = False
+        self.plan_only = None  # a leader planning only these peers
+        self.hooks: dict = {}  # phase name -> callable run inside it
+        self.stop = asyncio.Event()
+
+    # Membership
+    def record(self) -> PeerRecord:
+        return PeerRecord(peer_id=self.me, address=f"127.0.0.1:{7000 + len(self.me) % 100}", device="cpu",
+                          memory_bytes=1 << 30, tokens_per_s={8: 2000.0}, max_batch=8, upload_bps=1e7,
+                          download_bps=1e7, version="0.1.0", run_config_hash="h", round=self.round,
+                          weights_digest=None if self.syncing else self.digest, leaving=self.leaving)
+
+    async def peers(self, include_leaving=False):
+        self._hook("peers")
+        self.swarm.records[self.me] = self.record()
+        return [r for r in self.swarm.records.values() if include_leaving or not r.leaving]
+
+    async def announce(self):
+        self.swarm.records[self.me] = self.record()
+
+    # GlobalStatePort
+    def pseudo_gradient(self):
+        return self.theta - self.model
+
+    def reset_model(self):
+        self.model = self.theta.clone()
+
+    def outer_step(self, r, plan, aggregate, idle=()):
+        self.theta -= aggregate
+        if self.corrupt_outer_step:
+            self.theta[0] += 1.0
+
+    def commit(self, round):
+        self.round, self.model, self.digest = round, self.theta.clone(), _digest(self.theta)
+        return self.digest
+
+    async def catch_up(self):
+        self.catch_ups += 1
+        others = [r for r in self.swarm.records.values() if r.peer_id != self.me and r.weights_digest]
+        if not others:
+            raise StateSyncError("no donor")
+        donor = max(others, key=lambda r: (r.round, r.weights_digest))
+        peer = PEERS[donor.peer_id]
+        self.theta, self.syncing = peer.theta.clone(), False
+        self.commit(donor.round)
+        await self.announce()
+
+    async def checkpoint_or_warn(self):
+        return None
+
+    # Trainer (called in a worker thread)
+    def run(self, *, round, inner_steps, batch_size, micro_batch=None, deadline=None, progress=None,
+            should_stop=None):
+        self._hook("train")
+        done = 0 if should_stop is not None and should_stop() else inner_steps
+        self.model = self.model - 0.01 * done * (1 + PEER_INDEX[self.me])
+        return SimpleNamespace(steps_done=done, tokens=done * batch_size * CFG.seq_len, mean_loss=3.0,
+                               last_loss=3.0, compute_s=0.1, stopped_early=done < inner_steps)
+
+    def evaluate(self, max_batches=8):
+        self._hook("finish")
+        return 100.0
+
+    # Collective
+    async def all_reduce(self, spec, delta, tokens, compute_end=None):
+        self._hook("exchange")
+        plan, sw = spec, self.swarm
+        pushes = sw.pushes.setdefault(plan.round, {})
+        pushes[self.me] = (delta.clone(), tokens)
+        ev = sw.pushed.setdefault(plan.round, asyncio.Event())
+        if set(plan.participants()) <= set(pushes):
+            ev.set()
+        try:
+            await asyncio.wait_for(ev.wait(), self.exchange_timeout_s)  # a silent participant: its part is missed
+        except asyncio.TimeoutError:
+            pass
+        got = {p: v for p, v in pushes.items() if v[1] > 0}
+        total = sum(t for _, t in got.values())
+        agg = (sum(d * t for d, t in got.values()) / total) if total else torch.zeros(NUMEL)
+        return SimpleNamespace(aggregate=agg, contributors={0: [(p, t) for p, (_, t) in sorted(got.items())]},
+                               missing_parts=[], last_compute_end=None, idle_ranges=lambda: [])
+
+    # RoundPolicy
+    def make_plan(self, members, leader):
+        if self.plan_only is not None:
+            members = [m for m in members if m.peer_id in self.plan_only]
+        return plan_round(members, CFG, run_id=RUN, round=self.round, leader=leader, numel=NUMEL,
+                          start_time=time.time() + 0.05, start_digest=self.digest)
+
+    def plan_problem(self, plan, live):
+        if plan.numel != NUMEL:
+            return f"it is for {plan.numel} parameters, the model has {NUMEL}"
+        return None if plan.leader in live else "its leader is not a live peer of this run"
+
+    def leader_candidates(self, members, live):
+        return list(members), [m.peer_id for m in members]
+
+    def collective_spec(self, plan):
+        return plan
+
+    def swarm_round(self, records):
+        rounds = [r.round for r in records if r.peer_id != self.me and r.weights_digest]
+        return max(rounds) if rounds and all(x == rounds[0] for x in rounds) else None
+
+    def standing_established(self, records, peer_id):
+        return True
+
+    def after_exchange(self, spec, plan, ar):
+        pass
+
+    def before_outer_step(self, r, plan, assignment, ar):
+        pass
+
+    def after_outer_step(self, r, plan, assignment, result, ar):
+        pass
+
+    def publish_record(self, rec):
+        self.rows.append(rec)
+
+    def _hook(self, phase):
+        fn = self.hooks.get(phase)
+        if fn is not None:
+            fn()
+
+    def driver(self, *, rounds=None, min_peers=1, wait_peers_s=3.0, clock=None, plans=None) -> RoundDriver:
+        agreement = plans or DhtPlanAgreement(PlanStore(self.swarm.dht, self.ident, RUN))
+        me = self
+
+        class Counting:
+            async def agree(self, *a, **k):
+                me.agreements += 1
+                return await agreement.agree(*a, **k)
+
+        cfg = DriverConfig(min_peers=min_peers, wait_peers_s=wait_peers_s, gather_wait_s=1.0, plan_timeout_s=0.3,
+                           digest_wait_s=1.0, rounds=rounds)
+        self.drv = RoundDriver(membership=self, plans=Counting(), trainer=self, collective=self, state=self,
+                               policy=self, cfg=cfg, stop=self.stop, clock=clock,
+                               leaving=lambda v: setattr(self, "leaving", v))
+        return self.drv
+
+
+PEERS: dict[str, FakePeer] = {}
+PEER_INDEX: dict[str, int] = {}
+
+
+def _peers(n: int, swarm: Swarm | None = None, **kw) -> list[FakePeer]:
+    swarm = swarm or Swarm()
+    out = []
+    for k in range(n):
+        p = FakePeer(swarm, Identity.generate(), **kw)
+        PEERS[p.me], PEER_INDEX[p.me] = p, k
+        swarm.records[p.me] = p.record()
+        out.append(p)
+    return out
+
+
+async def _run_all(peers, **kw):
+    await asyncio.wait_for(asyncio.gather(*[p.driver(**kw).run() for p in peers]), 30)
+
+
+async def test_three_peers_agree_on_one_plan_per_round_and_end_with_equal_digests():
+    peers = _peers(3)
+    await _run_all(peers, rounds=2, min_peers=3)
+    ids = [p.me for p in peers]
+    for r in range(2):
+        leaders = {p.drv.history[r].leader for p in peers}
+        assert leaders == {leader_order(RUN, r, ids)[0][:10]}
+        assert all(p.drv.history[r].inner_steps_done > 0 and p.drv.history[r].peers == 3 for p in peers)
+    assert len({p.digest for p in peers}) == 1 and all(p.round == 2 for p in peers)
+    assert all(row.digest_agree is True for p in peers for row in p.drv.history)
+    assert all(torch.equal(p.theta, peers[0].theta) for p in peers)
+    assert all(p.drv.phase is Phase.DONE and p.leaving for p in peers)
+
+
+async def test_the_next_leader_takes_over_when_the_first_is_silent(caplog):
+    swarm = Swarm()
+    peers = _peers(3, swarm, exchange_timeout_s=0.5)
+    order = leader_order(RUN, 0, [p.me for p in peers])
+    silent = PEERS[order[0]]  # announced, never plans nor trains
+    live = [p for p in peers if p is not silent]
+    with caplog.at_level(logging.WARNING):
+        await _run_all(live, rounds=1)
+    assert [p.drv.history[0].leader for p in live] == [order[1][:10]] * 2
+    assert "no plan from 1 better-ranked leader(s)" in caplog.text
+    assert live[0].digest == live[1].digest
+    assert all(p.drv.history[0].contributors == 2 for p in live)  # the silent peer's update is missing
+
+
+async def test_a_planned_out_peer_waits_for_the_round_and_resyncs(caplog):
+    peers = _peers(3)
+    ids = [p.me for p in peers]
+    order = leader_order(RUN, 0, ids)
+    leader = PEERS[order[0]]
+    out = PEERS[order[2]]
+    leader.plan_only = {order[0], order[1]}
+    with caplog.at_level(logging.INFO, logger="geomesh_p2p.node.round"):
+        await _run_all(peers, rounds=1)
+    assert "not in the plan of leader" in caplog.text
+    assert out.drv.history == [] and out.catch_ups == 1
+    assert (out.round, out.digest) == (1, leader.digest) and torch.equal(out.theta, leader.theta)
+    assert [p.drv.history[0].peers for p in (leader, PEERS[order[1]])] == [2, 2]
+
+
+async def test_a_digest_mismatch_resyncs_from_the_majority(caplog):
+    peers = _peers(3)
+    odd = peers[2]
+    odd.corrupt_outer_step = True
+    with caplog.at_level(logging.ERROR):
+        await _run_all(peers, rounds=1)
+    assert [p.drv.history[0].digest_agree for p in peers] == [True, True, False]
+    assert "differs from the majority's" in caplog.text
+    assert odd.catch_ups == 1 and odd.digest == peers[0].digest and torch.equal(odd.theta, peers[0].theta)
+
+
+async def test_a_rogue_plan_is_refused_and_the_next_leaders_plan_followed(caplog):
+    swarm = Swarm()
+    peers = _peers(2, swarm)
+    rogue = Identity.generate()
+    members = [p.record() for p in peers]
+    bad = plan_round(members, CFG, run_id=RUN, round=0, leader=str(rogue.peer_id), numel=7,
+                     start_time=time.time() + 0.05, start_digest=peers[0].digest)
+    await PlanStore(swarm.dht, rogue, RUN).publish(bad)  # signed by its leader, but not a live peer's
+    with caplog.at_level(logging.WARNING):
+        await _run_all(peers, rounds=1)
+    best = leader_order(RUN, 0, [p.me for p in peers])[0]
+    assert [p.drv.history[0].leader for p in peers] == [best[:10]] * 2
+    assert "refusing the plan of round 0" in caplog.text
+    assert peers[0].digest == peers[1].digest
+
+
+async def test_a_lone_peer_trains_its_own_rounds_without_the_plan_store():
+    (lone,) = _peers(1)
+    await asyncio.wait_for(lone.driver(rounds=3, min_peers=1).run(), 30)
+    assert [row.round for row in lone.drv.history] == [0, 1, 2]
+    assert all(row.inner_steps_done > 0 and row.inner_steps_done == row.inner_steps_planned
+               for row in lone.drv.history)
+    assert lone.agreements == 0  # no DHT round trips to eat its window
+    assert lone.swarm.dht.data == {}
+
+
+async def test_a_lone_peer_below_min_peers_waits_with_one_log_line(caplog):
+    (lone,) = _peers(1)
+    clock = FakeClock(on_wait=lambda t: t > 1000.0 + 50 and lone.stop.set())
+    with caplog.at_level(logging.INFO, logger="geomesh_p2p.node.round"):
+        await asyncio.wait_for(lone.driver(min_peers=2, wait_peers_s=600.0, clock=clock).run(), 30)
+    lines = [r.getMessage() for r in caplog.records if "waiting for" in r.getMessage()]
+    assert lines == ["round 0: waiting for 2 peers, 1 live (up to 600 s)"]
+    assert lone.drv.history == [] and lone.agreements == 0
+    assert clock.t > 1050.0  # waited 50 virtual seconds: about 60 backoff reads, no real sleep
+
+
+@pytest.mark.parametrize("phase", ["gather", "plan", "train", "exchange", "finish"])
+async def test_stop_in_each_phase_ends_cleanly(phase):
+    swarm = Swarm()
+    if phase in ("gather", "plan"):
+        # gather: stopped while waiting for a second peer; plan: a silent peer makes it a real agreement
+        (p,) = _peers(1, swarm, exchange_timeout_s=0.3)
+        other = FakePeer(swarm, Identity.generate())
+        if phase == "plan":
+            swarm.records[other.me] = other.record()
+        PEERS[other.me], PEER_INDEX[other.me] = other, 1
+    else:
+        (p,) = _peers(1, swarm)
+    min_peers = 2 if phase == "gather" else 1
+
+    def stop_here():
+        if p.drv.phase.value == phase or phase in ("train", "exchange", "finish"):
+            p.stop.set()
+    p.hooks["peers" if phase in ("gather", "plan") else phase] = stop_here
+    await asyncio.wait_for(p.driver(rounds=5, min_peers=min_peers, wait_peers_s=2.0).run(), 30)
+    assert p.drv.phase is Phase.DONE and not p.drv.in_exchange
+    if phase == "gather":
+        assert p.drv.history == []
+    else:  # a round that had a plan is finished (its parts stay served), then the peer leaves
+        assert len(p.drv.history) == 1 and p.round == 1
+        # a stop before the round's announcement says so with the record of round 1 (after it: at shutdown)
+        assert p.leaving is (phase != "finish")
+    if phase in ("plan", "train"):
+        assert p.drv.history[0].inner_steps_done == 0  # stopped before its inner steps
+
+
+def test_outer_step_per_part_equals_one_whole_step_and_keeps_bad_and_idle_parts():
+    from geomesh_p2p.optim import OuterNesterov
+
+    theta = torch.linspace(-1, 1, 12)
+    agg = torch.linspace(0.5, -0.5, 12)
+    whole, parts = OuterNesterov(0.7, 0.9), OuterNesterov(0.7, 0.9)
+    whole.buf, parts.buf = torch.full((12,), 0.25), torch.full((12,), 0.25)
+    t_whole, t_parts = theta.clone(), theta.clone()
+    whole.step(t_whole, agg)
+    bad, bad_in = outer_step_per_part(parts, t_parts, agg, [(0, 4), (4, 8), (8, 12)], r=0)
+    assert bad == [] and torch.equal(t_parts, t_whole) and torch.equal(parts.buf, whole.buf)
+    assert parts.steps == whole.steps == 1
+    agg[1] = float("nan")
+    t2, buf2 = t_parts.clone(), parts.buf.clone()
+    bad, bad_in = outer_step_per_part(parts, t_parts, agg, [(0, 4), (4, 8), (8, 12)], r=1, idle=[(8, 10)])
+    assert bad == [(0, 4)] and bad_in == {(0, 4)}
+    assert torch.equal(t_parts[:4], t2[:4]) and torch.equal(parts.buf[:4], buf2[:4])  # NaN part untouched
+    assert torch.equal(t_parts[8:10], t2[8:10]) and torch.equal(parts.buf[8:10], buf2[8:10])  # idle
+    assert not torch.equal(t_parts[4:8], t2[4:8]) and not torch.equal(t_parts[10:], t2[10:])
