@@ -175,3 +175,93 @@ def test_newcomer_of_a_run_whose_peers_all_left_learns_the_round_it_was_at(tmp_p
     assert (row["peers"], row["progress"]) == ([], 7)
     assert new.p.wait(30) == 0
     assert boot.stop(signal.SIGTERM) == 0
+
+
+# ---------------------------------------------------------------- 1. skewed clocks
+async def _skewed_node(skew_s: float, bootstrap: list[str]) -> DHTNode:
+    t = Transport(Identity.generate(), RUN, TransportConfig(host="127.0.0.1", port=0))
+    node = DHTNode(t, rpc_timeout_s=2.0, clock=lambda: time.time() + skew_s)
+    await t.start()
+    try:
+        await node.join(bootstrap)
+    except BaseException:
+        await stop_node(node)
+        raise
+    return node
+
+
+@pytest.mark.parametrize("skew_s", [30.0, -30.0])
+async def test_a_peer_with_a_skewed_clock_sees_and_is_seen_by_the_swarm(skew_s):
+    boot = await start_node()
+    honest = await start_node([boot.address])
+    nodes = [boot, honest]
+    try:
+        skewed = await _skewed_node(skew_s, [boot.address])
+        nodes.append(skewed)
+        assert abs(skewed.clock_offset_s + skew_s) < 0.5  # measured from the bootstrap's ping reply
+        assert abs(skewed.now() - time.time()) < 0.5
+        # records that live 8 s, written on either side, are found on the other
+        assert await honest.store(f"{RUN}/from-honest", b"h", honest.now() + 8, owner=honest.identity)
+        assert await skewed.store(f"{RUN}/from-skewed", b"s", skewed.now() + 8, owner=skewed.identity)
+        assert (await skewed.get(f"{RUN}/from-honest"))[None].value == b"h"
+        found = await honest.get(f"{RUN}/from-skewed")
+        assert found[None].value == b"s" and found[None].expiration_time < time.time() + 8.5
+        # the fault of issue 14 #1, as it was: judged by its own clock, the skewed peer finds nothing
+        # (+30 s: every 8 s record looks expired) or keeps records 30 s too long (-30 s)
+        skewed.clock_offset_s = 0.0
+        if skew_s > 0:
+            assert await skewed.get(f"{RUN}/from-honest") == {}
+    finally:
+        await stop_all(nodes)
+
+
+async def test_a_clock_beyond_the_tolerance_is_refused_at_join_in_one_line():
+    from geomesh_p2p.dht import ClockSkewError
+    from geomesh_p2p.errors import UserFacingError
+
+    boot = await start_node()
+    try:
+        with pytest.raises(ClockSkewError) as e:
+            await _skewed_node(100.0, [boot.address])
+        msg = str(e.value)
+        assert isinstance(e.value, UserFacingError) and "\n" not in msg
+        assert msg.startswith(f"this machine's clock is 100 s ahead of the clock of bootstrap {boot.address}; "
+                              f"the swarm tolerates 60 s"), msg
+    finally:
+        await stop_node(boot)
+
+
+FAKETIME_LIB = "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1"
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("skew", ["+30s", "-30s", "+100s"])
+def test_process_with_a_faked_clock_joins_or_is_refused_in_one_line(tmp_path, procs, monkeypatch, skew):  # noqa: F811
+    """libfaketime moves the whole process's wall clock (envelopes included); its monotonic clock is
+    left alone (timeouts)."""
+    import os
+
+    if not os.path.exists(FAKETIME_LIB):
+        pytest.skip(f"libfaketime is not installed ({FAKETIME_LIB}; apt-get install libfaketime)")
+    boot = procs(_boot_argv(tmp_path), "bootstrap")
+    address = boot.wait_line(r"serving on (\S+:\d+)", START_TIMEOUT).group(1)
+    honest = procs(_dht_argv(address, "--put", "faults/h=from honest", "--get", "faults/s"), "honest")
+    h_id = json.loads(honest.wait_line(r"^\{", START_TIMEOUT).string)["peer_id"]
+    monkeypatch.setenv("LD_PRELOAD", FAKETIME_LIB)
+    monkeypatch.setenv("FAKETIME", skew)
+    monkeypatch.setenv("FAKETIME_DONT_FAKE_MONOTONIC", "1")
+    monkeypatch.setenv("FAKETIME_NO_CACHE", "1")
+    skewed = procs(_dht_argv(address, "--put", "faults/s=from skewed", "--get", "faults/h"), "skewed")
+    monkeypatch.delenv("LD_PRELOAD")
+    if skew == "+100s":
+        assert skewed.p.wait(START_TIMEOUT) == 1
+        lines = [e for e in skewed.err if e.strip()]
+        assert len(lines) == 1 and "clock is 100 s ahead of the clock of bootstrap" in lines[0], skewed.err
+    else:
+        s_id = json.loads(skewed.wait_line(r"^\{", START_TIMEOUT).string)["peer_id"]
+        both = '", "'.join(sorted([h_id, s_id]))
+        skewed.wait_line(rf'"peers": \["{both}"\].*"faults/h": "from honest"', 30)
+        honest.wait_line(rf'"peers": \["{both}"\].*"faults/s": "from skewed"', 30)
+        assert skewed.stop(signal.SIGTERM) == 0 and not any("Traceback" in e for e in skewed.err), skewed.err
+    assert honest.stop(signal.SIGTERM) == 0
+    assert boot.stop(signal.SIGTERM) == 0

@@ -23,6 +23,7 @@ from geomesh_p2p.dht.announce import (
 from geomesh_p2p.dht.node import (
     DHT_CHECK_REACHABLE,
     DHT_PROTOCOL_VERSION,
+    ClockSkewError,
     Contact,
     DHTJoinError,
     DHTNode,
@@ -51,7 +52,7 @@ from geomesh_p2p.dht.records import (
 )
 
 __all__ = [
-    "DHT_CHECK_REACHABLE", "DHT_PROTOCOL_VERSION", "Contact", "Reachability", "DHTJoinError", "DHTNode", "DHTStats", "DHTValue", "LookupStats",
+    "DHT_CHECK_REACHABLE", "DHT_PROTOCOL_VERSION", "ClockSkewError", "Contact", "Reachability", "DHTJoinError", "DHTNode", "DHTStats", "DHTValue", "LookupStats",
     "IncompatibleSwarmError", "PeerAnnouncer", "announce_loop", "check_compatible", "check_swarm", "live_peers",
     "peers_key", "RecordError", "RecordLimits", "VerifiedRecord", "key_id_of", "make_record", "node_id_of",
     "owned_key", "required_owner", "verify_record", "BootstrapState", "SwarmProgress", "progress_key",

@@ -90,7 +90,7 @@ async def run(ns: argparse.Namespace) -> int:
         while True:
             for key, value in puts:
                 # signed by this node: values under a run's keys must be, and nodes keep unsigned ones briefly
-                await node.store(key, value.encode(), time.time() + ttl, owner=identity)
+                await node.store(key, value.encode(), node.now() + ttl, owner=identity)
             peers = [r.peer_id for r in await live_peers(node, ns.run_id)]
             values = {}
             for key in ns.get:

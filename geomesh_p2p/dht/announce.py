@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from typing import Awaitable, Callable, Dict, List, Optional, Union
 
 from pydantic import ValidationError
@@ -191,7 +190,7 @@ class PeerAnnouncer:
         mine = self.identity.peer_id.to_string()
         if rec.peer_id != mine:
             raise ValueError(f"PeerRecord.peer_id {rec.peer_id[:10]}… is not this identity's PeerID {mine[:10]}…")
-        now = time.time()
+        now = self.node.now()  # swarm time: peers with skewed clocks agree on when it expires
         rec = rec.model_copy(update={"timestamp": now})
         ok = await self.node.store(peers_key(self.run_id), rec.to_bytes(), now + self.ttl_s,
                                    subkey=mine, owner=self.identity)

@@ -28,7 +28,7 @@ Usage::
     node = DHTNode(transport, k=20, alpha=3)   # registers DHT handlers: before transport.start()
     await transport.start()
     await node.join(["host:port", ...])        # DHTJoinError when no bootstrap answers
-    await node.store("run/key", b"value", time.time() + 60)
+    await node.store("run/key", b"value", node.now() + 60)  # swarm time (see now())
     found = await node.get("run/key")          # {None: DHTValue(b"value", exp, None)}
     await node.shutdown()                      # then transport.stop() (the caller owns it)
 
@@ -68,6 +68,7 @@ from geomesh_p2p.dht.records import (
     verify_record,
 )
 from geomesh_p2p.dht.quota import DEFAULT_QUOTA, StorageLedger, StorageQuota
+from geomesh_p2p.errors import UserFacingError
 from geomesh_p2p.identity import EnvelopeError, Identity, PeerID, Verified
 from geomesh_p2p.transport import DHT_FIND, DHT_PING, DHT_STORE, RpcError, TaskOwner, Transport
 from geomesh_p2p.wire import dht_pb2
@@ -96,6 +97,11 @@ class DHTJoinError(RuntimeError):
 
 class IdentityInUseError(DHTJoinError):
     """A bootstrap answered signed by this node's own PeerID: another live process holds the same key."""
+
+
+class ClockSkewError(DHTJoinError, UserFacingError):
+    """This machine's clock and its bootstrap's differ by more than the swarm tolerates
+    (``DHTNode.max_clock_skew_s``): records and deadlines would be misjudged. One line, says what to do."""
 
 
 class _WrongPeer(RpcError):
@@ -251,6 +257,12 @@ class DHTNode:
         at most 15 s; 0 = never), even while other nodes are known: a bootstrap that restarted with an
         empty routing table learns of this node again (it pings it back and adds it), so newcomers
         joining through it find the swarm (issue 14 #2). Seconds.
+    :param max_clock_skew_s: :meth:`join` measures this node's clock against its bootstraps' (ping
+        replies carry the responder's time; offset = their time - the midpoint of the call) and raises
+        :class:`ClockSkewError` beyond this many seconds (half the envelope's 120 s window, which also
+        covers time in flight). Within it, every record expiry this node writes or judges is in swarm
+        time, :meth:`now` (= this clock + the measured offset), so a skewed peer agrees with the others.
+    :param clock: this machine's wall clock, unix seconds (a test passes a skewed one).
     :param check_reachability: during :meth:`join`, ask the bootstraps to dial this node back at its
         advertised address; when none can, the node advertises no address (client-only) and logs a
         warning (:attr:`reachability`, :attr:`advertised_address`).
@@ -263,7 +275,8 @@ class DHTNode:
                  join_backoff_s: float = 0.5, storage_size: Optional[int] = None,
                  quota: StorageQuota = DEFAULT_QUOTA, max_contacts_per_ip: int = 8, max_contacts_per_subnet: int = 32,
                  limit_loopback: bool = False, max_contact_checks: int = 64, check_reachability: bool = True,
-                 bootstrap_refresh_s: Optional[float] = None):
+                 bootstrap_refresh_s: Optional[float] = None, max_clock_skew_s: float = 60.0,
+                 clock: Callable[[], float] = time.time):
         if k < 1 or alpha < 1:
             raise ValueError(f"k and alpha must be >= 1 (got k={k}, alpha={alpha})")
         self.transport = transport
@@ -286,6 +299,13 @@ class DHTNode:
         self.limit_loopback = limit_loopback
         self.max_contact_checks = max_contact_checks
         self.check_reachability = check_reachability
+        self.max_clock_skew_s = max_clock_skew_s
+        self._clock = clock
+        self.clock_offset_s = 0.0  # bootstraps' clock - this clock, seconds (0 until measured)
+        self._offsets: Dict[PeerID, float] = {}  # last measured offset per node that answered a ping
+        # Local storage (hivemind TimedStorage) evicts by time.time(): its expirations are shifted from
+        # swarm time by this much (clock bias of an injected clock + measured offset).
+        self._clock_bias = clock() - time.time()
         self.bootstrap_refresh_s = min(refresh_period_s, 15.0) if bootstrap_refresh_s is None else bootstrap_refresh_s
         self._checking: Dict[PeerID, str] = {}  # callers being pinged back -> claimed address
         self._unanswered: "OrderedDict[str, float]" = OrderedDict()  # address -> monotonic time of a failed check
@@ -348,6 +368,15 @@ class DHTNode:
         if not self.serving:
             return dht_pb2.NodeInfo(peer_id=bytes(self.peer_id))
         return dht_pb2.NodeInfo(node_id=self.node_id.to_bytes(), address=self.address, peer_id=bytes(self.peer_id))
+
+    def now(self) -> float:
+        """Swarm time, unix seconds: this machine's clock corrected by the offset measured against the
+        bootstraps at :meth:`join`. Every record expiration is written and judged in it."""
+        return self._clock() + self.clock_offset_s
+
+    def _to_storage(self, expiration_time: float) -> float:
+        """A swarm-time expiration as the local storage (which evicts by time.time()) must hold it."""
+        return expiration_time - self.clock_offset_s - self._clock_bias
 
     def contacts(self) -> List[Contact]:
         """Every node in the routing table (not replacements), nearest buckets first."""
@@ -542,12 +571,17 @@ class DHTNode:
         """
         req = dht_pb2.PingRequest(sender=self.self_info(), dht_protocol=DHT_PROTOCOL_VERSION,
                                   software_version=__version__)
+        t0 = self._clock()
         try:
             contact, resp = await self._call(address, DHT_PING, req, dht_pb2.PingResponse, expected)
         except RpcError as err:
             if expected is not None:
                 self._on_failure(Contact(expected, address))
             raise err
+        if resp.time > 0:  # NTP's offset estimate from one exchange: their time - the call's midpoint
+            if len(self._offsets) > 64 * self.k:
+                self._offsets.clear()
+            self._offsets[contact.peer_id] = resp.time - (t0 + self._clock()) / 2
         if resp.dht_protocol != DHT_PROTOCOL_VERSION:
             raise DHTJoinError(f"{address} speaks DHT protocol {resp.dht_protocol}, this node {DHT_PROTOCOL_VERSION} "
                                f"(software {resp.software_version or '?'} vs {__version__})")
@@ -570,7 +604,7 @@ class DHTNode:
         if len(resp.results) != len(key_ids):
             self._once(logging.WARNING, contact.peer_id.short(), "find reply does not match the keys asked")
             return None
-        now = time.time()
+        now = self.now()
         out: Dict[DHTID, Tuple[List[VerifiedRecord], Dict[DHTID, Contact]]] = {}
         for key_id, result in zip(key_ids, resp.results):
             records: List[VerifiedRecord] = []
@@ -761,6 +795,7 @@ class DHTNode:
                                f"({attempt + 1} attempt(s) over {time.monotonic() - t0:.1f}s): {detail}")
         for c in ok:
             self.bootstrap_peers[c.peer_id] = c.address
+        self._measure_clock(ok, refuse=True)
         if self.check_reachability and not self.client_only:
             self.reachability = await self.check_reachable([c.address for c in ok])
             if self.reachability.reachable is False:
@@ -799,12 +834,33 @@ class DHTNode:
         if not addresses:
             return 0
         results = await asyncio.gather(*(self.ping(a) for a in addresses), return_exceptions=True)
-        answered = 0
-        for a, r in zip(addresses, results):
-            if isinstance(r, Contact):
-                answered += 1
-                self.bootstrap_peers[r.peer_id] = a
-        return answered
+        answered = [r for r in results if isinstance(r, Contact)]
+        for c in answered:
+            self.bootstrap_peers[c.peer_id] = c.address
+        self._measure_clock(answered, refuse=False)
+        return len(answered)
+
+    def _measure_clock(self, bootstraps: Sequence[Contact], *, refuse: bool) -> None:
+        """Set :attr:`clock_offset_s` to the median offset measured against ``bootstraps`` (kept when it
+        moved less than 0.5 s: the estimate jitters by the calls' asymmetry). ``refuse``: raise
+        :class:`ClockSkewError` when it is over ``max_clock_skew_s``, else log it once."""
+        samples = sorted(self._offsets[c.peer_id] for c in bootstraps if c.peer_id in self._offsets)
+        if not samples:
+            return
+        offset = samples[len(samples) // 2]
+        if abs(offset) > self.max_clock_skew_s:
+            who = next(c.address for c in bootstraps if self._offsets.get(c.peer_id) == offset)
+            msg = (f"this machine's clock is {abs(offset):.0f} s {'behind' if offset > 0 else 'ahead of'} the clock "
+                   f"of bootstrap {who}; the swarm tolerates {self.max_clock_skew_s:.0f} s: set the clock of the "
+                   f"wrong one (enable NTP, e.g. timedatectl set-ntp true)")
+            if refuse:
+                raise ClockSkewError(msg)
+            self._once(logging.WARNING, "clock", msg)
+            return
+        if abs(offset - self.clock_offset_s) >= 0.5 or refuse:
+            if abs(offset) >= 1.0:
+                log.info("clock offset to the bootstrap(s): %+.1f s; records are judged in swarm time", offset)
+            self.clock_offset_s = offset
 
     async def rejoin(self, contacts: Sequence[Contact]) -> int:
         """Ping ``contacts`` (e.g. the routing table a bootstrap saved before a restart) once, each
@@ -868,7 +924,7 @@ class DHTNode:
         before calling DHTLocalStorage, whose TimedStorage.store (hivemind 1.1.12) re-arms the
         eviction of a held newer value at the older expiration when it rejects an older one.
         """
-        now = time.time()
+        now = self.now()
         try:
             vr = verify_record(rec, run_id=self.run_id, now=now, limits=self.limits)
             if vr.owner is None and vr.expiration_time > now + self.limits.max_unsigned_ttl_s:
@@ -886,19 +942,20 @@ class DHTNode:
                         raise RecordError(grpc.StatusCode.FAILED_PRECONDITION,
                                           "key holds values under subkeys; store with a subkey")
                 elif held is not None:
-                    cur_bytes, cur_exp = held.value, held.expiration_time
+                    cur_bytes = held.value
             elif held is not None:
                 if isinstance(held.value, DictionaryDHTValue):
                     sub = held.value.get(vr.subkey)
                     if sub is not None:
-                        cur_bytes, cur_exp = sub.value, sub.expiration_time
+                        cur_bytes = sub.value
                     elif len(held.value) >= self.limits.max_subkeys_per_key:
                         raise RecordError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                           f"key already holds {self.limits.max_subkeys_per_key} subkeys")
                 else:  # a plain value would be replaced by a dictionary
-                    cur_bytes, cur_exp = held.value, held.expiration_time
+                    cur_bytes = held.value
             if cur_bytes is not None:
                 cur = SignedRecord.FromString(cur_bytes)
+                cur_exp = cur.expiration_time  # swarm time (the storage holds it shifted to local time)
                 if cur.owner_public_key and cur.owner_public_key != vr.record.owner_public_key:
                     holder = PeerID.from_public_key(cur.owner_public_key).short()
                     raise RecordError(grpc.StatusCode.PERMISSION_DENIED,
@@ -914,7 +971,7 @@ class DHTNode:
             data = rec.SerializeToString()
             slot = (vr.key_id, vr.subkey)
             self.ledger.charge(slot, vr.owner, len(data), vr.expiration_time, now)
-            stored = self.storage.store(vr.key_id, data, vr.expiration_time, subkey=vr.subkey)
+            stored = self.storage.store(vr.key_id, data, self._to_storage(vr.expiration_time), subkey=vr.subkey)
             if not stored:
                 self.ledger.forget(slot)
             elif vr.subkey is not None:
@@ -953,7 +1010,7 @@ class DHTNode:
                               f"DHT protocol {req.dht_protocol} vs {DHT_PROTOCOL_VERSION} on this node "
                               f"(software {req.software_version or '?'} vs {__version__})")
         self._note_sender(verified, req.sender)
-        return dht_pb2.PingResponse(node=self.self_info(), time=time.time(), dht_protocol=DHT_PROTOCOL_VERSION,
+        return dht_pb2.PingResponse(node=self.self_info(), time=self.now(), dht_protocol=DHT_PROTOCOL_VERSION,
                                     software_version=__version__).SerializeToString()
 
     async def _rpc_check_reachable(self, verified: Verified, context) -> bytes:
@@ -1065,7 +1122,7 @@ class DHTNode:
 
     # ------------------------------------------------------------------ public API: store / get
     def _check_own(self, rec: SignedRecord) -> VerifiedRecord:
-        return verify_record(rec, run_id=self.run_id, now=time.time(), limits=self.limits)
+        return verify_record(rec, run_id=self.run_id, now=self.now(), limits=self.limits)
 
     async def store(self, key: str, value: bytes, expiration_time: float, subkey: Optional[str] = None,
                     owner: Optional[Identity] = None) -> bool:
@@ -1145,7 +1202,7 @@ class DHTNode:
         key_id = key_id_of(key)
         stats = stats if stats is not None else LookupStats()
         merge = _Merge()
-        now = time.time()
+        now = self.now()
         for rec in self._local_records(key_id):
             try:
                 merge.add(verify_record(rec, run_id=self.run_id, now=now, limits=self.limits, expected_key_id=key_id))
@@ -1163,7 +1220,7 @@ class DHTNode:
             return not latest
 
         await self._traverse([key_id], beam=self.k, on_records=on_records, stats=stats, await_all=False)
-        return merge.result(time.time())
+        return merge.result(self.now())
 
     # ------------------------------------------------------------------ republish
     async def _republish_loop(self) -> None:
@@ -1177,7 +1234,7 @@ class DHTNode:
     async def republish_once(self) -> int:
         """Re-store held and self-published records on their current nearest nodes (see class doc).
         Returns the number of records sent."""
-        now = time.time()
+        now = self.now()
         margin = 2 * self.rpc_timeout_s
         for slot, rec in list(self._published.items()):
             if rec.expiration_time <= now + margin:
@@ -1202,7 +1259,7 @@ class DHTNode:
             await self._replicate(part)
         for q, recs in payload.items():
             for rec in recs:
-                self._fresh[(q, rec.subkey if rec.HasField("subkey") else None)] = time.time()
+                self._fresh[(q, rec.subkey if rec.HasField("subkey") else None)] = self.now()
         self.stats.republished += n
         return n
 

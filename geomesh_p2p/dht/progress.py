@@ -73,7 +73,7 @@ async def publish_progress(node: DHTNode, progress: SwarmProgress, identity: Opt
     """Store ``progress`` under ``<run>/progress``, subkey = this node's PeerID, signed, for 24 h (the
     node republishes it). Returns whether a node accepted it."""
     identity = identity or node.identity
-    return await node.store(progress_key(node.run_id), progress.to_bytes(), time.time() + PROGRESS_TTL_S,
+    return await node.store(progress_key(node.run_id), progress.to_bytes(), node.now() + PROGRESS_TTL_S,
                             subkey=identity.peer_id.to_string(), owner=identity)
 
 
