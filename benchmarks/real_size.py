@@ -310,16 +310,20 @@ def run_one(model: str, method: str, args, workdir: Path, procs: Procs, results:
                                            "--rounds", str(args.rounds + 3)] + common, d / "joiner.log")
         t_prof = wait_for(lambda: bool(_PROFILED.search(joiner.text())), args.timeout_s,
                           "the joiner's start-up profile", [joiner])
-        # Either it downloads, or it logs a round without one: the swarm's state is still the seed's,
-        # which the joiner holds already (every round so far aggregated nothing).
-        t_dl = wait_for(lambda: bool(_DOWNLOADED.search(joiner.text()) or read_rows(d / "joiner.jsonl")),
-                        args.timeout_s, "the joiner's state download", [joiner])
+        # Either it downloads, or it logs a round or exits without one: then the swarm's state was
+        # still the seed's, which the joiner holds already (every round so far aggregated nothing).
+        t_dl = wait_for(lambda: bool(_DOWNLOADED.search(joiner.text()) or read_rows(d / "joiner.jsonl")
+                                     or joiner.poll() is not None),
+                        args.timeout_s, "the joiner's state download", [])
         if _DOWNLOADED.search(joiner.text()):
             download_s = t_dl - t_prof
             print(f"[{tag}] joiner downloaded the state in {download_s:.1f}s "
                   f"({t_dl - joiner.started:.0f}s after its start)", flush=True)
+        elif joiner.poll() not in (None, 0):
+            raise RuntimeError(f"the joiner exited with {joiner.returncode}; its log ends:\n{joiner.text()[-2500:]}")
         else:
-            status = "joiner did not download: the swarm's state was still its own seed state"
+            status = ("joiner did not download: the swarm's state was still the seed state it holds "
+                      "(no round aggregated an update)")
             print(f"[{tag}] {status}", flush=True)
     except RuntimeError as e:
         status = f"failed: {e}"
