@@ -484,7 +484,9 @@ def find_max_batch(
 # --------------------------------------------------------------------------------------------
 # the minimum memory a method needs, and the start-up profile (issue 13)
 
-#: fp32 bytes per parameter of the state kept besides the weights, per inner optimizer
+#: vocabulary of the shipped tokenizer, which runs train with by default (``--vocab-size``)
+SHIPPED_VOCAB_SIZE = 4096
+#: copies of ``[P]`` fp32 the inner optimizer keeps (AdamW: two moments; Lion: one)
 INNER_OPTIMIZER_STATE_COPIES = {"adamw": 2, "lion": 1}
 #: copies of ``[P]`` fp32 held by each method's outer optimizer: Nesterov momentum (DiLoCo's outer
 #: step) for the DiLoCo family, AdamW's two moments for the ``ddp`` baseline
@@ -540,7 +542,7 @@ def method_min_memory(n_params: int, method: str = "geomesh", *, inner_optimizer
                         error_feedback=p if error_feedback and method != "ddp" else 0)
 
 
-def preset_min_memory(preset: str, method: str = "geomesh", *, vocab_size: int = 4096, **kw: Any) -> MethodMemory:
+def preset_min_memory(preset: str, method: str = "geomesh", *, vocab_size: int = SHIPPED_VOCAB_SIZE, **kw: Any) -> MethodMemory:
     """:func:`method_min_memory` for a model preset of :mod:`geomesh_p2p.training` at ``vocab_size``
     (the shipped tokenizer's 4096 by default), tied weights counted once. Counts the parameters
     without allocating them (:func:`geomesh_p2p.training.count_params`). Raises
@@ -755,9 +757,10 @@ def profile_training(
                 f"memory budget {memory_bytes / gib:.2f} GiB is below the predicted peak of one sequence of "
                 f"{seq_len} tokens: {(static + per_seq) / gib:.2f} GiB (measured step peak {peak1 / gib:.2f} GiB "
                 f"+ {extra_bytes / gib:.2f} GiB global weights and outer state)")
-        log.info("profile: %d parameters, seq_len %d, budget %.2f GiB: batch 1 step %.2fs, peak %.2f GiB; "
-                 "predicted %.0f MiB per sequence, max batch %d", n_params, seq_len, memory_bytes / gib, dt1[0],
-                 (peak1 + extra_bytes) / gib, per_seq / 2**20, max_fit())
+        log.info("profile: %d parameters, seq_len %d, budget %.2f GiB: batch 1 step %.2fs, measured peak %.2f GiB "
+                 "(+ %.2f GiB global weights and outer state); predicted %.0f MiB per sequence, max batch %d",
+                 n_params, seq_len, memory_bytes / gib, dt1[0], peak1 / gib, extra_bytes / gib, per_seq / 2**20,
+                 max_fit())
         # 3. tokens/s at a few batch sizes that fit, within the time budget
         last_tps = seq_len / dt1[0] if dt1[0] > 0 else None
         for b in wanted:
@@ -781,9 +784,9 @@ def profile_training(
             # everything above the static part at this batch is charged to its sequences
             per_seq = max(per_seq, int(math.ceil((peak_b - base_probe_before - grad_opt) / b)))
             tps[b] = last_tps = b * seq_len / statistics.median(times)
-            log.info("profile: batch %d: %.0f tokens/s (%.2fs/step over %d steps), peak %.2f GiB of %.2f GiB "
-                     "budget (with %.2f GiB global weights and outer state)", b, tps[b], statistics.median(times),
-                     steps, (peak_b + extra_bytes) / gib, memory_bytes / gib, extra_bytes / gib)
+            log.info("profile: batch %d: %.0f tokens/s (%.2fs/step over %d steps), measured peak %.2f GiB "
+                     "+ %.2f GiB global weights and outer state, budget %.2f GiB", b, tps[b],
+                     statistics.median(times), steps, peak_b / gib, extra_bytes / gib, memory_bytes / gib)
         if not tps:  # every requested size over the budget: measure the largest that fits
             b = max_fit()
             times = [run_step(b) for _ in range(steps)]
@@ -978,7 +981,8 @@ def profile(
     """Profile this machine for a model: device, max batch, tokens/s per batch, stated bandwidth.
 
     The model is ``model_factory`` (a module or a callable building one) or, by name, a
-    ``preset`` of :func:`geomesh_p2p.training.build_model` (with ``vocab_size`` if given).
+    ``preset`` of :func:`geomesh_p2p.training.build_model` at ``vocab_size`` (default
+    :data:`SHIPPED_VOCAB_SIZE`, what ``geomesh-peer join`` trains with by default).
     ``memory_budget_bytes``: the training memory budget on a CPU (the process's peak RSS; default:
     a share of MemAvailable), a cap on the free memory on a GPU. Measured by
     :func:`profile_training` (a few batch sizes, ``steps`` timed steps each, within
@@ -1006,6 +1010,9 @@ def profile(
     if preset is not None:
         from geomesh_p2p.training import build_model  # only for the by-name convenience
 
+        # The vocabulary a run trains with by default (the shipped tokenizer's), not the preset's own
+        # (gpt2-124m's 50257 would measure a model 40% larger than the one `join` trains).
+        vocab_size = SHIPPED_VOCAB_SIZE if vocab_size is None else vocab_size
         model_factory = build_model(preset, vocab_size=vocab_size)
     model = _materialize(model_factory, dev)
     n_params = sum(p.numel() for p in model.parameters())
