@@ -36,7 +36,6 @@ import os
 import re
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
