@@ -52,7 +52,7 @@ from geomesh_p2p.round import DhtPlanAgreement, DriverConfig, PlanStore, RoundDr
 from geomesh_p2p.round.policy import OWNER_PENALTY_ROUNDS, NodeRoundPolicy
 from geomesh_p2p.standing import OnceLog, Standing
 from geomesh_p2p import state as gstate  # module-qualified: tests replace gstate.save_checkpoint
-from geomesh_p2p.state_sync import Snapshot, StateServer
+from geomesh_p2p.state_sync import StateServer
 from geomesh_p2p.training import DEFAULT_INNER, InnerTrainer, build_model, flat_params, load_flat_, lr_at
 from geomesh_p2p.transport import COLLECTIVE_PULL, COLLECTIVE_PUSH, DHT_PING, Transport, TransportConfig
 from geomesh_p2p.wire import dht_pb2
@@ -264,6 +264,7 @@ class PeerNode(NodeRoundPolicy):
         self.gstate = gstate.GlobalState(self.numel, rule.outer_state_slots)
         self.theta = self.gstate.theta
         self.outer.buf = self.gstate.opt_state
+        self.state_server.serve(self.gstate)  # served by byte range from the buffer itself (no snapshot copies)
         t0 = time.time()
         # Profile on a throwaway copy so the real model's weights and optimizer stay untouched.
         probe = copy.deepcopy(self.model)
@@ -337,7 +338,7 @@ class PeerNode(NodeRoundPolicy):
     def _set_state(self, round: int, theta: torch.Tensor, momentum: Optional[torch.Tensor]) -> None:
         """Make (``theta`` [P] fp32, ``momentum`` [k * P] fp32 or None: unchanged) the global state of ``round``:
         copied into the state buffer (not when ``theta`` is already its view: the outer step's result),
-        digest recomputed in place, weights loaded into the model, snapshot served. Synchronous, whole-model:
+        digest recomputed in place (the state server serves the buffer itself), weights loaded into the model. Synchronous, whole-model:
         call it in a worker thread."""
         gs = self.gstate
         with gs.lock:
@@ -349,7 +350,6 @@ class PeerNode(NodeRoundPolicy):
         self.round = round
         self.theta = gs.theta
         load_flat_(self.model, gs.theta)
-        self.state_server.publish(Snapshot(round, gs.theta, gs.opt_state, self.digest))  # publish copies
 
     def _placeholder_record(self) -> PeerRecord:
         """This peer's version, protocol and run config, before its device is profiled (never announced)."""
@@ -522,6 +522,12 @@ class PeerNode(NodeRoundPolicy):
     def pseudo_gradient(self) -> torch.Tensor:
         """Global weights minus the model's after the inner steps: [P] fp32 (worker thread)."""
         return self.theta - flat_params(self.model)
+
+    @property
+    def state_lock(self):
+        """Held while the global state changes in place (re-entrant): the state server never serves a
+        half-stepped buffer under the old round's digest."""
+        return self.gstate.lock
 
     def outer_step(self, r: int, plan, aggregate: torch.Tensor, idle=()) -> None:
         """Round ``r``'s outer step in place, per part (:meth:`_outer_step`), under the state's lock (worker thread)."""

@@ -12,6 +12,7 @@ phases, their timeouts and the DHT requests of one round.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import logging
 import sys
@@ -389,8 +390,7 @@ class RoundDriver:
         r, plan, a, result, ar = ctx.round, ctx.plan, ctx.assignment, ctx.result, ctx.ar
         self.policy.before_outer_step(r, plan, a, ar)  # verified work keeps this round's start weights
         idle = ar.idle_ranges() if hasattr(ar, "idle_ranges") else ()
-        await asyncio.to_thread(self.state.outer_step, r, plan, ar.aggregate, idle)
-        await asyncio.to_thread(self.state.commit, r + 1)
+        await asyncio.to_thread(self._advance, r, plan, ar.aggregate, idle)
         # Re-profile before announcing round r+1: the record a leader gathers for r+1 then already holds
         # the figures every follower will check its plan against (planner.check_plan).
         self.policy.after_outer_step(r, plan, a, result, ar)
@@ -448,6 +448,13 @@ class RoundDriver:
         elif self.cfg.checkpointing and (r + 1) % self.cfg.checkpoint_every == 0:
             await self.state.checkpoint_or_warn()
         return delivered or set(plan.participants())
+
+    def _advance(self, r: int, plan: RoundPlan, aggregate: torch.Tensor, idle) -> None:
+        """Outer step and commit as one change of the state (worker thread): under the state's lock when it
+        has one, so a reader never sees the stepped buffer under round ``r``'s digest."""
+        with getattr(self.state, "state_lock", None) or contextlib.nullcontext():
+            self.state.outer_step(r, plan, aggregate, idle)
+            self.state.commit(r + 1)
 
     def _leave(self) -> None:
         self.leaving = True

@@ -98,6 +98,9 @@ class GlobalStatePort(Protocol):
 
     round: int
     digest: Optional[str]
+    #: optional: a re-entrant lock held while the state changes in place (the driver holds it around the
+    #: outer step and its commit, so a reader never sees a stepped buffer under the old digest)
+    state_lock: Any
 
     def pseudo_gradient(self) -> torch.Tensor:
         """Global weights minus the model's weights after the inner steps: [P] fp32."""
