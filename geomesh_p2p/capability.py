@@ -680,9 +680,13 @@ def profile_training(
     peak against the budget. The model's weights, mode and the RNG are left as they were (lr=0
     AdamW, forked RNG, see :func:`measure_throughput`). ``speed_factor`` and ``amp`` as there.
 
+    A CUDA out-of-memory error at a later size (another process took memory meanwhile) marks that
+    size and every larger one as not fitting.
+
     Raises:
         ValueError: bad arguments, or the budget is below the static memory or batch 1.
         OSError: the default CPU probe cannot read /proc/self/statm.
+        torch.cuda.OutOfMemoryError: at the step at batch 1.
     """
     import logging
 
@@ -779,7 +783,17 @@ def profile_training(
                     if i >= warmup:
                         times.append(dt)
 
-            before_b, peak_b = probe(timed)
+            try:
+                _, peak_b = probe(timed)
+            except (torch.cuda.OutOfMemoryError, RuntimeError) as e:
+                if not _is_oom(e):
+                    raise
+                # A GPU shared with another process: b does not fit after all; neither does anything larger.
+                _free_after_oom(dev)
+                per_seq = max(per_seq, (memory_bytes - static) // b + 1)
+                skipped.append(b)
+                log.info("profile: batch %d ran out of device memory; max batch now %d", b, max_fit())
+                continue
             peaks[b] = max(peaks.get(b, 0), int(peak_b))
             # everything above the static part at this batch is charged to its sequences
             per_seq = max(per_seq, int(math.ceil((peak_b - base_probe_before - grad_opt) / b)))

@@ -356,3 +356,19 @@ def test_method_min_memory_exact_bytes():
                 lambda: method_min_memory(-1)):
         with pytest.raises(ValueError):
             bad()
+
+
+@pytest.mark.timeout(60)
+def test_profile_training_an_out_of_memory_step_caps_the_max_batch():
+    m = GPT2LMHeadModel(tiny_config())
+    fake = FakeMemory(m, base=GIB, per_seq=MIB)
+
+    def probe(fn):  # a device that another process filled meanwhile: batch 4 runs out of memory
+        before, peak = fake(fn)
+        if fake.batches and fake.batches[-1] >= 4:
+            raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 MiB")
+        return before, peak
+
+    prof = profile_training(m, SEQ, "cpu", 64 * GIB, vocab_size=VOCAB, batch_sizes=[1, 2, 4, 8], steps=1,
+                            memory_probe=probe)
+    assert sorted(prof.tokens_per_s) == [1, 2] and prof.skipped == [4, 8] and prof.max_batch == 3
