@@ -2,6 +2,8 @@
 injected collaborators (:mod:`.ports`). Every name of the former ``geomesh_p2p/round.py`` is importable
 from here."""
 
+import logging
+
 from geomesh_p2p.round.backoff import Backoff
 from geomesh_p2p.round.plans import (LEADER_WAIT_CANDIDATES, DigestCheck, PlanStore, choose_plan, digest_majority,
                                      leader_order, leader_rank, obtain_plan, plan_key, takeover_delay)
@@ -21,6 +23,21 @@ class DhtPlanAgreement:
 
     def __init__(self, store: PlanStore):
         self.store = store
+
+    def publish_background(self, plan) -> None:
+        """Store ``plan`` without waiting (a lone peer's own plan, for the status page): an owned task of the
+        DHT node (cancelled at its shutdown); a failure is logged at DEBUG."""
+        spawn = getattr(getattr(self.store.dht, "tasks", None), "spawn", None)
+        if spawn is None:
+            return
+
+        async def store() -> None:
+            try:
+                await self.store.publish(plan)
+            except Exception as e:  # the DHT may be unreachable: that is why the peer is alone
+                logging.getLogger(__name__).debug("lone plan of round %d not stored: %r", plan.round, e)
+
+        spawn(store(), name=f"plan-{plan.round}")
 
     async def agree(self, round, members, make_plan, *, accept, candidates, plan_timeout_s):
         return await obtain_plan(self.store, round, members, make_plan,

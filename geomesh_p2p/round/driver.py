@@ -273,6 +273,9 @@ class RoundDriver:
                 log.error("round %d: planning failed (%s: %s)", r, type(e).__name__, e)
                 await self._pause(self.cfg.plan_timeout_s)
                 return False
+            publish = getattr(self.plans, "publish_background", None)
+            if publish is not None:
+                publish(plan)  # for the status page; nobody waits for it
         else:
             # Not cancelled by a stop request (bounded by the plan timeouts): once the others follow a plan
             # naming this peer, it must serve its part and contribute (0 steps if stopping). The live view
