@@ -197,7 +197,7 @@ class FakePeer:
     def after_exchange(self, spec, plan, ar):
         pass
 
-    def before_outer_step(self, r, plan, assignment, ar):
+    async def before_outer_step(self, r, plan, assignment, ar):
         pass
 
     def after_outer_step(self, r, plan, assignment, result, ar):

@@ -27,7 +27,7 @@ class DhtPlanAgreement:
     def publish_background(self, plan) -> None:
         """Store ``plan`` without waiting (a lone peer's own plan, for the status page): an owned task of the
         DHT node (cancelled at its shutdown); a failure is logged at DEBUG."""
-        spawn = getattr(getattr(self.store.dht, "tasks", None), "spawn", None)
+        spawn = getattr(getattr(getattr(self.store, "dht", None), "tasks", None), "spawn", None)
         if spawn is None:
             return
 

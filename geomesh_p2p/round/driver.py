@@ -391,7 +391,7 @@ class RoundDriver:
         participants expected next round (this round's contributors)."""
         self.phase = Phase.FINISH
         r, plan, a, result, ar = ctx.round, ctx.plan, ctx.assignment, ctx.result, ctx.ar
-        self.policy.before_outer_step(r, plan, a, ar)  # verified work keeps this round's start weights
+        await self.policy.before_outer_step(r, plan, a, ar)  # verified work keeps this round's start weights
         idle = ar.idle_ranges() if hasattr(ar, "idle_ranges") else ()
         await asyncio.to_thread(self._advance, r, plan, ar.aggregate, idle)
         # Re-profile before announcing round r+1: the record a leader gathers for r+1 then already holds

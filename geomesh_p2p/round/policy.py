@@ -129,8 +129,10 @@ class NodeRoundPolicy:
         self._note_failed_owners(spec, ar)
         self._note_no_shows(plan, ar)
 
-    def before_outer_step(self, r, plan, assignment, ar) -> None:
-        self._verify_round(r, plan, assignment, ar)
+    async def before_outer_step(self, r, plan, assignment, ar) -> None:
+        """Verified work keeps round ``r``'s start weights: copied in a worker thread (a whole-model copy)."""
+        theta0 = await asyncio.to_thread(self.theta.clone) if getattr(ar, "contributions", None) else None
+        self._verify_round(r, plan, assignment, ar, theta0=theta0)
 
     def after_outer_step(self, r, plan, assignment, result, ar) -> None:
         """Re-profile before round r+1 is announced: its leader then plans with the figures every follower
@@ -422,7 +424,7 @@ class NodeRoundPolicy:
             deadline=plan.exchange_deadline - 0.25 * (plan.exchange_deadline - plan.train_deadline),
             pull_deadline=plan.exchange_deadline)
 
-    def _verify_round(self, r: int, plan, a, ar) -> None:
+    def _verify_round(self, r: int, plan, a, ar, theta0: Optional[torch.Tensor] = None) -> None:
         """Verified work (:mod:`geomesh_p2p.verify`): keep round ``r``'s start weights and the signed
         contributions received (relay mode), then, off the event loop and in parallel with the evaluation,
         check the contributor this peer's selection draws and re-check published evidence. Bounded by
@@ -434,7 +436,7 @@ class NodeRoundPolicy:
             wv = getattr(self, "_work_verifier", None)
             if wv is None:
                 wv = self._work_verifier = verify.WorkVerifier.for_node(self)
-            wv.keep_round(r, theta=self.theta.clone(), plan=plan, part_ranges=ar.part_ranges, packets=ar.contributions)
+            wv.keep_round(r, theta=self.theta.clone() if theta0 is None else theta0, plan=plan, part_ranges=ar.part_ranges, packets=ar.contributions)
             running = getattr(self, "_verify_task", None)
             if running is not None and not running.done():
                 log.debug("round %d: verified work skipped: the previous check is still running", r)

@@ -145,7 +145,7 @@ class RoundPolicy(Protocol):
     def after_exchange(self, spec, plan: RoundPlan, ar) -> None:
         """Penalties for failed owners and no-shows."""
 
-    def before_outer_step(self, r: int, plan: RoundPlan, assignment, ar) -> None:
+    async def before_outer_step(self, r: int, plan: RoundPlan, assignment, ar) -> None:
         """Verified work keeps round ``r``'s start weights (never raises)."""
 
     def after_outer_step(self, r: int, plan: RoundPlan, assignment, result, ar) -> None:
