@@ -93,6 +93,9 @@ class NodeConfig(BaseModel):
     checkpoint_every: int = 5
     checkpoint_keep: int = 3
     resume: bool = False
+    on_empty_swarm: Literal["wait", "resume", "seed"] = Field(
+        "wait", description="a bootstrap saw the run at round N > 0 but no peer of it is live: wait for one, "
+                            "resume from --checkpoint-dir's newest checkpoint, or start from the seed at round 0")
     rounds: Optional[int] = None
     target_ppl: Optional[float] = None
     min_peers: int = 1

@@ -33,6 +33,7 @@ import torch
 
 import geomesh_p2p
 from geomesh_p2p import swarm_status  # noqa: F401  (kept importable from here: tests patch it)
+from geomesh_p2p.aio import wait_event
 from geomesh_p2p.admission import Admission, load_or_solve_pow, pow_cache_path
 from geomesh_p2p.capability import ThroughputEMA, detect_device, find_max_batch, measure_throughput
 from geomesh_p2p.collective import CollectiveService
@@ -41,6 +42,7 @@ from geomesh_p2p.data import load_dataset
 from geomesh_p2p.dht import IncompatibleSwarmError, PeerAnnouncer, check_compatible, live_peers
 from geomesh_p2p.dht import DHTNode
 from geomesh_p2p.dht.node import DHT_PROTOCOL_VERSION
+from geomesh_p2p.dht.progress import swarm_progress
 from geomesh_p2p.errors import UserFacingError
 from geomesh_p2p.identity import Identity, IdentityError, allow_list
 from geomesh_p2p.links import LinkProbeService, probe_link
@@ -48,6 +50,9 @@ from geomesh_p2p.looplag import LoopLagMonitor
 from geomesh_p2p.metrics import RoundLog, RoundRecord, json_safe
 from geomesh_p2p.optim import OuterNesterov, SyncAdamW
 from geomesh_p2p.records import MAX_LINK_BPS, MAX_TOKENS_PER_S, MIN_LINK_BPS, MIN_TOKENS_PER_S, PeerRecord
+from geomesh_p2p import clock
+from geomesh_p2p.clock import swarm_time
+from geomesh_p2p.round.backoff import Backoff
 from geomesh_p2p.round import DhtPlanAgreement, DriverConfig, PlanStore, RoundDriver
 from geomesh_p2p.round.policy import OWNER_PENALTY_ROUNDS, NodeRoundPolicy
 from geomesh_p2p.standing import OnceLog, Standing
@@ -80,6 +85,9 @@ def _record_tps(tps: dict) -> dict:
     """This peer's tokens/s figures clamped to what a record may state (an EMA fed a near-zero
     compute time must not make the record invalid, and with it every announcement)."""
     return {b: min(max(float(v), MIN_TOKENS_PER_S), MAX_TOKENS_PER_S) for b, v in tps.items()}
+
+#: Longest pause between two looks for a live peer while ``--on-empty-swarm wait`` waits (seconds).
+EMPTY_SWARM_POLL_MAX_S = 15.0
 
 #: How long a peer waits for the address of a record under its own PeerID to answer at start (seconds).
 IDENTITY_PING_TIMEOUT_S = 3.0
@@ -213,6 +221,10 @@ class PeerNode(NodeRoundPolicy):
         if join.cancelled():
             raise StoppedBeforeJoining("stop requested while joining the DHT")
         join.result()
+        # Every absolute time that crosses machines (plans, deadlines, expiries) is in swarm time from now on;
+        # read from the DHT at each use, so its re-measurements at each bootstrap ping apply too.
+        clock.set_offset(self.dht.clock_offset_s)
+        clock.follow(lambda: self.dht.clock_offset_s)
         # Refuse an incompatible run config now, before spending half a minute on data and profiling.
         await self._check_swarm(self._placeholder_record())
         await self._check_identity_unique()
@@ -304,11 +316,19 @@ class PeerNode(NodeRoundPolicy):
         down = c.download_bps or (probed.download_bps if probed else None)
         self.ema = ThroughputEMA(alpha=c.ema_alpha, tokens_per_s=self.profiled_tps, upload_bps=up, download_bps=down)
 
+    @property
+    def record_address(self) -> Optional[str]:
+        """The ``host:port`` this peer's records name: the DHT's advertised address once joined (None when a
+        bootstrap could not dial it back, issue 14 #5: then it is client-only, owns no part and donates no
+        state, since the planner gives a record without address no bandwidth), the transport's before."""
+        dht = getattr(self, "dht", None)
+        return dht.advertised_address if dht is not None else self.transport.address
+
     def my_record(self) -> PeerRecord:
         c = self.cfg
         max_batch = max(1, self.max_batch)
         return PeerRecord(
-            peer_id=self.me, address=self.transport.address, device=self.device_info.name,
+            peer_id=self.me, address=self.record_address, device=self.device_info.name,
             memory_bytes=self.device_info.memory_bytes, tokens_per_s=_record_tps(self.ema.tokens_per_s),
             max_batch=max_batch, upload_bps=_link(c.upload_bps or self.ema.upload_bps),
             download_bps=_link(c.download_bps or self.ema.download_bps),
@@ -354,7 +374,7 @@ class PeerNode(NodeRoundPolicy):
     def _placeholder_record(self) -> PeerRecord:
         """This peer's version, protocol and run config, before its device is profiled (never announced)."""
         return PeerRecord(
-            peer_id=self.me, address=self.transport.address, device="(starting)", memory_bytes=0, max_batch=1,
+            peer_id=self.me, address=self.record_address, device="(starting)", memory_bytes=0, max_batch=1,
             upload_bps=1.0, download_bps=1.0, version=geomesh_p2p.__version__,
             protocol_version=geomesh_p2p.PROTOCOL_VERSION, run_config_hash=self.config_hash,
             run_config=self.run_cfg.model_dump())
@@ -412,24 +432,9 @@ class PeerNode(NodeRoundPolicy):
         await self._check_swarm()
 
         if self.cfg.resume and self.cfg.checkpoint_dir:
-            ck = gstate.load_latest_checkpoint(self.cfg.checkpoint_dir)
+            ck = await asyncio.to_thread(gstate.load_latest_checkpoint, self.cfg.checkpoint_dir)
             if ck is not None:
-                rnd, theta, momentum, meta = ck
-                if meta.get("run_config_hash") not in (None, self.config_hash):
-                    old = (meta.get("meta") or {}).get("run_config") or {}
-                    diff = [f"{k}: {old.get(k)!r} there vs {v!r} here" for k, v in self.run_cfg.model_dump().items()
-                            if k in old and old[k] != v]
-                    raise UserFacingError(f"checkpoint in {self.cfg.checkpoint_dir} is from another run config ("
-                                          + ("; ".join(diff) or f"{meta.get('run_config_hash')} vs {self.config_hash}")
-                                          + "); resume with the same flags, or use another --checkpoint-dir")
-                if momentum is None or momentum.numel() != self.state_numel:
-                    raise UserFacingError(f"checkpoint in {self.cfg.checkpoint_dir} holds no or another optimizer "
-                                          f"state ({0 if momentum is None else momentum.numel()} elements, this run "
-                                          f"needs {self.state_numel}); was it written by another --method?")
-                await asyncio.to_thread(self._set_state, rnd, theta, momentum)
-
-                self.standing = Standing.from_meta((meta.get("meta") or {}).get("standing"))
-                log.info("resumed from checkpoint at round %d (digest %s)", rnd, self.digest[:8])
+                await self._resume_from(ck)
                 return
             log.info("--resume: no checkpoint in %s, starting fresh", self.cfg.checkpoint_dir)
         # Fresh peer: join the swarm's state if it already trained, else the seed's.
@@ -437,6 +442,76 @@ class PeerNode(NodeRoundPolicy):
         recs = [r for r in await self.peers() if r.peer_id != self.me]
         if any(r.round > 0 and r.weights_digest for r in recs):
             await self._catch_up()
+        elif not recs:
+            await self._on_empty_swarm()
+
+    async def _resume_from(self, ck) -> None:
+        """Take the global state of checkpoint ``ck`` (``gstate.load_latest_checkpoint``'s tuple: round,
+        theta [P] fp32, optimizer state [k * P] fp32 or None, meta) and the standing ledger it saved.
+
+        Raises:
+            UserFacingError: the checkpoint is of another run config, or holds no or another optimizer state.
+        """
+        rnd, theta, momentum, meta = ck
+        if meta.get("run_config_hash") not in (None, self.config_hash):
+            old = (meta.get("meta") or {}).get("run_config") or {}
+            diff = [f"{k}: {old.get(k)!r} there vs {v!r} here" for k, v in self.run_cfg.model_dump().items()
+                    if k in old and old[k] != v]
+            raise UserFacingError(f"checkpoint in {self.cfg.checkpoint_dir} is from another run config ("
+                                  + ("; ".join(diff) or f"{meta.get('run_config_hash')} vs {self.config_hash}")
+                                  + "); resume with the same flags, or use another --checkpoint-dir")
+        if momentum is None or momentum.numel() != self.state_numel:
+            raise UserFacingError(f"checkpoint in {self.cfg.checkpoint_dir} holds no or another optimizer "
+                                  f"state ({0 if momentum is None else momentum.numel()} elements, this run "
+                                  f"needs {self.state_numel}); was it written by another --method?")
+        await asyncio.to_thread(self._set_state, rnd, theta, momentum)
+        self.standing = Standing.from_meta((meta.get("meta") or {}).get("standing"))
+        log.info("resumed from checkpoint at round %d (digest %s)", rnd, self.digest[:8])
+
+    async def _on_empty_swarm(self) -> None:
+        """No other live peer of this run (issue 14 #2): when a bootstrap saw the run at round N > 0
+        (:func:`~geomesh_p2p.dht.progress.swarm_progress`, kept across bootstrap restarts), say so in one
+        line and act by ``--on-empty-swarm``: ``wait`` (default) polls with a capped backoff until a peer
+        of the run is live (then downloads its state) or Ctrl+C; ``resume`` takes ``--checkpoint-dir``'s
+        newest checkpoint; ``seed`` keeps the seed's state at round 0 (a new run under the same id). A run
+        no bootstrap knows past round 0 starts from the seed silently, as before.
+
+        Raises:
+            UserFacingError: ``resume`` with no ``--checkpoint-dir`` or no checkpoint in it.
+            StoppedBeforeJoining: Ctrl+C / SIGTERM while waiting.
+        """
+        prog = await swarm_progress(self.dht, self.run_cfg.run_id)
+        if prog is None or prog.round <= 0:
+            return
+        how = self.cfg.on_empty_swarm
+        ago = max(0.0, swarm_time() - prog.seen_at)
+        log.warning("run %r was at round %d (bootstrap %s saw %d peer(s) %.0f s ago) but no peer of it is live now",
+                    self.run_cfg.run_id, prog.round, prog.by[:8] or "?", prog.peers, ago)
+        if how == "seed":
+            log.info("--on-empty-swarm seed: starting the run again from the seed at round 0")
+            return
+        if how == "resume":
+            d = self.cfg.checkpoint_dir
+            ck = await asyncio.to_thread(gstate.load_latest_checkpoint, d) if d else None
+            if ck is None:
+                raise UserFacingError(
+                    f"--on-empty-swarm resume: no checkpoint in {d}" if d else
+                    "--on-empty-swarm resume needs --checkpoint-dir (the directory of this run's checkpoints)")
+            await self._resume_from(ck)
+            return
+        log.info("waiting for a peer of run %r to come back (Ctrl+C to stop; --on-empty-swarm resume or seed "
+                 "starts without one)", self.run_cfg.run_id)
+        backoff = Backoff(first=1.0, cap=EMPTY_SWARM_POLL_MAX_S)
+        while True:
+            if await wait_event(self._stop, backoff.next()):
+                raise StoppedBeforeJoining("stop requested while waiting for a peer of the run")
+            recs = [r for r in await self.peers() if r.peer_id != self.me]
+            if not recs:
+                continue
+            log.info("%d peer(s) of run %r are live again", len(recs), self.run_cfg.run_id)
+            if any(r.round > 0 and r.weights_digest for r in recs):
+                await self._catch_up()
+            return
 
     async def _checkpoint_or_warn(self) -> Optional[Path]:
         """Write a checkpoint in a worker thread; a failure (disk full, directory gone read-only, ...) is one
@@ -463,10 +538,11 @@ class PeerNode(NodeRoundPolicy):
         try:
             try:
                 await self.start()
+                await self._initial_state()
             except StoppedBeforeJoining:
                 log.info("stop requested before this peer joined the swarm: leaving")
+                self._skip_checkpoint = True  # it holds no state of the run: a checkpoint would be the seed's
                 return 0
-            await self._initial_state()
             self.announcer.start()
             self.initial_ppl = await asyncio.to_thread(self.trainer.evaluate, max_batches=self.cfg.eval_batches)
             log.info("round %d: eval perplexity %.2f (initial)", self.round, self.initial_ppl)
@@ -586,7 +662,8 @@ class PeerNode(NodeRoundPolicy):
                 await self.announce()
         except Exception as e:  # the DHT may be gone already; the record expires on its own
             log.warning("could not announce that this peer leaves: %s", e)
-        path = await self._checkpoint_or_warn() if self.outer is not None else None
+        path = (await self._checkpoint_or_warn()
+                if self.outer is not None and not getattr(self, "_skip_checkpoint", False) else None)
         if path:
             log.info("checkpoint written: %s (round %d)", path, self.round)
         if self.cfg.summary_json:
@@ -599,6 +676,7 @@ class PeerNode(NodeRoundPolicy):
             if getattr(self, "collective", None) is not None:
                 await self.collective.close()
             if getattr(self, "dht", None) is not None:
+                clock.follow(None)  # keep the last measured offset, drop the reference to this DHT
                 await self.dht.shutdown()
         finally:
             await self.transport.stop(grace=0.5)

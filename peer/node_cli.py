@@ -188,6 +188,11 @@ def add_node_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--checkpoint-dir", metavar="DIR", help="write safetensors checkpoints here")
     g.add_argument("--checkpoint-every", type=_int_at_least(1), default=5, help="rounds between checkpoints (default: %(default)s)")
     g.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir")
+    g.add_argument("--on-empty-swarm", default="wait", choices=["wait", "resume", "seed"],
+                   help="when a bootstrap saw this run at round N > 0 but no peer of it is live: wait = wait for "
+                        "a peer to come back (Ctrl+C stops), resume = continue from the newest checkpoint in "
+                        "--checkpoint-dir, seed = start the run again from the seed at round 0 "
+                        "(default: %(default)s)")
     g.add_argument("--rounds", type=_non_negative_int, help="stop once this many rounds are done (round numbers start at 0)")
     g.add_argument("--target-ppl", type=_positive_float, help="stop once eval perplexity is at or below this")
     g.add_argument("--min-peers", type=_int_at_least(1), default=1, help="peers to wait for before round 0 (default: %(default)s)")
@@ -274,7 +279,8 @@ def node_config_from(ns: argparse.Namespace):
         bootstrap=ns.bootstrap, host=ns.host, port=ns.port, advertise_host=ns.advertise_host,
         client_only=ns.client_only, identity=ns.identity, device=ns.device, threads=ns.threads,
         data_path=data_spec_from(ns), model_config_file=ns.model_config, checkpoint_dir=ns.checkpoint_dir,
-        checkpoint_every=ns.checkpoint_every, checkpoint_keep=ns.checkpoint_keep, resume=ns.resume, rounds=ns.rounds, target_ppl=ns.target_ppl,
+        checkpoint_every=ns.checkpoint_every, checkpoint_keep=ns.checkpoint_keep, resume=ns.resume,
+        on_empty_swarm=getattr(ns, "on_empty_swarm", "wait"), rounds=ns.rounds, target_ppl=ns.target_ppl,
         min_peers=ns.min_peers, wait_peers_s=ns.wait_peers_s, speed_factor=ns.speed_factor,
         memory_budget_bytes=int(ns.memory_budget_gb * 2**30) if ns.memory_budget_gb else None,
         upload_bps=mbps(ns.upload_mbps), download_bps=mbps(ns.download_mbps),

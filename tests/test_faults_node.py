@@ -1,0 +1,185 @@
+"""Network faults of issue 14 at the node's level (the DHT-level tests are in test_faults_net.py):
+an advertised address nobody can dial (#5), a run whose peers all left (#2), skewed clocks (#1)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import re
+import signal
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from geomesh_p2p import clock
+from geomesh_p2p import node as node_mod
+from geomesh_p2p import state as gstate
+from geomesh_p2p.dht.node import Reachability
+from geomesh_p2p.dht.progress import SwarmProgress
+from geomesh_p2p.errors import UserFacingError
+from geomesh_p2p.identity import Identity
+from geomesh_p2p.node import NodeConfig, PeerNode, RunConfig, StoppedBeforeJoining
+from geomesh_p2p.records import PeerRecord
+from tests.swarm_util import free_port
+
+pytestmark = pytest.mark.timeout(60)
+
+FAKETIME_LIB = "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1"
+
+
+# ---------------------------------------------------------------- 5. unreachable advertised address
+class _FakeDHT:
+    """What PeerNode.record_address reads of a DHTNode: the address it found dialable (or None)."""
+
+    def __init__(self, address, reachable):
+        self.reachability = Reachability(address, reachable)
+        self.advertised_address = None if reachable is False else address
+        self.clock_offset_s = 0.0
+
+
+def _bare_node(**cfg) -> PeerNode:
+    node = PeerNode(RunConfig(seq_len=32), NodeConfig(**cfg), identity=Identity.generate())
+    node.transport = SimpleNamespace(address="127.0.0.9:4000")
+    return node
+
+
+@pytest.mark.parametrize("reachable, named", [(True, "127.0.0.9:4000"), (None, "127.0.0.9:4000"), (False, None)])
+def test_records_name_the_address_a_bootstrap_could_dial(reachable, named):
+    node = _bare_node()
+    assert node._placeholder_record().address == "127.0.0.9:4000"  # before the DHT exists: the transport's
+    node.dht = _FakeDHT("127.0.0.9:4000", reachable)
+    rec = node._placeholder_record()
+    assert rec.address == named and rec.client_only is (named is None)
+
+
+# ---------------------------------------------------------------- 2. a run whose peers all left
+def _progress(rnd=7):
+    return SwarmProgress(round=rnd, seen_at=time.time() - 30, peers=3, by="BootstrapPeerIdBase58")
+
+
+def _rec(peer_id: str, rnd: int, digest="ab" * 32) -> PeerRecord:
+    return PeerRecord(peer_id=peer_id, address="127.0.0.1:7000", device="cpu", memory_bytes=1, max_batch=1,
+                      upload_bps=1e6, download_bps=1e6, version="0", protocol_version=0, run_config_hash="x",
+                      round=rnd, weights_digest=digest)
+
+
+def _empty_swarm_node(monkeypatch, progress, peers_seq=(), **cfg):
+    """A node whose DHT reports ``progress`` and whose peers() returns each list of ``peers_seq`` in turn
+    (then the last one); catch-up and resume are recorded, not run."""
+    node = _bare_node(**cfg)
+    node.dht = _FakeDHT("127.0.0.1:1", True)
+
+    async def fake_progress(dht, run_id=None):
+        assert dht is node.dht and run_id == node.run_cfg.run_id
+        return progress
+
+    monkeypatch.setattr(node_mod, "swarm_progress", fake_progress)
+    calls = {"peers": 0, "catch_up": 0, "set_state": []}
+    seq = list(peers_seq)
+
+    async def peers(include_leaving=False):
+        calls["peers"] += 1
+        return [node_mod.PeerNode._placeholder_record(node)] + (seq.pop(0) if len(seq) > 1 else seq[0] if seq else [])
+
+    async def catch_up():
+        calls["catch_up"] += 1
+
+    node.peers = peers
+    node._catch_up = catch_up
+    node._set_state = lambda rnd, theta, mom: calls["set_state"].append((rnd, theta.clone(), mom.clone()))
+    node.digest = "cd" * 32
+    return node, calls
+
+
+async def test_no_known_progress_starts_from_the_seed_silently(monkeypatch, caplog):
+    for progress in (None, _progress(0)):
+        node, calls = _empty_swarm_node(monkeypatch, progress)
+        with caplog.at_level(logging.INFO, logger="geomesh_p2p.node"):
+            await node._on_empty_swarm()
+        assert calls == {"peers": 0, "catch_up": 0, "set_state": []}
+        assert not [r for r in caplog.records if "no peer of it is live" in r.getMessage()]
+
+
+async def test_empty_swarm_seed_says_so_and_keeps_round_0(monkeypatch, caplog):
+    node, calls = _empty_swarm_node(monkeypatch, _progress(7), on_empty_swarm="seed")
+    with caplog.at_level(logging.INFO, logger="geomesh_p2p.node"):
+        await node._on_empty_swarm()
+    msgs = [r.getMessage() for r in caplog.records]
+    assert any(re.search(r"run 'geomesh-demo' was at round 7 \(bootstrap Bootstra saw 3 peer\(s\) 3\d s ago\) "
+                         r"but no peer of it is live now", m) for m in msgs), msgs
+    assert any("--on-empty-swarm seed: starting the run again from the seed at round 0" in m for m in msgs), msgs
+    assert calls == {"peers": 0, "catch_up": 0, "set_state": []}
+
+
+async def test_empty_swarm_resume_without_checkpoint_fails_in_one_line(monkeypatch, tmp_path):
+    node, _ = _empty_swarm_node(monkeypatch, _progress(7), on_empty_swarm="resume")
+    with pytest.raises(UserFacingError, match=r"^--on-empty-swarm resume needs --checkpoint-dir"):
+        await node._on_empty_swarm()
+    node, _ = _empty_swarm_node(monkeypatch, _progress(7), on_empty_swarm="resume",
+                                checkpoint_dir=str(tmp_path / "empty"))
+    with pytest.raises(UserFacingError, match=rf"^--on-empty-swarm resume: no checkpoint in {tmp_path}/empty$"):
+        await node._on_empty_swarm()
+
+
+async def test_empty_swarm_resume_takes_the_newest_checkpoint(monkeypatch, tmp_path):
+    node, calls = _empty_swarm_node(monkeypatch, _progress(7), on_empty_swarm="resume",
+                                    checkpoint_dir=str(tmp_path))
+    node.state_numel = 4
+    theta, mom = torch.arange(4, dtype=torch.float32), torch.full((4,), 0.5)
+    gstate.save_checkpoint(tmp_path, round=5, theta=theta, momentum=mom, meta={"run_config_hash": node.config_hash})
+    await node._on_empty_swarm()
+    [(rnd, t, m)] = calls["set_state"]
+    assert rnd == 5 and torch.equal(t, theta) and torch.equal(m, mom)
+
+
+async def test_empty_swarm_wait_polls_until_a_peer_is_back_then_catches_up(monkeypatch, caplog):
+    monkeypatch.setattr(node_mod, "EMPTY_SWARM_POLL_MAX_S", 1.0)
+    waits = []
+
+    async def no_wait(event, seconds):  # the backoff's pauses, recorded instead of slept
+        waits.append(seconds)
+        return event.is_set()
+
+    monkeypatch.setattr(node_mod, "wait_event", no_wait)
+    back = [_rec("PeerBack", 9)]
+    node, calls = _empty_swarm_node(monkeypatch, _progress(7), peers_seq=[[], [], back])
+    with caplog.at_level(logging.INFO, logger="geomesh_p2p.node"):
+        await node._on_empty_swarm()
+    assert calls["peers"] == 3 and calls["catch_up"] == 1 and waits == [1.0, 1.0, 1.0]
+    msgs = [r.getMessage() for r in caplog.records]
+    assert sum("waiting for a peer of run 'geomesh-demo' to come back" in m for m in msgs) == 1, msgs
+    assert any("1 peer(s) of run 'geomesh-demo' are live again" in m for m in msgs), msgs
+
+
+async def test_empty_swarm_wait_ends_on_stop(monkeypatch):
+    node, calls = _empty_swarm_node(monkeypatch, _progress(7), peers_seq=[[]])
+    waiter = asyncio.ensure_future(node._on_empty_swarm())
+    await asyncio.sleep(0)  # it logs the line and pauses for its first backoff
+    assert not waiter.done()
+    node.request_stop()  # Ctrl+C
+    with pytest.raises(StoppedBeforeJoining, match="waiting for a peer of the run"):
+        await asyncio.wait_for(waiter, 10)
+    assert calls["catch_up"] == 0
+
+
+# ---------------------------------------------------------------- 1. swarm time
+def test_swarm_clock_follows_the_dht_offset():
+    try:
+        clock.set_offset(30.0)
+        assert 29.9 < clock.swarm_time() - time.time() < 30.1
+        assert clock.to_local(1000.0) == 970.0
+        dht = SimpleNamespace(clock_offset_s=-12.0)
+        clock.follow(lambda: dht.clock_offset_s)
+        assert clock.offset() == -12.0
+        dht.clock_offset_s = 4.0  # a re-measurement applies at the next read, no hook needed
+        assert clock.offset() == 4.0
+        clock.follow(None)
+        dht.clock_offset_s = 99.0
+        assert clock.offset() == 4.0  # the last value read stays
+        with pytest.raises(ValueError):
+            clock.set_offset(float("nan"))
+    finally:
+        clock.set_offset(0.0)
