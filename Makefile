@@ -31,7 +31,7 @@ browser:
 	  echo "make: could not install chromium + chromium-driver: the browser test will be skipped"
 
 test: setup browser
-	$(VENV)/bin/pytest -q tests
+	$(VENV)/bin/ruff check $(LINT_PATHS) && $(VENV)/bin/pytest -q tests
 
 # The tests that start no processes (pytest -m "not e2e"; tests/conftest.py names the others): a few
 # minutes on 2 cores. No browser needed.

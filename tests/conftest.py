@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tests.collective_util import Swarm
+from tests.proc_util import Server
 from tests.swarm_util import ProcSwarm
 
 
@@ -37,6 +38,24 @@ def swarm(tmp_path):
         s.stop_all()
 
 
+@pytest.fixture
+def servers():
+    """``servers(argv)`` -> a started :class:`~tests.proc_util.Server` (``python argv...``, address from
+    its 'serving on' line); every server started is stopped by PID in teardown, also when the test fails."""
+    started: list[Server] = []
+
+    def spawn(argv):
+        s = Server(argv)
+        started.append(s)
+        return s
+
+    try:
+        yield spawn
+    finally:
+        for s in started:
+            s.stop()
+
+
 # ------------------------------------------------------------------------------ tiers
 # `make test-quick` runs `pytest -m "not e2e"`: everything but the tests that start OS processes (peer,
 # bootstrap and worker processes, console scripts, the browser). Until the suite is split into
@@ -48,7 +67,10 @@ E2E_MODULES = frozenset({
     "test_sybil.py",
 })
 E2E_TESTS = frozenset({"test_cli.py::test_console_scripts_help"})
-E2E_FIXTURES = frozenset({"workers"})  # test_collective_failures: real collective_worker.py processes
+E2E_FIXTURES = frozenset({
+    "workers",  # test_collective_failures: real collective_worker.py processes
+    "servers",  # test_limits: a bootstrap or peer process whose memory is measured
+})
 
 
 def pytest_collection_modifyitems(config, items):

@@ -12,7 +12,6 @@ import threading
 from pathlib import Path
 
 import grpc
-import pytest
 
 from geomesh_p2p.identity import Identity
 from geomesh_p2p.wire import envelope_pb2
@@ -67,20 +66,6 @@ class Server:
             except subprocess.TimeoutExpired:
                 self.p.kill()
                 self.p.wait(10)
-
-
-@pytest.fixture
-def servers():
-    started: list[Server] = []
-
-    def spawn(argv):
-        s = Server(argv)
-        started.append(s)
-        return s
-
-    yield spawn
-    for s in started:
-        s.stop()
 
 
 async def signed_call(address: str, identity: Identity, method: str, payload: bytes, *, run: str,

@@ -27,7 +27,8 @@ from geomesh_p2p.identity import Identity
 from geomesh_p2p.transport import COLLECTIVE_PULL, COLLECTIVE_PUSH, RpcError, Transport, TransportConfig
 from geomesh_p2p.wire import collective_pb2
 
-from tests.collective_util import RUN, Swarm, craft_contribution, deltas_for, pid_order, reference, reference_part
+from tests.collective_util import RUN, craft_contribution, deltas_for, pid_order, reference, reference_part
+from tests.wait_util import until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -227,8 +228,7 @@ async def test_push_before_the_owner_knows_the_round_is_held(swarms):
     deltas = deltas_for(sw.pids, numel)
     early = asyncio.ensure_future(sw.services[0].all_reduce(spec, deltas[sw.pids[0]], 1))
     # peer 1 starts its round only once peer 0's push to it is waiting (no fixed sleep)
-    while sw.services[1]._held == 0:
-        await asyncio.sleep(0.01)
+    await until(lambda: sw.services[1]._held > 0, 10, "peer 0's push held by peer 1")
     late = await sw.services[1].all_reduce(spec, deltas[sw.pids[1]], 1)
     r0 = await early
     assert torch.equal(r0.aggregate, late.aggregate) and late.missing_parts == []

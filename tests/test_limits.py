@@ -25,7 +25,8 @@ from geomesh_p2p.identity import EnvelopeError, Identity
 from geomesh_p2p.state_sync import Snapshot, StateServer
 from geomesh_p2p.transport import DHT_PING, DHT_STORE, STATE_GET, RpcError, Transport, TransportConfig
 from geomesh_p2p.wire import collective_pb2, dht_pb2
-from tests.proc_util import MiB, closed_ports, servers, signed_call  # noqa: F401  (servers: a fixture)
+from tests.proc_util import MiB, closed_ports, signed_call
+from tests.wait_util import until
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -155,14 +156,12 @@ async def test_concurrent_calls_capped_per_sender_and_in_total():
     try:
         held = [asyncio.ensure_future(a.call(address, DHT_PING, b"1")),
                 asyncio.ensure_future(a.call(address, DHT_PING, b"2"))]
-        while server._guard.snapshot()["calls"].get("dht", 0) < 2:
-            await asyncio.sleep(0.01)
+        await until(lambda: server._guard.snapshot()["calls"].get("dht", 0) >= 2, 10, "2 calls held")
         with pytest.raises(RpcError) as ei:
             await a.call(address, DHT_PING, b"3")
         assert ei.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "per caller" in ei.value.reason
         held.append(asyncio.ensure_future(b.call(address, DHT_PING, b"4")))
-        while server._guard.snapshot()["calls"].get("dht", 0) < 3:
-            await asyncio.sleep(0.01)
+        await until(lambda: server._guard.snapshot()["calls"].get("dht", 0) >= 3, 10, "3 calls held")
         with pytest.raises(RpcError) as ei:
             await c.call(address, DHT_PING, b"5")
         assert ei.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "in total" in ei.value.reason

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from geomesh_p2p.identity import Identity, PeerID
+from geomesh_p2p.identity import Identity
 from geomesh_p2p.planner import PlanConfig, plan_round
 from geomesh_p2p.records import PeerRecord
 from geomesh_p2p.round import (
@@ -32,6 +32,12 @@ class MemoryDHT:
     def __init__(self):
         self.data: dict = {}
         self.fail_writes_from: set = set()
+        self.stored = asyncio.Condition()  # notified after every successful store
+
+    async def wait_until(self, condition, timeout: float = 10.0) -> None:
+        """Wait (at most ``timeout`` s, else TimeoutError) until ``condition()`` holds after a store."""
+        async with self.stored:
+            await asyncio.wait_for(self.stored.wait_for(condition), timeout)
 
     def view(self):
         dht = self
@@ -41,6 +47,8 @@ class MemoryDHT:
                 if owner is not None and owner.peer_id in dht.fail_writes_from:
                     return False
                 dht.data.setdefault(key, {})[subkey] = (value, expiration_time, owner.peer_id if owner else None)
+                async with dht.stored:
+                    dht.stored.notify_all()
                 return True
 
             async def get(self, key, latest=True):
@@ -139,8 +147,7 @@ async def test_split_views_still_follow_one_plan():
     # The partial-view peer publishes first (it believes it leads) ...
     t_second = asyncio.create_task(obtain_plan(PlanStore(dht.view(), by_id[second], RUN), 7, partial_view,
                                                _planner(7), plan_timeout_s=1.0, settle_s=0.5))
-    while key not in dht.data:
-        await asyncio.sleep(0.01)
+    await dht.wait_until(lambda: key in dht.data)
     assert set(dht.data[key]) == {second}
     # ... then the best-ranked peer, seeing a worse-ranked plan, publishes its own anyway.
     r_best = await obtain_plan(PlanStore(dht.view(), by_id[best], RUN), 7, full_view, _planner(7),

@@ -21,6 +21,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from geomesh_p2p.admission import solve_pow
 from geomesh_p2p.dht import live_peers, make_record, peers_key
@@ -59,9 +60,9 @@ def test_round_summary_is_compact_and_strict():
     assert s.loss is None and s.eval_ppl is None and s.digest == "ab" * 8
     full = RoundSummaries(peer_id="x" * 44, rounds=[s] * KEEP_ROUNDS)
     assert len(full.to_bytes()) < 8 << 10  # well under the DHT's 64 KiB value limit
-    with pytest.raises(Exception):
+    with pytest.raises(ValidationError, match="rounds"):
         RoundSummaries(peer_id="x", rounds=[s] * (KEEP_ROUNDS + 1))
-    with pytest.raises(Exception):
+    with pytest.raises(ValidationError, match="round"):
         RoundSummary.model_validate_json(s.model_dump_json().replace('"round":3', '"round":-1'))
 
 
@@ -482,8 +483,8 @@ def test_bootstrap_status_page_stops_with_the_bootstrap(tmp_path):
     s = ProcSwarm(tmp_path)
     port, http_port = free_port(), free_port()
     try:
-        p = s._spawn("b", [sys.executable, "-m", "bootstrap.cli", "--host", "127.0.0.1", "--port", str(port),
-                           "--run-id", RUN, "--identity", str(tmp_path / "b.key"), "--http-port", str(http_port)])
+        s._spawn("b", [sys.executable, "-m", "bootstrap.cli", "--host", "127.0.0.1", "--port", str(port),
+                       "--run-id", RUN, "--identity", str(tmp_path / "b.key"), "--http-port", str(http_port)])
         s.wait_for(lambda: "status page on" in s.text("b"), 90, "the status page")
         doc = _get_json(f"http://127.0.0.1:{http_port}/api/swarm")
         assert doc["run_id"] == RUN and doc["peers"] == []

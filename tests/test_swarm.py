@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from tests.swarm_util import ProcSwarm, free_port
+from tests.swarm_util import free_port
 
 pytestmark = pytest.mark.timeout(480)
 

@@ -23,7 +23,7 @@ import time
 
 import pytest
 
-from tests.swarm_util import FAST, ProcSwarm, free_port
+from tests.swarm_util import FAST, free_port
 
 RUN_ID = FAST[FAST.index("--run-id") + 1]
 POW_BITS = FAST[FAST.index("--pow-bits") + 1]

@@ -23,7 +23,6 @@ import logging
 import os
 import signal
 import sys
-import time
 from typing import Optional
 
 
