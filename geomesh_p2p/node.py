@@ -263,7 +263,8 @@ class PeerNode(NodeRoundPolicy):
         self.trainer = InnerTrainer(
             self.model, self.dataset, device=self.device, seq_len=r.seq_len, optimizer=r.inner_optimizer,
             lr=r.inner_lr, weight_decay=0.1, warmup_steps=r.warmup_steps, total_steps=r.total_inner_steps,
-            seed=r.seed, peer_id=self.me, speed_factor=c.speed_factor, amp=c.amp)
+            seed=r.seed, peer_id=self.me, speed_factor=c.speed_factor, amp=c.amp,
+            steps_per_round=r.uniform_inner_steps)  # the inner LR follows the swarm's rounds (issue 14 #8)
         if rule.exchanges_gradient:
             # Data-parallel baseline: the "outer" step is AdamW on the swarm's mean gradient.
             self.outer = SyncAdamW(

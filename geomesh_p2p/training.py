@@ -8,7 +8,9 @@ Inner optimizer defaults follow DiLoCo (Douillard et al. 2023, arXiv 2311.08105)
 this project's pre-build measurements (DESIGN.md, "Measured before building"):
 AdamW, lr 1e-3 for the tiny preset with H = 20, betas (0.9, 0.95), weight decay 0.1
 (applied to matrices/embeddings only, not to biases or norm gains), linear warm-up then
-cosine decay to ``min_lr_ratio * lr`` over the whole run, grad-norm clip 1.0. Lion
+cosine decay to ``min_lr_ratio * lr`` over the whole run, grad-norm clip 1.0. In a swarm the
+schedule follows the swarm's progress (round and share of the round's plan,
+:func:`swarm_lr_at`), not a peer's own step counter (issue 14 #8). Lion
 (``lion_pytorch.Lion``, lr ~1e-4) is available but untuned: the design measured it far
 worse (perplexity 208 vs 106.5).
 """
@@ -30,7 +32,7 @@ import torch
 log = logging.getLogger(__name__)
 
 __all__ = ["PRESETS", "ConfigError", "build_model", "model_config", "flat_params",
-           "load_flat_", "num_params", "count_params", "InnerResult", "InnerTrainer", "lr_at",
+           "load_flat_", "num_params", "count_params", "InnerResult", "InnerTrainer", "lr_at", "swarm_lr_at",
            "DEFAULT_INNER", "perplexity"]
 
 _NO_DROPOUT_GPT2 = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
@@ -240,9 +242,9 @@ def load_flat_(model, flat: torch.Tensor) -> None:
             off += n
 
 
-def lr_at(step: int, *, lr: float, warmup_steps: int, total_steps: int,
+def lr_at(step: float, *, lr: float, warmup_steps: int, total_steps: int,
           min_lr_ratio: float = 0.1) -> float:
-    """Learning rate at global inner step ``step`` (0-based).
+    """Learning rate at global inner step ``step`` (0-based; a fractional step interpolates).
 
     Linear warm-up ``lr * (step + 1) / warmup_steps`` for ``step < warmup_steps``, then
     cosine from ``lr`` down to ``min_lr_ratio * lr`` at ``step = total_steps``, constant
@@ -253,6 +255,36 @@ def lr_at(step: int, *, lr: float, warmup_steps: int, total_steps: int,
     span = max(1, total_steps - warmup_steps)
     t = min(1.0, max(0.0, (step - warmup_steps) / span))
     return lr * (min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * t)))
+
+
+def swarm_lr_at(round: int, step: int, planned_steps: int, *, steps_per_round: int, lr: float,
+                warmup_steps: int, total_steps: int, min_lr_ratio: float = 0.1) -> float:
+    """Inner learning rate of inner step ``step`` (0-based) of round ``round`` for a peer planned
+    ``planned_steps`` inner steps: a function of the swarm's progress only (issue 14 #8).
+
+    Progress is measured in rounds, ``round + step / planned_steps`` (the round plus the share of this
+    peer's plan done), and converted to the steps of a reference peer that trains ``steps_per_round``
+    inner steps every round (the run config's ``uniform_inner_steps``), on which ``warmup_steps`` and
+    ``total_steps`` are counted: ``lr_at((round + step / planned_steps) * steps_per_round, ...)``.
+
+    Why rounds and not the swarm's tokens: the round is part of the global state every peer agrees on
+    (the digest binds it, checkpoints store it, a joiner downloads it), so a peer that joined, resumed or
+    was planned out for a while computes the same value as one that trained since round 0, with nothing
+    more to carry; a token count would have to be summed from round records a joiner does not have. The
+    share of the plan (not the count of steps) makes an AWB peer planned 40 steps and one planned 10
+    follow the same curve through the round: neither decays sooner. With ``planned_steps ==
+    steps_per_round`` and every step done, this is exactly the old per-peer schedule of a peer that
+    trained since round 0.
+
+    Raises:
+        ValueError: ``steps_per_round < 1``, ``round < 0`` or ``step < 0``.
+    """
+    if steps_per_round < 1 or round < 0 or step < 0:
+        raise ValueError(f"steps_per_round={steps_per_round} must be >= 1, round={round} and step={step} >= 0")
+    # (round * H + k) * S / H rather than (round + k / H) * S: exact integers when H == S
+    planned = max(1, int(planned_steps))
+    ref_step = (round * planned + min(step, planned)) * steps_per_round / planned
+    return lr_at(ref_step, lr=lr, warmup_steps=warmup_steps, total_steps=total_steps, min_lr_ratio=min_lr_ratio)
 
 
 def perplexity(mean_loss: float) -> float:
@@ -300,8 +332,12 @@ class InnerTrainer:
     The inner optimizer is created once and its state (Adam moments, step counts) persists
     across rounds, as in DiLoCo: at the start of a round the caller loads the new global
     weights with :func:`load_flat_` and calls :meth:`run`; only the weights are reset,
-    not the optimizer. The learning-rate schedule follows :attr:`global_step`, the number
-    of inner steps this trainer has taken over the whole run (see :func:`lr_at`).
+    not the optimizer. With ``steps_per_round`` (a node in a swarm) the learning rate of step
+    ``k`` of :meth:`run` is :func:`swarm_lr_at` of the round and the share ``k / inner_steps`` of the
+    plan: the same for every peer of a round whatever its own step count, and after a join or a resume
+    (the round is in the downloaded state and in checkpoints; nothing else is needed). Without it
+    (the simulator, single-process tools) it follows :attr:`global_step`, the number of inner steps
+    this trainer has taken (:func:`lr_at`).
 
     Args:
         model: a causal LM from :func:`build_model`; moved to ``device``.
@@ -312,7 +348,10 @@ class InnerTrainer:
             (``lion_pytorch.Lion``, betas (0.9, 0.99)).
         lr, weight_decay: peak learning rate and decoupled weight decay; ``None`` takes
             :data:`DEFAULT_INNER`. Weight decay applies to tensors with ``ndim >= 2``.
-        warmup_steps, total_steps: schedule over global inner steps (:func:`lr_at`).
+        warmup_steps, total_steps: schedule over global inner steps (:func:`lr_at`); with
+            ``steps_per_round``, over the steps of a reference peer training that many per round.
+        steps_per_round: the swarm schedule's unit (the run config's ``uniform_inner_steps``);
+            None: the schedule follows this trainer's own :attr:`global_step`.
         grad_clip: max global grad norm (``<= 0`` disables).
         seed, peer_id: with the round and step, pick the training batches
             (:meth:`TokenDataset.sample_batch`).
@@ -328,7 +367,7 @@ class InnerTrainer:
                  weight_decay: float | None = None, warmup_steps: int = 0,
                  total_steps: int = 1000, grad_clip: float = 1.0, seed: int = 0,
                  peer_id: str = "peer", speed_factor: float = 1.0, amp: bool = False,
-                 min_lr_ratio: float = 0.1):
+                 min_lr_ratio: float = 0.1, steps_per_round: int | None = None):
         if optimizer not in DEFAULT_INNER:
             raise ValueError(f"unknown inner optimizer {optimizer!r} (use 'adamw' or 'lion')")
         if speed_factor <= 0:
@@ -354,6 +393,10 @@ class InnerTrainer:
         self.warmup_steps = int(warmup_steps)
         self.total_steps = int(total_steps)
         self.min_lr_ratio = float(min_lr_ratio)
+        if steps_per_round is not None and steps_per_round < 1:
+            raise ValueError(f"steps_per_round must be >= 1, got {steps_per_round}")
+        self.steps_per_round = None if steps_per_round is None else int(steps_per_round)
+        self.last_lr: float | None = None  # learning rate of the last inner step (rows, tests)
         self.grad_clip = float(grad_clip)
         self.seed = int(seed)
         self.peer_id = str(peer_id)
@@ -404,11 +447,21 @@ class InnerTrainer:
             total += loss.detach().float().item() * (x.shape[0] / b)
         return total
 
-    def _set_lr(self) -> float:
-        lr = lr_at(self.global_step, lr=self.lr, warmup_steps=self.warmup_steps,
-                   total_steps=self.total_steps, min_lr_ratio=self.min_lr_ratio)
+    def lr_for(self, round: int, step: int, planned_steps: int) -> float:
+        """Learning rate of step ``step`` (0-based) of a round planned ``planned_steps`` inner steps:
+        :func:`swarm_lr_at` with ``steps_per_round``, else :func:`lr_at` of :attr:`global_step`."""
+        if self.steps_per_round is not None:
+            return swarm_lr_at(round, step, planned_steps, steps_per_round=self.steps_per_round, lr=self.lr,
+                               warmup_steps=self.warmup_steps, total_steps=self.total_steps,
+                               min_lr_ratio=self.min_lr_ratio)
+        return lr_at(self.global_step, lr=self.lr, warmup_steps=self.warmup_steps,
+                     total_steps=self.total_steps, min_lr_ratio=self.min_lr_ratio)
+
+    def _set_lr(self, round: int = 0, step: int = 0, planned_steps: int = 1) -> float:
+        lr = self.lr_for(round, step, planned_steps)
         for g in self.optimizer.param_groups:
             g["lr"] = lr
+        self.last_lr = lr
         return lr
 
     # -- main loop ------------------------------------------------------------------
@@ -428,7 +481,9 @@ class InnerTrainer:
         trains on ``dataset.sample_batch(seed, peer_id, round, k, batch_size, seq_len)``,
         with gradient accumulation over ``micro_batch``-row slices when
         ``micro_batch < batch_size``. ``progress(k + 1, loss, tokens_per_s)`` is called
-        after each step (tokens/s of that step, emulation included).
+        after each step (tokens/s of that step, emulation included). The learning rate of
+        step ``k`` is :meth:`lr_for` ``(round, k, inner_steps)``: ``inner_steps`` is the
+        plan's, so a step cut by the deadline does not shift the schedule.
 
         Raises:
             FloatingPointError: a non-finite training loss (weights are not updated).
@@ -451,7 +506,7 @@ class InnerTrainer:
                     stopped = True
                     break
             t0 = time.perf_counter()
-            self._set_lr()
+            self._set_lr(round, k, inner_steps)
             batch = self.dataset.sample_batch(seed=self.seed, peer_id=self.peer_id,
                                               round=round, step=k, batch_size=batch_size,
                                               seq_len=self.seq_len)
