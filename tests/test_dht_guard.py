@@ -17,7 +17,7 @@ from geomesh_p2p.identity import Identity
 from geomesh_p2p.transport import DHT_FIND, DHT_PING, DHT_STORE, RpcError, Transport, TransportConfig
 from geomesh_p2p.wire import dht_pb2
 from tests.dht_helpers import RUN, start_node, stop_all, wait_for
-from tests.proc_util import MiB, closed_ports, servers  # noqa: F401  (servers: a fixture)
+from tests.proc_util import MiB, closed_ports
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -193,7 +193,7 @@ async def test_replacing_a_record_is_charged_the_difference_and_expired_ones_are
         await stop_all([node])
 
 
-async def test_bootstrap_memory_under_a_store_flood_from_one_identity(servers, tmp_path):  # noqa: F811
+async def test_bootstrap_memory_under_a_store_flood_from_one_identity(servers, tmp_path):
     """One identity offers 256 MiB of signed 64 KiB records with a 24 h lifetime to a bootstrap: it
     keeps its quota's worth (2 MiB) and its memory stays flat. Before: every record was kept."""
     run = "flood-test"
