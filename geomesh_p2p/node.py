@@ -56,6 +56,7 @@ from geomesh_p2p.round.backoff import Backoff
 from geomesh_p2p.round import DhtPlanAgreement, DriverConfig, PlanStore, RoundDriver
 from geomesh_p2p.round.policy import OWNER_PENALTY_ROUNDS, NodeRoundPolicy
 from geomesh_p2p.standing import OnceLog, Standing
+from geomesh_p2p import sync_progress
 from geomesh_p2p import state as gstate  # module-qualified: tests replace gstate.save_checkpoint
 from geomesh_p2p.state_sync import StateServer
 from geomesh_p2p.training import DEFAULT_INNER, InnerTrainer, build_model, flat_params, load_flat_, lr_at
@@ -336,7 +337,8 @@ class PeerNode(NodeRoundPolicy):
             version=geomesh_p2p.__version__, protocol_version=geomesh_p2p.PROTOCOL_VERSION,
             run_config_hash=self.config_hash, run_config=self.run_cfg.model_dump(), round=self.round,
             weights_digest=None if self._syncing else self.digest, leaving=self._leaving,
-            pow_nonce=self.pow_nonce, standing=self.standing.attestations(exclude=self.me))
+            pow_nonce=self.pow_nonce, standing=self.standing.attestations(exclude=self.me),
+            sync_progress=sync_progress.announced(self))  # while syncing (issue 14 #3)
 
     async def announce(self) -> None:
         """Store this peer's current record now (the announcer also refreshes it every period)."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from typing import Optional
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 RECORD_SCHEMA_VERSION = 1
 
@@ -20,6 +20,34 @@ MIN_TOKENS_PER_S, MAX_TOKENS_PER_S = 1e-3, 1e10
 MAX_BATCH = 1 << 20
 #: Most peers a record may vouch for in ``standing``.
 MAX_ATTESTED = 64
+
+
+class SyncProgress(BaseModel):
+    """How far a syncing peer's state download is (issue 14 #3), announced in its :class:`PeerRecord`
+    so that a leader gathering the round waits for it as long as the download needs, within a cap
+    (:class:`geomesh_p2p.round.driver.RoundDriver.gather`). Bytes and bytes/s; a rate, not times, so
+    clocks need not agree."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    done_bytes: int = Field(ge=0, le=1 << 50, description="bytes of the state received so far")
+    total_bytes: int = Field(ge=1, le=1 << 50, description="bytes of the whole state (weights and outer state)")
+    bytes_per_s: float = Field(ge=0, le=MAX_LINK_BPS, description="download rate measured over the last seconds; "
+                                                                  "0: not measured yet")
+
+    @model_validator(mode="after")
+    def _done_within_total(self) -> "SyncProgress":
+        if self.done_bytes > self.total_bytes:
+            raise ValueError(f"done_bytes {self.done_bytes} exceeds total_bytes {self.total_bytes}")
+        return self
+
+    def remaining_s(self) -> Optional[float]:
+        """Seconds the rest of the download takes at the announced rate; None when no rate is known yet."""
+        if self.done_bytes >= self.total_bytes:
+            return 0.0
+        if self.bytes_per_s <= 0:
+            return None
+        return (self.total_bytes - self.done_bytes) / self.bytes_per_s
 
 
 class PeerRecord(BaseModel):
@@ -60,6 +88,9 @@ class PeerRecord(BaseModel):
     standing: dict[str, int] = Field(
         default_factory=dict, description="peers this one saw deliver: PeerID prefix -> rounds of its last "
                                           "window (geomesh_p2p.standing); what a fresh joiner reads as history")
+    sync_progress: Optional[SyncProgress] = Field(
+        default=None, description="while syncing (no weights_digest): the state download's progress; optional, "
+                                  "left out of the JSON when None (records of older peers parse as before)")
 
     @field_validator("tokens_per_s")
     @classmethod
@@ -87,7 +118,10 @@ class PeerRecord(BaseModel):
         return max(self.tokens_per_s.values(), default=0.0)
 
     def to_bytes(self) -> bytes:
-        return self.model_dump_json().encode()
+        """JSON bytes. ``sync_progress`` is written only when set, so a record without it is byte for byte
+        what a peer of the previous version wrote (and such a peer, whose schema forbids unknown fields,
+        still reads every record but a syncing peer's)."""
+        return self.model_dump_json(exclude={"sync_progress"} if self.sync_progress is None else None).encode()
 
     @classmethod
     def from_bytes(cls, data: bytes) -> "PeerRecord":

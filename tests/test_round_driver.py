@@ -16,8 +16,10 @@ import torch
 
 from geomesh_p2p.identity import Identity
 from geomesh_p2p.planner import PlanConfig, plan_round
-from geomesh_p2p.records import PeerRecord
+from geomesh_p2p.records import PeerRecord, SyncProgress
 from geomesh_p2p.round import DhtPlanAgreement, DriverConfig, Phase, PlanStore, RoundDriver, leader_order
+from geomesh_p2p.round.driver import PROBATION_SYNC_GRANTS
+from geomesh_p2p.sync_progress import SyncMeter, announced
 from geomesh_p2p.round.policy import outer_step_per_part
 from geomesh_p2p.state_sync import StateSyncError
 
@@ -387,3 +389,146 @@ def test_outer_step_per_part_equals_one_whole_step_and_keeps_bad_and_idle_parts(
     assert torch.equal(t_parts[:4], t2[:4]) and torch.equal(parts.buf[:4], buf2[:4])  # NaN part untouched
     assert torch.equal(t_parts[8:10], t2[8:10]) and torch.equal(parts.buf[8:10], buf2[8:10])  # idle
     assert not torch.equal(t_parts[4:8], t2[4:8]) and not torch.equal(t_parts[10:], t2[10:])
+
+
+# ---------------------------------------------------------------- issue 14 #3: the wait for a syncing joiner
+MB = 1 << 20
+
+
+def _syncing(peer: FakePeer, done: int, total: int = 100 * MB, rate: float = 10 * MB) -> PeerRecord:
+    """``peer``'s record while it downloads round ``peer.round``'s state: no digest, its progress."""
+    return peer.record().model_copy(update={"weights_digest": None, "sync_progress": SyncProgress(
+        done_bytes=done, total_bytes=total, bytes_per_s=rate)})
+
+
+class Download:
+    """A joiner downloading the leader's state at ``rate`` bytes/s from virtual time ``t0``; its record is
+    re-announced every ``period`` virtual seconds (the announcer's refresh) and, once the last byte is in,
+    carries the leader's digest. ``stall_at``: bytes where the download stops moving."""
+
+    def __init__(self, joiner, leader, clock, *, total=100 * MB, rate=10 * MB, period=2.0, stall_at=None):
+        self.joiner, self.leader, self.clock = joiner, leader, clock
+        self.total, self.rate, self.period, self.stall_at = total, rate, period, stall_at
+        self.t0, self.announced_at = clock.t, None
+        self.publish(clock.t)
+
+    def publish(self, t):
+        if self.announced_at is not None and t - self.announced_at < self.period:
+            return
+        self.announced_at = t
+        done = min(self.total, int((t - self.t0) * self.rate) + 10 * MB)
+        if self.stall_at is not None:
+            done = min(done, self.stall_at)
+        rec = (self.joiner.record().model_copy(update={"weights_digest": self.leader.digest}) if done >= self.total
+               else _syncing(self.joiner, done, self.total, self.rate if self.stall_at is None else 1.0 * MB))
+        self.joiner.swarm.records[self.joiner.me] = rec
+
+
+def _gather_setup(**cfg):
+    swarm = Swarm()
+    leader, joiner = _peers(2, swarm)
+    clock = FakeClock()
+    drv = leader.driver(clock=clock)
+    for k, v in cfg.items():
+        setattr(drv.cfg, k, v)
+    return leader, joiner, clock, drv
+
+
+async def test_the_leader_waits_for_a_syncing_joiner_as_long_as_its_announced_download_needs(caplog):
+    leader, joiner, clock, drv = _gather_setup()
+    dl = Download(joiner, leader, clock)  # 10 of 100 MiB at 10 MiB/s: the last byte at +9 s
+    clock.on_wait = dl.publish
+    t0 = clock.t
+    with caplog.at_level(logging.INFO, logger="geomesh_p2p.node.round"):
+        members = await drv.gather({leader.me}, first=False)
+    assert {m.peer_id for m in members} == {leader.me, joiner.me}  # planned in, not left to re-download
+    assert 9.0 <= clock.t - t0 < 11.0  # virtual seconds: until its in-sync record (re-announced every 2 s)
+    line = [r.getMessage() for r in caplog.records if "syncing (" in r.getMessage()]
+    assert line == [f"round 0: waiting up to 13.2 s more for {joiner.me[:10]}, syncing (10 of 100 MiB at 10.0 MiB/s)"]
+
+
+async def test_without_announced_progress_the_wait_is_the_gather_wait_as_before():
+    leader, joiner, clock, drv = _gather_setup()
+    joiner.swarm.records[joiner.me] = joiner.record().model_copy(update={"weights_digest": None})  # older peer
+    t0 = clock.t
+    members = await drv.gather({leader.me}, first=False)
+    assert [m.peer_id for m in members] == [leader.me]
+    assert 1.0 < clock.t - t0 < 1.1  # gather_wait_s = 1.0
+
+
+async def test_a_stalled_download_is_waited_for_only_as_its_last_progress_said_then_a_capped_wait():
+    leader, joiner, clock, drv = _gather_setup()
+    dl = Download(joiner, leader, clock, stall_at=10 * MB)  # announced 10 of 100 MiB at 1 MiB/s, then no byte
+    clock.on_wait = dl.publish
+    t0 = clock.t
+    members = await drv.gather({leader.me}, first=False)
+    assert [m.peer_id for m in members] == [leader.me]
+    # 90 MiB at 1 MiB/s is 90 s x 1.25 + 2 s: capped at sync_wait_cap_s from the gather's start
+    assert drv.cfg.sync_wait_cap_s == 30.0 and 30.0 < clock.t - t0 < 30.1
+
+
+async def test_a_download_whose_progress_stops_is_not_waited_for_past_its_derived_wait():
+    leader, joiner, clock, drv = _gather_setup()
+    joiner.swarm.records[joiner.me] = _syncing(joiner, 90 * MB)  # 10 MiB left at 10 MiB/s, never moves again
+    t0 = clock.t
+    members = await drv.gather({leader.me}, first=False)
+    assert [m.peer_id for m in members] == [leader.me]
+    assert 3.25 < clock.t - t0 < 3.35  # 1 s x 1.25 + 2 s margin, although re-announced with the same bytes
+
+
+async def test_a_joiner_on_probation_holds_the_round_by_its_progress_only_a_few_times():
+    leader, joiner, clock, drv = _gather_setup()
+    leader.standing_established = lambda records, peer_id: peer_id == leader.me  # the joiner is on probation
+    joiner.swarm.records[joiner.me] = _syncing(joiner, 90 * MB)  # never arrives
+    waited = []
+    for _ in range(PROBATION_SYNC_GRANTS + 1):
+        t0 = clock.t
+        members = await drv.gather({leader.me}, first=False)
+        assert [m.peer_id for m in members] == [leader.me]
+        waited.append(clock.t - t0)
+    # 1 s x 1.25 + 2 s twice, then only PROBATION_SYNC_WAIT_S (1.5 s): a fake download cannot stall every round
+    assert [round(w, 1) for w in waited[:2]] == [3.3, 3.3] and 1.5 < waited[2] < 1.6
+
+
+def test_sync_progress_is_optional_in_the_record_and_left_out_of_its_bytes_when_unset():
+    (p,) = _peers(1)
+    plain = p.record()
+    assert b"sync_progress" not in plain.to_bytes()  # what a peer of the previous version writes and reads
+    assert PeerRecord.from_bytes(plain.to_bytes()) == plain
+    syncing = PeerRecord.model_validate(dict(plain.model_dump(), weights_digest=None, sync_progress={
+        "done_bytes": 5, "total_bytes": 20, "bytes_per_s": 3.0}))
+    back = PeerRecord.from_bytes(syncing.to_bytes())
+    assert back == syncing and back.sync_progress.remaining_s() == 5.0
+    assert SyncProgress(done_bytes=0, total_bytes=20, bytes_per_s=0.0).remaining_s() is None
+    assert SyncProgress(done_bytes=20, total_bytes=20, bytes_per_s=0.0).remaining_s() == 0.0
+    with pytest.raises(ValueError):
+        SyncProgress(done_bytes=21, total_bytes=20, bytes_per_s=1.0)
+
+
+async def test_sync_meter_counts_a_wrapped_transports_stream_and_measures_the_recent_rate():
+    t = [0.0]
+    notes = []
+    meter = SyncMeter(10 * MB, on_progress=lambda: notes.append(meter.done_bytes), clock=lambda: t[0])
+
+    class Streams:
+        address = "127.0.0.1:1"
+
+        async def call_stream(self, addr, method, payload, **kw):
+            for _ in range(4):
+                t[0] += 0.25
+                yield SimpleNamespace(payload=b"x" * MB)
+
+    wrapped = meter.wrap(Streams())
+    assert wrapped.address == "127.0.0.1:1"  # everything but call_stream passes through
+    got = [len(m.payload) async for m in wrapped.call_stream("a", "m", b"")]
+    assert got == [MB] * 4 and meter.done_bytes == 4 * MB
+    assert notes == [2 * MB, 4 * MB]  # at most every NOTIFY_EVERY_S (0.5 s)
+    assert meter.progress() == SyncProgress(done_bytes=4 * MB, total_bytes=10 * MB, bytes_per_s=4 * MB)
+    t[0] += 3.0  # a stall lowers the announced rate
+    assert meter.bytes_per_s() == pytest.approx(1 * MB)
+    meter.add(7 * MB)  # capped at the total; the last byte is announced at once
+    assert meter.done_bytes == 10 * MB and notes[-1] == 10 * MB
+    node = SimpleNamespace(_syncing=True, _sync_meter=meter)
+    assert announced(node).done_bytes == 10 * MB
+    node._syncing = False
+    assert announced(node) is None

@@ -36,6 +36,16 @@ from geomesh_p2p.state_sync import StateSyncError
 # Round log lines keep the node's logger name: operators' filters and the tests' caplog select on it.
 log = logging.getLogger("geomesh_p2p.node.round")
 
+#: A syncing peer's wait (issue 14 #3) is its announced remaining download time x ``SYNC_WAIT_SLACK`` plus
+#: ``SYNC_WAIT_MARGIN_S``: its record is up to one announcement old, the rate varies, and after the last
+#: byte it still checks the digest and loads the state.
+SYNC_WAIT_SLACK = 1.25
+SYNC_WAIT_MARGIN_S = 2.0
+#: Gathers a peer on probation may hold past ``PROBATION_SYNC_WAIT_S`` by announcing a download and then
+#: not arrive in sync: an identity announcing a slow download forever costs the swarm at most this many
+#: capped waits (and each identity costs its proof of work).
+PROBATION_SYNC_GRANTS = 2
+
 __all__ = ["Phase", "DriverConfig", "RoundDriver", "RoundContext", "no_work"]
 
 
@@ -60,6 +70,7 @@ class DriverConfig:
     min_peers: int = 1
     wait_peers_s: float = 60.0
     gather_wait_s: float = 4.0
+    sync_wait_cap_s: float = 30.0  # longest gather wait for a syncing peer, by its announced download progress
     plan_timeout_s: float = 4.0
     digest_wait_s: float = 2.0
     rounds: Optional[int] = None
@@ -103,6 +114,19 @@ class RoundContext:
     recv0: int = 0
 
 
+@dataclass
+class _SyncWaits:
+    """One gather's bookkeeping of syncing peers (:meth:`RoundDriver._sync_deadline`); monotonic seconds."""
+
+    t0: float
+    until: dict = field(default_factory=dict)  # peer -> end of its progress-derived wait
+    seen: dict = field(default_factory=dict)  # peer -> done_bytes that wait was derived from
+    extended: set = field(default_factory=set)  # peers waited for past the plain wait by their progress
+    established: set = field(default_factory=set)  # standing asked once per gather
+    probation: set = field(default_factory=set)
+    logged: set = field(default_factory=set)
+
+
 class RoundDriver:
     """Runs rounds until ``rounds`` / ``target_ppl`` / ``stop``.
 
@@ -133,6 +157,7 @@ class RoundDriver:
         self.in_exchange = False
         self.leaving = False
         self._waiting_logged: Optional[tuple[int, int]] = None
+        self._sync_misses: dict[str, int] = {}  # peer -> progress-derived waits it did not arrive from
 
     @property
     def me(self) -> str:
@@ -191,43 +216,100 @@ class RoundDriver:
     # ------------------------------------------------------------------ phases
     async def gather(self, expected: set[str], *, first: bool) -> Optional[list[PeerRecord]]:
         """Phase GATHER: the peers in sync for this round (announced it with this digest). Waits for
-        ``expected`` (last round's contributors, less those leaving) and peers announced as syncing, up to
-        ``gather_wait_s`` (``wait_peers_s`` and ``min_peers`` before the first round; syncing peers on
-        probation up to ``PROBATION_SYNC_WAIT_S``). None at once when the swarm holds a later round.
-        Short of ``min_peers``, one INFO line "waiting for N peers, M live" (not one per read)."""
+        ``expected`` (last round's contributors, less those leaving) up to ``gather_wait_s``
+        (``wait_peers_s`` and ``min_peers`` before the first round), and for each peer announced as
+        syncing for this round as long as :meth:`_sync_deadline` says (its announced download progress,
+        within ``sync_wait_cap_s``). None at once when the swarm holds a later round. Short of
+        ``min_peers``, one INFO line "waiting for N peers, M live" (not one per read)."""
         self.phase = Phase.GATHER
         min_peers = self.cfg.min_peers if first else 1
         wait_s = self.cfg.wait_peers_s if first else self.cfg.gather_wait_s
         t0 = self.clock.monotonic()
         backoff = self._backoff()
         last_ids: Optional[frozenset] = None
-        while True:
-            everyone = await self.membership.peers(include_leaving=True)
-            # A peer that said it is leaving is not waited for (it finished its last exchange).
-            expected = expected - {r.peer_id for r in everyone if r.leaving}
-            recs = [r for r in everyone if not r.leaving]
-            sr = self.policy.swarm_round(recs)
-            if sr is not None and sr > self.state.round:
-                return None
-            synced = [r for r in recs if r.round == self.state.round and r.weights_digest == self.state.digest]
-            ids = {r.peer_id for r in synced}
-            syncing = {r.peer_id for r in recs if r.round == self.state.round and r.weights_digest is None}
-            if syncing - ids and self.clock.monotonic() - t0 > PROBATION_SYNC_WAIT_S:
-                syncing = {p for p in syncing if self.policy.standing_established(recs, p)}
-            if (expected | syncing) <= ids and len(ids) >= min_peers:
-                return synced
-            if len(ids) < min_peers and self._waiting_logged != (min_peers, len(recs)):
-                self._waiting_logged = (min_peers, len(recs))
-                log.info("round %d: waiting for %d peers, %d live (up to %.0f s)", self.state.round, min_peers,
-                         len(recs), wait_s)
-            if self.clock.monotonic() - t0 > wait_s or self.stop.is_set():
-                return synced
-            now_ids = frozenset(r.peer_id for r in recs)
-            if now_ids != last_ids:
-                last_ids = now_ids
-                backoff.reset()
-            if await self._pause(min(backoff.next(), max(0.0, wait_s - (self.clock.monotonic() - t0)) + 0.01)):
-                return synced
+        waits = _SyncWaits(t0)
+        synced: list[PeerRecord] = []
+        try:
+            while True:
+                everyone = await self.membership.peers(include_leaving=True)
+                now = self.clock.monotonic()
+                # A peer that said it is leaving is not waited for (it finished its last exchange).
+                expected = expected - {r.peer_id for r in everyone if r.leaving}
+                recs = [r for r in everyone if not r.leaving]
+                sr = self.policy.swarm_round(recs)
+                if sr is not None and sr > self.state.round:
+                    return None
+                synced = [r for r in recs if r.round == self.state.round and r.weights_digest == self.state.digest]
+                ids = {r.peer_id for r in synced}
+                syncing = [r for r in recs if r.round == self.state.round and r.weights_digest is None
+                           and r.peer_id not in ids and r.peer_id != self.me]
+                ends = {r.peer_id: self._sync_deadline(r, recs, waits, now, wait_s) for r in syncing}
+                waited = {p for p, end in ends.items() if end > now}
+                if (expected | waited) <= ids and len(ids) >= min_peers:
+                    return synced
+                if len(ids) < min_peers and self._waiting_logged != (min_peers, len(recs)):
+                    self._waiting_logged = (min_peers, len(recs))
+                    log.info("round %d: waiting for %d peers, %d live (up to %.0f s)", self.state.round, min_peers,
+                             len(recs), wait_s)
+                until = max([t0 + wait_s] + [ends[p] for p in waited])
+                if now > until or self.stop.is_set():
+                    return synced
+                now_ids = frozenset(r.peer_id for r in recs)
+                if now_ids != last_ids:
+                    last_ids = now_ids
+                    backoff.reset()
+                wake = until
+                if syncing and now - t0 <= PROBATION_SYNC_WAIT_S:
+                    wake = min(until, t0 + PROBATION_SYNC_WAIT_S)  # standing decides the wait from then on
+                if await self._pause(min(backoff.next(), max(0.0, wake - self.clock.monotonic()) + 0.01)):
+                    return synced
+        finally:
+            arrived = {r.peer_id for r in synced}
+            for p in waits.extended - arrived:  # it held the round by its progress and did not arrive
+                self._sync_misses[p] = self._sync_misses.get(p, 0) + 1
+            for p in waits.extended & arrived:
+                self._sync_misses.pop(p, None)
+
+    def _sync_deadline(self, rec: PeerRecord, recs: list[PeerRecord], waits: "_SyncWaits", now: float,
+                       wait_s: float) -> float:
+        """Until when (monotonic seconds) this gather waits for syncing peer ``rec`` (issue 14 #3).
+
+        Without a usable announced download progress: ``wait_s`` from the gather's start for an established
+        peer, ``PROBATION_SYNC_WAIT_S`` for one on probation, as before. With one (a record with
+        ``sync_progress``), ``wait_s`` at least, and each time its ``done_bytes`` moves, until now + its
+        announced remaining time x ``SYNC_WAIT_SLACK`` + ``SYNC_WAIT_MARGIN_S``; never past
+        ``sync_wait_cap_s`` from the gather's start. A download that stops moving is not waited for past
+        the wait derived from its last progress. A peer on probation gets a progress-derived wait only
+        while it has failed to arrive after fewer than ``PROBATION_SYNC_GRANTS`` of them."""
+        pid, t0 = rec.peer_id, waits.t0
+        if pid in waits.established:
+            established: Optional[bool] = True
+        elif pid in waits.probation:
+            established = False
+        elif now - t0 <= PROBATION_SYNC_WAIT_S:
+            established = None  # not asked yet: every syncing peer is waited for that long
+        else:
+            established = self.policy.standing_established(recs, pid)
+            (waits.established if established else waits.probation).add(pid)
+        plain = t0 + (PROBATION_SYNC_WAIT_S if established is False else wait_s)
+        sp = rec.sync_progress
+        if sp is None or (established is False and self._sync_misses.get(pid, 0) >= PROBATION_SYNC_GRANTS):
+            return plain
+        if waits.seen.get(pid) != sp.done_bytes:  # it moved (or is new): derive its wait again
+            waits.seen[pid] = sp.done_bytes
+            remaining = sp.remaining_s()
+            if remaining is not None:
+                cap = t0 + max(wait_s, self.cfg.sync_wait_cap_s)
+                waits.until[pid] = min(cap, now + remaining * SYNC_WAIT_SLACK + SYNC_WAIT_MARGIN_S)
+                if waits.until[pid] > t0 + wait_s and pid not in waits.logged:
+                    waits.logged.add(pid)
+                    log.info("round %d: waiting up to %.1f s more for %s, syncing (%d of %d MiB at %.1f MiB/s)",
+                             self.state.round, waits.until[pid] - now, pid[:10], sp.done_bytes >> 20,
+                             sp.total_bytes >> 20, sp.bytes_per_s / 2 ** 20)
+        end = max(t0 + wait_s, waits.until.get(pid, 0.0))
+        if end > plain and end > now:
+            waits.extended.add(pid)  # held past its plain wait by its progress: a miss if it does not arrive
+        return end
 
     async def one_round(self, members: list[PeerRecord]) -> set[str]:
         """Run round ``state.round`` with ``members``; returns the participants expected next round."""

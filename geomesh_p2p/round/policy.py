@@ -26,6 +26,7 @@ from geomesh_p2p.method import MethodRule
 from geomesh_p2p.planner import PlanConfig
 from geomesh_p2p.round.driver import no_work
 from geomesh_p2p.standing import OnceLog, choose_state
+from geomesh_p2p.sync_progress import SyncMeter
 
 # Round log lines keep the node's logger name: operators' filters and the tests' caplog select on it.
 log = logging.getLogger("geomesh_p2p.node.round")
@@ -196,9 +197,12 @@ class NodeRoundPolicy:
                     return
                 top, donors = choice.round, choice.donors
                 self.round = top
+                # the record announces the download's progress: the leader's wait for it follows (issue 14 #3)
+                self._sync_meter = SyncMeter((self.numel + self.state_numel) * 4,
+                                             on_progress=lambda: self.announcer.update(self.my_record))
                 await self.announce()  # tell the leader we are syncing for this round
                 try:
-                    snap = await state_sync.download_state(self.transport, donors, round=top, numel=self.numel,
+                    snap = await state_sync.download_state(self._sync_meter.wrap(self.transport), donors, round=top, numel=self.numel,
                                                 expected_digest=choice.digest, state_numel=self.state_numel)
                 except state_sync.StateSyncError as e:
                     log.info("state download for round %d failed (%s); retrying", top, e)
@@ -211,7 +215,7 @@ class NodeRoundPolicy:
             self.round = start_round  # nothing was downloaded: this peer still holds its own state
             raise state_sync.StateSyncError("could not download the swarm's state after 30 attempts; see the log for why")
         finally:
-            self._syncing = False
+            self._syncing, self._sync_meter = False, None
             await self.announce()
 
     async def _behind(self) -> bool:
