@@ -135,12 +135,12 @@ def is_wildcard_host(host: str) -> bool:
         return False
 
 
-def ip_of(host: str) -> Optional[ipaddress._BaseAddress]:
+def ip_of(host: str) -> Optional[ipaddress.IPv4Address | ipaddress.IPv6Address]:
     """The IP address ``host`` is a literal of (IPv4-mapped IPv6 as IPv4), None for a host name."""
     try:
         ip = ipaddress.ip_address(_strip_brackets(host.strip()).split("%", 1)[0])
     except ValueError:
         return None
-    if ip.version == 6 and ip.ipv4_mapped is not None:
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
         return ip.ipv4_mapped
     return ip

@@ -139,7 +139,7 @@ def load_or_solve_pow(identity: Identity, run_id: str, bits: int, cache: Optiona
     nonce = solve_pow(run_id, pid, bits, should_stop=should_stop)
     took = time.perf_counter() - t0
     if nonce is not None and path is not None:
-        runs = data.get("runs") if isinstance(data.get("runs"), dict) else {}
+        runs: dict = data["runs"] if isinstance(data.get("runs"), dict) else {}
         runs[run_id] = nonce
         try:
             tmp = path.with_name(path.name + ".tmp")

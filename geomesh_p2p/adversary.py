@@ -139,9 +139,10 @@ class AdversaryNode(PeerNode):
     async def start(self) -> None:
         await super().start()
         base = type(self.collective)
-        cls = type(f"Adversarial{base.__name__}", (_AdversarialCollective, base), {})
-        self.collective.__class__ = cls  # handlers are bound to the instance: they now go through cls
-        self.collective.adversary = self
+        # a class of this node's own (its ``adversary`` is this node): handlers are bound to the
+        # instance, so they now go through cls
+        cls = type(f"Adversarial{base.__name__}", (_AdversarialCollective, base), {"adversary": self})
+        self.collective.__class__ = cls
         log.warning("adversary[%s]: THIS PEER ATTACKS THE SWARM (%s) -- red-team use only",
                     self.attack, ATTACKS[self.attack])
 
@@ -168,7 +169,7 @@ class AdversaryNode(PeerNode):
                               micro_batch=min(micro_batch or batch_size, batch_size), deadline=deadline,
                               progress=progress, should_stop=should_stop)
 
-        self.trainer.run = run
+        self.trainer.run = run  # type: ignore[method-assign]  # this peer's trainer only, on purpose
 
     # ------------------------------------------------------------------ record
     def my_record(self):

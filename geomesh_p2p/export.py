@@ -70,7 +70,7 @@ def list_checkpoint_info(directory: str | os.PathLike, verify: bool = False) -> 
             row["problem"] = f"unreadable metadata ({_one_line(e)})"
             out.append(row)
             continue
-        meta = rec.get("meta") if isinstance(rec.get("meta"), dict) else {}
+        meta: dict = rec["meta"] if isinstance(rec.get("meta"), dict) else {}
         weights = meta_path.parent / str(rec.get("weights", meta_path.stem + ".safetensors"))
         row.update(round=int(rec.get("round", rnd)), digest=rec.get("digest"), time=rec.get("time"),
                    num_params=rec.get("num_params"), has_momentum=rec.get("has_momentum"),
@@ -129,7 +129,7 @@ def run_config_of(record: dict, where: str = "checkpoint"):
 
     from geomesh_p2p.node import RunConfig
 
-    meta = record.get("meta") if isinstance(record.get("meta"), dict) else {}
+    meta: dict = record["meta"] if isinstance(record.get("meta"), dict) else {}
     cfg = meta.get("run_config")
     if not isinstance(cfg, dict):
         raise ExportError(f"{where}: its metadata holds no run config (written by an older version?)")
@@ -282,7 +282,8 @@ def generate(ex: Exported, prompt: str, max_new_tokens: int = 40, temperature: f
     prompt and its continuation as text."""
     _quiet_transformers()
     ids = ex.tokenizer.encode(prompt).ids or [0]
-    max_len = getattr(ex.model.config, "n_positions", None) or getattr(ex.model.config, "max_position_embeddings", 1024)
+    cfg = ex.model.config
+    max_len = int(getattr(cfg, "n_positions", 0) or getattr(cfg, "max_position_embeddings", 1024))
     ids = ids[-max(1, max_len - max_new_tokens):]
     x = torch.tensor([ids], dtype=torch.long)
     kwargs: dict[str, Any] = {"max_new_tokens": max_new_tokens, "pad_token_id": 0}

@@ -66,17 +66,17 @@ def busy_seconds(intervals: Iterable[tuple[float, float]]) -> float:
     Example: ``busy_seconds([(0, 2), (1, 3), (5, 6)]) == 4.0``.
     """
     spans = sorted((float(a), float(b)) for a, b in intervals if b > a)
-    total, cur_a, cur_b = 0.0, None, None
-    for a, b in spans:
-        if cur_b is None or a > cur_b:
-            if cur_b is not None:
-                total += cur_b - cur_a
+    if not spans:
+        return 0.0
+    total = 0.0
+    cur_a, cur_b = spans[0]
+    for a, b in spans[1:]:
+        if a > cur_b:  # a gap: the current union interval is complete
+            total += cur_b - cur_a
             cur_a, cur_b = a, b
         else:
             cur_b = max(cur_b, b)
-    if cur_b is not None:
-        total += cur_b - cur_a
-    return total
+    return total + (cur_b - cur_a)
 
 
 def link_sample(transfers: Iterable[tuple[int, float, float]], min_bytes: int = 1) -> Optional[LinkSample]:

@@ -510,6 +510,7 @@ def _inner_steps(T: np.ndarray, s: np.ndarray, c: np.ndarray, cfg: PlanConfig) -
 def _window_for_tokens(s, c, tokens_per_step, T_lo: float, cfg: PlanConfig) -> float:
     """Smallest T >= T_lo whose planned budgets sum to >= the target (or all peers at max steps)."""
     target = cfg.target_tokens_per_round
+    assert target is not None  # called only for a run with a token target (_choose_window)
 
     def tokens(T: float) -> int:
         return int((_inner_steps(np.float64(T), s, c, cfg) * tokens_per_step).sum())
@@ -983,6 +984,7 @@ def reference_window(records: Sequence[PeerRecord], cfg: PlanConfig) -> float:
         s, c = _step_and_comm(models)
         return _choose_window(s, c, np.array([m.batch * cfg.seq_len for m in models], dtype=np.int64), cfg)
     H = rule.uniform_inner_steps
+    assert H is not None  # every method that is not balanced has one H for all peers (MethodRule.of)
     micro = min(cfg.target_batch, min(r.max_batch for r in recs))
     return max(H * m.step_s + m.comm_s for m in (_PeerModel(r, cfg, micro) for r in recs))
 

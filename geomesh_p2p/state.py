@@ -56,7 +56,7 @@ def _le_bytes(t: torch.Tensor) -> memoryview:
         raise StateError(f"state tensors must be fp32, got {t.dtype}")
     a = t.detach().to("cpu").reshape(-1).contiguous().numpy()
     a = a.astype("<f4", copy=False)  # no-op on little-endian hosts
-    return memoryview(a).cast("B")
+    return a.data.cast("B")
 
 
 def digest(theta: torch.Tensor, momentum: torch.Tensor | None = None) -> str:

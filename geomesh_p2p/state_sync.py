@@ -113,9 +113,9 @@ class StateServer:
     async def _status(self, verified, context) -> bytes:
         """This node's round and digest: a cheap liveness and sync check for operators and tests."""
         gs = self._state
-        ready = gs is not None and gs.digest is not None
-        return collective_pb2.StatusResponse(round=gs.round if ready else 0, digest=gs.digest if ready else "",
-                                             peer_id=self.peer_id).SerializeToString()
+        if gs is None or gs.digest is None:  # not ready: round 0, no digest
+            return collective_pb2.StatusResponse(round=0, digest="", peer_id=self.peer_id).SerializeToString()
+        return collective_pb2.StatusResponse(round=gs.round, digest=gs.digest, peer_id=self.peer_id).SerializeToString()
 
     def serve(self, state: GlobalState) -> None:
         """Serve ``state`` from now on (not copied: its round, digest and bytes as they are at each request)."""
@@ -199,7 +199,7 @@ async def download_state(
     k = state_numel // numel
     total = (numel + state_numel) * 4
     flat = torch.empty(numel + state_numel, dtype=torch.float32)
-    buf = memoryview(flat.numpy()).cast("B")  # written chunk by chunk: no assembly copy
+    buf = flat.numpy().data.cast("B")  # written chunk by chunk: no assembly copy
     n = len(donors)
     bounds = [(total * i // n, total * (i + 1) // n) for i in range(n)]
     unhealthy: set[str] = set()
@@ -277,8 +277,8 @@ async def download_state(
             if t in pending:
                 event("cancelled", i, "", "a sibling piece failed")
     for t in tasks:
-        if not t.cancelled() and t.exception() is not None:
-            raise t.exception()
+        if not t.cancelled() and (exc := t.exception()) is not None:
+            raise exc
 
     gs = GlobalState(numel, k, buffer=flat)
     got_digest = await asyncio.to_thread(gs.compute_digest)  # 0.5-1 GB/s: off the loop

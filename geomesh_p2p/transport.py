@@ -31,12 +31,13 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import functools
 import logging
 import resource
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Awaitable, Callable, Dict, Optional, Tuple
+from typing import AsyncGenerator, AsyncIterator, Awaitable, Callable, Dict, Optional, Tuple
 
 import grpc
 import grpc.aio
@@ -222,6 +223,9 @@ class TlsConfig:
     ca_file: Optional[str] = None
 
     def server_credentials(self) -> grpc.ServerCredentials:
+        """Credentials from ``key_file`` and ``cert_file``; ValueError if either is unset, OSError if unreadable."""
+        if self.key_file is None or self.cert_file is None:
+            raise ValueError("a TLS server needs both cert_file and key_file")
         with open(self.key_file, "rb") as k, open(self.cert_file, "rb") as c:
             return grpc.ssl_server_credentials([(k.read(), c.read())])
 
@@ -619,6 +623,11 @@ class Transport:
         """Largest request payload ``method`` accepts, bytes."""
         return min(self._payload_limits.get(method, self.config.max_message_bytes), self.config.max_message_bytes)
 
+    def _request_limit(self, method: str) -> int:
+        """Largest signed request message of ``method``, bytes (payload limit + envelope), read at each
+        call so that a limit set after the handler was registered applies."""
+        return self.payload_limit(method) + ENVELOPE_OVERHEAD
+
     def max_request_bytes(self) -> int:
         """The server-wide ``grpc.max_receive_message_length``: the largest request any served method
         accepts (payload limit + envelope), at most ``max_message_bytes``."""
@@ -707,7 +716,7 @@ class Transport:
             raise
         if size <= guard.SMALL_LIMIT:
             guard.release_read(ticket)
-            ticket = None
+            return verified, None
         return verified, ticket
 
     async def _admit(self, method: str, context) -> tuple:
@@ -718,6 +727,7 @@ class Transport:
         otherwise hold the request message in a reference cycle until the next garbage collection,
         i.e. hundreds of refused requests' bytes under a flood."""
         ticket = None
+        verified: Optional[Verified] = None
         try:
             verified, ticket = await self._receive(method, context)
             token = self._guard.enter_call(method, verified.sender)
@@ -731,6 +741,7 @@ class Transport:
             self._guard.release_read(ticket)
         verified = None  # noqa: F841  (see the docstring)
         await context.abort(*refusal)
+        raise AssertionError("unreachable: ServicerContext.abort raises")
 
     def _done(self, ticket: Optional[tuple], token: tuple) -> None:
         self._guard.leave_call(token)
@@ -764,13 +775,13 @@ class Transport:
                 self.stats.add(_m, len(reply), 0)
                 return reply
 
-            de = _sized_parser(lambda _m=method: self.payload_limit(_m) + ENVELOPE_OVERHEAD)
+            de = _sized_parser(functools.partial(self._request_limit, method))
             service, name = method.rsplit("/", 1)
             by_service.setdefault(service.lstrip("/"), {})[name] = grpc.stream_unary_rpc_method_handler(
                 unary, request_deserializer=de, response_serializer=ser)
 
-        for method, h in self._stream.items():
-            async def stream(request_iterator, context, _h=h, _m=method):
+        for method, sh in self._stream.items():
+            async def stream(request_iterator, context, _h=sh, _m=method):
                 # A coroutine that writes (not an async generator): a client's cancel arrives here as
                 # CancelledError, in this task, and the handler's generator is closed right here, in the
                 # context it ran in (an abandoned generator would be closed later by asyncio's finalizer
@@ -795,7 +806,7 @@ class Transport:
                     verified = gen = None
                     await context.abort(*refusal)
 
-            de = _sized_parser(lambda _m=method: self.payload_limit(_m) + ENVELOPE_OVERHEAD)
+            de = _sized_parser(functools.partial(self._request_limit, method))
             service, name = method.rsplit("/", 1)
             by_service.setdefault(service.lstrip("/"), {})[name] = grpc.stream_stream_rpc_method_handler(
                 stream, request_deserializer=de, response_serializer=ser)
@@ -848,10 +859,14 @@ class Transport:
                 _, old = self._channels.popitem(last=False)
                 self._evicted.add(old)
                 task = self.tasks.spawn(old.close(grace=self.config.default_timeout_s), name="close-channel")
-                task.add_done_callback(lambda _t, ch=old: self._evicted.discard(ch))
+                task.add_done_callback(functools.partial(self._forget_evicted, old))
         else:
             self._channels.move_to_end(address)
         return ch
+
+    def _forget_evicted(self, channel: grpc.aio.Channel, _task: asyncio.Task) -> None:
+        """Done callback of an evicted channel's close: it is no longer closed at :meth:`stop`."""
+        self._evicted.discard(channel)
 
     async def _check_reply(self, address: str, method: str, reply) -> Verified:
         """Verify a reply (split by :func:`_split_request`: its payload is read once, not copied by
@@ -885,7 +900,7 @@ class Transport:
         return await self._check_reply(address, method, reply)
 
     async def call_stream(self, address: str, method: str, payload: bytes, *, round: int = 0,
-                          timeout: Optional[float] = None) -> AsyncIterator[Verified]:
+                          timeout: Optional[float] = None) -> AsyncGenerator[Verified, None]:
         """Server-streaming call; yields each verified reply. Same errors as :meth:`call`."""
         request = await self._signed(round=round, kind=method, payload=payload)
         if self.config.added_latency_s > 0:

@@ -67,13 +67,15 @@ def encode_as(kind: str, v: torch.Tensor, block_size: int = DEFAULT_BLOCK_SIZE, 
 
 
 def decode_any(packet: Packet, device=None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Decode any packet to an fp32 tensor [P] (on ``device``, default CPU, or into ``out``)."""
-    kind = packet_kind(packet)
-    if kind == "sign":
+    """Decode any packet to an fp32 tensor [P] (on ``device``, default CPU, or into ``out``);
+    CodecError for an object that is not a codec packet."""
+    if isinstance(packet, SignPacket):
         return decode(packet, device=device, out=out)
-    if kind == "int8":
+    if isinstance(packet, Int8Packet):
         return decode_int8(packet, device=device, out=out)
-    return decode_fp16(packet, device=device, out=out)
+    if isinstance(packet, Fp16Packet):
+        return decode_fp16(packet, device=device, out=out)
+    raise CodecError(f"not a codec packet: {type(packet).__name__}")
 
 
 def packet_from_bytes(data: bytes) -> Packet:

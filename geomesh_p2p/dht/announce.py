@@ -135,7 +135,8 @@ async def check_swarm(node: DHTNode, mine: PeerRecord, run_id: Optional[str] = N
     (joining would train alone); return the compatible ones otherwise (possibly empty: a new swarm)."""
     all_peers = await live_peers(node, run_id)
     others = [p for p in all_peers if p.peer_id != mine.peer_id]
-    ok, bad = [], []
+    ok: list[tuple[PeerRecord, Optional[str]]] = []
+    bad: list[tuple[PeerRecord, Optional[str]]] = []
     for p in others:
         diff = check_compatible(mine, p)
         (bad if diff else ok).append((p, diff))

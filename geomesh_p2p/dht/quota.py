@@ -113,6 +113,7 @@ class StorageLedger:
                 raise self._refuse(f"unsigned values on this node would take {unsigned} bytes, over the quota of "
                                    f"{q.max_unsigned_bytes}")
         else:
+            assert owner is not None  # okey is bytes(owner)
             ob = self._owner_bytes.get(okey, 0) - (old_size if same_owner else 0) + size
             orec = self._owner_records.get(okey, 0) + (0 if same_owner else 1)
             if ob > q.max_owner_bytes or orec > q.max_owner_records:

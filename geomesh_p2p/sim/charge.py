@@ -30,7 +30,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from geomesh_p2p.method import MethodRule
-from geomesh_p2p.planner import PlanConfig, RoundPlan, partition, plan_round, plan_uniform
+from geomesh_p2p.planner import Method, PlanConfig, RoundPlan, partition, plan_round, plan_uniform
 from geomesh_p2p.records import PeerRecord
 from geomesh_p2p.sim.clock import ExchangeBytes, Link, RoundTiming, charge_round, exchange_bytes
 from geomesh_p2p.sim.hardware import Profile
@@ -101,14 +101,14 @@ class Charger:
 
     def exchange(self, spec: Optional[MethodSpec], parts) -> ExchangeBytes:
         """Bytes of one exchange of ``spec`` (None: fp32 DiLoCo) over the reference model."""
-        compressed = spec is not None and spec.compressed
         return exchange_bytes(self.ref_part_elems(parts),
                               contribution=spec.contribution if spec else "fp32",
                               aggregate=spec.aggregate if spec else "fp32",
-                              mode=spec.mode if compressed else "reencode", block_size=self.block)
+                              mode=spec.mode if spec is not None and spec.compressed else "reencode",
+                              block_size=self.block)
 
     # ------------------------------------------------------------------------------ plans
-    def plan_config(self, spec: Optional[MethodSpec], xb: ExchangeBytes, planner_method: str, **kw) -> PlanConfig:
+    def plan_config(self, spec: Optional[MethodSpec], xb: ExchangeBytes, planner_method: Method, **kw) -> PlanConfig:
         payload = max(max(xb.push_up[i], xb.pull_down[i]) for i in range(self.n))
         pl = self.profile.plan
         return PlanConfig(
@@ -118,7 +118,7 @@ class Charger:
             part_align=self.block, method=planner_method,
             mode=spec.mode if spec is not None and spec.compressed else "reencode", **kw)
 
-    def uniform_plan(self, spec: Optional[MethodSpec], planner_method: str, records=None,
+    def uniform_plan(self, spec: Optional[MethodSpec], planner_method: Method, records=None,
                      inner_steps: Optional[int] = None) -> RoundPlan:
         records = records or self.records0
         cfg = self.plan_config(spec, self.exchange(spec, self.parts(True)), planner_method)
@@ -129,7 +129,7 @@ class Charger:
         records = records or self.records0
         rule = spec.window or self.profile.plan.window.get(spec.base, "comm_share")
         kw = {"target_tokens_per_round": self.diloco_tokens_per_round} if rule == "match_diloco" else {}
-        cfg = self.plan_config(spec, self.exchange(spec, self.parts(False)), spec.base, **kw)
+        cfg = self.plan_config(spec, self.exchange(spec, self.parts(False)), spec.planner_method, **kw)
         return plan_round(records, cfg, run_id="sim", round=0, leader=records[0].peer_id, numel=self.numel,
                           start_time=0.0)
 
@@ -137,7 +137,7 @@ class Charger:
         """The plan of ``spec`` (ddp: uniform with H = 1; async: the uniform plan)."""
         if spec.balanced:
             return self.balanced_plan(spec, records)
-        base = "diloco" if spec.base == "async" else spec.base
+        base = spec.planner_method
         rule = MethodRule.of(base, uniform_inner_steps=self.profile.plan.inner_steps)
         return self.uniform_plan(spec, base, records, inner_steps=rule.uniform_inner_steps)
 

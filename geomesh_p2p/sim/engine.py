@@ -351,10 +351,10 @@ class Simulator:
         eval_every = max(1, self.profile.plan.inner_steps)
         theta = self.theta0.clone()
         t, done_ref, tok_trained = 0.0, 0, 0
-        ppl = self.evaluate(theta)
-        curve = [(0.0, ppl, 0.0)]
+        ppl0 = self.evaluate(theta)
+        curve = [(0.0, ppl0, 0.0)]
         logs: list[RoundLog] = []
-        self._report(spec.label, 0, 0.0, ppl)
+        self._report(spec.label, 0, 0.0, ppl0)
         for r in range(steps_total):
             ch = self.charger.charge(spec, plan, [speed_factor(self.seed, r, i, sigma) for i in range(self.n)])
             res = trainer.run(round=r, inner_steps=1, batch_size=big_batch)
@@ -416,10 +416,10 @@ class Simulator:
             local_round[i] += 1
             heapq.heappush(heap, (arrive, i))
 
-        ppl = self.evaluate(theta)
-        curve = [(0.0, ppl, 0.0)]
+        ppl0 = self.evaluate(theta)
+        curve = [(0.0, ppl0, 0.0)]
         logs: list[RoundLog] = []
-        self._report(spec.label, 0, 0.0, ppl)
+        self._report(spec.label, 0, 0.0, ppl0)
         for i in range(self.n):
             start_cycle(i, 0.0, first=True)
         comp_acc = [0.0] * self.n

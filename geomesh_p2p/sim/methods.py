@@ -36,12 +36,16 @@ from dataclasses import dataclass, replace
 from typing import Optional
 
 from geomesh_p2p.errors import UserFacingError
+from geomesh_p2p.planner import Method, Mode
 
 __all__ = ["BASE_METHODS", "MethodSpec", "MethodError", "parse_method", "parse_methods"]
 
 BASE_METHODS = ("ddp", "diloco", "awb", "css", "geomesh", "async")
 _COMPRESSED = ("css", "geomesh")
 _BALANCED = ("awb", "geomesh")
+# the planner's method of each base: async plans as DiLoCo (same batch and H), without the barrier
+_PLANNER_METHOD: dict[str, Method] = {"ddp": "ddp", "diloco": "diloco", "awb": "awb", "css": "css",
+                                      "geomesh": "geomesh", "async": "diloco"}
 
 
 class MethodError(UserFacingError, ValueError):
@@ -56,7 +60,7 @@ class MethodSpec:
     base: str
     balanced: bool
     contribution: str  # "fp32" | "sign"
-    mode: str = "reencode"  # "relay" | "reencode"
+    mode: Mode = "reencode"
     aggregate: str = "fp32"  # "fp32" | "sign" | "int8" | "fp16"
     error_feedback: bool = False
     inner: str = "adamw"
@@ -68,6 +72,11 @@ class MethodSpec:
     @property
     def compressed(self) -> bool:
         return self.contribution == "sign"
+
+    @property
+    def planner_method(self) -> Method:
+        """The :class:`~geomesh_p2p.planner.PlanConfig` method that plans this base (async: diloco)."""
+        return _PLANNER_METHOD[self.base]
 
 
 def _float(label: str, key: str, val: str) -> float:
@@ -99,7 +108,7 @@ def parse_method(label: str) -> MethodSpec:
         if key == "ef":
             spec = replace(spec, error_feedback=True)
         elif key in ("relay", "reencode"):
-            spec = replace(spec, mode=key)
+            spec = replace(spec, mode="relay" if key == "relay" else "reencode")
         elif key in ("sign", "int8", "fp16"):
             spec = replace(spec, aggregate=key)
         elif key in ("mean", "meanmed", "vote"):
