@@ -7,7 +7,8 @@ Sources, all signed DHT records (the DHT checked every signature and the owner r
   (:mod:`geomesh_p2p.round`);
 * ``<run>/rounds`` (subkey = PeerID): :class:`RoundSummaries`, each peer's compact summary of its last
   :data:`KEEP_ROUNDS` rounds (loss, eval perplexity, idle, bytes, digest), published after every
-  round by :func:`publish_round_summary` (one call in ``PeerNode._finish_round``).
+  round by :func:`publish_round_summary` (one call per round: :meth:`RoundDriver.finish
+  <geomesh_p2p.round.driver.RoundDriver.finish>` hands the round's row to ``NodeRoundPolicy.publish_record``).
 
 :class:`SwarmWatcher` reads them every few seconds through a :class:`~geomesh_p2p.dht.DHTNode`, keeps
 the history of the rounds it saw (so the plots go further back than one peer's window) and builds two
