@@ -12,6 +12,7 @@ phases, their timeouts and the DHT requests of one round.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import enum
 import logging
@@ -45,8 +46,15 @@ SYNC_WAIT_MARGIN_S = 2.0
 #: not arrive in sync: an identity announcing a slow download forever costs the swarm at most this many
 #: capped waits (and each identity costs its proof of work).
 PROBATION_SYNC_GRANTS = 2
+#: Rounds of this peer's lineage kept for telling what a re-sync to another side's state discards.
+LINEAGE_ROUNDS = 4096
+#: Which side of a healed partition survives (docs/round.md, "Partitions"); said in the dropped side's line.
+SURVIVOR_RULE = ("a peer adopts the state more than half of the vote backs (standing.choose_state: each other peer "
+                 "weighs the rounds this peer saw it deliver among the last 32) once it is at a later round than its "
+                 "own, or when a plan of the other side's leader plans it out; after a partition of under 16 rounds "
+                 "the side at the later round survives (docs/round.md, Partitions)")
 
-__all__ = ["Phase", "DriverConfig", "RoundDriver", "RoundContext", "no_work"]
+__all__ = ["Phase", "DriverConfig", "RoundDriver", "RoundContext", "LineageEntry", "no_work"]
 
 
 class Phase(enum.Enum):
@@ -114,6 +122,26 @@ class RoundContext:
     recv0: int = 0
 
 
+@dataclass(frozen=True)
+class LineageEntry:
+    """One round this peer applied (issue 14 #11): the state it made and who made it.
+
+    Attributes:
+        round: the round ``r``.
+        digest: digest of the state after it (round ``r + 1``'s start state).
+        participants: PeerIDs of the round's plan.
+        tokens: tokens aggregated in the round, all contributors together (each counted once: its
+            largest claim over the parts).
+        own_tokens: tokens this peer trained in it.
+    """
+
+    round: int
+    digest: str
+    participants: frozenset
+    tokens: int
+    own_tokens: int
+
+
 @dataclass
 class _SyncWaits:
     """One gather's bookkeeping of syncing peers (:meth:`RoundDriver._sync_deadline`); monotonic seconds."""
@@ -158,6 +186,8 @@ class RoundDriver:
         self.leaving = False
         self._waiting_logged: Optional[tuple[int, int]] = None
         self._sync_misses: dict[str, int] = {}  # peer -> progress-derived waits it did not arrive from
+        #: the rounds this peer applied, newest last (what a re-sync to another side's state discards)
+        self.lineage: collections.deque[LineageEntry] = collections.deque(maxlen=LINEAGE_ROUNDS)
 
     @property
     def me(self) -> str:
@@ -208,10 +238,54 @@ class RoundDriver:
         """Download the swarm's state; a failure is one warning and a pause (the donors may come back)."""
         self.phase = Phase.RESYNC
         try:
-            await self.state.catch_up()
+            await self._catch_up()
         except StateSyncError as e:
             log.warning("catching up failed (%s; %s); retrying in a few seconds", e, why)
             await self._pause(3.0)
+
+    async def _catch_up(self) -> None:
+        """``state.catch_up()``; when the state adopted is not of this peer's lineage (its side of a
+        partition lost the vote), one WARNING line says what is discarded (:meth:`_log_dropped`). Raises
+        what ``catch_up`` raises (StateSyncError)."""
+        before = (self.state.round, self.state.digest)
+        # The sides as announced before the download (a peer that trained with this one: its lineage);
+        # read only when there is a lineage to lose (a joiner's catch-up costs no extra DHT read).
+        recs = await self.membership.peers(include_leaving=True) if self.lineage else []
+        await self.state.catch_up()
+        if self.lineage and self.state.digest != before[1]:
+            self._log_dropped(before, recs)
+
+    def _log_dropped(self, before: tuple, recs: Sequence[PeerRecord]) -> None:
+        """After a re-sync from ``before`` (round, digest) to the state now held: when that state is not of
+        this peer's lineage, log one WARNING with the rounds trained since the fork, the peers of this
+        side, the tokens discarded and :data:`SURVIVOR_RULE`, and forget those rounds.
+
+        The fork is found from the records read before the download: peers announcing a digest that is
+        not in this peer's lineage are the other side; the rounds discarded are the newest rounds of the
+        lineage that none of them took part in (a round with a peer of the other side was before the
+        split)."""
+        mine = {e.digest for e in self.lineage} | {before[1]}
+        if self.state.digest in mine:
+            return  # a state this peer made itself: nothing of its lineage is lost
+        others = {r.peer_id for r in recs if r.peer_id != self.me and r.weights_digest and r.weights_digest not in mine}
+        dropped: list[LineageEntry] = []
+        for e in reversed(self.lineage):
+            if e.participants & others:
+                break
+            dropped.append(e)
+        if not others or not dropped:
+            return  # no round of this peer's is known to be discarded (nobody of another side in view)
+        dropped.reverse()
+        side = sorted(set().union(*(e.participants for e in dropped)))
+        tokens, own = sum(e.tokens for e in dropped), sum(e.own_tokens for e in dropped)
+        span = f"round {dropped[0].round}" if len(dropped) == 1 else f"rounds {dropped[0].round}-{dropped[-1].round}"
+        log.warning("re-synced to the state of round %d (digest %s), not of this peer's lineage: its side of a "
+                    "partition lost; discarded %d round(s) trained since the fork (%s) by %d peer(s) of this side "
+                    "(%s), %d tokens (%d of them this peer's). Rule: %s", self.state.round,
+                    (self.state.digest or "")[:8], len(dropped), span, len(side), ", ".join(p[:10] for p in side),
+                    tokens, own, SURVIVOR_RULE)
+        for _ in dropped:
+            self.lineage.pop()
 
     # ------------------------------------------------------------------ phases
     async def gather(self, expected: set[str], *, first: bool) -> Optional[list[PeerRecord]]:
@@ -501,6 +575,12 @@ class RoundDriver:
         straggler = max(0.0, barrier - ctx.t_compute_end)
         network = max(0.0, (ctx.t_agg - ctx.t_compute_end) - straggler)
         delivered = {pid for part in ar.contributors.values() for pid, _ in part}
+        claims: dict[str, int] = {}
+        for part in ar.contributors.values():
+            for pid, n in part:
+                claims[pid] = max(claims.get(pid, 0), int(n))
+        self.lineage.append(LineageEntry(r, self.state.digest or "", frozenset(plan.participants()),
+                                         sum(claims.values()), int(result.tokens)))
         rec = RoundRecord(
             round=r, peers=len(plan.assignments), leader=plan.leader[:10], batch_size=a.batch_size,
             inner_steps_planned=a.inner_steps, inner_steps_done=result.steps_done, tokens=result.tokens,
@@ -527,7 +607,7 @@ class RoundDriver:
         if rec.digest_agree is False:
             self.phase = Phase.RESYNC
             try:
-                await self.state.catch_up()
+                await self._catch_up()
             except StateSyncError as e:  # the next round's behind() check tries again
                 log.warning("re-sync failed (%s); will retry", e)
         elif self.cfg.checkpointing and (r + 1) % self.cfg.checkpoint_every == 0:
