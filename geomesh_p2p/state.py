@@ -1,4 +1,4 @@
-"""Global state (flat weights + outer momentum): digests, checkpoints, transfer chunks.
+"""Global state (flat weights + outer momentum): digests, checkpoints, the buffer served to joiners.
 
 The global state of a run is two fp32 CPU vectors of the same length ``P``: the weights
 ``theta`` (layout of :func:`geomesh_p2p.training.flat_params`) and the outer Nesterov
@@ -7,8 +7,6 @@ the first outer step.
 
 * :func:`digest` — identity of a state, compared between peers after every round.
 * :func:`save_checkpoint` / :func:`load_latest_checkpoint` — safetensors + JSON, atomic.
-* :func:`state_to_chunks` / :func:`chunks_to_state` — a pickle-free byte stream for
-  sending the state to a late joiner.
 * :class:`GlobalState` — the state in one contiguous buffer ``[theta | optimizer state]``,
   stepped in place, hashed, served to joiners and checkpointed without whole-state copies.
 """
@@ -19,23 +17,19 @@ import hashlib
 import json
 import os
 import re
-import struct
 import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any
 
-import numpy as np
 import torch
 
 __all__ = ["digest", "StateError", "CheckpointError", "save_checkpoint",
-           "load_latest_checkpoint", "list_checkpoints", "state_to_chunks",
-           "chunks_to_state", "STREAM_MAGIC", "GlobalState", "StateChanged"]
+           "load_latest_checkpoint", "list_checkpoints", "GlobalState", "StateChanged"]
 
 _CKPT_RE = re.compile(r"^ckpt-(\d{8,})\.json$")
 CKPT_FORMAT = "geomesh-ckpt-v1"
-STREAM_MAGIC = b"GMST1\0"
 
 
 class StateError(ValueError):
@@ -254,114 +248,6 @@ def load_latest_checkpoint(directory: str | os.PathLike
     return int(record.get("round", rnd)), theta, momentum, record
 
 
-# --- transfer to late joiners ------------------------------------------------------------
-
-def state_to_chunks(theta: torch.Tensor, momentum: torch.Tensor | None,
-                    chunk_bytes: int = 4 << 20) -> Iterator[bytes]:
-    """Serialise a state as a header chunk followed by raw payload chunks.
-
-    Chunk 0 (header): ``STREAM_MAGIC`` (6 bytes ``b"GMST1\\0"``), a little-endian uint32
-    ``n``, then ``n`` bytes of UTF-8 JSON ``{"num_params", "has_momentum", "digest",
-    "payload_bytes", "chunk_bytes", "num_chunks", "dtype": "<f4"}``.
-    Chunks 1..num_chunks: the payload, i.e. theta's raw little-endian fp32 bytes followed
-    by momentum's, cut every ``chunk_bytes`` bytes (the last may be shorter). Chunk ``k``
-    is the same on every peer holding the same state, so a joiner may fetch different
-    chunks from different donors. No pickle anywhere. Lazy: one chunk copy at a time.
-
-    Raises:
-        StateError: tensors not fp32 / of different lengths, or ``chunk_bytes < 1``.
-    """
-    if chunk_bytes < 1:
-        raise StateError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
-    parts = [_le_bytes(theta)]
-    if momentum is not None:
-        if momentum.numel() != theta.numel():
-            raise StateError("momentum must have as many elements as theta")
-        parts.append(_le_bytes(momentum))
-    total = sum(len(p) for p in parts)
-    header = {"num_params": theta.numel(), "has_momentum": momentum is not None,
-              "digest": digest(theta, momentum), "payload_bytes": total,
-              "chunk_bytes": int(chunk_bytes), "num_chunks": -(-total // chunk_bytes),
-              "dtype": "<f4"}
-    hb = json.dumps(header, sort_keys=True).encode("utf-8")
-    return _stream(STREAM_MAGIC + struct.pack("<I", len(hb)) + hb, parts, chunk_bytes)
-
-
-def _stream(head: bytes, parts: list[memoryview], chunk_bytes: int) -> Iterator[bytes]:
-    yield head
-    buf = bytearray()
-    for p in parts:
-        off = 0
-        while off < len(p):
-            take = min(chunk_bytes - len(buf), len(p) - off)
-            buf += p[off:off + take]
-            off += take
-            if len(buf) == chunk_bytes:
-                yield bytes(buf)
-                buf = bytearray()
-    if buf:
-        yield bytes(buf)
-
-
-def parse_header(chunk: bytes) -> dict[str, Any]:
-    """Decode chunk 0 of :func:`state_to_chunks`. Raises :class:`StateError`."""
-    if len(chunk) < len(STREAM_MAGIC) + 4 or not chunk.startswith(STREAM_MAGIC):
-        raise StateError("not a geomesh state stream (bad magic)")
-    (n,) = struct.unpack_from("<I", chunk, len(STREAM_MAGIC))
-    body = chunk[len(STREAM_MAGIC) + 4:]
-    if len(body) != n:
-        raise StateError(f"state header length {len(body)} != declared {n}")
-    try:
-        h = json.loads(body.decode("utf-8"))
-        P = int(h["num_params"])
-        total = int(h["payload_bytes"])
-        if h.get("dtype") != "<f4" or P < 0 or total != 4 * P * (2 if h["has_momentum"] else 1):
-            raise ValueError("inconsistent sizes or dtype")
-    except (ValueError, KeyError, TypeError) as e:
-        raise StateError(f"bad state header: {e}") from None
-    return h
-
-
-def chunks_to_state(chunks: Iterable[bytes]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Rebuild ``(theta, momentum)`` from the chunks of :func:`state_to_chunks`, in order.
-
-    Returns new, writable fp32 CPU tensors ``[P]`` (``momentum`` None if it was not
-    sent), bitwise equal to the sender's. The payload may be re-chunked arbitrarily (only
-    the concatenation matters).
-
-    Raises:
-        StateError: bad magic/header, payload shorter or longer than declared, or a
-            digest mismatch.
-    """
-    it = iter(chunks)
-    try:
-        head = next(it)
-    except StopIteration:
-        raise StateError("empty state stream") from None
-    h = parse_header(bytes(head))
-    total = int(h["payload_bytes"])
-    payload = bytearray(total)
-    off = 0
-    for c in it:
-        n = len(c)
-        if off + n > total:
-            raise StateError(f"state stream longer than the declared {total} bytes")
-        payload[off:off + n] = c
-        off += n
-    if off != total:
-        raise StateError(f"state stream truncated: {off} of {total} bytes")
-    P = int(h["num_params"])
-    arr = np.frombuffer(payload, dtype="<f4").astype(np.float32, copy=False)
-    flat = torch.from_numpy(arr)  # shares the bytearray (writable)
-    theta = flat[:P]
-    momentum = flat[P:] if h["has_momentum"] else None
-    if momentum is not None:
-        theta, momentum = theta.clone(), momentum.clone()
-    if digest(theta, momentum) != h["digest"]:
-        raise StateError("state stream digest mismatch (corrupted in transit or mixed donors)")
-    return theta, momentum
-
-
 # --- the global state in one buffer ------------------------------------------------------
 
 class GlobalState:
@@ -461,8 +347,8 @@ class GlobalState:
 
     def read(self, start: int, end: int, *, round: int | None = None, digest: str | None = None,
              blocking: bool = True) -> bytes:
-        """Bytes ``[start, end)`` of the buffer (its raw little-endian fp32 bytes, the order of
-        :func:`state_to_chunks`'s payload), for the state server. One copy of the range only.
+        """Bytes ``[start, end)`` of the buffer (its raw little-endian fp32 bytes: ``theta``, then the
+        optimizer state), for the state server. One copy of the range only.
 
         ``round``: the round the reader is serving; when the state is at another round (it moved
         on between two chunks of one piece) the read is refused; likewise ``digest`` (a re-sync may

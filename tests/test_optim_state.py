@@ -1,4 +1,4 @@
-"""Outer optimizer, state digests, checkpoints and state transfer (optim, state)."""
+"""Outer optimizer, state digests and checkpoints (optim, state)."""
 
 import hashlib
 import os
@@ -7,11 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-import geomesh_p2p.state as state_mod
 from geomesh_p2p.optim import OuterNesterov
-from geomesh_p2p.state import (CheckpointError, StateError, chunks_to_state, digest,
-                               list_checkpoints, load_latest_checkpoint, save_checkpoint,
-                               state_to_chunks)
+from geomesh_p2p.state import (CheckpointError, StateError, digest, list_checkpoints, load_latest_checkpoint,
+                               save_checkpoint)
 
 P = 10_007
 
@@ -176,50 +174,6 @@ def test_corrupt_checkpoint_rejected(tmp_path):
     (tmp_path / "ckpt-00000000.json").write_text("{oops")
     with pytest.raises(CheckpointError, match="ckpt-00000000.json"):
         load_latest_checkpoint(tmp_path)
-
-
-# --- transfer chunks -----------------------------------------------------------------
-
-@pytest.mark.parametrize("chunk_bytes", [1, 7, 4096, 40_028, 1 << 22])
-def test_state_chunks_roundtrip_bitwise(chunk_bytes):
-    n = 10_007 if chunk_bytes > 1 else 101
-    theta, (mom, *_) = _inputs(8, steps=1, n=n)
-    theta[3] = float("nan")
-    chunks = list(state_to_chunks(theta, mom, chunk_bytes))
-    assert all(isinstance(c, bytes) for c in chunks)
-    assert chunks[0].startswith(state_mod.STREAM_MAGIC)
-    assert all(len(c) == chunk_bytes for c in chunks[1:-1]) and len(chunks[-1]) <= chunk_bytes
-    assert sum(len(c) for c in chunks[1:]) == 8 * n
-    th, mo = chunks_to_state(chunks)
-    assert torch.equal(th.view(torch.int32), theta.view(torch.int32))
-    assert torch.equal(mo, mom)
-    th2, mo2 = chunks_to_state(iter(state_to_chunks(theta, None, chunk_bytes)))
-    assert mo2 is None and torch.equal(th2.view(torch.int32), theta.view(torch.int32))
-    th2[0] = 1.0  # writable
-
-
-def test_state_chunks_same_on_every_donor_and_rejects_damage():
-    theta, (mom, *_) = _inputs(9, steps=1)
-    a = list(state_to_chunks(theta, mom, 1000))
-    b = list(state_to_chunks(theta.clone(), mom.clone(), 1000))
-    assert a == b  # chunk k is interchangeable between donors
-    payload = b"".join(a[1:])
-    th, _ = chunks_to_state([a[0], payload[:5], payload[5:]])  # re-chunked
-    assert torch.equal(th, theta)
-    with pytest.raises(StateError, match="truncated"):
-        chunks_to_state(a[:-1])
-    with pytest.raises(StateError, match="longer"):
-        chunks_to_state(a + [b"x"])
-    bad = bytearray(a[3])
-    bad[0] ^= 1
-    with pytest.raises(StateError, match="digest"):
-        chunks_to_state(a[:3] + [bytes(bad)] + a[4:])
-    with pytest.raises(StateError, match="magic"):
-        chunks_to_state([b"PK\x03\x04" + a[0][4:]] + a[1:])
-    with pytest.raises(StateError):
-        chunks_to_state([])
-    with pytest.raises(StateError):
-        list(state_to_chunks(theta, mom[:-1], 1000))
 
 
 # --- SyncAdamW (the ddp baseline's step) ---------------------------------------------------

@@ -1,7 +1,6 @@
-"""The committed gRPC stubs are exactly what `make protos` generates from the .proto files."""
+"""The committed protobuf modules are exactly what `make protos` generates from the .proto files."""
 
 from __future__ import annotations
-
 
 import pytest
 
@@ -19,6 +18,9 @@ def test_committed_stubs_are_fresh(tmp_path):
         if not committed.exists() or committed.read_bytes() != g.read_bytes():
             stale.append(g.name)
     assert not stale, f"stale stubs {stale}: run `make protos` and commit"
+    # nothing committed that protoc no longer generates (e.g. the *_pb2_grpc.py service stubs)
+    extra = sorted({p.name for p in WIRE.glob("*_pb2*.py*")} - {g.name for g in generated})
+    assert not extra, f"committed modules that `make protos` does not generate: {extra}"
     # every committed stub has a source
     protos = {p.stem for p in WIRE.glob("*.proto")}
     for p in WIRE.glob("*_pb2*.py"):

@@ -16,7 +16,6 @@ from geomesh_p2p.dht.announce import (
     PeerAnnouncer,
     announce_loop,
     check_compatible,
-    check_swarm,
     live_peers,
     peers_key,
 )
@@ -53,7 +52,7 @@ from geomesh_p2p.dht.records import (
 
 __all__ = [
     "DHT_CHECK_REACHABLE", "DHT_PROTOCOL_VERSION", "ClockSkewError", "Contact", "Reachability", "DHTJoinError", "DHTNode", "DHTStats", "DHTValue", "LookupStats",
-    "IncompatibleSwarmError", "PeerAnnouncer", "announce_loop", "check_compatible", "check_swarm", "live_peers",
+    "IncompatibleSwarmError", "PeerAnnouncer", "announce_loop", "check_compatible", "live_peers",
     "peers_key", "RecordError", "RecordLimits", "VerifiedRecord", "key_id_of", "make_record", "node_id_of",
     "owned_key", "required_owner", "verify_record", "BootstrapState", "SwarmProgress", "progress_key",
     "publish_progress", "swarm_progress",

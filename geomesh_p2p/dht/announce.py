@@ -127,23 +127,8 @@ async def live_peers(node: DHTNode, run_id: Optional[str] = None, *, expected_ve
 
 
 class IncompatibleSwarmError(RuntimeError):
-    """The swarm's peers run another config or version. ``str()`` says, per peer, what differs."""
-
-
-async def check_swarm(node: DHTNode, mine: PeerRecord, run_id: Optional[str] = None) -> List[PeerRecord]:
-    """Raise :class:`IncompatibleSwarmError` when live peers exist and none is compatible with ``mine``
-    (joining would train alone); return the compatible ones otherwise (possibly empty: a new swarm)."""
-    all_peers = await live_peers(node, run_id)
-    others = [p for p in all_peers if p.peer_id != mine.peer_id]
-    ok: list[tuple[PeerRecord, Optional[str]]] = []
-    bad: list[tuple[PeerRecord, Optional[str]]] = []
-    for p in others:
-        diff = check_compatible(mine, p)
-        (bad if diff else ok).append((p, diff))
-    if others and not ok:
-        detail = "; ".join(f"peer {p.peer_id[:10]}…: {d}" for p, d in bad[:5])
-        raise IncompatibleSwarmError(f"no compatible peer in run {run_id or node.run_id!r}: {detail}")
-    return [p for p, _ in ok]
+    """The swarm's live peers all run another config or version (raised at join by
+    ``PeerNode._check_swarm``, which uses :func:`check_compatible`); ``str()`` says what differs."""
 
 
 class PeerAnnouncer:

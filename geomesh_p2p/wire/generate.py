@@ -1,7 +1,10 @@
-"""Regenerate the committed Python stubs from ``geomesh_p2p/wire/*.proto`` (``make protos``).
+"""Regenerate the committed Python protobuf modules from ``geomesh_p2p/wire/*.proto`` (``make protos``).
 
-Stubs are generated with grpcio-tools and committed; ``tests/test_wire.py`` regenerates them into
-a temporary folder and fails when the committed ones are stale.
+The message modules (``*_pb2.py``) and their type stubs (``*_pb2.pyi``) are generated with
+grpcio-tools' protoc and committed; ``tests/test_wire.py`` regenerates them into a temporary folder and
+fails when the committed ones are stale. No gRPC service stubs (``*_pb2_grpc.py``): the transport
+registers and calls its methods by full name (``geomesh_p2p.transport``), the services in
+``envelope.proto`` only document those names.
 """
 
 from __future__ import annotations
@@ -29,7 +32,6 @@ def generate(out_dir: Path = ROOT) -> list[Path]:
         f"-I{ROOT}",
         f"-I{include}",
         f"--python_out={out_dir}",
-        f"--grpc_python_out={out_dir}",
         f"--pyi_out={out_dir}",
         *[str(p.relative_to(ROOT)) for p in protos],
     ]
@@ -41,7 +43,7 @@ def generate(out_dir: Path = ROOT) -> list[Path]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--out", type=Path, default=ROOT, help="root to write geomesh_p2p/wire/*_pb2*.py under")
+    ap.add_argument("--out", type=Path, default=ROOT, help="root to write geomesh_p2p/wire/*_pb2.py(i) under")
     ns = ap.parse_args(argv)
     for p in generate(ns.out):
         print(p)
