@@ -338,7 +338,8 @@ class PeerNode(NodeRoundPolicy):
             run_config_hash=self.config_hash, run_config=self.run_cfg.model_dump(), round=self.round,
             weights_digest=None if self._syncing else self.digest, leaving=self._leaving,
             pow_nonce=self.pow_nonce, standing=self.standing.attestations(exclude=self.me),
-            sync_progress=sync_progress.announced(self))  # while syncing (issue 14 #3)
+            sync_progress=sync_progress.announced(self),  # while syncing (issue 14 #3)
+            timestamp=swarm_time())  # read by other machines (status page: last seen)
 
     async def announce(self) -> None:
         """Store this peer's current record now (the announcer also refreshes it every period)."""

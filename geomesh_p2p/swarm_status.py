@@ -26,7 +26,6 @@ import json
 import logging
 import math
 import statistics
-import time
 import unicodedata
 import weakref
 from collections import Counter
@@ -34,6 +33,7 @@ from typing import Any, Dict, List, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from geomesh_p2p.clock import swarm_time
 from geomesh_p2p.records import PeerRecord
 
 log = logging.getLogger(__name__)
@@ -104,7 +104,7 @@ class RoundSummary(BaseModel):
         loss = _finite(r.train_loss)
         ppl = _finite(r.eval_ppl)
         return cls(
-            round=r.round, time=r.time or time.time(), peers=r.peers, leader=str(r.leader)[:64],
+            round=r.round, time=r.time or swarm_time(), peers=r.peers, leader=str(r.leader)[:64],
             batch=r.batch_size, steps=r.inner_steps_done, steps_planned=r.inner_steps_planned, tokens=r.tokens,
             loss=None if loss is None or not 0 <= loss <= 1e6 else loss,
             eval_ppl=None if ppl is None or not 0 <= ppl <= 1e30 else ppl,
@@ -148,7 +148,7 @@ def publish_round_summary(node, record) -> None:
 
         async def store() -> None:
             try:
-                await dht.store(rounds_key(node.run_cfg.run_id), payload, time.time() + SUMMARY_TTL_S,
+                await dht.store(rounds_key(node.run_cfg.run_id), payload, swarm_time() + SUMMARY_TTL_S,
                                 subkey=node.me, owner=node.identity)
             except Exception as e:  # the status page misses one round at worst
                 log.debug("round summary not stored: %r", e)
@@ -202,7 +202,7 @@ class SwarmWatcher:
         self.last_error: Optional[str] = None
 
     def _empty(self) -> Dict[str, Any]:
-        return {"run_id": self.run_id, "time": time.time(), "updated": None, "round": None, "leader": None,
+        return {"run_id": self.run_id, "time": swarm_time(), "updated": None, "round": None, "leader": None,
                 "plan": None, "digests": None, "peers": [], "ignored": 0, "error": None}
 
     # -------------------------------------------------------------------- reading
@@ -231,7 +231,7 @@ class SwarmWatcher:
         """Read the records now and rebuild both views. Returns the swarm view."""
         from geomesh_p2p.dht import live_peers
 
-        now = time.time()
+        now = swarm_time()
         recs = await live_peers(self.node, self.run_id, include_leaving=True)
         if self.self_id is not None:
             recs = [r for r in recs if r.peer_id != self.self_id]

@@ -29,6 +29,8 @@ from typing import Any, Callable
 
 import torch
 
+from geomesh_p2p.clock import swarm_time
+
 log = logging.getLogger(__name__)
 
 __all__ = ["PRESETS", "ConfigError", "build_model", "model_config", "flat_params",
@@ -473,7 +475,8 @@ class InnerTrainer:
         """Run up to ``inner_steps`` optimizer steps of ``batch_size`` rows each.
 
         Before each step the loop ends early (``stopped_early=True``) when
-        ``should_stop()`` is true, when ``time.time() >= deadline`` (unix seconds), or
+        ``should_stop()`` is true, when ``swarm_time() >= deadline`` (unix seconds, swarm time:
+        :mod:`geomesh_p2p.clock`; a plan's train deadline), or
         when the step would predictably end after the deadline (now + ``batch_size``
         times a running mean of the time per batch row, kept across rounds, emulated
         slow-down included). A step in progress is always
@@ -500,7 +503,7 @@ class InnerTrainer:
                 stopped = True
                 break
             if deadline is not None:
-                now = time.time()
+                now = swarm_time()
                 est = (self._row_time_ema or 0.0) * batch_size
                 if now >= deadline or now + est > deadline:
                     stopped = True

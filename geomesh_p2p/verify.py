@@ -129,6 +129,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 import torch
 
+from geomesh_p2p.clock import swarm_time
 from geomesh_p2p import compression
 from geomesh_p2p.identity import EnvelopeError, Identity, PeerID, Verifier, verify_signature
 from geomesh_p2p.wire import collective_pb2, envelope_pb2
@@ -893,7 +894,7 @@ class WorkVerifier:
         """Store ``ev`` (and the accused's signed contributions it carries) in the DHT."""
         if self.dht is None:
             return False
-        exp = time.time() + self.cfg.evidence_ttl_s
+        exp = swarm_time() + self.cfg.evidence_ttl_s
         try:
             ok = await self.dht.store(evidence_key(self.run_id, ev.round), ev.to_signed(self.identity),
                                       expiration_time=exp, subkey=self.me, owner=self.identity)

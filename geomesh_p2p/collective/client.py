@@ -19,6 +19,7 @@ import grpc
 import torch
 from google.protobuf.message import DecodeError
 
+from geomesh_p2p.clock import swarm_time
 from geomesh_p2p import compression
 from geomesh_p2p.aio import wait_event
 from geomesh_p2p.collective import messages
@@ -225,7 +226,7 @@ class CollectiveService(OwnerService):
         payload = await asyncio.to_thread(self._push_payload, spec, j, delta, tokens, state.compute_end)
         delay = 0.05
         while True:
-            remaining = spec.deadline - time.time()
+            remaining = spec.deadline - swarm_time()
             if remaining <= 0:
                 log.warning("round %d: part %d not delivered to %s before the deadline", spec.round, j,
                             _short(owner.peer_id))
@@ -236,8 +237,8 @@ class CollectiveService(OwnerService):
                                                   timeout=remaining + self.push_grace_s)
                 t_reply = time.monotonic()
             except RpcError as e:
-                if e.code in _RETRY_PUSH and spec.deadline - time.time() > 0:
-                    await asyncio.sleep(min(delay, max(0.0, spec.deadline - time.time())))
+                if e.code in _RETRY_PUSH and spec.deadline - swarm_time() > 0:
+                    await asyncio.sleep(min(delay, max(0.0, spec.deadline - swarm_time())))
                     delay = min(2 * delay, 0.5)
                     continue
                 self._log_once((spec.round, owner.peer_id, "push-failed", j), logging.WARNING,
@@ -263,7 +264,7 @@ class CollectiveService(OwnerService):
         out = None if state.aggregate is None else state.aggregate[owner.start:owner.end]
         if owner.peer_id == self.peer_id:
             part = state.parts[j]
-            left = spec.pull_deadline - time.time()
+            left = spec.pull_deadline - swarm_time()
             if not await wait_event(part.ready, left):
                 log.warning("round %d: my own part %d is not reduced by the pull deadline", spec.round, j)
                 return None
@@ -291,7 +292,7 @@ class CollectiveService(OwnerService):
                    if o.peer_id not in (owner.peer_id, self.peer_id)]
         delay, last_err = 0.05, "no answer"
         while True:
-            remaining = spec.pull_deadline - time.time()
+            remaining = spec.pull_deadline - swarm_time()
             if remaining <= 0:
                 log.warning("round %d: part %d: no result from owner %s by the pull deadline (%s)", spec.round, j,
                             _short(owner.peer_id), last_err)
@@ -312,7 +313,7 @@ class CollectiveService(OwnerService):
                                                 t_call + _held(resp.held_s, t_reply - t_call), t_reply))
                     return resp.signed_result
                 if wait_s < 0.05:
-                    await asyncio.sleep(min(0.05, max(0.0, spec.pull_deadline - time.time())))
+                    await asyncio.sleep(min(0.05, max(0.0, spec.pull_deadline - swarm_time())))
                 continue
             except RpcError as e:
                 last_err = f"{e.code.name}: {e.reason}"
@@ -324,7 +325,7 @@ class CollectiveService(OwnerService):
                 last_err = "malformed reply"
             # The owner is unreachable: maybe another serving peer got the owner's signed result.
             for h in helpers:
-                left = spec.pull_deadline - time.time()
+                left = spec.pull_deadline - swarm_time()
                 if left <= 0:
                     break
                 req = collective_pb2.PullPartRequest(round=spec.round, part=j, wait_s=0.0, spec_id=spec.spec_id)
@@ -338,7 +339,7 @@ class CollectiveService(OwnerService):
                         return resp.signed_result
                 except (RpcError, DecodeError):
                     pass
-            await asyncio.sleep(min(delay, max(0.0, spec.pull_deadline - time.time())))
+            await asyncio.sleep(min(delay, max(0.0, spec.pull_deadline - swarm_time())))
             delay = min(2 * delay, 0.5)
 
     def _read_result(self, spec: CollectiveSpec, j: int, signed: bytes, out: Optional[torch.Tensor] = None

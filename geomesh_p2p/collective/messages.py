@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -22,6 +21,7 @@ import grpc
 import torch
 from google.protobuf.message import DecodeError
 
+from geomesh_p2p.clock import swarm_time
 from geomesh_p2p import compression
 from geomesh_p2p.collective.aggregate import decode_aggregate, encode_aggregate, fp32_to_bytes, fp32_view
 from geomesh_p2p.collective.spec import CollectiveSpec, PartOwner, _pid_bytes, _short
@@ -166,7 +166,7 @@ def check_contribution(verifier: Verifier, spec: CollectiveSpec, part: Optional[
     except compression.CodecError as e:
         raise EnvelopeError(Code.INVALID_ARGUMENT, f"bad packet: {e}") from None
     # A claimed compute end in the future is clamped: it only feeds idle accounting.
-    return part, Contribution(sender, int(c.tokens), packet, signed, min(float(c.compute_end), time.time())
+    return part, Contribution(sender, int(c.tokens), packet, signed, min(float(c.compute_end), swarm_time())
                               if math.isfinite(c.compute_end) else 0.0)
 
 

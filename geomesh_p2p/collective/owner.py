@@ -17,6 +17,7 @@ from typing import Any, Optional
 import grpc
 from google.protobuf.message import DecodeError
 
+from geomesh_p2p.clock import swarm_time
 from geomesh_p2p.aio import wait_event
 from geomesh_p2p.collective import messages
 from geomesh_p2p.collective.messages import Contribution
@@ -257,7 +258,7 @@ class OwnerService:
         return collective_pb2.PushPartResponse(accepted=True, reason="")
 
     async def _close_after_grace(self, state: _RoundState, part: _OwnedPart) -> None:
-        await asyncio.sleep(max(0.0, min(state.spec.grace_s, state.spec.deadline - time.time())))
+        await asyncio.sleep(max(0.0, min(state.spec.grace_s, state.spec.deadline - swarm_time())))
         if self._rounds.get(state.spec.round) is state:
             self._close(state, part, "established pushed")
 
@@ -278,7 +279,7 @@ class OwnerService:
         self._tasks.spawn(self._finish(state, part), name=f"reduce r{state.spec.round} p{part.index}")
 
     async def _close_at_deadline(self, state: _RoundState) -> None:
-        await asyncio.sleep(max(0.0, state.spec.deadline - time.time()))
+        await asyncio.sleep(max(0.0, state.spec.deadline - swarm_time()))
         if self._rounds.get(state.spec.round) is not state:
             return  # pruned meanwhile
         for part in state.parts.values():

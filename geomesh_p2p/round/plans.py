@@ -44,6 +44,7 @@ from typing import Callable, Iterable, Optional, Sequence
 
 from pydantic import ValidationError
 
+from geomesh_p2p.clock import swarm_time
 from geomesh_p2p.planner import RoundPlan
 from geomesh_p2p.round.backoff import Backoff
 from geomesh_p2p.records import PeerRecord
@@ -132,7 +133,7 @@ class PlanStore:
     async def publish(self, plan: RoundPlan) -> bool:
         me = str(self.identity.peer_id)
         return await self.dht.store(plan_key(self.run_id, plan.round), plan.to_bytes(),
-                                    expiration_time=time.time() + self.ttl_s, subkey=me, owner=self.identity)
+                                    expiration_time=swarm_time() + self.ttl_s, subkey=me, owner=self.identity)
 
     async def read(self, round: int, accept: Optional[Callable[[RoundPlan], Optional[str]]] = None) -> list[RoundPlan]:
         """Valid plans for ``round``: parsed, for this run and round, signed by the leader they name,
@@ -152,7 +153,7 @@ class PlanStore:
             if plan.round != round or plan.run_id != self.run_id:
                 log.warning("ignoring plan stored for round %d that says run %s round %d", round, plan.run_id, plan.round)
                 continue
-            if plan.exchange_deadline + self.stale_after_s < time.time():
+            if plan.exchange_deadline + self.stale_after_s < swarm_time():
                 continue  # a finished round of an earlier swarm (e.g. before a restart): not ours to follow
             reason = accept(plan) if accept is not None else None
             if reason is not None:
@@ -221,7 +222,7 @@ restarting when the plans seen change and at each candidate's take-over instant.
         # split the round; this peer follows it, or waits and catches up if it is not in it).
         if my_turn_now and (best is None or (
                 leader_rank(store.run_id, round, me) < leader_rank(store.run_id, round, best.leader)
-                and time.time() < best.created_at)):
+                and swarm_time() < best.created_at)):
             if my_turn > 0 and best is None:
                 log.warning("round %d: no plan from %d better-ranked leader(s) after %.1fs; taking over",
                             round, my_turn, elapsed)
@@ -240,7 +241,7 @@ restarting when the plans seen change and at each candidate's take-over instant.
         if best is not None:
             # Settle only while a better-ranked leader may still publish legitimately: until settle_s past
             # the plan's start (created_at); a peer reading later decides at once.
-            wait = min(settle_s, best.created_at + settle_s - time.time())
+            wait = min(settle_s, best.created_at + settle_s - swarm_time())
             if wait > 0:
                 await asyncio.sleep(wait)  # let a better-ranked plan published meanwhile become visible
                 plans = await store.read(round, accept) or plans

@@ -20,6 +20,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from geomesh_p2p.clock import swarm_time
 from geomesh_p2p import capability, collective, planner, state_sync, swarm_status, verify
 from geomesh_p2p import probation as pb
 from geomesh_p2p.method import MethodRule
@@ -358,7 +359,7 @@ class NodeRoundPolicy:
         evidence = getattr(self, "_supported_tps", None)
         supported = evidence[1] if evidence is not None and evidence[0] == self.round - 1 else None
         return planner.make_plan(members, cfg, run_id=self.run_cfg.run_id, round=self.round, leader=leader, numel=self.numel,
-                         start_time=time.time() + 0.5, start_digest=self.digest, supported_tokens_per_s=supported,
+                         start_time=swarm_time() + 0.5, start_digest=self.digest, supported_tokens_per_s=supported,
                          probation=probation)
 
     def _plan_problem(self, plan, live: dict) -> Optional[str]:
@@ -383,7 +384,7 @@ class NodeRoundPolicy:
             if a.inner_steps > rc.max_inner_steps:
                 return f"{a.inner_steps} inner steps for {a.peer_id[:10]} exceed the run's {rc.max_inner_steps}"
         horizon = 4 * (rc.window_s or 60.0) + 120.0
-        if plan.train_deadline - time.time() > horizon or plan.exchange_deadline - plan.train_deadline > horizon:
+        if plan.train_deadline - swarm_time() > horizon or plan.exchange_deadline - plan.train_deadline > horizon:
             return "its deadlines are unreasonably far in the future"
         # Probation (issue 12): the leader is not a new identity, and those it plans as established are
         # established in this peer's view too (lenient by the rounds this peer did not see).
@@ -401,7 +402,7 @@ class NodeRoundPolicy:
         owning = [pid for pid, _, _ in plan.owners() if pid in barred and pid != self.me]
         if owning:
             return f"it gives a part to {owning[0][:10]}, whose part had no valid result in a recent round"
-        return planner.check_plan(plan, live, self._plan_config(len(plan.assignments)), now=time.time(), barred=barred)
+        return planner.check_plan(plan, live, self._plan_config(len(plan.assignments)), now=swarm_time(), barred=barred)
 
     def _collective_spec(self, plan):
         """The collective's spec for ``plan``. Raises ValueError when the plan cannot be executed."""

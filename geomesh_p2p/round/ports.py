@@ -15,6 +15,7 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 
 import torch
 
+from geomesh_p2p.clock import swarm_time
 from geomesh_p2p.aio import wait_event
 from geomesh_p2p.planner import RoundPlan
 from geomesh_p2p.records import PeerRecord
@@ -27,7 +28,7 @@ class Clock(Protocol):
     """Time source of the driver (an injected fake makes timing tests instant)."""
 
     def time(self) -> float:
-        """Wall-clock seconds (plans' deadlines are wall-clock)."""
+        """Swarm time, unix seconds (plans' deadlines are in it: :mod:`geomesh_p2p.clock`)."""
 
     def monotonic(self) -> float:
         """Monotonic seconds (timeouts)."""
@@ -37,10 +38,11 @@ class Clock(Protocol):
 
 
 class SystemClock:
-    """:class:`Clock` over :mod:`time`."""
+    """:class:`Clock` over :mod:`time`: ``time`` is swarm time (:func:`geomesh_p2p.clock.swarm_time`: this
+    machine's clock plus the offset measured to the bootstraps), ``monotonic`` is local."""
 
     def time(self) -> float:
-        return time.time()
+        return swarm_time()
 
     def monotonic(self) -> float:
         return time.monotonic()
