@@ -565,6 +565,41 @@ def _rss_bytes() -> Optional[int]:
 MemoryProbe = Callable[[Callable[[], None]], "tuple[int, int]"]
 
 
+#: glibc mallopt parameters (malloc.h).
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+#: Allocations from this size (bytes) are mmapped by glibc once :func:`release_freed_memory` configured it,
+#: so a freed tensor of this size or more goes back to the OS at once (a weight, gradient or optimizer slice
+#: of a 100M model is 2-12 MiB: under glibc's dynamic threshold it lands in the heap and stays resident).
+MMAP_THRESHOLD_BYTES = 1 << 20
+
+
+def release_freed_memory(configure: bool = False) -> bool:
+    """Give memory freed by tensors back to the OS (glibc's ``malloc_trim(0)``); True when it could.
+
+    PyTorch's CPU allocator is glibc malloc. glibc raises its mmap threshold (up to 32 MiB) each time
+    an mmapped block is freed, after which blocks below it come from the heap, and a freed heap block
+    stays in the process's RSS: a profile's gradients and AdamW state, or a round's temporaries, then
+    keep ~their size resident for the process's life. ``configure=True`` (once, at start-up, before the
+    model is built) fixes the threshold at :data:`MMAP_THRESHOLD_BYTES` (and the trim threshold at twice
+    it), so every block from that size on is mmapped and unmapped when freed. Other C libraries
+    (musl, macOS): nothing happens, False.
+    """
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name or "libc.so.6")
+        trim, mallopt = libc.malloc_trim, libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    if configure:
+        mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
+        mallopt(_M_TRIM_THRESHOLD, 2 * MMAP_THRESHOLD_BYTES)
+    trim(0)
+    return True
+
+
 def rss_probe(fn: Callable[[], None], interval_s: float = 0.002) -> tuple[int, int]:
     """Run ``fn`` and return ``(RSS before, peak RSS while it ran)`` of this process, bytes.
 
@@ -816,6 +851,57 @@ def profile_training(
 
 # --------------------------------------------------------------------------------------------
 # bandwidth and re-profiling
+
+
+def measure_codec(numel: int = 1 << 20, *, block_size: int = 2048, push_encoding: str = "sign",
+                  rule: str = "mean", weight_cap: Optional[float] = None, min_agreement: Optional[float] = None,
+                  clip_k: Optional[float] = 4.0, contributors: int = 3, repeats: int = 1) -> float:
+    """Seconds per element of one pass of the collective's CPU work on this machine (float, > 0).
+
+    Runs the real code of a relay round on a part of ``numel`` elements with ``contributors``
+    throwaway identities: each encodes and signs its contribution
+    (:func:`geomesh_p2p.collective.messages.contribution_bytes`), the owner checks them
+    (``check_contribution``) and builds its result (``build_result``), a reader verifies and
+    aggregates them under the run's ``rule`` (``read_result``: the robust rules decode and vote on
+    every contribution, ~20x the cost of ``"mean"``). The best of ``repeats`` total times over the
+    ``2 x contributors`` element passes made (encode each, read each). The planner multiplies it by
+    the model's size and the passes of a round (:func:`geomesh_p2p.planner.exchange_cpu_s`).
+    Default size: ~0.1-0.5 s (robust rules) on one CPU thread.
+
+    Raises ValueError for ``numel < 1``, ``contributors < 1`` or ``repeats < 1``.
+    """
+    from geomesh_p2p.collective import messages
+    from geomesh_p2p.collective.spec import CollectiveSpec, PartOwner, _pid_bytes
+    from geomesh_p2p.identity import Identity, Verifier
+
+    if numel < 1 or repeats < 1 or contributors < 1:
+        raise ValueError(f"numel={numel}, contributors={contributors} and repeats={repeats} must be >= 1")
+    idents = [Identity.generate() for _ in range(contributors)]
+    pids = [str(i.peer_id) for i in idents]
+    now = time.time()
+    spec = CollectiveSpec(run_id="codec-probe", round=0, participants={p: 1 for p in pids}, numel=numel,
+                          deadline=now + 600, pull_deadline=now + 600,
+                          owners=[PartOwner(peer_id=pids[0], address="127.0.0.1:1", start=0, end=numel)],
+                          mode="relay", push_encoding=push_encoding, block_size=block_size, rule=rule,
+                          weight_cap=weight_cap, min_agreement=min_agreement, clip_k=clip_k)
+    verifier = Verifier("codec-probe")
+    gen = torch.Generator().manual_seed(0)
+    base = torch.randn(numel, generator=gen)
+    # Correlated contributions, as honest pseudo-gradients of one round are (the agreement filter keeps them).
+    deltas = [(base + 0.5 * torch.randn(numel, generator=gen)) * 1e-3 for _ in range(contributors)]
+    out = torch.empty(numel, dtype=torch.float32)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        checked = []
+        for ident, pid, d in zip(idents, pids, deltas):
+            signed = messages.contribution_bytes(ident, spec, 0, d, 1)
+            checked.append(messages.check_contribution(verifier, spec, None, signed, pid)[1])
+        checked.sort(key=lambda c: _pid_bytes(c.sender))
+        res = messages.build_result(idents[0], spec, 0, spec.owners[0], "all pushed", checked)
+        messages.read_result(verifier, spec, 0, res, out=out)
+        best = min(best, time.perf_counter() - t0)
+    return max(best, 1e-6) / (2 * contributors * numel)
 
 
 def measure_bandwidth(transfers: Iterable[tuple[int, float]], latency_s: float = 0.0) -> float:

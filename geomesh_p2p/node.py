@@ -20,7 +20,6 @@ Lifecycle (DESIGN.md, all of it):
 from __future__ import annotations
 
 import asyncio
-import copy
 import json
 import logging
 import os
@@ -35,7 +34,8 @@ import geomesh_p2p
 from geomesh_p2p import swarm_status  # noqa: F401  (kept importable from here: tests patch it)
 from geomesh_p2p.aio import wait_event
 from geomesh_p2p.admission import Admission, load_or_solve_pow, pow_cache_path
-from geomesh_p2p.capability import ThroughputEMA, detect_device, find_max_batch, measure_throughput
+from geomesh_p2p.capability import (ThroughputEMA, detect_device, measure_codec, profile_training,
+                                    release_freed_memory)
 from geomesh_p2p.collective import CollectiveService
 from geomesh_p2p.config import NodeConfig, RunConfig
 from geomesh_p2p.data import load_dataset
@@ -59,7 +59,8 @@ from geomesh_p2p.standing import OnceLog, Standing
 from geomesh_p2p import sync_progress
 from geomesh_p2p import state as gstate  # module-qualified: tests replace gstate.save_checkpoint
 from geomesh_p2p.state_sync import StateServer
-from geomesh_p2p.training import DEFAULT_INNER, InnerTrainer, build_model, flat_params, load_flat_, lr_at
+from geomesh_p2p.training import (DEFAULT_INNER, InnerTrainer, build_model, flat_params, load_flat_, lr_at, num_params,
+                                  pseudo_gradient)
 from geomesh_p2p.transport import COLLECTIVE_PULL, COLLECTIVE_PUSH, DHT_PING, Transport, TransportConfig
 from geomesh_p2p.wire import dht_pb2
 
@@ -237,13 +238,23 @@ class PeerNode(NodeRoundPolicy):
         # Off the event loop: tokenizing and profiling take seconds, and the DHT must keep answering.
         await asyncio.to_thread(self._build_training)
         self._init_ema(probed)
-        self.round_log = RoundLog(c.log_json, c.metrics_port)
+        self.round_log = RoundLog(c.log_json, c.metrics_port, metrics_host=c.metrics_host)
         self.looplag = LoopLagMonitor()  # worst event-loop stall per round, in each row (loop_stall_ms)
         self.looplag.start()
 
     def _build_training(self) -> None:
+        """Data, model, start-up profile, inner trainer, outer optimizer and the global state buffer
+        (worker thread). The profile (:func:`capability.profile_training`) runs on the model itself
+        (weights restored bit-identical, no copy) before anything else of the model's size is
+        allocated, so its measured peaks are the process's and ``--memory-budget-gb`` binds the batch.
 
+        Raises:
+            UserFacingError: the memory budget (``--memory-budget-gb``, else the memory available) cannot
+                hold training this model (the profile's one-line reason).
+        """
         r, c = self.run_cfg, self.cfg
+        # Freed tensors go back to the OS at once (profile leftovers, per-round buffers): capability.py.
+        release_freed_memory(configure=True)
         self.dataset = load_dataset(c.data_path, seq_len=r.seq_len, vocab_size=r.vocab_size)
         self.device_info = detect_device(c.device, c.memory_budget_bytes)
         device = "cuda" if self.device_info.kind == "cuda" and c.device == "auto" else (
@@ -251,16 +262,36 @@ class PeerNode(NodeRoundPolicy):
         self.device = torch.device(device)
         self.model = build_model(r.model if not c.model_config_file else None, config_file=c.model_config_file,
                                  vocab_size=self.dataset.vocab_size, seed=r.seed).to(self.device)
-        self.numel = flat_params(self.model).numel()
-        # No legitimate push exceeds one fp32 copy of the vector (the fp32 baselines' largest part) plus
-        # framing: a larger one is refused from its length prefix, before it is read (issue 12).
-
-        self.transport.set_payload_limit(COLLECTIVE_PUSH, min(self.transport.config.max_message_bytes,
-                                                              4 * self.numel + PUSH_FRAMING_BYTES))
-        self.transport.set_payload_limit(COLLECTIVE_PULL, PULL_REQUEST_BYTES)
+        self.numel = num_params(self.model)
         # Outer optimizer state: Nesterov's momentum [P], or the ddp baseline's AdamW moments [2P].
         rule = self.method_rule
         self.state_numel = self.numel * rule.outer_state_slots
+        # Profile first: the inner optimizer and the global state are not allocated yet, so the profile's
+        # static estimate (gradients + AdamW state + global weights and outer state) is what the node adds.
+        try:
+            prof = profile_training(self.model, r.seq_len, self.device, self.device_info.memory_bytes,
+                                    vocab_size=self.dataset.vocab_size, batch_sizes=c.profile_batches,
+                                    speed_factor=c.speed_factor, amp=c.amp, limit=256,
+                                    extra_bytes=(4 * (1 + rule.outer_state_slots) * self.numel
+                                                 if self.device.type == "cpu" else 0), logger=log)
+        except ValueError as e:  # the budget (stated or the memory available) cannot hold this model
+            raise UserFacingError(f"cannot train {r.model} here: {e}") from None
+        self.profiled_tps, self.max_batch = prof.tokens_per_s, prof.max_batch
+        release_freed_memory()
+        # The exchange's CPU cost per element (encode, sign, verify, aggregate): the exchange window of this
+        # peer's plans grows with the model by it (planner.exchange_cpu_s); each exchange then refines it.
+        self.codec_s_per_element = measure_codec(block_size=r.block_size, push_encoding=rule.push_encoding,
+                                                 rule=rule.rule, weight_cap=r.weight_cap,
+                                                 min_agreement=r.min_agreement, clip_k=r.clip_k)
+        log.info("device %s: %s tokens/s per batch, max batch %d (%.1fs to measure, peak %.2f GiB, budget %.2f GiB); "
+                 "exchange CPU %.1f ns per element pass", self.device_info.name,
+                 {b: round(t) for b, t in self.profiled_tps.items()}, self.max_batch, prof.seconds,
+                 max(prof.peak_bytes.values()) / 2**30, prof.memory_bytes / 2**30, self.codec_s_per_element * 1e9)
+        # No legitimate push exceeds one fp32 copy of the vector (the fp32 baselines' largest part) plus
+        # framing: a larger one is refused from its length prefix, before it is read (issue 12).
+        self.transport.set_payload_limit(COLLECTIVE_PUSH, min(self.transport.config.max_message_bytes,
+                                                              4 * self.numel + PUSH_FRAMING_BYTES))
+        self.transport.set_payload_limit(COLLECTIVE_PULL, PULL_REQUEST_BYTES)
         self.trainer = InnerTrainer(
             self.model, self.dataset, device=self.device, seq_len=r.seq_len, optimizer=r.inner_optimizer,
             lr=r.inner_lr, weight_decay=0.1, warmup_steps=r.warmup_steps, total_steps=r.total_inner_steps,
@@ -279,18 +310,6 @@ class PeerNode(NodeRoundPolicy):
         self.theta = self.gstate.theta
         self.outer.buf = self.gstate.opt_state
         self.state_server.serve(self.gstate)  # served by byte range from the buffer itself (no snapshot copies)
-        t0 = time.time()
-        # Profile on a throwaway copy so the real model's weights and optimizer stay untouched.
-        probe = copy.deepcopy(self.model)
-        self.profiled_tps = measure_throughput(probe, seq_len=r.seq_len, batch_sizes=c.profile_batches,
-                                          device=self.device, vocab_size=self.dataset.vocab_size, steps=2,
-                                          warmup=1, speed_factor=c.speed_factor, amp=c.amp)
-        self.max_batch = find_max_batch(probe, seq_len=r.seq_len, device=self.device,
-                                        memory_bytes=self.device_info.memory_bytes, limit=256,
-                                        vocab_size=self.dataset.vocab_size)
-        del probe
-        log.info("device %s: %s tokens/s per batch, max batch %d (%.1fs to measure)", self.device_info.name,
-                 {b: round(t) for b, t in self.profiled_tps.items()}, self.max_batch, time.time() - t0)
 
     async def _probe_links(self):
         """Measure this peer's link against the first bootstrap that answers (links.probe_link);
@@ -442,7 +461,9 @@ class PeerNode(NodeRoundPolicy):
                 return
             log.info("--resume: no checkpoint in %s, starting fresh", self.cfg.checkpoint_dir)
         # Fresh peer: join the swarm's state if it already trained, else the seed's.
-        await asyncio.to_thread(self._set_state, 0, flat_params(self.model), torch.zeros(self.state_numel))
+        # The seed weights are written into the state buffer itself, in the worker thread (not on the loop).
+        await asyncio.to_thread(lambda: self._set_state(0, flat_params(self.model, out=self.gstate.theta),
+                                                        self.gstate.opt_state.zero_()))
         recs = [r for r in await self.peers() if r.peer_id != self.me]
         if any(r.round > 0 and r.weights_digest for r in recs):
             await self._catch_up()
@@ -601,7 +622,7 @@ class PeerNode(NodeRoundPolicy):
 
     def pseudo_gradient(self) -> torch.Tensor:
         """Global weights minus the model's after the inner steps: [P] fp32 (worker thread)."""
-        return self.theta - flat_params(self.model)
+        return pseudo_gradient(self.model, self.theta)  # one [P], no flattened copy of the model
 
     @property
     def state_lock(self):

@@ -33,7 +33,7 @@ from geomesh_p2p.clock import swarm_time
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PRESETS", "ConfigError", "build_model", "model_config", "flat_params",
+__all__ = ["PRESETS", "ConfigError", "build_model", "model_config", "flat_params", "pseudo_gradient",
            "load_flat_", "num_params", "count_params", "InnerResult", "InnerTrainer", "lr_at", "swarm_lr_at",
            "DEFAULT_INNER", "perplexity"]
 
@@ -212,18 +212,55 @@ def num_params(model) -> int:
     return sum(p.numel() for _, p in model.named_parameters())
 
 
-def flat_params(model) -> torch.Tensor:
+def flat_params(model, out: torch.Tensor | None = None) -> torch.Tensor:
     """All trainable parameters as one new fp32 CPU tensor ``[P]``.
 
     Order: ``model.named_parameters()`` order, each tensor flattened row-major.
     ``named_parameters`` yields a shared tensor once, so tied weights (GPT-2's
     ``lm_head.weight`` is ``transformer.wte.weight``) appear once, under the first name.
     Buffers (e.g. rotary caches) are not included. Always a copy.
+
+    ``out``: an fp32 CPU tensor of ``P`` elements to write into (returned), parameter by parameter:
+    no second ``[P]`` temporary (``torch.cat`` of per-parameter copies). Raises ``ValueError`` on a
+    size mismatch.
     """
+    if out is not None:
+        flat = out.view(-1)
+        if flat.numel() != num_params(model):
+            raise ValueError(f"out has {flat.numel()} elements, the model has {num_params(model)}")
+        off = 0
+        with torch.no_grad():
+            for _, p in model.named_parameters():
+                n = p.numel()
+                flat[off:off + n].copy_(p.detach().reshape(-1))
+                off += n
+        return out
     with torch.no_grad():
         parts = [p.detach().reshape(-1).to(device="cpu", dtype=torch.float32)
                  for _, p in model.named_parameters()]
         return torch.cat(parts) if parts else torch.empty(0, dtype=torch.float32)
+
+
+def pseudo_gradient(model, theta: torch.Tensor) -> torch.Tensor:
+    """``theta - flat_params(model)``: the pseudo-gradient of a round's inner steps, fp32 CPU ``[P]``.
+
+    Computed parameter by parameter into the one result tensor, so the peak is one ``[P]`` (the
+    result) instead of two (the flattened copy and the difference). Bitwise equal to
+    ``theta - flat_params(model)``. ``theta``: fp32 CPU ``[P]`` (layout of :func:`flat_params`).
+    Raises ``ValueError`` on a size mismatch.
+    """
+    theta = theta.reshape(-1)
+    total = num_params(model)
+    if theta.numel() != total:
+        raise ValueError(f"theta has {theta.numel()} elements, the model has {total}")
+    out = torch.empty(total, dtype=torch.float32)
+    off = 0
+    with torch.no_grad():
+        for _, p in model.named_parameters():
+            n = p.numel()
+            torch.sub(theta[off:off + n], p.detach().reshape(-1).to("cpu", torch.float32), out=out[off:off + n])
+            off += n
+    return out
 
 
 def load_flat_(model, flat: torch.Tensor) -> None:

@@ -1,0 +1,118 @@
+"""Issue 13 at real size, the pieces that need no processes: the pseudo-gradient without a flattened copy,
+the exchange window that grows with the model (CPU cost per element pass), the codec calibration and the
+glibc release of freed memory."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from geomesh_p2p import capability, planner
+from geomesh_p2p.round.policy import EXCHANGE_COST_STEP, NodeRoundPolicy
+from geomesh_p2p.training import build_model, flat_params, pseudo_gradient
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _trained_tiny():
+    model = build_model("tiny", vocab_size=64, seed=3)
+    theta = flat_params(model)
+    with torch.no_grad():
+        for i, p in enumerate(model.parameters()):
+            p.add_(torch.full_like(p, 0.001 * (i + 1)))
+    return model, theta
+
+
+def test_pseudo_gradient_is_bitwise_theta_minus_flat_params():
+    model, theta = _trained_tiny()
+    d = pseudo_gradient(model, theta)
+    ref = theta - flat_params(model)
+    assert d.dtype == torch.float32 and d.shape == ref.shape
+    assert torch.equal(d, ref)
+    assert d.abs().sum() > 0
+
+
+def test_pseudo_gradient_and_flat_params_refuse_a_wrong_size():
+    model, theta = _trained_tiny()
+    with pytest.raises(ValueError, match="elements"):
+        pseudo_gradient(model, theta[:-1])
+    with pytest.raises(ValueError, match="elements"):
+        flat_params(model, out=torch.empty(theta.numel() + 1))
+
+
+def test_flat_params_into_a_buffer_is_the_same_bytes_and_that_buffer():
+    model, _ = _trained_tiny()
+    buf = torch.full((flat_params(model).numel(),), float("nan"))
+    got = flat_params(model, out=buf)
+    assert got is buf
+    assert torch.equal(buf, flat_params(model))
+
+
+def test_exchange_passes_and_cpu_seconds():
+    assert planner.exchange_passes(3, "relay") == 5
+    assert planner.exchange_passes(3, "reencode") == 3
+    assert planner.exchange_passes(1, "relay") == 3
+    # gpt2-124m, 3 peers, relay, 4 ns per element pass: 88,988,160 x 4e-9 x 5
+    assert planner.exchange_cpu_s(88_988_160, 3, "relay", 4e-9) == pytest.approx(1.7797632, rel=1e-12)
+    with pytest.raises(ValueError):
+        planner.exchange_passes(0, "relay")
+    with pytest.raises(ValueError):
+        planner.exchange_passes(2, "butterfly")
+    with pytest.raises(ValueError):
+        planner.exchange_cpu_s(10, 2, "relay", -1.0)
+
+
+def test_exchange_timeout_floor_and_safety():
+    assert planner.exchange_timeout(0.5, 1.5, 12.0) == 12.0  # 3 x 2 s is under the floor
+    assert planner.exchange_timeout(1.0, 4.0, 12.0) == 15.0  # 3 x 5 s
+    assert planner.exchange_timeout(1.0, 4.0, 12.0, safety=2.0) == 12.0
+    with pytest.raises(ValueError):
+        planner.exchange_timeout(-1.0, 0.0, 1.0)
+
+
+def _policy_node(cost, numel=150_000_000, n_mode="relay"):
+    node = NodeRoundPolicy.__new__(NodeRoundPolicy)
+    node.numel = numel
+    node.cfg = types.SimpleNamespace(plan_timeout_s=4.0)
+    node.run_cfg = types.SimpleNamespace(mode=n_mode)
+    node.ema = types.SimpleNamespace(upload_bps=1e8, download_bps=1e8)
+    node.codec_s_per_element = cost
+    return node
+
+
+def test_exchange_window_grows_with_the_model_and_the_measured_cost():
+    # llama-150m-sized vector, 3 peers, relay, 10 ns per pass: 3 x (2 x 1e8 B / 1e8 B/s + 1.5e8 x 1e-8 x 5)
+    node = _policy_node(1e-8)
+    assert node._exchange_window(3, 100_000_000) == pytest.approx(3 * (2.0 + 7.5))
+    assert _policy_node(1e-8, numel=1_000)._exchange_window(3, 1_000) == 12.0  # tiny model: the floor
+    assert _policy_node(None)._exchange_window(3, 100_000_000) == 12.0  # not calibrated: the floor
+
+
+def test_exchange_cost_ema_first_sample_replaces_then_bounded_steps(monkeypatch):
+    now = [1000.0]
+    monkeypatch.setattr("geomesh_p2p.round.policy.swarm_time", lambda: now[0])
+    node = _policy_node(1e-9, numel=1_000_000)
+    spec = types.SimpleNamespace(round=0, participants={"a": 1, "b": 1, "c": 1}, mode="relay")
+    link = types.SimpleNamespace(seconds=0.5)
+    # 10 s call, the last contributor finished 2 s into it, 0.5 + 0.5 s on the network: 7 s of CPU over
+    # 1e6 elements x 5 passes = 1.4 us per pass, clamped to 4 x the 1 ns calibration.
+    ar = types.SimpleNamespace(wall_s=10.0, last_compute_end=now[0] - 8.0, upload=link, download=link)
+    node._update_exchange_cost(spec, ar)
+    assert node.codec_s_per_element == pytest.approx(1e-9 * EXCHANGE_COST_STEP)
+    # then an EMA (alpha 0.5) of a sample within the step: 0.02 s of CPU -> 4 ns per pass
+    ar2 = types.SimpleNamespace(wall_s=0.02, last_compute_end=0.0, upload=None, download=None)
+    node._update_exchange_cost(spec, ar2)
+    assert node.codec_s_per_element == pytest.approx(0.5 * 4e-9 + 0.5 * 4e-9)
+
+
+def test_measure_codec_is_a_positive_cost_per_element():
+    c = capability.measure_codec(1 << 14, repeats=1)
+    assert 0 < c < 1e-3
+    with pytest.raises(ValueError):
+        capability.measure_codec(0)
+
+
+def test_release_freed_memory_reports_whether_glibc_answered():
+    assert isinstance(capability.release_freed_memory(), bool)
