@@ -461,6 +461,59 @@ def comm_time(record: PeerRecord, cfg: PlanConfig) -> float:
     return 2 * cfg.latency_s + cfg.payload_bytes / record.upload_bps + cfg.payload_bytes / record.download_bps
 
 
+#: Element passes of a round's collective on one peer besides the reading of the results: encoding and
+#: signing its whole vector (1), and, as an owner, checking its part's contributions (about 1: n
+#: contributions of 1/n of the vector).
+EXCHANGE_BASE_PASSES = 2
+#: The exchange window is this many times the predicted exchange (network + CPU): a peer shares its
+#: cores with its own serving, with the other peers' pushes and pulls, and the prediction is a mean.
+EXCHANGE_SAFETY = 3.0
+
+
+def exchange_passes(n_participants: int, mode: str) -> int:
+    """Whole-vector element passes of one peer's side of a round's collective (a count, >= 3).
+
+    Encoding + signing its vector and checking the contributions of the part it owns
+    (:data:`EXCHANGE_BASE_PASSES`), then reading the results: ``"relay"`` re-verifies and aggregates
+    every participant's contribution to every part (``n_participants`` passes), ``"reencode"``
+    decodes one aggregate (1 pass). Raises ValueError for another mode or ``n_participants < 1``.
+    """
+    if n_participants < 1:
+        raise ValueError(f"n_participants={n_participants} must be >= 1")
+    if mode == "relay":
+        return EXCHANGE_BASE_PASSES + int(n_participants)
+    if mode == "reencode":
+        return EXCHANGE_BASE_PASSES + 1
+    raise ValueError(f"unknown mode {mode!r} (relay, reencode)")
+
+
+def exchange_cpu_s(numel: int, n_participants: int, mode: str, seconds_per_element: float) -> float:
+    """Predicted CPU seconds of one peer's side of a round's collective besides the network:
+    ``numel * seconds_per_element * exchange_passes(n_participants, mode)``.
+
+    ``seconds_per_element``: the peer's measured cost of one element pass (encode + sign, or verify +
+    aggregate; :func:`geomesh_p2p.capability.measure_codec`, then the EMA of its own exchanges). It grows
+    linearly with the model: ~0.9 s for gpt2-124m in relay mode with 3 peers at 3.4 ns per element pass.
+    Raises ValueError on a negative size or cost.
+    """
+    if numel < 0 or not seconds_per_element >= 0:
+        raise ValueError(f"numel={numel} and seconds_per_element={seconds_per_element} must be >= 0")
+    return float(numel) * float(seconds_per_element) * exchange_passes(n_participants, mode)
+
+
+def exchange_timeout(comm_s: float, cpu_s: float, floor_s: float, safety: float = EXCHANGE_SAFETY) -> float:
+    """Seconds from the train deadline to the exchange deadline: ``max(floor_s, safety * (comm_s + cpu_s))``.
+
+    ``comm_s``: the slowest participant's predicted network time (:func:`comm_time`); ``cpu_s``:
+    :func:`exchange_cpu_s`. The collective's pushes must arrive within the first three quarters
+    (``PeerNode._collective_spec``), so the CPU time that grows with the model is in the window,
+    not only the bytes. Raises ValueError on negative inputs.
+    """
+    if comm_s < 0 or cpu_s < 0 or floor_s < 0 or safety <= 0:
+        raise ValueError(f"comm_s={comm_s}, cpu_s={cpu_s}, floor_s={floor_s} must be >= 0, safety={safety} > 0")
+    return max(float(floor_s), float(safety) * (float(comm_s) + float(cpu_s)))
+
+
 def accum_steps_for(micro_batch: int, target_batch: int) -> int:
     """Gradient-accumulation steps of a micro-batch: ``max(1, ceil(target_batch / micro_batch))``."""
     return max(1, -(-target_batch // micro_batch))

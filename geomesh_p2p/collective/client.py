@@ -141,6 +141,9 @@ class CollectiveService(OwnerService):
         state.compute_end = t0 if compute_end is None else float(compute_end)
         s_before = self._collective_bytes()
 
+        # Zero-filled in a worker thread, before any task starts: at 100M+ elements the fill and its page
+        # faults stalled the loop ~1 s.
+        zeros = await asyncio.to_thread(torch.zeros, spec.numel, dtype=torch.float32)
         # Butterfly order: start with the part after "mine" so that not every sender hits owner 0
         # first; at most max_concurrent_pushes uploads at once, so each upload gets the link to
         # itself and arrives soon after it was signed (the receiver checks the envelope's age).
@@ -151,7 +154,7 @@ class CollectiveService(OwnerService):
         by_part = {j: asyncio.ensure_future(self._deliver(state, j, delta, int(tokens), uploads)) for j in order}
         pushes = [by_part[j] for j in range(n_parts)]
         # The round's one full-size buffer: every part's result is written into its slice.
-        aggregate = state.aggregate = torch.zeros(spec.numel, dtype=torch.float32)
+        aggregate = state.aggregate = zeros
         pulls = [asyncio.ensure_future(self._obtain(state, j)) for j in range(n_parts)]
         try:
             outcomes = await asyncio.gather(*pulls)

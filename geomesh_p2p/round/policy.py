@@ -38,6 +38,8 @@ __all__ = ["NodeRoundPolicy", "OWNER_PENALTY_ROUNDS", "outer_step_per_part"]
 #: result every reader refused, e.g. below the quorum). All honest peers saw the same missing part, so
 #: honest leaders agree; the peer still contributes, it only stops deciding a range.
 OWNER_PENALTY_ROUNDS = 5
+#: The measured cost per element pass of the exchange moves at most this factor per round (either way).
+EXCHANGE_COST_STEP = 4.0
 
 
 def outer_step_per_part(outer, theta: torch.Tensor, aggregate: torch.Tensor, ranges: Sequence[tuple[int, int]],
@@ -130,10 +132,14 @@ class NodeRoundPolicy:
     def after_exchange(self, spec, plan, ar) -> None:
         self._note_failed_owners(spec, ar)
         self._note_no_shows(plan, ar)
+        self._update_exchange_cost(spec, ar)
 
     async def before_outer_step(self, r, plan, assignment, ar) -> None:
         """Verified work keeps round ``r``'s start weights: copied in a worker thread (a whole-model copy)."""
         theta0 = await asyncio.to_thread(self.theta.clone) if getattr(ar, "contributions", None) else None
+        if theta0 is not None and getattr(self, "_work_verifier", None) is None:
+            # Its private copy of the model (a whole-model deepcopy) is made in a worker thread, not on the loop.
+            self._work_verifier = await asyncio.to_thread(verify.WorkVerifier.for_node, self)
         self._verify_round(r, plan, assignment, ar, theta0=theta0)
 
     def after_outer_step(self, r, plan, assignment, result, ar) -> None:
@@ -254,11 +260,51 @@ class NodeRoundPolicy:
 
     def _plan_config(self, n_peers: int):
         r, rule = self.run_cfg, self.method_rule
+        payload = rule.payload_bytes(self.numel, n_peers)
         return PlanConfig(seq_len=r.seq_len, target_batch=r.target_batch, window_s=r.window_s,
                           part_align=rule.part_align, comm_share=r.comm_share,
-                          payload_bytes=rule.payload_bytes(self.numel, n_peers), mode=r.mode, method=r.method,
+                          payload_bytes=payload, mode=r.mode, method=r.method,
                           uniform_inner_steps=r.uniform_inner_steps, max_inner_steps=r.max_inner_steps,
-                          exchange_timeout_s=max(5.0, 3 * self.cfg.plan_timeout_s))
+                          exchange_timeout_s=self._exchange_window(n_peers, payload))
+
+    def _exchange_window(self, n_peers: int, payload_bytes: int) -> float:
+        """Seconds from a plan's train deadline to its exchange deadline (this peer's plans; followers check
+        only that it is not unreasonably far): :func:`planner.exchange_timeout` of this peer's predicted
+        exchange, network (its link EMAs) plus CPU (:func:`planner.exchange_cpu_s` at its measured cost per
+        element pass, :meth:`_update_exchange_cost`), at least ``max(5, 3 x --plan-timeout-s)``. The CPU
+        part grows with the model (encoding, signing, verifying and aggregating every element)."""
+        floor = max(5.0, 3 * self.cfg.plan_timeout_s)
+        cost = getattr(self, "codec_s_per_element", None)
+        if not cost or not getattr(self, "numel", 0):
+            return floor
+        ema = getattr(self, "ema", None)
+        up = (getattr(ema, "upload_bps", None) or 0) or 1e8
+        down = (getattr(ema, "download_bps", None) or 0) or 1e8
+        comm = payload_bytes / up + payload_bytes / down
+        cpu = planner.exchange_cpu_s(self.numel, max(1, n_peers), self.run_cfg.mode, cost)
+        return planner.exchange_timeout(comm, cpu, floor)
+
+    def _update_exchange_cost(self, spec, ar) -> None:
+        """Fold this round's exchange into ``codec_s_per_element`` (seconds per element pass), as the link
+        EMAs fold its transfers: the call's wall time less the wait for the last contributor to finish
+        computing and less the network busy time, over the round's element passes. The first sample
+        replaces the start-up calibration (taken alone); later ones move the figure by an EMA (alpha 0.5),
+        at most ``EXCHANGE_COST_STEP`` x either way per round. Skipped for a call without a wall time."""
+        cur = getattr(self, "codec_s_per_element", None)
+        wall = float(getattr(ar, "wall_s", 0.0) or 0.0)
+        if not cur or wall <= 0 or not self.numel:
+            return
+        t0 = swarm_time() - wall  # last_compute_end is swarm time
+        wait = max(0.0, min(wall, float(ar.last_compute_end or 0.0) - t0))
+        net = sum(x.seconds for x in (ar.upload, ar.download) if x is not None)
+        cpu = max(0.0, wall - wait - net)
+        sample = cpu / (self.numel * planner.exchange_passes(max(1, len(spec.participants)), spec.mode))
+        first = not getattr(self, "_exchange_cost_measured", False)
+        self._exchange_cost_measured = True
+        sample = min(max(sample, cur / EXCHANGE_COST_STEP), cur * EXCHANGE_COST_STEP)
+        self.codec_s_per_element = sample if first else 0.5 * cur + 0.5 * sample
+        log.debug("round %d: exchange %.2fs (%.2fs waiting, %.2fs network): %.2f ns per element pass, EMA %.2f ns",
+                  spec.round, wall, wait, net, sample * 1e9, self.codec_s_per_element * 1e9)
 
     def _note_failed_owners(self, spec, ar) -> None:
         """Owners of parts with no valid result this round own no part for ``OWNER_PENALTY_ROUNDS`` rounds."""
