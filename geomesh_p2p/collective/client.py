@@ -186,6 +186,13 @@ class CollectiveService(OwnerService):
                                s_after[1] - s_before[1], time.time() - t0, last_compute_end, up, down, packets,
                                [(o.start, o.end) for o in spec.owners])
 
+    def _read_slot(self) -> asyncio.Semaphore:
+        """The semaphore that serialises this node's part reads (created on first use, in the loop)."""
+        sem = getattr(self, "_reads", None)
+        if sem is None:
+            sem = self._reads = asyncio.Semaphore(1)
+        return sem
+
     def _collective_bytes(self) -> tuple[int, int]:
         by = self.transport.stats.by_method
         a, b = by.get(COLLECTIVE_PUSH, (0, 0)), by.get(COLLECTIVE_PULL, (0, 0))
@@ -277,7 +284,11 @@ class CollectiveService(OwnerService):
             if signed is None:
                 return None
         try:
-            res = await asyncio.to_thread(self._read_result, spec, j, signed, out)
+            # One part read at a time: a robust rule decodes every contribution of the part to fp32 (about
+            # (contributors + 5) x the part's bytes while it runs); reading the parts concurrently held that
+            # for every part at once (~3 GB at gpt2-124m) for no gain on a CPU the peers already saturate.
+            async with self._read_slot():
+                res = await asyncio.to_thread(self._read_result, spec, j, signed, out)
         except EnvelopeError as err:
             # A hostile or broken owner, not a fault of this node: every reader refuses the same bytes.
             log.warning("round %d: result of part %d from %s refused: %s: %s", spec.round, j, _short(owner.peer_id),
