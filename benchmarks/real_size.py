@@ -42,6 +42,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
 GIB = 2**30
@@ -288,9 +289,11 @@ def run_one(model: str, method: str, args, workdir: Path, procs: Procs, results:
     download_s = None
     interrupted = False
     hwm_profiled: dict[str, int] = {}
+    loads: list[float] = []  # 1-minute load average, sampled while waiting (the machine may be shared)
     try:
         def rounds_done() -> bool:
             nonlocal last
+            loads.append(os.getloadavg()[0])
             counts = [len(read_rows(d / f"peer{i}.jsonl")) for i in range(args.peers)]
             for p in peers:  # peak RSS once the start-up profile is done: what start-up alone costs
                 if p.name not in hwm_profiled and _PROFILED.search(p.text()):
@@ -334,7 +337,7 @@ def run_one(model: str, method: str, args, workdir: Path, procs: Procs, results:
     finally:
         procs.stop([*names, *([joiner.name] if joiner else []), boot.name], grace_s=args.grace_s)
     res = summarise(tag, model, method, facts, d, peers, joiner, download_s, status, time.time() - t0, args,
-                    hwm_profiled)
+                    hwm_profiled, loads)
     results.append(res)
     if interrupted:
         raise KeyboardInterrupt
@@ -342,7 +345,7 @@ def run_one(model: str, method: str, args, workdir: Path, procs: Procs, results:
 
 
 def summarise(tag, model, method, facts, d: Path, peers: list[Proc], joiner, download_s, status, wall_s,
-              args, hwm_profiled: dict) -> dict:
+              args, hwm_profiled: dict, loads: Sequence[float] = ()) -> dict:
     min_bytes = facts["min_bytes"][method]["total"]
     rows = {i: [r for r in read_rows(d / f"peer{i}.jsonl")] for i in range(len(peers))}
     by_round: dict[int, dict[int, dict]] = {}
@@ -350,19 +353,26 @@ def summarise(tag, model, method, facts, d: Path, peers: list[Proc], joiner, dow
         for r in rs:
             by_round.setdefault(int(r["round"]), {})[i] = r
     rounds = []
+    prev_digest = None
     for rnd in sorted(by_round)[: args.rounds]:
         rr = by_round[rnd]
         stalls = [r.get("loop_stall_ms") for r in rr.values() if r.get("loop_stall_ms") is not None]
         over = [r["round_s"] - r["compute_s"] for r in rr.values()]
         over_ns = [r["round_s"] - r["compute_s"] - r.get("straggler_idle_s", 0.0) for r in rr.values()]
         digests = {r.get("digest") for r in rr.values()}
+        # a round that aggregated an update moves the state: its digest differs from the previous round's
+        changed = None if prev_digest is None or len(digests) != 1 else next(iter(digests)) != prev_digest
+        prev_digest = next(iter(digests)) if len(digests) == 1 else None
         rounds.append({"round": rnd, "peers_logged": len(rr),
                        "compute_s": [round(r["compute_s"], 2) for r in rr.values()],
                        "round_s": [round(r["round_s"], 2) for r in rr.values()],
                        "worst_stall_ms": max(stalls) if stalls else None,
                        "max_round_minus_compute_s": max(over),
                        "max_round_minus_compute_minus_idle_s": max(over_ns),
-                       "digests_equal": len(digests) == 1 and len(rr) == len(peers)})
+                       "digests_equal": len(digests) == 1 and len(rr) == len(peers),
+                       "digest_changed": changed,
+                       "min_contributors": min((int(r.get("contributors", 0)) for r in rr.values()), default=0),
+                       "missing_parts": max((int(r.get("missing_parts", 0)) for r in rr.values()), default=0)})
     peer_mem = [{"name": p.name, "peak_rss_bytes": p.peak_rss, "ratio_to_min": p.peak_rss / min_bytes,
                  "peak_rss_after_profile_bytes": hwm_profiled.get(p.name), "exit": p.returncode} for p in peers]
     jrows = read_rows(d / "joiner.jsonl")
@@ -370,6 +380,7 @@ def summarise(tag, model, method, facts, d: Path, peers: list[Proc], joiner, dow
            "n_params": facts["n_params"], "min_bytes": facts["min_bytes"][method], "peers": peer_mem,
            "sum_peak_rss_bytes": sum(p.peak_rss for p in peers), "rounds": rounds,
            "checkpoint_s": facts["checkpoint_s"], "checkpoint_bytes": facts["checkpoint_bytes"],
+           "load_avg_1m": {"max": max(loads), "mean": sum(loads) / len(loads)} if loads else None,
            "joiner": None if joiner is None else {"download_s": download_s, "peak_rss_bytes": joiner.peak_rss,
                                                  "ratio_to_min": joiner.peak_rss / min_bytes,
                                                  "rounds_logged": len(jrows),
@@ -401,12 +412,14 @@ def print_result(res: dict) -> None:
     tot = res["sum_peak_rss_bytes"]
     print(f"  sum of the peers' peaks {_g(tot)} ({100 * tot / GOAL_BASELINE_BUDGET:.0f}% of 24 GiB)")
     print(f"{'round':>5} {'peers':>5} {'compute s':>16} {'round s':>16} {'stall ms':>9} {'round-compute s':>15} "
-          f"{'(-idle) s':>9} digests")
+          f"{'(-idle) s':>9} contributors digests")
     for r in res["rounds"]:
         st = "-" if r["worst_stall_ms"] is None else f"{r['worst_stall_ms']:.0f}"
         print(f"{r['round']:>5} {r['peers_logged']:>5} {','.join(map(str, r['compute_s'])):>16} "
               f"{','.join(map(str, r['round_s'])):>16} {st:>9} {r['max_round_minus_compute_s']:>15.2f} "
-              f"{r['max_round_minus_compute_minus_idle_s']:>9.2f} {'equal' if r['digests_equal'] else 'DIFFER'}")
+              f"{r['max_round_minus_compute_minus_idle_s']:>9.2f} {r.get('min_contributors', '-'):>12} "
+              f"{'equal' if r['digests_equal'] else 'DIFFER'}"
+              f"{'' if r.get('digest_changed') is None else (', changed' if r['digest_changed'] else ', UNCHANGED')}")
     print(f"  goals: stall <= {GOAL_STALL_MS:.0f} ms, round - compute <= {GOAL_OVERHEAD_S:.0f} s (150M, loopback)")
     j = res["joiner"]
     if j:
@@ -415,6 +428,10 @@ def print_result(res: dict) -> None:
         print(f"  joiner: download {dl}, peak RSS {_g(j['peak_rss_bytes'])} ({j['ratio_to_min']:.2f}x), "
               f"{j.get('rounds_logged', 0)} round(s) logged, worst stall {st}")
     print(f"  checkpoint write: {res['checkpoint_s']:.2f}s for {_g(res['checkpoint_bytes'])}")
+    la = res.get("load_avg_1m")
+    if la:
+        print(f"  machine load (1-minute load average) while measured: mean {la['mean']:.1f}, max {la['max']:.1f} "
+              f"on {os.cpu_count()} CPUs")
 
 
 # ---------------------------------------------------------------------------------------------
