@@ -523,7 +523,8 @@ class InnerTrainer:
         ``micro_batch < batch_size``. ``progress(k + 1, loss, tokens_per_s)`` is called
         after each step (tokens/s of that step, emulation included). The learning rate of
         step ``k`` is :meth:`lr_for` ``(round, k, inner_steps)``: ``inner_steps`` is the
-        plan's, so a step cut by the deadline does not shift the schedule.
+        plan's, so a step cut by the deadline does not shift the schedule. The gradients are
+        freed on return (``.grad`` is None): the exchange that follows needs their memory.
 
         Raises:
             FloatingPointError: a non-finite training loss (weights are not updated).
@@ -573,6 +574,9 @@ class InnerTrainer:
             if progress is not None:
                 progress(k + 1, loss, tokens_per_step / dt if dt > 0 else 0.0)
         compute_s = time.perf_counter() - t_start
+        # The gradients ([P]) are not needed until the next round's first step (which zeroes them anyway):
+        # freed here, the exchange's pseudo-gradient and aggregate buffers take their place (issue 13).
+        self.optimizer.zero_grad(set_to_none=True)
         n = len(losses)
         return InnerResult(steps_done=n, tokens=n * tokens_per_step,
                            mean_loss=sum(losses) / n if n else float("nan"),
