@@ -27,7 +27,7 @@ demo: setup
 # missing. Without root or a package mirror the install fails, and that test is skipped saying why.
 browser:
 	@command -v chromium >/dev/null 2>&1 && command -v chromedriver >/dev/null 2>&1 || \
-	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null) || \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver libfaketime >/dev/null) || \
 	  echo "make: could not install chromium + chromium-driver: the browser test will be skipped"
 
 test: setup browser

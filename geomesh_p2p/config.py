@@ -118,6 +118,7 @@ class NodeConfig(BaseModel):
     gather_wait_s: float = 4.0
     log_json: Optional[str] = None
     metrics_port: Optional[int] = None
+    metrics_host: str = Field("127.0.0.1", description="interface of the Prometheus metrics (0.0.0.0: every one)")
     summary_json: Optional[str] = None
     allow_peers: Optional[list[str]] = Field(
         None, description="private run: base58 PeerIDs / public keys of the only peers this node deals with")

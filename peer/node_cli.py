@@ -111,10 +111,14 @@ def _probe_mb(text: str) -> float:
 
 
 def _host_port(text: str) -> str:
-    host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
-    return text
+    """A ``HOST:PORT`` flag value (``[IPV6]:PORT`` for an IPv6 literal), in its canonical spelling
+    (:func:`geomesh_p2p.addr.canonical_address`). Raises ArgumentTypeError naming what is wrong."""
+    from geomesh_p2p.addr import AddressError, canonical_address
+
+    try:
+        return canonical_address(text)
+    except AddressError as e:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r} ({e})") from None
 
 
 def add_run_flags(p: argparse.ArgumentParser) -> None:
@@ -212,6 +216,9 @@ def add_node_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--log-json", metavar="PATH", help="append one JSON line per round here")
     g.add_argument("--summary-json", metavar="PATH", help="write a run summary here at exit")
     g.add_argument("--metrics-port", type=_int_at_least(0, 65535), help="serve Prometheus metrics on this port")
+    g.add_argument("--metrics-host", default="127.0.0.1", metavar="HOST",
+                   help="interface the metrics are served on; 0.0.0.0 (or ::) exposes them to other machines, e.g. "
+                        "out of a Docker container with -p 9100:9100 (default: %(default)s)")
     g.add_argument("--allow-peers", metavar="FILE",
                    help="private run: deal only with the peers listed in FILE (one base58 PeerID or public key per "
                         "line; include the bootstraps); everyone else's records and requests are refused")
@@ -286,7 +293,8 @@ def node_config_from(ns: argparse.Namespace):
         upload_bps=mbps(ns.upload_mbps), download_bps=mbps(ns.download_mbps),
         added_latency_s=ns.added_latency_ms / 1000, profile_batches=ns.profile_batches, log_json=ns.log_json, summary_json=ns.summary_json,
         eval_every=ns.eval_every, amp=getattr(ns, "amp", True),
-        metrics_port=ns.metrics_port, allow_peers=_allow_peers(ns))
+        metrics_port=ns.metrics_port, metrics_host=getattr(ns, "metrics_host", "127.0.0.1"),
+        allow_peers=_allow_peers(ns))
 
 
 def _allow_peers(ns: argparse.Namespace):
@@ -355,14 +363,9 @@ def trust_warning(ns: argparse.Namespace) -> str | None:
 
 
 def _is_loopback(host: str) -> bool:
-    import ipaddress
+    from geomesh_p2p.addr import is_loopback_host
 
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
+    return is_loopback_host(host)
 
 
 def reachability_warning(ns: argparse.Namespace):
@@ -371,7 +374,9 @@ def reachability_warning(ns: argparse.Namespace):
     if ns.client_only:
         return None
     own = ns.advertise_host or ns.host
-    remote = [b for b in ns.bootstrap if not _is_loopback(b.rpartition(":")[0])]
+    from geomesh_p2p.addr import host_of
+
+    remote = [b for b in ns.bootstrap if not _is_loopback(host_of(b))]
     if _is_loopback(own) and remote:
         return (f"this peer listens on {ns.host} and tells others to dial {own}, but its bootstrap {remote[0]} is on "
                 f"another machine: nobody there can reach it. Pass --host 0.0.0.0 --advertise-host YOUR_PUBLIC_IP "
