@@ -116,3 +116,59 @@ def test_measure_codec_is_a_positive_cost_per_element():
 
 def test_release_freed_memory_reports_whether_glibc_answered():
     assert isinstance(capability.release_freed_memory(), bool)
+
+
+class _FakeTransport:
+    """What _build_training asks of the transport: the configured message size and payload limits."""
+
+    def __init__(self):
+        self.config = types.SimpleNamespace(max_message_bytes=1 << 30)
+        self.limits = {}
+
+    def set_payload_limit(self, method, n):
+        self.limits[method] = n
+
+
+@pytest.mark.timeout(120)
+def test_build_training_profiles_the_model_in_place_and_holds_the_budget(monkeypatch):
+    """The node profiles with capability.profile_training on its own model (no copy: the weights stay
+    bit-identical), the budget reaches it, and the state buffer and codec cost are set up after it."""
+    from geomesh_p2p.config import NodeConfig, RunConfig
+    from geomesh_p2p.identity import Identity
+    from geomesh_p2p.node import PeerNode
+
+    seen = {}
+    real = capability.profile_training
+
+    def spy(model, seq_len, device, memory_bytes, **kw):
+        seen["model"], seen["budget"], seen["extra"] = model, memory_bytes, kw.get("extra_bytes")
+        seen["before"] = flat_params(model)
+        return real(model, seq_len, device, memory_bytes, **kw)
+
+    monkeypatch.setattr("geomesh_p2p.node.profile_training", spy)
+    node = PeerNode(RunConfig(seq_len=32), NodeConfig(profile_batches=[1, 2], memory_budget_bytes=6 << 30,
+                                                      device="cpu"), identity=Identity.generate())
+    node.transport = _FakeTransport()
+    node.state_server = types.SimpleNamespace(serve=lambda gs: seen.setdefault("served", gs))
+    node._build_training()
+    assert seen["model"] is node.model  # profiled in place, not on a deep copy
+    assert seen["budget"] == 6 << 30
+    assert seen["extra"] == 8 * node.numel  # global weights + Nesterov momentum, fp32
+    assert torch.equal(flat_params(node.model), seen["before"])  # the profile left the weights as they were
+    assert set(node.profiled_tps) <= {1, 2} and node.profiled_tps and node.max_batch >= 1
+    assert seen["served"] is node.gstate and node.theta is node.gstate.theta
+    assert node.codec_s_per_element > 0
+    assert all(p.grad is None for p in node.model.parameters())
+
+
+def test_build_training_refuses_a_budget_below_the_model_in_one_line():
+    from geomesh_p2p.config import NodeConfig, RunConfig
+    from geomesh_p2p.errors import UserFacingError
+    from geomesh_p2p.identity import Identity
+    from geomesh_p2p.node import PeerNode
+
+    node = PeerNode(RunConfig(seq_len=32), NodeConfig(profile_batches=[1], memory_budget_bytes=64 << 20, device="cpu"),
+                    identity=Identity.generate())
+    node.transport = _FakeTransport()
+    with pytest.raises(UserFacingError, match="cannot train tiny here: memory budget 0.06 GiB is below"):
+        node._build_training()
