@@ -881,7 +881,7 @@ def measure_codec(numel: int = 1 << 20, *, block_size: int = 2048, push_encoding
     now = time.time()
     spec = CollectiveSpec(run_id="codec-probe", round=0, participants={p: 1 for p in pids}, numel=numel,
                           deadline=now + 600, pull_deadline=now + 600,
-                          owners=[PartOwner(peer_id=pids[0], address="127.0.0.1:1", start=0, end=numel)],
+                          owners=(PartOwner(peer_id=pids[0], address="127.0.0.1:1", start=0, end=numel),),
                           mode="relay", push_encoding=push_encoding, block_size=block_size, rule=rule,
                           weight_cap=weight_cap, min_agreement=min_agreement, clip_k=clip_k)
     verifier = Verifier("codec-probe")

@@ -143,7 +143,7 @@ class CollectiveService(OwnerService):
 
         # Zero-filled in a worker thread, before any task starts: at 100M+ elements the fill and its page
         # faults stalled the loop ~1 s.
-        zeros = await asyncio.to_thread(torch.zeros, spec.numel, dtype=torch.float32)
+        zeros = await asyncio.to_thread(lambda: torch.zeros(spec.numel, dtype=torch.float32))
         # Butterfly order: start with the part after "mine" so that not every sender hits owner 0
         # first; at most max_concurrent_pushes uploads at once, so each upload gets the link to
         # itself and arrives soon after it was signed (the receiver checks the envelope's age).
