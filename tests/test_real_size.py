@@ -76,7 +76,7 @@ def _policy_node(cost, numel=150_000_000, n_mode="relay"):
     node = NodeRoundPolicy.__new__(NodeRoundPolicy)
     node.numel = numel
     node.cfg = types.SimpleNamespace(plan_timeout_s=4.0)
-    node.run_cfg = types.SimpleNamespace(mode=n_mode)
+    node.run_cfg = types.SimpleNamespace(mode=n_mode, window_s=30.0)
     node.ema = types.SimpleNamespace(upload_bps=1e8, download_bps=1e8)
     node.codec_s_per_element = cost
     return node
@@ -88,6 +88,8 @@ def test_exchange_window_grows_with_the_model_and_the_measured_cost():
     assert node._exchange_window(3, 100_000_000) == pytest.approx(3 * (2.0 + 7.5))
     assert _policy_node(1e-8, numel=1_000)._exchange_window(3, 1_000) == 12.0  # tiny model: the floor
     assert _policy_node(None)._exchange_window(3, 100_000_000) == 12.0  # not calibrated: the floor
+    # a huge cost is capped at 90% of what followers accept for a 30 s window: 0.9 x (4 x 30 + 120) s
+    assert _policy_node(1e-6)._exchange_window(3, 100_000_000) == pytest.approx(216.0)
 
 
 def test_exchange_cost_ema_first_sample_replaces_then_bounded_steps(monkeypatch):

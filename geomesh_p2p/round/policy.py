@@ -271,8 +271,9 @@ class NodeRoundPolicy:
         """Seconds from a plan's train deadline to its exchange deadline (this peer's plans; followers check
         only that it is not unreasonably far): :func:`planner.exchange_timeout` of this peer's predicted
         exchange, network (its link EMAs) plus CPU (:func:`planner.exchange_cpu_s` at its measured cost per
-        element pass, :meth:`_update_exchange_cost`), at least ``max(5, 3 x --plan-timeout-s)``. The CPU
-        part grows with the model (encoding, signing, verifying and aggregating every element)."""
+        element pass, :meth:`_update_exchange_cost`), at least ``max(5, 3 x --plan-timeout-s)`` and at most
+        90% of the horizon followers accept (``4 x window + 120 s``). The CPU part grows with the model
+        (encoding, signing, verifying and aggregating every element)."""
         floor = max(5.0, 3 * self.cfg.plan_timeout_s)
         cost = getattr(self, "codec_s_per_element", None)
         if not cost or not getattr(self, "numel", 0):
@@ -282,7 +283,9 @@ class NodeRoundPolicy:
         down = (getattr(ema, "download_bps", None) or 0) or 1e8
         comm = payload_bytes / up + payload_bytes / down
         cpu = planner.exchange_cpu_s(self.numel, max(1, n_peers), self.run_cfg.mode, cost)
-        return planner.exchange_timeout(comm, cpu, floor)
+        # Never past what followers accept (_plan_problem: "deadlines unreasonably far"), with 10% to spare.
+        horizon = 0.9 * (4 * (self.run_cfg.window_s or 60.0) + 120.0)
+        return max(floor, min(planner.exchange_timeout(comm, cpu, floor), horizon))
 
     def _update_exchange_cost(self, spec, ar) -> None:
         """Fold this round's exchange into ``codec_s_per_element`` (seconds per element pass), as the link
