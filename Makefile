@@ -23,12 +23,13 @@ $(STAMP): pyproject.toml
 demo: setup
 	$(VENV)/bin/geomesh-peer demo --workdir runs/demo --summary-json runs/demo/summary.json
 
-# Headless Chromium + its driver (Debian packages) for the status page's browser test; installed only when
+# Headless Chromium + its driver (status page browser test) and libfaketime (clock-skew tests), Debian packages installed only when
 # missing. Without root or a package mirror the install fails, and that test is skipped saying why.
 browser:
-	@command -v chromium >/dev/null 2>&1 && command -v chromedriver >/dev/null 2>&1 || \
+	@command -v chromium >/dev/null 2>&1 && command -v chromedriver >/dev/null 2>&1 && \
+	  test -e /usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1 || \
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver libfaketime >/dev/null) || \
-	  echo "make: could not install chromium + chromium-driver: the browser test will be skipped"
+	  echo "make: could not install chromium + chromium-driver + libfaketime: the browser and clock-skew tests will be skipped"
 
 test: setup browser
 	$(VENV)/bin/ruff check $(LINT_PATHS) && $(VENV)/bin/pytest -q tests
