@@ -1,7 +1,7 @@
 """``geomesh-bootstrap``: run a DHT node that does not train, the entry point newcomers dial.
 
   geomesh-bootstrap --host 0.0.0.0 --port 31337 --advertise-host PUBLIC_IP
-  geomesh-peer join --bootstrap PUBLIC_IP:31337            # on each volunteer
+  geomesh-peer join --bootstrap PUBLIC_IP:31337 --host 0.0.0.0 --advertise-host VOLUNTEER_IP   # each volunteer
 
 Prints the address to dial and the node's PeerID, logs the number of live peers of the run every
 --status-interval seconds, and exits with status 0 on Ctrl+C (SIGINT) or SIGTERM. Several bootstraps

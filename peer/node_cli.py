@@ -125,7 +125,7 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
     """Flags of the run config: every peer of a run must use the same values (they are hashed)."""
     g = p.add_argument_group("run config (shared by every peer of a run; mismatches are refused)")
     g.add_argument("--run-id", default="geomesh-demo", help="name of the training run (default: %(default)s)")
-    g.add_argument("--model", default="tiny", help="model preset: tiny, small, gpt2-124m, llama-tiny (default: %(default)s)")
+    g.add_argument("--model", default="tiny", help="model preset: tiny, small, llama-tiny, gpt2-124m, llama-150m; README 'Memory a preset needs' gives what each costs (default: %(default)s)")
     g.add_argument("--model-config", metavar="FILE.json", help="transformers config JSON instead of a preset")
     g.add_argument("--data", metavar="PATH|hf:NAME[:CONFIG][@SPLIT]",
                    help=".txt/.txt.xz/.jsonl/.parquet training text, or a Hugging Face dataset streamed from the hub, "
@@ -203,7 +203,7 @@ def add_node_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--wait-peers-s", type=_non_negative_float, default=60.0, help="how long to wait for --min-peers (default: %(default)s)")
     g.add_argument("--speed-factor", type=_speed_factor, default=1.0,
                    help="emulate a slower device: each step takes 1/f as long (default: %(default)s)")
-    g.add_argument("--memory-budget-gb", type=_positive_float, help="memory budget for batches on CPU (GB)")
+    g.add_argument("--memory-budget-gb", type=_positive_float, help="memory budget of this peer in GB (CPU RAM, or GPU memory on CUDA): the start-up profile never tries a batch whose predicted peak exceeds it (default: the memory available)")
     g.add_argument("--upload-mbps", type=_mbps, help="state your upload bandwidth (Mbit/s) instead of measuring")
     g.add_argument("--download-mbps", type=_mbps, help="state your download bandwidth (Mbit/s)")
     g.add_argument("--added-latency-ms", type=_non_negative_float, default=0.0, help="add this latency to every outgoing call (WAN emulation)")
@@ -463,7 +463,7 @@ def add_subcommands(sub, add_common) -> None:
     prof.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: %(default)s)")
     prof.add_argument("--speed-factor", type=_speed_factor, default=1.0,
                       help="emulate a slower device: each step takes 1/f as long (default: %(default)s)")
-    prof.add_argument("--memory-budget-gb", type=_positive_float, help="CPU memory budget (GB)")
+    prof.add_argument("--memory-budget-gb", type=_positive_float, help="memory budget in GB (CPU RAM, or GPU memory on CUDA; default: the memory available)")
     prof.add_argument("--upload-mbps", type=_mbps, help="state the upload bandwidth (Mbit/s)")
     prof.add_argument("--download-mbps", type=_mbps, help="state the download bandwidth (Mbit/s)")
     prof.add_argument("--probe", type=_host_port, metavar="HOST:PORT",
