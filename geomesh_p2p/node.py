@@ -356,7 +356,7 @@ class PeerNode(NodeRoundPolicy):
             version=geomesh_p2p.__version__, protocol_version=geomesh_p2p.PROTOCOL_VERSION,
             run_config_hash=self.config_hash, run_config=self.run_cfg.model_dump(), round=self.round,
             weights_digest=None if self._syncing else self.digest, leaving=self._leaving,
-            pow_nonce=self.pow_nonce, standing=self.standing.attestations(exclude=self.me),
+            pow_nonce=self.pow_nonce, standing=self.standing.attestations(exclude=self.me, own=True),
             sync_progress=sync_progress.announced(self),  # while syncing (issue 14 #3)
             timestamp=swarm_time())  # read by other machines (status page: last seen)
 

@@ -44,7 +44,9 @@ What probation means
   owner closes a part a short grace after every established participant pushed it
   (:func:`early_close_grace_s`), so a no-show on probation costs the round that grace, not the deadline.
 * **Never leads** (unless nobody is established): leader candidates are the established members
-  (:func:`leader_candidates`); a follower refuses a plan whose leader is not plausibly established.
+  (:func:`leader_candidates`); a follower refuses a plan whose leader is not plausibly established. A
+  node never names itself while it is not established in its own view and another member remains (a
+  newcomer follows the peers whose state it downloaded; docs/admission.md, "A young swarm").
 
 No-shows
 --------
@@ -145,13 +147,17 @@ class StandingView:
         return self._attestors
 
     def attested(self, peer_id: str) -> int:
-        """The highest standing a trusted other record attests for ``peer_id`` (bounded by the window)."""
+        """The highest standing a trusted record attests for ``peer_id`` (bounded by the window). A
+        record's entry for its own peer counts too (:meth:`Standing.attestations` with ``own``): a peer
+        that trained alone has nobody else to vouch for it, and a newcomer must see it established as it
+        sees itself (docs/admission.md, "A young swarm"); trusted attestors are the peers this node saw
+        deliver (anyone's only while it credited nothing, when identities vouching for each other do the
+        same), and the score stays bounded by the rounds this node missed."""
         if peer_id not in self._hist:
             key = attest_key(peer_id)
             best = 0
             for r in self._trusted():
-                if r.peer_id != peer_id:
-                    best = max(best, min(int((getattr(r, "standing", None) or {}).get(key, 0)), DEFAULT_WINDOW))
+                best = max(best, min(int((getattr(r, "standing", None) or {}).get(key, 0)), DEFAULT_WINDOW))
             self._hist[peer_id] = best
         return self._hist[peer_id]
 
@@ -192,10 +198,19 @@ def select_probation(run_id: str, round: int, view: StandingView, candidates: It
 
 def leader_candidates(view: StandingView, member_ids: Iterable[str], barred: Collection[str] = ()) -> list[str]:
     """Members that may lead: the established ones not ``barred`` (no-shows). When none is, the
-    established ones; when nobody is established, every member (a fresh swarm)."""
+    established ones; when nobody is established, every member (a fresh swarm).
+
+    This node itself (``view.me``) is left out while it is not established in its own view and another
+    member remains (a newcomer that downloaded the state follows until it has delivered): with the
+    bootstrap rule above, a newcomer that sees nobody established would otherwise rank itself among
+    the candidates, publish a plan the peers that made the state refuse (it is on probation in their
+    view) and follow it, forking off a lineage of its own (docs/admission.md, "A young swarm")."""
     est, _ = split(view, member_ids)
-    ok = [p for p in est if p not in barred]
-    return ok or est
+    ok = [p for p in est if p not in barred] or est
+    me = view.me
+    if me in ok and len(ok) > 1 and not view.established(me):
+        ok = [p for p in ok if p != me]
+    return ok
 
 
 def marking_problem(plan, view: StandingView, live_ids: Collection[str]) -> Optional[str]:

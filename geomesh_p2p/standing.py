@@ -19,6 +19,9 @@ The swarm's round, the digest a state download must match and the donors are cho
   does not count). While any peer in view has history, identities nobody vouches for do not vote;
   records without an address (no donor) do not vote either. More than half of the addresses must
   back the state (or there is only one).
+* **solo** (a node whose ledger credits only itself: it trained alone, so it knows nobody): the fresh
+  vote; when no state has a majority, the most addresses, then the latest round, so lineages trained
+  alone merge on one (docs/admission.md, "A young swarm").
 
 What a fresh joiner cannot defend against: it has no history of its own, so when most of the network
 it sees is the attacker's, it adopts the attacker's state, and the digest check only proves it got
@@ -96,14 +99,27 @@ class Standing:
     def weight(self, peer_id: str) -> int:
         return self._counts.get(peer_id, 0)
 
-    def attestations(self, exclude: Optional[str] = None, top: int = ATTEST_TOP) -> dict[str, int]:
-        """The ``top`` highest standings (prefix of PeerID -> rounds), for this node's PeerRecord."""
+    def knows_others(self, me: Optional[str]) -> bool:
+        """True when this ledger credits a peer other than ``me`` (this node saw someone else deliver).
+        A ledger of rounds this node trained alone knows nobody: it is no evidence about anyone."""
+        return any(p != me for p in self._counts)
+
+    def attestations(self, exclude: Optional[str] = None, top: int = ATTEST_TOP, own: bool = False) -> dict[str, int]:
+        """The ``top`` highest standings (prefix of PeerID -> rounds), for this node's PeerRecord; with
+        ``own``, plus ``exclude``'s own entry (the rounds this node saw itself deliver) when it has one.
+
+        The own entry is a claim: the fresh vote's history never counts it (:func:`history`), and a
+        :class:`~geomesh_p2p.probation.StandingView` reads it only from peers it trusts and only for the
+        rounds it missed (docs/admission.md, "A young swarm")."""
         # Ties break on a hash salted with ``exclude`` (this node), so that in a large swarm different
         # nodes vouch for different peers of equal standing rather than all for the same 16.
         salt = (exclude or "").encode()
         best = sorted(((c, p) for p, c in self._counts.items() if p != exclude and c > 0),
                       key=lambda x: (-x[0], hashlib.sha256(salt + x[1].encode()).digest()))
-        return {attest_key(p): c for c, p in best[:top]}
+        out = {attest_key(p): c for c, p in best[:top]}
+        if own and exclude is not None and self.weight(exclude) > 0:
+            out[attest_key(exclude)] = self.weight(exclude)
+        return out
 
     def to_meta(self) -> dict:
         """JSON-able form, kept in checkpoints' metadata."""
@@ -134,7 +150,15 @@ class StateChoice:
     donors: list[str]
     backing: float  # weight of the records backing it
     total: float  # weight of every record that voted
-    mode: str  # "standing" or "fresh"
+    mode: str  # "standing", "fresh" or "solo"
+
+    def describe(self) -> str:
+        """How the vote chose it, in the words of the refusal (:meth:`Refusal.message`)."""
+        if self.mode == "standing":
+            return (f"standing vote: its backers hold {self.backing:g} of the {self.total:g} rounds of standing "
+                    f"this peer sees")
+        rule = "more than half needed" if self.mode == "fresh" else "most addresses, then the latest round"
+        return f"{self.mode} vote: {self.backing:g} of {self.total:g} distinct addresses ({rule})"
 
 
 @dataclass(frozen=True)
@@ -148,9 +172,14 @@ class Refusal:
     total: float  # standing this node sees
 
     def message(self) -> str:
-        return (f"refusing the state of round {self.round} (digest {self.digest[:8]}) announced by "
-                f"{self.identities} peer(s): they hold {self.backing:g} of the {self.total:g} rounds of standing "
-                f"this peer sees (more than half needed)")
+        head = (f"refusing the state of round {self.round} (digest {self.digest[:8]}) announced by "
+                f"{self.identities} peer(s)")
+        if self.total <= 0:
+            # Nobody in view was seen delivering: there is no standing to split, say so plainly.
+            return (f"{head}: this peer has seen none of the peers in view deliver a round (standing vote: "
+                    f"it follows only peers it saw deliver)")
+        return (f"{head}: they hold {self.backing:g} of the {self.total:g} rounds of standing this peer sees "
+                f"(more than half needed)")
 
 
 @dataclass
@@ -197,7 +226,7 @@ def _standing_vote(others: list, standing: Standing) -> Vote:
     return Vote(choice, refusal, weights)
 
 
-def _fresh_vote(others: list) -> Vote:
+def _fresh_vote(others: list, *, solo: bool = False) -> Vote:
     hist = {r.peer_id: history(others, r.peer_id) for r in others}
     voters = [r for r in others if r.address]
     if any(hist[r.peer_id] > 0 for r in voters):
@@ -214,10 +243,17 @@ def _fresh_vote(others: list) -> Vote:
         addresses.add(a)
     total = len(addresses)
     (rnd, dig), addrs = max(per_state.items(), key=lambda kv: (len(kv[1]), sum(kv[1].values()), kv[0][0], kv[0][1]))
+    mode = "fresh"
     if not (2 * len(addrs) > total or total == 1):
-        return Vote(None, None, hist)
+        if not solo:
+            return Vote(None, None, hist)
+        # A peer that trained alone: no majority, so the most addresses, then the latest round (then the
+        # longer history, the digest), the same order on every such peer, so lineages trained alone merge
+        # (each one behind moves to the front one) instead of each keeping its own.
+        (rnd, dig), addrs = max(per_state.items(), key=lambda kv: (len(kv[1]), kv[0][0], sum(kv[1].values()), kv[0][1]))
+        mode = "solo"
     donors = list(dict.fromkeys(r.address for r in voters if (r.round, r.weights_digest) == (rnd, dig)))
-    return Vote(StateChoice(rnd, dig, donors, len(addrs), total, "fresh"), None, hist)
+    return Vote(StateChoice(rnd, dig, donors, len(addrs), total, mode), None, hist)
 
 
 def choose_state(records: Iterable, *, me: Optional[str], standing: Optional[Standing],
@@ -225,17 +261,19 @@ def choose_state(records: Iterable, *, me: Optional[str], standing: Optional[Sta
     """The (round, digest) this node should be at, by the records of the *other* peers (those with a digest).
 
     ``standing``: this node's ledger; ``trained``: it trained in this session. The standing vote is
-    used when the ledger knows anyone and (this node trained, or some peer in view has standing);
-    else the fresh vote. See the module doc. ``Vote.refusal`` is set when most identities announce a
-    state the standing vote does not back.
+    used when the ledger knows another peer (:meth:`Standing.knows_others`) and (this node trained, or
+    some peer in view has standing); a peer whose ledger credits only itself (it trained alone) uses
+    the fresh vote, with the "solo" order when no state has a majority; else the fresh vote. See the
+    module doc. ``Vote.refusal`` is set when most identities announce a state the standing vote does
+    not back.
     """
     others = [r for r in records if r.weights_digest and r.peer_id != me]
     if not others:
         return Vote(None)
-    if standing is not None and standing.known and (
+    if standing is not None and standing.knows_others(me) and (
             trained or any(standing.weight(r.peer_id) > 0 for r in others)):
         return _standing_vote(others, standing)
-    return _fresh_vote(others)
+    return _fresh_vote(others, solo=standing is not None and standing.known)
 
 
 class OnceLog:

@@ -850,10 +850,13 @@ class Transport:
         period for its calls in flight."""
         ch = self._channels.get(address)
         if ch is None:
+            # Its own subchannels (not gRPC's process-wide pool): a channel dropped by drop_channel takes
+            # its reconnect backoff with it instead of handing it to the next channel to that address.
+            opts = self._options() + [("grpc.use_local_subchannel_pool", 1)]
             if self.config.tls is not None:
-                ch = grpc.aio.secure_channel(address, self.config.tls.channel_credentials(), options=self._options())
+                ch = grpc.aio.secure_channel(address, self.config.tls.channel_credentials(), options=opts)
             else:
-                ch = grpc.aio.insecure_channel(address, options=self._options())
+                ch = grpc.aio.insecure_channel(address, options=opts)
             self._channels[address] = ch
             while len(self._channels) > max(1, self.config.max_channels):
                 _, old = self._channels.popitem(last=False)
@@ -863,6 +866,19 @@ class Transport:
         else:
             self._channels.move_to_end(address)
         return ch
+
+    def drop_channel(self, address: str) -> bool:
+        """Close the cached channel to ``address`` (a grace of ``default_timeout_s`` seconds for its calls in
+        flight), so the next call dials a new connection. Why: a channel whose peer went away waits out
+        gRPC's reconnect backoff (up to minutes), failing every call at once with the old error, even
+        after a new process listens there again (a restart on the same port). True when one was cached."""
+        ch = self._channels.pop(address, None)
+        if ch is None:
+            return False
+        self._evicted.add(ch)
+        task = self.tasks.spawn(ch.close(grace=self.config.default_timeout_s), name="close-channel")
+        task.add_done_callback(functools.partial(self._forget_evicted, ch))
+        return True
 
     def _forget_evicted(self, channel: grpc.aio.Channel, _task: asyncio.Task) -> None:
         """Done callback of an evicted channel's close: it is no longer closed at :meth:`stop`."""

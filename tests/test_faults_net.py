@@ -7,11 +7,12 @@ import json
 import signal
 import time
 
+import grpc
 import pytest
 
 from geomesh_p2p.dht import DHTNode
 from geomesh_p2p.identity import Identity
-from geomesh_p2p.transport import Transport, TransportConfig
+from geomesh_p2p.transport import RpcError, Transport, TransportConfig
 from tests.dht_helpers import RUN, start_node, stop_all, stop_node
 from tests.test_bootstrap import START_TIMEOUT, procs  # noqa: F401  (the fixture)
 
@@ -50,6 +51,34 @@ async def test_a_node_advertising_an_address_nobody_listens_on_becomes_client_on
             assert bad.peer_id not in {c.peer_id for c in n.contacts()}
         nearest = await good.find_nearest_nodes([bad.node_id])
         assert bad.peer_id not in {c.peer_id for _, c in nearest[bad.node_id]}
+    finally:
+        await stop_all(nodes)
+
+
+async def test_a_node_restarted_on_its_port_with_its_key_is_dialled_back():
+    """A peer restarted with --resume on its old port (same key): the bootstrap's channel to that address
+    failed while nobody listened there and sits in gRPC's reconnect backoff; the dial-back must not answer
+    with that old "connection refused" (it used to: a false "nobody can dial this node" warning and a
+    client-only node that was listening)."""
+    boot = await start_node()
+    nodes = [boot]
+    try:
+        ident = Identity.generate()
+        first = await start_node([boot.address], identity=ident)
+        address = first.address
+        assert first.reachability.reachable is True
+        await stop_node(first)
+        with pytest.raises(RpcError) as dead:  # the bootstrap dials it while it is down (a refresh would)
+            await boot.ping(address)
+        assert dead.value.code == grpc.StatusCode.UNAVAILABLE
+        t = Transport(ident, RUN, TransportConfig(host="127.0.0.1", port=int(address.rsplit(":", 1)[1])))
+        again = DHTNode(t, rpc_timeout_s=2.0)
+        nodes.append(again)
+        assert await t.start() == address
+        await again.join([boot.address])
+        r = again.reachability
+        assert (r.reachable, r.address, r.checked_by, r.reason) == (True, address, (boot.address,), "")
+        assert again.advertised_address == address and again.serving
     finally:
         await stop_all(nodes)
 

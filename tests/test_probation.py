@@ -297,3 +297,45 @@ async def test_silent_better_ranked_candidates_cost_a_bounded_wait_and_non_candi
     got = await obtain_plan(PlanStore(dht2.view(), sybil, "r"), 3, members, planner, plan_timeout_s=0.1,
                             settle_s=0.05, candidates=[p for p in pool if p != str(sybil.peer_id)], give_up_s=0.5)
     assert got is None and dht2.data == {}
+
+
+def test_a_newcomer_that_downloaded_a_lone_peers_state_follows_it_and_sees_it_established():
+    """A young swarm (docs/admission.md, "A young swarm"): ``a`` trained rounds 0-5 alone; ``b`` downloaded
+    its state. ``a``'s record attests its own 6 rounds, so ``b`` sees it established as ``a`` sees itself,
+    and ``b`` (on probation in both views) names only ``a`` as leader: before, ``b`` saw nobody established,
+    ranked itself among the candidates and led a plan ``a`` refused (two lineages)."""
+    a, b = Identity.generate(), Identity.generate()
+    pa, pb_ = str(a.peer_id), str(b.peer_id)
+    lone = Standing()
+    for r in range(6):
+        lone.credit(r, [pa])
+    assert lone.attestations(exclude=pa) == {} and lone.attestations(exclude=pa, own=True) == {attest_key(pa): 6}
+    recs = [_rec(a, 7000, round=6, standing=lone.attestations(exclude=pa, own=True)), _rec(b, 7001, round=6)]
+    newcomer = _node(pb_, round=6)
+    view = newcomer._standing_view(recs)
+    assert (view.score(pa), view.established(pa), view.score(pb_), view.established(pb_)) == (6, True, 0, False)
+    assert newcomer.leader_candidates(recs, {r.peer_id: r for r in recs})[1] == [pa]
+    # the leader's view agrees: b on probation, a the only candidate; b follows a's plan
+    leader = _node(pa, round=6, standing=lone)
+    assert leader.leader_candidates(recs, {r.peer_id: r for r in recs})[1] == [pa]
+    plan = leader._make_plan(recs, pa)
+    assert plan.probation() == [pb_]
+    assert newcomer._plan_problem(plan, {r.peer_id: r for r in recs}) is None
+    # without a's own attestation b still never ranks itself: it sees nobody established and follows
+    bare = [recs[0].model_copy(update={"standing": {}}), recs[1]]
+    assert not any(newcomer._standing_view(bare).established(p) for p in (pa, pb_))
+    assert newcomer.leader_candidates(bare, {r.peer_id: r for r in bare})[1] == [pa]
+    # a lone member still leads (nobody else could)
+    assert newcomer.leader_candidates(bare[1:], {pb_: bare[1]})[1] == [pb_]
+
+
+def test_own_attestations_never_establish_an_identity_this_node_did_not_see_deliver():
+    """The own entry is read only from trusted records and only for missed rounds: Sybils that never
+    delivered with a trained peer gain nothing by attesting themselves 32 rounds."""
+    hon, honest, sybils = _swarm()
+    selfish = [x.model_copy(update={"standing": {**x.standing, attest_key(x.peer_id): 32}}) for x in sybils]
+    node = _trained_node(honest)
+    view = node._standing_view(honest + selfish)
+    assert not any(view.established(x.peer_id) or view.plausible(x.peer_id) for x in selfish)
+    assert node.leader_candidates(honest + selfish, {r.peer_id: r for r in honest + selfish})[1] == \
+        sorted(r.peer_id for r in honest)

@@ -178,3 +178,40 @@ def test_young_swarm_counts_addresses_not_identities():
     assert node._swarm_round(honest + crowd) == 3
     assert node._swarm_round(crowd) == 4  # one address: a 2-peer swarm is followed
     assert node._swarm_round(honest[:1] + crowd) is None  # one address each: no majority
+
+
+def test_peers_that_trained_alone_merge_on_the_latest_lineage():
+    """Three lineages trained alone (rounds 9, 7, 8; each ledger credits only its own peer): no state has a
+    majority of addresses, so each uses the same order (most addresses, then the latest round) and the
+    two behind move to round 9. Before, each ran the standing vote on a ledger that knows nobody else
+    (0 of 0 rounds of standing) and kept its own lineage."""
+    ids = [Identity.generate() for _ in range(3)]
+    recs = [_rec(i, round=rnd, digest=f"d{rnd}", address=f"127.0.0.1:{7000 + k}")
+            for k, (i, rnd) in enumerate(zip(ids, (9, 7, 8)))]
+    for me, rnd in zip(ids, (9, 7, 8)):
+        lone = Standing()
+        for r in range(rnd):
+            lone.credit(r, [str(me.peer_id)])
+        assert not lone.knows_others(str(me.peer_id))
+        vote = choose_state(recs, me=str(me.peer_id), standing=lone, trained=True)
+        want = (8, "d8") if rnd == 9 else (9, "d9")  # round 9 sees 7 and 8: stays (8 is not later)
+        assert (vote.choice.round, vote.choice.digest, vote.choice.mode, vote.refusal) == (*want, "solo", None)
+    # a fresh joiner keeps the majority rule: no state has one, it adopts nothing
+    assert choose_state(recs, me=None, standing=Standing(), trained=False).choice is None
+
+
+def test_the_refusal_and_the_download_lines_say_the_same_thing():
+    """A ledger that knows peers but none in view: the refusal says so, never "0 of the 0 rounds"."""
+    ids, honest = _honest(round=5, digest="honest")
+    node = _node()
+    for r in range(5):
+        node.standing.credit(r, [str(i.peer_id) for i in ids] + [node.me])
+    stranger = _sybils(1, round=9, digest="other")
+    vote = choose_state(stranger, me=node.me, standing=node.standing, trained=True)
+    assert vote.choice is None and vote.refusal.message() == (
+        "refusing the state of round 9 (digest other) announced by 1 peer(s): this peer has seen none of the "
+        "peers in view deliver a round (standing vote: it follows only peers it saw deliver)")
+    moved = [r.model_copy(update={"round": 6, "weights_digest": "next"}) for r in honest]
+    vote = choose_state(moved + stranger, me=node.me, standing=node.standing, trained=True)
+    assert vote.choice.describe() == "standing vote: its backers hold 15 of the 15 rounds of standing this peer sees"
+    assert vote.refusal is None

@@ -1031,7 +1031,15 @@ class DHTNode:
         ping = dht_pb2.PingRequest(sender=self.self_info(), dht_protocol=DHT_PROTOCOL_VERSION,
                                    software_version=__version__)
         try:
-            answered, resp = await self._call(info.address, DHT_PING, ping, dht_pb2.PingResponse, verified.sender)
+            try:
+                answered, resp = await self._call(info.address, DHT_PING, ping, dht_pb2.PingResponse, verified.sender)
+            except RpcError as err:
+                # A channel cached from an earlier process at that address (the caller restarted on the
+                # same port) fails at once with its old "connection refused" while in reconnect backoff:
+                # dial once more on a new connection. Only UNAVAILABLE (fast): a deadline is not retried.
+                if err.code != grpc.StatusCode.UNAVAILABLE or not self.transport.drop_channel(info.address):
+                    raise
+                answered, resp = await self._call(info.address, DHT_PING, ping, dht_pb2.PingResponse, verified.sender)
         except RpcError as err:
             return dht_pb2.StoreOutcome(stored=False, code=err.code.value[0],
                                         reason=f"{err.code.name}: {err.reason or 'no answer'}"[:300]).SerializeToString()

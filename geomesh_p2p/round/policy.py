@@ -216,8 +216,8 @@ class NodeRoundPolicy:
                     await asyncio.sleep(0.5)
                     continue
                 await asyncio.to_thread(self._set_state, snap.round, snap.theta, snap.momentum)
-                log.info("downloaded state of round %d from %d donor(s), digest %s (%s vote: %g of %g)", top,
-                         len(donors), self.digest[:8], choice.mode, choice.backing, choice.total)
+                log.info("downloaded state of round %d from %d donor(s), digest %s; %s", top,
+                         len(donors), self.digest[:8], choice.describe())
                 return
             self.round = start_round  # nothing was downloaded: this peer still holds its own state
             raise state_sync.StateSyncError("could not download the swarm's state after 30 attempts; see the log for why")
