@@ -578,11 +578,13 @@ def release_freed_memory(configure: bool = False) -> bool:
 
     PyTorch's CPU allocator is glibc malloc. glibc raises its mmap threshold (up to 32 MiB) each time
     an mmapped block is freed, after which blocks below it come from the heap, and a freed heap block
-    stays in the process's RSS: a profile's gradients and AdamW state, or a round's temporaries, then
-    keep ~their size resident for the process's life. ``configure=True`` (once, at start-up, before the
-    model is built) fixes the threshold at :data:`MMAP_THRESHOLD_BYTES` (and the trim threshold at twice
-    it), so every block from that size on is mmapped and unmapped when freed. Other C libraries
-    (musl, macOS): nothing happens, False.
+    stays in the process's RSS until a trim: call this where big blocks were just freed (after the
+    start-up profile, after a round's gradients are freed), off the event loop. ``malloc_trim(0)``
+    returns every whole free page of the heap, not only its top. ``configure=True`` also fixes the
+    threshold at :data:`MMAP_THRESHOLD_BYTES` (and the trim threshold at twice it), so every block from
+    that size on is mmapped and unmapped when freed: not for a training process, where every step then
+    maps and faults in its activations and gradients afresh (the tiny preset's inner steps ran 1.5-3x
+    slower in a 4-peer swarm on 2 cores). Other C libraries (musl, macOS): nothing happens, False.
     """
     import ctypes
     import ctypes.util

@@ -253,8 +253,9 @@ class PeerNode(NodeRoundPolicy):
                 hold training this model (the profile's one-line reason).
         """
         r, c = self.run_cfg, self.cfg
-        # Freed tensors go back to the OS at once (profile leftovers, per-round buffers): capability.py.
-        release_freed_memory(configure=True)
+        # No release_freed_memory(configure=True) (a 1 MiB mmap threshold): every inner step then mapped and
+        # faulted in its activations and gradients afresh. Freed memory goes back by trims instead: after
+        # the profile (below) and after each round's inner steps (InnerTrainer.run).
         self.dataset = load_dataset(c.data_path, seq_len=r.seq_len, vocab_size=r.vocab_size)
         self.device_info = detect_device(c.device, c.memory_budget_bytes)
         device = "cuda" if self.device_info.kind == "cuda" and c.device == "auto" else (

@@ -29,6 +29,7 @@ from typing import Any, Callable
 
 import torch
 
+from geomesh_p2p.capability import release_freed_memory
 from geomesh_p2p.clock import swarm_time
 
 log = logging.getLogger(__name__)
@@ -524,7 +525,8 @@ class InnerTrainer:
         after each step (tokens/s of that step, emulation included). The learning rate of
         step ``k`` is :meth:`lr_for` ``(round, k, inner_steps)``: ``inner_steps`` is the
         plan's, so a step cut by the deadline does not shift the schedule. The gradients are
-        freed on return (``.grad`` is None): the exchange that follows needs their memory.
+        freed on return (``.grad`` is None) and, on CPU, the freed heap memory is returned to the OS
+        (:func:`geomesh_p2p.capability.release_freed_memory`): the exchange that follows needs it.
 
         Raises:
             FloatingPointError: a non-finite training loss (weights are not updated).
@@ -575,8 +577,11 @@ class InnerTrainer:
                 progress(k + 1, loss, tokens_per_step / dt if dt > 0 else 0.0)
         compute_s = time.perf_counter() - t_start
         # The gradients ([P]) are not needed until the next round's first step (which zeroes them anyway):
-        # freed here, the exchange's pseudo-gradient and aggregate buffers take their place (issue 13).
+        # freed here, the exchange's pseudo-gradient and aggregate buffers take their place (issue 13). glibc
+        # keeps freed heap blocks (those under its mmap threshold) resident until a trim.
         self.optimizer.zero_grad(set_to_none=True)
+        if self.device.type == "cpu":
+            release_freed_memory()
         n = len(losses)
         return InnerResult(steps_done=n, tokens=n * tokens_per_step,
                            mean_loss=sum(losses) / n if n else float("nan"),
