@@ -545,7 +545,10 @@ class InnerTrainer:
             if deadline is not None:
                 now = swarm_time()
                 est = (self._row_time_ema or 0.0) * batch_size
-                if now >= deadline or now + est > deadline:
+                # The round's first step is not skipped on the estimate alone (only past the deadline): it
+                # re-measures, so one stall (SIGSTOP, swap, a suspend) cannot keep the estimate, and the
+                # peer, at 0 steps for every round after (an adversarial review saw 100 such rounds).
+                if now >= deadline or (k > 0 and now + est > deadline):
                     stopped = True
                     break
             t0 = time.perf_counter()
@@ -570,7 +573,8 @@ class InnerTrainer:
                 time.sleep(compute * (1.0 / self.speed_factor - 1.0))
             dt = time.perf_counter() - t0
             per_row = dt / batch_size
-            self._row_time_ema = per_row if self._row_time_ema is None else (
+            # A step at under half the estimate replaces it (the estimate was inflated by a stall).
+            self._row_time_ema = per_row if self._row_time_ema is None or per_row < 0.5 * self._row_time_ema else (
                 0.7 * self._row_time_ema + 0.3 * per_row)
             losses.append(loss)
             if progress is not None:

@@ -8,6 +8,7 @@ relays only its own contribution cannot impose it (every reader refuses the part
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 import torch
@@ -97,3 +98,62 @@ def test_quorum_count():
         sw.spec(8192, quorum=1.5)
     with pytest.raises(ValueError, match="rule"):
         sw.spec(8192, rule="median")
+
+
+class _TamperingOwner(CollectiveService):
+    """As an owner, flips one byte near the end of one other sender's signed contribution it relays (the
+    rest stay valid: enough for the quorum, so only the tampering rule refuses the part)."""
+
+    def _build_result(self, spec, part, contributions):
+        victim = next(c.sender for c in contributions if c.sender != self.peer_id)
+
+        def spoil(c):
+            if c.sender != victim:
+                return c
+            b = bytearray(c.signed)
+            b[-5] ^= 0x01
+            return dataclasses.replace(c, signed=bytes(b))
+        return super()._build_result(spec, part, [spoil(c) for c in contributions])
+
+
+async def test_an_owner_that_relays_a_tampered_contribution_forfeits_its_part(swarms):
+    """A relayed contribution that fails a byte-only check (forged, tampered, malformed) proves the owner
+    altered it (it verified what it took): every reader refuses the part, whatever the quorum says."""
+    sw = await swarms(4, service_cls=[CollectiveService] * 3 + [_TamperingOwner])
+    numel = 4 * 2048
+    deltas = _honest_deltas(sw.pids, numel, seed=2)
+    spec = sw.spec(numel, mode="relay", deadline_s=3.0, **ROBUST)
+    evil_part = spec.part_index_of(sw.pids[3])
+    res = await asyncio.gather(*[s.all_reduce(spec, deltas[p], 100) for s, p in zip(sw.services, sw.pids)])
+    assert all(r.missing_parts == evil_part for r in res)
+    assert all(torch.equal(r.aggregate, res[0].aggregate) for r in res)
+    o = spec.owners[evil_part[0]]
+    assert not res[0].aggregate[o.start:o.end].any()
+
+
+class _KeepsAbstainers(CollectiveService):
+    """As an owner, relays its own contribution and the 0-token ones only (drops every voting honest one)."""
+
+    def _build_result(self, spec, part, contributions):
+        return super()._build_result(spec, part, [c for c in contributions
+                                                  if c.sender == self.peer_id or c.tokens == 0])
+
+
+async def test_abstaining_contributions_do_not_make_a_quorum(swarms):
+    """An adversarial review: a flipping owner of three relayed its own contribution and the 0-token one
+    of a peer that trained nothing; that met the quorum of 2 and its flipped update moved the model alone
+    every round. Only voting contributions count: the part aggregates to zero and is idle."""
+    sw = await swarms(3, service_cls=[CollectiveService] * 2 + [_KeepsAbstainers])
+    numel = 3 * 2048
+    deltas = _honest_deltas(sw.pids, numel, seed=3)
+    deltas[sw.pids[0]] = torch.zeros(numel)  # a peer that trained 0 steps this round
+    tokens = {sw.pids[0]: 0, sw.pids[1]: 100, sw.pids[2]: 100}
+    spec = sw.spec(numel, mode="relay", deadline_s=3.0, **ROBUST)
+    evil_part = spec.part_index_of(sw.pids[2])[0]
+    res = await asyncio.gather(*[s.all_reduce(spec, -deltas[p] if p == sw.pids[2] else deltas[p], tokens[p])
+                                 for s, p in zip(sw.services, sw.pids)])
+    assert all(torch.equal(r.aggregate, res[0].aggregate) for r in res)
+    o = spec.owners[evil_part]
+    assert not res[0].aggregate[o.start:o.end].any()
+    assert all((o.start, o.end) in r.idle_ranges() for r in res)
+    assert sorted(res[0].contributors[evil_part]) == sorted([(sw.pids[0], 0), (sw.pids[2], 0)])

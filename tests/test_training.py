@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import geomesh_p2p.training as training
+from geomesh_p2p.clock import swarm_time
 from geomesh_p2p.data import TokenDataset, load_dataset
 from geomesh_p2p.training import (PRESETS, ConfigError, InnerTrainer, build_model, count_params,
                                   flat_params, load_flat_, lr_at, model_config, num_params)
@@ -268,3 +269,18 @@ def test_nonfinite_loss_raises():
     with pytest.raises(FloatingPointError, match="non-finite"):
         tr.run(round=0, inner_steps=1, batch_size=2)
     assert torch.equal(before.isnan(), flat_params(m).isnan())
+
+
+def test_one_stall_does_not_keep_a_peer_at_zero_steps(ds):
+    """A stall (SIGSTOP, swap) inflated the per-row estimate; the next rounds' deadline check then skipped
+    every step before it ran, so the estimate never came down (an adversarial review: 0/8 steps for 100
+    rounds). The round's first step runs whenever the deadline is not past, and re-measures."""
+    tr = _trainer(ds)
+    tr.run(round=0, inner_steps=1, batch_size=4)
+    normal = tr._row_time_ema
+    tr._row_time_ema = 1e6  # as if the last step had been frozen for days
+    res = tr.run(round=1, inner_steps=3, batch_size=4, deadline=swarm_time() + 3600)
+    assert res.steps_done == 3
+    assert tr._row_time_ema < 100 * normal + 1.0
+    # a deadline already past still does nothing
+    assert tr.run(round=2, inner_steps=3, batch_size=4, deadline=swarm_time() - 1).steps_done == 0

@@ -201,6 +201,21 @@ def build_result(identity: Identity, spec: CollectiveSpec, index: int, owner: Pa
                                  payload=payload).SerializeToString()
 
 
+_PROOF_OF_TAMPERING = frozenset({Code.UNAUTHENTICATED, Code.DATA_LOSS, Code.INVALID_ARGUMENT, Code.PERMISSION_DENIED})
+"""Refusal codes of a relayed contribution that depend on its bytes alone (not on the reader's clock)."""
+
+
+def _votes(c: Contribution, tokens_used: int) -> bool:
+    """True when contribution ``c`` votes in its part: tokens after the plan's cap > 0 and, for a sign
+    packet, at least one block scale > 0 (a zero-scale block abstains in the robust rules)."""
+    if tokens_used <= 0:
+        return False
+    packet = c.packet
+    if isinstance(packet, compression.SignPacket):
+        return bool((packet.scales > 0).any())
+    return True
+
+
 def read_result(verifier: Verifier, spec: CollectiveSpec, j: int, signed: bytes, out: Optional[torch.Tensor] = None,
                 on_bad_relay: Optional[Callable[[str], None]] = None,
                 ) -> tuple[torch.Tensor, list[tuple[str, int]], float, dict[str, Any]]:
@@ -214,8 +229,21 @@ def read_result(verifier: Verifier, spec: CollectiveSpec, j: int, signed: bytes,
     contributions are not returned (verified work checks sign packets only; keeping them would pin
     every sender's whole part).
 
-    Raises EnvelopeError when the result is malformed, not the owner's, not this round's spec, or
-    below the quorum (``out`` may then hold partial values: the caller zeroes a refused part).
+    Relay results are held to two more rules (an adversarial review: one flipping owner of three, with
+    an honest peer that trained 0 steps, moved the model by its own flipped update every round):
+
+    * an owner that relays a contribution failing a check that depends on the bytes alone (forged or
+      tampered: UNAUTHENTICATED, DATA_LOSS; malformed or misattributed: INVALID_ARGUMENT,
+      PERMISSION_DENIED) forfeits the part: an honest owner verified every contribution it took,
+      so the signed result is proof of tampering; every reader refuses the same bytes;
+    * the quorum counts *voting* contributions (tokens > 0 after the plan's cap, and for sign
+      packets a block scale > 0): a 0-token or all-zero contribution is valid but abstains. A result
+      whose valid contributions reach the quorum but whose votes do not aggregates to zero, and
+      lists its contributors with 0 tokens (an idle range: the outer step does not move it).
+
+    Raises EnvelopeError when the result is malformed, not the owner's, not this round's spec, relays
+    a forged or tampered contribution, or is below the quorum (``out`` may then hold partial values:
+    the caller zeroes a refused part).
     """
     o = spec.owners[j]
     try:
@@ -252,21 +280,34 @@ def read_result(verifier: Verifier, spec: CollectiveSpec, j: int, signed: bytes,
     taken: dict[str, Contribution] = {}
     items = list(res.contributions)
     del res
+    forged: list[str] = []
     for item in items:
         try:
             _, c = check_contribution(verifier, spec, j, item.signed_message, None)
         except EnvelopeError as err:
             if on_bad_relay is not None:
                 on_bad_relay(err.reason)
+            if err.code in _PROOF_OF_TAMPERING:
+                forged.append(err.reason)
             continue
         taken.setdefault(c.sender, c)
     del items
+    if forged:
+        raise EnvelopeError(Code.DATA_LOSS, f"the owner relayed {len(forged)} forged or tampered contribution(s) "
+                                            f"({forged[0]}): its part result is refused")
     if not spec.quorum_met(taken):
         raise EnvelopeError(Code.FAILED_PRECONDITION,
                             f"part result holds {len(taken)} valid contribution(s), the quorum is "
                             f"{spec.quorum_count()} of {len(spec.established())} established participant(s)")
     ordered = sorted(taken.values(), key=lambda c: _pid_bytes(c.sender))
     used = [min(c.tokens, spec.participants[c.sender]) for c in ordered]
+    if not spec.quorum_met(c.sender for c, n in zip(ordered, used) if _votes(c, n)):
+        # Enough valid contributions, too few votes: nothing trustworthy to aggregate here.
+        if out is None:
+            out = torch.zeros(o.size, dtype=torch.float32)
+        else:
+            out.zero_()
+        return out, [(c.sender, 0) for c in ordered], max((c.compute_end for c in ordered), default=0.0), {}
     dropped: list[int] = []
     agg = spec.aggregate([(n, c.packet) for n, c in zip(used, ordered)], o.size, dropped, out=out)
     # A contribution the agreement filter dropped delivered nothing to this part: it is not listed as a
