@@ -539,15 +539,21 @@ class PeerNode(NodeRoundPolicy):
                 await self._catch_up()
             return
 
-    async def _checkpoint_or_warn(self) -> Optional[Path]:
+    async def _checkpoint_or_warn(self, final: bool = False) -> Optional[Path]:
         """Write a checkpoint in a worker thread; a failure (disk full, directory gone read-only, ...) is one
         WARNING line: the previous checkpoint stays valid (writes are atomic), training goes on and the next
-        checkpoint retries. Awaited before the next round starts, so the state does not change while it is written."""
+        checkpoint retries. Awaited before the next round starts, so the state does not change while it is written.
+        ``final``: the checkpoint at shutdown (a failure says this peer's last rounds are not on disk)."""
         try:
             return await asyncio.to_thread(self.checkpoint)
         except Exception as e:  # never end a training peer over its checkpoint
-            log.warning("round %d: checkpoint failed (%s: %s); the previous one stays valid, retrying at the next",
-                        self.round, type(e).__name__, e)
+            if final:
+                log.warning("round %d: the final checkpoint failed (%s: %s); the latest one already in %s stays valid "
+                            "(a --resume starts from it, not from round %d)", self.round, type(e).__name__, e,
+                            self.cfg.checkpoint_dir, self.round)
+            else:
+                log.warning("round %d: checkpoint failed (%s: %s); the previous one stays valid, retrying at the next",
+                            self.round, type(e).__name__, e)
             return None
 
     def checkpoint(self) -> Optional[Path]:
@@ -688,7 +694,7 @@ class PeerNode(NodeRoundPolicy):
                 await self.announce()
         except Exception as e:  # the DHT may be gone already; the record expires on its own
             log.warning("could not announce that this peer leaves: %s", e)
-        path = (await self._checkpoint_or_warn()
+        path = (await self._checkpoint_or_warn(final=True)
                 if self.outer is not None and not getattr(self, "_skip_checkpoint", False) else None)
         if path:
             log.info("checkpoint written: %s (round %d)", path, self.round)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from geomesh_p2p import __version__
@@ -91,6 +92,10 @@ def main(argv: list[str] | None = None) -> int:
     if ns.command is None:
         parser.print_help()
         return 0
+    if getattr(ns, "log_level", "INFO") != "DEBUG":
+        # gRPC's C core prints its own lines (e.g. `E... add_port.cc] Failed to add port` before this
+        # project's one-line "port busy" error): silenced as the bootstrap does, except at DEBUG.
+        os.environ.setdefault("GRPC_VERBOSITY", "NONE")
     # Config file values become defaults of the chosen subcommand; explicit flags still win.
     if getattr(ns, "config", None):
         sub = parser._subparsers._group_actions[0].choices[ns.command]

@@ -54,6 +54,11 @@ def test_a_full_disk_is_a_warning_and_the_previous_checkpoint_stays(tmp_path, mo
         assert asyncio.run(node._checkpoint_or_warn()) is None
     assert "round 4: checkpoint failed (OSError" in caplog.text and "No space left" in caplog.text
     assert [r for r, _ in state.list_checkpoints(tmp_path)] == [3]  # the previous one is intact
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):  # at shutdown there is no next checkpoint to retry with
+        assert asyncio.run(node._checkpoint_or_warn(final=True)) is None
+    assert "round 4: the final checkpoint failed (OSError" in caplog.text and "retrying" not in caplog.text
+    assert "not from round 4" in caplog.text
     monkeypatch.setattr(state, "save_checkpoint", real)
     node.round = 5
     assert asyncio.run(node._checkpoint_or_warn()) is not None  # retried at the next one
