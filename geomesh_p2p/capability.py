@@ -185,6 +185,19 @@ def _default_optimizer(params: Iterable[torch.nn.Parameter]) -> torch.optim.Opti
     return torch.optim.AdamW(params, lr=0.0, weight_decay=0.0)
 
 
+def _timed_step(sess: "_Session", x: torch.Tensor, dev: torch.device, speed_factor: float) -> float:
+    """Seconds one training step on token ids ``x`` (int64 [batch, seq_len]) takes, device synchronised;
+    ``speed_factor`` < 1 emulates a slower device by sleeping the difference (counted in the result)."""
+    t0 = time.perf_counter()
+    sess.step(x)
+    _sync(dev)
+    dt = time.perf_counter() - t0
+    if speed_factor < 1:
+        time.sleep(dt * (1.0 / speed_factor - 1.0))
+        dt = time.perf_counter() - t0
+    return dt
+
+
 class _Session:
     """Model in train mode, an optimizer, forked RNG; restores the model's state on exit."""
 
@@ -282,13 +295,7 @@ def measure_throughput(
             times = []
             try:
                 for i in range(warmup + steps):
-                    t0 = time.perf_counter()
-                    sess.step(x)
-                    _sync(dev)
-                    dt = time.perf_counter() - t0
-                    if speed_factor < 1:
-                        time.sleep(dt * (1.0 / speed_factor - 1.0))
-                        dt = time.perf_counter() - t0
+                    dt = _timed_step(sess, x, dev, speed_factor)
                     if i >= warmup:
                         times.append(dt)
             except (torch.cuda.OutOfMemoryError, RuntimeError) as e:
@@ -764,15 +771,7 @@ def profile_training(
     with _Session(m, dev, optimizer_factory, amp=amp) as sess:
 
         def run_step(b: int) -> float:
-            x = torch.randint(0, vocab, (b, seq_len), generator=gen).to(dev)
-            t0 = time.perf_counter()
-            sess.step(x)
-            _sync(dev)
-            dt = time.perf_counter() - t0
-            if speed_factor < 1:
-                time.sleep(dt * (1.0 / speed_factor - 1.0))
-                dt = time.perf_counter() - t0
-            return dt
+            return _timed_step(sess, torch.randint(0, vocab, (b, seq_len), generator=gen).to(dev), dev, speed_factor)
 
         # 1. static part, checked before any step
         base_probe_before = None

@@ -17,13 +17,14 @@ import hashlib
 import json
 import os
 import re
-import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from geomesh_p2p.atomic import atomic_write
 
 __all__ = ["digest", "StateError", "CheckpointError", "save_checkpoint",
            "load_latest_checkpoint", "list_checkpoints", "GlobalState", "StateChanged"]
@@ -86,22 +87,7 @@ def _fsync_dir(d: Path) -> None:
         os.close(fd)
 
 
-def _atomic_write(path: Path, write) -> None:
-    """Write via a temp file in the same directory, fsync, then ``os.replace``."""
-    fd, tmp = tempfile.mkstemp(prefix="." + path.name + ".", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        write(tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+_atomic_write = atomic_write  # the project's one atomic write (geomesh_p2p.atomic)
 
 
 def list_checkpoints(directory: str | os.PathLike) -> list[tuple[int, Path]]:

@@ -208,15 +208,7 @@ def test_newcomer_of_a_run_whose_peers_all_left_learns_the_round_it_was_at(tmp_p
 
 # ---------------------------------------------------------------- 1. skewed clocks
 async def _skewed_node(skew_s: float, bootstrap: list[str]) -> DHTNode:
-    t = Transport(Identity.generate(), RUN, TransportConfig(host="127.0.0.1", port=0))
-    node = DHTNode(t, rpc_timeout_s=2.0, clock=lambda: time.time() + skew_s)
-    await t.start()
-    try:
-        await node.join(bootstrap)
-    except BaseException:
-        await stop_node(node)
-        raise
-    return node
+    return await start_node(bootstrap, clock=lambda: time.time() + skew_s)
 
 
 @pytest.mark.parametrize("skew_s", [30.0, -30.0])

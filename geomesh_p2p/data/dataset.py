@@ -6,7 +6,6 @@ import hashlib
 import logging
 import math
 import os
-import tempfile
 from pathlib import Path
 from typing import Iterator
 
@@ -14,6 +13,7 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
+from ..atomic import atomic_write
 from .corpus import DataError, cache_dir_default, load_text
 from .tokenizer import encode_corpus, get_tokenizer, tokenizer_fingerprint
 
@@ -129,19 +129,11 @@ class TokenDataset:
 
 
 def _save_ids(path: Path, ids: np.ndarray) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix="." + path.name + ".", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
+    def write(tmp: str) -> None:
+        with open(tmp, "wb") as f:
             np.save(f, ids, allow_pickle=False)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+
+    atomic_write(path, write)
 
 
 def load_dataset(data: str | os.PathLike | None, seq_len: int, vocab_size: int = 4096,

@@ -21,12 +21,12 @@ import json
 import logging
 import os
 import re
-import tempfile
 from importlib import resources
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from ..atomic import atomic_write
 from .corpus import DataError, cache_dir_default, load_text
 
 __all__ = ["get_tokenizer", "tokenizer_key", "tokenizer_fingerprint", "encode_corpus",
@@ -51,19 +51,11 @@ def tokenizer_fingerprint(tok: Tokenizer) -> str:
 
 
 def _atomic_write_text(path: Path, data: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix="." + path.name + ".", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
+    def write(tmp: str) -> None:
+        with open(tmp, "w", encoding="utf-8") as f:
             f.write(data)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+
+    atomic_write(path, write)
 
 
 def train_tokenizer(text: str, vocab_size: int) -> Tokenizer:

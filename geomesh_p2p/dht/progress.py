@@ -19,13 +19,12 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import List, Optional
 
+from geomesh_p2p.atomic import atomic_write
 from geomesh_p2p.dht.node import Contact, DHTNode
 from geomesh_p2p.identity import Identity, PeerID
 
@@ -138,19 +137,11 @@ class BootstrapState:
     def save(self, path: str) -> None:
         """Write atomically (a temporary file in the same directory, then rename): a crash mid-write
         leaves the previous file. Blocking file I/O: call it in a worker thread. Raises OSError."""
-        p = Path(path).expanduser()
-        p.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=p.name + ".", suffix=".tmp", dir=p.parent)
-        try:
-            with os.fdopen(fd, "w") as f:
+        def write(tmp: str) -> None:
+            with open(tmp, "w") as f:
                 json.dump(asdict(self), f)
-            os.replace(tmp, p)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
+
+        atomic_write(Path(path).expanduser(), write)
 
     @classmethod
     def load(cls, path: str, run_id: str) -> Optional["BootstrapState"]:
