@@ -30,7 +30,7 @@ from geomesh_p2p.probation import PROBATION_SYNC_WAIT_S
 from geomesh_p2p.records import PeerRecord
 from geomesh_p2p.round.backoff import Backoff
 from geomesh_p2p.round.plans import digest_majority
-from geomesh_p2p.round.ports import (Clock, Collective, GlobalStatePort, Membership, PlanAgreement, RoundPolicy,
+from geomesh_p2p.round.ports import (Clock, Collective, GlobalStatePort, Membership, PlanAgreement, PlanDeferred, RoundPolicy,
                                      SystemClock, Trainer)
 from geomesh_p2p.state_sync import StateSyncError
 
@@ -171,9 +171,11 @@ class RoundDriver:
                  state: GlobalStatePort, policy: RoundPolicy, cfg: DriverConfig, stop: asyncio.Event,
                  clock: Optional[Clock] = None, traffic: Callable[[], tuple[int, int]] = lambda: (0, 0),
                  history: Optional[list] = None, leaving: Callable[[bool], None] = lambda _: None,
-                 loop_stall: Callable[[], Optional[float]] = lambda: None):
+                 loop_stall: Callable[[], Optional[float]] = lambda: None, feedback: Any = None):
         """``loop_stall``: the worst event-loop stall (seconds) since its previous call (LoopLagMonitor.take_worst),
-        into each round's row as ``loop_stall_ms``; None: not measured."""
+        into each round's row as ``loop_stall_ms``; None: not measured. ``feedback``: the run's error feedback
+        (:class:`~geomesh_p2p.compression.feedback.PushFeedback`, ``--error-feedback``) applied to this peer's
+        sign pushes in :meth:`exchange`; None: off."""
         self.membership, self.plans, self.trainer, self.collective = membership, plans, trainer, collective
         self.state, self.policy, self.cfg, self.stop = state, policy, cfg, stop
         self.clock = clock or SystemClock()
@@ -181,6 +183,7 @@ class RoundDriver:
         self.history = history if history is not None else []
         self.set_leaving = leaving
         self.loop_stall = loop_stall
+        self.feedback = feedback
         self.phase = Phase.IDLE
         self.in_exchange = False
         self.leaving = False
@@ -188,6 +191,9 @@ class RoundDriver:
         self._sync_misses: dict[str, int] = {}  # peer -> progress-derived waits it did not arrive from
         #: the rounds this peer applied, newest last (what a re-sync to another side's state discards)
         self.lineage: collections.deque[LineageEntry] = collections.deque(maxlen=LINEAGE_ROUNDS)
+        #: seconds per phase (metrics.PHASES) since this peer's previous row, and that row's monotonic time
+        self._phases: dict[str, float] = {}
+        self._t_row: Optional[float] = None
 
     @property
     def me(self) -> str:
@@ -195,6 +201,16 @@ class RoundDriver:
 
     def _backoff(self) -> Backoff:
         return Backoff(self.cfg.backoff_first_s, max(self.cfg.backoff_first_s, self.cfg.backoff_cap_s))
+
+    @contextlib.contextmanager
+    def _timed(self, name: str):
+        """Add the monotonic seconds the block takes to phase ``name`` of the current cycle (issue 17: the
+        round row's ``phase_s``, what the non-compute share of a round is made of)."""
+        t0 = self.clock.monotonic()
+        try:
+            yield
+        finally:
+            self._phases[name] = self._phases.get(name, 0.0) + max(0.0, self.clock.monotonic() - t0)
 
     async def _pause(self, seconds: float) -> bool:
         """Wait ``seconds`` or until stop; True when stopped. (The only sleep of the driver: backoff.)"""
@@ -208,11 +224,15 @@ class RoundDriver:
         while not self.stop.is_set():
             if self.cfg.rounds is not None and self.state.round >= self.cfg.rounds:
                 break
-            await self.membership.announce()
-            if await self.behind():
-                await self.resync("the swarm is at a later round")
+            with self._timed("top"):
+                await self.membership.announce()
+                behind = await self.behind()
+            if behind:
+                with self._timed("resync"):
+                    await self.resync("the swarm is at a later round")
                 continue
-            members = await self.gather(expected, first=first)
+            with self._timed("gather"):
+                members = await self.gather(expected, first=first)
             if members is None:
                 continue  # the swarm is ahead: the next pass catches up
             if self.stop.is_set() and {m.peer_id for m in members} <= {self.me}:
@@ -251,9 +271,12 @@ class RoundDriver:
         # The sides as announced before the download (a peer that trained with this one: its lineage);
         # read only when there is a lineage to lose (a joiner's catch-up costs no extra DHT read).
         recs = await self.membership.peers(include_leaving=True) if self.lineage else []
+        kept = len(self.lineage)
         await self.state.catch_up()
         if self.lineage and self.state.digest != before[1]:
             self._log_dropped(before, recs)
+        if len(self.lineage) < kept:  # rounds of this peer's lineage were discarded
+            self._drop_feedback()
 
     def _log_dropped(self, before: tuple, recs: Sequence[PeerRecord]) -> None:
         """After a re-sync from ``before`` (round, digest) to the state now held: when that state is not of
@@ -388,11 +411,15 @@ class RoundDriver:
     async def one_round(self, members: list[PeerRecord]) -> set[str]:
         """Run round ``state.round`` with ``members``; returns the participants expected next round."""
         ctx = RoundContext(round=self.state.round, t_round=self.clock.time(), members=members)
-        if not await self.agree(ctx):
+        with self._timed("plan"):
+            agreed = await self.agree(ctx)
+        if not agreed:
             return set()
         if not await self.train(ctx):
             return set()
-        if not await self.exchange(ctx):
+        with self._timed("exchange"):
+            exchanged = await self.exchange(ctx)
+        if not exchanged:
             return set()
         return await self.finish(ctx)
 
@@ -425,6 +452,9 @@ class RoundDriver:
             # the whole window trains (the DHT, maybe unreachable, is not asked).
             try:
                 plan = self.policy.make_plan(members, self.me)
+            except PlanDeferred:  # the policy said why, once: wait without an ERROR every pause
+                await self._pause(self.cfg.plan_timeout_s)
+                return False
             except Exception as e:
                 log.error("round %d: planning failed (%s: %s)", r, type(e).__name__, e)
                 await self._pause(self.cfg.plan_timeout_s)
@@ -493,6 +523,7 @@ class RoundDriver:
         ctx.sent0, ctx.recv0 = self.traffic()
         grad = None
         t_train = time.perf_counter()
+        t_phase = self.clock.monotonic()
         try:
             if self.cfg.exchanges_gradient:
                 grad, result = await asyncio.to_thread(lambda: self.trainer.gradient(
@@ -509,6 +540,8 @@ class RoundDriver:
             grad, result = None, no_work(time.perf_counter() - t_train)
             await asyncio.to_thread(self.state.reset_model)
         ctx.t_compute_end = self.clock.time()
+        self._phases["train"] = self._phases.get("train", 0.0) + max(0.0, self.clock.monotonic() - t_phase)
+        t_phase = self.clock.monotonic()
         if self.stop.is_set():
             # Finish the round anyway (the inner steps stopped early): the parts this peer owns stay
             # served and the others get a full update; the node leaves right after.
@@ -520,6 +553,8 @@ class RoundDriver:
             delta, result = torch.zeros_like(delta), no_work(result.compute_s)
             await asyncio.to_thread(self.state.reset_model)
         ctx.delta, ctx.result = delta, result
+        self._phases["pseudo_gradient"] = (self._phases.get("pseudo_gradient", 0.0)
+                                           + max(0.0, self.clock.monotonic() - t_phase))
         try:
             ctx.spec = self.policy.collective_spec(plan)
         except ValueError as e:  # plan_problem should have caught it; never crash on a leader's plan
@@ -533,6 +568,12 @@ class RoundDriver:
         self.phase = Phase.EXCHANGE
         self.in_exchange = True
         try:
+            fb, spec = self.feedback, ctx.spec
+            if fb is not None and getattr(spec, "push_encoding", "sign") == "sign":
+                # Error feedback (EF-SGD): push delta + residual, keep what the sign codec drops of each
+                # part (the parts this peer pushes: all of them); fp32 tensor math over [P], off the loop.
+                ctx.delta = await asyncio.to_thread(fb.apply, ctx.delta, int(ctx.result.tokens),
+                                                    [(o.start, o.end) for o in spec.owners], ctx.round)
             ctx.ar = await self.collective.all_reduce(ctx.spec, ctx.delta, tokens=ctx.result.tokens,
                                                       compute_end=ctx.t_compute_end)
         finally:
@@ -540,6 +581,16 @@ class RoundDriver:
         ctx.t_agg = self.clock.time()
         self.policy.after_exchange(ctx.spec, ctx.plan, ctx.ar)
         return True
+
+    def _drop_feedback(self) -> None:
+        """After a re-sync that discarded rounds of this peer's lineage: its error-feedback residual is the
+        compression error of pushes applied to the discarded state, so it is zeroed (one INFO line)."""
+        fb = self.feedback
+        if fb is None:
+            return
+        fb.reset()
+        log.info("error feedback: residual zeroed (re-synced to the state of round %d, another lineage)",
+                 self.state.round)
 
     async def finish(self, ctx: RoundContext) -> set[str]:
         """Phase FINISH: outer step and digest (worker thread), re-profiling, announcement, evaluation, the
@@ -549,7 +600,8 @@ class RoundDriver:
         r, plan, a, result, ar = ctx.round, ctx.plan, ctx.assignment, ctx.result, ctx.ar
         await self.policy.before_outer_step(r, plan, a, ar)  # verified work keeps this round's start weights
         idle = ar.idle_ranges() if hasattr(ar, "idle_ranges") else ()
-        await asyncio.to_thread(self._advance, r, plan, ar.aggregate, idle)
+        with self._timed("outer_step"):  # _advance moves its digest (commit) share to "digest"
+            await asyncio.to_thread(self._advance, r, plan, ar.aggregate, idle)
         # Re-profile before announcing round r+1: the record a leader gathers for r+1 then already holds
         # the figures every follower will check its plan against (planner.check_plan).
         self.policy.after_outer_step(r, plan, a, result, ar)
@@ -561,9 +613,11 @@ class RoundDriver:
             self._leave()
             log.info("round %d: exchange done; announcing that this peer leaves (%s)", r,
                      "stop requested" if self.stop.is_set() else f"--rounds {self.cfg.rounds} reached")
-        await self.membership.announce()
-        ppl = (await asyncio.to_thread(self.trainer.evaluate, max_batches=self.cfg.eval_batches)
-               if (r + 1) % self.cfg.eval_every == 0 or last else None)
+        with self._timed("announce"):
+            await self.membership.announce()
+        with self._timed("eval"):
+            ppl = (await asyncio.to_thread(self.trainer.evaluate, max_batches=self.cfg.eval_batches)
+                   if (r + 1) % self.cfg.eval_every == 0 or last else None)
         t = self.cfg.target_ppl
         if t is not None and ppl is not None and ppl <= t and not self.leaving:
             self._leave()
@@ -593,8 +647,13 @@ class RoundDriver:
             rec.loop_stall_ms = stall * 1e3
         # Only the participants that delivered vote on the digest (and are waited for): a no-show, e.g. an
         # identity on probation that never takes part, would hold every check for its whole wait.
-        rec.digest_agree = await self.check_digest(
-            r + 1, [p for p in plan.participants() if p in delivered] or plan.participants())
+        with self._timed("digest_check"):
+            rec.digest_agree = await self.check_digest(
+                r + 1, [p for p in plan.participants() if p in delivered] or plan.participants())
+        now = self.clock.monotonic()
+        rec.phase_s = {k: round(v, 4) for k, v in self._phases.items()}
+        rec.cycle_s = now - self._t_row if self._t_row is not None else None
+        self._phases, self._t_row = {}, now
         self.history.append(rec)
         if sys.stdout.isatty():
             sys.stdout.write("\r\x1b[K")  # clear the progress line before the row
@@ -607,11 +666,13 @@ class RoundDriver:
         if rec.digest_agree is False:
             self.phase = Phase.RESYNC
             try:
-                await self._catch_up()
+                with self._timed("resync"):
+                    await self._catch_up()
             except StateSyncError as e:  # the next round's behind() check tries again
                 log.warning("re-sync failed (%s); will retry", e)
         elif self.cfg.checkpointing and (r + 1) % self.cfg.checkpoint_every == 0:
-            await self.state.checkpoint_or_warn()
+            with self._timed("checkpoint"):  # counted in the next row's cycle
+                await self.state.checkpoint_or_warn()
         return delivered or set(plan.participants())
 
     def _advance(self, r: int, plan: RoundPlan, aggregate: torch.Tensor, idle) -> None:
@@ -619,7 +680,14 @@ class RoundDriver:
         has one, so a reader never sees the stepped buffer under round ``r``'s digest."""
         with getattr(self.state, "state_lock", None) or contextlib.nullcontext():
             self.state.outer_step(r, plan, aggregate, idle)
+            t0 = time.monotonic()
             self.state.commit(r + 1)
+            # The commit (load, digest, snapshot) is the "digest" phase; the caller's timer counts the whole
+            # call as "outer_step", so the commit's seconds move from there (a float add: GIL-atomic enough
+            # for the one writer, the driver's own worker thread, while the loop awaits it).
+            dt = time.monotonic() - t0
+            self._phases["digest"] = self._phases.get("digest", 0.0) + dt
+            self._phases["outer_step"] = self._phases.get("outer_step", 0.0) - dt
 
     def _leave(self) -> None:
         self.leaving = True

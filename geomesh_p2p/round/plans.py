@@ -47,6 +47,7 @@ from pydantic import ValidationError
 from geomesh_p2p.clock import swarm_time
 from geomesh_p2p.planner import RoundPlan
 from geomesh_p2p.round.backoff import Backoff
+from geomesh_p2p.round.ports import PlanDeferred
 from geomesh_p2p.records import PeerRecord
 
 log = logging.getLogger(__name__)
@@ -228,6 +229,9 @@ restarting when the plans seen change and at each candidate's take-over instant.
                             round, my_turn, elapsed)
             try:
                 plan = make_plan(members, me)
+            except PlanDeferred:  # the policy has said why (once); the next leader may do better
+                my_turn = None
+                continue
             except Exception as e:  # a broken record or a planner bug must not end the node
                 log.error("round %d: planning failed (%s: %s); leaving the round to the next leader", round,
                           type(e).__name__, e)

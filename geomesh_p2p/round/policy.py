@@ -26,6 +26,7 @@ from geomesh_p2p import probation as pb
 from geomesh_p2p.method import MethodRule
 from geomesh_p2p.planner import PlanConfig
 from geomesh_p2p.round.driver import no_work
+from geomesh_p2p.round.ports import PlanDeferred
 from geomesh_p2p.standing import OnceLog, choose_state
 from geomesh_p2p.sync_progress import SyncMeter
 
@@ -102,13 +103,31 @@ def outer_step_per_part(outer, theta: torch.Tensor, aggregate: torch.Tensor, ran
     return sorted(bad), bad_in
 
 
+class _NoOwner(Exception):
+    """:meth:`NodeRoundPolicy._make_plan`: no member to plan has an address (nobody can own a part)."""
+
+
 class NodeRoundPolicy:
     """Mixin of :class:`~geomesh_p2p.node.PeerNode`: the round rules (see the module docstring)."""
 
     # ------------------------------------------------------------------ RoundPolicy port
     def make_plan(self, members, leader):
-        """This peer's plan when it leads (:meth:`_make_plan`)."""
-        return self._make_plan(members, leader)
+        """This peer's plan when it leads (:meth:`_make_plan`).
+
+        Raises :class:`~geomesh_p2p.round.ports.PlanDeferred` when no member to plan can own a part
+        (every one client-only, e.g. a lone peer nobody can dial, or on probation): it says so in one
+        WARNING when that starts and one INFO when it ends, not at every retry (issue 14 #10)."""
+        try:
+            plan = self._make_plan(members, leader)
+        except _NoOwner as e:
+            if getattr(self, "_no_owner", False) is False:
+                log.warning("round %d: no reachable peer can own a part (%s): waiting for one", self.round, e)
+            self._no_owner = True
+            raise PlanDeferred(str(e)) from None
+        if getattr(self, "_no_owner", False):
+            log.info("round %d: a peer can own a part again: planning", self.round)
+        self._no_owner = False
+        return plan
 
     def plan_problem(self, plan, live: dict) -> Optional[str]:
         """Why this peer refuses ``plan``: :meth:`_plan_problem`, then verified work's objection."""
@@ -405,6 +424,8 @@ class NodeRoundPolicy:
         # geomesh/awb: AWB plan; diloco/css: uniform; ddp: uniform with one step per round. Claims are
         # bounded by the planner (planner.bound_records) and, for the peers of the last round, by what
         # their delivered contributions support (_delivered_rates).
+        if not any(m.address for m in members):
+            raise _NoOwner(f"{len(members)} peer(s) to plan, all client-only or on probation")
         evidence = getattr(self, "_supported_tps", None)
         supported = evidence[1] if evidence is not None and evidence[0] == self.round - 1 else None
         return planner.make_plan(members, cfg, run_id=self.run_cfg.run_id, round=self.round, leader=leader, numel=self.numel,

@@ -123,11 +123,17 @@ class GlobalStatePort(Protocol):
         """Write a checkpoint off the loop; failures are one warning (returns None then)."""
 
 
+class PlanDeferred(Exception):
+    """Raised by :meth:`RoundPolicy.make_plan` when no plan can be made yet for a reason the policy has
+    already told the user (logged once per change of state, e.g. no reachable peer can own a part): the
+    caller waits and retries without logging it again (issue 14 #10: not an ERROR every few seconds)."""
+
+
 class RoundPolicy(Protocol):
     """The node's rules for planning and for what a round's outcome means (penalties, standing, EMAs)."""
 
     def make_plan(self, members: Sequence[PeerRecord], leader: str) -> RoundPlan:
-        """This peer's plan of the round when it leads."""
+        """This peer's plan of the round when it leads (raises :class:`PlanDeferred` when none can be made yet)."""
 
     def plan_problem(self, plan: RoundPlan, live: dict) -> Optional[str]:
         """Why this peer refuses ``plan`` (None: it follows it)."""

@@ -1,0 +1,58 @@
+"""What a user reads (issue 14 #10): a lone client-only peer waits with one line, not an ERROR every
+few seconds; a healthy swarm's logs carry no ERROR, traceback, destroyed task or raw gRPC core line."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+
+from geomesh_p2p.identity import Identity
+from geomesh_p2p.node import NodeConfig, PeerNode, RunConfig
+from geomesh_p2p.records import PeerRecord
+from geomesh_p2p.round.ports import PlanDeferred
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _rec(ident: Identity, addr) -> PeerRecord:
+    return PeerRecord(peer_id=str(ident.peer_id), address=addr, device="cpu", memory_bytes=1 << 30,
+                      tokens_per_s={8: 1000.0}, max_batch=8, upload_bps=1e7, download_bps=1e7, version="0.1.0",
+                      run_config_hash="h", round=0, weights_digest="d")
+
+
+def _policy_node() -> PeerNode:
+    node = PeerNode.__new__(PeerNode)  # the round rules only: no transport, no model
+    node.run_cfg, node.cfg = RunConfig(window_s=6.0), NodeConfig()
+    node.numel, node.round, node.digest, node.me = 1_000_000, 0, "d", None
+    node._owner_penalty = {}
+    return node
+
+
+def test_a_lone_client_only_peer_waits_with_one_line_per_state_change(caplog):
+    me = Identity.generate()
+    node = _policy_node()
+    alone = [_rec(me, None)]  # nobody can dial it: client-only
+    with caplog.at_level(logging.INFO, logger="geomesh_p2p"):
+        for r in range(5):  # five retries of the driver: one line
+            node.round = r
+            with pytest.raises(PlanDeferred):
+                node.make_plan(alone, alone[0].peer_id)
+        other = _rec(Identity.generate(), "127.0.0.1:7001")
+        node.round = 5
+        plan = node.make_plan(alone + [other], alone[0].peer_id)
+        node.round = 6
+        with pytest.raises(PlanDeferred):
+            node.make_plan(alone, alone[0].peer_id)
+    msgs = [(r.levelname, r.getMessage()) for r in caplog.records]
+    assert [m for m in msgs if m[0] in ("ERROR", "CRITICAL")] == []
+    assert [m for m in msgs if "own a part" in m[1]] == [
+        ("WARNING", "round 0: no reachable peer can own a part (1 peer(s) to plan, all client-only or on "
+                    "probation): waiting for one"),
+        ("INFO", "round 5: a peer can own a part again: planning"),
+        ("WARNING", "round 6: no reachable peer can own a part (1 peer(s) to plan, all client-only or on "
+                    "probation): waiting for one"),
+    ]
+    assert [a.peer_id for a in plan.assignments if a.owns_part] == [other.peer_id]
+    assert plan.start_time > time.time() - 60
