@@ -8,6 +8,12 @@ Idle accounting of a round (all in seconds of wall-clock, shown as % of the roun
 * ``network_idle``: the rest of the non-compute time (end of compute to aggregate ready, minus the
   straggler idle): the time it waited on transfers, its own and the others'.
 
+``phase_s`` (issue 17): seconds of wall-clock (monotonic) each phase of the round driver took in the
+*cycle* that ends with this row: from the previous row of this peer to this one, so it also holds the
+previous round's checkpoint and this round's gather (see :data:`PHASES`). ``cycle_s`` is that cycle's
+length; ``compute_share`` = ``compute_s / cycle_s`` (the inner steps' share of this peer's time) and
+``other_s`` the part of the cycle no phase accounts for.
+
 ``loop_stall_ms``: the worst event-loop stall of the round (:class:`geomesh_p2p.looplag.LoopLagMonitor`):
 while the loop is stalled this peer serves nothing (parts, state, DHT), so slower peers wait on it.
 """
@@ -38,6 +44,15 @@ def json_safe(value):
     return value
 
 
+#: Phases of the round driver timed per cycle (``RoundRecord.phase_s`` keys, in the order they run).
+#: ``top``: the loop top (announce, behind-check); ``gather``; ``plan`` (agreement, settle included);
+#: ``train`` (inner steps); ``pseudo_gradient`` (delta and finiteness check); ``exchange``; ``outer_step``;
+#: ``digest`` (commit: load, digest, snapshot); ``announce`` (round r+1's record); ``eval`` (the time the
+#: round waited for evaluation: 0 when it runs in the background); ``digest_check``; ``checkpoint``
+#: (the previous round's, written after its row); ``resync`` (state downloads: behind, or a digest mismatch).
+PHASES = ("top", "gather", "plan", "train", "pseudo_gradient", "exchange", "outer_step", "digest", "announce",
+          "eval", "digest_check", "checkpoint", "resync")
+
 #: A round in which a peer does fewer than this share of its planned inner steps is flagged "underfilled".
 UNDERFILLED_SHARE = 0.5
 
@@ -67,6 +82,9 @@ class RoundRecord:
     missing_parts: int = 0
     time: float = 0.0
     loop_stall_ms: Optional[float] = None  # worst event-loop stall of the round, ms (None: not measured)
+    phase_s: dict = field(default_factory=dict)  # PHASES name -> seconds in this row's cycle (issue 17)
+    cycle_s: Optional[float] = None  # seconds from this peer's previous row to this one (None: first row)
+    eval_round: Optional[int] = None  # round whose end state eval_ppl measured (background eval lags)
     extra: dict = field(default_factory=dict)
 
     @property
@@ -83,9 +101,28 @@ class RoundRecord:
     def network_idle_pct(self) -> float:
         return 100.0 * self.network_idle_s / self.round_s if self.round_s > 0 else 0.0
 
+    @property
+    def compute_share(self) -> Optional[float]:
+        """``compute_s / cycle_s`` in [0, 1] (None before a cycle is known): the inner steps' share of this
+        peer's wall-clock between two rows. Issue 17's goal is >= 0.92 on a 3-peer loopback swarm."""
+        if not self.cycle_s or self.cycle_s <= 0:
+            return None
+        return min(1.0, max(0.0, self.compute_s / self.cycle_s))
+
+    @property
+    def other_s(self) -> Optional[float]:
+        """Seconds of the cycle no timed phase accounts for (None before a cycle is known)."""
+        if self.cycle_s is None:
+            return None
+        return max(0.0, self.cycle_s - sum(self.phase_s.values()))
+
     def to_json(self) -> str:
         """One JSON object (strict JSON: NaN/Inf become null, ``extra`` included)."""
         d = asdict(self)
+        share = self.compute_share
+        d["compute_share"] = round(share, 4) if share is not None else None
+        other = self.other_s
+        d["other_s"] = round(other, 4) if other is not None else None
         d["straggler_idle_pct"] = round(self.straggler_idle_pct, 2)
         d["network_idle_pct"] = round(self.network_idle_pct, 2)
         d["underfilled"] = self.underfilled
@@ -93,7 +130,7 @@ class RoundRecord:
 
 
 HEADER = (f"{'round':>5} {'peers':>5} {'batch':>5} {'H':>7} {'tokens':>8} {'loss':>7} {'eval ppl':>9} "
-          f"{'strag%':>6} {'net%':>5} {'sent':>9} {'recv':>9} {'time':>6} {'stall':>6} digest")
+          f"{'strag%':>6} {'net%':>5} {'comp%':>5} {'sent':>9} {'recv':>9} {'time':>6} {'stall':>6} digest")
 
 
 def _fmt_bytes(n: int) -> str:
@@ -110,9 +147,11 @@ def format_row(r: RoundRecord) -> str:
     h = f"{r.inner_steps_done}/{r.inner_steps_planned}" + ("!" if r.underfilled else "")
     agree = {None: "", True: " ok", False: " MISMATCH"}[r.digest_agree]
     loss = f"{r.train_loss:>7.3f}" if math.isfinite(r.train_loss) else f"{'-':>7}"
+    share = r.compute_share
+    comp = f"{100 * share:>5.1f}" if share is not None else f"{'-':>5}"
     stall = f"{r.loop_stall_ms:.0f}ms" if r.loop_stall_ms is not None and math.isfinite(r.loop_stall_ms) else "-"
     return (f"{r.round:>5} {r.peers:>5} {r.batch_size:>5} {h:>7} {r.tokens:>8} {loss} {ppl} "
-            f"{r.straggler_idle_pct:>6.1f} {r.network_idle_pct:>5.1f} {_fmt_bytes(r.bytes_sent):>9} "
+            f"{r.straggler_idle_pct:>6.1f} {r.network_idle_pct:>5.1f} {comp} {_fmt_bytes(r.bytes_sent):>9} "
             f"{_fmt_bytes(r.bytes_received):>9} {r.round_s:>6.1f} {stall:>6} {r.digest[:8]}{agree}")
 
 
@@ -147,7 +186,10 @@ class RoundLog:
             "network_idle": g("network_idle_ratio", "network idle share of the last round"),
             "round_s": g("round_seconds", "wall time of the last round"),
             "loop_stall": g("loop_stall_seconds", "worst event-loop stall of the last round"),
+            "compute_share": g("compute_share_ratio", "inner steps' share of this peer's last round cycle"),
         }
+        self._phase = Gauge("geomesh_round_phase_seconds", "seconds of each round-driver phase in the last cycle",
+                            ["phase"], registry=self.registry)
         self._loop_stall = Histogram("geomesh_round_loop_stall_seconds", "worst event-loop stall per round",
                                      buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
                                      registry=self.registry)
@@ -186,6 +228,10 @@ class RoundLog:
             if r.loop_stall_ms is not None and math.isfinite(r.loop_stall_ms):
                 gz["loop_stall"].set(r.loop_stall_ms / 1000)
                 self._loop_stall.observe(r.loop_stall_ms / 1000)
+            if r.compute_share is not None:
+                gz["compute_share"].set(r.compute_share)
+            for name, secs in r.phase_s.items():
+                self._phase.labels(phase=name).set(secs)
             if r.underfilled:
                 self._underfilled.inc()
             self._tokens.inc(r.tokens)

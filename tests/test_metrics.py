@@ -21,7 +21,8 @@ def _record(**over) -> RoundRecord:
                   inner_steps_done=8, tokens=8192, train_loss=4.5, eval_ppl=250.25, compute_s=6.0,
                   straggler_idle_s=1.0, network_idle_s=0.5, round_s=8.0, bytes_sent=200_000,
                   bytes_received=300_000, digest="abcdef0123456789", digest_agree=True,
-                  contributors=3, missing_parts=0, time=1_700_000_000.5, loop_stall_ms=30.0)
+                  contributors=3, missing_parts=0, time=1_700_000_000.5, loop_stall_ms=30.0,
+                  phase_s={"plan": 0.5, "train": 6.0, "exchange": 1.5}, cycle_s=8.0)
     fields.update(over)
     return RoundRecord(**fields)
 
@@ -71,6 +72,7 @@ def test_prometheus_gauges_exact(served):
     rl.add(_record())
     assert printed == [HEADER, format_row(_record())]
     assert printed[1].split()[-3:-1] == ["30ms", "abcdef01"]  # the round's worst loop stall
+    assert printed[1].split()[9] == "75.0"  # comp%: 6.0 s of compute in an 8.0 s cycle
     m = _scrape(port)
     stall = {k: m.pop(k) for k in list(m) if k.startswith("geomesh_round_loop_stall_seconds")}
     assert stall == {**{f'geomesh_round_loop_stall_seconds_bucket{{le="{b}"}}': float(float(b) >= 0.05) for b in
@@ -89,6 +91,9 @@ def test_prometheus_gauges_exact(served):
         "geomesh_tokens_total": 8192.0,
         "geomesh_sent_bytes_total": 200_000.0,
         "geomesh_received_bytes_total": 300_000.0, "geomesh_underfilled_rounds_total": 0.0,
+        "geomesh_compute_share_ratio": 0.75,  # 6.0 s of compute in an 8.0 s cycle
+        'geomesh_round_phase_seconds{phase="plan"}': 0.5, 'geomesh_round_phase_seconds{phase="train"}': 6.0,
+        'geomesh_round_phase_seconds{phase="exchange"}': 1.5,
     }
     # next round: gauges are replaced, counters add up, a round without eval keeps the last ppl
     rl.add(_record(round=8, peers=2, train_loss=4.25, eval_ppl=None, straggler_idle_s=0.0,
@@ -112,6 +117,9 @@ def test_prometheus_gauges_exact(served):
         "geomesh_tokens_total": 9192.0,
         "geomesh_sent_bytes_total": 200_001.0,
         "geomesh_received_bytes_total": 300_002.0, "geomesh_underfilled_rounds_total": 0.0,
+        "geomesh_compute_share_ratio": 0.75,
+        'geomesh_round_phase_seconds{phase="plan"}': 0.5, 'geomesh_round_phase_seconds{phase="train"}': 6.0,
+        'geomesh_round_phase_seconds{phase="exchange"}': 1.5,
     }
 
 
@@ -145,6 +153,8 @@ def test_json_lines_exact(tmp_path):
         "bytes_sent": 200_000, "bytes_received": 300_000, "digest": "abcdef0123456789",
         "digest_agree": True, "contributors": 3, "missing_parts": 0, "time": 1_700_000_000.5,
         "loop_stall_ms": 30.0, "extra": {}, "straggler_idle_pct": 12.5, "network_idle_pct": 6.25, "underfilled": False,
+        "phase_s": {"plan": 0.5, "train": 6.0, "exchange": 1.5}, "cycle_s": 8.0, "eval_round": None,
+        "compute_share": 0.75, "other_s": 0.0,
     }
     second = json.loads(lines[1])  # strict JSON: NaN became null; a 0 s round gives 0 %
     assert "NaN" not in lines[1]

@@ -276,7 +276,7 @@ class RoundDriver:
         if self.lineage and self.state.digest != before[1]:
             self._log_dropped(before, recs)
         if len(self.lineage) < kept:  # rounds of this peer's lineage were discarded
-            self._drop_feedback()
+            await self._drop_feedback()
 
     def _log_dropped(self, before: tuple, recs: Sequence[PeerRecord]) -> None:
         """After a re-sync from ``before`` (round, digest) to the state now held: when that state is not of
@@ -582,13 +582,13 @@ class RoundDriver:
         self.policy.after_exchange(ctx.spec, ctx.plan, ctx.ar)
         return True
 
-    def _drop_feedback(self) -> None:
+    async def _drop_feedback(self) -> None:
         """After a re-sync that discarded rounds of this peer's lineage: its error-feedback residual is the
         compression error of pushes applied to the discarded state, so it is zeroed (one INFO line)."""
         fb = self.feedback
         if fb is None:
             return
-        fb.reset()
+        await asyncio.to_thread(fb.reset)  # a [P] fill: off the loop
         log.info("error feedback: residual zeroed (re-synced to the state of round %d, another lineage)",
                  self.state.round)
 
