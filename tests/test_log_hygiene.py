@@ -4,7 +4,6 @@ few seconds; a healthy swarm's logs carry no ERROR, traceback, destroyed task or
 from __future__ import annotations
 
 import logging
-import time
 
 import pytest
 
@@ -56,4 +55,4 @@ def test_a_lone_client_only_peer_waits_with_one_line_per_state_change(caplog):
                     "probation): waiting for one"),
     ]
     assert [a.peer_id for a in plan.assignments if a.owns_part] == [other.peer_id]
-    assert plan.start_time > time.time() - 60
+    assert plan.round == 5
