@@ -44,6 +44,7 @@ from geomesh_p2p.dht import DHTNode
 from geomesh_p2p.dht.node import DHT_PROTOCOL_VERSION
 from geomesh_p2p.dht.progress import swarm_progress
 from geomesh_p2p.errors import UserFacingError
+from geomesh_p2p.compression.feedback import PushFeedback
 from geomesh_p2p.identity import Identity, IdentityError, allow_list
 from geomesh_p2p.links import LinkProbeService, probe_link
 from geomesh_p2p.looplag import LoopLagMonitor
@@ -311,6 +312,9 @@ class PeerNode(NodeRoundPolicy):
         self.theta = self.gstate.theta
         self.outer.buf = self.gstate.opt_state
         self.state_server.serve(self.gstate)  # served by byte range from the buffer itself (no snapshot copies)
+        # --error-feedback: the residual [P] fp32 of this peer's sign pushes (fp32 pushes lose nothing).
+        self.feedback = (PushFeedback(self.numel, r.block_size)
+                         if r.error_feedback and rule.push_encoding == "sign" else None)
 
     async def _probe_links(self):
         """Measure this peer's link against the first bootstrap that answers (links.probe_link);
@@ -493,6 +497,11 @@ class PeerNode(NodeRoundPolicy):
         await asyncio.to_thread(self._set_state, rnd, theta, momentum)
         self.standing = Standing.from_meta((meta.get("meta") or {}).get("standing"))
         log.info("resumed from checkpoint at round %d (digest %s)", rnd, self.digest[:8])
+        if getattr(self, "feedback", None) is not None:
+            got = await asyncio.to_thread(self.feedback.load, self.cfg.checkpoint_dir, state_round=rnd,
+                                          digest=self.digest)
+            log.info("error feedback: %s", "residual resumed from the checkpoint" if got == "loaded"
+                     else f"residual starts at zero ({got})")
 
     async def _on_empty_swarm(self) -> None:
         """No other live peer of this run (issue 14 #2): when a bootstrap saw the run at round N > 0
@@ -560,10 +569,13 @@ class PeerNode(NodeRoundPolicy):
 
         if not self.cfg.checkpoint_dir or self.theta is None:
             return None
-        return gstate.save_checkpoint(self.cfg.checkpoint_dir, round=self.round, theta=self.theta,
+        path = gstate.save_checkpoint(self.cfg.checkpoint_dir, round=self.round, theta=self.theta,
                                momentum=self.outer.buf, keep=self.cfg.checkpoint_keep,
                                meta={"run_config_hash": self.config_hash, "peer_id": self.me,
                                      "run_config": self.run_cfg.model_dump(), "standing": self.standing.to_meta()})
+        if getattr(self, "feedback", None) is not None:  # next to the checkpoint, tagged with its state
+            self.feedback.save(self.cfg.checkpoint_dir, state_round=self.round, digest=self.digest)
+        return path
 
     async def run(self) -> int:
         """Train until done; returns a process exit code (0 on success or clean stop)."""
@@ -603,7 +615,8 @@ class PeerNode(NodeRoundPolicy):
             membership=self, plans=DhtPlanAgreement(self.plans), trainer=self.trainer, collective=self.collective,
             state=self, policy=self, cfg=cfg, stop=self._stop, history=self.history,
             traffic=lambda: transport.stats.snapshot(), leaving=self._set_leaving,
-            loop_stall=self.looplag.take_worst if getattr(self, "looplag", None) is not None else lambda: None)
+            loop_stall=self.looplag.take_worst if getattr(self, "looplag", None) is not None else lambda: None,
+            feedback=getattr(self, "feedback", None))
         return self._round_driver
 
     def _set_leaving(self, leaving: bool) -> None:

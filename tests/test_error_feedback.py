@@ -1,0 +1,171 @@
+"""Error feedback in the real peer (issue 15): ``--error-feedback`` pushes delta + residual and keeps what
+the sign codec dropped, bit for bit the simulator's rule (compression.ErrorFeedback), checkpointed next to
+the state and zeroed on a re-sync to another lineage."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from geomesh_p2p import compression
+from geomesh_p2p.compression.feedback import RESIDUAL_FILE, PushFeedback
+from tests.swarm_util import free_port
+
+B = 64  # codec block
+P = 5 * B + 17  # the last block is short
+RANGES = [(0, 2 * B), (2 * B, 4 * B), (4 * B, P)]  # part ranges aligned to the block (part_align = block_size)
+
+
+def _same_packet(a, b) -> bool:
+    return (a.numel, a.block_size, a.tokens) == (b.numel, b.block_size, b.tokens) and \
+        torch.equal(a.signs, b.signs) and torch.equal(a.scales, b.scales)
+
+
+@pytest.mark.timeout(30)
+def test_pushed_parts_equal_the_simulators_rule_bit_for_bit_over_3_rounds():
+    """The parts the collective encodes from PushFeedback.apply's vector are the slices of the simulator's
+    whole-vector ErrorFeedback.encode packet, and both residuals are bitwise equal, round after round."""
+    g = torch.Generator().manual_seed(7)
+    sim, real = compression.ErrorFeedback(P, B), PushFeedback(P, B)
+    for r in range(3):
+        delta = torch.randn(P, generator=g) * (r + 1) * 1e-3
+        tokens = 100 + r
+        want = sim.encode(delta.clone(), tokens)
+        pushed = real.apply(delta, tokens, RANGES, round=r)
+        assert not torch.equal(pushed, delta) or r == 0  # round 0: residual 0, so delta + 0
+        for s, e in RANGES:
+            # what collective.messages.contribution_bytes encodes for part [s, e)
+            got = compression.encode(pushed[s:e], block_size=B, tokens=tokens)
+            assert _same_packet(got, compression.slice_packet(want, s, e)), (r, s, e)
+        assert torch.equal(real.residual, sim.residual), r
+        assert real.round == r
+    assert real.residual.abs().sum() > 0
+
+
+@pytest.mark.timeout(30)
+def test_a_push_of_0_tokens_keeps_the_residual_and_bad_input_changes_nothing():
+    fb = PushFeedback(P, B)
+    fb.apply(torch.randn(P), 10, RANGES)
+    kept = fb.residual.clone()
+    zeros = torch.zeros(P)
+    assert fb.apply(zeros, 0, RANGES) is zeros  # an abstention: nothing counted, nothing carried
+    assert torch.equal(fb.residual, kept)
+    bad = torch.randn(P)
+    bad[5] = float("nan")
+    with pytest.raises(compression.CodecError, match="non-finite"):
+        fb.apply(bad, 10, RANGES)
+    with pytest.raises(compression.CodecError, match="do not cover"):
+        fb.apply(torch.randn(P), 10, RANGES[:2])
+    with pytest.raises(compression.CodecError, match="elements"):
+        fb.apply(torch.randn(P + 1), 10, RANGES)
+    assert torch.equal(fb.residual, kept)
+
+
+@pytest.mark.timeout(30)
+def test_residual_checkpoint_resumes_only_with_its_state(tmp_path):
+    fb = PushFeedback(P, B)
+    fb.apply(torch.randn(P), 10, RANGES, round=4)
+    fb.save(tmp_path, state_round=5, digest="ab" * 32)
+    assert (tmp_path / RESIDUAL_FILE).exists()
+    other = PushFeedback(P, B)
+    assert other.load(tmp_path, state_round=5, digest="ab" * 32) == "loaded"
+    assert torch.equal(other.residual, fb.residual) and other.round == 4
+    why = other.load(tmp_path, state_round=5, digest="cd" * 32)
+    assert why.startswith("another state") and other.residual.abs().sum() == 0
+    assert PushFeedback(P, B).load(tmp_path / "none", state_round=5, digest="ab" * 32) == "missing"
+    assert PushFeedback(P + 1, B).load(tmp_path, state_round=5, digest="ab" * 32).startswith("unreadable")
+    (tmp_path / RESIDUAL_FILE).write_bytes(b"garbage")
+    assert PushFeedback(P, B).load(tmp_path, state_round=5, digest="ab" * 32).startswith("unreadable")
+
+
+# ------------------------------------------------------------------ the driver's exchange phase (fakes)
+class _Spec:
+    push_encoding = "sign"
+
+    def __init__(self):
+        self.owners = [type("O", (), {"start": s, "end": e})() for s, e in RANGES]
+
+
+class _Collective:
+    def __init__(self):
+        self.pushed = []
+
+    async def all_reduce(self, spec, delta, tokens, compute_end=None):
+        self.pushed.append(delta.clone())
+        return object()
+
+
+class _Policy:
+    def after_exchange(self, spec, plan, ar):
+        pass
+
+
+class _State:
+    round = 3
+    digest = "11" * 32
+
+    async def catch_up(self):
+        self.digest = "22" * 32
+
+
+@pytest.mark.timeout(30)
+async def test_driver_exchange_pushes_delta_plus_residual_and_a_foreign_resync_zeroes_it(caplog):
+    import asyncio
+
+    from geomesh_p2p.round.driver import DriverConfig, LineageEntry, RoundContext, RoundDriver
+
+    fb, sim = PushFeedback(P, B), compression.ErrorFeedback(P, B)
+    coll = _Collective()
+    d = RoundDriver(membership=None, plans=None, trainer=None, collective=coll, state=_State(), policy=_Policy(),
+                    cfg=DriverConfig(), stop=asyncio.Event(), feedback=fb)
+    g = torch.Generator().manual_seed(3)
+    for r in range(2):
+        delta = torch.randn(P, generator=g)
+        ctx = RoundContext(round=r, t_round=0.0, delta=delta.clone(), spec=_Spec(),
+                           result=type("R", (), {"tokens": 50})())
+        assert await d.exchange(ctx)
+        want = sim.encode(delta, 50)
+        got = compression.encode(coll.pushed[-1], block_size=B, tokens=50)
+        assert _same_packet(got, want)
+    assert torch.equal(fb.residual, sim.residual) and fb.residual.abs().sum() > 0
+
+    # A re-sync that discards a round of this peer's lineage zeroes the residual, with one INFO line.
+    d.lineage.append(LineageEntry(2, "11" * 32, frozenset({"me"}), 50, 50))
+
+    async def peers(include_leaving=False):
+        return []
+
+    d.membership = type("M", (), {"peers": staticmethod(peers), "me": "me"})()
+    d._log_dropped = lambda before, recs: d.lineage.pop()  # the partition rule decided: round 2 discarded
+    with caplog.at_level(logging.INFO, logger="geomesh_p2p.node.round"):
+        await d._catch_up()
+    assert fb.residual.abs().sum() == 0 and fb.round == -1
+    assert "error feedback: residual zeroed" in caplog.text
+
+
+# ------------------------------------------------------------------ two peer processes
+@pytest.mark.e2e
+@pytest.mark.timeout(420)
+def test_two_peers_with_error_feedback_keep_equal_digests_and_checkpoint_the_residual(swarm, tmp_path):
+    """geomesh-peer join --error-feedback: 2 peers train 3 rounds with equal digests every round; each
+    checkpoints a non-zero residual tagged with the state of its last checkpoint."""
+    from safetensors import safe_open
+
+    port = free_port()
+    names = ["p0", "p1"]
+    common = ["--rounds", "3", "--min-peers", "2", "--error-feedback", "--checkpoint-every", "1"]
+    swarm.peer("p0", *common, "--checkpoint-dir", str(tmp_path / "ck0"), port=port)
+    swarm.wait_for(lambda: "serving on" in swarm.text("p0"), 120, "p0 to listen")
+    swarm.peer("p1", *common, "--checkpoint-dir", str(tmp_path / "ck1"), bootstrap=f"127.0.0.1:{port}")
+    assert swarm.wait_exit(names, 360) == {"p0": 0, "p1": 0}
+    for r in range(3):
+        d = {n: next((x["digest"] for x in swarm.rows(n) if x["round"] == r), None) for n in names}
+        assert None not in d.values() and len(set(d.values())) == 1, f"round {r}: {d}"
+    for n in names:
+        assert all(x["peers"] == 2 for x in swarm.rows(n))
+        with safe_open(str(tmp_path / f"ck{n[1]}" / RESIDUAL_FILE), framework="pt") as f:
+            meta, res = f.metadata(), f.get_tensor("residual")
+        assert meta["round"] == "3" and meta["digest"] == swarm.rows(n)[-1]["digest"], meta
+        assert res.dtype == torch.float32 and res.abs().sum() > 0
