@@ -29,10 +29,10 @@ import time
 from typing import NoReturn, Optional
 
 from geomesh_p2p import __version__
-
-DEFAULT_IDENTITY = "~/.geomesh/bootstrap.key"
-DEFAULT_RUN_ID = "geomesh-demo"
-DEFAULT_PORT = 31337
+from geomesh_p2p.cli_config import ConfigFileError, add_flags, flag_specs, load_config_defaults
+from geomesh_p2p.config import DEFAULT_BOOTSTRAP_IDENTITY as DEFAULT_IDENTITY  # noqa: F401  (re-exported)
+from geomesh_p2p.config import DEFAULT_BOOTSTRAP_PORT as DEFAULT_PORT  # noqa: F401
+from geomesh_p2p.config import DEFAULT_RUN_ID, BootstrapConfig  # noqa: F401
 PROG = "geomesh-bootstrap"
 
 log = logging.getLogger("geomesh.bootstrap")
@@ -49,47 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap = _Parser(prog=PROG, description=__doc__.split("\n\n", 1)[0].replace("``", ""),
                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
     ap.add_argument("--version", action="version", version=f"{PROG} {__version__}")
-    ap.add_argument("--host", default="0.0.0.0",
-                    help="interface to listen on; 0.0.0.0 = all (default: %(default)s)")
-    ap.add_argument("--port", type=int, default=DEFAULT_PORT,
-                    help="TCP port to listen on; 0 = any free port (default: %(default)s)")
-    ap.add_argument("--advertise-host", default=None, metavar="HOST",
-                    help="host others should dial, when it differs from --host (default: --host, or this "
-                         "machine's outward address when --host is 0.0.0.0)")
-    ap.add_argument("--identity", default=DEFAULT_IDENTITY, metavar="PATH",
-                    help="Ed25519 key file, created with mode 0600 if absent; keeps the PeerID stable across "
-                         "restarts (default: %(default)s)")
-    ap.add_argument("--state-file", default=None, metavar="PATH",
-                    help="where the routing table and the run's last known round are saved (every "
-                         "--status-interval and on exit) and read back after a restart, so the swarm's "
-                         "peers are re-dialled at once; '' = none (default: the --identity path with the "
-                         "suffix .state.json)")
-    ap.add_argument("--run-id", default=DEFAULT_RUN_ID,
-                    help="training run this swarm serves; peers of other runs are refused (default: %(default)s)")
-    ap.add_argument("--bootstrap", action="append", default=[], metavar="HOST:PORT",
-                    help="another bootstrap node of the same swarm to join (repeatable; default: none, start "
-                         "a new swarm)")
-    ap.add_argument("--status-interval", type=float, default=30.0, metavar="SECONDS",
-                    help="log the number of live peers this often (default: %(default)s)")
-    ap.add_argument("--k", type=int, default=20, help="Kademlia bucket size and replication (default: %(default)s)")
-    ap.add_argument("--alpha", type=int, default=3, help="Kademlia lookup parallelism (default: %(default)s)")
-    ap.add_argument("--rpc-timeout", type=float, default=3.0, metavar="SECONDS",
-                    help="deadline of each DHT call (default: %(default)s)")
-    ap.add_argument("--refresh-period", type=float, default=60.0, metavar="SECONDS",
-                    help="refresh idle routing-table buckets this often (default: %(default)s)")
-    ap.add_argument("--republish-period", type=float, default=60.0, metavar="SECONDS",
-                    help="re-replicate held records this often (default: %(default)s)")
-    ap.add_argument("--allow-peers", metavar="FILE", default=None,
-                    help="private run: serve only the peers listed in FILE (one base58 PeerID or public key per "
-                         "line; include the other bootstraps); everyone else is refused with PERMISSION_DENIED "
-                         "(default: open run)")
-    ap.add_argument("--http-port", type=int, default=None, metavar="PORT",
-                    help="serve the read-only status page and /api/swarm, /api/rounds on this port; 0 = any free "
-                         "port (default: off)")
-    ap.add_argument("--http-host", default="127.0.0.1", metavar="HOST",
-                    help="interface the status page listens on; 0.0.0.0 = all (default: %(default)s)")
-    ap.add_argument("--http-poll", type=float, default=2.0, metavar="SECONDS",
-                    help="how often the status page re-reads the swarm's records (default: %(default)s)")
+    # Every option but --config/--log-level comes from BootstrapConfig's fields (defaults and help once).
+    add_flags(ap, flag_specs(BootstrapConfig))
     ap.add_argument("--config", metavar="FILE", default=None,
                     help="YAML/JSON file of option values (flags on the command line win) (default: none)")
     ap.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
@@ -168,8 +129,6 @@ def parse(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser = build_parser()
     ns = parser.parse_args(argv)
     if ns.config:
-        from peer.config import ConfigFileError, load_config_defaults
-
         try:
             parser.set_defaults(**load_config_defaults(parser, ns.config))
         except ConfigFileError as e:

@@ -158,8 +158,7 @@ class NodeConfig(BaseModel):
                             metavar="HOST")
     allow_peers: Optional[list[str]] = opt(
         None, "private run: deal only with the peers listed in FILE (one base58 PeerID or public key per line; "
-              "include the bootstraps); everyone else's records and requests are refused (the field holds "
-              "the entries)", metavar="FILE", parse="file")
+              "include the bootstraps); everyone else's records and requests are refused", metavar="FILE", parse="file")
     tls_cert: Optional[str] = opt(None, "PEM certificate of this node's gRPC server (with --tls-key)",
                                   metavar="PATH")
     tls_key: Optional[str] = opt(None, "PEM private key of --tls-cert", metavar="PATH")

@@ -17,8 +17,7 @@ import os
 import sys
 
 from geomesh_p2p import __version__
-
-DEFAULT_IDENTITY = "~/.geomesh/identity.key"
+from geomesh_p2p.config import DEFAULT_IDENTITY
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
@@ -85,7 +84,7 @@ def cmd_identity(ns: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from peer.config import ConfigFileError, load_config_defaults
+    from geomesh_p2p.cli_config import ConfigFileError, load_config_defaults
 
     parser = build_parser()
     ns = parser.parse_args(argv)

@@ -44,26 +44,11 @@ def _free_port() -> int:
 
 
 def _run_flags(ns: argparse.Namespace) -> list[str]:
-    out = ["--run-id", ns.run_id, "--model", ns.model, "--vocab-size", str(ns.vocab_size),
-           "--seq-len", str(ns.seq_len), "--seed", str(ns.seed), "--method", ns.method, "--mode", ns.mode,
-           "--aggregate-encoding", ns.aggregate_encoding, "--block-size", str(ns.block_size),
-           "--aggregation", ns.aggregation, "--weight-cap", str(ns.weight_cap),
-           "--min-agreement", str(ns.min_agreement), "--quorum", str(ns.quorum),
-           "--inner-optimizer", ns.inner_optimizer, "--inner-lr", str(ns.inner_lr), "--outer-lr", str(ns.outer_lr),
-           "--outer-momentum", str(ns.outer_momentum), "--target-batch", str(ns.target_batch),
-           "--window-s", str(ns.window_s), "--uniform-inner-steps", str(ns.uniform_inner_steps),
-           "--pow-bits", str(ns.pow_bits)]
-    if ns.model_config:
-        out += ["--model-config", ns.model_config]
-    if ns.data:
-        out += ["--data", ns.data]
-    if getattr(ns, "data_column", None) is not None:
-        out += ["--data-column", ns.data_column]
-    if getattr(ns, "data_max_bytes", None) is not None:
-        out += ["--data-max-bytes", str(ns.data_max_bytes)]
-    if ns.error_feedback:
-        out.append("--error-feedback")
-    return out
+    """The demo's run flags as each peer's argv, rendered from the RunConfig fields' own flags
+    (:func:`peer.node_cli.run_argv`): every peer gets the same run config as the demo was given."""
+    from peer.node_cli import run_argv
+
+    return run_argv(ns)
 
 
 class Swarm:

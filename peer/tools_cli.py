@@ -17,6 +17,7 @@ import math
 import sys
 import time
 
+from geomesh_p2p.config import DEFAULT_RUN_ID
 from peer.node_cli import _host_port, _int_at_least, _non_negative_float, _positive_float
 
 
@@ -219,7 +220,7 @@ def add_subcommands(sub, add_common) -> None:
                                     "and last rounds. Exits 1 with one line when the bootstrap cannot be reached.")
     st.add_argument("--bootstrap", action="append", type=_host_port, required=True, metavar="HOST:PORT",
                     help="the swarm's bootstrap (its DHT port, as peers join with); repeatable")
-    st.add_argument("--run-id", default="geomesh-demo", help="run to read (default: %(default)s)")
+    st.add_argument("--run-id", default=DEFAULT_RUN_ID, help="run to read (default: %(default)s)")
     st.add_argument("--json", action="store_true", help="print JSON (the status page's /api/swarm and rounds)")
     st.add_argument("--timeout", type=_positive_float, default=3.0, metavar="SECONDS",
                     help="deadline of each DHT call (default: %(default)s)")
