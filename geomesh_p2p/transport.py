@@ -43,6 +43,7 @@ import grpc
 import grpc.aio
 
 from geomesh_p2p.addr import AddressError, format_address
+from geomesh_p2p.errors import UserFacingError
 from geomesh_p2p.identity import EnvelopeError, Identity, PeerID, Verified, Verifier
 from geomesh_p2p.wire import envelope_pb2
 
@@ -214,24 +215,99 @@ def current_request() -> Verified:
     return v
 
 
+class TlsError(UserFacingError, ValueError):
+    """A TLS file (``--tls-cert/--tls-key/--tls-ca``) is missing, unreadable or not what it should be; the
+    message names the flag and the file."""
+
+
 @dataclass
 class TlsConfig:
-    """PEM files. Server: cert + key. Client: ca (the root that signed the servers' certs)."""
+    """TLS of every gRPC connection (``--tls-cert``, ``--tls-key``, ``--tls-ca``): PEM file paths.
+
+    * Server: ``cert_file`` + ``key_file`` (its certificate chain and private key). With ``ca_file`` too,
+      the server requires each caller to present a certificate signed by that CA (mutual TLS).
+    * Client: ``ca_file``, the root the servers' certificates must chain to (None: the system roots);
+      ``cert_file`` + ``key_file``, when given, are presented to servers that ask for one.
+
+    A certificate must name the address others dial (an IP SAN such as 127.0.0.1, or the DNS name).
+    TLS authenticates and encrypts the connection; who sent a message is still the Ed25519 envelope
+    (``identity.Verifier``), checked on every request and reply as without TLS.
+    """
 
     cert_file: Optional[str] = None
     key_file: Optional[str] = None
     ca_file: Optional[str] = None
+    _pem: Dict[str, bytes] = field(default_factory=dict, repr=False, compare=False)
+
+    def check(self) -> "TlsConfig":
+        """Read and validate the files once (blocking file I/O; call it at start-up). Returns ``self``.
+
+        Raises:
+            TlsError: a key without a certificate or the reverse; a file missing or unreadable; a file that
+                holds no PEM certificate (cert, CA) or private key (key); a key that does not belong to the
+                certificate. The message names the flag and the file.
+        """
+        if (self.cert_file is None) != (self.key_file is None):
+            raise TlsError("--tls-cert and --tls-key go together (the server's certificate and its private key)")
+        if not (self.cert_file or self.ca_file):
+            raise TlsError("TLS needs --tls-cert/--tls-key (a server), --tls-ca (a client), or all three")
+        from cryptography import x509
+        from cryptography.hazmat.primitives import serialization
+
+        certs = {}
+        for flag, path, what in (("--tls-cert", self.cert_file, "cert"), ("--tls-ca", self.ca_file, "cert"),
+                                 ("--tls-key", self.key_file, "key")):
+            if path is None:
+                continue
+            try:
+                with open(path, "rb") as f:
+                    data = f.read()
+            except OSError as e:
+                raise TlsError(f"{flag} {path}: cannot read it ({e.strerror or e})") from None
+            try:
+                if what == "cert":
+                    certs[flag] = x509.load_pem_x509_certificates(data)[0]
+                else:
+                    key = serialization.load_pem_private_key(data, password=None)
+            except (ValueError, TypeError) as e:
+                kind = "a PEM certificate" if what == "cert" else "an unencrypted PEM private key"
+                raise TlsError(f"{flag} {path}: not {kind} ({str(e).splitlines()[0] if str(e) else e})") from None
+            self._pem[flag] = data
+        if self.cert_file is not None:
+            pub = serialization.PublicFormat.SubjectPublicKeyInfo
+            enc = serialization.Encoding.DER
+            if key.public_key().public_bytes(enc, pub) != certs["--tls-cert"].public_key().public_bytes(enc, pub):
+                raise TlsError(f"--tls-key {self.key_file} is not the private key of --tls-cert {self.cert_file}")
+        return self
+
+    def _bytes(self, flag: str) -> Optional[bytes]:
+        if not self._pem:
+            self.check()
+        return self._pem.get(flag)
 
     def server_credentials(self) -> grpc.ServerCredentials:
-        """Credentials from ``key_file`` and ``cert_file``; ValueError if either is unset, OSError if unreadable."""
-        if self.key_file is None or self.cert_file is None:
-            raise ValueError("a TLS server needs both cert_file and key_file")
-        with open(self.key_file, "rb") as k, open(self.cert_file, "rb") as c:
-            return grpc.ssl_server_credentials([(k.read(), c.read())])
+        """Server credentials: ``key_file`` + ``cert_file``; callers must present a certificate signed by
+        ``ca_file`` when it is set. Raises TlsError (see :meth:`check`) or when no certificate is set."""
+        if self.cert_file is None:
+            raise TlsError("a TLS server needs --tls-cert and --tls-key (or run it --client-only)")
+        ca = self._bytes("--tls-ca")
+        return grpc.ssl_server_credentials([(self._bytes("--tls-key"), self._bytes("--tls-cert"))],
+                                           root_certificates=ca, require_client_auth=ca is not None)
 
     def channel_credentials(self) -> grpc.ChannelCredentials:
-        root = open(self.ca_file, "rb").read() if self.ca_file else None
-        return grpc.ssl_channel_credentials(root_certificates=root)
+        """Client credentials: servers are checked against ``ca_file`` (None: the system roots); this node's
+        certificate and key, when set, answer a server's request for one. Raises TlsError (:meth:`check`)."""
+        return grpc.ssl_channel_credentials(root_certificates=self._bytes("--tls-ca"),
+                                            private_key=self._bytes("--tls-key"),
+                                            certificate_chain=self._bytes("--tls-cert"))
+
+
+def tls_from_flags(cert: Optional[str], key: Optional[str], ca: Optional[str]) -> Optional[TlsConfig]:
+    """The checked :class:`TlsConfig` of ``--tls-cert/--tls-key/--tls-ca`` (None when none is given: plaintext).
+    Blocking file reads (call it at start-up, off the event loop). Raises TlsError naming the flag and file."""
+    if not (cert or key or ca):
+        return None
+    return TlsConfig(cert or None, key or None, ca or None).check()
 
 
 @dataclass
@@ -301,12 +377,36 @@ class TrafficStats:
         return self.bytes_sent, self.bytes_received
 
 
-class RpcError(Exception):
-    """An outgoing call failed: the peer refused it (``code`` + ``reason``), timed out, or is unreachable."""
+# Methods whose call may be sent twice with no other effect than once (a read, a probe, or a store/push
+# the server keeps once per sender): the transport redials and retries them once after a lost connection.
+IDEMPOTENT_METHODS = frozenset({DHT_PING, DHT_STORE, DHT_FIND, COLLECTIVE_PULL, STATE_GET, STATE_STATUS, LINK_PROBE})
 
-    def __init__(self, address: str, method: str, code: grpc.StatusCode, reason: str):
+# gRPC core's wording (the status details) for a connection that could not be made or was lost, as
+# opposed to a server that answered UNAVAILABLE itself ("round N is not open on this node yet").
+_CONNECTION_LOST = ("failed to connect", "connection refused", "connect failed", "socket closed",
+                    "connection reset", "broken pipe", "endpoint closing", "no route to host", "dns resolution failed")
+
+
+def connection_failed(code: grpc.StatusCode, details: str) -> bool:
+    """True when a call failed with UNAVAILABLE because no connection to the peer could be made or kept
+    (refused, reset, unresolvable), rather than by the peer's own UNAVAILABLE answer."""
+    if code != grpc.StatusCode.UNAVAILABLE:
+        return False
+    d = (details or "").lower()
+    return any(w in d for w in _CONNECTION_LOST)
+
+
+class RpcError(Exception):
+    """An outgoing call failed: the peer refused it (``code`` + ``reason``), timed out, or is unreachable.
+
+    ``unreachable``: the call failed because no connection could be made or kept, after the transport's
+    one redial (:meth:`Transport.call`): the peer's process is gone or not listening there; a caller
+    waiting on this peer for a deadline can stop at once (issue 14 #10)."""
+
+    def __init__(self, address: str, method: str, code: grpc.StatusCode, reason: str, unreachable: bool = False):
         super().__init__(f"{method} to {address} failed: {code.name}: {reason}")
         self.address, self.method, self.code, self.reason = address, method, code, reason
+        self.unreachable = unreachable
 
 
 class _RejectLog:
@@ -867,14 +967,17 @@ class Transport:
             self._channels.move_to_end(address)
         return ch
 
-    def drop_channel(self, address: str) -> bool:
+    def drop_channel(self, address: str, channel: Optional[grpc.aio.Channel] = None) -> bool:
         """Close the cached channel to ``address`` (a grace of ``default_timeout_s`` seconds for its calls in
         flight), so the next call dials a new connection. Why: a channel whose peer went away waits out
         gRPC's reconnect backoff (up to minutes), failing every call at once with the old error, even
-        after a new process listens there again (a restart on the same port). True when one was cached."""
-        ch = self._channels.pop(address, None)
-        if ch is None:
+        after a new process listens there again (a restart on the same port). With ``channel``: only if
+        that one is still the cached one (concurrent failed calls drop the dead channel once, not the new
+        one a first retry dialled). True when one was dropped."""
+        ch = self._channels.get(address)
+        if ch is None or (channel is not None and ch is not channel):
             return False
+        del self._channels[address]
         self._evicted.add(ch)
         task = self.tasks.spawn(ch.close(grace=self.config.default_timeout_s), name="close-channel")
         task.add_done_callback(functools.partial(self._forget_evicted, ch))
@@ -895,22 +998,41 @@ class Transport:
             raise RpcError(address, method, err.code, f"reply refused: {err.reason}") from None
 
     async def call(self, address: str, method: str, payload: bytes, *, round: int = 0,
-                   timeout: Optional[float] = None) -> Verified:
-        """Sign ``payload``, call ``method`` on ``address`` with a deadline, verify the signed reply.
+                   timeout: Optional[float] = None, idempotent: Optional[bool] = None) -> Verified:
+        """Sign ``payload``, call ``method`` on ``address`` with a deadline (``timeout`` seconds, default
+        ``default_timeout_s``, for both tries together), verify the signed reply.
 
-        Raises RpcError (status + reason) on refusal, deadline, unreachable peer or a bad reply.
+        A lost connection (:func:`connection_failed`) drops the cached channel, whatever the method: a
+        peer restarted on its old port is dialled afresh instead of after gRPC's reconnect backoff. An
+        ``idempotent`` call (default: ``method`` in :data:`IDEMPOTENT_METHODS`) is then retried once at
+        once on the new connection. Only an answered call counts its bytes in :attr:`stats` (a failed
+        one may never have left this host: counting it inflated the exchange's sent bytes).
+
+        Raises RpcError (status + reason; ``unreachable`` for a lost connection) on refusal, deadline,
+        unreachable peer or a bad reply.
         """
         if self._closed:
             raise RpcError(address, method, grpc.StatusCode.CANCELLED, "transport is closed")
         request = await self._signed(round=round, kind=method, payload=payload)
         if self.config.added_latency_s > 0:
             await asyncio.sleep(self.config.added_latency_s)
-        mc = self._channel(address).unary_unary(method, request_serializer=None, response_deserializer=_split_request)
-        try:
-            reply = await mc(request, timeout=timeout or self.config.default_timeout_s)
-        except grpc.aio.AioRpcError as e:
-            self.stats.add(method, len(request), 0)
-            raise RpcError(address, method, e.code(), e.details() or "") from None
+        retry = method in IDEMPOTENT_METHODS if idempotent is None else idempotent
+        deadline = time.monotonic() + (timeout or self.config.default_timeout_s)
+        while True:
+            channel = self._channel(address)
+            mc = channel.unary_unary(method, request_serializer=None, response_deserializer=_split_request)
+            try:
+                reply = await mc(request, timeout=max(0.001, deadline - time.monotonic()))
+                break
+            except grpc.aio.AioRpcError as e:
+                lost = connection_failed(e.code(), e.details() or "")
+                if lost:
+                    self.drop_channel(address, channel)
+                if lost and retry and not self._closed and deadline - time.monotonic() > 0.001:
+                    retry = False
+                    log.debug("%s to %s: connection lost (%s); redialling once", method, address, e.details())
+                    continue
+                raise RpcError(address, method, e.code(), e.details() or "", unreachable=lost) from None
         self.stats.calls += 1
         self.stats.add(method, len(request), reply.ByteSize())
         return await self._check_reply(address, method, reply)
@@ -921,15 +1043,26 @@ class Transport:
         request = await self._signed(round=round, kind=method, payload=payload)
         if self.config.added_latency_s > 0:
             await asyncio.sleep(self.config.added_latency_s)
-        mc = self._channel(address).unary_stream(method, request_serializer=None, response_deserializer=_split_request)
+        channel = self._channel(address)
+        mc = channel.unary_stream(method, request_serializer=None, response_deserializer=_split_request)
         call = mc(request, timeout=timeout or self.config.default_timeout_s)
-        self.stats.add(method, len(request), 0)
+        answered = False  # the request's bytes count once a reply arrived (see call)
         try:
             async for reply in call:
+                if not answered:
+                    answered = True
+                    self.stats.add(method, len(request), 0)
                 self.stats.add(method, 0, reply.ByteSize())
                 yield await self._check_reply(address, method, reply)
+            if not answered:  # an answer with no message
+                self.stats.add(method, len(request), 0)
         except grpc.aio.AioRpcError as e:
-            raise RpcError(address, method, e.code(), e.details() or "") from None
+            # Not retried here (replies may already have been yielded): the channel is dropped so the
+            # caller's next try dials afresh.
+            lost = connection_failed(e.code(), e.details() or "")
+            if lost:
+                self.drop_channel(address, channel)
+            raise RpcError(address, method, e.code(), e.details() or "", unreachable=lost) from None
         finally:
             call.cancel()
 

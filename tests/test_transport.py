@@ -10,8 +10,8 @@ import time
 import grpc
 import pytest
 
-from geomesh_p2p.identity import Identity, canonical_header
-from geomesh_p2p.transport import DHT_PING, DHT_STORE, RpcError, Transport, TransportConfig, current_request
+from geomesh_p2p.identity import EnvelopeError, Identity, canonical_header
+from geomesh_p2p.transport import DHT_FIND, DHT_PING, DHT_STORE, RpcError, Transport, TransportConfig, current_request
 from geomesh_p2p.wire import envelope_pb2
 
 pytestmark = pytest.mark.timeout(60)
@@ -262,3 +262,67 @@ async def test_big_payloads_are_hashed_off_the_event_loop_once_per_message(pair,
     hashed.clear()
     assert (await client.call(address, DHT_PING, b"hi")).payload == b"echo:hi"
     assert sorted(hashed) == [(2, True), (2, True), (7, True), (7, True)]
+
+
+def _restart_server(port: int) -> Transport:
+    server = Transport(Identity.generate(), RUN, TransportConfig(port=port))
+    server.add_unary(DHT_PING, _echo)
+    return server
+
+
+async def test_a_peer_restarted_on_its_old_port_is_redialled_and_failed_calls_count_no_bytes():
+    """Issue 14 #10: a lost connection drops the cached channel (any method), so a peer restarted on
+    its old port answers the next call instead of gRPC's reconnect backoff failing it (the old code
+    failed it for seconds to minutes); a failed call counts no bytes as sent."""
+    first = _restart_server(0)
+    address = await first.start()
+    port = int(address.rsplit(":", 1)[1])
+    client = Transport(Identity.generate(), RUN, TransportConfig(client_only=True))
+    second = None
+    try:
+        assert (await client.call(address, DHT_PING, b"a")).payload == b"echo:a"
+        sent = client.stats.snapshot()
+        await first.stop(grace=0)
+        with pytest.raises(RpcError) as ei:
+            await client.call(address, DHT_PING, b"b", timeout=5)
+        assert ei.value.code == grpc.StatusCode.UNAVAILABLE and ei.value.unreachable
+        assert client.stats.snapshot() == sent and client.stats.by_method[DHT_PING] == sent
+        # A non-idempotent call fails too (not retried), and also drops the channel.
+        with pytest.raises(RpcError) as ei:
+            await client.call(address, DHT_PING, b"c", timeout=5, idempotent=False)
+        assert ei.value.unreachable and client.stats.snapshot() == sent
+        second = _restart_server(port)
+        assert await second.start() == address
+        reply = await client.call(address, DHT_PING, b"d", timeout=5)
+        assert reply.payload == b"echo:d" and reply.sender == second.identity.peer_id
+        assert client.stats.bytes_sent > sent[0]
+    finally:
+        await client.stop()
+        if second is not None:
+            await second.stop()
+
+
+async def test_a_server_answering_unavailable_keeps_its_channel():
+    """The server's own UNAVAILABLE (e.g. a round not open yet) is no lost connection: the channel stays,
+    the call is not retried, and ``unreachable`` is False."""
+    calls = []
+
+    async def not_yet(verified, context):
+        calls.append(verified.payload)
+        raise EnvelopeError(grpc.StatusCode.UNAVAILABLE, "round 3 is not open on this node yet")
+
+    server = Transport(Identity.generate(), RUN)
+    server.add_unary(DHT_PING, _echo)
+    server.add_unary(DHT_FIND, not_yet)
+    address = await server.start()
+    client = Transport(Identity.generate(), RUN, TransportConfig(client_only=True))
+    try:
+        await client.call(address, DHT_PING, b"warm")
+        channel = client._channel(address)
+        with pytest.raises(RpcError) as ei:
+            await client.call(address, DHT_FIND, b"x")  # idempotent: it would be retried on a lost connection
+        assert ei.value.code == grpc.StatusCode.UNAVAILABLE and not ei.value.unreachable
+        assert calls == [b"x"] and client._channel(address) is channel
+    finally:
+        await client.stop()
+        await server.stop()
