@@ -17,6 +17,7 @@ import os
 import sys
 
 from geomesh_p2p import __version__
+from geomesh_p2p.cli_config import ConfigFileError, load_config_defaults
 from geomesh_p2p.config import DEFAULT_IDENTITY
 
 
@@ -83,9 +84,19 @@ def cmd_identity(ns: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    from geomesh_p2p.cli_config import ConfigFileError, load_config_defaults
+def with_config_file(parser: argparse.ArgumentParser, ns: argparse.Namespace,
+                     argv: list[str] | None) -> argparse.Namespace:
+    """``argv`` parsed again with the values of ``--config FILE`` as the chosen command's defaults:
+    a flag on the command line > the file > the field's default. ``ns`` is returned as is without
+    --config. Raises ConfigFileError naming the file and the unknown key or bad value."""
+    if not getattr(ns, "config", None):
+        return ns
+    sub = parser._subparsers._group_actions[0].choices[ns.command]
+    sub.set_defaults(**load_config_defaults(sub, ns.config))
+    return parser.parse_args(argv)
 
+
+def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     ns = parser.parse_args(argv)
     if ns.command is None:
@@ -95,15 +106,11 @@ def main(argv: list[str] | None = None) -> int:
         # gRPC's C core prints its own lines (e.g. `E... add_port.cc] Failed to add port` before this
         # project's one-line "port busy" error): silenced as the bootstrap does, except at DEBUG.
         os.environ.setdefault("GRPC_VERBOSITY", "NONE")
-    # Config file values become defaults of the chosen subcommand; explicit flags still win.
-    if getattr(ns, "config", None):
-        sub = parser._subparsers._group_actions[0].choices[ns.command]
-        try:
-            sub.set_defaults(**load_config_defaults(sub, ns.config))
-        except ConfigFileError as e:
-            print(f"geomesh-peer: {e}", file=sys.stderr)
-            return 2
-        ns = parser.parse_args(argv)
+    try:
+        ns = with_config_file(parser, ns, argv)
+    except ConfigFileError as e:
+        print(f"geomesh-peer: {e}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=getattr(ns, "log_level", "INFO"),
                         format="%(asctime)s %(levelname).1s %(name)s: %(message)s", datefmt="%H:%M:%S")
     if ns.command == "identity":

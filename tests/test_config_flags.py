@@ -1,0 +1,173 @@
+"""CLI flags generated from the config models (geomesh_p2p.cli_config): every field has its flag and
+its default in --help, flag > config file > default, bad config files are refused naming the key,
+the demo's peers get the same run config, and bootstrap/ imports nothing from peer/."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from geomesh_p2p.cli_config import ConfigFileError, derived_fields, flag_specs
+from geomesh_p2p.config import BootstrapConfig, NodeConfig, RunConfig
+
+pytestmark = pytest.mark.timeout(60)
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _help(parser) -> str:
+    """--help with each flag's help on its own line (no wrapping), so the default sits next to its flag."""
+    import argparse
+
+    parser.formatter_class = lambda prog: argparse.HelpFormatter(prog, max_help_position=1000, width=5000)
+    return parser.format_help()
+
+
+def _join_parser():
+    from peer.cli import build_parser
+
+    return build_parser()._subparsers._group_actions[0].choices["join"]
+
+
+@pytest.mark.parametrize("model", [RunConfig, NodeConfig])
+def test_every_field_has_a_join_flag_with_its_default_in_help(model):
+    join = _join_parser()
+    text = _help(join)
+    lines = {line.split()[0]: line for line in text.splitlines() if line.strip().startswith("--")}
+    specs = flag_specs(model)
+    derived = derived_fields(model)
+    assert {s.field for s in specs} | set(derived) == set(model.model_fields)
+    for field, source in derived.items():  # computed from a flag of join (e.g. data from --data)
+        assert source in lines, (field, source)
+    for s in specs:
+        assert s.flag in lines, s.flag
+        default = s.kwargs.get("default")
+        if isinstance(default, bool) or default is None or default == []:
+            continue
+        shown = ",".join(map(str, default)) if isinstance(default, list) else str(default)
+        assert f"(default: {shown}" in lines[s.flag], lines[s.flag]
+        # the help shows the field's own default, in the flag's unit
+        field_default = model.model_fields[s.field].get_default(call_default_factory=True)
+        assert default == (field_default / s.scale if s.scale else field_default)
+
+
+def test_bootstrap_flags_are_its_fields():
+    from bootstrap.cli import build_parser
+
+    lines = {line.split()[0]: line for line in _help(build_parser()).splitlines()
+             if line.strip().startswith("--")}
+    for s in flag_specs(BootstrapConfig):
+        assert s.flag in lines
+    assert "(default: 31337)" in lines["--port"] and "(default: ~/.geomesh/bootstrap.key)" in lines["--identity"]
+    assert "(default: geomesh-demo)" in lines["--run-id"]
+
+
+def test_join_flags_build_the_configs_in_field_units():
+    from peer import node_cli
+
+    ns = _join_parser().parse_args(["--memory-budget-gb", "1.5", "--upload-mbps", "8", "--added-latency-ms", "20",
+                                    "--window-s", "3", "--min-agreement", "0", "--no-amp", "--clip-k", "2.5",
+                                    "--bootstrap", "127.0.0.1:5", "--bootstrap", "[::1]:6"])
+    cfg = node_cli.node_config_from(ns)
+    assert cfg.memory_budget_bytes == 3 * 2**29 and isinstance(cfg.memory_budget_bytes, int)
+    assert cfg.upload_bps == 1e6 and cfg.download_bps is None and cfg.added_latency_s == 0.02
+    assert cfg.amp is False and cfg.bootstrap == ["127.0.0.1:5", "[::1]:6"]
+    run = node_cli.run_config_from(ns)
+    assert (run.window_s, run.min_agreement, run.clip_k) == (3.0, None, 2.5)
+    # no flag given: exactly the models' defaults
+    ns0 = _join_parser().parse_args([])
+    assert node_cli.run_config_from(ns0) == RunConfig()
+    assert node_cli.node_config_from(ns0) == NodeConfig()
+
+
+def test_flag_beats_config_file_beats_default(tmp_path):
+    from peer.cli import build_parser, with_config_file
+
+    cfg = tmp_path / "peer.yaml"
+    cfg.write_text("window-s: 9\nseed: 7\nmemory_budget_gb: 2\nbootstrap: 127.0.0.1:31337\n")
+    argv = ["join", "--config", str(cfg), "--seed", "3"]
+    parser = build_parser()
+    ns = with_config_file(parser, parser.parse_args(argv), argv)
+    from peer import node_cli
+
+    run, node = node_cli.run_config_from(ns), node_cli.node_config_from(ns)
+    assert run.seed == 3  # flag
+    assert run.window_s == 9.0 and node.memory_budget_bytes == 2 * 2**30  # file
+    assert node.bootstrap == ["127.0.0.1:31337"]
+    assert run.inner_lr == RunConfig().inner_lr == 1e-3 and node.port == 0  # default
+
+
+def test_bootstrap_flag_beats_config_file_beats_default(tmp_path):
+    from bootstrap.cli import parse
+
+    cfg = tmp_path / "b.json"
+    cfg.write_text('{"k": 8, "run-id": "from-file", "bootstrap": "127.0.0.1:1"}')
+    ns = parse(["--config", str(cfg), "--k", "5"])
+    assert (ns.k, ns.run_id, ns.bootstrap, ns.alpha, ns.port) == (5, "from-file", ["127.0.0.1:1"], 3, 31337)
+
+
+@pytest.mark.parametrize("text, expect", [
+    ("windw-s: 3\n", "unknown option 'windw-s'"),
+    ("window-s: -1\n", "window-s: must be a finite number > 0, got -1"),
+    ("method: sgd\n", "method: 'sgd' is not one of geomesh, awb, css, diloco, ddp"),
+    ("vocab_size: 12\n", "vocab_size: must be >= 257, got 12"),
+])
+def test_bad_config_file_is_refused_naming_key_and_file(tmp_path, capsys, text, expect):
+    from peer.cli import main
+
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text(text)
+    assert main(["join", "--config", str(cfg), "--identity", str(tmp_path / "id.key")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"geomesh-peer: config file {cfg}: {expect}"
+    assert not (tmp_path / "id.key").exists()  # refused before anything starts
+
+
+def test_bootstrap_bad_config_key_is_refused(tmp_path, capsys):
+    from bootstrap.cli import main
+
+    cfg = tmp_path / "b.yaml"
+    cfg.write_text("no_such: 1\n")
+    assert main(["--config", str(cfg)]) == 2
+    assert capsys.readouterr().err.strip() == f"geomesh-bootstrap: config file {cfg}: unknown option 'no_such'"
+
+
+def test_demo_peers_get_the_same_run_config(tmp_path):
+    """The demo renders its run flags into each peer's argv from the same specs (no hand list)."""
+    from peer import demo, node_cli
+    from peer.cli import build_parser
+
+    data = tmp_path / "t.txt"
+    data.write_text("some text\n")
+    args = ["--run-id", "r1", "--seed", "4", "--method", "diloco", "--mode", "reencode", "--min-agreement", "0",
+            "--error-feedback", "--window-s", "2.5", "--pow-bits", "0", "--data", str(data), "--clip-k", "3",
+            "--max-inner-steps", "50"]
+    ns = build_parser().parse_args(["demo", *args])
+    peer_ns = _join_parser().parse_args(demo._run_flags(ns))
+    want = node_cli.run_config_from(_join_parser().parse_args(args))
+    assert node_cli.run_config_from(peer_ns) == want
+    assert want.method == "diloco" and want.error_feedback and want.min_agreement is None
+    # every RunConfig flag is rendered (also at its default), so a peer's own defaults never matter
+    rendered = demo._run_flags(build_parser().parse_args(["demo"]))
+    assert {s.flag for s in flag_specs(RunConfig) if s.kwargs.get("action") != "store_true"} <= set(rendered)
+
+
+def test_config_file_error_is_a_value_error():
+    assert issubclass(ConfigFileError, ValueError)
+
+
+def test_bootstrap_imports_nothing_from_peer():
+    for path in (ROOT / "bootstrap").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            assert not any(n == "peer" or n.startswith("peer.") for n in names), (path, names)
+    code = ("import sys, bootstrap.cli as b; b.build_parser(); "
+            "print(sorted(m for m in sys.modules if m == 'peer' or m.startswith('peer.')))")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]"
