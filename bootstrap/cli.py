@@ -142,9 +142,10 @@ def parse(argv: Optional[list[str]] = None) -> argparse.Namespace:
     return ns
 
 
-async def serve(ns: argparse.Namespace, identity, allow_peers: Optional[list[str]] = None) -> int:
+async def serve(ns: argparse.Namespace, identity, allow_peers: Optional[list[str]] = None, tls=None) -> int:
     """Run the bootstrap node until SIGINT/SIGTERM. Returns the exit status. ``allow_peers``: the
-    entries of --allow-peers (private run), None for an open run."""
+    entries of --allow-peers (private run), None for an open run. ``tls``: the checked
+    ``transport.TlsConfig`` of --tls-cert/--tls-key/--tls-ca, None for plaintext."""
     from geomesh_p2p.dht import DHTJoinError, DHTNode, live_peers
     from geomesh_p2p.identity import allow_list
     from geomesh_p2p.transport import Transport, TransportConfig
@@ -155,7 +156,8 @@ async def serve(ns: argparse.Namespace, identity, allow_peers: Optional[list[str
     if advertise is None and is_wildcard_host(ns.host):
         advertise = _outward_host()
     allow = allow_list(allow_peers, also=[identity.peer_id]) if allow_peers is not None else None
-    transport = Transport(identity, ns.run_id, TransportConfig(host=ns.host, port=ns.port, advertise_host=advertise),
+    transport = Transport(identity, ns.run_id, TransportConfig(host=ns.host, port=ns.port, advertise_host=advertise,
+                                                                tls=tls),
                           allow=allow)
     node = DHTNode(transport, k=ns.k, alpha=ns.alpha, rpc_timeout_s=ns.rpc_timeout,
                    refresh_period_s=ns.refresh_period, republish_period_s=ns.republish_period)
@@ -281,8 +283,14 @@ def main(argv: Optional[list[str]] = None) -> int:
             allow_peers = read_allow_file(ns.allow_peers)
         except ValueError as e:
             return _fail(f"--allow-peers: {e}")
+    from geomesh_p2p.transport import TlsError, tls_from_flags
+
     try:
-        return asyncio.run(serve(ns, identity, allow_peers))
+        tls = tls_from_flags(getattr(ns, "tls_cert", None), getattr(ns, "tls_key", None), getattr(ns, "tls_ca", None))
+    except TlsError as e:  # one line naming the flag and the file, before anything listens
+        return _fail(str(e))
+    try:
+        return asyncio.run(serve(ns, identity, allow_peers, tls))
     except KeyboardInterrupt:  # a second Ctrl+C during shutdown
         return 0
 

@@ -62,7 +62,8 @@ from geomesh_p2p import state as gstate  # module-qualified: tests replace gstat
 from geomesh_p2p.state_sync import StateServer
 from geomesh_p2p.training import (DEFAULT_INNER, InnerTrainer, build_model, flat_params, load_flat_, lr_at, num_params,
                                   pseudo_gradient)
-from geomesh_p2p.transport import COLLECTIVE_PULL, COLLECTIVE_PUSH, DHT_PING, Transport, TransportConfig
+from geomesh_p2p.transport import (COLLECTIVE_PULL, COLLECTIVE_PUSH, DHT_PING, Transport, TransportConfig,
+                                   tls_from_flags)
 from geomesh_p2p.wire import dht_pb2
 
 log = logging.getLogger(__name__)
@@ -201,8 +202,11 @@ class PeerNode(NodeRoundPolicy):
             torch.set_num_threads(c.threads)
         if c.checkpoint_dir:
             check_writable_dir(c.checkpoint_dir, "--checkpoint-dir")
+        # --tls-*: checked before anything listens (a bad file is one line naming it); PEM reads off the loop.
+        tls = await asyncio.to_thread(tls_from_flags, getattr(c, "tls_cert", None), getattr(c, "tls_key", None),
+                                      getattr(c, "tls_ca", None))
         tcfg = TransportConfig(host=c.host, port=c.port, advertise_host=c.advertise_host,
-                               client_only=c.client_only, added_latency_s=c.added_latency_s)
+                               client_only=c.client_only, added_latency_s=c.added_latency_s, tls=tls)
         await self._prove_work()
         self.transport = Transport(self.identity, self.run_cfg.run_id, tcfg, allow=self._allow)
         self.dht = DHTNode(self.transport, join_attempts=8)
