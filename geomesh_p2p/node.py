@@ -395,6 +395,9 @@ class PeerNode(NodeRoundPolicy):
         gs = self.gstate
         with gs.lock:
             if theta is not gs.theta:
+                server = getattr(self, "state_server", None)
+                if server is not None and getattr(server, "state", None) is gs:
+                    server.retain()  # a download of the state replaced here finishes from a copy
                 gs.theta.copy_(theta.detach().reshape(-1))
             if momentum is not None:
                 gs.opt_state.copy_(momentum.detach().to(torch.float32).reshape(-1))
@@ -655,11 +658,18 @@ class PeerNode(NodeRoundPolicy):
         return self.gstate.lock
 
     def outer_step(self, r: int, plan, aggregate: torch.Tensor, idle=()) -> None:
-        """Round ``r``'s outer step in place, per part (:meth:`_outer_step`), under the state's lock (worker thread)."""
+        """Round ``r``'s outer step in place, per part (:meth:`_outer_step`), under the state's lock (worker thread).
+        Before it (issue 14 #3): the state server keeps a copy of round ``r`` while a download of it is in
+        progress, and the update is recorded for peers that fell behind (:class:`~geomesh_p2p.state_sync.UpdateLog`)."""
         lock = getattr(getattr(self, "gstate", None), "lock", None)
         if lock is None:
             return self._outer_step(r, plan, aggregate, idle)
         with lock:
+            server = getattr(self, "state_server", None)
+            if server is not None and getattr(server, "state", None) is self.gstate:
+                server.retain()
+                server.updates.record(r, self.gstate.digest if self.gstate.round == r else None,
+                                      [(s, e) for _, s, e in plan.owners()] or [(0, self.numel)], idle, aggregate)
             return self._outer_step(r, plan, aggregate, idle)
 
     def reset_model(self) -> None:
@@ -669,6 +679,9 @@ class PeerNode(NodeRoundPolicy):
     def commit(self, round: int) -> str:
         """The outer step's result becomes round ``round``'s state: model, digest, snapshot (worker thread)."""
         self._set_state(round, self.theta, None)
+        server = getattr(self, "state_server", None)
+        if server is not None and getattr(server, "state", None) is getattr(self, "gstate", None):
+            server.updates.seal(round, self.digest)  # the update recorded by outer_step is now served
         return self.digest
 
     async def catch_up(self) -> None:

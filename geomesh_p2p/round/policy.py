@@ -202,11 +202,24 @@ class NodeRoundPolicy:
 
     # ------------------------------------------------------------------ moved from node.py
     async def _catch_up(self) -> None:
-        """Download the state the swarm's vote backs (late join or digest mismatch): weighted by standing
-        once this peer knows who delivered, else by distinct addresses with history (standing.py)."""
+        """Bring this peer to the state the swarm's vote backs (late join, planned out, digest mismatch):
+        weighted by standing once this peer knows who delivered, else by distinct addresses with history
+        (standing.py).
 
+        Incremental (issue 14 #3): a state of an earlier round -- this peer's own when it is of the swarm's
+        lineage (planned out), or one it downloaded while the swarm moved on -- is brought forward by the
+        donors' outer updates (:func:`state_sync.catch_up_updates`, each checked against the digests, the
+        last against the digest the vote backs); the whole state is downloaded only when no such base
+        exists or the updates are refused (one INFO line with the reason). A download crossing a round
+        boundary finishes from the donors' kept copy of its round. ``self.sync_stats`` counts full downloads
+        and updates applied."""
+        stats = self.__dict__.setdefault("sync_stats", {"downloads": 0, "updates": 0, "refused": 0})
         self._syncing = True
         start_round = self.round
+        gs = self.gstate
+        base: Optional[state_sync.Snapshot] = None
+        own_tried = False
+        downloaded: Optional[state_sync.Snapshot] = None  # the last full download, kept whole
         try:
             for attempt in range(30):
                 if self._stop.is_set():
@@ -214,15 +227,42 @@ class NodeRoundPolicy:
                 recs = [r for r in await self.peers() if r.peer_id != self.me]
                 choice = self._state_vote(recs).choice
                 if choice is None:
+                    if downloaded is not None:
+                        await self._adopt(downloaded, "downloaded")  # nobody backs a state now: keep the download
+                        return
                     self.round = start_round
                     return
-                if choice.digest == self.digest:
+                if choice.digest == self.digest and base is None:
                     # This peer holds the backed state already (its digest check was outvoted by identities
                     # without standing, or the others have not moved on yet).
                     self.round = choice.round
                     return
                 top, donors = choice.round, choice.donors
                 self.round = top
+                if base is None and not own_tried and gs.digest and gs.round < top:
+                    own_tried = True  # this peer's own state may be of the swarm's lineage: try the updates
+                    base = await asyncio.to_thread(self._state_copy)
+                if base is not None and base.round == top and base.digest == choice.digest:
+                    await self._adopt(base, "downloaded")
+                    return
+                if base is not None and base.round < top:
+                    await self.announce()
+                    from_round = base.round
+                    work = await asyncio.to_thread(self._snapshot_copy, base)  # kept whole if an update is refused
+                    try:
+                        snap = await state_sync.catch_up_updates(self.transport, donors, work, target_round=top,
+                                                                 target_digest=choice.digest, outer=self.outer)
+                    except state_sync.StateSyncError as e:
+                        stats["refused"] += 1
+                        # every donor was tried (fetch_update): the updates are gone or refused, or this
+                        # peer's own state is not of the swarm's lineage: the whole state it is
+                        log.info("incremental catch-up from round %d to %d refused (%s); downloading the state",
+                                 from_round, top, e)
+                        base = None
+                        continue
+                    stats["updates"] += top - from_round
+                    await self._adopt(snap, f"caught up from round {from_round} by {top - from_round} outer update(s)")
+                    return
                 # the record announces the download's progress: the leader's wait for it follows (issue 14 #3)
                 self._sync_meter = SyncMeter((self.numel + self.state_numel) * 4,
                                              on_progress=lambda: self.announcer.update(self.my_record))
@@ -234,15 +274,33 @@ class NodeRoundPolicy:
                     log.info("state download for round %d failed (%s); retrying", top, e)
                     await asyncio.sleep(0.5)
                     continue
-                await asyncio.to_thread(self._set_state, snap.round, snap.theta, snap.momentum)
+                stats["downloads"] += 1
                 log.info("downloaded state of round %d from %d donor(s), digest %s; %s", top,
-                         len(donors), self.digest[:8], choice.describe())
-                return
-            self.round = start_round  # nothing was downloaded: this peer still holds its own state
+                         len(donors), snap.digest[:8], choice.describe())
+                base = downloaded = snap  # the next pass adopts it, or brings it to the round the swarm moved on to
+            self.round = start_round  # nothing was adopted: this peer still holds its own state
             raise state_sync.StateSyncError("could not download the swarm's state after 30 attempts; see the log for why")
         finally:
             self._syncing, self._sync_meter = False, None
             await self.announce()
+
+    def _state_copy(self) -> "state_sync.Snapshot":
+        """This peer's global state as a Snapshot owning a copy of the buffer (worker thread)."""
+        gs = self.gstate
+        with gs.lock:
+            return self._snapshot_copy(state_sync.Snapshot(gs.round, gs.theta, gs.opt_state, gs.digest, buffer=gs.buffer))
+
+    @staticmethod
+    def _snapshot_copy(snap: "state_sync.Snapshot") -> "state_sync.Snapshot":
+        """``snap`` with a buffer of its own ((1 + k) * P * 4 bytes; worker thread)."""
+        buf = snap.buffer.clone()
+        P = snap.theta.numel()
+        return state_sync.Snapshot(snap.round, buf[:P], buf[P:], snap.digest, buffer=buf)
+
+    async def _adopt(self, snap: "state_sync.Snapshot", how: str) -> None:
+        """Make ``snap`` this peer's state (worker thread for the copy); one INFO line."""
+        await asyncio.to_thread(self._set_state, snap.round, snap.theta, snap.momentum)
+        log.info("state of round %d adopted (%s), digest %s", snap.round, how, (self.digest or "")[:8])
 
     async def _behind(self) -> bool:
         """True when the swarm already holds the state of a later round (this peer must catch up)."""
