@@ -41,6 +41,25 @@ __all__ = ["NodeRoundPolicy", "OWNER_PENALTY_ROUNDS", "outer_step_per_part"]
 OWNER_PENALTY_ROUNDS = 5
 #: The measured cost per element pass of the exchange moves at most this factor per round (either way).
 EXCHANGE_COST_STEP = 4.0
+#: Full state downloads tried before a joiner gives up: donors may leave or lag mid-download for minutes.
+STATE_SYNC_ATTEMPTS = 30
+#: Followers refuse a plan whose deadlines lie further ahead than PLAN_HORIZON_WINDOWS x window +
+#: PLAN_HORIZON_SLACK_S (window_s None: PLAN_HORIZON_DEFAULT_WINDOW_S): a rogue leader cannot park the swarm.
+PLAN_HORIZON_WINDOWS = 4
+PLAN_HORIZON_SLACK_S = 120.0
+PLAN_HORIZON_DEFAULT_WINDOW_S = 60.0
+#: A leader's own exchange timeout stays under this share of that horizon, so its followers accept the plan.
+EXCHANGE_HORIZON_SHARE = 0.9
+#: The exchange timeout is at least max(EXCHANGE_FLOOR_S, EXCHANGE_FLOOR_PLAN_TIMEOUTS x --plan-timeout-s).
+EXCHANGE_FLOOR_S = 5.0
+EXCHANGE_FLOOR_PLAN_TIMEOUTS = 3
+#: The pushes close this share of the exchange before its deadline: the last part is left to the pulls.
+PULL_SHARE_OF_EXCHANGE = 0.25
+
+
+def plan_horizon_s(window_s: Optional[float]) -> float:
+    """Seconds ahead of now that a plan's deadlines may lie (followers refuse farther ones)."""
+    return PLAN_HORIZON_WINDOWS * (window_s or PLAN_HORIZON_DEFAULT_WINDOW_S) + PLAN_HORIZON_SLACK_S
 
 
 def outer_step_per_part(outer, theta: torch.Tensor, aggregate: torch.Tensor, ranges: Sequence[tuple[int, int]],
@@ -221,7 +240,7 @@ class NodeRoundPolicy:
         own_tried = False
         downloaded: Optional[state_sync.Snapshot] = None  # the last full download, kept whole
         try:
-            for attempt in range(30):
+            for attempt in range(STATE_SYNC_ATTEMPTS):
                 if self._stop.is_set():
                     return
                 recs = [r for r in await self.peers() if r.peer_id != self.me]
@@ -279,7 +298,8 @@ class NodeRoundPolicy:
                          len(donors), snap.digest[:8], choice.describe())
                 base = downloaded = snap  # the next pass adopts it, or brings it to the round the swarm moved on to
             self.round = start_round  # nothing was adopted: this peer still holds its own state
-            raise state_sync.StateSyncError("could not download the swarm's state after 30 attempts; see the log for why")
+            raise state_sync.StateSyncError(f"could not download the swarm's state after {STATE_SYNC_ATTEMPTS} attempts; "
+                                            "see the log for why")
         finally:
             self._syncing, self._sync_meter = False, None
             await self.announce()
@@ -351,7 +371,7 @@ class NodeRoundPolicy:
         element pass, :meth:`_update_exchange_cost`), at least ``max(5, 3 x --plan-timeout-s)`` and at most
         90% of the horizon followers accept (``4 x window + 120 s``). The CPU part grows with the model
         (encoding, signing, verifying and aggregating every element)."""
-        floor = max(5.0, 3 * self.cfg.plan_timeout_s)
+        floor = max(EXCHANGE_FLOOR_S, EXCHANGE_FLOOR_PLAN_TIMEOUTS * self.cfg.plan_timeout_s)
         cost = getattr(self, "codec_s_per_element", None)
         if not cost or not getattr(self, "numel", 0):
             return floor
@@ -361,7 +381,7 @@ class NodeRoundPolicy:
         comm = payload_bytes / up + payload_bytes / down
         cpu = planner.exchange_cpu_s(self.numel, max(1, n_peers), self.run_cfg.mode, cost)
         # Never past what followers accept (_plan_problem: "deadlines unreasonably far"), with 10% to spare.
-        horizon = 0.9 * (4 * (self.run_cfg.window_s or 60.0) + 120.0)
+        horizon = EXCHANGE_HORIZON_SHARE * plan_horizon_s(self.run_cfg.window_s)
         return max(floor, min(planner.exchange_timeout(comm, cpu, floor), horizon))
 
     def _update_exchange_cost(self, spec, ar) -> None:
@@ -511,7 +531,7 @@ class NodeRoundPolicy:
                 return f"owner {a.peer_id[:10]} is placed at {a.address}, its record says {live[a.peer_id].address}"
             if a.inner_steps > rc.max_inner_steps:
                 return f"{a.inner_steps} inner steps for {a.peer_id[:10]} exceed the run's {rc.max_inner_steps}"
-        horizon = 4 * (rc.window_s or 60.0) + 120.0
+        horizon = plan_horizon_s(rc.window_s)
         if plan.train_deadline - swarm_time() > horizon or plan.exchange_deadline - plan.train_deadline > horizon:
             return "its deadlines are unreasonably far in the future"
         # Probation (issue 12): the leader is not a new identity, and those it plans as established are
@@ -554,7 +574,7 @@ class NodeRoundPolicy:
             rule=rule.rule,
             weight_cap=self.run_cfg.weight_cap, min_agreement=self.run_cfg.min_agreement, quorum=self.run_cfg.quorum,
             probation=plan.probation(), grace_s=pb.early_close_grace_s(plan.window_s),
-            deadline=plan.exchange_deadline - 0.25 * (plan.exchange_deadline - plan.train_deadline),
+            deadline=plan.exchange_deadline - PULL_SHARE_OF_EXCHANGE * (plan.exchange_deadline - plan.train_deadline),
             pull_deadline=plan.exchange_deadline)
 
     def _verify_round(self, r: int, plan, a, ar, theta0: Optional[torch.Tensor] = None) -> None:
