@@ -67,6 +67,12 @@ class StateSyncError(RuntimeError):
 #: Seconds without a chunk after which a piece moves to another donor (the call's own deadline is
 #: ``timeout_s``, 120 s by default: far too long to wait on a donor that went quiet).
 DEFAULT_STALL_TIMEOUT_S = 5.0
+#: Once a donor has sent a piece ``STALL_MIN_CHUNKS`` chunks, its stall limit is ``STALL_FACTOR`` x its mean
+#: interval between chunks, at least ``STALL_FLOOR_S`` (an outer step and a commit may hold the donor's
+#: state that long) and at most the stall timeout.
+STALL_MIN_CHUNKS = 3
+STALL_FACTOR = 4.0
+STALL_FLOOR_S = 2.0
 
 #: ``on_event(kind, piece, donor, detail)`` of :func:`download_state`; kinds: "start" (a piece asked of
 #: a donor, detail = first byte), "stalled" (no chunk for ``stall_timeout_s``), "failed" (the donor
@@ -332,6 +338,17 @@ async def download_state(
     last_chunk = [time.monotonic()] * n
     moving = [False] * n
     gaps: list[float] = []
+    asked = [time.monotonic()] * n  # when the piece's current donor was asked
+    n_chunks = [0] * n  # chunks from the piece's current donor
+
+    def stall_limit(piece: int) -> float:
+        """``stall_timeout_s`` until the current donor sent STALL_MIN_CHUNKS chunks; then STALL_FACTOR x its mean
+        interval between chunks, within [STALL_FLOOR_S, stall_timeout_s]: on a fast link a frozen donor
+        costs about STALL_FLOOR_S, not stall_timeout_s (issue 14 #3: <= 5 s)."""
+        if n_chunks[piece] < STALL_MIN_CHUNKS:
+            return stall_timeout_s
+        mean = (last_chunk[piece] - asked[piece]) / n_chunks[piece]
+        return min(stall_timeout_s, max(STALL_FLOOR_S, STALL_FACTOR * mean))
 
     async def attempt(donor: str, got: list[int], end: int, piece: int) -> None:
         """Stream ``[got[0], end)`` from ``donor`` into ``buf``, advancing ``got[0]`` per chunk."""
@@ -354,6 +371,7 @@ async def download_state(
                     gaps.append(now - last_chunk[piece])
                     event("moved", piece, donor, f"{now - last_chunk[piece]:.3f}")
                 last_chunk[piece] = now
+                n_chunks[piece] += 1
         if got[0] != end:
             raise StateSyncError(f"donor {donor} stopped at byte {got[0]} of {end}")
 
@@ -368,17 +386,20 @@ async def download_state(
             if donor in unhealthy:
                 continue
             event("start", piece, donor, str(got[0]))
+            asked[piece], n_chunks[piece] = time.monotonic(), 0
             task = loop.create_task(attempt(donor, got, end, piece), name=f"state-piece-{piece}-from-{donor}")
             try:
-                while True:  # progress watchdog: a chunk must arrive every stall_timeout_s
-                    before = got[0]
-                    done, _ = await asyncio.wait({task}, timeout=stall_timeout_s)
+                while True:  # progress watchdog: a chunk must arrive within the piece's stall limit
+                    limit = stall_limit(piece)
+                    quiet = time.monotonic() - max(last_chunk[piece], asked[piece])
+                    done, _ = await asyncio.wait({task}, timeout=max(0.01, min(limit - quiet, 0.5)))
                     if done:
                         task.result()  # raises the attempt's error
                         event("done", piece, donor)
                         return
-                    if got[0] == before:
-                        raise TimeoutError(f"donor {donor} sent nothing for {stall_timeout_s:g} s "
+                    quiet = time.monotonic() - max(last_chunk[piece], asked[piece])
+                    if quiet >= stall_limit(piece):
+                        raise TimeoutError(f"donor {donor} sent nothing for {quiet:.1f} s "
                                            f"(at byte {got[0]} of {end})")
             except (RpcError, StateSyncError, ValueError, DecodeError, TimeoutError) as e:
                 kind = "stalled" if isinstance(e, TimeoutError) else "failed"

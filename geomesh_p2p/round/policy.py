@@ -286,6 +286,8 @@ class NodeRoundPolicy:
                 self._sync_meter = SyncMeter((self.numel + self.state_numel) * 4,
                                              on_progress=lambda: self.announcer.update(self.my_record))
                 await self.announce()  # tell the leader we are syncing for this round
+                log.info("downloading the state of round %d (%d bytes) from %d donor(s)", top,
+                         (self.numel + self.state_numel) * 4, len(donors))
                 try:
                     snap = await state_sync.download_state(self._sync_meter.wrap(self.transport), donors, round=top, numel=self.numel,
                                                 expected_digest=choice.digest, state_numel=self.state_numel)
