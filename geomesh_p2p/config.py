@@ -177,6 +177,8 @@ class NodeConfig(BaseModel):
                                    gt=0)
     plan_timeout_s: float = opt(4.0, "seconds to wait for the round's plan", group=TUNING_GROUP, gt=0)
     gather_wait_s: float = opt(4.0, "seconds the leader waits for the round's peers", group=TUNING_GROUP, gt=0)
+    sync_wait_cap_s: float = opt(30.0, "longest gather wait (seconds) for a peer that announces a state download "
+                                       "in progress", group=TUNING_GROUP, gt=0)
 
 
 class BootstrapConfig(BaseModel):

@@ -42,6 +42,10 @@ log = logging.getLogger("geomesh_p2p.node.round")
 #: byte it still checks the digest and loads the state.
 SYNC_WAIT_SLACK = 1.25
 SYNC_WAIT_MARGIN_S = 2.0
+#: Pause after a failed catch-up before the next: long enough for a donor to come back, short for a joiner.
+RESYNC_RETRY_PAUSE_S = 3.0
+#: A planned-out peer waits for the next round until the plan's exchange deadline plus this (at least this).
+ROUND_END_SLACK_S = 5.0
 #: Gathers a peer on probation may hold past ``PROBATION_SYNC_WAIT_S`` by announcing a download and then
 #: not arrive in sync: an identity announcing a slow download forever costs the swarm at most this many
 #: capped waits (and each identity costs its proof of work).
@@ -261,7 +265,7 @@ class RoundDriver:
             await self._catch_up()
         except StateSyncError as e:
             log.warning("catching up failed (%s; %s); retrying in a few seconds", e, why)
-            await self._pause(3.0)
+            await self._pause(RESYNC_RETRY_PAUSE_S)
 
     async def _catch_up(self) -> None:
         """``state.catch_up()``; when the state adopted is not of this peer's lineage (its side of a
@@ -497,7 +501,8 @@ class RoundDriver:
         log.info("round %d: %s; waiting for the round to end, then syncing", r, why)
         self.state.syncing, self.state.round = True, r + 1
         await self.membership.announce()
-        await self.wait_for_round(r + 1, timeout_s=max(5.0, plan.exchange_deadline - self.clock.time() + 5.0))
+        await self.wait_for_round(r + 1, timeout_s=max(ROUND_END_SLACK_S, plan.exchange_deadline - self.clock.time()
+                                                         + ROUND_END_SLACK_S))
         await self.resync("planned out")
 
     async def wait_for_round(self, r: int, timeout_s: float = 30.0) -> bool:
