@@ -25,12 +25,14 @@ import signal
 import sys
 from typing import Optional
 
+from geomesh_p2p.config import DEFAULT_RUN_ID
+
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m geomesh_p2p.dht", description=__doc__.split("\n\n")[0])
     ap.add_argument("--bootstrap", action="append", default=[], metavar="HOST:PORT",
                     help="node to join through (repeatable; default: none)")
-    ap.add_argument("--run-id", default="geomesh-demo", help="run id (default: %(default)s)")
+    ap.add_argument("--run-id", default=DEFAULT_RUN_ID, help="run id (default: %(default)s)")
     ap.add_argument("--identity", default=None, metavar="PATH",
                     help="Ed25519 key file (default: a fresh key for this process)")
     ap.add_argument("--host", default="127.0.0.1", help="interface to serve on (default: %(default)s)")
