@@ -509,7 +509,8 @@ class MethodMemory:
     ``inner_optimizer``: the inner optimizer's state (AdamW: two moments, ``2P``; 0 for ``ddp``,
     which takes no inner step); ``global_weights``: the round's global weights ``[P]`` kept to form
     the pseudo-gradient; ``outer_state``: Nesterov momentum ``[P]`` (DiLoCo family) or AdamW's
-    moments ``[2P]`` (``ddp``); ``error_feedback``: the compression residual ``[P]`` when enabled.
+    moments ``[2P]`` (``ddp``); ``error_feedback``: the compression residual ``[P]`` when enabled (sign-pushing
+    methods only, ``method.COMPRESSED_METHODS``: fp32 pushes drop nothing, so they keep no residual).
     """
 
     method: str
@@ -536,6 +537,8 @@ def method_min_memory(n_params: int, method: str = "geomesh", *, inner_optimizer
     weights, outer momentum); ``ddp``: ``20 * P`` (no inner optimizer state, AdamW's two moments as
     the outer state). Raises ValueError for an unknown method or inner optimizer or ``n_params < 0``.
     """
+    from geomesh_p2p.method import COMPRESSED_METHODS
+
     if method not in OUTER_STATE_COPIES:
         raise ValueError(f"unknown method {method!r} (known: {', '.join(OUTER_STATE_COPIES)})")
     if inner_optimizer not in INNER_OPTIMIZER_STATE_COPIES:
@@ -546,7 +549,7 @@ def method_min_memory(n_params: int, method: str = "geomesh", *, inner_optimizer
     inner = 0 if method == "ddp" else INNER_OPTIMIZER_STATE_COPIES[inner_optimizer] * p
     return MethodMemory(method=method, n_params=int(n_params), weights=p, gradients=p, inner_optimizer=inner,
                         global_weights=p, outer_state=OUTER_STATE_COPIES[method] * p,
-                        error_feedback=p if error_feedback and method != "ddp" else 0)
+                        error_feedback=p if error_feedback and method in COMPRESSED_METHODS else 0)
 
 
 def preset_min_memory(preset: str, method: str = "geomesh", *, vocab_size: int = SHIPPED_VOCAB_SIZE, **kw: Any) -> MethodMemory:

@@ -272,13 +272,14 @@ class PeerNode(NodeRoundPolicy):
         # Outer optimizer state: Nesterov's momentum [P], or the ddp baseline's AdamW moments [2P].
         rule = self.method_rule
         self.state_numel = self.numel * rule.outer_state_slots
+        ef_slots = int(r.error_feedback and rule.push_encoding == "sign")  # the --error-feedback residual [P]
         # Profile first: the inner optimizer and the global state are not allocated yet, so the profile's
         # static estimate (gradients + AdamW state + global weights and outer state) is what the node adds.
         try:
             prof = profile_training(self.model, r.seq_len, self.device, self.device_info.memory_bytes,
                                     vocab_size=self.dataset.vocab_size, batch_sizes=c.profile_batches,
                                     speed_factor=c.speed_factor, amp=c.amp, limit=256,
-                                    extra_bytes=(4 * (1 + rule.outer_state_slots) * self.numel
+                                    extra_bytes=(4 * (1 + rule.outer_state_slots + ef_slots) * self.numel
                                                  if self.device.type == "cpu" else 0), logger=log)
         except ValueError as e:  # the budget (stated or the memory available) cannot hold this model
             raise UserFacingError(f"cannot train {r.model} here: {e}") from None

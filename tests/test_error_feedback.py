@@ -169,3 +169,14 @@ def test_two_peers_with_error_feedback_keep_equal_digests_and_checkpoint_the_res
             meta, res = f.metadata(), f.get_tensor("residual")
         assert meta["round"] == "3" and meta["digest"] == swarm.rows(n)[-1]["digest"], meta
         assert res.dtype == torch.float32 and res.abs().sum() > 0
+
+
+def test_method_memory_counts_the_residual_only_for_sign_pushes():
+    """capability.method_min_memory: --error-feedback adds a [P] fp32 residual to geomesh/css (sign pushes),
+    nothing to the fp32 methods, which keep none (the peer allocates it only for sign pushes)."""
+    from geomesh_p2p.capability import method_min_memory
+
+    assert method_min_memory(1000, "geomesh", error_feedback=True).error_feedback == 4000
+    assert method_min_memory(1000, "css", error_feedback=True).error_feedback == 4000
+    for fp32 in ("diloco", "awb", "ddp"):
+        assert method_min_memory(1000, fp32, error_feedback=True).error_feedback == 0
