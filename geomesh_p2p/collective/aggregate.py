@@ -21,10 +21,11 @@ import numpy as np
 import torch
 
 from geomesh_p2p import compression
+from geomesh_p2p.compression._format import all_finite
 from geomesh_p2p.aggregation import RULES, aggregate_part, token_weighted_mean
 
-__all__ = ["RULES", "aggregate_part", "token_weighted_mean", "fp32_to_bytes", "fp32_view", "encode_aggregate",
-           "decode_aggregate"]
+__all__ = ["RULES", "aggregate_part", "token_weighted_mean", "fp32_to_bytes", "fp32_buffer", "fp32_view",
+           "encode_aggregate", "aggregate_buffer", "decode_aggregate"]
 
 _LITTLE = sys.byteorder == "little"
 
@@ -32,6 +33,20 @@ _LITTLE = sys.byteorder == "little"
 def fp32_to_bytes(v: torch.Tensor) -> bytes:
     """fp32 tensor [n] -> its ``4 * n`` raw little-endian bytes (one copy: the bytes object)."""
     return v.detach().cpu().contiguous().numpy().astype("<f4", copy=False).tobytes()
+
+
+def fp32_buffer(v: torch.Tensor) -> memoryview:
+    """fp32 tensor [n] (CPU, contiguous) -> a byte memoryview [4 n] of its raw little-endian values,
+    *viewing* ``v`` (no copy; it keeps ``v`` alive). Big-endian hosts get a byte-swapped copy."""
+    arr = v.detach().cpu().contiguous().numpy()
+    if not _LITTLE:
+        arr = arr.astype("<f4")
+    return memoryview(arr).cast("B")
+
+
+def aggregate_buffer(kind: str, v: torch.Tensor, block_size: int, tokens: int) -> Union[bytes, memoryview]:
+    """:func:`encode_aggregate` without the fp32 copy: fp32 gives :func:`fp32_buffer` (a view of ``v``)."""
+    return fp32_buffer(v) if kind == "fp32" else encode_aggregate(kind, v, block_size, tokens)
 
 
 def fp32_view(data: Union[bytes, memoryview], numel: int, *, check_finite: bool = True) -> torch.Tensor:
@@ -50,7 +65,7 @@ def fp32_view(data: Union[bytes, memoryview], numel: int, *, check_finite: bool 
         # torch warns that the array is not writable: the view is only ever read.
         warnings.simplefilter("ignore", UserWarning)
         t = torch.from_numpy(arr)
-    if check_finite and numel and not bool(torch.isfinite(t).all()):
+    if check_finite and numel and not all_finite(t):
         raise compression.CodecError("fp32 values contain NaN or Inf")
     return t
 
@@ -63,7 +78,7 @@ def encode_aggregate(kind: str, v: torch.Tensor, block_size: int, tokens: int) -
     return compression.encode_as(kind, v, block_size=block_size, tokens=tokens).to_bytes()
 
 
-def decode_aggregate(kind: str, data: bytes, numel: int, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+def decode_aggregate(kind: str, data: Union[bytes, memoryview], numel: int, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Owner's encoded mean -> fp32 [numel], written into ``out`` (contiguous fp32 [numel]) if given.
 
     Raises compression.CodecError on a wrong kind, length or non-finite values (``out`` may then
@@ -72,12 +87,12 @@ def decode_aggregate(kind: str, data: bytes, numel: int, out: Optional[torch.Ten
     if kind == "fp32":
         view = fp32_view(data, numel)
         return view.clone() if out is None else out.copy_(view)
-    packet = compression.packet_from_bytes(data)
+    packet = compression.packet_from_bytes(bytes(data))  # a codec packet is small: copy a view
     if compression.packet_kind(packet) != kind:
         raise compression.CodecError(f"aggregate is a {compression.packet_kind(packet)} packet, the round asks for {kind}")
     if packet.numel != numel:
         raise compression.CodecError(f"aggregate has {packet.numel} elements, the part has {numel}")
     res = compression.decode_any(packet, out=out)
-    if not bool(torch.isfinite(res).all()):
+    if not all_finite(res):
         raise compression.CodecError("aggregate decodes to NaN or Inf")
     return res

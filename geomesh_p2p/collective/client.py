@@ -21,9 +21,10 @@ from google.protobuf.message import DecodeError
 
 from geomesh_p2p.clock import swarm_time
 from geomesh_p2p import compression
+from geomesh_p2p.compression._format import all_finite
 from geomesh_p2p.aio import wait_event
-from geomesh_p2p.collective import messages
-from geomesh_p2p.collective.owner import _THREAD_BYTES, OwnerService, _RoundState
+from geomesh_p2p.collective import messages, wire
+from geomesh_p2p.collective.owner import OwnerService, _RoundState
 from geomesh_p2p.collective.spec import CollectiveSpec, _pid_bytes, _short
 from geomesh_p2p.identity import EnvelopeError
 from geomesh_p2p.links import LinkSample, link_sample
@@ -206,7 +207,9 @@ class CollectiveService(OwnerService):
     def _push_payload(self, spec: CollectiveSpec, j: int, delta: torch.Tensor, tokens: int,
                       compute_end: float) -> bytes:
         """The PushPartRequest bytes of part ``j`` (the signed contribution is not kept apart). Worker thread."""
-        return messages.push_request_bytes(self._contribution_bytes(spec, j, delta, tokens, compute_end))
+        # Joined once: the fp32 packet is copied from ``delta`` straight into the request bytes.
+        return messages.push_request_bytes(messages.contribution_parts(self.transport.identity, spec, j, delta,
+                                                                       tokens, compute_end))
 
     async def _deliver(self, state: _RoundState, j: int, delta: torch.Tensor, tokens: int,
                        uploads: Optional[asyncio.Semaphore] = None) -> bool:
@@ -387,13 +390,27 @@ class CollectiveService(OwnerService):
 def _cpu_fp32_finite(delta: torch.Tensor) -> torch.Tensor:
     """``delta`` as a flat CPU fp32 tensor (no copy when it is one already); CodecError on NaN / Inf."""
     delta = delta.detach().to("cpu", torch.float32).reshape(-1)
-    if not bool(torch.isfinite(delta).all()):
+    if not all_finite(delta):
         raise compression.CodecError("delta contains NaN or Inf; refusing to contribute")
     return delta
 
 
-async def _parse_pull(payload: bytes) -> collective_pb2.PullPartResponse:
-    """A PullPartResponse; parsed in a worker thread when it carries a large result (a part's copy)."""
-    if len(payload) > _THREAD_BYTES:
-        return await asyncio.to_thread(collective_pb2.PullPartResponse.FromString, payload)
-    return collective_pb2.PullPartResponse.FromString(payload)
+class _PullReply:
+    """A PullPartResponse read without copying its result: the small fields parsed by protobuf,
+    ``signed_result`` a memoryview of the reply's payload."""
+
+    __slots__ = ("ready", "held_s", "signed_result")
+
+    def __init__(self, payload) -> None:
+        spans = wire.scan(payload)
+        small = collective_pb2.PullPartResponse.FromString(wire.small_fields(payload, spans, (4,)))
+        self.ready, self.held_s = small.ready, small.held_s
+        self.signed_result = wire.one_bytes_field(payload, spans, 4, "PullPartResponse")
+
+
+async def _parse_pull(payload) -> _PullReply:
+    """A PullPartResponse (:class:`_PullReply`). Raises DecodeError when malformed."""
+    try:
+        return _PullReply(payload)
+    except wire.WireError as e:
+        raise DecodeError(str(e)) from None

@@ -23,12 +23,14 @@ from google.protobuf.message import DecodeError
 
 from geomesh_p2p.clock import swarm_time
 from geomesh_p2p import compression
-from geomesh_p2p.collective.aggregate import decode_aggregate, encode_aggregate, fp32_to_bytes, fp32_view
+from geomesh_p2p.collective import wire
+from geomesh_p2p.collective.aggregate import aggregate_buffer, decode_aggregate, fp32_buffer, fp32_view
 from geomesh_p2p.collective.spec import CollectiveSpec, PartOwner, _pid_bytes, _short
 from geomesh_p2p.identity import EnvelopeError, Identity, PeerID, Verifier
-from geomesh_p2p.wire import collective_pb2, envelope_pb2
+from geomesh_p2p.wire import collective_pb2
 
-__all__ = ["CONTRIBUTION_KIND", "RESULT_KIND", "Contribution", "contribution_bytes", "push_request_bytes",
+__all__ = ["CONTRIBUTION_KIND", "RESULT_KIND", "Contribution", "contribution_parts", "contribution_bytes",
+           "push_request_bytes", "push_request_contribution",
            "check_contribution", "build_result", "read_result"]
 
 log = logging.getLogger(__name__)
@@ -59,40 +61,55 @@ class Contribution:
     compute_end: float = 0.0  # unix seconds the sender says its inner steps ended
 
 
-def contribution_bytes(identity: Identity, spec: CollectiveSpec, j: int, delta: torch.Tensor, tokens: int,
-                       compute_end: float = 0.0) -> bytes:
-    """Encode part ``j`` of ``delta`` (fp32 [numel], CPU) as ``spec.push_encoding`` and sign it:
-    the SignedMessage bytes of a PartContribution. Raises compression.CodecError on NaN / Inf."""
+def contribution_parts(identity: Identity, spec: CollectiveSpec, j: int, delta: torch.Tensor, tokens: int,
+                       compute_end: float = 0.0) -> list[wire.Buffer]:
+    """Part ``j`` of ``delta`` (fp32 [numel], CPU, contiguous) encoded as ``spec.push_encoding`` and
+    signed: the SignedMessage of a PartContribution as a list of buffers (:func:`.wire.signed_parts`).
+    An fp32 part is not copied: its buffer is a view of ``delta`` (which must not change until the
+    list is joined). Raises compression.CodecError on NaN / Inf (sign encoding)."""
     o = spec.owners[j]
     v = delta[o.start:o.end]
+    packet: wire.Buffer
     if spec.push_encoding == "fp32":
-        packet = fp32_to_bytes(v)
+        packet = fp32_buffer(v)
     else:
         packet = compression.encode(v, block_size=spec.block_size, tokens=tokens).to_bytes()
-    payload = collective_pb2.PartContribution(round=spec.round, part=j, start=o.start, end=o.end, tokens=tokens,
-                                              spec_id=spec.spec_id, encoding=spec.push_encoding, packet=packet,
-                                              compute_end=compute_end).SerializeToString()
-    del packet  # the payload holds it: one part-sized copy less while signing
-    return identity.sign_message(run_id=spec.run_id, round=spec.round, kind=CONTRIBUTION_KIND,
-                                 payload=payload).SerializeToString()
+    head = collective_pb2.PartContribution(round=spec.round, part=j, start=o.start, end=o.end, tokens=tokens,
+                                           spec_id=spec.spec_id, encoding=spec.push_encoding,
+                                           compute_end=compute_end).SerializeToString()
+    return wire.signed_parts(identity, run_id=spec.run_id, round=spec.round, kind=CONTRIBUTION_KIND,
+                             payload=[head, *wire.bytes_field(8, [packet])])
 
 
-def push_request_bytes(signed: bytes) -> bytes:
-    """The PushPartRequest bytes carrying a signed contribution."""
-    return collective_pb2.PushPartRequest(contribution=signed).SerializeToString()
+def contribution_bytes(identity: Identity, spec: CollectiveSpec, j: int, delta: torch.Tensor, tokens: int,
+                       compute_end: float = 0.0) -> bytes:
+    """:func:`contribution_parts` joined: the SignedMessage bytes of a PartContribution (one copy of
+    the packet). Raises compression.CodecError on NaN / Inf."""
+    return b"".join(contribution_parts(identity, spec, j, delta, tokens, compute_end))
 
 
-def _fp32_in(signed: bytes, packet: bytes, numel: int) -> torch.Tensor:
-    """A read-only fp32 tensor [numel] of ``packet``'s values, viewing ``signed`` (which embeds
-    ``packet`` verbatim) so that a kept contribution holds one copy of its part, not two. Any
-    occurrence of the same bytes holds the same values, so which one ``find`` meets does not matter.
-    Raises compression.CodecError on a wrong length or NaN / Inf."""
-    if len(packet) != 4 * numel:
-        raise compression.CodecError(f"wrong fp32 length: {len(packet)} bytes, expected {4 * numel}")
-    off = signed.find(packet) if numel else -1
-    if off < 0:
-        return fp32_view(packet, numel)
-    return fp32_view(memoryview(signed)[off:off + len(packet)], numel)
+def push_request_bytes(signed: wire.Buffer) -> bytes:
+    """The PushPartRequest bytes carrying a signed contribution (bytes, or the buffer list of
+    :func:`contribution_parts`: then the packet is copied once, here)."""
+    parts = list(signed) if isinstance(signed, list) else [signed]
+    return b"".join(wire.bytes_field(1, parts))
+
+
+def push_request_contribution(payload: wire.Buffer) -> memoryview:
+    """The signed contribution a PushPartRequest carries, as a view of ``payload`` (no copy).
+    Raises EnvelopeError(INVALID_ARGUMENT) when malformed."""
+    try:
+        return wire.one_bytes_field(payload, wire.scan(payload), 1, "PushPartRequest")
+    except wire.WireError:
+        raise EnvelopeError(Code.INVALID_ARGUMENT, "PushPartRequest is malformed") from None
+
+
+def _contribution_fields(payload: wire.Buffer) -> tuple[Any, memoryview]:
+    """A PartContribution's small fields (protobuf message, ``packet`` left empty) and its packet as a
+    view of ``payload``. Raises WireError / DecodeError when malformed."""
+    spans = wire.scan(payload)
+    packet = wire.one_bytes_field(payload, spans, 8, "PartContribution")
+    return collective_pb2.PartContribution.FromString(wire.small_fields(payload, spans, (8,))), packet
 
 
 def check_contribution(verifier: Verifier, spec: CollectiveSpec, part: Optional[int], signed: bytes,
@@ -109,35 +126,34 @@ def check_contribution(verifier: Verifier, spec: CollectiveSpec, part: Optional[
     size, malformed packet or NaN / Inf (INVALID_ARGUMENT).
     """
     try:
-        msg = envelope_pb2.SignedMessage.FromString(signed)
-    except DecodeError:
+        msg = wire.SignedView(signed)  # the payload stays a view of ``signed``: no copy
+    except wire.WireError:
         raise EnvelopeError(Code.INVALID_ARGUMENT, "contribution is malformed" if part is None
                             else "contribution is not a SignedMessage") from None
-    c = None
+    c = packet_view = None
     if part is None:
         try:
-            c = collective_pb2.PartContribution.FromString(msg.payload)
-        except DecodeError:
+            c, packet_view = _contribution_fields(msg.payload)
+        except (DecodeError, wire.WireError):
             raise EnvelopeError(Code.INVALID_ARGUMENT, "contribution is malformed") from None
         part = int(c.part)
         if part >= len(spec.owners):
             raise EnvelopeError(Code.INVALID_ARGUMENT, f"part {part} does not exist in round {spec.round}")
-    v = verifier.verify(msg, kind=CONTRIBUTION_KIND, check_replay=False)
-    del msg  # its payload copy is no longer needed
+    v = verifier.verify(msg, kind=CONTRIBUTION_KIND, check_replay=False)  # hashes the payload view once
     sender = v.sender.to_string()
     if caller is not None and sender != caller:
         raise EnvelopeError(Code.PERMISSION_DENIED,
                             f"contribution signed by {_short(sender)} but pushed by {_short(caller)}")
     if c is None:
         try:
-            c = collective_pb2.PartContribution.FromString(v.payload)
-        except DecodeError:
+            c, packet_view = _contribution_fields(v.payload)
+        except (DecodeError, wire.WireError):
             raise EnvelopeError(Code.INVALID_ARGUMENT, "contribution payload is malformed") from None
     # (peek: c was parsed from the very payload the verifier hashed, so it is the signed content)
     if c.round != v.round or c.round != spec.round:
         raise EnvelopeError(Code.INVALID_ARGUMENT,
                             f"contribution is for round {c.round} (envelope {v.round}), expected {spec.round}")
-    del v  # release the verifier's payload copy before the packet is read
+    del v, msg
     if c.spec_id != spec.spec_id:
         raise EnvelopeError(Code.FAILED_PRECONDITION, f"contribution was made for another spec of round {spec.round}")
     if sender not in spec.participants:
@@ -154,9 +170,10 @@ def check_contribution(verifier: Verifier, spec: CollectiveSpec, part: Optional[
     packet: Any
     try:
         if c.encoding == "fp32":
-            packet = _fp32_in(signed, c.packet, o.size)
+            packet = fp32_view(packet_view, o.size)  # a read-only view into ``signed``
         else:
-            packet = compression.packet_from_bytes(c.packet)
+            packet = compression.packet_from_bytes(bytes(packet_view))  # 1/32 of the part: copied
+            signed = bytes(signed)  # small: kept as bytes (verified work and evidence read it)
             if not isinstance(packet, compression.SignPacket):
                 raise compression.CodecError(f"packet is a {type(packet).__name__}, expected a sign packet")
             if packet.numel != o.size:
@@ -177,28 +194,43 @@ def build_result(identity: Identity, spec: CollectiveSpec, index: int, owner: Pa
     encodes the mean as ``spec.aggregate_encoding``; contributions the agreement filter dropped
     are not listed."""
     used = [min(c.tokens, spec.participants[c.sender]) for c in contributions]
-    aggregate, listed = b"", list(range(len(contributions)))
+    aggregate: list[wire.Buffer] = []
+    listed = list(range(len(contributions)))
     if spec.mode == "reencode":
         dropped: list[int] = []
         mean = spec.aggregate([(n, c.packet) for n, c in zip(used, contributions)], owner.size, dropped)
         listed = [i for i in listed if i not in set(dropped)]  # the filter's drops delivered nothing here
-        aggregate = encode_aggregate(spec.aggregate_encoding, mean, spec.block_size, sum(used))
+        # fp32: a view of ``mean`` (kept alive by the view), copied once when the result is joined
+        aggregate = wire.bytes_field(10, [aggregate_buffer(spec.aggregate_encoding, mean, spec.block_size,
+                                                           sum(used))])
         del mean
-    res = collective_pb2.PartResult(
+    head = collective_pb2.PartResult(
         round=spec.round, part=index, start=owner.start, end=owner.end, spec_id=spec.spec_id, mode=spec.mode,
         contributors=[_pid_bytes(contributions[i].sender) for i in listed], tokens=[used[i] for i in listed],
         aggregate_encoding=spec.aggregate_encoding if spec.mode == "reencode" else "",
         closed_by=closed_by or "",
-        last_compute_end=max((c.compute_end for c in contributions), default=0.0))
+        last_compute_end=max((c.compute_end for c in contributions), default=0.0)).SerializeToString()
+    payload: list[wire.Buffer] = [head, *aggregate]
     if spec.mode == "relay":
-        res.contributions.extend(collective_pb2.Contribution(signed_message=c.signed) for c in contributions)
-    else:
-        res.aggregate = aggregate
-        del aggregate
-    payload = res.SerializeToString()
-    del res
-    return identity.sign_message(run_id=spec.run_id, round=spec.round, kind=RESULT_KIND,
-                                 payload=payload).SerializeToString()
+        for c in contributions:
+            payload.extend(wire.bytes_field(9, wire.bytes_field(1, [c.signed])))
+    return b"".join(wire.signed_parts(identity, run_id=spec.run_id, round=spec.round, kind=RESULT_KIND,
+                                      payload=payload))
+
+
+def _result_fields(payload: wire.Buffer) -> tuple[Any, memoryview, list[memoryview]]:
+    """A PartResult's small fields (protobuf message without ``aggregate`` and ``contributions``), its
+    aggregate and its relayed signed contributions, as views of ``payload``. Raises WireError /
+    DecodeError when malformed."""
+    spans = wire.scan(payload)
+    aggregate = wire.one_bytes_field(payload, spans, 10, "PartResult")
+    relayed = []
+    for span in spans:
+        if span[0] == 9:
+            item = wire.value(payload, span)
+            relayed.append(wire.one_bytes_field(item, wire.scan(item), 1, "Contribution"))
+    res = collective_pb2.PartResult.FromString(wire.small_fields(payload, spans, (9, 10)))
+    return res, aggregate, relayed
 
 
 _PROOF_OF_TAMPERING = frozenset({Code.UNAUTHENTICATED, Code.DATA_LOSS, Code.INVALID_ARGUMENT, Code.PERMISSION_DENIED})
@@ -247,28 +279,27 @@ def read_result(verifier: Verifier, spec: CollectiveSpec, j: int, signed: bytes,
     """
     o = spec.owners[j]
     try:
-        msg = envelope_pb2.SignedMessage.FromString(signed)
-    except DecodeError:
+        msg = wire.SignedView(signed)  # the payload stays a view of ``signed``: no copy
+    except wire.WireError:
         raise EnvelopeError(Code.INVALID_ARGUMENT, "part result is not a SignedMessage") from None
     v = verifier.verify(msg, kind=RESULT_KIND, check_replay=False)
-    del msg
     if v.sender.to_string() != o.peer_id:
         raise EnvelopeError(Code.PERMISSION_DENIED, f"part result signed by {v.sender.short()}, not its owner")
     try:
-        res = collective_pb2.PartResult.FromString(v.payload)
-    except DecodeError:
+        res, aggregate, relayed = _result_fields(v.payload)
+    except (DecodeError, wire.WireError):
         raise EnvelopeError(Code.INVALID_ARGUMENT, "part result payload is malformed") from None
-    del v  # the verifier's payload copy: res holds what is needed
+    del v, msg
     if (res.round, res.part, res.start, res.end, res.spec_id, res.mode) != (
             spec.round, j, o.start, o.end, spec.spec_id, spec.mode):
         raise EnvelopeError(Code.INVALID_ARGUMENT, "part result does not match the round's spec")
-    if max(len(res.contributors), len(res.contributions)) > len(spec.participants):
+    if max(len(res.contributors), len(relayed)) > len(spec.participants):
         raise EnvelopeError(Code.INVALID_ARGUMENT, "part result lists more contributors than participants")
     if spec.mode == "reencode":
         if len(res.contributors) != len(res.tokens):
             raise EnvelopeError(Code.INVALID_ARGUMENT, "part result lists contributors and tokens of different lengths")
         try:
-            agg = decode_aggregate(spec.aggregate_encoding, res.aggregate, o.size, out=out)
+            agg = decode_aggregate(spec.aggregate_encoding, aggregate, o.size, out=out)
         except compression.CodecError as e:
             raise EnvelopeError(Code.INVALID_ARGUMENT, f"bad aggregate: {e}") from None
         if not spec.quorum_met(PeerID(bytes(p)).to_string() for p in res.contributors):
@@ -278,12 +309,11 @@ def read_result(verifier: Verifier, spec: CollectiveSpec, j: int, signed: bytes,
         return (agg, [(PeerID(bytes(p)).to_string(), int(n)) for p, n in zip(res.contributors, res.tokens)],
                 float(res.last_compute_end) if math.isfinite(res.last_compute_end) else 0.0, {})
     taken: dict[str, Contribution] = {}
-    items = list(res.contributions)
-    del res
+    del res, aggregate
     forged: list[str] = []
-    for item in items:
+    for item in relayed:
         try:
-            _, c = check_contribution(verifier, spec, j, item.signed_message, None)
+            _, c = check_contribution(verifier, spec, j, item, None)
         except EnvelopeError as err:
             if on_bad_relay is not None:
                 on_bad_relay(err.reason)
@@ -291,7 +321,7 @@ def read_result(verifier: Verifier, spec: CollectiveSpec, j: int, signed: bytes,
                 forged.append(err.reason)
             continue
         taken.setdefault(c.sender, c)
-    del items
+    del relayed
     if forged:
         raise EnvelopeError(Code.DATA_LOSS, f"the owner relayed {len(forged)} forged or tampered contribution(s) "
                                             f"({forged[0]}): its part result is refused")

@@ -19,7 +19,7 @@ from google.protobuf.message import DecodeError
 
 from geomesh_p2p.clock import swarm_time
 from geomesh_p2p.aio import wait_event
-from geomesh_p2p.collective import messages
+from geomesh_p2p.collective import messages, wire
 from geomesh_p2p.collective.messages import Contribution
 from geomesh_p2p.collective.spec import CollectiveSpec, PartOwner, _pid_bytes, _short
 from geomesh_p2p.identity import EnvelopeError, Verified, Verifier
@@ -210,11 +210,7 @@ class OwnerService:
 
     def _check_push(self, spec: CollectiveSpec, payload: bytes, caller: str) -> tuple[int, Contribution]:
         """A PushPartRequest's contribution, checked: (part index, Contribution). Worker thread."""
-        try:
-            signed = collective_pb2.PushPartRequest.FromString(payload).contribution
-        except DecodeError:
-            raise EnvelopeError(Code.INVALID_ARGUMENT, "PushPartRequest is malformed") from None
-        del payload
+        signed = messages.push_request_contribution(payload)  # a view of the request: no copy
         return messages.check_contribution(self._inner, spec, None, signed, caller)
 
     async def _handle_push(self, verified: Verified, context) -> bytes:
@@ -336,11 +332,11 @@ class OwnerService:
                 if not await wait_event(part.ready, left):
                     return not_ready.SerializeToString()
                 signed = part.signed_result
-            resp = collective_pb2.PullPartResponse(round=req.round, part=req.part, ready=True, signed_result=signed,
-                                                   held_s=time.monotonic() - t0)
-            # a whole part's result is copied into the reply: off the event loop when large
-            return await asyncio.to_thread(resp.SerializeToString) if len(signed) > _THREAD_BYTES \
-                else resp.SerializeToString()
+            head = collective_pb2.PullPartResponse(round=req.round, part=req.part, ready=True,
+                                                   held_s=time.monotonic() - t0).SerializeToString()
+            parts = [head, *wire.bytes_field(4, [signed])]
+            # a whole part's result is copied into the reply (once): off the event loop when large
+            return await asyncio.to_thread(b"".join, parts) if len(signed) > _THREAD_BYTES else b"".join(parts)
         except EnvelopeError as err:
             if err.code != Code.NOT_FOUND:
                 self._log_once((verified.round, caller, "pull", err.code), logging.WARNING,

@@ -23,6 +23,7 @@ All multi-byte numbers in header and payload are little-endian. No pickle is inv
 
 from __future__ import annotations
 
+import math
 import struct
 
 import numpy as np
@@ -170,14 +171,19 @@ def check_cpu_tensor(t, name: str, dtype: torch.dtype, length: int) -> None:
 
 
 def all_finite(t: torch.Tensor) -> bool:
-    """True if every element of ``t`` is finite. CPU tensors are checked with numpy, single
-    threaded: for the small tensors checked here that avoids waking torch's OpenMP team,
-    which costs milliseconds when the cores are busy."""
+    """True if every element of ``t`` (any shape, floating) is finite.
+
+    Small CPU tensors are checked with numpy, single threaded (waking torch's OpenMP team costs
+    milliseconds when the cores are busy). Large ones with one ``torch.aminmax`` pass: NaN
+    propagates into both results and +-Inf becomes the max or the min, so both are finite exactly
+    when every element is; unlike ``torch.isfinite(t).all()`` it writes no bool tensor (at 12.5M
+    elements 2 ms against 205 ms, mostly the page faults of that fresh buffer; issue 17)."""
     if t.numel() == 0:
         return True
     if t.device.type == "cpu" and t.numel() < (1 << 20) and t.dtype in (torch.float32, torch.float64):
         return bool(np.isfinite(t.numpy()).all())
-    return bool(torch.isfinite(t).all())
+    lo, hi = torch.aminmax(t.detach().reshape(-1))
+    return math.isfinite(float(lo)) and math.isfinite(float(hi))
 
 
 def check_scales(scales: torch.Tensor, name: str = "scales") -> None:
