@@ -684,6 +684,10 @@ class TrainingProfile:
     seconds: float
 
 
+class ProfileStopped(Exception):
+    """:func:`profile_training` ended early: its ``should_stop`` said True (a stop was requested)."""
+
+
 def profile_training(
     model: ModelOrFactory,
     seq_len: int,
@@ -703,6 +707,7 @@ def profile_training(
     optimizer_factory: Optional[OptimizerFactory] = None,
     memory_probe: Optional[MemoryProbe] = None,
     logger: Optional[Any] = None,
+    should_stop: Optional[Callable[[], bool]] = None,
 ) -> TrainingProfile:
     """Start-up profile within a memory budget: the largest batch that fits, and tokens/s per batch.
 
@@ -730,7 +735,12 @@ def profile_training(
     A CUDA out-of-memory error at a later size (another process took memory meanwhile) marks that
     size and every larger one as not fitting.
 
+    ``should_stop`` (e.g. the node's Ctrl+C flag; called from this thread) is checked before each
+    timed step: when it says True the profile ends there (issue 14 #10: Ctrl+C waited for the whole
+    profile) with :class:`ProfileStopped`.
+
     Raises:
+        ProfileStopped: ``should_stop()`` said True; the model's weights and mode are restored.
         ValueError: bad arguments, or the budget is below the static memory or batch 1.
         OSError: the default CPU probe cannot read /proc/self/statm.
         torch.cuda.OutOfMemoryError: at the step at batch 1.
@@ -771,9 +781,13 @@ def profile_training(
     peaks: dict[int, int] = {}
     tps: dict[int, float] = {}
     skipped: list[int] = []
+    steps_run = [0]
     with _Session(m, dev, optimizer_factory, amp=amp) as sess:
 
         def run_step(b: int) -> float:
+            if should_stop is not None and should_stop():
+                raise ProfileStopped(f"profile stopped after {steps_run[0]} step(s): stop requested")
+            steps_run[0] += 1
             return _timed_step(sess, torch.randint(0, vocab, (b, seq_len), generator=gen).to(dev), dev, speed_factor)
 
         # 1. static part, checked before any step

@@ -34,7 +34,7 @@ import geomesh_p2p
 from geomesh_p2p import swarm_status  # noqa: F401  (kept importable from here: tests patch it)
 from geomesh_p2p.aio import wait_event
 from geomesh_p2p.admission import Admission, load_or_solve_pow, pow_cache_path
-from geomesh_p2p.capability import (ThroughputEMA, detect_device, measure_codec, profile_training,
+from geomesh_p2p.capability import (ProfileStopped, ThroughputEMA, detect_device, measure_codec, profile_training,
                                     release_freed_memory)
 from geomesh_p2p.collective import CollectiveService
 from geomesh_p2p.config import NodeConfig, RunConfig
@@ -242,10 +242,17 @@ class PeerNode(NodeRoundPolicy):
         self.plans = PlanStore(self.dht, self.identity, self.run_cfg.run_id)
         # Off the event loop: tokenizing and profiling take seconds, and the DHT must keep answering.
         await asyncio.to_thread(self._build_training)
+        self._stop_point("after building training")
         self._init_ema(probed)
         self.round_log = RoundLog(c.log_json, c.metrics_port, metrics_host=c.metrics_host)
         self.looplag = LoopLagMonitor()  # worst event-loop stall per round, in each row (loop_stall_ms)
         self.looplag.start()
+
+    def _stop_point(self, where: str) -> None:
+        """End the start-up here when a stop was requested (Ctrl+C during the seconds to minutes of data,
+        model and profile: issue 14 #10). Any thread. Raises StoppedBeforeJoining (a clean stop, exit 0)."""
+        if self._stop.is_set():
+            raise StoppedBeforeJoining(f"stop requested during start-up ({where})")
 
     def _build_training(self) -> None:
         """Data, model, start-up profile, inner trainer, outer optimizer and the global state buffer
@@ -262,6 +269,7 @@ class PeerNode(NodeRoundPolicy):
         # faulted in its activations and gradients afresh. Freed memory goes back by trims instead: after
         # the profile (below) and after each round's inner steps (InnerTrainer.run).
         self.dataset = load_dataset(c.data_path, seq_len=r.seq_len, vocab_size=r.vocab_size)
+        self._stop_point("after loading the data")
         self.device_info = detect_device(c.device, c.memory_budget_bytes)
         device = "cuda" if self.device_info.kind == "cuda" and c.device == "auto" else (
             c.device if c.device != "auto" else "cpu")
@@ -280,11 +288,15 @@ class PeerNode(NodeRoundPolicy):
                                     vocab_size=self.dataset.vocab_size, batch_sizes=c.profile_batches,
                                     speed_factor=c.speed_factor, amp=c.amp, limit=256,
                                     extra_bytes=(4 * (1 + rule.outer_state_slots + ef_slots) * self.numel
-                                                 if self.device.type == "cpu" else 0), logger=log)
+                                                 if self.device.type == "cpu" else 0), logger=log,
+                                    should_stop=self._stop.is_set)
         except ValueError as e:  # the budget (stated or the memory available) cannot hold this model
             raise UserFacingError(f"cannot train {r.model} here: {e}") from None
+        except ProfileStopped as e:
+            raise StoppedBeforeJoining(str(e)) from None
         self.profiled_tps, self.max_batch = prof.tokens_per_s, prof.max_batch
         release_freed_memory()
+        self._stop_point("after the profile")
         # The exchange's CPU cost per element (encode, sign, verify, aggregate): the exchange window of this
         # peer's plans grows with the model by it (planner.exchange_cpu_s); each exchange then refines it.
         self.codec_s_per_element = measure_codec(block_size=r.block_size, push_encoding=rule.push_encoding,
@@ -591,9 +603,12 @@ class PeerNode(NodeRoundPolicy):
             try:
                 await self.start()
                 await self._initial_state()
-            except StoppedBeforeJoining:
-                log.info("stop requested before this peer joined the swarm: leaving")
+            except StoppedBeforeJoining as e:
+                log.info("stop requested before this peer joined the swarm: leaving (%s)", e)
                 self._skip_checkpoint = True  # it holds no state of the run: a checkpoint would be the seed's
+                return 0
+            if self._stop.is_set():  # Ctrl+C during start-up: no initial evaluation (seconds at real size)
+                log.info("stop requested during start-up: leaving before the first round")
                 return 0
             self.announcer.start()
             self.initial_ppl = await asyncio.to_thread(self.trainer.evaluate, max_batches=self.cfg.eval_batches)
