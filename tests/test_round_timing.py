@@ -5,6 +5,9 @@ fakes' hooks on an injected clock whose monotonic time the hooks advance, so the
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 import pytest
 
 from geomesh_p2p.metrics import PHASES
@@ -46,3 +49,97 @@ async def test_a_lone_peers_rows_carry_the_seconds_of_each_phase_and_the_cycle()
     assert [r.other_s for r in rows[1:]] == [0.0, 0.0]
     assert rows[1].compute_s == 0.1  # the fakes' InnerResult; the share is compute_s / cycle_s
     assert rows[1].compute_share == pytest.approx(0.1 / 5.75, abs=1e-12)
+
+
+# ---------------------------------------------------------------- training during the plan's settle
+
+
+async def test_the_settle_hands_out_the_likely_plan_first_and_still_follows_the_best_ranked():
+    """Split views (as tests/test_round.py): the partial-view peer publishes first and is handed its own
+    plan as provisional before the settle; the best-ranked leader's plan, published meanwhile, is the one
+    returned (the rule of which plan is followed is unchanged)."""
+    from geomesh_p2p.identity import Identity
+    from geomesh_p2p.round import PlanStore, leader_order, obtain_plan
+    from geomesh_p2p.planner import plan_round
+    from tests.test_round import CFG, RUN as RRUN, MemoryDHT, _record
+
+    ids = [Identity.generate() for _ in range(4)]
+    recs = {str(i.peer_id): _record(i, 1.0) for i in ids}
+    order = leader_order(RRUN, 7, list(recs))
+    by_id = {str(i.peer_id): i for i in ids}
+    best, second = order[0], order[1]
+    dht = MemoryDHT()
+    seen, handed = [], asyncio.Event()
+
+    def planner(members, leader):  # starts well in the future: the best-ranked leader may still publish
+        return plan_round(members, CFG, run_id=RRUN, round=7, leader=leader, numel=1000,
+                          start_time=time.time() + 30, start_digest="d0")
+
+    def provisional(plan):
+        seen.append(plan)
+        handed.set()
+
+    t_second = asyncio.create_task(obtain_plan(PlanStore(dht.view(), by_id[second], RRUN), 7,
+                                               [recs[second], recs[order[2]]], planner, plan_timeout_s=1.0,
+                                               settle_s=3.0, provisional=provisional))
+    await asyncio.wait_for(handed.wait(), 20)  # it published, read its own plan and began to settle
+    r_best = await obtain_plan(PlanStore(dht.view(), by_id[best], RRUN), 7, list(recs.values()), planner,
+                               plan_timeout_s=1.0, settle_s=0.1)
+    r_second = await t_second
+    assert [p.leader for p in seen] == [second]  # provisional: its own plan, the only one it had seen
+    assert r_second.leader == r_best.leader == best and r_second.to_bytes() == r_best.to_bytes()
+
+
+async def test_inner_steps_start_during_the_settle_and_are_not_run_twice():
+    """3 fake peers with the real plan agreement (settle 0.5 s): every peer's inner steps of a round start
+    while the driver is still in PLAN (the settle), run once per round, and the swarm ends with equal
+    digests."""
+    from geomesh_p2p.round import Phase
+
+    peers = _peers(3)
+    runs = {p.me: [] for p in peers}
+    for p in peers:
+        p.hooks = {"train": (lambda p=p: runs[p.me].append((p.round, p.drv.phase)))}
+    await asyncio.wait_for(asyncio.gather(*[p.driver(rounds=2, min_peers=3).run() for p in peers]), 30)
+    for p in peers:
+        assert [r for r, _ in runs[p.me]] == [0, 1]  # once per round
+        assert all(ph is Phase.PLAN for _, ph in runs[p.me])  # started during the settle
+        assert [row.round for row in p.drv.history] == [0, 1]
+    assert len({p.digest for p in peers}) == 1 and all(p.round == 2 for p in peers)
+
+
+async def test_steps_started_on_a_plan_that_loses_the_settle_are_discarded(caplog):
+    """The agreement hands out plan A as provisional, then returns plan B (a better-ranked leader's): the
+    steps trained on A are stopped and thrown away (the model goes back to the global weights), B's
+    are trained, and the row follows B."""
+    import logging
+
+    from geomesh_p2p.round import Phase  # noqa: F401
+
+    peers = _peers(2)
+    a_leader, b_leader = peers[0].me, peers[1].me
+
+    class Switching:
+        def __init__(self, peer):
+            self.peer = peer
+
+        async def agree(self, round, members, make_plan, *, accept, candidates, plan_timeout_s, provisional=None):
+            plan_a, plan_b = make_plan(members, a_leader), make_plan(members, b_leader)
+            provisional(plan_a)
+            await asyncio.sleep(0)  # the early steps start
+            return plan_b
+
+    calls = {p.me: 0 for p in peers}
+    resets = {p.me: 0 for p in peers}
+    for p in peers:
+        p.hooks = {"train": (lambda p=p: calls.__setitem__(p.me, calls[p.me] + 1))}
+        orig = p.reset_model
+        p.reset_model = (lambda p=p, orig=orig: (resets.__setitem__(p.me, resets[p.me] + 1), orig()))
+    caplog.set_level(logging.INFO, logger="geomesh_p2p.node.round")
+    await asyncio.wait_for(asyncio.gather(*[p.driver(rounds=1, min_peers=2, plans=Switching(p)).run()
+                                            for p in peers]), 30)
+    for p in peers:
+        assert calls[p.me] == 2 and resets[p.me] == 1  # A's steps, discarded; then B's
+        assert p.drv.history[0].leader == b_leader[:10]
+    assert "its inner steps are discarded" in caplog.text
+    assert peers[0].digest == peers[1].digest

@@ -39,6 +39,6 @@ class DhtPlanAgreement:
 
         spawn(store(), name=f"plan-{plan.round}")
 
-    async def agree(self, round, members, make_plan, *, accept, candidates, plan_timeout_s):
-        return await obtain_plan(self.store, round, members, make_plan,
-                                 plan_timeout_s=plan_timeout_s, accept=accept, candidates=candidates)
+    async def agree(self, round, members, make_plan, *, accept, candidates, plan_timeout_s, provisional=None):
+        return await obtain_plan(self.store, round, members, make_plan, plan_timeout_s=plan_timeout_s,
+                                 accept=accept, candidates=candidates, provisional=provisional)

@@ -17,6 +17,7 @@ import contextlib
 import enum
 import logging
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
@@ -124,6 +125,11 @@ class RoundContext:
     t_agg: float = 0.0
     sent0: int = 0
     recv0: int = 0
+    #: inner steps started on the provisional plan during the plan's settle (issue 17), with that plan and
+    #: the flag that stops them when the plan finally followed is another
+    early: Optional[asyncio.Future] = None
+    early_plan: Optional[RoundPlan] = None
+    early_abort: Optional[threading.Event] = None
 
 
 @dataclass(frozen=True)
@@ -472,13 +478,24 @@ class RoundDriver:
             # stays fresh meanwhile: a peer that (re)joined just now may lead a better-ranked plan.
             done = asyncio.Event()
             refresher = asyncio.ensure_future(self._refresh_live(live, done))
+
+            def on_provisional(p: RoundPlan) -> None:
+                # The settle (plans.obtain_plan) waits for a better-ranked plan that almost never comes:
+                # train on the plan it will most likely return meanwhile; discarded below if another wins.
+                if ctx.early is None and self._may_start_early(p):
+                    ctx.early_plan, ctx.early_abort = p, threading.Event()
+                    ctx.early = asyncio.ensure_future(self._inner_steps(ctx, p, ctx.early_abort))
+
             try:
                 plan = await self.plans.agree(r, members, self.policy.make_plan,
                                               accept=lambda p: self.policy.plan_problem(p, live),
-                                              candidates=candidates, plan_timeout_s=self.cfg.plan_timeout_s)
+                                              candidates=candidates, plan_timeout_s=self.cfg.plan_timeout_s,
+                                              provisional=on_provisional)
             finally:
                 done.set()  # the lookup under way finishes (bounded by the DHT's RPC timeouts)
                 await asyncio.gather(refresher, return_exceptions=True)
+        if ctx.early is not None and (plan is None or plan.to_bytes() != ctx.early_plan.to_bytes()):
+            await self._discard_early(ctx, plan)
         if plan is None:
             if not self.stop.is_set():
                 log.warning("round %d: no plan appeared; retrying", r)
@@ -518,32 +535,60 @@ class RoundDriver:
                 break
         return False
 
-    async def train(self, ctx: RoundContext) -> bool:
-        """Phase TRAIN: the assigned inner steps (a worker thread) until the plan's train deadline, then
-        this peer's pseudo-gradient. A diverged or non-finite update is replaced by a zero contribution of
-        0 tokens (one WARNING line) and the model goes back to the global weights."""
-        self.phase = Phase.TRAIN
-        plan, r = ctx.plan, ctx.round
-        a = ctx.assignment = plan.assignment(self.me)
-        ctx.sent0, ctx.recv0 = self.traffic()
-        grad = None
+    def _may_start_early(self, plan: RoundPlan) -> bool:
+        """Whether this peer may start its inner steps on ``plan`` before the settle confirms it: it is in
+        the plan, holds the plan's start weights, is not stopping, and trains inner steps (ddp's one-batch
+        gradient gains nothing from it)."""
+        return (not self.cfg.exchanges_gradient and not self.stop.is_set() and self.me in plan.participants()
+                and plan.start_digest == self.state.digest)
+
+    async def _discard_early(self, ctx: RoundContext, plan: Optional[RoundPlan]) -> None:
+        """The plan followed is not the one the inner steps started on during the settle (a better-ranked
+        leader's plan appeared, or none is followed): stop those steps and load the global weights back."""
+        ctx.early_abort.set()
+        await asyncio.gather(ctx.early, return_exceptions=True)
+        ctx.early = None
+        await asyncio.to_thread(self.state.reset_model)
+        log.info("round %d: the plan of leader %s started on during the settle is not the one followed (%s); "
+                 "its inner steps are discarded", ctx.round, ctx.early_plan.leader[:10],
+                 f"leader {plan.leader[:10]}'s is" if plan is not None else "none is")
+
+    async def _inner_steps(self, ctx: RoundContext, plan: RoundPlan, abort: Optional[threading.Event] = None):
+        """This peer's inner steps of ``plan`` in a worker thread, until the plan's train deadline, a stop
+        request or ``abort``; ddp: one batch's gradient. Returns ``(grad or None, InnerResult)``; a
+        non-finite loss gives ``(None, no_work(...))`` and the model back at the global weights."""
+        r = ctx.round
+        a = plan.assignment(self.me)
+        should_stop = self.stop.is_set if abort is None else (lambda: self.stop.is_set() or abort.is_set())
         t_train = time.perf_counter()
-        t_phase = self.clock.monotonic()
         try:
             if self.cfg.exchanges_gradient:
-                grad, result = await asyncio.to_thread(lambda: self.trainer.gradient(
+                return await asyncio.to_thread(lambda: self.trainer.gradient(
                     round=r, batch_size=a.batch_size, micro_batch=a.micro_batch))
-            else:
-                result = await asyncio.to_thread(lambda: self.trainer.run(
-                    round=r, inner_steps=a.inner_steps, batch_size=a.batch_size, micro_batch=a.micro_batch,
-                    deadline=plan.train_deadline, should_stop=self.stop.is_set,
-                    progress=_progress_printer(r, a.inner_steps)))
+            return None, await asyncio.to_thread(lambda: self.trainer.run(
+                round=r, inner_steps=a.inner_steps, batch_size=a.batch_size, micro_batch=a.micro_batch,
+                deadline=plan.train_deadline, should_stop=should_stop, progress=_progress_printer(r, a.inner_steps)))
         except FloatingPointError as e:
             # The global weights give a non-finite loss (e.g. a hostile update blew them up): this peer has
             # nothing sound to contribute this round, but it keeps serving and following the swarm.
             log.warning("round %d: %s; contributing nothing this round", r, e)
-            grad, result = None, no_work(time.perf_counter() - t_train)
             await asyncio.to_thread(self.state.reset_model)
+            return None, no_work(time.perf_counter() - t_train)
+
+    async def train(self, ctx: RoundContext) -> bool:
+        """Phase TRAIN: the assigned inner steps (a worker thread) until the plan's train deadline, then
+        this peer's pseudo-gradient. A diverged or non-finite update is replaced by a zero contribution of
+        0 tokens (one WARNING line) and the model goes back to the global weights. Inner steps already
+        started during the plan's settle on this very plan (:meth:`agree`) are awaited, not started again."""
+        self.phase = Phase.TRAIN
+        plan, r = ctx.plan, ctx.round
+        ctx.assignment = plan.assignment(self.me)
+        ctx.sent0, ctx.recv0 = self.traffic()
+        t_phase = self.clock.monotonic()
+        if ctx.early is not None:
+            grad, result = await ctx.early
+        else:
+            grad, result = await self._inner_steps(ctx, plan)
         ctx.t_compute_end = self.clock.time()
         self._phases["train"] = self._phases.get("train", 0.0) + max(0.0, self.clock.monotonic() - t_phase)
         t_phase = self.clock.monotonic()

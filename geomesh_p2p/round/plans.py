@@ -181,6 +181,7 @@ async def obtain_plan(
     candidates: Optional[Sequence[str]] = None,
     stagger_s: Optional[float] = None,
     wait_candidates: int = LEADER_WAIT_CANDIDATES,
+    provisional: Optional[Callable[[RoundPlan], None]] = None,
 ) -> Optional[RoundPlan]:
     """Agree on the plan of ``round``: publish one if this peer's turn as leader comes, follow the best.
 
@@ -191,6 +192,11 @@ async def obtain_plan(
     last candidate's delay + 2 * plan_timeout_s). DHT reads back off from 50 ms to ``poll_s`` (x1.5),
 restarting when the plans seen change and at each candidate's take-over instant. ``accept(plan)`` returns a reason to refuse a plan (a
     rogue or broken leader's), or None; refused plans are ignored as if absent.
+
+    ``provisional(plan)`` (issue 17), when given, is called once with the best plan seen just before the
+    settle wait starts: the plan that is returned unless a better-ranked one shows up during the settle.
+    The caller may start the round on it at once (the driver trains on it, and throws those steps away
+    if the returned plan differs), so the settle costs no compute; which plan is followed is unchanged.
     """
     me = str(store.identity.peer_id)
     pool = [m.peer_id for m in members] if candidates is None else list(candidates)
@@ -247,6 +253,8 @@ restarting when the plans seen change and at each candidate's take-over instant.
             # the plan's start (created_at); a peer reading later decides at once.
             wait = min(settle_s, best.created_at + settle_s - swarm_time())
             if wait > 0:
+                if provisional is not None:
+                    provisional(best)
                 await asyncio.sleep(wait)  # let a better-ranked plan published meanwhile become visible
                 plans = await store.read(round, accept) or plans
             chosen = choose_plan(store.run_id, round, plans)

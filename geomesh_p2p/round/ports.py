@@ -69,8 +69,11 @@ class PlanAgreement(Protocol):
     async def agree(self, round: int, members: Sequence[PeerRecord],
                     make_plan: Callable[[Sequence[PeerRecord], str], RoundPlan], *,
                     accept: Callable[[RoundPlan], Optional[str]], candidates: Sequence[str],
-                    plan_timeout_s: float) -> Optional[RoundPlan]:
-        """The plan every peer follows for ``round`` (publishing one when this peer's turn comes), or None."""
+                    plan_timeout_s: float,
+                    provisional: Optional[Callable[[RoundPlan], None]] = None) -> Optional[RoundPlan]:
+        """The plan every peer follows for ``round`` (publishing one when this peer's turn comes), or None.
+        ``provisional(plan)``: called with the plan it will most likely return, before a settle wait
+        (:func:`geomesh_p2p.round.plans.obtain_plan`); the driver trains on it meanwhile."""
 
 
 class Trainer(Protocol):
