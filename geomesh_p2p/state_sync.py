@@ -144,7 +144,7 @@ class StateServer:
         self.chunk_bytes = chunk_bytes
         self._state: Optional[GlobalState] = state
         self.keep_snapshots = int(keep_snapshots)
-        self.updates = UpdateLog(keep_updates)
+        self.updates = UpdateLog(keep_updates, spawn=getattr(getattr(transport, "tasks", None), "spawn", None))
         self._clock = clock
         self._kept: dict[int, GlobalState] = {}  # round -> copy made by retain()
         self._streams: dict[int, int] = {}  # round -> state streams in progress
@@ -520,8 +520,19 @@ class UpdateLog:
     copied (``4 * P`` bytes per round kept, so the collective may reuse its buffer); the first request
     for a round encodes it once (zlib, in a worker thread) and the raw copy is dropped. Thread-safe."""
 
-    def __init__(self, keep_rounds: int = DEFAULT_KEEP_UPDATES):
+    def __init__(self, keep_rounds: int = DEFAULT_KEEP_UPDATES, spawn: Optional[Callable[..., Any]] = None,
+                 clock: Callable[[], float] = time.monotonic):
         self.keep_rounds = max(0, int(keep_rounds))
+        # spawn(coro, name): an owner of background tasks (the transport's TaskOwner). With it, a round
+        # sealed while a peer catches up (an update asked within RETAIN_AFTER_S) is encoded at once, off
+        # the loop, so that peer's next request does not wait for zlib.
+        self._spawn = spawn
+        try:
+            self._loop: Optional[asyncio.AbstractEventLoop] = asyncio.get_running_loop() if spawn else None
+        except RuntimeError:
+            self._loop = None
+        self._clock = clock
+        self._last_asked = -1e18
         self._mu = threading.Lock()
         self._pending: Optional[tuple] = None  # (round, start digest, ranges, idle, aggregate copy)
         self._done: dict[int, Any] = {}  # round -> OuterUpdate, or (blob, hash) once encoded
@@ -548,6 +559,13 @@ class UpdateLog:
             self._done[p[0]] = OuterUpdate(p[0], p[1], end_digest, p[2], p[3], p[4])
             for r in sorted(self._done)[:-self.keep_rounds]:
                 del self._done[r]
+            eager = self._loop is not None and self._clock() - self._last_asked < RETAIN_AFTER_S
+        if eager:
+            with contextlib.suppress(RuntimeError):  # the loop is closing: nobody will ask any more
+                self._loop.call_soon_threadsafe(self._encode_soon, p[0])
+
+    def _encode_soon(self, round: int) -> None:
+        self._spawn(self.blob(round, asked=False), f"encode-update-{round}")
 
     def rounds(self) -> list[int]:
         """Rounds whose update is kept, oldest first."""
@@ -560,10 +578,13 @@ class UpdateLog:
             u = self._done.get(round)
         return u if isinstance(u, OuterUpdate) else None
 
-    async def blob(self, round: int) -> Optional[tuple[bytes, str]]:
+    async def blob(self, round: int, asked: bool = True) -> Optional[tuple[bytes, str]]:
         """(the encoded update of ``round``, its blake2b hash, 32 hex) or None when not kept. Encoded once,
-        in a worker thread; concurrent requests share the encoding."""
+        in a worker thread; concurrent requests share the encoding. ``asked``: a peer's request (the
+        next rounds are then encoded as soon as they are sealed)."""
         with self._mu:
+            if asked:
+                self._last_asked = self._clock()
             u = self._done.get(round)
         if u is None:
             return None
@@ -704,18 +725,35 @@ async def catch_up_updates(transport: Transport, donors: Sequence[str], snap: Sn
     k = snap.buffer.numel() // P - 1
     gs = GlobalState(P, k, buffer=snap.buffer)
     gs.round, gs.digest = snap.round, snap.digest
-    for r in range(snap.round, target_round):
-        upd = await fetch_update(transport, donors, r, P, timeout_s=timeout_s, stall_timeout_s=stall_timeout_s,
-                                 on_event=on_event)
-        if upd.start_digest != gs.digest:
-            raise StateSyncError(f"the outer update of round {r} starts from digest {upd.start_digest[:8]}, "
-                                 f"this state is {(gs.digest or '-')[:8]}")
-        await asyncio.to_thread(apply_update, gs.theta, gs.opt_state, outer, upd)
-        got = await asyncio.to_thread(gs.commit, r + 1)
-        want = target_digest if r + 1 == target_round else upd.end_digest
-        if got != upd.end_digest or got != want:
-            raise StateSyncError(f"the outer update of round {r} is refused: applying it gives digest {got[:8]}, "
-                                 f"the update states {upd.end_digest[:8]}"
-                                 + (f" and the swarm {target_digest[:8]}" if r + 1 == target_round else "")
-                                 + " (forged or tampered)")
+    # all updates are asked for at once (each round's transfer overlaps the others' and the steps), then
+    # applied in order; structured: none of these tasks outlives this call
+    loop = asyncio.get_running_loop()
+    fetches = {r: loop.create_task(fetch_update(transport, donors, r, P, timeout_s=timeout_s,
+                                                stall_timeout_s=stall_timeout_s, on_event=on_event),
+                                   name=f"update-{r}") for r in range(snap.round, target_round)}
+    try:
+        for r in range(snap.round, target_round):
+            await _apply_checked(gs, outer, await fetches[r], r, target_round, target_digest)
+    finally:
+        pending = [t for t in fetches.values() if not t.done()]
+        for t in pending:
+            t.cancel()
+        if pending:
+            await asyncio.wait(pending)
     return Snapshot(gs.round, gs.theta, gs.opt_state, gs.digest, buffer=gs.buffer)
+
+
+async def _apply_checked(gs: GlobalState, outer: Any, upd: OuterUpdate, r: int, target_round: int,
+                         target_digest: str) -> None:
+    """Apply update ``upd`` of round ``r`` to ``gs`` and check the digests (see :func:`catch_up_updates`)."""
+    if upd.start_digest != gs.digest:
+        raise StateSyncError(f"the outer update of round {r} starts from digest {upd.start_digest[:8]}, "
+                             f"this state is {(gs.digest or '-')[:8]}")
+    await asyncio.to_thread(apply_update, gs.theta, gs.opt_state, outer, upd)
+    got = await asyncio.to_thread(gs.commit, r + 1)
+    want = target_digest if r + 1 == target_round else upd.end_digest
+    if got != upd.end_digest or got != want:
+        raise StateSyncError(f"the outer update of round {r} is refused: applying it gives digest {got[:8]}, "
+                             f"the update states {upd.end_digest[:8]}"
+                             + (f" and the swarm {target_digest[:8]}" if r + 1 == target_round else "")
+                             + " (forged or tampered)")

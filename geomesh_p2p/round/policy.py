@@ -258,18 +258,25 @@ class NodeRoundPolicy:
                     return
                 top, donors = choice.round, choice.donors
                 self.round = top
-                if base is None and not own_tried and gs.digest and gs.round < top:
+                # (a fresh peer's round-0 state, or one older than the donors keep updates for, is not tried)
+                if (base is None and not own_tried and gs.digest and 0 < gs.round < top
+                        and top - gs.round <= state_sync.DEFAULT_KEEP_UPDATES):
                     own_tried = True  # this peer's own state may be of the swarm's lineage: try the updates
                     base = await asyncio.to_thread(self._state_copy)
                 if base is not None and base.round == top and base.digest == choice.digest:
                     await self._adopt(base, "downloaded")
                     return
                 if base is not None and base.round < top:
-                    await self.announce()
                     from_round = base.round
+                    # progress announced as for a download (the leader's wait follows it); the size is estimated
+                    # as P bytes per update (a sign-compressed swarm's zlib blob is ~0.25 x 4P)
+                    self._sync_meter = SyncMeter(max(1, (top - from_round) * self.numel),
+                                                 on_progress=lambda: self.announcer.update(self.my_record))
+                    await self.announce()
                     work = await asyncio.to_thread(self._snapshot_copy, base)  # kept whole if an update is refused
                     try:
-                        snap = await state_sync.catch_up_updates(self.transport, donors, work, target_round=top,
+                        snap = await state_sync.catch_up_updates(self._sync_meter.wrap(self.transport), donors, work,
+                                                                 target_round=top,
                                                                  target_digest=choice.digest, outer=self.outer)
                     except state_sync.StateSyncError as e:
                         stats["refused"] += 1
