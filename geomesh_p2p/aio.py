@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import sys
+from typing import Collection
 
-__all__ = ["wait_event"]
+__all__ = ["cancel_and_wait", "finish_or_cancel", "wait_event"]
 
 
 async def wait_event(event: asyncio.Event, timeout: float) -> bool:
@@ -28,3 +29,24 @@ async def wait_event(event: asyncio.Event, timeout: float) -> bool:
     except (asyncio.TimeoutError, TimeoutError):
         pass
     return event.is_set()
+
+
+async def cancel_and_wait(tasks: Collection[asyncio.Future]) -> None:
+    """Cancel ``tasks`` and wait until each has finished; their results and errors are dropped. Why: a
+    task only cancelled (not awaited) is still pending when its loop closes, and is then reported as
+    "Task was destroyed but it is pending!"."""
+    for t in tasks:
+        t.cancel()
+    if tasks:
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def finish_or_cancel(tasks: Collection[asyncio.Future]) -> None:
+    """Wait for ``tasks`` to finish (results and errors dropped); if this waiter is cancelled, cancel
+    them and wait for them before re-raising. Spawned on an owner (e.g. ``TaskOwner.spawn``), it makes
+    that owner's shutdown end tasks it did not start itself."""
+    try:
+        if tasks:
+            await asyncio.wait(tasks)
+    finally:
+        await cancel_and_wait([t for t in tasks if not t.done()])

@@ -4,8 +4,9 @@ Kademlia: Maymounkov & Mazières, "Kademlia: A Peer-to-peer Information System B
 Metric" (IPTPS 2002). Semantics follow hivemind's ``hivemind.dht.node.DHTNode`` (batched store and
 find, values with expiration times, subkey dictionaries, newest expiration wins), and the
 transport-free parts are hivemind's own: ``DHTID`` and ``RoutingTable`` (hivemind.dht.routing),
-``traverse_dht`` (hivemind.dht.traverse), ``DHTLocalStorage`` (hivemind.dht.storage) and the
-``Blacklist`` of unresponsive peers (hivemind.dht.node). No libp2p daemon is started.
+``traverse_dht`` (hivemind.dht.traverse, as a copy that owns its tasks: geomesh_p2p.dht.traverse),
+``DHTLocalStorage`` (hivemind.dht.storage) and the ``Blacklist`` of unresponsive peers
+(hivemind.dht.node). No libp2p daemon is started.
 
 Differences from hivemind:
 
@@ -52,10 +53,10 @@ from google.protobuf.message import DecodeError
 from hivemind.dht.node import Blacklist
 from hivemind.dht.routing import DHTID, RoutingTable
 from hivemind.dht.storage import DHTLocalStorage, DictionaryDHTValue
-from hivemind.dht.traverse import traverse_dht
 
 from geomesh_p2p import __version__
 from geomesh_p2p.addr import AddressError, host_of, ip_of, parse_address, valid_address
+from geomesh_p2p.aio import finish_or_cancel
 from geomesh_p2p.dht.records import (
     DEFAULT_LIMITS,
     RecordError,
@@ -68,6 +69,7 @@ from geomesh_p2p.dht.records import (
     verify_record,
 )
 from geomesh_p2p.dht.quota import DEFAULT_QUOTA, StorageLedger, StorageQuota
+from geomesh_p2p.dht.traverse import traverse_dht
 from geomesh_p2p.errors import UserFacingError
 from geomesh_p2p.identity import EnvelopeError, Identity, PeerID, Verified
 from geomesh_p2p.transport import DHT_FIND, DHT_PING, DHT_STORE, RpcError, TaskOwner, Transport
@@ -676,7 +678,7 @@ class DHTNode:
                         on_records: Optional[Callable[[DHTID, List[VerifiedRecord], int], bool]] = None,
                         stats: Optional[LookupStats] = None, await_all: bool = True
                         ) -> Tuple[Dict[DHTID, List[DHTID]], Dict[DHTID, Contact]]:
-        """Iterative Kademlia lookup of ``key_ids`` with hivemind's traverse_dht (alpha workers).
+        """Iterative Kademlia lookup of ``key_ids`` with traverse_dht (hivemind's, owning its tasks; alpha workers).
 
         ``on_records(key_id, records, hop) -> stop`` sees every verified record returned.
         Returns (nearest node ids per key, nearest-first, never self; contact of every node seen).
@@ -730,8 +732,14 @@ class DHTNode:
         nearest, _visited = await traverse_dht(
             queries=list(key_ids), initial_nodes=list(contacts), beam_size=beam, num_workers=self.alpha,
             queries_per_call=max(1, min(int(len(key_ids) ** 0.5), 16)), get_neighbors=get_neighbors,
-            visited_nodes={q: {self.node_id} for q in key_ids}, await_all_tasks=await_all)
+            visited_nodes={q: {self.node_id} for q in key_ids}, await_all_tasks=await_all, adopt=self._adopt_calls)
         return {q: [n for n in ids if n not in failed] for q, ids in nearest.items()}, contacts
+
+    def _adopt_calls(self, calls: set) -> None:
+        """Own the find calls a lookup left in flight when it ended early (``get`` returns at the first
+        record): they finish in the background (bounded by their RPC deadline) and are cancelled and
+        awaited at :meth:`shutdown`, never left pending ("Task was destroyed but it is pending!")."""
+        self.tasks.spawn(finish_or_cancel(calls), name="dht-lookup-tail")
 
     async def find_nearest_nodes(self, key_ids: Sequence[DHTID], k: Optional[int] = None,
                                  stats: Optional[LookupStats] = None) -> Dict[DHTID, List[Tuple[DHTID, Contact]]]:
