@@ -165,7 +165,9 @@ def test_cuda_paths():  # pragma: no cover - runs only where a GPU is present
     m = GPT2LMHeadModel(tiny_config()).cuda()
     tps = measure_throughput(m, SEQ, [1, 8], "cuda", VOCAB, steps=2)
     assert all(v > 0 for v in tps.values())
-    budget = 64 * 2**20
+    # Not 64 MiB: on an H200 the two cuBLAS workspaces (forward and autograd threads, 32 MiB each) alone
+    # take 65 MiB of the allocator's count (docs/device-check.md); 256 MiB gave max batch 160 there.
+    budget = 256 * 2**20
     small = find_max_batch(m, SEQ, "cuda", budget, limit=4096)
     large = find_max_batch(m, SEQ, "cuda", 4 * budget, limit=4096)
     assert 1 <= small <= large
