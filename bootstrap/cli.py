@@ -145,7 +145,25 @@ def parse(argv: Optional[list[str]] = None) -> argparse.Namespace:
 async def serve(ns: argparse.Namespace, identity, allow_peers: Optional[list[str]] = None, tls=None) -> int:
     """Run the bootstrap node until SIGINT/SIGTERM. Returns the exit status. ``allow_peers``: the
     entries of --allow-peers (private run), None for an open run. ``tls``: the checked
-    ``transport.TlsConfig`` of --tls-cert/--tls-key/--tls-ca, None for plaintext."""
+    ``transport.TlsConfig`` of --tls-cert/--tls-key/--tls-ca, None for plaintext.
+
+    SIGINT/SIGTERM are caught from the first line (imports and the join take seconds): a stop during the
+    start ends it at the next step and shuts the node down in order, instead of a KeyboardInterrupt
+    that left gRPC's server running into a closed event loop ("Event loop is closed", issue 14 #10)."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        return await _serve(ns, identity, allow_peers, tls, stop)
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+
+
+async def _serve(ns: argparse.Namespace, identity, allow_peers, tls, stop: asyncio.Event) -> int:
+    """:func:`serve` with its stop event (set by SIGINT/SIGTERM)."""
+    from geomesh_p2p.aio import unless_set, wait_event
     from geomesh_p2p.dht import DHTJoinError, DHTNode, live_peers
     from geomesh_p2p.identity import allow_list
     from geomesh_p2p.transport import Transport, TransportConfig
@@ -186,11 +204,6 @@ async def serve(ns: argparse.Namespace, identity, allow_peers: Optional[list[str
             await transport.stop(grace=0)
             return _fail(f"cannot serve the status page on {_fmt(ns.http_host, ns.http_port)}: {e.strerror or e}")
 
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-
     print(f"{PROG} {__version__}: run {ns.run_id!r}, DHT node serving on {address}", flush=True)
     print(f"PeerID: {identity.peer_id}", flush=True)
     print(f"peers join with: --bootstrap {address}", flush=True)
@@ -215,26 +228,22 @@ async def serve(ns: argparse.Namespace, identity, allow_peers: Optional[list[str
 
     try:
         try:
-            await node.join(ns.bootstrap)
+            await unless_set(node.join(ns.bootstrap), stop)  # its retries take up to ~30 s
         except DHTJoinError as e:  # the others may come later: keep serving, re-dial them on refresh
             log.warning("%s; serving alone for now", e)
-        if saved is not None:
+        if saved is not None and not stop.is_set():
             # Re-dial the swarm it knew before the restart: its peers re-enter the table now, not when
             # they happen to call (they may never: their tables are not empty).
             known = saved.contact_list()
             n = await node.rejoin(known)
             log.info("restored state of %s: re-dialled %d saved contact(s), %d answered%s", state_file, len(known), n,
                      f"; the run was at round {progress.round}" if progress is not None else "")
-        if progress is not None:
+        if progress is not None and not stop.is_set():
             await publish_progress(node, progress, identity)
         if status is not None:
             status.watcher.start()
         while not stop.is_set():
-            try:
-                await asyncio.wait_for(stop.wait(), timeout=ns.status_interval)
-            except asyncio.TimeoutError:
-                pass
-            if stop.is_set():
+            if await wait_event(stop, ns.status_interval):
                 break
             try:
                 peers = await live_peers(node, ns.run_id)
@@ -248,8 +257,6 @@ async def serve(ns: argparse.Namespace, identity, allow_peers: Optional[list[str
             await save_state()
     finally:
         await save_state()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.remove_signal_handler(sig)
         if status is not None:
             await status.stop()
             await status.watcher.stop()
@@ -261,6 +268,15 @@ async def serve(ns: argparse.Namespace, identity, allow_peers: Optional[list[str
 
 def main(argv: Optional[list[str]] = None) -> int:
     """Entry point of ``geomesh-bootstrap``. Returns 0 on a clean stop (SIGINT/SIGTERM), 2 on bad options."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # Ctrl+C before serve() catches it (imports take seconds): no traceback
+        print(f"{PROG}: stopped during start-up", file=sys.stderr, flush=True)
+        return 0
+
+
+def _main(argv: Optional[list[str]] = None) -> int:
+    """:func:`main` (a Ctrl+C before the event loop runs raises KeyboardInterrupt here)."""
     try:
         ns = parse(argv)
     except SystemExit as e:  # --help/--version (0) or a one-line error (2)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from typing import Collection
+from typing import Any, Awaitable, Collection, Tuple
 
-__all__ = ["cancel_and_wait", "finish_or_cancel", "wait_event"]
+__all__ = ["cancel_and_wait", "finish_or_cancel", "unless_set", "wait_event"]
 
 
 async def wait_event(event: asyncio.Event, timeout: float) -> bool:
@@ -50,3 +50,18 @@ async def finish_or_cancel(tasks: Collection[asyncio.Future]) -> None:
             await asyncio.wait(tasks)
     finally:
         await cancel_and_wait([t for t in tasks if not t.done()])
+
+
+async def unless_set(aw: Awaitable[Any], event: asyncio.Event) -> Tuple[bool, Any]:
+    """Run ``aw`` until it finishes or ``event`` is set, whichever comes first: (True, its result), or
+    (False, None) once it was cancelled and awaited (a Ctrl+C during a join's retries ends it at once,
+    leaving no task behind). Raises what ``aw`` raised."""
+    task = asyncio.ensure_future(aw)
+    stopped = asyncio.ensure_future(event.wait())
+    try:
+        await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        await cancel_and_wait([stopped] + ([task] if not task.done() else []))
+    if task.cancelled():
+        return False, None
+    return True, task.result()

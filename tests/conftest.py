@@ -66,7 +66,11 @@ E2E_MODULES = frozenset({
     "test_attacks.py", "test_bootstrap.py", "test_join_errors.py", "test_status_page.py", "test_swarm.py",
     "test_sybil.py", "test_young_swarm.py", "test_startup_stop.py",
 })
-E2E_TESTS = frozenset({"test_cli.py::test_console_scripts_help"})
+E2E_TESTS = frozenset({
+    "test_cli.py::test_console_scripts_help",
+    "test_log_hygiene.py::test_a_healthy_three_peer_swarm_logs_no_error_traceback_or_pending_task",
+    "test_log_hygiene.py::test_a_bootstrap_stopped_while_joining_stops_at_once_and_cleanly",
+})
 E2E_FIXTURES = frozenset({
     "workers",  # test_collective_failures: real collective_worker.py processes
     "servers",  # test_limits: a bootstrap or peer process whose memory is measured
