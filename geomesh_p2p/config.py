@@ -150,6 +150,9 @@ class NodeConfig(BaseModel):
                                      default_factory=lambda: [4, 8, 16], metavar="B,B,...", parse="batch_list")
     eval_every: int = opt(1, "evaluate the global weights every N rounds and at the last (raise it for --method "
                              "ddp, whose rounds are single steps)", metavar="N", ge=1)
+    eval_background: bool = opt(False, "evaluate in a worker thread on a copy of the global weights while the next "
+                                       "round trains; the result lands in the next round's row (one more copy "
+                                       "of the weights in memory)")
     log_json: Optional[str] = opt(None, "append one JSON line per round here", metavar="PATH")
     summary_json: Optional[str] = opt(None, "write a run summary here at exit", metavar="PATH")
     metrics_port: Optional[int] = opt(None, "serve Prometheus metrics on this port", ge=0, le=65535)

@@ -632,6 +632,7 @@ class PeerNode(NodeRoundPolicy):
                            plan_timeout_s=c.plan_timeout_s, sync_wait_cap_s=c.sync_wait_cap_s,
                            rounds=c.rounds, target_ppl=c.target_ppl,
                            eval_every=c.eval_every, eval_batches=c.eval_batches, checkpoint_every=c.checkpoint_every,
+                           eval_background=c.eval_background,
                            checkpointing=bool(c.checkpoint_dir),
                            exchanges_gradient=self.method_rule.exchanges_gradient)
         transport = self.transport

@@ -634,6 +634,30 @@ class InnerTrainer:
                           for _, p in self.model.named_parameters()])
 
     @torch.no_grad()
+    def snapshot_for_eval(self) -> None:
+        """Copy the model's weights (the global weights, right after a round's commit) into a second model
+        kept for evaluation, so :meth:`evaluate_snapshot` can run in a worker thread while the next round's
+        inner steps change ``self.model`` (issue 17: evaluation off the round's critical path). The copy is
+        made on the first call (one more set of weights and buffers in memory, on this trainer's device);
+        later calls copy the parameters in place. Not thread-safe against a running
+        :meth:`evaluate_snapshot`: the caller waits for that first."""
+        if getattr(self, "_eval_model", None) is None:
+            import copy
+
+            self._eval_model = copy.deepcopy(self.model)
+            self._eval_model.requires_grad_(False)
+            return
+        for dst, src in zip(self._eval_model.parameters(), self.model.parameters()):
+            dst.copy_(src)
+
+    def evaluate_snapshot(self, max_batches: int = 8, batch_size: int = 8) -> float:
+        """:meth:`evaluate` on the weights :meth:`snapshot_for_eval` copied last (same batches, same value
+        as :meth:`evaluate` on those weights). Raises RuntimeError before any snapshot."""
+        m = getattr(self, "_eval_model", None)
+        if m is None:
+            raise RuntimeError("evaluate_snapshot before snapshot_for_eval")
+        return self._evaluate_model(m, max_batches, batch_size)
+
     def evaluate(self, max_batches: int = 8, batch_size: int = 8) -> float:
         """Perplexity on the held-out split: ``exp`` of the mean next-token loss.
 
@@ -644,18 +668,23 @@ class InnerTrainer:
         loss (a hostile update can push them there) give ``inf`` (:func:`perplexity`) and one
         WARNING line, never an exception.
         """
-        was_training = self.model.training
-        self.model.eval()
+        return self._evaluate_model(self.model, max_batches, batch_size)
+
+    @torch.no_grad()
+    def _evaluate_model(self, model, max_batches: int, batch_size: int) -> float:
+        """:meth:`evaluate`'s body on ``model`` (the trainer's own, or the evaluation snapshot)."""
+        was_training = model.training
+        model.eval()
         tot, rows = 0.0, 0
         try:
             for x in self.dataset.eval_batches(self.seq_len, batch_size, max_batches):
                 x = x.to(self.device)
                 with self._autocast():
-                    loss = self.model(input_ids=x, labels=x).loss
+                    loss = model(input_ids=x, labels=x).loss
                 tot += loss.float().item() * x.shape[0]
                 rows += x.shape[0]
         finally:
-            self.model.train(was_training)
+            model.train(was_training)
         mean = tot / rows if rows else float("nan")
         ppl = perplexity(mean)
         if not math.isfinite(ppl):

@@ -9,6 +9,7 @@ import asyncio
 import time
 
 import pytest
+import torch
 
 from geomesh_p2p.metrics import PHASES
 from tests.test_round_driver import FakeClock, _peers
@@ -143,3 +144,60 @@ async def test_steps_started_on_a_plan_that_loses_the_settle_are_discarded(caplo
         assert p.drv.history[0].leader == b_leader[:10]
     assert "its inner steps are discarded" in caplog.text
     assert peers[0].digest == peers[1].digest
+
+
+# ---------------------------------------------------------------- evaluation off the critical path
+
+
+async def test_background_evaluation_measures_a_snapshot_and_lands_in_the_next_row():
+    """eval_background: round r's evaluation runs on a snapshot of the global weights taken right after
+    its commit and lands in row r + 1 (``eval_round`` r); the last round is evaluated at once."""
+    (peer,) = _peers(1)
+    snaps = []
+    peer.snapshot_for_eval = lambda: snaps.append(peer.theta.clone())
+    # a value that tells the snapshots apart: minus the sum of the weights it measured
+    peer.evaluate_snapshot = lambda max_batches=8: 1000.0 - float(snaps[-1].sum())
+    drv = peer.driver(rounds=3)
+    drv.cfg.eval_background = True
+    await drv.run()
+    rows = drv.history
+    assert len(snaps) == 2  # rounds 0 and 1; round 2 is the last: evaluated at once (the fakes' 100.0)
+    assert (rows[0].eval_ppl, rows[0].eval_round) == (None, None)
+    assert (rows[1].eval_ppl, rows[1].eval_round) == (1000.0 - float(snaps[0].sum()), 0)
+    assert (rows[2].eval_ppl, rows[2].eval_round) == (100.0, 2)
+    assert snaps[0].sum() != 0 and not torch.equal(snaps[0], snaps[1])  # the weights after rounds 0 and 1
+    assert drv._eval_task is None
+
+
+async def test_without_background_evaluation_rows_are_evaluated_in_place():
+    (peer,) = _peers(1)
+    drv = peer.driver(rounds=2)
+    await drv.run()
+    assert [(r.eval_ppl, r.eval_round) for r in drv.history] == [(100.0, 0), (100.0, 1)]
+
+
+@pytest.mark.timeout(120)
+def test_the_trainers_eval_snapshot_gives_evaluates_value_while_the_model_trains_on(tmp_path):
+    """InnerTrainer.snapshot_for_eval / evaluate_snapshot: the snapshot's perplexity equals evaluate() on
+    the weights it copied (bitwise: same batches, same model), also after the model trained on."""
+    from geomesh_p2p.data import load_dataset
+    from geomesh_p2p.training import InnerTrainer, build_model
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        ds = load_dataset(None, seq_len=32, cache_dir=tmp_path)
+        tr = InnerTrainer(build_model("tiny", vocab_size=ds.vocab_size, seed=0), ds, device="cpu", seq_len=32,
+                          lr=1e-3, weight_decay=0.1, warmup_steps=1, total_steps=20, seed=0, peer_id="p0")
+        with pytest.raises(RuntimeError):
+            tr.evaluate_snapshot(max_batches=1)
+        before = tr.evaluate(max_batches=2)
+        tr.snapshot_for_eval()
+        tr.run(round=0, inner_steps=2, batch_size=2)
+        assert tr.evaluate_snapshot(max_batches=2) == before  # the copy, not the trained model
+        after = tr.evaluate(max_batches=2)
+        assert after != before
+        tr.snapshot_for_eval()  # in place the second time
+        assert tr.evaluate_snapshot(max_batches=2) == after
+    finally:
+        torch.set_num_threads(n)

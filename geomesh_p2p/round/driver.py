@@ -90,6 +90,10 @@ class DriverConfig:
     target_ppl: Optional[float] = None
     eval_every: int = 1
     eval_batches: int = 8
+    #: evaluate in a worker thread on a copy of the global weights while the next round trains (issue 17);
+    #: the result goes into the next row (``eval_round`` says which round's weights it measured), the last
+    #: round is evaluated at once. Needs a trainer with ``snapshot_for_eval`` / ``evaluate_snapshot``.
+    eval_background: bool = False
     checkpoint_every: int = 5
     checkpointing: bool = False
     exchanges_gradient: bool = False  # ddp (MethodRule.exchanges_gradient): one batch's gradient, no pseudo-gradient
@@ -204,6 +208,9 @@ class RoundDriver:
         #: seconds per phase (metrics.PHASES) since this peer's previous row, and that row's monotonic time
         self._phases: dict[str, float] = {}
         self._t_row: Optional[float] = None
+        #: the background evaluation under way (DriverConfig.eval_background) and the round it measures
+        self._eval_task: Optional[asyncio.Future] = None
+        self._eval_round: Optional[int] = None
 
     @property
     def me(self) -> str:
@@ -228,7 +235,16 @@ class RoundDriver:
 
     # ------------------------------------------------------------------ the loop
     async def run(self) -> None:
-        """Rounds until done. Catches up first whenever the swarm holds a later round."""
+        """Rounds until done. Catches up first whenever the swarm holds a later round. A background
+        evaluation still running at the end is waited for (its thread cannot be cancelled)."""
+        try:
+            await self._rounds()
+        finally:
+            if self._eval_task is not None:
+                await asyncio.gather(self._eval_task, return_exceptions=True)
+                self._eval_task = None
+
+    async def _rounds(self) -> None:
         expected: set[str] = set()
         first = True
         while not self.stop.is_set():
@@ -666,8 +682,7 @@ class RoundDriver:
         with self._timed("announce"):
             await self.membership.announce()
         with self._timed("eval"):
-            ppl = (await asyncio.to_thread(self.trainer.evaluate, max_batches=self.cfg.eval_batches)
-                   if (r + 1) % self.cfg.eval_every == 0 or last else None)
+            ppl, eval_round = await self._evaluate(r, last)
         t = self.cfg.target_ppl
         if t is not None and ppl is not None and ppl <= t and not self.leaving:
             self._leave()
@@ -691,7 +706,8 @@ class RoundDriver:
             train_loss=result.mean_loss, eval_ppl=ppl, compute_s=result.compute_s,
             straggler_idle_s=straggler, network_idle_s=network, round_s=self.clock.time() - ctx.t_round,
             bytes_sent=sent1 - ctx.sent0, bytes_received=recv1 - ctx.recv0, digest=self.state.digest,
-            contributors=len(delivered), missing_parts=len(ar.missing_parts), time=self.clock.time())
+            contributors=len(delivered), missing_parts=len(ar.missing_parts), time=self.clock.time(),
+            eval_round=eval_round)
         stall = self.loop_stall()
         if stall is not None:
             rec.loop_stall_ms = stall * 1e3
@@ -724,6 +740,35 @@ class RoundDriver:
             with self._timed("checkpoint"):  # counted in the next row's cycle
                 await self.state.checkpoint_or_warn()
         return delivered or set(plan.participants())
+
+    async def _evaluate(self, r: int, last: bool) -> tuple[Optional[float], Optional[int]]:
+        """Evaluation after round ``r``'s commit: every ``eval_every`` rounds and at the last. Returns
+        ``(perplexity, round whose end state it measured)`` for this row, or ``(None, None)``.
+
+        With ``eval_background`` the evaluation of round ``r`` runs in a worker thread on a snapshot of the
+        global weights (``trainer.snapshot_for_eval``) while round ``r + 1`` trains, and its result is
+        returned at the first finish after it completed (or waited for, when the next evaluation is due:
+        the snapshot model is reused). The last round, and a peer that stops, evaluate at once."""
+        due = (r + 1) % self.cfg.eval_every == 0 or last
+        background = (self.cfg.eval_background and not last and not self.stop.is_set()
+                      and hasattr(self.trainer, "snapshot_for_eval"))
+        ready: tuple[Optional[float], Optional[int]] = (None, None)
+        if self._eval_task is not None and (self._eval_task.done() or due):
+            task, self._eval_task = self._eval_task, None
+            try:
+                ready = (await task, self._eval_round)
+                log.info("round %d: eval perplexity %.2f (evaluated in the background)", ready[1], ready[0])
+            except Exception as e:  # an evaluation must never end the node; the next one is due anyway
+                log.warning("round %d: background evaluation failed (%s: %s)", self._eval_round, type(e).__name__, e)
+        if not due:
+            return ready
+        if background:
+            await asyncio.to_thread(self.trainer.snapshot_for_eval)
+            self._eval_round = r
+            self._eval_task = asyncio.ensure_future(
+                asyncio.to_thread(self.trainer.evaluate_snapshot, max_batches=self.cfg.eval_batches))
+            return ready
+        return await asyncio.to_thread(self.trainer.evaluate, max_batches=self.cfg.eval_batches), r
 
     def _advance(self, r: int, plan: RoundPlan, aggregate: torch.Tensor, idle) -> None:
         """Outer step and commit as one change of the state (worker thread): under the state's lock when it
