@@ -268,7 +268,13 @@ class PeerNode(NodeRoundPolicy):
         # No release_freed_memory(configure=True) (a 1 MiB mmap threshold): every inner step then mapped and
         # faulted in its activations and gradients afresh. Freed memory goes back by trims instead: after
         # the profile (below) and after each round's inner steps (InnerTrainer.run).
+        # Start-up says what it is doing: data, tokenizer and model take seconds to minutes (issue 14 #10).
+        log.info("loading the training data (%s) and its tokenizer (cached after the first run)...",
+                 c.data_path or "the shipped corpus")
+        t0 = time.monotonic()
         self.dataset = load_dataset(c.data_path, seq_len=r.seq_len, vocab_size=r.vocab_size)
+        log.info("data loaded in %.1fs; building the model and profiling this device (a few timed steps)...",
+                 time.monotonic() - t0)
         self._stop_point("after loading the data")
         self.device_info = detect_device(c.device, c.memory_budget_bytes)
         device = "cuda" if self.device_info.kind == "cuda" and c.device == "auto" else (
