@@ -36,7 +36,6 @@ import collections
 import json
 import os
 import random
-import re
 import signal
 import socket
 import subprocess
@@ -111,31 +110,18 @@ def _fds(pid: int) -> int:
 
 
 class Target:
-    """A target process (stopped by PID); ``address`` from its 'serving on' line."""
+    """A target process (stopped by PID); ``address`` from its 'serving on' line
+    (:class:`geomesh_p2p.procs.ServingProcess`, its last 200 lines in ``lines``). RuntimeError when it
+    does not start within 120 s."""
 
     def __init__(self, name: str, argv: list, cwd: Path, env: dict):
+        # Imported here: the --serve children run this file against GEOMESH_ROOT, which may be an older tree.
+        from geomesh_p2p.procs import ServingProcess
+
         self.name = name
-        self.p = subprocess.Popen([sys.executable, *argv], cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                  stderr=subprocess.STDOUT, text=True, env=env)
-        self.lines: list = []
-        self.address = None
+        self._proc = ServingProcess(name, argv, cwd=cwd, env=env, timeout=120, keep_lines=200)
+        self.p, self.lines, self.address = self._proc.p, self._proc.lines, self._proc.address
         self.peak_fds = 0
-        found = threading.Event()
-
-        def pump():
-            for line in self.p.stdout:
-                self.lines.append(line.rstrip("\n"))
-                del self.lines[:-200]
-                m = re.search(r"serving on (\S+)", line)
-                if m and self.address is None:
-                    self.address = m.group(1)
-                    found.set()
-            found.set()
-
-        threading.Thread(target=pump, daemon=True).start()
-        if not found.wait(120) or self.address is None:
-            self.stop()
-            raise RuntimeError(f"{name} did not start: {self.lines[-10:]}")
 
     @property
     def pid(self) -> int:
@@ -148,13 +134,8 @@ class Target:
         return _status_kib(self.pid, "VmRSS") / 1024
 
     def stop(self) -> None:
-        if self.p.poll() is None:
-            self.p.send_signal(signal.SIGTERM)
-            try:
-                self.p.wait(20)
-            except subprocess.TimeoutExpired:
-                self.p.kill()
-                self.p.wait(10)
+        """SIGTERM, SIGKILL after 20 s. Idempotent."""
+        self._proc.stop(grace_s=20)
 
 
 def start_targets(root: Path, tmp: Path, ns) -> tuple:

@@ -4,16 +4,14 @@
 from __future__ import annotations
 
 import os
-import re
 import socket
 import subprocess
-import sys
-import threading
 from pathlib import Path
 
 import grpc
 
 from geomesh_p2p.identity import Identity
+from geomesh_p2p.procs import ServingProcess
 from geomesh_p2p.wire import envelope_pb2
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -30,42 +28,17 @@ def status_kib(pid: int, field: str) -> int:
     raise KeyError(field)
 
 
-class Server:
-    """A server process (stopped by PID in teardown); ``address`` from the first 'serving on' line."""
+class Server(ServingProcess):
+    """A server process (stopped by PID in teardown, SIGTERM then SIGKILL); ``address`` from its first
+    'serving on' line (:class:`geomesh_p2p.procs.ServingProcess`; RuntimeError when it does not start)."""
 
     def __init__(self, argv):
-        self.p = subprocess.Popen([sys.executable, *argv], cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                  stderr=subprocess.STDOUT, text=True,
-                                  env={**os.environ, "PYTHONUNBUFFERED": "1", "GRPC_VERBOSITY": "NONE"})
-        self.lines: list[str] = []
-        self.address = None
-        found = threading.Event()
-
-        def pump():
-            for line in self.p.stdout:
-                self.lines.append(line.rstrip("\n"))
-                m = re.search(r"serving on (\S+)", line)
-                if m and self.address is None:
-                    self.address = m.group(1)
-                    found.set()
-            found.set()
-
-        threading.Thread(target=pump, daemon=True).start()
-        if not found.wait(START_TIMEOUT) or self.address is None:
-            self.stop()
-            raise AssertionError(f"server did not start: {self.lines[-20:]}")
+        super().__init__("server", argv, cwd=ROOT, stdin=subprocess.PIPE, timeout=START_TIMEOUT,
+                         env={**os.environ, "PYTHONUNBUFFERED": "1", "GRPC_VERBOSITY": "NONE"})
 
     def kib(self, field: str) -> int:
+        """A ``kB`` field of the server's /proc status (VmRSS, VmHWM), in KiB."""
         return status_kib(self.p.pid, field)
-
-    def stop(self) -> None:
-        if self.p.poll() is None:
-            self.p.terminate()
-            try:
-                self.p.wait(30)
-            except subprocess.TimeoutExpired:
-                self.p.kill()
-                self.p.wait(10)
 
 
 async def signed_call(address: str, identity: Identity, method: str, payload: bytes, *, run: str,
