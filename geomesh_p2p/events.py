@@ -1,0 +1,179 @@
+"""Structured events: one call logs the human line as before and records a JSON event (issue 15).
+
+Tests and tools assert on what happened (a refusal and its reason, a take-over, a failed checkpoint)
+through these records instead of the wording of log lines, which stays free to change for the people
+reading it. A call site makes one call::
+
+    events.emit(log, logging.WARNING, "peer_refused", "refusing peer %s: %s", pid, why, peer=pid, reason=why)
+
+which logs ``"refusing peer ...: ..."`` on ``log`` at that level exactly as ``log.warning`` did, and
+hands ``{"event": "peer_refused", "t": <unix s>, "level": "WARNING", "message": <the line>, "peer": ...,
+"reason": ...}`` to every sink of the process:
+
+* :func:`open_json_sink` (a peer started with ``--log-json PATH``): appends one JSON line per event to
+  :func:`events_path` ``(PATH)`` = ``PATH`` with ``.events`` before its suffix (``peer0.jsonl`` ->
+  ``peer0.events.jsonl``). Not ``PATH`` itself: every reader of the round log (tests, the demo,
+  the benchmarks) takes each of its lines for a round row. :func:`read` loads such a file.
+* :func:`capture` (in-process tests): a list that receives the event dicts while the ``with`` lasts.
+
+Sinks are process-wide (a deployed peer is one process); the events of several in-process nodes go
+to the same sinks, so events that concern a peer name it (``peer=``). Emitting never blocks on a
+file: the JSON sink's writes run in its own thread (issue 13: no file writes on the event loop).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import queue
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator, List, Optional, Union
+
+from geomesh_p2p.metrics import json_safe
+
+log = logging.getLogger(__name__)
+
+Sink = Callable[[dict], None]
+_sinks: List[Sink] = []
+_sinks_lock = threading.Lock()
+
+
+def emit(logger: logging.Logger, level: int, kind: str, msg: str, *args: Any, **fields: Any) -> dict:
+    """Log ``msg % args`` on ``logger`` at ``level`` (as ``logger.log`` does; a level the logger
+    ignores prints nothing) and hand the event ``{"event": kind, "t": unix seconds (float, time.time()),
+    "level": level name, "message": msg % args, **fields}`` to every sink, whatever the log level.
+
+    ``fields`` are JSON values (str, int, float, bool, None, lists and dicts of them); anything else is
+    written as its ``str()``, a non-finite float as null. Thread-safe, any thread. Returns the event.
+    A sink that raises is logged once per event at DEBUG and skipped: an event never fails the caller.
+    """
+    message = msg % args if args else msg
+    logger.log(level, msg, *args)
+    event = {"event": kind, "t": time.time(), "level": logging.getLevelName(level), "message": message, **fields}
+    with _sinks_lock:
+        sinks = list(_sinks)
+    for sink in sinks:
+        try:
+            sink(event)
+        except Exception as e:  # a broken sink (closed file, full disk) must not break the node
+            log.debug("event sink %r failed: %s", sink, e)
+    return event
+
+
+def add_sink(sink: Sink) -> None:
+    """Register ``sink(event: dict)`` for every later :func:`emit` of the process (any thread)."""
+    with _sinks_lock:
+        _sinks.append(sink)
+
+
+def remove_sink(sink: Sink) -> None:
+    """Unregister ``sink``; no error when it is not registered."""
+    with _sinks_lock:
+        if sink in _sinks:
+            _sinks.remove(sink)
+
+
+@contextlib.contextmanager
+def capture(kind: Optional[str] = None) -> Iterator[List[dict]]:
+    """Collect the events emitted (by any thread) while the ``with`` lasts into the yielded list, in
+    order; only those of ``kind`` when given. For in-process tests::
+
+        with events.capture("dht_join_retry") as got:
+            ...
+        assert [e["attempt"] for e in got] == [1, 2]
+    """
+    got: List[dict] = []
+
+    def sink(event: dict) -> None:
+        if kind is None or event["event"] == kind:
+            got.append(event)
+
+    add_sink(sink)
+    try:
+        yield got
+    finally:
+        remove_sink(sink)
+
+
+def events_path(log_json: Union[str, Path]) -> Path:
+    """Where a peer run with ``--log-json log_json`` writes its events: ``.events`` inserted before the
+    suffix (``run/peer0.jsonl`` -> ``run/peer0.events.jsonl``; ``log`` -> ``log.events``)."""
+    p = Path(log_json)
+    return p.with_name(f"{p.stem}.events{p.suffix}") if p.suffix else p.with_name(p.name + ".events")
+
+
+class JsonLinesSink:
+    """Appends each event as one JSON line (UTF-8, ``\\n``-terminated, flushed per line) to ``path``,
+    from a writer thread it owns: the caller's thread (the event loop) never waits on the disk.
+    Register it with :func:`add_sink`; :meth:`close` writes what is queued, then stops the thread.
+    A line that cannot be written (full disk) is dropped with one DEBUG line."""
+
+    def __init__(self, path: Union[str, Path]):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._queue: "queue.SimpleQueue[Optional[str]]" = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._write_lines, name=f"events:{self.path.name}", daemon=True)
+        self._closed = False
+        self._thread.start()
+
+    def __call__(self, event: dict) -> None:
+        if not self._closed:
+            self._queue.put(json.dumps(json_safe(event), default=str))
+
+    def _write_lines(self) -> None:
+        with self.path.open("a", encoding="utf-8") as f:
+            while True:
+                line = self._queue.get()
+                if line is None:
+                    return
+                try:
+                    f.write(line + "\n")
+                    f.flush()
+                except OSError as e:
+                    log.debug("could not write an event to %s: %s", self.path, e)
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Write the queued events, stop the writer thread (waits up to ``timeout`` seconds). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.put(None)
+        self._thread.join(timeout)
+
+
+def open_json_sink(log_json: Optional[Union[str, Path]]) -> Optional[JsonLinesSink]:
+    """For a peer started with ``--log-json log_json``: a :class:`JsonLinesSink` on
+    :func:`events_path` ``(log_json)``, registered; None (nothing registered) when ``log_json`` is
+    None. The owner stops it with :func:`close_sink` at shutdown."""
+    if not log_json:
+        return None
+    sink = JsonLinesSink(events_path(log_json))
+    add_sink(sink)
+    return sink
+
+
+def close_sink(sink: Optional[JsonLinesSink]) -> None:
+    """Unregister ``sink`` and close it (its queued lines are written first). None is a no-op."""
+    if sink is not None:
+        remove_sink(sink)
+        sink.close()
+
+
+def read(path: Union[str, Path], kind: Optional[str] = None) -> List[dict]:
+    """The events in the JSON-lines file ``path`` (``[]`` when it does not exist), only those of
+    ``kind`` when given. A partly written last line is skipped (the file may be read while written)."""
+    p = Path(path)
+    if not p.exists():
+        return []
+    out = []
+    for line in p.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            event = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(event, dict) and (kind is None or event.get("event") == kind):
+            out.append(event)
+    return out
