@@ -52,6 +52,7 @@ from geomesh_p2p.metrics import RoundLog, RoundRecord, json_safe
 from geomesh_p2p.optim import OuterNesterov, SyncAdamW
 from geomesh_p2p.records import MAX_LINK_BPS, MAX_TOKENS_PER_S, MIN_LINK_BPS, MIN_TOKENS_PER_S, PeerRecord
 from geomesh_p2p import clock
+from geomesh_p2p import events
 from geomesh_p2p.clock import swarm_time
 from geomesh_p2p.round.backoff import Backoff
 from geomesh_p2p.round import DhtPlanAgreement, DriverConfig, PlanStore, RoundDriver
@@ -198,6 +199,7 @@ class PeerNode(NodeRoundPolicy):
     async def start(self) -> None:
 
         c = self.cfg
+        self.event_sink = events.open_json_sink(c.log_json)  # <log-json>.events.jsonl; closed in shutdown()
         if c.threads:
             torch.set_num_threads(c.threads)
         if c.checkpoint_dir:
@@ -768,6 +770,7 @@ class PeerNode(NodeRoundPolicy):
             await self.transport.stop(grace=0.5)
             if getattr(self, "round_log", None) is not None:
                 self.round_log.close()
+            events.close_sink(getattr(self, "event_sink", None))
             self.transport = None
 
     def summary(self) -> dict:
