@@ -55,6 +55,7 @@ from hivemind.dht.routing import DHTID, RoutingTable
 from hivemind.dht.storage import DHTLocalStorage, DictionaryDHTValue
 
 from geomesh_p2p import __version__
+from geomesh_p2p import events
 from geomesh_p2p.addr import AddressError, host_of, ip_of, parse_address, valid_address
 from geomesh_p2p.aio import finish_or_cancel
 from geomesh_p2p.dht.records import (
@@ -793,8 +794,9 @@ class DHTNode:
             if definitive or attempt == attempts - 1:
                 break
             wait = delay * random.uniform(0.8, 1.2)
-            log.info("no bootstrap answered yet (%s); retrying in %.1f s (attempt %d of %d)",
-                     "; ".join(f"{a}: {e}" for a, e in errors.items()), wait, attempt + 1, attempts)
+            events.emit(log, logging.INFO, "dht_join_retry", "no bootstrap answered yet (%s); retrying in %.1f s "
+                        "(attempt %d of %d)", "; ".join(f"{a}: {e}" for a, e in errors.items()), wait, attempt + 1,
+                        attempts, peer=self.peer_id.to_string(), attempt=attempt + 1, attempts=attempts, wait_s=wait)
             await asyncio.sleep(wait)
             delay = min(delay * 2, 8.0)
         if not ok:
