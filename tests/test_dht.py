@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from geomesh_p2p import events
 from geomesh_p2p.dht import DHTJoinError, DHTNode, LookupStats, key_id_of
 from geomesh_p2p.identity import Identity
 from tests.dht_helpers import start_node, start_swarm, stop_all, stop_node, wait_for
@@ -129,12 +130,15 @@ async def test_client_only_node_joins_stores_and_gets_by_calling_others():
 
 
 async def test_join_without_answering_bootstrap_raises_clear_error():
-    t0 = time.monotonic()
-    with pytest.raises(DHTJoinError) as ei:
-        await start_node(["127.0.0.1:1", "127.0.0.1:2"], join_attempts=3, join_backoff_s=0.05)
+    me = Identity.generate()
+    with events.capture("dht_join_retry") as retries, pytest.raises(DHTJoinError) as ei:
+        await start_node(["127.0.0.1:1", "127.0.0.1:2"], identity=me, join_attempts=3, join_backoff_s=0.05)
     msg = str(ei.value)
     assert "127.0.0.1:1" in msg and "127.0.0.1:2" in msg and "3 attempt" in msg and "UNAVAILABLE" in msg
-    assert time.monotonic() - t0 < 10
+    # 3 attempts = 2 waits, the backoff doubling from 0.05 s with +-20 % jitter; none after the last attempt
+    mine = [e for e in retries if e["peer"] == me.peer_id.to_string()]
+    assert [(e["attempt"], e["attempts"]) for e in mine] == [(1, 3), (2, 3)]
+    assert 0.04 <= mine[0]["wait_s"] <= 0.06 and 0.08 <= mine[1]["wait_s"] <= 0.12
     with pytest.raises(DHTJoinError, match="not host:port"):
         await start_node(["nonsense"])
 
@@ -142,11 +146,12 @@ async def test_join_without_answering_bootstrap_raises_clear_error():
 async def test_join_refused_by_another_run_says_so_without_retrying():
     other = await start_node(run_id="another-run")
     try:
-        t0 = time.monotonic()
-        with pytest.raises(DHTJoinError) as ei:
-            await start_node([other.address], join_attempts=5, join_backoff_s=1.0)
-        assert "another-run" in str(ei.value)
-        assert time.monotonic() - t0 < 1.0  # a refusal is final: no backoff
+        me = Identity.generate()
+        with events.capture("dht_join_retry") as retries, pytest.raises(DHTJoinError) as ei:
+            await start_node([other.address], identity=me, join_attempts=5, join_backoff_s=1.0)
+        assert "another-run" in str(ei.value) and "1 attempt(s)" in str(ei.value)
+        # a refusal is final: no backoff, no second attempt
+        assert [e for e in retries if e["peer"] == me.peer_id.to_string()] == []
     finally:
         await stop_node(other)
 
