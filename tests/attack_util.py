@@ -11,17 +11,13 @@ from __future__ import annotations
 import math
 import os
 import re
-import signal
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
-from tests.swarm_util import FAST, ProcSwarm, free_port
-
-RUN_ID = FAST[FAST.index("--run-id") + 1]
+from tests.swarm_util import FAST, RUN_ID, ProcSwarm
 
 
 class AttackSwarm(ProcSwarm):
@@ -38,23 +34,6 @@ class AttackSwarm(ProcSwarm):
 
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs.values() if p.poll() is None]
-
-    def stop_all(self, grace_s: float = 40.0) -> None:
-        """SIGINT to each running process (a peer finishes its exchange and leaves), SIGKILL to whatever
-        still runs ``grace_s`` seconds later; each by its PID."""
-        for p in self.procs.values():
-            if p.poll() is None:
-                try:
-                    p.send_signal(signal.SIGINT)
-                except ProcessLookupError:
-                    pass
-        deadline = time.time() + grace_s
-        for p in self.procs.values():
-            try:
-                p.wait(timeout=max(0.1, deadline - time.time()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
 
 
 def write_identity(path: Path, identity) -> None:
@@ -172,11 +151,9 @@ def run_scenario(swarm: AttackSwarm, attack: Optional[str], *, n_honest: int = 3
         notes = []
     total = n_honest + n_att
     common = ["--rounds", str(rounds), "--min-peers", str(total), *extra]
-    port = free_port()
-    entry = f"127.0.0.1:{port}"
     t0 = time.time()
-    swarm.peer(honest[0], *common, port=port)
-    swarm.wait_for(lambda: "serving on" in swarm.text(honest[0]), 120, "the first peer to listen")
+    swarm.peer(honest[0], *common)  # port 0: it binds a free port and prints it
+    entry = swarm.address(honest[0])
     # Interleave attackers with honest peers so that their start-up costs overlap the same way.
     order = honest[1:] + attackers
     for name in order:

@@ -2,32 +2,42 @@
 
 from __future__ import annotations
 
-import json
-import os
 import signal
 import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+from geomesh_p2p.procs import ProcGroup, address_in_log, read_json_rows
 
 # Small and fast: tests are about the protocol, not the model.
 FAST = ["--threads", "1", "--seq-len", "32", "--window-s", "2.5", "--profile-batches", "4,8",
         "--target-batch", "4", "--run-id", "test-swarm", "--pow-bits", "8"]
+RUN_ID = FAST[FAST.index("--run-id") + 1]  # the run FAST peers join; a bootstrap for them must serve it
+
+
+START_TIMEOUT = 120  # seconds for a cold interpreter (torch, grpc) to print its "serving on" line
 
 
 def free_port() -> int:
+    """A port that was free a moment ago on 127.0.0.1. Racy: another process can take it before the
+    server binds it. Only for an address that must have nobody listening (a dead bootstrap); to start a
+    server, give it ``port=0`` and read its address back (:meth:`ProcSwarm.address`)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-class ProcSwarm:
-    """Owns the processes it starts; :meth:`stop_all` ends each of them (SIGINT, then SIGKILL)."""
+class ProcSwarm(ProcGroup):
+    """Owns the processes it starts (``procs``: name -> Popen); :meth:`stop_all` ends each of them
+    (SIGINT, then SIGKILL), by PID. Logs: ``<dir>/<name>.log`` (appended to), ``<dir>/<name>.jsonl``."""
 
     def __init__(self, workdir: Path):
+        super().__init__()
         self.dir = workdir
-        self.procs: dict[str, subprocess.Popen] = {}
+        self._log_start: dict[str, int] = {}  # name -> size of its .log when it was last started
 
     def peer(self, name: str, *args: str, bootstrap: str | None = None, port: int = 0,
              extra: list[str] | None = None) -> subprocess.Popen:
@@ -37,32 +47,51 @@ class ProcSwarm:
             argv += ["--bootstrap", bootstrap]
         return self._spawn(name, argv)
 
-    def bootstrap(self, name: str, port: int, run_id: str = "test-swarm") -> subprocess.Popen:
+    def start_peers(self, names: Sequence[str], *args: str,
+                    each: Optional[Callable[[int, str], Sequence[str]]] = None) -> str:
+        """Start ``names[0]`` on port 0, read its address back (:meth:`address`), then the others with it
+        as ``--bootstrap``; every peer gets ``args`` and ``each(i, name)``. Returns that address (HOST:PORT)
+        for later joiners. Raises AssertionError when the first peer does not serve."""
+        entry: Optional[str] = None
+        for i, n in enumerate(names):
+            self.peer(n, *args, *(each(i, n) if each else ()), bootstrap=entry)
+            if entry is None:
+                entry = self.address(n)
+        assert entry is not None, "no peer to start"
+        return entry
+
+    def bootstrap(self, name: str, port: int = 0, run_id: str = RUN_ID) -> subprocess.Popen:
         argv = [sys.executable, "-m", "bootstrap.cli", "--host", "127.0.0.1", "--port", str(port),
                 "--run-id", run_id, "--identity", str(self.dir / f"{name}.key")]
         return self._spawn(name, argv)
 
     def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
-        out = open(self.dir / f"{name}.log", "a")
-        p = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
-        out.close()
-        self.procs[name] = p
-        return p
+        log = self.dir / f"{name}.log"
+        self._log_start[name] = log.stat().st_size if log.exists() else 0
+        return self.spawn(name, argv, log, append=True)
+
+    def address(self, name: str, timeout: float = START_TIMEOUT) -> str:
+        """HOST:PORT that ``name`` (a peer or bootstrap started with port 0) bound, from the "serving on"
+        line of its latest start. Raises AssertionError (with the logs' tails) when it, or another
+        process of the swarm, exits first, or after ``timeout`` seconds."""
+        found: list[str] = []
+
+        def serving() -> bool:
+            a = address_in_log(self.dir / f"{name}.log", self._log_start.get(name, 0))
+            if a is None and self.procs[name].poll() is not None:
+                raise AssertionError(f"{name} exited with {self.procs[name].returncode} before serving:\n"
+                                     + self.text(name)[-3000:])
+            found[:] = [a] if a else []
+            return a is not None
+
+        self.wait_for(serving, timeout, f"{name} to serve")
+        return found[0]
 
     def log_path(self, name: str) -> Path:
         return self.dir / f"{name}.jsonl"
 
     def rows(self, name: str) -> list[dict]:
-        p = self.log_path(name)
-        if not p.exists():
-            return []
-        out = []
-        for line in p.read_text().splitlines():
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                pass
-        return out
+        return read_json_rows(self.log_path(name))
 
     def text(self, name: str) -> str:
         p = self.dir / f"{name}.log"
@@ -94,14 +123,7 @@ class ProcSwarm:
         self.procs[name].send_signal(signal.SIGKILL)
         self.procs[name].wait()
 
-    def stop_all(self) -> None:
-        for p in self.procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGINT)
-        deadline = time.time() + 40
-        for p in self.procs.values():
-            try:
-                p.wait(timeout=max(0.1, deadline - time.time()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+    def stop_all(self, grace_s: float = 40.0) -> None:
+        """SIGINT to each running process (a peer finishes its exchange and leaves), SIGKILL to whatever
+        still runs ``grace_s`` seconds later; each by its PID."""
+        super().stop_all(grace_s)

@@ -9,7 +9,6 @@ import re
 
 import pytest
 
-from tests.swarm_util import free_port
 
 pytestmark = pytest.mark.timeout(480)
 
@@ -19,19 +18,12 @@ def _digest(swarm, name, r):
 
 
 def test_three_peers_train_then_resume_with_identical_weights(swarm, tmp_path):
-    port = free_port()
-    entry = f"127.0.0.1:{port}"
     names = ["p0", "p1", "p2"]
 
     def start(*args):
-        for i, n in enumerate(names):
-            swarm.peer(n, *args, "--min-peers", "3", "--checkpoint-dir", str(tmp_path / f"ck_{n}"),
-                       "--speed-factor", ["1.0", "0.6", "0.4"][i],
-                       port=port if i == 0 else 0, bootstrap=None if i == 0 else entry)
-            if i == 0:
-                n_serving = swarm.text("p0").count("serving on") + 1
-                swarm.wait_for(lambda: swarm.text("p0").count("serving on") >= n_serving, 120,
-                               "the first peer to listen")
+        swarm.start_peers(names, *args, "--min-peers", "3",
+                          each=lambda i, n: ["--checkpoint-dir", str(tmp_path / f"ck_{n}"),
+                                             "--speed-factor", ["1.0", "0.6", "0.4"][i]])
 
     start("--rounds", "4")
     assert swarm.wait_exit(names, 300) == {n: 0 for n in names}
@@ -57,14 +49,8 @@ def test_three_peers_train_then_resume_with_identical_weights(swarm, tmp_path):
 
 
 def test_peer_killed_mid_round_then_restarts_and_catches_up(swarm, tmp_path):
-    port = free_port()
-    entry = f"127.0.0.1:{port}"
     names = ["k0", "k1", "k2"]
-    for i, n in enumerate(names):
-        swarm.peer(n, "--rounds", "60", "--min-peers", "3", port=port if i == 0 else 0,
-                   bootstrap=None if i == 0 else entry)
-        if i == 0:
-            swarm.wait_for(lambda: "serving on" in swarm.text("k0"), 120, "the first peer to listen")
+    entry = swarm.start_peers(names, "--rounds", "60", "--min-peers", "3")
     swarm.wait_for(lambda: len(swarm.rows("k2")) >= 1, 240, "round 0 to finish")
     swarm.kill("k2")  # SIGKILL while round 1 trains
     # Survivors finish the round it was killed in and go on without it.
@@ -89,15 +75,9 @@ def test_peer_killed_mid_round_then_restarts_and_catches_up(swarm, tmp_path):
 def test_ddp_baseline_runs_as_a_swarm_mode(swarm, tmp_path):
     """``--method ddp``: two peers exchange fp32 gradients every step and apply the same AdamW step;
     digests equal after every round, perplexity falls, and a resumed peer keeps the AdamW moments."""
-    port = free_port()
-    entry = f"127.0.0.1:{port}"
     names = ["d0", "d1"]
-    for i, n in enumerate(names):
-        swarm.peer(n, "--method", "ddp", "--rounds", "6", "--min-peers", "2", "--eval-every", "3",
-                   "--checkpoint-dir", str(tmp_path / f"ck_{n}"), port=port if i == 0 else 0,
-                   bootstrap=None if i == 0 else entry)
-        if i == 0:
-            swarm.wait_for(lambda: "serving on" in swarm.text("d0"), 120, "the first peer to listen")
+    swarm.start_peers(names, "--method", "ddp", "--rounds", "6", "--min-peers", "2", "--eval-every", "3",
+                      each=lambda i, n: ["--checkpoint-dir", str(tmp_path / f"ck_{n}")])
     assert swarm.wait_exit(names, 300) == {n: 0 for n in names}
     rows = swarm.rows("d0")
     assert [x["round"] for x in rows] == list(range(6))
@@ -110,12 +90,8 @@ def test_ddp_baseline_runs_as_a_swarm_mode(swarm, tmp_path):
     assert ppl[-1] < ppl[0], ppl
 
     # Resume: the checkpoint holds the AdamW moments ([2P]); both continue in step from round 6.
-    for i, n in enumerate(names):
-        swarm.peer(n, "--method", "ddp", "--rounds", "8", "--min-peers", "2", "--eval-every", "3", "--resume",
-                   "--checkpoint-dir", str(tmp_path / f"ck_{n}"), port=port if i == 0 else 0,
-                   bootstrap=None if i == 0 else entry)
-        if i == 0:
-            swarm.wait_for(lambda: swarm.text("d0").count("serving on") >= 2, 120, "the first peer to listen")
+    swarm.start_peers(names, "--method", "ddp", "--rounds", "8", "--min-peers", "2", "--eval-every", "3", "--resume",
+                      each=lambda i, n: ["--checkpoint-dir", str(tmp_path / f"ck_{n}")])
     assert swarm.wait_exit(names, 300) == {n: 0 for n in names}
     for n in names:
         m = re.search(r"resumed from checkpoint at round (\d+) \(digest (\w+)\)", swarm.text(n))
@@ -127,15 +103,9 @@ def test_ddp_baseline_runs_as_a_swarm_mode(swarm, tmp_path):
 def test_ctrl_c_peer_leaves_cleanly_and_the_others_plan_without_it(swarm):
     """SIGINT: the peer finishes its exchange, announces that it leaves and exits 0; the next round
     of the others is planned without it, so no part goes missing and nobody waits for it."""
-    port = free_port()
-    entry = f"127.0.0.1:{port}"
     names = ["c0", "c1", "c2"]
     rounds = {"c0": "60", "c1": "4", "c2": "60"}  # c1 leaves by --rounds (issue 14 #4), c2 by Ctrl+C
-    for i, n in enumerate(names):
-        swarm.peer(n, "--rounds", rounds[n], "--min-peers", "3", port=port if i == 0 else 0,
-                   bootstrap=None if i == 0 else entry)
-        if i == 0:
-            swarm.wait_for(lambda: "serving on" in swarm.text("c0"), 120, "the first peer to listen")
+    swarm.start_peers(names, "--min-peers", "3", each=lambda i, n: ["--rounds", rounds[n]])
     swarm.wait_for(lambda: len(swarm.rows("c2")) >= 1, 240, "round 0 to finish")
     swarm.interrupt("c2")
     assert swarm.wait_exit(["c2"], 120) == {"c2": 0}

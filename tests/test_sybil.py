@@ -23,9 +23,8 @@ import time
 
 import pytest
 
-from tests.swarm_util import FAST, free_port
+from tests.swarm_util import FAST, RUN_ID
 
-RUN_ID = FAST[FAST.index("--run-id") + 1]
 POW_BITS = FAST[FAST.index("--pow-bits") + 1]
 ROUNDS = 7
 N_SYBILS = 30
@@ -36,11 +35,9 @@ pytestmark = pytest.mark.timeout(240)
 
 
 def test_thirty_sybil_identities_that_never_take_part_do_not_slow_or_split_the_honest_peers(swarm):
-    port = free_port()
-    entry = f"127.0.0.1:{port}"
     honest = ["h0", "h1", "h2"]
-    swarm.bootstrap("boot", port, run_id=RUN_ID)
-    swarm.wait_for(lambda: "serving on" in swarm.text("boot"), 60, "the bootstrap to listen")
+    swarm.bootstrap("boot")  # port 0: it binds a free port and prints it
+    entry = swarm.address("boot")
     for n in honest:
         swarm.peer(n, "--rounds", str(ROUNDS), "--min-peers", "3", bootstrap=entry)
     swarm._spawn("sybil", [sys.executable, "-m", "tests.sybil_util", "--bootstrap", entry, "--run-id", RUN_ID,

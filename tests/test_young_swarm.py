@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.swarm_util import FAST, free_port
 
-RUN_ID = FAST[FAST.index("--run-id") + 1]
 ROUNDS = 18
 #: rounds after the last peer's first round by which the three must train together with equal digests
 BOUND = 8
@@ -20,10 +18,8 @@ pytestmark = pytest.mark.timeout(300)
 
 
 def test_three_peers_started_apart_with_min_peers_one_form_one_swarm(swarm):
-    port = free_port()
-    entry = f"127.0.0.1:{port}"
-    swarm.bootstrap("boot", port, run_id=RUN_ID)
-    swarm.wait_for(lambda: "serving on" in swarm.text("boot"), 60, "the bootstrap to listen")
+    swarm.bootstrap("boot")  # port 0: it binds a free port and prints it
+    entry = swarm.address("boot")
     names = ["a", "b", "c"]
     swarm.peer("a", "--rounds", str(ROUNDS), "--min-peers", "1", bootstrap=entry)
     # a trains alone before b starts; c starts once a trained another round (a few seconds apart)
