@@ -18,6 +18,7 @@ from typing import Awaitable, Callable, Dict, List, Optional, Union
 
 from pydantic import ValidationError
 
+from geomesh_p2p import events
 from geomesh_p2p.aio import wait_event
 from geomesh_p2p.dht.node import DHTNode
 from geomesh_p2p.identity import Identity
@@ -68,14 +69,14 @@ def check_compatible(mine: PeerRecord, other: PeerRecord) -> Optional[str]:
     return "; ".join(diffs) or None
 
 
-def _log_once(who: str, msg: str, level: int = logging.WARNING) -> None:
+def _log_once(who: str, msg: str, level: int = logging.WARNING, **fields) -> None:
     key = (who, msg)
     if key in _logged:
         return
     if len(_logged) > 4096:
         _logged.clear()
     _logged[key] = None
-    log.log(level, "%s: %s", who, msg)
+    events.emit(log, level, "peer_record_dropped", "%s: %s", who, msg, **fields)  # fields: subkey, reason
 
 
 async def live_peers(node: DHTNode, run_id: Optional[str] = None, *, expected_version: Optional[str] = None,
@@ -96,16 +97,18 @@ async def live_peers(node: DHTNode, run_id: Optional[str] = None, *, expected_ve
     for subkey, item in found.items():
         who = f"peer record {subkey[:10] if subkey else '(no subkey)'}…"
         if subkey is None or item.owner is None or subkey != item.owner.to_string():
-            _log_once(who, "dropped: not under its owner's PeerID subkey")
+            _log_once(who, "dropped: not under its owner's PeerID subkey", subkey=subkey, reason="not_owner_subkey")
             continue
         try:
             rec = PeerRecord.from_bytes(item.value)
         except ValidationError as e:
             first = e.errors()[0] if e.errors() else {"loc": (), "msg": str(e)}
-            _log_once(who, f"dropped: malformed PeerRecord ({'.'.join(map(str, first['loc']))}: {first['msg']})")
+            _log_once(who, f"dropped: malformed PeerRecord ({'.'.join(map(str, first['loc']))}: {first['msg']})",
+                      subkey=subkey, reason="malformed")
             continue
         if rec.peer_id != subkey:
-            _log_once(who, f"dropped: record names peer {rec.peer_id[:10]}…, signed by {subkey[:10]}…")
+            _log_once(who, f"dropped: record names peer {rec.peer_id[:10]}…, signed by {subkey[:10]}…", subkey=subkey,
+                      reason="names_another_peer")
             continue
         reasons = []
         if expected_config_hash is not None and rec.run_config_hash != expected_config_hash:
@@ -117,7 +120,8 @@ async def live_peers(node: DHTNode, run_id: Optional[str] = None, *, expected_ve
             if diff and diff not in reasons:
                 reasons.append(diff)
         if reasons:
-            _log_once(who, "incompatible, ignored: " + "; ".join(reasons))
+            _log_once(who, "incompatible, ignored: " + "; ".join(reasons), subkey=subkey, reason="incompatible",
+                      differs=reasons)
             continue
         if rec.leaving and not include_leaving:
             continue
