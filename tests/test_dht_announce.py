@@ -4,12 +4,11 @@ bootstrap, dead peers expire, incompatible peers are refused with what differs."
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 
 import pytest
 
-from geomesh_p2p import __version__
+from geomesh_p2p import __version__, events
 from geomesh_p2p.dht import (
     PeerAnnouncer,
     announce_loop,
@@ -53,11 +52,9 @@ async def test_four_peers_joining_one_bootstrap_at_once_form_one_swarm_that_outl
         started = await asyncio.gather(*(start_peer([boot.address]) for _ in range(4)))
         peers = [n for n, _ in started]
         ids = [n.peer_id for n in peers]
-        t0 = time.monotonic()
-        for n in peers + [boot]:
-            await wait_for(lambda n=n: sees(n, ids), timeout=8 * PERIOD, interval=PERIOD / 4,
+        for n in peers + [boot]:  # a generous bound on a wait, not a speed goal (issue 15)
+            await wait_for(lambda n=n: sees(n, ids), timeout=30 * PERIOD, interval=PERIOD / 4,
                            what=f"{n.peer_id.short()} to see all four peers")
-        assert time.monotonic() - t0 < 8 * PERIOD
         # the bootstrap dies: the peers still see each other (records keep being refreshed) ...
         await stop_node(boot)
         ttl = 3 * PERIOD
@@ -85,7 +82,7 @@ async def test_four_peers_joining_one_bootstrap_at_once_form_one_swarm_that_outl
         await stop_all(peers + [boot])
 
 
-async def test_incompatible_peer_is_refused_with_what_differs(caplog):
+async def test_incompatible_peer_is_refused_with_what_differs():
     boot = await start_node()
     nodes = []
     try:
@@ -95,12 +92,12 @@ async def test_incompatible_peer_is_refused_with_what_differs(caplog):
         nodes = [a, b, c]
         await wait_for(lambda: sees(boot, [a.peer_id, b.peer_id, c.peer_id]), timeout=10, what="all records")
         mine = peer_record(a)
-        with caplog.at_level(logging.WARNING, logger="geomesh_p2p.dht.announce"):
+        with events.capture("peer_record_dropped") as dropped:
             compatible = await live_peers(a, RUN, mine=mine)
         assert [r.peer_id for r in compatible] == [a.peer_id.to_string()]
-        text = caplog.text
-        assert "run-config hash c0ffeec0ffee… vs deadbeefdead…" in text
-        assert f"version {__version__} vs 0.2.0" in text
+        assert sorted((e["subkey"], e["reason"], e["differs"]) for e in dropped) == sorted([
+            (b.peer_id.to_string(), "incompatible", ["run-config hash c0ffeec0ffee… vs deadbeefdead…"]),
+            (c.peer_id.to_string(), "incompatible", [f"version {__version__} vs 0.2.0"])])
         filtered = await live_peers(a, RUN, expected_config_hash=CONFIG_HASH, expected_version=__version__)
         assert len(filtered) == 1
         assert len(await live_peers(a, RUN)) == 3
@@ -125,7 +122,7 @@ def test_check_compatible_messages():
     assert two == f"version {__version__} vs 1.0.0; protocol version 1 vs 2"
 
 
-async def test_malformed_or_misplaced_peer_records_are_dropped(caplog):
+async def test_malformed_or_misplaced_peer_records_are_dropped():
     node = await start_node()
     try:
         me = node.identity
@@ -135,11 +132,11 @@ async def test_malformed_or_misplaced_peer_records_are_dropped(caplog):
         rec = peer_record(node).model_copy(update={"peer_id": me.peer_id.to_string()})
         assert await node.store(key, rec.to_bytes(), time.time() + 30, subkey=other.peer_id.to_string(), owner=other)
         assert await node.store(key, b"{}", time.time() + 30, subkey="unowned", owner=other)
-        with caplog.at_level(logging.WARNING, logger="geomesh_p2p.dht.announce"):
+        with events.capture("peer_record_dropped") as dropped:
             assert await live_peers(node, RUN) == []
-        assert "malformed PeerRecord" in caplog.text
-        assert "record names peer" in caplog.text
-        assert "not under its owner's PeerID subkey" in caplog.text
+        assert sorted((e["subkey"], e["reason"]) for e in dropped) == sorted([
+            (me.peer_id.to_string(), "malformed"), (other.peer_id.to_string(), "names_another_peer"),
+            ("unowned", "not_owner_subkey")])
         # an announcer refuses a record of another peer
         with pytest.raises(ValueError, match="not this identity's PeerID"):
             await PeerAnnouncer(node, peer_record(node, peer_id=other.peer_id.to_string())).announce_once()
