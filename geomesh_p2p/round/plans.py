@@ -44,6 +44,7 @@ from typing import Callable, Iterable, Optional, Sequence
 
 from pydantic import ValidationError
 
+from geomesh_p2p import events
 from geomesh_p2p.clock import swarm_time
 from geomesh_p2p.planner import RoundPlan
 from geomesh_p2p.round.backoff import Backoff
@@ -231,8 +232,9 @@ restarting when the plans seen change and at each candidate's take-over instant.
                 leader_rank(store.run_id, round, me) < leader_rank(store.run_id, round, best.leader)
                 and swarm_time() < best.created_at)):
             if my_turn > 0 and best is None:
-                log.warning("round %d: no plan from %d better-ranked leader(s) after %.1fs; taking over",
-                            round, my_turn, elapsed)
+                events.emit(log, logging.WARNING, "plan_takeover", "round %d: no plan from %d better-ranked leader(s) "
+                            "after %.1fs; taking over", round, my_turn, elapsed, round=round, peer=me, turn=my_turn,
+                            delay_s=delay(my_turn), after_s=elapsed)  # delay_s: this turn's take-over delay
             try:
                 plan = make_plan(members, me)
             except PlanDeferred:  # the policy has said why (once); the next leader may do better
