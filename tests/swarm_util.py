@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 from geomesh_p2p.procs import ProcGroup, address_in_log, read_json_rows
 
@@ -28,6 +29,15 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def dead_address() -> Iterator[str]:
+    """``127.0.0.1:PORT`` where nobody listens while the ``with`` block runs: the port is bound by a socket
+    that never listens (connections to it are refused) and no other process can bind it meanwhile."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        yield f"127.0.0.1:{s.getsockname()[1]}"
 
 
 class ProcSwarm(ProcGroup):

@@ -22,7 +22,6 @@ from geomesh_p2p.errors import UserFacingError
 from geomesh_p2p.identity import Identity
 from geomesh_p2p.node import NodeConfig, PeerNode, RunConfig, StoppedBeforeJoining
 from geomesh_p2p.records import PeerRecord
-from tests.swarm_util import free_port
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -165,10 +164,12 @@ async def test_empty_swarm_wait_ends_on_stop(monkeypatch):
 
 
 # ---------------------------------------------------------------- 1. swarm time
-def test_swarm_clock_follows_the_dht_offset():
+def test_swarm_clock_follows_the_dht_offset(monkeypatch):
+    # This machine's wall clock, injected: swarm time is exactly it plus the offset.
+    monkeypatch.setattr(clock, "time", SimpleNamespace(time=lambda: 5000.0))
     try:
         clock.set_offset(30.0)
-        assert 29.9 < clock.swarm_time() - time.time() < 30.1
+        assert clock.swarm_time() == 5030.0
         assert clock.to_local(1000.0) == 970.0
         dht = SimpleNamespace(clock_offset_s=-12.0)
         clock.follow(lambda: dht.clock_offset_s)
@@ -218,9 +219,10 @@ def _digests(swarm, names, r):
     return {n: next((x["digest"] for x in swarm.rows(n) if x["round"] == r), None) for n in names}
 
 
-def _start_entry(swarm, name, port, *args):
-    swarm.peer(name, *args, port=port)
-    swarm.wait_for(lambda: "serving on" in swarm.text(name), 120, f"{name} to listen")
+def _start_entry(swarm, name, *args) -> str:
+    """Start ``name`` on port 0; returns the address it bound (HOST:PORT), for the others' --bootstrap."""
+    swarm.peer(name, *args)
+    return swarm.address(name)
 
 
 @pytest.mark.e2e
@@ -228,11 +230,9 @@ def _start_entry(swarm, name, port, *args):
 def test_peer_advertising_an_unreachable_host_trains_client_only_without_a_fork(swarm):
     """--advertise-host 127.0.0.9 (nothing listens there): the peer warns once, owns no part (its record
     names no address), both peers train the same rounds with equal digests (no fork into 1-peer runs)."""
-    port = free_port()
     names = ["p0", "bad"]
-    _start_entry(swarm, "p0", port, "--rounds", "3", "--min-peers", "2")
-    swarm.peer("bad", "--rounds", "3", "--min-peers", "2", "--advertise-host", "127.0.0.9",
-               bootstrap=f"127.0.0.1:{port}")
+    entry = _start_entry(swarm, "p0", "--rounds", "3", "--min-peers", "2")
+    swarm.peer("bad", "--rounds", "3", "--min-peers", "2", "--advertise-host", "127.0.0.9", bootstrap=entry)
     assert swarm.wait_exit(names, 360) == {"p0": 0, "bad": 0}
     text = swarm.text("bad")
     assert text.count("nobody can dial this node at 127.0.0.9:") == 1, text[-3000:]
@@ -250,12 +250,10 @@ def test_newcomer_of_a_run_whose_peers_left_waits_or_resumes(swarm, tmp_path):
     ends it cleanly, no checkpoint of the seed is written), or resumes from a checkpoint when told to."""
     import sys
 
-    port = free_port()
-    swarm._spawn("boot", [sys.executable, "-m", "bootstrap.cli", "--host", "127.0.0.1", "--port", str(port),
+    swarm._spawn("boot", [sys.executable, "-m", "bootstrap.cli", "--host", "127.0.0.1", "--port", "0",
                           "--run-id", "test-swarm", "--identity", str(tmp_path / "boot.key"),
                           "--status-interval", "0.5", "--state-file", ""])
-    swarm.wait_for(lambda: "serving on" in swarm.text("boot"), 120, "the bootstrap to listen")
-    entry = f"127.0.0.1:{port}"
+    entry = swarm.address("boot")
     ck = tmp_path / "ck"
     swarm.peer("first", "--rounds", "2", "--checkpoint-dir", str(ck), bootstrap=entry)
     assert swarm.wait_exit(["first"], 300) == {"first": 0}
@@ -288,16 +286,15 @@ def test_peer_with_a_clock_30s_ahead_trains_with_the_swarm(swarm, monkeypatch):
     times are all in swarm time, so the skewed peer trains (> 0 inner steps) and its digests equal the others'."""
     if not os.path.exists(FAKETIME_LIB):
         pytest.skip(f"libfaketime is not installed ({FAKETIME_LIB}; apt-get install libfaketime)")
-    port = free_port()
     names = ["p0", "p1", "skewed"]
     args = ("--rounds", "3", "--min-peers", "3")
-    _start_entry(swarm, "p0", port, *args)
-    swarm.peer("p1", *args, bootstrap=f"127.0.0.1:{port}")
+    entry = _start_entry(swarm, "p0", *args)
+    swarm.peer("p1", *args, bootstrap=entry)
     monkeypatch.setenv("LD_PRELOAD", FAKETIME_LIB)
     monkeypatch.setenv("FAKETIME", "+30s")
     monkeypatch.setenv("FAKETIME_DONT_FAKE_MONOTONIC", "1")
     monkeypatch.setenv("FAKETIME_NO_CACHE", "1")
-    swarm.peer("skewed", *args, bootstrap=f"127.0.0.1:{port}")
+    swarm.peer("skewed", *args, bootstrap=entry)
     monkeypatch.delenv("LD_PRELOAD")
     assert swarm.wait_exit(names, 420) == {n: 0 for n in names}
     assert re.search(r"clock offset to the bootstrap\(s\): -(29|30)\.\d s", swarm.text("skewed")), swarm.text("skewed")

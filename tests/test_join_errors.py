@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tests.swarm_util import FAST, ProcSwarm, free_port
+from tests.swarm_util import FAST, ProcSwarm, dead_address
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -52,10 +52,10 @@ def test_model_config_that_does_not_parse(tmp_path):
 
 
 def test_bootstrap_that_does_not_answer(tmp_path):
-    port = free_port()  # nobody listens there
-    r = _join(tmp_path, "--bootstrap", f"127.0.0.1:{port}")
+    with dead_address() as entry:  # bound, never listening: connections are refused
+        r = _join(tmp_path, "--bootstrap", entry)
     line = _one_line_error(r)
-    assert "could not join the DHT" in line and f"127.0.0.1:{port}" in line
+    assert "could not join the DHT" in line and entry in line
     assert "attempt" in line  # it retried with backoff before giving up
 
 
@@ -76,18 +76,18 @@ def test_bad_flag_values_fail_at_start(tmp_path):
 
 def test_incompatible_run_config_is_refused_saying_what_differs(tmp_path):
     swarm = ProcSwarm(tmp_path)
-    port = free_port()
     try:
-        swarm.peer("a", "--rounds", "50", port=port)
+        swarm.peer("a", "--rounds", "50")  # port 0: it binds a free port and prints it
+        entry = swarm.address("a")
         swarm.wait_for(lambda: "round 0: eval perplexity" in swarm.text("a"), 180, "the first peer to start")
-        r = _join(tmp_path, "--bootstrap", f"127.0.0.1:{port}", "--inner-lr", "0.0003")
+        r = _join(tmp_path, "--bootstrap", entry, "--inner-lr", "0.0003")
         line = _one_line_error(r)
         assert "use another run config" in line
         assert "inner_lr: 0.0003 here vs 0.001 in the swarm" in line
         # refused right after joining the DHT: no data loading, no device profiling first
         assert "tokens/s per batch" not in r.stdout + r.stderr
         # the same key in a second process (issue 14 #7): refused, naming where it already runs
-        r = _join(tmp_path, "--bootstrap", f"127.0.0.1:{port}", "--identity", str(tmp_path / "a.key"))
+        r = _join(tmp_path, "--bootstrap", entry, "--identity", str(tmp_path / "a.key"))
         line = _one_line_error(r)
         assert "is already live at 127.0.0.1:" in line and "own key file" in line
         assert swarm.procs["a"].poll() is None  # the first one goes on
@@ -110,7 +110,9 @@ def test_resume_from_a_checkpoint_of_another_run_config_is_refused(tmp_path):
 
 
 def test_ctrl_c_while_the_bootstrap_is_unreachable_exits_0_at_once(tmp_path):
-    """Review finding: Ctrl+C during the join's retries took ~25 s and exited 1; each retry is now logged."""
+    """Review finding: Ctrl+C during the join's retries took ~25 s and exited 1; each retry is now logged.
+    "At once": the join does not go on to its last attempt (each retry logs "attempt k of n")."""
+    import re
     import signal
     import time
 
@@ -124,12 +126,13 @@ def test_ctrl_c_while_the_bootstrap_is_unreachable_exits_0_at_once(tmp_path):
         while "retrying in" not in log.read_text() and time.time() < deadline and p.poll() is None:
             time.sleep(0.2)
         assert "no bootstrap answered yet" in log.read_text()
-        t0 = time.time()
         p.send_signal(signal.SIGINT)
         assert p.wait(timeout=30) == 0
-        assert time.time() - t0 < 15
-        assert "stop requested before this peer joined the swarm" in log.read_text()
-        assert "Traceback" not in log.read_text()
+        text = log.read_text()
+        assert "stop requested before this peer joined the swarm" in text
+        assert "Traceback" not in text
+        attempts = [(int(k), int(n)) for k, n in re.findall(r"\(attempt (\d+) of (\d+)\)", text)]
+        assert attempts and max(k for k, _ in attempts) < attempts[0][1] - 1, attempts
     finally:
         if p.poll() is None:
             p.kill()
