@@ -48,7 +48,7 @@ from geomesh_p2p import compression
 from geomesh_p2p.optim import OuterNesterov
 from geomesh_p2p.planner import RoundPlan
 from geomesh_p2p.sim.charge import Charger, RoundCharge, speed_factor
-from geomesh_p2p.sim.clock import async_exchange_s, encoded_nbytes
+from geomesh_p2p.sim.clock import RoundTiming, async_exchange_s, encoded_nbytes
 from geomesh_p2p.sim.hardware import Profile, SimPeer
 from geomesh_p2p.sim.methods import MethodSpec
 from geomesh_p2p.training import InnerTrainer, build_model, flat_params, load_flat_
@@ -131,6 +131,18 @@ class MethodResult:
             "wall_s": self.wall_s,
             "fastest_peer": self.peers[f].name,
         }
+
+
+def _overlapped(timing: RoundTiming, last: bool) -> RoundTiming:
+    """The charge of a round whose exchange overlaps the next round's inner steps (eager updates): only
+    the exchange time past the next compute window (taken as this round's, ``max(compute)``) is network
+    idle; the last round's exchange is not overlapped (nothing follows it)."""
+    if last:
+        return timing
+    last_done = max(timing.compute_s)
+    net = max(0.0, timing.network_s - last_done)
+    return RoundTiming(compute_s=list(timing.compute_s), straggler_s=list(timing.straggler_s), network_s=net,
+                       round_s=last_done + net, end_s=list(timing.end_s))
 
 
 def _crossing(curve: list[tuple[float, float, float]], target: Optional[float]) -> Optional[tuple[float, float]]:
@@ -277,6 +289,27 @@ class Simulator:
         return out
 
     def _run_sync(self, spec: MethodSpec) -> MethodResult:
+        """Synchronous rounds (diloco, awb, css, geomesh), optionally with eager updates (``spec.eager``).
+
+        **Eager updates** (issue 17), after "Eager Updates for Overlapped Communication and Computation in
+        DiLoCo" (Kale, Douillard, Donchev, 2025): the exchange of round ``r`` runs during the inner steps of
+        round ``r + 1``. With M peers, token weights ``w_m`` (the aggregate's), ``O(θ, v; g)`` the outer
+        Nesterov step of the global weights ``θ`` and momentum ``v`` by the outer gradient ``g``:
+
+        * global weights (bitwise the same on every peer: only aggregates touch them), applied one round
+          late, when round r's aggregate ``Δ^r = Σ_m w_m Δ_m^r`` arrives: ``(θ^{r+1}, v^{r+1}) = O(θ^r, v^r; Δ^r)``;
+        * peer m starts round r + 1 at once from ``x_m^{r+1} = O(θ^r, v^r; Δ̃_m^r)`` (on copies), where
+          ``Δ̃_m^r = w_m Δ_m^r + Σ_{k≠m} w_k Δ_k^{r-1} = Δ^{r-1} − w_m Δ_m^{r-1} + w_m Δ_m^r`` is the paper's
+          eager estimate of the aggregate not yet arrived: its own *fresh* local outer gradient in place of
+          its stale share of the last aggregate (``Δ^{-1} = Δ_m^{-1} = 0``);
+        * its outer gradient of round r + 1 is taken from its own start: ``Δ_m^{r+1} = x_m^{r+1} − y_m^{r+1}``
+          (``y``: its weights after the inner steps), and is aggregated and applied to ``θ^{r+1}`` as above.
+
+        Charged time: the exchange of round r overlaps the next round's compute, so a round costs its
+        compute window plus only the part of its exchange that does not fit under the next window
+        (``max(0, network − last compute end)``); the last round's exchange is not overlapped. Eval is of
+        the global weights, at the moment the aggregate that made them arrived (the same point as
+        synchronous rounds at equal tokens)."""
         wall0 = time.perf_counter()
         ch_ = self.charger
         sigma = self.profile.speed_jitter
@@ -305,6 +338,10 @@ class Simulator:
         done_ref = 0
         tok_trained = 0
         self._report(spec.label, 0, 0.0, ppl)
+        # eager updates: each peer's start weights, the last aggregate and each peer's weighted share of it
+        starts = [theta] * self.n
+        prev_agg = torch.zeros(self.numel)
+        prev_own = [torch.zeros(self.numel) for _ in range(self.n)]
         r = 0
         while done_ref < self.budget_ref:
             plan = get_plan()
@@ -313,22 +350,32 @@ class Simulator:
             # ---- real training of the proxy, peer by peer in PeerID order
             deltas, tokens, losses = [], [], []
             for i, tr in enumerate(trainers):
-                load_flat_(tr.model, theta)
+                start = starts[i] if spec.eager else theta
+                load_flat_(tr.model, start)
                 res = tr.run(round=r, inner_steps=ch.steps[i],
                              batch_size=self._tiny_batch(plan.assignments[i].batch_size))
-                deltas.append(theta - flat_params(tr.model))
+                deltas.append(start - flat_params(tr.model))
                 tokens.append(res.tokens)
                 if res.steps_done:
                     losses.append(res.mean_loss)
             agg = self._aggregate(spec, deltas, tokens, efs, plan)
+            timing = ch.timing
+            if spec.eager:
+                starts, prev_own = self._eager_starts(theta, outer, deltas, tokens, prev_agg, prev_own)
+                prev_agg = agg if agg is not None else torch.zeros(self.numel)
+                last = done_ref + ch.tokens_ref >= self.budget_ref
+                timing = _overlapped(ch.timing, last)
             if agg is not None:
                 outer.step(theta, agg)
-            t += ch.timing.round_s
+            t_landed = t + ch.timing.round_s  # when round r's aggregate (and so these global weights) exists
+            t += timing.round_s
             done_ref += ch.tokens_ref
             tok_trained += sum(tokens)
             ppl = self.evaluate(theta)
-            curve.append((t, ppl, float(done_ref)))
-            logs.append(self._log(r, t, ch, sum(tokens), float(np.mean(losses)) if losses else float("nan"), ppl,
+            curve.append((t_landed, ppl, float(done_ref)))
+            logs.append(self._log(r, t, RoundCharge(steps=ch.steps, step_s=ch.step_s, xb=ch.xb, timing=timing,
+                                                    tokens_ref=ch.tokens_ref),
+                                  sum(tokens), float(np.mean(losses)) if losses else float("nan"), ppl,
                                   plan.window_s))
             # re-profiling (DESIGN.md "Round r" step 7): EMA of the measured speed factor
             if sigma > 0:
@@ -336,6 +383,24 @@ class Simulator:
             self._report(spec.label, done_ref, t, ppl)
             r += 1
         return self._result(spec, logs, curve, t, done_ref, tok_trained, wall0, self.plan_info(plan0))
+
+    def _eager_starts(self, theta: torch.Tensor, outer: OuterNesterov, deltas: list[torch.Tensor],
+                      tokens: list[int], prev_agg: torch.Tensor,
+                      prev_own: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Eager updates (see :meth:`_run_sync`): each peer's start weights of the next round,
+        ``x_m = O(θ, v; Δ^{r-1} − w_m Δ_m^{r-1} + w_m Δ_m^r)`` on copies of the global weights and outer
+        state, and each peer's weighted share ``w_m Δ_m^r`` (for the next round's estimate). fp32 CPU
+        ``[P]`` tensors; ``theta`` and ``outer`` are not modified."""
+        total = float(sum(tokens))
+        starts, own = [], []
+        for d, n, old in zip(deltas, tokens, prev_own):
+            share = d * (float(n) / total) if total > 0 else torch.zeros_like(d)
+            x = theta.clone()
+            o = copy.deepcopy(outer)
+            o.step(x, (prev_agg - old + share).contiguous())
+            starts.append(x)
+            own.append(share)
+        return starts, own
 
     def _run_ddp(self, spec: MethodSpec) -> MethodResult:
         """fp32 sync every step. Charged: per step, the slowest peer's step plus an fp32 all-reduce.

@@ -25,7 +25,11 @@ Variants: ``base+mod+mod...`` with modifiers
 * ``lion`` / ``adamw`` — inner optimizer (Lion uses the profile's ``train.lion_lr``);
 * ``lr=X`` — inner peak learning rate; ``outer_lr=X`` — outer Nesterov lr;
 * ``window=share`` / ``window=match`` — AWB window rule (awb/geomesh): comm is ``comm_share``
-  of T, or the group trains DiLoCo's tokens per round.
+  of T, or the group trains DiLoCo's tokens per round;
+* ``eager`` — eager updates (diloco/awb/css/geomesh; issue 17): the exchange of round r overlaps the inner
+  steps of round r+1, following "Eager Updates for Overlapped Communication and Computation in DiLoCo"
+  (Kale, Douillard, Donchev, 2025); the update equations are in
+  :meth:`geomesh_p2p.sim.engine.Simulator._run_sync`. ``geomesh-eager`` is an alias of ``geomesh+eager``.
 
 Examples: ``geomesh+ef``, ``geomesh+relay``, ``geomesh+int8``, ``geomesh+lion+lr=3e-4``.
 """
@@ -68,6 +72,7 @@ class MethodSpec:
     outer_lr: Optional[float] = None
     window: Optional[str] = None  # "comm_share" | "match_diloco" | None (profile's rule)
     rule: str = "mean"  # aggregation rule of sign contributions (geomesh_p2p.aggregation.RULES)
+    eager: bool = False  # eager updates: round r's exchange overlaps round r+1's inner steps
 
     @property
     def compressed(self) -> bool:
@@ -93,6 +98,8 @@ def parse_method(label: str) -> MethodSpec:
     """``"geomesh+ef+int8"`` -> MethodSpec. Raises MethodError naming the unknown part."""
     label = label.strip()
     parts = [p.strip() for p in label.split("+")]
+    if parts[0].lower().endswith("-eager"):  # "geomesh-eager" = "geomesh+eager"
+        parts = [parts[0][:-len("-eager")], "eager"] + parts[1:]
     base = parts[0].lower()
     if base not in BASE_METHODS:
         raise MethodError(f"unknown method {parts[0]!r} (known: {', '.join(BASE_METHODS)};"
@@ -119,13 +126,17 @@ def parse_method(label: str) -> MethodSpec:
             spec = replace(spec, inner_lr=_float(label, key, val))
         elif key == "outer_lr" and val:
             spec = replace(spec, outer_lr=_float(label, key, val))
+        elif key == "eager" and not val:
+            if base not in ("diloco", "awb", "css", "geomesh"):
+                raise MethodError(f"method {label!r}: eager applies to the synchronous methods diloco, awb, css, geomesh")
+            spec = replace(spec, eager=True)
         elif key == "window" and val in ("share", "match", "comm_share", "match_diloco"):
             if not spec.balanced:
                 raise MethodError(f"method {label!r}: window= applies to awb/geomesh only")
             spec = replace(spec, window="comm_share" if val in ("share", "comm_share") else "match_diloco")
         else:
             raise MethodError(f"method {label!r}: unknown modifier {mod!r} (ef, relay, reencode, sign,"
-                              " int8, fp16, mean, meanmed, vote, lion, adamw, lr=X, outer_lr=X, window=share|match)")
+                              " int8, fp16, mean, meanmed, vote, lion, adamw, lr=X, outer_lr=X, window=share|match, eager)")
     return spec
 
 
