@@ -157,12 +157,11 @@ def test_newcomer_joining_through_a_restarted_bootstrap_finds_the_swarm(tmp_path
     """SIGKILL the bootstrap of a swarm, restart it on the same address: a newcomer joining through it
     sees the swarm. 'saved': the bootstrap re-dials the routing table it saved; 'none' (--state-file ''):
     the old peers' periodic ping of their bootstrap makes it learn them again."""
-    from tests.swarm_util import free_port
-
-    port = free_port()
-    argv = _boot_argv(tmp_path, "--port", str(port)) + (["--state-file", ""] if state == "none" else [])
-    boot = procs(argv, "bootstrap")
+    extra = ["--state-file", ""] if state == "none" else []
+    # Port 0 first (the OS picks a free one, no race); the restart takes the port the first one bound.
+    boot = procs(_boot_argv(tmp_path, *extra), "bootstrap")
     address = boot.wait_line(r"serving on (\S+:\d+)", START_TIMEOUT).group(1)
+    argv = _boot_argv(tmp_path, *extra, "--port", address.rsplit(":", 1)[1])
     old = [procs(_dht_argv(address), f"peer{i}") for i in range(2)]
     ids = sorted(json.loads(p.wait_line(r"^\{", START_TIMEOUT).string)["peer_id"] for p in old)
     for p in old:
@@ -187,11 +186,9 @@ def test_newcomer_joining_through_a_restarted_bootstrap_finds_the_swarm(tmp_path
 def test_newcomer_of_a_run_whose_peers_all_left_learns_the_round_it_was_at(tmp_path, procs):  # noqa: F811
     """The bootstrap saw the run at round 7, every peer left, the bootstrap restarted: a newcomer finds
     no live peer but learns round 7 (so it can say so and wait or resume, not restart at round 0)."""
-    from tests.swarm_util import free_port
-
-    argv = _boot_argv(tmp_path, "--port", str(free_port()))
-    boot = procs(argv, "bootstrap")
+    boot = procs(_boot_argv(tmp_path), "bootstrap")
     address = boot.wait_line(r"serving on (\S+:\d+)", START_TIMEOUT).group(1)
+    argv = _boot_argv(tmp_path, "--port", address.rsplit(":", 1)[1])  # the restart: the same address
     peer = procs(_dht_argv(address, "--round", "7"), "peer")
     peer.wait_line(r'"progress": 7', 30)  # the bootstrap published it, the peer reads it back
     _wait_file(tmp_path / "boot.state.json", lambda d: (d["progress"] or {}).get("round") == 7, 30, "saved round")
