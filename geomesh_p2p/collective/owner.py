@@ -17,6 +17,7 @@ from typing import Any, Optional
 import grpc
 from google.protobuf.message import DecodeError
 
+from geomesh_p2p import events
 from geomesh_p2p.clock import swarm_time
 from geomesh_p2p.aio import wait_event
 from geomesh_p2p.collective import messages, wire
@@ -263,15 +264,18 @@ class OwnerService:
             return
         part.closed_by = reason
         absent = [p for p in state.spec.participants if p not in part.contributions]
+        fields = dict(round=state.spec.round, part=part.index, reason=reason, absent=sorted(absent))
         if absent and reason == "established pushed":
-            log.info("round %d: part %d closed %.1fs after every established participant pushed, without %s "
-                     "(on probation)", state.spec.round, part.index, state.spec.grace_s,
-                     ", ".join(_short(p) for p in sorted(absent)))
+            events.emit(log, logging.INFO, "part_closed", "round %d: part %d closed %.1fs after every established "
+                        "participant pushed, without %s (on probation)", state.spec.round, part.index,
+                        state.spec.grace_s, ", ".join(_short(p) for p in sorted(absent)), **fields)
         elif absent:
-            log.warning("round %d: part %d closed at the deadline without %s (left out of this part)",
-                        state.spec.round, part.index, ", ".join(_short(p) for p in sorted(absent)))
+            events.emit(log, logging.WARNING, "part_closed", "round %d: part %d closed at the deadline without %s (left "
+                        "out of this part)", state.spec.round, part.index, ", ".join(_short(p) for p in sorted(absent)),
+                        **fields)
         else:
-            log.debug("round %d: part %d closed (%s)", state.spec.round, part.index, reason)
+            events.emit(log, logging.DEBUG, "part_closed", "round %d: part %d closed (%s)", state.spec.round, part.index,
+                        reason, **fields)
         self._tasks.spawn(self._finish(state, part), name=f"reduce r{state.spec.round} p{part.index}")
 
     async def _close_at_deadline(self, state: _RoundState) -> None:
