@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -32,7 +33,7 @@ from geomesh_p2p.status_http import CSP, StatusServer
 from geomesh_p2p.swarm_status import (KEEP_ROUNDS, MAX_TEXT, RoundSummaries, RoundSummary, SwarmWatcher,
                                       clean_text, rounds_key)
 from tests.dht_helpers import start_node, stop_node
-from tests.swarm_util import ProcSwarm, free_port
+from tests.swarm_util import ProcSwarm, dead_address
 
 ROOT = Path(__file__).resolve().parent.parent
 HOSTILE = "<img src=x onerror=alert(1)>"
@@ -242,18 +243,23 @@ async def _store_hostile_record(bootstrap: str) -> str:
         await stop_node(node)
 
 
+def _status_url(s: ProcSwarm, name: str) -> str:
+    """The status page URL (``http://HOST:PORT/``) that bootstrap ``name`` printed once it listened."""
+    s.wait_for(lambda: "status page on " in s.text(name), 90, f"{name}'s status page")
+    return re.search(r"status page on (\S+)", s.text(name)).group(1)
+
+
 @pytest.fixture(scope="module")
 def swarm(tmp_path_factory):
     """A bootstrap with its status page and two training peers, as OS processes on 127.0.0.1."""
     d = tmp_path_factory.mktemp("status-swarm")
     s = ProcSwarm(d)
-    port, http_port = free_port(), free_port()
-    s._spawn("bootstrap", [sys.executable, "-m", "bootstrap.cli", "--host", "127.0.0.1", "--port", str(port),
-                           "--run-id", RUN, "--identity", str(d / "bootstrap.key"), "--http-port", str(http_port),
+    # Ports 0: the OS picks free ones; the bootstrap prints both addresses it bound.
+    s._spawn("bootstrap", [sys.executable, "-m", "bootstrap.cli", "--host", "127.0.0.1", "--port", "0",
+                           "--run-id", RUN, "--identity", str(d / "bootstrap.key"), "--http-port", "0",
                            "--http-poll", "1"])
-    address, url = f"127.0.0.1:{port}", f"http://127.0.0.1:{http_port}/"
     try:
-        s.wait_for(lambda: "status page on" in s.text("bootstrap"), 90, "the bootstrap's status page")
+        address, url = s.address("bootstrap"), _status_url(s, "bootstrap")
         s.peer("p1", bootstrap=address, extra=["--checkpoint-dir", str(d / "ck1"), "--checkpoint-every", "2"])
         s.peer("p2", bootstrap=address)
         ids = {n: str(Identity.load_or_create(d / f"{n}.key").peer_id) for n in ("p1", "p2")}
@@ -415,7 +421,8 @@ def test_peer_status_cli_table_and_json(swarm):
 
 @pytest.mark.timeout(120)
 def test_peer_status_cli_unreachable_is_one_line():
-    out = _cli("status", "--bootstrap", f"127.0.0.1:{free_port()}", "--run-id", RUN, "--timeout", "1")
+    with dead_address() as entry:
+        out = _cli("status", "--bootstrap", entry, "--run-id", RUN, "--timeout", "1")
     assert out.returncode == 1
     assert out.stdout == ""
     lines = [x for x in out.stderr.splitlines() if x.strip()]
@@ -481,12 +488,12 @@ def test_bootstrap_status_page_stops_with_the_bootstrap(tmp_path):
     """--http-port: the page answers; SIGINT stops the bootstrap (exit 0) and releases the port; a port
     already taken is one line and exit status 2."""
     s = ProcSwarm(tmp_path)
-    port, http_port = free_port(), free_port()
     try:
-        s._spawn("b", [sys.executable, "-m", "bootstrap.cli", "--host", "127.0.0.1", "--port", str(port),
-                       "--run-id", RUN, "--identity", str(tmp_path / "b.key"), "--http-port", str(http_port)])
-        s.wait_for(lambda: "status page on" in s.text("b"), 90, "the status page")
-        doc = _get_json(f"http://127.0.0.1:{http_port}/api/swarm")
+        s._spawn("b", [sys.executable, "-m", "bootstrap.cli", "--host", "127.0.0.1", "--port", "0",
+                       "--run-id", RUN, "--identity", str(tmp_path / "b.key"), "--http-port", "0"])
+        url = _status_url(s, "b")
+        http_port = int(url.rsplit(":", 1)[1].rstrip("/"))
+        doc = _get_json(f"{url}api/swarm")
         assert doc["run_id"] == RUN and doc["peers"] == []
         with socket.socket() as taken:
             taken.bind(("127.0.0.1", 0))
