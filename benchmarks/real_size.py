@@ -35,7 +35,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -55,6 +54,7 @@ GOAL_BASELINE_BUDGET = 24 * GIB
 
 _PROFILED = re.compile(r"device .*tokens/s per batch|profile: batch \d+:")
 _DOWNLOADED = re.compile(r"downloaded state of round (\d+)")
+_SERVING = re.compile(r"serving on (\S+)")  # the bootstrap's line once it listens; group 1: HOST:PORT
 
 
 # ---------------------------------------------------------------------------------------------
@@ -168,12 +168,6 @@ class Procs:
         self._stop.set()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def wait_for(cond, timeout_s: float, what: str, procs: list[Proc], poll_s: float = 0.2) -> float:
     """Poll ``cond()`` until true; returns the time it became true. Raises RuntimeError on timeout or
     when one of ``procs`` exits first (with the tail of its log)."""
@@ -187,14 +181,6 @@ def wait_for(cond, timeout_s: float, what: str, procs: list[Proc], poll_s: float
                                    + p.text()[-2500:])
         time.sleep(poll_s)
     raise RuntimeError(f"timed out after {timeout_s:.0f}s waiting for {what}")
-
-
-def port_open(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-            return True
-    except OSError:
-        return False
 
 
 def read_rows(path: Path) -> list[dict]:
@@ -262,15 +248,17 @@ def run_one(model: str, method: str, args, workdir: Path, procs: Procs, results:
           f"({facts['checkpoint_bytes'] / GIB:.2f} GiB)", flush=True)
     exe = [sys.executable, "-m"]
     run_id = f"real-size-{tag}"
-    bport = free_port()
-    boot = procs.spawn(f"{tag}/bootstrap", exe + ["bootstrap.cli", "--host", "127.0.0.1", "--port", str(bport),
+    # Port 0: the bootstrap binds a free port and prints it ("serving on HOST:PORT"); a port picked here
+    # first could be taken by another process before the bootstrap binds it.
+    boot = procs.spawn(f"{tag}/bootstrap", exe + ["bootstrap.cli", "--host", "127.0.0.1", "--port", "0",
                                                   "--run-id", run_id, "--identity", str(d / "bootstrap.key")],
                        d / "bootstrap.log")
-    wait_for(lambda: port_open(bport), 120, "the bootstrap to listen", [boot])
+    wait_for(lambda: _SERVING.search(boot.text()) is not None, 120, "the bootstrap to listen", [boot])
+    entry = _SERVING.search(boot.text()).group(1)
     common = ["--model", model, "--method", method, "--device", "cpu", "--threads", str(args.threads),
               "--seq-len", str(args.seq_len), "--target-batch", str(args.batch), "--profile-batches",
               args.profile_batches, "--uniform-inner-steps", str(args.inner_steps), "--window-s", str(args.window_s),
-              "--run-id", run_id, "--pow-bits", "8", "--bootstrap", f"127.0.0.1:{bport}",
+              "--run-id", run_id, "--pow-bits", "8", "--bootstrap", entry,
               "--vocab-size", str(args.vocab_size), "--eval-every", "1000"]
     if args.memory_budget_gb:
         common += ["--memory-budget-gb", str(args.memory_budget_gb)]
