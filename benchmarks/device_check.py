@@ -41,7 +41,6 @@ import logging
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -53,12 +52,6 @@ sys.path.insert(0, str(ROOT))
 
 GIB = 2.0**30
 MIB = 2.0**20
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _sync(device: str) -> None:
@@ -237,7 +230,8 @@ def training_step(device: str, model: str, batches: list[int], steps: int, time_
 
 
 def swarm_step(device: str, rounds: int, workdir: Path, model: str, deadline_s: float) -> tuple[str, bool]:
-    port = _free_port()
+    from geomesh_p2p.procs import wait_for_address
+
     env = dict(os.environ, PYTHONUNBUFFERED="1",
                PYTHONPATH=os.pathsep.join([str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
                                                          if p]))
@@ -246,13 +240,15 @@ def swarm_step(device: str, rounds: int, workdir: Path, model: str, deadline_s: 
     procs = []
     t0 = time.time()
     try:
-        procs.append(subprocess.Popen([sys.executable, "-m", "bootstrap.cli", "--host", "127.0.0.1", "--port", str(port),
+        # Port 0: the bootstrap binds a free port and prints it; a port picked here first could be taken.
+        procs.append(subprocess.Popen([sys.executable, "-m", "bootstrap.cli", "--host", "127.0.0.1", "--port", "0",
                                        "--run-id", "device-check", "--identity", str(workdir / "b.key")],
                                       stdout=open(workdir / "bootstrap.log", "w"), stderr=subprocess.STDOUT, env=env,
                                       start_new_session=True))
+        entry = wait_for_address(workdir / "bootstrap.log", procs[0], 120)
         for name, dev in (("gpu", device), ("cpu", "cpu")):
             procs.append(subprocess.Popen(
-                [sys.executable, "-m", "peer.cli", "join", "--bootstrap", f"127.0.0.1:{port}", "--device", dev,
+                [sys.executable, "-m", "peer.cli", "join", "--bootstrap", entry, "--device", dev,
                  "--identity", str(workdir / f"{name}.key"), "--threads", "4",
                  "--log-json", str(workdir / f"{name}.jsonl")] + run,
                 stdout=open(workdir / f"{name}.log", "w"), stderr=subprocess.STDOUT, env=env, start_new_session=True))
