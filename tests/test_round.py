@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from geomesh_p2p import events
 from geomesh_p2p.identity import Identity
 from geomesh_p2p.planner import PlanConfig, plan_round
 from geomesh_p2p.records import PeerRecord
@@ -20,6 +21,7 @@ from geomesh_p2p.round import (
     leader_order,
     leader_rank,
     obtain_plan,
+    takeover_delay,
 )
 
 pytestmark = pytest.mark.timeout(60)
@@ -103,13 +105,15 @@ async def test_leader_dies_before_publishing_next_takes_over_within_timeout():
     dead = next(i for i in ids if str(i.peer_id) == order[0])
     alive = [i for i in ids if i is not dead]
     dht = MemoryDHT()
-    t0 = time.monotonic()
-    plans = await asyncio.gather(*[
-        obtain_plan(PlanStore(dht.view(), i, RUN), 5, members, _planner(5), plan_timeout_s=1.0, settle_s=0.1)
-        for i in alive])
-    elapsed = time.monotonic() - t0
+    with events.capture("plan_takeover") as takeovers:
+        plans = await asyncio.gather(*[
+            obtain_plan(PlanStore(dht.view(), i, RUN), 5, members, _planner(5), plan_timeout_s=1.0, settle_s=0.1)
+            for i in alive])
     assert {p.leader for p in plans} == {order[1]}
-    assert 1.0 <= elapsed < 1.0 + 1.5  # one plan timeout, plus settle and polling
+    # the second-ranked took over once, after one plan timeout (its turn's delay), not before it
+    [t] = takeovers
+    assert (t["round"], t["peer"], t["turn"]) == (5, order[1], 1)
+    assert t["delay_s"] == takeover_delay(1, 1.0, 0.1) == 1.0 and t["after_s"] >= t["delay_s"]
 
 
 async def test_a_leader_whose_planner_fails_hands_the_round_to_the_next():
