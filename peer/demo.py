@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from geomesh_p2p.procs import ProcGroup, read_json_rows, wait_for_address
 
 
 def add_flags(p: argparse.ArgumentParser) -> None:
@@ -37,12 +37,6 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--timeout-s", type=_positive_float, default=900, help="give up after this long (default: %(default)s)")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_flags(ns: argparse.Namespace) -> list[str]:
     """The demo's run flags as each peer's argv, rendered from the RunConfig fields' own flags
     (:func:`peer.node_cli.run_argv`): every peer gets the same run config as the demo was given."""
@@ -52,43 +46,26 @@ def _run_flags(ns: argparse.Namespace) -> list[str]:
 
 
 class Swarm:
-    """Starts and owns the demo's processes; :meth:`stop` ends every one of them, by PID."""
+    """Starts and owns the demo's processes (``procs``: name -> Popen, in start order; logs in
+    ``<workdir>/<name>.log``); :meth:`stop` ends every one of them, by PID (SIGINT, then SIGKILL)."""
 
     def __init__(self, workdir: Path):
         self.workdir = workdir
-        self.procs: list[tuple[str, subprocess.Popen]] = []
+        self._group = ProcGroup()
+        self.procs = self._group.procs
 
     def spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
-        logf = open(self.workdir / f"{name}.log", "w")
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        p = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        logf.close()
-        self.procs.append((name, p))
-        return p
+        """Start ``argv`` in a session of its own (a Ctrl+C reaches the demo only, which stops it)."""
+        return self._group.spawn(name, argv, self.workdir / f"{name}.log", new_session=True)
+
+    def address(self, name: str, timeout: float = 120.0) -> str:
+        """HOST:PORT that ``name`` (started with port 0) bound, from its "serving on" line. Raises
+        RuntimeError when it exits first or after ``timeout`` seconds."""
+        return wait_for_address(self.workdir / f"{name}.log", self.procs[name], timeout)
 
     def stop(self, grace_s: float = 30.0) -> None:
-        for _, p in self.procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGINT)
-        deadline = time.time() + grace_s
-        for _, p in self.procs:
-            try:
-                p.wait(timeout=max(0.1, deadline - time.time()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-
-
-def _read_rows(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass  # a line being written
-    return rows
+        """SIGINT to each running process, SIGKILL to those still running ``grace_s`` seconds later."""
+        self._group.stop_all(grace_s)
 
 
 def cmd_demo(ns: argparse.Namespace) -> int:
@@ -111,7 +88,6 @@ def cmd_demo(ns: argparse.Namespace) -> int:
         old.unlink()
     for old in workdir.glob("ckpt*"):
         shutil.rmtree(old, ignore_errors=True)
-    bport = _free_port()
     exe = [sys.executable, "-m"]
     swarm = Swarm(workdir)
     print(f"GeoMesh demo: bootstrap + {ns.peers} peers on 127.0.0.1, method {ns.method}, logs in {workdir}")
@@ -124,11 +100,13 @@ def cmd_demo(ns: argparse.Namespace) -> int:
     # SIGTERM and SIGHUP (a closed terminal, a dropped SSH session) stop the swarm like Ctrl+C does
     old = {s: signal.signal(s, on_term) for s in (signal.SIGTERM, signal.SIGHUP)}
     try:
-        swarm.spawn("bootstrap", exe + ["bootstrap.cli", "--host", "127.0.0.1", "--port", str(bport),
+        # Port 0: the bootstrap binds a free port and prints it (a port picked first could be taken).
+        swarm.spawn("bootstrap", exe + ["bootstrap.cli", "--host", "127.0.0.1", "--port", "0",
                                         "--run-id", ns.run_id, "--identity", str(workdir / "bootstrap.key")])
+        entry = swarm.address("bootstrap")
         for i in range(ns.peers):
             f = speeds[i % len(speeds)]
-            argv = exe + ["peer.cli", "join", "--bootstrap", f"127.0.0.1:{bport}",
+            argv = exe + ["peer.cli", "join", "--bootstrap", entry,
                           "--identity", str(workdir / f"peer{i}.key"), "--speed-factor", str(f),
                           "--min-peers", str(ns.peers), "--rounds", str(ns.rounds),
                           # every peer evaluates the same global weights, so all stop after the same round
@@ -164,7 +142,7 @@ def _watch(ns, swarm: Swarm, workdir: Path, t0: float) -> int:
     print(f"{'round':>5} {'peers':>5} {'batch/H per peer':<28} {'loss':>6} {'eval ppl':>9} "
           f"{'strag% max':>10} {'net% max':>8} {'KB sent/peer':>12} {'time':>6} digests")
     while time.time() - t0 < ns.timeout_s:
-        rows = [_read_rows(workdir / f"peer{i}.jsonl") for i in range(ns.peers)]
+        rows = [read_json_rows(workdir / f"peer{i}.jsonl") for i in range(ns.peers)]
         done_round = min((len(r) for r in rows), default=0) - 1
         while shown < done_round:
             shown += 1
@@ -184,18 +162,18 @@ def _watch(ns, swarm: Swarm, workdir: Path, t0: float) -> int:
                 print(f"target eval perplexity {ns.target_ppl} reached at round {shown} "
                       f"after {rr[0]['time'] - t0:.0f}s")
                 # The peers saw the same perplexity and stop by themselves; give them the time to.
-                peers = [p for name, p in swarm.procs if name.startswith("peer")]
+                peers = [p for name, p in swarm.procs.items() if name.startswith("peer")]
                 deadline = time.time() + 60
                 while time.time() < deadline and any(p.poll() is None for p in peers):
                     time.sleep(0.2)
                 return 0
-        for name, p in swarm.procs:
+        for name, p in swarm.procs.items():
             if p.poll() is not None and p.returncode != 0:
                 print(f"{name} exited with code {p.returncode}; its log: {workdir / (name + '.log')}")
                 tail = (workdir / f"{name}.log").read_text().splitlines()[-15:]
                 print("\n".join("    " + line for line in tail))
                 return 1
-        if all(p.poll() is not None for name, p in swarm.procs if name.startswith("peer")):
+        if all(p.poll() is not None for name, p in swarm.procs.items() if name.startswith("peer")):
             return 0
         time.sleep(0.5)
     print(f"demo timed out after {ns.timeout_s:.0f}s")
@@ -203,7 +181,7 @@ def _watch(ns, swarm: Swarm, workdir: Path, t0: float) -> int:
 
 
 def _summarize(ns, workdir: Path, t0: float) -> dict:
-    rows = [_read_rows(workdir / f"peer{i}.jsonl") for i in range(ns.peers)]
+    rows = [read_json_rows(workdir / f"peer{i}.jsonl") for i in range(ns.peers)]
     n = min((len(r) for r in rows), default=0)
     curve = [rows[0][k]["eval_ppl"] for k in range(n)] if n else []
     initial = None
