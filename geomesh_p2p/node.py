@@ -584,13 +584,14 @@ class PeerNode(NodeRoundPolicy):
         try:
             return await asyncio.to_thread(self.checkpoint)
         except Exception as e:  # never end a training peer over its checkpoint
+            fields = dict(round=self.round, final=final, error=type(e).__name__, detail=str(e))
             if final:
-                log.warning("round %d: the final checkpoint failed (%s: %s); the latest one already in %s stays valid "
-                            "(a --resume starts from it, not from round %d)", self.round, type(e).__name__, e,
-                            self.cfg.checkpoint_dir, self.round)
+                events.emit(log, logging.WARNING, "checkpoint_failed", "round %d: the final checkpoint failed (%s: %s); "
+                            "the latest one already in %s stays valid (a --resume starts from it, not from round %d)",
+                            self.round, type(e).__name__, e, self.cfg.checkpoint_dir, self.round, **fields)
             else:
-                log.warning("round %d: checkpoint failed (%s: %s); the previous one stays valid, retrying at the next",
-                            self.round, type(e).__name__, e)
+                events.emit(log, logging.WARNING, "checkpoint_failed", "round %d: checkpoint failed (%s: %s); the "
+                            "previous one stays valid, retrying at the next", self.round, type(e).__name__, e, **fields)
             return None
 
     def checkpoint(self) -> Optional[Path]:
