@@ -30,7 +30,6 @@ import atexit
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -39,6 +38,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from geomesh_p2p.procs import ProcGroup, read_json_rows, wait_for_address  # noqa: E402
 
 # paper4 (geomesh_p2p/sim/profiles/paper4.yaml): name, speed, upload Mbit/s, one-way latency ms
 PAPER4 = [("H100", 1.00, 940.0, 20.0), ("A100", 0.55, 800.0, 35.0),
@@ -182,46 +184,18 @@ def link_check(lab: NetLab, i: int, nbytes: int = 1_000_000) -> float:
 # processes
 
 
-class Procs:
-    """Owns the processes it starts and stops each by PID (SIGINT, then SIGKILL)."""
-
-    def __init__(self):
-        self.procs: dict[str, subprocess.Popen] = {}
+class Procs(ProcGroup):
+    """Owns the processes it starts and stops each by PID (SIGINT, then SIGKILL): a
+    :class:`geomesh_p2p.procs.ProcGroup` that runs them from the repository root in sessions of their own."""
 
     def spawn(self, name: str, argv: list[str], log: Path) -> subprocess.Popen:
-        with open(log, "w") as f:
-            p = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
-                                 env=dict(os.environ, PYTHONUNBUFFERED="1"))
-        self.procs[name] = p
-        return p
+        """Start ``argv`` with its output in ``log`` (truncated)."""
+        return super().spawn(name, argv, log, cwd=ROOT, new_session=True)
 
     def stop_all(self, grace_s: float = 20.0) -> None:
-        for p in self.procs.values():
-            if p.poll() is None:
-                try:
-                    os.kill(p.pid, signal.SIGINT)
-                except ProcessLookupError:
-                    pass
-        deadline = time.time() + grace_s
-        for p in self.procs.values():
-            try:
-                p.wait(timeout=max(0.1, deadline - time.time()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        """Stop every process (see ProcGroup.stop_all) and forget them (a method's run starts afresh)."""
+        super().stop_all(grace_s)
         self.procs.clear()
-
-
-def read_rows(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass
-    return rows
 
 
 def run_method(method: str, args, lab: NetLab | None, workdir: Path, procs: Procs, peers_cfg) -> dict:
@@ -233,22 +207,24 @@ def run_method(method: str, args, lab: NetLab | None, workdir: Path, procs: Proc
         boot_host, boot_port = HUB_IP, BOOT_PORT
         boot_prefix = lab.exec_prefix(lab.hub)
     else:
-        boot_host, boot_port = "127.0.0.1", _free_port()
+        # Port 0: the bootstrap binds a free port and prints it (a port picked first could be taken).
+        boot_host, boot_port = "127.0.0.1", 0
         boot_prefix = []
-    procs.spawn("bootstrap", boot_prefix + exe + ["bootstrap.cli", "--host", boot_host, "--port", str(boot_port),
-                                                  "--run-id", run_id, "--identity", str(workdir / "bootstrap.key")],
-                mdir / "bootstrap.log")
-    time.sleep(2.0)
+    boot = procs.spawn("bootstrap", boot_prefix + exe + ["bootstrap.cli", "--host", boot_host, "--port",
+                                                         str(boot_port), "--run-id", run_id,
+                                                         "--identity", str(workdir / "bootstrap.key")],
+                       mdir / "bootstrap.log")
+    entry = wait_for_address(mdir / "bootstrap.log", boot, 120)
     common = ["--threads", "1", "--seq-len", str(args.seq_len), "--window-s", str(args.window_s),
               "--profile-batches", args.profile_batches, "--target-batch", str(args.target_batch),
               "--uniform-inner-steps", str(args.inner_steps), "--rounds", str(args.rounds),
               "--min-peers", str(len(peers_cfg)), "--wait-peers-s", "180", "--method", method,
-              "--run-id", run_id, "--bootstrap", f"{boot_host}:{boot_port}"]
+              "--run-id", run_id, "--bootstrap", entry]
     for i, pc in enumerate(peers_cfg):
         if lab:
             host, port, prefix = lab.ip(i), PEER_PORT, lab.exec_prefix(lab.peers[i])
         else:
-            host, port, prefix = "127.0.0.1", _free_port(), []
+            host, port, prefix = "127.0.0.1", 0, []  # port 0: each peer binds a free one
         argv = prefix + exe + ["peer.cli", "join", "--identity", str(workdir / f"peer{i}.key"),
                                "--host", host, "--advertise-host", host, "--port", str(port),
                                "--speed-factor", str(pc["speed"]),
@@ -264,7 +240,7 @@ def run_method(method: str, args, lab: NetLab | None, workdir: Path, procs: Proc
     names = [f"peer{i}" for i in range(len(peers_cfg))]
     last = -1
     while True:
-        rows = {n: read_rows(mdir / f"{n}.jsonl") for n in names}
+        rows = {n: read_json_rows(mdir / f"{n}.jsonl") for n in names}
         done = min(len(r) for r in rows.values())
         if done != last:
             print(f"  [{method}] {time.time() - t0:5.0f}s  rounds logged per peer: "
@@ -287,17 +263,11 @@ def run_method(method: str, args, lab: NetLab | None, workdir: Path, procs: Proc
     rcs = {n: procs.procs[n].poll() for n in names}
     procs.stop_all()
     wall = time.time() - t0
-    rows = {n: read_rows(mdir / f"{n}.jsonl") for n in names}
+    rows = {n: read_json_rows(mdir / f"{n}.jsonl") for n in names}
     for n, rc in rcs.items():
         if rc not in (0, None):
             status = f"{n} exited {rc} (see {mdir / (n + '.log')})"
     return {"method": method, "status": status, "wall_s": wall, "rows": rows, "exit_codes": rcs}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -626,7 +596,7 @@ def report_only(args, workdir: Path, peers_cfg) -> int:
     results = []
     for m in args.methods:
         names = sorted(p.stem for p in (workdir / m).glob("peer*.jsonl"))
-        results.append({"method": m, "status": "ok (re-read)", "rows": {n: read_rows(workdir / m / f"{n}.jsonl")
+        results.append({"method": m, "status": "ok (re-read)", "rows": {n: read_json_rows(workdir / m / f"{n}.jsonl")
                                                                          for n in names}})
     sums = [summarize(r, args.skip_first) for r in results if any(r["rows"].values())]
     sim = parse_sim(workdir / "sim.json") if (workdir / "sim.json").exists() else None
