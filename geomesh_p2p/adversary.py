@@ -369,17 +369,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         ns = ap.parse_args(argv)
     logging.basicConfig(level=ns.log_level, format="%(asctime)s %(levelname).1s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
-    from geomesh_p2p.identity import Identity, IdentityError
-    from peer.node_cli import _run_node, node_config_from, run_config_from, user_facing_errors
+    from peer.node_cli import _run_node, join_inputs, user_facing_errors
 
-    try:
-        run = run_config_from(ns)
-        cfg = node_config_from(ns)
-        identity = Identity.load_or_create(ns.identity)
-    except (ValueError, IdentityError) as e:
-        print(f"adversary join: {e}", file=sys.stderr)
+    inputs = join_inputs(ns, "adversary join")
+    if inputs is None:
         return 2
-    node = AdversaryNode(run, cfg, identity, attack=ns.attack, relay_forge=ns.relay_forge,
+    node = AdversaryNode(*inputs, attack=ns.attack, relay_forge=ns.relay_forge,
                          forge_factor=ns.forge_factor, forge_push=ns.forge_push,
                          rogue_others_steps=ns.rogue_others_steps)
     try:

@@ -159,8 +159,21 @@ async def _run_node(node) -> int:
             loop.remove_signal_handler(sig)
 
 
-def cmd_join(ns: argparse.Namespace) -> int:
+def join_inputs(ns: argparse.Namespace, prog: str):
+    """``(RunConfig, NodeConfig, Identity)`` from the parsed ``join`` flags (the identity loaded from, or
+    created at, ``--identity``); shared by ``geomesh-peer join`` and ``geomesh_p2p.adversary join``. On an
+    invalid value or an unusable key file it prints ``"<prog>: <reason>"`` to stderr and returns None
+    (the caller exits 2)."""
     from geomesh_p2p.identity import Identity, IdentityError
+
+    try:
+        return run_config_from(ns), node_config_from(ns), Identity.load_or_create(ns.identity)
+    except (ValueError, IdentityError) as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        return None
+
+
+def cmd_join(ns: argparse.Namespace) -> int:
     from geomesh_p2p.node import PeerNode
 
     if not ns.bootstrap:
@@ -171,14 +184,10 @@ def cmd_join(ns: argparse.Namespace) -> int:
     trust = trust_warning(ns)
     if trust:
         log.warning(trust)
-    try:
-        run = run_config_from(ns)
-        cfg = node_config_from(ns)
-        identity = Identity.load_or_create(ns.identity)
-    except (ValueError, IdentityError) as e:
-        print(f"geomesh-peer join: {e}", file=sys.stderr)
+    inputs = join_inputs(ns, "geomesh-peer join")
+    if inputs is None:
         return 2
-    node = PeerNode(run, cfg, identity)
+    node = PeerNode(*inputs)
     try:
         return asyncio.run(_run_node(node))
     except Exception as e:  # known start-up failures are reported in one line, not a traceback
