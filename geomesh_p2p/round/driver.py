@@ -211,6 +211,9 @@ class RoundDriver:
         #: the background evaluation under way (DriverConfig.eval_background) and the round it measures
         self._eval_task: Optional[asyncio.Future] = None
         self._eval_round: Optional[int] = None
+        #: the last round finished in sync and its end announced this peer's record: the loop top's
+        #: announce and behind-check would repeat that store and the gather's own swarm-round check
+        self._fresh_record = False
 
     @property
     def me(self) -> str:
@@ -250,13 +253,16 @@ class RoundDriver:
         while not self.stop.is_set():
             if self.cfg.rounds is not None and self.state.round >= self.cfg.rounds:
                 break
-            with self._timed("top"):
-                await self.membership.announce()
-                behind = await self.behind()
-            if behind:
-                with self._timed("resync"):
-                    await self.resync("the swarm is at a later round")
-                continue
+            if self._fresh_record:
+                self._fresh_record = False  # gather() itself returns None when the swarm is ahead
+            else:
+                with self._timed("top"):
+                    await self.membership.announce()
+                    behind = await self.behind()
+                if behind:
+                    with self._timed("resync"):
+                        await self.resync("the swarm is at a later round")
+                    continue
             with self._timed("gather"):
                 members = await self.gather(expected, first=first)
             if members is None:
@@ -736,9 +742,11 @@ class RoundDriver:
                     await self._catch_up()
             except StateSyncError as e:  # the next round's behind() check tries again
                 log.warning("re-sync failed (%s); will retry", e)
-        elif self.cfg.checkpointing and (r + 1) % self.cfg.checkpoint_every == 0:
-            with self._timed("checkpoint"):  # counted in the next row's cycle
-                await self.state.checkpoint_or_warn()
+        else:
+            if self.cfg.checkpointing and (r + 1) % self.cfg.checkpoint_every == 0:
+                with self._timed("checkpoint"):  # counted in the next row's cycle
+                    await self.state.checkpoint_or_warn()
+            self._fresh_record = True
         return delivered or set(plan.participants())
 
     async def _evaluate(self, r: int, last: bool) -> tuple[Optional[float], Optional[int]]:
