@@ -37,6 +37,9 @@ from geomesh_p2p.metrics import json_safe
 log = logging.getLogger(__name__)
 
 Sink = Callable[[dict], None]
+# Fixed names: logging.getLevelName follows addLevelName (a program may print WARNING as "WARN").
+_LEVELS = {logging.DEBUG: "DEBUG", logging.INFO: "INFO", logging.WARNING: "WARNING", logging.ERROR: "ERROR",
+           logging.CRITICAL: "CRITICAL"}
 _sinks: List[Sink] = []
 _sinks_lock = threading.Lock()
 
@@ -44,15 +47,15 @@ _sinks_lock = threading.Lock()
 def emit(logger: logging.Logger, level: int, kind: str, msg: str, *args: Any, **fields: Any) -> dict:
     """Log ``msg % args`` on ``logger`` at ``level`` (as ``logger.log`` does; a level the logger
     ignores prints nothing) and hand the event ``{"event": kind, "t": unix seconds (float, time.time()),
-    "level": level name, "message": msg % args, **fields}`` to every sink, whatever the log level.
+    "level": "DEBUG" | "INFO" | "WARNING" | "ERROR" | "CRITICAL" (else the number), "message": msg % args, **fields}`` to every sink, whatever the log level.
 
     ``fields`` are JSON values (str, int, float, bool, None, lists and dicts of them); anything else is
     written as its ``str()``, a non-finite float as null. Thread-safe, any thread. Returns the event.
     A sink that raises is logged once per event at DEBUG and skipped: an event never fails the caller.
     """
     message = msg % args if args else msg
-    logger.log(level, msg, *args)
-    event = {"event": kind, "t": time.time(), "level": logging.getLevelName(level), "message": message, **fields}
+    logger.log(level, msg, *args, stacklevel=2)  # the record names the call site, not this function
+    event = {"event": kind, "t": time.time(), "level": _LEVELS.get(level, str(level)), "message": message, **fields}
     with _sinks_lock:
         sinks = list(_sinks)
     for sink in sinks:

@@ -21,6 +21,7 @@ def test_emit_logs_the_line_as_before_and_hands_the_event_to_captures(caplog):
         ev = events.emit(log, logging.WARNING, "peer_refused", "refusing %s: %s", "p1", "wrong run",
                          peer="p1", reason="wrong run", n=3, ratio=float("nan"))
     assert [r.getMessage() for r in caplog.records] == ["refusing p1: wrong run"]
+    assert caplog.records[0].funcName == "test_emit_logs_the_line_as_before_and_hands_the_event_to_captures"
     assert got == [ev] and others == []
     assert {k: v for k, v in ev.items() if k != "t"} == {
         "event": "peer_refused", "level": "WARNING", "message": "refusing p1: wrong run", "peer": "p1",

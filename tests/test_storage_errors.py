@@ -10,7 +10,7 @@ import logging
 import pytest
 import torch
 
-from geomesh_p2p import state
+from geomesh_p2p import events, state
 from geomesh_p2p.errors import UserFacingError
 from geomesh_p2p.node import NodeConfig, PeerNode, RunConfig, check_writable_dir
 from geomesh_p2p.optim import OuterNesterov
@@ -50,15 +50,19 @@ def test_a_full_disk_is_a_warning_and_the_previous_checkpoint_stays(tmp_path, mo
 
     monkeypatch.setattr(state, "save_checkpoint", full)
     node.round = 4
-    with caplog.at_level(logging.WARNING):
+    with events.capture("checkpoint_failed") as failed:
         assert asyncio.run(node._checkpoint_or_warn()) is None
-    assert "round 4: checkpoint failed (OSError" in caplog.text and "No space left" in caplog.text
+    [ev] = failed
+    assert (ev["round"], ev["final"], ev["error"], ev["level"]) == (4, False, "OSError", "WARNING")
+    assert "No space left" in ev["detail"]
     assert [r for r, _ in state.list_checkpoints(tmp_path)] == [3]  # the previous one is intact
     caplog.clear()
-    with caplog.at_level(logging.WARNING):  # at shutdown there is no next checkpoint to retry with
+    with caplog.at_level(logging.WARNING), events.capture("checkpoint_failed") as failed:
         assert asyncio.run(node._checkpoint_or_warn(final=True)) is None
-    assert "round 4: the final checkpoint failed (OSError" in caplog.text and "retrying" not in caplog.text
-    assert "not from round 4" in caplog.text
+    [ev] = failed
+    assert (ev["round"], ev["final"], ev["error"]) == (4, True, "OSError")
+    # the human line of the final one promises no retry (there is no next checkpoint): users read this wording
+    assert "retrying" not in caplog.text and "not from round 4" in caplog.text
     monkeypatch.setattr(state, "save_checkpoint", real)
     node.round = 5
     assert asyncio.run(node._checkpoint_or_warn()) is not None  # retried at the next one
