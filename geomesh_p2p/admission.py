@@ -36,6 +36,7 @@ from typing import Callable, Iterable, Optional
 
 import base58
 
+from geomesh_p2p import events
 from geomesh_p2p.identity import PUBLIC_KEY_BYTES, Identity, PeerID
 
 log = logging.getLogger(__name__)
@@ -228,5 +229,6 @@ class Admission:
                 self._logged[key] = None
                 if len(self._logged) > self._capacity:
                     self._logged.popitem(last=False)
-                log.debug("ignoring the record of %s: %s", rec.peer_id[:10], why)
+                events.emit(log, logging.DEBUG, "record_not_admitted", "ignoring the record of %s: %s", rec.peer_id[:10],
+                            why, peer=rec.peer_id, reason=why)
         return out
