@@ -44,6 +44,7 @@ import grpc.aio
 
 from geomesh_p2p.addr import AddressError, format_address
 from geomesh_p2p.errors import UserFacingError
+from geomesh_p2p import identity as identity_mod
 from geomesh_p2p.identity import EnvelopeError, Identity, PeerID, Verified, Verifier
 from geomesh_p2p.wire import envelope_pb2
 
@@ -118,6 +119,16 @@ class _Request:
 
     def ByteSize(self) -> int:  # noqa: N802
         return self._size
+
+
+def _varint_bytes(n: int) -> bytes:
+    """Protobuf base-128 varint of ``n`` >= 0."""
+    out = bytearray()
+    while n >= 0x80:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
 
 
 def _varint(data: bytes, i: int) -> tuple[int, int]:
@@ -773,9 +784,11 @@ class Transport:
 
     def _sign_encode(self, *, round: int, kind: str, payload: bytes) -> bytes:
         """Sign ``payload`` (its SHA-256 is computed once, in :meth:`Identity.sign_message`) and encode
-        the SignedMessage: the bytes sent on the wire (same format as protobuf's serializer)."""
-        return self.identity.sign_message(run_id=self.run_id, round=round, kind=kind,
-                                          payload=payload).SerializeToString()
+        the SignedMessage: the bytes sent on the wire (protobuf's format, written by hand so that the
+        payload is copied once, by the join: building the message and serializing it copied it twice)."""
+        env = self.identity.sign_message(run_id=self.run_id, round=round, kind=kind, payload=b"",
+                                         payload_sha256=identity_mod.payload_hash(payload)).envelope.SerializeToString()
+        return b"".join((b"\x0a", _varint_bytes(len(env)), env, b"\x12", _varint_bytes(len(payload)), payload))
 
     async def _signed(self, *, round: int, kind: str, payload: bytes) -> bytes:
         """:meth:`_sign_encode`, in a worker thread for a payload over 1 MiB: hashing and encoding
