@@ -64,7 +64,7 @@ def servers():
 # uses a process-spawning fixture.
 E2E_MODULES = frozenset({
     "test_attacks.py", "test_bootstrap.py", "test_join_errors.py", "test_status_page.py", "test_swarm.py",
-    "test_sybil.py", "test_young_swarm.py", "test_startup_stop.py",
+    "test_sybil.py", "test_young_swarm.py", "test_slow_link.py", "test_startup_stop.py",
 })
 E2E_TESTS = frozenset({
     "test_cli.py::test_console_scripts_help",

@@ -13,6 +13,7 @@ round of the penalty).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import logging
 import time
@@ -39,6 +40,8 @@ __all__ = ["NodeRoundPolicy", "OWNER_PENALTY_ROUNDS", "outer_step_per_part"]
 #: result every reader refused, e.g. below the quorum). All honest peers saw the same missing part, so
 #: honest leaders agree; the peer still contributes, it only stops deciding a range.
 OWNER_PENALTY_ROUNDS = 5
+#: Reads of the swarm's records a catch-up makes, 0.5 s apart, while no state has a majority (mid-round).
+NO_MAJORITY_RETRIES = 8
 #: The measured cost per element pass of the exchange moves at most this factor per round (either way).
 EXCHANGE_COST_STEP = 4.0
 #: Full state downloads tried before a joiner gives up: donors may leave or lag mid-download for minutes.
@@ -235,7 +238,8 @@ class NodeRoundPolicy:
         stats = self.__dict__.setdefault("sync_stats", {"downloads": 0, "updates": 0, "refused": 0})
         self._syncing = True
         start_round = self.round
-        gs = self.gstate
+        gs = getattr(self, "gstate", None)  # None: a node built without a model (tests of the vote)
+        held_round, held_digest = (gs.round, gs.digest) if gs is not None else (self.round, None)
         base: Optional[state_sync.Snapshot] = None
         own_tried = False
         downloaded: Optional[state_sync.Snapshot] = None  # the last full download, kept whole
@@ -246,10 +250,17 @@ class NodeRoundPolicy:
                 recs = [r for r in await self.peers() if r.peer_id != self.me]
                 choice = self._state_vote(recs).choice
                 if choice is None:
+                    # No state has a majority: mostly a moment mid-round, when the others announce round r+1 one
+                    # by one. Read again a few times; returning at once left a planned-out peer announcing a
+                    # round whose state it does not hold, and it forked by leading that round alone.
+                    if attempt < NO_MAJORITY_RETRIES:
+                        with contextlib.suppress(asyncio.TimeoutError):
+                            await asyncio.wait_for(self._stop.wait(), 0.5)
+                        continue
                     if downloaded is not None:
                         await self._adopt(downloaded, "downloaded")  # nobody backs a state now: keep the download
                         return
-                    self.round = start_round
+                    self.round = held_round if held_digest else start_round  # the round of the state it holds
                     return
                 if choice.digest == self.digest and base is None:
                     # This peer holds the backed state already (its digest check was outvoted by identities
@@ -259,8 +270,8 @@ class NodeRoundPolicy:
                 top, donors = choice.round, choice.donors
                 self.round = top
                 # (a fresh peer's round-0 state, or one older than the donors keep updates for, is not tried)
-                if (base is None and not own_tried and gs.digest and 0 < gs.round < top
-                        and top - gs.round <= state_sync.DEFAULT_KEEP_UPDATES):
+                if (base is None and not own_tried and held_digest and 0 < held_round < top
+                        and top - held_round <= state_sync.DEFAULT_KEEP_UPDATES):
                     own_tried = True  # this peer's own state may be of the swarm's lineage: try the updates
                     base = await asyncio.to_thread(self._state_copy)
                 if base is not None and base.round == top and base.digest == choice.digest:
@@ -306,7 +317,7 @@ class NodeRoundPolicy:
                 log.info("downloaded state of round %d from %d donor(s), digest %s; %s", top,
                          len(donors), snap.digest[:8], choice.describe())
                 base = downloaded = snap  # the next pass adopts it, or brings it to the round the swarm moved on to
-            self.round = start_round  # nothing was adopted: this peer still holds its own state
+            self.round = held_round if held_digest else start_round  # nothing adopted: it holds its own state
             raise state_sync.StateSyncError(f"could not download the swarm's state after {STATE_SYNC_ATTEMPTS} attempts; "
                                             "see the log for why")
         finally:
