@@ -76,7 +76,7 @@ def _emit(obj) -> None:
 # ------------------------------------------------------------------------------------- worker
 
 
-async def _worker(seed: int, numel: int, n: int, initial_peers: list[str]) -> int:
+async def _worker(seed: int, numel: int, n: int, initial_peers: list[str], reads_per_ip: int) -> int:
     import torch
     from hivemind import DHT, DecentralizedAverager
     from hivemind.averaging.control import AveragingStage
@@ -88,7 +88,11 @@ async def _worker(seed: int, numel: int, n: int, initial_peers: list[str]) -> in
 
     torch.set_num_threads(1)
     ident = Identity.generate()
-    transport = Transport(ident, RUN, TransportConfig(default_timeout_s=600.0))
+    # On loopback every peer calls from 127.0.0.1: the transport's per-IP read cap (one large request
+    # read at a time per remote IP, a flood defence) would serialize the pushes of all peers, which a
+    # swarm of distinct hosts does not; --reads-per-ip 0 gives it one slot per peer of the group.
+    transport = Transport(ident, RUN, TransportConfig(default_timeout_s=600.0,
+                                                      max_reads_per_ip=reads_per_ip or n))
     service = CollectiveService(transport, long_poll_s=30.0)
     address = await transport.start()
     delta = torch.randn(numel, generator=torch.Generator().manual_seed(seed))
@@ -165,25 +169,26 @@ class _Proc:
         self.proc.stdin.write(json.dumps(obj).encode() + b"\n")
 
 
-async def _spawn(k: int, n: int, numel: int, initial: list[str]) -> _Proc:
+async def _spawn(k: int, n: int, numel: int, initial: list[str], reads_per_ip: int) -> _Proc:
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", GRPC_VERBOSITY="ERROR")
     p = await asyncio.create_subprocess_exec(
         sys.executable, os.path.abspath(__file__), "--worker", "--seed", str(1000 + k), "--numel", str(numel),
-        "--group", str(n), "--initial", json.dumps(initial),
+        "--group", str(n), "--initial", json.dumps(initial), "--reads-per-ip", str(reads_per_ip),
         stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=env)
     return _Proc(p)
 
 
-async def run_group(n: int, numel: int, repeats: int, contenders: list[str], block_size: int) -> dict:
+async def run_group(n: int, numel: int, repeats: int, contenders: list[str], block_size: int,
+                    reads_per_ip: int) -> dict:
     """Medians of wall s and CPU-s per peer for each contender, ``n`` peers."""
     from geomesh_p2p.collective import CollectiveSpec, make_partition
 
     procs: list[_Proc] = []
     try:
-        procs.append(await _spawn(0, n, numel, []))
+        procs.append(await _spawn(0, n, numel, [], reads_per_ip))
         first = await procs[0].read()
         for k in range(1, n):
-            procs.append(await _spawn(k, n, numel, first["maddrs"]))
+            procs.append(await _spawn(k, n, numel, first["maddrs"], reads_per_ip))
         ready = [first] + [await p.read() for p in procs[1:]]
         pids = [r["peer_id"] for r in ready]
         owners = make_partition(numel, [(r["peer_id"], r["address"], 1.0) for r in ready], block_size=block_size)
@@ -253,7 +258,7 @@ async def main_async(ns) -> int:
     results = {}
     load0 = os.getloadavg()[0]
     for n in ns.peers:
-        results[n] = await run_group(n, ns.numel, ns.repeats, ns.contenders, ns.block_size)
+        results[n] = await run_group(n, ns.numel, ns.repeats, ns.contenders, ns.block_size, ns.reads_per_ip)
     import torch
     head = (f"command: python benchmarks/collective_vs_hivemind.py {' '.join(sys.argv[1:])}\n"
             f"machine: {platform.platform()}, {os.cpu_count()} CPUs, python {platform.python_version()}, torch "
@@ -274,13 +279,16 @@ def main(argv=None) -> int:
     ap.add_argument("--contenders", nargs="+", default=CONTENDERS, choices=CONTENDERS)
     ap.add_argument("--quick", action="store_true", help="2 peers, 2M elements, 1 repeat")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--reads-per-ip", type=int, default=0,
+                    help="our transport's max_reads_per_ip (0: the group size, as distinct hosts would get; "
+                         "1: the default of a real node, which serializes loopback pushes)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--group", type=int, default=2, help=argparse.SUPPRESS)
     ap.add_argument("--initial", default="[]", help=argparse.SUPPRESS)
     ns = ap.parse_args(argv)
     if ns.worker:
-        return asyncio.run(_worker(ns.seed, ns.numel, ns.group, json.loads(ns.initial)))
+        return asyncio.run(_worker(ns.seed, ns.numel, ns.group, json.loads(ns.initial), ns.reads_per_ip))
     if ns.quick:
         ns.peers, ns.numel, ns.repeats = [2], 2_000_000, 1
     return asyncio.run(main_async(ns))
