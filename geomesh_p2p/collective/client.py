@@ -227,8 +227,16 @@ class CollectiveService(OwnerService):
         spec = state.spec
         owner = spec.owners[j]
         if owner.peer_id == self.peer_id:
-            signed = await asyncio.to_thread(self._contribution_bytes, spec, j, delta, tokens, state.compute_end)
             part = state.parts[j]
+            if spec.push_encoding == "fp32" and spec.mode == "reencode":
+                # The own fp32 part is neither forwarded nor re-checked by anyone: signing it and verifying
+                # that signature cost a join and two SHA-256 passes over the part for nothing. It is a view
+                # of ``delta`` (finite, checked above; the caller leaves it unchanged until we return).
+                end = state.compute_end if math.isfinite(state.compute_end) else 0.0
+                self._accept(state, part, messages.Contribution(self.peer_id, tokens, delta[owner.start:owner.end],
+                                                                b"", min(end, swarm_time())))
+                return True
+            signed = await asyncio.to_thread(self._contribution_bytes, spec, j, delta, tokens, state.compute_end)
             try:
                 c = await asyncio.to_thread(self._check_contribution, spec, j, signed, self.peer_id)
                 self._accept(state, part, c)
