@@ -43,13 +43,21 @@ def test_link_sample_bytes_over_busy_time():
         link_sample([(1, 0.0, math.inf)])
 
 
+async def _started(service=LinkProbeService, **client_only) -> tuple[Transport, str | None]:
+    """A started transport on 127.0.0.1 (port 0: the OS picks) serving ``service`` (1 MiB probes), or a
+    client-only one when ``client_only`` gives its TransportConfig fields; returns it and its address."""
+    if client_only:
+        t = Transport(Identity.generate(), "links-test", TransportConfig(client_only=True, **client_only))
+    else:
+        t = Transport(Identity.generate(), "links-test", TransportConfig(port=0))
+        service(t, max_bytes=1 << 20)
+    return t, await t.start()
+
+
 @pytest.fixture
 async def probe_server():
-    t = Transport(Identity.generate(), "links-test", TransportConfig(port=0))
-    LinkProbeService(t, max_bytes=1 << 20)
-    address = await t.start()
-    c = Transport(Identity.generate(), "links-test", TransportConfig(client_only=True, added_latency_s=0.02))
-    await c.start()
+    t, address = await _started()
+    c, _ = await _started(added_latency_s=0.02)
     try:
         yield t, c, address
     finally:
@@ -226,14 +234,9 @@ class _LyingProbe(LinkProbeService):
 
 
 async def test_a_lying_probe_server_inflates_the_figure_at_most_twofold():
-    t = Transport(Identity.generate(), "links-test", TransportConfig(port=0))
-    LinkProbeService(t, max_bytes=1 << 20)
-    honest = await t.start()
-    liar_t = Transport(Identity.generate(), "links-test", TransportConfig(port=0))
-    _LyingProbe(liar_t, max_bytes=1 << 20)
-    liar = await liar_t.start()
-    c = Transport(Identity.generate(), "links-test", TransportConfig(client_only=True, added_latency_s=0.05))
-    await c.start()
+    t, honest = await _started()
+    liar_t, liar = await _started(_LyingProbe)
+    c, _ = await _started(added_latency_s=0.05)
     try:
         res = await probe_link(c, liar, nbytes=64 << 10, repeats=1)
         # every transfer counts at least half its call time: <= 2 * bytes / call time, and a call

@@ -54,19 +54,23 @@ def test_rogue_or_broken_plans_are_refused(node_and_plan):
         assert reason is not None and expected in reason, (expected, reason)
 
 
-def test_a_peer_too_slow_for_half_the_window_is_planned_out():
-    """A record announcing 2 B/s would stretch the window to days (and every peer would refuse that
-    plan); the leader plans the round without it instead."""
-    from geomesh_p2p.node import NodeConfig, PeerNode, RunConfig
-
+def _leader_plan_with_third_record(update: dict):
+    """The plan a leader's ``PeerNode._make_plan`` makes (6 s window, 10**6 parameters, round 0) over three
+    fresh records, the third one's fields replaced by ``update``; returns ``(plan, records)``."""
     ids = [Identity.generate() for _ in range(3)]
     recs = [_rec(i, f"127.0.0.1:{7000 + k}") for k, i in enumerate(ids)]
-    slow = recs[2].model_copy(update={"upload_bps": 2.0, "download_bps": 2.0})
+    recs[2] = recs[2].model_copy(update=update)
     node = PeerNode.__new__(PeerNode)
     node.run_cfg, node.cfg = RunConfig(window_s=6.0), NodeConfig()
     node.numel, node.round, node.digest = 1_000_000, 0, "d"
     node._owner_penalty = {}
-    plan = node._make_plan([recs[0], recs[1], slow], recs[0].peer_id)
+    return node._make_plan(recs, recs[0].peer_id), recs
+
+
+def test_a_peer_too_slow_for_half_the_window_is_planned_out():
+    """A record announcing 2 B/s would stretch the window to days (and every peer would refuse that
+    plan); the leader plans the round without it instead."""
+    plan, recs = _leader_plan_with_third_record({"upload_bps": 2.0, "download_bps": 2.0})
     assert sorted(plan.participants()) == sorted([recs[0].peer_id, recs[1].peer_id])
     assert plan.train_deadline - time.time() < 10.0
 
@@ -97,12 +101,5 @@ def test_records_refuse_values_that_would_break_the_planner():
 
 
 def test_a_peer_too_slow_to_train_one_sequence_in_half_the_window_is_planned_out():
-    ids = [Identity.generate() for _ in range(3)]
-    recs = [_rec(i, f"127.0.0.1:{7000 + k}") for k, i in enumerate(ids)]
-    crawl = recs[2].model_copy(update={"tokens_per_s": {8: 2.0}})  # 32 s for one 64-token sequence
-    node = PeerNode.__new__(PeerNode)
-    node.run_cfg, node.cfg = RunConfig(window_s=6.0), NodeConfig()
-    node.numel, node.round, node.digest = 1_000_000, 0, "d"
-    node._owner_penalty = {}
-    plan = node._make_plan([recs[0], recs[1], crawl], recs[0].peer_id)
+    plan, recs = _leader_plan_with_third_record({"tokens_per_s": {8: 2.0}})  # 32 s for one 64-token sequence
     assert sorted(plan.participants()) == sorted([recs[0].peer_id, recs[1].peer_id])
