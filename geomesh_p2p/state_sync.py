@@ -145,6 +145,7 @@ class StateServer:
         self._state: Optional[GlobalState] = state
         self.keep_snapshots = int(keep_snapshots)
         self.updates = UpdateLog(keep_updates, spawn=getattr(getattr(transport, "tasks", None), "spawn", None))
+        self.updates.busy = self._downloading
         self._clock = clock
         self._kept: dict[int, GlobalState] = {}  # round -> copy made by retain()
         self._streams: dict[int, int] = {}  # round -> state streams in progress
@@ -209,6 +210,12 @@ class StateServer:
                 del self._kept[r]
         log.info("state of round %d kept for a download in progress (%d MB)", rnd, gs.nbytes >> 20)
         return rnd
+
+    def _downloading(self) -> bool:
+        """True while a state download from this node is in progress or was asked within RETAIN_AFTER_S."""
+        now = self._clock()
+        with self._mu:
+            return any(self._streams.values()) or any(now - t < RETAIN_AFTER_S for t in self._asked.values())
 
     def _wanted(self, rnd: int, now: float) -> bool:
         return self._streams.get(rnd, 0) > 0 or now - self._asked.get(rnd, -1e18) < RETAIN_AFTER_S
@@ -533,6 +540,8 @@ class UpdateLog:
             self._loop = None
         self._clock = clock
         self._last_asked = -1e18
+        #: () -> bool: a peer is syncing from this node (its state server sets it: a state download in progress)
+        self.busy: Callable[[], bool] = lambda: False
         self._mu = threading.Lock()
         self._pending: Optional[tuple] = None  # (round, start digest, ranges, idle, aggregate copy)
         self._done: dict[int, Any] = {}  # round -> OuterUpdate, or (blob, hash) once encoded
@@ -559,13 +568,24 @@ class UpdateLog:
             self._done[p[0]] = OuterUpdate(p[0], p[1], end_digest, p[2], p[3], p[4])
             for r in sorted(self._done)[:-self.keep_rounds]:
                 del self._done[r]
-            eager = self._loop is not None and self._clock() - self._last_asked < RETAIN_AFTER_S
+            eager = self._loop is not None and (self._clock() - self._last_asked < RETAIN_AFTER_S or self.busy())
+            # Memory: only the newest round stays a raw [P] copy; older raw ones are encoded now when a peer is
+            # syncing, else dropped (a planned-out peer needs only the newest; a joiner's download makes
+            # this node eager before the rounds it will need are sealed).
+            stale = [r for r, u in self._done.items() if isinstance(u, OuterUpdate) and r != p[0]
+                     and r not in self._encoding]
+            if not eager:
+                for r in stale:
+                    del self._done[r]
+                stale = []
         if eager:
             with contextlib.suppress(RuntimeError):  # the loop is closing: nobody will ask any more
-                self._loop.call_soon_threadsafe(self._encode_soon, p[0])
+                for r in [p[0], *stale]:
+                    self._loop.call_soon_threadsafe(self._encode_soon, r)
 
     def _encode_soon(self, round: int) -> None:
-        self._spawn(self.blob(round, asked=False), f"encode-update-{round}")
+        if round not in self._encoding:
+            self._spawn(self.blob(round, asked=False), name=f"encode-update-{round}")
 
     def rounds(self) -> list[int]:
         """Rounds whose update is kept, oldest first."""

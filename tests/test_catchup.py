@@ -154,6 +154,7 @@ async def test_catch_up_from_r_to_r_plus_2_gives_the_exact_digest():
     outer = OuterNesterov(lr=0.7, momentum=0.9)
     outer.buf = donor_gs.opt_state
     t, srv, addr = await _serve(donor_gs)
+    srv.updates.busy = lambda: True  # a joiner's download is in progress: older updates are kept (encoded)
     ranges = [(0, P // 4), (P // 4, P // 2), (P // 2, P)]
     _advance(donor_gs, srv, outer, 5, _sign_mean(1), ranges)
     _advance(donor_gs, srv, outer, 6, _sign_mean(2), ranges, idle=[(P // 4, P // 2)])  # a part nobody trained
@@ -234,12 +235,24 @@ def test_a_malformed_update_is_refused_with_a_reason():
         OuterUpdate.decode(bomb, P)  # inflation is capped at 4 * P bytes
 
 
-def test_the_update_log_keeps_the_last_rounds_and_only_sealed_ones():
-    log = UpdateLog(keep_rounds=2)
+async def test_the_update_log_keeps_the_last_rounds_and_only_sealed_ones():
+    log = UpdateLog(keep_rounds=2, spawn=asyncio.get_running_loop().create_task)
     for r in range(5):
         log.record(r, f"{r:032d}", [(0, 8)], (), torch.ones(8))
         log.seal(r + 1, f"{r + 1:032d}")
-    assert log.rounds() == [3, 4]
-    log.record(5, "x" * 32, [(0, 8)], (), torch.ones(8))
-    log.seal(7, "y" * 32)  # not the round recorded: dropped
-    assert log.rounds() == [3, 4]
+    # nobody syncing: only the newest round is kept (a raw [P] copy), for a peer planned out of it
+    assert log.rounds() == [4]
+    log.busy = lambda: True  # a download in progress: older rounds are encoded (blob only) and kept
+    for r in range(5, 8):
+        log.record(r, f"{r:032d}", [(0, 8)], (), torch.ones(8))
+        log.seal(r + 1, f"{r + 1:032d}")
+        await asyncio.sleep(0.05)
+    assert log.rounds() == [6, 7]
+    for _ in range(100):  # the encodings run in worker threads
+        if log.get(6) is None:
+            break
+        await asyncio.sleep(0.05)
+    assert log.get(6) is None and (await log.blob(6))[0].startswith(b"GMU1")
+    log.record(8, "x" * 32, [(0, 8)], (), torch.ones(8))
+    log.seal(10, "y" * 32)  # not the round recorded: dropped
+    assert log.rounds() == [6, 7]
