@@ -61,6 +61,23 @@ def test_a_lone_client_only_peer_waits_with_one_line_per_state_change(caplog):
     assert plan.round == 5
 
 
+async def test_a_wrong_run_id_is_not_reported_as_no_answer():
+    """A bootstrap of another run answers (FAILED_PRECONDITION): the join says so and names --run-id, at
+    the first attempt, instead of 'no bootstrap node answered' after its retries."""
+    from geomesh_p2p.dht import DHTJoinError
+    from tests.dht_helpers import start_node, stop_node
+
+    boot = await start_node(run_id="run-a")
+    try:
+        with pytest.raises(DHTJoinError) as ei:
+            await start_node([boot.transport.address], run_id="run-b", join_attempts=5)
+        msg = str(ei.value)
+        assert msg == (f"could not join the DHT: bootstrap {boot.transport.address} serves another run "
+                       f"(message is for run 'run-b', this node serves 'run-a'); check --run-id")
+    finally:
+        await stop_node(boot)
+
+
 # ------------------------------------------------------------------------------ processes (e2e)
 # What a healthy run must not print (issue 14 #10): an ERROR record ("HH:MM:SS E name: ..."), a
 # traceback, asyncio's reports of tasks left pending or of a closed loop, gRPC's C-core lines.

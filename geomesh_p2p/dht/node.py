@@ -772,6 +772,7 @@ class DHTNode:
         attempts = max(1, attempts or self.join_attempts)
         delay = self.join_backoff_s
         errors: Dict[str, str] = {}
+        refused: Dict[str, RpcError] = {}  # bootstraps that answered with a refusal (not silence)
         ok: List[Contact] = []
         t0 = time.monotonic()
         for attempt in range(attempts):
@@ -785,10 +786,13 @@ class DHTNode:
             if ok:
                 break
             definitive = True
+            refused.clear()  # this attempt's answers only
             for a, r in zip(addresses, results):
                 if isinstance(r, RpcError):
                     errors[a] = f"{r.code.name}: {r.reason}" if r.reason else r.code.name
                     definitive &= r.code not in _UNREACHABLE
+                    if r.code not in _UNREACHABLE:
+                        refused[a] = r
                 else:
                     errors[a] = str(r)
             if definitive or attempt == attempts - 1:
@@ -801,6 +805,13 @@ class DHTNode:
             delay = min(delay * 2, 8.0)
         if not ok:
             detail = "; ".join(f"{a}: {e}" for a, e in errors.items())
+            other_run = [a for a, r in refused.items() if r.code == grpc.StatusCode.FAILED_PRECONDITION
+                         and "this node serves" in r.reason]
+            if other_run:  # it answered: a wrong --run-id is not "no answer" (issue 14 #10)
+                raise DHTJoinError(f"could not join the DHT: bootstrap {other_run[0]} serves another run "
+                                   f"({refused[other_run[0]].reason}); check --run-id")
+            if refused and len(refused) == len(errors):
+                raise DHTJoinError(f"could not join the DHT: every bootstrap node refused this node: {detail}")
             raise DHTJoinError(f"could not join the DHT: no bootstrap node answered "
                                f"({attempt + 1} attempt(s) over {time.monotonic() - t0:.1f}s): {detail}")
         for c in ok:
