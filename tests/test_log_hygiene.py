@@ -73,7 +73,7 @@ async def test_a_wrong_run_id_is_not_reported_as_no_answer():
             await start_node([boot.transport.address], run_id="run-b", join_attempts=5)
         msg = str(ei.value)
         assert msg == (f"could not join the DHT: bootstrap {boot.transport.address} serves another run "
-                       f"(message is for run 'run-b', this node serves 'run-a'); check --run-id")
+                       f"(message is for run 'run-b', this node serves 'run-a'; 1 attempt(s)); check --run-id")
     finally:
         await stop_node(boot)
 

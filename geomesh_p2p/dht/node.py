@@ -809,7 +809,7 @@ class DHTNode:
                          and "this node serves" in r.reason]
             if other_run:  # it answered: a wrong --run-id is not "no answer" (issue 14 #10)
                 raise DHTJoinError(f"could not join the DHT: bootstrap {other_run[0]} serves another run "
-                                   f"({refused[other_run[0]].reason}); check --run-id")
+                                   f"({refused[other_run[0]].reason}; {attempt + 1} attempt(s)); check --run-id")
             if refused and len(refused) == len(errors):
                 raise DHTJoinError(f"could not join the DHT: every bootstrap node refused this node: {detail}")
             raise DHTJoinError(f"could not join the DHT: no bootstrap node answered "
