@@ -233,7 +233,10 @@ class OwnerService:
             resp.held_s = time.monotonic() - t_in  # lets the sender time its upload without our work
             return resp.SerializeToString()
         except EnvelopeError as err:
-            self._log_once((round_, caller, "push", err.code), logging.WARNING,
+            # A round not open here yet is flow control (the sender retries until its deadline), not a
+            # fault: DEBUG, or every round of a healthy swarm printed a WARNING (issue 14 #10).
+            quiet = err.code == Code.UNAVAILABLE and part_ix is None
+            self._log_once((round_, caller, "push", err.code), logging.DEBUG if quiet else logging.WARNING,
                            "round %d: refused a push%s from %s: %s: %s", round_,
                            "" if part_ix is None else f" of part {part_ix}", _short(caller), err.code.name, err.reason)
             raise
