@@ -179,9 +179,9 @@ async def _spawn(k: int, n: int, numel: int, initial: list[str], reads_per_ip: i
 
 
 async def run_group(n: int, numel: int, repeats: int, contenders: list[str], block_size: int,
-                    reads_per_ip: int) -> dict:
+                    reads_per_ip: int, max_part_mb: float = 0.0) -> dict:
     """Medians of wall s and CPU-s per peer for each contender, ``n`` peers."""
-    from geomesh_p2p.collective import CollectiveSpec, make_partition
+    from geomesh_p2p.collective import CollectiveSpec, make_partition, split_owners
 
     procs: list[_Proc] = []
     try:
@@ -192,6 +192,8 @@ async def run_group(n: int, numel: int, repeats: int, contenders: list[str], blo
         ready = [first] + [await p.read() for p in procs[1:]]
         pids = [r["peer_id"] for r in ready]
         owners = make_partition(numel, [(r["peer_id"], r["address"], 1.0) for r in ready], block_size=block_size)
+        if max_part_mb > 0:  # several parts per owner: their pushes, reductions and pulls overlap
+            owners = split_owners(owners, max(block_size, int(max_part_mb * 2**20 / 4) // block_size * block_size))
         rows: dict[str, dict[str, list]] = {c: {"wall_s": [], "cpu_s": [], "complete": []} for c in contenders}
         rnd = 0
         for rep in range(repeats):
@@ -258,7 +260,8 @@ async def main_async(ns) -> int:
     results = {}
     load0 = os.getloadavg()[0]
     for n in ns.peers:
-        results[n] = await run_group(n, ns.numel, ns.repeats, ns.contenders, ns.block_size, ns.reads_per_ip)
+        results[n] = await run_group(n, ns.numel, ns.repeats, ns.contenders, ns.block_size, ns.reads_per_ip,
+                                     ns.max_part_mb)
     import torch
     head = (f"command: python benchmarks/collective_vs_hivemind.py {' '.join(sys.argv[1:])}\n"
             f"machine: {platform.platform()}, {os.cpu_count()} CPUs, python {platform.python_version()}, torch "
@@ -279,6 +282,9 @@ def main(argv=None) -> int:
     ap.add_argument("--contenders", nargs="+", default=CONTENDERS, choices=CONTENDERS)
     ap.add_argument("--quick", action="store_true", help="2 peers, 2M elements, 1 repeat")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--max-part-mb", type=float, default=0.0,
+                    help="cut every owner's fp32 range into parts of at most this many MB (split_owners; 0: one "
+                         "part per owner)")
     ap.add_argument("--reads-per-ip", type=int, default=0,
                     help="our transport's max_reads_per_ip (0: the group size, as distinct hosts would get; "
                          "1: the default of a real node, which serializes loopback pushes)")
