@@ -204,6 +204,17 @@ class PeerNode(NodeRoundPolicy):
             torch.set_num_threads(c.threads)
         if c.checkpoint_dir:
             check_writable_dir(c.checkpoint_dir, "--checkpoint-dir")
+        # This machine's own resources, one line each and before the DHT join (issue 14 #10): not found
+        # out after the join, the link probe and the profile.
+        if c.device.startswith("cuda") and not torch.cuda.is_available():
+            raise UserFacingError(f"--device {c.device}: CUDA is not available on this machine (torch "
+                                  f"{torch.__version__}, CUDA build {torch.version.cuda or 'none'}); use --device cpu "
+                                  f"or auto")
+        try:
+            self.round_log = RoundLog(c.log_json, c.metrics_port, metrics_host=c.metrics_host)
+        except OSError as e:
+            raise UserFacingError(f"--metrics-port {c.metrics_port}: cannot listen on {c.metrics_host}:"
+                                  f"{c.metrics_port}: {e.strerror or e}") from None
         # --tls-*: checked before anything listens (a bad file is one line naming it); PEM reads off the loop.
         tls = await asyncio.to_thread(tls_from_flags, getattr(c, "tls_cert", None), getattr(c, "tls_key", None),
                                       getattr(c, "tls_ca", None))
@@ -246,7 +257,6 @@ class PeerNode(NodeRoundPolicy):
         await asyncio.to_thread(self._build_training)
         self._stop_point("after building training")
         self._init_ema(probed)
-        self.round_log = RoundLog(c.log_json, c.metrics_port, metrics_host=c.metrics_host)
         self.looplag = LoopLagMonitor()  # worst event-loop stall per round, in each row (loop_stall_ms)
         self.looplag.start()
 
@@ -740,7 +750,10 @@ class PeerNode(NodeRoundPolicy):
 
     async def shutdown(self) -> None:
         """Checkpoint, stop tasks, server and channels. Safe to call twice."""
-        if self.transport is None:
+        if self.transport is None:  # stopped before the transport existed: only the metrics server may run
+            if getattr(self, "round_log", None) is not None:
+                self.round_log.close()
+                self.round_log = None
             return
         # Leaving is announced first (before the checkpoint, which takes seconds on a large model), so
         # the others plan their next round without this peer whatever the reason it stops.

@@ -6,8 +6,10 @@ ran after the signal is counted from the log (no wall-clock assertion)."""
 from __future__ import annotations
 
 import re
+import socket
 
 import pytest
+import torch
 
 from tests.swarm_util import free_port
 
@@ -31,3 +33,33 @@ def test_ctrl_c_during_the_profile_stops_at_the_next_step(swarm):
     assert "tokens/s (" not in after, after  # no batch size measured after the signal
     assert "(initial)" not in text  # no initial evaluation
     assert "Traceback" not in text and "ERROR" not in text, text[-3000:]
+
+
+def _one_line_failure(swarm, name: str) -> str:
+    """The peer's exit status is not 0 and its output ends in one line that is not a traceback."""
+    rc = swarm.wait_exit([name], 120)[name]
+    text = swarm.text(name)
+    assert rc not in (0, None) and "Traceback" not in text, (rc, text[-3000:])
+    return text
+
+
+def test_a_busy_metrics_port_is_one_line_before_the_dht_join(swarm):
+    with socket.socket() as busy:  # held for the whole run: the port is in use
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        # Nothing listens at the bootstrap: had the join come first, it would fail after its retries.
+        swarm.peer("m0", "--metrics-port", str(port), bootstrap=f"127.0.0.1:{free_port()}")
+        text = _one_line_failure(swarm, "m0")
+    lines = text.strip().splitlines()  # nothing of the DHT join, probe or profile before it
+    assert len(lines) == 1 and lines[0].startswith(
+        f"geomesh-peer join: --metrics-port {port}: cannot listen on 127.0.0.1:{port}: "), text[-3000:]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_device_cuda_without_cuda_is_one_line_before_the_dht_join(swarm):
+    swarm.peer("c0", "--device", "cuda", bootstrap=f"127.0.0.1:{free_port()}")
+    text = _one_line_failure(swarm, "c0")
+    lines = text.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(
+        "geomesh-peer join: --device cuda: CUDA is not available on this machine"), text[-3000:]
