@@ -3,6 +3,7 @@ few seconds; a healthy swarm's logs carry no ERROR, traceback, destroyed task or
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 import sys
@@ -76,6 +77,19 @@ async def test_a_wrong_run_id_is_not_reported_as_no_answer():
                        f"(message is for run 'run-b', this node serves 'run-a'; 1 attempt(s)); check --run-id")
     finally:
         await stop_node(boot)
+
+
+async def test_a_peer_that_starts_below_min_peers_says_so(caplog):
+    """--min-peers 2 with one peer: one line while it waits, one when it starts below it (virtual clock)."""
+    from tests.test_round_driver import FakeClock, _peers
+
+    (lone,) = _peers(1)
+    with caplog.at_level(logging.INFO, logger="geomesh_p2p.node.round"):
+        await asyncio.wait_for(lone.driver(rounds=1, min_peers=2, wait_peers_s=30.0, clock=FakeClock()).run(), 30)
+    lines = [r.getMessage() for r in caplog.records if "peers" in r.getMessage() and "round 0:" in r.getMessage()]
+    assert lines[0] == "round 0: waiting for 2 peers, 1 live (up to 30 s)"
+    assert re.fullmatch(r"round 0: starting with 1 of the 2 peers wanted \(--min-peers\): waited 3\d s", lines[1]), lines
+    assert [row.round for row in lone.drv.history] == [0]
 
 
 # ------------------------------------------------------------------------------ processes (e2e)

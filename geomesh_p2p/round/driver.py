@@ -382,6 +382,9 @@ class RoundDriver:
                              len(recs), wait_s)
                 until = max([t0 + wait_s] + [ends[p] for p in waited])
                 if now > until or self.stop.is_set():
+                    if len(ids) < min_peers and not self.stop.is_set():  # says so (issue 14 #10)
+                        log.info("round %d: starting with %d of the %d peers wanted (--min-peers): waited %.0f s",
+                                 self.state.round, len(ids), min_peers, now - t0)
                     return synced
                 now_ids = frozenset(r.peer_id for r in recs)
                 if now_ids != last_ids:
