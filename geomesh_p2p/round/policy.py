@@ -243,6 +243,7 @@ class NodeRoundPolicy:
         base: Optional[state_sync.Snapshot] = None
         own_tried = False
         downloaded: Optional[state_sync.Snapshot] = None  # the last full download, kept whole
+        caught_from: Optional[int] = None  # the round the incremental catch-up started from
         try:
             for attempt in range(STATE_SYNC_ATTEMPTS):
                 if self._stop.is_set():
@@ -257,8 +258,10 @@ class NodeRoundPolicy:
                         with contextlib.suppress(asyncio.TimeoutError):
                             await asyncio.wait_for(self._stop.wait(), 0.5)
                         continue
-                    if downloaded is not None:
-                        await self._adopt(downloaded, "downloaded")  # nobody backs a state now: keep the download
+                    if base is not None and (base is downloaded or caught_from is not None):
+                        await self._adopt(base, "downloaded" if caught_from is None else  # nobody backs a state
+                                          f"caught up from round {caught_from} by {base.round - caught_from} "
+                                          "outer update(s)")  # now: keep what was verified against the swarm
                         return
                     self.round = held_round if held_digest else start_round  # the round of the state it holds
                     return
@@ -275,7 +278,8 @@ class NodeRoundPolicy:
                     own_tried = True  # this peer's own state may be of the swarm's lineage: try the updates
                     base = await asyncio.to_thread(self._state_copy)
                 if base is not None and base.round == top and base.digest == choice.digest:
-                    await self._adopt(base, "downloaded")
+                    await self._adopt(base, "downloaded" if caught_from is None else
+                                      f"caught up from round {caught_from} by {top - caught_from} outer update(s)")
                     return
                 if base is not None and base.round < top:
                     from_round = base.round
@@ -284,6 +288,8 @@ class NodeRoundPolicy:
                     self._sync_meter = SyncMeter(max(1, (top - from_round) * self.numel),
                                                  on_progress=lambda: self.announcer.update(self.my_record))
                     await self.announce()
+                    log.info("catching up from round %d to %d by %d outer update(s) from %d donor(s)", from_round, top,
+                             top - from_round, len(donors))
                     work = await asyncio.to_thread(self._snapshot_copy, base)  # kept whole if an update is refused
                     try:
                         snap = await state_sync.catch_up_updates(self._sync_meter.wrap(self.transport), donors, work,
@@ -295,11 +301,14 @@ class NodeRoundPolicy:
                         # peer's own state is not of the swarm's lineage: the whole state it is
                         log.info("incremental catch-up from round %d to %d refused (%s); downloading the state",
                                  from_round, top, e)
-                        base = None
+                        base, caught_from = None, None
                         continue
                     stats["updates"] += top - from_round
-                    await self._adopt(snap, f"caught up from round {from_round} by {top - from_round} outer update(s)")
-                    return
+                    caught_from = from_round if caught_from is None else caught_from
+                    # not adopted yet: the swarm may have sealed another round meanwhile; the next pass adopts
+                    # this state or brings it further (no copy into the model, no evaluation in between)
+                    base = snap
+                    continue
                 # the record announces the download's progress: the leader's wait for it follows (issue 14 #3)
                 self._sync_meter = SyncMeter((self.numel + self.state_numel) * 4,
                                              on_progress=lambda: self.announcer.update(self.my_record))
