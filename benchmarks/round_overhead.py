@@ -79,19 +79,18 @@ def run_swarm(ns: argparse.Namespace) -> list[str]:
     swarm = Swarm(workdir)
     bport = _free_port()
     speeds = [float(x) for x in ns.speed_factors.split(",")]
-    files = []
+    files, peers = [], []
     try:
         swarm.spawn("bootstrap", exe + ["bootstrap.cli", "--host", "127.0.0.1", "--port", str(bport),
                                         "--run-id", ns.run_id, "--identity", str(workdir / "bootstrap.key")])
         for i in range(ns.peers):
             files.append(str(workdir / f"peer{i}.jsonl"))
-            swarm.spawn(f"peer{i}", exe + [
+            peers.append(swarm.spawn(f"peer{i}", exe + [
                 "peer.cli", "join", "--bootstrap", f"127.0.0.1:{bport}", "--run-id", ns.run_id,
                 "--identity", str(workdir / f"peer{i}.key"), "--speed-factor", str(speeds[i % len(speeds)]),
                 "--min-peers", str(ns.peers), "--rounds", str(ns.rounds), "--threads", "1",
-                "--log-json", files[-1]] + shlex.split(ns.peer_args))
+                "--log-json", files[-1]] + shlex.split(ns.peer_args)))
         deadline = time.monotonic() + ns.timeout_s
-        peers = [p for name, p in swarm.procs if name != "bootstrap"]
         for p in peers:
             p.wait(timeout=max(1.0, deadline - time.monotonic()))
     finally:

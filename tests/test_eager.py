@@ -37,8 +37,8 @@ def test_the_overlapped_charge_keeps_only_the_exchange_past_the_next_window():
     assert _overlapped(t, last=True) is t  # nothing follows the last round: its exchange is waited for
 
 
-def test_eager_start_weights_follow_the_papers_estimate_exactly():
-    """x_m = O(θ, v; Δ^{r-1} − w_m Δ_m^{r-1} + w_m Δ_m^r) on copies; θ and the outer state untouched."""
+def test_eager_start_weights_are_the_global_weights_stepped_by_the_own_share():
+    """x_m = O(θ, v; w_m Δ_m^r) on copies; θ and the outer state untouched."""
     from geomesh_p2p.sim.engine import Simulator
 
     g = torch.Generator().manual_seed(0)
@@ -49,18 +49,16 @@ def test_eager_start_weights_follow_the_papers_estimate_exactly():
     theta0, buf0 = theta.clone(), outer.buf.clone()
     deltas = [torch.randn(P, generator=g) for _ in range(3)]
     tokens = [100, 300, 0]
-    prev_agg = torch.randn(P, generator=g)
-    prev_own = [torch.randn(P, generator=g) for _ in range(3)]
     sim = Simulator.__new__(Simulator)  # the method needs no profile
-    starts, own = sim._eager_starts(theta, outer, deltas, tokens, prev_agg, prev_own)
+    starts = sim._eager_starts(theta, outer, deltas, tokens)
     assert torch.equal(theta, theta0) and torch.equal(outer.buf, buf0) and outer.steps == 1
     for m in range(3):
-        share = deltas[m] * (tokens[m] / 400.0)
-        assert torch.equal(own[m], share)
         x, o = theta0.clone(), copy.deepcopy(outer)
-        o.step(x, (prev_agg - prev_own[m] + share).contiguous())
+        o.step(x, (deltas[m] * (tokens[m] / 400.0)).contiguous())
         assert torch.equal(starts[m], x)
-    assert torch.equal(own[2], torch.zeros(P))  # a peer that trained nothing has no share
+    x, o = theta0.clone(), copy.deepcopy(outer)
+    o.step(x, torch.zeros(P))  # a peer that trained nothing: the momentum alone moves its start
+    assert torch.equal(starts[2], x)
 
 
 @pytest.fixture(scope="module")

@@ -298,10 +298,12 @@ class Simulator:
 
         * global weights (bitwise the same on every peer: only aggregates touch them), applied one round
           late, when round r's aggregate ``Δ^r = Σ_m w_m Δ_m^r`` arrives: ``(θ^{r+1}, v^{r+1}) = O(θ^r, v^r; Δ^r)``;
-        * peer m starts round r + 1 at once from ``x_m^{r+1} = O(θ^r, v^r; Δ̃_m^r)`` (on copies), where
-          ``Δ̃_m^r = w_m Δ_m^r + Σ_{k≠m} w_k Δ_k^{r-1} = Δ^{r-1} − w_m Δ_m^{r-1} + w_m Δ_m^r`` is the paper's
-          eager estimate of the aggregate not yet arrived: its own *fresh* local outer gradient in place of
-          its stale share of the last aggregate (``Δ^{-1} = Δ_m^{-1} = 0``);
+        * peer m starts round r + 1 at once from ``x_m^{r+1} = O(θ^r, v^r; w_m Δ_m^r)`` (on copies): the
+          global weights corrected by its own local outer gradient, its share of the aggregate not yet
+          arrived. The paper's eager estimate is ``Δ̃_m^r = w_m Δ_m^r + Σ_{k≠m} w_k Δ_k^{r-1}`` applied to
+          weights that lag the aggregate by one round; here the others' ``Δ_k^{r-1}`` are already in
+          ``θ^r`` (applied when ``Δ^{r-1}`` arrived), so what is left of the estimate is the own fresh share
+          (applying ``Δ^{r-1}`` again would count it twice: measured, final ppl 344 vs 275 on paper4);
         * its outer gradient of round r + 1 is taken from its own start: ``Δ_m^{r+1} = x_m^{r+1} − y_m^{r+1}``
           (``y``: its weights after the inner steps), and is aggregated and applied to ``θ^{r+1}`` as above.
 
@@ -338,10 +340,7 @@ class Simulator:
         done_ref = 0
         tok_trained = 0
         self._report(spec.label, 0, 0.0, ppl)
-        # eager updates: each peer's start weights, the last aggregate and each peer's weighted share of it
-        starts = [theta] * self.n
-        prev_agg = torch.zeros(self.numel)
-        prev_own = [torch.zeros(self.numel) for _ in range(self.n)]
+        starts = [theta] * self.n  # eager updates: each peer's start weights of the round
         r = 0
         while done_ref < self.budget_ref:
             plan = get_plan()
@@ -361,8 +360,7 @@ class Simulator:
             agg = self._aggregate(spec, deltas, tokens, efs, plan)
             timing = ch.timing
             if spec.eager:
-                starts, prev_own = self._eager_starts(theta, outer, deltas, tokens, prev_agg, prev_own)
-                prev_agg = agg if agg is not None else torch.zeros(self.numel)
+                starts = self._eager_starts(theta, outer, deltas, tokens)
                 last = done_ref + ch.tokens_ref >= self.budget_ref
                 timing = _overlapped(ch.timing, last)
             if agg is not None:
@@ -385,22 +383,19 @@ class Simulator:
         return self._result(spec, logs, curve, t, done_ref, tok_trained, wall0, self.plan_info(plan0))
 
     def _eager_starts(self, theta: torch.Tensor, outer: OuterNesterov, deltas: list[torch.Tensor],
-                      tokens: list[int], prev_agg: torch.Tensor,
-                      prev_own: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+                      tokens: list[int]) -> list[torch.Tensor]:
         """Eager updates (see :meth:`_run_sync`): each peer's start weights of the next round,
-        ``x_m = O(θ, v; Δ^{r-1} − w_m Δ_m^{r-1} + w_m Δ_m^r)`` on copies of the global weights and outer
-        state, and each peer's weighted share ``w_m Δ_m^r`` (for the next round's estimate). fp32 CPU
-        ``[P]`` tensors; ``theta`` and ``outer`` are not modified."""
+        ``x_m = O(θ, v; w_m Δ_m^r)`` with ``w_m = tokens_m / Σ tokens``, on copies of the global weights and
+        outer state. fp32 CPU ``[P]`` tensors; ``theta`` and ``outer`` are not modified."""
         total = float(sum(tokens))
-        starts, own = [], []
-        for d, n, old in zip(deltas, tokens, prev_own):
+        starts = []
+        for d, n in zip(deltas, tokens):
             share = d * (float(n) / total) if total > 0 else torch.zeros_like(d)
             x = theta.clone()
             o = copy.deepcopy(outer)
-            o.step(x, (prev_agg - old + share).contiguous())
+            o.step(x, share.contiguous())
             starts.append(x)
-            own.append(share)
-        return starts, own
+        return starts
 
     def _run_ddp(self, spec: MethodSpec) -> MethodResult:
         """fp32 sync every step. Charged: per step, the slowest peer's step plus an fp32 all-reduce.
