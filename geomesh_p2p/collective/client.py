@@ -156,6 +156,10 @@ class CollectiveService(OwnerService):
         pushes = [by_part[j] for j in range(n_parts)]
         # The round's one full-size buffer: every part's result is written into its slice.
         aggregate = state.aggregate = zeros
+        # At most max_pulls_per_owner pulls (long polls) in flight per owner: an owner of many parts (parts
+        # are cut small so that transfers and reductions overlap) would otherwise see more calls from this
+        # node than its per-sender call cap; per owner, so an unreachable owner stalls only its own parts.
+        state.pull_slots = {o.peer_id: asyncio.Semaphore(self.max_pulls_per_owner) for o in spec.owners}
         pulls = [asyncio.ensure_future(self._obtain(state, j)) for j in range(n_parts)]
         try:
             outcomes = await asyncio.gather(*pulls)
@@ -291,7 +295,12 @@ class CollectiveService(OwnerService):
                 return None
             signed = part.signed_result
         else:
-            signed = await self._pull(spec, j)
+            slot = state.pull_slots.get(owner.peer_id)
+            if slot is None:
+                signed = await self._pull(spec, j)
+            else:
+                async with slot:
+                    signed = await self._pull(spec, j)
             if signed is None:
                 return None
         try:

@@ -61,6 +61,8 @@ class _RoundState:
     transfers: list[tuple[str, int, float, float]] = field(default_factory=list)
     # fp32 [numel] CPU tensor: this node's aggregate of the round, every part decoded into its slice
     aggregate: Optional[Any] = None
+    # owner PeerID -> semaphore bounding this node's pulls in flight to that owner (set by all_reduce)
+    pull_slots: dict[str, asyncio.Semaphore] = field(default_factory=dict)
 
 
 class OwnerService:
@@ -95,6 +97,7 @@ class OwnerService:
         max_held_requests: int = 256,
         push_grace_s: float = 0.5,
         max_concurrent_pushes: int = 2,
+        max_pulls_per_owner: int = 32,
     ):
         if transport.address is not None:
             raise RuntimeError("create the CollectiveService before transport.start()")
@@ -106,6 +109,7 @@ class OwnerService:
         self.max_held_requests = max_held_requests
         self.push_grace_s = push_grace_s
         self.max_concurrent_pushes = max(1, int(max_concurrent_pushes))
+        self.max_pulls_per_owner = max(1, int(max_pulls_per_owner))
         self._rounds: dict[int, _RoundState] = {}
         self._oldest_kept = 0  # rounds below this were pruned
         self._round_events: dict[int, asyncio.Event] = {}

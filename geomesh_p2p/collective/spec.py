@@ -121,14 +121,26 @@ def make_partition(
     return parts
 
 
+PIPELINE_PART_BYTES = 2 << 20
+"""Default largest message of one part (bytes), below the message limit: an owner's range is cut into
+parts of about this size so that the stages of the exchange overlap (one part is encoded and signed
+while the previous one is on the wire, reduced or read), as hivemind streams its parts in chunks;
+whole-part stages ran one after another. 2 MiB: on loopback (benchmarks/collective_vs_hivemind.py
+``--max-part-mb``) 2 MB parts gave the fastest fp32 exchange measured; buffers of this size are also
+reused by the allocator (a fresh 50 MB buffer costs ~0.1 s of page faults on a busy host)."""
+
+
 def max_part_elements(*, push_encoding: str, mode: str, aggregate_encoding: str, n_participants: int,
-                      block_size: int, max_message_bytes: int) -> int:
-    """The most elements one part may hold so that every message about it fits ``max_message_bytes``.
+                      block_size: int, max_message_bytes: int,
+                      pipeline_bytes: Optional[int] = PIPELINE_PART_BYTES) -> int:
+    """The most elements one part may hold so that every message about it fits ``max_message_bytes``
+    and, when ``pipeline_bytes`` is set, stays under about that many bytes (see
+    :data:`PIPELINE_PART_BYTES`; never below one block).
 
     The largest messages of a part are a contribution (``push_encoding``) and its result: the
     re-encoded aggregate (reencode) or all ``n_participants`` contributions (relay). A tenth of the
     limit plus 64 KiB are left for envelopes and protobuf framing. Returns a positive multiple of
-    ``block_size``. Raises ValueError when not even one block fits.
+    ``block_size``. Raises ValueError when not even one block fits the limit.
     """
     push = bytes_per_element(push_encoding, block_size)  # the one codec-size formula (method.encoded_nbytes)
     result = push * max(1, n_participants) if mode == "relay" else bytes_per_element(aggregate_encoding, block_size)
@@ -136,6 +148,8 @@ def max_part_elements(*, push_encoding: str, mode: str, aggregate_encoding: str,
     n = int(room // max(push, result)) // block_size * block_size
     if n < block_size:
         raise ValueError(f"a part of one block ({block_size} elements) does not fit {max_message_bytes} bytes")
+    if pipeline_bytes is not None:
+        n = min(n, max(block_size, int(pipeline_bytes // max(push, result)) // block_size * block_size))
     return n
 
 
