@@ -349,13 +349,21 @@ async def download_state(
     n_chunks = [0] * n  # chunks from the piece's current donor
 
     def stall_limit(piece: int) -> float:
-        """``stall_timeout_s`` until the current donor sent STALL_MIN_CHUNKS chunks; then STALL_FACTOR x its mean
-        interval between chunks, within [STALL_FLOOR_S, stall_timeout_s]: on a fast link a frozen donor
-        costs about STALL_FLOOR_S, not stall_timeout_s (issue 14 #3: <= 5 s)."""
-        if n_chunks[piece] < STALL_MIN_CHUNKS:
-            return stall_timeout_s
-        mean = (last_chunk[piece] - asked[piece]) / n_chunks[piece]
-        return min(stall_timeout_s, max(STALL_FLOOR_S, STALL_FACTOR * mean))
+        """STALL_FACTOR x the mean interval between chunks of the piece's current donor once it sent
+        STALL_MIN_CHUNKS chunks (before: of the fastest sibling piece that did; none: ``stall_timeout_s``),
+        within [STALL_FLOOR_S, stall_timeout_s]: on a fast link a frozen donor costs about STALL_FLOOR_S,
+        not stall_timeout_s (issue 14 #3: <= 5 s)."""
+        def mean(i: int) -> float:
+            return (last_chunk[i] - asked[i]) / n_chunks[i]
+
+        if n_chunks[piece] >= STALL_MIN_CHUNKS:
+            m = mean(piece)
+        else:  # a donor frozen from its first chunk: the siblings' rate says what a live donor sends
+            rates = [mean(i) for i in range(n) if i != piece and n_chunks[i] >= STALL_MIN_CHUNKS]
+            if not rates:
+                return stall_timeout_s
+            m = min(rates)
+        return min(stall_timeout_s, max(STALL_FLOOR_S, STALL_FACTOR * m))
 
     async def attempt(donor: str, got: list[int], end: int, piece: int) -> None:
         """Stream ``[got[0], end)`` from ``donor`` into ``buf``, advancing ``got[0]`` per chunk."""

@@ -256,3 +256,29 @@ async def test_the_update_log_keeps_the_last_rounds_and_only_sealed_ones():
     log.record(8, "x" * 32, [(0, 8)], (), torch.ones(8))
     log.seal(10, "y" * 32)  # not the round recorded: dropped
     assert log.rounds() == [6, 7]
+
+
+@pytest.mark.timeout(60)
+async def test_a_donor_frozen_from_its_first_chunk_costs_the_floor_not_the_stall_timeout():
+    """The piece of a donor that never sends a chunk moves once its sibling's rate shows the donor is late:
+    STALL_FLOOR_S (2 s) here, not the 30 s stall timeout (issue 14 #3: a frozen donor costs <= 5 s)."""
+    from geomesh_p2p.state_sync import STALL_FLOOR_S
+
+    gs = _state(p=1 << 17)  # 1 MiB: 32 chunks per piece
+    frozen_t, frozen, frozen_addr = await _serve(gs, StallingServer, stall_after=0)
+    ok_t, _, ok_addr = await _serve(gs)
+    client = Transport(Identity.generate(), RUN, TransportConfig(client_only=True))
+    events = []
+    try:
+        snap = await download_state(client, [frozen_addr, ok_addr], round=5, numel=gs.num_params,
+                                    expected_digest=gs.digest, stall_timeout_s=30.0,
+                                    on_event=lambda *e: events.append(e))
+        assert snap.digest == gs.digest
+        moved = [e for e in events if e[0] == "moved"]
+        assert [(e[1], e[2]) for e in moved] == [(0, ok_addr)]
+        assert STALL_FLOOR_S <= float(moved[0][3]) <= 5.0, moved
+    finally:
+        frozen.release.set()
+        await client.stop()
+        await frozen_t.stop(grace=0)
+        await ok_t.stop(grace=0)
