@@ -22,6 +22,13 @@ CPU seconds of the worker's whole process tree (worker, hivemind's averager and 
 over the round, from ``/proc``; mean over peers. Ratios are ours / hivemind (fp32 vs hm_fp32; sign
 vs hm_fp16); goals (issue 17): fp32 <= 1.0x, sign <= 0.5x.
 
+Parts: by default ours are cut as the node cuts them (``split_owners(max_part_elements(...))``: about
+2 MiB messages, so that the stages of the exchange overlap across parts); ``--max-part-mb 0`` gives one
+part per owner (the code before issue 17 had nothing else), ``--max-part-mb X`` parts of X fp32 MB.
+``--reads-per-ip``: our transport reads one large request at a time per remote IP (a flood
+defence); on loopback every peer is 127.0.0.1, so by default the benchmark gives it one slot per
+peer of the group, as distinct hosts would have (1 = a real node's default, serializing pushes here).
+
 ``--quick``: 2 peers, 2M elements, 1 repeat (a smoke run).
 """
 
@@ -35,6 +42,7 @@ import platform
 import statistics
 import sys
 import time
+from typing import Optional
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
@@ -179,9 +187,10 @@ async def _spawn(k: int, n: int, numel: int, initial: list[str], reads_per_ip: i
 
 
 async def run_group(n: int, numel: int, repeats: int, contenders: list[str], block_size: int,
-                    reads_per_ip: int, max_part_mb: float = 0.0) -> dict:
+                    reads_per_ip: int, max_part_mb: Optional[float] = None) -> dict:
     """Medians of wall s and CPU-s per peer for each contender, ``n`` peers."""
-    from geomesh_p2p.collective import CollectiveSpec, make_partition, split_owners
+    from geomesh_p2p.collective import CollectiveSpec, make_partition, max_part_elements, split_owners
+    from geomesh_p2p.transport import TransportConfig
 
     procs: list[_Proc] = []
     try:
@@ -192,8 +201,20 @@ async def run_group(n: int, numel: int, repeats: int, contenders: list[str], blo
         ready = [first] + [await p.read() for p in procs[1:]]
         pids = [r["peer_id"] for r in ready]
         owners = make_partition(numel, [(r["peer_id"], r["address"], 1.0) for r in ready], block_size=block_size)
-        if max_part_mb > 0:  # several parts per owner: their pushes, reductions and pulls overlap
+        if max_part_mb is None:  # what the node does (round/policy.py): parts cut by max_part_elements
+            rows0 = {}
+            for c in contenders:
+                if c in OURS:
+                    mode, push, agg = OURS[c]
+                    rows0[c] = split_owners(owners, max_part_elements(
+                        push_encoding=push, mode=mode, aggregate_encoding=agg, n_participants=n,
+                        block_size=block_size, max_message_bytes=TransportConfig().max_message_bytes))
+            owners_of = rows0
+        elif max_part_mb > 0:  # several parts per owner: their pushes, reductions and pulls overlap
             owners = split_owners(owners, max(block_size, int(max_part_mb * 2**20 / 4) // block_size * block_size))
+            owners_of = {c: owners for c in OURS}
+        else:
+            owners_of = {c: owners for c in OURS}
         rows: dict[str, dict[str, list]] = {c: {"wall_s": [], "cpu_s": [], "complete": []} for c in contenders}
         rnd = 0
         for rep in range(repeats):
@@ -210,7 +231,7 @@ async def run_group(n: int, numel: int, repeats: int, contenders: list[str], blo
                     rnd += 1
                     mode, push, agg = OURS[c]
                     start_at = time.time() + 0.5
-                    spec = CollectiveSpec(RUN, rnd, {p: 10**9 for p in pids}, owners, numel, start_at + 300.0,
+                    spec = CollectiveSpec(RUN, rnd, {p: 10**9 for p in pids}, owners_of[c], numel, start_at + 300.0,
                                           start_at + 330.0, mode=mode, push_encoding=push, aggregate_encoding=agg,
                                           block_size=block_size)
                     for k, p in enumerate(procs):
@@ -282,9 +303,9 @@ def main(argv=None) -> int:
     ap.add_argument("--contenders", nargs="+", default=CONTENDERS, choices=CONTENDERS)
     ap.add_argument("--quick", action="store_true", help="2 peers, 2M elements, 1 repeat")
     ap.add_argument("--json", default=None)
-    ap.add_argument("--max-part-mb", type=float, default=0.0,
-                    help="cut every owner's fp32 range into parts of at most this many MB (split_owners; 0: one "
-                         "part per owner)")
+    ap.add_argument("--max-part-mb", type=float, default=None,
+                    help="cut every owner's range into parts of at most this many fp32 MB (split_owners; 0: one "
+                         "part per owner; default: as the node does, max_part_elements)")
     ap.add_argument("--reads-per-ip", type=int, default=0,
                     help="our transport's max_reads_per_ip (0: the group size, as distinct hosts would get; "
                          "1: the default of a real node, which serializes loopback pushes)")
