@@ -52,6 +52,7 @@ from geomesh_p2p.collective.spec import (
     MODES,
     PUSH_ENCODINGS,
     CollectiveSpec,
+    PIPELINE_PART_BYTES,
     PartOwner,
     _pid_bytes,  # noqa: F401
     _pid_str,  # noqa: F401
@@ -63,7 +64,7 @@ from geomesh_p2p.collective.spec import (
 
 __all__ = [
     "CollectiveService", "CollectiveSpec", "PartOwner", "AllReduceResult", "OwnerService", "Contribution",
-    "make_partition", "max_part_elements", "split_owners", "token_weighted_mean",
+    "make_partition", "max_part_elements", "split_owners", "token_weighted_mean", "PIPELINE_PART_BYTES",
     "CONTRIBUTION_KIND", "RESULT_KIND", "MODES", "PUSH_ENCODINGS", "AGGREGATE_ENCODINGS",
     "fp32_to_bytes", "fp32_view", "encode_aggregate", "decode_aggregate",
 ]

@@ -79,6 +79,11 @@ class OwnerService:
     ``max_held_requests`` requests are held at once (more: ``UNAVAILABLE`` right away). Rounds older
     than the kept window are refused with ``FAILED_PRECONDITION``.
 
+    Client side (:class:`~geomesh_p2p.collective.CollectiveService`): at most ``max_concurrent_pushes``
+    uploads at once, and at most ``max_pulls_per_owner`` pulls in flight to one owner (an owner of
+    many small parts would otherwise get more calls from this node than the transport's per-sender
+    cap allows).
+
     Refusals (status: reason), each logged once per (round, sender, status): sender not a
     participant (PERMISSION_DENIED), contribution signed by someone other than the caller
     (PERMISSION_DENIED), forged/tampered inner signature (UNAUTHENTICATED / DATA_LOSS), round in
