@@ -1056,8 +1056,9 @@ class DHTNode:
                 answered, resp = await self._call(info.address, DHT_PING, ping, dht_pb2.PingResponse, verified.sender)
             except RpcError as err:
                 # A channel cached from an earlier process at that address (the caller restarted on the
-                # same port) fails at once with its old "connection refused" while in reconnect backoff:
-                # dial once more on a new connection. Only UNAVAILABLE (fast): a deadline is not retried.
+                # same port) fails at once with its old "connection refused" while in reconnect backoff.
+                # Transport.call already redials a lost connection once; this covers an UNAVAILABLE whose
+                # wording it does not recognise. Only UNAVAILABLE (fast): a deadline is not retried.
                 if err.code != grpc.StatusCode.UNAVAILABLE or not self.transport.drop_channel(info.address):
                     raise
                 answered, resp = await self._call(info.address, DHT_PING, ping, dht_pb2.PingResponse, verified.sender)
