@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import sys
-from typing import Any, Awaitable, Collection, Tuple
+from typing import Any, Awaitable, Callable, Collection, Dict, Optional, Set, Tuple
 
-__all__ = ["cancel_and_wait", "finish_or_cancel", "unless_set", "wait_event"]
+__all__ = ["TaskScope", "cancel_and_wait", "finish_or_cancel", "runs", "unless_set", "wait_event"]
 
 
 async def wait_event(event: asyncio.Event, timeout: float) -> bool:
@@ -65,3 +66,157 @@ async def unless_set(aw: Awaitable[Any], event: asyncio.Event) -> Tuple[bool, An
     if task.cancelled():
         return False, None
     return True, task.result()
+
+
+# The innermost TaskScope of the running code. A task copies its creator's context, so the tasks that
+# a scope's tasks create see the same scope (and are recorded by it) without any cooperation.
+_current_scope: contextvars.ContextVar[Optional["TaskScope"]] = contextvars.ContextVar(
+    "geomesh_task_scope", default=None)
+
+
+def _default_factory(loop: asyncio.AbstractEventLoop, coro, **kwargs) -> asyncio.Task:
+    # What the loop does when no factory is installed. kwargs: ``context`` (3.11+) and ``name`` (3.13+).
+    return asyncio.Task(coro, loop=loop, **kwargs)
+
+
+class _RecordingFactory:
+    """The loop's task factory while TaskScopes are used on it: creates each task with the factory it
+    replaced (``delegate``), then, when the creator's context (or the ``context`` given) is inside an
+    open TaskScope, records the task there. Outside scopes it costs one ContextVar lookup per task."""
+
+    def __init__(self, delegate: Optional[Callable[..., asyncio.Future]]) -> None:
+        self.delegate = delegate if delegate is not None else _default_factory
+
+    def __call__(self, loop: asyncio.AbstractEventLoop, coro, **kwargs) -> asyncio.Future:
+        context = kwargs.get("context")
+        scope = _current_scope.get() if context is None else context.get(_current_scope)
+        task = self.delegate(loop, coro, **kwargs)
+        # Once a scope is closed only the tasks it handed to ``adopt`` still run in its context: what
+        # they create is theirs (their owner's), not an outer scope's to cancel.
+        if scope is not None and not scope._closed:
+            scope._record(task, asyncio.current_task(loop))
+        return task
+
+
+def _install_factory(loop: asyncio.AbstractEventLoop) -> None:
+    # Once per loop; again only when someone replaced ours since (their factory is then delegated to).
+    current = loop.get_task_factory()
+    if not isinstance(current, _RecordingFactory):
+        loop.set_task_factory(_RecordingFactory(current))
+
+
+def runs(fn: Callable[..., Awaitable[Any]]) -> Callable[[asyncio.Future], bool]:
+    """A predicate for :class:`TaskScope`'s ``keep``: True for a task running a coroutine of the async
+    function ``fn`` (any closure of it; started or not). False for other futures."""
+    code = getattr(fn, "__code__", None)
+
+    def predicate(task: asyncio.Future) -> bool:
+        get_coro = getattr(task, "get_coro", None)
+        return code is not None and get_coro is not None and getattr(get_coro(), "cr_code", None) is code
+    return predicate
+
+
+class TaskScope:
+    """Owns every task created while it is active, including the tasks those tasks create, so code that
+    starts tasks and may leave them behind (e.g. hivemind's ``traverse_dht``, which leaves its workers
+    and their helpers pending when it returns or is cancelled: "Task was destroyed but it is pending!")
+    can be called without leaks and without changing it.
+
+    ``async with TaskScope(adopt=..., keep=...) as scope: await code_that_starts_tasks()``.
+    Recording: a ContextVar names the scope, and a loop task factory, installed on the running loop the
+    first time a scope is entered there and left installed (inert outside scopes), records each task
+    whose creator's context names an open scope; it delegates creation to the factory installed before
+    it (default: ``asyncio.Task(coro, loop=loop, **kwargs)``). Tasks built by calling ``asyncio.Task``
+    directly, bypassing the loop's factory, are not seen.
+
+    On exit, the tasks still running are handled, then the scope closes (it records nothing more):
+
+    * normal exit, with ``adopt``: tasks for which ``keep(task)`` is True (default: none), and tasks
+      created by them, are passed to ``adopt(tasks)`` (a set; not called when empty); the caller owns
+      them from then on (e.g. cancels and awaits them at its shutdown);
+    * all the others, and every task on an exit by exception or cancellation, are cancelled and awaited
+      before ``__aexit__`` returns; a task they create while ending is handled the same way. If the
+      exiting task is cancelled again meanwhile, the cleanup still completes, then CancelledError is
+      raised. Results and errors of cancelled tasks are dropped (the exception leaving the body, if
+      any, propagates unchanged).
+
+    ``scope.tasks``: the tasks recorded so far while open (a set, done ones included; empty once
+    closed). Nested scopes: a task is recorded by the innermost open one; once a scope is closed, what
+    its adopted tasks create is recorded by none. Raises RuntimeError when entered twice or outside a
+    running loop.
+    """
+
+    def __init__(self, adopt: Optional[Callable[[Set[asyncio.Future]], None]] = None,
+                 keep: Optional[Callable[[asyncio.Future], bool]] = None) -> None:
+        self._adopt = adopt
+        self._keep = keep
+        self._creator: Dict[asyncio.Future, Optional[asyncio.Future]] = {}  # task -> task that created it
+        self._token: Optional[contextvars.Token] = None
+        self._entered = False
+        self._closed = False
+
+    @property
+    def tasks(self) -> Set[asyncio.Future]:
+        return set(self._creator)
+
+    def _record(self, task: asyncio.Future, creator: Optional[asyncio.Future]) -> None:
+        self._creator[task] = creator
+
+    def _kept(self, task: asyncio.Future, kept: Dict[asyncio.Future, bool]) -> bool:
+        # True when the task, or a recorded task that created it (transitively), is one to keep.
+        chain = []
+        t: Optional[asyncio.Future] = task
+        verdict = False
+        while t is not None and t in self._creator:
+            if t in kept:
+                verdict = kept[t]
+                break
+            chain.append(t)
+            if self._keep is not None and self._keep(t):
+                verdict = True
+                break
+            t = self._creator[t]
+        for c in chain:
+            kept[c] = verdict
+        return verdict
+
+    async def __aenter__(self) -> "TaskScope":
+        if self._entered:
+            raise RuntimeError("a TaskScope can be entered once")
+        self._entered = True
+        _install_factory(asyncio.get_running_loop())
+        self._token = _current_scope.set(self)
+        return self
+
+    async def __aexit__(self, exc_type, exc, tb) -> None:
+        _current_scope.reset(self._token)  # the body's own context: the exiting code is outside now
+        adopt = self._adopt if exc_type is None else None
+        kept: Dict[asyncio.Future, bool] = {}
+        handled: Set[asyncio.Future] = set()
+        interrupted = False
+        try:
+            while True:  # rounds: tasks may create tasks while being cancelled
+                fresh = [t for t in self._creator if t not in handled and not t.done()]
+                if not fresh:
+                    break
+                handled.update(fresh)
+                to_adopt = {t for t in fresh if adopt is not None and self._kept(t, kept)}
+                if to_adopt:
+                    adopt(to_adopt)
+                to_end = [t for t in fresh if t not in to_adopt]
+                for t in to_end:
+                    t.cancel()
+                pending = set(to_end)
+                while pending:
+                    try:
+                        _, pending = await asyncio.wait(pending)
+                    except asyncio.CancelledError:  # cancelled again: let them finish ending first
+                        interrupted = True
+                for t in to_end:  # retrieve errors so none is logged as "never retrieved"
+                    if not t.cancelled():
+                        t.exception()
+        finally:
+            self._closed = True
+            self._creator.clear()  # adopted tasks keep this scope in their context: drop the references
+        if interrupted:
+            raise asyncio.CancelledError

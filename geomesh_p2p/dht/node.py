@@ -4,7 +4,7 @@ Kademlia: Maymounkov & Mazières, "Kademlia: A Peer-to-peer Information System B
 Metric" (IPTPS 2002). Semantics follow hivemind's ``hivemind.dht.node.DHTNode`` (batched store and
 find, values with expiration times, subkey dictionaries, newest expiration wins), and the
 transport-free parts are hivemind's own: ``DHTID`` and ``RoutingTable`` (hivemind.dht.routing),
-``traverse_dht`` (hivemind.dht.traverse, as a copy that owns its tasks: geomesh_p2p.dht.traverse),
+``traverse_dht`` (hivemind.dht.traverse, run in a geomesh_p2p.aio.TaskScope that owns its tasks),
 ``DHTLocalStorage`` (hivemind.dht.storage) and the ``Blacklist`` of unresponsive peers
 (hivemind.dht.node). No libp2p daemon is started.
 
@@ -53,11 +53,12 @@ from google.protobuf.message import DecodeError
 from hivemind.dht.node import Blacklist
 from hivemind.dht.routing import DHTID, RoutingTable
 from hivemind.dht.storage import DHTLocalStorage, DictionaryDHTValue
+from hivemind.dht.traverse import traverse_dht
 
 from geomesh_p2p import __version__
 from geomesh_p2p import events
 from geomesh_p2p.addr import AddressError, host_of, ip_of, parse_address, valid_address
-from geomesh_p2p.aio import finish_or_cancel
+from geomesh_p2p.aio import TaskScope, finish_or_cancel, runs
 from geomesh_p2p.dht.records import (
     DEFAULT_LIMITS,
     RecordError,
@@ -70,7 +71,6 @@ from geomesh_p2p.dht.records import (
     verify_record,
 )
 from geomesh_p2p.dht.quota import DEFAULT_QUOTA, StorageLedger, StorageQuota
-from geomesh_p2p.dht.traverse import traverse_dht
 from geomesh_p2p.errors import UserFacingError
 from geomesh_p2p.identity import EnvelopeError, Identity, PeerID, Verified
 from geomesh_p2p.transport import DHT_FIND, DHT_PING, DHT_STORE, RpcError, TaskOwner, Transport
@@ -679,7 +679,8 @@ class DHTNode:
                         on_records: Optional[Callable[[DHTID, List[VerifiedRecord], int], bool]] = None,
                         stats: Optional[LookupStats] = None, await_all: bool = True
                         ) -> Tuple[Dict[DHTID, List[DHTID]], Dict[DHTID, Contact]]:
-        """Iterative Kademlia lookup of ``key_ids`` with traverse_dht (hivemind's, owning its tasks; alpha workers).
+        """Iterative Kademlia lookup of ``key_ids`` with hivemind's traverse_dht (alpha workers), in a
+        TaskScope: no task of it is left pending when it returns or is cancelled.
 
         ``on_records(key_id, records, hop) -> stop`` sees every verified record returned.
         Returns (nearest node ids per key, nearest-first, never self; contact of every node seen).
@@ -712,7 +713,7 @@ class DHTNode:
             stats.hops = max(stats.hops, hop)
             try:
                 response = await self._find(contacts[peer], queries)
-            except Exception as e:  # never let a worker die: traverse_dht would hang
+            except Exception as e:  # never let a worker die: it would end the whole lookup (an assert)
                 log.exception("find failed unexpectedly: %r", e)
                 response = None
             if response is None:
@@ -730,10 +731,14 @@ class DHTNode:
                 output[q] = tuple(nearest.keys()), stop
             return output
 
-        nearest, _visited = await traverse_dht(
-            queries=list(key_ids), initial_nodes=list(contacts), beam_size=beam, num_workers=self.alpha,
-            queries_per_call=max(1, min(int(len(key_ids) ** 0.5), 16)), get_neighbors=get_neighbors,
-            visited_nodes={q: {self.node_id} for q in key_ids}, await_all_tasks=await_all, adopt=self._adopt_calls)
+        # hivemind's traverse_dht leaves its workers and their waiters pending when it returns or is
+        # cancelled ("Task was destroyed but it is pending!"): the scope cancels and awaits them, and hands
+        # the find calls still in flight after an early end (await_all=False) to this node.
+        async with TaskScope(adopt=self._adopt_calls, keep=runs(get_neighbors)):
+            nearest, _visited = await traverse_dht(
+                queries=list(key_ids), initial_nodes=list(contacts), beam_size=beam, num_workers=self.alpha,
+                queries_per_call=max(1, min(int(len(key_ids) ** 0.5), 16)), get_neighbors=get_neighbors,
+                visited_nodes={q: {self.node_id} for q in key_ids}, await_all_tasks=await_all)
         return {q: [n for n in ids if n not in failed] for q, ids in nearest.items()}, contacts
 
     def _adopt_calls(self, calls: set) -> None:
