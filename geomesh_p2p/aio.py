@@ -7,7 +7,8 @@ import contextvars
 import sys
 from typing import Any, Awaitable, Callable, Collection, Dict, Optional, Set, Tuple
 
-__all__ = ["TaskScope", "cancel_and_wait", "finish_or_cancel", "runs", "unless_set", "wait_event"]
+__all__ = ["TaskScope", "cancel_and_wait", "create_unscoped_task", "finish_or_cancel", "runs", "unless_set",
+           "wait_event"]
 
 
 async def wait_event(event: asyncio.Event, timeout: float) -> bool:
@@ -105,6 +106,17 @@ def _install_factory(loop: asyncio.AbstractEventLoop) -> None:
         loop.set_task_factory(_RecordingFactory(current))
 
 
+def create_unscoped_task(coro, name: Optional[str] = None) -> asyncio.Task:
+    """``loop.create_task(coro, name=name)`` on the running loop, recorded by no TaskScope, nor are the
+    tasks it creates: for a task with an owner of its own (``TaskOwner.spawn``: a routing-table ping or a
+    channel close started during a DHT lookup belongs to the node, not to the lookup's scope). Its context
+    is a copy of the creator's without the scope. Raises RuntimeError outside a running loop."""
+    context = contextvars.copy_context()
+    context.run(_current_scope.set, None)
+    # Created inside ``context`` (not with create_task's context=, absent on 3.10): the task copies it.
+    return context.run(asyncio.get_running_loop().create_task, coro, name=name)
+
+
 def runs(fn: Callable[..., Awaitable[Any]]) -> Callable[[asyncio.Future], bool]:
     """A predicate for :class:`TaskScope`'s ``keep``: True for a task running a coroutine of the async
     function ``fn`` (any closure of it; started or not). False for other futures."""
@@ -127,7 +139,8 @@ class TaskScope:
     first time a scope is entered there and left installed (inert outside scopes), records each task
     whose creator's context names an open scope; it delegates creation to the factory installed before
     it (default: ``asyncio.Task(coro, loop=loop, **kwargs)``). Tasks built by calling ``asyncio.Task``
-    directly, bypassing the loop's factory, are not seen.
+    directly, bypassing the loop's factory, are not seen; tasks with an owner of their own are created
+    with :func:`create_unscoped_task` so that no scope takes them.
 
     On exit, the tasks still running are handled, then the scope closes (it records nothing more):
 

@@ -43,6 +43,7 @@ import grpc
 import grpc.aio
 
 from geomesh_p2p.addr import AddressError, format_address
+from geomesh_p2p.aio import create_unscoped_task
 from geomesh_p2p.errors import UserFacingError
 from geomesh_p2p import identity as identity_mod
 from geomesh_p2p.identity import EnvelopeError, Identity, PeerID, Verified, Verifier
@@ -646,7 +647,7 @@ class TaskOwner:
         self._tasks: set[asyncio.Task] = set()
 
     def spawn(self, coro, name: Optional[str] = None) -> asyncio.Task:
-        task = asyncio.get_running_loop().create_task(coro, name=name)
+        task = create_unscoped_task(coro, name=name)  # owned here, not by a TaskScope it was spawned in
         self._tasks.add(task)
         task.add_done_callback(self._done)
         return task

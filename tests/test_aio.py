@@ -9,7 +9,8 @@ import contextvars
 
 import pytest
 
-from geomesh_p2p.aio import TaskScope, runs
+from geomesh_p2p.aio import TaskScope, cancel_and_wait, create_unscoped_task, runs
+from geomesh_p2p.transport import TaskOwner
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -263,3 +264,28 @@ async def test_runs_matches_tasks_of_that_function_only():
     pred = runs(f)
     assert pred(tf) and not pred(tg) and not pred(asyncio.get_running_loop().create_future())
     await asyncio.gather(tf, tg)
+
+
+async def test_tasks_with_an_owner_of_their_own_are_left_to_it():
+    owner = TaskOwner("test")
+    made: list = []
+    started = asyncio.Event()
+
+    async def owned():  # e.g. a routing-table ping spawned on the node during a lookup
+        made.append(asyncio.create_task(_forever()))  # its children are not the scope's either
+        started.set()
+        await asyncio.Event().wait()
+
+    try:
+        with pytest.raises(asyncio.CancelledError):
+            async with TaskScope() as scope:
+                a = owner.spawn(owned(), name="owned")
+                b = create_unscoped_task(_forever(), name="unscoped")
+                await started.wait()
+                assert scope.tasks == set() and b.get_name() == "unscoped"
+                raise asyncio.CancelledError  # even a cancelled scope leaves them running
+        assert not a.done() and not b.done() and not made[0].done()
+    finally:
+        await owner.close()
+        await cancel_and_wait([b, *made])
+    assert a.cancelled()
