@@ -214,6 +214,7 @@ class RoundDriver:
         #: the last round finished in sync and its end announced this peer's record: the loop top's
         #: announce and behind-check would repeat that store and the gather's own swarm-round check
         self._fresh_record = False
+        self._gathered: Optional[dict] = None  # live records of the gather's last read, for agree()
 
     @property
     def me(self) -> str:
@@ -365,6 +366,7 @@ class RoundDriver:
                 # A peer that said it is leaving is not waited for (it finished its last exchange).
                 expected = expected - {r.peer_id for r in everyone if r.leaving}
                 recs = [r for r in everyone if not r.leaving]
+                self._gathered = {r.peer_id: r for r in recs}  # the live view PLAN starts from (no re-read)
                 sr = self.policy.swarm_round(recs)
                 if sr is not None and sr > self.state.round:
                     return None
@@ -480,7 +482,10 @@ class RoundDriver:
         self.phase = Phase.PLAN
         r = ctx.round
         live = ctx.live
-        live.update({x.peer_id: x for x in await self.membership.peers()})
+        # The gather's last read is a moment old: reuse it (one DHT get less between the gather and the
+        # plan, issue 17); the refresher below keeps the view fresh while the plan is agreed.
+        gathered, self._gathered = self._gathered, None
+        live.update(gathered if gathered is not None else {x.peer_id: x for x in await self.membership.peers()})
         members, candidates = self.policy.leader_candidates(ctx.members, live)
         if [m.peer_id for m in members] == [self.me] and set(live) == {self.me}:
             # Lone peer: nobody else can lead, follow or read a plan; plan with a fresh start time so
