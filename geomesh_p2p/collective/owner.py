@@ -102,7 +102,7 @@ class OwnerService:
         max_held_requests: int = 256,
         push_grace_s: float = 0.5,
         max_concurrent_pushes: int = 2,
-        max_pulls_per_owner: int = 32,
+        max_pulls_per_owner: int = 8,
     ):
         if transport.address is not None:
             raise RuntimeError("create the CollectiveService before transport.start()")
