@@ -347,6 +347,8 @@ async def download_state(
     gaps: list[float] = []
     asked = [time.monotonic()] * n  # when the piece's current donor was asked
     n_chunks = [0] * n  # chunks from the piece's current donor
+    relaxed = [False] * n  # the piece's current attempt is a retry: the full stall timeout applies
+    stalled_early: set[str] = set()  # donors left under an adaptive limit shorter than stall_timeout_s
 
     def stall_limit(piece: int) -> float:
         """STALL_FACTOR x the mean interval between chunks of the piece's current donor once it sent
@@ -355,6 +357,9 @@ async def download_state(
         not stall_timeout_s (issue 14 #3: <= 5 s)."""
         def mean(i: int) -> float:
             return (last_chunk[i] - asked[i]) / n_chunks[i]
+
+        if relaxed[piece]:
+            return stall_timeout_s
 
         if n_chunks[piece] >= STALL_MIN_CHUNKS:
             m = mean(piece)
@@ -395,11 +400,18 @@ async def download_state(
         got = [start]
         errors = []
         order = [donors[(piece + i) % n] for i in range(n)]
-        for donor in order:
+        # A second pass retries, with the full stall timeout, donors only left for a short adaptive limit: a
+        # busy donor's 2 s hiccup must not end a download when every other donor is gone too.
+        for donor, second in [(d, False) for d in order] + [(d, True) for d in order]:
             if got[0] == end:
                 break
-            if donor in unhealthy:
+            if second:
+                if donor not in stalled_early:
+                    continue
+                stalled_early.discard(donor)
+            elif donor in unhealthy:
                 continue
+            relaxed[piece] = second
             event("start", piece, donor, str(got[0]))
             asked[piece], n_chunks[piece] = time.monotonic(), 0
             task = loop.create_task(attempt(donor, got, end, piece), name=f"state-piece-{piece}-from-{donor}")
@@ -418,6 +430,8 @@ async def download_state(
                                            f"(at byte {got[0]} of {end})")
             except (RpcError, StateSyncError, ValueError, DecodeError, TimeoutError) as e:
                 kind = "stalled" if isinstance(e, TimeoutError) else "failed"
+                if isinstance(e, TimeoutError) and not second and stall_limit(piece) < stall_timeout_s:
+                    stalled_early.add(donor)
                 unhealthy.add(donor)
                 moving[piece] = True
                 errors.append(str(e))
