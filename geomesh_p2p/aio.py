@@ -81,12 +81,15 @@ def _default_factory(loop: asyncio.AbstractEventLoop, coro, **kwargs) -> asyncio
 
 
 class _RecordingFactory:
-    """The loop's task factory while TaskScopes are used on it: creates each task with the factory it
-    replaced (``delegate``), then, when the creator's context (or the ``context`` given) is inside an
-    open TaskScope, records the task there. Outside scopes it costs one ContextVar lookup per task."""
+    """The loop's task factory while TaskScopes are open on it: creates each task with the factory it
+    replaced (``previous``; none: ``asyncio.Task``), then, when the creator's context (or the
+    ``context`` given) is inside an open TaskScope, records the task there. ``open_scopes``: how many
+    scopes use it; the last one to close puts ``previous`` back."""
 
-    def __init__(self, delegate: Optional[Callable[..., asyncio.Future]]) -> None:
-        self.delegate = delegate if delegate is not None else _default_factory
+    def __init__(self, previous: Optional[Callable[..., asyncio.Future]]) -> None:
+        self.previous = previous
+        self.delegate = previous if previous is not None else _default_factory
+        self.open_scopes = 0
 
     def __call__(self, loop: asyncio.AbstractEventLoop, coro, **kwargs) -> asyncio.Future:
         context = kwargs.get("context")
@@ -99,11 +102,23 @@ class _RecordingFactory:
         return task
 
 
-def _install_factory(loop: asyncio.AbstractEventLoop) -> None:
-    # Once per loop; again only when someone replaced ours since (their factory is then delegated to).
+def _acquire_factory(loop: asyncio.AbstractEventLoop) -> _RecordingFactory:
+    # Installed when the first scope on this loop opens; a factory set since then by someone else is
+    # wrapped in turn (delegated to).
     current = loop.get_task_factory()
     if not isinstance(current, _RecordingFactory):
-        loop.set_task_factory(_RecordingFactory(current))
+        current = _RecordingFactory(current)
+        loop.set_task_factory(current)
+    current.open_scopes += 1
+    return current
+
+
+def _release_factory(loop: asyncio.AbstractEventLoop, factory: _RecordingFactory) -> None:
+    # The last scope out puts the previous factory back, so code outside scopes pays nothing. Left in
+    # place (inert) when someone installed a factory over it meanwhile: theirs may delegate to it.
+    factory.open_scopes -= 1
+    if factory.open_scopes == 0 and loop.get_task_factory() is factory:
+        loop.set_task_factory(factory.previous)
 
 
 def create_unscoped_task(coro, name: Optional[str] = None) -> asyncio.Task:
@@ -135,10 +150,10 @@ class TaskScope:
     can be called without leaks and without changing it.
 
     ``async with TaskScope(adopt=..., keep=...) as scope: await code_that_starts_tasks()``.
-    Recording: a ContextVar names the scope, and a loop task factory, installed on the running loop the
-    first time a scope is entered there and left installed (inert outside scopes), records each task
-    whose creator's context names an open scope; it delegates creation to the factory installed before
-    it (default: ``asyncio.Task(coro, loop=loop, **kwargs)``). Tasks built by calling ``asyncio.Task``
+    Recording: a ContextVar names the scope, and a loop task factory, installed on the running loop while
+    any scope is open there (once for all of them; the factory found before is put back when the last
+    one closes), records each task whose creator's context names an open scope; it delegates creation to
+    the factory installed before it (default: ``asyncio.Task(coro, loop=loop, **kwargs)``). Tasks built by calling ``asyncio.Task``
     directly, bypassing the loop's factory, are not seen; tasks with an owner of their own are created
     with :func:`create_unscoped_task` so that no scope takes them.
 
@@ -165,6 +180,8 @@ class TaskScope:
         self._keep = keep
         self._creator: Dict[asyncio.Future, Optional[asyncio.Future]] = {}  # task -> task that created it
         self._token: Optional[contextvars.Token] = None
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._factory: Optional[_RecordingFactory] = None
         self._entered = False
         self._closed = False
 
@@ -197,7 +214,8 @@ class TaskScope:
         if self._entered:
             raise RuntimeError("a TaskScope can be entered once")
         self._entered = True
-        _install_factory(asyncio.get_running_loop())
+        self._loop = asyncio.get_running_loop()
+        self._factory = _acquire_factory(self._loop)
         self._token = _current_scope.set(self)
         return self
 
@@ -230,6 +248,7 @@ class TaskScope:
                         t.exception()
         finally:
             self._closed = True
+            _release_factory(self._loop, self._factory)
             self._creator.clear()  # adopted tasks keep this scope in their context: drop the references
         if interrupted:
             raise asyncio.CancelledError

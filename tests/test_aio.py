@@ -168,7 +168,7 @@ async def test_tasks_made_while_ending_are_ended_too():
     assert asyncio.all_tasks() - before == set()
 
 
-async def test_the_factory_already_installed_is_delegated_to(restore_factory):
+async def test_the_factory_already_installed_is_delegated_to_and_put_back(restore_factory):
     loop = restore_factory
     seen: list = []
 
@@ -183,27 +183,44 @@ async def test_the_factory_already_installed_is_delegated_to(restore_factory):
         await asyncio.sleep(0)
         assert scope.tasks == {t}
     assert seen == [t] and t.get_name() == "in-scope" and t.cancelled()
+    assert loop.get_task_factory() is theirs
     outside = asyncio.create_task(asyncio.sleep(0), name="outside")
     await outside
     assert seen == [t, outside] and outside.get_name() == "outside"
 
-    # Someone replaces the factory after ours: the next scope wraps theirs again.
-    loop.set_task_factory(theirs)
+    # A factory set over ours while a scope is open: ours stays under it (inert), the next scope wraps it.
+    async with TaskScope():
+        loop.set_task_factory(theirs)
+    assert loop.get_task_factory() is theirs
     async with TaskScope() as scope2:
         t2 = asyncio.create_task(_forever())
         assert scope2.tasks == {t2}
-    assert seen[-1] is t2
+    assert seen[-1] is t2 and t2.cancelled()
 
 
-async def test_the_factory_is_installed_once_and_inert_outside_scopes():
+async def test_the_factory_is_installed_while_scopes_are_open_and_removed_after():
     loop = asyncio.get_running_loop()
-    async with TaskScope():
-        pass
+    before = loop.get_task_factory()
+    inner_open = asyncio.Event()
+    outer_may_close = asyncio.Event()
+
+    async def other_scope():  # a concurrent lookup in another task
+        async with TaskScope():
+            inner_open.set()
+            await outer_may_close.wait()
+
+    other = asyncio.create_task(other_scope())
+    await inner_open.wait()
     factory = loop.get_task_factory()
+    assert factory is not before
     async with TaskScope():
-        pass
-    assert loop.get_task_factory() is factory  # once per loop
-    # Outside scopes a task is what the delegate makes, in the creator's context, named as asked.
+        async with TaskScope():
+            assert loop.get_task_factory() is factory  # once for all open scopes
+    assert loop.get_task_factory() is factory  # the other task's scope is still open
+    outer_may_close.set()
+    await other
+    assert loop.get_task_factory() is before  # the last one out put it back: nothing to pay outside
+    # Outside scopes a task is the loop's own, in the creator's context, named as asked.
     var = contextvars.ContextVar("probe")
     var.set("here")
 
