@@ -166,7 +166,7 @@ class TaskScope:
       before ``__aexit__`` returns; a task they create while ending is handled the same way. If the
       exiting task is cancelled again meanwhile, the cleanup still completes, then CancelledError is
       raised. Results and errors of cancelled tasks are dropped (the exception leaving the body, if
-      any, propagates unchanged).
+      any, propagates unchanged). A task that swallows its cancellation keeps the exit waiting.
 
     ``scope.tasks``: the tasks recorded so far while open (a set, done ones included; empty once
     closed). Nested scopes: a task is recorded by the innermost open one; once a scope is closed, what
@@ -187,6 +187,7 @@ class TaskScope:
 
     @property
     def tasks(self) -> Set[asyncio.Future]:
+        """The tasks recorded while open, done ones included (a new set; empty once closed)."""
         return set(self._creator)
 
     def _record(self, task: asyncio.Future, creator: Optional[asyncio.Future]) -> None:
