@@ -462,8 +462,8 @@ class RoundDriver:
 
     async def _refresh_live(self, live: dict, done: asyncio.Event) -> None:
         """Add newly seen live peers to ``live`` until ``done``: backoff, restarting when a peer appears.
-        Stopped by the event, not cancelled: a DHT lookup cancelled mid-flight leaves hivemind's
-        ``traverse_dht`` helper tasks pending ("Task was destroyed but it is pending!")."""
+        Stopped by the event, not cancelled, so that a lookup in flight finishes and its result is kept
+        (a cancelled lookup is safe too: its tasks are owned by an :class:`~geomesh_p2p.aio.TaskScope`)."""
         backoff = Backoff(self.cfg.backoff_first_s * 4, max(self.cfg.backoff_first_s * 4, self.cfg.live_refresh_s))
         while not await wait_event(done, backoff.next()):
             try:
