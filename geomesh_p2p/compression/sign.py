@@ -173,15 +173,27 @@ def _plan(device: torch.device, numel: int, block_size: int) -> tuple[int, int]:
 
 
 class _Workspace:
-    """Scratch buffers for one chunk (CPU: one per worker thread, reused across calls)."""
+    """Scratch buffers for one chunk of ``n`` elements (CPU: one per worker thread, reused
+    across calls). Each buffer is allocated on first use, so a decode never pays for the
+    encode's fp32 temporaries (on CUDA a workspace lives for one call)."""
+
+    _SPECS = {  # name: (dtype, elements per chunk element)
+        "neg": (torch.bool, 1), "words": (torch.int64, 8), "absv": (torch.float32, 1),
+        "negpart": (torch.float32, 1), "idx": (torch.int32, 8), "pm": (torch.float32, 1),
+    }
 
     def __init__(self, n: int, device: torch.device):
         self.n = n
-        self.neg = torch.empty(n, dtype=torch.bool, device=device)
-        self.words = torch.empty(n // 8, dtype=torch.int64, device=device)
-        self.absv = torch.empty(n, dtype=torch.float32, device=device)
-        self.negpart = torch.empty(n, dtype=torch.float32, device=device)
-        self.idx = torch.empty(n // 8, dtype=torch.int32, device=device)
+        self.device = device
+        self._bufs: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str) -> torch.Tensor:
+        buf = self._bufs.get(name)
+        if buf is None:
+            dtype, per = self._SPECS[name]
+            buf = torch.empty(ceil_div(self.n, per), dtype=dtype, device=self.device)
+            self._bufs[name] = buf
+        return buf
 
 
 _tls = threading.local()
@@ -266,25 +278,30 @@ def _encode_chunked(v: torch.Tensor, signs: torch.Tensor, sums: torch.Tensor, bl
     s_chunks = signs[: covered // 8].view(nch, chunk // 8).unbind(0)
     u_chunks = sums[: nch * nbc].view(nch, nbc).unbind(0)
     device = v.device
+    cpu = device.type == "cpu"
 
     def work(lo: int, hi: int) -> None:
         ws = _workspace(chunk, device)
-        neg = ws.neg
+        neg = ws.get("neg")
         neg64 = neg.view(torch.int64)
-        words = ws.words
+        words = ws.get("words")
         top = words.view(torch.uint8).view(-1, 8)[:, 7]
-        absv = ws.absv
+        absv = ws.get("absv")
         absb = absv.view(nbc, block_size)
-        negpart = ws.negpart
+        negpart = ws.get("negpart") if cpu else None
         tabs, tsum, clamp_max, mul = torch.abs, torch.sum, torch.clamp_max, torch.mul
-        # min(v, 0) then a float -> bool conversion (non-zero iff v < 0; -0.0 -> False):
-        # about 2x faster on CPU than torch.lt(v, 0), whose bool kernel is poorly vectorised.
         for c in range(lo, hi):
             vc = v_chunks[c]
+            # Pass 1 reads the chunk from main memory; the passes after it read L2 (CPU).
             tabs(vc, out=absv)
             tsum(absb, 1, out=u_chunks[c])  # per-block sum of |v|
-            clamp_max(vc, 0.0, out=negpart)
-            neg.copy_(negpart)  # 1 byte per element: 1 iff v < 0
+            if cpu:
+                # min(v, 0) then a float -> bool conversion (non-zero iff v < 0; -0.0 -> False):
+                # about 2x faster on CPU than torch.lt(v, 0), whose bool kernel is poorly vectorised.
+                clamp_max(vc, 0.0, out=negpart)
+                neg.copy_(negpart)  # 1 byte per element: 1 iff v < 0
+            else:
+                torch.lt(vc, 0.0, out=neg)  # one kernel on a GPU (-0.0 < 0 is False)
             mul(neg64, _GATHER, out=words)  # 8 bytes -> the top byte of a word
             s_chunks[c].copy_(top)
 
@@ -368,26 +385,50 @@ def slice_packet(p: SignPacket, start: int, end: int) -> SignPacket:
 
 
 def _sign_lut(device: torch.device) -> torch.Tensor:
-    """fp32 [256, 8]: row b holds +1/-1 for the 8 bits of byte b (bit j -> column j)."""
+    """int64 [256]: entry b holds 8 int8 values (native byte order), byte j = -1 if bit j of b is
+    set else +1. One 8-byte gather expands a packed byte into the 8 signs of its elements: a
+    table of 2 KiB (L1 on a CPU, cached on a GPU), against a [256, 8] fp32 table of 32-byte rows."""
     lut = _LUT.get(device)
     if lut is None:
-        bits = (torch.arange(256, dtype=torch.int64)[:, None] >> torch.arange(8)) & 1
-        lut = (1.0 - 2.0 * bits.to(torch.float32)).contiguous().to(device)
+        bits = (np.arange(256, dtype=np.int64)[:, None] >> np.arange(8)) & 1
+        pm = np.ascontiguousarray((1 - 2 * bits).astype(np.int8))  # [256, 8], +1 / -1
+        lut = torch.from_numpy(pm.view(np.int64).reshape(256).copy()).to(device)
         with _LUT_LOCK:
             _LUT[device] = lut
     return lut
 
 
-def _decode_segment(signs: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, lut: torch.Tensor,
-                    block_size: int) -> None:
-    """Generic path: decode a segment starting on a byte and block boundary into ``out``."""
+def _decode_range(signs: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, lut: torch.Tensor,
+                  block_size: int, ws: _Workspace, accumulate: bool) -> None:
+    """Decode ``out.numel()`` elements (a range starting on a byte and block boundary) into
+    ``out`` (fp32, contiguous), or add them to it if ``accumulate``.
+
+    ``signs``/``scales`` are the range's slices (uint8 [>= ceil(n/8)], fp32 [>= ceil(n/B)]);
+    ``ws`` holds scratch for ``ws.n >= n`` elements. Passes: a gather of n/8 words from the
+    256-entry table (+-1 as int8), an int8 -> fp32 conversion, one multiply by the block's scale
+    (``scale * (+-1.0)``, exact) or, when accumulating, one fused ``out += (+-1.0) * scale``."""
     n = out.numel()
-    nbytes8 = n // 8
-    if nbytes8:
-        torch.index_select(lut, 0, signs[:nbytes8].to(torch.int32), out=out[: nbytes8 * 8].view(nbytes8, 8))
-    if nbytes8 * 8 < n:
-        out[nbytes8 * 8:].copy_(lut[signs[nbytes8].to(torch.int64), : n - nbytes8 * 8])
+    nbytes = ceil_div(n, 8)
     nfull = n // block_size
+    idx = ws.get("idx")[:nbytes]
+    words = ws.get("words")[:nbytes]
+    idx.copy_(signs[:nbytes])
+    torch.index_select(lut, 0, idx, out=words)
+    pm8 = words.view(torch.int8)[:n]  # +1 / -1 per element
+    if accumulate:
+        pm = ws.get("pm")[:n]
+        pm.copy_(pm8)
+        if nfull:
+            out[: nfull * block_size].view(nfull, block_size).addcmul_(
+                pm[: nfull * block_size].view(nfull, block_size), scales[:nfull, None])
+        if nfull * block_size < n:
+            out[nfull * block_size:].add_(pm[nfull * block_size:] * scales[nfull])
+        return
+    if out.device.type != "cpu" and nfull * block_size == n:
+        # A GPU kernel reads the int8 signs and converts them on the fly: one pass over out.
+        torch.mul(pm8.view(nfull, block_size), scales[:nfull, None], out=out.view(nfull, block_size))
+        return
+    out.copy_(pm8)  # +1.0 / -1.0
     if nfull:
         out[: nfull * block_size].view(nfull, block_size).mul_(scales[:nfull, None])
     if nfull * block_size < n:
@@ -395,24 +436,20 @@ def _decode_segment(signs: torch.Tensor, scales: torch.Tensor, out: torch.Tensor
 
 
 def _decode_chunked(signs: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, lut: torch.Tensor,
-                    block_size: int, chunk: int, workers: int) -> int:
+                    block_size: int, chunk: int, workers: int, accumulate: bool) -> int:
     """Fast path over the whole chunks; returns how many elements it covered."""
     nch = out.numel() // chunk
     covered = nch * chunk
     nbc = chunk // block_size
     s_chunks = signs[: covered // 8].view(nch, chunk // 8).unbind(0)
-    o8_chunks = out[:covered].view(nch, chunk // 8, 8).unbind(0)
-    ob_chunks = out[:covered].view(nch, nbc, block_size).unbind(0)
-    u_chunks = scales[: nch * nbc].view(nch, nbc, 1).unbind(0)
+    o_chunks = out[:covered].view(nch, chunk).unbind(0)
+    u_chunks = scales[: nch * nbc].view(nch, nbc).unbind(0)
     device = out.device
 
     def work(lo: int, hi: int) -> None:
-        idx = _workspace(chunk, device).idx
-        index_select = torch.index_select
+        ws = _workspace(chunk, device)
         for c in range(lo, hi):
-            idx.copy_(s_chunks[c])
-            index_select(lut, 0, idx, out=o8_chunks[c])  # +1/-1 per element
-            ob_chunks[c].mul_(u_chunks[c])  # scale * sign: one multiply
+            _decode_range(s_chunks[c], u_chunks[c], o_chunks[c], lut, block_size, ws, accumulate)
 
     _run_parallel(work, nch, workers)
     return covered
@@ -424,7 +461,8 @@ def _same_device(a: torch.device, b: torch.device) -> bool:
     return a.index is None or b.index is None or a.index == b.index
 
 
-def decode(p: SignPacket, device=None, out: torch.Tensor | None = None) -> torch.Tensor:
+def decode(p: SignPacket, device=None, out: torch.Tensor | None = None, *,
+           accumulate: bool = False) -> torch.Tensor:
     """Decode a sign packet to ``scale * (+1 | -1)`` per element.
 
     Args:
@@ -432,17 +470,27 @@ def decode(p: SignPacket, device=None, out: torch.Tensor | None = None) -> torch
         device: where to build the result (default: ``out``'s device, else CPU).
         out: optional preallocated contiguous fp32 tensor with P elements to write into
             (avoids allocating P * 4 bytes).
+        accumulate: add the decoded values to ``out`` (``out += decode(p)``, bit-identical to
+            decoding into a second buffer and ``add_``) instead of overwriting it, without a
+            full-size temporary; requires ``out``.
 
     Returns:
         fp32 tensor [P] (``out`` itself if given). Each element is one exact fp32 multiply
         ``scale * (+1.0 | -1.0)``, bit-identical on every device.
 
     Raises:
-        CodecError: if ``out`` has the wrong dtype, size, device or is not contiguous.
+        CodecError: if ``out`` has the wrong dtype, size, device or is not contiguous, or
+            ``accumulate`` is set without ``out``.
+
+    Work: the vector is decoded in cache-sized chunks (CPU: < 32768 elements on a pool of
+    threads; CUDA: 16M), so ``out`` is written (and, when accumulating, read) once in main
+    memory; the signs are expanded by one 8-byte table gather per packed byte.
     """
     if not isinstance(p, SignPacket):
         raise CodecError(f"decode expects a SignPacket, got {type(p).__name__}")
     P = p.numel
+    if accumulate and out is None:
+        raise CodecError("accumulate=True needs out= (the buffer to add to)")
     if out is not None:
         if not isinstance(out, torch.Tensor) or out.dtype != torch.float32:
             raise CodecError("out must be a float32 tensor")
@@ -465,7 +513,9 @@ def decode(p: SignPacket, device=None, out: torch.Tensor | None = None) -> torch
     scales = p.scales.to(device)
     lut = _sign_lut(device)
     chunk, workers = _plan(device, P, B)
-    covered = _decode_chunked(signs, scales, flat, lut, B, chunk, workers) if chunk else 0
+    covered = _decode_chunked(signs, scales, flat, lut, B, chunk, workers, accumulate) if chunk else 0
     if covered < P:
-        _decode_segment(signs[covered // 8:], scales[covered // B:], flat[covered:], lut, B)
+        rest = P - covered
+        _decode_range(signs[covered // 8:], scales[covered // B:], flat[covered:], lut, B,
+                      _Workspace(rest, device), accumulate)
     return result
