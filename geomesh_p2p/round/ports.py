@@ -103,9 +103,15 @@ class GlobalStatePort(Protocol):
 
     round: int
     digest: Optional[str]
-    #: optional: a re-entrant lock held while the state changes in place (the driver holds it around the
-    #: outer step and its commit, so a reader never sees a stepped buffer under the old digest)
-    state_lock: Any
+    #: True while this peer downloads the swarm's state (its record then carries no digest); the driver
+    #: sets it when the plan leaves this peer out
+    syncing: bool
+
+    @property
+    def state_lock(self) -> Any:
+        """Optional: a re-entrant lock held while the state changes in place (the driver holds it around the
+        outer step and its commit, so a reader never sees a stepped buffer under the old digest). Read-only
+        here, so a node's property satisfies it as well as a plain attribute."""
 
     def pseudo_gradient(self) -> torch.Tensor:
         """Global weights minus the model's weights after the inner steps: [P] fp32."""
