@@ -32,7 +32,7 @@ import threading
 import time
 import zlib
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, AsyncGenerator, Callable, Optional, Protocol, Sequence
 
 import grpc
 import torch
@@ -42,6 +42,9 @@ from geomesh_p2p.identity import EnvelopeError
 from geomesh_p2p.state import GlobalState, StateChanged, StateError
 from geomesh_p2p.transport import STATE_GET, STATE_STATUS, RpcError, Transport
 from geomesh_p2p.wire import collective_pb2
+
+if TYPE_CHECKING:
+    from geomesh_p2p.identity import Verified
 
 log = logging.getLogger(__name__)
 
@@ -294,8 +297,18 @@ class StateServer:
                                             data=data[off:min(end, off + self.chunk_bytes)]).SerializeToString()
 
 
+class StreamCaller(Protocol):
+    """What :func:`download_state` uses of a transport: :meth:`Transport.call_stream` (a
+    :class:`~geomesh_p2p.transport.Transport`, or a proxy of one such as the sync meter's counting wrapper)."""
+
+    def call_stream(self, address: str, method: str, payload: bytes, *, round: int = 0,
+                    timeout: Optional[float] = None) -> AsyncGenerator[Verified, None]:
+        """Server-streaming call; yields each verified reply (raises as :meth:`Transport.call`)."""
+        ...
+
+
 async def download_state(
-    transport: Transport,
+    transport: StreamCaller,
     donors: Sequence[str],
     *,
     round: int,
