@@ -293,7 +293,7 @@ class CollectiveService(OwnerService):
             if not await wait_event(part.ready, left):
                 log.warning("round %d: my own part %d is not reduced by the pull deadline", spec.round, j)
                 return None
-            signed = part.signed_result
+            signed = part.result()
         else:
             slot = state.pull_slots.get(owner.peer_id)
             if slot is None:
