@@ -547,9 +547,9 @@ class PeerNode(NodeRoundPolicy):
         await asyncio.to_thread(self._set_state, rnd, theta, momentum)
         self.standing = Standing.from_meta((meta.get("meta") or {}).get("standing"))
         log.info("resumed from checkpoint at round %d (digest %s)", rnd, str(self.digest)[:8])
-        if getattr(self, "feedback", None) is not None:
-            got = await asyncio.to_thread(self.feedback.load, self.cfg.checkpoint_dir, state_round=rnd,
-                                          digest=self.digest)
+        fb: Optional[PushFeedback] = getattr(self, "feedback", None)  # absent before _build_training
+        if fb is not None and self.digest is not None:  # _set_state set the digest
+            got = await asyncio.to_thread(fb.load, self.cfg.checkpoint_dir, state_round=rnd, digest=self.digest)
             log.info("error feedback: %s", "residual resumed from the checkpoint" if got == "loaded"
                      else f"residual starts at zero ({got})")
 
@@ -618,14 +618,18 @@ class PeerNode(NodeRoundPolicy):
 
     def checkpoint(self) -> Optional[Path]:
 
-        if not self.cfg.checkpoint_dir or self.theta is None or self.outer is None:  # no global state yet
+        # No global state taken yet (no digest: _initial_state has not set one): nothing to save. A refused
+        # --resume (another run config) wrote the empty state buffer as a round-0 checkpoint into that
+        # run's --checkpoint-dir at shutdown before this check.
+        if not self.cfg.checkpoint_dir or self.theta is None or self.outer is None or self.digest is None:
             return None
         path = gstate.save_checkpoint(self.cfg.checkpoint_dir, round=self.round, theta=self.theta,
                                momentum=self.outer.buf, keep=self.cfg.checkpoint_keep,
                                meta={"run_config_hash": self.config_hash, "peer_id": self.me,
                                      "run_config": self.run_cfg.model_dump(), "standing": self.standing.to_meta()})
-        if getattr(self, "feedback", None) is not None:  # next to the checkpoint, tagged with its state
-            self.feedback.save(self.cfg.checkpoint_dir, state_round=self.round, digest=self.digest)
+        fb: Optional[PushFeedback] = getattr(self, "feedback", None)
+        if fb is not None:  # next to the checkpoint, tagged with its state
+            fb.save(self.cfg.checkpoint_dir, state_round=self.round, digest=self.digest)
         return path
 
     async def run(self) -> int:

@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from geomesh_p2p.optim import OuterNesterov, SyncAdamW
     from geomesh_p2p.records import PeerRecord
     from geomesh_p2p.standing import Standing
+    from geomesh_p2p.state import GlobalState
     from geomesh_p2p.training import InnerTrainer
     from geomesh_p2p.transport import Transport
 
@@ -154,6 +155,7 @@ class NodeRoundPolicy:
     numel: int
     state_numel: int
     theta: Optional[torch.Tensor]  # [P] fp32 CPU, None until the global state exists
+    gstate: GlobalState  # the one buffer theta and the outer state are views of
     outer: Optional[OuterNesterov | SyncAdamW]
     ema: Optional[ThroughputEMA]
     standing: Standing
@@ -183,6 +185,8 @@ class NodeRoundPolicy:
         def my_record(self) -> PeerRecord: ...
 
         def _set_state(self, round: int, theta: torch.Tensor, momentum: Optional[torch.Tensor]) -> None: ...
+
+        def _started_transport(self) -> Transport: ...
 
     def _global_theta(self) -> torch.Tensor:
         """The global weights ``self.theta``: [P] fp32 CPU.
@@ -407,14 +411,26 @@ class NodeRoundPolicy:
             await self.announce()
 
     def _state_copy(self) -> "state_sync.Snapshot":
-        """This peer's global state as a Snapshot owning a copy of the buffer (worker thread)."""
+        """This peer's global state as a Snapshot owning a copy of the buffer (worker thread).
+
+        Raises:
+            RuntimeError: the state has no digest yet (it was never committed: nothing of the swarm's lineage).
+        """
         gs = self.gstate
         with gs.lock:
+            if gs.digest is None:  # _catch_up asks only for a committed state
+                raise RuntimeError("this peer's global state has no digest yet: it cannot be a base to catch up from")
             return self._snapshot_copy(state_sync.Snapshot(gs.round, gs.theta, gs.opt_state, gs.digest, buffer=gs.buffer))
 
     @staticmethod
     def _snapshot_copy(snap: "state_sync.Snapshot") -> "state_sync.Snapshot":
-        """``snap`` with a buffer of its own ((1 + k) * P * 4 bytes; worker thread)."""
+        """``snap`` with a buffer of its own ((1 + k) * P * 4 bytes; worker thread).
+
+        Raises:
+            ValueError: ``snap`` has no ``buffer`` (a snapshot not backed by one contiguous state buffer).
+        """
+        if snap.buffer is None:
+            raise ValueError(f"the snapshot of round {snap.round} has no contiguous buffer to copy")
         buf = snap.buffer.clone()
         P = snap.theta.numel()
         return state_sync.Snapshot(snap.round, buf[:P], buf[P:], snap.digest, buffer=buf)
