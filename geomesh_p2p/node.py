@@ -476,7 +476,7 @@ class PeerNode(NodeRoundPolicy):
                                       software_version=geomesh_p2p.__version__)
             try:
                 reply = await transport.call(rec.address, DHT_PING, req.SerializeToString(),
-                                                  timeout=IDENTITY_PING_TIMEOUT_S)
+                                             timeout=IDENTITY_PING_TIMEOUT_S)
             except Exception:  # nobody there (a stale record of this identity's previous run)
                 continue
             if reply.sender == self.identity.peer_id:
