@@ -90,6 +90,17 @@ class Trainer(Protocol):
         """Held-out perplexity of the model."""
 
 
+class SnapshotEvaluator(Protocol):
+    """What a :class:`Trainer` may also offer (InnerTrainer does): evaluation of a snapshot of the global
+    weights in a worker thread while the next round trains (issue 17). The driver checks for it first."""
+
+    def snapshot_for_eval(self) -> None:
+        """Copy the model's weights into the model kept for evaluation."""
+
+    def evaluate_snapshot(self, max_batches: int = 8) -> float:
+        """Held-out perplexity of the last snapshot (raises RuntimeError before any)."""
+
+
 class Collective(Protocol):
     """The exchange (geomesh_p2p.collective.CollectiveService)."""
 
