@@ -603,7 +603,9 @@ class UpdateLog:
             self._done[p[0]] = OuterUpdate(p[0], p[1], end_digest, p[2], p[3], p[4])
             for r in sorted(self._done)[:-self.keep_rounds]:
                 del self._done[r]
-            eager = self._loop is not None and (self._clock() - self._last_asked < RETAIN_AFTER_S or self.busy())
+            loop = self._loop if self._loop is not None and (
+                self._clock() - self._last_asked < RETAIN_AFTER_S or self.busy()) else None
+            eager = loop is not None
             # Memory: only the newest round stays a raw [P] copy; older raw ones are encoded now when a peer is
             # syncing, else dropped (a planned-out peer needs only the newest; a joiner's download makes
             # this node eager before the rounds it will need are sealed).
@@ -613,13 +615,15 @@ class UpdateLog:
                 for r in stale:
                     del self._done[r]
                 stale = []
-        if eager:
+        if loop is not None:  # eager
             with contextlib.suppress(RuntimeError):  # the loop is closing: nobody will ask any more
                 for r in [p[0], *stale]:
-                    self._loop.call_soon_threadsafe(self._encode_soon, r)
+                    loop.call_soon_threadsafe(self._encode_soon, r)
 
     def _encode_soon(self, round: int) -> None:
-        if round not in self._encoding:
+        """Encode ``round``'s update now, in a task of the ``spawn`` owner (scheduled by :meth:`seal` only
+        when there is one: ``_loop`` is set only with ``spawn``)."""
+        if round not in self._encoding and self._spawn is not None:
             self._spawn(self.blob(round, asked=False), name=f"encode-update-{round}")
 
     def rounds(self) -> list[int]:
@@ -679,7 +683,7 @@ def apply_update(theta: torch.Tensor, opt_state: torch.Tensor, outer: Any, upd: 
     outer_step_per_part(o, theta, upd.aggregate, list(upd.ranges) or [(0, p)], upd.round, list(upd.idle))
 
 
-async def fetch_update(transport: Transport, donors: Sequence[str], round: int, numel: int, *,
+async def fetch_update(transport: StreamCaller, donors: Sequence[str], round: int, numel: int, *,
                        timeout_s: float = 120.0, stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
                        on_event: Optional[EventFn] = None) -> OuterUpdate:
     """Download and parse the outer update of ``round`` (``State/GetUpdate``) from the first donor that
@@ -756,7 +760,7 @@ async def fetch_update(transport: Transport, donors: Sequence[str], round: int, 
     raise StateSyncError(f"no donor served the outer update of round {round}: {'; '.join(errors) or 'no donor'}")
 
 
-async def catch_up_updates(transport: Transport, donors: Sequence[str], snap: Snapshot, *, target_round: int,
+async def catch_up_updates(transport: StreamCaller, donors: Sequence[str], snap: Snapshot, *, target_round: int,
                            target_digest: str, outer: Any, timeout_s: float = 120.0,
                            stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
                            on_event: Optional[EventFn] = None) -> Snapshot:
