@@ -64,7 +64,7 @@ class _OwnedPart:
 class _RoundState:
     spec: CollectiveSpec
     parts: dict[int, _OwnedPart]
-    cache: dict[int, bytes] = field(default_factory=dict)  # owner-signed results pulled from others
+    cache: dict[int, wire.Buffer] = field(default_factory=dict)  # owner-signed results pulled from others
     contributing: bool = False
     compute_end: float = 0.0  # this node's, carried in its contributions
     # (direction "up"/"down", payload bytes, start, end) in monotonic seconds, server hold taken out
