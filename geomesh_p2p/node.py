@@ -775,8 +775,9 @@ class PeerNode(NodeRoundPolicy):
     async def shutdown(self) -> None:
         """Checkpoint, stop tasks, server and channels. Safe to call twice."""
         if self.transport is None:  # stopped before the transport existed: only the metrics server may run
-            if getattr(self, "round_log", None) is not None:
-                self.round_log.close()
+            round_log = getattr(self, "round_log", None)  # absent before start() made it
+            if round_log is not None:
+                round_log.close()
                 self.round_log = None
             return
         # Leaving is announced first (before the checkpoint, which takes seconds on a large model), so
@@ -806,8 +807,9 @@ class PeerNode(NodeRoundPolicy):
                 await self.dht.shutdown()
         finally:
             await self.transport.stop(grace=0.5)
-            if getattr(self, "round_log", None) is not None:
-                self.round_log.close()
+            round_log = getattr(self, "round_log", None)
+            if round_log is not None:
+                round_log.close()
             events.close_sink(getattr(self, "event_sink", None))
             self.transport = None
 

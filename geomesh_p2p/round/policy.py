@@ -163,7 +163,7 @@ class NodeRoundPolicy:
     trainer: InnerTrainer
     collective: CollectiveService
     announcer: PeerAnnouncer
-    round_log: RoundLog
+    round_log: Optional[RoundLog]  # None once shut down
     codec_s_per_element: float
     _stop: asyncio.Event
     _syncing: bool
@@ -268,6 +268,10 @@ class NodeRoundPolicy:
         self.standing.credit(r, {pid for part in ar.contributors.values() for pid, _ in part})
 
     def publish_record(self, rec) -> None:
+        """The round's row to the log, Prometheus and the status page. Raises RuntimeError after shutdown
+        (the round log is closed)."""
+        if self.round_log is None:
+            raise RuntimeError(f"round {rec.round}: the round log is closed (the node is shut down)")
         self.round_log.add(rec)
         swarm_status.publish_round_summary(self, rec)  # the bootstrap's status page (issue 16)
 
