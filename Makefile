@@ -31,8 +31,9 @@ browser:
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver libfaketime >/dev/null) || \
 	  echo "make: could not install chromium + chromium-driver + libfaketime: the browser and clock-skew tests will be skipped"
 
+# Lint, then types of the library (mypy, config in pyproject.toml's [tool.mypy]), then the suite.
 test: setup browser
-	$(VENV)/bin/ruff check $(LINT_PATHS) && $(VENV)/bin/pytest -q tests
+	$(VENV)/bin/ruff check $(LINT_PATHS) && $(VENV)/bin/mypy geomesh_p2p && $(VENV)/bin/pytest -q tests
 
 # The tests that start no processes (pytest -m "not e2e"; tests/conftest.py names the others): a few
 # minutes on 2 cores. No browser needed.

@@ -275,7 +275,7 @@ def _table_path(pos, numel, block, rule, weight_cap, min_agreement, t_all, res) 
     def keys(key: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
         k = key[: hi - lo]
         k.copy_(pat[lo:hi])
-        if multi:
+        if offs is not None:  # multi
             _blockwise(k, offs[lo // block:], block, "add_")
         return k
 
@@ -298,9 +298,9 @@ def _table_path(pos, numel, block, rule, weight_cap, min_agreement, t_all, res) 
                     t = tmp[: bhi - blo]
                     torch.index_select(spreads[i], 0, si, out=t)
                     w.add_(t)
-            if filt:
+            if hist is not None:  # filt
                 hist += torch.bincount(keys(key, lo, hi), minlength=npat * ns)
-        if filt:
+        if hist is not None:
             hists.append(hist)
 
     _run_parallel(patterns, len(bounds) - 1, workers)

@@ -221,7 +221,10 @@ class TaskScope:
         return self
 
     async def __aexit__(self, exc_type, exc, tb) -> None:
-        _current_scope.reset(self._token)  # the body's own context: the exiting code is outside now
+        token, loop, factory = self._token, self._loop, self._factory
+        if token is None or loop is None or factory is None:  # all set by __aenter__
+            raise RuntimeError("a TaskScope is exited without having been entered")
+        _current_scope.reset(token)  # the body's own context: the exiting code is outside now
         adopt = self._adopt if exc_type is None else None
         kept: Dict[asyncio.Future, bool] = {}
         handled: Set[asyncio.Future] = set()
@@ -233,7 +236,7 @@ class TaskScope:
                     break
                 handled.update(fresh)
                 to_adopt = {t for t in fresh if adopt is not None and self._kept(t, kept)}
-                if to_adopt:
+                if to_adopt and adopt is not None:  # (to_adopt is empty without adopt)
                     adopt(to_adopt)
                 to_end = [t for t in fresh if t not in to_adopt]
                 for t in to_end:
@@ -249,7 +252,7 @@ class TaskScope:
                         t.exception()
         finally:
             self._closed = True
-            _release_factory(self._loop, self._factory)
+            _release_factory(loop, factory)
             self._creator.clear()  # adopted tasks keep this scope in their context: drop the references
         if interrupted:
             raise asyncio.CancelledError

@@ -22,9 +22,9 @@ import math
 import typing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Literal, Optional
+from typing import Any, Callable, Literal, Optional, cast
 
-from pydantic import Field
+from pydantic import BaseModel, Field
 from pydantic.fields import FieldInfo
 
 __all__ = ["opt", "FlagSpec", "flag_specs", "add_flags", "values_from", "to_argv", "ConfigFileError",
@@ -53,7 +53,7 @@ def opt(default: Any = ..., help: str = "", *, flag: Optional[str] = "", metavar
     """
     cli = {"flag": flag, "metavar": metavar, "parse": parse, "scale": scale, "default_text": default_text,
            "group": group, "derived_from": derived_from}
-    extra = {"cli": {k: v for k, v in cli.items() if v is not None or k == "flag"}}
+    extra: dict[str, Any] = {"cli": {k: v for k, v in cli.items() if v is not None or k == "flag"}}
     if default_factory is not None:
         return Field(default_factory=default_factory, description=help or None, json_schema_extra=extra, **constraints)
     return Field(default, description=help or None, json_schema_extra=extra, **constraints)
@@ -170,7 +170,8 @@ class FlagSpec:
 
 def _cli(info: FieldInfo) -> Optional[dict]:
     extra = info.json_schema_extra
-    return extra.get("cli") if isinstance(extra, dict) else None
+    cli = extra.get("cli") if isinstance(extra, dict) else None
+    return cli if isinstance(cli, dict) else None  # opt() always stores a dict
 
 
 def _bounds(info: FieldInfo) -> dict:
@@ -192,10 +193,11 @@ def _unwrap_optional(ann):
 
 
 def _default_of(info: FieldInfo):
-    return info.default_factory() if info.default_factory is not None else info.default
+    # opt()'s factories take no argument (pydantic's type also allows one taking the validated data)
+    return cast(Callable[[], Any], info.default_factory)() if info.default_factory is not None else info.default
 
 
-def flag_specs(model: type, only: Optional[typing.Iterable[str]] = None,
+def flag_specs(model: type[BaseModel], only: Optional[typing.Iterable[str]] = None,
                defaults: Optional[dict] = None) -> list[FlagSpec]:
     """The flags of ``model``'s fields (those with a flag of their own), in field order.
 
@@ -226,7 +228,7 @@ def flag_specs(model: type, only: Optional[typing.Iterable[str]] = None,
             else:
                 kw.update(action="store_true", default=default)
         elif typing.get_origin(ann) is list and cli.get("parse") not in ("batch_list", "file"):
-            kw.update(action="append", default=list(default or []), type=PARSERS.get(cli.get("parse"), str))
+            kw.update(action="append", default=list(default or []), type=PARSERS.get(cli.get("parse", ""), str))
         else:
             if typing.get_origin(ann) is Literal:
                 kw["choices"] = list(typing.get_args(ann))
@@ -251,10 +253,14 @@ def flag_specs(model: type, only: Optional[typing.Iterable[str]] = None,
     return list(out.values())
 
 
-def derived_fields(model: type) -> dict[str, str]:
+def derived_fields(model: type[BaseModel]) -> dict[str, str]:
     """Field name -> the flag it is computed from, for fields without a flag of their own."""
-    return {name: _cli(info)["derived_from"] for name, info in model.model_fields.items()
-            if _cli(info) is not None and _cli(info).get("flag") is None}
+    out = {}
+    for name, info in model.model_fields.items():
+        cli = _cli(info)
+        if cli is not None and cli.get("flag") is None:
+            out[name] = cli["derived_from"]
+    return out
 
 
 def add_flags(parser, specs: list[FlagSpec], title: Optional[str] = None) -> None:

@@ -26,7 +26,10 @@ import logging
 import threading
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Any, Optional
+
+if TYPE_CHECKING:
+    from wsgiref.simple_server import WSGIServer
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +136,8 @@ HEADER = (f"{'round':>5} {'peers':>5} {'batch':>5} {'H':>7} {'tokens':>8} {'loss
           f"{'strag%':>6} {'net%':>5} {'comp%':>5} {'sent':>9} {'recv':>9} {'time':>6} {'stall':>6} digest")
 
 
-def _fmt_bytes(n: int) -> str:
+def _fmt_bytes(n: float) -> str:
+    """``n`` bytes for the round table: B, KB, MB or GB (1024-based)."""
     for unit in ("B", "KB", "MB", "GB"):
         if n < 1024 or unit == "GB":
             return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
@@ -166,9 +170,9 @@ class RoundLog:
             self.json_path.parent.mkdir(parents=True, exist_ok=True)
         self.print_fn = print_fn
         self._printed_header = False
-        self._server = None
+        self._server: Optional[WSGIServer] = None
         self._thread: Optional[threading.Thread] = None
-        self._gauges = {}
+        self._gauges: dict[str, Any] = {}  # name -> prometheus_client Gauge
         if metrics_port is not None:
             self._start_prometheus(metrics_host, metrics_port)
 

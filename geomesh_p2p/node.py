@@ -137,14 +137,14 @@ class PeerNode(NodeRoundPolicy):
         self.round = 0
         self.digest: Optional[str] = None
         self.theta: Optional[torch.Tensor] = None
-        self.outer = None
+        self.outer: Optional[OuterNesterov | SyncAdamW] = None
         self._stop = asyncio.Event()
         self.history: list[RoundRecord] = []
         self.initial_ppl: Optional[float] = None
         self.time_to_target: Optional[float] = None
         self._t_start = time.time()
         self.transport: Optional[Transport] = None
-        self.ema = None  # capability.ThroughputEMA: tokens/s per micro-batch and link bytes/s, re-profiled
+        self.ema: Optional[ThroughputEMA] = None  # capability.ThroughputEMA: tokens/s per micro-batch and link bytes/s, re-profiled
         self.max_batch = 1
         self.probe_result = None  # links.ProbeResult of the start-up probe, if one was made
         self._measured: set[str] = set()  # quantities measured in a round at least once ("tps", "up", "down")
@@ -153,6 +153,16 @@ class PeerNode(NodeRoundPolicy):
         self._owner_penalty: dict[str, int] = {}  # peer id -> last round it owns no part (OWNER_PENALTY_ROUNDS)
         self._noshow_penalty: dict[str, int] = {}  # peer id -> last round it is not planned (probation.py, no-shows)
         self._init_admission()
+
+    def _started_transport(self) -> Transport:
+        """``self.transport``, the node's gRPC transport.
+
+        Raises:
+            RuntimeError: the node is not started yet (``start``) or already shut down.
+        """
+        if self.transport is None:
+            raise RuntimeError("the node's transport is not running (the node is not started, or shut down)")
+        return self.transport
 
     def _init_admission(self) -> None:
         """Standing ledger, proof-of-work state and the record filter (issue 12); allow-list when private."""
@@ -326,9 +336,10 @@ class PeerNode(NodeRoundPolicy):
                  max(prof.peak_bytes.values()) / 2**30, prof.memory_bytes / 2**30, self.codec_s_per_element * 1e9)
         # No legitimate push exceeds one fp32 copy of the vector (the fp32 baselines' largest part) plus
         # framing: a larger one is refused from its length prefix, before it is read (issue 12).
-        self.transport.set_payload_limit(COLLECTIVE_PUSH, min(self.transport.config.max_message_bytes,
-                                                              4 * self.numel + PUSH_FRAMING_BYTES))
-        self.transport.set_payload_limit(COLLECTIVE_PULL, PULL_REQUEST_BYTES)
+        transport = self._started_transport()
+        transport.set_payload_limit(COLLECTIVE_PUSH, min(transport.config.max_message_bytes,
+                                                         4 * self.numel + PUSH_FRAMING_BYTES))
+        transport.set_payload_limit(COLLECTIVE_PULL, PULL_REQUEST_BYTES)
         self.trainer = InnerTrainer(
             self.model, self.dataset, device=self.device, seq_len=r.seq_len, optimizer=r.inner_optimizer,
             lr=r.inner_lr, weight_decay=0.1, warmup_steps=r.warmup_steps, total_steps=r.total_inner_steps,
@@ -383,16 +394,16 @@ class PeerNode(NodeRoundPolicy):
         bootstrap could not dial it back, issue 14 #5: then it is client-only, owns no part and donates no
         state, since the planner gives a record without address no bandwidth), the transport's before."""
         dht = getattr(self, "dht", None)
-        return dht.advertised_address if dht is not None else self.transport.address
+        return dht.advertised_address if dht is not None else self._started_transport().address
 
     def my_record(self) -> PeerRecord:
-        c = self.cfg
+        c, ema = self.cfg, self._throughput_ema()
         max_batch = max(1, self.max_batch)
         return PeerRecord(
             peer_id=self.me, address=self.record_address, device=self.device_info.name,
-            memory_bytes=self.device_info.memory_bytes, tokens_per_s=_record_tps(self.ema.tokens_per_s),
-            max_batch=max_batch, upload_bps=_link(c.upload_bps or self.ema.upload_bps),
-            download_bps=_link(c.download_bps or self.ema.download_bps),
+            memory_bytes=self.device_info.memory_bytes, tokens_per_s=_record_tps(ema.tokens_per_s),
+            max_batch=max_batch, upload_bps=_link(c.upload_bps or ema.upload_bps),
+            download_bps=_link(c.download_bps or ema.download_bps),
             version=geomesh_p2p.__version__, protocol_version=geomesh_p2p.PROTOCOL_VERSION,
             run_config_hash=self.config_hash, run_config=self.run_cfg.model_dump(), round=self.round,
             weights_digest=None if self._syncing else self.digest, leaving=self._leaving,
@@ -456,15 +467,16 @@ class PeerNode(NodeRoundPolicy):
             DuplicateIdentityError: "this PeerID is already live at ADDRESS".
         """
 
-        mine = self.transport.address
+        transport = self._started_transport()
+        mine = transport.address
         for rec in await live_peers(self.dht, self.run_cfg.run_id, include_leaving=True):
             if rec.peer_id != self.me or not rec.address or rec.address == mine:
                 continue
             req = dht_pb2.PingRequest(sender=self.dht.self_info(), dht_protocol=DHT_PROTOCOL_VERSION,
                                       software_version=geomesh_p2p.__version__)
             try:
-                reply = await self.transport.call(rec.address, DHT_PING, req.SerializeToString(),
-                                                  timeout=IDENTITY_PING_TIMEOUT_S)
+                reply = await transport.call(rec.address, DHT_PING, req.SerializeToString(),
+                                             timeout=IDENTITY_PING_TIMEOUT_S)
             except Exception:  # nobody there (a stale record of this identity's previous run)
                 continue
             if reply.sender == self.identity.peer_id:
@@ -534,10 +546,10 @@ class PeerNode(NodeRoundPolicy):
                                   f"needs {self.state_numel}); was it written by another --method?")
         await asyncio.to_thread(self._set_state, rnd, theta, momentum)
         self.standing = Standing.from_meta((meta.get("meta") or {}).get("standing"))
-        log.info("resumed from checkpoint at round %d (digest %s)", rnd, self.digest[:8])
-        if getattr(self, "feedback", None) is not None:
-            got = await asyncio.to_thread(self.feedback.load, self.cfg.checkpoint_dir, state_round=rnd,
-                                          digest=self.digest)
+        log.info("resumed from checkpoint at round %d (digest %s)", rnd, str(self.digest)[:8])
+        fb: Optional[PushFeedback] = getattr(self, "feedback", None)  # absent before _build_training
+        if fb is not None and self.digest is not None:  # _set_state set the digest
+            got = await asyncio.to_thread(fb.load, self.cfg.checkpoint_dir, state_round=rnd, digest=self.digest)
             log.info("error feedback: %s", "residual resumed from the checkpoint" if got == "loaded"
                      else f"residual starts at zero ({got})")
 
@@ -606,14 +618,18 @@ class PeerNode(NodeRoundPolicy):
 
     def checkpoint(self) -> Optional[Path]:
 
-        if not self.cfg.checkpoint_dir or self.theta is None:
+        # No global state taken yet (no digest: _initial_state has not set one): nothing to save. A refused
+        # --resume (another run config) wrote the empty state buffer as a round-0 checkpoint into that
+        # run's --checkpoint-dir at shutdown before this check.
+        if not self.cfg.checkpoint_dir or self.theta is None or self.outer is None or self.digest is None:
             return None
         path = gstate.save_checkpoint(self.cfg.checkpoint_dir, round=self.round, theta=self.theta,
                                momentum=self.outer.buf, keep=self.cfg.checkpoint_keep,
                                meta={"run_config_hash": self.config_hash, "peer_id": self.me,
                                      "run_config": self.run_cfg.model_dump(), "standing": self.standing.to_meta()})
-        if getattr(self, "feedback", None) is not None:  # next to the checkpoint, tagged with its state
-            self.feedback.save(self.cfg.checkpoint_dir, state_round=self.round, digest=self.digest)
+        fb: Optional[PushFeedback] = getattr(self, "feedback", None)
+        if fb is not None:  # next to the checkpoint, tagged with its state
+            fb.save(self.cfg.checkpoint_dir, state_round=self.round, digest=self.digest)
         return path
 
     async def run(self) -> int:
@@ -655,10 +671,16 @@ class PeerNode(NodeRoundPolicy):
                            checkpointing=bool(c.checkpoint_dir),
                            exchanges_gradient=self.method_rule.exchanges_gradient)
         transport = self.transport
+
+        def traffic() -> tuple[int, int]:
+            if transport is None:
+                raise RuntimeError("the round driver was built before the node's transport started")
+            return transport.stats.snapshot()
+
         self._round_driver = RoundDriver(
             membership=self, plans=DhtPlanAgreement(self.plans), trainer=self.trainer, collective=self.collective,
             state=self, policy=self, cfg=cfg, stop=self._stop, history=self.history,
-            traffic=lambda: transport.stats.snapshot(), leaving=self._set_leaving,
+            traffic=traffic, leaving=self._set_leaving,
             loop_stall=self.looplag.take_worst if getattr(self, "looplag", None) is not None else lambda: None,
             feedback=getattr(self, "feedback", None))
         return self._round_driver
@@ -686,7 +708,7 @@ class PeerNode(NodeRoundPolicy):
 
     def pseudo_gradient(self) -> torch.Tensor:
         """Global weights minus the model's after the inner steps: [P] fp32 (worker thread)."""
-        return pseudo_gradient(self.model, self.theta)  # one [P], no flattened copy of the model
+        return pseudo_gradient(self.model, self._global_theta())  # one [P], no flattened copy of the model
 
     @property
     def state_lock(self):
@@ -711,11 +733,13 @@ class PeerNode(NodeRoundPolicy):
 
     def reset_model(self) -> None:
         """The model back at the global weights (worker thread)."""
-        load_flat_(self.model, self.theta)
+        load_flat_(self.model, self._global_theta())
 
     def commit(self, round: int) -> str:
         """The outer step's result becomes round ``round``'s state: model, digest, snapshot (worker thread)."""
-        self._set_state(round, self.theta, None)
+        self._set_state(round, self._global_theta(), None)
+        if self.digest is None:  # _set_state always sets it
+            raise RuntimeError(f"round {round}: the global state has no digest after its commit")
         server = getattr(self, "state_server", None)
         if server is not None and getattr(server, "state", None) is getattr(self, "gstate", None):
             server.updates.seal(round, self.digest)  # the update recorded by outer_step is now served
@@ -751,8 +775,9 @@ class PeerNode(NodeRoundPolicy):
     async def shutdown(self) -> None:
         """Checkpoint, stop tasks, server and channels. Safe to call twice."""
         if self.transport is None:  # stopped before the transport existed: only the metrics server may run
-            if getattr(self, "round_log", None) is not None:
-                self.round_log.close()
+            round_log = getattr(self, "round_log", None)  # absent before start() made it
+            if round_log is not None:
+                round_log.close()
                 self.round_log = None
             return
         # Leaving is announced first (before the checkpoint, which takes seconds on a large model), so
@@ -782,8 +807,9 @@ class PeerNode(NodeRoundPolicy):
                 await self.dht.shutdown()
         finally:
             await self.transport.stop(grace=0.5)
-            if getattr(self, "round_log", None) is not None:
-                self.round_log.close()
+            round_log = getattr(self, "round_log", None)
+            if round_log is not None:
+                round_log.close()
             events.close_sink(getattr(self, "event_sink", None))
             self.transport = None
 

@@ -124,9 +124,12 @@ class ServingProcess:
         self.lines: list[str] = []
         self.address: Optional[str] = None
         found = threading.Event()
+        stdout = self.p.stdout
+        if stdout is None:  # stdout=PIPE above always gives one
+            raise RuntimeError(f"{name}: no stdout pipe to read")
 
         def pump() -> None:  # reads until EOF so that the pipe never fills and blocks the server
-            for line in self.p.stdout:
+            for line in stdout:
                 self.lines.append(line.rstrip("\n"))
                 if keep_lines is not None:
                     del self.lines[:-keep_lines]

@@ -32,7 +32,7 @@ import threading
 import time
 import zlib
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, AsyncGenerator, Callable, Optional, Protocol, Sequence
 
 import grpc
 import torch
@@ -42,6 +42,9 @@ from geomesh_p2p.identity import EnvelopeError
 from geomesh_p2p.state import GlobalState, StateChanged, StateError
 from geomesh_p2p.transport import STATE_GET, STATE_STATUS, RpcError, Transport
 from geomesh_p2p.wire import collective_pb2
+
+if TYPE_CHECKING:
+    from geomesh_p2p.identity import Verified
 
 log = logging.getLogger(__name__)
 
@@ -294,8 +297,18 @@ class StateServer:
                                             data=data[off:min(end, off + self.chunk_bytes)]).SerializeToString()
 
 
+class StreamCaller(Protocol):
+    """What :func:`download_state` uses of a transport: :meth:`Transport.call_stream` (a
+    :class:`~geomesh_p2p.transport.Transport`, or a proxy of one such as the sync meter's counting wrapper)."""
+
+    def call_stream(self, address: str, method: str, payload: bytes, *, round: int = 0,
+                    timeout: Optional[float] = None) -> AsyncGenerator[Verified, None]:
+        """Server-streaming call; yields each verified reply (raises as :meth:`Transport.call`)."""
+        ...
+
+
 async def download_state(
-    transport: Transport,
+    transport: StreamCaller,
     donors: Sequence[str],
     *,
     round: int,
@@ -590,7 +603,9 @@ class UpdateLog:
             self._done[p[0]] = OuterUpdate(p[0], p[1], end_digest, p[2], p[3], p[4])
             for r in sorted(self._done)[:-self.keep_rounds]:
                 del self._done[r]
-            eager = self._loop is not None and (self._clock() - self._last_asked < RETAIN_AFTER_S or self.busy())
+            loop = self._loop if self._loop is not None and (
+                self._clock() - self._last_asked < RETAIN_AFTER_S or self.busy()) else None
+            eager = loop is not None
             # Memory: only the newest round stays a raw [P] copy; older raw ones are encoded now when a peer is
             # syncing, else dropped (a planned-out peer needs only the newest; a joiner's download makes
             # this node eager before the rounds it will need are sealed).
@@ -600,13 +615,15 @@ class UpdateLog:
                 for r in stale:
                     del self._done[r]
                 stale = []
-        if eager:
+        if loop is not None:  # eager
             with contextlib.suppress(RuntimeError):  # the loop is closing: nobody will ask any more
                 for r in [p[0], *stale]:
-                    self._loop.call_soon_threadsafe(self._encode_soon, r)
+                    loop.call_soon_threadsafe(self._encode_soon, r)
 
     def _encode_soon(self, round: int) -> None:
-        if round not in self._encoding:
+        """Encode ``round``'s update now, in a task of the ``spawn`` owner (scheduled by :meth:`seal` only
+        when there is one: ``_loop`` is set only with ``spawn``)."""
+        if round not in self._encoding and self._spawn is not None:
             self._spawn(self.blob(round, asked=False), name=f"encode-update-{round}")
 
     def rounds(self) -> list[int]:
@@ -666,7 +683,7 @@ def apply_update(theta: torch.Tensor, opt_state: torch.Tensor, outer: Any, upd: 
     outer_step_per_part(o, theta, upd.aggregate, list(upd.ranges) or [(0, p)], upd.round, list(upd.idle))
 
 
-async def fetch_update(transport: Transport, donors: Sequence[str], round: int, numel: int, *,
+async def fetch_update(transport: StreamCaller, donors: Sequence[str], round: int, numel: int, *,
                        timeout_s: float = 120.0, stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
                        on_event: Optional[EventFn] = None) -> OuterUpdate:
     """Download and parse the outer update of ``round`` (``State/GetUpdate``) from the first donor that
@@ -743,7 +760,7 @@ async def fetch_update(transport: Transport, donors: Sequence[str], round: int, 
     raise StateSyncError(f"no donor served the outer update of round {round}: {'; '.join(errors) or 'no donor'}")
 
 
-async def catch_up_updates(transport: Transport, donors: Sequence[str], snap: Snapshot, *, target_round: int,
+async def catch_up_updates(transport: StreamCaller, donors: Sequence[str], snap: Snapshot, *, target_round: int,
                            target_digest: str, outer: Any, timeout_s: float = 120.0,
                            stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
                            on_event: Optional[EventFn] = None) -> Snapshot:

@@ -29,7 +29,7 @@ import statistics
 import unicodedata
 import weakref
 from collections import Counter
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -159,9 +159,10 @@ def publish_round_summary(node, record) -> None:
 
 
 # ------------------------------------------------------------------------------------- the watcher
-def _median(xs: List[float]) -> Optional[float]:
-    xs = [x for x in xs if x is not None]
-    return float(statistics.median(xs)) if xs else None
+def _median(xs: Sequence[Optional[float]]) -> Optional[float]:
+    """Median of the values of ``xs`` that are not None; None when there is none."""
+    known = [x for x in xs if x is not None]
+    return float(statistics.median(known)) if known else None
 
 
 def _state(rec: PeerRecord, plan_members: Optional[set], current: Optional[int]) -> str:

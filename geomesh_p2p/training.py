@@ -445,7 +445,8 @@ class InnerTrainer:
         self.global_step = 0
         self._row_time_ema: float | None = None  # seconds per batch row, for the deadline
 
-        decay, no_decay = [], []
+        decay: list[torch.nn.Parameter] = []
+        no_decay: list[torch.nn.Parameter] = []
         for _, p in self.model.named_parameters():
             if p.requires_grad:
                 (decay if p.ndim >= 2 else no_decay).append(p)

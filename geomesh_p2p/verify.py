@@ -405,6 +405,22 @@ class WorkStats:
     basis: int
 
 
+def _total(vs: Iterable[torch.Tensor]) -> torch.Tensor:
+    """``0 + v0 + v1 + ...`` in order, as the builtin ``sum`` adds them (same bits), typed as a tensor.
+
+    Raises:
+        ValueError: ``vs`` is empty (no gradient to sum: a task with no step).
+    """
+    it = iter(vs)
+    try:
+        total = 0 + next(it)
+    except StopIteration:
+        raise ValueError("no gradient to sum") from None
+    for v in it:
+        total = total + v
+    return total
+
+
 def work_statistics(c: torch.Tensor, own: torch.Tensor, ctrl: torch.Tensor,
                     others: Sequence[torch.Tensor] = ()) -> WorkStats:
     """The statistics of the module docstring for a decoded contribution ``c`` ``[n]``, its own batch
@@ -418,14 +434,14 @@ def work_statistics(c: torch.Tensor, own: torch.Tensor, ctrl: torch.Tensor,
         rms = v.pow(2).mean().sqrt()
         return v / rms if rms > 0 else v
 
-    plain = float((sc == torch.sign(sum(unit(g) for g in own))).double().mean())
+    plain = float((sc == torch.sign(_total(unit(g) for g in own))).double().mean())
     basis = [unit(g) for g in ctrl.double()] + [unit(o.double()) for o in others if bool((o != 0).any())]
     if basis:
         q, _ = torch.linalg.qr(torch.stack(basis, 1))
         resid = [g - q @ (q.T @ g) for g in own]
     else:
         resid = list(own)
-    d = sum(unit(r) for r in resid)
+    d = _total(unit(r) for r in resid)
     w = d.abs()
     total = float(w.sum())
     trace = float((w * (sc == torch.sign(d))).sum()) / total if total > 0 else 0.5
@@ -506,9 +522,10 @@ def check_contribution(cfg: VerifyConfig, task: VerifyTask, *, model, dataset, t
     g = batch_gradients(model, dataset, theta, streams, seed=seed, round=task.round, batch_size=task.batch_size,
                         seq_len=task.seq_len, index=index, micro_batch=micro_batch, amp=amp, deadline=deadline)
     k = len(task.steps)
-    others, used = [], []
+    others: list[torch.Tensor] = []
+    used: list[tuple[str, str]] = []
     own = packets.get(checker) if checker not in (None, task.accused) else None
-    if own and all(isinstance(own.get(j), compression.SignPacket) for j in task.parts):
+    if checker is not None and own and all(isinstance(own.get(j), compression.SignPacket) for j in task.parts):
         others.append(_gather(own, task, index))
         used.append((checker, hashlib.sha256(b"".join(bytes.fromhex(_packet_digest(own[j]))
                                                         for j in task.parts)).hexdigest()))
@@ -745,7 +762,7 @@ class WorkVerifier:
     def keep_round(self, round: int, *, theta: torch.Tensor, plan, part_ranges: Sequence[tuple[int, int]],
                    packets: Mapping[str, Mapping[int, Any]]) -> None:
         """Remember ``round``'s start weights (a copy is the caller's job), plan and received contributions."""
-        self._kept[int(round)] = _Kept(theta, plan, [tuple(x) for x in part_ranges],
+        self._kept[int(round)] = _Kept(theta, plan, [(s, e) for s, e in part_ranges],
                                        {p: dict(v) for p, v in packets.items()})
         while len(self._kept) > self.cfg.keep_rounds:
             self._kept.popitem(last=False)

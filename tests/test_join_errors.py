@@ -107,6 +107,8 @@ def test_resume_from_a_checkpoint_of_another_run_config_is_refused(tmp_path):
                     meta={"run_config_hash": other.config_hash(), "run_config": other.model_dump()})
     line = _one_line_error(_join(tmp_path, "--resume", "--checkpoint-dir", str(tmp_path / "ck")))
     assert "is from another run config" in line and "method: 'ddp' there vs 'geomesh' here" in line
+    # the refused peer took no state: its shutdown writes no round-0 checkpoint of an empty buffer there
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["ckpt-00000004.json", "ckpt-00000004.safetensors"]
 
 
 def test_ctrl_c_while_the_bootstrap_is_unreachable_exits_0_at_once(tmp_path):

@@ -32,6 +32,7 @@ def _node(ckpt_dir) -> PeerNode:
     node = PeerNode.__new__(PeerNode)
     node.run_cfg, node.cfg = RunConfig(), NodeConfig(checkpoint_dir=str(ckpt_dir))
     node.round, node.me, node.config_hash = 3, "me", "h"
+    node.digest = "d" * 64  # a node that took the run's state (one without a digest writes no checkpoint)
     node.theta = torch.arange(8, dtype=torch.float32)
     node.outer = OuterNesterov(lr=0.7, momentum=0.9)
     node.standing = Standing()

@@ -41,7 +41,7 @@ def fp32_buffer(v: torch.Tensor) -> memoryview:
     arr = v.detach().cpu().contiguous().numpy()
     if not _LITTLE:
         arr = arr.astype("<f4")
-    return memoryview(arr).cast("B")
+    return arr.data.cast("B")  # arr.data: the memoryview of arr's buffer (memoryview(arr))
 
 
 def aggregate_buffer(kind: str, v: torch.Tensor, block_size: int, tokens: int) -> Union[bytes, memoryview]:

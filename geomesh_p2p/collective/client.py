@@ -287,13 +287,14 @@ class CollectiveService(OwnerService):
         spec = state.spec
         owner = spec.owners[j]
         out = None if state.aggregate is None else state.aggregate[owner.start:owner.end]
+        signed: Optional[wire.Buffer]
         if owner.peer_id == self.peer_id:
             part = state.parts[j]
             left = spec.pull_deadline - swarm_time()
             if not await wait_event(part.ready, left):
                 log.warning("round %d: my own part %d is not reduced by the pull deadline", spec.round, j)
                 return None
-            signed = part.signed_result
+            signed = part.result()
         else:
             slot = state.pull_slots.get(owner.peer_id)
             if slot is None:
@@ -320,7 +321,7 @@ class CollectiveService(OwnerService):
             state.cache[j] = signed  # serve it to peers that cannot reach the owner
         return res
 
-    async def _pull(self, spec: CollectiveSpec, j: int) -> Optional[bytes]:
+    async def _pull(self, spec: CollectiveSpec, j: int) -> Optional[wire.Buffer]:
         owner = spec.owners[j]
         helpers = [o.address for o in {o.peer_id: o for o in spec.owners}.values()
                    if o.peer_id not in (owner.peer_id, self.peer_id)]
@@ -384,7 +385,7 @@ class CollectiveService(OwnerService):
             await asyncio.sleep(min(delay, max(0.0, spec.pull_deadline - swarm_time())))
             delay = min(2 * delay, 0.5)
 
-    def _read_result(self, spec: CollectiveSpec, j: int, signed: bytes, out: Optional[torch.Tensor] = None
+    def _read_result(self, spec: CollectiveSpec, j: int, signed: wire.Buffer, out: Optional[torch.Tensor] = None
                      ) -> tuple[torch.Tensor, list[tuple[str, int]], float, dict[str, Any]]:
         """Verify the owner-signed PartResult of part ``j`` and turn it into (fp32 [size] -- ``out`` if
         given --, contributors, last compute end, relayed sign packets): :func:`.messages.read_result`.

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union, cast
 
 import grpc
 import torch
@@ -27,7 +27,7 @@ from geomesh_p2p.collective import wire
 from geomesh_p2p.collective.aggregate import aggregate_buffer, decode_aggregate, fp32_buffer, fp32_view
 from geomesh_p2p.collective.spec import CollectiveSpec, PartOwner, _pid_bytes, _short
 from geomesh_p2p.identity import EnvelopeError, Identity, PeerID, Verifier
-from geomesh_p2p.wire import collective_pb2
+from geomesh_p2p.wire import collective_pb2, envelope_pb2
 
 __all__ = ["CONTRIBUTION_KIND", "RESULT_KIND", "Contribution", "contribution_parts", "contribution_bytes",
            "push_request_bytes", "push_request_contribution",
@@ -57,7 +57,7 @@ class Contribution:
     sender: str
     tokens: int  # claimed
     packet: Any  # SignPacket or fp32 tensor
-    signed: bytes  # SignedMessage bytes of the PartContribution
+    signed: wire.Buffer  # SignedMessage bytes of the PartContribution (a view of the received buffer for fp32)
     compute_end: float = 0.0  # unix seconds the sender says its inner steps ended
 
 
@@ -88,7 +88,7 @@ def contribution_bytes(identity: Identity, spec: CollectiveSpec, j: int, delta: 
     return b"".join(contribution_parts(identity, spec, j, delta, tokens, compute_end))
 
 
-def push_request_bytes(signed: wire.Buffer) -> bytes:
+def push_request_bytes(signed: Union[wire.Buffer, list[wire.Buffer]]) -> bytes:
     """The PushPartRequest bytes carrying a signed contribution (bytes, or the buffer list of
     :func:`contribution_parts`: then the packet is copied once, here)."""
     parts = list(signed) if isinstance(signed, list) else [signed]
@@ -112,7 +112,7 @@ def _contribution_fields(payload: wire.Buffer) -> tuple[Any, memoryview]:
     return collective_pb2.PartContribution.FromString(wire.small_fields(payload, spans, (8,))), packet
 
 
-def check_contribution(verifier: Verifier, spec: CollectiveSpec, part: Optional[int], signed: bytes,
+def check_contribution(verifier: Verifier, spec: CollectiveSpec, part: Optional[int], signed: wire.Buffer,
                        caller: Optional[str]) -> tuple[int, Contribution]:
     """Verify a sender-signed contribution; returns ``(part index, Contribution)``.
 
@@ -139,7 +139,9 @@ def check_contribution(verifier: Verifier, spec: CollectiveSpec, part: Optional[
         part = int(c.part)
         if part >= len(spec.owners):
             raise EnvelopeError(Code.INVALID_ARGUMENT, f"part {part} does not exist in round {spec.round}")
-    v = verifier.verify(msg, kind=CONTRIBUTION_KIND, check_replay=False)  # hashes the payload view once
+    # A SignedView offers what verify reads (HasField, envelope, payload); v.payload is then a view too.
+    v = verifier.verify(cast(envelope_pb2.SignedMessage, msg), kind=CONTRIBUTION_KIND,
+                        check_replay=False)  # hashes the payload view once
     sender = v.sender.to_string()
     if caller is not None and sender != caller:
         raise EnvelopeError(Code.PERMISSION_DENIED,
@@ -149,6 +151,8 @@ def check_contribution(verifier: Verifier, spec: CollectiveSpec, part: Optional[
             c, packet_view = _contribution_fields(v.payload)
         except (DecodeError, wire.WireError):
             raise EnvelopeError(Code.INVALID_ARGUMENT, "contribution payload is malformed") from None
+    if packet_view is None:  # parsed together with c, in one branch or the other
+        raise RuntimeError("contribution packet not parsed")
     # (peek: c was parsed from the very payload the verifier hashed, so it is the signed content)
     if c.round != v.round or c.round != spec.round:
         raise EnvelopeError(Code.INVALID_ARGUMENT,
@@ -248,7 +252,7 @@ def _votes(c: Contribution, tokens_used: int) -> bool:
     return True
 
 
-def read_result(verifier: Verifier, spec: CollectiveSpec, j: int, signed: bytes, out: Optional[torch.Tensor] = None,
+def read_result(verifier: Verifier, spec: CollectiveSpec, j: int, signed: wire.Buffer, out: Optional[torch.Tensor] = None,
                 on_bad_relay: Optional[Callable[[str], None]] = None,
                 ) -> tuple[torch.Tensor, list[tuple[str, int]], float, dict[str, Any]]:
     """Verify the owner-signed PartResult of part ``j``; returns (fp32 [part size] -- ``out`` when
@@ -282,7 +286,7 @@ def read_result(verifier: Verifier, spec: CollectiveSpec, j: int, signed: bytes,
         msg = wire.SignedView(signed)  # the payload stays a view of ``signed``: no copy
     except wire.WireError:
         raise EnvelopeError(Code.INVALID_ARGUMENT, "part result is not a SignedMessage") from None
-    v = verifier.verify(msg, kind=RESULT_KIND, check_replay=False)
+    v = verifier.verify(cast(envelope_pb2.SignedMessage, msg), kind=RESULT_KIND, check_replay=False)  # as above
     if v.sender.to_string() != o.peer_id:
         raise EnvelopeError(Code.PERMISSION_DENIED, f"part result signed by {v.sender.short()}, not its owner")
     try:

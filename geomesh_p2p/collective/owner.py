@@ -49,12 +49,22 @@ class _OwnedPart:
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     signed_result: Optional[bytes] = None
 
+    def result(self) -> bytes:
+        """The signed result (envelope bytes), once ``ready`` is set (it is set only after the result is built).
+
+        Raises:
+            RuntimeError: read before the result was built (a caller that did not wait for ``ready``).
+        """
+        if self.signed_result is None:
+            raise RuntimeError(f"part {self.index}: its result is read before it was built")
+        return self.signed_result
+
 
 @dataclass
 class _RoundState:
     spec: CollectiveSpec
     parts: dict[int, _OwnedPart]
-    cache: dict[int, bytes] = field(default_factory=dict)  # owner-signed results pulled from others
+    cache: dict[int, wire.Buffer] = field(default_factory=dict)  # owner-signed results pulled from others
     contributing: bool = False
     compute_end: float = 0.0  # this node's, carried in its contributions
     # (direction "up"/"down", payload bytes, start, end) in monotonic seconds, server hold taken out
@@ -347,7 +357,7 @@ class OwnerService:
                 left = wait_s - (time.monotonic() - t0)
                 if not await wait_event(part.ready, left):
                     return not_ready.SerializeToString()
-                signed = part.signed_result
+                signed = part.result()
             head = collective_pb2.PullPartResponse(round=req.round, part=req.part, ready=True,
                                                    held_s=time.monotonic() - t0).SerializeToString()
             parts = [head, *wire.bytes_field(4, [signed])]

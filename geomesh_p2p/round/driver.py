@@ -20,7 +20,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, cast
 
 import torch
 
@@ -32,7 +32,7 @@ from geomesh_p2p.records import PeerRecord
 from geomesh_p2p.round.backoff import Backoff
 from geomesh_p2p.round.plans import digest_majority
 from geomesh_p2p.round.ports import (Clock, Collective, GlobalStatePort, Membership, PlanAgreement, PlanDeferred, RoundPolicy,
-                                     SystemClock, Trainer)
+                                     SnapshotEvaluator, SystemClock, Trainer)
 from geomesh_p2p.state_sync import StateSyncError
 
 # Round log lines keep the node's logger name: operators' filters and the tests' caplog select on it.
@@ -134,6 +134,27 @@ class RoundContext:
     early: Optional[asyncio.Future] = None
     early_plan: Optional[RoundPlan] = None
     early_abort: Optional[threading.Event] = None
+
+    def planned(self) -> RoundPlan:
+        """The round's plan, set by the PLAN phase.
+
+        Raises:
+            RuntimeError: no plan yet (a later phase called before ``agree`` returned True: a driver bug).
+        """
+        if self.plan is None:
+            raise RuntimeError(f"round {self.round}: no plan yet (a phase ran before the PLAN phase agreed one)")
+        return self.plan
+
+    def update(self) -> torch.Tensor:
+        """This peer's update of the round ([P] fp32: pseudo-gradient, or the ddp baseline's gradient), set by
+        the TRAIN phase.
+
+        Raises:
+            RuntimeError: no update yet (the EXCHANGE phase called before ``train`` returned True: a driver bug).
+        """
+        if self.delta is None:
+            raise RuntimeError(f"round {self.round}: no update yet (the exchange ran before the TRAIN phase)")
+        return self.delta
 
 
 @dataclass(frozen=True)
@@ -487,6 +508,7 @@ class RoundDriver:
         gathered, self._gathered = self._gathered, None
         live.update(gathered if gathered is not None else {x.peer_id: x for x in await self.membership.peers()})
         members, candidates = self.policy.leader_candidates(ctx.members, live)
+        plan: Optional[RoundPlan]
         if [m.peer_id for m in members] == [self.me] and set(live) == {self.me}:
             # Lone peer: nobody else can lead, follow or read a plan; plan with a fresh start time so
             # the whole window trains (the DHT, maybe unreachable, is not asked).
@@ -524,7 +546,8 @@ class RoundDriver:
             finally:
                 done.set()  # the lookup under way finishes (bounded by the DHT's RPC timeouts)
                 await asyncio.gather(refresher, return_exceptions=True)
-        if ctx.early is not None and (plan is None or plan.to_bytes() != ctx.early_plan.to_bytes()):
+        if ctx.early is not None and (plan is None or ctx.early_plan is None
+                                      or plan.to_bytes() != ctx.early_plan.to_bytes()):
             await self._discard_early(ctx, plan)
         if plan is None:
             if not self.stop.is_set():
@@ -541,7 +564,7 @@ class RoundDriver:
     async def wait_out(self, ctx: RoundContext) -> None:
         """A planned-out peer (joined late, too slow for the window, or other weights): announce as syncing
         for the next round (its leader then waits for it), wait for the others to announce it, re-sync."""
-        plan, r = ctx.plan, ctx.round
+        plan, r = ctx.planned(), ctx.round
         why = (f"not in the plan of leader {plan.leader[:10]} (it joined late, or the leader found its link or "
                f"device too slow for the {plan.window_s:.1f} s window: see the leader's log)"
                if self.me not in plan.participants() else "weights differ from the plan's")
@@ -575,12 +598,15 @@ class RoundDriver:
     async def _discard_early(self, ctx: RoundContext, plan: Optional[RoundPlan]) -> None:
         """The plan followed is not the one the inner steps started on during the settle (a better-ranked
         leader's plan appeared, or none is followed): stop those steps and load the global weights back."""
-        ctx.early_abort.set()
-        await asyncio.gather(ctx.early, return_exceptions=True)
+        early, early_plan, abort = ctx.early, ctx.early_plan, ctx.early_abort
+        if early is None or early_plan is None or abort is None:  # set together by agree's on_provisional
+            raise RuntimeError(f"round {ctx.round}: no inner steps were started during the settle")
+        abort.set()
+        await asyncio.gather(early, return_exceptions=True)
         ctx.early = None
         await asyncio.to_thread(self.state.reset_model)
         log.info("round %d: the plan of leader %s started on during the settle is not the one followed (%s); "
-                 "its inner steps are discarded", ctx.round, ctx.early_plan.leader[:10],
+                 "its inner steps are discarded", ctx.round, early_plan.leader[:10],
                  f"leader {plan.leader[:10]}'s is" if plan is not None else "none is")
 
     async def _inner_steps(self, ctx: RoundContext, plan: RoundPlan, abort: Optional[threading.Event] = None):
@@ -611,7 +637,7 @@ class RoundDriver:
         0 tokens (one WARNING line) and the model goes back to the global weights. Inner steps already
         started during the plan's settle on this very plan (:meth:`agree`) are awaited, not started again."""
         self.phase = Phase.TRAIN
-        plan, r = ctx.plan, ctx.round
+        plan, r = ctx.planned(), ctx.round
         ctx.assignment = plan.assignment(self.me)
         ctx.sent0, ctx.recv0 = self.traffic()
         t_phase = self.clock.monotonic()
@@ -652,14 +678,14 @@ class RoundDriver:
             if fb is not None and getattr(spec, "push_encoding", "sign") == "sign":
                 # Error feedback (EF-SGD): push delta + residual, keep what the sign codec drops of each
                 # part (the parts this peer pushes: all of them); fp32 tensor math over [P], off the loop.
-                ctx.delta = await asyncio.to_thread(fb.apply, ctx.delta, int(ctx.result.tokens),
+                ctx.delta = await asyncio.to_thread(fb.apply, ctx.update(), int(ctx.result.tokens),
                                                     [(o.start, o.end) for o in spec.owners], ctx.round)
-            ctx.ar = await self.collective.all_reduce(ctx.spec, ctx.delta, tokens=ctx.result.tokens,
+            ctx.ar = await self.collective.all_reduce(ctx.spec, ctx.update(), tokens=ctx.result.tokens,
                                                       compute_end=ctx.t_compute_end)
         finally:
             self.in_exchange = False
         ctx.t_agg = self.clock.time()
-        self.policy.after_exchange(ctx.spec, ctx.plan, ctx.ar)
+        self.policy.after_exchange(ctx.spec, ctx.planned(), ctx.ar)
         return True
 
     async def _drop_feedback(self) -> None:
@@ -677,7 +703,7 @@ class RoundDriver:
         round's row, digest check, then a checkpoint or a re-sync on a digest mismatch. Returns the
         participants expected next round (this round's contributors)."""
         self.phase = Phase.FINISH
-        r, plan, a, result, ar = ctx.round, ctx.plan, ctx.assignment, ctx.result, ctx.ar
+        r, plan, a, result, ar = ctx.round, ctx.planned(), ctx.assignment, ctx.result, ctx.ar
         await self.policy.before_outer_step(r, plan, a, ar)  # verified work keeps this round's start weights
         idle = ar.idle_ranges() if hasattr(ar, "idle_ranges") else ()
         with self._timed("outer_step"):  # _advance moves its digest (commit) share to "digest"
@@ -714,12 +740,15 @@ class RoundDriver:
                 claims[pid] = max(claims.get(pid, 0), int(n))
         self.lineage.append(LineageEntry(r, self.state.digest or "", frozenset(plan.participants()),
                                          sum(claims.values()), int(result.tokens)))
+        digest = self.state.digest
+        if digest is None:  # commit() always sets it: a state port that does not is a bug, not a round's fault
+            raise RuntimeError(f"round {r}: the global state has no digest after its commit")
         rec = RoundRecord(
             round=r, peers=len(plan.assignments), leader=plan.leader[:10], batch_size=a.batch_size,
             inner_steps_planned=a.inner_steps, inner_steps_done=result.steps_done, tokens=result.tokens,
             train_loss=result.mean_loss, eval_ppl=ppl, compute_s=result.compute_s,
             straggler_idle_s=straggler, network_idle_s=network, round_s=self.clock.time() - ctx.t_round,
-            bytes_sent=sent1 - ctx.sent0, bytes_received=recv1 - ctx.recv0, digest=self.state.digest,
+            bytes_sent=sent1 - ctx.sent0, bytes_received=recv1 - ctx.recv0, digest=digest,
             contributors=len(delivered), missing_parts=len(ar.missing_parts), time=self.clock.time(),
             eval_round=eval_round)
         stall = self.loop_stall()
@@ -779,10 +808,11 @@ class RoundDriver:
         if not due:
             return ready
         if background:
-            await asyncio.to_thread(self.trainer.snapshot_for_eval)
+            snap = cast(SnapshotEvaluator, self.trainer)  # checked with hasattr above
+            await asyncio.to_thread(snap.snapshot_for_eval)
             self._eval_round = r
             self._eval_task = asyncio.ensure_future(
-                asyncio.to_thread(self.trainer.evaluate_snapshot, max_batches=self.cfg.eval_batches))
+                asyncio.to_thread(snap.evaluate_snapshot, max_batches=self.cfg.eval_batches))
             return ready
         return await asyncio.to_thread(self.trainer.evaluate, max_batches=self.cfg.eval_batches), r
 

@@ -231,7 +231,7 @@ restarting when the plans seen change and at each candidate's take-over instant.
         if my_turn_now and (best is None or (
                 leader_rank(store.run_id, round, me) < leader_rank(store.run_id, round, best.leader)
                 and swarm_time() < best.created_at)):
-            if my_turn > 0 and best is None:
+            if my_turn is not None and my_turn > 0 and best is None:
                 events.emit(log, logging.WARNING, "plan_takeover", "round %d: no plan from %d better-ranked leader(s) "
                             "after %.1fs; taking over", round, my_turn, elapsed, round=round, peer=me, turn=my_turn,
                             delay_s=delay(my_turn), after_s=elapsed)  # delay_s: this turn's take-over delay
@@ -260,7 +260,7 @@ restarting when the plans seen change and at each candidate's take-over instant.
                 await asyncio.sleep(wait)  # let a better-ranked plan published meanwhile become visible
                 plans = await store.read(round, accept) or plans
             chosen = choose_plan(store.run_id, round, plans)
-            if len(plans) > 1:
+            if len(plans) > 1 and chosen is not None:
                 log.info("round %d: %d plans seen, following leader %s (lowest rank)",
                          round, len(plans), chosen.leader[:10])
             return chosen

@@ -17,7 +17,7 @@ import contextlib
 import copy
 import logging
 import time
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 
@@ -30,6 +30,19 @@ from geomesh_p2p.round.driver import no_work
 from geomesh_p2p.round.ports import PlanDeferred
 from geomesh_p2p.standing import OnceLog, choose_state
 from geomesh_p2p.sync_progress import SyncMeter
+
+if TYPE_CHECKING:
+    from geomesh_p2p.capability import ThroughputEMA
+    from geomesh_p2p.collective import CollectiveService
+    from geomesh_p2p.config import NodeConfig, RunConfig
+    from geomesh_p2p.dht import PeerAnnouncer
+    from geomesh_p2p.metrics import RoundLog
+    from geomesh_p2p.optim import OuterNesterov, SyncAdamW
+    from geomesh_p2p.records import PeerRecord
+    from geomesh_p2p.standing import Standing
+    from geomesh_p2p.state import GlobalState
+    from geomesh_p2p.training import InnerTrainer
+    from geomesh_p2p.transport import Transport
 
 # Round log lines keep the node's logger name: operators' filters and the tests' caplog select on it.
 log = logging.getLogger("geomesh_p2p.node.round")
@@ -132,6 +145,69 @@ class _NoOwner(Exception):
 class NodeRoundPolicy:
     """Mixin of :class:`~geomesh_p2p.node.PeerNode`: the round rules (see the module docstring)."""
 
+    # What the mixin reads on the node (set by PeerNode.__init__ / start; declared for the type checker
+    # only: annotations without values create no class attributes, so getattr(self, name, None) still works).
+    run_cfg: RunConfig
+    cfg: NodeConfig
+    me: str
+    round: int
+    digest: Optional[str]
+    numel: int
+    state_numel: int
+    theta: Optional[torch.Tensor]  # [P] fp32 CPU, None until the global state exists
+    gstate: GlobalState  # the one buffer theta and the outer state are views of
+    outer: Optional[OuterNesterov | SyncAdamW]
+    ema: Optional[ThroughputEMA]
+    standing: Standing
+    transport: Optional[Transport]
+    trainer: InnerTrainer
+    collective: CollectiveService
+    announcer: PeerAnnouncer
+    round_log: Optional[RoundLog]  # None once shut down
+    codec_s_per_element: float
+    _stop: asyncio.Event
+    _syncing: bool
+    _sync_meter: Optional[SyncMeter]
+    _measured: set[str]
+    _owner_penalty: dict[str, int]
+    _noshow_penalty: dict[str, int]
+    _supported_tps: tuple[int, dict[str, float]]
+    _exchange_cost_measured: bool
+    _vote_log: OnceLog
+    _work_verifier: Optional[verify.WorkVerifier]
+    _verify_task: Optional[asyncio.Future]
+
+    if TYPE_CHECKING:  # PeerNode's methods the mixin calls (not defined here: PeerNode's own must be found)
+        async def peers(self, include_leaving: bool = False) -> list[PeerRecord]: ...
+
+        async def announce(self) -> None: ...
+
+        def my_record(self) -> PeerRecord: ...
+
+        def _set_state(self, round: int, theta: torch.Tensor, momentum: Optional[torch.Tensor]) -> None: ...
+
+        def _started_transport(self) -> Transport: ...
+
+    def _global_theta(self) -> torch.Tensor:
+        """The global weights ``self.theta``: [P] fp32 CPU.
+
+        Raises:
+            RuntimeError: the global state does not exist yet (called before the node built it in ``start``).
+        """
+        if self.theta is None:
+            raise RuntimeError("the global weights do not exist yet (the node has not built its training state)")
+        return self.theta
+
+    def _throughput_ema(self) -> ThroughputEMA:
+        """``self.ema``: the re-profiled tokens/s and link figures.
+
+        Raises:
+            RuntimeError: before the node's start-up profile (``start``) created it.
+        """
+        if self.ema is None:
+            raise RuntimeError("the throughput EMAs do not exist yet (the node has not profiled its device)")
+        return self.ema
+
     # ------------------------------------------------------------------ RoundPolicy port
     def make_plan(self, members, leader):
         """This peer's plan when it leads (:meth:`_make_plan`).
@@ -177,7 +253,7 @@ class NodeRoundPolicy:
 
     async def before_outer_step(self, r, plan, assignment, ar) -> None:
         """Verified work keeps round ``r``'s start weights: copied in a worker thread (a whole-model copy)."""
-        theta0 = await asyncio.to_thread(self.theta.clone) if getattr(ar, "contributions", None) else None
+        theta0 = await asyncio.to_thread(self._global_theta().clone) if getattr(ar, "contributions", None) else None
         if theta0 is not None and getattr(self, "_work_verifier", None) is None:
             # Its private copy of the model (a whole-model deepcopy) is made in a worker thread, not on the loop.
             self._work_verifier = await asyncio.to_thread(verify.WorkVerifier.for_node, self)
@@ -192,6 +268,10 @@ class NodeRoundPolicy:
         self.standing.credit(r, {pid for part in ar.contributors.values() for pid, _ in part})
 
     def publish_record(self, rec) -> None:
+        """The round's row to the log, Prometheus and the status page. Raises RuntimeError after shutdown
+        (the round log is closed)."""
+        if self.round_log is None:
+            raise RuntimeError(f"round {rec.round}: the round log is closed (the node is shut down)")
         self.round_log.add(rec)
         swarm_status.publish_round_summary(self, rec)  # the bootstrap's status page (issue 16)
 
@@ -206,7 +286,8 @@ class NodeRoundPolicy:
         ``idle``: ranges that aggregated no token (missing parts, rounds nobody trained in): weights and
         outer momentum stay as they were there (issue 14 #8: momentum alone must not move the model
         through rounds that trained nothing); one INFO line. Synchronous: the driver runs it in a thread."""
-        p = self.theta.numel()
+        theta = self._global_theta()
+        p = theta.numel()
         if idle:
             n_idle = sum(e - s for s, e in idle)
             log.info("round %d: %d of %d elements aggregated no token (%s); weights and outer momentum unchanged "
@@ -214,7 +295,7 @@ class NodeRoundPolicy:
             if n_idle >= p:
                 return
         ranges = [(start, end) for _, start, end in plan.owners()] or [(0, p)]
-        bad, bad_in = outer_step_per_part(self.outer, self.theta, aggregate, ranges, r, idle)
+        bad, bad_in = outer_step_per_part(self.outer, theta, aggregate, ranges, r, idle)
         if bad:
             log.warning("round %d: outer step skipped on %d of %d parts (%d of %d elements): %d with non-finite "
                         "aggregate values, %d where the step would overflow", r, len(bad), len(ranges),
@@ -334,14 +415,26 @@ class NodeRoundPolicy:
             await self.announce()
 
     def _state_copy(self) -> "state_sync.Snapshot":
-        """This peer's global state as a Snapshot owning a copy of the buffer (worker thread)."""
+        """This peer's global state as a Snapshot owning a copy of the buffer (worker thread).
+
+        Raises:
+            RuntimeError: the state has no digest yet (it was never committed: nothing of the swarm's lineage).
+        """
         gs = self.gstate
         with gs.lock:
+            if gs.digest is None:  # _catch_up asks only for a committed state
+                raise RuntimeError("this peer's global state has no digest yet: it cannot be a base to catch up from")
             return self._snapshot_copy(state_sync.Snapshot(gs.round, gs.theta, gs.opt_state, gs.digest, buffer=gs.buffer))
 
     @staticmethod
     def _snapshot_copy(snap: "state_sync.Snapshot") -> "state_sync.Snapshot":
-        """``snap`` with a buffer of its own ((1 + k) * P * 4 bytes; worker thread)."""
+        """``snap`` with a buffer of its own ((1 + k) * P * 4 bytes; worker thread).
+
+        Raises:
+            ValueError: ``snap`` has no ``buffer`` (a snapshot not backed by one contiguous state buffer).
+        """
+        if snap.buffer is None:
+            raise ValueError(f"the snapshot of round {snap.round} has no contiguous buffer to copy")
         buf = snap.buffer.clone()
         P = snap.theta.numel()
         return state_sync.Snapshot(snap.round, buf[:P], buf[P:], snap.digest, buffer=buf)
@@ -618,7 +711,7 @@ class NodeRoundPolicy:
             wv = getattr(self, "_work_verifier", None)
             if wv is None:
                 wv = self._work_verifier = verify.WorkVerifier.for_node(self)
-            wv.keep_round(r, theta=self.theta.clone() if theta0 is None else theta0, plan=plan, part_ranges=ar.part_ranges, packets=ar.contributions)
+            wv.keep_round(r, theta=self._global_theta().clone() if theta0 is None else theta0, plan=plan, part_ranges=ar.part_ranges, packets=ar.contributions)
             running = getattr(self, "_verify_task", None)
             if running is not None and not running.done():
                 log.debug("round %d: verified work skipped: the previous check is still running", r)
@@ -628,9 +721,12 @@ class NodeRoundPolicy:
                 r, micro_batch=a.micro_batch, seconds_per_row=getattr(self.trainer, "_row_time_ema", None),
                 deadline=deadline, signed_of=lambda part, sender: verify.signed_contribution(
                     self.collective, r, part, sender)))
-            self._verify_task.add_done_callback(
-                lambda t: t.cancelled() or t.exception() is None or log.warning(
-                    "round %d: verified work failed: %s", r, t.exception()))
+
+            def failed(t: asyncio.Future) -> None:
+                if not t.cancelled() and t.exception() is not None:
+                    log.warning("round %d: verified work failed: %s", r, t.exception())
+
+            self._verify_task.add_done_callback(failed)
         except Exception as e:
             log.warning("round %d: verified work skipped: %s", r, e)
 
@@ -680,7 +776,7 @@ class NodeRoundPolicy:
             self._measured.add("tps")
             # A self-measured compute time is not evidence (a free rider can report ~0 s): the announced
             # figure grows at most capability.MAX_TPS_GROWTH_PER_UPDATE x per round, first measurement included.
-            self.ema.update(micro_batch, result.tokens, result.compute_s, alpha=1.0 if first else None,
+            self._throughput_ema().update(micro_batch, result.tokens, result.compute_s, alpha=1.0 if first else None,
                             max_growth=capability.MAX_TPS_GROWTH_PER_UPDATE)
 
     def _update_links(self, ar) -> None:
@@ -694,13 +790,14 @@ class NodeRoundPolicy:
             if stated or sample is None or sample.nbytes < c.min_link_sample_bytes:
                 continue
             seconds = sample.seconds
-            current = self.ema.upload_bps if direction == "up" else self.ema.download_bps
+            ema = self._throughput_ema()
+            current = ema.upload_bps if direction == "up" else ema.download_bps
             if current:
                 rate = sample.nbytes / seconds
                 rate = min(max(rate, current / c.link_step_ratio), current * c.link_step_ratio)
                 seconds = sample.nbytes / rate
             first = direction not in self._measured  # the first real exchange replaces the probe's figure
             self._measured.add(direction)
-            new = self.ema.update_link(sample.nbytes, seconds, direction, alpha=1.0 if first else None)
+            new = ema.update_link(sample.nbytes, seconds, direction, alpha=1.0 if first else None)
             log.debug("round %d: %sload %.1f Mbit/s measured (%d bytes in %.3fs), EMA %.1f Mbit/s", self.round - 1,
                       direction, sample.nbytes / seconds * 8e-6, sample.nbytes, seconds, new * 8e-6)

@@ -90,6 +90,17 @@ class Trainer(Protocol):
         """Held-out perplexity of the model."""
 
 
+class SnapshotEvaluator(Protocol):
+    """What a :class:`Trainer` may also offer (InnerTrainer does): evaluation of a snapshot of the global
+    weights in a worker thread while the next round trains (issue 17). The driver checks for it first."""
+
+    def snapshot_for_eval(self) -> None:
+        """Copy the model's weights into the model kept for evaluation."""
+
+    def evaluate_snapshot(self, max_batches: int = 8) -> float:
+        """Held-out perplexity of the last snapshot (raises RuntimeError before any)."""
+
+
 class Collective(Protocol):
     """The exchange (geomesh_p2p.collective.CollectiveService)."""
 
@@ -103,9 +114,15 @@ class GlobalStatePort(Protocol):
 
     round: int
     digest: Optional[str]
-    #: optional: a re-entrant lock held while the state changes in place (the driver holds it around the
-    #: outer step and its commit, so a reader never sees a stepped buffer under the old digest)
-    state_lock: Any
+    #: True while this peer downloads the swarm's state (its record then carries no digest); the driver
+    #: sets it when the plan leaves this peer out
+    syncing: bool
+
+    @property
+    def state_lock(self) -> Any:
+        """Optional: a re-entrant lock held while the state changes in place (the driver holds it around the
+        outer step and its commit, so a reader never sees a stepped buffer under the old digest). Read-only
+        here, so a node's property satisfies it as well as a plain attribute."""
 
     def pseudo_gradient(self) -> torch.Tensor:
         """Global weights minus the model's weights after the inner steps: [P] fp32."""
