@@ -443,13 +443,33 @@ def _decode_chunked(signs: torch.Tensor, scales: torch.Tensor, out: torch.Tensor
     nbc = chunk // block_size
     s_chunks = signs[: covered // 8].view(nch, chunk // 8).unbind(0)
     o_chunks = out[:covered].view(nch, chunk).unbind(0)
-    u_chunks = scales[: nch * nbc].view(nch, nbc).unbind(0)
+    ob_chunks = out[:covered].view(nch, nbc, block_size).unbind(0)
+    u_chunks = scales[: nch * nbc].view(nch, nbc, 1).unbind(0)
     device = out.device
+    fused_mul = device.type != "cpu"
 
     def work(lo: int, hi: int) -> None:
+        # The per-chunk loop is a few op calls on prebuilt views: Python work per chunk is
+        # what the worker threads serialise on (the GIL), so none is done here.
         ws = _workspace(chunk, device)
+        idx = ws.get("idx")
+        words = ws.get("words")
+        pm8 = words.view(torch.int8)
+        pm8b = pm8.view(nbc, block_size)
+        pm = ws.get("pm") if accumulate else None
+        pmb = pm.view(nbc, block_size) if accumulate else None
+        index_select, mul = torch.index_select, torch.mul
         for c in range(lo, hi):
-            _decode_range(s_chunks[c], u_chunks[c], o_chunks[c], lut, block_size, ws, accumulate)
+            idx.copy_(s_chunks[c])
+            index_select(lut, 0, idx, out=words)  # 8 signs (+1 / -1 as int8) per packed byte
+            if accumulate:
+                pm.copy_(pm8)
+                ob_chunks[c].addcmul_(pmb, u_chunks[c])  # out += (+-1.0) * scale
+            elif fused_mul:
+                mul(pm8b, u_chunks[c], out=ob_chunks[c])  # int8 read and converted in-kernel
+            else:
+                o_chunks[c].copy_(pm8)  # +1.0 / -1.0
+                ob_chunks[c].mul_(u_chunks[c])  # scale * sign: one exact multiply
 
     _run_parallel(work, nch, workers)
     return covered
