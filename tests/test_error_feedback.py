@@ -123,8 +123,8 @@ async def test_driver_exchange_pushes_delta_plus_residual_and_a_foreign_resync_z
     g = torch.Generator().manual_seed(3)
     for r in range(2):
         delta = torch.randn(P, generator=g)
-        ctx = RoundContext(round=r, t_round=0.0, delta=delta.clone(), spec=_Spec(),
-                           result=type("R", (), {"tokens": 50})())
+        ctx = RoundContext(round=r, t_round=0.0, delta=delta.clone(), spec=_Spec(), plan=object(),
+                           result=type("R", (), {"tokens": 50})())  # the plan is only handed to the policy
         assert await d.exchange(ctx)
         want = sim.encode(delta, 50)
         got = compression.encode(coll.pushed[-1], block_size=B, tokens=50)
