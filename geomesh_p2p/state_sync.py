@@ -31,6 +31,7 @@ import struct
 import threading
 import time
 import zlib
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, AsyncGenerator, Callable, Optional, Protocol, Sequence
 
@@ -61,6 +62,13 @@ DEFAULT_KEEP_SNAPSHOTS = 2
 #: A round whose state was asked this recently is copied before the state moves on (its download may
 #: still be resuming on this donor after a stall elsewhere).
 RETAIN_AFTER_S = 30.0
+#: A caller counts as downloading a round (its snapshot is then kept across an outer step and the next
+#: outer updates are encoded eagerly) only once it has been served ``1 / MIN_SHARE`` of the state (bytes,
+#: not requests) within ``RETAIN_AFTER_S``: a 1-byte request costs the donor no copy (adversarial review
+#: M2). A joiner splitting its download over more than ``MIN_SHARE`` donors gets no such retention.
+MIN_SHARE = 64
+#: (round, caller) entries a state server tracks (least recently served dropped first; review M1).
+MAX_TRACKED_CALLERS = 256
 
 
 class StateSyncError(RuntimeError):
@@ -132,9 +140,11 @@ class StateServer:
     buffer (:meth:`GlobalState.read`; an outer step in progress is waited for in a worker thread,
     never on the loop). A download that crosses a round boundary finishes from the same round's
     snapshot: the node calls :meth:`retain` before each change of the state, which copies the state
-    while a download of its round is in progress (or was asked within ``RETAIN_AFTER_S``); at most
-    ``keep_snapshots`` such copies are kept, ``(1 + k) * P * 4`` bytes each. A request for a round
-    neither held nor kept is refused with FAILED_PRECONDITION and the reason. :meth:`publish` (a
+    while a caller downloads its round (served at least ``1 / MIN_SHARE`` of the state within
+    ``RETAIN_AFTER_S``); at most ``keep_snapshots`` such copies are kept, ``(1 + k) * P * 4`` bytes each.
+    A request for a round neither held nor kept is refused with FAILED_PRECONDITION and the reason,
+    before anything is recorded; the bytes served are tracked per (round, caller) for held rounds only,
+    at most ``MAX_TRACKED_CALLERS`` entries (LRU). :meth:`publish` (a
     :class:`Snapshot`) is kept for callers that hold separate tensors: it copies them into a
     GlobalState of its own.
 
@@ -151,8 +161,9 @@ class StateServer:
         self.updates.busy = self._downloading
         self._clock = clock
         self._kept: dict[int, GlobalState] = {}  # round -> copy made by retain()
-        self._streams: dict[int, int] = {}  # round -> state streams in progress
-        self._asked: dict[int, float] = {}  # round -> monotonic s of the last state request
+        # (round, caller peer id) -> [bytes served, monotonic s of the last chunk, state bytes]; only rounds
+        # held or kept (a request for another round is refused first), LRU-capped: bounded whatever callers send
+        self._served: OrderedDict[tuple[int, str], list] = OrderedDict()
         self._mu = threading.Lock()  # retain() runs in a worker thread, the handlers on the loop
         transport.add_stream(STATE_GET, self._handle, max_payload_bytes=1024)
         transport.add_stream(STATE_UPDATE, self._handle_update, max_payload_bytes=1024)
@@ -192,8 +203,8 @@ class StateServer:
 
     def retain(self) -> Optional[int]:
         """Call before the served state changes (outer step, re-sync), with its lock held so nothing
-        changes meanwhile: when a download of its round is in progress or was asked within
-        ``RETAIN_AFTER_S``, copy it (``(1 + k) * P * 4`` bytes) so that download finishes from the same
+        changes meanwhile: when a caller was served at least ``1 / MIN_SHARE`` of its round within
+        ``RETAIN_AFTER_S`` (a download in progress), copy it (``(1 + k) * P * 4`` bytes) so that download finishes from the same
         round. Drops copies no download asked for within ``RETAIN_AFTER_S`` and all but the newest
         ``keep_snapshots``. Returns the round copied, or None. Synchronous (a copy of the state): call it
         in a worker thread."""
@@ -215,13 +226,36 @@ class StateServer:
         return rnd
 
     def _downloading(self) -> bool:
-        """True while a state download from this node is in progress or was asked within RETAIN_AFTER_S."""
+        """True while a caller downloads a state from this node (see :meth:`_wanted`), any round."""
         now = self._clock()
         with self._mu:
-            return any(self._streams.values()) or any(now - t < RETAIN_AFTER_S for t in self._asked.values())
+            return any(self._real(e, now) for e in self._served.values())
+
+    @staticmethod
+    def _real(entry: list, now: float) -> bool:
+        """A real download: served a meaningful share of the state, recently (not a cheap probe)."""
+        nbytes, last, total = entry
+        return nbytes * MIN_SHARE >= total and now - last < RETAIN_AFTER_S
 
     def _wanted(self, rnd: int, now: float) -> bool:
-        return self._streams.get(rnd, 0) > 0 or now - self._asked.get(rnd, -1e18) < RETAIN_AFTER_S
+        """A caller was served ``1 / MIN_SHARE`` of round ``rnd``'s state within RETAIN_AFTER_S (lock held)."""
+        return any(k[0] == rnd and self._real(e, now) for k, e in self._served.items())
+
+    def tracked(self) -> int:
+        """(round, caller) entries tracked (at most ``MAX_TRACKED_CALLERS``; diagnostics, tests)."""
+        with self._mu:
+            return len(self._served)
+
+    def _note(self, key: tuple[int, str], nbytes: int, total: int) -> None:
+        """Count ``nbytes`` served to ``key`` = (round, caller) now (lock held); LRU order, capped."""
+        e = self._served.get(key)
+        if e is None:
+            e = self._served[key] = [0, 0.0, total]
+        self._served.move_to_end(key)
+        e[0] += nbytes
+        e[1] = self._clock()
+        while len(self._served) > MAX_TRACKED_CALLERS:
+            self._served.popitem(last=False)
 
     async def _read(self, gs: GlobalState, start: int, end: int, round: int, digest: str) -> bytes:
         try:  # fast path: the state is not being changed (a 1 MiB copy, ~0.1 ms)
@@ -239,41 +273,39 @@ class StateServer:
         gs = self._state
         if gs is None or gs.digest is None:
             raise EnvelopeError(grpc.StatusCode.UNAVAILABLE, "this node has no state yet")
+        now = self._clock()
         with self._mu:
-            self._asked[req.round] = self._clock()
-            for r in [r for r in self._asked if r < req.round - 16]:
-                del self._asked[r]  # bounded: only recent rounds matter
             if req.round != gs.round:
                 gs = self._kept.get(req.round, gs)
-            self._streams[req.round] = self._streams.get(req.round, 0) + 1
-        try:
-            rnd, dg, total = gs.round, gs.digest, gs.nbytes
-            if req.round != rnd:
-                raise EnvelopeError(grpc.StatusCode.FAILED_PRECONDITION,
-                                    f"state for round {req.round} asked, this node holds round {rnd}"
-                                    f" (kept: {self.kept_rounds() or 'none'})")
-            if req.offset > total:
-                raise EnvelopeError(grpc.StatusCode.OUT_OF_RANGE, f"offset {req.offset} beyond {total} bytes")
-            end = min(total, req.offset + (req.length or total))
-            for off in range(req.offset, end, self.chunk_bytes):
-                try:
-                    data = await self._read(gs, off, min(end, off + self.chunk_bytes), rnd, dg)
-                except StateChanged as e:
-                    # the state moved on mid-stream: finish from the copy retain() made of this round
-                    with self._mu:
-                        kept = self._kept.get(rnd)
-                    if kept is None or kept.digest != dg:
-                        raise EnvelopeError(grpc.StatusCode.FAILED_PRECONDITION,
-                                            f"state of round {rnd} no longer held: {e}") from None
-                    gs = kept
-                    data = await self._read(gs, off, min(end, off + self.chunk_bytes), rnd, dg)
-                yield collective_pb2.StateChunk(round=rnd, digest=dg, total_bytes=total, offset=off,
-                                                data=data).SerializeToString()
-        finally:
+            held = {gs.round, *self._kept}
+            # entries of rounds no longer held go once nobody was served them recently
+            for k in [k for k, e in self._served.items() if k[0] not in held and now - e[1] >= RETAIN_AFTER_S]:
+                del self._served[k]
+        rnd, dg, total = gs.round, gs.digest, gs.nbytes
+        if req.round != rnd:  # refused before anything is recorded (review M1)
+            raise EnvelopeError(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"state for round {req.round} asked, this node holds round {rnd}"
+                                f" (kept: {self.kept_rounds() or 'none'})")
+        if req.offset > total:
+            raise EnvelopeError(grpc.StatusCode.OUT_OF_RANGE, f"offset {req.offset} beyond {total} bytes")
+        key = (rnd, str(verified.sender))
+        end = min(total, req.offset + (req.length or total))
+        for off in range(req.offset, end, self.chunk_bytes):
+            try:
+                data = await self._read(gs, off, min(end, off + self.chunk_bytes), rnd, dg)
+            except StateChanged as e:
+                # the state moved on mid-stream: finish from the copy retain() made of this round
+                with self._mu:
+                    kept = self._kept.get(rnd)
+                if kept is None or kept.digest != dg:
+                    raise EnvelopeError(grpc.StatusCode.FAILED_PRECONDITION,
+                                        f"state of round {rnd} no longer held: {e}") from None
+                gs = kept
+                data = await self._read(gs, off, min(end, off + self.chunk_bytes), rnd, dg)
             with self._mu:
-                self._streams[req.round] -= 1
-                if not self._streams[req.round]:
-                    del self._streams[req.round]
+                self._note(key, len(data), total)
+            yield collective_pb2.StateChunk(round=rnd, digest=dg, total_bytes=total, offset=off,
+                                            data=data).SerializeToString()
 
     async def _handle_update(self, verified, context):
         """``State/GetUpdate``: request StateRequest(round r, offset, length) for the outer update of round
@@ -283,7 +315,7 @@ class StateServer:
             req = collective_pb2.StateRequest.FromString(verified.payload)
         except Exception:
             raise EnvelopeError(grpc.StatusCode.INVALID_ARGUMENT, "StateRequest is malformed") from None
-        blob = await self.updates.blob(req.round)
+        blob = await self.updates.blob(req.round, asked=False)
         if blob is None:
             raise EnvelopeError(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"no outer update of round {req.round} kept (kept: {self.updates.rounds() or 'none'})")
@@ -292,9 +324,15 @@ class StateServer:
         if req.offset > total:
             raise EnvelopeError(grpc.StatusCode.OUT_OF_RANGE, f"offset {req.offset} beyond {total} bytes")
         end = min(total, req.offset + (req.length or total))
+        served = 0
         for off in range(req.offset, end, self.chunk_bytes):
+            piece = data[off:min(end, off + self.chunk_bytes)]
+            served += len(piece)
+            if served * MIN_SHARE >= total:
+                # a real catch-up (not a 1-byte probe): encode the next rounds as soon as they are sealed
+                self.updates.note_asked()
             yield collective_pb2.StateChunk(round=req.round, digest=h, total_bytes=total, offset=off,
-                                            data=data[off:min(end, off + self.chunk_bytes)]).SerializeToString()
+                                            data=piece).SerializeToString()
 
 
 class StreamCaller(Protocol):
@@ -603,8 +641,7 @@ class UpdateLog:
             self._done[p[0]] = OuterUpdate(p[0], p[1], end_digest, p[2], p[3], p[4])
             for r in sorted(self._done)[:-self.keep_rounds]:
                 del self._done[r]
-            loop = self._loop if self._loop is not None and (
-                self._clock() - self._last_asked < RETAIN_AFTER_S or self.busy()) else None
+            loop = self._loop if self._loop is not None and self._catching_up() else None
             eager = loop is not None
             # Memory: only the newest round stays a raw [P] copy; older raw ones are encoded now when a peer is
             # syncing, else dropped (a planned-out peer needs only the newest; a joiner's download makes
@@ -619,6 +656,22 @@ class UpdateLog:
             with contextlib.suppress(RuntimeError):  # the loop is closing: nobody will ask any more
                 for r in [p[0], *stale]:
                     loop.call_soon_threadsafe(self._encode_soon, r)
+
+    def _catching_up(self) -> bool:
+        return self._clock() - self._last_asked < RETAIN_AFTER_S or self.busy()
+
+    @property
+    def catching_up(self) -> bool:
+        """A peer syncs from this node: it was served a meaningful share of an update within
+        ``RETAIN_AFTER_S``, or of the state (``busy``). Rounds sealed meanwhile are encoded eagerly."""
+        with self._mu:
+            return self._catching_up()
+
+    def note_asked(self) -> None:
+        """A peer is catching up from this node (served a meaningful share of an update): the rounds sealed
+        within ``RETAIN_AFTER_S`` are encoded eagerly."""
+        with self._mu:
+            self._last_asked = self._clock()
 
     def _encode_soon(self, round: int) -> None:
         """Encode ``round``'s update now, in a task of the ``spawn`` owner (scheduled by :meth:`seal` only
@@ -639,12 +692,13 @@ class UpdateLog:
 
     async def blob(self, round: int, asked: bool = True) -> Optional[tuple[bytes, str]]:
         """(the encoded update of ``round``, its blake2b hash, 32 hex) or None when not kept. Encoded once,
-        in a worker thread; concurrent requests share the encoding. ``asked``: a peer's request (the
-        next rounds are then encoded as soon as they are sealed)."""
+        in a worker thread; concurrent requests share the encoding. ``asked``: a peer's request of a kept
+        round (the next rounds are then encoded as soon as they are sealed; the state server passes False
+        and calls :meth:`note_asked` once a meaningful share was served)."""
         with self._mu:
-            if asked:
-                self._last_asked = self._clock()
             u = self._done.get(round)
+            if asked and u is not None:  # a round not kept is no sign of a catch-up (review M2)
+                self._last_asked = self._clock()
         if u is None:
             return None
         if not isinstance(u, OuterUpdate):

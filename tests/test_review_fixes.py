@@ -1,0 +1,139 @@
+"""Fixes of the adversarial review's MEDIUM/LOW findings (session 5): the state server's request tables are
+bounded and a cheap request costs a donor no copy (M1, M2); start-up checks of the CLIs (M3, L1, L2); every
+background evaluation lands in the round log (L3). In-process where possible (real transports on
+127.0.0.1), the CLI checks by running the console script's module."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from geomesh_p2p import state_sync
+from geomesh_p2p.identity import Identity
+from geomesh_p2p.optim import OuterNesterov
+from geomesh_p2p.round.policy import outer_step_per_part
+from geomesh_p2p.state import GlobalState
+from geomesh_p2p.state_sync import StateServer, download_state
+from geomesh_p2p.transport import STATE_GET, RpcError, Transport, TransportConfig
+from geomesh_p2p.wire import collective_pb2
+
+RUN = "review-fixes"
+P = 1 << 14
+CHUNK = 8 << 10
+
+
+def _state(round: int = 5) -> GlobalState:
+    g = torch.Generator().manual_seed(3)
+    gs = GlobalState(P, 1)
+    gs.load(round, torch.randn(P, generator=g), torch.randn(P, generator=g) * 1e-2)
+    return gs
+
+
+def _advance(gs: GlobalState, srv: StateServer, outer: OuterNesterov, r: int) -> None:
+    """Round ``r``'s outer step as the node makes it: retain, record, step, seal."""
+    agg = torch.full((P,), 1e-3)
+    with gs.lock:
+        srv.retain()
+        srv.updates.record(r, gs.digest, [(0, P)], (), agg)
+        outer_step_per_part(outer, gs.theta, agg, [(0, P)], r, [])
+        gs.commit(r + 1)
+        srv.updates.seal(r + 1, gs.digest)
+
+
+async def _get(t: Transport, addr: str, req: collective_pb2.StateRequest) -> int:
+    """Bytes of a GetState stream (raises RpcError when refused)."""
+    n = 0
+    async for v in t.call_stream(addr, STATE_GET, req.SerializeToString(), round=req.round, timeout=10):
+        n += len(collective_pb2.StateChunk.FromString(v.payload).data)
+    return n
+
+
+@pytest.fixture
+async def donor():
+    gs = _state()
+    outer = OuterNesterov(lr=0.7, momentum=0.9)
+    outer.buf = gs.opt_state
+    t = Transport(Identity.generate(), RUN, TransportConfig(host="127.0.0.1", port=0))
+    srv = StateServer(t, chunk_bytes=CHUNK, state=gs)
+    addr = await t.start()
+    clients: list[Transport] = []
+
+    def client() -> Transport:
+        c = Transport(Identity.generate(), RUN, TransportConfig(client_only=True))
+        clients.append(c)
+        return c
+
+    try:
+        yield gs, srv, addr, outer, client
+    finally:
+        for c in clients:
+            await c.stop()
+        await t.stop(grace=0)
+
+
+# --- M1: per-round request tables are bounded --------------------------------------------------------------
+
+@pytest.mark.timeout(60)
+async def test_requests_for_rounds_not_held_are_refused_before_anything_is_recorded(donor):
+    gs, srv, addr, _, client = donor
+    atk = client()
+    for i in range(200):  # the review's attack: descending rounds never expired
+        with pytest.raises(RpcError, match="holds round 5") as e:
+            await _get(atk, addr, collective_pb2.StateRequest(round=10**6 - i, length=1))
+        assert e.value.code.name == "FAILED_PRECONDITION"
+    assert srv.tracked() == 0
+    assert await _get(atk, addr, collective_pb2.StateRequest(round=5, length=1)) == 1
+    assert srv.tracked() == 1
+
+
+@pytest.mark.timeout(60)
+async def test_callers_tracked_are_lru_capped(donor, monkeypatch):
+    gs, srv, addr, _, client = donor
+    monkeypatch.setattr(state_sync, "MAX_TRACKED_CALLERS", 3)
+    for _ in range(5):  # five outsiders, one byte each
+        assert await _get(client(), addr, collective_pb2.StateRequest(round=5, length=1)) == 1
+    assert srv.tracked() == 3
+
+
+# --- M2: a cheap request costs no copy; a real download still gets its snapshot ---------------------------
+
+@pytest.mark.timeout(60)
+async def test_a_one_byte_request_makes_no_copy_and_no_eager_encoding(donor):
+    gs, srv, addr, outer, client = donor
+    atk = client()
+    for r in (5, 6, 7):
+        assert await _get(atk, addr, collective_pb2.StateRequest(round=r, length=1)) == 1
+        _advance(gs, srv, outer, r)
+        assert srv.kept_rounds() == []
+        # not eager: only the newest round's raw update is kept, nothing is encoded
+        assert srv.updates.rounds() == [r] and srv.updates.get(r) is not None
+        assert not srv.updates.catching_up
+
+
+@pytest.mark.timeout(60)
+async def test_a_real_download_keeps_its_rounds_snapshot(donor):
+    gs, srv, addr, outer, client = donor
+    joiner = client()
+    want = gs.digest
+    # a joiner's piece of 1/8 of the state (eight donors): above the 1/MIN_SHARE share
+    assert await _get(joiner, addr, collective_pb2.StateRequest(round=5, length=gs.nbytes // 8)) == gs.nbytes // 8
+    _advance(gs, srv, outer, 5)
+    assert srv.kept_rounds() == [5]
+    snap = await download_state(joiner, [addr], round=5, numel=P, expected_digest=want)
+    assert snap.round == 5 and snap.digest == want
+
+
+@pytest.mark.timeout(60)
+async def test_a_one_byte_update_request_does_not_make_the_donor_eager(donor):
+    gs, srv, addr, outer, client = donor
+    _advance(gs, srv, outer, 5)
+    atk = client()
+    req = collective_pb2.StateRequest(round=5, length=1)
+    got = [v async for v in atk.call_stream(addr, state_sync.STATE_UPDATE, req.SerializeToString(), round=5,
+                                            timeout=10)]
+    assert len(collective_pb2.StateChunk.FromString(got[0].payload).data) == 1
+    assert not srv.updates.catching_up  # rounds sealed from now on are not encoded eagerly
+    # a real catch-up (the whole update) does
+    got = [v async for v in atk.call_stream(addr, state_sync.STATE_UPDATE, collective_pb2.StateRequest(
+        round=5).SerializeToString(), round=5, timeout=10)]
+    assert srv.updates.catching_up
