@@ -14,7 +14,9 @@ Lifecycle (DESIGN.md, all of it):
    checkpoint every N rounds. A peer not in the plan (late joiner, re-syncing) waits for the
    round to end and downloads the new state.
 5. Ctrl+C / SIGTERM: finish the exchange if it is under way, write a checkpoint, stop every task,
-   exit 0.
+   exit 0. When the swarm ends without this peer (every other peer left while it was behind or short of
+   ``--min-peers``): a WARNING instead of "done", exit 0 when it holds the swarm's last state, else
+   :data:`EXIT_NOT_SYNCED`.
 """
 
 from __future__ import annotations
@@ -96,6 +98,11 @@ EMPTY_SWARM_POLL_MAX_S = 15.0
 
 #: How long a peer waits for the address of a record under its own PeerID to answer at start (seconds).
 IDENTITY_PING_TIMEOUT_S = 3.0
+
+
+#: Exit code of a peer whose run ended on a state that is not the swarm's (the swarm ended while it was behind,
+#: or its last rounds were trained on a state the others never had): docs/round.md, "When the swarm ends".
+EXIT_NOT_SYNCED = 3
 
 
 class StoppedBeforeJoining(Exception):
@@ -648,12 +655,26 @@ class PeerNode(NodeRoundPolicy):
             self.announcer.start()
             self.initial_ppl = await asyncio.to_thread(self.trainer.evaluate, max_batches=self.cfg.eval_batches)
             log.info("round %d: eval perplexity %.2f (initial)", self.round, self.initial_ppl)
-            await self._driver().run()
+            driver = self._driver()
+            await driver.run()
             self._reached_target()
+            if driver.ended is not None:
+                return self._log_swarm_ended(driver.ended)
             self._log_done()
         finally:
             await self.shutdown()
         return 0
+
+    def _log_swarm_ended(self, ended) -> int:
+        """The closing line of a run the swarm ended before its ``--rounds`` / target (``RoundDriver.ended``,
+        a :class:`~geomesh_p2p.round.driver.SwarmEnded`): a WARNING, never "done". Returns the exit code:
+        0 when this peer holds the swarm's last state (the run's result is here and sound; it only did not
+        reach its own goal), :data:`EXIT_NOT_SYNCED` when it does not (its state is not the swarm's: a script
+        must not take its checkpoint or perplexity for the run's)."""
+        code = 0 if ended.synced else EXIT_NOT_SYNCED
+        log.warning("not done: %s; %d round(s) trained here, now at round %d; exit %d", ended.why, len(self.history),
+                    self.round, code)
+        return code
 
     # ------------------------------------------------------------------ the round driver's ports
     def _driver(self) -> RoundDriver:

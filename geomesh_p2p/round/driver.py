@@ -53,13 +53,19 @@ ROUND_END_SLACK_S = 5.0
 PROBATION_SYNC_GRANTS = 2
 #: Rounds of this peer's lineage kept for telling what a re-sync to another side's state discards.
 LINEAGE_ROUNDS = 4096
+#: A round in which this peer itself was not running (its event loop stalled -- SIGSTOP, swap, a debugger --
+#: or the host slept: wall time jumped against monotonic time) for at least this share of the plan's
+#: exchange window (train deadline -> exchange deadline) is void as evidence: every part failed at once
+#: because of this peer, so the owners are not blamed (no owner/no-show penalties, no exchange-cost sample).
+STALL_VOID_SHARE = 0.5
+
 #: Which side of a healed partition survives (docs/round.md, "Partitions"); said in the dropped side's line.
 SURVIVOR_RULE = ("a peer adopts the state more than half of the vote backs (standing.choose_state: each other peer "
                  "weighs the rounds this peer saw it deliver among the last 32) once it is at a later round than its "
                  "own, or when a plan of the other side's leader plans it out; after a partition of under 16 rounds "
                  "the side at the later round survives (docs/round.md, Partitions)")
 
-__all__ = ["Phase", "DriverConfig", "RoundDriver", "RoundContext", "LineageEntry", "no_work"]
+__all__ = ["Phase", "DriverConfig", "RoundDriver", "RoundContext", "LineageEntry", "SwarmEnded", "no_work"]
 
 
 class Phase(enum.Enum):
@@ -75,10 +81,31 @@ class Phase(enum.Enum):
     DONE = "done"
 
 
+@dataclass(frozen=True)
+class SwarmEnded:
+    """Why :meth:`RoundDriver.run` ended before ``rounds`` / ``target_ppl`` (the node then does not log
+    "done" as if healthy; docs/round.md, "When the swarm ends without this peer").
+
+    Attributes:
+        round: the round of the state this peer holds at the end.
+        swarm_round: the latest round the swarm's records (leaving peers included) show.
+        synced: this peer's state is the swarm's last state (same round and digest as the swarm's vote or
+            the majority of the records at that round); False: it holds a state the swarm never had or an
+            older one it could not catch up from.
+        why: one sentence for the log.
+    """
+
+    round: int
+    swarm_round: int
+    synced: bool
+    why: str
+
+
 @dataclass
 class DriverConfig:
-    """The driver's knobs (seconds). ``min_peers`` and ``wait_peers_s`` apply before the first round;
-    later rounds gather for ``gather_wait_s``."""
+    """The driver's knobs (seconds). ``min_peers`` applies at every round: short of it a peer waits up to
+    ``wait_peers_s`` (one INFO line "waiting for N peers, M live"), and ends (:class:`SwarmEnded`) when every
+    other peer announced leaving. Rounds with enough peers gather for ``gather_wait_s`` after the first."""
 
     min_peers: int = 1
     wait_peers_s: float = 60.0
@@ -134,6 +161,10 @@ class RoundContext:
     early: Optional[asyncio.Future] = None
     early_plan: Optional[RoundPlan] = None
     early_abort: Optional[threading.Event] = None
+    #: monotonic start of the round (its wall start is ``t_round``): the wall-vs-monotonic gap over the
+    #: round tells a host that slept; and the worst loop stall (seconds) taken when the exchange returned
+    m_round: float = 0.0
+    stall_s: Optional[float] = None
 
     def planned(self) -> RoundPlan:
         """The round's plan, set by the PLAN phase.
@@ -236,6 +267,11 @@ class RoundDriver:
         #: announce and behind-check would repeat that store and the gather's own swarm-round check
         self._fresh_record = False
         self._gathered: Optional[dict] = None  # live records of the gather's last read, for agree()
+        #: set when the run ends because the swarm ended without this peer (node: no "done" line)
+        self.ended: Optional[SwarmEnded] = None
+        #: the first round whose start state the swarm has not confirmed to this peer (a digest check that
+        #: agreed, or a state adopted by a catch-up): blame noted from it on is of an unconfirmed lineage
+        self._confirmed_round: int = 0
 
     @property
     def me(self) -> str:
@@ -287,6 +323,8 @@ class RoundDriver:
                     continue
             with self._timed("gather"):
                 members = await self.gather(expected, first=first)
+            if self.ended is not None:
+                break  # the swarm ended without this peer (gather or resync said so in one WARNING)
             if members is None:
                 continue  # the swarm is ahead: the next pass catches up
             if self.stop.is_set() and {m.peer_id for m in members} <= {self.me}:
@@ -295,12 +333,60 @@ class RoundDriver:
             expected = await self.one_round(members)
             if self.reached_target():
                 break
+            if self.ended is not None:
+                break
+        if self.ended is None and not self.stop.is_set() and self.history:
+            await self._check_end()
         self.phase = Phase.DONE
 
     async def behind(self) -> bool:
-        """True when the swarm's vote backs a later round than this peer's."""
-        sr = self.policy.swarm_round(await self.membership.peers())
+        """True when the swarm's vote backs a later round than this peer's. Peers that announced leaving
+        count: their last record says which round and state the swarm reached (a swarm whose peers all
+        finished their last round is ahead of a peer that was stalled, not gone)."""
+        sr = self.policy.swarm_round(await self.membership.peers(include_leaving=True))
         return sr is not None and sr > self.state.round
+
+    def _swarm_ended(self, everyone: Sequence[PeerRecord]) -> Optional[SwarmEnded]:
+        """A :class:`SwarmEnded` when ``everyone`` (the run's records, leaving peers included) holds at least
+        one other peer and every other peer announced leaving; None while another peer is live.
+
+        ``synced``: the majority digest of the others' records at this peer's round is this peer's digest
+        (the swarm ended on the state this peer holds); ``swarm_round``: the latest round they announced."""
+        others = [x for x in everyone if x.peer_id != self.me]
+        if not others or any(not x.leaving for x in others):
+            return None
+        r = self.state.round
+        majority, _, _ = digest_majority(others, r)
+        swarm_round = max(x.round for x in others)
+        synced = majority is not None and majority == self.state.digest and swarm_round <= r
+        state = (f"the swarm's last state (round {r}, digest {(self.state.digest or '')[:8]})" if synced else
+                 f"NOT the swarm's: this peer holds round {r}, digest {(self.state.digest or '')[:8]}, the swarm "
+                 f"ended at round {swarm_round}" + (f" with digest {majority[:8]}" if majority else ""))
+        why = (f"the swarm ended: every other peer ({len(others)}) announced leaving, the latest at round "
+               f"{swarm_round}; this peer's state is {state}")
+        return SwarmEnded(round=r, swarm_round=swarm_round, synced=synced, why=why)
+
+    def _end(self, ended: SwarmEnded) -> None:
+        """Record that the run ends without reaching its goal because the swarm ended (one WARNING)."""
+        self.ended = ended
+        log.warning("round %d: %s; ending without reaching %s", ended.round, ended.why,
+                    f"--rounds {self.cfg.rounds}" if self.cfg.rounds is not None else "the target")
+
+    async def _check_end(self) -> None:
+        """After the last round: when the other peers' records at this peer's round back another digest
+        (this peer trained its last rounds on a state the swarm never had), or show a later round, the run
+        did not end healthy: :attr:`ended` says so (synced False) and one WARNING line. One DHT read."""
+        everyone = await self.membership.peers(include_leaving=True)
+        others = [x for x in everyone if x.peer_id != self.me]
+        r = self.state.round
+        majority, agree, total = digest_majority(others, r)
+        later = max((x.round for x in others if x.weights_digest), default=r)
+        if later > r or (majority is not None and majority != self.state.digest):
+            self._end(SwarmEnded(
+                round=r, swarm_round=max(later, r), synced=False,
+                why=(f"this peer's last state (round {r}, digest {(self.state.digest or '')[:8]}) is NOT the swarm's: "
+                     + (f"the others reached round {later}" if later > r else
+                        f"{agree} of {total} other peer(s) hold digest {(majority or '')[:8]}"))))
 
     def reached_target(self) -> bool:
         """True once the last row's evaluation is at or under ``target_ppl``."""
@@ -309,11 +395,17 @@ class RoundDriver:
         return t is not None and bool(h) and h[-1].eval_ppl is not None and h[-1].eval_ppl <= t
 
     async def resync(self, why: str) -> None:
-        """Download the swarm's state; a failure is one warning and a pause (the donors may come back)."""
+        """Download the swarm's state; a failure is one warning and a pause (the donors may come back), or,
+        when every other peer announced leaving, the end of the run (:attr:`ended`, one WARNING)."""
         self.phase = Phase.RESYNC
         try:
             await self._catch_up()
         except StateSyncError as e:
+            # Every donor gone for good (all of them announced leaving): retrying would never end.
+            ended = self._swarm_ended(await self.membership.peers(include_leaving=True))
+            if ended is not None:
+                self._end(ended)
+                return
             log.warning("catching up failed (%s; %s); retrying in a few seconds", e, why)
             await self._pause(RESYNC_RETRY_PAUSE_S)
 
@@ -326,11 +418,29 @@ class RoundDriver:
         # read only when there is a lineage to lose (a joiner's catch-up costs no extra DHT read).
         recs = await self.membership.peers(include_leaving=True) if self.lineage else []
         kept = len(self.lineage)
+        mine = {e.digest for e in self.lineage}
         await self.state.catch_up()
         if self.lineage and self.state.digest != before[1]:
             self._log_dropped(before, recs)
         if len(self.lineage) < kept:  # rounds of this peer's lineage were discarded
             await self._drop_feedback()
+        if self.state.digest != before[1] and self.state.digest not in mine:
+            self._forget_blame()
+        if self.state.digest != before[1] and not self.state.syncing:
+            self._confirmed_round = self.state.round  # adopted the swarm's state: its start is confirmed
+
+    def _forget_blame(self) -> None:
+        """After a re-sync to a state this peer did not make: penalties it noted in rounds the swarm never
+        confirmed to it (from :attr:`_confirmed_round` on) came from the lineage it abandoned (e.g. every part
+        failed while it was stalled) and are dropped (``policy.forget_marks_since``; one INFO line)."""
+        forget = getattr(self.policy, "forget_marks_since", None)
+        if forget is None:
+            return
+        dropped = forget(self._confirmed_round)
+        if dropped:
+            log.info("re-synced to the swarm's state: %d penalty mark(s) this peer noted since round %d (a lineage "
+                     "the swarm did not confirm) dropped: %s", len(dropped), self._confirmed_round,
+                     ", ".join(p[:10] for p in dropped))
 
     def _log_dropped(self, before: tuple, recs: Sequence[PeerRecord]) -> None:
         """After a re-sync from ``before`` (round, digest) to the state now held: when that state is not of
@@ -370,11 +480,13 @@ class RoundDriver:
         ``expected`` (last round's contributors, less those leaving) up to ``gather_wait_s``
         (``wait_peers_s`` and ``min_peers`` before the first round), and for each peer announced as
         syncing for this round as long as :meth:`_sync_deadline` says (its announced download progress,
-        within ``sync_wait_cap_s``). None at once when the swarm holds a later round. Short of
-        ``min_peers``, one INFO line "waiting for N peers, M live" (not one per read)."""
+        within ``sync_wait_cap_s``). None at once when the swarm holds a later round (leaving peers' records
+        count: they show where the swarm is). Short of ``min_peers`` at any round: one INFO line "waiting for
+        N peers, M live" (not one per read), a wait of up to ``wait_peers_s``; None with :attr:`ended` set
+        (one WARNING) when every other peer announced leaving -- this peer never trains alone on a swarm
+        that ended."""
         self.phase = Phase.GATHER
-        min_peers = self.cfg.min_peers if first else 1
-        wait_s = self.cfg.wait_peers_s if first else self.cfg.gather_wait_s
+        min_peers = self.cfg.min_peers
         t0 = self.clock.monotonic()
         backoff = self._backoff()
         last_ids: Optional[frozenset] = None
@@ -388,11 +500,20 @@ class RoundDriver:
                 expected = expected - {r.peer_id for r in everyone if r.leaving}
                 recs = [r for r in everyone if not r.leaving]
                 self._gathered = {r.peer_id: r for r in recs}  # the live view PLAN starts from (no re-read)
-                sr = self.policy.swarm_round(recs)
+                # Leaving peers' records are evidence of the swarm's progress (their round and digest): a
+                # stalled peer whose swarm finished while it was stopped must catch up, not train alone.
+                sr = self.policy.swarm_round(everyone)
                 if sr is not None and sr > self.state.round:
                     return None
                 synced = [r for r in recs if r.round == self.state.round and r.weights_digest == self.state.digest]
                 ids = {r.peer_id for r in synced}
+                short = len(ids) < min_peers
+                if short and not self.stop.is_set():
+                    ended = self._swarm_ended(everyone)
+                    if ended is not None:
+                        self._end(ended)
+                        return None
+                wait_s = self.cfg.wait_peers_s if first or short else self.cfg.gather_wait_s
                 syncing = [r for r in recs if r.round == self.state.round and r.weights_digest is None
                            and r.peer_id not in ids and r.peer_id != self.me]
                 ends = {r.peer_id: self._sync_deadline(r, recs, waits, now, wait_s) for r in syncing}
@@ -468,7 +589,8 @@ class RoundDriver:
 
     async def one_round(self, members: list[PeerRecord]) -> set[str]:
         """Run round ``state.round`` with ``members``; returns the participants expected next round."""
-        ctx = RoundContext(round=self.state.round, t_round=self.clock.time(), members=members)
+        ctx = RoundContext(round=self.state.round, t_round=self.clock.time(), members=members,
+                           m_round=self.clock.monotonic())
         with self._timed("plan"):
             agreed = await self.agree(ctx)
         if not agreed:
@@ -685,8 +807,24 @@ class RoundDriver:
         finally:
             self.in_exchange = False
         ctx.t_agg = self.clock.time()
-        self.policy.after_exchange(ctx.spec, ctx.planned(), ctx.ar)
+        ctx.stall_s = self.loop_stall()  # taken now: the blame below needs it; the row keeps the worst
+        paused = self._paused_s(ctx)
+        window = max(0.0, ctx.planned().exchange_deadline - ctx.planned().train_deadline)
+        if paused >= STALL_VOID_SHARE * window and paused > 0:
+            # This peer was not running through the deadlines: the parts it found missing failed because of
+            # it, so the round is no evidence against their owners (nor a sample of the exchange's cost).
+            log.warning("round %d: this peer was stalled %.1f s (its exchange window is %.1f s); the parts and "
+                        "contributions it missed are not held against their owners", ctx.round, paused, window)
+        else:
+            self.policy.after_exchange(ctx.spec, ctx.planned(), ctx.ar)
         return True
+
+    def _paused_s(self, ctx: RoundContext) -> float:
+        """Seconds this peer was not running during round ``ctx.round`` (so far): the worst event-loop stall
+        (LoopLagMonitor, taken when the exchange returned) or the wall clock's jump ahead of the monotonic
+        clock since the round began (a host that slept), whichever is larger; 0.0 when neither is known."""
+        jump = (self.clock.time() - ctx.t_round) - (self.clock.monotonic() - ctx.m_round)
+        return max(ctx.stall_s or 0.0, jump if ctx.m_round else 0.0, 0.0)
 
     async def _drop_feedback(self) -> None:
         """After a re-sync that discarded rounds of this peer's lineage: its error-feedback residual is the
@@ -751,9 +889,10 @@ class RoundDriver:
             bytes_sent=sent1 - ctx.sent0, bytes_received=recv1 - ctx.recv0, digest=digest,
             contributors=len(delivered), missing_parts=len(ar.missing_parts), time=self.clock.time(),
             eval_round=eval_round)
-        stall = self.loop_stall()
-        if stall is not None:
-            rec.loop_stall_ms = stall * 1e3
+        later = self.loop_stall()
+        known = [x for x in (ctx.stall_s, later) if x is not None]
+        if known:
+            rec.loop_stall_ms = max(known) * 1e3
         # Only the participants that delivered vote on the digest (and are waited for): a no-show, e.g. an
         # identity on probation that never takes part, would hold every check for its whole wait.
         with self._timed("digest_check"):
@@ -857,6 +996,7 @@ class RoundDriver:
             log.error("round %d: my digest %s differs from the majority's %s (%d/%d); re-syncing",
                       r, (self.state.digest or "")[:8], majority[:8], agree, total)
             return False
+        self._confirmed_round = max(self._confirmed_round, r)
         return True
 
 

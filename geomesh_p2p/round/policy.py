@@ -251,6 +251,26 @@ class NodeRoundPolicy:
         self._note_no_shows(plan, ar)
         self._update_exchange_cost(spec, ar)
 
+    def _marks_noted(self) -> dict[tuple[str, str], int]:
+        """(penalty kind "owner" | "noshow", peer id) -> the round in which this peer noted that penalty."""
+        noted = self.__dict__.get("_marks_noted_at")
+        if noted is None:
+            noted = self.__dict__["_marks_noted_at"] = {}
+        return noted
+
+    def forget_marks_since(self, round: int) -> list[str]:
+        """Drop the owner and no-show penalties this peer noted in round ``round`` or later (the driver calls it
+        after a re-sync to a state this peer did not make: those rounds were of a lineage the swarm never
+        confirmed, e.g. every part failed while this peer itself was stalled). A penalty noted earlier and
+        renewed in such a round goes too (the renewal replaced it). Returns the peer ids whose marks went."""
+        noted = self._marks_noted()
+        gone = [(kind, pid) for (kind, pid), r in noted.items() if r >= round]
+        pens = {"owner": getattr(self, "_owner_penalty", {}), "noshow": self._noshows()}
+        for kind, pid in gone:
+            pens[kind].pop(pid, None)
+            del noted[(kind, pid)]
+        return sorted({pid for _, pid in gone})
+
     async def before_outer_step(self, r, plan, assignment, ar) -> None:
         """Verified work keeps round ``r``'s start weights: copied in a worker thread (a whole-model copy)."""
         theta0 = await asyncio.to_thread(self._global_theta().clone) if getattr(ar, "contributions", None) else None
@@ -329,7 +349,9 @@ class NodeRoundPolicy:
             for attempt in range(STATE_SYNC_ATTEMPTS):
                 if self._stop.is_set():
                     return
-                recs = [r for r in await self.peers() if r.peer_id != self.me]
+                # leaving peers vote and donate too: they serve their last state until they exit, and a peer
+                # stalled while the swarm finished must catch up to it rather than train alone (docs/round.md)
+                recs = [r for r in await self.peers(include_leaving=True) if r.peer_id != self.me]
                 choice = self._state_vote(recs).choice
                 if choice is None:
                     # No state has a majority: mostly a moment mid-round, when the others announce round r+1 one
@@ -446,7 +468,7 @@ class NodeRoundPolicy:
 
     async def _behind(self) -> bool:
         """True when the swarm already holds the state of a later round (this peer must catch up)."""
-        sr = self._swarm_round(await self.peers())
+        sr = self._swarm_round(await self.peers(include_leaving=True))  # leaving peers show the swarm's round
         return sr is not None and sr > self.round
 
     def _swarm_round(self, recs) -> Optional[int]:
@@ -538,6 +560,7 @@ class NodeRoundPolicy:
                 log.warning("round %d: part %d of %s had no valid result; it owns no part for the next %d rounds",
                             spec.round, j, pid[:10], OWNER_PENALTY_ROUNDS)
             self._owner_penalty[pid] = spec.round + OWNER_PENALTY_ROUNDS
+            self._marks_noted()[("owner", pid)] = spec.round
 
     def _without_parts(self, members, probation=()):
         """``members`` with the peers under an owner penalty planned as client-only (they own no part),
@@ -575,6 +598,7 @@ class NodeRoundPolicy:
                         "round %d: %s%s was planned and contributed to no part; not planned for the next %d rounds",
                         plan.round, pid[:10], " (on probation)" if pid in marked else "", rounds)
             pen[pid] = plan.round + rounds
+            self._marks_noted()[("noshow", pid)] = plan.round
 
     def _standing_view(self, records):
         """This node's :class:`~geomesh_p2p.probation.StandingView` of ``records`` for the current round."""
