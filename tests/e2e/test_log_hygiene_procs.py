@@ -1,0 +1,51 @@
+"""The process-level tests of ``tests/integration/test_log_hygiene.py`` (they start OS processes)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import sys
+import pytest
+from geomesh_p2p.identity import Identity
+from geomesh_p2p.node import NodeConfig, PeerNode, RunConfig
+from geomesh_p2p.records import PeerRecord
+from geomesh_p2p.round.ports import PlanDeferred
+from tests.swarm_util import free_port
+from tests.integration.test_log_hygiene import _bad_lines  # noqa: F401
+
+
+@pytest.mark.timeout(420)
+def test_a_healthy_three_peer_swarm_logs_no_error_traceback_or_pending_task(swarm):
+    """A demo-like swarm (a bootstrap and three peers, --rounds 3) runs and stops: no log has a bad line."""
+    bport = free_port()
+    swarm.bootstrap("boot", bport)
+    swarm.wait_for(lambda: "serving on" in swarm.text("boot"), 180, "the bootstrap to listen")
+    names = ["p0", "p1", "p2"]
+    for n in names:
+        swarm.peer(n, "--rounds", "3", "--min-peers", "3", bootstrap=f"127.0.0.1:{bport}")
+    assert swarm.wait_exit(names, 360) == {n: 0 for n in names}
+    swarm.interrupt("boot")
+    assert swarm.wait_exit(["boot"], 60) == {"boot": 0}
+    for n in names:
+        assert [r["round"] for r in swarm.rows(n)] == [0, 1, 2], swarm.text(n)[-3000:]
+    for n in names + ["boot"]:
+        assert _bad_lines(swarm.text(n)) == [], (n, swarm.text(n)[-3000:])
+
+
+
+@pytest.mark.timeout(240)
+def test_a_bootstrap_stopped_while_joining_stops_at_once_and_cleanly(swarm):
+    """SIGINT while the bootstrap still retries its --bootstrap (a closed port, ~30 s of backoff): it ends
+    the join at once (no 'serving alone' after it), exits 0 and prints no bad line."""
+    dead = free_port()  # nothing listens there
+    argv = [sys.executable, "-m", "bootstrap.cli", "--host", "127.0.0.1", "--port", str(free_port()),
+            "--run-id", "test-swarm", "--identity", str(swarm.dir / "boot.key"), "--bootstrap", f"127.0.0.1:{dead}"]
+    swarm._spawn("boot", argv)
+    swarm.wait_for(lambda: "serving on" in swarm.text("boot"), 180, "the bootstrap to listen")
+    swarm.interrupt("boot")
+    assert swarm.wait_exit(["boot"], 60) == {"boot": 0}
+    text = swarm.text("boot")
+    assert "stopped" in text.splitlines()[-1], text
+    assert "serving alone" not in text, text  # the join's retries did not run to their end
+    assert _bad_lines(text) == [], text
