@@ -33,12 +33,13 @@ browser:
 
 # Lint, then types of the library (mypy, config in pyproject.toml's [tool.mypy]), then the suite.
 test: setup browser
-	$(VENV)/bin/ruff check $(LINT_PATHS) && $(VENV)/bin/mypy geomesh_p2p && $(VENV)/bin/pytest -q tests
+	$(VENV)/bin/ruff check $(LINT_PATHS) && $(VENV)/bin/mypy geomesh_p2p && \
+	  $(VENV)/bin/pytest -q tests/unit tests/integration tests/e2e
 
-# The tests that start no processes (pytest -m "not e2e"; tests/conftest.py names the others): a few
-# minutes on 2 cores. No browser needed.
+# The first two tiers: tests/unit (no sockets) and tests/integration (in-process gRPC on 127.0.0.1); no
+# processes, no browser.
 test-quick: setup
-	$(VENV)/bin/pytest -q -m "not e2e" tests
+	$(VENV)/bin/pytest -q tests/unit tests/integration
 
 # Lint (rules in pyproject.toml's [tool.ruff.lint]: real defects, not style) and types of the library;
 # both run, and either's findings fail the target.

@@ -68,7 +68,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     ref = None
     if args.reference:
-        from tests.test_robust_agg_equiv import reference_robust_sign as ref
+        from tests.unit.test_robust_agg_equiv import reference_robust_sign as ref
 
     rules = [r for r in args.rules.split(",") if r]
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, block {args.block}, flip {args.flip}, "

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from tests.collective_util import Swarm
@@ -57,30 +59,53 @@ def servers():
 
 
 # ------------------------------------------------------------------------------ tiers
-# `make test-quick` runs `pytest -m "not e2e"`: everything but the tests that start OS processes (peer,
-# bootstrap and worker processes, console scripts, the browser). Until the suite is split into
-# tests/unit, tests/integration and tests/e2e (issue 15), the e2e tier is named here: whole modules by
-# file name (so it survives a move into a sub-folder), single tests by "module::test", and any test that
-# uses a process-spawning fixture.
-E2E_MODULES = frozenset({
-    "test_attacks.py", "test_bootstrap.py", "test_join_errors.py", "test_status_page.py", "test_swarm.py",
-    "test_sybil.py", "test_young_swarm.py", "test_slow_link.py", "test_startup_stop.py",
-})
-E2E_TESTS = frozenset({
-    "test_cli.py::test_console_scripts_help",
-    "test_log_hygiene.py::test_a_healthy_three_peer_swarm_logs_no_error_traceback_or_pending_task",
-    "test_log_hygiene.py::test_a_bootstrap_stopped_while_joining_stops_at_once_and_cleanly",
-})
-E2E_FIXTURES = frozenset({
-    "workers",  # test_collective_failures: real collective_worker.py processes
-    "servers",  # test_limits: a bootstrap or peer process whose memory is measured
-})
+# tests/unit: no sockets and no servers (the guard below refuses an INET socket's bind/connect);
+# tests/integration: in-process gRPC on 127.0.0.1; tests/e2e: OS processes (peers, bootstraps, workers,
+# console scripts, a browser, network namespaces). `make test-quick` runs the first two, `make test` all three.
+# Every test under tests/e2e is also marked ``e2e`` so that `-m "not e2e"` keeps working.
+TESTS = Path(__file__).resolve().parent
 
 
 def pytest_collection_modifyitems(config, items):
-    """Mark the tests that start processes ``e2e`` (see ``E2E_MODULES``); pytest's own hook, no return."""
+    """Mark the tests under ``tests/e2e`` ``e2e``; pytest's own hook, no return."""
     for item in items:
-        name = item.path.name
-        if (name in E2E_MODULES or f"{name}::{item.originalname}" in E2E_TESTS
-                or E2E_FIXTURES.intersection(getattr(item, "fixturenames", ()))):
+        if (TESTS / "e2e") in Path(item.path).resolve().parents:
             item.add_marker(pytest.mark.e2e)
+
+
+@pytest.fixture(autouse=True)
+def _unit_tier_opens_no_socket(request, monkeypatch):
+    """In ``tests/unit``, binding or connecting an IPv4/IPv6 socket fails the test: such a test belongs in
+    ``tests/integration``. (Unix sockets and socketpairs, which asyncio uses for its own wake-ups, stay
+    allowed. gRPC's C core opens its sockets outside Python: a gRPC server or channel is caught by the
+    ``grpc.aio.server``/channel guards instead.)"""
+    if (TESTS / "unit") not in Path(request.node.path).resolve().parents:
+        yield
+        return
+    import socket
+
+    import grpc
+
+    def refuse(what):
+        def f(*a, **k):
+            raise AssertionError(f"a unit test opened {what}: move it to tests/integration")
+        return f
+
+    orig_bind, orig_connect = socket.socket.bind, socket.socket.connect
+
+    def bind(self, addr, *a):
+        if self.family in (socket.AF_INET, socket.AF_INET6):
+            refuse("an INET socket")()
+        return orig_bind(self, addr, *a)
+
+    def connect(self, addr, *a):
+        if self.family in (socket.AF_INET, socket.AF_INET6):
+            refuse("an INET socket")()
+        return orig_connect(self, addr, *a)
+
+    monkeypatch.setattr(socket.socket, "bind", bind)
+    monkeypatch.setattr(socket.socket, "connect", connect)
+    for mod, name in ((grpc.aio, "server"), (grpc.aio, "insecure_channel"), (grpc.aio, "secure_channel"),
+                      (grpc, "server"), (grpc, "insecure_channel"), (grpc, "secure_channel")):
+        monkeypatch.setattr(mod, name, refuse(f"a gRPC {name}"))
+    yield

@@ -2,18 +2,13 @@
 
 from __future__ import annotations
 
-import logging
 import sys
-import time
 import pytest
-from geomesh_p2p.dht import DHTJoinError, DHTNode
-from geomesh_p2p.identity import Identity, allow_list
-from geomesh_p2p.transport import Transport, TransportConfig
+from geomesh_p2p.identity import Identity
 from tests.swarm_util import free_port
 from tests.integration.test_allow_list import REASON  # noqa: F401
 
 
-@pytest.mark.e2e
 @pytest.mark.timeout(180)
 def test_bootstrap_with_allow_peers_refuses_a_peer_process_off_the_list(swarm, tmp_path):
     """geomesh-bootstrap --allow-peers FILE (PeerIDs, '#' comments): a geomesh-peer whose key is not listed

@@ -19,7 +19,7 @@ import pytest
 from bootstrap.cli import main, parse
 
 pytestmark = pytest.mark.timeout(180)
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT = 90  # seconds: a cold interpreter imports torch + hivemind; CI machines can be slow
 
 

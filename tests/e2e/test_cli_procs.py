@@ -5,9 +5,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import pytest
-from geomesh_p2p import __version__
-from peer.cli import main
 
 
 def test_console_scripts_help():

@@ -3,26 +3,19 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
-import sys
 import time
-from pathlib import Path
-import grpc
 import numpy as np
 import pytest
 import torch
-from geomesh_p2p import compression
-from geomesh_p2p.collective import CollectiveService, CollectiveSpec, PartOwner
-from geomesh_p2p.transport import COLLECTIVE_PUSH, RpcError
-from geomesh_p2p.wire import collective_pb2
-from tests.collective_util import RUN, Swarm, craft_contribution, deltas_for, pid_order, reference
+from geomesh_p2p.collective import CollectiveSpec, PartOwner
+from tests.collective_util import RUN, reference
 from tests.integration.test_collective_failures import SLACK_S, swarm, timed, workers  # noqa: F401
 
 
 @pytest.mark.timeout(150)  # cold Python+torch starts on a busy 2-core machine
-async def test_processes_one_sigkilled_mid_round(workers, swarm, tmp_path):
+async def test_processes_one_sigkilled_mid_round(workers, swarm, tmp_path):  # noqa: F811 (fixtures)
     """Three peers: this test process (owner of part 0) and two worker processes (owners of parts 1
     and 2). Worker 2 delivers part 0, then is SIGKILLed mid-round."""
     procs = await workers(2)

@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import logging
 import pytest
 import torch
-from geomesh_p2p import compression
-from geomesh_p2p.compression.feedback import RESIDUAL_FILE, PushFeedback
+from geomesh_p2p.compression.feedback import RESIDUAL_FILE
 from tests.swarm_util import free_port
 
 
 # ------------------------------------------------------------------ two peer processes
-@pytest.mark.e2e
 @pytest.mark.timeout(420)
 def test_two_peers_with_error_feedback_keep_equal_digests_and_checkpoint_the_residual(swarm, tmp_path):
     """geomesh-peer join --error-feedback: 2 peers train 3 rounds with equal digests every round; each

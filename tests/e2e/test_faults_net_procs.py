@@ -4,14 +4,8 @@ from __future__ import annotations
 
 import json
 import signal
-import time
-import grpc
 import pytest
-from geomesh_p2p.dht import DHTNode
-from geomesh_p2p.identity import Identity
-from geomesh_p2p.transport import RpcError, Transport, TransportConfig
-from tests.dht_helpers import RUN, start_node, stop_all, stop_node
-from tests.test_bootstrap import START_TIMEOUT, procs
+from tests.e2e.test_bootstrap import START_TIMEOUT
 from tests.integration.test_faults_net import FAKETIME_LIB, _boot_argv, _dht_argv, _wait_file  # noqa: F401
 
 
@@ -31,7 +25,7 @@ def test_process_advertising_an_unreachable_host_warns_and_runs_client_only(tmp_
 
 
 def test_bootstrap_and_peer_processes_on_ipv6_loopback(tmp_path, procs):  # noqa: F811
-    from tests.test_addr import _has_ipv6_loopback
+    from tests.integration.test_addr import _has_ipv6_loopback
 
     if not _has_ipv6_loopback():
         pytest.skip("this machine has no IPv6 loopback (::1)")

@@ -2,27 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
-import logging
 import os
 import re
-import time
-from types import SimpleNamespace
 import pytest
-import torch
-from geomesh_p2p import clock
-from geomesh_p2p import node as node_mod
-from geomesh_p2p import state as gstate
-from geomesh_p2p.dht.node import Reachability
-from geomesh_p2p.dht.progress import SwarmProgress
-from geomesh_p2p.errors import UserFacingError
-from geomesh_p2p.identity import Identity
-from geomesh_p2p.node import NodeConfig, PeerNode, RunConfig, StoppedBeforeJoining
-from geomesh_p2p.records import PeerRecord
 from tests.unit.test_faults_node import FAKETIME_LIB, _digests, _start_entry  # noqa: F401
 
 
-@pytest.mark.e2e
 @pytest.mark.timeout(420)
 def test_peer_advertising_an_unreachable_host_trains_client_only_without_a_fork(swarm):
     """--advertise-host 127.0.0.9 (nothing listens there): the peer warns once, owns no part (its record
@@ -41,7 +26,6 @@ def test_peer_advertising_an_unreachable_host_trains_client_only_without_a_fork(
 
 
 
-@pytest.mark.e2e
 @pytest.mark.timeout(420)
 def test_newcomer_of_a_run_whose_peers_left_waits_or_resumes(swarm, tmp_path):
     """The bootstrap saw the run at round N > 0, its only peer left: a newcomer says so and waits (Ctrl+C
@@ -78,7 +62,6 @@ def test_newcomer_of_a_run_whose_peers_left_waits_or_resumes(swarm, tmp_path):
 
 
 
-@pytest.mark.e2e
 @pytest.mark.timeout(480)
 def test_peer_with_a_clock_30s_ahead_trains_with_the_swarm(swarm, monkeypatch):
     """FAKETIME=+30s moves the whole process's wall clock: plans' deadlines, expiries and contribution

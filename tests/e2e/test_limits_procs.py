@@ -3,22 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import gc
-import logging
-import random
-import select
-import socket
 import grpc
-import pytest
-import torch
-from geomesh_p2p import transport as transport_mod
-from geomesh_p2p.dht.node import DHT_PROTOCOL_VERSION
-from geomesh_p2p.identity import EnvelopeError, Identity
-from geomesh_p2p.state_sync import Snapshot, StateServer
-from geomesh_p2p.transport import DHT_PING, DHT_STORE, STATE_GET, RpcError, Transport, TransportConfig
-from geomesh_p2p.wire import collective_pb2, dht_pb2
+from geomesh_p2p.identity import Identity
+from geomesh_p2p.transport import DHT_PING, DHT_STORE
 from tests.proc_util import MiB, signed_call
-from tests.wait_util import until
 from tests.integration.test_limits import RUN, _valid_pings, ping_payload  # noqa: F401
 
 

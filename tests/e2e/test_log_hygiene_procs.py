@@ -2,15 +2,8 @@
 
 from __future__ import annotations
 
-import asyncio
-import logging
-import re
 import sys
 import pytest
-from geomesh_p2p.identity import Identity
-from geomesh_p2p.node import NodeConfig, PeerNode, RunConfig
-from geomesh_p2p.records import PeerRecord
-from geomesh_p2p.round.ports import PlanDeferred
 from tests.swarm_util import free_port
 from tests.integration.test_log_hygiene import _bad_lines  # noqa: F401
 

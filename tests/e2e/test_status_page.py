@@ -35,7 +35,7 @@ from geomesh_p2p.swarm_status import (KEEP_ROUNDS, MAX_TEXT, RoundSummaries, Rou
 from tests.dht_helpers import start_node, stop_node
 from tests.swarm_util import ProcSwarm, dead_address
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 HOSTILE = "<img src=x onerror=alert(1)>"
 RUN = "test-swarm"
 

@@ -45,46 +45,6 @@ async def _valid_pings(address: str, n: int = 3) -> None:
         assert await signed_call(address, me, DHT_PING, ping_payload(), run=RUN) == grpc.StatusCode.OK
 
 
-# --------------------------------------------------------------------------- sizes, before receipt
-async def test_bootstrap_refuses_oversized_requests_before_receiving_them(servers, tmp_path):
-    """5 concurrent signed 64 MiB requests to a bootstrap: refused from their length prefix (the
-    bootstrap's server-wide limit is its largest method's, ~4 MiB), so its memory does not grow by
-    them. Before: the 128 MiB server-wide limit let each be received, parsed and hashed (+~0.3 GB)."""
-    boot = servers(["-m", "bootstrap.cli", "--host", "127.0.0.1", "--port", "0", "--run-id", RUN,
-                    "--identity", str(tmp_path / "boot.key"), "--status-interval", "3600", "--log-level", "WARNING"])
-    await _valid_pings(boot.address)
-    hwm0 = boot.kib("VmHWM")
-    attackers = [Identity.generate() for _ in range(5)]
-    big = ping_payload(64 * MiB)
-    codes = await asyncio.gather(*(signed_call(boot.address, a, DHT_PING, big, run=RUN) for a in attackers),
-                                 *(signed_call(boot.address, a, DHT_STORE, big, run=RUN) for a in attackers))
-    del big
-    assert codes == [grpc.StatusCode.RESOURCE_EXHAUSTED] * 10
-    await _valid_pings(boot.address)
-    grown_mib = (boot.kib("VmHWM") - hwm0) / 1024
-    print(f"bootstrap peak RSS grew by {grown_mib:.0f} MiB")
-    assert grown_mib < 32, f"bootstrap peak RSS grew by {grown_mib:.0f} MiB"
-
-
-async def test_peer_receives_a_bounded_number_of_oversized_requests_at_once(servers):
-    """A peer must accept 128 MiB messages (collective parts), so a 48 MiB request to Ping is received
-    before it is refused; but only ``max_reads_per_ip`` (2) at a time per IP, and it is refused from
-    its length, neither parsed nor verified. 6 concurrent ones: peak RSS grows by about 2 x (core
-    buffer + bytes copy) ~ 200 MiB. Before: all 6 at once, each parsed and hashed (> 0.6 GB)."""
-    peer = servers(["benchmarks/floods.py", "--serve", "peer", "--run-id", RUN])
-    await _valid_pings(peer.address)
-    hwm0 = peer.kib("VmHWM")
-    attackers = [Identity.generate() for _ in range(6)]
-    big = ping_payload(48 * MiB)
-    codes = await asyncio.gather(*(signed_call(peer.address, a, DHT_PING, big, run=RUN) for a in attackers))
-    del big
-    assert codes == [grpc.StatusCode.RESOURCE_EXHAUSTED] * 6
-    await _valid_pings(peer.address)
-    grown_mib = (peer.kib("VmHWM") - hwm0) / 1024
-    print(f"peer peak RSS grew by {grown_mib:.0f} MiB")
-    assert grown_mib < 260, f"peer peak RSS grew by {grown_mib:.0f} MiB"
-
-
 async def test_oversized_request_is_refused_before_parsing_and_its_connection_is_penalized():
     seen = []
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-import sys
 
 import pytest
 
@@ -14,7 +13,6 @@ from geomesh_p2p.identity import Identity
 from geomesh_p2p.node import NodeConfig, PeerNode, RunConfig
 from geomesh_p2p.records import PeerRecord
 from geomesh_p2p.round.ports import PlanDeferred
-from tests.swarm_util import free_port
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -81,7 +79,7 @@ async def test_a_wrong_run_id_is_not_reported_as_no_answer():
 
 async def test_a_peer_that_starts_below_min_peers_says_so(caplog):
     """--min-peers 2 with one peer: one line while it waits, one when it starts below it (virtual clock)."""
-    from tests.test_round_driver import FakeClock, _peers
+    from tests.unit.test_round_driver import FakeClock, _peers
 
     (lone,) = _peers(1)
     with caplog.at_level(logging.INFO, logger="geomesh_p2p.node.round"):
@@ -103,36 +101,3 @@ def _bad_lines(text: str) -> list[str]:
     return [line for line in text.splitlines() if _BAD.search(line)]
 
 
-@pytest.mark.timeout(420)
-def test_a_healthy_three_peer_swarm_logs_no_error_traceback_or_pending_task(swarm):
-    """A demo-like swarm (a bootstrap and three peers, --rounds 3) runs and stops: no log has a bad line."""
-    bport = free_port()
-    swarm.bootstrap("boot", bport)
-    swarm.wait_for(lambda: "serving on" in swarm.text("boot"), 180, "the bootstrap to listen")
-    names = ["p0", "p1", "p2"]
-    for n in names:
-        swarm.peer(n, "--rounds", "3", "--min-peers", "3", bootstrap=f"127.0.0.1:{bport}")
-    assert swarm.wait_exit(names, 360) == {n: 0 for n in names}
-    swarm.interrupt("boot")
-    assert swarm.wait_exit(["boot"], 60) == {"boot": 0}
-    for n in names:
-        assert [r["round"] for r in swarm.rows(n)] == [0, 1, 2], swarm.text(n)[-3000:]
-    for n in names + ["boot"]:
-        assert _bad_lines(swarm.text(n)) == [], (n, swarm.text(n)[-3000:])
-
-
-@pytest.mark.timeout(240)
-def test_a_bootstrap_stopped_while_joining_stops_at_once_and_cleanly(swarm):
-    """SIGINT while the bootstrap still retries its --bootstrap (a closed port, ~30 s of backoff): it ends
-    the join at once (no 'serving alone' after it), exits 0 and prints no bad line."""
-    dead = free_port()  # nothing listens there
-    argv = [sys.executable, "-m", "bootstrap.cli", "--host", "127.0.0.1", "--port", str(free_port()),
-            "--run-id", "test-swarm", "--identity", str(swarm.dir / "boot.key"), "--bootstrap", f"127.0.0.1:{dead}"]
-    swarm._spawn("boot", argv)
-    swarm.wait_for(lambda: "serving on" in swarm.text("boot"), 180, "the bootstrap to listen")
-    swarm.interrupt("boot")
-    assert swarm.wait_exit(["boot"], 60) == {"boot": 0}
-    text = swarm.text("boot")
-    assert "stopped" in text.splitlines()[-1], text
-    assert "serving alone" not in text, text  # the join's retries did not run to their end
-    assert _bad_lines(text) == [], text

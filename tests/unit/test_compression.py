@@ -577,7 +577,7 @@ def test_error_feedback_non_finite_leaves_residual_unchanged():
 
 
 def test_benchmark_script_runs(tmp_path):
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "codec.py"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "codec.py"
     spec = importlib.util.spec_from_file_location("codec_benchmark", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

@@ -16,7 +16,7 @@ from geomesh_p2p.config import BootstrapConfig, NodeConfig, RunConfig
 
 pytestmark = pytest.mark.timeout(60)
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _help(parser) -> str:

@@ -12,7 +12,7 @@ from geomesh_p2p.optim import OuterNesterov
 from geomesh_p2p.sim import MethodError, parse_method
 from geomesh_p2p.sim.clock import RoundTiming
 from geomesh_p2p.sim.engine import _overlapped
-from tests.test_sim import TOY
+from tests.unit.test_sim import TOY
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import re
 import time
 from types import SimpleNamespace
@@ -225,87 +224,3 @@ def _start_entry(swarm, name, *args) -> str:
     return swarm.address(name)
 
 
-@pytest.mark.e2e
-@pytest.mark.timeout(420)
-def test_peer_advertising_an_unreachable_host_trains_client_only_without_a_fork(swarm):
-    """--advertise-host 127.0.0.9 (nothing listens there): the peer warns once, owns no part (its record
-    names no address), both peers train the same rounds with equal digests (no fork into 1-peer runs)."""
-    names = ["p0", "bad"]
-    entry = _start_entry(swarm, "p0", "--rounds", "3", "--min-peers", "2")
-    swarm.peer("bad", "--rounds", "3", "--min-peers", "2", "--advertise-host", "127.0.0.9", bootstrap=entry)
-    assert swarm.wait_exit(names, 360) == {"p0": 0, "bad": 0}
-    text = swarm.text("bad")
-    assert text.count("nobody can dial this node at 127.0.0.9:") == 1, text[-3000:]
-    assert "continuing as a client-only node that owns no part" in text
-    for r in range(3):
-        d = _digests(swarm, names, r)
-        assert None not in d.values() and len(set(d.values())) == 1, f"round {r}: {d}"
-    assert all(x["peers"] == 2 for n in names for x in swarm.rows(n))
-
-
-@pytest.mark.e2e
-@pytest.mark.timeout(420)
-def test_newcomer_of_a_run_whose_peers_left_waits_or_resumes(swarm, tmp_path):
-    """The bootstrap saw the run at round N > 0, its only peer left: a newcomer says so and waits (Ctrl+C
-    ends it cleanly, no checkpoint of the seed is written), or resumes from a checkpoint when told to."""
-    import sys
-
-    swarm._spawn("boot", [sys.executable, "-m", "bootstrap.cli", "--host", "127.0.0.1", "--port", "0",
-                          "--run-id", "test-swarm", "--identity", str(tmp_path / "boot.key"),
-                          "--status-interval", "0.5", "--state-file", ""])
-    entry = swarm.address("boot")
-    ck = tmp_path / "ck"
-    swarm.peer("first", "--rounds", "2", "--checkpoint-dir", str(ck), bootstrap=entry)
-    assert swarm.wait_exit(["first"], 300) == {"first": 0}
-    assert [x["round"] for x in swarm.rows("first")] == [0, 1]
-    line = r"run 'test-swarm' was at round (\d+) \(bootstrap \w+ saw 1 peer\(s\) \d+ s ago\) but no peer of it is live now"
-
-    swarm.peer("waiter", "--checkpoint-dir", str(tmp_path / "ck_waiter"), bootstrap=entry)
-    swarm.wait_for(lambda: "to come back (Ctrl+C to stop" in swarm.text("waiter"), 180, "the waiting line")
-    swarm.interrupt("waiter")
-    assert swarm.wait_exit(["waiter"], 60) == {"waiter": 0}
-    text = swarm.text("waiter")
-    m = re.search(line, text)
-    assert m and int(m.group(1)) >= 1, text[-3000:]
-    assert text.count("waiting for a peer of run 'test-swarm' to come back") == 1
-    assert "Traceback" not in text and not list((tmp_path / "ck_waiter").glob("ckpt-*"))
-    assert swarm.rows("waiter") == []
-
-    swarm.peer("resumer", "--rounds", "3", "--on-empty-swarm", "resume", "--checkpoint-dir", str(ck),
-               bootstrap=entry)
-    assert swarm.wait_exit(["resumer"], 300) == {"resumer": 0}
-    text = swarm.text("resumer")
-    assert re.search(line, text) and "resumed from checkpoint at round 2" in text, text[-3000:]
-    assert [x["round"] for x in swarm.rows("resumer")] == [2]
-
-
-@pytest.mark.e2e
-@pytest.mark.timeout(480)
-def test_peer_with_a_clock_30s_ahead_trains_with_the_swarm(swarm, monkeypatch):
-    """FAKETIME=+30s moves the whole process's wall clock: plans' deadlines, expiries and contribution
-    times are all in swarm time, so the skewed peer trains (> 0 inner steps) and its digests equal the others'."""
-    if not os.path.exists(FAKETIME_LIB):
-        pytest.skip(f"libfaketime is not installed ({FAKETIME_LIB}; apt-get install libfaketime)")
-    names = ["p0", "p1", "skewed"]
-    args = ("--rounds", "3", "--min-peers", "3")
-    entry = _start_entry(swarm, "p0", *args)
-    swarm.peer("p1", *args, bootstrap=entry)
-    monkeypatch.setenv("LD_PRELOAD", FAKETIME_LIB)
-    monkeypatch.setenv("FAKETIME", "+30s")
-    monkeypatch.setenv("FAKETIME_DONT_FAKE_MONOTONIC", "1")
-    monkeypatch.setenv("FAKETIME_NO_CACHE", "1")
-    swarm.peer("skewed", *args, bootstrap=entry)
-    monkeypatch.delenv("LD_PRELOAD")
-    assert swarm.wait_exit(names, 420) == {n: 0 for n in names}
-    assert re.search(r"clock offset to the bootstrap\(s\): -(29|30)\.\d s", swarm.text("skewed")), swarm.text("skewed")
-    # Round 0 waits for all three (--min-peers 3): the skewed peer is in it, trains and agrees.
-    d = _digests(swarm, names, 0)
-    assert None not in d.values() and len(set(d.values())) == 1, f"round 0: {d}"
-    rows = swarm.rows("skewed")
-    assert rows[0]["peers"] == 3 and rows[0]["inner_steps_done"] > 0, rows[0]
-    # Never a run of its own (the fault: peers=1, its own digest); later rounds may plan a peer out
-    # under load, so each of its rows is checked against the rows the others wrote for that round.
-    assert [x["round"] for x in rows] == [0, 1, 2] and all(x["peers"] >= 2 for x in rows), rows
-    for x in rows[:-1]:  # not the last: a peer late for it (load) can miss parts the leaving others never serve again
-        others = {v for v in _digests(swarm, ["p0", "p1"], x["round"]).values() if v}
-        assert others == {x["digest"]}, (x["round"], others, x["digest"])

@@ -11,7 +11,7 @@ import pytest
 
 from geomesh_p2p.round import DhtPlanAgreement, PlanStore
 from geomesh_p2p.round.driver import SURVIVOR_RULE
-from tests.test_round_driver import PEERS, RUN, Swarm, _peers
+from tests.unit.test_round_driver import PEERS, RUN, Swarm, _peers
 
 pytestmark = pytest.mark.timeout(60)
 

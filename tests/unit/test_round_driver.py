@@ -220,6 +220,7 @@ class FakePeer:
         class Counting:
             async def agree(self, *a, **k):
                 me.agreements += 1
+                me._hook("agree")
                 return await agreement.agree(*a, **k)
 
         cfg = DriverConfig(min_peers=min_peers, wait_peers_s=wait_peers_s, gather_wait_s=1.0, plan_timeout_s=0.3,
@@ -357,7 +358,7 @@ async def test_stop_in_each_phase_ends_cleanly(phase):
     def stop_here():
         if p.drv.phase.value == phase or phase in ("train", "exchange", "finish"):
             p.stop.set()
-    p.hooks["peers" if phase in ("gather", "plan") else phase] = stop_here
+    p.hooks[{"gather": "peers", "plan": "agree"}.get(phase, phase)] = stop_here
     await asyncio.wait_for(p.driver(rounds=5, min_peers=min_peers, wait_peers_s=2.0).run(), 30)
     assert p.drv.phase is Phase.DONE and not p.drv.in_exchange
     if phase == "gather":
@@ -367,7 +368,9 @@ async def test_stop_in_each_phase_ends_cleanly(phase):
         # a stop before the round's announcement says so with the record of round 1 (after it: at shutdown)
         assert p.leaving is (phase != "finish")
     if phase in ("plan", "train"):
-        assert p.drv.history[0].inner_steps_done == 0  # stopped before its inner steps
+        # stopped before its inner steps (plan: at the start of the agreement, so none start on a
+        # provisional plan during the settle)
+        assert p.drv.history[0].inner_steps_done == 0
 
 
 def test_outer_step_per_part_equals_one_whole_step_and_keeps_bad_and_idle_parts():

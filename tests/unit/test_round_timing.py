@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from geomesh_p2p.metrics import PHASES
-from tests.test_round_driver import FakeClock, _peers
+from tests.unit.test_round_driver import FakeClock, _peers
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -62,7 +62,7 @@ async def test_the_settle_hands_out_the_likely_plan_first_and_still_follows_the_
     from geomesh_p2p.identity import Identity
     from geomesh_p2p.round import PlanStore, leader_order, obtain_plan
     from geomesh_p2p.planner import plan_round
-    from tests.test_round import CFG, RUN as RRUN, MemoryDHT, _record
+    from tests.unit.test_round import CFG, RUN as RRUN, MemoryDHT, _record
 
     ids = [Identity.generate() for _ in range(4)]
     recs = {str(i.peer_id): _record(i, 1.0) for i in ids}
