@@ -3,7 +3,7 @@
 What it runs, in this order (each step's figures are ratios or rates measured in the same run; a
 section that fails is reported as failed and the next one still runs):
 
-1. **The suite's CUDA tests**: ``pytest tests/test_capability.py`` (its ``test_cuda_paths`` is
+1. **The suite's CUDA tests**: ``pytest tests/unit/test_capability.py`` (its ``test_cuda_paths`` is
    skipped without a GPU), outcome per test.
 2. **Codec on the device**: ``benchmarks/codec.py --device DEV`` (sign encode / decode of a
    ``--numel`` fp32 vector vs ``torch.clone`` and ``copy_`` on the same device, GB/s of fp32 input).
@@ -92,8 +92,8 @@ def machine_section(device: str) -> tuple[str, bool]:
 
 
 def tests_section(device: str, quick: bool, timeout_s: float) -> tuple[str, bool]:
-    """``pytest tests/test_capability.py`` (``-k cuda`` with --quick): one row per test and its outcome."""
-    cmd = [sys.executable, "-m", "pytest", "-v", "-rs", "-p", "no:cacheprovider", "tests/test_capability.py"]
+    """``pytest tests/unit/test_capability.py`` (``-k cuda`` with --quick): one row per test and its outcome."""
+    cmd = [sys.executable, "-m", "pytest", "-v", "-rs", "-p", "no:cacheprovider", "tests/unit/test_capability.py"]
     if quick:
         cmd += ["-k", "cuda"]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT)] + [p for p in os.environ.get(

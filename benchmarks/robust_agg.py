@@ -8,7 +8,7 @@ which the filter then drops and the second pass runs), then times, on the same p
 * ``mean``: ``aggregate_part(rule="mean")``;
 * ``meanmed`` / ``vote``: ``aggregate_part(rule=...)`` (the robust rules);
 * with ``--reference``, ``meanmed-ref``: the pre-rewrite ``_robust_sign`` kept in
-  tests/test_robust_agg_equiv.py (the "before" of the same run), checked bitwise against the current one.
+  tests/unit/test_robust_agg_equiv.py (the "before" of the same run), checked bitwise against the current one.
 
     python benchmarks/robust_agg.py                          # N = 4M, 30M; C = 3, 8
     python benchmarks/robust_agg.py --sizes 4e6 --contribs 3 --reference --repeat 3

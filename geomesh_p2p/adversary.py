@@ -1,4 +1,4 @@
-"""Red-team peers for the attack suite of issue 11 -- used ONLY by ``tests/test_attacks.py`` and
+"""Red-team peers for the attack suite of issue 11 -- used ONLY by ``tests/e2e/test_attacks.py`` and
 ``benchmarks/attacks.py``. A normal peer never imports this module (nothing in ``geomesh_p2p`` or
 ``peer`` does), and nothing here weakens an honest node: it subclasses :class:`PeerNode` in the
 attacker's own process.

@@ -161,7 +161,7 @@ def token_weighted_mean(
 # vote / meanmed over sign packets
 #
 # The rule (step by step in _robust_sign's docstring) is defined by the fp32 operations of its first
-# implementation (kept verbatim as the reference in tests/test_robust_agg_equiv.py): per element
+# implementation (kept verbatim as the reference in tests/unit/test_robust_agg_equiv.py): per element
 # ``v = ((0 + x_1) + x_2) + ...`` with ``x_i = (+-1) * (w_i or 0)``, then ``v / W_b`` where ``W_b > 0``, then
 # ``v * m_b`` (or ``sign(v) * m_b``). Both paths below do exactly these roundings, in this order, so the
 # output is bit-identical (signed zeros included); only where they are computed changes:

@@ -1,7 +1,7 @@
 """The round driver's collaborators, as small structural interfaces (``typing.Protocol``).
 
 :class:`~geomesh_p2p.round.driver.RoundDriver` touches the rest of the node only through these, so it
-is unit-tested with in-memory fakes (tests/test_round_driver.py). The node satisfies them with its
+is unit-tested with in-memory fakes (tests/unit/test_round_driver.py). The node satisfies them with its
 DHT records (:class:`Membership`), the signed plans in the DHT (:class:`PlanAgreement`), the inner
 trainer (:class:`Trainer`), the collective (:class:`Collective`), its global state
 (:class:`GlobalStatePort`) and its planning rules (:class:`RoundPolicy`).
