@@ -308,7 +308,7 @@ class RoundDriver:
     async def _rounds(self) -> None:
         expected: set[str] = set()
         first = True
-        while not self.stop.is_set():
+        while not self.stop.is_set() and self.ended is None:  # ended: the swarm ended without this peer
             if self.cfg.rounds is not None and self.state.round >= self.cfg.rounds:
                 break
             if self._fresh_record:

@@ -1,0 +1,228 @@
+"""A peer that was stalled (SIGSTOP, swap, a host that slept) while the swarm went on (adversarial review
+H1, H2): it must catch up to the swarm -- leaving peers' records included -- or end saying it is not
+synced, never train alone on a stale state and say "done"; and what it saw while it was not running must
+not be held against the owners it could not reach.
+
+In-process tests use the round driver's fakes (tests/unit/test_round_driver.py); the last test runs OS
+processes (a bootstrap and three peers, SIGSTOP / SIGCONT by PID) and is marked e2e."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from geomesh_p2p.round.driver import STALL_VOID_SHARE
+from geomesh_p2p.round.policy import OWNER_PENALTY_ROUNDS, NodeRoundPolicy
+from geomesh_p2p.state_sync import StateSyncError
+from tests.unit.test_round_driver import FakeClock, _digest, _peers, _run_all
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _finished(peer, round: int, seed: float) -> None:
+    """``peer`` as the swarm leaves it after its last round: at ``round`` with weights of its own
+    (``seed``), announced as leaving."""
+    peer.theta = torch.full_like(peer.theta, seed)
+    peer.model, peer.round, peer.digest, peer.leaving = peer.theta.clone(), round, _digest(peer.theta), True
+    peer.swarm.records[peer.me] = peer.record()
+
+
+async def test_a_stalled_peer_catches_up_to_a_swarm_whose_peers_all_left_and_does_not_train_alone(caplog):
+    stale, a, b = _peers(3)
+    for p in (a, b):
+        _finished(p, 5, 0.25)  # the swarm finished round 4 and announced leaving at round 5
+    stale.round = 3
+    drv = stale.driver(rounds=7, min_peers=2, clock=FakeClock())
+    with caplog.at_level(logging.WARNING, logger="geomesh_p2p.node.round"):
+        await asyncio.wait_for(drv.run(), 30)
+    # before the fix: behind() and gather() left the leaving peers out, so it trained rounds 3-6 alone
+    assert drv.history == []
+    assert stale.catch_ups == 1 and (stale.round, stale.digest) == (5, a.digest)
+    assert torch.equal(stale.theta, a.theta)
+    assert drv.ended is not None and drv.ended.synced is True
+    assert (drv.ended.round, drv.ended.swarm_round) == (5, 5)
+    assert "the swarm ended: every other peer (2) announced leaving" in caplog.text
+
+
+async def test_a_peer_that_cannot_catch_up_from_a_swarm_that_left_ends_not_synced():
+    stale, a, b = _peers(3)
+    for p in (a, b):
+        _finished(p, 5, 0.25)
+    stale.round = 3
+
+    async def donors_gone():
+        stale.catch_ups += 1
+        raise StateSyncError("every donor refused the connection")
+    stale.catch_up = donors_gone
+    drv = stale.driver(rounds=7, min_peers=2, clock=FakeClock())
+    await asyncio.wait_for(drv.run(), 30)
+    assert drv.history == [] and stale.catch_ups == 1
+    assert drv.ended is not None and drv.ended.synced is False
+    assert (drv.ended.round, drv.ended.swarm_round) == (3, 5)
+    assert "NOT the swarm's" in drv.ended.why
+
+
+async def test_short_of_min_peers_at_a_later_round_the_peer_waits_for_the_plain_wait(caplog):
+    """--min-peers holds at every round, not only the first: a live peer that has not announced the round
+    yet is waited for up to wait_peers_s with one line, and the round starts when it arrives."""
+    clock = FakeClock()
+    p, q = _peers(2)
+    p.round = q.round = 4
+    q.digest = p.digest
+    q.swarm.records[q.me] = q.record().model_copy(update={"round": 3})  # one round behind (still finishing)
+
+    def arrive(t):
+        if t - 1000.0 > 2.0:  # after more than the later rounds' 1 s gather wait
+            q.swarm.records[q.me] = q.record()
+    clock.on_wait = arrive
+    drv = p.driver(min_peers=2, wait_peers_s=30.0, clock=clock)
+    with caplog.at_level(logging.INFO, logger="geomesh_p2p.node.round"):
+        members = await asyncio.wait_for(drv.gather(set(), first=False), 10)
+    assert sorted(m.peer_id for m in members) == sorted([p.me, q.me])
+    assert caplog.text.count("round 4: waiting for 2 peers") == 1
+
+
+async def test_a_peer_whose_last_round_is_not_the_swarms_state_does_not_end_synced():
+    me, a, b = _peers(3)
+    for p in (a, b):
+        _finished(p, 7, 0.25)
+    me.round, me.theta = 7, torch.full_like(me.theta, 0.5)
+    me.digest = _digest(me.theta)
+    drv = me.driver(rounds=7)
+    await drv._check_end()
+    assert drv.ended is not None and drv.ended.synced is False
+    assert f"2 of 2 other peer(s) hold digest {a.digest[:8]}" in drv.ended.why
+    _finished(me, 7, 0.25)  # the same state as the swarm's: healthy
+    drv2 = me.driver(rounds=7)
+    await drv2._check_end()
+    assert drv2.ended is None
+
+
+class _FailedRound:
+    """An all-reduce result in which every part had no valid result (what a peer sees after a stall)."""
+
+    @staticmethod
+    def make(delta):
+        return SimpleNamespace(aggregate=torch.zeros_like(delta), contributors={}, missing_parts=[0],
+                               last_compute_end=None, idle_ranges=lambda: [])
+
+
+@pytest.mark.parametrize("stall_share, blamed", [(2.0, False), (0.1, True)])
+async def test_a_round_this_peer_was_stalled_through_blames_no_owner(stall_share, blamed, caplog):
+    (lone,) = _peers(1)
+    noted = []
+    lone.after_exchange = lambda spec, plan, ar: noted.append(spec.round)
+
+    async def all_reduce(spec, delta, tokens, compute_end=None):
+        return _FailedRound.make(delta)
+    lone.all_reduce = all_reduce
+    drv = lone.driver(rounds=1)
+    window = {}
+
+    def stall():
+        plan = lone.last_plan
+        return stall_share * (plan.exchange_deadline - plan.train_deadline)
+    real_make = lone.make_plan
+
+    def make_plan(members, leader):
+        lone.last_plan = real_make(members, leader)
+        window["s"] = lone.last_plan.exchange_deadline - lone.last_plan.train_deadline
+        return lone.last_plan
+    lone.make_plan = make_plan
+    drv.loop_stall = stall
+    with caplog.at_level(logging.WARNING, logger="geomesh_p2p.node.round"):
+        await asyncio.wait_for(drv.run(), 30)
+    assert window["s"] > 0 and (stall_share >= STALL_VOID_SHARE) is (not blamed)
+    assert noted == ([0] if blamed else [])
+    assert ("this peer was stalled" in caplog.text) is (not blamed)
+    assert drv.history[0].loop_stall_ms == pytest.approx(stall_share * window["s"] * 1e3)
+
+
+async def test_penalties_of_a_lineage_abandoned_on_resync_are_dropped():
+    peers = _peers(3)
+    odd = peers[2]
+    forgot: dict = {}
+    for p in peers:
+        forgot[p.me] = []
+        p.forget_marks_since = (lambda who: lambda r: forgot[who].append(r) or ["x" * 10])(p.me)
+
+    def corrupt_round_1():
+        odd.corrupt_outer_step = odd.round == 1
+    odd.hooks["exchange"] = corrupt_round_1
+    await _run_all(peers, rounds=2)
+    assert [row.digest_agree for row in odd.drv.history] == [True, False]
+    assert odd.digest == peers[0].digest
+    # round 0 was confirmed (round 1's start); what it noted in round 1 on its own state goes
+    assert forgot == {peers[0].me: [], peers[1].me: [], odd.me: [1]}
+
+
+class _Policy(NodeRoundPolicy):
+    """The node's round rules with only what owner / no-show penalties read."""
+
+    def __init__(self, me: str, round: int):
+        self.me, self.round = me, round
+        self._owner_penalty, self._noshow_penalty = {}, {}
+
+
+def test_forget_marks_since_drops_penalties_noted_from_that_round_on_and_keeps_older_ones():
+    pol = _Policy("me", 2)
+    owners = [SimpleNamespace(peer_id=p) for p in ("old-owner", "new-owner", "me")]
+    pol._note_failed_owners(SimpleNamespace(round=2, owners=owners), SimpleNamespace(missing_parts=[0]))
+    pol.round = 3
+    plan = SimpleNamespace(round=3, participants=lambda: ["me", "new-owner", "noshow"], probation=lambda: ())
+    pol._note_failed_owners(SimpleNamespace(round=3, owners=owners), SimpleNamespace(missing_parts=[1, 2]))
+    pol._note_no_shows(plan, SimpleNamespace(contributors={0: [("me", 10), ("new-owner", 10)]}))
+    assert pol._owner_penalty == {"old-owner": 2 + OWNER_PENALTY_ROUNDS, "new-owner": 3 + OWNER_PENALTY_ROUNDS}
+    assert set(pol._noshow_penalty) == {"noshow"}
+    assert pol.forget_marks_since(3) == ["new-owner", "noshow"]
+    assert pol._owner_penalty == {"old-owner": 2 + OWNER_PENALTY_ROUNDS} and pol._noshow_penalty == {}
+    assert pol.forget_marks_since(3) == []
+
+
+# ------------------------------------------------------------------------------ processes (H1)
+@pytest.mark.e2e
+@pytest.mark.timeout(600)
+def test_a_peer_stopped_while_the_swarm_finishes_ends_on_the_swarms_state_or_says_it_is_not(tmp_path):
+    """Review H1: bootstrap + three peers (--rounds 7 --min-peers 2); p1 is stopped (SIGSTOP) during round 3
+    and continued (SIGCONT) once the others have exited. p1 must end on the others' final digest, or with
+    a non-"done" exit; it never trains a round alone."""
+    from tests.swarm_util import ProcSwarm
+
+    swarm = ProcSwarm(tmp_path)
+    try:
+        swarm.bootstrap("boot")
+        boot = swarm.address("boot")
+        names = ["p0", "p1", "p2"]
+        for n in names:
+            swarm.peer(n, "--rounds", "7", "--min-peers", "2", bootstrap=boot)
+        for n in names:
+            swarm.address(n)
+        swarm.wait_for(lambda: any(r.get("round", -1) >= 2 for r in swarm.rows("p1")), 300, "round 2 on p1")
+        pid = swarm.procs["p1"].pid
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            codes = swarm.wait_exit(["p0", "p2"], 300)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert codes == {"p0": 0, "p2": 0}
+        code = swarm.wait_exit(["p1"], 300)["p1"]
+    finally:
+        swarm.stop_all()
+    final = {n: [r for r in swarm.rows(n) if r.get("round") is not None] for n in names}
+    assert final["p0"][-1]["digest"] == final["p2"][-1]["digest"]
+    p1_log = swarm.text("p1")
+    # no round trained by p1 alone after the others left
+    assert not [r for r in final["p1"] if r.get("peers") == 1], final["p1"]
+    if code == 0:
+        # it caught up to the swarm's last state: the others' final digest, announced at round 7
+        assert f"digest {final['p0'][-1]['digest'][:8]}" in p1_log  # "state of round 7 adopted (...), digest D"
+        assert "done (" in p1_log or "the swarm's last state" in p1_log
+        assert "NOT the swarm's" not in p1_log
+    else:
+        assert code == 3 and "not done:" in p1_log and "done (" not in p1_log
