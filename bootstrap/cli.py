@@ -297,6 +297,8 @@ def _main(argv: Optional[list[str]] = None) -> int:
 
         try:
             allow_peers = read_allow_file(ns.allow_peers)
+        except UnicodeDecodeError as e:  # a binary file: named, not the codec's message (review M3)
+            return _fail(f"--allow-peers: {ns.allow_peers} is not UTF-8 text (byte {e.start})")
         except ValueError as e:
             return _fail(f"--allow-peers: {e}")
     from geomesh_p2p.transport import TlsError, tls_from_flags

@@ -103,6 +103,13 @@ def number_type(kind: type, ge=None, gt=None, le=None, lt=None) -> Callable[[str
     return parse
 
 
+def _nonempty(text: str) -> str:
+    """A string field with ``min_length=1`` (an identifier: run id, host, key path): '' is refused."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must not be empty")
+    return text
+
+
 def _batch_list(text: str) -> list[int]:
     try:
         sizes = [int(x) for x in text.split(",") if x.strip()]
@@ -234,6 +241,8 @@ def flag_specs(model: type[BaseModel], only: Optional[typing.Iterable[str]] = No
                 kw["choices"] = list(typing.get_args(ann))
             elif cli.get("parse"):
                 kw["type"] = PARSERS[cli["parse"]]
+            elif ann is str and any(getattr(m, "min_length", 0) for m in info.metadata):
+                kw["type"] = _nonempty
             elif ann in (int, float):
                 b = _bounds(info)
                 if scale is not None:  # the bound is in field units; the flag's is in its own
@@ -324,7 +333,8 @@ def load_config_defaults(parser: argparse.ArgumentParser, path: str | None) -> d
 
     Keys are the long option names, with dashes or underscores (``speed-factors`` or ``speed_factors``).
     Each value goes through the option's own ``type`` and ``choices``, as on the command line.
-    Raises ConfigFileError with a one-line message naming the file and the bad key.
+    Raises ConfigFileError with a one-line message naming the file and the bad key (or: unreadable, not
+    UTF-8 text, does not parse).
     """
     import yaml  # only when a config file is given
 
@@ -332,9 +342,11 @@ def load_config_defaults(parser: argparse.ArgumentParser, path: str | None) -> d
         return {}
     p = Path(path)
     try:
-        text = p.read_text()
+        text = p.read_text(encoding="utf-8")
     except OSError as e:
         raise ConfigFileError(f"cannot read config file {p}: {e.strerror}") from None
+    except UnicodeDecodeError as e:  # a binary or non-UTF-8 file (review M3)
+        raise ConfigFileError(f"config file {p} is not UTF-8 text (byte {e.start})") from None
     try:
         data = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
     except (json.JSONDecodeError, yaml.YAMLError) as e:

@@ -36,9 +36,10 @@ class RunConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    run_id: str = opt(DEFAULT_RUN_ID, "name of the training run")
+    run_id: str = opt(DEFAULT_RUN_ID, "name of the training run", min_length=1)
     model: str = opt("tiny", "model preset: tiny, small, llama-tiny, gpt2-124m, llama-150m; README 'Memory a preset "
-                             "needs' gives what each costs (with --model-config: the SHA-256 of its contents)")
+                             "needs' gives what each costs (with --model-config: the SHA-256 of its contents)",
+                 min_length=1)
     model_config_json: Optional[str] = opt(None, "contents of --model-config, if given", flag=None,
                                            derived_from="--model-config")
     data: str = opt("kjv", "'kjv' (shipped) or an identifier of --data's contents", flag=None, derived_from="--data")
@@ -109,12 +110,12 @@ class NodeConfig(BaseModel):
 
     bootstrap: list[str] = opt(help="a bootstrap (or any live peer) to join through; repeatable",
                                default_factory=list, metavar="HOST:PORT", parse="host_port")
-    host: str = opt("127.0.0.1", "address to listen on")
+    host: str = opt("127.0.0.1", "address to listen on", min_length=1)
     port: int = opt(0, "port to listen on; 0 = any free", ge=0, le=65535)
     advertise_host: Optional[str] = opt(None, "address others dial (default: --host)")
     client_only: bool = opt(False, "behind NAT: accept no connections, own no part")
-    identity: str = opt(DEFAULT_IDENTITY, "Ed25519 key file", metavar="PATH")
-    device: str = opt("auto", "auto, cpu, cuda or cuda:N")
+    identity: str = opt(DEFAULT_IDENTITY, "Ed25519 key file", metavar="PATH", min_length=1)
+    device: str = opt("auto", "auto, cpu, cuda or cuda:N", min_length=1)
     threads: Optional[int] = opt(None, "torch CPU threads (default: torch's choice)", ge=1)
     amp: bool = opt(True, "on CUDA, train in fp32 instead of bf16 autocast (the outer step is always fp32)",
                     flag="--no-amp")
@@ -190,18 +191,19 @@ class BootstrapConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    host: str = opt("0.0.0.0", "interface to listen on; 0.0.0.0 = all")
+    host: str = opt("0.0.0.0", "interface to listen on; 0.0.0.0 = all", min_length=1)
     port: int = opt(DEFAULT_BOOTSTRAP_PORT, "TCP port to listen on; 0 = any free port")
     advertise_host: Optional[str] = opt(None, "host others should dial, when it differs from --host (default: "
                                               "--host, or this machine's outward address when --host is 0.0.0.0)",
                                         metavar="HOST")
     identity: str = opt(DEFAULT_BOOTSTRAP_IDENTITY, "Ed25519 key file, created with mode 0600 if absent; keeps the "
-                                                    "PeerID stable across restarts", metavar="PATH")
+                                                    "PeerID stable across restarts", metavar="PATH", min_length=1)
     state_file: Optional[str] = opt(None, "where the routing table and the run's last known round are saved (every "
                                           "--status-interval and on exit) and read back after a restart, so the "
                                           "swarm's peers are re-dialled at once; '' = none (default: the --identity "
                                           "path with the suffix .state.json)", metavar="PATH")
-    run_id: str = opt(DEFAULT_RUN_ID, "training run this swarm serves; peers of other runs are refused")
+    run_id: str = opt(DEFAULT_RUN_ID, "training run this swarm serves; peers of other runs are refused",
+                      min_length=1)
     bootstrap: list[str] = opt(help="another bootstrap node of the same swarm to join (repeatable; default: none, "
                                     "start a new swarm)", default_factory=list, metavar="HOST:PORT")
     status_interval: float = opt(30.0, "log the number of live peers this often", metavar="SECONDS")

@@ -16,7 +16,7 @@ from geomesh_p2p.cli_config import PARSERS, FlagSpec, add_flags, flag_specs, num
 from geomesh_p2p.config import NODE_GROUP, RUN_GROUP, NodeConfig, RunConfig
 
 # Defaults of --data-column / --data-max-bytes (kept in sync with geomesh_p2p.data.hub, which is
-# not imported here so that --help stays fast; tests/test_cli.py checks they are equal).
+# not imported here so that --help stays fast; tests/unit/test_cli.py checks they are equal).
 DEFAULT_HF_COLUMN = "text"
 DEFAULT_HF_MAX_BYTES = 50_000_000
 
@@ -104,10 +104,12 @@ def run_config_from(ns: argparse.Namespace):
     model_json = None
     if ns.model_config:
         try:
-            model_json = Path(ns.model_config).read_text()
+            model_json = Path(ns.model_config).read_text(encoding="utf-8")
             json.loads(model_json)
         except OSError as e:
             raise ValueError(f"cannot read --model-config {ns.model_config}: {e.strerror}") from None
+        except UnicodeDecodeError as e:
+            raise ValueError(f"--model-config {ns.model_config} is not UTF-8 text (byte {e.start})") from None
         except json.JSONDecodeError as e:
             raise ValueError(f"--model-config {ns.model_config} is not valid JSON: {e}") from None
     data_id = "kjv"
@@ -136,7 +138,38 @@ def node_config_from(ns: argparse.Namespace):
     reads --allow-peers FILE. Raises ValueError naming a bad value or the allow file's line."""
     values = values_from(ns, flag_specs(NodeConfig))
     values.update(data_path=data_spec_from(ns), model_config_file=ns.model_config, allow_peers=_allow_peers(ns))
-    return NodeConfig(**values)
+    cfg = NodeConfig(**values)
+    check_output_files(cfg)
+    return cfg
+
+
+def _check_writable(flag: str, path: str) -> None:
+    """``path`` can be created or appended to: its folder exists and is writable, and it is not a folder
+    itself. Raises ValueError naming ``flag`` (nothing is created)."""
+    import os
+    from pathlib import Path
+
+    p = Path(path).expanduser()
+    parent = p.parent
+    if p.is_dir():
+        raise ValueError(f"{flag} {path}: is a folder, expected a file path")
+    if not parent.is_dir():
+        raise ValueError(f"{flag} {path}: folder {parent} does not exist")
+    if not os.access(p if p.exists() else parent, os.W_OK):
+        raise ValueError(f"{flag} {path}: {'file' if p.exists() else 'folder ' + str(parent)} is not writable")
+
+
+def check_output_files(cfg) -> None:
+    """Start-up check of the files a node writes (review L1): ``--log-json`` and its events file
+    (:func:`geomesh_p2p.events.events_path`), ``--summary-json``. Raises ValueError naming the flag, before
+    the node joins anything."""
+    from geomesh_p2p.events import events_path
+
+    if cfg.log_json:
+        _check_writable("--log-json", cfg.log_json)
+        _check_writable("--log-json", str(events_path(cfg.log_json)))
+    if cfg.summary_json:
+        _check_writable("--summary-json", cfg.summary_json)
 
 
 def _allow_peers(ns: argparse.Namespace):
@@ -145,7 +178,10 @@ def _allow_peers(ns: argparse.Namespace):
         return None
     from geomesh_p2p.admission import read_allow_file
 
-    return read_allow_file(ns.allow_peers)
+    try:
+        return read_allow_file(ns.allow_peers)
+    except UnicodeDecodeError as e:  # a binary file (review M3)
+        raise ValueError(f"--allow-peers {ns.allow_peers} is not UTF-8 text (byte {e.start})") from None
 
 
 async def _run_node(node) -> int:

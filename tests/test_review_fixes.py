@@ -5,6 +5,11 @@ background evaluation lands in the round log (L3). In-process where possible (re
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -18,6 +23,7 @@ from geomesh_p2p.transport import STATE_GET, RpcError, Transport, TransportConfi
 from geomesh_p2p.wire import collective_pb2
 
 RUN = "review-fixes"
+REPO = Path(__file__).resolve().parents[1]
 P = 1 << 14
 CHUNK = 8 << 10
 
@@ -137,3 +143,89 @@ async def test_a_one_byte_update_request_does_not_make_the_donor_eager(donor):
     got = [v async for v in atk.call_stream(addr, state_sync.STATE_UPDATE, collective_pb2.StateRequest(
         round=5).SerializeToString(), round=5, timeout=10)]
     assert srv.updates.catching_up
+
+
+# --- M3, L1, L2: start-up checks in one line, before any network --------------------------------------------
+
+def _peer(argv, capsys, monkeypatch) -> tuple[int, str]:
+    """``geomesh-peer ARGV`` in-process: (exit status, stderr). Exits before joining (the bootstrap given
+    does not exist: reaching the join would take its ~30 s of retries and print other lines)."""
+    from peer.cli import main
+
+    monkeypatch.setenv("GRPC_VERBOSITY", "NONE")
+    try:
+        rc = main(argv)
+    except SystemExit as e:  # argparse's own errors
+        rc = int(e.code or 0)
+    return rc, capsys.readouterr().err
+
+
+def _join(tmp_path, *extra) -> list[str]:
+    return ["join", "--bootstrap", "127.0.0.1:1", "--run-id", "x", "--rounds", "1",
+            "--identity", str(tmp_path / "id.key"), *extra]
+
+
+@pytest.fixture
+def binary(tmp_path):
+    p = tmp_path / "b.yaml"
+    p.write_bytes(b"\xff\xfe\x00\x81")
+    p.chmod(0o600)
+    return p
+
+
+@pytest.mark.timeout(60)
+def test_binary_config_file_fails_in_one_line_via_the_console_script(tmp_path, binary):
+    r = subprocess.run([sys.executable, "-m", "peer.cli", *_join(tmp_path, "--config", str(binary))],
+                       capture_output=True, text=True, timeout=50, cwd=str(tmp_path),
+                       env={**os.environ, "PYTHONPATH": str(REPO), "GRPC_VERBOSITY": "NONE"})
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [f"geomesh-peer: config file {binary} is not UTF-8 text (byte 0)"]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("flag,expected", [
+    ("--allow-peers", "geomesh-peer join: --allow-peers {p} is not UTF-8 text (byte 0)"),
+    ("--model-config", "geomesh-peer join: --model-config {p} is not UTF-8 text (byte 0)"),
+    ("--identity", "geomesh-peer join: identity file {p} is corrupt: expected a 32-byte Ed25519 key, found 4 bytes"),
+])
+def test_binary_files_read_at_start_fail_in_one_line(tmp_path, binary, capsys, monkeypatch, flag, expected):
+    rc, err = _peer(_join(tmp_path, flag, str(binary)), capsys, monkeypatch)
+    assert rc == 2
+    assert err.strip().splitlines()[-1] == expected.format(p=binary)
+    assert "Traceback" not in err
+
+
+@pytest.mark.timeout(60)
+def test_log_json_in_a_missing_folder_is_refused_at_start(tmp_path, capsys, monkeypatch):
+    bad = tmp_path / "nonexistent" / "x.jsonl"
+    rc, err = _peer(_join(tmp_path, "--log-json", str(bad)), capsys, monkeypatch)
+    assert rc == 2
+    assert err.strip().splitlines()[-1] == (f"geomesh-peer join: --log-json {bad}: folder {bad.parent} "
+                                            "does not exist")
+    assert not bad.parent.exists()  # nothing created (the events file neither)
+
+
+@pytest.mark.timeout(60)
+def test_summary_json_that_is_a_folder_is_refused_at_start(tmp_path, capsys, monkeypatch):
+    rc, err = _peer(_join(tmp_path, "--summary-json", str(tmp_path)), capsys, monkeypatch)
+    assert rc == 2
+    assert err.strip().splitlines()[-1] == f"geomesh-peer join: --summary-json {tmp_path}: is a folder, expected a file path"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("flag", ["--run-id", "--host", "--identity", "--device", "--model"])
+def test_empty_identifiers_are_refused(tmp_path, capsys, monkeypatch, flag):
+    rc, err = _peer(_join(tmp_path, flag, ""), capsys, monkeypatch)
+    assert rc == 2
+    assert err.strip().splitlines()[-1] == f"geomesh-peer join: error: argument {flag}: must not be empty"
+
+
+def test_the_config_models_refuse_an_empty_run_id():
+    from pydantic import ValidationError
+
+    from geomesh_p2p.config import BootstrapConfig, NodeConfig, RunConfig
+
+    for make in (lambda: RunConfig(run_id=""), lambda: BootstrapConfig(run_id=""), lambda: NodeConfig(host=""),
+                 lambda: NodeConfig(identity="")):
+        with pytest.raises(ValidationError, match="at least 1 character"):
+            make()
