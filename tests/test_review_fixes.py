@@ -229,3 +229,28 @@ def test_the_config_models_refuse_an_empty_run_id():
                  lambda: NodeConfig(identity="")):
         with pytest.raises(ValidationError, match="at least 1 character"):
             make()
+
+
+# --- L3: every background evaluation lands in a row -------------------------------------------------------
+
+@pytest.mark.timeout(60)
+async def test_every_background_evaluation_lands_in_a_row():
+    from tests.unit.test_round_driver import _peers
+
+    (peer,) = _peers(1)
+    snaps = []
+    peer.snapshot_for_eval = lambda: snaps.append(peer.theta.clone())
+    peer.evaluate_snapshot = lambda max_batches=8: 1000.0 - float(snaps[-1].sum())  # tells snapshots apart
+    drv = peer.driver(rounds=3)
+    drv.cfg.eval_background = True
+    await drv.run()
+    rows = drv.history
+    assert len(snaps) == 2  # rounds 0 and 1 in the background; round 2, the last, at once (the fakes' 100.0)
+    evals = {r.eval_round: r.eval_ppl for r in rows if r.eval_round is not None}
+    evals.update({r.extra["eval_background"]["eval_round"]: r.extra["eval_background"]["eval_ppl"]
+                  for r in rows if "eval_background" in r.extra})
+    assert evals == {0: 1000.0 - float(snaps[0].sum()), 1: 1000.0 - float(snaps[1].sum()), 2: 100.0}
+    # round 1's evaluation is in the last row, with its round, beside the last round's own
+    assert rows[2].extra["eval_background"] == {"eval_ppl": 1000.0 - float(snaps[1].sum()), "eval_round": 1}
+    assert (rows[2].eval_ppl, rows[2].eval_round) == (100.0, 2)
+    assert '"eval_background": {"eval_ppl"' in rows[2].to_json()

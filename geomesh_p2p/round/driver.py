@@ -263,6 +263,8 @@ class RoundDriver:
         #: the background evaluation under way (DriverConfig.eval_background) and the round it measures
         self._eval_task: Optional[asyncio.Future] = None
         self._eval_round: Optional[int] = None
+        #: a background evaluation collected by a synchronous one (the last round): (ppl, round), for the row's extra
+        self._eval_carry: Optional[tuple[float, int]] = None
         #: the last round finished in sync and its end announced this peer's record: the loop top's
         #: announce and behind-check would repeat that store and the gather's own swarm-round check
         self._fresh_record = False
@@ -889,6 +891,9 @@ class RoundDriver:
             bytes_sent=sent1 - ctx.sent0, bytes_received=recv1 - ctx.recv0, digest=digest,
             contributors=len(delivered), missing_parts=len(ar.missing_parts), time=self.clock.time(),
             eval_round=eval_round)
+        if self._eval_carry is not None:  # every background evaluation lands in a row (review L3)
+            rec.extra["eval_background"] = {"eval_ppl": self._eval_carry[0], "eval_round": self._eval_carry[1]}
+            self._eval_carry = None
         later = self.loop_stall()
         known = [x for x in (ctx.stall_s, later) if x is not None]
         if known:
@@ -932,12 +937,13 @@ class RoundDriver:
         With ``eval_background`` the evaluation of round ``r`` runs in a worker thread on a snapshot of the
         global weights (``trainer.snapshot_for_eval``) while round ``r + 1`` trains, and its result is
         returned at the first finish after it completed (or waited for, when the next evaluation is due:
-        the snapshot model is reused). The last round, and a peer that stops, evaluate at once."""
+        the snapshot model is reused). The last round, and a peer that stops, evaluate at once; a background
+        result collected then goes into the row's ``extra["eval_background"]`` (``eval_ppl``, ``eval_round``)."""
         due = (r + 1) % self.cfg.eval_every == 0 or last
         background = (self.cfg.eval_background and not last and not self.stop.is_set()
                       and hasattr(self.trainer, "snapshot_for_eval"))
         ready: tuple[Optional[float], Optional[int]] = (None, None)
-        if self._eval_task is not None and (self._eval_task.done() or due):
+        if self._eval_task is not None and (self._eval_task.done() or due or self.stop.is_set()):
             task, self._eval_task = self._eval_task, None
             try:
                 ready = (await task, self._eval_round)
@@ -953,7 +959,10 @@ class RoundDriver:
             self._eval_task = asyncio.ensure_future(
                 asyncio.to_thread(snap.evaluate_snapshot, max_batches=self.cfg.eval_batches))
             return ready
-        return await asyncio.to_thread(self.trainer.evaluate, max_batches=self.cfg.eval_batches), r
+        ppl = await asyncio.to_thread(self.trainer.evaluate, max_batches=self.cfg.eval_batches)
+        if ready[0] is not None and ready[1] is not None:
+            self._eval_carry = (ready[0], ready[1])
+        return ppl, r
 
     def _advance(self, r: int, plan: RoundPlan, aggregate: torch.Tensor, idle) -> None:
         """Outer step and commit as one change of the state (worker thread): under the state's lock when it
