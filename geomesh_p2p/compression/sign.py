@@ -295,7 +295,7 @@ def _encode_chunked(v: torch.Tensor, signs: torch.Tensor, sums: torch.Tensor, bl
             # Pass 1 reads the chunk from main memory; the passes after it read L2 (CPU).
             tabs(vc, out=absv)
             tsum(absb, 1, out=u_chunks[c])  # per-block sum of |v|
-            if cpu:
+            if negpart is not None:  # CPU
                 # min(v, 0) then a float -> bool conversion (non-zero iff v < 0; -0.0 -> False):
                 # about 2x faster on CPU than torch.lt(v, 0), whose bool kernel is poorly vectorised.
                 clamp_max(vc, 0.0, out=negpart)
@@ -457,12 +457,12 @@ def _decode_chunked(signs: torch.Tensor, scales: torch.Tensor, out: torch.Tensor
         pm8 = words.view(torch.int8)
         pm8b = pm8.view(nbc, block_size)
         pm = ws.get("pm") if accumulate else None
-        pmb = pm.view(nbc, block_size) if accumulate else None
+        pmb = pm.view(nbc, block_size) if pm is not None else None
         index_select, mul = torch.index_select, torch.mul
         for c in range(lo, hi):
             idx.copy_(s_chunks[c])
             index_select(lut, 0, idx, out=words)  # 8 signs (+1 / -1 as int8) per packed byte
-            if accumulate:
+            if pm is not None and pmb is not None:  # accumulate
                 pm.copy_(pm8)
                 ob_chunks[c].addcmul_(pmb, u_chunks[c])  # out += (+-1.0) * scale
             elif fused_mul:

@@ -17,7 +17,7 @@ from geomesh_p2p import compression
 from geomesh_p2p.aggregation import aggregate_part
 from geomesh_p2p.collective import CollectiveService
 
-from .collective_util import Swarm, pid_order
+from tests.collective_util import Swarm, pid_order
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -22,7 +22,7 @@ from geomesh_p2p.records import PeerRecord
 from geomesh_p2p.round import LEADER_WAIT_CANDIDATES, PlanStore, leader_order, obtain_plan, takeover_delay
 from geomesh_p2p.standing import Standing, attest_key
 
-from .test_round import MemoryDHT
+from tests.unit.test_round import MemoryDHT
 
 pytestmark = pytest.mark.timeout(60)
 RUN = RunConfig(seq_len=32, window_s=5.0)
