@@ -428,7 +428,7 @@ class RoundDriver:
             await self._drop_feedback()
         if self.state.digest != before[1] and self.state.digest not in mine:
             self._forget_blame()
-        if self.state.digest != before[1] and not self.state.syncing:
+        if self.state.digest != before[1] and not getattr(self.state, "syncing", False):
             self._confirmed_round = self.state.round  # adopted the swarm's state: its start is confirmed
 
     def _forget_blame(self) -> None:
@@ -485,8 +485,8 @@ class RoundDriver:
         within ``sync_wait_cap_s``). None at once when the swarm holds a later round (leaving peers' records
         count: they show where the swarm is). Short of ``min_peers`` at any round: one INFO line "waiting for
         N peers, M live" (not one per read), a wait of up to ``wait_peers_s``; None with :attr:`ended` set
-        (one WARNING) when every other peer announced leaving -- this peer never trains alone on a swarm
-        that ended."""
+        (one WARNING) when every other peer's record says it left, on reads ``gather_wait_s`` apart (a live
+        peer's record may be a moment old) -- this peer never trains alone on a swarm that ended."""
         self.phase = Phase.GATHER
         min_peers = self.cfg.min_peers
         t0 = self.clock.monotonic()
@@ -494,6 +494,7 @@ class RoundDriver:
         last_ids: Optional[frozenset] = None
         waits = _SyncWaits(t0)
         synced: list[PeerRecord] = []
+        t_left: Optional[float] = None  # since when every other peer's record says it left (monotonic)
         try:
             while True:
                 everyone = await self.membership.peers(include_leaving=True)
@@ -510,11 +511,14 @@ class RoundDriver:
                 synced = [r for r in recs if r.round == self.state.round and r.weights_digest == self.state.digest]
                 ids = {r.peer_id for r in synced}
                 short = len(ids) < min_peers
-                if short and not self.stop.is_set():
-                    ended = self._swarm_ended(everyone)
-                    if ended is not None:
-                        self._end(ended)
-                        return None
+                ended = self._swarm_ended(everyone) if short and not self.stop.is_set() else None
+                if ended is None:
+                    t_left = None
+                elif t_left is None:
+                    t_left = now  # a record of a peer still live may be a moment old: confirm on later reads
+                elif now - t_left >= self.cfg.gather_wait_s:
+                    self._end(ended)
+                    return None
                 wait_s = self.cfg.wait_peers_s if first or short else self.cfg.gather_wait_s
                 syncing = [r for r in recs if r.round == self.state.round and r.weights_digest is None
                            and r.peer_id not in ids and r.peer_id != self.me]
@@ -811,8 +815,9 @@ class RoundDriver:
         ctx.t_agg = self.clock.time()
         ctx.stall_s = self.loop_stall()  # taken now: the blame below needs it; the row keeps the worst
         paused = self._paused_s(ctx)
-        window = max(0.0, ctx.planned().exchange_deadline - ctx.planned().train_deadline)
-        if paused >= STALL_VOID_SHARE * window and paused > 0:
+        plan = ctx.planned()
+        window = max(0.0, float(getattr(plan, "exchange_deadline", 0.0)) - float(getattr(plan, "train_deadline", 0.0)))
+        if window > 0 and paused >= STALL_VOID_SHARE * window:
             # This peer was not running through the deadlines: the parts it found missing failed because of
             # it, so the round is no evidence against their owners (nor a sample of the exchange's cost).
             log.warning("round %d: this peer was stalled %.1f s (its exchange window is %.1f s); the parts and "
