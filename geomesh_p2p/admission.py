@@ -36,8 +36,8 @@ from typing import Callable, Iterable, Optional
 
 import base58
 
-from geomesh_p2p import events
 from geomesh_p2p.identity import PUBLIC_KEY_BYTES, Identity, PeerID
+from geomesh_p2p.logonce import LogOnce
 
 log = logging.getLogger(__name__)
 
@@ -193,7 +193,7 @@ class Admission:
     def __init__(self, run_id: str, pow_bits: int = 0, allow: Optional[Callable[[PeerID], bool]] = None,
                  log_capacity: int = 4096):
         self.run_id, self.pow_bits, self.allow = run_id, pow_bits, allow
-        self._logged: "OrderedDict[tuple, None]" = OrderedDict()
+        self._dropped_log = LogOnce(log, capacity=log_capacity)  # keys (peer, reason)
         self._capacity = log_capacity
         self._ok: "OrderedDict[tuple, None]" = OrderedDict()  # (peer, nonce) already checked: no rehash
 
@@ -224,11 +224,6 @@ class Admission:
             if why is None:
                 out.append(rec)
                 continue
-            key = (rec.peer_id, why)
-            if key not in self._logged:
-                self._logged[key] = None
-                if len(self._logged) > self._capacity:
-                    self._logged.popitem(last=False)
-                events.emit(log, logging.DEBUG, "record_not_admitted", "ignoring the record of %s: %s", rec.peer_id[:10],
-                            why, peer=rec.peer_id, reason=why)
+            self._dropped_log((rec.peer_id, why), logging.DEBUG, "ignoring the record of %s: %s", rec.peer_id[:10], why,
+                              event="record_not_admitted", peer=rec.peer_id, reason=why)
         return out

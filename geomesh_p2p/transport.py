@@ -47,6 +47,7 @@ from geomesh_p2p.aio import create_unscoped_task
 from geomesh_p2p.errors import UserFacingError
 from geomesh_p2p import identity as identity_mod
 from geomesh_p2p.identity import EnvelopeError, Identity, PeerID, Verified, Verifier
+from geomesh_p2p.logonce import LogOnce
 from geomesh_p2p.wire import envelope_pb2
 
 log = logging.getLogger(__name__)
@@ -421,23 +422,6 @@ class RpcError(Exception):
         self.unreachable = unreachable
 
 
-class _RejectLog:
-    """Logs each (caller IP, status, reason head) once, so a flood of bad messages is not a flood of logs."""
-
-    def __init__(self, capacity: int = 4096):
-        self._seen: dict[tuple, None] = {}
-        self.capacity = capacity
-
-    def __call__(self, peer: str, method: str, err: EnvelopeError) -> None:
-        key = (peer_ip(peer), err.code, err.reason[:40])
-        if key in self._seen:
-            return
-        if len(self._seen) >= self.capacity:
-            self._seen.pop(next(iter(self._seen)))
-        self._seen[key] = None
-        log.warning("refused %s from %s: %s: %s", method, peer, err.code.name, err.reason)
-
-
 class _Pool:
     """Read slots of one size class: at most ``per_ip`` per remote IP and ``total`` in all; waiters
     in two FIFO lanes, connections with a good record first."""
@@ -697,7 +681,8 @@ class Transport:
         self._stream: dict[str, StreamHandler] = {}
         self._payload_limits: dict[str, int] = {}
         self._guard = _Guard(self.config)
-        self._reject_log = _RejectLog()
+        # Keys (caller IP, status, reason head): a flood of bad messages is not a flood of logs.
+        self._reject_log = LogOnce(log, capacity=4096)
         self._server: Optional[grpc.aio.Server] = None
         self._channels: "OrderedDict[str, grpc.aio.Channel]" = OrderedDict()  # least recently used first
         self._evicted: set = set()  # evicted channels still closing
@@ -850,7 +835,9 @@ class Transport:
         except EnvelopeError as err:
             refusal = (err.code, err.reason)
             self.stats.rejected += 1
-            self._reject_log(context.peer(), method, err)
+            peer = context.peer()
+            self._reject_log((peer_ip(peer), err.code, err.reason[:40]), logging.WARNING, "refused %s from %s: %s: %s",
+                             method, peer, err.code.name, err.reason)
         if ticket is not None:
             self._guard.release_read(ticket)
         verified = None  # noqa: F841  (see the docstring)

@@ -24,6 +24,7 @@ from geomesh_p2p.collective import messages, wire
 from geomesh_p2p.collective.messages import Contribution
 from geomesh_p2p.collective.spec import CollectiveSpec, PartOwner, _pid_bytes, _short
 from geomesh_p2p.identity import EnvelopeError, Verified, Verifier
+from geomesh_p2p.logonce import LogOnce
 from geomesh_p2p.transport import COLLECTIVE_PULL, COLLECTIVE_PUSH, TaskOwner, Transport
 from geomesh_p2p.wire import collective_pb2
 
@@ -130,7 +131,8 @@ class OwnerService:
         self._round_events: dict[int, asyncio.Event] = {}
         self._held = 0
         self._tasks = TaskOwner(f"collective {_short(self.peer_id)}")
-        self._logged: set[tuple] = set()
+        # Keys (round, peer, what, code): a caller retrying the same bad push logs one line.
+        self._log_once = LogOnce(log, capacity=10_000)
         # Inner signatures (contributions, part results) are checked without skew or replay
         # windows: they are forwarded, and replay is already checked on the outer envelope.
         self._inner = Verifier(transport.run_id, max_skew_s=float("inf"),
@@ -188,15 +190,6 @@ class OwnerService:
 
     async def _before_reduce(self, spec: CollectiveSpec, part: int) -> None:
         """Called when an owned part closed, before its result is built. Tests override it."""
-
-    # ------------------------------------------------------------------------------ logging
-    def _log_once(self, key: tuple, level: int, msg: str, *args) -> None:
-        if key in self._logged:
-            return
-        if len(self._logged) > 10_000:
-            self._logged.clear()
-        self._logged.add(key)
-        log.log(level, msg, *args)
 
     # ------------------------------------------------------------------------------ owner side
     async def _round_for(self, round: int, hold_s: float) -> Optional[_RoundState]:

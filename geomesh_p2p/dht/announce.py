@@ -14,20 +14,21 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Awaitable, Callable, Dict, List, Optional, Union
+from typing import Awaitable, Callable, List, Optional, Union
 
 from pydantic import ValidationError
 
-from geomesh_p2p import events
 from geomesh_p2p.aio import wait_event
 from geomesh_p2p.dht.node import DHTNode
 from geomesh_p2p.identity import Identity
+from geomesh_p2p.logonce import LogOnce
 from geomesh_p2p.records import PeerRecord
 
 log = logging.getLogger(__name__)
 
 RecordSource = Union[PeerRecord, Callable[[], PeerRecord], Callable[[], Awaitable[PeerRecord]]]
-_logged: Dict[tuple, None] = {}
+# Process-wide: every live_peers poll re-reads the same bad records; each (record, why) logs once.
+_dropped_log = LogOnce(log, capacity=4096)
 
 
 def peers_key(run_id: str) -> str:
@@ -70,13 +71,8 @@ def check_compatible(mine: PeerRecord, other: PeerRecord) -> Optional[str]:
 
 
 def _log_once(who: str, msg: str, level: int = logging.WARNING, **fields) -> None:
-    key = (who, msg)
-    if key in _logged:
-        return
-    if len(_logged) > 4096:
-        _logged.clear()
-    _logged[key] = None
-    events.emit(log, level, "peer_record_dropped", "%s: %s", who, msg, **fields)  # fields: subkey, reason
+    """Log and emit ``peer_record_dropped`` for record ``who`` once per (who, msg); fields: subkey, reason."""
+    _dropped_log((who, msg), level, "%s: %s", who, msg, event="peer_record_dropped", **fields)
 
 
 async def live_peers(node: DHTNode, run_id: Optional[str] = None, *, expected_version: Optional[str] = None,

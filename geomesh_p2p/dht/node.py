@@ -73,6 +73,7 @@ from geomesh_p2p.dht.records import (
 from geomesh_p2p.dht.quota import DEFAULT_QUOTA, StorageLedger, StorageQuota
 from geomesh_p2p.errors import UserFacingError
 from geomesh_p2p.identity import EnvelopeError, Identity, PeerID, Verified
+from geomesh_p2p.logonce import LogOnce
 from geomesh_p2p.transport import DHT_FIND, DHT_PING, DHT_STORE, RpcError, TaskOwner, Transport
 from geomesh_p2p.wire import dht_pb2
 
@@ -178,23 +179,6 @@ class DHTStats:
     contacts_checked: int = 0  # callers pinged back at the address they claim
     contacts_unverified: int = 0  # ... that did not answer there
     contacts_refused: int = 0  # not admitted: per-IP/subnet limit, or too many checks pending
-
-
-class _OnceLog:
-    """Logs each (who, reason head) once, so a misbehaving peer cannot flood the log."""
-
-    def __init__(self, capacity: int = 4096):
-        self._seen: Dict[tuple, None] = {}
-        self.capacity = capacity
-
-    def __call__(self, level: int, who: str, msg: str) -> None:
-        key = (who, msg[:48])
-        if key in self._seen:
-            return
-        if len(self._seen) >= self.capacity:
-            self._seen.pop(next(iter(self._seen)))
-        self._seen[key] = None
-        log.log(level, "%s: %s", who, msg)
 
 
 def _parse(cls, payload: bytes, name: str):
@@ -325,7 +309,8 @@ class DHTNode:
         self.max_failures = max_failures
         self._started = False
         self._alive = True
-        self._once = _OnceLog()
+        # Keys (who, reason head): a misbehaving peer cannot flood the log.
+        self._once_log = LogOnce(log, capacity=4096)
         self.reachability = Reachability(None, None)
         self._dialing_back: set = set()  # PeerIDs whose CheckReachable is being answered
         if not self.client_only:
@@ -349,6 +334,10 @@ class DHTNode:
         return node
 
     # ------------------------------------------------------------------ small helpers
+    def _once(self, level: int, who: str, msg: str) -> None:
+        """Log ``"<who>: <msg>"`` at ``level`` once per (who, first 48 characters of msg)."""
+        self._once_log((who, msg[:48]), level, "%s: %s", who, msg)
+
     @property
     def address(self) -> Optional[str]:
         """``host:port`` this node serves on; None for a client-only node (or before start)."""

@@ -1,0 +1,62 @@
+"""geomesh_p2p.logonce.LogOnce: once per key, bounded LRU, events passed through."""
+
+import logging
+
+import pytest
+
+from geomesh_p2p import events
+from geomesh_p2p.logonce import LogOnce
+
+log = logging.getLogger("test.logonce")
+
+
+def _lines(caplog):
+    return [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "test.logonce"]
+
+
+def test_each_key_logs_once_at_its_level(caplog):
+    once = LogOnce(log)
+    with caplog.at_level(logging.DEBUG, logger="test.logonce"):
+        assert once(("p1", "bad"), logging.WARNING, "refused %s: %s", "p1", "bad") is True
+        assert once(("p1", "bad"), logging.WARNING, "refused %s: %s", "p1", "bad") is False
+        assert once(("p2", "bad"), logging.INFO, "refused %s: %s", "p2", "bad") is True
+    assert _lines(caplog) == [(logging.WARNING, "refused p1: bad"), (logging.INFO, "refused p2: bad")]
+    assert len(once) == 2
+
+
+def test_record_names_the_call_site(caplog):
+    once = LogOnce(log)
+    with caplog.at_level(logging.DEBUG, logger="test.logonce"):
+        once("k", logging.WARNING, "x")
+    assert [r.funcName for r in caplog.records] == ["test_record_names_the_call_site"]
+
+
+def test_capacity_bounds_memory_least_recently_seen_forgotten(caplog):
+    once = LogOnce(log, capacity=2)
+    with caplog.at_level(logging.DEBUG, logger="test.logonce"):
+        once("a", logging.INFO, "a")
+        once("b", logging.INFO, "b")
+        once("a", logging.INFO, "a")  # repeat: refreshes "a", so "b" is now the oldest
+        once("c", logging.INFO, "c")  # evicts "b"
+        assert len(once) == 2
+        once("a", logging.INFO, "a")  # still remembered
+        once("b", logging.INFO, "b")  # forgotten: logs again
+    assert [m for _, m in _lines(caplog)] == ["a", "b", "c", "b"]
+
+
+def test_event_passed_through_once():
+    once = LogOnce(log)
+    with events.capture() as got:
+        once(("p", "why"), logging.DEBUG, "ignoring %s: %s", "p", "why", event="record_not_admitted", peer="p",
+             reason="why")
+        once(("p", "why"), logging.DEBUG, "ignoring %s: %s", "p", "why", event="record_not_admitted", peer="p",
+             reason="why")
+    assert [(e["event"], e["level"], e["message"], e["peer"], e["reason"]) for e in got] == [
+        ("record_not_admitted", "DEBUG", "ignoring p: why", "p", "why")]
+
+
+def test_fields_without_event_and_bad_capacity_are_refused():
+    with pytest.raises(ValueError):
+        LogOnce(log, capacity=0)
+    with pytest.raises(TypeError):
+        LogOnce(log)("k", logging.INFO, "m", peer="p")
