@@ -38,9 +38,11 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections import Counter, OrderedDict, deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Iterable, Optional, Sequence
+
+from geomesh_p2p.logonce import LogOnce
 
 log = logging.getLogger(__name__)
 
@@ -276,18 +278,10 @@ def choose_state(records: Iterable, *, me: Optional[str], standing: Optional[Sta
     return _fresh_vote(others, solo=standing is not None and standing.known)
 
 
-class OnceLog:
-    """Logs each message key once (bounded), so a vote polled every 0.2 s logs a refusal one time."""
+class OnceLog(LogOnce):
+    """Logs each message key once (bounded), so a vote polled every 0.2 s logs a refusal one time.
+
+    :class:`geomesh_p2p.logonce.LogOnce` on this module's logger; call ``(key, level, msg, *args)``."""
 
     def __init__(self, capacity: int = 1024):
-        self._seen: "OrderedDict[tuple, None]" = OrderedDict()
-        self.capacity = capacity
-
-    def __call__(self, key: tuple, level: int, msg: str, *args) -> bool:
-        if key in self._seen:
-            return False
-        self._seen[key] = None
-        if len(self._seen) > self.capacity:
-            self._seen.popitem(last=False)
-        log.log(level, msg, *args)
-        return True
+        super().__init__(log, capacity)
