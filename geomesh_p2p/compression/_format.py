@@ -195,3 +195,28 @@ def check_scales(scales: torch.Tensor, name: str = "scales") -> None:
         raise CodecError(f"{name} contain NaN or Inf")
     if np.signbit(a).any():
         raise CodecError(f"{name} must be non-negative (no sign bit set)")
+
+
+def check_block_packet(packet, payload: str, dtype: torch.dtype, per_item: int) -> int:
+    """Validate and normalise the fields shared by the blockwise packets (``SignPacket``,
+    ``Int8Packet``): ``numel`` P, ``block_size`` B, ``tokens`` (set back as ints on the frozen
+    dataclass), the payload tensor named ``payload`` (``dtype``, CPU, contiguous, ``ceil(P/per_item)``
+    elements: 8 sign bits a byte, 1 int8 an element) and ``scales`` (float32 [ceil(P/B)], finite,
+    no sign bit). Returns P. Raises CodecError on the first bad field, in that order."""
+    numel = check_numel(packet.numel)
+    block_size = check_block_size(packet.block_size)
+    tokens = check_tokens(packet.tokens)
+    object.__setattr__(packet, "numel", numel)
+    object.__setattr__(packet, "block_size", block_size)
+    object.__setattr__(packet, "tokens", tokens)
+    check_cpu_tensor(getattr(packet, payload), payload, dtype, ceil_div(numel, per_item))
+    check_cpu_tensor(packet.scales, "scales", torch.float32, ceil_div(numel, block_size))
+    check_scales(packet.scales)
+    return numel
+
+
+def block_packet_bytes(kind: int, packet, payload: torch.Tensor, payload_dtype: str) -> bytes:
+    """Serialise a blockwise packet: the 32-byte header, its fp32 LE ``scales``, then ``payload``
+    as numpy ``payload_dtype`` (``"u1"`` signs, ``"i1"`` int8). ``32 + 4*ceil(P/B) + payload`` bytes."""
+    return b"".join((pack_header(kind, packet.numel, packet.block_size, packet.tokens),
+                     tensor_bytes(packet.scales, "<f4"), tensor_bytes(payload, payload_dtype)))

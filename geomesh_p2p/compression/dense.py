@@ -27,13 +27,14 @@ from ._format import (
     KIND_INT8,
     CodecError,
     all_finite,
+    block_packet_bytes,
     as_flat_fp32,
     ceil_div,
+    check_block_packet,
     check_block_size,
     check_cpu_tensor,
     check_length,
     check_numel,
-    check_scales,
     check_tokens,
     pack_header,
     raise_non_finite,
@@ -79,14 +80,7 @@ class Int8Packet:
     scales: torch.Tensor
 
     def __post_init__(self):
-        numel = check_numel(self.numel)
-        block_size = check_block_size(self.block_size)
-        object.__setattr__(self, "numel", numel)
-        object.__setattr__(self, "block_size", block_size)
-        object.__setattr__(self, "tokens", check_tokens(self.tokens))
-        check_cpu_tensor(self.q, "q", torch.int8, numel)
-        check_cpu_tensor(self.scales, "scales", torch.float32, ceil_div(numel, block_size))
-        check_scales(self.scales)
+        numel = check_block_packet(self, "q", torch.int8, 1)
         if numel and bool((self.q == -128).any()):
             raise CodecError("int8 values must be in [-127, 127]")
 
@@ -95,13 +89,7 @@ class Int8Packet:
         return encoded_nbytes("int8", self.numel, self.block_size)  # the one codec-size formula
 
     def to_bytes(self) -> bytes:
-        return b"".join(
-            (
-                pack_header(KIND_INT8, self.numel, self.block_size, self.tokens),
-                tensor_bytes(self.scales, "<f4"),
-                tensor_bytes(self.q, "i1"),
-            )
-        )
+        return block_packet_bytes(KIND_INT8, self, self.q, "i1")
 
     @classmethod
     def from_bytes(cls, data: bytes) -> "Int8Packet":

@@ -45,18 +45,15 @@ from ._format import (
     HEADER_SIZE,
     KIND_SIGN,
     CodecError,
+    block_packet_bytes,
     as_flat_fp32,
     ceil_div,
+    check_block_packet,
     check_block_size,
-    check_cpu_tensor,
     check_length,
-    check_numel,
-    check_scales,
     check_tokens,
-    pack_header,
     raise_non_finite,
     read_array,
-    tensor_bytes,
     unpack_header,
 )
 
@@ -107,15 +104,7 @@ class SignPacket:
     scales: torch.Tensor
 
     def __post_init__(self):
-        numel = check_numel(self.numel)
-        block_size = check_block_size(self.block_size)
-        tokens = check_tokens(self.tokens)
-        object.__setattr__(self, "numel", numel)
-        object.__setattr__(self, "block_size", block_size)
-        object.__setattr__(self, "tokens", tokens)
-        check_cpu_tensor(self.signs, "signs", torch.uint8, ceil_div(numel, 8))
-        check_cpu_tensor(self.scales, "scales", torch.float32, ceil_div(numel, block_size))
-        check_scales(self.scales)
+        numel = check_block_packet(self, "signs", torch.uint8, 8)
         rem = numel % 8
         if rem and int(self.signs[-1]) >> rem:
             raise CodecError(f"padding bits of the last sign byte must be 0 (P % 8 = {rem})")
@@ -130,13 +119,7 @@ class SignPacket:
 
     def to_bytes(self) -> bytes:
         """Serialize: header (kind 1), fp32 LE scales, packed signs. See the module doc."""
-        return b"".join(
-            (
-                pack_header(KIND_SIGN, self.numel, self.block_size, self.tokens),
-                tensor_bytes(self.scales, "<f4"),
-                tensor_bytes(self.signs, "u1"),
-            )
-        )
+        return block_packet_bytes(KIND_SIGN, self, self.signs, "u1")
 
     @classmethod
     def from_bytes(cls, data: bytes) -> "SignPacket":
