@@ -1,7 +1,7 @@
 """``geomesh-bootstrap``: run a DHT node that does not train, the entry point newcomers dial.
 
-  geomesh-bootstrap --host 0.0.0.0 --port 31337 --advertise-host PUBLIC_IP
-  geomesh-peer join --bootstrap PUBLIC_IP:31337 --host 0.0.0.0 --advertise-host VOLUNTEER_IP   # each volunteer
+  geomesh-bootstrap --run-id my-run --host 0.0.0.0 --port 31337 --advertise-host PUBLIC_IP
+  geomesh-peer join --run-id my-run --bootstrap PUBLIC_IP:31337 --host 0.0.0.0 --advertise-host VOLUNTEER_IP  # each
 
 Prints the address to dial and the node's PeerID, logs the number of live peers of the run every
 --status-interval seconds, and exits with status 0 on Ctrl+C (SIGINT) or SIGTERM. Several bootstraps
@@ -281,8 +281,8 @@ def _main(argv: Optional[list[str]] = None) -> int:
         ns = parse(argv)
     except SystemExit as e:  # --help/--version (0) or a one-line error (2)
         return int(e.code or 0)
-    if ns.log_level != "DEBUG":  # gRPC's C core would print its own multi-line errors (e.g. on bind)
-        os.environ.setdefault("GRPC_VERBOSITY", "NONE")
+    # gRPC's C core (its own lines on a busy port, a failed TLS handshake) is silenced when the package is
+    # imported, before grpc loads (peer.quiet_grpc_core); here it would be too late.
     logging.basicConfig(level=ns.log_level, format="%(asctime)s %(levelname).1s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
     from geomesh_p2p.identity import Identity, IdentityError

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
+from typing import NoReturn
 
 from geomesh_p2p import __version__
 from geomesh_p2p.cli_config import ConfigFileError, load_config_defaults
@@ -38,8 +38,35 @@ class _Formatter(argparse.HelpFormatter):
                                               + self._current_indent + self._indent_increment)
 
 
+class _Parser(argparse.ArgumentParser):
+    """Errors in one line, naming the command whose flag is wrong, without the usage dump (a join's usage is
+    ~48 lines above the one useful line): ``geomesh-peer join: error: argument --rounds: must be >= 1, got -1
+    (see geomesh-peer join --help)``; exit status 2, as argparse's. Subcommand parsers are of this class too
+    (argparse makes them of the parent's class)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _command_parser(parser: argparse.ArgumentParser, command: str | None) -> argparse.ArgumentParser:
+    """The parser of ``command`` (``parser`` itself for None)."""
+    if command is None or parser._subparsers is None:
+        return parser
+    return parser._subparsers._group_actions[0].choices[command]
+
+
+def parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """``parser.parse_args(argv)``, except that an unknown flag after a command is reported by that command's
+    parser (``geomesh-peer join: error: unrecognized arguments: --bogus``), not the top level's.
+    Raises SystemExit(2) with one line on stderr for a bad flag or value."""
+    ns, extra = parser.parse_known_args(argv)
+    if extra:
+        _command_parser(parser, getattr(ns, "command", None)).error(f"unrecognized arguments: {' '.join(extra)}")
+    return ns
+
+
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
+    ap = _Parser(
         prog="geomesh-peer", formatter_class=_Formatter,
         description="GeoMesh-P2P volunteer node: adaptive workload balancing + sign-compressed DiLoCo over gRPC.",
         epilog="geomesh-peer COMMAND --help explains the flags of a command.",
@@ -91,21 +118,19 @@ def with_config_file(parser: argparse.ArgumentParser, ns: argparse.Namespace,
     --config. Raises ConfigFileError naming the file and the unknown key or bad value."""
     if not getattr(ns, "config", None):
         return ns
-    sub = parser._subparsers._group_actions[0].choices[ns.command]
+    sub = _command_parser(parser, ns.command)
     sub.set_defaults(**load_config_defaults(sub, ns.config))
-    return parser.parse_args(argv)
+    return parse(parser, argv)
 
 
 def main(argv: list[str] | None = None) -> int:
+    # gRPC's C core lines are silenced when the package is imported (peer.quiet_grpc_core): setting
+    # GRPC_VERBOSITY here would be too late, grpc is loaded by then.
     parser = build_parser()
-    ns = parser.parse_args(argv)
+    ns = parse(parser, argv)
     if ns.command is None:
         parser.print_help()
         return 0
-    if getattr(ns, "log_level", "INFO") != "DEBUG":
-        # gRPC's C core prints its own lines (e.g. `E... add_port.cc] Failed to add port` before this
-        # project's one-line "port busy" error): silenced as the bootstrap does, except at DEBUG.
-        os.environ.setdefault("GRPC_VERBOSITY", "NONE")
     try:
         ns = with_config_file(parser, ns, argv)
     except ConfigFileError as e:

@@ -1,5 +1,5 @@
 """A whole GeoMesh swarm on this machine: one bootstrap and N peers as separate OS processes on
-127.0.0.1, training the small model on the shipped corpus. Heterogeneity is emulated per peer
+127.0.0.1, training the --model preset (default: tiny) on the shipped corpus. Heterogeneity is emulated per peer
 (--speed-factors: a peer with factor f sleeps so that each step takes 1/f as long; --memory-budgets
 caps its batch). Prints one row per round for the swarm, stops at --target-ppl or --rounds, and
 writes --summary-json. Every process it starts is stopped when it ends, also on Ctrl+C.
@@ -79,6 +79,13 @@ def cmd_demo(ns: argparse.Namespace) -> int:
     if not speeds or any(not 0 < s <= 1 for s in speeds) or any(not b > 0 for b in budgets):
         print("geomesh-peer demo: --speed-factors must be numbers in (0, 1] and --memory-budgets numbers > 0 (GB)",
               file=sys.stderr)
+        return 2
+    from peer.node_cli import check_model
+
+    try:  # a wrong --model fails here in one line, not in each peer's log after it started
+        check_model(ns)
+    except ValueError as e:
+        print(f"geomesh-peer demo: {e}", file=sys.stderr)
         return 2
     workdir = Path(ns.workdir or tempfile.mkdtemp(prefix="geomesh-demo-"))
     workdir.mkdir(parents=True, exist_ok=True)

@@ -203,10 +203,40 @@ def join_inputs(ns: argparse.Namespace, prog: str):
     from geomesh_p2p.identity import Identity, IdentityError
 
     try:
+        check_offline(ns)
         return run_config_from(ns), node_config_from(ns), Identity.load_or_create(ns.identity)
     except (ValueError, IdentityError) as e:
         print(f"{prog}: {e}", file=sys.stderr)
         return None
+
+
+def check_model(ns: argparse.Namespace) -> None:
+    """The model ``--model`` / ``--model-config`` name, checked offline before anything joins or loads (a
+    wrong preset used to surface after the proof of work, the DHT join and the data load, or as a config
+    mismatch with a live swarm). Builds the ``transformers`` config only, no weights (imports torch, which
+    the node needs anyway). Raises ValueError naming the flag: unknown preset, model-config file missing,
+    not JSON, or rejected by the model class."""
+    from geomesh_p2p.training import PRESETS, ConfigError, model_config
+
+    if not ns.model_config and ns.model not in PRESETS:
+        raise ValueError(f"--model {ns.model}: unknown model preset (known: {', '.join(PRESETS)})")
+    try:
+        model_config(ns.model, ns.model_config or None)
+    except ConfigError as e:
+        raise ValueError(f"--model-config: {e}" if ns.model_config else f"--model: {e}") from None
+
+
+def check_offline(ns: argparse.Namespace) -> None:
+    """Every value of ``join`` that can be checked without the network, at start (before the proof of work
+    and the DHT join): the model (:func:`check_model`) and ``--resume``, which needs ``--checkpoint-dir``
+    (it used to be ignored without one: the peer started at round 0 silently). The data file and
+    ``--model-config``'s JSON are checked by :func:`run_config_from`. Raises ValueError naming the flag."""
+    if getattr(ns, "resume", False) and not getattr(ns, "checkpoint_dir", None):
+        raise ValueError("--resume needs --checkpoint-dir DIR (the folder whose newest checkpoint it continues from)")
+    if getattr(ns, "on_empty_swarm", None) == "resume" and not getattr(ns, "checkpoint_dir", None):
+        raise ValueError("--on-empty-swarm resume needs --checkpoint-dir DIR (the folder whose newest checkpoint "
+                         "it continues from)")
+    check_model(ns)
 
 
 def cmd_join(ns: argparse.Namespace) -> int:
@@ -229,8 +259,15 @@ def cmd_join(ns: argparse.Namespace) -> int:
     except Exception as e:  # known start-up failures are reported in one line, not a traceback
         if isinstance(e, user_facing_errors()):
             print(f"geomesh-peer join: {e}", file=sys.stderr)
-            return 1
+            return start_error_status(e)
         raise
+
+
+def start_error_status(e: BaseException) -> int:
+    """The exit status of a failed start: 2 for bad start-up input (a flag's value, a file, a port that
+    cannot be listened on: what argparse and ``geomesh-bootstrap`` also exit 2 for), 1 for a failure of
+    the run itself (no bootstrap answered, the swarm runs another config)."""
+    return 2 if "cannot listen on" in str(e) else 1
 
 
 def trust_warning(ns: argparse.Namespace) -> str | None:
@@ -290,6 +327,11 @@ def user_facing_errors() -> tuple[type[BaseException], ...]:
 def cmd_profile(ns: argparse.Namespace) -> int:
     from geomesh_p2p.capability import format_profile_table, profile
 
+    try:  # before the probe and the measurements (profile has no --model-config)
+        check_model(argparse.Namespace(model=ns.model, model_config=None))
+    except ValueError as e:
+        print(f"geomesh-peer profile: {e}", file=sys.stderr)
+        return 2
     probed = None
     if ns.probe:  # first: a wrong --run-id or a dead address fails before the device is measured
         try:

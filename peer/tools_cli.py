@@ -110,18 +110,20 @@ def render_status(view: dict, rounds: dict, console=None) -> None:
 
 
 def cmd_status(ns: argparse.Namespace) -> int:
-    import os
-
-    os.environ.setdefault("GRPC_VERBOSITY", "NONE")
+    # gRPC's C core is silenced on import of the package (peer.quiet_grpc_core), before grpc loads.
     if ns.log_level == "INFO":  # the default: the DHT's progress lines would only clutter the table
         import logging
 
         logging.getLogger("geomesh_p2p").setLevel(logging.WARNING)
     from geomesh_p2p.dht import DHTJoinError
+    from geomesh_p2p.dht.node import OtherRunError
     from geomesh_p2p.identity import IdentityError
 
     try:
         view, rounds = asyncio.run(asyncio.wait_for(_read_swarm(ns), timeout=ns.timeout * 4 + 10))
+    except OtherRunError as e:  # it answered: "cannot reach" would send the user after the network
+        _say("status", f"reached the bootstrap, but {_one_line(e).removeprefix('could not join the DHT: ')}")
+        return 1
     except DHTJoinError as e:
         _say("status", f"cannot reach the bootstrap {', '.join(ns.bootstrap)}: {_one_line(e)}")
         return 1

@@ -103,6 +103,10 @@ class IdentityInUseError(DHTJoinError):
     """A bootstrap answered signed by this node's own PeerID: another live process holds the same key."""
 
 
+class OtherRunError(DHTJoinError):
+    """A bootstrap answered, but it serves another run (``--run-id``): it was reached, so no "cannot reach"."""
+
+
 class ClockSkewError(DHTJoinError, UserFacingError):
     """This machine's clock and its bootstrap's differ by more than the swarm tolerates
     (``DHTNode.max_clock_skew_s``): records and deadlines would be misjudged. One line, says what to do."""
@@ -179,6 +183,28 @@ class DHTStats:
     contacts_checked: int = 0  # callers pinged back at the address they claim
     contacts_unverified: int = 0  # ... that did not answer there
     contacts_refused: int = 0  # not admitted: per-IP/subnet limit, or too many checks pending
+
+
+def _other_run_message(address: str, reason: str, own_run: str) -> str:
+    """The join error for a bootstrap that answered for another run. ``reason``: its refusal, worded by
+    :mod:`geomesh_p2p.identity` from the bootstrap's side ("message is for run 'a', this node serves 'b'")."""
+    import re
+
+    m = re.search(r"this node serves ('.*')", reason)
+    theirs = m.group(1) if m else "another run"
+    return f"could not join the DHT: bootstrap {address} serves run {theirs}, this peer asked for run {own_run!r}: check --run-id"
+
+
+def _tls_hint(errors: Iterable[str], tls: bool) -> str:
+    """A hint for a join that failed on connections closed during set-up, the way a plaintext client
+    meets a TLS server (UNAVAILABLE "Socket closed") or a TLS client a plaintext one (a failed handshake);
+    "" otherwise. ``tls``: whether this node dials with TLS."""
+    looks = any("socket closed" in e.lower() or "handshake" in e.lower() or "ssl" in e.lower() for e in errors)
+    if not looks:
+        return ""
+    if tls:
+        return "; the bootstrap may not use TLS, or its certificate is not signed by --tls-ca"
+    return "; the bootstrap may require TLS: if the swarm uses TLS, pass --tls-cert/--tls-key/--tls-ca"
 
 
 def _parse(cls, payload: bytes, name: str):
@@ -802,12 +828,14 @@ class DHTNode:
             other_run = [a for a, r in refused.items() if r.code == grpc.StatusCode.FAILED_PRECONDITION
                          and "this node serves" in r.reason]
             if other_run:  # it answered: a wrong --run-id is not "no answer" (issue 14 #10)
-                raise DHTJoinError(f"could not join the DHT: bootstrap {other_run[0]} serves another run "
-                                   f"({refused[other_run[0]].reason}; {attempt + 1} attempt(s)); check --run-id")
+                raise OtherRunError(_other_run_message(other_run[0], refused[other_run[0]].reason,
+                                                      getattr(self.transport, "run_id", "?")))
             if refused and len(refused) == len(errors):
                 raise DHTJoinError(f"could not join the DHT: every bootstrap node refused this node: {detail}")
+            tls = getattr(getattr(self.transport, "config", None), "tls", None) is not None
             raise DHTJoinError(f"could not join the DHT: no bootstrap node answered "
-                               f"({attempt + 1} attempt(s) over {time.monotonic() - t0:.1f}s): {detail}")
+                               f"({attempt + 1} attempt(s) over {time.monotonic() - t0:.1f}s): {detail}"
+                               f"{_tls_hint(errors.values(), tls)}")
         for c in ok:
             self.bootstrap_peers[c.peer_id] = c.address
         self._measure_clock(ok, refuse=True)

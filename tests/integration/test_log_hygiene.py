@@ -71,8 +71,8 @@ async def test_a_wrong_run_id_is_not_reported_as_no_answer():
         with pytest.raises(DHTJoinError) as ei:
             await start_node([boot.transport.address], run_id="run-b", join_attempts=5)
         msg = str(ei.value)
-        assert msg == (f"could not join the DHT: bootstrap {boot.transport.address} serves another run "
-                       f"(message is for run 'run-b', this node serves 'run-a'; 1 attempt(s)); check --run-id")
+        assert msg == (f"could not join the DHT: bootstrap {boot.transport.address} serves run 'run-a', "
+                       f"this peer asked for run 'run-b': check --run-id")
     finally:
         await stop_node(boot)
 

@@ -1,0 +1,195 @@
+"""Start-up messages a fresh user meets (issue: review of the README on a fresh clone, findings 5-10, 13):
+one line per error naming the command and the flag, gRPC's C core quiet below DEBUG, the model and --resume
+checked before anything joins, run-id and TLS hints in the join error. No socket is opened here."""
+
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.timeout(120)
+
+
+# ------------------------------------------------------------------ gRPC's C core (findings 5, 6)
+@pytest.mark.parametrize("argv, env, expect", [
+    (["join"], {}, "NONE"),
+    (["join", "--log-level", "DEBUG"], {}, None),
+    (["join", "--log-level=DEBUG"], {}, None),
+    (["join"], {"GRPC_VERBOSITY": "debug"}, "debug"),  # the user's own choice wins
+    (["join"], {"GRPC_TRACE": "http"}, None),
+])
+def test_quiet_grpc_core_sets_verbosity_unless_debug_or_the_users(monkeypatch, argv, env, expect):
+    from peer import quiet_grpc_core
+
+    monkeypatch.delenv("GRPC_VERBOSITY", raising=False)
+    monkeypatch.delenv("GRPC_TRACE", raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    import os
+
+    assert quiet_grpc_core(argv) is (expect == "NONE")
+    assert os.environ.get("GRPC_VERBOSITY") == expect
+
+
+def test_the_bootstrap_package_quiets_grpc_before_its_cli_loads():
+    """bootstrap/__init__ imports peer (whose import sets the variable) before bootstrap.cli imports grpc."""
+    import ast
+    from pathlib import Path
+
+    import bootstrap
+
+    tree = ast.parse(Path(bootstrap.__file__).read_text())
+    imports = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+    assert [a.name for a in imports[0].names] == ["peer"]
+
+
+# ------------------------------------------------------------------ argparse errors in one line (finding 7)
+def _peer_main_error(capsys, *argv) -> tuple[int, list[str]]:
+    from peer.cli import main
+
+    with pytest.raises(SystemExit) as ei:
+        main(list(argv))
+    out, err = capsys.readouterr()
+    assert out == ""
+    return ei.value.code, err.splitlines()
+
+
+def test_join_bad_value_is_one_line_naming_join(capsys):
+    code, lines = _peer_main_error(capsys, "join", "--rounds", "-1")
+    assert code == 2
+    assert lines == ["geomesh-peer join: error: argument --rounds: must be >= 0, got -1 "
+                     "(see geomesh-peer join --help)"]
+
+
+def test_join_bootstrap_without_port_is_one_line(capsys):
+    code, lines = _peer_main_error(capsys, "join", "--bootstrap", "127.0.0.1")
+    assert code == 2
+    assert lines == ["geomesh-peer join: error: argument --bootstrap: expected HOST:PORT, got '127.0.0.1' "
+                     "('127.0.0.1' has no port: expected HOST:PORT) (see geomesh-peer join --help)"]
+
+
+@pytest.mark.parametrize("command", ["join", "demo", "profile", "status"])
+def test_unknown_flag_is_reported_by_the_command(capsys, command):
+    needed = ["--bootstrap", "127.0.0.1:1"] if command == "status" else []
+    code, lines = _peer_main_error(capsys, command, *needed, "--bogus-flag")
+    assert code == 2
+    assert lines == [f"geomesh-peer {command}: error: unrecognized arguments: --bogus-flag "
+                     f"(see geomesh-peer {command} --help)"]
+
+
+def test_top_level_error_is_one_line(capsys):
+    code, lines = _peer_main_error(capsys, "nosuchcommand")
+    assert code == 2
+    assert len(lines) == 1 and lines[0].startswith("geomesh-peer: error: argument COMMAND: invalid choice: "
+                                                   "'nosuchcommand'")
+    assert lines[0].endswith("(see geomesh-peer --help)")
+
+
+# ------------------------------------------------------------------ offline checks at start (findings 8, 10)
+def _join_rc(capsys, tmp_path, *argv) -> tuple[int, list[str]]:
+    from peer.cli import main
+
+    rc = main(["join", "--identity", str(tmp_path / "id.key"), *argv])
+    _, err = capsys.readouterr()
+    return rc, [x for x in err.splitlines() if x.startswith("geomesh-peer")]
+
+
+def test_unknown_model_preset_fails_before_joining(capsys, tmp_path, monkeypatch):
+    from geomesh_p2p.training import PRESETS
+    import geomesh_p2p.node
+
+    def no_node(*a, **k):
+        raise AssertionError("the node must not start")
+
+    monkeypatch.setattr(geomesh_p2p.node, "PeerNode", no_node)
+    rc, lines = _join_rc(capsys, tmp_path, "--model", "huge")
+    assert rc == 2
+    assert lines == [f"geomesh-peer join: --model huge: unknown model preset (known: {', '.join(PRESETS)})"]
+    assert not (tmp_path / "id.key").exists()  # refused before the identity is created
+
+
+def test_model_config_without_model_type_fails_at_start(capsys, tmp_path):
+    cfg = tmp_path / "m.json"
+    cfg.write_text('{"n_layer": 2}')
+    rc, lines = _join_rc(capsys, tmp_path, "--model-config", str(cfg))
+    assert rc == 2
+    assert lines == [f"geomesh-peer join: --model-config: model config file {cfg}: missing \"model_type\" "
+                     f"(e.g. \"gpt2\", \"llama\") or \"preset\""]
+
+
+def test_resume_without_checkpoint_dir_is_refused(capsys, tmp_path):
+    rc, lines = _join_rc(capsys, tmp_path, "--resume")
+    assert rc == 2
+    assert lines == ["geomesh-peer join: --resume needs --checkpoint-dir DIR (the folder whose newest checkpoint "
+                     "it continues from)"]
+
+
+def test_profile_unknown_model_is_one_line(capsys):
+    from geomesh_p2p.training import PRESETS
+    from peer.cli import main
+
+    assert main(["profile", "--model", "huge"]) == 2
+    _, err = capsys.readouterr()
+    assert err.splitlines() == [f"geomesh-peer profile: --model huge: unknown model preset (known: {', '.join(PRESETS)})"]
+
+
+def test_demo_unknown_model_is_one_line_before_any_process(capsys, tmp_path):
+    from geomesh_p2p.training import PRESETS
+    from peer.cli import main
+
+    assert main(["demo", "--model", "huge", "--workdir", str(tmp_path / "w")]) == 2
+    _, err = capsys.readouterr()
+    assert err.splitlines() == [f"geomesh-peer demo: --model huge: unknown model preset (known: {', '.join(PRESETS)})"]
+    assert not (tmp_path / "w").exists()
+
+
+# ------------------------------------------------------------------ exit status convention (finding 6)
+def test_a_busy_port_exits_2_like_the_bootstrap():
+    from peer.node_cli import start_error_status
+
+    assert start_error_status(OSError("cannot listen on 127.0.0.1:31337: the port is in use or the address is not "
+                                      "local")) == 2
+    assert start_error_status(RuntimeError("could not join the DHT: no bootstrap node answered")) == 1
+
+
+# ------------------------------------------------------------------ join error wording (findings 5, 9)
+def test_other_run_message_names_both_runs_from_this_peers_side():
+    from geomesh_p2p.dht.node import _other_run_message
+
+    msg = _other_run_message("127.0.0.1:31337", "message is for run 'lonely', this node serves 'my-run'", "lonely")
+    assert msg == ("could not join the DHT: bootstrap 127.0.0.1:31337 serves run 'my-run', this peer asked for "
+                   "run 'lonely': check --run-id")
+
+
+def test_tls_hint_on_a_closed_socket():
+    from geomesh_p2p.dht.node import _tls_hint
+
+    assert _tls_hint(["UNAVAILABLE: Socket closed"], tls=False) == (
+        "; the bootstrap may require TLS: if the swarm uses TLS, pass --tls-cert/--tls-key/--tls-ca")
+    assert _tls_hint(["UNAVAILABLE: Ssl handshake failed: SSL_ERROR_SSL"], tls=True) == (
+        "; the bootstrap may not use TLS, or its certificate is not signed by --tls-ca")
+    assert _tls_hint(["UNAVAILABLE: failed to connect to all addresses; Connection refused"], tls=False) == ""
+
+
+def test_status_says_it_reached_a_bootstrap_of_another_run(capsys, monkeypatch):
+    from geomesh_p2p.dht.node import OtherRunError, _other_run_message
+    from peer import tools_cli
+    from peer.cli import main
+
+    async def other_run(ns):
+        raise OtherRunError(_other_run_message("127.0.0.1:31337", "message is for run 'lonely', this node serves "
+                                               "'my-run'", "lonely"))
+
+    monkeypatch.setattr(tools_cli, "_read_swarm", other_run)
+    assert main(["status", "--bootstrap", "127.0.0.1:31337", "--run-id", "lonely"]) == 1
+    _, err = capsys.readouterr()
+    assert err.splitlines() == ["geomesh-peer status: reached the bootstrap, but bootstrap 127.0.0.1:31337 serves run "
+                                "'my-run', this peer asked for run 'lonely': check --run-id"]
+
+
+# ------------------------------------------------------------------ help texts (finding 13)
+def test_help_texts_match_the_defaults():
+    import bootstrap.cli
+    from peer import demo
+
+    assert "small model" not in demo.__doc__ and "default: tiny" in demo.__doc__
+    assert "geomesh-bootstrap --run-id" in bootstrap.cli.__doc__
