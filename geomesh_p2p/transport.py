@@ -49,6 +49,7 @@ from geomesh_p2p import identity as identity_mod
 from geomesh_p2p.identity import EnvelopeError, Identity, PeerID, Verified, Verifier
 from geomesh_p2p.logonce import LogOnce
 from geomesh_p2p.wire import envelope_pb2
+from geomesh_p2p.wire.varint import read_varint, varint
 
 log = logging.getLogger(__name__)
 
@@ -123,29 +124,6 @@ class _Request:
         return self._size
 
 
-def _varint_bytes(n: int) -> bytes:
-    """Protobuf base-128 varint of ``n`` >= 0."""
-    out = bytearray()
-    while n >= 0x80:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
-
-
-def _varint(data: bytes, i: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        if i >= len(data) or shift > 63:
-            raise ValueError("truncated or overlong varint")
-        b = data[i]
-        i += 1
-        value |= (b & 0x7F) << shift
-        if b < 0x80:
-            return value, i
-        shift += 7
-
-
 def _split_request(data: bytes):
     """Parse a SignedMessage without protobuf's copy of its payload: with upb, every read of
     ``msg.payload`` returns a fresh copy (a 100 MiB payload: ~0.5 s and 100 MiB each time, and the
@@ -156,10 +134,10 @@ def _split_request(data: bytes):
         env_at = payload_at = None
         i = 0
         while i < n:
-            key, i = _varint(data, i)
+            key, i = read_varint(data, i, n)
             field, wire = key >> 3, key & 7
             if wire == 2:
-                length, i = _varint(data, i)
+                length, i = read_varint(data, i, n)
                 if i + length > n:
                     raise ValueError("truncated field")
                 if field in (1, 2):
@@ -173,7 +151,7 @@ def _split_request(data: bytes):
             elif field in (1, 2):
                 raise ValueError("wrong wire type")
             elif wire == 0:
-                _, i = _varint(data, i)
+                _, i = read_varint(data, i, n)
             elif wire == 1:
                 i += 8
             elif wire == 5:
@@ -774,7 +752,7 @@ class Transport:
         payload is copied once, by the join: building the message and serializing it copied it twice)."""
         env = self.identity.sign_message(run_id=self.run_id, round=round, kind=kind, payload=b"",
                                          payload_sha256=identity_mod.payload_hash(payload)).envelope.SerializeToString()
-        return b"".join((b"\x0a", _varint_bytes(len(env)), env, b"\x12", _varint_bytes(len(payload)), payload))
+        return b"".join((b"\x0a", varint(len(env)), env, b"\x12", varint(len(payload)), payload))
 
     async def _signed(self, *, round: int, kind: str, payload: bytes) -> bytes:
         """:meth:`_sign_encode`, in a worker thread for a payload over 1 MiB: hashing and encoding

@@ -25,24 +25,11 @@ from typing import Iterable, Sequence, Union
 
 from geomesh_p2p.identity import Identity
 from geomesh_p2p.wire import envelope_pb2
+from geomesh_p2p.wire.varint import WireError, read_varint, varint
 
 __all__ = ["Buffer", "varint", "bytes_field", "signed_parts", "scan", "small_fields", "WireError", "SignedView"]
 
 Buffer = Union[bytes, bytearray, memoryview]
-
-
-class WireError(ValueError):
-    """A message is not valid protobuf wire format (truncated, bad wire type, overlong varint)."""
-
-
-def varint(n: int) -> bytes:
-    """Protobuf base-128 varint of ``n`` >= 0."""
-    out = bytearray()
-    while n >= 0x80:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
 
 
 def _nbytes(parts: Iterable[Buffer]) -> int:
@@ -67,19 +54,6 @@ def signed_parts(identity: Identity, *, run_id: str, round: int, kind: str, payl
     return [*bytes_field(1, [env]), *bytes_field(2, payload)]
 
 
-def _read_varint(mv: memoryview, i: int, n: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        if i >= n or shift > 63:
-            raise WireError("truncated or overlong varint")
-        b = mv[i]
-        i += 1
-        value |= (b & 0x7F) << shift
-        if b < 0x80:
-            return value, i
-        shift += 7
-
-
 def scan(data: Buffer) -> list[tuple[int, int, int, int]]:
     """The fields of a message as ``(field, wire type, start, end)`` byte spans of ``data`` (the whole
     key + value span is ``[start, end)``; the value of a wire-type-2 field is its last
@@ -90,18 +64,18 @@ def scan(data: Buffer) -> list[tuple[int, int, int, int]]:
     i = 0
     while i < n:
         start = i
-        key, i = _read_varint(mv, i, n)
+        key, i = read_varint(mv, i, n)
         field, wire = key >> 3, key & 7
         if field == 0:
             raise WireError("field number 0")
         if wire == 0:
-            _, i = _read_varint(mv, i, n)
+            _, i = read_varint(mv, i, n)
         elif wire == 1:
             i += 8
         elif wire == 5:
             i += 4
         elif wire == 2:
-            length, i = _read_varint(mv, i, n)
+            length, i = read_varint(mv, i, n)
             i += length
         else:
             raise WireError("group or bad wire type")
@@ -117,8 +91,8 @@ def value(data: Buffer, span: tuple[int, int, int, int]) -> memoryview:
     field, wire, start, end = span
     if wire != 2:
         raise WireError(f"field {field} is not length-delimited")
-    _, i = _read_varint(mv, start, end)  # key
-    _, i = _read_varint(mv, i, end)  # length
+    _, i = read_varint(mv, start, end)  # key
+    _, i = read_varint(mv, i, end)  # length
     return mv[i:end]
 
 
