@@ -1,0 +1,56 @@
+"""A busy port through the console scripts, with GRPC_VERBOSITY unset as on a fresh shell (review findings
+5, 6): one line on stderr, no gRPC C-core line (``E1130 ... add_port.cc:83] Failed to add port``), and the
+same exit status (2, bad start-up input) for ``geomesh-bootstrap`` and ``geomesh-peer join``."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.swarm_util import FAST
+
+pytestmark = pytest.mark.timeout(180)
+
+BIN = Path(sys.executable).parent
+
+
+def _fresh_env() -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("GRPC_VERBOSITY", "GRPC_TRACE")}
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+@pytest.fixture
+def busy_port():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen()
+    try:
+        yield s.getsockname()[1]
+    finally:
+        s.close()
+
+
+def _run(argv) -> subprocess.CompletedProcess:
+    return subprocess.run(argv, capture_output=True, text=True, timeout=150, env=_fresh_env())
+
+
+@pytest.mark.parametrize("script", ["geomesh-bootstrap", "geomesh-peer"])
+def test_busy_port_is_one_line_and_exit_2(tmp_path, busy_port, script):
+    exe = BIN / script
+    if not exe.exists():
+        pytest.skip(f"{script} is not installed in this environment")
+    args = ["--host", "127.0.0.1", "--port", str(busy_port), "--identity", str(tmp_path / "id.key")]
+    argv = [str(exe), *args] if script == "geomesh-bootstrap" else [str(exe), "join", *FAST, *args]
+    r = _run(argv)
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr
+    lines = [x for x in r.stderr.splitlines() if x.strip() and not x[:2].isdigit()]  # log lines start HH:MM:SS
+    prog = "geomesh-bootstrap" if script == "geomesh-bootstrap" else "geomesh-peer join"
+    assert len(lines) == 1 and lines[0].startswith(f"{prog}: cannot listen on 127.0.0.1:{busy_port}"), r.stderr
+    assert "add_port.cc" not in r.stderr and "Failed to add port" not in r.stderr, r.stderr
