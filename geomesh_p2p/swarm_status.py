@@ -33,6 +33,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from geomesh_p2p.aio import cancel_and_wait
 from geomesh_p2p.clock import swarm_time
 from geomesh_p2p.records import PeerRecord
 
@@ -404,6 +405,5 @@ class SwarmWatcher:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            await cancel_and_wait([self._task])
             self._task = None

@@ -18,7 +18,7 @@ from typing import Awaitable, Callable, List, Optional, Union
 
 from pydantic import ValidationError
 
-from geomesh_p2p.aio import wait_event
+from geomesh_p2p.aio import cancel_and_wait, wait_event
 from geomesh_p2p.dht.node import DHTNode
 from geomesh_p2p.identity import Identity
 from geomesh_p2p.logonce import LogOnce
@@ -206,8 +206,7 @@ class PeerAnnouncer:
     async def stop(self) -> None:
         """Stop announcing; the record expires ``ttl_s`` after the last announcement."""
         if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            await cancel_and_wait([self._task])
             self._task = None
 
 
