@@ -42,10 +42,13 @@ import platform
 import statistics
 import sys
 import time
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
+
+if TYPE_CHECKING:
+    from benchmarks.collective import _Proc
 
 RUN = "bench-vs-hivemind"
 OURS = {"fp32": ("reencode", "fp32", "fp32"), "sign": ("reencode", "sign", "sign")}
@@ -159,25 +162,9 @@ async def _worker(seed: int, numel: int, n: int, initial_peers: list[str], reads
 # ------------------------------------------------------------------------------------- parent
 
 
-class _Proc:
-    def __init__(self, proc):
-        self.proc = proc
-
-    async def read(self, timeout=900.0) -> dict:
-        while True:
-            line = await asyncio.wait_for(self.proc.stdout.readline(), timeout)
-            if not line:
-                raise RuntimeError(f"worker {self.proc.pid} exited (rc {self.proc.returncode}); see its stderr")
-            try:
-                return json.loads(line)
-            except json.JSONDecodeError:
-                continue
-
-    def send(self, obj) -> None:
-        self.proc.stdin.write(json.dumps(obj).encode() + b"\n")
-
-
 async def _spawn(k: int, n: int, numel: int, initial: list[str], reads_per_ip: int) -> _Proc:
+    from benchmarks.collective import _Proc  # the same JSON-lines worker handle; here, so torch loads lazily
+
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", GRPC_VERBOSITY="ERROR")
     p = await asyncio.create_subprocess_exec(
         sys.executable, os.path.abspath(__file__), "--worker", "--seed", str(1000 + k), "--numel", str(numel),
