@@ -282,7 +282,7 @@ def _main(argv: Optional[list[str]] = None) -> int:
     except SystemExit as e:  # --help/--version (0) or a one-line error (2)
         return int(e.code or 0)
     # gRPC's C core (its own lines on a busy port, a failed TLS handshake) is silenced when the package is
-    # imported, before grpc loads (peer.quiet_grpc_core); here it would be too late.
+    # imported, before grpc loads (geomesh_p2p.grpc_env); here it would be too late.
     logging.basicConfig(level=ns.log_level, format="%(asctime)s %(levelname).1s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
     from geomesh_p2p.identity import Identity, IdentityError

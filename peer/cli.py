@@ -124,7 +124,7 @@ def with_config_file(parser: argparse.ArgumentParser, ns: argparse.Namespace,
 
 
 def main(argv: list[str] | None = None) -> int:
-    # gRPC's C core lines are silenced when the package is imported (peer.quiet_grpc_core): setting
+    # gRPC's C core lines are silenced when the package is imported (geomesh_p2p.grpc_env): setting
     # GRPC_VERBOSITY here would be too late, grpc is loaded by then.
     parser = build_parser()
     ns = parse(parser, argv)

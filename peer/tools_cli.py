@@ -110,7 +110,7 @@ def render_status(view: dict, rounds: dict, console=None) -> None:
 
 
 def cmd_status(ns: argparse.Namespace) -> int:
-    # gRPC's C core is silenced on import of the package (peer.quiet_grpc_core), before grpc loads.
+    # gRPC's C core is silenced on import of the package (geomesh_p2p.grpc_env), before grpc loads.
     if ns.log_level == "INFO":  # the default: the DHT's progress lines would only clutter the table
         import logging
 

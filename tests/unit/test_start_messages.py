@@ -18,7 +18,7 @@ pytestmark = pytest.mark.timeout(120)
     (["join"], {"GRPC_TRACE": "http"}, None),
 ])
 def test_quiet_grpc_core_sets_verbosity_unless_debug_or_the_users(monkeypatch, argv, env, expect):
-    from peer import quiet_grpc_core
+    from geomesh_p2p.grpc_env import quiet_grpc_core
 
     monkeypatch.delenv("GRPC_VERBOSITY", raising=False)
     monkeypatch.delenv("GRPC_TRACE", raising=False)
@@ -30,16 +30,18 @@ def test_quiet_grpc_core_sets_verbosity_unless_debug_or_the_users(monkeypatch, a
     assert os.environ.get("GRPC_VERBOSITY") == expect
 
 
-def test_the_bootstrap_package_quiets_grpc_before_its_cli_loads():
-    """bootstrap/__init__ imports peer (whose import sets the variable) before bootstrap.cli imports grpc."""
+@pytest.mark.parametrize("package", ["peer", "bootstrap"])
+def test_each_package_quiets_grpc_before_anything_else(package):
+    """The first statements of peer/__init__ and bootstrap/__init__ call quiet_grpc_core, before their CLI
+    modules import grpc (the C core reads GRPC_VERBOSITY once, when grpc is first imported)."""
     import ast
+    import importlib
     from pathlib import Path
 
-    import bootstrap
-
-    tree = ast.parse(Path(bootstrap.__file__).read_text())
-    imports = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
-    assert [a.name for a in imports[0].names] == ["peer"]
+    tree = ast.parse(Path(importlib.import_module(package).__file__).read_text())
+    body = [n for n in tree.body if not (isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant))]
+    assert ast.unparse(body[0]) == "from geomesh_p2p.grpc_env import quiet_grpc_core"
+    assert ast.unparse(body[1]) == "quiet_grpc_core()"
 
 
 # ------------------------------------------------------------------ argparse errors in one line (finding 7)
