@@ -88,6 +88,27 @@ async def test_short_of_min_peers_at_a_later_round_the_peer_waits_for_the_plain_
     assert caplog.text.count("round 4: waiting for 2 peers") == 1
 
 
+@pytest.mark.parametrize("confirmed, synced", [(4, True), (3, False)])
+async def test_after_the_first_round_a_peer_left_with_no_live_peer_ends_instead_of_training_alone(confirmed, synced,
+                                                                                                 caplog):
+    """The others' records vanished with them (seen in the H1 process run): after its first round a peer short
+    of --min-peers that sees nobody else live for wait_peers_s ends; synced only when the swarm confirmed its
+    state (last digest check agreed, or a catch-up adopted it)."""
+    (p,) = _peers(1)
+    p.round = 4
+    drv = p.driver(min_peers=2, wait_peers_s=30.0, clock=FakeClock())
+    drv._confirmed_round = confirmed
+    with caplog.at_level(logging.INFO, logger="geomesh_p2p.node.round"):
+        assert await asyncio.wait_for(drv.gather(set(), first=False), 10) is None
+    assert drv.ended is not None and drv.ended.synced is synced and drv.ended.round == 4
+    assert "no other peer of the run is live (waited 30 s for --min-peers 2)" in caplog.text
+    assert ("NOT the swarm's" in drv.ended.why) is (not synced)
+    # before its first round a lone peer still starts after the wait (issue 14 #10)
+    drv2 = p.driver(min_peers=2, wait_peers_s=30.0, clock=FakeClock())
+    assert [m.peer_id for m in await asyncio.wait_for(drv2.gather(set(), first=True), 10)] == [p.me]
+    assert drv2.ended is None
+
+
 async def test_a_peer_whose_last_round_is_not_the_swarms_state_does_not_end_synced():
     me, a, b = _peers(3)
     for p in (a, b):
@@ -200,7 +221,7 @@ def test_a_peer_stopped_while_the_swarm_finishes_ends_on_the_swarms_state_or_say
         boot = swarm.address("boot")
         names = ["p0", "p1", "p2"]
         for n in names:
-            swarm.peer(n, "--rounds", "7", "--min-peers", "2", bootstrap=boot)
+            swarm.peer(n, "--rounds", "7", "--min-peers", "2", "--wait-peers-s", "30", bootstrap=boot)
         for n in names:
             swarm.address(n)
         swarm.wait_for(lambda: any(r.get("round", -1) >= 2 for r in swarm.rows("p1")), 300, "round 2 on p1")

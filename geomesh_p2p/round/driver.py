@@ -368,6 +368,20 @@ class RoundDriver:
                f"{swarm_round}; this peer's state is {state}")
         return SwarmEnded(round=r, swarm_round=swarm_round, synced=synced, why=why)
 
+    def _left_alone(self, everyone: Sequence[PeerRecord], waited_s: float) -> SwarmEnded:
+        """The :class:`SwarmEnded` of a peer that, after its first round, found no other live peer for a
+        whole ``wait_peers_s`` short of ``min_peers``. ``synced``: the swarm confirmed this peer's current
+        state (a digest check that agreed, or a catch-up adopted it); records of others still seen (leaving)
+        give the swarm's round."""
+        r = self.state.round
+        others = [x for x in everyone if x.peer_id != self.me]
+        synced = self._confirmed_round >= r
+        state = ("the last state the swarm confirmed to it" if synced else
+                 "NOT the swarm's: the swarm never confirmed it (its last round had no agreeing digest check)")
+        why = (f"no other peer of the run is live (waited {waited_s:.0f} s for --min-peers {self.cfg.min_peers}); "
+               f"this peer's state (round {r}, digest {(self.state.digest or '')[:8]}) is {state}")
+        return SwarmEnded(round=r, swarm_round=max([r] + [x.round for x in others]), synced=synced, why=why)
+
     def _end(self, ended: SwarmEnded) -> None:
         """Record that the run ends without reaching its goal because the swarm ended (one WARNING)."""
         self.ended = ended
@@ -532,6 +546,11 @@ class RoundDriver:
                              len(recs), wait_s)
                 until = max([t0 + wait_s] + [ends[p] for p in waited])
                 if now > until or self.stop.is_set():
+                    if short and not first and not self.stop.is_set() and not any(x.peer_id != self.me for x in recs):
+                        # After the first round nobody else is live at all: the swarm is gone (its records
+                        # may have vanished with its peers). Training on alone would fork the run.
+                        self._end(self._left_alone(everyone, now - t0))
+                        return None
                     if len(ids) < min_peers and not self.stop.is_set():  # says so (issue 14 #10)
                         log.info("round %d: starting with %d of the %d peers wanted (--min-peers): waited %.0f s",
                                  self.state.round, len(ids), min_peers, now - t0)
