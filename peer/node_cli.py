@@ -203,8 +203,9 @@ def join_inputs(ns: argparse.Namespace, prog: str):
     from geomesh_p2p.identity import Identity, IdentityError
 
     try:
+        run = run_config_from(ns)  # first: its messages for a missing or non-JSON file name the flag and path
         check_offline(ns)
-        return run_config_from(ns), node_config_from(ns), Identity.load_or_create(ns.identity)
+        return run, node_config_from(ns), Identity.load_or_create(ns.identity)
     except (ValueError, IdentityError) as e:
         print(f"{prog}: {e}", file=sys.stderr)
         return None
