@@ -133,7 +133,7 @@ class NodeConfig(BaseModel):
                 "seed = start the run again from the seed at round 0")
     rounds: Optional[int] = opt(None, "stop once this many rounds are done (round numbers start at 0)", ge=0)
     target_ppl: Optional[float] = opt(None, "stop once eval perplexity is at or below this", gt=0)
-    min_peers: int = opt(1, "live peers to wait for (up to --wait-peers-s) before any round; after round 0 a peer left with no other live peer ends (docs/round.md)", ge=1)
+    min_peers: int = opt(1, "peers to wait for before round 0; later rounds (with 2 or more) wait for one other peer and a peer left alone ends (docs/round.md)", ge=1)
     wait_peers_s: float = opt(60.0, "how long to wait for --min-peers, seconds", ge=0)
     speed_factor: float = opt(1.0, "emulate a slower device: each step takes 1/f as long", parse="speed_factor",
                               gt=0, le=1)

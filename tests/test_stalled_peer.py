@@ -88,6 +88,19 @@ async def test_short_of_min_peers_at_a_later_round_the_peer_waits_for_the_plain_
     assert caplog.text.count("round 4: waiting for 2 peers") == 1
 
 
+async def test_after_the_first_round_a_swarm_short_of_min_peers_but_not_alone_goes_on_without_the_long_wait():
+    clock = FakeClock()
+    p, q, gone = _peers(3)
+    del p.swarm.records[gone.me]  # one of the three left for good
+    for x in (p, q):
+        x.round = 2
+        x.swarm.records[x.me] = x.record()
+    drv = p.driver(min_peers=3, wait_peers_s=30.0, clock=clock)
+    members = await asyncio.wait_for(drv.gather({p.me, q.me}, first=False), 10)
+    assert sorted(m.peer_id for m in members) == sorted([p.me, q.me])
+    assert clock.t - 1000.0 < 1.0 and drv.ended is None  # no --wait-peers-s wait for the third
+
+
 @pytest.mark.parametrize("confirmed, synced", [(4, True), (3, False)])
 async def test_after_the_first_round_a_peer_left_with_no_live_peer_ends_instead_of_training_alone(confirmed, synced,
                                                                                                  caplog):

@@ -103,9 +103,11 @@ class SwarmEnded:
 
 @dataclass
 class DriverConfig:
-    """The driver's knobs (seconds). ``min_peers`` applies at every round: short of it a peer waits up to
-    ``wait_peers_s`` (one INFO line "waiting for N peers, M live"), and ends (:class:`SwarmEnded`) when every
-    other peer announced leaving. Rounds with enough peers gather for ``gather_wait_s`` after the first."""
+    """The driver's knobs (seconds). ``min_peers`` peers are waited for before the first round; after it,
+    ``min(min_peers, 2)``: a peer never trains alone when ``min_peers`` >= 2 (a swarm that lost one of its N
+    peers goes on without stalling every round). Short of it a peer waits up to ``wait_peers_s`` (one INFO
+    line "waiting for N peers, M live") and ends (:class:`SwarmEnded`) when every other peer left. Rounds
+    with enough peers gather for ``gather_wait_s`` after the first."""
 
     min_peers: int = 1
     wait_peers_s: float = 60.0
@@ -497,12 +499,15 @@ class RoundDriver:
         (``wait_peers_s`` and ``min_peers`` before the first round), and for each peer announced as
         syncing for this round as long as :meth:`_sync_deadline` says (its announced download progress,
         within ``sync_wait_cap_s``). None at once when the swarm holds a later round (leaving peers' records
-        count: they show where the swarm is). Short of ``min_peers`` at any round: one INFO line "waiting for
-        N peers, M live" (not one per read), a wait of up to ``wait_peers_s``; None with :attr:`ended` set
+        count: they show where the swarm is). Short of ``min_peers`` (after the first round ``min(min_peers,
+        2)``: never alone): one INFO line "waiting for N peers, M live" (not one per read), a wait of up to
+        ``wait_peers_s``; None with :attr:`ended` set
         (one WARNING) when every other peer's record says it left, on reads ``gather_wait_s`` apart (a live
         peer's record may be a moment old) -- this peer never trains alone on a swarm that ended."""
         self.phase = Phase.GATHER
-        min_peers = self.cfg.min_peers
+        # After the first round only "not alone" holds: waiting for all N every round would stall a swarm
+        # that lost one peer by wait_peers_s per round; the fork risk is a peer training by itself.
+        min_peers = self.cfg.min_peers if first else min(self.cfg.min_peers, 2)
         t0 = self.clock.monotonic()
         backoff = self._backoff()
         last_ids: Optional[frozenset] = None

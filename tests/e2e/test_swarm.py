@@ -116,10 +116,10 @@ def test_ctrl_c_peer_leaves_cleanly_and_the_others_plan_without_it(swarm):
     assert after and all(x["peers"] == 2 and x["missing_parts"] == 0 for x in after), after
     for r in (last + 1, last + 2):
         assert _digest(swarm, "c0", r) == _digest(swarm, "c1", r)
-    # --rounds 4: c1 announces that it leaves with its round-4 record, before c0 gathers round 4, so
-    # c0's round 4 is planned without it (before: planned with it, waiting to the deadline for its part).
+    # --rounds 4: c1 announces that it leaves with its round-4 record, before c0 gathers round 4, so c0
+    # does not wait for it. Left alone with --min-peers 3, c0 does not train alone (review H1, docs/round.md):
+    # the swarm ended on the state it holds, so it ends with a WARNING (not "done") and exit 0.
     assert swarm.wait_exit(["c1"], 120) == {"c1": 0}
     assert max(x["round"] for x in swarm.rows("c1")) == 3
-    swarm.wait_for(lambda: any(x["round"] >= 4 for x in swarm.rows("c0")), 120, "c0's round 4 without c1")
-    r4 = next(x for x in swarm.rows("c0") if x["round"] == 4)
-    assert r4["peers"] == 1 and r4["missing_parts"] == 0, r4
+    assert swarm.wait_exit(["c0"], 120) == {"c0": 0}
+    assert max(x["round"] for x in swarm.rows("c0")) == 3 and "not done:" in swarm.text("c0")
