@@ -101,7 +101,7 @@ IDENTITY_PING_TIMEOUT_S = 3.0
 
 
 #: Exit code of a peer whose run ended on a state that is not the swarm's (the swarm ended while it was behind,
-#: or its last rounds were trained on a state the others never had): docs/round.md, "When the swarm ends".
+#: or its last rounds were trained on a state the others never had): docs/round.md, "A stalled peer and a swarm that ended".
 EXIT_NOT_SYNCED = 3
 
 

@@ -84,7 +84,7 @@ class Phase(enum.Enum):
 @dataclass(frozen=True)
 class SwarmEnded:
     """Why :meth:`RoundDriver.run` ended before ``rounds`` / ``target_ppl`` (the node then does not log
-    "done" as if healthy; docs/round.md, "When the swarm ends without this peer").
+    "done" as if healthy; docs/round.md, "A stalled peer and a swarm that ended").
 
     Attributes:
         round: the round of the state this peer holds at the end.
