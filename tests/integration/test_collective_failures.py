@@ -25,8 +25,8 @@ from geomesh_p2p import compression
 from geomesh_p2p.collective import CollectiveService
 from geomesh_p2p.transport import COLLECTIVE_PUSH, RpcError
 from geomesh_p2p.wire import collective_pb2
-
 from tests.collective_util import RUN, Swarm, craft_contribution, deltas_for, pid_order, reference
+from tests.wait_util import until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -193,7 +193,14 @@ async def test_owner_fails_while_reducing(swarm, mode):
     spec, deltas, tokens = setup_round(sw, mode=mode)
     victim = sw.services[1]
 
+    def landed(j: int) -> bool:
+        state = sw.services[j]._rounds.get(spec.round)
+        return state is not None and j in state.parts and sw.pids[1] in state.parts[j].contributions
+
     async def fault(spec_, part):
+        # Its own pushes to parts 0 and 2 must have landed before it dies (what the last assertion is
+        # about): they race with the pushes to its part, which started this reduction.
+        await until(lambda: landed(0) and landed(2), what="the victim's pushes to parts 0 and 2")
         victim.reached.set()
         await hang_forever()
 
