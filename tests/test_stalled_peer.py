@@ -150,8 +150,9 @@ class _FailedRound:
 @pytest.mark.parametrize("stall_share, blamed", [(2.0, False), (0.1, True)])
 async def test_a_round_this_peer_was_stalled_through_blames_no_owner(stall_share, blamed, caplog):
     (lone,) = _peers(1)
-    noted = []
+    noted, own = [], []
     lone.after_exchange = lambda spec, plan, ar: noted.append(spec.round)
+    lone.note_own_failed_parts = lambda spec, ar: own.append(spec.round)
 
     async def all_reduce(spec, delta, tokens, compute_end=None):
         return _FailedRound.make(delta)
@@ -174,6 +175,7 @@ async def test_a_round_this_peer_was_stalled_through_blames_no_owner(stall_share
         await asyncio.wait_for(drv.run(), 30)
     assert window["s"] > 0 and (stall_share >= STALL_VOID_SHARE) is (not blamed)
     assert noted == ([0] if blamed else [])
+    assert own == ([] if blamed else [0])  # stalled: only its own failed parts are noted (the others bar it)
     assert ("this peer was stalled" in caplog.text) is (not blamed)
     assert drv.history[0].loop_stall_ms == pytest.approx(stall_share * window["s"] * 1e3)
 
@@ -212,10 +214,14 @@ def test_forget_marks_since_drops_penalties_noted_from_that_round_on_and_keeps_o
     plan = SimpleNamespace(round=3, participants=lambda: ["me", "new-owner", "noshow"], probation=lambda: ())
     pol._note_failed_owners(SimpleNamespace(round=3, owners=owners), SimpleNamespace(missing_parts=[1, 2]))
     pol._note_no_shows(plan, SimpleNamespace(contributors={0: [("me", 10), ("new-owner", 10)]}))
-    assert pol._owner_penalty == {"old-owner": 2 + OWNER_PENALTY_ROUNDS, "new-owner": 3 + OWNER_PENALTY_ROUNDS}
+    # its own part 2 failed too: the others bar it, so it bars itself (its plans and checks agree with theirs)
+    assert pol._owner_penalty == {"old-owner": 2 + OWNER_PENALTY_ROUNDS, "new-owner": 3 + OWNER_PENALTY_ROUNDS,
+                                  "me": 3 + OWNER_PENALTY_ROUNDS}
     assert set(pol._noshow_penalty) == {"noshow"}
     assert pol.forget_marks_since(3) == ["new-owner", "noshow"]
-    assert pol._owner_penalty == {"old-owner": 2 + OWNER_PENALTY_ROUNDS} and pol._noshow_penalty == {}
+    # the bar on itself is the others' view, kept
+    assert pol._owner_penalty == {"old-owner": 2 + OWNER_PENALTY_ROUNDS, "me": 3 + OWNER_PENALTY_ROUNDS}
+    assert pol._noshow_penalty == {}
     assert pol.forget_marks_since(3) == []
 
 

@@ -262,7 +262,9 @@ class NodeRoundPolicy:
         """Drop the owner and no-show penalties this peer noted in round ``round`` or later (the driver calls it
         after a re-sync to a state this peer did not make: those rounds were of a lineage the swarm never
         confirmed, e.g. every part failed while this peer itself was stalled). A penalty noted earlier and
-        renewed in such a round goes too (the renewal replaced it). Returns the peer ids whose marks went."""
+        renewed in such a round goes too (the renewal replaced it). This peer's bar on itself is not noted
+        here: it is the others' view of its own failed parts, which they keep. Returns the peer ids whose
+        marks went."""
         noted = self._marks_noted()
         gone = [(kind, pid) for (kind, pid), r in noted.items() if r >= round]
         pens = {"owner": getattr(self, "_owner_penalty", {}), "noshow": self._noshows()}
@@ -550,8 +552,24 @@ class NodeRoundPolicy:
         log.debug("round %d: exchange %.2fs (%.2fs waiting, %.2fs network): %.2f ns per element pass, EMA %.2f ns",
                   spec.round, wall, wait, net, sample * 1e9, self.codec_s_per_element * 1e9)
 
+    def note_own_failed_parts(self, spec, ar) -> None:
+        """This peer's own parts with no valid result this round: every other peer bars it from owning for
+        ``OWNER_PENALTY_ROUNDS`` rounds (:meth:`_note_failed_owners`), so it bars itself too -- its plans then
+        agree with theirs, and it accepts their plans that give it no part (planner.check_plan counts it as
+        barred). The driver calls it alone for a round this peer was stalled through (its view of the others'
+        parts is void then, its own parts did fail for everyone). One INFO line when the bar starts."""
+        for j in ar.missing_parts:
+            if spec.owners[j].peer_id != self.me:
+                continue
+            if self.me not in self._owner_penalty:
+                log.info("round %d: this peer's own part %d had no valid result; the others bar it from owning a "
+                         "part for the next %d rounds, and so does it", spec.round, j, OWNER_PENALTY_ROUNDS)
+            self._owner_penalty[self.me] = spec.round + OWNER_PENALTY_ROUNDS
+
     def _note_failed_owners(self, spec, ar) -> None:
-        """Owners of parts with no valid result this round own no part for ``OWNER_PENALTY_ROUNDS`` rounds."""
+        """Owners of parts with no valid result this round own no part for ``OWNER_PENALTY_ROUNDS`` rounds
+        (this peer too: :meth:`note_own_failed_parts`)."""
+        self.note_own_failed_parts(spec, ar)
         for j in ar.missing_parts:
             pid = spec.owners[j].peer_id
             if pid == self.me:
