@@ -372,17 +372,18 @@ class RoundDriver:
 
     def _left_alone(self, everyone: Sequence[PeerRecord], waited_s: float) -> SwarmEnded:
         """The :class:`SwarmEnded` of a peer that, after its first round, found no other live peer for a
-        whole ``wait_peers_s`` short of ``min_peers``. ``synced``: the swarm confirmed this peer's current
-        state (a digest check that agreed, or a catch-up adopted it); records of others still seen (leaving)
-        give the swarm's round."""
+        whole ``wait_peers_s`` short of ``min_peers``. Never ``synced``: with the others' records gone nothing
+        shows where the swarm ended (it may have gone on after the last state it confirmed to this peer), so
+        the run is not claimed healthy; the line says whether the swarm confirmed this peer's state (a digest
+        check that agreed, or a catch-up adopted it)."""
         r = self.state.round
         others = [x for x in everyone if x.peer_id != self.me]
-        synced = self._confirmed_round >= r
-        state = ("the last state the swarm confirmed to it" if synced else
+        state = ("NOT known to be the swarm's last: the swarm confirmed it, and where the swarm ended is unknown"
+                 if self._confirmed_round >= r else
                  "NOT the swarm's: the swarm never confirmed it (its last round had no agreeing digest check)")
         why = (f"no other peer of the run is live (waited {waited_s:.0f} s for --min-peers {self.cfg.min_peers}); "
                f"this peer's state (round {r}, digest {(self.state.digest or '')[:8]}) is {state}")
-        return SwarmEnded(round=r, swarm_round=max([r] + [x.round for x in others]), synced=synced, why=why)
+        return SwarmEnded(round=r, swarm_round=max([r] + [x.round for x in others]), synced=False, why=why)
 
     def _end(self, ended: SwarmEnded) -> None:
         """Record that the run ends without reaching its goal because the swarm ended (one WARNING)."""
@@ -502,8 +503,8 @@ class RoundDriver:
         count: they show where the swarm is). Short of ``min_peers`` (after the first round ``min(min_peers,
         2)``: never alone): one INFO line "waiting for N peers, M live" (not one per read), a wait of up to
         ``wait_peers_s``; None with :attr:`ended` set
-        (one WARNING) when every other peer's record says it left, on reads ``gather_wait_s`` apart (a live
-        peer's record may be a moment old) -- this peer never trains alone on a swarm that ended."""
+        (one WARNING) when every other peer's record says it left, on two reads in a row (a live peer's
+        record may be a moment old) -- this peer never trains alone on a swarm that ended."""
         self.phase = Phase.GATHER
         # After the first round only "not alone" holds: waiting for all N every round would stall a swarm
         # that lost one peer by wait_peers_s per round; the fork risk is a peer training by itself.
@@ -513,7 +514,7 @@ class RoundDriver:
         last_ids: Optional[frozenset] = None
         waits = _SyncWaits(t0)
         synced: list[PeerRecord] = []
-        t_left: Optional[float] = None  # since when every other peer's record says it left (monotonic)
+        left_reads = 0  # consecutive reads on which every other peer's record says it left
         try:
             while True:
                 everyone = await self.membership.peers(include_leaving=True)
@@ -531,11 +532,12 @@ class RoundDriver:
                 ids = {r.peer_id for r in synced}
                 short = len(ids) < min_peers
                 ended = self._swarm_ended(everyone) if short and not self.stop.is_set() else None
-                if ended is None:
-                    t_left = None
-                elif t_left is None:
-                    t_left = now  # a record of a peer still live may be a moment old: confirm on later reads
-                elif now - t_left >= self.cfg.gather_wait_s:
+                # A record of a peer still live may be a moment old (it re-announces at its loop top): the end
+                # is confirmed by the next read, one backoff pause later. Not a longer wait: the leaving
+                # records expire a few announce periods after their peers exit, and without them this peer
+                # could only say it was left alone (not synced).
+                left_reads = 0 if ended is None else left_reads + 1
+                if ended is not None and left_reads >= 2:
                     self._end(ended)
                     return None
                 wait_s = self.cfg.wait_peers_s if first or short else self.cfg.gather_wait_s
