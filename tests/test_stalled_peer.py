@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from geomesh_p2p.round.driver import STALL_VOID_SHARE
+from geomesh_p2p.probation import noshow_penalty_rounds
 from geomesh_p2p.round.policy import OWNER_PENALTY_ROUNDS, NodeRoundPolicy
 from geomesh_p2p.state_sync import StateSyncError
 from tests.unit.test_round_driver import FakeClock, _digest, _peers, _run_all
@@ -153,7 +154,7 @@ async def test_a_round_this_peer_was_stalled_through_blames_no_owner(stall_share
     (lone,) = _peers(1)
     noted, own = [], []
     lone.after_exchange = lambda spec, plan, ar: noted.append(spec.round)
-    lone.note_own_failed_parts = lambda spec, ar: own.append(spec.round)
+    lone.note_own_failures = lambda spec, plan, ar, stalled: own.append((spec.round, stalled))
 
     async def all_reduce(spec, delta, tokens, compute_end=None):
         return _FailedRound.make(delta)
@@ -176,7 +177,7 @@ async def test_a_round_this_peer_was_stalled_through_blames_no_owner(stall_share
         await asyncio.wait_for(drv.run(), 30)
     assert window["s"] > 0 and (stall_share >= STALL_VOID_SHARE) is (not blamed)
     assert noted == ([0] if blamed else [])
-    assert own == ([] if blamed else [0])  # stalled: only its own failed parts are noted (the others bar it)
+    assert own == ([] if blamed else [(0, True)])  # stalled: only its own failed parts are noted (the others bar it)
     assert ("this peer was stalled" in caplog.text) is (not blamed)
     assert drv.history[0].loop_stall_ms == pytest.approx(stall_share * window["s"] * 1e3)
 
@@ -207,14 +208,36 @@ class _Policy(NodeRoundPolicy):
         self._owner_penalty, self._noshow_penalty = {}, {}
 
 
+def test_a_peer_stalled_through_a_round_takes_on_the_penalties_the_others_give_it():
+    """Seen in the H2 reproducer: the stalled peer, unaware the others marked it a no-show and barred its
+    part, led round 5 with a plan they refused (and refused theirs: 'owns ... over the bound among 3 owners')."""
+    pol = _Policy("me", 3)
+    owners = [SimpleNamespace(peer_id=p) for p in ("a", "me", "b")]
+    plan = SimpleNamespace(round=3, participants=lambda: ["a", "me", "b"], probation=lambda: ())
+    nothing = SimpleNamespace(missing_parts=[0, 1, 2], contributors={})
+    pol.note_own_failures(SimpleNamespace(round=3, owners=owners), plan, nothing, stalled=True)
+    assert pol._owner_penalty == {"me": 3 + OWNER_PENALTY_ROUNDS}
+    assert pol._noshow_penalty == {"me": 3 + noshow_penalty_rounds(False)}
+    # not stalled and nothing it can tell: no no-show mark on itself (absent_participants says nothing)
+    pol2 = _Policy("me", 3)
+    pol2.note_own_failures(SimpleNamespace(round=3, owners=owners), plan, nothing)
+    assert pol2._noshow_penalty == {} and pol2._owner_penalty == {"me": 3 + OWNER_PENALTY_ROUNDS}
+    # not stalled, and the others' parts show it contributed nowhere: it marks itself like they do
+    pol3 = _Policy("me", 3)
+    pol3.note_own_failures(SimpleNamespace(round=3, owners=owners), plan,
+                           SimpleNamespace(missing_parts=[], contributors={0: [("a", 5), ("b", 5)]}))
+    assert pol3._noshow_penalty == {"me": 3 + noshow_penalty_rounds(False)} and pol3._owner_penalty == {}
+
+
 def test_forget_marks_since_drops_penalties_noted_from_that_round_on_and_keeps_older_ones():
     pol = _Policy("me", 2)
     owners = [SimpleNamespace(peer_id=p) for p in ("old-owner", "new-owner", "me")]
     pol._note_failed_owners(SimpleNamespace(round=2, owners=owners), SimpleNamespace(missing_parts=[0]))
     pol.round = 3
     plan = SimpleNamespace(round=3, participants=lambda: ["me", "new-owner", "noshow"], probation=lambda: ())
-    pol._note_failed_owners(SimpleNamespace(round=3, owners=owners), SimpleNamespace(missing_parts=[1, 2]))
-    pol._note_no_shows(plan, SimpleNamespace(contributors={0: [("me", 10), ("new-owner", 10)]}))
+    ar = SimpleNamespace(missing_parts=[1, 2], contributors={0: [("me", 10), ("new-owner", 10)]})
+    pol._update_exchange_cost = lambda spec, ar: None
+    pol.after_exchange(SimpleNamespace(round=3, owners=owners), plan, ar)
     # its own part 2 failed too: the others bar it, so it bars itself (its plans and checks agree with theirs)
     assert pol._owner_penalty == {"old-owner": 2 + OWNER_PENALTY_ROUNDS, "new-owner": 3 + OWNER_PENALTY_ROUNDS,
                                   "me": 3 + OWNER_PENALTY_ROUNDS}

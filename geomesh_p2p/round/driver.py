@@ -848,9 +848,9 @@ class RoundDriver:
             # it, so the round is no evidence against their owners (nor a sample of the exchange's cost).
             log.warning("round %d: this peer was stalled %.1f s (its exchange window is %.1f s); the parts and "
                         "contributions it missed are not held against their owners", ctx.round, paused, window)
-            own = getattr(self.policy, "note_own_failed_parts", None)
-            if own is not None:  # its own parts did fail for everyone: it is barred as the others bar it
-                own(ctx.spec, ctx.ar)
+            own = getattr(self.policy, "note_own_failures", None)
+            if own is not None:  # its own failures are real for everyone: penalised as the others penalise it
+                own(ctx.spec, ctx.planned(), ctx.ar, stalled=True)
         else:
             self.policy.after_exchange(ctx.spec, ctx.planned(), ctx.ar)
         return True

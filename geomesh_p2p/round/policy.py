@@ -247,6 +247,7 @@ class NodeRoundPolicy:
         return self._standing_view(records).established(peer_id)
 
     def after_exchange(self, spec, plan, ar) -> None:
+        self.note_own_failures(spec, plan, ar)
         self._note_failed_owners(spec, ar)
         self._note_no_shows(plan, ar)
         self._update_exchange_cost(spec, ar)
@@ -262,8 +263,8 @@ class NodeRoundPolicy:
         """Drop the owner and no-show penalties this peer noted in round ``round`` or later (the driver calls it
         after a re-sync to a state this peer did not make: those rounds were of a lineage the swarm never
         confirmed, e.g. every part failed while this peer itself was stalled). A penalty noted earlier and
-        renewed in such a round goes too (the renewal replaced it). This peer's bar on itself is not noted
-        here: it is the others' view of its own failed parts, which they keep. Returns the peer ids whose
+        renewed in such a round goes too (the renewal replaced it). This peer's penalties on itself are not
+        noted here: they are the others' view of its own failures, which they keep. Returns the peer ids whose
         marks went."""
         noted = self._marks_noted()
         gone = [(kind, pid) for (kind, pid), r in noted.items() if r >= round]
@@ -552,12 +553,20 @@ class NodeRoundPolicy:
         log.debug("round %d: exchange %.2fs (%.2fs waiting, %.2fs network): %.2f ns per element pass, EMA %.2f ns",
                   spec.round, wall, wait, net, sample * 1e9, self.codec_s_per_element * 1e9)
 
-    def note_own_failed_parts(self, spec, ar) -> None:
-        """This peer's own parts with no valid result this round: every other peer bars it from owning for
-        ``OWNER_PENALTY_ROUNDS`` rounds (:meth:`_note_failed_owners`), so it bars itself too -- its plans then
-        agree with theirs, and it accepts their plans that give it no part (planner.check_plan counts it as
-        barred). The driver calls it alone for a round this peer was stalled through (its view of the others'
-        parts is void then, its own parts did fail for everyone). One INFO line when the bar starts."""
+    def note_own_failures(self, spec, plan, ar, *, stalled: bool = False) -> None:
+        """Penalties the other peers give this peer for round ``plan.round``, taken on by itself so that its
+        plans and checks agree with theirs (one INFO line each when it starts):
+
+        * its own parts with no valid result: every other peer bars it from owning for
+          ``OWNER_PENALTY_ROUNDS`` rounds (:meth:`_note_failed_owners`); barred in its own view too, it
+          plans itself client-only and accepts their plans that give it no part (planner.check_plan);
+        * a participant in no part's contributors (``stalled``: it pushed nothing in time, whatever its own
+          view of the parts): they mark it a no-show (:meth:`_note_no_shows`), refuse its plans and do not
+          plan it; marked in its own view too, it does not lead meanwhile (leader_candidates' ``barred``).
+
+        The driver calls it alone (``stalled=True``) for a round this peer was stalled through: its view
+        of the others is void then, its own failures are real for everyone."""
+        self._note_own_no_show(plan, ar, stalled)
         for j in ar.missing_parts:
             if spec.owners[j].peer_id != self.me:
                 continue
@@ -566,10 +575,23 @@ class NodeRoundPolicy:
                          "part for the next %d rounds, and so does it", spec.round, j, OWNER_PENALTY_ROUNDS)
             self._owner_penalty[self.me] = spec.round + OWNER_PENALTY_ROUNDS
 
+    def _note_own_no_show(self, plan, ar, stalled: bool) -> None:
+        """:meth:`note_own_failures`' no-show half."""
+        me = getattr(self, "me", None)
+        if me is None or me not in plan.participants():
+            return
+        if not stalled and me not in pb.absent_participants(plan.participants(), ar.contributors):
+            return
+        pen = self._noshows()
+        rounds = pb.noshow_penalty_rounds(me in set(plan.probation()))
+        if me not in pen:
+            log.info("round %d: this peer contributed to no part the others applied; they do not plan it nor "
+                     "follow its plans for the next %d rounds, so it does not lead meanwhile", plan.round, rounds)
+        pen[me] = plan.round + rounds
+
     def _note_failed_owners(self, spec, ar) -> None:
         """Owners of parts with no valid result this round own no part for ``OWNER_PENALTY_ROUNDS`` rounds
-        (this peer too: :meth:`note_own_failed_parts`)."""
-        self.note_own_failed_parts(spec, ar)
+        (this peer's own parts: :meth:`note_own_failures`)."""
         for j in ar.missing_parts:
             pid = spec.owners[j].peer_id
             if pid == self.me:
