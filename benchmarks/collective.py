@@ -48,6 +48,8 @@ import torch
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 
+from tests.jsonl_util import JsonLineProc, exit_workers, kill_workers  # noqa: E402
+
 RUN = "bench-collective"
 MODES = [  # (name, mode, push_encoding, aggregate_encoding)
     ("relay", "relay", "sign", "sign"),
@@ -115,24 +117,6 @@ async def _worker(seed: int, numel: int) -> int:
 # ------------------------------------------------------------------------------------- parent
 
 
-class _Proc:
-    def __init__(self, proc):
-        self.proc = proc
-
-    async def read(self, timeout=900.0) -> dict:
-        while True:
-            line = await asyncio.wait_for(self.proc.stdout.readline(), timeout)
-            if not line:
-                raise RuntimeError(f"worker {self.proc.pid} exited (rc {self.proc.returncode}); see its stderr")
-            try:
-                return json.loads(line)
-            except json.JSONDecodeError:
-                continue
-
-    def send(self, obj) -> None:
-        self.proc.stdin.write(json.dumps(obj).encode() + b"\n")
-
-
 async def run_group(n: int, numel: int, block_size: int, tmp: str, deadline_s: float) -> dict:
     from geomesh_p2p.collective import CollectiveSpec, make_partition
 
@@ -143,7 +127,7 @@ async def run_group(n: int, numel: int, block_size: int, tmp: str, deadline_s: f
             p = await asyncio.create_subprocess_exec(
                 sys.executable, os.path.abspath(__file__), "--worker", "--seed", str(1000 + k), "--numel", str(numel),
                 stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=env)
-            procs.append(_Proc(p))
+            procs.append(JsonLineProc(p, timeout=900.0))
         ready = [await p.read() for p in procs]
         pids = [r["peer_id"] for r in ready]
         owners = make_partition(numel, [(r["peer_id"], r["address"], 1.0) for r in ready], block_size=block_size)
@@ -176,16 +160,10 @@ async def run_group(n: int, numel: int, block_size: int, tmp: str, deadline_s: f
             row["rel_err"] = float((agg - ref).norm() / ref.norm())
             os.unlink(row["out"]) if name != "fp32" else None
         os.unlink(rows["fp32"]["out"])
-        for p in procs:
-            p.send({"cmd": "exit"})
-        for p in procs:
-            await asyncio.wait_for(p.proc.wait(), 60)
+        await exit_workers(procs)
         return rows
     finally:
-        for p in procs:
-            if p.proc.returncode is None:
-                p.proc.kill()
-                await p.proc.wait()
+        await kill_workers(procs)
 
 
 def _mb(x: float) -> str:

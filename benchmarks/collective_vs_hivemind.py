@@ -42,13 +42,12 @@ import platform
 import statistics
 import sys
 import time
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 
-if TYPE_CHECKING:
-    from benchmarks.collective import _Proc
+from tests.jsonl_util import JsonLineProc, exit_workers, kill_workers  # noqa: E402
 
 RUN = "bench-vs-hivemind"
 OURS = {"fp32": ("reencode", "fp32", "fp32"), "sign": ("reencode", "sign", "sign")}
@@ -162,15 +161,14 @@ async def _worker(seed: int, numel: int, n: int, initial_peers: list[str], reads
 # ------------------------------------------------------------------------------------- parent
 
 
-async def _spawn(k: int, n: int, numel: int, initial: list[str], reads_per_ip: int) -> _Proc:
-    from benchmarks.collective import _Proc  # the same JSON-lines worker handle; here, so torch loads lazily
+async def _spawn(k: int, n: int, numel: int, initial: list[str], reads_per_ip: int) -> JsonLineProc:
 
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", GRPC_VERBOSITY="ERROR")
     p = await asyncio.create_subprocess_exec(
         sys.executable, os.path.abspath(__file__), "--worker", "--seed", str(1000 + k), "--numel", str(numel),
         "--group", str(n), "--initial", json.dumps(initial), "--reads-per-ip", str(reads_per_ip),
         stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=env)
-    return _Proc(p)
+    return JsonLineProc(p, timeout=900.0)
 
 
 async def run_group(n: int, numel: int, repeats: int, contenders: list[str], block_size: int,
@@ -179,7 +177,7 @@ async def run_group(n: int, numel: int, repeats: int, contenders: list[str], blo
     from geomesh_p2p.collective import CollectiveSpec, make_partition, max_part_elements, split_owners
     from geomesh_p2p.transport import TransportConfig
 
-    procs: list[_Proc] = []
+    procs: list[JsonLineProc] = []
     try:
         procs.append(await _spawn(0, n, numel, [], reads_per_ip))
         first = await procs[0].read()
@@ -230,16 +228,10 @@ async def run_group(n: int, numel: int, repeats: int, contenders: list[str], blo
                 rows[c]["complete"].append(all(d["complete"] for d in done))
                 print(f"# {n} peers, repeat {rep + 1}, {c}: {rows[c]['wall_s'][-1]:.2f} s wall, "
                       f"{rows[c]['cpu_s'][-1]:.2f} CPU-s/peer", file=sys.stderr, flush=True)
-        for p in procs:
-            p.send({"cmd": "exit"})
-        for p in procs:
-            await asyncio.wait_for(p.proc.wait(), 60)
+        await exit_workers(procs)
         return rows
     finally:
-        for p in procs:
-            if p.proc.returncode is None:
-                p.proc.kill()
-                await p.proc.wait()
+        await kill_workers(procs)
 
 
 def table(results: dict, numel: int) -> str:

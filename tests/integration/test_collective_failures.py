@@ -10,9 +10,7 @@ those contributor lists (a part whose owner is gone is zero for everyone).
 from __future__ import annotations
 
 import asyncio
-import json
 import os
-import signal
 import sys
 import time
 from pathlib import Path
@@ -25,6 +23,7 @@ from geomesh_p2p import compression
 from geomesh_p2p.collective import CollectiveService
 from geomesh_p2p.transport import COLLECTIVE_PUSH, RpcError
 from geomesh_p2p.wire import collective_pb2
+from tests.jsonl_util import JsonLineProc, kill_workers
 from tests.collective_util import RUN, Swarm, craft_contribution, deltas_for, pid_order, reference
 from tests.wait_util import until
 
@@ -65,19 +64,25 @@ async def hang_forever():
 
 
 @pytest.fixture
-async def swarm():
-    made = []
+def swarm(swarms):
+    """``await swarm(n_servers=3, n_clients=1, **kw)`` -> a started :class:`Swarm` of :class:`Faulty`
+    services; conftest's ``swarms`` stops every one in teardown."""
+    def make(n_servers=3, n_clients=1, **kw):
+        return swarms(n_servers, n_clients, service_cls=Faulty, **kw)
 
-    async def make(n_servers=3, n_clients=1, **kw):
-        s = Swarm(n_servers, n_clients, service_cls=Faulty, **kw)
-        made.append(s)
-        return await s.start()
+    return make
 
-    try:
-        yield make
-    finally:
-        for s in made:
-            await s.stop()
+
+def hang_after_part_0(svc):
+    """A ``push_fault`` for ``svc``: it delivers part 0, then (once part 0 is delivered) sets ``svc.reached``
+    and hangs before every other part, as a peer that dies or cancels half-way through sending."""
+    async def fault(spec_, part):
+        if part != 0:
+            await svc._ev(0).wait()
+            svc.reached.set()
+            await hang_forever()
+
+    return fault
 
 
 async def timed(coro):
@@ -146,13 +151,7 @@ async def test_peer_fails_half_way_through_sending(swarm, mode):
     spec, deltas, tokens = setup_round(sw, mode=mode)
     victim = sw.services[2]
 
-    async def fault(spec_, part):
-        if part != 0:
-            await victim._ev(0).wait()
-            victim.reached.set()
-            await hang_forever()
-
-    victim.push_fault = fault
+    victim.push_fault = hang_after_part_0(victim)
     tasks = start_round(sw, spec, deltas, tokens, [0, 1, 2, 3])
     await victim.reached.wait()
     tasks.pop(2).cancel()
@@ -239,13 +238,7 @@ async def test_peer_cancels(swarm, who):
     spec, deltas, tokens = setup_round(sw, mode="relay")
     quitter = sw.services[who]
 
-    async def fault(spec_, part):
-        if part != 0:
-            await quitter._ev(0).wait()
-            quitter.reached.set()
-            await hang_forever()
-
-    quitter.push_fault = fault
+    quitter.push_fault = hang_after_part_0(quitter)
     tasks = start_round(sw, spec, deltas, tokens, [0, 1, 2, 3])
     await quitter.reached.wait()
     t = tasks.pop(who)
@@ -263,29 +256,13 @@ async def test_peer_cancels(swarm, who):
 WORKER = Path(__file__).resolve().parents[1] / "collective_worker.py"
 
 
-class Proc:
-    def __init__(self, proc: asyncio.subprocess.Process):
-        self.proc = proc
-
-    async def read(self, timeout: float = 60.0) -> dict:
-        while True:
-            line = await asyncio.wait_for(self.proc.stdout.readline(), timeout)
-            if not line:
-                raise EOFError(f"worker {self.proc.pid} exited (rc={self.proc.returncode})")
-            try:
-                return json.loads(line)
-            except json.JSONDecodeError:
-                continue
-
-    def send(self, obj) -> None:
-        self.proc.stdin.write((json.dumps(obj) if not isinstance(obj, str) else obj).encode() + b"\n")
-
-
 @pytest.fixture
 async def workers(tmp_path):
-    procs: list[Proc] = []
+    """``await workers(n)`` -> ``n`` started tests/collective_worker.py processes (JSON lines; stderr in
+    ``tmp_path/worker<k>.err``); all are SIGKILLed by PID and reaped in teardown."""
+    procs: list[JsonLineProc] = []
 
-    async def spawn(n: int) -> list[Proc]:
+    async def spawn(n: int) -> list[JsonLineProc]:
         env = dict(os.environ, PYTHONPATH=str(WORKER.parent.parent))
         for k in range(n):
             err = open(tmp_path / f"worker{k}.err", "wb")
@@ -293,19 +270,13 @@ async def workers(tmp_path):
                                                      stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
                                                      stderr=err, env=env)
             err.close()
-            procs.append(Proc(p))
+            procs.append(JsonLineProc(p))
         return procs
 
     try:
         yield spawn
     finally:
-        for p in procs:
-            if p.proc.returncode is None:
-                try:
-                    os.kill(p.proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            await p.proc.wait()
+        await kill_workers(procs)
 
 
 async def test_owner_gone_after_serving_some_peers_the_rest_get_its_signed_result_from_them(swarm):
