@@ -29,6 +29,18 @@ async def swarms():
             await s.stop()
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch intra-op thread for a module's tests (``pytestmark = pytest.mark.usefixtures("one_thread")``),
+    restored after: on a shared 2-core machine, spin-waiting OpenMP threads make CPU steps ~10-40x slower."""
+    import torch  # here, so modules without torch do not load it
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture
 def swarm(tmp_path):
     """A :class:`ProcSwarm` of peer processes in ``tmp_path``; every process it started is stopped in

@@ -16,14 +16,7 @@ from geomesh_p2p.training import (PRESETS, ConfigError, InnerTrainer, build_mode
 SEQ = 64
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # With other processes on a 2-core box, 2 intra-op threads run ~10x slower than 1
-    # (spin-waiting); one thread keeps this file's runtime predictable.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one intra-op thread
 
 
 @pytest.fixture(scope="module")
