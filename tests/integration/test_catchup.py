@@ -18,6 +18,7 @@ from geomesh_p2p.state_sync import (OuterUpdate, Snapshot, StateServer, StateSyn
                                     catch_up_updates, download_state)
 from geomesh_p2p.transport import Transport, TransportConfig
 from geomesh_p2p.wire import collective_pb2
+from tests.state_util import StallingServer
 
 RUN = "catchup-test"
 CHUNK = 16 << 10
@@ -57,25 +58,6 @@ def _advance(gs: GlobalState, srv: StateServer, outer: OuterNesterov, r: int, ag
         outer_step_per_part(outer, gs.theta, agg, ranges, r, idle)
         gs.commit(r + 1)
         srv.updates.seal(r + 1, gs.digest)
-
-
-class StallingServer(StateServer):
-    """Sends ``stall_after`` chunks of a state request, then waits for ``release`` (the test moves the state
-    on meanwhile)."""
-
-    def __init__(self, transport, *, stall_after: int, **kw):
-        super().__init__(transport, **kw)
-        self.stall_after = stall_after
-        self.stalled, self.release = asyncio.Event(), asyncio.Event()
-
-    async def _handle(self, verified, context):
-        n = 0
-        async for chunk in super()._handle(verified, context):
-            if n == self.stall_after:
-                self.stalled.set()
-                await self.release.wait()
-            yield chunk
-            n += 1
 
 
 class TamperingServer(StateServer):

@@ -149,42 +149,16 @@ def test_checkpoint_before_any_digest_is_refused(tmp_path):
 # --------------------------------------------------------------------------- serving and downloading
 import asyncio  # noqa: E402
 
-from geomesh_p2p.identity import EnvelopeError, Identity  # noqa: E402
+import grpc  # noqa: E402
+
+from geomesh_p2p.identity import Identity  # noqa: E402
 from geomesh_p2p.state_sync import StateServer, StateSyncError, download_state  # noqa: E402
 from geomesh_p2p.transport import STATE_GET, RpcError, Transport, TransportConfig  # noqa: E402
 from geomesh_p2p.wire import collective_pb2  # noqa: E402
+from tests.state_util import StallingServer  # noqa: E402
 
 RUN = "state-sync-test"
 CHUNK = 16 << 10
-
-
-class StallingServer(StateServer):
-    """A donor that sends ``stall_after`` chunks of a request, then nothing (a donor gone quiet); requests
-    starting before byte ``refuse_below`` are refused. ``closed`` is set when a stalled stream is closed."""
-
-    def __init__(self, transport, *, stall_after: int, refuse_below: int = 0, **kw):
-        super().__init__(transport, **kw)
-        self.stall_after, self.refuse_below = stall_after, refuse_below
-        self.stalled, self.closed, self.release = asyncio.Event(), asyncio.Event(), asyncio.Event()
-
-    async def _handle(self, verified, context):
-        req = collective_pb2.StateRequest.FromString(verified.payload)
-        if req.offset < self.refuse_below:
-            raise EnvelopeError(grpc.StatusCode.FAILED_PRECONDITION, "refused (test)")
-        n = 0
-        try:
-            async for chunk in super()._handle(verified, context):
-                if n == self.stall_after:
-                    self.stalled.set()
-                    await self.release.wait()
-                yield chunk
-                n += 1
-        finally:
-            if self.stalled.is_set():
-                self.closed.set()
-
-
-import grpc  # noqa: E402
 
 
 async def _donors(gs_list, make=StateServer, **kw):
@@ -196,6 +170,13 @@ async def _donors(gs_list, make=StateServer, **kw):
         srv = (extra.pop("cls", make))(t, chunk_bytes=CHUNK, state=gs, **extra)
         out.append((t, srv, await t.start()))
     return out
+
+
+async def _stop(client, donors) -> None:
+    """Stops the downloading ``client`` transport and every donor transport from :func:`_donors`."""
+    await client.stop()
+    for t, _, _ in donors:
+        await t.stop(grace=0)
 
 
 def _state(round=5, seed=1, k=1, p=1 << 15):
@@ -225,9 +206,7 @@ async def test_a_donor_that_stops_mid_piece_loses_its_piece_to_the_other_donor()
         assert ("done", 0, addrs[1], "") in events and ("done", 1, addrs[1], "") in events
         assert donors[0][1].closed.is_set() or await asyncio.wait_for(donors[0][1].closed.wait(), 10) is True
     finally:
-        await client.stop()
-        for t, srv, _ in donors:
-            await t.stop(grace=0)
+        await _stop(client, donors)
 
 
 @pytest.mark.timeout(60)
@@ -254,9 +233,7 @@ async def test_a_piece_that_fails_on_every_donor_cancels_its_siblings():
         assert not any(e[0] == "done" for e in events)
         await asyncio.wait_for(donors[1][1].closed.wait(), 10)  # the donor saw piece 1's stream closed
     finally:
-        await client.stop()
-        for t, srv, _ in donors:
-            await t.stop(grace=0)
+        await _stop(client, donors)
 
 
 @pytest.mark.timeout(60)
