@@ -67,6 +67,23 @@ async def test_a_flipping_contributor_has_no_say_in_relay_mode(swarms):
     assert all(set(v) == {0, 1, 2, 3} for v in res[0].contributions.values())
 
 
+async def _round_with_evil_owner(swarms, evil_cls, *, seed: int):
+    """One robust relay round of 4 peers (8192 fp32 elements, 100 tokens each), peer 3 an owner of class
+    ``evil_cls``: asserts every reader refuses peer 3's part (missing, all zeros) and all aggregates are
+    bitwise equal. Returns (peer 0's CollectiveResult, the evil PartOwner)."""
+    sw = await swarms(4, service_cls=[CollectiveService] * 3 + [evil_cls])
+    numel = 4 * 2048
+    deltas = _honest_deltas(sw.pids, numel, seed=seed)
+    spec = sw.spec(numel, mode="relay", deadline_s=3.0, **ROBUST)
+    evil_part = spec.part_index_of(sw.pids[3])
+    res = await asyncio.gather(*[s.all_reduce(spec, deltas[p], 100) for s, p in zip(sw.services, sw.pids)])
+    assert all(r.missing_parts == evil_part for r in res)
+    assert all(torch.equal(r.aggregate, res[0].aggregate) for r in res)
+    o = spec.owners[evil_part[0]]
+    assert not res[0].aggregate[o.start:o.end].any()
+    return res[0], o
+
+
 class _SelfishOwner(CollectiveService):
     """As an owner, relays only its own contribution (drops everybody else's)."""
 
@@ -75,17 +92,8 @@ class _SelfishOwner(CollectiveService):
 
 
 async def test_an_owner_that_drops_the_others_loses_its_part_everywhere(swarms):
-    sw = await swarms(4, service_cls=[CollectiveService] * 3 + [_SelfishOwner])
-    numel = 4 * 2048
-    deltas = _honest_deltas(sw.pids, numel, seed=1)
-    spec = sw.spec(numel, mode="relay", deadline_s=3.0, **ROBUST)
-    evil_part = spec.part_index_of(sw.pids[3])
-    res = await asyncio.gather(*[s.all_reduce(spec, deltas[p], 100) for s, p in zip(sw.services, sw.pids)])
-    assert all(r.missing_parts == evil_part for r in res)  # below the quorum of 2: refused by every reader
-    assert all(torch.equal(r.aggregate, res[0].aggregate) for r in res)
-    o = spec.owners[evil_part[0]]
-    assert not res[0].aggregate[o.start:o.end].any()
-    assert res[0].aggregate[:o.start].count_nonzero() > 0.5 * o.start  # 2-2 ties of the sign mean are 0
+    res, o = await _round_with_evil_owner(swarms, _SelfishOwner, seed=1)  # below the quorum of 2: refused
+    assert res.aggregate[:o.start].count_nonzero() > 0.5 * o.start  # 2-2 ties of the sign mean are 0
 
 
 def test_quorum_count():
@@ -119,16 +127,7 @@ class _TamperingOwner(CollectiveService):
 async def test_an_owner_that_relays_a_tampered_contribution_forfeits_its_part(swarms):
     """A relayed contribution that fails a byte-only check (forged, tampered, malformed) proves the owner
     altered it (it verified what it took): every reader refuses the part, whatever the quorum says."""
-    sw = await swarms(4, service_cls=[CollectiveService] * 3 + [_TamperingOwner])
-    numel = 4 * 2048
-    deltas = _honest_deltas(sw.pids, numel, seed=2)
-    spec = sw.spec(numel, mode="relay", deadline_s=3.0, **ROBUST)
-    evil_part = spec.part_index_of(sw.pids[3])
-    res = await asyncio.gather(*[s.all_reduce(spec, deltas[p], 100) for s, p in zip(sw.services, sw.pids)])
-    assert all(r.missing_parts == evil_part for r in res)
-    assert all(torch.equal(r.aggregate, res[0].aggregate) for r in res)
-    o = spec.owners[evil_part[0]]
-    assert not res[0].aggregate[o.start:o.end].any()
+    await _round_with_evil_owner(swarms, _TamperingOwner, seed=2)
 
 
 class _KeepsAbstainers(CollectiveService):
