@@ -102,9 +102,11 @@ async def test_after_the_first_round_a_swarm_short_of_min_peers_but_not_alone_go
     assert clock.t - 1000.0 < 1.0 and drv.ended is None  # no --wait-peers-s wait for the third
 
 
-@pytest.mark.parametrize("confirmed, said", [(4, "the swarm confirmed it, and where the swarm ended is unknown"),
-                                             (3, "the swarm never confirmed it")])
-async def test_after_the_first_round_a_peer_left_with_no_live_peer_ends_instead_of_training_alone(confirmed, said,
+@pytest.mark.parametrize("confirmed, seen, said", [
+    (4, 0, "the swarm confirmed it, and where the swarm ended is unknown"),
+    (3, 0, "the swarm never confirmed it"),
+    (4, 5, "NOT the swarm's: the swarm was last seen at round 5")])
+async def test_after_the_first_round_a_peer_left_with_no_live_peer_ends_instead_of_training_alone(confirmed, seen, said,
                                                                                                  caplog):
     """The others' records vanished with them (seen in the H1 process run): after its first round a peer short
     of --min-peers that sees nobody else live for wait_peers_s ends, never as synced (nothing shows where the
@@ -112,7 +114,7 @@ async def test_after_the_first_round_a_peer_left_with_no_live_peer_ends_instead_
     (p,) = _peers(1)
     p.round = 4
     drv = p.driver(min_peers=2, wait_peers_s=30.0, clock=FakeClock())
-    drv._confirmed_round = confirmed
+    drv._confirmed_round, drv._swarm_seen = confirmed, seen  # seen: a catch-up to it failed, then records vanished
     with caplog.at_level(logging.INFO, logger="geomesh_p2p.node.round"):
         assert await asyncio.wait_for(drv.gather(set(), first=False), 10) is None
     assert drv.ended is not None and drv.ended.synced is False and drv.ended.round == 4

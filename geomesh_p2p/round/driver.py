@@ -276,6 +276,8 @@ class RoundDriver:
         #: the first round whose start state the swarm has not confirmed to this peer (a digest check that
         #: agreed, or a state adopted by a catch-up): blame noted from it on is of an unconfirmed lineage
         self._confirmed_round: int = 0
+        #: the latest round the swarm's vote was seen at (behind / gather), for the line of a peer left alone
+        self._swarm_seen: int = 0
 
     @property
     def me(self) -> str:
@@ -348,6 +350,7 @@ class RoundDriver:
         count: their last record says which round and state the swarm reached (a swarm whose peers all
         finished their last round is ahead of a peer that was stalled, not gone)."""
         sr = self.policy.swarm_round(await self.membership.peers(include_leaving=True))
+        self._swarm_seen = max(self._swarm_seen, sr or 0)
         return sr is not None and sr > self.state.round
 
     def _swarm_ended(self, everyone: Sequence[PeerRecord]) -> Optional[SwarmEnded]:
@@ -378,12 +381,14 @@ class RoundDriver:
         check that agreed, or a catch-up adopted it)."""
         r = self.state.round
         others = [x for x in everyone if x.peer_id != self.me]
-        state = ("NOT known to be the swarm's last: the swarm confirmed it, and where the swarm ended is unknown"
+        seen = max([self._swarm_seen] + [x.round for x in others])
+        state = (f"NOT the swarm's: the swarm was last seen at round {seen}" if seen > r else
+                 "NOT known to be the swarm's last: the swarm confirmed it, and where the swarm ended is unknown"
                  if self._confirmed_round >= r else
                  "NOT the swarm's: the swarm never confirmed it (its last round had no agreeing digest check)")
         why = (f"no other peer of the run is live (waited {waited_s:.0f} s for --min-peers {self.cfg.min_peers}); "
                f"this peer's state (round {r}, digest {(self.state.digest or '')[:8]}) is {state}")
-        return SwarmEnded(round=r, swarm_round=max([r] + [x.round for x in others]), synced=False, why=why)
+        return SwarmEnded(round=r, swarm_round=max(r, seen), synced=False, why=why)
 
     def _end(self, ended: SwarmEnded) -> None:
         """Record that the run ends without reaching its goal because the swarm ended (one WARNING)."""
@@ -393,19 +398,19 @@ class RoundDriver:
 
     async def _check_end(self) -> None:
         """After the last round: when the other peers' records at this peer's round back another digest
-        (this peer trained its last rounds on a state the swarm never had), or show a later round, the run
-        did not end healthy: :attr:`ended` says so (synced False) and one WARNING line. One DHT read."""
+        (this peer trained its last rounds on a state the swarm never had), the run did not end healthy:
+        :attr:`ended` says so (synced False) and one WARNING line. Others at a later round are no failure
+        (peers with a larger ``--rounds`` go on). One DHT read."""
         everyone = await self.membership.peers(include_leaving=True)
         others = [x for x in everyone if x.peer_id != self.me]
         r = self.state.round
         majority, agree, total = digest_majority(others, r)
-        later = max((x.round for x in others if x.weights_digest), default=r)
-        if later > r or (majority is not None and majority != self.state.digest):
+        if majority is not None and majority != self.state.digest:
+            later = max((x.round for x in others), default=r)
             self._end(SwarmEnded(
                 round=r, swarm_round=max(later, r), synced=False,
                 why=(f"this peer's last state (round {r}, digest {(self.state.digest or '')[:8]}) is NOT the swarm's: "
-                     + (f"the others reached round {later}" if later > r else
-                        f"{agree} of {total} other peer(s) hold digest {(majority or '')[:8]}"))))
+                     f"{agree} of {total} other peer(s) hold digest {majority[:8]}")))
 
     def reached_target(self) -> bool:
         """True once the last row's evaluation is at or under ``target_ppl``."""
@@ -526,6 +531,7 @@ class RoundDriver:
                 # Leaving peers' records are evidence of the swarm's progress (their round and digest): a
                 # stalled peer whose swarm finished while it was stopped must catch up, not train alone.
                 sr = self.policy.swarm_round(everyone)
+                self._swarm_seen = max(self._swarm_seen, sr or 0)
                 if sr is not None and sr > self.state.round:
                     return None
                 synced = [r for r in recs if r.round == self.state.round and r.weights_digest == self.state.digest]
