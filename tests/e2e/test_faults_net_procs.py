@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import signal
 import pytest
-from tests.e2e.test_bootstrap import START_TIMEOUT
+from tests.e2e.test_bootstrap import START_TIMEOUT, procs  # noqa: F401  (the fixture)
 from tests.integration.test_faults_net import FAKETIME_LIB, _boot_argv, _dht_argv, _wait_file  # noqa: F401
 
 
