@@ -853,6 +853,9 @@ async def catch_up_updates(transport: StreamCaller, donors: Sequence[str], snap:
             t.cancel()
         if pending:
             await asyncio.wait(pending)
+        for t in fetches.values():  # a later round's fetch that failed while an earlier one was applied:
+            if not t.cancelled():   # its error is retrieved here (the first error is what this call raises)
+                t.exception()
     return Snapshot(gs.round, gs.theta, gs.opt_state, gs.digest, buffer=gs.buffer)
 
 
