@@ -48,7 +48,7 @@ import torch
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 
-from tests.jsonl_util import JsonLineProc, exit_workers, kill_workers  # noqa: E402
+from tests.jsonl_util import JsonLineProc, commands, exit_workers, kill_workers  # noqa: E402
 
 RUN = "bench-collective"
 MODES = [  # (name, mode, push_encoding, aggregate_encoding)
@@ -77,7 +77,6 @@ async def _worker(seed: int, numel: int) -> int:
     service = CollectiveService(transport, long_poll_s=30.0)
     address = await transport.start()
     delta = torch.randn(numel, generator=torch.Generator().manual_seed(seed))
-    loop = asyncio.get_running_loop()
 
     def stats():
         by = transport.stats.by_method
@@ -86,13 +85,7 @@ async def _worker(seed: int, numel: int) -> int:
 
     _emit({"event": "ready", "peer_id": ident.peer_id.to_string(), "address": address})
     try:
-        while True:
-            line = await loop.run_in_executor(None, sys.stdin.readline)
-            if not line:
-                break
-            cmd = json.loads(line)
-            if cmd["cmd"] == "exit":
-                break
+        async for cmd in commands():
             if cmd["cmd"] == "stats":
                 _emit({"event": "stats", "bytes": stats()})
                 continue

@@ -47,7 +47,7 @@ from typing import Optional
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 
-from tests.jsonl_util import JsonLineProc, exit_workers, kill_workers  # noqa: E402
+from tests.jsonl_util import JsonLineProc, commands, exit_workers, kill_workers  # noqa: E402
 
 RUN = "bench-vs-hivemind"
 OURS = {"fp32": ("reencode", "fp32", "fp32"), "sign": ("reencode", "sign", "sign")}
@@ -113,18 +113,11 @@ async def _worker(seed: int, numel: int, n: int, initial_peers: list[str], reads
                                     min_group_size=n, min_matchmaking_time=3.0, request_timeout=2.0,
                                     compression=comp, start=True)
         for name, comp in (("hm_fp32", NoCompression()), ("hm_fp16", Float16Compression()))}
-    loop = asyncio.get_running_loop()
     pending = None
     _emit({"event": "ready", "peer_id": ident.peer_id.to_string(), "address": address,
            "maddrs": [str(a) for a in dht.get_visible_maddrs()]})
     try:
-        while True:
-            line = await loop.run_in_executor(None, sys.stdin.readline)
-            if not line:
-                break
-            cmd = json.loads(line)
-            if cmd["cmd"] == "exit":
-                break
+        async for cmd in commands():
             if cmd["cmd"] == "hm_match":  # form the group now; the all-reduce waits for the trigger
                 avg = averagers[cmd["name"]]
                 pending = avg.step(wait=False, require_trigger=True, timeout=300.0)

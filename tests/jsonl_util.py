@@ -49,3 +49,19 @@ async def kill_workers(procs: list[JsonLineProc]) -> None:
             except ProcessLookupError:  # it ended between the check and the kill
                 pass
             await p.proc.wait()
+
+
+async def commands():
+    """The worker side: each JSON command read from stdin (one object a line), until EOF or ``{"cmd": "exit"}``.
+    stdin is read in the default executor so the worker's event loop keeps serving meanwhile."""
+    import sys
+
+    loop = asyncio.get_running_loop()
+    while True:
+        line = await loop.run_in_executor(None, sys.stdin.readline)
+        if not line:
+            return
+        cmd = json.loads(line)
+        if cmd["cmd"] == "exit":
+            return
+        yield cmd
