@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
@@ -106,22 +107,31 @@ class LinkProbeService:
     ``max_reply_bytes_per_10s`` bytes in all in the last 10 s, RESOURCE_EXHAUSTED. A probe is cheap
     to ask and costly to answer: a flood must not take the link or memory from the DHT and the
     collective. (A newcomer's probe moves a few MiB; the budget serves several at once.)
+
+    Memory is bounded: the per-caller probe times (at most ``max_per_minute`` monotonic seconds
+    each) are kept for at most ``max_callers`` callers, least recently seen forgotten first (LRU),
+    so a flood of fake identities cannot grow the table; a caller who keeps probing stays at the
+    recent end and keeps its count.
     """
 
     def __init__(self, transport: Transport, max_bytes: int = MAX_PROBE_BYTES, max_per_minute: int = 40,
-                 max_reply_bytes_per_10s: int = 64 << 20):
+                 max_reply_bytes_per_10s: int = 64 << 20, max_callers: int = 4096):
         self.max_bytes = int(max_bytes)
         self.max_per_minute = int(max_per_minute)
         self.max_reply_bytes_per_10s = int(max_reply_bytes_per_10s)
-        self._recent: dict[str, list[float]] = {}
+        if max_callers < 1:
+            raise ValueError(f"max_callers must be at least 1, got {max_callers}")
+        self.max_callers = int(max_callers)
+        # caller -> monotonic times (s) of its admitted probes in the last 60 s; LRU order, newest last
+        self._recent: OrderedDict[str, list[float]] = OrderedDict()
         self._replies: list[tuple[float, int]] = []
         transport.add_unary(LINK_PROBE, self._handle, max_payload_bytes=self.max_bytes + 1024)
 
     def _admit(self, caller: str, reply_bytes: int) -> None:
         now = time.monotonic()
-        if len(self._recent) > 4096:  # bounded memory under a Sybil flood: forget the idle ones
-            self._recent = {k: v for k, v in self._recent.items() if v and now - v[-1] < 60.0}
         times = [t for t in self._recent.get(caller, []) if now - t < 60.0]
+        if caller in self._recent:
+            self._recent.move_to_end(caller)  # a refused caller stays too: its count must not reset
         if len(times) >= self.max_per_minute:
             raise EnvelopeError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"more than {self.max_per_minute} probes in a minute from this peer")
@@ -130,6 +140,9 @@ class LinkProbeService:
             raise EnvelopeError(grpc.StatusCode.RESOURCE_EXHAUSTED, "probe reply budget spent; try again shortly")
         times.append(now)
         self._recent[caller] = times
+        self._recent.move_to_end(caller)
+        while len(self._recent) > self.max_callers:  # hard cap under a Sybil flood: drop the least recent
+            self._recent.popitem(last=False)
         if reply_bytes:
             self._replies.append((now, reply_bytes))
 
