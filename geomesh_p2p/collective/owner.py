@@ -76,6 +76,12 @@ class _RoundState:
     pull_slots: dict[str, asyncio.Semaphore] = field(default_factory=dict)
 
 
+class _TooFarAhead(EnvelopeError):
+    """A push/pull for a round too far ahead of this node's newest registered round
+    (FAILED_PRECONDITION); logged once per sender, not per round, since a flood names a new round
+    each time."""
+
+
 class OwnerService:
     """The owner side of a node's :class:`~geomesh_p2p.collective.CollectiveService`: serves ``PushPart`` / ``PullPart`` for the parts it owns and runs all-reduces.
 
@@ -88,7 +94,11 @@ class OwnerService:
     when this node's own round starts); after that the push is refused with ``UNAVAILABLE`` and the
     sender retries until its deadline (pulls simply answer "not ready"). At most
     ``max_held_requests`` requests are held at once (more: ``UNAVAILABLE`` right away). Rounds older
-    than the kept window are refused with ``FAILED_PRECONDITION``.
+    than the kept window are refused with ``FAILED_PRECONDITION``, and so are rounds more than
+    ``max_rounds_ahead`` past the newest round this node has registered (before any is registered,
+    a node just starting, any round is held): an outsider naming far-future rounds must not take the
+    held slots that honest early pushes for the next round need. That refusal is logged once per
+    sender.
 
     Client side (:class:`~geomesh_p2p.collective.CollectiveService`): at most ``max_concurrent_pushes``
     uploads at once, and at most ``max_pulls_per_owner`` pulls in flight to one owner (an owner of
@@ -111,6 +121,7 @@ class OwnerService:
         long_poll_s: float = 5.0,
         hold_unknown_round_s: float = 2.0,
         max_held_requests: int = 256,
+        max_rounds_ahead: int = 2,
         push_grace_s: float = 0.5,
         max_concurrent_pushes: int = 2,
         max_pulls_per_owner: int = 8,
@@ -123,11 +134,13 @@ class OwnerService:
         self.long_poll_s = long_poll_s
         self.hold_unknown_round_s = hold_unknown_round_s
         self.max_held_requests = max_held_requests
+        self.max_rounds_ahead = max(0, int(max_rounds_ahead))
         self.push_grace_s = push_grace_s
         self.max_concurrent_pushes = max(1, int(max_concurrent_pushes))
         self.max_pulls_per_owner = max(1, int(max_pulls_per_owner))
         self._rounds: dict[int, _RoundState] = {}
         self._oldest_kept = 0  # rounds below this were pruned
+        self._newest: Optional[int] = None  # newest round ever registered here (None: none yet)
         self._round_events: dict[int, asyncio.Event] = {}
         self._held = 0
         self._tasks = TaskOwner(f"collective {_short(self.peer_id)}")
@@ -165,6 +178,7 @@ class OwnerService:
             raise ValueError("a client-only peer cannot own a part")
         state = _RoundState(spec, {j: _OwnedPart(j, spec.owners[j]) for j in mine})
         self._rounds[spec.round] = state
+        self._newest = spec.round if self._newest is None else max(self._newest, spec.round)
         ev = self._round_events.pop(spec.round, None)
         if ev is not None:
             ev.set()
@@ -193,13 +207,21 @@ class OwnerService:
 
     # ------------------------------------------------------------------------------ owner side
     async def _round_for(self, round: int, hold_s: float) -> Optional[_RoundState]:
-        """The state of ``round``; waits up to ``hold_s`` for it to be registered (None: not yet)."""
+        """The state of ``round``; waits up to ``hold_s`` seconds for it to be registered (None: not yet).
+
+        Raises EnvelopeError FAILED_PRECONDITION for a round already pruned here, and
+        :class:`_TooFarAhead` (FAILED_PRECONDITION) for one more than ``max_rounds_ahead`` past the
+        newest registered round: those take no held slot.
+        """
         state = self._rounds.get(round)
         if state is not None:
             return state
         if round < self._oldest_kept:
             raise EnvelopeError(Code.FAILED_PRECONDITION,
                                 f"round {round} is over on this node (oldest kept: {self._oldest_kept})")
+        if self._newest is not None and round > self._newest + self.max_rounds_ahead:
+            raise _TooFarAhead(Code.FAILED_PRECONDITION,
+                               f"round {round} is too far ahead of this node's round {self._newest}")
         if hold_s <= 0 or self._held >= self.max_held_requests:
             return None
         ev = self._round_events.setdefault(round, asyncio.Event())
@@ -248,7 +270,8 @@ class OwnerService:
             # A round not open here yet is flow control (the sender retries until its deadline), not a
             # fault: DEBUG, or every round of a healthy swarm printed a WARNING (issue 14 #10).
             quiet = err.code == Code.UNAVAILABLE and part_ix is None
-            self._log_once((round_, caller, "push", err.code), logging.DEBUG if quiet else logging.WARNING,
+            key = (caller, "push", "ahead") if isinstance(err, _TooFarAhead) else (round_, caller, "push", err.code)
+            self._log_once(key, logging.DEBUG if quiet else logging.WARNING,
                            "round %d: refused a push%s from %s: %s: %s", round_,
                            "" if part_ix is None else f" of part {part_ix}", _short(caller), err.code.name, err.reason)
             raise
@@ -358,7 +381,9 @@ class OwnerService:
             return await asyncio.to_thread(b"".join, parts) if len(signed) > _THREAD_BYTES else b"".join(parts)
         except EnvelopeError as err:
             if err.code != Code.NOT_FOUND:
-                self._log_once((verified.round, caller, "pull", err.code), logging.WARNING,
+                key = ((caller, "pull", "ahead") if isinstance(err, _TooFarAhead)
+                       else (verified.round, caller, "pull", err.code))
+                self._log_once(key, logging.WARNING,
                                "round %d: refused pull from %s: %s: %s", verified.round, _short(caller),
                                err.code.name, err.reason)
             raise

@@ -3,13 +3,19 @@ collective owner's held pushes for unknown rounds (geomesh_p2p.collective.owner)
 
 from __future__ import annotations
 
+import asyncio
 from types import SimpleNamespace
 
 import grpc
 import pytest
+import torch
 
 from geomesh_p2p.identity import EnvelopeError
 from geomesh_p2p.links import LinkProbeService
+from geomesh_p2p.transport import COLLECTIVE_PULL, COLLECTIVE_PUSH, RpcError
+from geomesh_p2p.wire import collective_pb2
+from tests.collective_util import deltas_for, reference
+from tests.wait_util import until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -42,3 +48,44 @@ def test_probe_rate_table_is_capped_lru_and_a_staying_caller_keeps_its_count():
 def test_probe_rate_table_cap_must_be_positive():
     with pytest.raises(ValueError):
         _probe_service(max_callers=0)
+
+
+async def test_far_future_pushes_are_refused_at_once_and_an_honest_early_push_is_still_held(swarms):
+    sw = await swarms(2, max_held_requests=4, hold_unknown_round_s=10.0)
+    owner, sender = sw.services
+    numel = 2 * 2048
+    for svc in sw.services:
+        svc.register(sw.spec(numel, round=1))
+    # An outsider names far-future rounds: each push is refused at once (FAILED_PRECONDITION), holds no
+    # slot, and is not parsed (an empty payload would otherwise be INVALID_ARGUMENT once the round existed).
+    far = [sw.transports[1].call(sw.addresses[0], COLLECTIVE_PUSH, b"", round=10**6 + k, timeout=5)
+           for k in range(20)]
+    errors = await asyncio.gather(*far, return_exceptions=True)
+    assert all(isinstance(e, RpcError) and e.code == grpc.StatusCode.FAILED_PRECONDITION for e in errors)
+    assert errors[0].reason == "round 1000000 is too far ahead of this node's round 1"
+    pull = collective_pb2.PullPartRequest(round=10**6, part=0, wait_s=5.0).SerializeToString()
+    with pytest.raises(RpcError) as e:
+        await sw.transports[1].call(sw.addresses[0], COLLECTIVE_PULL, pull, round=10**6, timeout=5)
+    assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION and "too far ahead" in e.value.reason
+    assert owner._held == 0 and owner._round_events == {}
+    # An honest early push for newest + 1 is still held, then accepted when its spec arrives.
+    spec2 = sw.spec(numel, round=2, deadline_s=4.0)
+    deltas = deltas_for(sw.pids, numel)
+    tokens = {p: 100 + k for k, p in enumerate(sw.pids)}
+    early = asyncio.create_task(sender.all_reduce(spec2, deltas[sw.pids[1]], tokens[sw.pids[1]]))
+    try:
+        await until(lambda: owner._held >= 1, timeout=10, what="the early push for round 2 is held")
+        mine = await owner.all_reduce(spec2, deltas[sw.pids[0]], tokens[sw.pids[0]])
+        theirs = await early
+    finally:
+        early.cancel()
+    assert mine.missing_parts == [] and theirs.missing_parts == []
+    assert torch.equal(mine.aggregate, theirs.aggregate)
+    assert torch.equal(mine.aggregate, reference(spec2, deltas, tokens, {0: sw.pids, 1: sw.pids}))
+
+
+async def test_before_any_round_is_registered_any_round_is_held(swarms):
+    sw = await swarms(1, hold_unknown_round_s=0.2)
+    pull = collective_pb2.PullPartRequest(round=10**6, part=0, wait_s=0.2).SerializeToString()
+    reply = await sw.transports[0].call(sw.addresses[0], COLLECTIVE_PULL, pull, round=10**6, timeout=5)
+    assert collective_pb2.PullPartResponse.FromString(reply.payload).ready is False  # held, then "not ready"
