@@ -108,6 +108,19 @@ def wait_for_address(log: Path, proc: subprocess.Popen, timeout: float, offset: 
         time.sleep(poll_s)
 
 
+def stop_process(p: subprocess.Popen, sig: int = signal.SIGTERM, grace_s: float = 30.0) -> Optional[int]:
+    """Stop one child by PID: send ``sig`` if it still runs, wait ``grace_s`` seconds, then SIGKILL and
+    reap (10 s). Idempotent. Returns its exit status (negative: killed by that signal)."""
+    if p.poll() is None:
+        p.send_signal(sig)
+        try:
+            p.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(10)
+    return p.returncode
+
+
 class ServingProcess:
     """A Python server process whose output a thread reads: ``lines`` keeps its last ``keep_lines`` lines
     (all when None) and ``address`` is HOST:PORT from its first "serving on" line, read before the
@@ -151,10 +164,4 @@ class ServingProcess:
 
     def stop(self, sig: int = signal.SIGTERM, grace_s: float = 30.0) -> None:
         """Send ``sig`` if it still runs, wait ``grace_s`` seconds, then SIGKILL and reap. Idempotent."""
-        if self.p.poll() is None:
-            self.p.send_signal(sig)
-            try:
-                self.p.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                self.p.kill()
-                self.p.wait(10)
+        stop_process(self.p, sig, grace_s)

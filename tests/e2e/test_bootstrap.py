@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from bootstrap.cli import main, parse
+from geomesh_p2p.procs import stop_process
 
 pytestmark = pytest.mark.timeout(180)
 ROOT = Path(__file__).resolve().parents[2]
@@ -63,14 +64,7 @@ class Proc:
                 return m
 
     def stop(self, sig=signal.SIGTERM, timeout=30) -> int:
-        if self.p.poll() is None:
-            self.p.send_signal(sig)
-            try:
-                self.p.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.p.kill()
-                self.p.wait(10)
-        return self.p.returncode
+        return stop_process(self.p, sig, timeout)
 
 
 @pytest.fixture
