@@ -8,7 +8,7 @@ PY      = $(VENV)/bin/python
 PIP     = $(PY) -m pip
 STAMP   = $(VENV)/.geomesh-installed
 
-.PHONY: setup browser demo test test-quick lint bench protos clean
+.PHONY: setup browser demo test test-quick lint format bench protos clean
 
 setup: $(STAMP)
 
@@ -31,9 +31,10 @@ browser:
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver libfaketime >/dev/null) || \
 	  echo "make: could not install chromium + chromium-driver + libfaketime: the browser and clock-skew tests will be skipped"
 
-# Lint, then types of the library (mypy, config in pyproject.toml's [tool.mypy]), then the suite.
+# Lint and the format check, then types of the library (mypy, config in pyproject.toml's [tool.mypy]), then the suite.
 test: setup browser
-	$(VENV)/bin/ruff check $(LINT_PATHS) && $(VENV)/bin/mypy geomesh_p2p && \
+	$(VENV)/bin/ruff check $(LINT_PATHS) && $(VENV)/bin/ruff format --check $(LINT_PATHS) && \
+	  $(VENV)/bin/mypy geomesh_p2p && \
 	  $(VENV)/bin/pytest -q tests/unit tests/integration tests/e2e
 
 # The first two tiers: tests/unit (no sockets) and tests/integration (in-process gRPC on 127.0.0.1); no
@@ -41,12 +42,16 @@ test: setup browser
 test-quick: setup
 	$(VENV)/bin/pytest -q tests/unit tests/integration
 
-# Lint (rules in pyproject.toml's [tool.ruff.lint]: real defects, not style) and types of the library;
-# both run, and either's findings fail the target.
-# `ruff format --check` is not run yet: 110 of 122 files would be reformatted.
+# Lint (rules in pyproject.toml's [tool.ruff.lint]: real defects, not style), the format check (ruff's
+# formatter, line length 120; `make format` applies it) and types of the library; all three run, and any
+# one's findings fail the target.
 LINT_PATHS = geomesh_p2p peer bootstrap tests benchmarks
 lint: setup
-	$(VENV)/bin/ruff check $(LINT_PATHS); r=$$?; $(VENV)/bin/mypy geomesh_p2p && exit $$r
+	$(VENV)/bin/ruff check $(LINT_PATHS); r=$$?; $(VENV)/bin/ruff format --check $(LINT_PATHS) || r=1; \
+	  $(VENV)/bin/mypy geomesh_p2p && exit $$r
+
+format: setup
+	$(VENV)/bin/ruff format $(LINT_PATHS)
 
 bench: setup
 	for f in benchmarks/*.py; do echo "== $$f"; $(PY) $$f || exit 1; done

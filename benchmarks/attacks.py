@@ -76,43 +76,93 @@ def _fmt_ratio(v: float, ref: float) -> str:
     return f"{x:.2f}" if x < 10 else f"{x:,.0f}" if x < 1e5 else f"{x:.2g}"
 
 
-def run_one(workdir: Path, label: str, attack, *, n_honest: int, n_attackers: int, rounds: int, timeout_s: float,
-            lead_rounds: int, extra: list[str], attacker_extra: list[str] = ()) -> dict:
+def run_one(
+    workdir: Path,
+    label: str,
+    attack,
+    *,
+    n_honest: int,
+    n_attackers: int,
+    rounds: int,
+    timeout_s: float,
+    lead_rounds: int,
+    extra: list[str],
+    attacker_extra: list[str] = (),
+) -> dict:
     d = workdir / label
     d.mkdir(parents=True, exist_ok=True)
     swarm = AttackSwarm(d)
     _CURRENT.append(swarm)
     t0 = time.time()
-    print(f"[{time.strftime('%H:%M:%S')}] {label}: {n_honest} honest + {n_attackers} x {attack or '-'} ...",
-          file=sys.stderr, flush=True)
+    print(
+        f"[{time.strftime('%H:%M:%S')}] {label}: {n_honest} honest + {n_attackers} x {attack or '-'} ...",
+        file=sys.stderr,
+        flush=True,
+    )
     try:
-        o = run_scenario(swarm, attack, n_honest=n_honest, n_attackers=n_attackers, rounds=rounds,
-                         timeout_s=timeout_s, lead_rounds=lead_rounds if attack == "rogue-leader" else 0, extra=extra,
-                         attacker_extra=attacker_extra)
-        res = {"label": label, "attack": attack, "n_honest": n_honest, "n_attackers": o.n_attackers, "rounds": rounds,
-               "final_ppl": o.final_ppl, "ppl_by_round": o.ppl_by_round(), "exit_codes": o.exit_codes,
-               "attacker_exit_codes": o.attacker_exit_codes, "honest_exited": o.honest_exited,
-               "digest_mismatches": o.digest_mismatches(), "attacker_acted": o.attacker_acted,
-               "completed_rounds": o.completed_rounds(), "wall_s": round(o.wall_s, 1), "notes": o.notes}
+        o = run_scenario(
+            swarm,
+            attack,
+            n_honest=n_honest,
+            n_attackers=n_attackers,
+            rounds=rounds,
+            timeout_s=timeout_s,
+            lead_rounds=lead_rounds if attack == "rogue-leader" else 0,
+            extra=extra,
+            attacker_extra=attacker_extra,
+        )
+        res = {
+            "label": label,
+            "attack": attack,
+            "n_honest": n_honest,
+            "n_attackers": o.n_attackers,
+            "rounds": rounds,
+            "final_ppl": o.final_ppl,
+            "ppl_by_round": o.ppl_by_round(),
+            "exit_codes": o.exit_codes,
+            "attacker_exit_codes": o.attacker_exit_codes,
+            "honest_exited": o.honest_exited,
+            "digest_mismatches": o.digest_mismatches(),
+            "attacker_acted": o.attacker_acted,
+            "completed_rounds": o.completed_rounds(),
+            "wall_s": round(o.wall_s, 1),
+            "notes": o.notes,
+        }
     except KeyboardInterrupt:
         swarm.stop_all(grace_s=10.0)
         raise
     except Exception as e:  # a run that could not even start: recorded, the others still run
-        res = {"label": label, "attack": attack, "n_honest": n_honest, "n_attackers": n_attackers, "rounds": rounds,
-               "final_ppl": float("inf"), "error": f"{type(e).__name__}: {str(e)[:500]}",
-               "honest_exited": [f"h{i}" for i in range(n_honest)], "digest_mismatches": [], "attacker_acted": False}
+        res = {
+            "label": label,
+            "attack": attack,
+            "n_honest": n_honest,
+            "n_attackers": n_attackers,
+            "rounds": rounds,
+            "final_ppl": float("inf"),
+            "error": f"{type(e).__name__}: {str(e)[:500]}",
+            "honest_exited": [f"h{i}" for i in range(n_honest)],
+            "digest_mismatches": [],
+            "attacker_acted": False,
+        }
     finally:
         swarm.stop_all()
         _CURRENT.remove(swarm)
-    print(f"[{time.strftime('%H:%M:%S')}] {label}: honest ppl {_fmt_ppl(res['final_ppl'])}, exited "
-          f"{res['honest_exited'] or 'none'}, digest mismatches {res['digest_mismatches'] or 'none'} "
-          f"({time.time() - t0:.0f} s)", file=sys.stderr, flush=True)
+    print(
+        f"[{time.strftime('%H:%M:%S')}] {label}: honest ppl {_fmt_ppl(res['final_ppl'])}, exited "
+        f"{res['honest_exited'] or 'none'}, digest mismatches {res['digest_mismatches'] or 'none'} "
+        f"({time.time() - t0:.0f} s)",
+        file=sys.stderr,
+        flush=True,
+    )
     return res
 
 
 def table(results: list[dict], rounds: int) -> str:
-    lines = [f"| attack | config | honest eval ppl after {rounds} rounds | x clean | honest peers exited | "
-             f"digests equal among honest |", "|---|---|---|---|---|---|"]
+    lines = [
+        f"| attack | config | honest eval ppl after {rounds} rounds | x clean | honest peers exited | "
+        f"digests equal among honest |",
+        "|---|---|---|---|---|---|",
+    ]
     refs = {r["config"]: r["final_ppl"] for r in results if r.get("reference")}
     for r in results:
         ref = refs.get(r["config"], float("nan"))
@@ -123,24 +173,29 @@ def table(results: list[dict], rounds: int) -> str:
         elif r["attack"] and not r.get("attacker_acted"):
             exited_s += " (attacker never acted!)"
         dig = "yes" if not r["digest_mismatches"] else f"no (rounds {r['digest_mismatches'][:5]})"
-        lines.append(f"| {r['name']} | {r['config']} | {_fmt_ppl(r['final_ppl'])} | {_fmt_ratio(r['final_ppl'], ref)} "
-                     f"| {exited_s} | {dig} |")
+        lines.append(
+            f"| {r['name']} | {r['config']} | {_fmt_ppl(r['final_ppl'])} | {_fmt_ratio(r['final_ppl'], ref)} "
+            f"| {exited_s} | {dig} |"
+        )
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--rounds", type=int, default=15, help="rounds per run (default: %(default)s)")
-    ap.add_argument("--attacks", default=",".join(ATTACKS),
-                    help="comma-separated attacks (default: all: %(default)s)")
+    ap.add_argument("--attacks", default=",".join(ATTACKS), help="comma-separated attacks (default: all: %(default)s)")
     ap.add_argument("--configs", default="1of4,2of7", help="comma-separated KofN (default: %(default)s)")
     ap.add_argument("--workdir", help="where the runs' logs go (default: a new temporary folder, kept)")
     ap.add_argument("--timeout-s", type=float, help="per run (default: 120 + 15 s per round, scaled by peers / 4)")
     ap.add_argument("--lead-rounds", type=int, default=3, help="rogue-leader: rounds an attacker is rigged to lead")
     ap.add_argument("--extra", default="", help="more flags for every peer, e.g. '--mode relay' (one string)")
-    ap.add_argument("--attacker-extra", default="",
-                    help="more flags for the attackers only, e.g. '--relay-forge tamper' (one string)")
+    ap.add_argument(
+        "--attacker-extra",
+        default="",
+        help="more flags for the attackers only, e.g. '--relay-forge tamper' (one string)",
+    )
     ap.add_argument("--no-all-honest", action="store_true", help="skip the 'clean (N honest)' rows")
     ap.add_argument("--out", help="also write the markdown table (with the command) to this file")
     ns = ap.parse_args(argv)
@@ -177,9 +232,18 @@ def main(argv=None) -> int:
                 runs += [(a, a, n - k, k, False) for a in attacks]
                 for name, attack, n_h, n_a, is_ref in runs:
                     label = f"{cfg}-{name.replace(' ', '_').replace('(', '').replace(')', '')}"
-                    res = run_one(workdir, label, attack, n_honest=n_h, n_attackers=n_a, rounds=ns.rounds,
-                                  timeout_s=timeout, lead_rounds=ns.lead_rounds, extra=extra,
-                                  attacker_extra=attacker_extra)
+                    res = run_one(
+                        workdir,
+                        label,
+                        attack,
+                        n_honest=n_h,
+                        n_attackers=n_a,
+                        rounds=ns.rounds,
+                        timeout_s=timeout,
+                        lead_rounds=ns.lead_rounds,
+                        extra=extra,
+                        attacker_extra=attacker_extra,
+                    )
                     res.update(name=name, config=cfg, reference=is_ref)
                     results.append(res)
                     log.write(json.dumps(res, default=str) + "\n")
@@ -189,9 +253,13 @@ def main(argv=None) -> int:
     finally:
         for s in list(_CURRENT):
             s.stop_all(grace_s=10.0)
-    cmd = "python benchmarks/attacks.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
-    md = (f"{table(results, ns.rounds)}\n\n`x clean`: ratio to the clean run of the same config's honest peers alone, "
-          f"measured in this session. Command: `{cmd.strip()}` ({(time.time() - t0) / 60:.0f} min).\n")
+    cmd = "python benchmarks/attacks.py " + " ".join(
+        shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])
+    )
+    md = (
+        f"{table(results, ns.rounds)}\n\n`x clean`: ratio to the clean run of the same config's honest peers alone, "
+        f"measured in this session. Command: `{cmd.strip()}` ({(time.time() - t0) / 60:.0f} min).\n"
+    )
     print(md)
     if ns.out:
         Path(ns.out).write_text(md)

@@ -83,8 +83,16 @@ def run(numel: int, repeats: int, block_size: int, device: str, seed: int = 0) -
     data = p.to_bytes()
     assert len(data) == p.nbytes()
 
-    names = ["torch.clone", "copy_ (prealloc)", "encode", "decode (new tensor)", "decode (out=)",
-             "decode (out=, accumulate)", "to_bytes", "from_bytes"]
+    names = [
+        "torch.clone",
+        "copy_ (prealloc)",
+        "encode",
+        "decode (new tensor)",
+        "decode (out=)",
+        "decode (out=, accumulate)",
+        "to_bytes",
+        "from_bytes",
+    ]
     ops = {
         "torch.clone": lambda: v.clone(),
         "copy_ (prealloc)": lambda: pre.copy_(v),

@@ -96,11 +96,19 @@ async def _worker(seed: int, numel: int) -> int:
             finished = time.time()
             if cmd.get("out"):
                 res.aggregate.numpy().astype("<f4").tofile(cmd["out"])
-            complete = all(res.pushed.values()) and all(len(c) == len(spec.participants)
-                                                        for c in res.contributors.values())
-            _emit({"event": "done", "finished_at": finished, "before": before, "missing": res.missing_parts,
-                   "complete": complete,
-                   "sha256": hashlib.sha256(res.aggregate.numpy().tobytes()).hexdigest()})
+            complete = all(res.pushed.values()) and all(
+                len(c) == len(spec.participants) for c in res.contributors.values()
+            )
+            _emit(
+                {
+                    "event": "done",
+                    "finished_at": finished,
+                    "before": before,
+                    "missing": res.missing_parts,
+                    "complete": complete,
+                    "sha256": hashlib.sha256(res.aggregate.numpy().tobytes()).hexdigest(),
+                }
+            )
     finally:
         await service.close()
         await transport.stop(grace=1.0)
@@ -118,8 +126,17 @@ async def run_group(n: int, numel: int, block_size: int, tmp: str, deadline_s: f
     try:
         for k in range(n):
             p = await asyncio.create_subprocess_exec(
-                sys.executable, os.path.abspath(__file__), "--worker", "--seed", str(1000 + k), "--numel", str(numel),
-                stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=env)
+                sys.executable,
+                os.path.abspath(__file__),
+                "--worker",
+                "--seed",
+                str(1000 + k),
+                "--numel",
+                str(numel),
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+                env=env,
+            )
             procs.append(JsonLineProc(p, timeout=900.0))
         ready = [await p.read() for p in procs]
         pids = [r["peer_id"] for r in ready]
@@ -128,13 +145,30 @@ async def run_group(n: int, numel: int, block_size: int, tmp: str, deadline_s: f
         rows = {}
         for r, (name, mode, push, agg) in enumerate(MODES, start=1):
             start_at = time.time() + 2.0
-            spec = CollectiveSpec(RUN, r, {p: 10**9 for p in pids}, owners, numel, start_at + deadline_s,
-                                  start_at + deadline_s + 30.0,
-                                  mode=mode, push_encoding=push, aggregate_encoding=agg, block_size=block_size)
+            spec = CollectiveSpec(
+                RUN,
+                r,
+                {p: 10**9 for p in pids},
+                owners,
+                numel,
+                start_at + deadline_s,
+                start_at + deadline_s + 30.0,
+                mode=mode,
+                push_encoding=push,
+                aggregate_encoding=agg,
+                block_size=block_size,
+            )
             out = os.path.join(tmp, f"agg-{n}-{name}.f32")
             for k, p in enumerate(procs):
-                p.send({"cmd": "round", "spec": spec.to_dict(), "tokens": tokens[pids[k]], "start_at": start_at,
-                        "out": out if k == 0 else None})
+                p.send(
+                    {
+                        "cmd": "round",
+                        "spec": spec.to_dict(),
+                        "tokens": tokens[pids[k]],
+                        "start_at": start_at,
+                        "out": out if k == 0 else None,
+                    }
+                )
             done = [await p.read() for p in procs]
             for p in procs:
                 p.send({"cmd": "stats"})
@@ -142,9 +176,12 @@ async def run_group(n: int, numel: int, block_size: int, tmp: str, deadline_s: f
             sent = [a["bytes"][0] - d["before"][0] for a, d in zip(after, done)]
             recv = [a["bytes"][1] - d["before"][1] for a, d in zip(after, done)]
             rows[name] = {
-                "sent": sent, "recv": recv, "wall_s": max(d["finished_at"] for d in done) - start_at,
+                "sent": sent,
+                "recv": recv,
+                "wall_s": max(d["finished_at"] for d in done) - start_at,
                 "identical": len({d["sha256"] for d in done}) == 1,
-                "missing": sorted({j for d in done for j in d["missing"]}), "out": out,
+                "missing": sorted({j for d in done for j in d["missing"]}),
+                "out": out,
                 "complete": all(not d["missing"] and d["complete"] for d in done),
             }
         ref = torch.from_numpy(np.fromfile(rows["fp32"]["out"], dtype="<f4"))
@@ -179,7 +216,8 @@ def table(results: dict, numel: int) -> str:
             lines.append(
                 f"| {n} | {label} | {_mb(s)} [{_mb(max(row['sent']))}] | {_mb(r)} [{_mb(max(row['recv']))}] | "
                 f"{row['wall_s']:.2f} | {fp_bytes / (s + r):.1f}x | {'yes' if row['identical'] else 'NO'} | "
-                f"{row['rel_err']:.3f} |" + ("" if row["complete"] else " INCOMPLETE (a push or part was lost)"))
+                f"{row['rel_err']:.3f} |" + ("" if row["complete"] else " INCOMPLETE (a push or part was lost)")
+            )
     return "\n".join(lines)
 
 
@@ -192,9 +230,11 @@ async def main_async(ns) -> int:
             results[n] = await run_group(n, ns.numel, ns.block_size, tmp, ns.deadline_s)
             print(f"# {n} peers done in {time.time() - t0:.1f}s", file=sys.stderr)
     cmd = "python benchmarks/collective.py " + " ".join(sys.argv[1:])
-    head = (f"command: {cmd.strip()}\nmachine: {platform.platform()}, {os.cpu_count()} CPUs, python "
-            f"{platform.python_version()}, torch {torch.__version__}; 1-min load average {load0:.1f} at start, "
-            f"{os.getloadavg()[0]:.1f} at end (other work on the machine inflates wall times, not bytes)\n")
+    head = (
+        f"command: {cmd.strip()}\nmachine: {platform.platform()}, {os.cpu_count()} CPUs, python "
+        f"{platform.python_version()}, torch {torch.__version__}; 1-min load average {load0:.1f} at start, "
+        f"{os.getloadavg()[0]:.1f} at end (other work on the machine inflates wall times, not bytes)\n"
+    )
     text = head + "\n" + table(results, ns.numel)
     print(text)
     ok = all(row["identical"] and row["complete"] for rows in results.values() for row in rows.values())
@@ -203,16 +243,24 @@ async def main_async(ns) -> int:
         fp = np.mean(rows["fp32"]["sent"]) + np.mean(rows["fp32"]["recv"])
         ratios.append(fp / (np.mean(rows["reencode"]["sent"]) + np.mean(rows["reencode"]["recv"])))
     goal = all(r >= 30 for r in ratios)
-    print(f"\nreencode (sign) vs fp32: {', '.join(f'{r:.1f}x' for r in ratios)} fewer bytes "
-          f"(goal >= 30x: {'met' if goal else 'NOT met'}); every round complete with identical aggregates on all "
-          f"peers: {'yes' if ok else 'NO'}")
+    print(
+        f"\nreencode (sign) vs fp32: {', '.join(f'{r:.1f}x' for r in ratios)} fewer bytes "
+        f"(goal >= 30x: {'met' if goal else 'NOT met'}); every round complete with identical aggregates on all "
+        f"peers: {'yes' if ok else 'NO'}"
+    )
     if ns.markdown:
         with open(ns.markdown, "w") as f:
             f.write(text + "\n")
     if ns.json:
         with open(ns.json, "w") as f:
-            json.dump({str(n): {m: {k: v for k, v in row.items() if k != "out"} for m, row in rows.items()}
-                       for n, rows in results.items()}, f, indent=1)
+            json.dump(
+                {
+                    str(n): {m: {k: v for k, v in row.items() if k != "out"} for m, row in rows.items()}
+                    for n, rows in results.items()
+                },
+                f,
+                indent=1,
+            )
     return 0 if (ok and goal) else 1
 
 
@@ -237,17 +285,36 @@ async def _memory_child(n: int, numel: int, block_size: int, mode_name: str) -> 
         owners = make_partition(numel, [(p, a, 1.0) for p, a in zip(pids, addrs)], block_size=block_size)
         deltas = [torch.randn(numel, generator=torch.Generator().manual_seed(1000 + k)) for k in range(n)]
         now = time.time()
-        spec = CollectiveSpec(RUN, 1, {p: 10**9 for p in pids}, owners, numel, now + 600.0, now + 660.0, mode=mode,
-                              push_encoding=push, aggregate_encoding=agg, block_size=block_size)
+        spec = CollectiveSpec(
+            RUN,
+            1,
+            {p: 10**9 for p in pids},
+            owners,
+            numel,
+            now + 600.0,
+            now + 660.0,
+            mode=mode,
+            push_encoding=push,
+            aggregate_encoding=agg,
+            block_size=block_size,
+        )
         rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
         t0 = time.perf_counter()
-        res = await asyncio.gather(*(s.all_reduce(spec, d, 1000 * (k + 1))
-                                     for k, (s, d) in enumerate(zip(services, deltas))))
+        res = await asyncio.gather(
+            *(s.all_reduce(spec, d, 1000 * (k + 1)) for k, (s, d) in enumerate(zip(services, deltas)))
+        )
         wall = time.perf_counter() - t0
         rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         digests = {hashlib.sha256(r.aggregate.numpy().tobytes()).hexdigest() for r in res}
-        return {"mode": mode_name, "peers": n, "numel": numel, "extra_bytes": rss1 - rss0, "wall_s": wall,
-                "identical": len(digests) == 1, "missing": sorted({j for r in res for j in r.missing_parts})}
+        return {
+            "mode": mode_name,
+            "peers": n,
+            "numel": numel,
+            "extra_bytes": rss1 - rss0,
+            "wall_s": wall,
+            "identical": len(digests) == 1,
+            "missing": sorted({j for r in res for j in r.missing_parts}),
+        }
     finally:
         for s in services:
             await s.close()
@@ -259,25 +326,44 @@ def memory_main(ns) -> int:
     """``--memory``: one child process per mode (a fresh peak RSS each); prints a table."""
     import subprocess
 
-    lines = [f"exchange memory: {ns.peers[0]} peers in one process, numel = {ns.numel:,} "
-             f"({4 * ns.numel / 1e6:.0f} MB per fp32 vector); command: python benchmarks/collective.py "
-             + " ".join(sys.argv[1:]), "",
-             "| mode | peak extra RSS MB (all peers) | per peer MB | per peer, fp32 vectors | wall s | identical |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        f"exchange memory: {ns.peers[0]} peers in one process, numel = {ns.numel:,} "
+        f"({4 * ns.numel / 1e6:.0f} MB per fp32 vector); command: python benchmarks/collective.py "
+        + " ".join(sys.argv[1:]),
+        "",
+        "| mode | peak extra RSS MB (all peers) | per peer MB | per peer, fp32 vectors | wall s | identical |",
+        "|---|---|---|---|---|---|",
+    ]
     ok = True
     for name in ns.modes:
-        out = subprocess.run([sys.executable, os.path.abspath(__file__), "--memory-child", name, "--peers",
-                              str(ns.peers[0]), "--numel", str(ns.numel), "--block-size", str(ns.block_size)],
-                             capture_output=True, text=True, timeout=1800,
-                             env=dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1"))
+        out = subprocess.run(
+            [
+                sys.executable,
+                os.path.abspath(__file__),
+                "--memory-child",
+                name,
+                "--peers",
+                str(ns.peers[0]),
+                "--numel",
+                str(ns.numel),
+                "--block-size",
+                str(ns.block_size),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=1800,
+            env=dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1"),
+        )
         if out.returncode != 0:
             print(out.stderr, file=sys.stderr)
             return 1
         r = json.loads(out.stdout.strip().splitlines()[-1])
         per = r["extra_bytes"] / r["peers"]
         ok = ok and r["identical"] and not r["missing"]
-        lines.append(f"| {name} | {r['extra_bytes'] / 1e6:.0f} | {per / 1e6:.0f} | {per / (4 * r['numel']):.2f} | "
-                     f"{r['wall_s']:.2f} | {'yes' if r['identical'] and not r['missing'] else 'NO'} |")
+        lines.append(
+            f"| {name} | {r['extra_bytes'] / 1e6:.0f} | {per / 1e6:.0f} | {per / (4 * r['numel']):.2f} | "
+            f"{r['wall_s']:.2f} | {'yes' if r['identical'] and not r['missing'] else 'NO'} |"
+        )
     print("\n".join(lines))
     return 0 if ok else 1
 
@@ -287,14 +373,26 @@ def main(argv=None) -> int:
     ap.add_argument("--peers", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--numel", type=int, default=25_000_000)
     ap.add_argument("--block-size", type=int, default=2048)
-    ap.add_argument("--deadline-s", type=float, default=240.0,
-                    help="push deadline after the start (parts close as soon as everyone pushed)")
+    ap.add_argument(
+        "--deadline-s",
+        type=float,
+        default=240.0,
+        help="push deadline after the start (parts close as soon as everyone pushed)",
+    )
     ap.add_argument("--markdown", default=None, help="also write the table to this file")
     ap.add_argument("--json", default=None, help="also write raw figures to this JSON file")
-    ap.add_argument("--memory", action="store_true",
-                    help="measure the exchange's peak extra RSS and wall time instead (default --peers 3)")
-    ap.add_argument("--modes", nargs="+", default=["fp32", "relay"], choices=[m[0] for m in MODES],
-                    help="--memory: the modes measured (default: %(default)s)")
+    ap.add_argument(
+        "--memory",
+        action="store_true",
+        help="measure the exchange's peak extra RSS and wall time instead (default --peers 3)",
+    )
+    ap.add_argument(
+        "--modes",
+        nargs="+",
+        default=["fp32", "relay"],
+        choices=[m[0] for m in MODES],
+        help="--memory: the modes measured (default: %(default)s)",
+    )
     ap.add_argument("--memory-child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)

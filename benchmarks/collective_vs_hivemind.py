@@ -101,21 +101,35 @@ async def _worker(seed: int, numel: int, n: int, initial_peers: list[str], reads
     # On loopback every peer calls from 127.0.0.1: the transport's per-IP read cap (one large request
     # read at a time per remote IP, a flood defence) would serialize the pushes of all peers, which a
     # swarm of distinct hosts does not; --reads-per-ip 0 gives it one slot per peer of the group.
-    transport = Transport(ident, RUN, TransportConfig(default_timeout_s=600.0,
-                                                      max_reads_per_ip=reads_per_ip or n))
+    transport = Transport(ident, RUN, TransportConfig(default_timeout_s=600.0, max_reads_per_ip=reads_per_ip or n))
     service = CollectiveService(transport, long_poll_s=30.0)
     address = await transport.start()
     delta = torch.randn(numel, generator=torch.Generator().manual_seed(seed))
 
     dht = DHT(initial_peers=initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
     averagers = {
-        name: DecentralizedAverager([delta.clone()], dht, prefix=f"bench_{name}", target_group_size=n,
-                                    min_group_size=n, min_matchmaking_time=3.0, request_timeout=2.0,
-                                    compression=comp, start=True)
-        for name, comp in (("hm_fp32", NoCompression()), ("hm_fp16", Float16Compression()))}
+        name: DecentralizedAverager(
+            [delta.clone()],
+            dht,
+            prefix=f"bench_{name}",
+            target_group_size=n,
+            min_group_size=n,
+            min_matchmaking_time=3.0,
+            request_timeout=2.0,
+            compression=comp,
+            start=True,
+        )
+        for name, comp in (("hm_fp32", NoCompression()), ("hm_fp16", Float16Compression()))
+    }
     pending = None
-    _emit({"event": "ready", "peer_id": ident.peer_id.to_string(), "address": address,
-           "maddrs": [str(a) for a in dht.get_visible_maddrs()]})
+    _emit(
+        {
+            "event": "ready",
+            "peer_id": ident.peer_id.to_string(),
+            "address": address,
+            "maddrs": [str(a) for a in dht.get_visible_maddrs()],
+        }
+    )
     try:
         async for cmd in commands():
             if cmd["cmd"] == "hm_match":  # form the group now; the all-reduce waits for the trigger
@@ -140,8 +154,14 @@ async def _worker(seed: int, numel: int, n: int, initial_peers: list[str], reads
                 res = await service.all_reduce(spec, delta, cmd["tokens"])
                 complete = not res.missing_parts and all(res.pushed.values())
             finished = time.time()
-            _emit({"event": "done", "finished_at": finished, "cpu_s": _tree_cpu_s(os.getpid()) - cpu0,
-                   "complete": complete})
+            _emit(
+                {
+                    "event": "done",
+                    "finished_at": finished,
+                    "cpu_s": _tree_cpu_s(os.getpid()) - cpu0,
+                    "complete": complete,
+                }
+            )
     finally:
         for avg in averagers.values():
             avg.shutdown()
@@ -158,14 +178,35 @@ async def _spawn(k: int, n: int, numel: int, initial: list[str], reads_per_ip: i
 
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", GRPC_VERBOSITY="ERROR")
     p = await asyncio.create_subprocess_exec(
-        sys.executable, os.path.abspath(__file__), "--worker", "--seed", str(1000 + k), "--numel", str(numel),
-        "--group", str(n), "--initial", json.dumps(initial), "--reads-per-ip", str(reads_per_ip),
-        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=env)
+        sys.executable,
+        os.path.abspath(__file__),
+        "--worker",
+        "--seed",
+        str(1000 + k),
+        "--numel",
+        str(numel),
+        "--group",
+        str(n),
+        "--initial",
+        json.dumps(initial),
+        "--reads-per-ip",
+        str(reads_per_ip),
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+        env=env,
+    )
     return JsonLineProc(p, timeout=900.0)
 
 
-async def run_group(n: int, numel: int, repeats: int, contenders: list[str], block_size: int,
-                    reads_per_ip: int, max_part_mb: Optional[float] = None) -> dict:
+async def run_group(
+    n: int,
+    numel: int,
+    repeats: int,
+    contenders: list[str],
+    block_size: int,
+    reads_per_ip: int,
+    max_part_mb: Optional[float] = None,
+) -> dict:
     """Medians of wall s and CPU-s per peer for each contender, ``n`` peers."""
     from geomesh_p2p.collective import CollectiveSpec, make_partition, max_part_elements, split_owners
     from geomesh_p2p.transport import TransportConfig
@@ -184,9 +225,17 @@ async def run_group(n: int, numel: int, repeats: int, contenders: list[str], blo
             for c in contenders:
                 if c in OURS:
                     mode, push, agg = OURS[c]
-                    rows0[c] = split_owners(owners, max_part_elements(
-                        push_encoding=push, mode=mode, aggregate_encoding=agg, n_participants=n,
-                        block_size=block_size, max_message_bytes=TransportConfig().max_message_bytes))
+                    rows0[c] = split_owners(
+                        owners,
+                        max_part_elements(
+                            push_encoding=push,
+                            mode=mode,
+                            aggregate_encoding=agg,
+                            n_participants=n,
+                            block_size=block_size,
+                            max_message_bytes=TransportConfig().max_message_bytes,
+                        ),
+                    )
             owners_of = rows0
         elif max_part_mb > 0:  # several parts per owner: their pushes, reductions and pulls overlap
             owners = split_owners(owners, max(block_size, int(max_part_mb * 2**20 / 4) // block_size * block_size))
@@ -209,18 +258,31 @@ async def run_group(n: int, numel: int, repeats: int, contenders: list[str], blo
                     rnd += 1
                     mode, push, agg = OURS[c]
                     start_at = time.time() + 0.5
-                    spec = CollectiveSpec(RUN, rnd, {p: 10**9 for p in pids}, owners_of[c], numel, start_at + 300.0,
-                                          start_at + 330.0, mode=mode, push_encoding=push, aggregate_encoding=agg,
-                                          block_size=block_size)
+                    spec = CollectiveSpec(
+                        RUN,
+                        rnd,
+                        {p: 10**9 for p in pids},
+                        owners_of[c],
+                        numel,
+                        start_at + 300.0,
+                        start_at + 330.0,
+                        mode=mode,
+                        push_encoding=push,
+                        aggregate_encoding=agg,
+                        block_size=block_size,
+                    )
                     for k, p in enumerate(procs):
-                        p.send({"cmd": "round", "spec": spec.to_dict(), "tokens": 1000 * (k + 1),
-                                "start_at": start_at})
+                        p.send({"cmd": "round", "spec": spec.to_dict(), "tokens": 1000 * (k + 1), "start_at": start_at})
                 done = [await p.read() for p in procs]
                 rows[c]["wall_s"].append(max(d["finished_at"] for d in done) - start_at)
                 rows[c]["cpu_s"].append(statistics.mean(d["cpu_s"] for d in done))
                 rows[c]["complete"].append(all(d["complete"] for d in done))
-                print(f"# {n} peers, repeat {rep + 1}, {c}: {rows[c]['wall_s'][-1]:.2f} s wall, "
-                      f"{rows[c]['cpu_s'][-1]:.2f} CPU-s/peer", file=sys.stderr, flush=True)
+                print(
+                    f"# {n} peers, repeat {rep + 1}, {c}: {rows[c]['wall_s'][-1]:.2f} s wall, "
+                    f"{rows[c]['cpu_s'][-1]:.2f} CPU-s/peer",
+                    file=sys.stderr,
+                    flush=True,
+                )
         await exit_workers(procs)
         return rows
     finally:
@@ -231,10 +293,12 @@ def table(results: dict, numel: int) -> str:
     def med(row, key):
         return statistics.median(row[key]) if row[key] else float("nan")
 
-    lines = [f"numel = {numel:,} fp32 elements ({4 * numel / 1e6:.0f} MB); medians; CPU-s = per peer, whole "
-             "process tree", "",
-             "| peers | ours | wall s | CPU-s | hivemind | wall s | CPU-s | wall ratio (ours/hm) | CPU ratio | goal |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"numel = {numel:,} fp32 elements ({4 * numel / 1e6:.0f} MB); medians; CPU-s = per peer, whole process tree",
+        "",
+        "| peers | ours | wall s | CPU-s | hivemind | wall s | CPU-s | wall ratio (ours/hm) | CPU ratio | goal |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for n, rows in results.items():
         for ours, hm, goal in (("fp32", "hm_fp32", 1.0), ("sign", "hm_fp16", 0.5)):
             if ours not in rows or hm not in rows:
@@ -242,10 +306,12 @@ def table(results: dict, numel: int) -> str:
             a, b = rows[ours], rows[hm]
             ratio = med(a, "wall_s") / med(b, "wall_s")
             ok = all(a["complete"]) and all(b["complete"])
-            lines.append(f"| {n} | {ours} | {med(a, 'wall_s'):.2f} | {med(a, 'cpu_s'):.2f} | {hm} | "
-                         f"{med(b, 'wall_s'):.2f} | {med(b, 'cpu_s'):.2f} | {ratio:.2f}x | "
-                         f"{med(a, 'cpu_s') / med(b, 'cpu_s'):.2f}x | <= {goal}x: "
-                         f"{'met' if ratio <= goal else 'NOT met'} |" + ("" if ok else " INCOMPLETE"))
+            lines.append(
+                f"| {n} | {ours} | {med(a, 'wall_s'):.2f} | {med(a, 'cpu_s'):.2f} | {hm} | "
+                f"{med(b, 'wall_s'):.2f} | {med(b, 'cpu_s'):.2f} | {ratio:.2f}x | "
+                f"{med(a, 'cpu_s') / med(b, 'cpu_s'):.2f}x | <= {goal}x: "
+                f"{'met' if ratio <= goal else 'NOT met'} |" + ("" if ok else " INCOMPLETE")
+            )
     return "\n".join(lines)
 
 
@@ -253,12 +319,16 @@ async def main_async(ns) -> int:
     results = {}
     load0 = os.getloadavg()[0]
     for n in ns.peers:
-        results[n] = await run_group(n, ns.numel, ns.repeats, ns.contenders, ns.block_size, ns.reads_per_ip,
-                                     ns.max_part_mb)
+        results[n] = await run_group(
+            n, ns.numel, ns.repeats, ns.contenders, ns.block_size, ns.reads_per_ip, ns.max_part_mb
+        )
     import torch
-    head = (f"command: python benchmarks/collective_vs_hivemind.py {' '.join(sys.argv[1:])}\n"
-            f"machine: {platform.platform()}, {os.cpu_count()} CPUs, python {platform.python_version()}, torch "
-            f"{torch.__version__}; 1-min load average {load0:.1f} at start, {os.getloadavg()[0]:.1f} at end\n")
+
+    head = (
+        f"command: python benchmarks/collective_vs_hivemind.py {' '.join(sys.argv[1:])}\n"
+        f"machine: {platform.platform()}, {os.cpu_count()} CPUs, python {platform.python_version()}, torch "
+        f"{torch.__version__}; 1-min load average {load0:.1f} at start, {os.getloadavg()[0]:.1f} at end\n"
+    )
     print(head + "\n" + table(results, ns.numel))
     if ns.json:
         with open(ns.json, "w") as f:
@@ -275,12 +345,20 @@ def main(argv=None) -> int:
     ap.add_argument("--contenders", nargs="+", default=CONTENDERS, choices=CONTENDERS)
     ap.add_argument("--quick", action="store_true", help="2 peers, 2M elements, 1 repeat")
     ap.add_argument("--json", default=None)
-    ap.add_argument("--max-part-mb", type=float, default=None,
-                    help="cut every owner's range into parts of at most this many fp32 MB (split_owners; 0: one "
-                         "part per owner; default: as the node does, max_part_elements)")
-    ap.add_argument("--reads-per-ip", type=int, default=0,
-                    help="our transport's max_reads_per_ip (0: the group size, as distinct hosts would get; "
-                         "1: the default of a real node, which serializes loopback pushes)")
+    ap.add_argument(
+        "--max-part-mb",
+        type=float,
+        default=None,
+        help="cut every owner's range into parts of at most this many fp32 MB (split_owners; 0: one "
+        "part per owner; default: as the node does, max_part_elements)",
+    )
+    ap.add_argument(
+        "--reads-per-ip",
+        type=int,
+        default=0,
+        help="our transport's max_reads_per_ip (0: the group size, as distinct hosts would get; "
+        "1: the default of a real node, which serializes loopback pushes)",
+    )
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--group", type=int, default=2, help=argparse.SUPPRESS)

@@ -75,19 +75,27 @@ def machine_section(device: str) -> tuple[str, bool]:
     """The machine: nvidia-smi's GPU line, torch and CUDA versions, the device's properties."""
     import torch
 
-    lines = [f"- torch {torch.__version__} (CUDA {torch.version.cuda}), Python {sys.version.split()[0]}, "
-             f"{os.cpu_count()} CPUs"]
+    lines = [
+        f"- torch {torch.__version__} (CUDA {torch.version.cuda}), Python {sys.version.split()[0]}, "
+        f"{os.cpu_count()} CPUs"
+    ]
     if device.startswith("cuda"):
         try:
-            smi = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version",
-                                  "--format=csv,noheader"], capture_output=True, text=True, timeout=30).stdout.strip()
+            smi = subprocess.run(
+                ["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            ).stdout.strip()
             lines.append(f"- nvidia-smi: {smi}")
         except (OSError, subprocess.TimeoutExpired) as e:
             lines.append(f"- nvidia-smi: not available ({e})")
         p = torch.cuda.get_device_properties(0)
         free, total = torch.cuda.mem_get_info(0)
-        lines.append(f"- {p.name}: compute capability {p.major}.{p.minor}, {p.multi_processor_count} SMs, "
-                     f"{total / GIB:.1f} GiB ({free / GIB:.1f} GiB free at start)")
+        lines.append(
+            f"- {p.name}: compute capability {p.major}.{p.minor}, {p.multi_processor_count} SMs, "
+            f"{total / GIB:.1f} GiB ({free / GIB:.1f} GiB free at start)"
+        )
     return "\n".join(lines) + "\n", True
 
 
@@ -96,8 +104,10 @@ def tests_section(device: str, quick: bool, timeout_s: float) -> tuple[str, bool
     cmd = [sys.executable, "-m", "pytest", "-v", "-rs", "-p", "no:cacheprovider", "tests/unit/test_capability.py"]
     if quick:
         cmd += ["-k", "cuda"]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT)] + [p for p in os.environ.get(
-        "PYTHONPATH", "").split(os.pathsep) if p]))
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]),
+    )
     try:
         r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s, env=env)
         if r.returncode not in (0, 1, 5):
@@ -114,8 +124,11 @@ def tests_section(device: str, quick: bool, timeout_s: float) -> tuple[str, bool
     summary = [x for x in r.stdout.strip().splitlines() if x.startswith("=")][-1:] or ["(no summary)"]
     rows = ["| test | outcome |", "|---|---|"] + [f"| `{t.split('::', 1)[1]}` | {o} |" for t, o in results]
     skips = [x for x in r.stdout.splitlines() if x.startswith("SKIPPED")]
-    text = (f"`{' '.join(['pytest'] + cmd[3:])}` (exit {r.returncode}): {summary[0].strip('= ')}\n\n"
-            + "\n".join(rows) + "\n")
+    text = (
+        f"`{' '.join(['pytest'] + cmd[3:])}` (exit {r.returncode}): {summary[0].strip('= ')}\n\n"
+        + "\n".join(rows)
+        + "\n"
+    )
     if skips:
         text += "\n" + "\n".join(f"- {s}" for s in skips) + "\n"
     if r.returncode != 0:
@@ -126,8 +139,23 @@ def tests_section(device: str, quick: bool, timeout_s: float) -> tuple[str, bool
 
 def codec_step(device: str, numel: int, repeats: int, workdir: Path) -> tuple[str, bool]:
     md = workdir / "codec.md"
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "codec.py"), "--device", device, "--numel", str(numel),
-                        "--repeats", str(repeats), "--markdown", str(md)], capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "codec.py"),
+            "--device",
+            device,
+            "--numel",
+            str(numel),
+            "--repeats",
+            str(repeats),
+            "--markdown",
+            str(md),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     if r.returncode != 0:
         return f"codec benchmark failed (exit {r.returncode}):\n\n```\n{r.stderr[-2000:]}\n```\n", False
     text = md.read_text() if md.exists() else f"```\n{r.stdout[-3000:]}\n```\n"
@@ -135,8 +163,9 @@ def codec_step(device: str, numel: int, repeats: int, workdir: Path) -> tuple[st
     return text.strip() + "\n", True
 
 
-def profile_section(device: str, presets: list[str], seq_len: int, batches: list[int], check_budget: int,
-                    time_left) -> tuple[str, bool]:
+def profile_section(
+    device: str, presets: list[str], seq_len: int, batches: list[int], check_budget: int, time_left
+) -> tuple[str, bool]:
     """The peer's start-up profile on ``device`` for each preset: full budget, then ``check_budget`` bytes
     with one real step at the max batch found, whose allocator peak must stay within that budget (CUDA)."""
     import torch
@@ -146,8 +175,11 @@ def profile_section(device: str, presets: list[str], seq_len: int, batches: list
 
     info = detect_device(device)
     dev = info.torch_device
-    rows = ["| model | params | budget | static (weights+grads+AdamW) | per sequence | max batch | tokens/s per batch "
-            "| peak | profile s |", "|---|---|---|---|---|---|---|---|---|"]
+    rows = [
+        "| model | params | budget | static (weights+grads+AdamW) | per sequence | max batch | tokens/s per batch "
+        "| peak | profile s |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     checks, ok = [], True
     for name in presets:
         if time_left() < 20:
@@ -159,12 +191,15 @@ def profile_section(device: str, presets: list[str], seq_len: int, batches: list
             torch.manual_seed(0)
             m = build_model(name, vocab_size=SHIPPED_VOCAB_SIZE, seed=0).to(dev)
             n = sum(p.numel() for p in m.parameters())
-            prof = profile_training(m, seq_len, dev, budget, vocab_size=SHIPPED_VOCAB_SIZE, batch_sizes=batches,
-                                    limit=256)
+            prof = profile_training(
+                m, seq_len, dev, budget, vocab_size=SHIPPED_VOCAB_SIZE, batch_sizes=batches, limit=256
+            )
             tps = ", ".join(f"{b}: {t:,.0f}" for b, t in sorted(prof.tokens_per_s.items()))
-            rows.append(f"| {name} | {n / 1e6:.1f}M | {budget / GIB:.2f} GiB | {prof.memory.static_bytes / GIB:.2f} GiB "
-                        f"| {prof.memory.per_sequence_bytes / MIB:.1f} MiB | {prof.max_batch} | {tps} "
-                        f"| {max(prof.peak_bytes.values()) / GIB:.2f} GiB | {prof.seconds:.1f} |")
+            rows.append(
+                f"| {name} | {n / 1e6:.1f}M | {budget / GIB:.2f} GiB | {prof.memory.static_bytes / GIB:.2f} GiB "
+                f"| {prof.memory.per_sequence_bytes / MIB:.1f} MiB | {prof.max_batch} | {tps} "
+                f"| {max(prof.peak_bytes.values()) / GIB:.2f} GiB | {prof.seconds:.1f} |"
+            )
             if budget == check_budget and dev.type == "cuda":
                 # One real step at the max batch found: its allocator peak must be within the budget.
                 b = prof.max_batch
@@ -179,17 +214,22 @@ def profile_section(device: str, presets: list[str], seq_len: int, batches: list
                 peak = torch.cuda.max_memory_allocated(dev)
                 fits = peak <= budget
                 ok &= fits
-                checks.append(f"- `{name}` under {budget / GIB:.2f} GiB: one AdamW step at the max batch {b} peaked "
-                              f"at {peak / GIB:.3f} GiB ({100 * peak / budget:.1f}% of the budget, predicted "
-                              f"{(prof.memory.static_bytes + b * prof.memory.per_sequence_bytes) / GIB:.3f} GiB): "
-                              f"{'within' if fits else 'OVER'} the budget")
+                checks.append(
+                    f"- `{name}` under {budget / GIB:.2f} GiB: one AdamW step at the max batch {b} peaked "
+                    f"at {peak / GIB:.3f} GiB ({100 * peak / budget:.1f}% of the budget, predicted "
+                    f"{(prof.memory.static_bytes + b * prof.memory.per_sequence_bytes) / GIB:.3f} GiB): "
+                    f"{'within' if fits else 'OVER'} the budget"
+                )
                 del opt, x, loss
             del m
             _free(device)
-    text = (f"`profile_training(model, seq_len={seq_len}, device, budget, batch_sizes={batches}, limit=256)` as "
-            f"`geomesh-peer join` runs it at start-up (default `--profile-batches`, steps=2, warmup=0, fp32; "
-            f"the first budget is `detect_device`'s: free memory plus what the allocator holds).\n\n"
-            + "\n".join(rows) + "\n")
+    text = (
+        f"`profile_training(model, seq_len={seq_len}, device, budget, batch_sizes={batches}, limit=256)` as "
+        f"`geomesh-peer join` runs it at start-up (default `--profile-batches`, steps=2, warmup=0, fp32; "
+        f"the first budget is `detect_device`'s: free memory plus what the allocator holds).\n\n"
+        + "\n".join(rows)
+        + "\n"
+    )
     if checks:
         text += "\n" + "\n".join(checks) + "\n"
     return text, ok
@@ -202,8 +242,10 @@ def training_step(device: str, model: str, batches: list[int], steps: int, time_
     from geomesh_p2p.training import InnerTrainer, build_model
 
     ds = load_dataset(None, seq_len=128)
-    rows = ["| batch | fp32 tokens/s | bf16 autocast tokens/s | bf16 / fp32 | peak GiB fp32 / bf16 |",
-            "|---|---|---|---|---|"]
+    rows = [
+        "| batch | fp32 tokens/s | bf16 autocast tokens/s | bf16 / fp32 | peak GiB fp32 / bf16 |",
+        "|---|---|---|---|---|",
+    ]
     for b in batches:
         if time_left() < 15:
             rows.append(f"| {b} | not run: the script's time budget is spent | | | |")
@@ -221,37 +263,94 @@ def training_step(device: str, model: str, batches: list[int], steps: int, time_
             peak[amp] = torch.cuda.max_memory_allocated() / GIB if device.startswith("cuda") else float("nan")
             del tr, m
             _free(device)
-        rows.append(f"| {b} | {tps[False]:,.0f} | {tps[True]:,.0f} | {tps[True] / tps[False]:.2f}x "
-                    f"| {peak[False]:.2f} / {peak[True]:.2f} |")
+        rows.append(
+            f"| {b} | {tps[False]:,.0f} | {tps[True]:,.0f} | {tps[True] / tps[False]:.2f}x "
+            f"| {peak[False]:.2f} / {peak[True]:.2f} |"
+        )
     note = "" if device.startswith("cuda") else "\n(autocast is CUDA-only: on a CPU both columns are fp32.)\n"
-    return (f"Model `{model}` (vocab {ds.vocab_size}), seq 128, `InnerTrainer.run`: 2 warm-up then {steps} timed "
-            f"inner steps (AdamW) per cell; tokens/s = tokens / compute seconds.\n\n" + "\n".join(rows) + "\n" + note,
-            True)
+    return (
+        f"Model `{model}` (vocab {ds.vocab_size}), seq 128, `InnerTrainer.run`: 2 warm-up then {steps} timed "
+        f"inner steps (AdamW) per cell; tokens/s = tokens / compute seconds.\n\n" + "\n".join(rows) + "\n" + note,
+        True,
+    )
 
 
 def swarm_step(device: str, rounds: int, workdir: Path, model: str, deadline_s: float) -> tuple[str, bool]:
     from geomesh_p2p.procs import wait_for_address
 
-    env = dict(os.environ, PYTHONUNBUFFERED="1",
-               PYTHONPATH=os.pathsep.join([str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
-                                                         if p]))
-    run = ["--run-id", "device-check", "--model", model, "--seq-len", "64", "--window-s", "6",
-           "--rounds", str(rounds), "--min-peers", "2", "--profile-batches", "4,8"]
+    env = dict(
+        os.environ,
+        PYTHONUNBUFFERED="1",
+        PYTHONPATH=os.pathsep.join([str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]),
+    )
+    run = [
+        "--run-id",
+        "device-check",
+        "--model",
+        model,
+        "--seq-len",
+        "64",
+        "--window-s",
+        "6",
+        "--rounds",
+        str(rounds),
+        "--min-peers",
+        "2",
+        "--profile-batches",
+        "4,8",
+    ]
     procs = []
     t0 = time.time()
     try:
         # Port 0: the bootstrap binds a free port and prints it; a port picked here first could be taken.
-        procs.append(subprocess.Popen([sys.executable, "-m", "bootstrap.cli", "--host", "127.0.0.1", "--port", "0",
-                                       "--run-id", "device-check", "--identity", str(workdir / "b.key")],
-                                      stdout=open(workdir / "bootstrap.log", "w"), stderr=subprocess.STDOUT, env=env,
-                                      start_new_session=True))
+        procs.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "bootstrap.cli",
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    "0",
+                    "--run-id",
+                    "device-check",
+                    "--identity",
+                    str(workdir / "b.key"),
+                ],
+                stdout=open(workdir / "bootstrap.log", "w"),
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
+        )
         entry = wait_for_address(workdir / "bootstrap.log", procs[0], 120)
         for name, dev in (("gpu", device), ("cpu", "cpu")):
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "peer.cli", "join", "--bootstrap", entry, "--device", dev,
-                 "--identity", str(workdir / f"{name}.key"), "--threads", "4",
-                 "--log-json", str(workdir / f"{name}.jsonl")] + run,
-                stdout=open(workdir / f"{name}.log", "w"), stderr=subprocess.STDOUT, env=env, start_new_session=True))
+            procs.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "peer.cli",
+                        "join",
+                        "--bootstrap",
+                        entry,
+                        "--device",
+                        dev,
+                        "--identity",
+                        str(workdir / f"{name}.key"),
+                        "--threads",
+                        "4",
+                        "--log-json",
+                        str(workdir / f"{name}.jsonl"),
+                    ]
+                    + run,
+                    stdout=open(workdir / f"{name}.log", "w"),
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                    start_new_session=True,
+                )
+            )
         deadline = time.time() + deadline_s
         while time.time() < deadline and any(p.poll() is None for p in procs[1:]):
             time.sleep(1.0)
@@ -273,49 +372,77 @@ def swarm_step(device: str, rounds: int, workdir: Path, model: str, deadline_s: 
 
     g, c = rows("gpu"), rows("cpu")
     n = min(len(g), len(c))
-    lines = ["| round | digest on the device peer | digest on the CPU peer | equal | eval ppl |", "|---|---|---|---|---|"]
+    lines = [
+        "| round | digest on the device peer | digest on the CPU peer | equal | eval ppl |",
+        "|---|---|---|---|---|",
+    ]
     equal = n == rounds
     for k in range(n):
         same = g[k]["digest"] == c[k]["digest"]
         equal &= same
-        lines.append(f"| {g[k]['round']} | {g[k]['digest'][:16]} | {c[k]['digest'][:16]} | {'yes' if same else 'NO'} "
-                     f"| {g[k]['eval_ppl']:.1f} |")
+        lines.append(
+            f"| {g[k]['round']} | {g[k]['digest'][:16]} | {c[k]['digest'][:16]} | {'yes' if same else 'NO'} "
+            f"| {g[k]['eval_ppl']:.1f} |"
+        )
     if n < rounds:
         for name in ("gpu", "cpu"):
             tail = (workdir / f"{name}.log").read_text()[-1500:] if (workdir / f"{name}.log").exists() else ""
-            lines.append(f"\nonly {n} of {rounds} rounds logged by both peers; {name} peer's log tail:\n\n```\n{tail}\n```")
+            lines.append(
+                f"\nonly {n} of {rounds} rounds logged by both peers; {name} peer's log tail:\n\n```\n{tail}\n```"
+            )
     extra = []
     for name, rs in (("device", g), ("CPU", c)):
-        cells = [f"{r.get('inner_steps_done')}x{r.get('batch_size')}"
-                 + (f" at {r['tokens'] / r['compute_s']:,.0f} tok/s" if r.get("compute_s") and r.get("tokens") else "")
-                 for r in rs]
+        cells = [
+            f"{r.get('inner_steps_done')}x{r.get('batch_size')}"
+            + (f" at {r['tokens'] / r['compute_s']:,.0f} tok/s" if r.get("compute_s") and r.get("tokens") else "")
+            for r in rs
+        ]
         if cells:
             extra.append(f"- {name} peer, inner steps x batch per round: {', '.join(cells)}")
-    return (f"Bootstrap + one peer on `{device}` + one on `cpu`, model `{model}`, seq 64, 6 s windows, {rounds} rounds "
-            f"of geomesh ({wall:.0f} s wall, processes included).\n\n" + "\n".join(lines) + "\n"
-            + ("\n" + "\n".join(extra) + "\n" if extra else "")), equal
+    return (
+        f"Bootstrap + one peer on `{device}` + one on `cpu`, model `{model}`, seq 64, 6 s windows, {rounds} rounds "
+        f"of geomesh ({wall:.0f} s wall, processes included).\n\n"
+        + "\n".join(lines)
+        + "\n"
+        + ("\n" + "\n".join(extra) + "\n" if extra else "")
+    ), equal
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device", default="auto",
-                    help="device under test; auto = cuda if present, else cpu with --quick (default: %(default)s)")
+    ap.add_argument(
+        "--device",
+        default="auto",
+        help="device under test; auto = cuda if present, else cpu with --quick (default: %(default)s)",
+    )
     ap.add_argument("--out", help="markdown report (default: docs/device-check.md on CUDA, else a temporary file)")
     ap.add_argument("--numel", type=int, default=124_000_000, help="codec vector size (default: GPT-2 small)")
     ap.add_argument("--codec-repeats", type=int, default=10, help="codec repeats (default: %(default)s)")
     ap.add_argument("--model", default="gpt2-124m", help="model preset for the training step (default: %(default)s)")
     ap.add_argument("--batches", default="8,32,64,128", help="batch sizes of the training step (default: %(default)s)")
     ap.add_argument("--steps", type=int, default=10, help="timed inner steps per cell (default: %(default)s)")
-    ap.add_argument("--profile-models", default="small,gpt2-124m,llama-150m",
-                    help="presets for the start-up profile (default: %(default)s)")
-    ap.add_argument("--profile-batches", default="4,8,16",
-                    help="batch sizes the profile measures (the peer's default: %(default)s)")
-    ap.add_argument("--check-budget-gib", type=float, default=4.0,
-                    help="the small budget the profile is checked under (GiB, default: %(default)s)")
+    ap.add_argument(
+        "--profile-models",
+        default="small,gpt2-124m,llama-150m",
+        help="presets for the start-up profile (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--profile-batches", default="4,8,16", help="batch sizes the profile measures (the peer's default: %(default)s)"
+    )
+    ap.add_argument(
+        "--check-budget-gib",
+        type=float,
+        default=4.0,
+        help="the small budget the profile is checked under (GiB, default: %(default)s)",
+    )
     ap.add_argument("--swarm-model", default="small", help="model of the mixed swarm (default: %(default)s)")
     ap.add_argument("--rounds", type=int, default=3, help="rounds of the mixed swarm (default: %(default)s)")
-    ap.add_argument("--budget-s", type=float, default=330,
-                    help="the whole script's time budget: later sections shrink or are skipped (default: %(default)s)")
+    ap.add_argument(
+        "--budget-s",
+        type=float,
+        default=330,
+        help="the whole script's time budget: later sections shrink or are skipped (default: %(default)s)",
+    )
     ap.add_argument("--quick", action="store_true", help="small sizes, to check the script on a CPU")
     ns = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stdout)
@@ -338,22 +465,31 @@ def main(argv=None) -> int:
     batches = [int(x) for x in ns.batches.split(",") if x]
     prof_batches = [int(x) for x in ns.profile_batches.split(",") if x]
     presets = [x for x in ns.profile_models.split(",") if x]
-    head = [f"# Device check ({time.strftime('%Y-%m-%d')})", "",
-            f"Command: `python3 benchmarks/device_check.py --device {ns.device}"
-            + (" --quick" if ns.quick else "") + "`", "",
-            f"torch {torch.__version__}; device: "
-            + (torch.cuda.get_device_name(0) if ns.device.startswith("cuda") and torch.cuda.is_available() else ns.device),
-            ""]
+    head = [
+        f"# Device check ({time.strftime('%Y-%m-%d')})",
+        "",
+        f"Command: `python3 benchmarks/device_check.py --device {ns.device}" + (" --quick" if ns.quick else "") + "`",
+        "",
+        f"torch {torch.__version__}; device: "
+        + (torch.cuda.get_device_name(0) if ns.device.startswith("cuda") and torch.cuda.is_available() else ns.device),
+        "",
+    ]
     steps = (
         ("Machine", lambda: machine_section(ns.device)),
         ("The suite's CUDA tests", lambda: tests_section(ns.device, ns.quick, min(150.0, max(30.0, time_left())))),
         ("Codec on the device", lambda: codec_step(ns.device, ns.numel, ns.codec_repeats, workdir)),
-        ("Start-up profile (capability.profile_training)",
-         lambda: profile_section(ns.device, presets, 128, prof_batches, int(ns.check_budget_gib * GIB), time_left)),
-        ("Inner training step: bf16 autocast vs fp32", lambda: training_step(ns.device, ns.model, batches, ns.steps,
-                                                                               time_left)),
-        ("Mixed swarm: digests of a device peer and a CPU peer",
-         lambda: swarm_step(ns.device, ns.rounds, workdir, ns.swarm_model, max(60.0, min(240.0, time_left())))),
+        (
+            "Start-up profile (capability.profile_training)",
+            lambda: profile_section(ns.device, presets, 128, prof_batches, int(ns.check_budget_gib * GIB), time_left),
+        ),
+        (
+            "Inner training step: bf16 autocast vs fp32",
+            lambda: training_step(ns.device, ns.model, batches, ns.steps, time_left),
+        ),
+        (
+            "Mixed swarm: digests of a device peer and a CPU peer",
+            lambda: swarm_step(ns.device, ns.rounds, workdir, ns.swarm_model, max(60.0, min(240.0, time_left()))),
+        ),
     )
     sections, ok = [], True
     for title, fn in steps:
@@ -371,8 +507,9 @@ def main(argv=None) -> int:
         print(f"{title}: {'ok' if good else 'FAILED'} ({time.time() - t0:.0f} s)", flush=True)
         Path(ns.out).parent.mkdir(parents=True, exist_ok=True)
         Path(ns.out).write_text("\n".join(head + sections))  # after every section: a cut-short run keeps what it did
-    report = "\n".join(head + sections + [f"Total {time.time() - t_start:.0f} s; all checks "
-                                          f"{'passed' if ok else 'did NOT pass'}.", ""])
+    report = "\n".join(
+        head + sections + [f"Total {time.time() - t_start:.0f} s; all checks {'passed' if ok else 'did NOT pass'}.", ""]
+    )
     Path(ns.out).write_text(report)
     print(report)
     return 0 if ok else 1

@@ -45,15 +45,24 @@ def _q(xs, q):
 
 
 def _summary(xs):
-    return {"median": _q(xs, 0.5), "p90": _q(xs, 0.9), "max": max(xs, default=float("nan")),
-            "mean": statistics.fmean(xs) if xs else float("nan"), "n": len(xs)}
+    return {
+        "median": _q(xs, 0.5),
+        "p90": _q(xs, 0.9),
+        "max": max(xs, default=float("nan")),
+        "mean": statistics.fmean(xs) if xs else float("nan"),
+        "n": len(xs),
+    }
 
 
 # ------------------------------------------------------------------------------------------ part 1
 def start_our_server() -> tuple[subprocess.Popen, str]:
     """Our DHT node in a child process (python -m geomesh_p2p.dht --watch); returns (process, address)."""
-    p = subprocess.Popen([sys.executable, "-m", "geomesh_p2p.dht", "--run-id", RUN, "--watch", "--period", "3600"],
-                         cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        [sys.executable, "-m", "geomesh_p2p.dht", "--run-id", RUN, "--watch", "--period", "3600"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     line = p.stdout.readline()
     if not line:
         raise RuntimeError("our DHT server process did not start")
@@ -114,7 +123,8 @@ async def loopback(args, our_address: str, hivemind_maddrs) -> dict:
     out = {name: {op: _summary(v) for op, v in ops.items()} for name, ops in lat.items()}
     if "hivemind" in out:
         out["ratio_ours_over_hivemind"] = {
-            op: out["ours"][op]["median"] / out["hivemind"][op]["median"] for op in ("store", "get")}
+            op: out["ours"][op]["median"] / out["hivemind"][op]["median"] for op in ("store", "get")
+        }
     await ours.shutdown()
     await transport.stop(grace=0)
     if hm is not None:
@@ -166,12 +176,18 @@ async def swarm(n: int, args) -> dict:
         await node.find_nearest_nodes([DHTID.generate()], stats=s)
         hops_node.append(s.hops)
         rpcs_node.append(s.rpcs)
-    res.update({
-        "get_first_value": {"found_at_hop": _summary(found_hop), "rpcs": _summary(rpcs_any), "ms": _summary(ms_any)},
-        "get_latest": {"rpcs": _summary(rpcs_latest), "ms": _summary(ms_latest)},
-        "find_k_nearest": {"hops": _summary(hops_node), "rpcs": _summary(rpcs_node)},
-        "misses": misses,
-    })
+    res.update(
+        {
+            "get_first_value": {
+                "found_at_hop": _summary(found_hop),
+                "rpcs": _summary(rpcs_any),
+                "ms": _summary(ms_any),
+            },
+            "get_latest": {"rpcs": _summary(rpcs_latest), "ms": _summary(ms_latest)},
+            "find_k_nearest": {"hops": _summary(hops_node), "rpcs": _summary(rpcs_node)},
+            "misses": misses,
+        }
+    )
     await asyncio.gather(*(x.shutdown() for x in nodes))
     await asyncio.gather(*(x.transport.stop(grace=0) for x in nodes))
     return res
@@ -214,8 +230,10 @@ def main(argv=None) -> int:
     for name in ("ours", "hivemind"):
         if name in lb:
             s, g = lb[name]["store"], lb[name]["get"]
-            print(f"  {name:9s} store median {s['median']:7.2f} p90 {s['p90']:7.2f} | "
-                  f"get median {g['median']:7.2f} p90 {g['p90']:7.2f}")
+            print(
+                f"  {name:9s} store median {s['median']:7.2f} p90 {s['p90']:7.2f} | "
+                f"get median {g['median']:7.2f} p90 {g['p90']:7.2f}"
+            )
     if "ratio_ours_over_hivemind" in lb:
         r = lb["ratio_ours_over_hivemind"]
         print(f"  ratio ours/hivemind (median): store {r['store']:.2f}, get {r['get']:.2f}")
@@ -226,15 +244,23 @@ def main(argv=None) -> int:
             r = asyncio.run(swarm(n, args))
             results["swarm"].append(r)
             g, gl, f = r["get_first_value"], r["get_latest"], r["find_k_nearest"]
-            print(f"swarm of {n} in-process nodes (built in {r['build_s']:.0f}s, routing table median "
-                  f"{r['table_size']['median']:.0f} nodes), {args.lookups} lookups:")
-            print(f"  get (first value): found at hop median {g['found_at_hop']['median']:.0f} "
-                  f"p90 {g['found_at_hop']['p90']:.0f}, rpcs median {g['rpcs']['median']:.0f}, "
-                  f"ms median {g['ms']['median']:.1f} p90 {g['ms']['p90']:.1f}")
-            print(f"  get (latest):      rpcs median {gl['rpcs']['median']:.0f}, ms median {gl['ms']['median']:.1f} "
-                  f"p90 {gl['ms']['p90']:.1f}")
-            print(f"  find k nearest:    hops median {f['hops']['median']:.0f} p90 {f['hops']['p90']:.0f} "
-                  f"max {f['hops']['max']:.0f}, rpcs median {f['rpcs']['median']:.0f}; misses {r['misses']}")
+            print(
+                f"swarm of {n} in-process nodes (built in {r['build_s']:.0f}s, routing table median "
+                f"{r['table_size']['median']:.0f} nodes), {args.lookups} lookups:"
+            )
+            print(
+                f"  get (first value): found at hop median {g['found_at_hop']['median']:.0f} "
+                f"p90 {g['found_at_hop']['p90']:.0f}, rpcs median {g['rpcs']['median']:.0f}, "
+                f"ms median {g['ms']['median']:.1f} p90 {g['ms']['p90']:.1f}"
+            )
+            print(
+                f"  get (latest):      rpcs median {gl['rpcs']['median']:.0f}, ms median {gl['ms']['median']:.1f} "
+                f"p90 {gl['ms']['p90']:.1f}"
+            )
+            print(
+                f"  find k nearest:    hops median {f['hops']['median']:.0f} p90 {f['hops']['p90']:.0f} "
+                f"max {f['hops']['max']:.0f}, rpcs median {f['rpcs']['median']:.0f}; misses {r['misses']}"
+            )
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     return 0

@@ -139,15 +139,50 @@ class Target:
 
 
 def start_targets(root: Path, tmp: Path, ns) -> tuple:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "GRPC_VERBOSITY": "NONE", "PYTHONPATH": str(root),
-           "GEOMESH_ROOT": str(root)}
-    boot = Target("bootstrap", ["-m", "bootstrap.cli", "--host", "127.0.0.1", "--port", "0", "--run-id", RUN,
-                                "--identity", str(tmp / f"boot-{random.getrandbits(32)}.key"),
-                                "--status-interval", "3600", "--log-level", "ERROR",
-                                "--republish-period", str(ns.republish_period)], root, env)
+    env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "GRPC_VERBOSITY": "NONE",
+        "PYTHONPATH": str(root),
+        "GEOMESH_ROOT": str(root),
+    }
+    boot = Target(
+        "bootstrap",
+        [
+            "-m",
+            "bootstrap.cli",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--run-id",
+            RUN,
+            "--identity",
+            str(tmp / f"boot-{random.getrandbits(32)}.key"),
+            "--status-interval",
+            "3600",
+            "--log-level",
+            "ERROR",
+            "--republish-period",
+            str(ns.republish_period),
+        ],
+        root,
+        env,
+    )
     try:
-        argv = [str(Path(__file__).resolve()), "--serve", "peer", "--run-id", RUN, "--bootstrap", boot.address,
-                "--state-params", str(ns.state_params), "--republish-period", str(ns.republish_period)]
+        argv = [
+            str(Path(__file__).resolve()),
+            "--serve",
+            "peer",
+            "--run-id",
+            RUN,
+            "--bootstrap",
+            boot.address,
+            "--state-params",
+            str(ns.state_params),
+            "--republish-period",
+            str(ns.republish_period),
+        ]
         if ns.push_limit_mb is not None and root == ROOT:
             argv += ["--push-limit-mb", str(ns.push_limit_mb)]
         peer = Target("peer", argv, root, env)
@@ -164,8 +199,16 @@ class Pinger:
 
     def __init__(self, targets, interval: float = 0.05, timeout: float = 10.0):
         self.targets, self.interval, self.timeout = targets, interval, timeout
-        argv = [sys.executable, str(Path(__file__).resolve()), "--serve", "pinger", "--interval", str(interval),
-                "--timeout", str(timeout)] + [f"{t.name}={t.address}" for t in targets]
+        argv = [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "--serve",
+            "pinger",
+            "--interval",
+            str(interval),
+            "--timeout",
+            str(timeout),
+        ] + [f"{t.name}={t.address}" for t in targets]
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "GRPC_VERBOSITY": "NONE"}
         self.p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
         self.samples: list = []  # (name, wall time sent, seconds, ok)
@@ -193,9 +236,12 @@ class Pinger:
         for t in self.targets:
             xs = [(sec, ok) for name, sent, sec, ok in list(self.samples) if name == t.name and self._t0 <= sent < t1]
             lat = sorted(sec for sec, _ in xs)
-            out[t.name] = {"n": len(lat), "failed": sum(not ok for _, ok in xs),
-                           "p50_ms": 1000 * lat[len(lat) // 2] if lat else None,
-                           "p99_ms": 1000 * lat[min(len(lat) - 1, int(0.99 * len(lat)))] if lat else None}
+            out[t.name] = {
+                "n": len(lat),
+                "failed": sum(not ok for _, ok in xs),
+                "p50_ms": 1000 * lat[len(lat) // 2] if lat else None,
+                "p99_ms": 1000 * lat[min(len(lat) - 1, int(0.99 * len(lat)))] if lat else None,
+            }
         return out
 
     async def close(self) -> None:
@@ -274,11 +320,15 @@ async def _signed_raw(address: str, msg: bytes, method: str, timeout: float = 30
 
     from geomesh_p2p.wire import envelope_pb2
 
-    opts = [("grpc.max_send_message_length", 1 << 30), ("grpc.max_receive_message_length", 1 << 30),
-            ("grpc.use_local_subchannel_pool", 1)]
+    opts = [
+        ("grpc.max_send_message_length", 1 << 30),
+        ("grpc.max_receive_message_length", 1 << 30),
+        ("grpc.use_local_subchannel_pool", 1),
+    ]
     async with grpc.aio.insecure_channel(address, options=opts) as ch:
-        mc = ch.unary_unary(method, request_serializer=lambda b: b,
-                            response_deserializer=envelope_pb2.SignedMessage.FromString)
+        mc = ch.unary_unary(
+            method, request_serializer=lambda b: b, response_deserializer=envelope_pb2.SignedMessage.FromString
+        )
         try:
             await mc(msg, timeout=timeout)
             return "OK"
@@ -297,8 +347,9 @@ def prepare_oversized(boot, peer, ns) -> list:
     plan = [(boot, DHT_PING, blob), (boot, DHT_STORE, blob), (peer, COLLECTIVE_PUSH, push), (peer, DHT_PING, blob)]
     waves = []
     for _ in range(ns.waves):
-        waves.append([(t, method, _sign(Identity.generate(), method, payload))
-                      for t, method, payload in plan for _ in range(5)])
+        waves.append(
+            [(t, method, _sign(Identity.generate(), method, payload)) for t, method, payload in plan for _ in range(5)]
+        )
     return waves
 
 
@@ -493,8 +544,12 @@ async def flood_fake_pings(boot, peer, ns, n: int = 300) -> dict:
 
 
 PREPARE = {"oversized": prepare_oversized}
-FLOOD_FUNCS = {"oversized": flood_oversized, "connections": flood_connections, "store": flood_store,
-               "fake-pings": flood_fake_pings}
+FLOOD_FUNCS = {
+    "oversized": flood_oversized,
+    "connections": flood_connections,
+    "store": flood_store,
+    "fake-pings": flood_fake_pings,
+}
 
 
 async def run_one(flood: str, root: Path, tmp: Path, ns) -> dict:
@@ -520,11 +575,16 @@ async def run_one(flood: str, root: Path, tmp: Path, ns) -> dict:
         res = {"flood": flood, "seconds": flood_s, "detail": detail, "targets": {}}
         for t in targets:
             res["targets"][t.name] = {
-                "clean_peak_mb": clean[t.name]["hwm_mb"], "flood_peak_mb": after[t.name]["hwm_mb"],
+                "clean_peak_mb": clean[t.name]["hwm_mb"],
+                "flood_peak_mb": after[t.name]["hwm_mb"],
                 "ratio": after[t.name]["hwm_mb"] / max(1.0, clean[t.name]["hwm_mb"]),
-                "rss_after_mb": after[t.name]["rss_mb"], "alive": after[t.name]["alive"],
-                "clean_fds": clean[t.name]["fds"], "peak_fds": peak_fds[t.name],
-                "clean_ping": clean_ping[t.name], "flood_ping": flood_ping[t.name]}
+                "rss_after_mb": after[t.name]["rss_mb"],
+                "alive": after[t.name]["alive"],
+                "clean_fds": clean[t.name]["fds"],
+                "peak_fds": peak_fds[t.name],
+                "clean_ping": clean_ping[t.name],
+                "flood_ping": flood_ping[t.name],
+            }
         return res
     finally:
         if pinger is not None:
@@ -539,16 +599,20 @@ def _fmt(x, spec=".0f"):
 
 def print_table(results: list) -> None:
     print()
-    print(f"{'code':<8} {'flood':<12} {'target':<10} {'clean MB':>9} {'flood MB':>9} {'ratio':>6} "
-          f"{'fds':>11} {'ping p50/p99 clean ms':>22} {'ping p50/p99 flood ms':>22} {'fail':>5}")
+    print(
+        f"{'code':<8} {'flood':<12} {'target':<10} {'clean MB':>9} {'flood MB':>9} {'ratio':>6} "
+        f"{'fds':>11} {'ping p50/p99 clean ms':>22} {'ping p50/p99 flood ms':>22} {'fail':>5}"
+    )
     for r in results:
         for name, t in r["targets"].items():
             cp, fp = t["clean_ping"], t["flood_ping"]
-            print(f"{r['code']:<8} {r['flood']:<12} {name:<10} {t['clean_peak_mb']:>9.0f} {t['flood_peak_mb']:>9.0f} "
-                  f"{t['ratio']:>6.2f} {str(t['clean_fds']) + '->' + str(t['peak_fds']):>11} "
-                  f"{_fmt(cp['p50_ms']) + ' / ' + _fmt(cp['p99_ms']):>22} "
-                  f"{_fmt(fp['p50_ms']) + ' / ' + _fmt(fp['p99_ms']):>22} {fp['failed']:>5}"
-                  + ("" if t["alive"] else "  (died)"))
+            print(
+                f"{r['code']:<8} {r['flood']:<12} {name:<10} {t['clean_peak_mb']:>9.0f} {t['flood_peak_mb']:>9.0f} "
+                f"{t['ratio']:>6.2f} {str(t['clean_fds']) + '->' + str(t['peak_fds']):>11} "
+                f"{_fmt(cp['p50_ms']) + ' / ' + _fmt(cp['p99_ms']):>22} "
+                f"{_fmt(fp['p50_ms']) + ' / ' + _fmt(fp['p99_ms']):>22} {fp['failed']:>5}"
+                + ("" if t["alive"] else "  (died)")
+            )
     print()
     for r in results:
         print(f"{r['code']} {r['flood']} ({r['seconds']:.1f}s): {json.dumps(r['detail'])}")
@@ -570,8 +634,11 @@ async def bench(ns) -> list:
     tmp = Path(tempfile.mkdtemp(prefix="floods-"))
     if ns.ref:
         worktree = tmp / "ref"
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(worktree), ns.ref],
-                       check=True, capture_output=True)
+        subprocess.run(
+            ["git", "-C", str(ROOT), "worktree", "add", "--detach", str(worktree), ns.ref],
+            check=True,
+            capture_output=True,
+        )
         variants.insert(0, (ns.ref[:8], worktree))
     results = []
     try:
@@ -582,13 +649,17 @@ async def bench(ns) -> list:
                 r["code"] = code
                 results.append(r)
                 for name, t in r["targets"].items():
-                    print(f"   {name}: peak {t['clean_peak_mb']:.0f} -> {t['flood_peak_mb']:.0f} MB "
-                          f"(x{t['ratio']:.2f}), ping p99 {_fmt(t['clean_ping']['p99_ms'])} -> "
-                          f"{_fmt(t['flood_ping']['p99_ms'])} ms", flush=True)
+                    print(
+                        f"   {name}: peak {t['clean_peak_mb']:.0f} -> {t['flood_peak_mb']:.0f} MB "
+                        f"(x{t['ratio']:.2f}), ping p99 {_fmt(t['clean_ping']['p99_ms'])} -> "
+                        f"{_fmt(t['flood_ping']['p99_ms'])} ms",
+                        flush=True,
+                    )
     finally:
         if worktree is not None:
-            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(worktree)],
-                           capture_output=True)
+            subprocess.run(
+                ["git", "-C", str(ROOT), "worktree", "remove", "--force", str(worktree)], capture_output=True
+            )
     print_table(results)
     if ns.json:
         Path(ns.json).write_text(json.dumps(results, indent=1))
@@ -596,19 +667,29 @@ async def bench(ns) -> list:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--serve", choices=["peer", "pinger"], help="run a target node (or the pinger) instead")
     ap.add_argument("--interval", type=float, default=0.05, help="(pinger) seconds between pings")
     ap.add_argument("--timeout", type=float, default=10.0, help="(pinger) deadline of a ping, s")
     ap.add_argument("targets", nargs="*", help="(pinger) NAME=HOST:PORT")
     ap.add_argument("--run-id", default=RUN)
     ap.add_argument("--bootstrap", default=None)
-    ap.add_argument("--state-params", type=int, default=4_000_000,
-                    help="parameters of the state the peer serves (its memory: 8 bytes each, plus copies)")
+    ap.add_argument(
+        "--state-params",
+        type=int,
+        default=4_000_000,
+        help="parameters of the state the peer serves (its memory: 8 bytes each, plus copies)",
+    )
     ap.add_argument("--republish-period", type=float, default=5.0, help="DHT republish period of the targets, s")
-    ap.add_argument("--push-limit-mb", type=float, default=None,
-                    help="PushPart payload limit of the peer (as a collective that knows its largest part would "
-                         "set it with Transport.set_payload_limit; default: max_message_bytes, 128 MiB)")
+    ap.add_argument(
+        "--push-limit-mb",
+        type=float,
+        default=None,
+        help="PushPart payload limit of the peer (as a collective that knows its largest part would "
+        "set it with Transport.set_payload_limit; default: max_message_bytes, 128 MiB)",
+    )
     ap.add_argument("--floods", default=",".join(FLOODS))
     ap.add_argument("--seconds", type=float, default=10.0, help="time bound of each flood")
     ap.add_argument("--clean-seconds", type=float, default=3.0, help="clean phase before each flood")

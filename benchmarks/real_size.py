@@ -69,8 +69,9 @@ class Proc:
         self.name, self.argv, self.log_path = name, argv, log_path
         with open(log_path, "ab") as out:
             # The Popen object is kept (not polled): this class reaps the child itself, for its rusage.
-            self._popen = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=env,
-                                           start_new_session=True)
+            self._popen = subprocess.Popen(
+                argv, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True
+            )
         self.pid = self._popen.pid
         self.started = time.time()
         self.returncode: int | None = None
@@ -177,8 +178,9 @@ def wait_for(cond, timeout_s: float, what: str, procs: list[Proc], poll_s: float
             return time.time()
         for p in procs:
             if p.poll() is not None:
-                raise RuntimeError(f"{p.name} exited with {p.returncode} while waiting for {what}; its log ends:\n"
-                                   + p.text()[-2500:])
+                raise RuntimeError(
+                    f"{p.name} exited with {p.returncode} while waiting for {what}; its log ends:\n" + p.text()[-2500:]
+                )
         time.sleep(poll_s)
     raise RuntimeError(f"timed out after {timeout_s:.0f}s waiting for {what}")
 
@@ -218,15 +220,32 @@ def helper(model: str, method: str, vocab_size: int) -> dict:
         gstate.save_checkpoint(d, round=1, theta=theta, momentum=momentum, meta={"benchmark": "real_size"})
         ckpt_s = time.perf_counter() - t0
         size = sum(f.stat().st_size for f in Path(d).iterdir())
-    return {"n_params": n, "checkpoint_s": ckpt_s, "checkpoint_bytes": size,
-            "min_bytes": {m: {"total": v.total, "weights": v.weights, "gradients": v.gradients,
-                              "inner_optimizer": v.inner_optimizer, "global_weights": v.global_weights,
-                              "outer_state": v.outer_state} for m, v in mins.items()}}
+    return {
+        "n_params": n,
+        "checkpoint_s": ckpt_s,
+        "checkpoint_bytes": size,
+        "min_bytes": {
+            m: {
+                "total": v.total,
+                "weights": v.weights,
+                "gradients": v.gradients,
+                "inner_optimizer": v.inner_optimizer,
+                "global_weights": v.global_weights,
+                "outer_state": v.outer_state,
+            }
+            for m, v in mins.items()
+        },
+    }
 
 
 def run_helper(model: str, method: str, vocab_size: int) -> dict:
-    out = subprocess.run([sys.executable, __file__, "--helper", model, method, str(vocab_size)], cwd=ROOT,
-                         capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        [sys.executable, __file__, "--helper", model, method, str(vocab_size)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     if out.returncode != 0:
         raise RuntimeError(f"helper failed ({out.returncode}): {out.stderr[-2000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -243,33 +262,94 @@ def run_one(model: str, method: str, args, workdir: Path, procs: Procs, results:
     d = workdir / tag
     d.mkdir(parents=True, exist_ok=True)
     facts = run_helper(model, method, args.vocab_size)
-    print(f"[{tag}] {facts['n_params']:,} parameters; minimum for {method}: "
-          f"{facts['min_bytes'][method]['total'] / GIB:.2f} GiB; checkpoint write {facts['checkpoint_s']:.2f}s "
-          f"({facts['checkpoint_bytes'] / GIB:.2f} GiB)", flush=True)
+    print(
+        f"[{tag}] {facts['n_params']:,} parameters; minimum for {method}: "
+        f"{facts['min_bytes'][method]['total'] / GIB:.2f} GiB; checkpoint write {facts['checkpoint_s']:.2f}s "
+        f"({facts['checkpoint_bytes'] / GIB:.2f} GiB)",
+        flush=True,
+    )
     exe = [sys.executable, "-m"]
     run_id = f"real-size-{tag}"
     # Port 0: the bootstrap binds a free port and prints it ("serving on HOST:PORT"); a port picked here
     # first could be taken by another process before the bootstrap binds it.
-    boot = procs.spawn(f"{tag}/bootstrap", exe + ["bootstrap.cli", "--host", "127.0.0.1", "--port", "0",
-                                                  "--run-id", run_id, "--identity", str(d / "bootstrap.key")],
-                       d / "bootstrap.log")
+    boot = procs.spawn(
+        f"{tag}/bootstrap",
+        exe
+        + [
+            "bootstrap.cli",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--run-id",
+            run_id,
+            "--identity",
+            str(d / "bootstrap.key"),
+        ],
+        d / "bootstrap.log",
+    )
     wait_for(lambda: _SERVING.search(boot.text()) is not None, 120, "the bootstrap to listen", [boot])
     entry = _SERVING.search(boot.text()).group(1)
-    common = ["--model", model, "--method", method, "--device", "cpu", "--threads", str(args.threads),
-              "--seq-len", str(args.seq_len), "--target-batch", str(args.batch), "--profile-batches",
-              args.profile_batches, "--uniform-inner-steps", str(args.inner_steps), "--window-s", str(args.window_s),
-              "--run-id", run_id, "--pow-bits", "8", "--bootstrap", entry,
-              "--vocab-size", str(args.vocab_size), "--eval-every", "1000"]
+    common = [
+        "--model",
+        model,
+        "--method",
+        method,
+        "--device",
+        "cpu",
+        "--threads",
+        str(args.threads),
+        "--seq-len",
+        str(args.seq_len),
+        "--target-batch",
+        str(args.batch),
+        "--profile-batches",
+        args.profile_batches,
+        "--uniform-inner-steps",
+        str(args.inner_steps),
+        "--window-s",
+        str(args.window_s),
+        "--run-id",
+        run_id,
+        "--pow-bits",
+        "8",
+        "--bootstrap",
+        entry,
+        "--vocab-size",
+        str(args.vocab_size),
+        "--eval-every",
+        "1000",
+    ]
     if args.memory_budget_gb:
         common += ["--memory-budget-gb", str(args.memory_budget_gb)]
     names = [f"{tag}/peer{i}" for i in range(args.peers)]
     peers = []
     t0 = time.time()
     for i, name in enumerate(names):
-        argv = exe + ["peer.cli", "join", "--identity", str(d / f"peer{i}.key"), "--host", "127.0.0.1",
-                      "--port", "0", "--log-json", str(d / f"peer{i}.jsonl"),
-                      "--summary-json", str(d / f"peer{i}.summary.json"), "--min-peers", str(args.peers),
-                      "--wait-peers-s", str(args.timeout_s), "--rounds", str(args.rounds + 3)] + common
+        argv = (
+            exe
+            + [
+                "peer.cli",
+                "join",
+                "--identity",
+                str(d / f"peer{i}.key"),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "0",
+                "--log-json",
+                str(d / f"peer{i}.jsonl"),
+                "--summary-json",
+                str(d / f"peer{i}.summary.json"),
+                "--min-peers",
+                str(args.peers),
+                "--wait-peers-s",
+                str(args.timeout_s),
+                "--rounds",
+                str(args.rounds + 3),
+            ]
+            + common
+        )
         peers.append(procs.spawn(name, argv, d / f"peer{i}.log"))
     last = None
     status = "ok"
@@ -279,6 +359,7 @@ def run_one(model: str, method: str, args, workdir: Path, procs: Procs, results:
     hwm_profiled: dict[str, int] = {}
     loads: list[float] = []  # 1-minute load average, sampled while waiting (the machine may be shared)
     try:
+
         def rounds_done() -> bool:
             nonlocal last
             loads.append(os.getloadavg()[0])
@@ -295,25 +376,53 @@ def run_one(model: str, method: str, args, workdir: Path, procs: Procs, results:
         wait_for(rounds_done, args.timeout_s, f"{args.rounds} rounds on every peer", peers, poll_s=1.0)
         # The joiner: a fresh peer that downloads the state the swarm backs.
         jname = f"{tag}/joiner"
-        joiner = procs.spawn(jname, exe + ["peer.cli", "join", "--identity", str(d / "joiner.key"), "--host",
-                                           "127.0.0.1", "--port", "0", "--log-json", str(d / "joiner.jsonl"),
-                                           "--rounds", str(args.rounds + 3)] + common, d / "joiner.log")
-        t_prof = wait_for(lambda: bool(_PROFILED.search(joiner.text())), args.timeout_s,
-                          "the joiner's start-up profile", [joiner])
+        joiner = procs.spawn(
+            jname,
+            exe
+            + [
+                "peer.cli",
+                "join",
+                "--identity",
+                str(d / "joiner.key"),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "0",
+                "--log-json",
+                str(d / "joiner.jsonl"),
+                "--rounds",
+                str(args.rounds + 3),
+            ]
+            + common,
+            d / "joiner.log",
+        )
+        t_prof = wait_for(
+            lambda: bool(_PROFILED.search(joiner.text())), args.timeout_s, "the joiner's start-up profile", [joiner]
+        )
         # Either it downloads, or it logs a round or exits without one: then the swarm's state was
         # still the seed's, which the joiner holds already (every round so far aggregated nothing).
-        t_dl = wait_for(lambda: bool(_DOWNLOADED.search(joiner.text()) or read_rows(d / "joiner.jsonl")
-                                     or joiner.poll() is not None),
-                        args.timeout_s, "the joiner's state download", [])
+        t_dl = wait_for(
+            lambda: bool(
+                _DOWNLOADED.search(joiner.text()) or read_rows(d / "joiner.jsonl") or joiner.poll() is not None
+            ),
+            args.timeout_s,
+            "the joiner's state download",
+            [],
+        )
         if _DOWNLOADED.search(joiner.text()):
             download_s = t_dl - t_prof
-            print(f"[{tag}] joiner downloaded the state in {download_s:.1f}s "
-                  f"({t_dl - joiner.started:.0f}s after its start)", flush=True)
+            print(
+                f"[{tag}] joiner downloaded the state in {download_s:.1f}s "
+                f"({t_dl - joiner.started:.0f}s after its start)",
+                flush=True,
+            )
         elif joiner.poll() not in (None, 0):
             raise RuntimeError(f"the joiner exited with {joiner.returncode}; its log ends:\n{joiner.text()[-2500:]}")
         else:
-            status = ("joiner did not download: the swarm's state was still the seed state it holds "
-                      "(no round aggregated an update)")
+            status = (
+                "joiner did not download: the swarm's state was still the seed state it holds "
+                "(no round aggregated an update)"
+            )
             print(f"[{tag}] {status}", flush=True)
     except RuntimeError as e:
         status = f"failed: {e}"
@@ -324,16 +433,30 @@ def run_one(model: str, method: str, args, workdir: Path, procs: Procs, results:
         interrupted = True
     finally:
         procs.stop([*names, *([joiner.name] if joiner else []), boot.name], grace_s=args.grace_s)
-    res = summarise(tag, model, method, facts, d, peers, joiner, download_s, status, time.time() - t0, args,
-                    hwm_profiled, loads)
+    res = summarise(
+        tag, model, method, facts, d, peers, joiner, download_s, status, time.time() - t0, args, hwm_profiled, loads
+    )
     results.append(res)
     if interrupted:
         raise KeyboardInterrupt
     return res
 
 
-def summarise(tag, model, method, facts, d: Path, peers: list[Proc], joiner, download_s, status, wall_s,
-              args, hwm_profiled: dict, loads: Sequence[float] = ()) -> dict:
+def summarise(
+    tag,
+    model,
+    method,
+    facts,
+    d: Path,
+    peers: list[Proc],
+    joiner,
+    download_s,
+    status,
+    wall_s,
+    args,
+    hwm_profiled: dict,
+    loads: Sequence[float] = (),
+) -> dict:
     min_bytes = facts["min_bytes"][method]["total"]
     rows = {i: [r for r in read_rows(d / f"peer{i}.jsonl")] for i in range(len(peers))}
     by_round: dict[int, dict[int, dict]] = {}
@@ -351,33 +474,63 @@ def summarise(tag, model, method, facts, d: Path, peers: list[Proc], joiner, dow
         # a round that aggregated an update moves the state: its digest differs from the previous round's
         changed = None if prev_digest is None or len(digests) != 1 else next(iter(digests)) != prev_digest
         prev_digest = next(iter(digests)) if len(digests) == 1 else None
-        rounds.append({"round": rnd, "peers_logged": len(rr),
-                       "compute_s": [round(r["compute_s"], 2) for r in rr.values()],
-                       "round_s": [round(r["round_s"], 2) for r in rr.values()],
-                       "worst_stall_ms": max(stalls) if stalls else None,
-                       "max_round_minus_compute_s": max(over),
-                       "max_round_minus_compute_minus_idle_s": max(over_ns),
-                       "digests_equal": len(digests) == 1 and len(rr) == len(peers),
-                       "digest_changed": changed,
-                       "min_contributors": min((int(r.get("contributors", 0)) for r in rr.values()), default=0),
-                       "missing_parts": max((int(r.get("missing_parts", 0)) for r in rr.values()), default=0)})
-    peer_mem = [{"name": p.name, "peak_rss_bytes": p.peak_rss, "ratio_to_min": p.peak_rss / min_bytes,
-                 "peak_rss_after_profile_bytes": hwm_profiled.get(p.name), "exit": p.returncode} for p in peers]
+        rounds.append(
+            {
+                "round": rnd,
+                "peers_logged": len(rr),
+                "compute_s": [round(r["compute_s"], 2) for r in rr.values()],
+                "round_s": [round(r["round_s"], 2) for r in rr.values()],
+                "worst_stall_ms": max(stalls) if stalls else None,
+                "max_round_minus_compute_s": max(over),
+                "max_round_minus_compute_minus_idle_s": max(over_ns),
+                "digests_equal": len(digests) == 1 and len(rr) == len(peers),
+                "digest_changed": changed,
+                "min_contributors": min((int(r.get("contributors", 0)) for r in rr.values()), default=0),
+                "missing_parts": max((int(r.get("missing_parts", 0)) for r in rr.values()), default=0),
+            }
+        )
+    peer_mem = [
+        {
+            "name": p.name,
+            "peak_rss_bytes": p.peak_rss,
+            "ratio_to_min": p.peak_rss / min_bytes,
+            "peak_rss_after_profile_bytes": hwm_profiled.get(p.name),
+            "exit": p.returncode,
+        }
+        for p in peers
+    ]
     jrows = read_rows(d / "joiner.jsonl")
-    res = {"tag": tag, "model": model, "method": method, "status": status, "wall_s": wall_s,
-           "n_params": facts["n_params"], "min_bytes": facts["min_bytes"][method], "peers": peer_mem,
-           "sum_peak_rss_bytes": sum(p.peak_rss for p in peers), "rounds": rounds,
-           "checkpoint_s": facts["checkpoint_s"], "checkpoint_bytes": facts["checkpoint_bytes"],
-           "load_avg_1m": {"max": max(loads), "mean": sum(loads) / len(loads)} if loads else None,
-           "joiner": None if joiner is None else {"download_s": download_s, "peak_rss_bytes": joiner.peak_rss,
-                                                 "ratio_to_min": joiner.peak_rss / min_bytes,
-                                                 "rounds_logged": len(jrows),
-                                                 "worst_stall_ms": max((r["loop_stall_ms"] for r in jrows
-                                                                        if r.get("loop_stall_ms") is not None),
-                                                                       default=None),
-                                                 "exit": joiner.returncode},
-           "settings": {k: getattr(args, k) for k in ("seq_len", "batch", "inner_steps", "window_s", "threads",
-                                                        "profile_batches", "peers", "rounds")}}
+    res = {
+        "tag": tag,
+        "model": model,
+        "method": method,
+        "status": status,
+        "wall_s": wall_s,
+        "n_params": facts["n_params"],
+        "min_bytes": facts["min_bytes"][method],
+        "peers": peer_mem,
+        "sum_peak_rss_bytes": sum(p.peak_rss for p in peers),
+        "rounds": rounds,
+        "checkpoint_s": facts["checkpoint_s"],
+        "checkpoint_bytes": facts["checkpoint_bytes"],
+        "load_avg_1m": {"max": max(loads), "mean": sum(loads) / len(loads)} if loads else None,
+        "joiner": None
+        if joiner is None
+        else {
+            "download_s": download_s,
+            "peak_rss_bytes": joiner.peak_rss,
+            "ratio_to_min": joiner.peak_rss / min_bytes,
+            "rounds_logged": len(jrows),
+            "worst_stall_ms": max(
+                (r["loop_stall_ms"] for r in jrows if r.get("loop_stall_ms") is not None), default=None
+            ),
+            "exit": joiner.returncode,
+        },
+        "settings": {
+            k: getattr(args, k)
+            for k in ("seq_len", "batch", "inner_steps", "window_s", "threads", "profile_batches", "peers", "rounds")
+        },
+    }
     print_result(res)
     return res
 
@@ -389,51 +542,67 @@ def _g(b: float) -> str:
 def print_result(res: dict) -> None:
     print(f"\n=== {res['tag']}: {res['status']} ({res['wall_s']:.0f}s) ===")
     mb = res["min_bytes"]
-    print(f"minimum for {res['method']}: {mb['total']:,} bytes ({_g(mb['total'])}) = weights {mb['weights']:,} + "
-          f"gradients {mb['gradients']:,} + inner optimizer {mb['inner_optimizer']:,} + global weights "
-          f"{mb['global_weights']:,} + outer state {mb['outer_state']:,}")
+    print(
+        f"minimum for {res['method']}: {mb['total']:,} bytes ({_g(mb['total'])}) = weights {mb['weights']:,} + "
+        f"gradients {mb['gradients']:,} + inner optimizer {mb['inner_optimizer']:,} + global weights "
+        f"{mb['global_weights']:,} + outer state {mb['outer_state']:,}"
+    )
     for p in res["peers"]:
         goal = f" (goal <= {GOAL_RSS_RATIO}x)" if res["method"] == "geomesh" else ""
         after = p.get("peak_rss_after_profile_bytes")
-        print(f"  {p['name']:<28} peak RSS {_g(p['peak_rss_bytes']):>10}  = {p['ratio_to_min']:.2f}x the minimum{goal}"
-              f"  (peak once profiled: {'-' if after is None else _g(after)})  exit {p['exit']}")
+        print(
+            f"  {p['name']:<28} peak RSS {_g(p['peak_rss_bytes']):>10}  = {p['ratio_to_min']:.2f}x the minimum{goal}"
+            f"  (peak once profiled: {'-' if after is None else _g(after)})  exit {p['exit']}"
+        )
     tot = res["sum_peak_rss_bytes"]
     print(f"  sum of the peers' peaks {_g(tot)} ({100 * tot / GOAL_BASELINE_BUDGET:.0f}% of 24 GiB)")
-    print(f"{'round':>5} {'peers':>5} {'compute s':>16} {'round s':>16} {'stall ms':>9} {'round-compute s':>15} "
-          f"{'(-idle) s':>9} contributors digests")
+    print(
+        f"{'round':>5} {'peers':>5} {'compute s':>16} {'round s':>16} {'stall ms':>9} {'round-compute s':>15} "
+        f"{'(-idle) s':>9} contributors digests"
+    )
     for r in res["rounds"]:
         st = "-" if r["worst_stall_ms"] is None else f"{r['worst_stall_ms']:.0f}"
-        print(f"{r['round']:>5} {r['peers_logged']:>5} {','.join(map(str, r['compute_s'])):>16} "
-              f"{','.join(map(str, r['round_s'])):>16} {st:>9} {r['max_round_minus_compute_s']:>15.2f} "
-              f"{r['max_round_minus_compute_minus_idle_s']:>9.2f} {r.get('min_contributors', '-'):>12} "
-              f"{'equal' if r['digests_equal'] else 'DIFFER'}"
-              f"{'' if r.get('digest_changed') is None else (', changed' if r['digest_changed'] else ', UNCHANGED')}")
+        print(
+            f"{r['round']:>5} {r['peers_logged']:>5} {','.join(map(str, r['compute_s'])):>16} "
+            f"{','.join(map(str, r['round_s'])):>16} {st:>9} {r['max_round_minus_compute_s']:>15.2f} "
+            f"{r['max_round_minus_compute_minus_idle_s']:>9.2f} {r.get('min_contributors', '-'):>12} "
+            f"{'equal' if r['digests_equal'] else 'DIFFER'}"
+            f"{'' if r.get('digest_changed') is None else (', changed' if r['digest_changed'] else ', UNCHANGED')}"
+        )
     print(f"  goals: stall <= {GOAL_STALL_MS:.0f} ms, round - compute <= {GOAL_OVERHEAD_S:.0f} s (150M, loopback)")
     j = res["joiner"]
     if j:
         dl = "-" if j["download_s"] is None else f"{j['download_s']:.1f}s"
         st = "-" if j.get("worst_stall_ms") is None else f"{j['worst_stall_ms']:.0f} ms"
-        print(f"  joiner: download {dl}, peak RSS {_g(j['peak_rss_bytes'])} ({j['ratio_to_min']:.2f}x), "
-              f"{j.get('rounds_logged', 0)} round(s) logged, worst stall {st}")
+        print(
+            f"  joiner: download {dl}, peak RSS {_g(j['peak_rss_bytes'])} ({j['ratio_to_min']:.2f}x), "
+            f"{j.get('rounds_logged', 0)} round(s) logged, worst stall {st}"
+        )
     print(f"  checkpoint write: {res['checkpoint_s']:.2f}s for {_g(res['checkpoint_bytes'])}")
     la = res.get("load_avg_1m")
     if la:
-        print(f"  machine load (1-minute load average) while measured: mean {la['mean']:.1f}, max {la['max']:.1f} "
-              f"on {os.cpu_count()} CPUs")
+        print(
+            f"  machine load (1-minute load average) while measured: mean {la['mean']:.1f}, max {la['max']:.1f} "
+            f"on {os.cpu_count()} CPUs"
+        )
 
 
 # ---------------------------------------------------------------------------------------------
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--model", default="llama-150m,gpt2-124m", help="comma-separated presets (default: %(default)s)")
     ap.add_argument("--method", default="geomesh,diloco", help="comma-separated methods (default: %(default)s)")
     ap.add_argument("--rounds", type=int, default=4, help="rounds measured (default: %(default)s)")
     ap.add_argument("--peers", type=int, default=3, help="peers before the joiner (default: %(default)s)")
-    ap.add_argument("--quick", action="store_true",
-                    help="seq_len 64, batch 1, 2 inner steps, profile at batch 1 only: proves the pipeline")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="seq_len 64, batch 1, 2 inner steps, profile at batch 1 only: proves the pipeline",
+    )
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--batch", type=int, default=2, help="--target-batch of the peers (default: %(default)s)")
     ap.add_argument("--inner-steps", type=int, default=4, help="--uniform-inner-steps (default: %(default)s)")
@@ -480,10 +649,12 @@ def main(argv=None) -> int:
     for r in results:
         worst = [x["worst_stall_ms"] for x in r["rounds"] if x["worst_stall_ms"] is not None]
         over = [x["max_round_minus_compute_minus_idle_s"] for x in r["rounds"]]
-        print(f"  {r['tag']:<22} {r['status'][:40]:<40} max peak/min {max(p['ratio_to_min'] for p in r['peers']):.2f}x"
-              f"  worst stall {max(worst) if worst else float('nan'):.0f} ms"
-              f"  max overhead {max(over) if over else float('nan'):.2f}s"
-              f"  digests {'equal' if r['rounds'] and all(x['digests_equal'] for x in r['rounds']) else 'NOT equal'}")
+        print(
+            f"  {r['tag']:<22} {r['status'][:40]:<40} max peak/min {max(p['ratio_to_min'] for p in r['peers']):.2f}x"
+            f"  worst stall {max(worst) if worst else float('nan'):.0f} ms"
+            f"  max overhead {max(over) if over else float('nan'):.2f}s"
+            f"  digests {'equal' if r['rounds'] and all(x['digests_equal'] for x in r['rounds']) else 'NOT equal'}"
+        )
     return 0 if results and all(r["status"] == "ok" for r in results) else 1
 
 

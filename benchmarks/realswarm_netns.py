@@ -43,8 +43,12 @@ sys.path.insert(0, str(ROOT))
 from geomesh_p2p.procs import ProcGroup, read_json_rows, wait_for_address  # noqa: E402
 
 # paper4 (geomesh_p2p/sim/profiles/paper4.yaml): name, speed, upload Mbit/s, one-way latency ms
-PAPER4 = [("H100", 1.00, 940.0, 20.0), ("A100", 0.55, 800.0, 35.0),
-          ("L40S", 0.45, 580.0, 60.0), ("RTX6000Ada", 0.40, 700.0, 30.0)]
+PAPER4 = [
+    ("H100", 1.00, 940.0, 20.0),
+    ("A100", 0.55, 800.0, 35.0),
+    ("L40S", 0.45, 580.0, 60.0),
+    ("RTX6000Ada", 0.40, 700.0, 30.0),
+]
 SUBNET = "10.77.0"
 HUB_IP = f"{SUBNET}.1"
 BOOT_PORT = 31337
@@ -87,8 +91,25 @@ class NetLab:
         try:
             sh("ip", "-n", ns, "link", "add", "pa", "type", "veth", "peer", "name", "pb")
             sh("ip", "-n", ns, "link", "set", "pa", "up")
-            sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "pa", "root", "tbf",
-               "rate", "5mbit", "burst", "64kb", "latency", "300ms")
+            sh(
+                "ip",
+                "netns",
+                "exec",
+                ns,
+                "tc",
+                "qdisc",
+                "add",
+                "dev",
+                "pa",
+                "root",
+                "tbf",
+                "rate",
+                "5mbit",
+                "burst",
+                "64kb",
+                "latency",
+                "300ms",
+            )
             return True, "ip netns, veth and tc tbf work"
         except Exception as e:  # noqa: BLE001
             return False, str(e)
@@ -117,10 +138,16 @@ class NetLab:
             sh("ip", "-n", ns, "link", "set", "eth0", "up")
             # tbf: burst 64 KB so one GSO super-packet fits; 300 ms of queue so TCP is not starved
             tbf = ["tbf", "rate", f"{rate}mbit", "burst", "64kb", "latency", "300ms"]
-            sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "eth0", "root", *tbf)       # upload
-            sh("ip", "netns", "exec", self.hub, "tc", "qdisc", "add", "dev", hv, "root", *tbf)     # download
-            self.shaping.append({"ns": ns, "ip": self.ip(i), "mbit": rate,
-                                 "qdisc": f"tbf rate {rate}mbit burst 64kb latency 300ms (both directions)"})
+            sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "eth0", "root", *tbf)  # upload
+            sh("ip", "netns", "exec", self.hub, "tc", "qdisc", "add", "dev", hv, "root", *tbf)  # download
+            self.shaping.append(
+                {
+                    "ns": ns,
+                    "ip": self.ip(i),
+                    "mbit": rate,
+                    "qdisc": f"tbf rate {rate}mbit burst 64kb latency 300ms (both directions)",
+                }
+            )
 
     def exec_prefix(self, ns: str) -> list[str]:
         return ["ip", "netns", "exec", ns]
@@ -165,12 +192,18 @@ c.sendall(b"x" * int(sys.argv[3])); c.close()
 def link_check(lab: NetLab, i: int, nbytes: int = 1_000_000) -> float:
     """Upload ``nbytes`` from peer i's namespace to the hub over its shaped link; Mbit/s measured."""
     port = 31999
-    srv = subprocess.Popen(lab.exec_prefix(lab.hub) + [sys.executable, "-c", LINK_SERVER, HUB_IP, str(port)],
-                           stdout=subprocess.PIPE, text=True)
+    srv = subprocess.Popen(
+        lab.exec_prefix(lab.hub) + [sys.executable, "-c", LINK_SERVER, HUB_IP, str(port)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         srv.stdout.readline()
-        subprocess.run(lab.exec_prefix(lab.peers[i]) + [sys.executable, "-c", LINK_CLIENT, HUB_IP, str(port),
-                                                       str(nbytes)], check=True, timeout=60)
+        subprocess.run(
+            lab.exec_prefix(lab.peers[i]) + [sys.executable, "-c", LINK_CLIENT, HUB_IP, str(port), str(nbytes)],
+            check=True,
+            timeout=60,
+        )
         n, dt = srv.stdout.readline().split()
         srv.wait(timeout=10)
         return int(n) * 8 / float(dt) / 1e6
@@ -210,29 +243,81 @@ def run_method(method: str, args, lab: NetLab | None, workdir: Path, procs: Proc
         # Port 0: the bootstrap binds a free port and prints it (a port picked first could be taken).
         boot_host, boot_port = "127.0.0.1", 0
         boot_prefix = []
-    boot = procs.spawn("bootstrap", boot_prefix + exe + ["bootstrap.cli", "--host", boot_host, "--port",
-                                                         str(boot_port), "--run-id", run_id,
-                                                         "--identity", str(workdir / "bootstrap.key")],
-                       mdir / "bootstrap.log")
+    boot = procs.spawn(
+        "bootstrap",
+        boot_prefix
+        + exe
+        + [
+            "bootstrap.cli",
+            "--host",
+            boot_host,
+            "--port",
+            str(boot_port),
+            "--run-id",
+            run_id,
+            "--identity",
+            str(workdir / "bootstrap.key"),
+        ],
+        mdir / "bootstrap.log",
+    )
     entry = wait_for_address(mdir / "bootstrap.log", boot, 120)
-    common = ["--threads", "1", "--seq-len", str(args.seq_len), "--window-s", str(args.window_s),
-              "--profile-batches", args.profile_batches, "--target-batch", str(args.target_batch),
-              "--uniform-inner-steps", str(args.inner_steps), "--rounds", str(args.rounds),
-              "--min-peers", str(len(peers_cfg)), "--wait-peers-s", "180", "--method", method,
-              "--run-id", run_id, "--bootstrap", entry]
+    common = [
+        "--threads",
+        "1",
+        "--seq-len",
+        str(args.seq_len),
+        "--window-s",
+        str(args.window_s),
+        "--profile-batches",
+        args.profile_batches,
+        "--target-batch",
+        str(args.target_batch),
+        "--uniform-inner-steps",
+        str(args.inner_steps),
+        "--rounds",
+        str(args.rounds),
+        "--min-peers",
+        str(len(peers_cfg)),
+        "--wait-peers-s",
+        "180",
+        "--method",
+        method,
+        "--run-id",
+        run_id,
+        "--bootstrap",
+        entry,
+    ]
     for i, pc in enumerate(peers_cfg):
         if lab:
             host, port, prefix = lab.ip(i), PEER_PORT, lab.exec_prefix(lab.peers[i])
         else:
             host, port, prefix = "127.0.0.1", 0, []  # port 0: each peer binds a free one
-        argv = prefix + exe + ["peer.cli", "join", "--identity", str(workdir / f"peer{i}.key"),
-                               "--host", host, "--advertise-host", host, "--port", str(port),
-                               "--speed-factor", str(pc["speed"]),
-                               *([] if args.measure_links else
-                                 ["--upload-mbps", str(pc["mbit"]), "--download-mbps", str(pc["mbit"])]),
-                               "--added-latency-ms", str(pc["latency_ms"]),
-                               "--log-json", str(mdir / f"peer{i}.jsonl"),
-                               "--summary-json", str(mdir / f"peer{i}.summary.json")] + common
+        argv = (
+            prefix
+            + exe
+            + [
+                "peer.cli",
+                "join",
+                "--identity",
+                str(workdir / f"peer{i}.key"),
+                "--host",
+                host,
+                "--advertise-host",
+                host,
+                "--port",
+                str(port),
+                "--speed-factor",
+                str(pc["speed"]),
+                *([] if args.measure_links else ["--upload-mbps", str(pc["mbit"]), "--download-mbps", str(pc["mbit"])]),
+                "--added-latency-ms",
+                str(pc["latency_ms"]),
+                "--log-json",
+                str(mdir / f"peer{i}.jsonl"),
+                "--summary-json",
+                str(mdir / f"peer{i}.summary.json"),
+            ]
+            + common
+        )
         procs.spawn(f"peer{i}", argv, mdir / f"peer{i}.log")
         pc["argv"] = " ".join(argv)
     t0 = time.time()
@@ -243,8 +328,11 @@ def run_method(method: str, args, lab: NetLab | None, workdir: Path, procs: Proc
         rows = {n: read_json_rows(mdir / f"{n}.jsonl") for n in names}
         done = min(len(r) for r in rows.values())
         if done != last:
-            print(f"  [{method}] {time.time() - t0:5.0f}s  rounds logged per peer: "
-                  + " ".join(str(len(r)) for r in rows.values()), flush=True)
+            print(
+                f"  [{method}] {time.time() - t0:5.0f}s  rounds logged per peer: "
+                + " ".join(str(len(r)) for r in rows.values()),
+                flush=True,
+            )
             last = done
         if all(procs.procs[n].poll() is not None for n in names):
             break
@@ -299,9 +387,11 @@ def summarize(res: dict, skip_first: bool) -> dict:
     for n in names:
         for r in rows[n]:
             by_round.setdefault(r["round"], []).append(r)
-    rounds_ok = [rd for rd, rs in by_round.items()
-                 if len(rs) == len(names) and len({r["digest"] for r in rs}) == 1
-                 and all(r["peers"] == len(names) for r in rs)]
+    rounds_ok = [
+        rd
+        for rd, rs in by_round.items()
+        if len(rs) == len(names) and len({r["digest"] for r in rs}) == 1 and all(r["peers"] == len(names) for r in rs)
+    ]
     # Cross-check of the node's own split, re-derived from compute_s only (approximate: assumes the
     # peers start a round together): the fastest peer waits max_j compute_j - its compute for the
     # slowest; what is left of the round beyond the slowest peer's compute is exchange + outer step
@@ -318,8 +408,10 @@ def summarize(res: dict, skip_first: bool) -> dict:
     last_ppl = [r["eval_ppl"] for r in sorted(rows[names[0]], key=lambda r: r["round"])][-1:] or [float("nan")]
     tokens = sum(r.get("tokens", 0) for n in names for r in use(rows[n]))
     return {
-        "method": res["method"], "status": res["status"],
-        "rounds": len(by_round), "rounds_digest_equal": len(rounds_ok),
+        "method": res["method"],
+        "status": res["status"],
+        "rounds": len(by_round),
+        "rounds_digest_equal": len(rounds_ok),
         "digests_ok": len(by_round) > 0 and len(rounds_ok) == len(by_round),
         "straggler_idle_fastest_pct": pct(fast, "straggler_idle_s") if fast else float("nan"),
         "derived_straggler_fastest_pct": statistics.mean(d_strag) if d_strag else float("nan"),
@@ -332,10 +424,16 @@ def summarize(res: dict, skip_first: bool) -> dict:
         "compute_s_fastest": statistics.mean(compute) if compute else float("nan"),
         "tokens_per_round": tokens / max(1, len(use(rows[names[0]]))),
         "final_ppl": last_ppl[0],
-        "fast_tokens_per_s": (sum(r["tokens"] for r in fast) / max(1e-9, sum(r["compute_s"] for r in fast))
-                              if fast else float("nan")),
-        "plans": {n: [f"{r.get('batch_size')}/{r.get('inner_steps_planned')}" for r in
-                      sorted(rows[n], key=lambda r: r["round"])] for n in names},
+        "fast_tokens_per_s": (
+            sum(r["tokens"] for r in fast) / max(1e-9, sum(r["compute_s"] for r in fast)) if fast else float("nan")
+        ),
+        "plans": {
+            n: [
+                f"{r.get('batch_size')}/{r.get('inner_steps_planned')}"
+                for r in sorted(rows[n], key=lambda r: r["round"])
+            ]
+            for n in names
+        },
     }
 
 
@@ -344,23 +442,54 @@ def fmt(v, f="{:.2f}"):
 
 
 def table(sums: list[dict], sim: dict | None) -> str:
-    head = ["source", "method", "strag% fastest", "net% mean", "derived strag% / non-compute%", "MB sent/peer/round", "round s", "tokens/round",
-            "eval ppl", "digests equal"]
+    head = [
+        "source",
+        "method",
+        "strag% fastest",
+        "net% mean",
+        "derived strag% / non-compute%",
+        "MB sent/peer/round",
+        "round s",
+        "tokens/round",
+        "eval ppl",
+        "digests equal",
+    ]
     body = []
     for s in sums:
-        body.append(["measured", s["method"], fmt(s["straggler_idle_fastest_pct"], "{:.1f}"),
-                     fmt(s["network_idle_mean_pct"], "{:.1f}"),
-                     fmt(s["derived_straggler_fastest_pct"], "{:.1f}") + " / " + fmt(s["derived_noncompute_pct"], "{:.1f}"),
-                     fmt(s["mb_sent_per_peer_round"], "{:.3f}"),
-                     fmt(s["round_s"], "{:.1f}"), fmt(s["tokens_per_round"], "{:.0f}"), fmt(s["final_ppl"], "{:.0f}"),
-                     f"{'yes' if s['digests_ok'] else 'NO'} ({s['rounds_digest_equal']}/{s['rounds']})"])
+        body.append(
+            [
+                "measured",
+                s["method"],
+                fmt(s["straggler_idle_fastest_pct"], "{:.1f}"),
+                fmt(s["network_idle_mean_pct"], "{:.1f}"),
+                fmt(s["derived_straggler_fastest_pct"], "{:.1f}") + " / " + fmt(s["derived_noncompute_pct"], "{:.1f}"),
+                fmt(s["mb_sent_per_peer_round"], "{:.3f}"),
+                fmt(s["round_s"], "{:.1f}"),
+                fmt(s["tokens_per_round"], "{:.0f}"),
+                fmt(s["final_ppl"], "{:.0f}"),
+                f"{'yes' if s['digests_ok'] else 'NO'} ({s['rounds_digest_equal']}/{s['rounds']})",
+            ]
+        )
     for m, s in (sim or {}).items():
-        body.append(["simulator", m, fmt(s.get("strag"), "{:.1f}"), fmt(s.get("net"), "{:.1f}"), "-",
-                     fmt(s.get("mb_sent"), "{:.3f}"), fmt(s.get("round_s"), "{:.1f}"),
-                     fmt(s.get("tokens_per_round"), "{:.0f}"), fmt(s.get("ppl"), "{:.0f}"), "n/a"])
+        body.append(
+            [
+                "simulator",
+                m,
+                fmt(s.get("strag"), "{:.1f}"),
+                fmt(s.get("net"), "{:.1f}"),
+                "-",
+                fmt(s.get("mb_sent"), "{:.3f}"),
+                fmt(s.get("round_s"), "{:.1f}"),
+                fmt(s.get("tokens_per_round"), "{:.0f}"),
+                fmt(s.get("ppl"), "{:.0f}"),
+                "n/a",
+            ]
+        )
     w = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(head)]
-    lines = ["| " + " | ".join(h.ljust(x) for h, x in zip(head, w)) + " |",
-             "|" + "|".join("-" * (x + 2) for x in w) + "|"]
+    lines = [
+        "| " + " | ".join(h.ljust(x) for h, x in zip(head, w)) + " |",
+        "|" + "|".join("-" * (x + 2) for x in w) + "|",
+    ]
     lines += ["| " + " | ".join(c.ljust(x) for c, x in zip(b, w)) + " |" for b in body]
     return "\n".join(lines)
 
@@ -400,8 +529,10 @@ def sim_profile_yaml(args, peers_cfg, numel: int, tokens_per_s: float) -> str:
         "peers:",
     ]
     for pc in peers_cfg:
-        lines.append(f"  - {{name: {pc['name']}, speed: {pc['speed']}, memory_gb: 16, up_mbps: {pc['mbit']}, "
-                     f"latency_ms: {pc['latency_ms']}}}")
+        lines.append(
+            f"  - {{name: {pc['name']}, speed: {pc['speed']}, memory_gb: 16, up_mbps: {pc['mbit']}, "
+            f"latency_ms: {pc['latency_ms']}}}"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -409,8 +540,20 @@ def run_sim(args, peers_cfg, workdir: Path, numel: int, tokens_per_s: float) -> 
     prof = workdir / "sim_profile.yaml"
     prof.write_text(sim_profile_yaml(args, peers_cfg, numel, tokens_per_s))
     out = workdir / "sim.json"
-    cmd = [sys.executable, "-m", "geomesh_p2p.sim.cli", "--profile", str(prof), "--methods", ",".join(args.methods),
-           "--json", str(out), "--no-progress", "--jobs", "1"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "geomesh_p2p.sim.cli",
+        "--profile",
+        str(prof),
+        "--methods",
+        ",".join(args.methods),
+        "--json",
+        str(out),
+        "--no-progress",
+        "--jobs",
+        "1",
+    ]
     try:
         p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.sim_timeout_s)
     except subprocess.TimeoutExpired:
@@ -430,19 +573,24 @@ def parse_sim(out: Path) -> dict:
         rounds = data["methods"].get(m, {}).get("rounds", [])
         per_peer = data["methods"].get(m, {}).get("per_peer", [])
         n_rounds = max(1, len(rounds))
-        res[m] = {"strag": s.get("straggler_idle_fastest_pct"), "net": s.get("network_idle_pct"),
-                  "mb_sent": (statistics.mean(pp["sent"] for pp in per_peer) / n_rounds / 1e6) if per_peer else None,
-                  "round_s": statistics.mean(r["round_s"] for r in rounds) if rounds else None,
-                  "tokens_per_round": (statistics.mean(r["tokens_trained"] for r in rounds) if rounds else None),
-                  "ppl": s.get("final_ppl")}
+        res[m] = {
+            "strag": s.get("straggler_idle_fastest_pct"),
+            "net": s.get("network_idle_pct"),
+            "mb_sent": (statistics.mean(pp["sent"] for pp in per_peer) / n_rounds / 1e6) if per_peer else None,
+            "round_s": statistics.mean(r["round_s"] for r in rounds) if rounds else None,
+            "tokens_per_round": (statistics.mean(r["tokens_trained"] for r in rounds) if rounds else None),
+            "ppl": s.get("final_ppl"),
+        }
     return res
 
 
 def tiny_numel() -> int:
-    code = ("from geomesh_p2p.training import build_model;"
-            "import inspect;"
-            "m=build_model('tiny', vocab_size=4096);"
-            "print(sum(p.numel() for p in m.parameters()))")
+    code = (
+        "from geomesh_p2p.training import build_model;"
+        "import inspect;"
+        "m=build_model('tiny', vocab_size=4096);"
+        "print(sum(p.numel() for p in m.parameters()))"
+    )
     p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     try:
         return int(p.stdout.strip().splitlines()[-1])
@@ -457,10 +605,16 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--methods", default="diloco,geomesh")
     ap.add_argument("--rounds", type=int, default=5, help="rounds per method (default: %(default)s)")
-    ap.add_argument("--bw-scale", type=float, default=125.0,
-                    help="paper Mbit/s divided by this (default 125: 7.5/6.4/4.6/5.6 Mbit/s)")
+    ap.add_argument(
+        "--bw-scale",
+        type=float,
+        default=125.0,
+        help="paper Mbit/s divided by this (default 125: 7.5/6.4/4.6/5.6 Mbit/s)",
+    )
     ap.add_argument("--window-s", type=float, default=4.0, help="--window-s of the peers (default: %(default)s)")
-    ap.add_argument("--inner-steps", type=int, default=10, help="--uniform-inner-steps, DiLoCo's H (default: %(default)s)")
+    ap.add_argument(
+        "--inner-steps", type=int, default=10, help="--uniform-inner-steps, DiLoCo's H (default: %(default)s)"
+    )
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--target-batch", type=int, default=8)
     ap.add_argument("--profile-batches", default="4,8")
@@ -468,20 +622,28 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-first", action="store_true", help="leave round 0 out of the idle/time figures")
     ap.add_argument("--no-netns", action="store_true", help="do not use namespaces: 127.0.0.1, unshaped")
     ap.add_argument("--no-sim", action="store_true")
-    ap.add_argument("--measure-links", action="store_true",
-                    help="do not state each peer's bandwidth: peers measure it (start-up probe + every exchange)")
+    ap.add_argument(
+        "--measure-links",
+        action="store_true",
+        help="do not state each peer's bandwidth: peers measure it (start-up probe + every exchange)",
+    )
     ap.add_argument("--sim-timeout-s", type=float, default=240)
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--json", default=None, help="write all figures here")
-    ap.add_argument("--report-only", metavar="DIR", default=None,
-                    help="start nothing: re-read the logs (and sim.json) an earlier run left in DIR and print the table")
+    ap.add_argument(
+        "--report-only",
+        metavar="DIR",
+        default=None,
+        help="start nothing: re-read the logs (and sim.json) an earlier run left in DIR and print the table",
+    )
     args = ap.parse_args(argv)
     args.methods = [m for m in args.methods.split(",") if m]
 
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="realswarm-"))
     workdir.mkdir(parents=True, exist_ok=True)
-    peers_cfg = [{"name": n, "speed": s, "mbit": round(bw / args.bw_scale, 2), "latency_ms": lat}
-                 for n, s, bw, lat in PAPER4]
+    peers_cfg = [
+        {"name": n, "speed": s, "mbit": round(bw / args.bw_scale, 2), "latency_ms": lat} for n, s, bw, lat in PAPER4
+    ]
 
     lab = None
     net_note = ""
@@ -495,8 +657,10 @@ def main(argv=None) -> int:
         ok, why = NetLab.usable()
         if ok:
             lab = NetLab(len(peers_cfg), tag=str(os.getpid() % 100000))
-            net_note = (f"network namespaces: hub {lab.hub} (bridge br0, {HUB_IP}, bootstrap) + one per peer "
-                        f"({SUBNET}.11-14), tc tbf on both ends of each veth")
+            net_note = (
+                f"network namespaces: hub {lab.hub} (bridge br0, {HUB_IP}, bootstrap) + one per peer "
+                f"({SUBNET}.11-14), tc tbf on both ends of each veth"
+            )
         else:
             net_note = f"FALLBACK (netns unusable: {why}): all processes on 127.0.0.1, links NOT shaped"
     print(net_note, flush=True)
@@ -524,8 +688,11 @@ def main(argv=None) -> int:
             lab.setup([pc["mbit"] for pc in peers_cfg])
             for i, pc in enumerate(peers_cfg):
                 link[pc["name"]] = round(link_check(lab, i), 2)
-            print("link check (1 MB upload peer -> hub, Mbit/s measured vs shaped): "
-                  + ", ".join(f"{pc['name']} {link[pc['name']]}/{pc['mbit']}" for pc in peers_cfg), flush=True)
+            print(
+                "link check (1 MB upload peer -> hub, Mbit/s measured vs shaped): "
+                + ", ".join(f"{pc['name']} {link[pc['name']]}/{pc['mbit']}" for pc in peers_cfg),
+                flush=True,
+            )
         for m in args.methods:
             print(f"method {m}: bootstrap + {len(peers_cfg)} peers, {args.rounds} rounds", flush=True)
             results.append(run_method(m, args, lab, workdir, procs, peers_cfg))
@@ -554,17 +721,23 @@ def main(argv=None) -> int:
             sim_note = "simulator skipped: could not determine the tiny model's size / measured tokens/s"
 
     print()
-    print(f"real-process paper4, scaled: {len(peers_cfg)} peers, speeds "
-          + "/".join(str(p["speed"]) for p in peers_cfg) + ", links " + "/".join(str(p["mbit"]) for p in peers_cfg)
-          + f" Mbit/s (paper / {args.bw_scale:g}), window {args.window_s}s, DiLoCo H={args.inner_steps}, "
-          f"{args.rounds} rounds each{', round 0 left out' if args.skip_first else ''}")
+    print(
+        f"real-process paper4, scaled: {len(peers_cfg)} peers, speeds "
+        + "/".join(str(p["speed"]) for p in peers_cfg)
+        + ", links "
+        + "/".join(str(p["mbit"]) for p in peers_cfg)
+        + f" Mbit/s (paper / {args.bw_scale:g}), window {args.window_s}s, DiLoCo H={args.inner_steps}, "
+        f"{args.rounds} rounds each{', round 0 left out' if args.skip_first else ''}"
+    )
     print(net_note)
     print(table(sums, sim))
     print(sim_note)
     for s in sums:
-        print(f"{s['method']}: status {s['status']}; compute of fastest {s['compute_s_fastest']:.2f}s/round, "
-              f"measured fastest tokens/s {s['fast_tokens_per_s']:.0f}; plans (batch/H) "
-              + "; ".join(f"{n}: {' '.join(v)}" for n, v in s["plans"].items()))
+        print(
+            f"{s['method']}: status {s['status']}; compute of fastest {s['compute_s_fastest']:.2f}s/round, "
+            f"measured fastest tokens/s {s['fast_tokens_per_s']:.0f}; plans (batch/H) "
+            + "; ".join(f"{n}: {' '.join(v)}" for n, v in s["plans"].items())
+        )
     if args.measure_links:
         print("links measured by the peers (Mbit/s, upload/download): shaped | start-up probe | announced at the end")
         for r in results:
@@ -576,19 +749,36 @@ def main(argv=None) -> int:
                     continue
                 mb = lambda v: "-" if v is None else f"{v * 8 / 1e6:.2f}"  # noqa: E731  bytes/s -> Mbit/s
                 pr = lk.get("probe") or {}
-                print(f"  {r['method']:8s} {pc['name']:10s} {pc['mbit']:.2f} | {mb(pr.get('upload_bps'))}/"
-                      f"{mb(pr.get('download_bps'))} | {mb(lk.get('upload_bps'))}/{mb(lk.get('download_bps'))}")
+                print(
+                    f"  {r['method']:8s} {pc['name']:10s} {pc['mbit']:.2f} | {mb(pr.get('upload_bps'))}/"
+                    f"{mb(pr.get('download_bps'))} | {mb(lk.get('upload_bps'))}/{mb(lk.get('download_bps'))}"
+                )
     by = {s["method"]: s for s in sums}
     if "diloco" in by and "geomesh" in by:
         d, g = by["diloco"], by["geomesh"]
-        print(f"geomesh/diloco: round time {g['round_s'] / d['round_s']:.2f}x, bytes sent "
-              f"{g['mb_sent_per_peer_round'] / d['mb_sent_per_peer_round']:.3f}x, tokens/s of the swarm "
-              f"{(g['tokens_per_round'] / g['round_s']) / (d['tokens_per_round'] / d['round_s']):.2f}x")
+        print(
+            f"geomesh/diloco: round time {g['round_s'] / d['round_s']:.2f}x, bytes sent "
+            f"{g['mb_sent_per_peer_round'] / d['mb_sent_per_peer_round']:.3f}x, tokens/s of the swarm "
+            f"{(g['tokens_per_round'] / g['round_s']) / (d['tokens_per_round'] / d['round_s']):.2f}x"
+        )
     print(f"total {time.time() - t_start:.0f}s; logs in {workdir}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"net": net_note, "link_check_mbit": link, "peers": peers_cfg,
-                                               "summaries": sums, "sim": sim, "sim_note": sim_note,
-                                               "tc": tc, "args": vars(args)}, indent=1, default=str))
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "net": net_note,
+                    "link_check_mbit": link,
+                    "peers": peers_cfg,
+                    "summaries": sums,
+                    "sim": sim,
+                    "sim_note": sim_note,
+                    "tc": tc,
+                    "args": vars(args),
+                },
+                indent=1,
+                default=str,
+            )
+        )
     return 0 if all(s["status"] == "ok" and s["digests_ok"] for s in sums) and len(sums) == len(results) else 1
 
 
@@ -596,12 +786,21 @@ def report_only(args, workdir: Path, peers_cfg) -> int:
     results = []
     for m in args.methods:
         names = sorted(p.stem for p in (workdir / m).glob("peer*.jsonl"))
-        results.append({"method": m, "status": "ok (re-read)", "rows": {n: read_json_rows(workdir / m / f"{n}.jsonl")
-                                                                         for n in names}})
+        results.append(
+            {
+                "method": m,
+                "status": "ok (re-read)",
+                "rows": {n: read_json_rows(workdir / m / f"{n}.jsonl") for n in names},
+            }
+        )
     sums = [summarize(r, args.skip_first) for r in results if any(r["rows"].values())]
     sim = parse_sim(workdir / "sim.json") if (workdir / "sim.json").exists() else None
-    print(f"re-read from {workdir}; links " + "/".join(str(p["mbit"]) for p in peers_cfg) + " Mbit/s"
-          + (", round 0 left out" if args.skip_first else ""))
+    print(
+        f"re-read from {workdir}; links "
+        + "/".join(str(p["mbit"]) for p in peers_cfg)
+        + " Mbit/s"
+        + (", round 0 left out" if args.skip_first else "")
+    )
     print(table(sums, sim))
     return 0
 

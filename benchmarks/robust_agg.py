@@ -71,8 +71,10 @@ def main() -> None:
         from tests.unit.test_robust_agg_equiv import reference_robust_sign as ref
 
     rules = [r for r in args.rules.split(",") if r]
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, block {args.block}, flip {args.flip}, "
-          f"best of {args.repeat}")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, block {args.block}, flip {args.flip}, "
+        f"best of {args.repeat}"
+    )
     hdr = f"{'N':>11} {'C':>3} {'copy_ s':>9}"
     for r in rules + (["meanmed-ref"] if ref else []):
         hdr += f" {r + ' s':>13} {'x copy':>7}"

@@ -25,7 +25,7 @@ ATTACKS = ("none", "flip", "flipmax", "zeros", "noise", "stale")
 
 def _run(args) -> tuple[str, str, float, list[float]]:
     profile_name, rounds, rule, attack, seed, attackers, weight_cap = args
-    rule, _, agree = rule.partition('@')
+    rule, _, agree = rule.partition("@")
     agree = float(agree) if agree else None
     import torch
 
@@ -63,8 +63,9 @@ def _run(args) -> tuple[str, str, float, list[float]]:
             out = torch.empty(self.numel)
             for _, s, e in plan.owners():
                 parts = [(n, compression.slice_packet(p, s, e)) for n, p in zip(toks, packets)]
-                mean = aggregate_part(parts, e - s, rule=rule, clip_k=self.tr.clip_k, weight_cap=weight_cap,
-                                      min_agreement=agree)
+                mean = aggregate_part(
+                    parts, e - s, rule=rule, clip_k=self.tr.clip_k, weight_cap=weight_cap, min_agreement=agree
+                )
                 pkt = compression.encode_as(spec.aggregate, mean.contiguous(), self.block, sum(toks))
                 out[s:e] = compression.decode_any(pkt)
             self.prev = out.clone()
@@ -74,7 +75,7 @@ def _run(args) -> tuple[str, str, float, list[float]]:
     eng = Engine(prof, rounds=rounds, seed=seed)
     res = eng.run(parse_method("geomesh"))
     curve = [c[1] for c in res.curve] if hasattr(res, "curve") else []
-    return rule + (f'@{agree}' if agree else ''), attack, float(curve[-1]) if curve else float("nan"), curve
+    return rule + (f"@{agree}" if agree else ""), attack, float(curve[-1]) if curve else float("nan"), curve
 
 
 def main() -> None:
@@ -97,8 +98,10 @@ def main() -> None:
     with cf.ProcessPoolExecutor(a.jobs) as ex:
         results = list(ex.map(_run, jobs))
     table = {(r, x): ppl for r, x, ppl, _ in results}
-    print(f"profile {a.profile}, {a.rounds} DiLoCo rounds of tokens, {a.attackers} attacker(s), weight cap "
-          f"{a.weight_cap}; final eval perplexity (x the same rule's clean run)")
+    print(
+        f"profile {a.profile}, {a.rounds} DiLoCo rounds of tokens, {a.attackers} attacker(s), weight cap "
+        f"{a.weight_cap}; final eval perplexity (x the same rule's clean run)"
+    )
     print("| rule | " + " | ".join(attacks) + " |")
     print("|---" * (len(attacks) + 1) + "|")
     for r in rules:

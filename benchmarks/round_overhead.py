@@ -46,8 +46,14 @@ def _summary(rows: list[dict]) -> dict:
     cycle = statistics.mean(r["cycle_s"] for r in rows)
     compute = statistics.mean(r["compute_s"] for r in rows)
     phases = {k: statistics.mean(r["phase_s"].get(k, 0.0) for r in rows) for k in PHASES}
-    return {"rows": len(rows), "cycle_s": cycle, "compute_s": compute, "compute_share": compute / cycle,
-            "phase_s": phases, "other_s": statistics.mean(r["other_s"] for r in rows)}
+    return {
+        "rows": len(rows),
+        "cycle_s": cycle,
+        "compute_s": compute,
+        "compute_share": compute / cycle,
+        "phase_s": phases,
+        "other_s": statistics.mean(r["other_s"] for r in rows),
+    }
 
 
 def print_table(res: dict) -> None:
@@ -55,9 +61,19 @@ def print_table(res: dict) -> None:
     head = ["peer", "rows", "cycle s", "compute s", "comp%"] + names + ["other"]
     print(" | ".join(head))
     for name, p in list(res["peers"].items()) + ([("all", res["all"])] if "all" in res else []):
-        print(" | ".join([name, str(p["rows"]), f"{p['cycle_s']:.2f}", f"{p['compute_s']:.2f}",
-                          f"{100 * p['compute_share']:.1f}"] + [f"{p['phase_s'][k]:.3f}" for k in names]
-                         + [f"{p['other_s']:.3f}"]))
+        print(
+            " | ".join(
+                [
+                    name,
+                    str(p["rows"]),
+                    f"{p['cycle_s']:.2f}",
+                    f"{p['compute_s']:.2f}",
+                    f"{100 * p['compute_share']:.1f}",
+                ]
+                + [f"{p['phase_s'][k]:.3f}" for k in names]
+                + [f"{p['other_s']:.3f}"]
+            )
+        )
 
 
 def _free_port() -> int:
@@ -81,15 +97,50 @@ def run_swarm(ns: argparse.Namespace) -> list[str]:
     speeds = [float(x) for x in ns.speed_factors.split(",")]
     files, peers = [], []
     try:
-        swarm.spawn("bootstrap", exe + ["bootstrap.cli", "--host", "127.0.0.1", "--port", str(bport),
-                                        "--run-id", ns.run_id, "--identity", str(workdir / "bootstrap.key")])
+        swarm.spawn(
+            "bootstrap",
+            exe
+            + [
+                "bootstrap.cli",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(bport),
+                "--run-id",
+                ns.run_id,
+                "--identity",
+                str(workdir / "bootstrap.key"),
+            ],
+        )
         for i in range(ns.peers):
             files.append(str(workdir / f"peer{i}.jsonl"))
-            peers.append(swarm.spawn(f"peer{i}", exe + [
-                "peer.cli", "join", "--bootstrap", f"127.0.0.1:{bport}", "--run-id", ns.run_id,
-                "--identity", str(workdir / f"peer{i}.key"), "--speed-factor", str(speeds[i % len(speeds)]),
-                "--min-peers", str(ns.peers), "--rounds", str(ns.rounds), "--threads", "1",
-                "--log-json", files[-1]] + shlex.split(ns.peer_args)))
+            peers.append(
+                swarm.spawn(
+                    f"peer{i}",
+                    exe
+                    + [
+                        "peer.cli",
+                        "join",
+                        "--bootstrap",
+                        f"127.0.0.1:{bport}",
+                        "--run-id",
+                        ns.run_id,
+                        "--identity",
+                        str(workdir / f"peer{i}.key"),
+                        "--speed-factor",
+                        str(speeds[i % len(speeds)]),
+                        "--min-peers",
+                        str(ns.peers),
+                        "--rounds",
+                        str(ns.rounds),
+                        "--threads",
+                        "1",
+                        "--log-json",
+                        files[-1],
+                    ]
+                    + shlex.split(ns.peer_args),
+                )
+            )
         deadline = time.monotonic() + ns.timeout_s
         for p in peers:
             p.wait(timeout=max(1.0, deadline - time.monotonic()))

@@ -44,20 +44,46 @@ def main(argv=None) -> int:
     t = {m: r["time_to_target_h"] for m, r in rows.items()}
     checks = []
     ratio = (t["geomesh"] / t["diloco"]) if t["geomesh"] and t["diloco"] else None
-    checks.append(("geomesh time to target <= 0.30x diloco", ratio is not None and ratio <= 0.30,
-                   "never reached" if ratio is None else f"{ratio:.3f}x (paper: 1.1/3.7 = 0.298x)"))
-    checks.append(("straggler idle (fastest) <= 2.6%", g["straggler_idle_fastest_pct"] <= 2.6,
-                   f"{g['straggler_idle_fastest_pct']:.2f}% (diloco {d['straggler_idle_fastest_pct']:.1f}%; paper 20.9%)"))
-    checks.append(("network idle <= 12%", g["network_idle_pct"] <= 12.0,
-                   f"{g['network_idle_pct']:.2f}% (diloco {d['network_idle_pct']:.1f}%; paper 65.8% -> 11.8%)"))
+    checks.append(
+        (
+            "geomesh time to target <= 0.30x diloco",
+            ratio is not None and ratio <= 0.30,
+            "never reached" if ratio is None else f"{ratio:.3f}x (paper: 1.1/3.7 = 0.298x)",
+        )
+    )
+    checks.append(
+        (
+            "straggler idle (fastest) <= 2.6%",
+            g["straggler_idle_fastest_pct"] <= 2.6,
+            f"{g['straggler_idle_fastest_pct']:.2f}% (diloco {d['straggler_idle_fastest_pct']:.1f}%; paper 20.9%)",
+        )
+    )
+    checks.append(
+        (
+            "network idle <= 12%",
+            g["network_idle_pct"] <= 12.0,
+            f"{g['network_idle_pct']:.2f}% (diloco {d['network_idle_pct']:.1f}%; paper 65.8% -> 11.8%)",
+        )
+    )
     rel = g["final_ppl"] / d["final_ppl"] - 1
-    checks.append(("final perplexity within 3% of diloco", abs(rel) <= 0.03,
-                   f"{g['final_ppl']:.2f} vs {d['final_ppl']:.2f} ({100 * rel:+.1f}%; paper 23.4 vs 23.0)"))
+    checks.append(
+        (
+            "final perplexity within 3% of diloco",
+            abs(rel) <= 0.03,
+            f"{g['final_ppl']:.2f} vs {d['final_ppl']:.2f} ({100 * rel:+.1f}%; paper 23.4 vs 23.0)",
+        )
+    )
     mids = [t.get("awb"), t.get("css")]
     order_ok = all(x is not None for x in (t["diloco"], t["geomesh"], *mids)) and all(
-        t["geomesh"] <= x <= t["diloco"] for x in mids)
-    checks.append(("ablation order diloco > awb, css > geomesh", order_ok,
-                   ", ".join(f"{m} {v:.3f} h" if v is not None else f"{m} -" for m, v in t.items())))
+        t["geomesh"] <= x <= t["diloco"] for x in mids
+    )
+    checks.append(
+        (
+            "ablation order diloco > awb, css > geomesh",
+            order_ok,
+            ", ".join(f"{m} {v:.3f} h" if v is not None else f"{m} -" for m, v in t.items()),
+        )
+    )
     print()
     for name, ok, detail in checks:
         print(f"{'PASS' if ok else 'MISS'}  {name}: {detail}")

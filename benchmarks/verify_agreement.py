@@ -39,8 +39,17 @@ from geomesh_p2p.data import load_dataset
 from geomesh_p2p.optim import OuterNesterov
 from geomesh_p2p.training import InnerTrainer, build_model, flat_params, load_flat_
 
-CANDIDATES = ("honest", "honest-bf16", "flipped", "noise", "wrong-data", "stale", "stale-global", "first-2",
-              "first-half")
+CANDIDATES = (
+    "honest",
+    "honest-bf16",
+    "flipped",
+    "noise",
+    "wrong-data",
+    "stale",
+    "stale-global",
+    "first-2",
+    "first-half",
+)
 
 
 def bf16():
@@ -74,8 +83,10 @@ def main() -> None:
     theta = flat_params(base)
     P = theta.numel()
     peers = ["peerA", "peerB", "peerC", "peerD"]
-    trainers = {p: InnerTrainer(copy.deepcopy(base), ds, seq_len=L, lr=lr, warmup_steps=20, total_steps=2000, seed=0,
-                                peer_id=p) for p in peers}
+    trainers = {
+        p: InnerTrainer(copy.deepcopy(base), ds, seq_len=L, lr=lr, warmup_steps=20, total_steps=2000, seed=0, peer_id=p)
+        for p in peers
+    }
     outer = OuterNesterov(0.7, 0.9)
     vmodel = copy.deepcopy(base)
     rng = random.Random(0)
@@ -93,11 +104,13 @@ def main() -> None:
             tr.run(round=r, inner_steps=a.h_train, batch_size=B)
             deltas[p] = theta - flat_params(tr.model)
         if r in measure:
+
             def train(steps, data=None, amp=False):
                 m = copy.deepcopy(trainers["peerA"].model)
                 load_flat_(m, theta)
-                t = InnerTrainer(m, ds, seq_len=L, lr=lr, warmup_steps=20, total_steps=2000, seed=0,
-                                 peer_id=data or "peerA")
+                t = InnerTrainer(
+                    m, ds, seq_len=L, lr=lr, warmup_steps=20, total_steps=2000, seed=0, peer_id=data or "peerA"
+                )
                 t.load_state_dict(copy.deepcopy(trainers["peerA"].state_dict()))
                 if amp:
                     t._autocast = bf16
@@ -108,14 +121,23 @@ def main() -> None:
             basis_src = [deltas["peerB"]] if a.basis == "own" else [deltas[p] for p in ("peerB", "peerC", "peerD")]
             basis = [roundtrip(d)[index] for d in basis_src]
             need = sorted(set(range(max(Hs))))
-            g_all = V.batch_gradients(vmodel, ds, theta, [("peerA", j) for j in need] +
-                                      [(V.CONTROL_STREAM, i) for i in range(cfg.controls)], seed=0, round=r,
-                                      batch_size=B, seq_len=L, index=index)
-            g, ctrl = g_all[:len(need)], g_all[len(need):]
+            g_all = V.batch_gradients(
+                vmodel,
+                ds,
+                theta,
+                [("peerA", j) for j in need] + [(V.CONTROL_STREAM, i) for i in range(cfg.controls)],
+                seed=0,
+                round=r,
+                batch_size=B,
+                seq_len=L,
+                index=index,
+            )
+            g, ctrl = g_all[: len(need)], g_all[len(need) :]
             # float noise of the gradient itself (whole vector)
             full = torch.arange(P)
-            g0 = V.batch_gradients(vmodel, ds, theta, [("peerA", 0)], seed=0, round=r, batch_size=B, seq_len=L,
-                                   index=full)[0]
+            g0 = V.batch_gradients(
+                vmodel, ds, theta, [("peerA", 0)], seed=0, round=r, batch_size=B, seq_len=L, index=full
+            )[0]
             m2 = copy.deepcopy(vmodel)
             load_flat_(m2, theta)
             x = ds.sample_batch(seed=0, peer_id="peerA", round=r, step=0, batch_size=B, seq_len=L)
@@ -124,26 +146,37 @@ def main() -> None:
             loss.backward()
             gb = torch.cat([p.grad.reshape(-1) for _, p in m2.named_parameters()])
             torch.set_num_threads(2 if a.threads == 1 else 1)
-            gt = V.batch_gradients(vmodel, ds, theta, [("peerA", 0)], seed=0, round=r, batch_size=B, seq_len=L,
-                                   index=full)[0]
+            gt = V.batch_gradients(
+                vmodel, ds, theta, [("peerA", 0)], seed=0, round=r, batch_size=B, seq_len=L, index=full
+            )[0]
             torch.set_num_threads(a.threads)
-            print(f"round {r}: gradient signs fp32 vs bf16 autocast agree on "
-                  f"{float((torch.sign(g0) == torch.sign(gb)).double().mean()):.4f} "
-                  f"(|g|-weighted {float((g0.abs() * (torch.sign(g0) == torch.sign(gb))).sum() / g0.abs().sum()):.5f}),"
-                  f" 1 vs 2 threads on {float((torch.sign(g0) == torch.sign(gt)).double().mean()):.6f}", flush=True)
+            print(
+                f"round {r}: gradient signs fp32 vs bf16 autocast agree on "
+                f"{float((torch.sign(g0) == torch.sign(gb)).double().mean()):.4f} "
+                f"(|g|-weighted {float((g0.abs() * (torch.sign(g0) == torch.sign(gb))).sum() / g0.abs().sum()):.5f}),"
+                f" 1 vs 2 threads on {float((torch.sign(g0) == torch.sign(gt)).double().mean()):.6f}",
+                flush=True,
+            )
             for H in Hs:
                 honest = train(H)
                 two, half = train(2), train(max(1, H // 2))
-                cands = {"honest": honest, "honest-bf16": train(H, amp=True), "flipped": -honest,
-                         "noise": torch.randn(P, generator=gen) * honest.abs().mean(),
-                         "wrong-data": train(H, data="peerB"),
-                         "first-2": two * (honest.abs().mean() / two.abs().mean()),
-                         "first-half": half * (honest.abs().mean() / half.abs().mean())}
+                cands = {
+                    "honest": honest,
+                    "honest-bf16": train(H, amp=True),
+                    "flipped": -honest,
+                    "noise": torch.randn(P, generator=gen) * honest.abs().mean(),
+                    "wrong-data": train(H, data="peerB"),
+                    "first-2": two * (honest.abs().mean() / two.abs().mean()),
+                    "first-half": half * (honest.abs().mean() / half.abs().mean()),
+                }
                 if "peerA" in prev:
                     cands["stale"], cands["stale-global"] = prev["peerA"], prev_agg
                 enc = compression.encode(honest, 2048, 0)
-                print(f"  r={r} H={H}: honest block scale / (H x lr): max {float(enc.scales.max()) / (H * lr):.3f}"
-                      f" mean {float(enc.scales.mean()) / (H * lr):.3f}", flush=True)
+                print(
+                    f"  r={r} H={H}: honest block scale / (H x lr): max {float(enc.scales.max()) / (H * lr):.3f}"
+                    f" mean {float(enc.scales.mean()) / (H * lr):.3f}",
+                    flush=True,
+                )
                 k = V._k_of(cfg, H)
                 draws = [sorted(rng.sample(range(H), k)) for _ in range(a.samples)]
                 for name, cand in cands.items():
@@ -155,14 +188,16 @@ def main() -> None:
                     for kk in (1, 2, 4):
                         fresh = copy.deepcopy(vmodel)
                         load_flat_(fresh, theta)
-                        t = InnerTrainer(fresh, ds, seq_len=L, lr=lr, warmup_steps=20, total_steps=2000, seed=0,
-                                         peer_id="peerA")
+                        t = InnerTrainer(
+                            fresh, ds, seq_len=L, lr=lr, warmup_steps=20, total_steps=2000, seed=0, peer_id="peerA"
+                        )
                         t.global_step = trainers["peerA"].global_step
                         t.run(round=r, inner_steps=kk, batch_size=B)
                         dk = (theta - flat_params(fresh))[index]
                         for name, cand in cands.items():
                             adamw.setdefault((H, kk, name), []).append(
-                                float((torch.sign(roundtrip(cand)[index]) == torch.sign(dk)).double().mean()))
+                                float((torch.sign(roundtrip(cand)[index]) == torch.sign(dk)).double().mean())
+                            )
             load_flat_(trainers["peerA"].model, theta)
             trainers["peerA"].run(round=r, inner_steps=a.h_train, batch_size=B)
             deltas["peerA"] = theta - flat_params(trainers["peerA"].model)
@@ -170,9 +205,11 @@ def main() -> None:
         outer.step(theta, agg)
         prev, prev_agg = deltas, agg
         print(f"round {r}: {time.time() - t0:.1f}s", flush=True)
-    print(f"\ntrace and plain, min/mean/max over rounds {sorted(measure)} x {a.samples} draws "
-          f"(k = clamp(ceil(H/4), 4, 16), {cfg.controls} controls, basis {a.basis}); share below "
-          f"trace_hard {cfg.trace_hard} / trace_min {cfg.trace_min}, plain_min {cfg.plain_min}")
+    print(
+        f"\ntrace and plain, min/mean/max over rounds {sorted(measure)} x {a.samples} draws "
+        f"(k = clamp(ceil(H/4), 4, 16), {cfg.controls} controls, basis {a.basis}); share below "
+        f"trace_hard {cfg.trace_hard} / trace_min {cfg.trace_min}, plain_min {cfg.plain_min}"
+    )
     for H in Hs:
         for name in CANDIDATES:
             v = stats.get((H, name))
@@ -180,11 +217,13 @@ def main() -> None:
                 continue
             tr = torch.tensor([x[1] for x in v])
             pl = torch.tensor([x[2] for x in v])
-            print(f"H={H:2d} k={V._k_of(cfg, H):2d} {name:12s} trace {tr.min():.3f}/{tr.mean():.3f}/{tr.max():.3f}"
-                  f"  plain {pl.min():.3f}/{pl.mean():.3f}/{pl.max():.3f}  <{cfg.trace_hard}: "
-                  f"{float((tr < cfg.trace_hard).double().mean()):.2f}  <{cfg.trace_min}: "
-                  f"{float((tr < cfg.trace_min).double().mean()):.2f}  plain<{cfg.plain_min}: "
-                  f"{float((pl < cfg.plain_min).double().mean()):.2f}")
+            print(
+                f"H={H:2d} k={V._k_of(cfg, H):2d} {name:12s} trace {tr.min():.3f}/{tr.mean():.3f}/{tr.max():.3f}"
+                f"  plain {pl.min():.3f}/{pl.mean():.3f}/{pl.max():.3f}  <{cfg.trace_hard}: "
+                f"{float((tr < cfg.trace_hard).double().mean()):.2f}  <{cfg.trace_min}: "
+                f"{float((tr < cfg.trace_min).double().mean()):.2f}  plain<{cfg.plain_min}: "
+                f"{float((pl < cfg.plain_min).double().mean()):.2f}"
+            )
     if adamw:
         print("\nfresh k-step AdamW re-run: sign agreement with the contribution, min/max over rounds")
         for (H, kk, name), v in sorted(adamw.items()):

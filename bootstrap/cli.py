@@ -33,6 +33,7 @@ from geomesh_p2p.cli_config import ConfigFileError, add_flags, flag_specs, load_
 from geomesh_p2p.config import DEFAULT_BOOTSTRAP_IDENTITY as DEFAULT_IDENTITY  # noqa: F401  (re-exported)
 from geomesh_p2p.config import DEFAULT_BOOTSTRAP_PORT as DEFAULT_PORT  # noqa: F401
 from geomesh_p2p.config import DEFAULT_RUN_ID, BootstrapConfig  # noqa: F401
+
 PROG = "geomesh-bootstrap"
 
 log = logging.getLogger("geomesh.bootstrap")
@@ -46,15 +47,27 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = _Parser(prog=PROG, description=__doc__.split("\n\n", 1)[0].replace("``", ""),
-                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
+    ap = _Parser(
+        prog=PROG,
+        description=__doc__.split("\n\n", 1)[0].replace("``", ""),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n\n", 1)[1],
+    )
     ap.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     # Every option but --config/--log-level comes from BootstrapConfig's fields (defaults and help once).
     add_flags(ap, flag_specs(BootstrapConfig))
-    ap.add_argument("--config", metavar="FILE", default=None,
-                    help="YAML/JSON file of option values (flags on the command line win) (default: none)")
-    ap.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-                    help="log verbosity (default: %(default)s)")
+    ap.add_argument(
+        "--config",
+        metavar="FILE",
+        default=None,
+        help="YAML/JSON file of option values (flags on the command line win) (default: none)",
+    )
+    ap.add_argument(
+        "--log-level",
+        default="INFO",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="log verbosity (default: %(default)s)",
+    )
     return ap
 
 
@@ -174,11 +187,17 @@ async def _serve(ns: argparse.Namespace, identity, allow_peers, tls, stop: async
     if advertise is None and is_wildcard_host(ns.host):
         advertise = _outward_host()
     allow = allow_list(allow_peers, also=[identity.peer_id]) if allow_peers is not None else None
-    transport = Transport(identity, ns.run_id, TransportConfig(host=ns.host, port=ns.port, advertise_host=advertise,
-                                                                tls=tls),
-                          allow=allow)
-    node = DHTNode(transport, k=ns.k, alpha=ns.alpha, rpc_timeout_s=ns.rpc_timeout,
-                   refresh_period_s=ns.refresh_period, republish_period_s=ns.republish_period)
+    transport = Transport(
+        identity, ns.run_id, TransportConfig(host=ns.host, port=ns.port, advertise_host=advertise, tls=tls), allow=allow
+    )
+    node = DHTNode(
+        transport,
+        k=ns.k,
+        alpha=ns.alpha,
+        rpc_timeout_s=ns.rpc_timeout,
+        refresh_period_s=ns.refresh_period,
+        republish_period_s=ns.republish_period,
+    )
     from geomesh_p2p.links import LinkProbeService
 
     LinkProbeService(transport)  # joining peers measure their link against the bootstrap
@@ -236,8 +255,13 @@ async def _serve(ns: argparse.Namespace, identity, allow_peers, tls, stop: async
             # they happen to call (they may never: their tables are not empty).
             known = saved.contact_list()
             n = await node.rejoin(known)
-            log.info("restored state of %s: re-dialled %d saved contact(s), %d answered%s", state_file, len(known), n,
-                     f"; the run was at round {progress.round}" if progress is not None else "")
+            log.info(
+                "restored state of %s: re-dialled %d saved contact(s), %d answered%s",
+                state_file,
+                len(known),
+                n,
+                f"; the run was at round {progress.round}" if progress is not None else "",
+            )
         if progress is not None and not stop.is_set():
             await publish_progress(node, progress, identity)
         if status is not None:
@@ -247,8 +271,12 @@ async def _serve(ns: argparse.Namespace, identity, allow_peers, tls, stop: async
                 break
             try:
                 peers = await live_peers(node, ns.run_id)
-                log.info("live peers: %d (routing table: %d nodes; %d keys held)",
-                         len(peers), len(node.contacts()), len(node.storage))
+                log.info(
+                    "live peers: %d (routing table: %d nodes; %d keys held)",
+                    len(peers),
+                    len(node.contacts()),
+                    len(node.storage),
+                )
                 if peers:  # live peers are the truth; with none, the last known progress stays
                     progress = SwarmProgress(max(r.round for r in peers), time.time(), len(peers), me)
                     await publish_progress(node, progress, identity)
@@ -283,8 +311,9 @@ def _main(argv: Optional[list[str]] = None) -> int:
         return int(e.code or 0)
     # gRPC's C core (its own lines on a busy port, a failed TLS handshake) is silenced when the package is
     # imported, before grpc loads (geomesh_p2p.grpc_env); here it would be too late.
-    logging.basicConfig(level=ns.log_level, format="%(asctime)s %(levelname).1s %(name)s: %(message)s",
-                        datefmt="%H:%M:%S")
+    logging.basicConfig(
+        level=ns.log_level, format="%(asctime)s %(levelname).1s %(name)s: %(message)s", datefmt="%H:%M:%S"
+    )
     from geomesh_p2p.identity import Identity, IdentityError
 
     try:

@@ -72,9 +72,9 @@ def parse_address(address: str) -> Tuple[str, int]:
         raise AddressError(f"address of {len(text)} characters (at most {MAX_ADDRESS_CHARS})")
     if text.startswith("["):
         end = text.find("]")
-        if end < 0 or text[end + 1:end + 2] != ":":
+        if end < 0 or text[end + 1 : end + 2] != ":":
             raise AddressError(f"{address!r} is not [IPV6]:PORT")
-        host, port = text[1:end], text[end + 2:]
+        host, port = text[1:end], text[end + 2 :]
     else:
         host, sep, port = text.rpartition(":")
         if not sep:

@@ -79,8 +79,9 @@ def check_pow(run_id: str, peer_id: bytes, nonce: Optional[int], bits: int) -> b
     return leading_zero_bits(pow_digest(run_id, peer_id, nonce)) >= bits
 
 
-def solve_pow(run_id: str, peer_id: bytes, bits: int, *, start: int = 0,
-              should_stop: Optional[Callable[[], bool]] = None) -> Optional[int]:
+def solve_pow(
+    run_id: str, peer_id: bytes, bits: int, *, start: int = 0, should_stop: Optional[Callable[[], bool]] = None
+) -> Optional[int]:
     """The first nonce >= ``start`` proving ``bits`` of work (2**bits hashes on average).
 
     ``should_stop`` is polled every 2**16 tries; returns None when it says stop.
@@ -113,8 +114,13 @@ def pow_cache_path(key_path: str | os.PathLike) -> Path:
     return p.with_name(p.name + ".pow")
 
 
-def load_or_solve_pow(identity: Identity, run_id: str, bits: int, cache: Optional[str | os.PathLike] = None,
-                      should_stop: Optional[Callable[[], bool]] = None) -> tuple[Optional[int], float, bool]:
+def load_or_solve_pow(
+    identity: Identity,
+    run_id: str,
+    bits: int,
+    cache: Optional[str | os.PathLike] = None,
+    should_stop: Optional[Callable[[], bool]] = None,
+) -> tuple[Optional[int], float, bool]:
     """This identity's nonce for ``run_id`` at ``bits`` or more: from ``cache`` when it holds a valid one,
     else computed (and cached). Returns (nonce, seconds spent, came from the cache); the nonce is None
     when ``should_stop`` said stop before it was found.
@@ -149,8 +155,9 @@ def load_or_solve_pow(identity: Identity, run_id: str, bits: int, cache: Optiona
                 json.dump({"peer_id": str(identity.peer_id), "runs": runs}, f)
             os.replace(tmp, path)
         except OSError as e:
-            log.info("could not cache the proof of work in %s (%s); it is recomputed at the next start", path,
-                     e.strerror)
+            log.info(
+                "could not cache the proof of work in %s (%s); it is recomputed at the next start", path, e.strerror
+            )
     return nonce, took, False
 
 
@@ -190,8 +197,9 @@ class Admission:
     that do and logs each dropped (peer, reason) once at debug level.
     """
 
-    def __init__(self, run_id: str, pow_bits: int = 0, allow: Optional[Callable[[PeerID], bool]] = None,
-                 log_capacity: int = 4096):
+    def __init__(
+        self, run_id: str, pow_bits: int = 0, allow: Optional[Callable[[PeerID], bool]] = None, log_capacity: int = 4096
+    ):
         self.run_id, self.pow_bits, self.allow = run_id, pow_bits, allow
         self._dropped_log = LogOnce(log, capacity=log_capacity)  # keys (peer, reason)
         self._capacity = log_capacity
@@ -224,6 +232,14 @@ class Admission:
             if why is None:
                 out.append(rec)
                 continue
-            self._dropped_log((rec.peer_id, why), logging.DEBUG, "ignoring the record of %s: %s", rec.peer_id[:10], why,
-                              event="record_not_admitted", peer=rec.peer_id, reason=why)
+            self._dropped_log(
+                (rec.peer_id, why),
+                logging.DEBUG,
+                "ignoring the record of %s: %s",
+                rec.peer_id[:10],
+                why,
+                event="record_not_admitted",
+                peer=rec.peer_id,
+                reason=why,
+            )
         return out

@@ -58,9 +58,9 @@ ATTACKS: dict[str, str] = {
     "flipmax": "pushes -1000 x delta (block scales 1000x) and claims 2**64-1 tokens",
     "inflate": "record claims 1e10 tokens/s at batch 65,536, 1 TiB, 1 TB/s; contributes -delta, claims its budget",
     "forge-aggregate": "owner serves -20x the true aggregate (reencode) / relays only its own flipped "
-                       "contribution (relay); contributes -delta",
+    "contribution (relay); contributes -delta",
     "rogue-leader": "when leading: sole owner of all elements, ~1.4e13-token budget for itself, 0 steps for the "
-                    "others; contributes -delta, claims its budget",
+    "others; contributes -delta, claims its budget",
     "zeros": "free rider: no training, contributes zeros, claims 2**64-1 tokens",
     "stale": "free rider: no training, contributes the previous round's global update, claims its budget",
     "noise": "contributes Gaussian noise with its real delta's norm, claims its budget",
@@ -77,8 +77,16 @@ FLIPMAX_FACTOR = -1000.0
 #: ``forge-aggregate``'s factor on the aggregate it serves (reencode mode).
 FORGE_FACTOR = -20.0
 #: The step each attack must reach for a test of it to mean anything (logged as ``adversary[A]: round R: KIND:``).
-KEY_ACTION: dict[str, str] = {"flip": "push", "flipmax": "push", "inflate": "record", "forge-aggregate": "forge",
-                              "rogue-leader": "plan", "zeros": "free-ride", "stale": "free-ride", "noise": "push"}
+KEY_ACTION: dict[str, str] = {
+    "flip": "push",
+    "flipmax": "push",
+    "inflate": "record",
+    "forge-aggregate": "forge",
+    "rogue-leader": "plan",
+    "zeros": "free-ride",
+    "stale": "free-ride",
+    "noise": "push",
+}
 #: ``inflate``'s record.
 INFLATE_BATCH, INFLATE_TPS = 65_536, 1e10
 INFLATE_MEMORY, INFLATE_LINK_BPS = 1 << 40, 1e12
@@ -105,9 +113,19 @@ class _AdversarialCollective:
 class AdversaryNode(PeerNode):
     """A :class:`PeerNode` that attacks the swarm as ``attack`` (one of :data:`ATTACKS`)."""
 
-    def __init__(self, run, cfg, identity=None, *, attack: str, relay_forge: str = "drop",
-                 forge_factor: float = FORGE_FACTOR, forge_push: str = "flip", rogue_others_steps: int = 0,
-                 seed: int = 1234):
+    def __init__(
+        self,
+        run,
+        cfg,
+        identity=None,
+        *,
+        attack: str,
+        relay_forge: str = "drop",
+        forge_factor: float = FORGE_FACTOR,
+        forge_push: str = "flip",
+        rogue_others_steps: int = 0,
+        seed: int = 1234,
+    ):
         if attack not in ATTACKS:
             raise ValueError(f"unknown attack {attack!r}; one of {', '.join(ATTACKS)}")
         if relay_forge not in ("drop", "tamper"):
@@ -143,31 +161,44 @@ class AdversaryNode(PeerNode):
         # instance, so they now go through cls
         cls = type(f"Adversarial{base.__name__}", (_AdversarialCollective, base), {"adversary": self})
         self.collective.__class__ = cls
-        log.warning("adversary[%s]: THIS PEER ATTACKS THE SWARM (%s) -- red-team use only",
-                    self.attack, ATTACKS[self.attack])
+        log.warning(
+            "adversary[%s]: THIS PEER ATTACKS THE SWARM (%s) -- red-team use only", self.attack, ATTACKS[self.attack]
+        )
 
     def _build_training(self) -> None:
         super()._build_training()
         honest_run = self.trainer.run
 
-        def run(*, round, inner_steps, batch_size, micro_batch=None, deadline=None, progress=None,
-                should_stop=None):
+        def run(*, round, inner_steps, batch_size, micro_batch=None, deadline=None, progress=None, should_stop=None):
             if self.attack in FREE_RIDERS:
                 from geomesh_p2p.training import InnerResult
 
                 t0 = time.perf_counter()
                 tokens = inner_steps * batch_size * self.run_cfg.seq_len
-                self._note(round, "free-ride", "free riding: %d steps (%d tokens) reported, none trained",
-                           inner_steps, tokens)
-                return InnerResult(steps_done=inner_steps, tokens=tokens, mean_loss=5.0, last_loss=5.0,
-                                   compute_s=max(1e-3, time.perf_counter() - t0), stopped_early=False)
+                self._note(
+                    round, "free-ride", "free riding: %d steps (%d tokens) reported, none trained", inner_steps, tokens
+                )
+                return InnerResult(
+                    steps_done=inner_steps,
+                    tokens=tokens,
+                    mean_loss=5.0,
+                    last_loss=5.0,
+                    compute_s=max(1e-3, time.perf_counter() - t0),
+                    stopped_early=False,
+                )
             # A plan inflated by this attacker (inflate, rogue-leader) asks for batches it cannot run:
             # train a sane batch instead (the claim is made in the contribution, not by the work).
             if batch_size > max(self.max_batch, self.run_cfg.target_batch):
                 batch_size = micro_batch = min(self.run_cfg.target_batch, max(1, self.max_batch))
-            return honest_run(round=round, inner_steps=inner_steps, batch_size=batch_size,
-                              micro_batch=min(micro_batch or batch_size, batch_size), deadline=deadline,
-                              progress=progress, should_stop=should_stop)
+            return honest_run(
+                round=round,
+                inner_steps=inner_steps,
+                batch_size=batch_size,
+                micro_batch=min(micro_batch or batch_size, batch_size),
+                deadline=deadline,
+                progress=progress,
+                should_stop=should_stop,
+            )
 
         self.trainer.run = run  # type: ignore[method-assign]  # this peer's trainer only, on purpose
 
@@ -180,10 +211,22 @@ class AdversaryNode(PeerNode):
         tps = {b: min(v, MAX_TOKENS_PER_S) for b, v in rec.tokens_per_s.items()}
         update = {"tokens_per_s": tps}
         if self.attack == "inflate":
-            self._note(self.round, "record", "announcing %g tokens/s at batch %d, %d GiB, %g B/s links", INFLATE_TPS,
-                       INFLATE_BATCH, INFLATE_MEMORY >> 30, INFLATE_LINK_BPS)
-            update.update(tokens_per_s={**tps, INFLATE_BATCH: INFLATE_TPS}, max_batch=INFLATE_BATCH,
-                          memory_bytes=INFLATE_MEMORY, upload_bps=INFLATE_LINK_BPS, download_bps=INFLATE_LINK_BPS)
+            self._note(
+                self.round,
+                "record",
+                "announcing %g tokens/s at batch %d, %d GiB, %g B/s links",
+                INFLATE_TPS,
+                INFLATE_BATCH,
+                INFLATE_MEMORY >> 30,
+                INFLATE_LINK_BPS,
+            )
+            update.update(
+                tokens_per_s={**tps, INFLATE_BATCH: INFLATE_TPS},
+                max_batch=INFLATE_BATCH,
+                memory_bytes=INFLATE_MEMORY,
+                upload_bps=INFLATE_LINK_BPS,
+                download_bps=INFLATE_LINK_BPS,
+            )
         return type(rec).model_validate({**rec.model_dump(), **update})
 
     # ------------------------------------------------------------------ plan
@@ -200,18 +243,42 @@ class AdversaryNode(PeerNode):
             if a.peer_id == self.me:
                 accum = -(-ROGUE_BUDGET // (seq * H * a.micro_batch))
                 batch = a.micro_batch * accum
-                out.append({**a.model_dump(), "batch_size": batch, "accum_steps": accum, "inner_steps": H,
-                            "token_budget": batch * seq * H, "part_start": 0, "part_end": plan.numel})
+                out.append(
+                    {
+                        **a.model_dump(),
+                        "batch_size": batch,
+                        "accum_steps": accum,
+                        "inner_steps": H,
+                        "token_budget": batch * seq * H,
+                        "part_start": 0,
+                        "part_end": plan.numel,
+                    }
+                )
             else:
                 k = self.rogue_others_steps
-                out.append({**a.model_dump(), "inner_steps": k, "token_budget": a.batch_size * seq * k,
-                            "part_start": 0, "part_end": 0, "predicted_compute_s": 0.0})
+                out.append(
+                    {
+                        **a.model_dump(),
+                        "inner_steps": k,
+                        "token_budget": a.batch_size * seq * k,
+                        "part_start": 0,
+                        "part_end": 0,
+                        "predicted_compute_s": 0.0,
+                    }
+                )
         if not any(a.peer_id == self.me for a in plan.assignments):
             log.warning("adversary[rogue-leader]: round %d: my own planner left me out; plan left honest", plan.round)
             return plan
         rogue = RoundPlan.model_validate({**plan.model_dump(), "assignments": out})
-        self._note(plan.round, "plan", "rogue plan: sole owner of [0, %d), %d tokens for me, %d step(s) for %d others",
-                   plan.numel, rogue.assignment(self.me).token_budget, self.rogue_others_steps, len(out) - 1)
+        self._note(
+            plan.round,
+            "plan",
+            "rogue plan: sole owner of [0, %d), %d tokens for me, %d step(s) for %d others",
+            plan.numel,
+            rogue.assignment(self.me).token_budget,
+            self.rogue_others_steps,
+            len(out) - 1,
+        )
         return rogue
 
     # ------------------------------------------------------------------ contribution
@@ -241,8 +308,17 @@ class AdversaryNode(PeerNode):
             raise AssertionError(a)
         if not bool(torch.isfinite(out).all()):  # never make our own collective refuse the push
             out = torch.nan_to_num(out, nan=0.0, posinf=3e38, neginf=-3e38)
-        self._note(r, "push", "pushing %s (|x| %.3g vs honest %.3g), claiming %d tokens (trained %d, cap %d)",
-                   a, float(out.norm()), float(delta.norm()), claim, tokens, cap)
+        self._note(
+            r,
+            "push",
+            "pushing %s (|x| %.3g vs honest %.3g), claiming %d tokens (trained %d, cap %d)",
+            a,
+            float(out.norm()),
+            float(delta.norm()),
+            claim,
+            tokens,
+            cap,
+        )
         return out, int(claim)
 
     def remember_update(self, aggregate: torch.Tensor) -> None:
@@ -270,11 +346,20 @@ class AdversaryNode(PeerNode):
             else:
                 p = compression.packet_from_bytes(res.aggregate)
                 v = compression.decode_any(p)
-                res.aggregate = compression.encode_as(kind, v * self.forge_factor,
-                                                      block_size=getattr(p, "block_size", 0) or 2048,
-                                                      tokens=p.tokens).to_bytes()
-            self._note(int(res.round), "forge", "serving %gx the true aggregate of part %d [%d, %d) (%d elements)",
-                       self.forge_factor, res.part, res.start, res.end, n, key=str(res.part))
+                res.aggregate = compression.encode_as(
+                    kind, v * self.forge_factor, block_size=getattr(p, "block_size", 0) or 2048, tokens=p.tokens
+                ).to_bytes()
+            self._note(
+                int(res.round),
+                "forge",
+                "serving %gx the true aggregate of part %d [%d, %d) (%d elements)",
+                self.forge_factor,
+                res.part,
+                res.start,
+                res.end,
+                n,
+                key=str(res.part),
+            )
         else:
             mine = bytes(self.identity.peer_id)
             keep, others = [], 0
@@ -294,11 +379,18 @@ class AdversaryNode(PeerNode):
                 del res.tokens[:]
                 res.contributors.extend(p for p, _ in pairs)
                 res.tokens.extend(t for _, t in pairs)
-            self._note(int(res.round), "forge", "relay of part %d: %s %d other contribution(s)",
-                       res.part, "dropped" if self.relay_forge == "drop" else "tampered with", others,
-                       key=str(res.part))
-        return self.identity.sign_message(run_id=env.run_id, round=env.round, kind=env.kind,
-                                          payload=res.SerializeToString()).SerializeToString()
+            self._note(
+                int(res.round),
+                "forge",
+                "relay of part %d: %s %d other contribution(s)",
+                res.part,
+                "dropped" if self.relay_forge == "drop" else "tampered with",
+                others,
+                key=str(res.part),
+            )
+        return self.identity.sign_message(
+            run_id=env.run_id, round=env.round, kind=env.kind, payload=res.SerializeToString()
+        ).SerializeToString()
 
     @staticmethod
     def _tamper(m) -> bytes:
@@ -309,8 +401,9 @@ class AdversaryNode(PeerNode):
         c = collective_pb2.PartContribution.FromString(m.payload)
         try:
             p = compression.packet_from_bytes(c.packet)
-            c.packet = compression.encode(-compression.decode_any(p), block_size=p.block_size,
-                                          tokens=p.tokens).to_bytes()
+            c.packet = compression.encode(
+                -compression.decode_any(p), block_size=p.block_size, tokens=p.tokens
+            ).to_bytes()
         except Exception:  # fp32 pushes or an odd packet: corrupt a byte instead
             b = bytearray(c.packet)
             if b:
@@ -328,23 +421,41 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     from peer.cli import _add_common
     from peer.node_cli import add_node_flags, add_run_flags
 
-    ap = argparse.ArgumentParser(prog="python -m geomesh_p2p.adversary",
-                                 description="A red-team GeoMesh peer (attack suite of issue 11; tests and "
-                                             "benchmarks only).")
+    ap = argparse.ArgumentParser(
+        prog="python -m geomesh_p2p.adversary",
+        description="A red-team GeoMesh peer (attack suite of issue 11; tests and benchmarks only).",
+    )
     sub = ap.add_subparsers(dest="command", metavar="COMMAND", required=True)
     sub.add_parser("list", help="print the attacks")
     j = sub.add_parser("join", help="join a swarm as an attacker (every geomesh-peer join flag, plus --attack)")
     g = j.add_argument_group("attack")
     g.add_argument("--attack", required=True, choices=list(ATTACKS), help="the behaviour (see `list`)")
-    g.add_argument("--relay-forge", default="drop", choices=["drop", "tamper"],
-                   help="forge-aggregate in relay mode: drop the others' contributions or tamper with them")
-    g.add_argument("--forge-factor", type=float, default=FORGE_FACTOR,
-                   help="forge-aggregate in reencode mode: factor on the true aggregate (default: %(default)s)")
-    g.add_argument("--forge-push", default="flip", choices=["flip", "flipmax"],
-                   help="forge-aggregate: what it contributes itself (in relay mode, the only contribution it keeps "
-                        "in its parts) (default: %(default)s)")
-    g.add_argument("--rogue-others-steps", type=int, default=0, metavar="K",
-                   help="rogue-leader: inner steps its plans give the other peers (default: %(default)s)")
+    g.add_argument(
+        "--relay-forge",
+        default="drop",
+        choices=["drop", "tamper"],
+        help="forge-aggregate in relay mode: drop the others' contributions or tamper with them",
+    )
+    g.add_argument(
+        "--forge-factor",
+        type=float,
+        default=FORGE_FACTOR,
+        help="forge-aggregate in reencode mode: factor on the true aggregate (default: %(default)s)",
+    )
+    g.add_argument(
+        "--forge-push",
+        default="flip",
+        choices=["flip", "flipmax"],
+        help="forge-aggregate: what it contributes itself (in relay mode, the only contribution it keeps "
+        "in its parts) (default: %(default)s)",
+    )
+    g.add_argument(
+        "--rogue-others-steps",
+        type=int,
+        default=0,
+        metavar="K",
+        help="rogue-leader: inner steps its plans give the other peers (default: %(default)s)",
+    )
     add_node_flags(j)
     add_run_flags(j)
     _add_common(j)  # --config, --log-level
@@ -367,16 +478,22 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(f"adversary join: {e}", file=sys.stderr)
             return 2
         ns = ap.parse_args(argv)
-    logging.basicConfig(level=ns.log_level, format="%(asctime)s %(levelname).1s %(name)s: %(message)s",
-                        datefmt="%H:%M:%S")
+    logging.basicConfig(
+        level=ns.log_level, format="%(asctime)s %(levelname).1s %(name)s: %(message)s", datefmt="%H:%M:%S"
+    )
     from peer.node_cli import _run_node, join_inputs, user_facing_errors
 
     inputs = join_inputs(ns, "adversary join")
     if inputs is None:
         return 2
-    node = AdversaryNode(*inputs, attack=ns.attack, relay_forge=ns.relay_forge,
-                         forge_factor=ns.forge_factor, forge_push=ns.forge_push,
-                         rogue_others_steps=ns.rogue_others_steps)
+    node = AdversaryNode(
+        *inputs,
+        attack=ns.attack,
+        relay_forge=ns.relay_forge,
+        forge_factor=ns.forge_factor,
+        forge_push=ns.forge_push,
+        rogue_others_steps=ns.rogue_others_steps,
+    )
     try:
         return asyncio.run(_run_node(node))
     except KeyboardInterrupt:

@@ -98,7 +98,11 @@ def bounded_weights(tokens: Sequence[int], weight_cap: Optional[float]) -> list[
 
 
 def token_weighted_mean(
-    items: Sequence[tuple[int, Any]], numel: int, *, clip_k: Optional[float], encoding: str = "sign",
+    items: Sequence[tuple[int, Any]],
+    numel: int,
+    *,
+    clip_k: Optional[float],
+    encoding: str = "sign",
     out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """The ``mean`` rule of one part: ``sum_i n_i * decode_i / sum_i n_i``, computed one fixed way.
@@ -229,7 +233,7 @@ def _blockwise(x: torch.Tensor, per_block: torch.Tensor, block: int, op: str) ->
     if nfull:
         getattr(x[: nfull * block].view(nfull, block), op)(per_block[:nfull, None])
     if nfull * block < n:
-        getattr(x[nfull * block:], op)(per_block[nfull])
+        getattr(x[nfull * block :], op)(per_block[nfull])
 
 
 def _segments(numel: int, block: int) -> tuple[list[int], int]:
@@ -276,7 +280,7 @@ def _table_path(pos, numel, block, rule, weight_cap, min_agreement, t_all, res) 
         k = key[: hi - lo]
         k.copy_(pat[lo:hi])
         if offs is not None:  # multi
-            _blockwise(k, offs[lo // block:], block, "add_")
+            _blockwise(k, offs[lo // block :], block, "add_")
         return k
 
     def patterns(a: int, b: int) -> None:
@@ -352,7 +356,7 @@ def _table_path(pos, numel, block, rule, weight_cap, min_agreement, t_all, res) 
             lo, hi = bounds[j], bounds[j + 1]
             seg = res[lo:hi]
             torch.index_select(val, 0, keys(key, lo, hi), out=seg)
-            _blockwise(seg, med[lo // block:], block, "mul_")
+            _blockwise(seg, med[lo // block :], block, "mul_")
 
     _run_parallel(gather, len(bounds) - 1, workers)
     return keep
@@ -387,7 +391,7 @@ def _stream_path(pos, numel, block, rule, weight_cap, min_agreement, t_all, res)
         if nfull:
             nz_blocks[:nfull] = cons_nz[: nfull * block].view(nfull, block).sum(dim=1, dtype=torch.int64)
         if nfull * block < numel:
-            nz_blocks[nfull:] = cons_nz[nfull * block:].sum(dtype=torch.int64)
+            nz_blocks[nfull:] = cons_nz[nfull * block :].sum(dtype=torch.int64)
         unpack = _bit_unpack()
         bits = torch.empty((numel + 7) // 8 * 8, dtype=torch.uint8)
         mism = torch.empty(numel, dtype=torch.uint8)
@@ -405,7 +409,7 @@ def _stream_path(pos, numel, block, rule, weight_cap, min_agreement, t_all, res)
                 if nfull:
                     per[:nfull] = mism[: nfull * block].view(nfull, block).sum(dim=1, dtype=torch.int64)
                 if nfull * block < numel:
-                    per[nfull:] = mism[nfull * block:].sum(dtype=torch.int64)
+                    per[nfull:] = mism[nfull * block :].sum(dtype=torch.int64)
                 bad = int(per[votes].sum())
             n_both.append(n)
             n_agree.append(n - bad)
@@ -424,9 +428,15 @@ def _stream_path(pos, numel, block, rule, weight_cap, min_agreement, t_all, res)
     return keep
 
 
-def _robust_sign(items: Sequence[tuple[int, Any]], numel: int, rule: str, weight_cap: Optional[float],
-                 min_agreement: Optional[float], dropped: Optional[list] = None,
-                 out: Optional[torch.Tensor] = None) -> torch.Tensor:
+def _robust_sign(
+    items: Sequence[tuple[int, Any]],
+    numel: int,
+    rule: str,
+    weight_cap: Optional[float],
+    min_agreement: Optional[float],
+    dropped: Optional[list] = None,
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     """``vote`` / ``meanmed`` over sign packets (tokens capped by the plan), in the given order.
 
     1. Items with 0 tokens are left out. Over the C others: ``T`` = median token count, ``M_b`` = median
@@ -472,9 +482,16 @@ def _robust_sign(items: Sequence[tuple[int, Any]], numel: int, rule: str, weight
 
 
 def aggregate_part(
-    items: Sequence[tuple[int, Any]], numel: int, *, rule: str = "vote", encoding: str = "sign",
-    clip_k: Optional[float] = 4.0, weight_cap: Optional[float] = 1.0, min_agreement: Optional[float] = 0.5,
-    dropped: Optional[list] = None, out: Optional[torch.Tensor] = None,
+    items: Sequence[tuple[int, Any]],
+    numel: int,
+    *,
+    rule: str = "vote",
+    encoding: str = "sign",
+    clip_k: Optional[float] = 4.0,
+    weight_cap: Optional[float] = 1.0,
+    min_agreement: Optional[float] = 0.5,
+    dropped: Optional[list] = None,
+    out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """The aggregate of one part under ``rule``: what every peer applies for that range.
 
@@ -505,6 +522,7 @@ def aggregate_part(
         raise ValueError(f"aggregation rule must be one of {RULES}, got {rule!r}")
     if rule == "mean" or encoding == "fp32":
         weights = bounded_weights([n for n, _ in items], weight_cap)
-        return token_weighted_mean([(w, p) for w, (_, p) in zip(weights, items)], numel, clip_k=clip_k,
-                                   encoding=encoding, out=out)
+        return token_weighted_mean(
+            [(w, p) for w, (_, p) in zip(weights, items)], numel, clip_k=clip_k, encoding=encoding, out=out
+        )
     return _robust_sign(items, numel, rule, weight_cap, min_agreement, dropped, out)

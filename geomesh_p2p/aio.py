@@ -7,8 +7,15 @@ import contextvars
 import sys
 from typing import Any, Awaitable, Callable, Collection, Dict, Optional, Set, Tuple
 
-__all__ = ["TaskScope", "cancel_and_wait", "create_unscoped_task", "finish_or_cancel", "runs", "unless_set",
-           "wait_event"]
+__all__ = [
+    "TaskScope",
+    "cancel_and_wait",
+    "create_unscoped_task",
+    "finish_or_cancel",
+    "runs",
+    "unless_set",
+    "wait_event",
+]
 
 
 async def wait_event(event: asyncio.Event, timeout: float) -> bool:
@@ -72,7 +79,8 @@ async def unless_set(aw: Awaitable[Any], event: asyncio.Event) -> Tuple[bool, An
 # The innermost TaskScope of the running code. A task copies its creator's context, so the tasks that
 # a scope's tasks create see the same scope (and are recorded by it) without any cooperation.
 _current_scope: contextvars.ContextVar[Optional["TaskScope"]] = contextvars.ContextVar(
-    "geomesh_task_scope", default=None)
+    "geomesh_task_scope", default=None
+)
 
 
 def _default_factory(loop: asyncio.AbstractEventLoop, coro, **kwargs) -> asyncio.Task:
@@ -140,6 +148,7 @@ def runs(fn: Callable[..., Awaitable[Any]]) -> Callable[[asyncio.Future], bool]:
     def predicate(task: asyncio.Future) -> bool:
         get_coro = getattr(task, "get_coro", None)
         return code is not None and get_coro is not None and getattr(get_coro(), "cr_code", None) is code
+
     return predicate
 
 
@@ -174,8 +183,11 @@ class TaskScope:
     running loop.
     """
 
-    def __init__(self, adopt: Optional[Callable[[Set[asyncio.Future]], None]] = None,
-                 keep: Optional[Callable[[asyncio.Future], bool]] = None) -> None:
+    def __init__(
+        self,
+        adopt: Optional[Callable[[Set[asyncio.Future]], None]] = None,
+        keep: Optional[Callable[[asyncio.Future], bool]] = None,
+    ) -> None:
         self._adopt = adopt
         self._keep = keep
         self._creator: Dict[asyncio.Future, Optional[asyncio.Future]] = {}  # task -> task that created it

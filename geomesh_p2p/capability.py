@@ -201,8 +201,13 @@ def _timed_step(sess: "_Session", x: torch.Tensor, dev: torch.device, speed_fact
 class _Session:
     """Model in train mode, an optimizer, forked RNG; restores the model's state on exit."""
 
-    def __init__(self, model: torch.nn.Module, dev: torch.device, optimizer_factory: Optional[OptimizerFactory],
-                 amp: bool = False):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        dev: torch.device,
+        optimizer_factory: Optional[OptimizerFactory],
+        amp: bool = False,
+    ):
         self.model, self.dev = model, dev
         self.amp = bool(amp) and dev.type == "cuda"  # bf16 autocast as training uses it (CUDA only)
         self.optimizer_factory = optimizer_factory or _default_optimizer
@@ -231,7 +236,9 @@ class _Session:
         self.model.zero_grad(set_to_none=True)
         self.model.train(self._was_training)
         self._rng.__exit__(*exc)
-        if self.dev.type == "cuda":  # (a full gc costs ~1 s with transformers loaded: only where it frees device memory)
+        if (
+            self.dev.type == "cuda"
+        ):  # (a full gc costs ~1 s with transformers loaded: only where it frees device memory)
             gc.collect()
             torch.cuda.empty_cache()
 
@@ -525,12 +532,24 @@ class MethodMemory:
     @property
     def total(self) -> int:
         """Sum of the parts, bytes."""
-        return (self.weights + self.gradients + self.inner_optimizer + self.global_weights + self.outer_state
-                + self.error_feedback)
+        return (
+            self.weights
+            + self.gradients
+            + self.inner_optimizer
+            + self.global_weights
+            + self.outer_state
+            + self.error_feedback
+        )
 
 
-def method_min_memory(n_params: int, method: str = "geomesh", *, inner_optimizer: str = "adamw",
-                      error_feedback: bool = False, bytes_per_element: int = 4) -> MethodMemory:
+def method_min_memory(
+    n_params: int,
+    method: str = "geomesh",
+    *,
+    inner_optimizer: str = "adamw",
+    error_feedback: bool = False,
+    bytes_per_element: int = 4,
+) -> MethodMemory:
     """The minimum memory of ``method`` for ``n_params`` parameters (see :class:`MethodMemory`).
 
     ``geomesh``/``diloco`` with AdamW: ``24 * P`` bytes (weights, gradients, 2 AdamW moments, global
@@ -547,12 +566,21 @@ def method_min_memory(n_params: int, method: str = "geomesh", *, inner_optimizer
         raise ValueError(f"n_params={n_params} must be >= 0")
     p = int(n_params) * int(bytes_per_element)
     inner = 0 if method == "ddp" else INNER_OPTIMIZER_STATE_COPIES[inner_optimizer] * p
-    return MethodMemory(method=method, n_params=int(n_params), weights=p, gradients=p, inner_optimizer=inner,
-                        global_weights=p, outer_state=OUTER_STATE_COPIES[method] * p,
-                        error_feedback=p if error_feedback and method in COMPRESSED_METHODS else 0)
+    return MethodMemory(
+        method=method,
+        n_params=int(n_params),
+        weights=p,
+        gradients=p,
+        inner_optimizer=inner,
+        global_weights=p,
+        outer_state=OUTER_STATE_COPIES[method] * p,
+        error_feedback=p if error_feedback and method in COMPRESSED_METHODS else 0,
+    )
 
 
-def preset_min_memory(preset: str, method: str = "geomesh", *, vocab_size: int = SHIPPED_VOCAB_SIZE, **kw: Any) -> MethodMemory:
+def preset_min_memory(
+    preset: str, method: str = "geomesh", *, vocab_size: int = SHIPPED_VOCAB_SIZE, **kw: Any
+) -> MethodMemory:
     """:func:`method_min_memory` for a model preset of :mod:`geomesh_p2p.training` at ``vocab_size``
     (the shipped tokenizer's 4096 by default), tied weights counted once. Counts the parameters
     without allocating them (:func:`geomesh_p2p.training.count_params`). Raises
@@ -753,8 +781,9 @@ def profile_training(
     if memory_bytes <= 0:
         raise ValueError(f"memory_bytes={memory_bytes} must be > 0")
     if steps < 1 or warmup < 0 or max_sizes < 1 or limit < 1:
-        raise ValueError(f"need steps >= 1 ({steps}), warmup >= 0 ({warmup}), max_sizes >= 1 ({max_sizes}), "
-                         f"limit >= 1 ({limit})")
+        raise ValueError(
+            f"need steps >= 1 ({steps}), warmup >= 0 ({warmup}), max_sizes >= 1 ({max_sizes}), limit >= 1 ({limit})"
+        )
     if not (0 < speed_factor <= 1):
         raise ValueError(f"speed_factor={speed_factor} must be in (0, 1]")
     t_start = time.perf_counter()
@@ -798,7 +827,8 @@ def profile_training(
             raise ValueError(
                 f"memory budget {memory_bytes / gib:.2f} GiB is below what training this model needs before any "
                 f"activation: {static / gib:.2f} GiB ({before0 / gib:.2f} in use + {grad_opt / gib:.2f} gradients and "
-                f"AdamW state + {extra_bytes / gib:.2f} global weights and outer state)")
+                f"AdamW state + {extra_bytes / gib:.2f} global weights and outer state)"
+            )
         # 2. one step at batch 1: its growth gives the cost of a sequence
         dt1 = [0.0]
         base_probe_before, peak1 = probe(lambda: dt1.__setitem__(0, run_step(1)))
@@ -813,11 +843,20 @@ def profile_training(
             raise ValueError(
                 f"memory budget {memory_bytes / gib:.2f} GiB is below the predicted peak of one sequence of "
                 f"{seq_len} tokens: {(static + per_seq) / gib:.2f} GiB (measured step peak {peak1 / gib:.2f} GiB "
-                f"+ {extra_bytes / gib:.2f} GiB global weights and outer state)")
-        log.info("profile: %d parameters, seq_len %d, budget %.2f GiB: batch 1 step %.2fs, measured peak %.2f GiB "
-                 "(+ %.2f GiB global weights and outer state); predicted %.0f MiB per sequence, max batch %d",
-                 n_params, seq_len, memory_bytes / gib, dt1[0], peak1 / gib, extra_bytes / gib, per_seq / 2**20,
-                 max_fit())
+                f"+ {extra_bytes / gib:.2f} GiB global weights and outer state)"
+            )
+        log.info(
+            "profile: %d parameters, seq_len %d, budget %.2f GiB: batch 1 step %.2fs, measured peak %.2f GiB "
+            "(+ %.2f GiB global weights and outer state); predicted %.0f MiB per sequence, max batch %d",
+            n_params,
+            seq_len,
+            memory_bytes / gib,
+            dt1[0],
+            peak1 / gib,
+            extra_bytes / gib,
+            per_seq / 2**20,
+            max_fit(),
+        )
         # 3. tokens/s at a few batch sizes that fit, within the time budget
         last_tps = seq_len / dt1[0] if dt1[0] > 0 else None
         for b in wanted:
@@ -851,29 +890,57 @@ def profile_training(
             # everything above the static part at this batch is charged to its sequences
             per_seq = max(per_seq, int(math.ceil((peak_b - base_probe_before - grad_opt) / b)))
             tps[b] = last_tps = b * seq_len / statistics.median(times)
-            log.info("profile: batch %d: %.0f tokens/s (%.2fs/step over %d steps), measured peak %.2f GiB "
-                     "+ %.2f GiB global weights and outer state, budget %.2f GiB", b, tps[b],
-                     statistics.median(times), steps, peak_b / gib, extra_bytes / gib, memory_bytes / gib)
+            log.info(
+                "profile: batch %d: %.0f tokens/s (%.2fs/step over %d steps), measured peak %.2f GiB "
+                "+ %.2f GiB global weights and outer state, budget %.2f GiB",
+                b,
+                tps[b],
+                statistics.median(times),
+                steps,
+                peak_b / gib,
+                extra_bytes / gib,
+                memory_bytes / gib,
+            )
         if not tps:  # every requested size over the budget: measure the largest that fits
             b = max_fit()
             times = [run_step(b) for _ in range(steps)]
             tps[b] = b * seq_len / statistics.median(times)
             log.info("profile: batch %d (none of %s fits): %.0f tokens/s", b, wanted, tps[b])
     if skipped:
-        log.info("profile: not measured: batch %s (over the budget, %d sizes, or past %.0fs)",
-                 ",".join(map(str, skipped)), max_sizes, time_budget_s)
+        log.info(
+            "profile: not measured: batch %s (over the budget, %d sizes, or past %.0fs)",
+            ",".join(map(str, skipped)),
+            max_sizes,
+            time_budget_s,
+        )
     est = MemoryEstimate(static_bytes=static, per_sequence_bytes=per_seq, n_params=n_params)
-    return TrainingProfile(tokens_per_s=tps, max_batch=max(1, max_fit()), memory=est, memory_bytes=int(memory_bytes),
-                           peak_bytes=peaks, skipped=skipped, seconds=time.perf_counter() - t_start)
+    return TrainingProfile(
+        tokens_per_s=tps,
+        max_batch=max(1, max_fit()),
+        memory=est,
+        memory_bytes=int(memory_bytes),
+        peak_bytes=peaks,
+        skipped=skipped,
+        seconds=time.perf_counter() - t_start,
+    )
 
 
 # --------------------------------------------------------------------------------------------
 # bandwidth and re-profiling
 
 
-def measure_codec(numel: int = 1 << 20, *, block_size: int = 2048, push_encoding: str = "sign",
-                  rule: str = "mean", weight_cap: Optional[float] = None, min_agreement: Optional[float] = None,
-                  clip_k: Optional[float] = 4.0, contributors: int = 3, repeats: int = 1) -> float:
+def measure_codec(
+    numel: int = 1 << 20,
+    *,
+    block_size: int = 2048,
+    push_encoding: str = "sign",
+    rule: str = "mean",
+    weight_cap: Optional[float] = None,
+    min_agreement: Optional[float] = None,
+    clip_k: Optional[float] = 4.0,
+    contributors: int = 3,
+    repeats: int = 1,
+) -> float:
     """Seconds per element of one pass of the collective's CPU work on this machine (float, > 0).
 
     Runs the real code of a relay round on a part of ``numel`` elements with ``contributors``
@@ -897,11 +964,22 @@ def measure_codec(numel: int = 1 << 20, *, block_size: int = 2048, push_encoding
     idents = [Identity.generate() for _ in range(contributors)]
     pids = [str(i.peer_id) for i in idents]
     now = time.time()
-    spec = CollectiveSpec(run_id="codec-probe", round=0, participants={p: 1 for p in pids}, numel=numel,
-                          deadline=now + 600, pull_deadline=now + 600,
-                          owners=(PartOwner(peer_id=pids[0], address="127.0.0.1:1", start=0, end=numel),),
-                          mode="relay", push_encoding=push_encoding, block_size=block_size, rule=rule,
-                          weight_cap=weight_cap, min_agreement=min_agreement, clip_k=clip_k)
+    spec = CollectiveSpec(
+        run_id="codec-probe",
+        round=0,
+        participants={p: 1 for p in pids},
+        numel=numel,
+        deadline=now + 600,
+        pull_deadline=now + 600,
+        owners=(PartOwner(peer_id=pids[0], address="127.0.0.1:1", start=0, end=numel),),
+        mode="relay",
+        push_encoding=push_encoding,
+        block_size=block_size,
+        rule=rule,
+        weight_cap=weight_cap,
+        min_agreement=min_agreement,
+        clip_k=clip_k,
+    )
     verifier = Verifier("codec-probe")
     gen = torch.Generator().manual_seed(0)
     base = torch.randn(numel, generator=gen)
@@ -988,8 +1066,9 @@ class ThroughputEMA:
         a = self.alpha if alpha is None else float(alpha)
         return x if old is None else a * x + (1.0 - a) * old
 
-    def update(self, batch: int, tokens: int, seconds: float, alpha: Optional[float] = None,
-               max_growth: Optional[float] = None) -> float:
+    def update(
+        self, batch: int, tokens: int, seconds: float, alpha: Optional[float] = None, max_growth: Optional[float] = None
+    ) -> float:
         """Fold in ``tokens`` trained in ``seconds`` at micro-batch ``batch``; returns the new tokens/s.
 
         ``alpha`` overrides the weight of this observation (1.0: replace, e.g. a start-up profile
@@ -1136,9 +1215,21 @@ def profile(
         raise ValueError("give exactly one of model_factory and preset")
     model = _materialize(model_factory, dev)
     n_params = sum(p.numel() for p in model.parameters())
-    prof = profile_training(model, seq_len, dev, info.memory_bytes, vocab_size=vocab_size, batch_sizes=batch_sizes,
-                            max_sizes=max_sizes, steps=steps, warmup=warmup, time_budget_s=time_budget_s,
-                            speed_factor=speed_factor, limit=limit, memory_probe=memory_probe)
+    prof = profile_training(
+        model,
+        seq_len,
+        dev,
+        info.memory_bytes,
+        vocab_size=vocab_size,
+        batch_sizes=batch_sizes,
+        max_sizes=max_sizes,
+        steps=steps,
+        warmup=warmup,
+        time_budget_s=time_budget_s,
+        speed_factor=speed_factor,
+        limit=limit,
+        memory_probe=memory_probe,
+    )
     bandwidth = None
     if upload_bps is not None or download_bps is not None:
         bandwidth = {"upload_bps": upload_bps, "download_bps": download_bps}
@@ -1148,8 +1239,11 @@ def profile(
         "n_params": n_params,
         "max_batch": prof.max_batch,
         "tokens_per_s": prof.tokens_per_s,
-        "memory": {"static_bytes": prof.memory.static_bytes, "per_sequence_bytes": prof.memory.per_sequence_bytes,
-                   "peak_bytes": prof.peak_bytes},
+        "memory": {
+            "static_bytes": prof.memory.static_bytes,
+            "per_sequence_bytes": prof.memory.per_sequence_bytes,
+            "peak_bytes": prof.peak_bytes,
+        },
         "profile_s": prof.seconds,
         "bandwidth": bandwidth,
         "speed_factor": speed_factor,
@@ -1180,14 +1274,15 @@ def format_profile_table(result: Mapping[str, Any]) -> str:
     bw = result.get("bandwidth")
     if bw:
         up, down = bw.get("upload_bps"), bw.get("download_bps")
-        how = (f"measured against {bw['measured_against']}, RTT {1000 * bw.get('rtt_s', 0.0):.1f} ms"
-               if bw.get("measured_against") else "stated")
+        how = (
+            f"measured against {bw['measured_against']}, RTT {1000 * bw.get('rtt_s', 0.0):.1f} ms"
+            if bw.get("measured_against")
+            else "stated"
+        )
         # Mbit/s, the unit of the --upload-mbps / --download-mbps flags
         mbit = lambda v: "-" if not v else f"{v * 8 / 1e6:,.1f} Mbit/s"  # noqa: E731
         lines.append(
-            f"bandwidth   up {mbit(up)}, down {mbit(down)} ({how})"
-            if (up or down)
-            else "bandwidth   not stated"
+            f"bandwidth   up {mbit(up)}, down {mbit(down)} ({how})" if (up or down) else "bandwidth   not stated"
         )
     else:
         lines.append("bandwidth   not stated (measured during the run)")

@@ -27,16 +27,35 @@ from typing import Any, Callable, Literal, Optional, cast
 from pydantic import BaseModel, Field
 from pydantic.fields import FieldInfo
 
-__all__ = ["opt", "FlagSpec", "flag_specs", "add_flags", "values_from", "to_argv", "ConfigFileError",
-           "load_config_defaults", "PARSERS"]
+__all__ = [
+    "opt",
+    "FlagSpec",
+    "flag_specs",
+    "add_flags",
+    "values_from",
+    "to_argv",
+    "ConfigFileError",
+    "load_config_defaults",
+    "PARSERS",
+]
 
 _DEFAULT_MARK = " (default: %(default)s)"
 
 
-def opt(default: Any = ..., help: str = "", *, flag: Optional[str] = "", metavar: Optional[str] = None,
-        parse: Optional[str] = None, scale: Optional[float] = None, default_text: Optional[str] = None,
-        group: Optional[str] = None, derived_from: Optional[str] = None, default_factory: Optional[Callable] = None,
-        **constraints) -> Any:
+def opt(
+    default: Any = ...,
+    help: str = "",
+    *,
+    flag: Optional[str] = "",
+    metavar: Optional[str] = None,
+    parse: Optional[str] = None,
+    scale: Optional[float] = None,
+    default_text: Optional[str] = None,
+    group: Optional[str] = None,
+    derived_from: Optional[str] = None,
+    default_factory: Optional[Callable] = None,
+    **constraints,
+) -> Any:
     """A pydantic ``Field`` that also describes its command-line flag (stored in ``json_schema_extra["cli"]``).
 
     Args:
@@ -51,8 +70,15 @@ def opt(default: Any = ..., help: str = "", *, flag: Optional[str] = "", metavar
         default_text: the default as the help shows it, e.g. "torch's choice".
         **constraints: pydantic's ``ge``/``gt``/``le``/``lt``/``min_length``...; they also bound the flag.
     """
-    cli = {"flag": flag, "metavar": metavar, "parse": parse, "scale": scale, "default_text": default_text,
-           "group": group, "derived_from": derived_from}
+    cli = {
+        "flag": flag,
+        "metavar": metavar,
+        "parse": parse,
+        "scale": scale,
+        "default_text": default_text,
+        "group": group,
+        "derived_from": derived_from,
+    }
     extra: dict[str, Any] = {"cli": {k: v for k, v in cli.items() if v is not None or k == "flag"}}
     if default_factory is not None:
         return Field(default_factory=default_factory, description=help or None, json_schema_extra=extra, **constraints)
@@ -94,11 +120,13 @@ def number_type(kind: type, ge=None, gt=None, le=None, lt=None) -> Callable[[str
 
     def parse(text: str):
         v = _integer(text) if kind is int else _finite(text)
-        bad = ((lo is not None and (v <= lo if lo_open else v < lo)) or
-               (hi is not None and (v >= hi if hi_open else v > hi)))
+        bad = (lo is not None and (v <= lo if lo_open else v < lo)) or (
+            hi is not None and (v >= hi if hi_open else v > hi)
+        )
         if bad:
             raise argparse.ArgumentTypeError(f"must be {what}{rng}, got {text}")
         return v
+
     parse.__name__ = kind.__name__  # argparse's "invalid int value" wording, for a type that raises ValueError
     return parse
 
@@ -204,8 +232,9 @@ def _default_of(info: FieldInfo):
     return cast(Callable[[], Any], info.default_factory)() if info.default_factory is not None else info.default
 
 
-def flag_specs(model: type[BaseModel], only: Optional[typing.Iterable[str]] = None,
-               defaults: Optional[dict] = None) -> list[FlagSpec]:
+def flag_specs(
+    model: type[BaseModel], only: Optional[typing.Iterable[str]] = None, defaults: Optional[dict] = None
+) -> list[FlagSpec]:
     """The flags of ``model``'s fields (those with a flag of their own), in field order.
 
     ``only``: field names to keep (in that order). ``defaults``: field name -> a default that differs from
@@ -371,6 +400,7 @@ def load_config_defaults(parser: argparse.ArgumentParser, path: str | None) -> d
 def _checked(path: Path, key, action: argparse.Action, value):
     """``value`` from the file run through the option's own ``type`` and ``choices``, as the same flag on
     the command line would be (ranges, types: a ``threads: -3`` fails here, not in the node)."""
+
     def one(v):
         if action.type is not None and v is not None:
             text = ",".join(str(x) for x in v) if isinstance(v, list) else str(v)
@@ -379,7 +409,9 @@ def _checked(path: Path, key, action: argparse.Action, value):
             except (argparse.ArgumentTypeError, ValueError, TypeError) as e:
                 raise ConfigFileError(f"config file {path}: {key}: {e}") from None
         if action.choices is not None and v not in action.choices:
-            raise ConfigFileError(f"config file {path}: {key}: {v!r} is not one of {', '.join(map(str, action.choices))}")
+            raise ConfigFileError(
+                f"config file {path}: {key}: {v!r} is not one of {', '.join(map(str, action.choices))}"
+            )
         return v
 
     if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):

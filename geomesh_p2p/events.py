@@ -38,8 +38,13 @@ log = logging.getLogger(__name__)
 
 Sink = Callable[[dict], None]
 # Fixed names: logging.getLevelName follows addLevelName (a program may print WARNING as "WARN").
-_LEVELS = {logging.DEBUG: "DEBUG", logging.INFO: "INFO", logging.WARNING: "WARNING", logging.ERROR: "ERROR",
-           logging.CRITICAL: "CRITICAL"}
+_LEVELS = {
+    logging.DEBUG: "DEBUG",
+    logging.INFO: "INFO",
+    logging.WARNING: "WARNING",
+    logging.ERROR: "ERROR",
+    logging.CRITICAL: "CRITICAL",
+}
 _sinks: List[Sink] = []
 _sinks_lock = threading.Lock()
 

@@ -59,9 +59,19 @@ def list_checkpoint_info(directory: str | os.PathLike, verify: bool = False) -> 
         raise ExportError(f"{d}: no checkpoint (ckpt-NNNNNNNN.json) in this directory")
     out = []
     for rnd, meta_path in found:
-        row: dict[str, Any] = {"round": rnd, "path": str(meta_path), "digest": None, "bytes": None, "time": None,
-                               "num_params": None, "has_momentum": None, "run_config_hash": None,
-                               "run_config": None, "peer_id": None, "problem": None}
+        row: dict[str, Any] = {
+            "round": rnd,
+            "path": str(meta_path),
+            "digest": None,
+            "bytes": None,
+            "time": None,
+            "num_params": None,
+            "has_momentum": None,
+            "run_config_hash": None,
+            "run_config": None,
+            "peer_id": None,
+            "problem": None,
+        }
         try:
             rec = json.loads(meta_path.read_text(encoding="utf-8"))
             if not isinstance(rec, dict) or rec.get("format") != CKPT_FORMAT:
@@ -72,10 +82,16 @@ def list_checkpoint_info(directory: str | os.PathLike, verify: bool = False) -> 
             continue
         meta: dict = rec["meta"] if isinstance(rec.get("meta"), dict) else {}
         weights = meta_path.parent / str(rec.get("weights", meta_path.stem + ".safetensors"))
-        row.update(round=int(rec.get("round", rnd)), digest=rec.get("digest"), time=rec.get("time"),
-                   num_params=rec.get("num_params"), has_momentum=rec.get("has_momentum"),
-                   run_config_hash=rec.get("run_config_hash"), run_config=meta.get("run_config"),
-                   peer_id=meta.get("peer_id"))
+        row.update(
+            round=int(rec.get("round", rnd)),
+            digest=rec.get("digest"),
+            time=rec.get("time"),
+            num_params=rec.get("num_params"),
+            has_momentum=rec.get("has_momentum"),
+            run_config_hash=rec.get("run_config_hash"),
+            run_config=meta.get("run_config"),
+            peer_id=meta.get("peer_id"),
+        )
         try:
             row["bytes"] = weights.stat().st_size + meta_path.stat().st_size
         except OSError:
@@ -117,8 +133,10 @@ def load_checkpoint(directory: str | os.PathLike, round: Optional[int] = None):
         raise ExportError(f"corrupt checkpoint weights {wpath}: malformed 'momentum'")
     got = digest(theta, momentum)
     if got != record.get("digest"):
-        raise ExportError(f"corrupt checkpoint {wpath}: digest {got[:16]} is not the recorded "
-                          f"{str(record.get('digest'))[:16]} (damaged or altered file)")
+        raise ExportError(
+            f"corrupt checkpoint {wpath}: digest {got[:16]} is not the recorded "
+            f"{str(record.get('digest'))[:16]} (damaged or altered file)"
+        )
     return int(record.get("round", round)), theta, momentum, record
 
 
@@ -137,12 +155,16 @@ def run_config_of(record: dict, where: str = "checkpoint"):
         run = RunConfig.model_validate(cfg)
     except ValidationError as e:
         first = e.errors()[0] if e.errors() else {"loc": (), "msg": str(e)}
-        raise ExportError(f"{where}: run config of another version of geomesh-p2p "
-                          f"({'.'.join(map(str, first['loc']))}: {first['msg']})") from None
+        raise ExportError(
+            f"{where}: run config of another version of geomesh-p2p "
+            f"({'.'.join(map(str, first['loc']))}: {first['msg']})"
+        ) from None
     want = record.get("run_config_hash") or meta.get("run_config_hash")
     if want is not None and run.config_hash() != want:
-        raise ExportError(f"{where}: its run config hashes to {run.config_hash()}, the checkpoint says {want} "
-                          f"(edited metadata, or another version's config)")
+        raise ExportError(
+            f"{where}: its run config hashes to {run.config_hash()}, the checkpoint says {want} "
+            f"(edited metadata, or another version's config)"
+        )
     return run
 
 
@@ -173,8 +195,9 @@ class Exported:
     record: dict
 
 
-def build_exported(directory: str | os.PathLike, round: Optional[int] = None, data: Optional[str] = None,
-                   run_id: Optional[str] = None) -> Exported:
+def build_exported(
+    directory: str | os.PathLike, round: Optional[int] = None, data: Optional[str] = None, run_id: Optional[str] = None
+) -> Exported:
     """Load a checkpoint into the model its run config describes, with the run's tokenizer.
 
     ``data``: the run's ``--data`` (needed for any corpus but the shipped one, to rebuild its
@@ -194,11 +217,13 @@ def build_exported(directory: str | os.PathLike, round: Optional[int] = None, da
             tok = get_tokenizer(None, vocab_size=run.vocab_size)
         else:
             if data is None:
-                raise ExportError(f"{where}: the run trained on {run.data!r}; pass the same --data to rebuild "
-                                  f"its tokenizer")
+                raise ExportError(
+                    f"{where}: the run trained on {run.data!r}; pass the same --data to rebuild its tokenizer"
+                )
             if data_identifier(data) != run.data:
-                raise ExportError(f"{where}: --data {data} is not the run's data ({data_identifier(data)} vs "
-                                  f"{run.data})")
+                raise ExportError(
+                    f"{where}: --data {data} is not the run's data ({data_identifier(data)} vs {run.data})"
+                )
             from geomesh_p2p.data import load_text
 
             tok = get_tokenizer(load_text(data), vocab_size=run.vocab_size)
@@ -216,9 +241,11 @@ def build_exported(directory: str | os.PathLike, round: Optional[int] = None, da
     except ConfigError as e:
         raise ExportError(f"{where}: {e}") from None
     if num_params(model) != theta.numel():
-        raise ExportError(f"{where}: it holds {theta.numel():,} weights but its run config's model "
-                          f"({run.model}, vocabulary {vocab}) has {num_params(model):,}: a checkpoint of another "
-                          f"run config or model")
+        raise ExportError(
+            f"{where}: it holds {theta.numel():,} weights but its run config's model "
+            f"({run.model}, vocabulary {vocab}) has {num_params(model):,}: a checkpoint of another "
+            f"run config or model"
+        )
     load_flat_(model, theta)
     model.eval()
     return Exported(model, tok, run, rnd, str(record.get("digest")), record)
@@ -246,8 +273,14 @@ def _quiet_transformers() -> None:
         pass
 
 
-def export_checkpoint(directory: str | os.PathLike, out: str | os.PathLike, round: Optional[int] = None,
-                      data: Optional[str] = None, run_id: Optional[str] = None, overwrite: bool = False) -> dict:
+def export_checkpoint(
+    directory: str | os.PathLike,
+    out: str | os.PathLike,
+    round: Optional[int] = None,
+    data: Optional[str] = None,
+    run_id: Optional[str] = None,
+    overwrite: bool = False,
+) -> dict:
     """Write the checkpoint of ``round`` (default: newest) as a Hugging Face folder ``out``. Returns
     what was written (round, digest, files, parameters). Raises ExportError."""
     _quiet_transformers()
@@ -264,10 +297,15 @@ def export_checkpoint(directory: str | os.PathLike, out: str | os.PathLike, roun
         dest.mkdir(parents=True, exist_ok=True)
         ex.model.save_pretrained(dest, safe_serialization=True)
         tok.save_pretrained(dest)
-        info = {"format": "geomesh-export-v1", "round": ex.round, "digest": ex.digest,
-                "run_config_hash": ex.run.config_hash(), "run_config": ex.run.model_dump(),
-                "checkpoint": str(Path(directory).expanduser().resolve()),
-                "num_params": sum(p.numel() for p in ex.model.parameters())}
+        info = {
+            "format": "geomesh-export-v1",
+            "round": ex.round,
+            "digest": ex.digest,
+            "run_config_hash": ex.run.config_hash(),
+            "run_config": ex.run.model_dump(),
+            "checkpoint": str(Path(directory).expanduser().resolve()),
+            "num_params": sum(p.numel() for p in ex.model.parameters()),
+        }
         (dest / EXPORT_INFO).write_text(json.dumps(info, indent=1, sort_keys=True))
     except OSError as e:
         raise ExportError(f"--out {dest}: cannot write: {e.strerror or e}") from None
@@ -276,15 +314,16 @@ def export_checkpoint(directory: str | os.PathLike, out: str | os.PathLike, roun
     return info
 
 
-def generate(ex: Exported, prompt: str, max_new_tokens: int = 40, temperature: float = 0.8, top_k: int = 40,
-             seed: int = 0) -> str:
+def generate(
+    ex: Exported, prompt: str, max_new_tokens: int = 40, temperature: float = 0.8, top_k: int = 40, seed: int = 0
+) -> str:
     """Continue ``prompt`` with ``max_new_tokens`` tokens (greedy when ``temperature`` is 0). Returns the
     prompt and its continuation as text."""
     _quiet_transformers()
     ids = ex.tokenizer.encode(prompt).ids or [0]
     cfg = ex.model.config
     max_len = int(getattr(cfg, "n_positions", 0) or getattr(cfg, "max_position_embeddings", 1024))
-    ids = ids[-max(1, max_len - max_new_tokens):]
+    ids = ids[-max(1, max_len - max_new_tokens) :]
     x = torch.tensor([ids], dtype=torch.long)
     kwargs: dict[str, Any] = {"max_new_tokens": max_new_tokens, "pad_token_id": 0}
     if temperature > 0:

@@ -23,8 +23,10 @@ def quiet_grpc_core(argv: Optional[Sequence[str]] = None) -> bool:
     ``argv``: the command line (default ``sys.argv[1:]``).
     """
     args = list(sys.argv[1:] if argv is None else argv)
-    debug = any(a == "--log-level=DEBUG" or (a == "--log-level" and i + 1 < len(args) and args[i + 1] == "DEBUG")
-                for i, a in enumerate(args))
+    debug = any(
+        a == "--log-level=DEBUG" or (a == "--log-level" and i + 1 < len(args) and args[i + 1] == "DEBUG")
+        for i, a in enumerate(args)
+    )
     if debug or "GRPC_VERBOSITY" in os.environ or "GRPC_TRACE" in os.environ:
         return False
     os.environ["GRPC_VERBOSITY"] = "NONE"

@@ -133,8 +133,9 @@ class Identity:
         """Ed25519 signature (64 bytes) of ``data``."""
         return self._private_key.sign(data)
 
-    def sign_message(self, *, run_id: str, round: int, kind: str, payload: bytes,
-                     payload_sha256: Optional[bytes] = None) -> envelope_pb2.SignedMessage:
+    def sign_message(
+        self, *, run_id: str, round: int, kind: str, payload: bytes, payload_sha256: Optional[bytes] = None
+    ) -> envelope_pb2.SignedMessage:
         """Wrap ``payload`` in a signed envelope bound to run, round, kind, now and a fresh nonce.
 
         The signature covers the envelope header (:func:`canonical_header`), which holds the payload's
@@ -291,7 +292,8 @@ class Verifier:
             )
         if env.run_id != self.run_id:
             raise EnvelopeError(
-                grpc.StatusCode.FAILED_PRECONDITION, f"message is for run {env.run_id!r}, this node serves {self.run_id!r}"
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"message is for run {env.run_id!r}, this node serves {self.run_id!r}",
             )
         if kind is not None and env.kind != kind:
             raise EnvelopeError(grpc.StatusCode.INVALID_ARGUMENT, f"envelope kind {env.kind!r} does not match {kind!r}")
@@ -309,8 +311,10 @@ class Verifier:
             )
         sender = PeerID(env.sender)
         if self.allow is not None and not self.allow(sender):
-            raise EnvelopeError(grpc.StatusCode.PERMISSION_DENIED,
-                                f"sender {sender.short()} is not allowed (not on this node's allow-list, --allow-peers)")
+            raise EnvelopeError(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"sender {sender.short()} is not allowed (not on this node's allow-list, --allow-peers)",
+            )
         if check_replay:
             self._check_nonce(env.sender + env.nonce, now)
         return Verified(sender, bytes(env.public_key), env.run_id, env.round, env.kind, env.timestamp, payload)

@@ -114,8 +114,14 @@ class LinkProbeService:
     recent end and keeps its count.
     """
 
-    def __init__(self, transport: Transport, max_bytes: int = MAX_PROBE_BYTES, max_per_minute: int = 40,
-                 max_reply_bytes_per_10s: int = 64 << 20, max_callers: int = 4096):
+    def __init__(
+        self,
+        transport: Transport,
+        max_bytes: int = MAX_PROBE_BYTES,
+        max_per_minute: int = 40,
+        max_reply_bytes_per_10s: int = 64 << 20,
+        max_callers: int = 4096,
+    ):
         self.max_bytes = int(max_bytes)
         self.max_per_minute = int(max_per_minute)
         self.max_reply_bytes_per_10s = int(max_reply_bytes_per_10s)
@@ -133,8 +139,9 @@ class LinkProbeService:
         if caller in self._recent:
             self._recent.move_to_end(caller)  # a refused caller stays too: its count must not reset
         if len(times) >= self.max_per_minute:
-            raise EnvelopeError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"more than {self.max_per_minute} probes in a minute from this peer")
+            raise EnvelopeError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED, f"more than {self.max_per_minute} probes in a minute from this peer"
+            )
         self._replies = [(t, n) for t, n in self._replies if now - t < 10.0]
         if reply_bytes and sum(n for _, n in self._replies) + reply_bytes > self.max_reply_bytes_per_10s:
             raise EnvelopeError(grpc.StatusCode.RESOURCE_EXHAUSTED, "probe reply budget spent; try again shortly")
@@ -153,8 +160,10 @@ class LinkProbeService:
         except Exception:
             raise EnvelopeError(grpc.StatusCode.INVALID_ARGUMENT, "LinkProbeRequest is malformed") from None
         if req.reply_bytes > self.max_bytes:
-            raise EnvelopeError(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"probe asks for {req.reply_bytes} bytes back; the most is {self.max_bytes}")
+            raise EnvelopeError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"probe asks for {req.reply_bytes} bytes back; the most is {self.max_bytes}",
+            )
         self._admit(verified.sender.to_string(), int(req.reply_bytes))
         resp = collective_pb2.LinkProbeResponse(received_bytes=len(req.padding), padding=bytes(req.reply_bytes))
         resp.held_s = time.monotonic() - t0
@@ -172,8 +181,15 @@ class ProbeResult:
     nbytes: int
 
 
-async def probe_link(transport: Transport, address: str, nbytes: int = 4 << 20, repeats: int = 2,
-                     timeout_s: float = 60.0, target_s: float = 0.5, first_bytes: int = 256 << 10) -> ProbeResult:
+async def probe_link(
+    transport: Transport,
+    address: str,
+    nbytes: int = 4 << 20,
+    repeats: int = 2,
+    timeout_s: float = 60.0,
+    target_s: float = 0.5,
+    first_bytes: int = 256 << 10,
+) -> ProbeResult:
     """Measure this node's link to ``address`` with real transfers of up to ``nbytes`` each way.
 
     First an empty probe gives the round-trip time (the best of three). Then, per direction, a
@@ -199,8 +215,12 @@ async def probe_link(transport: Transport, address: str, nbytes: int = 4 << 20, 
         dt = time.monotonic() - t0
         resp = collective_pb2.LinkProbeResponse.FromString(reply.payload)
         if resp.received_bytes != up or len(resp.padding) != down:
-            raise RpcError(address, LINK_PROBE, grpc.StatusCode.INVALID_ARGUMENT,
-                           f"probe reply says {resp.received_bytes} bytes received, sent {len(resp.padding)}")
+            raise RpcError(
+                address,
+                LINK_PROBE,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"probe reply says {resp.received_bytes} bytes received, sent {len(resp.padding)}",
+            )
         held = min(max(0.0, resp.held_s if math.isfinite(resp.held_s) else 0.0), dt)
         return dt, held
 

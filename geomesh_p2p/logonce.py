@@ -47,8 +47,9 @@ class LogOnce:
                 self._seen.popitem(last=False)
             return True
 
-    def __call__(self, key: Hashable, level: int, msg: str, *args: Any, event: Optional[str] = None,
-                 **fields: Any) -> bool:
+    def __call__(
+        self, key: Hashable, level: int, msg: str, *args: Any, event: Optional[str] = None, **fields: Any
+    ) -> bool:
         """Log ``msg % args`` at ``level`` the first time ``key`` is seen; returns whether it logged.
 
         With ``event``: logs through ``events.emit(logger, level, event, msg, *args, **fields)`` so the

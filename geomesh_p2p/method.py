@@ -21,8 +21,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-__all__ = ["METHODS", "BALANCED_METHODS", "COMPRESSED_METHODS", "ENCODINGS", "CODEC_HEADER_BYTES",
-           "encoded_nbytes", "bytes_per_element", "MethodRule"]
+__all__ = [
+    "METHODS",
+    "BALANCED_METHODS",
+    "COMPRESSED_METHODS",
+    "ENCODINGS",
+    "CODEC_HEADER_BYTES",
+    "encoded_nbytes",
+    "bytes_per_element",
+    "MethodRule",
+]
 
 #: encodings a vector travels in: uncompressed fp32 and the codec's kinds (geomesh_p2p.compression)
 ENCODINGS = ("fp32", "sign", "int8", "fp16")
@@ -119,8 +127,16 @@ class MethodRule:
     exchanges_gradient: bool
 
     @classmethod
-    def of(cls, method: str, *, mode: str = "relay", aggregate_encoding: str = "sign",
-           aggregation: str = "meanmed", block_size: int = 2048, uniform_inner_steps: int = 20) -> "MethodRule":
+    def of(
+        cls,
+        method: str,
+        *,
+        mode: str = "relay",
+        aggregate_encoding: str = "sign",
+        aggregation: str = "meanmed",
+        block_size: int = 2048,
+        uniform_inner_steps: int = 20,
+    ) -> "MethodRule":
         """The rule of ``method`` under these run settings (same meaning as ``RunConfig``'s fields).
 
         Raises ValueError for an unknown method or mode, or ``block_size`` / ``uniform_inner_steps`` < 1.
@@ -135,22 +151,32 @@ class MethodRule:
         balanced = method in BALANCED_METHODS
         ddp = method == "ddp"
         return cls(
-            method=method, mode=mode, compressed=compressed,
+            method=method,
+            mode=mode,
+            compressed=compressed,
             push_encoding="sign" if compressed else "fp32",
             aggregate_encoding=aggregate_encoding if compressed else "fp32",
             balanced=balanced,
             uniform_inner_steps=None if balanced else (1 if ddp else uniform_inner_steps),
             rule=aggregation if compressed else "mean",
-            block_size=block_size, part_align=block_size if compressed else 1,
-            outer_state_slots=2 if ddp else 1, exchanges_gradient=ddp)
+            block_size=block_size,
+            part_align=block_size if compressed else 1,
+            outer_state_slots=2 if ddp else 1,
+            exchanges_gradient=ddp,
+        )
 
     @classmethod
     def from_run(cls, run_cfg: Any) -> "MethodRule":
         """The rule of a ``geomesh_p2p.node.RunConfig`` (fields ``method``, ``mode``,
         ``aggregate_encoding``, ``aggregation``, ``block_size``, ``uniform_inner_steps``)."""
-        return cls.of(run_cfg.method, mode=run_cfg.mode, aggregate_encoding=run_cfg.aggregate_encoding,
-                      aggregation=run_cfg.aggregation, block_size=run_cfg.block_size,
-                      uniform_inner_steps=run_cfg.uniform_inner_steps)
+        return cls.of(
+            run_cfg.method,
+            mode=run_cfg.mode,
+            aggregate_encoding=run_cfg.aggregate_encoding,
+            aggregation=run_cfg.aggregation,
+            block_size=run_cfg.block_size,
+            uniform_inner_steps=run_cfg.uniform_inner_steps,
+        )
 
     def payload_bytes(self, numel: int, n_peers: int) -> int:
         """Planner estimate of the bytes one peer sends (and receives) in one exchange of a

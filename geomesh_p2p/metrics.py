@@ -53,8 +53,21 @@ def json_safe(value):
 #: ``digest`` (commit: load, digest, snapshot); ``announce`` (round r+1's record); ``eval`` (the time the
 #: round waited for evaluation: 0 when it runs in the background); ``digest_check``; ``checkpoint``
 #: (the previous round's, written after its row); ``resync`` (state downloads: behind, or a digest mismatch).
-PHASES = ("top", "gather", "plan", "train", "pseudo_gradient", "exchange", "outer_step", "digest", "announce",
-          "eval", "digest_check", "checkpoint", "resync")
+PHASES = (
+    "top",
+    "gather",
+    "plan",
+    "train",
+    "pseudo_gradient",
+    "exchange",
+    "outer_step",
+    "digest",
+    "announce",
+    "eval",
+    "digest_check",
+    "checkpoint",
+    "resync",
+)
 
 #: A round in which a peer does fewer than this share of its planned inner steps is flagged "underfilled".
 UNDERFILLED_SHARE = 0.5
@@ -132,8 +145,10 @@ class RoundRecord:
         return json.dumps(json_safe(d), sort_keys=True, allow_nan=False)
 
 
-HEADER = (f"{'round':>5} {'peers':>5} {'batch':>5} {'H':>7} {'tokens':>8} {'loss':>7} {'eval ppl':>9} "
-          f"{'strag%':>6} {'net%':>5} {'comp%':>5} {'sent':>9} {'recv':>9} {'time':>6} {'stall':>6} digest")
+HEADER = (
+    f"{'round':>5} {'peers':>5} {'batch':>5} {'H':>7} {'tokens':>8} {'loss':>7} {'eval ppl':>9} "
+    f"{'strag%':>6} {'net%':>5} {'comp%':>5} {'sent':>9} {'recv':>9} {'time':>6} {'stall':>6} digest"
+)
 
 
 def _fmt_bytes(n: float) -> str:
@@ -154,17 +169,24 @@ def format_row(r: RoundRecord) -> str:
     share = r.compute_share
     comp = f"{100 * share:>5.1f}" if share is not None else f"{'-':>5}"
     stall = f"{r.loop_stall_ms:.0f}ms" if r.loop_stall_ms is not None and math.isfinite(r.loop_stall_ms) else "-"
-    return (f"{r.round:>5} {r.peers:>5} {r.batch_size:>5} {h:>7} {r.tokens:>8} {loss} {ppl} "
-            f"{r.straggler_idle_pct:>6.1f} {r.network_idle_pct:>5.1f} {comp} {_fmt_bytes(r.bytes_sent):>9} "
-            f"{_fmt_bytes(r.bytes_received):>9} {r.round_s:>6.1f} {stall:>6} {r.digest[:8]}{agree}")
+    return (
+        f"{r.round:>5} {r.peers:>5} {r.batch_size:>5} {h:>7} {r.tokens:>8} {loss} {ppl} "
+        f"{r.straggler_idle_pct:>6.1f} {r.network_idle_pct:>5.1f} {comp} {_fmt_bytes(r.bytes_sent):>9} "
+        f"{_fmt_bytes(r.bytes_received):>9} {r.round_s:>6.1f} {stall:>6} {r.digest[:8]}{agree}"
+    )
 
 
 class RoundLog:
     """Prints the round table, appends JSON lines (``--log-json``), feeds Prometheus (``--metrics-port``;
     port 0 picks a free one, see :attr:`metrics_port`). :meth:`close` stops the HTTP server."""
 
-    def __init__(self, json_path: Optional[str] = None, metrics_port: Optional[int] = None,
-                 metrics_host: str = "127.0.0.1", print_fn=print):
+    def __init__(
+        self,
+        json_path: Optional[str] = None,
+        metrics_port: Optional[int] = None,
+        metrics_host: str = "127.0.0.1",
+        print_fn=print,
+    ):
         self.json_path = Path(json_path) if json_path else None
         if self.json_path:
             self.json_path.parent.mkdir(parents=True, exist_ok=True)
@@ -192,14 +214,24 @@ class RoundLog:
             "loop_stall": g("loop_stall_seconds", "worst event-loop stall of the last round"),
             "compute_share": g("compute_share_ratio", "inner steps' share of this peer's last round cycle"),
         }
-        self._phase = Gauge("geomesh_round_phase_seconds", "seconds of each round-driver phase in the last cycle",
-                            ["phase"], registry=self.registry)
-        self._loop_stall = Histogram("geomesh_round_loop_stall_seconds", "worst event-loop stall per round",
-                                     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
-                                     registry=self.registry)
+        self._phase = Gauge(
+            "geomesh_round_phase_seconds",
+            "seconds of each round-driver phase in the last cycle",
+            ["phase"],
+            registry=self.registry,
+        )
+        self._loop_stall = Histogram(
+            "geomesh_round_loop_stall_seconds",
+            "worst event-loop stall per round",
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
+            registry=self.registry,
+        )
         self._tokens = Counter("geomesh_tokens", "tokens trained by this peer", registry=self.registry)
-        self._underfilled = Counter("geomesh_underfilled_rounds", "rounds in which this peer trained less than "
-                                    f"{UNDERFILLED_SHARE:.0%} of its planned inner steps", registry=self.registry)
+        self._underfilled = Counter(
+            "geomesh_underfilled_rounds",
+            f"rounds in which this peer trained less than {UNDERFILLED_SHARE:.0%} of its planned inner steps",
+            registry=self.registry,
+        )
         self._bytes_sent = Counter("geomesh_sent_bytes", "bytes sent in exchanges", registry=self.registry)
         self._bytes_recv = Counter("geomesh_received_bytes", "bytes received in exchanges", registry=self.registry)
         # prometheus-client >= 0.20 (the dependency's floor) returns (server, thread): close() stops both.

@@ -36,8 +36,14 @@ import geomesh_p2p
 from geomesh_p2p import swarm_status  # noqa: F401  (kept importable from here: tests patch it)
 from geomesh_p2p.aio import wait_event
 from geomesh_p2p.admission import Admission, load_or_solve_pow, pow_cache_path
-from geomesh_p2p.capability import (ProfileStopped, ThroughputEMA, detect_device, measure_codec, profile_training,
-                                    release_freed_memory)
+from geomesh_p2p.capability import (
+    ProfileStopped,
+    ThroughputEMA,
+    detect_device,
+    measure_codec,
+    profile_training,
+    release_freed_memory,
+)
 from geomesh_p2p.collective import CollectiveService
 from geomesh_p2p.config import NodeConfig, RunConfig
 from geomesh_p2p.data import load_dataset
@@ -63,16 +69,31 @@ from geomesh_p2p.standing import OnceLog, Standing
 from geomesh_p2p import sync_progress
 from geomesh_p2p import state as gstate  # module-qualified: tests replace gstate.save_checkpoint
 from geomesh_p2p.state_sync import StateServer
-from geomesh_p2p.training import (DEFAULT_INNER, InnerTrainer, build_model, flat_params, load_flat_, lr_at, num_params,
-                                  pseudo_gradient)
-from geomesh_p2p.transport import (COLLECTIVE_PULL, COLLECTIVE_PUSH, DHT_PING, Transport, TransportConfig,
-                                   tls_from_flags)
+from geomesh_p2p.training import (
+    DEFAULT_INNER,
+    InnerTrainer,
+    build_model,
+    flat_params,
+    load_flat_,
+    lr_at,
+    num_params,
+    pseudo_gradient,
+)
+from geomesh_p2p.transport import COLLECTIVE_PULL, COLLECTIVE_PUSH, DHT_PING, Transport, TransportConfig, tls_from_flags
 from geomesh_p2p.wire import dht_pb2
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PeerNode", "RunConfig", "NodeConfig", "StoppedBeforeJoining", "DuplicateIdentityError",
-           "check_writable_dir", "OWNER_PENALTY_ROUNDS", "RoundRecord"]
+__all__ = [
+    "PeerNode",
+    "RunConfig",
+    "NodeConfig",
+    "StoppedBeforeJoining",
+    "DuplicateIdentityError",
+    "check_writable_dir",
+    "OWNER_PENALTY_ROUNDS",
+    "RoundRecord",
+]
 
 #: Bandwidth assumed for a direction that is neither stated nor measured yet (bytes/s, 800 Mbit/s).
 DEFAULT_LINK_BPS = 1e8
@@ -92,6 +113,7 @@ def _record_tps(tps: dict) -> dict:
     """This peer's tokens/s figures clamped to what a record may state (an EMA fed a near-zero
     compute time must not make the record invalid, and with it every announcement)."""
     return {b: min(max(float(v), MIN_TOKENS_PER_S), MAX_TOKENS_PER_S) for b, v in tps.items()}
+
 
 #: Longest pause between two looks for a live peer while ``--on-empty-swarm wait`` waits (seconds).
 EMPTY_SWARM_POLL_MAX_S = 15.0
@@ -151,7 +173,9 @@ class PeerNode(NodeRoundPolicy):
         self.time_to_target: Optional[float] = None
         self._t_start = time.time()
         self.transport: Optional[Transport] = None
-        self.ema: Optional[ThroughputEMA] = None  # capability.ThroughputEMA: tokens/s per micro-batch and link bytes/s, re-profiled
+        self.ema: Optional[ThroughputEMA] = (
+            None  # capability.ThroughputEMA: tokens/s per micro-batch and link bytes/s, re-profiled
+        )
         self.max_batch = 1
         self.probe_result = None  # links.ProbeResult of the start-up probe, if one was made
         self._measured: set[str] = set()  # quantities measured in a round at least once ("tps", "up", "down")
@@ -184,8 +208,9 @@ class PeerNode(NodeRoundPolicy):
                 self._pow_cache = str(key)
         except (IdentityError, OSError):
             pass
-        self._allow = (allow_list(self.cfg.allow_peers, also=[self.identity.peer_id])
-                       if self.cfg.allow_peers is not None else None)
+        self._allow = (
+            allow_list(self.cfg.allow_peers, also=[self.identity.peer_id]) if self.cfg.allow_peers is not None else None
+        )
         self.admission = Admission(self.run_cfg.run_id, self.run_cfg.pow_bits, self._allow)
         self._vote_log = OnceLog()
 
@@ -197,10 +222,15 @@ class PeerNode(NodeRoundPolicy):
             return
         cache = pow_cache_path(self._pow_cache) if self._pow_cache else None
         if cache is None or not cache.exists():
-            log.info("computing this identity's proof of work for run %r (%d bits, ~%.0e hashes)...",
-                     self.run_cfg.run_id, bits, 2.0 ** bits)
-        nonce, took, cached = await asyncio.to_thread(load_or_solve_pow, self.identity, self.run_cfg.run_id, bits,
-                                                      cache, self._stop.is_set)
+            log.info(
+                "computing this identity's proof of work for run %r (%d bits, ~%.0e hashes)...",
+                self.run_cfg.run_id,
+                bits,
+                2.0**bits,
+            )
+        nonce, took, cached = await asyncio.to_thread(
+            load_or_solve_pow, self.identity, self.run_cfg.run_id, bits, cache, self._stop.is_set
+        )
         if nonce is None:
             raise UserFacingError("stopped while computing the proof of work")
         self.pow_nonce = nonce
@@ -224,19 +254,30 @@ class PeerNode(NodeRoundPolicy):
         # This machine's own resources, one line each and before the DHT join (issue 14 #10): not found
         # out after the join, the link probe and the profile.
         if c.device.startswith("cuda") and not torch.cuda.is_available():
-            raise UserFacingError(f"--device {c.device}: CUDA is not available on this machine (torch "
-                                  f"{torch.__version__}, CUDA build {torch.version.cuda or 'none'}); use --device cpu "
-                                  f"or auto")
+            raise UserFacingError(
+                f"--device {c.device}: CUDA is not available on this machine (torch "
+                f"{torch.__version__}, CUDA build {torch.version.cuda or 'none'}); use --device cpu "
+                f"or auto"
+            )
         try:
             self.round_log = RoundLog(c.log_json, c.metrics_port, metrics_host=c.metrics_host)
         except OSError as e:
-            raise UserFacingError(f"--metrics-port {c.metrics_port}: cannot listen on {c.metrics_host}:"
-                                  f"{c.metrics_port}: {e.strerror or e}") from None
+            raise UserFacingError(
+                f"--metrics-port {c.metrics_port}: cannot listen on {c.metrics_host}:"
+                f"{c.metrics_port}: {e.strerror or e}"
+            ) from None
         # --tls-*: checked before anything listens (a bad file is one line naming it); PEM reads off the loop.
-        tls = await asyncio.to_thread(tls_from_flags, getattr(c, "tls_cert", None), getattr(c, "tls_key", None),
-                                      getattr(c, "tls_ca", None))
-        tcfg = TransportConfig(host=c.host, port=c.port, advertise_host=c.advertise_host,
-                               client_only=c.client_only, added_latency_s=c.added_latency_s, tls=tls)
+        tls = await asyncio.to_thread(
+            tls_from_flags, getattr(c, "tls_cert", None), getattr(c, "tls_key", None), getattr(c, "tls_ca", None)
+        )
+        tcfg = TransportConfig(
+            host=c.host,
+            port=c.port,
+            advertise_host=c.advertise_host,
+            client_only=c.client_only,
+            added_latency_s=c.added_latency_s,
+            tls=tls,
+        )
         await self._prove_work()
         self.transport = Transport(self.identity, self.run_cfg.run_id, tcfg, allow=self._allow)
         self.dht = DHTNode(self.transport, join_attempts=8)
@@ -267,8 +308,9 @@ class PeerNode(NodeRoundPolicy):
         await self._check_identity_unique()
         probed = await self._probe_links()
 
-        self.announcer = PeerAnnouncer(self.dht, self.my_record, period_s=c.announce_period_s,
-                                       ttl_s=4 * c.announce_period_s)
+        self.announcer = PeerAnnouncer(
+            self.dht, self.my_record, period_s=c.announce_period_s, ttl_s=4 * c.announce_period_s
+        )
         self.plans = PlanStore(self.dht, self.identity, self.run_cfg.run_id)
         # Off the event loop: tokenizing and profiling take seconds, and the DHT must keep answering.
         await asyncio.to_thread(self._build_training)
@@ -298,19 +340,30 @@ class PeerNode(NodeRoundPolicy):
         # faulted in its activations and gradients afresh. Freed memory goes back by trims instead: after
         # the profile (below) and after each round's inner steps (InnerTrainer.run).
         # Start-up says what it is doing: data, tokenizer and model take seconds to minutes (issue 14 #10).
-        log.info("loading the training data (%s) and its tokenizer (cached after the first run)...",
-                 c.data_path or "the shipped corpus")
+        log.info(
+            "loading the training data (%s) and its tokenizer (cached after the first run)...",
+            c.data_path or "the shipped corpus",
+        )
         t0 = time.monotonic()
         self.dataset = load_dataset(c.data_path, seq_len=r.seq_len, vocab_size=r.vocab_size)
-        log.info("data loaded in %.1fs; building the model and profiling this device (a few timed steps)...",
-                 time.monotonic() - t0)
+        log.info(
+            "data loaded in %.1fs; building the model and profiling this device (a few timed steps)...",
+            time.monotonic() - t0,
+        )
         self._stop_point("after loading the data")
         self.device_info = detect_device(c.device, c.memory_budget_bytes)
-        device = "cuda" if self.device_info.kind == "cuda" and c.device == "auto" else (
-            c.device if c.device != "auto" else "cpu")
+        device = (
+            "cuda"
+            if self.device_info.kind == "cuda" and c.device == "auto"
+            else (c.device if c.device != "auto" else "cpu")
+        )
         self.device = torch.device(device)
-        self.model = build_model(r.model if not c.model_config_file else None, config_file=c.model_config_file,
-                                 vocab_size=self.dataset.vocab_size, seed=r.seed).to(self.device)
+        self.model = build_model(
+            r.model if not c.model_config_file else None,
+            config_file=c.model_config_file,
+            vocab_size=self.dataset.vocab_size,
+            seed=r.seed,
+        ).to(self.device)
         self.numel = num_params(self.model)
         # Outer optimizer state: Nesterov's momentum [P], or the ddp baseline's AdamW moments [2P].
         rule = self.method_rule
@@ -319,12 +372,22 @@ class PeerNode(NodeRoundPolicy):
         # Profile first: the inner optimizer and the global state are not allocated yet, so the profile's
         # static estimate (gradients + AdamW state + global weights and outer state) is what the node adds.
         try:
-            prof = profile_training(self.model, r.seq_len, self.device, self.device_info.memory_bytes,
-                                    vocab_size=self.dataset.vocab_size, batch_sizes=c.profile_batches,
-                                    speed_factor=c.speed_factor, amp=c.amp, limit=256,
-                                    extra_bytes=(4 * (1 + rule.outer_state_slots + ef_slots) * self.numel
-                                                 if self.device.type == "cpu" else 0), logger=log,
-                                    should_stop=self._stop.is_set)
+            prof = profile_training(
+                self.model,
+                r.seq_len,
+                self.device,
+                self.device_info.memory_bytes,
+                vocab_size=self.dataset.vocab_size,
+                batch_sizes=c.profile_batches,
+                speed_factor=c.speed_factor,
+                amp=c.amp,
+                limit=256,
+                extra_bytes=(
+                    4 * (1 + rule.outer_state_slots + ef_slots) * self.numel if self.device.type == "cpu" else 0
+                ),
+                logger=log,
+                should_stop=self._stop.is_set,
+            )
         except ValueError as e:  # the budget (stated or the memory available) cannot hold this model
             raise UserFacingError(f"cannot train {r.model} here: {e}") from None
         except ProfileStopped as e:
@@ -334,29 +397,56 @@ class PeerNode(NodeRoundPolicy):
         self._stop_point("after the profile")
         # The exchange's CPU cost per element (encode, sign, verify, aggregate): the exchange window of this
         # peer's plans grows with the model by it (planner.exchange_cpu_s); each exchange then refines it.
-        self.codec_s_per_element = measure_codec(block_size=r.block_size, push_encoding=rule.push_encoding,
-                                                 rule=rule.rule, weight_cap=r.weight_cap,
-                                                 min_agreement=r.min_agreement, clip_k=r.clip_k)
-        log.info("device %s: %s tokens/s per batch, max batch %d (%.1fs to measure, peak %.2f GiB, budget %.2f GiB); "
-                 "exchange CPU %.1f ns per element pass", self.device_info.name,
-                 {b: round(t) for b, t in self.profiled_tps.items()}, self.max_batch, prof.seconds,
-                 max(prof.peak_bytes.values()) / 2**30, prof.memory_bytes / 2**30, self.codec_s_per_element * 1e9)
+        self.codec_s_per_element = measure_codec(
+            block_size=r.block_size,
+            push_encoding=rule.push_encoding,
+            rule=rule.rule,
+            weight_cap=r.weight_cap,
+            min_agreement=r.min_agreement,
+            clip_k=r.clip_k,
+        )
+        log.info(
+            "device %s: %s tokens/s per batch, max batch %d (%.1fs to measure, peak %.2f GiB, budget %.2f GiB); "
+            "exchange CPU %.1f ns per element pass",
+            self.device_info.name,
+            {b: round(t) for b, t in self.profiled_tps.items()},
+            self.max_batch,
+            prof.seconds,
+            max(prof.peak_bytes.values()) / 2**30,
+            prof.memory_bytes / 2**30,
+            self.codec_s_per_element * 1e9,
+        )
         # No legitimate push exceeds one fp32 copy of the vector (the fp32 baselines' largest part) plus
         # framing: a larger one is refused from its length prefix, before it is read (issue 12).
         transport = self._started_transport()
-        transport.set_payload_limit(COLLECTIVE_PUSH, min(transport.config.max_message_bytes,
-                                                         4 * self.numel + PUSH_FRAMING_BYTES))
+        transport.set_payload_limit(
+            COLLECTIVE_PUSH, min(transport.config.max_message_bytes, 4 * self.numel + PUSH_FRAMING_BYTES)
+        )
         transport.set_payload_limit(COLLECTIVE_PULL, PULL_REQUEST_BYTES)
         self.trainer = InnerTrainer(
-            self.model, self.dataset, device=self.device, seq_len=r.seq_len, optimizer=r.inner_optimizer,
-            lr=r.inner_lr, weight_decay=0.1, warmup_steps=r.warmup_steps, total_steps=r.total_inner_steps,
-            seed=r.seed, peer_id=self.me, speed_factor=c.speed_factor, amp=c.amp,
-            steps_per_round=r.uniform_inner_steps)  # the inner LR follows the swarm's rounds (issue 14 #8)
+            self.model,
+            self.dataset,
+            device=self.device,
+            seq_len=r.seq_len,
+            optimizer=r.inner_optimizer,
+            lr=r.inner_lr,
+            weight_decay=0.1,
+            warmup_steps=r.warmup_steps,
+            total_steps=r.total_inner_steps,
+            seed=r.seed,
+            peer_id=self.me,
+            speed_factor=c.speed_factor,
+            amp=c.amp,
+            steps_per_round=r.uniform_inner_steps,
+        )  # the inner LR follows the swarm's rounds (issue 14 #8)
         if rule.exchanges_gradient:
             # Data-parallel baseline: the "outer" step is AdamW on the swarm's mean gradient.
             self.outer = SyncAdamW(
                 lambda rnd: lr_at(rnd, lr=r.inner_lr, warmup_steps=r.warmup_steps, total_steps=r.total_inner_steps),
-                betas=DEFAULT_INNER["adamw"]["betas"], weight_decay=0.1, decay_mask=self.trainer.decay_mask())
+                betas=DEFAULT_INNER["adamw"]["betas"],
+                weight_decay=0.1,
+                decay_mask=self.trainer.decay_mask(),
+            )
         else:
             self.outer = OuterNesterov(lr=r.outer_lr, momentum=r.outer_momentum)
         # The global state in one buffer [(1 + k) * P]: theta and the outer optimizer's state are views of it,
@@ -366,8 +456,9 @@ class PeerNode(NodeRoundPolicy):
         self.outer.buf = self.gstate.opt_state
         self.state_server.serve(self.gstate)  # served by byte range from the buffer itself (no snapshot copies)
         # --error-feedback: the residual [P] fp32 of this peer's sign pushes (fp32 pushes lose nothing).
-        self.feedback = (PushFeedback(self.numel, r.block_size)
-                         if r.error_feedback and rule.push_encoding == "sign" else None)
+        self.feedback = (
+            PushFeedback(self.numel, r.block_size) if r.error_feedback and rule.push_encoding == "sign" else None
+        )
 
     async def _probe_links(self):
         """Measure this peer's link against the first bootstrap that answers (links.probe_link);
@@ -382,8 +473,14 @@ class PeerNode(NodeRoundPolicy):
             except Exception as e:  # an old or busy bootstrap: the first rounds will measure instead
                 log.info("link probe of %s failed (%s); bandwidth will be measured in the first round", b, e)
                 continue
-            log.info("link to %s: upload %.1f Mbit/s, download %.1f Mbit/s, RTT %.1f ms (probe, up to %d KiB)", b,
-                     res.upload_bps * 8e-6, res.download_bps * 8e-6, res.rtt_s * 1e3, res.nbytes >> 10)
+            log.info(
+                "link to %s: upload %.1f Mbit/s, download %.1f Mbit/s, RTT %.1f ms (probe, up to %d KiB)",
+                b,
+                res.upload_bps * 8e-6,
+                res.download_bps * 8e-6,
+                res.rtt_s * 1e3,
+                res.nbytes >> 10,
+            )
             self.probe_result = res
             return res
         return None
@@ -407,16 +504,26 @@ class PeerNode(NodeRoundPolicy):
         c, ema = self.cfg, self._throughput_ema()
         max_batch = max(1, self.max_batch)
         return PeerRecord(
-            peer_id=self.me, address=self.record_address, device=self.device_info.name,
-            memory_bytes=self.device_info.memory_bytes, tokens_per_s=_record_tps(ema.tokens_per_s),
-            max_batch=max_batch, upload_bps=_link(c.upload_bps or ema.upload_bps),
+            peer_id=self.me,
+            address=self.record_address,
+            device=self.device_info.name,
+            memory_bytes=self.device_info.memory_bytes,
+            tokens_per_s=_record_tps(ema.tokens_per_s),
+            max_batch=max_batch,
+            upload_bps=_link(c.upload_bps or ema.upload_bps),
             download_bps=_link(c.download_bps or ema.download_bps),
-            version=geomesh_p2p.__version__, protocol_version=geomesh_p2p.PROTOCOL_VERSION,
-            run_config_hash=self.config_hash, run_config=self.run_cfg.model_dump(), round=self.round,
-            weights_digest=None if self._syncing else self.digest, leaving=self._leaving,
-            pow_nonce=self.pow_nonce, standing=self.standing.attestations(exclude=self.me, own=True),
+            version=geomesh_p2p.__version__,
+            protocol_version=geomesh_p2p.PROTOCOL_VERSION,
+            run_config_hash=self.config_hash,
+            run_config=self.run_cfg.model_dump(),
+            round=self.round,
+            weights_digest=None if self._syncing else self.digest,
+            leaving=self._leaving,
+            pow_nonce=self.pow_nonce,
+            standing=self.standing.attestations(exclude=self.me, own=True),
             sync_progress=sync_progress.announced(self),  # while syncing (issue 14 #3)
-            timestamp=swarm_time())  # read by other machines (status page: last seen)
+            timestamp=swarm_time(),
+        )  # read by other machines (status page: last seen)
 
     async def announce(self) -> None:
         """Store this peer's current record now (the announcer also refreshes it every period)."""
@@ -430,8 +537,14 @@ class PeerNode(NodeRoundPolicy):
         that announced they are leaving only with ``include_leaving``. Records without a valid proof of
         work, or of identities off the allow-list in a private run, are ignored (admission.py)."""
 
-        recs = await live_peers(self.dht, self.run_cfg.run_id, expected_version=geomesh_p2p.__version__,
-                                expected_config_hash=self.config_hash, latest=True, include_leaving=include_leaving)
+        recs = await live_peers(
+            self.dht,
+            self.run_cfg.run_id,
+            expected_version=geomesh_p2p.__version__,
+            expected_config_hash=self.config_hash,
+            latest=True,
+            include_leaving=include_leaving,
+        )
         out = {r.peer_id: r for r in self.admission.filter(recs)}
         out[self.me] = self.my_record()
         return list(out.values())
@@ -458,10 +571,18 @@ class PeerNode(NodeRoundPolicy):
     def _placeholder_record(self) -> PeerRecord:
         """This peer's version, protocol and run config, before its device is profiled (never announced)."""
         return PeerRecord(
-            peer_id=self.me, address=self.record_address, device="(starting)", memory_bytes=0, max_batch=1,
-            upload_bps=1.0, download_bps=1.0, version=geomesh_p2p.__version__,
-            protocol_version=geomesh_p2p.PROTOCOL_VERSION, run_config_hash=self.config_hash,
-            run_config=self.run_cfg.model_dump())
+            peer_id=self.me,
+            address=self.record_address,
+            device="(starting)",
+            memory_bytes=0,
+            max_batch=1,
+            upload_bps=1.0,
+            download_bps=1.0,
+            version=geomesh_p2p.__version__,
+            protocol_version=geomesh_p2p.PROTOCOL_VERSION,
+            run_config_hash=self.config_hash,
+            run_config=self.run_cfg.model_dump(),
+        )
 
     async def _check_identity_unique(self) -> None:
         """Refuse to start when another live process already runs this PeerID (issue 14 #7).
@@ -479,17 +600,20 @@ class PeerNode(NodeRoundPolicy):
         for rec in await live_peers(self.dht, self.run_cfg.run_id, include_leaving=True):
             if rec.peer_id != self.me or not rec.address or rec.address == mine:
                 continue
-            req = dht_pb2.PingRequest(sender=self.dht.self_info(), dht_protocol=DHT_PROTOCOL_VERSION,
-                                      software_version=geomesh_p2p.__version__)
+            req = dht_pb2.PingRequest(
+                sender=self.dht.self_info(), dht_protocol=DHT_PROTOCOL_VERSION, software_version=geomesh_p2p.__version__
+            )
             try:
-                reply = await transport.call(rec.address, DHT_PING, req.SerializeToString(),
-                                             timeout=IDENTITY_PING_TIMEOUT_S)
+                reply = await transport.call(
+                    rec.address, DHT_PING, req.SerializeToString(), timeout=IDENTITY_PING_TIMEOUT_S
+                )
             except Exception:  # nobody there (a stale record of this identity's previous run)
                 continue
             if reply.sender == self.identity.peer_id:
                 raise DuplicateIdentityError(
                     f"this PeerID ({self.identity.peer_id.short()}) is already live at {rec.address}: another "
-                    f"process runs with the same --identity key; give each peer its own key file")
+                    f"process runs with the same --identity key; give each peer its own key file"
+                )
 
     async def _check_swarm(self, mine: Optional[PeerRecord] = None) -> None:
         """Refuse to start when the swarm's live peers all run another config or version.
@@ -506,11 +630,15 @@ class PeerNode(NodeRoundPolicy):
         detail = check_compatible(mine, other)
         if other.run_config and other.run_config_hash != self.config_hash:
             a, b = self.run_cfg.model_dump(), other.run_config
-            fields = [f"{k}: {a.get(k)!r} here vs {b.get(k)!r} in the swarm"
-                      for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+            fields = [
+                f"{k}: {a.get(k)!r} here vs {b.get(k)!r} in the swarm"
+                for k in sorted(set(a) | set(b))
+                if a.get(k) != b.get(k)
+            ]
             detail = "; ".join(fields) or detail
         raise IncompatibleSwarmError(
-            f"the {len(others)} live peer(s) of run {self.run_cfg.run_id!r} use another run config: {detail}")
+            f"the {len(others)} live peer(s) of run {self.run_cfg.run_id!r} use another run config: {detail}"
+        )
 
     async def _initial_state(self) -> None:
 
@@ -524,8 +652,9 @@ class PeerNode(NodeRoundPolicy):
             log.info("--resume: no checkpoint in %s, starting fresh", self.cfg.checkpoint_dir)
         # Fresh peer: join the swarm's state if it already trained, else the seed's.
         # The seed weights are written into the state buffer itself, in the worker thread (not on the loop).
-        await asyncio.to_thread(lambda: self._set_state(0, flat_params(self.model, out=self.gstate.theta),
-                                                        self.gstate.opt_state.zero_()))
+        await asyncio.to_thread(
+            lambda: self._set_state(0, flat_params(self.model, out=self.gstate.theta), self.gstate.opt_state.zero_())
+        )
         recs = [r for r in await self.peers() if r.peer_id != self.me]
         if any(r.round > 0 and r.weights_digest for r in recs):
             await self._catch_up()
@@ -542,23 +671,32 @@ class PeerNode(NodeRoundPolicy):
         rnd, theta, momentum, meta = ck
         if meta.get("run_config_hash") not in (None, self.config_hash):
             old = (meta.get("meta") or {}).get("run_config") or {}
-            diff = [f"{k}: {old.get(k)!r} there vs {v!r} here" for k, v in self.run_cfg.model_dump().items()
-                    if k in old and old[k] != v]
-            raise UserFacingError(f"checkpoint in {self.cfg.checkpoint_dir} is from another run config ("
-                                  + ("; ".join(diff) or f"{meta.get('run_config_hash')} vs {self.config_hash}")
-                                  + "); resume with the same flags, or use another --checkpoint-dir")
+            diff = [
+                f"{k}: {old.get(k)!r} there vs {v!r} here"
+                for k, v in self.run_cfg.model_dump().items()
+                if k in old and old[k] != v
+            ]
+            raise UserFacingError(
+                f"checkpoint in {self.cfg.checkpoint_dir} is from another run config ("
+                + ("; ".join(diff) or f"{meta.get('run_config_hash')} vs {self.config_hash}")
+                + "); resume with the same flags, or use another --checkpoint-dir"
+            )
         if momentum is None or momentum.numel() != self.state_numel:
-            raise UserFacingError(f"checkpoint in {self.cfg.checkpoint_dir} holds no or another optimizer "
-                                  f"state ({0 if momentum is None else momentum.numel()} elements, this run "
-                                  f"needs {self.state_numel}); was it written by another --method?")
+            raise UserFacingError(
+                f"checkpoint in {self.cfg.checkpoint_dir} holds no or another optimizer "
+                f"state ({0 if momentum is None else momentum.numel()} elements, this run "
+                f"needs {self.state_numel}); was it written by another --method?"
+            )
         await asyncio.to_thread(self._set_state, rnd, theta, momentum)
         self.standing = Standing.from_meta((meta.get("meta") or {}).get("standing"))
         log.info("resumed from checkpoint at round %d (digest %s)", rnd, str(self.digest)[:8])
         fb: Optional[PushFeedback] = getattr(self, "feedback", None)  # absent before _build_training
         if fb is not None and self.digest is not None:  # _set_state set the digest
             got = await asyncio.to_thread(fb.load, self.cfg.checkpoint_dir, state_round=rnd, digest=self.digest)
-            log.info("error feedback: %s", "residual resumed from the checkpoint" if got == "loaded"
-                     else f"residual starts at zero ({got})")
+            log.info(
+                "error feedback: %s",
+                "residual resumed from the checkpoint" if got == "loaded" else f"residual starts at zero ({got})",
+            )
 
     async def _on_empty_swarm(self) -> None:
         """No other live peer of this run (issue 14 #2): when a bootstrap saw the run at round N > 0
@@ -577,8 +715,14 @@ class PeerNode(NodeRoundPolicy):
             return
         how = self.cfg.on_empty_swarm
         ago = max(0.0, swarm_time() - prog.seen_at)
-        log.warning("run %r was at round %d (bootstrap %s saw %d peer(s) %.0f s ago) but no peer of it is live now",
-                    self.run_cfg.run_id, prog.round, prog.by[:8] or "?", prog.peers, ago)
+        log.warning(
+            "run %r was at round %d (bootstrap %s saw %d peer(s) %.0f s ago) but no peer of it is live now",
+            self.run_cfg.run_id,
+            prog.round,
+            prog.by[:8] or "?",
+            prog.peers,
+            ago,
+        )
         if how == "seed":
             log.info("--on-empty-swarm seed: starting the run again from the seed at round 0")
             return
@@ -587,12 +731,17 @@ class PeerNode(NodeRoundPolicy):
             ck = await asyncio.to_thread(gstate.load_latest_checkpoint, d) if d else None
             if ck is None:
                 raise UserFacingError(
-                    f"--on-empty-swarm resume: no checkpoint in {d}" if d else
-                    "--on-empty-swarm resume needs --checkpoint-dir (the directory of this run's checkpoints)")
+                    f"--on-empty-swarm resume: no checkpoint in {d}"
+                    if d
+                    else "--on-empty-swarm resume needs --checkpoint-dir (the directory of this run's checkpoints)"
+                )
             await self._resume_from(ck)
             return
-        log.info("waiting for a peer of run %r to come back (Ctrl+C to stop; --on-empty-swarm resume or seed "
-                 "starts without one)", self.run_cfg.run_id)
+        log.info(
+            "waiting for a peer of run %r to come back (Ctrl+C to stop; --on-empty-swarm resume or seed "
+            "starts without one)",
+            self.run_cfg.run_id,
+        )
         backoff = Backoff(first=1.0, cap=EMPTY_SWARM_POLL_MAX_S)
         while True:
             if await wait_event(self._stop, backoff.next()):
@@ -615,12 +764,30 @@ class PeerNode(NodeRoundPolicy):
         except Exception as e:  # never end a training peer over its checkpoint
             fields = dict(round=self.round, final=final, error=type(e).__name__, detail=str(e))
             if final:
-                events.emit(log, logging.WARNING, "checkpoint_failed", "round %d: the final checkpoint failed (%s: %s); "
-                            "the latest one already in %s stays valid (a --resume starts from it, not from round %d)",
-                            self.round, type(e).__name__, e, self.cfg.checkpoint_dir, self.round, **fields)
+                events.emit(
+                    log,
+                    logging.WARNING,
+                    "checkpoint_failed",
+                    "round %d: the final checkpoint failed (%s: %s); "
+                    "the latest one already in %s stays valid (a --resume starts from it, not from round %d)",
+                    self.round,
+                    type(e).__name__,
+                    e,
+                    self.cfg.checkpoint_dir,
+                    self.round,
+                    **fields,
+                )
             else:
-                events.emit(log, logging.WARNING, "checkpoint_failed", "round %d: checkpoint failed (%s: %s); the "
-                            "previous one stays valid, retrying at the next", self.round, type(e).__name__, e, **fields)
+                events.emit(
+                    log,
+                    logging.WARNING,
+                    "checkpoint_failed",
+                    "round %d: checkpoint failed (%s: %s); the previous one stays valid, retrying at the next",
+                    self.round,
+                    type(e).__name__,
+                    e,
+                    **fields,
+                )
             return None
 
     def checkpoint(self) -> Optional[Path]:
@@ -630,10 +797,19 @@ class PeerNode(NodeRoundPolicy):
         # run's --checkpoint-dir at shutdown before this check.
         if not self.cfg.checkpoint_dir or self.theta is None or self.outer is None or self.digest is None:
             return None
-        path = gstate.save_checkpoint(self.cfg.checkpoint_dir, round=self.round, theta=self.theta,
-                               momentum=self.outer.buf, keep=self.cfg.checkpoint_keep,
-                               meta={"run_config_hash": self.config_hash, "peer_id": self.me,
-                                     "run_config": self.run_cfg.model_dump(), "standing": self.standing.to_meta()})
+        path = gstate.save_checkpoint(
+            self.cfg.checkpoint_dir,
+            round=self.round,
+            theta=self.theta,
+            momentum=self.outer.buf,
+            keep=self.cfg.checkpoint_keep,
+            meta={
+                "run_config_hash": self.config_hash,
+                "peer_id": self.me,
+                "run_config": self.run_cfg.model_dump(),
+                "standing": self.standing.to_meta(),
+            },
+        )
         fb: Optional[PushFeedback] = getattr(self, "feedback", None)
         if fb is not None:  # next to the checkpoint, tagged with its state
             fb.save(self.cfg.checkpoint_dir, state_round=self.round, digest=self.digest)
@@ -672,8 +848,13 @@ class PeerNode(NodeRoundPolicy):
         reach its own goal), :data:`EXIT_NOT_SYNCED` when it does not (its state is not the swarm's: a script
         must not take its checkpoint or perplexity for the run's)."""
         code = 0 if ended.synced else EXIT_NOT_SYNCED
-        log.warning("not done: %s; %d round(s) trained here, now at round %d; exit %d", ended.why, len(self.history),
-                    self.round, code)
+        log.warning(
+            "not done: %s; %d round(s) trained here, now at round %d; exit %d",
+            ended.why,
+            len(self.history),
+            self.round,
+            code,
+        )
         return code
 
     # ------------------------------------------------------------------ the round driver's ports
@@ -684,13 +865,21 @@ class PeerNode(NodeRoundPolicy):
         d = getattr(self, "_round_driver", None)
         if d is not None and (d.trainer, d.collective) == parts:
             return d
-        cfg = DriverConfig(min_peers=c.min_peers, wait_peers_s=c.wait_peers_s, gather_wait_s=c.gather_wait_s,
-                           plan_timeout_s=c.plan_timeout_s, sync_wait_cap_s=c.sync_wait_cap_s,
-                           rounds=c.rounds, target_ppl=c.target_ppl,
-                           eval_every=c.eval_every, eval_batches=c.eval_batches, checkpoint_every=c.checkpoint_every,
-                           eval_background=c.eval_background,
-                           checkpointing=bool(c.checkpoint_dir),
-                           exchanges_gradient=self.method_rule.exchanges_gradient)
+        cfg = DriverConfig(
+            min_peers=c.min_peers,
+            wait_peers_s=c.wait_peers_s,
+            gather_wait_s=c.gather_wait_s,
+            plan_timeout_s=c.plan_timeout_s,
+            sync_wait_cap_s=c.sync_wait_cap_s,
+            rounds=c.rounds,
+            target_ppl=c.target_ppl,
+            eval_every=c.eval_every,
+            eval_batches=c.eval_batches,
+            checkpoint_every=c.checkpoint_every,
+            eval_background=c.eval_background,
+            checkpointing=bool(c.checkpoint_dir),
+            exchanges_gradient=self.method_rule.exchanges_gradient,
+        )
         transport = self.transport
 
         def traffic() -> tuple[int, int]:
@@ -699,11 +888,20 @@ class PeerNode(NodeRoundPolicy):
             return transport.stats.snapshot()
 
         self._round_driver = RoundDriver(
-            membership=self, plans=DhtPlanAgreement(self.plans), trainer=self.trainer, collective=self.collective,
-            state=self, policy=self, cfg=cfg, stop=self._stop, history=self.history,
-            traffic=traffic, leaving=self._set_leaving,
+            membership=self,
+            plans=DhtPlanAgreement(self.plans),
+            trainer=self.trainer,
+            collective=self.collective,
+            state=self,
+            policy=self,
+            cfg=cfg,
+            stop=self._stop,
+            history=self.history,
+            traffic=traffic,
+            leaving=self._set_leaving,
             loop_stall=self.looplag.take_worst if getattr(self, "looplag", None) is not None else lambda: None,
-            feedback=getattr(self, "feedback", None))
+            feedback=getattr(self, "feedback", None),
+        )
         return self._round_driver
 
     def _set_leaving(self, leaving: bool) -> None:
@@ -748,8 +946,13 @@ class PeerNode(NodeRoundPolicy):
             server = getattr(self, "state_server", None)
             if server is not None and getattr(server, "state", None) is self.gstate:
                 server.retain()
-                server.updates.record(r, self.gstate.digest if self.gstate.round == r else None,
-                                      [(s, e) for _, s, e in plan.owners()] or [(0, self.numel)], idle, aggregate)
+                server.updates.record(
+                    r,
+                    self.gstate.digest if self.gstate.round == r else None,
+                    [(s, e) for _, s, e in plan.owners()] or [(0, self.numel)],
+                    idle,
+                    aggregate,
+                )
             return self._outer_step(r, plan, aggregate, idle)
 
     def reset_model(self) -> None:
@@ -775,13 +978,22 @@ class PeerNode(NodeRoundPolicy):
     def _log_done(self) -> None:
         """One closing line: why the node stops, rounds trained here, the last perplexity."""
         h = self.history
-        why = ("stop requested" if self._stop.is_set() else
-               f"target eval perplexity {self.cfg.target_ppl:g} reached" if self._reached_target() else
-               f"--rounds {self.cfg.rounds} reached")
+        why = (
+            "stop requested"
+            if self._stop.is_set()
+            else f"target eval perplexity {self.cfg.target_ppl:g} reached"
+            if self._reached_target()
+            else f"--rounds {self.cfg.rounds} reached"
+        )
         ppl = next((r.eval_ppl for r in reversed(h) if r.eval_ppl is not None), self.initial_ppl)
-        log.info("done (%s): %d round(s) trained here, now at round %d, eval perplexity %.2f (from %.2f)", why,
-                 len(h), self.round, ppl if ppl is not None else float("nan"),
-                 self.initial_ppl if self.initial_ppl is not None else float("nan"))
+        log.info(
+            "done (%s): %d round(s) trained here, now at round %d, eval perplexity %.2f (from %.2f)",
+            why,
+            len(h),
+            self.round,
+            ppl if ppl is not None else float("nan"),
+            self.initial_ppl if self.initial_ppl is not None else float("nan"),
+        )
 
     def _reached_target(self) -> bool:
         t = self.cfg.target_ppl
@@ -804,14 +1016,21 @@ class PeerNode(NodeRoundPolicy):
         # Leaving is announced first (before the checkpoint, which takes seconds on a large model), so
         # the others plan their next round without this peer whatever the reason it stops.
         try:
-            if getattr(self, "announcer", None) is not None and not self._leaving and getattr(self, "ema", None) is not None:
+            if (
+                getattr(self, "announcer", None) is not None
+                and not self._leaving
+                and getattr(self, "ema", None) is not None
+            ):
                 self._leaving = True
                 log.info("announcing that this peer leaves")
                 await self.announce()
         except Exception as e:  # the DHT may be gone already; the record expires on its own
             log.warning("could not announce that this peer leaves: %s", e)
-        path = (await self._checkpoint_or_warn(final=True)
-                if self.outer is not None and not getattr(self, "_skip_checkpoint", False) else None)
+        path = (
+            await self._checkpoint_or_warn(final=True)
+            if self.outer is not None and not getattr(self, "_skip_checkpoint", False)
+            else None
+        )
         if path:
             log.info("checkpoint written: %s (round %d)", path, self.round)
         if self.cfg.summary_json:
@@ -843,8 +1062,12 @@ class PeerNode(NodeRoundPolicy):
             "initial_eval_ppl": self.initial_ppl,
             "final_eval_ppl": next((r.eval_ppl for r in reversed(h) if r.eval_ppl is not None), self.initial_ppl),
             "time_to_target_s": self.time_to_target,
-            "straggler_idle_pct": (sum(r.straggler_idle_s for r in h) / max(1e-9, sum(r.round_s for r in h)) * 100) if h else 0.0,
-            "network_idle_pct": (sum(r.network_idle_s for r in h) / max(1e-9, sum(r.round_s for r in h)) * 100) if h else 0.0,
+            "straggler_idle_pct": (sum(r.straggler_idle_s for r in h) / max(1e-9, sum(r.round_s for r in h)) * 100)
+            if h
+            else 0.0,
+            "network_idle_pct": (sum(r.network_idle_s for r in h) / max(1e-9, sum(r.round_s for r in h)) * 100)
+            if h
+            else 0.0,
             "bytes_sent": sum(r.bytes_sent for r in h),
             "bytes_received": sum(r.bytes_received for r in h),
             # the weights digest after each round's outer step (= the digest round r+1 starts from)
@@ -855,9 +1078,14 @@ class PeerNode(NodeRoundPolicy):
                 "upload_bps": self.cfg.upload_bps or (self.ema.upload_bps if self.ema else None),
                 "download_bps": self.cfg.download_bps or (self.ema.download_bps if self.ema else None),
                 "stated": {"upload": self.cfg.upload_bps is not None, "download": self.cfg.download_bps is not None},
-                "probe": None if self.probe_result is None else {
-                    "address": self.probe_result.address, "rtt_s": self.probe_result.rtt_s,
-                    "upload_bps": self.probe_result.upload_bps, "download_bps": self.probe_result.download_bps},
+                "probe": None
+                if self.probe_result is None
+                else {
+                    "address": self.probe_result.address,
+                    "rtt_s": self.probe_result.rtt_s,
+                    "upload_bps": self.probe_result.upload_bps,
+                    "download_bps": self.probe_result.download_bps,
+                },
             },
             "rows": [json.loads(r.to_json()) for r in h],
         }

@@ -50,8 +50,9 @@ class OuterNesterov:
     @staticmethod
     def _check(name: str, t: torch.Tensor) -> None:
         if t.dtype != torch.float32 or t.device.type != "cpu" or t.dim() != 1 or not t.is_contiguous():
-            raise ValueError(f"{name} must be a contiguous 1-D fp32 CPU tensor, "
-                             f"got {t.dtype} {tuple(t.shape)} on {t.device}")
+            raise ValueError(
+                f"{name} must be a contiguous 1-D fp32 CPU tensor, got {t.dtype} {tuple(t.shape)} on {t.device}"
+            )
 
     #: fp32 elements of optimizer state per parameter (the momentum buffer): state is ``[P]``.
     state_factor = 1
@@ -81,17 +82,21 @@ class OuterNesterov:
         g = aggregate
         buf = self.buf
         torch.mul(buf, self.momentum, out=buf)  # buf = μ·buf
-        torch.add(buf, g, out=buf)              # buf = buf + g
-        upd = torch.mul(buf, self.momentum)     # upd = μ·buf
-        torch.add(g, upd, out=upd)              # upd = g + upd
-        torch.mul(upd, self.lr, out=upd)        # upd = η·upd
-        torch.sub(theta, upd, out=theta)        # θ = θ − upd
+        torch.add(buf, g, out=buf)  # buf = buf + g
+        upd = torch.mul(buf, self.momentum)  # upd = μ·buf
+        torch.add(g, upd, out=upd)  # upd = g + upd
+        torch.mul(upd, self.lr, out=upd)  # upd = η·upd
+        torch.sub(theta, upd, out=theta)  # θ = θ − upd
         self.steps += 1
 
     def state_dict(self) -> dict[str, Any]:
         """``{"lr", "momentum", "steps", "buf"}``; ``buf`` is the fp32 tensor (or None)."""
-        return {"lr": self.lr, "momentum": self.momentum, "steps": self.steps,
-                "buf": None if self.buf is None else self.buf.clone()}
+        return {
+            "lr": self.lr,
+            "momentum": self.momentum,
+            "steps": self.steps,
+            "buf": None if self.buf is None else self.buf.clone(),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore from :meth:`state_dict`; ``buf`` is copied to a contiguous fp32 CPU tensor."""
@@ -99,8 +104,11 @@ class OuterNesterov:
         self.momentum = float(state.get("momentum", self.momentum))
         self.steps = int(state.get("steps", 0))
         buf = state.get("buf")
-        self.buf = None if buf is None else (
-            buf.detach().to(device="cpu", dtype=torch.float32).reshape(-1).contiguous().clone())
+        self.buf = (
+            None
+            if buf is None
+            else (buf.detach().to(device="cpu", dtype=torch.float32).reshape(-1).contiguous().clone())
+        )
 
 
 class SyncAdamW:
@@ -131,8 +139,14 @@ class SyncAdamW:
 
     state_factor = 2
 
-    def __init__(self, lr_at, betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
-                 weight_decay: float = 0.1, decay_mask: torch.Tensor | None = None):
+    def __init__(
+        self,
+        lr_at,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        weight_decay: float = 0.1,
+        decay_mask: torch.Tensor | None = None,
+    ):
         if not (0 <= betas[0] < 1 and 0 <= betas[1] < 1) or eps <= 0 or weight_decay < 0:
             raise ValueError(f"need 0 <= betas < 1, eps > 0, weight_decay >= 0; got {betas}, {eps}, {weight_decay}")
         self.lr_at = lr_at
@@ -171,20 +185,20 @@ class SyncAdamW:
         m, v, g = self.buf[:p], self.buf[p:], aggregate
         torch.mul(m, self.beta1, out=m)
         tmp = torch.mul(g, 1.0 - self.beta1)
-        torch.add(m, tmp, out=m)                       # m = β1·m + (1−β1)·g
+        torch.add(m, tmp, out=m)  # m = β1·m + (1−β1)·g
         torch.mul(v, self.beta2, out=v)
         torch.mul(g, g, out=tmp)
         torch.mul(tmp, 1.0 - self.beta2, out=tmp)
-        torch.add(v, tmp, out=v)                       # v = β2·v + (1−β2)·g²
+        torch.add(v, tmp, out=v)  # v = β2·v + (1−β2)·g²
         if self.weight_decay > 0 and self.decay_mask is not None:
             torch.mul(theta, lr * self.weight_decay, out=tmp)
-            torch.mul(tmp, self.decay_mask, out=tmp)   # exact: the mask is 0 or 1
-            torch.sub(theta, tmp, out=theta)           # θ = θ − η·λ·mask·θ
-        denom = torch.div(v, 1.0 - self.beta2 ** t)
-        torch.sqrt(denom, out=denom)                   # IEEE sqrt: correctly rounded everywhere
+            torch.mul(tmp, self.decay_mask, out=tmp)  # exact: the mask is 0 or 1
+            torch.sub(theta, tmp, out=theta)  # θ = θ − η·λ·mask·θ
+        denom = torch.div(v, 1.0 - self.beta2**t)
+        torch.sqrt(denom, out=denom)  # IEEE sqrt: correctly rounded everywhere
         torch.add(denom, self.eps, out=denom)
-        torch.div(m, 1.0 - self.beta1 ** t, out=tmp)
+        torch.div(m, 1.0 - self.beta1**t, out=tmp)
         torch.div(tmp, denom, out=tmp)
         torch.mul(tmp, lr, out=tmp)
-        torch.sub(theta, tmp, out=theta)               # θ = θ − η·m̂/(sqrt(v̂)+ε)
+        torch.sub(theta, tmp, out=theta)  # θ = θ − η·m̂/(sqrt(v̂)+ε)
         self.steps = t

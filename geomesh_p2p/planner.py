@@ -185,9 +185,7 @@ class PlanConfig(BaseModel):
     @model_validator(mode="after")
     def _steps_range(self) -> "PlanConfig":
         if self.max_inner_steps < self.min_inner_steps:
-            raise ValueError(
-                f"max_inner_steps={self.max_inner_steps} is below min_inner_steps={self.min_inner_steps}"
-            )
+            raise ValueError(f"max_inner_steps={self.max_inner_steps} is below min_inner_steps={self.min_inner_steps}")
         return self
 
 
@@ -215,8 +213,10 @@ class PeerAssignment(BaseModel):
     predicted_comm_s: float = Field(ge=0)
     predicted_idle_s: float = Field(ge=0)
     probation: bool = Field(
-        default=False, description="a new identity (geomesh_p2p.probation): owns no part, bounded budget, "
-                                   "not counted in the part quorum")
+        default=False,
+        description="a new identity (geomesh_p2p.probation): owns no part, bounded budget, "
+        "not counted in the part quorum",
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> "PeerAssignment":
@@ -680,8 +680,9 @@ def _cap_sizes(sizes: list[int], weights: list[float], cap: int) -> list[int]:
     raise AssertionError(f"could not cap parts at {cap} units: {sizes}")  # unreachable when cap*n >= total
 
 
-def part_sizes(numel: int, bandwidths: Sequence[Optional[float]], *, align: int = 1, min_size: int = 0,
-               equal: bool = False) -> list[int]:
+def part_sizes(
+    numel: int, bandwidths: Sequence[Optional[float]], *, align: int = 1, min_size: int = 0, equal: bool = False
+) -> list[int]:
     """THE partition rule (the planner's :func:`partition` and the collective's ``make_partition``
     both call it): how many elements of ``[0, numel)`` each peer gets, in the order given.
 
@@ -735,8 +736,9 @@ def part_sizes(numel: int, bandwidths: Sequence[Optional[float]], *, align: int 
                 logger.warning("load_balance_peers gave an unusable split %s; using bandwidth-proportional", sizes)
             sizes = _proportional(units, bw)
     if units:
-        sizes = _cap_sizes(sizes, [1.0 if b > 0 else 0.0 for b in bw] if equal else bw,
-                           max_owner_units(units, n_owners))
+        sizes = _cap_sizes(
+            sizes, [1.0 if b > 0 else 0.0 for b in bw] if equal else bw, max_owner_units(units, n_owners)
+        )
 
     sizes = [x * align for x in sizes]
     excess = sum(sizes) - numel
@@ -897,19 +899,34 @@ def plan_round(
         H = _cap_budgets(models, _cap_probation(models, H, cfg, probation), cfg)
     parts = partition(numel, _owners_only(recs, probation), align=cfg.part_align)
     return _build_plan(
-        recs, models, H, T, parts, cfg, run_id=run_id, round=round, leader=leader, numel=numel,
-        start_time=start_time, start_digest=start_digest, created_at=created_at, probation=probation,
+        recs,
+        models,
+        H,
+        T,
+        parts,
+        cfg,
+        run_id=run_id,
+        round=round,
+        leader=leader,
+        numel=numel,
+        start_time=start_time,
+        start_digest=start_digest,
+        created_at=created_at,
+        probation=probation,
     )
 
 
 def _step_and_comm(models: Sequence[_PeerModel]) -> tuple[np.ndarray, np.ndarray]:
     """(step seconds, comm seconds) of the peers as float64 arrays."""
-    return (np.array([m.step_s for m in models], dtype=np.float64),
-            np.array([m.comm_s for m in models], dtype=np.float64))
+    return (
+        np.array([m.step_s for m in models], dtype=np.float64),
+        np.array([m.comm_s for m in models], dtype=np.float64),
+    )
 
 
-def _bound_by_evidence(recs: Sequence[PeerRecord], models: list[_PeerModel], supported: Mapping[str, float],
-                       cfg: PlanConfig) -> list[_PeerModel]:
+def _bound_by_evidence(
+    recs: Sequence[PeerRecord], models: list[_PeerModel], supported: Mapping[str, float], cfg: PlanConfig
+) -> list[_PeerModel]:
     """Models whose step time is at least what ``EVIDENCE_GROWTH`` x the supported rate allows.
     Longer steps only: a peer with no (or unusable) evidence keeps its model."""
     out = []
@@ -950,8 +967,9 @@ def _owners_only(recs: Sequence[PeerRecord], probation: Collection[str]) -> list
     return [r.model_copy(update={"address": None}) if r.peer_id in probation else r for r in recs]
 
 
-def _cap_probation(models: Sequence[_PeerModel], H: np.ndarray, cfg: PlanConfig,
-                   probation: Collection[str]) -> np.ndarray:
+def _cap_probation(
+    models: Sequence[_PeerModel], H: np.ndarray, cfg: PlanConfig, probation: Collection[str]
+) -> np.ndarray:
     """``H`` lowered so that no probation peer's budget exceeds ``PROBATION_BUDGET_FACTOR`` x the
     lower-median budget of the established peers, never below ``min_inner_steps``."""
     if not probation:
@@ -1004,8 +1022,20 @@ def plan_uniform(
     probation = _probation_ids(recs, probation)
     parts = partition(numel, _owners_only(recs, probation), align=cfg.part_align, equal=True)
     return _build_plan(
-        recs, models, H, T, parts, cfg, run_id=run_id, round=round, leader=leader, numel=numel,
-        start_time=start_time, start_digest=start_digest, created_at=created_at, probation=probation,
+        recs,
+        models,
+        H,
+        T,
+        parts,
+        cfg,
+        run_id=run_id,
+        round=round,
+        leader=leader,
+        numel=numel,
+        start_time=start_time,
+        start_digest=start_digest,
+        created_at=created_at,
+        probation=probation,
     )
 
 
@@ -1042,8 +1072,9 @@ def reference_window(records: Sequence[PeerRecord], cfg: PlanConfig) -> float:
     return max(H * m.step_s + m.comm_s for m in (_PeerModel(r, cfg, micro) for r in recs))
 
 
-def check_plan(plan: RoundPlan, records: Mapping[str, PeerRecord], cfg: PlanConfig, *, now: float,
-               barred: Collection[str] = ()) -> Optional[str]:
+def check_plan(
+    plan: RoundPlan, records: Mapping[str, PeerRecord], cfg: PlanConfig, *, now: float, barred: Collection[str] = ()
+) -> Optional[str]:
     """Why a follower must refuse ``plan`` (a one-line reason), or None when it is within bounds.
 
     A pure function of the plan, the follower's view of the records (``peer_id -> PeerRecord``), the
@@ -1076,8 +1107,10 @@ def check_plan(plan: RoundPlan, records: Mapping[str, PeerRecord], cfg: PlanConf
       follower's view of standing is checked by ``probation.marking_problem`` (the node's).
     """
     if plan.seq_len != cfg.seq_len or plan.method != cfg.method or plan.mode != cfg.mode:
-        return (f"its seq_len/method/mode {plan.seq_len}/{plan.method}/{plan.mode} differ from the run's "
-                f"{cfg.seq_len}/{cfg.method}/{cfg.mode}")
+        return (
+            f"its seq_len/method/mode {plan.seq_len}/{plan.method}/{plan.mode} differ from the run's "
+            f"{cfg.seq_len}/{cfg.method}/{cfg.mode}"
+        )
     missing = [pid[:10] for pid in plan.participants() if pid not in records]
     if missing:
         return f"it names peers without a record: {missing}"
@@ -1096,14 +1129,20 @@ def check_plan(plan: RoundPlan, records: Mapping[str, PeerRecord], cfg: PlanConf
         if a.micro_batch > r.max_batch:
             return f"micro-batch {a.micro_batch} for {who} exceeds the {r.max_batch} its record supports"
         if a.accum_steps != accum_steps_for(a.micro_batch, cfg.target_batch):
-            return (f"{who} accumulates {a.accum_steps} micro-batches of {a.micro_batch}; target batch "
-                    f"{cfg.target_batch} means {accum_steps_for(a.micro_batch, cfg.target_batch)}")
+            return (
+                f"{who} accumulates {a.accum_steps} micro-batches of {a.micro_batch}; target batch "
+                f"{cfg.target_batch} means {accum_steps_for(a.micro_batch, cfg.target_batch)}"
+            )
         if balanced and not cfg.min_inner_steps <= a.inner_steps <= cfg.max_inner_steps:
-            return (f"{a.inner_steps} inner steps for {who}, outside {cfg.min_inner_steps}..{cfg.max_inner_steps}"
-                    " (a peer that cannot keep up is left out of the plan, not given 0 steps)")
+            return (
+                f"{a.inner_steps} inner steps for {who}, outside {cfg.min_inner_steps}..{cfg.max_inner_steps}"
+                " (a peer that cannot keep up is left out of the plan, not given 0 steps)"
+            )
         if not balanced and (a.inner_steps != uniform_H or a.micro_batch != uniform_micro):
-            return (f"{who} gets {a.inner_steps} steps of micro-batch {a.micro_batch}; method {cfg.method} gives "
-                    f"everyone {uniform_H} of {uniform_micro}")
+            return (
+                f"{who} gets {a.inner_steps} steps of micro-batch {a.micro_batch}; method {cfg.method} gives "
+                f"everyone {uniform_H} of {uniform_micro}"
+            )
         if a.owns_part and records[a.peer_id].address is None:
             return f"client-only peer {who} owns a part"
     T = plan.window_s
@@ -1121,12 +1160,16 @@ def check_plan(plan: RoundPlan, records: Mapping[str, PeerRecord], cfg: PlanConf
         who = a.peer_id[:10]
         ceiling = PLAN_CHECK_TOLERANCE * by_id[a.peer_id].best_tokens_per_s() * T
         if a.token_budget > ceiling:
-            return (f"token budget {a.token_budget} for {who} exceeds the {ceiling:.0f} its bounded throughput "
-                    f"supports in {T:.3g} s")
+            return (
+                f"token budget {a.token_budget} for {who} exceeds the {ceiling:.0f} its bounded throughput "
+                f"supports in {T:.3g} s"
+            )
         floor = cfg.min_inner_steps * a.batch_size * seq
         if a.token_budget > max(limit, floor):
-            return (f"token budget {a.token_budget} for {who} is over {BUDGET_MEDIAN_FACTOR:g}x the plan's median "
-                    f"budget ({limit / BUDGET_MEDIAN_FACTOR:.0f})")
+            return (
+                f"token budget {a.token_budget} for {who} is over {BUDGET_MEDIAN_FACTOR:g}x the plan's median "
+                f"budget ({limit / BUDGET_MEDIAN_FACTOR:.0f})"
+            )
         if a.token_budget > floor and a.token_budget > share * total * (1 + 1e-12):
             return f"{who} holds {a.token_budget / total:.0%} of the round's tokens, over the {share:.0%} bound"
     reason = _probation_problem(plan, cfg)
@@ -1146,8 +1189,10 @@ def check_plan(plan: RoundPlan, records: Mapping[str, PeerRecord], cfg: PlanConf
     cap = max_owner_units(units, n_owners) * cfg.part_align
     for pid, start, end in plan.owners():
         if end - start > cap:
-            return (f"{pid[:10]} owns {end - start} of {plan.numel} elements, over the {cap} bound "
-                    f"({OWNER_SHARE_FACTOR:g}x a fair share among {n_owners} owners)")
+            return (
+                f"{pid[:10]} owns {end - start} of {plan.numel} elements, over the {cap} bound "
+                f"({OWNER_SHARE_FACTOR:g}x a fair share among {n_owners} owners)"
+            )
     return None
 
 
@@ -1163,16 +1208,19 @@ def _probation_problem(plan: RoundPlan, cfg: PlanConfig) -> Optional[str]:
         return "it marks every participant as on probation"
     slots = probation_slots(len(est))
     if len(marked) > slots:
-        return (f"it plans {len(marked)} peers on probation with {len(est)} established; at most {slots} may join "
-                f"a round")
+        return (
+            f"it plans {len(marked)} peers on probation with {len(est)} established; at most {slots} may join a round"
+        )
     limit = PLAN_CHECK_TOLERANCE * PROBATION_BUDGET_FACTOR * statistics.median_low([a.token_budget for a in est])
     for a in marked:
         if a.owns_part:
             return f"{a.peer_id[:10]} is on probation and owns a part"
         floor = cfg.min_inner_steps * a.batch_size * cfg.seq_len
         if a.token_budget > max(limit, floor):
-            return (f"token budget {a.token_budget} for {a.peer_id[:10]} (on probation) is over "
-                    f"{PROBATION_BUDGET_FACTOR:g}x the established peers' median budget")
+            return (
+                f"token budget {a.token_budget} for {a.peer_id[:10]} (on probation) is over "
+                f"{PROBATION_BUDGET_FACTOR:g}x the established peers' median budget"
+            )
     return None
 
 

@@ -120,8 +120,16 @@ class StandingView:
     own standing only once it credited a round: see :meth:`score`).
     """
 
-    def __init__(self, standing: Optional[Standing], records: Iterable = (), *, round: int,
-                 me: Optional[str] = None, window: int = DEFAULT_WINDOW, k: int = PROBATION_ROUNDS):
+    def __init__(
+        self,
+        standing: Optional[Standing],
+        records: Iterable = (),
+        *,
+        round: int,
+        me: Optional[str] = None,
+        window: int = DEFAULT_WINDOW,
+        k: int = PROBATION_ROUNDS,
+    ):
         self.round = int(round)
         self.me = me
         self.threshold = threshold(self.round, k)
@@ -188,12 +196,11 @@ def split(view: StandingView, peer_ids: Iterable[str]) -> tuple[list[str], list[
     return est, [p for p in ids if p not in set(est)]
 
 
-def select_probation(run_id: str, round: int, view: StandingView, candidates: Iterable[str],
-                     slots: int) -> list[str]:
+def select_probation(run_id: str, round: int, view: StandingView, candidates: Iterable[str], slots: int) -> list[str]:
     """The ``slots`` probation peers that join ``round``: highest standing first (a newcomer that
     delivered is kept until established), then the per-round rendezvous hash. Deterministic."""
     order = sorted(set(candidates), key=lambda p: (-view.score(p), probation_rank(run_id, round, p)))
-    return order[:max(0, int(slots))]
+    return order[: max(0, int(slots))]
 
 
 def leader_candidates(view: StandingView, member_ids: Iterable[str], barred: Collection[str] = ()) -> list[str]:
@@ -224,19 +231,27 @@ def marking_problem(plan, view: StandingView, live_ids: Collection[str]) -> Opti
     :func:`geomesh_p2p.planner.check_plan` (they do not depend on the view).
     """
     if any(view.established(p) for p in live_ids) and not view.plausible(plan.leader):
-        return (f"its leader {plan.leader[:10]} is on probation here (standing {view.score(plan.leader)} of the "
-                f"{view.threshold} rounds needed to lead)")
+        return (
+            f"its leader {plan.leader[:10]} is on probation here (standing {view.score(plan.leader)} of the "
+            f"{view.threshold} rounds needed to lead)"
+        )
     participants = plan.participants()
     if not any(view.established(p) for p in participants):
         return None
-    wrong = [a.peer_id for a in plan.assignments if not getattr(a, "probation", False) and not view.plausible(a.peer_id)]
+    wrong = [
+        a.peer_id for a in plan.assignments if not getattr(a, "probation", False) and not view.plausible(a.peer_id)
+    ]
     if wrong:
-        return (f"it plans {len(wrong)} peer(s) on probation here as established ({', '.join(p[:10] for p in wrong[:5])}; "
-                f"standing below {view.threshold} rounds)")
+        return (
+            f"it plans {len(wrong)} peer(s) on probation here as established ({', '.join(p[:10] for p in wrong[:5])}; "
+            f"standing below {view.threshold} rounds)"
+        )
     return None
 
 
-def absent_participants(participants: Iterable[str], contributors: Mapping[int, Sequence[tuple[str, int]]]) -> list[str]:
+def absent_participants(
+    participants: Iterable[str], contributors: Mapping[int, Sequence[tuple[str, int]]]
+) -> list[str]:
     """Participants that are in no part's contributors (no-shows), or [] when no part has a result
     (nothing can be told then)."""
     seen = {pid for part in contributors.values() for pid, _ in part}

@@ -47,15 +47,29 @@ class ProcGroup:
     def __init__(self) -> None:
         self.procs: dict[str, subprocess.Popen] = {}
 
-    def spawn(self, name: str, argv: Sequence[str], log: Path, *, append: bool = False,
-              cwd: Optional[Path] = None, new_session: bool = False) -> subprocess.Popen:
+    def spawn(
+        self,
+        name: str,
+        argv: Sequence[str],
+        log: Path,
+        *,
+        append: bool = False,
+        cwd: Optional[Path] = None,
+        new_session: bool = False,
+    ) -> subprocess.Popen:
         """Start ``argv`` with stdout and stderr to ``log`` (appended to when ``append``, else truncated),
         unbuffered Python output; ``new_session`` puts it in a session of its own (a Ctrl+C on the terminal
         does not reach it: :meth:`stop_all` stops it). A process of the same name is replaced in ``procs``
         (stop it first). Raises OSError when ``argv[0]`` cannot be run or ``log`` cannot be opened."""
         with open(log, "a" if append else "w") as out:
-            p = subprocess.Popen(list(argv), stdout=out, stderr=subprocess.STDOUT, cwd=cwd,
-                                 start_new_session=new_session, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+            p = subprocess.Popen(
+                list(argv),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                cwd=cwd,
+                start_new_session=new_session,
+                env=dict(os.environ, PYTHONUNBUFFERED="1"),
+            )
         self.procs[name] = p
         return p
 
@@ -90,8 +104,7 @@ def address_in_log(log: Path, offset: int = 0) -> Optional[str]:
     return m.group(1) if m else None
 
 
-def wait_for_address(log: Path, proc: subprocess.Popen, timeout: float, offset: int = 0,
-                     poll_s: float = 0.1) -> str:
+def wait_for_address(log: Path, proc: subprocess.Popen, timeout: float, offset: int = 0, poll_s: float = 0.1) -> str:
     """Wait for ``proc``'s "serving on HOST:PORT" line in ``log`` (see :func:`address_in_log`) and return
     HOST:PORT. The process signals its start by no event we can wait on, so its log is read every
     ``poll_s`` seconds. Raises RuntimeError (with the log's tail) when the process exits first or after
@@ -129,11 +142,27 @@ class ServingProcess:
     Raises RuntimeError when the process ends or prints no such line within ``timeout`` seconds (it is
     stopped first)."""
 
-    def __init__(self, name: str, argv: Sequence[str], *, cwd: Optional[Path], env: dict, timeout: float,
-                 stdin=subprocess.DEVNULL, keep_lines: Optional[int] = None):
+    def __init__(
+        self,
+        name: str,
+        argv: Sequence[str],
+        *,
+        cwd: Optional[Path],
+        env: dict,
+        timeout: float,
+        stdin=subprocess.DEVNULL,
+        keep_lines: Optional[int] = None,
+    ):
         self.name = name
-        self.p = subprocess.Popen([sys.executable, *argv], cwd=cwd, stdin=stdin, stdout=subprocess.PIPE,
-                                  stderr=subprocess.STDOUT, text=True, env=env)
+        self.p = subprocess.Popen(
+            [sys.executable, *argv],
+            cwd=cwd,
+            stdin=stdin,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )
         self.lines: list[str] = []
         self.address: Optional[str] = None
         found = threading.Event()

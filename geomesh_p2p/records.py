@@ -32,8 +32,9 @@ class SyncProgress(BaseModel):
 
     done_bytes: int = Field(ge=0, le=1 << 50, description="bytes of the state received so far")
     total_bytes: int = Field(ge=1, le=1 << 50, description="bytes of the whole state (weights and outer state)")
-    bytes_per_s: float = Field(ge=0, le=MAX_LINK_BPS, description="download rate measured over the last seconds; "
-                                                                  "0: not measured yet")
+    bytes_per_s: float = Field(
+        ge=0, le=MAX_LINK_BPS, description="download rate measured over the last seconds; 0: not measured yet"
+    )
 
     @model_validator(mode="after")
     def _done_within_total(self) -> "SyncProgress":
@@ -83,29 +84,40 @@ class PeerRecord(BaseModel):
     timestamp: float = Field(default_factory=time.time, ge=0, le=1e11, description="unix seconds when announced")
     leaving: bool = Field(default=False, description="the peer is shutting down: plan the next rounds without it")
     pow_nonce: Optional[int] = Field(
-        default=None, ge=0, le=(1 << 64) - 1,
-        description="proof of work for this PeerID and run (geomesh_p2p.admission); checked by every reader")
+        default=None,
+        ge=0,
+        le=(1 << 64) - 1,
+        description="proof of work for this PeerID and run (geomesh_p2p.admission); checked by every reader",
+    )
     standing: dict[str, int] = Field(
-        default_factory=dict, description="peers this one saw deliver: PeerID prefix -> rounds of its last "
-                                          "window (geomesh_p2p.standing); what a fresh joiner reads as history")
+        default_factory=dict,
+        description="peers this one saw deliver: PeerID prefix -> rounds of its last "
+        "window (geomesh_p2p.standing); what a fresh joiner reads as history",
+    )
     sync_progress: Optional[SyncProgress] = Field(
-        default=None, description="while syncing (no weights_digest): the state download's progress; optional, "
-                                  "left out of the JSON when None (records of older peers parse as before)")
+        default=None,
+        description="while syncing (no weights_digest): the state download's progress; optional, "
+        "left out of the JSON when None (records of older peers parse as before)",
+    )
 
     @field_validator("tokens_per_s")
     @classmethod
     def _positive_throughput(cls, v: dict[int, float]) -> dict[int, float]:
         for b, tps in v.items():
             if not 1 <= b <= MAX_BATCH or not (MIN_TOKENS_PER_S <= tps <= MAX_TOKENS_PER_S):
-                raise ValueError(f"tokens_per_s[{b}]={tps}: batch must be in [1, {MAX_BATCH}] and throughput in "
-                                 f"[{MIN_TOKENS_PER_S:g}, {MAX_TOKENS_PER_S:g}]")
+                raise ValueError(
+                    f"tokens_per_s[{b}]={tps}: batch must be in [1, {MAX_BATCH}] and throughput in "
+                    f"[{MIN_TOKENS_PER_S:g}, {MAX_TOKENS_PER_S:g}]"
+                )
         return v
 
     @field_validator("standing")
     @classmethod
     def _bounded_standing(cls, v: dict[str, int]) -> dict[str, int]:
         if len(v) > MAX_ATTESTED or any(not 1 <= len(k) <= 64 or not 0 <= c <= 1 << 20 for k, c in v.items()):
-            raise ValueError(f"standing: at most {MAX_ATTESTED} entries, names of 1..64 characters, counts in [0, 2**20]")
+            raise ValueError(
+                f"standing: at most {MAX_ATTESTED} entries, names of 1..64 characters, counts in [0, 2**20]"
+            )
         return v
 
     @property

@@ -116,8 +116,10 @@ class Standing:
         # Ties break on a hash salted with ``exclude`` (this node), so that in a large swarm different
         # nodes vouch for different peers of equal standing rather than all for the same 16.
         salt = (exclude or "").encode()
-        best = sorted(((c, p) for p, c in self._counts.items() if p != exclude and c > 0),
-                      key=lambda x: (-x[0], hashlib.sha256(salt + x[1].encode()).digest()))
+        best = sorted(
+            ((c, p) for p, c in self._counts.items() if p != exclude and c > 0),
+            key=lambda x: (-x[0], hashlib.sha256(salt + x[1].encode()).digest()),
+        )
         out = {attest_key(p): c for c, p in best[:top]}
         if own and exclude is not None and self.weight(exclude) > 0:
             out[attest_key(exclude)] = self.weight(exclude)
@@ -157,8 +159,10 @@ class StateChoice:
     def describe(self) -> str:
         """How the vote chose it, in the words of the refusal (:meth:`Refusal.message`)."""
         if self.mode == "standing":
-            return (f"standing vote: its backers hold {self.backing:g} of the {self.total:g} rounds of standing "
-                    f"this peer sees")
+            return (
+                f"standing vote: its backers hold {self.backing:g} of the {self.total:g} rounds of standing "
+                f"this peer sees"
+            )
         rule = "more than half needed" if self.mode == "fresh" else "most addresses, then the latest round"
         return f"{self.mode} vote: {self.backing:g} of {self.total:g} distinct addresses ({rule})"
 
@@ -174,14 +178,20 @@ class Refusal:
     total: float  # standing this node sees
 
     def message(self) -> str:
-        head = (f"refusing the state of round {self.round} (digest {self.digest[:8]}) announced by "
-                f"{self.identities} peer(s)")
+        head = (
+            f"refusing the state of round {self.round} (digest {self.digest[:8]}) announced by "
+            f"{self.identities} peer(s)"
+        )
         if self.total <= 0:
             # Nobody in view was seen delivering: there is no standing to split, say so plainly.
-            return (f"{head}: this peer has seen none of the peers in view deliver a round (standing vote: "
-                    f"it follows only peers it saw deliver)")
-        return (f"{head}: they hold {self.backing:g} of the {self.total:g} rounds of standing this peer sees "
-                f"(more than half needed)")
+            return (
+                f"{head}: this peer has seen none of the peers in view deliver a round (standing vote: "
+                f"it follows only peers it saw deliver)"
+            )
+        return (
+            f"{head}: they hold {self.backing:g} of the {self.total:g} rounds of standing this peer sees "
+            f"(more than half needed)"
+        )
 
 
 @dataclass
@@ -217,8 +227,11 @@ def _standing_vote(others: list, standing: Standing) -> Vote:
     if total > 0:
         (rnd, dig), w = max(backing.items(), key=lambda kv: (kv[1], kv[0][0], kv[0][1]))
         if 2 * w > total:
-            donors = [r.address for r in others if (r.round, r.weights_digest) == (rnd, dig) and r.address
-                      and weights[r.peer_id] > 0]
+            donors = [
+                r.address
+                for r in others
+                if (r.round, r.weights_digest) == (rnd, dig) and r.address and weights[r.peer_id] > 0
+            ]
             choice = StateChoice(rnd, dig, donors, w, total, "standing")
     refusal = None
     # What counting identities would have chosen (the old rule): say so when standing refuses it.
@@ -258,8 +271,7 @@ def _fresh_vote(others: list, *, solo: bool = False) -> Vote:
     return Vote(StateChoice(rnd, dig, donors, len(addrs), total, mode), None, hist)
 
 
-def choose_state(records: Iterable, *, me: Optional[str], standing: Optional[Standing],
-                 trained: bool = False) -> Vote:
+def choose_state(records: Iterable, *, me: Optional[str], standing: Optional[Standing], trained: bool = False) -> Vote:
     """The (round, digest) this node should be at, by the records of the *other* peers (those with a digest).
 
     ``standing``: this node's ledger; ``trained``: it trained in this session. The standing vote is
@@ -272,8 +284,11 @@ def choose_state(records: Iterable, *, me: Optional[str], standing: Optional[Sta
     others = [r for r in records if r.weights_digest and r.peer_id != me]
     if not others:
         return Vote(None)
-    if standing is not None and standing.knows_others(me) and (
-            trained or any(standing.weight(r.peer_id) > 0 for r in others)):
+    if (
+        standing is not None
+        and standing.knows_others(me)
+        and (trained or any(standing.weight(r.peer_id) > 0 for r in others))
+    ):
         return _standing_vote(others, standing)
     return _fresh_vote(others, solo=standing is not None and standing.known)
 

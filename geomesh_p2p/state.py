@@ -26,8 +26,16 @@ import torch
 
 from geomesh_p2p.atomic import atomic_write
 
-__all__ = ["digest", "StateError", "CheckpointError", "save_checkpoint",
-           "load_latest_checkpoint", "list_checkpoints", "GlobalState", "StateChanged"]
+__all__ = [
+    "digest",
+    "StateError",
+    "CheckpointError",
+    "save_checkpoint",
+    "load_latest_checkpoint",
+    "list_checkpoints",
+    "GlobalState",
+    "StateChanged",
+]
 
 _CKPT_RE = re.compile(r"^ckpt-(\d{8,})\.json$")
 CKPT_FORMAT = "geomesh-ckpt-v1"
@@ -73,6 +81,7 @@ def digest(theta: torch.Tensor, momentum: torch.Tensor | None = None) -> str:
 
 
 # --- checkpoints -------------------------------------------------------------------------
+
 
 def _fsync_dir(d: Path) -> None:
     try:
@@ -121,14 +130,23 @@ def read_checkpoint_files(meta_path: Path) -> tuple[dict[str, Any], dict[str, to
     try:
         tensors = load_file(str(wpath))
     except Exception as e:
-        raise CheckpointError(f"corrupt or missing checkpoint weights {wpath}: "
-                              f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+        raise CheckpointError(
+            f"corrupt or missing checkpoint weights {wpath}: "
+            f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        ) from None
     return record, tensors, wpath
 
 
-def save_checkpoint(directory: str | os.PathLike, *, round: int, theta: torch.Tensor,
-                    momentum: torch.Tensor | None, meta: dict[str, Any] | None = None,
-                    keep: int = 3, digest_hex: str | None = None) -> Path:
+def save_checkpoint(
+    directory: str | os.PathLike,
+    *,
+    round: int,
+    theta: torch.Tensor,
+    momentum: torch.Tensor | None,
+    meta: dict[str, Any] | None = None,
+    keep: int = 3,
+    digest_hex: str | None = None,
+) -> Path:
     """Write the global state after ``round`` and return the metadata file's path.
 
     Files (``NNNNNNNN`` = round, zero-padded to 8 digits):
@@ -164,23 +182,34 @@ def save_checkpoint(directory: str | os.PathLike, *, round: int, theta: torch.Te
         momentum = momentum.detach().to("cpu").reshape(-1).contiguous()
         # k·P elements: the outer optimizer's state (Nesterov: the momentum, k = 1; the ddp
         # baseline's AdamW: its two moments, k = 2).
-        if momentum.dtype != torch.float32 or theta.numel() == 0 or momentum.numel() % theta.numel() \
-                or momentum.numel() == 0:
+        if (
+            momentum.dtype != torch.float32
+            or theta.numel() == 0
+            or momentum.numel() % theta.numel()
+            or momentum.numel() == 0
+        ):
             raise StateError("momentum (optimizer state) must be fp32 with k x as many elements as theta")
         tensors["momentum"] = momentum
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     stem = f"ckpt-{int(round):08d}"
     dg = digest(theta, momentum) if digest_hex is None else str(digest_hex)
-    record = {"format": CKPT_FORMAT, "round": int(round), "digest": dg,
-              "run_config_hash": meta.get("run_config_hash"), "time": time.time(),
-              "num_params": theta.numel(), "has_momentum": momentum is not None,
-              "weights": stem + ".safetensors", "meta": meta}
+    record = {
+        "format": CKPT_FORMAT,
+        "round": int(round),
+        "digest": dg,
+        "run_config_hash": meta.get("run_config_hash"),
+        "time": time.time(),
+        "num_params": theta.numel(),
+        "has_momentum": momentum is not None,
+        "weights": stem + ".safetensors",
+        "meta": meta,
+    }
     text = json.dumps(record, indent=1, sort_keys=True)  # TypeError before touching disk
-    _atomic_write(d / (stem + ".safetensors"),
-                  lambda tmp: save_file(tensors, tmp, metadata={"format": CKPT_FORMAT,
-                                                                "round": str(int(round)),
-                                                                "digest": dg}))
+    _atomic_write(
+        d / (stem + ".safetensors"),
+        lambda tmp: save_file(tensors, tmp, metadata={"format": CKPT_FORMAT, "round": str(int(round)), "digest": dg}),
+    )
 
     def _write_json(tmp):
         with open(tmp, "w", encoding="utf-8") as f:
@@ -200,8 +229,9 @@ def save_checkpoint(directory: str | os.PathLike, *, round: int, theta: torch.Te
     return meta_path
 
 
-def load_latest_checkpoint(directory: str | os.PathLike
-                           ) -> tuple[int, torch.Tensor, torch.Tensor | None, dict[str, Any]] | None:
+def load_latest_checkpoint(
+    directory: str | os.PathLike,
+) -> tuple[int, torch.Tensor, torch.Tensor | None, dict[str, Any]] | None:
     """Load the newest committed checkpoint: ``(round, theta, momentum, record)``.
 
     ``theta`` / ``momentum`` are fp32 CPU ``[P]`` (``momentum`` None if it was not
@@ -221,20 +251,24 @@ def load_latest_checkpoint(directory: str | os.PathLike
     record, tensors, wpath = read_checkpoint_files(meta_path)
     theta = tensors.get("theta")
     momentum = tensors.get("momentum")
-    if theta is None or theta.dtype != torch.float32 or theta.dim() != 1 or theta.numel() == 0 or (
-            momentum is not None and (momentum.dim() != 1 or momentum.numel() == 0
-                                      or momentum.numel() % theta.numel())):
+    if (
+        theta is None
+        or theta.dtype != torch.float32
+        or theta.dim() != 1
+        or theta.numel() == 0
+        or (momentum is not None and (momentum.dim() != 1 or momentum.numel() == 0 or momentum.numel() % theta.numel()))
+    ):
         raise CheckpointError(f"corrupt checkpoint weights {wpath}: missing or malformed tensors")
     if bool(record.get("has_momentum")) != (momentum is not None):
         raise CheckpointError(f"corrupt checkpoint {wpath}: momentum presence disagrees with metadata")
     got = digest(theta, momentum)
     if got != record.get("digest"):
-        raise CheckpointError(f"corrupt checkpoint {wpath}: digest {got} != recorded "
-                              f"{record.get('digest')}")
+        raise CheckpointError(f"corrupt checkpoint {wpath}: digest {got} != recorded {record.get('digest')}")
     return int(record.get("round", rnd)), theta, momentum, record
 
 
 # --- the global state in one buffer ------------------------------------------------------
+
 
 class GlobalState:
     """The swarm's global state in one contiguous fp32 CPU buffer (issue 13).
@@ -270,10 +304,17 @@ class GlobalState:
             raise StateError(f"need num_params > 0 and k >= 0, got {P} and {k}")
         if buffer is None:
             buffer = torch.zeros((1 + k) * P, dtype=torch.float32)
-        elif (buffer.dtype != torch.float32 or buffer.device.type != "cpu" or buffer.dim() != 1
-              or not buffer.is_contiguous() or buffer.numel() != (1 + k) * P):
-            raise StateError(f"buffer must be a contiguous fp32 CPU [{(1 + k) * P}] tensor, got "
-                             f"{buffer.dtype} {tuple(buffer.shape)} on {buffer.device}")
+        elif (
+            buffer.dtype != torch.float32
+            or buffer.device.type != "cpu"
+            or buffer.dim() != 1
+            or not buffer.is_contiguous()
+            or buffer.numel() != (1 + k) * P
+        ):
+            raise StateError(
+                f"buffer must be a contiguous fp32 CPU [{(1 + k) * P}] tensor, got "
+                f"{buffer.dtype} {tuple(buffer.shape)} on {buffer.device}"
+            )
         self.num_params, self.k = P, k
         self.buffer = buffer
         self.theta = buffer[:P]
@@ -313,8 +354,10 @@ class GlobalState:
         if opt_state is not None:
             opt_state = opt_state.detach().reshape(-1)
             if opt_state.dtype != torch.float32 or opt_state.numel() != self.opt_state.numel():
-                raise StateError(f"optimizer state must be fp32 [{self.opt_state.numel()}], got "
-                                 f"{opt_state.dtype} [{opt_state.numel()}]")
+                raise StateError(
+                    f"optimizer state must be fp32 [{self.opt_state.numel()}], got "
+                    f"{opt_state.dtype} [{opt_state.numel()}]"
+                )
         with self.lock:
             self.theta.copy_(theta)
             if opt_state is None:
@@ -331,8 +374,9 @@ class GlobalState:
             self.round = int(round)
             return self.digest
 
-    def read(self, start: int, end: int, *, round: int | None = None, digest: str | None = None,
-             blocking: bool = True) -> bytes:
+    def read(
+        self, start: int, end: int, *, round: int | None = None, digest: str | None = None, blocking: bool = True
+    ) -> bytes:
         """Bytes ``[start, end)`` of the buffer (its raw little-endian fp32 bytes: ``theta``, then the
         optimizer state), for the state server. One copy of the range only.
 
@@ -354,8 +398,9 @@ class GlobalState:
             if round is not None and self.round != round:
                 raise StateChanged(f"state of round {round} asked, this node now holds round {self.round}")
             if digest is not None and self.digest != digest:
-                raise StateChanged(f"state {digest[:8]} of round {self.round} was replaced by "
-                                   f"{(self.digest or '-')[:8]} (re-synced)")
+                raise StateChanged(
+                    f"state {digest[:8]} of round {self.round} was replaced by {(self.digest or '-')[:8]} (re-synced)"
+                )
             return bytes(self._bytes()[start:end])
         finally:
             self.lock.release()
@@ -375,10 +420,15 @@ class GlobalState:
         if self.digest is None:
             raise StateError("this state has no digest yet: load() or commit() it before checkpointing")
         # the module-level function, looked up now: one writer for every checkpoint
-        return save_checkpoint(directory, round=self.round, theta=self.theta,
-                               momentum=self.opt_state if self.k > 0 else None, meta=dict(meta),
-                               keep=keep, digest_hex=self.digest)
+        return save_checkpoint(
+            directory,
+            round=self.round,
+            theta=self.theta,
+            momentum=self.opt_state if self.k > 0 else None,
+            meta=dict(meta),
+            keep=keep,
+            digest_hex=self.digest,
+        )
 
     def __repr__(self) -> str:
-        return (f"GlobalState(P={self.num_params}, k={self.k}, round={self.round}, "
-                f"digest={(self.digest or '-')[:8]})")
+        return f"GlobalState(P={self.num_params}, k={self.k}, round={self.round}, digest={(self.digest or '-')[:8]})"

@@ -151,9 +151,15 @@ class StateServer:
     ``updates`` (:class:`UpdateLog`): the outer updates this node applied, recorded by the node.
     """
 
-    def __init__(self, transport: Transport, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                 state: Optional[GlobalState] = None, keep_snapshots: int = DEFAULT_KEEP_SNAPSHOTS,
-                 keep_updates: int = DEFAULT_KEEP_UPDATES, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        transport: Transport,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        state: Optional[GlobalState] = None,
+        keep_snapshots: int = DEFAULT_KEEP_SNAPSHOTS,
+        keep_updates: int = DEFAULT_KEEP_UPDATES,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.chunk_bytes = chunk_bytes
         self._state: Optional[GlobalState] = state
         self.keep_snapshots = int(keep_snapshots)
@@ -220,7 +226,7 @@ class StateServer:
         copy_.round, copy_.digest = gs.round, gs.digest
         with self._mu:
             self._kept[rnd] = copy_
-            for r in sorted(self._kept)[:-max(1, self.keep_snapshots)]:
+            for r in sorted(self._kept)[: -max(1, self.keep_snapshots)]:
                 del self._kept[r]
         log.info("state of round %d kept for a download in progress (%d MB)", rnd, gs.nbytes >> 20)
         return rnd
@@ -283,9 +289,11 @@ class StateServer:
                 del self._served[k]
         rnd, dg, total = gs.round, gs.digest, gs.nbytes
         if req.round != rnd:  # refused before anything is recorded (review M1)
-            raise EnvelopeError(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"state for round {req.round} asked, this node holds round {rnd}"
-                                f" (kept: {self.kept_rounds() or 'none'})")
+            raise EnvelopeError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"state for round {req.round} asked, this node holds round {rnd}"
+                f" (kept: {self.kept_rounds() or 'none'})",
+            )
         if req.offset > total:
             raise EnvelopeError(grpc.StatusCode.OUT_OF_RANGE, f"offset {req.offset} beyond {total} bytes")
         key = (rnd, str(verified.sender))
@@ -298,14 +306,16 @@ class StateServer:
                 with self._mu:
                     kept = self._kept.get(rnd)
                 if kept is None or kept.digest != dg:
-                    raise EnvelopeError(grpc.StatusCode.FAILED_PRECONDITION,
-                                        f"state of round {rnd} no longer held: {e}") from None
+                    raise EnvelopeError(
+                        grpc.StatusCode.FAILED_PRECONDITION, f"state of round {rnd} no longer held: {e}"
+                    ) from None
                 gs = kept
                 data = await self._read(gs, off, min(end, off + self.chunk_bytes), rnd, dg)
             with self._mu:
                 self._note(key, len(data), total)
-            yield collective_pb2.StateChunk(round=rnd, digest=dg, total_bytes=total, offset=off,
-                                            data=data).SerializeToString()
+            yield collective_pb2.StateChunk(
+                round=rnd, digest=dg, total_bytes=total, offset=off, data=data
+            ).SerializeToString()
 
     async def _handle_update(self, verified, context):
         """``State/GetUpdate``: request StateRequest(round r, offset, length) for the outer update of round
@@ -317,8 +327,10 @@ class StateServer:
             raise EnvelopeError(grpc.StatusCode.INVALID_ARGUMENT, "StateRequest is malformed") from None
         blob = await self.updates.blob(req.round, asked=False)
         if blob is None:
-            raise EnvelopeError(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"no outer update of round {req.round} kept (kept: {self.updates.rounds() or 'none'})")
+            raise EnvelopeError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"no outer update of round {req.round} kept (kept: {self.updates.rounds() or 'none'})",
+            )
         data, h = blob
         total = len(data)
         if req.offset > total:
@@ -326,21 +338,23 @@ class StateServer:
         end = min(total, req.offset + (req.length or total))
         served = 0
         for off in range(req.offset, end, self.chunk_bytes):
-            piece = data[off:min(end, off + self.chunk_bytes)]
+            piece = data[off : min(end, off + self.chunk_bytes)]
             served += len(piece)
             if served * MIN_SHARE >= total:
                 # a real catch-up (not a 1-byte probe): encode the next rounds as soon as they are sealed
                 self.updates.note_asked()
-            yield collective_pb2.StateChunk(round=req.round, digest=h, total_bytes=total, offset=off,
-                                            data=piece).SerializeToString()
+            yield collective_pb2.StateChunk(
+                round=req.round, digest=h, total_bytes=total, offset=off, data=piece
+            ).SerializeToString()
 
 
 class StreamCaller(Protocol):
     """What :func:`download_state` uses of a transport: :meth:`Transport.call_stream` (a
     :class:`~geomesh_p2p.transport.Transport`, or a proxy of one such as the sync meter's counting wrapper)."""
 
-    def call_stream(self, address: str, method: str, payload: bytes, *, round: int = 0,
-                    timeout: Optional[float] = None) -> AsyncGenerator[Verified, None]:
+    def call_stream(
+        self, address: str, method: str, payload: bytes, *, round: int = 0, timeout: Optional[float] = None
+    ) -> AsyncGenerator[Verified, None]:
         """Server-streaming call; yields each verified reply (raises as :meth:`Transport.call`)."""
         ...
 
@@ -406,6 +420,7 @@ async def download_state(
         STALL_MIN_CHUNKS chunks (before: of the fastest sibling piece that did; none: ``stall_timeout_s``),
         within [STALL_FLOOR_S, stall_timeout_s]: on a fast link a frozen donor costs about STALL_FLOOR_S,
         not stall_timeout_s (issue 14 #3: <= 5 s)."""
+
         def mean(i: int) -> float:
             return (last_chunk[i] - asked[i]) / n_chunks[i]
 
@@ -426,15 +441,20 @@ async def download_state(
         req = collective_pb2.StateRequest(round=round, offset=got[0], length=end - got[0])
         # aclosing: a piece abandoned half-way (inconsistent chunk, stall, sibling failure) cancels its
         # stream now, in this task, rather than whenever the generator is garbage-collected
-        async with contextlib.aclosing(transport.call_stream(donor, STATE_GET, req.SerializeToString(),
-                                                             round=round, timeout=timeout_s)) as stream:
+        async with contextlib.aclosing(
+            transport.call_stream(donor, STATE_GET, req.SerializeToString(), round=round, timeout=timeout_s)
+        ) as stream:
             async for v in stream:
                 chunk = collective_pb2.StateChunk.FromString(v.payload)
                 pos = got[0]
-                if (chunk.total_bytes != total or chunk.offset != pos or chunk.digest != expected_digest
-                        or pos + len(chunk.data) > end):
+                if (
+                    chunk.total_bytes != total
+                    or chunk.offset != pos
+                    or chunk.digest != expected_digest
+                    or pos + len(chunk.data) > end
+                ):
                     raise StateSyncError(f"donor {donor} sent an inconsistent chunk at {chunk.offset}")
-                buf[pos:pos + len(chunk.data)] = chunk.data
+                buf[pos : pos + len(chunk.data)] = chunk.data
                 got[0] = pos + len(chunk.data)
                 now = time.monotonic()
                 if moving[piece]:
@@ -477,8 +497,7 @@ async def download_state(
                         return
                     quiet = time.monotonic() - max(last_chunk[piece], asked[piece])
                     if quiet >= stall_limit(piece):
-                        raise TimeoutError(f"donor {donor} sent nothing for {quiet:.1f} s "
-                                           f"(at byte {got[0]} of {end})")
+                        raise TimeoutError(f"donor {donor} sent nothing for {quiet:.1f} s (at byte {got[0]} of {end})")
             except (RpcError, StateSyncError, ValueError, DecodeError, TimeoutError) as e:
                 kind = "stalled" if isinstance(e, TimeoutError) else "failed"
                 if isinstance(e, TimeoutError) and not second and stall_limit(piece) < stall_timeout_s:
@@ -519,8 +538,15 @@ async def download_state(
     if got_digest != expected_digest:
         raise StateSyncError(f"downloaded state has digest {got_digest}, expected {expected_digest}")
     # measured here, not by callers' clocks: what a bad donor cost is the gap its piece saw (issue 14 #3)
-    log.info("state of round %d: %d bytes from %d donor(s) in %.2f s; %d piece move(s), longest gap %.2f s",
-             round, total, n, time.monotonic() - t0, len(gaps), max(gaps, default=0.0))
+    log.info(
+        "state of round %d: %d bytes from %d donor(s) in %.2f s; %d piece move(s), longest gap %.2f s",
+        round,
+        total,
+        n,
+        time.monotonic() - t0,
+        len(gaps),
+        max(gaps, default=0.0),
+    )
     return Snapshot(round, gs.theta, gs.opt_state, got_digest, buffer=flat)
 
 
@@ -556,10 +582,16 @@ class OuterUpdate:
         """``b"GMU1"``, a 4-byte little-endian header length, the JSON header (round, digests, ranges,
         idle, P) and the zlib-compressed raw little-endian fp32 bytes of ``aggregate``. Synchronous
         (zlib, ~30 MB/s): run it in a worker thread."""
-        head = json.dumps({"round": int(self.round), "start_digest": self.start_digest,
-                           "end_digest": self.end_digest, "numel": int(self.aggregate.numel()),
-                           "ranges": [list(map(int, r)) for r in self.ranges],
-                           "idle": [list(map(int, r)) for r in self.idle]}).encode()
+        head = json.dumps(
+            {
+                "round": int(self.round),
+                "start_digest": self.start_digest,
+                "end_digest": self.end_digest,
+                "numel": int(self.aggregate.numel()),
+                "ranges": [list(map(int, r)) for r in self.ranges],
+                "idle": [list(map(int, r)) for r in self.idle],
+            }
+        ).encode()
         body = zlib.compress(self.aggregate.contiguous().numpy().astype("<f4", copy=False).data, _ZLIB_LEVEL)
         return _UPDATE_MAGIC + struct.pack("<I", len(head)) + head + body
 
@@ -574,7 +606,7 @@ class OuterUpdate:
             if blob[:4] != _UPDATE_MAGIC:
                 raise ValueError("not an outer update")
             (n,) = struct.unpack("<I", blob[4:8])
-            head = json.loads(bytes(blob[8:8 + n]))
+            head = json.loads(bytes(blob[8 : 8 + n]))
             if int(head["numel"]) != numel:
                 raise ValueError(f"update for P = {head['numel']}, this model has {numel}")
             ranges = tuple((int(a), int(b)) for a, b in head["ranges"])
@@ -582,12 +614,13 @@ class OuterUpdate:
             if any(not 0 <= a <= b <= numel for a, b in ranges + idle):
                 raise ValueError("a range lies outside the model")
             d = zlib.decompressobj()
-            raw = d.decompress(bytes(blob[8 + n:]), 4 * numel)
+            raw = d.decompress(bytes(blob[8 + n :]), 4 * numel)
             if len(raw) != 4 * numel or d.unconsumed_tail or not d.eof:
                 raise ValueError(f"body does not inflate to {4 * numel} bytes")
             agg = torch.frombuffer(bytearray(raw), dtype=torch.float32)
-            return OuterUpdate(int(head["round"]), str(head["start_digest"]), str(head["end_digest"]),
-                               ranges, idle, agg)
+            return OuterUpdate(
+                int(head["round"]), str(head["start_digest"]), str(head["end_digest"]), ranges, idle, agg
+            )
         except (ValueError, KeyError, TypeError, struct.error, zlib.error) as e:
             raise StateSyncError(f"malformed outer update: {e}") from None
 
@@ -600,8 +633,12 @@ class UpdateLog:
     copied (``4 * P`` bytes per round kept, so the collective may reuse its buffer); the first request
     for a round encodes it once (zlib, in a worker thread) and the raw copy is dropped. Thread-safe."""
 
-    def __init__(self, keep_rounds: int = DEFAULT_KEEP_UPDATES, spawn: Optional[Callable[..., Any]] = None,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        keep_rounds: int = DEFAULT_KEEP_UPDATES,
+        spawn: Optional[Callable[..., Any]] = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.keep_rounds = max(0, int(keep_rounds))
         # spawn(coro, name): an owner of background tasks (the transport's TaskOwner). With it, a round
         # sealed while a peer catches up (an update asked within RETAIN_AFTER_S) is encoded at once, off
@@ -620,16 +657,27 @@ class UpdateLog:
         self._done: dict[int, Any] = {}  # round -> OuterUpdate, or (blob, hash) once encoded
         self._encoding: dict[int, asyncio.Future] = {}
 
-    def record(self, round: int, start_digest: Optional[str], ranges: Sequence[tuple[int, int]],
-               idle: Sequence[tuple[int, int]], aggregate: torch.Tensor) -> None:
+    def record(
+        self,
+        round: int,
+        start_digest: Optional[str],
+        ranges: Sequence[tuple[int, int]],
+        idle: Sequence[tuple[int, int]],
+        aggregate: torch.Tensor,
+    ) -> None:
         """Round ``round`` is about to apply ``aggregate`` (fp32 [P], copied here) from the state of digest
         ``start_digest`` in ``ranges`` with ``idle`` ranges left unchanged. Synchronous (a copy)."""
         if self.keep_rounds == 0 or not start_digest:
             return
         agg = aggregate.detach().to(torch.float32).reshape(-1).clone()
         with self._mu:
-            self._pending = (int(round), start_digest, tuple(tuple(map(int, r)) for r in ranges),
-                             tuple(tuple(map(int, r)) for r in idle), agg)
+            self._pending = (
+                int(round),
+                start_digest,
+                tuple(tuple(map(int, r)) for r in ranges),
+                tuple(tuple(map(int, r)) for r in idle),
+                agg,
+            )
 
     def seal(self, round_after: int, end_digest: str) -> None:
         """The state is now at ``round_after`` with ``end_digest``: the update recorded for
@@ -639,15 +687,16 @@ class UpdateLog:
             if p is None or p[0] != round_after - 1 or not end_digest:
                 return
             self._done[p[0]] = OuterUpdate(p[0], p[1], end_digest, p[2], p[3], p[4])
-            for r in sorted(self._done)[:-self.keep_rounds]:
+            for r in sorted(self._done)[: -self.keep_rounds]:
                 del self._done[r]
             loop = self._loop if self._loop is not None and self._catching_up() else None
             eager = loop is not None
             # Memory: only the newest round stays a raw [P] copy; older raw ones are encoded now when a peer is
             # syncing, else dropped (a planned-out peer needs only the newest; a joiner's download makes
             # this node eager before the rounds it will need are sealed).
-            stale = [r for r, u in self._done.items() if isinstance(u, OuterUpdate) and r != p[0]
-                     and r not in self._encoding]
+            stale = [
+                r for r, u in self._done.items() if isinstance(u, OuterUpdate) and r != p[0] and r not in self._encoding
+            ]
             if not eager:
                 for r in stale:
                     del self._done[r]
@@ -737,9 +786,16 @@ def apply_update(theta: torch.Tensor, opt_state: torch.Tensor, outer: Any, upd: 
     outer_step_per_part(o, theta, upd.aggregate, list(upd.ranges) or [(0, p)], upd.round, list(upd.idle))
 
 
-async def fetch_update(transport: StreamCaller, donors: Sequence[str], round: int, numel: int, *,
-                       timeout_s: float = 120.0, stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
-                       on_event: Optional[EventFn] = None) -> OuterUpdate:
+async def fetch_update(
+    transport: StreamCaller,
+    donors: Sequence[str],
+    round: int,
+    numel: int,
+    *,
+    timeout_s: float = 120.0,
+    stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
+    on_event: Optional[EventFn] = None,
+) -> OuterUpdate:
     """Download and parse the outer update of ``round`` (``State/GetUpdate``) from the first donor that
     has it; a donor that refuses, sends something inconsistent or nothing for ``stall_timeout_s`` is left
     for the next one (resuming at the byte reached when it serves the same blob, by hash). The blob is at
@@ -762,8 +818,9 @@ async def fetch_update(transport: StreamCaller, donors: Sequence[str], round: in
         nonlocal blob_hash
         total = None
         req = collective_pb2.StateRequest(round=round, offset=len(buf))
-        async with contextlib.aclosing(transport.call_stream(donor, STATE_UPDATE, req.SerializeToString(),
-                                                             round=round, timeout=timeout_s)) as stream:
+        async with contextlib.aclosing(
+            transport.call_stream(donor, STATE_UPDATE, req.SerializeToString(), round=round, timeout=timeout_s)
+        ) as stream:
             async for v in stream:
                 c = collective_pb2.StateChunk.FromString(v.payload)
                 if blob_hash is not None and c.digest != blob_hash:
@@ -771,8 +828,12 @@ async def fetch_update(transport: StreamCaller, donors: Sequence[str], round: in
                         blob_hash = None
                     else:  # another encoding of the update: restart it from this donor
                         raise StateSyncError(f"donor {donor} serves another encoding of the update")
-                if (c.round != round or c.offset != len(buf) or c.total_bytes > limit
-                        or len(buf) + len(c.data) > c.total_bytes):
+                if (
+                    c.round != round
+                    or c.offset != len(buf)
+                    or c.total_bytes > limit
+                    or len(buf) + len(c.data) > c.total_bytes
+                ):
                     raise StateSyncError(f"donor {donor} sent an inconsistent update chunk at {c.offset}")
                 blob_hash = c.digest
                 buf.extend(c.data)
@@ -814,10 +875,18 @@ async def fetch_update(transport: StreamCaller, donors: Sequence[str], round: in
     raise StateSyncError(f"no donor served the outer update of round {round}: {'; '.join(errors) or 'no donor'}")
 
 
-async def catch_up_updates(transport: StreamCaller, donors: Sequence[str], snap: Snapshot, *, target_round: int,
-                           target_digest: str, outer: Any, timeout_s: float = 120.0,
-                           stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
-                           on_event: Optional[EventFn] = None) -> Snapshot:
+async def catch_up_updates(
+    transport: StreamCaller,
+    donors: Sequence[str],
+    snap: Snapshot,
+    *,
+    target_round: int,
+    target_digest: str,
+    outer: Any,
+    timeout_s: float = 120.0,
+    stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
+    on_event: Optional[EventFn] = None,
+) -> Snapshot:
     """From ``snap`` (a state of round r with its buffer, e.g. a download or a copy of this node's own),
     apply the donors' outer updates of rounds r .. ``target_round`` - 1 in place and return the
     Snapshot of ``target_round``: bitwise the swarm's state, its digest checked to be ``target_digest``
@@ -841,9 +910,15 @@ async def catch_up_updates(transport: StreamCaller, donors: Sequence[str], snap:
     # all updates are asked for at once (each round's transfer overlaps the others' and the steps), then
     # applied in order; structured: none of these tasks outlives this call
     loop = asyncio.get_running_loop()
-    fetches = {r: loop.create_task(fetch_update(transport, donors, r, P, timeout_s=timeout_s,
-                                                stall_timeout_s=stall_timeout_s, on_event=on_event),
-                                   name=f"update-{r}") for r in range(snap.round, target_round)}
+    fetches = {
+        r: loop.create_task(
+            fetch_update(
+                transport, donors, r, P, timeout_s=timeout_s, stall_timeout_s=stall_timeout_s, on_event=on_event
+            ),
+            name=f"update-{r}",
+        )
+        for r in range(snap.round, target_round)
+    }
     try:
         for r in range(snap.round, target_round):
             await _apply_checked(gs, outer, await fetches[r], r, target_round, target_digest)
@@ -854,22 +929,27 @@ async def catch_up_updates(transport: StreamCaller, donors: Sequence[str], snap:
         if pending:
             await asyncio.wait(pending)
         for t in fetches.values():  # a later round's fetch that failed while an earlier one was applied:
-            if not t.cancelled():   # its error is retrieved here (the first error is what this call raises)
+            if not t.cancelled():  # its error is retrieved here (the first error is what this call raises)
                 t.exception()
     return Snapshot(gs.round, gs.theta, gs.opt_state, gs.digest, buffer=gs.buffer)
 
 
-async def _apply_checked(gs: GlobalState, outer: Any, upd: OuterUpdate, r: int, target_round: int,
-                         target_digest: str) -> None:
+async def _apply_checked(
+    gs: GlobalState, outer: Any, upd: OuterUpdate, r: int, target_round: int, target_digest: str
+) -> None:
     """Apply update ``upd`` of round ``r`` to ``gs`` and check the digests (see :func:`catch_up_updates`)."""
     if upd.start_digest != gs.digest:
-        raise StateSyncError(f"the outer update of round {r} starts from digest {upd.start_digest[:8]}, "
-                             f"this state is {(gs.digest or '-')[:8]}")
+        raise StateSyncError(
+            f"the outer update of round {r} starts from digest {upd.start_digest[:8]}, "
+            f"this state is {(gs.digest or '-')[:8]}"
+        )
     await asyncio.to_thread(apply_update, gs.theta, gs.opt_state, outer, upd)
     got = await asyncio.to_thread(gs.commit, r + 1)
     want = target_digest if r + 1 == target_round else upd.end_digest
     if got != upd.end_digest or got != want:
-        raise StateSyncError(f"the outer update of round {r} is refused: applying it gives digest {got[:8]}, "
-                             f"the update states {upd.end_digest[:8]}"
-                             + (f" and the swarm {target_digest[:8]}" if r + 1 == target_round else "")
-                             + " (forged or tampered)")
+        raise StateSyncError(
+            f"the outer update of round {r} is refused: applying it gives digest {got[:8]}, "
+            f"the update states {upd.end_digest[:8]}"
+            + (f" and the swarm {target_digest[:8]}" if r + 1 == target_round else "")
+            + " (forged or tampered)"
+        )

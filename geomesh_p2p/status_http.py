@@ -27,20 +27,33 @@ MAX_HEAD_BYTES = 8 << 10
 HEAD_TIMEOUT_S = 10.0
 MAX_CONNECTIONS = 64
 
-_TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8",
-          ".css": "text/css; charset=utf-8", ".txt": "text/plain; charset=utf-8"}
+_TYPES = {
+    ".html": "text/html; charset=utf-8",
+    ".js": "text/javascript; charset=utf-8",
+    ".css": "text/css; charset=utf-8",
+    ".txt": "text/plain; charset=utf-8",
+}
 STATIC_FILES = ("index.html", "status.js", "status.css", "uPlot.iife.min.js", "uPlot.min.css", "uPlot.LICENSE.txt")
-CSP = ("default-src 'none'; script-src 'self'; style-src 'self' 'unsafe-inline'; img-src 'self' data:; "
-       "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
-_REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
-            408: "Request Timeout", 431: "Request Header Fields Too Large", 503: "Service Unavailable"}
+CSP = (
+    "default-src 'none'; script-src 'self'; style-src 'self' 'unsafe-inline'; img-src 'self' data:; "
+    "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+)
+_REASONS = {
+    200: "OK",
+    400: "Bad Request",
+    404: "Not Found",
+    405: "Method Not Allowed",
+    408: "Request Timeout",
+    431: "Request Header Fields Too Large",
+    503: "Service Unavailable",
+}
 
 
 def _static() -> Dict[str, Tuple[bytes, str]]:
     root = resources.files("geomesh_p2p").joinpath("static")
     out = {}
     for name in STATIC_FILES:
-        ext = name[name.rfind("."):]
+        ext = name[name.rfind(".") :]
         out[name] = (root.joinpath(name).read_bytes(), _TYPES[ext])
     return out
 
@@ -94,8 +107,8 @@ class StatusServer:
             return 200, self.watcher.swarm_json(), "application/json", False
         if path == "/api/rounds":
             return 200, self.watcher.rounds_json(), "application/json", False
-        if path.startswith("/static/") and path[len("/static/"):] in self._files:
-            body, ctype = self._files[path[len("/static/"):]]
+        if path.startswith("/static/") and path[len("/static/") :] in self._files:
+            body, ctype = self._files[path[len("/static/") :]]
             return 200, body, ctype, True
         return 404, b"not found\n", _TYPES[".txt"], False
 

@@ -60,13 +60,13 @@ def clean_text(value: Any, limit: int = MAX_TEXT) -> str:
     with an ellipsis. HTML is *not* escaped here: the page writes every string as text."""
     text = "" if value is None else str(value)
     if len(text) > 4 * limit:
-        text = text[:4 * limit]
+        text = text[: 4 * limit]
     out = []
     for ch in text:
         cat = unicodedata.category(ch)
         out.append("\ufffd" if cat in ("Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp") else ch)
     text = "".join(out)
-    return text if len(text) <= limit else text[:limit - 1] + "\u2026"
+    return text if len(text) <= limit else text[: limit - 1] + "\u2026"
 
 
 def _finite(v: Optional[float]) -> Optional[float]:
@@ -105,16 +105,25 @@ class RoundSummary(BaseModel):
         loss = _finite(r.train_loss)
         ppl = _finite(r.eval_ppl)
         return cls(
-            round=r.round, time=r.time or swarm_time(), peers=r.peers, leader=str(r.leader)[:64],
-            batch=r.batch_size, steps=r.inner_steps_done, steps_planned=r.inner_steps_planned, tokens=r.tokens,
+            round=r.round,
+            time=r.time or swarm_time(),
+            peers=r.peers,
+            leader=str(r.leader)[:64],
+            batch=r.batch_size,
+            steps=r.inner_steps_done,
+            steps_planned=r.inner_steps_planned,
+            tokens=r.tokens,
             loss=None if loss is None or not 0 <= loss <= 1e6 else loss,
             eval_ppl=None if ppl is None or not 0 <= ppl <= 1e30 else ppl,
             compute_s=min(max(_finite(r.compute_s) or 0.0, 0.0), 1e6),
             round_s=min(max(_finite(r.round_s) or 0.0, 0.0), 1e6),
             straggler_s=min(max(_finite(r.straggler_idle_s) or 0.0, 0.0), 1e6),
             network_s=min(max(_finite(r.network_idle_s) or 0.0, 0.0), 1e6),
-            sent=max(0, int(r.bytes_sent)), recv=max(0, int(r.bytes_received)),
-            digest=(r.digest or "")[:16], agree=r.digest_agree)
+            sent=max(0, int(r.bytes_sent)),
+            recv=max(0, int(r.bytes_received)),
+            digest=(r.digest or "")[:16],
+            agree=r.digest_agree,
+        )
 
 
 class RoundSummaries(BaseModel):
@@ -149,8 +158,13 @@ def publish_round_summary(node, record) -> None:
 
         async def store() -> None:
             try:
-                await dht.store(rounds_key(node.run_cfg.run_id), payload, swarm_time() + SUMMARY_TTL_S,
-                                subkey=node.me, owner=node.identity)
+                await dht.store(
+                    rounds_key(node.run_cfg.run_id),
+                    payload,
+                    swarm_time() + SUMMARY_TTL_S,
+                    subkey=node.me,
+                    owner=node.identity,
+                )
             except Exception as e:  # the status page misses one round at worst
                 log.debug("round summary not stored: %r", e)
 
@@ -187,8 +201,9 @@ class SwarmWatcher:
     ``poll_s`` seconds) and serves the last view as JSON bytes (:meth:`swarm_json`, :meth:`rounds_json`).
     """
 
-    def __init__(self, node, run_id: Optional[str] = None, *, poll_s: float = 2.0,
-                 allow=None, self_id: Optional[str] = None):
+    def __init__(
+        self, node, run_id: Optional[str] = None, *, poll_s: float = 2.0, allow=None, self_id: Optional[str] = None
+    ):
         self.node = node
         self.run_id = run_id or node.run_id
         self.poll_s = poll_s
@@ -204,8 +219,18 @@ class SwarmWatcher:
         self.last_error: Optional[str] = None
 
     def _empty(self) -> Dict[str, Any]:
-        return {"run_id": self.run_id, "time": swarm_time(), "updated": None, "round": None, "leader": None,
-                "plan": None, "digests": None, "peers": [], "ignored": 0, "error": None}
+        return {
+            "run_id": self.run_id,
+            "time": swarm_time(),
+            "updated": None,
+            "round": None,
+            "leader": None,
+            "plan": None,
+            "digests": None,
+            "peers": [],
+            "ignored": 0,
+            "error": None,
+        }
 
     # -------------------------------------------------------------------- reading
     async def _get(self, key: str):
@@ -269,8 +294,14 @@ class SwarmWatcher:
                 p = RoundPlan.from_bytes(item.value)
             except (ValidationError, ValueError):
                 continue
-            if item.owner is None or str(item.owner) != p.leader or subkey != p.leader or p.round != r \
-                    or p.run_id != self.run_id or p.leader not in known:
+            if (
+                item.owner is None
+                or str(item.owner) != p.leader
+                or subkey != p.leader
+                or p.round != r
+                or p.run_id != self.run_id
+                or p.leader not in known
+            ):
                 continue
             plans.append(p)
         return choose_plan(self.run_id, r, plans)
@@ -296,7 +327,7 @@ class SwarmWatcher:
                     continue
                 self._history.setdefault(row.round, {})[subkey] = row
         if len(self._history) > MAX_HISTORY:
-            for r in sorted(self._history)[:len(self._history) - MAX_HISTORY]:
+            for r in sorted(self._history)[: len(self._history) - MAX_HISTORY]:
                 del self._history[r]
 
     # -------------------------------------------------------------------- building the views
@@ -307,38 +338,76 @@ class SwarmWatcher:
         rows = []
         for r in peers:
             a = assign.get(r.peer_id)
-            rows.append({
-                "peer_id": r.peer_id, "short": r.peer_id[:10],
-                "device": clean_text(r.device), "memory_gib": round(r.memory_bytes / 2**30, 2),
-                "tokens_per_s": round(r.best_tokens_per_s(), 1),
-                "up_mbps": round(r.upload_bps * 8e-6, 2), "down_mbps": round(r.download_bps * 8e-6, 2),
-                "round": r.round, "state": _state(r, members, current),
-                "last_seen_s": round(max(0.0, now - r.timestamp), 1),
-                "address": clean_text(r.address) if r.address else None,
-                "version": clean_text(r.version, 24),
-                "digest": clean_text(r.weights_digest[:8]) if r.weights_digest else None,
-                "batch": a.batch_size if a is not None else None,
-                "inner_steps": a.inner_steps if a is not None else None,
-            })
+            rows.append(
+                {
+                    "peer_id": r.peer_id,
+                    "short": r.peer_id[:10],
+                    "device": clean_text(r.device),
+                    "memory_gib": round(r.memory_bytes / 2**30, 2),
+                    "tokens_per_s": round(r.best_tokens_per_s(), 1),
+                    "up_mbps": round(r.upload_bps * 8e-6, 2),
+                    "down_mbps": round(r.download_bps * 8e-6, 2),
+                    "round": r.round,
+                    "state": _state(r, members, current),
+                    "last_seen_s": round(max(0.0, now - r.timestamp), 1),
+                    "address": clean_text(r.address) if r.address else None,
+                    "version": clean_text(r.version, 24),
+                    "digest": clean_text(r.weights_digest[:8]) if r.weights_digest else None,
+                    "batch": a.batch_size if a is not None else None,
+                    "inner_steps": a.inner_steps if a is not None else None,
+                }
+            )
         rows.sort(key=lambda x: (x["state"] == "leaving", x["peer_id"]))
         digests = None
         if current is not None:
             majority, agree, total = digest_majority(peers, current)
-            digests = {"round": current, "majority": majority[:8] if majority else None, "agree": agree,
-                       "total": total, "equal": None if total == 0 else agree == total}
-        leader = plan.leader if plan is not None else (
-            leader_order(self.run_id, current, [r.peer_id for r in peers if not r.leaving])[0]
-            if current is not None and any(not r.leaving for r in peers) else None)
+            digests = {
+                "round": current,
+                "majority": majority[:8] if majority else None,
+                "agree": agree,
+                "total": total,
+                "equal": None if total == 0 else agree == total,
+            }
+        leader = (
+            plan.leader
+            if plan is not None
+            else (
+                leader_order(self.run_id, current, [r.peer_id for r in peers if not r.leaving])[0]
+                if current is not None and any(not r.leaving for r in peers)
+                else None
+            )
+        )
         plan_view = None
         if plan is not None:
-            plan_view = {"round": plan.round, "leader": plan.leader[:10], "window_s": round(plan.window_s, 2),
-                         "method": plan.method, "mode": plan.mode,
-                         "assignments": [{"short": a.peer_id[:10], "batch": a.batch_size,
-                                          "micro_batch": a.micro_batch, "inner_steps": a.inner_steps,
-                                          "owns_part": a.owns_part} for a in plan.assignments]}
-        return {"run_id": clean_text(self.run_id), "time": now, "updated": now, "round": current,
-                "leader": leader[:10] if leader else None, "plan": plan_view, "digests": digests,
-                "peers": rows, "ignored": ignored, "error": None}
+            plan_view = {
+                "round": plan.round,
+                "leader": plan.leader[:10],
+                "window_s": round(plan.window_s, 2),
+                "method": plan.method,
+                "mode": plan.mode,
+                "assignments": [
+                    {
+                        "short": a.peer_id[:10],
+                        "batch": a.batch_size,
+                        "micro_batch": a.micro_batch,
+                        "inner_steps": a.inner_steps,
+                        "owns_part": a.owns_part,
+                    }
+                    for a in plan.assignments
+                ],
+            }
+        return {
+            "run_id": clean_text(self.run_id),
+            "time": now,
+            "updated": now,
+            "round": current,
+            "leader": leader[:10] if leader else None,
+            "plan": plan_view,
+            "digests": digests,
+            "peers": rows,
+            "ignored": ignored,
+            "error": None,
+        }
 
     def _rounds_view(self) -> Dict[str, Any]:
         out = []
@@ -355,20 +424,29 @@ class SwarmWatcher:
             elif any(x.agree for x in rows):
                 agree = True
             leaders = Counter(x.leader for x in rows)
-            out.append({
-                "round": r, "time": _median([x.time for x in rows]), "reporters": len(rows),
-                "peers": int(_median([x.peers for x in rows]) or 0),
-                "leader": clean_text(max(leaders.items(), key=lambda kv: (kv[1], kv[0]))[0], 10),
-                "loss": _median([x.loss for x in rows]),
-                "eval_ppl": _median([x.eval_ppl for x in rows]),
-                "tokens": tokens, "tokens_per_s": round(tokens / round_s, 1) if round_s > 0 else None,
-                "round_s": round(round_s, 3),
-                "straggler_idle_pct": round(100 * max(x.straggler_s / x.round_s if x.round_s > 0 else 0 for x in rows), 2),
-                "network_idle_pct": round(100 * max(x.network_s / x.round_s if x.round_s > 0 else 0 for x in rows), 2),
-                "bytes_sent_per_peer": int(statistics.mean(x.sent for x in rows)),
-                "digest_agree": agree,
-                "plan": sorted(([x.batch, x.steps_planned] for x in rows), reverse=True)[:16],
-            })
+            out.append(
+                {
+                    "round": r,
+                    "time": _median([x.time for x in rows]),
+                    "reporters": len(rows),
+                    "peers": int(_median([x.peers for x in rows]) or 0),
+                    "leader": clean_text(max(leaders.items(), key=lambda kv: (kv[1], kv[0]))[0], 10),
+                    "loss": _median([x.loss for x in rows]),
+                    "eval_ppl": _median([x.eval_ppl for x in rows]),
+                    "tokens": tokens,
+                    "tokens_per_s": round(tokens / round_s, 1) if round_s > 0 else None,
+                    "round_s": round(round_s, 3),
+                    "straggler_idle_pct": round(
+                        100 * max(x.straggler_s / x.round_s if x.round_s > 0 else 0 for x in rows), 2
+                    ),
+                    "network_idle_pct": round(
+                        100 * max(x.network_s / x.round_s if x.round_s > 0 else 0 for x in rows), 2
+                    ),
+                    "bytes_sent_per_peer": int(statistics.mean(x.sent for x in rows)),
+                    "digest_agree": agree,
+                    "plan": sorted(([x.batch, x.steps_planned] for x in rows), reverse=True)[:16],
+                }
+            )
         return {"run_id": clean_text(self.run_id), "rounds": out}
 
     # -------------------------------------------------------------------- serving

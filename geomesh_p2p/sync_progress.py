@@ -40,8 +40,12 @@ class SyncMeter:
         ValueError: ``total_bytes < 1``.
     """
 
-    def __init__(self, total_bytes: int, on_progress: Optional[Callable[[], None]] = None,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        total_bytes: int,
+        on_progress: Optional[Callable[[], None]] = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         if total_bytes < 1:
             raise ValueError(f"total_bytes must be >= 1, got {total_bytes}")
         self.total_bytes = int(total_bytes)

@@ -34,9 +34,23 @@ from geomesh_p2p.clock import swarm_time
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PRESETS", "ConfigError", "build_model", "model_config", "flat_params", "pseudo_gradient",
-           "load_flat_", "num_params", "count_params", "InnerResult", "InnerTrainer", "lr_at", "swarm_lr_at",
-           "DEFAULT_INNER", "perplexity"]
+__all__ = [
+    "PRESETS",
+    "ConfigError",
+    "build_model",
+    "model_config",
+    "flat_params",
+    "pseudo_gradient",
+    "load_flat_",
+    "num_params",
+    "count_params",
+    "InnerResult",
+    "InnerTrainer",
+    "lr_at",
+    "swarm_lr_at",
+    "DEFAULT_INNER",
+    "perplexity",
+]
 
 _NO_DROPOUT_GPT2 = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
 
@@ -47,29 +61,68 @@ _NO_DROPOUT_GPT2 = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
 #: (:func:`count_params`).
 PRESETS: dict[str, dict[str, Any]] = {
     # 0.94M params (937,472): the model the design's pre-build measurements used. CPU-friendly.
-    "tiny": {"model_type": "gpt2", "vocab_size": 4096, "n_layer": 2, "n_embd": 128,
-             "n_head": 4, "n_positions": 128, **_NO_DROPOUT_GPT2},
+    "tiny": {
+        "model_type": "gpt2",
+        "vocab_size": 4096,
+        "n_layer": 2,
+        "n_embd": 128,
+        "n_head": 4,
+        "n_positions": 128,
+        **_NO_DROPOUT_GPT2,
+    },
     # 12.3M params (12,318,720).
-    "small": {"model_type": "gpt2", "vocab_size": 4096, "n_layer": 6, "n_embd": 384,
-              "n_head": 6, "n_positions": 256, **_NO_DROPOUT_GPT2},
+    "small": {
+        "model_type": "gpt2",
+        "vocab_size": 4096,
+        "n_layer": 6,
+        "n_embd": 384,
+        "n_head": 6,
+        "n_positions": 256,
+        **_NO_DROPOUT_GPT2,
+    },
     # GPT-2 small shape (124M at the GPT-2 vocab of 50257; 88,988,160 at vocab 4096).
-    "gpt2-124m": {"model_type": "gpt2", "vocab_size": 50257, "n_layer": 12, "n_embd": 768,
-                  "n_head": 12, "n_positions": 1024, **_NO_DROPOUT_GPT2},
+    "gpt2-124m": {
+        "model_type": "gpt2",
+        "vocab_size": 50257,
+        "n_layer": 12,
+        "n_embd": 768,
+        "n_head": 12,
+        "n_positions": 1024,
+        **_NO_DROPOUT_GPT2,
+    },
     # 0.93M params (926,336), LLaMA architecture (RMSNorm, SwiGLU, RoPE), like the paper's family.
-    "llama-tiny": {"model_type": "llama", "vocab_size": 4096, "hidden_size": 128,
-                   "intermediate_size": 352, "num_hidden_layers": 2,
-                   "num_attention_heads": 4, "num_key_value_heads": 4,
-                   "max_position_embeddings": 256, "tie_word_embeddings": True,
-                   "attention_dropout": 0.0, "bos_token_id": 0, "eos_token_id": 0},
+    "llama-tiny": {
+        "model_type": "llama",
+        "vocab_size": 4096,
+        "hidden_size": 128,
+        "intermediate_size": 352,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "max_position_embeddings": 256,
+        "tie_word_embeddings": True,
+        "attention_dropout": 0.0,
+        "bos_token_id": 0,
+        "eos_token_id": 0,
+    },
     # The paper's ~150M LLaMA-style model: OpenDiLoCo's "llama-150m" shape (Jaghouar et al.
     # 2024, arXiv 2407.07852; hidden 1024, SwiGLU 2688, 12 layers, 16 heads), at this
     # project's vocabulary with tied embeddings: exactly 153,641,984 params at vocab 4096
     # (12 x 12,453,888 per layer + 4,194,304 embedding + 1,024 final norm).
-    "llama-150m": {"model_type": "llama", "vocab_size": 4096, "hidden_size": 1024,
-                   "intermediate_size": 2688, "num_hidden_layers": 12,
-                   "num_attention_heads": 16, "num_key_value_heads": 16,
-                   "max_position_embeddings": 1024, "tie_word_embeddings": True,
-                   "attention_dropout": 0.0, "bos_token_id": 0, "eos_token_id": 0},
+    "llama-150m": {
+        "model_type": "llama",
+        "vocab_size": 4096,
+        "hidden_size": 1024,
+        "intermediate_size": 2688,
+        "num_hidden_layers": 12,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 16,
+        "max_position_embeddings": 1024,
+        "tie_word_embeddings": True,
+        "attention_dropout": 0.0,
+        "bos_token_id": 0,
+        "eos_token_id": 0,
+    },
 }
 
 #: Inner-optimizer defaults per optimizer name (lr for the tiny preset).
@@ -93,8 +146,9 @@ def _read_config_file(path: str | os.PathLike) -> dict[str, Any]:
     try:
         d = json.loads(p.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
-        raise ConfigError(f"model config file {p} is not valid JSON "
-                          f"(line {e.lineno} column {e.colno}: {e.msg})") from None
+        raise ConfigError(
+            f"model config file {p} is not valid JSON (line {e.lineno} column {e.colno}: {e.msg})"
+        ) from None
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"cannot read model config file {p}: {e}") from None
     if not isinstance(d, dict):
@@ -102,8 +156,9 @@ def _read_config_file(path: str | os.PathLike) -> dict[str, Any]:
     return d
 
 
-def model_config(preset: str | None = "tiny", config_file: str | os.PathLike | None = None,
-                 vocab_size: int | None = None):
+def model_config(
+    preset: str | None = "tiny", config_file: str | os.PathLike | None = None, vocab_size: int | None = None
+):
     """The ``transformers.PretrainedConfig`` :func:`build_model` would use (no weights).
 
     ``config_file`` (JSON) wins over ``preset``. It is either a Hugging Face
@@ -122,8 +177,7 @@ def model_config(preset: str | None = "tiny", config_file: str | os.PathLike | N
         if "preset" in d:
             name = d.pop("preset")
             if name not in PRESETS:
-                raise ConfigError(f"{source}: unknown preset {name!r} "
-                                  f"(known: {', '.join(PRESETS)})")
+                raise ConfigError(f"{source}: unknown preset {name!r} (known: {', '.join(PRESETS)})")
             d = {**PRESETS[name], **d}
     else:
         if preset not in PRESETS:
@@ -132,8 +186,7 @@ def model_config(preset: str | None = "tiny", config_file: str | os.PathLike | N
         source = f"preset {preset!r}"
     model_type = d.pop("model_type", None)
     if not isinstance(model_type, str):
-        raise ConfigError(f"{source}: missing \"model_type\" (e.g. \"gpt2\", \"llama\") "
-                          "or \"preset\"")
+        raise ConfigError(f'{source}: missing "model_type" (e.g. "gpt2", "llama") or "preset"')
     for k in ("architectures", "transformers_version", "_name_or_path", "auto_map"):
         d.pop(k, None)  # harmless in HF config.json, irrelevant here; auto_map = remote code
     if vocab_size is not None:
@@ -151,13 +204,18 @@ def model_config(preset: str | None = "tiny", config_file: str | os.PathLike | N
     try:
         cfg = AutoConfig.for_model(model_type, **d)
     except Exception as e:
-        raise ConfigError(f"{source}: invalid configuration ({type(e).__name__}: "
-                          f"{str(e).splitlines()[0] if str(e) else ''})") from None
+        raise ConfigError(
+            f"{source}: invalid configuration ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+        ) from None
     return cfg
 
 
-def build_model(preset: str | None = "tiny", config_file: str | os.PathLike | None = None,
-                vocab_size: int | None = None, seed: int = 0):
+def build_model(
+    preset: str | None = "tiny",
+    config_file: str | os.PathLike | None = None,
+    vocab_size: int | None = None,
+    seed: int = 0,
+):
     """A freshly initialised causal LM, fp32 on CPU, in train mode.
 
     Built with ``AutoModelForCausalLM.from_config`` (never ``from_pretrained``; nothing
@@ -178,8 +236,9 @@ def build_model(preset: str | None = "tiny", config_file: str | os.PathLike | No
             model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
         except Exception as e:
             src = f"model config file {config_file}" if config_file else f"preset {preset!r}"
-            raise ConfigError(f"{src}: cannot build model ({type(e).__name__}: "
-                              f"{str(e).splitlines()[0] if str(e) else ''})") from None
+            raise ConfigError(
+                f"{src}: cannot build model ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+            ) from None
     model = model.float()
     if getattr(model, "loss_type", "ForCausalLM") is None:
         # transformers 5 derives it from the class name; GPT2LMHeadModel matches nothing
@@ -189,8 +248,9 @@ def build_model(preset: str | None = "tiny", config_file: str | os.PathLike | No
     return model
 
 
-def count_params(preset: str | None = "tiny", config_file: str | os.PathLike | None = None,
-                 vocab_size: int | None = None) -> int:
+def count_params(
+    preset: str | None = "tiny", config_file: str | os.PathLike | None = None, vocab_size: int | None = None
+) -> int:
     """Parameters :func:`build_model` would give (tied weights once), without allocating them.
 
     The model is built on PyTorch's ``meta`` device (shapes only: no memory, no initialisation),
@@ -233,12 +293,11 @@ def flat_params(model, out: torch.Tensor | None = None) -> torch.Tensor:
         with torch.no_grad():
             for _, p in model.named_parameters():
                 n = p.numel()
-                flat[off:off + n].copy_(p.detach().reshape(-1))
+                flat[off : off + n].copy_(p.detach().reshape(-1))
                 off += n
         return out
     with torch.no_grad():
-        parts = [p.detach().reshape(-1).to(device="cpu", dtype=torch.float32)
-                 for _, p in model.named_parameters()]
+        parts = [p.detach().reshape(-1).to(device="cpu", dtype=torch.float32) for _, p in model.named_parameters()]
         return torch.cat(parts) if parts else torch.empty(0, dtype=torch.float32)
 
 
@@ -259,7 +318,7 @@ def pseudo_gradient(model, theta: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         for _, p in model.named_parameters():
             n = p.numel()
-            torch.sub(theta[off:off + n], p.detach().reshape(-1).to("cpu", torch.float32), out=out[off:off + n])
+            torch.sub(theta[off : off + n], p.detach().reshape(-1).to("cpu", torch.float32), out=out[off : off + n])
             off += n
     return out
 
@@ -278,12 +337,11 @@ def load_flat_(model, flat: torch.Tensor) -> None:
     with torch.no_grad():
         for _, p in model.named_parameters():
             n = p.numel()
-            p.copy_(flat[off:off + n].view_as(p))
+            p.copy_(flat[off : off + n].view_as(p))
             off += n
 
 
-def lr_at(step: float, *, lr: float, warmup_steps: int, total_steps: int,
-          min_lr_ratio: float = 0.1) -> float:
+def lr_at(step: float, *, lr: float, warmup_steps: int, total_steps: int, min_lr_ratio: float = 0.1) -> float:
     """Learning rate at global inner step ``step`` (0-based; a fractional step interpolates).
 
     Linear warm-up ``lr * (step + 1) / warmup_steps`` for ``step < warmup_steps``, then
@@ -297,8 +355,17 @@ def lr_at(step: float, *, lr: float, warmup_steps: int, total_steps: int,
     return lr * (min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * t)))
 
 
-def swarm_lr_at(round: int, step: int, planned_steps: int, *, steps_per_round: int, lr: float,
-                warmup_steps: int, total_steps: int, min_lr_ratio: float = 0.1) -> float:
+def swarm_lr_at(
+    round: int,
+    step: int,
+    planned_steps: int,
+    *,
+    steps_per_round: int,
+    lr: float,
+    warmup_steps: int,
+    total_steps: int,
+    min_lr_ratio: float = 0.1,
+) -> float:
     """Inner learning rate of inner step ``step`` (0-based) of round ``round`` for a peer planned
     ``planned_steps`` inner steps: a function of the swarm's progress only (issue 14 #8).
 
@@ -402,25 +469,40 @@ class InnerTrainer:
         min_lr_ratio: final lr as a fraction of ``lr``.
     """
 
-    def __init__(self, model, dataset, *, device: str | torch.device = "cpu", seq_len: int,
-                 optimizer: str = "adamw", lr: float | None = None,
-                 weight_decay: float | None = None, warmup_steps: int = 0,
-                 total_steps: int = 1000, grad_clip: float = 1.0, seed: int = 0,
-                 peer_id: str = "peer", speed_factor: float = 1.0, amp: bool = False,
-                 min_lr_ratio: float = 0.1, steps_per_round: int | None = None):
+    def __init__(
+        self,
+        model,
+        dataset,
+        *,
+        device: str | torch.device = "cpu",
+        seq_len: int,
+        optimizer: str = "adamw",
+        lr: float | None = None,
+        weight_decay: float | None = None,
+        warmup_steps: int = 0,
+        total_steps: int = 1000,
+        grad_clip: float = 1.0,
+        seed: int = 0,
+        peer_id: str = "peer",
+        speed_factor: float = 1.0,
+        amp: bool = False,
+        min_lr_ratio: float = 0.1,
+        steps_per_round: int | None = None,
+    ):
         if optimizer not in DEFAULT_INNER:
             raise ValueError(f"unknown inner optimizer {optimizer!r} (use 'adamw' or 'lion')")
         if speed_factor <= 0:
             raise ValueError(f"speed_factor must be > 0, got {speed_factor}")
-        ctx = getattr(model.config, "n_positions", None) or getattr(
-            model.config, "max_position_embeddings", None)
+        ctx = getattr(model.config, "n_positions", None) or getattr(model.config, "max_position_embeddings", None)
         if ctx is not None and seq_len > ctx:
             raise ValueError(f"seq_len {seq_len} exceeds the model context {ctx}")
         mv = getattr(model.config, "vocab_size", None)
         dv = getattr(dataset, "vocab_size", None)
         if mv is not None and dv is not None and dv > mv:
-            raise ValueError(f"dataset vocabulary ({dv}) is larger than the model's ({mv}); "
-                             "build the model with vocab_size=dataset.vocab_size")
+            raise ValueError(
+                f"dataset vocabulary ({dv}) is larger than the model's ({mv}); "
+                "build the model with vocab_size=dataset.vocab_size"
+            )
         self.device = torch.device(device)
         self.model = model.to(self.device)
         self.model.train()
@@ -450,11 +532,9 @@ class InnerTrainer:
         for _, p in self.model.named_parameters():
             if p.requires_grad:
                 (decay if p.ndim >= 2 else no_decay).append(p)
-        groups = [{"params": decay, "weight_decay": self.weight_decay},
-                  {"params": no_decay, "weight_decay": 0.0}]
+        groups = [{"params": decay, "weight_decay": self.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
         if optimizer == "adamw":
-            self.optimizer = torch.optim.AdamW(groups, lr=self.lr, betas=defaults["betas"],
-                                               eps=1e-8)
+            self.optimizer = torch.optim.AdamW(groups, lr=self.lr, betas=defaults["betas"], eps=1e-8)
         else:
             try:
                 from lion_pytorch import Lion
@@ -481,7 +561,7 @@ class InnerTrainer:
         mb = b if not micro_batch or micro_batch >= b else int(micro_batch)
         total = 0.0
         for i in range(0, b, mb):
-            x = batch[i:i + mb].to(self.device, non_blocking=True)
+            x = batch[i : i + mb].to(self.device, non_blocking=True)
             with self._autocast():
                 loss = self.model(input_ids=x, labels=x).loss
             (loss * (x.shape[0] / b)).backward()
@@ -492,11 +572,23 @@ class InnerTrainer:
         """Learning rate of step ``step`` (0-based) of a round planned ``planned_steps`` inner steps:
         :func:`swarm_lr_at` with ``steps_per_round``, else :func:`lr_at` of :attr:`global_step`."""
         if self.steps_per_round is not None:
-            return swarm_lr_at(round, step, planned_steps, steps_per_round=self.steps_per_round, lr=self.lr,
-                               warmup_steps=self.warmup_steps, total_steps=self.total_steps,
-                               min_lr_ratio=self.min_lr_ratio)
-        return lr_at(self.global_step, lr=self.lr, warmup_steps=self.warmup_steps,
-                     total_steps=self.total_steps, min_lr_ratio=self.min_lr_ratio)
+            return swarm_lr_at(
+                round,
+                step,
+                planned_steps,
+                steps_per_round=self.steps_per_round,
+                lr=self.lr,
+                warmup_steps=self.warmup_steps,
+                total_steps=self.total_steps,
+                min_lr_ratio=self.min_lr_ratio,
+            )
+        return lr_at(
+            self.global_step,
+            lr=self.lr,
+            warmup_steps=self.warmup_steps,
+            total_steps=self.total_steps,
+            min_lr_ratio=self.min_lr_ratio,
+        )
 
     def _set_lr(self, round: int = 0, step: int = 0, planned_steps: int = 1) -> float:
         lr = self.lr_for(round, step, planned_steps)
@@ -507,10 +599,17 @@ class InnerTrainer:
 
     # -- main loop ------------------------------------------------------------------
 
-    def run(self, *, round: int, inner_steps: int, batch_size: int,
-            micro_batch: int | None = None, deadline: float | None = None,
-            progress: Callable[[int, float, float], None] | None = None,
-            should_stop: Callable[[], bool] | None = None) -> InnerResult:
+    def run(
+        self,
+        *,
+        round: int,
+        inner_steps: int,
+        batch_size: int,
+        micro_batch: int | None = None,
+        deadline: float | None = None,
+        progress: Callable[[int, float, float], None] | None = None,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> InnerResult:
         """Run up to ``inner_steps`` optimizer steps of ``batch_size`` rows each.
 
         Before each step the loop ends early (``stopped_early=True``) when
@@ -554,15 +653,16 @@ class InnerTrainer:
                     break
             t0 = time.perf_counter()
             self._set_lr(round, k, inner_steps)
-            batch = self.dataset.sample_batch(seed=self.seed, peer_id=self.peer_id,
-                                              round=round, step=k, batch_size=batch_size,
-                                              seq_len=self.seq_len)
+            batch = self.dataset.sample_batch(
+                seed=self.seed, peer_id=self.peer_id, round=round, step=k, batch_size=batch_size, seq_len=self.seq_len
+            )
             self.optimizer.zero_grad(set_to_none=True)
             loss = self.accumulate_grad(batch, micro_batch)
             if not math.isfinite(loss):
                 self.optimizer.zero_grad(set_to_none=True)
-                raise FloatingPointError(f"non-finite training loss {loss} at round {round} "
-                                         f"step {k} (global step {self.global_step})")
+                raise FloatingPointError(
+                    f"non-finite training loss {loss} at round {round} step {k} (global step {self.global_step})"
+                )
             if self.grad_clip > 0:
                 torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
             self.optimizer.step()
@@ -575,8 +675,11 @@ class InnerTrainer:
             dt = time.perf_counter() - t0
             per_row = dt / batch_size
             # A step at under half the estimate replaces it (the estimate was inflated by a stall).
-            self._row_time_ema = per_row if self._row_time_ema is None or per_row < 0.5 * self._row_time_ema else (
-                0.7 * self._row_time_ema + 0.3 * per_row)
+            self._row_time_ema = (
+                per_row
+                if self._row_time_ema is None or per_row < 0.5 * self._row_time_ema
+                else (0.7 * self._row_time_ema + 0.3 * per_row)
+            )
             losses.append(loss)
             if progress is not None:
                 progress(k + 1, loss, tokens_per_step / dt if dt > 0 else 0.0)
@@ -588,13 +691,18 @@ class InnerTrainer:
         if self.device.type == "cpu":
             release_freed_memory()
         n = len(losses)
-        return InnerResult(steps_done=n, tokens=n * tokens_per_step,
-                           mean_loss=sum(losses) / n if n else float("nan"),
-                           last_loss=losses[-1] if n else float("nan"),
-                           compute_s=compute_s, stopped_early=stopped or n < inner_steps)
+        return InnerResult(
+            steps_done=n,
+            tokens=n * tokens_per_step,
+            mean_loss=sum(losses) / n if n else float("nan"),
+            last_loss=losses[-1] if n else float("nan"),
+            compute_s=compute_s,
+            stopped_early=stopped or n < inner_steps,
+        )
 
-    def gradient(self, *, round: int, batch_size: int, micro_batch: int | None = None
-                 ) -> tuple[torch.Tensor, InnerResult]:
+    def gradient(
+        self, *, round: int, batch_size: int, micro_batch: int | None = None
+    ) -> tuple[torch.Tensor, InnerResult]:
         """The gradient of one batch at the current weights, for the ``ddp`` baseline (no step).
 
         Trains on ``dataset.sample_batch(seed, peer_id, round, 0, batch_size, seq_len)`` with
@@ -609,30 +717,45 @@ class InnerTrainer:
             raise ValueError("batch_size must be >= 1")
         self.model.train()
         t0 = time.perf_counter()
-        batch = self.dataset.sample_batch(seed=self.seed, peer_id=self.peer_id, round=round, step=0,
-                                          batch_size=batch_size, seq_len=self.seq_len)
+        batch = self.dataset.sample_batch(
+            seed=self.seed, peer_id=self.peer_id, round=round, step=0, batch_size=batch_size, seq_len=self.seq_len
+        )
         self.optimizer.zero_grad(set_to_none=True)
         loss = self.accumulate_grad(batch, micro_batch)
         if not math.isfinite(loss):
             self.optimizer.zero_grad(set_to_none=True)
             raise FloatingPointError(f"non-finite training loss {loss} at round {round}")
         with torch.no_grad():
-            grad = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1)
-                              .to(device="cpu", dtype=torch.float32) for _, p in self.model.named_parameters()])
+            grad = torch.cat(
+                [
+                    (p.grad if p.grad is not None else torch.zeros_like(p))
+                    .detach()
+                    .reshape(-1)
+                    .to(device="cpu", dtype=torch.float32)
+                    for _, p in self.model.named_parameters()
+                ]
+            )
         self.optimizer.zero_grad(set_to_none=True)
         compute = time.perf_counter() - t0
         if self.speed_factor < 1.0:
             time.sleep(compute * (1.0 / self.speed_factor - 1.0))
         dt = time.perf_counter() - t0
         self.global_step += 1
-        return grad, InnerResult(steps_done=1, tokens=batch_size * self.seq_len, mean_loss=loss, last_loss=loss,
-                                 compute_s=dt, stopped_early=False)
+        return grad, InnerResult(
+            steps_done=1,
+            tokens=batch_size * self.seq_len,
+            mean_loss=loss,
+            last_loss=loss,
+            compute_s=dt,
+            stopped_early=False,
+        )
 
     def decay_mask(self) -> torch.Tensor:
         """fp32 CPU ``[P]`` of 0/1 in :func:`flat_params` order: 1 where the inner optimizer applies
         weight decay (tensors with ``ndim >= 2``), for :class:`geomesh_p2p.optim.SyncAdamW`."""
-        return torch.cat([torch.full((p.numel(),), 1.0 if p.ndim >= 2 else 0.0)
-                          for _, p in self.model.named_parameters()])
+        return torch.cat(
+            [torch.full((p.numel(),), 1.0 if p.ndim >= 2 else 0.0) for _, p in self.model.named_parameters()]
+        )
 
     @torch.no_grad()
     def snapshot_for_eval(self) -> None:
@@ -689,8 +812,9 @@ class InnerTrainer:
         mean = tot / rows if rows else float("nan")
         ppl = perplexity(mean)
         if not math.isfinite(ppl):
-            log.warning("eval loss is %s nats/token: reporting perplexity inf (the global weights are broken)",
-                        f"{mean:.4g}")
+            log.warning(
+                "eval loss is %s nats/token: reporting perplexity inf (the global weights are broken)", f"{mean:.4g}"
+            )
         return ppl
 
     # -- persistence ------------------------------------------------------------------

@@ -81,9 +81,13 @@ DEFAULT_PAYLOAD_LIMITS: Dict[str, int] = {
 
 # Method classes for the concurrent-call caps (class "other": any method not listed).
 METHOD_CLASS: Dict[str, str] = {
-    DHT_PING: "dht", DHT_STORE: "dht", DHT_FIND: "dht",
-    COLLECTIVE_PUSH: "collective", COLLECTIVE_PULL: "collective",
-    STATE_GET: "state", STATE_STATUS: "state",
+    DHT_PING: "dht",
+    DHT_STORE: "dht",
+    DHT_FIND: "dht",
+    COLLECTIVE_PUSH: "collective",
+    COLLECTIVE_PULL: "collective",
+    STATE_GET: "state",
+    STATE_STATUS: "state",
     LINK_PROBE: "probe",
 }
 # (calls in progress in total, calls in progress per verified sender), per class. Collective pulls are
@@ -160,8 +164,8 @@ def _split_request(data: bytes):
                 raise ValueError("group or bad wire type")
             if i > n:
                 raise ValueError("truncated field")
-        envelope = envelope_pb2.Envelope.FromString(data[env_at[0]:env_at[1]]) if env_at is not None else None
-        payload = data[payload_at[0]:payload_at[1]] if payload_at is not None else b""
+        envelope = envelope_pb2.Envelope.FromString(data[env_at[0] : env_at[1]]) if env_at is not None else None
+        payload = data[payload_at[0] : payload_at[1]] if payload_at is not None else b""
         return _Request(envelope, payload, n)
     except Exception:  # ValueError, DecodeError: not a SignedMessage
         return SignedMessage()
@@ -246,8 +250,11 @@ class TlsConfig:
         from cryptography.hazmat.primitives import serialization
 
         certs = {}
-        for flag, path, what in (("--tls-cert", self.cert_file, "cert"), ("--tls-ca", self.ca_file, "cert"),
-                                 ("--tls-key", self.key_file, "key")):
+        for flag, path, what in (
+            ("--tls-cert", self.cert_file, "cert"),
+            ("--tls-ca", self.ca_file, "cert"),
+            ("--tls-key", self.key_file, "key"),
+        ):
             if path is None:
                 continue
             try:
@@ -282,15 +289,20 @@ class TlsConfig:
         if self.cert_file is None:
             raise TlsError("a TLS server needs --tls-cert and --tls-key (or run it --client-only)")
         ca = self._bytes("--tls-ca")
-        return grpc.ssl_server_credentials([(self._bytes("--tls-key"), self._bytes("--tls-cert"))],
-                                           root_certificates=ca, require_client_auth=ca is not None)
+        return grpc.ssl_server_credentials(
+            [(self._bytes("--tls-key"), self._bytes("--tls-cert"))],
+            root_certificates=ca,
+            require_client_auth=ca is not None,
+        )
 
     def channel_credentials(self) -> grpc.ChannelCredentials:
         """Client credentials: servers are checked against ``ca_file`` (None: the system roots); this node's
         certificate and key, when set, answer a server's request for one. Raises TlsError (:meth:`check`)."""
-        return grpc.ssl_channel_credentials(root_certificates=self._bytes("--tls-ca"),
-                                            private_key=self._bytes("--tls-key"),
-                                            certificate_chain=self._bytes("--tls-cert"))
+        return grpc.ssl_channel_credentials(
+            root_certificates=self._bytes("--tls-ca"),
+            private_key=self._bytes("--tls-key"),
+            certificate_chain=self._bytes("--tls-cert"),
+        )
 
 
 def tls_from_flags(cert: Optional[str], key: Optional[str], ca: Optional[str]) -> Optional[TlsConfig]:
@@ -374,8 +386,17 @@ IDEMPOTENT_METHODS = frozenset({DHT_PING, DHT_STORE, DHT_FIND, COLLECTIVE_PULL, 
 
 # gRPC core's wording (the status details) for a connection that could not be made or was lost, as
 # opposed to a server that answered UNAVAILABLE itself ("round N is not open on this node yet").
-_CONNECTION_LOST = ("failed to connect", "connection refused", "connect failed", "socket closed",
-                    "connection reset", "broken pipe", "endpoint closing", "no route to host", "dns resolution failed")
+_CONNECTION_LOST = (
+    "failed to connect",
+    "connection refused",
+    "connect failed",
+    "socket closed",
+    "connection reset",
+    "broken pipe",
+    "endpoint closing",
+    "no route to host",
+    "dns resolution failed",
+)
 
 
 def connection_failed(code: grpc.StatusCode, details: str) -> bool:
@@ -463,8 +484,10 @@ class _Guard:
 
     def __init__(self, config: "TransportConfig"):
         c = config
-        self.pools = {"small": _Pool("small", c.max_reads_per_ip, c.max_reads),
-                      "large": _Pool("large", c.max_reads_per_ip, max(1, c.max_reads // 2))}
+        self.pools = {
+            "small": _Pool("small", c.max_reads_per_ip, c.max_reads),
+            "large": _Pool("large", c.max_reads_per_ip, max(1, c.max_reads // 2)),
+        }
         self.max_waiting_per_ip, self.max_waiting = max(0, c.max_waiting_per_ip), max(0, c.max_waiting)
         self.penalty_s = c.oversize_penalty_s
         self.limits = {**DEFAULT_CALL_LIMITS, **c.call_limits}
@@ -535,7 +558,9 @@ class _Guard:
         Raises EnvelopeError(RESOURCE_EXHAUSTED) when the connection is penalized or the queues are full."""
         left = self._penalized(peer)
         if left is not None:
-            raise self._refuse(f"this connection sent a request over its method's size limit; refused for {left:.0f}s more")
+            raise self._refuse(
+                f"this connection sent a request over its method's size limit; refused for {left:.0f}s more"
+            )
         ip = peer_ip(peer)
         pool = self.pools[pool_name]
         fast = peer in self._good
@@ -595,10 +620,14 @@ class _Guard:
 
     def snapshot(self) -> dict:
         """Counters, for tests and benchmarks."""
-        return {"reading": sum(p.reading for p in self.pools.values()), "waiting": self._waiting,
-                "ips": len(set().union(*(p.by_ip for p in self.pools.values()))),
-                "calls": {k: v for k, v in self._calls.items() if v}, "penalized": len(self._penalty),
-                "refused": self.refused}
+        return {
+            "reading": sum(p.reading for p in self.pools.values()),
+            "waiting": self._waiting,
+            "ips": len(set().union(*(p.by_ip for p in self.pools.values()))),
+            "calls": {k: v for k, v in self._calls.items() if v},
+            "penalized": len(self._penalty),
+            "refused": self.refused,
+        }
 
 
 class TaskOwner:
@@ -646,13 +675,19 @@ class Transport:
     round as the request). Raise :class:`EnvelopeError` in a handler to refuse with a status.
     """
 
-    def __init__(self, identity: Identity, run_id: str, config: Optional[TransportConfig] = None,
-                 allow: Optional[Callable[[PeerID], bool]] = None):
+    def __init__(
+        self,
+        identity: Identity,
+        run_id: str,
+        config: Optional[TransportConfig] = None,
+        allow: Optional[Callable[[PeerID], bool]] = None,
+    ):
         self.identity = identity
         self.run_id = run_id
         self.config = config or TransportConfig()
-        self.verifier = Verifier(run_id, max_skew_s=self.config.max_skew_s,
-                                 max_payload_bytes=self.config.max_message_bytes, allow=allow)
+        self.verifier = Verifier(
+            run_id, max_skew_s=self.config.max_skew_s, max_payload_bytes=self.config.max_message_bytes, allow=allow
+        )
         self.stats = TrafficStats()
         self.address: Optional[str] = None
         self._unary: dict[str, UnaryHandler] = {}
@@ -732,26 +767,29 @@ class Transport:
         except (ValueError, OSError):
             soft = resource.RLIM_INFINITY
         max_conn = c.max_connections if soft == resource.RLIM_INFINITY else min(c.max_connections, max(16, soft // 2))
-        opts.update({
-            "grpc.max_receive_message_length": self.max_request_bytes(),
-            "grpc.max_allowed_incoming_connections": int(max_conn),
-            "grpc.max_concurrent_streams": int(c.max_streams_per_connection),
-            "grpc.server_handshake_timeout_ms": int(c.handshake_timeout_s * 1000),
-            "grpc.max_connection_idle_ms": int(c.connection_idle_s * 1000),
-            "grpc.max_connection_age_ms": int(c.connection_age_s * 1000),
-            "grpc.max_connection_age_grace_ms": int(c.connection_age_grace_s * 1000),
-            "grpc.http2.bdp_probe": int(bool(c.server_bdp_probe)),
-            # No SO_REUSEPORT: a second node on a taken port must fail, not silently share its traffic.
-            "grpc.so_reuseport": 0,
-        })
+        opts.update(
+            {
+                "grpc.max_receive_message_length": self.max_request_bytes(),
+                "grpc.max_allowed_incoming_connections": int(max_conn),
+                "grpc.max_concurrent_streams": int(c.max_streams_per_connection),
+                "grpc.server_handshake_timeout_ms": int(c.handshake_timeout_s * 1000),
+                "grpc.max_connection_idle_ms": int(c.connection_idle_s * 1000),
+                "grpc.max_connection_age_ms": int(c.connection_age_s * 1000),
+                "grpc.max_connection_age_grace_ms": int(c.connection_age_grace_s * 1000),
+                "grpc.http2.bdp_probe": int(bool(c.server_bdp_probe)),
+                # No SO_REUSEPORT: a second node on a taken port must fail, not silently share its traffic.
+                "grpc.so_reuseport": 0,
+            }
+        )
         return list(opts.items())
 
     def _sign_encode(self, *, round: int, kind: str, payload: bytes) -> bytes:
         """Sign ``payload`` (its SHA-256 is computed once, in :meth:`Identity.sign_message`) and encode
         the SignedMessage: the bytes sent on the wire (protobuf's format, written by hand so that the
         payload is copied once, by the join: building the message and serializing it copied it twice)."""
-        env = self.identity.sign_message(run_id=self.run_id, round=round, kind=kind, payload=b"",
-                                         payload_sha256=identity_mod.payload_hash(payload)).envelope.SerializeToString()
+        env = self.identity.sign_message(
+            run_id=self.run_id, round=round, kind=kind, payload=b"", payload_sha256=identity_mod.payload_hash(payload)
+        ).envelope.SerializeToString()
         return b"".join((b"\x0a", varint(len(env)), env, b"\x12", varint(len(payload)), payload))
 
     async def _signed(self, *, round: int, kind: str, payload: bytes) -> bytes:
@@ -779,8 +817,10 @@ class Transport:
             if isinstance(request, _Oversized):
                 guard.penalize(peer)
                 self.stats.add(method, 0, request.nbytes)
-                raise EnvelopeError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                    f"request of {request.nbytes} bytes: payload over the limit of {limit} bytes of {method}")
+                raise EnvelopeError(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"request of {request.nbytes} bytes: payload over the limit of {limit} bytes of {method}",
+                )
             size = request.ByteSize()
             self.stats.add(method, 0, size)
             if size > guard.SMALL_LIMIT:  # hashing a big payload would hold up every other call
@@ -814,8 +854,15 @@ class Transport:
             refusal = (err.code, err.reason)
             self.stats.rejected += 1
             peer = context.peer()
-            self._reject_log((peer_ip(peer), err.code, err.reason[:40]), logging.WARNING, "refused %s from %s: %s: %s",
-                             method, peer, err.code.name, err.reason)
+            self._reject_log(
+                (peer_ip(peer), err.code, err.reason[:40]),
+                logging.WARNING,
+                "refused %s from %s: %s: %s",
+                method,
+                peer,
+                err.code.name,
+                err.reason,
+            )
         if ticket is not None:
             self._guard.release_read(ticket)
         verified = None  # noqa: F841  (see the docstring)
@@ -835,6 +882,7 @@ class Transport:
         ser = None  # replies are signed and encoded by _sign_reply (in a thread when big): bytes as they are
 
         for method, h in self._unary.items():
+
             async def unary(request_iterator, context, _h=h, _m=method):
                 verified, ticket, token = await self._admit(_m, context)
                 var = _current.set(verified)
@@ -857,9 +905,11 @@ class Transport:
             de = _sized_parser(functools.partial(self._request_limit, method))
             service, name = method.rsplit("/", 1)
             by_service.setdefault(service.lstrip("/"), {})[name] = grpc.stream_unary_rpc_method_handler(
-                unary, request_deserializer=de, response_serializer=ser)
+                unary, request_deserializer=de, response_serializer=ser
+            )
 
         for method, sh in self._stream.items():
+
             async def stream(request_iterator, context, _h=sh, _m=method):
                 # A coroutine that writes (not an async generator): a client's cancel arrives here as
                 # CancelledError, in this task, and the handler's generator is closed right here, in the
@@ -888,7 +938,8 @@ class Transport:
             de = _sized_parser(functools.partial(self._request_limit, method))
             service, name = method.rsplit("/", 1)
             by_service.setdefault(service.lstrip("/"), {})[name] = grpc.stream_stream_rpc_method_handler(
-                stream, request_deserializer=de, response_serializer=ser)
+                stream, request_deserializer=de, response_serializer=ser
+            )
         return [grpc.method_handlers_generic_handler(s, m) for s, m in by_service.items()]
 
     async def start(self) -> Optional[str]:
@@ -905,8 +956,9 @@ class Transport:
         except AddressError as e:
             raise OSError(f"cannot listen on {c.host}:{c.port}: {e}") from None
         self._guard = _Guard(c)
-        self._server = grpc.aio.server(options=self._server_options(),
-                                       maximum_concurrent_rpcs=max(1, int(c.max_concurrent_rpcs)))
+        self._server = grpc.aio.server(
+            options=self._server_options(), maximum_concurrent_rpcs=max(1, int(c.max_concurrent_rpcs))
+        )
         self._server.add_generic_rpc_handlers(self._make_generic_handlers())
         try:
             if c.tls is not None:
@@ -976,8 +1028,16 @@ class Transport:
         except EnvelopeError as err:
             raise RpcError(address, method, err.code, f"reply refused: {err.reason}") from None
 
-    async def call(self, address: str, method: str, payload: bytes, *, round: int = 0,
-                   timeout: Optional[float] = None, idempotent: Optional[bool] = None) -> Verified:
+    async def call(
+        self,
+        address: str,
+        method: str,
+        payload: bytes,
+        *,
+        round: int = 0,
+        timeout: Optional[float] = None,
+        idempotent: Optional[bool] = None,
+    ) -> Verified:
         """Sign ``payload``, call ``method`` on ``address`` with a deadline (``timeout`` seconds, default
         ``default_timeout_s``, for both tries together), verify the signed reply.
 
@@ -1016,8 +1076,9 @@ class Transport:
         self.stats.add(method, len(request), reply.ByteSize())
         return await self._check_reply(address, method, reply)
 
-    async def call_stream(self, address: str, method: str, payload: bytes, *, round: int = 0,
-                          timeout: Optional[float] = None) -> AsyncGenerator[Verified, None]:
+    async def call_stream(
+        self, address: str, method: str, payload: bytes, *, round: int = 0, timeout: Optional[float] = None
+    ) -> AsyncGenerator[Verified, None]:
         """Server-streaming call; yields each verified reply. Same errors as :meth:`call`."""
         request = await self._signed(round=round, kind=method, payload=payload)
         if self.config.added_latency_s > 0:

@@ -137,11 +137,30 @@ from geomesh_p2p.wire import collective_pb2, envelope_pb2
 log = logging.getLogger(__name__)
 
 __all__ = [
-    "VerifyConfig", "VerifyTask", "WorkStats", "Verdict", "Evidence", "EvidenceError", "WorkVerifier",
-    "CONTROL_STREAM", "EVIDENCE_KIND", "PASS", "MARGINAL", "FAIL", "selection_message", "derive_task",
-    "sample_elements", "batch_gradients", "work_statistics", "judge", "quick_verdict", "check_contribution",
+    "VerifyConfig",
+    "VerifyTask",
+    "WorkStats",
+    "Verdict",
+    "Evidence",
+    "EvidenceError",
+    "WorkVerifier",
+    "CONTROL_STREAM",
+    "EVIDENCE_KIND",
+    "PASS",
+    "MARGINAL",
+    "FAIL",
+    "selection_message",
+    "derive_task",
+    "sample_elements",
+    "batch_gradients",
+    "work_statistics",
+    "judge",
+    "quick_verdict",
+    "check_contribution",
     "evidence_key",
-    "contributions_key", "signed_contribution", "fetch_contributions",
+    "contributions_key",
+    "signed_contribution",
+    "fetch_contributions",
 ]
 
 #: Stream name of the control batches (``sample_batch(seed, CONTROL_STREAM, round, i, ...)``): no peer
@@ -271,9 +290,15 @@ def _k_of(cfg: VerifyConfig, steps: int) -> int:
     return min(steps, max(cfg.k_min, min(cfg.k_max, math.ceil(cfg.k_fraction * steps))))
 
 
-def derive_task(cfg: VerifyConfig, *, plan, verifier: str, selection: bytes,
-                packets: Mapping[str, Mapping[int, Any]], part_ranges: Sequence[tuple[int, int]]
-                ) -> Optional[VerifyTask]:
+def derive_task(
+    cfg: VerifyConfig,
+    *,
+    plan,
+    verifier: str,
+    selection: bytes,
+    packets: Mapping[str, Mapping[int, Any]],
+    part_ranges: Sequence[tuple[int, int]],
+) -> Optional[VerifyTask]:
     """The check ``verifier`` must run this round, or None (not drawn, nobody checkable).
 
     ``plan``: the round's RoundPlan; ``selection``: the verifier's signature of
@@ -302,16 +327,26 @@ def derive_task(cfg: VerifyConfig, *, plan, verifier: str, selection: bytes,
     k = _k_of(cfg, steps)
     cost = (k + cfg.controls) * a.batch_size
     p = min(1.0, cfg.share * mine.inner_steps * mine.batch_size / cost)
-    if _u64(seed) / 2.0 ** 64 >= p:
+    if _u64(seed) / 2.0**64 >= p:
         return None
     ranges = tuple((int(part_ranges[j][0]), int(part_ranges[j][1])) for j in parts)
     sub = hashlib.sha256(seed + a.peer_id.encode()).digest()
     chosen = sorted(sorted(range(steps), key=lambda j: hashlib.sha256(sub + struct.pack("<Q", j)).digest())[:k])
-    return VerifyTask(round=int(plan.round), verifier=verifier, accused=a.peer_id, parts=parts, ranges=ranges,
-                      steps_done=int(steps), steps=tuple(chosen), controls=cfg.controls, batch_size=int(a.batch_size),
-                      seq_len=L, element_seed=_u64(sub[8:]) & ((1 << 63) - 1),
-                      n_elements=min(sum(e - s for s, e in ranges), cfg.sample_elements),
-                      full_test=steps <= cfg.max_full_steps)
+    return VerifyTask(
+        round=int(plan.round),
+        verifier=verifier,
+        accused=a.peer_id,
+        parts=parts,
+        ranges=ranges,
+        steps_done=int(steps),
+        steps=tuple(chosen),
+        controls=cfg.controls,
+        batch_size=int(a.batch_size),
+        seq_len=L,
+        element_seed=_u64(sub[8:]) & ((1 << 63) - 1),
+        n_elements=min(sum(e - s for s, e in ranges), cfg.sample_elements),
+        full_test=steps <= cfg.max_full_steps,
+    )
 
 
 def sample_elements(ranges: Sequence[tuple[int, int]], n: int, seed: int) -> torch.Tensor:
@@ -351,10 +386,21 @@ class VerifyTimeout(RuntimeError):
     """A check ran past its deadline and was abandoned."""
 
 
-def batch_gradients(model, dataset, theta: torch.Tensor, streams: Sequence[tuple[str, int]], *, seed: int,
-                    round: int, batch_size: int, seq_len: int, index: torch.Tensor,
-                    micro_batch: Optional[int] = None, amp: bool = False,
-                    deadline: Optional[float] = None) -> torch.Tensor:
+def batch_gradients(
+    model,
+    dataset,
+    theta: torch.Tensor,
+    streams: Sequence[tuple[str, int]],
+    *,
+    seed: int,
+    round: int,
+    batch_size: int,
+    seq_len: int,
+    index: torch.Tensor,
+    micro_batch: Optional[int] = None,
+    amp: bool = False,
+    deadline: Optional[float] = None,
+) -> torch.Tensor:
     """fp32 CPU ``[len(streams), len(index)]``: for each ``(peer_id, step)``, the gradient at ``theta`` of
     ``dataset.sample_batch(seed, peer_id, round, step, batch_size, seq_len)`` (mean token loss, as the
     inner trainer computes it, accumulated over ``micro_batch`` rows) at the flat elements ``index``.
@@ -374,11 +420,12 @@ def batch_gradients(model, dataset, theta: torch.Tensor, streams: Sequence[tuple
             raise VerifyTimeout(f"past the deadline after {i} of {len(streams)} batches")
         for p in params:
             p.grad = None
-        x = dataset.sample_batch(seed=seed, peer_id=peer, round=round, step=step, batch_size=batch_size,
-                                 seq_len=seq_len)
+        x = dataset.sample_batch(
+            seed=seed, peer_id=peer, round=round, step=step, batch_size=batch_size, seq_len=seq_len
+        )
         mb = batch_size if not micro_batch or micro_batch >= batch_size else int(micro_batch)
         for a in range(0, batch_size, mb):
-            xm = x[a:a + mb].to(device)
+            xm = x[a : a + mb].to(device)
             if use_amp:
                 with torch.autocast(device_type="cuda", dtype=torch.bfloat16):
                     loss = model(input_ids=xm, labels=xm).loss
@@ -386,8 +433,9 @@ def batch_gradients(model, dataset, theta: torch.Tensor, streams: Sequence[tuple
                 loss = model(input_ids=xm, labels=xm).loss
             (loss * (xm.shape[0] / batch_size)).backward()
         with torch.no_grad():
-            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float()
-                              for p in params])
+            flat = torch.cat(
+                [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float() for p in params]
+            )
             out[i] = flat[idx].cpu()
     for p in params:
         p.grad = None
@@ -421,8 +469,9 @@ def _total(vs: Iterable[torch.Tensor]) -> torch.Tensor:
     return total
 
 
-def work_statistics(c: torch.Tensor, own: torch.Tensor, ctrl: torch.Tensor,
-                    others: Sequence[torch.Tensor] = ()) -> WorkStats:
+def work_statistics(
+    c: torch.Tensor, own: torch.Tensor, ctrl: torch.Tensor, others: Sequence[torch.Tensor] = ()
+) -> WorkStats:
     """The statistics of the module docstring for a decoded contribution ``c`` ``[n]``, its own batch
     gradients ``own`` ``[k, n]``, control gradients ``ctrl`` ``[m, n]`` and trusted contributions to
     project out too (decoded, ``[n]`` each; the checker's own) on the same elements. Float64."""
@@ -461,17 +510,24 @@ def scale_bound(steps: int, lr: float, weight_decay: float, theta_maxabs: float,
     return steps * lr * (factor + weight_decay * theta_maxabs)
 
 
-def judge(cfg: VerifyConfig, task: VerifyTask, stats: WorkStats, *, all_zero: bool, max_scale: float,
-          bound: float) -> Verdict:
+def judge(
+    cfg: VerifyConfig, task: VerifyTask, stats: WorkStats, *, all_zero: bool, max_scale: float, bound: float
+) -> Verdict:
     """Pass, marginal or fail (see the module docstring)."""
     if all_zero:
         return Verdict(FAIL, f"zeros: every block scale is 0 while it claims {task.steps_done} steps")
     if not max_scale <= bound:
-        return Verdict(FAIL, f"scale: a block scale of {max_scale:.3g} exceeds what {task.steps_done} inner "
-                             f"steps can move ({bound:.3g})")
+        return Verdict(
+            FAIL,
+            f"scale: a block scale of {max_scale:.3g} exceeds what {task.steps_done} inner "
+            f"steps can move ({bound:.3g})",
+        )
     if stats.plain < cfg.plain_min:
-        return Verdict(FAIL, f"signs: plain agreement {stats.plain:.3f} with its own batches' gradients "
-                             f"(< {cfg.plain_min}: flipped or random)")
+        return Verdict(
+            FAIL,
+            f"signs: plain agreement {stats.plain:.3f} with its own batches' gradients "
+            f"(< {cfg.plain_min}: flipped or random)",
+        )
     if task.full_test and stats.trace < cfg.trace_hard:
         return Verdict(FAIL, f"no trace of its own batches: trace {stats.trace:.3f} < {cfg.trace_hard}")
     if task.full_test and stats.trace < cfg.trace_min:
@@ -483,8 +539,14 @@ def _packet_digest(packet) -> str:
     return hashlib.sha256(packet.to_bytes()).hexdigest()
 
 
-def _scales(cfg: VerifyConfig, task: VerifyTask, packets: Mapping[str, Mapping[int, Any]], theta: torch.Tensor,
-            lr: float, weight_decay: float) -> tuple[bool, float, float]:
+def _scales(
+    cfg: VerifyConfig,
+    task: VerifyTask,
+    packets: Mapping[str, Mapping[int, Any]],
+    theta: torch.Tensor,
+    lr: float,
+    weight_decay: float,
+) -> tuple[bool, float, float]:
     """(all scales zero while tokens are claimed, largest block scale, the scale bound) of the task."""
     mine = packets[task.accused]
     scales = torch.cat([mine[j].scales for j in task.parts])
@@ -494,8 +556,15 @@ def _scales(cfg: VerifyConfig, task: VerifyTask, packets: Mapping[str, Mapping[i
     return all_zero, float(scales.max()) if scales.numel() else 0.0, bound
 
 
-def quick_verdict(cfg: VerifyConfig, task: VerifyTask, *, packets: Mapping[str, Mapping[int, Any]],
-                  theta: torch.Tensor, lr: float, weight_decay: float) -> Optional[Verdict]:
+def quick_verdict(
+    cfg: VerifyConfig,
+    task: VerifyTask,
+    *,
+    packets: Mapping[str, Mapping[int, Any]],
+    theta: torch.Tensor,
+    lr: float,
+    weight_decay: float,
+) -> Optional[Verdict]:
     """The verdict of the tests that need no computation (zero scales, the scale bound), or None."""
     all_zero, max_scale, bound = _scales(cfg, task, packets, theta, lr, weight_decay)
     if all_zero or not max_scale <= bound:
@@ -503,10 +572,22 @@ def quick_verdict(cfg: VerifyConfig, task: VerifyTask, *, packets: Mapping[str, 
     return None
 
 
-def check_contribution(cfg: VerifyConfig, task: VerifyTask, *, model, dataset, theta: torch.Tensor, seed: int,
-                       packets: Mapping[str, Mapping[int, Any]], lr: float, weight_decay: float,
-                       checker: Optional[str] = None, micro_batch: Optional[int] = None, amp: bool = False,
-                       deadline: Optional[float] = None) -> tuple[WorkStats, Verdict, list[tuple[str, str]]]:
+def check_contribution(
+    cfg: VerifyConfig,
+    task: VerifyTask,
+    *,
+    model,
+    dataset,
+    theta: torch.Tensor,
+    seed: int,
+    packets: Mapping[str, Mapping[int, Any]],
+    lr: float,
+    weight_decay: float,
+    checker: Optional[str] = None,
+    micro_batch: Optional[int] = None,
+    amp: bool = False,
+    deadline: Optional[float] = None,
+) -> tuple[WorkStats, Verdict, list[tuple[str, str]]]:
     """Run ``task`` (heavy: ``task.passes()`` forward/backward passes, unless :func:`quick_verdict`
     decides it) as peer ``checker``, whose own contribution (if any, in every part of the task) joins
     the projection basis. Returns the statistics, the verdict and that basis contribution (``[(peer,
@@ -519,16 +600,29 @@ def check_contribution(cfg: VerifyConfig, task: VerifyTask, *, model, dataset, t
     index = sample_elements(task.ranges, task.n_elements, task.element_seed)
     c = _gather(mine, task, index)
     streams = [(task.accused, j) for j in task.steps] + [(CONTROL_STREAM, i) for i in range(task.controls)]
-    g = batch_gradients(model, dataset, theta, streams, seed=seed, round=task.round, batch_size=task.batch_size,
-                        seq_len=task.seq_len, index=index, micro_batch=micro_batch, amp=amp, deadline=deadline)
+    g = batch_gradients(
+        model,
+        dataset,
+        theta,
+        streams,
+        seed=seed,
+        round=task.round,
+        batch_size=task.batch_size,
+        seq_len=task.seq_len,
+        index=index,
+        micro_batch=micro_batch,
+        amp=amp,
+        deadline=deadline,
+    )
     k = len(task.steps)
     others: list[torch.Tensor] = []
     used: list[tuple[str, str]] = []
     own = packets.get(checker) if checker not in (None, task.accused) else None
     if checker is not None and own and all(isinstance(own.get(j), compression.SignPacket) for j in task.parts):
         others.append(_gather(own, task, index))
-        used.append((checker, hashlib.sha256(b"".join(bytes.fromhex(_packet_digest(own[j]))
-                                                        for j in task.parts)).hexdigest()))
+        used.append(
+            (checker, hashlib.sha256(b"".join(bytes.fromhex(_packet_digest(own[j])) for j in task.parts)).hexdigest())
+        )
     stats = work_statistics(c, g[:k], g[k:], others)
     return stats, judge(cfg, task, stats, all_zero=False, max_scale=max_scale, bound=bound), used
 
@@ -567,19 +661,31 @@ class Evidence:
     verifier_key: bytes = field(default=b"", compare=False)
 
     def header(self) -> dict:
-        return {"v": 1, "run_id": self.run_id, "round": self.round, "verifier": self.verifier,
-                "accused": self.accused, "start_digest": self.start_digest, "selection": _b64(self.selection),
-                "task": self.task.to_dict(), "packets": {str(j): h for j, h in sorted(self.packets.items())},
-                "basis": [list(o) for o in self.basis], "plain": self.plain, "trace": self.trace,
-                "outcome": self.outcome, "reason": self.reason}
+        return {
+            "v": 1,
+            "run_id": self.run_id,
+            "round": self.round,
+            "verifier": self.verifier,
+            "accused": self.accused,
+            "start_digest": self.start_digest,
+            "selection": _b64(self.selection),
+            "task": self.task.to_dict(),
+            "packets": {str(j): h for j, h in sorted(self.packets.items())},
+            "basis": [list(o) for o in self.basis],
+            "plain": self.plain,
+            "trace": self.trace,
+            "outcome": self.outcome,
+            "reason": self.reason,
+        }
 
     def to_signed(self, identity: Identity) -> bytes:
         """SignedMessage bytes (kind :data:`EVIDENCE_KIND`) of the header, signed by the verifier ``identity``."""
         if str(identity.peer_id) != self.verifier:
             raise ValueError("evidence must be signed by its verifier")
         head = json.dumps(self.header(), sort_keys=True, separators=(",", ":")).encode()
-        return identity.sign_message(run_id=self.run_id, round=self.round, kind=EVIDENCE_KIND,
-                                     payload=_EVIDENCE_MAGIC + head).SerializeToString()
+        return identity.sign_message(
+            run_id=self.run_id, round=self.round, kind=EVIDENCE_KIND, payload=_EVIDENCE_MAGIC + head
+        ).SerializeToString()
 
     @classmethod
     def open(cls, data: bytes, run_id: str, contributions: Optional[Mapping[int, bytes]] = None) -> "Evidence":
@@ -601,19 +707,31 @@ class Evidence:
         try:
             h = json.loads(p[4:])
             task = VerifyTask.from_dict(h["task"])
-            ev = cls(run_id=str(h["run_id"]), round=int(h["round"]), verifier=str(h["verifier"]),
-                     accused=str(h["accused"]), start_digest=h["start_digest"],
-                     selection=base64.b64decode(h["selection"], validate=True), task=task,
-                     packets={int(j): str(x) for j, x in h["packets"].items()},
-                     basis=[(str(a), str(b)) for a, b in h["basis"]], plain=float(h["plain"]),
-                     trace=float(h["trace"]), outcome=str(h["outcome"]), reason=str(h["reason"]),
-                     verifier_key=v.public_key)
+            ev = cls(
+                run_id=str(h["run_id"]),
+                round=int(h["round"]),
+                verifier=str(h["verifier"]),
+                accused=str(h["accused"]),
+                start_digest=h["start_digest"],
+                selection=base64.b64decode(h["selection"], validate=True),
+                task=task,
+                packets={int(j): str(x) for j, x in h["packets"].items()},
+                basis=[(str(a), str(b)) for a, b in h["basis"]],
+                plain=float(h["plain"]),
+                trace=float(h["trace"]),
+                outcome=str(h["outcome"]),
+                reason=str(h["reason"]),
+                verifier_key=v.public_key,
+            )
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise EvidenceError(f"evidence header is malformed ({type(e).__name__})") from None
         if ev.verifier != v.sender.to_string() or ev.run_id != run_id or ev.round != v.round:
             raise EvidenceError("evidence names another verifier, run or round than its signature")
-        if ((task.verifier, task.accused, task.round) != (ev.verifier, ev.accused, ev.round)
-                or ev.accused == ev.verifier or set(ev.packets) != set(task.parts)):
+        if (
+            (task.verifier, task.accused, task.round) != (ev.verifier, ev.accused, ev.round)
+            or ev.accused == ev.verifier
+            or set(ev.packets) != set(task.parts)
+        ):
             raise EvidenceError("evidence task does not match its header")
         if ev.outcome not in (MARGINAL, FAIL):
             raise EvidenceError(f"evidence outcome {ev.outcome!r} accuses nobody")
@@ -724,8 +842,20 @@ class WorkVerifier:
     (for the scale bound); ``dht``: anything with the DHTNode ``store`` / ``get`` coroutines (None: no
     publishing or reading)."""
 
-    def __init__(self, cfg: VerifyConfig, *, identity: Identity, run_id: str, model, dataset, seed: int,
-                 lr: float, weight_decay: float, amp: bool = False, dht=None):
+    def __init__(
+        self,
+        cfg: VerifyConfig,
+        *,
+        identity: Identity,
+        run_id: str,
+        model,
+        dataset,
+        seed: int,
+        lr: float,
+        weight_decay: float,
+        amp: bool = False,
+        dht=None,
+    ):
         self.cfg = cfg
         self.identity = identity
         self.me = str(identity.peer_id)
@@ -754,16 +884,33 @@ class WorkVerifier:
         """A verifier wired to a :class:`~geomesh_p2p.node.PeerNode` (a private copy of its model)."""
         rc = node.run_cfg
         model = copy.deepcopy(node.model)
-        return cls(cfg or VerifyConfig(), identity=node.identity, run_id=rc.run_id, model=model,
-                   dataset=node.dataset, seed=rc.seed, lr=rc.inner_lr, weight_decay=0.1,
-                   amp=bool(node.cfg.amp) and node.device.type == "cuda", dht=getattr(node, "dht", None))
+        return cls(
+            cfg or VerifyConfig(),
+            identity=node.identity,
+            run_id=rc.run_id,
+            model=model,
+            dataset=node.dataset,
+            seed=rc.seed,
+            lr=rc.inner_lr,
+            weight_decay=0.1,
+            amp=bool(node.cfg.amp) and node.device.type == "cuda",
+            dht=getattr(node, "dht", None),
+        )
 
     # -- bookkeeping ----------------------------------------------------------------------------------
-    def keep_round(self, round: int, *, theta: torch.Tensor, plan, part_ranges: Sequence[tuple[int, int]],
-                   packets: Mapping[str, Mapping[int, Any]]) -> None:
+    def keep_round(
+        self,
+        round: int,
+        *,
+        theta: torch.Tensor,
+        plan,
+        part_ranges: Sequence[tuple[int, int]],
+        packets: Mapping[str, Mapping[int, Any]],
+    ) -> None:
         """Remember ``round``'s start weights (a copy is the caller's job), plan and received contributions."""
-        self._kept[int(round)] = _Kept(theta, plan, [(s, e) for s, e in part_ranges],
-                                       {p: dict(v) for p, v in packets.items()})
+        self._kept[int(round)] = _Kept(
+            theta, plan, [(s, e) for s, e in part_ranges], {p: dict(v) for p, v in packets.items()}
+        )
         while len(self._kept) > self.cfg.keep_rounds:
             self._kept.popitem(last=False)
 
@@ -778,8 +925,13 @@ class WorkVerifier:
         """Why a follower refuses ``plan``: its leader is excluded here (it would plan itself back in), or
         it names a peer excluded here more than ``grace_rounds`` rounds before the plan's round (honest
         leaders re-check the same evidence within a round or two; before that, their plans still count)."""
-        bad = [p for p in plan.participants() if p in self.excluded and p != me and (
-            p == plan.leader or plan.round > self.excluded_round.get(p, plan.round) + grace_rounds)]
+        bad = [
+            p
+            for p in plan.participants()
+            if p in self.excluded
+            and p != me
+            and (p == plan.leader or plan.round > self.excluded_round.get(p, plan.round) + grace_rounds)
+        ]
         return f"it names {', '.join(p[:10] for p in bad)}, excluded by verified work" if bad else None
 
     def _exclude(self, peer: str, why: str, round: int) -> None:
@@ -799,15 +951,27 @@ class WorkVerifier:
             recent = {r for r in rounds if r > task.round - self.cfg.marginal_window}
             self._marginal[task.accused] = recent
             if len(recent) >= self.cfg.marginal_needed:
-                self._exclude(task.accused, f"rounds {sorted(recent)}: {verdict.reason} (last checked by {by[:10]})",
-                              task.round)
+                self._exclude(
+                    task.accused, f"rounds {sorted(recent)}: {verdict.reason} (last checked by {by[:10]})", task.round
+                )
 
     def _run(self, task: VerifyTask, kept: _Kept, micro_batch: Optional[int], deadline: Optional[float]):
         with self._compute:
-            return check_contribution(self.cfg, task, model=self.model, dataset=self.dataset, theta=kept.theta,
-                                      seed=self.seed, packets=kept.packets, lr=self.lr, checker=self.me,
-                                      weight_decay=self.weight_decay, micro_batch=micro_batch, amp=self.amp,
-                                      deadline=deadline)
+            return check_contribution(
+                self.cfg,
+                task,
+                model=self.model,
+                dataset=self.dataset,
+                theta=kept.theta,
+                seed=self.seed,
+                packets=kept.packets,
+                lr=self.lr,
+                checker=self.me,
+                weight_decay=self.weight_decay,
+                micro_batch=micro_batch,
+                amp=self.amp,
+                deadline=deadline,
+            )
 
     # -- this node's check ----------------------------------------------------------------------------
     def own_task(self, round: int) -> Optional[VerifyTask]:
@@ -815,12 +979,24 @@ class WorkVerifier:
         if kept is None:
             return None
         sel = self.selection(round, kept.plan.start_digest)
-        return derive_task(self.cfg, plan=kept.plan, verifier=self.me, selection=sel, packets=kept.packets,
-                           part_ranges=kept.part_ranges)
+        return derive_task(
+            self.cfg,
+            plan=kept.plan,
+            verifier=self.me,
+            selection=sel,
+            packets=kept.packets,
+            part_ranges=kept.part_ranges,
+        )
 
-    def check_round(self, round: int, *, micro_batch: Optional[int] = None, seconds_per_row: Optional[float] = None,
-                    deadline: Optional[float] = None, signed_of: Optional[Callable[[int, str], Optional[bytes]]] = None
-                    ) -> Optional[Evidence]:
+    def check_round(
+        self,
+        round: int,
+        *,
+        micro_batch: Optional[int] = None,
+        seconds_per_row: Optional[float] = None,
+        deadline: Optional[float] = None,
+        signed_of: Optional[Callable[[int, str], Optional[bytes]]] = None,
+    ) -> Optional[Evidence]:
         """Run this node's check of ``round`` (blocking; call it off the event loop). Returns the
         evidence when the contribution failed (``signed_of(part, sender)`` supplies the accused's signed
         contributions to attach), else None. Skips (debug log) when the estimated time
@@ -829,13 +1005,18 @@ class WorkVerifier:
         task = self.own_task(round)
         if kept is None or task is None:
             return None
-        quick = quick_verdict(self.cfg, task, packets=kept.packets, theta=kept.theta, lr=self.lr,
-                              weight_decay=self.weight_decay)
+        quick = quick_verdict(
+            self.cfg, task, packets=kept.packets, theta=kept.theta, lr=self.lr, weight_decay=self.weight_decay
+        )
         if quick is None and deadline is not None and seconds_per_row:
             est = 1.5 * task.passes() * task.batch_size * seconds_per_row  # 1.5: margin for a busy device
             if time.time() + est > deadline:
-                log.debug("round %d: verified work of %s skipped: ~%.2fs of compute would pass the next round's "
-                          "start", round, task.accused[:10], est)
+                log.debug(
+                    "round %d: verified work of %s skipped: ~%.2fs of compute would pass the next round's start",
+                    round,
+                    task.accused[:10],
+                    est,
+                )
                 return None
         try:
             stats, verdict, used = self._run(task, kept, micro_batch, deadline)
@@ -846,8 +1027,12 @@ class WorkVerifier:
         log.debug("round %d: verified work of %s: %s (%s)", round, task.accused[:10], verdict.outcome, verdict.reason)
         if verdict.outcome == PASS:
             return None
-        log.info("round %d: verified work: the contribution of %s does not reproduce: %s", round, task.accused[:10],
-                 verdict.reason)
+        log.info(
+            "round %d: verified work: the contribution of %s does not reproduce: %s",
+            round,
+            task.accused[:10],
+            verdict.reason,
+        )
         self._record(task, verdict, self.me)
         mine = kept.packets[task.accused]
         signed = {}
@@ -855,11 +1040,22 @@ class WorkVerifier:
             b = signed_of(j, task.accused) if signed_of is not None else None
             if b and len(b) <= MAX_VALUE_BYTES:
                 signed[j] = b
-        return Evidence(run_id=self.run_id, round=round, verifier=self.me, accused=task.accused,
-                        start_digest=kept.plan.start_digest, selection=self.selection(round, kept.plan.start_digest),
-                        task=task, packets={j: _packet_digest(mine[j]) for j in task.parts}, basis=used,
-                        plain=stats.plain, trace=stats.trace, outcome=verdict.outcome, reason=verdict.reason,
-                        contributions=signed)
+        return Evidence(
+            run_id=self.run_id,
+            round=round,
+            verifier=self.me,
+            accused=task.accused,
+            start_digest=kept.plan.start_digest,
+            selection=self.selection(round, kept.plan.start_digest),
+            task=task,
+            packets={j: _packet_digest(mine[j]) for j in task.parts},
+            basis=used,
+            plain=stats.plain,
+            trace=stats.trace,
+            outcome=verdict.outcome,
+            reason=verdict.reason,
+            contributions=signed,
+        )
 
     # -- evidence -------------------------------------------------------------------------------------
     def recheck(self, data: bytes, *, micro_batch: Optional[int] = None, deadline: Optional[float] = None) -> str:
@@ -880,11 +1076,21 @@ class WorkVerifier:
         kept = self._kept.get(ev.round)
         if kept is None or kept.plan.start_digest != ev.start_digest:
             return "unverifiable"
-        task = derive_task(self.cfg, plan=kept.plan, verifier=ev.verifier, selection=ev.selection,
-                           packets=kept.packets, part_ranges=kept.part_ranges)
+        task = derive_task(
+            self.cfg,
+            plan=kept.plan,
+            verifier=ev.verifier,
+            selection=ev.selection,
+            packets=kept.packets,
+            part_ranges=kept.part_ranges,
+        )
         if task != ev.task:
-            log.info("round %d: verified work: evidence of %s against %s is not the check its selection draws; "
-                     "ignored", ev.round, ev.verifier[:10], ev.accused[:10])
+            log.info(
+                "round %d: verified work: evidence of %s against %s is not the check its selection draws; ignored",
+                ev.round,
+                ev.verifier[:10],
+                ev.accused[:10],
+            )
             return "invalid"
         mine = kept.packets.get(ev.accused, {})
         if any(j not in mine or _packet_digest(mine[j]) != h for j, h in ev.packets.items()):
@@ -899,11 +1105,18 @@ class WorkVerifier:
             return "confirmed"
         # Refuted: a hard accusation that this node's own measurement passes with a margin no float noise
         # or basis difference explains (marginal claims are never refuted: wrong data reaches 0.59 here).
-        if ev.outcome == FAIL and stats.plain >= c.plain_min + c.refute_margin and (
-                not task.full_test or stats.trace >= c.trace_min + c.refute_margin):
-            self._exclude(ev.verifier, f"its accusation of {ev.accused[:10]} in round {ev.round} does not re-check "
-                                       f"(claimed plain {ev.plain:.3f} trace {ev.trace:.3f}, re-checked "
-                                       f"{stats.plain:.3f} / {stats.trace:.3f})", ev.round)
+        if (
+            ev.outcome == FAIL
+            and stats.plain >= c.plain_min + c.refute_margin
+            and (not task.full_test or stats.trace >= c.trace_min + c.refute_margin)
+        ):
+            self._exclude(
+                ev.verifier,
+                f"its accusation of {ev.accused[:10]} in round {ev.round} does not re-check "
+                f"(claimed plain {ev.plain:.3f} trace {ev.trace:.3f}, re-checked "
+                f"{stats.plain:.3f} / {stats.trace:.3f})",
+                ev.round,
+            )
             return "refuted"
         return "inconclusive"
 
@@ -913,8 +1126,13 @@ class WorkVerifier:
             return False
         exp = swarm_time() + self.cfg.evidence_ttl_s
         try:
-            ok = await self.dht.store(evidence_key(self.run_id, ev.round), ev.to_signed(self.identity),
-                                      expiration_time=exp, subkey=self.me, owner=self.identity)
+            ok = await self.dht.store(
+                evidence_key(self.run_id, ev.round),
+                ev.to_signed(self.identity),
+                expiration_time=exp,
+                subkey=self.me,
+                owner=self.identity,
+            )
             key = contributions_key(self.run_id, ev.round, self.me)
             for j, b in sorted(ev.contributions.items()):
                 await self.dht.store(key, b, expiration_time=exp, subkey=str(j), owner=self.identity)
@@ -944,13 +1162,25 @@ class WorkVerifier:
                     n += 1
         return n
 
-    async def run_round(self, round: int, *, micro_batch: Optional[int] = None, seconds_per_row: Optional[float] = None,
-                        deadline: Optional[float] = None,
-                        signed_of: Optional[Callable[[int, str], Optional[bytes]]] = None) -> Optional[Evidence]:
+    async def run_round(
+        self,
+        round: int,
+        *,
+        micro_batch: Optional[int] = None,
+        seconds_per_row: Optional[float] = None,
+        deadline: Optional[float] = None,
+        signed_of: Optional[Callable[[int, str], Optional[bytes]]] = None,
+    ) -> Optional[Evidence]:
         """This node's check of ``round`` off the event loop, its evidence published, then up to
         ``max_rechecks`` pending evidence records re-checked (all bounded by ``deadline``)."""
-        ev = await asyncio.to_thread(self.check_round, round, micro_batch=micro_batch,
-                                     seconds_per_row=seconds_per_row, deadline=deadline, signed_of=signed_of)
+        ev = await asyncio.to_thread(
+            self.check_round,
+            round,
+            micro_batch=micro_batch,
+            seconds_per_row=seconds_per_row,
+            deadline=deadline,
+            signed_of=signed_of,
+        )
         if ev is not None:
             await self.publish(ev)
         await self.fetch()

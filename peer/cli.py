@@ -23,7 +23,12 @@ from geomesh_p2p.config import DEFAULT_IDENTITY
 
 def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", metavar="FILE", help="YAML/JSON file of option values (flags on the command line win)")
-    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="log verbosity (default: %(default)s)")
+    p.add_argument(
+        "--log-level",
+        default="INFO",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="log verbosity (default: %(default)s)",
+    )
 
 
 class _Formatter(argparse.HelpFormatter):
@@ -34,8 +39,10 @@ class _Formatter(argparse.HelpFormatter):
         super().add_argument(action)
         if action.help is not argparse.SUPPRESS and hasattr(action, "_get_subactions"):
             for sub in action._get_subactions():
-                self._action_max_length = max(self._action_max_length, len(sub.metavar or sub.dest or "")
-                                              + self._current_indent + self._indent_increment)
+                self._action_max_length = max(
+                    self._action_max_length,
+                    len(sub.metavar or sub.dest or "") + self._current_indent + self._indent_increment,
+                )
 
 
 class _Parser(argparse.ArgumentParser):
@@ -67,7 +74,8 @@ def parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.N
 
 def build_parser() -> argparse.ArgumentParser:
     ap = _Parser(
-        prog="geomesh-peer", formatter_class=_Formatter,
+        prog="geomesh-peer",
+        formatter_class=_Formatter,
         description="GeoMesh-P2P volunteer node: adaptive workload balancing + sign-compressed DiLoCo over gRPC.",
         epilog="geomesh-peer COMMAND --help explains the flags of a command.",
     )
@@ -75,10 +83,17 @@ def build_parser() -> argparse.ArgumentParser:
     # The commands are listed once, by argparse, from each parser's one-line help.
     sub = ap.add_subparsers(dest="command", metavar="COMMAND", title="commands")
 
-    ident = sub.add_parser("identity", help="create or show this node's key and print its PeerID",
-                           description="Create (mode 0600) or show this node's Ed25519 key and print its PeerID.")
-    ident.add_argument("--identity", default=DEFAULT_IDENTITY, metavar="PATH",
-                       help="Ed25519 key file, created with mode 0600 if absent (default: %(default)s)")
+    ident = sub.add_parser(
+        "identity",
+        help="create or show this node's key and print its PeerID",
+        description="Create (mode 0600) or show this node's Ed25519 key and print its PeerID.",
+    )
+    ident.add_argument(
+        "--identity",
+        default=DEFAULT_IDENTITY,
+        metavar="PATH",
+        help="Ed25519 key file, created with mode 0600 if absent (default: %(default)s)",
+    )
     _add_common(ident)
 
     try:
@@ -91,7 +106,10 @@ def build_parser() -> argparse.ArgumentParser:
 
         tools_cli.add_subcommands(sub, _add_common)
     else:
-        for name, text in [("join", "train with a swarm (not built yet)"), ("demo", "local demo swarm (not built yet)")]:
+        for name, text in [
+            ("join", "train with a swarm (not built yet)"),
+            ("demo", "local demo swarm (not built yet)"),
+        ]:
             sp = sub.add_parser(name, help=text)
             _add_common(sp)
     return ap
@@ -111,8 +129,9 @@ def cmd_identity(ns: argparse.Namespace) -> int:
     return 0
 
 
-def with_config_file(parser: argparse.ArgumentParser, ns: argparse.Namespace,
-                     argv: list[str] | None) -> argparse.Namespace:
+def with_config_file(
+    parser: argparse.ArgumentParser, ns: argparse.Namespace, argv: list[str] | None
+) -> argparse.Namespace:
     """``argv`` parsed again with the values of ``--config FILE`` as the chosen command's defaults:
     a flag on the command line > the file > the field's default. ``ns`` is returned as is without
     --config. Raises ConfigFileError naming the file and the unknown key or bad value."""
@@ -136,8 +155,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigFileError as e:
         print(f"geomesh-peer: {e}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=getattr(ns, "log_level", "INFO"),
-                        format="%(asctime)s %(levelname).1s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    logging.basicConfig(
+        level=getattr(ns, "log_level", "INFO"),
+        format="%(asctime)s %(levelname).1s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
     if ns.command == "identity":
         return cmd_identity(ns)
     handler = getattr(ns, "handler", None)

@@ -23,18 +23,34 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("demo")
     from peer.node_cli import _int_at_least, _positive_float
 
-    g.add_argument("--peers", type=_int_at_least(1, 64), default=3, help="number of peer processes (default: %(default)s)")
-    g.add_argument("--speed-factors", default="1.0,0.55,0.4",
-                   help="per-peer relative speed, comma-separated, cycled (default: %(default)s)")
-    g.add_argument("--memory-budgets", default="",
-                   help="per-peer CPU memory budget in GB, comma-separated (default: none)")
-    g.add_argument("--rounds", type=_int_at_least(1), default=40, help="stop after this many rounds (default: %(default)s)")
-    g.add_argument("--target-ppl", type=_positive_float, default=250.0,
-                   help="stop once the swarm's eval perplexity reaches this; the initial is ~4200 (default: %(default)s)")
+    g.add_argument(
+        "--peers", type=_int_at_least(1, 64), default=3, help="number of peer processes (default: %(default)s)"
+    )
+    g.add_argument(
+        "--speed-factors",
+        default="1.0,0.55,0.4",
+        help="per-peer relative speed, comma-separated, cycled (default: %(default)s)",
+    )
+    g.add_argument(
+        "--memory-budgets", default="", help="per-peer CPU memory budget in GB, comma-separated (default: none)"
+    )
+    g.add_argument(
+        "--rounds", type=_int_at_least(1), default=40, help="stop after this many rounds (default: %(default)s)"
+    )
+    g.add_argument(
+        "--target-ppl",
+        type=_positive_float,
+        default=250.0,
+        help="stop once the swarm's eval perplexity reaches this; the initial is ~4200 (default: %(default)s)",
+    )
     g.add_argument("--workdir", help="where logs, keys and checkpoints go (default: a temporary folder)")
     g.add_argument("--summary-json", help="write the demo summary here")
-    g.add_argument("--threads-per-peer", type=_int_at_least(1), default=1, help="torch threads per peer (default: %(default)s)")
-    g.add_argument("--timeout-s", type=_positive_float, default=900, help="give up after this long (default: %(default)s)")
+    g.add_argument(
+        "--threads-per-peer", type=_int_at_least(1), default=1, help="torch threads per peer (default: %(default)s)"
+    )
+    g.add_argument(
+        "--timeout-s", type=_positive_float, default=900, help="give up after this long (default: %(default)s)"
+    )
 
 
 def _run_flags(ns: argparse.Namespace) -> list[str]:
@@ -73,12 +89,17 @@ def cmd_demo(ns: argparse.Namespace) -> int:
         speeds = [float(x) for x in ns.speed_factors.split(",") if x.strip()]
         budgets = [float(x) for x in ns.memory_budgets.split(",") if x.strip()]
     except ValueError:
-        print(f"geomesh-peer demo: --speed-factors {ns.speed_factors!r} / --memory-budgets {ns.memory_budgets!r}: "
-              "expected comma-separated numbers", file=sys.stderr)
+        print(
+            f"geomesh-peer demo: --speed-factors {ns.speed_factors!r} / --memory-budgets {ns.memory_budgets!r}: "
+            "expected comma-separated numbers",
+            file=sys.stderr,
+        )
         return 2
     if not speeds or any(not 0 < s <= 1 for s in speeds) or any(not b > 0 for b in budgets):
-        print("geomesh-peer demo: --speed-factors must be numbers in (0, 1] and --memory-budgets numbers > 0 (GB)",
-              file=sys.stderr)
+        print(
+            "geomesh-peer demo: --speed-factors must be numbers in (0, 1] and --memory-budgets numbers > 0 (GB)",
+            file=sys.stderr,
+        )
         return 2
     from peer.node_cli import check_model
 
@@ -91,6 +112,7 @@ def cmd_demo(ns: argparse.Namespace) -> int:
     workdir.mkdir(parents=True, exist_ok=True)
     # A rerun in the same folder starts clean: remove what an earlier demo wrote (keys are kept).
     import shutil
+
     for old in list(workdir.glob("peer*.jsonl")) + list(workdir.glob("*.summary.json")) + list(workdir.glob("*.log")):
         old.unlink()
     for old in workdir.glob("ckpt*"):
@@ -108,20 +130,52 @@ def cmd_demo(ns: argparse.Namespace) -> int:
     old = {s: signal.signal(s, on_term) for s in (signal.SIGTERM, signal.SIGHUP)}
     try:
         # Port 0: the bootstrap binds a free port and prints it (a port picked first could be taken).
-        swarm.spawn("bootstrap", exe + ["bootstrap.cli", "--host", "127.0.0.1", "--port", "0",
-                                        "--run-id", ns.run_id, "--identity", str(workdir / "bootstrap.key")])
+        swarm.spawn(
+            "bootstrap",
+            exe
+            + [
+                "bootstrap.cli",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "0",
+                "--run-id",
+                ns.run_id,
+                "--identity",
+                str(workdir / "bootstrap.key"),
+            ],
+        )
         entry = swarm.address("bootstrap")
         for i in range(ns.peers):
             f = speeds[i % len(speeds)]
-            argv = exe + ["peer.cli", "join", "--bootstrap", entry,
-                          "--identity", str(workdir / f"peer{i}.key"), "--speed-factor", str(f),
-                          "--min-peers", str(ns.peers), "--rounds", str(ns.rounds),
-                          # every peer evaluates the same global weights, so all stop after the same round
-                          *(["--target-ppl", str(ns.target_ppl)] if ns.target_ppl is not None else []),
-                          "--threads", str(ns.threads_per_peer),
-                          "--log-json", str(workdir / f"peer{i}.jsonl"),
-                          "--summary-json", str(workdir / f"peer{i}.summary.json"),
-                          "--checkpoint-dir", str(workdir / f"ckpt{i}")] + _run_flags(ns)
+            argv = (
+                exe
+                + [
+                    "peer.cli",
+                    "join",
+                    "--bootstrap",
+                    entry,
+                    "--identity",
+                    str(workdir / f"peer{i}.key"),
+                    "--speed-factor",
+                    str(f),
+                    "--min-peers",
+                    str(ns.peers),
+                    "--rounds",
+                    str(ns.rounds),
+                    # every peer evaluates the same global weights, so all stop after the same round
+                    *(["--target-ppl", str(ns.target_ppl)] if ns.target_ppl is not None else []),
+                    "--threads",
+                    str(ns.threads_per_peer),
+                    "--log-json",
+                    str(workdir / f"peer{i}.jsonl"),
+                    "--summary-json",
+                    str(workdir / f"peer{i}.summary.json"),
+                    "--checkpoint-dir",
+                    str(workdir / f"ckpt{i}"),
+                ]
+                + _run_flags(ns)
+            )
             if budgets:
                 argv += ["--memory-budget-gb", str(budgets[i % len(budgets)])]
             swarm.spawn(f"peer{i}", argv)
@@ -146,8 +200,10 @@ def cmd_demo(ns: argparse.Namespace) -> int:
 def _watch(ns, swarm: Swarm, workdir: Path, t0: float) -> int:
     """Print one swarm row per finished round until the target, the last round or a failure."""
     shown = -1
-    print(f"{'round':>5} {'peers':>5} {'batch/H per peer':<28} {'loss':>6} {'eval ppl':>9} "
-          f"{'strag% max':>10} {'net% max':>8} {'KB sent/peer':>12} {'time':>6} digests")
+    print(
+        f"{'round':>5} {'peers':>5} {'batch/H per peer':<28} {'loss':>6} {'eval ppl':>9} "
+        f"{'strag% max':>10} {'net% max':>8} {'KB sent/peer':>12} {'time':>6} digests"
+    )
     while time.time() - t0 < ns.timeout_s:
         rows = [read_json_rows(workdir / f"peer{i}.jsonl") for i in range(ns.peers)]
         done_round = min((len(r) for r in rows), default=0) - 1
@@ -155,19 +211,24 @@ def _watch(ns, swarm: Swarm, workdir: Path, t0: float) -> int:
             shown += 1
             rr = [r[shown] for r in rows]
             digests = {r["digest"] for r in rr}
-            bh = " ".join(f"{r['batch_size']}/{r['inner_steps_done']}" + ("!" if r.get("underfilled") else "")
-                          for r in rr)
+            bh = " ".join(
+                f"{r['batch_size']}/{r['inner_steps_done']}" + ("!" if r.get("underfilled") else "") for r in rr
+            )
             losses = [r["train_loss"] for r in rr if r["train_loss"] is not None]
             loss = sum(losses) / len(losses) if losses else float("nan")
             ppl = rr[0]["eval_ppl"]  # None when not evaluated or not finite (strict JSON)
-            print(f"{shown:>5} {rr[0]['peers']:>5} {bh:<28} {loss:>6.3f} "
-                  f"{(f'{ppl:.2f}' if ppl is not None else '-'):>9} {max(r['straggler_idle_pct'] for r in rr):>10.1f} "
-                  f"{max(r['network_idle_pct'] for r in rr):>8.1f} "
-                  f"{sum(r['bytes_sent'] for r in rr)/len(rr)/1024:>12.1f} {rr[0]['round_s']:>6.1f} "
-                  f"{'equal' if len(digests) == 1 else 'DIFFER'}", flush=True)
+            print(
+                f"{shown:>5} {rr[0]['peers']:>5} {bh:<28} {loss:>6.3f} "
+                f"{(f'{ppl:.2f}' if ppl is not None else '-'):>9} {max(r['straggler_idle_pct'] for r in rr):>10.1f} "
+                f"{max(r['network_idle_pct'] for r in rr):>8.1f} "
+                f"{sum(r['bytes_sent'] for r in rr) / len(rr) / 1024:>12.1f} {rr[0]['round_s']:>6.1f} "
+                f"{'equal' if len(digests) == 1 else 'DIFFER'}",
+                flush=True,
+            )
             if ns.target_ppl is not None and ppl is not None and ppl <= ns.target_ppl:
-                print(f"target eval perplexity {ns.target_ppl} reached at round {shown} "
-                      f"after {rr[0]['time'] - t0:.0f}s")
+                print(
+                    f"target eval perplexity {ns.target_ppl} reached at round {shown} after {rr[0]['time'] - t0:.0f}s"
+                )
                 # The peers saw the same perplexity and stop by themselves; give them the time to.
                 peers = [p for name, p in swarm.procs.items() if name.startswith("peer")]
                 deadline = time.time() + 60
@@ -204,20 +265,29 @@ def _summarize(ns, workdir: Path, t0: float) -> dict:
     per_peer = []
     for i, r in enumerate(rows):
         tot = sum(x["round_s"] for x in r) or 1e-9
-        per_peer.append({
-            "peer": i,
-            "straggler_idle_pct": round(100 * sum(x["straggler_idle_s"] for x in r) / tot, 2),
-            "network_idle_pct": round(100 * sum(x["network_idle_s"] for x in r) / tot, 2),
-            "bytes_sent": sum(x["bytes_sent"] for x in r),
-            "bytes_received": sum(x["bytes_received"] for x in r),
-        })
+        per_peer.append(
+            {
+                "peer": i,
+                "straggler_idle_pct": round(100 * sum(x["straggler_idle_s"] for x in r) / tot, 2),
+                "network_idle_pct": round(100 * sum(x["network_idle_s"] for x in r) / tot, 2),
+                "bytes_sent": sum(x["bytes_sent"] for x in r),
+                "bytes_received": sum(x["bytes_received"] for x in r),
+            }
+        )
     digests_matched = all(len({rows[i][k]["digest"] for i in range(ns.peers)}) == 1 for k in range(n))
     return {
-        "method": ns.method, "peers": ns.peers, "rounds": n,
-        "initial_eval_ppl": initial, "final_eval_ppl": curve[-1] if curve else None,
-        "eval_ppl_curve": curve, "target_ppl": ns.target_ppl,
-        "reached_target": t_target is not None, "time_to_target_s": t_target,
-        "wall_s": time.time() - t0, "per_peer": per_peer, "digests_matched_every_round": digests_matched and n > 0,
+        "method": ns.method,
+        "peers": ns.peers,
+        "rounds": n,
+        "initial_eval_ppl": initial,
+        "final_eval_ppl": curve[-1] if curve else None,
+        "eval_ppl_curve": curve,
+        "target_ppl": ns.target_ppl,
+        "reached_target": t_target is not None,
+        "time_to_target_s": t_target,
+        "wall_s": time.time() - t0,
+        "per_peer": per_peer,
+        "digests_matched_every_round": digests_matched and n > 0,
         "workdir": str(workdir),
     }
 
@@ -225,9 +295,13 @@ def _summarize(ns, workdir: Path, t0: float) -> dict:
 def _print_summary(s: dict) -> None:
     print("\nsummary:")
     fmt = lambda v: "?" if v is None else f"{v:.2f}"  # noqa: E731
-    print(f"  rounds {s['rounds']}, eval perplexity {fmt(s['initial_eval_ppl'])} -> {fmt(s['final_eval_ppl'])}"
-          f" (target {s['target_ppl']}: {'reached in %.0fs' % s['time_to_target_s'] if s['reached_target'] else 'not reached'})")
+    print(
+        f"  rounds {s['rounds']}, eval perplexity {fmt(s['initial_eval_ppl'])} -> {fmt(s['final_eval_ppl'])}"
+        f" (target {s['target_ppl']}: {'reached in %.0fs' % s['time_to_target_s'] if s['reached_target'] else 'not reached'})"
+    )
     for p in s["per_peer"]:
-        print(f"  peer{p['peer']}: straggler idle {p['straggler_idle_pct']:.1f}%, network idle "
-              f"{p['network_idle_pct']:.1f}%, sent {p['bytes_sent']/1e6:.2f} MB")
+        print(
+            f"  peer{p['peer']}: straggler idle {p['straggler_idle_pct']:.1f}%, network idle "
+            f"{p['network_idle_pct']:.1f}%, sent {p['bytes_sent'] / 1e6:.2f} MB"
+        )
     print(f"  digests equal on every peer every round: {s['digests_matched_every_round']}")

@@ -44,18 +44,41 @@ def _probe_mb(text: str) -> float:
 #: Flags of the run group that are inputs, not RunConfig fields: run_config_from derives RunConfig.model /
 #: model_config_json / data (and NodeConfig.model_config_file / data_path) from them.
 INPUT_FLAGS = [
-    FlagSpec("--model-config", "model_config", None,
-             {"metavar": "FILE.json", "help": "transformers config JSON instead of a preset"}),
-    FlagSpec("--data", "data", None,
-             {"metavar": "PATH|hf:NAME[:CONFIG][@SPLIT]",
-              "help": ".txt/.txt.xz/.jsonl/.parquet training text, or a Hugging Face dataset streamed from the hub, "
-                      "e.g. hf:wikitext:wikitext-2-raw-v1@train (default: the shipped KJV corpus)"}),
-    FlagSpec("--data-column", "data_column", None,
-             {"metavar": "NAME",
-              "help": f"with --data hf:...: the string column holding the text (default: {DEFAULT_HF_COLUMN})"}),
-    FlagSpec("--data-max-bytes", "data_max_bytes", None,
-             {"type": _positive_int, "metavar": "N",
-              "help": f"with --data hf:...: take only the first N bytes of text (default: {DEFAULT_HF_MAX_BYTES})"}),
+    FlagSpec(
+        "--model-config",
+        "model_config",
+        None,
+        {"metavar": "FILE.json", "help": "transformers config JSON instead of a preset"},
+    ),
+    FlagSpec(
+        "--data",
+        "data",
+        None,
+        {
+            "metavar": "PATH|hf:NAME[:CONFIG][@SPLIT]",
+            "help": ".txt/.txt.xz/.jsonl/.parquet training text, or a Hugging Face dataset streamed from the hub, "
+            "e.g. hf:wikitext:wikitext-2-raw-v1@train (default: the shipped KJV corpus)",
+        },
+    ),
+    FlagSpec(
+        "--data-column",
+        "data_column",
+        None,
+        {
+            "metavar": "NAME",
+            "help": f"with --data hf:...: the string column holding the text (default: {DEFAULT_HF_COLUMN})",
+        },
+    ),
+    FlagSpec(
+        "--data-max-bytes",
+        "data_max_bytes",
+        None,
+        {
+            "type": _positive_int,
+            "metavar": "N",
+            "help": f"with --data hf:...: take only the first N bytes of text (default: {DEFAULT_HF_MAX_BYTES})",
+        },
+    ),
 ]
 
 
@@ -235,8 +258,9 @@ def check_offline(ns: argparse.Namespace) -> None:
     if getattr(ns, "resume", False) and not getattr(ns, "checkpoint_dir", None):
         raise ValueError("--resume needs --checkpoint-dir DIR (the folder whose newest checkpoint it continues from)")
     if getattr(ns, "on_empty_swarm", None) == "resume" and not getattr(ns, "checkpoint_dir", None):
-        raise ValueError("--on-empty-swarm resume needs --checkpoint-dir DIR (the folder whose newest checkpoint "
-                         "it continues from)")
+        raise ValueError(
+            "--on-empty-swarm resume needs --checkpoint-dir DIR (the folder whose newest checkpoint it continues from)"
+        )
     check_model(ns)
 
 
@@ -283,8 +307,11 @@ def trust_warning(ns: argparse.Namespace) -> str | None:
         trusting.append("--aggregation mean lets one contributor steer the update")
     if not trusting:
         return None
-    return ("open run (no --allow-peers): " + "; ".join(trusting) +
-            ". Use the defaults (--mode relay --aggregation meanmed) unless every peer is trusted (docs/security.md)")
+    return (
+        "open run (no --allow-peers): "
+        + "; ".join(trusting)
+        + ". Use the defaults (--mode relay --aggregation meanmed) unless every peer is trusted (docs/security.md)"
+    )
 
 
 def _is_loopback(host: str) -> bool:
@@ -303,9 +330,11 @@ def reachability_warning(ns: argparse.Namespace):
 
     remote = [b for b in ns.bootstrap if not _is_loopback(host_of(b))]
     if _is_loopback(own) and remote:
-        return (f"this peer listens on {ns.host} and tells others to dial {own}, but its bootstrap {remote[0]} is on "
-                f"another machine: nobody there can reach it. Pass --host 0.0.0.0 --advertise-host YOUR_PUBLIC_IP "
-                f"(and open --port), or --client-only behind NAT")
+        return (
+            f"this peer listens on {ns.host} and tells others to dial {own}, but its bootstrap {remote[0]} is on "
+            f"another machine: nobody there can reach it. Pass --host 0.0.0.0 --advertise-host YOUR_PUBLIC_IP "
+            f"(and open --port), or --client-only behind NAT"
+        )
     return None
 
 
@@ -340,16 +369,24 @@ def cmd_profile(ns: argparse.Namespace) -> int:
         except Exception as e:  # unreachable / refusing node: say so in one line
             print(f"geomesh-peer profile: link probe of {ns.probe} failed: {e}", file=sys.stderr)
             return 1
-    result = profile(preset=ns.model, seq_len=ns.seq_len, batch_sizes=ns.batch_sizes, device=ns.device,
-                     speed_factor=ns.speed_factor,
-                     memory_budget_bytes=int(ns.memory_budget_gb * 2**30) if ns.memory_budget_gb else None,
-                     upload_bps=ns.upload_mbps * 1e6 / 8 if ns.upload_mbps else None,
-                     download_bps=ns.download_mbps * 1e6 / 8 if ns.download_mbps else None)
+    result = profile(
+        preset=ns.model,
+        seq_len=ns.seq_len,
+        batch_sizes=ns.batch_sizes,
+        device=ns.device,
+        speed_factor=ns.speed_factor,
+        memory_budget_bytes=int(ns.memory_budget_gb * 2**30) if ns.memory_budget_gb else None,
+        upload_bps=ns.upload_mbps * 1e6 / 8 if ns.upload_mbps else None,
+        download_bps=ns.download_mbps * 1e6 / 8 if ns.download_mbps else None,
+    )
     if probed is not None:
-        result["bandwidth"] = {"upload_bps": ns.upload_mbps * 1e6 / 8 if ns.upload_mbps else probed.upload_bps,
-                               "download_bps": ns.download_mbps * 1e6 / 8 if ns.download_mbps else probed.download_bps,
-                               "rtt_s": probed.rtt_s, "measured_against": probed.address,
-                               "probe_bytes": probed.nbytes}
+        result["bandwidth"] = {
+            "upload_bps": ns.upload_mbps * 1e6 / 8 if ns.upload_mbps else probed.upload_bps,
+            "download_bps": ns.download_mbps * 1e6 / 8 if ns.download_mbps else probed.download_bps,
+            "rtt_s": probed.rtt_s,
+            "measured_against": probed.address,
+            "probe_bytes": probed.nbytes,
+        }
     print(json.dumps(result, indent=1, default=str) if ns.json else format_profile_table(result))
     return 0
 
@@ -369,7 +406,11 @@ async def _probe(address: str, run_id: str, mb: float):
 
 
 def add_subcommands(sub, add_common) -> None:
-    join = sub.add_parser("join", help="train with a swarm (via one or more --bootstrap nodes)", description="Join a GeoMesh swarm and train.")
+    join = sub.add_parser(
+        "join",
+        help="train with a swarm (via one or more --bootstrap nodes)",
+        description="Join a GeoMesh swarm and train.",
+    )
     add_node_flags(join)
     add_run_flags(join)
     add_common(join)
@@ -377,25 +418,43 @@ def add_subcommands(sub, add_common) -> None:
 
     from peer import demo
 
-    d = sub.add_parser("demo", help="a whole swarm on this machine (bootstrap + N peers)",
-                       description=demo.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    d = sub.add_parser(
+        "demo",
+        help="a whole swarm on this machine (bootstrap + N peers)",
+        description=demo.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     demo.add_flags(d)
     add_run_flags(d)
     add_common(d)
     d.set_defaults(handler=demo.cmd_demo)
 
-    prof = sub.add_parser("profile", help="measure this device: memory, tokens/s, link (--probe)",
-                          description="Measure this device (memory, tokens/s per batch size) and print it.")
+    prof = sub.add_parser(
+        "profile",
+        help="measure this device: memory, tokens/s, link (--probe)",
+        description="Measure this device (memory, tokens/s per batch size) and print it.",
+    )
     # The flags it shares with join, from the same fields (defaults and checks written once).
     add_flags(prof, flag_specs(RunConfig, only=("model", "seq_len")))
-    prof.add_argument("--batch-sizes", type=_batch_list, default=[1, 4, 8, 16],
-                      help="comma-separated batch sizes (default: 1,4,8,16)")
-    add_flags(prof, flag_specs(NodeConfig, only=("device", "speed_factor", "memory_budget_bytes", "upload_bps",
-                                                 "download_bps")))
-    prof.add_argument("--probe", type=_host_port, metavar="HOST:PORT",
-                      help="also measure upload/download bandwidth with real transfers to this bootstrap or peer")
-    prof.add_argument("--probe-mb", type=_probe_mb, default=4.0,
-                      help="MiB each way per probe transfer, at most 4 (default: %(default)s)")
+    prof.add_argument(
+        "--batch-sizes", type=_batch_list, default=[1, 4, 8, 16], help="comma-separated batch sizes (default: 1,4,8,16)"
+    )
+    add_flags(
+        prof,
+        flag_specs(NodeConfig, only=("device", "speed_factor", "memory_budget_bytes", "upload_bps", "download_bps")),
+    )
+    prof.add_argument(
+        "--probe",
+        type=_host_port,
+        metavar="HOST:PORT",
+        help="also measure upload/download bandwidth with real transfers to this bootstrap or peer",
+    )
+    prof.add_argument(
+        "--probe-mb",
+        type=_probe_mb,
+        default=4.0,
+        help="MiB each way per probe transfer, at most 4 (default: %(default)s)",
+    )
     add_flags(prof, flag_specs(RunConfig, only=("run_id",)))
     prof.add_argument("--json", action="store_true", help="print JSON instead of a table")
     add_common(prof)

@@ -65,8 +65,11 @@ def render_status(view: dict, rounds: dict, console=None) -> None:
 
     console = console or Console(width=None if sys.stdout.isatty() else 160)
     d = view.get("digests") or {}
-    digests = "-" if not d.get("total") else (
-        f"equal ({d['agree']}/{d['total']})" if d.get("equal") else f"DIFFER ({d['agree']}/{d['total']} agree)")
+    digests = (
+        "-"
+        if not d.get("total")
+        else (f"equal ({d['agree']}/{d['total']})" if d.get("equal") else f"DIFFER ({d['agree']}/{d['total']} agree)")
+    )
     head = Text()
     head.append(f"run {view.get('run_id')}  ", style="bold")
     head.append(f"round {view.get('round') if view.get('round') is not None else '-'}  ")
@@ -76,19 +79,40 @@ def render_status(view: dict, rounds: dict, console=None) -> None:
     console.print(head)
     plan = view.get("plan")
     if plan:
-        console.print(Text(f"plan of round {plan['round']} by {plan['leader']}: {len(plan['assignments'])} "
-                           f"participant(s), window {plan['window_s']} s, {plan['method']}/{plan['mode']}"))
+        console.print(
+            Text(
+                f"plan of round {plan['round']} by {plan['leader']}: {len(plan['assignments'])} "
+                f"participant(s), window {plan['window_s']} s, {plan['method']}/{plan['mode']}"
+            )
+        )
     t = Table(show_header=True, header_style="bold", box=None, pad_edge=False)
-    for col, just in (("peer", "left"), ("device", "left"), ("mem GiB", "right"), ("tokens/s", "right"),
-                      ("up Mbit/s", "right"), ("down Mbit/s", "right"), ("round", "right"), ("state", "left"),
-                      ("batch/H", "right"), ("last seen", "right")):
+    for col, just in (
+        ("peer", "left"),
+        ("device", "left"),
+        ("mem GiB", "right"),
+        ("tokens/s", "right"),
+        ("up Mbit/s", "right"),
+        ("down Mbit/s", "right"),
+        ("round", "right"),
+        ("state", "left"),
+        ("batch/H", "right"),
+        ("last seen", "right"),
+    ):
         t.add_column(col, justify=just, no_wrap=col != "device", overflow="fold")
     for p in view.get("peers") or []:
         # Text(), not markup: a device name is whatever its peer announced
-        t.add_row(Text(p["short"]), Text(p["device"]), _fmt(p["memory_gib"], 2), _fmt(p["tokens_per_s"], 0),
-                  _fmt(p["up_mbps"]), _fmt(p["down_mbps"]), str(p["round"]), Text(p["state"]),
-                  "-" if p.get("batch") is None else f"{p['batch']}/{p['inner_steps']}",
-                  f"{p['last_seen_s']:.0f} s")
+        t.add_row(
+            Text(p["short"]),
+            Text(p["device"]),
+            _fmt(p["memory_gib"], 2),
+            _fmt(p["tokens_per_s"], 0),
+            _fmt(p["up_mbps"]),
+            _fmt(p["down_mbps"]),
+            str(p["round"]),
+            Text(p["state"]),
+            "-" if p.get("batch") is None else f"{p['batch']}/{p['inner_steps']}",
+            f"{p['last_seen_s']:.0f} s",
+        )
     if view.get("peers"):
         console.print(t)
     else:
@@ -97,15 +121,24 @@ def render_status(view: dict, rounds: dict, console=None) -> None:
         console.print(Text(f"{view['ignored']} record(s) ignored (other run config, no proof of work, not allowed)"))
     rows = (rounds or {}).get("rounds") or []
     if rows:
-        r = Table(show_header=True, header_style="bold", box=None, pad_edge=False, title="last rounds",
-                  title_justify="left")
+        r = Table(
+            show_header=True, header_style="bold", box=None, pad_edge=False, title="last rounds", title_justify="left"
+        )
         for col in ("round", "peers", "loss", "eval ppl", "tokens/s", "strag%", "net%", "KB sent/peer", "digests"):
             r.add_column(col, justify="right")
         for x in rows[-5:]:
             agree = {True: "equal", False: "MISMATCH", None: "-"}[x.get("digest_agree")]
-            r.add_row(str(x["round"]), str(x["peers"]), _fmt(x.get("loss"), 3), _fmt(x.get("eval_ppl"), 2),
-                      _fmt(x.get("tokens_per_s"), 0), _fmt(x.get("straggler_idle_pct")),
-                      _fmt(x.get("network_idle_pct")), _fmt(x.get("bytes_sent_per_peer", 0) / 1024), agree)
+            r.add_row(
+                str(x["round"]),
+                str(x["peers"]),
+                _fmt(x.get("loss"), 3),
+                _fmt(x.get("eval_ppl"), 2),
+                _fmt(x.get("tokens_per_s"), 0),
+                _fmt(x.get("straggler_idle_pct")),
+                _fmt(x.get("network_idle_pct")),
+                _fmt(x.get("bytes_sent_per_peer", 0) / 1024),
+                agree,
+            )
         console.print(r)
 
 
@@ -158,17 +191,31 @@ def cmd_checkpoints(ns: argparse.Namespace) -> int:
 
     console = Console(width=None if sys.stdout.isatty() else 160)
     t = Table(show_header=True, header_style="bold", box=None, pad_edge=False)
-    for col, just in (("round", "right"), ("digest", "left"), ("size MB", "right"), ("params", "right"),
-                      ("momentum", "left"), ("written", "left"), ("run config", "left"), ("peer", "left"),
-                      ("problem", "left")):
+    for col, just in (
+        ("round", "right"),
+        ("digest", "left"),
+        ("size MB", "right"),
+        ("params", "right"),
+        ("momentum", "left"),
+        ("written", "left"),
+        ("run config", "left"),
+        ("peer", "left"),
+        ("problem", "left"),
+    ):
         t.add_column(col, justify=just, overflow="fold")
     for r in rows:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["time"])) if r.get("time") else "-"
-        t.add_row(str(r["round"]), (r["digest"] or "-")[:16], _fmt((r["bytes"] or 0) / 1e6, 2) if r["bytes"] else "-",
-                  f"{r['num_params']:,}" if r.get("num_params") else "-",
-                  {True: "yes", False: "no", None: "-"}[r.get("has_momentum")], when,
-                  r.get("run_config_hash") or "-", (r.get("peer_id") or "-")[:10],
-                  Text(r["problem"] or "", style="red"))
+        t.add_row(
+            str(r["round"]),
+            (r["digest"] or "-")[:16],
+            _fmt((r["bytes"] or 0) / 1e6, 2) if r["bytes"] else "-",
+            f"{r['num_params']:,}" if r.get("num_params") else "-",
+            {True: "yes", False: "no", None: "-"}[r.get("has_momentum")],
+            when,
+            r.get("run_config_hash") or "-",
+            (r.get("peer_id") or "-")[:10],
+            Text(r["problem"] or "", style="red"),
+        )
     console.print(t)
     hashes = {r.get("run_config_hash") for r in rows if r.get("run_config_hash")}
     newest = next((r for r in reversed(rows) if isinstance(r.get("run_config"), dict)), None)
@@ -177,8 +224,9 @@ def cmd_checkpoints(ns: argparse.Namespace) -> int:
         console.print(Text(f"run config of round {newest['round']} (hash {newest['run_config_hash']}):", style="bold"))
         console.print(Text("  " + "  ".join(f"{k}={cfg[k]!r}" for k in sorted(cfg) if k != "model_config_json")))
     if len(hashes) > 1:
-        console.print(Text(f"warning: checkpoints of {len(hashes)} different run configs in this directory",
-                           style="yellow"))
+        console.print(
+            Text(f"warning: checkpoints of {len(hashes)} different run configs in this directory", style="yellow")
+        )
     if not ns.verify:
         console.print(Text("(digests not re-computed; --verify reads every weights file)", style="dim"))
     return 0 if all(r["problem"] is None for r in rows) else 1
@@ -189,15 +237,20 @@ def cmd_export(ns: argparse.Namespace) -> int:
     from geomesh_p2p.export import ExportError, export_checkpoint
 
     try:
-        info = export_checkpoint(ns.checkpoint_dir, ns.out, round=ns.round, data=ns.data, run_id=ns.run_id,
-                                 overwrite=ns.force)
+        info = export_checkpoint(
+            ns.checkpoint_dir, ns.out, round=ns.round, data=ns.data, run_id=ns.run_id, overwrite=ns.force
+        )
     except ExportError as e:
         _say("export", str(e))
         return 1
-    print(f"exported round {info['round']} (digest {info['digest'][:16]}, {info['num_params']:,} parameters) "
-          f"to {info['out']}: {', '.join(info['files'])}")
-    print(f"load it with: AutoModelForCausalLM.from_pretrained({info['out']!r}), "
-          f"AutoTokenizer.from_pretrained({info['out']!r})")
+    print(
+        f"exported round {info['round']} (digest {info['digest'][:16]}, {info['num_params']:,} parameters) "
+        f"to {info['out']}: {', '.join(info['files'])}"
+    )
+    print(
+        f"load it with: AutoModelForCausalLM.from_pretrained({info['out']!r}), "
+        f"AutoTokenizer.from_pretrained({info['out']!r})"
+    )
     return 0
 
 
@@ -209,30 +262,52 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     except ExportError as e:
         _say("generate", str(e))
         return 1
-    text = generate(ex, ns.prompt, max_new_tokens=ns.max_new_tokens, temperature=ns.temperature, top_k=ns.top_k,
-                    seed=ns.seed)
+    text = generate(
+        ex, ns.prompt, max_new_tokens=ns.max_new_tokens, temperature=ns.temperature, top_k=ns.top_k, seed=ns.seed
+    )
     print(text)
     return 0
 
 
 def add_subcommands(sub, add_common) -> None:
-    st = sub.add_parser("status", help="a swarm's peers, round, leader and digests (from its DHT)",
-                        description="Read a run's signed DHT records through a bootstrap and print its peers "
-                                    "(device, memory, tokens/s, link, round, state), round, leader, plan, digests "
-                                    "and last rounds. Exits 1 with one line when the bootstrap cannot be reached.")
-    st.add_argument("--bootstrap", action="append", type=_host_port, required=True, metavar="HOST:PORT",
-                    help="the swarm's bootstrap (its DHT port, as peers join with); repeatable")
+    st = sub.add_parser(
+        "status",
+        help="a swarm's peers, round, leader and digests (from its DHT)",
+        description="Read a run's signed DHT records through a bootstrap and print its peers "
+        "(device, memory, tokens/s, link, round, state), round, leader, plan, digests "
+        "and last rounds. Exits 1 with one line when the bootstrap cannot be reached.",
+    )
+    st.add_argument(
+        "--bootstrap",
+        action="append",
+        type=_host_port,
+        required=True,
+        metavar="HOST:PORT",
+        help="the swarm's bootstrap (its DHT port, as peers join with); repeatable",
+    )
     st.add_argument("--run-id", default=DEFAULT_RUN_ID, help="run to read (default: %(default)s)")
     st.add_argument("--json", action="store_true", help="print JSON (the status page's /api/swarm and rounds)")
-    st.add_argument("--timeout", type=_positive_float, default=3.0, metavar="SECONDS",
-                    help="deadline of each DHT call (default: %(default)s)")
-    st.add_argument("--identity", default=None, metavar="PATH",
-                    help="key to call with (private runs allow listed keys only; default: a throwaway key)")
+    st.add_argument(
+        "--timeout",
+        type=_positive_float,
+        default=3.0,
+        metavar="SECONDS",
+        help="deadline of each DHT call (default: %(default)s)",
+    )
+    st.add_argument(
+        "--identity",
+        default=None,
+        metavar="PATH",
+        help="key to call with (private runs allow listed keys only; default: a throwaway key)",
+    )
     add_common(st)
     st.set_defaults(handler=cmd_status)
 
-    ck = sub.add_parser("checkpoints", help="list a checkpoint directory: rounds, digests, sizes, config",
-                        description="List the checkpoints of DIR (round, digest, size, parameters, run config).")
+    ck = sub.add_parser(
+        "checkpoints",
+        help="list a checkpoint directory: rounds, digests, sizes, config",
+        description="List the checkpoints of DIR (round, digest, size, parameters, run config).",
+    )
     ck.add_argument("directory", metavar="DIR", help="a --checkpoint-dir")
     ck.add_argument("--verify", action="store_true", help="re-read every weights file and check its digest")
     ck.add_argument("--json", action="store_true", help="print JSON")
@@ -241,31 +316,51 @@ def add_subcommands(sub, add_common) -> None:
 
     def source_flags(p):
         p.add_argument("--checkpoint-dir", required=True, metavar="DIR", help="the peer's --checkpoint-dir")
-        p.add_argument("--round", type=_int_at_least(0), default=None, metavar="N",
-                       help="checkpoint of this round (default: the newest)")
-        p.add_argument("--data", default=None, metavar="PATH|hf:...",
-                       help="the run's --data, when it did not train on the shipped corpus (rebuilds its tokenizer)")
+        p.add_argument(
+            "--round",
+            type=_int_at_least(0),
+            default=None,
+            metavar="N",
+            help="checkpoint of this round (default: the newest)",
+        )
+        p.add_argument(
+            "--data",
+            default=None,
+            metavar="PATH|hf:...",
+            help="the run's --data, when it did not train on the shipped corpus (rebuilds its tokenizer)",
+        )
         p.add_argument("--run-id", default=None, help="refuse a checkpoint of another run")
 
-    ex = sub.add_parser("export", help="write a checkpoint as a Hugging Face (transformers) folder",
-                        description="Write the global weights of a checkpoint as a Hugging Face folder: config.json, "
-                                    "model.safetensors and the run's tokenizer files, so that "
-                                    "AutoModelForCausalLM.from_pretrained(OUT) and AutoTokenizer.from_pretrained(OUT) "
-                                    "load it offline.")
+    ex = sub.add_parser(
+        "export",
+        help="write a checkpoint as a Hugging Face (transformers) folder",
+        description="Write the global weights of a checkpoint as a Hugging Face folder: config.json, "
+        "model.safetensors and the run's tokenizer files, so that "
+        "AutoModelForCausalLM.from_pretrained(OUT) and AutoTokenizer.from_pretrained(OUT) "
+        "load it offline.",
+    )
     source_flags(ex)
-    ex.add_argument("--out", required=True, metavar="DIR", help="folder to write (created; must be empty or an "
-                                                                "earlier export)")
+    ex.add_argument(
+        "--out", required=True, metavar="DIR", help="folder to write (created; must be empty or an earlier export)"
+    )
     ex.add_argument("--force", action="store_true", help="write into a non-empty --out")
     add_common(ex)
     ex.set_defaults(handler=cmd_export)
 
-    gen = sub.add_parser("generate", help="continue a prompt with a checkpoint's model",
-                         description="Load a checkpoint and print the prompt and its continuation.")
+    gen = sub.add_parser(
+        "generate",
+        help="continue a prompt with a checkpoint's model",
+        description="Load a checkpoint and print the prompt and its continuation.",
+    )
     source_flags(gen)
     gen.add_argument("--prompt", required=True, help="text to continue")
     gen.add_argument("--max-new-tokens", type=_int_at_least(1, 4096), default=40, help="(default: %(default)s)")
-    gen.add_argument("--temperature", type=_non_negative_float, default=0.8,
-                     help="sampling temperature; 0 = greedy (default: %(default)s)")
+    gen.add_argument(
+        "--temperature",
+        type=_non_negative_float,
+        default=0.8,
+        help="sampling temperature; 0 = greedy (default: %(default)s)",
+    )
     gen.add_argument("--top-k", type=_int_at_least(1), default=40, help="(default: %(default)s)")
     gen.add_argument("--seed", type=int, default=0, help="sampling seed (default: %(default)s)")
     add_common(gen)

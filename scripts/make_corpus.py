@@ -82,7 +82,8 @@ def dump_bible(deb_dir: str | None) -> str:
             sys.exit("make_corpus: bible.data or the bible reader missing from the .debs")
         res = subprocess.run(
             [str(reader), "-p", str(data_dir), "-l100000", "Gen1:1-Rev22:21"],
-            check=True, capture_output=True,
+            check=True,
+            capture_output=True,
         )
         return res.stdout.decode("ascii")
 
@@ -108,8 +109,7 @@ def strip_references(raw: str) -> tuple[str, dict]:
             continue
         raise ValueError(f"unexpected line in reader output: {line!r}")
     text = "\n\n".join("\n".join(v) for v in chapters) + "\n"
-    stats = {"books": len(books), "chapters": len(chapters),
-             "verses": sum(len(c) for c in chapters)}
+    stats = {"books": len(books), "chapters": len(chapters), "verses": sum(len(c) for c in chapters)}
     return text, stats
 
 
@@ -127,8 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     if re.search(r"\d", text):
         sys.exit("make_corpus: digits left in the text (verse references not stripped?)")
     data = text.encode("ascii")
-    xz = lzma.compress(data, format=lzma.FORMAT_XZ, check=lzma.CHECK_CRC64,
-                       preset=9 | lzma.PRESET_EXTREME)
+    xz = lzma.compress(data, format=lzma.FORMAT_XZ, check=lzma.CHECK_CRC64, preset=9 | lzma.PRESET_EXTREME)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
@@ -136,12 +135,15 @@ def main(argv: list[str] | None = None) -> int:
     os.replace(tmp, out)
     sys.path.insert(0, str(REPO))
     from geomesh_p2p.data.tokenizer import tokenizer_key, train_tokenizer
+
     tok = train_tokenizer(text, 4096)
     tok_path = out.parent / f"tokenizer-{tokenizer_key(text, 4096)}.json"
     tok_path.write_text(tok.to_str(), encoding="utf-8")
     print(f"make_corpus: tokenizer -> {tok_path}")
-    print(f"make_corpus: {stats}; {len(data)} bytes plain, sha256 {hashlib.sha256(data).hexdigest()}; "
-          f"{len(xz)} bytes xz -> {out}")
+    print(
+        f"make_corpus: {stats}; {len(data)} bytes plain, sha256 {hashlib.sha256(data).hexdigest()}; "
+        f"{len(xz)} bytes xz -> {out}"
+    )
     return 0
 
 

@@ -23,11 +23,32 @@ from tests.swarm_util import FAST, RUN_ID, ProcSwarm
 class AttackSwarm(ProcSwarm):
     """A :class:`ProcSwarm` that can also start attackers."""
 
-    def attacker(self, name: str, attack: str, *args: str, bootstrap: Optional[str] = None, port: int = 0,
-                 extra: Sequence[str] = ()):
-        argv = [sys.executable, "-m", "geomesh_p2p.adversary", "join", "--attack", attack,
-                "--identity", str(self.dir / f"{name}.key"), "--port", str(port),
-                "--log-json", str(self.log_path(name)), *FAST, *args, *extra]
+    def attacker(
+        self,
+        name: str,
+        attack: str,
+        *args: str,
+        bootstrap: Optional[str] = None,
+        port: int = 0,
+        extra: Sequence[str] = (),
+    ):
+        argv = [
+            sys.executable,
+            "-m",
+            "geomesh_p2p.adversary",
+            "join",
+            "--attack",
+            attack,
+            "--identity",
+            str(self.dir / f"{name}.key"),
+            "--port",
+            str(port),
+            "--log-json",
+            str(self.log_path(name)),
+            *FAST,
+            *args,
+            *extra,
+        ]
         if bootstrap:
             argv += ["--bootstrap", bootstrap]
         return self._spawn(name, argv)
@@ -40,8 +61,9 @@ def write_identity(path: Path, identity) -> None:
     """Store ``identity`` where ``Identity.load_or_create`` reads it (raw 32 bytes, mode 0600)."""
     from cryptography.hazmat.primitives import serialization
 
-    raw = identity._private_key.private_bytes(serialization.Encoding.Raw, serialization.PrivateFormat.Raw,
-                                              serialization.NoEncryption())
+    raw = identity._private_key.private_bytes(
+        serialization.Encoding.Raw, serialization.PrivateFormat.Raw, serialization.NoEncryption()
+    )
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.exists():
         path.unlink()
@@ -50,8 +72,14 @@ def write_identity(path: Path, identity) -> None:
         f.write(raw)
 
 
-def rig_leaders(workdir: Path, honest: Sequence[str], attackers: Sequence[str], lead_rounds: int,
-                run_id: str = RUN_ID, max_tries: int = 50_000) -> int:
+def rig_leaders(
+    workdir: Path,
+    honest: Sequence[str],
+    attackers: Sequence[str],
+    lead_rounds: int,
+    run_id: str = RUN_ID,
+    max_tries: int = 50_000,
+) -> int:
     """Create identity files so that an attacker leads rounds ``0 .. lead_rounds-1`` (leader election is
     rendezvous hashing over PeerIDs, so identities decide it; with every peer in the round). Returns how
     many of those rounds an attacker leads (``lead_rounds`` unless ``max_tries`` ran out)."""
@@ -111,8 +139,12 @@ class Outcome:
     def final_ppl(self) -> float:
         """Worst honest eval perplexity after the last round (inf when no honest peer reached it)."""
         last = self.rounds - 1
-        vals = [float("inf") if x.get("eval_ppl") is None else float(x["eval_ppl"])
-                for rows in self.rows.values() for x in rows if x["round"] == last]
+        vals = [
+            float("inf") if x.get("eval_ppl") is None else float(x["eval_ppl"])
+            for rows in self.rows.values()
+            for x in rows
+            if x["round"] == last
+        ]
         return max(vals) if vals else float("inf")
 
     def digest_mismatches(self) -> list[int]:
@@ -131,9 +163,18 @@ class Outcome:
         return {n: len(rows) for n, rows in self.rows.items()}
 
 
-def run_scenario(swarm: AttackSwarm, attack: Optional[str], *, n_honest: int = 3, n_attackers: int = 1,
-                 rounds: int = 4, timeout_s: float = 240.0, lead_rounds: int = 0,
-                 extra: Sequence[str] = (), attacker_extra: Sequence[str] = ()) -> Outcome:
+def run_scenario(
+    swarm: AttackSwarm,
+    attack: Optional[str],
+    *,
+    n_honest: int = 3,
+    n_attackers: int = 1,
+    rounds: int = 4,
+    timeout_s: float = 240.0,
+    lead_rounds: int = 0,
+    extra: Sequence[str] = (),
+    attacker_extra: Sequence[str] = (),
+) -> Outcome:
     """Start the swarm in ``swarm.dir``, wait up to ``timeout_s`` for the honest peers to exit, collect.
 
     ``attack=None`` is the clean run (``n_attackers`` ignored). ``lead_rounds``: rig identities so that an
@@ -177,11 +218,23 @@ def run_scenario(swarm: AttackSwarm, attack: Optional[str], *, n_honest: int = 3
     if attack:
         from geomesh_p2p.adversary import KEY_ACTION
 
-        acted = re.search(rf"adversary\[{re.escape(attack)}\]: round \d+: {re.escape(KEY_ACTION[attack])}:", text) is not None
-    return Outcome(attack=attack, n_honest=n_honest, n_attackers=n_att, rounds=rounds, exit_codes=codes,
-                   attacker_exit_codes=att_codes, rows={n: swarm.rows(n) for n in honest},
-                   attacker_acted=acted,
-                   wall_s=time.time() - t0, attacker_log_tail=text[-3000:], notes=notes)
+        acted = (
+            re.search(rf"adversary\[{re.escape(attack)}\]: round \d+: {re.escape(KEY_ACTION[attack])}:", text)
+            is not None
+        )
+    return Outcome(
+        attack=attack,
+        n_honest=n_honest,
+        n_attackers=n_att,
+        rounds=rounds,
+        exit_codes=codes,
+        attacker_exit_codes=att_codes,
+        rows={n: swarm.rows(n) for n in honest},
+        attacker_acted=acted,
+        wall_s=time.time() - t0,
+        attacker_log_tail=text[-3000:],
+        notes=notes,
+    )
 
 
 def honest_log_tails(swarm: ProcSwarm, outcome: Outcome, n: int = 1500) -> str:

@@ -62,13 +62,33 @@ class Swarm:
             start = end
         return out
 
-    def spec(self, numel: int, *, mode: str = "reencode", round: int = 1, deadline_s: float = 1.5,
-             pull_s: float = 1.0, caps: Optional[dict] = None, owners=None, block_size: int = 2048,
-             **kw) -> CollectiveSpec:
+    def spec(
+        self,
+        numel: int,
+        *,
+        mode: str = "reencode",
+        round: int = 1,
+        deadline_s: float = 1.5,
+        pull_s: float = 1.0,
+        caps: Optional[dict] = None,
+        owners=None,
+        block_size: int = 2048,
+        **kw,
+    ) -> CollectiveSpec:
         now = time.time()
         caps = caps or {p: 10**9 for p in self.pids}
-        return CollectiveSpec(RUN, round, caps, owners or self.owners(numel, block_size), numel, now + deadline_s,
-                              now + deadline_s + pull_s, mode=mode, block_size=block_size, **kw)
+        return CollectiveSpec(
+            RUN,
+            round,
+            caps,
+            owners or self.owners(numel, block_size),
+            numel,
+            now + deadline_s,
+            now + deadline_s + pull_s,
+            mode=mode,
+            block_size=block_size,
+            **kw,
+        )
 
     async def stop_one(self, k: int) -> None:
         if k not in self._stopped:
@@ -86,8 +106,9 @@ def deltas_for(pids: Sequence[str], numel: int, seed: int = 0) -> dict[str, torc
     return {p: torch.randn(numel, generator=g) * (0.5 + k) for k, p in enumerate(pids)}
 
 
-def reference_part(spec: CollectiveSpec, j: int, deltas: dict[str, torch.Tensor], tokens: dict[str, int],
-                   contributors: Sequence[str]) -> tuple[torch.Tensor, list[tuple[str, int]]]:
+def reference_part(
+    spec: CollectiveSpec, j: int, deltas: dict[str, torch.Tensor], tokens: dict[str, int], contributors: Sequence[str]
+) -> tuple[torch.Tensor, list[tuple[str, int]]]:
     """Aggregate of part ``j`` by the documented rule, with numpy, from each sender's decoded packet.
 
     Returns (fp32 tensor [part size], [(peer, tokens used)] in the fixed order).
@@ -102,12 +123,12 @@ def reference_part(spec: CollectiveSpec, j: int, deltas: dict[str, torch.Tensor]
         acc = np.zeros(size, np.float32)
         total = sum(n for _, n in active)
         for p, n in active:
-            acc = acc + deltas[p][o.start:o.end].numpy() * np.float32(n / total)
+            acc = acc + deltas[p][o.start : o.end].numpy() * np.float32(n / total)
         out = torch.from_numpy(acc)
     else:
         acc = np.zeros(size, np.float32)
         if active:
-            packets = [compression.encode(deltas[p][o.start:o.end], B, n) for p, n in active]
+            packets = [compression.encode(deltas[p][o.start : o.end], B, n) for p, n in active]
             decoded = [compression.decode(pk).numpy() for pk in packets]
             scales = np.stack([pk.scales.numpy() for pk in packets])  # [C, blocks]
             if spec.clip_k is not None:
@@ -124,8 +145,9 @@ def reference_part(spec: CollectiveSpec, j: int, deltas: dict[str, torch.Tensor]
         if spec.aggregate_encoding == "fp32":
             pass
         else:
-            out = compression.decode_any(compression.encode_as(spec.aggregate_encoding, out, B,
-                                                               sum(n for _, n in used)))
+            out = compression.decode_any(
+                compression.encode_as(spec.aggregate_encoding, out, B, sum(n for _, n in used))
+            )
     return out, used
 
 
@@ -134,18 +156,39 @@ def reference(spec: CollectiveSpec, deltas, tokens, contributors: dict[int, Sequ
     agg = torch.zeros(spec.numel)
     for j, who in contributors.items():
         o = spec.owners[j]
-        agg[o.start:o.end] = reference_part(spec, j, deltas, tokens, who)[0]
+        agg[o.start : o.end] = reference_part(spec, j, deltas, tokens, who)[0]
     return agg
 
 
-def craft_contribution(identity: Identity, spec: CollectiveSpec, j: int, packet: bytes, tokens: int = 1, *,
-                       round: Optional[int] = None, start: Optional[int] = None, end: Optional[int] = None,
-                       spec_id: Optional[bytes] = None, encoding: str = "sign", part: Optional[int] = None) -> bytes:
+def craft_contribution(
+    identity: Identity,
+    spec: CollectiveSpec,
+    j: int,
+    packet: bytes,
+    tokens: int = 1,
+    *,
+    round: Optional[int] = None,
+    start: Optional[int] = None,
+    end: Optional[int] = None,
+    spec_id: Optional[bytes] = None,
+    encoding: str = "sign",
+    part: Optional[int] = None,
+) -> bytes:
     """A signed PartContribution (SignedMessage bytes) with any field overridden."""
     o = spec.owners[j]
     c = collective_pb2.PartContribution(
-        round=spec.round if round is None else round, part=j if part is None else part,
-        start=o.start if start is None else start, end=o.end if end is None else end, tokens=tokens,
-        spec_id=spec.spec_id if spec_id is None else spec_id, encoding=encoding, packet=packet)
-    return identity.sign_message(run_id=spec.run_id, round=spec.round if round is None else round,
-                                 kind=CONTRIBUTION_KIND, payload=c.SerializeToString()).SerializeToString()
+        round=spec.round if round is None else round,
+        part=j if part is None else part,
+        start=o.start if start is None else start,
+        end=o.end if end is None else end,
+        tokens=tokens,
+        spec_id=spec.spec_id if spec_id is None else spec_id,
+        encoding=encoding,
+        packet=packet,
+    )
+    return identity.sign_message(
+        run_id=spec.run_id,
+        round=spec.round if round is None else round,
+        kind=CONTRIBUTION_KIND,
+        payload=c.SerializeToString(),
+    ).SerializeToString()

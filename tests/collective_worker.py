@@ -58,8 +58,9 @@ async def main(argv=None) -> int:
     ap.add_argument("--client-only", action="store_true")
     ap.add_argument("--run", default="collective-test")
     ns = ap.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
-                        format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=logging.WARNING, stream=sys.stderr, format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s"
+    )
     torch.set_num_threads(1)
     ident = Identity.generate()
     transport = Transport(ident, ns.run, TransportConfig(client_only=ns.client_only))
@@ -76,10 +77,17 @@ async def main(argv=None) -> int:
         finished = time.time()
         with open(job["out"], "wb") as f:
             f.write(res.aggregate.numpy().astype("<f4").tobytes())
-        emit({"event": "done", "missing": res.missing_parts, "finished_at": finished,
-              "contributors": {str(j): c for j, c in res.contributors.items()},
-              "pushed": {str(j): ok for j, ok in res.pushed.items()},
-              "bytes_sent": res.bytes_sent, "bytes_received": res.bytes_received})
+        emit(
+            {
+                "event": "done",
+                "missing": res.missing_parts,
+                "finished_at": finished,
+                "contributors": {str(j): c for j, c in res.contributors.items()},
+                "pushed": {str(j): ok for j, ok in res.pushed.items()},
+                "bytes_sent": res.bytes_sent,
+                "bytes_received": res.bytes_received,
+            }
+        )
         while True:
             line = await read_line(loop)
             if not line or line.strip() == "exit":

@@ -101,6 +101,7 @@ def _unit_tier_opens_no_socket(request, monkeypatch):
     def refuse(what):
         def f(*a, **k):
             raise AssertionError(f"a unit test opened {what}: move it to tests/integration")
+
         return f
 
     orig_bind, orig_connect = socket.socket.bind, socket.socket.connect
@@ -117,7 +118,13 @@ def _unit_tier_opens_no_socket(request, monkeypatch):
 
     monkeypatch.setattr(socket.socket, "bind", bind)
     monkeypatch.setattr(socket.socket, "connect", connect)
-    for mod, name in ((grpc.aio, "server"), (grpc.aio, "insecure_channel"), (grpc.aio, "secure_channel"),
-                      (grpc, "server"), (grpc, "insecure_channel"), (grpc, "secure_channel")):
+    for mod, name in (
+        (grpc.aio, "server"),
+        (grpc.aio, "insecure_channel"),
+        (grpc.aio, "secure_channel"),
+        (grpc, "server"),
+        (grpc, "insecure_channel"),
+        (grpc, "secure_channel"),
+    ):
         monkeypatch.setattr(mod, name, refuse(f"a gRPC {name}"))
     yield

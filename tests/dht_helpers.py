@@ -14,11 +14,18 @@ from geomesh_p2p.transport import Transport, TransportConfig
 RUN = "dht-test-run"
 
 
-async def start_node(bootstrap: List[str] = (), *, run_id: str = RUN, client_only: bool = False,
-                     identity: Optional[Identity] = None, **kwargs) -> DHTNode:
+async def start_node(
+    bootstrap: List[str] = (),
+    *,
+    run_id: str = RUN,
+    client_only: bool = False,
+    identity: Optional[Identity] = None,
+    **kwargs,
+) -> DHTNode:
     """A DHT node on its own transport (127.0.0.1, free port), joined through ``bootstrap``."""
-    transport = Transport(identity or Identity.generate(), run_id,
-                          TransportConfig(host="127.0.0.1", port=0, client_only=client_only))
+    transport = Transport(
+        identity or Identity.generate(), run_id, TransportConfig(host="127.0.0.1", port=0, client_only=client_only)
+    )
     kwargs.setdefault("rpc_timeout_s", 2.0)
     node = DHTNode(transport, **kwargs)
     if not client_only:
@@ -49,8 +56,9 @@ async def stop_all(nodes: List[DHTNode]) -> None:
     await asyncio.gather(*(stop_node(n) for n in nodes), return_exceptions=True)
 
 
-async def wait_for(condition: Callable[[], Awaitable[bool]], timeout: float, interval: float = 0.2,
-                   what: str = "condition") -> None:
+async def wait_for(
+    condition: Callable[[], Awaitable[bool]], timeout: float, interval: float = 0.2, what: str = "condition"
+) -> None:
     """Poll ``await condition()`` every ``interval`` s until true; AssertionError after ``timeout`` s."""
     deadline = time.monotonic() + timeout
     while True:

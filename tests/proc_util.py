@@ -33,23 +33,36 @@ class Server(ServingProcess):
     'serving on' line (:class:`geomesh_p2p.procs.ServingProcess`; RuntimeError when it does not start)."""
 
     def __init__(self, argv):
-        super().__init__("server", argv, cwd=ROOT, stdin=subprocess.PIPE, timeout=START_TIMEOUT,
-                         env={**os.environ, "PYTHONUNBUFFERED": "1", "GRPC_VERBOSITY": "NONE"})
+        super().__init__(
+            "server",
+            argv,
+            cwd=ROOT,
+            stdin=subprocess.PIPE,
+            timeout=START_TIMEOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", "GRPC_VERBOSITY": "NONE"},
+        )
 
     def kib(self, field: str) -> int:
         """A ``kB`` field of the server's /proc status (VmRSS, VmHWM), in KiB."""
         return status_kib(self.p.pid, field)
 
 
-async def signed_call(address: str, identity: Identity, method: str, payload: bytes, *, run: str,
-                      timeout: float = 60.0) -> grpc.StatusCode:
+async def signed_call(
+    address: str, identity: Identity, method: str, payload: bytes, *, run: str, timeout: float = 60.0
+) -> grpc.StatusCode:
     """One signed call on its own connection (as a flood would make); returns the status code."""
     msg = identity.sign_message(run_id=run, round=0, kind=method, payload=payload)
-    opts = [("grpc.max_send_message_length", 1 << 30), ("grpc.max_receive_message_length", 1 << 30),
-            ("grpc.use_local_subchannel_pool", 1)]
+    opts = [
+        ("grpc.max_send_message_length", 1 << 30),
+        ("grpc.max_receive_message_length", 1 << 30),
+        ("grpc.use_local_subchannel_pool", 1),
+    ]
     async with grpc.aio.insecure_channel(address, options=opts) as ch:
-        mc = ch.unary_unary(method, request_serializer=envelope_pb2.SignedMessage.SerializeToString,
-                            response_deserializer=envelope_pb2.SignedMessage.FromString)
+        mc = ch.unary_unary(
+            method,
+            request_serializer=envelope_pb2.SignedMessage.SerializeToString,
+            response_deserializer=envelope_pb2.SignedMessage.FromString,
+        )
         try:
             await mc(msg, timeout=timeout)
             return grpc.StatusCode.OK

@@ -37,4 +37,3 @@ class StallingServer(StateServer):
         finally:
             if self.stalled.is_set():
                 self.closed.set()
-

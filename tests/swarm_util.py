@@ -14,8 +14,22 @@ from typing import Callable, Iterator, Optional, Sequence
 from geomesh_p2p.procs import ProcGroup, address_in_log, read_json_rows
 
 # Small and fast: tests are about the protocol, not the model.
-FAST = ["--threads", "1", "--seq-len", "32", "--window-s", "2.5", "--profile-batches", "4,8",
-        "--target-batch", "4", "--run-id", "test-swarm", "--pow-bits", "8"]
+FAST = [
+    "--threads",
+    "1",
+    "--seq-len",
+    "32",
+    "--window-s",
+    "2.5",
+    "--profile-batches",
+    "4,8",
+    "--target-batch",
+    "4",
+    "--run-id",
+    "test-swarm",
+    "--pow-bits",
+    "8",
+]
 RUN_ID = FAST[FAST.index("--run-id") + 1]  # the run FAST peers join; a bootstrap for them must serve it
 
 
@@ -49,16 +63,31 @@ class ProcSwarm(ProcGroup):
         self.dir = workdir
         self._log_start: dict[str, int] = {}  # name -> size of its .log when it was last started
 
-    def peer(self, name: str, *args: str, bootstrap: str | None = None, port: int = 0,
-             extra: list[str] | None = None) -> subprocess.Popen:
-        argv = [sys.executable, "-m", "peer.cli", "join", "--identity", str(self.dir / f"{name}.key"),
-                "--port", str(port), "--log-json", str(self.log_path(name)), *FAST, *args, *(extra or [])]
+    def peer(
+        self, name: str, *args: str, bootstrap: str | None = None, port: int = 0, extra: list[str] | None = None
+    ) -> subprocess.Popen:
+        argv = [
+            sys.executable,
+            "-m",
+            "peer.cli",
+            "join",
+            "--identity",
+            str(self.dir / f"{name}.key"),
+            "--port",
+            str(port),
+            "--log-json",
+            str(self.log_path(name)),
+            *FAST,
+            *args,
+            *(extra or []),
+        ]
         if bootstrap:
             argv += ["--bootstrap", bootstrap]
         return self._spawn(name, argv)
 
-    def start_peers(self, names: Sequence[str], *args: str,
-                    each: Optional[Callable[[int, str], Sequence[str]]] = None) -> str:
+    def start_peers(
+        self, names: Sequence[str], *args: str, each: Optional[Callable[[int, str], Sequence[str]]] = None
+    ) -> str:
         """Start ``names[0]`` on port 0, read its address back (:meth:`address`), then the others with it
         as ``--bootstrap``; every peer gets ``args`` and ``each(i, name)``. Returns that address (HOST:PORT)
         for later joiners. Raises AssertionError when the first peer does not serve."""
@@ -71,8 +100,19 @@ class ProcSwarm(ProcGroup):
         return entry
 
     def bootstrap(self, name: str, port: int = 0, run_id: str = RUN_ID) -> subprocess.Popen:
-        argv = [sys.executable, "-m", "bootstrap.cli", "--host", "127.0.0.1", "--port", str(port),
-                "--run-id", run_id, "--identity", str(self.dir / f"{name}.key")]
+        argv = [
+            sys.executable,
+            "-m",
+            "bootstrap.cli",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--run-id",
+            run_id,
+            "--identity",
+            str(self.dir / f"{name}.key"),
+        ]
         return self._spawn(name, argv)
 
     def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
@@ -89,8 +129,9 @@ class ProcSwarm(ProcGroup):
         def serving() -> bool:
             a = address_in_log(self.dir / f"{name}.log", self._log_start.get(name, 0))
             if a is None and self.procs[name].poll() is not None:
-                raise AssertionError(f"{name} exited with {self.procs[name].returncode} before serving:\n"
-                                     + self.text(name)[-3000:])
+                raise AssertionError(
+                    f"{name} exited with {self.procs[name].returncode} before serving:\n" + self.text(name)[-3000:]
+                )
             found[:] = [a] if a else []
             return a is not None
 
@@ -115,8 +156,9 @@ class ProcSwarm(ProcGroup):
                 return
             for name, p in self.procs.items():
                 if p.poll() not in (None, 0, -9):
-                    raise AssertionError(f"{name} exited with {p.returncode} while waiting for {what}:\n"
-                                         + self.text(name)[-3000:])
+                    raise AssertionError(
+                        f"{name} exited with {p.returncode} while waiting for {what}:\n" + self.text(name)[-3000:]
+                    )
             time.sleep(0.25)
         tails = "\n".join(f"--- {n}\n{self.text(n)[-1500:]}" for n in self.procs)
         raise AssertionError(f"timed out after {timeout}s waiting for {what}\n{tails}")

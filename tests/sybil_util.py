@@ -35,10 +35,21 @@ SYBIL_BATCH = 256
 SYBIL_LINK_BPS = 1e9
 
 
-async def announce_sybils(bootstrap: Sequence[str], *, n: int, run_id: str, pow_bits: int, period_s: float = 2.0,
-                          poll_s: float = 0.2, ttl_s: float = 8.0, vouch: bool = True, store_concurrency: int = 8,
-                          from_round: int = 0, stop: Optional[asyncio.Event] = None,
-                          host: str = "127.0.0.1") -> None:
+async def announce_sybils(
+    bootstrap: Sequence[str],
+    *,
+    n: int,
+    run_id: str,
+    pow_bits: int,
+    period_s: float = 2.0,
+    poll_s: float = 0.2,
+    ttl_s: float = 8.0,
+    vouch: bool = True,
+    store_concurrency: int = 8,
+    from_round: int = 0,
+    stop: Optional[asyncio.Event] = None,
+    host: str = "127.0.0.1",
+) -> None:
     """Announce ``n`` Sybil identities until ``stop`` is set (see the module doc): the honest records are
     read every ``poll_s`` seconds and the Sybils re-announced at once when the honest (round, digest)
     moves (so they are in sync when the honest peers gather), else every ``period_s`` seconds, at most
@@ -74,8 +85,9 @@ async def announce_sybils(bootstrap: Sequence[str], *, n: int, run_id: str, pow_
         while not stop.is_set():
             honest = [r for r in await live_peers(dht, run_id) if r.peer_id not in mine and r.weights_digest]
             top = max((r.round for r in honest), default=None)
-            digest = (Counter(r.weights_digest for r in honest if r.round == top).most_common(1)[0][0]
-                      if honest else None)
+            digest = (
+                Counter(r.weights_digest for r in honest if r.round == top).most_common(1)[0][0] if honest else None
+            )
             if honest and top >= from_round and ((top, digest) != last_state or time.monotonic() - last_t >= period_s):
                 last_state, last_t = (top, digest), time.monotonic()
                 template = next(r for r in honest if r.round == top and r.weights_digest == digest)
@@ -85,21 +97,38 @@ async def announce_sybils(bootstrap: Sequence[str], *, n: int, run_id: str, pow_
                 stores = []
                 for ident, nonce in zip(ids, nonces):
                     pid = str(ident.peer_id)
-                    rec = PeerRecord.model_validate({
-                        **base, "peer_id": pid, "address": address, "device": "NVIDIA H100 80GB HBM3",
-                        "memory_bytes": SYBIL_MEMORY, "max_batch": SYBIL_BATCH,
-                        "tokens_per_s": {b: min(1e10, v * SYBIL_SPEEDUP * best / max(template.best_tokens_per_s(), 1e-9))
-                                         for b, v in template.tokens_per_s.items()},
-                        "upload_bps": SYBIL_LINK_BPS, "download_bps": SYBIL_LINK_BPS, "pow_nonce": nonce,
-                        "standing": {k: c for k, c in vouches.items() if k != attest_key(pid)}, "leaving": False,
-                        "timestamp": now})
-                    stores.append(limited(dht.store(peers_key(run_id), rec.to_bytes(), now + ttl_s, subkey=pid,
-                                                    owner=ident)))
+                    rec = PeerRecord.model_validate(
+                        {
+                            **base,
+                            "peer_id": pid,
+                            "address": address,
+                            "device": "NVIDIA H100 80GB HBM3",
+                            "memory_bytes": SYBIL_MEMORY,
+                            "max_batch": SYBIL_BATCH,
+                            "tokens_per_s": {
+                                b: min(1e10, v * SYBIL_SPEEDUP * best / max(template.best_tokens_per_s(), 1e-9))
+                                for b, v in template.tokens_per_s.items()
+                            },
+                            "upload_bps": SYBIL_LINK_BPS,
+                            "download_bps": SYBIL_LINK_BPS,
+                            "pow_nonce": nonce,
+                            "standing": {k: c for k, c in vouches.items() if k != attest_key(pid)},
+                            "leaving": False,
+                            "timestamp": now,
+                        }
+                    )
+                    stores.append(
+                        limited(dht.store(peers_key(run_id), rec.to_bytes(), now + ttl_s, subkey=pid, owner=ident))
+                    )
                 ok = await asyncio.gather(*stores, return_exceptions=True)
                 if top != last_round:
                     last_round = top
-                    log.info("sybil: announced %d identities at round %d (%d stored)", n, top,
-                             sum(1 for x in ok if x is True))
+                    log.info(
+                        "sybil: announced %d identities at round %d (%d stored)",
+                        n,
+                        top,
+                        sum(1 for x in ok if x is True),
+                    )
             try:
                 await asyncio.wait_for(stop.wait(), poll_s)
             except asyncio.TimeoutError:
@@ -120,17 +149,26 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--store-concurrency", type=int, default=8, help="DHT stores in flight at once")
     ap.add_argument("--from-round", type=int, default=0, help="announce nothing before the honest peers reach it")
     ns = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname).1s %(name)s: %(message)s",
-                        datefmt="%H:%M:%S")
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname).1s %(name)s: %(message)s", datefmt="%H:%M:%S"
+    )
 
     async def run() -> None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for s in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(s, stop.set)
-        await announce_sybils(ns.bootstrap, n=ns.n, run_id=ns.run_id, pow_bits=ns.pow_bits, period_s=ns.period_s,
-                              vouch=not ns.no_vouch, store_concurrency=ns.store_concurrency,
-                              from_round=ns.from_round, stop=stop)
+        await announce_sybils(
+            ns.bootstrap,
+            n=ns.n,
+            run_id=ns.run_id,
+            pow_bits=ns.pow_bits,
+            period_s=ns.period_s,
+            vouch=not ns.no_vouch,
+            store_concurrency=ns.store_concurrency,
+            from_round=ns.from_round,
+            stop=stop,
+        )
 
     asyncio.run(run())
     return 0

@@ -7,8 +7,9 @@ import time
 from typing import Callable
 
 
-async def until(condition: Callable[[], bool], timeout: float = 10.0, what: str = "condition",
-                interval: float = 0.01) -> None:
+async def until(
+    condition: Callable[[], bool], timeout: float = 10.0, what: str = "condition", interval: float = 0.01
+) -> None:
     """Return once ``condition()`` (synchronous, cheap) is true, checked every ``interval`` seconds;
     AssertionError naming ``what`` after ``timeout`` seconds. Only for an internal state with no
     event to wait on (a counter of held requests, of open calls): where one exists, wait on it."""

@@ -63,10 +63,26 @@ from geomesh_p2p.collective.spec import (
 )
 
 __all__ = [
-    "CollectiveService", "CollectiveSpec", "PartOwner", "AllReduceResult", "OwnerService", "Contribution",
-    "make_partition", "max_part_elements", "split_owners", "token_weighted_mean", "PIPELINE_PART_BYTES",
-    "CONTRIBUTION_KIND", "RESULT_KIND", "MODES", "PUSH_ENCODINGS", "AGGREGATE_ENCODINGS",
-    "fp32_to_bytes", "fp32_view", "encode_aggregate", "decode_aggregate",
+    "CollectiveService",
+    "CollectiveSpec",
+    "PartOwner",
+    "AllReduceResult",
+    "OwnerService",
+    "Contribution",
+    "make_partition",
+    "max_part_elements",
+    "split_owners",
+    "token_weighted_mean",
+    "PIPELINE_PART_BYTES",
+    "CONTRIBUTION_KIND",
+    "RESULT_KIND",
+    "MODES",
+    "PUSH_ENCODINGS",
+    "AGGREGATE_ENCODINGS",
+    "fp32_to_bytes",
+    "fp32_view",
+    "encode_aggregate",
+    "decode_aggregate",
 ]
 
 # Names of the single-module version, kept importable for older code and tests.

@@ -24,8 +24,17 @@ from geomesh_p2p import compression
 from geomesh_p2p.compression._format import all_finite
 from geomesh_p2p.aggregation import RULES, aggregate_part, token_weighted_mean
 
-__all__ = ["RULES", "aggregate_part", "token_weighted_mean", "fp32_to_bytes", "fp32_buffer", "fp32_view",
-           "encode_aggregate", "aggregate_buffer", "decode_aggregate"]
+__all__ = [
+    "RULES",
+    "aggregate_part",
+    "token_weighted_mean",
+    "fp32_to_bytes",
+    "fp32_buffer",
+    "fp32_view",
+    "encode_aggregate",
+    "aggregate_buffer",
+    "decode_aggregate",
+]
 
 _LITTLE = sys.byteorder == "little"
 
@@ -78,7 +87,9 @@ def encode_aggregate(kind: str, v: torch.Tensor, block_size: int, tokens: int) -
     return compression.encode_as(kind, v, block_size=block_size, tokens=tokens).to_bytes()
 
 
-def decode_aggregate(kind: str, data: Union[bytes, memoryview], numel: int, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+def decode_aggregate(
+    kind: str, data: Union[bytes, memoryview], numel: int, out: Optional[torch.Tensor] = None
+) -> torch.Tensor:
     """Owner's encoded mean -> fp32 [numel], written into ``out`` (contiguous fp32 [numel]) if given.
 
     Raises compression.CodecError on a wrong kind, length or non-finite values (``out`` may then
@@ -89,7 +100,9 @@ def decode_aggregate(kind: str, data: Union[bytes, memoryview], numel: int, out:
         return view.clone() if out is None else out.copy_(view)
     packet = compression.packet_from_bytes(bytes(data))  # a codec packet is small: copy a view
     if compression.packet_kind(packet) != kind:
-        raise compression.CodecError(f"aggregate is a {compression.packet_kind(packet)} packet, the round asks for {kind}")
+        raise compression.CodecError(
+            f"aggregate is a {compression.packet_kind(packet)} packet, the round asks for {kind}"
+        )
     if packet.numel != numel:
         raise compression.CodecError(f"aggregate has {packet.numel} elements, the part has {numel}")
     res = compression.decode_any(packet, out=out)

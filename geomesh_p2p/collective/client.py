@@ -40,8 +40,7 @@ Code = grpc.StatusCode
 # verification (a large message on a slow or congested link): re-signing and resending can succeed.
 # RESOURCE_EXHAUSTED: the owner's transport is busy (per-caller / per-class call caps): try again.
 _RETRY_PUSH = {Code.UNAVAILABLE, Code.OUT_OF_RANGE, Code.RESOURCE_EXHAUSTED}
-_RETRY_PULL = {Code.UNAVAILABLE, Code.DEADLINE_EXCEEDED, Code.CANCELLED, Code.UNKNOWN, Code.INTERNAL,
-               Code.OUT_OF_RANGE}
+_RETRY_PULL = {Code.UNAVAILABLE, Code.DEADLINE_EXCEEDED, Code.CANCELLED, Code.UNKNOWN, Code.INTERNAL, Code.OUT_OF_RANGE}
 
 
 def _held(stated: float, call_s: float) -> float:
@@ -96,7 +95,6 @@ class AllReduceResult:
         return sum(n for _, n in self.contributors.get(part, []))
 
 
-
 class CollectiveService(OwnerService):
     """One per node: serves ``PushPart`` / ``PullPart`` for the parts it owns (:class:`.owner.OwnerService`,
     whose docstring gives the refusals and the per-round state) and runs all-reduces (:meth:`all_reduce`).
@@ -105,8 +103,9 @@ class CollectiveService(OwnerService):
     """
 
     # ----------------------------------------------------------------------------- peer side
-    async def all_reduce(self, spec: CollectiveSpec, delta: torch.Tensor, tokens: int,
-                         compute_end: Optional[float] = None) -> AllReduceResult:
+    async def all_reduce(
+        self, spec: CollectiveSpec, delta: torch.Tensor, tokens: int, compute_end: Optional[float] = None
+    ) -> AllReduceResult:
         """Contribute ``delta`` (trained on ``tokens`` tokens) and return the round's aggregate.
 
         Args:
@@ -182,14 +181,29 @@ class CollectiveService(OwnerService):
             for sender, packet in out[3].items():
                 packets.setdefault(sender, {})[j] = packet
         if missing:
-            log.warning("round %d: parts %s have no result (owner gone or refused): zero update for %s", spec.round,
-                        missing, ", ".join(f"[{spec.owners[j].start}, {spec.owners[j].end})" for j in missing))
+            log.warning(
+                "round %d: parts %s have no result (owner gone or refused): zero update for %s",
+                spec.round,
+                missing,
+                ", ".join(f"[{spec.owners[j].start}, {spec.owners[j].end})" for j in missing),
+            )
         s_after = self._collective_bytes()
         up = link_sample((n, a, b) for d, n, a, b in state.transfers if d == "up")
         down = link_sample((n, a, b) for d, n, a, b in state.transfers if d == "down")
-        return AllReduceResult(aggregate, contributors, missing, pushed, s_after[0] - s_before[0],
-                               s_after[1] - s_before[1], time.time() - t0, last_compute_end, up, down, packets,
-                               [(o.start, o.end) for o in spec.owners])
+        return AllReduceResult(
+            aggregate,
+            contributors,
+            missing,
+            pushed,
+            s_after[0] - s_before[0],
+            s_after[1] - s_before[1],
+            time.time() - t0,
+            last_compute_end,
+            up,
+            down,
+            packets,
+            [(o.start, o.end) for o in spec.owners],
+        )
 
     def _read_slot(self) -> asyncio.Semaphore:
         """The semaphore that serialises this node's part reads (created on first use, in the loop)."""
@@ -203,20 +217,24 @@ class CollectiveService(OwnerService):
         a, b = by.get(COLLECTIVE_PUSH, (0, 0)), by.get(COLLECTIVE_PULL, (0, 0))
         return a[0] + b[0], a[1] + b[1]
 
-    def _contribution_bytes(self, spec: CollectiveSpec, j: int, delta: torch.Tensor, tokens: int,
-                            compute_end: float = 0.0) -> bytes:
+    def _contribution_bytes(
+        self, spec: CollectiveSpec, j: int, delta: torch.Tensor, tokens: int, compute_end: float = 0.0
+    ) -> bytes:
         """Part ``j`` of ``delta``, encoded and signed (:func:`.messages.contribution_bytes`). Worker thread."""
         return messages.contribution_bytes(self.transport.identity, spec, j, delta, tokens, compute_end)
 
-    def _push_payload(self, spec: CollectiveSpec, j: int, delta: torch.Tensor, tokens: int,
-                      compute_end: float) -> bytes:
+    def _push_payload(
+        self, spec: CollectiveSpec, j: int, delta: torch.Tensor, tokens: int, compute_end: float
+    ) -> bytes:
         """The PushPartRequest bytes of part ``j`` (the signed contribution is not kept apart). Worker thread."""
         # Joined once: the fp32 packet is copied from ``delta`` straight into the request bytes.
-        return messages.push_request_bytes(messages.contribution_parts(self.transport.identity, spec, j, delta,
-                                                                       tokens, compute_end))
+        return messages.push_request_bytes(
+            messages.contribution_parts(self.transport.identity, spec, j, delta, tokens, compute_end)
+        )
 
-    async def _deliver(self, state: _RoundState, j: int, delta: torch.Tensor, tokens: int,
-                       uploads: Optional[asyncio.Semaphore] = None) -> bool:
+    async def _deliver(
+        self, state: _RoundState, j: int, delta: torch.Tensor, tokens: int, uploads: Optional[asyncio.Semaphore] = None
+    ) -> bool:
         """Encode, sign and push part ``j`` to its owner, retrying UNAVAILABLE / OUT_OF_RANGE until
         the deadline. ``uploads`` bounds the pushes in flight (the local part does not count)."""
         spec = state.spec
@@ -237,8 +255,13 @@ class CollectiveService(OwnerService):
                 # that signature cost a join and two SHA-256 passes over the part for nothing. It is a view
                 # of ``delta`` (finite, checked above; the caller leaves it unchanged until we return).
                 end = state.compute_end if math.isfinite(state.compute_end) else 0.0
-                self._accept(state, part, messages.Contribution(self.peer_id, tokens, delta[owner.start:owner.end],
-                                                                b"", min(end, swarm_time())))
+                self._accept(
+                    state,
+                    part,
+                    messages.Contribution(
+                        self.peer_id, tokens, delta[owner.start : owner.end], b"", min(end, swarm_time())
+                    ),
+                )
                 return True
             signed = await asyncio.to_thread(self._contribution_bytes, spec, j, delta, tokens, state.compute_end)
             try:
@@ -253,40 +276,55 @@ class CollectiveService(OwnerService):
         while True:
             remaining = spec.deadline - swarm_time()
             if remaining <= 0:
-                log.warning("round %d: part %d not delivered to %s before the deadline", spec.round, j,
-                            _short(owner.peer_id))
+                log.warning(
+                    "round %d: part %d not delivered to %s before the deadline", spec.round, j, _short(owner.peer_id)
+                )
                 return False
             try:
                 t_call = time.monotonic()
-                reply = await self.transport.call(owner.address, COLLECTIVE_PUSH, payload, round=spec.round,
-                                                  timeout=remaining + self.push_grace_s)
+                reply = await self.transport.call(
+                    owner.address, COLLECTIVE_PUSH, payload, round=spec.round, timeout=remaining + self.push_grace_s
+                )
                 t_reply = time.monotonic()
             except RpcError as e:
                 if e.code in _RETRY_PUSH and spec.deadline - swarm_time() > 0:
                     await asyncio.sleep(min(delay, max(0.0, spec.deadline - swarm_time())))
                     delay = min(2 * delay, 0.5)
                     continue
-                self._log_once((spec.round, owner.peer_id, "push-failed", j), logging.WARNING,
-                               "round %d: push of part %d to %s failed: %s: %s", spec.round, j,
-                               _short(owner.peer_id), e.code.name, e.reason)
+                self._log_once(
+                    (spec.round, owner.peer_id, "push-failed", j),
+                    logging.WARNING,
+                    "round %d: push of part %d to %s failed: %s: %s",
+                    spec.round,
+                    j,
+                    _short(owner.peer_id),
+                    e.code.name,
+                    e.reason,
+                )
                 return False
             if reply.sender.to_string() != owner.peer_id:
-                log.warning("round %d: part %d: %s answered instead of owner %s", spec.round, j,
-                            reply.sender.short(), _short(owner.peer_id))
+                log.warning(
+                    "round %d: part %d: %s answered instead of owner %s",
+                    spec.round,
+                    j,
+                    reply.sender.short(),
+                    _short(owner.peer_id),
+                )
                 return False
             resp = collective_pb2.PushPartResponse.FromString(reply.payload)
             # The bytes were on the wire before the owner's handler ran: its hold ends the interval early.
             state.transfers.append(("up", len(payload), t_call, t_reply - _held(resp.held_s, t_reply - t_call)))
             return resp.accepted
 
-    async def _obtain(self, state: _RoundState, j: int
-                      ) -> Optional[tuple[torch.Tensor, list[tuple[str, int]], float, dict[str, Any]]]:
+    async def _obtain(
+        self, state: _RoundState, j: int
+    ) -> Optional[tuple[torch.Tensor, list[tuple[str, int]], float, dict[str, Any]]]:
         """Result of part ``j`` as (fp32 [size], contributors, last compute end, relayed packets by sender),
         or None if none by the pull deadline. The values are written into the part's slice of
         ``state.aggregate`` (when set: the round's one fp32 buffer); a refused result leaves it zeros."""
         spec = state.spec
         owner = spec.owners[j]
-        out = None if state.aggregate is None else state.aggregate[owner.start:owner.end]
+        out = None if state.aggregate is None else state.aggregate[owner.start : owner.end]
         signed: Optional[wire.Buffer]
         if owner.peer_id == self.peer_id:
             part = state.parts[j]
@@ -312,8 +350,14 @@ class CollectiveService(OwnerService):
                 res = await asyncio.to_thread(self._read_result, spec, j, signed, out)
         except EnvelopeError as err:
             # A hostile or broken owner, not a fault of this node: every reader refuses the same bytes.
-            log.warning("round %d: result of part %d from %s refused: %s: %s", spec.round, j, _short(owner.peer_id),
-                        err.code.name, err.reason)
+            log.warning(
+                "round %d: result of part %d from %s refused: %s: %s",
+                spec.round,
+                j,
+                _short(owner.peer_id),
+                err.code.name,
+                err.reason,
+            )
             if out is not None:
                 out.zero_()  # a refused result may have been decoded in part: the part is a zero update
             return None
@@ -323,30 +367,40 @@ class CollectiveService(OwnerService):
 
     async def _pull(self, spec: CollectiveSpec, j: int) -> Optional[wire.Buffer]:
         owner = spec.owners[j]
-        helpers = [o.address for o in {o.peer_id: o for o in spec.owners}.values()
-                   if o.peer_id not in (owner.peer_id, self.peer_id)]
+        helpers = [
+            o.address
+            for o in {o.peer_id: o for o in spec.owners}.values()
+            if o.peer_id not in (owner.peer_id, self.peer_id)
+        ]
         delay, last_err = 0.05, "no answer"
         gone = False  # no connection to the owner even after the transport's redial: its process is gone
         while True:
             remaining = spec.pull_deadline - swarm_time()
             if remaining <= 0:
-                log.warning("round %d: part %d: no result from owner %s by the pull deadline (%s)", spec.round, j,
-                            _short(owner.peer_id), last_err)
+                log.warning(
+                    "round %d: part %d: no result from owner %s by the pull deadline (%s)",
+                    spec.round,
+                    j,
+                    _short(owner.peer_id),
+                    last_err,
+                )
                 return None
             wait_s = max(0.0, min(self.long_poll_s, remaining - 0.25))
             req = collective_pb2.PullPartRequest(round=spec.round, part=j, wait_s=wait_s, spec_id=spec.spec_id)
             try:
                 t_call = time.monotonic()
-                reply = await self.transport.call(owner.address, COLLECTIVE_PULL, req.SerializeToString(),
-                                                  round=spec.round, timeout=remaining)
+                reply = await self.transport.call(
+                    owner.address, COLLECTIVE_PULL, req.SerializeToString(), round=spec.round, timeout=remaining
+                )
                 t_reply = time.monotonic()
                 resp = await _parse_pull(reply.payload)
                 if resp.ready:
                     # The long poll comes first, the result's bytes after it: the hold starts the interval late.
                     state = self._rounds.get(spec.round)
                     if state is not None:
-                        state.transfers.append(("down", len(reply.payload),
-                                                t_call + _held(resp.held_s, t_reply - t_call), t_reply))
+                        state.transfers.append(
+                            ("down", len(reply.payload), t_call + _held(resp.held_s, t_reply - t_call), t_reply)
+                        )
                     return resp.signed_result
                 if wait_s < 0.05:
                     await asyncio.sleep(min(0.05, max(0.0, spec.pull_deadline - swarm_time())))
@@ -355,8 +409,9 @@ class CollectiveService(OwnerService):
                 last_err = f"{e.code.name}: {e.reason}"
                 gone = gone or e.unreachable
                 if e.code not in _RETRY_PULL:
-                    log.warning("round %d: part %d refused by owner %s: %s", spec.round, j, _short(owner.peer_id),
-                                last_err)
+                    log.warning(
+                        "round %d: part %d refused by owner %s: %s", spec.round, j, _short(owner.peer_id), last_err
+                    )
                     return None
             except DecodeError:
                 last_err = "malformed reply"
@@ -367,26 +422,37 @@ class CollectiveService(OwnerService):
                     break
                 req = collective_pb2.PullPartRequest(round=spec.round, part=j, wait_s=0.0, spec_id=spec.spec_id)
                 try:
-                    reply = await self.transport.call(h, COLLECTIVE_PULL, req.SerializeToString(), round=spec.round,
-                                                      timeout=min(1.0, left))
+                    reply = await self.transport.call(
+                        h, COLLECTIVE_PULL, req.SerializeToString(), round=spec.round, timeout=min(1.0, left)
+                    )
                     resp = await _parse_pull(reply.payload)
                     if resp.ready:
-                        log.info("round %d: part %d obtained from %s (owner unreachable)", spec.round, j,
-                                 reply.sender.short())
+                        log.info(
+                            "round %d: part %d obtained from %s (owner unreachable)",
+                            spec.round,
+                            j,
+                            reply.sender.short(),
+                        )
                         return resp.signed_result
                 except (RpcError, DecodeError):
                     pass
             if gone:
                 # Waiting for the pull deadline would stretch every puller's round to it (15.8 s instead
                 # of ~3.5 s with a killed owner); nobody else had its result just now: the part is missing.
-                log.warning("round %d: part %d: owner %s is unreachable (%s); giving up on the part", spec.round, j,
-                            _short(owner.peer_id), last_err)
+                log.warning(
+                    "round %d: part %d: owner %s is unreachable (%s); giving up on the part",
+                    spec.round,
+                    j,
+                    _short(owner.peer_id),
+                    last_err,
+                )
                 return None
             await asyncio.sleep(min(delay, max(0.0, spec.pull_deadline - swarm_time())))
             delay = min(2 * delay, 0.5)
 
-    def _read_result(self, spec: CollectiveSpec, j: int, signed: wire.Buffer, out: Optional[torch.Tensor] = None
-                     ) -> tuple[torch.Tensor, list[tuple[str, int]], float, dict[str, Any]]:
+    def _read_result(
+        self, spec: CollectiveSpec, j: int, signed: wire.Buffer, out: Optional[torch.Tensor] = None
+    ) -> tuple[torch.Tensor, list[tuple[str, int]], float, dict[str, Any]]:
         """Verify the owner-signed PartResult of part ``j`` and turn it into (fp32 [size] -- ``out`` if
         given --, contributors, last compute end, relayed sign packets): :func:`.messages.read_result`.
         Synchronous: a worker thread. Raises EnvelopeError for a result every reader refuses.
@@ -398,9 +464,15 @@ class CollectiveService(OwnerService):
         o = spec.owners[j]
 
         def bad(reason: str) -> None:
-            self._log_once((spec.round, o.peer_id, "relay-bad", j), logging.WARNING,
-                           "round %d: part %d: owner %s relayed an invalid contribution, dropped: %s",
-                           spec.round, j, _short(o.peer_id), reason)
+            self._log_once(
+                (spec.round, o.peer_id, "relay-bad", j),
+                logging.WARNING,
+                "round %d: part %d: owner %s relayed an invalid contribution, dropped: %s",
+                spec.round,
+                j,
+                _short(o.peer_id),
+                reason,
+            )
 
         return messages.read_result(self._inner, spec, j, signed, out=out, on_bad_relay=bad)
 

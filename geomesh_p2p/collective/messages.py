@@ -29,9 +29,18 @@ from geomesh_p2p.collective.spec import CollectiveSpec, PartOwner, _pid_bytes, _
 from geomesh_p2p.identity import EnvelopeError, Identity, PeerID, Verifier
 from geomesh_p2p.wire import collective_pb2, envelope_pb2
 
-__all__ = ["CONTRIBUTION_KIND", "RESULT_KIND", "Contribution", "contribution_parts", "contribution_bytes",
-           "push_request_bytes", "push_request_contribution",
-           "check_contribution", "build_result", "read_result"]
+__all__ = [
+    "CONTRIBUTION_KIND",
+    "RESULT_KIND",
+    "Contribution",
+    "contribution_parts",
+    "contribution_bytes",
+    "push_request_bytes",
+    "push_request_contribution",
+    "check_contribution",
+    "build_result",
+    "read_result",
+]
 
 log = logging.getLogger(__name__)
 
@@ -61,28 +70,42 @@ class Contribution:
     compute_end: float = 0.0  # unix seconds the sender says its inner steps ended
 
 
-def contribution_parts(identity: Identity, spec: CollectiveSpec, j: int, delta: torch.Tensor, tokens: int,
-                       compute_end: float = 0.0) -> list[wire.Buffer]:
+def contribution_parts(
+    identity: Identity, spec: CollectiveSpec, j: int, delta: torch.Tensor, tokens: int, compute_end: float = 0.0
+) -> list[wire.Buffer]:
     """Part ``j`` of ``delta`` (fp32 [numel], CPU, contiguous) encoded as ``spec.push_encoding`` and
     signed: the SignedMessage of a PartContribution as a list of buffers (:func:`.wire.signed_parts`).
     An fp32 part is not copied: its buffer is a view of ``delta`` (which must not change until the
     list is joined). Raises compression.CodecError on NaN / Inf (sign encoding)."""
     o = spec.owners[j]
-    v = delta[o.start:o.end]
+    v = delta[o.start : o.end]
     packet: wire.Buffer
     if spec.push_encoding == "fp32":
         packet = fp32_buffer(v)
     else:
         packet = compression.encode(v, block_size=spec.block_size, tokens=tokens).to_bytes()
-    head = collective_pb2.PartContribution(round=spec.round, part=j, start=o.start, end=o.end, tokens=tokens,
-                                           spec_id=spec.spec_id, encoding=spec.push_encoding,
-                                           compute_end=compute_end).SerializeToString()
-    return wire.signed_parts(identity, run_id=spec.run_id, round=spec.round, kind=CONTRIBUTION_KIND,
-                             payload=[head, *wire.bytes_field(8, [packet])])
+    head = collective_pb2.PartContribution(
+        round=spec.round,
+        part=j,
+        start=o.start,
+        end=o.end,
+        tokens=tokens,
+        spec_id=spec.spec_id,
+        encoding=spec.push_encoding,
+        compute_end=compute_end,
+    ).SerializeToString()
+    return wire.signed_parts(
+        identity,
+        run_id=spec.run_id,
+        round=spec.round,
+        kind=CONTRIBUTION_KIND,
+        payload=[head, *wire.bytes_field(8, [packet])],
+    )
 
 
-def contribution_bytes(identity: Identity, spec: CollectiveSpec, j: int, delta: torch.Tensor, tokens: int,
-                       compute_end: float = 0.0) -> bytes:
+def contribution_bytes(
+    identity: Identity, spec: CollectiveSpec, j: int, delta: torch.Tensor, tokens: int, compute_end: float = 0.0
+) -> bytes:
     """:func:`contribution_parts` joined: the SignedMessage bytes of a PartContribution (one copy of
     the packet). Raises compression.CodecError on NaN / Inf."""
     return b"".join(contribution_parts(identity, spec, j, delta, tokens, compute_end))
@@ -112,8 +135,9 @@ def _contribution_fields(payload: wire.Buffer) -> tuple[Any, memoryview]:
     return collective_pb2.PartContribution.FromString(wire.small_fields(payload, spans, (8,))), packet
 
 
-def check_contribution(verifier: Verifier, spec: CollectiveSpec, part: Optional[int], signed: wire.Buffer,
-                       caller: Optional[str]) -> tuple[int, Contribution]:
+def check_contribution(
+    verifier: Verifier, spec: CollectiveSpec, part: Optional[int], signed: wire.Buffer, caller: Optional[str]
+) -> tuple[int, Contribution]:
     """Verify a sender-signed contribution; returns ``(part index, Contribution)``.
 
     ``part``: the part it must be for (a relay reader, the own part), or None: the part it names
@@ -128,8 +152,10 @@ def check_contribution(verifier: Verifier, spec: CollectiveSpec, part: Optional[
     try:
         msg = wire.SignedView(signed)  # the payload stays a view of ``signed``: no copy
     except wire.WireError:
-        raise EnvelopeError(Code.INVALID_ARGUMENT, "contribution is malformed" if part is None
-                            else "contribution is not a SignedMessage") from None
+        raise EnvelopeError(
+            Code.INVALID_ARGUMENT,
+            "contribution is malformed" if part is None else "contribution is not a SignedMessage",
+        ) from None
     c = packet_view = None
     if part is None:
         try:
@@ -140,12 +166,14 @@ def check_contribution(verifier: Verifier, spec: CollectiveSpec, part: Optional[
         if part >= len(spec.owners):
             raise EnvelopeError(Code.INVALID_ARGUMENT, f"part {part} does not exist in round {spec.round}")
     # A SignedView offers what verify reads (HasField, envelope, payload); v.payload is then a view too.
-    v = verifier.verify(cast(envelope_pb2.SignedMessage, msg), kind=CONTRIBUTION_KIND,
-                        check_replay=False)  # hashes the payload view once
+    v = verifier.verify(
+        cast(envelope_pb2.SignedMessage, msg), kind=CONTRIBUTION_KIND, check_replay=False
+    )  # hashes the payload view once
     sender = v.sender.to_string()
     if caller is not None and sender != caller:
-        raise EnvelopeError(Code.PERMISSION_DENIED,
-                            f"contribution signed by {_short(sender)} but pushed by {_short(caller)}")
+        raise EnvelopeError(
+            Code.PERMISSION_DENIED, f"contribution signed by {_short(sender)} but pushed by {_short(caller)}"
+        )
     if c is None:
         try:
             c, packet_view = _contribution_fields(v.payload)
@@ -155,20 +183,23 @@ def check_contribution(verifier: Verifier, spec: CollectiveSpec, part: Optional[
         raise RuntimeError("contribution packet not parsed")
     # (peek: c was parsed from the very payload the verifier hashed, so it is the signed content)
     if c.round != v.round or c.round != spec.round:
-        raise EnvelopeError(Code.INVALID_ARGUMENT,
-                            f"contribution is for round {c.round} (envelope {v.round}), expected {spec.round}")
+        raise EnvelopeError(
+            Code.INVALID_ARGUMENT, f"contribution is for round {c.round} (envelope {v.round}), expected {spec.round}"
+        )
     del v, msg
     if c.spec_id != spec.spec_id:
         raise EnvelopeError(Code.FAILED_PRECONDITION, f"contribution was made for another spec of round {spec.round}")
     if sender not in spec.participants:
-        raise EnvelopeError(Code.PERMISSION_DENIED,
-                            f"sender {_short(sender)} is not a participant of round {spec.round}")
+        raise EnvelopeError(
+            Code.PERMISSION_DENIED, f"sender {_short(sender)} is not a participant of round {spec.round}"
+        )
     if c.part != part:
         raise EnvelopeError(Code.INVALID_ARGUMENT, f"contribution is for part {c.part}, expected {part}")
     o = spec.owners[part]
     if (c.start, c.end) != (o.start, o.end):
-        raise EnvelopeError(Code.INVALID_ARGUMENT,
-                            f"wrong range [{c.start}, {c.end}) for part {part}, expected [{o.start}, {o.end})")
+        raise EnvelopeError(
+            Code.INVALID_ARGUMENT, f"wrong range [{c.start}, {c.end}) for part {part}, expected [{o.start}, {o.end})"
+        )
     if c.encoding != spec.push_encoding:
         raise EnvelopeError(Code.INVALID_ARGUMENT, f"encoding {c.encoding!r}, the round uses {spec.push_encoding!r}")
     packet: Any
@@ -187,12 +218,23 @@ def check_contribution(verifier: Verifier, spec: CollectiveSpec, part: Optional[
     except compression.CodecError as e:
         raise EnvelopeError(Code.INVALID_ARGUMENT, f"bad packet: {e}") from None
     # A claimed compute end in the future is clamped: it only feeds idle accounting.
-    return part, Contribution(sender, int(c.tokens), packet, signed, min(float(c.compute_end), swarm_time())
-                              if math.isfinite(c.compute_end) else 0.0)
+    return part, Contribution(
+        sender,
+        int(c.tokens),
+        packet,
+        signed,
+        min(float(c.compute_end), swarm_time()) if math.isfinite(c.compute_end) else 0.0,
+    )
 
 
-def build_result(identity: Identity, spec: CollectiveSpec, index: int, owner: PartOwner, closed_by: str,
-                 contributions: list[Contribution]) -> bytes:
+def build_result(
+    identity: Identity,
+    spec: CollectiveSpec,
+    index: int,
+    owner: PartOwner,
+    closed_by: str,
+    contributions: list[Contribution],
+) -> bytes:
     """The owner-signed PartResult (SignedMessage bytes) of part ``index`` from ``contributions``
     (sorted by raw PeerID): relay forwards them; reencode aggregates them (``spec.aggregate``) and
     encodes the mean as ``spec.aggregate_encoding``; contributions the agreement filter dropped
@@ -205,21 +247,28 @@ def build_result(identity: Identity, spec: CollectiveSpec, index: int, owner: Pa
         mean = spec.aggregate([(n, c.packet) for n, c in zip(used, contributions)], owner.size, dropped)
         listed = [i for i in listed if i not in set(dropped)]  # the filter's drops delivered nothing here
         # fp32: a view of ``mean`` (kept alive by the view), copied once when the result is joined
-        aggregate = wire.bytes_field(10, [aggregate_buffer(spec.aggregate_encoding, mean, spec.block_size,
-                                                           sum(used))])
+        aggregate = wire.bytes_field(10, [aggregate_buffer(spec.aggregate_encoding, mean, spec.block_size, sum(used))])
         del mean
     head = collective_pb2.PartResult(
-        round=spec.round, part=index, start=owner.start, end=owner.end, spec_id=spec.spec_id, mode=spec.mode,
-        contributors=[_pid_bytes(contributions[i].sender) for i in listed], tokens=[used[i] for i in listed],
+        round=spec.round,
+        part=index,
+        start=owner.start,
+        end=owner.end,
+        spec_id=spec.spec_id,
+        mode=spec.mode,
+        contributors=[_pid_bytes(contributions[i].sender) for i in listed],
+        tokens=[used[i] for i in listed],
         aggregate_encoding=spec.aggregate_encoding if spec.mode == "reencode" else "",
         closed_by=closed_by or "",
-        last_compute_end=max((c.compute_end for c in contributions), default=0.0)).SerializeToString()
+        last_compute_end=max((c.compute_end for c in contributions), default=0.0),
+    ).SerializeToString()
     payload: list[wire.Buffer] = [head, *aggregate]
     if spec.mode == "relay":
         for c in contributions:
             payload.extend(wire.bytes_field(9, wire.bytes_field(1, [c.signed])))
-    return b"".join(wire.signed_parts(identity, run_id=spec.run_id, round=spec.round, kind=RESULT_KIND,
-                                      payload=payload))
+    return b"".join(
+        wire.signed_parts(identity, run_id=spec.run_id, round=spec.round, kind=RESULT_KIND, payload=payload)
+    )
 
 
 def _result_fields(payload: wire.Buffer) -> tuple[Any, memoryview, list[memoryview]]:
@@ -252,9 +301,14 @@ def _votes(c: Contribution, tokens_used: int) -> bool:
     return True
 
 
-def read_result(verifier: Verifier, spec: CollectiveSpec, j: int, signed: wire.Buffer, out: Optional[torch.Tensor] = None,
-                on_bad_relay: Optional[Callable[[str], None]] = None,
-                ) -> tuple[torch.Tensor, list[tuple[str, int]], float, dict[str, Any]]:
+def read_result(
+    verifier: Verifier,
+    spec: CollectiveSpec,
+    j: int,
+    signed: wire.Buffer,
+    out: Optional[torch.Tensor] = None,
+    on_bad_relay: Optional[Callable[[str], None]] = None,
+) -> tuple[torch.Tensor, list[tuple[str, int]], float, dict[str, Any]]:
     """Verify the owner-signed PartResult of part ``j``; returns (fp32 [part size] -- ``out`` when
     given, e.g. the part's slice of the round's aggregate --, contributors ``[(peer, tokens used)]``,
     last compute end (unix s), relayed sign packets by sender).
@@ -295,7 +349,13 @@ def read_result(verifier: Verifier, spec: CollectiveSpec, j: int, signed: wire.B
         raise EnvelopeError(Code.INVALID_ARGUMENT, "part result payload is malformed") from None
     del v, msg
     if (res.round, res.part, res.start, res.end, res.spec_id, res.mode) != (
-            spec.round, j, o.start, o.end, spec.spec_id, spec.mode):
+        spec.round,
+        j,
+        o.start,
+        o.end,
+        spec.spec_id,
+        spec.mode,
+    ):
         raise EnvelopeError(Code.INVALID_ARGUMENT, "part result does not match the round's spec")
     if max(len(res.contributors), len(relayed)) > len(spec.participants):
         raise EnvelopeError(Code.INVALID_ARGUMENT, "part result lists more contributors than participants")
@@ -307,11 +367,17 @@ def read_result(verifier: Verifier, spec: CollectiveSpec, j: int, signed: wire.B
         except compression.CodecError as e:
             raise EnvelopeError(Code.INVALID_ARGUMENT, f"bad aggregate: {e}") from None
         if not spec.quorum_met(PeerID(bytes(p)).to_string() for p in res.contributors):
-            raise EnvelopeError(Code.FAILED_PRECONDITION,
-                                f"part result aggregates {len(res.contributors)} contribution(s), the quorum is "
-                                f"{spec.quorum_count()} of {len(spec.established())} established participant(s)")
-        return (agg, [(PeerID(bytes(p)).to_string(), int(n)) for p, n in zip(res.contributors, res.tokens)],
-                float(res.last_compute_end) if math.isfinite(res.last_compute_end) else 0.0, {})
+            raise EnvelopeError(
+                Code.FAILED_PRECONDITION,
+                f"part result aggregates {len(res.contributors)} contribution(s), the quorum is "
+                f"{spec.quorum_count()} of {len(spec.established())} established participant(s)",
+            )
+        return (
+            agg,
+            [(PeerID(bytes(p)).to_string(), int(n)) for p, n in zip(res.contributors, res.tokens)],
+            float(res.last_compute_end) if math.isfinite(res.last_compute_end) else 0.0,
+            {},
+        )
     taken: dict[str, Contribution] = {}
     del res, aggregate
     forged: list[str] = []
@@ -327,12 +393,17 @@ def read_result(verifier: Verifier, spec: CollectiveSpec, j: int, signed: wire.B
         taken.setdefault(c.sender, c)
     del relayed
     if forged:
-        raise EnvelopeError(Code.DATA_LOSS, f"the owner relayed {len(forged)} forged or tampered contribution(s) "
-                                            f"({forged[0]}): its part result is refused")
+        raise EnvelopeError(
+            Code.DATA_LOSS,
+            f"the owner relayed {len(forged)} forged or tampered contribution(s) "
+            f"({forged[0]}): its part result is refused",
+        )
     if not spec.quorum_met(taken):
-        raise EnvelopeError(Code.FAILED_PRECONDITION,
-                            f"part result holds {len(taken)} valid contribution(s), the quorum is "
-                            f"{spec.quorum_count()} of {len(spec.established())} established participant(s)")
+        raise EnvelopeError(
+            Code.FAILED_PRECONDITION,
+            f"part result holds {len(taken)} valid contribution(s), the quorum is "
+            f"{spec.quorum_count()} of {len(spec.established())} established participant(s)",
+        )
     ordered = sorted(taken.values(), key=lambda c: _pid_bytes(c.sender))
     used = [min(c.tokens, spec.participants[c.sender]) for c in ordered]
     if not spec.quorum_met(c.sender for c, n in zip(ordered, used) if _votes(c, n)):

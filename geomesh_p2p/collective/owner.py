@@ -148,8 +148,9 @@ class OwnerService:
         self._log_once = LogOnce(log, capacity=10_000)
         # Inner signatures (contributions, part results) are checked without skew or replay
         # windows: they are forwarded, and replay is already checked on the outer envelope.
-        self._inner = Verifier(transport.run_id, max_skew_s=float("inf"),
-                               max_payload_bytes=transport.config.max_message_bytes)
+        self._inner = Verifier(
+            transport.run_id, max_skew_s=float("inf"), max_payload_bytes=transport.config.max_message_bytes
+        )
         transport.add_unary(COLLECTIVE_PUSH, self._handle_push)
         transport.add_unary(COLLECTIVE_PULL, self._handle_pull)
 
@@ -170,9 +171,12 @@ class OwnerService:
                 raise ValueError(f"round {spec.round} is already registered with a different spec")
             return state
         if spec.round < self._oldest_kept or (
-                len(self._rounds) >= self.max_rounds_kept and spec.round < min(self._rounds)):
-            raise ValueError(f"round {spec.round} is older than the rounds kept here "
-                             f"({self.rounds_kept() or 'from ' + str(self._oldest_kept)})")
+            len(self._rounds) >= self.max_rounds_kept and spec.round < min(self._rounds)
+        ):
+            raise ValueError(
+                f"round {spec.round} is older than the rounds kept here "
+                f"({self.rounds_kept() or 'from ' + str(self._oldest_kept)})"
+            )
         mine = spec.part_index_of(self.peer_id)
         if mine and self.transport.config.client_only:
             raise ValueError("a client-only peer cannot own a part")
@@ -183,7 +187,7 @@ class OwnerService:
         if ev is not None:
             ev.set()
         if len(self._rounds) > self.max_rounds_kept:
-            keep = sorted(self._rounds)[-self.max_rounds_kept:]
+            keep = sorted(self._rounds)[-self.max_rounds_kept :]
             self._oldest_kept = max(self._oldest_kept, keep[0])
             for r in [r for r in self._rounds if r < keep[0]]:
                 del self._rounds[r]
@@ -217,11 +221,13 @@ class OwnerService:
         if state is not None:
             return state
         if round < self._oldest_kept:
-            raise EnvelopeError(Code.FAILED_PRECONDITION,
-                                f"round {round} is over on this node (oldest kept: {self._oldest_kept})")
+            raise EnvelopeError(
+                Code.FAILED_PRECONDITION, f"round {round} is over on this node (oldest kept: {self._oldest_kept})"
+            )
         if self._newest is not None and round > self._newest + self.max_rounds_ahead:
-            raise _TooFarAhead(Code.FAILED_PRECONDITION,
-                               f"round {round} is too far ahead of this node's round {self._newest}")
+            raise _TooFarAhead(
+                Code.FAILED_PRECONDITION, f"round {round} is too far ahead of this node's round {self._newest}"
+            )
         if hold_s <= 0 or self._held >= self.max_held_requests:
             return None
         ev = self._round_events.setdefault(round, asyncio.Event())
@@ -234,8 +240,9 @@ class OwnerService:
                 self._round_events.clear()  # nobody waits on the rest
         return self._rounds.get(round)
 
-    def _check_contribution(self, spec: CollectiveSpec, part: int, signed: bytes,
-                            caller: Optional[str]) -> Contribution:
+    def _check_contribution(
+        self, spec: CollectiveSpec, part: int, signed: bytes, caller: Optional[str]
+    ) -> Contribution:
         """Verify a sender-signed contribution to ``part`` (:func:`.messages.check_contribution`);
         EnvelopeError (status + reason) if bad. Synchronous: call it in a worker thread.
 
@@ -271,9 +278,16 @@ class OwnerService:
             # fault: DEBUG, or every round of a healthy swarm printed a WARNING (issue 14 #10).
             quiet = err.code == Code.UNAVAILABLE and part_ix is None
             key = (caller, "push", "ahead") if isinstance(err, _TooFarAhead) else (round_, caller, "push", err.code)
-            self._log_once(key, logging.DEBUG if quiet else logging.WARNING,
-                           "round %d: refused a push%s from %s: %s: %s", round_,
-                           "" if part_ix is None else f" of part {part_ix}", _short(caller), err.code.name, err.reason)
+            self._log_once(
+                key,
+                logging.DEBUG if quiet else logging.WARNING,
+                "round %d: refused a push%s from %s: %s: %s",
+                round_,
+                "" if part_ix is None else f" of part {part_ix}",
+                _short(caller),
+                err.code.name,
+                err.reason,
+            )
             raise
 
     def _accept(self, state: _RoundState, part: _OwnedPart, c: _Contribution) -> collective_pb2.PushPartResponse:
@@ -281,8 +295,10 @@ class OwnerService:
         if c.sender in part.contributions:
             return collective_pb2.PushPartResponse(accepted=True, reason="duplicate push ignored (first one kept)")
         if part.closed_by is not None:
-            raise EnvelopeError(Code.FAILED_PRECONDITION,
-                                f"part {part.index} of round {spec.round} closed ({part.closed_by}) before this push arrived")
+            raise EnvelopeError(
+                Code.FAILED_PRECONDITION,
+                f"part {part.index} of round {spec.round} closed ({part.closed_by}) before this push arrived",
+            )
         part.contributions[c.sender] = c
         if len(part.contributions) == len(spec.participants):
             self._close(state, part, "all pushed")
@@ -304,16 +320,39 @@ class OwnerService:
         absent = [p for p in state.spec.participants if p not in part.contributions]
         fields = dict(round=state.spec.round, part=part.index, reason=reason, absent=sorted(absent))
         if absent and reason == "established pushed":
-            events.emit(log, logging.INFO, "part_closed", "round %d: part %d closed %.1fs after every established "
-                        "participant pushed, without %s (on probation)", state.spec.round, part.index,
-                        state.spec.grace_s, ", ".join(_short(p) for p in sorted(absent)), **fields)
+            events.emit(
+                log,
+                logging.INFO,
+                "part_closed",
+                "round %d: part %d closed %.1fs after every established participant pushed, without %s (on probation)",
+                state.spec.round,
+                part.index,
+                state.spec.grace_s,
+                ", ".join(_short(p) for p in sorted(absent)),
+                **fields,
+            )
         elif absent:
-            events.emit(log, logging.WARNING, "part_closed", "round %d: part %d closed at the deadline without %s (left "
-                        "out of this part)", state.spec.round, part.index, ", ".join(_short(p) for p in sorted(absent)),
-                        **fields)
+            events.emit(
+                log,
+                logging.WARNING,
+                "part_closed",
+                "round %d: part %d closed at the deadline without %s (left out of this part)",
+                state.spec.round,
+                part.index,
+                ", ".join(_short(p) for p in sorted(absent)),
+                **fields,
+            )
         else:
-            events.emit(log, logging.DEBUG, "part_closed", "round %d: part %d closed (%s)", state.spec.round, part.index,
-                        reason, **fields)
+            events.emit(
+                log,
+                logging.DEBUG,
+                "part_closed",
+                "round %d: part %d closed (%s)",
+                state.spec.round,
+                part.index,
+                reason,
+                **fields,
+            )
         self._tasks.spawn(self._finish(state, part), name=f"reduce r{state.spec.round} p{part.index}")
 
     async def _close_at_deadline(self, state: _RoundState) -> None:
@@ -333,14 +372,14 @@ class OwnerService:
         except asyncio.CancelledError:
             raise
         except Exception:
-            log.exception("round %d: building the result of part %d failed; it will be missing", spec.round,
-                          part.index)
+            log.exception("round %d: building the result of part %d failed; it will be missing", spec.round, part.index)
 
     def _build_result(self, spec: CollectiveSpec, part: _OwnedPart, contributions: list[Contribution]) -> bytes:
         """The owner-signed result of ``part`` (:func:`.messages.build_result`). Worker thread.
         Subclasses (tests, the adversary) override it to alter what an owner serves."""
-        return messages.build_result(self.transport.identity, spec, part.index, part.owner, part.closed_by or "",
-                                     contributions)
+        return messages.build_result(
+            self.transport.identity, spec, part.index, part.owner, part.closed_by or "", contributions
+        )
 
     async def _handle_pull(self, verified: Verified, context) -> bytes:
         caller = verified.sender.to_string()
@@ -350,8 +389,9 @@ class OwnerService:
             except DecodeError:
                 raise EnvelopeError(Code.INVALID_ARGUMENT, "PullPartRequest is malformed") from None
             if req.round != verified.round:
-                raise EnvelopeError(Code.INVALID_ARGUMENT,
-                                    f"payload round {req.round} differs from envelope round {verified.round}")
+                raise EnvelopeError(
+                    Code.INVALID_ARGUMENT, f"payload round {req.round} differs from envelope round {verified.round}"
+                )
             wait_s = max(0.0, min(float(req.wait_s), 60.0)) if math.isfinite(req.wait_s) else 0.0
             t0 = time.monotonic()
             state = await self._round_for(req.round, min(wait_s, self.hold_unknown_round_s))
@@ -374,17 +414,26 @@ class OwnerService:
                 if not await wait_event(part.ready, left):
                     return not_ready.SerializeToString()
                 signed = part.result()
-            head = collective_pb2.PullPartResponse(round=req.round, part=req.part, ready=True,
-                                                   held_s=time.monotonic() - t0).SerializeToString()
+            head = collective_pb2.PullPartResponse(
+                round=req.round, part=req.part, ready=True, held_s=time.monotonic() - t0
+            ).SerializeToString()
             parts = [head, *wire.bytes_field(4, [signed])]
             # a whole part's result is copied into the reply (once): off the event loop when large
             return await asyncio.to_thread(b"".join, parts) if len(signed) > _THREAD_BYTES else b"".join(parts)
         except EnvelopeError as err:
             if err.code != Code.NOT_FOUND:
-                key = ((caller, "pull", "ahead") if isinstance(err, _TooFarAhead)
-                       else (verified.round, caller, "pull", err.code))
-                self._log_once(key, logging.WARNING,
-                               "round %d: refused pull from %s: %s: %s", verified.round, _short(caller),
-                               err.code.name, err.reason)
+                key = (
+                    (caller, "pull", "ahead")
+                    if isinstance(err, _TooFarAhead)
+                    else (verified.round, caller, "pull", err.code)
+                )
+                self._log_once(
+                    key,
+                    logging.WARNING,
+                    "round %d: refused pull from %s: %s: %s",
+                    verified.round,
+                    _short(caller),
+                    err.code.name,
+                    err.reason,
+                )
             raise
-

@@ -20,12 +20,21 @@ from geomesh_p2p import aggregation
 from geomesh_p2p.identity import PeerID
 from geomesh_p2p.method import bytes_per_element
 
-__all__ = ["MODES", "PUSH_ENCODINGS", "AGGREGATE_ENCODINGS", "PartOwner", "CollectiveSpec", "make_partition",
-           "max_part_elements", "split_owners"]
+__all__ = [
+    "MODES",
+    "PUSH_ENCODINGS",
+    "AGGREGATE_ENCODINGS",
+    "PartOwner",
+    "CollectiveSpec",
+    "make_partition",
+    "max_part_elements",
+    "split_owners",
+]
 
 MODES = ("relay", "reencode")
 PUSH_ENCODINGS = ("sign", "fp32")
 AGGREGATE_ENCODINGS = ("sign", "int8", "fp16", "fp32")
+
 
 def _pid_str(p: Union[PeerID, str, bytes]) -> str:
     if isinstance(p, PeerID):
@@ -40,7 +49,6 @@ def _pid_str(p: Union[PeerID, str, bytes]) -> str:
 
 def _pid_bytes(p: str) -> bytes:
     return bytes(PeerID.from_string(p))
-
 
 
 def _short(p: str) -> str:
@@ -71,7 +79,6 @@ class PartOwner:
     @property
     def size(self) -> int:
         return self.end - self.start
-
 
 
 def make_partition(
@@ -109,8 +116,9 @@ def make_partition(
         raise ValueError("duplicate peer id among owners")
     from geomesh_p2p.planner import part_sizes  # the one partition rule (planner imports no torch)
 
-    sizes = part_sizes(numel, [None if o[2] is None else float(o[2]) for o in owners], align=block_size,
-                       min_size=min_size)
+    sizes = part_sizes(
+        numel, [None if o[2] is None else float(o[2]) for o in owners], align=block_size, min_size=min_size
+    )
     parts, start = [], 0
     for pid, (_, addr, _), size in zip(ids, owners, sizes):
         if size <= 0:
@@ -130,9 +138,16 @@ whole-part stages ran one after another. 2 MiB: on loopback (benchmarks/collecti
 reused by the allocator (a fresh 50 MB buffer costs ~0.1 s of page faults on a busy host)."""
 
 
-def max_part_elements(*, push_encoding: str, mode: str, aggregate_encoding: str, n_participants: int,
-                      block_size: int, max_message_bytes: int,
-                      pipeline_bytes: Optional[int] = PIPELINE_PART_BYTES) -> int:
+def max_part_elements(
+    *,
+    push_encoding: str,
+    mode: str,
+    aggregate_encoding: str,
+    n_participants: int,
+    block_size: int,
+    max_message_bytes: int,
+    pipeline_bytes: Optional[int] = PIPELINE_PART_BYTES,
+) -> int:
     """The most elements one part may hold so that every message about it fits ``max_message_bytes``
     and, when ``pipeline_bytes`` is set, stays under about that many bytes (see
     :data:`PIPELINE_PART_BYTES`; never below one block).
@@ -260,7 +275,9 @@ class CollectiveSpec:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.aggregate_encoding not in AGGREGATE_ENCODINGS:
-            raise ValueError(f"aggregate_encoding must be one of {AGGREGATE_ENCODINGS}, got {self.aggregate_encoding!r}")
+            raise ValueError(
+                f"aggregate_encoding must be one of {AGGREGATE_ENCODINGS}, got {self.aggregate_encoding!r}"
+            )
         if self.push_encoding not in PUSH_ENCODINGS:
             raise ValueError(f"push_encoding must be one of {PUSH_ENCODINGS}, got {self.push_encoding!r}")
         if self.pull_deadline < self.deadline:
@@ -290,14 +307,24 @@ class CollectiveSpec:
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict (the inverse of :meth:`from_dict`)."""
         return {
-            "run_id": self.run_id, "round": self.round, "numel": self.numel,
+            "run_id": self.run_id,
+            "round": self.round,
+            "numel": self.numel,
             "participants": dict(sorted(self.participants.items())),
             "owners": [[o.peer_id, o.address, o.start, o.end] for o in self.owners],
-            "deadline": self.deadline, "pull_deadline": self.pull_deadline, "mode": self.mode,
-            "aggregate_encoding": self.aggregate_encoding, "block_size": self.block_size,
-            "clip_k": self.clip_k, "push_encoding": self.push_encoding, "rule": self.rule,
-            "weight_cap": self.weight_cap, "min_agreement": self.min_agreement, "quorum": self.quorum,
-            "probation": list(self.probation), "grace_s": self.grace_s,
+            "deadline": self.deadline,
+            "pull_deadline": self.pull_deadline,
+            "mode": self.mode,
+            "aggregate_encoding": self.aggregate_encoding,
+            "block_size": self.block_size,
+            "clip_k": self.clip_k,
+            "push_encoding": self.push_encoding,
+            "rule": self.rule,
+            "weight_cap": self.weight_cap,
+            "min_agreement": self.min_agreement,
+            "quorum": self.quorum,
+            "probation": list(self.probation),
+            "grace_s": self.grace_s,
         }
 
     @classmethod
@@ -334,11 +361,24 @@ class CollectiveSpec:
         probation = set(self.probation)
         return sum(1 for p in set(senders) if p not in probation) >= self.quorum_count()
 
-    def aggregate(self, items: Sequence[tuple[int, Any]], numel: int, dropped: Optional[list] = None,
-                  out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def aggregate(
+        self,
+        items: Sequence[tuple[int, Any]],
+        numel: int,
+        dropped: Optional[list] = None,
+        out: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
         """This round's rule over ``(tokens capped by the plan, packet)`` in PeerID order -> fp32 [numel]
         (written into ``out``, contiguous fp32 [numel], when given); the indices of items the
         agreement filter dropped are appended to ``dropped`` if given."""
-        return aggregation.aggregate_part(items, numel, rule=self.rule, encoding=self.push_encoding,
-                                          clip_k=self.clip_k, weight_cap=self.weight_cap,
-                                          min_agreement=self.min_agreement, dropped=dropped, out=out)
+        return aggregation.aggregate_part(
+            items,
+            numel,
+            rule=self.rule,
+            encoding=self.push_encoding,
+            clip_k=self.clip_k,
+            weight_cap=self.weight_cap,
+            min_agreement=self.min_agreement,
+            dropped=dropped,
+            out=out,
+        )

@@ -41,16 +41,16 @@ def bytes_field(field: int, parts: Sequence[Buffer]) -> list[Buffer]:
     return [varint(field << 3 | 2) + varint(_nbytes(parts)), *parts]
 
 
-def signed_parts(identity: Identity, *, run_id: str, round: int, kind: str, payload: Sequence[Buffer]
-                 ) -> list[Buffer]:
+def signed_parts(identity: Identity, *, run_id: str, round: int, kind: str, payload: Sequence[Buffer]) -> list[Buffer]:
     """The SignedMessage (envelope field 1, payload field 2) of the concatenated ``payload`` buffers,
     as a list of buffers (the payload's own buffers are not copied). Its SHA-256 is computed once,
     over the buffers in turn (``hashlib`` releases the GIL on large ones: run it in a worker thread)."""
     h = hashlib.sha256()
     for p in payload:
         h.update(p)
-    env = identity.sign_message(run_id=run_id, round=round, kind=kind, payload=b"",
-                                payload_sha256=h.digest()).envelope.SerializeToString()
+    env = identity.sign_message(
+        run_id=run_id, round=round, kind=kind, payload=b"", payload_sha256=h.digest()
+    ).envelope.SerializeToString()
     return [*bytes_field(1, [env]), *bytes_field(2, payload)]
 
 
@@ -104,8 +104,7 @@ def small_fields(data: Buffer, spans: Sequence[tuple[int, int, int, int]], skip:
     return b"".join(mv[s:e] for f, _, s, e in spans if f not in skip)
 
 
-def one_bytes_field(data: Buffer, spans: Sequence[tuple[int, int, int, int]], field: int, what: str
-                    ) -> memoryview:
+def one_bytes_field(data: Buffer, spans: Sequence[tuple[int, int, int, int]], field: int, what: str) -> memoryview:
     """The value of ``field`` (length-delimited, at most once; empty when absent) as a memoryview.
     Raises WireError when it is repeated or has another wire type."""
     found = [s for s in spans if s[0] == field]

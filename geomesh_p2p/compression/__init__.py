@@ -36,15 +36,34 @@ Packet = SignPacket | Int8Packet | Fp16Packet
 KINDS = ("sign", "int8", "fp16")
 
 __all__ = [
-    "DEFAULT_BLOCK_SIZE", "HEADER_SIZE", "MAGIC", "FORMAT_VERSION", "KINDS", "Packet",
-    "CodecError", "SignPacket", "Int8Packet", "Fp16Packet", "ErrorFeedback",
-    "encode", "decode", "encode_int8", "decode_int8", "encode_fp16", "decode_fp16",
-    "encode_as", "decode_any", "packet_from_bytes", "packet_kind", "sign_payload_nbytes", "slice_packet",
+    "DEFAULT_BLOCK_SIZE",
+    "HEADER_SIZE",
+    "MAGIC",
+    "FORMAT_VERSION",
+    "KINDS",
+    "Packet",
+    "CodecError",
+    "SignPacket",
+    "Int8Packet",
+    "Fp16Packet",
+    "ErrorFeedback",
+    "encode",
+    "decode",
+    "encode_int8",
+    "decode_int8",
+    "encode_fp16",
+    "decode_fp16",
+    "encode_as",
+    "decode_any",
+    "packet_from_bytes",
+    "packet_kind",
+    "sign_payload_nbytes",
+    "slice_packet",
 ]
 
 
 def packet_kind(packet) -> str:
-    """"sign", "int8" or "fp16" for a packet object; CodecError otherwise."""
+    """ "sign", "int8" or "fp16" for a packet object; CodecError otherwise."""
     if isinstance(packet, SignPacket):
         return "sign"
     if isinstance(packet, Int8Packet):

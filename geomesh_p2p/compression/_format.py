@@ -128,9 +128,7 @@ def unpack_header(data, expect_kind: int | None = None) -> tuple[int, int, int, 
     if kind not in KIND_NAMES:
         raise CodecError(f"unknown packet kind {kind}")
     if expect_kind is not None and kind != expect_kind:
-        raise CodecError(
-            f"packet kind is {KIND_NAMES[kind]!r}, expected {KIND_NAMES[expect_kind]!r}"
-        )
+        raise CodecError(f"packet kind is {KIND_NAMES[kind]!r}, expected {KIND_NAMES[expect_kind]!r}")
     if flags != 0 or reserved != 0:
         raise CodecError(f"non-zero flags/reserved header fields ({flags}, {reserved})")
     return kind, numel, block_size, tokens, view
@@ -218,5 +216,10 @@ def check_block_packet(packet, payload: str, dtype: torch.dtype, per_item: int) 
 def block_packet_bytes(kind: int, packet, payload: torch.Tensor, payload_dtype: str) -> bytes:
     """Serialise a blockwise packet: the 32-byte header, its fp32 LE ``scales``, then ``payload``
     as numpy ``payload_dtype`` (``"u1"`` signs, ``"i1"`` int8). ``32 + 4*ceil(P/B) + payload`` bytes."""
-    return b"".join((pack_header(kind, packet.numel, packet.block_size, packet.tokens),
-                     tensor_bytes(packet.scales, "<f4"), tensor_bytes(payload, payload_dtype)))
+    return b"".join(
+        (
+            pack_header(kind, packet.numel, packet.block_size, packet.tokens),
+            tensor_bytes(packet.scales, "<f4"),
+            tensor_bytes(payload, payload_dtype),
+        )
+    )

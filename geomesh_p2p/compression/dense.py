@@ -165,10 +165,15 @@ def encode_int8(v: torch.Tensor, block_size: int = DEFAULT_BLOCK_SIZE, tokens: i
     scales = torch.empty(nb, dtype=torch.float32, device=v.device)
     segs = []
     if nfull:
-        segs.append((v[: nfull * block_size].view(nfull, block_size), q[: nfull * block_size].view(nfull, block_size),
-                     scales[:nfull]))
+        segs.append(
+            (
+                v[: nfull * block_size].view(nfull, block_size),
+                q[: nfull * block_size].view(nfull, block_size),
+                scales[:nfull],
+            )
+        )
     if nfull < nb:
-        segs.append((v[nfull * block_size:].view(1, -1), q[nfull * block_size:].view(1, -1), scales[nfull:]))
+        segs.append((v[nfull * block_size :].view(1, -1), q[nfull * block_size :].view(1, -1), scales[nfull:]))
     for vv, qq, ss in segs:
         torch.amax(vv.abs(), dim=1, out=ss)
         if not all_finite(ss):
@@ -210,7 +215,7 @@ def decode_int8(p: Int8Packet, device=None, out: torch.Tensor | None = None) -> 
     if nfull:
         flat[: nfull * B].view(nfull, B).mul_(scales[:nfull, None])
     if nfull * B < P:
-        flat[nfull * B:].mul_(scales[nfull])
+        flat[nfull * B :].mul_(scales[nfull])
     return res
 
 

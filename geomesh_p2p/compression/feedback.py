@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ._format import (DEFAULT_BLOCK_SIZE, CodecError, as_flat_fp32, check_block_size, check_numel,
-                      raise_non_finite)
+from ._format import DEFAULT_BLOCK_SIZE, CodecError, as_flat_fp32, check_block_size, check_numel, raise_non_finite
 from .sign import SignPacket, decode, encode
 
 __all__ = ["ErrorFeedback", "PushFeedback", "RESIDUAL_FILE"]
@@ -32,8 +31,9 @@ class ErrorFeedback:
     def __init__(self, numel: int, block_size: int = DEFAULT_BLOCK_SIZE, device=None):
         self.numel = check_numel(numel)
         self.block_size = check_block_size(block_size)
-        self.residual = torch.zeros(self.numel, dtype=torch.float32,
-                                    device=torch.device("cpu") if device is None else device)
+        self.residual = torch.zeros(
+            self.numel, dtype=torch.float32, device=torch.device("cpu") if device is None else device
+        )
 
     def reset(self) -> None:
         """Forget the residual (e = 0), e.g. after a re-sync of the global weights."""
@@ -116,8 +116,12 @@ class PushFeedback:
         if d.numel() != self.numel:
             raise CodecError(f"delta has {d.numel()} elements, the error feedback holds {self.numel}")
         spans = sorted((int(s), int(e)) for s, e in ranges)
-        if not spans or spans[0][0] != 0 or spans[-1][1] != self.numel or any(
-                a[1] != b[0] for a, b in zip(spans, spans[1:])):
+        if (
+            not spans
+            or spans[0][0] != 0
+            or spans[-1][1] != self.numel
+            or any(a[1] != b[0] for a, b in zip(spans, spans[1:]))
+        ):
             raise CodecError(f"part ranges {spans[:4]}... do not cover [0, {self.numel})")
         v = d.to("cpu").add(self.residual)
         # Checked before the residual is touched (encode would raise only part-way through the parts).
@@ -144,10 +148,15 @@ class PushFeedback:
 
         from geomesh_p2p.atomic import atomic_write
 
-        meta = {"round": str(int(state_round)), "digest": str(digest), "block_size": str(self.block_size),
-                "pushed_round": str(self.round)}
-        atomic_write(Path(directory) / RESIDUAL_FILE,
-                     lambda tmp: save_file({"residual": self.residual}, tmp, metadata=meta))
+        meta = {
+            "round": str(int(state_round)),
+            "digest": str(digest),
+            "block_size": str(self.block_size),
+            "pushed_round": str(self.round),
+        }
+        atomic_write(
+            Path(directory) / RESIDUAL_FILE, lambda tmp: save_file({"residual": self.residual}, tmp, metadata=meta)
+        )
 
     def load(self, directory, *, state_round: int, digest: str) -> str:
         """Take the residual saved with the global state (``state_round``, ``digest``) the peer resumes from.
@@ -170,8 +179,10 @@ class PushFeedback:
         except Exception as e:  # a corrupt file costs the residual only, never the resume
             return f"unreadable: {type(e).__name__}: {e}"
         if meta.get("digest") != str(digest) or meta.get("round") != str(int(state_round)):
-            return (f"another state: saved at round {meta.get('round')} digest {str(meta.get('digest'))[:8]}, "
-                    f"resuming round {state_round} digest {str(digest)[:8]}")
+            return (
+                f"another state: saved at round {meta.get('round')} digest {str(meta.get('digest'))[:8]}, "
+                f"resuming round {state_round} digest {str(digest)[:8]}"
+            )
         if r.dtype != torch.float32 or r.numel() != self.numel or meta.get("block_size") != str(self.block_size):
             return f"unreadable: {r.numel()} {r.dtype} elements, block {meta.get('block_size')}"
         if not bool(torch.isfinite(r).all()):

@@ -161,8 +161,12 @@ class _Workspace:
     encode's fp32 temporaries (on CUDA a workspace lives for one call)."""
 
     _SPECS = {  # name: (dtype, elements per chunk element)
-        "neg": (torch.bool, 1), "words": (torch.int64, 8), "absv": (torch.float32, 1),
-        "negpart": (torch.float32, 1), "idx": (torch.int32, 8), "pm": (torch.float32, 1),
+        "neg": (torch.bool, 1),
+        "words": (torch.int64, 8),
+        "absv": (torch.float32, 1),
+        "negpart": (torch.float32, 1),
+        "idx": (torch.int32, 8),
+        "pm": (torch.float32, 1),
     }
 
     def __init__(self, n: int, device: torch.device):
@@ -228,7 +232,7 @@ def _encode_segment(vs: torch.Tensor, signs: torch.Tensor, sums: torch.Tensor, b
     if n8 < n:
         tail = torch.lt(vs[n8:], 0).to(torch.uint8)
         weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=vs.device)
-        signs[n8 // 8:].copy_((tail * weights[: n - n8]).sum(dtype=torch.uint8).reshape(1))
+        signs[n8 // 8 :].copy_((tail * weights[: n - n8]).sum(dtype=torch.uint8).reshape(1))
     nfull = n // block_size
     if nfull:
         # Same arithmetic as the chunked path (abs, then a row sum), so a block's scale
@@ -236,7 +240,7 @@ def _encode_segment(vs: torch.Tensor, signs: torch.Tensor, sums: torch.Tensor, b
         absv = torch.abs(vs[: nfull * block_size])
         torch.sum(absv.view(nfull, block_size), 1, out=sums[:nfull])
     if nfull * block_size < n:
-        sums[nfull:].copy_(vs[nfull * block_size:].abs().sum().reshape(1))
+        sums[nfull:].copy_(vs[nfull * block_size :].abs().sum().reshape(1))
 
 
 def _block_abs_sums(v: torch.Tensor, block_size: int, dtype=torch.float32) -> torch.Tensor:
@@ -247,12 +251,13 @@ def _block_abs_sums(v: torch.Tensor, block_size: int, dtype=torch.float32) -> to
     if nfull:
         parts.append(v[: nfull * block_size].to(dtype).abs().view(nfull, block_size).sum(dim=1))
     if nfull * block_size < n:
-        parts.append(v[nfull * block_size:].to(dtype).abs().sum().reshape(1))
+        parts.append(v[nfull * block_size :].to(dtype).abs().sum().reshape(1))
     return torch.cat(parts) if parts else torch.empty(0, dtype=dtype, device=v.device)
 
 
-def _encode_chunked(v: torch.Tensor, signs: torch.Tensor, sums: torch.Tensor, block_size: int,
-                    chunk: int, workers: int) -> int:
+def _encode_chunked(
+    v: torch.Tensor, signs: torch.Tensor, sums: torch.Tensor, block_size: int, chunk: int, workers: int
+) -> int:
     """Fast path over the whole chunks of ``v``; returns how many elements it covered."""
     nch = v.numel() // chunk
     covered = nch * chunk
@@ -324,7 +329,7 @@ def encode(v: torch.Tensor, block_size: int = DEFAULT_BLOCK_SIZE, tokens: int = 
     chunk, workers = _plan(device, P, block_size)
     covered = _encode_chunked(v, signs, sums, block_size, chunk, workers) if chunk else 0
     if covered < P:
-        _encode_segment(v[covered:], signs[covered // 8:], sums[covered // block_size:], block_size)
+        _encode_segment(v[covered:], signs[covered // 8 :], sums[covered // block_size :], block_size)
 
     # Mean |v|: full blocks divide by B, the last one by its real length (on CPU in numpy,
     # single threaded: cheaper than an OpenMP-parallel op for ceil(P/B) elements).
@@ -334,7 +339,7 @@ def encode(v: torch.Tensor, block_size: int = DEFAULT_BLOCK_SIZE, tokens: int = 
     if nb:
         a = scales.numpy()
         np.divide(a[: nb - 1], np.float32(block_size), out=a[: nb - 1])
-        np.divide(a[nb - 1:], np.float32(last), out=a[nb - 1:])
+        np.divide(a[nb - 1 :], np.float32(last), out=a[nb - 1 :])
         if not np.isfinite(a).all():
             raise_non_finite(v)
             # All inputs finite but an fp32 block sum overflowed: redo the sums in fp64.
@@ -363,8 +368,13 @@ def slice_packet(p: SignPacket, start: int, end: int) -> SignPacket:
     B = p.block_size
     if not (0 <= start < end <= p.numel) or start % B or start % 8 or (end != p.numel and (end % B or end % 8)):
         raise CodecError(f"slice [{start}, {end}) of {p.numel} elements is not aligned to blocks of {B} and bytes")
-    return SignPacket(end - start, B, p.tokens, p.signs[start // 8: ceil_div(end, 8)].clone(),
-                      p.scales[start // B: ceil_div(end, B)].clone())
+    return SignPacket(
+        end - start,
+        B,
+        p.tokens,
+        p.signs[start // 8 : ceil_div(end, 8)].clone(),
+        p.scales[start // B : ceil_div(end, B)].clone(),
+    )
 
 
 def _sign_lut(device: torch.device) -> torch.Tensor:
@@ -381,8 +391,15 @@ def _sign_lut(device: torch.device) -> torch.Tensor:
     return lut
 
 
-def _decode_range(signs: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, lut: torch.Tensor,
-                  block_size: int, ws: _Workspace, accumulate: bool) -> None:
+def _decode_range(
+    signs: torch.Tensor,
+    scales: torch.Tensor,
+    out: torch.Tensor,
+    lut: torch.Tensor,
+    block_size: int,
+    ws: _Workspace,
+    accumulate: bool,
+) -> None:
     """Decode ``out.numel()`` elements (a range starting on a byte and block boundary) into
     ``out`` (fp32, contiguous), or add them to it if ``accumulate``.
 
@@ -403,9 +420,10 @@ def _decode_range(signs: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, 
         pm.copy_(pm8)
         if nfull:
             out[: nfull * block_size].view(nfull, block_size).addcmul_(
-                pm[: nfull * block_size].view(nfull, block_size), scales[:nfull, None])
+                pm[: nfull * block_size].view(nfull, block_size), scales[:nfull, None]
+            )
         if nfull * block_size < n:
-            out[nfull * block_size:].add_(pm[nfull * block_size:] * scales[nfull])
+            out[nfull * block_size :].add_(pm[nfull * block_size :] * scales[nfull])
         return
     if out.device.type != "cpu" and nfull * block_size == n:
         # A GPU kernel reads the int8 signs and converts them on the fly: one pass over out.
@@ -415,11 +433,19 @@ def _decode_range(signs: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, 
     if nfull:
         out[: nfull * block_size].view(nfull, block_size).mul_(scales[:nfull, None])
     if nfull * block_size < n:
-        out[nfull * block_size:].mul_(scales[nfull])
+        out[nfull * block_size :].mul_(scales[nfull])
 
 
-def _decode_chunked(signs: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, lut: torch.Tensor,
-                    block_size: int, chunk: int, workers: int, accumulate: bool) -> int:
+def _decode_chunked(
+    signs: torch.Tensor,
+    scales: torch.Tensor,
+    out: torch.Tensor,
+    lut: torch.Tensor,
+    block_size: int,
+    chunk: int,
+    workers: int,
+    accumulate: bool,
+) -> int:
     """Fast path over the whole chunks; returns how many elements it covered."""
     nch = out.numel() // chunk
     covered = nch * chunk
@@ -464,8 +490,7 @@ def _same_device(a: torch.device, b: torch.device) -> bool:
     return a.index is None or b.index is None or a.index == b.index
 
 
-def decode(p: SignPacket, device=None, out: torch.Tensor | None = None, *,
-           accumulate: bool = False) -> torch.Tensor:
+def decode(p: SignPacket, device=None, out: torch.Tensor | None = None, *, accumulate: bool = False) -> torch.Tensor:
     """Decode a sign packet to ``scale * (+1 | -1)`` per element.
 
     Args:
@@ -519,6 +544,7 @@ def decode(p: SignPacket, device=None, out: torch.Tensor | None = None, *,
     covered = _decode_chunked(signs, scales, flat, lut, B, chunk, workers, accumulate) if chunk else 0
     if covered < P:
         rest = P - covered
-        _decode_range(signs[covered // 8:], scales[covered // B:], flat[covered:], lut, B,
-                      _Workspace(rest, device), accumulate)
+        _decode_range(
+            signs[covered // 8 :], scales[covered // B :], flat[covered:], lut, B, _Workspace(rest, device), accumulate
+        )
     return result

@@ -15,13 +15,23 @@ Public API:
 from .corpus import DataError, cache_dir_default, load_text
 from .dataset import TokenDataset, batch_seed, load_dataset
 from .hub import HFSpec, is_hf_spec, load_hf_text, parse_hf_spec
-from .tokenizer import (EOS_TOKEN, encode_corpus, get_tokenizer, tokenizer_fingerprint,
-                        tokenizer_key, train_tokenizer)
+from .tokenizer import EOS_TOKEN, encode_corpus, get_tokenizer, tokenizer_fingerprint, tokenizer_key, train_tokenizer
 
 __all__ = [
-    "DataError", "load_text", "cache_dir_default",
-    "get_tokenizer", "train_tokenizer", "tokenizer_key", "tokenizer_fingerprint",
-    "encode_corpus", "EOS_TOKEN",
-    "TokenDataset", "load_dataset", "batch_seed",
-    "HFSpec", "is_hf_spec", "parse_hf_spec", "load_hf_text",
+    "DataError",
+    "load_text",
+    "cache_dir_default",
+    "get_tokenizer",
+    "train_tokenizer",
+    "tokenizer_key",
+    "tokenizer_fingerprint",
+    "encode_corpus",
+    "EOS_TOKEN",
+    "TokenDataset",
+    "load_dataset",
+    "batch_seed",
+    "HFSpec",
+    "is_hf_spec",
+    "parse_hf_spec",
+    "load_hf_text",
 ]

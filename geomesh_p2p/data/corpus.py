@@ -60,7 +60,7 @@ def _read_jsonl(p: Path) -> str:
             except json.JSONDecodeError as e:
                 raise DataError(f"{p}: line {lineno} is not valid JSON ({e.msg})") from None
             if not isinstance(rec, dict) or not isinstance(rec.get("text"), str):
-                raise DataError(f"{p}: line {lineno} has no string field \"text\"")
+                raise DataError(f'{p}: line {lineno} has no string field "text"')
             docs.append(rec["text"])
     return DOC_SEPARATOR.join(docs)
 
@@ -73,8 +73,10 @@ def _read_parquet(p: Path) -> str:
     try:
         table = pq.read_table(p, columns=["text"])
     except Exception as e:  # pyarrow raises several types (ArrowInvalid, KeyError, ...)
-        raise DataError(f"{p}: cannot read column \"text\" from parquet ({type(e).__name__}: "
-                        f"{str(e).splitlines()[0] if str(e) else ''})") from None
+        raise DataError(
+            f'{p}: cannot read column "text" from parquet ({type(e).__name__}: '
+            f"{str(e).splitlines()[0] if str(e) else ''})"
+        ) from None
     return DOC_SEPARATOR.join(str(x) for x in table.column("text").to_pylist() if x is not None)
 
 
@@ -117,8 +119,9 @@ def load_text(path: str | os.PathLike | None = None) -> str:
         elif name.endswith(".txt"):
             text = p.read_text(encoding="utf-8")
         else:
-            raise DataError(f"unsupported data file type: {p} "
-                            "(use .txt, .txt.xz, .jsonl with field \"text\", or .parquet)")
+            raise DataError(
+                f'unsupported data file type: {p} (use .txt, .txt.xz, .jsonl with field "text", or .parquet)'
+            )
     except DataError:
         raise
     except UnicodeDecodeError as e:

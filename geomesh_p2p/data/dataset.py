@@ -29,8 +29,7 @@ def batch_seed(seed: int, peer_id: str, round: int, step: int) -> int:
     read little-endian, top bit cleared. Independent of ``PYTHONHASHSEED``, platform and
     process (unlike ``hash()``).
     """
-    msg = "\x1f".join(["geomesh-batch-v1", str(int(seed)), str(peer_id), str(int(round)),
-                       str(int(step))])
+    msg = "\x1f".join(["geomesh-batch-v1", str(int(seed)), str(peer_id), str(int(round)), str(int(step))])
     d = hashlib.blake2b(msg.encode("utf-8"), digest_size=8).digest()
     return int.from_bytes(d, "little") & ((1 << 63) - 1)
 
@@ -50,9 +49,15 @@ class TokenDataset:
             run-config hash: peers with another fingerprint train on other data.
     """
 
-    def __init__(self, ids: torch.Tensor | np.ndarray, vocab_size: int, *,
-                 eval_fraction: float = 0.05, tokenizer: Tokenizer | None = None,
-                 fingerprint: str | None = None):
+    def __init__(
+        self,
+        ids: torch.Tensor | np.ndarray,
+        vocab_size: int,
+        *,
+        eval_fraction: float = 0.05,
+        tokenizer: Tokenizer | None = None,
+        fingerprint: str | None = None,
+    ):
         ids = torch.as_tensor(np.asarray(ids)).to(torch.int32).reshape(-1)
         if not 0.0 < eval_fraction < 1.0:
             raise ValueError(f"eval_fraction must be in (0, 1), got {eval_fraction}")
@@ -61,7 +66,7 @@ class TokenDataset:
         if n - n_eval < 2:
             raise DataError(f"corpus too small: {n} tokens")
         self.train = ids[: n - n_eval]
-        self.eval = ids[n - n_eval:]
+        self.eval = ids[n - n_eval :]
         self.vocab_size = int(vocab_size)
         self.eval_fraction = float(eval_fraction)
         self.tokenizer = tokenizer
@@ -72,11 +77,14 @@ class TokenDataset:
         self.fingerprint = fingerprint
 
     def __repr__(self) -> str:
-        return (f"TokenDataset(train={self.train.numel()}, eval={self.eval.numel()}, "
-                f"vocab_size={self.vocab_size}, fingerprint={self.fingerprint})")
+        return (
+            f"TokenDataset(train={self.train.numel()}, eval={self.eval.numel()}, "
+            f"vocab_size={self.vocab_size}, fingerprint={self.fingerprint})"
+        )
 
-    def sample_batch(self, *, seed: int, peer_id: str, round: int, step: int,
-                     batch_size: int, seq_len: int) -> torch.Tensor:
+    def sample_batch(
+        self, *, seed: int, peer_id: str, round: int, step: int, batch_size: int, seq_len: int
+    ) -> torch.Tensor:
         """One training batch: int64 CPU tensor ``[batch_size, seq_len]`` of token ids.
 
         Rows are windows of ``seq_len`` consecutive tokens starting at offsets drawn
@@ -105,8 +113,7 @@ class TokenDataset:
         idx = offs[:, None] + torch.arange(seq_len, dtype=torch.int64)[None, :]
         return self.train[idx].to(torch.int64)
 
-    def eval_batches(self, seq_len: int, batch_size: int,
-                     max_batches: int | None = None) -> Iterator[torch.Tensor]:
+    def eval_batches(self, seq_len: int, batch_size: int, max_batches: int | None = None) -> Iterator[torch.Tensor]:
         """Fixed held-out batches: int64 CPU tensors ``[b, seq_len]``, ``b <= batch_size``.
 
         Non-overlapping windows ``eval[k*seq_len:(k+1)*seq_len]`` for k = 0, 1, ... in
@@ -124,7 +131,7 @@ class TokenDataset:
         for i in range(0, n_win, batch_size):
             if max_batches is not None and count >= max_batches:
                 return
-            yield windows[i:i + batch_size].to(torch.int64)
+            yield windows[i : i + batch_size].to(torch.int64)
             count += 1
 
 
@@ -136,9 +143,14 @@ def _save_ids(path: Path, ids: np.ndarray) -> None:
     atomic_write(path, write)
 
 
-def load_dataset(data: str | os.PathLike | None, seq_len: int, vocab_size: int = 4096,
-                 tokenizer_file: str | os.PathLike | None = None,
-                 eval_fraction: float = 0.05, cache_dir=None) -> TokenDataset:
+def load_dataset(
+    data: str | os.PathLike | None,
+    seq_len: int,
+    vocab_size: int = 4096,
+    tokenizer_file: str | os.PathLike | None = None,
+    eval_fraction: float = 0.05,
+    cache_dir=None,
+) -> TokenDataset:
     """Load, tokenize (cached) and split a corpus.
 
     Args:
@@ -159,8 +171,7 @@ def load_dataset(data: str | os.PathLike | None, seq_len: int, vocab_size: int =
         DataError: unreadable data / tokenizer file, or a split shorter than ``seq_len``.
     """
     text = load_text(data)
-    tok = get_tokenizer(text, vocab_size=vocab_size, cache_dir=cache_dir,
-                        tokenizer_file=tokenizer_file)
+    tok = get_tokenizer(text, vocab_size=vocab_size, cache_dir=cache_dir, tokenizer_file=tokenizer_file)
     vs = tok.get_vocab_size(with_added_tokens=True)
     tok_fp = tokenizer_fingerprint(tok)
     h = hashlib.blake2b(b"geomesh-ids-v1\0" + tok_fp.encode() + b"\0", digest_size=12)
@@ -182,10 +193,10 @@ def load_dataset(data: str | os.PathLike | None, seq_len: int, vocab_size: int =
         except OSError as e:
             log.warning("cannot cache token ids in %s: %s", cdir, e)
     fp = hashlib.blake2b(f"{key}|{eval_fraction}".encode(), digest_size=12).hexdigest()
-    ds = TokenDataset(ids.astype(np.int32), vs, eval_fraction=eval_fraction, tokenizer=tok,
-                      fingerprint=fp)
+    ds = TokenDataset(ids.astype(np.int32), vs, eval_fraction=eval_fraction, tokenizer=tok, fingerprint=fp)
     name = "shipped KJV corpus" if data is None else str(data)
     if ds.train.numel() < seq_len or ds.eval.numel() < seq_len:
-        raise DataError(f"{name}: too few tokens for seq_len {seq_len} "
-                        f"(train {ds.train.numel()}, eval {ds.eval.numel()})")
+        raise DataError(
+            f"{name}: too few tokens for seq_len {seq_len} (train {ds.train.numel()}, eval {ds.eval.numel()})"
+        )
     return ds

@@ -31,8 +31,16 @@ from urllib.parse import parse_qsl, urlencode
 
 from .corpus import DOC_SEPARATOR, DataError
 
-__all__ = ["HF_PREFIX", "DEFAULT_HF_SPLIT", "DEFAULT_HF_COLUMN", "DEFAULT_HF_MAX_BYTES",
-           "HFSpec", "is_hf_spec", "parse_hf_spec", "load_hf_text"]
+__all__ = [
+    "HF_PREFIX",
+    "DEFAULT_HF_SPLIT",
+    "DEFAULT_HF_COLUMN",
+    "DEFAULT_HF_MAX_BYTES",
+    "HFSpec",
+    "is_hf_spec",
+    "parse_hf_spec",
+    "load_hf_text",
+]
 
 HF_PREFIX = "hf:"
 DEFAULT_HF_SPLIT = "train"
@@ -82,8 +90,7 @@ def _max_bytes(value, spec: str) -> int:
     return n
 
 
-def parse_hf_spec(spec: str, *, column: Optional[str] = None,
-                  max_bytes: Optional[int] = None) -> HFSpec:
+def parse_hf_spec(spec: str, *, column: Optional[str] = None, max_bytes: Optional[int] = None) -> HFSpec:
     """Parse ``hf:NAME[:CONFIG][@SPLIT][?column=COL&max_bytes=N&revision=REV]``.
 
     ``column`` / ``max_bytes`` (e.g. from ``--data-column`` / ``--data-max-bytes``) fill in
@@ -95,13 +102,12 @@ def parse_hf_spec(spec: str, *, column: Optional[str] = None,
     """
     if not is_hf_spec(spec):
         raise DataError(f"bad data spec {spec!r}: a Hugging Face dataset spec starts with {HF_PREFIX!r}")
-    body, _, query = spec[len(HF_PREFIX):].partition("?")
+    body, _, query = spec[len(HF_PREFIX) :].partition("?")
     opts: dict[str, str] = {}
     if query:
         for key, value in parse_qsl(query, keep_blank_values=True, strict_parsing=False):
             if key not in _QUERY_KEYS:
-                raise DataError(f"bad data spec {spec!r}: unknown option {key!r} "
-                                f"(known: {', '.join(_QUERY_KEYS)})")
+                raise DataError(f"bad data spec {spec!r}: unknown option {key!r} (known: {', '.join(_QUERY_KEYS)})")
             if key in opts:
                 raise DataError(f"bad data spec {spec!r}: option {key!r} given twice")
             opts[key] = value
@@ -133,8 +139,14 @@ def parse_hf_spec(spec: str, *, column: Optional[str] = None,
     rev = opts.get("revision")
     if rev == "":
         raise DataError(f"bad data spec {spec!r}: empty revision")
-    return HFSpec(name=name, config=config or None, split=split, column=col,
-                  max_bytes=mb if mb is not None else DEFAULT_HF_MAX_BYTES, revision=rev)
+    return HFSpec(
+        name=name,
+        config=config or None,
+        split=split,
+        column=col,
+        max_bytes=mb if mb is not None else DEFAULT_HF_MAX_BYTES,
+        revision=rev,
+    )
 
 
 def _first_line(e: BaseException) -> str:
@@ -144,24 +156,36 @@ def _first_line(e: BaseException) -> str:
 
 
 def _offline_mode() -> bool:
-    return any(os.environ.get(v, "").strip().lower() in ("1", "true", "yes", "on")
-               for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
+    return any(
+        os.environ.get(v, "").strip().lower() in ("1", "true", "yes", "on")
+        for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+    )
 
 
 def _load_error(spec: HFSpec, e: Exception) -> DataError:
     """A one-line DataError naming the spec for an exception raised by ``datasets``."""
     names = {c.__name__ for c in type(e).__mro__}
     detail = _first_line(e)
-    if names & set(_OFFLINE_ERRORS) or isinstance(e, (ConnectionError, TimeoutError)) \
-            or any(w in n for n in names for w in _NETWORK_WORDS):
-        why = "offline mode is on (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE)" if _offline_mode() \
+    if (
+        names & set(_OFFLINE_ERRORS)
+        or isinstance(e, (ConnectionError, TimeoutError))
+        or any(w in n for n in names for w in _NETWORK_WORDS)
+    ):
+        why = (
+            "offline mode is on (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE)"
+            if _offline_mode()
             else "this machine cannot reach the Hugging Face hub (offline?)"
-        return DataError(f"data {spec}: {why}: {detail}; download the data where the hub is "
-                         "reachable and pass a local file (--data FILE.jsonl / .parquet / .txt) "
-                         "or directory (--data hf:/path/to/dir)")
+        )
+        return DataError(
+            f"data {spec}: {why}: {detail}; download the data where the hub is "
+            "reachable and pass a local file (--data FILE.jsonl / .parquet / .txt) "
+            "or directory (--data hf:/path/to/dir)"
+        )
     if "DatasetNotFoundError" in names or isinstance(e, FileNotFoundError):
-        return DataError(f"data {spec}: dataset not found ({detail}); check the name, or log in "
-                         "(`hf auth login`) for a gated or private dataset")
+        return DataError(
+            f"data {spec}: dataset not found ({detail}); check the name, or log in "
+            "(`hf auth login`) for a gated or private dataset"
+        )
     return DataError(f"data {spec}: cannot load ({type(e).__name__}: {detail})")
 
 
@@ -177,8 +201,9 @@ def load_hf_text(spec: str | HFSpec) -> str:
     try:
         import datasets  # optional at import time: only hf: specs need it
     except ImportError:
-        raise DataError(f"data {s}: reading a Hugging Face dataset needs the 'datasets' package "
-                        "(pip install datasets)") from None
+        raise DataError(
+            f"data {s}: reading a Hugging Face dataset needs the 'datasets' package (pip install datasets)"
+        ) from None
     kwargs = {"split": s.split, "streaming": True}
     if s.revision is not None:
         kwargs["revision"] = s.revision
@@ -190,18 +215,21 @@ def load_hf_text(spec: str | HFSpec) -> str:
         ds = datasets.load_dataset(*args, **kwargs)
         cols = getattr(ds, "column_names", None)
         if cols is not None and s.column not in cols:
-            raise DataError(f"data {s}: no column {s.column!r} (columns: {', '.join(map(str, cols))}); "
-                            "choose one with --data-column")
+            raise DataError(
+                f"data {s}: no column {s.column!r} (columns: {', '.join(map(str, cols))}); "
+                "choose one with --data-column"
+            )
         for i, row in enumerate(ds):
             if s.column not in row:
-                raise DataError(f"data {s}: row {i} has no column {s.column!r} "
-                                f"(columns: {', '.join(map(str, row))}); choose one with --data-column")
+                raise DataError(
+                    f"data {s}: row {i} has no column {s.column!r} "
+                    f"(columns: {', '.join(map(str, row))}); choose one with --data-column"
+                )
             value = row[s.column]
             if value is None or value == "":
                 continue
             if not isinstance(value, str):
-                raise DataError(f"data {s}: column {s.column!r} is not text "
-                                f"(row {i} holds a {type(value).__name__})")
+                raise DataError(f"data {s}: column {s.column!r} is not text (row {i} holds a {type(value).__name__})")
             b = value.encode("utf-8")
             total += len(b) + (len(sep) if parts else 0)
             parts.append(b)

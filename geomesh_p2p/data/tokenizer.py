@@ -29,8 +29,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from ..atomic import atomic_write
 from .corpus import DataError, cache_dir_default, load_text
 
-__all__ = ["get_tokenizer", "tokenizer_key", "tokenizer_fingerprint", "encode_corpus",
-           "EOS_TOKEN"]
+__all__ = ["get_tokenizer", "tokenizer_key", "tokenizer_fingerprint", "encode_corpus", "EOS_TOKEN"]
 
 log = logging.getLogger(__name__)
 
@@ -66,17 +65,25 @@ def train_tokenizer(text: str, vocab_size: int) -> Tokenizer:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, min_frequency=2, show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=[EOS_TOKEN])
+        vocab_size=vocab_size,
+        min_frequency=2,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=[EOS_TOKEN],
+    )
     lines = text.splitlines(keepends=True)
     step = 2000
-    tok.train_from_iterator(("".join(lines[i:i + step]) for i in range(0, len(lines), step)),
-                            trainer, length=(len(lines) + step - 1) // step)
+    tok.train_from_iterator(
+        ("".join(lines[i : i + step]) for i in range(0, len(lines), step)),
+        trainer,
+        length=(len(lines) + step - 1) // step,
+    )
     return tok
 
 
-def get_tokenizer(text: str | None = None, vocab_size: int = 4096, cache_dir=None,
-                  tokenizer_file: str | os.PathLike | None = None) -> Tokenizer:
+def get_tokenizer(
+    text: str | None = None, vocab_size: int = 4096, cache_dir=None, tokenizer_file: str | os.PathLike | None = None
+) -> Tokenizer:
     """Return the tokenizer for a corpus.
 
     Args:
@@ -126,14 +133,15 @@ def get_tokenizer(text: str | None = None, vocab_size: int = 4096, cache_dir=Non
 
 # GPT-2's pre-tokenization pattern restricted to ASCII (\p{L} -> [A-Za-z], \p{N} -> [0-9],
 # \s -> [ \t\n\r\f\v]); for ASCII text it splits exactly as the ByteLevel pre-tokenizer.
-_GPT2_ASCII = re.compile(
-    r"""'s|'t|'re|'ve|'m|'ll|'d| ?[A-Za-z]+| ?[0-9]+| ?[^\sA-Za-z0-9]+|\s+(?!\S)|\s+""",
-    re.ASCII)
+_GPT2_ASCII = re.compile(r"""'s|'t|'re|'ve|'m|'ll|'d| ?[A-Za-z]+| ?[0-9]+| ?[^\sA-Za-z0-9]+|\s+(?!\S)|\s+""", re.ASCII)
 
 
 def _bytes_to_unicode() -> dict[int, str]:
-    bs = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("\xa1"), ord("\xac") + 1))
-          + list(range(ord("\xae"), ord("\xff") + 1)))
+    bs = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("\xa1"), ord("\xac") + 1))
+        + list(range(ord("\xae"), ord("\xff") + 1))
+    )
     cs = bs[:]
     n = 0
     for b in range(256):
@@ -155,11 +163,16 @@ def _is_plain_byte_level_bpe(tok: Tokenizer) -> bool:
         return False
     pre = d.get("pre_tokenizer") or {}
     model = d.get("model") or {}
-    return (d.get("normalizer") is None and d.get("post_processor") is None
-            and pre.get("type") == "ByteLevel" and pre.get("use_regex", True)
-            and not pre.get("add_prefix_space", False)
-            and model.get("type") == "BPE" and model.get("dropout") is None
-            and not model.get("ignore_merges", False))
+    return (
+        d.get("normalizer") is None
+        and d.get("post_processor") is None
+        and pre.get("type") == "ByteLevel"
+        and pre.get("use_regex", True)
+        and not pre.get("add_prefix_space", False)
+        and model.get("type") == "BPE"
+        and model.get("dropout") is None
+        and not model.get("ignore_merges", False)
+    )
 
 
 def encode_corpus(tok: Tokenizer, text: str) -> list[int]:
@@ -187,7 +200,7 @@ def encode_corpus(tok: Tokenizer, text: str) -> list[int]:
         return out
     lines = text.splitlines(keepends=True)
     step = 500
-    chunks = ["".join(lines[i:i + step]) for i in range(0, len(lines), step)]
+    chunks = ["".join(lines[i : i + step]) for i in range(0, len(lines), step)]
     out = []
     for enc in tok.encode_batch(chunks, add_special_tokens=False):
         out.extend(enc.ids)

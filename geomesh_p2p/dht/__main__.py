@@ -30,27 +30,45 @@ from geomesh_p2p.config import DEFAULT_RUN_ID
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m geomesh_p2p.dht", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--bootstrap", action="append", default=[], metavar="HOST:PORT",
-                    help="node to join through (repeatable; default: none)")
+    ap.add_argument(
+        "--bootstrap",
+        action="append",
+        default=[],
+        metavar="HOST:PORT",
+        help="node to join through (repeatable; default: none)",
+    )
     ap.add_argument("--run-id", default=DEFAULT_RUN_ID, help="run id (default: %(default)s)")
-    ap.add_argument("--identity", default=None, metavar="PATH",
-                    help="Ed25519 key file (default: a fresh key for this process)")
+    ap.add_argument(
+        "--identity", default=None, metavar="PATH", help="Ed25519 key file (default: a fresh key for this process)"
+    )
     ap.add_argument("--host", default="127.0.0.1", help="interface to serve on (default: %(default)s)")
     ap.add_argument("--port", type=int, default=0, help="port; 0 = any free one (default: %(default)s)")
-    ap.add_argument("--advertise-host", default=None, metavar="HOST",
-                    help="host others dial, when it differs from --host (default: --host)")
+    ap.add_argument(
+        "--advertise-host",
+        default=None,
+        metavar="HOST",
+        help="host others dial, when it differs from --host (default: --host)",
+    )
     ap.add_argument("--client-only", action="store_true", help="do not serve; only call others (default: off)")
     ap.add_argument("--announce", action="store_true", help="announce a minimal PeerRecord (default: off)")
     ap.add_argument("--round", type=int, default=0, help="round the announced PeerRecord names (default: %(default)s)")
-    ap.add_argument("--put", action="append", default=[], metavar="KEY=VALUE",
-                    help="store VALUE (UTF-8) under KEY, signed by this node, re-stored every period "
-                         "(repeatable; default: none)")
+    ap.add_argument(
+        "--put",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="store VALUE (UTF-8) under KEY, signed by this node, re-stored every period (repeatable; default: none)",
+    )
     ap.add_argument("--get", action="append", default=[], metavar="KEY", help="key to read and print (repeatable)")
     ap.add_argument("--period", type=float, default=1.0, help="seconds between prints (default: %(default)s)")
     ap.add_argument("--ttl", type=float, default=None, help="lifetime of stored values, s (default: 3 x period)")
     ap.add_argument("--watch", action="store_true", help="keep printing until stopped (default: print once)")
-    ap.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-                    help="log verbosity (default: %(default)s)")
+    ap.add_argument(
+        "--log-level",
+        default="WARNING",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="log verbosity (default: %(default)s)",
+    )
     return ap
 
 
@@ -63,8 +81,11 @@ async def run(ns: argparse.Namespace) -> int:
     from geomesh_p2p.transport import Transport, TransportConfig
 
     identity = Identity.load_or_create(ns.identity) if ns.identity else Identity.generate()
-    transport = Transport(identity, ns.run_id, TransportConfig(host=ns.host, port=ns.port, client_only=ns.client_only,
-                                                                  advertise_host=ns.advertise_host))
+    transport = Transport(
+        identity,
+        ns.run_id,
+        TransportConfig(host=ns.host, port=ns.port, client_only=ns.client_only, advertise_host=ns.advertise_host),
+    )
     node = DHTNode(transport, refresh_period_s=max(1.0, 5 * ns.period), republish_period_s=max(1.0, 5 * ns.period))
     ttl = ns.ttl or 3 * ns.period
     stop = asyncio.Event()
@@ -83,9 +104,18 @@ async def run(ns: argparse.Namespace) -> int:
             print(f"python -m geomesh_p2p.dht: {e}", file=sys.stderr)
             return 1
         if ns.announce:
-            record = PeerRecord(peer_id=identity.peer_id.to_string(), address=node.advertised_address, device="dht-tool",
-                                memory_bytes=0, max_batch=1, upload_bps=1.0, download_bps=1.0, version=__version__,
-                                run_config_hash="none", round=ns.round)
+            record = PeerRecord(
+                peer_id=identity.peer_id.to_string(),
+                address=node.advertised_address,
+                device="dht-tool",
+                memory_bytes=0,
+                max_batch=1,
+                upload_bps=1.0,
+                download_bps=1.0,
+                version=__version__,
+                run_config_hash="none",
+                round=ns.round,
+            )
             PeerAnnouncer(node, record, period_s=ns.period, ttl_s=ttl).start()
         puts = [p.split("=", 1) for p in ns.put]
         while True:
@@ -98,9 +128,19 @@ async def run(ns: argparse.Namespace) -> int:
                 found = await node.get(key)
                 values[key] = found[None].value.decode(errors="replace") if None in found else None
             progress = await swarm_progress(node)
-            print(json.dumps({"peer_id": identity.peer_id.to_string(), "address": node.advertised_address,
-                              "reachable": node.reachability.reachable, "peers": peers, "values": values,
-                              "progress": None if progress is None else progress.round}), flush=True)
+            print(
+                json.dumps(
+                    {
+                        "peer_id": identity.peer_id.to_string(),
+                        "address": node.advertised_address,
+                        "reachable": node.reachability.reachable,
+                        "peers": peers,
+                        "values": values,
+                        "progress": None if progress is None else progress.round,
+                    }
+                ),
+                flush=True,
+            )
             if not ns.watch:
                 return 0
             try:

@@ -75,9 +75,16 @@ def _log_once(who: str, msg: str, level: int = logging.WARNING, **fields) -> Non
     _dropped_log((who, msg), level, "%s: %s", who, msg, event="peer_record_dropped", **fields)
 
 
-async def live_peers(node: DHTNode, run_id: Optional[str] = None, *, expected_version: Optional[str] = None,
-                     expected_config_hash: Optional[str] = None, mine: Optional[PeerRecord] = None,
-                     latest: bool = True, include_leaving: bool = False) -> List[PeerRecord]:
+async def live_peers(
+    node: DHTNode,
+    run_id: Optional[str] = None,
+    *,
+    expected_version: Optional[str] = None,
+    expected_config_hash: Optional[str] = None,
+    mine: Optional[PeerRecord] = None,
+    latest: bool = True,
+    include_leaving: bool = False,
+) -> List[PeerRecord]:
     """The unexpired, valid, compatible PeerRecords of ``run_id`` (default: the node's run), sorted by
     peer id.
 
@@ -99,12 +106,20 @@ async def live_peers(node: DHTNode, run_id: Optional[str] = None, *, expected_ve
             rec = PeerRecord.from_bytes(item.value)
         except ValidationError as e:
             first = e.errors()[0] if e.errors() else {"loc": (), "msg": str(e)}
-            _log_once(who, f"dropped: malformed PeerRecord ({'.'.join(map(str, first['loc']))}: {first['msg']})",
-                      subkey=subkey, reason="malformed")
+            _log_once(
+                who,
+                f"dropped: malformed PeerRecord ({'.'.join(map(str, first['loc']))}: {first['msg']})",
+                subkey=subkey,
+                reason="malformed",
+            )
             continue
         if rec.peer_id != subkey:
-            _log_once(who, f"dropped: record names peer {rec.peer_id[:10]}…, signed by {subkey[:10]}…", subkey=subkey,
-                      reason="names_another_peer")
+            _log_once(
+                who,
+                f"dropped: record names peer {rec.peer_id[:10]}…, signed by {subkey[:10]}…",
+                subkey=subkey,
+                reason="names_another_peer",
+            )
             continue
         reasons = []
         if expected_config_hash is not None and rec.run_config_hash != expected_config_hash:
@@ -116,8 +131,13 @@ async def live_peers(node: DHTNode, run_id: Optional[str] = None, *, expected_ve
             if diff and diff not in reasons:
                 reasons.append(diff)
         if reasons:
-            _log_once(who, "incompatible, ignored: " + "; ".join(reasons), subkey=subkey, reason="incompatible",
-                      differs=reasons)
+            _log_once(
+                who,
+                "incompatible, ignored: " + "; ".join(reasons),
+                subkey=subkey,
+                reason="incompatible",
+                differs=reasons,
+            )
             continue
         if rec.leaving and not include_leaving:
             continue
@@ -141,8 +161,16 @@ class PeerAnnouncer:
     ``node.shutdown()``) or until :meth:`stop`.
     """
 
-    def __init__(self, node: DHTNode, record: RecordSource, *, identity: Optional[Identity] = None,
-                 run_id: Optional[str] = None, period_s: float = 5.0, ttl_s: Optional[float] = None):
+    def __init__(
+        self,
+        node: DHTNode,
+        record: RecordSource,
+        *,
+        identity: Optional[Identity] = None,
+        run_id: Optional[str] = None,
+        period_s: float = 5.0,
+        ttl_s: Optional[float] = None,
+    ):
         if period_s <= 0:
             raise ValueError("period_s must be > 0")
         self.node = node
@@ -178,8 +206,9 @@ class PeerAnnouncer:
             raise ValueError(f"PeerRecord.peer_id {rec.peer_id[:10]}… is not this identity's PeerID {mine[:10]}…")
         now = self.node.now()  # swarm time: peers with skewed clocks agree on when it expires
         rec = rec.model_copy(update={"timestamp": now})
-        ok = await self.node.store(peers_key(self.run_id), rec.to_bytes(), now + self.ttl_s,
-                                   subkey=mine, owner=self.identity)
+        ok = await self.node.store(
+            peers_key(self.run_id), rec.to_bytes(), now + self.ttl_s, subkey=mine, owner=self.identity
+        )
         self.last = rec
         self.announced += 1
         return ok
@@ -210,7 +239,14 @@ class PeerAnnouncer:
             self._task = None
 
 
-async def announce_loop(node: DHTNode, record: RecordSource, *, identity: Optional[Identity] = None,
-                        run_id: Optional[str] = None, period_s: float = 5.0, ttl_s: Optional[float] = None) -> None:
+async def announce_loop(
+    node: DHTNode,
+    record: RecordSource,
+    *,
+    identity: Optional[Identity] = None,
+    run_id: Optional[str] = None,
+    period_s: float = 5.0,
+    ttl_s: Optional[float] = None,
+) -> None:
     """Announce ``record`` every ``period_s`` seconds until cancelled (see :class:`PeerAnnouncer`)."""
     await PeerAnnouncer(node, record, identity=identity, run_id=run_id, period_s=period_s, ttl_s=ttl_s).run()

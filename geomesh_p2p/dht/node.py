@@ -231,8 +231,11 @@ class _Merge:
             self.best[vr.subkey] = vr
 
     def result(self, now: float) -> Dict[Optional[str], DHTValue]:
-        return {sk: DHTValue(vr.value, vr.expiration_time, vr.owner)
-                for sk, vr in self.best.items() if vr.expiration_time > now}
+        return {
+            sk: DHTValue(vr.value, vr.expiration_time, vr.owner)
+            for sk, vr in self.best.items()
+            if vr.expiration_time > now
+        }
 
 
 class DHTNode:
@@ -281,15 +284,33 @@ class DHTNode:
         warning (:attr:`reachability`, :attr:`advertised_address`).
     """
 
-    def __init__(self, transport: Transport, *, k: int = 20, alpha: int = 3, num_replicas: Optional[int] = None,
-                 depth_modulo: int = 5, rpc_timeout_s: float = 3.0, refresh_period_s: float = 60.0,
-                 republish_period_s: float = 60.0, limits: RecordLimits = DEFAULT_LIMITS,
-                 blacklist_s: float = 2.0, max_failures: int = 3, join_attempts: int = 5,
-                 join_backoff_s: float = 0.5, storage_size: Optional[int] = None,
-                 quota: StorageQuota = DEFAULT_QUOTA, max_contacts_per_ip: int = 8, max_contacts_per_subnet: int = 32,
-                 limit_loopback: bool = False, max_contact_checks: int = 64, check_reachability: bool = True,
-                 bootstrap_refresh_s: Optional[float] = None, max_clock_skew_s: float = 60.0,
-                 clock: Callable[[], float] = time.time):
+    def __init__(
+        self,
+        transport: Transport,
+        *,
+        k: int = 20,
+        alpha: int = 3,
+        num_replicas: Optional[int] = None,
+        depth_modulo: int = 5,
+        rpc_timeout_s: float = 3.0,
+        refresh_period_s: float = 60.0,
+        republish_period_s: float = 60.0,
+        limits: RecordLimits = DEFAULT_LIMITS,
+        blacklist_s: float = 2.0,
+        max_failures: int = 3,
+        join_attempts: int = 5,
+        join_backoff_s: float = 0.5,
+        storage_size: Optional[int] = None,
+        quota: StorageQuota = DEFAULT_QUOTA,
+        max_contacts_per_ip: int = 8,
+        max_contacts_per_subnet: int = 32,
+        limit_loopback: bool = False,
+        max_contact_checks: int = 64,
+        check_reachability: bool = True,
+        bootstrap_refresh_s: Optional[float] = None,
+        max_clock_skew_s: float = 60.0,
+        clock: Callable[[], float] = time.time,
+    ):
         if k < 1 or alpha < 1:
             raise ValueError(f"k and alpha must be >= 1 (got k={k}, alpha={alpha})")
         self.transport = transport
@@ -461,7 +482,9 @@ class DHTNode:
             self._once(logging.INFO, f"routing table {ip}", f"already holds {n_ip} nodes at {ip}; not adding more")
             return False
         if per_subnet and n_subnet >= per_subnet:
-            self._once(logging.INFO, f"routing table {subnet}", f"already holds {n_subnet} nodes in {subnet}; not adding more")
+            self._once(
+                logging.INFO, f"routing table {subnet}", f"already holds {n_subnet} nodes in {subnet}; not adding more"
+            )
             return False
         return True
 
@@ -494,13 +517,18 @@ class DHTNode:
     async def _ping_back(self, contact: Contact) -> None:
         # Not self.ping(): a caller that lied about its address is not blacklisted or counted as a failure
         # of a known node (those tables would grow with every fake identity).
-        req = dht_pb2.PingRequest(sender=self.self_info(), dht_protocol=DHT_PROTOCOL_VERSION,
-                                  software_version=__version__)
+        req = dht_pb2.PingRequest(
+            sender=self.self_info(), dht_protocol=DHT_PROTOCOL_VERSION, software_version=__version__
+        )
         try:
             answered, resp = await self._call(contact.address, DHT_PING, req, dht_pb2.PingResponse, contact.peer_id)
             if resp.dht_protocol != DHT_PROTOCOL_VERSION:
-                raise RpcError(contact.address, DHT_PING, grpc.StatusCode.FAILED_PRECONDITION,
-                               f"speaks DHT protocol {resp.dht_protocol}")
+                raise RpcError(
+                    contact.address,
+                    DHT_PING,
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"speaks DHT protocol {resp.dht_protocol}",
+                )
             self._on_contact(answered)
         except RpcError as err:
             self.stats.contacts_unverified += 1
@@ -553,8 +581,10 @@ class DHTNode:
         for key_id, _slot, rec in self._held_records(min_remaining_s=self.rpc_timeout_s):
             neighbors = self.routing_table.get_nearest_neighbors(key_id, self.num_replicas, exclude=self.node_id)
             if neighbors:
-                if new_id.xor_distance(key_id) >= neighbors[-1][0].xor_distance(key_id) and \
-                        len(neighbors) >= self.num_replicas:
+                if (
+                    new_id.xor_distance(key_id) >= neighbors[-1][0].xor_distance(key_id)
+                    and len(neighbors) >= self.num_replicas
+                ):
                     continue
                 if self.node_id.xor_distance(key_id) >= neighbors[0][0].xor_distance(key_id):
                     continue
@@ -570,12 +600,17 @@ class DHTNode:
         else:
             address = contact_or_address
         self.stats.rpcs_sent += 1
-        reply: Verified = await self.transport.call(address, method, request.SerializeToString(),
-                                                    timeout=self.rpc_timeout_s)
+        reply: Verified = await self.transport.call(
+            address, method, request.SerializeToString(), timeout=self.rpc_timeout_s
+        )
         contact = Contact(reply.sender, address)
         if expected is not None and reply.sender != expected:
-            raise _WrongPeer(address, method, grpc.StatusCode.FAILED_PRECONDITION,
-                             f"reply signed by {reply.sender.short()}, expected {expected.short()}")
+            raise _WrongPeer(
+                address,
+                method,
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"reply signed by {reply.sender.short()}, expected {expected.short()}",
+            )
         try:
             response = response_cls.FromString(reply.payload)
         except DecodeError as e:
@@ -587,8 +622,9 @@ class DHTNode:
 
         Raises RpcError when it does not answer or refuses, DHTJoinError on a DHT protocol mismatch.
         """
-        req = dht_pb2.PingRequest(sender=self.self_info(), dht_protocol=DHT_PROTOCOL_VERSION,
-                                  software_version=__version__)
+        req = dht_pb2.PingRequest(
+            sender=self.self_info(), dht_protocol=DHT_PROTOCOL_VERSION, software_version=__version__
+        )
         t0 = self._clock()
         try:
             contact, resp = await self._call(address, DHT_PING, req, dht_pb2.PingResponse, expected)
@@ -601,13 +637,16 @@ class DHTNode:
                 self._offsets.clear()
             self._offsets[contact.peer_id] = resp.time - (t0 + self._clock()) / 2
         if resp.dht_protocol != DHT_PROTOCOL_VERSION:
-            raise DHTJoinError(f"{address} speaks DHT protocol {resp.dht_protocol}, this node {DHT_PROTOCOL_VERSION} "
-                               f"(software {resp.software_version or '?'} vs {__version__})")
+            raise DHTJoinError(
+                f"{address} speaks DHT protocol {resp.dht_protocol}, this node {DHT_PROTOCOL_VERSION} "
+                f"(software {resp.software_version or '?'} vs {__version__})"
+            )
         self._on_contact(contact)
         return contact
 
-    async def _find(self, contact: Contact, key_ids: Sequence[DHTID]
-                    ) -> Optional[Dict[DHTID, Tuple[List[VerifiedRecord], Dict[DHTID, Contact]]]]:
+    async def _find(
+        self, contact: Contact, key_ids: Sequence[DHTID]
+    ) -> Optional[Dict[DHTID, Tuple[List[VerifiedRecord], Dict[DHTID, Contact]]]]:
         """FIND at ``contact``; None when it fails. Invalid records and contacts in the reply are dropped."""
         if contact.peer_id in self.blacklist:
             return None
@@ -628,12 +667,16 @@ class DHTNode:
             records: List[VerifiedRecord] = []
             for rec in result.records:
                 try:
-                    records.append(verify_record(rec, run_id=self.run_id, now=now, limits=self.limits,
-                                                 expected_key_id=key_id))
+                    records.append(
+                        verify_record(rec, run_id=self.run_id, now=now, limits=self.limits, expected_key_id=key_id)
+                    )
                 except RecordError as err:
                     self.stats.records_dropped_on_find += 1
-                    self._once(logging.WARNING, contact.peer_id.short(),
-                               f"dropped a record it returned: {err.code.name}: {err.reason}")
+                    self._once(
+                        logging.WARNING,
+                        contact.peer_id.short(),
+                        f"dropped a record it returned: {err.code.name}: {err.reason}",
+                    )
             nearest: Dict[DHTID, Contact] = {}
             for info in result.nearest:
                 if len(info.peer_id) != 32 or not _valid_address(info.address):
@@ -647,12 +690,14 @@ class DHTNode:
             out[key_id] = (records, nearest)
         return out
 
-    async def _send_records(self, contact: Contact, records: List[SignedRecord]) -> Optional[List[dht_pb2.StoreOutcome]]:
+    async def _send_records(
+        self, contact: Contact, records: List[SignedRecord]
+    ) -> Optional[List[dht_pb2.StoreOutcome]]:
         """STORE ``records`` at ``contact`` in chunks; outcomes in order, None when it did not answer."""
         outcomes: List[dht_pb2.StoreOutcome] = []
         step = self.limits.max_records_per_store
         for i in range(0, len(records), step):
-            chunk = records[i:i + step]
+            chunk = records[i : i + step]
             req = dht_pb2.StoreRequest(sender=self.self_info(), records=chunk)
             try:
                 contact, resp = await self._call(contact, DHT_STORE, req, dht_pb2.StoreResponse)
@@ -662,8 +707,9 @@ class DHTNode:
                     self._on_failure(contact)
                     return None
                 # the node answered but refused every record: report why
-                outcomes.extend(dht_pb2.StoreOutcome(stored=False, code=err.code.value[0], reason=err.reason)
-                                for _ in chunk)
+                outcomes.extend(
+                    dht_pb2.StoreOutcome(stored=False, code=err.code.value[0], reason=err.reason) for _ in chunk
+                )
                 continue
             self._on_contact(contact)
             if len(resp.outcomes) != len(chunk):
@@ -690,10 +736,15 @@ class DHTNode:
             fallback.update(got[:beam])
         return nodes or fallback
 
-    async def _traverse(self, key_ids: Sequence[DHTID], *, beam: int,
-                        on_records: Optional[Callable[[DHTID, List[VerifiedRecord], int], bool]] = None,
-                        stats: Optional[LookupStats] = None, await_all: bool = True
-                        ) -> Tuple[Dict[DHTID, List[DHTID]], Dict[DHTID, Contact]]:
+    async def _traverse(
+        self,
+        key_ids: Sequence[DHTID],
+        *,
+        beam: int,
+        on_records: Optional[Callable[[DHTID, List[VerifiedRecord], int], bool]] = None,
+        stats: Optional[LookupStats] = None,
+        await_all: bool = True,
+    ) -> Tuple[Dict[DHTID, List[DHTID]], Dict[DHTID, Contact]]:
         """Iterative Kademlia lookup of ``key_ids`` with hivemind's traverse_dht (alpha workers), in a
         TaskScope: no task of it is left pending when it returns or is cancelled.
 
@@ -751,9 +802,15 @@ class DHTNode:
         # the find calls still in flight after an early end (await_all=False) to this node.
         async with TaskScope(adopt=self._adopt_calls, keep=runs(get_neighbors)):
             nearest, _visited = await traverse_dht(
-                queries=list(key_ids), initial_nodes=list(contacts), beam_size=beam, num_workers=self.alpha,
-                queries_per_call=max(1, min(int(len(key_ids) ** 0.5), 16)), get_neighbors=get_neighbors,
-                visited_nodes={q: {self.node_id} for q in key_ids}, await_all_tasks=await_all)
+                queries=list(key_ids),
+                initial_nodes=list(contacts),
+                beam_size=beam,
+                num_workers=self.alpha,
+                queries_per_call=max(1, min(int(len(key_ids) ** 0.5), 16)),
+                get_neighbors=get_neighbors,
+                visited_nodes={q: {self.node_id} for q in key_ids},
+                await_all_tasks=await_all,
+            )
         return {q: [n for n in ids if n not in failed] for q, ids in nearest.items()}, contacts
 
     def _adopt_calls(self, calls: set) -> None:
@@ -762,8 +819,9 @@ class DHTNode:
         awaited at :meth:`shutdown`, never left pending ("Task was destroyed but it is pending!")."""
         self.tasks.spawn(finish_or_cancel(calls), name="dht-lookup-tail")
 
-    async def find_nearest_nodes(self, key_ids: Sequence[DHTID], k: Optional[int] = None,
-                                 stats: Optional[LookupStats] = None) -> Dict[DHTID, List[Tuple[DHTID, Contact]]]:
+    async def find_nearest_nodes(
+        self, key_ids: Sequence[DHTID], k: Optional[int] = None, stats: Optional[LookupStats] = None
+    ) -> Dict[DHTID, List[Tuple[DHTID, Contact]]]:
         """The ``k`` (default self.k) nearest live nodes to each id, nearest first, never this node."""
         k = k or self.k
         nearest, contacts = await self._traverse(list(key_ids), beam=max(k, self.k), stats=stats)
@@ -800,9 +858,11 @@ class DHTNode:
             ok = [r for r in results if isinstance(r, Contact)]
             twins = [r for r in ok if r.peer_id == self.peer_id]
             if twins:
-                raise IdentityInUseError(f"this PeerID ({self.peer_id.short()}) is already live at {twins[0].address}: "
-                                         f"another process runs with the same --identity key; give each peer its "
-                                         f"own key file")
+                raise IdentityInUseError(
+                    f"this PeerID ({self.peer_id.short()}) is already live at {twins[0].address}: "
+                    f"another process runs with the same --identity key; give each peer its "
+                    f"own key file"
+                )
             if ok:
                 break
             definitive = True
@@ -818,33 +878,56 @@ class DHTNode:
             if definitive or attempt == attempts - 1:
                 break
             wait = delay * random.uniform(0.8, 1.2)
-            events.emit(log, logging.INFO, "dht_join_retry", "no bootstrap answered yet (%s); retrying in %.1f s "
-                        "(attempt %d of %d)", "; ".join(f"{a}: {e}" for a, e in errors.items()), wait, attempt + 1,
-                        attempts, peer=self.peer_id.to_string(), attempt=attempt + 1, attempts=attempts, wait_s=wait)
+            events.emit(
+                log,
+                logging.INFO,
+                "dht_join_retry",
+                "no bootstrap answered yet (%s); retrying in %.1f s (attempt %d of %d)",
+                "; ".join(f"{a}: {e}" for a, e in errors.items()),
+                wait,
+                attempt + 1,
+                attempts,
+                peer=self.peer_id.to_string(),
+                attempt=attempt + 1,
+                attempts=attempts,
+                wait_s=wait,
+            )
             await asyncio.sleep(wait)
             delay = min(delay * 2, 8.0)
         if not ok:
             detail = "; ".join(f"{a}: {e}" for a, e in errors.items())
-            other_run = [a for a, r in refused.items() if r.code == grpc.StatusCode.FAILED_PRECONDITION
-                         and "this node serves" in r.reason]
+            other_run = [
+                a
+                for a, r in refused.items()
+                if r.code == grpc.StatusCode.FAILED_PRECONDITION and "this node serves" in r.reason
+            ]
             if other_run:  # it answered: a wrong --run-id is not "no answer" (issue 14 #10)
-                raise OtherRunError(_other_run_message(other_run[0], refused[other_run[0]].reason,
-                                                      getattr(self.transport, "run_id", "?")))
+                raise OtherRunError(
+                    _other_run_message(
+                        other_run[0], refused[other_run[0]].reason, getattr(self.transport, "run_id", "?")
+                    )
+                )
             if refused and len(refused) == len(errors):
                 raise DHTJoinError(f"could not join the DHT: every bootstrap node refused this node: {detail}")
             tls = getattr(getattr(self.transport, "config", None), "tls", None) is not None
-            raise DHTJoinError(f"could not join the DHT: no bootstrap node answered "
-                               f"({attempt + 1} attempt(s) over {time.monotonic() - t0:.1f}s): {detail}"
-                               f"{_tls_hint(errors.values(), tls)}")
+            raise DHTJoinError(
+                f"could not join the DHT: no bootstrap node answered "
+                f"({attempt + 1} attempt(s) over {time.monotonic() - t0:.1f}s): {detail}"
+                f"{_tls_hint(errors.values(), tls)}"
+            )
         for c in ok:
             self.bootstrap_peers[c.peer_id] = c.address
         self._measure_clock(ok, refuse=True)
         if self.check_reachability and not self.client_only:
             self.reachability = await self.check_reachable([c.address for c in ok])
             if self.reachability.reachable is False:
-                log.warning("nobody can dial this node at %s (bootstrap %s could not: %s); continuing as a "
-                            "client-only node that owns no part. Check --advertise-host, --port and the firewall",
-                            self.reachability.address, self.reachability.checked_by[0], self.reachability.reason)
+                log.warning(
+                    "nobody can dial this node at %s (bootstrap %s could not: %s); continuing as a "
+                    "client-only node that owns no part. Check --advertise-host, --port and the firewall",
+                    self.reachability.address,
+                    self.reachability.checked_by[0],
+                    self.reachability.reason,
+                )
         await self.find_nearest_nodes([self.node_id])
         n = len(self.contacts())
         log.info("DHT node %s joined via %s: %d nodes known", self.peer_id.short(), ", ".join(addresses), n)
@@ -893,9 +976,11 @@ class DHTNode:
         offset = samples[len(samples) // 2]
         if abs(offset) > self.max_clock_skew_s:
             who = next(c.address for c in bootstraps if self._offsets.get(c.peer_id) == offset)
-            msg = (f"this machine's clock is {abs(offset):.0f} s {'behind' if offset > 0 else 'ahead of'} the clock "
-                   f"of bootstrap {who}; the swarm tolerates {self.max_clock_skew_s:.0f} s: set the clock of the "
-                   f"wrong one (enable NTP, e.g. timedatectl set-ntp true)")
+            msg = (
+                f"this machine's clock is {abs(offset):.0f} s {'behind' if offset > 0 else 'ahead of'} the clock "
+                f"of bootstrap {who}; the swarm tolerates {self.max_clock_skew_s:.0f} s: set the clock of the "
+                f"wrong one (enable NTP, e.g. timedatectl set-ntp true)"
+            )
             if refuse:
                 raise ClockSkewError(msg)
             self._once(logging.WARNING, "clock", msg)
@@ -933,13 +1018,18 @@ class DHTNode:
             if self.contacts():
                 await self.find_nearest_nodes([self.node_id])
         threshold = time.time() - self.refresh_period_s
-        stale = [DHTID(random.randint(b.lower, b.upper - 1)) for b in self.routing_table.buckets
-                 if b.last_updated < threshold]
+        stale = [
+            DHTID(random.randint(b.lower, b.upper - 1))
+            for b in self.routing_table.buckets
+            if b.last_updated < threshold
+        ]
         if stale:
             await self.find_nearest_nodes(stale)
 
     # ------------------------------------------------------------------ local storage
-    def _held_records(self, min_remaining_s: float = 0.0) -> List[Tuple[DHTID, Tuple[DHTID, Optional[str]], SignedRecord]]:
+    def _held_records(
+        self, min_remaining_s: float = 0.0
+    ) -> List[Tuple[DHTID, Tuple[DHTID, Optional[str]], SignedRecord]]:
         """Every record this node holds that expires later than now + ``min_remaining_s``."""
         horizon = time.time() + min_remaining_s
         out = []
@@ -982,8 +1072,9 @@ class DHTNode:
             if vr.subkey is None:
                 if held is not None and isinstance(held.value, DictionaryDHTValue):
                     if len(held.value) > 0:
-                        raise RecordError(grpc.StatusCode.FAILED_PRECONDITION,
-                                          "key holds values under subkeys; store with a subkey")
+                        raise RecordError(
+                            grpc.StatusCode.FAILED_PRECONDITION, "key holds values under subkeys; store with a subkey"
+                        )
                 elif held is not None:
                     cur_bytes = held.value
             elif held is not None:
@@ -992,8 +1083,10 @@ class DHTNode:
                     if sub is not None:
                         cur_bytes = sub.value
                     elif len(held.value) >= self.limits.max_subkeys_per_key:
-                        raise RecordError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                          f"key already holds {self.limits.max_subkeys_per_key} subkeys")
+                        raise RecordError(
+                            grpc.StatusCode.RESOURCE_EXHAUSTED,
+                            f"key already holds {self.limits.max_subkeys_per_key} subkeys",
+                        )
                 else:  # a plain value would be replaced by a dictionary
                     cur_bytes = held.value
             if cur_bytes is not None:
@@ -1001,16 +1094,21 @@ class DHTNode:
                 cur_exp = cur.expiration_time  # swarm time (the storage holds it shifted to local time)
                 if cur.owner_public_key and cur.owner_public_key != vr.record.owner_public_key:
                     holder = PeerID.from_public_key(cur.owner_public_key).short()
-                    raise RecordError(grpc.StatusCode.PERMISSION_DENIED,
-                                      f"slot is held by a record signed by {holder} for {cur_exp - now:.0f}s more")
+                    raise RecordError(
+                        grpc.StatusCode.PERMISSION_DENIED,
+                        f"slot is held by a record signed by {holder} for {cur_exp - now:.0f}s more",
+                    )
                 if cur_exp >= vr.expiration_time:
                     if from_peer is not None and cur_exp == vr.expiration_time and self.republish_period_s:
                         self._fresh[(vr.key_id, vr.subkey)] = now
                     if cur_bytes == rec.SerializeToString():
                         # A republish of exactly the record held here: it is stored, nothing to say.
                         return dht_pb2.StoreOutcome(stored=True, code=0, reason="")
-                    return dht_pb2.StoreOutcome(stored=False, code=0,
-                                                reason=f"a value expiring {cur_exp - vr.expiration_time:+.1f}s later is held")
+                    return dht_pb2.StoreOutcome(
+                        stored=False,
+                        code=0,
+                        reason=f"a value expiring {cur_exp - vr.expiration_time:+.1f}s later is held",
+                    )
             data = rec.SerializeToString()
             slot = (vr.key_id, vr.subkey)
             self.ledger.charge(slot, vr.owner, len(data), vr.expiration_time, now)
@@ -1038,7 +1136,9 @@ class DHTNode:
             raise RecordError(grpc.StatusCode.INVALID_ARGUMENT, "sender node_id is not SHA-1 of its PeerID")
         if info.address:
             if not _valid_address(info.address):
-                raise RecordError(grpc.StatusCode.INVALID_ARGUMENT, f"sender address {info.address[:60]!r} is not host:port")
+                raise RecordError(
+                    grpc.StatusCode.INVALID_ARGUMENT, f"sender address {info.address[:60]!r} is not host:port"
+                )
             contact = Contact(verified.sender, info.address)
             if self.routing_table.get(node_id=contact.node_id) == contact:
                 self._on_contact(contact)  # known at this address (it answered us there): refresh it
@@ -1049,12 +1149,15 @@ class DHTNode:
         self._alive_check()
         req = _parse(dht_pb2.PingRequest, verified.payload, "PingRequest")
         if req.dht_protocol != DHT_PROTOCOL_VERSION:
-            raise RecordError(grpc.StatusCode.FAILED_PRECONDITION,
-                              f"DHT protocol {req.dht_protocol} vs {DHT_PROTOCOL_VERSION} on this node "
-                              f"(software {req.software_version or '?'} vs {__version__})")
+            raise RecordError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"DHT protocol {req.dht_protocol} vs {DHT_PROTOCOL_VERSION} on this node "
+                f"(software {req.software_version or '?'} vs {__version__})",
+            )
         self._note_sender(verified, req.sender)
-        return dht_pb2.PingResponse(node=self.self_info(), time=self.now(), dht_protocol=DHT_PROTOCOL_VERSION,
-                                    software_version=__version__).SerializeToString()
+        return dht_pb2.PingResponse(
+            node=self.self_info(), time=self.now(), dht_protocol=DHT_PROTOCOL_VERSION, software_version=__version__
+        ).SerializeToString()
 
     async def _rpc_check_reachable(self, verified: Verified, context) -> bytes:
         """Dial the caller back at the address its request names and say whether it answered there,
@@ -1066,13 +1169,15 @@ class DHTNode:
         if info.peer_id and info.peer_id != bytes(verified.sender):
             raise RecordError(grpc.StatusCode.INVALID_ARGUMENT, "sender NodeInfo names another PeerID than the signer")
         if not _valid_address(info.address):
-            raise RecordError(grpc.StatusCode.INVALID_ARGUMENT,
-                              f"no address to dial back ({info.address[:60]!r} is not host:port)")
+            raise RecordError(
+                grpc.StatusCode.INVALID_ARGUMENT, f"no address to dial back ({info.address[:60]!r} is not host:port)"
+            )
         if verified.sender in self._dialing_back:
             raise RecordError(grpc.StatusCode.RESOURCE_EXHAUSTED, "a dial-back of this peer is under way")
         self._dialing_back.add(verified.sender)
-        ping = dht_pb2.PingRequest(sender=self.self_info(), dht_protocol=DHT_PROTOCOL_VERSION,
-                                   software_version=__version__)
+        ping = dht_pb2.PingRequest(
+            sender=self.self_info(), dht_protocol=DHT_PROTOCOL_VERSION, software_version=__version__
+        )
         try:
             try:
                 answered, resp = await self._call(info.address, DHT_PING, ping, dht_pb2.PingResponse, verified.sender)
@@ -1085,8 +1190,9 @@ class DHTNode:
                     raise
                 answered, resp = await self._call(info.address, DHT_PING, ping, dht_pb2.PingResponse, verified.sender)
         except RpcError as err:
-            return dht_pb2.StoreOutcome(stored=False, code=err.code.value[0],
-                                        reason=f"{err.code.name}: {err.reason or 'no answer'}"[:300]).SerializeToString()
+            return dht_pb2.StoreOutcome(
+                stored=False, code=err.code.value[0], reason=f"{err.code.name}: {err.reason or 'no answer'}"[:300]
+            ).SerializeToString()
         finally:
             self._dialing_back.discard(verified.sender)
         if resp.dht_protocol == DHT_PROTOCOL_VERSION:
@@ -1103,14 +1209,17 @@ class DHTNode:
         address = self.transport.address
         if self.client_only or address is None or not bootstraps:
             return Reachability(address, None)
-        req = dht_pb2.PingRequest(sender=dht_pb2.NodeInfo(node_id=self.node_id.to_bytes(), address=address,
-                                                          peer_id=bytes(self.peer_id)),
-                                  dht_protocol=DHT_PROTOCOL_VERSION, software_version=__version__)
+        req = dht_pb2.PingRequest(
+            sender=dht_pb2.NodeInfo(node_id=self.node_id.to_bytes(), address=address, peer_id=bytes(self.peer_id)),
+            dht_protocol=DHT_PROTOCOL_VERSION,
+            software_version=__version__,
+        )
 
         async def ask(b: str) -> Optional[dht_pb2.StoreOutcome]:
             try:
-                reply = await self.transport.call(b, DHT_CHECK_REACHABLE, req.SerializeToString(),
-                                                  timeout=2 * self.rpc_timeout_s + 1.0)
+                reply = await self.transport.call(
+                    b, DHT_CHECK_REACHABLE, req.SerializeToString(), timeout=2 * self.rpc_timeout_s + 1.0
+                )
                 return dht_pb2.StoreOutcome.FromString(reply.payload)
             except (RpcError, DecodeError) as e:
                 log.debug("reachability check at %s failed: %s", b, e)
@@ -1131,17 +1240,24 @@ class DHTNode:
         if not req.records:
             raise RecordError(grpc.StatusCode.INVALID_ARGUMENT, "StoreRequest holds no records")
         if len(req.records) > self.limits.max_records_per_store:
-            raise RecordError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                              f"{len(req.records)} records in one store, over the limit of {self.limits.max_records_per_store}")
+            raise RecordError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{len(req.records)} records in one store, over the limit of {self.limits.max_records_per_store}",
+            )
         self._note_sender(verified, req.sender)
         outcomes = [self._store_local(rec, from_peer=verified.sender) for rec in req.records]
         refused = [o for o in outcomes if o.code != 0]
         for o in refused:
-            self._once(logging.WARNING, f"refused record from {verified.sender.short()}",
-                       f"{grpc.StatusCode(_code(o.code)).name}: {o.reason}")
+            self._once(
+                logging.WARNING,
+                f"refused record from {verified.sender.short()}",
+                f"{grpc.StatusCode(_code(o.code)).name}: {o.reason}",
+            )
         if refused and len(refused) == len(outcomes):
             first = refused[0]
-            reason = first.reason if len(outcomes) == 1 else f"all {len(outcomes)} records refused; first: {first.reason}"
+            reason = (
+                first.reason if len(outcomes) == 1 else f"all {len(outcomes)} records refused; first: {first.reason}"
+            )
             raise RecordError(_code(first.code), reason)
         return dht_pb2.StoreResponse(outcomes=outcomes).SerializeToString()
 
@@ -1151,8 +1267,10 @@ class DHTNode:
         if not req.keys:
             raise RecordError(grpc.StatusCode.INVALID_ARGUMENT, "FindRequest holds no keys")
         if len(req.keys) > self.limits.max_keys_per_find:
-            raise RecordError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                              f"{len(req.keys)} keys in one find, over the limit of {self.limits.max_keys_per_find}")
+            raise RecordError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{len(req.keys)} keys in one find, over the limit of {self.limits.max_keys_per_find}",
+            )
         if any(len(k) != DHTID.HASH_NBYTES for k in req.keys):
             raise RecordError(grpc.StatusCode.INVALID_ARGUMENT, f"a key is not a {DHTID.HASH_NBYTES}-byte DHTID")
         self._note_sender(verified, req.sender)
@@ -1176,8 +1294,14 @@ class DHTNode:
     def _check_own(self, rec: SignedRecord) -> VerifiedRecord:
         return verify_record(rec, run_id=self.run_id, now=self.now(), limits=self.limits)
 
-    async def store(self, key: str, value: bytes, expiration_time: float, subkey: Optional[str] = None,
-                    owner: Optional[Identity] = None) -> bool:
+    async def store(
+        self,
+        key: str,
+        value: bytes,
+        expiration_time: float,
+        subkey: Optional[str] = None,
+        owner: Optional[Identity] = None,
+    ) -> bool:
         """Store ``value`` under ``key`` (and ``subkey``) on the k nearest nodes until ``expiration_time``
         (unix seconds). Signed by ``owner`` when given; an owner-named key or subkey requires it.
 
@@ -1201,8 +1325,9 @@ class DHTNode:
         ok = await self._replicate({vr.key_id: [rec]})
         return ok[vr.key_id][0]
 
-    async def _replicate(self, by_key: Dict[DHTID, List[SignedRecord]], *, from_peer_self: bool = True
-                         ) -> Dict[DHTID, List[bool]]:
+    async def _replicate(
+        self, by_key: Dict[DHTID, List[SignedRecord]], *, from_peer_self: bool = True
+    ) -> Dict[DHTID, List[bool]]:
         """Store each key's records on its ``num_replicas`` nearest nodes (this one included when it
         serves); an unreachable target is replaced by the next nearest. Returns, per key, per record:
         accepted by at least one node."""
@@ -1219,8 +1344,8 @@ class DHTNode:
             reasons: List[str] = []
             done = 0
             while candidates and done < self.num_replicas:
-                batch = candidates[:self.num_replicas - done]
-                candidates = candidates[len(batch):]
+                batch = candidates[: self.num_replicas - done]
+                candidates = candidates[len(batch) :]
                 outs = await asyncio.gather(*(self._store_at(nid, contacts, records) for nid in batch))
                 for out in outs:
                     if out is None:
@@ -1242,8 +1367,9 @@ class DHTNode:
             return [self._store_local(r, from_peer=None) for r in records]
         return await self._send_records(contacts[nid], records)
 
-    async def get(self, key: str, latest: bool = True, *, stats: Optional[LookupStats] = None
-                  ) -> Dict[Optional[str], DHTValue]:
+    async def get(
+        self, key: str, latest: bool = True, *, stats: Optional[LookupStats] = None
+    ) -> Dict[Optional[str], DHTValue]:
         """Find ``key``: ``{subkey or None: DHTValue(value, expiration_time, owner)}``, ``{}`` if absent.
 
         ``latest=True`` asks all k nearest nodes and keeps, per subkey, the signed record with the
@@ -1307,7 +1433,7 @@ class DHTNode:
         n = sum(len(v) for v in payload.values())
         keys = list(payload)
         for i in range(0, len(keys), self.limits.max_keys_per_find):
-            part = {q: payload[q] for q in keys[i:i + self.limits.max_keys_per_find]}
+            part = {q: payload[q] for q in keys[i : i + self.limits.max_keys_per_find]}
             await self._replicate(part)
         for q, recs in payload.items():
             for rec in recs:

@@ -54,16 +54,20 @@ class SwarmProgress:
     by: str = ""
 
     def to_bytes(self) -> bytes:
-        return json.dumps({"round": self.round, "seen_at": self.seen_at, "peers": self.peers},
-                          sort_keys=True).encode()
+        return json.dumps({"round": self.round, "seen_at": self.seen_at, "peers": self.peers}, sort_keys=True).encode()
 
     @classmethod
     def from_bytes(cls, data: bytes, by: str = "") -> "SwarmProgress":
         """Raises ValueError on anything but {"round": int >= 0, "seen_at": number, "peers": int >= 0}."""
         d = json.loads(data.decode())
         rnd, seen, peers = d.get("round"), d.get("seen_at"), d.get("peers")
-        if not (isinstance(rnd, int) and rnd >= 0 and isinstance(peers, int) and peers >= 0
-                and isinstance(seen, (int, float))):
+        if not (
+            isinstance(rnd, int)
+            and rnd >= 0
+            and isinstance(peers, int)
+            and peers >= 0
+            and isinstance(seen, (int, float))
+        ):
             raise ValueError(f"malformed progress entry {d!r:.80}")
         return cls(rnd, float(seen), peers, by)
 
@@ -72,8 +76,13 @@ async def publish_progress(node: DHTNode, progress: SwarmProgress, identity: Opt
     """Store ``progress`` under ``<run>/progress``, subkey = this node's PeerID, signed, for 24 h (the
     node republishes it). Returns whether a node accepted it."""
     identity = identity or node.identity
-    return await node.store(progress_key(node.run_id), progress.to_bytes(), node.now() + PROGRESS_TTL_S,
-                            subkey=identity.peer_id.to_string(), owner=identity)
+    return await node.store(
+        progress_key(node.run_id),
+        progress.to_bytes(),
+        node.now() + PROGRESS_TTL_S,
+        subkey=identity.peer_id.to_string(),
+        owner=identity,
+    )
 
 
 async def swarm_progress(node: DHTNode, run_id: Optional[str] = None) -> Optional[SwarmProgress]:
@@ -110,8 +119,11 @@ class BootstrapState:
     def capture(cls, node: DHTNode, progress: Optional[SwarmProgress]) -> "BootstrapState":
         """This node's routing table (at most MAX_SAVED_CONTACTS contacts) and ``progress``, now."""
         contacts = [[c.peer_id.to_string(), c.address] for c in node.contacts()[:MAX_SAVED_CONTACTS]]
-        prog = None if progress is None else {"round": progress.round, "seen_at": progress.seen_at,
-                                              "peers": progress.peers}
+        prog = (
+            None
+            if progress is None
+            else {"round": progress.round, "seen_at": progress.seen_at, "peers": progress.peers}
+        )
         return cls(node.run_id, contacts, prog, time.time())
 
     def contact_list(self) -> List[Contact]:
@@ -137,6 +149,7 @@ class BootstrapState:
     def save(self, path: str) -> None:
         """Write atomically (a temporary file in the same directory, then rename): a crash mid-write
         leaves the previous file. Blocking file I/O: call it in a worker thread. Raises OSError."""
+
         def write(tmp: str) -> None:
             with open(tmp, "w") as f:
                 json.dump(asdict(self), f)
@@ -150,15 +163,21 @@ class BootstrapState:
         p = Path(path).expanduser()
         try:
             d = json.loads(p.read_text())
-            state = cls(run_id=d["run_id"], contacts=list(d.get("contacts") or []), progress=d.get("progress"),
-                        saved_at=float(d.get("saved_at", 0.0)), version=int(d.get("version", 0)))
+            state = cls(
+                run_id=d["run_id"],
+                contacts=list(d.get("contacts") or []),
+                progress=d.get("progress"),
+                saved_at=float(d.get("saved_at", 0.0)),
+                version=int(d.get("version", 0)),
+            )
         except FileNotFoundError:
             return None
         except (OSError, ValueError, KeyError, TypeError) as e:
             log.warning("ignoring the saved bootstrap state %s: %s", p, e)
             return None
         if state.version != STATE_VERSION or state.run_id != run_id:
-            log.info("ignoring the saved bootstrap state %s: it is of run %r (version %d)", p, state.run_id,
-                     state.version)
+            log.info(
+                "ignoring the saved bootstrap state %s: it is of run %r (version %d)", p, state.run_id, state.version
+            )
             return None
         return state

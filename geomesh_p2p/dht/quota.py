@@ -110,15 +110,19 @@ class StorageLedger:
         if okey is None:
             unsigned = self.unsigned - (old_size if had and old_owner is None else 0) + size
             if unsigned > q.max_unsigned_bytes:
-                raise self._refuse(f"unsigned values on this node would take {unsigned} bytes, over the quota of "
-                                   f"{q.max_unsigned_bytes}")
+                raise self._refuse(
+                    f"unsigned values on this node would take {unsigned} bytes, over the quota of "
+                    f"{q.max_unsigned_bytes}"
+                )
         else:
             assert owner is not None  # okey is bytes(owner)
             ob = self._owner_bytes.get(okey, 0) - (old_size if same_owner else 0) + size
             orec = self._owner_records.get(okey, 0) + (0 if same_owner else 1)
             if ob > q.max_owner_bytes or orec > q.max_owner_records:
-                raise self._refuse(f"records signed by {owner.short()} would take {ob} bytes in {orec} records on this "
-                                   f"node, over the quota of {q.max_owner_bytes} bytes / {q.max_owner_records} records")
+                raise self._refuse(
+                    f"records signed by {owner.short()} would take {ob} bytes in {orec} records on this "
+                    f"node, over the quota of {q.max_owner_bytes} bytes / {q.max_owner_records} records"
+                )
         if key_bytes > q.max_key_bytes:
             raise self._refuse(f"the key would hold {key_bytes} bytes, over the quota of {q.max_key_bytes} per key")
         if total > q.max_total_bytes:

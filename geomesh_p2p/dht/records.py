@@ -144,35 +144,52 @@ def _lp(b: bytes) -> bytes:
     return struct.pack("<I", len(b)) + b
 
 
-def canonical_record_bytes(run_id: str, key: str, subkey: Optional[str], value: bytes,
-                           expiration_time: float, owner_public_key: bytes) -> bytes:
+def canonical_record_bytes(
+    run_id: str, key: str, subkey: Optional[str], value: bytes, expiration_time: float, owner_public_key: bytes
+) -> bytes:
     """The exact bytes a record signature covers (length-prefixed, little-endian; not protobuf)."""
-    return b"".join([
-        RECORD_DOMAIN,
-        _lp(run_id.encode()),
-        _lp(key.encode()),
-        b"\x00" if subkey is None else b"\x01" + _lp(subkey.encode()),
-        _lp(value),
-        struct.pack("<d", expiration_time),
-        _lp(owner_public_key),
-    ])
+    return b"".join(
+        [
+            RECORD_DOMAIN,
+            _lp(run_id.encode()),
+            _lp(key.encode()),
+            b"\x00" if subkey is None else b"\x01" + _lp(subkey.encode()),
+            _lp(value),
+            struct.pack("<d", expiration_time),
+            _lp(owner_public_key),
+        ]
+    )
 
 
-def make_record(key: str, value: bytes, expiration_time: float, *, subkey: Optional[str] = None,
-                owner: Optional[Identity] = None, run_id: str) -> SignedRecord:
+def make_record(
+    key: str,
+    value: bytes,
+    expiration_time: float,
+    *,
+    subkey: Optional[str] = None,
+    owner: Optional[Identity] = None,
+    run_id: str,
+) -> SignedRecord:
     """Build a record; signed by ``owner`` when given (unsigned otherwise). Does not validate it."""
     rec = SignedRecord(key=key, value=bytes(value), expiration_time=float(expiration_time))
     if subkey is not None:
         rec.subkey = subkey
     if owner is not None:
         rec.owner_public_key = owner.public_key_bytes
-        rec.signature = owner.sign(canonical_record_bytes(
-            run_id, key, subkey, rec.value, rec.expiration_time, owner.public_key_bytes))
+        rec.signature = owner.sign(
+            canonical_record_bytes(run_id, key, subkey, rec.value, rec.expiration_time, owner.public_key_bytes)
+        )
     return rec
 
 
-def verify_record(rec: SignedRecord, *, run_id: str, now: float, limits: RecordLimits = DEFAULT_LIMITS,
-                  expected_key_id: Optional[DHTID] = None) -> VerifiedRecord:
+def verify_record(
+    rec: SignedRecord,
+    *,
+    run_id: str,
+    now: float,
+    limits: RecordLimits = DEFAULT_LIMITS,
+    expected_key_id: Optional[DHTID] = None,
+) -> VerifiedRecord:
     """Check one record; return it verified or raise :class:`RecordError`.
 
     Checks (status in brackets): empty or oversized key/subkey [INVALID_ARGUMENT], value over
@@ -187,40 +204,51 @@ def verify_record(rec: SignedRecord, *, run_id: str, now: float, limits: RecordL
     if not key:
         raise RecordError(grpc.StatusCode.INVALID_ARGUMENT, "record has an empty key")
     if len(key.encode()) > limits.max_key_bytes:
-        raise RecordError(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"key of {len(key.encode())} bytes is over the limit of {limits.max_key_bytes}")
+        raise RecordError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"key of {len(key.encode())} bytes is over the limit of {limits.max_key_bytes}",
+        )
     if subkey is not None and len(subkey.encode()) > limits.max_subkey_bytes:
-        raise RecordError(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"subkey of {len(subkey.encode())} bytes is over the limit of {limits.max_subkey_bytes}")
+        raise RecordError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"subkey of {len(subkey.encode())} bytes is over the limit of {limits.max_subkey_bytes}",
+        )
     if len(rec.value) > limits.max_value_bytes:
-        raise RecordError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          f"value of {len(rec.value)} bytes is over the limit of {limits.max_value_bytes}")
+        raise RecordError(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"value of {len(rec.value)} bytes is over the limit of {limits.max_value_bytes}",
+        )
     exp = rec.expiration_time
     if not math.isfinite(exp):
         raise RecordError(grpc.StatusCode.INVALID_ARGUMENT, f"expiration time {exp} is not a finite number")
     if exp <= now:
         raise RecordError(grpc.StatusCode.OUT_OF_RANGE, f"record expired {now - exp:.1f}s ago")
     if exp > now + limits.max_ttl_s:
-        raise RecordError(grpc.StatusCode.OUT_OF_RANGE,
-                          f"record expires in {exp - now:.0f}s, over the maximum lifetime of {limits.max_ttl_s:.0f}s")
+        raise RecordError(
+            grpc.StatusCode.OUT_OF_RANGE,
+            f"record expires in {exp - now:.0f}s, over the maximum lifetime of {limits.max_ttl_s:.0f}s",
+        )
     pk, sig = rec.owner_public_key, rec.signature
     owner: Optional[PeerID] = None
     if pk or sig:
         if len(pk) != PUBLIC_KEY_BYTES or len(sig) != SIGNATURE_BYTES:
-            raise RecordError(grpc.StatusCode.INVALID_ARGUMENT,
-                              "malformed record signature: owner key must be 32 bytes and signature 64")
+            raise RecordError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "malformed record signature: owner key must be 32 bytes and signature 64",
+            )
         if not verify_signature(pk, sig, canonical_record_bytes(run_id, key, subkey, rec.value, exp, pk)):
             raise RecordError(grpc.StatusCode.UNAUTHENTICATED, "bad record signature (forged or altered record)")
         owner = PeerID.from_public_key(pk)
     if owner is None and limits.signed_run_keys and key.startswith(run_id + "/"):
-        raise RecordError(grpc.StatusCode.PERMISSION_DENIED,
-                          f"unsigned value under a key of run {run_id!r}: values under {run_id}/... must be signed")
+        raise RecordError(
+            grpc.StatusCode.PERMISSION_DENIED,
+            f"unsigned value under a key of run {run_id!r}: values under {run_id}/... must be signed",
+        )
     need = required_owner(key, subkey)
     if need is not None and owner != need:
         what = "subkey" if OWNER_MARK not in key else "key"
         signer = f"signed by {owner.short()}" if owner is not None else "unsigned"
-        raise RecordError(grpc.StatusCode.PERMISSION_DENIED,
-                          f"{what} is owned by {need.short()}; record is {signer}")
+        raise RecordError(grpc.StatusCode.PERMISSION_DENIED, f"{what} is owned by {need.short()}; record is {signer}")
     key_id = key_id_of(key)
     if expected_key_id is not None and key_id != expected_key_id:
         raise RecordError(grpc.StatusCode.INVALID_ARGUMENT, "record key does not hash to the DHT key asked for")

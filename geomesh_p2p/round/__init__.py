@@ -5,16 +5,57 @@ from here."""
 import logging
 
 from geomesh_p2p.round.backoff import Backoff
-from geomesh_p2p.round.plans import (LEADER_WAIT_CANDIDATES, DigestCheck, PlanStore, choose_plan, digest_majority,
-                                     leader_order, leader_rank, obtain_plan, plan_key, takeover_delay)
+from geomesh_p2p.round.plans import (
+    LEADER_WAIT_CANDIDATES,
+    DigestCheck,
+    PlanStore,
+    choose_plan,
+    digest_majority,
+    leader_order,
+    leader_rank,
+    obtain_plan,
+    plan_key,
+    takeover_delay,
+)
 from geomesh_p2p.round.driver import DriverConfig, Phase, RoundContext, RoundDriver, no_work
-from geomesh_p2p.round.ports import (Clock, Collective, GlobalStatePort, Membership, PlanAgreement, RoundPolicy,
-                                     SystemClock, Trainer)
+from geomesh_p2p.round.ports import (
+    Clock,
+    Collective,
+    GlobalStatePort,
+    Membership,
+    PlanAgreement,
+    RoundPolicy,
+    SystemClock,
+    Trainer,
+)
 
-__all__ = ["Backoff", "LEADER_WAIT_CANDIDATES", "DigestCheck", "PlanStore", "choose_plan", "digest_majority",
-           "leader_order", "leader_rank", "obtain_plan", "plan_key", "takeover_delay", "DriverConfig", "Phase",
-           "RoundContext", "RoundDriver", "no_work", "Clock", "Collective", "GlobalStatePort", "Membership",
-           "PlanAgreement", "RoundPolicy", "SystemClock", "Trainer", "DhtPlanAgreement"]
+__all__ = [
+    "Backoff",
+    "LEADER_WAIT_CANDIDATES",
+    "DigestCheck",
+    "PlanStore",
+    "choose_plan",
+    "digest_majority",
+    "leader_order",
+    "leader_rank",
+    "obtain_plan",
+    "plan_key",
+    "takeover_delay",
+    "DriverConfig",
+    "Phase",
+    "RoundContext",
+    "RoundDriver",
+    "no_work",
+    "Clock",
+    "Collective",
+    "GlobalStatePort",
+    "Membership",
+    "PlanAgreement",
+    "RoundPolicy",
+    "SystemClock",
+    "Trainer",
+    "DhtPlanAgreement",
+]
 
 
 class DhtPlanAgreement:
@@ -40,5 +81,13 @@ class DhtPlanAgreement:
         spawn(store(), name=f"plan-{plan.round}")
 
     async def agree(self, round, members, make_plan, *, accept, candidates, plan_timeout_s, provisional=None):
-        return await obtain_plan(self.store, round, members, make_plan, plan_timeout_s=plan_timeout_s,
-                                 accept=accept, candidates=candidates, provisional=provisional)
+        return await obtain_plan(
+            self.store,
+            round,
+            members,
+            make_plan,
+            plan_timeout_s=plan_timeout_s,
+            accept=accept,
+            candidates=candidates,
+            provisional=provisional,
+        )

@@ -31,8 +31,18 @@ from geomesh_p2p.probation import PROBATION_SYNC_WAIT_S
 from geomesh_p2p.records import PeerRecord
 from geomesh_p2p.round.backoff import Backoff
 from geomesh_p2p.round.plans import digest_majority
-from geomesh_p2p.round.ports import (Clock, Collective, GlobalStatePort, Membership, PlanAgreement, PlanDeferred, RoundPolicy,
-                                     SnapshotEvaluator, SystemClock, Trainer)
+from geomesh_p2p.round.ports import (
+    Clock,
+    Collective,
+    GlobalStatePort,
+    Membership,
+    PlanAgreement,
+    PlanDeferred,
+    RoundPolicy,
+    SnapshotEvaluator,
+    SystemClock,
+    Trainer,
+)
 from geomesh_p2p.state_sync import StateSyncError
 
 # Round log lines keep the node's logger name: operators' filters and the tests' caplog select on it.
@@ -60,10 +70,12 @@ LINEAGE_ROUNDS = 4096
 STALL_VOID_SHARE = 0.5
 
 #: Which side of a healed partition survives (docs/round.md, "Partitions"); said in the dropped side's line.
-SURVIVOR_RULE = ("a peer adopts the state more than half of the vote backs (standing.choose_state: each other peer "
-                 "weighs the rounds this peer saw it deliver among the last 32) once it is at a later round than its "
-                 "own, or when a plan of the other side's leader plans it out; after a partition of under 16 rounds "
-                 "the side at the later round survives (docs/round.md, Partitions)")
+SURVIVOR_RULE = (
+    "a peer adopts the state more than half of the vote backs (standing.choose_state: each other peer "
+    "weighs the rounds this peer saw it deliver among the last 32) once it is at a later round than its "
+    "own, or when a plan of the other side's leader plans it out; after a partition of under 16 rounds "
+    "the side at the later round survives (docs/round.md, Partitions)"
+)
 
 __all__ = ["Phase", "DriverConfig", "RoundDriver", "RoundContext", "LineageEntry", "SwarmEnded", "no_work"]
 
@@ -136,8 +148,14 @@ def no_work(compute_s: float):
     gives its contribution no weight)."""
     from geomesh_p2p.training import InnerResult  # training imports transformers: load it only when needed
 
-    return InnerResult(steps_done=0, tokens=0, mean_loss=float("nan"), last_loss=float("nan"),
-                       compute_s=max(0.0, compute_s), stopped_early=True)
+    return InnerResult(
+        steps_done=0,
+        tokens=0,
+        mean_loss=float("nan"),
+        last_loss=float("nan"),
+        compute_s=max(0.0, compute_s),
+        stopped_early=True,
+    )
 
 
 @dataclass
@@ -235,11 +253,24 @@ class RoundDriver:
         history: the node's list of RoundRecord rows (appended to).
     """
 
-    def __init__(self, *, membership: Membership, plans: PlanAgreement, trainer: Trainer, collective: Collective,
-                 state: GlobalStatePort, policy: RoundPolicy, cfg: DriverConfig, stop: asyncio.Event,
-                 clock: Optional[Clock] = None, traffic: Callable[[], tuple[int, int]] = lambda: (0, 0),
-                 history: Optional[list] = None, leaving: Callable[[bool], None] = lambda _: None,
-                 loop_stall: Callable[[], Optional[float]] = lambda: None, feedback: Any = None):
+    def __init__(
+        self,
+        *,
+        membership: Membership,
+        plans: PlanAgreement,
+        trainer: Trainer,
+        collective: Collective,
+        state: GlobalStatePort,
+        policy: RoundPolicy,
+        cfg: DriverConfig,
+        stop: asyncio.Event,
+        clock: Optional[Clock] = None,
+        traffic: Callable[[], tuple[int, int]] = lambda: (0, 0),
+        history: Optional[list] = None,
+        leaving: Callable[[bool], None] = lambda _: None,
+        loop_stall: Callable[[], Optional[float]] = lambda: None,
+        feedback: Any = None,
+    ):
         """``loop_stall``: the worst event-loop stall (seconds) since its previous call (LoopLagMonitor.take_worst),
         into each round's row as ``loop_stall_ms``; None: not measured. ``feedback``: the run's error feedback
         (:class:`~geomesh_p2p.compression.feedback.PushFeedback`, ``--error-feedback``) applied to this peer's
@@ -366,11 +397,16 @@ class RoundDriver:
         majority, _, _ = digest_majority(others, r)
         swarm_round = max(x.round for x in others)
         synced = majority is not None and majority == self.state.digest and swarm_round <= r
-        state = (f"the swarm's last state (round {r}, digest {(self.state.digest or '')[:8]})" if synced else
-                 f"NOT the swarm's: this peer holds round {r}, digest {(self.state.digest or '')[:8]}, the swarm "
-                 f"ended at round {swarm_round}" + (f" with digest {majority[:8]}" if majority else ""))
-        why = (f"the swarm ended: every other peer ({len(others)}) announced leaving, the latest at round "
-               f"{swarm_round}; this peer's state is {state}")
+        state = (
+            f"the swarm's last state (round {r}, digest {(self.state.digest or '')[:8]})"
+            if synced
+            else f"NOT the swarm's: this peer holds round {r}, digest {(self.state.digest or '')[:8]}, the swarm "
+            f"ended at round {swarm_round}" + (f" with digest {majority[:8]}" if majority else "")
+        )
+        why = (
+            f"the swarm ended: every other peer ({len(others)}) announced leaving, the latest at round "
+            f"{swarm_round}; this peer's state is {state}"
+        )
         return SwarmEnded(round=r, swarm_round=swarm_round, synced=synced, why=why)
 
     def _left_alone(self, everyone: Sequence[PeerRecord], waited_s: float) -> SwarmEnded:
@@ -382,19 +418,28 @@ class RoundDriver:
         r = self.state.round
         others = [x for x in everyone if x.peer_id != self.me]
         seen = max([self._swarm_seen] + [x.round for x in others])
-        state = (f"NOT the swarm's: the swarm was last seen at round {seen}" if seen > r else
-                 "NOT known to be the swarm's last: the swarm confirmed it, and where the swarm ended is unknown"
-                 if self._confirmed_round >= r else
-                 "NOT the swarm's: the swarm never confirmed it (its last round had no agreeing digest check)")
-        why = (f"no other peer of the run is live (waited {waited_s:.0f} s for --min-peers {self.cfg.min_peers}); "
-               f"this peer's state (round {r}, digest {(self.state.digest or '')[:8]}) is {state}")
+        state = (
+            f"NOT the swarm's: the swarm was last seen at round {seen}"
+            if seen > r
+            else "NOT known to be the swarm's last: the swarm confirmed it, and where the swarm ended is unknown"
+            if self._confirmed_round >= r
+            else "NOT the swarm's: the swarm never confirmed it (its last round had no agreeing digest check)"
+        )
+        why = (
+            f"no other peer of the run is live (waited {waited_s:.0f} s for --min-peers {self.cfg.min_peers}); "
+            f"this peer's state (round {r}, digest {(self.state.digest or '')[:8]}) is {state}"
+        )
         return SwarmEnded(round=r, swarm_round=max(r, seen), synced=False, why=why)
 
     def _end(self, ended: SwarmEnded) -> None:
         """Record that the run ends without reaching its goal because the swarm ended (one WARNING)."""
         self.ended = ended
-        log.warning("round %d: %s; ending without reaching %s", ended.round, ended.why,
-                    f"--rounds {self.cfg.rounds}" if self.cfg.rounds is not None else "the target")
+        log.warning(
+            "round %d: %s; ending without reaching %s",
+            ended.round,
+            ended.why,
+            f"--rounds {self.cfg.rounds}" if self.cfg.rounds is not None else "the target",
+        )
 
     async def _check_end(self) -> None:
         """After the last round: when the other peers' records at this peer's round back another digest
@@ -407,10 +452,17 @@ class RoundDriver:
         majority, agree, total = digest_majority(others, r)
         if majority is not None and majority != self.state.digest:
             later = max((x.round for x in others), default=r)
-            self._end(SwarmEnded(
-                round=r, swarm_round=max(later, r), synced=False,
-                why=(f"this peer's last state (round {r}, digest {(self.state.digest or '')[:8]}) is NOT the swarm's: "
-                     f"{agree} of {total} other peer(s) hold digest {majority[:8]}")))
+            self._end(
+                SwarmEnded(
+                    round=r,
+                    swarm_round=max(later, r),
+                    synced=False,
+                    why=(
+                        f"this peer's last state (round {r}, digest {(self.state.digest or '')[:8]}) is NOT the swarm's: "
+                        f"{agree} of {total} other peer(s) hold digest {majority[:8]}"
+                    ),
+                )
+            )
 
     def reached_target(self) -> bool:
         """True once the last row's evaluation is at or under ``target_ppl``."""
@@ -462,9 +514,13 @@ class RoundDriver:
             return
         dropped = forget(self._confirmed_round)
         if dropped:
-            log.info("re-synced to the swarm's state: %d penalty mark(s) this peer noted since round %d (a lineage "
-                     "the swarm did not confirm) dropped: %s", len(dropped), self._confirmed_round,
-                     ", ".join(p[:10] for p in dropped))
+            log.info(
+                "re-synced to the swarm's state: %d penalty mark(s) this peer noted since round %d (a lineage "
+                "the swarm did not confirm) dropped: %s",
+                len(dropped),
+                self._confirmed_round,
+                ", ".join(p[:10] for p in dropped),
+            )
 
     def _log_dropped(self, before: tuple, recs: Sequence[PeerRecord]) -> None:
         """After a re-sync from ``before`` (round, digest) to the state now held: when that state is not of
@@ -490,11 +546,20 @@ class RoundDriver:
         side = sorted(set().union(*(e.participants for e in dropped)))
         tokens, own = sum(e.tokens for e in dropped), sum(e.own_tokens for e in dropped)
         span = f"round {dropped[0].round}" if len(dropped) == 1 else f"rounds {dropped[0].round}-{dropped[-1].round}"
-        log.warning("re-synced to the state of round %d (digest %s), not of this peer's lineage: its side of a "
-                    "partition lost; discarded %d round(s) trained since the fork (%s) by %d peer(s) of this side "
-                    "(%s), %d tokens (%d of them this peer's). Rule: %s", self.state.round,
-                    (self.state.digest or "")[:8], len(dropped), span, len(side), ", ".join(p[:10] for p in side),
-                    tokens, own, SURVIVOR_RULE)
+        log.warning(
+            "re-synced to the state of round %d (digest %s), not of this peer's lineage: its side of a "
+            "partition lost; discarded %d round(s) trained since the fork (%s) by %d peer(s) of this side "
+            "(%s), %d tokens (%d of them this peer's). Rule: %s",
+            self.state.round,
+            (self.state.digest or "")[:8],
+            len(dropped),
+            span,
+            len(side),
+            ", ".join(p[:10] for p in side),
+            tokens,
+            own,
+            SURVIVOR_RULE,
+        )
         for _ in dropped:
             self.lineage.pop()
 
@@ -547,16 +612,27 @@ class RoundDriver:
                     self._end(ended)
                     return None
                 wait_s = self.cfg.wait_peers_s if first or short else self.cfg.gather_wait_s
-                syncing = [r for r in recs if r.round == self.state.round and r.weights_digest is None
-                           and r.peer_id not in ids and r.peer_id != self.me]
+                syncing = [
+                    r
+                    for r in recs
+                    if r.round == self.state.round
+                    and r.weights_digest is None
+                    and r.peer_id not in ids
+                    and r.peer_id != self.me
+                ]
                 ends = {r.peer_id: self._sync_deadline(r, recs, waits, now, wait_s) for r in syncing}
                 waited = {p for p, end in ends.items() if end > now}
                 if (expected | waited) <= ids and len(ids) >= min_peers:
                     return synced
                 if len(ids) < min_peers and self._waiting_logged != (min_peers, len(recs)):
                     self._waiting_logged = (min_peers, len(recs))
-                    log.info("round %d: waiting for %d peers, %d live (up to %.0f s)", self.state.round, min_peers,
-                             len(recs), wait_s)
+                    log.info(
+                        "round %d: waiting for %d peers, %d live (up to %.0f s)",
+                        self.state.round,
+                        min_peers,
+                        len(recs),
+                        wait_s,
+                    )
                 until = max([t0 + wait_s] + [ends[p] for p in waited])
                 if now > until or self.stop.is_set():
                     if short and not first and not self.stop.is_set() and not any(x.peer_id != self.me for x in recs):
@@ -565,8 +641,13 @@ class RoundDriver:
                         self._end(self._left_alone(everyone, now - t0))
                         return None
                     if len(ids) < min_peers and not self.stop.is_set():  # says so (issue 14 #10)
-                        log.info("round %d: starting with %d of the %d peers wanted (--min-peers): waited %.0f s",
-                                 self.state.round, len(ids), min_peers, now - t0)
+                        log.info(
+                            "round %d: starting with %d of the %d peers wanted (--min-peers): waited %.0f s",
+                            self.state.round,
+                            len(ids),
+                            min_peers,
+                            now - t0,
+                        )
                     return synced
                 now_ids = frozenset(r.peer_id for r in recs)
                 if now_ids != last_ids:
@@ -584,8 +665,9 @@ class RoundDriver:
             for p in waits.extended & arrived:
                 self._sync_misses.pop(p, None)
 
-    def _sync_deadline(self, rec: PeerRecord, recs: list[PeerRecord], waits: "_SyncWaits", now: float,
-                       wait_s: float) -> float:
+    def _sync_deadline(
+        self, rec: PeerRecord, recs: list[PeerRecord], waits: "_SyncWaits", now: float, wait_s: float
+    ) -> float:
         """Until when (monotonic seconds) this gather waits for syncing peer ``rec`` (issue 14 #3).
 
         Without a usable announced download progress: ``wait_s`` from the gather's start for an established
@@ -617,9 +699,15 @@ class RoundDriver:
                 waits.until[pid] = min(cap, now + remaining * SYNC_WAIT_SLACK + SYNC_WAIT_MARGIN_S)
                 if waits.until[pid] > t0 + wait_s and pid not in waits.logged:
                     waits.logged.add(pid)
-                    log.info("round %d: waiting up to %.1f s more for %s, syncing (%d of %d MiB at %.1f MiB/s)",
-                             self.state.round, waits.until[pid] - now, pid[:10], sp.done_bytes >> 20,
-                             sp.total_bytes >> 20, sp.bytes_per_s / 2 ** 20)
+                    log.info(
+                        "round %d: waiting up to %.1f s more for %s, syncing (%d of %d MiB at %.1f MiB/s)",
+                        self.state.round,
+                        waits.until[pid] - now,
+                        pid[:10],
+                        sp.done_bytes >> 20,
+                        sp.total_bytes >> 20,
+                        sp.bytes_per_s / 2**20,
+                    )
         end = max(t0 + wait_s, waits.until.get(pid, 0.0))
         if end > plain and end > now:
             waits.extended.add(pid)  # held past its plain wait by its progress: a miss if it does not arrive
@@ -627,8 +715,9 @@ class RoundDriver:
 
     async def one_round(self, members: list[PeerRecord]) -> set[str]:
         """Run round ``state.round`` with ``members``; returns the participants expected next round."""
-        ctx = RoundContext(round=self.state.round, t_round=self.clock.time(), members=members,
-                           m_round=self.clock.monotonic())
+        ctx = RoundContext(
+            round=self.state.round, t_round=self.clock.time(), members=members, m_round=self.clock.monotonic()
+        )
         with self._timed("plan"):
             agreed = await self.agree(ctx)
         if not agreed:
@@ -699,15 +788,21 @@ class RoundDriver:
                     ctx.early = asyncio.ensure_future(self._inner_steps(ctx, p, ctx.early_abort))
 
             try:
-                plan = await self.plans.agree(r, members, self.policy.make_plan,
-                                              accept=lambda p: self.policy.plan_problem(p, live),
-                                              candidates=candidates, plan_timeout_s=self.cfg.plan_timeout_s,
-                                              provisional=on_provisional)
+                plan = await self.plans.agree(
+                    r,
+                    members,
+                    self.policy.make_plan,
+                    accept=lambda p: self.policy.plan_problem(p, live),
+                    candidates=candidates,
+                    plan_timeout_s=self.cfg.plan_timeout_s,
+                    provisional=on_provisional,
+                )
             finally:
                 done.set()  # the lookup under way finishes (bounded by the DHT's RPC timeouts)
                 await asyncio.gather(refresher, return_exceptions=True)
-        if ctx.early is not None and (plan is None or ctx.early_plan is None
-                                      or plan.to_bytes() != ctx.early_plan.to_bytes()):
+        if ctx.early is not None and (
+            plan is None or ctx.early_plan is None or plan.to_bytes() != ctx.early_plan.to_bytes()
+        ):
             await self._discard_early(ctx, plan)
         if plan is None:
             if not self.stop.is_set():
@@ -725,14 +820,18 @@ class RoundDriver:
         """A planned-out peer (joined late, too slow for the window, or other weights): announce as syncing
         for the next round (its leader then waits for it), wait for the others to announce it, re-sync."""
         plan, r = ctx.planned(), ctx.round
-        why = (f"not in the plan of leader {plan.leader[:10]} (it joined late, or the leader found its link or "
-               f"device too slow for the {plan.window_s:.1f} s window: see the leader's log)"
-               if self.me not in plan.participants() else "weights differ from the plan's")
+        why = (
+            f"not in the plan of leader {plan.leader[:10]} (it joined late, or the leader found its link or "
+            f"device too slow for the {plan.window_s:.1f} s window: see the leader's log)"
+            if self.me not in plan.participants()
+            else "weights differ from the plan's"
+        )
         log.info("round %d: %s; waiting for the round to end, then syncing", r, why)
         self.state.syncing, self.state.round = True, r + 1
         await self.membership.announce()
-        await self.wait_for_round(r + 1, timeout_s=max(ROUND_END_SLACK_S, plan.exchange_deadline - self.clock.time()
-                                                         + ROUND_END_SLACK_S))
+        await self.wait_for_round(
+            r + 1, timeout_s=max(ROUND_END_SLACK_S, plan.exchange_deadline - self.clock.time() + ROUND_END_SLACK_S)
+        )
         await self.resync("planned out")
 
     async def wait_for_round(self, r: int, timeout_s: float = 30.0) -> bool:
@@ -752,8 +851,12 @@ class RoundDriver:
         """Whether this peer may start its inner steps on ``plan`` before the settle confirms it: it is in
         the plan, holds the plan's start weights, is not stopping, and trains inner steps (ddp's one-batch
         gradient gains nothing from it)."""
-        return (not self.cfg.exchanges_gradient and not self.stop.is_set() and self.me in plan.participants()
-                and plan.start_digest == self.state.digest)
+        return (
+            not self.cfg.exchanges_gradient
+            and not self.stop.is_set()
+            and self.me in plan.participants()
+            and plan.start_digest == self.state.digest
+        )
 
     async def _discard_early(self, ctx: RoundContext, plan: Optional[RoundPlan]) -> None:
         """The plan followed is not the one the inner steps started on during the settle (a better-ranked
@@ -765,9 +868,13 @@ class RoundDriver:
         await asyncio.gather(early, return_exceptions=True)
         ctx.early = None
         await asyncio.to_thread(self.state.reset_model)
-        log.info("round %d: the plan of leader %s started on during the settle is not the one followed (%s); "
-                 "its inner steps are discarded", ctx.round, early_plan.leader[:10],
-                 f"leader {plan.leader[:10]}'s is" if plan is not None else "none is")
+        log.info(
+            "round %d: the plan of leader %s started on during the settle is not the one followed (%s); "
+            "its inner steps are discarded",
+            ctx.round,
+            early_plan.leader[:10],
+            f"leader {plan.leader[:10]}'s is" if plan is not None else "none is",
+        )
 
     async def _inner_steps(self, ctx: RoundContext, plan: RoundPlan, abort: Optional[threading.Event] = None):
         """This peer's inner steps of ``plan`` in a worker thread, until the plan's train deadline, a stop
@@ -779,11 +886,20 @@ class RoundDriver:
         t_train = time.perf_counter()
         try:
             if self.cfg.exchanges_gradient:
-                return await asyncio.to_thread(lambda: self.trainer.gradient(
-                    round=r, batch_size=a.batch_size, micro_batch=a.micro_batch))
-            return None, await asyncio.to_thread(lambda: self.trainer.run(
-                round=r, inner_steps=a.inner_steps, batch_size=a.batch_size, micro_batch=a.micro_batch,
-                deadline=plan.train_deadline, should_stop=should_stop, progress=_progress_printer(r, a.inner_steps)))
+                return await asyncio.to_thread(
+                    lambda: self.trainer.gradient(round=r, batch_size=a.batch_size, micro_batch=a.micro_batch)
+                )
+            return None, await asyncio.to_thread(
+                lambda: self.trainer.run(
+                    round=r,
+                    inner_steps=a.inner_steps,
+                    batch_size=a.batch_size,
+                    micro_batch=a.micro_batch,
+                    deadline=plan.train_deadline,
+                    should_stop=should_stop,
+                    progress=_progress_printer(r, a.inner_steps),
+                )
+            )
         except FloatingPointError as e:
             # The global weights give a non-finite loss (e.g. a hostile update blew them up): this peer has
             # nothing sound to contribute this round, but it keeps serving and following the swarm.
@@ -814,13 +930,17 @@ class RoundDriver:
             log.info("round %d: stop requested; exchanging what was trained, then leaving", r)
         delta = grad if grad is not None else await asyncio.to_thread(self.state.pseudo_gradient)
         if not await asyncio.to_thread(lambda: bool(torch.isfinite(delta).all())):
-            log.warning("round %d: this peer's update has non-finite values (its inner steps diverged); "
-                        "contributing nothing this round", r)
+            log.warning(
+                "round %d: this peer's update has non-finite values (its inner steps diverged); "
+                "contributing nothing this round",
+                r,
+            )
             delta, result = torch.zeros_like(delta), no_work(result.compute_s)
             await asyncio.to_thread(self.state.reset_model)
         ctx.delta, ctx.result = delta, result
-        self._phases["pseudo_gradient"] = (self._phases.get("pseudo_gradient", 0.0)
-                                           + max(0.0, self.clock.monotonic() - t_phase))
+        self._phases["pseudo_gradient"] = self._phases.get("pseudo_gradient", 0.0) + max(
+            0.0, self.clock.monotonic() - t_phase
+        )
         try:
             ctx.spec = self.policy.collective_spec(plan)
         except ValueError as e:  # plan_problem should have caught it; never crash on a leader's plan
@@ -838,10 +958,12 @@ class RoundDriver:
             if fb is not None and getattr(spec, "push_encoding", "sign") == "sign":
                 # Error feedback (EF-SGD): push delta + residual, keep what the sign codec drops of each
                 # part (the parts this peer pushes: all of them); fp32 tensor math over [P], off the loop.
-                ctx.delta = await asyncio.to_thread(fb.apply, ctx.update(), int(ctx.result.tokens),
-                                                    [(o.start, o.end) for o in spec.owners], ctx.round)
-            ctx.ar = await self.collective.all_reduce(ctx.spec, ctx.update(), tokens=ctx.result.tokens,
-                                                      compute_end=ctx.t_compute_end)
+                ctx.delta = await asyncio.to_thread(
+                    fb.apply, ctx.update(), int(ctx.result.tokens), [(o.start, o.end) for o in spec.owners], ctx.round
+                )
+            ctx.ar = await self.collective.all_reduce(
+                ctx.spec, ctx.update(), tokens=ctx.result.tokens, compute_end=ctx.t_compute_end
+            )
         finally:
             self.in_exchange = False
         ctx.t_agg = self.clock.time()
@@ -852,8 +974,13 @@ class RoundDriver:
         if window > 0 and paused >= STALL_VOID_SHARE * window:
             # This peer was not running through the deadlines: the parts it found missing failed because of
             # it, so the round is no evidence against their owners (nor a sample of the exchange's cost).
-            log.warning("round %d: this peer was stalled %.1f s (its exchange window is %.1f s); the parts and "
-                        "contributions it missed are not held against their owners", ctx.round, paused, window)
+            log.warning(
+                "round %d: this peer was stalled %.1f s (its exchange window is %.1f s); the parts and "
+                "contributions it missed are not held against their owners",
+                ctx.round,
+                paused,
+                window,
+            )
             own = getattr(self.policy, "note_own_failures", None)
             if own is not None:  # its own failures are real for everyone: penalised as the others penalise it
                 own(ctx.spec, ctx.planned(), ctx.ar, stalled=True)
@@ -875,8 +1002,9 @@ class RoundDriver:
         if fb is None:
             return
         await asyncio.to_thread(fb.reset)  # a [P] fill: off the loop
-        log.info("error feedback: residual zeroed (re-synced to the state of round %d, another lineage)",
-                 self.state.round)
+        log.info(
+            "error feedback: residual zeroed (re-synced to the state of round %d, another lineage)", self.state.round
+        )
 
     async def finish(self, ctx: RoundContext) -> set[str]:
         """Phase FINISH: outer step and digest (worker thread), re-profiling, announcement, evaluation, the
@@ -897,8 +1025,11 @@ class RoundDriver:
             # Say so with the new round's record, before the others gather for it (every way of leaving
             # announces before the next gather; --target-ppl right after the evaluation below).
             self._leave()
-            log.info("round %d: exchange done; announcing that this peer leaves (%s)", r,
-                     "stop requested" if self.stop.is_set() else f"--rounds {self.cfg.rounds} reached")
+            log.info(
+                "round %d: exchange done; announcing that this peer leaves (%s)",
+                r,
+                "stop requested" if self.stop.is_set() else f"--rounds {self.cfg.rounds} reached",
+            )
         with self._timed("announce"):
             await self.membership.announce()
         with self._timed("eval"):
@@ -918,19 +1049,36 @@ class RoundDriver:
         for part in ar.contributors.values():
             for pid, n in part:
                 claims[pid] = max(claims.get(pid, 0), int(n))
-        self.lineage.append(LineageEntry(r, self.state.digest or "", frozenset(plan.participants()),
-                                         sum(claims.values()), int(result.tokens)))
+        self.lineage.append(
+            LineageEntry(
+                r, self.state.digest or "", frozenset(plan.participants()), sum(claims.values()), int(result.tokens)
+            )
+        )
         digest = self.state.digest
         if digest is None:  # commit() always sets it: a state port that does not is a bug, not a round's fault
             raise RuntimeError(f"round {r}: the global state has no digest after its commit")
         rec = RoundRecord(
-            round=r, peers=len(plan.assignments), leader=plan.leader[:10], batch_size=a.batch_size,
-            inner_steps_planned=a.inner_steps, inner_steps_done=result.steps_done, tokens=result.tokens,
-            train_loss=result.mean_loss, eval_ppl=ppl, compute_s=result.compute_s,
-            straggler_idle_s=straggler, network_idle_s=network, round_s=self.clock.time() - ctx.t_round,
-            bytes_sent=sent1 - ctx.sent0, bytes_received=recv1 - ctx.recv0, digest=digest,
-            contributors=len(delivered), missing_parts=len(ar.missing_parts), time=self.clock.time(),
-            eval_round=eval_round)
+            round=r,
+            peers=len(plan.assignments),
+            leader=plan.leader[:10],
+            batch_size=a.batch_size,
+            inner_steps_planned=a.inner_steps,
+            inner_steps_done=result.steps_done,
+            tokens=result.tokens,
+            train_loss=result.mean_loss,
+            eval_ppl=ppl,
+            compute_s=result.compute_s,
+            straggler_idle_s=straggler,
+            network_idle_s=network,
+            round_s=self.clock.time() - ctx.t_round,
+            bytes_sent=sent1 - ctx.sent0,
+            bytes_received=recv1 - ctx.recv0,
+            digest=digest,
+            contributors=len(delivered),
+            missing_parts=len(ar.missing_parts),
+            time=self.clock.time(),
+            eval_round=eval_round,
+        )
         if self._eval_carry is not None:  # every background evaluation lands in a row (review L3)
             rec.extra["eval_background"] = {"eval_ppl": self._eval_carry[0], "eval_round": self._eval_carry[1]}
             self._eval_carry = None
@@ -942,7 +1090,8 @@ class RoundDriver:
         # identity on probation that never takes part, would hold every check for its whole wait.
         with self._timed("digest_check"):
             rec.digest_agree = await self.check_digest(
-                r + 1, [p for p in plan.participants() if p in delivered] or plan.participants())
+                r + 1, [p for p in plan.participants() if p in delivered] or plan.participants()
+            )
         now = self.clock.monotonic()
         rec.phase_s = {k: round(v, 4) for k, v in self._phases.items()}
         rec.cycle_s = now - self._t_row if self._t_row is not None else None
@@ -953,8 +1102,12 @@ class RoundDriver:
         if rec.underfilled and not self.stop.is_set():
             # Flagged in the table ("!"), the JSON row and Prometheus too; the next plan already follows the
             # re-measured tokens/s, so a mis-profiled peer gets fewer steps.
-            log.warning("round %d: trained %d of %d planned inner steps (device slower than profiled, or busy)",
-                        r, rec.inner_steps_done, rec.inner_steps_planned)
+            log.warning(
+                "round %d: trained %d of %d planned inner steps (device slower than profiled, or busy)",
+                r,
+                rec.inner_steps_done,
+                rec.inner_steps_planned,
+            )
         self.policy.publish_record(rec)
         if rec.digest_agree is False:
             self.phase = Phase.RESYNC
@@ -980,8 +1133,12 @@ class RoundDriver:
         the snapshot model is reused). The last round, and a peer that stops, evaluate at once; a background
         result collected then goes into the row's ``extra["eval_background"]`` (``eval_ppl``, ``eval_round``)."""
         due = (r + 1) % self.cfg.eval_every == 0 or last
-        background = (self.cfg.eval_background and not last and not self.stop.is_set()
-                      and hasattr(self.trainer, "snapshot_for_eval"))
+        background = (
+            self.cfg.eval_background
+            and not last
+            and not self.stop.is_set()
+            and hasattr(self.trainer, "snapshot_for_eval")
+        )
         ready: tuple[Optional[float], Optional[int]] = (None, None)
         if self._eval_task is not None and (self._eval_task.done() or due or self.stop.is_set()):
             task, self._eval_task = self._eval_task, None
@@ -997,7 +1154,8 @@ class RoundDriver:
             await asyncio.to_thread(snap.snapshot_for_eval)
             self._eval_round = r
             self._eval_task = asyncio.ensure_future(
-                asyncio.to_thread(snap.evaluate_snapshot, max_batches=self.cfg.eval_batches))
+                asyncio.to_thread(snap.evaluate_snapshot, max_batches=self.cfg.eval_batches)
+            )
             return ready
         ppl = await asyncio.to_thread(self.trainer.evaluate, max_batches=self.cfg.eval_batches)
         if ready[0] is not None and ready[1] is not None:
@@ -1042,8 +1200,14 @@ class RoundDriver:
         if majority is None or total <= 1:
             return None
         if majority != self.state.digest:
-            log.error("round %d: my digest %s differs from the majority's %s (%d/%d); re-syncing",
-                      r, (self.state.digest or "")[:8], majority[:8], agree, total)
+            log.error(
+                "round %d: my digest %s differs from the majority's %s (%d/%d); re-syncing",
+                r,
+                (self.state.digest or "")[:8],
+                majority[:8],
+                agree,
+                total,
+            )
             return False
         self._confirmed_round = max(self._confirmed_round, r)
         return True
@@ -1055,7 +1219,9 @@ def _progress_printer(r: int, planned: int):
         return None
 
     def show(step: int, loss: float, tokens_per_s: float) -> None:
-        sys.stdout.write(f"\r  round {r}: inner step {step}/{planned}  loss {loss:.3f}  "
-                         f"{tokens_per_s:,.0f} tokens/s\x1b[K")
+        sys.stdout.write(
+            f"\r  round {r}: inner step {step}/{planned}  loss {loss:.3f}  {tokens_per_s:,.0f} tokens/s\x1b[K"
+        )
         sys.stdout.flush()
+
     return show

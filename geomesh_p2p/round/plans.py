@@ -59,8 +59,9 @@ log = logging.getLogger(__name__)
 LEADER_WAIT_CANDIDATES = 2
 
 
-def takeover_delay(index: int, plan_timeout_s: float, stagger_s: float,
-                   wait_candidates: int = LEADER_WAIT_CANDIDATES) -> float:
+def takeover_delay(
+    index: int, plan_timeout_s: float, stagger_s: float, wait_candidates: int = LEADER_WAIT_CANDIDATES
+) -> float:
     """Seconds without a better-ranked plan after which the candidate at ``index`` (0 = best) publishes:
     ``min(i, M) * T + min(max(0, i - M) * stagger_s, T)`` with ``M = wait_candidates``, ``T =
     plan_timeout_s``; bounded by ``(M + 1) * T`` whatever the number of candidates."""
@@ -134,8 +135,13 @@ class PlanStore:
 
     async def publish(self, plan: RoundPlan) -> bool:
         me = str(self.identity.peer_id)
-        return await self.dht.store(plan_key(self.run_id, plan.round), plan.to_bytes(),
-                                    expiration_time=swarm_time() + self.ttl_s, subkey=me, owner=self.identity)
+        return await self.dht.store(
+            plan_key(self.run_id, plan.round),
+            plan.to_bytes(),
+            expiration_time=swarm_time() + self.ttl_s,
+            subkey=me,
+            owner=self.identity,
+        )
 
     async def read(self, round: int, accept: Optional[Callable[[RoundPlan], Optional[str]]] = None) -> list[RoundPlan]:
         """Valid plans for ``round``: parsed, for this run and round, signed by the leader they name,
@@ -153,7 +159,9 @@ class PlanStore:
                 log.warning("ignoring plan for round %d: leader %s did not sign it", round, plan.leader[:10])
                 continue
             if plan.round != round or plan.run_id != self.run_id:
-                log.warning("ignoring plan stored for round %d that says run %s round %d", round, plan.run_id, plan.round)
+                log.warning(
+                    "ignoring plan stored for round %d that says run %s round %d", round, plan.run_id, plan.round
+                )
                 continue
             if plan.exchange_deadline + self.stale_after_s < swarm_time():
                 continue  # a finished round of an earlier swarm (e.g. before a restart): not ours to follow
@@ -186,18 +194,18 @@ async def obtain_plan(
 ) -> Optional[RoundPlan]:
     """Agree on the plan of ``round``: publish one if this peer's turn as leader comes, follow the best.
 
-    ``members`` is this peer's view of the live, in-sync peers (itself included); ``make_plan(members,
-    leader)`` computes a plan. ``candidates``: the PeerIDs that may lead (default: every member); a peer
-    that is not one never publishes. Candidate i publishes after :func:`takeover_delay` (``stagger_s``
-    defaults to ``settle_s``). Returns None when no plan appeared within ``give_up_s`` (default: the
-    last candidate's delay + 2 * plan_timeout_s). DHT reads back off from 50 ms to ``poll_s`` (x1.5),
-restarting when the plans seen change and at each candidate's take-over instant. ``accept(plan)`` returns a reason to refuse a plan (a
-    rogue or broken leader's), or None; refused plans are ignored as if absent.
+        ``members`` is this peer's view of the live, in-sync peers (itself included); ``make_plan(members,
+        leader)`` computes a plan. ``candidates``: the PeerIDs that may lead (default: every member); a peer
+        that is not one never publishes. Candidate i publishes after :func:`takeover_delay` (``stagger_s``
+        defaults to ``settle_s``). Returns None when no plan appeared within ``give_up_s`` (default: the
+        last candidate's delay + 2 * plan_timeout_s). DHT reads back off from 50 ms to ``poll_s`` (x1.5),
+    restarting when the plans seen change and at each candidate's take-over instant. ``accept(plan)`` returns a reason to refuse a plan (a
+        rogue or broken leader's), or None; refused plans are ignored as if absent.
 
-    ``provisional(plan)`` (issue 17), when given, is called once with the best plan seen just before the
-    settle wait starts: the plan that is returned unless a better-ranked one shows up during the settle.
-    The caller may start the round on it at once (the driver trains on it, and throws those steps away
-    if the returned plan differs), so the settle costs no compute; which plan is followed is unchanged.
+        ``provisional(plan)`` (issue 17), when given, is called once with the best plan seen just before the
+        settle wait starts: the plan that is returned unless a better-ranked one shows up during the settle.
+        The caller may start the round on it at once (the driver trains on it, and throws those steps away
+        if the returned plan differs), so the settle costs no compute; which plan is followed is unchanged.
     """
     me = str(store.identity.peer_id)
     pool = [m.peer_id for m in members] if candidates is None else list(candidates)
@@ -228,21 +236,40 @@ restarting when the plans seen change and at each candidate's take-over instant.
         # Publish when it is my turn, unless a plan from a better-ranked leader already exists, or a
         # worse-ranked one has already started (its peers are training: a competing plan would only
         # split the round; this peer follows it, or waits and catches up if it is not in it).
-        if my_turn_now and (best is None or (
+        if my_turn_now and (
+            best is None
+            or (
                 leader_rank(store.run_id, round, me) < leader_rank(store.run_id, round, best.leader)
-                and swarm_time() < best.created_at)):
+                and swarm_time() < best.created_at
+            )
+        ):
             if my_turn is not None and my_turn > 0 and best is None:
-                events.emit(log, logging.WARNING, "plan_takeover", "round %d: no plan from %d better-ranked leader(s) "
-                            "after %.1fs; taking over", round, my_turn, elapsed, round=round, peer=me, turn=my_turn,
-                            delay_s=delay(my_turn), after_s=elapsed)  # delay_s: this turn's take-over delay
+                events.emit(
+                    log,
+                    logging.WARNING,
+                    "plan_takeover",
+                    "round %d: no plan from %d better-ranked leader(s) after %.1fs; taking over",
+                    round,
+                    my_turn,
+                    elapsed,
+                    round=round,
+                    peer=me,
+                    turn=my_turn,
+                    delay_s=delay(my_turn),
+                    after_s=elapsed,
+                )  # delay_s: this turn's take-over delay
             try:
                 plan = make_plan(members, me)
             except PlanDeferred:  # the policy has said why (once); the next leader may do better
                 my_turn = None
                 continue
             except Exception as e:  # a broken record or a planner bug must not end the node
-                log.error("round %d: planning failed (%s: %s); leaving the round to the next leader", round,
-                          type(e).__name__, e)
+                log.error(
+                    "round %d: planning failed (%s: %s); leaving the round to the next leader",
+                    round,
+                    type(e).__name__,
+                    e,
+                )
                 my_turn = None
                 continue
             published = await store.publish(plan)
@@ -261,8 +288,9 @@ restarting when the plans seen change and at each candidate's take-over instant.
                 plans = await store.read(round, accept) or plans
             chosen = choose_plan(store.run_id, round, plans)
             if len(plans) > 1 and chosen is not None:
-                log.info("round %d: %d plans seen, following leader %s (lowest rank)",
-                         round, len(plans), chosen.leader[:10])
+                log.info(
+                    "round %d: %d plans seen, following leader %s (lowest rank)", round, len(plans), chosen.leader[:10]
+                )
             return chosen
         if elapsed > give_up_s:
             return None

@@ -78,8 +78,14 @@ def plan_horizon_s(window_s: Optional[float]) -> float:
     return PLAN_HORIZON_WINDOWS * (window_s or PLAN_HORIZON_DEFAULT_WINDOW_S) + PLAN_HORIZON_SLACK_S
 
 
-def outer_step_per_part(outer, theta: torch.Tensor, aggregate: torch.Tensor, ranges: Sequence[tuple[int, int]],
-                        r: int, idle: Sequence[tuple[int, int]] = ()) -> tuple[list, set]:
+def outer_step_per_part(
+    outer,
+    theta: torch.Tensor,
+    aggregate: torch.Tensor,
+    ranges: Sequence[tuple[int, int]],
+    r: int,
+    idle: Sequence[tuple[int, int]] = (),
+) -> tuple[list, set]:
     """Apply ``outer``'s step (OuterNesterov / SyncAdamW: element-wise) part by part, in place.
 
     Each part ``[s, e)`` of ``ranges`` steps on a private copy of its slices of ``theta`` and of the k
@@ -108,7 +114,7 @@ def outer_step_per_part(outer, theta: torch.Tensor, aggregate: torch.Tensor, ran
             bad_in.add((s, e))
             continue
         part = copy.copy(outer)  # shares lr / momentum / schedule; its buffer is this part's own copy
-        part.buf = torch.cat([buf[j * p + s:j * p + e] for j in range(k)]) if k else None
+        part.buf = torch.cat([buf[j * p + s : j * p + e] for j in range(k)]) if k else None
         if getattr(outer, "decay_mask", None) is not None:
             part.decay_mask = outer.decay_mask[s:e]
         new = theta[s:e].clone()
@@ -121,12 +127,12 @@ def outer_step_per_part(outer, theta: torch.Tensor, aggregate: torch.Tensor, ran
         for i0, i1 in idle:  # idle elements keep their values
             a0, a1 = max(i0, s), min(i1, e)
             if a0 < a1:
-                new[a0 - s:a1 - s] = theta[a0:a1]
+                new[a0 - s : a1 - s] = theta[a0:a1]
                 for j in range(k):
-                    part.buf[j * n + a0 - s:j * n + a1 - s] = buf[j * p + a0:j * p + a1]
+                    part.buf[j * n + a0 - s : j * n + a1 - s] = buf[j * p + a0 : j * p + a1]
         theta[s:e] = new
         for j in range(k):
-            buf[j * p + s:j * p + e] = part.buf[j * n:(j + 1) * n]
+            buf[j * p + s : j * p + e] = part.buf[j * n : (j + 1) * n]
     if steps_after is None:  # no part stepped: the step count still advances, as a whole-vector step would
         part = copy.copy(outer)
         part.buf = torch.zeros(0) if k else None
@@ -178,6 +184,7 @@ class NodeRoundPolicy:
     _verify_task: Optional[asyncio.Future]
 
     if TYPE_CHECKING:  # PeerNode's methods the mixin calls (not defined here: PeerNode's own must be found)
+
         async def peers(self, include_leaving: bool = False) -> list[PeerRecord]: ...
 
         async def announce(self) -> None: ...
@@ -234,8 +241,9 @@ class NodeRoundPolicy:
     def leader_candidates(self, members, live: dict):
         """(members without the peers verified work excluded, the established ones that may lead)."""
         members = self._verified_members(members)
-        return members, pb.leader_candidates(self._standing_view(list(live.values())), [m.peer_id for m in members],
-                                             barred=self._noshows())
+        return members, pb.leader_candidates(
+            self._standing_view(list(live.values())), [m.peer_id for m in members], barred=self._noshows()
+        )
 
     def collective_spec(self, plan):
         return self._collective_spec(plan)
@@ -313,16 +321,29 @@ class NodeRoundPolicy:
         p = theta.numel()
         if idle:
             n_idle = sum(e - s for s, e in idle)
-            log.info("round %d: %d of %d elements aggregated no token (%s); weights and outer momentum unchanged "
-                     "there", r, n_idle, p, "the whole model" if n_idle >= p else f"{len(idle)} part(s)")
+            log.info(
+                "round %d: %d of %d elements aggregated no token (%s); weights and outer momentum unchanged there",
+                r,
+                n_idle,
+                p,
+                "the whole model" if n_idle >= p else f"{len(idle)} part(s)",
+            )
             if n_idle >= p:
                 return
         ranges = [(start, end) for _, start, end in plan.owners()] or [(0, p)]
         bad, bad_in = outer_step_per_part(self.outer, theta, aggregate, ranges, r, idle)
         if bad:
-            log.warning("round %d: outer step skipped on %d of %d parts (%d of %d elements): %d with non-finite "
-                        "aggregate values, %d where the step would overflow", r, len(bad), len(ranges),
-                        sum(e - s for s, e in bad), p, len(bad_in), len(bad) - len(bad_in))
+            log.warning(
+                "round %d: outer step skipped on %d of %d parts (%d of %d elements): %d with non-finite "
+                "aggregate values, %d where the step would overflow",
+                r,
+                len(bad),
+                len(ranges),
+                sum(e - s for s, e in bad),
+                p,
+                len(bad_in),
+                len(bad) - len(bad_in),
+            )
 
     outer_step = _outer_step
 
@@ -365,9 +386,13 @@ class NodeRoundPolicy:
                             await asyncio.wait_for(self._stop.wait(), 0.5)
                         continue
                     if base is not None and (base is downloaded or caught_from is not None):
-                        await self._adopt(base, "downloaded" if caught_from is None else  # nobody backs a state
-                                          f"caught up from round {caught_from} by {base.round - caught_from} "
-                                          "outer update(s)")  # now: keep what was verified against the swarm
+                        await self._adopt(
+                            base,
+                            "downloaded"
+                            if caught_from is None
+                            # nobody backs a state
+                            else f"caught up from round {caught_from} by {base.round - caught_from} outer update(s)",
+                        )  # now: keep what was verified against the swarm
                         return
                     self.round = held_round if held_digest else start_round  # the round of the state it holds
                     return
@@ -379,34 +404,59 @@ class NodeRoundPolicy:
                 top, donors = choice.round, choice.donors
                 self.round = top
                 # (a fresh peer's round-0 state, or one older than the donors keep updates for, is not tried)
-                if (base is None and not own_tried and held_digest and 0 < held_round < top
-                        and top - held_round <= state_sync.DEFAULT_KEEP_UPDATES):
+                if (
+                    base is None
+                    and not own_tried
+                    and held_digest
+                    and 0 < held_round < top
+                    and top - held_round <= state_sync.DEFAULT_KEEP_UPDATES
+                ):
                     own_tried = True  # this peer's own state may be of the swarm's lineage: try the updates
                     base = await asyncio.to_thread(self._state_copy)
                 if base is not None and base.round == top and base.digest == choice.digest:
-                    await self._adopt(base, "downloaded" if caught_from is None else
-                                      f"caught up from round {caught_from} by {top - caught_from} outer update(s)")
+                    await self._adopt(
+                        base,
+                        "downloaded"
+                        if caught_from is None
+                        else f"caught up from round {caught_from} by {top - caught_from} outer update(s)",
+                    )
                     return
                 if base is not None and base.round < top:
                     from_round = base.round
                     # progress announced as for a download (the leader's wait follows it); the size is estimated
                     # as P bytes per update (a sign-compressed swarm's zlib blob is ~0.25 x 4P)
-                    self._sync_meter = SyncMeter(max(1, (top - from_round) * self.numel),
-                                                 on_progress=lambda: self.announcer.update(self.my_record))
+                    self._sync_meter = SyncMeter(
+                        max(1, (top - from_round) * self.numel),
+                        on_progress=lambda: self.announcer.update(self.my_record),
+                    )
                     await self.announce()
-                    log.info("catching up from round %d to %d by %d outer update(s) from %d donor(s)", from_round, top,
-                             top - from_round, len(donors))
+                    log.info(
+                        "catching up from round %d to %d by %d outer update(s) from %d donor(s)",
+                        from_round,
+                        top,
+                        top - from_round,
+                        len(donors),
+                    )
                     work = await asyncio.to_thread(self._snapshot_copy, base)  # kept whole if an update is refused
                     try:
-                        snap = await state_sync.catch_up_updates(self._sync_meter.wrap(self.transport), donors, work,
-                                                                 target_round=top,
-                                                                 target_digest=choice.digest, outer=self.outer)
+                        snap = await state_sync.catch_up_updates(
+                            self._sync_meter.wrap(self.transport),
+                            donors,
+                            work,
+                            target_round=top,
+                            target_digest=choice.digest,
+                            outer=self.outer,
+                        )
                     except state_sync.StateSyncError as e:
                         stats["refused"] += 1
                         # every donor was tried (fetch_update): the updates are gone or refused, or this
                         # peer's own state is not of the swarm's lineage: the whole state it is
-                        log.info("incremental catch-up from round %d to %d refused (%s); downloading the state",
-                                 from_round, top, e)
+                        log.info(
+                            "incremental catch-up from round %d to %d refused (%s); downloading the state",
+                            from_round,
+                            top,
+                            e,
+                        )
                         base, caught_from = None, None
                         continue
                     stats["updates"] += top - from_round
@@ -416,25 +466,42 @@ class NodeRoundPolicy:
                     base = snap
                     continue
                 # the record announces the download's progress: the leader's wait for it follows (issue 14 #3)
-                self._sync_meter = SyncMeter((self.numel + self.state_numel) * 4,
-                                             on_progress=lambda: self.announcer.update(self.my_record))
+                self._sync_meter = SyncMeter(
+                    (self.numel + self.state_numel) * 4, on_progress=lambda: self.announcer.update(self.my_record)
+                )
                 await self.announce()  # tell the leader we are syncing for this round
-                log.info("downloading the state of round %d (%d bytes) from %d donor(s)", top,
-                         (self.numel + self.state_numel) * 4, len(donors))
+                log.info(
+                    "downloading the state of round %d (%d bytes) from %d donor(s)",
+                    top,
+                    (self.numel + self.state_numel) * 4,
+                    len(donors),
+                )
                 try:
-                    snap = await state_sync.download_state(self._sync_meter.wrap(self.transport), donors, round=top, numel=self.numel,
-                                                expected_digest=choice.digest, state_numel=self.state_numel)
+                    snap = await state_sync.download_state(
+                        self._sync_meter.wrap(self.transport),
+                        donors,
+                        round=top,
+                        numel=self.numel,
+                        expected_digest=choice.digest,
+                        state_numel=self.state_numel,
+                    )
                 except state_sync.StateSyncError as e:
                     log.info("state download for round %d failed (%s); retrying", top, e)
                     await asyncio.sleep(0.5)
                     continue
                 stats["downloads"] += 1
-                log.info("downloaded state of round %d from %d donor(s), digest %s; %s", top,
-                         len(donors), snap.digest[:8], choice.describe())
+                log.info(
+                    "downloaded state of round %d from %d donor(s), digest %s; %s",
+                    top,
+                    len(donors),
+                    snap.digest[:8],
+                    choice.describe(),
+                )
                 base = downloaded = snap  # the next pass adopts it, or brings it to the round the swarm moved on to
             self.round = held_round if held_digest else start_round  # nothing adopted: it holds its own state
-            raise state_sync.StateSyncError(f"could not download the swarm's state after {STATE_SYNC_ATTEMPTS} attempts; "
-                                            "see the log for why")
+            raise state_sync.StateSyncError(
+                f"could not download the swarm's state after {STATE_SYNC_ATTEMPTS} attempts; see the log for why"
+            )
         finally:
             self._syncing, self._sync_meter = False, None
             await self.announce()
@@ -449,7 +516,9 @@ class NodeRoundPolicy:
         with gs.lock:
             if gs.digest is None:  # _catch_up asks only for a committed state
                 raise RuntimeError("this peer's global state has no digest yet: it cannot be a base to catch up from")
-            return self._snapshot_copy(state_sync.Snapshot(gs.round, gs.theta, gs.opt_state, gs.digest, buffer=gs.buffer))
+            return self._snapshot_copy(
+                state_sync.Snapshot(gs.round, gs.theta, gs.opt_state, gs.digest, buffer=gs.buffer)
+            )
 
     @staticmethod
     def _snapshot_copy(snap: "state_sync.Snapshot") -> "state_sync.Snapshot":
@@ -486,8 +555,9 @@ class NodeRoundPolicy:
     def _state_vote(self, recs):
         """:func:`~geomesh_p2p.standing.choose_state` for this peer; logs once a state that most identities
         announce but the standing this peer sees does not back, when it would have moved this peer."""
-        vote = choose_state(recs, me=self.me, standing=getattr(self, "standing", None),
-                            trained=bool(getattr(self, "history", None)))
+        vote = choose_state(
+            recs, me=self.me, standing=getattr(self, "standing", None), trained=bool(getattr(self, "history", None))
+        )
         ref = vote.refusal
         if ref is not None:
             mine = (getattr(self, "round", 0), getattr(self, "digest", None))
@@ -505,11 +575,19 @@ class NodeRoundPolicy:
     def _plan_config(self, n_peers: int):
         r, rule = self.run_cfg, self.method_rule
         payload = rule.payload_bytes(self.numel, n_peers)
-        return PlanConfig(seq_len=r.seq_len, target_batch=r.target_batch, window_s=r.window_s,
-                          part_align=rule.part_align, comm_share=r.comm_share,
-                          payload_bytes=payload, mode=r.mode, method=r.method,
-                          uniform_inner_steps=r.uniform_inner_steps, max_inner_steps=r.max_inner_steps,
-                          exchange_timeout_s=self._exchange_window(n_peers, payload))
+        return PlanConfig(
+            seq_len=r.seq_len,
+            target_batch=r.target_batch,
+            window_s=r.window_s,
+            part_align=rule.part_align,
+            comm_share=r.comm_share,
+            payload_bytes=payload,
+            mode=r.mode,
+            method=r.method,
+            uniform_inner_steps=r.uniform_inner_steps,
+            max_inner_steps=r.max_inner_steps,
+            exchange_timeout_s=self._exchange_window(n_peers, payload),
+        )
 
     def _exchange_window(self, n_peers: int, payload_bytes: int) -> float:
         """Seconds from a plan's train deadline to its exchange deadline (this peer's plans; followers check
@@ -550,8 +628,15 @@ class NodeRoundPolicy:
         self._exchange_cost_measured = True
         sample = min(max(sample, cur / EXCHANGE_COST_STEP), cur * EXCHANGE_COST_STEP)
         self.codec_s_per_element = sample if first else 0.5 * cur + 0.5 * sample
-        log.debug("round %d: exchange %.2fs (%.2fs waiting, %.2fs network): %.2f ns per element pass, EMA %.2f ns",
-                  spec.round, wall, wait, net, sample * 1e9, self.codec_s_per_element * 1e9)
+        log.debug(
+            "round %d: exchange %.2fs (%.2fs waiting, %.2fs network): %.2f ns per element pass, EMA %.2f ns",
+            spec.round,
+            wall,
+            wait,
+            net,
+            sample * 1e9,
+            self.codec_s_per_element * 1e9,
+        )
 
     def note_own_failures(self, spec, plan, ar, *, stalled: bool = False) -> None:
         """Penalties the other peers give this peer for round ``plan.round``, taken on by itself so that its
@@ -571,8 +656,13 @@ class NodeRoundPolicy:
             if spec.owners[j].peer_id != self.me:
                 continue
             if self.me not in self._owner_penalty:
-                log.info("round %d: this peer's own part %d had no valid result; the others bar it from owning a "
-                         "part for the next %d rounds, and so does it", spec.round, j, OWNER_PENALTY_ROUNDS)
+                log.info(
+                    "round %d: this peer's own part %d had no valid result; the others bar it from owning a "
+                    "part for the next %d rounds, and so does it",
+                    spec.round,
+                    j,
+                    OWNER_PENALTY_ROUNDS,
+                )
             self._owner_penalty[self.me] = spec.round + OWNER_PENALTY_ROUNDS
 
     def _note_own_no_show(self, plan, ar, stalled: bool) -> None:
@@ -585,8 +675,12 @@ class NodeRoundPolicy:
         pen = self._noshows()
         rounds = pb.noshow_penalty_rounds(me in set(plan.probation()))
         if me not in pen:
-            log.info("round %d: this peer contributed to no part the others applied; they do not plan it nor "
-                     "follow its plans for the next %d rounds, so it does not lead meanwhile", plan.round, rounds)
+            log.info(
+                "round %d: this peer contributed to no part the others applied; they do not plan it nor "
+                "follow its plans for the next %d rounds, so it does not lead meanwhile",
+                plan.round,
+                rounds,
+            )
         pen[me] = plan.round + rounds
 
     def _note_failed_owners(self, spec, ar) -> None:
@@ -597,8 +691,13 @@ class NodeRoundPolicy:
             if pid == self.me:
                 continue
             if pid not in self._owner_penalty:
-                log.warning("round %d: part %d of %s had no valid result; it owns no part for the next %d rounds",
-                            spec.round, j, pid[:10], OWNER_PENALTY_ROUNDS)
+                log.warning(
+                    "round %d: part %d of %s had no valid result; it owns no part for the next %d rounds",
+                    spec.round,
+                    j,
+                    pid[:10],
+                    OWNER_PENALTY_ROUNDS,
+                )
             self._owner_penalty[pid] = spec.round + OWNER_PENALTY_ROUNDS
             self._marks_noted()[("owner", pid)] = spec.round
 
@@ -607,8 +706,9 @@ class NodeRoundPolicy:
         unless that would leave no owner at all; peers on ``probation`` always own no part."""
         self._owner_penalty = {p: until for p, until in self._owner_penalty.items() if until >= self.round}
         if probation:
-            members = [m.model_copy(update={"address": None}) if m.peer_id in probation and m.address else m
-                       for m in members]
+            members = [
+                m.model_copy(update={"address": None}) if m.peer_id in probation and m.address else m for m in members
+            ]
         barred = [m for m in members if m.peer_id in self._owner_penalty and m.address]
         if not barred or all(m in barred or not m.address for m in members):
             return members
@@ -634,9 +734,14 @@ class NodeRoundPolicy:
                 continue
             rounds = pb.noshow_penalty_rounds(pid in marked)
             if pid not in pen:
-                log.log(logging.INFO if pid in marked else logging.WARNING,
-                        "round %d: %s%s was planned and contributed to no part; not planned for the next %d rounds",
-                        plan.round, pid[:10], " (on probation)" if pid in marked else "", rounds)
+                log.log(
+                    logging.INFO if pid in marked else logging.WARNING,
+                    "round %d: %s%s was planned and contributed to no part; not planned for the next %d rounds",
+                    plan.round,
+                    pid[:10],
+                    " (on probation)" if pid in marked else "",
+                    rounds,
+                )
             pen[pid] = plan.round + rounds
             self._marks_noted()[("noshow", pid)] = plan.round
 
@@ -656,8 +761,14 @@ class NodeRoundPolicy:
         chosen = pb.select_probation(self.run_cfg.run_id, self.round, view, waiting, pb.probation_slots(len(est)))
         left = len(waiting) - len(chosen)
         if left or len(kept) < len(members):
-            log.info("round %d: planning %d established peer(s) and %d of %d on probation; %d no-show(s) left out",
-                     self.round, len(est), len(chosen), len(waiting), len(members) - len(kept))
+            log.info(
+                "round %d: planning %d established peer(s) and %d of %d on probation; %d no-show(s) left out",
+                self.round,
+                len(est),
+                len(chosen),
+                len(waiting),
+                len(members) - len(kept),
+            )
         keep = set(est) | set(chosen)
         return [m for m in kept if m.peer_id in keep], tuple(chosen)
 
@@ -672,17 +783,26 @@ class NodeRoundPolicy:
             limit = 0.5 * self.run_cfg.window_s
             # Likewise one that needs more than half the window for a single sequence.
             seq = self.run_cfg.seq_len
-            slow = [m for m in members if planner.comm_time(m, cfg) > limit or seq / max(m.best_tokens_per_s(), 1e-9) > limit]
+            slow = [
+                m
+                for m in members
+                if planner.comm_time(m, cfg) > limit or seq / max(m.best_tokens_per_s(), 1e-9) > limit
+            ]
             if slow and len(slow) < len(members):
-                log.warning("round %d: planning without %s: predicted exchange %s s, one sequence %s s; the limit is "
-                            "%.1f s (half the window)", self.round, ", ".join(m.peer_id[:10] for m in slow),
-                            ", ".join(f"{planner.comm_time(m, cfg):.1f}" for m in slow),
-                            ", ".join(f"{seq / max(m.best_tokens_per_s(), 1e-9):.1f}" for m in slow), limit)
+                log.warning(
+                    "round %d: planning without %s: predicted exchange %s s, one sequence %s s; the limit is "
+                    "%.1f s (half the window)",
+                    self.round,
+                    ", ".join(m.peer_id[:10] for m in slow),
+                    ", ".join(f"{planner.comm_time(m, cfg):.1f}" for m in slow),
+                    ", ".join(f"{seq / max(m.best_tokens_per_s(), 1e-9):.1f}" for m in slow),
+                    limit,
+                )
                 members = [m for m in members if m not in slow]
                 # Still at most probation_slots(established) on probation (those first in line stay).
                 ids = {m.peer_id for m in members}
                 n_est = sum(1 for p in ids if p not in probation)
-                probation = tuple(p for p in chosen if p in ids)[:pb.probation_slots(n_est)]
+                probation = tuple(p for p in chosen if p in ids)[: pb.probation_slots(n_est)]
                 members = [m for m in members if m.peer_id not in chosen or m.peer_id in probation]
                 cfg = self._plan_config(len(members))
         # geomesh/awb: AWB plan; diloco/css: uniform; ddp: uniform with one step per round. Claims are
@@ -692,9 +812,18 @@ class NodeRoundPolicy:
             raise _NoOwner(f"{len(members)} peer(s) to plan, all client-only or on probation")
         evidence = getattr(self, "_supported_tps", None)
         supported = evidence[1] if evidence is not None and evidence[0] == self.round - 1 else None
-        return planner.make_plan(members, cfg, run_id=self.run_cfg.run_id, round=self.round, leader=leader, numel=self.numel,
-                         start_time=swarm_time() + 0.5, start_digest=self.digest, supported_tokens_per_s=supported,
-                         probation=probation)
+        return planner.make_plan(
+            members,
+            cfg,
+            run_id=self.run_cfg.run_id,
+            round=self.round,
+            leader=leader,
+            numel=self.numel,
+            start_time=swarm_time() + 0.5,
+            start_digest=self.digest,
+            supported_tokens_per_s=supported,
+            probation=probation,
+        )
 
     def _plan_problem(self, plan, live: dict) -> Optional[str]:
         """Why this peer must not follow ``plan`` (None: it may). Guards against a rogue or broken
@@ -745,23 +874,42 @@ class NodeRoundPolicy:
         push, agg = rule.push_encoding, rule.aggregate_encoding
         # Owners' addresses come from the plan (the leader's view), so every peer dials the same ones.
         addresses = {x.peer_id: x.address for x in plan.assignments}
-        owners = [collective.PartOwner(peer_id=pid, address=addresses.get(pid) or "", start=start, end=end)
-                  for pid, start, end in plan.owners()]
+        owners = [
+            collective.PartOwner(peer_id=pid, address=addresses.get(pid) or "", start=start, end=end)
+            for pid, start, end in plan.owners()
+        ]
         # A part too big for one gRPC message (fp32 baselines of large models) is cut into several.
-        owners = collective.split_owners(owners, collective.max_part_elements(
-            push_encoding=push, mode=plan.mode, aggregate_encoding=agg, n_participants=len(plan.assignments),
-            block_size=self.run_cfg.block_size, max_message_bytes=self.transport.config.max_message_bytes))
+        owners = collective.split_owners(
+            owners,
+            collective.max_part_elements(
+                push_encoding=push,
+                mode=plan.mode,
+                aggregate_encoding=agg,
+                n_participants=len(plan.assignments),
+                block_size=self.run_cfg.block_size,
+                max_message_bytes=self.transport.config.max_message_bytes,
+            ),
+        )
         return collective.CollectiveSpec(
-            run_id=self.run_cfg.run_id, round=r,
+            run_id=self.run_cfg.run_id,
+            round=r,
             participants={x.peer_id: x.token_budget for x in plan.assignments},
-            owners=owners, numel=self.numel, mode=plan.mode,
-            aggregate_encoding=agg, push_encoding=push,
-            block_size=self.run_cfg.block_size, clip_k=self.run_cfg.clip_k,
+            owners=owners,
+            numel=self.numel,
+            mode=plan.mode,
+            aggregate_encoding=agg,
+            push_encoding=push,
+            block_size=self.run_cfg.block_size,
+            clip_k=self.run_cfg.clip_k,
             rule=rule.rule,
-            weight_cap=self.run_cfg.weight_cap, min_agreement=self.run_cfg.min_agreement, quorum=self.run_cfg.quorum,
-            probation=plan.probation(), grace_s=pb.early_close_grace_s(plan.window_s),
+            weight_cap=self.run_cfg.weight_cap,
+            min_agreement=self.run_cfg.min_agreement,
+            quorum=self.run_cfg.quorum,
+            probation=plan.probation(),
+            grace_s=pb.early_close_grace_s(plan.window_s),
             deadline=plan.exchange_deadline - PULL_SHARE_OF_EXCHANGE * (plan.exchange_deadline - plan.train_deadline),
-            pull_deadline=plan.exchange_deadline)
+            pull_deadline=plan.exchange_deadline,
+        )
 
     def _verify_round(self, r: int, plan, a, ar, theta0: Optional[torch.Tensor] = None) -> None:
         """Verified work (:mod:`geomesh_p2p.verify`): keep round ``r``'s start weights and the signed
@@ -775,16 +923,27 @@ class NodeRoundPolicy:
             wv = getattr(self, "_work_verifier", None)
             if wv is None:
                 wv = self._work_verifier = verify.WorkVerifier.for_node(self)
-            wv.keep_round(r, theta=self._global_theta().clone() if theta0 is None else theta0, plan=plan, part_ranges=ar.part_ranges, packets=ar.contributions)
+            wv.keep_round(
+                r,
+                theta=self._global_theta().clone() if theta0 is None else theta0,
+                plan=plan,
+                part_ranges=ar.part_ranges,
+                packets=ar.contributions,
+            )
             running = getattr(self, "_verify_task", None)
             if running is not None and not running.done():
                 log.debug("round %d: verified work skipped: the previous check is still running", r)
                 return
             deadline = time.time() + max(1.0, wv.cfg.time_share * float(plan.window_s))
-            self._verify_task = asyncio.ensure_future(wv.run_round(
-                r, micro_batch=a.micro_batch, seconds_per_row=getattr(self.trainer, "_row_time_ema", None),
-                deadline=deadline, signed_of=lambda part, sender: verify.signed_contribution(
-                    self.collective, r, part, sender)))
+            self._verify_task = asyncio.ensure_future(
+                wv.run_round(
+                    r,
+                    micro_batch=a.micro_batch,
+                    seconds_per_row=getattr(self.trainer, "_row_time_ema", None),
+                    deadline=deadline,
+                    signed_of=lambda part, sender: verify.signed_contribution(self.collective, r, part, sender),
+                )
+            )
 
             def failed(t: asyncio.Future) -> None:
                 if not t.cancelled() and t.exception() is not None:
@@ -840,8 +999,13 @@ class NodeRoundPolicy:
             self._measured.add("tps")
             # A self-measured compute time is not evidence (a free rider can report ~0 s): the announced
             # figure grows at most capability.MAX_TPS_GROWTH_PER_UPDATE x per round, first measurement included.
-            self._throughput_ema().update(micro_batch, result.tokens, result.compute_s, alpha=1.0 if first else None,
-                            max_growth=capability.MAX_TPS_GROWTH_PER_UPDATE)
+            self._throughput_ema().update(
+                micro_batch,
+                result.tokens,
+                result.compute_s,
+                alpha=1.0 if first else None,
+                max_growth=capability.MAX_TPS_GROWTH_PER_UPDATE,
+            )
 
     def _update_links(self, ar) -> None:
         """Fold this round's measured exchange into the link EMAs (links.py). A direction stated by
@@ -863,5 +1027,12 @@ class NodeRoundPolicy:
             first = direction not in self._measured  # the first real exchange replaces the probe's figure
             self._measured.add(direction)
             new = ema.update_link(sample.nbytes, seconds, direction, alpha=1.0 if first else None)
-            log.debug("round %d: %sload %.1f Mbit/s measured (%d bytes in %.3fs), EMA %.1f Mbit/s", self.round - 1,
-                      direction, sample.nbytes / seconds * 8e-6, sample.nbytes, seconds, new * 8e-6)
+            log.debug(
+                "round %d: %sload %.1f Mbit/s measured (%d bytes in %.3fs), EMA %.1f Mbit/s",
+                self.round - 1,
+                direction,
+                sample.nbytes / seconds * 8e-6,
+                sample.nbytes,
+                seconds,
+                new * 8e-6,
+            )

@@ -20,8 +20,16 @@ from geomesh_p2p.aio import wait_event
 from geomesh_p2p.planner import RoundPlan
 from geomesh_p2p.records import PeerRecord
 
-__all__ = ["Clock", "SystemClock", "Membership", "PlanAgreement", "Trainer", "Collective", "GlobalStatePort",
-           "RoundPolicy"]
+__all__ = [
+    "Clock",
+    "SystemClock",
+    "Membership",
+    "PlanAgreement",
+    "Trainer",
+    "Collective",
+    "GlobalStatePort",
+    "RoundPolicy",
+]
 
 
 class Clock(Protocol):
@@ -66,11 +74,17 @@ class Membership(Protocol):
 class PlanAgreement(Protocol):
     """Signed plans of a round (geomesh_p2p.round.plans.obtain_plan over a PlanStore)."""
 
-    async def agree(self, round: int, members: Sequence[PeerRecord],
-                    make_plan: Callable[[Sequence[PeerRecord], str], RoundPlan], *,
-                    accept: Callable[[RoundPlan], Optional[str]], candidates: Sequence[str],
-                    plan_timeout_s: float,
-                    provisional: Optional[Callable[[RoundPlan], None]] = None) -> Optional[RoundPlan]:
+    async def agree(
+        self,
+        round: int,
+        members: Sequence[PeerRecord],
+        make_plan: Callable[[Sequence[PeerRecord], str], RoundPlan],
+        *,
+        accept: Callable[[RoundPlan], Optional[str]],
+        candidates: Sequence[str],
+        plan_timeout_s: float,
+        provisional: Optional[Callable[[RoundPlan], None]] = None,
+    ) -> Optional[RoundPlan]:
         """The plan every peer follows for ``round`` (publishing one when this peer's turn comes), or None.
         ``provisional(plan)``: called with the plan it will most likely return, before a settle wait
         (:func:`geomesh_p2p.round.plans.obtain_plan`); the driver trains on it meanwhile."""
@@ -79,8 +93,17 @@ class PlanAgreement(Protocol):
 class Trainer(Protocol):
     """Inner training (geomesh_p2p.training.InnerTrainer); synchronous, the driver runs it in a thread."""
 
-    def run(self, *, round: int, inner_steps: int, batch_size: int, micro_batch: Optional[int] = None,
-            deadline: Optional[float] = None, progress=None, should_stop=None) -> Any:
+    def run(
+        self,
+        *,
+        round: int,
+        inner_steps: int,
+        batch_size: int,
+        micro_batch: Optional[int] = None,
+        deadline: Optional[float] = None,
+        progress=None,
+        should_stop=None,
+    ) -> Any:
         """Inner steps on the model; returns an InnerResult (steps_done, tokens, mean_loss, compute_s)."""
 
     def gradient(self, *, round: int, batch_size: int, micro_batch: Optional[int] = None) -> tuple[torch.Tensor, Any]:

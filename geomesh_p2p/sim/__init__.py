@@ -15,7 +15,20 @@ from geomesh_p2p.sim.hardware import Profile, ProfileError, load_profile, parse_
 from geomesh_p2p.sim.methods import BASE_METHODS, MethodError, MethodSpec, parse_method, parse_methods
 
 __all__ = [
-    "ExchangeBytes", "Link", "RoundTiming", "charge_round", "encoded_nbytes", "exchange_bytes",
-    "Profile", "ProfileError", "load_profile", "parse_profile", "shipped_profiles",
-    "BASE_METHODS", "MethodError", "MethodSpec", "parse_method", "parse_methods",
+    "ExchangeBytes",
+    "Link",
+    "RoundTiming",
+    "charge_round",
+    "encoded_nbytes",
+    "exchange_bytes",
+    "Profile",
+    "ProfileError",
+    "load_profile",
+    "parse_profile",
+    "shipped_profiles",
+    "BASE_METHODS",
+    "MethodError",
+    "MethodSpec",
+    "parse_method",
+    "parse_methods",
 ]

@@ -78,7 +78,7 @@ class Charger:
         self.links = [Link(p.up_bps, p.down_bps, p.latency_s) for p in self.peers]
         self.fastest = max(range(self.n), key=lambda i: (self.peers[i].speed, -i))
         self.records0 = [p.record(self.ref) for p in self.peers]
-        pair = [a.latency_s + b.latency_s for i, a in enumerate(self.peers) for b in self.peers[i + 1:]]
+        pair = [a.latency_s + b.latency_s for i, a in enumerate(self.peers) for b in self.peers[i + 1 :]]
         self.mean_pair_latency_s = float(np.mean(pair)) if pair else 0.0
         self._parts: dict[bool, list[tuple[str, int, int]]] = {}
         self.diloco_tokens_per_round = self.uniform_plan(None, "diloco").total_token_budget()
@@ -101,37 +101,58 @@ class Charger:
 
     def exchange(self, spec: Optional[MethodSpec], parts) -> ExchangeBytes:
         """Bytes of one exchange of ``spec`` (None: fp32 DiLoCo) over the reference model."""
-        return exchange_bytes(self.ref_part_elems(parts),
-                              contribution=spec.contribution if spec else "fp32",
-                              aggregate=spec.aggregate if spec else "fp32",
-                              mode=spec.mode if spec is not None and spec.compressed else "reencode",
-                              block_size=self.block)
+        return exchange_bytes(
+            self.ref_part_elems(parts),
+            contribution=spec.contribution if spec else "fp32",
+            aggregate=spec.aggregate if spec else "fp32",
+            mode=spec.mode if spec is not None and spec.compressed else "reencode",
+            block_size=self.block,
+        )
 
     # ------------------------------------------------------------------------------ plans
     def plan_config(self, spec: Optional[MethodSpec], xb: ExchangeBytes, planner_method: Method, **kw) -> PlanConfig:
         payload = max(max(xb.push_up[i], xb.pull_down[i]) for i in range(self.n))
         pl = self.profile.plan
         return PlanConfig(
-            seq_len=self.ref.seq_len, target_batch=pl.target_batch, payload_bytes=int(payload),
-            latency_s=self.mean_pair_latency_s, comm_share=pl.comm_share, min_inner_steps=pl.min_inner_steps,
-            max_inner_steps=pl.max_inner_steps, uniform_inner_steps=pl.inner_steps, window_slack=pl.window_slack,
-            part_align=self.block, method=planner_method,
-            mode=spec.mode if spec is not None and spec.compressed else "reencode", **kw)
+            seq_len=self.ref.seq_len,
+            target_batch=pl.target_batch,
+            payload_bytes=int(payload),
+            latency_s=self.mean_pair_latency_s,
+            comm_share=pl.comm_share,
+            min_inner_steps=pl.min_inner_steps,
+            max_inner_steps=pl.max_inner_steps,
+            uniform_inner_steps=pl.inner_steps,
+            window_slack=pl.window_slack,
+            part_align=self.block,
+            method=planner_method,
+            mode=spec.mode if spec is not None and spec.compressed else "reencode",
+            **kw,
+        )
 
-    def uniform_plan(self, spec: Optional[MethodSpec], planner_method: Method, records=None,
-                     inner_steps: Optional[int] = None) -> RoundPlan:
+    def uniform_plan(
+        self, spec: Optional[MethodSpec], planner_method: Method, records=None, inner_steps: Optional[int] = None
+    ) -> RoundPlan:
         records = records or self.records0
         cfg = self.plan_config(spec, self.exchange(spec, self.parts(True)), planner_method)
-        return plan_uniform(records, cfg, run_id="sim", round=0, leader=records[0].peer_id, numel=self.numel,
-                            start_time=0.0, inner_steps=inner_steps)
+        return plan_uniform(
+            records,
+            cfg,
+            run_id="sim",
+            round=0,
+            leader=records[0].peer_id,
+            numel=self.numel,
+            start_time=0.0,
+            inner_steps=inner_steps,
+        )
 
     def balanced_plan(self, spec: MethodSpec, records=None) -> RoundPlan:
         records = records or self.records0
         rule = spec.window or self.profile.plan.window.get(spec.base, "comm_share")
         kw = {"target_tokens_per_round": self.diloco_tokens_per_round} if rule == "match_diloco" else {}
         cfg = self.plan_config(spec, self.exchange(spec, self.parts(False)), spec.planner_method, **kw)
-        return plan_round(records, cfg, run_id="sim", round=0, leader=records[0].peer_id, numel=self.numel,
-                          start_time=0.0)
+        return plan_round(
+            records, cfg, run_id="sim", round=0, leader=records[0].peer_id, numel=self.numel, start_time=0.0
+        )
 
     def plan(self, spec: MethodSpec, records: Optional[list[PeerRecord]] = None) -> RoundPlan:
         """The plan of ``spec`` (ddp: uniform with H = 1; async: the uniform plan)."""
@@ -149,8 +170,10 @@ class Charger:
     def step_s(self, plan: RoundPlan, factors: Optional[Sequence[float]] = None) -> list[float]:
         """Reference seconds per inner step of each peer: ``batch * seq_len / tokens_per_s(micro)``."""
         factors = factors or [1.0] * self.n
-        return [a.batch_size * self.ref.seq_len / p.tokens_per_s(self.ref, a.micro_batch, f)
-                for p, a, f in zip(self.peers, plan.assignments, factors)]
+        return [
+            a.batch_size * self.ref.seq_len / p.tokens_per_s(self.ref, a.micro_batch, f)
+            for p, a, f in zip(self.peers, plan.assignments, factors)
+        ]
 
     def charge(self, spec: MethodSpec, plan: RoundPlan, factors: Optional[Sequence[float]] = None) -> RoundCharge:
         """Charge one synchronous round of ``plan`` with the peers' actual speed ``factors``."""

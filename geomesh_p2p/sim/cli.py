@@ -29,34 +29,62 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="geomesh-sim",
         description="Virtual-time simulator of GeoMesh and its baselines (ddp, diloco, awb, css, geomesh, "
-                    "async). Charges time for the profile's reference workload; trains a small proxy model "
-                    "for the perplexity.",
+        "async). Charges time for the profile's reference workload; trains a small proxy model "
+        "for the perplexity.",
         epilog="Method variants: geomesh+ef (error feedback), geomesh+relay, geomesh+int8 / +fp16 "
-               "(re-encoded aggregate), geomesh+lion (+lr=X), +outer_lr=X, awb/geomesh+window=share|match.")
-    p.add_argument("--profile", default="paper4",
-                   help="shipped profile name (paper4, homogeneous4, volunteer32) or a path to a YAML file "
-                        "(default: %(default)s)")
-    p.add_argument("--methods", default=DEFAULT_METHODS,
-                   help="comma-separated methods to compare (default: %(default)s)")
-    p.add_argument("--target-ppl", type=float, default=None,
-                   help="eval perplexity that defines 'time to target' (default: the profile's target_ppl, "
-                        "else 1.05 x diloco's final perplexity, else 1.05 x the first method's)")
-    p.add_argument("--rounds", type=int, default=None,
-                   help="token budget of every method in DiLoCo rounds (default: the profile's train.rounds)")
-    p.add_argument("--seed", type=int, default=None, help="seed for data order and initial weights "
-                                                            "(default: the profile's train.seed)")
-    p.add_argument("--data", default=None, help="training corpus (.txt/.txt.xz/.jsonl/.parquet; default: the "
-                                                "shipped KJV corpus)")
-    p.add_argument("--json", dest="json_path", default=None, help="write all results (curves, per-round "
-                                                                  "records, summaries) to this JSON file")
+        "(re-encoded aggregate), geomesh+lion (+lr=X), +outer_lr=X, awb/geomesh+window=share|match.",
+    )
+    p.add_argument(
+        "--profile",
+        default="paper4",
+        help="shipped profile name (paper4, homogeneous4, volunteer32) or a path to a YAML file (default: %(default)s)",
+    )
+    p.add_argument(
+        "--methods", default=DEFAULT_METHODS, help="comma-separated methods to compare (default: %(default)s)"
+    )
+    p.add_argument(
+        "--target-ppl",
+        type=float,
+        default=None,
+        help="eval perplexity that defines 'time to target' (default: the profile's target_ppl, "
+        "else 1.05 x diloco's final perplexity, else 1.05 x the first method's)",
+    )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help="token budget of every method in DiLoCo rounds (default: the profile's train.rounds)",
+    )
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="seed for data order and initial weights (default: the profile's train.seed)",
+    )
+    p.add_argument(
+        "--data", default=None, help="training corpus (.txt/.txt.xz/.jsonl/.parquet; default: the shipped KJV corpus)"
+    )
+    p.add_argument(
+        "--json",
+        dest="json_path",
+        default=None,
+        help="write all results (curves, per-round records, summaries) to this JSON file",
+    )
     p.add_argument("--plot", default=None, help="write a PNG: perplexity vs virtual time, idle breakdown")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads per method (default: %(default)s)")
-    p.add_argument("--jobs", type=int, default=0,
-                   help="methods simulated in parallel processes; 0 = auto: min(#methods, CPUs / threads) "
-                        "(results do not depend on it; default: %(default)s)")
+    p.add_argument(
+        "--jobs",
+        type=int,
+        default=0,
+        help="methods simulated in parallel processes; 0 = auto: min(#methods, CPUs / threads) "
+        "(results do not depend on it; default: %(default)s)",
+    )
     p.add_argument("--show-plans", action="store_true", help="print each method's first round plan")
-    p.add_argument("--charged-only", action="store_true",
-                   help="no training: print what the clock charges for one round of each method (seconds)")
+    p.add_argument(
+        "--charged-only",
+        action="store_true",
+        help="no training: print what the clock charges for one round of each method (seconds)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress display")
     p.add_argument("--list-profiles", action="store_true", help="list the shipped profiles and exit")
     return p
@@ -117,8 +145,15 @@ def _run(args, profile, specs, argv) -> int:
     tasks: dict[str, int] = {}
     plain_next: dict[str, float] = {}
     if not args.no_progress and console.is_terminal:
-        progress = Progress(TextColumn("{task.description:<24}"), BarColumn(), TextColumn("{task.percentage:>5.1f}%"),
-                            TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=console, transient=False)
+        progress = Progress(
+            TextColumn("{task.description:<24}"),
+            BarColumn(),
+            TextColumn("{task.percentage:>5.1f}%"),
+            TextColumn("{task.fields[info]}"),
+            TimeElapsedColumn(),
+            console=console,
+            transient=False,
+        )
 
     def on_progress(label, done, budget, t, ppl):
         if args.no_progress:
@@ -138,14 +173,17 @@ def _run(args, profile, specs, argv) -> int:
     jobs = args.jobs or max(1, min(len(specs), (os.cpu_count() or 1) // args.threads))
     jobs = min(jobs, len(specs))
     try:
-        sim = Simulator(profile, rounds=args.rounds, seed=args.seed, data=args.data,
-                        progress=on_progress if jobs == 1 else None)
+        sim = Simulator(
+            profile, rounds=args.rounds, seed=args.seed, data=args.data, progress=on_progress if jobs == 1 else None
+        )
     except DataError as e:
         return _die(str(e))
-    console.print(f"charged: {profile.reference.model}, {profile.reference.params / 1e6:.0f}M params; "
-                  f"trained: preset {profile.train.preset!r} ({sim.numel / 1e6:.2f}M params), seq {profile.train.seq_len}; "
-                  f"budget {sim.rounds} DiLoCo rounds = {sim.budget_ref / 1e6:.1f}M reference tokens"
-                  + (f"; {jobs} parallel jobs" if jobs > 1 else ""))
+    console.print(
+        f"charged: {profile.reference.model}, {profile.reference.params / 1e6:.0f}M params; "
+        f"trained: preset {profile.train.preset!r} ({sim.numel / 1e6:.2f}M params), seq {profile.train.seq_len}; "
+        f"budget {sim.rounds} DiLoCo rounds = {sim.budget_ref / 1e6:.1f}M reference tokens"
+        + (f"; {jobs} parallel jobs" if jobs > 1 else "")
+    )
     if progress is not None:
         progress.start()
     try:
@@ -166,25 +204,39 @@ def _run(args, profile, specs, argv) -> int:
         target = round(1.05 * base.curve[-1][1], 2)
         source = f"auto: 1.05 x {base.spec.label}'s final perplexity"
     rows = report.summaries(results, target)
-    title = (f"{profile.name}: target ppl {target:g} ({source}); charged = virtual time of "
-             f"{profile.reference.params / 1e6:.0f}M-param reference, trained = {profile.train.preset} proxy ppl")
+    title = (
+        f"{profile.name}: target ppl {target:g} ({source}); charged = virtual time of "
+        f"{profile.reference.params / 1e6:.0f}M-param reference, trained = {profile.train.preset} proxy ppl"
+    )
     out = Console()
     if args.show_plans:
         for r in results:
             pi = r.plan_info
-            out.print(f"[bold]{r.spec.label}[/] first plan: window {pi['window_s']:.2f} s, "
-                      f"{pi['tokens_ref_per_round'] / 1e6:.2f}M ref tokens/round")
+            out.print(
+                f"[bold]{r.spec.label}[/] first plan: window {pi['window_s']:.2f} s, "
+                f"{pi['tokens_ref_per_round'] / 1e6:.2f}M ref tokens/round"
+            )
             for p in pi["peers"]:
-                out.print(f"  {p['name']:<14} batch {p['batch']:>3} (proxy {p['proxy_batch']}) H {p['inner_steps']:>3}"
-                          f"  compute {p['predicted_compute_s']:.2f} s  comm {p['predicted_comm_s']:.2f} s")
+                out.print(
+                    f"  {p['name']:<14} batch {p['batch']:>3} (proxy {p['proxy_batch']}) H {p['inner_steps']:>3}"
+                    f"  compute {p['predicted_compute_s']:.2f} s  comm {p['predicted_comm_s']:.2f} s"
+                )
     if out.is_terminal:
         out.print(report.rich_table(rows, title=title))
     else:
         print(report.format_table(rows, title=title))
     if args.json_path:
-        obj = report.to_json(results, rows, profile=profile, target_ppl=target, target_source=source, command=command,
-                             budget_ref=sim.budget_ref, diloco_tokens_per_round=sim.diloco_tokens_per_round,
-                             numel=sim.numel)
+        obj = report.to_json(
+            results,
+            rows,
+            profile=profile,
+            target_ppl=target,
+            target_source=source,
+            command=command,
+            budget_ref=sim.budget_ref,
+            diloco_tokens_per_round=sim.diloco_tokens_per_round,
+            numel=sim.numel,
+        )
         report.dump_json(obj, args.json_path)
         console.print(f"wrote {args.json_path}")
     if args.plot:
@@ -200,10 +252,23 @@ def _charged_only(profile, specs) -> int:
 
     numel = num_params(build_model(profile.train.preset, seed=profile.train.seed))
     ch = Charger(profile, numel)
-    print(f"{profile.name}: one round of each method, charged for {profile.reference.model} "
-          f"(DiLoCo: {ch.diloco_tokens_per_round / 1e6:.2f}M tokens per round); no training")
-    head = ["method", "window s", "round s", "tokens/round [M]", "x diloco tokens", "k tokens/s",
-            "straggler idle fastest %", "network idle %", "compute util %", "MB sent/peer", "H min..max"]
+    print(
+        f"{profile.name}: one round of each method, charged for {profile.reference.model} "
+        f"(DiLoCo: {ch.diloco_tokens_per_round / 1e6:.2f}M tokens per round); no training"
+    )
+    head = [
+        "method",
+        "window s",
+        "round s",
+        "tokens/round [M]",
+        "x diloco tokens",
+        "k tokens/s",
+        "straggler idle fastest %",
+        "network idle %",
+        "compute util %",
+        "MB sent/peer",
+        "H min..max",
+    ]
     rows = []
     skipped = []
     for spec in specs:
@@ -215,11 +280,21 @@ def _charged_only(profile, specs) -> int:
         tm = rc.timing
         R = tm.round_s
         H = [a.inner_steps for a in plan.assignments]
-        rows.append([spec.label, f"{plan.window_s:.2f}", f"{R:.2f}", f"{rc.tokens_ref / 1e6:.2f}",
-                     f"{rc.tokens_ref / ch.diloco_tokens_per_round:.2f}", f"{rc.tokens_ref / R / 1e3:.0f}",
-                     f"{100 * tm.straggler_s[ch.fastest] / R:.1f}", f"{100 * tm.network_s / R:.1f}",
-                     f"{100 * sum(tm.compute_s) / len(H) / R:.1f}",
-                     f"{sum(rc.xb.sent(i) for i in range(ch.n)) / ch.n / 1e6:.1f}", f"{min(H)}..{max(H)}"])
+        rows.append(
+            [
+                spec.label,
+                f"{plan.window_s:.2f}",
+                f"{R:.2f}",
+                f"{rc.tokens_ref / 1e6:.2f}",
+                f"{rc.tokens_ref / ch.diloco_tokens_per_round:.2f}",
+                f"{rc.tokens_ref / R / 1e3:.0f}",
+                f"{100 * tm.straggler_s[ch.fastest] / R:.1f}",
+                f"{100 * tm.network_s / R:.1f}",
+                f"{100 * sum(tm.compute_s) / len(H) / R:.1f}",
+                f"{sum(rc.xb.sent(i) for i in range(ch.n)) / ch.n / 1e6:.1f}",
+                f"{min(H)}..{max(H)}",
+            ]
+        )
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
     print("| " + " | ".join(h.ljust(w) for h, w in zip(head, widths)) + " |")
     print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
@@ -258,8 +333,12 @@ def _run_parallel(profile, specs, args, jobs: int, on_progress):
     with ctx.Manager() as manager:
         q = manager.Queue()
         with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as ex:
-            futs = [ex.submit(_worker, profile.model_dump_json(), s.label, args.rounds, args.seed, args.data,
-                              args.threads, q) for s in specs]
+            futs = [
+                ex.submit(
+                    _worker, profile.model_dump_json(), s.label, args.rounds, args.seed, args.data, args.threads, q
+                )
+                for s in specs
+            ]
             while not all(f.done() for f in futs):
                 try:
                     on_progress(*q.get(timeout=0.2))

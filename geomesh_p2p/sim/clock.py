@@ -51,8 +51,17 @@ from typing import Sequence
 from geomesh_p2p.method import CODEC_HEADER_BYTES as HEADER_BYTES
 from geomesh_p2p.method import encoded_nbytes
 
-__all__ = ["HEADER_BYTES", "encoded_nbytes", "ExchangeBytes", "exchange_bytes", "Link", "RoundTiming",
-           "charge_round", "collective_end_times", "async_exchange_s"]
+__all__ = [
+    "HEADER_BYTES",
+    "encoded_nbytes",
+    "ExchangeBytes",
+    "exchange_bytes",
+    "Link",
+    "RoundTiming",
+    "charge_round",
+    "collective_end_times",
+    "async_exchange_s",
+]
 
 
 @dataclass(frozen=True)
@@ -75,8 +84,9 @@ class ExchangeBytes:
         return len(self.push_up)
 
 
-def exchange_bytes(part_elems: Sequence[int], *, contribution: str, aggregate: str, mode: str,
-                   block_size: int) -> ExchangeBytes:
+def exchange_bytes(
+    part_elems: Sequence[int], *, contribution: str, aggregate: str, mode: str, block_size: int
+) -> ExchangeBytes:
     """Bytes of one push/pull exchange among ``len(part_elems)`` participants.
 
     ``part_elems[i]``: elements owned by peer ``i`` (0: owns nothing, e.g. client-only).
@@ -111,8 +121,9 @@ class Link:
     latency_s: float = 0.0
 
 
-def collective_end_times(done: Sequence[float], links: Sequence[Link], xb: ExchangeBytes,
-                         owners: Sequence[bool]) -> list[float]:
+def collective_end_times(
+    done: Sequence[float], links: Sequence[Link], xb: ExchangeBytes, owners: Sequence[bool]
+) -> list[float]:
     """Virtual seconds (from the round start) at which each peer holds the whole aggregate.
 
     ``done[i]``: end of peer i's inner steps; ``owners[i]``: peer i owns a non-empty part. See the
@@ -141,8 +152,9 @@ def collective_end_times(done: Sequence[float], links: Sequence[Link], xb: Excha
         others = [i for i in range(n) if i != j]
         r = max(float(done[j]), max(push_end[i] for i in others))
         if xb.push_down[j] > 0:
-            r = max(r, min(done[i] for i in others) + min(l(i, j) for i in others)
-                    + xb.push_down[j] / links[j].down_bps)
+            r = max(
+                r, min(done[i] for i in others) + min(l(i, j) for i in others) + xb.push_down[j] / links[j].down_bps
+            )
         ready[j] = r
     end = []
     for i in range(n):
@@ -151,8 +163,7 @@ def collective_end_times(done: Sequence[float], links: Sequence[Link], xb: Excha
         if src:
             e = max(e, max(ready[j] + l(i, j) + xb.pull_up[j] / links[j].up_bps for j in src))
             if xb.pull_down[i] > 0:
-                e = max(e, min(ready[j] for j in src) + min(l(i, j) for j in src)
-                        + xb.pull_down[i] / links[i].down_bps)
+                e = max(e, min(ready[j] for j in src) + min(l(i, j) for j in src) + xb.pull_down[i] / links[i].down_bps)
         end.append(e)
     return end
 
@@ -173,16 +184,21 @@ class RoundTiming:
             assert abs(c + s + self.network_s - self.round_s) <= tol * max(1.0, self.round_s)
 
 
-def charge_round(compute_s: Sequence[float], links: Sequence[Link], xb: ExchangeBytes,
-                 owners: Sequence[bool]) -> RoundTiming:
+def charge_round(
+    compute_s: Sequence[float], links: Sequence[Link], xb: ExchangeBytes, owners: Sequence[bool]
+) -> RoundTiming:
     """Charge one synchronous round: compute (given), then the exchange (``collective_end_times``),
     split into compute / straggler idle / network idle as in the module docstring."""
     end = collective_end_times(compute_s, links, xb, owners)
     last_done = max(compute_s)
     R = max(max(end), last_done)
-    return RoundTiming(compute_s=[float(c) for c in compute_s],
-                       straggler_s=[last_done - c for c in compute_s],
-                       network_s=R - last_done, round_s=R, end_s=end)
+    return RoundTiming(
+        compute_s=[float(c) for c in compute_s],
+        straggler_s=[last_done - c for c in compute_s],
+        network_s=R - last_done,
+        round_s=R,
+        end_s=end,
+    )
 
 
 def async_exchange_s(link: Link, max_peer_latency_s: float, nbytes: int) -> tuple[float, float]:

@@ -141,8 +141,13 @@ def _overlapped(timing: RoundTiming, last: bool) -> RoundTiming:
         return timing
     last_done = max(timing.compute_s)
     net = max(0.0, timing.network_s - last_done)
-    return RoundTiming(compute_s=list(timing.compute_s), straggler_s=list(timing.straggler_s), network_s=net,
-                       round_s=last_done + net, end_s=list(timing.end_s))
+    return RoundTiming(
+        compute_s=list(timing.compute_s),
+        straggler_s=list(timing.straggler_s),
+        network_s=net,
+        round_s=last_done + net,
+        end_s=list(timing.end_s),
+    )
 
 
 def _crossing(curve: list[tuple[float, float, float]], target: Optional[float]) -> Optional[tuple[float, float]]:
@@ -179,8 +184,16 @@ class Simulator:
         progress: optional callback, see :data:`ProgressFn`.
     """
 
-    def __init__(self, profile: Profile, *, rounds: Optional[int] = None, seed: Optional[int] = None,
-                 data: Optional[str] = None, progress: Optional[ProgressFn] = None, dataset=None):
+    def __init__(
+        self,
+        profile: Profile,
+        *,
+        rounds: Optional[int] = None,
+        seed: Optional[int] = None,
+        data: Optional[str] = None,
+        progress: Optional[ProgressFn] = None,
+        dataset=None,
+    ):
         from geomesh_p2p.data import load_dataset
 
         self.profile = profile
@@ -213,11 +226,22 @@ class Simulator:
         return max(1, int(round(ref_batch / self.tr.batch_div)))
 
     def _trainer(self, spec: MethodSpec, idx: int) -> InnerTrainer:
-        lr = spec.inner_lr if spec.inner_lr is not None else (
-            self.tr.lion_lr if spec.inner == "lion" else self.tr.inner_lr)
-        return InnerTrainer(copy.deepcopy(self.base_model), self.dataset, seq_len=self.tr.seq_len,
-                            optimizer=spec.inner, lr=lr, seed=self.seed, peer_id=self.peers[idx].peer_id,
-                            min_lr_ratio=self.tr.min_lr_ratio, total_steps=1)
+        lr = (
+            spec.inner_lr
+            if spec.inner_lr is not None
+            else (self.tr.lion_lr if spec.inner == "lion" else self.tr.inner_lr)
+        )
+        return InnerTrainer(
+            copy.deepcopy(self.base_model),
+            self.dataset,
+            seq_len=self.tr.seq_len,
+            optimizer=spec.inner,
+            lr=lr,
+            seed=self.seed,
+            peer_id=self.peers[idx].peer_id,
+            min_lr_ratio=self.tr.min_lr_ratio,
+            total_steps=1,
+        )
 
     def _schedule(self, trainer: InnerTrainer, total_steps: int) -> None:
         trainer.total_steps = max(1, int(total_steps))
@@ -232,20 +256,39 @@ class Simulator:
         return {
             "window_s": plan.window_s,
             "tokens_ref_per_round": plan.total_token_budget(),
-            "peers": [{"name": p.name, "batch": a.batch_size, "micro_batch": a.micro_batch,
-                       "inner_steps": a.inner_steps, "proxy_batch": self._tiny_batch(a.batch_size),
-                       "predicted_compute_s": a.predicted_compute_s, "predicted_comm_s": a.predicted_comm_s,
-                       "part": [a.part_start, a.part_end]}
-                      for p, a in zip(self.peers, plan.assignments)],
+            "peers": [
+                {
+                    "name": p.name,
+                    "batch": a.batch_size,
+                    "micro_batch": a.micro_batch,
+                    "inner_steps": a.inner_steps,
+                    "proxy_batch": self._tiny_batch(a.batch_size),
+                    "predicted_compute_s": a.predicted_compute_s,
+                    "predicted_comm_s": a.predicted_comm_s,
+                    "part": [a.part_start, a.part_end],
+                }
+                for p, a in zip(self.peers, plan.assignments)
+            ],
         }
 
     def _log(self, r: int, t: float, ch: RoundCharge, tokens_trained: int, loss: float, ppl, window) -> RoundLog:
         tm = ch.timing
         return RoundLog(
-            index=r, t_end_s=t, round_s=tm.round_s, compute_s=tm.compute_s, straggler_s=tm.straggler_s,
-            network_s=[tm.network_s] * self.n, sent=[ch.xb.sent(i) for i in range(self.n)],
-            received=[ch.xb.received(i) for i in range(self.n)], tokens_ref=ch.tokens_ref,
-            tokens_trained=tokens_trained, train_loss=loss, eval_ppl=ppl, window_s=window, inner_steps=ch.steps)
+            index=r,
+            t_end_s=t,
+            round_s=tm.round_s,
+            compute_s=tm.compute_s,
+            straggler_s=tm.straggler_s,
+            network_s=[tm.network_s] * self.n,
+            sent=[ch.xb.sent(i) for i in range(self.n)],
+            received=[ch.xb.received(i) for i in range(self.n)],
+            tokens_ref=ch.tokens_ref,
+            tokens_trained=tokens_trained,
+            train_loss=loss,
+            eval_ppl=ppl,
+            window_s=window,
+            inner_steps=ch.steps,
+        )
 
     # ------------------------------------------------------------------------------ methods
     def run(self, spec: MethodSpec) -> MethodResult:
@@ -256,8 +299,9 @@ class Simulator:
             return self._run_ddp(spec)
         return self._run_sync(spec)
 
-    def _aggregate(self, spec: MethodSpec, deltas: list[torch.Tensor], tokens: list[int], efs,
-                   plan: RoundPlan) -> Optional[torch.Tensor]:
+    def _aggregate(
+        self, spec: MethodSpec, deltas: list[torch.Tensor], tokens: list[int], efs, plan: RoundPlan
+    ) -> Optional[torch.Tensor]:
         """The update every peer applies: the collective's arithmetic, without gRPC."""
         from geomesh_p2p.collective import token_weighted_mean
 
@@ -329,8 +373,9 @@ class Simulator:
         trainers = [self._trainer(spec, i) for i in range(self.n)]
         for tr, a in zip(trainers, plan0.assignments):
             self._schedule(tr, rounds_est * a.inner_steps)
-        efs = [compression.ErrorFeedback(self.numel, self.block) if spec.error_feedback else None
-               for _ in range(self.n)]
+        efs = [
+            compression.ErrorFeedback(self.numel, self.block) if spec.error_feedback else None for _ in range(self.n)
+        ]
         outer = OuterNesterov(lr=spec.outer_lr or self.tr.outer_lr, momentum=self.tr.outer_momentum)
         theta = self.theta0.clone()
         t = 0.0
@@ -351,8 +396,9 @@ class Simulator:
             for i, tr in enumerate(trainers):
                 start = starts[i] if spec.eager else theta
                 load_flat_(tr.model, start)
-                res = tr.run(round=r, inner_steps=ch.steps[i],
-                             batch_size=self._tiny_batch(plan.assignments[i].batch_size))
+                res = tr.run(
+                    round=r, inner_steps=ch.steps[i], batch_size=self._tiny_batch(plan.assignments[i].batch_size)
+                )
                 deltas.append(start - flat_params(tr.model))
                 tokens.append(res.tokens)
                 if res.steps_done:
@@ -371,10 +417,17 @@ class Simulator:
             tok_trained += sum(tokens)
             ppl = self.evaluate(theta)
             curve.append((t_landed, ppl, float(done_ref)))
-            logs.append(self._log(r, t, RoundCharge(steps=ch.steps, step_s=ch.step_s, xb=ch.xb, timing=timing,
-                                                    tokens_ref=ch.tokens_ref),
-                                  sum(tokens), float(np.mean(losses)) if losses else float("nan"), ppl,
-                                  plan.window_s))
+            logs.append(
+                self._log(
+                    r,
+                    t,
+                    RoundCharge(steps=ch.steps, step_s=ch.step_s, xb=ch.xb, timing=timing, tokens_ref=ch.tokens_ref),
+                    sum(tokens),
+                    float(np.mean(losses)) if losses else float("nan"),
+                    ppl,
+                    plan.window_s,
+                )
+            )
             # re-profiling (DESIGN.md "Round r" step 7): EMA of the measured speed factor
             if sigma > 0:
                 est = [0.7 * e + 0.3 * fi for e, fi in zip(est, f)]
@@ -382,8 +435,9 @@ class Simulator:
             r += 1
         return self._result(spec, logs, curve, t, done_ref, tok_trained, wall0, self.plan_info(plan0))
 
-    def _eager_starts(self, theta: torch.Tensor, outer: OuterNesterov, deltas: list[torch.Tensor],
-                      tokens: list[int]) -> list[torch.Tensor]:
+    def _eager_starts(
+        self, theta: torch.Tensor, outer: OuterNesterov, deltas: list[torch.Tensor], tokens: list[int]
+    ) -> list[torch.Tensor]:
         """Eager updates (see :meth:`_run_sync`): each peer's start weights of the next round,
         ``x_m = O(θ, v; w_m Δ_m^r)`` with ``w_m = tokens_m / Σ tokens``, on copies of the global weights and
         outer state. fp32 CPU ``[P]`` tensors; ``theta`` and ``outer`` are not modified."""
@@ -454,8 +508,9 @@ class Simulator:
         trainers = [self._trainer(spec, i) for i in range(self.n)]
         for i, tr in enumerate(trainers):
             self._schedule(tr, math.ceil(t_end_est / cycle[i]) * H[i])
-        outer = OuterNesterov(lr=spec.outer_lr or self.tr.async_outer_lr or self.tr.outer_lr,
-                              momentum=self.tr.outer_momentum)
+        outer = OuterNesterov(
+            lr=spec.outer_lr or self.tr.async_outer_lr or self.tr.outer_lr, momentum=self.tr.outer_momentum
+        )
         theta = self.theta0.clone()
         version = 0
         local_round = [0] * self.n
@@ -510,13 +565,25 @@ class Simulator:
                 ppl = self.evaluate(theta)
                 curve.append((t, ppl, float(done_ref)))
                 self._report(spec.label, done_ref, t, ppl)
-            logs.append(RoundLog(
-                index=k, t_end_s=t, round_s=0.0, compute_s=[comp if j == i else 0.0 for j in range(self.n)],
-                straggler_s=[0.0] * self.n, network_s=[net if j == i else 0.0 for j in range(self.n)],
-                sent=[nbytes if j == i else 0 for j in range(self.n)],
-                received=[(0 if first else nbytes) if j == i else 0 for j in range(self.n)],
-                tokens_ref=ref_tok[i], tokens_trained=ntok, train_loss=loss, eval_ppl=ppl,
-                inner_steps=[H[i] if j == i else 0 for j in range(self.n)], staleness=staleness, peer=i))
+            logs.append(
+                RoundLog(
+                    index=k,
+                    t_end_s=t,
+                    round_s=0.0,
+                    compute_s=[comp if j == i else 0.0 for j in range(self.n)],
+                    straggler_s=[0.0] * self.n,
+                    network_s=[net if j == i else 0.0 for j in range(self.n)],
+                    sent=[nbytes if j == i else 0 for j in range(self.n)],
+                    received=[(0 if first else nbytes) if j == i else 0 for j in range(self.n)],
+                    tokens_ref=ref_tok[i],
+                    tokens_trained=ntok,
+                    train_loss=loss,
+                    eval_ppl=ppl,
+                    inner_steps=[H[i] if j == i else 0 for j in range(self.n)],
+                    staleness=staleness,
+                    peer=i,
+                )
+            )
             k += 1
             if done_ref < self.budget_ref:
                 start_cycle(i, t, first=False)
@@ -533,7 +600,19 @@ class Simulator:
             return [sum(getattr(lg, name)[i] for lg in logs) for i in range(n)]
 
         return MethodResult(
-            spec=spec, peers=self.peers, fastest=self.fastest, rounds=logs, curve=curve, total_s=t,
-            compute_s=col("compute_s"), straggler_s=col("straggler_s"), network_s=col("network_s"),
-            sent=col("sent"), received=col("received"), tokens_ref=int(done_ref), tokens_trained=int(tok_trained),
-            wall_s=time.perf_counter() - wall0, plan_info=plan_info)
+            spec=spec,
+            peers=self.peers,
+            fastest=self.fastest,
+            rounds=logs,
+            curve=curve,
+            total_s=t,
+            compute_s=col("compute_s"),
+            straggler_s=col("straggler_s"),
+            network_s=col("network_s"),
+            sent=col("sent"),
+            received=col("received"),
+            tokens_ref=int(done_ref),
+            tokens_trained=int(tok_trained),
+            wall_s=time.perf_counter() - wall0,
+            plan_info=plan_info,
+        )

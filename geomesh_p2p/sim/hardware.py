@@ -35,8 +35,19 @@ from geomesh_p2p.errors import UserFacingError
 from geomesh_p2p.records import PeerRecord
 
 __all__ = [
-    "ProfileError", "Profile", "PeerSpec", "ReferenceSpec", "TrainSpec", "PlanSpec", "SimPeer",
-    "load_profile", "parse_profile", "shipped_profiles", "PROFILE_DIR", "GB", "MBIT",
+    "ProfileError",
+    "Profile",
+    "PeerSpec",
+    "ReferenceSpec",
+    "TrainSpec",
+    "PlanSpec",
+    "SimPeer",
+    "load_profile",
+    "parse_profile",
+    "shipped_profiles",
+    "PROFILE_DIR",
+    "GB",
+    "MBIT",
 ]
 
 GB = 10**9
@@ -60,15 +71,18 @@ class ReferenceSpec(_Strict):
     seq_len: int = Field(ge=1, description="tokens per sequence")
     peak_tokens_per_s: float = Field(gt=0, description="tokens/s of a speed-1.0 GPU at a saturating batch")
     batch_half: float = Field(
-        default=2.0, ge=0,
+        default=2.0,
+        ge=0,
         description="throughput at batch b is peak*speed*b/(b+batch_half): small batches use the GPU less",
     )
     fixed_memory_gb: float = Field(
-        ge=0, description="GB that do not depend on the batch (weights, grads, optimizer, global copy)")
+        ge=0, description="GB that do not depend on the batch (weights, grads, optimizer, global copy)"
+    )
     activation_gb_per_seq: float = Field(gt=0, description="GB of activations per sequence in the batch")
     measured_batches: list[int] = Field(
         default=[1, 2, 4, 8, 16, 32, 64, 128, 256],
-        description="batch sizes profiled (those that fit go into each PeerRecord.tokens_per_s)")
+        description="batch sizes profiled (those that fit go into each PeerRecord.tokens_per_s)",
+    )
 
 
 class TrainSpec(_Strict):
@@ -77,10 +91,13 @@ class TrainSpec(_Strict):
     preset: str = Field(default="tiny", description="geomesh_p2p.training preset")
     seq_len: int = Field(default=64, ge=2, description="tokens per training sequence")
     batch_div: float = Field(
-        default=8.0, gt=0, description="trained sequences per step = round(reference batch / batch_div), >= 1")
+        default=8.0, gt=0, description="trained sequences per step = round(reference batch / batch_div), >= 1"
+    )
     rounds: int = Field(
-        default=60, ge=1,
-        description="token budget of every method, in DiLoCo rounds: rounds x DiLoCo's tokens per round")
+        default=60,
+        ge=1,
+        description="token budget of every method, in DiLoCo rounds: rounds x DiLoCo's tokens per round",
+    )
     inner_lr: float = Field(default=1e-3, gt=0, description="inner AdamW peak lr (Lion: see lion_lr)")
     lion_lr: float = Field(default=3e-4, gt=0, description="inner Lion peak lr when a method asks for Lion")
     warmup_frac: float = Field(default=0.02, ge=0, lt=1, description="share of each peer's inner steps in warm-up")
@@ -88,7 +105,8 @@ class TrainSpec(_Strict):
     outer_lr: float = Field(default=0.7, gt=0, description="outer Nesterov lr (DiLoCo)")
     outer_momentum: float = Field(default=0.9, ge=0, lt=1)
     async_outer_lr: Optional[float] = Field(
-        default=None, gt=0, description="outer lr of the async mode (None: outer_lr)")
+        default=None, gt=0, description="outer lr of the async mode (None: outer_lr)"
+    )
     block_size: int = Field(default=2048, ge=1, description="codec block (elements per scale)")
     clip_k: Optional[float] = Field(default=4.0, gt=0, description="scale clipping of the collective (k x median)")
     eval_batches: int = Field(default=12, ge=1, description="held-out batches per evaluation")
@@ -108,7 +126,8 @@ class PlanSpec(_Strict):
     window: dict[str, WindowRule] = Field(
         default={"awb": "match_diloco", "geomesh": "comm_share"},
         description="window rule per balanced method: 'comm_share' (T = max comm / comm_share) or"
-                    " 'match_diloco' (T such that the group trains DiLoCo's tokens per round)")
+        " 'match_diloco' (T such that the group trains DiLoCo's tokens per round)",
+    )
     min_inner_steps: int = Field(default=1, ge=1)
     max_inner_steps: int = Field(default=500, ge=1)
     window_slack: float = Field(default=0.05, ge=0, le=0.5)
@@ -147,7 +166,8 @@ class Profile(_Strict):
     plan: PlanSpec = PlanSpec()
     target_ppl: Optional[float] = Field(default=None, gt=1, description="perplexity for 'time to target'")
     speed_jitter: float = Field(
-        default=0.0, ge=0, le=1, description="per-round lognormal sigma of each peer's speed (0: steady)")
+        default=0.0, ge=0, le=1, description="per-round lognormal sigma of each peer's speed (0: steady)"
+    )
     peers: list[PeerSpec] = Field(min_length=1)
 
     @model_validator(mode="after")
@@ -175,12 +195,23 @@ class Profile(_Strict):
                 if max_batch < 1:
                     raise ProfileError(
                         f"profile {self.name}: peer {name}: memory_gb={spec.memory_gb} cannot hold one"
-                        f" sequence of the reference model (needs {ref.fixed_memory_gb + ref.activation_gb_per_seq} GB)")
-                out.append(SimPeer(
-                    peer_id=f"p{idx:03d}-{name}", name=name, gpu=spec.gpu or spec.name, speed=spec.speed,
-                    memory_bytes=int(spec.memory_gb * GB), max_batch=max_batch,
-                    up_bps=spec.up_mbps * MBIT, down_bps=(spec.down_mbps or spec.up_mbps) * MBIT,
-                    latency_s=spec.latency_ms / 1000.0, client_only=spec.client_only, region=spec.region))
+                        f" sequence of the reference model (needs {ref.fixed_memory_gb + ref.activation_gb_per_seq} GB)"
+                    )
+                out.append(
+                    SimPeer(
+                        peer_id=f"p{idx:03d}-{name}",
+                        name=name,
+                        gpu=spec.gpu or spec.name,
+                        speed=spec.speed,
+                        memory_bytes=int(spec.memory_gb * GB),
+                        max_batch=max_batch,
+                        up_bps=spec.up_mbps * MBIT,
+                        down_bps=(spec.down_mbps or spec.up_mbps) * MBIT,
+                        latency_s=spec.latency_ms / 1000.0,
+                        client_only=spec.client_only,
+                        region=spec.region,
+                    )
+                )
         return out
 
 
@@ -209,11 +240,18 @@ class SimPeer:
         sees). ``speed_factor`` scales the measured throughput (re-profiling under jitter)."""
         measured = [b for b in ref.measured_batches if b <= self.max_batch] or [self.max_batch]
         return PeerRecord(
-            peer_id=self.peer_id, address=None if self.client_only else f"sim://{self.name}",
-            device=self.gpu, memory_bytes=self.memory_bytes,
+            peer_id=self.peer_id,
+            address=None if self.client_only else f"sim://{self.name}",
+            device=self.gpu,
+            memory_bytes=self.memory_bytes,
             tokens_per_s={b: self.tokens_per_s(ref, b, speed_factor) for b in measured},
-            max_batch=self.max_batch, upload_bps=self.up_bps, download_bps=self.down_bps,
-            version="sim", run_config_hash="sim", timestamp=0.0)
+            max_batch=self.max_batch,
+            upload_bps=self.up_bps,
+            download_bps=self.down_bps,
+            version="sim",
+            run_config_hash="sim",
+            timestamp=0.0,
+        )
 
 
 # --------------------------------------------------------------------------------- loading
@@ -273,7 +311,8 @@ def load_profile(name_or_path: Union[str, Path]) -> Profile:
         shipped = PROFILE_DIR / f"{s}.yaml"
         if not shipped.is_file():
             raise ProfileError(
-                f"unknown profile {s!r} (shipped: {', '.join(shipped_profiles())}; or give a path to a .yaml file)")
+                f"unknown profile {s!r} (shipped: {', '.join(shipped_profiles())}; or give a path to a .yaml file)"
+            )
         p = shipped
     if not p.is_file():
         raise ProfileError(f"profile file not found: {p}")

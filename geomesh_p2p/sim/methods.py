@@ -48,8 +48,14 @@ BASE_METHODS = ("ddp", "diloco", "awb", "css", "geomesh", "async")
 _COMPRESSED = ("css", "geomesh")
 _BALANCED = ("awb", "geomesh")
 # the planner's method of each base: async plans as DiLoCo (same batch and H), without the barrier
-_PLANNER_METHOD: dict[str, Method] = {"ddp": "ddp", "diloco": "diloco", "awb": "awb", "css": "css",
-                                      "geomesh": "geomesh", "async": "diloco"}
+_PLANNER_METHOD: dict[str, Method] = {
+    "ddp": "ddp",
+    "diloco": "diloco",
+    "awb": "awb",
+    "css": "css",
+    "geomesh": "geomesh",
+    "async": "diloco",
+}
 
 
 class MethodError(UserFacingError, ValueError):
@@ -99,18 +105,27 @@ def parse_method(label: str) -> MethodSpec:
     label = label.strip()
     parts = [p.strip() for p in label.split("+")]
     if parts[0].lower().endswith("-eager"):  # "geomesh-eager" = "geomesh+eager"
-        parts = [parts[0][:-len("-eager")], "eager"] + parts[1:]
+        parts = [parts[0][: -len("-eager")], "eager"] + parts[1:]
     base = parts[0].lower()
     if base not in BASE_METHODS:
-        raise MethodError(f"unknown method {parts[0]!r} (known: {', '.join(BASE_METHODS)};"
-                          " variants as geomesh+ef, geomesh+relay, geomesh+int8, geomesh+lion)")
-    spec = MethodSpec(label=label, base=base, balanced=base in _BALANCED,
-                      contribution="sign" if base in _COMPRESSED else "fp32",
-                      aggregate="sign" if base in _COMPRESSED else "fp32")
+        raise MethodError(
+            f"unknown method {parts[0]!r} (known: {', '.join(BASE_METHODS)};"
+            " variants as geomesh+ef, geomesh+relay, geomesh+int8, geomesh+lion)"
+        )
+    spec = MethodSpec(
+        label=label,
+        base=base,
+        balanced=base in _BALANCED,
+        contribution="sign" if base in _COMPRESSED else "fp32",
+        aggregate="sign" if base in _COMPRESSED else "fp32",
+    )
     for mod in parts[1:]:
         key, _, val = mod.partition("=")
         key = key.lower()
-        if key in ("ef", "relay", "reencode", "sign", "int8", "fp16", "mean", "meanmed", "vote") and not spec.compressed:
+        if (
+            key in ("ef", "relay", "reencode", "sign", "int8", "fp16", "mean", "meanmed", "vote")
+            and not spec.compressed
+        ):
             raise MethodError(f"method {label!r}: modifier {mod!r} applies to css/geomesh only")
         if key == "ef":
             spec = replace(spec, error_feedback=True)
@@ -128,15 +143,19 @@ def parse_method(label: str) -> MethodSpec:
             spec = replace(spec, outer_lr=_float(label, key, val))
         elif key == "eager" and not val:
             if base not in ("diloco", "awb", "css", "geomesh"):
-                raise MethodError(f"method {label!r}: eager applies to the synchronous methods diloco, awb, css, geomesh")
+                raise MethodError(
+                    f"method {label!r}: eager applies to the synchronous methods diloco, awb, css, geomesh"
+                )
             spec = replace(spec, eager=True)
         elif key == "window" and val in ("share", "match", "comm_share", "match_diloco"):
             if not spec.balanced:
                 raise MethodError(f"method {label!r}: window= applies to awb/geomesh only")
             spec = replace(spec, window="comm_share" if val in ("share", "comm_share") else "match_diloco")
         else:
-            raise MethodError(f"method {label!r}: unknown modifier {mod!r} (ef, relay, reencode, sign,"
-                              " int8, fp16, mean, meanmed, vote, lion, adamw, lr=X, outer_lr=X, window=share|match, eager)")
+            raise MethodError(
+                f"method {label!r}: unknown modifier {mod!r} (ef, relay, reencode, sign,"
+                " int8, fp16, mean, meanmed, vote, lion, adamw, lr=X, outer_lr=X, window=share|match, eager)"
+            )
     return spec
 
 

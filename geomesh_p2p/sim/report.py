@@ -67,8 +67,10 @@ def rich_table(rows: Sequence[dict[str, Any]], title: str = ""):
     """A rich Table: charged columns in cyan, trained (perplexity) in green."""
     from rich.table import Table
 
-    t = Table(title=title, caption="cyan: charged (virtual time of the reference workload) - "
-                                   "green: trained (proxy model perplexity)")
+    t = Table(
+        title=title,
+        caption="cyan: charged (virtual time of the reference workload) - green: trained (proxy model perplexity)",
+    )
     for k, h, _, charged in COLUMNS:
         style = "cyan" if charged else ("green" if charged is False else None)
         t.add_column(h, style=style, justify="left" if k == "method" else "right")
@@ -77,9 +79,18 @@ def rich_table(rows: Sequence[dict[str, Any]], title: str = ""):
     return t
 
 
-def to_json(results: Sequence[MethodResult], rows: Sequence[dict[str, Any]], *, profile, target_ppl,
-            target_source: str, command: str, budget_ref: int, diloco_tokens_per_round: int,
-            numel: int) -> dict[str, Any]:
+def to_json(
+    results: Sequence[MethodResult],
+    rows: Sequence[dict[str, Any]],
+    *,
+    profile,
+    target_ppl,
+    target_source: str,
+    command: str,
+    budget_ref: int,
+    diloco_tokens_per_round: int,
+    numel: int,
+) -> dict[str, Any]:
     """Everything needed to redraw the plots and check the tables."""
     return {
         "command": command,
@@ -89,8 +100,16 @@ def to_json(results: Sequence[MethodResult], rows: Sequence[dict[str, Any]], *, 
         "token_budget_ref": budget_ref,
         "diloco_tokens_per_round_ref": diloco_tokens_per_round,
         "proxy_params": numel,
-        "charged": ["time_to_target_h", "straggler_idle_fastest_pct", "network_idle_pct", "gb_sent_per_peer",
-                    "compute_util_pct", "total_h", "round_s", "bytes"],
+        "charged": [
+            "time_to_target_h",
+            "straggler_idle_fastest_pct",
+            "network_idle_pct",
+            "gb_sent_per_peer",
+            "compute_util_pct",
+            "total_h",
+            "round_s",
+            "bytes",
+        ],
         "trained": ["final_ppl", "best_ppl", "curve ppl", "train_loss"],
         "summaries": list(rows),
         "methods": {
@@ -98,23 +117,50 @@ def to_json(results: Sequence[MethodResult], rows: Sequence[dict[str, Any]], *, 
                 "spec": r.spec.__dict__,
                 "plan": r.plan_info,
                 "curve": [{"t_h": t / 3600.0, "ppl": p, "tokens_ref": n} for t, p, n in r.curve],
-                "per_peer": [{"name": pe.name, "gpu": pe.gpu, "compute_s": c, "straggler_s": s, "network_s": nw,
-                              "sent": snt, "received": rcv}
-                             for pe, c, s, nw, snt, rcv in zip(r.peers, r.compute_s, r.straggler_s, r.network_s,
-                                                               r.sent, r.received)],
-                "rounds": [{"i": lg.index, "t_end_s": lg.t_end_s, "round_s": lg.round_s, "window_s": lg.window_s,
-                            "inner_steps": lg.inner_steps, "tokens_ref": lg.tokens_ref,
-                            "tokens_trained": lg.tokens_trained, "train_loss": lg.train_loss,
-                            "eval_ppl": lg.eval_ppl, "staleness": lg.staleness, "peer": lg.peer}
-                           for lg in r.rounds],
+                "per_peer": [
+                    {
+                        "name": pe.name,
+                        "gpu": pe.gpu,
+                        "compute_s": c,
+                        "straggler_s": s,
+                        "network_s": nw,
+                        "sent": snt,
+                        "received": rcv,
+                    }
+                    for pe, c, s, nw, snt, rcv in zip(
+                        r.peers, r.compute_s, r.straggler_s, r.network_s, r.sent, r.received
+                    )
+                ],
+                "rounds": [
+                    {
+                        "i": lg.index,
+                        "t_end_s": lg.t_end_s,
+                        "round_s": lg.round_s,
+                        "window_s": lg.window_s,
+                        "inner_steps": lg.inner_steps,
+                        "tokens_ref": lg.tokens_ref,
+                        "tokens_trained": lg.tokens_trained,
+                        "train_loss": lg.train_loss,
+                        "eval_ppl": lg.eval_ppl,
+                        "staleness": lg.staleness,
+                        "peer": lg.peer,
+                    }
+                    for lg in r.rounds
+                ],
             }
             for r in results
         },
     }
 
 
-def plot(results: Sequence[MethodResult], rows: Sequence[dict[str, Any]], path: str | Path, *,
-         target_ppl: Optional[float], title: str = "") -> None:
+def plot(
+    results: Sequence[MethodResult],
+    rows: Sequence[dict[str, Any]],
+    path: str | Path,
+    *,
+    target_ppl: Optional[float],
+    title: str = "",
+) -> None:
     """Two panels: eval perplexity (trained) against virtual hours (charged) for every method, and
     the fastest peer's time split into compute / straggler idle / network idle / other (charged)."""
     import matplotlib
@@ -128,14 +174,22 @@ def plot(results: Sequence[MethodResult], rows: Sequence[dict[str, Any]], path: 
     logx = bool(ends) and max(ends) / min(ends) > 8  # e.g. volunteer32: 1.25 h against 0.06 h
     for k, r in enumerate(results):
         pts = [(t / 3600.0, p) for t, p, _ in r.curve if not (logx and t <= 0)]
-        ax1.plot([a for a, _ in pts], [b for _, b in pts], label=r.spec.label, color=cmap(k % 10), lw=1.6,
-                 marker="o" if len(pts) < 4 else None, ms=4)
+        ax1.plot(
+            [a for a, _ in pts],
+            [b for _, b in pts],
+            label=r.spec.label,
+            color=cmap(k % 10),
+            lw=1.6,
+            marker="o" if len(pts) < 4 else None,
+            ms=4,
+        )
     if logx:
         ax1.set_xscale("log")
     if target_ppl:
         ax1.axhline(target_ppl, color="0.4", ls="--", lw=1)
-        ax1.text(ax1.get_xlim()[1], target_ppl, f" target {target_ppl:.1f}", va="bottom", ha="right",
-                 fontsize=8, color="0.3")
+        ax1.text(
+            ax1.get_xlim()[1], target_ppl, f" target {target_ppl:.1f}", va="bottom", ha="right", fontsize=8, color="0.3"
+        )
     ax1.set_yscale("log")
     all_ppl = [p for r in results for _, p, _ in r.curve]
     if all_ppl:

@@ -19,9 +19,26 @@ def test_bootstrap_with_allow_peers_refuses_a_peer_process_off_the_list(swarm, t
     allow = tmp_path / "allow.txt"
     allow.write_text(f"# the members of this private run\n{member.peer_id}  # member\n\n")
     port = free_port()
-    swarm._spawn("boot", [sys.executable, "-m", "bootstrap.cli", "--host", "127.0.0.1", "--port", str(port),
-                          "--run-id", "test-swarm", "--identity", str(boot_key), "--allow-peers", str(allow),
-                          "--state-file", ""])
+    swarm._spawn(
+        "boot",
+        [
+            sys.executable,
+            "-m",
+            "bootstrap.cli",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--run-id",
+            "test-swarm",
+            "--identity",
+            str(boot_key),
+            "--allow-peers",
+            str(allow),
+            "--state-file",
+            "",
+        ],
+    )
     swarm.wait_for(lambda: "serving on" in swarm.text("boot"), 120, "the bootstrap to listen")
     assert "private run: 1 allowed peer(s)" in swarm.text("boot")
     swarm.peer("outsider", "--rounds", "1", bootstrap=f"127.0.0.1:{port}")

@@ -56,8 +56,9 @@ ATTACKER_FLAGS = {"forge-aggregate": ["--forge-push", "flipmax"]}
 SLOW_ATTACKS = ["flip", "zeros", "stale", "noise"]
 
 _ALL = os.environ.get("GEOMESH_ALL_ATTACKS") == "1"
-_slow = pytest.mark.skipif(not _ALL, reason="shows only over more rounds: benchmarks/attacks.py "
-                                            "(or GEOMESH_ALL_ATTACKS=1)")
+_slow = pytest.mark.skipif(
+    not _ALL, reason="shows only over more rounds: benchmarks/attacks.py (or GEOMESH_ALL_ATTACKS=1)"
+)
 
 
 @pytest.fixture
@@ -73,19 +74,30 @@ def swarm(tmp_path):
 @pytest.mark.parametrize("attack", FAST_ATTACKS + [pytest.param(a, marks=_slow) for a in SLOW_ATTACKS])
 def test_one_attacker_of_four_does_not_poison_or_split_the_honest_peers(swarm, attack):
     # rogue-leader: identities are rigged so that the attacker leads every round (else it is luck).
-    o = run_scenario(swarm, attack, n_honest=3, n_attackers=1, rounds=ROUNDS, timeout_s=SWARM_TIMEOUT_S,
-                     lead_rounds=ROUNDS if attack == "rogue-leader" else 0,
-                     attacker_extra=ATTACKER_FLAGS.get(attack, []))
+    o = run_scenario(
+        swarm,
+        attack,
+        n_honest=3,
+        n_attackers=1,
+        rounds=ROUNDS,
+        timeout_s=SWARM_TIMEOUT_S,
+        lead_rounds=ROUNDS if attack == "rogue-leader" else 0,
+        attacker_extra=ATTACKER_FLAGS.get(attack, []),
+    )
     logs = honest_log_tails(swarm, o)
-    assert o.attacker_acted, (f"the attack never reached its key step (adversary.KEY_ACTION), so nothing was tested "
-                              f"(e.g. a forger that owned no part: give it more rounds):\n{o.attacker_log_tail}")
+    assert o.attacker_acted, (
+        f"the attack never reached its key step (adversary.KEY_ACTION), so nothing was tested "
+        f"(e.g. a forger that owned no part: give it more rounds):\n{o.attacker_log_tail}"
+    )
     assert not o.honest_exited, f"honest peers exited {o.exit_codes} (None: still running at the timeout)\n{logs}"
     # Each honest peer ends the run in step with the others (it may sit out a round and re-sync meanwhile).
     last = {n: rows[-1]["round"] if rows else None for n, rows in o.rows.items()}
     assert all(r == ROUNDS - 1 for r in last.values()), f"last round logged: {last}\n{logs}"
     assert o.digests_equal, f"honest digests differ after rounds {o.digest_mismatches()}\n{logs}"
-    assert o.final_ppl < PPL_LIMIT, (f"{attack}: honest eval ppl {o.final_ppl:.4g} after {ROUNDS} rounds "
-                                     f"(limit {PPL_LIMIT:g}; per round {o.ppl_by_round()})")
+    assert o.final_ppl < PPL_LIMIT, (
+        f"{attack}: honest eval ppl {o.final_ppl:.4g} after {ROUNDS} rounds "
+        f"(limit {PPL_LIMIT:g}; per round {o.ppl_by_round()})"
+    )
 
 
 # ------------------------------------------------------------------ the red-team behaviours themselves (fast)
@@ -107,6 +119,7 @@ def test_poisoned_contributions_are_what_the_attacks_say(tmp_path):
     from geomesh_p2p.adversary import FLIPMAX_FACTOR, MAX_TOKENS
 
     delta = torch.linspace(-1, 1, 4096)
+
     def spec_for(node):
         return SimpleNamespace(round=3, participants={node.me: 5000})
 
@@ -142,8 +155,9 @@ def test_forged_owner_results_are_signed_by_the_owner_and_forged(tmp_path):
     v = torch.linspace(-1, 1, 4096)
 
     def signed(res):
-        return n.identity.sign_message(run_id="r", round=2, kind=RESULT_KIND, payload=res.SerializeToString()
-                                       ).SerializeToString()
+        return n.identity.sign_message(
+            run_id="r", round=2, kind=RESULT_KIND, payload=res.SerializeToString()
+        ).SerializeToString()
 
     def read(b):
         m = envelope_pb2.SignedMessage.FromString(b)
@@ -151,8 +165,15 @@ def test_forged_owner_results_are_signed_by_the_owner_and_forged(tmp_path):
         return collective_pb2.PartResult.FromString(m.payload)
 
     # reencode: -20x the aggregate it should serve
-    honest = collective_pb2.PartResult(round=2, part=0, start=0, end=4096, mode="reencode", aggregate_encoding="sign",
-                                       aggregate=compression.encode(v, block_size=2048, tokens=9).to_bytes())
+    honest = collective_pb2.PartResult(
+        round=2,
+        part=0,
+        start=0,
+        end=4096,
+        mode="reencode",
+        aggregate_encoding="sign",
+        aggregate=compression.encode(v, block_size=2048, tokens=9).to_bytes(),
+    )
     forged = read(n.forge_result(signed(honest)))
     got = compression.decode_any(compression.packet_from_bytes(forged.aggregate))
     want = compression.decode(compression.encode(v, block_size=2048, tokens=9)) * -20
@@ -160,12 +181,24 @@ def test_forged_owner_results_are_signed_by_the_owner_and_forged(tmp_path):
 
     # relay: only its own contribution survives
     other = Identity.generate()
+
     def contribution(ident):
-        return collective_pb2.Contribution(signed_message=ident.sign_message(
-            run_id="r", round=2, kind=CONTRIBUTION_KIND, payload=b"x").SerializeToString())
-    relay = collective_pb2.PartResult(round=2, part=0, start=0, end=4096, mode="relay",
-                                      contributions=[contribution(other), contribution(n.identity)],
-                                      contributors=[bytes(other.peer_id), bytes(n.identity.peer_id)], tokens=[5, 6])
+        return collective_pb2.Contribution(
+            signed_message=ident.sign_message(
+                run_id="r", round=2, kind=CONTRIBUTION_KIND, payload=b"x"
+            ).SerializeToString()
+        )
+
+    relay = collective_pb2.PartResult(
+        round=2,
+        part=0,
+        start=0,
+        end=4096,
+        mode="relay",
+        contributions=[contribution(other), contribution(n.identity)],
+        contributors=[bytes(other.peer_id), bytes(n.identity.peer_id)],
+        tokens=[5, 6],
+    )
     forged = read(n.forge_result(signed(relay)))
     senders = [envelope_pb2.SignedMessage.FromString(c.signed_message).envelope.sender for c in forged.contributions]
     assert senders == [bytes(n.identity.peer_id)] and list(forged.tokens) == [6]

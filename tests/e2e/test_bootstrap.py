@@ -29,8 +29,14 @@ class Proc:
 
     def __init__(self, argv, name):
         self.name = name
-        self.p = subprocess.Popen([sys.executable, *argv], cwd=ROOT, stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.p = subprocess.Popen(
+            [sys.executable, *argv],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
         self.lines: "queue.Queue[str]" = queue.Queue()
         self.out: list[str] = []
         self.err: list[str] = []
@@ -52,8 +58,10 @@ class Proc:
         while True:
             left = deadline - time.monotonic()
             if left <= 0 or self.p.poll() is not None and self.lines.empty():
-                raise AssertionError(f"{self.name}: no line matching {pattern!r} within {timeout}s; "
-                                     f"rc={self.p.poll()} out={self.out[-5:]} err={self.err[-10:]}")
+                raise AssertionError(
+                    f"{self.name}: no line matching {pattern!r} within {timeout}s; "
+                    f"rc={self.p.poll()} out={self.out[-5:]} err={self.err[-10:]}"
+                )
             try:
                 line = self.lines.get(timeout=min(left, 0.5))
             except queue.Empty:
@@ -82,8 +90,19 @@ def procs():
 
 
 def _bootstrap_argv(tmp_path, *extra):
-    return ["-m", "bootstrap.cli", "--host", "127.0.0.1", "--port", "0", "--identity", str(tmp_path / "boot.key"),
-            "--run-id", "proc-test", *extra]
+    return [
+        "-m",
+        "bootstrap.cli",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--identity",
+        str(tmp_path / "boot.key"),
+        "--run-id",
+        "proc-test",
+        *extra,
+    ]
 
 
 # ---------------------------------------------------------------- options, in process
@@ -92,22 +111,34 @@ def test_defaults_and_help(capsys):
     assert (ns.host, ns.port, ns.run_id, ns.bootstrap, ns.k, ns.alpha) == ("0.0.0.0", 31337, "geomesh-demo", [], 20, 3)
     assert main(["--help"]) == 0
     out = capsys.readouterr().out
-    for flag in ("--host", "--port", "--identity", "--run-id", "--bootstrap", "--config", "--log-level",
-                 "--status-interval", "--advertise-host"):
+    for flag in (
+        "--host",
+        "--port",
+        "--identity",
+        "--run-id",
+        "--bootstrap",
+        "--config",
+        "--log-level",
+        "--status-interval",
+        "--advertise-host",
+    ):
         assert flag in out
     assert out.count("default") >= 14  # every flag says its default
 
 
-@pytest.mark.parametrize("argv, names", [
-    (["--port", "eighty"], "--port"),
-    (["--port", "70000"], "--port 70000"),
-    (["--frobnicate"], "--frobnicate"),
-    (["--bootstrap", "nohostport"], "--bootstrap 'nohostport'"),
-    (["--bootstrap", "::1:31337"], "needs brackets, e.g. [::1]:31337"),
-    (["--host", "no:such:host"], "--host: host 'no:such:host' holds ':' but is not an IPv6 address"),
-    (["--log-level", "LOUD"], "--log-level"),
-    (["--status-interval", "0"], "--status-interval"),
-])
+@pytest.mark.parametrize(
+    "argv, names",
+    [
+        (["--port", "eighty"], "--port"),
+        (["--port", "70000"], "--port 70000"),
+        (["--frobnicate"], "--frobnicate"),
+        (["--bootstrap", "nohostport"], "--bootstrap 'nohostport'"),
+        (["--bootstrap", "::1:31337"], "needs brackets, e.g. [::1]:31337"),
+        (["--host", "no:such:host"], "--host: host 'no:such:host' holds ':' but is not an IPv6 address"),
+        (["--log-level", "LOUD"], "--log-level"),
+        (["--status-interval", "0"], "--status-interval"),
+    ],
+)
 def test_bad_flag_fails_with_one_line_naming_it(capsys, argv, names):
     assert main(argv) == 2
     err = capsys.readouterr().err
@@ -130,7 +161,7 @@ def test_unusable_identity_file_fails_with_one_line(tmp_path, capsys):
 
 def test_config_file_supplies_options_and_flags_win(tmp_path, capsys):
     cfg = tmp_path / "boot.yaml"
-    cfg.write_text("run-id: from-config\nport: 4242\nbootstrap: [\"10.0.0.1:1\"]\nstatus_interval: 5\n")
+    cfg.write_text('run-id: from-config\nport: 4242\nbootstrap: ["10.0.0.1:1"]\nstatus_interval: 5\n')
     ns = parse(["--config", str(cfg), "--port", "4343"])
     assert (ns.run_id, ns.port, ns.bootstrap, ns.status_interval) == ("from-config", 4343, ["10.0.0.1:1"], 5.0)
     js = tmp_path / "boot.json"
@@ -163,17 +194,22 @@ def test_bootstrap_prints_address_and_peer_id_then_exits_0_on_signal(tmp_path, p
     again = procs(_bootstrap_argv(tmp_path), "bootstrap-again")
     assert again.wait_line(r"^PeerID: (\w+)$", START_TIMEOUT).group(1) == peer_id
     port = again.out[0].rsplit(":", 1)[1]
-    busy = procs(["-m", "bootstrap.cli", "--host", "127.0.0.1", "--port", port, "--identity",
-                  str(tmp_path / "other.key")], "busy")
+    busy = procs(
+        ["-m", "bootstrap.cli", "--host", "127.0.0.1", "--port", port, "--identity", str(tmp_path / "other.key")],
+        "busy",
+    )
     assert busy.p.wait(START_TIMEOUT) == 2
     time.sleep(0.5)
-    assert len(busy.err) == 1 and busy.err[0].startswith(f"geomesh-bootstrap: cannot listen on 127.0.0.1:{port}"), \
+    assert len(busy.err) == 1 and busy.err[0].startswith(f"geomesh-bootstrap: cannot listen on 127.0.0.1:{port}"), (
         busy.err
+    )
 
 
 def test_bootstrap_that_cannot_listen_fails_with_one_line(tmp_path, procs):
-    bad = procs(["-m", "bootstrap.cli", "--host", "203.0.113.1", "--port", "0", "--identity",
-                 str(tmp_path / "boot.key")], "unbindable")  # TEST-NET-3: not an address of this machine
+    bad = procs(
+        ["-m", "bootstrap.cli", "--host", "203.0.113.1", "--port", "0", "--identity", str(tmp_path / "boot.key")],
+        "unbindable",
+    )  # TEST-NET-3: not an address of this machine
     assert bad.p.wait(START_TIMEOUT) == 2
     time.sleep(0.5)
     assert len(bad.err) == 1 and bad.err[0].startswith("geomesh-bootstrap: cannot listen on 203.0.113.1:0"), bad.err
@@ -184,8 +220,22 @@ def test_bootstrap_and_two_peer_processes_see_each_others_records(tmp_path, proc
     address = boot.wait_line(r"serving on (\S+:\d+)", START_TIMEOUT).group(1)
     peers = []
     for i, other in ((0, 1), (1, 0)):
-        argv = ["-m", "geomesh_p2p.dht", "--bootstrap", address, "--run-id", "proc-test", "--announce", "--watch",
-                "--period", "0.5", "--put", f"proc-test/value-{i}=hello from {i}", "--get", f"proc-test/value-{other}"]
+        argv = [
+            "-m",
+            "geomesh_p2p.dht",
+            "--bootstrap",
+            address,
+            "--run-id",
+            "proc-test",
+            "--announce",
+            "--watch",
+            "--period",
+            "0.5",
+            "--put",
+            f"proc-test/value-{i}=hello from {i}",
+            "--get",
+            f"proc-test/value-{other}",
+        ]
         peers.append(procs(argv, f"peer{i}"))
     ids = []
     for p in peers:

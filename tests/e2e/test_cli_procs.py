@@ -13,6 +13,10 @@ def test_console_scripts_help():
         r = subprocess.run([path, "--help"], capture_output=True, text=True, timeout=60)
         assert r.returncode == 0, r.stderr
         assert "usage:" in r.stdout
-    r = subprocess.run([os.path.join(os.path.dirname(sys.executable), "geomesh-peer"), "--no-such-flag"],
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [os.path.join(os.path.dirname(sys.executable), "geomesh-peer"), "--no-such-flag"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 2 and "unrecognized arguments: --no-such-flag" in r.stderr

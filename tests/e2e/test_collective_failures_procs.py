@@ -26,13 +26,21 @@ async def test_processes_one_sigkilled_mid_round(workers, swarm, tmp_path):  # n
     numel, B = 24_576, 1024
     owners = [PartOwner(pids[k], addresses[k], k * numel // 3, (k + 1) * numel // 3) for k in range(3)]
     now = time.time()
-    spec = CollectiveSpec(RUN, 5, {p: 1000 for p in pids}, owners, numel, now + 3.0, now + 4.0, mode="relay",
-                          block_size=B)
+    spec = CollectiveSpec(
+        RUN, 5, {p: 1000 for p in pids}, owners, numel, now + 3.0, now + 4.0, mode="relay", block_size=B
+    )
     seeds, tokens = [101, 102, 103], [30, 20, 10]
     deltas = {p: torch.randn(numel, generator=torch.Generator().manual_seed(s)) for p, s in zip(pids, seeds)}
     for k, p in enumerate(procs, start=1):
-        p.send({"spec": spec.to_dict(), "seed": seeds[k], "tokens": tokens[k], "out": str(tmp_path / f"agg{k}.f32"),
-                "stall_after_part": 0 if k == 2 else None})
+        p.send(
+            {
+                "spec": spec.to_dict(),
+                "seed": seeds[k],
+                "tokens": tokens[k],
+                "out": str(tmp_path / f"agg{k}.f32"),
+                "stall_after_part": 0 if k == 2 else None,
+            }
+        )
     mine = asyncio.ensure_future(timed(sw.services[0].all_reduce(spec, deltas[pids[0]], tokens[0])))
     ev = await procs[1].read()
     assert ev == {"event": "delivered", "part": 0, "accepted": True}

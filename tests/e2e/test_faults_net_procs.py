@@ -12,8 +12,20 @@ from tests.integration.test_faults_net import FAKETIME_LIB, _boot_argv, _dht_arg
 def test_process_advertising_an_unreachable_host_warns_and_runs_client_only(tmp_path, procs):  # noqa: F811
     boot = procs(_boot_argv(tmp_path), "bootstrap")
     address = boot.wait_line(r"serving on (\S+:\d+)", START_TIMEOUT).group(1)
-    peer = procs(["-m", "geomesh_p2p.dht", "--bootstrap", address, "--run-id", "faults", "--announce",
-                  "--advertise-host", "127.0.0.9"], "peer")
+    peer = procs(
+        [
+            "-m",
+            "geomesh_p2p.dht",
+            "--bootstrap",
+            address,
+            "--run-id",
+            "faults",
+            "--announce",
+            "--advertise-host",
+            "127.0.0.9",
+        ],
+        "peer",
+    )
     row = json.loads(peer.wait_line(r"^\{", START_TIMEOUT).string)
     assert (row["address"], row["reachable"]) == (None, False)
     assert peer.p.wait(30) == 0
@@ -21,7 +33,6 @@ def test_process_advertising_an_unreachable_host_warns_and_runs_client_only(tmp_
     assert len(warnings) == 1 and "client-only" in warnings[0], peer.err
     assert not any("Traceback" in e for e in peer.err), peer.err
     assert boot.stop(signal.SIGTERM) == 0
-
 
 
 def test_bootstrap_and_peer_processes_on_ipv6_loopback(tmp_path, procs):  # noqa: F811
@@ -32,15 +43,29 @@ def test_bootstrap_and_peer_processes_on_ipv6_loopback(tmp_path, procs):  # noqa
     boot = procs(_boot_argv(tmp_path, "--host", "::1"), "bootstrap")
     address = boot.wait_line(r"serving on (\S+:\d+)", START_TIMEOUT).group(1)
     assert address.startswith("[::1]:")
-    peer = procs(["-m", "geomesh_p2p.dht", "--bootstrap", address, "--run-id", "faults", "--announce",
-                  "--host", "::1", "--watch", "--period", "0.5"], "peer")
+    peer = procs(
+        [
+            "-m",
+            "geomesh_p2p.dht",
+            "--bootstrap",
+            address,
+            "--run-id",
+            "faults",
+            "--announce",
+            "--host",
+            "::1",
+            "--watch",
+            "--period",
+            "0.5",
+        ],
+        "peer",
+    )
     row = json.loads(peer.wait_line(r"^\{", START_TIMEOUT).string)
     assert row["address"].startswith("[::1]:") and row["reachable"] is True
     me = row["peer_id"]
     peer.wait_line(rf'"peers": \["{me}"\]', 30)  # its announcement, read back over [::1]
     assert peer.stop(signal.SIGTERM) == 0 and not any("Traceback" in e for e in peer.err), peer.err
     assert boot.stop(signal.SIGTERM) == 0
-
 
 
 @pytest.mark.timeout(240)
@@ -74,7 +99,6 @@ def test_newcomer_joining_through_a_restarted_bootstrap_finds_the_swarm(tmp_path
     assert boot.stop(signal.SIGTERM) == 0
 
 
-
 @pytest.mark.timeout(240)
 def test_newcomer_of_a_run_whose_peers_all_left_learns_the_round_it_was_at(tmp_path, procs):  # noqa: F811
     """The bootstrap saw the run at round 7, every peer left, the bootstrap restarted: a newcomer finds
@@ -94,7 +118,6 @@ def test_newcomer_of_a_run_whose_peers_all_left_learns_the_round_it_was_at(tmp_p
     assert (row["peers"], row["progress"]) == ([], 7)
     assert new.p.wait(30) == 0
     assert boot.stop(signal.SIGTERM) == 0
-
 
 
 @pytest.mark.timeout(240)

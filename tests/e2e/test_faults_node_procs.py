@@ -25,22 +25,40 @@ def test_peer_advertising_an_unreachable_host_trains_client_only_without_a_fork(
     assert all(x["peers"] == 2 for n in names for x in swarm.rows(n))
 
 
-
 @pytest.mark.timeout(420)
 def test_newcomer_of_a_run_whose_peers_left_waits_or_resumes(swarm, tmp_path):
     """The bootstrap saw the run at round N > 0, its only peer left: a newcomer says so and waits (Ctrl+C
     ends it cleanly, no checkpoint of the seed is written), or resumes from a checkpoint when told to."""
     import sys
 
-    swarm._spawn("boot", [sys.executable, "-m", "bootstrap.cli", "--host", "127.0.0.1", "--port", "0",
-                          "--run-id", "test-swarm", "--identity", str(tmp_path / "boot.key"),
-                          "--status-interval", "0.5", "--state-file", ""])
+    swarm._spawn(
+        "boot",
+        [
+            sys.executable,
+            "-m",
+            "bootstrap.cli",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--run-id",
+            "test-swarm",
+            "--identity",
+            str(tmp_path / "boot.key"),
+            "--status-interval",
+            "0.5",
+            "--state-file",
+            "",
+        ],
+    )
     entry = swarm.address("boot")
     ck = tmp_path / "ck"
     swarm.peer("first", "--rounds", "2", "--checkpoint-dir", str(ck), bootstrap=entry)
     assert swarm.wait_exit(["first"], 300) == {"first": 0}
     assert [x["round"] for x in swarm.rows("first")] == [0, 1]
-    line = r"run 'test-swarm' was at round (\d+) \(bootstrap \w+ saw 1 peer\(s\) \d+ s ago\) but no peer of it is live now"
+    line = (
+        r"run 'test-swarm' was at round (\d+) \(bootstrap \w+ saw 1 peer\(s\) \d+ s ago\) but no peer of it is live now"
+    )
 
     swarm.peer("waiter", "--checkpoint-dir", str(tmp_path / "ck_waiter"), bootstrap=entry)
     swarm.wait_for(lambda: "to come back (Ctrl+C to stop" in swarm.text("waiter"), 180, "the waiting line")
@@ -53,13 +71,11 @@ def test_newcomer_of_a_run_whose_peers_left_waits_or_resumes(swarm, tmp_path):
     assert "Traceback" not in text and not list((tmp_path / "ck_waiter").glob("ckpt-*"))
     assert swarm.rows("waiter") == []
 
-    swarm.peer("resumer", "--rounds", "3", "--on-empty-swarm", "resume", "--checkpoint-dir", str(ck),
-               bootstrap=entry)
+    swarm.peer("resumer", "--rounds", "3", "--on-empty-swarm", "resume", "--checkpoint-dir", str(ck), bootstrap=entry)
     assert swarm.wait_exit(["resumer"], 300) == {"resumer": 0}
     text = swarm.text("resumer")
     assert re.search(line, text) and "resumed from checkpoint at round 2" in text, text[-3000:]
     assert [x["round"] for x in swarm.rows("resumer")] == [2]
-
 
 
 @pytest.mark.timeout(480)

@@ -15,8 +15,9 @@ pytestmark = pytest.mark.timeout(240)
 
 def _join(tmp_path, *args, timeout=180):
     argv = [sys.executable, "-m", "peer.cli", "join", "--identity", str(tmp_path / "id.key"), *FAST, *args]
-    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout,
-                          env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    return subprocess.run(
+        argv, capture_output=True, text=True, timeout=timeout, env=dict(os.environ, PYTHONUNBUFFERED="1")
+    )
 
 
 def _one_line_error(r) -> str:
@@ -60,16 +61,18 @@ def test_bootstrap_that_does_not_answer(tmp_path):
 
 
 def test_bad_flag_values_fail_at_start(tmp_path):
-    for args, text in [(["--bootstrap", "notaport"], "expected HOST:PORT"),
-                       (["--window-s", "0"], "argument --window-s: must be a finite number > 0"),
-                       (["--speed-factor", "-1"], "argument --speed-factor: must be a finite number > 0"),
-                       (["--speed-factor", "2"], "argument --speed-factor: must be in (0, 1]"),
-                       (["--upload-mbps", "1e-320"], "argument --upload-mbps: must be between 0.001"),
-                       (["--download-mbps", "inf"], "argument --download-mbps: must be a finite number"),
-                       (["--port", "70000"], "argument --port: must be in [0, 65535]"),
-                       (["--eval-every", "0"], "argument --eval-every: must be >= 1"),
-                       (["--profile-batches", "4,x"], "argument --profile-batches: expected comma-separated"),
-                       (["--outer-momentum", "1"], "argument --outer-momentum: must be in [0, 1)")]:
+    for args, text in [
+        (["--bootstrap", "notaport"], "expected HOST:PORT"),
+        (["--window-s", "0"], "argument --window-s: must be a finite number > 0"),
+        (["--speed-factor", "-1"], "argument --speed-factor: must be a finite number > 0"),
+        (["--speed-factor", "2"], "argument --speed-factor: must be in (0, 1]"),
+        (["--upload-mbps", "1e-320"], "argument --upload-mbps: must be between 0.001"),
+        (["--download-mbps", "inf"], "argument --download-mbps: must be a finite number"),
+        (["--port", "70000"], "argument --port: must be in [0, 65535]"),
+        (["--eval-every", "0"], "argument --eval-every: must be >= 1"),
+        (["--profile-batches", "4,x"], "argument --profile-batches: expected comma-separated"),
+        (["--outer-momentum", "1"], "argument --outer-momentum: must be in [0, 1)"),
+    ]:
         r = _join(tmp_path, *args, timeout=60)
         assert r.returncode == 2 and text in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
 
@@ -103,8 +106,13 @@ def test_resume_from_a_checkpoint_of_another_run_config_is_refused(tmp_path):
     from geomesh_p2p.state import save_checkpoint
 
     other = RunConfig(method="ddp")
-    save_checkpoint(tmp_path / "ck", round=4, theta=torch.zeros(10), momentum=torch.zeros(20),
-                    meta={"run_config_hash": other.config_hash(), "run_config": other.model_dump()})
+    save_checkpoint(
+        tmp_path / "ck",
+        round=4,
+        theta=torch.zeros(10),
+        momentum=torch.zeros(20),
+        meta={"run_config_hash": other.config_hash(), "run_config": other.model_dump()},
+    )
     line = _one_line_error(_join(tmp_path, "--resume", "--checkpoint-dir", str(tmp_path / "ck")))
     assert "is from another run config" in line and "method: 'ddp' there vs 'geomesh' here" in line
     # the refused peer took no state: its shutdown writes no round-0 checkpoint of an empty buffer there
@@ -118,8 +126,17 @@ def test_ctrl_c_while_the_bootstrap_is_unreachable_exits_0_at_once(tmp_path):
     import signal
     import time
 
-    argv = [sys.executable, "-m", "peer.cli", "join", "--identity", str(tmp_path / "id.key"), *FAST,
-            "--bootstrap", "127.0.0.1:1"]
+    argv = [
+        sys.executable,
+        "-m",
+        "peer.cli",
+        "join",
+        "--identity",
+        str(tmp_path / "id.key"),
+        *FAST,
+        "--bootstrap",
+        "127.0.0.1:1",
+    ]
     log = tmp_path / "out.log"
     with log.open("w") as out:
         p = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))

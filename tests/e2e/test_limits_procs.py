@@ -15,21 +15,38 @@ async def test_bootstrap_refuses_oversized_requests_before_receiving_them(server
     """5 concurrent signed 64 MiB requests to a bootstrap: refused from their length prefix (the
     bootstrap's server-wide limit is its largest method's, ~4 MiB), so its memory does not grow by
     them. Before: the 128 MiB server-wide limit let each be received, parsed and hashed (+~0.3 GB)."""
-    boot = servers(["-m", "bootstrap.cli", "--host", "127.0.0.1", "--port", "0", "--run-id", RUN,
-                    "--identity", str(tmp_path / "boot.key"), "--status-interval", "3600", "--log-level", "WARNING"])
+    boot = servers(
+        [
+            "-m",
+            "bootstrap.cli",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--run-id",
+            RUN,
+            "--identity",
+            str(tmp_path / "boot.key"),
+            "--status-interval",
+            "3600",
+            "--log-level",
+            "WARNING",
+        ]
+    )
     await _valid_pings(boot.address)
     hwm0 = boot.kib("VmHWM")
     attackers = [Identity.generate() for _ in range(5)]
     big = ping_payload(64 * MiB)
-    codes = await asyncio.gather(*(signed_call(boot.address, a, DHT_PING, big, run=RUN) for a in attackers),
-                                 *(signed_call(boot.address, a, DHT_STORE, big, run=RUN) for a in attackers))
+    codes = await asyncio.gather(
+        *(signed_call(boot.address, a, DHT_PING, big, run=RUN) for a in attackers),
+        *(signed_call(boot.address, a, DHT_STORE, big, run=RUN) for a in attackers),
+    )
     del big
     assert codes == [grpc.StatusCode.RESOURCE_EXHAUSTED] * 10
     await _valid_pings(boot.address)
     grown_mib = (boot.kib("VmHWM") - hwm0) / 1024
     print(f"bootstrap peak RSS grew by {grown_mib:.0f} MiB")
     assert grown_mib < 32, f"bootstrap peak RSS grew by {grown_mib:.0f} MiB"
-
 
 
 async def test_peer_receives_a_bounded_number_of_oversized_requests_at_once(servers):

@@ -26,14 +26,26 @@ def test_a_healthy_three_peer_swarm_logs_no_error_traceback_or_pending_task(swar
         assert _bad_lines(swarm.text(n)) == [], (n, swarm.text(n)[-3000:])
 
 
-
 @pytest.mark.timeout(240)
 def test_a_bootstrap_stopped_while_joining_stops_at_once_and_cleanly(swarm):
     """SIGINT while the bootstrap still retries its --bootstrap (a closed port, ~30 s of backoff): it ends
     the join at once (no 'serving alone' after it), exits 0 and prints no bad line."""
     dead = free_port()  # nothing listens there
-    argv = [sys.executable, "-m", "bootstrap.cli", "--host", "127.0.0.1", "--port", str(free_port()),
-            "--run-id", "test-swarm", "--identity", str(swarm.dir / "boot.key"), "--bootstrap", f"127.0.0.1:{dead}"]
+    argv = [
+        sys.executable,
+        "-m",
+        "bootstrap.cli",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(free_port()),
+        "--run-id",
+        "test-swarm",
+        "--identity",
+        str(swarm.dir / "boot.key"),
+        "--bootstrap",
+        f"127.0.0.1:{dead}",
+    ]
     swarm._spawn("boot", argv)
     swarm.wait_for(lambda: "serving on" in swarm.text("boot"), 180, "the bootstrap to listen")
     swarm.interrupt("boot")

@@ -24,7 +24,7 @@ def test_ctrl_c_during_the_profile_stops_at_the_next_step(swarm):
     swarm.interrupt("p0")
     assert swarm.wait_exit(["p0"], 120) == {"p0": 0}
     text = swarm.text("p0")
-    after = text[text.index("stop requested"):]
+    after = text[text.index("stop requested") :]
     m = re.search(r"\(profile stopped after (\d+) step\(s\): stop requested\)", after)
     assert m, text[-3000:]
     # The batch-1 step logged before the signal, and at most two more started before the signal reached
@@ -53,7 +53,8 @@ def test_a_busy_metrics_port_is_one_line_before_the_dht_join(swarm):
         text = _one_line_failure(swarm, "m0")
     lines = text.strip().splitlines()  # nothing of the DHT join, probe or profile before it
     assert len(lines) == 1 and lines[0].startswith(
-        f"geomesh-peer join: --metrics-port {port}: cannot listen on 127.0.0.1:{port}: "), text[-3000:]
+        f"geomesh-peer join: --metrics-port {port}: cannot listen on 127.0.0.1:{port}: "
+    ), text[-3000:]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
@@ -62,4 +63,5 @@ def test_device_cuda_without_cuda_is_one_line_before_the_dht_join(swarm):
     text = _one_line_failure(swarm, "c0")
     lines = text.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(
-        "geomesh-peer join: --device cuda: CUDA is not available on this machine"), text[-3000:]
+        "geomesh-peer join: --device cuda: CUDA is not available on this machine"
+    ), text[-3000:]

@@ -30,8 +30,15 @@ from geomesh_p2p.identity import Identity
 from geomesh_p2p.metrics import RoundRecord
 from geomesh_p2p.records import PeerRecord
 from geomesh_p2p.status_http import CSP, StatusServer
-from geomesh_p2p.swarm_status import (KEEP_ROUNDS, MAX_TEXT, RoundSummaries, RoundSummary, SwarmWatcher,
-                                      clean_text, rounds_key)
+from geomesh_p2p.swarm_status import (
+    KEEP_ROUNDS,
+    MAX_TEXT,
+    RoundSummaries,
+    RoundSummary,
+    SwarmWatcher,
+    clean_text,
+    rounds_key,
+)
 from tests.dht_helpers import start_node, stop_node
 from tests.swarm_util import ProcSwarm, dead_address
 
@@ -53,10 +60,25 @@ def test_clean_text_replaces_control_characters_and_truncates():
 
 @pytest.mark.timeout(30)
 def test_round_summary_is_compact_and_strict():
-    r = RoundRecord(round=3, peers=2, leader="abcdefghij", batch_size=8, inner_steps_planned=5, inner_steps_done=5,
-                    tokens=1000, train_loss=float("nan"), eval_ppl=float("inf"), compute_s=1.0,
-                    straggler_idle_s=0.1, network_idle_s=0.2, round_s=2.0, bytes_sent=100, bytes_received=200,
-                    digest="ab" * 16, time=1.7e9)
+    r = RoundRecord(
+        round=3,
+        peers=2,
+        leader="abcdefghij",
+        batch_size=8,
+        inner_steps_planned=5,
+        inner_steps_done=5,
+        tokens=1000,
+        train_loss=float("nan"),
+        eval_ppl=float("inf"),
+        compute_s=1.0,
+        straggler_idle_s=0.1,
+        network_idle_s=0.2,
+        round_s=2.0,
+        bytes_sent=100,
+        bytes_received=200,
+        digest="ab" * 16,
+        time=1.7e9,
+    )
     s = RoundSummary.from_round_record(r)
     assert s.loss is None and s.eval_ppl is None and s.digest == "ab" * 8
     full = RoundSummaries(peer_id="x" * 44, rounds=[s] * KEEP_ROUNDS)
@@ -92,6 +114,7 @@ async def test_http_server_routes_headers_and_limits():
     url = await server.start()
     port = server.port
     try:
+
         def get(path, method="GET"):
             req = urllib.request.Request(url.rstrip("/") + path, method=method)
             try:
@@ -123,14 +146,27 @@ async def test_http_server_routes_headers_and_limits():
 
 
 # ------------------------------------------------------------------------------- 200 generated peers
-def _record(ident: Identity, *, device: str, run_config: dict, cfg_hash: str, round: int, pow_bits: int = 8,
-            nonce=True, **kw) -> PeerRecord:
+def _record(
+    ident: Identity, *, device: str, run_config: dict, cfg_hash: str, round: int, pow_bits: int = 8, nonce=True, **kw
+) -> PeerRecord:
     pid = str(ident.peer_id)
     return PeerRecord(
-        peer_id=pid, address=kw.pop("address", f"127.0.0.1:{20000 + round}"), device=device,
-        memory_bytes=8 << 30, tokens_per_s={8: 1000.0 + round}, max_batch=16, upload_bps=1.25e6,
-        download_bps=2.5e6, version="0.1.0", run_config_hash=cfg_hash, run_config=run_config, round=round,
-        weights_digest="d" * 32, pow_nonce=solve_pow(RUN, bytes(ident.peer_id), pow_bits) if nonce else None, **kw)
+        peer_id=pid,
+        address=kw.pop("address", f"127.0.0.1:{20000 + round}"),
+        device=device,
+        memory_bytes=8 << 30,
+        tokens_per_s={8: 1000.0 + round},
+        max_batch=16,
+        upload_bps=1.25e6,
+        download_bps=2.5e6,
+        version="0.1.0",
+        run_config_hash=cfg_hash,
+        run_config=run_config,
+        round=round,
+        weights_digest="d" * 32,
+        pow_nonce=solve_pow(RUN, bytes(ident.peer_id), pow_bits) if nonce else None,
+        **kw,
+    )
 
 
 async def _store_200(boot):
@@ -143,24 +179,48 @@ async def _store_200(boot):
     for i, ident in enumerate(idents):
         pid = str(ident.peer_id)
         if i < 200:
-            rec = _record(ident, device=hostile[(i // 10) % len(hostile)] if i % 10 == 0 else f"GPU model {i}",
-                          run_config=cfg, cfg_hash="a" * 16, round=40 + (i % 3 == 0))
+            rec = _record(
+                ident,
+                device=hostile[(i // 10) % len(hostile)] if i % 10 == 0 else f"GPU model {i}",
+                run_config=cfg,
+                cfg_hash="a" * 16,
+                round=40 + (i % 3 == 0),
+            )
         elif i < 204:  # no proof of work: ignored
             rec = _record(ident, device="no pow", run_config=cfg, cfg_hash="a" * 16, round=40, nonce=False)
         else:  # another run config: ignored
             rec = _record(ident, device="other", run_config={"pow_bits": 8}, cfg_hash="b" * 16, round=999)
-        assert await boot.store_record(make_record(peers_key(RUN), rec.to_bytes(), now + 600, subkey=pid,
-                                                   owner=ident, run_id=RUN))
+        assert await boot.store_record(
+            make_record(peers_key(RUN), rec.to_bytes(), now + 600, subkey=pid, owner=ident, run_id=RUN)
+        )
         if i < 60:
-            rows = [RoundSummary(round=r, time=now - (40 - r) * 3, peers=200, leader=pid[:10], batch=8, steps=10,
-                                 steps_planned=10, tokens=5120, loss=8.0 - r * 0.05, eval_ppl=3000.0 / (r + 1),
-                                 compute_s=2.0, round_s=3.0, straggler_s=0.1, network_s=0.3, sent=10000,
-                                 recv=20000, digest="d" * 16, agree=True)
-                    for r in range(40 - KEEP_ROUNDS, 40)]
+            rows = [
+                RoundSummary(
+                    round=r,
+                    time=now - (40 - r) * 3,
+                    peers=200,
+                    leader=pid[:10],
+                    batch=8,
+                    steps=10,
+                    steps_planned=10,
+                    tokens=5120,
+                    loss=8.0 - r * 0.05,
+                    eval_ppl=3000.0 / (r + 1),
+                    compute_s=2.0,
+                    round_s=3.0,
+                    straggler_s=0.1,
+                    network_s=0.3,
+                    sent=10000,
+                    recv=20000,
+                    digest="d" * 16,
+                    agree=True,
+                )
+                for r in range(40 - KEEP_ROUNDS, 40)
+            ]
             value = RoundSummaries(peer_id=pid, rounds=rows).to_bytes()
-            assert await boot.store_record(make_record(rounds_key(RUN), value, now + 600, subkey=pid,
-                                                       owner=ident, run_id=RUN))
-
+            assert await boot.store_record(
+                make_record(rounds_key(RUN), value, now + 600, subkey=pid, owner=ident, run_id=RUN)
+            )
 
 
 @pytest.mark.timeout(120)
@@ -198,8 +258,10 @@ async def test_200_peers_with_hostile_strings_answer_fast():
         assert body and len(body["rounds"]) == KEEP_ROUNDS
         swarm = json.loads((await asyncio.to_thread(timed, "/api/swarm"))[1])
         assert len(swarm["peers"]) == 200
-        print(f"\n200 peers: refresh {refresh_s * 1e3:.1f} ms; slowest of 10 answers: "
-              + ", ".join(f"{p} {t * 1e3:.1f} ms" for p, t in times.items()))
+        print(
+            f"\n200 peers: refresh {refresh_s * 1e3:.1f} ms; slowest of 10 answers: "
+            + ", ".join(f"{p} {t * 1e3:.1f} ms" for p, t in times.items())
+        )
     finally:
         if server is not None:
             await server.stop()
@@ -234,8 +296,15 @@ async def _store_hostile_record(bootstrap: str) -> str:
         assert recs, "no peer record to copy the run config from"
         ref = recs[0]
         ident = Identity.generate()
-        rec = _record(ident, device=HOSTILE, run_config=ref.run_config, cfg_hash=ref.run_config_hash,
-                      round=ref.round, address=None, leaving=True)
+        rec = _record(
+            ident,
+            device=HOSTILE,
+            run_config=ref.run_config,
+            cfg_hash=ref.run_config_hash,
+            round=ref.round,
+            address=None,
+            leaving=True,
+        )
         rec = rec.model_copy(update={"version": ref.version, "weights_digest": None})
         assert await node.store(peers_key(RUN), rec.to_bytes(), time.time() + 900, subkey=rec.peer_id, owner=ident)
         return rec.peer_id
@@ -255,9 +324,26 @@ def swarm(tmp_path_factory):
     d = tmp_path_factory.mktemp("status-swarm")
     s = ProcSwarm(d)
     # Ports 0: the OS picks free ones; the bootstrap prints both addresses it bound.
-    s._spawn("bootstrap", [sys.executable, "-m", "bootstrap.cli", "--host", "127.0.0.1", "--port", "0",
-                           "--run-id", RUN, "--identity", str(d / "bootstrap.key"), "--http-port", "0",
-                           "--http-poll", "1"])
+    s._spawn(
+        "bootstrap",
+        [
+            sys.executable,
+            "-m",
+            "bootstrap.cli",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--run-id",
+            RUN,
+            "--identity",
+            str(d / "bootstrap.key"),
+            "--http-port",
+            "0",
+            "--http-poll",
+            "1",
+        ],
+    )
     try:
         address, url = s.address("bootstrap"), _status_url(s, "bootstrap")
         s.peer("p1", bootstrap=address, extra=["--checkpoint-dir", str(d / "ck1"), "--checkpoint-every", "2"])
@@ -271,6 +357,7 @@ def swarm(tmp_path_factory):
                 return False
             states = {p["peer_id"]: p for p in v["peers"]}
             return all(i in states for i in ids.values()) and len(s.rows("p1")) >= 1
+
         s.wait_for(training, 180, "both peers on the status page and one round done")
         hostile_id = asyncio.run(_store_hostile_record(address))
         yield {"swarm": s, "address": address, "url": url, "ids": ids, "hostile": hostile_id, "dir": d}
@@ -282,8 +369,10 @@ def swarm(tmp_path_factory):
 def browser(tmp_path):
     chromium, driver_path = _browser_paths()
     if not chromium or not driver_path:
-        pytest.skip("headless Chromium is not installed and could not be (make test installs Debian's chromium and "
-                    "chromium-driver with apt-get, which needs root and a package mirror)")
+        pytest.skip(
+            "headless Chromium is not installed and could not be (make test installs Debian's chromium and "
+            "chromium-driver with apt-get, which needs root and a package mirror)"
+        )
     try:
         from selenium import webdriver
         from selenium.webdriver.chrome.service import Service
@@ -292,12 +381,21 @@ def browser(tmp_path):
     os.environ.setdefault("SE_OFFLINE", "true")  # never let Selenium Manager download anything
     opts = webdriver.ChromeOptions()
     opts.binary_location = chromium
-    for a in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--window-size=1400,1300",
-              "--no-first-run", "--disable-extensions", "--disable-background-networking",
-              f"--user-data-dir={tmp_path / 'chromium-profile'}"):
+    for a in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--window-size=1400,1300",
+        "--no-first-run",
+        "--disable-extensions",
+        "--disable-background-networking",
+        f"--user-data-dir={tmp_path / 'chromium-profile'}",
+    ):
         opts.add_argument(a)
-    drv = webdriver.Chrome(service=Service(executable_path=driver_path, log_output=str(tmp_path / "chromedriver.log")),
-                           options=opts)
+    drv = webdriver.Chrome(
+        service=Service(executable_path=driver_path, log_output=str(tmp_path / "chromedriver.log")), options=opts
+    )
     drv.set_page_load_timeout(30)
     try:
         yield drv
@@ -343,8 +441,11 @@ def test_status_page_in_headless_chromium(swarm, browser, tmp_path):
     assert browser.title == "GeoMesh-P2P swarm"
 
     wanted = [pid[:10] for pid in ids.values()] + [swarm["hostile"][:10]]
-    rows = _wait(lambda: (lambda r: r if all(w in r for w in wanted) else None)(_peer_rows(browser)), 60,
-                 "the rows of both peers and of the hostile record")
+    rows = _wait(
+        lambda: (lambda r: r if all(w in r for w in wanted) else None)(_peer_rows(browser)),
+        60,
+        "the rows of both peers and of the hostile record",
+    )
     # both peers' rows, each with its device
     for pid in ids.values():
         assert rows[pid[:10]]["cells"][0] == pid[:10]
@@ -358,14 +459,26 @@ def test_status_page_in_headless_chromium(swarm, browser, tmp_path):
     assert browser.execute_script("return window.geomesh.errors") == 0
 
     # the round number advances on its own (the page refreshes itself)
-    r0 = int(_wait(lambda: browser.find_element(By.ID, "round").text.strip().isdigit()
-                   and browser.find_element(By.ID, "round").text, 60, "a round number"))
+    r0 = int(
+        _wait(
+            lambda: (
+                browser.find_element(By.ID, "round").text.strip().isdigit()
+                and browser.find_element(By.ID, "round").text
+            ),
+            60,
+            "a round number",
+        )
+    )
     _wait(lambda: int(browser.find_element(By.ID, "round").text) > r0, 150, f"the round to advance past {r0}")
 
     # a plot with points: the loss chart holds >= 2 rounds and its line's colour is on the canvas
-    n = _wait(lambda: browser.execute_script(
-        "var c = window.geomesh.charts['chart-loss']; return c ? c.data[0].length : 0;") >= 2,
-        120, "two points on the loss plot")
+    n = _wait(
+        lambda: (
+            browser.execute_script("var c = window.geomesh.charts['chart-loss']; return c ? c.data[0].length : 0;") >= 2
+        ),
+        120,
+        "two points on the loss plot",
+    )
     assert n
     blue = browser.execute_script("""
         var c = document.querySelector('#chart-loss canvas');
@@ -399,8 +512,14 @@ async def _read_records(bootstrap: str) -> dict:
 
 
 def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "peer.cli", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, "GRPC_VERBOSITY": "NONE"})
+    return subprocess.run(
+        [sys.executable, "-m", "peer.cli", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "GRPC_VERBOSITY": "NONE"},
+    )
 
 
 @pytest.mark.timeout(300)
@@ -438,11 +557,29 @@ def test_render_status_prints_record_strings_literally():
     from peer.tools_cli import render_status
 
     buf = StringIO()
-    view = {"run_id": RUN, "round": 3, "leader": "abc", "digests": {"total": 2, "agree": 2, "equal": True},
-            "plan": None, "ignored": 0,
-            "peers": [{"short": "peer000001", "device": "[bold red]x[/] " + HOSTILE, "memory_gib": 1.0,
-                       "tokens_per_s": 1.0, "up_mbps": 1.0, "down_mbps": 1.0, "round": 3, "state": "training",
-                       "batch": 8, "inner_steps": 4, "last_seen_s": 1.0}]}
+    view = {
+        "run_id": RUN,
+        "round": 3,
+        "leader": "abc",
+        "digests": {"total": 2, "agree": 2, "equal": True},
+        "plan": None,
+        "ignored": 0,
+        "peers": [
+            {
+                "short": "peer000001",
+                "device": "[bold red]x[/] " + HOSTILE,
+                "memory_gib": 1.0,
+                "tokens_per_s": 1.0,
+                "up_mbps": 1.0,
+                "down_mbps": 1.0,
+                "round": 3,
+                "state": "training",
+                "batch": 8,
+                "inner_steps": 4,
+                "last_seen_s": 1.0,
+            }
+        ],
+    }
     render_status(view, {"rounds": []}, Console(file=buf, width=200, color_system=None))
     assert "[bold red]x[/] " + HOSTILE in buf.getvalue()
 
@@ -467,12 +604,21 @@ async def test_200_peers_render_in_chromium(browser):
             drawn = time.perf_counter() - t0
             cells = [r["device"] for r in rows.values()]
             assert HOSTILE in cells and "</td></tr><script>alert(2)</script>" in cells
-            assert browser.find_elements(By.TAG_NAME, "img") == [] and browser.find_elements(By.CSS_SELECTOR,
-                                                                                             "td script") == []
+            assert (
+                browser.find_elements(By.TAG_NAME, "img") == []
+                and browser.find_elements(By.CSS_SELECTOR, "td script") == []
+            )
             assert browser.execute_script("return window.geomesh.errors") == 0
-            _wait(lambda: browser.execute_script(
-                "var c = window.geomesh.charts['chart-loss']; return c ? c.data[0].length : 0;") == KEEP_ROUNDS,
-                30, "the loss plot")
+            _wait(
+                lambda: (
+                    browser.execute_script(
+                        "var c = window.geomesh.charts['chart-loss']; return c ? c.data[0].length : 0;"
+                    )
+                    == KEEP_ROUNDS
+                ),
+                30,
+                "the loss plot",
+            )
             return drawn
 
         drawn = await asyncio.to_thread(look)
@@ -489,8 +635,24 @@ def test_bootstrap_status_page_stops_with_the_bootstrap(tmp_path):
     already taken is one line and exit status 2."""
     s = ProcSwarm(tmp_path)
     try:
-        s._spawn("b", [sys.executable, "-m", "bootstrap.cli", "--host", "127.0.0.1", "--port", "0",
-                       "--run-id", RUN, "--identity", str(tmp_path / "b.key"), "--http-port", "0"])
+        s._spawn(
+            "b",
+            [
+                sys.executable,
+                "-m",
+                "bootstrap.cli",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "0",
+                "--run-id",
+                RUN,
+                "--identity",
+                str(tmp_path / "b.key"),
+                "--http-port",
+                "0",
+            ],
+        )
         url = _status_url(s, "b")
         http_port = int(url.rsplit(":", 1)[1].rstrip("/"))
         doc = _get_json(f"{url}api/swarm")
@@ -498,9 +660,27 @@ def test_bootstrap_status_page_stops_with_the_bootstrap(tmp_path):
         with socket.socket() as taken:
             taken.bind(("127.0.0.1", 0))
             taken.listen()
-            busy = subprocess.run([sys.executable, "-m", "bootstrap.cli", "--host", "127.0.0.1", "--port", "0",
-                                   "--run-id", RUN, "--identity", str(tmp_path / "c.key"), "--http-port",
-                                   str(taken.getsockname()[1])], cwd=ROOT, capture_output=True, text=True, timeout=90)
+            busy = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "bootstrap.cli",
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    "0",
+                    "--run-id",
+                    RUN,
+                    "--identity",
+                    str(tmp_path / "c.key"),
+                    "--http-port",
+                    str(taken.getsockname()[1]),
+                ],
+                cwd=ROOT,
+                capture_output=True,
+                text=True,
+                timeout=90,
+            )
         assert busy.returncode == 2
         err = [x for x in busy.stderr.splitlines() if x.strip()]
         assert len(err) == 1 and "cannot serve the status page" in err[0], busy.stderr

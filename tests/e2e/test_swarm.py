@@ -21,9 +21,18 @@ def test_three_peers_train_then_resume_with_identical_weights(swarm, tmp_path):
     names = ["p0", "p1", "p2"]
 
     def start(*args):
-        swarm.start_peers(names, *args, "--min-peers", "3",
-                          each=lambda i, n: ["--checkpoint-dir", str(tmp_path / f"ck_{n}"),
-                                             "--speed-factor", ["1.0", "0.6", "0.4"][i]])
+        swarm.start_peers(
+            names,
+            *args,
+            "--min-peers",
+            "3",
+            each=lambda i, n: [
+                "--checkpoint-dir",
+                str(tmp_path / f"ck_{n}"),
+                "--speed-factor",
+                ["1.0", "0.6", "0.4"][i],
+            ],
+        )
 
     start("--rounds", "4")
     assert swarm.wait_exit(names, 300) == {n: 0 for n in names}
@@ -76,8 +85,18 @@ def test_ddp_baseline_runs_as_a_swarm_mode(swarm, tmp_path):
     """``--method ddp``: two peers exchange fp32 gradients every step and apply the same AdamW step;
     digests equal after every round, perplexity falls, and a resumed peer keeps the AdamW moments."""
     names = ["d0", "d1"]
-    swarm.start_peers(names, "--method", "ddp", "--rounds", "6", "--min-peers", "2", "--eval-every", "3",
-                      each=lambda i, n: ["--checkpoint-dir", str(tmp_path / f"ck_{n}")])
+    swarm.start_peers(
+        names,
+        "--method",
+        "ddp",
+        "--rounds",
+        "6",
+        "--min-peers",
+        "2",
+        "--eval-every",
+        "3",
+        each=lambda i, n: ["--checkpoint-dir", str(tmp_path / f"ck_{n}")],
+    )
     assert swarm.wait_exit(names, 300) == {n: 0 for n in names}
     rows = swarm.rows("d0")
     assert [x["round"] for x in rows] == list(range(6))
@@ -90,8 +109,19 @@ def test_ddp_baseline_runs_as_a_swarm_mode(swarm, tmp_path):
     assert ppl[-1] < ppl[0], ppl
 
     # Resume: the checkpoint holds the AdamW moments ([2P]); both continue in step from round 6.
-    swarm.start_peers(names, "--method", "ddp", "--rounds", "8", "--min-peers", "2", "--eval-every", "3", "--resume",
-                      each=lambda i, n: ["--checkpoint-dir", str(tmp_path / f"ck_{n}")])
+    swarm.start_peers(
+        names,
+        "--method",
+        "ddp",
+        "--rounds",
+        "8",
+        "--min-peers",
+        "2",
+        "--eval-every",
+        "3",
+        "--resume",
+        each=lambda i, n: ["--checkpoint-dir", str(tmp_path / f"ck_{n}")],
+    )
     assert swarm.wait_exit(names, 300) == {n: 0 for n in names}
     for n in names:
         m = re.search(r"resumed from checkpoint at round (\d+) \(digest (\w+)\)", swarm.text(n))

@@ -40,8 +40,24 @@ def test_thirty_sybil_identities_that_never_take_part_do_not_slow_or_split_the_h
     entry = swarm.address("boot")
     for n in honest:
         swarm.peer(n, "--rounds", str(ROUNDS), "--min-peers", "3", bootstrap=entry)
-    swarm._spawn("sybil", [sys.executable, "-m", "tests.sybil_util", "--bootstrap", entry, "--run-id", RUN_ID,
-                           "--pow-bits", POW_BITS, "--n", str(N_SYBILS), "--from-round", str(SYBIL_FROM_ROUND)])
+    swarm._spawn(
+        "sybil",
+        [
+            sys.executable,
+            "-m",
+            "tests.sybil_util",
+            "--bootstrap",
+            entry,
+            "--run-id",
+            RUN_ID,
+            "--pow-bits",
+            POW_BITS,
+            "--n",
+            str(N_SYBILS),
+            "--from-round",
+            str(SYBIL_FROM_ROUND),
+        ],
+    )
     swarm.wait_for(lambda: "sybil: announced" in swarm.text("sybil"), 150, "the Sybils to announce")
     t_sybil = time.time()
     codes = swarm.wait_exit(honest, 180)
@@ -50,8 +66,9 @@ def test_thirty_sybil_identities_that_never_take_part_do_not_slow_or_split_the_h
     rows = {n: swarm.rows(n) for n in honest}
     assert all([x["round"] for x in rows[n]] == list(range(ROUNDS)) for n in honest), logs
     for r in range(ROUNDS):
-        assert len({next(x["digest"] for x in rows[n] if x["round"] == r) for n in honest}) == 1, \
+        assert len({next(x["digest"] for x in rows[n] if x["round"] == r) for n in honest}) == 1, (
             f"honest digests differ after round {r}\n{logs}"
+        )
 
     # Round times as h0 logged them: clean = rounds 1.. that ended before the Sybils were announced
     # (round 0 includes the start-up gather); attacked = rounds that started after.

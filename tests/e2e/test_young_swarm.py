@@ -33,9 +33,12 @@ def test_three_peers_started_apart_with_min_peers_one_form_one_swarm(swarm):
     rows = {n: {x["round"]: x for x in swarm.rows(n)} for n in names}
     assert all(rows[n] for n in names), logs
     start = max(min(rows[n]) for n in names)  # the last peer's first round
-    together = [r for r in range(start, ROUNDS)
-                if all(r in rows[n] and rows[n][r]["peers"] == 3 for n in names)
-                and len({rows[n][r]["digest"] for n in names}) == 1]
+    together = [
+        r
+        for r in range(start, ROUNDS)
+        if all(r in rows[n] and rows[n][r]["peers"] == 3 for n in names)
+        and len({rows[n][r]["digest"] for n in names}) == 1
+    ]
     assert together and together[0] <= start + BOUND, (start, together, logs)
     # from then on one lineage: every round all three trained has one digest
     for r in range(together[0], ROUNDS):

@@ -34,41 +34,50 @@ def _has_ipv6_loopback() -> bool:
         return False
 
 
-@pytest.mark.parametrize("host,port,text", [
-    ("127.0.0.1", 5, "127.0.0.1:5"),
-    ("::1", 31337, "[::1]:31337"),
-    ("[::1]", 31337, "[::1]:31337"),
-    ("::", 0, "[::]:0"),
-    ("fe80::1%eth0", 7, "[fe80::1%eth0]:7"),
-    ("example.org", 80, "example.org:80"),
-])
+@pytest.mark.parametrize(
+    "host,port,text",
+    [
+        ("127.0.0.1", 5, "127.0.0.1:5"),
+        ("::1", 31337, "[::1]:31337"),
+        ("[::1]", 31337, "[::1]:31337"),
+        ("::", 0, "[::]:0"),
+        ("fe80::1%eth0", 7, "[fe80::1%eth0]:7"),
+        ("example.org", 80, "example.org:80"),
+    ],
+)
 def test_format_brackets_ipv6_literals_only(host, port, text):
     assert format_address(host, port) == text
 
 
-@pytest.mark.parametrize("text,parsed", [
-    ("127.0.0.1:5", ("127.0.0.1", 5)),
-    ("[::1]:31337", ("::1", 31337)),
-    ("[2001:db8::7]:65535", ("2001:db8::7", 65535)),
-    (" example.org:80 ", ("example.org", 80)),
-])
+@pytest.mark.parametrize(
+    "text,parsed",
+    [
+        ("127.0.0.1:5", ("127.0.0.1", 5)),
+        ("[::1]:31337", ("::1", 31337)),
+        ("[2001:db8::7]:65535", ("2001:db8::7", 65535)),
+        (" example.org:80 ", ("example.org", 80)),
+    ],
+)
 def test_parse_round_trips(text, parsed):
     assert parse_address(text) == parsed
     assert format_address(*parse_address(text)) == text.strip()
     assert valid_address(text)
 
 
-@pytest.mark.parametrize("text,says", [
-    ("::1:31337", "needs brackets, e.g. [::1]:31337"),
-    ("127.0.0.1", "has no port"),
-    (":5", "has no host"),
-    ("[::1]", "is not [IPV6]:PORT"),
-    ("[::1]:0", "port '0' is not a number in 1..65535"),
-    ("h:65536", "port '65536'"),
-    ("h:x", "port 'x'"),
-    ("[nonsense:]:5", "is not an IPv6 address"),
-    ("h" * 300 + ":5", "at most 256"),
-])
+@pytest.mark.parametrize(
+    "text,says",
+    [
+        ("::1:31337", "needs brackets, e.g. [::1]:31337"),
+        ("127.0.0.1", "has no port"),
+        (":5", "has no host"),
+        ("[::1]", "is not [IPV6]:PORT"),
+        ("[::1]:0", "port '0' is not a number in 1..65535"),
+        ("h:65536", "port '65536'"),
+        ("h:x", "port 'x'"),
+        ("[nonsense:]:5", "is not an IPv6 address"),
+        ("h" * 300 + ":5", "at most 256"),
+    ],
+)
 def test_parse_refuses_with_one_line_naming_the_problem(text, says):
     with pytest.raises(AddressError) as e:
         parse_address(text)
@@ -79,8 +88,13 @@ def test_parse_refuses_with_one_line_naming_the_problem(text, says):
 def test_helpers():
     assert canonical_address(" [::1]:7") == "[::1]:7"
     assert host_of("[::1]:7") == "::1" and host_of("10.0.0.1:7") == "10.0.0.1"
-    assert [is_loopback_host(h) for h in ("::1", "[::1]", "127.0.0.9", "localhost", "10.0.0.1")] == \
-        [True, True, True, True, False]
+    assert [is_loopback_host(h) for h in ("::1", "[::1]", "127.0.0.9", "localhost", "10.0.0.1")] == [
+        True,
+        True,
+        True,
+        True,
+        False,
+    ]
     assert [is_wildcard_host(h) for h in ("0.0.0.0", "::", "[::]", "", "127.0.0.1")] == [True, True, True, True, False]
     with pytest.raises(AddressError):
         format_address("::1", 70000)

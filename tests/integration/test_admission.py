@@ -33,9 +33,21 @@ BITS = 8  # tests: 256 hashes on average
 def _rec(ident: Identity, *, nonce=None, round=3, digest="d", address="127.0.0.1:9", config_hash="h") -> PeerRecord:
     from geomesh_p2p import __version__
 
-    return PeerRecord(peer_id=str(ident.peer_id), address=address, device="cpu", memory_bytes=1 << 30,
-                      tokens_per_s={8: 1000.0}, max_batch=8, upload_bps=1e7, download_bps=1e7, version=__version__,
-                      run_config_hash=config_hash, round=round, weights_digest=digest, pow_nonce=nonce)
+    return PeerRecord(
+        peer_id=str(ident.peer_id),
+        address=address,
+        device="cpu",
+        memory_bytes=1 << 30,
+        tokens_per_s={8: 1000.0},
+        max_batch=8,
+        upload_bps=1e7,
+        download_bps=1e7,
+        version=__version__,
+        run_config_hash=config_hash,
+        round=round,
+        weights_digest=digest,
+        pow_nonce=nonce,
+    )
 
 
 def _solved(ident: Identity, run_id: str = RUN, bits: int = BITS) -> int:
@@ -88,8 +100,9 @@ def test_a_record_without_valid_pow_is_ignored():
     assert [r.peer_id for r in kept] == [str(good.peer_id)]
     assert "no proof of work" in adm.problem(recs[1])
     assert "invalid proof of work" in adm.problem(recs[2])
-    assert sorted((e["peer"], e["reason"]) for e in refused) == sorted([
-        (str(lazy.peer_id), adm.problem(recs[1])), (str(forged.peer_id), adm.problem(recs[2]))])  # once each
+    assert sorted((e["peer"], e["reason"]) for e in refused) == sorted(
+        [(str(lazy.peer_id), adm.problem(recs[1])), (str(forged.peer_id), adm.problem(recs[2]))]
+    )  # once each
     assert Admission(RUN, 0).filter(recs) == recs  # pow_bits 0: open run without proof of work
 
 
@@ -102,8 +115,9 @@ async def test_peer_node_ignores_dht_records_without_pow(monkeypatch):
     try:
         boot = await start_node()
         nodes.append(boot)
-        node = PeerNode(RunConfig(run_id=RUN, pow_bits=BITS), NodeConfig(identity="/nonexistent/key"),
-                        identity=Identity.generate())
+        node = PeerNode(
+            RunConfig(run_id=RUN, pow_bits=BITS), NodeConfig(identity="/nonexistent/key"), identity=Identity.generate()
+        )
         good, lazy = Identity.generate(), Identity.generate()
         for ident, nonce in ((good, _solved(good)), (lazy, None)):
             n = await start_node([boot.address], identity=ident)
@@ -139,7 +153,9 @@ def test_allow_file_accepts_peer_ids_and_public_keys(tmp_path):
 
     a, b = Identity.generate(), Identity.generate()
     f = tmp_path / "allow.txt"
-    f.write_text(f"# the run's peers\n{a.peer_id}\n\nPeerID: {base58.b58encode(b.public_key_bytes).decode()}  # b's key\n")
+    f.write_text(
+        f"# the run's peers\n{a.peer_id}\n\nPeerID: {base58.b58encode(b.public_key_bytes).decode()}  # b's key\n"
+    )
     entries = read_allow_file(f)
     allowed = allow_list(entries)
     assert allowed(a.peer_id) and allowed(b.peer_id) and not allowed(Identity.generate().peer_id)
@@ -187,11 +203,19 @@ async def test_allow_listed_run_refuses_an_outsiders_record_and_rpc():
             from geomesh_p2p.dht.records import make_record
             from geomesh_p2p.wire import dht_pb2
 
-            rec = make_record(f"{RUN}/peers", _rec(outsider).to_bytes(), time.time() + 30,
-                              subkey=str(outsider.peer_id), owner=outsider, run_id=RUN)
+            rec = make_record(
+                f"{RUN}/peers",
+                _rec(outsider).to_bytes(),
+                time.time() + 30,
+                subkey=str(outsider.peer_id),
+                owner=outsider,
+                run_id=RUN,
+            )
             req = dht_pb2.StoreRequest(records=[rec])
-            for method, payload in ((DHT_STORE, req.SerializeToString()),
-                                    (STATE_STATUS, collective_pb2.StateRequest().SerializeToString())):
+            for method, payload in (
+                (DHT_STORE, req.SerializeToString()),
+                (STATE_STATUS, collective_pb2.StateRequest().SerializeToString()),
+            ):
                 with pytest.raises(RpcError) as ei:
                     await out_t.call(dht0.address, method, payload)
                 assert ei.value.code == grpc.StatusCode.PERMISSION_DENIED

@@ -58,5 +58,3 @@ async def test_a_peer_off_the_allow_list_is_refused_with_the_reason_on_both_side
         for n in nodes:
             await n.shutdown()
             await n.transport.stop(grace=0)
-
-

@@ -58,8 +58,7 @@ async def test_far_future_pushes_are_refused_at_once_and_an_honest_early_push_is
         svc.register(sw.spec(numel, round=1))
     # An outsider names far-future rounds: each push is refused at once (FAILED_PRECONDITION), holds no
     # slot, and is not parsed (an empty payload would otherwise be INVALID_ARGUMENT once the round existed).
-    far = [sw.transports[1].call(sw.addresses[0], COLLECTIVE_PUSH, b"", round=10**6 + k, timeout=5)
-           for k in range(20)]
+    far = [sw.transports[1].call(sw.addresses[0], COLLECTIVE_PUSH, b"", round=10**6 + k, timeout=5) for k in range(20)]
     errors = await asyncio.gather(*far, return_exceptions=True)
     assert all(isinstance(e, RpcError) and e.code == grpc.StatusCode.FAILED_PRECONDITION for e in errors)
     assert errors[0].reason == "round 1000000 is too far ahead of this node's round 1"

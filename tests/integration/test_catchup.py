@@ -14,8 +14,15 @@ from geomesh_p2p.identity import Identity
 from geomesh_p2p.optim import OuterNesterov
 from geomesh_p2p.round.policy import outer_step_per_part
 from geomesh_p2p.state import GlobalState
-from geomesh_p2p.state_sync import (OuterUpdate, Snapshot, StateServer, StateSyncError, UpdateLog,
-                                    catch_up_updates, download_state)
+from geomesh_p2p.state_sync import (
+    OuterUpdate,
+    Snapshot,
+    StateServer,
+    StateSyncError,
+    UpdateLog,
+    catch_up_updates,
+    download_state,
+)
 from geomesh_p2p.transport import Transport, TransportConfig
 from geomesh_p2p.wire import collective_pb2
 from tests.state_util import StallingServer
@@ -46,11 +53,12 @@ def _sign_mean(seed: int, p: int = P, peers: int = 3) -> torch.Tensor:
 
 def _copy(gs: GlobalState) -> Snapshot:
     buf = gs.buffer.clone()
-    return Snapshot(gs.round, buf[:gs.num_params], buf[gs.num_params:], gs.digest, buffer=buf)
+    return Snapshot(gs.round, buf[: gs.num_params], buf[gs.num_params :], gs.digest, buffer=buf)
 
 
-def _advance(gs: GlobalState, srv: StateServer, outer: OuterNesterov, r: int, agg: torch.Tensor,
-             ranges, idle=()) -> None:
+def _advance(
+    gs: GlobalState, srv: StateServer, outer: OuterNesterov, r: int, agg: torch.Tensor, ranges, idle=()
+) -> None:
     """Round ``r``'s outer step as the node makes it (node.outer_step + commit): retain, record, step, seal."""
     with gs.lock:
         srv.retain()
@@ -72,8 +80,9 @@ class TamperingServer(StateServer):
         data, _ = await self.updates.blob(req.round)
         bad = self.tamper(OuterUpdate.decode(data, P)).encode()
         h = hashlib.blake2b(bad).hexdigest()[:32]  # consistent with its bytes: only the digests betray it
-        yield collective_pb2.StateChunk(round=req.round, digest=h, total_bytes=len(bad), offset=0,
-                                        data=bad).SerializeToString()
+        yield collective_pb2.StateChunk(
+            round=req.round, digest=h, total_bytes=len(bad), offset=0, data=bad
+        ).SerializeToString()
 
 
 async def _serve(gs: GlobalState, cls=StateServer, **kw):
@@ -91,8 +100,9 @@ async def test_a_download_crossing_a_round_boundary_finishes_from_the_same_round
     t, srv, addr = await _serve(gs, StallingServer, stall_after=2)
     client = Transport(Identity.generate(), RUN, TransportConfig(client_only=True))
     try:
-        task = asyncio.ensure_future(download_state(client, [addr], round=5, numel=P, expected_digest=gs.digest,
-                                                     stall_timeout_s=600.0))
+        task = asyncio.ensure_future(
+            download_state(client, [addr], round=5, numel=P, expected_digest=gs.digest, stall_timeout_s=600.0)
+        )
         await asyncio.wait_for(srv.stalled.wait(), 10)
         # the donor's round ends mid-download: its outer step changes the served buffer in place
         await asyncio.to_thread(_advance, gs, srv, outer, 5, _sign_mean(1), [(0, P)])
@@ -144,8 +154,15 @@ async def test_catch_up_from_r_to_r_plus_2_gives_the_exact_digest():
     client = Transport(Identity.generate(), RUN, TransportConfig(client_only=True))
     try:
         events = []
-        got = await catch_up_updates(client, [addr], joiner, target_round=7, target_digest=donor_gs.digest,
-                                     outer=OuterNesterov(lr=0.7, momentum=0.9), on_event=lambda *e: events.append(e))
+        got = await catch_up_updates(
+            client,
+            [addr],
+            joiner,
+            target_round=7,
+            target_digest=donor_gs.digest,
+            outer=OuterNesterov(lr=0.7, momentum=0.9),
+            on_event=lambda *e: events.append(e),
+        )
         assert got.round == 7 and got.digest == donor_gs.digest
         assert torch.equal(got.buffer.view(torch.int32), donor_gs.buffer.view(torch.int32))
         assert sorted(e[0] for e in events) == ["done", "done", "start", "start"]  # both fetched at once
@@ -156,8 +173,14 @@ async def test_catch_up_from_r_to_r_plus_2_gives_the_exact_digest():
         assert srv.updates.get(5) is None and srv.updates.get(6) is None
         # a round not kept is refused with a reason, by every donor
         with pytest.raises(StateSyncError, match="no outer update of round 4 kept"):
-            await catch_up_updates(client, [addr], _copy(_state(round=4)), target_round=7,
-                                   target_digest=donor_gs.digest, outer=OuterNesterov())
+            await catch_up_updates(
+                client,
+                [addr],
+                _copy(_state(round=4)),
+                target_round=7,
+                target_digest=donor_gs.digest,
+                outer=OuterNesterov(),
+            )
     finally:
         await client.stop()
         await t.stop(grace=0)
@@ -195,8 +218,14 @@ async def test_a_tampered_update_is_refused_and_an_honest_donor_is_not_needed_to
     try:
         why = "and the swarm" if forge_digest else "the update states"
         with pytest.raises(StateSyncError, match=f"outer update of round 5 is refused: .*{why}"):
-            await catch_up_updates(client, [addr], joiner, target_round=6, target_digest=donor_gs.digest,
-                                   outer=OuterNesterov(lr=0.7, momentum=0.9))
+            await catch_up_updates(
+                client,
+                [addr],
+                joiner,
+                target_round=6,
+                target_digest=donor_gs.digest,
+                outer=OuterNesterov(lr=0.7, momentum=0.9),
+            )
     finally:
         await client.stop()
         await t.stop(grace=0)
@@ -252,9 +281,15 @@ async def test_a_donor_frozen_from_its_first_chunk_costs_the_floor_not_the_stall
     client = Transport(Identity.generate(), RUN, TransportConfig(client_only=True))
     events = []
     try:
-        snap = await download_state(client, [frozen_addr, ok_addr], round=5, numel=gs.num_params,
-                                    expected_digest=gs.digest, stall_timeout_s=30.0,
-                                    on_event=lambda *e: events.append(e))
+        snap = await download_state(
+            client,
+            [frozen_addr, ok_addr],
+            round=5,
+            numel=gs.num_params,
+            expected_digest=gs.digest,
+            stall_timeout_s=30.0,
+            on_event=lambda *e: events.append(e),
+        )
         assert snap.digest == gs.digest
         moved = [e for e in events if e[0] == "moved"]
         assert [(e[1], e[2]) for e in moved] == [(0, ok_addr)]

@@ -91,10 +91,18 @@ def test_token_weighted_mean_exact_rule_small():
     items = _packets([v1, v2, v3], [1, 1, 2], B)
     out = token_weighted_mean(items, 8, clip_k=2.0)
     # medians per block: 3.0 and 1.0 -> caps 6.0 and 2.0; weights 1/4, 1/4, 1/2
-    exp = torch.tensor([
-        1.5 / 4 - 3.0 / 4 + 6.0 / 2, -1.5 / 4 + 3.0 / 4 + 6.0 / 2, 1.5 / 4 + 3.0 / 4 - 6.0 / 2, -1.5 / 4 + 3.0 / 4 + 6.0 / 2,
-        0.5 / 4 + 1.0 / 4 + 2.0 / 2, 0.5 / 4 + 1.0 / 4 + 2.0 / 2, -0.5 / 4 + 1.0 / 4 + 2.0 / 2, 0.5 / 4 - 1.0 / 4 + 2.0 / 2,
-    ])
+    exp = torch.tensor(
+        [
+            1.5 / 4 - 3.0 / 4 + 6.0 / 2,
+            -1.5 / 4 + 3.0 / 4 + 6.0 / 2,
+            1.5 / 4 + 3.0 / 4 - 6.0 / 2,
+            -1.5 / 4 + 3.0 / 4 + 6.0 / 2,
+            0.5 / 4 + 1.0 / 4 + 2.0 / 2,
+            0.5 / 4 + 1.0 / 4 + 2.0 / 2,
+            -0.5 / 4 + 1.0 / 4 + 2.0 / 2,
+            0.5 / 4 - 1.0 / 4 + 2.0 / 2,
+        ]
+    )
     torch.testing.assert_close(out, exp, rtol=1e-6, atol=1e-6)
     # no clipping: the attacker's 100s pass
     assert float(token_weighted_mean(items, 8, clip_k=None)[0]) > 40
@@ -118,8 +126,9 @@ def test_token_weighted_mean_matches_numpy_reference_bitwise():
     order = pid_order(ids)
     owners = [PartOwner(ids[0], "h:1", 0, P)]
     for k in (None, 1.5, 4.0):
-        spec = CollectiveSpec(RUN, 0, {p: 10**9 for p in ids}, owners, P, 1.0, 2.0, mode="relay", block_size=B,
-                              clip_k=k)
+        spec = CollectiveSpec(
+            RUN, 0, {p: 10**9 for p in ids}, owners, P, 1.0, 2.0, mode="relay", block_size=B, clip_k=k
+        )
         deltas = dict(zip(ids, vs))
         tokens = dict(zip(ids, toks))
         ref, used = reference_part(spec, 0, deltas, tokens, ids)
@@ -132,8 +141,11 @@ _IDS = [Identity.generate().peer_id.to_string() for _ in range(6)]
 
 @settings(max_examples=40, deadline=None)
 @given(
-    c=st.integers(1, 5), size=st.integers(1, 3000), block=st.sampled_from([1, 7, 64, 256]),
-    clip=st.sampled_from([None, 0.5, 1.0, 4.0]), seed=st.integers(0, 2**31 - 1),
+    c=st.integers(1, 5),
+    size=st.integers(1, 3000),
+    block=st.sampled_from([1, 7, 64, 256]),
+    clip=st.sampled_from([None, 0.5, 1.0, 4.0]),
+    seed=st.integers(0, 2**31 - 1),
     toks=st.lists(st.integers(0, 10**7), min_size=5, max_size=5),
     caps=st.lists(st.integers(0, 10**7), min_size=5, max_size=5),
 )
@@ -141,8 +153,18 @@ def test_token_weighted_mean_property_matches_reference(c, size, block, clip, se
     g = torch.Generator().manual_seed(seed)
     ids = _IDS[:c]
     deltas = {p: torch.randn(size, generator=g) * float(10 ** (k - 2)) for k, p in enumerate(ids)}
-    spec = CollectiveSpec(RUN, 0, dict(zip(ids, caps)), [PartOwner(_IDS[5], "h:1", 0, size)], size, 1.0, 2.0,
-                          mode="relay", block_size=block, clip_k=clip)
+    spec = CollectiveSpec(
+        RUN,
+        0,
+        dict(zip(ids, caps)),
+        [PartOwner(_IDS[5], "h:1", 0, size)],
+        size,
+        1.0,
+        2.0,
+        mode="relay",
+        block_size=block,
+        clip_k=clip,
+    )
     tokens = dict(zip(ids, toks))
     ref, used = reference_part(spec, 0, deltas, tokens, ids)
     items = [(n, compression.encode(deltas[p], block, tokens[p])) for p, n in used]
@@ -153,8 +175,9 @@ def test_token_weighted_mean_property_matches_reference(c, size, block, clip, se
 # --------------------------------------------------------------------------------- all-reduce
 
 
-@pytest.mark.parametrize("mode, enc", [("relay", "sign"), ("reencode", "sign"), ("reencode", "int8"),
-                                       ("reencode", "fp16")])
+@pytest.mark.parametrize(
+    "mode, enc", [("relay", "sign"), ("reencode", "sign"), ("reencode", "int8"), ("reencode", "fp16")]
+)
 async def test_all_reduce_identical_everywhere_and_equal_to_reference(swarms, mode, enc):
     sw = await swarms(3, 1)  # 3 owners + 1 client-only peer
     numel = 50_000
@@ -247,7 +270,9 @@ async def test_old_rounds_are_pruned_and_refused(swarms):
     with pytest.raises(ValueError, match="older"):
         sw.services[0].register(stale)
     pkt = compression.encode(torch.ones(stale.owners[0].size), 2048, 1).to_bytes()
-    payload = collective_pb2.PushPartRequest(contribution=craft_contribution(sw.ids[1], stale, 0, pkt)).SerializeToString()
+    payload = collective_pb2.PushPartRequest(
+        contribution=craft_contribution(sw.ids[1], stale, 0, pkt)
+    ).SerializeToString()
     with pytest.raises(RpcError) as ei:
         await sw.transports[1].call(sw.addresses[0], COLLECTIVE_PUSH, payload, round=1)
     assert ei.value.code == grpc.StatusCode.FAILED_PRECONDITION and "round 1 is over" in ei.value.reason
@@ -325,8 +350,9 @@ async def test_bad_pushes_refused_named_in_log_and_round_still_completes(swarms,
     elif case == "other_round":
         contribution = craft_contribution(sender, spec, j, good, round=9)
     elif case == "wrong_length":
-        contribution = craft_contribution(sender, spec, j,
-                                          compression.encode(torch.randn(size - 8), spec.block_size, 5).to_bytes())
+        contribution = craft_contribution(
+            sender, spec, j, compression.encode(torch.randn(size - 8), spec.block_size, 5).to_bytes()
+        )
     elif case == "wrong_range":
         contribution = craft_contribution(sender, spec, j, good, start=1, end=size + 1)
     elif case == "nan_scale":
@@ -404,10 +430,21 @@ async def test_relay_reader_drops_a_tampered_contribution_consistently(swarms):
     good = craft_contribution(sw.ids[0], spec, j, pk[0], 2)
     bad = _forged(sw.ids[1], spec, j, pk[1])
     res = collective_pb2.PartResult(
-        round=spec.round, part=j, start=spec.owners[j].start, end=spec.owners[j].end, spec_id=spec.spec_id,
-        mode="relay", contributions=[collective_pb2.Contribution(signed_message=m) for m in (good, bad)])
-    signed = sw.ids[1].sign_message(run_id=RUN, round=spec.round, kind="geomesh.collective/PartResult",
-                                    payload=res.SerializeToString()).SerializeToString()
+        round=spec.round,
+        part=j,
+        start=spec.owners[j].start,
+        end=spec.owners[j].end,
+        spec_id=spec.spec_id,
+        mode="relay",
+        contributions=[collective_pb2.Contribution(signed_message=m) for m in (good, bad)],
+    )
+    signed = (
+        sw.ids[1]
+        .sign_message(
+            run_id=RUN, round=spec.round, kind="geomesh.collective/PartResult", payload=res.SerializeToString()
+        )
+        .SerializeToString()
+    )
     for reader in (svc, sw.services[1]):
         with pytest.raises(EnvelopeError, match="forged or tampered") as ei:
             reader._read_result(spec, j, signed)
@@ -434,8 +471,9 @@ async def test_last_compute_end_is_the_latest_contributors_stated_time(swarms):
     spec = sw.spec(3 * 4096, mode="reencode")
     t = time.time()
     ends = [t - 3.0, t - 1.0, t - 2.0]
-    results = await asyncio.gather(*[
-        svc.all_reduce(spec, torch.randn(spec.numel), 10, compute_end=e) for svc, e in zip(sw.services, ends)])
+    results = await asyncio.gather(
+        *[svc.all_reduce(spec, torch.randn(spec.numel), 10, compute_end=e) for svc, e in zip(sw.services, ends)]
+    )
     assert [r.last_compute_end for r in results] == [t - 1.0] * 3
 
 
@@ -459,15 +497,32 @@ async def test_parts_too_big_for_one_message_are_split_and_still_exact():
 
         def spec(round_, own):
             now = time.time()
-            return CollectiveSpec(RUN, round_, {p: 10**9 for p in pids}, own, numel, now + 1.5, now + 2.5,
-                                  mode="reencode", aggregate_encoding="fp32", push_encoding="fp32", block_size=1024)
+            return CollectiveSpec(
+                RUN,
+                round_,
+                {p: 10**9 for p in pids},
+                own,
+                numel,
+                now + 1.5,
+                now + 2.5,
+                mode="reencode",
+                aggregate_encoding="fp32",
+                push_encoding="fp32",
+                block_size=1024,
+            )
 
         whole = spec(1, owners)
         res = await asyncio.gather(*[s.all_reduce(whole, deltas[p], tokens[p]) for s, p in zip(svcs, pids)])
         assert all(sorted(r.missing_parts) == [0, 1, 2] for r in res)  # every remote push was too big
 
-        n = max_part_elements(push_encoding="fp32", mode="reencode", aggregate_encoding="fp32", n_participants=3,
-                              block_size=1024, max_message_bytes=limit)
+        n = max_part_elements(
+            push_encoding="fp32",
+            mode="reencode",
+            aggregate_encoding="fp32",
+            n_participants=3,
+            block_size=1024,
+            max_message_bytes=limit,
+        )
         assert n == int((0.9 * limit - (64 << 10)) // 4) // 1024 * 1024  # 41,984 elements
         split = split_owners(owners, n)
         assert len(split) == 6 and [o.peer_id for o in split] == [pids[0]] * 2 + [pids[1]] * 2 + [pids[2]] * 2

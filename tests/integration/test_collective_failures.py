@@ -67,6 +67,7 @@ async def hang_forever():
 def swarm(swarms):
     """``await swarm(n_servers=3, n_clients=1, **kw)`` -> a started :class:`Swarm` of :class:`Faulty`
     services; conftest's ``swarms`` stops every one in teardown."""
+
     def make(n_servers=3, n_clients=1, **kw):
         return swarms(n_servers, n_clients, service_cls=Faulty, **kw)
 
@@ -76,6 +77,7 @@ def swarm(swarms):
 def hang_after_part_0(svc):
     """A ``push_fault`` for ``svc``: it delivers part 0, then (once part 0 is delivered) sets ``svc.reached``
     and hangs before every other part, as a peer that dies or cancels half-way through sending."""
+
     async def fault(spec_, part):
         if part != 0:
             await svc._ev(0).wait()
@@ -91,22 +93,24 @@ async def timed(coro):
 
 
 def start_round(sw: Swarm, spec, deltas, tokens, who):
-    return {k: asyncio.ensure_future(timed(sw.services[k].all_reduce(spec, deltas[sw.pids[k]], tokens[sw.pids[k]])))
-            for k in who}
+    return {
+        k: asyncio.ensure_future(timed(sw.services[k].all_reduce(spec, deltas[sw.pids[k]], tokens[sw.pids[k]])))
+        for k in who
+    }
 
 
 def check_survivors(sw: Swarm, spec, deltas, tokens, outs: dict, *, missing=(), absent_from=None):
     """Identical aggregates / contributor lists, on time, equal to the reference; returns one result."""
     results = [r for r, _ in outs.values()]
     first = results[0]
-    for (r, finished) in outs.values():
+    for r, finished in outs.values():
         assert finished <= spec.deadline + SLACK_S, finished - spec.deadline
         assert torch.equal(r.aggregate, first.aggregate)
         assert r.contributors == first.contributors
         assert r.missing_parts == sorted(missing)
     for j in missing:
         o = spec.owners[j]
-        assert torch.count_nonzero(first.aggregate[o.start:o.end]) == 0
+        assert torch.count_nonzero(first.aggregate[o.start : o.end]) == 0
     for j, who in (absent_from or {}).items():
         assert all(p not in who for p, _ in first.contributors[j]), (j, who)
     contributors = {j: [p for p, _ in c] for j, c in first.contributors.items()}
@@ -177,7 +181,9 @@ async def test_sender_slow_past_the_deadline_is_left_out_and_still_gets_the_resu
     assert all(all(outs[k][0].pushed.values()) for k in (0, 1, 2))
     # a push arriving after the part closed is refused, with the reason
     pkt = compression.encode(torch.randn(spec.owners[0].size), spec.block_size, 1).to_bytes()
-    payload = collective_pb2.PushPartRequest(contribution=craft_contribution(sw.ids[3], spec, 0, pkt)).SerializeToString()
+    payload = collective_pb2.PushPartRequest(
+        contribution=craft_contribution(sw.ids[3], spec, 0, pkt)
+    ).SerializeToString()
     with pytest.raises(RpcError) as ei:
         await sw.transports[3].call(sw.addresses[0], COLLECTIVE_PUSH, payload, round=spec.round)
     assert ei.value.code == grpc.StatusCode.FAILED_PRECONDITION and "closed (deadline)" in ei.value.reason
@@ -246,8 +252,7 @@ async def test_peer_cancels(swarm, who):
     with pytest.raises(asyncio.CancelledError):
         await t
     outs = {k: await t for k, t in tasks.items()}
-    first = check_survivors(sw, spec, deltas, tokens, outs,
-                            absent_from={j: [sw.pids[who]] for j in range(1, 3)})
+    first = check_survivors(sw, spec, deltas, tokens, outs, absent_from={j: [sw.pids[who]] for j in range(1, 3)})
     assert sw.pids[who] in [p for p, _ in first.contributors[0]]
 
 
@@ -266,9 +271,16 @@ async def workers(tmp_path):
         env = dict(os.environ, PYTHONPATH=str(WORKER.parent.parent))
         for k in range(n):
             err = open(tmp_path / f"worker{k}.err", "wb")
-            p = await asyncio.create_subprocess_exec(sys.executable, str(WORKER), "--run", RUN,
-                                                     stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-                                                     stderr=err, env=env)
+            p = await asyncio.create_subprocess_exec(
+                sys.executable,
+                str(WORKER),
+                "--run",
+                RUN,
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=err,
+                env=env,
+            )
             err.close()
             procs.append(JsonLineProc(p))
         return procs

@@ -34,7 +34,7 @@ async def test_pullers_give_up_on_an_unreachable_owner_well_before_a_far_pull_de
             assert res.missing_parts == [2]
             assert finished <= spec.deadline + SLACK_S, finished - spec.deadline
         o = spec.owners[2]
-        assert all(int((res.aggregate[o.start:o.end] != 0).sum()) == 0 for res, _ in outs)
+        assert all(int((res.aggregate[o.start : o.end] != 0).sum()) == 0 for res, _ in outs)
         assert all(res.aggregate.equal(outs[0][0].aggregate) for res, _ in outs)
         assert "is unreachable" in caplog.text
     finally:

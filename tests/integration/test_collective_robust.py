@@ -33,11 +33,21 @@ def _honest_deltas(pids, numel, seed=0):
 def _expected(spec, deltas, tokens, who):
     out = torch.zeros(spec.numel)
     for o in spec.owners:
-        items = [(min(tokens[p], spec.participants[p]),
-                  compression.encode(deltas[p][o.start:o.end].contiguous(), spec.block_size, tokens[p]))
-                 for p in pid_order(who)]
-        out[o.start:o.end] = aggregate_part(items, o.size, rule=spec.rule, weight_cap=spec.weight_cap,
-                                            min_agreement=spec.min_agreement, clip_k=spec.clip_k)
+        items = [
+            (
+                min(tokens[p], spec.participants[p]),
+                compression.encode(deltas[p][o.start : o.end].contiguous(), spec.block_size, tokens[p]),
+            )
+            for p in pid_order(who)
+        ]
+        out[o.start : o.end] = aggregate_part(
+            items,
+            o.size,
+            rule=spec.rule,
+            weight_cap=spec.weight_cap,
+            min_agreement=spec.min_agreement,
+            clip_k=spec.clip_k,
+        )
     return out
 
 
@@ -80,7 +90,7 @@ async def _round_with_evil_owner(swarms, evil_cls, *, seed: int):
     assert all(r.missing_parts == evil_part for r in res)
     assert all(torch.equal(r.aggregate, res[0].aggregate) for r in res)
     o = spec.owners[evil_part[0]]
-    assert not res[0].aggregate[o.start:o.end].any()
+    assert not res[0].aggregate[o.start : o.end].any()
     return res[0], o
 
 
@@ -93,7 +103,7 @@ class _SelfishOwner(CollectiveService):
 
 async def test_an_owner_that_drops_the_others_loses_its_part_everywhere(swarms):
     res, o = await _round_with_evil_owner(swarms, _SelfishOwner, seed=1)  # below the quorum of 2: refused
-    assert res.aggregate[:o.start].count_nonzero() > 0.5 * o.start  # 2-2 ties of the sign mean are 0
+    assert res.aggregate[: o.start].count_nonzero() > 0.5 * o.start  # 2-2 ties of the sign mean are 0
 
 
 def test_quorum_count():
@@ -121,6 +131,7 @@ class _TamperingOwner(CollectiveService):
             b = bytearray(c.signed)
             b[-5] ^= 0x01
             return dataclasses.replace(c, signed=bytes(b))
+
         return super()._build_result(spec, part, [spoil(c) for c in contributions])
 
 
@@ -134,8 +145,9 @@ class _KeepsAbstainers(CollectiveService):
     """As an owner, relays its own contribution and the 0-token ones only (drops every voting honest one)."""
 
     def _build_result(self, spec, part, contributions):
-        return super()._build_result(spec, part, [c for c in contributions
-                                                  if c.sender == self.peer_id or c.tokens == 0])
+        return super()._build_result(
+            spec, part, [c for c in contributions if c.sender == self.peer_id or c.tokens == 0]
+        )
 
 
 async def test_abstaining_contributions_do_not_make_a_quorum(swarms):
@@ -149,10 +161,14 @@ async def test_abstaining_contributions_do_not_make_a_quorum(swarms):
     tokens = {sw.pids[0]: 0, sw.pids[1]: 100, sw.pids[2]: 100}
     spec = sw.spec(numel, mode="relay", deadline_s=3.0, **ROBUST)
     evil_part = spec.part_index_of(sw.pids[2])[0]
-    res = await asyncio.gather(*[s.all_reduce(spec, -deltas[p] if p == sw.pids[2] else deltas[p], tokens[p])
-                                 for s, p in zip(sw.services, sw.pids)])
+    res = await asyncio.gather(
+        *[
+            s.all_reduce(spec, -deltas[p] if p == sw.pids[2] else deltas[p], tokens[p])
+            for s, p in zip(sw.services, sw.pids)
+        ]
+    )
     assert all(torch.equal(r.aggregate, res[0].aggregate) for r in res)
     o = spec.owners[evil_part]
-    assert not res[0].aggregate[o.start:o.end].any()
+    assert not res[0].aggregate[o.start : o.end].any()
     assert all((o.start, o.end) in r.idle_ranges() for r in res)
     assert sorted(res[0].contributors[evil_part]) == sorted([(sw.pids[0], 0), (sw.pids[2], 0)])

@@ -78,14 +78,18 @@ async def test_replicas_are_republished_before_they_expire():
             return [n for n in alive if kid in n.storage]
 
         for _ in range(3):
+
             async def enough():
                 return len(holders()) >= 2
+
             await wait_for(enough, timeout=20, what="the value to be re-replicated")
             victim = holders()[0]
             await stop_node(victim)
             alive.remove(victim)
+
         async def replicated():
             return len(holders()) >= 2
+
         await wait_for(replicated, timeout=20, what="the value to be re-replicated after the last kill")
         for node in random.sample(alive, 3):
             assert (await node.get(key))[None].value == b"keep me"
@@ -105,8 +109,10 @@ async def test_expired_values_disappear_and_newest_expiration_wins():
             assert (await n.get("run/x"))[None].value == b"new"
         assert await nodes[3].store("run/short", b"v", time.time() + 1.0)
         assert (await nodes[0].get("run/short"))[None].value == b"v"
+
         async def gone():
             return await nodes[0].get("run/short") == {}
+
         await wait_for(gone, timeout=5, what="the value to expire")
     finally:
         await stop_all(nodes)
@@ -149,8 +155,10 @@ async def test_join_refused_by_another_run_says_so_without_retrying():
         me = Identity.generate()
         with events.capture("dht_join_retry") as retries, pytest.raises(DHTJoinError) as ei:
             await start_node([other.address], identity=me, join_attempts=5, join_backoff_s=1.0)
-        assert str(ei.value) == (f"could not join the DHT: bootstrap {other.address} serves run 'another-run', "
-                                 f"this peer asked for run '{RUN}': check --run-id")
+        assert str(ei.value) == (
+            f"could not join the DHT: bootstrap {other.address} serves run 'another-run', "
+            f"this peer asked for run '{RUN}': check --run-id"
+        )
         # a refusal is final: no backoff, no second attempt
         assert [e for e in retries if e["peer"] == me.peer_id.to_string()] == []
     finally:

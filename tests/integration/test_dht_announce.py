@@ -27,9 +27,18 @@ CONFIG_HASH = "c0ffee" * 8
 
 
 def peer_record(node, **changes) -> PeerRecord:
-    fields = dict(peer_id=node.peer_id.to_string(), address=node.address, device="cpu: test", memory_bytes=1 << 30,
-                  tokens_per_s={8: 1000.0}, max_batch=8, upload_bps=1e7, download_bps=1e7, version=__version__,
-                  run_config_hash=CONFIG_HASH)
+    fields = dict(
+        peer_id=node.peer_id.to_string(),
+        address=node.address,
+        device="cpu: test",
+        memory_bytes=1 << 30,
+        tokens_per_s={8: 1000.0},
+        max_batch=8,
+        upload_bps=1e7,
+        download_bps=1e7,
+        version=__version__,
+        run_config_hash=CONFIG_HASH,
+    )
     fields.update(changes)
     return PeerRecord(**fields)
 
@@ -53,8 +62,12 @@ async def test_four_peers_joining_one_bootstrap_at_once_form_one_swarm_that_outl
         peers = [n for n, _ in started]
         ids = [n.peer_id for n in peers]
         for n in peers + [boot]:  # a generous bound on a wait, not a speed goal (issue 15)
-            await wait_for(lambda n=n: sees(n, ids), timeout=30 * PERIOD, interval=PERIOD / 4,
-                           what=f"{n.peer_id.short()} to see all four peers")
+            await wait_for(
+                lambda n=n: sees(n, ids),
+                timeout=30 * PERIOD,
+                interval=PERIOD / 4,
+                what=f"{n.peer_id.short()} to see all four peers",
+            )
         # the bootstrap dies: the peers still see each other (records keep being refreshed) ...
         await stop_node(boot)
         ttl = 3 * PERIOD
@@ -62,22 +75,31 @@ async def test_four_peers_joining_one_bootstrap_at_once_form_one_swarm_that_outl
         for n in peers:
             assert await sees(n, ids)
         # ... and find new records and newcomers
-        assert await peers[0].store(f"{RUN}/after-bootstrap", b"new", time.time() + 30,
-                                    owner=peers[0].identity)  # values under the run's keys are signed
+        assert await peers[0].store(
+            f"{RUN}/after-bootstrap", b"new", time.time() + 30, owner=peers[0].identity
+        )  # values under the run's keys are signed
         for n in peers[1:]:
             assert (await n.get(f"{RUN}/after-bootstrap"))[None].value == b"new"
         late, late_announcer = await start_peer([peers[2].address])
         peers.append(late)
         for n in peers:
-            await wait_for(lambda n=n: sees(n, ids + [late.peer_id]), timeout=8 * PERIOD, interval=PERIOD / 4,
-                           what="everyone to see the newcomer")
+            await wait_for(
+                lambda n=n: sees(n, ids + [late.peer_id]),
+                timeout=8 * PERIOD,
+                interval=PERIOD / 4,
+                what="everyone to see the newcomer",
+            )
         # a dead peer drops out within its record's lifetime
         await stop_node(peers[1])
         gone = peers.pop(1)
         survivors = [p.peer_id for p in peers]
         for n in peers:
-            await wait_for(lambda n=n: sees(n, survivors), timeout=ttl + 4 * PERIOD, interval=PERIOD / 4,
-                           what=f"{gone.peer_id.short()} to expire")
+            await wait_for(
+                lambda n=n: sees(n, survivors),
+                timeout=ttl + 4 * PERIOD,
+                interval=PERIOD / 4,
+                what=f"{gone.peer_id.short()} to expire",
+            )
     finally:
         await stop_all(peers + [boot])
 
@@ -95,9 +117,12 @@ async def test_incompatible_peer_is_refused_with_what_differs():
         with events.capture("peer_record_dropped") as dropped:
             compatible = await live_peers(a, RUN, mine=mine)
         assert [r.peer_id for r in compatible] == [a.peer_id.to_string()]
-        assert sorted((e["subkey"], e["reason"], e["differs"]) for e in dropped) == sorted([
-            (b.peer_id.to_string(), "incompatible", ["run-config hash c0ffeec0ffee… vs deadbeefdead…"]),
-            (c.peer_id.to_string(), "incompatible", [f"version {__version__} vs 0.2.0"])])
+        assert sorted((e["subkey"], e["reason"], e["differs"]) for e in dropped) == sorted(
+            [
+                (b.peer_id.to_string(), "incompatible", ["run-config hash c0ffeec0ffee… vs deadbeefdead…"]),
+                (c.peer_id.to_string(), "incompatible", [f"version {__version__} vs 0.2.0"]),
+            ]
+        )
         filtered = await live_peers(a, RUN, expected_config_hash=CONFIG_HASH, expected_version=__version__)
         assert len(filtered) == 1
         assert len(await live_peers(a, RUN)) == 3
@@ -117,7 +142,9 @@ def test_check_compatible_messages():
     assert check_compatible(mine, peer_record(N, version="0.1.7")) is None  # patch releases interoperate
     assert check_compatible(mine, peer_record(N, version="0.2.0")) == f"version {__version__} vs 0.2.0"
     msg = check_compatible(mine, peer_record(N, run_config_hash="c0ffee" * 4 + "abcdef" * 4))
-    assert msg == "run-config hash c0ffeec0ffeec0ffeec0ffeec0ff… vs c0ffeec0ffeec0ffeec0ffeeabcd…"  # long enough to differ
+    assert (
+        msg == "run-config hash c0ffeec0ffeec0ffeec0ffeec0ff… vs c0ffeec0ffeec0ffeec0ffeeabcd…"
+    )  # long enough to differ
     two = check_compatible(mine, peer_record(N, protocol_version=2, version="1.0.0"))
     assert two == f"version {__version__} vs 1.0.0; protocol version 1 vs 2"
 
@@ -134,9 +161,13 @@ async def test_malformed_or_misplaced_peer_records_are_dropped():
         assert await node.store(key, b"{}", time.time() + 30, subkey="unowned", owner=other)
         with events.capture("peer_record_dropped") as dropped:
             assert await live_peers(node, RUN) == []
-        assert sorted((e["subkey"], e["reason"]) for e in dropped) == sorted([
-            (me.peer_id.to_string(), "malformed"), (other.peer_id.to_string(), "names_another_peer"),
-            ("unowned", "not_owner_subkey")])
+        assert sorted((e["subkey"], e["reason"]) for e in dropped) == sorted(
+            [
+                (me.peer_id.to_string(), "malformed"),
+                (other.peer_id.to_string(), "names_another_peer"),
+                ("unowned", "not_owner_subkey"),
+            ]
+        )
         # an announcer refuses a record of another peer
         with pytest.raises(ValueError, match="not this identity's PeerID"):
             await PeerAnnouncer(node, peer_record(node, peer_id=other.peer_id.to_string())).announce_once()

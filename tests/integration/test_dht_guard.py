@@ -37,6 +37,7 @@ async def _fake_ping(address: str, claimed: str) -> None:
 async def _no_checks_pending(node: DHTNode):
     async def done():
         return not getattr(node, "_checking", None)
+
     await wait_for(done, timeout=30, what="the ping-backs to finish")
 
 
@@ -105,8 +106,9 @@ async def test_identities_per_ip_are_bounded_in_the_routing_table():
 
 # --------------------------------------------------------------------------- storage quotas
 def _store_req(sender: Identity, records) -> bytes:
-    return dht_pb2.StoreRequest(sender=dht_pb2.NodeInfo(peer_id=bytes(sender.peer_id)),
-                                records=list(records)).SerializeToString()
+    return dht_pb2.StoreRequest(
+        sender=dht_pb2.NodeInfo(peer_id=bytes(sender.peer_id)), records=list(records)
+    ).SerializeToString()
 
 
 async def _store(client: Transport, address: str, records) -> list:
@@ -115,15 +117,22 @@ async def _store(client: Transport, address: str, records) -> list:
         reply = await client.call(address, DHT_STORE, _store_req(client.identity, records))
     except RpcError as e:
         return [(False, e.code)] * len(records)
-    return [(o.stored, grpc.StatusCode.OK if o.code == 0 else next(c for c in grpc.StatusCode if c.value[0] == o.code))
-            for o in dht_pb2.StoreResponse.FromString(reply.payload).outcomes]
+    return [
+        (o.stored, grpc.StatusCode.OK if o.code == 0 else next(c for c in grpc.StatusCode if c.value[0] == o.code))
+        for o in dht_pb2.StoreResponse.FromString(reply.payload).outcomes
+    ]
 
 
 async def test_store_quotas_per_owner_unsigned_and_in_total():
     from geomesh_p2p.dht.quota import StorageQuota
 
-    quota = StorageQuota(max_total_bytes=1 * MiB, max_owner_bytes=256 << 10, max_owner_records=512,
-                         max_key_bytes=8 * MiB, max_unsigned_bytes=128 << 10)
+    quota = StorageQuota(
+        max_total_bytes=1 * MiB,
+        max_owner_bytes=256 << 10,
+        max_owner_records=512,
+        max_key_bytes=8 * MiB,
+        max_unsigned_bytes=128 << 10,
+    )
     node = await start_node(quota=quota)
     me = Identity.generate()
     client = Transport(me, RUN, TransportConfig(client_only=True))
@@ -131,7 +140,9 @@ async def test_store_quotas_per_owner_unsigned_and_in_total():
     day = time.time() + 24 * 3600 - 60
     try:
         # unsigned under the run's keys: refused
-        out = await _store(client, node.address, [make_record(f"{RUN}/x/{i:02d}", value, day, run_id=RUN) for i in range(4)])
+        out = await _store(
+            client, node.address, [make_record(f"{RUN}/x/{i:02d}", value, day, run_id=RUN) for i in range(4)]
+        )
         assert out == [(False, grpc.StatusCode.PERMISSION_DENIED)] * 4
         # unsigned elsewhere: kept 60 s at most, and only up to the unsigned quota
         recs = [make_record(f"free/{i:02d}", value, day, run_id=RUN) for i in range(20)]
@@ -186,10 +197,9 @@ async def test_replacing_a_record_is_charged_the_difference_and_expired_ones_are
         await asyncio.sleep(max(0.0, short.expiration_time - time.time()) + 0.1)
         assert (await _store(client, node.address, [other]))[0][0]  # the short one expired
         # no unsigned value at all on this node
-        assert (await _store(client, node.address, [make_record("free", b"v", time.time() + 9, run_id=RUN)])) == \
-            [(False, grpc.StatusCode.RESOURCE_EXHAUSTED)]
+        assert (await _store(client, node.address, [make_record("free", b"v", time.time() + 9, run_id=RUN)])) == [
+            (False, grpc.StatusCode.RESOURCE_EXHAUSTED)
+        ]
     finally:
         await client.stop()
         await stop_all([node])
-
-

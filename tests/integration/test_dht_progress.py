@@ -20,7 +20,7 @@ async def test_only_a_bootstraps_own_entry_counts():
         assert set(newcomer.bootstrap_peers) == {boot.peer_id}
         assert await swarm_progress(newcomer) is None
         # any peer can write its own subkey: a fake round from a non-bootstrap is ignored
-        assert await publish_progress(liar, SwarmProgress(10 ** 9, 1.0, 1))
+        assert await publish_progress(liar, SwarmProgress(10**9, 1.0, 1))
         assert await swarm_progress(newcomer) is None
         assert await publish_progress(boot, SwarmProgress(31, 1234.5, 3))
         assert await swarm_progress(newcomer) == SwarmProgress(31, 1234.5, 3, boot.peer_id.to_string())
@@ -66,6 +66,7 @@ async def test_peers_ping_their_bootstrap_while_others_are_known():
     peer = await start_node([boot.address])
     other = await start_node([boot.address])
     try:
+
         async def knows_other():
             return other.peer_id in {c.peer_id for c in peer.contacts()}
 

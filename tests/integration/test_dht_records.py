@@ -42,8 +42,9 @@ def _forged(me: Identity) -> dht_pb2.SignedRecord:
 
 def _other_owner(me: Identity) -> dht_pb2.SignedRecord:
     victim = Identity.generate()
-    return make_record("run/peers", b"impostor", time.time() + 60, subkey=victim.peer_id.to_string(), owner=me,
-                       run_id=RUN)
+    return make_record(
+        "run/peers", b"impostor", time.time() + 60, subkey=victim.peer_id.to_string(), owner=me, run_id=RUN
+    )
 
 
 def _unsigned_for_owner(me: Identity) -> dht_pb2.SignedRecord:
@@ -77,17 +78,20 @@ def _half_signed(me: Identity) -> dht_pb2.SignedRecord:
     return rec
 
 
-@pytest.mark.parametrize("make, code, reason", [
-    (_forged, grpc.StatusCode.UNAUTHENTICATED, "bad record signature"),
-    (_other_run, grpc.StatusCode.UNAUTHENTICATED, "bad record signature"),
-    (_other_owner, grpc.StatusCode.PERMISSION_DENIED, "subkey is owned by"),
-    (_unsigned_for_owner, grpc.StatusCode.PERMISSION_DENIED, "record is unsigned"),
-    (_other_owner_key, grpc.StatusCode.PERMISSION_DENIED, "key is owned by"),
-    (_expired, grpc.StatusCode.OUT_OF_RANGE, "expired"),
-    (_too_far, grpc.StatusCode.OUT_OF_RANGE, "maximum lifetime"),
-    (_oversized, grpc.StatusCode.RESOURCE_EXHAUSTED, "over the limit of 65536"),
-    (_half_signed, grpc.StatusCode.INVALID_ARGUMENT, "malformed record signature"),
-])
+@pytest.mark.parametrize(
+    "make, code, reason",
+    [
+        (_forged, grpc.StatusCode.UNAUTHENTICATED, "bad record signature"),
+        (_other_run, grpc.StatusCode.UNAUTHENTICATED, "bad record signature"),
+        (_other_owner, grpc.StatusCode.PERMISSION_DENIED, "subkey is owned by"),
+        (_unsigned_for_owner, grpc.StatusCode.PERMISSION_DENIED, "record is unsigned"),
+        (_other_owner_key, grpc.StatusCode.PERMISSION_DENIED, "key is owned by"),
+        (_expired, grpc.StatusCode.OUT_OF_RANGE, "expired"),
+        (_too_far, grpc.StatusCode.OUT_OF_RANGE, "maximum lifetime"),
+        (_oversized, grpc.StatusCode.RESOURCE_EXHAUSTED, "over the limit of 65536"),
+        (_half_signed, grpc.StatusCode.INVALID_ARGUMENT, "malformed record signature"),
+    ],
+)
 async def test_bad_record_refused_with_reason_and_node_keeps_serving(server_and_client, make, code, reason):
     node, client = server_and_client
     with pytest.raises(RpcError) as ei:
@@ -101,13 +105,16 @@ async def test_bad_record_refused_with_reason_and_node_keeps_serving(server_and_
     assert dht_pb2.StoreResponse.FromString(reply.payload).outcomes[0].stored
 
 
-@pytest.mark.parametrize("method, payload, reason", [
-    (DHT_STORE, b"\xff" * 64, "malformed StoreRequest"),
-    (DHT_FIND, b"\x0a\x05garbage\xff\xff", "malformed FindRequest"),
-    (DHT_STORE, b"", "holds no records"),
-    (DHT_FIND, dht_pb2.FindRequest(keys=[b"short"]).SerializeToString(), "20-byte DHTID"),
-    (DHT_FIND, dht_pb2.FindRequest(keys=[bytes(20)] * 65).SerializeToString(), "over the limit of 64"),
-])
+@pytest.mark.parametrize(
+    "method, payload, reason",
+    [
+        (DHT_STORE, b"\xff" * 64, "malformed StoreRequest"),
+        (DHT_FIND, b"\x0a\x05garbage\xff\xff", "malformed FindRequest"),
+        (DHT_STORE, b"", "holds no records"),
+        (DHT_FIND, dht_pb2.FindRequest(keys=[b"short"]).SerializeToString(), "20-byte DHTID"),
+        (DHT_FIND, dht_pb2.FindRequest(keys=[bytes(20)] * 65).SerializeToString(), "over the limit of 64"),
+    ],
+)
 async def test_garbage_requests_refused_and_node_keeps_serving(server_and_client, method, payload, reason):
     node, client = server_and_client
     with pytest.raises(RpcError) as ei:
@@ -218,9 +225,15 @@ def test_owner_rules_and_signature_binding():
     vr = verify_record(rec, run_id=RUN, now=now)
     assert vr.owner == pid and vr.subkey == "s" and vr.key_id == key_id_of("k")
     # subkey absent vs empty subkey are different signed statements
-    assert canonical_record_bytes(RUN, "k", None, b"v", 1.0, b"") != canonical_record_bytes(RUN, "k", "", b"v", 1.0, b"")
+    assert canonical_record_bytes(RUN, "k", None, b"v", 1.0, b"") != canonical_record_bytes(
+        RUN, "k", "", b"v", 1.0, b""
+    )
     with pytest.raises(RecordError, match="does not hash"):
         verify_record(rec, run_id=RUN, now=now, expected_key_id=key_id_of("other"))
     with pytest.raises(RecordError, match="over the limit of 4"):
-        verify_record(make_record("k", b"12345", now + 10, run_id=RUN), run_id=RUN, now=now,
-                      limits=RecordLimits(max_value_bytes=4))
+        verify_record(
+            make_record("k", b"12345", now + 10, run_id=RUN),
+            run_id=RUN,
+            now=now,
+            limits=RecordLimits(max_value_bytes=4),
+        )

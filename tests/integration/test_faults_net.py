@@ -94,14 +94,38 @@ async def test_reachability_is_not_checked_without_bootstrap_or_when_client_only
 
 
 def _boot_argv(tmp_path, *extra):
-    return ["-m", "bootstrap.cli", "--host", "127.0.0.1", "--port", "0", "--identity", str(tmp_path / "boot.key"),
-            "--run-id", "faults", "--status-interval", "0.5", *extra]
+    return [
+        "-m",
+        "bootstrap.cli",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--identity",
+        str(tmp_path / "boot.key"),
+        "--run-id",
+        "faults",
+        "--status-interval",
+        "0.5",
+        *extra,
+    ]
 
 
 # ---------------------------------------------------------------- 2. a restarted bootstrap
 def _dht_argv(address, *extra):
-    return ["-m", "geomesh_p2p.dht", "--bootstrap", address, "--run-id", "faults", "--announce", "--watch",
-            "--period", "0.5", *extra]
+    return [
+        "-m",
+        "geomesh_p2p.dht",
+        "--bootstrap",
+        address,
+        "--run-id",
+        "faults",
+        "--announce",
+        "--watch",
+        "--period",
+        "0.5",
+        *extra,
+    ]
 
 
 def _wait_file(path, cond, timeout, what):
@@ -158,12 +182,11 @@ async def test_a_clock_beyond_the_tolerance_is_refused_at_join_in_one_line():
             await _skewed_node(100.0, [boot.address])
         msg = str(e.value)
         assert isinstance(e.value, UserFacingError) and "\n" not in msg
-        assert msg.startswith(f"this machine's clock is 100 s ahead of the clock of bootstrap {boot.address}; "
-                              f"the swarm tolerates 60 s"), msg
+        assert msg.startswith(
+            f"this machine's clock is 100 s ahead of the clock of bootstrap {boot.address}; the swarm tolerates 60 s"
+        ), msg
     finally:
         await stop_node(boot)
 
 
 FAKETIME_LIB = "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1"
-
-

@@ -117,7 +117,7 @@ def test_a_read_while_the_state_changes_is_refused_without_blocking():
 def _safetensors(path):
     raw = path.read_bytes()
     (n,) = struct.unpack_from("<Q", raw)
-    return json.loads(raw[8:8 + n]), raw[8 + n:]
+    return json.loads(raw[8 : 8 + n]), raw[8 + n :]
 
 
 @pytest.mark.parametrize("k", [0, 1, 2])
@@ -126,14 +126,14 @@ def test_checkpoint_has_the_tensor_writers_format_and_loads_back(tmp_path, k):
     gs = GlobalState(P, k)
     gs.load(12, theta, opt)
     path = gs.save_checkpoint(tmp_path / "gs", run_config_hash="abc", peer_id="me")
-    ref = state.save_checkpoint(tmp_path / "ref", round=12, theta=theta, momentum=opt,
-                                meta={"run_config_hash": "abc", "peer_id": "me"})
+    ref = state.save_checkpoint(
+        tmp_path / "ref", round=12, theta=theta, momentum=opt, meta={"run_config_hash": "abc", "peer_id": "me"}
+    )
     # same safetensors header (parsed: its metadata map's key order is not stable) and same data bytes
     ours, theirs = (_safetensors(p.with_suffix(".safetensors")) for p in (path, ref))
     assert ours == theirs
     rnd, th, mom, record = state.load_latest_checkpoint(tmp_path / "gs")
-    assert rnd == 12 and record["digest"] == gs.digest and record["meta"] == {"run_config_hash": "abc",
-                                                                              "peer_id": "me"}
+    assert rnd == 12 and record["digest"] == gs.digest and record["meta"] == {"run_config_hash": "abc", "peer_id": "me"}
     assert torch.equal(th.view(torch.int32), theta.view(torch.int32))
     if k:
         assert torch.equal(mom.view(torch.int32), opt.view(torch.int32))
@@ -194,8 +194,15 @@ async def test_a_donor_that_stops_mid_piece_loses_its_piece_to_the_other_donor()
     events = []
     try:
         addrs = [a for _, _, a in donors]
-        snap = await download_state(client, addrs, round=5, numel=gs.num_params, expected_digest=gs.digest,
-                                    stall_timeout_s=1.0, on_event=lambda *e: events.append(e))
+        snap = await download_state(
+            client,
+            addrs,
+            round=5,
+            numel=gs.num_params,
+            expected_digest=gs.digest,
+            stall_timeout_s=1.0,
+            on_event=lambda *e: events.append(e),
+        )
         # bitwise the donor's state, in one buffer the snapshot's tensors are views of
         assert snap.digest == gs.digest and torch.equal(snap.buffer.view(torch.int32), gs.buffer.view(torch.int32))
         assert snap.theta.data_ptr() == snap.buffer.data_ptr()
@@ -216,15 +223,23 @@ async def test_a_piece_that_fails_on_every_donor_cancels_its_siblings():
     1's stream."""
     gs = _state()
     other_round = _state(round=4)
-    donors = await _donors([other_round, (gs, {"cls": StallingServer, "stall_after": 1,
-                                               "refuse_below": gs.nbytes // 2})])
+    donors = await _donors(
+        [other_round, (gs, {"cls": StallingServer, "stall_after": 1, "refuse_below": gs.nbytes // 2})]
+    )
     client = Transport(Identity.generate(), RUN, TransportConfig(client_only=True))
     events = []
     try:
         addrs = [a for _, _, a in donors]
         with pytest.raises(StateSyncError, match="piece 0 failed on every donor"):
-            await download_state(client, addrs, round=5, numel=gs.num_params, expected_digest=gs.digest,
-                                 stall_timeout_s=600.0, on_event=lambda *e: events.append(e))
+            await download_state(
+                client,
+                addrs,
+                round=5,
+                numel=gs.num_params,
+                expected_digest=gs.digest,
+                stall_timeout_s=600.0,
+                on_event=lambda *e: events.append(e),
+            )
         # no piece task outlives the call
         assert [t.get_name() for t in asyncio.all_tasks() if t.get_name().startswith("state-piece")] == []
         kinds = [e[:3] for e in events]
@@ -242,7 +257,7 @@ async def test_a_state_that_moves_on_mid_piece_is_refused_with_a_reason():
     srv_gs = _state()
     donors = await _donors([(srv_gs, {"cls": StallingServer, "stall_after": 1})])
     client = Transport(Identity.generate(), RUN, TransportConfig(client_only=True))
-    (t, srv, addr), = donors
+    ((t, srv, addr),) = donors
     try:
         req = collective_pb2.StateRequest(round=5, offset=0, length=0).SerializeToString()
         got = []

@@ -114,8 +114,10 @@ async def test_concurrent_calls_capped_per_sender_and_in_total():
     address = await server.start()
     a, b, c = (Transport(Identity.generate(), RUN, TransportConfig(client_only=True)) for _ in range(3))
     try:
-        held = [asyncio.ensure_future(a.call(address, DHT_PING, b"1")),
-                asyncio.ensure_future(a.call(address, DHT_PING, b"2"))]
+        held = [
+            asyncio.ensure_future(a.call(address, DHT_PING, b"1")),
+            asyncio.ensure_future(a.call(address, DHT_PING, b"2")),
+        ]
         await until(lambda: server._guard.snapshot()["calls"].get("dht", 0) >= 2, 10, "2 calls held")
         with pytest.raises(RpcError) as ei:
             await a.call(address, DHT_PING, b"3")

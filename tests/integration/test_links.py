@@ -13,8 +13,7 @@ import torch
 
 from geomesh_p2p.capability import ThroughputEMA
 from geomesh_p2p.identity import Identity
-from geomesh_p2p.links import (MAX_PROBE_BYTES, LinkProbeService, LinkSample, busy_seconds, link_sample,
-                               probe_link)
+from geomesh_p2p.links import MAX_PROBE_BYTES, LinkProbeService, LinkSample, busy_seconds, link_sample, probe_link
 from geomesh_p2p.transport import LINK_PROBE, RpcError, Transport, TransportConfig
 from geomesh_p2p.wire import collective_pb2
 
@@ -108,19 +107,36 @@ async def test_collective_reports_upload_and_download_samples():
         pids = [str(i.peer_id) for i in ids]
         numel = 3 * 4096
         owners = make_partition(numel, [(p, a, 1.0) for p, a in zip(pids, addrs)])
-        spec = CollectiveSpec(run_id="links-test", round=0, participants={p: 100 for p in pids}, owners=owners,
-                              numel=numel, mode="reencode", aggregate_encoding="sign", push_encoding="sign",
-                              block_size=2048, deadline=time.time() + 20, pull_deadline=time.time() + 25)
+        spec = CollectiveSpec(
+            run_id="links-test",
+            round=0,
+            participants={p: 100 for p in pids},
+            owners=owners,
+            numel=numel,
+            mode="reencode",
+            aggregate_encoding="sign",
+            push_encoding="sign",
+            block_size=2048,
+            deadline=time.time() + 20,
+            pull_deadline=time.time() + 25,
+        )
         deltas = [torch.randn(numel, generator=torch.Generator().manual_seed(i)) for i in range(3)]
         results = await asyncio.gather(*(s.all_reduce(spec, d, tokens=100) for s, d in zip(services, deltas)))
         for k, r in enumerate(results):
             assert r.upload is not None and r.download is not None
             assert r.upload.transfers == 2 and r.download.transfers == 2
             # exact payload bytes: two PushPart requests (a signed contribution of 1 part each)
-            pushed = sum(len(collective_pb2.PushPartRequest(
-                contribution=services[k]._contribution_bytes(spec, j, deltas[k], 100, services[k]._rounds[0].compute_end)
-            ).SerializeToString())
-                for j in range(3) if owners[j].peer_id != pids[k])
+            pushed = sum(
+                len(
+                    collective_pb2.PushPartRequest(
+                        contribution=services[k]._contribution_bytes(
+                            spec, j, deltas[k], 100, services[k]._rounds[0].compute_end
+                        )
+                    ).SerializeToString()
+                )
+                for j in range(3)
+                if owners[j].peer_id != pids[k]
+            )
             assert r.upload.nbytes == pushed
             assert 0 < r.upload.seconds <= r.wall_s and 0 < r.download.seconds <= r.wall_s
     finally:
@@ -135,8 +151,9 @@ def _node_with(upload_bps=None, download_bps=None, rtt_s=0.0):
 
     node = PeerNode.__new__(PeerNode)
     node.cfg = NodeConfig(upload_bps=upload_bps, download_bps=download_bps, min_link_sample_bytes=1000)
-    node.ema = ThroughputEMA(alpha=0.5, tokens_per_s={8: 100.0}, upload_bps=upload_bps or 1000.0,
-                             download_bps=download_bps or 1000.0)
+    node.ema = ThroughputEMA(
+        alpha=0.5, tokens_per_s={8: 100.0}, upload_bps=upload_bps or 1000.0, download_bps=download_bps or 1000.0
+    )
     node.rtt_s = rtt_s
     node.round = 1
     node._measured = {"up", "down", "tps"}  # past the first round: plain EMA

@@ -18,9 +18,20 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def _rec(ident: Identity, addr) -> PeerRecord:
-    return PeerRecord(peer_id=str(ident.peer_id), address=addr, device="cpu", memory_bytes=1 << 30,
-                      tokens_per_s={8: 1000.0}, max_batch=8, upload_bps=1e7, download_bps=1e7, version="0.1.0",
-                      run_config_hash="h", round=0, weights_digest="d")
+    return PeerRecord(
+        peer_id=str(ident.peer_id),
+        address=addr,
+        device="cpu",
+        memory_bytes=1 << 30,
+        tokens_per_s={8: 1000.0},
+        max_batch=8,
+        upload_bps=1e7,
+        download_bps=1e7,
+        version="0.1.0",
+        run_config_hash="h",
+        round=0,
+        weights_digest="d",
+    )
 
 
 def _policy_node() -> PeerNode:
@@ -50,11 +61,17 @@ def test_a_lone_client_only_peer_waits_with_one_line_per_state_change(caplog):
     msgs = [(names.get(r.levelno, "ERROR"), r.getMessage()) for r in caplog.records]
     assert [m for m in msgs if m[0] == "ERROR"] == []
     assert [m for m in msgs if "own a part" in m[1]] == [
-        ("WARNING", "round 0: no reachable peer can own a part (1 peer(s) to plan, all client-only or on "
-                    "probation): waiting for one"),
+        (
+            "WARNING",
+            "round 0: no reachable peer can own a part (1 peer(s) to plan, all client-only or on "
+            "probation): waiting for one",
+        ),
         ("INFO", "round 5: a peer can own a part again: planning"),
-        ("WARNING", "round 6: no reachable peer can own a part (1 peer(s) to plan, all client-only or on "
-                    "probation): waiting for one"),
+        (
+            "WARNING",
+            "round 6: no reachable peer can own a part (1 peer(s) to plan, all client-only or on "
+            "probation): waiting for one",
+        ),
     ]
     assert [a.peer_id for a in plan.assignments if a.owns_part] == [other.peer_id]
     assert plan.round == 5
@@ -71,8 +88,10 @@ async def test_a_wrong_run_id_is_not_reported_as_no_answer():
         with pytest.raises(DHTJoinError) as ei:
             await start_node([boot.transport.address], run_id="run-b", join_attempts=5)
         msg = str(ei.value)
-        assert msg == (f"could not join the DHT: bootstrap {boot.transport.address} serves run 'run-a', "
-                       f"this peer asked for run 'run-b': check --run-id")
+        assert msg == (
+            f"could not join the DHT: bootstrap {boot.transport.address} serves run 'run-a', "
+            f"this peer asked for run 'run-b': check --run-id"
+        )
     finally:
         await stop_node(boot)
 
@@ -86,18 +105,19 @@ async def test_a_peer_that_starts_below_min_peers_says_so(caplog):
         await asyncio.wait_for(lone.driver(rounds=1, min_peers=2, wait_peers_s=30.0, clock=FakeClock()).run(), 30)
     lines = [r.getMessage() for r in caplog.records if "peers" in r.getMessage() and "round 0:" in r.getMessage()]
     assert lines[0] == "round 0: waiting for 2 peers, 1 live (up to 30 s)"
-    assert re.fullmatch(r"round 0: starting with 1 of the 2 peers wanted \(--min-peers\): waited 3\d s", lines[1]), lines
+    assert re.fullmatch(r"round 0: starting with 1 of the 2 peers wanted \(--min-peers\): waited 3\d s", lines[1]), (
+        lines
+    )
     assert [row.round for row in lone.drv.history] == [0]
 
 
 # ------------------------------------------------------------------------------ processes (e2e)
 # What a healthy run must not print (issue 14 #10): an ERROR record ("HH:MM:SS E name: ..."), a
 # traceback, asyncio's reports of tasks left pending or of a closed loop, gRPC's C-core lines.
-_BAD = re.compile(r"^\d\d:\d\d:\d\d E |ERROR|Traceback|Task was destroyed|Event loop is closed|^[EWF]\d{4} |\.cc:\d+",
-                  re.MULTILINE)
+_BAD = re.compile(
+    r"^\d\d:\d\d:\d\d E |ERROR|Traceback|Task was destroyed|Event loop is closed|^[EWF]\d{4} |\.cc:\d+", re.MULTILINE
+)
 
 
 def _bad_lines(text: str) -> list[str]:
     return [line for line in text.splitlines() if _BAD.search(line)]
-
-

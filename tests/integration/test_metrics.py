@@ -17,12 +17,31 @@ pytestmark = pytest.mark.timeout(30)
 
 
 def _record(**over) -> RoundRecord:
-    fields = dict(round=7, peers=3, leader="peerA", batch_size=16, inner_steps_planned=9,
-                  inner_steps_done=8, tokens=8192, train_loss=4.5, eval_ppl=250.25, compute_s=6.0,
-                  straggler_idle_s=1.0, network_idle_s=0.5, round_s=8.0, bytes_sent=200_000,
-                  bytes_received=300_000, digest="abcdef0123456789", digest_agree=True,
-                  contributors=3, missing_parts=0, time=1_700_000_000.5, loop_stall_ms=30.0,
-                  phase_s={"plan": 0.5, "train": 6.0, "exchange": 1.5}, cycle_s=8.0)
+    fields = dict(
+        round=7,
+        peers=3,
+        leader="peerA",
+        batch_size=16,
+        inner_steps_planned=9,
+        inner_steps_done=8,
+        tokens=8192,
+        train_loss=4.5,
+        eval_ppl=250.25,
+        compute_s=6.0,
+        straggler_idle_s=1.0,
+        network_idle_s=0.5,
+        round_s=8.0,
+        bytes_sent=200_000,
+        bytes_received=300_000,
+        digest="abcdef0123456789",
+        digest_agree=True,
+        contributors=3,
+        missing_parts=0,
+        time=1_700_000_000.5,
+        loop_stall_ms=30.0,
+        phase_s={"plan": 0.5, "train": 6.0, "exchange": 1.5},
+        cycle_s=8.0,
+    )
     fields.update(over)
     return RoundRecord(**fields)
 
@@ -75,35 +94,57 @@ def test_prometheus_gauges_exact(served):
     assert printed[1].split()[9] == "75.0"  # comp%: 6.0 s of compute in an 8.0 s cycle
     m = _scrape(port)
     stall = {k: m.pop(k) for k in list(m) if k.startswith("geomesh_round_loop_stall_seconds")}
-    assert stall == {**{f'geomesh_round_loop_stall_seconds_bucket{{le="{b}"}}': float(float(b) >= 0.05) for b in
-                        ("0.005", "0.01", "0.025", "0.05", "0.1", "0.25", "0.5", "1.0", "2.5", "5.0")},
-                     'geomesh_round_loop_stall_seconds_bucket{le="+Inf"}': 1.0,
-                     "geomesh_round_loop_stall_seconds_count": 1.0, "geomesh_round_loop_stall_seconds_sum": 0.03}
+    assert stall == {
+        **{
+            f'geomesh_round_loop_stall_seconds_bucket{{le="{b}"}}': float(float(b) >= 0.05)
+            for b in ("0.005", "0.01", "0.025", "0.05", "0.1", "0.25", "0.5", "1.0", "2.5", "5.0")
+        },
+        'geomesh_round_loop_stall_seconds_bucket{le="+Inf"}': 1.0,
+        "geomesh_round_loop_stall_seconds_count": 1.0,
+        "geomesh_round_loop_stall_seconds_sum": 0.03,
+    }
     assert m == {
         "geomesh_round": 7.0,
         "geomesh_peers": 3.0,
         "geomesh_train_loss": 4.5,
         "geomesh_eval_perplexity": 250.25,
-        "geomesh_straggler_idle_ratio": 0.125,   # 1.0 s of an 8.0 s round
-        "geomesh_network_idle_ratio": 0.0625,    # 0.5 s of 8.0 s
+        "geomesh_straggler_idle_ratio": 0.125,  # 1.0 s of an 8.0 s round
+        "geomesh_network_idle_ratio": 0.0625,  # 0.5 s of 8.0 s
         "geomesh_round_seconds": 8.0,
         "geomesh_loop_stall_seconds": 0.03,
         "geomesh_tokens_total": 8192.0,
         "geomesh_sent_bytes_total": 200_000.0,
-        "geomesh_received_bytes_total": 300_000.0, "geomesh_underfilled_rounds_total": 0.0,
+        "geomesh_received_bytes_total": 300_000.0,
+        "geomesh_underfilled_rounds_total": 0.0,
         "geomesh_compute_share_ratio": 0.75,  # 6.0 s of compute in an 8.0 s cycle
-        'geomesh_round_phase_seconds{phase="plan"}': 0.5, 'geomesh_round_phase_seconds{phase="train"}': 6.0,
+        'geomesh_round_phase_seconds{phase="plan"}': 0.5,
+        'geomesh_round_phase_seconds{phase="train"}': 6.0,
         'geomesh_round_phase_seconds{phase="exchange"}': 1.5,
     }
     # next round: gauges are replaced, counters add up, a round without eval keeps the last ppl
-    rl.add(_record(round=8, peers=2, train_loss=4.25, eval_ppl=None, straggler_idle_s=0.0,
-                   network_idle_s=2.0, round_s=4.0, tokens=1000, bytes_sent=1, bytes_received=2,
-                   loop_stall_ms=1500.0))
+    rl.add(
+        _record(
+            round=8,
+            peers=2,
+            train_loss=4.25,
+            eval_ppl=None,
+            straggler_idle_s=0.0,
+            network_idle_s=2.0,
+            round_s=4.0,
+            tokens=1000,
+            bytes_sent=1,
+            bytes_received=2,
+            loop_stall_ms=1500.0,
+        )
+    )
     assert printed[0] == HEADER and len(printed) == 3
     m = _scrape(port)
-    assert (m.pop("geomesh_round_loop_stall_seconds_count"), m.pop("geomesh_round_loop_stall_seconds_sum"),
-            m['geomesh_round_loop_stall_seconds_bucket{le="1.0"}'],
-            m['geomesh_round_loop_stall_seconds_bucket{le="2.5"}']) == (2.0, 1.53, 1.0, 2.0)
+    assert (
+        m.pop("geomesh_round_loop_stall_seconds_count"),
+        m.pop("geomesh_round_loop_stall_seconds_sum"),
+        m['geomesh_round_loop_stall_seconds_bucket{le="1.0"}'],
+        m['geomesh_round_loop_stall_seconds_bucket{le="2.5"}'],
+    ) == (2.0, 1.53, 1.0, 2.0)
     m = {k: v for k, v in m.items() if not k.startswith("geomesh_round_loop_stall_seconds")}
     assert m == {
         "geomesh_round": 8.0,
@@ -116,9 +157,11 @@ def test_prometheus_gauges_exact(served):
         "geomesh_loop_stall_seconds": 1.5,
         "geomesh_tokens_total": 9192.0,
         "geomesh_sent_bytes_total": 200_001.0,
-        "geomesh_received_bytes_total": 300_002.0, "geomesh_underfilled_rounds_total": 0.0,
+        "geomesh_received_bytes_total": 300_002.0,
+        "geomesh_underfilled_rounds_total": 0.0,
         "geomesh_compute_share_ratio": 0.75,
-        'geomesh_round_phase_seconds{phase="plan"}': 0.5, 'geomesh_round_phase_seconds{phase="train"}': 6.0,
+        'geomesh_round_phase_seconds{phase="plan"}': 0.5,
+        'geomesh_round_phase_seconds{phase="train"}': 6.0,
         'geomesh_round_phase_seconds{phase="exchange"}': 1.5,
     }
 
@@ -140,29 +183,79 @@ def test_json_lines_exact(tmp_path):
     path = tmp_path / "logs" / "rounds.jsonl"  # the folder is created
     rl = RoundLog(json_path=str(path), print_fn=lambda _: None)
     rl.add(_record())
-    rl.add(_record(round=8, train_loss=math.nan, eval_ppl=None, digest_agree=None, round_s=0.0,
-                   extra={"note": "x"}, loop_stall_ms=None))
+    rl.add(
+        _record(
+            round=8,
+            train_loss=math.nan,
+            eval_ppl=None,
+            digest_agree=None,
+            round_s=0.0,
+            extra={"note": "x"},
+            loop_stall_ms=None,
+        )
+    )
     rl.close()
     lines = path.read_text().splitlines()
     assert len(lines) == 2
     first = json.loads(lines[0])
     assert first == {
-        "round": 7, "peers": 3, "leader": "peerA", "batch_size": 16, "inner_steps_planned": 9,
-        "inner_steps_done": 8, "tokens": 8192, "train_loss": 4.5, "eval_ppl": 250.25,
-        "compute_s": 6.0, "straggler_idle_s": 1.0, "network_idle_s": 0.5, "round_s": 8.0,
-        "bytes_sent": 200_000, "bytes_received": 300_000, "digest": "abcdef0123456789",
-        "digest_agree": True, "contributors": 3, "missing_parts": 0, "time": 1_700_000_000.5,
-        "loop_stall_ms": 30.0, "extra": {}, "straggler_idle_pct": 12.5, "network_idle_pct": 6.25, "underfilled": False,
-        "phase_s": {"plan": 0.5, "train": 6.0, "exchange": 1.5}, "cycle_s": 8.0, "eval_round": None,
-        "compute_share": 0.75, "other_s": 0.0,
+        "round": 7,
+        "peers": 3,
+        "leader": "peerA",
+        "batch_size": 16,
+        "inner_steps_planned": 9,
+        "inner_steps_done": 8,
+        "tokens": 8192,
+        "train_loss": 4.5,
+        "eval_ppl": 250.25,
+        "compute_s": 6.0,
+        "straggler_idle_s": 1.0,
+        "network_idle_s": 0.5,
+        "round_s": 8.0,
+        "bytes_sent": 200_000,
+        "bytes_received": 300_000,
+        "digest": "abcdef0123456789",
+        "digest_agree": True,
+        "contributors": 3,
+        "missing_parts": 0,
+        "time": 1_700_000_000.5,
+        "loop_stall_ms": 30.0,
+        "extra": {},
+        "straggler_idle_pct": 12.5,
+        "network_idle_pct": 6.25,
+        "underfilled": False,
+        "phase_s": {"plan": 0.5, "train": 6.0, "exchange": 1.5},
+        "cycle_s": 8.0,
+        "eval_round": None,
+        "compute_share": 0.75,
+        "other_s": 0.0,
     }
     second = json.loads(lines[1])  # strict JSON: NaN became null; a 0 s round gives 0 %
     assert "NaN" not in lines[1]
-    assert {k: second[k] for k in ("round", "train_loss", "eval_ppl", "digest_agree", "round_s",
-                                   "straggler_idle_pct", "network_idle_pct", "extra", "loop_stall_ms")} == {
-        "round": 8, "train_loss": None, "eval_ppl": None, "digest_agree": None, "round_s": 0.0,
+    assert {
+        k: second[k]
+        for k in (
+            "round",
+            "train_loss",
+            "eval_ppl",
+            "digest_agree",
+            "round_s",
+            "straggler_idle_pct",
+            "network_idle_pct",
+            "extra",
+            "loop_stall_ms",
+        )
+    } == {
+        "round": 8,
+        "train_loss": None,
+        "eval_ppl": None,
+        "digest_agree": None,
+        "round_s": 0.0,
         "loop_stall_ms": None,
-        "straggler_idle_pct": 0.0, "network_idle_pct": 0.0, "extra": {"note": "x"}}
+        "straggler_idle_pct": 0.0,
+        "network_idle_pct": 0.0,
+        "extra": {"note": "x"},
+    }
     # appending: a new RoundLog on the same file adds lines after the old ones
     rl2 = RoundLog(json_path=str(path), print_fn=lambda _: None)
     rl2.add(_record(round=9))
@@ -175,9 +268,23 @@ def test_a_round_that_trains_less_than_half_its_plan_is_flagged():
 
     from geomesh_p2p.metrics import RoundRecord, format_row
 
-    base = dict(round=3, peers=3, leader="x", batch_size=8, inner_steps_planned=4, tokens=0, train_loss=float("nan"),
-                eval_ppl=None, compute_s=0.1, straggler_idle_s=0.0, network_idle_s=0.0, round_s=2.0, bytes_sent=0,
-                bytes_received=0, digest="abcdef0123")
+    base = dict(
+        round=3,
+        peers=3,
+        leader="x",
+        batch_size=8,
+        inner_steps_planned=4,
+        tokens=0,
+        train_loss=float("nan"),
+        eval_ppl=None,
+        compute_s=0.1,
+        straggler_idle_s=0.0,
+        network_idle_s=0.0,
+        round_s=2.0,
+        bytes_sent=0,
+        bytes_received=0,
+        digest="abcdef0123",
+    )
     low = RoundRecord(inner_steps_done=1, **base)
     ok = RoundRecord(inner_steps_done=2, **base)
     assert low.underfilled and not ok.underfilled

@@ -50,19 +50,41 @@ T0 = 1_700_000_000.0
 KW = dict(run_id="run", round=5, leader="p0", start_time=T0, start_digest="d")
 
 
-def rec(pid, tps, max_batch=64, up_mbit=800.0, down_mbit=None, *, client_only=False, batches=(4, 8, 16, 32, 64),
-        half=4.0, memory_gb=48):
+def rec(
+    pid,
+    tps,
+    max_batch=64,
+    up_mbit=800.0,
+    down_mbit=None,
+    *,
+    client_only=False,
+    batches=(4, 8, 16, 32, 64),
+    half=4.0,
+    memory_gb=48,
+):
     """A record whose throughput saturates with the batch: tps(b) = tps * b / (b + half)."""
-    return PeerRecord(peer_id=pid, address=None if client_only else f"{pid}.example:7000", device=f"dev-{pid}",
-                      memory_bytes=memory_gb * GB, tokens_per_s={b: tps * b / (b + half) for b in batches},
-                      max_batch=max_batch, upload_bps=up_mbit * MBIT,
-                      download_bps=(down_mbit or up_mbit) * MBIT, version="0.1.0", run_config_hash="h")
+    return PeerRecord(
+        peer_id=pid,
+        address=None if client_only else f"{pid}.example:7000",
+        device=f"dev-{pid}",
+        memory_bytes=memory_gb * GB,
+        tokens_per_s={b: tps * b / (b + half) for b in batches},
+        max_batch=max_batch,
+        upload_bps=up_mbit * MBIT,
+        download_bps=(down_mbit or up_mbit) * MBIT,
+        version="0.1.0",
+        run_config_hash="h",
+    )
 
 
 def paper_swarm():
     # GeoMesh's testbed: H100, A100, L40S, RTX 6000 Ada, speeds 1.0/0.55/0.45/0.40, 940-580 Mbit/s
-    return [rec("p0", 160_000 * 1.00, 64, 940), rec("p1", 160_000 * 0.55, 64, 800),
-            rec("p2", 160_000 * 0.45, 32, 700), rec("p3", 160_000 * 0.40, 32, 580)]
+    return [
+        rec("p0", 160_000 * 1.00, 64, 940),
+        rec("p1", 160_000 * 0.55, 64, 800),
+        rec("p2", 160_000 * 0.45, 32, 700),
+        rec("p3", 160_000 * 0.40, 32, 580),
+    ]
 
 
 def paper_cfg(**kw):
@@ -83,11 +105,28 @@ def rogue_of(plan: RoundPlan, me: str, budget: int = 14_000_000_000_000, H: int 
         if a.peer_id == me:
             accum = -(-budget // (plan.seq_len * H * a.micro_batch))
             batch = a.micro_batch * accum
-            out.append({**a.model_dump(), "batch_size": batch, "accum_steps": accum, "inner_steps": H,
-                        "token_budget": batch * plan.seq_len * H, "part_start": 0, "part_end": plan.numel})
+            out.append(
+                {
+                    **a.model_dump(),
+                    "batch_size": batch,
+                    "accum_steps": accum,
+                    "inner_steps": H,
+                    "token_budget": batch * plan.seq_len * H,
+                    "part_start": 0,
+                    "part_end": plan.numel,
+                }
+            )
         else:
-            out.append({**a.model_dump(), "inner_steps": 0, "token_budget": 0, "part_start": 0, "part_end": 0,
-                        "predicted_compute_s": 0.0})
+            out.append(
+                {
+                    **a.model_dump(),
+                    "inner_steps": 0,
+                    "token_budget": 0,
+                    "part_start": 0,
+                    "part_end": 0,
+                    "predicted_compute_s": 0.0,
+                }
+            )
     return RoundPlan.model_validate({**plan.model_dump(), "assignments": out})
 
 
@@ -121,7 +160,16 @@ def test_honest_paper_and_demo_plans_pass():
 
 
 GPUS = [  # relative speed, memory GB (volunteer32 + paper4 spreads)
-    (1.00, 80), (0.55, 80), (0.45, 48), (0.40, 48), (0.30, 48), (0.40, 24), (0.25, 24), (0.18, 10), (0.07, 16)]
+    (1.00, 80),
+    (0.55, 80),
+    (0.45, 48),
+    (0.40, 48),
+    (0.30, 48),
+    (0.40, 24),
+    (0.25, 24),
+    (0.18, 10),
+    (0.07, 16),
+]
 
 
 @st.composite
@@ -134,8 +182,17 @@ def honest_swarms(draw):
         up = draw(st.floats(20.0, 1000.0))
         down = draw(st.floats(up, 1000.0))
         client = i > 0 and draw(st.booleans())
-        recs.append(rec(f"g{i:02d}", 150_000 * speed * jitter, max(1, int(mem * 0.8)), up, down, client_only=client,
-                        batches=tuple(b for b in (1, 2, 4, 8, 16, 32, 64) if b <= mem)))
+        recs.append(
+            rec(
+                f"g{i:02d}",
+                150_000 * speed * jitter,
+                max(1, int(mem * 0.8)),
+                up,
+                down,
+                client_only=client,
+                batches=tuple(b for b in (1, 2, 4, 8, 16, 32, 64) if b <= mem),
+            )
+        )
     random.Random(draw(st.integers(0, 999))).shuffle(recs)
     return recs
 
@@ -144,11 +201,17 @@ def honest_swarms(draw):
 def node_configs(draw):
     p = draw(st.sampled_from([1_000_000, 150_000_000]))
     sign = p // 8 + 4 * (p // 2048)
-    return PlanConfig(seq_len=draw(st.sampled_from([64, 1024])), target_batch=draw(st.sampled_from([8, 32])),
-                      window_s=draw(st.none() | st.floats(2.0, 120.0)), comm_share=0.1,
-                      payload_bytes=draw(st.sampled_from([2 * sign, 8 * p])), max_inner_steps=200,
-                      method=draw(st.sampled_from(["geomesh", "awb", "diloco", "css", "ddp"])),
-                      mode=draw(st.sampled_from(["relay", "reencode"])), part_align=2048), p
+    return PlanConfig(
+        seq_len=draw(st.sampled_from([64, 1024])),
+        target_batch=draw(st.sampled_from([8, 32])),
+        window_s=draw(st.none() | st.floats(2.0, 120.0)),
+        comm_share=0.1,
+        payload_bytes=draw(st.sampled_from([2 * sign, 8 * p])),
+        max_inner_steps=200,
+        method=draw(st.sampled_from(["geomesh", "awb", "diloco", "css", "ddp"])),
+        mode=draw(st.sampled_from(["relay", "reencode"])),
+        part_align=2048,
+    ), p
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -192,19 +255,42 @@ def test_the_rogue_leader_plan_and_its_variants_are_refused():
         # the most steps the run allows, at the record's batch: more than its throughput supports
         "bounded throughput": with_assignment(honest, "p0", inner_steps=cfg.max_inner_steps),
         # the leader's budget kept, everyone else cut to one step: over 8x the median budget
-        "median budget": RoundPlan.model_validate({**honest.model_dump(), "assignments": [
-            {**a.model_dump(), "inner_steps": 1, "token_budget": a.batch_size * cfg.seq_len}
-            if a.peer_id != "p0" else a.model_dump() for a in honest.assignments]}),
-        "window": honest.model_copy(update={"window_s": 5 * honest.window_s,
-                                            "train_deadline": honest.created_at + 5 * honest.window_s,
-                                            "exchange_deadline": honest.created_at + 5 * honest.window_s + 30}),
-        "in the future": honest.model_copy(update={"created_at": T0 + 3600, "train_deadline": T0 + 3600 +
-                                                   honest.window_s, "exchange_deadline": T0 + 3700 + honest.window_s}),
+        "median budget": RoundPlan.model_validate(
+            {
+                **honest.model_dump(),
+                "assignments": [
+                    {**a.model_dump(), "inner_steps": 1, "token_budget": a.batch_size * cfg.seq_len}
+                    if a.peer_id != "p0"
+                    else a.model_dump()
+                    for a in honest.assignments
+                ],
+            }
+        ),
+        "window": honest.model_copy(
+            update={
+                "window_s": 5 * honest.window_s,
+                "train_deadline": honest.created_at + 5 * honest.window_s,
+                "exchange_deadline": honest.created_at + 5 * honest.window_s + 30,
+            }
+        ),
+        "in the future": honest.model_copy(
+            update={
+                "created_at": T0 + 3600,
+                "train_deadline": T0 + 3600 + honest.window_s,
+                "exchange_deadline": T0 + 3700 + honest.window_s,
+            }
+        ),
     }
     # sole owner of every element, all else honest
-    cases["owns"] = RoundPlan.model_validate({**honest.model_dump(), "assignments": [
-        {**a.model_dump(), "part_start": 0, "part_end": honest.numel if a.peer_id == "p0" else 0}
-        for a in honest.assignments]})
+    cases["owns"] = RoundPlan.model_validate(
+        {
+            **honest.model_dump(),
+            "assignments": [
+                {**a.model_dump(), "part_start": 0, "part_end": honest.numel if a.peer_id == "p0" else 0}
+                for a in honest.assignments
+            ],
+        }
+    )
     for expected, bad in cases.items():
         reason = check_plan(bad, live, cfg, now=T0)
         assert reason is not None and expected in reason, (expected, reason)
@@ -215,10 +301,23 @@ def test_a_follower_refuses_the_rogue_plan_before_following_it():
     is refused with a one-line reason; the node's own honest plan for the same records is not."""
     run = RunConfig(seq_len=32, window_s=5.0)
     ids = [Identity.generate() for _ in range(4)]
-    recs = [PeerRecord(peer_id=str(i.peer_id), address=f"127.0.0.1:{7000 + k}", device="cpu", memory_bytes=1 << 30,
-                       tokens_per_s={8: 2000.0 * f}, max_batch=8, upload_bps=1e7, download_bps=1e7,
-                       version="0.1.0", run_config_hash="h", round=0, weights_digest="d")
-            for k, (i, f) in enumerate(zip(ids, (1.0, 0.55, 0.45, 0.4)))]
+    recs = [
+        PeerRecord(
+            peer_id=str(i.peer_id),
+            address=f"127.0.0.1:{7000 + k}",
+            device="cpu",
+            memory_bytes=1 << 30,
+            tokens_per_s={8: 2000.0 * f},
+            max_batch=8,
+            upload_bps=1e7,
+            download_bps=1e7,
+            version="0.1.0",
+            run_config_hash="h",
+            round=0,
+            weights_digest="d",
+        )
+        for k, (i, f) in enumerate(zip(ids, (1.0, 0.55, 0.45, 0.4)))
+    ]
     node = PeerNode(run, NodeConfig(), identity=ids[0])
     node.numel, node.round, node.digest = 200_000, 0, "d"
     live = by_id(recs)
@@ -245,8 +344,15 @@ def test_partition_caps_an_owner_at_twice_its_fair_share():
     cfg = PlanConfig(seq_len=8, target_batch=4, payload_bytes=1000, window_s=5.0)
     plan = plan_round(recs, cfg, numel=3000, **KW)
     assert max(e - s for _, s, e in plan.owners()) <= 2000
-    sole = RoundPlan.model_validate({**plan.model_dump(), "assignments": [
-        {**a.model_dump(), "part_start": 0, "part_end": 3000 if a.peer_id == "a" else 0} for a in plan.assignments]})
+    sole = RoundPlan.model_validate(
+        {
+            **plan.model_dump(),
+            "assignments": [
+                {**a.model_dump(), "part_start": 0, "part_end": 3000 if a.peer_id == "a" else 0}
+                for a in plan.assignments
+            ],
+        }
+    )
     assert "owns 3000 of 3000" in check_plan(sole, by_id(recs), cfg, now=T0)
     assert "owns 3000 of 3000" in check_plan(sole, by_id(recs), cfg, now=T0, barred={"zzz-unknown"})
 
@@ -259,9 +365,18 @@ def test_an_inflated_record_is_planned_like_at_most_8x_the_median():
     """The issue's attacker: 1e10 tokens/s at batch 65,536, 1 TB/s. Unbounded, leaders planned it
     838,860,800 tokens/round vs 9-26k for honest peers; bounded, its figures are 8x the lower median."""
     honest = [rec(f"h{i}", 2000.0 * f, 256, 800, batches=(4, 8, 16)) for i, f in enumerate((1.0, 0.55, 0.4))]
-    liar = PeerRecord(peer_id="x", address="x:1", device="cpu", memory_bytes=1 << 40,
-                      tokens_per_s={4: 1000.0, 8: 1400.0, 16: 1600.0, 65_536: 1e10}, max_batch=65_536,
-                      upload_bps=1e12, download_bps=1e12, version="0.1.0", run_config_hash="h")
+    liar = PeerRecord(
+        peer_id="x",
+        address="x:1",
+        device="cpu",
+        memory_bytes=1 << 40,
+        tokens_per_s={4: 1000.0, 8: 1400.0, 16: 1600.0, 65_536: 1e10},
+        max_batch=65_536,
+        upload_bps=1e12,
+        download_bps=1e12,
+        version="0.1.0",
+        run_config_hash="h",
+    )
     recs = honest + [liar]
     b = by_id(bound_records(recs))
     med_tps = statistics.median_low([r.best_tokens_per_s() for r in recs])
@@ -299,9 +414,13 @@ def test_delivered_work_bounds_the_planned_rate():
 
 
 def test_node_evidence_is_tokens_delivered_over_planned_compute():
-    plan = SimpleNamespace(assignments=[SimpleNamespace(peer_id="a", predicted_compute_s=2.0),
-                                        SimpleNamespace(peer_id="b", predicted_compute_s=4.0),
-                                        SimpleNamespace(peer_id="c", predicted_compute_s=1.0)])
+    plan = SimpleNamespace(
+        assignments=[
+            SimpleNamespace(peer_id="a", predicted_compute_s=2.0),
+            SimpleNamespace(peer_id="b", predicted_compute_s=4.0),
+            SimpleNamespace(peer_id="c", predicted_compute_s=1.0),
+        ]
+    )
     ar = SimpleNamespace(contributors={0: [("a", 1000), ("b", 400)], 1: [("a", 1000), ("b", 800)]})
     assert PeerNode._delivered_rates(plan, ar) == {"a": 500.0, "b": 200.0}  # c delivered nothing
 
@@ -343,10 +462,25 @@ def test_evaluate_a_model_blown_up_by_a_hostile_update(caplog):
 
 
 def test_metrics_rows_json_and_gauges_take_inf_and_nan(tmp_path):
-    r = RoundRecord(round=3, peers=4, leader="x", batch_size=8, inner_steps_planned=5, inner_steps_done=0,
-                    tokens=0, train_loss=float("nan"), eval_ppl=math.inf, compute_s=0.1, straggler_idle_s=0.0,
-                    network_idle_s=0.0, round_s=1.0, bytes_sent=1, bytes_received=1, digest="abcdef01",
-                    extra={"scale": float("inf"), "xs": [1.0, float("nan")]})
+    r = RoundRecord(
+        round=3,
+        peers=4,
+        leader="x",
+        batch_size=8,
+        inner_steps_planned=5,
+        inner_steps_done=0,
+        tokens=0,
+        train_loss=float("nan"),
+        eval_ppl=math.inf,
+        compute_s=0.1,
+        straggler_idle_s=0.0,
+        network_idle_s=0.0,
+        round_s=1.0,
+        bytes_sent=1,
+        bytes_received=1,
+        digest="abcdef01",
+        extra={"scale": float("inf"), "xs": [1.0, float("nan")]},
+    )
     strict = json.loads(r.to_json(), parse_constant=lambda c: pytest.fail(f"not JSON: {c}"))
     assert strict["eval_ppl"] is None and strict["extra"] == {"scale": None, "xs": [1.0, None]}
     assert "inf" in format_row(r)
@@ -374,14 +508,13 @@ def _outer_node(outer, theta):
     return node
 
 
-@pytest.mark.parametrize("make_outer", [lambda: OuterNesterov(lr=0.7, momentum=0.9),
-                                        lambda: SyncAdamW(lambda r: 1e-3)])
+@pytest.mark.parametrize("make_outer", [lambda: OuterNesterov(lr=0.7, momentum=0.9), lambda: SyncAdamW(lambda r: 1e-3)])
 def test_outer_step_skips_parts_whose_aggregate_or_result_is_not_finite(make_outer, caplog):
     theta = torch.linspace(-1, 1, 12)
     plan = SimpleNamespace(owners=lambda: [("a", 0, 4), ("b", 4, 8), ("c", 8, 12)])
     agg = torch.full((12,), 0.01)
-    agg[5] = float("nan")         # part b: a forged aggregate with a NaN
-    agg[8:12] = 3e38              # part c: finite, but Nesterov's momentum sum overflows to inf
+    agg[5] = float("nan")  # part b: a forged aggregate with a NaN
+    agg[8:12] = 3e38  # part c: finite, but Nesterov's momentum sum overflows to inf
     ref = make_outer()
     ref.buf = torch.zeros(12 * ref.state_factor)
     node = _outer_node(make_outer(), theta)
@@ -395,11 +528,13 @@ def test_outer_step_skips_parts_whose_aggregate_or_result_is_not_finite(make_out
     for s, e in skipped:  # untouched: weights and every optimizer-state slice
         assert torch.equal(node.theta[s:e], theta[s:e])
         for k in range(ref.state_factor):
-            assert torch.equal(node.outer.buf[k * 12 + s:k * 12 + e], torch.zeros(e - s))
+            assert torch.equal(node.outer.buf[k * 12 + s : k * 12 + e], torch.zeros(e - s))
     assert bool(torch.isfinite(node.theta).all()) and bool(torch.isfinite(node.outer.buf).all())
     assert len(caplog.records) == 1
-    assert "2 of 3 parts (8 of 12 elements): 1 with non-finite aggregate values, 1 where the step would overflow" \
+    assert (
+        "2 of 3 parts (8 of 12 elements): 1 with non-finite aggregate values, 1 where the step would overflow"
         in caplog.records[0].getMessage()
+    )
 
 
 def test_a_peer_whose_training_diverges_contributes_nothing_and_keeps_going(monkeypatch, caplog):
@@ -410,13 +545,24 @@ def test_a_peer_whose_training_diverges_contributes_nothing_and_keeps_going(monk
     run = RunConfig(seq_len=16, window_s=5.0)
     me = Identity.generate()
     node = PeerNode(run, NodeConfig(), identity=me)
-    r0 = PeerRecord(peer_id=node.me, address="127.0.0.1:7000", device="cpu", memory_bytes=1 << 30,
-                    tokens_per_s={8: 1000.0}, max_batch=8, upload_bps=1e7, download_bps=1e7, version="0.1.0",
-                    run_config_hash="h", weights_digest="d")
+    r0 = PeerRecord(
+        peer_id=node.me,
+        address="127.0.0.1:7000",
+        device="cpu",
+        memory_bytes=1 << 30,
+        tokens_per_s={8: 1000.0},
+        max_batch=8,
+        upload_bps=1e7,
+        download_bps=1e7,
+        version="0.1.0",
+        run_config_hash="h",
+        weights_digest="d",
+    )
     node.numel, node.round, node.digest = 40, 0, "d"
     cfg = PlanConfig(seq_len=16, target_batch=8, window_s=5.0, payload_bytes=100, mode=run.mode, method=run.method)
-    plan = plan_round([r0], cfg, run_id=run.run_id, round=0, leader=node.me, numel=40, start_time=time.time(),
-                      start_digest="d")
+    plan = plan_round(
+        [r0], cfg, run_id=run.run_id, round=0, leader=node.me, numel=40, start_time=time.time(), start_digest="d"
+    )
     model = torch.nn.Linear(4, 8)  # 40 parameters
     node.model = model
     node.theta = torch.zeros(40)
@@ -445,16 +591,22 @@ def test_a_peer_whose_training_diverges_contributes_nothing_and_keeps_going(monk
     node._collective_spec = lambda p: "spec"
     from geomesh_p2p.round import RoundDriver  # the finish phase is the round driver's (issue 13)
 
-    monkeypatch.setattr(RoundDriver, "finish", lambda self, ctx: fake_finish(ctx.round, ctx.plan, ctx.assignment,
-                                                                             ctx.result, ctx.ar))
+    monkeypatch.setattr(
+        RoundDriver, "finish", lambda self, ctx: fake_finish(ctx.round, ctx.plan, ctx.assignment, ctx.result, ctx.ar)
+    )
 
     def diverge(**kw):
         with torch.no_grad():
             model.weight.fill_(float("nan"))
         raise FloatingPointError("non-finite training loss nan at round 0 step 0")
 
-    for trainer_run in (diverge, lambda **kw: (model.weight.data.fill_(float("inf")), SimpleNamespace(
-            steps_done=1, tokens=128, mean_loss=3.0, last_loss=3.0, compute_s=0.5, stopped_early=False))[1]):
+    for trainer_run in (
+        diverge,
+        lambda **kw: (
+            model.weight.data.fill_(float("inf")),
+            SimpleNamespace(steps_done=1, tokens=128, mean_loss=3.0, last_loss=3.0, compute_s=0.5, stopped_early=False),
+        )[1],
+    ):
         node.trainer = SimpleNamespace(run=trainer_run)
         sent.clear()
         caplog.clear()
@@ -468,16 +620,36 @@ def test_a_peer_whose_training_diverges_contributes_nothing_and_keeps_going(monk
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.lists(st.tuples(st.sampled_from([MIN_TOKENS_PER_S, 1.0, 1e5, MAX_TOKENS_PER_S]),
-                          st.sampled_from([1, 64, MAX_BATCH]),
-                          st.sampled_from([MIN_LINK_BPS, 1e6, MAX_LINK_BPS])), min_size=1, max_size=6),
-       st.none() | st.floats(0.01, 1e6))
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from([MIN_TOKENS_PER_S, 1.0, 1e5, MAX_TOKENS_PER_S]),
+            st.sampled_from([1, 64, MAX_BATCH]),
+            st.sampled_from([MIN_LINK_BPS, 1e6, MAX_LINK_BPS]),
+        ),
+        min_size=1,
+        max_size=6,
+    ),
+    st.none() | st.floats(0.01, 1e6),
+)
 def test_planner_maths_with_extreme_records(figures, window_s):
     """Records at the edges of what they may state (1e-3..1e10 tokens/s, batch 1..2**20, 1 B/s..1 TB/s)
     give a finite plan that passes the checks, or a ValueError: never an overflow or a NaN."""
-    recs = [PeerRecord(peer_id=f"e{i}", address=f"e{i}:1", device="x", memory_bytes=1,
-                       tokens_per_s={b: tps}, max_batch=b, upload_bps=bw, download_bps=bw, version="0.1.0",
-                       run_config_hash="h") for i, (tps, b, bw) in enumerate(figures)]
+    recs = [
+        PeerRecord(
+            peer_id=f"e{i}",
+            address=f"e{i}:1",
+            device="x",
+            memory_bytes=1,
+            tokens_per_s={b: tps},
+            max_batch=b,
+            upload_bps=bw,
+            download_bps=bw,
+            version="0.1.0",
+            run_config_hash="h",
+        )
+        for i, (tps, b, bw) in enumerate(figures)
+    ]
     cfg = PlanConfig(seq_len=1024, target_batch=32, window_s=window_s, payload_bytes=10**9, part_align=2048)
     plan = plan_round(recs, cfg, numel=10**9, **KW)
     assert math.isfinite(plan.window_s) and plan.window_s > 0
@@ -495,8 +667,15 @@ def test_a_leader_may_bar_a_minority_of_owners_but_not_make_itself_sole_owner():
     plan = plan_round(leader_view, cfg, numel=4000, **KW)
     assert {pid for pid, _, _ in plan.owners()} == {"a", "b", "c"}
     assert check_plan(plan, by_id(recs), cfg, now=T0) is None  # this follower does not bar "d" itself
-    sole = RoundPlan.model_validate({**plan.model_dump(), "assignments": [
-        {**a.model_dump(), "part_start": 0, "part_end": 4000 if a.peer_id == "a" else 0} for a in plan.assignments]})
+    sole = RoundPlan.model_validate(
+        {
+            **plan.model_dump(),
+            "assignments": [
+                {**a.model_dump(), "part_start": 0, "part_end": 4000 if a.peer_id == "a" else 0}
+                for a in plan.assignments
+            ],
+        }
+    )
     assert "owns 4000 of 4000" in check_plan(sole, by_id(recs), cfg, now=T0)
 
 
@@ -509,7 +688,13 @@ def test_penalties_hold_whoever_leads(monkeypatch):
     cfg = PlanConfig(seq_len=8, target_batch=4, payload_bytes=1000, window_s=5.0, mode="relay")
     plan = plan_round(recs, cfg, numel=3000, **KW)  # led by p0, which owns a part
     node = PeerNode.__new__(PeerNode)
-    node.run_cfg, node.cfg, node.numel, node.round, node.me = RunConfig(seq_len=8, window_s=5.0), NodeConfig(), 3000, 5, "p1"
+    node.run_cfg, node.cfg, node.numel, node.round, node.me = (
+        RunConfig(seq_len=8, window_s=5.0),
+        NodeConfig(),
+        3000,
+        5,
+        "p1",
+    )
     node._owner_penalty, node._noshow_penalty = {}, {"p0": 7}
     live = by_id(recs)
     monkeypatch.setattr("geomesh_p2p.probation.marking_problem", lambda *a, **k: None)

@@ -29,9 +29,21 @@ RUN = RunConfig(seq_len=32, window_s=5.0)
 
 
 def _rec(ident, port, *, tps=1000.0, standing=None, round=5) -> PeerRecord:
-    return PeerRecord(peer_id=str(ident.peer_id), address=f"127.0.0.1:{port}", device="cpu", memory_bytes=1 << 30,
-                      tokens_per_s={4: tps * 0.6, 8: tps}, max_batch=8, upload_bps=1e7, download_bps=1e7,
-                      version="0.1.0", run_config_hash="h", round=round, weights_digest="d", standing=standing or {})
+    return PeerRecord(
+        peer_id=str(ident.peer_id),
+        address=f"127.0.0.1:{port}",
+        device="cpu",
+        memory_bytes=1 << 30,
+        tokens_per_s={4: tps * 0.6, 8: tps},
+        max_batch=8,
+        upload_bps=1e7,
+        download_bps=1e7,
+        version="0.1.0",
+        run_config_hash="h",
+        round=round,
+        weights_digest="d",
+        standing=standing or {},
+    )
 
 
 def _swarm(n_honest=3, n_sybils=30, delivered=5):
@@ -39,8 +51,10 @@ def _swarm(n_honest=3, n_sybils=30, delivered=5):
     hon = [Identity.generate() for _ in range(n_honest)]
     syb = [Identity.generate() for _ in range(n_sybils)]
     vouch = {attest_key(str(i.peer_id)): 32 for i in syb}  # Sybils vouch for each other
-    honest = [_rec(i, 7000 + k, standing={attest_key(str(o.peer_id)): delivered for o in hon if o is not i})
-              for k, i in enumerate(hon)]
+    honest = [
+        _rec(i, 7000 + k, standing={attest_key(str(o.peer_id)): delivered for o in hon if o is not i})
+        for k, i in enumerate(hon)
+    ]
     sybils = [_rec(i, 9000, tps=20_000.0, standing=vouch) for i in syb]
     return hon, honest, sybils
 
@@ -84,8 +98,9 @@ def test_thirty_new_identities_get_one_probation_slot_no_part_and_a_bounded_budg
         o.numel = plan.numel
         assert o._plan_problem(plan, live) is None
     # Another round, another slot (a Sybil cannot pick its slot; rendezvous hash per round).
-    picks = {pb.select_probation("run", r, node._standing_view(honest), [s.peer_id for s in sybils], 1)[0]
-             for r in range(20)}
+    picks = {
+        pb.select_probation("run", r, node._standing_view(honest), [s.peer_id for s in sybils], 1)[0] for r in range(20)
+    }
     assert len(picks) > 5
 
 
@@ -110,8 +125,16 @@ def test_a_fresh_swarm_plans_everyone_established_exactly_as_before():
     plan = node._make_plan(recs, recs[0].peer_id)
     assert plan.probation() == [] and len(plan.participants()) == 3
     cfg = node._plan_config(3)
-    plain = make_plan(recs, cfg, run_id=RUN.run_id, round=0, leader=recs[0].peer_id, numel=node.numel,
-                      start_time=plan.created_at, start_digest="d")
+    plain = make_plan(
+        recs,
+        cfg,
+        run_id=RUN.run_id,
+        round=0,
+        leader=recs[0].peer_id,
+        numel=node.numel,
+        start_time=plan.created_at,
+        start_digest="d",
+    )
     assert [a.model_dump() for a in plain.assignments] == [a.model_dump() for a in plan.assignments]
     # round 1: those who delivered round 0 are established (threshold min(K, r) = 1), a late joiner is not
     late = _rec(Identity.generate(), 7200, round=1)
@@ -163,9 +186,17 @@ def test_followers_refuse_a_probation_leader_and_sybils_planned_as_established()
     assert reason is not None and "as established" in reason, reason
     # too many on probation for the established ones, whatever the view
     cfg = node._plan_config(5)
-    plan = make_plan(honest + sybils[:2], cfg, run_id=RUN.run_id, round=5, leader=honest[0].peer_id,
-                     numel=node.numel, start_time=time.time(), start_digest="d",
-                     probation=[s.peer_id for s in sybils[:2]])
+    plan = make_plan(
+        honest + sybils[:2],
+        cfg,
+        run_id=RUN.run_id,
+        round=5,
+        leader=honest[0].peer_id,
+        numel=node.numel,
+        start_time=time.time(),
+        start_digest="d",
+        probation=[s.peer_id for s in sybils[:2]],
+    )
     reason = check_plan(plan, live, cfg, now=time.time())
     assert reason is not None and "at most 1 may join" in reason, reason
 
@@ -181,8 +212,18 @@ def test_a_late_joiner_follows_the_honest_plan():
 # ------------------------------------------------------------------------------------ quorum and early close
 def _spec(pids, probation=(), quorum=0.5):
     owners = [PartOwner(pids[0], "127.0.0.1:1", 0, 4096)]
-    return CollectiveSpec("r", 1, {p: 100 for p in pids}, owners, 4096, time.time() + 5, time.time() + 6,
-                          mode="relay", quorum=quorum, probation=probation)
+    return CollectiveSpec(
+        "r",
+        1,
+        {p: 100 for p in pids},
+        owners,
+        4096,
+        time.time() + 5,
+        time.time() + 6,
+        mode="relay",
+        quorum=quorum,
+        probation=probation,
+    )
 
 
 def test_the_quorum_counts_established_participants_and_their_contributions_only():
@@ -206,15 +247,17 @@ def test_the_quorum_counts_established_participants_and_their_contributions_only
 async def test_owners_close_parts_a_grace_after_the_established_pushed_not_at_the_deadline(swarms):
     sw = await swarms(3, n_clients=1)  # the client is on probation and never pushes
     pids = sw.pids
-    spec = sw.spec(3 * 2048, mode="relay", deadline_s=8.0, pull_s=2.0, rule="meanmed", quorum=0.5,
-                   probation=[pids[3]], grace_s=0.3)
+    spec = sw.spec(
+        3 * 2048, mode="relay", deadline_s=8.0, pull_s=2.0, rule="meanmed", quorum=0.5, probation=[pids[3]], grace_s=0.3
+    )
     g = torch.Generator().manual_seed(0)
     deltas = [torch.randn(spec.numel, generator=g) for _ in range(3)]
     with events.capture("part_closed") as closed:
         results = await asyncio.gather(*[sw.services[k].all_reduce(spec, deltas[k], tokens=100) for k in range(3)])
     # every part closed a grace after the established pushed (before: at the 8 s deadline, for the no-show)
-    assert sorted((e["round"], e["part"], e["reason"], tuple(e["absent"])) for e in closed) == \
-        [(spec.round, j, "established pushed", (pids[3],)) for j in range(len(spec.owners))]
+    assert sorted((e["round"], e["part"], e["reason"], tuple(e["absent"])) for e in closed) == [
+        (spec.round, j, "established pushed", (pids[3],)) for j in range(len(spec.owners))
+    ]
     for res in results:
         assert res.missing_parts == []
         assert all({p for p, _ in who} == set(pids[:3]) for who in res.contributors.values())
@@ -233,8 +276,10 @@ def test_a_planned_peer_that_contributed_nothing_is_not_planned_for_a_while():
     nxt = node._make_plan(honest + sybils, honest[0].peer_id)
     assert sybil not in nxt.participants() and len(nxt.participants()) == 4  # the other Sybil's turn
     node.round += pb.PROBATION_NOSHOW_PENALTY_ROUNDS
-    assert sybil in node._make_plan([*honest, next(s for s in sybils if s.peer_id == sybil)],
-                                    honest[0].peer_id).participants()
+    assert (
+        sybil
+        in node._make_plan([*honest, next(s for s in sybils if s.peer_id == sybil)], honest[0].peer_id).participants()
+    )
     # an established no-show: shorter, and it is no leader candidate meanwhile
     node = _trained_node(honest)
     ar = SimpleNamespace(contributors={0: [(r.peer_id, 100) for r in honest[:2]]})
@@ -242,8 +287,9 @@ def test_a_planned_peer_that_contributed_nothing_is_not_planned_for_a_while():
     assert node._noshows() == {honest[2].peer_id: 5 + pb.NOSHOW_PENALTY_ROUNDS}
     node.round = 6
     assert honest[2].peer_id not in node._make_plan(honest, honest[0].peer_id).participants()
-    assert honest[2].peer_id not in pb.leader_candidates(node._standing_view(honest), [r.peer_id for r in honest],
-                                                         node._noshows())
+    assert honest[2].peer_id not in pb.leader_candidates(
+        node._standing_view(honest), [r.peer_id for r in honest], node._noshows()
+    )
     # nothing is concluded from a round without any part result
     node = _trained_node(honest)
     node._note_no_shows(node._make_plan(honest, honest[0].peer_id), SimpleNamespace(contributors={}))
@@ -257,8 +303,9 @@ def test_leader_candidates_are_the_established_members():
     ids = [r.peer_id for r in honest + sybils]
     assert set(pb.leader_candidates(node._standing_view(honest + sybils), ids)) == {r.peer_id for r in honest}
     fresh = _node(honest[0].peer_id, round=0)
-    assert set(pb.leader_candidates(fresh._standing_view(honest), [r.peer_id for r in honest])) == \
-        {r.peer_id for r in honest}
+    assert set(pb.leader_candidates(fresh._standing_view(honest), [r.peer_id for r in honest])) == {
+        r.peer_id for r in honest
+    }
 
 
 def test_takeover_delay_is_bounded_whatever_the_number_of_candidates():
@@ -286,8 +333,15 @@ async def test_silent_better_ranked_candidates_cost_a_bounded_wait_and_non_candi
     T = 0.4
     silent_candidates = pool  # every other candidate is silent (never runs obtain_plan)
     with events.capture("plan_takeover") as takeovers:
-        plan = await obtain_plan(PlanStore(dht.view(), live, "r"), 3, members, planner, plan_timeout_s=T,
-                                 settle_s=0.05, candidates=silent_candidates)
+        plan = await obtain_plan(
+            PlanStore(dht.view(), live, "r"),
+            3,
+            members,
+            planner,
+            plan_timeout_s=T,
+            settle_s=0.05,
+            candidates=silent_candidates,
+        )
     assert plan.leader == str(live.peer_id)
     # the 12th candidate waited a bounded delay, not one plan timeout per silent candidate (before: 11 x T)
     [t] = takeovers
@@ -296,8 +350,16 @@ async def test_silent_better_ranked_candidates_cost_a_bounded_wait_and_non_candi
     assert t["after_s"] >= t["delay_s"]
     # a non-candidate never publishes, even when it ranks first and nobody else does
     dht2 = MemoryDHT()
-    got = await obtain_plan(PlanStore(dht2.view(), sybil, "r"), 3, members, planner, plan_timeout_s=0.1,
-                            settle_s=0.05, candidates=[p for p in pool if p != str(sybil.peer_id)], give_up_s=0.5)
+    got = await obtain_plan(
+        PlanStore(dht2.view(), sybil, "r"),
+        3,
+        members,
+        planner,
+        plan_timeout_s=0.1,
+        settle_s=0.05,
+        candidates=[p for p in pool if p != str(sybil.peer_id)],
+        give_up_s=0.5,
+    )
     assert got is None and dht2.data == {}
 
 
@@ -339,5 +401,6 @@ def test_own_attestations_never_establish_an_identity_this_node_did_not_see_deli
     node = _trained_node(honest)
     view = node._standing_view(honest + selfish)
     assert not any(view.established(x.peer_id) or view.plausible(x.peer_id) for x in selfish)
-    assert node.leader_candidates(honest + selfish, {r.peer_id: r for r in honest + selfish})[1] == \
-        sorted(r.peer_id for r in honest)
+    assert node.leader_candidates(honest + selfish, {r.peer_id: r for r in honest + selfish})[1] == sorted(
+        r.peer_id for r in honest
+    )

@@ -76,6 +76,7 @@ async def donor():
 
 # --- M1: per-round request tables are bounded --------------------------------------------------------------
 
+
 @pytest.mark.timeout(60)
 async def test_requests_for_rounds_not_held_are_refused_before_anything_is_recorded(donor):
     gs, srv, addr, _, client = donor
@@ -99,6 +100,7 @@ async def test_callers_tracked_are_lru_capped(donor, monkeypatch):
 
 
 # --- M2: a cheap request costs no copy; a real download still gets its snapshot ---------------------------
+
 
 @pytest.mark.timeout(60)
 async def test_a_one_byte_request_makes_no_copy_and_no_eager_encoding(donor):
@@ -132,17 +134,23 @@ async def test_a_one_byte_update_request_does_not_make_the_donor_eager(donor):
     _advance(gs, srv, outer, 5)
     atk = client()
     req = collective_pb2.StateRequest(round=5, length=1)
-    got = [v async for v in atk.call_stream(addr, state_sync.STATE_UPDATE, req.SerializeToString(), round=5,
-                                            timeout=10)]
+    got = [
+        v async for v in atk.call_stream(addr, state_sync.STATE_UPDATE, req.SerializeToString(), round=5, timeout=10)
+    ]
     assert len(collective_pb2.StateChunk.FromString(got[0].payload).data) == 1
     assert not srv.updates.catching_up  # rounds sealed from now on are not encoded eagerly
     # a real catch-up (the whole update) does
-    got = [v async for v in atk.call_stream(addr, state_sync.STATE_UPDATE, collective_pb2.StateRequest(
-        round=5).SerializeToString(), round=5, timeout=10)]
+    got = [
+        v
+        async for v in atk.call_stream(
+            addr, state_sync.STATE_UPDATE, collective_pb2.StateRequest(round=5).SerializeToString(), round=5, timeout=10
+        )
+    ]
     assert srv.updates.catching_up
 
 
 # --- M3, L1, L2: start-up checks in one line, before any network --------------------------------------------
+
 
 def _peer(argv, capsys, monkeypatch) -> tuple[int, str]:
     """``geomesh-peer ARGV`` in-process: (exit status, stderr). Exits before joining (the bootstrap given
@@ -158,8 +166,18 @@ def _peer(argv, capsys, monkeypatch) -> tuple[int, str]:
 
 
 def _join(tmp_path, *extra) -> list[str]:
-    return ["join", "--bootstrap", "127.0.0.1:1", "--run-id", "x", "--rounds", "1",
-            "--identity", str(tmp_path / "id.key"), *extra]
+    return [
+        "join",
+        "--bootstrap",
+        "127.0.0.1:1",
+        "--run-id",
+        "x",
+        "--rounds",
+        "1",
+        "--identity",
+        str(tmp_path / "id.key"),
+        *extra,
+    ]
 
 
 @pytest.fixture
@@ -171,11 +189,17 @@ def binary(tmp_path):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("flag,expected", [
-    ("--allow-peers", "geomesh-peer join: --allow-peers {p} is not UTF-8 text (byte 0)"),
-    ("--model-config", "geomesh-peer join: --model-config {p} is not UTF-8 text (byte 0)"),
-    ("--identity", "geomesh-peer join: identity file {p} is corrupt: expected a 32-byte Ed25519 key, found 4 bytes"),
-])
+@pytest.mark.parametrize(
+    "flag,expected",
+    [
+        ("--allow-peers", "geomesh-peer join: --allow-peers {p} is not UTF-8 text (byte 0)"),
+        ("--model-config", "geomesh-peer join: --model-config {p} is not UTF-8 text (byte 0)"),
+        (
+            "--identity",
+            "geomesh-peer join: identity file {p} is corrupt: expected a 32-byte Ed25519 key, found 4 bytes",
+        ),
+    ],
+)
 def test_binary_files_read_at_start_fail_in_one_line(tmp_path, binary, capsys, monkeypatch, flag, expected):
     rc, err = _peer(_join(tmp_path, flag, str(binary)), capsys, monkeypatch)
     assert rc == 2
@@ -188,8 +212,7 @@ def test_log_json_in_a_missing_folder_is_refused_at_start(tmp_path, capsys, monk
     bad = tmp_path / "nonexistent" / "x.jsonl"
     rc, err = _peer(_join(tmp_path, "--log-json", str(bad)), capsys, monkeypatch)
     assert rc == 2
-    assert err.strip().splitlines()[-1] == (f"geomesh-peer join: --log-json {bad}: folder {bad.parent} "
-                                            "does not exist")
+    assert err.strip().splitlines()[-1] == (f"geomesh-peer join: --log-json {bad}: folder {bad.parent} does not exist")
     assert not bad.parent.exists()  # nothing created (the events file neither)
 
 
@@ -197,7 +220,10 @@ def test_log_json_in_a_missing_folder_is_refused_at_start(tmp_path, capsys, monk
 def test_summary_json_that_is_a_folder_is_refused_at_start(tmp_path, capsys, monkeypatch):
     rc, err = _peer(_join(tmp_path, "--summary-json", str(tmp_path)), capsys, monkeypatch)
     assert rc == 2
-    assert err.strip().splitlines()[-1] == f"geomesh-peer join: --summary-json {tmp_path}: is a folder, expected a file path"
+    assert (
+        err.strip().splitlines()[-1]
+        == f"geomesh-peer join: --summary-json {tmp_path}: is a folder, expected a file path"
+    )
 
 
 @pytest.mark.timeout(60)
@@ -205,7 +231,10 @@ def test_summary_json_that_is_a_folder_is_refused_at_start(tmp_path, capsys, mon
 def test_empty_identifiers_are_refused(tmp_path, capsys, monkeypatch, flag):
     rc, err = _peer(_join(tmp_path, flag, ""), capsys, monkeypatch)
     assert rc == 2
-    assert err.strip().splitlines()[-1] == f"geomesh-peer join: error: argument {flag}: must not be empty (see geomesh-peer join --help)"
+    assert (
+        err.strip().splitlines()[-1]
+        == f"geomesh-peer join: error: argument {flag}: must not be empty (see geomesh-peer join --help)"
+    )
 
 
 def test_the_config_models_refuse_an_empty_run_id():
@@ -213,13 +242,18 @@ def test_the_config_models_refuse_an_empty_run_id():
 
     from geomesh_p2p.config import BootstrapConfig, NodeConfig, RunConfig
 
-    for make in (lambda: RunConfig(run_id=""), lambda: BootstrapConfig(run_id=""), lambda: NodeConfig(host=""),
-                 lambda: NodeConfig(identity="")):
+    for make in (
+        lambda: RunConfig(run_id=""),
+        lambda: BootstrapConfig(run_id=""),
+        lambda: NodeConfig(host=""),
+        lambda: NodeConfig(identity=""),
+    ):
         with pytest.raises(ValidationError, match="at least 1 character"):
             make()
 
 
 # --- L3: every background evaluation lands in a row -------------------------------------------------------
+
 
 @pytest.mark.timeout(60)
 async def test_every_background_evaluation_lands_in_a_row():
@@ -235,8 +269,13 @@ async def test_every_background_evaluation_lands_in_a_row():
     rows = drv.history
     assert len(snaps) == 2  # rounds 0 and 1 in the background; round 2, the last, at once (the fakes' 100.0)
     evals = {r.eval_round: r.eval_ppl for r in rows if r.eval_round is not None}
-    evals.update({r.extra["eval_background"]["eval_round"]: r.extra["eval_background"]["eval_ppl"]
-                  for r in rows if "eval_background" in r.extra})
+    evals.update(
+        {
+            r.extra["eval_background"]["eval_round"]: r.extra["eval_background"]["eval_ppl"]
+            for r in rows
+            if "eval_background" in r.extra
+        }
+    )
     assert evals == {0: 1000.0 - float(snaps[0].sum()), 1: 1000.0 - float(snaps[1].sum()), 2: 100.0}
     # round 1's evaluation is in the last row, with its round, beside the last round's own
     assert rows[2].extra["eval_background"] == {"eval_ppl": 1000.0 - float(snaps[1].sum()), "eval_round": 1}

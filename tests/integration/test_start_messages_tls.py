@@ -22,8 +22,9 @@ async def test_plaintext_join_of_a_tls_bootstrap_hints_at_tls(tmp_path):
             await node.join([boot.address], attempts=1)
         msg = str(ei.value)
         assert msg.startswith("could not join the DHT: no bootstrap node answered (1 attempt(s) over "), msg
-        assert msg.endswith("; the bootstrap may require TLS: if the swarm uses TLS, pass "
-                            "--tls-cert/--tls-key/--tls-ca"), msg
+        assert msg.endswith(
+            "; the bootstrap may require TLS: if the swarm uses TLS, pass --tls-cert/--tls-key/--tls-ca"
+        ), msg
     finally:
         await node.shutdown()
         await t.stop(grace=0)

@@ -27,11 +27,17 @@ def _ca(tmp, name: str):
     key = ec.generate_private_key(ec.SECP256R1())
     subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
     now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (x509.CertificateBuilder().subject_name(subject).issuer_name(subject).public_key(key.public_key())
-            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-            .sign(key, hashes.SHA256()))
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
     path = tmp / f"{name}.pem"
     path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
     return key, cert, str(path)
@@ -47,16 +53,22 @@ def _node_cert(tmp, ca, name: str) -> tuple[str, str]:
     ca_key, ca_cert, _ = ca
     key = ec.generate_private_key(ec.SECP256R1())
     now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
-            .issuer_name(ca_cert.subject).public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-                           critical=False)
-            .sign(ca_key, hashes.SHA256()))
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
+        .issuer_name(ca_cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
     c, k = tmp / f"{name}.crt", tmp / f"{name}.key"
     c.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    k.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                    serialization.NoEncryption()))
+    k.write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
     return str(c), str(k)
 
 
@@ -98,15 +110,21 @@ async def test_bootstrap_and_two_peers_talk_over_tls_and_plaintext_or_foreign_cl
         # A client whose certificate another CA signed is refused too (mutual TLS: the server checks --tls-ca).
         other = _ca(tmp_path, "other-ca")
         cert, key = _node_cert(tmp_path, other, "stranger")
-        foreign = Transport(Identity.generate(), RUN, TransportConfig(
-            client_only=True, default_timeout_s=3.0, tls=tls_from_flags(cert, key, ca[2])))
+        foreign = Transport(
+            Identity.generate(),
+            RUN,
+            TransportConfig(client_only=True, default_timeout_s=3.0, tls=tls_from_flags(cert, key, ca[2])),
+        )
         outsiders.append(foreign)
         with pytest.raises(RpcError) as ei:
             await foreign.call(boot.address, DHT_PING, b"x")
         assert ei.value.code.name in ("UNAVAILABLE", "DEADLINE_EXCEEDED"), ei.value
         # ... and a TLS client that does not trust the run's CA refuses the server.
-        distrust = Transport(Identity.generate(), RUN, TransportConfig(
-            client_only=True, default_timeout_s=3.0, tls=tls_from_flags(cert, key, other[2])))
+        distrust = Transport(
+            Identity.generate(),
+            RUN,
+            TransportConfig(client_only=True, default_timeout_s=3.0, tls=tls_from_flags(cert, key, other[2])),
+        )
         outsiders.append(distrust)
         with pytest.raises(RpcError):
             await distrust.call(boot.address, DHT_PING, b"x")
@@ -158,8 +176,25 @@ def test_bootstrap_and_join_take_the_tls_flags(tmp_path, capsys):
     cfg = node_config_from(build_parser().parse_args(["join", *flags]))
     assert (cfg.tls_cert, cfg.tls_key, cfg.tls_ca) == (cert, key, ca[2])
     missing = str(tmp_path / "gone.key")
-    assert boot_main(["--tls-cert", cert, "--tls-key", missing, "--tls-ca", ca[2],
-                      "--identity", str(tmp_path / "b.key"), "--port", "0", "--state-file", ""]) == 2
+    assert (
+        boot_main(
+            [
+                "--tls-cert",
+                cert,
+                "--tls-key",
+                missing,
+                "--tls-ca",
+                ca[2],
+                "--identity",
+                str(tmp_path / "b.key"),
+                "--port",
+                "0",
+                "--state-file",
+                "",
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"--tls-key {missing}: cannot read it" in err, err
 
@@ -173,8 +208,9 @@ async def test_a_peer_node_with_a_bad_tls_file_fails_at_start_naming_it(tmp_path
     cert, _ = _node_cert(tmp_path, ca, "n")
     bad = tmp_path / "bad.key"
     bad.write_text("not a key")
-    node = PeerNode(RunConfig(seq_len=32), NodeConfig(tls_cert=cert, tls_key=str(bad), tls_ca=ca[2]),
-                    identity=Identity.generate())
+    node = PeerNode(
+        RunConfig(seq_len=32), NodeConfig(tls_cert=cert, tls_key=str(bad), tls_ca=ca[2]), identity=Identity.generate()
+    )
     with pytest.raises(TlsError, match=f"--tls-key {bad}: not an unencrypted PEM private key"):
         await node.start()
     assert getattr(node, "transport", None) is None  # nothing was listening

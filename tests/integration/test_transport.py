@@ -42,8 +42,11 @@ async def pair():
 
 async def _raw_call(address: str, msg: envelope_pb2.SignedMessage, method: str = DHT_PING):
     async with grpc.aio.insecure_channel(address) as ch:
-        mc = ch.unary_unary(method, request_serializer=envelope_pb2.SignedMessage.SerializeToString,
-                            response_deserializer=envelope_pb2.SignedMessage.FromString)
+        mc = ch.unary_unary(
+            method,
+            request_serializer=envelope_pb2.SignedMessage.SerializeToString,
+            response_deserializer=envelope_pb2.SignedMessage.FromString,
+        )
         return await mc(msg, timeout=5)
 
 
@@ -222,8 +225,9 @@ async def test_stop_leaves_no_task_behind():
 async def test_garbage_bytes_refused_as_invalid_argument_and_server_keeps_serving(pair):
     server, client, address = pair
     async with grpc.aio.insecure_channel(address) as ch:
-        mc = ch.unary_unary(DHT_PING, request_serializer=lambda b: b,
-                            response_deserializer=envelope_pb2.SignedMessage.FromString)
+        mc = ch.unary_unary(
+            DHT_PING, request_serializer=lambda b: b, response_deserializer=envelope_pb2.SignedMessage.FromString
+        )
         with pytest.raises(grpc.aio.AioRpcError) as ei:
             await mc(b"\xff\xfe garbage that is not a protobuf", timeout=5)
     assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -251,8 +255,9 @@ async def test_big_payloads_are_hashed_off_the_event_loop_once_per_message(pair,
     loop_thread = threading.get_ident()
     hashed = []  # (payload bytes, on the loop thread?)
     real = identity_mod.payload_hash
-    monkeypatch.setattr(identity_mod, "payload_hash",
-                        lambda p: hashed.append((len(p), threading.get_ident() == loop_thread)) or real(p))
+    monkeypatch.setattr(
+        identity_mod, "payload_hash", lambda p: hashed.append((len(p), threading.get_ident() == loop_thread)) or real(p)
+    )
     big = bytes(range(256)) * (8 << 10)  # 2 MiB
     reply = await client.call(address, DHT_PING, big, round=2)
     assert reply.payload == b"echo:" + big

@@ -78,17 +78,26 @@ def test_zero_scale_blocks_abstain():
 
 
 @settings(max_examples=40, deadline=None)
-@given(n_honest=st.integers(3, 6), seed=st.integers(0, 10**6), rule=st.sampled_from(["meanmed", "vote"]),
-       evil_scale=st.floats(1e-3, 1e30), evil_tokens=st.integers(0, 10**15))
+@given(
+    n_honest=st.integers(3, 6),
+    seed=st.integers(0, 10**6),
+    rule=st.sampled_from(["meanmed", "vote"]),
+    evil_scale=st.floats(1e-3, 1e30),
+    evil_tokens=st.integers(0, 10**15),
+)
 def test_a_minority_cannot_push_a_coordinate_beyond_the_honest_scales(n_honest, seed, rule, evil_scale, evil_tokens):
     """Bounded influence: whatever a minority sends (any signs, any scales, any token claim), every element
     of the aggregate stays within the largest honest block scale, and is finite."""
     g = torch.Generator().manual_seed(seed)
     numel = 3 * B + 1
-    honest = [(int(torch.randint(1, 1000, (1,), generator=g)), compression.encode(torch.randn(numel, generator=g), B, 1))
-              for _ in range(n_honest)]
+    honest = [
+        (int(torch.randint(1, 1000, (1,), generator=g)), compression.encode(torch.randn(numel, generator=g), B, 1))
+        for _ in range(n_honest)
+    ]
     n_evil = (n_honest - 1) // 2
-    evil = [(evil_tokens, compression.encode(evil_scale * torch.randn(numel, generator=g), B, 1)) for _ in range(n_evil)]
+    evil = [
+        (evil_tokens, compression.encode(evil_scale * torch.randn(numel, generator=g), B, 1)) for _ in range(n_evil)
+    ]
     items = honest + evil
     perm = torch.randperm(len(items), generator=g).tolist()
     out = aggregate_part([items[i] for i in perm], numel, rule=rule)
@@ -128,17 +137,28 @@ def test_open_runs_are_warned_about_trusting_settings():
     ns = argparse.Namespace(allow_peers=None, mode="reencode", method="geomesh", aggregation="mean")
     w = trust_warning(ns)
     assert "--mode reencode" in w and "--aggregation mean" in w and "docs/security.md" in w
-    assert trust_warning(argparse.Namespace(allow_peers=None, mode="relay", method="geomesh", aggregation="meanmed")) is None
-    assert trust_warning(argparse.Namespace(allow_peers="peers.txt", mode="reencode", method="geomesh",
-                                            aggregation="mean")) is None
+    assert (
+        trust_warning(argparse.Namespace(allow_peers=None, mode="relay", method="geomesh", aggregation="meanmed"))
+        is None
+    )
+    assert (
+        trust_warning(
+            argparse.Namespace(allow_peers="peers.txt", mode="reencode", method="geomesh", aggregation="mean")
+        )
+        is None
+    )
 
 
 def test_abstaining_zero_contributions_do_not_shrink_the_update():
     """Two free riders of seven sending zeros used to scale every coordinate by 5/7 and pull the median
     scale down (1.23x clean perplexity in the 2-of-7 benchmark): now the mean and the median are over the
     items that vote in the block."""
-    items = [(100, _packet([1, -1, 1, -1])), (100, _packet([0, 0, 0, 0])), (100, _packet([2, -2, 2, -2])),
-             (100, _packet([0, 0, 0, 0]))]
+    items = [
+        (100, _packet([1, -1, 1, -1])),
+        (100, _packet([0, 0, 0, 0])),
+        (100, _packet([2, -2, 2, -2])),
+        (100, _packet([0, 0, 0, 0])),
+    ]
     out = aggregate_part(items, 4, rule="meanmed", min_agreement=None)
     assert out.tolist() == [1.5, -1.5, 1.5, -1.5]  # mean of signs 1, median of the positive scales (1, 2)
 
@@ -151,8 +171,10 @@ def test_mean_into_a_preallocated_buffer_is_bitwise_the_same():
     vs = [torch.randn(5000, generator=g) * (k + 1) for k in range(3)]
     tokens = [100, 250, 0]
     packets = [compression.encode(v, 256, n) for v, n in zip(vs, tokens)]
-    for items, enc in (([(n, p) for n, p in zip(tokens, packets)], "sign"),
-                       ([(n, fp32_view(v.numpy().astype("<f4").tobytes(), 5000)) for n, v in zip(tokens, vs)], "fp32")):
+    for items, enc in (
+        ([(n, p) for n, p in zip(tokens, packets)], "sign"),
+        ([(n, fp32_view(v.numpy().astype("<f4").tobytes(), 5000)) for n, v in zip(tokens, vs)], "fp32"),
+    ):
         fresh = aggregate_part(items, 5000, rule="mean", encoding=enc, clip_k=4.0)
         buf = torch.full((6000,), 7.0)
         out = aggregate_part(items, 5000, rule="mean", encoding=enc, clip_k=4.0, out=buf[500:5500])
@@ -160,7 +182,9 @@ def test_mean_into_a_preallocated_buffer_is_bitwise_the_same():
         assert torch.equal(out, fresh) and bool((buf[:500] == 7).all()) and bool((buf[5500:] == 7).all())
     robust = [(n, p) for n, p in zip(tokens, packets)]
     buf = torch.empty(5000)
-    assert torch.equal(aggregate_part(robust, 5000, rule="meanmed", out=buf), aggregate_part(robust, 5000, rule="meanmed"))
+    assert torch.equal(
+        aggregate_part(robust, 5000, rule="meanmed", out=buf), aggregate_part(robust, 5000, rule="meanmed")
+    )
 
 
 def test_fp32_view_reads_the_bytes_without_a_copy_and_refuses_bad_ones():

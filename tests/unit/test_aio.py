@@ -226,6 +226,7 @@ async def test_the_factory_is_installed_while_scopes_are_open_and_removed_after(
 
     async def read():
         return var.get()
+
     t = asyncio.create_task(read(), name="plain")
     assert type(t) is asyncio.Task and t.get_name() == "plain"
     assert await t == "here"

@@ -34,9 +34,7 @@ VOCAB = 256
 
 
 def tiny_config() -> GPT2Config:
-    return GPT2Config(
-        n_layer=2, n_embd=64, n_head=2, vocab_size=VOCAB, n_positions=SEQ, bos_token_id=0, eos_token_id=0
-    )
+    return GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=VOCAB, n_positions=SEQ, bos_token_id=0, eos_token_id=0)
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one intra-op thread
@@ -74,7 +72,7 @@ class _SleepyLM(torch.nn.Module):
 
     def forward(self, input_ids, labels):
         time.sleep(self.seconds)
-        loss = (self.w.sum() * input_ids.float().mean() * 0 + self.w.pow(2).sum())
+        loss = self.w.sum() * input_ids.float().mean() * 0 + self.w.pow(2).sum()
         return type("Out", (), {"loss": loss})()
 
 
@@ -198,13 +196,26 @@ def test_throughput_ema_math():
         "download_bps": 1000.0,
     }
     rec = PeerRecord(
-        peer_id="p", device="cpu: x", memory_bytes=1, tokens_per_s={4: 1.0}, max_batch=4,
-        upload_bps=1.0, download_bps=1.0, version="0.1.0", run_config_hash="h", timestamp=5.0,
+        peer_id="p",
+        device="cpu: x",
+        memory_bytes=1,
+        tokens_per_s={4: 1.0},
+        max_batch=4,
+        upload_bps=1.0,
+        download_bps=1.0,
+        version="0.1.0",
+        run_config_hash="h",
+        timestamp=5.0,
     )
     new = ema.apply(rec)
     assert new.tokens_per_s == ema.tokens_per_s and new.upload_bps == 1500.0 and new.timestamp == 5.0
-    for bad in (lambda: ThroughputEMA(alpha=0.0), lambda: ema.update(0, 1, 1.0), lambda: ema.update(1, 1, 0.0),
-                lambda: ema.update_link(1, 1.0, "sideways"), lambda: ema.update_link(0, 1.0, "up")):
+    for bad in (
+        lambda: ThroughputEMA(alpha=0.0),
+        lambda: ema.update(0, 1, 1.0),
+        lambda: ema.update(1, 1, 0.0),
+        lambda: ema.update_link(1, 1.0, "sideways"),
+        lambda: ema.update_link(0, 1.0, "up"),
+    ):
         with pytest.raises(ValueError):
             bad()
 
@@ -213,8 +224,16 @@ def test_profile_and_table():
     m = GPT2LMHeadModel(tiny_config())
     fake = FakeMemory(m, base=GIB, per_seq=8 * MIB)
     budget = fake.base + fake.grad_opt + 8 * m.num_parameters() + 4 * fake.per_seq + MIB
-    result = profile(m, SEQ, device="cpu", memory_budget_bytes=budget, upload_bps=12.5e6, steps=1,
-                     batch_sizes=[1, 2, 4, 8], memory_probe=fake)
+    result = profile(
+        m,
+        SEQ,
+        device="cpu",
+        memory_budget_bytes=budget,
+        upload_bps=12.5e6,
+        steps=1,
+        batch_sizes=[1, 2, 4, 8],
+        memory_probe=fake,
+    )
     assert result["device"]["kind"] == "cpu" and result["max_batch"] == 4
     assert sorted(result["tokens_per_s"]) == [1, 2, 4] and max(fake.batches) == 4
     assert result["memory"]["per_sequence_bytes"] == 8 * MIB
@@ -225,8 +244,7 @@ def test_profile_and_table():
     assert "max batch" in table and result["device"]["name"] in table
     assert format_profile_table(json.loads(json.dumps(result)))  # also from parsed JSON (string keys)
     # by preset name, as `geomesh-peer profile --model tiny` calls it (the real RSS probe)
-    by_name = profile(preset="tiny", seq_len=32, device="cpu", batch_sizes=[1, 2], memory_budget_bytes=4 * GIB,
-                      steps=1)
+    by_name = profile(preset="tiny", seq_len=32, device="cpu", batch_sizes=[1, 2], memory_budget_bytes=4 * GIB, steps=1)
     assert sorted(by_name["tokens_per_s"]) == [1, 2] and by_name["n_params"] == 937472
     with pytest.raises(ValueError):
         profile(seq_len=32, device="cpu")
@@ -274,15 +292,19 @@ def test_profile_training_never_runs_a_batch_over_the_budget(caplog):
     extra = 8 * m.num_parameters()  # global weights + outer momentum, fp32
     budget = fake.base + fake.grad_opt + extra + 5 * fake.per_seq + fake.per_seq // 2
     with caplog.at_level("INFO", logger="geomesh_p2p.capability"):
-        prof = profile_training(m, SEQ, "cpu", budget, vocab_size=VOCAB, batch_sizes=[1, 2, 4, 8, 16], steps=1,
-                                memory_probe=fake)
+        prof = profile_training(
+            m, SEQ, "cpu", budget, vocab_size=VOCAB, batch_sizes=[1, 2, 4, 8, 16], steps=1, memory_probe=fake
+        )
     assert prof.max_batch == 5 and prof.memory.bytes_for(5) <= budget < prof.memory.bytes_for(6)
     assert prof.memory.static_bytes == fake.base + fake.grad_opt + extra
     assert prof.memory.per_sequence_bytes == 10 * MIB
     assert sorted(prof.tokens_per_s) == [1, 2, 4] and prof.skipped == [8, 16]
     assert max(fake.batches) == 4 and fake.batches[0] == 1  # the memory step at batch 1 comes first
-    assert prof.peak_bytes == {1: GIB + fake.grad_opt + 10 * MIB, 2: GIB + fake.grad_opt + 20 * MIB,
-                               4: GIB + fake.grad_opt + 40 * MIB}
+    assert prof.peak_bytes == {
+        1: GIB + fake.grad_opt + 10 * MIB,
+        2: GIB + fake.grad_opt + 20 * MIB,
+        4: GIB + fake.grad_opt + 40 * MIB,
+    }
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("profile: batch ")]
     assert len(lines) == 3 and all("tokens/s" in ln and "GiB" in ln for ln in lines)
 
@@ -293,8 +315,9 @@ def test_profile_training_a_larger_peak_than_predicted_lowers_the_max_batch():
     # batch 1 suggests 10 MiB per sequence; from batch 2 on each sequence costs 30 MiB
     fake = FakeMemory(m, base=GIB, per_seq=10 * MIB, per_seq_from={2: 30 * MIB})
     budget = fake.base + fake.grad_opt + 8 * m.num_parameters() + 5 * fake.per_seq
-    prof = profile_training(m, SEQ, "cpu", budget, vocab_size=VOCAB, batch_sizes=[1, 2, 4, 8], steps=1,
-                            memory_probe=fake)
+    prof = profile_training(
+        m, SEQ, "cpu", budget, vocab_size=VOCAB, batch_sizes=[1, 2, 4, 8], steps=1, memory_probe=fake
+    )
     assert prof.memory.per_sequence_bytes == 30 * MIB and prof.max_batch == 1
     assert max(fake.batches) == 2 and sorted(prof.tokens_per_s) == [1, 2] and prof.skipped == [4, 8]
 
@@ -321,8 +344,9 @@ def test_profile_training_time_budget_bounds_the_sizes_tried():
     m = GPT2LMHeadModel(tiny_config())
     fake = FakeMemory(m, base=GIB, per_seq=MIB)
     # a time budget of 0 s: the first size is measured, every later one would end past it
-    prof = profile_training(m, SEQ, "cpu", 64 * GIB, vocab_size=VOCAB, batch_sizes=[2, 4, 8], steps=1,
-                            time_budget_s=0.0, memory_probe=fake)
+    prof = profile_training(
+        m, SEQ, "cpu", 64 * GIB, vocab_size=VOCAB, batch_sizes=[2, 4, 8], steps=1, time_budget_s=0.0, memory_probe=fake
+    )
     assert sorted(prof.tokens_per_s) == [2] and prof.skipped == [4, 8] and prof.max_batch == 256
     # max_sizes bounds them too; default sizes are powers of two
     prof = profile_training(m, SEQ, "cpu", 64 * GIB, vocab_size=VOCAB, steps=1, max_sizes=2, memory_probe=fake)
@@ -340,7 +364,13 @@ def test_rss_probe_sees_an_allocation():
 
 def test_method_min_memory_exact_bytes():
     g = method_min_memory(1000, "geomesh")
-    assert (g.weights, g.gradients, g.inner_optimizer, g.global_weights, g.outer_state) == (4000, 4000, 8000, 4000, 4000)
+    assert (g.weights, g.gradients, g.inner_optimizer, g.global_weights, g.outer_state) == (
+        4000,
+        4000,
+        8000,
+        4000,
+        4000,
+    )
     assert g.total == 24000 == method_min_memory(1000, "diloco").total
     assert method_min_memory(1000, "ddp").total == 20000  # no inner state; AdamW's 2 moments outside
     assert method_min_memory(1000, "geomesh", inner_optimizer="lion").total == 20000
@@ -348,8 +378,11 @@ def test_method_min_memory_exact_bytes():
     assert preset_min_memory("tiny").total == 24 * 937472
     assert preset_min_memory("gpt2-124m", "ddp").total == 20 * 88988160
     assert preset_min_memory("llama-150m").total == 24 * 153641984 == 3687407616
-    for bad in (lambda: method_min_memory(1, "sgd"), lambda: method_min_memory(1, inner_optimizer="sgd"),
-                lambda: method_min_memory(-1)):
+    for bad in (
+        lambda: method_min_memory(1, "sgd"),
+        lambda: method_min_memory(1, inner_optimizer="sgd"),
+        lambda: method_min_memory(-1),
+    ):
         with pytest.raises(ValueError):
             bad()
 
@@ -365,6 +398,7 @@ def test_profile_training_an_out_of_memory_step_caps_the_max_batch():
             raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 MiB")
         return before, peak
 
-    prof = profile_training(m, SEQ, "cpu", 64 * GIB, vocab_size=VOCAB, batch_sizes=[1, 2, 4, 8], steps=1,
-                            memory_probe=probe)
+    prof = profile_training(
+        m, SEQ, "cpu", 64 * GIB, vocab_size=VOCAB, batch_sizes=[1, 2, 4, 8], steps=1, memory_probe=probe
+    )
     assert sorted(prof.tokens_per_s) == [1, 2] and prof.skipped == [4, 8] and prof.max_batch == 3

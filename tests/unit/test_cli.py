@@ -77,16 +77,24 @@ def test_config_file_values_get_the_flags_checks(tmp_path):
     add_run_flags(ap)
     add_node_flags(ap)
     cfg = tmp_path / "c.yaml"
-    for text, expect in [("threads: -3", "threads: must be >= 1, got -3"), ("port: 70000", "port: must be in [0, 65535]"),
-                         ("rounds: -5", "rounds:"), ("quorum: 1.5", "quorum: must be in [0, 1], got 1.5"),
-                         ("aggregation: median", "aggregation: 'median' is not one of"),
-                         ("client_only: 3", "client_only: expected true or false")]:
+    for text, expect in [
+        ("threads: -3", "threads: must be >= 1, got -3"),
+        ("port: 70000", "port: must be in [0, 65535]"),
+        ("rounds: -5", "rounds:"),
+        ("quorum: 1.5", "quorum: must be in [0, 1], got 1.5"),
+        ("aggregation: median", "aggregation: 'median' is not one of"),
+        ("client_only: 3", "client_only: expected true or false"),
+    ]:
         cfg.write_text(text + "\n")
         with pytest.raises(ConfigFileError, match=expect.replace("[", r"\[").replace("]", r"\]")):
             load_config_defaults(ap, str(cfg))
     cfg.write_text("threads: 2\nprofile_batches: [4, 8]\nquorum: 0.75\nclient_only: true\n")
-    assert load_config_defaults(ap, str(cfg)) == {"threads": 2, "profile_batches": [4, 8], "quorum": 0.75,
-                                                  "client_only": True}
+    assert load_config_defaults(ap, str(cfg)) == {
+        "threads": 2,
+        "profile_batches": [4, 8],
+        "quorum": 0.75,
+        "client_only": True,
+    }
 
 
 def test_help_lists_each_command_once_with_one_line(monkeypatch):
@@ -122,22 +130,26 @@ def test_hf_data_spec_goes_into_run_config():
     from peer import node_cli
     from geomesh_p2p.data import hub
 
-    assert (node_cli.DEFAULT_HF_COLUMN, node_cli.DEFAULT_HF_MAX_BYTES) == \
-        (hub.DEFAULT_HF_COLUMN, hub.DEFAULT_HF_MAX_BYTES)
+    assert (node_cli.DEFAULT_HF_COLUMN, node_cli.DEFAULT_HF_MAX_BYTES) == (
+        hub.DEFAULT_HF_COLUMN,
+        hub.DEFAULT_HF_MAX_BYTES,
+    )
     ns = _join_ns("--data", "hf:wikitext:wikitext-2-raw-v1", "--data-max-bytes", "1000")
     canonical = "hf:wikitext:wikitext-2-raw-v1@train?column=text&max_bytes=1000"
     run = node_cli.run_config_from(ns)
     assert run.data == canonical
     assert node_cli.node_config_from(ns).data_path == canonical  # what the node loads
-    other = node_cli.run_config_from(_join_ns("--data", "hf:wikitext:wikitext-2-raw-v1",
-                                              "--data-max-bytes", "1000", "--data-column", "body"))
+    other = node_cli.run_config_from(
+        _join_ns("--data", "hf:wikitext:wikitext-2-raw-v1", "--data-max-bytes", "1000", "--data-column", "body")
+    )
     assert other.data == "hf:wikitext:wikitext-2-raw-v1@train?column=body&max_bytes=1000"
     assert run.config_hash() != other.config_hash()
     assert run.diff(other) == [f"data: {canonical!r} vs {other.data!r}"]
     # the defaults, spelled out or not, give the same identifier
     a = node_cli.run_config_from(_join_ns("--data", "hf:wikitext"))
-    b = node_cli.run_config_from(_join_ns("--data", "hf:wikitext@train", "--data-column", "text",
-                                          "--data-max-bytes", "50000000"))
+    b = node_cli.run_config_from(
+        _join_ns("--data", "hf:wikitext@train", "--data-column", "text", "--data-max-bytes", "50000000")
+    )
     assert a.data == b.data == "hf:wikitext@train?column=text&max_bytes=50000000"
     assert node_cli.node_config_from(_join_ns()).data_path is None
 
@@ -149,8 +161,9 @@ def test_join_bad_data_flags_fail_in_one_line(tmp_path, capsys):
     assert err == "geomesh-peer join: bad data spec 'hf:wikitext?max_bytes=0': max_bytes must be >= 1, got 0"
     (tmp_path / "t.txt").write_text("text")
     assert main(["join", "--identity", key, "--data", str(tmp_path / "t.txt"), "--data-column", "body"]) == 2
-    assert capsys.readouterr().err.strip() == ("geomesh-peer join: --data-column and --data-max-bytes apply "
-                                               "only to --data hf:NAME[:CONFIG][@SPLIT]")
+    assert capsys.readouterr().err.strip() == (
+        "geomesh-peer join: --data-column and --data-max-bytes apply only to --data hf:NAME[:CONFIG][@SPLIT]"
+    )
     with pytest.raises(SystemExit) as ei:
         main(["join", "--data", "hf:wikitext", "--data-max-bytes", "0"])
     assert ei.value.code == 2

@@ -32,7 +32,7 @@ def ref_encode(v: torch.Tensor, B: int) -> tuple[bytes, np.ndarray]:
     if nfull:
         parts.append(v[: nfull * B].abs().view(nfull, B).sum(1).numpy() / np.float32(B))
     if nfull * B < P:
-        tail = v[nfull * B:]
+        tail = v[nfull * B :]
         parts.append(np.array([tail.abs().sum().item()], dtype=np.float32) / np.float32(P - nfull * B))
     scales = np.concatenate(parts).astype(np.float32) if parts else np.zeros(0, np.float32)
     return signs, scales
@@ -64,9 +64,21 @@ def random_vector(P: int, seed: int) -> torch.Tensor:
 # not a multiple of the chunk, the block or 8; lcm >= 32768 -> OpenMP chunks; lcm > 2**22 -> one
 # unchunked segment; P < 2 lcm -> one segment.
 CASES = [
-    (0, 2048), (1, 2048), (7, 2048), (9, 4), (333, 1), (1000, 7), (4096, 8), (2049, 2048),
-    (300_007, 2048), (2 * 32760 + 5, 24), (200_001, 5), (123_457, 3),
-    (100_003, 40_000), (2_000_003, 1 << 20), (70_001, (1 << 22) + 1),
+    (0, 2048),
+    (1, 2048),
+    (7, 2048),
+    (9, 4),
+    (333, 1),
+    (1000, 7),
+    (4096, 8),
+    (2049, 2048),
+    (300_007, 2048),
+    (2 * 32760 + 5, 24),
+    (200_001, 5),
+    (123_457, 3),
+    (100_003, 40_000),
+    (2_000_003, 1 << 20),
+    (70_001, (1 << 22) + 1),
 ]
 
 
@@ -111,8 +123,9 @@ def test_random_packets_decode_bitwise(P, B):
     ref = ref_decode(p)
     assert torch.equal(bits_of(decode(p)), bits_of(ref))
     # scale 0 with bit 1 decodes to -0.0, as 0.0 * -1.0 does
-    assert bool((torch.signbit(ref) == torch.from_numpy(
-        np.unpackbits(signs.numpy(), bitorder="little")[:P].astype(bool))).all())
+    assert bool(
+        (torch.signbit(ref) == torch.from_numpy(np.unpackbits(signs.numpy(), bitorder="little")[:P].astype(bool))).all()
+    )
     acc = torch.zeros(P)
     decode(p, out=acc, accumulate=True)
     assert torch.equal(bits_of(acc), bits_of(torch.zeros(P).add_(ref)))

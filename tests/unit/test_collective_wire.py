@@ -18,8 +18,9 @@ pytestmark = pytest.mark.timeout(60)
 def test_hand_built_signed_contribution_is_protobufs_and_verifies():
     ident = Identity.generate()
     packet = np.arange(1000, dtype="<f4")
-    head = collective_pb2.PartContribution(round=3, part=1, start=10, end=1010, tokens=7, spec_id=b"s" * 32,
-                                           encoding="fp32", compute_end=1.5).SerializeToString()
+    head = collective_pb2.PartContribution(
+        round=3, part=1, start=10, end=1010, tokens=7, spec_id=b"s" * 32, encoding="fp32", compute_end=1.5
+    ).SerializeToString()
     payload = [head, *wire.bytes_field(8, [memoryview(packet).cast("B")])]
     signed = b"".join(wire.signed_parts(ident, run_id="r", round=3, kind="k", payload=payload))
     msg = envelope_pb2.SignedMessage.FromString(signed)  # protobuf reads the hand-built bytes
@@ -35,8 +36,9 @@ def test_hand_built_signed_contribution_is_protobufs_and_verifies():
 
 
 def test_scanner_reads_protobuf_built_messages_and_refuses_malformed():
-    res = collective_pb2.PartResult(round=2, part=0, contributors=[b"a" * 32, b"b" * 32], tokens=[1, 2],
-                                    aggregate=b"\x01\x02\x03", mode="reencode")
+    res = collective_pb2.PartResult(
+        round=2, part=0, contributors=[b"a" * 32, b"b" * 32], tokens=[1, 2], aggregate=b"\x01\x02\x03", mode="reencode"
+    )
     res.contributions.extend([collective_pb2.Contribution(signed_message=b"xyz")])
     data = res.SerializeToString()
     spans = wire.scan(data)

@@ -50,7 +50,7 @@ def naive_reference(v: torch.Tensor, B: int):
             signs[i // 8] |= 1 << (i % 8)
     scales = []
     for b in range(ceil_div(P, B)):
-        blk = x[b * B:(b + 1) * B]
+        blk = x[b * B : (b + 1) * B]
         scales.append(sum(abs(t) for t in blk) / len(blk))
     return signs, scales
 
@@ -194,7 +194,7 @@ def test_header_layout_is_documented_little_endian():
     assert (magic, version, kind, flags, numel, bsize, reserved, tokens) == (b"GMSC", 1, 1, 0, 1001, 100, 0, 2**40 + 5)
     nb = ceil_div(1001, 100)
     assert np.array_equal(np.frombuffer(data, "<f4", nb, HEADER), p.scales.numpy())
-    assert data[HEADER + 4 * nb:] == bytes(p.signs.tolist())
+    assert data[HEADER + 4 * nb :] == bytes(p.signs.tolist())
 
 
 def test_roundtrip_bytes_bitwise():
@@ -299,7 +299,7 @@ def _sign_bytes(P=1000, B=100, tokens=4):
 
 
 def _mutate(data: bytes, offset: int, new: bytes) -> bytes:
-    return data[:offset] + new + data[offset + len(new):]
+    return data[:offset] + new + data[offset + len(new) :]
 
 
 @pytest.mark.parametrize(
@@ -400,7 +400,7 @@ def test_property_roundtrip(P, B, tokens, seed, zero_every, scale_exp):
     rng = np.random.default_rng(seed)
     a = (rng.standard_normal(P) * 2.0**scale_exp).astype(np.float32)
     if zero_every:
-        a[::zero_every + 1] = 0.0
+        a[:: zero_every + 1] = 0.0
     v = torch.from_numpy(a)
     p = encode(v, B, tokens)
     data = p.to_bytes()
@@ -519,8 +519,11 @@ def _cauchy(P, g):
 def test_error_feedback_bounded_and_tracks_sum(dist):
     P, B, T = 4096, 256, 200
     g = torch.Generator().manual_seed(123)
-    sample = {"gauss": lambda: torch.randn(P, generator=g), "student_t2": lambda: _student_t2(P, g),
-              "cauchy": lambda: _cauchy(P, g)}[dist]
+    sample = {
+        "gauss": lambda: torch.randn(P, generator=g),
+        "student_t2": lambda: _student_t2(P, g),
+        "cauchy": lambda: _cauchy(P, g),
+    }[dist]
     ef = ErrorFeedback(P, B)
     assert ef.residual.shape == (P,) and not ef.residual.any()
     true = torch.zeros(P, dtype=torch.float64)

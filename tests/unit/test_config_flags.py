@@ -58,8 +58,7 @@ def test_every_field_has_a_join_flag_with_its_default_in_help(model):
 def test_bootstrap_flags_are_its_fields():
     from bootstrap.cli import build_parser
 
-    lines = {line.split()[0]: line for line in _help(build_parser()).splitlines()
-             if line.strip().startswith("--")}
+    lines = {line.split()[0]: line for line in _help(build_parser()).splitlines() if line.strip().startswith("--")}
     for s in flag_specs(BootstrapConfig):
         assert s.flag in lines
     assert "(default: 31337)" in lines["--port"] and "(default: ~/.geomesh/bootstrap.key)" in lines["--identity"]
@@ -69,9 +68,27 @@ def test_bootstrap_flags_are_its_fields():
 def test_join_flags_build_the_configs_in_field_units():
     from peer import node_cli
 
-    ns = _join_parser().parse_args(["--memory-budget-gb", "1.5", "--upload-mbps", "8", "--added-latency-ms", "20",
-                                    "--window-s", "3", "--min-agreement", "0", "--no-amp", "--clip-k", "2.5",
-                                    "--bootstrap", "127.0.0.1:5", "--bootstrap", "[::1]:6"])
+    ns = _join_parser().parse_args(
+        [
+            "--memory-budget-gb",
+            "1.5",
+            "--upload-mbps",
+            "8",
+            "--added-latency-ms",
+            "20",
+            "--window-s",
+            "3",
+            "--min-agreement",
+            "0",
+            "--no-amp",
+            "--clip-k",
+            "2.5",
+            "--bootstrap",
+            "127.0.0.1:5",
+            "--bootstrap",
+            "[::1]:6",
+        ]
+    )
     cfg = node_cli.node_config_from(ns)
     assert cfg.memory_budget_bytes == 3 * 2**29 and isinstance(cfg.memory_budget_bytes, int)
     assert cfg.upload_bps == 1e6 and cfg.download_bps is None and cfg.added_latency_s == 0.02
@@ -110,12 +127,15 @@ def test_bootstrap_flag_beats_config_file_beats_default(tmp_path):
     assert (ns.k, ns.run_id, ns.bootstrap, ns.alpha, ns.port) == (5, "from-file", ["127.0.0.1:1"], 3, 31337)
 
 
-@pytest.mark.parametrize("text, expect", [
-    ("windw-s: 3\n", "unknown option 'windw-s'"),
-    ("window-s: -1\n", "window-s: must be a finite number > 0, got -1"),
-    ("method: sgd\n", "method: 'sgd' is not one of geomesh, awb, css, diloco, ddp"),
-    ("vocab_size: 12\n", "vocab_size: must be >= 257, got 12"),
-])
+@pytest.mark.parametrize(
+    "text, expect",
+    [
+        ("windw-s: 3\n", "unknown option 'windw-s'"),
+        ("window-s: -1\n", "window-s: must be a finite number > 0, got -1"),
+        ("method: sgd\n", "method: 'sgd' is not one of geomesh, awb, css, diloco, ddp"),
+        ("vocab_size: 12\n", "vocab_size: must be >= 257, got 12"),
+    ],
+)
 def test_bad_config_file_is_refused_naming_key_and_file(tmp_path, capsys, text, expect):
     from peer.cli import main
 
@@ -143,9 +163,29 @@ def test_demo_peers_get_the_same_run_config(tmp_path):
 
     data = tmp_path / "t.txt"
     data.write_text("some text\n")
-    args = ["--run-id", "r1", "--seed", "4", "--method", "diloco", "--mode", "reencode", "--min-agreement", "0",
-            "--error-feedback", "--window-s", "2.5", "--pow-bits", "0", "--data", str(data), "--clip-k", "3",
-            "--max-inner-steps", "50"]
+    args = [
+        "--run-id",
+        "r1",
+        "--seed",
+        "4",
+        "--method",
+        "diloco",
+        "--mode",
+        "reencode",
+        "--min-agreement",
+        "0",
+        "--error-feedback",
+        "--window-s",
+        "2.5",
+        "--pow-bits",
+        "0",
+        "--data",
+        str(data),
+        "--clip-k",
+        "3",
+        "--max-inner-steps",
+        "50",
+    ]
     ns = build_parser().parse_args(["demo", *args])
     peer_ns = _join_parser().parse_args(demo._run_flags(ns))
     want = node_cli.run_config_from(_join_parser().parse_args(args))
@@ -163,11 +203,18 @@ def test_config_file_error_is_a_value_error():
 def test_bootstrap_imports_nothing_from_peer():
     for path in (ROOT / "bootstrap").glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
-            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
-                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
             assert not any(n == "peer" or n.startswith("peer.") for n in names), (path, names)
-    code = ("import sys, bootstrap.cli as b; b.build_parser(); "
-            "print(sorted(m for m in sys.modules if m == 'peer' or m.startswith('peer.')))")
+    code = (
+        "import sys, bootstrap.cli as b; b.build_parser(); "
+        "print(sorted(m for m in sys.modules if m == 'peer' or m.startswith('peer.')))"
+    )
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "[]"

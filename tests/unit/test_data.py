@@ -9,9 +9,19 @@ import pytest
 import torch
 
 import geomesh_p2p.data.tokenizer as tokmod
-from geomesh_p2p.data import (DataError, HFSpec, TokenDataset, batch_seed, encode_corpus,
-                              get_tokenizer, load_dataset, load_text, parse_hf_spec,
-                              tokenizer_key, train_tokenizer)
+from geomesh_p2p.data import (
+    DataError,
+    HFSpec,
+    TokenDataset,
+    batch_seed,
+    encode_corpus,
+    get_tokenizer,
+    load_dataset,
+    load_text,
+    parse_hf_spec,
+    tokenizer_key,
+    train_tokenizer,
+)
 
 
 @pytest.fixture(scope="module")
@@ -34,6 +44,7 @@ def _no_training(*a, **k):
 
 
 # --- corpus --------------------------------------------------------------------------
+
 
 def test_shipped_corpus_is_kjv_without_references(kjv):
     assert kjv.startswith("In the beginning God created the heaven and the earth.\n")
@@ -68,8 +79,10 @@ def test_txt_xz_jsonl_inputs(tmp_path):
     (tmp_path / "a.txt.xz").write_bytes(lzma.compress("héllo\n".encode()))
     assert load_text(str(tmp_path / "a.txt.xz")) == "héllo\n"
     j = tmp_path / "docs.jsonl"
-    j.write_text(json.dumps({"text": "first doc", "id": 1}) + "\n\n"
-                 + json.dumps({"text": "second doc"}) + "\n", encoding="utf-8")
+    j.write_text(
+        json.dumps({"text": "first doc", "id": 1}) + "\n\n" + json.dumps({"text": "second doc"}) + "\n",
+        encoding="utf-8",
+    )
     assert load_text(j) == "first doc\n\nsecond doc"
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "ok"}\n{"body": "no text"}\n')
@@ -101,13 +114,14 @@ def test_jsonl_dataset_end_to_end(tmp_path, kjv):
     j = tmp_path / "d.jsonl"
     with open(j, "w") as f:
         for i in range(0, 60_000, 3_000):
-            f.write(json.dumps({"text": kjv[i:i + 3_000]}) + "\n")
+            f.write(json.dumps({"text": kjv[i : i + 3_000]}) + "\n")
     d = load_dataset(str(j), seq_len=32, vocab_size=300, cache_dir=tmp_path / "c")
     assert d.vocab_size <= 300 and int(d.train.max()) < d.vocab_size
     assert d.sample_batch(seed=0, peer_id="p", round=0, step=0, batch_size=2, seq_len=32).shape == (2, 32)
 
 
 # --- tokenizer -----------------------------------------------------------------------
+
 
 def test_tokenizer_deterministic_and_cached(tmp_path, kjv, monkeypatch):
     text = kjv[:150_000]
@@ -134,8 +148,10 @@ def test_shipped_tokenizer_needs_no_training(tmp_path, monkeypatch, kjv):
 
 def test_fast_encoding_equals_tokenizers_encode(kjv):
     tok = get_tokenizer(None)
-    odd = ("He said, 'Tis  the Lord's  day;\tthey'll go -- 12 men, 3 ye'd\n\n\n  trailing   \n"
-           " x  \n\tend's 've 're 'm 'd 'll 't  ?!! ... ")
+    odd = (
+        "He said, 'Tis  the Lord's  day;\tthey'll go -- 12 men, 3 ye'd\n\n\n  trailing   \n"
+        " x  \n\tend's 've 're 'm 'd 'll 't  ?!! ... "
+    )
     for text in (kjv[:200_000], kjv[-100_000:], odd, odd * 3 + kjv[5000:9000]):
         assert encode_corpus(tok, text) == tok.encode(text).ids
     # non-ASCII and special tokens take the fallback path
@@ -156,6 +172,7 @@ def test_user_tokenizer_file(tmp_path, kjv):
 
 
 # --- dataset -------------------------------------------------------------------------
+
 
 def test_load_dataset_shapes_and_cache(ds, cache, monkeypatch):
     assert ds.vocab_size == 4096
@@ -182,8 +199,8 @@ def test_sample_batch_deterministic(ds):
         assert not torch.equal(a, ds.sample_batch(**{**kw, **change})), change
     # rows are real windows of the train split
     row = a[0].to(torch.int32)
-    starts = (ds.train[: -63] == row[0]).nonzero().flatten()
-    assert any(torch.equal(ds.train[s:s + 64], row) for s in starts.tolist())
+    starts = (ds.train[:-63] == row[0]).nonzero().flatten()
+    assert any(torch.equal(ds.train[s : s + 64], row) for s in starts.tolist())
 
 
 def test_batch_seed_is_stable():
@@ -191,6 +208,7 @@ def test_batch_seed_is_stable():
     assert batch_seed(0, "peer", 0, 0) == batch_seed(0, "peer", 0, 0)
     assert batch_seed(0, "a", 1, 2) != batch_seed(0, "a", 2, 1)
     import hashlib
+
     d = hashlib.blake2b("geomesh-batch-v1\x1f0\x1fpeer\x1f0\x1f0".encode(), digest_size=8).digest()
     assert batch_seed(0, "peer", 0, 0) == int.from_bytes(d, "little") & ((1 << 63) - 1)
 
@@ -225,6 +243,7 @@ def test_seq_len_too_long(tmp_path):
 # Nothing here reaches the network: specs are parsed offline, real loads read a local
 # directory through `datasets` in offline mode, and one test fakes the loader.
 
+
 @pytest.fixture
 def hf_offline(monkeypatch, tmp_path):
     """`datasets` in offline mode (env vars for a fresh import, constants if already imported)."""
@@ -246,52 +265,65 @@ def _write_jsonl(path, rows):
     path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
 
 
-HF_ROWS = [{"text": "First doc.", "body": "b1"},
-           {"text": "", "body": "b2"},           # empty: skipped
-           {"text": None, "body": "b3"},         # null: skipped
-           {"text": "Café au lait", "body": "b4"},
-           {"text": "third", "body": "b5"}]
+HF_ROWS = [
+    {"text": "First doc.", "body": "b1"},
+    {"text": "", "body": "b2"},  # empty: skipped
+    {"text": None, "body": "b3"},  # null: skipped
+    {"text": "Café au lait", "body": "b4"},
+    {"text": "third", "body": "b5"},
+]
 
 
 def test_hf_spec_parsing_exact_fields():
     s = parse_hf_spec("hf:wikitext:wikitext-2-raw-v1@train")
-    assert s == HFSpec(name="wikitext", config="wikitext-2-raw-v1", split="train", column="text",
-                       max_bytes=50_000_000, revision=None)
+    assert s == HFSpec(
+        name="wikitext", config="wikitext-2-raw-v1", split="train", column="text", max_bytes=50_000_000, revision=None
+    )
     assert s.canonical() == "hf:wikitext:wikitext-2-raw-v1@train?column=text&max_bytes=50000000"
     assert parse_hf_spec(s.canonical()) == s and str(s) == s.canonical()
-    assert parse_hf_spec("hf:wikitext") == HFSpec(name="wikitext", config=None, split="train",
-                                                   column="text", max_bytes=50_000_000)
-    assert parse_hf_spec("hf:Salesforce/wikitext@validation?column=body&max_bytes=1000&revision=abc123") \
-        == HFSpec(name="Salesforce/wikitext", config=None, split="validation", column="body",
-                  max_bytes=1000, revision="abc123")
-    assert parse_hf_spec("hf:org/ds:cfg?revision=v1.0").canonical() \
+    assert parse_hf_spec("hf:wikitext") == HFSpec(
+        name="wikitext", config=None, split="train", column="text", max_bytes=50_000_000
+    )
+    assert parse_hf_spec("hf:Salesforce/wikitext@validation?column=body&max_bytes=1000&revision=abc123") == HFSpec(
+        name="Salesforce/wikitext", config=None, split="validation", column="body", max_bytes=1000, revision="abc123"
+    )
+    assert (
+        parse_hf_spec("hf:org/ds:cfg?revision=v1.0").canonical()
         == "hf:org/ds:cfg@train?column=text&max_bytes=50000000&revision=v1.0"
+    )
     # --data-column / --data-max-bytes fill in what the spec leaves out
-    assert parse_hf_spec("hf:/data/dir@test", column="content", max_bytes=123) \
-        == HFSpec(name="/data/dir", config=None, split="test", column="content", max_bytes=123)
-    assert parse_hf_spec("hf:x?column=c&max_bytes=5", column="c", max_bytes=5).canonical() \
+    assert parse_hf_spec("hf:/data/dir@test", column="content", max_bytes=123) == HFSpec(
+        name="/data/dir", config=None, split="test", column="content", max_bytes=123
+    )
+    assert (
+        parse_hf_spec("hf:x?column=c&max_bytes=5", column="c", max_bytes=5).canonical()
         == "hf:x@train?column=c&max_bytes=5"
+    )
     # every field is in the identifier: specs that differ in any of them differ
-    ids = {parse_hf_spec(x).canonical() for x in [
-        "hf:a", "hf:b", "hf:a:c1", "hf:a@test", "hf:a?column=body", "hf:a?max_bytes=10",
-        "hf:a?revision=r1"]}
+    ids = {
+        parse_hf_spec(x).canonical()
+        for x in ["hf:a", "hf:b", "hf:a:c1", "hf:a@test", "hf:a?column=body", "hf:a?max_bytes=10", "hf:a?revision=r1"]
+    }
     assert len(ids) == 7
 
 
-@pytest.mark.parametrize("spec, message", [
-    ("hf:", "no dataset name"),
-    ("hf:@train", "no dataset name"),
-    ("hf:wikitext:", "empty config"),
-    ("hf:wikitext@", "empty split"),
-    ("hf:wiki text", "whitespace"),
-    ("hf:x?max_bytes=0", "max_bytes must be >= 1, got 0"),
-    ("hf:x?max_bytes=lots", "max_bytes must be an integer, got 'lots'"),
-    ("hf:x?column=", "empty column name"),
-    ("hf:x?revision=", "empty revision"),
-    ("hf:x?colum=text", "unknown option 'colum'"),
-    ("hf:x?column=a&column=b", "option 'column' given twice"),
-    ("wikitext", "starts with 'hf:'"),
-])
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("hf:", "no dataset name"),
+        ("hf:@train", "no dataset name"),
+        ("hf:wikitext:", "empty config"),
+        ("hf:wikitext@", "empty split"),
+        ("hf:wiki text", "whitespace"),
+        ("hf:x?max_bytes=0", "max_bytes must be >= 1, got 0"),
+        ("hf:x?max_bytes=lots", "max_bytes must be an integer, got 'lots'"),
+        ("hf:x?column=", "empty column name"),
+        ("hf:x?revision=", "empty revision"),
+        ("hf:x?colum=text", "unknown option 'colum'"),
+        ("hf:x?column=a&column=b", "option 'column' given twice"),
+        ("wikitext", "starts with 'hf:'"),
+    ],
+)
 def test_hf_bad_spec_is_dataerror_naming_it(spec, message):
     with pytest.raises(DataError) as ei:
         parse_hf_spec(spec)
@@ -333,8 +365,10 @@ def test_hf_errors_name_the_spec(tmp_path, hf_offline, monkeypatch):
     # column absent
     with pytest.raises(DataError) as ei:
         load_text(f"hf:{d}?column=content")
-    assert str(ei.value) == (f"data hf:{d}@train?column=content&max_bytes=50000000: no column 'content' "
-                             "(columns: text, body); choose one with --data-column")
+    assert str(ei.value) == (
+        f"data hf:{d}@train?column=content&max_bytes=50000000: no column 'content' "
+        "(columns: text, body); choose one with --data-column"
+    )
     # split absent
     with pytest.raises(DataError, match=r"@validation\?column=text&max_bytes=50000000: cannot load .*validation"):
         load_text(f"hf:{d}@validation")
@@ -342,8 +376,7 @@ def test_hf_errors_name_the_spec(tmp_path, hf_offline, monkeypatch):
     with pytest.raises(DataError) as ei:
         load_text("hf:wikitext:wikitext-2-raw-v1@train")
     msg = str(ei.value)
-    assert msg.startswith("data hf:wikitext:wikitext-2-raw-v1@train?column=text&max_bytes=50000000: "
-                          "offline mode is on")
+    assert msg.startswith("data hf:wikitext:wikitext-2-raw-v1@train?column=text&max_bytes=50000000: offline mode is on")
     assert "pass a local file" in msg and "\n" not in msg
     # only empty rows
     _write_jsonl(tmp_path / "empty" / "train.jsonl", [{"text": ""}, {"text": None}])
@@ -353,8 +386,10 @@ def test_hf_errors_name_the_spec(tmp_path, hf_offline, monkeypatch):
     monkeypatch.setitem(sys.modules, "datasets", None)
     with pytest.raises(DataError) as ei:
         load_text("hf:wikitext")
-    assert str(ei.value) == ("data hf:wikitext@train?column=text&max_bytes=50000000: reading a Hugging Face "
-                             "dataset needs the 'datasets' package (pip install datasets)")
+    assert str(ei.value) == (
+        "data hf:wikitext@train?column=text&max_bytes=50000000: reading a Hugging Face "
+        "dataset needs the 'datasets' package (pip install datasets)"
+    )
 
 
 class _FakeStream:
@@ -400,8 +435,10 @@ def test_hf_streams_only_what_max_bytes_needs(monkeypatch):
     monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
     with pytest.raises(DataError) as ei:
         load_text("hf:org/big")
-    assert str(ei.value).startswith("data hf:org/big@train?column=text&max_bytes=50000000: this machine "
-                                    "cannot reach the Hugging Face hub (offline?): Couldn't reach")
+    assert str(ei.value).startswith(
+        "data hf:org/big@train?column=text&max_bytes=50000000: this machine "
+        "cannot reach the Hugging Face hub (offline?): Couldn't reach"
+    )
 
     class ConnectError(Exception):  # as httpx names it, raised while streaming rows
         pass
@@ -410,13 +447,20 @@ def test_hf_streams_only_what_max_bytes_needs(monkeypatch):
         yield {"text": "one"}
         raise ConnectError("[Errno -3] Temporary failure in name resolution")
 
-    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(
-        load_dataset=lambda *a, **k: _FakeStream(broken_rows())))
-    with pytest.raises(DataError, match=r"^data hf:org/big@train\?column=text&max_bytes=50000000: this machine "
-                                        r"cannot reach the Hugging Face hub \(offline\?\): \[Errno -3\]"):
+    monkeypatch.setitem(
+        sys.modules, "datasets", types.SimpleNamespace(load_dataset=lambda *a, **k: _FakeStream(broken_rows()))
+    )
+    with pytest.raises(
+        DataError,
+        match=r"^data hf:org/big@train\?column=text&max_bytes=50000000: this machine "
+        r"cannot reach the Hugging Face hub \(offline\?\): \[Errno -3\]",
+    ):
         load_text("hf:org/big")
-    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(
-        load_dataset=lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom\nsecond line"))))
+    monkeypatch.setitem(
+        sys.modules,
+        "datasets",
+        types.SimpleNamespace(load_dataset=lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom\nsecond line"))),
+    )
     with pytest.raises(DataError) as ei:
         load_text("hf:org/big")
     assert str(ei.value) == "data hf:org/big@train?column=text&max_bytes=50000000: cannot load (RuntimeError: boom)"
@@ -425,7 +469,7 @@ def test_hf_streams_only_what_max_bytes_needs(monkeypatch):
 @pytest.mark.timeout(60)
 def test_hf_dataset_end_to_end(tmp_path, hf_offline, kjv):
     d = tmp_path / "corpus"
-    docs = [kjv[i:i + 3_000] for i in range(0, 60_000, 3_000)]
+    docs = [kjv[i : i + 3_000] for i in range(0, 60_000, 3_000)]
     _write_jsonl(d / "train.jsonl", [{"text": t} for t in docs])
     spec = f"hf:{d}?max_bytes=40000"
     ds1 = load_dataset(spec, seq_len=32, vocab_size=300, cache_dir=tmp_path / "c")

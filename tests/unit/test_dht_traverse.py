@@ -33,6 +33,7 @@ def _neighbors(edges, gate=None, calls=None):
         else:
             await asyncio.sleep(0)
         return {q: (tuple(edges[peer]), False) for q in queries}
+
     return get_neighbors
 
 
@@ -63,9 +64,16 @@ async def _cancel_mid_flight(lookup_fn) -> set:
     gate = asyncio.Event()
     calls: list = []
     before = asyncio.all_tasks()
-    lookup = asyncio.ensure_future(lookup_fn(
-        [ids[0]], ids[1:4], beam_size=4, num_workers=3, queries_per_call=1,
-        get_neighbors=_neighbors(edges, gate, calls)))
+    lookup = asyncio.ensure_future(
+        lookup_fn(
+            [ids[0]],
+            ids[1:4],
+            beam_size=4,
+            num_workers=3,
+            queries_per_call=1,
+            get_neighbors=_neighbors(edges, gate, calls),
+        )
+    )
     await until(lambda: len(calls) == 3, 5.0, "three find calls in flight")
     lookup.cancel()
     with pytest.raises(asyncio.CancelledError):
@@ -99,8 +107,16 @@ async def test_calls_in_flight_when_a_lookup_ends_early_are_handed_over():
 
     adopted: list = []
     before = asyncio.all_tasks()
-    nearest, _ = await scoped_traverse([ids[0]], ids[1:4], beam_size=4, num_workers=3, queries_per_call=1,
-                                       get_neighbors=get_neighbors, await_all_tasks=False, adopt=adopted.append)
+    nearest, _ = await scoped_traverse(
+        [ids[0]],
+        ids[1:4],
+        beam_size=4,
+        num_workers=3,
+        queries_per_call=1,
+        get_neighbors=get_neighbors,
+        await_all_tasks=False,
+        adopt=adopted.append,
+    )
     assert set(nearest[ids[0]]) == set(ids[1:4])
     assert len(adopted) == 1 and len(adopted[0]) == 2 and not any(t.done() for t in adopted[0])
     assert all(runs(get_neighbors)(t) for t in adopted[0])
@@ -120,6 +136,13 @@ async def test_without_adopt_the_calls_in_flight_are_cancelled():
         return {q: (tuple(edges[peer]), peer == stop_at) for q in queries}
 
     before = asyncio.all_tasks()
-    await scoped_traverse([ids[0]], ids[1:4], beam_size=4, num_workers=3, queries_per_call=1,
-                          get_neighbors=get_neighbors, await_all_tasks=False)
+    await scoped_traverse(
+        [ids[0]],
+        ids[1:4],
+        beam_size=4,
+        num_workers=3,
+        queries_per_call=1,
+        get_neighbors=get_neighbors,
+        await_all_tasks=False,
+    )
     assert asyncio.all_tasks() - before == set()

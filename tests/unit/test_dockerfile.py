@@ -131,8 +131,8 @@ def test_runs_as_a_non_root_user(dockerfile):
     assert user not in ("root", "0") and not user.startswith("0:")
     assert any(w == "RUN" and "useradd" in r and r.split("&&")[0].split()[-1] == user for w, r in runtime)
     # nothing after USER runs as root again, and the entry point comes after it
-    assert all(w != "USER" for w, _ in runtime[i + 1:])
-    assert any(w == "ENTRYPOINT" for w, _ in runtime[i + 1:])
+    assert all(w != "USER" for w, _ in runtime[i + 1 :])
+    assert any(w == "ENTRYPOINT" for w, _ in runtime[i + 1 :])
 
 
 def test_entry_point_is_the_peer_cli(dockerfile, project):
@@ -179,8 +179,9 @@ def test_dockerignore_sends_only_what_the_image_installs(dockerfile, project):
     for heavy in (".venv", ".git", "runs", "checkpoints", "tests", "benchmarks", "docs", ".hypothesis"):
         assert _ignored(heavy, patterns), heavy
     _, stages = dockerfile
-    sources = [src for st in stages for w, r in st if w == "COPY" and not r.startswith("--from")
-               for src in r.split()[:-1]]
+    sources = [
+        src for st in stages for w, r in st if w == "COPY" and not r.startswith("--from") for src in r.split()[:-1]
+    ]
     assert sources == ["pyproject.toml", "README.md", "geomesh_p2p", "peer", "bootstrap"]
     for src in sources:
         assert (ROOT / src).exists(), src
@@ -192,6 +193,7 @@ def test_dockerignore_sends_only_what_the_image_installs(dockerfile, project):
 
 
 # ------------------------------------------------------------------------------ the docs' examples
+
 
 def _shell_lines(path: Path) -> list[str]:
     """The commands of the fenced ``bash`` blocks of a Markdown file, continuation lines joined."""
@@ -223,7 +225,7 @@ def _docker_commands(kind: str) -> list[list[str]]:
 def _split_run(words: list[str]) -> tuple[list[str], str, list[str]]:
     """``docker run OPTIONS IMAGE ARGS`` -> (options, image, args); the image is the first word naming ours."""
     i = next(k for k, w in enumerate(words) if w.split(":")[0] == IMAGE)
-    return words[2:i], words[i], words[i + 1:]
+    return words[2:i], words[i], words[i + 1 :]
 
 
 def _option(opts: list[str], name: str) -> list[str]:
@@ -253,8 +255,11 @@ def test_every_docker_run_example_parses():
         for host_port, container_port in published:
             assert host_port == container_port, "peers announce the container's port: publish it unchanged"
         if getattr(ns, "command", None) == "join" or entry[0] == "geomesh-bootstrap":
-            reachable = ns.host == "0.0.0.0" and ns.advertise_host and (
-                [str(ns.port), str(ns.port)] in published or "host" in _option(opts, "--network"))
+            reachable = (
+                ns.host == "0.0.0.0"
+                and ns.advertise_host
+                and ([str(ns.port), str(ns.port)] in published or "host" in _option(opts, "--network"))
+            )
             if getattr(ns, "client_only", False):
                 assert not published, "a client-only peer accepts no connections"
                 kinds.add("client-only")

@@ -18,8 +18,11 @@ RANGES = [(0, 2 * B), (2 * B, 4 * B), (4 * B, P)]  # part ranges aligned to the 
 
 
 def _same_packet(a, b) -> bool:
-    return (a.numel, a.block_size, a.tokens) == (b.numel, b.block_size, b.tokens) and \
-        torch.equal(a.signs, b.signs) and torch.equal(a.scales, b.scales)
+    return (
+        (a.numel, a.block_size, a.tokens) == (b.numel, b.block_size, b.tokens)
+        and torch.equal(a.signs, b.signs)
+        and torch.equal(a.scales, b.scales)
+    )
 
 
 @pytest.mark.timeout(30)
@@ -117,13 +120,28 @@ async def test_driver_exchange_pushes_delta_plus_residual_and_a_foreign_resync_z
 
     fb, sim = PushFeedback(P, B), compression.ErrorFeedback(P, B)
     coll = _Collective()
-    d = RoundDriver(membership=None, plans=None, trainer=None, collective=coll, state=_State(), policy=_Policy(),
-                    cfg=DriverConfig(), stop=asyncio.Event(), feedback=fb)
+    d = RoundDriver(
+        membership=None,
+        plans=None,
+        trainer=None,
+        collective=coll,
+        state=_State(),
+        policy=_Policy(),
+        cfg=DriverConfig(),
+        stop=asyncio.Event(),
+        feedback=fb,
+    )
     g = torch.Generator().manual_seed(3)
     for r in range(2):
         delta = torch.randn(P, generator=g)
-        ctx = RoundContext(round=r, t_round=0.0, delta=delta.clone(), spec=_Spec(), plan=object(),
-                           result=type("R", (), {"tokens": 50})())  # the plan is only handed to the policy
+        ctx = RoundContext(
+            round=r,
+            t_round=0.0,
+            delta=delta.clone(),
+            spec=_Spec(),
+            plan=object(),
+            result=type("R", (), {"tokens": 50})(),
+        )  # the plan is only handed to the policy
         assert await d.exchange(ctx)
         want = sim.encode(delta, 50)
         got = compression.encode(coll.pushed[-1], block_size=B, tokens=50)

@@ -16,16 +16,31 @@ log = logging.getLogger("geomesh_p2p.test_events")
 
 
 def test_emit_logs_the_line_as_before_and_hands_the_event_to_captures(caplog):
-    with caplog.at_level(logging.WARNING, logger=log.name), events.capture() as got, \
-            events.capture("other") as others:
-        ev = events.emit(log, logging.WARNING, "peer_refused", "refusing %s: %s", "p1", "wrong run",
-                         peer="p1", reason="wrong run", n=3, ratio=float("nan"))
+    with caplog.at_level(logging.WARNING, logger=log.name), events.capture() as got, events.capture("other") as others:
+        ev = events.emit(
+            log,
+            logging.WARNING,
+            "peer_refused",
+            "refusing %s: %s",
+            "p1",
+            "wrong run",
+            peer="p1",
+            reason="wrong run",
+            n=3,
+            ratio=float("nan"),
+        )
     assert [r.getMessage() for r in caplog.records] == ["refusing p1: wrong run"]
     assert caplog.records[0].funcName == "test_emit_logs_the_line_as_before_and_hands_the_event_to_captures"
     assert got == [ev] and others == []
     assert {k: v for k, v in ev.items() if k != "t"} == {
-        "event": "peer_refused", "level": "WARNING", "message": "refusing p1: wrong run", "peer": "p1",
-        "reason": "wrong run", "n": 3, "ratio": ev["ratio"]}
+        "event": "peer_refused",
+        "level": "WARNING",
+        "message": "refusing p1: wrong run",
+        "peer": "p1",
+        "reason": "wrong run",
+        "n": 3,
+        "ratio": ev["ratio"],
+    }
     assert isinstance(ev["t"], float)
     # after the with, nothing is captured; an event below the log level is still recorded
     events.emit(log, logging.WARNING, "peer_refused", "late")
@@ -43,8 +58,10 @@ def test_the_json_sink_writes_one_line_per_event_next_to_the_round_log(tmp_path)
     assert events.open_json_sink(None) is None
     sink = events.open_json_sink(log_json)
     try:
-        threads = [threading.Thread(target=events.emit, args=(log, logging.INFO, "tick", "tick %d", i), kwargs={"i": i})
-                   for i in range(20)]
+        threads = [
+            threading.Thread(target=events.emit, args=(log, logging.INFO, "tick", "tick %d", i), kwargs={"i": i})
+            for i in range(20)
+        ]
         for t in threads:
             t.start()
         for t in threads:

@@ -34,9 +34,20 @@ def trained(tmp_path_factory):
     run = RunConfig(run_id="export-test", seq_len=32, pow_bits=0)
     ds = load_dataset(None, seq_len=run.seq_len, vocab_size=run.vocab_size)
     model = build_model(run.model, vocab_size=ds.vocab_size, seed=run.seed)
-    trainer = InnerTrainer(model, ds, device="cpu", seq_len=run.seq_len, optimizer=run.inner_optimizer,
-                           lr=run.inner_lr, weight_decay=0.1, warmup_steps=2, total_steps=100, seed=run.seed,
-                           peer_id="test-peer", amp=False)
+    trainer = InnerTrainer(
+        model,
+        ds,
+        device="cpu",
+        seq_len=run.seq_len,
+        optimizer=run.inner_optimizer,
+        lr=run.inner_lr,
+        weight_decay=0.1,
+        warmup_steps=2,
+        total_steps=100,
+        seed=run.seed,
+        peer_id="test-peer",
+        amp=False,
+    )
     first = trainer.run(round=0, inner_steps=4, batch_size=8)
     theta1 = flat_params(model)
     _save(d, run, 1, theta1, torch.zeros_like(theta1))
@@ -100,8 +111,22 @@ def test_export_round_trips_bitwise_and_generates(trained, tmp_path, capsys, mon
 
 
 def test_generate_and_checkpoints_commands(trained, capsys):
-    assert main(["generate", "--checkpoint-dir", str(trained["dir"]), "--prompt", "And God said",
-                 "--max-new-tokens", "6", "--temperature", "0"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "--checkpoint-dir",
+                str(trained["dir"]),
+                "--prompt",
+                "And God said",
+                "--max-new-tokens",
+                "6",
+                "--temperature",
+                "0",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out.strip()
     assert out.startswith("And God said") and len(out) > len("And God said")
     assert main(["checkpoints", str(trained["dir"]), "--verify"]) == 0
@@ -127,8 +152,12 @@ def test_bad_input_fails_with_one_line(trained, tmp_path, capsys):
     assert main(["export", "--checkpoint-dir", str(edited), "--out", str(tmp_path / "o2")]) == 1
     assert "hashes to" in _one_line_error(capsys, "geomesh-peer export: ")
     # another run than asked for
-    assert main(["export", "--checkpoint-dir", str(trained["dir"]), "--run-id", "other-run",
-                 "--out", str(tmp_path / "o3")]) == 1
+    assert (
+        main(
+            ["export", "--checkpoint-dir", str(trained["dir"]), "--run-id", "other-run", "--out", str(tmp_path / "o3")]
+        )
+        == 1
+    )
     assert "not 'other-run'" in _one_line_error(capsys, "geomesh-peer export: ")
     # a round that is not there
     assert main(["export", "--checkpoint-dir", str(trained["dir"]), "--round", "7", "--out", str(tmp_path / "o4")]) == 1

@@ -58,9 +58,20 @@ def _progress(rnd=7):
 
 
 def _rec(peer_id: str, rnd: int, digest="ab" * 32) -> PeerRecord:
-    return PeerRecord(peer_id=peer_id, address="127.0.0.1:7000", device="cpu", memory_bytes=1, max_batch=1,
-                      upload_bps=1e6, download_bps=1e6, version="0", protocol_version=0, run_config_hash="x",
-                      round=rnd, weights_digest=digest)
+    return PeerRecord(
+        peer_id=peer_id,
+        address="127.0.0.1:7000",
+        device="cpu",
+        memory_bytes=1,
+        max_batch=1,
+        upload_bps=1e6,
+        download_bps=1e6,
+        version="0",
+        protocol_version=0,
+        run_config_hash="x",
+        round=rnd,
+        weights_digest=digest,
+    )
 
 
 def _empty_swarm_node(monkeypatch, progress, peers_seq=(), **cfg):
@@ -105,8 +116,14 @@ async def test_empty_swarm_seed_says_so_and_keeps_round_0(monkeypatch, caplog):
     with caplog.at_level(logging.INFO, logger="geomesh_p2p.node"):
         await node._on_empty_swarm()
     msgs = [r.getMessage() for r in caplog.records]
-    assert any(re.search(r"run 'geomesh-demo' was at round 7 \(bootstrap Bootstra saw 3 peer\(s\) 3\d s ago\) "
-                         r"but no peer of it is live now", m) for m in msgs), msgs
+    assert any(
+        re.search(
+            r"run 'geomesh-demo' was at round 7 \(bootstrap Bootstra saw 3 peer\(s\) 3\d s ago\) "
+            r"but no peer of it is live now",
+            m,
+        )
+        for m in msgs
+    ), msgs
     assert any("--on-empty-swarm seed: starting the run again from the seed at round 0" in m for m in msgs), msgs
     assert calls == {"peers": 0, "catch_up": 0, "set_state": []}
 
@@ -115,15 +132,15 @@ async def test_empty_swarm_resume_without_checkpoint_fails_in_one_line(monkeypat
     node, _ = _empty_swarm_node(monkeypatch, _progress(7), on_empty_swarm="resume")
     with pytest.raises(UserFacingError, match=r"^--on-empty-swarm resume needs --checkpoint-dir"):
         await node._on_empty_swarm()
-    node, _ = _empty_swarm_node(monkeypatch, _progress(7), on_empty_swarm="resume",
-                                checkpoint_dir=str(tmp_path / "empty"))
+    node, _ = _empty_swarm_node(
+        monkeypatch, _progress(7), on_empty_swarm="resume", checkpoint_dir=str(tmp_path / "empty")
+    )
     with pytest.raises(UserFacingError, match=rf"^--on-empty-swarm resume: no checkpoint in {tmp_path}/empty$"):
         await node._on_empty_swarm()
 
 
 async def test_empty_swarm_resume_takes_the_newest_checkpoint(monkeypatch, tmp_path):
-    node, calls = _empty_swarm_node(monkeypatch, _progress(7), on_empty_swarm="resume",
-                                    checkpoint_dir=str(tmp_path))
+    node, calls = _empty_swarm_node(monkeypatch, _progress(7), on_empty_swarm="resume", checkpoint_dir=str(tmp_path))
     node.state_numel = 4
     theta, mom = torch.arange(4, dtype=torch.float32), torch.full((4,), 0.5)
     gstate.save_checkpoint(tmp_path, round=5, theta=theta, momentum=mom, meta={"run_config_hash": node.config_hash})
@@ -202,8 +219,9 @@ def test_join_flags_parse_addresses_with_the_one_parser_and_take_a_metrics_host(
     assert warn is not None and "[2001:db8::1]:5 is on another machine" in warn
 
 
-@pytest.mark.parametrize("bad, why", [("::1:5", "needs brackets"), ("host", "has no port"),
-                                      ("h:70000", "not a number in 1..65535")])
+@pytest.mark.parametrize(
+    "bad, why", [("::1:5", "needs brackets"), ("host", "has no port"), ("h:70000", "not a number in 1..65535")]
+)
 def test_a_bad_bootstrap_address_is_refused_naming_why(bad, why, capsys):
     from peer.cli import build_parser
 
@@ -222,5 +240,3 @@ def _start_entry(swarm, name, *args) -> str:
     """Start ``name`` on port 0; returns the address it bound (HOST:PORT), for the others' --bootstrap."""
     swarm.peer(name, *args)
     return swarm.address(name)
-
-

@@ -53,8 +53,12 @@ def test_envelope_binds_every_field():
     ok = v.verify(msg, kind="k", check_replay=False)
     assert (ok.sender, ok.round, ok.payload, ok.kind) == (ident.peer_id, 3, b"p", "k")
     # Any change to a signed header field breaks the signature.
-    for field, value in [("round", 4), ("kind", "k2"), ("timestamp", msg.envelope.timestamp + 1),
-                         ("nonce", os.urandom(16))]:
+    for field, value in [
+        ("round", 4),
+        ("kind", "k2"),
+        ("timestamp", msg.envelope.timestamp + 1),
+        ("nonce", os.urandom(16)),
+    ]:
         m = type(msg)()
         m.CopyFrom(msg)
         setattr(m.envelope, field, value)

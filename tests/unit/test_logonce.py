@@ -47,12 +47,29 @@ def test_capacity_bounds_memory_least_recently_seen_forgotten(caplog):
 def test_event_passed_through_once():
     once = LogOnce(log)
     with events.capture() as got:
-        once(("p", "why"), logging.DEBUG, "ignoring %s: %s", "p", "why", event="record_not_admitted", peer="p",
-             reason="why")
-        once(("p", "why"), logging.DEBUG, "ignoring %s: %s", "p", "why", event="record_not_admitted", peer="p",
-             reason="why")
+        once(
+            ("p", "why"),
+            logging.DEBUG,
+            "ignoring %s: %s",
+            "p",
+            "why",
+            event="record_not_admitted",
+            peer="p",
+            reason="why",
+        )
+        once(
+            ("p", "why"),
+            logging.DEBUG,
+            "ignoring %s: %s",
+            "p",
+            "why",
+            event="record_not_admitted",
+            peer="p",
+            reason="why",
+        )
     assert [(e["event"], e["level"], e["message"], e["peer"], e["reason"]) for e in got] == [
-        ("record_not_admitted", "DEBUG", "ignoring p: why", "p", "why")]
+        ("record_not_admitted", "DEBUG", "ignoring p: why", "p", "why")
+    ]
 
 
 def test_fields_without_event_and_bad_capacity_are_refused():

@@ -38,15 +38,18 @@ def _one_thread():
 
 def _trainer(peer: str, steps_per_round=4) -> InnerTrainer:
     model = build_model("tiny", vocab_size=RandomTokens.vocab_size, seed=0)
-    return InnerTrainer(model, RandomTokens(), seq_len=SEQ, peer_id=peer, steps_per_round=steps_per_round,
-                        **SCHEDULE)
+    return InnerTrainer(model, RandomTokens(), seq_len=SEQ, peer_id=peer, steps_per_round=steps_per_round, **SCHEDULE)
 
 
 def _round_lrs(t: InnerTrainer, round: int, inner_steps: int) -> list[float]:
     """The learning rate of each inner step of one round (read after each step)."""
     lrs: list[float] = []
-    res = t.run(round=round, inner_steps=inner_steps, batch_size=1,
-                progress=lambda k, loss, tps: lrs.append(t.optimizer.param_groups[0]["lr"]))
+    res = t.run(
+        round=round,
+        inner_steps=inner_steps,
+        batch_size=1,
+        progress=lambda k, loss, tps: lrs.append(t.optimizer.param_groups[0]["lr"]),
+    )
     assert res.steps_done == inner_steps
     return lrs
 

@@ -12,20 +12,40 @@ from geomesh_p2p.node import RunConfig
 pytestmark = pytest.mark.timeout(60)
 
 
-@pytest.mark.parametrize("method,compressed,push,agg,balanced,steps,rule,align,slots,grad", [
-    ("geomesh", True, "sign", "int8", True, None, "meanmed", 1024, 1, False),
-    ("awb", False, "fp32", "fp32", True, None, "mean", 1, 1, False),
-    ("css", True, "sign", "int8", False, 7, "meanmed", 1024, 1, False),
-    ("diloco", False, "fp32", "fp32", False, 7, "mean", 1, 1, False),
-    ("ddp", False, "fp32", "fp32", False, 1, "mean", 1, 2, True),
-])
+@pytest.mark.parametrize(
+    "method,compressed,push,agg,balanced,steps,rule,align,slots,grad",
+    [
+        ("geomesh", True, "sign", "int8", True, None, "meanmed", 1024, 1, False),
+        ("awb", False, "fp32", "fp32", True, None, "mean", 1, 1, False),
+        ("css", True, "sign", "int8", False, 7, "meanmed", 1024, 1, False),
+        ("diloco", False, "fp32", "fp32", False, 7, "mean", 1, 1, False),
+        ("ddp", False, "fp32", "fp32", False, 1, "mean", 1, 2, True),
+    ],
+)
 def test_rule_of_every_method(method, compressed, push, agg, balanced, steps, rule, align, slots, grad):
-    cfg = RunConfig(method=method, mode="reencode", aggregate_encoding="int8", aggregation="meanmed",
-                    block_size=1024, uniform_inner_steps=7)
+    cfg = RunConfig(
+        method=method,
+        mode="reencode",
+        aggregate_encoding="int8",
+        aggregation="meanmed",
+        block_size=1024,
+        uniform_inner_steps=7,
+    )
     m = MethodRule.from_run(cfg)
-    assert (m.method, m.mode, m.compressed, m.push_encoding, m.aggregate_encoding) == (method, "reencode", compressed,
-                                                                                       push, agg)
-    assert (m.balanced, m.uniform_inner_steps, m.rule, m.part_align, m.block_size) == (balanced, steps, rule, align, 1024)
+    assert (m.method, m.mode, m.compressed, m.push_encoding, m.aggregate_encoding) == (
+        method,
+        "reencode",
+        compressed,
+        push,
+        agg,
+    )
+    assert (m.balanced, m.uniform_inner_steps, m.rule, m.part_align, m.block_size) == (
+        balanced,
+        steps,
+        rule,
+        align,
+        1024,
+    )
     assert (m.outer_state_slots, m.exchanges_gradient) == (slots, grad)
     assert m.balanced == (method in BALANCED_METHODS)
     with pytest.raises(dataclasses.FrozenInstanceError):

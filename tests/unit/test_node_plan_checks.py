@@ -15,9 +15,20 @@ pytestmark = pytest.mark.timeout(30)
 
 
 def _rec(ident, addr):
-    return PeerRecord(peer_id=str(ident.peer_id), address=addr, device="cpu", memory_bytes=1 << 30,
-                      tokens_per_s={8: 1000.0}, max_batch=8, upload_bps=1e7, download_bps=1e7, version="0.1.0",
-                      run_config_hash="h", round=2, weights_digest="d")
+    return PeerRecord(
+        peer_id=str(ident.peer_id),
+        address=addr,
+        device="cpu",
+        memory_bytes=1 << 30,
+        tokens_per_s={8: 1000.0},
+        max_batch=8,
+        upload_bps=1e7,
+        download_bps=1e7,
+        version="0.1.0",
+        run_config_hash="h",
+        round=2,
+        weights_digest="d",
+    )
 
 
 @pytest.fixture
@@ -28,8 +39,16 @@ def node_and_plan():
     node = PeerNode(run, NodeConfig(), identity=ids[0])
     node.numel = 5000
     cfg = PlanConfig(seq_len=32, target_batch=8, window_s=5.0, payload_bytes=1000, mode=run.mode, method=run.method)
-    plan = plan_round(recs, cfg, run_id=run.run_id, round=2, leader=recs[1].peer_id, numel=5000,
-                      start_time=time.time() + 1, start_digest="d")
+    plan = plan_round(
+        recs,
+        cfg,
+        run_id=run.run_id,
+        round=2,
+        leader=recs[1].peer_id,
+        numel=5000,
+        start_time=time.time() + 1,
+        start_digest="d",
+    )
     return node, plan, {r.peer_id: r for r in recs}
 
 
@@ -46,8 +65,9 @@ def test_rogue_or_broken_plans_are_refused(node_and_plan):
         "not a live peer": plan.model_copy(update={"leader": str(rogue.peer_id)}),
         "unreasonably far": plan.model_copy(update={"exchange_deadline": time.time() + 3600}),
     }
-    moved = [a.model_copy(update={"address": "10.9.9.9:1"}) if a.part_end > a.part_start else a
-             for a in plan.assignments]
+    moved = [
+        a.model_copy(update={"address": "10.9.9.9:1"}) if a.part_end > a.part_start else a for a in plan.assignments
+    ]
     cases["its record says"] = plan.model_copy(update={"assignments": moved})
     for expected, bad in cases.items():
         reason = node._plan_problem(bad, live)
@@ -94,8 +114,13 @@ def test_records_refuse_values_that_would_break_the_planner():
     from pydantic import ValidationError
 
     base = _rec(Identity.generate(), "127.0.0.1:7000").model_dump()
-    for field, value in [("tokens_per_s", {4: 1e-300}), ("max_batch", 10**30), ("timestamp", 1e300),
-                         ("upload_bps", 1e-300), ("memory_bytes", 10**30)]:
+    for field, value in [
+        ("tokens_per_s", {4: 1e-300}),
+        ("max_batch", 10**30),
+        ("timestamp", 1e300),
+        ("upload_bps", 1e-300),
+        ("memory_bytes", 10**30),
+    ]:
         with pytest.raises(ValidationError):
             PeerRecord.model_validate({**base, field: value})
 

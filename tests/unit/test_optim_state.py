@@ -8,8 +8,14 @@ import pytest
 import torch
 
 from geomesh_p2p.optim import OuterNesterov
-from geomesh_p2p.state import (CheckpointError, StateError, digest, list_checkpoints, load_latest_checkpoint,
-                               save_checkpoint)
+from geomesh_p2p.state import (
+    CheckpointError,
+    StateError,
+    digest,
+    list_checkpoints,
+    load_latest_checkpoint,
+    save_checkpoint,
+)
 
 P = 10_007
 
@@ -22,6 +28,7 @@ def _inputs(seed, steps=20, n=P):
 
 
 # --- OuterNesterov -------------------------------------------------------------------
+
 
 def test_outer_nesterov_matches_float64_reference():
     theta, aggs = _inputs(0)
@@ -97,14 +104,14 @@ def test_outer_state_dict_roundtrip_and_input_checks():
 
 # --- digest --------------------------------------------------------------------------
 
+
 def test_digest_definition_and_sensitivity():
     theta, (mom, *_) = _inputs(4, steps=1)
     d = digest(theta)
     assert len(d) == 32 and int(d, 16) >= 0
     expect = hashlib.blake2b(theta.numpy().astype("<f4").tobytes()).hexdigest()[:32]
     assert d == expect
-    both = hashlib.blake2b(theta.numpy().astype("<f4").tobytes()
-                           + mom.numpy().astype("<f4").tobytes()).hexdigest()[:32]
+    both = hashlib.blake2b(theta.numpy().astype("<f4").tobytes() + mom.numpy().astype("<f4").tobytes()).hexdigest()[:32]
     assert digest(theta, mom) == both != d
     flipped = theta.clone()
     flipped.view(torch.int32)[123] ^= 1  # one bit of one element
@@ -116,18 +123,24 @@ def test_digest_definition_and_sensitivity():
 
 # --- checkpoints ---------------------------------------------------------------------
 
+
 def test_checkpoint_roundtrip_bitwise_and_atomic(tmp_path):
     assert load_latest_checkpoint(tmp_path / "none") is None
     assert load_latest_checkpoint(tmp_path) is None
     theta, (mom, *_) = _inputs(5, steps=1)
     theta[0] = -0.0
     for r in range(5):
-        path = save_checkpoint(tmp_path, round=r, theta=theta + r, momentum=mom,
-                               meta={"run_config_hash": "abc123", "peer": "x"}, keep=2)
+        path = save_checkpoint(
+            tmp_path, round=r, theta=theta + r, momentum=mom, meta={"run_config_hash": "abc123", "peer": "x"}, keep=2
+        )
     assert path.name == "ckpt-00000004.json"
     names = sorted(os.listdir(tmp_path))
-    assert names == ["ckpt-00000003.json", "ckpt-00000003.safetensors",
-                     "ckpt-00000004.json", "ckpt-00000004.safetensors"]  # keep=2, no temp files
+    assert names == [
+        "ckpt-00000003.json",
+        "ckpt-00000003.safetensors",
+        "ckpt-00000004.json",
+        "ckpt-00000004.safetensors",
+    ]  # keep=2, no temp files
     rnd, th, mo, rec = load_latest_checkpoint(tmp_path)
     assert rnd == 4 and torch.equal(th, theta + 4) and torch.equal(mo, mom)
     assert th.dtype == torch.float32
@@ -149,6 +162,7 @@ def test_checkpoint_failed_write_leaves_previous(tmp_path, monkeypatch):
         raise OSError("disk full")
 
     import safetensors.torch
+
     monkeypatch.setattr(safetensors.torch, "save_file", boom)
     with pytest.raises(OSError, match="disk full"):
         save_checkpoint(tmp_path, round=2, theta=theta + 1, momentum=None, meta={})
@@ -178,12 +192,18 @@ def test_corrupt_checkpoint_rejected(tmp_path):
 
 # --- SyncAdamW (the ddp baseline's step) ---------------------------------------------------
 
+
 def _adamw_reference(theta, aggs, mask, lrs, betas=(0.9, 0.95), eps=1e-8, wd=0.1):
     """torch.optim.AdamW, one param group per mask value, fed the same gradients."""
     p_dec = torch.nn.Parameter(theta[mask.bool()].clone())
     p_nod = torch.nn.Parameter(theta[~mask.bool()].clone())
-    opt = torch.optim.AdamW([{"params": [p_dec], "weight_decay": wd}, {"params": [p_nod], "weight_decay": 0.0}],
-                            lr=lrs[0], betas=betas, eps=eps, foreach=False)
+    opt = torch.optim.AdamW(
+        [{"params": [p_dec], "weight_decay": wd}, {"params": [p_nod], "weight_decay": 0.0}],
+        lr=lrs[0],
+        betas=betas,
+        eps=eps,
+        foreach=False,
+    )
     for g, lr in zip(aggs, lrs):
         for group in opt.param_groups:
             group["lr"] = lr
@@ -256,16 +276,19 @@ def test_ddp_step_equals_adamw_on_the_union_of_the_peers_batches(tmp_path):
     ds = load_dataset(None, seq_len=32, cache_dir=tmp_path)
     model = build_model("tiny", vocab_size=ds.vocab_size, seed=0)
     theta0 = flat_params(model)
-    trainers = [InnerTrainer(build_model("tiny", vocab_size=ds.vocab_size, seed=0), ds, seq_len=32, peer_id=f"p{i}")
-                for i in range(2)]
+    trainers = [
+        InnerTrainer(build_model("tiny", vocab_size=ds.vocab_size, seed=0), ds, seq_len=32, peer_id=f"p{i}")
+        for i in range(2)
+    ]
     grads = [t.gradient(round=0, batch_size=4)[0] for t in trainers]
     mean = token_weighted_mean([(128, g) for g in grads], theta0.numel(), clip_k=None, encoding="fp32")
     theta = theta0.clone()
     SyncAdamW(lambda r: 1e-3, decay_mask=trainers[0].decay_mask()).step(theta, mean, round=0)
     # reference: one model, both batches as one batch of 8, torch AdamW
     ref = InnerTrainer(model, ds, seq_len=32, peer_id="ref", lr=1e-3, grad_clip=0.0, warmup_steps=0)
-    batch = torch.cat([ds.sample_batch(seed=0, peer_id=f"p{i}", round=0, step=0, batch_size=4, seq_len=32)
-                       for i in range(2)])
+    batch = torch.cat(
+        [ds.sample_batch(seed=0, peer_id=f"p{i}", round=0, step=0, batch_size=4, seq_len=32) for i in range(2)]
+    )
     ref.optimizer.zero_grad()
     ref.accumulate_grad(batch)
     ref._set_lr()

@@ -33,9 +33,11 @@ async def _run(peers, rounds: int) -> None:
 
 def _side_by_majority(p):
     """The fakes' vote: the round most other peers announce with a digest (the later one on a tie)."""
+
     def vote(records):
         rounds = [r.round for r in records if r.peer_id != p.me and r.weights_digest]
         return max(set(rounds), key=lambda x: (rounds.count(x), x)) if rounds else None
+
     return vote
 
 
@@ -51,8 +53,9 @@ async def test_the_losing_side_of_a_healed_partition_logs_what_it_discards(caplo
     await _run(a, 4)  # partitioned: side A trains rounds 1-3, side B rounds 1-2
     await _run(b, 3)
     assert {p.round for p in a} == {4} and {p.round for p in b} == {3} and a[0].digest != b[0].digest
-    assert all(p.drv.history[0].peers == 4 for p in peers) and all(row.peers == 2 for p in peers
-                                                                     for row in p.drv.history[1:])
+    assert all(p.drv.history[0].peers == 4 for p in peers) and all(
+        row.peers == 2 for p in peers for row in p.drv.history[1:]
+    )
     for p in peers:
         p.leaving = False  # they ran their rounds: still live, not leaving
     healed = Swarm()  # the partition heals: everyone sees everyone's records
@@ -72,7 +75,8 @@ async def test_the_losing_side_of_a_healed_partition_logs_what_it_discards(caplo
     assert lines == [
         f"re-synced to the state of round 4 (digest {a[0].digest[:8]}), not of this peer's lineage: its side of a "
         f"partition lost; discarded 2 round(s) trained since the fork (rounds 1-2) by 2 peer(s) of this side "
-        f"({ids}), {side} tokens ({own} of them this peer's). Rule: {SURVIVOR_RULE}"]
+        f"({ids}), {side} tokens ({own} of them this peer's). Rule: {SURVIVOR_RULE}"
+    ]
     assert [e.round for e in loser.drv.lineage] == [0]  # the discarded rounds are forgotten
     # the winning side re-syncs to nothing; a catch-up along its own lineage logs nothing either
     caplog.clear()

@@ -310,8 +310,9 @@ def swarms(draw):
         client = draw(st.booleans()) if i > 0 else False  # at least one owner
         half = draw(st.floats(0.5, 64.0))
         recs.append(
-            make_record(f"peer{i:02d}", peak, max_batch, up, down, client_only=client, measured=tuple(measured),
-                        half_batch=half)
+            make_record(
+                f"peer{i:02d}", peak, max_batch, up, down, client_only=client, measured=tuple(measured), half_batch=half
+            )
         )
     rng = random.Random(draw(st.integers(0, 2**16)))
     rng.shuffle(recs)
@@ -370,8 +371,9 @@ def test_awb_plan_properties(recs, cfg, numel):
         if r.client_only:
             assert a.part_start == a.part_end
     # explicit window is an upper bound unless the slowest peer's min steps need more
-    feasible = max(a.predicted_comm_s + cfg.min_inner_steps * a.predicted_compute_s / a.inner_steps
-                   for a in plan.assignments)
+    feasible = max(
+        a.predicted_comm_s + cfg.min_inner_steps * a.predicted_compute_s / a.inner_steps for a in plan.assignments
+    )
     window_capped = cfg.window_s is not None and T <= max(cfg.window_s, feasible) * (1 + 1e-9)
     if cfg.window_s is not None:
         assert window_capped
@@ -395,7 +397,9 @@ def test_awb_plan_properties(recs, cfg, numel):
     # deterministic and independent of the input order
     data = plan.to_bytes()
     assert plan_round(recs, cfg, numel=numel, **PLAN_KW).to_bytes() == data
-    assert plan_round(sorted(recs, key=lambda r: r.peer_id, reverse=True), cfg, numel=numel, **PLAN_KW).to_bytes() == data
+    assert (
+        plan_round(sorted(recs, key=lambda r: r.peer_id, reverse=True), cfg, numel=numel, **PLAN_KW).to_bytes() == data
+    )
     assert RoundPlan.from_bytes(data) == plan
 
 
@@ -428,9 +432,7 @@ def test_uniform_plan_properties(recs, cfg, numel):
 )
 def test_partition_properties(numel, bws, align):
     assume(any(b is not None for b in bws))
-    recs = [
-        make_record(f"n{i:02d}", 100.0, 1, b or 1e6, client_only=b is None) for i, b in enumerate(bws)
-    ]
+    recs = [make_record(f"n{i:02d}", 100.0, 1, b or 1e6, client_only=b is None) for i, b in enumerate(bws)]
     parts = partition(numel, recs, align=align)
     assert [p[0] for p in parts] == sorted(r.peer_id for r in recs)
     pos = 0
@@ -449,9 +451,18 @@ def test_slow_peer_takes_a_smaller_batch_when_big_steps_would_idle():
     step fits (49% idle); batch 8 (277 tokens/s) steps in 1.85 s and fits 3: 24 sequences instead of
     16 in the same window, 21% idle."""
     fast = make_record("a", peak_tps=4000, max_batch=16, up_bps=1e9, measured=(4, 8, 16), half_batch=1)
-    slow = PeerRecord(peer_id="b", address="b.example:7000", device="dev-b", memory_bytes=GB,
-                      tokens_per_s={8: 64 * 8 / 1.85, 16: 64 * 16 / 3.6}, max_batch=16, upload_bps=1e9,
-                      download_bps=1e9, version="0.1.0", run_config_hash="cfg")
+    slow = PeerRecord(
+        peer_id="b",
+        address="b.example:7000",
+        device="dev-b",
+        memory_bytes=GB,
+        tokens_per_s={8: 64 * 8 / 1.85, 16: 64 * 16 / 3.6},
+        max_batch=16,
+        upload_bps=1e9,
+        download_bps=1e9,
+        version="0.1.0",
+        run_config_hash="cfg",
+    )
     cfg = PlanConfig(seq_len=64, target_batch=8, window_s=7.0, payload_bytes=1000, latency_s=0.0, window_slack=0.0)
     plan = plan_round([fast, slow], cfg, numel=1000, **PLAN_KW)
     b = plan.assignment("b")

@@ -148,8 +148,11 @@ def test_build_training_profiles_the_model_in_place_and_holds_the_budget(monkeyp
         return real(model, seq_len, device, memory_bytes, **kw)
 
     monkeypatch.setattr("geomesh_p2p.node.profile_training", spy)
-    node = PeerNode(RunConfig(seq_len=32), NodeConfig(profile_batches=[1, 2], memory_budget_bytes=6 << 30,
-                                                      device="cpu"), identity=Identity.generate())
+    node = PeerNode(
+        RunConfig(seq_len=32),
+        NodeConfig(profile_batches=[1, 2], memory_budget_bytes=6 << 30, device="cpu"),
+        identity=Identity.generate(),
+    )
     node.transport = _FakeTransport()
     node.state_server = types.SimpleNamespace(serve=lambda gs: seen.setdefault("served", gs))
     node._build_training()
@@ -169,8 +172,11 @@ def test_build_training_refuses_a_budget_below_the_model_in_one_line():
     from geomesh_p2p.identity import Identity
     from geomesh_p2p.node import PeerNode
 
-    node = PeerNode(RunConfig(seq_len=32), NodeConfig(profile_batches=[1], memory_budget_bytes=64 << 20, device="cpu"),
-                    identity=Identity.generate())
+    node = PeerNode(
+        RunConfig(seq_len=32),
+        NodeConfig(profile_batches=[1], memory_budget_bytes=64 << 20, device="cpu"),
+        identity=Identity.generate(),
+    )
     node.transport = _FakeTransport()
     with pytest.raises(UserFacingError, match="cannot train tiny here: memory budget 0.06 GiB is below"):
         node._build_training()

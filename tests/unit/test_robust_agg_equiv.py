@@ -35,8 +35,14 @@ def _signed_weights(items: Sequence[tuple[int, Any]]) -> list[torch.Tensor]:
     return out
 
 
-def reference_robust_sign(items: Sequence[tuple[int, Any]], numel: int, rule: str, weight_cap: Optional[float],
-                          min_agreement: Optional[float], dropped: Optional[list] = None) -> torch.Tensor:
+def reference_robust_sign(
+    items: Sequence[tuple[int, Any]],
+    numel: int,
+    rule: str,
+    weight_cap: Optional[float],
+    min_agreement: Optional[float],
+    dropped: Optional[list] = None,
+) -> torch.Tensor:
     pos = [(int(n), p) for n, p in items if int(n) > 0]
     if not pos:
         return torch.zeros(numel, dtype=torch.float32)
@@ -45,7 +51,9 @@ def reference_robust_sign(items: Sequence[tuple[int, Any]], numel: int, rule: st
     block = pos[0][1].block_size
 
     def combine(chosen, t):
-        toks = [n for n, _ in chosen] if weight_cap is None else _cap([n for n, _ in chosen], max(1, int(t * weight_cap)))
+        toks = (
+            [n for n, _ in chosen] if weight_cap is None else _cap([n for n, _ in chosen], max(1, int(t * weight_cap)))
+        )
         sw = _signed_weights([(w, p) for w, (_, p) in zip(toks, chosen)])
         v = torch.zeros(numel, dtype=torch.float32)
         for x in sw:
@@ -53,8 +61,9 @@ def reference_robust_sign(items: Sequence[tuple[int, Any]], numel: int, rule: st
         total = sum(toks)
         wsum = torch.zeros_like(chosen[0][1].scales)
         for n, (_, p) in zip(toks, chosen):
-            wsum = wsum + torch.where(p.scales > 0, torch.tensor(n / total, dtype=torch.float32),
-                                      torch.zeros((), dtype=torch.float32))
+            wsum = wsum + torch.where(
+                p.scales > 0, torch.tensor(n / total, dtype=torch.float32), torch.zeros((), dtype=torch.float32)
+            )
         den = wsum.repeat_interleave(block)[:numel]
         v = torch.where(den > 0, v / torch.where(den > 0, den, torch.ones((), dtype=torch.float32)), v)
         return v, sw
@@ -86,8 +95,11 @@ def reference_robust_sign(items: Sequence[tuple[int, Any]], numel: int, rule: st
 
 
 def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype == torch.float32 and a.shape == b.shape and torch.equal(a.view(torch.int32),
-                                                                                      b.view(torch.int32))
+    return (
+        a.dtype == b.dtype == torch.float32
+        and a.shape == b.shape
+        and torch.equal(a.view(torch.int32), b.view(torch.int32))
+    )
 
 
 def _check(items, numel, rule, weight_cap, min_agreement):
@@ -99,8 +111,9 @@ def _check(items, numel, rule, weight_cap, min_agreement):
     assert d_new == d_ref
     out = torch.full((numel,), 7.0)
     d_out = []
-    res = aggregate_part(items, numel, rule=rule, weight_cap=weight_cap, min_agreement=min_agreement, dropped=d_out,
-                         out=out)
+    res = aggregate_part(
+        items, numel, rule=rule, weight_cap=weight_cap, min_agreement=min_agreement, dropped=d_out, out=out
+    )
     assert res is out and _bits_equal(out, ref) and d_out == d_ref
     return d_ref
 

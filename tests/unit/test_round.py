@@ -60,9 +60,20 @@ class MemoryDHT:
 
 
 def _record(ident: Identity, speed: float, address: str | None = "127.0.0.1:1") -> PeerRecord:
-    return PeerRecord(peer_id=str(ident.peer_id), address=address, device="cpu", memory_bytes=8 << 30,
-                      tokens_per_s={4: 1000 * speed, 8: 1800 * speed}, max_batch=8, upload_bps=1e7,
-                      download_bps=1e7, version="0.1.0", run_config_hash="h", round=3, weights_digest="d0")
+    return PeerRecord(
+        peer_id=str(ident.peer_id),
+        address=address,
+        device="cpu",
+        memory_bytes=8 << 30,
+        tokens_per_s={4: 1000 * speed, 8: 1800 * speed},
+        max_batch=8,
+        upload_bps=1e7,
+        download_bps=1e7,
+        version="0.1.0",
+        run_config_hash="h",
+        round=3,
+        weights_digest="d0",
+    )
 
 
 CFG = PlanConfig(seq_len=64, target_batch=8, window_s=5.0, payload_bytes=10_000)
@@ -70,8 +81,17 @@ CFG = PlanConfig(seq_len=64, target_batch=8, window_s=5.0, payload_bytes=10_000)
 
 def _planner(round_):
     def make(members, leader):
-        return plan_round(members, CFG, run_id=RUN, round=round_, leader=leader, numel=1000,
-                          start_time=time.time() + 1, start_digest="d0")
+        return plan_round(
+            members,
+            CFG,
+            run_id=RUN,
+            round=round_,
+            leader=leader,
+            numel=1000,
+            start_time=time.time() + 1,
+            start_digest="d0",
+        )
+
     return make
 
 
@@ -90,9 +110,12 @@ async def test_all_peers_follow_one_plan_and_leader_is_first_in_order():
     ids = [Identity.generate() for _ in range(4)]
     members = [_record(i, s) for i, s in zip(ids, (1.0, 0.55, 0.45, 0.4))]
     dht = MemoryDHT()
-    plans = await asyncio.gather(*[
-        obtain_plan(PlanStore(dht.view(), i, RUN), 3, members, _planner(3), plan_timeout_s=1.0, settle_s=0.1)
-        for i in ids])
+    plans = await asyncio.gather(
+        *[
+            obtain_plan(PlanStore(dht.view(), i, RUN), 3, members, _planner(3), plan_timeout_s=1.0, settle_s=0.1)
+            for i in ids
+        ]
+    )
     assert len({p.to_bytes() for p in plans}) == 1
     assert plans[0].leader == leader_order(RUN, 3, [m.peer_id for m in members])[0]
     assert set(plans[0].participants()) == {m.peer_id for m in members}
@@ -106,9 +129,12 @@ async def test_leader_dies_before_publishing_next_takes_over_within_timeout():
     alive = [i for i in ids if i is not dead]
     dht = MemoryDHT()
     with events.capture("plan_takeover") as takeovers:
-        plans = await asyncio.gather(*[
-            obtain_plan(PlanStore(dht.view(), i, RUN), 5, members, _planner(5), plan_timeout_s=1.0, settle_s=0.1)
-            for i in alive])
+        plans = await asyncio.gather(
+            *[
+                obtain_plan(PlanStore(dht.view(), i, RUN), 5, members, _planner(5), plan_timeout_s=1.0, settle_s=0.1)
+                for i in alive
+            ]
+        )
     assert {p.leader for p in plans} == {order[1]}
     # the second-ranked took over once, after one plan timeout (its turn's delay), not before it
     [t] = takeovers
@@ -129,10 +155,19 @@ async def test_a_leader_whose_planner_fails_hands_the_round_to_the_next():
         raise ValueError("upload_bps=inf must be a positive finite bandwidth")
 
     dht = MemoryDHT()
-    plans = await asyncio.gather(*[
-        obtain_plan(PlanStore(dht.view(), i, RUN), 6, members, failing if i is broken else good,
-                    plan_timeout_s=1.0, settle_s=0.1)
-        for i in ids])
+    plans = await asyncio.gather(
+        *[
+            obtain_plan(
+                PlanStore(dht.view(), i, RUN),
+                6,
+                members,
+                failing if i is broken else good,
+                plan_timeout_s=1.0,
+                settle_s=0.1,
+            )
+            for i in ids
+        ]
+    )
     assert {p.leader for p in plans} == {order[1]}
     assert len({p.to_bytes() for p in plans}) == 1
 
@@ -149,13 +184,17 @@ async def test_split_views_still_follow_one_plan():
     dht = MemoryDHT()
     key = f"{RUN}/plan/7"
     # The partial-view peer publishes first (it believes it leads) ...
-    t_second = asyncio.create_task(obtain_plan(PlanStore(dht.view(), by_id[second], RUN), 7, partial_view,
-                                               _planner(7), plan_timeout_s=1.0, settle_s=0.5))
+    t_second = asyncio.create_task(
+        obtain_plan(
+            PlanStore(dht.view(), by_id[second], RUN), 7, partial_view, _planner(7), plan_timeout_s=1.0, settle_s=0.5
+        )
+    )
     await dht.wait_until(lambda: key in dht.data)
     assert set(dht.data[key]) == {second}
     # ... then the best-ranked peer, seeing a worse-ranked plan, publishes its own anyway.
-    r_best = await obtain_plan(PlanStore(dht.view(), by_id[best], RUN), 7, full_view, _planner(7),
-                               plan_timeout_s=1.0, settle_s=0.5)
+    r_best = await obtain_plan(
+        PlanStore(dht.view(), by_id[best], RUN), 7, full_view, _planner(7), plan_timeout_s=1.0, settle_s=0.5
+    )
     r_second = await t_second
     assert set(dht.data[key]) == {best, second}
     assert r_best.leader == r_second.leader == best
@@ -187,8 +226,10 @@ def test_client_only_peer_gets_no_partition():
 
 def test_digest_majority_flags_the_odd_one_out():
     ids = [Identity.generate() for _ in range(4)]
-    recs = [_record(i, 1.0).model_copy(update={"round": 4, "weights_digest": d})
-            for i, d in zip(ids, ["aa", "aa", "aa", "bb"])]
+    recs = [
+        _record(i, 1.0).model_copy(update={"round": 4, "weights_digest": d})
+        for i, d in zip(ids, ["aa", "aa", "aa", "bb"])
+    ]
     majority, agree, total = digest_majority(recs, 4)
     assert (majority, agree, total) == ("aa", 3, 4)
     assert DigestCheck(4, "bb", majority, agree, total).needs_resync

@@ -96,10 +96,21 @@ class FakePeer:
 
     # Membership
     def record(self) -> PeerRecord:
-        return PeerRecord(peer_id=self.me, address=f"127.0.0.1:{7000 + len(self.me) % 100}", device="cpu",
-                          memory_bytes=1 << 30, tokens_per_s={8: 2000.0}, max_batch=8, upload_bps=1e7,
-                          download_bps=1e7, version="0.1.0", run_config_hash="h", round=self.round,
-                          weights_digest=None if self.syncing else self.digest, leaving=self.leaving)
+        return PeerRecord(
+            peer_id=self.me,
+            address=f"127.0.0.1:{7000 + len(self.me) % 100}",
+            device="cpu",
+            memory_bytes=1 << 30,
+            tokens_per_s={8: 2000.0},
+            max_batch=8,
+            upload_bps=1e7,
+            download_bps=1e7,
+            version="0.1.0",
+            run_config_hash="h",
+            round=self.round,
+            weights_digest=None if self.syncing else self.digest,
+            leaving=self.leaving,
+        )
 
     async def peers(self, include_leaving=False):
         self._hook("peers")
@@ -140,13 +151,18 @@ class FakePeer:
         return None
 
     # Trainer (called in a worker thread)
-    def run(self, *, round, inner_steps, batch_size, micro_batch=None, deadline=None, progress=None,
-            should_stop=None):
+    def run(self, *, round, inner_steps, batch_size, micro_batch=None, deadline=None, progress=None, should_stop=None):
         self._hook("train")
         done = 0 if should_stop is not None and should_stop() else inner_steps
         self.model = self.model - 0.01 * done * (1 + PEER_INDEX[self.me])
-        return SimpleNamespace(steps_done=done, tokens=done * batch_size * CFG.seq_len, mean_loss=3.0,
-                               last_loss=3.0, compute_s=0.1, stopped_early=done < inner_steps)
+        return SimpleNamespace(
+            steps_done=done,
+            tokens=done * batch_size * CFG.seq_len,
+            mean_loss=3.0,
+            last_loss=3.0,
+            compute_s=0.1,
+            stopped_early=done < inner_steps,
+        )
 
     def evaluate(self, max_batches=8):
         self._hook("finish")
@@ -168,15 +184,28 @@ class FakePeer:
         got = {p: v for p, v in pushes.items() if v[1] > 0}
         total = sum(t for _, t in got.values())
         agg = (sum(d * t for d, t in got.values()) / total) if total else torch.zeros(NUMEL)
-        return SimpleNamespace(aggregate=agg, contributors={0: [(p, t) for p, (_, t) in sorted(got.items())]},
-                               missing_parts=[], last_compute_end=None, idle_ranges=lambda: [])
+        return SimpleNamespace(
+            aggregate=agg,
+            contributors={0: [(p, t) for p, (_, t) in sorted(got.items())]},
+            missing_parts=[],
+            last_compute_end=None,
+            idle_ranges=lambda: [],
+        )
 
     # RoundPolicy
     def make_plan(self, members, leader):
         if self.plan_only is not None:
             members = [m for m in members if m.peer_id in self.plan_only]
-        return plan_round(members, CFG, run_id=RUN, round=self.round, leader=leader, numel=NUMEL,
-                          start_time=time.time() + 0.05, start_digest=self.digest)
+        return plan_round(
+            members,
+            CFG,
+            run_id=RUN,
+            round=self.round,
+            leader=leader,
+            numel=NUMEL,
+            start_time=time.time() + 0.05,
+            start_digest=self.digest,
+        )
 
     def plan_problem(self, plan, live):
         if plan.numel != NUMEL:
@@ -223,11 +252,26 @@ class FakePeer:
                 me._hook("agree")
                 return await agreement.agree(*a, **k)
 
-        cfg = DriverConfig(min_peers=min_peers, wait_peers_s=wait_peers_s, gather_wait_s=1.0, plan_timeout_s=0.3,
-                           digest_wait_s=1.0, rounds=rounds)
-        self.drv = RoundDriver(membership=self, plans=Counting(), trainer=self, collective=self, state=self,
-                               policy=self, cfg=cfg, stop=self.stop, clock=clock,
-                               leaving=lambda v: setattr(self, "leaving", v))
+        cfg = DriverConfig(
+            min_peers=min_peers,
+            wait_peers_s=wait_peers_s,
+            gather_wait_s=1.0,
+            plan_timeout_s=0.3,
+            digest_wait_s=1.0,
+            rounds=rounds,
+        )
+        self.drv = RoundDriver(
+            membership=self,
+            plans=Counting(),
+            trainer=self,
+            collective=self,
+            state=self,
+            policy=self,
+            cfg=cfg,
+            stop=self.stop,
+            clock=clock,
+            leaving=lambda v: setattr(self, "leaving", v),
+        )
         return self.drv
 
 
@@ -309,8 +353,16 @@ async def test_a_rogue_plan_is_refused_and_the_next_leaders_plan_followed(caplog
     peers = _peers(2, swarm)
     rogue = Identity.generate()
     members = [p.record() for p in peers]
-    bad = plan_round(members, CFG, run_id=RUN, round=0, leader=str(rogue.peer_id), numel=7,
-                     start_time=time.time() + 0.05, start_digest=peers[0].digest)
+    bad = plan_round(
+        members,
+        CFG,
+        run_id=RUN,
+        round=0,
+        leader=str(rogue.peer_id),
+        numel=7,
+        start_time=time.time() + 0.05,
+        start_digest=peers[0].digest,
+    )
     await PlanStore(swarm.dht, rogue, RUN).publish(bad)  # signed by its leader, but not a live peer's
     with caplog.at_level(logging.WARNING):
         await _run_all(peers, rounds=1)
@@ -324,8 +376,7 @@ async def test_a_lone_peer_trains_its_own_rounds_without_the_plan_store():
     (lone,) = _peers(1)
     await asyncio.wait_for(lone.driver(rounds=3, min_peers=1).run(), 30)
     assert [row.round for row in lone.drv.history] == [0, 1, 2]
-    assert all(row.inner_steps_done > 0 and row.inner_steps_done == row.inner_steps_planned
-               for row in lone.drv.history)
+    assert all(row.inner_steps_done > 0 and row.inner_steps_done == row.inner_steps_planned for row in lone.drv.history)
     assert lone.agreements == 0  # no DHT round trips to eat its window
     assert lone.swarm.dht.data == {}
 
@@ -358,6 +409,7 @@ async def test_stop_in_each_phase_ends_cleanly(phase):
     def stop_here():
         if p.drv.phase.value == phase or phase in ("train", "exchange", "finish"):
             p.stop.set()
+
     p.hooks[{"gather": "peers", "plan": "agree"}.get(phase, phase)] = stop_here
     await asyncio.wait_for(p.driver(rounds=5, min_peers=min_peers, wait_peers_s=2.0).run(), 30)
     assert p.drv.phase is Phase.DONE and not p.drv.in_exchange
@@ -400,8 +452,12 @@ MB = 1 << 20
 
 def _syncing(peer: FakePeer, done: int, total: int = 100 * MB, rate: float = 10 * MB) -> PeerRecord:
     """``peer``'s record while it downloads round ``peer.round``'s state: no digest, its progress."""
-    return peer.record().model_copy(update={"weights_digest": None, "sync_progress": SyncProgress(
-        done_bytes=done, total_bytes=total, bytes_per_s=rate)})
+    return peer.record().model_copy(
+        update={
+            "weights_digest": None,
+            "sync_progress": SyncProgress(done_bytes=done, total_bytes=total, bytes_per_s=rate),
+        }
+    )
 
 
 class Download:
@@ -422,8 +478,11 @@ class Download:
         done = min(self.total, int((t - self.t0) * self.rate) + 10 * MB)
         if self.stall_at is not None:
             done = min(done, self.stall_at)
-        rec = (self.joiner.record().model_copy(update={"weights_digest": self.leader.digest}) if done >= self.total
-               else _syncing(self.joiner, done, self.total, self.rate if self.stall_at is None else 1.0 * MB))
+        rec = (
+            self.joiner.record().model_copy(update={"weights_digest": self.leader.digest})
+            if done >= self.total
+            else _syncing(self.joiner, done, self.total, self.rate if self.stall_at is None else 1.0 * MB)
+        )
         self.joiner.swarm.records[self.joiner.me] = rec
 
 
@@ -498,8 +557,13 @@ def test_sync_progress_is_optional_in_the_record_and_left_out_of_its_bytes_when_
     plain = p.record()
     assert b"sync_progress" not in plain.to_bytes()  # what a peer of the previous version writes and reads
     assert PeerRecord.from_bytes(plain.to_bytes()) == plain
-    syncing = PeerRecord.model_validate(dict(plain.model_dump(), weights_digest=None, sync_progress={
-        "done_bytes": 5, "total_bytes": 20, "bytes_per_s": 3.0}))
+    syncing = PeerRecord.model_validate(
+        dict(
+            plain.model_dump(),
+            weights_digest=None,
+            sync_progress={"done_bytes": 5, "total_bytes": 20, "bytes_per_s": 3.0},
+        )
+    )
     back = PeerRecord.from_bytes(syncing.to_bytes())
     assert back == syncing and back.sync_progress.remaining_s() == 5.0
     assert SyncProgress(done_bytes=0, total_bytes=20, bytes_per_s=0.0).remaining_s() is None

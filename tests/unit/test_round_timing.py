@@ -31,8 +31,11 @@ class SteppingClock(FakeClock):
 async def test_a_lone_peers_rows_carry_the_seconds_of_each_phase_and_the_cycle():
     (peer,) = _peers(1)
     clock = SteppingClock()
-    peer.hooks = {"train": lambda: clock.advance(5.0), "exchange": lambda: clock.advance(0.25),
-                  "finish": lambda: clock.advance(0.5)}  # "finish": the fakes' evaluate
+    peer.hooks = {
+        "train": lambda: clock.advance(5.0),
+        "exchange": lambda: clock.advance(0.25),
+        "finish": lambda: clock.advance(0.5),
+    }  # "finish": the fakes' evaluate
     drv = peer.driver(rounds=3, clock=clock)
     await drv.run()
     rows = drv.history
@@ -73,19 +76,36 @@ async def test_the_settle_hands_out_the_likely_plan_first_and_still_follows_the_
     seen, handed = [], asyncio.Event()
 
     def planner(members, leader):  # starts well in the future: the best-ranked leader may still publish
-        return plan_round(members, CFG, run_id=RRUN, round=7, leader=leader, numel=1000,
-                          start_time=time.time() + 30, start_digest="d0")
+        return plan_round(
+            members,
+            CFG,
+            run_id=RRUN,
+            round=7,
+            leader=leader,
+            numel=1000,
+            start_time=time.time() + 30,
+            start_digest="d0",
+        )
 
     def provisional(plan):
         seen.append(plan)
         handed.set()
 
-    t_second = asyncio.create_task(obtain_plan(PlanStore(dht.view(), by_id[second], RRUN), 7,
-                                               [recs[second], recs[order[2]]], planner, plan_timeout_s=1.0,
-                                               settle_s=3.0, provisional=provisional))
+    t_second = asyncio.create_task(
+        obtain_plan(
+            PlanStore(dht.view(), by_id[second], RRUN),
+            7,
+            [recs[second], recs[order[2]]],
+            planner,
+            plan_timeout_s=1.0,
+            settle_s=3.0,
+            provisional=provisional,
+        )
+    )
     await asyncio.wait_for(handed.wait(), 20)  # it published, read its own plan and began to settle
-    r_best = await obtain_plan(PlanStore(dht.view(), by_id[best], RRUN), 7, list(recs.values()), planner,
-                               plan_timeout_s=1.0, settle_s=0.1)
+    r_best = await obtain_plan(
+        PlanStore(dht.view(), by_id[best], RRUN), 7, list(recs.values()), planner, plan_timeout_s=1.0, settle_s=0.1
+    )
     r_second = await t_second
     assert [p.leader for p in seen] == [second]  # provisional: its own plan, the only one it had seen
     assert r_second.leader == r_best.leader == best and r_second.to_bytes() == r_best.to_bytes()
@@ -135,10 +155,11 @@ async def test_steps_started_on_a_plan_that_loses_the_settle_are_discarded(caplo
     for p in peers:
         p.hooks = {"train": (lambda p=p: calls.__setitem__(p.me, calls[p.me] + 1))}
         orig = p.reset_model
-        p.reset_model = (lambda p=p, orig=orig: (resets.__setitem__(p.me, resets[p.me] + 1), orig()))
+        p.reset_model = lambda p=p, orig=orig: (resets.__setitem__(p.me, resets[p.me] + 1), orig())
     caplog.set_level(logging.INFO, logger="geomesh_p2p.node.round")
-    await asyncio.wait_for(asyncio.gather(*[p.driver(rounds=1, min_peers=2, plans=Switching(p)).run()
-                                            for p in peers]), 30)
+    await asyncio.wait_for(
+        asyncio.gather(*[p.driver(rounds=1, min_peers=2, plans=Switching(p)).run() for p in peers]), 30
+    )
     for p in peers:
         assert calls[p.me] == 2 and resets[p.me] == 1  # A's steps, discarded; then B's
         assert p.drv.history[0].leader == b_leader[:10]
@@ -187,8 +208,18 @@ def test_the_trainers_eval_snapshot_gives_evaluates_value_while_the_model_trains
     torch.set_num_threads(1)
     try:
         ds = load_dataset(None, seq_len=32, cache_dir=tmp_path)
-        tr = InnerTrainer(build_model("tiny", vocab_size=ds.vocab_size, seed=0), ds, device="cpu", seq_len=32,
-                          lr=1e-3, weight_decay=0.1, warmup_steps=1, total_steps=20, seed=0, peer_id="p0")
+        tr = InnerTrainer(
+            build_model("tiny", vocab_size=ds.vocab_size, seed=0),
+            ds,
+            device="cpu",
+            seq_len=32,
+            lr=1e-3,
+            weight_decay=0.1,
+            warmup_steps=1,
+            total_steps=20,
+            seed=0,
+            peer_id="p0",
+        )
         with pytest.raises(RuntimeError):
             tr.evaluate_snapshot(max_batches=1)
         before = tr.evaluate(max_batches=2)

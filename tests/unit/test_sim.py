@@ -8,8 +8,17 @@ import textwrap
 
 import pytest
 
-from geomesh_p2p.sim import (Link, ProfileError, charge_round, encoded_nbytes, exchange_bytes, load_profile,
-                             parse_method, parse_profile, shipped_profiles)
+from geomesh_p2p.sim import (
+    Link,
+    ProfileError,
+    charge_round,
+    encoded_nbytes,
+    exchange_bytes,
+    load_profile,
+    parse_method,
+    parse_profile,
+    shipped_profiles,
+)
 from geomesh_p2p.sim.clock import collective_end_times
 from geomesh_p2p.sim.methods import MethodError
 
@@ -125,7 +134,13 @@ def test_charger_on_toy_profile_known_answers():
 def test_method_names_and_variants():
     g = parse_method("geomesh+ef+relay+int8+lion+lr=3e-4")
     assert (g.base, g.error_feedback, g.mode, g.aggregate, g.inner, g.inner_lr) == (
-        "geomesh", True, "relay", "int8", "lion", 3e-4)
+        "geomesh",
+        True,
+        "relay",
+        "int8",
+        "lion",
+        3e-4,
+    )
     assert parse_method("diloco").contribution == "fp32" and not parse_method("diloco").balanced
     assert parse_method("awb+window=share").window == "comm_share"
     with pytest.raises(MethodError, match="unknown method 'hogwild'"):
@@ -147,17 +162,22 @@ def test_shipped_profiles_parse():
     assert min(x.up_bps for x in v) == pytest.approx(20e6 / 8) and max(x.up_bps for x in v) == pytest.approx(1e9 / 8)
 
 
-@pytest.mark.parametrize("mutate, expect", [
-    (lambda t: t.replace("speed: 0.5", "speed: -1"), r"toy2.yaml: peers\[1\]\.speed: .*greater than 0"),
-    (lambda t: t.replace("  params: 1000\n", ""), r"toy2.yaml: reference\.params: missing required field"),
-    (lambda t: t.replace("speed: 0.5", "sped: 0.5"), r"toy2.yaml: peers\[1\]"),
-    (lambda t: t.replace("up_mbps: 0.008}", "up_mbps: fast}", 1), r"peers\[0\]\.up_mbps: .*number"),
-    (lambda t: t.replace("name: slow", "name: fast"), r"duplicate peer name 'fast'"),
-    (lambda t: t.replace("peers:", "peers: [\n"), r"toy2.yaml: invalid YAML at line \d+"),
-    (lambda t: t.replace("memory_gb: 1, up_mbps: 0.008}\n  ", "memory_gb: 0.5, up_mbps: 0.008}\n  ", 1),
-     r"peer fast: memory_gb=0.5 cannot hold one sequence"),
-    (lambda t: "- just\n- a list\n", r"expected a mapping"),
-])
+@pytest.mark.parametrize(
+    "mutate, expect",
+    [
+        (lambda t: t.replace("speed: 0.5", "speed: -1"), r"toy2.yaml: peers\[1\]\.speed: .*greater than 0"),
+        (lambda t: t.replace("  params: 1000\n", ""), r"toy2.yaml: reference\.params: missing required field"),
+        (lambda t: t.replace("speed: 0.5", "sped: 0.5"), r"toy2.yaml: peers\[1\]"),
+        (lambda t: t.replace("up_mbps: 0.008}", "up_mbps: fast}", 1), r"peers\[0\]\.up_mbps: .*number"),
+        (lambda t: t.replace("name: slow", "name: fast"), r"duplicate peer name 'fast'"),
+        (lambda t: t.replace("peers:", "peers: [\n"), r"toy2.yaml: invalid YAML at line \d+"),
+        (
+            lambda t: t.replace("memory_gb: 1, up_mbps: 0.008}\n  ", "memory_gb: 0.5, up_mbps: 0.008}\n  ", 1),
+            r"peer fast: memory_gb=0.5 cannot hold one sequence",
+        ),
+        (lambda t: "- just\n- a list\n", r"expected a mapping"),
+    ],
+)
 def test_profile_errors_are_one_clear_line(mutate, expect):
     with pytest.raises(ProfileError, match=expect) as ei:
         parse_profile(mutate(TOY), "toy2.yaml")

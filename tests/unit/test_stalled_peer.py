@@ -58,6 +58,7 @@ async def test_a_peer_that_cannot_catch_up_from_a_swarm_that_left_ends_not_synce
     async def donors_gone():
         stale.catch_ups += 1
         raise StateSyncError("every donor refused the connection")
+
     stale.catch_up = donors_gone
     drv = stale.driver(rounds=7, min_peers=2, clock=FakeClock())
     await asyncio.wait_for(drv.run(), 30)
@@ -79,6 +80,7 @@ async def test_short_of_min_peers_at_a_later_round_the_peer_waits_for_the_plain_
     def arrive(t):
         if t - 1000.0 > 2.0:  # after more than the later rounds' 1 s gather wait
             q.swarm.records[q.me] = q.record()
+
     clock.on_wait = arrive
     drv = p.driver(min_peers=2, wait_peers_s=30.0, clock=clock)
     with caplog.at_level(logging.INFO, logger="geomesh_p2p.node.round"):
@@ -100,12 +102,17 @@ async def test_after_the_first_round_a_swarm_short_of_min_peers_but_not_alone_go
     assert clock.t - 1000.0 < 1.0 and drv.ended is None  # no --wait-peers-s wait for the third
 
 
-@pytest.mark.parametrize("confirmed, seen, said", [
-    (4, 0, "the swarm confirmed it, and where the swarm ended is unknown"),
-    (3, 0, "the swarm never confirmed it"),
-    (4, 5, "NOT the swarm's: the swarm was last seen at round 5")])
-async def test_after_the_first_round_a_peer_left_with_no_live_peer_ends_instead_of_training_alone(confirmed, seen, said,
-                                                                                                 caplog):
+@pytest.mark.parametrize(
+    "confirmed, seen, said",
+    [
+        (4, 0, "the swarm confirmed it, and where the swarm ended is unknown"),
+        (3, 0, "the swarm never confirmed it"),
+        (4, 5, "NOT the swarm's: the swarm was last seen at round 5"),
+    ],
+)
+async def test_after_the_first_round_a_peer_left_with_no_live_peer_ends_instead_of_training_alone(
+    confirmed, seen, said, caplog
+):
     """The others' records vanished with them (seen in the H1 process run): after its first round a peer short
     of --min-peers that sees nobody else live for wait_peers_s ends, never as synced (nothing shows where the
     swarm ended); the line says whether the swarm confirmed its state."""
@@ -145,8 +152,13 @@ class _FailedRound:
 
     @staticmethod
     def make(delta):
-        return SimpleNamespace(aggregate=torch.zeros_like(delta), contributors={}, missing_parts=[0],
-                               last_compute_end=None, idle_ranges=lambda: [])
+        return SimpleNamespace(
+            aggregate=torch.zeros_like(delta),
+            contributors={},
+            missing_parts=[0],
+            last_compute_end=None,
+            idle_ranges=lambda: [],
+        )
 
 
 @pytest.mark.parametrize("stall_share, blamed", [(2.0, False), (0.1, True)])
@@ -158,6 +170,7 @@ async def test_a_round_this_peer_was_stalled_through_blames_no_owner(stall_share
 
     async def all_reduce(spec, delta, tokens, compute_end=None):
         return _FailedRound.make(delta)
+
     lone.all_reduce = all_reduce
     drv = lone.driver(rounds=1)
     window = {}
@@ -165,12 +178,14 @@ async def test_a_round_this_peer_was_stalled_through_blames_no_owner(stall_share
     def stall():
         plan = lone.last_plan
         return stall_share * (plan.exchange_deadline - plan.train_deadline)
+
     real_make = lone.make_plan
 
     def make_plan(members, leader):
         lone.last_plan = real_make(members, leader)
         window["s"] = lone.last_plan.exchange_deadline - lone.last_plan.train_deadline
         return lone.last_plan
+
     lone.make_plan = make_plan
     drv.loop_stall = stall
     with caplog.at_level(logging.WARNING, logger="geomesh_p2p.node.round"):
@@ -192,6 +207,7 @@ async def test_penalties_of_a_lineage_abandoned_on_resync_are_dropped():
 
     def corrupt_round_1():
         odd.corrupt_outer_step = odd.round == 1
+
     odd.hooks["exchange"] = corrupt_round_1
     await _run_all(peers, rounds=2)
     assert [row.digest_agree for row in odd.drv.history] == [True, False]
@@ -224,8 +240,11 @@ def test_a_peer_stalled_through_a_round_takes_on_the_penalties_the_others_give_i
     assert pol2._noshow_penalty == {} and pol2._owner_penalty == {"me": 3 + OWNER_PENALTY_ROUNDS}
     # not stalled, and the others' parts show it contributed nowhere: it marks itself like they do
     pol3 = _Policy("me", 3)
-    pol3.note_own_failures(SimpleNamespace(round=3, owners=owners), plan,
-                           SimpleNamespace(missing_parts=[], contributors={0: [("a", 5), ("b", 5)]}))
+    pol3.note_own_failures(
+        SimpleNamespace(round=3, owners=owners),
+        plan,
+        SimpleNamespace(missing_parts=[], contributors={0: [("a", 5), ("b", 5)]}),
+    )
     assert pol3._noshow_penalty == {"me": 3 + noshow_penalty_rounds(False)} and pol3._owner_penalty == {}
 
 
@@ -239,13 +258,14 @@ def test_forget_marks_since_drops_penalties_noted_from_that_round_on_and_keeps_o
     pol._update_exchange_cost = lambda spec, ar: None
     pol.after_exchange(SimpleNamespace(round=3, owners=owners), plan, ar)
     # its own part 2 failed too: the others bar it, so it bars itself (its plans and checks agree with theirs)
-    assert pol._owner_penalty == {"old-owner": 2 + OWNER_PENALTY_ROUNDS, "new-owner": 3 + OWNER_PENALTY_ROUNDS,
-                                  "me": 3 + OWNER_PENALTY_ROUNDS}
+    assert pol._owner_penalty == {
+        "old-owner": 2 + OWNER_PENALTY_ROUNDS,
+        "new-owner": 3 + OWNER_PENALTY_ROUNDS,
+        "me": 3 + OWNER_PENALTY_ROUNDS,
+    }
     assert set(pol._noshow_penalty) == {"noshow"}
     assert pol.forget_marks_since(3) == ["new-owner", "noshow"]
     # the bar on itself is the others' view, kept
     assert pol._owner_penalty == {"old-owner": 2 + OWNER_PENALTY_ROUNDS, "me": 3 + OWNER_PENALTY_ROUNDS}
     assert pol._noshow_penalty == {}
     assert pol.forget_marks_since(3) == []
-
-

@@ -18,15 +18,29 @@ pytestmark = pytest.mark.timeout(30)
 
 
 def _rec(ident, *, round, digest, address, standing=None) -> PeerRecord:
-    return PeerRecord(peer_id=str(ident.peer_id), address=address, device="cpu", memory_bytes=1 << 30,
-                      tokens_per_s={8: 1000.0}, max_batch=8, upload_bps=1e7, download_bps=1e7, version="0.1.0",
-                      run_config_hash="h", round=round, weights_digest=digest, standing=standing or {})
+    return PeerRecord(
+        peer_id=str(ident.peer_id),
+        address=address,
+        device="cpu",
+        memory_bytes=1 << 30,
+        tokens_per_s={8: 1000.0},
+        max_batch=8,
+        upload_bps=1e7,
+        download_bps=1e7,
+        version="0.1.0",
+        run_config_hash="h",
+        round=round,
+        weights_digest=digest,
+        standing=standing or {},
+    )
 
 
 def _sybils(n, *, round, digest, one_address=False):
     ids = [Identity.generate() for _ in range(n)]
-    return [_rec(i, round=round, digest=digest, address="127.0.0.1:6666" if one_address else f"127.0.0.1:{20000 + k}")
-            for k, i in enumerate(ids)]
+    return [
+        _rec(i, round=round, digest=digest, address="127.0.0.1:6666" if one_address else f"127.0.0.1:{20000 + k}")
+        for k, i in enumerate(ids)
+    ]
 
 
 def _honest(n=3, *, round, digest, delivered=5):
@@ -161,7 +175,12 @@ async def test_fresh_joiner_downloads_the_honest_state(monkeypatch):
     monkeypatch.setattr(ss, "download_state", fake_download)
     node.peers, node.announce, node._set_state = peers, announce, set_state
     node._stop, node._syncing, node.transport, node.numel, node.state_numel = (
-        __import__("asyncio").Event(), False, None, 2, 2)
+        __import__("asyncio").Event(),
+        False,
+        None,
+        2,
+        2,
+    )
     await node._catch_up()
     assert got == [([r.address for r in honest], 7, "honest")]
     assert (node.round, node.digest) == (7, "honest")
@@ -171,8 +190,10 @@ def test_young_swarm_counts_addresses_not_identities():
     """Nobody has delivered yet (no history anywhere): one address, one vote; 30 identities behind one
     address lose to 2 honest addresses, and a lone record still leads a 2-peer swarm."""
     a, b = Identity.generate(), Identity.generate()
-    honest = [_rec(a, round=3, digest="h", address="127.0.0.1:7001"),
-              _rec(b, round=3, digest="h", address="127.0.0.1:7002")]
+    honest = [
+        _rec(a, round=3, digest="h", address="127.0.0.1:7001"),
+        _rec(b, round=3, digest="h", address="127.0.0.1:7002"),
+    ]
     crowd = _sybils(30, round=4, digest="f", one_address=True)
     node = _node(round=0, digest="seed", trained=False)
     assert node._swarm_round(honest + crowd) == 3
@@ -186,8 +207,10 @@ def test_peers_that_trained_alone_merge_on_the_latest_lineage():
     two behind move to round 9. Before, each ran the standing vote on a ledger that knows nobody else
     (0 of 0 rounds of standing) and kept its own lineage."""
     ids = [Identity.generate() for _ in range(3)]
-    recs = [_rec(i, round=rnd, digest=f"d{rnd}", address=f"127.0.0.1:{7000 + k}")
-            for k, (i, rnd) in enumerate(zip(ids, (9, 7, 8)))]
+    recs = [
+        _rec(i, round=rnd, digest=f"d{rnd}", address=f"127.0.0.1:{7000 + k}")
+        for k, (i, rnd) in enumerate(zip(ids, (9, 7, 8)))
+    ]
     for me, rnd in zip(ids, (9, 7, 8)):
         lone = Standing()
         for r in range(rnd):
@@ -210,7 +233,8 @@ def test_the_refusal_and_the_download_lines_say_the_same_thing():
     vote = choose_state(stranger, me=node.me, standing=node.standing, trained=True)
     assert vote.choice is None and vote.refusal.message() == (
         "refusing the state of round 9 (digest other) announced by 1 peer(s): this peer has seen none of the "
-        "peers in view deliver a round (standing vote: it follows only peers it saw deliver)")
+        "peers in view deliver a round (standing vote: it follows only peers it saw deliver)"
+    )
     moved = [r.model_copy(update={"round": 6, "weights_digest": "next"}) for r in honest]
     vote = choose_state(moved + stranger, me=node.me, standing=node.standing, trained=True)
     assert vote.choice.describe() == "standing vote: its backers hold 15 of the 15 rounds of standing this peer sees"

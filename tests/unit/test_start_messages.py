@@ -10,13 +10,16 @@ pytestmark = pytest.mark.timeout(120)
 
 
 # ------------------------------------------------------------------ gRPC's C core (findings 5, 6)
-@pytest.mark.parametrize("argv, env, expect", [
-    (["join"], {}, "NONE"),
-    (["join", "--log-level", "DEBUG"], {}, None),
-    (["join", "--log-level=DEBUG"], {}, None),
-    (["join"], {"GRPC_VERBOSITY": "debug"}, "debug"),  # the user's own choice wins
-    (["join"], {"GRPC_TRACE": "http"}, None),
-])
+@pytest.mark.parametrize(
+    "argv, env, expect",
+    [
+        (["join"], {}, "NONE"),
+        (["join", "--log-level", "DEBUG"], {}, None),
+        (["join", "--log-level=DEBUG"], {}, None),
+        (["join"], {"GRPC_VERBOSITY": "debug"}, "debug"),  # the user's own choice wins
+        (["join"], {"GRPC_TRACE": "http"}, None),
+    ],
+)
 def test_quiet_grpc_core_sets_verbosity_unless_debug_or_the_users(monkeypatch, argv, env, expect):
     from geomesh_p2p.grpc_env import quiet_grpc_core
 
@@ -58,15 +61,16 @@ def _peer_main_error(capsys, *argv) -> tuple[int, list[str]]:
 def test_join_bad_value_is_one_line_naming_join(capsys):
     code, lines = _peer_main_error(capsys, "join", "--rounds", "-1")
     assert code == 2
-    assert lines == ["geomesh-peer join: error: argument --rounds: must be >= 0, got -1 "
-                     "(see geomesh-peer join --help)"]
+    assert lines == ["geomesh-peer join: error: argument --rounds: must be >= 0, got -1 (see geomesh-peer join --help)"]
 
 
 def test_join_bootstrap_without_port_is_one_line(capsys):
     code, lines = _peer_main_error(capsys, "join", "--bootstrap", "127.0.0.1")
     assert code == 2
-    assert lines == ["geomesh-peer join: error: argument --bootstrap: expected HOST:PORT, got '127.0.0.1' "
-                     "('127.0.0.1' has no port: expected HOST:PORT) (see geomesh-peer join --help)"]
+    assert lines == [
+        "geomesh-peer join: error: argument --bootstrap: expected HOST:PORT, got '127.0.0.1' "
+        "('127.0.0.1' has no port: expected HOST:PORT) (see geomesh-peer join --help)"
+    ]
 
 
 @pytest.mark.parametrize("command", ["join", "demo", "profile", "status"])
@@ -74,15 +78,17 @@ def test_unknown_flag_is_reported_by_the_command(capsys, command):
     needed = ["--bootstrap", "127.0.0.1:1"] if command == "status" else []
     code, lines = _peer_main_error(capsys, command, *needed, "--bogus-flag")
     assert code == 2
-    assert lines == [f"geomesh-peer {command}: error: unrecognized arguments: --bogus-flag "
-                     f"(see geomesh-peer {command} --help)"]
+    assert lines == [
+        f"geomesh-peer {command}: error: unrecognized arguments: --bogus-flag (see geomesh-peer {command} --help)"
+    ]
 
 
 def test_top_level_error_is_one_line(capsys):
     code, lines = _peer_main_error(capsys, "nosuchcommand")
     assert code == 2
-    assert len(lines) == 1 and lines[0].startswith("geomesh-peer: error: argument COMMAND: invalid choice: "
-                                                   "'nosuchcommand'")
+    assert len(lines) == 1 and lines[0].startswith(
+        "geomesh-peer: error: argument COMMAND: invalid choice: 'nosuchcommand'"
+    )
     assert lines[0].endswith("(see geomesh-peer --help)")
 
 
@@ -114,15 +120,18 @@ def test_model_config_without_model_type_fails_at_start(capsys, tmp_path):
     cfg.write_text('{"n_layer": 2}')
     rc, lines = _join_rc(capsys, tmp_path, "--model-config", str(cfg))
     assert rc == 2
-    assert lines == [f"geomesh-peer join: --model-config: model config file {cfg}: missing \"model_type\" "
-                     f"(e.g. \"gpt2\", \"llama\") or \"preset\""]
+    assert lines == [
+        f'geomesh-peer join: --model-config: model config file {cfg}: missing "model_type" '
+        f'(e.g. "gpt2", "llama") or "preset"'
+    ]
 
 
 def test_resume_without_checkpoint_dir_is_refused(capsys, tmp_path):
     rc, lines = _join_rc(capsys, tmp_path, "--resume")
     assert rc == 2
-    assert lines == ["geomesh-peer join: --resume needs --checkpoint-dir DIR (the folder whose newest checkpoint "
-                     "it continues from)"]
+    assert lines == [
+        "geomesh-peer join: --resume needs --checkpoint-dir DIR (the folder whose newest checkpoint it continues from)"
+    ]
 
 
 def test_profile_unknown_model_is_one_line(capsys):
@@ -131,7 +140,9 @@ def test_profile_unknown_model_is_one_line(capsys):
 
     assert main(["profile", "--model", "huge"]) == 2
     _, err = capsys.readouterr()
-    assert err.splitlines() == [f"geomesh-peer profile: --model huge: unknown model preset (known: {', '.join(PRESETS)})"]
+    assert err.splitlines() == [
+        f"geomesh-peer profile: --model huge: unknown model preset (known: {', '.join(PRESETS)})"
+    ]
 
 
 def test_demo_unknown_model_is_one_line_before_any_process(capsys, tmp_path):
@@ -148,8 +159,10 @@ def test_demo_unknown_model_is_one_line_before_any_process(capsys, tmp_path):
 def test_a_busy_port_exits_2_like_the_bootstrap():
     from peer.node_cli import start_error_status
 
-    assert start_error_status(OSError("cannot listen on 127.0.0.1:31337: the port is in use or the address is not "
-                                      "local")) == 2
+    assert (
+        start_error_status(OSError("cannot listen on 127.0.0.1:31337: the port is in use or the address is not local"))
+        == 2
+    )
     assert start_error_status(RuntimeError("could not join the DHT: no bootstrap node answered")) == 1
 
 
@@ -158,17 +171,21 @@ def test_other_run_message_names_both_runs_from_this_peers_side():
     from geomesh_p2p.dht.node import _other_run_message
 
     msg = _other_run_message("127.0.0.1:31337", "message is for run 'lonely', this node serves 'my-run'", "lonely")
-    assert msg == ("could not join the DHT: bootstrap 127.0.0.1:31337 serves run 'my-run', this peer asked for "
-                   "run 'lonely': check --run-id")
+    assert msg == (
+        "could not join the DHT: bootstrap 127.0.0.1:31337 serves run 'my-run', this peer asked for "
+        "run 'lonely': check --run-id"
+    )
 
 
 def test_tls_hint_on_a_closed_socket():
     from geomesh_p2p.dht.node import _tls_hint
 
     assert _tls_hint(["UNAVAILABLE: Socket closed"], tls=False) == (
-        "; the bootstrap may require TLS: if the swarm uses TLS, pass --tls-cert/--tls-key/--tls-ca")
+        "; the bootstrap may require TLS: if the swarm uses TLS, pass --tls-cert/--tls-key/--tls-ca"
+    )
     assert _tls_hint(["UNAVAILABLE: Ssl handshake failed: SSL_ERROR_SSL"], tls=True) == (
-        "; the bootstrap may not use TLS, or its certificate is not signed by --tls-ca")
+        "; the bootstrap may not use TLS, or its certificate is not signed by --tls-ca"
+    )
     assert _tls_hint(["UNAVAILABLE: failed to connect to all addresses; Connection refused"], tls=False) == ""
 
 
@@ -178,14 +195,17 @@ def test_status_says_it_reached_a_bootstrap_of_another_run(capsys, monkeypatch):
     from peer.cli import main
 
     async def other_run(ns):
-        raise OtherRunError(_other_run_message("127.0.0.1:31337", "message is for run 'lonely', this node serves "
-                                               "'my-run'", "lonely"))
+        raise OtherRunError(
+            _other_run_message("127.0.0.1:31337", "message is for run 'lonely', this node serves 'my-run'", "lonely")
+        )
 
     monkeypatch.setattr(tools_cli, "_read_swarm", other_run)
     assert main(["status", "--bootstrap", "127.0.0.1:31337", "--run-id", "lonely"]) == 1
     _, err = capsys.readouterr()
-    assert err.splitlines() == ["geomesh-peer status: reached the bootstrap, but bootstrap 127.0.0.1:31337 serves run "
-                                "'my-run', this peer asked for run 'lonely': check --run-id"]
+    assert err.splitlines() == [
+        "geomesh-peer status: reached the bootstrap, but bootstrap 127.0.0.1:31337 serves run "
+        "'my-run', this peer asked for run 'lonely': check --run-id"
+    ]
 
 
 # ------------------------------------------------------------------ help texts (finding 13)

@@ -10,8 +10,18 @@ import torch
 import geomesh_p2p.training as training
 from geomesh_p2p.clock import swarm_time
 from geomesh_p2p.data import TokenDataset, load_dataset
-from geomesh_p2p.training import (PRESETS, ConfigError, InnerTrainer, build_model, count_params,
-                                  flat_params, load_flat_, lr_at, model_config, num_params)
+from geomesh_p2p.training import (
+    PRESETS,
+    ConfigError,
+    InnerTrainer,
+    build_model,
+    count_params,
+    flat_params,
+    load_flat_,
+    lr_at,
+    model_config,
+    num_params,
+)
 
 SEQ = 64
 
@@ -26,13 +36,15 @@ def ds(tmp_path_factory):
 
 def _trainer(ds, **kw):
     model = build_model("tiny", vocab_size=ds.vocab_size, seed=kw.pop("model_seed", 0))
-    args = dict(device="cpu", seq_len=SEQ, lr=1e-3, weight_decay=0.1, warmup_steps=3,
-                total_steps=200, seed=0, peer_id="p0")
+    args = dict(
+        device="cpu", seq_len=SEQ, lr=1e-3, weight_decay=0.1, warmup_steps=3, total_steps=200, seed=0, peer_id="p0"
+    )
     args.update(kw)
     return InnerTrainer(model, ds, **args)
 
 
 # --- models --------------------------------------------------------------------------
+
 
 def test_presets_build_from_config_only():
     assert set(PRESETS) >= {"tiny", "small", "gpt2-124m", "llama-tiny"}
@@ -59,13 +71,19 @@ def test_llama_150m_preset_and_exact_counts():
     assert count_params("llama-150m", vocab_size=4096) == 12 * per_layer + 4096 * 1024 + 1024 == 153_641_984
     cfg = model_config("llama-150m", vocab_size=4096)
     assert type(cfg).__name__ == "LlamaConfig" and cfg.tie_word_embeddings and cfg.use_cache is False
-    assert (cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, cfg.num_attention_heads,
-            cfg.max_position_embeddings) == (1024, 2688, 12, 16, 1024)
+    assert (
+        cfg.hidden_size,
+        cfg.intermediate_size,
+        cfg.num_hidden_layers,
+        cfg.num_attention_heads,
+        cfg.max_position_embeddings,
+    ) == (1024, 2688, 12, 16, 1024)
     assert count_params("gpt2-124m", vocab_size=4096) == 88_988_160
     assert count_params("gpt2-124m") == 124_439_808  # at GPT-2's own vocabulary, 50257
     assert count_params("tiny", vocab_size=4096) == 937_472 == num_params(build_model("tiny", vocab_size=4096))
-    assert count_params("llama-tiny", vocab_size=4096) == 926_336 == num_params(
-        build_model("llama-tiny", vocab_size=4096))
+    assert (
+        count_params("llama-tiny", vocab_size=4096) == 926_336 == num_params(build_model("llama-tiny", vocab_size=4096))
+    )
     with pytest.raises(ConfigError, match="llama-9b"):
         count_params("llama-9b")
 
@@ -85,9 +103,19 @@ def test_json_config_files(tmp_path):
     m = build_model(config_file=str(f), vocab_size=512)
     assert m.config.n_layer == 1 and m.config.vocab_size == 512
     hf = tmp_path / "config.json"
-    hf.write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"],
-                              "n_layer": 1, "n_embd": 64, "n_head": 2, "n_positions": 32,
-                              "vocab_size": 300}))
+    hf.write_text(
+        json.dumps(
+            {
+                "model_type": "gpt2",
+                "architectures": ["GPT2LMHeadModel"],
+                "n_layer": 1,
+                "n_embd": 64,
+                "n_head": 2,
+                "n_positions": 32,
+                "vocab_size": 300,
+            }
+        )
+    )
     m2 = build_model(config_file=hf)
     assert m2.config.n_embd == 64 and m2.config.eos_token_id == 0
     bad = tmp_path / "bad.json"
@@ -143,14 +171,14 @@ def test_lr_schedule():
 
 # --- inner loop ----------------------------------------------------------------------
 
+
 def test_inner_training_lowers_loss_and_perplexity(ds):
     tr = _trainer(ds)
     ppl0 = tr.evaluate(max_batches=4, batch_size=8)
     assert ppl0 == tr.evaluate(max_batches=4, batch_size=8)  # deterministic
     assert 2000 < ppl0 < 10000  # ~ vocab size at init
     seen = []
-    res = tr.run(round=0, inner_steps=30, batch_size=8,
-                 progress=lambda s, loss, tps: seen.append((s, loss, tps)))
+    res = tr.run(round=0, inner_steps=30, batch_size=8, progress=lambda s, loss, tps: seen.append((s, loss, tps)))
     assert res.steps_done == 30 and not res.stopped_early
     assert res.tokens == 30 * 8 * SEQ
     assert [s for s, _, _ in seen] == list(range(1, 31)) and all(t > 0 for _, _, t in seen)
@@ -166,8 +194,7 @@ def test_inner_training_lowers_loss_and_perplexity(ds):
     load_flat_(tr.model, flat_params(build_model("tiny", vocab_size=ds.vocab_size)))
     tr.run(round=1, inner_steps=2, batch_size=4)
     assert tr.global_step == 32
-    assert all(float(tr.optimizer.state[p]["step"]) == float(state_before[id(p)]) + 2
-               for p in tr.optimizer.state)
+    assert all(float(tr.optimizer.state[p]["step"]) == float(state_before[id(p)]) + 2 for p in tr.optimizer.state)
 
 
 def test_same_inputs_same_weights(ds):
@@ -197,8 +224,7 @@ def test_deadline_stops_early_and_reports_real_tokens(ds):
     assert math.isnan(res2.mean_loss)
     # should_stop
     calls = []
-    res3 = tr.run(round=3, inner_steps=5, batch_size=4,
-                  should_stop=lambda: calls.append(1) or len(calls) > 2)
+    res3 = tr.run(round=3, inner_steps=5, batch_size=4, should_stop=lambda: calls.append(1) or len(calls) > 2)
     assert res3.steps_done == 2 and res3.stopped_early
 
 

@@ -34,10 +34,19 @@ class World:
 
 
 def _signed(ident: Identity, packet, part: int, start: int, end: int, round: int = ROUND) -> bytes:
-    c = collective_pb2.PartContribution(round=round, part=part, start=start, end=end, tokens=packet.tokens,
-                                        spec_id=b"s" * 32, encoding="sign", packet=packet.to_bytes())
-    return ident.sign_message(run_id=RUN, round=round, kind=CONTRIBUTION_KIND,
-                              payload=c.SerializeToString()).SerializeToString()
+    c = collective_pb2.PartContribution(
+        round=round,
+        part=part,
+        start=start,
+        end=end,
+        tokens=packet.tokens,
+        spec_id=b"s" * 32,
+        encoding="sign",
+        packet=packet.to_bytes(),
+    )
+    return ident.sign_message(
+        run_id=RUN, round=round, kind=CONTRIBUTION_KIND, payload=c.SerializeToString()
+    ).SerializeToString()
 
 
 def _fixed_identity(name: str) -> Identity:
@@ -61,8 +70,12 @@ def world():
         theta = flat_params(base)
         ids = {n: _fixed_identity(n) for n in ("A", "B", "C")}  # fixed keys: fixed batches, fixed values
         pid = {n: str(i.peer_id) for n, i in ids.items()}
-        trainers = {n: InnerTrainer(copy.deepcopy(base), w.ds, seq_len=L, lr=1e-3, warmup_steps=20, total_steps=2000,
-                                    seed=0, peer_id=pid[n]) for n in ids}
+        trainers = {
+            n: InnerTrainer(
+                copy.deepcopy(base), w.ds, seq_len=L, lr=1e-3, warmup_steps=20, total_steps=2000, seed=0, peer_id=pid[n]
+            )
+            for n in ids
+        }
         enc = lambda v: compression.encode(v, 2048, 0)  # noqa: E731
         outer = OuterNesterov(0.7, 0.9)
         for r in range(ROUND):
@@ -78,8 +91,9 @@ def world():
         def train(n: str, H: int, data_of: str | None = None) -> torch.Tensor:
             m = copy.deepcopy(trainers[n].model)
             load_flat_(m, theta)
-            t = InnerTrainer(m, w.ds, seq_len=L, lr=1e-3, warmup_steps=20, total_steps=2000, seed=0,
-                             peer_id=pid[data_of or n])
+            t = InnerTrainer(
+                m, w.ds, seq_len=L, lr=1e-3, warmup_steps=20, total_steps=2000, seed=0, peer_id=pid[data_of or n]
+            )
             t.load_state_dict(copy.deepcopy(trainers[n].state_dict()))
             t.run(round=ROUND, inner_steps=H, batch_size=B)
             return theta - flat_params(m)
@@ -100,29 +114,51 @@ def _packets(w, contribution: torch.Tensor, H: int, others_H: int = 10, extra: d
     """sender PeerID -> part -> SignPacket, as relay mode hands them to every peer."""
     out = {}
     for name, delta, steps in [("A", contribution, H)] + [(n, d, others_H) for n, d in w.others.items()]:
-        out[w.pid[name]] = {j: compression.encode(delta[s:e].contiguous(), 2048, steps * B * L)
-                            for j, (s, e) in enumerate(w.part_ranges)}
+        out[w.pid[name]] = {
+            j: compression.encode(delta[s:e].contiguous(), 2048, steps * B * L)
+            for j, (s, e) in enumerate(w.part_ranges)
+        }
     for p, d in (extra or {}).items():
-        out[p] = {j: compression.encode(d[s:e].contiguous(), 2048, others_H * B * L)
-                  for j, (s, e) in enumerate(w.part_ranges)}
+        out[p] = {
+            j: compression.encode(d[s:e].contiguous(), 2048, others_H * B * L) for j, (s, e) in enumerate(w.part_ranges)
+        }
     return out
 
 
 def _task(H: int, w) -> V.VerifyTask:
     cfg = V.VerifyConfig()
     k = V._k_of(cfg, H)
-    return V.VerifyTask(round=ROUND, verifier="V", accused=w.pid["A"], parts=(0, 1, 2, 3),
-                        ranges=tuple(w.part_ranges), steps_done=H,
-                        steps=tuple(sorted({(i * H) // k for i in range(k)})),
-                        controls=cfg.controls, batch_size=B, seq_len=L, element_seed=7,
-                        n_elements=cfg.sample_elements, full_test=True)
+    return V.VerifyTask(
+        round=ROUND,
+        verifier="V",
+        accused=w.pid["A"],
+        parts=(0, 1, 2, 3),
+        ranges=tuple(w.part_ranges),
+        steps_done=H,
+        steps=tuple(sorted({(i * H) // k for i in range(k)})),
+        controls=cfg.controls,
+        batch_size=B,
+        seq_len=L,
+        element_seed=7,
+        n_elements=cfg.sample_elements,
+        full_test=True,
+    )
 
 
 def _check(w, contribution, H, others_H=10, extra=None, checker="C"):
     packets = _packets(w, contribution, H, others_H, extra)
-    return V.check_contribution(V.VerifyConfig(), _task(H, w), model=copy.deepcopy(w.base), dataset=w.ds,
-                                theta=w.theta, seed=0, packets=packets, lr=1e-3, weight_decay=0.1,
-                                checker=w.pid.get(checker, checker))
+    return V.check_contribution(
+        V.VerifyConfig(),
+        _task(H, w),
+        model=copy.deepcopy(w.base),
+        dataset=w.ds,
+        theta=w.theta,
+        seed=0,
+        packets=packets,
+        lr=1e-3,
+        weight_decay=0.1,
+        checker=w.pid.get(checker, checker),
+    )
 
 
 # ------------------------------------------------------------------------------------ the statistic
@@ -164,8 +200,17 @@ def six_checks(world):
         task = V.VerifyTask(**{**_task(10, world).__dict__, "steps": steps, "element_seed": 100 + i})
         idx = V.sample_elements(task.ranges, task.n_elements, task.element_seed)
         streams = [(task.accused, j) for j in steps] + [(V.CONTROL_STREAM, m) for m in range(task.controls)]
-        g = V.batch_gradients(copy.deepcopy(world.base), world.ds, world.theta, streams, seed=0, round=ROUND,
-                              batch_size=B, seq_len=L, index=idx)
+        g = V.batch_gradients(
+            copy.deepcopy(world.base),
+            world.ds,
+            world.theta,
+            streams,
+            seed=0,
+            round=ROUND,
+            batch_size=B,
+            seq_len=L,
+            index=idx,
+        )
         out.append((task, idx, g[:4], g[4:]))
     return out
 
@@ -181,8 +226,14 @@ def _verdicts(world, checks, contribution):
         stats = V.work_statistics(c, own, ctrl, basis)
         scales = torch.cat([packets[world.pid["A"]][j].scales for j in task.parts])
         bound = V.scale_bound(10, 1e-3, 0.1, float(world.theta.abs().max()), cfg.scale_factor)
-        out.append((stats, V.judge(cfg, task, stats, all_zero=not bool((scales > 0).any()),
-                                   max_scale=float(scales.max()), bound=bound)))
+        out.append(
+            (
+                stats,
+                V.judge(
+                    cfg, task, stats, all_zero=not bool((scales > 0).any()), max_scale=float(scales.max()), bound=bound
+                ),
+            )
+        )
     return out
 
 
@@ -222,11 +273,16 @@ def _raw(w, c, H, basis):
     """The inputs of work_statistics for the check of A (decoded contribution, own and control gradients)."""
     task = _task(H, w)
     idx = V.sample_elements(task.ranges, task.n_elements, task.element_seed)
-    dec = lambda v: torch.cat([compression.decode(compression.encode(v[s:e].contiguous(), 2048, 1))  # noqa: E731
-                               for s, e in w.part_ranges])
+    dec = lambda v: torch.cat(
+        [
+            compression.decode(compression.encode(v[s:e].contiguous(), 2048, 1))  # noqa: E731
+            for s, e in w.part_ranges
+        ]
+    )
     streams = [(task.accused, j) for j in task.steps] + [(V.CONTROL_STREAM, i) for i in range(task.controls)]
-    g = V.batch_gradients(copy.deepcopy(w.base), w.ds, w.theta, streams, seed=0, round=ROUND, batch_size=B,
-                          seq_len=L, index=idx)
+    g = V.batch_gradients(
+        copy.deepcopy(w.base), w.ds, w.theta, streams, seed=0, round=ROUND, batch_size=B, seq_len=L, index=idx
+    )
     k = len(task.steps)
     return dec(c)[idx], g[:k], g[k:], [dec(b)[idx] for b in basis]
 
@@ -247,17 +303,43 @@ def _plan(w, verifiers: dict[str, Identity], steps=None) -> RoundPlan:
         name = next(n for n, q in people.items() if q == p)
         H = steps.get(name, 10)
         s, e = w.part_ranges[owners[p]] if p in owners else (0, 0)
-        assignments.append(PeerAssignment(peer_id=p, address="127.0.0.1:1", batch_size=B, micro_batch=B, accum_steps=1,
-                                          inner_steps=H, token_budget=B * L * H, part_start=s, part_end=e,
-                                          predicted_compute_s=1.0, predicted_comm_s=0.1, predicted_idle_s=0.0))
-    return RoundPlan(run_id=RUN, round=ROUND, leader=ids[0], method="geomesh", mode="relay", numel=w.P, seq_len=L,
-                     window_s=6.0, train_deadline=1e9 + 6, exchange_deadline=1e9 + 12, start_digest="digest-r2",
-                     created_at=1e9, assignments=assignments)
+        assignments.append(
+            PeerAssignment(
+                peer_id=p,
+                address="127.0.0.1:1",
+                batch_size=B,
+                micro_batch=B,
+                accum_steps=1,
+                inner_steps=H,
+                token_budget=B * L * H,
+                part_start=s,
+                part_end=e,
+                predicted_compute_s=1.0,
+                predicted_comm_s=0.1,
+                predicted_idle_s=0.0,
+            )
+        )
+    return RoundPlan(
+        run_id=RUN,
+        round=ROUND,
+        leader=ids[0],
+        method="geomesh",
+        mode="relay",
+        numel=w.P,
+        seq_len=L,
+        window_s=6.0,
+        train_deadline=1e9 + 6,
+        exchange_deadline=1e9 + 12,
+        start_digest="digest-r2",
+        created_at=1e9,
+        assignments=assignments,
+    )
 
 
 def _verifier(w, ident, cfg, plan, packets):
-    wv = V.WorkVerifier(cfg, identity=ident, run_id=RUN, model=copy.deepcopy(w.base), dataset=w.ds, seed=0,
-                        lr=1e-3, weight_decay=0.1)
+    wv = V.WorkVerifier(
+        cfg, identity=ident, run_id=RUN, model=copy.deepcopy(w.base), dataset=w.ds, seed=0, lr=1e-3, weight_decay=0.1
+    )
     wv.keep_round(ROUND, theta=w.theta, plan=plan, part_ranges=w.part_ranges, packets=packets)
     return wv
 
@@ -269,8 +351,9 @@ def _drawn(w, accused: str, cfg, packets, tries=400):
         v = _fixed_identity(f"verifier-{accused[:6]}-{i}")
         plan = _plan(w, {"V": v})
         sel = v.sign(V.selection_message(RUN, ROUND, plan.start_digest))
-        task = V.derive_task(cfg, plan=plan, verifier=str(v.peer_id), selection=sel, packets=packets,
-                             part_ranges=w.part_ranges)
+        task = V.derive_task(
+            cfg, plan=plan, verifier=str(v.peer_id), selection=sel, packets=packets, part_ranges=w.part_ranges
+        )
         if task is not None and task.accused == accused:
             return v, plan, task
     raise AssertionError("no identity drew the accused")
@@ -281,8 +364,9 @@ def test_task_is_a_pure_function_of_the_selection(world):
     packets = _packets(world, world.honest[10], 10)
     v, plan, task = _drawn(world, world.pid["A"], cfg, packets)
     sel = v.sign(V.selection_message(RUN, ROUND, plan.start_digest))
-    again = V.derive_task(cfg, plan=plan, verifier=str(v.peer_id), selection=sel, packets=packets,
-                          part_ranges=world.part_ranges)
+    again = V.derive_task(
+        cfg, plan=plan, verifier=str(v.peer_id), selection=sel, packets=packets, part_ranges=world.part_ranges
+    )
     assert again == task
     assert task.steps_done == 10 and len(task.steps) == 4 and len(set(task.steps)) == 4
     assert all(0 <= j < 10 for j in task.steps) and task.controls == 4
@@ -291,16 +375,21 @@ def test_task_is_a_pure_function_of_the_selection(world):
     assert task.verifier != task.accused and task.full_test
     # another signature (another round digest) draws another check
     other = v.sign(V.selection_message(RUN, ROUND, "another-digest"))
-    t2 = V.derive_task(cfg, plan=plan, verifier=str(v.peer_id), selection=other, packets=packets,
-                       part_ranges=world.part_ranges)
+    t2 = V.derive_task(
+        cfg, plan=plan, verifier=str(v.peer_id), selection=other, packets=packets, part_ranges=world.part_ranges
+    )
     assert t2 != task
     # share 0.1: a check of 8 passes x 8 rows against the verifier's 10 steps x 8 rows: p = 0.125
     low = V.VerifyConfig(share=0.1)
     drawn = 0
     for i in range(200):
         s = v.sign(V.selection_message(RUN, ROUND, f"d{i}"))
-        drawn += V.derive_task(low, plan=plan, verifier=str(v.peer_id), selection=s, packets=packets,
-                               part_ranges=world.part_ranges) is not None
+        drawn += (
+            V.derive_task(
+                low, plan=plan, verifier=str(v.peer_id), selection=s, packets=packets, part_ranges=world.part_ranges
+            )
+            is not None
+        )
     assert 10 <= drawn <= 40  # 25 expected
 
 
@@ -312,8 +401,9 @@ def test_sample_elements_deterministic_and_bounded():
     assert not bool(((a >= 400_000) & (a < 600_000)).any()) and bool((a[1:] > a[:-1]).all())
     frac = float((a < 400_000).double().mean())
     assert 0.45 < frac < 0.55  # uniform over the union (399k and 400k elements)
-    assert torch.equal(V.sample_elements([(10, 20), (30, 35)], 100, seed=1),
-                       torch.tensor(list(range(10, 20)) + list(range(30, 35))))
+    assert torch.equal(
+        V.sample_elements([(10, 20), (30, 35)], 100, seed=1), torch.tensor(list(range(10, 20)) + list(range(30, 35)))
+    )
 
 
 @pytest.fixture(scope="module")
@@ -324,8 +414,9 @@ def flipped_case(world):
     packets = _packets(world, bad, 10)
     v, plan, task = _drawn(world, world.pid["A"], cfg, packets)
     wv = _verifier(world, v, cfg, plan, packets)
-    signed = {j: _signed(world.ids["A"], packets[world.pid["A"]][j], j, s, e)
-              for j, (s, e) in enumerate(world.part_ranges)}
+    signed = {
+        j: _signed(world.ids["A"], packets[world.pid["A"]][j], j, s, e) for j, (s, e) in enumerate(world.part_ranges)
+    }
     ev = wv.check_round(ROUND, signed_of=lambda part, sender: signed[part] if sender == task.accused else None)
     return types.SimpleNamespace(cfg=cfg, packets=packets, v=v, plan=plan, task=task, wv=wv, ev=ev, signed=signed)
 
@@ -335,8 +426,10 @@ def test_failing_check_gives_evidence_and_excludes_locally(world, flipped_case):
     assert c.ev is not None and c.ev.outcome == V.FAIL and c.ev.accused == world.pid["A"]
     assert c.ev.task == c.task and c.ev.contributions == c.signed and set(c.ev.packets) == {0, 1, 2, 3}
     assert c.ev.plain < 0.3 and world.pid["A"] in c.wv.excluded
-    assert [m.peer_id for m in c.wv.filter([types.SimpleNamespace(peer_id=p) for p in world.pid.values()])] == \
-        [world.pid["B"], world.pid["C"]]
+    assert [m.peer_id for m in c.wv.filter([types.SimpleNamespace(peer_id=p) for p in world.pid.values()])] == [
+        world.pid["B"],
+        world.pid["C"],
+    ]
 
 
 def test_evidence_round_trips(world, flipped_case):
@@ -400,17 +493,36 @@ def test_recheck_confirms_and_the_leaders_plan_leaves_the_accused_out(world, fli
     assert w.recheck(c.ev.to_signed(c.v)) == "confirmed"
     assert world.pid["A"] in w.excluded and str(c.v.peer_id) not in w.excluded
     # the node's planner-input filter, then a real plan from the filtered records
-    recs = [PeerRecord(peer_id=p, address=f"{p[:6]}.example:7000", device="cpu", memory_bytes=8 << 30,
-                       tokens_per_s={8: 5000.0}, max_batch=8, upload_bps=1e7, download_bps=1e7, version="0.1.0",
-                       run_config_hash="cfg") for p in sorted(world.pid.values())]
+    recs = [
+        PeerRecord(
+            peer_id=p,
+            address=f"{p[:6]}.example:7000",
+            device="cpu",
+            memory_bytes=8 << 30,
+            tokens_per_s={8: 5000.0},
+            max_batch=8,
+            upload_bps=1e7,
+            download_bps=1e7,
+            version="0.1.0",
+            run_config_hash="cfg",
+        )
+        for p in sorted(world.pid.values())
+    ]
     from geomesh_p2p.node import PeerNode
 
     leader = types.SimpleNamespace(_work_verifier=w, me=world.pid["B"])
     members = PeerNode._verified_members(leader, recs)
     assert sorted(m.peer_id for m in members) == sorted([world.pid["B"], world.pid["C"]])
-    plan = make_plan(members, PlanConfig(seq_len=L, target_batch=8, window_s=6.0, payload_bytes=1 << 20, mode="relay"),
-                     run_id=RUN, round=ROUND + 2, leader=world.pid["B"], numel=world.P, start_time=1e9,
-                     start_digest="d")
+    plan = make_plan(
+        members,
+        PlanConfig(seq_len=L, target_batch=8, window_s=6.0, payload_bytes=1 << 20, mode="relay"),
+        run_id=RUN,
+        round=ROUND + 2,
+        leader=world.pid["B"],
+        numel=world.P,
+        start_time=1e9,
+        start_digest="d",
+    )
     assert world.pid["A"] not in plan.participants() and len(plan.participants()) == 2
     # a node without a verifier plans everyone; the accused never filters itself out
     assert PeerNode._verified_members(types.SimpleNamespace(me="x"), recs) == recs
@@ -426,8 +538,9 @@ def test_evidence_not_drawn_by_the_selection_is_ignored(world, flipped_case):
         liar = _fixed_identity(f"liar-{i}")
         plan = _plan(world, {"V": c.v, "L": liar})
         sel = liar.sign(V.selection_message(RUN, ROUND, plan.start_digest))
-        t = V.derive_task(cfg, plan=plan, verifier=str(liar.peer_id), selection=sel, packets=c.packets,
-                          part_ranges=world.part_ranges)
+        t = V.derive_task(
+            cfg, plan=plan, verifier=str(liar.peer_id), selection=sel, packets=c.packets, part_ranges=world.part_ranges
+        )
         if t is None or t.accused != world.pid["A"]:
             break
     ev = copy.copy(c.ev)
@@ -444,12 +557,21 @@ def test_false_accusation_is_refuted_and_excludes_the_accuser(world):
     liar, plan, task = _drawn(world, world.pid["A"], cfg, packets)
     honest_check = _verifier(world, liar, cfg, plan, packets)
     assert honest_check.check_round(ROUND) is None  # an honest verifier would not accuse
-    ev = V.Evidence(run_id=RUN, round=ROUND, verifier=str(liar.peer_id), accused=world.pid["A"],
-                    start_digest=plan.start_digest,
-                    selection=liar.sign(V.selection_message(RUN, ROUND, plan.start_digest)),
-                    task=task, packets={j: V._packet_digest(packets[world.pid["A"]][j]) for j in task.parts},
-                    basis=[],
-                    plain=0.2, trace=0.4, outcome=V.FAIL, reason="signs: made up")
+    ev = V.Evidence(
+        run_id=RUN,
+        round=ROUND,
+        verifier=str(liar.peer_id),
+        accused=world.pid["A"],
+        start_digest=plan.start_digest,
+        selection=liar.sign(V.selection_message(RUN, ROUND, plan.start_digest)),
+        task=task,
+        packets={j: V._packet_digest(packets[world.pid["A"]][j]) for j in task.parts},
+        basis=[],
+        plain=0.2,
+        trace=0.4,
+        outcome=V.FAIL,
+        reason="signs: made up",
+    )
     w = _verifier(world, world.ids["B"], cfg, plan, packets)
     assert w.recheck(ev.to_signed(liar)) == "refuted"
     assert world.pid["A"] not in w.excluded and str(liar.peer_id) in w.excluded
@@ -457,16 +579,18 @@ def test_false_accusation_is_refuted_and_excludes_the_accuser(world):
 
 def test_marginal_failures_exclude_after_two_rounds(world):
     cfg = V.VerifyConfig()
-    w = V.WorkVerifier(cfg, identity=Identity.generate(), run_id=RUN, model=None, dataset=None, seed=0, lr=1e-3,
-                       weight_decay=0.1)
+    w = V.WorkVerifier(
+        cfg, identity=Identity.generate(), run_id=RUN, model=None, dataset=None, seed=0, lr=1e-3, weight_decay=0.1
+    )
     t = _task(10, world)
     w._record(t, V.Verdict(V.MARGINAL, "weak"), "v1")
     w._record(t, V.Verdict(V.MARGINAL, "weak"), "v2")  # the same round again: still one
     assert world.pid["A"] not in w.excluded
     w._record(V.VerifyTask(**{**t.__dict__, "round": ROUND + 3}), V.Verdict(V.MARGINAL, "weak"), "v3")
     assert world.pid["A"] in w.excluded
-    w2 = V.WorkVerifier(cfg, identity=Identity.generate(), run_id=RUN, model=None, dataset=None, seed=0, lr=1e-3,
-                        weight_decay=0.1)
+    w2 = V.WorkVerifier(
+        cfg, identity=Identity.generate(), run_id=RUN, model=None, dataset=None, seed=0, lr=1e-3, weight_decay=0.1
+    )
     w2._record(t, V.Verdict(V.MARGINAL, "weak"), "v1")
     w2._record(V.VerifyTask(**{**t.__dict__, "round": ROUND + cfg.marginal_window}), V.Verdict(V.MARGINAL, "w"), "v")
     assert not w2.excluded  # too far apart
