@@ -865,20 +865,8 @@ class PeerNode(NodeRoundPolicy):
         d = getattr(self, "_round_driver", None)
         if d is not None and (d.trainer, d.collective) == parts:
             return d
-        cfg = DriverConfig(
-            min_peers=c.min_peers,
-            wait_peers_s=c.wait_peers_s,
-            gather_wait_s=c.gather_wait_s,
-            plan_timeout_s=c.plan_timeout_s,
-            sync_wait_cap_s=c.sync_wait_cap_s,
-            rounds=c.rounds,
-            target_ppl=c.target_ppl,
-            eval_every=c.eval_every,
-            eval_batches=c.eval_batches,
-            checkpoint_every=c.checkpoint_every,
-            eval_background=c.eval_background,
-            checkpointing=bool(c.checkpoint_dir),
-            exchanges_gradient=self.method_rule.exchanges_gradient,
+        cfg = DriverConfig.from_node(
+            c, checkpointing=bool(c.checkpoint_dir), exchanges_gradient=self.method_rule.exchanges_gradient
         )
         transport = self.transport
 

@@ -19,12 +19,13 @@ import logging
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Optional, Sequence, cast
 
 import torch
 
 from geomesh_p2p.aio import wait_event
+from geomesh_p2p.config import NodeConfig
 from geomesh_p2p.metrics import RoundRecord
 from geomesh_p2p.planner import RoundPlan
 from geomesh_p2p.probation import PROBATION_SYNC_WAIT_S
@@ -113,6 +114,11 @@ class SwarmEnded:
     why: str
 
 
+def _node_default(name: str) -> Any:
+    """NodeConfig's default of field ``name`` (KeyError when NodeConfig has no such field)."""
+    return NodeConfig.model_fields[name].default
+
+
 @dataclass
 class DriverConfig:
     """The driver's knobs (seconds). ``min_peers`` peers are waited for before the first round; after it,
@@ -121,26 +127,35 @@ class DriverConfig:
     line "waiting for N peers, M live") and ends (:class:`SwarmEnded`) when every other peer left. Rounds
     with enough peers gather for ``gather_wait_s`` after the first."""
 
-    min_peers: int = 1
-    wait_peers_s: float = 60.0
-    gather_wait_s: float = 4.0
-    sync_wait_cap_s: float = 30.0  # longest gather wait for a syncing peer, by its announced download progress
-    plan_timeout_s: float = 4.0
+    # The node's knobs take their defaults from NodeConfig's fields (one definition each, issue 15);
+    # :meth:`from_node` copies them from a node's config.
+    min_peers: int = _node_default("min_peers")
+    wait_peers_s: float = _node_default("wait_peers_s")
+    gather_wait_s: float = _node_default("gather_wait_s")
+    sync_wait_cap_s: float = _node_default("sync_wait_cap_s")  # longest gather wait for a syncing peer
+    plan_timeout_s: float = _node_default("plan_timeout_s")
     digest_wait_s: float = 2.0
-    rounds: Optional[int] = None
-    target_ppl: Optional[float] = None
-    eval_every: int = 1
-    eval_batches: int = 8
+    rounds: Optional[int] = _node_default("rounds")
+    target_ppl: Optional[float] = _node_default("target_ppl")
+    eval_every: int = _node_default("eval_every")
+    eval_batches: int = _node_default("eval_batches")
     #: evaluate in a worker thread on a copy of the global weights while the next round trains (issue 17);
     #: the result goes into the next row (``eval_round`` says which round's weights it measured), the last
     #: round is evaluated at once. Needs a trainer with ``snapshot_for_eval`` / ``evaluate_snapshot``.
-    eval_background: bool = False
-    checkpoint_every: int = 5
+    eval_background: bool = _node_default("eval_background")
+    checkpoint_every: int = _node_default("checkpoint_every")
     checkpointing: bool = False
     exchanges_gradient: bool = False  # ddp (MethodRule.exchanges_gradient): one batch's gradient, no pseudo-gradient
     backoff_first_s: float = 0.05
     backoff_cap_s: float = 1.0
     live_refresh_s: float = 1.0  # refresh of the live view while plans are read (backoff cap)
+
+    @classmethod
+    def from_node(cls, node_cfg: NodeConfig, **overrides: Any) -> "DriverConfig":
+        """The driver's knobs of a node: every field that NodeConfig also has, copied from ``node_cfg``,
+        then ``overrides`` (fields the node derives, e.g. ``checkpointing``)."""
+        shared = {f.name: getattr(node_cfg, f.name) for f in fields(cls) if f.name in NodeConfig.model_fields}
+        return cls(**{**shared, **overrides})
 
 
 def no_work(compute_s: float):
