@@ -790,6 +790,33 @@ class PeerNode(NodeRoundPolicy):
                 )
             return None
 
+    async def _final_checkpoint(self) -> Optional[Path]:
+        """The checkpoint at shutdown, or None with the reason when this peer's weights are not the swarm's
+        state of ``self.round``: a peer still syncing (planned out, catching up, or ended by the swarm while
+        behind) has already moved its round number on while its weights are an older round's, so a checkpoint
+        would label stale weights with the new round and a ``--resume`` would start a fork from them. The
+        latest periodic checkpoint stays the one to resume from."""
+        if self.outer is None or not self.cfg.checkpoint_dir or getattr(self, "_skip_checkpoint", False):
+            return None
+        if self._syncing or getattr(self, "_ended_not_synced", False):
+            events.emit(
+                log,
+                logging.INFO,
+                "final_checkpoint_skipped",
+                "round %d: no final checkpoint: this peer is not synced with the swarm (its weights are not "
+                "round %d's); the latest checkpoint in %s stays the one to --resume from",
+                self.round,
+                self.round,
+                self.cfg.checkpoint_dir,
+                round=self.round,
+                reason="not_synced",
+            )
+            return None
+        path = await self._checkpoint_or_warn(final=True)
+        if path:
+            log.info("checkpoint written: %s (round %d)", path, self.round)
+        return path
+
     def checkpoint(self) -> Optional[Path]:
 
         # No global state taken yet (no digest: _initial_state has not set one): nothing to save. A refused
@@ -848,6 +875,7 @@ class PeerNode(NodeRoundPolicy):
         reach its own goal), :data:`EXIT_NOT_SYNCED` when it does not (its state is not the swarm's: a script
         must not take its checkpoint or perplexity for the run's)."""
         code = 0 if ended.synced else EXIT_NOT_SYNCED
+        self._ended_not_synced = not ended.synced  # shutdown writes no checkpoint of a state that is not the swarm's
         log.warning(
             "not done: %s; %d round(s) trained here, now at round %d; exit %d",
             ended.why,
@@ -1014,13 +1042,7 @@ class PeerNode(NodeRoundPolicy):
                 await self.announce()
         except Exception as e:  # the DHT may be gone already; the record expires on its own
             log.warning("could not announce that this peer leaves: %s", e)
-        path = (
-            await self._checkpoint_or_warn(final=True)
-            if self.outer is not None and not getattr(self, "_skip_checkpoint", False)
-            else None
-        )
-        if path:
-            log.info("checkpoint written: %s (round %d)", path, self.round)
+        await self._final_checkpoint()
         if self.cfg.summary_json:
             self.write_summary(self.cfg.summary_json)
         try:

@@ -836,8 +836,9 @@ class RoundDriver:
         for the next round (its leader then waits for it), wait for the others to announce it, re-sync."""
         plan, r = ctx.planned(), ctx.round
         why = (
-            f"not in the plan of leader {plan.leader[:10]} (it joined late, or the leader found its link or "
-            f"device too slow for the {plan.window_s:.1f} s window: see the leader's log)"
+            f"not in the plan of leader {plan.leader[:10]} (the leader left it out: it joined late, missed an "
+            f"earlier round's exchange, or its link or device is too slow for the {plan.window_s:.1f} s window; "
+            "see the leader's log)"
             if self.me not in plan.participants()
             else "weights differ from the plan's"
         )

@@ -36,6 +36,7 @@ def _node(ckpt_dir) -> PeerNode:
     node.theta = torch.arange(8, dtype=torch.float32)
     node.outer = OuterNesterov(lr=0.7, momentum=0.9)
     node.standing = Standing()
+    node._syncing = False
     return node
 
 
@@ -90,3 +91,35 @@ def test_parts_that_aggregated_no_token_do_not_move(caplog):
     before, buf = node.theta.clone(), node.outer.buf.clone()
     node._outer_step(4, plan, torch.zeros(12), idle=[(0, 6), (6, 12)])
     assert torch.equal(node.theta, before) and torch.equal(node.outer.buf, buf)
+
+
+@pytest.mark.parametrize("how", ["syncing", "ended_not_synced"])
+def test_a_peer_not_synced_writes_no_final_checkpoint(tmp_path, how):
+    """A planned-out or catching-up peer has moved its round on while its weights are an older round's:
+    the shutdown checkpoint would label stale weights with the new round. It is skipped with a reason."""
+    node = _node(tmp_path)
+    assert asyncio.run(node._final_checkpoint()) is not None  # synced: written
+    node.round = 4
+    if how == "syncing":
+        node._syncing = True
+    else:
+        node._syncing = False
+        node._ended_not_synced = True
+    with events.capture("final_checkpoint_skipped") as skipped:
+        assert asyncio.run(node._final_checkpoint()) is None
+    [ev] = skipped
+    assert (ev["round"], ev["reason"], ev["level"]) == (4, "not_synced", "INFO")
+    assert [r for r, _ in state.list_checkpoints(tmp_path)] == [3]  # only the synced one
+
+
+def test_the_final_checkpoint_of_a_synced_peer_is_written(tmp_path):
+    node = _node(tmp_path)
+    node._syncing = False
+    with events.capture("final_checkpoint_skipped") as skipped:
+        path = asyncio.run(node._final_checkpoint())
+    assert skipped == [] and path is not None
+    assert [r for r, _ in state.list_checkpoints(tmp_path)] == [3]
+    node.cfg = NodeConfig()  # no --checkpoint-dir: nothing written, nothing said
+    with events.capture("final_checkpoint_skipped") as skipped:
+        assert asyncio.run(node._final_checkpoint()) is None
+    assert skipped == []
