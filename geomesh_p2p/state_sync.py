@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import functools
 import hashlib
 import json
 import logging
@@ -755,11 +756,17 @@ class UpdateLog:
         fut = self._encoding.get(round)
         if fut is None:
             fut = self._encoding[round] = asyncio.ensure_future(asyncio.to_thread(self._encode, u))
-        try:
-            return await asyncio.shield(fut)
-        finally:
-            if fut.done():
-                self._encoding.pop(round, None)
+            fut.add_done_callback(functools.partial(self._encoded, round))
+        return await asyncio.shield(fut)
+
+    def _encoded(self, round: int, fut: asyncio.Future) -> None:
+        """Done callback of an encoding (on the loop): the table entry goes, and its error is retrieved
+        here, so an encoding whose every awaiter left (a cancelled download) leaves neither an entry nor a
+        "Future exception was never retrieved" behind. Awaiters still waiting get the error themselves."""
+        if self._encoding.get(round) is fut:
+            del self._encoding[round]
+        if not fut.cancelled() and fut.exception() is not None:
+            log.debug("encoding the update of round %d failed: %r", round, fut.exception())
 
     def _encode(self, u: OuterUpdate) -> tuple[bytes, str]:
         data = u.encode()
