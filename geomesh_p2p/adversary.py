@@ -40,6 +40,11 @@ Attacks (DESIGN.md "Untrusted volunteers"; issue 11's table):
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # run as a program: silence gRPC's C core before grpc is first imported below
+    from geomesh_p2p.grpc_env import quiet_grpc_core
+
+    quiet_grpc_core()
+
 import argparse
 import asyncio
 import logging
