@@ -46,7 +46,7 @@ import random
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Callable, Collection, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Awaitable, Callable, Collection, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -938,19 +938,26 @@ class DHTNode:
             return
         self._started = True
         if self.refresh_period_s and self.refresh_period_s > 0:
-            self.tasks.spawn(self._refresh_loop(), name="dht-refresh")
+            self.tasks.spawn(self._every(self.refresh_period_s, self.refresh_once, "refresh"), name="dht-refresh")
         if self.republish_period_s and self.republish_period_s > 0:
-            self.tasks.spawn(self._republish_loop(), name="dht-republish")
+            self.tasks.spawn(
+                self._every(self.republish_period_s, self.republish_once, "republish"), name="dht-republish"
+            )
         if self.bootstrap_refresh_s and self.bootstrap_refresh_s > 0:
-            self.tasks.spawn(self._bootstrap_loop(), name="dht-bootstrap-refresh")
+            self.tasks.spawn(
+                self._every(self.bootstrap_refresh_s, self.ping_bootstraps, "bootstrap refresh"),
+                name="dht-bootstrap-refresh",
+            )
 
-    async def _bootstrap_loop(self) -> None:
+    async def _every(self, period_s: float, job: Callable[[], Awaitable[object]], what: str) -> None:
+        """Run ``job`` every ``period_s`` seconds (+-10 % jitter, so that nodes started together do not
+        act in step) while the node is alive; a failure is logged and the loop goes on."""
         while self._alive:
-            await asyncio.sleep(self.bootstrap_refresh_s * random.uniform(0.9, 1.1))
+            await asyncio.sleep(period_s * random.uniform(0.9, 1.1))
             try:
-                await self.ping_bootstraps()
+                await job()
             except Exception as e:  # keep going whatever happens
-                log.warning("DHT bootstrap refresh failed: %r", e)
+                log.warning("DHT %s failed: %r", what, e)
 
     async def ping_bootstraps(self) -> int:
         """Ping every bootstrap address once (at once; failures are only counted). A bootstrap that
@@ -1000,14 +1007,6 @@ class DHTNode:
             if self.contacts():
                 await self.find_nearest_nodes([self.node_id])
         return len(self.contacts())
-
-    async def _refresh_loop(self) -> None:
-        while self._alive:
-            await asyncio.sleep(self.refresh_period_s * random.uniform(0.9, 1.1))
-            try:
-                await self.refresh_once()
-            except Exception as e:  # keep refreshing whatever happens
-                log.warning("DHT refresh failed: %r", e)
 
     async def refresh_once(self) -> None:
         """Re-dial bootstraps and recently dropped nodes if no node is known; look up a random id in
@@ -1401,14 +1400,6 @@ class DHTNode:
         return merge.result(self.now())
 
     # ------------------------------------------------------------------ republish
-    async def _republish_loop(self) -> None:
-        while self._alive:
-            await asyncio.sleep(self.republish_period_s * random.uniform(0.9, 1.1))
-            try:
-                await self.republish_once()
-            except Exception as e:  # keep going whatever happens
-                log.warning("DHT republish failed: %r", e)
-
     async def republish_once(self) -> int:
         """Re-store held and self-published records on their current nearest nodes (see class doc).
         Returns the number of records sent."""
