@@ -207,6 +207,15 @@ def _tls_hint(errors: Iterable[str], tls: bool) -> str:
     return "; the bootstrap may require TLS: if the swarm uses TLS, pass --tls-cert/--tls-key/--tls-ca"
 
 
+def _check_count(n: int, limit: int, request: str, items: str, call: str) -> None:
+    """Refuse a ``request`` holding ``n`` ``items``: none (INVALID_ARGUMENT) or over ``limit``
+    (RESOURCE_EXHAUSTED), as a RecordError naming them (``call``: "store", "find")."""
+    if not n:
+        raise RecordError(grpc.StatusCode.INVALID_ARGUMENT, f"{request} holds no {items}")
+    if n > limit:
+        raise RecordError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{n} {items} in one {call}, over the limit of {limit}")
+
+
 def _parse(cls, payload: bytes, name: str):
     try:
         return cls.FromString(payload)
@@ -1236,13 +1245,7 @@ class DHTNode:
     async def _rpc_store(self, verified: Verified, context) -> bytes:
         self._alive_check()
         req = _parse(dht_pb2.StoreRequest, verified.payload, "StoreRequest")
-        if not req.records:
-            raise RecordError(grpc.StatusCode.INVALID_ARGUMENT, "StoreRequest holds no records")
-        if len(req.records) > self.limits.max_records_per_store:
-            raise RecordError(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"{len(req.records)} records in one store, over the limit of {self.limits.max_records_per_store}",
-            )
+        _check_count(len(req.records), self.limits.max_records_per_store, "StoreRequest", "records", "store")
         self._note_sender(verified, req.sender)
         outcomes = [self._store_local(rec, from_peer=verified.sender) for rec in req.records]
         refused = [o for o in outcomes if o.code != 0]
@@ -1263,13 +1266,7 @@ class DHTNode:
     async def _rpc_find(self, verified: Verified, context) -> bytes:
         self._alive_check()
         req = _parse(dht_pb2.FindRequest, verified.payload, "FindRequest")
-        if not req.keys:
-            raise RecordError(grpc.StatusCode.INVALID_ARGUMENT, "FindRequest holds no keys")
-        if len(req.keys) > self.limits.max_keys_per_find:
-            raise RecordError(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"{len(req.keys)} keys in one find, over the limit of {self.limits.max_keys_per_find}",
-            )
+        _check_count(len(req.keys), self.limits.max_keys_per_find, "FindRequest", "keys", "find")
         if any(len(k) != DHTID.HASH_NBYTES for k in req.keys):
             raise RecordError(grpc.StatusCode.INVALID_ARGUMENT, f"a key is not a {DHTID.HASH_NBYTES}-byte DHTID")
         self._note_sender(verified, req.sender)
