@@ -258,6 +258,8 @@ def run_helper(model: str, method: str, vocab_size: int) -> dict:
 def run_one(model: str, method: str, args, workdir: Path, procs: Procs, results: list) -> dict:
     """Run one (model, method) swarm, append its result to ``results`` (also when interrupted) and
     return it. Raises KeyboardInterrupt after the summary when interrupted."""
+    from geomesh_p2p.procs import bootstrap_argv
+
     tag = f"{model}-{method}"
     d = workdir / tag
     d.mkdir(parents=True, exist_ok=True)
@@ -274,18 +276,7 @@ def run_one(model: str, method: str, args, workdir: Path, procs: Procs, results:
     # first could be taken by another process before the bootstrap binds it.
     boot = procs.spawn(
         f"{tag}/bootstrap",
-        exe
-        + [
-            "bootstrap.cli",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            "0",
-            "--run-id",
-            run_id,
-            "--identity",
-            str(d / "bootstrap.key"),
-        ],
+        bootstrap_argv(run_id, d / "bootstrap.key"),
         d / "bootstrap.log",
     )
     wait_for(lambda: _SERVING.search(boot.text()) is not None, 120, "the bootstrap to listen", [boot])

@@ -85,6 +85,7 @@ def _free_port() -> int:
 def run_swarm(ns: argparse.Namespace) -> list[str]:
     """Start the swarm (processes owned by peer.demo.Swarm, stopped by PID at the end), wait for every
     peer to finish ``--rounds``; returns the peers' JSON row files."""
+    from geomesh_p2p.procs import bootstrap_argv
     from peer.demo import Swarm
 
     workdir = Path(ns.workdir)
@@ -97,21 +98,7 @@ def run_swarm(ns: argparse.Namespace) -> list[str]:
     speeds = [float(x) for x in ns.speed_factors.split(",")]
     files, peers = [], []
     try:
-        swarm.spawn(
-            "bootstrap",
-            exe
-            + [
-                "bootstrap.cli",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(bport),
-                "--run-id",
-                ns.run_id,
-                "--identity",
-                str(workdir / "bootstrap.key"),
-            ],
-        )
+        swarm.spawn("bootstrap", bootstrap_argv(ns.run_id, workdir / "bootstrap.key", port=bport))
         for i in range(ns.peers):
             files.append(str(workdir / f"peer{i}.jsonl"))
             peers.append(

@@ -49,7 +49,7 @@ from geomesh_p2p import identity as identity_mod
 from geomesh_p2p.identity import EnvelopeError, Identity, PeerID, Verified, Verifier
 from geomesh_p2p.logonce import LogOnce
 from geomesh_p2p.wire import envelope_pb2
-from geomesh_p2p.wire.varint import read_varint, varint
+from geomesh_p2p.wire.varint import read_varint, skip_value, varint
 
 log = logging.getLogger(__name__)
 
@@ -154,14 +154,8 @@ def _split_request(data: bytes):
                 i += length
             elif field in (1, 2):
                 raise ValueError("wrong wire type")
-            elif wire == 0:
-                _, i = read_varint(data, i, n)
-            elif wire == 1:
-                i += 8
-            elif wire == 5:
-                i += 4
             else:
-                raise ValueError("group or bad wire type")
+                i = skip_value(data, i, n, wire)
             if i > n:
                 raise ValueError("truncated field")
         envelope = envelope_pb2.Envelope.FromString(data[env_at[0] : env_at[1]]) if env_at is not None else None
@@ -421,6 +415,16 @@ class RpcError(Exception):
         self.unreachable = unreachable
 
 
+def _count_down(counts: dict, key) -> None:
+    """Decrement ``counts[key]`` (KeyError when absent), deleting the key at 0 so that the per-IP and
+    per-sender tables hold only the keys with something in progress (they stay bounded)."""
+    n = counts[key] - 1
+    if n:
+        counts[key] = n
+    else:
+        del counts[key]
+
+
 class _Pool:
     """Read slots of one size class: at most ``per_ip`` per remote IP and ``total`` in all; waiters
     in two FIFO lanes, connections with a good record first."""
@@ -446,11 +450,7 @@ class _Pool:
 
     def give(self, ip: str) -> None:
         self.reading -= 1
-        n = self.by_ip[ip] - 1
-        if n:
-            self.by_ip[ip] = n
-        else:
-            del self.by_ip[ip]
+        _count_down(self.by_ip, ip)
 
 
 class _Guard:
@@ -526,11 +526,7 @@ class _Guard:
 
     def _unwait(self, ip: str) -> None:
         self._waiting -= 1
-        n = self._waiting_by_ip[ip] - 1
-        if n:
-            self._waiting_by_ip[ip] = n
-        else:
-            del self._waiting_by_ip[ip]
+        _count_down(self._waiting_by_ip, ip)
 
     def _wake(self, pool: _Pool) -> None:
         """Start the first waiting reads (good connections first, FIFO) whose IP and the pool have a free slot."""
@@ -612,11 +608,7 @@ class _Guard:
     def leave_call(self, token: tuple) -> None:
         cls, key = token
         self._calls[cls] -= 1
-        n = self._sender_calls[key] - 1
-        if n:
-            self._sender_calls[key] = n
-        else:
-            del self._sender_calls[key]
+        _count_down(self._sender_calls, key)
 
     def snapshot(self) -> dict:
         """Counters, for tests and benchmarks."""
