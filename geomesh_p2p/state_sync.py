@@ -42,7 +42,7 @@ from google.protobuf.message import DecodeError
 
 from geomesh_p2p.identity import EnvelopeError
 from geomesh_p2p.state import GlobalState, StateChanged, StateError
-from geomesh_p2p.transport import STATE_GET, STATE_STATUS, RpcError, Transport
+from geomesh_p2p.transport import STATE_GET, STATE_STATUS, STATE_UPDATE, RpcError, Transport
 from geomesh_p2p.wire import collective_pb2
 
 if TYPE_CHECKING:
@@ -53,7 +53,6 @@ log = logging.getLogger(__name__)
 DEFAULT_CHUNK_BYTES = 1 << 20
 
 #: One round's outer update (:class:`UpdateLog`), streamed like the state (StateRequest / StateChunk).
-STATE_UPDATE = "/geomesh.wire.State/GetUpdate"
 #: Rounds of outer updates a donor keeps (memory: ``4 * P`` bytes per round until first asked, then its
 #: zlib blob, ~``P`` bytes for a sign-compressed swarm).
 DEFAULT_KEEP_UPDATES = 3

@@ -64,6 +64,21 @@ COLLECTIVE_PULL = "/geomesh.wire.Collective/PullPart"
 STATE_GET = "/geomesh.wire.State/GetState"
 STATE_STATUS = "/geomesh.wire.State/Status"
 LINK_PROBE = "/geomesh.wire.Link/Probe"
+STATE_UPDATE = "/geomesh.wire.State/GetUpdate"
+
+#: Connection lanes. Calls that move bulk data (pseudo-gradient parts, the state, outer updates, link
+#: probes) go over their own connection to a peer, the control calls (DHT, status) over another. Why: on a
+#: slow uplink one connection's kernel send buffer holds seconds of queued part bytes, and a DHT store
+#: queued behind them arrived after its record expired (a real-process DiLoCo run at 5-7 Mbit/s: peers
+#: announced as dead, planned out every round). A second TCP connection shares the link fairly instead.
+CONTROL_LANE, BULK_LANE = "control", "bulk"
+BULK_METHODS = frozenset({COLLECTIVE_PUSH, COLLECTIVE_PULL, STATE_GET, STATE_UPDATE, LINK_PROBE})
+
+
+def lane_of(method: str) -> str:
+    """The connection lane of ``method``: :data:`BULK_LANE` for :data:`BULK_METHODS`, else :data:`CONTROL_LANE`."""
+    return BULK_LANE if method in BULK_METHODS else CONTROL_LANE
+
 
 DEFAULT_MAX_MESSAGE_BYTES = 128 << 20
 RESPONSE_SUFFIX = "+resp"
@@ -689,7 +704,8 @@ class Transport:
         # Keys (caller IP, status, reason head): a flood of bad messages is not a flood of logs.
         self._reject_log = LogOnce(log, capacity=4096)
         self._server: Optional[grpc.aio.Server] = None
-        self._channels: "OrderedDict[str, grpc.aio.Channel]" = OrderedDict()  # least recently used first
+        # (address, lane) -> channel, least recently used first
+        self._channels: "OrderedDict[tuple[str, str], grpc.aio.Channel]" = OrderedDict()
         self._evicted: set = set()  # evicted channels still closing
         self.tasks = TaskOwner(f"transport {identity.peer_id.short()}")
         self._closed = False
@@ -967,11 +983,12 @@ class Transport:
         return self.address
 
     # ---------------------------------------------------------------- client side
-    def _channel(self, address: str) -> grpc.aio.Channel:
-        """The cached channel to ``address``. At most ``max_channels`` are kept (addresses come from
-        other nodes, e.g. the ones a caller claims): the least recently used is closed, with a grace
-        period for its calls in flight."""
-        ch = self._channels.get(address)
+    def _channel(self, address: str, lane: str = CONTROL_LANE) -> grpc.aio.Channel:
+        """The cached channel to ``address`` for ``lane`` (:func:`lane_of`: each lane is its own TCP
+        connection). At most ``max_channels`` are kept (addresses come from other nodes, e.g. the ones a
+        caller claims): the least recently used is closed, with a grace period for its calls in flight."""
+        key = (address, lane)
+        ch = self._channels.get(key)
         if ch is None:
             # Its own subchannels (not gRPC's process-wide pool): a channel dropped by drop_channel takes
             # its reconnect backoff with it instead of handing it to the next channel to that address.
@@ -980,14 +997,14 @@ class Transport:
                 ch = grpc.aio.secure_channel(address, self.config.tls.channel_credentials(), options=opts)
             else:
                 ch = grpc.aio.insecure_channel(address, options=opts)
-            self._channels[address] = ch
+            self._channels[key] = ch
             while len(self._channels) > max(1, self.config.max_channels):
                 _, old = self._channels.popitem(last=False)
                 self._evicted.add(old)
                 task = self.tasks.spawn(old.close(grace=self.config.default_timeout_s), name="close-channel")
                 task.add_done_callback(functools.partial(self._forget_evicted, old))
         else:
-            self._channels.move_to_end(address)
+            self._channels.move_to_end(key)
         return ch
 
     def drop_channel(self, address: str, channel: Optional[grpc.aio.Channel] = None) -> bool:
@@ -996,15 +1013,15 @@ class Transport:
         gRPC's reconnect backoff (up to minutes), failing every call at once with the old error, even
         after a new process listens there again (a restart on the same port). With ``channel``: only if
         that one is still the cached one (concurrent failed calls drop the dead channel once, not the new
-        one a first retry dialled). True when one was dropped."""
-        ch = self._channels.get(address)
-        if ch is None or (channel is not None and ch is not channel):
-            return False
-        del self._channels[address]
-        self._evicted.add(ch)
-        task = self.tasks.spawn(ch.close(grace=self.config.default_timeout_s), name="close-channel")
-        task.add_done_callback(functools.partial(self._forget_evicted, ch))
-        return True
+        one a first retry dialled). Without ``channel``: the channels of every lane to ``address``. True
+        when one was dropped."""
+        keys = [k for k, ch in self._channels.items() if k[0] == address and channel in (None, ch)]
+        for key in keys:
+            ch = self._channels.pop(key)
+            self._evicted.add(ch)
+            task = self.tasks.spawn(ch.close(grace=self.config.default_timeout_s), name="close-channel")
+            task.add_done_callback(functools.partial(self._forget_evicted, ch))
+        return bool(keys)
 
     def _forget_evicted(self, channel: grpc.aio.Channel, _task: asyncio.Task) -> None:
         """Done callback of an evicted channel's close: it is no longer closed at :meth:`stop`."""
@@ -1050,7 +1067,7 @@ class Transport:
         retry = method in IDEMPOTENT_METHODS if idempotent is None else idempotent
         deadline = time.monotonic() + (timeout or self.config.default_timeout_s)
         while True:
-            channel = self._channel(address)
+            channel = self._channel(address, lane_of(method))
             mc = channel.unary_unary(method, request_serializer=None, response_deserializer=_split_request)
             try:
                 reply = await mc(request, timeout=max(0.001, deadline - time.monotonic()))
@@ -1075,7 +1092,7 @@ class Transport:
         request = await self._signed(round=round, kind=method, payload=payload)
         if self.config.added_latency_s > 0:
             await asyncio.sleep(self.config.added_latency_s)
-        channel = self._channel(address)
+        channel = self._channel(address, lane_of(method))
         mc = channel.unary_stream(method, request_serializer=None, response_deserializer=_split_request)
         call = mc(request, timeout=timeout or self.config.default_timeout_s)
         answered = False  # the request's bytes count once a reply arrived (see call)

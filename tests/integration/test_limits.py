@@ -216,7 +216,7 @@ async def test_client_keeps_a_bounded_number_of_channels():
         for port in ports:
             with pytest.raises(RpcError):
                 await client.call(f"127.0.0.1:{port}", DHT_PING, b"", timeout=2)
-        assert list(client._channels) == [f"127.0.0.1:{p}" for p in ports[-2:]]
+        assert list(client._channels) == [(f"127.0.0.1:{p}", "control") for p in ports[-2:]]
     finally:
         await client.stop()
         for s in bare:
