@@ -125,6 +125,14 @@ IDENTITY_PING_TIMEOUT_S = 3.0
 #: Exit code of a peer whose run ended on a state that is not the swarm's (the swarm ended while it was behind,
 #: or its last rounds were trained on a state the others never had): docs/round.md, "A stalled peer and a swarm that ended".
 EXIT_NOT_SYNCED = 3
+#: A planned-out peer re-probes its link at most this often (seconds), and gives a probe this long.
+REPROBE_MIN_INTERVAL_S = 20.0
+REPROBE_TIMEOUT_S = 10.0
+
+
+def _mbit(bps: Optional[float]) -> str:
+    """``bps`` (bytes/s) as Mbit/s text, or "unknown"."""
+    return "unknown" if bps is None else f"{bps * 8e-6:.1f}"
 
 
 class StoppedBeforeJoining(Exception):
@@ -484,6 +492,48 @@ class PeerNode(NodeRoundPolicy):
             self.probe_result = res
             return res
         return None
+
+    async def remeasure_links(self) -> None:
+        """Round driver port (:meth:`~geomesh_p2p.round.ports.Membership.remeasure_links`): a planned-out
+        peer probes its link again against a bootstrap (:func:`~geomesh_p2p.links.probe_link`, as at
+        start-up: ``--probe-bytes`` each way, one repeat) and the probe replaces the link EMA, so its next
+        record is not the pessimistic figure of the exchange that got it planned out. At most once per
+        :data:`REPROBE_MIN_INTERVAL_S`; nothing when both directions are stated by flags or no bootstrap
+        answers (the old figures stay)."""
+        c = self.cfg
+        now = time.monotonic()
+        if (c.upload_bps and c.download_bps) or self.ema is None or self.transport is None:
+            return
+        if now - getattr(self, "_reprobed_at", -1e18) < REPROBE_MIN_INTERVAL_S:
+            return
+        self._reprobed_at = now
+        for b in c.bootstrap:
+            try:
+                res = await probe_link(self.transport, b, nbytes=c.probe_bytes, repeats=1, timeout_s=REPROBE_TIMEOUT_S)
+            except Exception as e:  # a busy bootstrap: keep the figures the exchange gave
+                log.debug("link re-probe of %s failed: %s", b, e)
+                continue
+            old = (self.ema.upload_bps, self.ema.download_bps)
+            if not c.upload_bps:
+                self.ema.update_link(max(1, int(res.upload_bps)), 1.0, "up", alpha=1.0)
+            if not c.download_bps:
+                self.ema.update_link(max(1, int(res.download_bps)), 1.0, "down", alpha=1.0)
+            events.emit(
+                log,
+                logging.INFO,
+                "link_reprobed",
+                "planned out: link re-measured against %s: upload %.1f, download %.1f Mbit/s (was %s, %s)",
+                b,
+                res.upload_bps * 8e-6,
+                res.download_bps * 8e-6,
+                _mbit(old[0]),
+                _mbit(old[1]),
+                upload_bps=self.ema.upload_bps,
+                download_bps=self.ema.download_bps,
+                was_upload_bps=old[0],
+                was_download_bps=old[1],
+            )
+            return
 
     def _init_ema(self, probed) -> None:
 

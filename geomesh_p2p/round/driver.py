@@ -843,6 +843,8 @@ class RoundDriver:
             else "weights differ from the plan's"
         )
         log.info("round %d: %s; waiting for the round to end, then syncing", r, why)
+        if self.me not in plan.participants():  # its next announcement carries a fresh link figure
+            await self.membership.remeasure_links()
         self.state.syncing, self.state.round = True, r + 1
         await self.membership.announce()
         await self.wait_for_round(

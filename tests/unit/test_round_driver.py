@@ -120,6 +120,9 @@ class FakePeer:
     async def announce(self):
         self.swarm.records[self.me] = self.record()
 
+    async def remeasure_links(self):
+        self.remeasured = getattr(self, "remeasured", 0) + 1
+
     # GlobalStatePort
     def pseudo_gradient(self):
         return self.theta - self.model
@@ -333,6 +336,8 @@ async def test_a_planned_out_peer_waits_for_the_round_and_resyncs(caplog):
         await _run_all(peers, rounds=1)
     assert "not in the plan of leader" in caplog.text
     assert out.drv.history == [] and out.catch_ups == 1
+    # the planned-out peer re-measured its link (its next record must not keep the figure that left it out)
+    assert getattr(out, "remeasured", 0) == 1 and getattr(leader, "remeasured", 0) == 0
     assert (out.round, out.digest) == (1, leader.digest) and torch.equal(out.theta, leader.theta)
     assert [p.drv.history[0].peers for p in (leader, PEERS[order[1]])] == [2, 2]
 
