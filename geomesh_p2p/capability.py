@@ -1000,32 +1000,6 @@ def measure_codec(
     return max(best, 1e-6) / (2 * contributors * numel)
 
 
-def measure_bandwidth(transfers: Iterable[tuple[int, float]], latency_s: float = 0.0) -> float:
-    """Bandwidth in bytes/s from observed transfers ``(bytes, seconds)``.
-
-    ``sum(bytes) / sum(max(seconds - latency_s, 1e-9))``: the total over the total, so large
-    transfers dominate; ``latency_s`` (a per-transfer fixed cost, e.g. a measured RTT) is taken
-    out of each duration. Raises ValueError for no transfers, negative bytes, non-positive or
-    non-finite seconds, a negative latency or zero bytes in total.
-    """
-    if latency_s < 0 or not math.isfinite(latency_s):
-        raise ValueError(f"latency_s={latency_s} must be >= 0")
-    total_bytes, total_s, n = 0, 0.0, 0
-    for nbytes, seconds in transfers:
-        if nbytes < 0:
-            raise ValueError(f"transfer of {nbytes} bytes: bytes must be >= 0")
-        if not (math.isfinite(seconds) and seconds > 0):
-            raise ValueError(f"transfer took {seconds} s: seconds must be > 0")
-        total_bytes += nbytes
-        total_s += max(seconds - latency_s, 1e-9)
-        n += 1
-    if n == 0:
-        raise ValueError("no transfers to measure bandwidth from")
-    if total_bytes == 0:
-        raise ValueError("transfers moved 0 bytes: no bandwidth to infer")
-    return total_bytes / total_s
-
-
 class ThroughputEMA:
     """Exponential moving averages of a peer's throughput and link speeds, updated every round.
 

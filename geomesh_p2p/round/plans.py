@@ -39,7 +39,6 @@ import hashlib
 import logging
 import time
 from collections import Counter
-from dataclasses import dataclass
 from typing import Callable, Iterable, Optional, Sequence
 
 from pydantic import ValidationError
@@ -103,26 +102,6 @@ def digest_majority(records: Iterable[PeerRecord], round: int) -> tuple[Optional
         return None, 0, 0
     digest, n = max(votes.items(), key=lambda kv: (kv[1], kv[0]))
     return digest, n, sum(votes.values())
-
-
-@dataclass
-class DigestCheck:
-    """Outcome of the digest check after the outer step of a round."""
-
-    round: int
-    mine: str
-    majority: Optional[str]
-    agree: int
-    total: int
-
-    @property
-    def matches(self) -> bool:
-        return self.majority is None or self.mine == self.majority
-
-    @property
-    def needs_resync(self) -> bool:
-        """True when a strict majority of other peers hold different weights than this peer."""
-        return self.majority is not None and self.mine != self.majority and self.agree * 2 > self.total
 
 
 class PlanStore:

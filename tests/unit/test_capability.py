@@ -19,7 +19,6 @@ from geomesh_p2p.capability import (
     estimate_memory,
     find_max_batch,
     format_profile_table,
-    measure_bandwidth,
     measure_throughput,
     method_min_memory,
     preset_min_memory,
@@ -163,16 +162,6 @@ def test_cuda_paths():  # pragma: no cover - runs only where a GPU is present
     small = find_max_batch(m, SEQ, "cuda", budget, limit=4096)
     large = find_max_batch(m, SEQ, "cuda", 4 * budget, limit=4096)
     assert 1 <= small <= large
-
-
-def test_measure_bandwidth():
-    assert measure_bandwidth([(1000, 1.0), (3000, 1.0)]) == 2000.0
-    assert measure_bandwidth([(1000, 0.6)], latency_s=0.1) == pytest.approx(2000.0)
-    for bad in ([], [(-1, 1.0)], [(10, 0.0)], [(0, 1.0)]):
-        with pytest.raises(ValueError):
-            measure_bandwidth(bad)
-    with pytest.raises(ValueError):
-        measure_bandwidth([(10, 1.0)], latency_s=-1)
 
 
 def test_throughput_ema_math():
