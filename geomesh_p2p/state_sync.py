@@ -43,7 +43,7 @@ from google.protobuf.message import DecodeError
 from geomesh_p2p.identity import EnvelopeError
 from geomesh_p2p.state import GlobalState, StateChanged, StateError
 from geomesh_p2p.transport import STATE_GET, STATE_STATUS, STATE_UPDATE, RpcError, Transport
-from geomesh_p2p.wire import collective_pb2
+from geomesh_p2p.wire import state_pb2
 
 if TYPE_CHECKING:
     from geomesh_p2p.identity import Verified
@@ -190,8 +190,8 @@ class StateServer:
         """This node's round and digest: a cheap liveness and sync check for operators and tests."""
         gs = self._state
         if gs is None or gs.digest is None:  # not ready: round 0, no digest
-            return collective_pb2.StatusResponse(round=0, digest="", peer_id=self.peer_id).SerializeToString()
-        return collective_pb2.StatusResponse(round=gs.round, digest=gs.digest, peer_id=self.peer_id).SerializeToString()
+            return state_pb2.StatusResponse(round=0, digest="", peer_id=self.peer_id).SerializeToString()
+        return state_pb2.StatusResponse(round=gs.round, digest=gs.digest, peer_id=self.peer_id).SerializeToString()
 
     def serve(self, state: GlobalState) -> None:
         """Serve ``state`` from now on (not copied: its round, digest and bytes as they are at each request)."""
@@ -273,7 +273,7 @@ class StateServer:
 
     async def _handle(self, verified, context):
         try:
-            req = collective_pb2.StateRequest.FromString(verified.payload)
+            req = state_pb2.StateRequest.FromString(verified.payload)
         except Exception:
             raise EnvelopeError(grpc.StatusCode.INVALID_ARGUMENT, "StateRequest is malformed") from None
         gs = self._state
@@ -313,7 +313,7 @@ class StateServer:
                 data = await self._read(gs, off, min(end, off + self.chunk_bytes), rnd, dg)
             with self._mu:
                 self._note(key, len(data), total)
-            yield collective_pb2.StateChunk(
+            yield state_pb2.StateChunk(
                 round=rnd, digest=dg, total_bytes=total, offset=off, data=data
             ).SerializeToString()
 
@@ -322,7 +322,7 @@ class StateServer:
         r (state of round r -> r + 1); chunks StateChunk(round, digest = the blob's hash, total_bytes,
         offset, data) of its :meth:`OuterUpdate.encode` blob."""
         try:
-            req = collective_pb2.StateRequest.FromString(verified.payload)
+            req = state_pb2.StateRequest.FromString(verified.payload)
         except Exception:
             raise EnvelopeError(grpc.StatusCode.INVALID_ARGUMENT, "StateRequest is malformed") from None
         blob = await self.updates.blob(req.round, asked=False)
@@ -343,7 +343,7 @@ class StateServer:
             if served * MIN_SHARE >= total:
                 # a real catch-up (not a 1-byte probe): encode the next rounds as soon as they are sealed
                 self.updates.note_asked()
-            yield collective_pb2.StateChunk(
+            yield state_pb2.StateChunk(
                 round=req.round, digest=h, total_bytes=total, offset=off, data=piece
             ).SerializeToString()
 
@@ -438,14 +438,14 @@ async def download_state(
 
     async def attempt(donor: str, got: list[int], end: int, piece: int) -> None:
         """Stream ``[got[0], end)`` from ``donor`` into ``buf``, advancing ``got[0]`` per chunk."""
-        req = collective_pb2.StateRequest(round=round, offset=got[0], length=end - got[0])
+        req = state_pb2.StateRequest(round=round, offset=got[0], length=end - got[0])
         # aclosing: a piece abandoned half-way (inconsistent chunk, stall, sibling failure) cancels its
         # stream now, in this task, rather than whenever the generator is garbage-collected
         async with contextlib.aclosing(
             transport.call_stream(donor, STATE_GET, req.SerializeToString(), round=round, timeout=timeout_s)
         ) as stream:
             async for v in stream:
-                chunk = collective_pb2.StateChunk.FromString(v.payload)
+                chunk = state_pb2.StateChunk.FromString(v.payload)
                 pos = got[0]
                 if (
                     chunk.total_bytes != total
@@ -823,12 +823,12 @@ async def fetch_update(
     async def attempt(donor: str) -> None:
         nonlocal blob_hash
         total = None
-        req = collective_pb2.StateRequest(round=round, offset=len(buf))
+        req = state_pb2.StateRequest(round=round, offset=len(buf))
         async with contextlib.aclosing(
             transport.call_stream(donor, STATE_UPDATE, req.SerializeToString(), round=round, timeout=timeout_s)
         ) as stream:
             async for v in stream:
-                c = collective_pb2.StateChunk.FromString(v.payload)
+                c = state_pb2.StateChunk.FromString(v.payload)
                 if blob_hash is not None and c.digest != blob_hash:
                     if c.offset == 0 and not buf:
                         blob_hash = None

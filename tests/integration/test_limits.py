@@ -24,7 +24,7 @@ from geomesh_p2p.dht.node import DHT_PROTOCOL_VERSION
 from geomesh_p2p.identity import EnvelopeError, Identity
 from geomesh_p2p.state_sync import Snapshot, StateServer
 from geomesh_p2p.transport import DHT_PING, DHT_STORE, STATE_GET, RpcError, Transport, TransportConfig
-from geomesh_p2p.wire import collective_pb2, dht_pb2
+from geomesh_p2p.wire import dht_pb2, state_pb2
 from tests.proc_util import MiB, signed_call
 from tests.wait_util import until
 
@@ -237,7 +237,7 @@ async def test_client_cancelled_state_streams_end_without_a_traceback(caplog):
     try:
         with caplog.at_level(logging.DEBUG):
             for _ in range(3):
-                req = collective_pb2.StateRequest(round=3, offset=0, length=0).SerializeToString()
+                req = state_pb2.StateRequest(round=3, offset=0, length=0).SerializeToString()
                 n = 0
                 async for _v in client.call_stream(address, STATE_GET, req, round=3):
                     n += 1
