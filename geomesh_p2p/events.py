@@ -49,7 +49,9 @@ _sinks: List[Sink] = []
 _sinks_lock = threading.Lock()
 
 
-def emit(logger: logging.Logger, level: int, kind: str, msg: str, *args: Any, **fields: Any) -> dict:
+def emit(
+    logger: logging.Logger, level: int, kind: str, msg: str, *args: Any, stacklevel: int = 1, **fields: Any
+) -> dict:
     """Log ``msg % args`` on ``logger`` at ``level`` (as ``logger.log`` does; a level the logger
     ignores prints nothing) and hand the event ``{"event": kind, "t": unix seconds (float, time.time()),
     "level": "DEBUG" | "INFO" | "WARNING" | "ERROR" | "CRITICAL" (else the number), "message": msg % args, **fields}`` to every sink, whatever the log level.
@@ -57,9 +59,14 @@ def emit(logger: logging.Logger, level: int, kind: str, msg: str, *args: Any, **
     ``fields`` are JSON values (str, int, float, bool, None, lists and dicts of them); anything else is
     written as its ``str()``, a non-finite float as null. Thread-safe, any thread. Returns the event.
     A sink that raises is logged once per event at DEBUG and skipped: an event never fails the caller.
+
+    ``stacklevel`` (as in :meth:`logging.Logger.log`, not a field): which frame the log record names
+    (funcName, pathname, lineno); 1 = the caller of ``emit``, 2 = its caller (for a helper such as
+    :class:`geomesh_p2p.logonce.LogOnce` that calls ``emit`` for the real call site).
     """
     message = msg % args if args else msg
-    logger.log(level, msg, *args, stacklevel=2)  # the record names the call site, not this function
+    # +1: the record names the call site, not this function
+    logger.log(level, msg, *args, stacklevel=stacklevel + 1)
     event = {"event": kind, "t": time.time(), "level": _LEVELS.get(level, str(level)), "message": message, **fields}
     with _sinks_lock:
         sinks = list(_sinks)
