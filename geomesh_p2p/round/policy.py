@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Optional, Sequence
 import torch
 
 from geomesh_p2p.clock import swarm_time
-from geomesh_p2p import capability, collective, planner, state_sync, swarm_status, verify
+from geomesh_p2p import capability, collective, events, planner, state_sync, swarm_status, verify
 from geomesh_p2p import probation as pb
 from geomesh_p2p.method import MethodRule
 from geomesh_p2p.planner import PlanConfig
@@ -321,19 +321,30 @@ class NodeRoundPolicy:
         p = theta.numel()
         if idle:
             n_idle = sum(e - s for s, e in idle)
-            log.info(
+            events.emit(
+                log,
+                logging.INFO,
+                "idle_parts_unchanged",
                 "round %d: %d of %d elements aggregated no token (%s); weights and outer momentum unchanged there",
                 r,
                 n_idle,
                 p,
                 "the whole model" if n_idle >= p else f"{len(idle)} part(s)",
+                peer=self.me,
+                round=r,
+                idle=[[s, e] for s, e in idle],
+                idle_elements=n_idle,
+                elements=p,
             )
             if n_idle >= p:
                 return
         ranges = [(start, end) for _, start, end in plan.owners()] or [(0, p)]
         bad, bad_in = outer_step_per_part(self.outer, theta, aggregate, ranges, r, idle)
         if bad:
-            log.warning(
+            events.emit(
+                log,
+                logging.WARNING,
+                "outer_step_skipped",
                 "round %d: outer step skipped on %d of %d parts (%d of %d elements): %d with non-finite "
                 "aggregate values, %d where the step would overflow",
                 r,
@@ -343,6 +354,12 @@ class NodeRoundPolicy:
                 p,
                 len(bad_in),
                 len(bad) - len(bad_in),
+                peer=self.me,
+                round=r,
+                skipped=[[s, e] for s, e in bad],
+                not_finite=[[s, e] for s, e in bad_in],
+                parts=len(ranges),
+                elements=p,
             )
 
     outer_step = _outer_step
