@@ -689,7 +689,17 @@ class PeerNode(NodeRoundPolicy):
             )
         await asyncio.to_thread(self._set_state, rnd, theta, momentum)
         self.standing = Standing.from_meta((meta.get("meta") or {}).get("standing"))
-        log.info("resumed from checkpoint at round %d (digest %s)", rnd, str(self.digest)[:8])
+        events.emit(
+            log,
+            logging.INFO,
+            "resumed_from_checkpoint",
+            "resumed from checkpoint at round %d (digest %s)",
+            rnd,
+            str(self.digest)[:8],
+            peer=self.me,
+            round=rnd,
+            digest=self.digest,
+        )
         fb: Optional[PushFeedback] = getattr(self, "feedback", None)  # absent before _build_training
         if fb is not None and self.digest is not None:  # _set_state set the digest
             got = await asyncio.to_thread(fb.load, self.cfg.checkpoint_dir, state_round=rnd, digest=self.digest)
@@ -715,13 +725,23 @@ class PeerNode(NodeRoundPolicy):
             return
         how = self.cfg.on_empty_swarm
         ago = max(0.0, swarm_time() - prog.seen_at)
-        log.warning(
+        events.emit(
+            log,
+            logging.WARNING,
+            "empty_swarm",
             "run %r was at round %d (bootstrap %s saw %d peer(s) %.0f s ago) but no peer of it is live now",
             self.run_cfg.run_id,
             prog.round,
             prog.by[:8] or "?",
             prog.peers,
             ago,
+            peer=self.me,
+            run_id=self.run_cfg.run_id,
+            round=prog.round,
+            bootstrap=prog.by,
+            peers=prog.peers,
+            seen_ago_s=ago,
+            action=how,
         )
         if how == "seed":
             log.info("--on-empty-swarm seed: starting the run again from the seed at round 0")
@@ -737,10 +757,15 @@ class PeerNode(NodeRoundPolicy):
                 )
             await self._resume_from(ck)
             return
-        log.info(
+        events.emit(
+            log,
+            logging.INFO,
+            "empty_swarm_waiting",
             "waiting for a peer of run %r to come back (Ctrl+C to stop; --on-empty-swarm resume or seed "
             "starts without one)",
             self.run_cfg.run_id,
+            peer=self.me,
+            run_id=self.run_cfg.run_id,
         )
         backoff = Backoff(first=1.0, cap=EMPTY_SWARM_POLL_MAX_S)
         while True:
@@ -749,7 +774,17 @@ class PeerNode(NodeRoundPolicy):
             recs = [r for r in await self.peers() if r.peer_id != self.me]
             if not recs:
                 continue
-            log.info("%d peer(s) of run %r are live again", len(recs), self.run_cfg.run_id)
+            events.emit(
+                log,
+                logging.INFO,
+                "swarm_back",
+                "%d peer(s) of run %r are live again",
+                len(recs),
+                self.run_cfg.run_id,
+                peer=self.me,
+                run_id=self.run_cfg.run_id,
+                peers=sorted(r.peer_id for r in recs),
+            )
             if any(r.round > 0 and r.weights_digest for r in recs):
                 await self._catch_up()
             return

@@ -581,7 +581,19 @@ class NodeRoundPolicy:
             if ref.round > mine[0] or (ref.round == mine[0] and ref.digest != mine[1]):
                 if getattr(self, "_vote_log", None) is None:
                     self._vote_log = OnceLog()
-                self._vote_log(("refused", ref.round, ref.digest), logging.WARNING, "%s", ref.message())
+                self._vote_log(
+                    ("refused", ref.round, ref.digest),
+                    logging.WARNING,
+                    "%s",
+                    ref.message(),
+                    event="state_refused",
+                    peer=self.me,
+                    round=ref.round,
+                    digest=ref.digest,
+                    identities=ref.identities,
+                    backing=ref.backing,
+                    total=ref.total,
+                )
         return vote
 
     @property
