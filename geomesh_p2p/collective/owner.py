@@ -287,6 +287,13 @@ class OwnerService:
                 _short(caller),
                 err.code.name,
                 err.reason,
+                event="push_refused",
+                peer=self.peer_id,
+                round=round_,
+                part=part_ix,
+                sender=caller,
+                code=err.code.name,
+                reason=err.reason,
             )
             raise
 
@@ -435,5 +442,11 @@ class OwnerService:
                     _short(caller),
                     err.code.name,
                     err.reason,
+                    event="pull_refused",
+                    peer=self.peer_id,
+                    round=verified.round,
+                    sender=caller,
+                    code=err.code.name,
+                    reason=err.reason,
                 )
             raise
