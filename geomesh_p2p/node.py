@@ -911,12 +911,21 @@ class PeerNode(NodeRoundPolicy):
         must not take its checkpoint or perplexity for the run's)."""
         code = 0 if ended.synced else EXIT_NOT_SYNCED
         self._ended_not_synced = not ended.synced  # shutdown writes no checkpoint of a state that is not the swarm's
-        log.warning(
+        events.emit(
+            log,
+            logging.WARNING,
+            "run_not_done",
             "not done: %s; %d round(s) trained here, now at round %d; exit %d",
             ended.why,
             len(self.history),
             self.round,
             code,
+            peer=self.me,
+            round=self.round,
+            rounds_trained=len(self.history),
+            synced=ended.synced,
+            cause=ended.cause,
+            exit_code=code,
         )
         return code
 
@@ -1073,7 +1082,15 @@ class PeerNode(NodeRoundPolicy):
                 and getattr(self, "ema", None) is not None
             ):
                 self._leaving = True
-                log.info("announcing that this peer leaves")
+                events.emit(
+                    log,
+                    logging.INFO,
+                    "leaving_announced",
+                    "announcing that this peer leaves",
+                    peer=self.me,
+                    round=self.round,
+                    reason="shutdown",
+                )
                 await self.announce()
         except Exception as e:  # the DHT may be gone already; the record expires on its own
             log.warning("could not announce that this peer leaves: %s", e)

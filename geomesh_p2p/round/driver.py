@@ -1136,10 +1136,16 @@ class RoundDriver:
             # Say so with the new round's record, before the others gather for it (every way of leaving
             # announces before the next gather; --target-ppl right after the evaluation below).
             self._leave()
-            log.info(
+            events.emit(
+                log,
+                logging.INFO,
+                "leaving_announced",
                 "round %d: exchange done; announcing that this peer leaves (%s)",
                 r,
                 "stop requested" if self.stop.is_set() else f"--rounds {self.cfg.rounds} reached",
+                peer=self.me,
+                round=r,
+                reason="stop" if self.stop.is_set() else "rounds",
             )
         with self._timed("announce"):
             await self.membership.announce()
@@ -1148,7 +1154,17 @@ class RoundDriver:
         t = self.cfg.target_ppl
         if t is not None and ppl is not None and ppl <= t and not self.leaving:
             self._leave()
-            log.info("round %d: target eval perplexity %g reached; announcing that this peer leaves", r, t)
+            events.emit(
+                log,
+                logging.INFO,
+                "leaving_announced",
+                "round %d: target eval perplexity %g reached; announcing that this peer leaves",
+                r,
+                t,
+                peer=self.me,
+                round=r,
+                reason="target_ppl",
+            )
             await self.membership.announce()
         # The barrier is when the last contributor finished computing (stated in its contributions):
         # waiting until then is straggler idle, waiting after it is network idle (the paper's split).

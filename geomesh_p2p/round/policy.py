@@ -507,12 +507,20 @@ class NodeRoundPolicy:
                     await asyncio.sleep(0.5)
                     continue
                 stats["downloads"] += 1
-                log.info(
+                events.emit(
+                    log,
+                    logging.INFO,
+                    "state_downloaded",
                     "downloaded state of round %d from %d donor(s), digest %s; %s",
                     top,
                     len(donors),
                     snap.digest[:8],
                     choice.describe(),
+                    peer=self.me,
+                    round=top,
+                    donors=list(donors),
+                    digest=snap.digest,
+                    vote=choice.mode,
                 )
                 base = downloaded = snap  # the next pass adopts it, or brings it to the round the swarm moved on to
             self.round = held_round if held_digest else start_round  # nothing adopted: it holds its own state
