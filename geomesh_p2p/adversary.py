@@ -169,7 +169,7 @@ class AdversaryNode(PeerNode):
                 peer=self.me,
                 attack=self.attack,
                 round=round_,
-                kind=kind,
+                action=kind,  # not "kind": emit's own argument (the event's kind)
                 key=key,
             )
 

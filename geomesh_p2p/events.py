@@ -27,7 +27,7 @@ full hex strings, parts ``[start, end)`` element ranges of the flat ``[P]`` para
 ============================ ================================ ==========================================
 kind                         where                            fields
 ============================ ================================ ==========================================
-``adversary_acted``          adversary.AdversaryNode._note    peer, attack, round, kind, key
+``adversary_acted``          adversary.AdversaryNode._note    peer, attack, round, action, key
 ``call_refused``             transport.Transport._admit       peer, method, caller_address, code, reason
                              (once per caller IP/code/reason)
 ``checkpoint_failed``        node._checkpoint_or_warn         round, final, error (type), detail

@@ -28,7 +28,7 @@ import os
 import tempfile
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -797,7 +797,7 @@ class PeerNode(NodeRoundPolicy):
         try:
             return await asyncio.to_thread(self.checkpoint)
         except Exception as e:  # never end a training peer over its checkpoint
-            fields = dict(round=self.round, final=final, error=type(e).__name__, detail=str(e))
+            fields: dict[str, Any] = dict(round=self.round, final=final, error=type(e).__name__, detail=str(e))
             if final:
                 events.emit(
                     log,

@@ -218,7 +218,7 @@ def run_scenario(
         from geomesh_p2p.adversary import KEY_ACTION
 
         acted = any(
-            e["attack"] == attack and e["kind"] == KEY_ACTION[attack]
+            e["attack"] == attack and e["action"] == KEY_ACTION[attack]
             for n in attackers
             for e in swarm.events(n, "adversary_acted")
         )

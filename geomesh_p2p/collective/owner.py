@@ -325,7 +325,7 @@ class OwnerService:
             return
         part.closed_by = reason
         absent = [p for p in state.spec.participants if p not in part.contributions]
-        fields = dict(round=state.spec.round, part=part.index, reason=reason, absent=sorted(absent))
+        fields: dict[str, Any] = dict(round=state.spec.round, part=part.index, reason=reason, absent=sorted(absent))
         if absent and reason == "established pushed":
             events.emit(
                 log,
