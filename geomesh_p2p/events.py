@@ -43,6 +43,7 @@ kind                         where                            fields
                                                               | ``seed``)
 ``empty_swarm_waiting``      node._on_empty_swarm             peer, run_id
 ``eval_not_finite``          training.InnerTrainer.evaluate   peer, loss (nats/token; NaN or huge)
+``final_checkpoint_skipped`` node._final_checkpoint           round, reason (``not_synced``)
 ``idle_parts_unchanged``     round.policy._outer_step         peer, round, idle (ranges), idle_elements,
                                                               elements
 ``leaving_announced``        round.driver (finish), node      peer, round, reason (``stop`` | ``rounds``
