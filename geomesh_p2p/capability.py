@@ -27,6 +27,7 @@ from typing import Any, Callable, Iterable, Literal, Mapping, Optional, Union
 
 import torch
 
+from geomesh_p2p import events
 from geomesh_p2p.records import PeerRecord
 
 ModelOrFactory = Union[torch.nn.Module, Callable[[], torch.nn.Module]]
@@ -890,7 +891,10 @@ def profile_training(
             # everything above the static part at this batch is charged to its sequences
             per_seq = max(per_seq, int(math.ceil((peak_b - base_probe_before - grad_opt) / b)))
             tps[b] = last_tps = b * seq_len / statistics.median(times)
-            log.info(
+            events.emit(
+                log,
+                logging.INFO,
+                "profile_batch",
                 "profile: batch %d: %.0f tokens/s (%.2fs/step over %d steps), measured peak %.2f GiB "
                 "+ %.2f GiB global weights and outer state, budget %.2f GiB",
                 b,
@@ -900,6 +904,13 @@ def profile_training(
                 peak_b / gib,
                 extra_bytes / gib,
                 memory_bytes / gib,
+                batch=b,
+                tokens_per_s=tps[b],
+                step_s=statistics.median(times),
+                steps=steps,
+                peak_bytes=int(peak_b),
+                extra_bytes=extra_bytes,
+                budget_bytes=memory_bytes,
             )
         if not tps:  # every requested size over the budget: measure the largest that fits
             b = max_fit()

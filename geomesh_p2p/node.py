@@ -28,7 +28,7 @@ import os
 import tempfile
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -739,7 +739,17 @@ class PeerNode(NodeRoundPolicy):
             )
         await asyncio.to_thread(self._set_state, rnd, theta, momentum)
         self.standing = Standing.from_meta((meta.get("meta") or {}).get("standing"))
-        log.info("resumed from checkpoint at round %d (digest %s)", rnd, str(self.digest)[:8])
+        events.emit(
+            log,
+            logging.INFO,
+            "resumed_from_checkpoint",
+            "resumed from checkpoint at round %d (digest %s)",
+            rnd,
+            str(self.digest)[:8],
+            peer=self.me,
+            round=rnd,
+            digest=self.digest,
+        )
         fb: Optional[PushFeedback] = getattr(self, "feedback", None)  # absent before _build_training
         if fb is not None and self.digest is not None:  # _set_state set the digest
             got = await asyncio.to_thread(fb.load, self.cfg.checkpoint_dir, state_round=rnd, digest=self.digest)
@@ -765,13 +775,23 @@ class PeerNode(NodeRoundPolicy):
             return
         how = self.cfg.on_empty_swarm
         ago = max(0.0, swarm_time() - prog.seen_at)
-        log.warning(
+        events.emit(
+            log,
+            logging.WARNING,
+            "empty_swarm",
             "run %r was at round %d (bootstrap %s saw %d peer(s) %.0f s ago) but no peer of it is live now",
             self.run_cfg.run_id,
             prog.round,
             prog.by[:8] or "?",
             prog.peers,
             ago,
+            peer=self.me,
+            run_id=self.run_cfg.run_id,
+            round=prog.round,
+            bootstrap=prog.by,
+            peers=prog.peers,
+            seen_ago_s=ago,
+            action=how,
         )
         if how == "seed":
             log.info("--on-empty-swarm seed: starting the run again from the seed at round 0")
@@ -787,10 +807,15 @@ class PeerNode(NodeRoundPolicy):
                 )
             await self._resume_from(ck)
             return
-        log.info(
+        events.emit(
+            log,
+            logging.INFO,
+            "empty_swarm_waiting",
             "waiting for a peer of run %r to come back (Ctrl+C to stop; --on-empty-swarm resume or seed "
             "starts without one)",
             self.run_cfg.run_id,
+            peer=self.me,
+            run_id=self.run_cfg.run_id,
         )
         backoff = Backoff(first=1.0, cap=EMPTY_SWARM_POLL_MAX_S)
         while True:
@@ -799,7 +824,17 @@ class PeerNode(NodeRoundPolicy):
             recs = [r for r in await self.peers() if r.peer_id != self.me]
             if not recs:
                 continue
-            log.info("%d peer(s) of run %r are live again", len(recs), self.run_cfg.run_id)
+            events.emit(
+                log,
+                logging.INFO,
+                "swarm_back",
+                "%d peer(s) of run %r are live again",
+                len(recs),
+                self.run_cfg.run_id,
+                peer=self.me,
+                run_id=self.run_cfg.run_id,
+                peers=sorted(r.peer_id for r in recs),
+            )
             if any(r.round > 0 and r.weights_digest for r in recs):
                 await self._catch_up()
             return
@@ -812,7 +847,7 @@ class PeerNode(NodeRoundPolicy):
         try:
             return await asyncio.to_thread(self.checkpoint)
         except Exception as e:  # never end a training peer over its checkpoint
-            fields = dict(round=self.round, final=final, error=type(e).__name__, detail=str(e))
+            fields: dict[str, Any] = dict(round=self.round, final=final, error=type(e).__name__, detail=str(e))
             if final:
                 events.emit(
                     log,
@@ -926,12 +961,21 @@ class PeerNode(NodeRoundPolicy):
         must not take its checkpoint or perplexity for the run's)."""
         code = 0 if ended.synced else EXIT_NOT_SYNCED
         self._ended_not_synced = not ended.synced  # shutdown writes no checkpoint of a state that is not the swarm's
-        log.warning(
+        events.emit(
+            log,
+            logging.WARNING,
+            "run_not_done",
             "not done: %s; %d round(s) trained here, now at round %d; exit %d",
             ended.why,
             len(self.history),
             self.round,
             code,
+            peer=self.me,
+            round=self.round,
+            rounds_trained=len(self.history),
+            synced=ended.synced,
+            cause=ended.cause,
+            exit_code=code,
         )
         return code
 
@@ -1088,7 +1132,15 @@ class PeerNode(NodeRoundPolicy):
                 and getattr(self, "ema", None) is not None
             ):
                 self._leaving = True
-                log.info("announcing that this peer leaves")
+                events.emit(
+                    log,
+                    logging.INFO,
+                    "leaving_announced",
+                    "announcing that this peer leaves",
+                    peer=self.me,
+                    round=self.round,
+                    reason="shutdown",
+                )
                 await self.announce()
         except Exception as e:  # the DHT may be gone already; the record expires on its own
             log.warning("could not announce that this peer leaves: %s", e)

@@ -40,6 +40,7 @@ import grpc
 import torch
 from google.protobuf.message import DecodeError
 
+from geomesh_p2p import events
 from geomesh_p2p.identity import EnvelopeError
 from geomesh_p2p.state import GlobalState, StateChanged, StateError
 from geomesh_p2p.transport import STATE_GET, STATE_STATUS, STATE_UPDATE, RpcError, Transport
@@ -506,7 +507,21 @@ async def download_state(
                 moving[piece] = True
                 errors.append(str(e))
                 event(kind, piece, donor, str(e))
-                log.warning("state piece %d from %s %s: %s", piece, donor, kind, e)
+                events.emit(
+                    log,
+                    logging.WARNING,
+                    "state_piece_failed",
+                    "state piece %d from %s %s: %s",
+                    piece,
+                    donor,
+                    kind,
+                    e,
+                    round=round,
+                    piece=piece,
+                    donor=donor,
+                    outcome=kind,
+                    error=str(e),
+                )
             finally:
                 if not task.done():
                     task.cancel()

@@ -870,6 +870,12 @@ class Transport:
                 peer,
                 err.code.name,
                 err.reason,
+                event="call_refused",
+                peer=str(self.identity.peer_id),
+                method=method,
+                caller_address=peer,
+                code=err.code.name,
+                reason=err.reason,
             )
         if ticket is not None:
             self._guard.release_read(ticket)

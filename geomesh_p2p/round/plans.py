@@ -149,7 +149,19 @@ class PlanStore:
                 key = (round, plan.leader, reason)
                 if key not in self._refused:
                     self._refused.add(key)
-                    log.warning("refusing the plan of round %d from %s: %s", round, plan.leader[:10], reason)
+                    events.emit(
+                        log,
+                        logging.WARNING,
+                        "plan_refused",
+                        "refusing the plan of round %d from %s: %s",
+                        round,
+                        plan.leader[:10],
+                        reason,
+                        peer=str(self.identity.peer_id),
+                        round=round,
+                        leader=plan.leader,
+                        reason=reason,
+                    )
                 continue
             plans.append(plan)
         return plans

@@ -10,6 +10,7 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
+from geomesh_p2p import events
 from geomesh_p2p.capability import (
     DeviceInfo,
     ThroughputEMA,
@@ -275,12 +276,12 @@ class FakeMemory:
 
 
 @pytest.mark.timeout(60)
-def test_profile_training_never_runs_a_batch_over_the_budget(caplog):
+def test_profile_training_never_runs_a_batch_over_the_budget():
     m = GPT2LMHeadModel(tiny_config())
     fake = FakeMemory(m, base=GIB, per_seq=10 * MIB)
     extra = 8 * m.num_parameters()  # global weights + outer momentum, fp32
     budget = fake.base + fake.grad_opt + extra + 5 * fake.per_seq + fake.per_seq // 2
-    with caplog.at_level("INFO", logger="geomesh_p2p.capability"):
+    with events.capture("profile_batch") as measured:
         prof = profile_training(
             m, SEQ, "cpu", budget, vocab_size=VOCAB, batch_sizes=[1, 2, 4, 8, 16], steps=1, memory_probe=fake
         )
@@ -294,8 +295,10 @@ def test_profile_training_never_runs_a_batch_over_the_budget(caplog):
         2: GIB + fake.grad_opt + 20 * MIB,
         4: GIB + fake.grad_opt + 40 * MIB,
     }
-    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("profile: batch ")]
-    assert len(lines) == 3 and all("tokens/s" in ln and "GiB" in ln for ln in lines)
+    assert [(e["batch"], e["peak_bytes"], e["budget_bytes"]) for e in measured] == [
+        (b, prof.peak_bytes[b], budget) for b in (1, 2, 4)
+    ]
+    assert [e["tokens_per_s"] for e in measured] == [prof.tokens_per_s[b] for b in (1, 2, 4)]
 
 
 @pytest.mark.timeout(60)
