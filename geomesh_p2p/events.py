@@ -48,6 +48,8 @@ kind                         where                            fields
                                                               elements
 ``leaving_announced``        round.driver (finish), node      peer, round, reason (``stop`` | ``rounds``
                              shutdown                         | ``target_ppl`` | ``shutdown``)
+``link_reprobed``            node.remeasure_links (planned     upload_bps, download_bps, was_upload_bps,
+                             out)                             was_download_bps (bytes/s)
 ``outer_step_skipped``       round.policy._outer_step         peer, round, skipped (ranges), not_finite
                                                               (ranges of them), parts, elements
 ``owner_unreachable``        collective.client (pull)         peer, round, part, owner, error
