@@ -9,6 +9,7 @@ from geomesh_p2p.identity import Identity
 from geomesh_p2p.transport import DHT_STORE, RpcError, Transport, TransportConfig
 from geomesh_p2p.wire import dht_pb2
 from tests.proc_util import MiB
+from tests.swarm_util import bootstrap_argv
 from tests.integration.test_dht_guard import _store_req  # noqa: F401
 
 
@@ -17,22 +18,7 @@ async def test_bootstrap_memory_under_a_store_flood_from_one_identity(servers, t
     keeps its quota's worth (2 MiB) and its memory stays flat. Before: every record was kept."""
     run = "flood-test"
     boot = servers(
-        [
-            "-m",
-            "bootstrap.cli",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            "0",
-            "--run-id",
-            run,
-            "--identity",
-            str(tmp_path / "boot.key"),
-            "--status-interval",
-            "3600",
-            "--log-level",
-            "ERROR",
-        ]
+        bootstrap_argv(tmp_path / "boot.key", "--status-interval", "3600", "--log-level", "ERROR", run_id=run)
     )
     me = Identity.generate()
     client = Transport(me, run, TransportConfig(client_only=True))
