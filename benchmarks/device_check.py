@@ -276,7 +276,7 @@ def training_step(device: str, model: str, batches: list[int], steps: int, time_
 
 
 def swarm_step(device: str, rounds: int, workdir: Path, model: str, deadline_s: float) -> tuple[str, bool]:
-    from geomesh_p2p.procs import wait_for_address
+    from geomesh_p2p.procs import bootstrap_argv, wait_for_address
 
     env = dict(
         os.environ,
@@ -305,19 +305,7 @@ def swarm_step(device: str, rounds: int, workdir: Path, model: str, deadline_s: 
         # Port 0: the bootstrap binds a free port and prints it; a port picked here first could be taken.
         procs.append(
             subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "bootstrap.cli",
-                    "--host",
-                    "127.0.0.1",
-                    "--port",
-                    "0",
-                    "--run-id",
-                    "device-check",
-                    "--identity",
-                    str(workdir / "b.key"),
-                ],
+                [sys.executable, *bootstrap_argv(workdir / "b.key", run_id="device-check")],
                 stdout=open(workdir / "bootstrap.log", "w"),
                 stderr=subprocess.STDOUT,
                 env=env,

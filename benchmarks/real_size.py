@@ -268,25 +268,14 @@ def run_one(model: str, method: str, args, workdir: Path, procs: Procs, results:
         f"({facts['checkpoint_bytes'] / GIB:.2f} GiB)",
         flush=True,
     )
+    from geomesh_p2p.procs import bootstrap_argv
+
     exe = [sys.executable, "-m"]
     run_id = f"real-size-{tag}"
     # Port 0: the bootstrap binds a free port and prints it ("serving on HOST:PORT"); a port picked here
     # first could be taken by another process before the bootstrap binds it.
     boot = procs.spawn(
-        f"{tag}/bootstrap",
-        exe
-        + [
-            "bootstrap.cli",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            "0",
-            "--run-id",
-            run_id,
-            "--identity",
-            str(d / "bootstrap.key"),
-        ],
-        d / "bootstrap.log",
+        f"{tag}/bootstrap", [sys.executable, *bootstrap_argv(d / "bootstrap.key", run_id=run_id)], d / "bootstrap.log"
     )
     wait_for(lambda: _SERVING.search(boot.text()) is not None, 120, "the bootstrap to listen", [boot])
     entry = _SERVING.search(boot.text()).group(1)

@@ -23,6 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from geomesh_p2p.metrics import PHASES  # noqa: E402
+from geomesh_p2p.procs import bootstrap_argv  # noqa: E402
 
 
 def analyze(files: list[str]) -> dict:
@@ -89,21 +90,7 @@ def run_swarm(ns: argparse.Namespace) -> list[str]:
     speeds = [float(x) for x in ns.speed_factors.split(",")]
     files, peers = [], []
     try:
-        swarm.spawn(
-            "bootstrap",
-            exe
-            + [
-                "bootstrap.cli",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                "0",
-                "--run-id",
-                ns.run_id,
-                "--identity",
-                str(workdir / "bootstrap.key"),
-            ],
-        )
+        swarm.spawn("bootstrap", [sys.executable, *bootstrap_argv(workdir / "bootstrap.key", run_id=ns.run_id)])
         # Port 0: the bootstrap binds a free port and prints it (a port picked first could be taken).
         entry = swarm.address("bootstrap")
         for i in range(ns.peers):

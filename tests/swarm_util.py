@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Callable, Iterator, Optional, Sequence
 
-from geomesh_p2p.procs import ProcGroup, address_in_log, read_json_rows
+from geomesh_p2p.procs import ProcGroup, address_in_log, bootstrap_argv, read_json_rows
 
 # Small and fast: tests are about the protocol, not the model.
 FAST = [
@@ -34,27 +34,6 @@ RUN_ID = FAST[FAST.index("--run-id") + 1]  # the run FAST peers join; a bootstra
 
 
 START_TIMEOUT = 120  # seconds for a cold interpreter (torch, grpc) to print its "serving on" line
-
-
-def bootstrap_argv(
-    identity: Path | str, *extra: str, run_id: str = RUN_ID, host: str = "127.0.0.1", port: int = 0
-) -> list[str]:
-    """The argv of a bootstrap process after the interpreter (``-m bootstrap.cli ...``): it listens on
-    ``host:port`` (port 0: the OS picks a free one and the bootstrap prints it in its "serving on" line),
-    serves ``run_id`` with the key at ``identity``; ``extra`` flags come last (a repeated flag wins)."""
-    return [
-        "-m",
-        "bootstrap.cli",
-        "--host",
-        host,
-        "--port",
-        str(port),
-        "--run-id",
-        run_id,
-        "--identity",
-        str(identity),
-        *extra,
-    ]
 
 
 @contextlib.contextmanager
@@ -121,7 +100,7 @@ class ProcSwarm(ProcGroup):
     def bootstrap(
         self, name: str, *extra: str, port: int = 0, run_id: str = RUN_ID, host: str = "127.0.0.1"
     ) -> subprocess.Popen:
-        """Start a bootstrap as ``name`` (key ``<dir>/<name>.key``; see :func:`bootstrap_argv`); with port 0
+        """Start a bootstrap as ``name`` (key ``<dir>/<name>.key``; see :func:`geomesh_p2p.procs.bootstrap_argv`); with port 0
         (the default) read the address it bound with :meth:`address`."""
         key = self.dir / f"{name}.key"
         return self._spawn(name, [sys.executable, *bootstrap_argv(key, *extra, run_id=run_id, host=host, port=port)])

@@ -17,8 +17,7 @@ from pathlib import Path
 import pytest
 
 from bootstrap.cli import main, parse
-from geomesh_p2p.procs import stop_process
-from tests.swarm_util import bootstrap_argv
+from geomesh_p2p.procs import bootstrap_argv, stop_process
 
 pytestmark = pytest.mark.timeout(180)
 ROOT = Path(__file__).resolve().parents[2]

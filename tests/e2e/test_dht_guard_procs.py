@@ -9,7 +9,7 @@ from geomesh_p2p.identity import Identity
 from geomesh_p2p.transport import DHT_STORE, RpcError, Transport, TransportConfig
 from geomesh_p2p.wire import dht_pb2
 from tests.proc_util import MiB
-from tests.swarm_util import bootstrap_argv
+from geomesh_p2p.procs import bootstrap_argv
 from tests.integration.test_dht_guard import _store_req  # noqa: F401
 
 

@@ -7,7 +7,7 @@ import grpc
 from geomesh_p2p.identity import Identity
 from geomesh_p2p.transport import DHT_PING, DHT_STORE
 from tests.proc_util import MiB, signed_call
-from tests.swarm_util import bootstrap_argv
+from geomesh_p2p.procs import bootstrap_argv
 from tests.integration.test_limits import RUN, _valid_pings, ping_payload  # noqa: F401
 
 

@@ -28,6 +28,7 @@ from geomesh_p2p.admission import solve_pow
 from geomesh_p2p.dht import live_peers, make_record, peers_key
 from geomesh_p2p.identity import Identity
 from geomesh_p2p.metrics import RoundRecord
+from geomesh_p2p.procs import bootstrap_argv
 from geomesh_p2p.records import PeerRecord
 from geomesh_p2p.status_http import CSP, StatusServer
 from geomesh_p2p.swarm_status import (
@@ -40,7 +41,7 @@ from geomesh_p2p.swarm_status import (
     rounds_key,
 )
 from tests.dht_helpers import start_node, stop_node
-from tests.swarm_util import ProcSwarm, bootstrap_argv, dead_address
+from tests.swarm_util import ProcSwarm, dead_address
 
 ROOT = Path(__file__).resolve().parents[2]
 HOSTILE = "<img src=x onerror=alert(1)>"

@@ -14,7 +14,7 @@ from geomesh_p2p.identity import Identity
 from geomesh_p2p.transport import RpcError, Transport, TransportConfig
 from tests.dht_helpers import RUN, start_node, stop_all, stop_node
 from tests.e2e.test_bootstrap import START_TIMEOUT, procs  # noqa: F401  (the fixture)
-from tests.swarm_util import bootstrap_argv
+from geomesh_p2p.procs import bootstrap_argv
 
 pytestmark = pytest.mark.timeout(120)
 
