@@ -305,7 +305,7 @@ def swarm_step(device: str, rounds: int, workdir: Path, model: str, deadline_s: 
         # Port 0: the bootstrap binds a free port and prints it; a port picked here first could be taken.
         procs.append(
             subprocess.Popen(
-                [sys.executable, *bootstrap_argv(workdir / "b.key", run_id="device-check")],
+                bootstrap_argv("device-check", workdir / "b.key"),
                 stdout=open(workdir / "bootstrap.log", "w"),
                 stderr=subprocess.STDOUT,
                 env=env,

@@ -151,10 +151,10 @@ def start_targets(root: Path, tmp: Path, ns) -> tuple:
     boot = Target(
         "bootstrap",
         bootstrap_argv(
+            RUN,
             tmp / f"boot-{random.getrandbits(32)}.key",
             *("--status-interval", "3600", "--log-level", "ERROR", "--republish-period", str(ns.republish_period)),
-            run_id=RUN,
-        ),
+        )[1:],  # Target (ServingProcess) puts the interpreter first itself
         root,
         env,
     )

@@ -258,6 +258,8 @@ def run_helper(model: str, method: str, vocab_size: int) -> dict:
 def run_one(model: str, method: str, args, workdir: Path, procs: Procs, results: list) -> dict:
     """Run one (model, method) swarm, append its result to ``results`` (also when interrupted) and
     return it. Raises KeyboardInterrupt after the summary when interrupted."""
+    from geomesh_p2p.procs import bootstrap_argv
+
     tag = f"{model}-{method}"
     d = workdir / tag
     d.mkdir(parents=True, exist_ok=True)
@@ -268,14 +270,14 @@ def run_one(model: str, method: str, args, workdir: Path, procs: Procs, results:
         f"({facts['checkpoint_bytes'] / GIB:.2f} GiB)",
         flush=True,
     )
-    from geomesh_p2p.procs import bootstrap_argv
-
     exe = [sys.executable, "-m"]
     run_id = f"real-size-{tag}"
     # Port 0: the bootstrap binds a free port and prints it ("serving on HOST:PORT"); a port picked here
     # first could be taken by another process before the bootstrap binds it.
     boot = procs.spawn(
-        f"{tag}/bootstrap", [sys.executable, *bootstrap_argv(d / "bootstrap.key", run_id=run_id)], d / "bootstrap.log"
+        f"{tag}/bootstrap",
+        bootstrap_argv(run_id, d / "bootstrap.key"),
+        d / "bootstrap.log",
     )
     wait_for(lambda: _SERVING.search(boot.text()) is not None, 120, "the bootstrap to listen", [boot])
     entry = _SERVING.search(boot.text()).group(1)

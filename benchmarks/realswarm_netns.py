@@ -40,7 +40,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from geomesh_p2p.procs import ProcGroup, read_json_rows, wait_for_address  # noqa: E402
+from geomesh_p2p.procs import ProcGroup, bootstrap_argv, read_json_rows, wait_for_address  # noqa: E402
 
 # paper4 (geomesh_p2p/sim/profiles/paper4.yaml): name, speed, upload Mbit/s, one-way latency ms
 PAPER4 = [
@@ -245,19 +245,7 @@ def run_method(method: str, args, lab: NetLab | None, workdir: Path, procs: Proc
         boot_prefix = []
     boot = procs.spawn(
         "bootstrap",
-        boot_prefix
-        + exe
-        + [
-            "bootstrap.cli",
-            "--host",
-            boot_host,
-            "--port",
-            str(boot_port),
-            "--run-id",
-            run_id,
-            "--identity",
-            str(workdir / "bootstrap.key"),
-        ],
+        boot_prefix + bootstrap_argv(run_id, workdir / "bootstrap.key", host=boot_host, port=boot_port),
         mdir / "bootstrap.log",
     )
     entry = wait_for_address(mdir / "bootstrap.log", boot, 120)

@@ -23,7 +23,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from geomesh_p2p.metrics import PHASES  # noqa: E402
-from geomesh_p2p.procs import bootstrap_argv  # noqa: E402
 
 
 def analyze(files: list[str]) -> dict:
@@ -79,6 +78,7 @@ def print_table(res: dict) -> None:
 def run_swarm(ns: argparse.Namespace) -> list[str]:
     """Start the swarm (processes owned by peer.demo.Swarm, stopped by PID at the end), wait for every
     peer to finish ``--rounds``; returns the peers' JSON row files."""
+    from geomesh_p2p.procs import bootstrap_argv
     from peer.demo import Swarm
 
     workdir = Path(ns.workdir)
@@ -90,7 +90,7 @@ def run_swarm(ns: argparse.Namespace) -> list[str]:
     speeds = [float(x) for x in ns.speed_factors.split(",")]
     files, peers = [], []
     try:
-        swarm.spawn("bootstrap", [sys.executable, *bootstrap_argv(workdir / "bootstrap.key", run_id=ns.run_id)])
+        swarm.spawn("bootstrap", bootstrap_argv(ns.run_id, workdir / "bootstrap.key"))
         # Port 0: the bootstrap binds a free port and prints it (a port picked first could be taken).
         entry = swarm.address("bootstrap")
         for i in range(ns.peers):

@@ -29,7 +29,7 @@ import time
 from typing import NoReturn, Optional
 
 from geomesh_p2p import __version__
-from geomesh_p2p.cli_config import ConfigFileError, add_flags, flag_specs, load_config_defaults
+from geomesh_p2p.cli_config import ConfigFileError, add_flags, add_log_level, flag_specs, load_config_defaults
 from geomesh_p2p.config import DEFAULT_BOOTSTRAP_IDENTITY as DEFAULT_IDENTITY  # noqa: F401  (re-exported)
 from geomesh_p2p.config import DEFAULT_BOOTSTRAP_PORT as DEFAULT_PORT  # noqa: F401
 from geomesh_p2p.config import DEFAULT_RUN_ID, BootstrapConfig  # noqa: F401
@@ -62,12 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="YAML/JSON file of option values (flags on the command line win) (default: none)",
     )
-    ap.add_argument(
-        "--log-level",
-        default="INFO",
-        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-        help="log verbosity (default: %(default)s)",
-    )
+    add_log_level(ap)
     return ap
 
 

@@ -40,6 +40,11 @@ Attacks (DESIGN.md "Untrusted volunteers"; issue 11's table):
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # run as a program: silence gRPC's C core before grpc is first imported below
+    from geomesh_p2p.grpc_env import quiet_grpc_core
+
+    quiet_grpc_core()
+
 import argparse
 import asyncio
 import logging
@@ -49,6 +54,7 @@ from typing import Optional
 
 import torch
 
+from geomesh_p2p import events
 from geomesh_p2p.node import PeerNode
 
 log = logging.getLogger("geomesh_p2p.adversary")
@@ -151,7 +157,21 @@ class AdversaryNode(PeerNode):
             if len(self._acted) > 10_000:
                 self._acted.clear()
             self._acted.add((round_, kind, key))
-            log.info("adversary[%s]: round %d: %s: " + msg, self.attack, round_, kind, *args)
+            events.emit(
+                log,
+                logging.INFO,
+                "adversary_acted",
+                "adversary[%s]: round %d: %s: " + msg,
+                self.attack,
+                round_,
+                kind,
+                *args,
+                peer=self.me,
+                attack=self.attack,
+                round=round_,
+                action=kind,  # not "kind": emit's own argument (the event's kind)
+                key=key,
+            )
 
     # ------------------------------------------------------------------ wiring
     async def start(self) -> None:

@@ -27,6 +27,7 @@ from typing import Any, Callable, Iterable, Literal, Mapping, Optional, Union
 
 import torch
 
+from geomesh_p2p import events
 from geomesh_p2p.records import PeerRecord
 
 ModelOrFactory = Union[torch.nn.Module, Callable[[], torch.nn.Module]]
@@ -890,7 +891,10 @@ def profile_training(
             # everything above the static part at this batch is charged to its sequences
             per_seq = max(per_seq, int(math.ceil((peak_b - base_probe_before - grad_opt) / b)))
             tps[b] = last_tps = b * seq_len / statistics.median(times)
-            log.info(
+            events.emit(
+                log,
+                logging.INFO,
+                "profile_batch",
                 "profile: batch %d: %.0f tokens/s (%.2fs/step over %d steps), measured peak %.2f GiB "
                 "+ %.2f GiB global weights and outer state, budget %.2f GiB",
                 b,
@@ -900,6 +904,13 @@ def profile_training(
                 peak_b / gib,
                 extra_bytes / gib,
                 memory_bytes / gib,
+                batch=b,
+                tokens_per_s=tps[b],
+                step_s=statistics.median(times),
+                steps=steps,
+                peak_bytes=int(peak_b),
+                extra_bytes=extra_bytes,
+                budget_bytes=memory_bytes,
             )
         if not tps:  # every requested size over the budget: measure the largest that fits
             b = max_fit()
@@ -998,32 +1009,6 @@ def measure_codec(
         messages.read_result(verifier, spec, 0, res, out=out)
         best = min(best, time.perf_counter() - t0)
     return max(best, 1e-6) / (2 * contributors * numel)
-
-
-def measure_bandwidth(transfers: Iterable[tuple[int, float]], latency_s: float = 0.0) -> float:
-    """Bandwidth in bytes/s from observed transfers ``(bytes, seconds)``.
-
-    ``sum(bytes) / sum(max(seconds - latency_s, 1e-9))``: the total over the total, so large
-    transfers dominate; ``latency_s`` (a per-transfer fixed cost, e.g. a measured RTT) is taken
-    out of each duration. Raises ValueError for no transfers, negative bytes, non-positive or
-    non-finite seconds, a negative latency or zero bytes in total.
-    """
-    if latency_s < 0 or not math.isfinite(latency_s):
-        raise ValueError(f"latency_s={latency_s} must be >= 0")
-    total_bytes, total_s, n = 0, 0.0, 0
-    for nbytes, seconds in transfers:
-        if nbytes < 0:
-            raise ValueError(f"transfer of {nbytes} bytes: bytes must be >= 0")
-        if not (math.isfinite(seconds) and seconds > 0):
-            raise ValueError(f"transfer took {seconds} s: seconds must be > 0")
-        total_bytes += nbytes
-        total_s += max(seconds - latency_s, 1e-9)
-        n += 1
-    if n == 0:
-        raise ValueError("no transfers to measure bandwidth from")
-    if total_bytes == 0:
-        raise ValueError("transfers moved 0 bytes: no bandwidth to infer")
-    return total_bytes / total_s
 
 
 class ThroughputEMA:

@@ -32,6 +32,7 @@ __all__ = [
     "FlagSpec",
     "flag_specs",
     "add_flags",
+    "add_log_level",
     "values_from",
     "to_argv",
     "ConfigFileError",
@@ -312,6 +313,17 @@ def add_flags(parser, specs: list[FlagSpec], title: Optional[str] = None) -> Non
         if name not in groups:
             groups[name] = parser.add_argument_group(name)
         s.add_to(groups[name])
+
+
+def add_log_level(parser, default: str = "INFO") -> None:
+    """Add the programs' common ``--log-level`` flag (DEBUG, INFO, WARNING or ERROR; ``default``) to
+    ``parser`` (an ArgumentParser or argument group)."""
+    parser.add_argument(
+        "--log-level",
+        default=default,
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="log verbosity (default: %(default)s)",
+    )
 
 
 def values_from(ns: argparse.Namespace, specs: list[FlagSpec]) -> dict:

@@ -19,6 +19,75 @@ hands ``{"event": "peer_refused", "t": <unix s>, "level": "WARNING", "message": 
 Sinks are process-wide (a deployed peer is one process); the events of several in-process nodes go
 to the same sinks, so events that concern a peer name it (``peer=``). Emitting never blocks on a
 file: the JSON sink's writes run in its own thread (issue 13: no file writes on the event loop).
+
+Kinds emitted (besides ``event``, ``t``, ``level``, ``message``). ``peer`` is the full PeerID of the node
+that emits unless the row says otherwise; rounds are ints, ``*_s`` seconds, ``*_bytes`` bytes, digests
+full hex strings, parts ``[start, end)`` element ranges of the flat ``[P]`` parameter vector.
+
+============================ ================================ ==========================================
+kind                         where                            fields
+============================ ================================ ==========================================
+``adversary_acted``          adversary.AdversaryNode._note    peer, attack, round, action, key
+``call_refused``             transport.Transport._admit       peer, method, caller_address, code, reason
+                             (once per caller IP/code/reason)
+``checkpoint_failed``        node._checkpoint_or_warn         round, final, error (type), detail
+``contributing_nothing``     round.driver (train)             peer, round, reason (``loss_not_finite`` |
+                                                              ``update_not_finite``), detail (if any)
+``digest_mismatch``          round.driver.check_digest        peer, round, digest, majority_digest,
+                                                              agree, total
+``dht_join_retry``           dht.node.DHTNode.join            peer, attempt, attempts, wait_s
+``early_steps_discarded``    round.driver._discard_early      peer, round, started_leader,
+                                                              followed_leader (None: no plan)
+``empty_swarm``              node._on_empty_swarm             peer, run_id, round, bootstrap, peers,
+                                                              seen_ago_s, action (``wait`` | ``resume``
+                                                              | ``seed``)
+``empty_swarm_waiting``      node._on_empty_swarm             peer, run_id
+``eval_not_finite``          training.InnerTrainer.evaluate   peer, loss (nats/token; NaN or huge)
+``final_checkpoint_skipped`` node._final_checkpoint           round, reason (``not_synced``)
+``idle_parts_unchanged``     round.policy._outer_step         peer, round, idle (ranges), idle_elements,
+                                                              elements
+``leaving_announced``        round.driver (finish), node      peer, round, reason (``stop`` | ``rounds``
+                             shutdown                         | ``target_ppl`` | ``shutdown``)
+``outer_step_skipped``       round.policy._outer_step         peer, round, skipped (ranges), not_finite
+                                                              (ranges of them), parts, elements
+``owner_unreachable``        collective.client (pull)         peer, round, part, owner, error
+``part_closed``              collective.owner._close          round, part, reason, absent (PeerIDs)
+``partition_lost``           round.driver._log_dropped        peer, round, digest, discarded_rounds,
+                                                              side (PeerIDs), tokens, own_tokens
+``peer_record_dropped``      dht.announce (once per record)   subkey (the record's PeerID), reason;
+                                                              incompatible: differs (list)
+``plan_refused``             round.plans.PlanStore.read       peer, round, leader, reason
+``plan_takeover``            round.plans.obtain_plan          peer, round, turn, delay_s, after_s
+``planned_out``              round.driver.wait_out            peer, round, leader, reason
+                                                              (``not_in_plan`` | ``weights_differ``)
+``profile_batch``            capability.profile_training      batch, tokens_per_s, step_s, steps,
+                                                              peak_bytes, extra_bytes, budget_bytes
+``pull_refused``             collective.owner (pull handler)  peer, round, sender, code, reason
+``push_refused``             collective.owner (push handler)  peer, round, part (None: not parsed),
+                                                              sender, code, reason
+``record_not_admitted``      admission (once per record)      peer (the record's), reason
+``residual_zeroed``          round.driver._drop_feedback      peer, round
+``resumed_from_checkpoint``  node._resume_from                peer, round, digest
+``run_not_done``             node (a swarm that ended)        peer, round, rounds_trained, synced,
+                                                              cause, exit_code
+``stalled_round_not_blamed`` round.driver.exchange            peer, round, stalled_s, window_s
+``state_downloaded``         round.policy._catch_up           peer, round, donors (addresses), digest,
+                                                              vote (``standing`` | ``fresh`` | ``solo``)
+``state_piece_failed``       state_sync.download_state        round, piece, donor (address), outcome
+                                                              (``failed`` | ``stalled``), error
+``state_refused``            round.policy._state_vote (once)  peer, round, digest, identities, backing,
+                                                              total
+``swarm_ended``              round.driver._end                peer, round, swarm_round, synced, cause
+                                                              (``others_left`` | ``alone`` |
+                                                              ``digest_differs``); alone: waited_s,
+                                                              min_peers; digest_differs: others,
+                                                              majority_digest
+``swarm_back``               node._on_empty_swarm             peer, run_id, peers (PeerIDs live again)
+``waiting_for_peers``        round.driver.gather (once per    peer, round, min_peers, live, wait_s
+                             state)
+``waiting_for_syncing_peer`` round.driver._sync_deadline      peer, round, syncing_peer, wait_s,
+                                                              done_bytes, total_bytes, bytes_per_s
+============================ ================================ ==========================================
 """
 
 from __future__ import annotations
@@ -49,7 +118,9 @@ _sinks: List[Sink] = []
 _sinks_lock = threading.Lock()
 
 
-def emit(logger: logging.Logger, level: int, kind: str, msg: str, *args: Any, **fields: Any) -> dict:
+def emit(
+    logger: logging.Logger, level: int, kind: str, msg: str, *args: Any, stacklevel: int = 1, **fields: Any
+) -> dict:
     """Log ``msg % args`` on ``logger`` at ``level`` (as ``logger.log`` does; a level the logger
     ignores prints nothing) and hand the event ``{"event": kind, "t": unix seconds (float, time.time()),
     "level": "DEBUG" | "INFO" | "WARNING" | "ERROR" | "CRITICAL" (else the number), "message": msg % args, **fields}`` to every sink, whatever the log level.
@@ -57,9 +128,14 @@ def emit(logger: logging.Logger, level: int, kind: str, msg: str, *args: Any, **
     ``fields`` are JSON values (str, int, float, bool, None, lists and dicts of them); anything else is
     written as its ``str()``, a non-finite float as null. Thread-safe, any thread. Returns the event.
     A sink that raises is logged once per event at DEBUG and skipped: an event never fails the caller.
+
+    ``stacklevel`` (as in :meth:`logging.Logger.log`, not a field): which frame the log record names
+    (funcName, pathname, lineno); 1 = the caller of ``emit``, 2 = its caller (for a helper such as
+    :class:`geomesh_p2p.logonce.LogOnce` that calls ``emit`` for the real call site).
     """
     message = msg % args if args else msg
-    logger.log(level, msg, *args, stacklevel=2)  # the record names the call site, not this function
+    # +1: the record names the call site, not this function
+    logger.log(level, msg, *args, stacklevel=stacklevel + 1)
     event = {"event": kind, "t": time.time(), "level": _LEVELS.get(level, str(level)), "message": message, **fields}
     with _sinks_lock:
         sinks = list(_sinks)

@@ -33,7 +33,7 @@ import grpc
 
 from geomesh_p2p.identity import EnvelopeError
 from geomesh_p2p.transport import LINK_PROBE, RpcError, Transport, Verified
-from geomesh_p2p.wire import collective_pb2
+from geomesh_p2p.wire import link_pb2
 
 log = logging.getLogger(__name__)
 
@@ -156,7 +156,7 @@ class LinkProbeService:
     async def _handle(self, verified: Verified, context) -> bytes:
         t0 = time.monotonic()
         try:
-            req = collective_pb2.LinkProbeRequest.FromString(verified.payload)
+            req = link_pb2.LinkProbeRequest.FromString(verified.payload)
         except Exception:
             raise EnvelopeError(grpc.StatusCode.INVALID_ARGUMENT, "LinkProbeRequest is malformed") from None
         if req.reply_bytes > self.max_bytes:
@@ -165,7 +165,7 @@ class LinkProbeService:
                 f"probe asks for {req.reply_bytes} bytes back; the most is {self.max_bytes}",
             )
         self._admit(verified.sender.to_string(), int(req.reply_bytes))
-        resp = collective_pb2.LinkProbeResponse(received_bytes=len(req.padding), padding=bytes(req.reply_bytes))
+        resp = link_pb2.LinkProbeResponse(received_bytes=len(req.padding), padding=bytes(req.reply_bytes))
         resp.held_s = time.monotonic() - t0
         return resp.SerializeToString()
 
@@ -209,11 +209,11 @@ async def probe_link(
         raise ValueError(f"repeats={repeats} must be >= 1 and target_s={target_s} > 0")
 
     async def once(up: int, down: int, timeout: float = timeout_s) -> tuple[float, float]:
-        req = collective_pb2.LinkProbeRequest(reply_bytes=down, padding=bytes(up)).SerializeToString()
+        req = link_pb2.LinkProbeRequest(reply_bytes=down, padding=bytes(up)).SerializeToString()
         t0 = time.monotonic()
         reply = await transport.call(address, LINK_PROBE, req, timeout=timeout)
         dt = time.monotonic() - t0
-        resp = collective_pb2.LinkProbeResponse.FromString(reply.payload)
+        resp = link_pb2.LinkProbeResponse.FromString(reply.payload)
         if resp.received_bytes != up or len(resp.padding) != down:
             raise RpcError(
                 address,

@@ -63,7 +63,7 @@ class LogOnce:
         if event is None:
             self.logger.log(level, msg, *args, stacklevel=2)  # the record names the call site
         else:
-            events.emit(self.logger, level, event, msg, *args, **fields)
+            events.emit(self.logger, level, event, msg, *args, stacklevel=2, **fields)  # names the call site too
         return True
 
     def __len__(self) -> int:

@@ -28,7 +28,7 @@ import os
 import tempfile
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -125,6 +125,14 @@ IDENTITY_PING_TIMEOUT_S = 3.0
 #: Exit code of a peer whose run ended on a state that is not the swarm's (the swarm ended while it was behind,
 #: or its last rounds were trained on a state the others never had): docs/round.md, "A stalled peer and a swarm that ended".
 EXIT_NOT_SYNCED = 3
+#: A planned-out peer re-probes its link at most this often (seconds), and gives a probe this long.
+REPROBE_MIN_INTERVAL_S = 20.0
+REPROBE_TIMEOUT_S = 10.0
+
+
+def _mbit(bps: Optional[float]) -> str:
+    """``bps`` (bytes/s) as Mbit/s text, or "unknown"."""
+    return "unknown" if bps is None else f"{bps * 8e-6:.1f}"
 
 
 class StoppedBeforeJoining(Exception):
@@ -485,6 +493,48 @@ class PeerNode(NodeRoundPolicy):
             return res
         return None
 
+    async def remeasure_links(self) -> None:
+        """Round driver port (:meth:`~geomesh_p2p.round.ports.Membership.remeasure_links`): a planned-out
+        peer probes its link again against a bootstrap (:func:`~geomesh_p2p.links.probe_link`, as at
+        start-up: ``--probe-bytes`` each way, one repeat) and the probe replaces the link EMA, so its next
+        record is not the pessimistic figure of the exchange that got it planned out. At most once per
+        :data:`REPROBE_MIN_INTERVAL_S`; nothing when both directions are stated by flags or no bootstrap
+        answers (the old figures stay)."""
+        c = self.cfg
+        now = time.monotonic()
+        if (c.upload_bps and c.download_bps) or self.ema is None or self.transport is None:
+            return
+        if now - getattr(self, "_reprobed_at", -1e18) < REPROBE_MIN_INTERVAL_S:
+            return
+        self._reprobed_at = now
+        for b in c.bootstrap:
+            try:
+                res = await probe_link(self.transport, b, nbytes=c.probe_bytes, repeats=1, timeout_s=REPROBE_TIMEOUT_S)
+            except Exception as e:  # a busy bootstrap: keep the figures the exchange gave
+                log.debug("link re-probe of %s failed: %s", b, e)
+                continue
+            old = (self.ema.upload_bps, self.ema.download_bps)
+            if not c.upload_bps:
+                self.ema.update_link(max(1, int(res.upload_bps)), 1.0, "up", alpha=1.0)
+            if not c.download_bps:
+                self.ema.update_link(max(1, int(res.download_bps)), 1.0, "down", alpha=1.0)
+            events.emit(
+                log,
+                logging.INFO,
+                "link_reprobed",
+                "planned out: link re-measured against %s: upload %.1f, download %.1f Mbit/s (was %s, %s)",
+                b,
+                res.upload_bps * 8e-6,
+                res.download_bps * 8e-6,
+                _mbit(old[0]),
+                _mbit(old[1]),
+                upload_bps=self.ema.upload_bps,
+                download_bps=self.ema.download_bps,
+                was_upload_bps=old[0],
+                was_download_bps=old[1],
+            )
+            return
+
     def _init_ema(self, probed) -> None:
 
         c = self.cfg
@@ -689,7 +739,17 @@ class PeerNode(NodeRoundPolicy):
             )
         await asyncio.to_thread(self._set_state, rnd, theta, momentum)
         self.standing = Standing.from_meta((meta.get("meta") or {}).get("standing"))
-        log.info("resumed from checkpoint at round %d (digest %s)", rnd, str(self.digest)[:8])
+        events.emit(
+            log,
+            logging.INFO,
+            "resumed_from_checkpoint",
+            "resumed from checkpoint at round %d (digest %s)",
+            rnd,
+            str(self.digest)[:8],
+            peer=self.me,
+            round=rnd,
+            digest=self.digest,
+        )
         fb: Optional[PushFeedback] = getattr(self, "feedback", None)  # absent before _build_training
         if fb is not None and self.digest is not None:  # _set_state set the digest
             got = await asyncio.to_thread(fb.load, self.cfg.checkpoint_dir, state_round=rnd, digest=self.digest)
@@ -715,13 +775,23 @@ class PeerNode(NodeRoundPolicy):
             return
         how = self.cfg.on_empty_swarm
         ago = max(0.0, swarm_time() - prog.seen_at)
-        log.warning(
+        events.emit(
+            log,
+            logging.WARNING,
+            "empty_swarm",
             "run %r was at round %d (bootstrap %s saw %d peer(s) %.0f s ago) but no peer of it is live now",
             self.run_cfg.run_id,
             prog.round,
             prog.by[:8] or "?",
             prog.peers,
             ago,
+            peer=self.me,
+            run_id=self.run_cfg.run_id,
+            round=prog.round,
+            bootstrap=prog.by,
+            peers=prog.peers,
+            seen_ago_s=ago,
+            action=how,
         )
         if how == "seed":
             log.info("--on-empty-swarm seed: starting the run again from the seed at round 0")
@@ -737,10 +807,15 @@ class PeerNode(NodeRoundPolicy):
                 )
             await self._resume_from(ck)
             return
-        log.info(
+        events.emit(
+            log,
+            logging.INFO,
+            "empty_swarm_waiting",
             "waiting for a peer of run %r to come back (Ctrl+C to stop; --on-empty-swarm resume or seed "
             "starts without one)",
             self.run_cfg.run_id,
+            peer=self.me,
+            run_id=self.run_cfg.run_id,
         )
         backoff = Backoff(first=1.0, cap=EMPTY_SWARM_POLL_MAX_S)
         while True:
@@ -749,7 +824,17 @@ class PeerNode(NodeRoundPolicy):
             recs = [r for r in await self.peers() if r.peer_id != self.me]
             if not recs:
                 continue
-            log.info("%d peer(s) of run %r are live again", len(recs), self.run_cfg.run_id)
+            events.emit(
+                log,
+                logging.INFO,
+                "swarm_back",
+                "%d peer(s) of run %r are live again",
+                len(recs),
+                self.run_cfg.run_id,
+                peer=self.me,
+                run_id=self.run_cfg.run_id,
+                peers=sorted(r.peer_id for r in recs),
+            )
             if any(r.round > 0 and r.weights_digest for r in recs):
                 await self._catch_up()
             return
@@ -762,7 +847,7 @@ class PeerNode(NodeRoundPolicy):
         try:
             return await asyncio.to_thread(self.checkpoint)
         except Exception as e:  # never end a training peer over its checkpoint
-            fields = dict(round=self.round, final=final, error=type(e).__name__, detail=str(e))
+            fields: dict[str, Any] = dict(round=self.round, final=final, error=type(e).__name__, detail=str(e))
             if final:
                 events.emit(
                     log,
@@ -789,6 +874,33 @@ class PeerNode(NodeRoundPolicy):
                     **fields,
                 )
             return None
+
+    async def _final_checkpoint(self) -> Optional[Path]:
+        """The checkpoint at shutdown, or None with the reason when this peer's weights are not the swarm's
+        state of ``self.round``: a peer still syncing (planned out, catching up, or ended by the swarm while
+        behind) has already moved its round number on while its weights are an older round's, so a checkpoint
+        would label stale weights with the new round and a ``--resume`` would start a fork from them. The
+        latest periodic checkpoint stays the one to resume from."""
+        if self.outer is None or not self.cfg.checkpoint_dir or getattr(self, "_skip_checkpoint", False):
+            return None
+        if self._syncing or getattr(self, "_ended_not_synced", False):
+            events.emit(
+                log,
+                logging.INFO,
+                "final_checkpoint_skipped",
+                "round %d: no final checkpoint: this peer is not synced with the swarm (its weights are not "
+                "round %d's); the latest checkpoint in %s stays the one to --resume from",
+                self.round,
+                self.round,
+                self.cfg.checkpoint_dir,
+                round=self.round,
+                reason="not_synced",
+            )
+            return None
+        path = await self._checkpoint_or_warn(final=True)
+        if path:
+            log.info("checkpoint written: %s (round %d)", path, self.round)
+        return path
 
     def checkpoint(self) -> Optional[Path]:
 
@@ -848,12 +960,22 @@ class PeerNode(NodeRoundPolicy):
         reach its own goal), :data:`EXIT_NOT_SYNCED` when it does not (its state is not the swarm's: a script
         must not take its checkpoint or perplexity for the run's)."""
         code = 0 if ended.synced else EXIT_NOT_SYNCED
-        log.warning(
+        self._ended_not_synced = not ended.synced  # shutdown writes no checkpoint of a state that is not the swarm's
+        events.emit(
+            log,
+            logging.WARNING,
+            "run_not_done",
             "not done: %s; %d round(s) trained here, now at round %d; exit %d",
             ended.why,
             len(self.history),
             self.round,
             code,
+            peer=self.me,
+            round=self.round,
+            rounds_trained=len(self.history),
+            synced=ended.synced,
+            cause=ended.cause,
+            exit_code=code,
         )
         return code
 
@@ -865,20 +987,8 @@ class PeerNode(NodeRoundPolicy):
         d = getattr(self, "_round_driver", None)
         if d is not None and (d.trainer, d.collective) == parts:
             return d
-        cfg = DriverConfig(
-            min_peers=c.min_peers,
-            wait_peers_s=c.wait_peers_s,
-            gather_wait_s=c.gather_wait_s,
-            plan_timeout_s=c.plan_timeout_s,
-            sync_wait_cap_s=c.sync_wait_cap_s,
-            rounds=c.rounds,
-            target_ppl=c.target_ppl,
-            eval_every=c.eval_every,
-            eval_batches=c.eval_batches,
-            checkpoint_every=c.checkpoint_every,
-            eval_background=c.eval_background,
-            checkpointing=bool(c.checkpoint_dir),
-            exchanges_gradient=self.method_rule.exchanges_gradient,
+        cfg = DriverConfig.from_node(
+            c, checkpointing=bool(c.checkpoint_dir), exchanges_gradient=self.method_rule.exchanges_gradient
         )
         transport = self.transport
 
@@ -1022,17 +1132,19 @@ class PeerNode(NodeRoundPolicy):
                 and getattr(self, "ema", None) is not None
             ):
                 self._leaving = True
-                log.info("announcing that this peer leaves")
+                events.emit(
+                    log,
+                    logging.INFO,
+                    "leaving_announced",
+                    "announcing that this peer leaves",
+                    peer=self.me,
+                    round=self.round,
+                    reason="shutdown",
+                )
                 await self.announce()
         except Exception as e:  # the DHT may be gone already; the record expires on its own
             log.warning("could not announce that this peer leaves: %s", e)
-        path = (
-            await self._checkpoint_or_warn(final=True)
-            if self.outer is not None and not getattr(self, "_skip_checkpoint", False)
-            else None
-        )
-        if path:
-            log.info("checkpoint written: %s (round %d)", path, self.round)
+        await self._final_checkpoint()
         if self.cfg.summary_json:
             self.write_summary(self.cfg.summary_json)
         try:

@@ -80,7 +80,7 @@ import logging
 import math
 import statistics
 import warnings
-from typing import Callable, Collection, Literal, Mapping, Optional, Sequence
+from typing import Callable, Collection, Iterable, Literal, Mapping, NamedTuple, Optional, Sequence
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -789,23 +789,33 @@ def partition(
 # plans
 
 
+class _PlanMeta(NamedTuple):
+    """What a plan states besides its assignments: the arguments of :func:`plan_round` (same names)."""
+
+    run_id: str
+    round: int
+    leader: str
+    numel: int
+    start_time: float
+    start_digest: Optional[str]
+    created_at: Optional[float]
+
+
 def _build_plan(
     recs: list[PeerRecord],
     models: list[_PeerModel],
     H: np.ndarray,
     T: float,
-    parts: list[tuple[str, int, int]],
     cfg: PlanConfig,
+    meta: _PlanMeta,
+    probation: Collection[str],
     *,
-    run_id: str,
-    round: int,
-    leader: str,
-    numel: int,
-    start_time: float,
-    start_digest: Optional[str],
-    created_at: Optional[float],
-    probation: Collection[str] = (),
+    equal: bool,
 ) -> RoundPlan:
+    """The RoundPlan of peers ``recs`` (their ``models`` and inner steps ``H``, window ``T`` seconds):
+    ``[0, numel)`` partitioned among the established peers that accept connections (``equal``: in
+    equal parts, else by bandwidth), the probation peers made client-only (:func:`_owners_only`)."""
+    parts = partition(meta.numel, _owners_only(recs, probation), align=cfg.part_align, equal=equal)
     assignments = []
     for m, h, (pid, start, end) in zip(models, H.tolist(), parts):
         assert pid == m.peer_id
@@ -827,20 +837,20 @@ def _build_plan(
                 probation=pid in probation,
             )
         )
-    train_deadline = start_time + T
+    train_deadline = meta.start_time + T
     return RoundPlan(
-        run_id=run_id,
-        round=round,
-        leader=leader,
+        run_id=meta.run_id,
+        round=meta.round,
+        leader=meta.leader,
         method=cfg.method,
         mode=cfg.mode,
-        numel=numel,
+        numel=meta.numel,
         seq_len=cfg.seq_len,
         window_s=T,
         train_deadline=train_deadline,
         exchange_deadline=train_deadline + cfg.exchange_timeout_s,
-        start_digest=start_digest,
-        created_at=start_time if created_at is None else created_at,
+        start_digest=meta.start_digest,
+        created_at=meta.start_time if meta.created_at is None else meta.created_at,
         assignments=assignments,
     )
 
@@ -897,23 +907,8 @@ def plan_round(
     probation = _probation_ids(recs, probation)
     if probation:
         H = _cap_budgets(models, _cap_probation(models, H, cfg, probation), cfg)
-    parts = partition(numel, _owners_only(recs, probation), align=cfg.part_align)
-    return _build_plan(
-        recs,
-        models,
-        H,
-        T,
-        parts,
-        cfg,
-        run_id=run_id,
-        round=round,
-        leader=leader,
-        numel=numel,
-        start_time=start_time,
-        start_digest=start_digest,
-        created_at=created_at,
-        probation=probation,
-    )
+    meta = _PlanMeta(run_id, round, leader, numel, start_time, start_digest, created_at)
+    return _build_plan(recs, models, H, T, cfg, meta, probation, equal=False)
 
 
 def _step_and_comm(models: Sequence[_PeerModel]) -> tuple[np.ndarray, np.ndarray]:
@@ -947,9 +942,18 @@ def _cap_budgets(models: Sequence[_PeerModel], H: np.ndarray, cfg: PlanConfig) -
     step_tokens = [m.batch * cfg.seq_len for m in models]
     budgets = [int(h) * t for h, t in zip(H.tolist(), step_tokens)]
     limit = BUDGET_MEDIAN_FACTOR * statistics.median_low(budgets)
+    return _lowered_to(H, step_tokens, limit, range(len(models)), cfg)
+
+
+def _lowered_to(
+    H: np.ndarray, step_tokens: Sequence[int], limit: float, among: Iterable[int], cfg: PlanConfig
+) -> np.ndarray:
+    """A copy of ``H`` in which each peer of index in ``among`` whose budget ``H_i x step_tokens_i``
+    exceeds ``limit`` tokens gets ``floor(limit / step_tokens_i)`` steps, never below ``min_inner_steps``."""
     out = H.copy()
-    for i, (b, t) in enumerate(zip(budgets, step_tokens)):
-        if b > limit:
+    for i in among:
+        t = step_tokens[i]
+        if int(H[i]) * t > limit:
             out[i] = max(cfg.min_inner_steps, math.floor(limit / t))
     return out
 
@@ -981,11 +985,7 @@ def _cap_probation(
     if not est:
         return H
     limit = PROBATION_BUDGET_FACTOR * statistics.median_low(est)
-    out = H.copy()
-    for i, (m, t) in enumerate(zip(models, step_tokens)):
-        if m.peer_id in probation and int(out[i]) * t > limit:
-            out[i] = max(cfg.min_inner_steps, math.floor(limit / t))
-    return out
+    return _lowered_to(H, step_tokens, limit, [i for i, m in enumerate(models) if m.peer_id in probation], cfg)
 
 
 def plan_uniform(
@@ -1020,23 +1020,8 @@ def plan_uniform(
     H = np.full(len(models), H_all, dtype=np.int64)
     T = max(H_all * m.step_s + m.comm_s for m in models)
     probation = _probation_ids(recs, probation)
-    parts = partition(numel, _owners_only(recs, probation), align=cfg.part_align, equal=True)
-    return _build_plan(
-        recs,
-        models,
-        H,
-        T,
-        parts,
-        cfg,
-        run_id=run_id,
-        round=round,
-        leader=leader,
-        numel=numel,
-        start_time=start_time,
-        start_digest=start_digest,
-        created_at=created_at,
-        probation=probation,
-    )
+    meta = _PlanMeta(run_id, round, leader, numel, start_time, start_digest, created_at)
+    return _build_plan(recs, models, H, T, cfg, meta, probation, equal=True)
 
 
 def make_plan(records: Sequence[PeerRecord], cfg: PlanConfig, **kwargs) -> RoundPlan:

@@ -24,24 +24,13 @@ from typing import Optional, Sequence
 SERVING_RE = re.compile(r"serving on (\S+)")
 
 
-def bootstrap_argv(identity: Path | str, *extra: str, run_id: str, host: str = "127.0.0.1", port: int = 0) -> list[str]:
-    """The argv of a ``geomesh-bootstrap`` process after the interpreter (``-m bootstrap.cli ...``; run it
-    as ``[sys.executable, *argv]``): it listens on ``host:port`` (port 0: the OS picks a free port and the
-    bootstrap prints it in its "serving on" line) for run ``run_id``, with the key at ``identity``;
-    ``extra`` flags come last, so a flag given again there wins."""
-    return [
-        "-m",
-        "bootstrap.cli",
-        "--host",
-        host,
-        "--port",
-        str(port),
-        "--run-id",
-        run_id,
-        "--identity",
-        str(identity),
-        *extra,
-    ]
+def bootstrap_argv(run_id: str, identity: Path | str, *extra: str, host: str = "127.0.0.1", port: int = 0) -> list[str]:
+    """The command line that starts a bootstrap node with this interpreter (``python -m bootstrap.cli``)
+    for run ``run_id`` on ``host:port`` (0: the OS picks a free port; read it back with
+    :func:`wait_for_address`), its key in file ``identity`` (created when absent); ``extra`` flags come
+    last, so a flag given again there wins."""
+    argv = [sys.executable, "-m", "bootstrap.cli", "--host", host, "--port", str(port)]
+    return argv + ["--run-id", run_id, "--identity", str(identity), *extra]
 
 
 def read_json_rows(path: Path) -> list[dict]:

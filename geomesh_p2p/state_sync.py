@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import functools
 import hashlib
 import json
 import logging
@@ -39,10 +40,11 @@ import grpc
 import torch
 from google.protobuf.message import DecodeError
 
+from geomesh_p2p import events
 from geomesh_p2p.identity import EnvelopeError
 from geomesh_p2p.state import GlobalState, StateChanged, StateError
-from geomesh_p2p.transport import STATE_GET, STATE_STATUS, RpcError, Transport
-from geomesh_p2p.wire import collective_pb2
+from geomesh_p2p.transport import STATE_GET, STATE_STATUS, STATE_UPDATE, RpcError, Transport
+from geomesh_p2p.wire import state_pb2
 
 if TYPE_CHECKING:
     from geomesh_p2p.identity import Verified
@@ -52,7 +54,6 @@ log = logging.getLogger(__name__)
 DEFAULT_CHUNK_BYTES = 1 << 20
 
 #: One round's outer update (:class:`UpdateLog`), streamed like the state (StateRequest / StateChunk).
-STATE_UPDATE = "/geomesh.wire.State/GetUpdate"
 #: Rounds of outer updates a donor keeps (memory: ``4 * P`` bytes per round until first asked, then its
 #: zlib blob, ~``P`` bytes for a sign-compressed swarm).
 DEFAULT_KEEP_UPDATES = 3
@@ -190,8 +191,8 @@ class StateServer:
         """This node's round and digest: a cheap liveness and sync check for operators and tests."""
         gs = self._state
         if gs is None or gs.digest is None:  # not ready: round 0, no digest
-            return collective_pb2.StatusResponse(round=0, digest="", peer_id=self.peer_id).SerializeToString()
-        return collective_pb2.StatusResponse(round=gs.round, digest=gs.digest, peer_id=self.peer_id).SerializeToString()
+            return state_pb2.StatusResponse(round=0, digest="", peer_id=self.peer_id).SerializeToString()
+        return state_pb2.StatusResponse(round=gs.round, digest=gs.digest, peer_id=self.peer_id).SerializeToString()
 
     def serve(self, state: GlobalState) -> None:
         """Serve ``state`` from now on (not copied: its round, digest and bytes as they are at each request)."""
@@ -273,7 +274,7 @@ class StateServer:
 
     async def _handle(self, verified, context):
         try:
-            req = collective_pb2.StateRequest.FromString(verified.payload)
+            req = state_pb2.StateRequest.FromString(verified.payload)
         except Exception:
             raise EnvelopeError(grpc.StatusCode.INVALID_ARGUMENT, "StateRequest is malformed") from None
         gs = self._state
@@ -313,7 +314,7 @@ class StateServer:
                 data = await self._read(gs, off, min(end, off + self.chunk_bytes), rnd, dg)
             with self._mu:
                 self._note(key, len(data), total)
-            yield collective_pb2.StateChunk(
+            yield state_pb2.StateChunk(
                 round=rnd, digest=dg, total_bytes=total, offset=off, data=data
             ).SerializeToString()
 
@@ -322,7 +323,7 @@ class StateServer:
         r (state of round r -> r + 1); chunks StateChunk(round, digest = the blob's hash, total_bytes,
         offset, data) of its :meth:`OuterUpdate.encode` blob."""
         try:
-            req = collective_pb2.StateRequest.FromString(verified.payload)
+            req = state_pb2.StateRequest.FromString(verified.payload)
         except Exception:
             raise EnvelopeError(grpc.StatusCode.INVALID_ARGUMENT, "StateRequest is malformed") from None
         blob = await self.updates.blob(req.round, asked=False)
@@ -343,7 +344,7 @@ class StateServer:
             if served * MIN_SHARE >= total:
                 # a real catch-up (not a 1-byte probe): encode the next rounds as soon as they are sealed
                 self.updates.note_asked()
-            yield collective_pb2.StateChunk(
+            yield state_pb2.StateChunk(
                 round=req.round, digest=h, total_bytes=total, offset=off, data=piece
             ).SerializeToString()
 
@@ -438,14 +439,14 @@ async def download_state(
 
     async def attempt(donor: str, got: list[int], end: int, piece: int) -> None:
         """Stream ``[got[0], end)`` from ``donor`` into ``buf``, advancing ``got[0]`` per chunk."""
-        req = collective_pb2.StateRequest(round=round, offset=got[0], length=end - got[0])
+        req = state_pb2.StateRequest(round=round, offset=got[0], length=end - got[0])
         # aclosing: a piece abandoned half-way (inconsistent chunk, stall, sibling failure) cancels its
         # stream now, in this task, rather than whenever the generator is garbage-collected
         async with contextlib.aclosing(
             transport.call_stream(donor, STATE_GET, req.SerializeToString(), round=round, timeout=timeout_s)
         ) as stream:
             async for v in stream:
-                chunk = collective_pb2.StateChunk.FromString(v.payload)
+                chunk = state_pb2.StateChunk.FromString(v.payload)
                 pos = got[0]
                 if (
                     chunk.total_bytes != total
@@ -506,7 +507,21 @@ async def download_state(
                 moving[piece] = True
                 errors.append(str(e))
                 event(kind, piece, donor, str(e))
-                log.warning("state piece %d from %s %s: %s", piece, donor, kind, e)
+                events.emit(
+                    log,
+                    logging.WARNING,
+                    "state_piece_failed",
+                    "state piece %d from %s %s: %s",
+                    piece,
+                    donor,
+                    kind,
+                    e,
+                    round=round,
+                    piece=piece,
+                    donor=donor,
+                    outcome=kind,
+                    error=str(e),
+                )
             finally:
                 if not task.done():
                     task.cancel()
@@ -755,11 +770,17 @@ class UpdateLog:
         fut = self._encoding.get(round)
         if fut is None:
             fut = self._encoding[round] = asyncio.ensure_future(asyncio.to_thread(self._encode, u))
-        try:
-            return await asyncio.shield(fut)
-        finally:
-            if fut.done():
-                self._encoding.pop(round, None)
+            fut.add_done_callback(functools.partial(self._encoded, round))
+        return await asyncio.shield(fut)
+
+    def _encoded(self, round: int, fut: asyncio.Future) -> None:
+        """Done callback of an encoding (on the loop): the table entry goes, and its error is retrieved
+        here, so an encoding whose every awaiter left (a cancelled download) leaves neither an entry nor a
+        "Future exception was never retrieved" behind. Awaiters still waiting get the error themselves."""
+        if self._encoding.get(round) is fut:
+            del self._encoding[round]
+        if not fut.cancelled() and fut.exception() is not None:
+            log.debug("encoding the update of round %d failed: %r", round, fut.exception())
 
     def _encode(self, u: OuterUpdate) -> tuple[bytes, str]:
         data = u.encode()
@@ -817,12 +838,12 @@ async def fetch_update(
     async def attempt(donor: str) -> None:
         nonlocal blob_hash
         total = None
-        req = collective_pb2.StateRequest(round=round, offset=len(buf))
+        req = state_pb2.StateRequest(round=round, offset=len(buf))
         async with contextlib.aclosing(
             transport.call_stream(donor, STATE_UPDATE, req.SerializeToString(), round=round, timeout=timeout_s)
         ) as stream:
             async for v in stream:
-                c = collective_pb2.StateChunk.FromString(v.payload)
+                c = state_pb2.StateChunk.FromString(v.payload)
                 if blob_hash is not None and c.digest != blob_hash:
                     if c.offset == 0 and not buf:
                         blob_hash = None

@@ -29,6 +29,7 @@ from typing import Any, Callable
 
 import torch
 
+from geomesh_p2p import events
 from geomesh_p2p.capability import release_freed_memory
 from geomesh_p2p.clock import swarm_time
 
@@ -812,8 +813,14 @@ class InnerTrainer:
         mean = tot / rows if rows else float("nan")
         ppl = perplexity(mean)
         if not math.isfinite(ppl):
-            log.warning(
-                "eval loss is %s nats/token: reporting perplexity inf (the global weights are broken)", f"{mean:.4g}"
+            events.emit(
+                log,
+                logging.WARNING,
+                "eval_not_finite",
+                "eval loss is %s nats/token: reporting perplexity inf (the global weights are broken)",
+                f"{mean:.4g}",
+                peer=self.peer_id,
+                loss=mean,
             )
         return ppl
 

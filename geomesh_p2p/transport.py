@@ -49,7 +49,7 @@ from geomesh_p2p import identity as identity_mod
 from geomesh_p2p.identity import EnvelopeError, Identity, PeerID, Verified, Verifier
 from geomesh_p2p.logonce import LogOnce
 from geomesh_p2p.wire import envelope_pb2
-from geomesh_p2p.wire.varint import read_varint, varint
+from geomesh_p2p.wire.varint import read_varint, skip_value, varint
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +64,21 @@ COLLECTIVE_PULL = "/geomesh.wire.Collective/PullPart"
 STATE_GET = "/geomesh.wire.State/GetState"
 STATE_STATUS = "/geomesh.wire.State/Status"
 LINK_PROBE = "/geomesh.wire.Link/Probe"
+STATE_UPDATE = "/geomesh.wire.State/GetUpdate"
+
+#: Connection lanes. Calls that move bulk data (pseudo-gradient parts, the state, outer updates, link
+#: probes) go over their own connection to a peer, the control calls (DHT, status) over another. Why: on a
+#: slow uplink one connection's kernel send buffer holds seconds of queued part bytes, and a DHT store
+#: queued behind them arrived after its record expired (a real-process DiLoCo run at 5-7 Mbit/s: peers
+#: announced as dead, planned out every round). A second TCP connection shares the link fairly instead.
+CONTROL_LANE, BULK_LANE = "control", "bulk"
+BULK_METHODS = frozenset({COLLECTIVE_PUSH, COLLECTIVE_PULL, STATE_GET, STATE_UPDATE, LINK_PROBE})
+
+
+def lane_of(method: str) -> str:
+    """The connection lane of ``method``: :data:`BULK_LANE` for :data:`BULK_METHODS`, else :data:`CONTROL_LANE`."""
+    return BULK_LANE if method in BULK_METHODS else CONTROL_LANE
+
 
 DEFAULT_MAX_MESSAGE_BYTES = 128 << 20
 RESPONSE_SUFFIX = "+resp"
@@ -154,14 +169,8 @@ def _split_request(data: bytes):
                 i += length
             elif field in (1, 2):
                 raise ValueError("wrong wire type")
-            elif wire == 0:
-                _, i = read_varint(data, i, n)
-            elif wire == 1:
-                i += 8
-            elif wire == 5:
-                i += 4
             else:
-                raise ValueError("group or bad wire type")
+                i = skip_value(data, i, n, wire)
             if i > n:
                 raise ValueError("truncated field")
         envelope = envelope_pb2.Envelope.FromString(data[env_at[0] : env_at[1]]) if env_at is not None else None
@@ -421,6 +430,16 @@ class RpcError(Exception):
         self.unreachable = unreachable
 
 
+def _count_down(counts: dict, key) -> None:
+    """Decrement ``counts[key]`` (KeyError when absent), deleting the key at 0 so that the per-IP and
+    per-sender tables hold only the keys with something in progress (they stay bounded)."""
+    n = counts[key] - 1
+    if n:
+        counts[key] = n
+    else:
+        del counts[key]
+
+
 class _Pool:
     """Read slots of one size class: at most ``per_ip`` per remote IP and ``total`` in all; waiters
     in two FIFO lanes, connections with a good record first."""
@@ -446,11 +465,7 @@ class _Pool:
 
     def give(self, ip: str) -> None:
         self.reading -= 1
-        n = self.by_ip[ip] - 1
-        if n:
-            self.by_ip[ip] = n
-        else:
-            del self.by_ip[ip]
+        _count_down(self.by_ip, ip)
 
 
 class _Guard:
@@ -526,11 +541,7 @@ class _Guard:
 
     def _unwait(self, ip: str) -> None:
         self._waiting -= 1
-        n = self._waiting_by_ip[ip] - 1
-        if n:
-            self._waiting_by_ip[ip] = n
-        else:
-            del self._waiting_by_ip[ip]
+        _count_down(self._waiting_by_ip, ip)
 
     def _wake(self, pool: _Pool) -> None:
         """Start the first waiting reads (good connections first, FIFO) whose IP and the pool have a free slot."""
@@ -612,11 +623,7 @@ class _Guard:
     def leave_call(self, token: tuple) -> None:
         cls, key = token
         self._calls[cls] -= 1
-        n = self._sender_calls[key] - 1
-        if n:
-            self._sender_calls[key] = n
-        else:
-            del self._sender_calls[key]
+        _count_down(self._sender_calls, key)
 
     def snapshot(self) -> dict:
         """Counters, for tests and benchmarks."""
@@ -697,7 +704,8 @@ class Transport:
         # Keys (caller IP, status, reason head): a flood of bad messages is not a flood of logs.
         self._reject_log = LogOnce(log, capacity=4096)
         self._server: Optional[grpc.aio.Server] = None
-        self._channels: "OrderedDict[str, grpc.aio.Channel]" = OrderedDict()  # least recently used first
+        # (address, lane) -> channel, least recently used first
+        self._channels: "OrderedDict[tuple[str, str], grpc.aio.Channel]" = OrderedDict()
         self._evicted: set = set()  # evicted channels still closing
         self.tasks = TaskOwner(f"transport {identity.peer_id.short()}")
         self._closed = False
@@ -862,6 +870,12 @@ class Transport:
                 peer,
                 err.code.name,
                 err.reason,
+                event="call_refused",
+                peer=str(self.identity.peer_id),
+                method=method,
+                caller_address=peer,
+                code=err.code.name,
+                reason=err.reason,
             )
         if ticket is not None:
             self._guard.release_read(ticket)
@@ -975,11 +989,12 @@ class Transport:
         return self.address
 
     # ---------------------------------------------------------------- client side
-    def _channel(self, address: str) -> grpc.aio.Channel:
-        """The cached channel to ``address``. At most ``max_channels`` are kept (addresses come from
-        other nodes, e.g. the ones a caller claims): the least recently used is closed, with a grace
-        period for its calls in flight."""
-        ch = self._channels.get(address)
+    def _channel(self, address: str, lane: str = CONTROL_LANE) -> grpc.aio.Channel:
+        """The cached channel to ``address`` for ``lane`` (:func:`lane_of`: each lane is its own TCP
+        connection). At most ``max_channels`` are kept (addresses come from other nodes, e.g. the ones a
+        caller claims): the least recently used is closed, with a grace period for its calls in flight."""
+        key = (address, lane)
+        ch = self._channels.get(key)
         if ch is None:
             # Its own subchannels (not gRPC's process-wide pool): a channel dropped by drop_channel takes
             # its reconnect backoff with it instead of handing it to the next channel to that address.
@@ -988,14 +1003,14 @@ class Transport:
                 ch = grpc.aio.secure_channel(address, self.config.tls.channel_credentials(), options=opts)
             else:
                 ch = grpc.aio.insecure_channel(address, options=opts)
-            self._channels[address] = ch
+            self._channels[key] = ch
             while len(self._channels) > max(1, self.config.max_channels):
                 _, old = self._channels.popitem(last=False)
                 self._evicted.add(old)
                 task = self.tasks.spawn(old.close(grace=self.config.default_timeout_s), name="close-channel")
                 task.add_done_callback(functools.partial(self._forget_evicted, old))
         else:
-            self._channels.move_to_end(address)
+            self._channels.move_to_end(key)
         return ch
 
     def drop_channel(self, address: str, channel: Optional[grpc.aio.Channel] = None) -> bool:
@@ -1004,15 +1019,15 @@ class Transport:
         gRPC's reconnect backoff (up to minutes), failing every call at once with the old error, even
         after a new process listens there again (a restart on the same port). With ``channel``: only if
         that one is still the cached one (concurrent failed calls drop the dead channel once, not the new
-        one a first retry dialled). True when one was dropped."""
-        ch = self._channels.get(address)
-        if ch is None or (channel is not None and ch is not channel):
-            return False
-        del self._channels[address]
-        self._evicted.add(ch)
-        task = self.tasks.spawn(ch.close(grace=self.config.default_timeout_s), name="close-channel")
-        task.add_done_callback(functools.partial(self._forget_evicted, ch))
-        return True
+        one a first retry dialled). Without ``channel``: the channels of every lane to ``address``. True
+        when one was dropped."""
+        keys = [k for k, ch in self._channels.items() if k[0] == address and channel in (None, ch)]
+        for key in keys:
+            ch = self._channels.pop(key)
+            self._evicted.add(ch)
+            task = self.tasks.spawn(ch.close(grace=self.config.default_timeout_s), name="close-channel")
+            task.add_done_callback(functools.partial(self._forget_evicted, ch))
+        return bool(keys)
 
     def _forget_evicted(self, channel: grpc.aio.Channel, _task: asyncio.Task) -> None:
         """Done callback of an evicted channel's close: it is no longer closed at :meth:`stop`."""
@@ -1058,7 +1073,7 @@ class Transport:
         retry = method in IDEMPOTENT_METHODS if idempotent is None else idempotent
         deadline = time.monotonic() + (timeout or self.config.default_timeout_s)
         while True:
-            channel = self._channel(address)
+            channel = self._channel(address, lane_of(method))
             mc = channel.unary_unary(method, request_serializer=None, response_deserializer=_split_request)
             try:
                 reply = await mc(request, timeout=max(0.001, deadline - time.monotonic()))
@@ -1083,7 +1098,7 @@ class Transport:
         request = await self._signed(round=round, kind=method, payload=payload)
         if self.config.added_latency_s > 0:
             await asyncio.sleep(self.config.added_latency_s)
-        channel = self._channel(address)
+        channel = self._channel(address, lane_of(method))
         mc = channel.unary_stream(method, request_serializer=None, response_deserializer=_split_request)
         call = mc(request, timeout=timeout or self.config.default_timeout_s)
         answered = False  # the request's bytes count once a reply arrived (see call)

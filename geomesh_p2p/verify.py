@@ -125,7 +125,7 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Optional, Sequence, TypedDict
 
 import torch
 
@@ -133,6 +133,9 @@ from geomesh_p2p.clock import swarm_time
 from geomesh_p2p import compression
 from geomesh_p2p.identity import EnvelopeError, Identity, PeerID, Verifier, verify_signature
 from geomesh_p2p.wire import collective_pb2, envelope_pb2
+
+if TYPE_CHECKING:  # typing.Unpack for **kwargs is Python 3.12 (PEP 692); only type checkers read it
+    from typing_extensions import Unpack
 
 log = logging.getLogger(__name__)
 
@@ -144,6 +147,7 @@ __all__ = [
     "Evidence",
     "EvidenceError",
     "WorkVerifier",
+    "CheckOptions",
     "CONTROL_STREAM",
     "EVIDENCE_KIND",
     "PASS",
@@ -833,6 +837,16 @@ class _Kept:
     packets: dict[str, dict[int, Any]]
 
 
+class CheckOptions(TypedDict, total=False):
+    """The keyword options of :meth:`WorkVerifier.check_round`, which :meth:`WorkVerifier.run_round`
+    passes on (see check_round for their meaning; an option left out is None)."""
+
+    micro_batch: Optional[int]
+    seconds_per_row: Optional[float]
+    deadline: Optional[float]
+    signed_of: Optional[Callable[[int, str], Optional[bytes]]]
+
+
 class WorkVerifier:
     """One per node: keeps the last rounds' start weights and contributions, runs this node's checks,
     publishes and re-checks evidence, and keeps the set of excluded peers (:meth:`filter`).
@@ -1162,25 +1176,12 @@ class WorkVerifier:
                     n += 1
         return n
 
-    async def run_round(
-        self,
-        round: int,
-        *,
-        micro_batch: Optional[int] = None,
-        seconds_per_row: Optional[float] = None,
-        deadline: Optional[float] = None,
-        signed_of: Optional[Callable[[int, str], Optional[bytes]]] = None,
-    ) -> Optional[Evidence]:
-        """This node's check of ``round`` off the event loop, its evidence published, then up to
-        ``max_rechecks`` pending evidence records re-checked (all bounded by ``deadline``)."""
-        ev = await asyncio.to_thread(
-            self.check_round,
-            round,
-            micro_batch=micro_batch,
-            seconds_per_row=seconds_per_row,
-            deadline=deadline,
-            signed_of=signed_of,
-        )
+    async def run_round(self, round: int, **options: Unpack[CheckOptions]) -> Optional[Evidence]:
+        """This node's check of ``round`` (:meth:`check_round` with ``options``) off the event loop, its
+        evidence published, then up to ``max_rechecks`` pending evidence records re-checked (all
+        bounded by ``options["deadline"]``, with its ``micro_batch``)."""
+        ev = await asyncio.to_thread(self.check_round, round, **options)
+        micro_batch, deadline = options.get("micro_batch"), options.get("deadline")
         if ev is not None:
             await self.publish(ev)
         await self.fetch()

@@ -17,18 +17,13 @@ import sys
 from typing import NoReturn
 
 from geomesh_p2p import __version__
-from geomesh_p2p.cli_config import ConfigFileError, load_config_defaults
+from geomesh_p2p.cli_config import ConfigFileError, add_log_level, load_config_defaults
 from geomesh_p2p.config import DEFAULT_IDENTITY
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", metavar="FILE", help="YAML/JSON file of option values (flags on the command line win)")
-    p.add_argument(
-        "--log-level",
-        default="INFO",
-        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-        help="log verbosity (default: %(default)s)",
-    )
+    add_log_level(p)
 
 
 class _Formatter(argparse.HelpFormatter):

@@ -16,7 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from geomesh_p2p.procs import ProcGroup, read_json_rows, wait_for_address
+from geomesh_p2p.procs import ProcGroup, bootstrap_argv, read_json_rows, wait_for_address
 
 
 def add_flags(p: argparse.ArgumentParser) -> None:
@@ -130,21 +130,7 @@ def cmd_demo(ns: argparse.Namespace) -> int:
     old = {s: signal.signal(s, on_term) for s in (signal.SIGTERM, signal.SIGHUP)}
     try:
         # Port 0: the bootstrap binds a free port and prints it (a port picked first could be taken).
-        swarm.spawn(
-            "bootstrap",
-            exe
-            + [
-                "bootstrap.cli",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                "0",
-                "--run-id",
-                ns.run_id,
-                "--identity",
-                str(workdir / "bootstrap.key"),
-            ],
-        )
+        swarm.spawn("bootstrap", bootstrap_argv(ns.run_id, workdir / "bootstrap.key"))
         entry = swarm.address("bootstrap")
         for i in range(ns.peers):
             f = speeds[i % len(speeds)]

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import os
-import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -200,9 +199,10 @@ def run_scenario(
     if attack:
         from geomesh_p2p.adversary import KEY_ACTION
 
-        acted = (
-            re.search(rf"adversary\[{re.escape(attack)}\]: round \d+: {re.escape(KEY_ACTION[attack])}:", text)
-            is not None
+        acted = any(
+            e["attack"] == attack and e["action"] == KEY_ACTION[attack]
+            for n in attackers
+            for e in swarm.events(n, "adversary_acted")
         )
     return Outcome(
         attack=attack,

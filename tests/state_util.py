@@ -8,7 +8,7 @@ import grpc
 
 from geomesh_p2p.identity import EnvelopeError
 from geomesh_p2p.state_sync import StateServer
-from geomesh_p2p.wire import collective_pb2
+from geomesh_p2p.wire import state_pb2
 
 
 class StallingServer(StateServer):
@@ -23,7 +23,7 @@ class StallingServer(StateServer):
         self.stalled, self.closed, self.release = asyncio.Event(), asyncio.Event(), asyncio.Event()
 
     async def _handle(self, verified, context):
-        req = collective_pb2.StateRequest.FromString(verified.payload)
+        req = state_pb2.StateRequest.FromString(verified.payload)
         if req.offset < self.refuse_below:
             raise EnvelopeError(grpc.StatusCode.FAILED_PRECONDITION, "refused (test)")
         n = 0

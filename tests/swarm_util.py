@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Callable, Iterator, Optional, Sequence
 
+from geomesh_p2p import events
 from geomesh_p2p.procs import ProcGroup, address_in_log, bootstrap_argv, read_json_rows
 
 # Small and fast: tests are about the protocol, not the model.
@@ -103,7 +104,7 @@ class ProcSwarm(ProcGroup):
         """Start a bootstrap as ``name`` (key ``<dir>/<name>.key``; see :func:`geomesh_p2p.procs.bootstrap_argv`); with port 0
         (the default) read the address it bound with :meth:`address`."""
         key = self.dir / f"{name}.key"
-        return self._spawn(name, [sys.executable, *bootstrap_argv(key, *extra, run_id=run_id, host=host, port=port)])
+        return self._spawn(name, bootstrap_argv(run_id, key, *extra, host=host, port=port))
 
     def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
         log = self.dir / f"{name}.log"
@@ -137,6 +138,11 @@ class ProcSwarm(ProcGroup):
     def text(self, name: str) -> str:
         p = self.dir / f"{name}.log"
         return p.read_text() if p.exists() else ""
+
+    def events(self, name: str, kind: Optional[str] = None) -> list[dict]:
+        """The structured events peer ``name`` wrote (``--log-json``: :func:`geomesh_p2p.events.events_path`),
+        every start of it, oldest first; only those of ``kind`` when given. ``[]`` before it wrote any."""
+        return events.read(events.events_path(self.log_path(name)), kind)
 
     def wait_for(self, cond, timeout: float, what: str) -> None:
         """Poll ``cond()`` until true; fail with the peers' log tails after ``timeout`` seconds."""

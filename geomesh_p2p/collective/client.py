@@ -20,7 +20,7 @@ import torch
 from google.protobuf.message import DecodeError
 
 from geomesh_p2p.clock import swarm_time
-from geomesh_p2p import compression
+from geomesh_p2p import compression, events
 from geomesh_p2p.compression._format import all_finite
 from geomesh_p2p.aio import wait_event
 from geomesh_p2p.collective import messages, wire
@@ -439,12 +439,20 @@ class CollectiveService(OwnerService):
             if gone:
                 # Waiting for the pull deadline would stretch every puller's round to it (15.8 s instead
                 # of ~3.5 s with a killed owner); nobody else had its result just now: the part is missing.
-                log.warning(
+                events.emit(
+                    log,
+                    logging.WARNING,
+                    "owner_unreachable",
                     "round %d: part %d: owner %s is unreachable (%s); giving up on the part",
                     spec.round,
                     j,
                     _short(owner.peer_id),
                     last_err,
+                    peer=str(self.transport.identity.peer_id),
+                    round=spec.round,
+                    part=j,
+                    owner=owner.peer_id,
+                    error=str(last_err),
                 )
                 return None
             await asyncio.sleep(min(delay, max(0.0, spec.pull_deadline - swarm_time())))

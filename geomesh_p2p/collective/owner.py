@@ -287,6 +287,13 @@ class OwnerService:
                 _short(caller),
                 err.code.name,
                 err.reason,
+                event="push_refused",
+                peer=self.peer_id,
+                round=round_,
+                part=part_ix,
+                sender=caller,
+                code=err.code.name,
+                reason=err.reason,
             )
             raise
 
@@ -318,7 +325,7 @@ class OwnerService:
             return
         part.closed_by = reason
         absent = [p for p in state.spec.participants if p not in part.contributions]
-        fields = dict(round=state.spec.round, part=part.index, reason=reason, absent=sorted(absent))
+        fields: dict[str, Any] = dict(round=state.spec.round, part=part.index, reason=reason, absent=sorted(absent))
         if absent and reason == "established pushed":
             events.emit(
                 log,
@@ -435,5 +442,11 @@ class OwnerService:
                     _short(caller),
                     err.code.name,
                     err.reason,
+                    event="pull_refused",
+                    peer=self.peer_id,
+                    round=verified.round,
+                    sender=caller,
+                    code=err.code.name,
+                    reason=err.reason,
                 )
             raise

@@ -25,7 +25,7 @@ from typing import Iterable, Sequence, Union
 
 from geomesh_p2p.identity import Identity
 from geomesh_p2p.wire import envelope_pb2
-from geomesh_p2p.wire.varint import WireError, read_varint, varint
+from geomesh_p2p.wire.varint import WireError, read_varint, skip_value, varint
 
 __all__ = ["Buffer", "varint", "bytes_field", "signed_parts", "scan", "small_fields", "WireError", "SignedView"]
 
@@ -68,17 +68,7 @@ def scan(data: Buffer) -> list[tuple[int, int, int, int]]:
         field, wire = key >> 3, key & 7
         if field == 0:
             raise WireError("field number 0")
-        if wire == 0:
-            _, i = read_varint(mv, i, n)
-        elif wire == 1:
-            i += 8
-        elif wire == 5:
-            i += 4
-        elif wire == 2:
-            length, i = read_varint(mv, i, n)
-            i += length
-        else:
-            raise WireError("group or bad wire type")
+        i = skip_value(mv, i, n, wire)
         if i > n:
             raise WireError("truncated field")
         out.append((field, wire, start, i))

@@ -54,31 +54,30 @@ def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _check_int(value, name: str, lo: int, hi: int, hi_text: str) -> int:
+    """``value`` as a Python int; CodecError unless it is an int (or numpy integer, not a bool) in
+    ``[lo, hi]`` (``hi_text``: how the message writes ``hi``)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise CodecError(f"{name} must be an int, got {type(value).__name__}")
+    value = int(value)
+    if not lo <= value <= hi:
+        raise CodecError(f"{name} must be in [{lo}, {hi_text}], got {value}")
+    return value
+
+
 def check_block_size(block_size) -> int:
-    if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)):
-        raise CodecError(f"block_size must be an int, got {type(block_size).__name__}")
-    block_size = int(block_size)
-    if not 1 <= block_size <= _U32_MAX:
-        raise CodecError(f"block_size must be in [1, 2**32-1], got {block_size}")
-    return block_size
+    """``block_size`` (elements per block) as an int in [1, 2**32-1]; CodecError otherwise."""
+    return _check_int(block_size, "block_size", 1, _U32_MAX, "2**32-1")
 
 
 def check_tokens(tokens) -> int:
-    if isinstance(tokens, bool) or not isinstance(tokens, (int, np.integer)):
-        raise CodecError(f"tokens must be an int, got {type(tokens).__name__}")
-    tokens = int(tokens)
-    if not 0 <= tokens <= _U64_MAX:
-        raise CodecError(f"tokens must be in [0, 2**64-1], got {tokens}")
-    return tokens
+    """``tokens`` (a contribution's token count) as an int in [0, 2**64-1]; CodecError otherwise."""
+    return _check_int(tokens, "tokens", 0, _U64_MAX, "2**64-1")
 
 
 def check_numel(numel) -> int:
-    if isinstance(numel, bool) or not isinstance(numel, (int, np.integer)):
-        raise CodecError(f"numel must be an int, got {type(numel).__name__}")
-    numel = int(numel)
-    if not 0 <= numel <= _U64_MAX:
-        raise CodecError(f"numel must be in [0, 2**64-1], got {numel}")
-    return numel
+    """``numel`` (elements of the vector) as an int in [0, 2**64-1]; CodecError otherwise."""
+    return _check_int(numel, "numel", 0, _U64_MAX, "2**64-1")
 
 
 def as_flat_fp32(v: torch.Tensor, what: str = "input") -> torch.Tensor:

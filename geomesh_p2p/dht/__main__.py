@@ -16,6 +16,11 @@ the join fails.
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # run as a program: silence gRPC's C core before grpc is first imported below
+    from geomesh_p2p.grpc_env import quiet_grpc_core
+
+    quiet_grpc_core()
+
 import argparse
 import asyncio
 import json
@@ -25,6 +30,7 @@ import signal
 import sys
 from typing import Optional
 
+from geomesh_p2p.cli_config import add_log_level
 from geomesh_p2p.config import DEFAULT_RUN_ID
 
 
@@ -63,12 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--period", type=float, default=1.0, help="seconds between prints (default: %(default)s)")
     ap.add_argument("--ttl", type=float, default=None, help="lifetime of stored values, s (default: 3 x period)")
     ap.add_argument("--watch", action="store_true", help="keep printing until stopped (default: print once)")
-    ap.add_argument(
-        "--log-level",
-        default="WARNING",
-        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-        help="log verbosity (default: %(default)s)",
-    )
+    add_log_level(ap, "WARNING")
     return ap
 
 

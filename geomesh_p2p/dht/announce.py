@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Awaitable, Callable, List, Optional, Union
+from typing import Any, Awaitable, Callable, List, Optional, Union
 
 from pydantic import ValidationError
 
@@ -239,14 +239,8 @@ class PeerAnnouncer:
             self._task = None
 
 
-async def announce_loop(
-    node: DHTNode,
-    record: RecordSource,
-    *,
-    identity: Optional[Identity] = None,
-    run_id: Optional[str] = None,
-    period_s: float = 5.0,
-    ttl_s: Optional[float] = None,
-) -> None:
-    """Announce ``record`` every ``period_s`` seconds until cancelled (see :class:`PeerAnnouncer`)."""
-    await PeerAnnouncer(node, record, identity=identity, run_id=run_id, period_s=period_s, ttl_s=ttl_s).run()
+async def announce_loop(node: DHTNode, record: RecordSource, **options: Any) -> None:
+    """Announce ``record`` every ``period_s`` seconds until cancelled: ``PeerAnnouncer(node, record,
+    **options).run()``, the keyword options (``identity``, ``run_id``, ``period_s``, ``ttl_s``) and
+    errors those of :class:`PeerAnnouncer`."""
+    await PeerAnnouncer(node, record, **options).run()

@@ -46,7 +46,7 @@ import random
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Callable, Collection, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Awaitable, Callable, Collection, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -205,6 +205,15 @@ def _tls_hint(errors: Iterable[str], tls: bool) -> str:
     if tls:
         return "; the bootstrap may not use TLS, or its certificate is not signed by --tls-ca"
     return "; the bootstrap may require TLS: if the swarm uses TLS, pass --tls-cert/--tls-key/--tls-ca"
+
+
+def _check_count(n: int, limit: int, request: str, items: str, call: str) -> None:
+    """Refuse a ``request`` holding ``n`` ``items``: none (INVALID_ARGUMENT) or over ``limit``
+    (RESOURCE_EXHAUSTED), as a RecordError naming them (``call``: "store", "find")."""
+    if not n:
+        raise RecordError(grpc.StatusCode.INVALID_ARGUMENT, f"{request} holds no {items}")
+    if n > limit:
+        raise RecordError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{n} {items} in one {call}, over the limit of {limit}")
 
 
 def _parse(cls, payload: bytes, name: str):
@@ -938,19 +947,26 @@ class DHTNode:
             return
         self._started = True
         if self.refresh_period_s and self.refresh_period_s > 0:
-            self.tasks.spawn(self._refresh_loop(), name="dht-refresh")
+            self.tasks.spawn(self._every(self.refresh_period_s, self.refresh_once, "refresh"), name="dht-refresh")
         if self.republish_period_s and self.republish_period_s > 0:
-            self.tasks.spawn(self._republish_loop(), name="dht-republish")
+            self.tasks.spawn(
+                self._every(self.republish_period_s, self.republish_once, "republish"), name="dht-republish"
+            )
         if self.bootstrap_refresh_s and self.bootstrap_refresh_s > 0:
-            self.tasks.spawn(self._bootstrap_loop(), name="dht-bootstrap-refresh")
+            self.tasks.spawn(
+                self._every(self.bootstrap_refresh_s, self.ping_bootstraps, "bootstrap refresh"),
+                name="dht-bootstrap-refresh",
+            )
 
-    async def _bootstrap_loop(self) -> None:
+    async def _every(self, period_s: float, job: Callable[[], Awaitable[object]], what: str) -> None:
+        """Run ``job`` every ``period_s`` seconds (+-10 % jitter, so that nodes started together do not
+        act in step) while the node is alive; a failure is logged and the loop goes on."""
         while self._alive:
-            await asyncio.sleep(self.bootstrap_refresh_s * random.uniform(0.9, 1.1))
+            await asyncio.sleep(period_s * random.uniform(0.9, 1.1))
             try:
-                await self.ping_bootstraps()
+                await job()
             except Exception as e:  # keep going whatever happens
-                log.warning("DHT bootstrap refresh failed: %r", e)
+                log.warning("DHT %s failed: %r", what, e)
 
     async def ping_bootstraps(self) -> int:
         """Ping every bootstrap address once (at once; failures are only counted). A bootstrap that
@@ -1000,14 +1016,6 @@ class DHTNode:
             if self.contacts():
                 await self.find_nearest_nodes([self.node_id])
         return len(self.contacts())
-
-    async def _refresh_loop(self) -> None:
-        while self._alive:
-            await asyncio.sleep(self.refresh_period_s * random.uniform(0.9, 1.1))
-            try:
-                await self.refresh_once()
-            except Exception as e:  # keep refreshing whatever happens
-                log.warning("DHT refresh failed: %r", e)
 
     async def refresh_once(self) -> None:
         """Re-dial bootstraps and recently dropped nodes if no node is known; look up a random id in
@@ -1237,13 +1245,7 @@ class DHTNode:
     async def _rpc_store(self, verified: Verified, context) -> bytes:
         self._alive_check()
         req = _parse(dht_pb2.StoreRequest, verified.payload, "StoreRequest")
-        if not req.records:
-            raise RecordError(grpc.StatusCode.INVALID_ARGUMENT, "StoreRequest holds no records")
-        if len(req.records) > self.limits.max_records_per_store:
-            raise RecordError(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"{len(req.records)} records in one store, over the limit of {self.limits.max_records_per_store}",
-            )
+        _check_count(len(req.records), self.limits.max_records_per_store, "StoreRequest", "records", "store")
         self._note_sender(verified, req.sender)
         outcomes = [self._store_local(rec, from_peer=verified.sender) for rec in req.records]
         refused = [o for o in outcomes if o.code != 0]
@@ -1264,13 +1266,7 @@ class DHTNode:
     async def _rpc_find(self, verified: Verified, context) -> bytes:
         self._alive_check()
         req = _parse(dht_pb2.FindRequest, verified.payload, "FindRequest")
-        if not req.keys:
-            raise RecordError(grpc.StatusCode.INVALID_ARGUMENT, "FindRequest holds no keys")
-        if len(req.keys) > self.limits.max_keys_per_find:
-            raise RecordError(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"{len(req.keys)} keys in one find, over the limit of {self.limits.max_keys_per_find}",
-            )
+        _check_count(len(req.keys), self.limits.max_keys_per_find, "FindRequest", "keys", "find")
         if any(len(k) != DHTID.HASH_NBYTES for k in req.keys):
             raise RecordError(grpc.StatusCode.INVALID_ARGUMENT, f"a key is not a {DHTID.HASH_NBYTES}-byte DHTID")
         self._note_sender(verified, req.sender)
@@ -1401,14 +1397,6 @@ class DHTNode:
         return merge.result(self.now())
 
     # ------------------------------------------------------------------ republish
-    async def _republish_loop(self) -> None:
-        while self._alive:
-            await asyncio.sleep(self.republish_period_s * random.uniform(0.9, 1.1))
-            try:
-                await self.republish_once()
-            except Exception as e:  # keep going whatever happens
-                log.warning("DHT republish failed: %r", e)
-
     async def republish_once(self) -> int:
         """Re-store held and self-published records on their current nearest nodes (see class doc).
         Returns the number of records sent."""

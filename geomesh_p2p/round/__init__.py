@@ -7,7 +7,6 @@ import logging
 from geomesh_p2p.round.backoff import Backoff
 from geomesh_p2p.round.plans import (
     LEADER_WAIT_CANDIDATES,
-    DigestCheck,
     PlanStore,
     choose_plan,
     digest_majority,
@@ -32,7 +31,6 @@ from geomesh_p2p.round.ports import (
 __all__ = [
     "Backoff",
     "LEADER_WAIT_CANDIDATES",
-    "DigestCheck",
     "PlanStore",
     "choose_plan",
     "digest_majority",

@@ -19,12 +19,14 @@ import logging
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Optional, Sequence, cast
 
 import torch
 
+from geomesh_p2p import events
 from geomesh_p2p.aio import wait_event
+from geomesh_p2p.config import NodeConfig
 from geomesh_p2p.metrics import RoundRecord
 from geomesh_p2p.planner import RoundPlan
 from geomesh_p2p.probation import PROBATION_SYNC_WAIT_S
@@ -105,12 +107,21 @@ class SwarmEnded:
             the majority of the records at that round); False: it holds a state the swarm never had or an
             older one it could not catch up from.
         why: one sentence for the log.
+        cause: why, in one word (the ``swarm_ended`` event's ``cause``): ``"others_left"`` (every other
+            peer announced leaving), ``"alone"`` (after its first round no other peer was live for
+            ``wait_peers_s``), ``"digest_differs"`` (its last state is not the one the others hold).
     """
 
     round: int
     swarm_round: int
     synced: bool
     why: str
+    cause: str = ""
+
+
+def _node_default(name: str) -> Any:
+    """NodeConfig's default of field ``name`` (KeyError when NodeConfig has no such field)."""
+    return NodeConfig.model_fields[name].default
 
 
 @dataclass
@@ -121,26 +132,35 @@ class DriverConfig:
     line "waiting for N peers, M live") and ends (:class:`SwarmEnded`) when every other peer left. Rounds
     with enough peers gather for ``gather_wait_s`` after the first."""
 
-    min_peers: int = 1
-    wait_peers_s: float = 60.0
-    gather_wait_s: float = 4.0
-    sync_wait_cap_s: float = 30.0  # longest gather wait for a syncing peer, by its announced download progress
-    plan_timeout_s: float = 4.0
+    # The node's knobs take their defaults from NodeConfig's fields (one definition each, issue 15);
+    # :meth:`from_node` copies them from a node's config.
+    min_peers: int = _node_default("min_peers")
+    wait_peers_s: float = _node_default("wait_peers_s")
+    gather_wait_s: float = _node_default("gather_wait_s")
+    sync_wait_cap_s: float = _node_default("sync_wait_cap_s")  # longest gather wait for a syncing peer
+    plan_timeout_s: float = _node_default("plan_timeout_s")
     digest_wait_s: float = 2.0
-    rounds: Optional[int] = None
-    target_ppl: Optional[float] = None
-    eval_every: int = 1
-    eval_batches: int = 8
+    rounds: Optional[int] = _node_default("rounds")
+    target_ppl: Optional[float] = _node_default("target_ppl")
+    eval_every: int = _node_default("eval_every")
+    eval_batches: int = _node_default("eval_batches")
     #: evaluate in a worker thread on a copy of the global weights while the next round trains (issue 17);
     #: the result goes into the next row (``eval_round`` says which round's weights it measured), the last
     #: round is evaluated at once. Needs a trainer with ``snapshot_for_eval`` / ``evaluate_snapshot``.
-    eval_background: bool = False
-    checkpoint_every: int = 5
+    eval_background: bool = _node_default("eval_background")
+    checkpoint_every: int = _node_default("checkpoint_every")
     checkpointing: bool = False
     exchanges_gradient: bool = False  # ddp (MethodRule.exchanges_gradient): one batch's gradient, no pseudo-gradient
     backoff_first_s: float = 0.05
     backoff_cap_s: float = 1.0
     live_refresh_s: float = 1.0  # refresh of the live view while plans are read (backoff cap)
+
+    @classmethod
+    def from_node(cls, node_cfg: NodeConfig, **overrides: Any) -> "DriverConfig":
+        """The driver's knobs of a node: every field that NodeConfig also has, copied from ``node_cfg``,
+        then ``overrides`` (fields the node derives, e.g. ``checkpointing``)."""
+        shared = {f.name: getattr(node_cfg, f.name) for f in fields(cls) if f.name in NodeConfig.model_fields}
+        return cls(**{**shared, **overrides})
 
 
 def no_work(compute_s: float):
@@ -407,7 +427,7 @@ class RoundDriver:
             f"the swarm ended: every other peer ({len(others)}) announced leaving, the latest at round "
             f"{swarm_round}; this peer's state is {state}"
         )
-        return SwarmEnded(round=r, swarm_round=swarm_round, synced=synced, why=why)
+        return SwarmEnded(round=r, swarm_round=swarm_round, synced=synced, why=why, cause="others_left")
 
     def _left_alone(self, everyone: Sequence[PeerRecord], waited_s: float) -> SwarmEnded:
         """The :class:`SwarmEnded` of a peer that, after its first round, found no other live peer for a
@@ -429,16 +449,26 @@ class RoundDriver:
             f"no other peer of the run is live (waited {waited_s:.0f} s for --min-peers {self.cfg.min_peers}); "
             f"this peer's state (round {r}, digest {(self.state.digest or '')[:8]}) is {state}"
         )
-        return SwarmEnded(round=r, swarm_round=max(r, seen), synced=False, why=why)
+        return SwarmEnded(round=r, swarm_round=max(r, seen), synced=False, why=why, cause="alone")
 
-    def _end(self, ended: SwarmEnded) -> None:
-        """Record that the run ends without reaching its goal because the swarm ended (one WARNING)."""
+    def _end(self, ended: SwarmEnded, **facts: Any) -> None:
+        """Record that the run ends without reaching its goal because the swarm ended (one WARNING, the
+        ``swarm_ended`` event; ``facts``: more event fields of the call site)."""
         self.ended = ended
-        log.warning(
+        events.emit(
+            log,
+            logging.WARNING,
+            "swarm_ended",
             "round %d: %s; ending without reaching %s",
             ended.round,
             ended.why,
             f"--rounds {self.cfg.rounds}" if self.cfg.rounds is not None else "the target",
+            peer=self.me,
+            round=ended.round,
+            swarm_round=ended.swarm_round,
+            synced=ended.synced,
+            cause=ended.cause,
+            **facts,
         )
 
     async def _check_end(self) -> None:
@@ -461,7 +491,10 @@ class RoundDriver:
                         f"this peer's last state (round {r}, digest {(self.state.digest or '')[:8]}) is NOT the swarm's: "
                         f"{agree} of {total} other peer(s) hold digest {majority[:8]}"
                     ),
-                )
+                    cause="digest_differs",
+                ),
+                others=total,
+                majority_digest=majority,
             )
 
     def reached_target(self) -> bool:
@@ -546,7 +579,10 @@ class RoundDriver:
         side = sorted(set().union(*(e.participants for e in dropped)))
         tokens, own = sum(e.tokens for e in dropped), sum(e.own_tokens for e in dropped)
         span = f"round {dropped[0].round}" if len(dropped) == 1 else f"rounds {dropped[0].round}-{dropped[-1].round}"
-        log.warning(
+        events.emit(
+            log,
+            logging.WARNING,
+            "partition_lost",
             "re-synced to the state of round %d (digest %s), not of this peer's lineage: its side of a "
             "partition lost; discarded %d round(s) trained since the fork (%s) by %d peer(s) of this side "
             "(%s), %d tokens (%d of them this peer's). Rule: %s",
@@ -559,6 +595,13 @@ class RoundDriver:
             tokens,
             own,
             SURVIVOR_RULE,
+            peer=self.me,
+            round=self.state.round,
+            digest=self.state.digest,
+            discarded_rounds=[e.round for e in dropped],
+            side=side,
+            tokens=tokens,
+            own_tokens=own,
         )
         for _ in dropped:
             self.lineage.pop()
@@ -626,19 +669,27 @@ class RoundDriver:
                     return synced
                 if len(ids) < min_peers and self._waiting_logged != (min_peers, len(recs)):
                     self._waiting_logged = (min_peers, len(recs))
-                    log.info(
+                    events.emit(
+                        log,
+                        logging.INFO,
+                        "waiting_for_peers",
                         "round %d: waiting for %d peers, %d live (up to %.0f s)",
                         self.state.round,
                         min_peers,
                         len(recs),
                         wait_s,
+                        peer=self.me,
+                        round=self.state.round,
+                        min_peers=min_peers,
+                        live=len(recs),
+                        wait_s=wait_s,
                     )
                 until = max([t0 + wait_s] + [ends[p] for p in waited])
                 if now > until or self.stop.is_set():
                     if short and not first and not self.stop.is_set() and not any(x.peer_id != self.me for x in recs):
                         # After the first round nobody else is live at all: the swarm is gone (its records
                         # may have vanished with its peers). Training on alone would fork the run.
-                        self._end(self._left_alone(everyone, now - t0))
+                        self._end(self._left_alone(everyone, now - t0), waited_s=now - t0, min_peers=min_peers)
                         return None
                     if len(ids) < min_peers and not self.stop.is_set():  # says so (issue 14 #10)
                         log.info(
@@ -699,7 +750,10 @@ class RoundDriver:
                 waits.until[pid] = min(cap, now + remaining * SYNC_WAIT_SLACK + SYNC_WAIT_MARGIN_S)
                 if waits.until[pid] > t0 + wait_s and pid not in waits.logged:
                     waits.logged.add(pid)
-                    log.info(
+                    events.emit(
+                        log,
+                        logging.INFO,
+                        "waiting_for_syncing_peer",
                         "round %d: waiting up to %.1f s more for %s, syncing (%d of %d MiB at %.1f MiB/s)",
                         self.state.round,
                         waits.until[pid] - now,
@@ -707,6 +761,13 @@ class RoundDriver:
                         sp.done_bytes >> 20,
                         sp.total_bytes >> 20,
                         sp.bytes_per_s / 2**20,
+                        peer=self.me,
+                        round=self.state.round,
+                        syncing_peer=pid,
+                        wait_s=waits.until[pid] - now,
+                        done_bytes=sp.done_bytes,
+                        total_bytes=sp.total_bytes,
+                        bytes_per_s=sp.bytes_per_s,
                     )
         end = max(t0 + wait_s, waits.until.get(pid, 0.0))
         if end > plain and end > now:
@@ -820,13 +881,28 @@ class RoundDriver:
         """A planned-out peer (joined late, too slow for the window, or other weights): announce as syncing
         for the next round (its leader then waits for it), wait for the others to announce it, re-sync."""
         plan, r = ctx.planned(), ctx.round
+        planned_in = self.me in plan.participants()
         why = (
-            f"not in the plan of leader {plan.leader[:10]} (it joined late, or the leader found its link or "
-            f"device too slow for the {plan.window_s:.1f} s window: see the leader's log)"
-            if self.me not in plan.participants()
+            f"not in the plan of leader {plan.leader[:10]} (the leader left it out: it joined late, missed an "
+            f"earlier round's exchange, or its link or device is too slow for the {plan.window_s:.1f} s window; "
+            "see the leader's log)"
+            if not planned_in
             else "weights differ from the plan's"
         )
-        log.info("round %d: %s; waiting for the round to end, then syncing", r, why)
+        events.emit(
+            log,
+            logging.INFO,
+            "planned_out",
+            "round %d: %s; waiting for the round to end, then syncing",
+            r,
+            why,
+            peer=self.me,
+            round=r,
+            leader=plan.leader,
+            reason="not_in_plan" if not planned_in else "weights_differ",
+        )
+        if not planned_in:  # its next announcement carries a fresh link figure
+            await self.membership.remeasure_links()
         self.state.syncing, self.state.round = True, r + 1
         await self.membership.announce()
         await self.wait_for_round(
@@ -868,12 +944,19 @@ class RoundDriver:
         await asyncio.gather(early, return_exceptions=True)
         ctx.early = None
         await asyncio.to_thread(self.state.reset_model)
-        log.info(
+        events.emit(
+            log,
+            logging.INFO,
+            "early_steps_discarded",
             "round %d: the plan of leader %s started on during the settle is not the one followed (%s); "
             "its inner steps are discarded",
             ctx.round,
             early_plan.leader[:10],
             f"leader {plan.leader[:10]}'s is" if plan is not None else "none is",
+            peer=self.me,
+            round=ctx.round,
+            started_leader=early_plan.leader,
+            followed_leader=plan.leader if plan is not None else None,
         )
 
     async def _inner_steps(self, ctx: RoundContext, plan: RoundPlan, abort: Optional[threading.Event] = None):
@@ -903,7 +986,18 @@ class RoundDriver:
         except FloatingPointError as e:
             # The global weights give a non-finite loss (e.g. a hostile update blew them up): this peer has
             # nothing sound to contribute this round, but it keeps serving and following the swarm.
-            log.warning("round %d: %s; contributing nothing this round", r, e)
+            events.emit(
+                log,
+                logging.WARNING,
+                "contributing_nothing",
+                "round %d: %s; contributing nothing this round",
+                r,
+                e,
+                peer=self.me,
+                round=r,
+                reason="loss_not_finite",
+                detail=str(e),
+            )
             await asyncio.to_thread(self.state.reset_model)
             return None, no_work(time.perf_counter() - t_train)
 
@@ -930,10 +1024,16 @@ class RoundDriver:
             log.info("round %d: stop requested; exchanging what was trained, then leaving", r)
         delta = grad if grad is not None else await asyncio.to_thread(self.state.pseudo_gradient)
         if not await asyncio.to_thread(lambda: bool(torch.isfinite(delta).all())):
-            log.warning(
+            events.emit(
+                log,
+                logging.WARNING,
+                "contributing_nothing",
                 "round %d: this peer's update has non-finite values (its inner steps diverged); "
                 "contributing nothing this round",
                 r,
+                peer=self.me,
+                round=r,
+                reason="update_not_finite",
             )
             delta, result = torch.zeros_like(delta), no_work(result.compute_s)
             await asyncio.to_thread(self.state.reset_model)
@@ -974,12 +1074,19 @@ class RoundDriver:
         if window > 0 and paused >= STALL_VOID_SHARE * window:
             # This peer was not running through the deadlines: the parts it found missing failed because of
             # it, so the round is no evidence against their owners (nor a sample of the exchange's cost).
-            log.warning(
+            events.emit(
+                log,
+                logging.WARNING,
+                "stalled_round_not_blamed",
                 "round %d: this peer was stalled %.1f s (its exchange window is %.1f s); the parts and "
                 "contributions it missed are not held against their owners",
                 ctx.round,
                 paused,
                 window,
+                peer=self.me,
+                round=ctx.round,
+                stalled_s=paused,
+                window_s=window,
             )
             own = getattr(self.policy, "note_own_failures", None)
             if own is not None:  # its own failures are real for everyone: penalised as the others penalise it
@@ -1002,8 +1109,14 @@ class RoundDriver:
         if fb is None:
             return
         await asyncio.to_thread(fb.reset)  # a [P] fill: off the loop
-        log.info(
-            "error feedback: residual zeroed (re-synced to the state of round %d, another lineage)", self.state.round
+        events.emit(
+            log,
+            logging.INFO,
+            "residual_zeroed",
+            "error feedback: residual zeroed (re-synced to the state of round %d, another lineage)",
+            self.state.round,
+            peer=self.me,
+            round=self.state.round,
         )
 
     async def finish(self, ctx: RoundContext) -> set[str]:
@@ -1025,10 +1138,16 @@ class RoundDriver:
             # Say so with the new round's record, before the others gather for it (every way of leaving
             # announces before the next gather; --target-ppl right after the evaluation below).
             self._leave()
-            log.info(
+            events.emit(
+                log,
+                logging.INFO,
+                "leaving_announced",
                 "round %d: exchange done; announcing that this peer leaves (%s)",
                 r,
                 "stop requested" if self.stop.is_set() else f"--rounds {self.cfg.rounds} reached",
+                peer=self.me,
+                round=r,
+                reason="stop" if self.stop.is_set() else "rounds",
             )
         with self._timed("announce"):
             await self.membership.announce()
@@ -1037,7 +1156,17 @@ class RoundDriver:
         t = self.cfg.target_ppl
         if t is not None and ppl is not None and ppl <= t and not self.leaving:
             self._leave()
-            log.info("round %d: target eval perplexity %g reached; announcing that this peer leaves", r, t)
+            events.emit(
+                log,
+                logging.INFO,
+                "leaving_announced",
+                "round %d: target eval perplexity %g reached; announcing that this peer leaves",
+                r,
+                t,
+                peer=self.me,
+                round=r,
+                reason="target_ppl",
+            )
             await self.membership.announce()
         # The barrier is when the last contributor finished computing (stated in its contributions):
         # waiting until then is straggler idle, waiting after it is network idle (the paper's split).
@@ -1200,13 +1329,22 @@ class RoundDriver:
         if majority is None or total <= 1:
             return None
         if majority != self.state.digest:
-            log.error(
+            events.emit(
+                log,
+                logging.ERROR,
+                "digest_mismatch",
                 "round %d: my digest %s differs from the majority's %s (%d/%d); re-syncing",
                 r,
                 (self.state.digest or "")[:8],
                 majority[:8],
                 agree,
                 total,
+                peer=self.me,
+                round=r,
+                digest=self.state.digest,
+                majority_digest=majority,
+                agree=agree,
+                total=total,
             )
             return False
         self._confirmed_round = max(self._confirmed_round, r)

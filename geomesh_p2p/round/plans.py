@@ -39,7 +39,6 @@ import hashlib
 import logging
 import time
 from collections import Counter
-from dataclasses import dataclass
 from typing import Callable, Iterable, Optional, Sequence
 
 from pydantic import ValidationError
@@ -105,26 +104,6 @@ def digest_majority(records: Iterable[PeerRecord], round: int) -> tuple[Optional
     return digest, n, sum(votes.values())
 
 
-@dataclass
-class DigestCheck:
-    """Outcome of the digest check after the outer step of a round."""
-
-    round: int
-    mine: str
-    majority: Optional[str]
-    agree: int
-    total: int
-
-    @property
-    def matches(self) -> bool:
-        return self.majority is None or self.mine == self.majority
-
-    @property
-    def needs_resync(self) -> bool:
-        """True when a strict majority of other peers hold different weights than this peer."""
-        return self.majority is not None and self.mine != self.majority and self.agree * 2 > self.total
-
-
 class PlanStore:
     """Reads and writes signed plans in the DHT (the DHT record owner is the plan's leader)."""
 
@@ -170,7 +149,19 @@ class PlanStore:
                 key = (round, plan.leader, reason)
                 if key not in self._refused:
                     self._refused.add(key)
-                    log.warning("refusing the plan of round %d from %s: %s", round, plan.leader[:10], reason)
+                    events.emit(
+                        log,
+                        logging.WARNING,
+                        "plan_refused",
+                        "refusing the plan of round %d from %s: %s",
+                        round,
+                        plan.leader[:10],
+                        reason,
+                        peer=str(self.identity.peer_id),
+                        round=round,
+                        leader=plan.leader,
+                        reason=reason,
+                    )
                 continue
             plans.append(plan)
         return plans

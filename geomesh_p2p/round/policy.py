@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Optional, Sequence
 import torch
 
 from geomesh_p2p.clock import swarm_time
-from geomesh_p2p import capability, collective, planner, state_sync, swarm_status, verify
+from geomesh_p2p import capability, collective, events, planner, state_sync, swarm_status, verify
 from geomesh_p2p import probation as pb
 from geomesh_p2p.method import MethodRule
 from geomesh_p2p.planner import PlanConfig
@@ -321,19 +321,30 @@ class NodeRoundPolicy:
         p = theta.numel()
         if idle:
             n_idle = sum(e - s for s, e in idle)
-            log.info(
+            events.emit(
+                log,
+                logging.INFO,
+                "idle_parts_unchanged",
                 "round %d: %d of %d elements aggregated no token (%s); weights and outer momentum unchanged there",
                 r,
                 n_idle,
                 p,
                 "the whole model" if n_idle >= p else f"{len(idle)} part(s)",
+                peer=self.me,
+                round=r,
+                idle=[[s, e] for s, e in idle],
+                idle_elements=n_idle,
+                elements=p,
             )
             if n_idle >= p:
                 return
         ranges = [(start, end) for _, start, end in plan.owners()] or [(0, p)]
         bad, bad_in = outer_step_per_part(self.outer, theta, aggregate, ranges, r, idle)
         if bad:
-            log.warning(
+            events.emit(
+                log,
+                logging.WARNING,
+                "outer_step_skipped",
                 "round %d: outer step skipped on %d of %d parts (%d of %d elements): %d with non-finite "
                 "aggregate values, %d where the step would overflow",
                 r,
@@ -343,6 +354,12 @@ class NodeRoundPolicy:
                 p,
                 len(bad_in),
                 len(bad) - len(bad_in),
+                peer=self.me,
+                round=r,
+                skipped=[[s, e] for s, e in bad],
+                not_finite=[[s, e] for s, e in bad_in],
+                parts=len(ranges),
+                elements=p,
             )
 
     outer_step = _outer_step
@@ -490,12 +507,20 @@ class NodeRoundPolicy:
                     await asyncio.sleep(0.5)
                     continue
                 stats["downloads"] += 1
-                log.info(
+                events.emit(
+                    log,
+                    logging.INFO,
+                    "state_downloaded",
                     "downloaded state of round %d from %d donor(s), digest %s; %s",
                     top,
                     len(donors),
                     snap.digest[:8],
                     choice.describe(),
+                    peer=self.me,
+                    round=top,
+                    donors=list(donors),
+                    digest=snap.digest,
+                    vote=choice.mode,
                 )
                 base = downloaded = snap  # the next pass adopts it, or brings it to the round the swarm moved on to
             self.round = held_round if held_digest else start_round  # nothing adopted: it holds its own state
@@ -564,7 +589,19 @@ class NodeRoundPolicy:
             if ref.round > mine[0] or (ref.round == mine[0] and ref.digest != mine[1]):
                 if getattr(self, "_vote_log", None) is None:
                     self._vote_log = OnceLog()
-                self._vote_log(("refused", ref.round, ref.digest), logging.WARNING, "%s", ref.message())
+                self._vote_log(
+                    ("refused", ref.round, ref.digest),
+                    logging.WARNING,
+                    "%s",
+                    ref.message(),
+                    event="state_refused",
+                    peer=self.me,
+                    round=ref.round,
+                    digest=ref.digest,
+                    identities=ref.identities,
+                    backing=ref.backing,
+                    total=ref.total,
+                )
         return vote
 
     @property

@@ -70,6 +70,12 @@ class Membership(Protocol):
     async def announce(self) -> None:
         """Store this peer's record now (round, digest, leaving); one DHT write. Never raises."""
 
+    async def remeasure_links(self) -> None:
+        """Measure this peer's link afresh (a probe) when a leader planned it out: its announced link
+        figures came from its last exchange, and a peer left out of the exchange never measures again,
+        so one pessimistic figure (a congested round, a loaded CPU) would keep it out for good."""
+        ...
+
 
 class PlanAgreement(Protocol):
     """Signed plans of a round (geomesh_p2p.round.plans.obtain_plan over a PlanStore)."""

@@ -60,13 +60,11 @@ ProgressFn = Callable[[str, float, float, float, Optional[float]], None]
 
 
 @dataclass
-class RoundLog:
-    """One charged round (sync) or one applied update (async). Units: virtual seconds, bytes,
-    tokens (``tokens_ref``: reference workload, charged; ``tokens_trained``: proxy, trained)."""
+class _Charged:
+    """What the clock charged, per peer (lists of length n_peers) and in tokens: the fields a round's
+    log and a method's totals (their per-peer sums over the rounds) share. Units: virtual seconds,
+    bytes, tokens (``tokens_ref``: reference workload, charged; ``tokens_trained``: proxy, trained)."""
 
-    index: int
-    t_end_s: float
-    round_s: float
     compute_s: list[float]
     straggler_s: list[float]
     network_s: list[float]
@@ -74,6 +72,16 @@ class RoundLog:
     received: list[int]
     tokens_ref: int
     tokens_trained: int
+
+
+@dataclass
+class RoundLog(_Charged):
+    """One charged round (sync) or one applied update (async): the charges of :class:`_Charged` and
+    the round's own figures (virtual seconds)."""
+
+    index: int
+    t_end_s: float
+    round_s: float
     train_loss: float
     eval_ppl: Optional[float] = None
     window_s: Optional[float] = None
@@ -83,8 +91,9 @@ class RoundLog:
 
 
 @dataclass
-class MethodResult:
-    """Everything one method produced; ``summary()`` gives the table's numbers."""
+class MethodResult(_Charged):
+    """Everything one method produced (the charges of :class:`_Charged` summed over its rounds);
+    ``summary()`` gives the table's numbers."""
 
     spec: MethodSpec
     peers: list[SimPeer]
@@ -92,13 +101,6 @@ class MethodResult:
     rounds: list[RoundLog]
     curve: list[tuple[float, float, float]]  # (virtual s, eval ppl, reference tokens so far)
     total_s: float
-    compute_s: list[float]
-    straggler_s: list[float]
-    network_s: list[float]
-    sent: list[int]
-    received: list[int]
-    tokens_ref: int
-    tokens_trained: int
     wall_s: float
     plan_info: dict[str, Any]
 

@@ -39,3 +39,21 @@ def read_varint(data: Union[bytes, bytearray, memoryview], i: int, n: int) -> tu
         if b < 0x80:
             return value, i
         shift += 7
+
+
+def skip_value(data: Union[bytes, bytearray, memoryview], i: int, n: int, wire: int) -> int:
+    """The index after the value of a field of wire type ``wire`` whose value starts at byte ``i`` of
+    ``data`` (its key read already), reading no further than byte ``n``: varint (0), fixed64 (1),
+    length-delimited (2), fixed32 (5). The result may pass ``n`` for a truncated fixed-size or
+    length-delimited value: the caller checks. Raises WireError (a ValueError) for the group wire
+    types (3, 4: not supported) and invalid ones, or a truncated varint."""
+    if wire == 0:
+        return read_varint(data, i, n)[1]
+    if wire == 1:
+        return i + 8
+    if wire == 5:
+        return i + 4
+    if wire == 2:
+        length, i = read_varint(data, i, n)
+        return i + length
+    raise WireError("group or bad wire type")

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from bootstrap.cli import main, parse
-from geomesh_p2p.procs import bootstrap_argv, stop_process
+from geomesh_p2p.procs import stop_process
+from tests.proc_util import bootstrap_args
 
 pytestmark = pytest.mark.timeout(180)
 ROOT = Path(__file__).resolve().parents[2]
@@ -90,7 +91,7 @@ def procs():
 
 
 def _bootstrap_argv(tmp_path, *extra):
-    return bootstrap_argv(tmp_path / "boot.key", *extra, run_id="proc-test")
+    return bootstrap_args("proc-test", tmp_path / "boot.key", *extra)
 
 
 # ---------------------------------------------------------------- options, in process

@@ -8,8 +8,7 @@ from geomesh_p2p.dht import make_record
 from geomesh_p2p.identity import Identity
 from geomesh_p2p.transport import DHT_STORE, RpcError, Transport, TransportConfig
 from geomesh_p2p.wire import dht_pb2
-from tests.proc_util import MiB
-from geomesh_p2p.procs import bootstrap_argv
+from tests.proc_util import MiB, bootstrap_args
 from tests.integration.test_dht_guard import _store_req  # noqa: F401
 
 
@@ -17,9 +16,7 @@ async def test_bootstrap_memory_under_a_store_flood_from_one_identity(servers, t
     """One identity offers 256 MiB of signed 64 KiB records with a 24 h lifetime to a bootstrap: it
     keeps its quota's worth (2 MiB) and its memory stays flat. Before: every record was kept."""
     run = "flood-test"
-    boot = servers(
-        bootstrap_argv(tmp_path / "boot.key", "--status-interval", "3600", "--log-level", "ERROR", run_id=run)
-    )
+    boot = servers(bootstrap_args(run, tmp_path / "boot.key", "--status-interval", "3600", "--log-level", "ERROR"))
     me = Identity.generate()
     client = Transport(me, run, TransportConfig(client_only=True))
     try:

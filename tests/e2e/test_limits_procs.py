@@ -6,8 +6,7 @@ import asyncio
 import grpc
 from geomesh_p2p.identity import Identity
 from geomesh_p2p.transport import DHT_PING, DHT_STORE
-from tests.proc_util import MiB, signed_call
-from geomesh_p2p.procs import bootstrap_argv
+from tests.proc_util import MiB, bootstrap_args, signed_call
 from tests.integration.test_limits import RUN, _valid_pings, ping_payload  # noqa: F401
 
 
@@ -25,9 +24,7 @@ async def test_bootstrap_refuses_oversized_requests_before_receiving_them(server
     """5 concurrent signed 64 MiB requests to a bootstrap: refused from their length prefix (the
     bootstrap's server-wide limit is its largest method's, ~4 MiB), so its memory does not grow by
     them. Before: the 128 MiB server-wide limit let each be received, parsed and hashed (+~0.3 GB)."""
-    boot = servers(
-        bootstrap_argv(tmp_path / "boot.key", "--status-interval", "3600", "--log-level", "WARNING", run_id=RUN)
-    )
+    boot = servers(bootstrap_args(RUN, tmp_path / "boot.key", "--status-interval", "3600", "--log-level", "WARNING"))
     await _valid_pings(boot.address)
     hwm0 = boot.kib("VmHWM")
     attackers = [Identity.generate() for _ in range(5)]

@@ -626,10 +626,7 @@ def test_bootstrap_status_page_stops_with_the_bootstrap(tmp_path):
             taken.bind(("127.0.0.1", 0))
             taken.listen()
             busy = subprocess.run(
-                [
-                    sys.executable,
-                    *bootstrap_argv(tmp_path / "c.key", "--http-port", str(taken.getsockname()[1]), run_id=RUN),
-                ],
+                bootstrap_argv(RUN, tmp_path / "c.key", "--http-port", str(taken.getsockname()[1])),
                 cwd=ROOT,
                 capture_output=True,
                 text=True,

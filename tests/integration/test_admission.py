@@ -172,7 +172,7 @@ async def test_allow_listed_run_refuses_an_outsiders_record_and_rpc():
     """A private run: the insiders' DHT and state server refuse an outsider's store and state RPC with
     PERMISSION_DENIED and a reason; an outsider's record that reaches a peer anyway is ignored."""
     from geomesh_p2p.state_sync import StateServer
-    from geomesh_p2p.wire import collective_pb2
+    from geomesh_p2p.wire import state_pb2
 
     inside = [Identity.generate() for _ in range(2)]
     outsider = Identity.generate()
@@ -209,7 +209,7 @@ async def test_allow_listed_run_refuses_an_outsiders_record_and_rpc():
             req = dht_pb2.StoreRequest(records=[rec])
             for method, payload in (
                 (DHT_STORE, req.SerializeToString()),
-                (STATE_STATUS, collective_pb2.StateRequest().SerializeToString()),
+                (STATE_STATUS, state_pb2.StateRequest().SerializeToString()),
             ):
                 with pytest.raises(RpcError) as ei:
                     await out_t.call(dht0.address, method, payload)

@@ -3,11 +3,11 @@ in the refusing node's log and in the refused peer's error; listed peers work as
 
 from __future__ import annotations
 
-import logging
 import time
 
 import pytest
 
+from geomesh_p2p import events
 from geomesh_p2p.dht import DHTJoinError, DHTNode
 from geomesh_p2p.identity import Identity, allow_list
 from geomesh_p2p.transport import Transport, TransportConfig
@@ -25,7 +25,7 @@ async def _node(identity, allow, bootstrap=(), **kw) -> DHTNode:
 
 
 @pytest.mark.timeout(60)
-async def test_a_peer_off_the_allow_list_is_refused_with_the_reason_on_both_sides(caplog):
+async def test_a_peer_off_the_allow_list_is_refused_with_the_reason_on_both_sides():
     boot_id, insider_id, outsider_id = Identity.generate(), Identity.generate(), Identity.generate()
     members = [str(boot_id.peer_id), str(insider_id.peer_id)]
     nodes: list[DHTNode] = []
@@ -41,7 +41,7 @@ async def test_a_peer_off_the_allow_list_is_refused_with_the_reason_on_both_side
         outsider = DHTNode(t, rpc_timeout_s=2.0, join_attempts=1)
         nodes.append(outsider)
         await t.start()
-        with caplog.at_level(logging.WARNING, logger="geomesh_p2p.transport"):
+        with events.capture("call_refused") as refused:
             with pytest.raises(DHTJoinError) as ei:
                 await outsider.join([boot.address])
         # the refused peer's error: who refused, the status and why
@@ -49,9 +49,10 @@ async def test_a_peer_off_the_allow_list_is_refused_with_the_reason_on_both_side
         assert boot.address in msg and "PERMISSION_DENIED" in msg and REASON in msg, msg
         assert outsider_id.peer_id.short() in msg
         # the refusing node's log: one line with the method, the caller and the same reason
-        lines = [r.getMessage() for r in caplog.records if REASON in r.getMessage()]
-        assert len(lines) == 1 and lines[0].startswith("refused /geomesh.wire.Dht/Ping from ipv4:127.0.0.1:"), lines
-        assert outsider_id.peer_id.short() in lines[0]
+        facts = [(e["peer"], e["method"], e["code"]) for e in refused if REASON in e["reason"]]
+        assert facts == [(str(boot_id.peer_id), "/geomesh.wire.Dht/Ping", "PERMISSION_DENIED")], refused
+        (e,) = [e for e in refused if REASON in e["reason"]]
+        assert e["caller_address"].startswith("ipv4:127.0.0.1:") and outsider_id.peer_id.short() in e["reason"]
         # nothing of the outsider entered the members' routing tables
         assert outsider_id.peer_id not in {c.peer_id for n in nodes[:2] for c in n.contacts()}
     finally:

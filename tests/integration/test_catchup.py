@@ -24,7 +24,7 @@ from geomesh_p2p.state_sync import (
     download_state,
 )
 from geomesh_p2p.transport import Transport, TransportConfig
-from geomesh_p2p.wire import collective_pb2
+from geomesh_p2p.wire import state_pb2
 from tests.state_util import StallingServer
 
 RUN = "catchup-test"
@@ -76,11 +76,11 @@ class TamperingServer(StateServer):
         self.tamper = tamper
 
     async def _handle_update(self, verified, context):
-        req = collective_pb2.StateRequest.FromString(verified.payload)
+        req = state_pb2.StateRequest.FromString(verified.payload)
         data, _ = await self.updates.blob(req.round)
         bad = self.tamper(OuterUpdate.decode(data, P)).encode()
         h = hashlib.blake2b(bad).hexdigest()[:32]  # consistent with its bytes: only the digests betray it
-        yield collective_pb2.StateChunk(
+        yield state_pb2.StateChunk(
             round=req.round, digest=h, total_bytes=len(bad), offset=0, data=bad
         ).SerializeToString()
 

@@ -14,7 +14,7 @@ from geomesh_p2p.identity import Identity
 from geomesh_p2p.transport import RpcError, Transport, TransportConfig
 from tests.dht_helpers import RUN, start_node, stop_all, stop_node
 from tests.e2e.test_bootstrap import START_TIMEOUT, procs  # noqa: F401  (the fixture)
-from geomesh_p2p.procs import bootstrap_argv
+from tests.proc_util import bootstrap_args
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -95,7 +95,7 @@ async def test_reachability_is_not_checked_without_bootstrap_or_when_client_only
 
 
 def _boot_argv(tmp_path, *extra):
-    return bootstrap_argv(tmp_path / "boot.key", "--status-interval", "0.5", *extra, run_id="faults")
+    return bootstrap_args("faults", tmp_path / "boot.key", "--status-interval", "0.5", *extra)
 
 
 # ---------------------------------------------------------------- 2. a restarted bootstrap

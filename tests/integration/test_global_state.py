@@ -154,7 +154,7 @@ import grpc  # noqa: E402
 from geomesh_p2p.identity import Identity  # noqa: E402
 from geomesh_p2p.state_sync import StateServer, StateSyncError, download_state  # noqa: E402
 from geomesh_p2p.transport import STATE_GET, RpcError, Transport, TransportConfig  # noqa: E402
-from geomesh_p2p.wire import collective_pb2  # noqa: E402
+from geomesh_p2p.wire import state_pb2  # noqa: E402
 from tests.state_util import StallingServer  # noqa: E402
 
 RUN = "state-sync-test"
@@ -259,12 +259,12 @@ async def test_a_state_that_moves_on_mid_piece_is_refused_with_a_reason():
     client = Transport(Identity.generate(), RUN, TransportConfig(client_only=True))
     ((t, srv, addr),) = donors
     try:
-        req = collective_pb2.StateRequest(round=5, offset=0, length=0).SerializeToString()
+        req = state_pb2.StateRequest(round=5, offset=0, length=0).SerializeToString()
         got = []
 
         async def pull():
             async for v in client.call_stream(addr, STATE_GET, req, round=5, timeout=20):
-                got.append(collective_pb2.StateChunk.FromString(v.payload))
+                got.append(state_pb2.StateChunk.FromString(v.payload))
 
         task = asyncio.ensure_future(pull())
         await asyncio.wait_for(srv.stalled.wait(), 10)

@@ -15,7 +15,7 @@ from geomesh_p2p.capability import ThroughputEMA
 from geomesh_p2p.identity import Identity
 from geomesh_p2p.links import MAX_PROBE_BYTES, LinkProbeService, LinkSample, busy_seconds, link_sample, probe_link
 from geomesh_p2p.transport import LINK_PROBE, RpcError, Transport, TransportConfig
-from geomesh_p2p.wire import collective_pb2
+from geomesh_p2p.wire import collective_pb2, link_pb2
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -80,7 +80,7 @@ async def test_probe_measures_real_transfers(probe_server):
 
 async def test_probe_over_the_cap_is_refused_and_the_server_keeps_serving(probe_server):
     server, client, address = probe_server
-    req = collective_pb2.LinkProbeRequest(reply_bytes=(1 << 20) + 1).SerializeToString()
+    req = link_pb2.LinkProbeRequest(reply_bytes=(1 << 20) + 1).SerializeToString()
     with pytest.raises(RpcError) as e:
         await client.call(address, LINK_PROBE, req, timeout=5)
     assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
@@ -222,13 +222,13 @@ async def test_probe_flood_is_refused_per_caller_and_by_reply_budget():
     await a.start()
     await b.start()
     try:
-        big = collective_pb2.LinkProbeRequest(reply_bytes=1 << 20).SerializeToString()
+        big = link_pb2.LinkProbeRequest(reply_bytes=1 << 20).SerializeToString()
         for _ in range(3):  # 3 MiB of replies: the whole 10 s budget
             await a.call(address, LINK_PROBE, big, timeout=5)
         with pytest.raises(RpcError) as e:
             await b.call(address, LINK_PROBE, big, timeout=5)
         assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "budget" in e.value.reason
-        empty = collective_pb2.LinkProbeRequest().SerializeToString()
+        empty = link_pb2.LinkProbeRequest().SerializeToString()
         await a.call(address, LINK_PROBE, empty, timeout=5)  # empty probes cost no budget
         await a.call(address, LINK_PROBE, empty, timeout=5)  # the 5th call of this minute
         with pytest.raises(RpcError) as e:
@@ -245,7 +245,7 @@ class _LyingProbe(LinkProbeService):
     """Claims it held every probe for a day (so the transfer would seem to take no time)."""
 
     async def _handle(self, verified, context):
-        resp = collective_pb2.LinkProbeResponse.FromString(await super()._handle(verified, context))
+        resp = link_pb2.LinkProbeResponse.FromString(await super()._handle(verified, context))
         resp.held_s = 86400.0
         return resp.SerializeToString()
 

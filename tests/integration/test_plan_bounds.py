@@ -17,6 +17,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from geomesh_p2p import events
 from geomesh_p2p.capability import MAX_TPS_GROWTH_PER_UPDATE, ThroughputEMA
 from geomesh_p2p.identity import Identity
 from geomesh_p2p.metrics import RoundLog, RoundRecord, format_row, json_safe
@@ -444,9 +445,11 @@ def test_evaluate_a_model_blown_up_by_a_hostile_update(caplog):
     for value in (1e30, float("nan")):
         load_flat_(m, torch.full((num_params(m),), value))
         caplog.clear()
-        with caplog.at_level("WARNING", logger="geomesh_p2p.training"):
+        with caplog.at_level("WARNING", logger="geomesh_p2p.training"), events.capture("eval_not_finite") as bad:
             assert tr.evaluate(max_batches=1, batch_size=2) == math.inf
-        assert len(caplog.records) == 1 and "perplexity inf" in caplog.records[0].getMessage()
+        assert len(caplog.records) == 1  # one WARNING line per evaluation
+        assert [e["peer"] for e in bad] == ["x"]
+        assert perplexity(bad[0]["loss"]) == math.inf  # the event carries the loss that broke the evaluation
 
 
 def test_metrics_rows_json_and_gauges_take_inf_and_nan(tmp_path):
@@ -509,7 +512,7 @@ def test_outer_step_skips_parts_whose_aggregate_or_result_is_not_finite(make_out
     node.outer.buf = torch.zeros(12 * ref.state_factor)
     clean = theta.clone()
     ref.step(clean, torch.full((12,), 0.01), round=0)
-    with caplog.at_level("WARNING", logger="geomesh_p2p.node"):
+    with caplog.at_level("WARNING", logger="geomesh_p2p.node"), events.capture("outer_step_skipped") as skips:
         node._outer_step(0, plan, agg)
     assert torch.equal(node.theta[:4], clean[:4])  # part a stepped as usual
     skipped = [(4, 8), (8, 12)]  # Nesterov: buf + g overflows; AdamW: v = g^2 overflows
@@ -518,11 +521,10 @@ def test_outer_step_skips_parts_whose_aggregate_or_result_is_not_finite(make_out
         for k in range(ref.state_factor):
             assert torch.equal(node.outer.buf[k * 12 + s : k * 12 + e], torch.zeros(e - s))
     assert bool(torch.isfinite(node.theta).all()) and bool(torch.isfinite(node.outer.buf).all())
-    assert len(caplog.records) == 1
-    assert (
-        "2 of 3 parts (8 of 12 elements): 1 with non-finite aggregate values, 1 where the step would overflow"
-        in caplog.records[0].getMessage()
-    )
+    assert len(caplog.records) == 1  # one WARNING line for the round, not one per part
+    assert [(e["peer"], e["round"], e["skipped"], e["not_finite"], e["parts"], e["elements"]) for e in skips] == [
+        (node.me, 0, [[4, 8], [8, 12]], [[4, 8]], 3, 12)
+    ]
 
 
 def test_a_peer_whose_training_diverges_contributes_nothing_and_keeps_going(monkeypatch, caplog):
@@ -586,13 +588,14 @@ def test_a_peer_whose_training_diverges_contributes_nothing_and_keeps_going(monk
         node.trainer = SimpleNamespace(run=trainer_run)
         sent.clear()
         caplog.clear()
-        with caplog.at_level("WARNING", logger="geomesh_p2p.node"):
+        with caplog.at_level("WARNING", logger="geomesh_p2p.node"), events.capture("contributing_nothing") as none:
             asyncio.run(node._one_round([r0]))
         assert sent["tokens"] == 0 and torch.equal(sent["delta"], torch.zeros(40))
         assert sent["result"].tokens == 0 and sent["result"].steps_done == 0
         assert torch.equal(torch.cat([model.weight.reshape(-1), model.bias]), torch.zeros(40))
         assert len([x for x in caplog.records if x.levelno == logging.WARNING]) == 1
-        assert "contributing nothing" in caplog.records[-1].getMessage()
+        want = "loss_not_finite" if trainer_run is diverge else "update_not_finite"
+        assert [(e["peer"], e["round"], e["reason"]) for e in none] == [(node.me, 0, want)]
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])

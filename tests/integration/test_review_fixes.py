@@ -17,7 +17,7 @@ from geomesh_p2p.round.policy import outer_step_per_part
 from geomesh_p2p.state import GlobalState
 from geomesh_p2p.state_sync import StateServer, download_state
 from geomesh_p2p.transport import STATE_GET, RpcError, Transport, TransportConfig
-from geomesh_p2p.wire import collective_pb2
+from geomesh_p2p.wire import state_pb2
 
 RUN = "review-fixes"
 REPO = Path(__file__).resolve().parents[2]
@@ -43,11 +43,11 @@ def _advance(gs: GlobalState, srv: StateServer, outer: OuterNesterov, r: int) ->
         srv.updates.seal(r + 1, gs.digest)
 
 
-async def _get(t: Transport, addr: str, req: collective_pb2.StateRequest) -> int:
+async def _get(t: Transport, addr: str, req: state_pb2.StateRequest) -> int:
     """Bytes of a GetState stream (raises RpcError when refused)."""
     n = 0
     async for v in t.call_stream(addr, STATE_GET, req.SerializeToString(), round=req.round, timeout=10):
-        n += len(collective_pb2.StateChunk.FromString(v.payload).data)
+        n += len(state_pb2.StateChunk.FromString(v.payload).data)
     return n
 
 
@@ -83,10 +83,10 @@ async def test_requests_for_rounds_not_held_are_refused_before_anything_is_recor
     atk = client()
     for i in range(200):  # the review's attack: descending rounds never expired
         with pytest.raises(RpcError, match="holds round 5") as e:
-            await _get(atk, addr, collective_pb2.StateRequest(round=10**6 - i, length=1))
+            await _get(atk, addr, state_pb2.StateRequest(round=10**6 - i, length=1))
         assert e.value.code.name == "FAILED_PRECONDITION"
     assert srv.tracked() == 0
-    assert await _get(atk, addr, collective_pb2.StateRequest(round=5, length=1)) == 1
+    assert await _get(atk, addr, state_pb2.StateRequest(round=5, length=1)) == 1
     assert srv.tracked() == 1
 
 
@@ -95,7 +95,7 @@ async def test_callers_tracked_are_lru_capped(donor, monkeypatch):
     gs, srv, addr, _, client = donor
     monkeypatch.setattr(state_sync, "MAX_TRACKED_CALLERS", 3)
     for _ in range(5):  # five outsiders, one byte each
-        assert await _get(client(), addr, collective_pb2.StateRequest(round=5, length=1)) == 1
+        assert await _get(client(), addr, state_pb2.StateRequest(round=5, length=1)) == 1
     assert srv.tracked() == 3
 
 
@@ -107,7 +107,7 @@ async def test_a_one_byte_request_makes_no_copy_and_no_eager_encoding(donor):
     gs, srv, addr, outer, client = donor
     atk = client()
     for r in (5, 6, 7):
-        assert await _get(atk, addr, collective_pb2.StateRequest(round=r, length=1)) == 1
+        assert await _get(atk, addr, state_pb2.StateRequest(round=r, length=1)) == 1
         _advance(gs, srv, outer, r)
         assert srv.kept_rounds() == []
         # not eager: only the newest round's raw update is kept, nothing is encoded
@@ -121,7 +121,7 @@ async def test_a_real_download_keeps_its_rounds_snapshot(donor):
     joiner = client()
     want = gs.digest
     # a joiner's piece of 1/8 of the state (eight donors): above the 1/MIN_SHARE share
-    assert await _get(joiner, addr, collective_pb2.StateRequest(round=5, length=gs.nbytes // 8)) == gs.nbytes // 8
+    assert await _get(joiner, addr, state_pb2.StateRequest(round=5, length=gs.nbytes // 8)) == gs.nbytes // 8
     _advance(gs, srv, outer, 5)
     assert srv.kept_rounds() == [5]
     snap = await download_state(joiner, [addr], round=5, numel=P, expected_digest=want)
@@ -133,17 +133,17 @@ async def test_a_one_byte_update_request_does_not_make_the_donor_eager(donor):
     gs, srv, addr, outer, client = donor
     _advance(gs, srv, outer, 5)
     atk = client()
-    req = collective_pb2.StateRequest(round=5, length=1)
+    req = state_pb2.StateRequest(round=5, length=1)
     got = [
         v async for v in atk.call_stream(addr, state_sync.STATE_UPDATE, req.SerializeToString(), round=5, timeout=10)
     ]
-    assert len(collective_pb2.StateChunk.FromString(got[0].payload).data) == 1
+    assert len(state_pb2.StateChunk.FromString(got[0].payload).data) == 1
     assert not srv.updates.catching_up  # rounds sealed from now on are not encoded eagerly
     # a real catch-up (the whole update) does
     got = [
         v
         async for v in atk.call_stream(
-            addr, state_sync.STATE_UPDATE, collective_pb2.StateRequest(round=5).SerializeToString(), round=5, timeout=10
+            addr, state_sync.STATE_UPDATE, state_pb2.StateRequest(round=5).SerializeToString(), round=5, timeout=10
         )
     ]
     assert srv.updates.catching_up

@@ -331,3 +331,38 @@ async def test_a_server_answering_unavailable_keeps_its_channel():
     finally:
         await client.stop()
         await server.stop()
+
+
+async def test_bulk_and_control_calls_use_separate_connections():
+    """Parts and state go over their own TCP connection to a peer, DHT calls over another (a DHT store
+    must not queue behind seconds of part bytes in one connection's send buffer). The server sees two
+    client ports; the same lane reuses its connection; dropping the address drops both lanes."""
+    from geomesh_p2p.transport import COLLECTIVE_PUSH, STATE_GET, lane_of
+
+    seen: dict[str, set] = {}
+
+    def recorder(tag: str):
+        async def handler(verified, context):
+            seen.setdefault(tag, set()).add(context.peer())
+            return b"ok"
+
+        return handler
+
+    server = Transport(Identity.generate(), RUN)
+    server.add_unary(DHT_PING, recorder("control"))
+    server.add_unary(DHT_STORE, recorder("control"))
+    server.add_unary(COLLECTIVE_PUSH, recorder("bulk"))
+    server.add_unary(STATE_GET, recorder("bulk"))
+    address = await server.start()
+    client = Transport(Identity.generate(), RUN, TransportConfig(client_only=True))
+    try:
+        assert (lane_of(DHT_STORE), lane_of(COLLECTIVE_PUSH), lane_of(STATE_GET)) == ("control", "bulk", "bulk")
+        for method in (DHT_PING, COLLECTIVE_PUSH, DHT_STORE, STATE_GET):
+            await client.call(address, method, b"x", timeout=5, idempotent=False)
+        assert len(seen["control"]) == 1 and len(seen["bulk"]) == 1  # one connection per lane
+        assert seen["control"] != seen["bulk"]  # two connections (client ports differ)
+        assert sorted(client._channels) == [(address, "bulk"), (address, "control")]
+        assert client.drop_channel(address) and not client._channels
+    finally:
+        await client.stop()
+        await server.stop()

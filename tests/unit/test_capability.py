@@ -10,6 +10,7 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
+from geomesh_p2p import events
 from geomesh_p2p.capability import (
     DeviceInfo,
     ThroughputEMA,
@@ -19,7 +20,6 @@ from geomesh_p2p.capability import (
     estimate_memory,
     find_max_batch,
     format_profile_table,
-    measure_bandwidth,
     measure_throughput,
     method_min_memory,
     preset_min_memory,
@@ -165,16 +165,6 @@ def test_cuda_paths():  # pragma: no cover - runs only where a GPU is present
     assert 1 <= small <= large
 
 
-def test_measure_bandwidth():
-    assert measure_bandwidth([(1000, 1.0), (3000, 1.0)]) == 2000.0
-    assert measure_bandwidth([(1000, 0.6)], latency_s=0.1) == pytest.approx(2000.0)
-    for bad in ([], [(-1, 1.0)], [(10, 0.0)], [(0, 1.0)]):
-        with pytest.raises(ValueError):
-            measure_bandwidth(bad)
-    with pytest.raises(ValueError):
-        measure_bandwidth([(10, 1.0)], latency_s=-1)
-
-
 def test_throughput_ema_math():
     ema = ThroughputEMA(alpha=0.25, tokens_per_s={4: 100.0, 8: 160.0})
     assert ema.update(4, 300, 1.5) == 0.25 * 200.0 + 0.75 * 100.0  # 125
@@ -284,12 +274,12 @@ class FakeMemory:
 
 
 @pytest.mark.timeout(60)
-def test_profile_training_never_runs_a_batch_over_the_budget(caplog):
+def test_profile_training_never_runs_a_batch_over_the_budget():
     m = GPT2LMHeadModel(tiny_config())
     fake = FakeMemory(m, base=GIB, per_seq=10 * MIB)
     extra = 8 * m.num_parameters()  # global weights + outer momentum, fp32
     budget = fake.base + fake.grad_opt + extra + 5 * fake.per_seq + fake.per_seq // 2
-    with caplog.at_level("INFO", logger="geomesh_p2p.capability"):
+    with events.capture("profile_batch") as measured:
         prof = profile_training(
             m, SEQ, "cpu", budget, vocab_size=VOCAB, batch_sizes=[1, 2, 4, 8, 16], steps=1, memory_probe=fake
         )
@@ -303,8 +293,10 @@ def test_profile_training_never_runs_a_batch_over_the_budget(caplog):
         2: GIB + fake.grad_opt + 20 * MIB,
         4: GIB + fake.grad_opt + 40 * MIB,
     }
-    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("profile: batch ")]
-    assert len(lines) == 3 and all("tokens/s" in ln and "GiB" in ln for ln in lines)
+    assert [(e["batch"], e["peak_bytes"], e["budget_bytes"]) for e in measured] == [
+        (b, prof.peak_bytes[b], budget) for b in (1, 2, 4)
+    ]
+    assert [e["tokens_per_s"] for e in measured] == [prof.tokens_per_s[b] for b in (1, 2, 4)]
 
 
 @pytest.mark.timeout(60)

@@ -4,12 +4,11 @@ the state and zeroed on a re-sync to another lineage."""
 
 from __future__ import annotations
 
-import logging
 
 import pytest
 import torch
 
-from geomesh_p2p import compression
+from geomesh_p2p import compression, events
 from geomesh_p2p.compression.feedback import RESIDUAL_FILE, PushFeedback
 
 B = 64  # codec block
@@ -113,7 +112,7 @@ class _State:
 
 
 @pytest.mark.timeout(30)
-async def test_driver_exchange_pushes_delta_plus_residual_and_a_foreign_resync_zeroes_it(caplog):
+async def test_driver_exchange_pushes_delta_plus_residual_and_a_foreign_resync_zeroes_it():
     import asyncio
 
     from geomesh_p2p.round.driver import DriverConfig, LineageEntry, RoundContext, RoundDriver
@@ -156,10 +155,10 @@ async def test_driver_exchange_pushes_delta_plus_residual_and_a_foreign_resync_z
 
     d.membership = type("M", (), {"peers": staticmethod(peers), "me": "me"})()
     d._log_dropped = lambda before, recs: d.lineage.pop()  # the partition rule decided: round 2 discarded
-    with caplog.at_level(logging.INFO, logger="geomesh_p2p.node.round"):
+    with events.capture("residual_zeroed") as zeroed:
         await d._catch_up()
     assert fb.residual.abs().sum() == 0 and fb.round == -1
-    assert "error feedback: residual zeroed" in caplog.text
+    assert [(e["peer"], e["round"]) for e in zeroed] == [("me", d.state.round)]
 
 
 def test_method_memory_counts_the_residual_only_for_sign_pushes():

@@ -4,15 +4,13 @@ an advertised address nobody can dial (#5), a run whose peers all left (#2), ske
 from __future__ import annotations
 
 import asyncio
-import logging
-import re
 import time
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from geomesh_p2p import clock
+from geomesh_p2p import clock, events
 from geomesh_p2p import node as node_mod
 from geomesh_p2p import state as gstate
 from geomesh_p2p.dht.node import Reachability
@@ -103,29 +101,30 @@ def _empty_swarm_node(monkeypatch, progress, peers_seq=(), **cfg):
     return node, calls
 
 
-async def test_no_known_progress_starts_from_the_seed_silently(monkeypatch, caplog):
+async def test_no_known_progress_starts_from_the_seed_silently(monkeypatch):
     for progress in (None, _progress(0)):
         node, calls = _empty_swarm_node(monkeypatch, progress)
-        with caplog.at_level(logging.INFO, logger="geomesh_p2p.node"):
+        with events.capture() as said:
             await node._on_empty_swarm()
         assert calls == {"peers": 0, "catch_up": 0, "set_state": []}
-        assert not [r for r in caplog.records if "no peer of it is live" in r.getMessage()]
+        assert said == []
 
 
-async def test_empty_swarm_seed_says_so_and_keeps_round_0(monkeypatch, caplog):
+async def test_empty_swarm_seed_says_so_and_keeps_round_0(monkeypatch):
     node, calls = _empty_swarm_node(monkeypatch, _progress(7), on_empty_swarm="seed")
-    with caplog.at_level(logging.INFO, logger="geomesh_p2p.node"):
+    with events.capture() as said:
         await node._on_empty_swarm()
-    msgs = [r.getMessage() for r in caplog.records]
-    assert any(
-        re.search(
-            r"run 'geomesh-demo' was at round 7 \(bootstrap Bootstra saw 3 peer\(s\) 3\d s ago\) "
-            r"but no peer of it is live now",
-            m,
-        )
-        for m in msgs
-    ), msgs
-    assert any("--on-empty-swarm seed: starting the run again from the seed at round 0" in m for m in msgs), msgs
+    assert [e["event"] for e in said] == ["empty_swarm"]
+    (e,) = said
+    assert (e["peer"], e["run_id"], e["round"], e["bootstrap"], e["peers"], e["action"]) == (
+        node.me,
+        "geomesh-demo",
+        7,
+        "BootstrapPeerIdBase58",
+        3,
+        "seed",
+    )
+    assert 30 <= e["seen_ago_s"] < 40 and e["level"] == "WARNING"
     assert calls == {"peers": 0, "catch_up": 0, "set_state": []}
 
 
@@ -150,7 +149,7 @@ async def test_empty_swarm_resume_takes_the_newest_checkpoint(monkeypatch, tmp_p
     assert rnd == 5 and torch.equal(t, theta) and torch.equal(m, mom)
 
 
-async def test_empty_swarm_wait_polls_until_a_peer_is_back_then_catches_up(monkeypatch, caplog):
+async def test_empty_swarm_wait_polls_until_a_peer_is_back_then_catches_up(monkeypatch):
     monkeypatch.setattr(node_mod, "EMPTY_SWARM_POLL_MAX_S", 1.0)
     waits = []
 
@@ -161,12 +160,16 @@ async def test_empty_swarm_wait_polls_until_a_peer_is_back_then_catches_up(monke
     monkeypatch.setattr(node_mod, "wait_event", no_wait)
     back = [_rec("PeerBack", 9)]
     node, calls = _empty_swarm_node(monkeypatch, _progress(7), peers_seq=[[], [], back])
-    with caplog.at_level(logging.INFO, logger="geomesh_p2p.node"):
+    with events.capture() as said:
         await node._on_empty_swarm()
     assert calls["peers"] == 3 and calls["catch_up"] == 1 and waits == [1.0, 1.0, 1.0]
-    msgs = [r.getMessage() for r in caplog.records]
-    assert sum("waiting for a peer of run 'geomesh-demo' to come back" in m for m in msgs) == 1, msgs
-    assert any("1 peer(s) of run 'geomesh-demo' are live again" in m for m in msgs), msgs
+    # one waiting line for the whole wait, not one per poll
+    assert [(e["event"], e.get("action")) for e in said] == [
+        ("empty_swarm", "wait"),
+        ("empty_swarm_waiting", None),
+        ("swarm_back", None),
+    ]
+    assert said[2]["peers"] == ["PeerBack"] and said[2]["run_id"] == "geomesh-demo"
 
 
 async def test_empty_swarm_wait_ends_on_stop(monkeypatch):

@@ -68,3 +68,13 @@ def test_fields_without_event_and_bad_capacity_are_refused():
         LogOnce(log, capacity=0)
     with pytest.raises(TypeError):
         LogOnce(log)("k", logging.INFO, "m", peer="p")
+
+
+def test_record_of_an_event_names_the_call_site_not_logonce(caplog):
+    once = LogOnce(log)
+    with caplog.at_level(logging.DEBUG, logger="test.logonce"), events.capture("record_not_admitted") as got:
+        once("k", logging.WARNING, "refused %s", "p", event="record_not_admitted", peer="p")
+    assert [(r.funcName, r.pathname) for r in caplog.records] == [
+        ("test_record_of_an_event_names_the_call_site_not_logonce", __file__)
+    ]
+    assert [e["peer"] for e in got] == ["p"]

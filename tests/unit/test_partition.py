@@ -9,6 +9,7 @@ import logging
 
 import pytest
 
+from geomesh_p2p import events
 from geomesh_p2p.round import DhtPlanAgreement, PlanStore
 from geomesh_p2p.round.driver import SURVIVOR_RULE
 from tests.unit.test_round_driver import PEERS, RUN, Swarm, _peers
@@ -62,7 +63,7 @@ async def test_the_losing_side_of_a_healed_partition_logs_what_it_discards(caplo
     _move(a + b, healed)
     loser = b[0]
     loser.swarm_round = _side_by_majority(loser)
-    with caplog.at_level(logging.WARNING, logger="geomesh_p2p.node.round"):
+    with caplog.at_level(logging.WARNING, logger="geomesh_p2p.node.round"), events.capture("partition_lost") as lost:
         assert await loser.drv.behind()
         await loser.drv.resync("the swarm is at a later round")
     assert (loser.round, loser.digest) == (4, a[0].digest) and PEERS[a[0].me].digest == a[0].digest
@@ -70,19 +71,20 @@ async def test_the_losing_side_of_a_healed_partition_logs_what_it_discards(caplo
     own = sum(row.tokens for row in loser.drv.history[1:])
     side = own + sum(row.tokens for row in b[1].drv.history[1:])
     assert own > 0 and side == 2 * own
-    ids = ", ".join(sorted(p.me[:10] for p in b))
-    lines = [r.getMessage() for r in caplog.records if r.name == "geomesh_p2p.node.round"]
-    assert lines == [
-        f"re-synced to the state of round 4 (digest {a[0].digest[:8]}), not of this peer's lineage: its side of a "
-        f"partition lost; discarded 2 round(s) trained since the fork (rounds 1-2) by 2 peer(s) of this side "
-        f"({ids}), {side} tokens ({own} of them this peer's). Rule: {SURVIVOR_RULE}"
+    facts = [
+        (e["peer"], e["round"], e["digest"], e["discarded_rounds"], e["side"], e["tokens"], e["own_tokens"])
+        for e in lost
     ]
+    assert facts == [(loser.me, 4, a[0].digest, [1, 2], sorted(p.me for p in b), side, own)]
+    # one WARNING line, and it tells the reader the rule that picked the surviving side
+    assert len([r for r in caplog.records if r.name == "geomesh_p2p.node.round"]) == 1
+    assert lost[0]["level"] == "WARNING" and lost[0]["message"].endswith(f"Rule: {SURVIVOR_RULE}")
     assert [e.round for e in loser.drv.lineage] == [0]  # the discarded rounds are forgotten
     # the winning side re-syncs to nothing; a catch-up along its own lineage logs nothing either
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="geomesh_p2p.node.round"):
+    with caplog.at_level(logging.WARNING, logger="geomesh_p2p.node.round"), events.capture("partition_lost") as lost:
         await loser.drv.resync("again")
-    assert [r for r in caplog.records if r.name == "geomesh_p2p.node.round"] == []
+    assert [r for r in caplog.records if r.name == "geomesh_p2p.node.round"] == [] and lost == []
 
 
 async def test_a_joining_peer_discards_nothing_and_logs_no_partition(caplog):
@@ -91,7 +93,7 @@ async def test_a_joining_peer_discards_nothing_and_logs_no_partition(caplog):
     veteran.driver(rounds=2)
     await _run([veteran], 2)
     joiner.driver()
-    with caplog.at_level(logging.WARNING, logger="geomesh_p2p.node.round"):
+    with caplog.at_level(logging.WARNING, logger="geomesh_p2p.node.round"), events.capture("partition_lost") as lost:
         await joiner.drv.resync("joining")
     assert (joiner.round, joiner.digest) == (2, veteran.digest)
-    assert [r for r in caplog.records if r.name == "geomesh_p2p.node.round"] == []
+    assert [r for r in caplog.records if r.name == "geomesh_p2p.node.round"] == [] and lost == []

@@ -15,7 +15,6 @@ from geomesh_p2p.planner import PlanConfig, plan_round
 from geomesh_p2p.records import PeerRecord
 from tests.records_util import peer_record
 from geomesh_p2p.round import (
-    DigestCheck,
     PlanStore,
     choose_plan,
     digest_majority,
@@ -227,6 +226,4 @@ def test_digest_majority_flags_the_odd_one_out():
     ]
     majority, agree, total = digest_majority(recs, 4)
     assert (majority, agree, total) == ("aa", 3, 4)
-    assert DigestCheck(4, "bb", majority, agree, total).needs_resync
-    assert not DigestCheck(4, "aa", majority, agree, total).needs_resync
     assert digest_majority(recs, 5) == (None, 0, 0)

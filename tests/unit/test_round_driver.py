@@ -7,19 +7,19 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import logging
 import time
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from geomesh_p2p import events
 from geomesh_p2p.identity import Identity
 from geomesh_p2p.planner import PlanConfig, plan_round
 from geomesh_p2p.records import PeerRecord, SyncProgress
 from tests.records_util import peer_record
 from geomesh_p2p.round import DhtPlanAgreement, DriverConfig, Phase, PlanStore, RoundDriver, leader_order
-from geomesh_p2p.round.driver import PROBATION_SYNC_GRANTS
+from geomesh_p2p.round.driver import PROBATION_SYNC_GRANTS, SYNC_WAIT_MARGIN_S, SYNC_WAIT_SLACK
 from geomesh_p2p.sync_progress import SyncMeter, announced
 from geomesh_p2p.round.policy import outer_step_per_part
 from geomesh_p2p.state_sync import StateSyncError
@@ -113,6 +113,9 @@ class FakePeer:
 
     async def announce(self):
         self.swarm.records[self.me] = self.record()
+
+    async def remeasure_links(self):
+        self.remeasured = getattr(self, "remeasured", 0) + 1
 
     # GlobalStatePort
     def pseudo_gradient(self):
@@ -302,47 +305,54 @@ async def test_three_peers_agree_on_one_plan_per_round_and_end_with_equal_digest
     assert all(p.drv.phase is Phase.DONE and p.leaving for p in peers)
 
 
-async def test_the_next_leader_takes_over_when_the_first_is_silent(caplog):
+async def test_the_next_leader_takes_over_when_the_first_is_silent():
     swarm = Swarm()
     peers = _peers(3, swarm, exchange_timeout_s=0.5)
     order = leader_order(RUN, 0, [p.me for p in peers])
     silent = PEERS[order[0]]  # announced, never plans nor trains
     live = [p for p in peers if p is not silent]
-    with caplog.at_level(logging.WARNING):
+    with events.capture("plan_takeover") as takeovers:
         await _run_all(live, rounds=1)
     assert [p.drv.history[0].leader for p in live] == [order[1][:10]] * 2
-    assert "no plan from 1 better-ranked leader(s)" in caplog.text
+    assert [(e["peer"], e["round"], e["turn"]) for e in takeovers] == [(order[1], 0, 1)]
     assert live[0].digest == live[1].digest
     assert all(p.drv.history[0].contributors == 2 for p in live)  # the silent peer's update is missing
 
 
-async def test_a_planned_out_peer_waits_for_the_round_and_resyncs(caplog):
+async def test_a_planned_out_peer_waits_for_the_round_and_resyncs():
     peers = _peers(3)
     ids = [p.me for p in peers]
     order = leader_order(RUN, 0, ids)
     leader = PEERS[order[0]]
     out = PEERS[order[2]]
     leader.plan_only = {order[0], order[1]}
-    with caplog.at_level(logging.INFO, logger="geomesh_p2p.node.round"):
+    with events.capture("planned_out") as planned_out:
         await _run_all(peers, rounds=1)
-    assert "not in the plan of leader" in caplog.text
+    assert [(e["peer"], e["round"], e["leader"], e["reason"]) for e in planned_out] == [
+        (out.me, 0, order[0], "not_in_plan")
+    ]
     assert out.drv.history == [] and out.catch_ups == 1
+    # the planned-out peer re-measured its link (its next record must not keep the figure that left it out)
+    assert getattr(out, "remeasured", 0) == 1 and getattr(leader, "remeasured", 0) == 0
     assert (out.round, out.digest) == (1, leader.digest) and torch.equal(out.theta, leader.theta)
     assert [p.drv.history[0].peers for p in (leader, PEERS[order[1]])] == [2, 2]
 
 
-async def test_a_digest_mismatch_resyncs_from_the_majority(caplog):
+async def test_a_digest_mismatch_resyncs_from_the_majority():
     peers = _peers(3)
     odd = peers[2]
     odd.corrupt_outer_step = True
-    with caplog.at_level(logging.ERROR):
+    with events.capture("digest_mismatch") as mismatches:
         await _run_all(peers, rounds=1)
     assert [p.drv.history[0].digest_agree for p in peers] == [True, True, False]
-    assert "differs from the majority's" in caplog.text
+    assert [(e["peer"], e["round"], e["majority_digest"], e["agree"], e["total"]) for e in mismatches] == [
+        (odd.me, 1, peers[0].digest, 2, 3)  # the round of the state the outer step made
+    ]
+    assert mismatches[0]["digest"] != peers[0].digest and mismatches[0]["level"] == "ERROR"
     assert odd.catch_ups == 1 and odd.digest == peers[0].digest and torch.equal(odd.theta, peers[0].theta)
 
 
-async def test_a_rogue_plan_is_refused_and_the_next_leaders_plan_followed(caplog):
+async def test_a_rogue_plan_is_refused_and_the_next_leaders_plan_followed():
     swarm = Swarm()
     peers = _peers(2, swarm)
     rogue = Identity.generate()
@@ -358,11 +368,15 @@ async def test_a_rogue_plan_is_refused_and_the_next_leaders_plan_followed(caplog
         start_digest=peers[0].digest,
     )
     await PlanStore(swarm.dht, rogue, RUN).publish(bad)  # signed by its leader, but not a live peer's
-    with caplog.at_level(logging.WARNING):
+    with events.capture("plan_refused") as refused:
         await _run_all(peers, rounds=1)
     best = leader_order(RUN, 0, [p.me for p in peers])[0]
     assert [p.drv.history[0].leader for p in peers] == [best[:10]] * 2
-    assert "refusing the plan of round 0" in caplog.text
+    # each peer refuses it once (not once per read of the plan store), naming the rogue leader
+    assert sorted((e["peer"], e["round"], e["leader"]) for e in refused) == sorted(
+        (p.me, 0, str(rogue.peer_id)) for p in peers
+    )
+    assert all(e["reason"] for e in refused)
     assert peers[0].digest == peers[1].digest
 
 
@@ -375,13 +389,14 @@ async def test_a_lone_peer_trains_its_own_rounds_without_the_plan_store():
     assert lone.swarm.dht.data == {}
 
 
-async def test_a_lone_peer_below_min_peers_waits_with_one_log_line(caplog):
+async def test_a_lone_peer_below_min_peers_waits_with_one_log_line():
     (lone,) = _peers(1)
     clock = FakeClock(on_wait=lambda t: t > 1000.0 + 50 and lone.stop.set())
-    with caplog.at_level(logging.INFO, logger="geomesh_p2p.node.round"):
+    with events.capture("waiting_for_peers") as waiting:  # one event per line: not one per DHT read
         await asyncio.wait_for(lone.driver(min_peers=2, wait_peers_s=600.0, clock=clock).run(), 30)
-    lines = [r.getMessage() for r in caplog.records if "waiting for" in r.getMessage()]
-    assert lines == ["round 0: waiting for 2 peers, 1 live (up to 600 s)"]
+    assert [(e["peer"], e["round"], e["min_peers"], e["live"], e["wait_s"]) for e in waiting] == [
+        (lone.me, 0, 2, 1, 600.0)
+    ]
     assert lone.drv.history == [] and lone.agreements == 0
     assert clock.t > 1050.0  # waited 50 virtual seconds: about 60 backoff reads, no real sleep
 
@@ -490,17 +505,19 @@ def _gather_setup(**cfg):
     return leader, joiner, clock, drv
 
 
-async def test_the_leader_waits_for_a_syncing_joiner_as_long_as_its_announced_download_needs(caplog):
+async def test_the_leader_waits_for_a_syncing_joiner_as_long_as_its_announced_download_needs():
     leader, joiner, clock, drv = _gather_setup()
     dl = Download(joiner, leader, clock)  # 10 of 100 MiB at 10 MiB/s: the last byte at +9 s
     clock.on_wait = dl.publish
     t0 = clock.t
-    with caplog.at_level(logging.INFO, logger="geomesh_p2p.node.round"):
+    with events.capture("waiting_for_syncing_peer") as waits:
         members = await drv.gather({leader.me}, first=False)
     assert {m.peer_id for m in members} == {leader.me, joiner.me}  # planned in, not left to re-download
     assert 9.0 <= clock.t - t0 < 11.0  # virtual seconds: until its in-sync record (re-announced every 2 s)
-    line = [r.getMessage() for r in caplog.records if "syncing (" in r.getMessage()]
-    assert line == [f"round 0: waiting up to 13.2 s more for {joiner.me[:10]}, syncing (10 of 100 MiB at 10.0 MiB/s)"]
+    assert [(e["peer"], e["round"], e["syncing_peer"]) for e in waits] == [(leader.me, 0, joiner.me)]
+    (w,) = waits
+    assert (w["done_bytes"] >> 20, w["total_bytes"] >> 20, w["bytes_per_s"] / 2**20) == (10, 100, 10.0)
+    assert w["wait_s"] == pytest.approx(9.0 * SYNC_WAIT_SLACK + SYNC_WAIT_MARGIN_S, abs=0.1)  # 9 s of download left
 
 
 async def test_without_announced_progress_the_wait_is_the_gather_wait_as_before():

@@ -129,13 +129,11 @@ async def test_inner_steps_start_during_the_settle_and_are_not_run_twice():
     assert len({p.digest for p in peers}) == 1 and all(p.round == 2 for p in peers)
 
 
-async def test_steps_started_on_a_plan_that_loses_the_settle_are_discarded(caplog):
+async def test_steps_started_on_a_plan_that_loses_the_settle_are_discarded():
     """The agreement hands out plan A as provisional, then returns plan B (a better-ranked leader's): the
     steps trained on A are stopped and thrown away (the model goes back to the global weights), B's
     are trained, and the row follows B."""
-    import logging
-
-    from geomesh_p2p.round import Phase  # noqa: F401
+    from geomesh_p2p import events
 
     peers = _peers(2)
     a_leader, b_leader = peers[0].me, peers[1].me
@@ -156,14 +154,16 @@ async def test_steps_started_on_a_plan_that_loses_the_settle_are_discarded(caplo
         p.hooks = {"train": (lambda p=p: calls.__setitem__(p.me, calls[p.me] + 1))}
         orig = p.reset_model
         p.reset_model = lambda p=p, orig=orig: (resets.__setitem__(p.me, resets[p.me] + 1), orig())
-    caplog.set_level(logging.INFO, logger="geomesh_p2p.node.round")
-    await asyncio.wait_for(
-        asyncio.gather(*[p.driver(rounds=1, min_peers=2, plans=Switching(p)).run() for p in peers]), 30
-    )
+    with events.capture("early_steps_discarded") as discarded:
+        await asyncio.wait_for(
+            asyncio.gather(*[p.driver(rounds=1, min_peers=2, plans=Switching(p)).run() for p in peers]), 30
+        )
     for p in peers:
         assert calls[p.me] == 2 and resets[p.me] == 1  # A's steps, discarded; then B's
         assert p.drv.history[0].leader == b_leader[:10]
-    assert "its inner steps are discarded" in caplog.text
+    assert sorted((e["peer"], e["round"], e["started_leader"], e["followed_leader"]) for e in discarded) == sorted(
+        (p.me, 0, a_leader, b_leader) for p in peers
+    )
     assert peers[0].digest == peers[1].digest
 
 

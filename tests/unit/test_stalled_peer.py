@@ -9,12 +9,12 @@ processes (a bootstrap and three peers, SIGSTOP / SIGCONT by PID) and is marked 
 from __future__ import annotations
 
 import asyncio
-import logging
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from geomesh_p2p import events
 from geomesh_p2p.round.driver import STALL_VOID_SHARE
 from geomesh_p2p.probation import noshow_penalty_rounds
 from geomesh_p2p.round.policy import OWNER_PENALTY_ROUNDS, NodeRoundPolicy
@@ -32,13 +32,13 @@ def _finished(peer, round: int, seed: float) -> None:
     peer.swarm.records[peer.me] = peer.record()
 
 
-async def test_a_stalled_peer_catches_up_to_a_swarm_whose_peers_all_left_and_does_not_train_alone(caplog):
+async def test_a_stalled_peer_catches_up_to_a_swarm_whose_peers_all_left_and_does_not_train_alone():
     stale, a, b = _peers(3)
     for p in (a, b):
         _finished(p, 5, 0.25)  # the swarm finished round 4 and announced leaving at round 5
     stale.round = 3
     drv = stale.driver(rounds=7, min_peers=2, clock=FakeClock())
-    with caplog.at_level(logging.WARNING, logger="geomesh_p2p.node.round"):
+    with events.capture("swarm_ended") as ended:
         await asyncio.wait_for(drv.run(), 30)
     # before the fix: behind() and gather() left the leaving peers out, so it trained rounds 3-6 alone
     assert drv.history == []
@@ -46,7 +46,9 @@ async def test_a_stalled_peer_catches_up_to_a_swarm_whose_peers_all_left_and_doe
     assert torch.equal(stale.theta, a.theta)
     assert drv.ended is not None and drv.ended.synced is True
     assert (drv.ended.round, drv.ended.swarm_round) == (5, 5)
-    assert "the swarm ended: every other peer (2) announced leaving" in caplog.text
+    assert [(e["peer"], e["cause"], e["round"], e["swarm_round"], e["synced"]) for e in ended] == [
+        (stale.me, "others_left", 5, 5, True)
+    ]
 
 
 async def test_a_peer_that_cannot_catch_up_from_a_swarm_that_left_ends_not_synced():
@@ -68,7 +70,7 @@ async def test_a_peer_that_cannot_catch_up_from_a_swarm_that_left_ends_not_synce
     assert "NOT the swarm's" in drv.ended.why
 
 
-async def test_short_of_min_peers_at_a_later_round_the_peer_waits_for_the_plain_wait(caplog):
+async def test_short_of_min_peers_at_a_later_round_the_peer_waits_for_the_plain_wait():
     """--min-peers holds at every round, not only the first: a live peer that has not announced the round
     yet is waited for up to wait_peers_s with one line, and the round starts when it arrives."""
     clock = FakeClock()
@@ -83,10 +85,10 @@ async def test_short_of_min_peers_at_a_later_round_the_peer_waits_for_the_plain_
 
     clock.on_wait = arrive
     drv = p.driver(min_peers=2, wait_peers_s=30.0, clock=clock)
-    with caplog.at_level(logging.INFO, logger="geomesh_p2p.node.round"):
+    with events.capture("waiting_for_peers") as waiting:
         members = await asyncio.wait_for(drv.gather(set(), first=False), 10)
     assert sorted(m.peer_id for m in members) == sorted([p.me, q.me])
-    assert caplog.text.count("round 4: waiting for 2 peers") == 1
+    assert [(e["round"], e["min_peers"], e["wait_s"]) for e in waiting] == [(4, 2, 30.0)]  # the plain wait, once
 
 
 async def test_after_the_first_round_a_swarm_short_of_min_peers_but_not_alone_goes_on_without_the_long_wait():
@@ -111,7 +113,7 @@ async def test_after_the_first_round_a_swarm_short_of_min_peers_but_not_alone_go
     ],
 )
 async def test_after_the_first_round_a_peer_left_with_no_live_peer_ends_instead_of_training_alone(
-    confirmed, seen, said, caplog
+    confirmed, seen, said
 ):
     """The others' records vanished with them (seen in the H1 process run): after its first round a peer short
     of --min-peers that sees nobody else live for wait_peers_s ends, never as synced (nothing shows where the
@@ -120,10 +122,13 @@ async def test_after_the_first_round_a_peer_left_with_no_live_peer_ends_instead_
     p.round = 4
     drv = p.driver(min_peers=2, wait_peers_s=30.0, clock=FakeClock())
     drv._confirmed_round, drv._swarm_seen = confirmed, seen  # seen: a catch-up to it failed, then records vanished
-    with caplog.at_level(logging.INFO, logger="geomesh_p2p.node.round"):
+    with events.capture("swarm_ended") as ended:
         assert await asyncio.wait_for(drv.gather(set(), first=False), 10) is None
     assert drv.ended is not None and drv.ended.synced is False and drv.ended.round == 4
-    assert "no other peer of the run is live (waited 30 s for --min-peers 2)" in caplog.text
+    assert [(e["peer"], e["cause"], e["round"], e["synced"], e["min_peers"]) for e in ended] == [
+        (p.me, "alone", 4, False, 2)
+    ]
+    assert 30.0 <= ended[0]["waited_s"] < 32.0  # virtual seconds: the whole --wait-peers-s
     assert said in drv.ended.why
     # before its first round a lone peer still starts after the wait (issue 14 #10)
     drv2 = p.driver(min_peers=2, wait_peers_s=30.0, clock=FakeClock())
@@ -162,7 +167,7 @@ class _FailedRound:
 
 
 @pytest.mark.parametrize("stall_share, blamed", [(2.0, False), (0.1, True)])
-async def test_a_round_this_peer_was_stalled_through_blames_no_owner(stall_share, blamed, caplog):
+async def test_a_round_this_peer_was_stalled_through_blames_no_owner(stall_share, blamed):
     (lone,) = _peers(1)
     noted, own = [], []
     lone.after_exchange = lambda spec, plan, ar: noted.append(spec.round)
@@ -188,12 +193,13 @@ async def test_a_round_this_peer_was_stalled_through_blames_no_owner(stall_share
 
     lone.make_plan = make_plan
     drv.loop_stall = stall
-    with caplog.at_level(logging.WARNING, logger="geomesh_p2p.node.round"):
+    with events.capture("stalled_round_not_blamed") as unblamed:
         await asyncio.wait_for(drv.run(), 30)
     assert window["s"] > 0 and (stall_share >= STALL_VOID_SHARE) is (not blamed)
     assert noted == ([0] if blamed else [])
     assert own == ([] if blamed else [(0, True)])  # stalled: only its own failed parts are noted (the others bar it)
-    assert ("this peer was stalled" in caplog.text) is (not blamed)
+    want = [] if blamed else [(lone.me, 0, pytest.approx(stall_share * window["s"]), pytest.approx(window["s"]))]
+    assert [(e["peer"], e["round"], e["stalled_s"], e["window_s"]) for e in unblamed] == want
     assert drv.history[0].loop_stall_ms == pytest.approx(stall_share * window["s"] * 1e3)
 
 

@@ -9,6 +9,7 @@ import logging
 import pytest
 import torch
 
+from geomesh_p2p import events
 from geomesh_p2p.identity import Identity
 from geomesh_p2p.node import PeerNode
 from geomesh_p2p.records import PeerRecord
@@ -75,11 +76,13 @@ def test_thirty_zero_standing_records_announcing_round_plus_one_do_not_move_a_tr
     for r in range(5):
         node.standing.credit(r, [str(i.peer_id) for i in ids] + [node.me])
     forged = _sybils(30, round=6, digest="zeros")
-    with caplog.at_level(logging.WARNING, logger="geomesh_p2p.standing"):
+    with caplog.at_level(logging.WARNING, logger="geomesh_p2p.standing"), events.capture("state_refused") as refused:
         assert node._swarm_round(honest + forged) == 5
-        assert node._swarm_round(honest + forged) == 5
-    refusals = [r.getMessage() for r in caplog.records if "refusing the state of round 6" in r.getMessage()]
-    assert len(refusals) == 1 and "30 peer(s)" in refusals[0] and "0 of the 15" in refusals[0]
+        assert node._swarm_round(honest + forged) == 5  # polled again: refused once, not once per poll
+    facts = [(e["peer"], e["round"], e["digest"], e["identities"], e["backing"], e["total"]) for e in refused]
+    assert facts == [(node.me, 6, "zeros", 30, 0, 15)]
+    # the line is logged where the vote is read, not inside the log-once helper
+    assert [r.funcName for r in caplog.records] == ["_state_vote"]
     vote = choose_state(honest + forged, me=node.me, standing=node.standing, trained=True)
     assert (vote.choice.round, vote.choice.digest) == (5, "honest") and vote.choice.mode == "standing"
     assert set(vote.choice.donors) == {r.address for r in honest}

@@ -47,6 +47,28 @@ def test_each_package_quiets_grpc_before_anything_else(package):
     assert ast.unparse(body[1]) == "quiet_grpc_core()"
 
 
+@pytest.mark.parametrize("module", ["geomesh_p2p.adversary", "geomesh_p2p.dht.__main__"])
+def test_library_programs_quiet_grpc_before_any_import_when_run_as_main(module):
+    """``python -m geomesh_p2p.adversary`` / ``python -m geomesh_p2p.dht``: the statement after
+    ``from __future__`` calls quiet_grpc_core when run as a program, before any import that may load grpc;
+    imported as a library module, the environment is left alone."""
+    import ast
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec(module)
+    assert spec is not None and spec.origin is not None
+    tree = ast.parse(Path(spec.origin).read_text())
+    body = [n for n in tree.body if not (isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant))]
+    assert ast.unparse(body[0]) == "from __future__ import annotations"
+    guard = body[1]
+    assert isinstance(guard, ast.If) and ast.unparse(guard.test) == "__name__ == '__main__'"
+    assert [ast.unparse(n) for n in guard.body] == [
+        "from geomesh_p2p.grpc_env import quiet_grpc_core",
+        "quiet_grpc_core()",
+    ]
+
+
 # ------------------------------------------------------------------ argparse errors in one line (finding 7)
 def _peer_main_error(capsys, *argv) -> tuple[int, list[str]]:
     from peer.cli import main

@@ -36,6 +36,7 @@ def _node(ckpt_dir) -> PeerNode:
     node.theta = torch.arange(8, dtype=torch.float32)
     node.outer = OuterNesterov(lr=0.7, momentum=0.9)
     node.standing = Standing()
+    node._syncing = False
     return node
 
 
@@ -70,7 +71,7 @@ def test_a_full_disk_is_a_warning_and_the_previous_checkpoint_stays(tmp_path, mo
     assert [r for r, _ in state.list_checkpoints(tmp_path)] == [3, 5]
 
 
-def test_parts_that_aggregated_no_token_do_not_move(caplog):
+def test_parts_that_aggregated_no_token_do_not_move():
     """Issue 14 #8: with momentum, a zero update still moved the weights (eval ppl 515 -> 618 over 8 rounds
     of 0 tokens). Idle ranges keep weights and outer momentum; a round with no token at all changes nothing."""
     from types import SimpleNamespace
@@ -82,11 +83,45 @@ def test_parts_that_aggregated_no_token_do_not_move(caplog):
     node = PeerNode(RunConfig(), NodeConfig(), identity=Identity.generate())
     node.outer, node.theta = OuterNesterov(lr=0.7, momentum=0.9), theta.clone()
     node.outer.buf = torch.full((12,), 0.5)  # momentum from earlier rounds
-    with caplog.at_level(logging.INFO, logger="geomesh_p2p.node"):
+    with events.capture("idle_parts_unchanged") as idle:
         node._outer_step(3, plan, torch.full((12,), 0.01), idle=[(6, 12)])
     assert torch.equal(node.theta[6:], theta[6:]) and torch.equal(node.outer.buf[6:], torch.full((6,), 0.5))
     assert not torch.equal(node.theta[:6], theta[:6])  # the part with tokens stepped
-    assert "6 of 12 elements aggregated no token (1 part(s))" in caplog.text
+    assert [(e["peer"], e["round"], e["idle"], e["idle_elements"], e["elements"]) for e in idle] == [
+        (node.me, 3, [[6, 12]], 6, 12)
+    ]
     before, buf = node.theta.clone(), node.outer.buf.clone()
     node._outer_step(4, plan, torch.zeros(12), idle=[(0, 6), (6, 12)])
     assert torch.equal(node.theta, before) and torch.equal(node.outer.buf, buf)
+
+
+@pytest.mark.parametrize("how", ["syncing", "ended_not_synced"])
+def test_a_peer_not_synced_writes_no_final_checkpoint(tmp_path, how):
+    """A planned-out or catching-up peer has moved its round on while its weights are an older round's:
+    the shutdown checkpoint would label stale weights with the new round. It is skipped with a reason."""
+    node = _node(tmp_path)
+    assert asyncio.run(node._final_checkpoint()) is not None  # synced: written
+    node.round = 4
+    if how == "syncing":
+        node._syncing = True
+    else:
+        node._syncing = False
+        node._ended_not_synced = True
+    with events.capture("final_checkpoint_skipped") as skipped:
+        assert asyncio.run(node._final_checkpoint()) is None
+    [ev] = skipped
+    assert (ev["round"], ev["reason"], ev["level"]) == (4, "not_synced", "INFO")
+    assert [r for r, _ in state.list_checkpoints(tmp_path)] == [3]  # only the synced one
+
+
+def test_the_final_checkpoint_of_a_synced_peer_is_written(tmp_path):
+    node = _node(tmp_path)
+    node._syncing = False
+    with events.capture("final_checkpoint_skipped") as skipped:
+        path = asyncio.run(node._final_checkpoint())
+    assert skipped == [] and path is not None
+    assert [r for r, _ in state.list_checkpoints(tmp_path)] == [3]
+    node.cfg = NodeConfig()  # no --checkpoint-dir: nothing written, nothing said
+    with events.capture("final_checkpoint_skipped") as skipped:
+        assert asyncio.run(node._final_checkpoint()) is None
+    assert skipped == []

@@ -1,0 +1,61 @@
+"""A planned-out peer re-measures its link (issue 17 rerun of benchmarks/realswarm_netns.py: a peer whose
+exchange measured a pessimistic link was planned out, and never exchanged again to correct it)."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
+from geomesh_p2p import events
+from geomesh_p2p import node as node_mod
+from geomesh_p2p.capability import ThroughputEMA
+from geomesh_p2p.node import NodeConfig, PeerNode
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def _node(**cfg) -> PeerNode:
+    node = PeerNode.__new__(PeerNode)
+    node.cfg = NodeConfig(bootstrap=["10.0.0.1:1", "10.0.0.2:1"], **cfg)
+    node.ema = ThroughputEMA(upload_bps=2.9e5, download_bps=3.0e5)  # what a congested exchange measured
+    node.transport = object()  # probe_link is replaced below: nothing is dialled
+    return node
+
+
+def test_the_probe_replaces_the_exchange_figures_once_per_interval(monkeypatch):
+    calls = []
+
+    async def probe(transport, address, **kw):
+        calls.append(address)
+        if address == "10.0.0.1:1":
+            raise RuntimeError("busy")  # the next bootstrap is tried
+        return SimpleNamespace(upload_bps=9.4e5, download_bps=9.2e5)
+
+    monkeypatch.setattr(node_mod, "probe_link", probe)
+    node = _node()
+    with events.capture("link_reprobed") as got:
+        asyncio.run(node.remeasure_links())
+        asyncio.run(node.remeasure_links())  # within REPROBE_MIN_INTERVAL_S: no second probe
+    assert calls == ["10.0.0.1:1", "10.0.0.2:1"]
+    assert (node.ema.upload_bps, node.ema.download_bps) == (940000.0, 920000.0)
+    [ev] = got
+    assert (ev["upload_bps"], ev["was_upload_bps"], ev["was_download_bps"]) == (940000.0, 2.9e5, 3.0e5)
+
+
+def test_stated_links_are_not_probed_and_one_stated_direction_is_kept(monkeypatch):
+    calls = []
+
+    async def probe(transport, address, **kw):
+        calls.append(address)
+        return SimpleNamespace(upload_bps=9.4e5, download_bps=9.2e5)
+
+    monkeypatch.setattr(node_mod, "probe_link", probe)
+    both = _node(upload_bps=1e6, download_bps=1e6)
+    asyncio.run(both.remeasure_links())
+    assert calls == []
+    up_only = _node(upload_bps=1e6)
+    asyncio.run(up_only.remeasure_links())
+    assert calls == ["10.0.0.1:1"]
+    assert (up_only.ema.upload_bps, up_only.ema.download_bps) == (2.9e5, 920000.0)
