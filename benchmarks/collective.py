@@ -125,19 +125,17 @@ async def run_group(n: int, numel: int, block_size: int, tmp: str, deadline_s: f
     procs = []
     try:
         for k in range(n):
-            p = await asyncio.create_subprocess_exec(
-                sys.executable,
+            w = await JsonLineProc.start(
                 os.path.abspath(__file__),
                 "--worker",
                 "--seed",
                 str(1000 + k),
                 "--numel",
                 str(numel),
-                stdin=asyncio.subprocess.PIPE,
-                stdout=asyncio.subprocess.PIPE,
                 env=env,
+                timeout=900.0,
             )
-            procs.append(JsonLineProc(p, timeout=900.0))
+            procs.append(w)
         ready = [await p.read() for p in procs]
         pids = [r["peer_id"] for r in ready]
         owners = make_partition(numel, [(r["peer_id"], r["address"], 1.0) for r in ready], block_size=block_size)

@@ -177,25 +177,13 @@ async def _worker(seed: int, numel: int, n: int, initial_peers: list[str], reads
 async def _spawn(k: int, n: int, numel: int, initial: list[str], reads_per_ip: int) -> JsonLineProc:
 
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", GRPC_VERBOSITY="ERROR")
-    p = await asyncio.create_subprocess_exec(
-        sys.executable,
+    return await JsonLineProc.start(
         os.path.abspath(__file__),
-        "--worker",
-        "--seed",
-        str(1000 + k),
-        "--numel",
-        str(numel),
-        "--group",
-        str(n),
-        "--initial",
-        json.dumps(initial),
-        "--reads-per-ip",
-        str(reads_per_ip),
-        stdin=asyncio.subprocess.PIPE,
-        stdout=asyncio.subprocess.PIPE,
+        *("--worker", "--seed", str(1000 + k), "--numel", str(numel), "--group", str(n)),
+        *("--initial", json.dumps(initial), "--reads-per-ip", str(reads_per_ip)),
         env=env,
+        timeout=900.0,
     )
-    return JsonLineProc(p, timeout=900.0)
 
 
 async def run_group(

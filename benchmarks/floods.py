@@ -146,26 +146,15 @@ def start_targets(root: Path, tmp: Path, ns) -> tuple:
         "PYTHONPATH": str(root),
         "GEOMESH_ROOT": str(root),
     }
+    from geomesh_p2p.procs import bootstrap_argv  # here: see Target (a --serve child may run an older tree)
+
     boot = Target(
         "bootstrap",
-        [
-            "-m",
-            "bootstrap.cli",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            "0",
-            "--run-id",
+        bootstrap_argv(
             RUN,
-            "--identity",
-            str(tmp / f"boot-{random.getrandbits(32)}.key"),
-            "--status-interval",
-            "3600",
-            "--log-level",
-            "ERROR",
-            "--republish-period",
-            str(ns.republish_period),
-        ],
+            tmp / f"boot-{random.getrandbits(32)}.key",
+            *("--status-interval", "3600", "--log-level", "ERROR", "--republish-period", str(ns.republish_period)),
+        )[1:],  # Target (ServingProcess) puts the interpreter first itself
         root,
         env,
     )

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
-import socket
 import statistics
 import sys
 import time
@@ -76,12 +75,6 @@ def print_table(res: dict) -> None:
         )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_swarm(ns: argparse.Namespace) -> list[str]:
     """Start the swarm (processes owned by peer.demo.Swarm, stopped by PID at the end), wait for every
     peer to finish ``--rounds``; returns the peers' JSON row files."""
@@ -94,11 +87,12 @@ def run_swarm(ns: argparse.Namespace) -> list[str]:
         old.unlink()
     exe = [sys.executable, "-m"]
     swarm = Swarm(workdir)
-    bport = _free_port()
     speeds = [float(x) for x in ns.speed_factors.split(",")]
     files, peers = [], []
     try:
-        swarm.spawn("bootstrap", bootstrap_argv(ns.run_id, workdir / "bootstrap.key", port=bport))
+        swarm.spawn("bootstrap", bootstrap_argv(ns.run_id, workdir / "bootstrap.key"))
+        # Port 0: the bootstrap binds a free port and prints it (a port picked first could be taken).
+        entry = swarm.address("bootstrap")
         for i in range(ns.peers):
             files.append(str(workdir / f"peer{i}.jsonl"))
             peers.append(
@@ -109,7 +103,7 @@ def run_swarm(ns: argparse.Namespace) -> list[str]:
                         "peer.cli",
                         "join",
                         "--bootstrap",
-                        f"127.0.0.1:{bport}",
+                        entry,
                         "--run-id",
                         ns.run_id,
                         "--identity",

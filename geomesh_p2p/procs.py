@@ -24,12 +24,13 @@ from typing import Optional, Sequence
 SERVING_RE = re.compile(r"serving on (\S+)")
 
 
-def bootstrap_argv(run_id: str, identity: Path, *, host: str = "127.0.0.1", port: int = 0) -> list[str]:
+def bootstrap_argv(run_id: str, identity: Path | str, *extra: str, host: str = "127.0.0.1", port: int = 0) -> list[str]:
     """The command line that starts a bootstrap node with this interpreter (``python -m bootstrap.cli``)
     for run ``run_id`` on ``host:port`` (0: the OS picks a free port; read it back with
-    :func:`wait_for_address`), its key in file ``identity`` (created when absent)."""
+    :func:`wait_for_address`), its key in file ``identity`` (created when absent); ``extra`` flags come
+    last, so a flag given again there wins."""
     argv = [sys.executable, "-m", "bootstrap.cli", "--host", host, "--port", str(port)]
-    return argv + ["--run-id", run_id, "--identity", str(identity)]
+    return argv + ["--run-id", run_id, "--identity", str(identity), *extra]
 
 
 def read_json_rows(path: Path) -> list[dict]:

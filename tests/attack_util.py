@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import math
 import os
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
-from tests.swarm_util import FAST, RUN_ID, ProcSwarm
+from tests.swarm_util import RUN_ID, ProcSwarm
 
 
 class AttackSwarm(ProcSwarm):
@@ -31,26 +30,9 @@ class AttackSwarm(ProcSwarm):
         port: int = 0,
         extra: Sequence[str] = (),
     ):
-        argv = [
-            sys.executable,
-            "-m",
-            "geomesh_p2p.adversary",
-            "join",
-            "--attack",
-            attack,
-            "--identity",
-            str(self.dir / f"{name}.key"),
-            "--port",
-            str(port),
-            "--log-json",
-            str(self.log_path(name)),
-            *FAST,
-            *args,
-            *extra,
-        ]
-        if bootstrap:
-            argv += ["--bootstrap", bootstrap]
-        return self._spawn(name, argv)
+        return self.join(
+            name, ["geomesh_p2p.adversary", "join", "--attack", attack], *args, *extra, bootstrap=bootstrap, port=port
+        )
 
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs.values() if p.poll() is None]

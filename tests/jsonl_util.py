@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 
 
 class JsonLineProc:
@@ -14,6 +15,22 @@ class JsonLineProc:
     def __init__(self, proc: asyncio.subprocess.Process, timeout: float = 60.0):
         self.proc = proc
         self.timeout = timeout  # seconds: the default wait for one event
+
+    @classmethod
+    async def start(cls, script: str, *args: str, env: dict, stderr=None, timeout: float = 60.0) -> JsonLineProc:
+        """Start ``python script args...`` with its stdin and stdout piped (stderr: inherited, or ``stderr``)
+        and return its handle; ``timeout`` is the default wait for one event, seconds. Raises OSError when
+        the interpreter cannot be started."""
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            script,
+            *args,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=stderr,
+            env=env,
+        )
+        return cls(proc, timeout=timeout)
 
     async def read(self, timeout: float | None = None) -> dict:
         """The next JSON event (a dict). Raises :class:`EOFError` if the worker closed stdout (exited),
@@ -54,8 +71,6 @@ async def kill_workers(procs: list[JsonLineProc]) -> None:
 async def commands():
     """The worker side: each JSON command read from stdin (one object a line), until EOF or ``{"cmd": "exit"}``.
     stdin is read in the default executor so the worker's event loop keeps serving meanwhile."""
-    import sys
-
     loop = asyncio.get_running_loop()
     while True:
         line = await loop.run_in_executor(None, sys.stdin.readline)

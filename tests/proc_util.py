@@ -11,12 +11,18 @@ from pathlib import Path
 import grpc
 
 from geomesh_p2p.identity import Identity
-from geomesh_p2p.procs import ServingProcess
+from geomesh_p2p.procs import ServingProcess, bootstrap_argv
 from geomesh_p2p.wire import envelope_pb2
 
 ROOT = Path(__file__).resolve().parent.parent
 MiB = 1 << 20
 START_TIMEOUT = 90  # a cold interpreter imports torch + hivemind
+
+
+def bootstrap_args(run_id: str, identity: Path, *extra: str) -> list[str]:
+    """:func:`geomesh_p2p.procs.bootstrap_argv` (port 0 on 127.0.0.1) without the interpreter, for the
+    starters that put ``sys.executable`` first themselves (:class:`Server`, test_bootstrap's ``procs``)."""
+    return bootstrap_argv(run_id, identity, *extra)[1:]
 
 
 def status_kib(pid: int, field: str) -> int:

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Optional, Sequence
 
 from geomesh_p2p import events
-from geomesh_p2p.procs import ProcGroup, address_in_log, read_json_rows
+from geomesh_p2p.procs import ProcGroup, address_in_log, bootstrap_argv, read_json_rows
 
 # Small and fast: tests are about the protocol, not the model.
 FAST = [
@@ -37,15 +37,6 @@ RUN_ID = FAST[FAST.index("--run-id") + 1]  # the run FAST peers join; a bootstra
 START_TIMEOUT = 120  # seconds for a cold interpreter (torch, grpc) to print its "serving on" line
 
 
-def free_port() -> int:
-    """A port that was free a moment ago on 127.0.0.1. Racy: another process can take it before the
-    server binds it. Only for an address that must have nobody listening (a dead bootstrap); to start a
-    server, give it ``port=0`` and read its address back (:meth:`ProcSwarm.address`)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def dead_address() -> Iterator[str]:
     """``127.0.0.1:PORT`` where nobody listens while the ``with`` block runs: the port is bound by a socket
@@ -65,13 +56,21 @@ class ProcSwarm(ProcGroup):
         self._log_start: dict[str, int] = {}  # name -> size of its .log when it was last started
 
     def peer(
-        self, name: str, *args: str, bootstrap: str | None = None, port: int = 0, extra: list[str] | None = None
+        self, name: str, *args: str, bootstrap: str | None = None, port: int = 0, extra: Sequence[str] = ()
     ) -> subprocess.Popen:
+        """Start ``peer.cli join`` as ``name`` (key ``<dir>/<name>.key``, rows ``<dir>/<name>.jsonl``) with
+        :data:`FAST`, then ``args`` and ``extra``; port 0 (the default): read its address with :meth:`address`."""
+        return self.join(name, ["peer.cli", "join"], *args, *extra, bootstrap=bootstrap, port=port)
+
+    def join(
+        self, name: str, command: Sequence[str], *args: str, bootstrap: str | None = None, port: int = 0
+    ) -> subprocess.Popen:
+        """Start ``python -m <command>`` (a ``join`` command: the peer's or an attacker's) as ``name`` with
+        its key, ``--port``, its JSON rows and :data:`FAST`, then ``args``, and ``--bootstrap`` when given."""
         argv = [
             sys.executable,
             "-m",
-            "peer.cli",
-            "join",
+            *command,
             "--identity",
             str(self.dir / f"{name}.key"),
             "--port",
@@ -80,7 +79,6 @@ class ProcSwarm(ProcGroup):
             str(self.log_path(name)),
             *FAST,
             *args,
-            *(extra or []),
         ]
         if bootstrap:
             argv += ["--bootstrap", bootstrap]
@@ -100,21 +98,13 @@ class ProcSwarm(ProcGroup):
         assert entry is not None, "no peer to start"
         return entry
 
-    def bootstrap(self, name: str, port: int = 0, run_id: str = RUN_ID) -> subprocess.Popen:
-        argv = [
-            sys.executable,
-            "-m",
-            "bootstrap.cli",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--run-id",
-            run_id,
-            "--identity",
-            str(self.dir / f"{name}.key"),
-        ]
-        return self._spawn(name, argv)
+    def bootstrap(
+        self, name: str, *extra: str, port: int = 0, run_id: str = RUN_ID, host: str = "127.0.0.1"
+    ) -> subprocess.Popen:
+        """Start a bootstrap as ``name`` (key ``<dir>/<name>.key``; see :func:`geomesh_p2p.procs.bootstrap_argv`); with port 0
+        (the default) read the address it bound with :meth:`address`."""
+        key = self.dir / f"{name}.key"
+        return self._spawn(name, bootstrap_argv(run_id, key, *extra, host=host, port=port))
 
     def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
         log = self.dir / f"{name}.log"

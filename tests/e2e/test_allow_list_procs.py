@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import sys
 import pytest
 from geomesh_p2p.identity import Identity
-from tests.swarm_util import free_port
 from tests.integration.test_allow_list import REASON  # noqa: F401
 
 
@@ -13,35 +11,16 @@ from tests.integration.test_allow_list import REASON  # noqa: F401
 def test_bootstrap_with_allow_peers_refuses_a_peer_process_off_the_list(swarm, tmp_path):
     """geomesh-bootstrap --allow-peers FILE (PeerIDs, '#' comments): a geomesh-peer whose key is not listed
     exits non-zero saying it is not on the allow-list; the bootstrap logs the refusal and keeps serving."""
-    boot_key, member_key, outsider_key = (tmp_path / f"{n}.key" for n in ("boot", "member", "outsider"))
+    member_key, outsider_key = (tmp_path / f"{n}.key" for n in ("member", "outsider"))
     member = Identity.load_or_create(member_key)
     outsider = Identity.load_or_create(outsider_key)
     allow = tmp_path / "allow.txt"
     allow.write_text(f"# the members of this private run\n{member.peer_id}  # member\n\n")
-    port = free_port()
-    swarm._spawn(
-        "boot",
-        [
-            sys.executable,
-            "-m",
-            "bootstrap.cli",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--run-id",
-            "test-swarm",
-            "--identity",
-            str(boot_key),
-            "--allow-peers",
-            str(allow),
-            "--state-file",
-            "",
-        ],
-    )
-    swarm.wait_for(lambda: "serving on" in swarm.text("boot"), 120, "the bootstrap to listen")
+    # Port 0: the bootstrap binds a free port and prints it; the address is read back from that line.
+    swarm.bootstrap("boot", "--allow-peers", str(allow), "--state-file", "")
+    entry = swarm.address("boot")
     assert "private run: 1 allowed peer(s)" in swarm.text("boot")
-    swarm.peer("outsider", "--rounds", "1", bootstrap=f"127.0.0.1:{port}")
+    swarm.peer("outsider", "--rounds", "1", bootstrap=entry)
     code = swarm.wait_exit(["outsider"], 150)["outsider"]
     text = swarm.text("outsider")
     assert code != 0 and REASON in text and outsider.peer_id.short() in text, text[-3000:]

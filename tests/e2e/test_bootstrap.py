@@ -18,6 +18,7 @@ import pytest
 
 from bootstrap.cli import main, parse
 from geomesh_p2p.procs import stop_process
+from tests.proc_util import bootstrap_args
 
 pytestmark = pytest.mark.timeout(180)
 ROOT = Path(__file__).resolve().parents[2]
@@ -90,19 +91,7 @@ def procs():
 
 
 def _bootstrap_argv(tmp_path, *extra):
-    return [
-        "-m",
-        "bootstrap.cli",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        "0",
-        "--identity",
-        str(tmp_path / "boot.key"),
-        "--run-id",
-        "proc-test",
-        *extra,
-    ]
+    return bootstrap_args("proc-test", tmp_path / "boot.key", *extra)
 
 
 # ---------------------------------------------------------------- options, in process

@@ -8,7 +8,7 @@ from geomesh_p2p.dht import make_record
 from geomesh_p2p.identity import Identity
 from geomesh_p2p.transport import DHT_STORE, RpcError, Transport, TransportConfig
 from geomesh_p2p.wire import dht_pb2
-from tests.proc_util import MiB
+from tests.proc_util import MiB, bootstrap_args
 from tests.integration.test_dht_guard import _store_req  # noqa: F401
 
 
@@ -16,24 +16,7 @@ async def test_bootstrap_memory_under_a_store_flood_from_one_identity(servers, t
     """One identity offers 256 MiB of signed 64 KiB records with a 24 h lifetime to a bootstrap: it
     keeps its quota's worth (2 MiB) and its memory stays flat. Before: every record was kept."""
     run = "flood-test"
-    boot = servers(
-        [
-            "-m",
-            "bootstrap.cli",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            "0",
-            "--run-id",
-            run,
-            "--identity",
-            str(tmp_path / "boot.key"),
-            "--status-interval",
-            "3600",
-            "--log-level",
-            "ERROR",
-        ]
-    )
+    boot = servers(bootstrap_args(run, tmp_path / "boot.key", "--status-interval", "3600", "--log-level", "ERROR"))
     me = Identity.generate()
     client = Transport(me, run, TransportConfig(client_only=True))
     try:

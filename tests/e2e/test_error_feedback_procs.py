@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 from geomesh_p2p.compression.feedback import RESIDUAL_FILE
-from tests.swarm_util import free_port
 
 
 # ------------------------------------------------------------------ two peer processes
@@ -15,12 +14,9 @@ def test_two_peers_with_error_feedback_keep_equal_digests_and_checkpoint_the_res
     checkpoints a non-zero residual tagged with the state of its last checkpoint."""
     from safetensors import safe_open
 
-    port = free_port()
     names = ["p0", "p1"]
     common = ["--rounds", "3", "--min-peers", "2", "--error-feedback", "--checkpoint-every", "1"]
-    swarm.peer("p0", *common, "--checkpoint-dir", str(tmp_path / "ck0"), port=port)
-    swarm.wait_for(lambda: "serving on" in swarm.text("p0"), 120, "p0 to listen")
-    swarm.peer("p1", *common, "--checkpoint-dir", str(tmp_path / "ck1"), bootstrap=f"127.0.0.1:{port}")
+    swarm.start_peers(names, *common, each=lambda i, n: ["--checkpoint-dir", str(tmp_path / f"ck{i}")])
     assert swarm.wait_exit(names, 360) == {"p0": 0, "p1": 0}
     for r in range(3):
         d = {n: next((x["digest"] for x in swarm.rows(n) if x["round"] == r), None) for n in names}

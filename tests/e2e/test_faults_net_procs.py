@@ -12,20 +12,7 @@ from tests.integration.test_faults_net import FAKETIME_LIB, _boot_argv, _dht_arg
 def test_process_advertising_an_unreachable_host_warns_and_runs_client_only(tmp_path, procs):  # noqa: F811
     boot = procs(_boot_argv(tmp_path), "bootstrap")
     address = boot.wait_line(r"serving on (\S+:\d+)", START_TIMEOUT).group(1)
-    peer = procs(
-        [
-            "-m",
-            "geomesh_p2p.dht",
-            "--bootstrap",
-            address,
-            "--run-id",
-            "faults",
-            "--announce",
-            "--advertise-host",
-            "127.0.0.9",
-        ],
-        "peer",
-    )
+    peer = procs(_dht_argv(address, "--advertise-host", "127.0.0.9", watch=False), "peer")  # one row, then exit
     row = json.loads(peer.wait_line(r"^\{", START_TIMEOUT).string)
     assert (row["address"], row["reachable"]) == (None, False)
     assert peer.p.wait(30) == 0
@@ -43,23 +30,7 @@ def test_bootstrap_and_peer_processes_on_ipv6_loopback(tmp_path, procs):  # noqa
     boot = procs(_boot_argv(tmp_path, "--host", "::1"), "bootstrap")
     address = boot.wait_line(r"serving on (\S+:\d+)", START_TIMEOUT).group(1)
     assert address.startswith("[::1]:")
-    peer = procs(
-        [
-            "-m",
-            "geomesh_p2p.dht",
-            "--bootstrap",
-            address,
-            "--run-id",
-            "faults",
-            "--announce",
-            "--host",
-            "::1",
-            "--watch",
-            "--period",
-            "0.5",
-        ],
-        "peer",
-    )
+    peer = procs(_dht_argv(address, "--host", "::1"), "peer")
     row = json.loads(peer.wait_line(r"^\{", START_TIMEOUT).string)
     assert row["address"].startswith("[::1]:") and row["reachable"] is True
     me = row["peer_id"]

@@ -29,28 +29,7 @@ def test_peer_advertising_an_unreachable_host_trains_client_only_without_a_fork(
 def test_newcomer_of_a_run_whose_peers_left_waits_or_resumes(swarm, tmp_path):
     """The bootstrap saw the run at round N > 0, its only peer left: a newcomer says so and waits (Ctrl+C
     ends it cleanly, no checkpoint of the seed is written), or resumes from a checkpoint when told to."""
-    import sys
-
-    swarm._spawn(
-        "boot",
-        [
-            sys.executable,
-            "-m",
-            "bootstrap.cli",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            "0",
-            "--run-id",
-            "test-swarm",
-            "--identity",
-            str(tmp_path / "boot.key"),
-            "--status-interval",
-            "0.5",
-            "--state-file",
-            "",
-        ],
-    )
+    swarm.bootstrap("boot", "--status-interval", "0.5", "--state-file", "")
     entry = swarm.address("boot")
     ck = tmp_path / "ck"
     swarm.peer("first", "--rounds", "2", "--checkpoint-dir", str(ck), bootstrap=entry)

@@ -6,8 +6,17 @@ import asyncio
 import grpc
 from geomesh_p2p.identity import Identity
 from geomesh_p2p.transport import DHT_PING, DHT_STORE
-from tests.proc_util import MiB, signed_call
+from tests.proc_util import MiB, bootstrap_args, signed_call
 from tests.integration.test_limits import RUN, _valid_pings, ping_payload  # noqa: F401
+
+
+async def _peak_rss_growth_mib(server, hwm0_kib: int, what: str) -> float:
+    """After a flood: ``server`` still answers valid pings; returns (and prints) how much its peak RSS
+    (VmHWM) grew since ``hwm0_kib``, in MiB."""
+    await _valid_pings(server.address)
+    grown_mib = (server.kib("VmHWM") - hwm0_kib) / 1024
+    print(f"{what} peak RSS grew by {grown_mib:.0f} MiB")
+    return grown_mib
 
 
 # --------------------------------------------------------------------------- sizes, before receipt
@@ -15,24 +24,7 @@ async def test_bootstrap_refuses_oversized_requests_before_receiving_them(server
     """5 concurrent signed 64 MiB requests to a bootstrap: refused from their length prefix (the
     bootstrap's server-wide limit is its largest method's, ~4 MiB), so its memory does not grow by
     them. Before: the 128 MiB server-wide limit let each be received, parsed and hashed (+~0.3 GB)."""
-    boot = servers(
-        [
-            "-m",
-            "bootstrap.cli",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            "0",
-            "--run-id",
-            RUN,
-            "--identity",
-            str(tmp_path / "boot.key"),
-            "--status-interval",
-            "3600",
-            "--log-level",
-            "WARNING",
-        ]
-    )
+    boot = servers(bootstrap_args(RUN, tmp_path / "boot.key", "--status-interval", "3600", "--log-level", "WARNING"))
     await _valid_pings(boot.address)
     hwm0 = boot.kib("VmHWM")
     attackers = [Identity.generate() for _ in range(5)]
@@ -43,9 +35,7 @@ async def test_bootstrap_refuses_oversized_requests_before_receiving_them(server
     )
     del big
     assert codes == [grpc.StatusCode.RESOURCE_EXHAUSTED] * 10
-    await _valid_pings(boot.address)
-    grown_mib = (boot.kib("VmHWM") - hwm0) / 1024
-    print(f"bootstrap peak RSS grew by {grown_mib:.0f} MiB")
+    grown_mib = await _peak_rss_growth_mib(boot, hwm0, "bootstrap")
     assert grown_mib < 32, f"bootstrap peak RSS grew by {grown_mib:.0f} MiB"
 
 
@@ -62,7 +52,5 @@ async def test_peer_receives_a_bounded_number_of_oversized_requests_at_once(serv
     codes = await asyncio.gather(*(signed_call(peer.address, a, DHT_PING, big, run=RUN) for a in attackers))
     del big
     assert codes == [grpc.StatusCode.RESOURCE_EXHAUSTED] * 6
-    await _valid_pings(peer.address)
-    grown_mib = (peer.kib("VmHWM") - hwm0) / 1024
-    print(f"peer peak RSS grew by {grown_mib:.0f} MiB")
+    grown_mib = await _peak_rss_growth_mib(peer, hwm0, "peer")
     assert grown_mib < 260, f"peer peak RSS grew by {grown_mib:.0f} MiB"

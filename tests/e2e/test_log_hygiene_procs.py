@@ -2,21 +2,19 @@
 
 from __future__ import annotations
 
-import sys
 import pytest
-from tests.swarm_util import free_port
+from tests.swarm_util import dead_address
 from tests.integration.test_log_hygiene import _bad_lines  # noqa: F401
 
 
 @pytest.mark.timeout(420)
 def test_a_healthy_three_peer_swarm_logs_no_error_traceback_or_pending_task(swarm):
     """A demo-like swarm (a bootstrap and three peers, --rounds 3) runs and stops: no log has a bad line."""
-    bport = free_port()
-    swarm.bootstrap("boot", bport)
-    swarm.wait_for(lambda: "serving on" in swarm.text("boot"), 180, "the bootstrap to listen")
+    swarm.bootstrap("boot")  # port 0: it binds a free port and prints it
+    entry = swarm.address("boot", 180)
     names = ["p0", "p1", "p2"]
     for n in names:
-        swarm.peer(n, "--rounds", "3", "--min-peers", "3", bootstrap=f"127.0.0.1:{bport}")
+        swarm.peer(n, "--rounds", "3", "--min-peers", "3", bootstrap=entry)
     assert swarm.wait_exit(names, 360) == {n: 0 for n in names}
     swarm.interrupt("boot")
     assert swarm.wait_exit(["boot"], 60) == {"boot": 0}
@@ -30,26 +28,11 @@ def test_a_healthy_three_peer_swarm_logs_no_error_traceback_or_pending_task(swar
 def test_a_bootstrap_stopped_while_joining_stops_at_once_and_cleanly(swarm):
     """SIGINT while the bootstrap still retries its --bootstrap (a closed port, ~30 s of backoff): it ends
     the join at once (no 'serving alone' after it), exits 0 and prints no bad line."""
-    dead = free_port()  # nothing listens there
-    argv = [
-        sys.executable,
-        "-m",
-        "bootstrap.cli",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(free_port()),
-        "--run-id",
-        "test-swarm",
-        "--identity",
-        str(swarm.dir / "boot.key"),
-        "--bootstrap",
-        f"127.0.0.1:{dead}",
-    ]
-    swarm._spawn("boot", argv)
-    swarm.wait_for(lambda: "serving on" in swarm.text("boot"), 180, "the bootstrap to listen")
-    swarm.interrupt("boot")
-    assert swarm.wait_exit(["boot"], 60) == {"boot": 0}
+    with dead_address() as dead:  # bound, never listening: its connections are refused
+        swarm.bootstrap("boot", "--bootstrap", dead)
+        swarm.address("boot", 180)
+        swarm.interrupt("boot")
+        assert swarm.wait_exit(["boot"], 60) == {"boot": 0}
     text = swarm.text("boot")
     assert "stopped" in text.splitlines()[-1], text
     assert "serving alone" not in text, text  # the join's retries did not run to their end

@@ -18,7 +18,7 @@ import sys
 
 import pytest
 
-from tests.swarm_util import FAST, ProcSwarm, free_port
+from tests.swarm_util import FAST, ProcSwarm
 
 COMMON = ["--window-s", "3", "--eval-every", "1000", "--checkpoint-every", "1000"]
 #: (tbf rate in Mbit/s, model): the issue's 100 Mbit/s link with `small` ((1 + 1) x 12,318,720 x 4 = 98.5 MB,
@@ -103,24 +103,9 @@ def lab(tmp_path, request):
 
 
 def _start(link: SlowLink, sw: ProcSwarm) -> str:
-    port = free_port()
-    boot = f"{link.root_ip}:{port}"
-    sw._spawn(
-        "boot",
-        [
-            sys.executable,
-            "-m",
-            "bootstrap.cli",
-            "--host",
-            link.root_ip,
-            "--port",
-            str(port),
-            "--run-id",
-            "test-swarm",
-            "--identity",
-            str(sw.dir / "boot.key"),
-        ],
-    )
+    # Port 0 on the veth's root side: the bootstrap binds a free port and prints HOST:PORT, read back here.
+    sw.bootstrap("boot", host=link.root_ip)
+    boot = sw.address("boot")
     for name in ("a", "b"):
         sw.peer(name, "--host", link.root_ip, "--min-peers", "2", *link.model, bootstrap=boot)
     sw.wait_for(lambda: len(sw.rows("a")) >= 2 and len(sw.rows("b")) >= 2, 150, "2 rounds of the donors")

@@ -11,7 +11,7 @@ import socket
 import pytest
 import torch
 
-from tests.swarm_util import free_port
+from tests.swarm_util import dead_address
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.timeout(240)
 def test_ctrl_c_during_the_profile_stops_at_the_next_step(swarm):
     # ~1 s per profile step (a 32-token step takes ~10 ms here), 4 sizes to measure: the full profile
     # and evaluation would take several seconds after the signal.
-    swarm.peer("p0", "--speed-factor", "0.01", "--profile-batches", "1,2,4,8", port=free_port())
+    swarm.peer("p0", "--speed-factor", "0.01", "--profile-batches", "1,2,4,8")  # port 0: no race for a port
     swarm.wait_for(lambda: "max batch" in swarm.text("p0"), 180, "the profile's batch-1 line")
     swarm.interrupt("p0")
     assert swarm.wait_exit(["p0"], 120) == {"p0": 0}
@@ -49,8 +49,9 @@ def test_a_busy_metrics_port_is_one_line_before_the_dht_join(swarm):
         busy.listen(1)
         port = busy.getsockname()[1]
         # Nothing listens at the bootstrap: had the join come first, it would fail after its retries.
-        swarm.peer("m0", "--metrics-port", str(port), bootstrap=f"127.0.0.1:{free_port()}")
-        text = _one_line_failure(swarm, "m0")
+        with dead_address() as dead:
+            swarm.peer("m0", "--metrics-port", str(port), bootstrap=dead)
+            text = _one_line_failure(swarm, "m0")
     lines = text.strip().splitlines()  # nothing of the DHT join, probe or profile before it
     assert len(lines) == 1 and lines[0].startswith(
         f"geomesh-peer join: --metrics-port {port}: cannot listen on 127.0.0.1:{port}: "
@@ -59,8 +60,9 @@ def test_a_busy_metrics_port_is_one_line_before_the_dht_join(swarm):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_device_cuda_without_cuda_is_one_line_before_the_dht_join(swarm):
-    swarm.peer("c0", "--device", "cuda", bootstrap=f"127.0.0.1:{free_port()}")
-    text = _one_line_failure(swarm, "c0")
+    with dead_address() as dead:  # nothing listens there: had the join come first, it would fail after its retries
+        swarm.peer("c0", "--device", "cuda", bootstrap=dead)
+        text = _one_line_failure(swarm, "c0")
     lines = text.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(
         "geomesh-peer join: --device cuda: CUDA is not available on this machine"

@@ -28,6 +28,7 @@ from geomesh_p2p.admission import solve_pow
 from geomesh_p2p.dht import live_peers, make_record, peers_key
 from geomesh_p2p.identity import Identity
 from geomesh_p2p.metrics import RoundRecord
+from geomesh_p2p.procs import bootstrap_argv
 from geomesh_p2p.records import PeerRecord
 from geomesh_p2p.status_http import CSP, StatusServer
 from geomesh_p2p.swarm_status import (
@@ -324,26 +325,7 @@ def swarm(tmp_path_factory):
     d = tmp_path_factory.mktemp("status-swarm")
     s = ProcSwarm(d)
     # Ports 0: the OS picks free ones; the bootstrap prints both addresses it bound.
-    s._spawn(
-        "bootstrap",
-        [
-            sys.executable,
-            "-m",
-            "bootstrap.cli",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            "0",
-            "--run-id",
-            RUN,
-            "--identity",
-            str(d / "bootstrap.key"),
-            "--http-port",
-            "0",
-            "--http-poll",
-            "1",
-        ],
-    )
+    s.bootstrap("bootstrap", "--http-port", "0", "--http-poll", "1", run_id=RUN)
     try:
         address, url = s.address("bootstrap"), _status_url(s, "bootstrap")
         s.peer("p1", bootstrap=address, extra=["--checkpoint-dir", str(d / "ck1"), "--checkpoint-every", "2"])
@@ -635,24 +617,7 @@ def test_bootstrap_status_page_stops_with_the_bootstrap(tmp_path):
     already taken is one line and exit status 2."""
     s = ProcSwarm(tmp_path)
     try:
-        s._spawn(
-            "b",
-            [
-                sys.executable,
-                "-m",
-                "bootstrap.cli",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                "0",
-                "--run-id",
-                RUN,
-                "--identity",
-                str(tmp_path / "b.key"),
-                "--http-port",
-                "0",
-            ],
-        )
+        s.bootstrap("b", "--http-port", "0", run_id=RUN)
         url = _status_url(s, "b")
         http_port = int(url.rsplit(":", 1)[1].rstrip("/"))
         doc = _get_json(f"{url}api/swarm")
@@ -661,21 +626,7 @@ def test_bootstrap_status_page_stops_with_the_bootstrap(tmp_path):
             taken.bind(("127.0.0.1", 0))
             taken.listen()
             busy = subprocess.run(
-                [
-                    sys.executable,
-                    "-m",
-                    "bootstrap.cli",
-                    "--host",
-                    "127.0.0.1",
-                    "--port",
-                    "0",
-                    "--run-id",
-                    RUN,
-                    "--identity",
-                    str(tmp_path / "c.key"),
-                    "--http-port",
-                    str(taken.getsockname()[1]),
-                ],
+                bootstrap_argv(RUN, tmp_path / "c.key", "--http-port", str(taken.getsockname()[1])),
                 cwd=ROOT,
                 capture_output=True,
                 text=True,

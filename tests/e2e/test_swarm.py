@@ -83,18 +83,12 @@ def test_ddp_baseline_runs_as_a_swarm_mode(swarm, tmp_path):
     """``--method ddp``: two peers exchange fp32 gradients every step and apply the same AdamW step;
     digests equal after every round, perplexity falls, and a resumed peer keeps the AdamW moments."""
     names = ["d0", "d1"]
-    swarm.start_peers(
-        names,
-        "--method",
-        "ddp",
-        "--rounds",
-        "6",
-        "--min-peers",
-        "2",
-        "--eval-every",
-        "3",
-        each=lambda i, n: ["--checkpoint-dir", str(tmp_path / f"ck_{n}")],
-    )
+    ddp = ["--method", "ddp", "--min-peers", "2", "--eval-every", "3"]
+
+    def checkpoints(i, n):
+        return ["--checkpoint-dir", str(tmp_path / f"ck_{n}")]
+
+    swarm.start_peers(names, *ddp, "--rounds", "6", each=checkpoints)
     assert swarm.wait_exit(names, 300) == {n: 0 for n in names}
     rows = swarm.rows("d0")
     assert [x["round"] for x in rows] == list(range(6))
@@ -107,19 +101,7 @@ def test_ddp_baseline_runs_as_a_swarm_mode(swarm, tmp_path):
     assert ppl[-1] < ppl[0], ppl
 
     # Resume: the checkpoint holds the AdamW moments ([2P]); both continue in step from round 6.
-    swarm.start_peers(
-        names,
-        "--method",
-        "ddp",
-        "--rounds",
-        "8",
-        "--min-peers",
-        "2",
-        "--eval-every",
-        "3",
-        "--resume",
-        each=lambda i, n: ["--checkpoint-dir", str(tmp_path / f"ck_{n}")],
-    )
+    swarm.start_peers(names, *ddp, "--rounds", "8", "--resume", each=checkpoints)
     assert swarm.wait_exit(names, 300) == {n: 0 for n in names}
     last = rows[-1]["digest"]
     for n in names:

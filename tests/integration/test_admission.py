@@ -22,6 +22,7 @@ from geomesh_p2p.admission import (
 from geomesh_p2p.dht import PeerAnnouncer, live_peers
 from geomesh_p2p.identity import Identity, allow_list
 from geomesh_p2p.records import PeerRecord
+from tests.records_util import peer_record
 from geomesh_p2p.transport import STATE_STATUS, RpcError, Transport, TransportConfig
 from tests.dht_helpers import RUN, start_node, stop_all
 
@@ -33,15 +34,9 @@ BITS = 8  # tests: 256 hashes on average
 def _rec(ident: Identity, *, nonce=None, round=3, digest="d", address="127.0.0.1:9", config_hash="h") -> PeerRecord:
     from geomesh_p2p import __version__
 
-    return PeerRecord(
-        peer_id=str(ident.peer_id),
+    return peer_record(
+        ident,
         address=address,
-        device="cpu",
-        memory_bytes=1 << 30,
-        tokens_per_s={8: 1000.0},
-        max_batch=8,
-        upload_bps=1e7,
-        download_bps=1e7,
         version=__version__,
         run_config_hash=config_hash,
         round=round,

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -270,19 +269,8 @@ async def workers(tmp_path):
     async def spawn(n: int) -> list[JsonLineProc]:
         env = dict(os.environ, PYTHONPATH=str(WORKER.parent.parent))
         for k in range(n):
-            err = open(tmp_path / f"worker{k}.err", "wb")
-            p = await asyncio.create_subprocess_exec(
-                sys.executable,
-                str(WORKER),
-                "--run",
-                RUN,
-                stdin=asyncio.subprocess.PIPE,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=err,
-                env=env,
-            )
-            err.close()
-            procs.append(JsonLineProc(p))
+            with open(tmp_path / f"worker{k}.err", "wb") as err:  # the child keeps its own copy of the fd
+                procs.append(await JsonLineProc.start(str(WORKER), "--run", RUN, env=env, stderr=err))
         return procs
 
     try:

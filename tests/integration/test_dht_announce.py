@@ -18,6 +18,7 @@ from geomesh_p2p.dht import (
 )
 from geomesh_p2p.identity import Identity
 from geomesh_p2p.records import PeerRecord
+from tests.records_util import peer_record
 from tests.dht_helpers import RUN, start_node, stop_all, stop_node, wait_for
 
 pytestmark = pytest.mark.timeout(60)
@@ -26,26 +27,15 @@ PERIOD = 0.4
 CONFIG_HASH = "c0ffee" * 8
 
 
-def peer_record(node, **changes) -> PeerRecord:
-    fields = dict(
-        peer_id=node.peer_id.to_string(),
-        address=node.address,
-        device="cpu: test",
-        memory_bytes=1 << 30,
-        tokens_per_s={8: 1000.0},
-        max_batch=8,
-        upload_bps=1e7,
-        download_bps=1e7,
-        version=__version__,
-        run_config_hash=CONFIG_HASH,
-    )
-    fields.update(changes)
-    return PeerRecord(**fields)
+def node_record(node, **changes) -> PeerRecord:
+    """``node``'s record (its PeerID and address, this version, :data:`CONFIG_HASH`), ``changes`` applied."""
+    fields = dict(address=node.address, device="cpu: test", version=__version__, run_config_hash=CONFIG_HASH)
+    return peer_record(node.peer_id.to_string(), **{**fields, **changes})
 
 
 async def start_peer(bootstrap, **record_changes):
     node = await start_node(bootstrap, refresh_period_s=1.0, republish_period_s=2.0)
-    announcer = PeerAnnouncer(node, lambda: peer_record(node, **record_changes), period_s=PERIOD)
+    announcer = PeerAnnouncer(node, lambda: node_record(node, **record_changes), period_s=PERIOD)
     announcer.start()
     return node, announcer
 
@@ -113,7 +103,7 @@ async def test_incompatible_peer_is_refused_with_what_differs():
         c, _ = await start_peer([boot.address], version="0.2.0")
         nodes = [a, b, c]
         await wait_for(lambda: sees(boot, [a.peer_id, b.peer_id, c.peer_id]), timeout=10, what="all records")
-        mine = peer_record(a)
+        mine = node_record(a)
         with events.capture("peer_record_dropped") as dropped:
             compatible = await live_peers(a, RUN, mine=mine)
         assert [r.peer_id for r in compatible] == [a.peer_id.to_string()]
@@ -133,19 +123,19 @@ async def test_incompatible_peer_is_refused_with_what_differs():
 def test_check_compatible_messages():
     ident = Identity.generate()
 
-    class N:  # enough of a node for peer_record
+    class N:  # enough of a node for node_record
         peer_id = ident.peer_id
         address = "127.0.0.1:1"
 
-    mine = peer_record(N)
+    mine = node_record(N)
     assert check_compatible(mine, mine) is None
-    assert check_compatible(mine, peer_record(N, version="0.1.7")) is None  # patch releases interoperate
-    assert check_compatible(mine, peer_record(N, version="0.2.0")) == f"version {__version__} vs 0.2.0"
-    msg = check_compatible(mine, peer_record(N, run_config_hash="c0ffee" * 4 + "abcdef" * 4))
+    assert check_compatible(mine, node_record(N, version="0.1.7")) is None  # patch releases interoperate
+    assert check_compatible(mine, node_record(N, version="0.2.0")) == f"version {__version__} vs 0.2.0"
+    msg = check_compatible(mine, node_record(N, run_config_hash="c0ffee" * 4 + "abcdef" * 4))
     assert (
         msg == "run-config hash c0ffeec0ffeec0ffeec0ffeec0ff… vs c0ffeec0ffeec0ffeec0ffeeabcd…"
     )  # long enough to differ
-    two = check_compatible(mine, peer_record(N, protocol_version=2, version="1.0.0"))
+    two = check_compatible(mine, node_record(N, protocol_version=2, version="1.0.0"))
     assert two == f"version {__version__} vs 1.0.0; protocol version 1 vs 2"
 
 
@@ -156,7 +146,7 @@ async def test_malformed_or_misplaced_peer_records_are_dropped():
         key = peers_key(RUN)
         assert await node.store(key, b"{not json", time.time() + 30, subkey=me.peer_id.to_string(), owner=me)
         other = Identity.generate()
-        rec = peer_record(node).model_copy(update={"peer_id": me.peer_id.to_string()})
+        rec = node_record(node).model_copy(update={"peer_id": me.peer_id.to_string()})
         assert await node.store(key, rec.to_bytes(), time.time() + 30, subkey=other.peer_id.to_string(), owner=other)
         assert await node.store(key, b"{}", time.time() + 30, subkey="unowned", owner=other)
         with events.capture("peer_record_dropped") as dropped:
@@ -170,7 +160,7 @@ async def test_malformed_or_misplaced_peer_records_are_dropped():
         )
         # an announcer refuses a record of another peer
         with pytest.raises(ValueError, match="not this identity's PeerID"):
-            await PeerAnnouncer(node, peer_record(node, peer_id=other.peer_id.to_string())).announce_once()
+            await PeerAnnouncer(node, node_record(node, peer_id=other.peer_id.to_string())).announce_once()
     finally:
         await stop_all([node])
 
@@ -178,17 +168,17 @@ async def test_malformed_or_misplaced_peer_records_are_dropped():
 async def test_announce_loop_refreshes_and_update_announces_at_once():
     node = await start_node()
     try:
-        task = asyncio.ensure_future(announce_loop(node, lambda: peer_record(node, round=1), period_s=0.2))
+        task = asyncio.ensure_future(announce_loop(node, lambda: node_record(node, round=1), period_s=0.2))
         await wait_for(lambda: sees(node, [node.peer_id]), timeout=5, what="own record")
         first = (await live_peers(node))[0].timestamp
         await wait_for(lambda: _newer(node, first), timeout=5, what="a refreshed record")
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
 
-        ann = PeerAnnouncer(node, peer_record(node, round=2), period_s=30)
+        ann = PeerAnnouncer(node, node_record(node, round=2), period_s=30)
         ann.start()
         await wait_for(lambda: _round_is(node, 2), timeout=5, what="round 2")
-        ann.update(peer_record(node, round=3))
+        ann.update(node_record(node, round=3))
         await wait_for(lambda: _round_is(node, 3), timeout=5, what="round 3 announced at once")
         await ann.stop()
     finally:

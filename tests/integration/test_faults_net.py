@@ -14,6 +14,7 @@ from geomesh_p2p.identity import Identity
 from geomesh_p2p.transport import RpcError, Transport, TransportConfig
 from tests.dht_helpers import RUN, start_node, stop_all, stop_node
 from tests.e2e.test_bootstrap import START_TIMEOUT, procs  # noqa: F401  (the fixture)
+from tests.proc_util import bootstrap_args
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -94,25 +95,13 @@ async def test_reachability_is_not_checked_without_bootstrap_or_when_client_only
 
 
 def _boot_argv(tmp_path, *extra):
-    return [
-        "-m",
-        "bootstrap.cli",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        "0",
-        "--identity",
-        str(tmp_path / "boot.key"),
-        "--run-id",
-        "faults",
-        "--status-interval",
-        "0.5",
-        *extra,
-    ]
+    return bootstrap_args("faults", tmp_path / "boot.key", "--status-interval", "0.5", *extra)
 
 
 # ---------------------------------------------------------------- 2. a restarted bootstrap
-def _dht_argv(address, *extra):
+def _dht_argv(address, *extra, watch=True):
+    """``python -m geomesh_p2p.dht`` announcing itself in run 'faults' through ``address``; with ``watch``,
+    it keeps announcing and printing every 0.5 s, else it prints one row and exits."""
     return [
         "-m",
         "geomesh_p2p.dht",
@@ -121,9 +110,7 @@ def _dht_argv(address, *extra):
         "--run-id",
         "faults",
         "--announce",
-        "--watch",
-        "--period",
-        "0.5",
+        *(["--watch", "--period", "0.5"] if watch else []),
         *extra,
     ]
 

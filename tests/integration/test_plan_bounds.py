@@ -41,6 +41,7 @@ from geomesh_p2p.planner import (
     plan_round,
 )
 from geomesh_p2p.records import MAX_BATCH, MAX_LINK_BPS, MAX_TOKENS_PER_S, MIN_LINK_BPS, MIN_TOKENS_PER_S, PeerRecord
+from tests.records_util import peer_record
 from geomesh_p2p.training import perplexity
 
 pytestmark = pytest.mark.timeout(120)
@@ -303,20 +304,7 @@ def test_a_follower_refuses_the_rogue_plan_before_following_it():
     run = RunConfig(seq_len=32, window_s=5.0)
     ids = [Identity.generate() for _ in range(4)]
     recs = [
-        PeerRecord(
-            peer_id=str(i.peer_id),
-            address=f"127.0.0.1:{7000 + k}",
-            device="cpu",
-            memory_bytes=1 << 30,
-            tokens_per_s={8: 2000.0 * f},
-            max_batch=8,
-            upload_bps=1e7,
-            download_bps=1e7,
-            version="0.1.0",
-            run_config_hash="h",
-            round=0,
-            weights_digest="d",
-        )
+        peer_record(i, address=f"127.0.0.1:{7000 + k}", tokens_per_s={8: 2000.0 * f}, round=0, weights_digest="d")
         for k, (i, f) in enumerate(zip(ids, (1.0, 0.55, 0.45, 0.4)))
     ]
     node = PeerNode(run, NodeConfig(), identity=ids[0])
@@ -547,19 +535,7 @@ def test_a_peer_whose_training_diverges_contributes_nothing_and_keeps_going(monk
     run = RunConfig(seq_len=16, window_s=5.0)
     me = Identity.generate()
     node = PeerNode(run, NodeConfig(), identity=me)
-    r0 = PeerRecord(
-        peer_id=node.me,
-        address="127.0.0.1:7000",
-        device="cpu",
-        memory_bytes=1 << 30,
-        tokens_per_s={8: 1000.0},
-        max_batch=8,
-        upload_bps=1e7,
-        download_bps=1e7,
-        version="0.1.0",
-        run_config_hash="h",
-        weights_digest="d",
-    )
+    r0 = peer_record(node.me, address="127.0.0.1:7000", weights_digest="d")
     node.numel, node.round, node.digest = 40, 0, "d"
     cfg = PlanConfig(seq_len=16, target_batch=8, window_s=5.0, payload_bytes=100, mode=run.mode, method=run.method)
     plan = plan_round(

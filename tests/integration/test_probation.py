@@ -19,6 +19,7 @@ from geomesh_p2p.identity import Identity
 from geomesh_p2p.node import NodeConfig, PeerNode, RunConfig
 from geomesh_p2p.planner import check_plan, make_plan
 from geomesh_p2p.records import PeerRecord
+from tests.records_util import peer_record
 from geomesh_p2p.round import LEADER_WAIT_CANDIDATES, PlanStore, leader_order, obtain_plan, takeover_delay
 from geomesh_p2p.standing import Standing, attest_key
 
@@ -29,17 +30,10 @@ RUN = RunConfig(seq_len=32, window_s=5.0)
 
 
 def _rec(ident, port, *, tps=1000.0, standing=None, round=5) -> PeerRecord:
-    return PeerRecord(
-        peer_id=str(ident.peer_id),
+    return peer_record(
+        ident,
         address=f"127.0.0.1:{port}",
-        device="cpu",
-        memory_bytes=1 << 30,
         tokens_per_s={4: tps * 0.6, 8: tps},
-        max_batch=8,
-        upload_bps=1e7,
-        download_bps=1e7,
-        version="0.1.0",
-        run_config_hash="h",
         round=round,
         weights_digest="d",
         standing=standing or {},

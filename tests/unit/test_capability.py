@@ -27,7 +27,7 @@ from geomesh_p2p.capability import (
     profile_training,
     rss_probe,
 )
-from geomesh_p2p.records import PeerRecord
+from tests.records_util import peer_record
 
 SEQ = 64
 VOCAB = 256
@@ -185,16 +185,14 @@ def test_throughput_ema_math():
         "upload_bps": 1500.0,
         "download_bps": 1000.0,
     }
-    rec = PeerRecord(
-        peer_id="p",
+    rec = peer_record(
+        "p",
         device="cpu: x",
         memory_bytes=1,
         tokens_per_s={4: 1.0},
         max_batch=4,
         upload_bps=1.0,
         download_bps=1.0,
-        version="0.1.0",
-        run_config_hash="h",
         timestamp=5.0,
     )
     new = ema.apply(rec)

@@ -95,6 +95,21 @@ async def test_unscoped_hivemind_leaves_tasks_pending_when_cancelled():
         await cancel_and_wait(left)
 
 
+def _stopped_early(ids, get_neighbors, **kw):
+    """A lookup of ``ids[0]`` from ``ids[1:4]`` that does not wait for its calls in flight when it ends
+    (``await_all_tasks=False``): 3 workers, one query a call."""
+    return scoped_traverse(
+        [ids[0]],
+        ids[1:4],
+        beam_size=4,
+        num_workers=3,
+        queries_per_call=1,
+        get_neighbors=get_neighbors,
+        await_all_tasks=False,
+        **kw,
+    )
+
+
 async def test_calls_in_flight_when_a_lookup_ends_early_are_handed_over():
     ids, edges = _graph(50, 6, seed=3)
     slow = asyncio.Event()
@@ -107,16 +122,7 @@ async def test_calls_in_flight_when_a_lookup_ends_early_are_handed_over():
 
     adopted: list = []
     before = asyncio.all_tasks()
-    nearest, _ = await scoped_traverse(
-        [ids[0]],
-        ids[1:4],
-        beam_size=4,
-        num_workers=3,
-        queries_per_call=1,
-        get_neighbors=get_neighbors,
-        await_all_tasks=False,
-        adopt=adopted.append,
-    )
+    nearest, _ = await _stopped_early(ids, get_neighbors, adopt=adopted.append)
     assert set(nearest[ids[0]]) == set(ids[1:4])
     assert len(adopted) == 1 and len(adopted[0]) == 2 and not any(t.done() for t in adopted[0])
     assert all(runs(get_neighbors)(t) for t in adopted[0])
@@ -136,13 +142,5 @@ async def test_without_adopt_the_calls_in_flight_are_cancelled():
         return {q: (tuple(edges[peer]), peer == stop_at) for q in queries}
 
     before = asyncio.all_tasks()
-    await scoped_traverse(
-        [ids[0]],
-        ids[1:4],
-        beam_size=4,
-        num_workers=3,
-        queries_per_call=1,
-        get_neighbors=get_neighbors,
-        await_all_tasks=False,
-    )
+    await _stopped_early(ids, get_neighbors)
     assert asyncio.all_tasks() - before == set()

@@ -19,6 +19,7 @@ from geomesh_p2p.errors import UserFacingError
 from geomesh_p2p.identity import Identity
 from geomesh_p2p.node import NodeConfig, PeerNode, RunConfig, StoppedBeforeJoining
 from geomesh_p2p.records import PeerRecord
+from tests.records_util import peer_record
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -56,11 +57,11 @@ def _progress(rnd=7):
 
 
 def _rec(peer_id: str, rnd: int, digest="ab" * 32) -> PeerRecord:
-    return PeerRecord(
-        peer_id=peer_id,
+    return peer_record(
+        peer_id,
         address="127.0.0.1:7000",
-        device="cpu",
         memory_bytes=1,
+        tokens_per_s={},
         max_batch=1,
         upload_bps=1e6,
         download_bps=1e6,

@@ -47,26 +47,17 @@ def test_capacity_bounds_memory_least_recently_seen_forgotten(caplog):
 def test_event_passed_through_once():
     once = LogOnce(log)
     with events.capture() as got:
-        once(
-            ("p", "why"),
-            logging.DEBUG,
-            "ignoring %s: %s",
-            "p",
-            "why",
-            event="record_not_admitted",
-            peer="p",
-            reason="why",
-        )
-        once(
-            ("p", "why"),
-            logging.DEBUG,
-            "ignoring %s: %s",
-            "p",
-            "why",
-            event="record_not_admitted",
-            peer="p",
-            reason="why",
-        )
+        for _ in range(2):  # the same key twice: one event
+            once(
+                ("p", "why"),
+                logging.DEBUG,
+                "ignoring %s: %s",
+                "p",
+                "why",
+                event="record_not_admitted",
+                peer="p",
+                reason="why",
+            )
     assert [(e["event"], e["level"], e["message"], e["peer"], e["reason"]) for e in got] == [
         ("record_not_admitted", "DEBUG", "ignoring p: why", "p", "why")
     ]

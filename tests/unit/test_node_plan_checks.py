@@ -10,25 +10,13 @@ from geomesh_p2p.identity import Identity
 from geomesh_p2p.node import NodeConfig, PeerNode, RunConfig
 from geomesh_p2p.planner import PlanConfig, plan_round
 from geomesh_p2p.records import PeerRecord
+from tests.records_util import peer_record
 
 pytestmark = pytest.mark.timeout(30)
 
 
 def _rec(ident, addr):
-    return PeerRecord(
-        peer_id=str(ident.peer_id),
-        address=addr,
-        device="cpu",
-        memory_bytes=1 << 30,
-        tokens_per_s={8: 1000.0},
-        max_batch=8,
-        upload_bps=1e7,
-        download_bps=1e7,
-        version="0.1.0",
-        run_config_hash="h",
-        round=2,
-        weights_digest="d",
-    )
+    return peer_record(ident, address=addr, round=2, weights_digest="d")
 
 
 @pytest.fixture

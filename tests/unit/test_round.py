@@ -13,6 +13,7 @@ from geomesh_p2p import events
 from geomesh_p2p.identity import Identity
 from geomesh_p2p.planner import PlanConfig, plan_round
 from geomesh_p2p.records import PeerRecord
+from tests.records_util import peer_record
 from geomesh_p2p.round import (
     PlanStore,
     choose_plan,
@@ -59,17 +60,11 @@ class MemoryDHT:
 
 
 def _record(ident: Identity, speed: float, address: str | None = "127.0.0.1:1") -> PeerRecord:
-    return PeerRecord(
-        peer_id=str(ident.peer_id),
+    return peer_record(
+        ident,
         address=address,
-        device="cpu",
         memory_bytes=8 << 30,
         tokens_per_s={4: 1000 * speed, 8: 1800 * speed},
-        max_batch=8,
-        upload_bps=1e7,
-        download_bps=1e7,
-        version="0.1.0",
-        run_config_hash="h",
         round=3,
         weights_digest="d0",
     )

@@ -17,6 +17,7 @@ from geomesh_p2p import events
 from geomesh_p2p.identity import Identity
 from geomesh_p2p.planner import PlanConfig, plan_round
 from geomesh_p2p.records import PeerRecord, SyncProgress
+from tests.records_util import peer_record
 from geomesh_p2p.round import DhtPlanAgreement, DriverConfig, Phase, PlanStore, RoundDriver, leader_order
 from geomesh_p2p.round.driver import PROBATION_SYNC_GRANTS, SYNC_WAIT_MARGIN_S, SYNC_WAIT_SLACK
 from geomesh_p2p.sync_progress import SyncMeter, announced
@@ -96,17 +97,10 @@ class FakePeer:
 
     # Membership
     def record(self) -> PeerRecord:
-        return PeerRecord(
-            peer_id=self.me,
+        return peer_record(
+            self.me,
             address=f"127.0.0.1:{7000 + len(self.me) % 100}",
-            device="cpu",
-            memory_bytes=1 << 30,
             tokens_per_s={8: 2000.0},
-            max_batch=8,
-            upload_bps=1e7,
-            download_bps=1e7,
-            version="0.1.0",
-            run_config_hash="h",
             round=self.round,
             weights_digest=None if self.syncing else self.digest,
             leaving=self.leaving,

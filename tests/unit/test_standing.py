@@ -13,27 +13,14 @@ from geomesh_p2p import events
 from geomesh_p2p.identity import Identity
 from geomesh_p2p.node import PeerNode
 from geomesh_p2p.records import PeerRecord
+from tests.records_util import peer_record
 from geomesh_p2p.standing import Standing, attest_key, choose_state, history
 
 pytestmark = pytest.mark.timeout(30)
 
 
 def _rec(ident, *, round, digest, address, standing=None) -> PeerRecord:
-    return PeerRecord(
-        peer_id=str(ident.peer_id),
-        address=address,
-        device="cpu",
-        memory_bytes=1 << 30,
-        tokens_per_s={8: 1000.0},
-        max_batch=8,
-        upload_bps=1e7,
-        download_bps=1e7,
-        version="0.1.0",
-        run_config_hash="h",
-        round=round,
-        weights_digest=digest,
-        standing=standing or {},
-    )
+    return peer_record(ident, address=address, round=round, weights_digest=digest, standing=standing or {})
 
 
 def _sybils(n, *, round, digest, one_address=False):

@@ -21,7 +21,7 @@ from geomesh_p2p import compression
 from geomesh_p2p import verify as V
 from geomesh_p2p.identity import Identity
 from geomesh_p2p.planner import PeerAssignment, PlanConfig, RoundPlan, make_plan
-from geomesh_p2p.records import PeerRecord
+from tests.records_util import peer_record
 from geomesh_p2p.wire import collective_pb2
 
 L, B, ROUND = 64, 8, 2
@@ -494,17 +494,8 @@ def test_recheck_confirms_and_the_leaders_plan_leaves_the_accused_out(world, fli
     assert world.pid["A"] in w.excluded and str(c.v.peer_id) not in w.excluded
     # the node's planner-input filter, then a real plan from the filtered records
     recs = [
-        PeerRecord(
-            peer_id=p,
-            address=f"{p[:6]}.example:7000",
-            device="cpu",
-            memory_bytes=8 << 30,
-            tokens_per_s={8: 5000.0},
-            max_batch=8,
-            upload_bps=1e7,
-            download_bps=1e7,
-            version="0.1.0",
-            run_config_hash="cfg",
+        peer_record(
+            p, address=f"{p[:6]}.example:7000", memory_bytes=8 << 30, tokens_per_s={8: 5000.0}, run_config_hash="cfg"
         )
         for p in sorted(world.pid.values())
     ]
