@@ -23,6 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from geomesh_p2p.metrics import PHASES  # noqa: E402
+from geomesh_p2p.procs import join_argv  # noqa: E402
 
 
 def analyze(files: list[str]) -> dict:
@@ -85,7 +86,6 @@ def run_swarm(ns: argparse.Namespace) -> list[str]:
     workdir.mkdir(parents=True, exist_ok=True)
     for old in list(workdir.glob("peer*.jsonl")) + list(workdir.glob("*.log")):
         old.unlink()
-    exe = [sys.executable, "-m"]
     swarm = Swarm(workdir)
     speeds = [float(x) for x in ns.speed_factors.split(",")]
     files, peers = [], []
@@ -98,16 +98,9 @@ def run_swarm(ns: argparse.Namespace) -> list[str]:
             peers.append(
                 swarm.spawn(
                     f"peer{i}",
-                    exe
-                    + [
-                        "peer.cli",
-                        "join",
-                        "--bootstrap",
+                    join_argv(
                         entry,
-                        "--run-id",
-                        ns.run_id,
-                        "--identity",
-                        str(workdir / f"peer{i}.key"),
+                        workdir / f"peer{i}.key",
                         "--speed-factor",
                         str(speeds[i % len(speeds)]),
                         "--min-peers",
@@ -118,8 +111,9 @@ def run_swarm(ns: argparse.Namespace) -> list[str]:
                         "1",
                         "--log-json",
                         files[-1],
-                    ]
-                    + shlex.split(ns.peer_args),
+                        *shlex.split(ns.peer_args),
+                        run_id=ns.run_id,
+                    ),
                 )
             )
         deadline = time.monotonic() + ns.timeout_s

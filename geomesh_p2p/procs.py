@@ -33,6 +33,14 @@ def bootstrap_argv(run_id: str, identity: Path | str, *extra: str, host: str = "
     return argv + ["--run-id", run_id, "--identity", str(identity), *extra]
 
 
+def join_argv(bootstrap: str, identity: Path | str, *extra: str, run_id: str | None = None) -> list[str]:
+    """The command line that starts a training peer with this interpreter (``python -m peer.cli join``)
+    joining through ``bootstrap`` (``host:port``), its key in file ``identity``, in run ``run_id`` (None:
+    the default run); ``extra`` flags come last."""
+    argv = [sys.executable, "-m", "peer.cli", "join", "--bootstrap", bootstrap, "--identity", str(identity)]
+    return argv + (["--run-id", run_id] if run_id is not None else []) + list(extra)
+
+
 def read_json_rows(path: Path) -> list[dict]:
     """The JSON objects of a JSON-lines file (a peer's ``--log-json``), in file order; a line that does
     not parse (the peer is writing it) is skipped. An absent file gives ``[]``. Raises nothing else than

@@ -16,7 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from geomesh_p2p.procs import ProcGroup, bootstrap_argv, read_json_rows, wait_for_address
+from geomesh_p2p.procs import ProcGroup, bootstrap_argv, join_argv, read_json_rows, wait_for_address
 
 
 def add_flags(p: argparse.ArgumentParser) -> None:
@@ -117,7 +117,6 @@ def cmd_demo(ns: argparse.Namespace) -> int:
         old.unlink()
     for old in workdir.glob("ckpt*"):
         shutil.rmtree(old, ignore_errors=True)
-    exe = [sys.executable, "-m"]
     swarm = Swarm(workdir)
     print(f"GeoMesh demo: bootstrap + {ns.peers} peers on 127.0.0.1, method {ns.method}, logs in {workdir}")
     t0 = time.time()
@@ -134,34 +133,26 @@ def cmd_demo(ns: argparse.Namespace) -> int:
         entry = swarm.address("bootstrap")
         for i in range(ns.peers):
             f = speeds[i % len(speeds)]
-            argv = (
-                exe
-                + [
-                    "peer.cli",
-                    "join",
-                    "--bootstrap",
-                    entry,
-                    "--identity",
-                    str(workdir / f"peer{i}.key"),
-                    "--speed-factor",
-                    str(f),
-                    "--min-peers",
-                    str(ns.peers),
-                    "--rounds",
-                    str(ns.rounds),
-                    # every peer evaluates the same global weights, so all stop after the same round
-                    *(["--target-ppl", str(ns.target_ppl)] if ns.target_ppl is not None else []),
-                    "--threads",
-                    str(ns.threads_per_peer),
-                    "--log-json",
-                    str(workdir / f"peer{i}.jsonl"),
-                    "--summary-json",
-                    str(workdir / f"peer{i}.summary.json"),
-                    "--checkpoint-dir",
-                    str(workdir / f"ckpt{i}"),
-                ]
-                + _run_flags(ns)
-            )
+            argv = join_argv(
+                entry,
+                workdir / f"peer{i}.key",
+                "--speed-factor",
+                str(f),
+                "--min-peers",
+                str(ns.peers),
+                "--rounds",
+                str(ns.rounds),
+                # every peer evaluates the same global weights, so all stop after the same round
+                *(["--target-ppl", str(ns.target_ppl)] if ns.target_ppl is not None else []),
+                "--threads",
+                str(ns.threads_per_peer),
+                "--log-json",
+                str(workdir / f"peer{i}.jsonl"),
+                "--summary-json",
+                str(workdir / f"peer{i}.summary.json"),
+                "--checkpoint-dir",
+                str(workdir / f"ckpt{i}"),
+            ) + _run_flags(ns)
             if budgets:
                 argv += ["--memory-budget-gb", str(budgets[i % len(budgets)])]
             swarm.spawn(f"peer{i}", argv)

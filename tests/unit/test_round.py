@@ -14,15 +14,8 @@ from geomesh_p2p.identity import Identity
 from geomesh_p2p.planner import PlanConfig, plan_round
 from geomesh_p2p.records import PeerRecord
 from tests.records_util import peer_record
-from geomesh_p2p.round import (
-    PlanStore,
-    choose_plan,
-    digest_majority,
-    leader_order,
-    leader_rank,
-    obtain_plan,
-    takeover_delay,
-)
+from geomesh_p2p.round import PlanStore, choose_plan, digest_majority, leader_order, leader_rank, obtain_plan
+from geomesh_p2p.round import takeover_delay
 
 pytestmark = pytest.mark.timeout(60)
 RUN = "round-test"
