@@ -326,11 +326,14 @@ def _encode_segment(vs: torch.Tensor, signs: torch.Tensor, sums: torch.Tensor, b
     on a byte and block boundary (``signs``/``sums``: the segment's slices of the outputs)."""
     n = vs.numel()
     n8 = n - n % 8
-    if n8:
+    if vs.device.type == "cpu":
+        # numpy's SIMD compare and packbits (zero padding bits, the wire's bit order).
+        signs.numpy()[:] = np.packbits(np.less(vs.numpy(), 0), bitorder="little")
+    elif n8:
         # 8 bools (bytes 0/1) viewed as one int64, gathered into its top byte.
         words = torch.mul(torch.lt(vs[:n8], 0).view(torch.int64), _GATHER)
         signs[: n8 // 8].copy_(words.view(torch.uint8).view(-1, 8)[:, 7])
-    if n8 < n:
+    if n8 < n and vs.device.type != "cpu":
         tail = torch.lt(vs[n8:], 0).to(torch.uint8)
         weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=vs.device)
         signs[n8 // 8 :].copy_((tail * weights[: n - n8]).sum(dtype=torch.uint8).reshape(1))
@@ -370,16 +373,21 @@ def _encode_chunked(
     u_chunks = sums[: nch * nbc].view(nch, nbc).unbind(0)
     device = v.device
     cpu = device.type == "cpu"
+    # CPU: numpy views of the same memory for the sign bits (numpy's compare and packbits are
+    # SIMD loops and release the GIL; torch's bool compare is not vectorised).
+    vn_chunks = v[:covered].numpy().reshape(nch, chunk) if cpu else None
+    sn_chunks = signs[: covered // 8].numpy().reshape(nch, chunk // 8) if cpu else None
 
     def setup():
         ws = _workspace(chunk, device)
         neg = ws.get("neg")
         neg64 = neg.view(torch.int64)
+        negn = neg.numpy() if cpu else None
         words = ws.get("words")
         top = words.view(torch.uint8).view(-1, 8)[:, 7]
         f32 = ws.get("f32")
         f32b = f32.view(nbc, block_size)
-        tabs, tsum, clamp_max, lt, mul = torch.abs, torch.sum, torch.clamp_max, torch.lt, torch.mul
+        tabs, tsum, lt, mul, less, packbits = torch.abs, torch.sum, torch.lt, torch.mul, np.less, np.packbits
 
         def step(c: int) -> None:
             if c == nch:  # the partial last chunk
@@ -389,15 +397,13 @@ def _encode_chunked(
             # The first op reads the chunk from main memory; the ones after it read the cache.
             tabs(vc, out=f32)
             tsum(f32b, 1, out=u_chunks[c])  # per-block sum of |v|
-            if cpu:
-                # min(v, 0) then a float -> bool conversion (non-zero iff v < 0; -0.0 -> False):
-                # about 5x faster on CPU than torch.lt(v, 0), whose bool kernel is not vectorised.
-                clamp_max(vc, 0.0, out=f32)
-                neg.copy_(f32)  # 1 byte per element: 1 iff v < 0
+            if vn_chunks is not None and sn_chunks is not None and negn is not None:  # CPU
+                less(vn_chunks[c], 0, out=negn)  # -0.0 < 0 is False
+                sn_chunks[c] = packbits(negn, bitorder="little")
             else:
                 lt(vc, 0.0, out=neg)  # one kernel on a GPU (-0.0 < 0 is False)
-            mul(neg64, _GATHER, out=words)  # 8 bytes -> the top byte of a word
-            s_chunks[c].copy_(top)
+                mul(neg64, _GATHER, out=words)  # 8 bytes -> the top byte of a word
+                s_chunks[c].copy_(top)
 
         return step
 
