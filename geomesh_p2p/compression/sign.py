@@ -162,8 +162,11 @@ def _plan(device: torch.device, numel: int, block_size: int) -> tuple[int, int, 
         return max(align, _CUDA_CHUNK // align * align), 1, False
     threads = torch.get_num_threads()
     big = max(align, _SERIAL_CHUNK // align * align)
-    if threads > 1 and numel >= 2 * big and _serial_threads_work():
-        return big, min(threads, numel // big), True
+    if numel >= 2 * big:
+        if threads == 1:  # the caller's ops run inline already
+            return big, 1, False
+        if _serial_threads_work():
+            return big, min(threads, numel // big), True
     if align >= _GRAIN:
         return max(align, _CPU_BIG_CHUNK // align * align), 1, False
     chunk = (_GRAIN - 1) // align * align
@@ -442,7 +445,7 @@ def encode(v: torch.Tensor, block_size: int = DEFAULT_BLOCK_SIZE, tokens: int = 
     """
     block_size = check_block_size(block_size)
     tokens = check_tokens(tokens)
-    v = as_flat_fp32(v)
+    v = as_flat_fp32(v).resolve_neg()  # a negated view has no numpy view (CPU sign bits)
     device = v.device
     P = v.numel()
     nb = ceil_div(P, block_size)
@@ -591,7 +594,7 @@ def _decode_chunked(
         pm8 = words.view(torch.int8)
         pm8b = pm8.view(nbc, block_size)
         f32b = ws.get("f32").view(nbc, block_size) if cpu or accumulate else None
-        index_select, mul, add = torch.index_select, torch.mul, torch.add
+        index_select, mul = torch.index_select, torch.mul
 
         def step(c: int) -> None:
             if c == nch:  # the partial last chunk
@@ -619,7 +622,7 @@ def _decode_chunked(
                 mul(f32b, u_chunks[c], out=ob_chunks[c])
             elif cpu:
                 f32b.mul_(u_chunks[c])  # 2 vectorised passes in cache: faster than one addcmul_ on CPU
-                add(ob_chunks[c], f32b, out=ob_chunks[c])
+                ob_chunks[c].add_(f32b)
             else:
                 ob_chunks[c].addcmul_(f32b, u_chunks[c])  # one kernel: out += (+-1.0) * scale
 
