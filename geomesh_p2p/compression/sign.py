@@ -441,6 +441,10 @@ def encode(v: torch.Tensor, block_size: int = DEFAULT_BLOCK_SIZE, tokens: int = 
         CodecError: if ``v`` holds NaN or Inf (no packet is produced), is not a floating
             tensor, or block_size/tokens are out of range.
 
+    Work (CPU): chunks of 128K elements on the codec's serial worker threads; per chunk one
+    read of ``v`` from main memory (``torch.abs``), then in cache the block sums (``torch.sum``
+    of the rows: the scales' exact rounding), ``numpy.less`` and ``numpy.packbits``.
+
     Source: GeoMesh CSS (arXiv 2609.18388): per block, packed signs and the mean |v|.
     """
     block_size = check_block_size(block_size)
@@ -667,9 +671,9 @@ def decode(p: SignPacket, device=None, out: torch.Tensor | None = None, *, accum
         CodecError: if ``out`` has the wrong dtype, size, device or is not contiguous, or
             ``accumulate`` is set without ``out``.
 
-    Work: the vector is decoded in cache-sized chunks (CPU: < 32768 elements on a pool of
-    threads; CUDA: 16M), so ``out`` is written (and, when accumulating, read) once in main
-    memory; the signs are expanded by one 8-byte table gather per packed byte.
+    Work: the vector is decoded in cache-sized chunks (CPU: 128K elements on the codec's serial
+    worker threads, see ``_plan``; CUDA: 16M), so ``out`` is written (and, when accumulating,
+    read) once in main memory; the signs are expanded by one 8-byte table gather per packed byte.
     """
     if not isinstance(p, SignPacket):
         raise CodecError(f"decode expects a SignPacket, got {type(p).__name__}")
