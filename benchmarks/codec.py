@@ -35,7 +35,7 @@ Notes:
   writes into a reused buffer, as a peer that keeps its aggregate buffer does.
 - The CPU column is process CPU time over all threads (kernel time included): on a shared
   machine it is the steadier figure, since wall time also counts time spent descheduled.
-- The CPU path splits the vector into chunks of 128K elements (512 KiB of fp32) that run on a pool
+- The CPU path splits the vector into chunks of up to 256K elements (1 MiB of fp32) that run on a pool
   of torch.get_num_threads() Python threads whose own OpenMP thread count is 1, so every torch op
   runs inline (no OpenMP fork/join per op; torch and numpy release the GIL inside ops); the threads
   take chunks from a shared counter. Without a per-thread OpenMP count (another parallel backend)

@@ -68,14 +68,16 @@ __all__ = ["SignPacket", "encode", "decode", "sign_payload_nbytes"]
 #
 # * Serial worker threads (the default where torch's OpenMP runtime allows it): pool threads whose
 #   own OpenMP thread count is 1 (``_make_thread_serial``; other threads keep theirs) run chunks of
-#   ``_SERIAL_CHUNK`` elements, taken from a shared counter (a descheduled thread holds up one
-#   chunk, not a fixed share). Large chunks amortise the ~2-4 us of Python and dispatch per op.
+#   up to ``_SERIAL_CHUNK`` elements, taken from a shared counter (a descheduled thread holds up
+#   one chunk, not a fixed share). Large chunks amortise the 2-12 us of Python, dispatch and GIL
+#   hand-over per op (torch.sum's is the largest); the chunk and its scratch sit in L2/L3.
 # * Otherwise chunks hold fewer than at::internal::GRAIN_SIZE (32768) elements, so the ops run
 #   inline in any thread, on a pool of threads with fixed shares (the caller's thread included).
 #
 # torch ops release the GIL, so the threads run in parallel. On CUDA chunks only bound temporaries.
 _GRAIN = 32768
-_SERIAL_CHUNK = 1 << 17  # elements (512 KiB of fp32): the per-op overhead is ~1% of the op
+_SERIAL_CHUNK = 1 << 18  # elements (1 MiB of fp32): fastest of 2**15 .. 2**20 on the 2-core test VM
+_SERIAL_MIN = 1 << 18  # fewer elements: no hand-over to the pool (it costs ~0.1 ms)
 _CPU_BIG_CHUNK = 1 << 19  # lcm(8, B) >= _GRAIN without serial threads: OpenMP ops in the caller
 _CUDA_CHUNK = 1 << 24
 _MAX_ALIGN = 1 << 22  # lcm(8, B) above this: one unchunked segment
@@ -162,11 +164,12 @@ def _plan(device: torch.device, numel: int, block_size: int) -> tuple[int, int, 
         return max(align, _CUDA_CHUNK // align * align), 1, False
     threads = torch.get_num_threads()
     big = max(align, _SERIAL_CHUNK // align * align)
-    if numel >= 2 * big:
-        if threads == 1:  # the caller's ops run inline already
-            return big, 1, False
-        if _serial_threads_work():
-            return big, min(threads, numel // big), True
+    if threads == 1 and numel >= 2 * big:  # the caller's ops run inline already
+        return big, 1, False
+    if threads > 1 and numel >= max(_SERIAL_MIN, 2 * align) and _serial_threads_work():
+        # At least 2 chunks per thread, so that the shared counter can even out their progress.
+        chunk = max(align, min(_SERIAL_CHUNK, numel // (2 * threads)) // align * align)
+        return chunk, min(threads, numel // chunk), True
     if align >= _GRAIN:
         return max(align, _CPU_BIG_CHUNK // align * align), 1, False
     chunk = (_GRAIN - 1) // align * align
@@ -441,7 +444,7 @@ def encode(v: torch.Tensor, block_size: int = DEFAULT_BLOCK_SIZE, tokens: int = 
         CodecError: if ``v`` holds NaN or Inf (no packet is produced), is not a floating
             tensor, or block_size/tokens are out of range.
 
-    Work (CPU): chunks of 128K elements on the codec's serial worker threads; per chunk one
+    Work (CPU): chunks of up to 256K elements on the codec's serial worker threads; per chunk one
     read of ``v`` from main memory (``torch.abs``), then in cache the block sums (``torch.sum``
     of the rows: the scales' exact rounding), ``numpy.less`` and ``numpy.packbits``.
 
@@ -671,7 +674,7 @@ def decode(p: SignPacket, device=None, out: torch.Tensor | None = None, *, accum
         CodecError: if ``out`` has the wrong dtype, size, device or is not contiguous, or
             ``accumulate`` is set without ``out``.
 
-    Work: the vector is decoded in cache-sized chunks (CPU: 128K elements on the codec's serial
+    Work: the vector is decoded in cache-sized chunks (CPU: up to 256K elements on the codec's serial
     worker threads, see ``_plan``; CUDA: 16M), so ``out`` is written (and, when accumulating,
     read) once in main memory; the signs are expanded by one 8-byte table gather per packed byte.
     """

@@ -206,6 +206,7 @@ serial_only = pytest.mark.skipif(
 )
 def test_serial_chunks_match_reference(monkeypatch, P, B, chunk):
     monkeypatch.setattr(sign_mod, "_SERIAL_CHUNK", chunk)
+    monkeypatch.setattr(sign_mod, "_SERIAL_MIN", 1)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 3)  # more workers than cores
     got = sign_mod._plan(torch.device("cpu"), P, B)
     assert got[2] is True and got[0] % B == 0 and got[0] % 8 == 0 and P // got[0] >= 2
@@ -227,7 +228,7 @@ def test_serial_chunks_match_reference(monkeypatch, P, B, chunk):
 def test_serial_fallback_and_single_thread_give_the_same_bytes(monkeypatch):
     v = random_vector(700_001, 3)
     monkeypatch.setattr(sign_mod, "_SERIAL_CHUNK", 1 << 16)
-    assert sign_mod._plan(torch.device("cpu"), v.numel(), 2048)[2] is True
+    assert sign_mod._plan(torch.device("cpu"), v.numel(), 2048) == (1 << 16, 2, True)
     a = encode(v)
     d = decode(a)
     monkeypatch.setattr(sign_mod, "_SERIAL_OK", False)  # no per-thread OpenMP count: small inline chunks
