@@ -178,9 +178,11 @@ def _plan(device: torch.device, numel: int, block_size: int) -> tuple[int, int, 
 
 
 class _Workspace:
-    """Scratch buffers for one chunk of ``n`` elements (CPU: one per worker thread, reused
-    across calls). Each buffer is allocated on first use, so a decode never pays for the
-    encode's fp32 temporaries (on CUDA a workspace lives for one call)."""
+    """Scratch buffers for one chunk of ``n`` elements. On CPU the storage is per thread and
+    kept across calls (a chunk smaller than an earlier one uses the front of its buffers, so
+    parts of varying sizes allocate, and page-fault, nothing new); on CUDA it lives for one
+    call. Each buffer is allocated on first use, so a decode never pays for the encode's fp32
+    temporaries."""
 
     _SPECS = {  # name: (dtype, elements per chunk element)
         "neg": (torch.bool, 1),
@@ -189,18 +191,20 @@ class _Workspace:
         "idx": (torch.int32, 8),
     }
 
-    def __init__(self, n: int, device: torch.device):
+    def __init__(self, n: int, device: torch.device, store: dict[str, torch.Tensor] | None = None):
         self.n = n
         self.device = device
-        self._bufs: dict[str, torch.Tensor] = {}
+        self._store: dict[str, torch.Tensor] = {} if store is None else store
 
     def get(self, name: str) -> torch.Tensor:
-        buf = self._bufs.get(name)
-        if buf is None:
-            dtype, per = self._SPECS[name]
-            buf = torch.empty(ceil_div(self.n, per), dtype=dtype, device=self.device)
-            self._bufs[name] = buf
-        return buf
+        """The buffer ``name``: ``ceil(n / per)`` elements of its dtype (see ``_SPECS``), contiguous."""
+        dtype, per = self._SPECS[name]
+        need = ceil_div(self.n, per)
+        buf = self._store.get(name)
+        if buf is None or buf.numel() < need:
+            buf = torch.empty(need, dtype=dtype, device=self.device)
+            self._store[name] = buf
+        return buf[:need]
 
 
 _tls = threading.local()
@@ -209,11 +213,10 @@ _tls = threading.local()
 def _workspace(n: int, device: torch.device) -> _Workspace:
     if device.type != "cpu":
         return _Workspace(n, device)
-    ws = getattr(_tls, "ws", None)
-    if ws is None or ws.n != n:
-        ws = _Workspace(n, device)
-        _tls.ws = ws
-    return ws
+    store = getattr(_tls, "store", None)
+    if store is None:
+        store = _tls.store = {}
+    return _Workspace(n, device, store)
 
 
 _POOL: ThreadPoolExecutor | None = None
