@@ -30,6 +30,7 @@ Total ``32 + ceil(P/8) + 4*ceil(P/B)`` bytes: for B = 2048 and large P that is 4
 from __future__ import annotations
 
 import ctypes
+import functools
 import itertools
 import math
 import os
@@ -264,9 +265,10 @@ _SERIAL_OK: bool | None = None
 _torch_get_num_threads = torch.get_num_threads
 
 
+@functools.cache
 def _omp_set_num_threads():
     """``omp_set_num_threads`` of the OpenMP runtime torch is linked with, or None (no OpenMP
-    backend, or its symbol not visible in the process)."""
+    backend, or its symbol not visible in the process). Looked up once."""
     if "OpenMP" not in torch.__config__.parallel_info().split("ATen parallel backend:")[-1]:
         return None
     try:
