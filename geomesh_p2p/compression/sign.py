@@ -29,6 +29,9 @@ Total ``32 + ceil(P/8) + 4*ceil(P/B)`` bytes: for B = 2048 and large P that is 4
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import itertools
 import math
 import os
 import threading
@@ -59,13 +62,24 @@ from ._format import (
 
 __all__ = ["SignPacket", "encode", "decode", "sign_payload_nbytes"]
 
-# Work is split into chunks that start on a byte and block boundary. On CPU a chunk holds
-# fewer than at::internal::GRAIN_SIZE (32768) elements, so every torch op on it runs inline
-# in the calling thread (no OpenMP team, no barrier per op: robust when the cores are
-# shared), its temporaries stay in L1/L2, and the chunks are spread over a small pool of
-# worker threads (torch ops release the GIL). On CUDA chunks only bound temporaries.
+# Work is split into chunks that start on a byte and block boundary, so that each chunk's
+# temporaries stay in cache and the vector itself is read (encode) or written (decode) once in
+# main memory. On CPU every torch op must run inline in its thread: an OpenMP team per op costs
+# a fork/join barrier, which on shared cores waits for whichever thread was descheduled.
+#
+# * Serial worker threads (the default where torch's OpenMP runtime allows it): pool threads whose
+#   own OpenMP thread count is 1 (``_make_thread_serial``; other threads keep theirs) run chunks of
+#   up to ``_SERIAL_CHUNK`` elements, taken from a shared counter (a descheduled thread holds up
+#   one chunk, not a fixed share). Large chunks amortise the 2-12 us of Python, dispatch and GIL
+#   hand-over per op (torch.sum's is the largest); the chunk and its scratch sit in L2/L3.
+# * Otherwise chunks hold fewer than at::internal::GRAIN_SIZE (32768) elements, so the ops run
+#   inline in any thread, on a pool of threads with fixed shares (the caller's thread included).
+#
+# torch ops release the GIL, so the threads run in parallel. On CUDA chunks only bound temporaries.
 _GRAIN = 32768
-_CPU_BIG_CHUNK = 1 << 19  # when lcm(8, B) >= _GRAIN: OpenMP-parallel ops in the caller's thread
+_SERIAL_CHUNK = 1 << 18  # elements (1 MiB of fp32): fastest of 2**15 .. 2**20 on the 2-core test VM
+_SERIAL_MIN = 1 << 18  # fewer elements: no hand-over to the pool (it costs ~0.1 ms)
+_CPU_BIG_CHUNK = 1 << 19  # lcm(8, B) >= _GRAIN without serial threads: OpenMP ops in the caller
 _CUDA_CHUNK = 1 << 24
 _MAX_ALIGN = 1 << 22  # lcm(8, B) above this: one unchunked segment
 _MIN_CHUNKS_PER_WORKER = 4
@@ -141,46 +155,57 @@ class SignPacket:
 # encode
 
 
-def _plan(device: torch.device, numel: int, block_size: int) -> tuple[int, int]:
-    """(chunk elements, worker threads) for a vector; chunk 0 means one unchunked segment."""
+def _plan(device: torch.device, numel: int, block_size: int) -> tuple[int, int, bool]:
+    """(chunk elements, worker threads, serial) for a vector; chunk 0 means one unchunked segment.
+    ``serial``: the chunks run on serial pool threads (``_run_serial``), else on ``_run_parallel``."""
     align = 8 * block_size // math.gcd(8, block_size)
     if align > _MAX_ALIGN or numel < 2 * align:
-        return 0, 1
+        return 0, 1, False
     if device.type != "cpu":
-        return max(align, _CUDA_CHUNK // align * align), 1
+        return max(align, _CUDA_CHUNK // align * align), 1, False
+    threads = torch.get_num_threads()
+    big = max(align, _SERIAL_CHUNK // align * align)
+    if threads == 1 and numel >= 2 * big:  # the caller's ops run inline already
+        return big, 1, False
+    if threads > 1 and numel >= max(_SERIAL_MIN, 2 * align) and _serial_threads_work():
+        # At least 2 chunks per thread, so that the shared counter can even out their progress.
+        chunk = max(align, min(_SERIAL_CHUNK, numel // (2 * threads)) // align * align)
+        return chunk, min(threads, numel // chunk), True
     if align >= _GRAIN:
-        return max(align, _CPU_BIG_CHUNK // align * align), 1
+        return max(align, _CPU_BIG_CHUNK // align * align), 1, False
     chunk = (_GRAIN - 1) // align * align
-    workers = max(1, min(torch.get_num_threads(), numel // chunk // _MIN_CHUNKS_PER_WORKER))
-    return chunk, workers
+    workers = max(1, min(threads, numel // chunk // _MIN_CHUNKS_PER_WORKER))
+    return chunk, workers, False
 
 
 class _Workspace:
-    """Scratch buffers for one chunk of ``n`` elements (CPU: one per worker thread, reused
-    across calls). Each buffer is allocated on first use, so a decode never pays for the
-    encode's fp32 temporaries (on CUDA a workspace lives for one call)."""
+    """Scratch buffers for one chunk of ``n`` elements. On CPU the storage is per thread and
+    kept across calls (a chunk smaller than an earlier one uses the front of its buffers, so
+    parts of varying sizes allocate, and page-fault, nothing new); on CUDA it lives for one
+    call. Each buffer is allocated on first use, so a decode never pays for the encode's fp32
+    temporaries."""
 
     _SPECS = {  # name: (dtype, elements per chunk element)
         "neg": (torch.bool, 1),
         "words": (torch.int64, 8),
-        "absv": (torch.float32, 1),
-        "negpart": (torch.float32, 1),
+        "f32": (torch.float32, 1),
         "idx": (torch.int32, 8),
-        "pm": (torch.float32, 1),
     }
 
-    def __init__(self, n: int, device: torch.device):
+    def __init__(self, n: int, device: torch.device, store: dict[str, torch.Tensor] | None = None):
         self.n = n
         self.device = device
-        self._bufs: dict[str, torch.Tensor] = {}
+        self._store: dict[str, torch.Tensor] = {} if store is None else store
 
     def get(self, name: str) -> torch.Tensor:
-        buf = self._bufs.get(name)
-        if buf is None:
-            dtype, per = self._SPECS[name]
-            buf = torch.empty(ceil_div(self.n, per), dtype=dtype, device=self.device)
-            self._bufs[name] = buf
-        return buf
+        """The buffer ``name``: ``ceil(n / per)`` elements of its dtype (see ``_SPECS``), contiguous."""
+        dtype, per = self._SPECS[name]
+        need = ceil_div(self.n, per)
+        buf = self._store.get(name)
+        if buf is None or buf.numel() < need:
+            buf = torch.empty(need, dtype=dtype, device=self.device)
+            self._store[name] = buf
+        return buf[:need]
 
 
 _tls = threading.local()
@@ -189,11 +214,10 @@ _tls = threading.local()
 def _workspace(n: int, device: torch.device) -> _Workspace:
     if device.type != "cpu":
         return _Workspace(n, device)
-    ws = getattr(_tls, "ws", None)
-    if ws is None or ws.n != n:
-        ws = _Workspace(n, device)
-        _tls.ws = ws
-    return ws
+    store = getattr(_tls, "store", None)
+    if store is None:
+        store = _tls.store = {}
+    return _Workspace(n, device, store)
 
 
 _POOL: ThreadPoolExecutor | None = None
@@ -201,21 +225,109 @@ _POOL_PID = 0
 _POOL_LOCK = threading.Lock()
 
 
+def _pool(workers: int, serial: bool) -> ThreadPoolExecutor:
+    """The shared pool (``serial``: the codec's pool of serial threads) with >= ``workers`` threads."""
+    global _POOL, _POOL_PID, _SERIAL_POOL, _SERIAL_POOL_PID
+    with _POOL_LOCK:
+        pool, pid = (_SERIAL_POOL, _SERIAL_POOL_PID) if serial else (_POOL, _POOL_PID)
+        # A new pool after a fork too: the child has none of the parent's threads.
+        if pool is None or pool._max_workers < workers or pid != os.getpid():
+            name = "geomesh-codec-serial" if serial else "geomesh-codec"
+            pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=name)
+            if serial:
+                _SERIAL_POOL, _SERIAL_POOL_PID = pool, os.getpid()
+            else:
+                _POOL, _POOL_PID = pool, os.getpid()
+        return pool
+
+
 def _run_parallel(fn, nchunks: int, workers: int) -> None:
     """Call ``fn(lo, hi)`` on contiguous ranges covering [0, nchunks), on ``workers`` threads."""
     if workers <= 1:
         fn(0, nchunks)
         return
-    global _POOL, _POOL_PID
-    with _POOL_LOCK:
-        # A new pool after a fork too: the child has none of the parent's threads.
-        if _POOL is None or _POOL._max_workers < workers or _POOL_PID != os.getpid():
-            _POOL = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="geomesh-codec")
-            _POOL_PID = os.getpid()
-        pool = _POOL
+    pool = _pool(workers, serial=False)
     bounds = [(nchunks * k // workers, nchunks * (k + 1) // workers) for k in range(workers)]
     futures = [pool.submit(fn, lo, hi) for lo, hi in bounds[1:]]
     fn(*bounds[0])  # the caller's thread takes the first range
+    for f in futures:
+        f.result()
+
+
+# ----------------------------------------------------------------------------------------
+# serial worker threads
+
+_SERIAL_POOL: ThreadPoolExecutor | None = None
+_SERIAL_POOL_PID = 0
+_SERIAL_OK: bool | None = None
+# torch.get_num_threads as imported (tests replace the module attribute to vary the worker count;
+# the check below needs the real per-thread figure).
+_torch_get_num_threads = torch.get_num_threads
+
+
+@functools.cache
+def _omp_set_num_threads():
+    """``omp_set_num_threads`` of the OpenMP runtime torch is linked with, or None (no OpenMP
+    backend, or its symbol not visible in the process). Looked up once."""
+    if "OpenMP" not in torch.__config__.parallel_info().split("ATen parallel backend:")[-1]:
+        return None
+    try:
+        fn = ctypes.CDLL(None).omp_set_num_threads
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_int], None
+    return fn
+
+
+def _make_thread_serial() -> bool:
+    """Make torch CPU ops called from this thread run inline (``at::get_num_threads() == 1`` here).
+
+    With torch's OpenMP backend ``at::get_num_threads()`` is the calling thread's OpenMP
+    ``nthreads`` setting, which ``omp_set_num_threads`` changes for that thread alone (the
+    process-wide figure, other threads and ``torch.get_num_threads()`` elsewhere are untouched;
+    ``torch.set_num_threads`` would change the default every new thread starts with). Only
+    called on the codec's own pool threads and a probe thread. Returns whether it worked."""
+    done = getattr(_tls, "serial", None)
+    if done is None:
+        done = False
+        fn = _omp_set_num_threads()
+        if fn is not None:
+            _torch_get_num_threads()  # torch's lazy per-thread init first, or it would undo ours
+            fn(1)
+            done = _torch_get_num_threads() == 1
+        _tls.serial = done
+    return done
+
+
+def _serial_threads_work() -> bool:
+    """Whether ``_make_thread_serial`` works in this process (probed once, on a throwaway thread)."""
+    global _SERIAL_OK
+    if _SERIAL_OK is None:
+        box: list[bool] = []
+        t = threading.Thread(target=lambda: box.append(_make_thread_serial()), name="geomesh-codec-probe")
+        t.start()
+        t.join()
+        _SERIAL_OK = bool(box and box[0])
+    return _SERIAL_OK
+
+
+def _run_serial(setup, ntasks: int, workers: int) -> None:
+    """Run tasks ``0 .. ntasks-1`` on ``workers`` serial pool threads; the caller waits.
+
+    Each thread calls ``step = setup()`` once (its scratch buffers and views), then ``step(i)`` for
+    the next index of a shared counter until none is left: a thread that is descheduled (shared
+    cores) holds up one task, not a fixed share of them. Exceptions propagate to the caller."""
+    counter = itertools.count()  # next() is atomic under the GIL
+
+    def loop() -> None:
+        _make_thread_serial()
+        step = setup()
+        i = next(counter)
+        while i < ntasks:
+            step(i)
+            i = next(counter)
+
+    futures = [_pool(workers, serial=True).submit(loop) for _ in range(workers)]
     for f in futures:
         f.result()
 
@@ -225,11 +337,14 @@ def _encode_segment(vs: torch.Tensor, signs: torch.Tensor, sums: torch.Tensor, b
     on a byte and block boundary (``signs``/``sums``: the segment's slices of the outputs)."""
     n = vs.numel()
     n8 = n - n % 8
-    if n8:
+    if vs.device.type == "cpu":
+        # numpy's SIMD compare and packbits (zero padding bits, the wire's bit order).
+        signs.numpy()[:] = np.packbits(np.less(vs.numpy(), 0), bitorder="little")
+    elif n8:
         # 8 bools (bytes 0/1) viewed as one int64, gathered into its top byte.
         words = torch.mul(torch.lt(vs[:n8], 0).view(torch.int64), _GATHER)
         signs[: n8 // 8].copy_(words.view(torch.uint8).view(-1, 8)[:, 7])
-    if n8 < n:
+    if n8 < n and vs.device.type != "cpu":
         tail = torch.lt(vs[n8:], 0).to(torch.uint8)
         weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=vs.device)
         signs[n8 // 8 :].copy_((tail * weights[: n - n8]).sum(dtype=torch.uint8).reshape(1))
@@ -256,10 +371,12 @@ def _block_abs_sums(v: torch.Tensor, block_size: int, dtype=torch.float32) -> to
 
 
 def _encode_chunked(
-    v: torch.Tensor, signs: torch.Tensor, sums: torch.Tensor, block_size: int, chunk: int, workers: int
+    v: torch.Tensor, signs: torch.Tensor, sums: torch.Tensor, block_size: int, chunk: int, workers: int, serial: bool
 ) -> int:
-    """Fast path over the whole chunks of ``v``; returns how many elements it covered."""
-    nch = v.numel() // chunk
+    """Fast path over the chunks of ``v``; returns how many elements it covered (with ``serial``
+    all of them: the last, partial chunk is one more task for the worker threads)."""
+    P = v.numel()
+    nch = P // chunk
     covered = nch * chunk
     nbc = chunk // block_size
     v_chunks = v[:covered].view(nch, chunk).unbind(0)
@@ -267,31 +384,48 @@ def _encode_chunked(
     u_chunks = sums[: nch * nbc].view(nch, nbc).unbind(0)
     device = v.device
     cpu = device.type == "cpu"
+    # CPU: numpy views of the same memory for the sign bits (numpy's compare and packbits are
+    # SIMD loops and release the GIL; torch's bool compare is not vectorised).
+    vn_chunks = v[:covered].numpy().reshape(nch, chunk) if cpu else None
+    sn_chunks = signs[: covered // 8].numpy().reshape(nch, chunk // 8) if cpu else None
 
-    def work(lo: int, hi: int) -> None:
+    def setup():
         ws = _workspace(chunk, device)
         neg = ws.get("neg")
         neg64 = neg.view(torch.int64)
+        negn = neg.numpy() if cpu else None
         words = ws.get("words")
         top = words.view(torch.uint8).view(-1, 8)[:, 7]
-        absv = ws.get("absv")
-        absb = absv.view(nbc, block_size)
-        negpart = ws.get("negpart") if cpu else None
-        tabs, tsum, clamp_max, mul = torch.abs, torch.sum, torch.clamp_max, torch.mul
-        for c in range(lo, hi):
+        f32 = ws.get("f32")
+        f32b = f32.view(nbc, block_size)
+        tabs, tsum, lt, mul, less, packbits = torch.abs, torch.sum, torch.lt, torch.mul, np.less, np.packbits
+
+        def step(c: int) -> None:
+            if c == nch:  # the partial last chunk
+                _encode_segment(v[covered:], signs[covered // 8 :], sums[covered // block_size :], block_size)
+                return
             vc = v_chunks[c]
-            # Pass 1 reads the chunk from main memory; the passes after it read L2 (CPU).
-            tabs(vc, out=absv)
-            tsum(absb, 1, out=u_chunks[c])  # per-block sum of |v|
-            if negpart is not None:  # CPU
-                # min(v, 0) then a float -> bool conversion (non-zero iff v < 0; -0.0 -> False):
-                # about 2x faster on CPU than torch.lt(v, 0), whose bool kernel is poorly vectorised.
-                clamp_max(vc, 0.0, out=negpart)
-                neg.copy_(negpart)  # 1 byte per element: 1 iff v < 0
+            # The first op reads the chunk from main memory; the ones after it read the cache.
+            tabs(vc, out=f32)
+            tsum(f32b, 1, out=u_chunks[c])  # per-block sum of |v|
+            if vn_chunks is not None and sn_chunks is not None and negn is not None:  # CPU
+                less(vn_chunks[c], 0, out=negn)  # -0.0 < 0 is False
+                sn_chunks[c] = packbits(negn, bitorder="little")
             else:
-                torch.lt(vc, 0.0, out=neg)  # one kernel on a GPU (-0.0 < 0 is False)
-            mul(neg64, _GATHER, out=words)  # 8 bytes -> the top byte of a word
-            s_chunks[c].copy_(top)
+                lt(vc, 0.0, out=neg)  # one kernel on a GPU (-0.0 < 0 is False)
+                mul(neg64, _GATHER, out=words)  # 8 bytes -> the top byte of a word
+                s_chunks[c].copy_(top)
+
+        return step
+
+    if serial:
+        _run_serial(setup, nch + (covered < P), workers)
+        return P
+
+    def work(lo: int, hi: int) -> None:
+        step = setup()
+        for c in range(lo, hi):
+            step(c)
 
     _run_parallel(work, nch, workers)
     return covered
@@ -315,19 +449,23 @@ def encode(v: torch.Tensor, block_size: int = DEFAULT_BLOCK_SIZE, tokens: int = 
         CodecError: if ``v`` holds NaN or Inf (no packet is produced), is not a floating
             tensor, or block_size/tokens are out of range.
 
+    Work (CPU): chunks of up to 256K elements on the codec's serial worker threads; per chunk one
+    read of ``v`` from main memory (``torch.abs``), then in cache the block sums (``torch.sum``
+    of the rows: the scales' exact rounding), ``numpy.less`` and ``numpy.packbits``.
+
     Source: GeoMesh CSS (arXiv 2609.18388): per block, packed signs and the mean |v|.
     """
     block_size = check_block_size(block_size)
     tokens = check_tokens(tokens)
-    v = as_flat_fp32(v)
+    v = as_flat_fp32(v).resolve_neg()  # a negated view has no numpy view (CPU sign bits)
     device = v.device
     P = v.numel()
     nb = ceil_div(P, block_size)
     signs = torch.empty(ceil_div(P, 8), dtype=torch.uint8, device=device)
     sums = torch.empty(nb, dtype=torch.float32, device=device)
 
-    chunk, workers = _plan(device, P, block_size)
-    covered = _encode_chunked(v, signs, sums, block_size, chunk, workers) if chunk else 0
+    chunk, workers, serial = _plan(device, P, block_size)
+    covered = _encode_chunked(v, signs, sums, block_size, chunk, workers, serial) if chunk else 0
     if covered < P:
         _encode_segment(v[covered:], signs[covered // 8 :], sums[covered // block_size :], block_size)
 
@@ -416,7 +554,7 @@ def _decode_range(
     torch.index_select(lut, 0, idx, out=words)
     pm8 = words.view(torch.int8)[:n]  # +1 / -1 per element
     if accumulate:
-        pm = ws.get("pm")[:n]
+        pm = ws.get("f32")[:n]
         pm.copy_(pm8)
         if nfull:
             out[: nfull * block_size].view(nfull, block_size).addcmul_(
@@ -444,41 +582,72 @@ def _decode_chunked(
     block_size: int,
     chunk: int,
     workers: int,
+    serial: bool,
     accumulate: bool,
 ) -> int:
-    """Fast path over the whole chunks; returns how many elements it covered."""
-    nch = out.numel() // chunk
+    """Fast path over the chunks; returns how many elements it covered (with ``serial`` all of
+    them: the last, partial chunk is one more task for the worker threads)."""
+    P = out.numel()
+    nch = P // chunk
     covered = nch * chunk
     nbc = chunk // block_size
     s_chunks = signs[: covered // 8].view(nch, chunk // 8).unbind(0)
-    o_chunks = out[:covered].view(nch, chunk).unbind(0)
     ob_chunks = out[:covered].view(nch, nbc, block_size).unbind(0)
     u_chunks = scales[: nch * nbc].view(nch, nbc, 1).unbind(0)
     device = out.device
-    fused_mul = device.type != "cpu"
+    cpu = device.type == "cpu"
 
-    def work(lo: int, hi: int) -> None:
-        # The per-chunk loop is a few op calls on prebuilt views: Python work per chunk is
-        # what the worker threads serialise on (the GIL), so none is done here.
+    def setup():
+        # The per-chunk step is a few op calls on prebuilt views: Python work per chunk is
+        # what the worker threads serialise on (the GIL), so none is done there.
         ws = _workspace(chunk, device)
         idx = ws.get("idx")
         words = ws.get("words")
         pm8 = words.view(torch.int8)
         pm8b = pm8.view(nbc, block_size)
-        pm = ws.get("pm") if accumulate else None
-        pmb = pm.view(nbc, block_size) if pm is not None else None
+        f32b = ws.get("f32").view(nbc, block_size) if cpu or accumulate else None
         index_select, mul = torch.index_select, torch.mul
-        for c in range(lo, hi):
+
+        def step(c: int) -> None:
+            if c == nch:  # the partial last chunk
+                _decode_range(
+                    signs[covered // 8 :],
+                    scales[covered // block_size :],
+                    out[covered:],
+                    lut,
+                    block_size,
+                    ws,
+                    accumulate,
+                )
+                return
             idx.copy_(s_chunks[c])
             index_select(lut, 0, idx, out=words)  # 8 signs (+1 / -1 as int8) per packed byte
-            if pm is not None and pmb is not None:  # accumulate
-                pm.copy_(pm8)
-                ob_chunks[c].addcmul_(pmb, u_chunks[c])  # out += (+-1.0) * scale
-            elif fused_mul:
-                mul(pm8b, u_chunks[c], out=ob_chunks[c])  # int8 read and converted in-kernel
+            if f32b is None:  # GPU: the int8 signs are read and converted in the kernel
+                mul(pm8b, u_chunks[c], out=ob_chunks[c])
+                return
+            # CPU (a mixed int8 * fp32 op would convert through a temporary) and accumulate:
+            # +-1.0 in cached scratch, times the block scale, then one write (or read-add-write)
+            # of out in main memory. scale * (+-1.0) is exact, so out + that is bitwise what
+            # adding a decoded vector gives.
+            f32b.copy_(pm8b)
+            if not accumulate:
+                mul(f32b, u_chunks[c], out=ob_chunks[c])
+            elif cpu:
+                f32b.mul_(u_chunks[c])  # 2 vectorised passes in cache: faster than one addcmul_ on CPU
+                ob_chunks[c].add_(f32b)
             else:
-                o_chunks[c].copy_(pm8)  # +1.0 / -1.0
-                ob_chunks[c].mul_(u_chunks[c])  # scale * sign: one exact multiply
+                ob_chunks[c].addcmul_(f32b, u_chunks[c])  # one kernel: out += (+-1.0) * scale
+
+        return step
+
+    if serial:
+        _run_serial(setup, nch + (covered < P), workers)
+        return P
+
+    def work(lo: int, hi: int) -> None:
+        step = setup()
+        for c in range(lo, hi):
+            step(c)
 
     _run_parallel(work, nch, workers)
     return covered
@@ -510,9 +679,9 @@ def decode(p: SignPacket, device=None, out: torch.Tensor | None = None, *, accum
         CodecError: if ``out`` has the wrong dtype, size, device or is not contiguous, or
             ``accumulate`` is set without ``out``.
 
-    Work: the vector is decoded in cache-sized chunks (CPU: < 32768 elements on a pool of
-    threads; CUDA: 16M), so ``out`` is written (and, when accumulating, read) once in main
-    memory; the signs are expanded by one 8-byte table gather per packed byte.
+    Work: the vector is decoded in cache-sized chunks (CPU: up to 256K elements on the codec's serial
+    worker threads, see ``_plan``; CUDA: 16M), so ``out`` is written (and, when accumulating,
+    read) once in main memory; the signs are expanded by one 8-byte table gather per packed byte.
     """
     if not isinstance(p, SignPacket):
         raise CodecError(f"decode expects a SignPacket, got {type(p).__name__}")
@@ -540,8 +709,8 @@ def decode(p: SignPacket, device=None, out: torch.Tensor | None = None, *, accum
     signs = p.signs.to(device)
     scales = p.scales.to(device)
     lut = _sign_lut(device)
-    chunk, workers = _plan(device, P, B)
-    covered = _decode_chunked(signs, scales, flat, lut, B, chunk, workers, accumulate) if chunk else 0
+    chunk, workers, serial = _plan(device, P, B)
+    covered = _decode_chunked(signs, scales, flat, lut, B, chunk, workers, serial, accumulate) if chunk else 0
     if covered < P:
         rest = P - covered
         _decode_range(

@@ -184,3 +184,107 @@ def test_cuda_decode_matches_cpu_bitwise(P, B):
     q = encode(v.to(dev), B)
     assert q.signs.numpy().tobytes() == p.signs.numpy().tobytes()  # signs are exact on any device
     np.testing.assert_allclose(q.scales.numpy(), p.scales.numpy(), rtol=1e-5)
+
+
+# ---- serial worker threads (chunks of _SERIAL_CHUNK on pool threads whose OpenMP count is 1)
+
+serial_only = pytest.mark.skipif(
+    not sign_mod._serial_threads_work(), reason="torch's OpenMP runtime does not take a per-thread thread count here"
+)
+
+
+@serial_only
+@pytest.mark.parametrize(
+    "P,B,chunk",
+    [
+        (100_003, 2048, 8192),  # 12 chunks of 4 blocks, a partial last chunk with a partial block
+        (99_999, 24, 4800),  # lcm(8, 24) = 24: chunk a multiple of 24, tail not a multiple of 8
+        (65_536 + 3, 5, 4000),  # B not a divisor of 8, odd tail
+        (40_960, 2048, 8192),  # exactly 5 chunks, no tail
+        (300_007, 1 << 15, 1 << 15),  # one block per chunk
+    ],
+)
+def test_serial_chunks_match_reference(monkeypatch, P, B, chunk):
+    monkeypatch.setattr(sign_mod, "_SERIAL_CHUNK", chunk)
+    monkeypatch.setattr(sign_mod, "_SERIAL_MIN", 1)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)  # more workers than cores
+    got = sign_mod._plan(torch.device("cpu"), P, B)
+    assert got[2] is True and got[0] % B == 0 and got[0] % 8 == 0 and P // got[0] >= 2
+    v = random_vector(P, P + B)
+    p = encode(v, B, tokens=1)
+    signs, scales = ref_encode(v, B)
+    assert p.signs.numpy().tobytes() == signs
+    assert p.scales.numpy().view(np.int32).tolist() == scales.view(np.int32).tolist()
+    ref = ref_decode(p)
+    out = torch.full((P,), float("nan"))
+    assert torch.equal(bits_of(decode(p, out=out)), bits_of(ref))
+    acc = torch.randn(P, generator=torch.Generator().manual_seed(B))
+    expect = acc.clone().add_(ref)
+    decode(p, out=acc, accumulate=True)
+    assert torch.equal(bits_of(acc), bits_of(expect))
+
+
+@serial_only
+def test_serial_fallback_and_single_thread_give_the_same_bytes(monkeypatch):
+    v = random_vector(700_001, 3)
+    monkeypatch.setattr(sign_mod, "_SERIAL_CHUNK", 1 << 16)
+    assert sign_mod._plan(torch.device("cpu"), v.numel(), 2048) == (1 << 16, 2, True)
+    a = encode(v)
+    d = decode(a)
+    monkeypatch.setattr(sign_mod, "_SERIAL_OK", False)  # no per-thread OpenMP count: small inline chunks
+    assert sign_mod._plan(torch.device("cpu"), v.numel(), 2048) == ((32767 // 2048) * 2048, 2, False)
+    assert encode(v).to_bytes() == a.to_bytes()
+    assert torch.equal(bits_of(decode(a)), bits_of(d))
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)  # big chunks in the caller's thread
+    assert sign_mod._plan(torch.device("cpu"), v.numel(), 2048) == (1 << 16, 1, False)
+    assert encode(v).to_bytes() == a.to_bytes()
+    assert torch.equal(bits_of(decode(a)), bits_of(d))
+
+
+@serial_only
+def test_make_thread_serial_changes_only_its_own_thread():
+    import threading
+
+    before = torch.get_num_threads()
+    seen: dict[str, int] = {}
+
+    def serial() -> None:
+        seen["ok"] = sign_mod._make_thread_serial()
+        seen["serial"] = torch.get_num_threads()
+
+    def plain() -> None:
+        seen["plain"] = torch.get_num_threads()
+
+    for fn in (serial, plain):
+        t = threading.Thread(target=fn)
+        t.start()
+        t.join()
+    assert seen == {"ok": True, "serial": 1, "plain": before}
+    assert torch.get_num_threads() == before
+
+
+def test_run_serial_runs_each_task_once_and_raises():
+    done: list[int] = []
+
+    def setup():
+        return done.append
+
+    sign_mod._run_serial(setup, 37, 3)
+    assert sorted(done) == list(range(37))
+
+    def failing():
+        def step(i: int) -> None:
+            if i == 5:
+                raise ValueError("task 5")
+
+        return step
+
+    with pytest.raises(ValueError, match="task 5"):
+        sign_mod._run_serial(failing, 9, 2)
+
+
+def test_negated_view_encodes_like_its_values():
+    v = random_vector(100_003, 9)
+    neg_view = torch._neg_view(v)
+    assert neg_view.is_neg()
+    assert encode(neg_view).to_bytes() == encode(-v).to_bytes()
