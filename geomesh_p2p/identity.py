@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import os
@@ -148,7 +149,18 @@ class Identity:
         """
         if payload_sha256 is None:
             payload_sha256 = payload_hash(payload)
-        elif len(payload_sha256) != 32:
+        env = self.sign_envelope(run_id=run_id, round=round, kind=kind, payload_sha256=payload_sha256)
+        return envelope_pb2.SignedMessage(envelope=env, payload=payload)
+
+    def sign_envelope(self, *, run_id: str, round: int, kind: str, payload_sha256: bytes) -> envelope_pb2.Envelope:
+        """The signed envelope of a payload whose SHA-256 is ``payload_sha256`` (32 bytes), bound to run,
+        round, kind, now and a fresh nonce: :meth:`sign_message` without the payload (the transport
+        encodes the message itself, with no copy of the envelope into a SignedMessage).
+
+        Raises:
+            ValueError: ``payload_sha256`` is not 32 bytes.
+        """
+        if len(payload_sha256) != 32:
             raise ValueError(f"payload_sha256 must be 32 bytes, got {len(payload_sha256)}")
         env = envelope_pb2.Envelope(
             run_id=run_id,
@@ -161,7 +173,7 @@ class Identity:
             kind=kind,
         )
         env.signature = self.sign(canonical_header(env))
-        return envelope_pb2.SignedMessage(envelope=env, payload=payload)
+        return env
 
 
 def payload_hash(payload: bytes) -> bytes:
@@ -170,17 +182,28 @@ def payload_hash(payload: bytes) -> bytes:
     return hashlib.sha256(payload).digest()
 
 
+# Parsed public keys and PeerIDs of the peers met, by raw key: every verified message needs both, and a
+# node talks to the same few hundred peers again and again. Bounded LRUs; both values are immutable.
+@functools.lru_cache(maxsize=4096)
+def _public_key(raw: bytes) -> Ed25519PublicKey:
+    return Ed25519PublicKey.from_public_bytes(raw)
+
+
+@functools.lru_cache(maxsize=4096)
+def _peer_id_of_key(public_key: bytes) -> "PeerID":
+    return PeerID.from_public_key(public_key)
+
+
 def verify_signature(public_key: bytes, signature: bytes, data: bytes) -> bool:
     """True when ``signature`` is a valid Ed25519 signature of ``data`` by ``public_key`` (raw 32 bytes)."""
     try:
-        Ed25519PublicKey.from_public_bytes(public_key).verify(signature, data)
+        _public_key(bytes(public_key)).verify(signature, data)
         return True
     except (InvalidSignature, ValueError):
         return False
 
 
-def _lp(b: bytes) -> bytes:
-    return struct.pack("<I", len(b)) + b
+_U32 = struct.Struct("<I").pack  # a length prefix of canonical_header
 
 
 def canonical_header(env: envelope_pb2.Envelope) -> bytes:
@@ -188,18 +211,26 @@ def canonical_header(env: envelope_pb2.Envelope) -> bytes:
 
     Independent of protobuf serialization, which is not canonical.
     """
+    run_id, sender, public_key = env.run_id.encode(), env.sender, env.public_key
+    nonce, digest, kind = env.nonce, env.payload_sha256, env.kind.encode()
     return b"".join(
-        [
+        (
             _DOMAIN,
-            _lp(env.run_id.encode()),
+            _U32(len(run_id)),
+            run_id,
             struct.pack("<Q", env.round),
-            _lp(env.sender),
-            _lp(env.public_key),
+            _U32(len(sender)),
+            sender,
+            _U32(len(public_key)),
+            public_key,
             struct.pack("<d", env.timestamp),
-            _lp(env.nonce),
-            _lp(env.payload_sha256),
-            _lp(env.kind.encode()),
-        ]
+            _U32(len(nonce)),
+            nonce,
+            _U32(len(digest)),
+            digest,
+            _U32(len(kind)),
+            kind,
+        )
     )
 
 
@@ -297,7 +328,7 @@ class Verifier:
             )
         if kind is not None and env.kind != kind:
             raise EnvelopeError(grpc.StatusCode.INVALID_ARGUMENT, f"envelope kind {env.kind!r} does not match {kind!r}")
-        if PeerID.from_public_key(env.public_key) != env.sender:
+        if _peer_id_of_key(env.public_key) != env.sender:
             raise EnvelopeError(grpc.StatusCode.UNAUTHENTICATED, "sender PeerID does not match its public key")
         if not verify_signature(env.public_key, env.signature, canonical_header(env)):
             raise EnvelopeError(grpc.StatusCode.UNAUTHENTICATED, "bad signature")

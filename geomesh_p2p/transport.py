@@ -792,12 +792,12 @@ class Transport:
         return list(opts.items())
 
     def _sign_encode(self, *, round: int, kind: str, payload: bytes) -> bytes:
-        """Sign ``payload`` (its SHA-256 is computed once, in :meth:`Identity.sign_message`) and encode
-        the SignedMessage: the bytes sent on the wire (protobuf's format, written by hand so that the
-        payload is copied once, by the join: building the message and serializing it copied it twice)."""
-        env = self.identity.sign_message(
-            run_id=self.run_id, round=round, kind=kind, payload=b"", payload_sha256=identity_mod.payload_hash(payload)
-        ).envelope.SerializeToString()
+        """Sign ``payload`` (its SHA-256 is computed once, here) and encode the SignedMessage: the bytes
+        sent on the wire (protobuf's format, written by hand so that the payload is copied once, by the
+        join: building the message and serializing it copied it twice)."""
+        env = self.identity.sign_envelope(
+            run_id=self.run_id, round=round, kind=kind, payload_sha256=identity_mod.payload_hash(payload)
+        ).SerializeToString()
         return b"".join((b"\x0a", varint(len(env)), env, b"\x12", varint(len(payload)), payload))
 
     async def _signed(self, *, round: int, kind: str, payload: bytes) -> bytes:

@@ -444,17 +444,18 @@ class DHTNode:
         self.blacklist.register_success(contact.peer_id)
         self._failures.pop(contact.peer_id, None)
         self._removed.pop(contact.address, None)
-        is_new = node_id not in self.routing_table
-        old = self.routing_table.get(node_id=node_id)
-        if (is_new or old != contact) and not self._admissible(contact):
+        old = self.routing_table.get(node_id=node_id)  # None: not in the table (nor a replacement)
+        known = old == contact  # the usual case: a node we know answers or calls again
+        if not known and not self._admissible(contact):
             self.stats.contacts_refused += 1
             return
-        if is_new and self._started and self._alive:
+        if old is None and self._started and self._alive:
             self._hand_over(node_id, contact)
-        if old is not None and old != contact:
+        if old is not None and not known:
             self._forget(node_id)
         to_ping = self.routing_table.add_or_update_node(node_id, contact)
-        self._trim_replacements(node_id)
+        if not known:  # a known node only moves within its list: no list grew
+            self._trim_replacements(node_id)
         if to_ping is not None and self._alive and self._started:
             ping_id, ping_contact = to_ping
             if ping_id not in self._pinging:
@@ -688,14 +689,16 @@ class DHTNode:
                     )
             nearest: Dict[DHTID, Contact] = {}
             for info in result.nearest:
-                if len(info.peer_id) != 32 or not _valid_address(info.address):
+                raw_peer, address = info.peer_id, info.address  # one read each: every read is a copy
+                if len(raw_peer) != 32 or not _valid_address(address):
                     continue
-                nid = node_id_of(info.peer_id)
+                nid = node_id_of(raw_peer)
                 if info.node_id != nid.to_bytes() or nid == self.node_id:
                     continue
-                if PeerID(info.peer_id) in self.blacklist:
+                peer = PeerID(raw_peer)
+                if peer in self.blacklist:
                     continue
-                nearest[nid] = Contact(PeerID(info.peer_id), info.address)
+                nearest[nid] = Contact(peer, address)
             out[key_id] = (records, nearest)
         return out
 
@@ -1142,16 +1145,17 @@ class DHTNode:
             raise RecordError(grpc.StatusCode.INVALID_ARGUMENT, "sender NodeInfo names another PeerID than the signer")
         if info.node_id and info.node_id != node_id_of(verified.sender).to_bytes():
             raise RecordError(grpc.StatusCode.INVALID_ARGUMENT, "sender node_id is not SHA-1 of its PeerID")
-        if info.address:
-            if not _valid_address(info.address):
-                raise RecordError(
-                    grpc.StatusCode.INVALID_ARGUMENT, f"sender address {info.address[:60]!r} is not host:port"
-                )
-            contact = Contact(verified.sender, info.address)
+        address = info.address  # one read: each read of a protobuf string field is a copy
+        if address:
+            contact = Contact(verified.sender, address)
             if self.routing_table.get(node_id=contact.node_id) == contact:
-                self._on_contact(contact)  # known at this address (it answered us there): refresh it
-            else:
-                self._check_contact(contact)  # the address is a claim until it answers there
+                # Known at this address (it answered us there; checked then, as every address in the table
+                # was, so not parsed again here): refresh it.
+                self._on_contact(contact)
+                return
+            if not _valid_address(address):
+                raise RecordError(grpc.StatusCode.INVALID_ARGUMENT, f"sender address {address[:60]!r} is not host:port")
+            self._check_contact(contact)  # the address is a claim until it answers there
 
     async def _rpc_ping(self, verified: Verified, context) -> bytes:
         self._alive_check()

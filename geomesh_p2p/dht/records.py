@@ -26,8 +26,12 @@ per store call, keys per find call, subkeys per key. A record that breaks a rule
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import math
 import struct
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Optional
 
@@ -96,11 +100,15 @@ class VerifiedRecord:
         return self.owner is not None
 
 
+# Cached: every record checked and every RPC sent or answered hashes a key or a PeerID again, several
+# times per lookup (SHA-1 + an int conversion each). Bounded LRUs; a DHTID is an immutable int.
+@functools.lru_cache(maxsize=8192)
 def key_id_of(key: str) -> DHTID:
     """DHTID of a key: SHA-1 of its UTF-8 bytes (hivemind's ``DHTID.generate(source=bytes)``)."""
     return DHTID.generate(source=key.encode())
 
 
+@functools.lru_cache(maxsize=8192)
 def node_id_of(peer_id: bytes) -> DHTID:
     """DHTID of a node: SHA-1 of its 32-byte PeerID, so a node cannot pick its place in the key space."""
     return DHTID.generate(source=bytes(peer_id))
@@ -161,6 +169,52 @@ def canonical_record_bytes(
     )
 
 
+class _CheckedSignatures:
+    """Record signatures already checked by this process: SHA-256 digests of (public key, signature,
+    signed bytes), at most ``capacity`` (least recently used dropped first). Why: one record is checked
+    many times (on store, on every find reply that carries it, and against this node's own copy on every
+    ``get``), and an Ed25519 check costs ~0.1-0.3 ms here, while hashing a record costs ~1 us. Only valid
+    signatures are remembered; a hit needs the exact same key, signature and signed bytes (a SHA-256
+    collision otherwise), so nothing unchecked is ever accepted. Thread-safe."""
+
+    def __init__(self, capacity: int = 8192):
+        self.capacity = capacity
+        self._seen: "OrderedDict[bytes, None]" = OrderedDict()
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def _digest(public_key: bytes, signature: bytes, data: bytes) -> bytes:
+        # public key and signature have fixed lengths (checked before), so the concatenation is unambiguous
+        return hashlib.sha256(public_key + signature + data).digest()
+
+    def add(self, public_key: bytes, signature: bytes, data: bytes) -> None:
+        """Remember a signature known to be valid (checked, or just made by its owner)."""
+        self._remember(self._digest(public_key, signature, data))
+
+    def _remember(self, d: bytes) -> None:
+        with self._lock:
+            self._seen[d] = None
+            self._seen.move_to_end(d)
+            while len(self._seen) > self.capacity:
+                self._seen.popitem(last=False)
+
+    def check(self, public_key: bytes, signature: bytes, data: bytes) -> bool:
+        """True when ``signature`` is ``public_key``'s valid Ed25519 signature of ``data`` (from memory
+        when it was checked before)."""
+        d = self._digest(public_key, signature, data)
+        with self._lock:
+            if d in self._seen:
+                self._seen.move_to_end(d)
+                return True
+        if not verify_signature(public_key, signature, data):
+            return False
+        self._remember(d)
+        return True
+
+
+_checked = _CheckedSignatures()
+
+
 def make_record(
     key: str,
     value: bytes,
@@ -175,10 +229,11 @@ def make_record(
     if subkey is not None:
         rec.subkey = subkey
     if owner is not None:
+        signed = canonical_record_bytes(run_id, key, subkey, rec.value, rec.expiration_time, owner.public_key_bytes)
+        signature = owner.sign(signed)
         rec.owner_public_key = owner.public_key_bytes
-        rec.signature = owner.sign(
-            canonical_record_bytes(run_id, key, subkey, rec.value, rec.expiration_time, owner.public_key_bytes)
-        )
+        rec.signature = signature
+        _checked.add(owner.public_key_bytes, signature, signed)  # made here: no need to check it again
     return rec
 
 
@@ -201,6 +256,7 @@ def verify_record(
     """
     key = rec.key
     subkey = rec.subkey if rec.HasField("subkey") else None
+    value = rec.value  # one read: each read of a protobuf bytes field is a copy
     if not key:
         raise RecordError(grpc.StatusCode.INVALID_ARGUMENT, "record has an empty key")
     if len(key.encode()) > limits.max_key_bytes:
@@ -213,10 +269,10 @@ def verify_record(
             grpc.StatusCode.INVALID_ARGUMENT,
             f"subkey of {len(subkey.encode())} bytes is over the limit of {limits.max_subkey_bytes}",
         )
-    if len(rec.value) > limits.max_value_bytes:
+    if len(value) > limits.max_value_bytes:
         raise RecordError(
             grpc.StatusCode.RESOURCE_EXHAUSTED,
-            f"value of {len(rec.value)} bytes is over the limit of {limits.max_value_bytes}",
+            f"value of {len(value)} bytes is over the limit of {limits.max_value_bytes}",
         )
     exp = rec.expiration_time
     if not math.isfinite(exp):
@@ -236,7 +292,7 @@ def verify_record(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 "malformed record signature: owner key must be 32 bytes and signature 64",
             )
-        if not verify_signature(pk, sig, canonical_record_bytes(run_id, key, subkey, rec.value, exp, pk)):
+        if not _checked.check(pk, sig, canonical_record_bytes(run_id, key, subkey, value, exp, pk)):
             raise RecordError(grpc.StatusCode.UNAUTHENTICATED, "bad record signature (forged or altered record)")
         owner = PeerID.from_public_key(pk)
     if owner is None and limits.signed_run_keys and key.startswith(run_id + "/"):
@@ -252,4 +308,4 @@ def verify_record(
     key_id = key_id_of(key)
     if expected_key_id is not None and key_id != expected_key_id:
         raise RecordError(grpc.StatusCode.INVALID_ARGUMENT, "record key does not hash to the DHT key asked for")
-    return VerifiedRecord(key, subkey, bytes(rec.value), exp, owner, key_id, rec)
+    return VerifiedRecord(key, subkey, value, exp, owner, key_id, rec)

@@ -237,3 +237,55 @@ def test_owner_rules_and_signature_binding():
             now=now,
             limits=RecordLimits(max_value_bytes=4),
         )
+
+
+def test_a_record_signature_is_checked_once_and_an_altered_copy_is_still_refused(monkeypatch):
+    """verify_record remembers valid signatures (an Ed25519 check costs ~0.1-0.3 ms, and a record is
+    checked on store, on every find reply and against the node's own copy on every get): the same
+    record again costs no check; a copy altered in any signed field is checked, and refused."""
+    from geomesh_p2p.dht import records as records_mod
+
+    calls: list = []
+    real = records_mod.verify_signature
+
+    def counting(pk, sig, data):
+        calls.append(data)
+        return real(pk, sig, data)
+
+    monkeypatch.setattr(records_mod, "verify_signature", counting)
+    me, other = Identity.generate(), Identity.generate()
+    now = time.time()
+    mine = make_record("k", b"v", now + 60, subkey="s", owner=me, run_id=RUN)
+    verify_record(mine, run_id=RUN, now=now)
+    assert calls == []  # made by this process: known valid
+    theirs = make_record("k", b"v", now + 60, subkey="s", owner=other, run_id=RUN)
+    monkeypatch.setattr(records_mod, "_checked", records_mod._CheckedSignatures())  # as if made elsewhere
+    for _ in range(3):
+        assert verify_record(
+            dht_pb2.SignedRecord.FromString(theirs.SerializeToString()), run_id=RUN, now=now
+        ).owner == (other.peer_id)
+    assert len(calls) == 1
+    for field, value in (("value", b"w"), ("expiration_time", now + 61), ("subkey", "t"), ("key", "k2")):
+        altered = dht_pb2.SignedRecord.FromString(theirs.SerializeToString())
+        setattr(altered, field, value)
+        with pytest.raises(RecordError) as e:
+            verify_record(altered, run_id=RUN, now=now)
+        assert e.value.code == grpc.StatusCode.UNAUTHENTICATED
+    assert len(calls) == 5
+    with pytest.raises(RecordError, match="bad record signature"):  # another run: other signed bytes
+        verify_record(theirs, run_id="other-run", now=now)
+    assert len(calls) == 6
+
+
+def test_the_checked_signature_memory_is_bounded():
+    from geomesh_p2p.dht.records import _CheckedSignatures
+
+    ids = [Identity.generate() for _ in range(5)]
+    cache = _CheckedSignatures(capacity=3)
+    signed = [(i.public_key_bytes, i.sign(b"m"), b"m") for i in ids]
+    for s in signed:
+        assert cache.check(*s)
+    assert len(cache._seen) == 3
+    assert not cache.check(signed[0][0], signed[1][1], b"m")  # a valid signature, of another key
+    assert not cache.check(signed[4][0], signed[4][1], b"n")  # the right key, other bytes
+    assert len(cache._seen) == 3
