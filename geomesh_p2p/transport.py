@@ -352,8 +352,8 @@ class TransportConfig:
     # Calls in progress on the server, all methods (gRPC answers RESOURCE_EXHAUSTED beyond).
     max_concurrent_rpcs: int = 4096
     # Requests being received at once (each may hold up to the server-wide limit in memory, twice,
-    # while it is read; see _Guard), per remote IP and in all, per size class (large: half of
-    # max_reads), and requests waiting to be received (~64 KiB each), per IP and in all.
+    # while it is read; see _Guard), per remote IP and in all, per class (small: max_reads, bulk: half,
+    # large: a quarter), and requests waiting to be received (~64 KiB each), per IP and in all.
     max_reads_per_ip: int = 1
     max_reads: int = 8
     max_waiting_per_ip: int = 256
@@ -480,10 +480,12 @@ class _Guard:
     a Python ``bytes`` object for the deserializer: so a request to a method with a small limit can
     still cost up to the server-wide limit, twice over, while it is read. Hence:
 
-    * reads take a slot of their method's size class ("small": payload limit up to 1 MiB, e.g. DHT
-      ping and find, pulls, state requests; "large": the rest, e.g. DHT store, link probe, PushPart),
-      at most ``max_reads_per_ip`` per remote IP and ``max_reads`` in all per class (large: half of
-      them, at least 1); the others wait holding only their flow-control window, at most
+    * reads take a slot of their method's class: "bulk" for :data:`BULK_METHODS` (PushPart, PullPart,
+      the state, outer updates, link probes), else by payload limit "small" (up to 1 MiB, e.g. DHT ping
+      and find) or "large" (e.g. DHT store); at most ``max_reads_per_ip`` per remote IP and ``max_reads``
+      in all per class (bulk: half of them, large: a quarter, at least 1). Control calls never wait for a
+      bulk slot: a peer's DHT store is not held up behind its own or others' part uploads (the client's
+      connection lanes alone did not help while the server queued both for one slot); the others wait holding only their flow-control window, at most
       ``max_waiting_per_ip`` per IP and ``max_waiting`` in all (more: RESOURCE_EXHAUSTED at once),
       in two FIFO lanes: connections that already delivered a valid signed request first (an honest
       peer's DHT ping does not queue behind a flood of new connections from its IP);
@@ -501,7 +503,8 @@ class _Guard:
         c = config
         self.pools = {
             "small": _Pool("small", c.max_reads_per_ip, c.max_reads),
-            "large": _Pool("large", c.max_reads_per_ip, max(1, c.max_reads // 2)),
+            "large": _Pool("large", c.max_reads_per_ip, max(1, c.max_reads // 4)),
+            "bulk": _Pool("bulk", c.max_reads_per_ip, max(1, c.max_reads // 2)),
         }
         self.max_waiting_per_ip, self.max_waiting = max(0, c.max_waiting_per_ip), max(0, c.max_waiting)
         self.penalty_s = c.oversize_penalty_s
@@ -514,7 +517,11 @@ class _Guard:
         self._sender_calls: Dict[tuple, int] = {}
         self.refused = 0
 
-    def pool_for(self, payload_limit: int) -> str:
+    def pool_for(self, payload_limit: int, method: str = "") -> str:
+        """The read pool of a call: "bulk" for a bulk ``method`` (:func:`lane_of`), else "small" or
+        "large" by ``payload_limit`` (bytes)."""
+        if lane_of(method) == BULK_LANE:
+            return "bulk"
         return "small" if payload_limit <= self.SMALL_LIMIT else "large"
 
     # -------------------------------------------------------------- reading
@@ -817,7 +824,7 @@ class Transport:
         guard = self._guard
         peer = context.peer()
         limit = self.payload_limit(method)
-        ticket = await guard.acquire_read(peer, guard.pool_for(limit))
+        ticket = await guard.acquire_read(peer, guard.pool_for(limit, method))
         try:
             request = await context.read()
             if request is grpc.aio.EOF or request is None:

@@ -14,6 +14,7 @@ import logging
 import random
 import select
 import socket
+import time
 
 import grpc
 import pytest
@@ -293,3 +294,79 @@ async def test_state_download_retries_a_bad_donor_and_closes_its_stream():
         await client.stop()
         for t in servers_:
             await t.stop(grace=0)
+
+
+async def _throttled_proxy(target_port: int, rate_bps: float):
+    """A TCP proxy on 127.0.0.1 that forwards client -> server at ``rate_bps`` bytes/s per connection
+    (a slow uplink); returns (server, port). Its copy tasks end with their connections."""
+    tasks: set = set()
+
+    async def pipe(r, w, rate):
+        try:
+            while data := await r.read(64 << 10):
+                w.write(data)
+                await w.drain()
+                if rate:
+                    await asyncio.sleep(len(data) / rate)
+        except (ConnectionError, asyncio.CancelledError):
+            pass
+        finally:
+            w.close()
+
+    async def handle(cr, cw):
+        sr, sw = await asyncio.open_connection("127.0.0.1", target_port)
+        for t in (pipe(cr, sw, rate_bps), pipe(sr, cw, 0)):
+            task = asyncio.ensure_future(t)
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+
+    srv = await asyncio.start_server(handle, "127.0.0.1", 0)
+    srv.copy_tasks = tasks  # type: ignore[attr-defined]
+    return srv, srv.sockets[0].getsockname()[1]
+
+
+async def test_a_dht_store_does_not_wait_behind_the_same_peers_part_upload():
+    """Review F1: a DHT store (a "large" control read, ~4 MiB limit) from a peer that is uploading a part
+    to the same node takes its own read slot: it answers in well under the upload's remaining time. Before,
+    both took the one "large" slot of that IP and the store waited for the whole upload (3.7 s here)."""
+    from geomesh_p2p.dht.records import DEFAULT_LIMITS
+    from geomesh_p2p.transport import COLLECTIVE_PUSH, DHT_STORE
+
+    async def ok(verified, context):
+        return b"ok"
+
+    server = Transport(Identity.generate(), RUN)
+    server.add_unary(COLLECTIVE_PUSH, ok, max_payload_bytes=64 << 20)
+    server.add_unary(DHT_STORE, ok, max_payload_bytes=DEFAULT_LIMITS.max_store_payload())
+    address = await server.start()
+    proxy, port = await _throttled_proxy(int(address.rsplit(":", 1)[1]), 2 << 20)
+    client = Transport(Identity.generate(), RUN, TransportConfig(client_only=True, default_timeout_s=60))
+    try:
+        via = f"127.0.0.1:{port}"
+        await client.call(via, DHT_STORE, b"warm", idempotent=False)
+        await client.call(via, COLLECTIVE_PUSH, b"warm", idempotent=False)
+        reading, guard = asyncio.Event(), server._guard
+        real_acquire = guard.acquire_read
+
+        async def spy(peer, *a, **kw):  # the upload's read slot was granted: it is being received
+            ticket = await real_acquire(peer, *a, **kw)
+            reading.set()
+            return ticket
+
+        guard.acquire_read = spy  # type: ignore[method-assign]
+        push = asyncio.ensure_future(client.call(via, COLLECTIVE_PUSH, bytes(8 << 20), timeout=60))
+        await asyncio.wait_for(reading.wait(), 30)
+        guard.acquire_read = real_acquire  # type: ignore[method-assign]
+        t0 = time.monotonic()
+        await client.call(via, DHT_STORE, b"x" * 300, idempotent=False)
+        store_s = time.monotonic() - t0
+        assert not push.done(), "the store was answered only after the whole upload"
+        await push
+        upload_left_s = time.monotonic() - t0
+        assert store_s < upload_left_s / 4, (store_s, upload_left_s)
+    finally:
+        await client.stop()
+        await server.stop()
+        proxy.close()
+        for t in list(proxy.copy_tasks):
+            t.cancel()
