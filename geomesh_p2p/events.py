@@ -31,6 +31,7 @@ kind                         where                            fields
 ``call_refused``             transport.Transport._admit       peer, method, caller_address, code, reason
                              (once per caller IP/code/reason)
 ``checkpoint_failed``        node._checkpoint_or_warn         round, final, error (type), detail
+``checkpoint_of_held_round`` node._final_checkpoint           round (the counter), held_round (the weights')
 ``contributing_nothing``     round.driver (train)             peer, round, reason (``loss_not_finite`` |
                                                               ``update_not_finite``), detail (if any)
 ``digest_mismatch``          round.driver.check_digest        peer, round, digest, majority_digest,
@@ -43,7 +44,6 @@ kind                         where                            fields
                                                               | ``seed``)
 ``empty_swarm_waiting``      node._on_empty_swarm             peer, run_id
 ``eval_not_finite``          training.InnerTrainer.evaluate   peer, loss (nats/token; NaN or huge)
-``final_checkpoint_skipped`` node._final_checkpoint           round, reason (``not_synced``)
 ``idle_parts_unchanged``     round.policy._outer_step         peer, round, idle (ranges), idle_elements,
                                                               elements
 ``leaving_announced``        round.driver (finish), node      peer, round, reason (``stop`` | ``rounds``

@@ -875,31 +875,37 @@ class PeerNode(NodeRoundPolicy):
                 )
             return None
 
+    def _held_state(self) -> tuple[int, Optional[str]]:
+        """(round, digest) of the global state this peer holds (``gstate``): ``self.round`` runs ahead of it
+        while the peer syncs (planned out, catching up: it already names the round it is going to)."""
+        gs = getattr(self, "gstate", None)
+        if gs is not None and gs.digest is not None:
+            return int(gs.round), gs.digest
+        return self.round, self.digest
+
     async def _final_checkpoint(self) -> Optional[Path]:
-        """The checkpoint at shutdown, or None with the reason when this peer's weights are not the swarm's
-        state of ``self.round``: a peer still syncing (planned out, catching up, or ended by the swarm while
-        behind) has already moved its round number on while its weights are an older round's, so a checkpoint
-        would label stale weights with the new round and a ``--resume`` would start a fork from them. The
-        latest periodic checkpoint stays the one to resume from."""
+        """The checkpoint at shutdown, of the state this peer holds and labelled with that state's round
+        (:meth:`_held_state`), whatever its round counter says: a peer stopped while planned out or
+        catching up holds round r's weights with its counter at r + 1 (review F2: written as r + 1, a
+        ``--resume`` would have started a fork). A state the swarm later moved past is still a true
+        checkpoint of its round: a ``--resume`` catches up from it. None when nothing is written."""
         if self.outer is None or not self.cfg.checkpoint_dir or getattr(self, "_skip_checkpoint", False):
             return None
-        if self._syncing or getattr(self, "_ended_not_synced", False):
+        held, _ = self._held_state()
+        if held != self.round:
             events.emit(
                 log,
                 logging.INFO,
-                "final_checkpoint_skipped",
-                "round %d: no final checkpoint: this peer is not synced with the swarm (its weights are not "
-                "round %d's); the latest checkpoint in %s stays the one to --resume from",
+                "checkpoint_of_held_round",
+                "round %d: this peer was syncing; its final checkpoint is of round %d, the state it holds",
                 self.round,
-                self.round,
-                self.cfg.checkpoint_dir,
+                held,
                 round=self.round,
-                reason="not_synced",
+                held_round=held,
             )
-            return None
         path = await self._checkpoint_or_warn(final=True)
         if path:
-            log.info("checkpoint written: %s (round %d)", path, self.round)
+            log.info("checkpoint written: %s (round %d)", path, held)
         return path
 
     def checkpoint(self) -> Optional[Path]:
@@ -909,9 +915,12 @@ class PeerNode(NodeRoundPolicy):
         # run's --checkpoint-dir at shutdown before this check.
         if not self.cfg.checkpoint_dir or self.theta is None or self.outer is None or self.digest is None:
             return None
+        held, digest = self._held_state()  # the weights' own round, not the counter of a peer syncing
+        if digest is None:
+            return None
         path = gstate.save_checkpoint(
             self.cfg.checkpoint_dir,
-            round=self.round,
+            round=held,
             theta=self.theta,
             momentum=self.outer.buf,
             keep=self.cfg.checkpoint_keep,
@@ -924,7 +933,7 @@ class PeerNode(NodeRoundPolicy):
         )
         fb: Optional[PushFeedback] = getattr(self, "feedback", None)
         if fb is not None:  # next to the checkpoint, tagged with its state
-            fb.save(self.cfg.checkpoint_dir, state_round=self.round, digest=self.digest)
+            fb.save(self.cfg.checkpoint_dir, state_round=held, digest=digest)
         return path
 
     async def run(self) -> int:
@@ -960,7 +969,6 @@ class PeerNode(NodeRoundPolicy):
         reach its own goal), :data:`EXIT_NOT_SYNCED` when it does not (its state is not the swarm's: a script
         must not take its checkpoint or perplexity for the run's)."""
         code = 0 if ended.synced else EXIT_NOT_SYNCED
-        self._ended_not_synced = not ended.synced  # shutdown writes no checkpoint of a state that is not the swarm's
         events.emit(
             log,
             logging.WARNING,

@@ -95,33 +95,30 @@ def test_parts_that_aggregated_no_token_do_not_move():
     assert torch.equal(node.theta, before) and torch.equal(node.outer.buf, buf)
 
 
-@pytest.mark.parametrize("how", ["syncing", "ended_not_synced"])
-def test_a_peer_not_synced_writes_no_final_checkpoint(tmp_path, how):
-    """A planned-out or catching-up peer has moved its round on while its weights are an older round's:
-    the shutdown checkpoint would label stale weights with the new round. It is skipped with a reason."""
+def test_a_peer_stopped_while_syncing_checkpoints_the_round_it_holds(tmp_path):
+    """Review F2: a planned-out or catching-up peer's counter already names round r + 1 while it holds
+    round r's weights; its final checkpoint is of round r (labelled so), never stale weights as r + 1."""
+    from types import SimpleNamespace
+
     node = _node(tmp_path)
-    assert asyncio.run(node._final_checkpoint()) is not None  # synced: written
-    node.round = 4
-    if how == "syncing":
-        node._syncing = True
-    else:
-        node._syncing = False
-        node._ended_not_synced = True
-    with events.capture("final_checkpoint_skipped") as skipped:
-        assert asyncio.run(node._final_checkpoint()) is None
-    [ev] = skipped
-    assert (ev["round"], ev["reason"], ev["level"]) == (4, "not_synced", "INFO")
-    assert [r for r, _ in state.list_checkpoints(tmp_path)] == [3]  # only the synced one
+    node.gstate = SimpleNamespace(round=3, digest="d" * 64)  # the state held: round 3
+    node.round, node._syncing = 4, True  # wait_out moved the counter on
+    with events.capture("checkpoint_of_held_round") as said:
+        path = asyncio.run(node._final_checkpoint())
+    assert path is not None and [r for r, _ in state.list_checkpoints(tmp_path)] == [3]
+    [ev] = said
+    assert (ev["round"], ev["held_round"], ev["level"]) == (4, 3, "INFO")
+    rnd, theta, _, _ = state.load_latest_checkpoint(tmp_path)
+    assert rnd == 3 and torch.equal(theta, node.theta)
 
 
 def test_the_final_checkpoint_of_a_synced_peer_is_written(tmp_path):
+    """A peer whose counter and state agree (synced, or left alone on its confirmed state: review F5)
+    writes its final checkpoint without a word; without --checkpoint-dir nothing is written."""
     node = _node(tmp_path)
-    node._syncing = False
-    with events.capture("final_checkpoint_skipped") as skipped:
+    with events.capture("checkpoint_of_held_round") as said:
         path = asyncio.run(node._final_checkpoint())
-    assert skipped == [] and path is not None
+    assert said == [] and path is not None
     assert [r for r, _ in state.list_checkpoints(tmp_path)] == [3]
-    node.cfg = NodeConfig()  # no --checkpoint-dir: nothing written, nothing said
-    with events.capture("final_checkpoint_skipped") as skipped:
-        assert asyncio.run(node._final_checkpoint()) is None
-    assert skipped == []
+    node.cfg = NodeConfig()
+    assert asyncio.run(node._final_checkpoint()) is None
