@@ -26,6 +26,7 @@ import json
 import logging
 import os
 import tempfile
+import random
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -490,16 +491,20 @@ class PeerNode(NodeRoundPolicy):
                 res.nbytes >> 10,
             )
             self.probe_result = res
+            self._reprobed_at = time.monotonic()  # a newcomer planned out at once does not probe twice
             return res
         return None
 
     async def remeasure_links(self) -> None:
         """Round driver port (:meth:`~geomesh_p2p.round.ports.Membership.remeasure_links`): a planned-out
         peer probes its link again against a bootstrap (:func:`~geomesh_p2p.links.probe_link`, as at
-        start-up: ``--probe-bytes`` each way, one repeat) and the probe replaces the link EMA, so its next
-        record is not the pessimistic figure of the exchange that got it planned out. At most once per
-        :data:`REPROBE_MIN_INTERVAL_S`; nothing when both directions are stated by flags or no bootstrap
-        answers (the old figures stay)."""
+        start-up: ``--probe-bytes`` each way, one repeat; bootstraps in random order, so peers planned out
+        together do not all queue at the first), so its next record is not the pessimistic figure of the
+        exchange that got it planned out. Each direction becomes the larger of the old figure and the
+        probe's: a probe slowed by a busy bootstrap (its queue counts as transfer time) never lowers it.
+        The whole re-probe is bounded by :data:`REPROBE_TIMEOUT_S` (then the old figures stay). At most once
+        per :data:`REPROBE_MIN_INTERVAL_S` (the start-up probe counts); nothing when both directions are
+        stated by flags."""
         c = self.cfg
         now = time.monotonic()
         if (c.upload_bps and c.download_bps) or self.ema is None or self.transport is None:
@@ -507,17 +512,28 @@ class PeerNode(NodeRoundPolicy):
         if now - getattr(self, "_reprobed_at", -1e18) < REPROBE_MIN_INTERVAL_S:
             return
         self._reprobed_at = now
-        for b in c.bootstrap:
+        try:
+            await asyncio.wait_for(self._reprobe(), REPROBE_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            log.debug("link re-probe gave no answer within %.0f s; the link figures stay", REPROBE_TIMEOUT_S)
+
+    async def _reprobe(self) -> None:
+        """The probes of :meth:`remeasure_links`: the first bootstrap that answers (random order)."""
+        c, ema, transport = self.cfg, self.ema, self.transport
+        assert ema is not None and transport is not None  # checked by remeasure_links
+        for b in random.sample(list(c.bootstrap), len(c.bootstrap)):
             try:
-                res = await probe_link(self.transport, b, nbytes=c.probe_bytes, repeats=1, timeout_s=REPROBE_TIMEOUT_S)
-            except Exception as e:  # a busy bootstrap: keep the figures the exchange gave
+                res = await probe_link(transport, b, nbytes=c.probe_bytes, repeats=1, timeout_s=REPROBE_TIMEOUT_S)
+            except Exception as e:  # a busy bootstrap: try the next
                 log.debug("link re-probe of %s failed: %s", b, e)
                 continue
-            old = (self.ema.upload_bps, self.ema.download_bps)
-            if not c.upload_bps:
-                self.ema.update_link(max(1, int(res.upload_bps)), 1.0, "up", alpha=1.0)
-            if not c.download_bps:
-                self.ema.update_link(max(1, int(res.download_bps)), 1.0, "down", alpha=1.0)
+            old = (ema.upload_bps, ema.download_bps)
+            for direction, was, bps, stated in (
+                ("up", old[0], res.upload_bps, c.upload_bps),
+                ("down", old[1], res.download_bps, c.download_bps),
+            ):
+                if not stated:
+                    ema.update_link(max(1, int(max(bps, was or 0.0))), 1.0, direction, alpha=1.0)
             events.emit(
                 log,
                 logging.INFO,
@@ -528,8 +544,8 @@ class PeerNode(NodeRoundPolicy):
                 res.download_bps * 8e-6,
                 _mbit(old[0]),
                 _mbit(old[1]),
-                upload_bps=self.ema.upload_bps,
-                download_bps=self.ema.download_bps,
+                upload_bps=ema.upload_bps,
+                download_bps=ema.download_bps,
                 was_upload_bps=old[0],
                 was_download_bps=old[1],
             )

@@ -1020,15 +1020,19 @@ class Transport:
             self._channels.move_to_end(key)
         return ch
 
-    def drop_channel(self, address: str, channel: Optional[grpc.aio.Channel] = None) -> bool:
+    def drop_channel(
+        self, address: str, channel: Optional[grpc.aio.Channel] = None, lane: Optional[str] = None
+    ) -> bool:
         """Close the cached channel to ``address`` (a grace of ``default_timeout_s`` seconds for its calls in
         flight), so the next call dials a new connection. Why: a channel whose peer went away waits out
         gRPC's reconnect backoff (up to minutes), failing every call at once with the old error, even
         after a new process listens there again (a restart on the same port). With ``channel``: only if
         that one is still the cached one (concurrent failed calls drop the dead channel once, not the new
-        one a first retry dialled). Without ``channel``: the channels of every lane to ``address``. True
-        when one was dropped."""
-        keys = [k for k, ch in self._channels.items() if k[0] == address and channel in (None, ch)]
+        one a first retry dialled). Without ``channel``: the channels of every lane to ``address``, or of
+        ``lane`` only. True when one was dropped."""
+        keys = [
+            k for k, ch in self._channels.items() if k[0] == address and channel in (None, ch) and lane in (None, k[1])
+        ]
         for key in keys:
             ch = self._channels.pop(key)
             self._evicted.add(ch)
@@ -1036,9 +1040,12 @@ class Transport:
             task.add_done_callback(functools.partial(self._forget_evicted, ch))
         return bool(keys)
 
-    def _forget_evicted(self, channel: grpc.aio.Channel, _task: asyncio.Task) -> None:
-        """Done callback of an evicted channel's close: it is no longer closed at :meth:`stop`."""
-        self._evicted.discard(channel)
+    def _forget_evicted(self, channel: grpc.aio.Channel, task: asyncio.Task) -> None:
+        """Done callback of an evicted channel's close: it is no longer closed at :meth:`stop`, unless the
+        close was cancelled (stop cancels the tasks first, during a close's grace period): then stop still
+        closes it (review: it was left to the garbage collector)."""
+        if not task.cancelled():
+            self._evicted.discard(channel)
 
     async def _check_reply(self, address: str, method: str, reply) -> Verified:
         """Verify a reply (split by :func:`_split_request`: its payload is read once, not copied by

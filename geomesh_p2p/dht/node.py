@@ -74,7 +74,7 @@ from geomesh_p2p.dht.quota import DEFAULT_QUOTA, StorageLedger, StorageQuota
 from geomesh_p2p.errors import UserFacingError
 from geomesh_p2p.identity import EnvelopeError, Identity, PeerID, Verified
 from geomesh_p2p.logonce import LogOnce
-from geomesh_p2p.transport import DHT_FIND, DHT_PING, DHT_STORE, RpcError, TaskOwner, Transport
+from geomesh_p2p.transport import CONTROL_LANE, DHT_FIND, DHT_PING, DHT_STORE, RpcError, TaskOwner, Transport
 from geomesh_p2p.wire import dht_pb2
 
 log = logging.getLogger(__name__)
@@ -1198,7 +1198,9 @@ class DHTNode:
                 # same port) fails at once with its old "connection refused" while in reconnect backoff.
                 # Transport.call already redials a lost connection once; this covers an UNAVAILABLE whose
                 # wording it does not recognise. Only UNAVAILABLE (fast): a deadline is not retried.
-                if err.code != grpc.StatusCode.UNAVAILABLE or not self.transport.drop_channel(info.address):
+                if err.code != grpc.StatusCode.UNAVAILABLE or not self.transport.drop_channel(
+                    info.address, lane=CONTROL_LANE
+                ):
                     raise
                 answered, resp = await self._call(info.address, DHT_PING, ping, dht_pb2.PingResponse, verified.sender)
         except RpcError as err:

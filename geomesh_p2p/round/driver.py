@@ -901,14 +901,32 @@ class RoundDriver:
             leader=plan.leader,
             reason="not_in_plan" if not planned_in else "weights_differ",
         )
-        if not planned_in:  # its next announcement carries a fresh link figure
-            await self.membership.remeasure_links()
         self.state.syncing, self.state.round = True, r + 1
         await self.membership.announce()
-        await self.wait_for_round(
-            r + 1, timeout_s=max(ROUND_END_SLACK_S, plan.exchange_deadline - self.clock.time() + ROUND_END_SLACK_S)
-        )
+        # Left out by the leader: re-measure the link while the round ends (bounded, see the port), and
+        # announce the fresh figure as soon as it is known, before the next round is planned.
+        reprobe = None if planned_in else asyncio.ensure_future(self._reprobe_and_announce())
+        try:
+            await self.wait_for_round(
+                r + 1, timeout_s=max(ROUND_END_SLACK_S, plan.exchange_deadline - self.clock.time() + ROUND_END_SLACK_S)
+            )
+            if reprobe is not None and not self.stop.is_set():
+                await reprobe
+        finally:
+            if reprobe is not None and not reprobe.done():
+                reprobe.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await reprobe
         await self.resync("planned out")
+
+    async def _reprobe_and_announce(self) -> None:
+        """A planned-out peer's link re-probe (:meth:`Membership.remeasure_links`), then its announcement.
+        A failure is logged once at DEBUG: the peer keeps the figures it had."""
+        try:
+            await self.membership.remeasure_links()
+            await self.membership.announce()
+        except Exception as e:  # never fail the wait for the round's end over a probe
+            log.debug("link re-probe failed: %r", e)
 
     async def wait_for_round(self, r: int, timeout_s: float = 30.0) -> bool:
         """Wait until another peer announces round ``r`` with a digest (backoff); True when one did."""

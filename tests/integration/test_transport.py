@@ -362,6 +362,9 @@ async def test_bulk_and_control_calls_use_separate_connections():
         assert len(seen["control"]) == 1 and len(seen["bulk"]) == 1  # one connection per lane
         assert seen["control"] != seen["bulk"]  # two connections (client ports differ)
         assert sorted(client._channels) == [(address, "bulk"), (address, "control")]
+        assert client.drop_channel(address, lane="control")  # the DHT's dial-back: bulk calls go on
+        assert list(client._channels) == [(address, "bulk")]
+        assert not client.drop_channel(address, lane="control")
         assert client.drop_channel(address) and not client._channels
     finally:
         await client.stop()
