@@ -544,9 +544,11 @@ async def download_state(
         for i, t in enumerate(tasks):
             if t in pending:
                 event("cancelled", i, "", "a sibling piece failed")
-    for t in tasks:
-        if not t.cancelled() and (exc := t.exception()) is not None:
-            raise exc
+        # every piece's error is retrieved (two pieces failing at once, or a cancelled caller, left the
+        # others' "Task exception was never retrieved" in the log); the first one is raised below
+        failed = [exc for t in tasks if t.done() and not t.cancelled() and (exc := t.exception()) is not None]
+    if failed:
+        raise failed[0]
 
     gs = GlobalState(numel, k, buffer=flat)
     got_digest = await asyncio.to_thread(gs.compute_digest)  # 0.5-1 GB/s: off the loop

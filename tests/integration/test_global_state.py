@@ -148,6 +148,7 @@ def test_checkpoint_before_any_digest_is_refused(tmp_path):
 
 # --------------------------------------------------------------------------- serving and downloading
 import asyncio  # noqa: E402
+import gc  # noqa: E402
 
 import grpc  # noqa: E402
 
@@ -283,3 +284,33 @@ async def test_a_state_that_moves_on_mid_piece_is_refused_with_a_reason():
     finally:
         await client.stop()
         await t.stop(grace=0)
+
+
+@pytest.mark.timeout(60)
+async def test_two_pieces_failing_at_once_leave_no_unretrieved_task_error():
+    """Every piece's error is retrieved, the first is raised: two donors that both go quiet made both
+    pieces fail, and the second's error was logged as "Task exception was never retrieved" (an ERROR in
+    the realswarm_netns DiLoCo run)."""
+    loop = asyncio.get_running_loop()
+    reported: list = []
+    loop.set_exception_handler(lambda _loop, ctx: reported.append(ctx.get("message")))
+    gs = _state()
+    donors = await _donors([(gs, {"cls": StallingServer, "stall_after": 1}) for _ in range(2)])
+    client = Transport(Identity.generate(), RUN, TransportConfig(client_only=True))
+    try:
+        with pytest.raises(StateSyncError, match="failed on every donor"):
+            await download_state(
+                client,
+                [a for _, _, a in donors],
+                round=5,
+                numel=gs.num_params,
+                expected_digest=gs.digest,
+                stall_timeout_s=0.5,
+            )
+    finally:
+        for _, srv, _ in donors:
+            srv.release.set()
+        await _stop(client, donors)
+    gc.collect()
+    await asyncio.sleep(0)
+    assert reported == []
