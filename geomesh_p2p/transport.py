@@ -389,6 +389,15 @@ class TrafficStats:
         return self.bytes_sent, self.bytes_received
 
 
+# What grpc.aio raises from ``context.write`` when the call's stream is gone (the caller's process ended or
+# its connection was reset); uncaught, gRPC logged it as an ERROR with a traceback for every such stream.
+try:
+    from grpc._cython.cygrpc import ExecuteBatchError as _ExecuteBatchError
+
+    _WRITE_FAILED: tuple[type[BaseException], ...] = (_ExecuteBatchError,)
+except ImportError:  # another grpcio layout: nothing special to catch
+    _WRITE_FAILED = ()
+
 # Methods whose call may be sent twice with no other effect than once (a read, a probe, or a store/push
 # the server keeps once per sender): the transport redials and retries them once after a lost connection.
 IDEMPOTENT_METHODS = frozenset({DHT_PING, DHT_STORE, DHT_FIND, COLLECTIVE_PULL, STATE_GET, STATE_STATUS, LINK_PROBE})
@@ -947,6 +956,8 @@ class Transport:
                         await context.write(reply)
                 except EnvelopeError as err:
                     refusal = (err.code, err.reason)
+                except _WRITE_FAILED as err:  # the caller's connection went away mid-stream (it left)
+                    log.debug("%s: stream to %s ended by the caller's side: %r", _m, context.peer(), err)
                 finally:
                     self._done(ticket, token)
                     await gen.aclose()
