@@ -11,6 +11,7 @@ import argparse
 import json
 import signal
 import subprocess
+import shutil
 import sys
 import tempfile
 import time
@@ -110,13 +111,7 @@ def cmd_demo(ns: argparse.Namespace) -> int:
         return 2
     workdir = Path(ns.workdir or tempfile.mkdtemp(prefix="geomesh-demo-"))
     workdir.mkdir(parents=True, exist_ok=True)
-    # A rerun in the same folder starts clean: remove what an earlier demo wrote (keys are kept).
-    import shutil
-
-    for old in list(workdir.glob("peer*.jsonl")) + list(workdir.glob("*.summary.json")) + list(workdir.glob("*.log")):
-        old.unlink()
-    for old in workdir.glob("ckpt*"):
-        shutil.rmtree(old, ignore_errors=True)
+    _clean_workdir(workdir)
     swarm = Swarm(workdir)
     print(f"GeoMesh demo: bootstrap + {ns.peers} peers on 127.0.0.1, method {ns.method}, logs in {workdir}")
     t0 = time.time()
@@ -172,6 +167,18 @@ def cmd_demo(ns: argparse.Namespace) -> int:
     if rc == 0 and ns.target_ppl is not None and not summary["reached_target"]:
         rc = 1
     return rc
+
+
+def _clean_workdir(workdir: Path) -> None:
+    """A rerun in the same folder starts clean: remove what an earlier demo wrote (logs, round logs and
+    events, summaries, checkpoints, the bootstrap's remembered swarm); identity keys and their proofs of
+    work are kept. Without the bootstrap's state file, the new peers no longer wait for the old run's
+    peers to come back (--on-empty-swarm wait): a second `make demo` hung."""
+    stale = [*workdir.glob("peer*.jsonl"), *workdir.glob("*.summary.json"), *workdir.glob("*.log")]
+    for old in stale + list(workdir.glob("*.state.json")):
+        old.unlink()
+    for old in workdir.glob("ckpt*"):
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def _watch(ns, swarm: Swarm, workdir: Path, t0: float) -> int:

@@ -169,3 +169,18 @@ def test_join_bad_data_flags_fail_in_one_line(tmp_path, capsys):
     assert ei.value.code == 2
     assert "--data-max-bytes: must be >= 1, got 0" in capsys.readouterr().err
     assert not os.path.exists(key)  # refused before creating anything
+
+
+def test_a_demo_rerun_starts_clean_but_keeps_keys(tmp_path):
+    """A second `make demo` in the same folder hung: the bootstrap's remembered swarm (its state file)
+    made the new peers wait for the old run's peers. Everything a run wrote goes; keys stay."""
+    from peer.demo import _clean_workdir
+
+    kept = ["peer0.key", "peer0.key.pow", "bootstrap.key"]
+    gone = ["bootstrap.state.json", "peer0.jsonl", "peer0.events.jsonl", "peer0.summary.json", "peer0.log"]
+    for name in kept + gone:
+        (tmp_path / name).write_text("x")
+    (tmp_path / "ckpt0").mkdir()
+    (tmp_path / "ckpt0" / "ckpt-00000004.json").write_text("{}")
+    _clean_workdir(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(kept)
