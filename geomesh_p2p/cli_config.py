@@ -390,8 +390,13 @@ def load_config_defaults(parser: argparse.ArgumentParser, path: str | None) -> d
         raise ConfigFileError(f"config file {p} is not UTF-8 text (byte {e.start})") from None
     try:
         data = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
-    except (json.JSONDecodeError, yaml.YAMLError) as e:
-        raise ConfigFileError(f"config file {p} does not parse: {str(e).splitlines()[0]}") from None
+    except json.JSONDecodeError as e:
+        raise ConfigFileError(f"config file {p} does not parse: {e.msg} (line {e.lineno}, column {e.colno})") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)  # where the parser stopped (0-based in PyYAML)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+        what = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigFileError(f"config file {p} does not parse: {what}{where}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):

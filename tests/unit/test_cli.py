@@ -84,6 +84,11 @@ def test_config_file_values_get_the_flags_checks(tmp_path):
         ("quorum: 1.5", "quorum: must be in [0, 1], got 1.5"),
         ("aggregation: median", "aggregation: 'median' is not one of"),
         ("client_only: 3", "client_only: expected true or false"),
+        # a broken file names where it broke (line and column, 1-based)
+        (
+            "threads: 2\nbootstrap: [a, b\n",
+            "does not parse: expected ',' or ']', but got '<stream end>' .line 3, column 1.",
+        ),
     ]:
         cfg.write_text(text + "\n")
         with pytest.raises(ConfigFileError, match=expect.replace("[", r"\[").replace("]", r"\]")):
