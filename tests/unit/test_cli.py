@@ -86,7 +86,7 @@ def test_config_file_values_get_the_flags_checks(tmp_path):
         ("client_only: 3", "client_only: expected true or false"),
         # a broken file names where it broke (line and column, 1-based)
         (
-            "threads: 2\nbootstrap: [a, b\n",
+            "threads: 2\nbootstrap: [a, b",
             "does not parse: expected ',' or ']', but got '<stream end>' .line 3, column 1.",
         ),
     ]:
