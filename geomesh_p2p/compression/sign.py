@@ -332,6 +332,24 @@ def _run_serial(setup, ntasks: int, workers: int) -> None:
         f.result()
 
 
+def _run_chunks(setup, nch: int, covered: int, total: int, workers: int, serial: bool) -> int:
+    """Run a codec's chunk steps (``step = setup(); step(c)``) over its ``nch`` whole chunks: on serial pool
+    threads (:func:`_run_serial`; the tail past ``covered`` elements is one more task, so ``total`` is
+    returned) or, without them, in ``workers`` contiguous ranges (:func:`_run_parallel`; the caller does
+    the tail, so ``covered`` is returned). Returns the elements done."""
+    if serial:
+        _run_serial(setup, nch + (covered < total), workers)
+        return total
+
+    def work(lo: int, hi: int) -> None:
+        step = setup()
+        for c in range(lo, hi):
+            step(c)
+
+    _run_parallel(work, nch, workers)
+    return covered
+
+
 def _encode_segment(vs: torch.Tensor, signs: torch.Tensor, sums: torch.Tensor, block_size: int) -> None:
     """Generic path: sign bits and per-block |v| sums of a segment of any length that starts
     on a byte and block boundary (``signs``/``sums``: the segment's slices of the outputs)."""
@@ -418,17 +436,7 @@ def _encode_chunked(
 
         return step
 
-    if serial:
-        _run_serial(setup, nch + (covered < P), workers)
-        return P
-
-    def work(lo: int, hi: int) -> None:
-        step = setup()
-        for c in range(lo, hi):
-            step(c)
-
-    _run_parallel(work, nch, workers)
-    return covered
+    return _run_chunks(setup, nch, covered, P, workers, serial)
 
 
 def encode(v: torch.Tensor, block_size: int = DEFAULT_BLOCK_SIZE, tokens: int = 0) -> SignPacket:
@@ -640,17 +648,7 @@ def _decode_chunked(
 
         return step
 
-    if serial:
-        _run_serial(setup, nch + (covered < P), workers)
-        return P
-
-    def work(lo: int, hi: int) -> None:
-        step = setup()
-        for c in range(lo, hi):
-            step(c)
-
-    _run_parallel(work, nch, workers)
-    return covered
+    return _run_chunks(setup, nch, covered, P, workers, serial)
 
 
 def _same_device(a: torch.device, b: torch.device) -> bool:
