@@ -143,6 +143,12 @@ def run_config_from(ns: argparse.Namespace):
         p = Path(ns.data)
         if not p.is_file():
             raise ValueError(f"--data {ns.data}: no such file")
+        from geomesh_p2p.data.corpus import DataError, check_data_suffix
+
+        try:
+            check_data_suffix(p)
+        except DataError as e:
+            raise ValueError(f"--data {ns.data}: {e}") from None
         try:
             with p.open("rb") as f:
                 head = f.read(1 << 20)

@@ -14,7 +14,7 @@ import os
 from importlib import resources
 from pathlib import Path
 
-__all__ = ["DataError", "load_text", "SHIPPED_CORPUS", "cache_dir_default"]
+__all__ = ["DataError", "load_text", "SHIPPED_CORPUS", "cache_dir_default", "DATA_SUFFIXES", "check_data_suffix"]
 
 #: File name of the shipped corpus inside the ``geomesh_p2p.data`` package.
 SHIPPED_CORPUS = "kjv.txt.xz"
@@ -28,6 +28,23 @@ class DataError(ValueError):
 
     The message is one line and names the offending path.
     """
+
+
+#: file name endings :func:`load_text` reads (lower case)
+DATA_SUFFIXES = (".txt", ".txt.xz", ".xz", ".jsonl", ".parquet")
+
+
+def check_data_suffix(path: str | os.PathLike) -> None:
+    """Refuse a data file whose name has no reader here, before anything is loaded (the peer checks it
+    at start, before its proof of work and DHT join).
+
+    Raises:
+        DataError: the suffix is none of :data:`DATA_SUFFIXES`; the message names the path and the kinds.
+    """
+    if not Path(path).name.lower().endswith(DATA_SUFFIXES):
+        raise DataError(
+            f'unsupported data file type: {path} (use .txt, .txt.xz, .jsonl with field "text", or .parquet)'
+        )
 
 
 def cache_dir_default() -> Path:
@@ -119,9 +136,7 @@ def load_text(path: str | os.PathLike | None = None) -> str:
         elif name.endswith(".txt"):
             text = p.read_text(encoding="utf-8")
         else:
-            raise DataError(
-                f'unsupported data file type: {p} (use .txt, .txt.xz, .jsonl with field "text", or .parquet)'
-            )
+            check_data_suffix(p)  # raises: no reader for this suffix
     except DataError:
         raise
     except UnicodeDecodeError as e:

@@ -169,6 +169,16 @@ def test_join_bad_data_flags_fail_in_one_line(tmp_path, capsys):
     assert capsys.readouterr().err.strip() == (
         "geomesh-peer join: --data-column and --data-max-bytes apply only to --data hf:NAME[:CONFIG][@SPLIT]"
     )
+    # a file with no reader is refused at start (it used to fail after the proof of work, the DHT join and
+    # the port bind); the identity file is not even created
+    (tmp_path / "x.csv").write_text("a,b\n1,2\n")
+    key2 = tmp_path / "id2.key"
+    assert main(["join", "--identity", str(key2), "--data", str(tmp_path / "x.csv")]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"geomesh-peer join: --data {tmp_path / 'x.csv'}: unsupported data file type: {tmp_path / 'x.csv'} "
+        '(use .txt, .txt.xz, .jsonl with field "text", or .parquet)'
+    )
+    assert not key2.exists()
     with pytest.raises(SystemExit) as ei:
         main(["join", "--data", "hf:wikitext", "--data-max-bytes", "0"])
     assert ei.value.code == 2
