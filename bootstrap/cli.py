@@ -35,6 +35,8 @@ from geomesh_p2p.config import DEFAULT_BOOTSTRAP_PORT as DEFAULT_PORT  # noqa: F
 from geomesh_p2p.config import DEFAULT_RUN_ID, BootstrapConfig  # noqa: F401
 
 PROG = "geomesh-bootstrap"
+#: bound (seconds) on the last read of the swarm's round when the bootstrap stops (its state file keeps it)
+FINAL_PROGRESS_READ_S = 3.0
 
 log = logging.getLogger("geomesh.bootstrap")
 
@@ -232,6 +234,16 @@ async def _serve(ns: argparse.Namespace, identity, allow_peers, tls, stop: async
     me = identity.peer_id.to_string()
     progress: Optional[SwarmProgress] = saved.swarm_progress(by=me) if saved is not None else None
 
+    async def refresh_progress() -> int:
+        """The swarm's round from the live records (leaving peers count: their record is the last round they
+        finished), published and kept for the state file; returns the number of live, not leaving, peers."""
+        nonlocal progress
+        recs = await live_peers(node, ns.run_id, include_leaving=True)
+        if recs:  # live peers are the truth; with none, the last known progress stays
+            progress = SwarmProgress(max(r.round for r in recs), time.time(), len(recs), me)
+            await publish_progress(node, progress, identity)
+        return sum(1 for r in recs if not r.leaving)
+
     async def save_state() -> None:
         if not state_file:
             return
@@ -265,20 +277,24 @@ async def _serve(ns: argparse.Namespace, identity, allow_peers, tls, stop: async
             if await wait_event(stop, ns.status_interval):
                 break
             try:
-                peers = await live_peers(node, ns.run_id)
+                n_live = await refresh_progress()
                 log.info(
                     "live peers: %d (routing table: %d nodes; %d keys held)",
-                    len(peers),
+                    n_live,
                     len(node.contacts()),
                     len(node.storage),
                 )
-                if peers:  # live peers are the truth; with none, the last known progress stays
-                    progress = SwarmProgress(max(r.round for r in peers), time.time(), len(peers), me)
-                    await publish_progress(node, progress, identity)
             except Exception as e:  # a status line must never stop the node
                 log.warning("could not count live peers: %r", e)
             await save_state()
     finally:
+        if state_file:
+            # The periodic read is up to --status-interval old: read the swarm's round once more (bounded) so
+            # the state file does not remember a round the swarm left behind minutes ago.
+            try:
+                await asyncio.wait_for(refresh_progress(), FINAL_PROGRESS_READ_S)
+            except Exception as e:  # stopping must never fail over it; the last known round is saved
+                log.debug("final read of the swarm's round failed: %r", e)
         await save_state()
         if status is not None:
             await status.stop()

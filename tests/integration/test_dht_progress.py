@@ -77,3 +77,48 @@ async def test_peers_ping_their_bootstrap_while_others_are_known():
         assert boot.peer_id in {c.peer_id for c in peer.contacts()}
     finally:
         await stop_all([peer, other, boot])
+
+
+async def test_a_stopping_bootstrap_saves_the_swarms_latest_round(tmp_path, capsys):
+    """The state file holds the round the swarm is at when the bootstrap stops, not the one of its last
+    periodic read (--status-interval apart; here 1 h, so only the final read can see round 7)."""
+    import asyncio
+    import re
+    import time
+
+    from bootstrap import cli as boot_cli
+    from geomesh_p2p.dht import peers_key
+    from geomesh_p2p.identity import Identity
+    from tests.dht_helpers import stop_node
+    from tests.records_util import peer_record
+
+    state = tmp_path / "boot.state.json"
+    ns = boot_cli.parse(
+        ["--host", "127.0.0.1", "--port", "0", "--run-id", RUN, "--identity", str(tmp_path / "b.key")]
+        + ["--state-file", str(state), "--status-interval", "3600"]
+    )
+    stop = asyncio.Event()
+    served = asyncio.ensure_future(boot_cli._serve(ns, Identity.load_or_create(ns.identity), None, None, stop))
+    node = None
+    try:
+        address = None
+        while address is None:  # printed once the transport listens
+            assert not served.done(), capsys.readouterr()
+            m = re.search(r"serving on (\S+)", capsys.readouterr().out)
+            address = m.group(1) if m else None
+            if address is None:
+                await asyncio.sleep(0.05)
+        node = await start_node([address])
+        ident = Identity.generate()
+        rec = peer_record(ident, round=7, leaving=True)  # a peer that finished round 6 and left
+        assert await node.store(peers_key(RUN), rec.to_bytes(), time.time() + 600, subkey=rec.peer_id, owner=ident)
+        stop.set()
+        assert await asyncio.wait_for(served, 30) == 0
+        assert json.loads(state.read_text())["progress"]["round"] == 7
+    finally:
+        stop.set()
+        if not served.done():
+            served.cancel()
+        await asyncio.gather(served, return_exceptions=True)
+        if node is not None:
+            await stop_node(node)
