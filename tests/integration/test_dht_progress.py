@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import re
+import time
 
 import pytest
 
-from geomesh_p2p.dht import BootstrapState, SwarmProgress, publish_progress, swarm_progress
-from tests.dht_helpers import RUN, start_node, stop_all, wait_for
+from bootstrap import cli as boot_cli
+from geomesh_p2p.dht import BootstrapState, SwarmProgress, peers_key, publish_progress, swarm_progress
+from geomesh_p2p.identity import Identity
+from tests.dht_helpers import RUN, start_node, stop_all, stop_node, wait_for
+from tests.records_util import peer_record
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -82,16 +88,6 @@ async def test_peers_ping_their_bootstrap_while_others_are_known():
 async def test_a_stopping_bootstrap_saves_the_swarms_latest_round(tmp_path, capsys):
     """The state file holds the round the swarm is at when the bootstrap stops, not the one of its last
     periodic read (--status-interval apart; here 1 h, so only the final read can see round 7)."""
-    import asyncio
-    import re
-    import time
-
-    from bootstrap import cli as boot_cli
-    from geomesh_p2p.dht import peers_key
-    from geomesh_p2p.identity import Identity
-    from tests.dht_helpers import stop_node
-    from tests.records_util import peer_record
-
     state = tmp_path / "boot.state.json"
     ns = boot_cli.parse(
         ["--host", "127.0.0.1", "--port", "0", "--run-id", RUN, "--identity", str(tmp_path / "b.key")]
