@@ -231,10 +231,23 @@ class Procs(ProcGroup):
         self.procs.clear()
 
 
+def method_flags(label: str) -> tuple[str, list[str]]:
+    """A contender's label as the simulator names it (``geomesh``, ``geomesh+eager``) -> the peer's
+    ``--method`` and extra flags (``+eager``: ``--eager``, issue 17). Raises ValueError on another suffix."""
+    base, *opts = label.split("+")
+    extra = []
+    for o in opts:
+        if o != "eager":
+            raise ValueError(f"{label}: unknown option {o!r} for a real-process run (known: eager)")
+        extra.append("--eager")
+    return base, extra
+
+
 def run_method(method: str, args, lab: NetLab | None, workdir: Path, procs: Procs, peers_cfg) -> dict:
     mdir = workdir / method
     mdir.mkdir(parents=True, exist_ok=True)
-    run_id = f"realswarm-{method}"
+    base, extra = method_flags(method)
+    run_id = f"realswarm-{method.replace('+', '-')}"
     exe = [sys.executable, "-m"]
     if lab:
         boot_host, boot_port = HUB_IP, BOOT_PORT
@@ -269,7 +282,8 @@ def run_method(method: str, args, lab: NetLab | None, workdir: Path, procs: Proc
         "--wait-peers-s",
         "180",
         "--method",
-        method,
+        base,
+        *extra,
         "--run-id",
         run_id,
         "--bootstrap",
@@ -591,7 +605,11 @@ def tiny_numel() -> int:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--methods", default="diloco,geomesh")
+    ap.add_argument(
+        "--methods",
+        default="diloco,geomesh",
+        help="contenders, comma-separated, as the simulator names them; +eager adds --eager (default: %(default)s)",
+    )
     ap.add_argument("--rounds", type=int, default=5, help="rounds per method (default: %(default)s)")
     ap.add_argument(
         "--bw-scale",
@@ -626,6 +644,11 @@ def main(argv=None) -> int:
     )
     args = ap.parse_args(argv)
     args.methods = [m for m in args.methods.split(",") if m]
+    for m in args.methods:
+        try:
+            method_flags(m)
+        except ValueError as e:
+            ap.error(f"--methods: {e}")
 
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="realswarm-"))
     workdir.mkdir(parents=True, exist_ok=True)
@@ -748,6 +771,17 @@ def main(argv=None) -> int:
             f"geomesh/diloco: round time {g['round_s'] / d['round_s']:.2f}x, bytes sent "
             f"{g['mb_sent_per_peer_round'] / d['mb_sent_per_peer_round']:.3f}x, tokens/s of the swarm "
             f"{(g['tokens_per_round'] / g['round_s']) / (d['tokens_per_round'] / d['round_s']):.2f}x"
+        )
+    if "geomesh" in by and "geomesh+eager" in by:
+        g, e = by["geomesh"], by["geomesh+eager"]
+        ppl = (
+            f"{e['final_ppl'] / g['final_ppl']:.3f}x"
+            if e.get("final_ppl") and g.get("final_ppl")
+            else "n/a (no final eval ppl in one of them)"
+        )
+        print(
+            f"geomesh+eager/geomesh: round time {e['round_s'] / g['round_s']:.2f}x, network idle "
+            f"{e['network_idle_mean_pct']:.1f}% vs {g['network_idle_mean_pct']:.1f}%, final eval ppl {ppl}"
         )
     print(f"total {time.time() - t_start:.0f}s; logs in {workdir}")
     if args.json:
