@@ -240,7 +240,8 @@ async def _serve(ns: argparse.Namespace, identity, allow_peers, tls, stop: async
         nonlocal progress
         recs = await live_peers(node, ns.run_id, include_leaving=True)
         if recs:  # live peers are the truth; with none, the last known progress stays
-            progress = SwarmProgress(max(r.round for r in recs), time.time(), len(recs), me)
+            newest = max(recs, key=lambda r: (r.round, not r.leaving))
+            progress = SwarmProgress(newest.round, time.time(), len(recs), me, newest.run_config_hash or "")
             await publish_progress(node, progress, identity)
         return sum(1 for r in recs if not r.leaving)
 

@@ -812,6 +812,14 @@ class PeerNode(NodeRoundPolicy):
         if how == "seed":
             log.info("--on-empty-swarm seed: starting the run again from the seed at round 0")
             return
+        if prog.config_hash and prog.config_hash != self.config_hash:
+            # The remembered swarm's peers would refuse this one when they come back (and it them): say so
+            # now rather than wait for them (a fresh-user trial waited, untold).
+            raise IncompatibleSwarmError(
+                f"run {self.run_cfg.run_id!r} was at round {prog.round} with another run config (hash "
+                f"{prog.config_hash[:12]} there, {self.config_hash[:12]} here): its peers could not take this one "
+                "back; use the run's flags, another --run-id, or --on-empty-swarm seed to start this run id anew"
+            )
         if how == "resume":
             d = self.cfg.checkpoint_dir
             ck = await asyncio.to_thread(gstate.load_latest_checkpoint, d) if d else None

@@ -45,31 +45,44 @@ class SwarmProgress:
     """The newest round a bootstrap saw the run's live peers announce.
 
     ``round``: that round; ``seen_at``: unix time (the bootstrap's clock) it last saw a live peer;
-    ``peers``: live peers it counted then; ``by``: base58 PeerID of the bootstrap that says so.
+    ``peers``: live peers it counted then; ``by``: base58 PeerID of the bootstrap that says so;
+    ``config_hash``: the run-config hash the peers at that round announced ("" when not known: an entry
+    of an older bootstrap), so a newcomer of another config is told at once instead of waiting.
     """
 
     round: int
     seen_at: float
     peers: int
     by: str = ""
+    config_hash: str = ""
+
+    def fields(self) -> dict:
+        """The published fields (``by`` is the entry's subkey, not a field); ``config_hash`` only when known."""
+        d: dict = {"round": self.round, "seen_at": self.seen_at, "peers": self.peers}
+        if self.config_hash:
+            d["config_hash"] = self.config_hash
+        return d
 
     def to_bytes(self) -> bytes:
-        return json.dumps({"round": self.round, "seen_at": self.seen_at, "peers": self.peers}, sort_keys=True).encode()
+        return json.dumps(self.fields(), sort_keys=True).encode()
 
     @classmethod
     def from_bytes(cls, data: bytes, by: str = "") -> "SwarmProgress":
-        """Raises ValueError on anything but {"round": int >= 0, "seen_at": number, "peers": int >= 0}."""
+        """Raises ValueError on anything but {"round": int >= 0, "seen_at": number, "peers": int >= 0} with an
+        optional "config_hash": str of at most 128 characters."""
         d = json.loads(data.decode())
-        rnd, seen, peers = d.get("round"), d.get("seen_at"), d.get("peers")
+        rnd, seen, peers, cfg = d.get("round"), d.get("seen_at"), d.get("peers"), d.get("config_hash", "")
         if not (
             isinstance(rnd, int)
             and rnd >= 0
             and isinstance(peers, int)
             and peers >= 0
             and isinstance(seen, (int, float))
+            and isinstance(cfg, str)
+            and len(cfg) <= 128
         ):
             raise ValueError(f"malformed progress entry {d!r:.80}")
-        return cls(rnd, float(seen), peers, by)
+        return cls(rnd, float(seen), peers, by, cfg)
 
 
 async def publish_progress(node: DHTNode, progress: SwarmProgress, identity: Optional[Identity] = None) -> bool:
@@ -111,7 +124,7 @@ class BootstrapState:
 
     run_id: str
     contacts: List[List[str]] = field(default_factory=list)  # [base58 PeerID, "host:port"]
-    progress: Optional[dict] = None  # SwarmProgress fields (round, seen_at, peers)
+    progress: Optional[dict] = None  # SwarmProgress.fields() (round, seen_at, peers, config_hash)
     saved_at: float = 0.0
     version: int = STATE_VERSION
 
@@ -119,12 +132,7 @@ class BootstrapState:
     def capture(cls, node: DHTNode, progress: Optional[SwarmProgress]) -> "BootstrapState":
         """This node's routing table (at most MAX_SAVED_CONTACTS contacts) and ``progress``, now."""
         contacts = [[c.peer_id.to_string(), c.address] for c in node.contacts()[:MAX_SAVED_CONTACTS]]
-        prog = (
-            None
-            if progress is None
-            else {"round": progress.round, "seen_at": progress.seen_at, "peers": progress.peers}
-        )
-        return cls(node.run_id, contacts, prog, time.time())
+        return cls(node.run_id, contacts, None if progress is None else progress.fields(), time.time())
 
     def contact_list(self) -> List[Contact]:
         """The saved contacts (malformed entries skipped)."""

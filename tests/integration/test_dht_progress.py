@@ -110,7 +110,8 @@ async def test_a_stopping_bootstrap_saves_the_swarms_latest_round(tmp_path, caps
         assert await node.store(peers_key(RUN), rec.to_bytes(), time.time() + 600, subkey=rec.peer_id, owner=ident)
         stop.set()
         assert await asyncio.wait_for(served, 30) == 0
-        assert json.loads(state.read_text())["progress"]["round"] == 7
+        saved = json.loads(state.read_text())["progress"]
+        assert (saved["round"], saved["config_hash"]) == (7, "h")  # "h": the record's run-config hash
     finally:
         stop.set()
         if not served.done():

@@ -13,6 +13,7 @@ import torch
 from geomesh_p2p import clock, events
 from geomesh_p2p import node as node_mod
 from geomesh_p2p import state as gstate
+from geomesh_p2p.dht import IncompatibleSwarmError
 from geomesh_p2p.dht.node import Reachability
 from geomesh_p2p.dht.progress import SwarmProgress
 from geomesh_p2p.errors import UserFacingError
@@ -170,6 +171,35 @@ async def test_empty_swarm_wait_polls_until_a_peer_is_back_then_catches_up(monke
         ("swarm_back", None),
     ]
     assert said[2]["peers"] == ["PeerBack"] and said[2]["run_id"] == "geomesh-demo"
+
+
+async def test_empty_swarm_of_another_run_config_fails_at_once_instead_of_waiting(monkeypatch):
+    other = SwarmProgress(round=7, seen_at=time.time() - 30, peers=3, by="B", config_hash="f00d" * 16)
+    node, calls = _empty_swarm_node(monkeypatch, other, peers_seq=[[]])
+    node.config_hash = "beef" * 16
+    with pytest.raises(IncompatibleSwarmError, match=r"round 7 with another run config \(hash f00df00df00d there, "):
+        await asyncio.wait_for(node._on_empty_swarm(), 10)
+    assert calls["peers"] == 0 and calls["catch_up"] == 0
+    same = SwarmProgress(round=7, seen_at=time.time() - 30, peers=3, by="B", config_hash="beef" * 16)
+    node, calls = _empty_swarm_node(monkeypatch, same, peers_seq=[[], [_rec("PeerBack", 9)]])
+    node.config_hash = "beef" * 16
+
+    async def no_wait(event, seconds):  # the backoff's pauses, not slept
+        return event.is_set()
+
+    monkeypatch.setattr(node_mod, "wait_event", no_wait)
+    await asyncio.wait_for(node._on_empty_swarm(), 10)  # the same config: waits, then catches up
+    assert calls["catch_up"] == 1
+
+
+def test_progress_entries_carry_the_config_hash_and_read_older_entries():
+    p = SwarmProgress(7, 12.5, 3, "B", "ab" * 8)
+    assert p.to_bytes() == b'{"config_hash": "abababababababab", "peers": 3, "round": 7, "seen_at": 12.5}'
+    assert SwarmProgress.from_bytes(p.to_bytes(), by="B") == p
+    old = SwarmProgress.from_bytes(b'{"peers": 3, "round": 7, "seen_at": 12.5}')
+    assert old.config_hash == "" and old.to_bytes() == b'{"peers": 3, "round": 7, "seen_at": 12.5}'
+    with pytest.raises(ValueError, match="malformed"):
+        SwarmProgress.from_bytes(b'{"peers": 3, "round": 7, "seen_at": 12.5, "config_hash": 5}')
 
 
 async def test_empty_swarm_wait_ends_on_stop(monkeypatch):
