@@ -28,6 +28,7 @@ __all__ = [
     "Trainer",
     "Collective",
     "GlobalStatePort",
+    "EagerStatePort",
     "RoundPolicy",
 ]
 
@@ -170,6 +171,28 @@ class GlobalStatePort(Protocol):
 
     async def checkpoint_or_warn(self) -> Any:
         """Write a checkpoint off the loop; failures are one warning (returns None then)."""
+
+
+class EagerStatePort(Protocol):
+    """What a :class:`GlobalStatePort` also offers for eager updates (``DriverConfig.eager``, docs/eager.md).
+    Synchronous, whole-model: the driver calls them through ``asyncio.to_thread``."""
+
+    def eager_start(self, delta: torch.Tensor, weight: float) -> torch.Tensor:
+        """This peer's next start weights ``O(θ, v; weight·delta)`` on copies of the global weights and outer
+        state (:func:`geomesh_p2p.optim.eager_start`): a new [P] fp32 CPU tensor; the state is not changed."""
+
+    def load_model(self, flat: torch.Tensor) -> None:
+        """Load ``flat`` ([P] fp32) into the model (the inner optimizer's state is untouched)."""
+
+    def pseudo_gradient_from(self, start: torch.Tensor) -> torch.Tensor:
+        """``start`` ([P] fp32) minus the model's weights after the inner steps: [P] fp32."""
+
+    def global_weights(self) -> torch.Tensor:
+        """The global weights θ, [P] fp32 CPU (a view: read it, never change it)."""
+
+    def commit(self, round: int, load_model: bool = True) -> str:
+        """:meth:`GlobalStatePort.commit`; ``load_model=False`` leaves the model as it is (speculative inner
+        steps are training on it)."""
 
 
 class PlanDeferred(Exception):
