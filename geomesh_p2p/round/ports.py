@@ -110,8 +110,11 @@ class Trainer(Protocol):
         deadline: Optional[float] = None,
         progress=None,
         should_stop=None,
+        target: Any = None,
     ) -> Any:
-        """Inner steps on the model; returns an InnerResult (steps_done, tokens, mean_loss, compute_s)."""
+        """Inner steps on the model; returns an InnerResult (steps_done, tokens, mean_loss, compute_s).
+        ``target``: a :class:`~geomesh_p2p.training.StepTarget` read before every step instead of
+        ``inner_steps`` / ``deadline`` (eager updates: only passed when ``DriverConfig.eager``)."""
 
     def gradient(self, *, round: int, batch_size: int, micro_batch: Optional[int] = None) -> tuple[torch.Tensor, Any]:
         """One batch's gradient [P] fp32 and its InnerResult (the ddp baseline)."""
@@ -124,8 +127,8 @@ class SnapshotEvaluator(Protocol):
     """What a :class:`Trainer` may also offer (InnerTrainer does): evaluation of a snapshot of the global
     weights in a worker thread while the next round trains (issue 17). The driver checks for it first."""
 
-    def snapshot_for_eval(self) -> None:
-        """Copy the model's weights into the model kept for evaluation."""
+    def snapshot_for_eval(self, weights: Optional[torch.Tensor] = None) -> None:
+        """Copy the model's weights (or ``weights``, a flat [P] fp32 vector) into the model kept for evaluation."""
 
     def evaluate_snapshot(self, max_batches: int = 8) -> float:
         """Held-out perplexity of the last snapshot (raises RuntimeError before any)."""
