@@ -189,7 +189,17 @@ class AdversaryNode(PeerNode):
         super()._build_training()
         honest_run = self.trainer.run
 
-        def run(*, round, inner_steps, batch_size, micro_batch=None, deadline=None, progress=None, should_stop=None):
+        def run(
+            *,
+            round,
+            inner_steps,
+            batch_size,
+            micro_batch=None,
+            deadline=None,
+            progress=None,
+            should_stop=None,
+            target=None,
+        ):
             if self.attack in FREE_RIDERS:
                 from geomesh_p2p.training import InnerResult
 
@@ -218,6 +228,7 @@ class AdversaryNode(PeerNode):
                 deadline=deadline,
                 progress=progress,
                 should_stop=should_stop,
+                target=target,
             )
 
         self.trainer.run = run  # type: ignore[method-assign]  # this peer's trainer only, on purpose

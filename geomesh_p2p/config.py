@@ -74,6 +74,12 @@ class RunConfig(BaseModel):
     aggregate_encoding: Literal["sign", "int8", "fp16"] = opt("sign", "reencode mode: encoding of the aggregate")
     block_size: int = opt(2048, "elements per sign-codec scale", ge=1)
     error_feedback: bool = opt(False, "keep the compression residual (off: it hurt under Nesterov)")
+    eager: bool = opt(
+        False,
+        "eager updates (docs/eager.md): a round's exchange runs while the next round's inner steps run, "
+        "from this peer's own outer step on the global weights; inner-step methods only (not ddp), and "
+        "geomesh/css need --mode reencode (verified work checks relay contributions at the global weights)",
+    )
     clip_k: float = opt(4.0, "clip each contribution's block scales at this x their median", gt=0)
     aggregation: Literal["mean", "meanmed", "vote"] = opt(
         "meanmed",
@@ -124,9 +130,22 @@ class RunConfig(BaseModel):
     )
 
     @model_validator(mode="after")
-    def _ddp_uses_adamw(self) -> "RunConfig":
+    def _check_combinations(self) -> "RunConfig":
         if self.method == "ddp" and self.inner_optimizer != "adamw":
             raise ValueError("method 'ddp' applies AdamW to the averaged gradient; use inner_optimizer 'adamw'")
+        if self.eager and self.method == "ddp":
+            raise ValueError(
+                "eager updates overlap a round's exchange with the next round's inner steps; method 'ddp' "
+                "has none (one gradient per round): use geomesh, awb, css or diloco, or leave eager off"
+            )
+        if self.eager and self.method in ("geomesh", "css") and self.mode == "relay":
+            # Verified work (geomesh_p2p.verify) recomputes a relayed sign contribution's gradients at the
+            # global start weights; an eager contributor starts from its own outer step, so honest work
+            # would be judged against the wrong weights (docs/eager.md, "What eager refuses").
+            raise ValueError(
+                f"eager updates with method '{self.method}' need mode 'reencode': in relay mode verified work "
+                "checks each sign contribution at the global start weights, and an eager peer starts elsewhere"
+            )
         return self
 
     def config_hash(self) -> str:

@@ -58,7 +58,7 @@ from geomesh_p2p.identity import Identity, IdentityError, allow_list
 from geomesh_p2p.links import LinkProbeService, probe_link
 from geomesh_p2p.looplag import LoopLagMonitor
 from geomesh_p2p.metrics import RoundLog, RoundRecord, json_safe
-from geomesh_p2p.optim import OuterNesterov, SyncAdamW
+from geomesh_p2p.optim import OuterNesterov, SyncAdamW, eager_start
 from geomesh_p2p.records import MAX_LINK_BPS, MAX_TOKENS_PER_S, MIN_LINK_BPS, MIN_TOKENS_PER_S, PeerRecord
 from geomesh_p2p import clock
 from geomesh_p2p import events
@@ -615,11 +615,14 @@ class PeerNode(NodeRoundPolicy):
         out[self.me] = self.my_record()
         return list(out.values())
 
-    def _set_state(self, round: int, theta: torch.Tensor, momentum: Optional[torch.Tensor]) -> None:
+    def _set_state(
+        self, round: int, theta: torch.Tensor, momentum: Optional[torch.Tensor], load_model: bool = True
+    ) -> None:
         """Make (``theta`` [P] fp32, ``momentum`` [k * P] fp32 or None: unchanged) the global state of ``round``:
         copied into the state buffer (not when ``theta`` is already its view: the outer step's result),
-        digest recomputed in place (the state server serves the buffer itself), weights loaded into the model. Synchronous, whole-model:
-        call it in a worker thread."""
+        digest recomputed in place (the state server serves the buffer itself), weights loaded into the model
+        (not with ``load_model=False``: eager updates' speculative steps train on it). Synchronous,
+        whole-model: call it in a worker thread."""
         gs = self.gstate
         with gs.lock:
             if theta is not gs.theta:
@@ -632,7 +635,8 @@ class PeerNode(NodeRoundPolicy):
             self.digest = gs.commit(round)
         self.round = round
         self.theta = gs.theta
-        load_flat_(self.model, gs.theta)
+        if load_model:
+            load_flat_(self.model, gs.theta)
 
     def _placeholder_record(self) -> PeerRecord:
         """This peer's version, protocol and run config, before its device is profiled (never announced)."""
@@ -1020,7 +1024,10 @@ class PeerNode(NodeRoundPolicy):
         if d is not None and (d.trainer, d.collective) == parts:
             return d
         cfg = DriverConfig.from_node(
-            c, checkpointing=bool(c.checkpoint_dir), exchanges_gradient=self.method_rule.exchanges_gradient
+            c,
+            checkpointing=bool(c.checkpoint_dir),
+            exchanges_gradient=self.method_rule.exchanges_gradient,
+            eager=self.run_cfg.eager,
         )
         transport = self.transport
 
@@ -1101,15 +1108,42 @@ class PeerNode(NodeRoundPolicy):
         """The model back at the global weights (worker thread)."""
         load_flat_(self.model, self._global_theta())
 
-    def commit(self, round: int) -> str:
-        """The outer step's result becomes round ``round``'s state: model, digest, snapshot (worker thread)."""
-        self._set_state(round, self._global_theta(), None)
+    def commit(self, round: int, load_model: bool = True) -> str:
+        """The outer step's result becomes round ``round``'s state: model (not with ``load_model=False``),
+        digest, snapshot (worker thread)."""
+        self._set_state(round, self._global_theta(), None, load_model=load_model)
         if self.digest is None:  # _set_state always sets it
             raise RuntimeError(f"round {round}: the global state has no digest after its commit")
         server = getattr(self, "state_server", None)
         if server is not None and getattr(server, "state", None) is getattr(self, "gstate", None):
             server.updates.seal(round, self.digest)  # the update recorded by outer_step is now served
         return self.digest
+
+    # Eager updates (RunConfig.eager, docs/eager.md): the driver's EagerStatePort.
+    def eager_start(self, delta: torch.Tensor, weight: float) -> torch.Tensor:
+        """This peer's next start weights ``O(θ, v; weight·delta)`` on copies (worker thread; three [P] more
+        while it runs): :func:`geomesh_p2p.optim.eager_start` with the run's outer lr and momentum."""
+        with self.gstate.lock:  # θ and v of one round, never half-stepped by a concurrent outer step
+            return eager_start(
+                self._global_theta(),
+                self.gstate.opt_state,
+                delta,
+                weight,
+                lr=self.run_cfg.outer_lr,
+                momentum=self.run_cfg.outer_momentum,
+            )
+
+    def load_model(self, flat: torch.Tensor) -> None:
+        """Load ``flat`` ([P] fp32) into the model (worker thread)."""
+        load_flat_(self.model, flat)
+
+    def pseudo_gradient_from(self, start: torch.Tensor) -> torch.Tensor:
+        """``start`` minus the model's weights after the inner steps: [P] fp32 (worker thread)."""
+        return pseudo_gradient(self.model, start)
+
+    def global_weights(self) -> torch.Tensor:
+        """The global weights θ ([P] fp32 CPU view of the state buffer)."""
+        return self._global_theta()
 
     async def catch_up(self) -> None:
         await self._catch_up()

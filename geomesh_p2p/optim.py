@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["OuterNesterov", "SyncAdamW"]
+__all__ = ["OuterNesterov", "SyncAdamW", "eager_start"]
 
 
 class OuterNesterov:
@@ -109,6 +109,35 @@ class OuterNesterov:
             if buf is None
             else (buf.detach().to(device="cpu", dtype=torch.float32).reshape(-1).contiguous().clone())
         )
+
+
+def eager_start(
+    theta: torch.Tensor, momentum_buf: torch.Tensor, delta: torch.Tensor, weight: float, *, lr: float, momentum: float
+) -> torch.Tensor:
+    """Eager updates (docs/eager.md): the start weights of a peer's next round,
+    ``x = O(θ, v; w·Δ)``: one :class:`OuterNesterov` step of copies of the global weights ``θ`` and
+    momentum ``v`` by this peer's own pseudo-gradient ``Δ`` scaled by its token weight ``w``. The same
+    six fp32 kernels as the outer step (the share ``w·Δ`` is one more, rounded once), so it is
+    bit-identical to the simulator's ``Simulator._eager_starts`` for the same inputs.
+
+    Args:
+        theta, momentum_buf, delta: fp32 CPU ``[P]`` (not modified).
+        weight: ``w``, a Python float (rounded to fp32 once by the multiply).
+        lr, momentum: the run's outer lr and Nesterov momentum.
+
+    Returns:
+        A new fp32 CPU ``[P]`` tensor. Peak memory: three more ``[P]`` (the result, the momentum copy,
+        the share) while it runs, the result after.
+
+    Raises:
+        ValueError: dtype / device / shape as :meth:`OuterNesterov.step`.
+    """
+    o = OuterNesterov(lr=lr, momentum=momentum)
+    OuterNesterov._check("momentum_buf", momentum_buf)
+    o.buf = momentum_buf.clone()
+    x = theta.clone()
+    o.step(x, (delta * float(weight)).contiguous())
+    return x
 
 
 class SyncAdamW:

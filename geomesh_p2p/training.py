@@ -21,6 +21,7 @@ import json
 import logging
 import math
 import os
+import threading
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ from geomesh_p2p.clock import swarm_time
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "StepTarget",
     "PRESETS",
     "ConfigError",
     "build_model",
@@ -434,6 +436,34 @@ class InnerResult:
         return self.tokens / self.compute_s if self.compute_s > 0 else 0.0
 
 
+class StepTarget:
+    """The inner-step target and train deadline of a running :meth:`InnerTrainer.run`, changeable from
+    another thread while it runs (eager updates: steps started speculatively before the round's plan
+    exists take the plan's target and deadline once it is agreed, docs/eager.md). The loop reads both
+    before every step; a target already reached ends it.
+
+    Args:
+        inner_steps: optimizer steps wanted (>= 0).
+        deadline: swarm-time unix seconds after which no step starts (None: none).
+    """
+
+    def __init__(self, inner_steps: int, deadline: float | None = None):
+        self._lock = threading.Lock()
+        self._value: tuple[int, float | None] = (int(inner_steps), deadline)
+
+    def set(self, inner_steps: int, deadline: float | None) -> None:
+        """Replace both (thread-safe); ``inner_steps`` < 0 raises ValueError."""
+        if inner_steps < 0:
+            raise ValueError(f"inner_steps must be >= 0, got {inner_steps}")
+        with self._lock:
+            self._value = (int(inner_steps), deadline)
+
+    def get(self) -> tuple[int, float | None]:
+        """``(inner_steps, deadline)`` as last set."""
+        with self._lock:
+            return self._value
+
+
 class InnerTrainer:
     """Runs the inner steps of a round on one peer.
 
@@ -610,8 +640,13 @@ class InnerTrainer:
         deadline: float | None = None,
         progress: Callable[[int, float, float], None] | None = None,
         should_stop: Callable[[], bool] | None = None,
+        target: StepTarget | None = None,
     ) -> InnerResult:
         """Run up to ``inner_steps`` optimizer steps of ``batch_size`` rows each.
+
+        ``target``: a :class:`StepTarget` read before every step instead of ``inner_steps`` and
+        ``deadline`` (which are then ignored): another thread may change both while the steps run
+        (eager updates; the learning rate of a step uses the target read before it).
 
         Before each step the loop ends early (``stopped_early=True``) when
         ``should_stop()`` is true, when ``swarm_time() >= deadline`` (unix seconds, swarm time:
@@ -639,7 +674,13 @@ class InnerTrainer:
         stopped = False
         tokens_per_step = batch_size * self.seq_len
         t_start = time.perf_counter()
-        for k in range(inner_steps):
+        k = -1
+        while True:
+            k += 1
+            if target is not None:
+                inner_steps, deadline = target.get()
+            if k >= inner_steps:
+                break
             if should_stop is not None and should_stop():
                 stopped = True
                 break
@@ -759,18 +800,26 @@ class InnerTrainer:
         )
 
     @torch.no_grad()
-    def snapshot_for_eval(self) -> None:
+    def snapshot_for_eval(self, weights: torch.Tensor | None = None) -> None:
         """Copy the model's weights (the global weights, right after a round's commit) into a second model
         kept for evaluation, so :meth:`evaluate_snapshot` can run in a worker thread while the next round's
         inner steps change ``self.model`` (issue 17: evaluation off the round's critical path). The copy is
         made on the first call (one more set of weights and buffers in memory, on this trainer's device);
         later calls copy the parameters in place. Not thread-safe against a running
-        :meth:`evaluate_snapshot`: the caller waits for that first."""
+        :meth:`evaluate_snapshot`: the caller waits for that first.
+
+        ``weights``: a flat fp32 ``[P]`` vector (layout of :func:`flat_params`) to evaluate instead of the
+        model's weights (eager updates: the model then trains on other weights while the global ones are
+        evaluated); the model is not read for its parameters then. Raises ValueError on a size mismatch."""
         if getattr(self, "_eval_model", None) is None:
             import copy
 
             self._eval_model = copy.deepcopy(self.model)
             self._eval_model.requires_grad_(False)
+            if weights is None:
+                return
+        if weights is not None:
+            load_flat_(self._eval_model, weights)
             return
         for dst, src in zip(self._eval_model.parameters(), self.model.parameters()):
             dst.copy_(src)

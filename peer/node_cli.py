@@ -124,6 +124,8 @@ def run_config_from(ns: argparse.Namespace):
     import hashlib
     from pathlib import Path
 
+    from pydantic import ValidationError
+
     model_json = None
     if ns.model_config:
         try:
@@ -159,7 +161,15 @@ def run_config_from(ns: argparse.Namespace):
     values.update(data=data_id, model_config_json=model_json, min_agreement=ns.min_agreement or None)  # 0 = off
     if model_json:
         values["model"] = hashlib.sha256(model_json.encode()).hexdigest()[:16]
-    return RunConfig(**values)
+    try:
+        return RunConfig(**values)
+    except ValidationError as e:
+        # A combination of flags refused by the config's own rule (e.g. --eager with --method ddp): its
+        # sentence alone, one line, instead of pydantic's three-line report.
+        whole = [x for x in e.errors() if not x.get("loc") and x.get("type") == "value_error"]
+        if whole:
+            raise ValueError(str(whole[0]["msg"]).removeprefix("Value error, ")) from None
+        raise
 
 
 def node_config_from(ns: argparse.Namespace):

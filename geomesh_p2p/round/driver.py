@@ -36,6 +36,7 @@ from geomesh_p2p.round.plans import digest_majority
 from geomesh_p2p.round.ports import (
     Clock,
     Collective,
+    EagerStatePort,
     GlobalStatePort,
     Membership,
     PlanAgreement,
@@ -151,6 +152,9 @@ class DriverConfig:
     checkpoint_every: int = _node_default("checkpoint_every")
     checkpointing: bool = False
     exchanges_gradient: bool = False  # ddp (MethodRule.exchanges_gradient): one batch's gradient, no pseudo-gradient
+    #: eager updates (RunConfig.eager, docs/eager.md): a round's exchange runs in the background while the next
+    #: round's inner steps run from this peer's own start ``O(θ, v; w Δ)``; needs an :class:`EagerStatePort`
+    eager: bool = False
     backoff_first_s: float = 0.05
     backoff_cap_s: float = 1.0
     live_refresh_s: float = 1.0  # refresh of the live view while plans are read (backoff cap)
@@ -205,6 +209,11 @@ class RoundContext:
     #: round tells a host that slept; and the worst loop stall (seconds) taken when the exchange returned
     m_round: float = 0.0
     stall_s: Optional[float] = None
+    #: eager updates: this round's own start weights ([P] fp32) when it is not the global weights, and how its
+    #: inner steps began: "adopted" (the speculative steps, kept), "restarted" (from the own start, with the
+    #: plan's assignment), "global" (from the global weights: no eager start, e.g. the first round)
+    start: Optional[torch.Tensor] = None
+    eager_steps: str = "global"
 
     def planned(self) -> RoundPlan:
         """The round's plan, set by the PLAN phase.
@@ -246,6 +255,25 @@ class LineageEntry:
     participants: frozenset
     tokens: int
     own_tokens: int
+
+
+@dataclass
+class _Speculative:
+    """Eager updates (docs/eager.md): round ``round``'s inner steps, started before its plan exists from this
+    peer's own start ``start`` = ``O(θ^{r-1}, v^{r-1}; weight·Δ_m^{r-1})`` with the assignment of the round
+    before; ``target`` (a :class:`~geomesh_p2p.training.StepTarget`) takes the plan's inner steps and train
+    deadline once it is agreed. Times are swarm (wall) seconds."""
+
+    round: int
+    start: torch.Tensor
+    batch_size: int
+    micro_batch: Optional[int]
+    target: Any
+    abort: threading.Event
+    weight: float
+    t_start: float
+    task: Optional[asyncio.Future] = None
+    t_end: Optional[float] = None  # when the steps ended (None: still running)
 
 
 @dataclass
@@ -329,6 +357,8 @@ class RoundDriver:
         self._confirmed_round: int = 0
         #: the latest round the swarm's vote was seen at (behind / gather), for the line of a peer left alone
         self._swarm_seen: int = 0
+        #: eager updates: the next round's inner steps, started speculatively while this round's exchange runs
+        self._spec: Optional[_Speculative] = None
 
     @property
     def me(self) -> str:
@@ -358,6 +388,8 @@ class RoundDriver:
         try:
             await self._rounds()
         finally:
+            # Eager: speculative steps of a round that will not run stop; the model holds the global weights.
+            await self._drop_speculative("the run ends")
             if self._eval_task is not None:
                 await asyncio.gather(self._eval_task, return_exceptions=True)
                 self._eval_task = None
@@ -507,6 +539,7 @@ class RoundDriver:
         """Download the swarm's state; a failure is one warning and a pause (the donors may come back), or,
         when every other peer announced leaving, the end of the run (:attr:`ended`, one WARNING)."""
         self.phase = Phase.RESYNC
+        await self._drop_speculative("re-sync")  # no eager start after a re-sync: the peer starts from θ
         try:
             await self._catch_up()
         except StateSyncError as e:
@@ -785,11 +818,39 @@ class RoundDriver:
             return set()
         if not await self.train(ctx):
             return set()
-        with self._timed("exchange"):
-            exchanged = await self.exchange(ctx)
-        if not exchanged:
-            return set()
-        return await self.finish(ctx)
+        if not self.cfg.eager:
+            with self._timed("exchange"):
+                exchanged = await self.exchange(ctx)
+            if not exchanged:
+                return set()
+            return await self.finish(ctx)
+        # Eager updates: the exchange runs in the background while this peer computes its own start of the
+        # next round and starts that round's inner steps from it (docs/eager.md); at most one exchange is in
+        # flight (the next one starts after this round's finish, which precedes the next agree).
+        own = ctx.update()  # before the exchange may replace ctx.delta (error feedback pushes delta + residual)
+        exchange = asyncio.ensure_future(self.exchange(ctx))
+        try:
+            try:
+                await self._start_speculative(ctx, own)
+            except Exception as e:  # never lose the round over it: the next round starts from the global weights
+                log.warning(
+                    "round %d: eager start failed (%s: %s); next round starts from the global weights",
+                    ctx.round,
+                    type(e).__name__,
+                    e,
+                )
+            with self._timed("exchange"):
+                exchanged = await exchange
+            if not exchanged:
+                await self._drop_speculative("the exchange failed")
+                return set()
+            return await self.finish(ctx)
+        except BaseException:
+            await self._drop_speculative("the round failed")
+            if not exchange.done():
+                exchange.cancel()
+                await asyncio.gather(exchange, return_exceptions=True)
+            raise
 
     async def _refresh_live(self, live: dict, done: asyncio.Event) -> None:
         """Add newly seen live peers to ``live`` until ``done``: backoff, restarting when a peer appears.
@@ -844,7 +905,7 @@ class RoundDriver:
             def on_provisional(p: RoundPlan) -> None:
                 # The settle (plans.obtain_plan) waits for a better-ranked plan that almost never comes:
                 # train on the plan it will most likely return meanwhile; discarded below if another wins.
-                if ctx.early is None and self._may_start_early(p):
+                if ctx.early is None and self._spec is None and self._may_start_early(p):
                     ctx.early_plan, ctx.early_abort = p, threading.Event()
                     ctx.early = asyncio.ensure_future(self._inner_steps(ctx, p, ctx.early_abort))
 
@@ -866,13 +927,16 @@ class RoundDriver:
         ):
             await self._discard_early(ctx, plan)
         if plan is None:
+            await self._drop_speculative("no plan appeared")
             if not self.stop.is_set():
                 log.warning("round %d: no plan appeared; retrying", r)
             return False
         ctx.plan = plan
         if self.stop.is_set() and self.me not in plan.participants():
+            await self._drop_speculative("stopping, not in the plan")
             return False
         if self.me not in plan.participants() or plan.start_digest != self.state.digest:
+            await self._drop_speculative("not in the plan" if self.me not in plan.participants() else "weights differ")
             await self.wait_out(ctx)
             return False
         return True
@@ -1016,8 +1080,108 @@ class RoundDriver:
                 reason="loss_not_finite",
                 detail=str(e),
             )
-            await asyncio.to_thread(self.state.reset_model)
+            await self._reset_to_start(ctx)
             return None, no_work(time.perf_counter() - t_train)
+
+    async def _reset_to_start(self, ctx: RoundContext) -> None:
+        """The model back at this round's start weights: its own eager start (``ctx.start``) or the global ones."""
+        if ctx.start is not None:
+            await asyncio.to_thread(cast(EagerStatePort, self.state).load_model, ctx.start)
+        else:
+            await asyncio.to_thread(self.state.reset_model)
+
+    # ------------------------------------------------------------------ eager updates (docs/eager.md)
+    async def _start_speculative(self, ctx: RoundContext, own: torch.Tensor) -> None:
+        """Eager updates: right after round ``r``'s pseudo-gradient ``own`` (its exchange runs meanwhile), this
+        peer's start of round ``r + 1``, ``x = O(θ^r, v^r; w·own)`` with ``w`` its planned token share of round
+        ``r`` (the real token total is not known before the exchange), computed on copies in a worker thread
+        and loaded into the model; then round ``r + 1``'s inner steps start on it with round ``r``'s assignment
+        and a train deadline of now + the round's window (:class:`_Speculative`). Nothing when the peer stops
+        or leaves after this round, or after its last round."""
+        r, plan, a = ctx.round, ctx.planned(), ctx.assignment
+        last = self.cfg.rounds is not None and r + 1 >= self.cfg.rounds
+        if self.stop.is_set() or self.leaving or last:
+            return
+        total = plan.total_token_budget()
+        weight = float(a.token_budget) / float(total) if total > 0 else 0.0
+        state = cast(EagerStatePort, self.state)
+        t0 = self.clock.monotonic()
+        start = await asyncio.to_thread(state.eager_start, own, weight)
+        await asyncio.to_thread(state.load_model, start)
+        self._phases["pseudo_gradient"] = self._phases.get("pseudo_gradient", 0.0) + max(
+            0.0, self.clock.monotonic() - t0
+        )
+        from geomesh_p2p.training import StepTarget  # training imports transformers: load it only when needed
+
+        spec = _Speculative(
+            round=r + 1,
+            start=start,
+            batch_size=a.batch_size,
+            micro_batch=a.micro_batch,
+            target=StepTarget(a.inner_steps, self.clock.time() + float(plan.window_s)),
+            abort=threading.Event(),
+            weight=weight,
+            t_start=self.clock.time(),
+        )
+        spec.task = asyncio.ensure_future(self._speculative_steps(spec))
+        self._spec = spec
+
+    async def _speculative_steps(self, spec: _Speculative):
+        """The speculative inner steps (worker thread) until their target, deadline, a stop or an abort.
+        Returns an InnerResult; a non-finite loss gives ``no_work`` and the model back at ``spec.start``."""
+        should_stop = lambda: self.stop.is_set() or spec.abort.is_set()  # noqa: E731
+        t_train = time.perf_counter()
+        try:
+            return await asyncio.to_thread(
+                lambda: self.trainer.run(
+                    round=spec.round,
+                    inner_steps=spec.target.get()[0],
+                    batch_size=spec.batch_size,
+                    micro_batch=spec.micro_batch,
+                    should_stop=should_stop,
+                    target=spec.target,
+                )
+            )
+        except FloatingPointError as e:
+            events.emit(
+                log,
+                logging.WARNING,
+                "contributing_nothing",
+                "round %d: %s; contributing nothing this round",
+                spec.round,
+                e,
+                peer=self.me,
+                round=spec.round,
+                reason="loss_not_finite",
+                detail=str(e),
+            )
+            await asyncio.to_thread(cast(EagerStatePort, self.state).load_model, spec.start)
+            return no_work(time.perf_counter() - t_train)
+        finally:
+            spec.t_end = self.clock.time()
+
+    async def _drop_speculative(self, why: str) -> None:
+        """Abort the speculative inner steps (a peer not in the plan, a re-sync, a digest mismatch, a stop, the
+        end of the run), wait for their thread, and load the global weights back into the model (one INFO
+        line, event ``eager_steps_aborted``). Nothing when none runs."""
+        spec, self._spec = self._spec, None
+        if spec is None:
+            return
+        spec.abort.set()
+        if spec.task is not None:
+            await asyncio.gather(spec.task, return_exceptions=True)
+        await asyncio.to_thread(self.state.reset_model)
+        events.emit(
+            log,
+            logging.INFO,
+            "eager_steps_aborted",
+            "round %d: speculative inner steps aborted (%s); the model is back at the global weights",
+            spec.round,
+            why,
+            peer=self.me,
+            round=spec.round,
+            reason=why,
+        )
 
     async def train(self, ctx: RoundContext) -> bool:
         """Phase TRAIN: the assigned inner steps (a worker thread) until the plan's train deadline, then
@@ -1029,18 +1193,44 @@ class RoundDriver:
         ctx.assignment = plan.assignment(self.me)
         ctx.sent0, ctx.recv0 = self.traffic()
         t_phase = self.clock.monotonic()
-        if ctx.early is not None:
+        spec, self._spec = self._spec, None
+        t_end: Optional[float] = None
+        if spec is not None and spec.round != r:  # cannot happen (a spec is dropped whenever its round is not run)
+            self._spec = spec
+            await self._drop_speculative(f"started for round {spec.round}, not {r}")
+            spec = None
+        if spec is not None:
+            a = ctx.assignment
+            ctx.start = spec.start
+            if (spec.batch_size, spec.micro_batch) == (a.batch_size, a.micro_batch):
+                # Eager: the speculative steps are this round's; they take the plan's target and deadline.
+                spec.target.set(a.inner_steps, plan.train_deadline)
+                grad, result = None, await cast(asyncio.Future, spec.task)
+                t_end, ctx.eager_steps = spec.t_end, "adopted"
+            else:
+                # Another batch shape: those steps are void; restart from this peer's own start.
+                spec.abort.set()
+                await asyncio.gather(cast(asyncio.Future, spec.task), return_exceptions=True)
+                await asyncio.to_thread(cast(EagerStatePort, self.state).load_model, spec.start)
+                ctx.eager_steps = "restarted"
+                grad, result = await self._inner_steps(ctx, plan)
+        elif ctx.early is not None:
             grad, result = await ctx.early
         else:
             grad, result = await self._inner_steps(ctx, plan)
-        ctx.t_compute_end = self.clock.time()
+        ctx.t_compute_end = t_end if t_end is not None else self.clock.time()
         self._phases["train"] = self._phases.get("train", 0.0) + max(0.0, self.clock.monotonic() - t_phase)
         t_phase = self.clock.monotonic()
         if self.stop.is_set():
             # Finish the round anyway (the inner steps stopped early): the parts this peer owns stay
             # served and the others get a full update; the node leaves right after.
             log.info("round %d: stop requested; exchanging what was trained, then leaving", r)
-        delta = grad if grad is not None else await asyncio.to_thread(self.state.pseudo_gradient)
+        if grad is not None:
+            delta = grad
+        elif ctx.start is not None:  # eager: from this peer's own start, Δ_m = x_m − y_m
+            delta = await asyncio.to_thread(cast(EagerStatePort, self.state).pseudo_gradient_from, ctx.start)
+        else:
+            delta = await asyncio.to_thread(self.state.pseudo_gradient)
         if not await asyncio.to_thread(lambda: bool(torch.isfinite(delta).all())):
             events.emit(
                 log,
@@ -1189,8 +1379,12 @@ class RoundDriver:
         # The barrier is when the last contributor finished computing (stated in its contributions):
         # waiting until then is straggler idle, waiting after it is network idle (the paper's split).
         barrier = min(ar.last_compute_end or ctx.t_compute_end, ctx.t_agg)
-        straggler = max(0.0, barrier - ctx.t_compute_end)
-        network = max(0.0, (ctx.t_agg - ctx.t_compute_end) - straggler)
+        spec = self._spec if self._spec is not None and self._spec.round == r + 1 else None
+        # Eager: the compute is idle only from the end of the next round's speculative steps (when they ended
+        # before the aggregate arrived) to the aggregate; that idle time is split at the barrier as above.
+        idle_from = ctx.t_compute_end if spec is None else min(ctx.t_agg, spec.t_end or ctx.t_agg)
+        straggler = max(0.0, barrier - idle_from)
+        network = max(0.0, (ctx.t_agg - idle_from) - straggler)
         delivered = {pid for part in ar.contributors.values() for pid, _ in part}
         claims: dict[str, int] = {}
         for part in ar.contributors.values():
@@ -1226,6 +1420,15 @@ class RoundDriver:
             time=self.clock.time(),
             eval_round=eval_round,
         )
+        if self.cfg.eager:
+            rec.extra["eager"] = {
+                # how this round's inner steps began (RoundContext.eager_steps)
+                "steps": ctx.eager_steps,
+                # the next round's speculative steps started, and how many seconds before this exchange ended
+                "next_started": spec is not None,
+                "next_lead_s": (ctx.t_agg - spec.t_start) if spec is not None else None,
+                "start_weight": spec.weight if spec is not None else None,
+            }
         if self._eval_carry is not None:  # every background evaluation lands in a row (review L3)
             rec.extra["eval_background"] = {"eval_ppl": self._eval_carry[0], "eval_round": self._eval_carry[1]}
             self._eval_carry = None
@@ -1258,6 +1461,7 @@ class RoundDriver:
         self.policy.publish_record(rec)
         if rec.digest_agree is False:
             self.phase = Phase.RESYNC
+            await self._drop_speculative("digest mismatch")
             try:
                 with self._timed("resync"):
                     await self._catch_up()
@@ -1296,15 +1500,31 @@ class RoundDriver:
                 log.warning("round %d: background evaluation failed (%s: %s)", self._eval_round, type(e).__name__, e)
         if not due:
             return ready
+        # Eager: the model trains the next round's speculative steps; the global weights are evaluated on the
+        # evaluation snapshot (one more model in memory), loaded from θ, not from the model.
+        eager_snapshot = self.cfg.eager and hasattr(self.trainer, "snapshot_for_eval")
+        weights = cast(EagerStatePort, self.state).global_weights() if eager_snapshot else None
         if background:
             snap = cast(SnapshotEvaluator, self.trainer)  # checked with hasattr above
-            await asyncio.to_thread(snap.snapshot_for_eval)
+            if weights is not None:
+                await asyncio.to_thread(lambda: snap.snapshot_for_eval(weights=weights))
+            else:
+                await asyncio.to_thread(snap.snapshot_for_eval)
             self._eval_round = r
             self._eval_task = asyncio.ensure_future(
                 asyncio.to_thread(snap.evaluate_snapshot, max_batches=self.cfg.eval_batches)
             )
             return ready
-        ppl = await asyncio.to_thread(self.trainer.evaluate, max_batches=self.cfg.eval_batches)
+        if weights is not None:
+            snap = cast(SnapshotEvaluator, self.trainer)
+
+            def on_snapshot() -> float:
+                snap.snapshot_for_eval(weights=weights)
+                return snap.evaluate_snapshot(max_batches=self.cfg.eval_batches)
+
+            ppl = await asyncio.to_thread(on_snapshot)
+        else:
+            ppl = await asyncio.to_thread(self.trainer.evaluate, max_batches=self.cfg.eval_batches)
         if ready[0] is not None and ready[1] is not None:
             self._eval_carry = (ready[0], ready[1])
         return ppl, r
@@ -1315,7 +1535,12 @@ class RoundDriver:
         with getattr(self.state, "state_lock", None) or contextlib.nullcontext():
             self.state.outer_step(r, plan, aggregate, idle)
             t0 = time.monotonic()
-            self.state.commit(r + 1)
+            if self._spec is not None:
+                # Eager: the next round's speculative steps train on the model; θ^{r+1} is committed (digest,
+                # served state) without being loaded into it.
+                cast(EagerStatePort, self.state).commit(r + 1, load_model=False)
+            else:
+                self.state.commit(r + 1)
             # The commit (load, digest, snapshot) is the "digest" phase; the caller's timer counts the whole
             # call as "outer_step", so the commit's seconds move from there (a float add: GIL-atomic enough
             # for the one writer, the driver's own worker thread, while the loop awaits it).

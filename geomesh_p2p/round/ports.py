@@ -28,6 +28,7 @@ __all__ = [
     "Trainer",
     "Collective",
     "GlobalStatePort",
+    "EagerStatePort",
     "RoundPolicy",
 ]
 
@@ -109,8 +110,11 @@ class Trainer(Protocol):
         deadline: Optional[float] = None,
         progress=None,
         should_stop=None,
+        target: Any = None,
     ) -> Any:
-        """Inner steps on the model; returns an InnerResult (steps_done, tokens, mean_loss, compute_s)."""
+        """Inner steps on the model; returns an InnerResult (steps_done, tokens, mean_loss, compute_s).
+        ``target``: a :class:`~geomesh_p2p.training.StepTarget` read before every step instead of
+        ``inner_steps`` / ``deadline`` (eager updates: only passed when ``DriverConfig.eager``)."""
 
     def gradient(self, *, round: int, batch_size: int, micro_batch: Optional[int] = None) -> tuple[torch.Tensor, Any]:
         """One batch's gradient [P] fp32 and its InnerResult (the ddp baseline)."""
@@ -123,8 +127,8 @@ class SnapshotEvaluator(Protocol):
     """What a :class:`Trainer` may also offer (InnerTrainer does): evaluation of a snapshot of the global
     weights in a worker thread while the next round trains (issue 17). The driver checks for it first."""
 
-    def snapshot_for_eval(self) -> None:
-        """Copy the model's weights into the model kept for evaluation."""
+    def snapshot_for_eval(self, weights: Optional[torch.Tensor] = None) -> None:
+        """Copy the model's weights (or ``weights``, a flat [P] fp32 vector) into the model kept for evaluation."""
 
     def evaluate_snapshot(self, max_batches: int = 8) -> float:
         """Held-out perplexity of the last snapshot (raises RuntimeError before any)."""
@@ -170,6 +174,28 @@ class GlobalStatePort(Protocol):
 
     async def checkpoint_or_warn(self) -> Any:
         """Write a checkpoint off the loop; failures are one warning (returns None then)."""
+
+
+class EagerStatePort(Protocol):
+    """What a :class:`GlobalStatePort` also offers for eager updates (``DriverConfig.eager``, docs/eager.md).
+    Synchronous, whole-model: the driver calls them through ``asyncio.to_thread``."""
+
+    def eager_start(self, delta: torch.Tensor, weight: float) -> torch.Tensor:
+        """This peer's next start weights ``O(θ, v; weight·delta)`` on copies of the global weights and outer
+        state (:func:`geomesh_p2p.optim.eager_start`): a new [P] fp32 CPU tensor; the state is not changed."""
+
+    def load_model(self, flat: torch.Tensor) -> None:
+        """Load ``flat`` ([P] fp32) into the model (the inner optimizer's state is untouched)."""
+
+    def pseudo_gradient_from(self, start: torch.Tensor) -> torch.Tensor:
+        """``start`` ([P] fp32) minus the model's weights after the inner steps: [P] fp32."""
+
+    def global_weights(self) -> torch.Tensor:
+        """The global weights θ, [P] fp32 CPU (a view: read it, never change it)."""
+
+    def commit(self, round: int, load_model: bool = True) -> str:
+        """:meth:`GlobalStatePort.commit`; ``load_model=False`` leaves the model as it is (speculative inner
+        steps are training on it)."""
 
 
 class PlanDeferred(Exception):

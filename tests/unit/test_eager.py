@@ -91,3 +91,27 @@ def test_eager_geomesh_on_the_toy_profile_overlaps_the_exchange_at_equal_tokens(
     # deterministic: the same run again gives the same curve
     again = toy_sim.run(parse_method("geomesh+eager"))
     assert again.curve == eager.curve
+
+
+def test_the_nodes_eager_start_is_the_simulators_bit_for_bit():
+    """optim.eager_start (the real node's, RunConfig.eager) against Simulator._eager_starts: x_m = O(θ, v; w_m Δ_m)
+    with the same bits, for every peer, a momentum that is not zero, and a weight of 0."""
+    from geomesh_p2p.optim import eager_start
+    from geomesh_p2p.sim.engine import Simulator
+
+    g = torch.Generator().manual_seed(3)
+    P = 4099  # not a multiple of anything
+    theta = torch.randn(P, generator=g)
+    outer = OuterNesterov(lr=0.35, momentum=0.9)
+    for _ in range(2):
+        outer.step(theta, torch.randn(P, generator=g) * 1e-2)
+    deltas = [torch.randn(P, generator=g) * 1e-2 for _ in range(3)]
+    tokens = [3 * 512, 7 * 512, 0]
+    sim = Simulator.__new__(Simulator)
+    want = sim._eager_starts(theta, outer, deltas, tokens)
+    buf0, theta0 = outer.buf.clone(), theta.clone()
+    for m in range(3):
+        got = eager_start(theta, outer.buf, deltas[m], tokens[m] / sum(tokens), lr=0.35, momentum=0.9)
+        assert torch.equal(got, want[m])
+        assert got.view(torch.int32).equal(want[m].view(torch.int32))  # the same bits, -0.0 included
+    assert torch.equal(theta, theta0) and torch.equal(outer.buf, buf0)  # the state is not touched

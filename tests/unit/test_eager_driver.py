@@ -1,0 +1,220 @@
+"""Eager updates in the round driver (DriverConfig.eager, docs/eager.md) with the in-memory fakes of
+test_round_driver: 3 peers, real Nesterov outer steps on fp32 global weights and momentum, inner steps that
+honour the StepTarget. Checked: equal global digests every round, the next round's steps started while the
+exchange was in flight, the global weights equal a reference recomputed from the aggregates, each peer's
+start equal to its eager start O(θ^r, v^r; w Δ_m^r), and the start error of ddp + eager."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from geomesh_p2p.optim import OuterNesterov, eager_start
+from tests.unit import test_round_driver as trd
+
+pytestmark = pytest.mark.timeout(60)
+LR, MOM = 0.7, 0.9
+
+
+def _digest(theta: torch.Tensor, v: torch.Tensor) -> str:
+    return hashlib.sha256(theta.numpy().tobytes() + v.numpy().tobytes()).hexdigest()[:16]
+
+
+class EagerPeer(trd.FakePeer):
+    """FakePeer with the eager state port: θ and v stepped by OuterNesterov, the model a flat vector."""
+
+    def __init__(self, swarm, ident, rounds: int):
+        super().__init__(swarm, ident)
+        g = torch.Generator().manual_seed(7)
+        self.theta = torch.randn(trd.NUMEL, generator=g)  # every peer starts from the same θ^0
+        self.v = torch.zeros(trd.NUMEL)
+        self.outer = OuterNesterov(lr=LR, momentum=MOM)
+        self.outer.buf = self.v
+        self.model = self.theta.clone()
+        self.digest = _digest(self.theta, self.v)
+        self.rounds = rounds
+        self.starts: dict[int, torch.Tensor] = {}  # round -> the model when its inner steps began
+        self.eager_calls: list[tuple] = []  # (round of θ, θ, v, delta, weight, result)
+        self.spec_started: dict[int, threading.Event] = {}
+        self.pushed: dict[int, torch.Tensor] = {}
+        self.loaded_while_training = 0
+        self._training = threading.Event()
+
+    def _started(self, r: int) -> threading.Event:
+        return self.spec_started.setdefault(r, threading.Event())
+
+    # GlobalStatePort + EagerStatePort
+    def outer_step(self, r, plan, aggregate, idle=()):
+        self.outer.step(self.theta, aggregate.contiguous())
+
+    def commit(self, round, load_model=True):
+        if load_model and self._training.is_set():
+            self.loaded_while_training += 1
+        self.round, self.digest = round, _digest(self.theta, self.v)
+        if load_model:
+            self.model = self.theta.clone()
+        return self.digest
+
+    def eager_start(self, delta, weight):
+        x = eager_start(self.theta, self.v, delta, weight, lr=LR, momentum=MOM)
+        self.eager_calls.append((self.round, self.theta.clone(), self.v.clone(), delta.clone(), weight, x.clone()))
+        return x
+
+    def load_model(self, flat):
+        self.model = flat.clone()
+
+    def pseudo_gradient_from(self, start):
+        return start - self.model
+
+    def global_weights(self):
+        return self.theta
+
+    # Trainer: one emulated step = a fixed move and 2 ms of "compute"; the target is read before every step
+    def run(
+        self,
+        *,
+        round,
+        inner_steps,
+        batch_size,
+        micro_batch=None,
+        deadline=None,
+        progress=None,
+        should_stop=None,
+        target=None,
+    ):
+        self.starts.setdefault(round, self.model.clone())
+        self._started(round).set()
+        self._training.set()
+        k = 0
+        try:
+            while True:
+                n = target.get()[0] if target is not None else inner_steps
+                if k >= min(n, 40) or (should_stop is not None and should_stop()):
+                    break
+                self.model = self.model - 0.001 * (1 + trd.PEER_INDEX[self.me]) * torch.sign(self.model + k)
+                time.sleep(0.002)  # emulated compute of one step (not a wait for anything)
+                k += 1
+        finally:
+            self._training.clear()
+        return SimpleNamespace(
+            steps_done=k,
+            tokens=k * batch_size * trd.CFG.seq_len,
+            mean_loss=3.0,
+            last_loss=3.0,
+            compute_s=0.002 * k,
+            stopped_early=False,
+        )
+
+    # Collective: returns only once this peer's next round has started (eager) or after 2 s
+    async def all_reduce(self, spec, delta, tokens, compute_end=None):
+        self.pushed[spec.round] = delta.clone()
+        ar = await super().all_reduce(spec, delta, tokens, compute_end)
+        if spec.round + 1 < self.rounds:
+            await asyncio.to_thread(self._started(spec.round + 1).wait, 2.0)
+        return ar
+
+    def driver(self, **kw):
+        d = super().driver(**kw)
+        d.cfg.eager = True
+        return d
+
+
+async def test_eager_rounds_keep_equal_digests_overlap_the_exchange_and_follow_the_equations():
+    swarm, rounds = trd.Swarm(), 5
+    peers = []
+    for k in range(3):
+        p = EagerPeer(swarm, trd.Identity.generate(), rounds)
+        trd.PEERS[p.me], trd.PEER_INDEX[p.me] = p, k
+        swarm.records[p.me] = p.record()
+        peers.append(p)
+    await trd._run_all(peers, rounds=rounds, min_peers=3)
+
+    for p in peers:
+        assert [row.round for row in p.drv.history] == list(range(rounds))
+        assert p.loaded_while_training == 0  # θ^{r+1} never loaded into the model under the speculative steps
+    for r in range(rounds):
+        assert len({p.drv.history[r].digest for p in peers}) == 1, f"round {r}: digests differ"
+        for p in peers:
+            e = p.drv.history[r].extra["eager"]
+            assert e["steps"] == ("global" if r == 0 else "adopted")
+            if r + 1 < rounds:  # round r+1's steps began while round r's exchange was in flight
+                assert e["next_started"] and e["next_lead_s"] > 0, (r, e)
+            else:
+                assert not e["next_started"]
+
+    # Reference: θ^{r+1} = O(θ^r, v^r; Δ^r) from θ^0 and the aggregates of the swarm's exchange.
+    g = torch.Generator().manual_seed(7)
+    theta, ref = torch.randn(trd.NUMEL, generator=g), OuterNesterov(lr=LR, momentum=MOM)
+    thetas, vs = [theta.clone()], [torch.zeros(trd.NUMEL)]
+    for r in range(rounds):
+        got = {pid: d for pid, (d, t) in swarm.pushes[r].items() if t > 0}
+        toks = {pid: t for pid, (d, t) in swarm.pushes[r].items() if t > 0}
+        agg = sum(got[q] * toks[q] for q in got) / sum(toks.values())
+        ref.step(theta, agg.contiguous())
+        thetas.append(theta.clone())
+        vs.append(ref.buf.clone())
+    for p in peers:
+        assert torch.equal(p.theta, thetas[-1]) and torch.equal(p.v, vs[-1])
+        # Each round r+1 starts at x = O(θ^r, v^r; w Δ_m^r) of its own pushed Δ_m^r, and pushes x − y.
+        assert [c[0] for c in p.eager_calls] == list(range(rounds - 1))
+        for r, th, v, delta, w, x in p.eager_calls:
+            assert torch.equal(th, thetas[r]) and torch.equal(v, vs[r]) and torch.equal(delta, p.pushed[r])
+            assert 0 < w < 1
+            assert torch.equal(p.starts[r + 1], x)
+            assert not torch.equal(x, thetas[r + 1])  # its own start, not the global weights
+    weights = [sum(c[4] for p in peers for c in p.eager_calls if c[0] == r) for r in range(rounds - 1)]
+    assert weights == pytest.approx([1.0] * (rounds - 1))
+
+
+async def test_a_digest_mismatch_aborts_the_speculative_steps_and_the_next_round_starts_from_the_global_weights(
+    caplog,
+):
+    caplog.set_level("INFO", logger="geomesh_p2p.node.round")
+    swarm, rounds = trd.Swarm(), 4
+    peers = []
+    for k in range(3):
+        p = EagerPeer(swarm, trd.Identity.generate(), rounds)
+        trd.PEERS[p.me], trd.PEER_INDEX[p.me] = p, k
+        swarm.records[p.me] = p.record()
+        peers.append(p)
+    bad = peers[2]
+    real = bad.outer_step
+
+    def corrupt(r, plan, aggregate, idle=()):
+        real(r, plan, aggregate, idle)
+        if r == 1:
+            bad.theta[0] += 1.0
+
+    bad.outer_step = corrupt
+    await trd._run_all(peers, rounds=rounds, min_peers=3)
+    assert bad.catch_ups >= 1
+    assert bad.drv.history[1].digest_agree is False
+    # its speculative round-2 steps were aborted; after the re-sync round 2 began from the global weights
+    aborted = [r.getMessage() for r in caplog.records if "speculative inner steps aborted" in r.getMessage()]
+    assert aborted == [
+        "round 2: speculative inner steps aborted (digest mismatch); the model is back at the global weights"
+    ]
+    rows = {row.round: row for row in bad.drv.history}
+    assert rows[2].extra["eager"]["steps"] == "global" and rows[3].extra["eager"]["steps"] == "adopted"
+    assert len({p.digest for p in peers}) == 1
+
+
+def test_ddp_with_eager_is_refused_at_start(capsys):
+    from geomesh_p2p.config import RunConfig
+    from peer.cli import main
+
+    with pytest.raises(ValueError, match="method 'ddp' has none"):
+        RunConfig(method="ddp", eager=True)
+    with pytest.raises(ValueError, match="need mode 'reencode'"):
+        RunConfig(method="geomesh", eager=True)
+    assert RunConfig(method="geomesh", mode="reencode", eager=True).eager
+    assert RunConfig(method="diloco", eager=True).config_hash() != RunConfig(method="diloco").config_hash()
+    assert main(["join", "--eager", "--method", "ddp", "--pow-bits", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("geomesh-peer join: eager updates overlap") and "method 'ddp' has none" in err
