@@ -232,15 +232,30 @@ class Procs(ProcGroup):
 
 
 def method_flags(label: str) -> tuple[str, list[str]]:
-    """A contender's label as the simulator names it (``geomesh``, ``geomesh+eager``) -> the peer's
-    ``--method`` and extra flags (``+eager``: ``--eager``, issue 17). Raises ValueError on another suffix."""
+    """A contender's label, simulator-style (``geomesh``, ``geomesh+reencode+eager+outer_lr=0.35``) -> the
+    peer's ``--method`` and extra flags: ``eager`` -> ``--eager`` (issue 17), ``reencode`` -> ``--mode
+    reencode``, ``outer_lr=X`` -> ``--outer-lr X``. Raises ValueError on another option."""
     base, *opts = label.split("+")
-    extra = []
+    extra: list[str] = []
     for o in opts:
-        if o != "eager":
-            raise ValueError(f"{label}: unknown option {o!r} for a real-process run (known: eager)")
-        extra.append("--eager")
+        key, _, val = o.partition("=")
+        if key == "eager" and not val:
+            extra.append("--eager")
+        elif key == "reencode" and not val:
+            extra += ["--mode", "reencode"]
+        elif key == "outer_lr" and val:
+            extra += ["--outer-lr", val]
+        else:
+            raise ValueError(
+                f"{label}: unknown option {o!r} for a real-process run (known: eager, reencode, outer_lr=X)"
+            )
     return base, extra
+
+
+def sim_label(label: str) -> str:
+    """The simulator's label of a contender: its methods exchange in reencode mode unless ``+relay``, so the
+    real run's ``+reencode`` is dropped."""
+    return "+".join(p for p in label.split("+") if p != "reencode")
 
 
 def run_method(method: str, args, lab: NetLab | None, workdir: Path, procs: Procs, peers_cfg) -> dict:
@@ -549,7 +564,7 @@ def run_sim(args, peers_cfg, workdir: Path, numel: int, tokens_per_s: float) -> 
         "--profile",
         str(prof),
         "--methods",
-        ",".join(args.methods),
+        ",".join(dict.fromkeys(sim_label(m) for m in args.methods)),
         "--json",
         str(out),
         "--no-progress",
