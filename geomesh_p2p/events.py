@@ -59,7 +59,10 @@ kind                         where                            fields
 ``peer_record_dropped``      dht.announce (once per record)   subkey (the record's PeerID), reason;
                                                               incompatible: differs (list)
 ``plan_refused``             round.plans.PlanStore.read       peer, round, leader, reason
-``plan_takeover``            round.plans.obtain_plan          peer, round, turn, delay_s, after_s
+``plan_last_resort``         round.driver._last_resort (once  peer, round, candidates (PeerIDs it defers
+                             per round and state)             to), attempts (without a plan so far)
+``plan_takeover``            round.plans.obtain_plan          peer, round, turn, delay_s, after_s,
+                                                              last_resort (bool)
 ``planned_out``              round.driver.wait_out            peer, round, leader, reason
                                                               (``not_in_plan`` | ``weights_differ``)
 ``profile_batch``            capability.profile_training      batch, tokens_per_s, step_s, steps,
