@@ -50,6 +50,11 @@ kind                         where                            fields
                              shutdown                         | ``target_ppl`` | ``shutdown``)
 ``link_reprobed``            node.remeasure_links (planned     upload_bps, download_bps, was_upload_bps,
                              out)                             was_download_bps (bytes/s)
+``older_state_adopted``      round.policy._catch_up (once     peer, round (the older state's), digest,
+                             per pair of states; WARNING)     held_round, held_digest (the state it
+                                                              leaves), live (PeerIDs live at the time)
+``older_state_declined``     round.policy._catch_up (once     peer, round (the older state's), digest,
+                             per pair of states)              held_round, held_digest, reason
 ``outer_step_skipped``       round.policy._outer_step         peer, round, skipped (ranges), not_finite
                                                               (ranges of them), parts, elements
 ``owner_unreachable``        collective.client (pull)         peer, round, part, owner, error
