@@ -50,6 +50,11 @@ kind                         where                            fields
                              shutdown                         | ``target_ppl`` | ``shutdown``)
 ``link_reprobed``            node.remeasure_links (planned     upload_bps, download_bps, was_upload_bps,
                              out)                             was_download_bps (bytes/s)
+``older_state_adopted``      round.policy._catch_up (once     peer, round (the older state's), digest,
+                             per pair of states; WARNING)     held_round, held_digest (the state it
+                                                              leaves), live (PeerIDs live at the time)
+``older_state_declined``     round.policy._catch_up (once     peer, round (the older state's), digest,
+                             per pair of states)              held_round, held_digest, reason
 ``outer_step_skipped``       round.policy._outer_step         peer, round, skipped (ranges), not_finite
                                                               (ranges of them), parts, elements
 ``owner_unreachable``        collective.client (pull)         peer, round, part, owner, error
@@ -59,7 +64,10 @@ kind                         where                            fields
 ``peer_record_dropped``      dht.announce (once per record)   subkey (the record's PeerID), reason;
                                                               incompatible: differs (list)
 ``plan_refused``             round.plans.PlanStore.read       peer, round, leader, reason
-``plan_takeover``            round.plans.obtain_plan          peer, round, turn, delay_s, after_s
+``plan_last_resort``         round.driver._last_resort (once  peer, round, candidates (PeerIDs it defers
+                             per round and state)             to), attempts (without a plan so far)
+``plan_takeover``            round.plans.obtain_plan          peer, round, turn, delay_s, after_s,
+                                                              last_resort (bool)
 ``planned_out``              round.driver.wait_out            peer, round, leader, reason
                                                               (``not_in_plan`` | ``weights_differ``)
 ``profile_batch``            capability.profile_training      batch, tokens_per_s, step_s, steps,

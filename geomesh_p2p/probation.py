@@ -211,7 +211,13 @@ def leader_candidates(view: StandingView, member_ids: Iterable[str], barred: Col
     member remains (a newcomer that downloaded the state follows until it has delivered): with the
     bootstrap rule above, a newcomer that sees nobody established would otherwise rank itself among
     the candidates, publish a plan the peers that made the state refuse (it is on probation in their
-    view) and follow it, forking off a lineage of its own (docs/admission.md, "A young swarm")."""
+    view) and follow it, forking off a lineage of its own (docs/admission.md, "A young swarm").
+
+    Views differ, so every member may leave itself out and name another that does the same (rs7: two
+    peers, one not established in its own view, the other ``barred`` by its own no-show mark): the
+    round driver then makes such a member the last resort after an attempt without any plan
+    (:meth:`RoundDriver._last_resort <geomesh_p2p.round.driver.RoundDriver._last_resort>`; docs/round.md,
+    "Leader election when nobody leads")."""
     est, _ = split(view, member_ids)
     ok = [p for p in est if p not in barred] or est
     me = view.me

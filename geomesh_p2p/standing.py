@@ -293,6 +293,38 @@ def choose_state(records: Iterable, *, me: Optional[str], standing: Optional[Sta
     return _fresh_vote(others, solo=standing is not None and standing.known)
 
 
+class _Attested:
+    """A ledger read from a record's attestations (``PeerRecord.standing``): ``weight(peer)`` is what the
+    record attests for ``peer`` (bounded by the window). For :func:`would_adopt` only."""
+
+    def __init__(self, attested: dict):
+        self._att = attested
+
+    def weight(self, peer_id: str) -> int:
+        return min(int(self._att.get(attest_key(peer_id), 0)), DEFAULT_WINDOW)
+
+
+def would_adopt(voter, records: Iterable, round: int, digest: str) -> bool:
+    """Whether the peer of record ``voter`` would probably adopt the state (``round``, ``digest``) announced
+    among ``records`` (the records it sees: those of the other peers; ``voter``'s own is skipped).
+
+    Read from its record: its attestations are the highest standings of its ledger, so its standing vote
+    is :func:`choose_state`'s, weighted by them; a record that attests none of the others (a fresh peer,
+    or one that saw none of them deliver) is taken to run the fresh vote. An estimate (a ledger holds more
+    than the 16 peers a record attests, and whether the voter trained is not in its record): the driver's
+    catch-up uses it to tell whether peers at an older round can come up to this peer's newer state, or
+    whether only going back rejoins them (docs/round.md, "Never back to an older round")."""
+    others = [r for r in records if r.weights_digest and r.peer_id != voter.peer_id]
+    if not others:
+        return False
+    ledger = _Attested(getattr(voter, "standing", None) or {})
+    if any(ledger.weight(r.peer_id) > 0 for r in others):
+        vote = _standing_vote(others, ledger)  # type: ignore[arg-type]  # duck-typed: weight() only
+    else:
+        vote = _fresh_vote(others)
+    return vote.choice is not None and (vote.choice.round, vote.choice.digest) == (round, digest)
+
+
 class OnceLog(LogOnce):
     """Logs each message key once (bounded), so a vote polled every 0.2 s logs a refusal one time.
 

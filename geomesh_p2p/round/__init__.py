@@ -78,7 +78,9 @@ class DhtPlanAgreement:
 
         spawn(store(), name=f"plan-{plan.round}")
 
-    async def agree(self, round, members, make_plan, *, accept, candidates, plan_timeout_s, provisional=None):
+    async def agree(
+        self, round, members, make_plan, *, accept, candidates, plan_timeout_s, provisional=None, last_resort=()
+    ):
         return await obtain_plan(
             self.store,
             round,
@@ -88,4 +90,5 @@ class DhtPlanAgreement:
             accept=accept,
             candidates=candidates,
             provisional=provisional,
+            last_resort=last_resort,
         )

@@ -359,6 +359,9 @@ class RoundDriver:
         self._swarm_seen: int = 0
         #: eager updates: the next round's inner steps, started speculatively while this round's exchange runs
         self._spec: Optional[_Speculative] = None
+        #: (round, digest, attempts in a row that ended without a plan) of the round being agreed: after one,
+        #: a peer that is no leader candidate in its own view becomes the last resort (:meth:`_last_resort`)
+        self._plan_misses: tuple[int, Optional[str], int] = (-1, None, 0)
 
     @property
     def me(self) -> str:
@@ -909,6 +912,7 @@ class RoundDriver:
                     ctx.early_plan, ctx.early_abort = p, threading.Event()
                     ctx.early = asyncio.ensure_future(self._inner_steps(ctx, p, ctx.early_abort))
 
+            last_resort = self._last_resort(r, members, candidates)
             try:
                 plan = await self.plans.agree(
                     r,
@@ -918,6 +922,7 @@ class RoundDriver:
                     candidates=candidates,
                     plan_timeout_s=self.cfg.plan_timeout_s,
                     provisional=on_provisional,
+                    **({"last_resort": last_resort} if last_resort else {}),
                 )
             finally:
                 done.set()  # the lookup under way finishes (bounded by the DHT's RPC timeouts)
@@ -926,6 +931,9 @@ class RoundDriver:
             plan is None or ctx.early_plan is None or plan.to_bytes() != ctx.early_plan.to_bytes()
         ):
             await self._discard_early(ctx, plan)
+        key = (r, self.state.digest)
+        misses = self._plan_misses[2] if self._plan_misses[:2] == key else 0
+        self._plan_misses = (r, self.state.digest, misses + 1 if plan is None else 0)
         if plan is None:
             await self._drop_speculative("no plan appeared")
             if not self.stop.is_set():
@@ -940,6 +948,42 @@ class RoundDriver:
             await self.wait_out(ctx)
             return False
         return True
+
+    def _last_resort(self, r: int, members: Sequence[PeerRecord], candidates: Sequence[str]) -> list[str]:
+        """``[this peer]`` when it must publish a plan itself if no candidate does (``last_resort`` of
+        :func:`~geomesh_p2p.round.plans.obtain_plan`), else ``[]``.
+
+        The leader candidates are computed by each member from its own view (standing, no-show marks), and
+        a member leaves itself out where it expects the others to refuse its plan: while it is not
+        established in its own view (a newcomer follows the peers whose state it downloaded), or while it
+        marked itself a no-show. Views differ, so every member can defer to another that defers in turn
+        (rs7: two peers, each the other's only candidate, "no plan appeared; retrying" for 6 minutes). So
+        once an attempt at this round and state ended with no plan at all, a member in sync that is no
+        candidate becomes the last resort: it publishes after every candidate's turn has passed with no
+        plan read, refused ones included (docs/round.md, "Leader election when nobody leads"). A healthy
+        established leader publishes within its turn of the first attempt, so a newcomer following it never
+        gets there (the young-swarm rule holds); one WARNING per round."""
+        if self.me in candidates or self.me not in {m.peer_id for m in members}:
+            return []
+        if self._plan_misses[:2] != (r, self.state.digest) or self._plan_misses[2] < 1:
+            return []
+        if self._plan_misses[2] == 1:  # the first escalated attempt of this round: said once
+            events.emit(
+                log,
+                logging.WARNING,
+                "plan_last_resort",
+                "round %d: no plan appeared in a whole attempt; this peer is no leader candidate in its own view "
+                "and the %d it defers to (%s) published none: it publishes a plan itself if none appears "
+                "after their turns",
+                r,
+                len(candidates),
+                ", ".join(c[:10] for c in candidates) or "none",
+                peer=self.me,
+                round=r,
+                candidates=list(candidates),
+                attempts=self._plan_misses[2],
+            )
+        return [self.me]
 
     async def wait_out(self, ctx: RoundContext) -> None:
         """A planned-out peer (joined late, too slow for the window, or other weights): announce as syncing

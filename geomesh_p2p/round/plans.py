@@ -122,9 +122,15 @@ class PlanStore:
             owner=self.identity,
         )
 
-    async def read(self, round: int, accept: Optional[Callable[[RoundPlan], Optional[str]]] = None) -> list[RoundPlan]:
+    async def read(
+        self,
+        round: int,
+        accept: Optional[Callable[[RoundPlan], Optional[str]]] = None,
+        seen: Optional[set] = None,
+    ) -> list[RoundPlan]:
         """Valid plans for ``round``: parsed, for this run and round, signed by the leader they name,
-        and passing ``accept`` (a check returning a reason to refuse, or None)."""
+        and passing ``accept`` (a check returning a reason to refuse, or None). ``seen``, when given,
+        receives the leader of every signed, current plan of the round, refused ones included."""
         found = await self.dht.get(plan_key(self.run_id, round))
         plans = []
         for subkey, entry in (found or {}).items():
@@ -144,6 +150,8 @@ class PlanStore:
                 continue
             if plan.exchange_deadline + self.stale_after_s < swarm_time():
                 continue  # a finished round of an earlier swarm (e.g. before a restart): not ours to follow
+            if seen is not None:
+                seen.add(plan.leader)
             reason = accept(plan) if accept is not None else None
             if reason is not None:
                 key = (round, plan.leader, reason)
@@ -182,6 +190,7 @@ async def obtain_plan(
     stagger_s: Optional[float] = None,
     wait_candidates: int = LEADER_WAIT_CANDIDATES,
     provisional: Optional[Callable[[RoundPlan], None]] = None,
+    last_resort: Sequence[str] = (),
 ) -> Optional[RoundPlan]:
     """Agree on the plan of ``round``: publish one if this peer's turn as leader comes, follow the best.
 
@@ -197,15 +206,28 @@ async def obtain_plan(
         settle wait starts: the plan that is returned unless a better-ranked one shows up during the settle.
         The caller may start the round on it at once (the driver trains on it, and throws those steps away
         if the returned plan differs), so the settle costs no compute; which plan is followed is unchanged.
+
+        ``last_resort``: PeerIDs that are no candidates but publish when every candidate's turn has passed
+        with no plan at all: ranked after the candidates, the first one ``plan_timeout_s`` after the last
+        candidate's turn (then ``stagger_s`` apart). One never publishes once a plan of the round was read,
+        even one it refuses (a leader it does not accept is there: its own plan would split the round).
+        The driver names this peer so after a whole attempt without a plan (docs/round.md, "Leader
+        election when nobody leads"): views that differ must not leave every member deferring to another.
     """
     me = str(store.identity.peer_id)
     pool = [m.peer_id for m in members] if candidates is None else list(candidates)
     order = leader_order(store.run_id, round, pool)
+    n_regular = len(order)
+    order += [p for p in leader_order(store.run_id, round, last_resort) if p not in order]
     my_turn = order.index(me) if me in order else None
     stagger_s = settle_s if stagger_s is None else stagger_s
 
     def delay(i: int) -> float:
-        return takeover_delay(i, plan_timeout_s, stagger_s, wait_candidates)
+        if i < n_regular:
+            return takeover_delay(i, plan_timeout_s, stagger_s, wait_candidates)
+        # a last resort: strictly after every candidate's turn (by one plan timeout), then staggered
+        after = delay(n_regular - 1) + plan_timeout_s if n_regular else 0.0
+        return after + (i - n_regular) * stagger_s
 
     give_up_s = give_up_s if give_up_s is not None else delay(max(0, len(order) - 1)) + 2 * plan_timeout_s
     # Take-over instants (seconds after t0): a plan is most likely to appear right after one of them, so
@@ -215,15 +237,20 @@ async def obtain_plan(
     t0 = time.monotonic()
     published = False
     seen: Optional[frozenset] = None
+    signed: set = set()  # leaders of every plan of the round read, refused ones included
     while True:
         elapsed = time.monotonic() - t0
-        plans = await store.read(round, accept)
+        plans = await store.read(round, accept, signed)
         now_seen = frozenset(p.leader for p in plans)
         if now_seen != seen:
             seen = now_seen
             backoff.reset()  # something changed: read again soon
         best = choose_plan(store.run_id, round, plans)
         my_turn_now = my_turn is not None and not published and elapsed >= delay(my_turn)
+        if my_turn_now and my_turn is not None and my_turn >= n_regular and signed - {me}:
+            # a last resort publishes only where nobody leads at all; a plan it refuses means a leader it
+            # does not accept is there, and its own plan would split the round: it keeps waiting
+            my_turn_now = False
         # Publish when it is my turn, unless a plan from a better-ranked leader already exists, or a
         # worse-ranked one has already started (its peers are training: a competing plan would only
         # split the round; this peer follows it, or waits and catches up if it is not in it).
@@ -248,6 +275,7 @@ async def obtain_plan(
                     turn=my_turn,
                     delay_s=delay(my_turn),
                     after_s=elapsed,
+                    last_resort=my_turn >= n_regular,
                 )  # delay_s: this turn's take-over delay
             try:
                 plan = make_plan(members, me)

@@ -17,6 +17,7 @@ import contextlib
 import copy
 import logging
 import time
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
@@ -24,11 +25,12 @@ import torch
 from geomesh_p2p.clock import swarm_time
 from geomesh_p2p import capability, collective, events, planner, state_sync, swarm_status, verify
 from geomesh_p2p import probation as pb
+from geomesh_p2p.logonce import LogOnce
 from geomesh_p2p.method import MethodRule
 from geomesh_p2p.planner import PlanConfig
 from geomesh_p2p.round.driver import no_work
 from geomesh_p2p.round.ports import PlanDeferred
-from geomesh_p2p.standing import OnceLog, choose_state
+from geomesh_p2p.standing import OnceLog, choose_state, would_adopt
 from geomesh_p2p.sync_progress import SyncMeter
 
 if TYPE_CHECKING:
@@ -413,6 +415,40 @@ class NodeRoundPolicy:
                         return
                     self.round = held_round if held_digest else start_round  # the round of the state it holds
                     return
+                if held_digest and choice.round < held_round:
+                    # The vote backs an OLDER state than the one this peer holds (rs7: the round-10 donors
+                    # left, a live peer at round 5 remained): never back, unless it is the only way to rejoin.
+                    why = self._why_not_back(choice, recs, held_round, held_digest)
+                    if why is not None:
+                        if (
+                            base is not None
+                            and base.round > held_round
+                            and (base is downloaded or caught_from is not None)
+                        ):
+                            await self._adopt(base, "downloaded" if caught_from is None else "caught up")
+                            return  # verified against the vote that brought it here: newer than the state held
+                        self._back_log()(
+                            ("not_back", held_round, held_digest, choice.round, choice.digest),
+                            logging.INFO,
+                            "keeping the state of round %d (digest %s): the swarm's vote backs the state of "
+                            "round %d (digest %s), an OLDER one, and %s",
+                            held_round,
+                            held_digest[:8],
+                            choice.round,
+                            choice.digest[:8],
+                            why,
+                            event="older_state_declined",
+                            peer=self.me,
+                            round=choice.round,
+                            digest=choice.digest,
+                            held_round=held_round,
+                            held_digest=held_digest,
+                            reason=why,
+                        )
+                        self.round = held_round
+                        return
+                    if choice.digest != held_digest:
+                        self._note_going_back(choice, recs, held_round, held_digest)
                 if choice.digest == self.digest and base is None:
                     # This peer holds the backed state already (its digest check was outvoted by identities
                     # without standing, or the others have not moved on yet).
@@ -530,6 +566,87 @@ class NodeRoundPolicy:
         finally:
             self._syncing, self._sync_meter = False, None
             await self.announce()
+
+    def _why_not_back(self, choice, recs, held_round: int, held_digest: str) -> Optional[str]:
+        """Why this peer must not adopt ``choice`` (a state of a round below ``held_round``, the round of the
+        state it holds), or None when going back is the only way to rejoin the live swarm.
+
+        It waits (keeps its state, announced with its digest, so peers behind can download it) when:
+
+        * a live peer (not leaving) announces round ``held_round`` or later, with a digest or syncing: newer
+          donors are there or may come back (a failed download, a donor restarting);
+        * a live peer backing ``choice`` would adopt this peer's state by its own vote
+          (:func:`~geomesh_p2p.standing.would_adopt`, read from its record's attestations): the swarm behind
+          can come up to this peer (rs7: the peer at round 5 had seen this one deliver).
+
+        ``recs``: the other peers' records, leaving ones included. A state whose digest is the one held
+        (rounds that moved nothing) is never adopted at a lower round either."""
+        if choice.digest == held_digest:
+            return "it is this peer's own state (rounds that changed nothing)"
+        newer = sorted(r.peer_id for r in recs if not r.leaving and r.round >= held_round)
+        if newer:
+            return (
+                f"{len(newer)} live peer(s) announce round {held_round} or later ({', '.join(p[:10] for p in newer[:5])}): "
+                "waiting for the newer state"
+            )
+        try:
+            address = getattr(self, "record_address", None)
+        except Exception:  # no transport yet (a node built without one): only the vote's address key differs
+            address = None
+        mine = SimpleNamespace(
+            peer_id=self.me,
+            address=address or "this-peer",
+            round=held_round,
+            weights_digest=held_digest,
+            standing={},
+            leaving=False,
+        )
+        backers = [r for r in recs if not r.leaving and (r.round, r.weights_digest) == (choice.round, choice.digest)]
+        coming = sorted(
+            b.peer_id
+            for b in backers
+            if would_adopt(b, [x for x in recs if x.peer_id != b.peer_id] + [mine], held_round, held_digest)
+        )
+        if coming:
+            return (
+                f"{len(coming)} live peer(s) at round {choice.round} ({', '.join(p[:10] for p in coming[:5])}) would "
+                f"adopt this peer's state by their own vote: waiting for them to catch up to round {held_round}"
+            )
+        return None
+
+    def _back_log(self) -> LogOnce:
+        """Logs each decision about an older state once (a catch-up retried every few seconds repeats it)."""
+        once = self.__dict__.get("_back_once")
+        if once is None:
+            once = self.__dict__["_back_once"] = LogOnce(log)
+        return once
+
+    def _note_going_back(self, choice, recs, held_round: int, held_digest: str) -> None:
+        """The one WARNING (``older_state_adopted``, once per pair of states) of a peer that adopts an older
+        state: the only way to rejoin the live swarm (:meth:`_why_not_back` found no reason to wait)."""
+        live = sorted({r.peer_id for r in recs if not r.leaving and r.weights_digest})
+        self._back_log()(
+            ("back", held_round, held_digest, choice.round, choice.digest),
+            logging.WARNING,
+            "going back from the state of round %d (digest %s) to the OLDER state of round %d (digest %s): no "
+            "live peer is at round %d or later, and none of the %d live peer(s) at round %d would adopt this "
+            "peer's state; the only way to rejoin the live swarm (%s)",
+            held_round,
+            held_digest[:8],
+            choice.round,
+            choice.digest[:8],
+            held_round,
+            len(live),
+            choice.round,
+            choice.describe(),
+            event="older_state_adopted",
+            peer=self.me,
+            round=choice.round,
+            digest=choice.digest,
+            held_round=held_round,
+            held_digest=held_digest,
+            live=live,
+        )
 
     def _state_copy(self) -> "state_sync.Snapshot":
         """This peer's global state as a Snapshot owning a copy of the buffer (worker thread).

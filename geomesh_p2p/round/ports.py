@@ -91,10 +91,13 @@ class PlanAgreement(Protocol):
         candidates: Sequence[str],
         plan_timeout_s: float,
         provisional: Optional[Callable[[RoundPlan], None]] = None,
+        last_resort: Sequence[str] = (),
     ) -> Optional[RoundPlan]:
         """The plan every peer follows for ``round`` (publishing one when this peer's turn comes), or None.
         ``provisional(plan)``: called with the plan it will most likely return, before a settle wait
-        (:func:`geomesh_p2p.round.plans.obtain_plan`); the driver trains on it meanwhile."""
+        (:func:`geomesh_p2p.round.plans.obtain_plan`); the driver trains on it meanwhile. ``last_resort``:
+        PeerIDs that publish only when no plan at all appeared after every candidate's turn (the driver
+        passes it only when non-empty, so an agreement without the keyword still works)."""
 
 
 class Trainer(Protocol):

@@ -1,0 +1,144 @@
+"""Leader election when the members' views differ (docs/round.md, "Leader election when nobody leads"):
+the candidates each member computes from its own standing view and no-show marks can leave every member
+deferring to another (rs7: two peers, each the other's only candidate). The election of the rs7 logs, and
+obtain_plan's last resort: after every candidate's turn with no plan at all, a deferring member publishes,
+and all follow one plan; it never publishes where a plan (even one it refuses) or a candidate's exists."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from geomesh_p2p import probation as pb
+from geomesh_p2p.identity import Identity
+from geomesh_p2p.round import PlanStore, leader_order, obtain_plan, takeover_delay
+from geomesh_p2p.standing import Standing
+from tests.records_util import peer_record
+from tests.unit.test_round import RUN, MemoryDHT, _planner, _record
+
+pytestmark = pytest.mark.timeout(30)
+T = 0.3  # plan timeout of these tests (seconds)
+
+
+def test_the_rs7_views_each_name_only_the_other_peer():
+    """The two peers left at round 5 of rs7 (their ledgers as the logs show them): p2 delivered round 0
+    only; p3 delivered round 0 and saw round 2 delivered by the two peers that then left, and marked
+    itself a no-show. Nobody is established in either view (threshold 3), so both fall back to the
+    bootstrap rule, and each leaves itself out: p2 is not established, p3 is barred."""
+    p0, p1, p2, p3 = (str(Identity.generate().peer_id) for _ in range(4))
+    l2, l3 = Standing(), Standing()
+    for ledger in (l2, l3):
+        ledger.credit(0, [p0, p1, p2, p3])
+    l3.credit(2, [p0, p1])
+    r2 = _record_of(p2, l2)
+    r3 = _record_of(p3, l3)
+    v2 = pb.StandingView(l2, [r2, r3], round=5, me=p2)
+    v3 = pb.StandingView(l3, [r2, r3], round=5, me=p3)
+    assert [v.established(p) for v in (v2, v3) for p in (p2, p3)] == [False] * 4
+    assert pb.leader_candidates(v2, [p2, p3]) == [p3]
+    assert pb.leader_candidates(v3, [p2, p3], barred={p3: 12}) == [p2]
+
+
+def _record_of(peer_id: str, ledger: Standing):
+    return peer_record(
+        peer_id,
+        address="127.0.0.1:1",
+        round=5,
+        weights_digest="d0",
+        standing=ledger.attestations(exclude=peer_id, own=True),
+    )
+
+
+def _pair():
+    ids = [Identity.generate(), Identity.generate()]
+    return ids, [_record(i, 1.0) for i in ids]
+
+
+async def test_two_members_that_defer_to_each_other_publish_as_last_resort_and_follow_one_plan():
+    ids, members = _pair()
+    a, b = (str(i.peer_id) for i in ids)
+    dht = MemoryDHT()
+
+    async def attempt(ident, other, last_resort):
+        return await obtain_plan(
+            PlanStore(dht.view(), ident, RUN),
+            3,
+            members,
+            _planner(3),
+            plan_timeout_s=T,
+            settle_s=0.05,
+            candidates=[other],
+            last_resort=last_resort,
+        )
+
+    # without a last resort: nobody publishes (the livelock of one attempt)
+    assert await asyncio.gather(attempt(ids[0], b, ()), attempt(ids[1], a, ())) == [None, None]
+    assert dht.data == {}
+    t0 = time.monotonic()
+    got = await asyncio.gather(attempt(ids[0], b, [a]), attempt(ids[1], a, [b]))
+    took = time.monotonic() - t0
+    assert got[0] is not None and got[0].to_bytes() == got[1].to_bytes()
+    assert got[0].leader == leader_order(RUN, 3, [a, b])[0]  # both published; the best-ranked one is followed
+    # the last resort's turn: one plan timeout after the (only) candidate's turn, then the settle
+    assert takeover_delay(0, T, 0.05) + T <= took < takeover_delay(0, T, 0.05) + T + 2.0
+
+
+async def test_a_last_resort_waits_for_a_candidate_that_publishes_in_its_turn():
+    """The young-swarm rule holds: a candidate that publishes within its turns is followed, and the last
+    resort publishes nothing of its own."""
+    ids = [Identity.generate() for _ in range(3)]
+    members = [_record(i, 1.0) for i in ids]
+    pids = [str(i.peer_id) for i in ids]
+    order = leader_order(RUN, 3, pids[:2])
+    newcomer = ids[2]
+    dht = MemoryDHT()
+
+    async def candidate(pid):  # the second candidate publishes at its turn (the first is silent)
+        ident = next(i for i in ids if str(i.peer_id) == pid)
+        return await obtain_plan(
+            PlanStore(dht.view(), ident, RUN),
+            3,
+            members,
+            _planner(3),
+            plan_timeout_s=T,
+            settle_s=0.05,
+            candidates=order,
+        )
+
+    follower = obtain_plan(
+        PlanStore(dht.view(), newcomer, RUN),
+        3,
+        members,
+        _planner(3),
+        plan_timeout_s=T,
+        settle_s=0.05,
+        candidates=order,
+        last_resort=[pids[2]],
+    )
+    led, followed = await asyncio.gather(candidate(order[1]), follower)
+    assert led.leader == followed.leader == order[1]
+    assert set(dht.data[next(iter(dht.data))]) == {order[1]}  # the newcomer published nothing
+
+
+async def test_a_last_resort_never_publishes_when_a_plan_it_refuses_exists():
+    """A plan this member refuses means a leader it does not accept is there: its own plan would split
+    the round, so it waits (and gives up) instead."""
+    ids, members = _pair()
+    a, b = (str(i.peer_id) for i in ids)
+    dht = MemoryDHT()
+    await PlanStore(dht.view(), ids[1], RUN).publish(_planner(3)(members, b))
+    got = await obtain_plan(
+        PlanStore(dht.view(), ids[0], RUN),
+        3,
+        members,
+        _planner(3),
+        plan_timeout_s=T,
+        settle_s=0.05,
+        candidates=[b],
+        last_resort=[a],
+        accept=lambda plan: "refused by this test",
+    )
+    assert got is None
+    assert set(dht.data[next(iter(dht.data))]) == {b}
