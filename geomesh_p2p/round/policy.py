@@ -814,28 +814,27 @@ class NodeRoundPolicy:
         probation = chosen
         members = self._without_parts(members, probation)
         cfg = self._plan_config(len(members))
+        evidence = getattr(self, "_supported_tps", None)
+        supported = evidence[1] if evidence is not None and evidence[0] == self.round - 1 else None
         if self.run_cfg.window_s:
-            # A peer whose link cannot move its share of the exchange in half the window would stretch
-            # the round for everyone (or make a plan the others refuse): plan without it this round.
-            limit = 0.5 * self.run_cfg.window_s
-            # Likewise one that needs more than half the window for a single sequence.
-            seq = self.run_cfg.seq_len
-            slow = [
-                m
-                for m in members
-                if planner.comm_time(m, cfg) > limit or seq / max(m.best_tokens_per_s(), 1e-9) > limit
-            ]
-            if slow and len(slow) < len(members):
+            # A peer whose exchange plus minimum compute would stretch the round well past what it takes
+            # without it is planned out this round (planner.window_exclusions; docs/round.md, "Exclusion
+            # rule"). One that fits the window costs nothing: AWB gives it fewer steps. A peer that delivered
+            # last round stays unless it would double the round: a noisy link figure must not flap it.
+            ex = planner.window_exclusions(members, cfg, kept=supported or ())
+            if ex.excluded:
+                slow = set(ex.excluded)
                 log.warning(
-                    "round %d: planning without %s: predicted exchange %s s, one sequence %s s; the limit is "
-                    "%.1f s (half the window)",
+                    "round %d: planning without %s: the round needs %s s with it (exchange %s s), %.1f s "
+                    "without (window %.1f s)",
                     self.round,
-                    ", ".join(m.peer_id[:10] for m in slow),
-                    ", ".join(f"{planner.comm_time(m, cfg):.1f}" for m in slow),
-                    ", ".join(f"{seq / max(m.best_tokens_per_s(), 1e-9):.1f}" for m in slow),
-                    limit,
+                    ", ".join(p[:10] for p in ex.excluded),
+                    ", ".join(f"{ex.need_s[p]:.1f}" for p in ex.excluded),
+                    ", ".join(f"{ex.comm_s[p]:.1f}" for p in ex.excluded),
+                    max([self.run_cfg.window_s] + [v for p, v in ex.need_s.items() if p not in slow]),
+                    self.run_cfg.window_s,
                 )
-                members = [m for m in members if m not in slow]
+                members = [m for m in members if m.peer_id not in slow]
                 # Still at most probation_slots(established) on probation (those first in line stay).
                 ids = {m.peer_id for m in members}
                 n_est = sum(1 for p in ids if p not in probation)
@@ -847,8 +846,6 @@ class NodeRoundPolicy:
         # their delivered contributions support (_delivered_rates).
         if not any(m.address for m in members):
             raise _NoOwner(f"{len(members)} peer(s) to plan, all client-only or on probation")
-        evidence = getattr(self, "_supported_tps", None)
-        supported = evidence[1] if evidence is not None and evidence[0] == self.round - 1 else None
         return planner.make_plan(
             members,
             cfg,
