@@ -392,8 +392,10 @@ async def download_state(
     by any piece. ``timeout_s`` is each call's deadline. When a piece has failed on every donor, its
     sibling downloads are cancelled (and their streams closed) before the error is raised. The
     digest is checked in a worker thread. ``on_event``: see :data:`EventFn`. ``busy_until``
-    (:data:`BusyFn`): a piece's stall clock starts only once its donor's known busy time is over (a
-    donor inside its own exchange window is slow, not gone), one ``"held"`` event per attempt.
+    (:data:`BusyFn`): a piece that stalled on a donor known busy with its own round retries it after the
+    other donors, and then its stall clock starts only once that busy time is over (a donor inside its
+    exchange window is slow, not gone; one ``"held"`` event per such attempt). A first attempt keeps the
+    plain limit, so a frozen donor still costs a piece with another donor only that limit.
 
     Returns a :class:`Snapshot` whose ``theta`` [P] and ``momentum`` [state_numel] are views of its
     ``buffer`` (``snap.to_global_state()`` adopts it without a copy).
@@ -428,12 +430,18 @@ async def download_state(
     relaxed = [False] * n  # the piece's current attempt is a retry: the full stall timeout applies
     stalled_early: set[str] = set()  # donors left under an adaptive limit shorter than stall_timeout_s
     held = [0.0] * n  # monotonic s the piece's donor is busy with its own round until (busy_until)
+    busy_left: set[tuple[int, str]] = set()  # (piece, donor) left on a stall while the donor was known busy
+
+    def busy_s(donor: str) -> float:
+        """Seconds the donor is still known busy with its own round (<= 0: not known busy)."""
+        return busy_until(donor) - swarm_time() if busy_until is not None else 0.0
 
     def quiet_s(piece: int, donor: str) -> float:
-        """Seconds the piece has waited for a chunk, not counting its donor's known busy time (negative
-        while the donor is busy)."""
+        """Seconds the piece has waited for a chunk; on a retry, not counting its donor's known busy time
+        (negative while the donor is busy). A first attempt keeps the plain limit: a frozen donor is left
+        as fast as before when another donor can serve the piece."""
         now = time.monotonic()
-        left = busy_until(donor) - swarm_time() if busy_until is not None else 0.0
+        left = busy_s(donor) if relaxed[piece] else 0.0
         if left > 0:
             if not held[piece]:  # once per attempt
                 event("held", piece, donor, f"{left:.3f}")
@@ -497,14 +505,19 @@ async def download_state(
         errors = []
         order = [donors[(piece + i) % n] for i in range(n)]
         # A second pass retries, with the full stall timeout, donors only left for a short adaptive limit: a
-        # busy donor's 2 s hiccup must not end a download when every other donor is gone too.
+        # busy donor's 2 s hiccup must not end a download when every other donor is gone too. It also retries
+        # the donors this piece left while they were known busy with their own round, waiting out that time
+        # (busy_until): when every donor is inside its exchange, the piece waits rather than fails.
         for donor, second in [(d, False) for d in order] + [(d, True) for d in order]:
             if got[0] == end:
                 break
             if second:
-                if donor not in stalled_early:
+                if (piece, donor) in busy_left:
+                    busy_left.discard((piece, donor))
+                elif donor in stalled_early:
+                    stalled_early.discard(donor)
+                else:
                     continue
-                stalled_early.discard(donor)
             elif donor in unhealthy:
                 continue
             relaxed[piece] = second
@@ -525,7 +538,9 @@ async def download_state(
                         raise TimeoutError(f"donor {donor} sent nothing for {quiet:.1f} s (at byte {got[0]} of {end})")
             except (RpcError, StateSyncError, ValueError, DecodeError, TimeoutError) as e:
                 kind = "stalled" if isinstance(e, TimeoutError) else "failed"
-                if isinstance(e, TimeoutError) and not second and stall_limit(piece) < stall_timeout_s:
+                if isinstance(e, TimeoutError) and not second and busy_s(donor) > 0:
+                    busy_left.add((piece, donor))
+                elif isinstance(e, TimeoutError) and not second and stall_limit(piece) < stall_timeout_s:
                     stalled_early.add(donor)
                 unhealthy.add(donor)
                 moving[piece] = True
@@ -890,7 +905,16 @@ async def fetch_update(
             if total is None or len(buf) != total:
                 raise StateSyncError(f"donor {donor} stopped at byte {len(buf)} of the update")
 
-    for donor in donors:
+    def busy(donor: str) -> bool:
+        return busy_until is not None and busy_until(donor) > swarm_time()
+
+    # A donor left on a stall while it was known busy with its own round is asked again after the others,
+    # and then waited for until that round's end (a first attempt keeps the plain limit: a frozen donor
+    # costs no more than before when another donor has the update).
+    retry: list[str] = []
+    queue = [(d, False) for d in donors]
+    while queue:
+        donor, second = queue.pop(0)
         event("start", donor, str(len(buf)))
         task = loop.create_task(attempt(donor), name=f"update-{round}-from-{donor}")
         try:
@@ -902,7 +926,7 @@ async def fetch_update(
                 if done:
                     task.result()
                     break
-                if len(buf) != seen or (busy_until is not None and busy_until(donor) > swarm_time()):
+                if len(buf) != seen or (second and busy(donor)):
                     seen, since = len(buf), time.monotonic()  # progress, or a donor busy with its own round
                 elif time.monotonic() - since >= stall_timeout_s:
                     raise TimeoutError(f"donor {donor} sent nothing for {stall_timeout_s:g} s")
@@ -921,10 +945,14 @@ async def fetch_update(
             if not isinstance(e, TimeoutError):
                 buf.clear()  # an inconsistent blob: start again from the next donor
                 blob_hash = None
+            elif not second and busy(donor):
+                retry.append(donor)
         finally:
             if not task.done():
                 task.cancel()
                 await asyncio.wait({task})
+        if not queue and retry:
+            queue, retry = [(d, True) for d in retry], []
     raise StateSyncError(f"no donor served the outer update of round {round}: {'; '.join(errors) or 'no donor'}")
 
 

@@ -27,6 +27,7 @@ from geomesh_p2p import probation as pb
 from geomesh_p2p.method import MethodRule
 from geomesh_p2p.planner import PlanConfig
 from geomesh_p2p.round.driver import no_work
+from geomesh_p2p.round.plans import choose_plan
 from geomesh_p2p.round.ports import PlanDeferred
 from geomesh_p2p.standing import OnceLog, choose_state
 from geomesh_p2p.sync_progress import SyncMeter
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
     from geomesh_p2p.metrics import RoundLog
     from geomesh_p2p.optim import OuterNesterov, SyncAdamW
     from geomesh_p2p.records import PeerRecord
+    from geomesh_p2p.round.plans import PlanStore
     from geomesh_p2p.standing import Standing
     from geomesh_p2p.state import GlobalState
     from geomesh_p2p.training import InnerTrainer
@@ -71,6 +73,9 @@ EXCHANGE_FLOOR_S = 5.0
 EXCHANGE_FLOOR_PLAN_TIMEOUTS = 3
 #: The pushes close this share of the exchange before its deadline: the last part is left to the pulls.
 PULL_SHARE_OF_EXCHANGE = 0.25
+#: Seconds between reads of the swarm's plans while a sync runs: the donors' busy windows (their exchange
+#: deadlines) that the download's stall clock waits for (state_sync.BusyFn).
+BUSY_REFRESH_S = 1.0
 
 
 def plan_horizon_s(window_s: Optional[float]) -> float:
@@ -169,6 +174,7 @@ class NodeRoundPolicy:
     trainer: InnerTrainer
     collective: CollectiveService
     announcer: PeerAnnouncer
+    plans: PlanStore  # the run's signed plans (read while a sync runs: the donors' busy windows)
     round_log: Optional[RoundLog]  # None once shut down
     codec_s_per_element: float
     _stop: asyncio.Event
@@ -379,6 +385,8 @@ class NodeRoundPolicy:
         and updates applied."""
         stats = self.__dict__.setdefault("sync_stats", {"downloads": 0, "updates": 0, "refused": 0})
         self._syncing = True
+        busy: dict[str, float] = {}  # donor address -> swarm seconds it is busy with its own round until
+        watcher = asyncio.ensure_future(self._watch_busy_donors(busy)) if getattr(self, "plans", None) else None
         start_round = self.round
         gs = getattr(self, "gstate", None)  # None: a node built without a model (tests of the vote)
         held_round, held_digest = (gs.round, gs.digest) if gs is not None else (self.round, None)
@@ -463,6 +471,7 @@ class NodeRoundPolicy:
                             target_round=top,
                             target_digest=choice.digest,
                             outer=self.outer,
+                            busy_until=lambda d: busy.get(d, 0.0),
                         )
                     except state_sync.StateSyncError as e:
                         stats["refused"] += 1
@@ -501,6 +510,7 @@ class NodeRoundPolicy:
                         numel=self.numel,
                         expected_digest=choice.digest,
                         state_numel=self.state_numel,
+                        busy_until=lambda d: busy.get(d, 0.0),
                     )
                 except state_sync.StateSyncError as e:
                     log.info("state download for round %d failed (%s); retrying", top, e)
@@ -528,8 +538,39 @@ class NodeRoundPolicy:
                 f"could not download the swarm's state after {STATE_SYNC_ATTEMPTS} attempts; see the log for why"
             )
         finally:
+            if watcher is not None:
+                watcher.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await watcher
             self._syncing, self._sync_meter = False, None
             await self.announce()
+
+    async def _watch_busy_donors(self, busy: dict[str, float]) -> None:
+        """While a sync runs: every ``BUSY_REFRESH_S``, the plans of the round being synced to and the next
+        one (the donors' rounds) set ``busy[address]`` to that plan's exchange deadline for each participant
+        (addresses from the live records, else the plan's), capped at the plan horizon followers accept (a
+        rogue plan cannot hold a download longer). A failed read keeps the figures it had."""
+        while True:
+            try:
+                addr = {r.peer_id: r.address for r in await self.peers(include_leaving=True) if r.address}
+                cap = swarm_time() + plan_horizon_s(self.run_cfg.window_s)
+                for rnd in (self.round, self.round + 1):
+                    plan = choose_plan(self.run_cfg.run_id, rnd, await self.plans.read(rnd))
+                    if plan is None:
+                        continue
+                    end = min(float(plan.exchange_deadline), cap)
+                    for a in plan.assignments:
+                        where = addr.get(a.peer_id) or a.address
+                        if where:
+                            busy[where] = max(busy.get(where, 0.0), end)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # a DHT hiccup: the download keeps the plain stall limits meanwhile
+                log.debug("reading the donors' plans failed: %r", e)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), BUSY_REFRESH_S)
+            if self._stop.is_set():
+                return
 
     def _state_copy(self) -> "state_sync.Snapshot":
         """This peer's global state as a Snapshot owning a copy of the buffer (worker thread).
