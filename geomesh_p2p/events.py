@@ -93,6 +93,8 @@ kind                         where                            fields
                                                               min_peers; digest_differs: others,
                                                               majority_digest
 ``swarm_back``               node._on_empty_swarm             peer, run_id, peers (PeerIDs live again)
+``waiting_for_late_peer``    round.driver._finishing_waits    peer, round, finishing_peer (still in the
+                                                              last round), wait_s
 ``waiting_for_peers``        round.driver.gather (once per    peer, round, min_peers, live, wait_s
                              state)
 ``waiting_for_syncing_peer`` round.driver._sync_deadline      peer, round, syncing_peer, wait_s,

@@ -1057,6 +1057,83 @@ def reference_window(records: Sequence[PeerRecord], cfg: PlanConfig) -> float:
     return max(H * m.step_s + m.comm_s for m in (_PeerModel(r, cfg, micro) for r in recs))
 
 
+#: The window exclusion (:func:`window_exclusions`): a peer new to the plan is left out when including it would
+#: make the round longer by more than this share of the round without it (the window, or longer); a peer of
+#: the last round's plan only past ``EXCLUDE_KEPT_SHARE``: one noisy link figure must not flap it in and out.
+EXCLUDE_NEW_SHARE = 0.5
+EXCLUDE_KEPT_SHARE = 1.0
+
+
+class WindowExclusion(NamedTuple):
+    """What :func:`window_exclusions` decided, with the figures it decided on (seconds).
+
+    Attributes:
+        excluded: PeerIDs to plan without, slowest first.
+        need_s: peer -> seconds the round needs for it: its exchange (measured when given, else
+            :func:`comm_time`) plus its minimum compute (``min_inner_steps`` steps for AWB, the uniform ``H``
+            steps for uniform plans).
+        comm_s: peer -> the exchange seconds used in ``need_s``.
+        measured: PeerIDs whose exchange figure was measured rather than predicted from the link figures.
+    """
+
+    excluded: tuple[str, ...]
+    need_s: dict[str, float]
+    comm_s: dict[str, float]
+    measured: frozenset
+
+
+def window_exclusions(
+    records: Sequence[PeerRecord],
+    cfg: PlanConfig,
+    *,
+    kept: Collection[str] = (),
+    measured_comm_s: Optional[Mapping[str, float]] = None,
+    keep_at_least: int = 2,
+) -> WindowExclusion:
+    """Which peers to plan without because including them would stretch the round (the exclusion rule).
+
+    For each peer the round needs ``need_i = c_i + k * s_i`` seconds: ``c_i`` its exchange (``measured_comm_s``
+    when it has a positive finite figure -- what the leader saw of its recent exchanges -- else
+    :func:`comm_time` from its link figures), ``s_i`` its step time (:func:`best_micro_batch`, or the uniform
+    micro-batch), ``k`` = ``min_inner_steps`` (AWB) or the uniform ``H``. Repeatedly, the peer with the
+    largest need is left out when the round with it would be longer than without it by more than
+    ``EXCLUDE_NEW_SHARE`` (a peer not in ``kept``, the last round's participants) or ``EXCLUDE_KEPT_SHARE`` x
+    the round without it, ``max(window_s, largest need of the others)``; it stops at the first peer kept,
+    and never leaves fewer than ``keep_at_least`` peers. A peer whose exchange is long but fits the window
+    with its minimum steps costs the round nothing (AWB gives it fewer steps) and is kept. Claims are
+    bounded first (:func:`bound_records`). Pure; raises ValueError like :func:`plan_round` on bad records.
+    """
+    recs = bound_records(_check_records(records))
+    rule = _method_rule(cfg)
+    if rule.balanced:
+        models = [_PeerModel(r, cfg, best_micro_batch(r)) for r in recs]
+        k = cfg.min_inner_steps
+    else:
+        micro = min(cfg.target_batch, min(r.max_batch for r in recs))
+        models = [_PeerModel(r, cfg, micro) for r in recs]
+        k = int(rule.uniform_inner_steps or 1)
+    measured = {
+        pid: float(v)
+        for pid, v in (measured_comm_s or {}).items()
+        if v is not None and math.isfinite(float(v)) and float(v) > 0
+    }
+    comm = {m.peer_id: measured.get(m.peer_id, m.comm_s) for m in models}
+    need = {m.peer_id: comm[m.peer_id] + k * m.step_s for m in models}
+    window = float(cfg.window_s or 0.0)
+    kept_ids = set(kept)
+    remaining = sorted(need, key=lambda p: (-need[p], p))
+    excluded: list[str] = []
+    while len(remaining) > max(1, keep_at_least):
+        pid, others = remaining[0], remaining[1:]
+        without = max(window, max(need[p] for p in others))
+        share = EXCLUDE_KEPT_SHARE if pid in kept_ids else EXCLUDE_NEW_SHARE
+        if need[pid] - without <= share * without:
+            break
+        excluded.append(pid)
+        remaining = others
+    return WindowExclusion(tuple(excluded), need, comm, frozenset(p for p in measured if p in need))
+
+
 def check_plan(
     plan: RoundPlan, records: Mapping[str, PeerRecord], cfg: PlanConfig, *, now: float, barred: Collection[str] = ()
 ) -> Optional[str]:

@@ -41,6 +41,7 @@ import torch
 from google.protobuf.message import DecodeError
 
 from geomesh_p2p import events
+from geomesh_p2p.clock import swarm_time
 from geomesh_p2p.identity import EnvelopeError
 from geomesh_p2p.state import GlobalState, StateChanged, StateError
 from geomesh_p2p.transport import STATE_GET, STATE_STATUS, STATE_UPDATE, RpcError, Transport
@@ -86,11 +87,19 @@ STALL_MIN_CHUNKS = 3
 STALL_FACTOR = 4.0
 STALL_FLOOR_S = 2.0
 
+#: ``busy_until(donor address) -> swarm seconds`` (:func:`geomesh_p2p.clock.swarm_time`): until when a donor
+#: is known to be busy with its own round (a plan it takes part in, up to that plan's exchange deadline; the
+#: plans' deadlines are known to every peer). A donor whose uplink carries its own exchange -- seconds of
+#: fp32 parts on a slow link -- sends a state chunk late, not never: the stall clock of its piece does not
+#: run before that time (the call's own ``timeout_s`` still bounds it). 0 or a past time: not known busy.
+BusyFn = Callable[[str], float]
+
 #: ``on_event(kind, piece, donor, detail)`` of :func:`download_state`; kinds: "start" (a piece asked of
 #: a donor, detail = first byte), "stalled" (no chunk for ``stall_timeout_s``), "failed" (the donor
 #: refused or sent something inconsistent, detail = the reason), "done" (the piece is complete),
 #: "cancelled" (a sibling failed for good), "moved" (the first chunk from the next donor after a stall or
-#: failure arrived; detail = the seconds since the last chunk of the piece, what the bad donor cost).
+#: failure arrived; detail = the seconds since the last chunk of the piece, what the bad donor cost), "held"
+#: (the piece's donor is known busy with its own round: its stall clock waits; detail = seconds left of it).
 EventFn = Callable[[str, int, str, str], None]
 
 
@@ -371,6 +380,7 @@ async def download_state(
     state_numel: Optional[int] = None,
     stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
     on_event: Optional[EventFn] = None,
+    busy_until: Optional[BusyFn] = None,
 ) -> Snapshot:
     """Download the round-``round`` state (P = ``numel``) from ``donors`` (addresses), in parallel.
 
@@ -381,7 +391,11 @@ async def download_state(
     to the next healthy donor, resuming at the byte it reached; that donor is then not asked again
     by any piece. ``timeout_s`` is each call's deadline. When a piece has failed on every donor, its
     sibling downloads are cancelled (and their streams closed) before the error is raised. The
-    digest is checked in a worker thread. ``on_event``: see :data:`EventFn`.
+    digest is checked in a worker thread. ``on_event``: see :data:`EventFn`. ``busy_until``
+    (:data:`BusyFn`): a piece that stalled on a donor known busy with its own round retries it after the
+    other donors, and then its stall clock starts only once that busy time is over (a donor inside its
+    exchange window is slow, not gone; one ``"held"`` event per such attempt). A first attempt keeps the
+    plain limit, so a frozen donor still costs a piece with another donor only that limit.
 
     Returns a :class:`Snapshot` whose ``theta`` [P] and ``momentum`` [state_numel] are views of its
     ``buffer`` (``snap.to_global_state()`` adopts it without a copy).
@@ -415,6 +429,24 @@ async def download_state(
     n_chunks = [0] * n  # chunks from the piece's current donor
     relaxed = [False] * n  # the piece's current attempt is a retry: the full stall timeout applies
     stalled_early: set[str] = set()  # donors left under an adaptive limit shorter than stall_timeout_s
+    held = [0.0] * n  # monotonic s the piece's donor is busy with its own round until (busy_until)
+    busy_left: set[tuple[int, str]] = set()  # (piece, donor) left on a stall while the donor was known busy
+
+    def busy_s(donor: str) -> float:
+        """Seconds the donor is still known busy with its own round (<= 0: not known busy)."""
+        return busy_until(donor) - swarm_time() if busy_until is not None else 0.0
+
+    def quiet_s(piece: int, donor: str) -> float:
+        """Seconds the piece has waited for a chunk; on a retry, not counting its donor's known busy time
+        (negative while the donor is busy). A first attempt keeps the plain limit: a frozen donor is left
+        as fast as before when another donor can serve the piece."""
+        now = time.monotonic()
+        left = busy_s(donor) if relaxed[piece] else 0.0
+        if left > 0:
+            if not held[piece]:  # once per attempt
+                event("held", piece, donor, f"{left:.3f}")
+            held[piece] = now + left
+        return now - max(last_chunk[piece], asked[piece], held[piece])
 
     def stall_limit(piece: int) -> float:
         """STALL_FACTOR x the mean interval between chunks of the piece's current donor once it sent
@@ -473,35 +505,42 @@ async def download_state(
         errors = []
         order = [donors[(piece + i) % n] for i in range(n)]
         # A second pass retries, with the full stall timeout, donors only left for a short adaptive limit: a
-        # busy donor's 2 s hiccup must not end a download when every other donor is gone too.
+        # busy donor's 2 s hiccup must not end a download when every other donor is gone too. It also retries
+        # the donors this piece left while they were known busy with their own round, waiting out that time
+        # (busy_until): when every donor is inside its exchange, the piece waits rather than fails.
         for donor, second in [(d, False) for d in order] + [(d, True) for d in order]:
             if got[0] == end:
                 break
             if second:
-                if donor not in stalled_early:
+                if (piece, donor) in busy_left:
+                    busy_left.discard((piece, donor))
+                elif donor in stalled_early:
+                    stalled_early.discard(donor)
+                else:
                     continue
-                stalled_early.discard(donor)
             elif donor in unhealthy:
                 continue
             relaxed[piece] = second
             event("start", piece, donor, str(got[0]))
-            asked[piece], n_chunks[piece] = time.monotonic(), 0
+            asked[piece], n_chunks[piece], held[piece] = time.monotonic(), 0, 0.0
             task = loop.create_task(attempt(donor, got, end, piece), name=f"state-piece-{piece}-from-{donor}")
             try:
                 while True:  # progress watchdog: a chunk must arrive within the piece's stall limit
                     limit = stall_limit(piece)
-                    quiet = time.monotonic() - max(last_chunk[piece], asked[piece])
+                    quiet = quiet_s(piece, donor)
                     done, _ = await asyncio.wait({task}, timeout=max(0.01, min(limit - quiet, 0.5)))
                     if done:
                         task.result()  # raises the attempt's error
                         event("done", piece, donor)
                         return
-                    quiet = time.monotonic() - max(last_chunk[piece], asked[piece])
+                    quiet = quiet_s(piece, donor)
                     if quiet >= stall_limit(piece):
                         raise TimeoutError(f"donor {donor} sent nothing for {quiet:.1f} s (at byte {got[0]} of {end})")
             except (RpcError, StateSyncError, ValueError, DecodeError, TimeoutError) as e:
                 kind = "stalled" if isinstance(e, TimeoutError) else "failed"
-                if isinstance(e, TimeoutError) and not second and stall_limit(piece) < stall_timeout_s:
+                if isinstance(e, TimeoutError) and not second and busy_s(donor) > 0:
+                    busy_left.add((piece, donor))
+                elif isinstance(e, TimeoutError) and not second and stall_limit(piece) < stall_timeout_s:
                     stalled_early.add(donor)
                 unhealthy.add(donor)
                 moving[piece] = True
@@ -818,11 +857,13 @@ async def fetch_update(
     timeout_s: float = 120.0,
     stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
     on_event: Optional[EventFn] = None,
+    busy_until: Optional[BusyFn] = None,
 ) -> OuterUpdate:
     """Download and parse the outer update of ``round`` (``State/GetUpdate``) from the first donor that
     has it; a donor that refuses, sends something inconsistent or nothing for ``stall_timeout_s`` is left
     for the next one (resuming at the byte reached when it serves the same blob, by hash). The blob is at
-    most ``4 * P`` bytes plus 1 MiB. ``on_event`` as :func:`download_state`'s (piece -1).
+    most ``4 * P`` bytes plus 1 MiB. ``on_event`` and ``busy_until`` as :func:`download_state`'s (piece -1):
+    the stall clock does not run while the donor is known busy with its own round.
 
     Raises:
         StateSyncError: no donor served a well-formed update of ``round`` (the reasons of each).
@@ -864,17 +905,30 @@ async def fetch_update(
             if total is None or len(buf) != total:
                 raise StateSyncError(f"donor {donor} stopped at byte {len(buf)} of the update")
 
-    for donor in donors:
+    def busy(donor: str) -> bool:
+        return busy_until is not None and busy_until(donor) > swarm_time()
+
+    # A donor left on a stall while it was known busy with its own round is asked again after the others,
+    # and then waited for until that round's end (a first attempt keeps the plain limit: a frozen donor
+    # costs no more than before when another donor has the update).
+    retry: list[str] = []
+    queue = [(d, False) for d in donors]
+    while queue:
+        donor, second = queue.pop(0)
         event("start", donor, str(len(buf)))
         task = loop.create_task(attempt(donor), name=f"update-{round}-from-{donor}")
         try:
+            seen, since = len(buf), time.monotonic()
             while True:
-                before = len(buf)
-                done, _ = await asyncio.wait({task}, timeout=stall_timeout_s)
+                done, _ = await asyncio.wait(
+                    {task}, timeout=max(0.01, min(0.5, since + stall_timeout_s - time.monotonic()))
+                )
                 if done:
                     task.result()
                     break
-                if len(buf) == before:
+                if len(buf) != seen or (second and busy(donor)):
+                    seen, since = len(buf), time.monotonic()  # progress, or a donor busy with its own round
+                elif time.monotonic() - since >= stall_timeout_s:
                     raise TimeoutError(f"donor {donor} sent nothing for {stall_timeout_s:g} s")
             data = bytes(buf)
             if hashlib.blake2b(data).hexdigest()[:32] != blob_hash:
@@ -891,10 +945,14 @@ async def fetch_update(
             if not isinstance(e, TimeoutError):
                 buf.clear()  # an inconsistent blob: start again from the next donor
                 blob_hash = None
+            elif not second and busy(donor):
+                retry.append(donor)
         finally:
             if not task.done():
                 task.cancel()
                 await asyncio.wait({task})
+        if not queue and retry:
+            queue, retry = [(d, True) for d in retry], []
     raise StateSyncError(f"no donor served the outer update of round {round}: {'; '.join(errors) or 'no donor'}")
 
 
@@ -909,13 +967,15 @@ async def catch_up_updates(
     timeout_s: float = 120.0,
     stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
     on_event: Optional[EventFn] = None,
+    busy_until: Optional[BusyFn] = None,
 ) -> Snapshot:
     """From ``snap`` (a state of round r with its buffer, e.g. a download or a copy of this node's own),
     apply the donors' outer updates of rounds r .. ``target_round`` - 1 in place and return the
     Snapshot of ``target_round``: bitwise the swarm's state, its digest checked to be ``target_digest``
     (the digest the swarm's vote backs). Each update must start from the digest reached so far and end
     at the digest it states (checked after applying it, in a worker thread); the last must reach
-    ``target_digest``. ``outer``: the run's outer optimizer (copied, not changed). ``snap``'s buffer is
+    ``target_digest``. ``outer``: the run's outer optimizer (copied, not changed). ``busy_until``: as for
+    :func:`download_state` (each update's stall clock waits while its donor is busy). ``snap``'s buffer is
     changed in place: discard it when this raises.
 
     Raises:
@@ -936,7 +996,14 @@ async def catch_up_updates(
     fetches = {
         r: loop.create_task(
             fetch_update(
-                transport, donors, r, P, timeout_s=timeout_s, stall_timeout_s=stall_timeout_s, on_event=on_event
+                transport,
+                donors,
+                r,
+                P,
+                timeout_s=timeout_s,
+                stall_timeout_s=stall_timeout_s,
+                on_event=on_event,
+                busy_until=busy_until,
             ),
             name=f"update-{r}",
         )

@@ -59,6 +59,8 @@ SYNC_WAIT_MARGIN_S = 2.0
 #: Pause after a failed catch-up before the next: long enough for a donor to come back, short for a joiner.
 RESYNC_RETRY_PAUSE_S = 3.0
 #: A planned-out peer waits for the next round until the plan's exchange deadline plus this (at least this).
+#: The gather waits as long for a contributor of the last round still finishing it (its outer step, commit
+#: and announcement come after its last pull, which ends by the exchange deadline at the latest).
 ROUND_END_SLACK_S = 5.0
 #: Gathers a peer on probation may hold past ``PROBATION_SYNC_WAIT_S`` by announcing a download and then
 #: not arrive in sync: an identity announcing a slow download forever costs the swarm at most this many
@@ -362,6 +364,9 @@ class RoundDriver:
         #: (round, digest, attempts in a row that ended without a plan) of the round being agreed: after one,
         #: a peer that is no leader candidate in its own view becomes the last resort (:meth:`_last_resort`)
         self._plan_misses: tuple[int, Optional[str], int] = (-1, None, 0)
+        #: the plan of the last round this peer applied: the next gather waits for its contributors still
+        #: finishing it until its exchange deadline (:meth:`_finishing_waits`)
+        self._last_plan: Optional[RoundPlan] = None
 
     @property
     def me(self) -> str:
@@ -646,7 +651,9 @@ class RoundDriver:
     async def gather(self, expected: set[str], *, first: bool) -> Optional[list[PeerRecord]]:
         """Phase GATHER: the peers in sync for this round (announced it with this digest). Waits for
         ``expected`` (last round's contributors, less those leaving) up to ``gather_wait_s``
-        (``wait_peers_s`` and ``min_peers`` before the first round), and for each peer announced as
+        (``wait_peers_s`` and ``min_peers`` before the first round); one of them whose record still shows
+        the last round is finishing its exchange and is waited for until that round's exchange deadline plus
+        ``ROUND_END_SLACK_S`` (:meth:`_finishing_waits`); and for each peer announced as
         syncing for this round as long as :meth:`_sync_deadline` says (its announced download progress,
         within ``sync_wait_cap_s``). None at once when the swarm holds a later round (leaving peers' records
         count: they show where the swarm is). Short of ``min_peers`` (after the first round ``min(min_peers,
@@ -659,6 +666,8 @@ class RoundDriver:
         # that lost one peer by wait_peers_s per round; the fork risk is a peer training by itself.
         min_peers = self.cfg.min_peers if first else min(self.cfg.min_peers, 2)
         t0 = self.clock.monotonic()
+        finish_end = self._finishing_end(t0)
+        finish_logged: set[str] = set()
         backoff = self._backoff()
         last_ids: Optional[frozenset] = None
         waits = _SyncWaits(t0)
@@ -700,6 +709,8 @@ class RoundDriver:
                     and r.peer_id != self.me
                 ]
                 ends = {r.peer_id: self._sync_deadline(r, recs, waits, now, wait_s) for r in syncing}
+                if not short:
+                    ends.update(self._finishing_waits(expected - ids, recs, finish_end, now, finish_logged))
                 waited = {p for p, end in ends.items() if end > now}
                 if (expected | waited) <= ids and len(ids) >= min_peers:
                     return synced
@@ -751,6 +762,55 @@ class RoundDriver:
                 self._sync_misses[p] = self._sync_misses.get(p, 0) + 1
             for p in waits.extended & arrived:
                 self._sync_misses.pop(p, None)
+
+    def _finishing_end(self, t0: float) -> Optional[float]:
+        """Until when (monotonic seconds) the gather that starts at ``t0`` waits for contributors of the last
+        round still finishing it: that round's exchange deadline plus ``ROUND_END_SLACK_S`` (None when this
+        peer did not apply the round before this one). A peer of a uniform-H method on a slow link finishes
+        its pulls later than the others, up to the deadline; leaving it out made it download the state."""
+        plan = self._last_plan
+        if plan is None or plan.round != self.state.round - 1:
+            return None
+        return t0 + float(plan.exchange_deadline) - self.clock.time() + ROUND_END_SLACK_S  # past: no wait
+
+    def _finishing_waits(
+        self, missing: set[str], recs: list[PeerRecord], end: Optional[float], now: float, logged: set[str]
+    ) -> dict[str, float]:
+        """Peer -> until when (monotonic seconds) to wait for it, for each of ``missing`` (last round's
+        contributors not yet in sync) whose live record still shows the last round at its start digest: it
+        is finishing that round's exchange (or its outer step). ``end``: :meth:`_finishing_end`. A peer that
+        died is not waited for past ``end``, and not at all once its record expired. One INFO line per peer
+        (``waiting_for_late_peer``) when the wait goes past the plain gather wait."""
+        plan = self._last_plan
+        if end is None or plan is None or not missing:
+            return {}
+        out = {
+            r.peer_id: end
+            for r in recs
+            if r.peer_id in missing
+            and r.round == plan.round
+            and r.weights_digest is not None
+            and r.weights_digest == (plan.start_digest or r.weights_digest)
+        }
+        for pid in sorted(set(out) - logged):
+            if end > now:
+                logged.add(pid)
+                events.emit(
+                    log,
+                    logging.INFO,
+                    "waiting_for_late_peer",
+                    "round %d: waiting up to %.1f s more for %s, still finishing round %d (its exchange ends by "
+                    "the deadline)",
+                    self.state.round,
+                    end - now,
+                    pid[:10],
+                    plan.round,
+                    peer=self.me,
+                    round=self.state.round,
+                    finishing_peer=pid,
+                    wait_s=end - now,
+                )
+        return out
 
     def _sync_deadline(
         self, rec: PeerRecord, recs: list[PeerRecord], waits: "_SyncWaits", now: float, wait_s: float
@@ -1377,6 +1437,7 @@ class RoundDriver:
         participants expected next round (this round's contributors)."""
         self.phase = Phase.FINISH
         r, plan, a, result, ar = ctx.round, ctx.planned(), ctx.assignment, ctx.result, ctx.ar
+        self._last_plan = plan
         await self.policy.before_outer_step(r, plan, a, ar)  # verified work keeps this round's start weights
         idle = ar.idle_ranges() if hasattr(ar, "idle_ranges") else ()
         with self._timed("outer_step"):  # _advance moves its digest (commit) share to "digest"

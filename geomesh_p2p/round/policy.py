@@ -29,6 +29,7 @@ from geomesh_p2p.logonce import LogOnce
 from geomesh_p2p.method import MethodRule
 from geomesh_p2p.planner import PlanConfig
 from geomesh_p2p.round.driver import no_work
+from geomesh_p2p.round.plans import choose_plan
 from geomesh_p2p.round.ports import PlanDeferred
 from geomesh_p2p.standing import OnceLog, choose_state, would_adopt
 from geomesh_p2p.sync_progress import SyncMeter
@@ -41,6 +42,7 @@ if TYPE_CHECKING:
     from geomesh_p2p.metrics import RoundLog
     from geomesh_p2p.optim import OuterNesterov, SyncAdamW
     from geomesh_p2p.records import PeerRecord
+    from geomesh_p2p.round.plans import PlanStore
     from geomesh_p2p.standing import Standing
     from geomesh_p2p.state import GlobalState
     from geomesh_p2p.training import InnerTrainer
@@ -73,6 +75,9 @@ EXCHANGE_FLOOR_S = 5.0
 EXCHANGE_FLOOR_PLAN_TIMEOUTS = 3
 #: The pushes close this share of the exchange before its deadline: the last part is left to the pulls.
 PULL_SHARE_OF_EXCHANGE = 0.25
+#: Seconds between reads of the swarm's plans while a sync runs: the donors' busy windows (their exchange
+#: deadlines) that the download's stall clock waits for (state_sync.BusyFn).
+BUSY_REFRESH_S = 1.0
 
 
 def plan_horizon_s(window_s: Optional[float]) -> float:
@@ -171,6 +176,7 @@ class NodeRoundPolicy:
     trainer: InnerTrainer
     collective: CollectiveService
     announcer: PeerAnnouncer
+    plans: PlanStore  # the run's signed plans (read while a sync runs: the donors' busy windows)
     round_log: Optional[RoundLog]  # None once shut down
     codec_s_per_element: float
     _stop: asyncio.Event
@@ -381,6 +387,8 @@ class NodeRoundPolicy:
         and updates applied."""
         stats = self.__dict__.setdefault("sync_stats", {"downloads": 0, "updates": 0, "refused": 0})
         self._syncing = True
+        busy: dict[str, float] = {}  # donor address -> swarm seconds it is busy with its own round until
+        watcher = asyncio.ensure_future(self._watch_busy_donors(busy)) if getattr(self, "plans", None) else None
         start_round = self.round
         gs = getattr(self, "gstate", None)  # None: a node built without a model (tests of the vote)
         held_round, held_digest = (gs.round, gs.digest) if gs is not None else (self.round, None)
@@ -499,6 +507,7 @@ class NodeRoundPolicy:
                             target_round=top,
                             target_digest=choice.digest,
                             outer=self.outer,
+                            busy_until=lambda d: busy.get(d, 0.0),
                         )
                     except state_sync.StateSyncError as e:
                         stats["refused"] += 1
@@ -537,6 +546,7 @@ class NodeRoundPolicy:
                         numel=self.numel,
                         expected_digest=choice.digest,
                         state_numel=self.state_numel,
+                        busy_until=lambda d: busy.get(d, 0.0),
                     )
                 except state_sync.StateSyncError as e:
                     log.info("state download for round %d failed (%s); retrying", top, e)
@@ -564,6 +574,10 @@ class NodeRoundPolicy:
                 f"could not download the swarm's state after {STATE_SYNC_ATTEMPTS} attempts; see the log for why"
             )
         finally:
+            if watcher is not None:
+                watcher.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await watcher
             self._syncing, self._sync_meter = False, None
             await self.announce()
 
@@ -647,6 +661,33 @@ class NodeRoundPolicy:
             held_digest=held_digest,
             live=live,
         )
+
+    async def _watch_busy_donors(self, busy: dict[str, float]) -> None:
+        """While a sync runs: every ``BUSY_REFRESH_S``, the plans of the round being synced to and the next
+        one (the donors' rounds) set ``busy[address]`` to that plan's exchange deadline for each participant
+        (addresses from the live records, else the plan's), capped at the plan horizon followers accept (a
+        rogue plan cannot hold a download longer). A failed read keeps the figures it had."""
+        while True:
+            try:
+                addr = {r.peer_id: r.address for r in await self.peers(include_leaving=True) if r.address}
+                cap = swarm_time() + plan_horizon_s(self.run_cfg.window_s)
+                for rnd in (self.round, self.round + 1):
+                    plan = choose_plan(self.run_cfg.run_id, rnd, await self.plans.read(rnd))
+                    if plan is None:
+                        continue
+                    end = min(float(plan.exchange_deadline), cap)
+                    for a in plan.assignments:
+                        where = addr.get(a.peer_id) or a.address
+                        if where:
+                            busy[where] = max(busy.get(where, 0.0), end)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # a DHT hiccup: the download keeps the plain stall limits meanwhile
+                log.debug("reading the donors' plans failed: %r", e)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), BUSY_REFRESH_S)
+            if self._stop.is_set():
+                return
 
     def _state_copy(self) -> "state_sync.Snapshot":
         """This peer's global state as a Snapshot owning a copy of the buffer (worker thread).
@@ -931,28 +972,27 @@ class NodeRoundPolicy:
         probation = chosen
         members = self._without_parts(members, probation)
         cfg = self._plan_config(len(members))
+        evidence = getattr(self, "_supported_tps", None)
+        supported = evidence[1] if evidence is not None and evidence[0] == self.round - 1 else None
         if self.run_cfg.window_s:
-            # A peer whose link cannot move its share of the exchange in half the window would stretch
-            # the round for everyone (or make a plan the others refuse): plan without it this round.
-            limit = 0.5 * self.run_cfg.window_s
-            # Likewise one that needs more than half the window for a single sequence.
-            seq = self.run_cfg.seq_len
-            slow = [
-                m
-                for m in members
-                if planner.comm_time(m, cfg) > limit or seq / max(m.best_tokens_per_s(), 1e-9) > limit
-            ]
-            if slow and len(slow) < len(members):
+            # A peer whose exchange plus minimum compute would stretch the round well past what it takes
+            # without it is planned out this round (planner.window_exclusions; docs/round.md, "Exclusion
+            # rule"). One that fits the window costs nothing: AWB gives it fewer steps. A peer that delivered
+            # last round stays unless it would double the round: a noisy link figure must not flap it.
+            ex = planner.window_exclusions(members, cfg, kept=supported or ())
+            if ex.excluded:
+                slow = set(ex.excluded)
                 log.warning(
-                    "round %d: planning without %s: predicted exchange %s s, one sequence %s s; the limit is "
-                    "%.1f s (half the window)",
+                    "round %d: planning without %s: the round needs %s s with it (exchange %s s), %.1f s "
+                    "without (window %.1f s)",
                     self.round,
-                    ", ".join(m.peer_id[:10] for m in slow),
-                    ", ".join(f"{planner.comm_time(m, cfg):.1f}" for m in slow),
-                    ", ".join(f"{seq / max(m.best_tokens_per_s(), 1e-9):.1f}" for m in slow),
-                    limit,
+                    ", ".join(p[:10] for p in ex.excluded),
+                    ", ".join(f"{ex.need_s[p]:.1f}" for p in ex.excluded),
+                    ", ".join(f"{ex.comm_s[p]:.1f}" for p in ex.excluded),
+                    max([self.run_cfg.window_s] + [v for p, v in ex.need_s.items() if p not in slow]),
+                    self.run_cfg.window_s,
                 )
-                members = [m for m in members if m not in slow]
+                members = [m for m in members if m.peer_id not in slow]
                 # Still at most probation_slots(established) on probation (those first in line stay).
                 ids = {m.peer_id for m in members}
                 n_est = sum(1 for p in ids if p not in probation)
@@ -964,8 +1004,6 @@ class NodeRoundPolicy:
         # their delivered contributions support (_delivered_rates).
         if not any(m.address for m in members):
             raise _NoOwner(f"{len(members)} peer(s) to plan, all client-only or on probation")
-        evidence = getattr(self, "_supported_tps", None)
-        supported = evidence[1] if evidence is not None and evidence[0] == self.round - 1 else None
         return planner.make_plan(
             members,
             cfg,

@@ -299,3 +299,119 @@ async def test_a_donor_frozen_from_its_first_chunk_costs_the_floor_not_the_stall
         await client.stop()
         await frozen_t.stop(grace=0)
         await ok_t.stop(grace=0)
+
+
+# ------------------------------------------------ donors busy with their own exchange (rs7/rs8, DiLoCo)
+@pytest.mark.timeout(60)
+async def test_a_download_from_donors_busy_with_their_exchange_waits_for_them_instead_of_failing():
+    """Both donors send one chunk, then nothing while their own exchange holds their uplink (longer than the
+    stall limit), then the rest. Without ``busy_until`` every piece stalls on every donor (rs7: "sent nothing
+    for 5.0 s", round after round); with the donors' exchange deadline known, each piece goes back to its
+    donor after the first pass and waits for the end of the exchange: the download finishes."""
+    from geomesh_p2p.clock import swarm_time
+
+    gs = _state(p=1 << 17)  # 1 MiB: 32 chunks per piece
+    busy_s, stall_s = 4.0, 1.0
+    donors = [await _serve(gs, StallingServer, stall_after=1) for _ in range(2)]
+    addrs = [a for _, _, a in donors]
+    client = Transport(Identity.generate(), RUN, TransportConfig(client_only=True))
+    loop = asyncio.get_running_loop()
+    try:
+        # the donors' exchange ends busy_s from now: then they send again (the scenario's timing, not a wait)
+        for _, srv, _ in donors:
+            loop.call_later(busy_s, srv.release.set)
+        with pytest.raises(StateSyncError, match="sent nothing"):
+            await download_state(
+                client, addrs, round=5, numel=gs.num_params, expected_digest=gs.digest, stall_timeout_s=stall_s
+            )
+        for _, srv, _ in donors:  # the next exchange: busy again for busy_s
+            srv.release.clear()
+            srv.stalled.clear()
+            loop.call_later(busy_s, srv.release.set)
+        end = swarm_time() + busy_s
+        seen = []
+        snap = await download_state(
+            client,
+            addrs,
+            round=5,
+            numel=gs.num_params,
+            expected_digest=gs.digest,
+            stall_timeout_s=stall_s,
+            busy_until=lambda donor: end if donor in addrs else 0.0,
+            on_event=lambda *e: seen.append(e),
+        )
+        assert snap.digest == gs.digest
+        kinds = [e[0] for e in seen]
+        assert "failed" not in kinds and "cancelled" not in kinds and kinds.count("done") == 2
+        # the first pass left each donor on the plain limit; the retry of its own donor waited out the exchange
+        held = sorted((e[1], e[2]) for e in seen if e[0] == "held")
+        assert held == [(0, addrs[0]), (1, addrs[1])], seen
+    finally:
+        await client.stop()
+        for t, srv, _ in donors:
+            srv.release.set()
+            await t.stop(grace=0)
+
+
+@pytest.mark.timeout(60)
+async def test_a_busy_donor_that_froze_still_costs_only_the_plain_limit_when_another_donor_serves():
+    """busy_until does not make a frozen donor cheaper to keep: with a healthy donor at hand, the piece
+    moves on the plain (adaptive) limit although the frozen one is said to be inside its exchange."""
+    from geomesh_p2p.clock import swarm_time
+
+    gs = _state(p=1 << 17)
+    frozen_t, frozen, frozen_addr = await _serve(gs, StallingServer, stall_after=0)
+    ok_t, _, ok_addr = await _serve(gs)
+    client = Transport(Identity.generate(), RUN, TransportConfig(client_only=True))
+    seen = []
+    end = swarm_time() + 60.0
+    try:
+        snap = await download_state(
+            client,
+            [frozen_addr, ok_addr],
+            round=5,
+            numel=gs.num_params,
+            expected_digest=gs.digest,
+            stall_timeout_s=30.0,
+            busy_until=lambda donor: end,
+            on_event=lambda *e: seen.append(e),
+        )
+        assert snap.digest == gs.digest
+        moved = [e for e in seen if e[0] == "moved"]
+        assert [(e[1], e[2]) for e in moved] == [(0, ok_addr)] and float(moved[0][3]) <= 5.0, seen
+        assert not [e for e in seen if e[0] == "held"]
+    finally:
+        frozen.release.set()
+        await client.stop()
+        await frozen_t.stop(grace=0)
+        await ok_t.stop(grace=0)
+
+
+@pytest.mark.timeout(60)
+async def test_a_donor_frozen_past_its_busy_window_is_left_after_the_window_plus_the_stall_limit():
+    from geomesh_p2p.clock import swarm_time
+
+    gs = _state(p=1 << 17)
+    t, srv, addr = await _serve(gs, StallingServer, stall_after=1)  # never released: gone quiet for good
+    client = Transport(Identity.generate(), RUN, TransportConfig(client_only=True))
+    busy_s, stall_s = 1.5, 1.0
+    try:
+        end = swarm_time() + busy_s
+        t0 = asyncio.get_running_loop().time()
+        with pytest.raises(StateSyncError, match="sent nothing"):
+            await download_state(
+                client,
+                [addr],
+                round=5,
+                numel=gs.num_params,
+                expected_digest=gs.digest,
+                stall_timeout_s=stall_s,
+                busy_until=lambda donor: end,
+            )
+        took = asyncio.get_running_loop().time() - t0
+        # a first attempt on the plain limit, then the retry held by the window, then the limit again
+        assert busy_s + stall_s - 0.1 <= took < busy_s + stall_s + 3.0
+    finally:
+        srv.release.set()
+        await client.stop()
+        await t.stop(grace=0)

@@ -19,14 +19,17 @@ from geomesh_p2p.planner import (
     RoundPlan,
     best_micro_batch,
     check_plan,
+    comm_time,
     format_plan_table,
     interpolate_tokens_per_s,
     make_plan,
     partition,
     plan_round,
     plan_uniform,
+    window_exclusions,
 )
 from geomesh_p2p.records import PeerRecord
+from tests.records_util import peer_record
 
 GB = 10**9
 MBIT = 1e6 / 8  # bytes/s per Mbit/s
@@ -468,3 +471,98 @@ def test_slow_peer_takes_a_smaller_batch_when_big_steps_would_idle():
     b = plan.assignment("b")
     assert (b.micro_batch, b.inner_steps) == (8, 3)
     assert 0.20 < plan.predicted_straggler_idle()["b"] < 0.21
+
+
+# ------------------------------------------------------------------ the exclusion rule vs a short window
+# Figures of the session-6 rs8 run (docs/realswarm.md): the tiny model (937,472 parameters), GeoMesh's sign
+# exchange in relay mode among 4 peers (payload 476,064 bytes each way), a 4 s window, the profiles the four
+# peers logged, and the link EMAs the leader planned on (logged as "was UP, DOWN" Mbit/s when re-measured).
+# The old rule (predicted exchange > half the window) left DWz, Dfn and 2JV out of round 1 (3.5 / 2.1 /
+# 2.0 s) and its leader trained alone; in round 8 it left AFK out at 2.2 s.
+def _mbit(x: float) -> float:
+    return x * 1e6 / 8
+
+
+RS8_TPS = {"AFK": {4: 4521.0, 8: 4491.0}, "DWz": {4: 3097.0, 8: 3040.0}, "Dfn": {4: 972.0, 8: 1087.0}}
+RS8_TPS["2JV"] = {4: 1844.0, 8: 2145.0}
+RS8_CFG = PlanConfig(
+    seq_len=64, target_batch=8, window_s=4.0, payload_bytes=476_064, mode="relay", method="geomesh", latency_s=0.05
+)
+
+
+def _rs8(links: dict[str, tuple[float, float]]) -> list[PeerRecord]:
+    return [
+        peer_record(
+            name,
+            address=f"10.77.0.{11 + i}:31400",
+            tokens_per_s=RS8_TPS[name],
+            max_batch=256,
+            upload_bps=_mbit(up),
+            download_bps=_mbit(down),
+        )
+        for i, (name, (up, down)) in enumerate(links.items())
+    ]
+
+
+RS8_ROUND1 = {"AFK": (9.4, 9.4), "DWz": (2.0, 2.5), "Dfn": (5.3, 3.0), "2JV": (4.9, 3.4)}
+
+
+def test_rs8_round1_peers_whose_exchange_fits_the_window_are_kept():
+    recs = _rs8(RS8_ROUND1)
+    comm = {r.peer_id: comm_time(r, RS8_CFG) for r in recs}
+    assert [round(comm[p], 1) for p in ("DWz", "Dfn", "2JV")] == [3.5, 2.1, 2.0]  # as logged: all over 2 s
+    ex = window_exclusions(recs, RS8_CFG)  # new peers (no last round): the stricter share applies
+    assert ex.excluded == ()
+    # each fits its minimum step inside the 4 s window: the round is not stretched, AWB gives it fewer steps
+    assert max(ex.need_s.values()) == pytest.approx(comm["DWz"] + 8 * 64 / 3097.0) and max(ex.need_s.values()) < 4.0
+    plan = plan_round(recs, RS8_CFG, run_id="r", round=1, leader="AFK", numel=937_472, start_time=0.0)
+    assert plan.window_s == pytest.approx(4.0, rel=0.06) and len(plan.assignments) == 4
+    h = {a.peer_id: a.inner_steps for a in plan.assignments}
+    assert h["DWz"] < h["AFK"] and h["DWz"] >= 1
+
+
+def test_rs8_round8_a_peer_of_the_last_round_at_2_2_s_is_kept():
+    recs = _rs8({"AFK": (5.5, 2.7), "DWz": (7.6, 7.2), "Dfn": (5.6, 5.4), "2JV": (6.6, 7.0)})
+    assert comm_time(recs[0], RS8_CFG) == pytest.approx(2.2, abs=0.05)
+    assert window_exclusions(recs, RS8_CFG, kept={"AFK", "DWz", "Dfn", "2JV"}).excluded == ()
+    assert window_exclusions(recs, RS8_CFG).excluded == ()
+
+
+def test_a_peer_that_would_stretch_the_round_is_excluded_new_peers_sooner_than_kept_ones():
+    # 1.1 Mbit/s both ways: 7.0 s of exchange + 0.17 s for one step: the round would take 7.2 s, not 4
+    links = {**RS8_ROUND1, "DWz": (1.1, 1.1)}
+    recs = _rs8(links)
+    ex = window_exclusions(recs, RS8_CFG)
+    assert ex.excluded == ("DWz",) and ex.need_s["DWz"] == pytest.approx(7.1, abs=0.1)
+    # it was in the last round: kept (3.1 s over the window is under a whole window) -- the hysteresis
+    assert window_exclusions(recs, RS8_CFG, kept={"DWz"}).excluded == ()
+    # 0.5 Mbit/s: 15 s, over twice the window: out even though it was in the last round
+    far = _rs8({**RS8_ROUND1, "DWz": (0.5, 0.5)})
+    assert window_exclusions(far, RS8_CFG, kept={"DWz"}).excluded == ("DWz",)
+
+
+def test_the_measured_exchange_replaces_the_link_figure_when_given():
+    recs = _rs8({**RS8_ROUND1, "DWz": (0.5, 0.5)})  # links say 15 s
+    ex = window_exclusions(recs, RS8_CFG, measured_comm_s={"DWz": 1.2, "AFK": float("nan"), "nobody": 1.0})
+    assert ex.excluded == () and ex.comm_s["DWz"] == 1.2 and ex.measured == frozenset({"DWz"})
+    assert ex.comm_s["AFK"] == pytest.approx(comm_time(recs[0], RS8_CFG))  # NaN: the prediction stays
+
+
+def test_exclusion_never_leaves_a_peer_alone_and_goes_slowest_first():
+    two = _rs8({"AFK": (9.4, 9.4), "DWz": (0.5, 0.5)})
+    assert window_exclusions(two, RS8_CFG).excluded == ()  # the old rule planned AFK alone
+    three = _rs8({"AFK": (9.4, 9.4), "DWz": (0.5, 0.5), "Dfn": (0.3, 0.3), "2JV": (9.4, 9.4)})
+    assert window_exclusions(three, RS8_CFG).excluded == ("Dfn", "DWz")
+    assert window_exclusions(three, RS8_CFG, keep_at_least=3).excluded == ("Dfn",)
+
+
+def test_uniform_plans_exclude_relative_to_the_round_without_the_peer_not_the_short_window():
+    # DiLoCo's fp32 exchange (7.5 MB each way) takes far longer than the 4 s window for every peer; a peer
+    # whose links are 30 % slower than the others' is kept, one that would double the round is not
+    cfg = RS8_CFG.model_copy(update={"method": "diloco", "payload_bytes": 7_499_776, "uniform_inner_steps": 10})
+    recs = _rs8({"AFK": (6.0, 6.0), "DWz": (6.0, 6.0), "Dfn": (4.6, 4.6), "2JV": (5.6, 5.6)})
+    assert min(comm_time(r, cfg) for r in recs) > 4.0 * 4
+    assert window_exclusions(recs, cfg, kept={"AFK", "DWz", "Dfn", "2JV"}).excluded == ()
+    slow = _rs8({"AFK": (6.0, 6.0), "DWz": (6.0, 6.0), "Dfn": (1.0, 1.0), "2JV": (5.6, 5.6)})
+    assert window_exclusions(slow, cfg).excluded == ("Dfn",)
+    assert window_exclusions(slow, cfg, kept={"Dfn"}).excluded == ("Dfn",)  # 120 s against 20 s: over twice

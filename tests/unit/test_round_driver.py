@@ -19,7 +19,7 @@ from geomesh_p2p.planner import PlanConfig, plan_round
 from geomesh_p2p.records import PeerRecord, SyncProgress
 from tests.records_util import peer_record
 from geomesh_p2p.round import DhtPlanAgreement, DriverConfig, Phase, PlanStore, RoundDriver, leader_order
-from geomesh_p2p.round.driver import PROBATION_SYNC_GRANTS, SYNC_WAIT_MARGIN_S, SYNC_WAIT_SLACK
+from geomesh_p2p.round.driver import PROBATION_SYNC_GRANTS, ROUND_END_SLACK_S, SYNC_WAIT_MARGIN_S, SYNC_WAIT_SLACK
 from geomesh_p2p.sync_progress import SyncMeter, announced
 from geomesh_p2p.round.policy import outer_step_per_part
 from geomesh_p2p.state_sync import StateSyncError
@@ -610,3 +610,58 @@ async def test_sync_meter_counts_a_wrapped_transports_stream_and_measures_the_re
     assert announced(node).done_bytes == 10 * MB
     node._syncing = False
     assert announced(node) is None
+
+
+# ------------------------------------------- a contributor of the last round still finishing its exchange
+def _finishing_setup(deadline_in_s: float):
+    """A leader that applied round 0 (now at round 1) whose plan's exchange deadline is ``deadline_in_s`` from
+    now, and a slow contributor of round 0 whose record still shows round 0 at the plan's start digest."""
+    leader, slow, clock, drv = _gather_setup()
+    plan = leader.make_plan([leader.record(), slow.record()], leader.me)
+    drv._last_plan = plan.model_copy(update={"exchange_deadline": time.time() + deadline_in_s})
+    leader.theta += 1.0
+    leader.commit(1)  # round 0 applied: the leader gathers round 1
+    slow.swarm.records[slow.me] = slow.record()  # round 0, the start digest: still in round 0's exchange
+    assert slow.record().weights_digest == plan.start_digest
+    return leader, slow, clock, drv
+
+
+async def test_a_contributor_still_in_the_last_exchange_is_waited_for_until_it_arrives():
+    leader, slow, clock, drv = _finishing_setup(deadline_in_s=20.0)
+    t0 = clock.t
+
+    def arrive(t):  # its pulls end 6 s into the gather (before the deadline): it announces round 1
+        if t - t0 >= 6.0 and slow.round == 0:
+            slow.theta, slow.round, slow.digest = leader.theta.clone(), 1, leader.digest
+            slow.swarm.records[slow.me] = slow.record()
+
+    clock.on_wait = arrive
+    with events.capture("waiting_for_late_peer") as waits:
+        members = await drv.gather({leader.me, slow.me}, first=False)
+    # before: planned out after gather_wait_s (1 s), then a state download behind the others' exchange
+    assert {m.peer_id for m in members} == {leader.me, slow.me}
+    assert 6.0 <= clock.t - t0 < 7.1
+    assert [(e["round"], e["finishing_peer"]) for e in waits] == [(1, slow.me)]
+    assert 20.0 + ROUND_END_SLACK_S - 0.5 < waits[0]["wait_s"] <= 20.0 + ROUND_END_SLACK_S
+
+
+async def test_a_dead_contributor_is_waited_for_no_longer_than_the_last_exchange_deadline_plus_slack():
+    leader, slow, clock, drv = _finishing_setup(deadline_in_s=8.0)
+    t0 = clock.t
+    members = await drv.gather({leader.me, slow.me}, first=False)  # its record stays at round 0: it died
+    assert [m.peer_id for m in members] == [leader.me]
+    assert 8.0 + ROUND_END_SLACK_S - 0.5 < clock.t - t0 < 8.0 + ROUND_END_SLACK_S + 0.1
+
+
+async def test_a_late_contributor_whose_record_expired_or_deadline_passed_gets_the_plain_wait():
+    leader, slow, clock, drv = _finishing_setup(deadline_in_s=-30.0)  # the deadline passed long ago
+    t0 = clock.t
+    members = await drv.gather({leader.me, slow.me}, first=False)
+    assert [m.peer_id for m in members] == [leader.me]
+    assert 1.0 < clock.t - t0 < 1.1  # gather_wait_s: its deadline plus the slack lies in the past
+    leader, slow, clock, drv = _finishing_setup(deadline_in_s=20.0)
+    del slow.swarm.records[slow.me]  # record expired: it is not live
+    t0 = clock.t
+    members = await drv.gather({leader.me, slow.me}, first=False)
+    assert [m.peer_id for m in members] == [leader.me]
+    assert 1.0 < clock.t - t0 < 1.1  # gather_wait_s
