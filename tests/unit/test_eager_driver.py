@@ -304,3 +304,53 @@ async def test_a_plan_with_another_batch_shape_restarts_the_speculative_steps_fr
             assert torch.equal(only["start"], starts[r]) and torch.equal(p.pushed[r], starts[r] - only["end"])
     for r in range(rounds):
         assert len({p.drv.history[r].digest for p in peers}) == 1, f"round {r}: digests differ"
+
+
+class _SignalledTarget:
+    """Builds a StepTarget whose :meth:`wait_final` sets ``waiting`` first (the test's view of the loop)."""
+
+    @staticmethod
+    def make(inner_steps, deadline, waiting: threading.Event):
+        from geomesh_p2p.training import StepTarget
+
+        class T(StepTarget):
+            def wait_final(self, timeout_s):
+                waiting.set()
+                return super().wait_final(timeout_s)
+
+        return T(inner_steps, deadline, provisional=True)
+
+
+@pytest.mark.parametrize("then", ["raise", "release", "deadline"])
+def test_steps_that_reach_a_provisional_target_wait_for_the_plans(then):
+    """Speculative steps reach round r's count before round r + 1's plan: the real InnerTrainer waits at the
+    provisional target and goes on to the plan's count once it is set (before the fix the run ended there:
+    the plan's extra steps were lost); released (aborted) or past its deadline, it ends at the count reached.
+    The wait is not counted as compute."""
+    import concurrent.futures
+
+    from geomesh_p2p.clock import swarm_time
+    from tests.unit.test_lr_schedule import _trainer
+
+    torch.set_num_threads(1)
+    trainer = _trainer("p")
+    waiting = threading.Event()
+    deadline = swarm_time() + (0.5 if then == "deadline" else 60.0)
+    target = _SignalledTarget.make(2, deadline, waiting)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        t0 = time.perf_counter()
+        fut = pool.submit(
+            lambda: trainer.run(round=0, inner_steps=2, batch_size=1, target=target, should_stop=lambda: False)
+        )
+        fut.add_done_callback(lambda _: waiting.set())  # without the wait the run just ends: seen as well
+        assert waiting.wait(30)
+        if then == "raise":
+            target.set(5, deadline)
+        elif then == "release":
+            target.release()
+        res = fut.result(30)
+        wall = time.perf_counter() - t0
+    assert res.steps_done == (5 if then == "raise" else 2)
+    assert target.waited_s > 0 and target.waiting_since is None
+    assert target.provisional == (then == "deadline")  # past its deadline nobody made it final
+    assert res.compute_s <= wall - target.waited_s + 1e-6
