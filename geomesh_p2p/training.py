@@ -440,28 +440,66 @@ class StepTarget:
     """The inner-step target and train deadline of a running :meth:`InnerTrainer.run`, changeable from
     another thread while it runs (eager updates: steps started speculatively before the round's plan
     exists take the plan's target and deadline once it is agreed, docs/eager.md). The loop reads both
-    before every step; a target already reached ends it.
+    before every step; a target already reached ends it, unless the target is still **provisional**:
+    then the loop waits (a condition wait, in the trainer's thread) for :meth:`set` or :meth:`release`,
+    or for the deadline, and goes on with the target set (the plan may ask for more steps than the
+    provisional count: without the wait they were lost, the peer idle until the plan came).
 
     Args:
         inner_steps: optimizer steps wanted (>= 0).
         deadline: swarm-time unix seconds after which no step starts (None: none).
+        provisional: the target may still be raised (see above); :meth:`set` and :meth:`release` end that.
     """
 
-    def __init__(self, inner_steps: int, deadline: float | None = None):
-        self._lock = threading.Lock()
+    def __init__(self, inner_steps: int, deadline: float | None = None, *, provisional: bool = False):
+        self._cond = threading.Condition()
         self._value: tuple[int, float | None] = (int(inner_steps), deadline)
+        self._provisional = provisional
+        #: seconds the loop waited at the provisional target (not compute), and the swarm time the current
+        #: wait began (None: not waiting)
+        self.waited_s = 0.0
+        self.waiting_since: float | None = None
 
     def set(self, inner_steps: int, deadline: float | None) -> None:
-        """Replace both (thread-safe); ``inner_steps`` < 0 raises ValueError."""
+        """Replace both (thread-safe) and make the target final (wakes a waiting loop); ``inner_steps`` < 0
+        raises ValueError."""
         if inner_steps < 0:
             raise ValueError(f"inner_steps must be >= 0, got {inner_steps}")
-        with self._lock:
+        with self._cond:
             self._value = (int(inner_steps), deadline)
+            self._provisional = False
+            self._cond.notify_all()
+
+    def release(self) -> None:
+        """Make the target final as it is (wakes a waiting loop, which then ends): the steps are aborted."""
+        with self._cond:
+            self._provisional = False
+            self._cond.notify_all()
 
     def get(self) -> tuple[int, float | None]:
         """``(inner_steps, deadline)`` as last set."""
-        with self._lock:
+        with self._cond:
             return self._value
+
+    @property
+    def provisional(self) -> bool:
+        """True until :meth:`set` or :meth:`release`."""
+        with self._cond:
+            return self._provisional
+
+    def wait_final(self, timeout_s: float) -> bool:
+        """Block up to ``timeout_s`` seconds while the target is provisional; True when it is final. The
+        time waited is added to :attr:`waited_s`."""
+        t0 = time.perf_counter()
+        with self._cond:
+            if not self._provisional:
+                return True
+            self.waiting_since = swarm_time()
+            try:
+                return self._cond.wait_for(lambda: not self._provisional, timeout=max(0.0, timeout_s))
+            finally:
+                self.waiting_since = None
+                self.waited_s += time.perf_counter() - t0
 
 
 class InnerTrainer:
@@ -679,6 +717,11 @@ class InnerTrainer:
             k += 1
             if target is not None:
                 inner_steps, deadline = target.get()
+                if k >= inner_steps and target.provisional and not (should_stop is not None and should_stop()):
+                    # Reached a provisional target (eager: the previous round's count, before the plan): wait
+                    # for the plan's, up to the deadline, instead of ending the steps short of it.
+                    target.wait_final(float("inf") if deadline is None else deadline - swarm_time())
+                    inner_steps, deadline = target.get()
             if k >= inner_steps:
                 break
             if should_stop is not None and should_stop():
@@ -725,7 +768,8 @@ class InnerTrainer:
             losses.append(loss)
             if progress is not None:
                 progress(k + 1, loss, tokens_per_step / dt if dt > 0 else 0.0)
-        compute_s = time.perf_counter() - t_start
+        # Time waiting at a provisional target is not compute (it would lower the re-profiled tokens/s).
+        compute_s = time.perf_counter() - t_start - (target.waited_s if target is not None else 0.0)
         # The gradients ([P]) are not needed until the next round's first step (which zeroes them anyway):
         # freed here, the exchange's pseudo-gradient and aggregate buffers take their place (issue 13). glibc
         # keeps freed heap blocks (those under its mmap threshold) resident until a trim.

@@ -1222,7 +1222,8 @@ class RoundDriver:
             start=start,
             batch_size=a.batch_size,
             micro_batch=a.micro_batch,
-            target=StepTarget(a.inner_steps, self.clock.time() + float(plan.window_s)),
+            # Provisional: steps that reach round r's count before round r + 1's plan wait for its count.
+            target=StepTarget(a.inner_steps, self.clock.time() + float(plan.window_s), provisional=True),
             abort=threading.Event(),
             weight=weight,
             t_start=self.clock.time(),
@@ -1272,6 +1273,7 @@ class RoundDriver:
         if spec is None:
             return
         spec.abort.set()
+        spec.target.release()  # a loop waiting at the provisional target ends now
         if spec.task is not None:
             await asyncio.gather(spec.task, return_exceptions=True)
         await asyncio.to_thread(self.state.reset_model)
@@ -1314,6 +1316,7 @@ class RoundDriver:
             else:
                 # Another batch shape: those steps are void; restart from this peer's own start.
                 spec.abort.set()
+                spec.target.release()
                 await asyncio.gather(cast(asyncio.Future, spec.task), return_exceptions=True)
                 await asyncio.to_thread(cast(EagerStatePort, self.state).load_model, spec.start)
                 ctx.eager_steps = "restarted"
@@ -1487,7 +1490,9 @@ class RoundDriver:
         spec = self._spec if self._spec is not None and self._spec.round == r + 1 else None
         # Eager: the compute is idle only from the end of the next round's speculative steps (when they ended
         # before the aggregate arrived) to the aggregate; that idle time is split at the barrier as above.
-        idle_from = ctx.t_compute_end if spec is None else min(ctx.t_agg, spec.t_end or ctx.t_agg)
+        # Steps waiting at their provisional target (for the next plan) are idle since the wait began.
+        spec_end = None if spec is None else (spec.t_end or getattr(spec.target, "waiting_since", None))
+        idle_from = ctx.t_compute_end if spec is None else min(ctx.t_agg, spec_end or ctx.t_agg)
         straggler = max(0.0, barrier - idle_from)
         network = max(0.0, (ctx.t_agg - idle_from) - straggler)
         delivered = {pid for part in ar.contributors.values() for pid, _ in part}

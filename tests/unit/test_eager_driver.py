@@ -218,3 +218,139 @@ def test_ddp_with_eager_is_refused_at_start(capsys):
     assert main(["join", "--eager", "--method", "ddp", "--pow-bits", "0"]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("geomesh-peer join: eager updates overlap") and "method 'ddp' has none" in err
+
+
+class RecordingEagerPeer(EagerPeer):
+    """EagerPeer that records every inner-step run (round, batch size, micro batch, start, end, stopped) and
+    whose leader plans ``batch_at[round]`` sequences per step (target_batch) in the rounds named there."""
+
+    def __init__(self, swarm, ident, rounds: int, batch_at: dict):
+        super().__init__(swarm, ident, rounds)
+        self.batch_at = batch_at
+        self.hold = {r for r in batch_at} | {r + 1 for r in batch_at}  # rounds whose speculative steps are void
+        self.runs: list[dict] = []
+
+    def run(self, *, round, inner_steps, batch_size, micro_batch=None, should_stop=None, target=None, **kw):
+        start = self.model.clone()
+        if target is not None and round in self.hold and should_stop is not None:
+            # Speculative steps of a round whose plan changes the shape: they train until aborted (2 ms of
+            # emulated compute per step, at most 4 s), so the abort is seen whenever the plan comes.
+            k = 0
+            while not should_stop() and k < 2000:
+                self.model = self.model - 0.001 * torch.sign(self.model + k)
+                time.sleep(0.002)
+                k += 1
+            res = SimpleNamespace(steps_done=k, tokens=k * batch_size * trd.CFG.seq_len, compute_s=0.002 * k)
+        else:
+            res = super().run(
+                round=round,
+                inner_steps=inner_steps,
+                batch_size=batch_size,
+                micro_batch=micro_batch,
+                should_stop=should_stop,
+                target=target,
+                **kw,
+            )
+        stopped = should_stop is not None and should_stop()
+        self.runs.append(
+            dict(round=round, batch=(batch_size, micro_batch), start=start, end=self.model.clone(), stopped=stopped)
+        )
+        return res
+
+    def make_plan(self, members, leader):
+        cfg = trd.CFG.model_copy(update={"target_batch": self.batch_at.get(self.round, trd.CFG.target_batch)})
+        return trd.plan_round(
+            members,
+            cfg,
+            run_id=trd.RUN,
+            round=self.round,
+            leader=leader,
+            numel=trd.NUMEL,
+            start_time=time.time() + 0.05,
+            start_digest=self.digest,
+        )
+
+
+async def test_a_plan_with_another_batch_shape_restarts_the_speculative_steps_from_the_own_start():
+    """Round 2 is planned at batch 16 (micro batch 8) where round 1 had 8: every peer's speculative round-2
+    steps (started at batch 8) are aborted and the round restarts from the same own start x_m^2 with the plan's
+    shape; round 3 (batch 8 again, its steps started at 16) restarts too; round 4 adopts. The update of a
+    restarted round is x_m − y_m of the restarted steps, and the global state stays equal on every peer."""
+    swarm, rounds = trd.Swarm(), 5
+    batch_at = {2: 16}
+    peers = []
+    for k in range(3):
+        p = RecordingEagerPeer(swarm, trd.Identity.generate(), rounds, batch_at)
+        trd.PEERS[p.me], trd.PEER_INDEX[p.me] = p, k
+        swarm.records[p.me] = p.record()
+        peers.append(p)
+    await trd._run_all(peers, rounds=rounds, min_peers=3)
+
+    expect = ["global", "adopted", "restarted", "restarted", "adopted"]
+    for p in peers:
+        assert [row.extra["eager"]["steps"] for row in p.drv.history] == expect
+        assert [row.batch_size for row in p.drv.history] == [8, 8, 16, 8, 8]
+        starts = {c[0] + 1: c[5] for c in p.eager_calls}  # round -> its eager start x_m
+        for r in (2, 3):
+            spec, restart = [run for run in p.runs if run["round"] == r]
+            assert spec["stopped"] and spec["batch"] != restart["batch"]  # the speculative steps were aborted
+            assert restart["batch"] == ((16, 8) if r == 2 else (8, 8))  # the plan's shape
+            # both began on the own start (the restart reloaded it), and the update is from the restart's steps
+            assert torch.equal(spec["start"], starts[r]) and torch.equal(restart["start"], starts[r])
+            assert torch.equal(p.pushed[r], starts[r] - restart["end"])
+            assert not torch.equal(restart["end"], spec["end"])
+        for r in (1, 4):
+            (only,) = [run for run in p.runs if run["round"] == r]  # adopted: one run, not restarted
+            assert torch.equal(only["start"], starts[r]) and torch.equal(p.pushed[r], starts[r] - only["end"])
+    for r in range(rounds):
+        assert len({p.drv.history[r].digest for p in peers}) == 1, f"round {r}: digests differ"
+
+
+class _SignalledTarget:
+    """Builds a StepTarget whose :meth:`wait_final` sets ``waiting`` first (the test's view of the loop)."""
+
+    @staticmethod
+    def make(inner_steps, deadline, waiting: threading.Event):
+        from geomesh_p2p.training import StepTarget
+
+        class T(StepTarget):
+            def wait_final(self, timeout_s):
+                waiting.set()
+                return super().wait_final(timeout_s)
+
+        return T(inner_steps, deadline, provisional=True)
+
+
+@pytest.mark.parametrize("then", ["raise", "release", "deadline"])
+def test_steps_that_reach_a_provisional_target_wait_for_the_plans(then):
+    """Speculative steps reach round r's count before round r + 1's plan: the real InnerTrainer waits at the
+    provisional target and goes on to the plan's count once it is set (before the fix the run ended there:
+    the plan's extra steps were lost); released (aborted) or past its deadline, it ends at the count reached.
+    The wait is not counted as compute."""
+    import concurrent.futures
+
+    from geomesh_p2p.clock import swarm_time
+    from tests.unit.test_lr_schedule import _trainer
+
+    torch.set_num_threads(1)
+    trainer = _trainer("p")
+    waiting = threading.Event()
+    deadline = swarm_time() + (0.5 if then == "deadline" else 60.0)
+    target = _SignalledTarget.make(2, deadline, waiting)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        t0 = time.perf_counter()
+        fut = pool.submit(
+            lambda: trainer.run(round=0, inner_steps=2, batch_size=1, target=target, should_stop=lambda: False)
+        )
+        fut.add_done_callback(lambda _: waiting.set())  # without the wait the run just ends: seen as well
+        assert waiting.wait(30)
+        if then == "raise":
+            target.set(5, deadline)
+        elif then == "release":
+            target.release()
+        res = fut.result(30)
+        wall = time.perf_counter() - t0
+    assert res.steps_done == (5 if then == "raise" else 2)
+    assert target.waited_s > 0 and target.waiting_since is None
+    assert target.provisional == (then == "deadline")  # past its deadline nobody made it final
+    assert res.compute_s <= wall - target.waited_s + 1e-6
