@@ -1312,7 +1312,14 @@ class RoundDriver:
             if (spec.batch_size, spec.micro_batch) == (a.batch_size, a.micro_batch):
                 # Eager: the speculative steps are this round's; they take the plan's target and deadline.
                 spec.target.set(a.inner_steps, plan.train_deadline)
-                grad, result = None, await cast(asyncio.Future, spec.task)
+                try:
+                    grad, result = None, await cast(asyncio.Future, spec.task)
+                except asyncio.CancelledError:
+                    # The driver is cancelled: the steps are no longer in ``_spec`` (run()'s final drop
+                    # cannot see them), so their thread is told to end here, not at its deadline.
+                    spec.abort.set()
+                    spec.target.release()
+                    raise
                 t_end, ctx.eager_steps = spec.t_end, "adopted"
             else:
                 # Another batch shape: those steps are void; restart from this peer's own start.

@@ -391,3 +391,64 @@ async def test_the_own_start_is_released_before_the_next_eager_start_allocates()
         assert [row.extra["eager"]["steps"] for row in p.drv.history] == ["global"] + ["adopted"] * (rounds - 1)
         # rounds 2 and 3 started while their predecessor had an own start: it was gone every time
         assert p.prev_alive == [False] * (rounds - 2)
+
+
+async def test_cancelling_the_driver_while_it_waits_for_adopted_steps_stops_their_thread():
+    """Review: train() takes the speculative steps out of the driver (``_spec``) and awaits their task. A
+    cancellation there (the node's task cancelled, a second Ctrl+C) reached neither their abort nor
+    run()'s final drop, so the worker thread went on training the model up to its deadline (here 20 s;
+    a window at real scale) while the process shut down. Now it is aborted and ends at its next step."""
+    from geomesh_p2p.round.driver import RoundContext, _Speculative
+    from geomesh_p2p.training import StepTarget
+
+    swarm = trd.Swarm()
+    p = EagerPeer(swarm, trd.Identity.generate(), rounds=5)
+    trd.PEERS[p.me], trd.PEER_INDEX[p.me] = p, 0
+    swarm.records[p.me] = p.record()
+    drv = p.driver()
+    plan = trd.plan_round(
+        [p.record()],
+        trd.CFG,
+        run_id=trd.RUN,
+        round=0,
+        leader=p.me,
+        numel=trd.NUMEL,
+        start_time=time.time(),
+        start_digest=p.digest,
+    )
+    a = plan.assignment(p.me)
+    started, ended = threading.Event(), threading.Event()
+    spec = _Speculative(
+        round=0,
+        start=p.model.clone(),
+        batch_size=a.batch_size,
+        micro_batch=a.micro_batch,
+        target=StepTarget(a.inner_steps, time.time() + 20.0, provisional=True),
+        abort=threading.Event(),
+        weight=1.0,
+        t_start=time.time(),
+    )
+
+    def steps():  # speculative steps that run until aborted or stopped (at most 20 s)
+        started.set()
+        try:
+            t0 = time.monotonic()
+            while not (p.stop.is_set() or spec.abort.is_set()) and time.monotonic() - t0 < 20.0:
+                time.sleep(0.002)  # one emulated step
+        finally:
+            ended.set()
+        return SimpleNamespace(steps_done=1, tokens=1, mean_loss=3.0, last_loss=3.0, compute_s=0.0)
+
+    spec.task = asyncio.ensure_future(asyncio.to_thread(steps))
+    drv._spec = spec
+    ctx = RoundContext(round=0, t_round=time.time(), members=[p.record()], plan=plan)
+    train = asyncio.ensure_future(drv.train(ctx))
+    assert await asyncio.to_thread(started.wait, 10)
+    while drv._spec is not None:  # train() took the steps over (a loop turn or two)
+        await asyncio.sleep(0)
+    train.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await train
+    await drv._drop_speculative("the run ends")  # what run()'s finally does
+    assert await asyncio.to_thread(ended.wait, 5.0), "the speculative thread outlived the cancelled driver"
+    assert spec.abort.is_set() and not spec.target.provisional
