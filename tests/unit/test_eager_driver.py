@@ -444,8 +444,8 @@ async def test_cancelling_the_driver_while_it_waits_for_adopted_steps_stops_thei
     ctx = RoundContext(round=0, t_round=time.time(), members=[p.record()], plan=plan)
     train = asyncio.ensure_future(drv.train(ctx))
     assert await asyncio.to_thread(started.wait, 10)
-    while drv._spec is not None:  # train() took the steps over (a loop turn or two)
-        await asyncio.sleep(0)
+    await asyncio.sleep(0)  # one loop turn: train() runs to its await of the adopted steps
+    assert drv._spec is None and not train.done() and not spec.target.provisional  # adopted, awaited
     train.cancel()
     with pytest.raises(asyncio.CancelledError):
         await train
