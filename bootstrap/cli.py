@@ -227,7 +227,7 @@ async def _serve(ns: argparse.Namespace, identity, allow_peers, tls, stop: async
         print(f"private run: {len(allow_peers)} allowed peer(s) from --allow-peers {ns.allow_peers}", flush=True)
     if status is not None:
         print(f"status page on {url} (JSON: {url}api/swarm, {url}api/rounds)", flush=True)
-    from geomesh_p2p.dht.progress import BootstrapState, SwarmProgress, publish_progress
+    from geomesh_p2p.dht.progress import BootstrapState, SwarmProgress, progress_of, publish_progress
 
     state_file = state_path(ns)
     saved = await asyncio.to_thread(BootstrapState.load, state_file, ns.run_id) if state_file else None
@@ -235,13 +235,14 @@ async def _serve(ns: argparse.Namespace, identity, allow_peers, tls, stop: async
     progress: Optional[SwarmProgress] = saved.swarm_progress(by=me) if saved is not None else None
 
     async def refresh_progress() -> int:
-        """The swarm's round from the live records (leaving peers count: their record is the last round they
-        finished), published and kept for the state file; returns the number of live, not leaving, peers."""
+        """The swarm's round and run-config hash from the live records (leaving peers count: their record is
+        the last round they finished; :func:`progress_of`: the config most records announce, and its newest
+        round), published and kept for the state file; returns the number of live, not leaving, peers."""
         nonlocal progress
         recs = await live_peers(node, ns.run_id, include_leaving=True)
-        if recs:  # live peers are the truth; with none, the last known progress stays
-            newest = max(recs, key=lambda r: (r.round, not r.leaving))
-            progress = SwarmProgress(newest.round, time.time(), len(recs), me, newest.run_config_hash or "")
+        now = progress_of(recs, me, time.time())  # the config most records announce, and its round
+        if now is not None:  # live peers are the truth; with none, the last known progress stays
+            progress = now
             await publish_progress(node, progress, identity)
         return sum(1 for r in recs if not r.leaving)
 

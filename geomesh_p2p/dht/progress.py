@@ -85,6 +85,26 @@ class SwarmProgress:
         return cls(rnd, float(seen), peers, by, cfg)
 
 
+def progress_of(records, by: str, seen_at: float) -> Optional[SwarmProgress]:
+    """A bootstrap's :class:`SwarmProgress` from its run's records (``PeerRecord``-like: ``round``,
+    ``leaving``, ``run_config_hash``; leaving peers' records count: each is the last round its peer
+    finished), or None when there are none. ``by``: the bootstrap's base58 PeerID; ``seen_at``: unix seconds.
+
+    The config hash is the one most records announce (ties: the one announced at the later round), and the
+    round and peer count are those of its records only: a single record of another config (a stray peer,
+    or an identity announcing round 10^9 with any hash) neither names the run's config -- a peer of the
+    run's own config would then fail at once in ``PeerNode._on_empty_swarm`` -- nor its round."""
+    recs = list(records)
+    if not recs:
+        return None
+    groups: dict[str, list] = {}
+    for r in recs:
+        groups.setdefault(r.run_config_hash or "", []).append(r)
+    config_hash, mine = max(groups.items(), key=lambda kv: (len(kv[1]), max(r.round for r in kv[1]), kv[0]))
+    newest = max(r.round for r in mine)
+    return SwarmProgress(newest, seen_at, len(mine), by, config_hash)
+
+
 async def publish_progress(node: DHTNode, progress: SwarmProgress, identity: Optional[Identity] = None) -> bool:
     """Store ``progress`` under ``<run>/progress``, subkey = this node's PeerID, signed, for 24 h (the
     node republishes it). Returns whether a node accepted it."""

@@ -88,6 +88,22 @@ async def test_peers_ping_their_bootstrap_while_others_are_known():
 async def test_a_stopping_bootstrap_saves_the_swarms_latest_round(tmp_path, capsys):
     """The state file holds the round the swarm is at when the bootstrap stops, not the one of its last
     periodic read (--status-interval apart; here 1 h, so only the final read can see round 7)."""
+    saved = await _saved_progress(tmp_path, capsys, [dict(round=7, leaving=True)])  # finished round 6, left
+    assert (saved["round"], saved["config_hash"]) == (7, "h")  # "h": the record's run-config hash
+
+
+async def test_a_record_of_another_config_is_not_remembered_as_the_runs(tmp_path, capsys):
+    """Review: the newest record alone named the config. One identity announcing round 10^9 with another
+    run-config hash made the state file remember that hash, and every peer of the run's own config then
+    failed at once when it found the swarm empty (PeerNode._on_empty_swarm: "another run config")."""
+    recs = [dict(round=7), dict(round=7, leaving=True), dict(round=10**9, run_config_hash="other")]
+    saved = await _saved_progress(tmp_path, capsys, recs)
+    assert (saved["round"], saved["config_hash"], saved["peers"]) == (7, "h", 2)
+
+
+async def _saved_progress(tmp_path, capsys, records: list[dict]) -> dict:
+    """Run the bootstrap's _serve, store ``records`` (peer_record fields, one identity each) under the
+    run's key, stop it, and return the progress its state file saved."""
     state = tmp_path / "boot.state.json"
     ns = boot_cli.parse(
         ["--host", "127.0.0.1", "--port", "0", "--run-id", RUN, "--identity", str(tmp_path / "b.key")]
@@ -105,13 +121,13 @@ async def test_a_stopping_bootstrap_saves_the_swarms_latest_round(tmp_path, caps
             if address is None:
                 await asyncio.sleep(0.05)
         node = await start_node([address])
-        ident = Identity.generate()
-        rec = peer_record(ident, round=7, leaving=True)  # a peer that finished round 6 and left
-        assert await node.store(peers_key(RUN), rec.to_bytes(), time.time() + 600, subkey=rec.peer_id, owner=ident)
+        for fields in records:
+            ident = Identity.generate()
+            rec = peer_record(ident, **fields)
+            assert await node.store(peers_key(RUN), rec.to_bytes(), time.time() + 600, subkey=rec.peer_id, owner=ident)
         stop.set()
         assert await asyncio.wait_for(served, 30) == 0
-        saved = json.loads(state.read_text())["progress"]
-        assert (saved["round"], saved["config_hash"]) == (7, "h")  # "h": the record's run-config hash
+        return json.loads(state.read_text())["progress"]
     finally:
         stop.set()
         if not served.done():

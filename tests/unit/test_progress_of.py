@@ -1,0 +1,29 @@
+"""geomesh_p2p.dht.progress.progress_of: the round and run-config hash a bootstrap remembers for its run
+(review: one record of another config, the newest round in view, made the bootstrap remember that config,
+and every peer of the run's own config then failed at once in PeerNode._on_empty_swarm)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from geomesh_p2p.dht.progress import SwarmProgress, progress_of
+
+pytestmark = pytest.mark.timeout(10)
+
+
+def _rec(round: int, config_hash: str, leaving: bool = False):
+    return SimpleNamespace(round=round, run_config_hash=config_hash, leaving=leaving)
+
+
+def test_one_record_of_another_config_names_neither_the_config_nor_the_round():
+    recs = [_rec(7, "run"), _rec(7, "run"), _rec(6, "run", leaving=True), _rec(10**9, "other")]
+    assert progress_of(recs, "boot", 12.5) == SwarmProgress(7, 12.5, 3, "boot", "run")
+
+
+def test_the_run_alone_and_a_tie_go_to_the_later_round():
+    assert progress_of([_rec(4, "a", leaving=True)], "b", 1.0) == SwarmProgress(4, 1.0, 1, "b", "a")
+    assert progress_of([_rec(3, "a"), _rec(5, "b")], "b", 1.0) == SwarmProgress(5, 1.0, 1, "b", "b")
+    assert progress_of([_rec(2, ""), _rec(2, "")], "b", 1.0) == SwarmProgress(2, 1.0, 2, "b", "")
+    assert progress_of([], "b", 1.0) is None
