@@ -665,17 +665,28 @@ class NodeRoundPolicy:
     async def _watch_busy_donors(self, busy: dict[str, float]) -> None:
         """While a sync runs: every ``BUSY_REFRESH_S``, the plans of the round being synced to and the next
         one (the donors' rounds) set ``busy[address]`` to that plan's exchange deadline for each participant
-        (addresses from the live records, else the plan's), capped at the plan horizon followers accept (a
-        rogue plan cannot hold a download longer). A failed read keeps the figures it had."""
+        (addresses from the live records, else the plan's), capped at the plan horizon followers accept. A plan
+        whose deadlines followers refuse (farther than that horizon) is ignored: the cap alone is re-read from
+        "now" every refresh, so such a rogue plan held its donors busy for as long as it stayed in the DHT.
+        A failed read keeps the figures it had."""
         while True:
             try:
                 addr = {r.peer_id: r.address for r in await self.peers(include_leaving=True) if r.address}
-                cap = swarm_time() + plan_horizon_s(self.run_cfg.window_s)
+                now = swarm_time()
+                horizon = plan_horizon_s(self.run_cfg.window_s)
                 for rnd in (self.round, self.round + 1):
-                    plan = choose_plan(self.run_cfg.run_id, rnd, await self.plans.read(rnd))
+                    # Deadlines farther than the horizon: refused by every follower (_plan_problem), so no
+                    # evidence of a busy donor (and not allowed to hide the round's real plan either).
+                    sane = [
+                        p
+                        for p in await self.plans.read(rnd)
+                        if float(p.train_deadline) - now <= horizon
+                        and float(p.exchange_deadline) - float(p.train_deadline) <= horizon
+                    ]
+                    plan = choose_plan(self.run_cfg.run_id, rnd, sane)
                     if plan is None:
                         continue
-                    end = min(float(plan.exchange_deadline), cap)
+                    end = min(float(plan.exchange_deadline), now + horizon)
                     for a in plan.assignments:
                         where = addr.get(a.peer_id) or a.address
                         if where:
