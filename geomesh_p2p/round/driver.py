@@ -1011,7 +1011,8 @@ class RoundDriver:
         return True
 
     def _last_resort(self, r: int, members: Sequence[PeerRecord], candidates: Sequence[str]) -> list[str]:
-        """``[this peer]`` when it must publish a plan itself if no candidate does (``last_resort`` of
+        """The members that are no leader candidates (this peer among them) when this peer must publish a plan
+        itself if no candidate does (``last_resort`` of
         :func:`~geomesh_p2p.round.plans.obtain_plan`), else ``[]``.
 
         The leader candidates are computed by each member from its own view (standing, no-show marks), and
@@ -1024,7 +1025,8 @@ class RoundDriver:
         plan read, refused ones included (docs/round.md, "Leader election when nobody leads"). A healthy
         established leader publishes within its turn of the first attempt, so a newcomer following it never
         gets there (the young-swarm rule holds); one WARNING per round."""
-        if self.me in candidates or self.me not in {m.peer_id for m in members}:
+        member_ids = {m.peer_id for m in members}
+        if self.me in candidates or self.me not in member_ids:
             return []
         if self._plan_misses[:2] != (r, self.state.digest) or self._plan_misses[2] < 1:
             return []
@@ -1044,7 +1046,10 @@ class RoundDriver:
                 candidates=list(candidates),
                 attempts=self._plan_misses[2],
             )
-        return [self.me]
+        # Every member that is no candidate, not only this peer: obtain_plan ranks them among themselves, so
+        # two last resorts publish a stagger apart and the second follows the first's plan (review: with
+        # ``[me]`` alone both sat at the same instant and, refusing each other's plans, split the round).
+        return sorted(member_ids - set(candidates))
 
     async def wait_out(self, ctx: RoundContext) -> None:
         """A planned-out peer (joined late, too slow for the window, or other weights): announce as syncing

@@ -208,17 +208,23 @@ async def obtain_plan(
         if the returned plan differs), so the settle costs no compute; which plan is followed is unchanged.
 
         ``last_resort``: PeerIDs that are no candidates but publish when every candidate's turn has passed
-        with no plan at all: ranked after the candidates, the first one ``plan_timeout_s`` after the last
-        candidate's turn (then ``stagger_s`` apart). One never publishes once a plan of the round was read,
-        even one it refuses (a leader it does not accept is there: its own plan would split the round).
+        with no plan at all: ranked after the candidates (by :func:`leader_order` among themselves), the
+        first one ``plan_timeout_s`` after the last candidate's turn, then ``stagger_s`` apart. One never
+        publishes once a plan of the round from one of ``members`` was read, even one it refuses (a leader it
+        does not accept is there: its own plan would split the round).
         The driver names this peer so after a whole attempt without a plan (docs/round.md, "Leader
         election when nobody leads"): views that differ must not leave every member deferring to another.
     """
     me = str(store.identity.peer_id)
+    member_ids = {m.peer_id for m in members}
     pool = [m.peer_id for m in members] if candidates is None else list(candidates)
     order = leader_order(store.run_id, round, pool)
     n_regular = len(order)
-    order += [p for p in leader_order(store.run_id, round, last_resort) if p not in order]
+    # Last resorts are ranked among themselves over the whole list, candidates of this view included: the
+    # views differ (rs7: each peer's only candidate was the other), and each last resort must get the same
+    # rank in every view for the stagger to hold.
+    lr_order = leader_order(store.run_id, round, list(last_resort))
+    order += [p for p in lr_order if p not in order]
     my_turn = order.index(me) if me in order else None
     stagger_s = settle_s if stagger_s is None else stagger_s
 
@@ -227,7 +233,7 @@ async def obtain_plan(
             return takeover_delay(i, plan_timeout_s, stagger_s, wait_candidates)
         # a last resort: strictly after every candidate's turn (by one plan timeout), then staggered
         after = delay(n_regular - 1) + plan_timeout_s if n_regular else 0.0
-        return after + (i - n_regular) * stagger_s
+        return after + lr_order.index(order[i]) * stagger_s
 
     give_up_s = give_up_s if give_up_s is not None else delay(max(0, len(order) - 1)) + 2 * plan_timeout_s
     # Take-over instants (seconds after t0): a plan is most likely to appear right after one of them, so
@@ -247,9 +253,11 @@ async def obtain_plan(
             backoff.reset()  # something changed: read again soon
         best = choose_plan(store.run_id, round, plans)
         my_turn_now = my_turn is not None and not published and elapsed >= delay(my_turn)
-        if my_turn_now and my_turn is not None and my_turn >= n_regular and signed - {me}:
-            # a last resort publishes only where nobody leads at all; a plan it refuses means a leader it
-            # does not accept is there, and its own plan would split the round: it keeps waiting
+        if my_turn_now and my_turn is not None and my_turn >= n_regular and (signed & member_ids) - {me}:
+            # a last resort publishes only where nobody leads at all; a plan it refuses from a member means a
+            # leader it does not accept is there, and its own plan would split the round: it keeps waiting.
+            # Plans of non-members do not count: any identity can sign one (review: a Sybil publishing a
+            # plan every round that all refuse would bring the livelock back).
             my_turn_now = False
         # Publish when it is my turn, unless a plan from a better-ranked leader already exists, or a
         # worse-ranked one has already started (its peers are training: a competing plan would only

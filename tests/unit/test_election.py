@@ -77,13 +77,13 @@ async def test_two_members_that_defer_to_each_other_publish_as_last_resort_and_f
     assert await asyncio.gather(attempt(ids[0], b, ()), attempt(ids[1], a, ())) == [None, None]
     assert dht.data == {}
     t0 = time.monotonic()
-    got = await asyncio.gather(attempt(ids[0], b, [a]), attempt(ids[1], a, [b]))
+    # each names both no-candidate members as last resorts (the driver's _last_resort): ranked among
+    # themselves, a stagger apart, so the first publishes and the second follows it
+    got = await asyncio.gather(attempt(ids[0], b, [a, b]), attempt(ids[1], a, [a, b]))
     took = time.monotonic() - t0
     assert got[0] is not None and got[0].to_bytes() == got[1].to_bytes()
-    # Both turns come at about the same time: both publish and the best-ranked plan is followed, or one reads
-    # the other's plan before its own turn and publishes nothing. Either way both follow one plan.
-    order = leader_order(RUN, 3, [a, b])
-    assert got[0].leader == order[0] or got[0].leader == order[1]
+    # (on a loaded machine the first's loop may wake after the second's turn: then the second leads)
+    assert got[0].leader in (a, b)
     # the last resort's turn: one plan timeout after the (only) candidate's turn, then the settle
     # (lower bound exact; the upper one only says "bounded": this machine may be loaded)
     assert takeover_delay(0, T, 0.05) + T <= took < takeover_delay(0, T, 0.05) + T + 15.0
@@ -146,3 +146,54 @@ async def test_a_last_resort_never_publishes_when_a_plan_it_refuses_exists():
     )
     assert got is None
     assert set(dht.data[next(iter(dht.data))]) == {b}
+
+
+async def test_a_refused_plan_of_a_non_member_does_not_hold_the_last_resort():
+    """Any identity can sign a plan: one nobody accepts, from outside the members, must not stop the last
+    resort (review: a Sybil publishing such a plan every round brought the livelock back)."""
+    ids, members = _pair()
+    a, b = (str(i.peer_id) for i in ids)
+    sybil = Identity.generate()
+    dht = MemoryDHT()
+    forged = _planner(3)(members + [_record(sybil, 1.0)], str(sybil.peer_id))
+    assert await PlanStore(dht.view(), sybil, RUN).publish(forged)
+    got = await obtain_plan(
+        PlanStore(dht.view(), ids[0], RUN),
+        3,
+        members,
+        _planner(3),
+        plan_timeout_s=T,
+        settle_s=0.05,
+        candidates=[b],
+        last_resort=[a],
+        accept=lambda plan: "not a live member" if plan.leader == str(sybil.peer_id) else None,
+    )
+    assert got is not None and got.leader == a
+    assert set(dht.data[next(iter(dht.data))]) == {a, str(sybil.peer_id)}
+
+
+async def test_two_last_resorts_that_refuse_each_other_do_not_both_lead():
+    """Ranked a stagger apart, the second last resort sees the first's plan before its turn: it refuses it
+    but does not publish its own beside it (review: at the same instant both led, and the round split)."""
+    ids, members = _pair()
+    a, b = (str(i.peer_id) for i in ids)
+    dht = MemoryDHT()
+
+    async def attempt(ident, other):
+        return await obtain_plan(
+            PlanStore(dht.view(), ident, RUN),
+            3,
+            members,
+            _planner(3),
+            plan_timeout_s=T,
+            settle_s=0.05,
+            stagger_s=1.0,
+            candidates=[other],
+            last_resort=[a, b],
+            accept=lambda plan, mine=str(ident.peer_id): None if plan.leader == mine else "refused by this test",
+        )
+
+    got = await asyncio.gather(attempt(ids[0], b), attempt(ids[1], a))
+    first = leader_order(RUN, 3, [a, b])[0]
+    assert [p.leader if p is not None else None for p in got] == [first if pid == first else None for pid in (a, b)]
+    assert set(dht.data[next(iter(dht.data))]) == {first}
