@@ -235,13 +235,18 @@ async def _serve(ns: argparse.Namespace, identity, allow_peers, tls, stop: async
     progress: Optional[SwarmProgress] = saved.swarm_progress(by=me) if saved is not None else None
 
     async def refresh_progress() -> int:
-        """The swarm's round and run-config hash from the live records (leaving peers count: their record is
-        the last round they finished; :func:`progress_of`: the config most records announce, and its newest
-        round), published and kept for the state file; returns the number of live, not leaving, peers."""
+        """The swarm's round and run-config hash, published and kept for the state file; returns the number
+        of live, not leaving, peers. From the records that hold a state (leaving ones count: each is the last
+        round its peer finished), :func:`progress_of` takes the config most of them announce and its newest
+        round. That is the truth when a live peer of that config is among them; with only leaving ones it may
+        only raise the remembered round: their records expire one by one, and a peer that stopped while
+        waiting for the swarm announces round 0 as it leaves; neither may make the bootstrap forget."""
         nonlocal progress
         recs = await live_peers(node, ns.run_id, include_leaving=True)
-        now = progress_of(recs, me, time.time())  # the config most records announce, and its round
-        if now is not None:  # live peers are the truth; with none, the last known progress stays
+        held = [r for r in recs if r.weights_digest]  # peers that hold (or held, leaving) a state of the run
+        now = progress_of(held, me, time.time())  # the config most records announce, and its round
+        live = now is not None and any(not r.leaving and (r.run_config_hash or "") == now.config_hash for r in held)
+        if now is not None and (live or progress is None or now.round > progress.round):
             progress = now
             await publish_progress(node, progress, identity)
         return sum(1 for r in recs if not r.leaving)

@@ -123,7 +123,7 @@ async def _saved_progress(tmp_path, capsys, records: list[dict]) -> dict:
         node = await start_node([address])
         for fields in records:
             ident = Identity.generate()
-            rec = peer_record(ident, **fields)
+            rec = peer_record(ident, **{"weights_digest": "ab" * 32, **fields})  # holds a state
             assert await node.store(peers_key(RUN), rec.to_bytes(), time.time() + 600, subkey=rec.peer_id, owner=ident)
         stop.set()
         assert await asyncio.wait_for(served, 30) == 0
