@@ -142,7 +142,7 @@ def run_config_from(ns: argparse.Namespace):
     if spec is not None and spec.startswith("hf:"):
         data_id = spec  # name, config, split, column, max bytes (and revision): all compared between peers
     elif ns.data:
-        p = Path(ns.data)
+        p = Path(ns.data).expanduser()  # as the loader reads it (a YAML config may say ~/corpus.txt)
         if not p.is_file():
             raise ValueError(f"--data {ns.data}: no such file")
         from geomesh_p2p.data.corpus import DataError, check_data_suffix

@@ -199,3 +199,14 @@ def test_a_demo_rerun_starts_clean_but_keeps_keys(tmp_path):
     (tmp_path / "ckpt0" / "ckpt-00000004.json").write_text("{}")
     _clean_workdir(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(kept)
+
+
+def test_a_data_path_under_home_is_read_as_the_loader_reads_it(tmp_path, monkeypatch):
+    """``--data ~/t.txt`` (e.g. from a YAML config, where no shell expands ``~``) is fingerprinted from the
+    file the loader opens; it used to fail at start with "no such file"."""
+    from peer import node_cli
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "t.txt").write_text("some text")
+    run = node_cli.run_config_from(_join_ns("--data", "~/t.txt"))
+    assert run.data.startswith("t.txt:9:")
