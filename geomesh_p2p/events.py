@@ -80,6 +80,8 @@ kind                         where                            fields
 ``resumed_from_checkpoint``  node._resume_from                peer, round, digest
 ``run_not_done``             node (a swarm that ended)        peer, round, rounds_trained, synced,
                                                               cause, exit_code
+``serving_last_parts``       node.PeerNode._serve_last_parts  peer, round, readers (PeerIDs still pulling),
+                                                              wait_s (the most it waits)
 ``stalled_round_not_blamed`` round.driver.exchange            peer, round, stalled_s, window_s
 ``state_downloaded``         round.policy._catch_up           peer, round, donors (addresses), digest,
                                                               vote (``standing`` | ``fresh`` | ``solo``)

@@ -366,6 +366,7 @@ class CollectiveService(OwnerService):
         return res
 
     async def _pull(self, spec: CollectiveSpec, j: int) -> Optional[wire.Buffer]:
+        await self._before_pull(spec, j)
         owner = spec.owners[j]
         helpers = [
             o.address

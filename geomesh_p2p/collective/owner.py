@@ -49,6 +49,8 @@ class _OwnedPart:
     closing_early: bool = False  # every established participant pushed: the close is scheduled
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     signed_result: Optional[bytes] = None
+    #: PeerIDs this owner handed the result to (a pull answered ready): what a leaving owner waits for
+    pulled_by: set = field(default_factory=set)
 
     def result(self) -> bytes:
         """The signed result (envelope bytes), once ``ready`` is set (it is set only after the result is built).
@@ -144,6 +146,7 @@ class OwnerService:
         self._round_events: dict[int, asyncio.Event] = {}
         self._held = 0
         self._tasks = TaskOwner(f"collective {_short(self.peer_id)}")
+        self._pulled = asyncio.Event()  # set at every result handed out (linger's wake-up)
         # Keys (round, peer, what, code): a caller retrying the same bad push logs one line.
         self._log_once = LogOnce(log, capacity=10_000)
         # Inner signatures (contributions, part results) are checked without skew or replay
@@ -198,6 +201,31 @@ class OwnerService:
     def rounds_kept(self) -> list[int]:
         return sorted(self._rounds)
 
+    def unserved(self) -> dict[int, list[str]]:
+        """Of the newest round registered here: owned part index -> the round's other participants that have
+        not pulled that part's result from this owner yet (sorted PeerIDs). Empty when there is no round, or
+        every owned part went to every other participant."""
+        state = self._rounds.get(self._newest) if self._newest is not None else None
+        if state is None:
+            return {}
+        others = [p for p in state.spec.participants if p != self.peer_id]
+        out = {idx: sorted(p for p in others if p not in part.pulled_by) for idx, part in state.parts.items()}
+        return {idx: left for idx, left in out.items() if left}
+
+    async def linger(self, until: float) -> dict[int, list[str]]:
+        """Keep serving the newest round's owned parts until every other participant pulled each of them, or
+        until ``until`` (swarm seconds): a leaving owner that stopped at once cut off the slower peers still
+        pulling its part (rs9: the last round's owner exited while a peer on a 4.6 Mbit/s link pulled, and
+        that peer ended on another digest). Returns what is left unserved (:meth:`unserved`); waits on
+        pulls, not a poll."""
+        while True:
+            left = self.unserved()
+            remaining = until - swarm_time()
+            if not left or remaining <= 0:
+                return left
+            self._pulled.clear()
+            await wait_event(self._pulled, remaining)
+
     async def close(self) -> None:
         """Cancel background tasks (deadline timers, reductions). The transport is the caller's."""
         await self._tasks.close()
@@ -205,6 +233,9 @@ class OwnerService:
     # ---------------------------------------------------------------- test hooks (fault injection)
     async def _before_push(self, spec: CollectiveSpec, part: int) -> None:
         """Called before this node delivers part ``part`` (also its own). Tests override it."""
+
+    async def _before_pull(self, spec: CollectiveSpec, part: int) -> None:
+        """Test hook (fault injection): called before this node pulls ``part``'s result."""
 
     async def _before_reduce(self, spec: CollectiveSpec, part: int) -> None:
         """Called when an owned part closed, before its result is built. Tests override it."""
@@ -421,6 +452,8 @@ class OwnerService:
                 if not await wait_event(part.ready, left):
                     return not_ready.SerializeToString()
                 signed = part.result()
+                part.pulled_by.add(caller)
+                self._pulled.set()
             head = collective_pb2.PullPartResponse(
                 round=req.round, part=req.part, ready=True, held_s=time.monotonic() - t0
             ).SerializeToString()

@@ -373,6 +373,12 @@ class RoundDriver:
     def me(self) -> str:
         return self.membership.me
 
+    @property
+    def last_plan(self) -> Optional[RoundPlan]:
+        """The plan of the last round this peer exchanged and applied (None before its first): a leaving node
+        keeps serving that round's parts until its exchange deadline (``PeerNode.shutdown``)."""
+        return self._last_plan
+
     def _backoff(self) -> Backoff:
         return Backoff(self.cfg.backoff_first_s, max(self.cfg.backoff_first_s, self.cfg.backoff_cap_s))
 

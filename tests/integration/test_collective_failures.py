@@ -38,6 +38,7 @@ class Faulty(CollectiveService):
         super().__init__(transport, **kw)
         self.push_fault = None  # async (spec, part) -> None, before delivering a part
         self.reduce_fault = None  # async (spec, part) -> None, before an owned part is reduced
+        self.pull_fault = None  # async (spec, part) -> None, before pulling a part's result
         self.delivered: dict[int, asyncio.Event] = {}
         self.reached = asyncio.Event()  # set by faults that mark "the failure point is reached"
 
@@ -51,6 +52,10 @@ class Faulty(CollectiveService):
     async def _before_reduce(self, spec, part):
         if self.reduce_fault is not None:
             await self.reduce_fault(spec, part)
+
+    async def _before_pull(self, spec, part):
+        if self.pull_fault is not None:
+            await self.pull_fault(spec, part)
 
     async def _deliver(self, state, j, delta, tokens, uploads=None):
         ok = await super()._deliver(state, j, delta, tokens, uploads)
@@ -318,3 +323,45 @@ async def test_owner_gone_after_serving_some_peers_the_rest_get_its_signed_resul
     owner_gone.set()
     outs = {k: await t for k, t in tasks.items()}
     check_survivors(sw, spec, deltas, tokens, outs, missing=[])
+
+
+async def test_a_leaving_owner_serves_its_parts_until_a_slow_reader_pulled_them(swarm):
+    """rs9: the last round's owner exited as soon as its own exchange ended, while a peer on a slow link was
+    still pulling its part; that peer ended the run on another digest. ``linger`` (what a leaving node runs
+    before its server stops) waits for every other participant's pull, or for its bound."""
+    sw = await swarm(n_servers=2, n_clients=0)
+    spec, deltas, tokens = setup_round(sw)
+    owner, reader = sw.services
+    gate = asyncio.Event()
+
+    async def slow_link(spec_, part):  # the reader's pulls of the owner's parts wait for the gate
+        if spec_.owners[part].peer_id == sw.pids[0]:
+            await gate.wait()
+
+    reader.pull_fault = slow_link
+    outs = start_round(sw, spec, deltas, tokens, [0, 1])
+    await outs[0]  # the owner's own exchange is over
+    mine = [j for j, o in enumerate(spec.owners) if o.peer_id == sw.pids[0]]
+    assert mine and owner.unserved() == {j: [sw.pids[1]] for j in mine}
+    lingering = asyncio.ensure_future(owner.linger(spec.deadline + 30))
+    await asyncio.sleep(0.2)
+    assert not lingering.done()  # the reader has not pulled yet
+    gate.set()
+    await outs[1]
+    assert await asyncio.wait_for(lingering, 10) == {}
+    assert owner.unserved() == {}
+
+
+async def test_linger_stops_at_its_bound_when_a_reader_never_pulls(swarm):
+    sw = await swarm(n_servers=2, n_clients=0)
+    spec, deltas, tokens = setup_round(sw)
+    owner, reader = sw.services
+    reader.pull_fault = lambda spec_, part: hang_forever()
+    outs = start_round(sw, spec, deltas, tokens, [0, 1])
+    await outs[0]
+    t0 = time.monotonic()
+    left = await owner.linger(time.time() + 0.5)
+    assert 0.4 <= time.monotonic() - t0 < 10
+    assert left and all(v == [sw.pids[1]] for v in left.values())
+    outs[1].cancel()
+    await asyncio.gather(outs[1], return_exceptions=True)
