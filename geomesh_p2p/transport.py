@@ -1110,6 +1110,10 @@ class Transport:
                 if lost and retry and not self._closed and deadline - time.monotonic() > 0.001:
                     retry = False
                     log.debug("%s to %s: connection lost (%s); redialling once", method, address, e.details())
+                    # Signed afresh: the first try may have reached the server before the connection broke,
+                    # and the same nonce again is refused as a replay (rs9: a pull retried this way got
+                    # ALREADY_EXISTS, the reader zeroed the part and left the swarm's digest).
+                    request = await self._signed(round=round, kind=method, payload=payload)
                     continue
                 raise RpcError(address, method, e.code(), e.details() or "", unreachable=lost) from None
         self.stats.calls += 1

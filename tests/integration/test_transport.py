@@ -369,3 +369,51 @@ async def test_bulk_and_control_calls_use_separate_connections():
     finally:
         await client.stop()
         await server.stop()
+
+
+async def test_a_call_retried_after_a_lost_connection_is_signed_afresh():
+    """rs9: the connection broke after the owner had handled a pull; the transport's one retry re-sent the
+    same signed bytes, the owner refused them as a replay (ALREADY_EXISTS: nonce already seen), and the
+    reader zeroed that part. The retry is now signed again (a new nonce) and answered."""
+    handled = []
+
+    async def record(verified, context) -> bytes:
+        handled.append(verified.payload)
+        return b"ok"
+
+    server = Transport(Identity.generate(), RUN)
+    server.add_unary(DHT_FIND, record)
+    address = await server.start()
+    client = Transport(Identity.generate(), RUN, TransportConfig(client_only=True))
+    real_channel = client._channel
+    tries = []
+
+    class _LosesFirstReply:  # the first reply is lost after the server handled the request
+        def __init__(self, channel):
+            self.channel = channel
+
+        def unary_unary(self, method, **kw):
+            mc = self.channel.unary_unary(method, **kw)
+
+            async def call(request, timeout=None):
+                reply = await mc(request, timeout=timeout)
+                tries.append(request)
+                if len(tries) == 1:
+                    raise grpc.aio.AioRpcError(
+                        grpc.StatusCode.UNAVAILABLE,
+                        grpc.aio.Metadata(),
+                        grpc.aio.Metadata(),
+                        details="Connection reset by peer",
+                    )
+                return reply
+
+            return call
+
+    client._channel = lambda addr, lane="control": _LosesFirstReply(real_channel(addr, lane))
+    try:
+        reply = await client.call(address, DHT_FIND, b"x", timeout=5)
+        assert reply.payload == b"ok" and handled == [b"x", b"x"]
+        assert len(tries) == 2 and tries[0] != tries[1]  # another nonce (and signature)
+    finally:
+        await client.stop()
+        await server.stop()
