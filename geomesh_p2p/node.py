@@ -126,10 +126,9 @@ IDENTITY_PING_TIMEOUT_S = 3.0
 #: Exit code of a peer whose run ended on a state that is not the swarm's (the swarm ended while it was behind,
 #: or its last rounds were trained on a state the others never had): docs/round.md, "A stalled peer and a swarm that ended".
 EXIT_NOT_SYNCED = 3
-#: A leaving peer serves its last round's parts to peers still pulling them at most this long (seconds; the
-#: round's exchange deadline bounds it first), then lets the results handed out finish for LINGER_GRACE_S.
+#: A leaving peer serves its last round's parts to peers still pulling them, and lets the results it handed
+#: out finish on the wire, until that round's exchange deadline and at most this long (seconds).
 MAX_LINGER_S = 120.0
-LINGER_GRACE_S = 5.0
 #: A planned-out peer re-probes its link at most this often (seconds), and gives a probe this long.
 REPROBE_MIN_INTERVAL_S = 20.0
 REPROBE_TIMEOUT_S = 10.0
@@ -1217,7 +1216,7 @@ class PeerNode(NodeRoundPolicy):
         await self._final_checkpoint()
         if self.cfg.summary_json:
             self.write_summary(self.cfg.summary_json)
-        lingered = await self._serve_last_parts()
+        grace = await self._serve_last_parts()
         try:
             if getattr(self, "looplag", None) is not None:
                 await self.looplag.stop()
@@ -1229,51 +1228,53 @@ class PeerNode(NodeRoundPolicy):
                 clock.follow(None)  # keep the last measured offset, drop the reference to this DHT
                 await self.dht.shutdown()
         finally:
-            # after a linger, the last results handed out may still be on a slow link: give them time
-            await self.transport.stop(grace=LINGER_GRACE_S if lingered else 0.5)
+            # results handed out may still be on a slow link: the server's stop waits for calls in flight up to
+            # the last round's exchange deadline (it returns as soon as none is left)
+            await self.transport.stop(grace=grace)
             round_log = getattr(self, "round_log", None)
             if round_log is not None:
                 round_log.close()
             events.close_sink(getattr(self, "event_sink", None))
             self.transport = None
 
-    async def _serve_last_parts(self) -> bool:
+    async def _serve_last_parts(self) -> float:
         """Before the server stops: keep serving the last round's owned parts to participants still pulling
-        them (a slow link, a uniform-H method's slow peer), until each has or the round's exchange deadline
-        (at most :data:`MAX_LINGER_S`). One INFO line when it waits, one more if some never pulled. Returns
-        whether it waited. A second Ctrl+C ends the wait (the process exits)."""
+        them (a slow link, a uniform-H method's slow peer), until each has been handed them or the round's
+        exchange deadline passed (at most :data:`MAX_LINGER_S`), with one INFO line when it waits and one
+        more if some never pulled. Returns the grace (seconds) the server's stop gives calls still in flight:
+        a result handed out is still on the wire (rs10: a 2.8 MB relay result on a 4.64 Mbit/s link was cut
+        by the 0.5 s grace), so until that deadline, at least 0.5 s. A second Ctrl+C ends the wait."""
         collective = getattr(self, "collective", None)
         plan = getattr(getattr(self, "_round_driver", None), "last_plan", None)
         if collective is None or plan is None or not hasattr(collective, "linger"):
-            return False
-        left = collective.unserved()
+            return 0.5
         until = min(float(plan.exchange_deadline), swarm_time() + MAX_LINGER_S)
-        if not left or until <= swarm_time():
-            return False
-        readers = sorted({p for ps in left.values() for p in ps})
-        events.emit(
-            log,
-            logging.INFO,
-            "serving_last_parts",
-            "round %d: %d peer(s) still pulling this peer's %d part(s) (%s); serving them for at most %.0f s",
-            plan.round,
-            len(readers),
-            len(left),
-            ", ".join(p[:10] for p in readers[:5]),
-            until - swarm_time(),
-            peer=self.me,
-            round=plan.round,
-            readers=readers,
-            wait_s=until - swarm_time(),
-        )
-        left = await collective.linger(until)
-        if left:
-            log.info(
-                "round %d: %d peer(s) did not pull this peer's parts by the exchange deadline; stopping",
+        left = collective.unserved()
+        if left and until > swarm_time():
+            readers = sorted({p for ps in left.values() for p in ps})
+            events.emit(
+                log,
+                logging.INFO,
+                "serving_last_parts",
+                "round %d: %d peer(s) still pulling this peer's %d part(s) (%s); serving them for at most %.0f s",
                 plan.round,
-                len({p for ps in left.values() for p in ps}),
+                len(readers),
+                len(left),
+                ", ".join(p[:10] for p in readers[:5]),
+                until - swarm_time(),
+                peer=self.me,
+                round=plan.round,
+                readers=readers,
+                wait_s=until - swarm_time(),
             )
-        return True
+            left = await collective.linger(until)
+            if left:
+                log.info(
+                    "round %d: %d peer(s) did not pull this peer's parts by the exchange deadline; stopping",
+                    plan.round,
+                    len({p for ps in left.values() for p in ps}),
+                )
+        return max(0.5, until - swarm_time())
 
     def summary(self) -> dict:
         h = self.history
