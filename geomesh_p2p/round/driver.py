@@ -1184,20 +1184,24 @@ class RoundDriver:
         except FloatingPointError as e:
             # The global weights give a non-finite loss (e.g. a hostile update blew them up): this peer has
             # nothing sound to contribute this round, but it keeps serving and following the swarm.
-            events.emit(
-                log,
-                logging.WARNING,
-                "contributing_nothing",
-                "round %d: %s; contributing nothing this round",
-                r,
-                e,
-                peer=self.me,
-                round=r,
-                reason="loss_not_finite",
-                detail=str(e),
-            )
+            self._say_loss_not_finite(r, e)
             await self._reset_to_start(ctx)
             return None, no_work(time.perf_counter() - t_train)
+
+    def _say_loss_not_finite(self, r: int, e: FloatingPointError) -> None:
+        """The one WARNING of inner steps stopped by a non-finite loss (event ``contributing_nothing``)."""
+        events.emit(
+            log,
+            logging.WARNING,
+            "contributing_nothing",
+            "round %d: %s; contributing nothing this round",
+            r,
+            e,
+            peer=self.me,
+            round=r,
+            reason="loss_not_finite",
+            detail=str(e),
+        )
 
     async def _reset_to_start(self, ctx: RoundContext) -> None:
         """The model back at this round's start weights: its own eager start (``ctx.start``) or the global ones."""
@@ -1260,18 +1264,7 @@ class RoundDriver:
                 )
             )
         except FloatingPointError as e:
-            events.emit(
-                log,
-                logging.WARNING,
-                "contributing_nothing",
-                "round %d: %s; contributing nothing this round",
-                spec.round,
-                e,
-                peer=self.me,
-                round=spec.round,
-                reason="loss_not_finite",
-                detail=str(e),
-            )
+            self._say_loss_not_finite(spec.round, e)
             await asyncio.to_thread(cast(EagerStatePort, self.state).load_model, spec.start)
             return no_work(time.perf_counter() - t_train)
         finally:
