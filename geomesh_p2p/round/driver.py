@@ -400,14 +400,42 @@ class RoundDriver:
     async def run(self) -> None:
         """Rounds until done. Catches up first whenever the swarm holds a later round. A background
         evaluation still running at the end is waited for (its thread cannot be cancelled)."""
+        watcher = asyncio.ensure_future(self._say_leaving_on_stop())
         try:
             await self._rounds()
         finally:
+            watcher.cancel()
+            await asyncio.gather(watcher, return_exceptions=True)
             # Eager: speculative steps of a round that will not run stop; the model holds the global weights.
             await self._drop_speculative("the run ends")
             if self._eval_task is not None:
                 await asyncio.gather(self._eval_task, return_exceptions=True)
                 self._eval_task = None
+
+    async def _say_leaving_on_stop(self) -> None:
+        """On a stop request (Ctrl+C, SIGTERM), announce at once that this peer leaves: the round under way
+        is still finished (its plan names this peer), but no leader plans the next one with it. Announced
+        only at the round's end, a stop landing late in a round raced the others' gather of the next one: a
+        leader could plan a peer that was about to exit (a fresh-user trial: with ``--eager`` half the model
+        went without an update that round, and the leaving peer was penalised as a no-show)."""
+        await self.stop.wait()
+        if self.leaving or self.ended is not None:
+            return
+        self._leave()
+        events.emit(
+            log,
+            logging.INFO,
+            "leaving_announced",
+            "round %d: stop requested; announcing now that this peer leaves (the round under way is finished)",
+            self.state.round,
+            peer=self.me,
+            round=self.state.round,
+            reason="stop",
+        )
+        try:
+            await self.membership.announce()
+        except Exception as e:  # the round's end announces it again
+            log.debug("announcing that this peer leaves failed: %r", e)
 
     async def _rounds(self) -> None:
         expected: set[str] = set()
@@ -1465,9 +1493,10 @@ class RoundDriver:
         self.policy.after_outer_step(r, plan, a, result, ar)
         sent1, recv1 = self.traffic()
         last = self.cfg.rounds is not None and r + 1 >= self.cfg.rounds
-        if self.stop.is_set() or last:
+        if (self.stop.is_set() or last) and not self.leaving:
             # Say so with the new round's record, before the others gather for it (every way of leaving
-            # announces before the next gather; --target-ppl right after the evaluation below).
+            # announces before the next gather; --target-ppl right after the evaluation below; a stop request
+            # already said so when it came: _say_leaving_on_stop).
             self._leave()
             events.emit(
                 log,

@@ -426,8 +426,8 @@ async def test_stop_in_each_phase_ends_cleanly(phase):
         assert p.drv.history == []
     else:  # a round that had a plan is finished (its parts stay served), then the peer leaves
         assert len(p.drv.history) == 1 and p.round == 1
-        # a stop before the round's announcement says so with the record of round 1 (after it: at shutdown)
-        assert p.leaving is (phase != "finish")
+        # a stop request announces at once that the peer leaves, whatever the phase (_say_leaving_on_stop)
+        assert p.leaving
     if phase in ("plan", "train"):
         # stopped before its inner steps (plan: at the start of the agreement, so none start on a
         # provisional plan during the settle)
@@ -665,3 +665,19 @@ async def test_a_late_contributor_whose_record_expired_or_deadline_passed_gets_t
     members = await drv.gather({leader.me, slow.me}, first=False)
     assert [m.peer_id for m in members] == [leader.me]
     assert 1.0 < clock.t - t0 < 1.1  # gather_wait_s
+
+
+async def test_a_stop_request_is_announced_at_once_not_at_the_rounds_end():
+    """A stop during the inner steps is announced (record ``leaving``) before the round's exchange: announced
+    only at the round's end it raced the others' gather of the next round, and a leader could plan a peer
+    about to exit (fresh-user trial, with --eager: half the model without an update that round)."""
+    swarm = Swarm()
+    (p,) = _peers(1, swarm)
+    seen_at_exchange = []
+    p.hooks["train"] = p.stop.set
+    p.hooks["exchange"] = lambda: seen_at_exchange.append(swarm.records[p.me].leaving)
+    with events.capture("leaving_announced") as said:
+        await asyncio.wait_for(p.driver(rounds=5, min_peers=1).run(), 30)
+    assert seen_at_exchange == [True]
+    assert [(e["reason"], e["round"]) for e in said] == [("stop", 0)]  # said once, while round 0 ran
+    assert len(p.drv.history) == 1  # the round under way was still finished
