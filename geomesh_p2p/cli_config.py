@@ -265,7 +265,9 @@ def flag_specs(
             else:
                 kw.update(action="store_true", default=default)
         elif typing.get_origin(ann) is list and cli.get("parse") not in ("batch_list", "file"):
-            kw.update(action="append", default=list(default or []), type=PARSERS.get(cli.get("parse", ""), str))
+            kw.update(
+                action=_AppendOverDefault, default=list(default or []), type=PARSERS.get(cli.get("parse", ""), str)
+            )
         else:
             if typing.get_origin(ann) is Literal:
                 kw["choices"] = list(typing.get_args(ann))
@@ -300,6 +302,19 @@ def derived_fields(model: type[BaseModel]) -> dict[str, str]:
         if cli is not None and cli.get("flag") is None:
             out[name] = cli["derived_from"]
     return out
+
+
+class _AppendOverDefault(argparse._AppendAction):
+    """argparse's ``append``, except that the first use on the command line replaces the default list (a
+    config file's ``bootstrap: [...]``) instead of adding to it: the command line wins, as for every other
+    flag (a fresh-user trial joined through a config file's bootstrap *and* the one given on the command
+    line). Later uses append."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        current = getattr(namespace, self.dest, None)
+        items = [] if current is None or current is self.default else list(current)
+        items.append(values)
+        setattr(namespace, self.dest, items)
 
 
 def add_flags(parser, specs: list[FlagSpec], title: Optional[str] = None) -> None:
@@ -353,7 +368,7 @@ def to_argv(ns: argparse.Namespace, specs: list[FlagSpec]) -> list[str]:
             out += [] if v else [s.flag]
         elif v is None:
             continue
-        elif action == "append":
+        elif action in ("append", _AppendOverDefault):
             for x in v:
                 out += [s.flag, str(x)]
         elif isinstance(v, list):

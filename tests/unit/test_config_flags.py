@@ -116,6 +116,14 @@ def test_flag_beats_config_file_beats_default(tmp_path):
     assert run.window_s == 9.0 and node.memory_budget_bytes == 2 * 2**30  # file
     assert node.bootstrap == ["127.0.0.1:31337"]
     assert run.inner_lr == RunConfig().inner_lr == 1e-3 and node.port == 0  # default
+    # a list flag given on the command line replaces the file's list (it was added to it), and repeats append
+    for extra, want in (
+        (["--bootstrap", "127.0.0.1:1"], ["127.0.0.1:1"]),
+        (["--bootstrap", "127.0.0.1:1", "--bootstrap", "127.0.0.1:2"], ["127.0.0.1:1", "127.0.0.1:2"]),
+    ):
+        argv = ["join", "--config", str(cfg), *extra]
+        parser = build_parser()
+        assert node_cli.node_config_from(with_config_file(parser, parser.parse_args(argv), argv)).bootstrap == want
 
 
 def test_bootstrap_flag_beats_config_file_beats_default(tmp_path):
