@@ -77,6 +77,8 @@ kind                         where                            fields
                                                               sender, code, reason
 ``record_not_admitted``      admission (once per record)      peer (the record's), reason
 ``residual_zeroed``          round.driver._drop_feedback      peer, round
+``resumed_behind_swarm``     node._warn_if_resumed_behind     peer, round (resumed at), swarm_round (the
+                                                              bootstrap's), bootstrap
 ``resumed_from_checkpoint``  node._resume_from                peer, round, digest
 ``run_not_done``             node (a swarm that ended)        peer, round, rounds_trained, synced,
                                                               cause, exit_code

@@ -721,6 +721,7 @@ class PeerNode(NodeRoundPolicy):
             ck = await asyncio.to_thread(gstate.load_latest_checkpoint, self.cfg.checkpoint_dir)
             if ck is not None:
                 await self._resume_from(ck)
+                await self._warn_if_resumed_behind()
                 return
             log.info("--resume: no checkpoint in %s, starting fresh", self.cfg.checkpoint_dir)
         # Fresh peer: join the swarm's state if it already trained, else the seed's.
@@ -780,6 +781,35 @@ class PeerNode(NodeRoundPolicy):
                 "error feedback: %s",
                 "residual resumed from the checkpoint" if got == "loaded" else f"residual starts at zero ({got})",
             )
+
+    async def _warn_if_resumed_behind(self) -> None:
+        """After ``--resume``: when no other peer of the run is live but a bootstrap saw the run at a later
+        round than the checkpoint's, say so in one WARNING (event ``resumed_behind_swarm``): this peer now
+        trains alone from an older state, a fork of the run if its peers come back (a fresh-user trial resumed
+        round 6 of a run that had reached round 12, untold). Live peers at a later round need no line: the
+        first round's behind-check catches up to them."""
+        if [r for r in await self.peers() if r.peer_id != self.me]:
+            return
+        prog = await swarm_progress(self.dht, self.run_cfg.run_id)
+        if prog is None or prog.round <= self.round:
+            return
+        events.emit(
+            log,
+            logging.WARNING,
+            "resumed_behind_swarm",
+            "resumed at round %d, but bootstrap %s saw run %r at round %d and no peer of it is live now: this peer "
+            "trains alone from an older state (a fork of the run if its peers come back); to continue the run, "
+            "resume from a checkpoint of round %d, or wait for its peers (--on-empty-swarm wait, without --resume)",
+            self.round,
+            prog.by[:8] or "?",
+            self.run_cfg.run_id,
+            prog.round,
+            prog.round,
+            peer=self.me,
+            round=self.round,
+            swarm_round=prog.round,
+            bootstrap=prog.by,
+        )
 
     async def _on_empty_swarm(self) -> None:
         """No other live peer of this run (issue 14 #2): when a bootstrap saw the run at round N > 0

@@ -304,3 +304,17 @@ async def test_a_leaving_peer_serves_its_last_parts_and_gives_the_replies_until_
     assert 28 < grace <= 30  # nothing left to hand out, but what was handed out may still be on the wire
     node._round_driver = SimpleNamespace(last_plan=SimpleNamespace(round=4, exchange_deadline=deadline - 60))
     assert await node._serve_last_parts() == 0.5  # the deadline passed: the readers gave up already
+
+
+async def test_resuming_behind_a_run_the_bootstrap_saw_further_along_says_so(monkeypatch):
+    """--resume from round 6 of a run a bootstrap saw at round 12, no peer live: one WARNING naming both
+    rounds (the peer trains alone from an older state); nothing when the checkpoint is the newest round."""
+    node, _ = _empty_swarm_node(monkeypatch, _progress(12), peers_seq=[[]])
+    node.round = 6
+    with events.capture("resumed_behind_swarm") as said:
+        await node._warn_if_resumed_behind()
+    assert [(e["round"], e["swarm_round"]) for e in said] == [(6, 12)]
+    node.round = 12
+    with events.capture("resumed_behind_swarm") as said:
+        await node._warn_if_resumed_behind()
+    assert said == []
