@@ -323,11 +323,13 @@ def trust_warning(ns: argparse.Namespace) -> str | None:
         trusting.append("--aggregation mean lets one contributor steer the update")
     if not trusting:
         return None
-    return (
-        "open run (no --allow-peers): "
-        + "; ".join(trusting)
-        + ". Use the defaults (--mode relay --aggregation meanmed) unless every peer is trusted (docs/security.md)"
+    advice = (
+        # --eager refuses relay mode for the sign methods (docs/eager.md): the defaults are not an option there
+        ". --eager needs --mode reencode: use it only when every peer is trusted (docs/security.md, docs/eager.md)"
+        if getattr(ns, "eager", False)
+        else ". Use the defaults (--mode relay --aggregation meanmed) unless every peer is trusted (docs/security.md)"
     )
+    return "open run (no --allow-peers): " + "; ".join(trusting) + advice
 
 
 def _is_loopback(host: str) -> bool:
