@@ -236,14 +236,15 @@ async def _serve(ns: argparse.Namespace, identity, allow_peers, tls, stop: async
 
     async def refresh_progress() -> int:
         """The swarm's round and run-config hash, published and kept for the state file; returns the number
-        of live, not leaving, peers. From the records that hold a state (leaving ones count: each is the last
-        round its peer finished), :func:`progress_of` takes the config most of them announce and its newest
-        round. That is the truth when a live peer of that config is among them; with only leaving ones it may
-        only raise the remembered round: their records expire one by one, and a peer that stopped while
-        waiting for the swarm announces round 0 as it leaves; neither may make the bootstrap forget."""
+        of live, not leaving, peers. From the live records and those of leaving peers that held a state (each
+        is the last round its peer finished), :func:`progress_of` takes the config most of them announce and
+        its newest round. That is the truth when a live peer of that config is among them; with only leaving
+        ones it may only raise the remembered round: their records expire one by one, and a peer that stopped
+        while waiting for the swarm announces round 0 as it leaves; neither may make the bootstrap forget."""
         nonlocal progress
         recs = await live_peers(node, ns.run_id, include_leaving=True)
-        held = [r for r in recs if r.weights_digest]  # peers that hold (or held, leaving) a state of the run
+        # live records, and the records of leaving peers that held a state (the last round each finished)
+        held = [r for r in recs if not r.leaving or r.weights_digest]
         now = progress_of(held, me, time.time())  # the config most records announce, and its round
         live = now is not None and any(not r.leaving and (r.run_config_hash or "") == now.config_hash for r in held)
         if now is not None and (live or progress is None or now.round > progress.round):
