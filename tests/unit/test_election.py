@@ -51,6 +51,13 @@ def _record_of(peer_id: str, ledger: Standing):
     )
 
 
+def _obtain(dht, ident, members, **kw):
+    """``obtain_plan`` of round 3 for ``ident`` over ``dht``, with this file's planner, plan timeout and settle."""
+    return obtain_plan(
+        PlanStore(dht.view(), ident, RUN), 3, members, _planner(3), plan_timeout_s=T, settle_s=0.05, **kw
+    )
+
+
 def _pair():
     ids = [Identity.generate(), Identity.generate()]
     return ids, [_record(i, 1.0) for i in ids]
@@ -62,13 +69,10 @@ async def test_two_members_that_defer_to_each_other_publish_as_last_resort_and_f
     dht = MemoryDHT()
 
     async def attempt(ident, other, last_resort):
-        return await obtain_plan(
-            PlanStore(dht.view(), ident, RUN),
-            3,
+        return await _obtain(
+            dht,
+            ident,
             members,
-            _planner(3),
-            plan_timeout_s=T,
-            settle_s=0.05,
             candidates=[other],
             last_resort=last_resort,
         )
@@ -101,23 +105,17 @@ async def test_a_last_resort_waits_for_a_candidate_that_publishes_in_its_turn():
 
     async def candidate(pid):  # the second candidate publishes at its turn (the first is silent)
         ident = next(i for i in ids if str(i.peer_id) == pid)
-        return await obtain_plan(
-            PlanStore(dht.view(), ident, RUN),
-            3,
+        return await _obtain(
+            dht,
+            ident,
             members,
-            _planner(3),
-            plan_timeout_s=T,
-            settle_s=0.05,
             candidates=order,
         )
 
-    follower = obtain_plan(
-        PlanStore(dht.view(), newcomer, RUN),
-        3,
+    follower = _obtain(
+        dht,
+        newcomer,
         members,
-        _planner(3),
-        plan_timeout_s=T,
-        settle_s=0.05,
         candidates=order,
         last_resort=[pids[2]],
     )
@@ -133,13 +131,10 @@ async def test_a_last_resort_never_publishes_when_a_plan_it_refuses_exists():
     a, b = (str(i.peer_id) for i in ids)
     dht = MemoryDHT()
     await PlanStore(dht.view(), ids[1], RUN).publish(_planner(3)(members, b))
-    got = await obtain_plan(
-        PlanStore(dht.view(), ids[0], RUN),
-        3,
+    got = await _obtain(
+        dht,
+        ids[0],
         members,
-        _planner(3),
-        plan_timeout_s=T,
-        settle_s=0.05,
         candidates=[b],
         last_resort=[a],
         accept=lambda plan: "refused by this test",
@@ -157,13 +152,10 @@ async def test_a_refused_plan_of_a_non_member_does_not_hold_the_last_resort():
     dht = MemoryDHT()
     forged = _planner(3)(members + [_record(sybil, 1.0)], str(sybil.peer_id))
     assert await PlanStore(dht.view(), sybil, RUN).publish(forged)
-    got = await obtain_plan(
-        PlanStore(dht.view(), ids[0], RUN),
-        3,
+    got = await _obtain(
+        dht,
+        ids[0],
         members,
-        _planner(3),
-        plan_timeout_s=T,
-        settle_s=0.05,
         candidates=[b],
         last_resort=[a],
         accept=lambda plan: "not a live member" if plan.leader == str(sybil.peer_id) else None,
@@ -180,13 +172,10 @@ async def test_two_last_resorts_that_refuse_each_other_do_not_both_lead():
     dht = MemoryDHT()
 
     async def attempt(ident, other):
-        return await obtain_plan(
-            PlanStore(dht.view(), ident, RUN),
-            3,
+        return await _obtain(
+            dht,
+            ident,
             members,
-            _planner(3),
-            plan_timeout_s=T,
-            settle_s=0.05,
             stagger_s=1.0,
             candidates=[other],
             last_resort=[a, b],
