@@ -125,14 +125,21 @@ class EagerPeer(trd.FakePeer):
         return d
 
 
-async def test_eager_rounds_keep_equal_digests_overlap_the_exchange_and_follow_the_equations():
-    swarm, rounds = trd.Swarm(), 5
+def _three(cls, swarm, *args):
+    """Three peers of ``cls`` (built with ``swarm``, a fresh identity and ``args``), registered as the driver
+    fakes expect: in ``trd.PEERS`` / ``trd.PEER_INDEX`` and with their records in the swarm."""
     peers = []
     for k in range(3):
-        p = EagerPeer(swarm, trd.Identity.generate(), rounds)
+        p = cls(swarm, trd.Identity.generate(), *args)
         trd.PEERS[p.me], trd.PEER_INDEX[p.me] = p, k
         swarm.records[p.me] = p.record()
         peers.append(p)
+    return peers
+
+
+async def test_eager_rounds_keep_equal_digests_overlap_the_exchange_and_follow_the_equations():
+    swarm, rounds = trd.Swarm(), 5
+    peers = _three(EagerPeer, swarm, rounds)
     await trd._run_all(peers, rounds=rounds, min_peers=3)
 
     for p in peers:
@@ -177,12 +184,7 @@ async def test_a_digest_mismatch_aborts_the_speculative_steps_and_the_next_round
 ):
     caplog.set_level("INFO", logger="geomesh_p2p.node.round")
     swarm, rounds = trd.Swarm(), 4
-    peers = []
-    for k in range(3):
-        p = EagerPeer(swarm, trd.Identity.generate(), rounds)
-        trd.PEERS[p.me], trd.PEER_INDEX[p.me] = p, k
-        swarm.records[p.me] = p.record()
-        peers.append(p)
+    peers = _three(EagerPeer, swarm, rounds)
     bad = peers[2]
     real = bad.outer_step
 
@@ -278,12 +280,7 @@ async def test_a_plan_with_another_batch_shape_restarts_the_speculative_steps_fr
     restarted round is x_m − y_m of the restarted steps, and the global state stays equal on every peer."""
     swarm, rounds = trd.Swarm(), 5
     batch_at = {2: 16}
-    peers = []
-    for k in range(3):
-        p = RecordingEagerPeer(swarm, trd.Identity.generate(), rounds, batch_at)
-        trd.PEERS[p.me], trd.PEER_INDEX[p.me] = p, k
-        swarm.records[p.me] = p.record()
-        peers.append(p)
+    peers = _three(RecordingEagerPeer, swarm, rounds, batch_at)
     await trd._run_all(peers, rounds=rounds, min_peers=3)
 
     expect = ["global", "adopted", "restarted", "restarted", "adopted"]
@@ -366,9 +363,11 @@ class StartTrackingPeer(EagerPeer):
         self.prev_alive: list[bool] = []
 
     def eager_start(self, delta, weight):
+        import gc
         import weakref
 
         if self.prev_start is not None:
+            gc.collect()  # only a live reference counts, not a dropped frame's cycle waiting for the collector
             self.prev_alive.append(self.prev_start() is not None)
         x = super().eager_start(delta, weight)
         self.prev_start = weakref.ref(x)
@@ -380,12 +379,7 @@ async def test_the_own_start_is_released_before_the_next_eager_start_allocates()
     x_m^r − y_m^r is computed, not while the exchange runs. Before the fix the round's context kept it
     through the next eager start, one more [P] (0.5 GB at 124M) on top of that call's three."""
     swarm, rounds = trd.Swarm(), 5
-    peers = []
-    for k in range(3):
-        p = StartTrackingPeer(swarm, trd.Identity.generate(), rounds)
-        trd.PEERS[p.me], trd.PEER_INDEX[p.me] = p, k
-        swarm.records[p.me] = p.record()
-        peers.append(p)
+    peers = _three(StartTrackingPeer, swarm, rounds)
     await trd._run_all(peers, rounds=rounds, min_peers=3)
     for p in peers:
         assert [row.extra["eager"]["steps"] for row in p.drv.history] == ["global"] + ["adopted"] * (rounds - 1)
