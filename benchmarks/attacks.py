@@ -1,14 +1,14 @@
 """Attack benchmark (issue 11): a clean swarm and each red-team attack, side by side in one session.
 
 Every run is real processes on 127.0.0.1 (``peer.cli join`` for honest peers, ``python -m
-geomesh_p2p.adversary join --attack A`` for attackers; tiny model, the tests' fast flags), ``--rounds``
+tests.adversary join --attack A`` for attackers; tiny model, the tests' fast flags), ``--rounds``
 rounds (default 15). For each ``--configs`` entry ``KofN`` (K attackers among N peers; default
 ``1of4,2of7``) it runs:
 
 * ``clean (N-K honest)``: the honest peers alone -- the reference of the ``x clean`` column (an attacker
   whose contribution is merely ignored leaves the honest peers exactly this swarm);
 * ``clean (N honest)``: every peer honest (what the swarm would reach with no attacker at all);
-* each attack of ``--attacks`` (default: all of :data:`geomesh_p2p.adversary.ATTACKS`) with K attackers.
+* each attack of ``--attacks`` (default: all of :data:`tests.adversary.ATTACKS`) with K attackers.
 
 and prints a markdown table: attack | config | honest eval ppl after R rounds | x clean | honest peers
 exited | digests equal among honest. ``rogue-leader`` identities are rigged so that an attacker leads the
@@ -39,7 +39,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from geomesh_p2p.adversary import ATTACKS  # noqa: E402
+from tests.adversary import ATTACKS  # noqa: E402
 from tests.attack_util import AttackSwarm, run_scenario  # noqa: E402
 
 _CURRENT: list[AttackSwarm] = []

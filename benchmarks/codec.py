@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from geomesh_p2p.compression import SignPacket, decode, encode  # noqa: E402
+from geomesh_p2p.exchange.codec import SignPacket, decode, encode  # noqa: E402
 
 NOTES = """
 Notes:

@@ -67,9 +67,9 @@ def _emit(obj) -> None:
 
 
 async def _worker(seed: int, numel: int) -> int:
-    from geomesh_p2p.collective import CollectiveService, CollectiveSpec
-    from geomesh_p2p.identity import Identity
-    from geomesh_p2p.transport import COLLECTIVE_PULL, COLLECTIVE_PUSH, Transport, TransportConfig
+    from geomesh_p2p.exchange import CollectiveService, CollectiveSpec
+    from geomesh_p2p.net.identity import Identity
+    from geomesh_p2p.net.transport import COLLECTIVE_PULL, COLLECTIVE_PUSH, Transport, TransportConfig
 
     torch.set_num_threads(1)
     ident = Identity.generate()
@@ -119,7 +119,7 @@ async def _worker(seed: int, numel: int) -> int:
 
 
 async def run_group(n: int, numel: int, block_size: int, tmp: str, deadline_s: float) -> dict:
-    from geomesh_p2p.collective import CollectiveSpec, make_partition
+    from geomesh_p2p.exchange import CollectiveSpec, make_partition
 
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
     procs = []
@@ -269,9 +269,9 @@ async def _memory_child(n: int, numel: int, block_size: int, mode_name: str) -> 
     """One all-reduce of ``mode_name`` among ``n`` in-process services; peak RSS growth and wall time."""
     import resource
 
-    from geomesh_p2p.collective import CollectiveService, CollectiveSpec, make_partition
-    from geomesh_p2p.identity import Identity
-    from geomesh_p2p.transport import Transport, TransportConfig
+    from geomesh_p2p.exchange import CollectiveService, CollectiveSpec, make_partition
+    from geomesh_p2p.net.identity import Identity
+    from geomesh_p2p.net.transport import Transport, TransportConfig
 
     _, mode, push, agg = next(m for m in MODES if m[0] == mode_name)
     ids = [Identity.generate() for _ in range(n)]

@@ -92,9 +92,9 @@ async def _worker(seed: int, numel: int, n: int, initial_peers: list[str], reads
     from hivemind.averaging.control import AveragingStage
     from hivemind.compression import Float16Compression, NoCompression
 
-    from geomesh_p2p.collective import CollectiveService, CollectiveSpec
-    from geomesh_p2p.identity import Identity
-    from geomesh_p2p.transport import Transport, TransportConfig
+    from geomesh_p2p.exchange import CollectiveService, CollectiveSpec
+    from geomesh_p2p.net.identity import Identity
+    from geomesh_p2p.net.transport import Transport, TransportConfig
 
     torch.set_num_threads(1)
     ident = Identity.generate()
@@ -196,8 +196,8 @@ async def run_group(
     max_part_mb: Optional[float] = None,
 ) -> dict:
     """Medians of wall s and CPU-s per peer for each contender, ``n`` peers."""
-    from geomesh_p2p.collective import CollectiveSpec, make_partition, max_part_elements, split_owners
-    from geomesh_p2p.transport import TransportConfig
+    from geomesh_p2p.exchange import CollectiveSpec, make_partition, max_part_elements, split_owners
+    from geomesh_p2p.net.transport import TransportConfig
 
     procs: list[JsonLineProc] = []
     try:

@@ -7,12 +7,12 @@ section that fails is reported as failed and the next one still runs):
    skipped without a GPU), outcome per test.
 2. **Codec on the device**: ``benchmarks/codec.py --device DEV`` (sign encode / decode of a
    ``--numel`` fp32 vector vs ``torch.clone`` and ``copy_`` on the same device, GB/s of fp32 input).
-3. **Start-up profile** (:func:`geomesh_p2p.capability.profile_training`, as a peer runs it at
+3. **Start-up profile** (:func:`geomesh_p2p.model.capability.profile_training`, as a peer runs it at
    start-up, with the peer's default ``--profile-batches``) for each of ``--profile-models``: the
    memory budget, the fitted static and per-sequence bytes, the max batch and tokens/s per batch;
    then the same profile under a small ``--check-budget-gib`` budget, and one real AdamW step at the
    max batch it found, whose measured peak (allocator) must stay within that budget.
-4. **Inner training step**: :class:`geomesh_p2p.training.InnerTrainer` tokens/s with bf16 autocast
+4. **Inner training step**: :class:`geomesh_p2p.model.training.InnerTrainer` tokens/s with bf16 autocast
    vs fp32, for ``--model`` (default ``gpt2-124m``), several batch sizes.
 5. **A mixed swarm**: a bootstrap, one peer on ``--device`` and one on the CPU, as OS processes on
    127.0.0.1, ``--rounds`` rounds of geomesh with ``--swarm-model``: the global weights' digests must
@@ -170,8 +170,8 @@ def profile_section(
     with one real step at the max batch found, whose allocator peak must stay within that budget (CUDA)."""
     import torch
 
-    from geomesh_p2p.capability import SHIPPED_VOCAB_SIZE, detect_device, profile_training
-    from geomesh_p2p.training import build_model
+    from geomesh_p2p.model.capability import SHIPPED_VOCAB_SIZE, detect_device, profile_training
+    from geomesh_p2p.model.training import build_model
 
     info = detect_device(device)
     dev = info.torch_device
@@ -239,7 +239,7 @@ def training_step(device: str, model: str, batches: list[int], steps: int, time_
     import torch
 
     from geomesh_p2p.data import load_dataset
-    from geomesh_p2p.training import InnerTrainer, build_model
+    from geomesh_p2p.model.training import InnerTrainer, build_model
 
     ds = load_dataset(None, seq_len=128)
     rows = [
@@ -276,7 +276,7 @@ def training_step(device: str, model: str, batches: list[int], steps: int, time_
 
 
 def swarm_step(device: str, rounds: int, workdir: Path, model: str, deadline_s: float) -> tuple[str, bool]:
-    from geomesh_p2p.procs import bootstrap_argv, wait_for_address
+    from geomesh_p2p.util.procs import bootstrap_argv, wait_for_address
 
     env = dict(
         os.environ,

@@ -71,8 +71,8 @@ def start_our_server() -> tuple[subprocess.Popen, str]:
 
 async def loopback(args, our_address: str, hivemind_maddrs) -> dict:
     from geomesh_p2p.dht import DHTNode
-    from geomesh_p2p.identity import Identity
-    from geomesh_p2p.transport import Transport, TransportConfig
+    from geomesh_p2p.net.identity import Identity
+    from geomesh_p2p.net.transport import Transport, TransportConfig
 
     value = os.urandom(args.value_bytes)
     transport = Transport(Identity.generate(), RUN, TransportConfig(host="127.0.0.1", port=0))
@@ -137,8 +137,8 @@ async def swarm(n: int, args) -> dict:
     from hivemind.dht.routing import DHTID
 
     from geomesh_p2p.dht import DHTNode, LookupStats
-    from geomesh_p2p.identity import Identity
-    from geomesh_p2p.transport import Transport, TransportConfig
+    from geomesh_p2p.net.identity import Identity
+    from geomesh_p2p.net.transport import Transport, TransportConfig
 
     rnd = random.Random(n)
     nodes = []

@@ -59,13 +59,13 @@ async def serve_peer(ns) -> None:
     """A peer-like node: every service a training peer serves, no training. Prints 'serving on ADDR'."""
     import torch
 
-    from geomesh_p2p.collective import CollectiveService
+    from geomesh_p2p.exchange import CollectiveService
     from geomesh_p2p.dht import DHTNode
-    from geomesh_p2p.identity import Identity
-    from geomesh_p2p.links import LinkProbeService
-    from geomesh_p2p.state import digest
-    from geomesh_p2p.state_sync import Snapshot, StateServer
-    from geomesh_p2p.transport import COLLECTIVE_PUSH, Transport, TransportConfig
+    from geomesh_p2p.net.identity import Identity
+    from geomesh_p2p.net.links import LinkProbeService
+    from geomesh_p2p.model.state import digest
+    from geomesh_p2p.sync.transfer import Snapshot, StateServer
+    from geomesh_p2p.net.transport import COLLECTIVE_PUSH, Transport, TransportConfig
 
     transport = Transport(Identity.generate(), ns.run_id, TransportConfig(host="127.0.0.1", port=0))
     dht = DHTNode(transport, republish_period_s=ns.republish_period)
@@ -111,12 +111,12 @@ def _fds(pid: int) -> int:
 
 class Target:
     """A target process (stopped by PID); ``address`` from its 'serving on' line
-    (:class:`geomesh_p2p.procs.ServingProcess`, its last 200 lines in ``lines``). RuntimeError when it
+    (:class:`geomesh_p2p.util.procs.ServingProcess`, its last 200 lines in ``lines``). RuntimeError when it
     does not start within 120 s."""
 
     def __init__(self, name: str, argv: list, cwd: Path, env: dict):
         # Imported here: the --serve children run this file against GEOMESH_ROOT, which may be an older tree.
-        from geomesh_p2p.procs import ServingProcess
+        from geomesh_p2p.util.procs import ServingProcess
 
         self.name = name
         self._proc = ServingProcess(name, argv, cwd=cwd, env=env, timeout=120, keep_lines=200)
@@ -146,7 +146,7 @@ def start_targets(root: Path, tmp: Path, ns) -> tuple:
         "PYTHONPATH": str(root),
         "GEOMESH_ROOT": str(root),
     }
-    from geomesh_p2p.procs import bootstrap_argv  # here: see Target (a --serve child may run an older tree)
+    from geomesh_p2p.util.procs import bootstrap_argv  # here: see Target (a --serve child may run an older tree)
 
     boot = Target(
         "bootstrap",
@@ -245,8 +245,8 @@ class Pinger:
 async def serve_pinger(ns) -> None:
     """The pinger process: one DHT ping to each NAME=ADDRESS every --interval s, one line per answer."""
     from geomesh_p2p.dht.node import DHT_PROTOCOL_VERSION
-    from geomesh_p2p.identity import Identity
-    from geomesh_p2p.transport import DHT_PING, RpcError, Transport, TransportConfig
+    from geomesh_p2p.net.identity import Identity
+    from geomesh_p2p.net.transport import DHT_PING, RpcError, Transport, TransportConfig
     from geomesh_p2p.wire import dht_pb2
 
     targets = [a.split("=", 1) for a in ns.targets]
@@ -327,8 +327,8 @@ async def _signed_raw(address: str, msg: bytes, method: str, timeout: float = 30
 
 def prepare_oversized(boot, peer, ns) -> list:
     """The signed messages of every wave, built before the flood starts (signing 100 MiB takes CPU)."""
-    from geomesh_p2p.identity import Identity
-    from geomesh_p2p.transport import COLLECTIVE_PUSH, DHT_PING, DHT_STORE
+    from geomesh_p2p.net.identity import Identity
+    from geomesh_p2p.net.transport import COLLECTIVE_PUSH, DHT_PING, DHT_STORE
     from geomesh_p2p.wire import collective_pb2
 
     blob = bytes(100 * MiB)
@@ -405,8 +405,8 @@ async def flood_connections(boot, peer, ns, n: int = 3000) -> dict:
 
 async def flood_store(boot, peer, ns) -> dict:
     from geomesh_p2p.dht.records import make_record
-    from geomesh_p2p.identity import Identity
-    from geomesh_p2p.transport import DHT_STORE, RpcError, Transport, TransportConfig
+    from geomesh_p2p.net.identity import Identity
+    from geomesh_p2p.net.transport import DHT_STORE, RpcError, Transport, TransportConfig
     from geomesh_p2p.wire import dht_pb2
 
     me = Identity.generate()
@@ -468,8 +468,8 @@ async def flood_store(boot, peer, ns) -> dict:
 async def flood_fake_pings(boot, peer, ns, n: int = 300) -> dict:
     from geomesh_p2p.dht import DHTNode
     from geomesh_p2p.dht.node import DHT_PROTOCOL_VERSION
-    from geomesh_p2p.identity import Identity
-    from geomesh_p2p.transport import DHT_FIND, DHT_PING, RpcError, Transport, TransportConfig
+    from geomesh_p2p.net.identity import Identity
+    from geomesh_p2p.net.transport import DHT_FIND, DHT_PING, RpcError, Transport, TransportConfig
     from geomesh_p2p.wire import dht_pb2
 
     fakes = {f"192.0.2.{i % 250 + 1}:{20000 + i}" for i in range(n)} | {f"127.0.0.1:{1 + i}" for i in range(n // 10)}

@@ -11,7 +11,7 @@ period), by PID. Printed, per peer, and written as JSON (``--out``):
 
 * peak RSS (the larger of the VmHWM sampled from /proc/PID/status and the ``ru_maxrss`` the kernel
   reports when the process is reaped) against the minimum the method needs
-  (:func:`geomesh_p2p.capability.method_min_memory`: weights + gradients + inner AdamW state + global
+  (:func:`geomesh_p2p.model.capability.method_min_memory`: weights + gradients + inner AdamW state + global
   weights + outer state, fp32), and the ratio (goal for geomesh: <= 1.25x);
 * per round: the worst event-loop stall (``loop_stall_ms`` of the round log, when the node writes it;
   goal <= 50 ms), round time minus compute time (exchange + outer step + digest + straggler idle;
@@ -20,7 +20,7 @@ period), by PID. Printed, per peer, and written as JSON (``--out``):
 * the joiner's download time (from the line where its start-up profile is done, its last step before
   it looks for the swarm's state, to its "downloaded state" line; polled every 0.2 s) and its peak RSS;
 * the time to write one checkpoint of the state (weights + outer state, fp32 safetensors with fsync,
-  :func:`geomesh_p2p.state.save_checkpoint`, the node's own writer) in a helper process.
+  :func:`geomesh_p2p.model.state.save_checkpoint`, the node's own writer) in a helper process.
 
 The parent process imports neither torch nor the model (its RSS would otherwise leak into the
 children's ``ru_maxrss`` through fork); model facts come from a helper process (``--helper``).
@@ -206,9 +206,9 @@ def helper(model: str, method: str, vocab_size: int) -> dict:
     checkpoint of the state (theta [P] + outer state [k*P], fp32) to a temporary directory."""
     import torch
 
-    from geomesh_p2p import state as gstate
-    from geomesh_p2p.capability import method_min_memory
-    from geomesh_p2p.training import count_params
+    from geomesh_p2p.model import state as gstate
+    from geomesh_p2p.model.capability import method_min_memory
+    from geomesh_p2p.model.training import count_params
 
     n = count_params(model, vocab_size=vocab_size)
     mins = {m: method_min_memory(n, m) for m in ("geomesh", "diloco", "ddp")}
@@ -258,7 +258,7 @@ def run_helper(model: str, method: str, vocab_size: int) -> dict:
 def run_one(model: str, method: str, args, workdir: Path, procs: Procs, results: list) -> dict:
     """Run one (model, method) swarm, append its result to ``results`` (also when interrupted) and
     return it. Raises KeyboardInterrupt after the summary when interrupted."""
-    from geomesh_p2p.procs import bootstrap_argv
+    from geomesh_p2p.util.procs import bootstrap_argv
 
     tag = f"{model}-{method}"
     d = workdir / tag

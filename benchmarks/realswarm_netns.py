@@ -40,7 +40,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from geomesh_p2p.procs import ProcGroup, bootstrap_argv, read_json_rows, wait_for_address  # noqa: E402
+from geomesh_p2p.util.procs import ProcGroup, bootstrap_argv, read_json_rows, wait_for_address  # noqa: E402
 
 # paper4 (geomesh_p2p/sim/profiles/paper4.yaml): name, speed, upload Mbit/s, one-way latency ms
 PAPER4 = [
@@ -219,7 +219,7 @@ def link_check(lab: NetLab, i: int, nbytes: int = 1_000_000) -> float:
 
 class Procs(ProcGroup):
     """Owns the processes it starts and stops each by PID (SIGINT, then SIGKILL): a
-    :class:`geomesh_p2p.procs.ProcGroup` that runs them from the repository root in sessions of their own."""
+    :class:`geomesh_p2p.util.procs.ProcGroup` that runs them from the repository root in sessions of their own."""
 
     def spawn(self, name: str, argv: list[str], log: Path) -> subprocess.Popen:
         """Start ``argv`` with its output in ``log`` (truncated)."""
@@ -603,7 +603,7 @@ def parse_sim(out: Path) -> dict:
 
 def tiny_numel() -> int:
     code = (
-        "from geomesh_p2p.training import build_model;"
+        "from geomesh_p2p.model.training import build_model;"
         "import inspect;"
         "m=build_model('tiny', vocab_size=4096);"
         "print(sum(p.numel() for p in m.parameters()))"

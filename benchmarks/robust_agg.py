@@ -27,8 +27,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import torch  # noqa: E402
 
-from geomesh_p2p import compression  # noqa: E402
-from geomesh_p2p.aggregation import aggregate_part  # noqa: E402
+from geomesh_p2p.exchange import codec as compression  # noqa: E402
+from geomesh_p2p.exchange.robust import aggregate_part  # noqa: E402
 
 
 def _packets(n: int, c: int, block: int, flip: int, seed: int = 0) -> list[tuple[int, compression.SignPacket]]:

@@ -1,7 +1,7 @@
 """Choose the aggregation rule by measurement: honest convergence and damage under attack, in the simulator.
 
 Runs the virtual-time simulator (real training of the tiny proxy, real codec and outer optimizer) on a
-profile with each aggregation rule (geomesh_p2p.aggregation.RULES) and each attack by ONE peer (the
+profile with each aggregation rule (geomesh_p2p.exchange.robust.RULES) and each attack by ONE peer (the
 fastest, which holds the largest token budget: the worst case), and prints the final eval perplexity of
 each (rule, attack) against the same rule's clean run. Every row is measured in this one run.
 
@@ -30,8 +30,8 @@ def _run(args) -> tuple[str, str, float, list[float]]:
     import torch
 
     torch.set_num_threads(1)
-    from geomesh_p2p import compression
-    from geomesh_p2p.aggregation import aggregate_part
+    from geomesh_p2p.exchange import codec as compression
+    from geomesh_p2p.exchange.robust import aggregate_part
     from geomesh_p2p.sim.engine import Simulator as SimEngine
     from geomesh_p2p.sim.hardware import load_profile
     from geomesh_p2p.sim.methods import parse_method

@@ -22,8 +22,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from geomesh_p2p.metrics import PHASES  # noqa: E402
-from geomesh_p2p.procs import join_argv  # noqa: E402
+from geomesh_p2p.telemetry.metrics import PHASES  # noqa: E402
+from geomesh_p2p.util.procs import join_argv  # noqa: E402
 
 
 def analyze(files: list[str]) -> dict:
@@ -79,7 +79,7 @@ def print_table(res: dict) -> None:
 def run_swarm(ns: argparse.Namespace) -> list[str]:
     """Start the swarm (processes owned by peer.demo.Swarm, stopped by PID at the end), wait for every
     peer to finish ``--rounds``; returns the peers' JSON row files."""
-    from geomesh_p2p.procs import bootstrap_argv
+    from geomesh_p2p.util.procs import bootstrap_argv
     from peer.demo import Swarm
 
     workdir = Path(ns.workdir)

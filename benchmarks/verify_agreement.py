@@ -1,4 +1,4 @@
-"""What verified work (geomesh_p2p/verify.py) can tell apart: the measurement behind its thresholds.
+"""What verified work (geomesh_p2p/trust/verify.py) can tell apart: the measurement behind its thresholds.
 
 Trains the tiny preset DiLoCo-style on the shipped KJV corpus: 4 peers, each with its own persistent
 inner AdamW (as the node does), ``--h-train`` inner steps per round, sign-compressed mean, outer Nesterov
@@ -33,11 +33,11 @@ import time
 
 import torch
 
-from geomesh_p2p import compression
-from geomesh_p2p import verify as V
+from geomesh_p2p.exchange import codec as compression
+from geomesh_p2p.trust import verify as V
 from geomesh_p2p.data import load_dataset
-from geomesh_p2p.optim import OuterNesterov
-from geomesh_p2p.training import InnerTrainer, build_model, flat_params, load_flat_
+from geomesh_p2p.model.optim import OuterNesterov
+from geomesh_p2p.model.training import InnerTrainer, build_model, flat_params, load_flat_
 
 CANDIDATES = (
     "honest",

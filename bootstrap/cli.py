@@ -29,10 +29,10 @@ import time
 from typing import NoReturn, Optional
 
 from geomesh_p2p import __version__
-from geomesh_p2p.cli_config import ConfigFileError, add_flags, add_log_level, flag_specs, load_config_defaults
-from geomesh_p2p.config import DEFAULT_BOOTSTRAP_IDENTITY as DEFAULT_IDENTITY  # noqa: F401  (re-exported)
-from geomesh_p2p.config import DEFAULT_BOOTSTRAP_PORT as DEFAULT_PORT  # noqa: F401
-from geomesh_p2p.config import DEFAULT_RUN_ID, BootstrapConfig  # noqa: F401
+from geomesh_p2p.config.flags import ConfigFileError, add_flags, add_log_level, flag_specs, load_config_defaults
+from geomesh_p2p.config.models import DEFAULT_BOOTSTRAP_IDENTITY as DEFAULT_IDENTITY  # noqa: F401  (re-exported)
+from geomesh_p2p.config.models import DEFAULT_BOOTSTRAP_PORT as DEFAULT_PORT  # noqa: F401
+from geomesh_p2p.config.models import DEFAULT_RUN_ID, BootstrapConfig  # noqa: F401
 
 PROG = "geomesh-bootstrap"
 #: bound (seconds) on the last read of the swarm's round when the bootstrap stops (its state file keeps it)
@@ -87,7 +87,7 @@ def _outward_host() -> str:
 
 def _fmt(host: str, port: int) -> str:
     """``host:port`` for a message (IPv6 in brackets; as given when it does not format)."""
-    from geomesh_p2p.addr import AddressError, format_address
+    from geomesh_p2p.net.addr import AddressError, format_address
 
     try:
         return format_address(host, port)
@@ -106,7 +106,7 @@ def _check(ns: argparse.Namespace) -> Optional[str]:
     """A one-line complaint about the option values, or None."""
     if not 0 <= ns.port <= 65535:
         return f"--port {ns.port}: must be between 0 and 65535"
-    from geomesh_p2p.addr import AddressError, normalize_host, parse_address
+    from geomesh_p2p.net.addr import AddressError, normalize_host, parse_address
 
     for b in ns.bootstrap:
         try:
@@ -173,12 +173,12 @@ async def serve(ns: argparse.Namespace, identity, allow_peers: Optional[list[str
 
 async def _serve(ns: argparse.Namespace, identity, allow_peers, tls, stop: asyncio.Event) -> int:
     """:func:`serve` with its stop event (set by SIGINT/SIGTERM)."""
-    from geomesh_p2p.aio import unless_set, wait_event
+    from geomesh_p2p.util.aio import unless_set, wait_event
     from geomesh_p2p.dht import DHTJoinError, DHTNode, live_peers
-    from geomesh_p2p.identity import allow_list
-    from geomesh_p2p.transport import Transport, TransportConfig
+    from geomesh_p2p.net.identity import allow_list
+    from geomesh_p2p.net.transport import Transport, TransportConfig
 
-    from geomesh_p2p.addr import is_wildcard_host
+    from geomesh_p2p.net.addr import is_wildcard_host
 
     advertise = ns.advertise_host
     if advertise is None and is_wildcard_host(ns.host):
@@ -195,7 +195,7 @@ async def _serve(ns: argparse.Namespace, identity, allow_peers, tls, stop: async
         refresh_period_s=ns.refresh_period,
         republish_period_s=ns.republish_period,
     )
-    from geomesh_p2p.links import LinkProbeService
+    from geomesh_p2p.net.links import LinkProbeService
 
     LinkProbeService(transport)  # joining peers measure their link against the bootstrap
     try:
@@ -209,8 +209,8 @@ async def _serve(ns: argparse.Namespace, identity, allow_peers, tls, stop: async
 
     status = None
     if ns.http_port is not None:
-        from geomesh_p2p.status_http import StatusServer
-        from geomesh_p2p.swarm_status import SwarmWatcher
+        from geomesh_p2p.status.http import StatusServer
+        from geomesh_p2p.status.swarm import SwarmWatcher
 
         watcher = SwarmWatcher(node, ns.run_id, poll_s=ns.http_poll, allow=allow)
         status = StatusServer(watcher, ns.http_host, ns.http_port)
@@ -329,11 +329,11 @@ def _main(argv: Optional[list[str]] = None) -> int:
     except SystemExit as e:  # --help/--version (0) or a one-line error (2)
         return int(e.code or 0)
     # gRPC's C core (its own lines on a busy port, a failed TLS handshake) is silenced when the package is
-    # imported, before grpc loads (geomesh_p2p.grpc_env); here it would be too late.
+    # imported, before grpc loads (geomesh_p2p.util.grpc_env); here it would be too late.
     logging.basicConfig(
         level=ns.log_level, format="%(asctime)s %(levelname).1s %(name)s: %(message)s", datefmt="%H:%M:%S"
     )
-    from geomesh_p2p.identity import Identity, IdentityError
+    from geomesh_p2p.net.identity import Identity, IdentityError
 
     try:
         identity = Identity.load_or_create(ns.identity)
@@ -341,7 +341,7 @@ def _main(argv: Optional[list[str]] = None) -> int:
         return _fail(f"--identity: {e}")
     allow_peers = None
     if ns.allow_peers:
-        from geomesh_p2p.admission import read_allow_file
+        from geomesh_p2p.trust.admission import read_allow_file
 
         try:
             allow_peers = read_allow_file(ns.allow_peers)
@@ -349,7 +349,7 @@ def _main(argv: Optional[list[str]] = None) -> int:
             return _fail(f"--allow-peers: {ns.allow_peers} is not UTF-8 text (byte {e.start})")
         except ValueError as e:
             return _fail(f"--allow-peers: {e}")
-    from geomesh_p2p.transport import TlsError, tls_from_flags
+    from geomesh_p2p.net.transport import TlsError, tls_from_flags
 
     try:
         tls = tls_from_flags(getattr(ns, "tls_cert", None), getattr(ns, "tls_key", None), getattr(ns, "tls_ca", None))

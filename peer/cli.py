@@ -17,8 +17,8 @@ import sys
 from typing import NoReturn
 
 from geomesh_p2p import __version__
-from geomesh_p2p.cli_config import ConfigFileError, add_log_level, load_config_defaults
-from geomesh_p2p.config import DEFAULT_IDENTITY
+from geomesh_p2p.config.flags import ConfigFileError, add_log_level, load_config_defaults
+from geomesh_p2p.config.models import DEFAULT_IDENTITY
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
@@ -111,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_identity(ns: argparse.Namespace) -> int:
-    from geomesh_p2p.identity import Identity, IdentityError
+    from geomesh_p2p.net.identity import Identity, IdentityError
 
     try:
         ident = Identity.load_or_create(ns.identity)
@@ -138,7 +138,7 @@ def with_config_file(
 
 
 def main(argv: list[str] | None = None) -> int:
-    # gRPC's C core lines are silenced when the package is imported (geomesh_p2p.grpc_env): setting
+    # gRPC's C core lines are silenced when the package is imported (geomesh_p2p.util.grpc_env): setting
     # GRPC_VERBOSITY here would be too late, grpc is loaded by then.
     parser = build_parser()
     ns = parse(parser, argv)

@@ -17,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from geomesh_p2p.procs import ProcGroup, bootstrap_argv, join_argv, read_json_rows, wait_for_address
+from geomesh_p2p.util.procs import ProcGroup, bootstrap_argv, join_argv, read_json_rows, wait_for_address
 
 
 def add_flags(p: argparse.ArgumentParser) -> None:

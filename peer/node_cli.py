@@ -11,9 +11,9 @@ import sys
 
 log = logging.getLogger("geomesh-peer")
 
-from geomesh_p2p.admission import DEFAULT_POW_BITS, MAX_POW_BITS  # noqa: F401  (re-exported for tests)
-from geomesh_p2p.cli_config import PARSERS, FlagSpec, add_flags, flag_specs, number_type, to_argv, values_from
-from geomesh_p2p.config import NODE_GROUP, RUN_GROUP, NodeConfig, RunConfig
+from geomesh_p2p.trust.admission import DEFAULT_POW_BITS, MAX_POW_BITS  # noqa: F401  (re-exported for tests)
+from geomesh_p2p.config.flags import PARSERS, FlagSpec, add_flags, flag_specs, number_type, to_argv, values_from
+from geomesh_p2p.config.models import NODE_GROUP, RUN_GROUP, NodeConfig, RunConfig
 
 # Defaults of --data-column / --data-max-bytes (kept in sync with geomesh_p2p.data.hub, which is
 # not imported here so that --help stays fast; tests/unit/test_cli.py checks they are equal).
@@ -21,7 +21,7 @@ DEFAULT_HF_COLUMN = "text"
 DEFAULT_HF_MAX_BYTES = 50_000_000
 
 # Flag types shared with the other commands (profile, status, the demo); the config models' flags get
-# theirs from their fields' ranges (geomesh_p2p.cli_config.flag_specs).
+# theirs from their fields' ranges (geomesh_p2p.config.flags.flag_specs).
 _positive_float = number_type(float, gt=0)
 _non_negative_float = number_type(float, ge=0)
 _positive_int = number_type(int, ge=1)
@@ -200,9 +200,9 @@ def _check_writable(flag: str, path: str) -> None:
 
 def check_output_files(cfg) -> None:
     """Start-up check of the files a node writes (review L1): ``--log-json`` and its events file
-    (:func:`geomesh_p2p.events.events_path`), ``--summary-json``. Raises ValueError naming the flag, before
+    (:func:`geomesh_p2p.telemetry.events.events_path`), ``--summary-json``. Raises ValueError naming the flag, before
     the node joins anything."""
-    from geomesh_p2p.events import events_path
+    from geomesh_p2p.telemetry.events import events_path
 
     if cfg.log_json:
         _check_writable("--log-json", cfg.log_json)
@@ -215,7 +215,7 @@ def _allow_peers(ns: argparse.Namespace):
     """Entries of --allow-peers FILE (None when not given). Raises ValueError naming the file and line."""
     if not getattr(ns, "allow_peers", None):
         return None
-    from geomesh_p2p.admission import read_allow_file
+    from geomesh_p2p.trust.admission import read_allow_file
 
     try:
         return read_allow_file(ns.allow_peers)
@@ -236,10 +236,10 @@ async def _run_node(node) -> int:
 
 def join_inputs(ns: argparse.Namespace, prog: str):
     """``(RunConfig, NodeConfig, Identity)`` from the parsed ``join`` flags (the identity loaded from, or
-    created at, ``--identity``); shared by ``geomesh-peer join`` and ``geomesh_p2p.adversary join``. On an
+    created at, ``--identity``); shared by ``geomesh-peer join`` and ``tests.adversary join``. On an
     invalid value or an unusable key file it prints ``"<prog>: <reason>"`` to stderr and returns None
     (the caller exits 2)."""
-    from geomesh_p2p.identity import Identity, IdentityError
+    from geomesh_p2p.net.identity import Identity, IdentityError
 
     try:
         run = run_config_from(ns)  # first: its messages for a missing or non-JSON file name the flag and path
@@ -256,7 +256,7 @@ def check_model(ns: argparse.Namespace) -> None:
     mismatch with a live swarm). Builds the ``transformers`` config only, no weights (imports torch, which
     the node needs anyway). Raises ValueError naming the flag: unknown preset, model-config file missing,
     not JSON, or rejected by the model class."""
-    from geomesh_p2p.training import PRESETS, ConfigError, model_config
+    from geomesh_p2p.model.training import PRESETS, ConfigError, model_config
 
     if not ns.model_config and ns.model not in PRESETS:
         raise ValueError(f"--model {ns.model}: unknown model preset (known: {', '.join(PRESETS)})")
@@ -281,7 +281,7 @@ def check_offline(ns: argparse.Namespace) -> None:
 
 
 def cmd_join(ns: argparse.Namespace) -> int:
-    from geomesh_p2p.node import PeerNode
+    from geomesh_p2p.node.peer import PeerNode
 
     if not ns.bootstrap:
         log.info("no --bootstrap given: starting a new swarm (others can join through this peer)")
@@ -333,7 +333,7 @@ def trust_warning(ns: argparse.Namespace) -> str | None:
 
 
 def _is_loopback(host: str) -> bool:
-    from geomesh_p2p.addr import is_loopback_host
+    from geomesh_p2p.net.addr import is_loopback_host
 
     return is_loopback_host(host)
 
@@ -344,7 +344,7 @@ def reachability_warning(ns: argparse.Namespace):
     if ns.client_only:
         return None
     own = ns.advertise_host or ns.host
-    from geomesh_p2p.addr import host_of
+    from geomesh_p2p.net.addr import host_of
 
     remote = [b for b in ns.bootstrap if not _is_loopback(host_of(b))]
     if _is_loopback(own) and remote:
@@ -359,11 +359,11 @@ def reachability_warning(ns: argparse.Namespace):
 def user_facing_errors() -> tuple[type[BaseException], ...]:
     """Errors whose message is enough for the user (bad data path, bad model config, no bootstrap...)."""
     from geomesh_p2p.data import DataError
-    from geomesh_p2p.errors import UserFacingError
-    from geomesh_p2p.identity import IdentityError
-    from geomesh_p2p.state import StateError
-    from geomesh_p2p.state_sync import StateSyncError
-    from geomesh_p2p.training import ConfigError
+    from geomesh_p2p.util.errors import UserFacingError
+    from geomesh_p2p.net.identity import IdentityError
+    from geomesh_p2p.model.state import StateError
+    from geomesh_p2p.sync.transfer import StateSyncError
+    from geomesh_p2p.model.training import ConfigError
 
     errs = [UserFacingError, DataError, IdentityError, StateError, StateSyncError, ConfigError, OSError]
     from geomesh_p2p.dht import DHTJoinError, IncompatibleSwarmError
@@ -373,7 +373,7 @@ def user_facing_errors() -> tuple[type[BaseException], ...]:
 
 
 def cmd_profile(ns: argparse.Namespace) -> int:
-    from geomesh_p2p.capability import format_profile_table, profile
+    from geomesh_p2p.model.capability import format_profile_table, profile
 
     try:  # before the probe and the measurements (profile has no --model-config)
         check_model(argparse.Namespace(model=ns.model, model_config=None))
@@ -411,9 +411,9 @@ def cmd_profile(ns: argparse.Namespace) -> int:
 
 async def _probe(address: str, run_id: str, mb: float):
     """Measure the link to ``address`` with a throwaway identity and a client-only transport."""
-    from geomesh_p2p.identity import Identity
-    from geomesh_p2p.links import probe_link
-    from geomesh_p2p.transport import Transport, TransportConfig
+    from geomesh_p2p.net.identity import Identity
+    from geomesh_p2p.net.links import probe_link
+    from geomesh_p2p.net.transport import Transport, TransportConfig
 
     t = Transport(Identity.generate(), run_id, TransportConfig(client_only=True))
     await t.start()

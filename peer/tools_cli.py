@@ -17,7 +17,7 @@ import math
 import sys
 import time
 
-from geomesh_p2p.config import DEFAULT_RUN_ID
+from geomesh_p2p.config.models import DEFAULT_RUN_ID
 from peer.node_cli import _host_port, _int_at_least, _non_negative_float, _positive_float
 
 
@@ -33,9 +33,9 @@ def _one_line(e: BaseException) -> str:
 # ----------------------------------------------------------------------------------------- status
 async def _read_swarm(ns):
     from geomesh_p2p.dht import DHTNode
-    from geomesh_p2p.identity import Identity
-    from geomesh_p2p.swarm_status import SwarmWatcher
-    from geomesh_p2p.transport import Transport, TransportConfig
+    from geomesh_p2p.net.identity import Identity
+    from geomesh_p2p.status.swarm import SwarmWatcher
+    from geomesh_p2p.net.transport import Transport, TransportConfig
 
     identity = Identity.load_or_create(ns.identity) if ns.identity else Identity.generate()
     transport = Transport(identity, ns.run_id, TransportConfig(client_only=True))
@@ -143,14 +143,14 @@ def render_status(view: dict, rounds: dict, console=None) -> None:
 
 
 def cmd_status(ns: argparse.Namespace) -> int:
-    # gRPC's C core is silenced on import of the package (geomesh_p2p.grpc_env), before grpc loads.
+    # gRPC's C core is silenced on import of the package (geomesh_p2p.util.grpc_env), before grpc loads.
     if ns.log_level == "INFO":  # the default: the DHT's progress lines would only clutter the table
         import logging
 
         logging.getLogger("geomesh_p2p").setLevel(logging.WARNING)
     from geomesh_p2p.dht import DHTJoinError
     from geomesh_p2p.dht.node import OtherRunError
-    from geomesh_p2p.identity import IdentityError
+    from geomesh_p2p.net.identity import IdentityError
 
     try:
         view, rounds = asyncio.run(asyncio.wait_for(_read_swarm(ns), timeout=ns.timeout * 4 + 10))
@@ -175,7 +175,7 @@ def cmd_status(ns: argparse.Namespace) -> int:
 
 # ------------------------------------------------------------------------------------ checkpoints
 def cmd_checkpoints(ns: argparse.Namespace) -> int:
-    from geomesh_p2p.export import ExportError, list_checkpoint_info
+    from geomesh_p2p.model.export import ExportError, list_checkpoint_info
 
     try:
         rows = list_checkpoint_info(ns.directory, verify=ns.verify)
@@ -234,7 +234,7 @@ def cmd_checkpoints(ns: argparse.Namespace) -> int:
 
 # ------------------------------------------------------------------------------- export / generate
 def cmd_export(ns: argparse.Namespace) -> int:
-    from geomesh_p2p.export import ExportError, export_checkpoint
+    from geomesh_p2p.model.export import ExportError, export_checkpoint
 
     try:
         info = export_checkpoint(
@@ -255,7 +255,7 @@ def cmd_export(ns: argparse.Namespace) -> int:
 
 
 def cmd_generate(ns: argparse.Namespace) -> int:
-    from geomesh_p2p.export import ExportError, build_exported, generate
+    from geomesh_p2p.model.export import ExportError, build_exported, generate
 
     try:
         ex = build_exported(ns.checkpoint_dir, round=ns.round, data=ns.data, run_id=ns.run_id)

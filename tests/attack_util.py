@@ -1,7 +1,7 @@
-"""Swarms of honest peers and red-team peers (geomesh_p2p.adversary) as OS processes on 127.0.0.1.
+"""Swarms of honest peers and red-team peers (tests.adversary) as OS processes on 127.0.0.1.
 
 Shared by tests/test_attacks.py and benchmarks/attacks.py: :func:`run_scenario` starts ``n_honest``
-honest peers (``peer.cli join``) and ``n_attackers`` attackers (``geomesh_p2p.adversary join --attack
+honest peers (``peer.cli join``) and ``n_attackers`` attackers (``tests.adversary join --attack
 A``), all with ``--rounds R``, waits for the honest ones to exit, and reads their per-round JSON rows.
 The caller owns the :class:`AttackSwarm` and must call ``stop_all()`` (a fixture / finally does).
 """
@@ -31,7 +31,7 @@ class AttackSwarm(ProcSwarm):
         extra: Sequence[str] = (),
     ):
         return self.join(
-            name, ["geomesh_p2p.adversary", "join", "--attack", attack], *args, *extra, bootstrap=bootstrap, port=port
+            name, ["tests.adversary", "join", "--attack", attack], *args, *extra, bootstrap=bootstrap, port=port
         )
 
     def pids(self) -> list[int]:
@@ -64,7 +64,7 @@ def rig_leaders(
     """Create identity files so that an attacker leads rounds ``0 .. lead_rounds-1`` (leader election is
     rendezvous hashing over PeerIDs, so identities decide it; with every peer in the round). Returns how
     many of those rounds an attacker leads (``lead_rounds`` unless ``max_tries`` ran out)."""
-    from geomesh_p2p.identity import Identity
+    from geomesh_p2p.net.identity import Identity
     from geomesh_p2p.round import leader_order
 
     hon = [Identity.load_or_create(workdir / f"{n}.key") for n in honest]
@@ -197,7 +197,7 @@ def run_scenario(
     text = "".join(swarm.text(n) for n in attackers)
     acted = True
     if attack:
-        from geomesh_p2p.adversary import KEY_ACTION
+        from tests.adversary import KEY_ACTION
 
         acted = any(
             e["attack"] == attack and e["action"] == KEY_ACTION[attack]

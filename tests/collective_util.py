@@ -1,7 +1,7 @@
 """Helpers for the collective tests: an in-process swarm on 127.0.0.1 and an independent reference.
 
 The reference (:func:`reference_part`) re-implements the aggregation rule documented in
-``geomesh_p2p.collective.token_weighted_mean`` with numpy, from the decoded packets, so the tests
+``geomesh_p2p.exchange.token_weighted_mean`` with numpy, from the decoded packets, so the tests
 check the collective against the written rule, not against itself.
 """
 
@@ -13,10 +13,10 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from geomesh_p2p import compression
-from geomesh_p2p.collective import CONTRIBUTION_KIND, CollectiveService, CollectiveSpec, PartOwner
-from geomesh_p2p.identity import Identity, PeerID
-from geomesh_p2p.transport import Transport, TransportConfig
+from geomesh_p2p.exchange import codec as compression
+from geomesh_p2p.exchange import CONTRIBUTION_KIND, CollectiveService, CollectiveSpec, PartOwner
+from geomesh_p2p.net.identity import Identity, PeerID
+from geomesh_p2p.net.transport import Transport, TransportConfig
 from geomesh_p2p.wire import collective_pb2
 
 RUN = "collective-test"

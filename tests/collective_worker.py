@@ -25,9 +25,9 @@ import time
 
 import torch
 
-from geomesh_p2p.collective import CollectiveService, CollectiveSpec
-from geomesh_p2p.identity import Identity
-from geomesh_p2p.transport import Transport, TransportConfig
+from geomesh_p2p.exchange import CollectiveService, CollectiveSpec
+from geomesh_p2p.net.identity import Identity
+from geomesh_p2p.net.transport import Transport, TransportConfig
 
 
 def emit(obj) -> None:

@@ -8,8 +8,8 @@ import time
 from typing import Awaitable, Callable, List, Optional
 
 from geomesh_p2p.dht import DHTNode
-from geomesh_p2p.identity import Identity
-from geomesh_p2p.transport import Transport, TransportConfig
+from geomesh_p2p.net.identity import Identity
+from geomesh_p2p.net.transport import Transport, TransportConfig
 
 RUN = "dht-test-run"
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import grpc
 
-from geomesh_p2p.identity import Identity
-from geomesh_p2p.procs import ServingProcess, bootstrap_argv
+from geomesh_p2p.net.identity import Identity
+from geomesh_p2p.util.procs import ServingProcess, bootstrap_argv
 from geomesh_p2p.wire import envelope_pb2
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -20,7 +20,7 @@ START_TIMEOUT = 90  # a cold interpreter imports torch + hivemind
 
 
 def bootstrap_args(run_id: str, identity: Path, *extra: str) -> list[str]:
-    """:func:`geomesh_p2p.procs.bootstrap_argv` (port 0 on 127.0.0.1) without the interpreter, for the
+    """:func:`geomesh_p2p.util.procs.bootstrap_argv` (port 0 on 127.0.0.1) without the interpreter, for the
     starters that put ``sys.executable`` first themselves (:class:`Server`, test_bootstrap's ``procs``)."""
     return bootstrap_argv(run_id, identity, *extra)[1:]
 
@@ -36,7 +36,7 @@ def status_kib(pid: int, field: str) -> int:
 
 class Server(ServingProcess):
     """A server process (stopped by PID in teardown, SIGTERM then SIGKILL); ``address`` from its first
-    'serving on' line (:class:`geomesh_p2p.procs.ServingProcess`; RuntimeError when it does not start)."""
+    'serving on' line (:class:`geomesh_p2p.util.procs.ServingProcess`; RuntimeError when it does not start)."""
 
     def __init__(self, argv):
         super().__init__(

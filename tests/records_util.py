@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from geomesh_p2p.identity import Identity
-from geomesh_p2p.records import PeerRecord
+from geomesh_p2p.net.identity import Identity
+from geomesh_p2p.schema.peer import PeerRecord
 
 #: What a record holds unless the test says otherwise: a CPU peer of 1 GiB, 1,000 tokens/s at batch 8,
 #: 10 MB/s both ways (units as in :class:`PeerRecord`: bytes, tokens/s, bytes/s).

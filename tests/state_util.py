@@ -6,8 +6,8 @@ import asyncio
 
 import grpc
 
-from geomesh_p2p.identity import EnvelopeError
-from geomesh_p2p.state_sync import StateServer
+from geomesh_p2p.net.identity import EnvelopeError
+from geomesh_p2p.sync.transfer import StateServer
 from geomesh_p2p.wire import state_pb2
 
 

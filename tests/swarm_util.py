@@ -11,8 +11,8 @@ import time
 from pathlib import Path
 from typing import Callable, Iterator, Optional, Sequence
 
-from geomesh_p2p import events
-from geomesh_p2p.procs import ProcGroup, address_in_log, bootstrap_argv, read_json_rows
+from geomesh_p2p.telemetry import events
+from geomesh_p2p.util.procs import ProcGroup, address_in_log, bootstrap_argv, read_json_rows
 
 # Small and fast: tests are about the protocol, not the model.
 FAST = [
@@ -101,7 +101,7 @@ class ProcSwarm(ProcGroup):
     def bootstrap(
         self, name: str, *extra: str, port: int = 0, run_id: str = RUN_ID, host: str = "127.0.0.1"
     ) -> subprocess.Popen:
-        """Start a bootstrap as ``name`` (key ``<dir>/<name>.key``; see :func:`geomesh_p2p.procs.bootstrap_argv`); with port 0
+        """Start a bootstrap as ``name`` (key ``<dir>/<name>.key``; see :func:`geomesh_p2p.util.procs.bootstrap_argv`); with port 0
         (the default) read the address it bound with :meth:`address`."""
         key = self.dir / f"{name}.key"
         return self._spawn(name, bootstrap_argv(run_id, key, *extra, host=host, port=port))
@@ -140,7 +140,7 @@ class ProcSwarm(ProcGroup):
         return p.read_text() if p.exists() else ""
 
     def events(self, name: str, kind: Optional[str] = None) -> list[dict]:
-        """The structured events peer ``name`` wrote (``--log-json``: :func:`geomesh_p2p.events.events_path`),
+        """The structured events peer ``name`` wrote (``--log-json``: :func:`geomesh_p2p.telemetry.events.events_path`),
         every start of it, oldest first; only those of ``kind`` when given. ``[]`` before it wrote any."""
         return events.read(events.events_path(self.log_path(name)), kind)
 

@@ -58,12 +58,12 @@ async def announce_sybils(
     its slowest replica, up to ~1.5 s on 2 cores: that is the DHT's to bound, not the planner's). Nothing
     is announced before the honest peers reach round ``from_round`` (so a test can start this process
     early and still have clean rounds)."""
-    from geomesh_p2p.admission import solve_pow
+    from geomesh_p2p.trust.admission import solve_pow
     from geomesh_p2p.dht import DHTNode, live_peers, peers_key
-    from geomesh_p2p.identity import Identity
-    from geomesh_p2p.records import PeerRecord
-    from geomesh_p2p.standing import DEFAULT_WINDOW, attest_key
-    from geomesh_p2p.transport import Transport, TransportConfig
+    from geomesh_p2p.net.identity import Identity
+    from geomesh_p2p.schema.peer import PeerRecord
+    from geomesh_p2p.trust.standing import DEFAULT_WINDOW, attest_key
+    from geomesh_p2p.net.transport import Transport, TransportConfig
 
     stop = stop or asyncio.Event()
     transport = Transport(Identity.generate(), run_id, TransportConfig(host=host, port=0))

@@ -12,10 +12,17 @@ Public API:
 * :class:`DataError` — a ``ValueError`` with a one-line message naming the bad path.
 """
 
-from .corpus import DataError, cache_dir_default, load_text
-from .dataset import TokenDataset, batch_seed, load_dataset
-from .hub import HFSpec, is_hf_spec, load_hf_text, parse_hf_spec
-from .tokenizer import EOS_TOKEN, encode_corpus, get_tokenizer, tokenizer_fingerprint, tokenizer_key, train_tokenizer
+from geomesh_p2p.data.corpus import DataError, cache_dir_default, load_text
+from geomesh_p2p.data.dataset import TokenDataset, batch_seed, load_dataset
+from geomesh_p2p.data.hub import HFSpec, is_hf_spec, load_hf_text, parse_hf_spec
+from geomesh_p2p.data.tokenizer import (
+    EOS_TOKEN,
+    encode_corpus,
+    get_tokenizer,
+    tokenizer_fingerprint,
+    tokenizer_key,
+    train_tokenizer,
+)
 
 __all__ = [
     "DataError",

@@ -117,7 +117,7 @@ def load_text(path: str | os.PathLike | None = None) -> str:
     if path is None:
         return lzma.decompress(_shipped_bytes()).decode("ascii")
     if isinstance(path, str) and path.startswith("hf:"):
-        from .hub import load_hf_text  # imported here: hub imports this module
+        from geomesh_p2p.data.hub import load_hf_text  # imported here: hub imports this module
 
         return load_hf_text(path)
     p = Path(path).expanduser()

@@ -13,9 +13,9 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
-from ..atomic import atomic_write
-from .corpus import DataError, cache_dir_default, load_text
-from .tokenizer import encode_corpus, get_tokenizer, tokenizer_fingerprint
+from geomesh_p2p.util.atomic import atomic_write
+from geomesh_p2p.data.corpus import DataError, cache_dir_default, load_text
+from geomesh_p2p.data.tokenizer import encode_corpus, get_tokenizer, tokenizer_fingerprint
 
 __all__ = ["TokenDataset", "load_dataset", "batch_seed"]
 

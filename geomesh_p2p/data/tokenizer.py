@@ -26,8 +26,8 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from ..atomic import atomic_write
-from .corpus import DataError, cache_dir_default, load_text
+from geomesh_p2p.util.atomic import atomic_write
+from geomesh_p2p.data.corpus import DataError, cache_dir_default, load_text
 
 __all__ = ["get_tokenizer", "tokenizer_key", "tokenizer_fingerprint", "encode_corpus", "EOS_TOKEN"]
 

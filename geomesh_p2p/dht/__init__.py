@@ -2,7 +2,7 @@
 
 Main entry points:
 
-* :class:`DHTNode` — join / store / get over a :class:`~geomesh_p2p.transport.Transport`
+* :class:`DHTNode` — join / store / get over a :class:`~geomesh_p2p.net.transport.Transport`
   (reuses hivemind's DHTID, RoutingTable, traverse_dht, DHTLocalStorage);
 * :mod:`~geomesh_p2p.dht.records` — record signing and the owner rule;
 * :mod:`~geomesh_p2p.dht.progress` — a bootstrap's saved state and the run's last known round

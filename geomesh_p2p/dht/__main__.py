@@ -17,7 +17,7 @@ the join fails.
 from __future__ import annotations
 
 if __name__ == "__main__":  # run as a program: silence gRPC's C core before grpc is first imported below
-    from geomesh_p2p.grpc_env import quiet_grpc_core
+    from geomesh_p2p.util.grpc_env import quiet_grpc_core
 
     quiet_grpc_core()
 
@@ -30,8 +30,8 @@ import signal
 import sys
 from typing import Optional
 
-from geomesh_p2p.cli_config import add_log_level
-from geomesh_p2p.config import DEFAULT_RUN_ID
+from geomesh_p2p.config.flags import add_log_level
+from geomesh_p2p.config.models import DEFAULT_RUN_ID
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -77,9 +77,9 @@ async def run(ns: argparse.Namespace) -> int:
     from geomesh_p2p import __version__
     from geomesh_p2p.dht import DHTJoinError, DHTNode, PeerAnnouncer, live_peers
     from geomesh_p2p.dht.progress import swarm_progress
-    from geomesh_p2p.identity import Identity
-    from geomesh_p2p.records import PeerRecord
-    from geomesh_p2p.transport import Transport, TransportConfig
+    from geomesh_p2p.net.identity import Identity
+    from geomesh_p2p.schema.peer import PeerRecord
+    from geomesh_p2p.net.transport import Transport, TransportConfig
 
     identity = Identity.load_or_create(ns.identity) if ns.identity else Identity.generate()
     transport = Transport(

@@ -1,4 +1,4 @@
-"""Peer announcements: each peer keeps its signed :class:`~geomesh_p2p.records.PeerRecord` under
+"""Peer announcements: each peer keeps its signed :class:`~geomesh_p2p.schema.peer.PeerRecord` under
 ``<run>/peers`` (subkey = its base58 PeerID, so only it can write it) and reads everyone else's.
 
 * :class:`PeerAnnouncer` / :func:`announce_loop` re-store the record every ``period_s`` seconds with a
@@ -18,11 +18,11 @@ from typing import Any, Awaitable, Callable, List, Optional, Union
 
 from pydantic import ValidationError
 
-from geomesh_p2p.aio import cancel_and_wait, wait_event
+from geomesh_p2p.util.aio import cancel_and_wait, wait_event
 from geomesh_p2p.dht.node import DHTNode
-from geomesh_p2p.identity import Identity
-from geomesh_p2p.logonce import LogOnce
-from geomesh_p2p.records import PeerRecord
+from geomesh_p2p.net.identity import Identity
+from geomesh_p2p.telemetry.logonce import LogOnce
+from geomesh_p2p.schema.peer import PeerRecord
 
 log = logging.getLogger(__name__)
 

@@ -4,13 +4,13 @@ Kademlia: Maymounkov & Mazières, "Kademlia: A Peer-to-peer Information System B
 Metric" (IPTPS 2002). Semantics follow hivemind's ``hivemind.dht.node.DHTNode`` (batched store and
 find, values with expiration times, subkey dictionaries, newest expiration wins), and the
 transport-free parts are hivemind's own: ``DHTID`` and ``RoutingTable`` (hivemind.dht.routing),
-``traverse_dht`` (hivemind.dht.traverse, run in a geomesh_p2p.aio.TaskScope that owns its tasks),
+``traverse_dht`` (hivemind.dht.traverse, run in a geomesh_p2p.util.aio.TaskScope that owns its tasks),
 ``DHTLocalStorage`` (hivemind.dht.storage) and the ``Blacklist`` of unresponsive peers
 (hivemind.dht.node). No libp2p daemon is started.
 
 Differences from hivemind:
 
-* every RPC is a signed envelope (geomesh_p2p.transport): the sender's PeerID is authenticated, and a
+* every RPC is a signed envelope (geomesh_p2p.net.transport): the sender's PeerID is authenticated, and a
   node's DHTID is SHA-1 of its PeerID (checked), so nobody picks its place in the key space;
 * values are :mod:`signed records <geomesh_p2p.dht.records>` with owner rules, checked on store and
   again by the reader on find (a lying node cannot forge, alter or revive a record);
@@ -56,9 +56,9 @@ from hivemind.dht.storage import DHTLocalStorage, DictionaryDHTValue
 from hivemind.dht.traverse import traverse_dht
 
 from geomesh_p2p import __version__
-from geomesh_p2p import events
-from geomesh_p2p.addr import AddressError, host_of, ip_of, parse_address, valid_address
-from geomesh_p2p.aio import TaskScope, finish_or_cancel, runs
+from geomesh_p2p.telemetry import events
+from geomesh_p2p.net.addr import AddressError, host_of, ip_of, parse_address, valid_address
+from geomesh_p2p.util.aio import TaskScope, finish_or_cancel, runs
 from geomesh_p2p.dht.records import (
     DEFAULT_LIMITS,
     RecordError,
@@ -71,10 +71,10 @@ from geomesh_p2p.dht.records import (
     verify_record,
 )
 from geomesh_p2p.dht.quota import DEFAULT_QUOTA, StorageLedger, StorageQuota
-from geomesh_p2p.errors import UserFacingError
-from geomesh_p2p.identity import EnvelopeError, Identity, PeerID, Verified
-from geomesh_p2p.logonce import LogOnce
-from geomesh_p2p.transport import CONTROL_LANE, DHT_FIND, DHT_PING, DHT_STORE, RpcError, TaskOwner, Transport
+from geomesh_p2p.util.errors import UserFacingError
+from geomesh_p2p.net.identity import EnvelopeError, Identity, PeerID, Verified
+from geomesh_p2p.telemetry.logonce import LogOnce
+from geomesh_p2p.net.transport import CONTROL_LANE, DHT_FIND, DHT_PING, DHT_STORE, RpcError, TaskOwner, Transport
 from geomesh_p2p.wire import dht_pb2
 
 log = logging.getLogger(__name__)
@@ -187,7 +187,7 @@ class DHTStats:
 
 def _other_run_message(address: str, reason: str, own_run: str) -> str:
     """The join error for a bootstrap that answered for another run. ``reason``: its refusal, worded by
-    :mod:`geomesh_p2p.identity` from the bootstrap's side ("message is for run 'a', this node serves 'b'")."""
+    :mod:`geomesh_p2p.net.identity` from the bootstrap's side ("message is for run 'a', this node serves 'b'")."""
     import re
 
     m = re.search(r"this node serves ('.*')", reason)
@@ -224,7 +224,7 @@ def _parse(cls, payload: bytes, name: str):
 
 
 def _valid_address(address: str) -> bool:
-    """``host:port`` with an IPv6 literal in brackets (geomesh_p2p.addr), at most 256 characters."""
+    """``host:port`` with an IPv6 literal in brackets (geomesh_p2p.net.addr), at most 256 characters."""
     return valid_address(address)
 
 
@@ -248,7 +248,7 @@ class _Merge:
 
 
 class DHTNode:
-    """One Kademlia node over a :class:`~geomesh_p2p.transport.Transport` (k=20, alpha=3 by default).
+    """One Kademlia node over a :class:`~geomesh_p2p.net.transport.Transport` (k=20, alpha=3 by default).
 
     :param transport: not yet started (the constructor registers the DHT handlers on it), unless it
         is client-only. The caller owns it: :meth:`shutdown` does not stop it.

@@ -24,9 +24,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import List, Optional
 
-from geomesh_p2p.atomic import atomic_write
+from geomesh_p2p.util.atomic import atomic_write
 from geomesh_p2p.dht.node import Contact, DHTNode
-from geomesh_p2p.identity import Identity, PeerID
+from geomesh_p2p.net.identity import Identity, PeerID
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ import grpc
 from hivemind.dht.routing import DHTID
 
 from geomesh_p2p.dht.records import RecordError
-from geomesh_p2p.identity import PeerID
+from geomesh_p2p.net.identity import PeerID
 
 Slot = Tuple[DHTID, Optional[str]]
 

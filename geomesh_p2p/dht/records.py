@@ -39,7 +39,7 @@ import base58
 import grpc
 from hivemind.dht.routing import DHTID
 
-from geomesh_p2p.identity import (
+from geomesh_p2p.net.identity import (
     PEER_ID_BYTES,
     PUBLIC_KEY_BYTES,
     SIGNATURE_BYTES,

@@ -4,8 +4,8 @@ from here."""
 
 import logging
 
-from geomesh_p2p.round.backoff import Backoff
-from geomesh_p2p.round.plans import (
+from geomesh_p2p.util.backoff import Backoff
+from geomesh_p2p.plan.agree import (
     LEADER_WAIT_CANDIDATES,
     PlanStore,
     choose_plan,

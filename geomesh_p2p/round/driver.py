@@ -24,15 +24,15 @@ from typing import Any, Callable, Optional, Sequence, cast
 
 import torch
 
-from geomesh_p2p import events
-from geomesh_p2p.aio import wait_event
-from geomesh_p2p.config import NodeConfig
-from geomesh_p2p.metrics import RoundRecord
-from geomesh_p2p.planner import RoundPlan
-from geomesh_p2p.probation import PROBATION_SYNC_WAIT_S
-from geomesh_p2p.records import PeerRecord
-from geomesh_p2p.round.backoff import Backoff
-from geomesh_p2p.round.plans import digest_majority
+from geomesh_p2p.telemetry import events
+from geomesh_p2p.util.aio import wait_event
+from geomesh_p2p.config.models import NodeConfig
+from geomesh_p2p.telemetry.metrics import RoundRecord
+from geomesh_p2p.plan.planner import RoundPlan
+from geomesh_p2p.trust.probation import PROBATION_SYNC_WAIT_S
+from geomesh_p2p.schema.peer import PeerRecord
+from geomesh_p2p.util.backoff import Backoff
+from geomesh_p2p.plan.agree import PlanDeferred, digest_majority
 from geomesh_p2p.round.ports import (
     Clock,
     Collective,
@@ -40,16 +40,15 @@ from geomesh_p2p.round.ports import (
     GlobalStatePort,
     Membership,
     PlanAgreement,
-    PlanDeferred,
     RoundPolicy,
     SnapshotEvaluator,
     SystemClock,
     Trainer,
 )
-from geomesh_p2p.state_sync import StateSyncError
+from geomesh_p2p.sync.transfer import StateSyncError
 
 # Round log lines keep the node's logger name: operators' filters and the tests' caplog select on it.
-log = logging.getLogger("geomesh_p2p.node.round")
+log = logging.getLogger("geomesh_p2p.node.peer.round")
 
 #: A syncing peer's wait (issue 14 #3) is its announced remaining download time x ``SYNC_WAIT_SLACK`` plus
 #: ``SYNC_WAIT_MARGIN_S``: its record is up to one announcement old, the rate varies, and after the last
@@ -172,7 +171,7 @@ class DriverConfig:
 def no_work(compute_s: float):
     """The InnerResult of a round in which this peer trained nothing usable (0 tokens: the collective
     gives its contribution no weight)."""
-    from geomesh_p2p.training import InnerResult  # training imports transformers: load it only when needed
+    from geomesh_p2p.model.training import InnerResult  # training imports transformers: load it only when needed
 
     return InnerResult(
         steps_done=0,
@@ -264,7 +263,7 @@ class LineageEntry:
 class _Speculative:
     """Eager updates (docs/eager.md): round ``round``'s inner steps, started before its plan exists from this
     peer's own start ``start`` = ``O(θ^{r-1}, v^{r-1}; weight·Δ_m^{r-1})`` with the assignment of the round
-    before; ``target`` (a :class:`~geomesh_p2p.training.StepTarget`) takes the plan's inner steps and train
+    before; ``target`` (a :class:`~geomesh_p2p.model.training.StepTarget`) takes the plan's inner steps and train
     deadline once it is agreed. Times are swarm (wall) seconds."""
 
     round: int
@@ -324,7 +323,7 @@ class RoundDriver:
     ):
         """``loop_stall``: the worst event-loop stall (seconds) since its previous call (LoopLagMonitor.take_worst),
         into each round's row as ``loop_stall_ms``; None: not measured. ``feedback``: the run's error feedback
-        (:class:`~geomesh_p2p.compression.feedback.PushFeedback`, ``--error-feedback``) applied to this peer's
+        (:class:`~geomesh_p2p.exchange.codec.feedback.PushFeedback`, ``--error-feedback``) applied to this peer's
         sign pushes in :meth:`exchange`; None: off."""
         self.membership, self.plans, self.trainer, self.collective = membership, plans, trainer, collective
         self.state, self.policy, self.cfg, self.stop = state, policy, cfg, stop
@@ -953,7 +952,7 @@ class RoundDriver:
     async def _refresh_live(self, live: dict, done: asyncio.Event) -> None:
         """Add newly seen live peers to ``live`` until ``done``: backoff, restarting when a peer appears.
         Stopped by the event, not cancelled, so that a lookup in flight finishes and its result is kept
-        (a cancelled lookup is safe too: its tasks are owned by an :class:`~geomesh_p2p.aio.TaskScope`)."""
+        (a cancelled lookup is safe too: its tasks are owned by an :class:`~geomesh_p2p.util.aio.TaskScope`)."""
         backoff = Backoff(self.cfg.backoff_first_s * 4, max(self.cfg.backoff_first_s * 4, self.cfg.live_refresh_s))
         while not await wait_event(done, backoff.next()):
             try:
@@ -1047,7 +1046,7 @@ class RoundDriver:
     def _last_resort(self, r: int, members: Sequence[PeerRecord], candidates: Sequence[str]) -> list[str]:
         """The members that are no leader candidates (this peer among them) when this peer must publish a plan
         itself if no candidate does (``last_resort`` of
-        :func:`~geomesh_p2p.round.plans.obtain_plan`), else ``[]``.
+        :func:`~geomesh_p2p.plan.agree.obtain_plan`), else ``[]``.
 
         The leader candidates are computed by each member from its own view (standing, no-show marks), and
         a member leaves itself out where it expects the others to refuse its plan: while it is not
@@ -1259,7 +1258,7 @@ class RoundDriver:
         self._phases["pseudo_gradient"] = self._phases.get("pseudo_gradient", 0.0) + max(
             0.0, self.clock.monotonic() - t0
         )
-        from geomesh_p2p.training import StepTarget  # training imports transformers: load it only when needed
+        from geomesh_p2p.model.training import StepTarget  # training imports transformers: load it only when needed
 
         spec = _Speculative(
             round=r + 1,

@@ -1,4 +1,4 @@
-"""The node's round rules, as a mixin of :class:`~geomesh_p2p.node.PeerNode` (issue 13): planning
+"""The node's round rules, as a mixin of :class:`~geomesh_p2p.node.peer.PeerNode` (issue 13): planning
 (admission of members, penalties for failed owners and no-shows, the plan itself), the checks a
 follower makes on a leader's plan, the collective's spec, the outer step per part, re-profiling (EMAs),
 the state vote and the re-sync. It implements :class:`~geomesh_p2p.round.ports.RoundPolicy` and the
@@ -22,34 +22,40 @@ from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 
-from geomesh_p2p.clock import swarm_time
-from geomesh_p2p import capability, collective, events, planner, state_sync, swarm_status, verify
-from geomesh_p2p import probation as pb
-from geomesh_p2p.logonce import LogOnce
-from geomesh_p2p.method import MethodRule
-from geomesh_p2p.planner import PlanConfig
+from geomesh_p2p.net.swarm_time import swarm_time
+from geomesh_p2p.model import capability
+from geomesh_p2p import exchange as collective
+from geomesh_p2p.telemetry import events
+from geomesh_p2p.plan import planner
+from geomesh_p2p.sync import transfer as state_sync
+from geomesh_p2p.status import swarm as swarm_status
+from geomesh_p2p.trust import verify
+from geomesh_p2p.trust import probation as pb
+from geomesh_p2p.telemetry.logonce import LogOnce
+from geomesh_p2p.config.method import MethodRule
+from geomesh_p2p.plan.planner import PlanConfig
 from geomesh_p2p.round.driver import no_work
-from geomesh_p2p.round.plans import choose_plan
-from geomesh_p2p.round.ports import PlanDeferred
-from geomesh_p2p.standing import OnceLog, choose_state, would_adopt
-from geomesh_p2p.sync_progress import SyncMeter
+from geomesh_p2p.plan.agree import choose_plan
+from geomesh_p2p.plan.agree import PlanDeferred
+from geomesh_p2p.trust.standing import OnceLog, choose_state, would_adopt
+from geomesh_p2p.sync.progress import SyncMeter
 
 if TYPE_CHECKING:
-    from geomesh_p2p.capability import ThroughputEMA
-    from geomesh_p2p.collective import CollectiveService
-    from geomesh_p2p.config import NodeConfig, RunConfig
+    from geomesh_p2p.model.capability import ThroughputEMA
+    from geomesh_p2p.exchange import CollectiveService
+    from geomesh_p2p.config.models import NodeConfig, RunConfig
     from geomesh_p2p.dht import PeerAnnouncer
-    from geomesh_p2p.metrics import RoundLog
-    from geomesh_p2p.optim import OuterNesterov, SyncAdamW
-    from geomesh_p2p.records import PeerRecord
-    from geomesh_p2p.round.plans import PlanStore
-    from geomesh_p2p.standing import Standing
-    from geomesh_p2p.state import GlobalState
-    from geomesh_p2p.training import InnerTrainer
-    from geomesh_p2p.transport import Transport
+    from geomesh_p2p.telemetry.metrics import RoundLog
+    from geomesh_p2p.model.optim import OuterNesterov, SyncAdamW
+    from geomesh_p2p.schema.peer import PeerRecord
+    from geomesh_p2p.plan.agree import PlanStore
+    from geomesh_p2p.trust.standing import Standing
+    from geomesh_p2p.model.state import GlobalState
+    from geomesh_p2p.model.training import InnerTrainer
+    from geomesh_p2p.net.transport import Transport
 
 # Round log lines keep the node's logger name: operators' filters and the tests' caplog select on it.
-log = logging.getLogger("geomesh_p2p.node.round")
+log = logging.getLogger("geomesh_p2p.node.peer.round")
 
 __all__ = ["NodeRoundPolicy", "OWNER_PENALTY_ROUNDS", "outer_step_per_part"]
 
@@ -156,7 +162,7 @@ class _NoOwner(Exception):
 
 
 class NodeRoundPolicy:
-    """Mixin of :class:`~geomesh_p2p.node.PeerNode`: the round rules (see the module docstring)."""
+    """Mixin of :class:`~geomesh_p2p.node.peer.PeerNode`: the round rules (see the module docstring)."""
 
     # What the mixin reads on the node (set by PeerNode.__init__ / start; declared for the type checker
     # only: annotations without values create no class attributes, so getattr(self, name, None) still works).
@@ -227,7 +233,7 @@ class NodeRoundPolicy:
     def make_plan(self, members, leader):
         """This peer's plan when it leads (:meth:`_make_plan`).
 
-        Raises :class:`~geomesh_p2p.round.ports.PlanDeferred` when no member to plan can own a part
+        Raises :class:`~geomesh_p2p.plan.agree.PlanDeferred` when no member to plan can own a part
         (every one client-only, e.g. a lone peer nobody can dial, or on probation): it says so in one
         WARNING when that starts and one INFO when it ends, not at every retry (issue 14 #10)."""
         try:
@@ -590,7 +596,7 @@ class NodeRoundPolicy:
         * a live peer (not leaving) announces round ``held_round`` or later, with a digest or syncing: newer
           donors are there or may come back (a failed download, a donor restarting);
         * a live peer backing ``choice`` would adopt this peer's state by its own vote
-          (:func:`~geomesh_p2p.standing.would_adopt`, read from its record's attestations): the swarm behind
+          (:func:`~geomesh_p2p.trust.standing.would_adopt`, read from its record's attestations): the swarm behind
           can come up to this peer (rs7: the peer at round 5 had seen this one deliver).
 
         ``recs``: the other peers' records, leaving ones included. A state whose digest is the one held
@@ -747,7 +753,7 @@ class NodeRoundPolicy:
         return vote.choice.round if vote.choice is not None else None
 
     def _state_vote(self, recs):
-        """:func:`~geomesh_p2p.standing.choose_state` for this peer; logs once a state that most identities
+        """:func:`~geomesh_p2p.trust.standing.choose_state` for this peer; logs once a state that most identities
         announce but the standing this peer sees does not back, when it would have moved this peer."""
         vote = choose_state(
             recs, me=self.me, standing=getattr(self, "standing", None), trained=bool(getattr(self, "history", None))
@@ -952,7 +958,7 @@ class NodeRoundPolicy:
             self._marks_noted()[("noshow", pid)] = plan.round
 
     def _standing_view(self, records):
-        """This node's :class:`~geomesh_p2p.probation.StandingView` of ``records`` for the current round."""
+        """This node's :class:`~geomesh_p2p.trust.probation.StandingView` of ``records`` for the current round."""
         return pb.StandingView(getattr(self, "standing", None), records, round=self.round, me=getattr(self, "me", None))
 
     def _admit(self, members):
@@ -1032,7 +1038,7 @@ class NodeRoundPolicy:
         """Why this peer must not follow ``plan`` (None: it may). Guards against a rogue or broken
         leader: wrong model size or settings, unknown leader or participants, owners at addresses
         their records do not announce, deadlines far in the future (a stall); then
-        :func:`geomesh_p2p.planner.check_plan`: batches, steps, window, token budgets and ownership
+        :func:`geomesh_p2p.plan.planner.check_plan`: batches, steps, window, token budgets and ownership
         within what the participants' records and the run config support."""
         rc = self.run_cfg
         if plan.numel != self.numel:
@@ -1115,7 +1121,7 @@ class NodeRoundPolicy:
         )
 
     def _verify_round(self, r: int, plan, a, ar, theta0: Optional[torch.Tensor] = None) -> None:
-        """Verified work (:mod:`geomesh_p2p.verify`): keep round ``r``'s start weights and the signed
+        """Verified work (:mod:`geomesh_p2p.trust.verify`): keep round ``r``'s start weights and the signed
         contributions received (relay mode), then, off the event loop and in parallel with the evaluation,
         check the contributor this peer's selection draws and re-check published evidence. Bounded by
         ``time_share`` of the window after the exchange (skipped with a debug line past it); at most one
@@ -1158,13 +1164,13 @@ class NodeRoundPolicy:
 
     def _verified_plan_problem(self, plan) -> Optional[str]:
         """Why this peer refuses ``plan`` for verified work's sake (an excluded peer that leads would plan
-        itself back in): :meth:`geomesh_p2p.verify.WorkVerifier.plan_problem`. None: no objection."""
+        itself back in): :meth:`geomesh_p2p.trust.verify.WorkVerifier.plan_problem`. None: no objection."""
         wv = getattr(self, "_work_verifier", None)
         return None if wv is None else wv.plan_problem(plan, me=self.me)
 
     def _verified_members(self, members):
         """The planner's input without the peers that verified work excluded (their evidence re-checked
-        here, :meth:`geomesh_p2p.verify.WorkVerifier.filter`); this peer itself always stays."""
+        here, :meth:`geomesh_p2p.trust.verify.WorkVerifier.filter`); this peer itself always stays."""
         wv = getattr(self, "_work_verifier", None)
         return members if wv is None else wv.filter(members, keep=self.me)
 
@@ -1179,7 +1185,7 @@ class NodeRoundPolicy:
         it (its claim, capped to its plan budget; the most over the parts) over the compute seconds its
         plan predicted. The next leader plans no peer above ``planner.EVIDENCE_GROWTH`` x this. It bounds
         how fast a peer's planned rate can grow, not a claim made at the budget: telling work done from
-        a claim is verified work's job (geomesh_p2p.verify)."""
+        a claim is verified work's job (geomesh_p2p.trust.verify)."""
         delivered: dict[str, int] = {}
         for part in ar.contributors.values():
             for pid, n in part:

@@ -15,10 +15,10 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 
 import torch
 
-from geomesh_p2p.clock import swarm_time
-from geomesh_p2p.aio import wait_event
-from geomesh_p2p.planner import RoundPlan
-from geomesh_p2p.records import PeerRecord
+from geomesh_p2p.net.swarm_time import swarm_time
+from geomesh_p2p.util.aio import wait_event
+from geomesh_p2p.plan.planner import RoundPlan
+from geomesh_p2p.schema.peer import PeerRecord
 
 __all__ = [
     "Clock",
@@ -37,7 +37,7 @@ class Clock(Protocol):
     """Time source of the driver (an injected fake makes timing tests instant)."""
 
     def time(self) -> float:
-        """Swarm time, unix seconds (plans' deadlines are in it: :mod:`geomesh_p2p.clock`)."""
+        """Swarm time, unix seconds (plans' deadlines are in it: :mod:`geomesh_p2p.net.swarm_time`)."""
 
     def monotonic(self) -> float:
         """Monotonic seconds (timeouts)."""
@@ -47,7 +47,7 @@ class Clock(Protocol):
 
 
 class SystemClock:
-    """:class:`Clock` over :mod:`time`: ``time`` is swarm time (:func:`geomesh_p2p.clock.swarm_time`: this
+    """:class:`Clock` over :mod:`time`: ``time`` is swarm time (:func:`geomesh_p2p.net.swarm_time.swarm_time`: this
     machine's clock plus the offset measured to the bootstraps), ``monotonic`` is local."""
 
     def time(self) -> float:
@@ -79,7 +79,7 @@ class Membership(Protocol):
 
 
 class PlanAgreement(Protocol):
-    """Signed plans of a round (geomesh_p2p.round.plans.obtain_plan over a PlanStore)."""
+    """Signed plans of a round (geomesh_p2p.plan.agree.obtain_plan over a PlanStore)."""
 
     async def agree(
         self,
@@ -95,13 +95,13 @@ class PlanAgreement(Protocol):
     ) -> Optional[RoundPlan]:
         """The plan every peer follows for ``round`` (publishing one when this peer's turn comes), or None.
         ``provisional(plan)``: called with the plan it will most likely return, before a settle wait
-        (:func:`geomesh_p2p.round.plans.obtain_plan`); the driver trains on it meanwhile. ``last_resort``:
+        (:func:`geomesh_p2p.plan.agree.obtain_plan`); the driver trains on it meanwhile. ``last_resort``:
         PeerIDs that publish only when no plan at all appeared after every candidate's turn (the driver
         passes it only when non-empty, so an agreement without the keyword still works)."""
 
 
 class Trainer(Protocol):
-    """Inner training (geomesh_p2p.training.InnerTrainer); synchronous, the driver runs it in a thread."""
+    """Inner training (geomesh_p2p.model.training.InnerTrainer); synchronous, the driver runs it in a thread."""
 
     def run(
         self,
@@ -116,7 +116,7 @@ class Trainer(Protocol):
         target: Any = None,
     ) -> Any:
         """Inner steps on the model; returns an InnerResult (steps_done, tokens, mean_loss, compute_s).
-        ``target``: a :class:`~geomesh_p2p.training.StepTarget` read before every step instead of
+        ``target``: a :class:`~geomesh_p2p.model.training.StepTarget` read before every step instead of
         ``inner_steps`` / ``deadline`` (eager updates: only passed when ``DriverConfig.eager``)."""
 
     def gradient(self, *, round: int, batch_size: int, micro_batch: Optional[int] = None) -> tuple[torch.Tensor, Any]:
@@ -138,7 +138,7 @@ class SnapshotEvaluator(Protocol):
 
 
 class Collective(Protocol):
-    """The exchange (geomesh_p2p.collective.CollectiveService)."""
+    """The exchange (geomesh_p2p.exchange.CollectiveService)."""
 
     async def all_reduce(self, spec, delta: torch.Tensor, tokens: int, compute_end: Optional[float] = None) -> Any:
         """Aggregate ``delta`` [P] fp32 with the plan's participants; returns an AllReduceResult."""
@@ -185,7 +185,7 @@ class EagerStatePort(Protocol):
 
     def eager_start(self, delta: torch.Tensor, weight: float) -> torch.Tensor:
         """This peer's next start weights ``O(θ, v; weight·delta)`` on copies of the global weights and outer
-        state (:func:`geomesh_p2p.optim.eager_start`): a new [P] fp32 CPU tensor; the state is not changed."""
+        state (:func:`geomesh_p2p.model.optim.eager_start`): a new [P] fp32 CPU tensor; the state is not changed."""
 
     def load_model(self, flat: torch.Tensor) -> None:
         """Load ``flat`` ([P] fp32) into the model (the inner optimizer's state is untouched)."""
@@ -199,12 +199,6 @@ class EagerStatePort(Protocol):
     def commit(self, round: int, load_model: bool = True) -> str:
         """:meth:`GlobalStatePort.commit`; ``load_model=False`` leaves the model as it is (speculative inner
         steps are training on it)."""
-
-
-class PlanDeferred(Exception):
-    """Raised by :meth:`RoundPolicy.make_plan` when no plan can be made yet for a reason the policy has
-    already told the user (logged once per change of state, e.g. no reachable peer can own a part): the
-    caller waits and retries without logging it again (issue 14 #10: not an ERROR every few seconds)."""
 
 
 class RoundPolicy(Protocol):

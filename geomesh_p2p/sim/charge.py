@@ -6,16 +6,16 @@ adds the *training*. Units: reference tokens, bytes, bytes/s, virtual seconds.
 
 Planning (DESIGN.md "Round r", step 2; GeoMesh arXiv 2609.18388, AWB):
 
-* ``diloco``, ``css``, ``async`` (and ``ddp`` with H = 1): :func:`geomesh_p2p.planner.plan_uniform`
+* ``diloco``, ``css``, ``async`` (and ``ddp`` with H = 1): :func:`geomesh_p2p.plan.planner.plan_uniform`
   — the same micro-batch (``min(target_batch, min max_batch)``), batch and ``H = plan.inner_steps``
   for every peer; the window is set by the slowest peer.
-* ``awb``, ``geomesh``: :func:`geomesh_p2p.planner.plan_round` with the profile's window rule:
+* ``awb``, ``geomesh``: :func:`geomesh_p2p.plan.planner.plan_round` with the profile's window rule:
   ``comm_share`` (T = predicted comm / comm_share) or ``match_diloco`` (the smallest T at which the
   group trains DiLoCo's tokens per round).
 
 The planner's communication estimate uses ``payload_bytes = max_i max(push_up_i, pull_down_i)``
 (what a peer itself sends and fetches); the clock charges the full two-phase exchange
-(:func:`geomesh_p2p.sim.clock.charge_round`), owners' serving traffic included, so a planner
+(:func:`geomesh_p2p.sim.link_time.charge_round`), owners' serving traffic included, so a planner
 misprediction shows up as idle time, as it would in a real swarm. Parts are aligned to the codec
 block (``part_align = block_size``); the reference model's parts have the same fractions as the
 proxy's.
@@ -29,10 +29,10 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from geomesh_p2p.method import MethodRule
-from geomesh_p2p.planner import Method, PlanConfig, RoundPlan, partition, plan_round, plan_uniform
-from geomesh_p2p.records import PeerRecord
-from geomesh_p2p.sim.clock import ExchangeBytes, Link, RoundTiming, charge_round, exchange_bytes
+from geomesh_p2p.config.method import MethodRule
+from geomesh_p2p.plan.planner import Method, PlanConfig, RoundPlan, partition, plan_round, plan_uniform
+from geomesh_p2p.schema.peer import PeerRecord
+from geomesh_p2p.sim.link_time import ExchangeBytes, Link, RoundTiming, charge_round, exchange_bytes
 from geomesh_p2p.sim.hardware import Profile
 from geomesh_p2p.sim.methods import MethodSpec
 

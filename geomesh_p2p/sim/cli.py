@@ -20,7 +20,7 @@ import shlex
 import sys
 from typing import Optional, Sequence
 
-from geomesh_p2p.errors import UserFacingError
+from geomesh_p2p.util.errors import UserFacingError
 
 DEFAULT_METHODS = "diloco,awb,css,geomesh,async"
 
@@ -248,7 +248,7 @@ def _run(args, profile, specs, argv) -> int:
 def _charged_only(profile, specs) -> int:
     """One round of each method on the clock, without training (fast)."""
     from geomesh_p2p.sim.charge import Charger
-    from geomesh_p2p.training import build_model, num_params
+    from geomesh_p2p.model.training import build_model, num_params
 
     numel = num_params(build_model(profile.train.preset, seed=profile.train.seed))
     ch = Charger(profile, numel)

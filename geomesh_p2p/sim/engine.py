@@ -5,20 +5,20 @@ What is *trained* and what is *charged* (DESIGN.md "Measuring"):
 
 * **Trained** (real computation, deterministic for a seed): every peer's inner steps on the small
   proxy model (``profile.train.preset``, e.g. ``tiny``, 0.94M parameters) with its own
-  :class:`~geomesh_p2p.training.InnerTrainer` (inner AdamW or Lion state kept across rounds, as in
-  DiLoCo); pseudo-gradients encoded with :mod:`geomesh_p2p.compression` (sign packets, error
+  :class:`~geomesh_p2p.model.training.InnerTrainer` (inner AdamW or Lion state kept across rounds, as in
+  DiLoCo); pseudo-gradients encoded with :mod:`geomesh_p2p.exchange.codec` (sign packets, error
   feedback, int8/fp16 re-encoding); aggregated with
-  :func:`geomesh_p2p.collective.token_weighted_mean` (the collective's pure helper: the same bits as
+  :func:`geomesh_p2p.exchange.token_weighted_mean` (the collective's pure helper: the same bits as
   the gRPC collective, sorted-PeerID order, scale clipping); applied with
-  :class:`~geomesh_p2p.optim.OuterNesterov`. Eval perplexity is measured on the held-out split.
+  :class:`~geomesh_p2p.model.optim.OuterNesterov`. Eval perplexity is measured on the held-out split.
 * **Charged** (virtual seconds, never measured): compute time of the *reference* workload
   (``profile.reference``, e.g. the paper's 150M LLaMA-style model: ``batch * seq_len / tokens_per_s``
   per inner step) and communication time of its bytes (``reference.params`` x bytes per element of
-  the method's encoding) over the profile's links (:mod:`geomesh_p2p.sim.clock`).
+  the method's encoding) over the profile's links (:mod:`geomesh_p2p.sim.link_time`).
 
 Mapping between the two: each round is planned by the real planner
-(:func:`geomesh_p2p.planner.plan_round` for AWB, :func:`~geomesh_p2p.planner.plan_uniform` for the
-DiLoCo-style plans) from the peers' :class:`~geomesh_p2p.records.PeerRecord` for the reference
+(:func:`geomesh_p2p.plan.planner.plan_round` for AWB, :func:`~geomesh_p2p.plan.planner.plan_uniform` for the
+DiLoCo-style plans) from the peers' :class:`~geomesh_p2p.schema.peer.PeerRecord` for the reference
 workload. Peer ``i`` then trains the proxy for exactly its planned inner steps ``H_i`` (fewer if a
 slowed peer hits the window deadline), with ``round(batch_i / batch_div)`` proxy sequences of
 ``train.seq_len`` tokens per step: the reference token budgets scaled down by one constant, so the
@@ -44,14 +44,14 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
-from geomesh_p2p import compression
-from geomesh_p2p.optim import OuterNesterov
-from geomesh_p2p.planner import RoundPlan
+from geomesh_p2p.exchange import codec as compression
+from geomesh_p2p.model.optim import OuterNesterov
+from geomesh_p2p.plan.planner import RoundPlan
 from geomesh_p2p.sim.charge import Charger, RoundCharge, speed_factor
-from geomesh_p2p.sim.clock import RoundTiming, async_exchange_s, encoded_nbytes
+from geomesh_p2p.sim.link_time import RoundTiming, async_exchange_s, encoded_nbytes
 from geomesh_p2p.sim.hardware import Profile, SimPeer
 from geomesh_p2p.sim.methods import MethodSpec
-from geomesh_p2p.training import InnerTrainer, build_model, flat_params, load_flat_
+from geomesh_p2p.model.training import InnerTrainer, build_model, flat_params, load_flat_
 
 __all__ = ["RoundLog", "MethodResult", "Simulator", "ProgressFn", "time_to_target"]
 
@@ -305,7 +305,7 @@ class Simulator:
         self, spec: MethodSpec, deltas: list[torch.Tensor], tokens: list[int], efs, plan: RoundPlan
     ) -> Optional[torch.Tensor]:
         """The update every peer applies: the collective's arithmetic, without gRPC."""
-        from geomesh_p2p.collective import token_weighted_mean
+        from geomesh_p2p.exchange import token_weighted_mean
 
         if sum(tokens) == 0:
             return None
@@ -320,7 +320,7 @@ class Simulator:
         if spec.rule == "mean":
             mean = token_weighted_mean(list(zip(tokens, packets)), self.numel, clip_k=self.tr.clip_k)
         else:  # robust rules are per part (their medians and agreement are per owner's range)
-            from geomesh_p2p.aggregation import aggregate_part
+            from geomesh_p2p.exchange.robust import aggregate_part
 
             mean = torch.empty(self.numel)
             for _, s, e in plan.owners():

@@ -31,8 +31,8 @@ from typing import Literal, Optional, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from geomesh_p2p.errors import UserFacingError
-from geomesh_p2p.records import PeerRecord
+from geomesh_p2p.util.errors import UserFacingError
+from geomesh_p2p.schema.peer import PeerRecord
 
 __all__ = [
     "ProfileError",
@@ -88,7 +88,7 @@ class ReferenceSpec(_Strict):
 class TrainSpec(_Strict):
     """The proxy that is really trained (its perplexity is the convergence figure)."""
 
-    preset: str = Field(default="tiny", description="geomesh_p2p.training preset")
+    preset: str = Field(default="tiny", description="geomesh_p2p.model.training preset")
     seq_len: int = Field(default=64, ge=2, description="tokens per training sequence")
     batch_div: float = Field(
         default=8.0, gt=0, description="trained sequences per step = round(reference batch / batch_div), >= 1"
@@ -118,7 +118,7 @@ WindowRule = Literal["comm_share", "match_diloco"]
 
 
 class PlanSpec(_Strict):
-    """Planner settings (geomesh_p2p.planner.PlanConfig) for the reference workload."""
+    """Planner settings (geomesh_p2p.plan.planner.PlanConfig) for the reference workload."""
 
     target_batch: int = Field(default=32, ge=1, description="sequences per inner step (a floor for AWB)")
     inner_steps: int = Field(default=20, ge=1, description="H of the uniform plan (diloco, css, async)")

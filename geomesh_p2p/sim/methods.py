@@ -21,7 +21,7 @@ Variants: ``base+mod+mod...`` with modifiers
 * ``sign`` / ``int8`` / ``fp16`` — encoding of the re-encoded aggregate (default sign);
 * ``mean`` / ``meanmed`` / ``vote`` — aggregation rule of the sign contributions (css/geomesh; default
   ``mean``, the paper's token-weighted mean; the swarm's default is ``meanmed``, see
-  :mod:`geomesh_p2p.aggregation` and docs/security.md);
+  :mod:`geomesh_p2p.exchange.robust` and docs/security.md);
 * ``lion`` / ``adamw`` — inner optimizer (Lion uses the profile's ``train.lion_lr``);
 * ``lr=X`` — inner peak learning rate; ``outer_lr=X`` — outer Nesterov lr;
 * ``window=share`` / ``window=match`` — AWB window rule (awb/geomesh): comm is ``comm_share``
@@ -39,8 +39,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Optional
 
-from geomesh_p2p.errors import UserFacingError
-from geomesh_p2p.planner import Method, Mode
+from geomesh_p2p.util.errors import UserFacingError
+from geomesh_p2p.plan.planner import Method, Mode
 
 __all__ = ["BASE_METHODS", "MethodSpec", "MethodError", "parse_method", "parse_methods"]
 
@@ -77,7 +77,7 @@ class MethodSpec:
     inner_lr: Optional[float] = None
     outer_lr: Optional[float] = None
     window: Optional[str] = None  # "comm_share" | "match_diloco" | None (profile's rule)
-    rule: str = "mean"  # aggregation rule of sign contributions (geomesh_p2p.aggregation.RULES)
+    rule: str = "mean"  # aggregation rule of sign contributions (geomesh_p2p.exchange.robust.RULES)
     eager: bool = False  # eager updates: round r's exchange overlaps round r+1's inner steps
 
     @property
@@ -86,7 +86,7 @@ class MethodSpec:
 
     @property
     def planner_method(self) -> Method:
-        """The :class:`~geomesh_p2p.planner.PlanConfig` method that plans this base (async: diloco)."""
+        """The :class:`~geomesh_p2p.plan.planner.PlanConfig` method that plans this base (async: diloco)."""
         return _PLANNER_METHOD[self.base]
 
 

@@ -3,7 +3,7 @@
 The message modules (``*_pb2.py``) and their type stubs (``*_pb2.pyi``) are generated with
 grpcio-tools' protoc and committed; ``tests/unit/test_wire.py`` regenerates them into a temporary folder and
 fails when the committed ones are stale. No gRPC service stubs (``*_pb2_grpc.py``): the transport
-registers and calls its methods by full name (``geomesh_p2p.transport``), the services in
+registers and calls its methods by full name (``geomesh_p2p.net.transport``), the services in
 ``envelope.proto`` only document those names.
 """
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from geomesh_p2p.identity import Identity
+from geomesh_p2p.net.identity import Identity
 from tests.integration.test_allow_list import REASON  # noqa: F401
 
 

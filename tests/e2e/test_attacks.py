@@ -1,4 +1,4 @@
-"""The attack suite of issue 11: 3 honest peers + 1 red-team peer (geomesh_p2p.adversary) as OS processes.
+"""The attack suite of issue 11: 3 honest peers + 1 red-team peer (tests.adversary) as OS processes.
 
 Each test runs a tiny-model swarm for ``ROUNDS`` rounds and asserts, for the honest peers: none exits
 non-zero, all end at the last round, their weight digests are equal after every round, and their eval
@@ -104,9 +104,9 @@ def test_one_attacker_of_four_does_not_poison_or_split_the_honest_peers(swarm, a
 
 
 def _adversary(attack, tmp_path):
-    from geomesh_p2p.adversary import AdversaryNode
-    from geomesh_p2p.identity import Identity
-    from geomesh_p2p.node import NodeConfig, RunConfig
+    from tests.adversary import AdversaryNode
+    from geomesh_p2p.net.identity import Identity
+    from geomesh_p2p.node.peer import NodeConfig, RunConfig
 
     return AdversaryNode(RunConfig(), NodeConfig(identity=str(tmp_path / "a.key")), Identity.generate(), attack=attack)
 
@@ -116,7 +116,7 @@ def test_poisoned_contributions_are_what_the_attacks_say(tmp_path):
 
     import torch
 
-    from geomesh_p2p.adversary import FLIPMAX_FACTOR, MAX_TOKENS
+    from tests.adversary import FLIPMAX_FACTOR, MAX_TOKENS
 
     delta = torch.linspace(-1, 1, 4096)
 
@@ -146,9 +146,9 @@ def test_poisoned_contributions_are_what_the_attacks_say(tmp_path):
 def test_forged_owner_results_are_signed_by_the_owner_and_forged(tmp_path):
     import torch
 
-    from geomesh_p2p import compression
-    from geomesh_p2p.collective import CONTRIBUTION_KIND, RESULT_KIND
-    from geomesh_p2p.identity import Identity
+    from geomesh_p2p.exchange import codec as compression
+    from geomesh_p2p.exchange import CONTRIBUTION_KIND, RESULT_KIND
+    from geomesh_p2p.net.identity import Identity
     from geomesh_p2p.wire import collective_pb2, envelope_pb2
 
     n = _adversary("forge-aggregate", tmp_path)

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from bootstrap.cli import main, parse
-from geomesh_p2p.procs import stop_process
+from geomesh_p2p.util.procs import stop_process
 from tests.proc_util import bootstrap_args
 
 pytestmark = pytest.mark.timeout(180)

@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from geomesh_p2p.collective import CollectiveSpec, PartOwner
+from geomesh_p2p.exchange import CollectiveSpec, PartOwner
 from tests.collective_util import RUN, reference
 from tests.integration.test_collective_failures import SLACK_S, swarm, timed, workers  # noqa: F401
 

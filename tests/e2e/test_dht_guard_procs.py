@@ -5,8 +5,8 @@ from __future__ import annotations
 import time
 import grpc
 from geomesh_p2p.dht import make_record
-from geomesh_p2p.identity import Identity
-from geomesh_p2p.transport import DHT_STORE, RpcError, Transport, TransportConfig
+from geomesh_p2p.net.identity import Identity
+from geomesh_p2p.net.transport import DHT_STORE, RpcError, Transport, TransportConfig
 from geomesh_p2p.wire import dht_pb2
 from tests.proc_util import MiB, bootstrap_args
 from tests.integration.test_dht_guard import _store_req  # noqa: F401

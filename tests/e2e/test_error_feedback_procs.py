@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from geomesh_p2p.compression.feedback import RESIDUAL_FILE
+from geomesh_p2p.exchange.codec.feedback import RESIDUAL_FILE
 
 
 # ------------------------------------------------------------------ two peer processes

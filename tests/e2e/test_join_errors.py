@@ -102,8 +102,8 @@ def test_resume_from_a_checkpoint_of_another_run_config_is_refused(tmp_path):
     """A ddp checkpoint resumed as geomesh: one line naming the differing field, no traceback."""
     import torch
 
-    from geomesh_p2p.node import RunConfig
-    from geomesh_p2p.state import save_checkpoint
+    from geomesh_p2p.node.peer import RunConfig
+    from geomesh_p2p.model.state import save_checkpoint
 
     other = RunConfig(method="ddp")
     save_checkpoint(

@@ -24,14 +24,14 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from geomesh_p2p.admission import solve_pow
+from geomesh_p2p.trust.admission import solve_pow
 from geomesh_p2p.dht import live_peers, make_record, peers_key
-from geomesh_p2p.identity import Identity
-from geomesh_p2p.metrics import RoundRecord
-from geomesh_p2p.procs import bootstrap_argv
-from geomesh_p2p.records import PeerRecord
-from geomesh_p2p.status_http import CSP, StatusServer
-from geomesh_p2p.swarm_status import (
+from geomesh_p2p.net.identity import Identity
+from geomesh_p2p.telemetry.metrics import RoundRecord
+from geomesh_p2p.util.procs import bootstrap_argv
+from geomesh_p2p.schema.peer import PeerRecord
+from geomesh_p2p.status.http import CSP, StatusServer
+from geomesh_p2p.status.swarm import (
     KEEP_ROUNDS,
     MAX_TEXT,
     RoundSummaries,

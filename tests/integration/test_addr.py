@@ -1,4 +1,4 @@
-"""geomesh_p2p.addr: the one host:port parser/formatter (IPv6 literals in brackets), and IPv6 end to end
+"""geomesh_p2p.net.addr: the one host:port parser/formatter (IPv6 literals in brackets), and IPv6 end to end
 (issue 14 #5: ``--host ::1`` failed with "Misformatted domain name")."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import socket
 
 import pytest
 
-from geomesh_p2p.addr import (
+from geomesh_p2p.net.addr import (
     AddressError,
     canonical_address,
     format_address,
@@ -18,8 +18,8 @@ from geomesh_p2p.addr import (
     valid_address,
 )
 from geomesh_p2p.dht import DHTNode
-from geomesh_p2p.identity import Identity
-from geomesh_p2p.transport import Transport, TransportConfig
+from geomesh_p2p.net.identity import Identity
+from geomesh_p2p.net.transport import Transport, TransportConfig
 from tests.dht_helpers import stop_node
 
 pytestmark = pytest.mark.timeout(60)

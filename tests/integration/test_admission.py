@@ -8,8 +8,8 @@ import time
 import grpc
 import pytest
 
-from geomesh_p2p import events
-from geomesh_p2p.admission import (
+from geomesh_p2p.telemetry import events
+from geomesh_p2p.trust.admission import (
     Admission,
     check_pow,
     leading_zero_bits,
@@ -20,10 +20,10 @@ from geomesh_p2p.admission import (
     solve_pow,
 )
 from geomesh_p2p.dht import PeerAnnouncer, live_peers
-from geomesh_p2p.identity import Identity, allow_list
-from geomesh_p2p.records import PeerRecord
+from geomesh_p2p.net.identity import Identity, allow_list
+from geomesh_p2p.schema.peer import PeerRecord
 from tests.records_util import peer_record
-from geomesh_p2p.transport import STATE_STATUS, RpcError, Transport, TransportConfig
+from geomesh_p2p.net.transport import STATE_STATUS, RpcError, Transport, TransportConfig
 from tests.dht_helpers import RUN, start_node, stop_all
 
 pytestmark = pytest.mark.timeout(60)
@@ -104,7 +104,7 @@ def test_a_record_without_valid_pow_is_ignored():
 async def test_peer_node_ignores_dht_records_without_pow(monkeypatch):
     """End to end through the DHT: two identities announce; the node's peer list keeps only the one
     whose record carries a valid proof of work (its own record is always there)."""
-    from geomesh_p2p.node import NodeConfig, PeerNode, RunConfig
+    from geomesh_p2p.node.peer import NodeConfig, PeerNode, RunConfig
 
     nodes = []
     try:
@@ -129,8 +129,8 @@ async def test_peer_node_ignores_dht_records_without_pow(monkeypatch):
 
 
 def test_run_config_carries_pow_bits_and_cli_defaults_match():
-    from geomesh_p2p import admission
-    from geomesh_p2p.node import RunConfig
+    from geomesh_p2p.trust import admission
+    from geomesh_p2p.node.peer import RunConfig
     from peer import node_cli
 
     assert RunConfig().pow_bits == admission.DEFAULT_POW_BITS == node_cli.DEFAULT_POW_BITS
@@ -171,7 +171,7 @@ def test_allow_file_accepts_peer_ids_and_public_keys(tmp_path):
 async def test_allow_listed_run_refuses_an_outsiders_record_and_rpc():
     """A private run: the insiders' DHT and state server refuse an outsider's store and state RPC with
     PERMISSION_DENIED and a reason; an outsider's record that reaches a peer anyway is ignored."""
-    from geomesh_p2p.state_sync import StateServer
+    from geomesh_p2p.sync.transfer import StateServer
     from geomesh_p2p.wire import state_pb2
 
     inside = [Identity.generate() for _ in range(2)]
@@ -194,7 +194,7 @@ async def test_allow_listed_run_refuses_an_outsiders_record_and_rpc():
         assert await PeerAnnouncer(dht1, _rec(inside[1])).announce_once()
         out_t = Transport(outsider, RUN, TransportConfig(client_only=True))
         try:
-            from geomesh_p2p.transport import DHT_STORE
+            from geomesh_p2p.net.transport import DHT_STORE
             from geomesh_p2p.dht.records import make_record
             from geomesh_p2p.wire import dht_pb2
 

@@ -1,5 +1,5 @@
-"""Bounded tables under a flood of identities: the link-probe rate table (geomesh_p2p.links) and the
-collective owner's held pushes for unknown rounds (geomesh_p2p.collective.owner)."""
+"""Bounded tables under a flood of identities: the link-probe rate table (geomesh_p2p.net.links) and the
+collective owner's held pushes for unknown rounds (geomesh_p2p.exchange.owner)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import grpc
 import pytest
 import torch
 
-from geomesh_p2p.identity import EnvelopeError
-from geomesh_p2p.links import LinkProbeService
-from geomesh_p2p.transport import COLLECTIVE_PULL, COLLECTIVE_PUSH, RpcError
+from geomesh_p2p.net.identity import EnvelopeError
+from geomesh_p2p.net.links import LinkProbeService
+from geomesh_p2p.net.transport import COLLECTIVE_PULL, COLLECTIVE_PUSH, RpcError
 from geomesh_p2p.wire import collective_pb2
 from tests.collective_util import deltas_for, reference
 from tests.wait_util import until

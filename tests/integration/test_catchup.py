@@ -10,11 +10,11 @@ import hashlib
 import pytest
 import torch
 
-from geomesh_p2p.identity import Identity
-from geomesh_p2p.optim import OuterNesterov
+from geomesh_p2p.net.identity import Identity
+from geomesh_p2p.model.optim import OuterNesterov
 from geomesh_p2p.round.policy import outer_step_per_part
-from geomesh_p2p.state import GlobalState
-from geomesh_p2p.state_sync import (
+from geomesh_p2p.model.state import GlobalState
+from geomesh_p2p.sync.transfer import (
     OuterUpdate,
     Snapshot,
     StateServer,
@@ -23,7 +23,7 @@ from geomesh_p2p.state_sync import (
     catch_up_updates,
     download_state,
 )
-from geomesh_p2p.transport import Transport, TransportConfig
+from geomesh_p2p.net.transport import Transport, TransportConfig
 from geomesh_p2p.wire import state_pb2
 from tests.state_util import StallingServer
 
@@ -273,7 +273,7 @@ async def test_the_update_log_keeps_the_last_rounds_and_only_sealed_ones():
 async def test_a_donor_frozen_from_its_first_chunk_costs_the_floor_not_the_stall_timeout():
     """The piece of a donor that never sends a chunk moves once its sibling's rate shows the donor is late:
     STALL_FLOOR_S (2 s) here, not the 30 s stall timeout (issue 14 #3: a frozen donor costs <= 5 s)."""
-    from geomesh_p2p.state_sync import STALL_FLOOR_S
+    from geomesh_p2p.sync.transfer import STALL_FLOOR_S
 
     gs = _state(p=1 << 17)  # 1 MiB: 32 chunks per piece
     frozen_t, frozen, frozen_addr = await _serve(gs, StallingServer, stall_after=0)
@@ -308,7 +308,7 @@ async def test_a_download_from_donors_busy_with_their_exchange_waits_for_them_in
     stall limit), then the rest. Without ``busy_until`` every piece stalls on every donor (rs7: "sent nothing
     for 5.0 s", round after round); with the donors' exchange deadline known, each piece goes back to its
     donor after the first pass and waits for the end of the exchange: the download finishes."""
-    from geomesh_p2p.clock import swarm_time
+    from geomesh_p2p.net.swarm_time import swarm_time
 
     gs = _state(p=1 << 17)  # 1 MiB: 32 chunks per piece
     busy_s, stall_s = 4.0, 1.0
@@ -357,7 +357,7 @@ async def test_a_download_from_donors_busy_with_their_exchange_waits_for_them_in
 async def test_a_busy_donor_that_froze_still_costs_only_the_plain_limit_when_another_donor_serves():
     """busy_until does not make a frozen donor cheaper to keep: with a healthy donor at hand, the piece
     moves on the plain (adaptive) limit although the frozen one is said to be inside its exchange."""
-    from geomesh_p2p.clock import swarm_time
+    from geomesh_p2p.net.swarm_time import swarm_time
 
     gs = _state(p=1 << 17)
     frozen_t, frozen, frozen_addr = await _serve(gs, StallingServer, stall_after=0)
@@ -389,7 +389,7 @@ async def test_a_busy_donor_that_froze_still_costs_only_the_plain_limit_when_ano
 
 @pytest.mark.timeout(60)
 async def test_a_donor_frozen_past_its_busy_window_is_left_after_the_window_plus_the_stall_limit():
-    from geomesh_p2p.clock import swarm_time
+    from geomesh_p2p.net.swarm_time import swarm_time
 
     gs = _state(p=1 << 17)
     t, srv, addr = await _serve(gs, StallingServer, stall_after=1)  # never released: gone quiet for good

@@ -14,16 +14,17 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from geomesh_p2p import compression, events
-from geomesh_p2p.collective import (
+from geomesh_p2p.exchange import codec as compression
+from geomesh_p2p.telemetry import events
+from geomesh_p2p.exchange import (
     CollectiveService,
     CollectiveSpec,
     PartOwner,
     make_partition,
     token_weighted_mean,
 )
-from geomesh_p2p.identity import EnvelopeError, Identity
-from geomesh_p2p.transport import COLLECTIVE_PULL, COLLECTIVE_PUSH, RpcError, Transport, TransportConfig
+from geomesh_p2p.net.identity import EnvelopeError, Identity
+from geomesh_p2p.net.transport import COLLECTIVE_PULL, COLLECTIVE_PUSH, RpcError, Transport, TransportConfig
 from geomesh_p2p.wire import collective_pb2
 
 from tests.collective_util import RUN, craft_contribution, deltas_for, pid_order, reference, reference_part
@@ -482,8 +483,8 @@ async def test_last_compute_end_is_the_latest_contributors_stated_time(swarms):
 async def test_parts_too_big_for_one_message_are_split_and_still_exact():
     """fp32 parts larger than the gRPC message limit fail whole (the push is refused and the part is
     missing); cut with split_owners(max_part_elements(...)) the same vectors reduce exactly."""
-    from geomesh_p2p.collective import make_partition, max_part_elements, split_owners
-    from geomesh_p2p.transport import Transport, TransportConfig
+    from geomesh_p2p.exchange import make_partition, max_part_elements, split_owners
+    from geomesh_p2p.net.transport import Transport, TransportConfig
 
     limit = 256 << 10
     ids = [Identity.generate() for _ in range(3)]

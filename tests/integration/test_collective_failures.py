@@ -18,9 +18,9 @@ import grpc
 import pytest
 import torch
 
-from geomesh_p2p import compression
-from geomesh_p2p.collective import CollectiveService
-from geomesh_p2p.transport import COLLECTIVE_PUSH, RpcError
+from geomesh_p2p.exchange import codec as compression
+from geomesh_p2p.exchange import CollectiveService
+from geomesh_p2p.net.transport import COLLECTIVE_PUSH, RpcError
 from geomesh_p2p.wire import collective_pb2
 from tests.jsonl_util import JsonLineProc, kill_workers
 from tests.collective_util import RUN, Swarm, craft_contribution, deltas_for, pid_order, reference

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from geomesh_p2p import events
+from geomesh_p2p.telemetry import events
 from tests.collective_util import Swarm, deltas_for
 
 pytestmark = pytest.mark.timeout(60)

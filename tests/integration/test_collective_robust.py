@@ -13,9 +13,9 @@ import dataclasses
 import pytest
 import torch
 
-from geomesh_p2p import compression
-from geomesh_p2p.aggregation import aggregate_part
-from geomesh_p2p.collective import CollectiveService
+from geomesh_p2p.exchange import codec as compression
+from geomesh_p2p.exchange.robust import aggregate_part
+from geomesh_p2p.exchange import CollectiveService
 
 from tests.collective_util import Swarm, pid_order
 

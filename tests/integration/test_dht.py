@@ -7,9 +7,9 @@ import time
 
 import pytest
 
-from geomesh_p2p import events
+from geomesh_p2p.telemetry import events
 from geomesh_p2p.dht import DHTJoinError, DHTNode, LookupStats, key_id_of
-from geomesh_p2p.identity import Identity
+from geomesh_p2p.net.identity import Identity
 from tests.dht_helpers import RUN, start_node, start_swarm, stop_all, stop_node, wait_for
 
 pytestmark = pytest.mark.timeout(60)
@@ -176,7 +176,7 @@ async def test_several_bootstraps_one_dead():
 
 
 async def test_create_starts_transport_and_joins():
-    from geomesh_p2p.transport import Transport
+    from geomesh_p2p.net.transport import Transport
 
     a = await start_node()
     t = Transport(Identity.generate(), a.run_id)

@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from geomesh_p2p import __version__, events
+from geomesh_p2p import __version__
+from geomesh_p2p.telemetry import events
 from geomesh_p2p.dht import (
     PeerAnnouncer,
     announce_loop,
@@ -16,8 +17,8 @@ from geomesh_p2p.dht import (
     live_peers,
     peers_key,
 )
-from geomesh_p2p.identity import Identity
-from geomesh_p2p.records import PeerRecord
+from geomesh_p2p.net.identity import Identity
+from geomesh_p2p.schema.peer import PeerRecord
 from tests.records_util import peer_record
 from tests.dht_helpers import RUN, start_node, stop_all, stop_node, wait_for
 

@@ -11,7 +11,7 @@ import pytest
 
 from bootstrap import cli as boot_cli
 from geomesh_p2p.dht import BootstrapState, SwarmProgress, peers_key, publish_progress, swarm_progress
-from geomesh_p2p.identity import Identity
+from geomesh_p2p.net.identity import Identity
 from tests.dht_helpers import RUN, start_node, stop_all, stop_node, wait_for
 from tests.records_util import peer_record
 

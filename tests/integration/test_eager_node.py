@@ -1,4 +1,4 @@
-"""Eager updates (docs/eager.md) in real :class:`~geomesh_p2p.node.PeerNode`\\ s: 3 in-process peers (tiny model,
+"""Eager updates (docs/eager.md) in real :class:`~geomesh_p2p.node.peer.PeerNode`\\ s: 3 in-process peers (tiny model,
 geomesh in reencode mode, the real DHT, plans, collective, state and trainer) on 127.0.0.1, 4 rounds with
 ``eager=True``. Checked against the rule, from what the nodes did:
 
@@ -22,13 +22,13 @@ import threading
 import pytest
 import torch
 
-from geomesh_p2p.config import NodeConfig, RunConfig
+from geomesh_p2p.config.models import NodeConfig, RunConfig
 from geomesh_p2p.dht import DHTNode
-from geomesh_p2p.identity import Identity
-from geomesh_p2p.node import PeerNode
-from geomesh_p2p.optim import OuterNesterov, eager_start
-from geomesh_p2p.training import InnerTrainer, flat_params
-from geomesh_p2p.transport import Transport, TransportConfig
+from geomesh_p2p.net.identity import Identity
+from geomesh_p2p.node.peer import PeerNode
+from geomesh_p2p.model.optim import OuterNesterov, eager_start
+from geomesh_p2p.model.training import InnerTrainer, flat_params
+from geomesh_p2p.net.transport import Transport, TransportConfig
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_thread")]
 

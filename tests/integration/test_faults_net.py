@@ -10,8 +10,8 @@ import grpc
 import pytest
 
 from geomesh_p2p.dht import DHTNode
-from geomesh_p2p.identity import Identity
-from geomesh_p2p.transport import RpcError, Transport, TransportConfig
+from geomesh_p2p.net.identity import Identity
+from geomesh_p2p.net.transport import RpcError, Transport, TransportConfig
 from tests.dht_helpers import RUN, start_node, stop_all, stop_node
 from tests.e2e.test_bootstrap import START_TIMEOUT, procs  # noqa: F401  (the fixture)
 from tests.proc_util import bootstrap_args
@@ -161,7 +161,7 @@ async def test_a_peer_with_a_skewed_clock_sees_and_is_seen_by_the_swarm(skew_s):
 
 async def test_a_clock_beyond_the_tolerance_is_refused_at_join_in_one_line():
     from geomesh_p2p.dht import ClockSkewError
-    from geomesh_p2p.errors import UserFacingError
+    from geomesh_p2p.util.errors import UserFacingError
 
     boot = await start_node()
     try:

@@ -12,8 +12,8 @@ import threading
 import pytest
 import torch
 
-from geomesh_p2p import state
-from geomesh_p2p.state import GlobalState, StateChanged, StateError, digest
+from geomesh_p2p.model import state
+from geomesh_p2p.model.state import GlobalState, StateChanged, StateError, digest
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -152,9 +152,9 @@ import gc  # noqa: E402
 
 import grpc  # noqa: E402
 
-from geomesh_p2p.identity import Identity  # noqa: E402
-from geomesh_p2p.state_sync import StateServer, StateSyncError, download_state  # noqa: E402
-from geomesh_p2p.transport import STATE_GET, RpcError, Transport, TransportConfig  # noqa: E402
+from geomesh_p2p.net.identity import Identity  # noqa: E402
+from geomesh_p2p.sync.transfer import StateServer, StateSyncError, download_state  # noqa: E402
+from geomesh_p2p.net.transport import STATE_GET, RpcError, Transport, TransportConfig  # noqa: E402
 from geomesh_p2p.wire import state_pb2  # noqa: E402
 from tests.state_util import StallingServer  # noqa: E402
 

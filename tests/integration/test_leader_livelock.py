@@ -11,11 +11,12 @@ import asyncio
 
 import pytest
 
-from geomesh_p2p import events, probation as pb
-from geomesh_p2p.identity import Identity
-from geomesh_p2p.node import NodeConfig, PeerNode, RunConfig
-from geomesh_p2p.records import PeerRecord
-from geomesh_p2p.standing import Standing
+from geomesh_p2p.telemetry import events
+from geomesh_p2p.trust import probation as pb
+from geomesh_p2p.net.identity import Identity
+from geomesh_p2p.node.peer import NodeConfig, PeerNode, RunConfig
+from geomesh_p2p.schema.peer import PeerRecord
+from geomesh_p2p.trust.standing import Standing
 from tests.records_util import peer_record
 from tests.unit.test_round_driver import NUMEL, PEER_INDEX, PEERS, FakePeer, Swarm
 

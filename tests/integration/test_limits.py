@@ -20,12 +20,12 @@ import grpc
 import pytest
 import torch
 
-from geomesh_p2p import events
-from geomesh_p2p import transport as transport_mod
+from geomesh_p2p.telemetry import events
+from geomesh_p2p.net import transport as transport_mod
 from geomesh_p2p.dht.node import DHT_PROTOCOL_VERSION
-from geomesh_p2p.identity import EnvelopeError, Identity
-from geomesh_p2p.state_sync import Snapshot, StateServer
-from geomesh_p2p.transport import DHT_PING, DHT_STORE, STATE_GET, RpcError, Transport, TransportConfig
+from geomesh_p2p.net.identity import EnvelopeError, Identity
+from geomesh_p2p.sync.transfer import Snapshot, StateServer
+from geomesh_p2p.net.transport import DHT_PING, DHT_STORE, STATE_GET, RpcError, Transport, TransportConfig
 from geomesh_p2p.wire import dht_pb2, state_pb2
 from tests.proc_util import MiB, signed_call
 from tests.wait_util import until
@@ -263,8 +263,8 @@ async def test_client_cancelled_state_streams_end_without_a_traceback(caplog):
 async def test_state_download_retries_a_bad_donor_and_closes_its_stream():
     """download_state over three donors, one of which serves another state: its piece moves to a good
     donor, and the abandoned stream is cancelled at once (the donor counts no state call after)."""
-    from geomesh_p2p.state import digest
-    from geomesh_p2p.state_sync import download_state
+    from geomesh_p2p.model.state import digest
+    from geomesh_p2p.sync.transfer import download_state
 
     theta, momentum = torch.randn(1 << 16), torch.randn(1 << 16)
     good = digest(theta, momentum)
@@ -330,7 +330,7 @@ async def test_a_dht_store_does_not_wait_behind_the_same_peers_part_upload():
     to the same node takes its own read slot: it answers in well under the upload's remaining time. Before,
     both took the one "large" slot of that IP and the store waited for the whole upload (3.7 s here)."""
     from geomesh_p2p.dht.records import DEFAULT_LIMITS
-    from geomesh_p2p.transport import COLLECTIVE_PUSH, DHT_STORE
+    from geomesh_p2p.net.transport import COLLECTIVE_PUSH, DHT_STORE
 
     async def ok(verified, context):
         return b"ok"

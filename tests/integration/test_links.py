@@ -1,4 +1,4 @@
-"""Link bandwidth measured from real transfers (geomesh_p2p.links, the collective's timing, the node's EMA)."""
+"""Link bandwidth measured from real transfers (geomesh_p2p.net.links, the collective's timing, the node's EMA)."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import grpc
 import pytest
 import torch
 
-from geomesh_p2p.capability import ThroughputEMA
-from geomesh_p2p.identity import Identity
-from geomesh_p2p.links import MAX_PROBE_BYTES, LinkProbeService, LinkSample, busy_seconds, link_sample, probe_link
-from geomesh_p2p.transport import LINK_PROBE, RpcError, Transport, TransportConfig
+from geomesh_p2p.model.capability import ThroughputEMA
+from geomesh_p2p.net.identity import Identity
+from geomesh_p2p.net.links import MAX_PROBE_BYTES, LinkProbeService, LinkSample, busy_seconds, link_sample, probe_link
+from geomesh_p2p.net.transport import LINK_PROBE, RpcError, Transport, TransportConfig
 from geomesh_p2p.wire import collective_pb2, link_pb2
 
 pytestmark = pytest.mark.timeout(60)
@@ -97,7 +97,7 @@ async def test_probe_over_the_cap_is_refused_and_the_server_keeps_serving(probe_
 async def test_collective_reports_upload_and_download_samples():
     """Three peers all-reduce over loopback: each one's upload sample is exactly the bytes of the
     PushPart payloads it sent to the two other owners, its download sample the two results pulled."""
-    from geomesh_p2p.collective import CollectiveService, CollectiveSpec, make_partition
+    from geomesh_p2p.exchange import CollectiveService, CollectiveSpec, make_partition
 
     ids = [Identity.generate() for _ in range(3)]
     ts = [Transport(i, "links-test", TransportConfig(port=0)) for i in ids]
@@ -147,7 +147,7 @@ async def test_collective_reports_upload_and_download_samples():
 
 
 def _node_with(upload_bps=None, download_bps=None, rtt_s=0.0):
-    from geomesh_p2p.node import NodeConfig, PeerNode
+    from geomesh_p2p.node.peer import NodeConfig, PeerNode
 
     node = PeerNode.__new__(PeerNode)
     node.cfg = NodeConfig(upload_bps=upload_bps, download_bps=download_bps, min_link_sample_bytes=1000)

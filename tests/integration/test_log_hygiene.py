@@ -9,11 +9,11 @@ import re
 
 import pytest
 
-from geomesh_p2p.identity import Identity
-from geomesh_p2p.node import NodeConfig, PeerNode, RunConfig
-from geomesh_p2p.records import PeerRecord
+from geomesh_p2p.net.identity import Identity
+from geomesh_p2p.node.peer import NodeConfig, PeerNode, RunConfig
+from geomesh_p2p.schema.peer import PeerRecord
 from tests.records_util import peer_record
-from geomesh_p2p.round.ports import PlanDeferred
+from geomesh_p2p.plan.agree import PlanDeferred
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -89,7 +89,7 @@ async def test_a_peer_that_starts_below_min_peers_says_so(caplog):
     from tests.unit.test_round_driver import FakeClock, _peers
 
     (lone,) = _peers(1)
-    with caplog.at_level(logging.INFO, logger="geomesh_p2p.node.round"):
+    with caplog.at_level(logging.INFO, logger="geomesh_p2p.node.peer.round"):
         await asyncio.wait_for(lone.driver(rounds=1, min_peers=2, wait_peers_s=30.0, clock=FakeClock()).run(), 30)
     lines = [r.getMessage() for r in caplog.records if "peers" in r.getMessage() and "round 0:" in r.getMessage()]
     assert lines[0] == "round 0: waiting for 2 peers, 1 live (up to 30 s)"

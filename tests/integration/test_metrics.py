@@ -11,7 +11,7 @@ import urllib.request
 
 import pytest
 
-from geomesh_p2p.metrics import HEADER, RoundLog, RoundRecord, format_row
+from geomesh_p2p.telemetry.metrics import HEADER, RoundLog, RoundRecord, format_row
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -266,7 +266,7 @@ def test_a_round_that_trains_less_than_half_its_plan_is_flagged():
     """Issue 14 #9: '0/4' rounds looked healthy. Flagged in the row ('!'), the JSON and Prometheus."""
     import json as _json
 
-    from geomesh_p2p.metrics import RoundRecord, format_row
+    from geomesh_p2p.telemetry.metrics import RoundRecord, format_row
 
     base = dict(
         round=3,

@@ -17,13 +17,13 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from geomesh_p2p import events
-from geomesh_p2p.capability import MAX_TPS_GROWTH_PER_UPDATE, ThroughputEMA
-from geomesh_p2p.identity import Identity
-from geomesh_p2p.metrics import RoundLog, RoundRecord, format_row, json_safe
-from geomesh_p2p.node import NodeConfig, PeerNode, RunConfig
-from geomesh_p2p.optim import OuterNesterov, SyncAdamW
-from geomesh_p2p.planner import (
+from geomesh_p2p.telemetry import events
+from geomesh_p2p.model.capability import MAX_TPS_GROWTH_PER_UPDATE, ThroughputEMA
+from geomesh_p2p.net.identity import Identity
+from geomesh_p2p.telemetry.metrics import RoundLog, RoundRecord, format_row, json_safe
+from geomesh_p2p.node.peer import NodeConfig, PeerNode, RunConfig
+from geomesh_p2p.model.optim import OuterNesterov, SyncAdamW
+from geomesh_p2p.plan.planner import (
     BANDWIDTH_SPREAD_CAP,
     BATCH_SPREAD_CAP,
     BUDGET_MEDIAN_FACTOR,
@@ -40,9 +40,16 @@ from geomesh_p2p.planner import (
     partition,
     plan_round,
 )
-from geomesh_p2p.records import MAX_BATCH, MAX_LINK_BPS, MAX_TOKENS_PER_S, MIN_LINK_BPS, MIN_TOKENS_PER_S, PeerRecord
+from geomesh_p2p.schema.peer import (
+    MAX_BATCH,
+    MAX_LINK_BPS,
+    MAX_TOKENS_PER_S,
+    MIN_LINK_BPS,
+    MIN_TOKENS_PER_S,
+    PeerRecord,
+)
 from tests.records_util import peer_record
-from geomesh_p2p.training import perplexity
+from geomesh_p2p.model.training import perplexity
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -436,7 +443,7 @@ def test_perplexity_never_raises():
 
 def test_evaluate_a_model_blown_up_by_a_hostile_update(caplog):
     from geomesh_p2p.data import TokenDataset
-    from geomesh_p2p.training import InnerTrainer, build_model, load_flat_, num_params
+    from geomesh_p2p.model.training import InnerTrainer, build_model, load_flat_, num_params
 
     torch.set_num_threads(1)
     d = TokenDataset(torch.arange(4000) % 50, vocab_size=50)
@@ -445,7 +452,7 @@ def test_evaluate_a_model_blown_up_by_a_hostile_update(caplog):
     for value in (1e30, float("nan")):
         load_flat_(m, torch.full((num_params(m),), value))
         caplog.clear()
-        with caplog.at_level("WARNING", logger="geomesh_p2p.training"), events.capture("eval_not_finite") as bad:
+        with caplog.at_level("WARNING", logger="geomesh_p2p.model.training"), events.capture("eval_not_finite") as bad:
             assert tr.evaluate(max_batches=1, batch_size=2) == math.inf
         assert len(caplog.records) == 1  # one WARNING line per evaluation
         assert [e["peer"] for e in bad] == ["x"]
@@ -512,7 +519,7 @@ def test_outer_step_skips_parts_whose_aggregate_or_result_is_not_finite(make_out
     node.outer.buf = torch.zeros(12 * ref.state_factor)
     clean = theta.clone()
     ref.step(clean, torch.full((12,), 0.01), round=0)
-    with caplog.at_level("WARNING", logger="geomesh_p2p.node"), events.capture("outer_step_skipped") as skips:
+    with caplog.at_level("WARNING", logger="geomesh_p2p.node.peer"), events.capture("outer_step_skipped") as skips:
         node._outer_step(0, plan, agg)
     assert torch.equal(node.theta[:4], clean[:4])  # part a stepped as usual
     skipped = [(4, 8), (8, 12)]  # Nesterov: buf + g overflows; AdamW: v = g^2 overflows
@@ -588,7 +595,7 @@ def test_a_peer_whose_training_diverges_contributes_nothing_and_keeps_going(monk
         node.trainer = SimpleNamespace(run=trainer_run)
         sent.clear()
         caplog.clear()
-        with caplog.at_level("WARNING", logger="geomesh_p2p.node"), events.capture("contributing_nothing") as none:
+        with caplog.at_level("WARNING", logger="geomesh_p2p.node.peer"), events.capture("contributing_nothing") as none:
             asyncio.run(node._one_round([r0]))
         assert sent["tokens"] == 0 and torch.equal(sent["delta"], torch.zeros(40))
         assert sent["result"].tokens == 0 and sent["result"].steps_done == 0
@@ -661,7 +668,7 @@ def test_a_leader_may_bar_a_minority_of_owners_but_not_make_itself_sole_owner():
 def test_penalties_hold_whoever_leads(monkeypatch):
     """Adversarial review: a peer under a no-show / owner penalty led a round and gave itself 64% of the
     model again. Followers now refuse such a plan (the next leader takes over)."""
-    from geomesh_p2p.node import NodeConfig, PeerNode, RunConfig
+    from geomesh_p2p.node.peer import NodeConfig, PeerNode, RunConfig
 
     recs = [rec(x, 1000.0, up_mbit=100.0) for x in ("p0", "p1", "p2")]
     cfg = PlanConfig(seq_len=8, target_batch=4, payload_bytes=1000, window_s=5.0, mode="relay")
@@ -676,8 +683,8 @@ def test_penalties_hold_whoever_leads(monkeypatch):
     )
     node._owner_penalty, node._noshow_penalty = {}, {"p0": 7}
     live = by_id(recs)
-    monkeypatch.setattr("geomesh_p2p.probation.marking_problem", lambda *a, **k: None)
-    monkeypatch.setattr("geomesh_p2p.planner.check_plan", lambda *a, **k: None)
+    monkeypatch.setattr("geomesh_p2p.trust.probation.marking_problem", lambda *a, **k: None)
+    monkeypatch.setattr("geomesh_p2p.plan.planner.check_plan", lambda *a, **k: None)
     monkeypatch.setattr(time, "time", lambda: T0)
     assert "its leader p0 contributed to no part recently" in node._plan_problem(plan, live)
     node._noshow_penalty, node._owner_penalty = {}, {"p0": 9}

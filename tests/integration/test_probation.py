@@ -1,4 +1,4 @@
-"""Probation for new identities (issue 12, the planning half; geomesh_p2p/probation.py): a burst of
+"""Probation for new identities (issue 12, the planning half; geomesh_p2p/trust/probation.py): a burst of
 identities that never take part gets one probation slot (no part, bounded budget, outside the quorum),
 owners do not wait for them, a no-show is not planned again for a while, and they never lead.
 Unit tests with fake records; tests/test_sybil.py runs the attack with processes."""
@@ -13,15 +13,16 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from geomesh_p2p import events, probation as pb
-from geomesh_p2p.collective import CollectiveSpec, PartOwner
-from geomesh_p2p.identity import Identity
-from geomesh_p2p.node import NodeConfig, PeerNode, RunConfig
-from geomesh_p2p.planner import check_plan, make_plan
-from geomesh_p2p.records import PeerRecord
+from geomesh_p2p.telemetry import events
+from geomesh_p2p.trust import probation as pb
+from geomesh_p2p.exchange import CollectiveSpec, PartOwner
+from geomesh_p2p.net.identity import Identity
+from geomesh_p2p.node.peer import NodeConfig, PeerNode, RunConfig
+from geomesh_p2p.plan.planner import check_plan, make_plan
+from geomesh_p2p.schema.peer import PeerRecord
 from tests.records_util import peer_record
 from geomesh_p2p.round import LEADER_WAIT_CANDIDATES, PlanStore, leader_order, obtain_plan, takeover_delay
-from geomesh_p2p.standing import Standing, attest_key
+from geomesh_p2p.trust.standing import Standing, attest_key
 
 from tests.unit.test_round import MemoryDHT
 
@@ -310,7 +311,7 @@ def test_takeover_delay_is_bounded_whatever_the_number_of_candidates():
 
 
 async def test_silent_better_ranked_candidates_cost_a_bounded_wait_and_non_candidates_never_publish():
-    from geomesh_p2p.planner import PlanConfig, plan_round
+    from geomesh_p2p.plan.planner import PlanConfig, plan_round
 
     cfg = PlanConfig(seq_len=64, target_batch=8, window_s=5.0, payload_bytes=10_000)
     ids = [Identity.generate() for _ in range(12)]

@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from geomesh_p2p import state_sync
-from geomesh_p2p.identity import Identity
-from geomesh_p2p.optim import OuterNesterov
+from geomesh_p2p.sync import transfer as state_sync
+from geomesh_p2p.net.identity import Identity
+from geomesh_p2p.model.optim import OuterNesterov
 from geomesh_p2p.round.policy import outer_step_per_part
-from geomesh_p2p.state import GlobalState
-from geomesh_p2p.state_sync import StateServer, download_state
-from geomesh_p2p.transport import STATE_GET, RpcError, Transport, TransportConfig
+from geomesh_p2p.model.state import GlobalState
+from geomesh_p2p.sync.transfer import StateServer, download_state
+from geomesh_p2p.net.transport import STATE_GET, RpcError, Transport, TransportConfig
 from geomesh_p2p.wire import state_pb2
 
 RUN = "review-fixes"
@@ -240,7 +240,7 @@ def test_empty_identifiers_are_refused(tmp_path, capsys, monkeypatch, flag):
 def test_the_config_models_refuse_an_empty_run_id():
     from pydantic import ValidationError
 
-    from geomesh_p2p.config import BootstrapConfig, NodeConfig, RunConfig
+    from geomesh_p2p.config.models import BootstrapConfig, NodeConfig, RunConfig
 
     for make in (
         lambda: RunConfig(run_id=""),

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from geomesh_p2p.dht import DHTJoinError, DHTNode
-from geomesh_p2p.identity import Identity
-from geomesh_p2p.transport import Transport, TransportConfig
+from geomesh_p2p.net.identity import Identity
+from geomesh_p2p.net.transport import Transport, TransportConfig
 from tests.integration.test_tls import RUN, _ca, _dht, _tls
 
 

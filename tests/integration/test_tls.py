@@ -11,8 +11,16 @@ import time
 import pytest
 
 from geomesh_p2p.dht import DHTNode
-from geomesh_p2p.identity import Identity
-from geomesh_p2p.transport import DHT_PING, RpcError, TlsConfig, TlsError, Transport, TransportConfig, tls_from_flags
+from geomesh_p2p.net.identity import Identity
+from geomesh_p2p.net.transport import (
+    DHT_PING,
+    RpcError,
+    TlsConfig,
+    TlsError,
+    Transport,
+    TransportConfig,
+    tls_from_flags,
+)
 
 RUN = "tls-test-run"
 
@@ -201,8 +209,8 @@ def test_bootstrap_and_join_take_the_tls_flags(tmp_path, capsys):
 
 @pytest.mark.timeout(60)
 async def test_a_peer_node_with_a_bad_tls_file_fails_at_start_naming_it(tmp_path):
-    from geomesh_p2p.config import NodeConfig, RunConfig
-    from geomesh_p2p.node import PeerNode
+    from geomesh_p2p.config.models import NodeConfig, RunConfig
+    from geomesh_p2p.node.peer import PeerNode
 
     ca = _ca(tmp_path, "ca")
     cert, _ = _node_cert(tmp_path, ca, "n")

@@ -10,8 +10,16 @@ import time
 import grpc
 import pytest
 
-from geomesh_p2p.identity import EnvelopeError, Identity, canonical_header
-from geomesh_p2p.transport import DHT_FIND, DHT_PING, DHT_STORE, RpcError, Transport, TransportConfig, current_request
+from geomesh_p2p.net.identity import EnvelopeError, Identity, canonical_header
+from geomesh_p2p.net.transport import (
+    DHT_FIND,
+    DHT_PING,
+    DHT_STORE,
+    RpcError,
+    Transport,
+    TransportConfig,
+    current_request,
+)
 from geomesh_p2p.wire import envelope_pb2
 
 pytestmark = pytest.mark.timeout(60)
@@ -249,7 +257,7 @@ async def test_big_payloads_are_hashed_off_the_event_loop_once_per_message(pair,
     worker thread, once per message; small payloads stay on the loop (a thread hop costs more)."""
     import threading
 
-    import geomesh_p2p.identity as identity_mod
+    import geomesh_p2p.net.identity as identity_mod
 
     server, client, address = pair
     loop_thread = threading.get_ident()
@@ -337,7 +345,7 @@ async def test_bulk_and_control_calls_use_separate_connections():
     """Parts and state go over their own TCP connection to a peer, DHT calls over another (a DHT store
     must not queue behind seconds of part bytes in one connection's send buffer). The server sees two
     client ports; the same lane reuses its connection; dropping the address drops both lanes."""
-    from geomesh_p2p.transport import COLLECTIVE_PUSH, STATE_GET, lane_of
+    from geomesh_p2p.net.transport import COLLECTIVE_PUSH, STATE_GET, lane_of
 
     seen: dict[str, set] = {}
 

@@ -1,4 +1,4 @@
-"""Aggregation rules (geomesh_p2p.aggregation): exact values, bounded influence, determinism."""
+"""Aggregation rules (geomesh_p2p.exchange.robust): exact values, bounded influence, determinism."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from geomesh_p2p import compression
-from geomesh_p2p.aggregation import aggregate_part, bounded_weights, median_rows
+from geomesh_p2p.exchange import codec as compression
+from geomesh_p2p.exchange.robust import aggregate_part, bounded_weights, median_rows
 
 B = 4  # block size of the hand-made packets
 
@@ -171,7 +171,7 @@ def test_abstaining_zero_contributions_do_not_shrink_the_update():
 
 def test_mean_into_a_preallocated_buffer_is_bitwise_the_same():
     """``out=`` (the collective's part slice) gives the same bits as a fresh result, for sign and fp32."""
-    from geomesh_p2p.collective import fp32_view
+    from geomesh_p2p.exchange import fp32_view
 
     g = torch.Generator().manual_seed(7)
     vs = [torch.randn(5000, generator=g) * (k + 1) for k in range(3)]
@@ -194,7 +194,7 @@ def test_mean_into_a_preallocated_buffer_is_bitwise_the_same():
 
 
 def test_fp32_view_reads_the_bytes_without_a_copy_and_refuses_bad_ones():
-    from geomesh_p2p.collective import fp32_view
+    from geomesh_p2p.exchange import fp32_view
 
     v = torch.tensor([1.5, -2.0, 3.25], dtype=torch.float32)
     data = v.numpy().astype("<f4").tobytes()

@@ -1,4 +1,4 @@
-"""geomesh_p2p.aio.TaskScope: every task created inside a scope (and by those tasks) is recorded, and on
+"""geomesh_p2p.util.aio.TaskScope: every task created inside a scope (and by those tasks) is recorded, and on
 exit handed to ``adopt`` or cancelled and awaited; the loop's task factory it installs delegates to the
 one already there and records nothing outside scopes."""
 
@@ -9,8 +9,8 @@ import contextvars
 
 import pytest
 
-from geomesh_p2p.aio import TaskScope, cancel_and_wait, create_unscoped_task, runs
-from geomesh_p2p.transport import TaskOwner
+from geomesh_p2p.util.aio import TaskScope, cancel_and_wait, create_unscoped_task, runs
+from geomesh_p2p.net.transport import TaskOwner
 
 pytestmark = pytest.mark.timeout(30)
 

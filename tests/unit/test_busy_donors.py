@@ -10,9 +10,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from geomesh_p2p.clock import swarm_time
-from geomesh_p2p.node import PeerNode
-from geomesh_p2p.round.plans import leader_rank
+from geomesh_p2p.net.swarm_time import swarm_time
+from geomesh_p2p.node.peer import PeerNode
+from geomesh_p2p.plan.agree import leader_rank
 from geomesh_p2p.round.policy import plan_horizon_s
 
 pytestmark = pytest.mark.timeout(20)

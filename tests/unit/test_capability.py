@@ -10,8 +10,8 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from geomesh_p2p import events
-from geomesh_p2p.capability import (
+from geomesh_p2p.telemetry import events
+from geomesh_p2p.model.capability import (
     DeviceInfo,
     ThroughputEMA,
     analytic_activation_bytes,

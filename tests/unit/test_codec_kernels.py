@@ -3,7 +3,7 @@
 The reference does each step once over the whole vector with the plainest ops (numpy
 ``packbits`` for the signs, one fp32 ``abs().sum`` per block row for the scales, numpy
 ``unpackbits`` and one multiply for the decode), so any chunk, worker, tail or fallback path of
-``geomesh_p2p.compression.sign`` must give bitwise the same bytes and values. Comparisons are on
+``geomesh_p2p.exchange.codec.sign`` must give bitwise the same bytes and values. Comparisons are on
 the int32 bit patterns, so ``+0.0`` / ``-0.0`` count as different.
 """
 
@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from geomesh_p2p.compression import CodecError, SignPacket, decode, encode
-from geomesh_p2p.compression import sign as sign_mod
+from geomesh_p2p.exchange.codec import CodecError, SignPacket, decode, encode
+from geomesh_p2p.exchange.codec import sign as sign_mod
 
 pytestmark = pytest.mark.timeout(120)
 

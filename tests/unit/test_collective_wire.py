@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from geomesh_p2p.collective import wire
-from geomesh_p2p.compression._format import all_finite
-from geomesh_p2p.identity import Identity, Verifier
+from geomesh_p2p.exchange import frames as wire
+from geomesh_p2p.exchange.codec._format import all_finite
+from geomesh_p2p.net.identity import Identity, Verifier
 from geomesh_p2p.wire import collective_pb2, envelope_pb2
 
 pytestmark = pytest.mark.timeout(60)

@@ -1,4 +1,4 @@
-"""Tests of the CSS codec (geomesh_p2p.compression): sign packets, int8/fp16 packets, error feedback."""
+"""Tests of the CSS codec (geomesh_p2p.exchange.codec): sign packets, int8/fp16 packets, error feedback."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import geomesh_p2p.compression as C
-from geomesh_p2p.compression import (
+import geomesh_p2p.exchange.codec as C
+from geomesh_p2p.exchange.codec import (
     DEFAULT_BLOCK_SIZE,
     CodecError,
     ErrorFeedback,
@@ -29,7 +29,7 @@ from geomesh_p2p.compression import (
     encode_int8,
     packet_from_bytes,
 )
-from geomesh_p2p.compression import sign as sign_mod
+from geomesh_p2p.exchange.codec import sign as sign_mod
 
 HEADER = 32
 pytestmark = pytest.mark.timeout(60)

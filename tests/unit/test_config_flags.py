@@ -1,4 +1,4 @@
-"""CLI flags generated from the config models (geomesh_p2p.cli_config): every field has its flag and
+"""CLI flags generated from the config models (geomesh_p2p.config.flags): every field has its flag and
 its default in --help, flag > config file > default, bad config files are refused naming the key,
 the demo's peers get the same run config, and bootstrap/ imports nothing from peer/."""
 
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from geomesh_p2p.cli_config import ConfigFileError, derived_fields, flag_specs
-from geomesh_p2p.config import BootstrapConfig, NodeConfig, RunConfig
+from geomesh_p2p.config.flags import ConfigFileError, derived_fields, flag_specs
+from geomesh_p2p.config.models import BootstrapConfig, NodeConfig, RunConfig
 
 pytestmark = pytest.mark.timeout(60)
 

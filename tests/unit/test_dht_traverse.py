@@ -1,4 +1,4 @@
-"""hivemind's ``traverse_dht`` run in a geomesh_p2p.aio.TaskScope, as the DHT node runs it (issue 14 #10,
+"""hivemind's ``traverse_dht`` run in a geomesh_p2p.util.aio.TaskScope, as the DHT node runs it (issue 14 #10,
 "Task was destroyed but it is pending!"): same results as unscoped, a cancelled or early-ended lookup
 leaves no task pending (hivemind alone does: checked), the calls still in flight are handed over."""
 
@@ -11,7 +11,7 @@ import pytest
 from hivemind.dht.routing import DHTID
 from hivemind.dht.traverse import traverse_dht
 
-from geomesh_p2p.aio import TaskScope, cancel_and_wait, runs
+from geomesh_p2p.util.aio import TaskScope, cancel_and_wait, runs
 from tests.wait_util import until
 
 pytestmark = pytest.mark.timeout(30)

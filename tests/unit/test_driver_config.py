@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from geomesh_p2p.config import NodeConfig
+from geomesh_p2p.config.models import NodeConfig
 from geomesh_p2p.round.driver import DriverConfig
 
 pytestmark = pytest.mark.timeout(30)

@@ -8,9 +8,9 @@ import copy
 import pytest
 import torch
 
-from geomesh_p2p.optim import OuterNesterov
+from geomesh_p2p.model.optim import OuterNesterov
 from geomesh_p2p.sim import MethodError, parse_method
-from geomesh_p2p.sim.clock import RoundTiming
+from geomesh_p2p.sim.link_time import RoundTiming
 from geomesh_p2p.sim.engine import _overlapped
 from tests.unit.test_sim import TOY
 
@@ -96,7 +96,7 @@ def test_eager_geomesh_on_the_toy_profile_overlaps_the_exchange_at_equal_tokens(
 def test_the_nodes_eager_start_is_the_simulators_bit_for_bit():
     """optim.eager_start (the real node's, RunConfig.eager) against Simulator._eager_starts: x_m = O(θ, v; w_m Δ_m)
     with the same bits, for every peer, a momentum that is not zero, and a weight of 0."""
-    from geomesh_p2p.optim import eager_start
+    from geomesh_p2p.model.optim import eager_start
     from geomesh_p2p.sim.engine import Simulator
 
     g = torch.Generator().manual_seed(3)

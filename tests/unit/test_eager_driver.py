@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from geomesh_p2p.optim import OuterNesterov, eager_start
+from geomesh_p2p.model.optim import OuterNesterov, eager_start
 from tests.unit import test_round_driver as trd
 
 pytestmark = pytest.mark.timeout(60)
@@ -182,7 +182,7 @@ async def test_eager_rounds_keep_equal_digests_overlap_the_exchange_and_follow_t
 async def test_a_digest_mismatch_aborts_the_speculative_steps_and_the_next_round_starts_from_the_global_weights(
     caplog,
 ):
-    caplog.set_level("INFO", logger="geomesh_p2p.node.round")
+    caplog.set_level("INFO", logger="geomesh_p2p.node.peer.round")
     swarm, rounds = trd.Swarm(), 4
     peers = _three(EagerPeer, swarm, rounds)
     bad = peers[2]
@@ -208,7 +208,7 @@ async def test_a_digest_mismatch_aborts_the_speculative_steps_and_the_next_round
 
 
 def test_ddp_with_eager_is_refused_at_start(capsys):
-    from geomesh_p2p.config import RunConfig
+    from geomesh_p2p.config.models import RunConfig
     from peer.cli import main
 
     with pytest.raises(ValueError, match="method 'ddp' has none"):
@@ -308,7 +308,7 @@ class _SignalledTarget:
 
     @staticmethod
     def make(inner_steps, deadline, waiting: threading.Event):
-        from geomesh_p2p.training import StepTarget
+        from geomesh_p2p.model.training import StepTarget
 
         class T(StepTarget):
             def wait_final(self, timeout_s):
@@ -326,7 +326,7 @@ def test_steps_that_reach_a_provisional_target_wait_for_the_plans(then):
     The wait is not counted as compute."""
     import concurrent.futures
 
-    from geomesh_p2p.clock import swarm_time
+    from geomesh_p2p.net.swarm_time import swarm_time
     from tests.unit.test_lr_schedule import _trainer
 
     torch.set_num_threads(1)
@@ -393,7 +393,7 @@ async def test_cancelling_the_driver_while_it_waits_for_adopted_steps_stops_thei
     run()'s final drop, so the worker thread went on training the model up to its deadline (here 20 s;
     a window at real scale) while the process shut down. Now it is aborted and ends at its next step."""
     from geomesh_p2p.round.driver import RoundContext, _Speculative
-    from geomesh_p2p.training import StepTarget
+    from geomesh_p2p.model.training import StepTarget
 
     swarm = trd.Swarm()
     p = EagerPeer(swarm, trd.Identity.generate(), rounds=5)

@@ -11,10 +11,10 @@ import time
 
 import pytest
 
-from geomesh_p2p import probation as pb
-from geomesh_p2p.identity import Identity
+from geomesh_p2p.trust import probation as pb
+from geomesh_p2p.net.identity import Identity
 from geomesh_p2p.round import PlanStore, leader_order, obtain_plan, takeover_delay
-from geomesh_p2p.standing import Standing
+from geomesh_p2p.trust.standing import Standing
 from tests.records_util import peer_record
 from tests.unit.test_round import RUN, MemoryDHT, _planner, _record
 

@@ -1,4 +1,4 @@
-"""geomesh_p2p.events: one call logs the human line and records a structured event (issue 15)."""
+"""geomesh_p2p.telemetry.events: one call logs the human line and records a structured event (issue 15)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from geomesh_p2p import events
+from geomesh_p2p.telemetry import events
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -10,16 +10,17 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from geomesh_p2p import clock, events
-from geomesh_p2p import node as node_mod
-from geomesh_p2p import state as gstate
+from geomesh_p2p.net import swarm_time as clock
+from geomesh_p2p.telemetry import events
+from geomesh_p2p.node import peer as node_mod
+from geomesh_p2p.model import state as gstate
 from geomesh_p2p.dht import IncompatibleSwarmError
 from geomesh_p2p.dht.node import Reachability
 from geomesh_p2p.dht.progress import SwarmProgress
-from geomesh_p2p.errors import UserFacingError
-from geomesh_p2p.identity import Identity
-from geomesh_p2p.node import NodeConfig, PeerNode, RunConfig, StoppedBeforeJoining
-from geomesh_p2p.records import PeerRecord
+from geomesh_p2p.util.errors import UserFacingError
+from geomesh_p2p.net.identity import Identity
+from geomesh_p2p.node.peer import NodeConfig, PeerNode, RunConfig, StoppedBeforeJoining
+from geomesh_p2p.schema.peer import PeerRecord
 from tests.records_util import peer_record
 
 pytestmark = pytest.mark.timeout(60)

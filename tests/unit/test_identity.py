@@ -9,7 +9,7 @@ import stat
 import grpc
 import pytest
 
-from geomesh_p2p.identity import EnvelopeError, Identity, IdentityError, PeerID, Verifier, canonical_header
+from geomesh_p2p.net.identity import EnvelopeError, Identity, IdentityError, PeerID, Verifier, canonical_header
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -108,7 +108,7 @@ def test_non_finite_timestamp_refused():
 def test_verify_reads_and_hashes_the_payload_once(monkeypatch):
     """Issue 17: ``Verifier.verify`` read a protobuf payload three times (each read of a upb bytes field
     is a copy) and the envelope's payload hash is computed once per message."""
-    import geomesh_p2p.identity as identity_mod
+    import geomesh_p2p.net.identity as identity_mod
 
     ident = Identity.generate()
     payload = os.urandom(4096)

@@ -1,11 +1,11 @@
-"""geomesh_p2p.logonce.LogOnce: once per key, bounded LRU, events passed through."""
+"""geomesh_p2p.telemetry.logonce.LogOnce: once per key, bounded LRU, events passed through."""
 
 import logging
 
 import pytest
 
-from geomesh_p2p import events
-from geomesh_p2p.logonce import LogOnce
+from geomesh_p2p.telemetry import events
+from geomesh_p2p.telemetry.logonce import LogOnce
 
 log = logging.getLogger("test.logonce")
 

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from geomesh_p2p.looplag import LoopLagMonitor
+from geomesh_p2p.telemetry.looplag import LoopLagMonitor
 
 pytestmark = pytest.mark.timeout(30)
 

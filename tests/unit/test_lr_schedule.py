@@ -1,5 +1,5 @@
 """Issue 14 #8: the inner learning rate follows the swarm's progress (round and share of the round's plan,
-geomesh_p2p.training.swarm_lr_at), not a peer's own step counter. A joining or resumed peer at round R
+geomesh_p2p.model.training.swarm_lr_at), not a peer's own step counter. A joining or resumed peer at round R
 trains at the rate of a peer that trained since round 0; an AWB peer planned more inner steps does not
 decay sooner than one planned fewer."""
 
@@ -10,7 +10,7 @@ import zlib
 import pytest
 import torch
 
-from geomesh_p2p.training import InnerTrainer, build_model, lr_at, swarm_lr_at
+from geomesh_p2p.model.training import InnerTrainer, build_model, lr_at, swarm_lr_at
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -1,13 +1,13 @@
-"""MethodRule (geomesh_p2p.method): what each method implies, with real values; the one codec-size formula."""
+"""MethodRule (geomesh_p2p.config.method): what each method implies, with real values; the one codec-size formula."""
 
 import dataclasses
 
 import pytest
 import torch
 
-from geomesh_p2p import compression
-from geomesh_p2p.method import BALANCED_METHODS, MethodRule, bytes_per_element, encoded_nbytes
-from geomesh_p2p.node import RunConfig
+from geomesh_p2p.exchange import codec as compression
+from geomesh_p2p.config.method import BALANCED_METHODS, MethodRule, bytes_per_element, encoded_nbytes
+from geomesh_p2p.node.peer import RunConfig
 
 pytestmark = pytest.mark.timeout(60)
 

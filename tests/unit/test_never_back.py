@@ -12,12 +12,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from geomesh_p2p import events
-from geomesh_p2p import state_sync as ss
-from geomesh_p2p.identity import Identity
-from geomesh_p2p.node import PeerNode
-from geomesh_p2p.records import PeerRecord
-from geomesh_p2p.standing import Standing, attest_key, would_adopt
+from geomesh_p2p.telemetry import events
+from geomesh_p2p.sync import transfer as ss
+from geomesh_p2p.net.identity import Identity
+from geomesh_p2p.node.peer import PeerNode
+from geomesh_p2p.schema.peer import PeerRecord
+from geomesh_p2p.trust.standing import Standing, attest_key, would_adopt
 from tests.records_util import peer_record
 
 pytestmark = pytest.mark.timeout(30)

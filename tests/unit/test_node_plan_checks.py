@@ -6,10 +6,10 @@ import time
 
 import pytest
 
-from geomesh_p2p.identity import Identity
-from geomesh_p2p.node import NodeConfig, PeerNode, RunConfig
-from geomesh_p2p.planner import PlanConfig, plan_round
-from geomesh_p2p.records import PeerRecord
+from geomesh_p2p.net.identity import Identity
+from geomesh_p2p.node.peer import NodeConfig, PeerNode, RunConfig
+from geomesh_p2p.plan.planner import PlanConfig, plan_round
+from geomesh_p2p.schema.peer import PeerRecord
 from tests.records_util import peer_record
 
 pytestmark = pytest.mark.timeout(30)

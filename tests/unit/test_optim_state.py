@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from geomesh_p2p.optim import OuterNesterov
-from geomesh_p2p.state import (
+from geomesh_p2p.model.optim import OuterNesterov
+from geomesh_p2p.model.state import (
     CheckpointError,
     StateError,
     digest,
@@ -215,7 +215,7 @@ def _adamw_reference(theta, aggs, mask, lrs, betas=(0.9, 0.95), eps=1e-8, wd=0.1
 
 
 def test_sync_adamw_matches_torch_adamw_and_is_bit_identical():
-    from geomesh_p2p.optim import SyncAdamW
+    from geomesh_p2p.model.optim import SyncAdamW
 
     theta, aggs = _inputs(3, steps=8, n=4099)
     mask = (torch.arange(4099) % 3 != 0).float()
@@ -236,7 +236,7 @@ def test_sync_adamw_matches_torch_adamw_and_is_bit_identical():
 
 def test_sync_adamw_step_count_comes_from_the_round():
     """A peer that got the state of round 5 (m, v) steps exactly as one that ran rounds 0..5."""
-    from geomesh_p2p.optim import SyncAdamW
+    from geomesh_p2p.model.optim import SyncAdamW
 
     theta, aggs = _inputs(4, steps=6, n=257)
     a = SyncAdamW(lambda r: 1e-3)
@@ -267,10 +267,10 @@ def test_checkpoint_holds_k_times_p_optimizer_state(tmp_path):
 def test_ddp_step_equals_adamw_on_the_union_of_the_peers_batches(tmp_path):
     """Two peers' gradients, token-weighted and averaged, then SyncAdamW: the same weights as one
     AdamW step on the gradient of both batches together (data parallelism, not an approximation)."""
-    from geomesh_p2p.collective import token_weighted_mean
+    from geomesh_p2p.exchange import token_weighted_mean
     from geomesh_p2p.data import load_dataset
-    from geomesh_p2p.optim import SyncAdamW
-    from geomesh_p2p.training import InnerTrainer, build_model, flat_params
+    from geomesh_p2p.model.optim import SyncAdamW
+    from geomesh_p2p.model.training import InnerTrainer, build_model, flat_params
 
     torch.set_num_threads(1)
     ds = load_dataset(None, seq_len=32, cache_dir=tmp_path)

@@ -9,7 +9,7 @@ import logging
 
 import pytest
 
-from geomesh_p2p import events
+from geomesh_p2p.telemetry import events
 from geomesh_p2p.round import DhtPlanAgreement, PlanStore
 from geomesh_p2p.round.driver import SURVIVOR_RULE
 from tests.unit.test_round_driver import PEERS, RUN, Swarm, _peers
@@ -63,7 +63,10 @@ async def test_the_losing_side_of_a_healed_partition_logs_what_it_discards(caplo
     _move(a + b, healed)
     loser = b[0]
     loser.swarm_round = _side_by_majority(loser)
-    with caplog.at_level(logging.WARNING, logger="geomesh_p2p.node.round"), events.capture("partition_lost") as lost:
+    with (
+        caplog.at_level(logging.WARNING, logger="geomesh_p2p.node.peer.round"),
+        events.capture("partition_lost") as lost,
+    ):
         assert await loser.drv.behind()
         await loser.drv.resync("the swarm is at a later round")
     assert (loser.round, loser.digest) == (4, a[0].digest) and PEERS[a[0].me].digest == a[0].digest
@@ -77,14 +80,17 @@ async def test_the_losing_side_of_a_healed_partition_logs_what_it_discards(caplo
     ]
     assert facts == [(loser.me, 4, a[0].digest, [1, 2], sorted(p.me for p in b), side, own)]
     # one WARNING line, and it tells the reader the rule that picked the surviving side
-    assert len([r for r in caplog.records if r.name == "geomesh_p2p.node.round"]) == 1
+    assert len([r for r in caplog.records if r.name == "geomesh_p2p.node.peer.round"]) == 1
     assert lost[0]["level"] == "WARNING" and lost[0]["message"].endswith(f"Rule: {SURVIVOR_RULE}")
     assert [e.round for e in loser.drv.lineage] == [0]  # the discarded rounds are forgotten
     # the winning side re-syncs to nothing; a catch-up along its own lineage logs nothing either
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="geomesh_p2p.node.round"), events.capture("partition_lost") as lost:
+    with (
+        caplog.at_level(logging.WARNING, logger="geomesh_p2p.node.peer.round"),
+        events.capture("partition_lost") as lost,
+    ):
         await loser.drv.resync("again")
-    assert [r for r in caplog.records if r.name == "geomesh_p2p.node.round"] == [] and lost == []
+    assert [r for r in caplog.records if r.name == "geomesh_p2p.node.peer.round"] == [] and lost == []
 
 
 async def test_a_joining_peer_discards_nothing_and_logs_no_partition(caplog):
@@ -93,7 +99,10 @@ async def test_a_joining_peer_discards_nothing_and_logs_no_partition(caplog):
     veteran.driver(rounds=2)
     await _run([veteran], 2)
     joiner.driver()
-    with caplog.at_level(logging.WARNING, logger="geomesh_p2p.node.round"), events.capture("partition_lost") as lost:
+    with (
+        caplog.at_level(logging.WARNING, logger="geomesh_p2p.node.peer.round"),
+        events.capture("partition_lost") as lost,
+    ):
         await joiner.drv.resync("joining")
     assert (joiner.round, joiner.digest) == (2, veteran.digest)
-    assert [r for r in caplog.records if r.name == "geomesh_p2p.node.round"] == [] and lost == []
+    assert [r for r in caplog.records if r.name == "geomesh_p2p.node.peer.round"] == [] and lost == []

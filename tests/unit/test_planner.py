@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from geomesh_p2p.planner import (
+from geomesh_p2p.plan.planner import (
     BUDGET_MEDIAN_FACTOR,
     PLAN_SCHEMA_VERSION,
     PlanConfig,
@@ -28,7 +28,7 @@ from geomesh_p2p.planner import (
     plan_uniform,
     window_exclusions,
 )
-from geomesh_p2p.records import PeerRecord
+from geomesh_p2p.schema.peer import PeerRecord
 from tests.records_util import peer_record
 
 GB = 10**9

@@ -9,9 +9,10 @@ import types
 import pytest
 import torch
 
-from geomesh_p2p import capability, planner
+from geomesh_p2p.model import capability
+from geomesh_p2p.plan import planner
 from geomesh_p2p.round.policy import EXCHANGE_COST_STEP, NodeRoundPolicy
-from geomesh_p2p.training import build_model, flat_params, pseudo_gradient
+from geomesh_p2p.model.training import build_model, flat_params, pseudo_gradient
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -135,9 +136,9 @@ class _FakeTransport:
 def test_build_training_profiles_the_model_in_place_and_holds_the_budget(monkeypatch):
     """The node profiles with capability.profile_training on its own model (no copy: the weights stay
     bit-identical), the budget reaches it, and the state buffer and codec cost are set up after it."""
-    from geomesh_p2p.config import NodeConfig, RunConfig
-    from geomesh_p2p.identity import Identity
-    from geomesh_p2p.node import PeerNode
+    from geomesh_p2p.config.models import NodeConfig, RunConfig
+    from geomesh_p2p.net.identity import Identity
+    from geomesh_p2p.node.peer import PeerNode
 
     seen = {}
     real = capability.profile_training
@@ -147,7 +148,7 @@ def test_build_training_profiles_the_model_in_place_and_holds_the_budget(monkeyp
         seen["before"] = flat_params(model)
         return real(model, seq_len, device, memory_bytes, **kw)
 
-    monkeypatch.setattr("geomesh_p2p.node.profile_training", spy)
+    monkeypatch.setattr("geomesh_p2p.node.peer.profile_training", spy)
     node = PeerNode(
         RunConfig(seq_len=32),
         NodeConfig(profile_batches=[1, 2], memory_budget_bytes=6 << 30, device="cpu"),
@@ -167,10 +168,10 @@ def test_build_training_profiles_the_model_in_place_and_holds_the_budget(monkeyp
 
 
 def test_build_training_refuses_a_budget_below_the_model_in_one_line():
-    from geomesh_p2p.config import NodeConfig, RunConfig
-    from geomesh_p2p.errors import UserFacingError
-    from geomesh_p2p.identity import Identity
-    from geomesh_p2p.node import PeerNode
+    from geomesh_p2p.config.models import NodeConfig, RunConfig
+    from geomesh_p2p.util.errors import UserFacingError
+    from geomesh_p2p.net.identity import Identity
+    from geomesh_p2p.node.peer import PeerNode
 
     node = PeerNode(
         RunConfig(seq_len=32),

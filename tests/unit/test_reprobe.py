@@ -9,10 +9,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from geomesh_p2p import events
-from geomesh_p2p import node as node_mod
-from geomesh_p2p.capability import ThroughputEMA
-from geomesh_p2p.node import NodeConfig, PeerNode
+from geomesh_p2p.telemetry import events
+from geomesh_p2p.node import peer as node_mod
+from geomesh_p2p.model.capability import ThroughputEMA
+from geomesh_p2p.node.peer import NodeConfig, PeerNode
 
 pytestmark = pytest.mark.timeout(30)
 BOOTSTRAPS = ["10.0.0.1:1", "10.0.0.2:1"]  # never dialled: probe_link is replaced in every test

@@ -1,4 +1,4 @@
-"""The rewritten ``_robust_sign`` (geomesh_p2p.aggregation) gives the bits of the original, for every input.
+"""The rewritten ``_robust_sign`` (geomesh_p2p.exchange.robust) gives the bits of the original, for every input.
 
 ``reference_robust_sign`` below is the implementation before the rewrite, kept verbatim as the reference
 (benchmarks/robust_agg.py --reference times it too). The property tests compare outputs bit for bit (the
@@ -17,12 +17,13 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from geomesh_p2p import aggregation, compression
-from geomesh_p2p.aggregation import _cap, _median_int, aggregate_part, median_active
+from geomesh_p2p.exchange import robust as aggregation
+from geomesh_p2p.exchange import codec as compression
+from geomesh_p2p.exchange.robust import _cap, _median_int, aggregate_part, median_active
 
 
 # ---------------------------------------------------------------------------------------------------------
-# the reference: geomesh_p2p/aggregation.py before the rewrite (commit 7fd8730), unchanged
+# the reference: geomesh_p2p/exchange/robust.py before the rewrite (commit 7fd8730), unchanged
 
 
 def _signed_weights(items: Sequence[tuple[int, Any]]) -> list[torch.Tensor]:

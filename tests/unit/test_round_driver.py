@@ -13,16 +13,16 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from geomesh_p2p import events
-from geomesh_p2p.identity import Identity
-from geomesh_p2p.planner import PlanConfig, plan_round
-from geomesh_p2p.records import PeerRecord, SyncProgress
+from geomesh_p2p.telemetry import events
+from geomesh_p2p.net.identity import Identity
+from geomesh_p2p.plan.planner import PlanConfig, plan_round
+from geomesh_p2p.schema.peer import PeerRecord, SyncProgress
 from tests.records_util import peer_record
 from geomesh_p2p.round import DhtPlanAgreement, DriverConfig, Phase, PlanStore, RoundDriver, leader_order
 from geomesh_p2p.round.driver import PROBATION_SYNC_GRANTS, ROUND_END_SLACK_S, SYNC_WAIT_MARGIN_S, SYNC_WAIT_SLACK
-from geomesh_p2p.sync_progress import SyncMeter, announced
+from geomesh_p2p.sync.progress import SyncMeter, announced
 from geomesh_p2p.round.policy import outer_step_per_part
-from geomesh_p2p.state_sync import StateSyncError
+from geomesh_p2p.sync.transfer import StateSyncError
 
 pytestmark = pytest.mark.timeout(60)
 RUN = "driver-test"
@@ -435,7 +435,7 @@ async def test_stop_in_each_phase_ends_cleanly(phase):
 
 
 def test_outer_step_per_part_equals_one_whole_step_and_keeps_bad_and_idle_parts():
-    from geomesh_p2p.optim import OuterNesterov
+    from geomesh_p2p.model.optim import OuterNesterov
 
     theta = torch.linspace(-1, 1, 12)
     agg = torch.linspace(0.5, -0.5, 12)

@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from geomesh_p2p.metrics import PHASES
+from geomesh_p2p.telemetry.metrics import PHASES
 from tests.unit.test_round_driver import FakeClock, _peers
 
 pytestmark = pytest.mark.timeout(60)
@@ -62,9 +62,9 @@ async def test_the_settle_hands_out_the_likely_plan_first_and_still_follows_the_
     """Split views (as tests/test_round.py): the partial-view peer publishes first and is handed its own
     plan as provisional before the settle; the best-ranked leader's plan, published meanwhile, is the one
     returned (the rule of which plan is followed is unchanged)."""
-    from geomesh_p2p.identity import Identity
+    from geomesh_p2p.net.identity import Identity
     from geomesh_p2p.round import PlanStore, leader_order, obtain_plan
-    from geomesh_p2p.planner import plan_round
+    from geomesh_p2p.plan.planner import plan_round
     from tests.unit.test_round import CFG, RUN as RRUN, MemoryDHT, _record
 
     ids = [Identity.generate() for _ in range(4)]
@@ -133,7 +133,7 @@ async def test_steps_started_on_a_plan_that_loses_the_settle_are_discarded():
     """The agreement hands out plan A as provisional, then returns plan B (a better-ranked leader's): the
     steps trained on A are stopped and thrown away (the model goes back to the global weights), B's
     are trained, and the row follows B."""
-    from geomesh_p2p import events
+    from geomesh_p2p.telemetry import events
 
     peers = _peers(2)
     a_leader, b_leader = peers[0].me, peers[1].me
@@ -202,7 +202,7 @@ def test_the_trainers_eval_snapshot_gives_evaluates_value_while_the_model_trains
     """InnerTrainer.snapshot_for_eval / evaluate_snapshot: the snapshot's perplexity equals evaluate() on
     the weights it copied (bitwise: same batches, same model), also after the model trained on."""
     from geomesh_p2p.data import load_dataset
-    from geomesh_p2p.training import InnerTrainer, build_model
+    from geomesh_p2p.model.training import InnerTrainer, build_model
 
     n = torch.get_num_threads()
     torch.set_num_threads(1)

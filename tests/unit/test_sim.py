@@ -19,7 +19,7 @@ from geomesh_p2p.sim import (
     parse_profile,
     shipped_profiles,
 )
-from geomesh_p2p.sim.clock import collective_end_times
+from geomesh_p2p.sim.link_time import collective_end_times
 from geomesh_p2p.sim.methods import MethodError
 
 # Two peers: "fast" (speed 1.0) and "slow" (speed 0.5); reference model of 1000 parameters, 10-token
@@ -48,7 +48,7 @@ TOY = textwrap.dedent("""
 
 
 def test_encoded_sizes_match_the_codec():
-    from geomesh_p2p import compression
+    from geomesh_p2p.exchange import codec as compression
     import torch
 
     v = torch.randn(5000)

@@ -14,11 +14,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from geomesh_p2p import events
+from geomesh_p2p.telemetry import events
 from geomesh_p2p.round.driver import STALL_VOID_SHARE
-from geomesh_p2p.probation import noshow_penalty_rounds
+from geomesh_p2p.trust.probation import noshow_penalty_rounds
 from geomesh_p2p.round.policy import OWNER_PENALTY_ROUNDS, NodeRoundPolicy
-from geomesh_p2p.state_sync import StateSyncError
+from geomesh_p2p.sync.transfer import StateSyncError
 from tests.unit.test_round_driver import FakeClock, _digest, _peers, _run_all
 
 pytestmark = pytest.mark.timeout(60)

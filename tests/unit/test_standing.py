@@ -9,12 +9,12 @@ import logging
 import pytest
 import torch
 
-from geomesh_p2p import events
-from geomesh_p2p.identity import Identity
-from geomesh_p2p.node import PeerNode
-from geomesh_p2p.records import PeerRecord
+from geomesh_p2p.telemetry import events
+from geomesh_p2p.net.identity import Identity
+from geomesh_p2p.node.peer import PeerNode
+from geomesh_p2p.schema.peer import PeerRecord
 from tests.records_util import peer_record
-from geomesh_p2p.standing import Standing, attest_key, choose_state, history
+from geomesh_p2p.trust.standing import Standing, attest_key, choose_state, history
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -76,7 +76,10 @@ def test_thirty_zero_standing_records_announcing_round_plus_one_do_not_move_a_tr
     for r in range(5):
         node.standing.credit(r, [str(i.peer_id) for i in ids] + [node.me])
     forged = _sybils(30, round=6, digest="zeros")
-    with caplog.at_level(logging.WARNING, logger="geomesh_p2p.standing"), events.capture("state_refused") as refused:
+    with (
+        caplog.at_level(logging.WARNING, logger="geomesh_p2p.trust.standing"),
+        events.capture("state_refused") as refused,
+    ):
         assert node._swarm_round(honest + forged) == 5
         assert node._swarm_round(honest + forged) == 5  # polled again: refused once, not once per poll
     facts = [(e["peer"], e["round"], e["digest"], e["identities"], e["backing"], e["total"]) for e in refused]
@@ -111,7 +114,7 @@ async def test_catch_up_of_a_trained_peer_refuses_the_forged_majority(monkeypatc
     async def announce():
         pass
 
-    import geomesh_p2p.state_sync as ss
+    import geomesh_p2p.sync.transfer as ss
 
     monkeypatch.setattr(ss, "download_state", fake_download)
     node.peers, node.announce = peers, announce
@@ -140,7 +143,7 @@ def test_fresh_joiner_picks_the_honest_digest_over_thirty_fresh_sybils(sybil_rou
 
 
 async def test_fresh_joiner_downloads_the_honest_state(monkeypatch):
-    from geomesh_p2p.state_sync import Snapshot
+    from geomesh_p2p.sync.transfer import Snapshot
 
     ids, honest = _honest(round=7, digest="honest")
     forged = _sybils(30, round=7, digest="forged")
@@ -160,7 +163,7 @@ async def test_fresh_joiner_downloads_the_honest_state(monkeypatch):
     def set_state(rnd, theta, momentum):
         node.round, node.digest = rnd, "honest"
 
-    import geomesh_p2p.state_sync as ss
+    import geomesh_p2p.sync.transfer as ss
 
     monkeypatch.setattr(ss, "download_state", fake_download)
     node.peers, node.announce, node._set_state = peers, announce, set_state

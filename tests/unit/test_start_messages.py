@@ -21,7 +21,7 @@ pytestmark = pytest.mark.timeout(120)
     ],
 )
 def test_quiet_grpc_core_sets_verbosity_unless_debug_or_the_users(monkeypatch, argv, env, expect):
-    from geomesh_p2p.grpc_env import quiet_grpc_core
+    from geomesh_p2p.util.grpc_env import quiet_grpc_core
 
     monkeypatch.delenv("GRPC_VERBOSITY", raising=False)
     monkeypatch.delenv("GRPC_TRACE", raising=False)
@@ -43,13 +43,13 @@ def test_each_package_quiets_grpc_before_anything_else(package):
 
     tree = ast.parse(Path(importlib.import_module(package).__file__).read_text())
     body = [n for n in tree.body if not (isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant))]
-    assert ast.unparse(body[0]) == "from geomesh_p2p.grpc_env import quiet_grpc_core"
+    assert ast.unparse(body[0]) == "from geomesh_p2p.util.grpc_env import quiet_grpc_core"
     assert ast.unparse(body[1]) == "quiet_grpc_core()"
 
 
-@pytest.mark.parametrize("module", ["geomesh_p2p.adversary", "geomesh_p2p.dht.__main__"])
+@pytest.mark.parametrize("module", ["tests.adversary", "geomesh_p2p.dht.__main__"])
 def test_library_programs_quiet_grpc_before_any_import_when_run_as_main(module):
-    """``python -m geomesh_p2p.adversary`` / ``python -m geomesh_p2p.dht``: the statement after
+    """``python -m tests.adversary`` / ``python -m geomesh_p2p.dht``: the statement after
     ``from __future__`` calls quiet_grpc_core when run as a program, before any import that may load grpc;
     imported as a library module, the environment is left alone."""
     import ast
@@ -64,7 +64,7 @@ def test_library_programs_quiet_grpc_before_any_import_when_run_as_main(module):
     guard = body[1]
     assert isinstance(guard, ast.If) and ast.unparse(guard.test) == "__name__ == '__main__'"
     assert [ast.unparse(n) for n in guard.body] == [
-        "from geomesh_p2p.grpc_env import quiet_grpc_core",
+        "from geomesh_p2p.util.grpc_env import quiet_grpc_core",
         "quiet_grpc_core()",
     ]
 
@@ -124,13 +124,13 @@ def _join_rc(capsys, tmp_path, *argv) -> tuple[int, list[str]]:
 
 
 def test_unknown_model_preset_fails_before_joining(capsys, tmp_path, monkeypatch):
-    from geomesh_p2p.training import PRESETS
-    import geomesh_p2p.node
+    from geomesh_p2p.model.training import PRESETS
+    import geomesh_p2p.node.peer
 
     def no_node(*a, **k):
         raise AssertionError("the node must not start")
 
-    monkeypatch.setattr(geomesh_p2p.node, "PeerNode", no_node)
+    monkeypatch.setattr(geomesh_p2p.node.peer, "PeerNode", no_node)
     rc, lines = _join_rc(capsys, tmp_path, "--model", "huge")
     assert rc == 2
     assert lines == [f"geomesh-peer join: --model huge: unknown model preset (known: {', '.join(PRESETS)})"]
@@ -157,7 +157,7 @@ def test_resume_without_checkpoint_dir_is_refused(capsys, tmp_path):
 
 
 def test_profile_unknown_model_is_one_line(capsys):
-    from geomesh_p2p.training import PRESETS
+    from geomesh_p2p.model.training import PRESETS
     from peer.cli import main
 
     assert main(["profile", "--model", "huge"]) == 2
@@ -168,7 +168,7 @@ def test_profile_unknown_model_is_one_line(capsys):
 
 
 def test_demo_unknown_model_is_one_line_before_any_process(capsys, tmp_path):
-    from geomesh_p2p.training import PRESETS
+    from geomesh_p2p.model.training import PRESETS
     from peer.cli import main
 
     assert main(["demo", "--model", "huge", "--workdir", str(tmp_path / "w")]) == 2

@@ -10,11 +10,12 @@ import logging
 import pytest
 import torch
 
-from geomesh_p2p import events, state
-from geomesh_p2p.errors import UserFacingError
-from geomesh_p2p.node import NodeConfig, PeerNode, RunConfig, check_writable_dir
-from geomesh_p2p.optim import OuterNesterov
-from geomesh_p2p.standing import Standing
+from geomesh_p2p.telemetry import events
+from geomesh_p2p.model import state
+from geomesh_p2p.util.errors import UserFacingError
+from geomesh_p2p.node.peer import NodeConfig, PeerNode, RunConfig, check_writable_dir
+from geomesh_p2p.model.optim import OuterNesterov
+from geomesh_p2p.trust.standing import Standing
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -76,7 +77,7 @@ def test_parts_that_aggregated_no_token_do_not_move():
     of 0 tokens). Idle ranges keep weights and outer momentum; a round with no token at all changes nothing."""
     from types import SimpleNamespace
 
-    from geomesh_p2p.identity import Identity
+    from geomesh_p2p.net.identity import Identity
 
     theta = torch.linspace(-1, 1, 12)
     plan = SimpleNamespace(owners=lambda: [("a", 0, 6), ("b", 6, 12)])

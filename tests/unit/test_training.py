@@ -1,4 +1,4 @@
-"""Model building, flat parameters and the inner loop (geomesh_p2p.training)."""
+"""Model building, flat parameters and the inner loop (geomesh_p2p.model.training)."""
 
 import json
 import math
@@ -7,10 +7,10 @@ import time
 import pytest
 import torch
 
-import geomesh_p2p.training as training
-from geomesh_p2p.clock import swarm_time
+import geomesh_p2p.model.training as training
+from geomesh_p2p.net.swarm_time import swarm_time
 from geomesh_p2p.data import TokenDataset, load_dataset
-from geomesh_p2p.training import (
+from geomesh_p2p.model.training import (
     PRESETS,
     ConfigError,
     InnerTrainer,

@@ -1,4 +1,4 @@
-"""Verified work (geomesh_p2p/verify.py): honest contributions reproduce, attacks do not, evidence is
+"""Verified work (geomesh_p2p/trust/verify.py): honest contributions reproduce, attacks do not, evidence is
 signed and re-checked, and a re-checked accusation keeps the accused out of a leader's plan.
 
 Everything runs on the real tiny model and the shipped KJV corpus (seq_len 64, batch 8: the measured
@@ -17,10 +17,10 @@ import types
 import pytest
 import torch
 
-from geomesh_p2p import compression
-from geomesh_p2p import verify as V
-from geomesh_p2p.identity import Identity
-from geomesh_p2p.planner import PeerAssignment, PlanConfig, RoundPlan, make_plan
+from geomesh_p2p.exchange import codec as compression
+from geomesh_p2p.trust import verify as V
+from geomesh_p2p.net.identity import Identity
+from geomesh_p2p.plan.planner import PeerAssignment, PlanConfig, RoundPlan, make_plan
 from tests.records_util import peer_record
 from geomesh_p2p.wire import collective_pb2
 
@@ -58,8 +58,8 @@ def _fixed_identity(name: str) -> Identity:
 @pytest.fixture(scope="module")
 def world():
     from geomesh_p2p.data import load_dataset
-    from geomesh_p2p.optim import OuterNesterov
-    from geomesh_p2p.training import InnerTrainer, build_model, flat_params, load_flat_
+    from geomesh_p2p.model.optim import OuterNesterov
+    from geomesh_p2p.model.training import InnerTrainer, build_model, flat_params, load_flat_
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -499,7 +499,7 @@ def test_recheck_confirms_and_the_leaders_plan_leaves_the_accused_out(world, fli
         )
         for p in sorted(world.pid.values())
     ]
-    from geomesh_p2p.node import PeerNode
+    from geomesh_p2p.node.peer import PeerNode
 
     leader = types.SimpleNamespace(_work_verifier=w, me=world.pid["B"])
     members = PeerNode._verified_members(leader, recs)
@@ -654,7 +654,7 @@ def test_followers_refuse_plans_of_an_excluded_leader(world, flipped_case):
     assert w.plan_problem(plan(ROUND + 1, world.pid["B"])) is None  # an honest leader not caught up yet: followed
     assert a[:10] in w.plan_problem(plan(ROUND + 3, world.pid["B"]))  # ...but not for ever
     assert w.plan_problem(plan(ROUND + 3, a), me=a) is None  # A never refuses itself
-    from geomesh_p2p.node import PeerNode
+    from geomesh_p2p.node.peer import PeerNode
 
     node = types.SimpleNamespace(_work_verifier=w, me=world.pid["C"])
     assert PeerNode._verified_plan_problem(node, plan(ROUND + 1, a)) is not None

@@ -1,0 +1,455 @@
+"""Command-line flags and config files generated from the config models (:mod:`geomesh_p2p.config.models`).
+
+Each field of :class:`~geomesh_p2p.config.models.RunConfig`, :class:`~geomesh_p2p.config.models.NodeConfig` and
+:class:`~geomesh_p2p.config.models.BootstrapConfig` is declared once with :func:`opt`: its default, help text,
+range (pydantic's ``ge``/``gt``/``le``/``lt``) and CLI spelling. :func:`flag_specs` turns the fields into
+:class:`FlagSpec` rows, :func:`add_flags` adds them to an argparse parser, :func:`values_from` reads a
+parsed namespace back into field values, :func:`to_argv` renders a namespace back into argv (the demo's
+peers) and :func:`load_config_defaults` reads a YAML/JSON config file into parser defaults.
+
+Precedence: a flag on the command line > a value in ``--config FILE`` > the field's default. The file's
+values become the parser's defaults and go through the same flag type and choices, so an unknown key or a
+bad value fails at start, naming the key and the file (:class:`ConfigFileError`).
+
+Only argparse, json, math, yaml and pydantic are imported here, so ``--help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Literal, Optional, cast
+
+from pydantic import BaseModel, Field
+from pydantic.fields import FieldInfo
+
+__all__ = [
+    "opt",
+    "FlagSpec",
+    "flag_specs",
+    "add_flags",
+    "add_log_level",
+    "values_from",
+    "to_argv",
+    "ConfigFileError",
+    "load_config_defaults",
+    "PARSERS",
+]
+
+_DEFAULT_MARK = " (default: %(default)s)"
+
+
+def opt(
+    default: Any = ...,
+    help: str = "",
+    *,
+    flag: Optional[str] = "",
+    metavar: Optional[str] = None,
+    parse: Optional[str] = None,
+    scale: Optional[float] = None,
+    default_text: Optional[str] = None,
+    group: Optional[str] = None,
+    derived_from: Optional[str] = None,
+    default_factory: Optional[Callable] = None,
+    **constraints,
+) -> Any:
+    """A pydantic ``Field`` that also describes its command-line flag (stored in ``json_schema_extra["cli"]``).
+
+    Args:
+        default / default_factory: the field's default (the only place it is written).
+        help: the field's description and the flag's help; " (default: X)" is appended unless the default is
+            None/False or ``default_text`` says it otherwise.
+        flag: the option name; "" = ``--`` + the field name with dashes; None = no flag of its own (then
+            ``derived_from`` names the flag it is computed from, e.g. RunConfig.data from ``--data``).
+        metavar / group: argparse's metavar; the help group name when not the model's.
+        parse: a name in :data:`PARSERS` for a flag type the field's annotation and range do not give.
+        scale: field value = flag value x scale (``--memory-budget-gb`` fills bytes: scale 2**30).
+        default_text: the default as the help shows it, e.g. "torch's choice".
+        **constraints: pydantic's ``ge``/``gt``/``le``/``lt``/``min_length``...; they also bound the flag.
+    """
+    cli = {
+        "flag": flag,
+        "metavar": metavar,
+        "parse": parse,
+        "scale": scale,
+        "default_text": default_text,
+        "group": group,
+        "derived_from": derived_from,
+    }
+    extra: dict[str, Any] = {"cli": {k: v for k, v in cli.items() if v is not None or k == "flag"}}
+    if default_factory is not None:
+        return Field(default_factory=default_factory, description=help or None, json_schema_extra=extra, **constraints)
+    return Field(default, description=help or None, json_schema_extra=extra, **constraints)
+
+
+# ---------------------------------------------------------------------------------------------- flag types
+def _finite(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(v):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+    return v
+
+
+def _integer(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+
+
+def number_type(kind: type, ge=None, gt=None, le=None, lt=None) -> Callable[[str], Any]:
+    """An argparse type: an int or a finite float within the given bounds. Messages name the range:
+    "must be >= 1, got -3", "must be in [0, 65535], got 70000", "must be a finite number > 0, got 0"."""
+    lo, lo_open = (gt, True) if gt is not None else (ge, False)
+    hi, hi_open = (lt, True) if lt is not None else (le, False)
+    if lo is not None and hi is not None:
+        rng = f"in {'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
+    elif lo is not None:
+        rng = f"{'>' if lo_open else '>='} {lo}"
+    elif hi is not None:
+        rng = f"{'<' if hi_open else '<='} {hi}"
+    else:
+        rng = None
+    what = "a finite number " if kind is float and rng and rng[0] in "<>" else ""
+
+    def parse(text: str):
+        v = _integer(text) if kind is int else _finite(text)
+        bad = (lo is not None and (v <= lo if lo_open else v < lo)) or (
+            hi is not None and (v >= hi if hi_open else v > hi)
+        )
+        if bad:
+            raise argparse.ArgumentTypeError(f"must be {what}{rng}, got {text}")
+        return v
+
+    parse.__name__ = kind.__name__  # argparse's "invalid int value" wording, for a type that raises ValueError
+    return parse
+
+
+def _nonempty(text: str) -> str:
+    """A string field with ``min_length=1`` (an identifier: run id, host, key path): '' is refused."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must not be empty")
+    return text
+
+
+def _batch_list(text: str) -> list[int]:
+    try:
+        sizes = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"batch sizes must be integers >= 1, got {text!r}")
+    return sizes
+
+
+def _mbps(text: str) -> float:
+    v = number_type(float, gt=0)(text)
+    if not 0.001 <= v <= 1e6:
+        raise argparse.ArgumentTypeError(f"must be between 0.001 and 1,000,000 Mbit/s, got {text}")
+    return v
+
+
+def _speed_factor(text: str) -> float:
+    v = number_type(float, gt=0)(text)
+    if v > 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1] (1 = this device's own speed), got {text}")
+    return v
+
+
+def _host_port(text: str) -> str:
+    """``HOST:PORT`` (``[IPV6]:PORT``) in its canonical spelling (:func:`geomesh_p2p.net.addr.canonical_address`)."""
+    from geomesh_p2p.net.addr import AddressError, canonical_address
+
+    try:
+        return canonical_address(text)
+    except AddressError as e:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r} ({e})") from None
+
+
+#: Flag types by name, for fields whose flag is not given by their annotation and range (``opt(parse=...)``).
+PARSERS: dict[str, Callable[[str], Any]] = {
+    "fraction": number_type(float, ge=0, le=1),  # min_agreement: 0 = off (None) on the flag
+    "batch_list": _batch_list,
+    "mbps": _mbps,
+    "speed_factor": _speed_factor,
+    "host_port": _host_port,
+    "positive_float": number_type(float, gt=0),
+    "file": str,  # the flag names a file; the caller reads it into the field (--allow-peers FILE)
+}
+
+
+# ---------------------------------------------------------------------------------------------- specs
+@dataclass(frozen=True)
+class FlagSpec:
+    """One command-line flag: ``flag`` (e.g. "--window-s"), its namespace ``dest``, the model ``field`` it
+    fills (None for an input flag such as ``--data``), argparse ``kwargs``, and ``scale`` (field = flag x scale)."""
+
+    flag: str
+    dest: str
+    field: Optional[str]
+    kwargs: dict
+    scale: Optional[float] = None
+    group: Optional[str] = None
+    as_int: bool = False
+
+    def add_to(self, group) -> argparse.Action:
+        """Add this flag to an argparse parser or argument group; returns the action."""
+        return group.add_argument(self.flag, dest=self.dest, **self.kwargs)
+
+
+def _cli(info: FieldInfo) -> Optional[dict]:
+    extra = info.json_schema_extra
+    cli = extra.get("cli") if isinstance(extra, dict) else None
+    return cli if isinstance(cli, dict) else None  # opt() always stores a dict
+
+
+def _bounds(info: FieldInfo) -> dict:
+    out = {}
+    for m in info.metadata:
+        for k in ("ge", "gt", "le", "lt"):
+            v = getattr(m, k, None)
+            if v is not None:
+                out[k] = v
+    return out
+
+
+def _unwrap_optional(ann):
+    if typing.get_origin(ann) is typing.Union:
+        args = [a for a in typing.get_args(ann) if a is not type(None)]
+        if len(args) == 1:
+            return args[0]
+    return ann
+
+
+def _default_of(info: FieldInfo):
+    # opt()'s factories take no argument (pydantic's type also allows one taking the validated data)
+    return cast(Callable[[], Any], info.default_factory)() if info.default_factory is not None else info.default
+
+
+def flag_specs(
+    model: type[BaseModel], only: Optional[typing.Iterable[str]] = None, defaults: Optional[dict] = None
+) -> list[FlagSpec]:
+    """The flags of ``model``'s fields (those with a flag of their own), in field order.
+
+    ``only``: field names to keep (in that order). ``defaults``: field name -> a default that differs from
+    the model's for this command (e.g. the bootstrap listens on 0.0.0.0). Raises KeyError for a name in
+    ``only`` that is not a field with a flag.
+    """
+    out = {}
+    for name, info in model.model_fields.items():
+        cli = _cli(info)
+        if cli is None or cli.get("flag") is None:
+            continue
+        flag = cli["flag"] or "--" + name.replace("_", "-")
+        dest = flag[2:].replace("-", "_")
+        ann = _unwrap_optional(info.annotation)
+        default = _default_of(info) if not defaults or name not in defaults else defaults[name]
+        scale = cli.get("scale")
+        if scale is not None and default is not None:
+            default = default / scale
+        help_text = info.description or ""
+        kw: dict = {"help": help_text}
+        if cli.get("metavar"):
+            kw["metavar"] = cli["metavar"]
+        if ann is bool:
+            if flag.startswith("--no-"):
+                kw.update(action="store_false", default=default)
+                dest = name
+            else:
+                kw.update(action="store_true", default=default)
+        elif typing.get_origin(ann) is list and cli.get("parse") not in ("batch_list", "file"):
+            kw.update(
+                action=_AppendOverDefault, default=list(default or []), type=PARSERS.get(cli.get("parse", ""), str)
+            )
+        else:
+            if typing.get_origin(ann) is Literal:
+                kw["choices"] = list(typing.get_args(ann))
+            elif cli.get("parse"):
+                kw["type"] = PARSERS[cli["parse"]]
+            elif ann is str and any(getattr(m, "min_length", 0) for m in info.metadata):
+                kw["type"] = _nonempty
+            elif ann in (int, float):
+                b = _bounds(info)
+                if scale is not None:  # the bound is in field units; the flag's is in its own
+                    b = {k: v / scale for k, v in b.items()}
+                kw["type"] = number_type(ann, **b)
+            kw["default"] = default
+        if help_text is not argparse.SUPPRESS and kw.get("action") not in ("store_true", "store_false"):
+            if cli.get("default_text"):
+                kw["help"] = f"{help_text} (default: {cli['default_text']})"
+            elif isinstance(default, list) and default:
+                kw["help"] = f"{help_text} (default: {','.join(map(str, default))})"
+            elif default is not None and default != [] and "%(default)" not in help_text:
+                kw["help"] = help_text + _DEFAULT_MARK
+        out[name] = FlagSpec(flag, dest, name, kw, scale, cli.get("group"), as_int=ann is int)
+    if only is not None:
+        return [out[n] for n in only]
+    return list(out.values())
+
+
+def derived_fields(model: type[BaseModel]) -> dict[str, str]:
+    """Field name -> the flag it is computed from, for fields without a flag of their own."""
+    out = {}
+    for name, info in model.model_fields.items():
+        cli = _cli(info)
+        if cli is not None and cli.get("flag") is None:
+            out[name] = cli["derived_from"]
+    return out
+
+
+class _AppendOverDefault(argparse._AppendAction):
+    """argparse's ``append``, except that the first use on the command line replaces the default list (a
+    config file's ``bootstrap: [...]``) instead of adding to it: the command line wins, as for every other
+    flag (a fresh-user trial joined through a config file's bootstrap *and* the one given on the command
+    line). Later uses append."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        current = getattr(namespace, self.dest, None)
+        items = [] if current is None or current is self.default else list(current)
+        items.append(values)
+        setattr(namespace, self.dest, items)
+
+
+def add_flags(parser, specs: list[FlagSpec], title: Optional[str] = None) -> None:
+    """Add ``specs`` to ``parser``: under one group ``title`` (a spec's own ``group`` wins), or ungrouped."""
+    groups: dict = {}
+    for s in specs:
+        name = s.group or title
+        if name is None:
+            s.add_to(parser)
+            continue
+        if name not in groups:
+            groups[name] = parser.add_argument_group(name)
+        s.add_to(groups[name])
+
+
+def add_log_level(parser, default: str = "INFO") -> None:
+    """Add the programs' common ``--log-level`` flag (DEBUG, INFO, WARNING or ERROR; ``default``) to
+    ``parser`` (an ArgumentParser or argument group)."""
+    parser.add_argument(
+        "--log-level",
+        default=default,
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="log verbosity (default: %(default)s)",
+    )
+
+
+def values_from(ns: argparse.Namespace, specs: list[FlagSpec]) -> dict:
+    """Field values of ``specs`` read from a parsed namespace, scaled back to the field's unit (an int field
+    gets an int). A flag missing from ``ns`` is left out, so the model's default applies."""
+    out = {}
+    for s in specs:
+        if not hasattr(ns, s.dest):
+            continue
+        v = getattr(ns, s.dest)
+        if s.scale is not None and v is not None:
+            v = int(v * s.scale) if s.as_int else v * s.scale
+        out[s.field] = v
+    return out
+
+
+def to_argv(ns: argparse.Namespace, specs: list[FlagSpec]) -> list[str]:
+    """The argv that gives a parser with ``specs`` the same values as ``ns`` (None values and unset
+    switches are left out; lists are repeated for ``append`` flags, comma-joined otherwise)."""
+    out: list[str] = []
+    for s in specs:
+        v = getattr(ns, s.dest, None)
+        action = s.kwargs.get("action")
+        if action == "store_true":
+            out += [s.flag] if v else []
+        elif action == "store_false":
+            out += [] if v else [s.flag]
+        elif v is None:
+            continue
+        elif action in ("append", _AppendOverDefault):
+            for x in v:
+                out += [s.flag, str(x)]
+        elif isinstance(v, list):
+            out += [s.flag, ",".join(map(str, v))]
+        else:
+            out += [s.flag, str(v)]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- config files
+class ConfigFileError(ValueError):
+    """The config file is missing, does not parse, names an unknown option or holds a bad value."""
+
+
+def load_config_defaults(parser: argparse.ArgumentParser, path: str | None) -> dict:
+    """Read ``path`` (YAML, or JSON for ``*.json``), check every key is an option of ``parser``, and return
+    the values as parser defaults (so flags on the command line still win).
+
+    Keys are the long option names, with dashes or underscores (``speed-factors`` or ``speed_factors``).
+    Each value goes through the option's own ``type`` and ``choices``, as on the command line.
+    Raises ConfigFileError with a one-line message naming the file and the bad key (or: unreadable, not
+    UTF-8 text, does not parse).
+    """
+    import yaml  # only when a config file is given
+
+    if not path:
+        return {}
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as e:
+        raise ConfigFileError(f"cannot read config file {p}: {e.strerror}") from None
+    except UnicodeDecodeError as e:  # a binary or non-UTF-8 file (review M3)
+        raise ConfigFileError(f"config file {p} is not UTF-8 text (byte {e.start})") from None
+    try:
+        data = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
+    except json.JSONDecodeError as e:
+        raise ConfigFileError(f"config file {p} does not parse: {e.msg} (line {e.lineno}, column {e.colno})") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)  # where the parser stopped (0-based in PyYAML)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+        what = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigFileError(f"config file {p} does not parse: {what}{where}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigFileError(f"config file {p} must hold a mapping of option names to values")
+    actions = {a.dest: a for a in parser._actions}
+    out = {}
+    for key, value in data.items():
+        dest = str(key).replace("-", "_")
+        if dest not in actions or dest in ("help", "config"):
+            raise ConfigFileError(f"config file {p}: unknown option {key!r}")
+        action = actions[dest]
+        if isinstance(action, argparse._AppendAction) and not isinstance(value, list):
+            value = [value]  # a repeatable flag given once: `bootstrap: host:port`
+        out[dest] = _checked(p, key, action, value)
+    return out
+
+
+def _checked(path: Path, key, action: argparse.Action, value):
+    """``value`` from the file run through the option's own ``type`` and ``choices``, as the same flag on
+    the command line would be (ranges, types: a ``threads: -3`` fails here, not in the node)."""
+
+    def one(v):
+        if action.type is not None and v is not None:
+            text = ",".join(str(x) for x in v) if isinstance(v, list) else str(v)
+            try:
+                v = action.type(text)
+            except (argparse.ArgumentTypeError, ValueError, TypeError) as e:
+                raise ConfigFileError(f"config file {path}: {key}: {e}") from None
+        if action.choices is not None and v not in action.choices:
+            raise ConfigFileError(
+                f"config file {path}: {key}: {v!r} is not one of {', '.join(map(str, action.choices))}"
+            )
+        return v
+
+    if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+        if not isinstance(value, bool):
+            raise ConfigFileError(f"config file {path}: {key}: expected true or false, got {value!r}")
+        return value
+    if isinstance(action, argparse._AppendAction):
+        return [one(v) for v in value]
+    return one(value)

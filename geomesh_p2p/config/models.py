@@ -1,0 +1,350 @@
+"""Run and node configuration (moved out of :mod:`geomesh_p2p.node.peer`, which re-exports both).
+
+:class:`RunConfig` is what every peer of a run shares (its hash is in every PeerRecord);
+:class:`NodeConfig` is one peer's own settings; :class:`BootstrapConfig` is a bootstrap's. Each field is declared with
+:func:`geomesh_p2p.config.flags.opt`: its default, range and help are those of its command-line flag.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, model_validator
+
+from geomesh_p2p.trust.admission import DEFAULT_POW_BITS, MAX_POW_BITS
+from geomesh_p2p.config.flags import opt
+
+__all__ = [
+    "RunConfig",
+    "NodeConfig",
+    "BootstrapConfig",
+    "DEFAULT_RUN_ID",
+    "DEFAULT_IDENTITY",
+    "DEFAULT_BOOTSTRAP_IDENTITY",
+    "DEFAULT_BOOTSTRAP_PORT",
+    "RUN_GROUP",
+    "NODE_GROUP",
+    "TUNING_GROUP",
+]
+
+# Every default below is written once: the CLI flags (geomesh_p2p.config.flags) and the demo read them here.
+DEFAULT_RUN_ID = "geomesh-demo"
+DEFAULT_IDENTITY = "~/.geomesh/identity.key"
+DEFAULT_BOOTSTRAP_IDENTITY = "~/.geomesh/bootstrap.key"
+DEFAULT_BOOTSTRAP_PORT = 31337
+RUN_GROUP = "run config (shared by every peer of a run; mismatches are refused)"
+NODE_GROUP = "this node"
+TUNING_GROUP = "tuning of this node (rarely changed)"
+
+
+class RunConfig(BaseModel):
+    """What every peer of a run shares; its hash is in every PeerRecord and mismatches are refused.
+    Units: seconds, tokens (sequences of ``seq_len`` tokens), elements. Raises pydantic.ValidationError
+    (a ValueError) on a value out of range or an unknown field."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    run_id: str = opt(DEFAULT_RUN_ID, "name of the training run", min_length=1)
+    model: str = opt(
+        "tiny",
+        "model preset: tiny, small, llama-tiny, gpt2-124m, llama-150m; README 'Memory a preset "
+        "needs' gives what each costs (with --model-config: the SHA-256 of its contents)",
+        min_length=1,
+    )
+    model_config_json: Optional[str] = opt(
+        None, "contents of --model-config, if given", flag=None, derived_from="--model-config"
+    )
+    data: str = opt("kjv", "'kjv' (shipped) or an identifier of --data's contents", flag=None, derived_from="--data")
+    vocab_size: int = opt(4096, "byte-level BPE vocabulary", ge=257)
+    seq_len: int = opt(64, "tokens per sequence", ge=1)
+    seed: int = opt(0, "run seed: initial weights and data order")
+    method: Literal["geomesh", "awb", "css", "diloco", "ddp"] = opt(
+        "geomesh",
+        "geomesh = AWB + sign compression; awb / css = one of them; diloco = neither; "
+        "ddp = fp32 gradient sync every step, AdamW on the mean",
+    )
+    mode: Literal["relay", "reencode"] = opt(
+        "relay",
+        "how part owners serve a part: relay = forward the signed contributions, every peer "
+        "aggregates them itself (an owner cannot forge the update; bytes grow with the group); "
+        "reencode = send the owner's re-encoded aggregate (~2 P/8 bytes per peer; trusted owners only)",
+    )
+    aggregate_encoding: Literal["sign", "int8", "fp16"] = opt("sign", "reencode mode: encoding of the aggregate")
+    block_size: int = opt(2048, "elements per sign-codec scale", ge=1)
+    error_feedback: bool = opt(False, "keep the compression residual (off: it hurt under Nesterov)")
+    eager: bool = opt(
+        False,
+        "eager updates (docs/eager.md): a round's exchange runs while the next round's inner steps run, "
+        "from this peer's own outer step on the global weights; inner-step methods only (not ddp), and "
+        "geomesh/css need --mode reencode (verified work checks relay contributions at the global weights)",
+    )
+    clip_k: float = opt(4.0, "clip each contribution's block scales at this x their median", gt=0)
+    aggregation: Literal["mean", "meanmed", "vote"] = opt(
+        "meanmed",
+        "aggregation rule of compressed methods: meanmed = bounded-weight mean of signs x median "
+        "block scale, vote = weighted sign majority x median scale (both drop contributions that "
+        "disagree with the consensus), mean = plain token-weighted mean (not robust to attackers; "
+        "docs/security.md)",
+    )
+    weight_cap: Optional[float] = opt(
+        1.0, "no contributor weighs more than X times the median weight, whatever tokens it claims", metavar="X", gt=0
+    )
+    min_agreement: Optional[float] = opt(
+        0.5,
+        "robust rules drop a contribution whose signs agree with the consensus on fewer than F of the "
+        "elements; 0 = off",
+        metavar="F",
+        parse="fraction",
+        gt=0,
+        le=1,
+    )
+    quorum: float = opt(
+        0.5,
+        "a part result counts only if it holds contributions of at least F of the round's participants",
+        metavar="F",
+        ge=0,
+        le=1,
+    )
+    inner_optimizer: Literal["adamw", "lion"] = opt("adamw", "optimizer of the inner steps")
+    inner_lr: float = opt(1e-3, "peak learning rate of the inner optimizer", gt=0)
+    warmup_steps: int = opt(20, "inner steps of linear learning-rate warm-up", ge=0)
+    total_inner_steps: int = opt(2000, "inner steps of the cosine learning-rate schedule", ge=1)
+    outer_lr: float = opt(0.7, "outer Nesterov lr, DiLoCo's 0.7", gt=0)
+    outer_momentum: float = opt(0.9, "outer Nesterov momentum", ge=0, lt=1)
+    target_batch: int = opt(8, "sequences per inner step", ge=1)
+    window_s: Optional[float] = opt(6.0, "sync window per round, seconds", gt=0)
+    uniform_inner_steps: int = opt(20, "H of the uniform (diloco/css) plan", ge=1)
+    comm_share: float = opt(0.1, "share of a round the planner leaves to communication", gt=0, le=1)
+    max_inner_steps: int = opt(200, "most inner steps a peer is planned per round", ge=1)
+    pow_bits: int = opt(
+        DEFAULT_POW_BITS,
+        "proof of work per identity, in leading zero bits of SHA-256 (computed "
+        "once per key and run, cached next to the key file; records without it "
+        "are ignored; admission.py); 0 = off (private runs use --allow-peers)",
+        metavar="BITS",
+        ge=0,
+        le=MAX_POW_BITS,
+        default_text=f"{DEFAULT_POW_BITS}, a few seconds of one CPU core",
+    )
+
+    @model_validator(mode="after")
+    def _check_combinations(self) -> "RunConfig":
+        if self.method == "ddp" and self.inner_optimizer != "adamw":
+            raise ValueError("method 'ddp' applies AdamW to the averaged gradient; use inner_optimizer 'adamw'")
+        if self.eager and self.method == "ddp":
+            raise ValueError(
+                "eager updates overlap a round's exchange with the next round's inner steps; method 'ddp' "
+                "has none (one gradient per round): use geomesh, awb, css or diloco, or leave eager off"
+            )
+        if self.eager and self.method in ("geomesh", "css") and self.mode == "relay":
+            # Verified work (geomesh_p2p.trust.verify) recomputes a relayed sign contribution's gradients at the
+            # global start weights; an eager contributor starts from its own outer step, so honest work
+            # would be judged against the wrong weights (docs/eager.md, "What eager refuses").
+            raise ValueError(
+                f"eager updates with method '{self.method}' need mode 'reencode': in relay mode verified work "
+                "checks each sign contribution at the global start weights, and an eager peer starts elsewhere"
+            )
+        return self
+
+    def config_hash(self) -> str:
+        """First 16 hex chars of SHA-256 of the canonical JSON of this config."""
+        return hashlib.sha256(json.dumps(self.model_dump(), sort_keys=True).encode()).hexdigest()[:16]
+
+    def diff(self, other: "RunConfig") -> list[str]:
+        """Human-readable differences, e.g. ["inner_lr: 0.001 vs 0.0003"]."""
+        a, b = self.model_dump(), other.model_dump()
+        return [f"{k}: {a[k]!r} vs {b[k]!r}" for k in a if a[k] != b[k]]
+
+
+class NodeConfig(BaseModel):
+    """Per-peer settings (not shared). Units: seconds, bytes, bytes/s (their flags may use GB, Mbit/s, ms).
+    Raises pydantic.ValidationError (a ValueError) on a value out of range or an unknown field."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    bootstrap: list[str] = opt(
+        help="a bootstrap (or any live peer) to join through; repeatable",
+        default_factory=list,
+        metavar="HOST:PORT",
+        parse="host_port",
+    )
+    host: str = opt("127.0.0.1", "address to listen on", min_length=1)
+    port: int = opt(0, "port to listen on; 0 = any free", ge=0, le=65535)
+    advertise_host: Optional[str] = opt(None, "address others dial (default: --host)")
+    client_only: bool = opt(False, "behind NAT: accept no connections, own no part")
+    identity: str = opt(DEFAULT_IDENTITY, "Ed25519 key file", metavar="PATH", min_length=1)
+    device: str = opt("auto", "auto, cpu, cuda or cuda:N", min_length=1)
+    threads: Optional[int] = opt(None, "torch CPU threads (default: torch's choice)", ge=1)
+    amp: bool = opt(
+        True, "on CUDA, train in fp32 instead of bf16 autocast (the outer step is always fp32)", flag="--no-amp"
+    )
+    data_path: Optional[str] = opt(
+        None, "what the node loads: a file or a canonical hf: spec", flag=None, derived_from="--data"
+    )
+    model_config_file: Optional[str] = opt(
+        None, "transformers config JSON instead of a preset", flag=None, derived_from="--model-config"
+    )
+    checkpoint_dir: Optional[str] = opt(None, "write safetensors checkpoints here", metavar="DIR")
+    checkpoint_every: int = opt(5, "rounds between checkpoints", ge=1)
+    checkpoint_keep: int = opt(3, "checkpoints kept", ge=1)
+    resume: bool = opt(False, "continue from the newest checkpoint in --checkpoint-dir")
+    on_empty_swarm: Literal["wait", "resume", "seed"] = opt(
+        "wait",
+        "when a bootstrap saw this run at round N > 0 but no peer of it is live: wait = wait for a peer to "
+        "come back (Ctrl+C stops), resume = continue from the newest checkpoint in --checkpoint-dir, "
+        "seed = start the run again from the seed at round 0",
+    )
+    rounds: Optional[int] = opt(None, "stop once this many rounds are done (round numbers start at 0)", ge=0)
+    target_ppl: Optional[float] = opt(None, "stop once eval perplexity is at or below this", gt=0)
+    min_peers: int = opt(
+        1,
+        "peers to wait for before round 0; later rounds (with 2 or more) wait for one other peer and a peer left alone ends (docs/round.md)",
+        ge=1,
+    )
+    wait_peers_s: float = opt(60.0, "how long to wait for --min-peers, seconds", ge=0)
+    speed_factor: float = opt(
+        1.0, "emulate a slower device: each step takes 1/f as long", parse="speed_factor", gt=0, le=1
+    )
+    memory_budget_bytes: Optional[int] = opt(
+        None,
+        "memory budget of this peer in GB (CPU RAM, or GPU memory on CUDA): the start-up profile never "
+        "tries a batch whose predicted peak exceeds it (default: the memory available)",
+        flag="--memory-budget-gb",
+        scale=2**30,
+        parse="positive_float",
+        gt=0,
+    )
+    upload_bps: Optional[float] = opt(
+        None,
+        "state your upload bandwidth (Mbit/s) instead of measuring",
+        flag="--upload-mbps",
+        scale=1e6 / 8,
+        parse="mbps",
+        gt=0,
+    )
+    download_bps: Optional[float] = opt(
+        None, "state your download bandwidth (Mbit/s)", flag="--download-mbps", scale=1e6 / 8, parse="mbps", gt=0
+    )
+    added_latency_s: float = opt(
+        0.0, "add this latency (ms) to every outgoing call (WAN emulation)", flag="--added-latency-ms", scale=1e-3, ge=0
+    )
+    profile_batches: list[int] = opt(
+        help="batch sizes to measure tokens/s at start-up",
+        default_factory=lambda: [4, 8, 16],
+        metavar="B,B,...",
+        parse="batch_list",
+    )
+    eval_every: int = opt(
+        1,
+        "evaluate the global weights every N rounds and at the last (raise it for --method "
+        "ddp, whose rounds are single steps)",
+        metavar="N",
+        ge=1,
+    )
+    eval_background: bool = opt(
+        False,
+        "evaluate in a worker thread on a copy of the global weights while the next "
+        "round trains; the result lands in the next round's row (one more copy "
+        "of the weights in memory)",
+    )
+    log_json: Optional[str] = opt(None, "append one JSON line per round here", metavar="PATH")
+    summary_json: Optional[str] = opt(None, "write a run summary here at exit", metavar="PATH")
+    metrics_port: Optional[int] = opt(None, "serve Prometheus metrics on this port", ge=0, le=65535)
+    metrics_host: str = opt(
+        "127.0.0.1",
+        "interface the metrics are served on; 0.0.0.0 (or ::) exposes them to "
+        "other machines, e.g. out of a Docker container with -p 9100:9100",
+        metavar="HOST",
+    )
+    allow_peers: Optional[list[str]] = opt(
+        None,
+        "private run: deal only with the peers listed in FILE (one base58 PeerID or public key per line; "
+        "include the bootstraps); everyone else's records and requests are refused",
+        metavar="FILE",
+        parse="file",
+    )
+    tls_cert: Optional[str] = opt(None, "PEM certificate of this node's gRPC server (with --tls-key)", metavar="PATH")
+    tls_key: Optional[str] = opt(None, "PEM private key of --tls-cert", metavar="PATH")
+    tls_ca: Optional[str] = opt(None, "PEM CA bundle the other peers' certificates are checked against", metavar="PATH")
+    # Tuning: the re-profiling and the round's own timings.
+    probe_bytes: int = opt(4 << 20, "bytes each way of the start-up link probe", group=TUNING_GROUP, gt=0, le=4 << 20)
+    min_link_sample_bytes: int = opt(
+        64 << 10, "smallest round sample (bytes) used to update a link EMA", group=TUNING_GROUP, ge=1
+    )
+    ema_alpha: float = opt(0.3, "weight of a new measurement in the re-profiling EMAs", group=TUNING_GROUP, gt=0, le=1)
+    link_step_ratio: float = opt(
+        4.0, "most a round's link sample may move the figure (x or /)", group=TUNING_GROUP, ge=1
+    )
+    eval_batches: int = opt(8, "batches of each evaluation", group=TUNING_GROUP, ge=1)
+    announce_period_s: float = opt(2.0, "seconds between this peer's record announcements", group=TUNING_GROUP, gt=0)
+    plan_timeout_s: float = opt(4.0, "seconds to wait for the round's plan", group=TUNING_GROUP, gt=0)
+    gather_wait_s: float = opt(4.0, "seconds the leader waits for the round's peers", group=TUNING_GROUP, gt=0)
+    sync_wait_cap_s: float = opt(
+        30.0,
+        "longest gather wait (seconds) for a peer that announces a state download in progress",
+        group=TUNING_GROUP,
+        gt=0,
+    )
+
+
+class BootstrapConfig(BaseModel):
+    """A bootstrap node's settings (``geomesh-bootstrap``). Units: seconds. Ranges are checked by the CLI
+    (``bootstrap.cli``) with its own one-line messages, so fields carry no pydantic bounds."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    host: str = opt("0.0.0.0", "interface to listen on; 0.0.0.0 = all", min_length=1)
+    port: int = opt(DEFAULT_BOOTSTRAP_PORT, "TCP port to listen on; 0 = any free port")
+    advertise_host: Optional[str] = opt(
+        None,
+        "host others should dial, when it differs from --host (default: "
+        "--host, or this machine's outward address when --host is 0.0.0.0)",
+        metavar="HOST",
+    )
+    identity: str = opt(
+        DEFAULT_BOOTSTRAP_IDENTITY,
+        "Ed25519 key file, created with mode 0600 if absent; keeps the PeerID stable across restarts",
+        metavar="PATH",
+        min_length=1,
+    )
+    state_file: Optional[str] = opt(
+        None,
+        "where the routing table and the run's last known round are saved (every "
+        "--status-interval and on exit) and read back after a restart, so the "
+        "swarm's peers are re-dialled at once; '' = none (default: the --identity "
+        "path with the suffix .state.json)",
+        metavar="PATH",
+    )
+    run_id: str = opt(DEFAULT_RUN_ID, "training run this swarm serves; peers of other runs are refused", min_length=1)
+    bootstrap: list[str] = opt(
+        help="another bootstrap node of the same swarm to join (repeatable; default: none, start a new swarm)",
+        default_factory=list,
+        metavar="HOST:PORT",
+    )
+    status_interval: float = opt(30.0, "log the number of live peers this often", metavar="SECONDS")
+    k: int = opt(20, "Kademlia bucket size and replication")
+    alpha: int = opt(3, "Kademlia lookup parallelism")
+    rpc_timeout: float = opt(3.0, "deadline of each DHT call", metavar="SECONDS")
+    refresh_period: float = opt(60.0, "refresh idle routing-table buckets this often", metavar="SECONDS")
+    republish_period: float = opt(60.0, "re-replicate held records this often", metavar="SECONDS")
+    allow_peers: Optional[str] = opt(
+        None,
+        "private run: serve only the peers listed in FILE (one base58 PeerID or "
+        "public key per line; include the other bootstraps); everyone else is "
+        "refused with PERMISSION_DENIED (default: open run)",
+        metavar="FILE",
+    )
+    tls_cert: Optional[str] = opt(
+        None, "PEM certificate of this bootstrap's gRPC server (with --tls-key)", metavar="PATH"
+    )
+    tls_key: Optional[str] = opt(None, "PEM private key of --tls-cert", metavar="PATH")
+    tls_ca: Optional[str] = opt(None, "PEM CA bundle the peers' certificates are checked against", metavar="PATH")
+    http_port: Optional[int] = opt(
+        None,
+        "serve the read-only status page and /api/swarm, /api/rounds on this port; 0 = any free port (default: off)",
+        metavar="PORT",
+    )
+    http_host: str = opt("127.0.0.1", "interface the status page listens on; 0.0.0.0 = all", metavar="HOST")
+    http_poll: float = opt(2.0, "how often the status page re-reads the swarm's records", metavar="SECONDS")

@@ -1,0 +1,517 @@
+"""The client side of the collective: :class:`CollectiveService` (owner side from :mod:`.owner`)
+with ``all_reduce``, its push / pull retry loops, and the round's :class:`AllReduceResult`.
+
+Memory (issue 13): the round's aggregate is one preallocated fp32 buffer [numel]; every part's
+result is decoded (reencode) or aggregated (relay) straight into its slice in a worker thread, so
+no per-part or per-contributor full-size tensor is kept and nothing is concatenated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import grpc
+import torch
+from google.protobuf.message import DecodeError
+
+from geomesh_p2p.net.swarm_time import swarm_time
+from geomesh_p2p.exchange import codec as compression
+from geomesh_p2p.telemetry import events
+from geomesh_p2p.exchange.codec._format import all_finite
+from geomesh_p2p.util.aio import wait_event
+from geomesh_p2p.exchange import messages
+from geomesh_p2p.exchange import frames as wire
+from geomesh_p2p.exchange.owner import OwnerService, _RoundState
+from geomesh_p2p.exchange.partition import CollectiveSpec, _pid_bytes, _short
+from geomesh_p2p.net.identity import EnvelopeError
+from geomesh_p2p.net.links import LinkSample, link_sample
+from geomesh_p2p.net.transport import COLLECTIVE_PULL, COLLECTIVE_PUSH, RpcError
+from geomesh_p2p.wire import collective_pb2
+
+__all__ = ["AllReduceResult", "CollectiveService"]
+
+log = logging.getLogger(__name__)
+
+Code = grpc.StatusCode
+# OUT_OF_RANGE: the envelope's timestamp aged past the skew window between signing and
+# verification (a large message on a slow or congested link): re-signing and resending can succeed.
+# RESOURCE_EXHAUSTED: the owner's transport is busy (per-caller / per-class call caps): try again.
+_RETRY_PUSH = {Code.UNAVAILABLE, Code.OUT_OF_RANGE, Code.RESOURCE_EXHAUSTED}
+_RETRY_PULL = {Code.UNAVAILABLE, Code.DEADLINE_EXCEEDED, Code.CANCELLED, Code.UNKNOWN, Code.INTERNAL, Code.OUT_OF_RANGE}
+
+
+def _held(stated: float, call_s: float) -> float:
+    """A server's stated hold (seconds), clamped to [0, call_s]; a bogus value counts as 0."""
+    return min(max(0.0, float(stated)), call_s) if math.isfinite(stated) else 0.0
+
+
+@dataclass
+class AllReduceResult:
+    """What one peer got from one round's all-reduce.
+
+    Attributes:
+        aggregate: fp32 CPU tensor [numel], the token-weighted mean (zeros in missing parts).
+        contributors: part index -> ``[(peer_id base58, tokens used)]`` in the fixed order
+            (ascending raw PeerID), as the owner took them; absent for missing parts.
+        missing_parts: indices of parts with no result by ``pull_deadline`` (owner gone or refused).
+        pushed: part index -> True when the owner accepted this peer's contribution.
+        bytes_sent / bytes_received: serialized SignedMessage bytes of this node's PushPart and
+            PullPart traffic (client and server side) while the call ran.
+        wall_s: seconds the call took.
+        last_compute_end: unix seconds when the last contributor (of any part) finished its inner
+            steps, as the senders stated it: the barrier for straggler-idle accounting (0 if unknown).
+        contributions: relay mode: sender (base58 PeerID) -> part index -> its verified packet for that
+            part (a :class:`compression.SignPacket`, or an fp32 tensor for fp32 pushes), as relayed by the
+            owners; what verified work (:mod:`geomesh_p2p.trust.verify`) re-checks. Empty in reencode mode.
+        part_ranges: ``[start, end)`` of every part, in part order (the spec's owners).
+        upload / download: this node's pushes to other owners and its pulls of ready results as
+            :class:`~geomesh_p2p.net.links.LinkSample` (payload bytes over the busy time of the link,
+            the owners' stated hold taken out), or None when nothing crossed the network.
+    """
+
+    aggregate: torch.Tensor
+    contributors: dict[int, list[tuple[str, int]]]
+    missing_parts: list[int]
+    pushed: dict[int, bool]
+    bytes_sent: int
+    bytes_received: int
+    wall_s: float
+    last_compute_end: float = 0.0
+    upload: Optional[LinkSample] = None
+    download: Optional[LinkSample] = None
+    contributions: dict[str, dict[int, Any]] = field(default_factory=dict)
+    part_ranges: list[tuple[int, int]] = field(default_factory=list)
+
+    def idle_ranges(self) -> list[tuple[int, int]]:
+        """``[start, end)`` element ranges of the parts that aggregated no token this round (missing, or
+        every contribution had 0 tokens): nobody trained there, so the outer step must not move them."""
+        return [rg for j, rg in enumerate(self.part_ranges) if j in self.missing_parts or self.tokens(j) == 0]
+
+    def tokens(self, part: int) -> int:
+        """Total tokens aggregated in ``part`` (0 if missing)."""
+        return sum(n for _, n in self.contributors.get(part, []))
+
+
+class CollectiveService(OwnerService):
+    """One per node: serves ``PushPart`` / ``PullPart`` for the parts it owns (:class:`.owner.OwnerService`,
+    whose docstring gives the refusals and the per-round state) and runs all-reduces (:meth:`all_reduce`).
+
+    Create it before ``await transport.start()`` (it registers its handlers); ``await close()`` on shutdown.
+    """
+
+    # ----------------------------------------------------------------------------- peer side
+    async def all_reduce(
+        self, spec: CollectiveSpec, delta: torch.Tensor, tokens: int, compute_end: Optional[float] = None
+    ) -> AllReduceResult:
+        """Contribute ``delta`` (trained on ``tokens`` tokens) and return the round's aggregate.
+
+        Args:
+            spec: the round's :class:`CollectiveSpec`; this node must be a participant.
+            delta: fp32 tensor with ``spec.numel`` elements (any shape, flattened), finite; not
+                modified by this call, and must not be modified by the caller until it returns.
+            tokens: tokens this peer trained on this round (>= 0; capped by the receivers).
+            compute_end: unix seconds when this peer's inner steps ended (default: now); carried
+                in its contributions so that every peer can tell straggler from network idle.
+
+        Returns:
+            :class:`AllReduceResult`. It returns by ``spec.pull_deadline`` (plus the time to decode),
+            whatever the other peers do; parts with no result are zeros and listed as missing.
+
+        Raises:
+            ValueError: a bad spec / delta, not a participant, the round already run on this node.
+            compression.CodecError: ``delta`` holds NaN or Inf.
+        """
+        t0 = time.time()
+        me = self.peer_id
+        if me not in spec.participants:
+            raise ValueError(f"this node ({_short(me)}) is not a participant of round {spec.round}")
+        if not isinstance(delta, torch.Tensor) or delta.numel() != spec.numel:
+            raise ValueError(f"delta must be a tensor with {spec.numel} elements")
+        if int(tokens) < 0:
+            raise ValueError("tokens must be >= 0")
+        # A copy only when delta is not already a CPU fp32 vector; both steps touch the whole vector.
+        delta = await asyncio.to_thread(_cpu_fp32_finite, delta)
+        state = self.register(spec)
+        if state.contributing:
+            raise ValueError(f"round {spec.round} was already run on this node")
+        state.contributing = True
+        state.compute_end = t0 if compute_end is None else float(compute_end)
+        s_before = self._collective_bytes()
+
+        # Zero-filled in a worker thread, before any task starts: at 100M+ elements the fill and its page
+        # faults stalled the loop ~1 s.
+        zeros = await asyncio.to_thread(lambda: torch.zeros(spec.numel, dtype=torch.float32))
+        # Butterfly order: start with the part after "mine" so that not every sender hits owner 0
+        # first; at most max_concurrent_pushes uploads at once, so each upload gets the link to
+        # itself and arrives soon after it was signed (the receiver checks the envelope's age).
+        n_parts = len(spec.owners)
+        me_rank = sorted(spec.participants, key=_pid_bytes).index(me)
+        order = [(me_rank + 1 + k) % n_parts for k in range(n_parts)]
+        uploads = asyncio.Semaphore(self.max_concurrent_pushes)
+        by_part = {j: asyncio.ensure_future(self._deliver(state, j, delta, int(tokens), uploads)) for j in order}
+        pushes = [by_part[j] for j in range(n_parts)]
+        # The round's one full-size buffer: every part's result is written into its slice.
+        aggregate = state.aggregate = zeros
+        # At most max_pulls_per_owner pulls (long polls) in flight per owner: an owner of many parts (parts
+        # are cut small so that transfers and reductions overlap) would otherwise see more calls from this
+        # node than its per-sender call cap; per owner, so an unreachable owner stalls only its own parts.
+        state.pull_slots = {o.peer_id: asyncio.Semaphore(self.max_pulls_per_owner) for o in spec.owners}
+        pulls = [asyncio.ensure_future(self._obtain(state, j)) for j in range(n_parts)]
+        try:
+            outcomes = await asyncio.gather(*pulls)
+            pushed = dict(enumerate(await asyncio.gather(*pushes)))
+        finally:
+            for t in pushes + pulls:
+                t.cancel()
+            await asyncio.gather(*pushes, *pulls, return_exceptions=True)
+            state.aggregate = None  # the result owns it now; the kept round state must not pin it
+
+        contributors, missing = {}, []
+        packets: dict[str, dict[int, Any]] = {}
+        last_compute_end = 0.0
+        for j, out in enumerate(outcomes):
+            if out is None:
+                missing.append(j)  # its slice is zeros (_obtain zeroes a refused part)
+                continue
+            contributors[j] = out[1]
+            last_compute_end = max(last_compute_end, out[2])
+            for sender, packet in out[3].items():
+                packets.setdefault(sender, {})[j] = packet
+        if missing:
+            log.warning(
+                "round %d: parts %s have no result (owner gone or refused): zero update for %s",
+                spec.round,
+                missing,
+                ", ".join(f"[{spec.owners[j].start}, {spec.owners[j].end})" for j in missing),
+            )
+        s_after = self._collective_bytes()
+        up = link_sample((n, a, b) for d, n, a, b in state.transfers if d == "up")
+        down = link_sample((n, a, b) for d, n, a, b in state.transfers if d == "down")
+        return AllReduceResult(
+            aggregate,
+            contributors,
+            missing,
+            pushed,
+            s_after[0] - s_before[0],
+            s_after[1] - s_before[1],
+            time.time() - t0,
+            last_compute_end,
+            up,
+            down,
+            packets,
+            [(o.start, o.end) for o in spec.owners],
+        )
+
+    def _read_slot(self) -> asyncio.Semaphore:
+        """The semaphore that serialises this node's part reads (created on first use, in the loop)."""
+        sem = getattr(self, "_reads", None)
+        if sem is None:
+            sem = self._reads = asyncio.Semaphore(1)
+        return sem
+
+    def _collective_bytes(self) -> tuple[int, int]:
+        by = self.transport.stats.by_method
+        a, b = by.get(COLLECTIVE_PUSH, (0, 0)), by.get(COLLECTIVE_PULL, (0, 0))
+        return a[0] + b[0], a[1] + b[1]
+
+    def _contribution_bytes(
+        self, spec: CollectiveSpec, j: int, delta: torch.Tensor, tokens: int, compute_end: float = 0.0
+    ) -> bytes:
+        """Part ``j`` of ``delta``, encoded and signed (:func:`.messages.contribution_bytes`). Worker thread."""
+        return messages.contribution_bytes(self.transport.identity, spec, j, delta, tokens, compute_end)
+
+    def _push_payload(
+        self, spec: CollectiveSpec, j: int, delta: torch.Tensor, tokens: int, compute_end: float
+    ) -> bytes:
+        """The PushPartRequest bytes of part ``j`` (the signed contribution is not kept apart). Worker thread."""
+        # Joined once: the fp32 packet is copied from ``delta`` straight into the request bytes.
+        return messages.push_request_bytes(
+            messages.contribution_parts(self.transport.identity, spec, j, delta, tokens, compute_end)
+        )
+
+    async def _deliver(
+        self, state: _RoundState, j: int, delta: torch.Tensor, tokens: int, uploads: Optional[asyncio.Semaphore] = None
+    ) -> bool:
+        """Encode, sign and push part ``j`` to its owner, retrying UNAVAILABLE / OUT_OF_RANGE until
+        the deadline. ``uploads`` bounds the pushes in flight (the local part does not count)."""
+        spec = state.spec
+        owner = spec.owners[j]
+        await self._before_push(spec, j)
+        if owner.peer_id != self.peer_id and uploads is not None:
+            async with uploads:
+                return await self._deliver_now(state, j, delta, tokens)
+        return await self._deliver_now(state, j, delta, tokens)
+
+    async def _deliver_now(self, state: _RoundState, j: int, delta: torch.Tensor, tokens: int) -> bool:
+        spec = state.spec
+        owner = spec.owners[j]
+        if owner.peer_id == self.peer_id:
+            part = state.parts[j]
+            if spec.push_encoding == "fp32" and spec.mode == "reencode":
+                # The own fp32 part is neither forwarded nor re-checked by anyone: signing it and verifying
+                # that signature cost a join and two SHA-256 passes over the part for nothing. It is a view
+                # of ``delta`` (finite, checked above; the caller leaves it unchanged until we return).
+                end = state.compute_end if math.isfinite(state.compute_end) else 0.0
+                self._accept(
+                    state,
+                    part,
+                    messages.Contribution(
+                        self.peer_id, tokens, delta[owner.start : owner.end], b"", min(end, swarm_time())
+                    ),
+                )
+                return True
+            signed = await asyncio.to_thread(self._contribution_bytes, spec, j, delta, tokens, state.compute_end)
+            try:
+                c = await asyncio.to_thread(self._check_contribution, spec, j, signed, self.peer_id)
+                self._accept(state, part, c)
+                return True
+            except EnvelopeError as err:
+                log.warning("round %d: own part %d refused my contribution: %s", spec.round, j, err.reason)
+                return False
+        payload = await asyncio.to_thread(self._push_payload, spec, j, delta, tokens, state.compute_end)
+        delay = 0.05
+        while True:
+            remaining = spec.deadline - swarm_time()
+            if remaining <= 0:
+                log.warning(
+                    "round %d: part %d not delivered to %s before the deadline", spec.round, j, _short(owner.peer_id)
+                )
+                return False
+            try:
+                t_call = time.monotonic()
+                reply = await self.transport.call(
+                    owner.address, COLLECTIVE_PUSH, payload, round=spec.round, timeout=remaining + self.push_grace_s
+                )
+                t_reply = time.monotonic()
+            except RpcError as e:
+                if e.code in _RETRY_PUSH and spec.deadline - swarm_time() > 0:
+                    await asyncio.sleep(min(delay, max(0.0, spec.deadline - swarm_time())))
+                    delay = min(2 * delay, 0.5)
+                    continue
+                self._log_once(
+                    (spec.round, owner.peer_id, "push-failed", j),
+                    logging.WARNING,
+                    "round %d: push of part %d to %s failed: %s: %s",
+                    spec.round,
+                    j,
+                    _short(owner.peer_id),
+                    e.code.name,
+                    e.reason,
+                )
+                return False
+            if reply.sender.to_string() != owner.peer_id:
+                log.warning(
+                    "round %d: part %d: %s answered instead of owner %s",
+                    spec.round,
+                    j,
+                    reply.sender.short(),
+                    _short(owner.peer_id),
+                )
+                return False
+            resp = collective_pb2.PushPartResponse.FromString(reply.payload)
+            # The bytes were on the wire before the owner's handler ran: its hold ends the interval early.
+            state.transfers.append(("up", len(payload), t_call, t_reply - _held(resp.held_s, t_reply - t_call)))
+            return resp.accepted
+
+    async def _obtain(
+        self, state: _RoundState, j: int
+    ) -> Optional[tuple[torch.Tensor, list[tuple[str, int]], float, dict[str, Any]]]:
+        """Result of part ``j`` as (fp32 [size], contributors, last compute end, relayed packets by sender),
+        or None if none by the pull deadline. The values are written into the part's slice of
+        ``state.aggregate`` (when set: the round's one fp32 buffer); a refused result leaves it zeros."""
+        spec = state.spec
+        owner = spec.owners[j]
+        out = None if state.aggregate is None else state.aggregate[owner.start : owner.end]
+        signed: Optional[wire.Buffer]
+        if owner.peer_id == self.peer_id:
+            part = state.parts[j]
+            left = spec.pull_deadline - swarm_time()
+            if not await wait_event(part.ready, left):
+                log.warning("round %d: my own part %d is not reduced by the pull deadline", spec.round, j)
+                return None
+            signed = part.result()
+        else:
+            slot = state.pull_slots.get(owner.peer_id)
+            if slot is None:
+                signed = await self._pull(spec, j)
+            else:
+                async with slot:
+                    signed = await self._pull(spec, j)
+            if signed is None:
+                return None
+        try:
+            # One part read at a time: a robust rule decodes every contribution of the part to fp32 (about
+            # (contributors + 5) x the part's bytes while it runs); reading the parts concurrently held that
+            # for every part at once (~3 GB at gpt2-124m) for no gain on a CPU the peers already saturate.
+            async with self._read_slot():
+                res = await asyncio.to_thread(self._read_result, spec, j, signed, out)
+        except EnvelopeError as err:
+            # A hostile or broken owner, not a fault of this node: every reader refuses the same bytes.
+            log.warning(
+                "round %d: result of part %d from %s refused: %s: %s",
+                spec.round,
+                j,
+                _short(owner.peer_id),
+                err.code.name,
+                err.reason,
+            )
+            if out is not None:
+                out.zero_()  # a refused result may have been decoded in part: the part is a zero update
+            return None
+        if owner.peer_id != self.peer_id and spec.round in self._rounds:
+            state.cache[j] = signed  # serve it to peers that cannot reach the owner
+        return res
+
+    async def _pull(self, spec: CollectiveSpec, j: int) -> Optional[wire.Buffer]:
+        await self._before_pull(spec, j)
+        owner = spec.owners[j]
+        helpers = [
+            o.address
+            for o in {o.peer_id: o for o in spec.owners}.values()
+            if o.peer_id not in (owner.peer_id, self.peer_id)
+        ]
+        delay, last_err = 0.05, "no answer"
+        gone = False  # no connection to the owner even after the transport's redial: its process is gone
+        while True:
+            remaining = spec.pull_deadline - swarm_time()
+            if remaining <= 0:
+                log.warning(
+                    "round %d: part %d: no result from owner %s by the pull deadline (%s)",
+                    spec.round,
+                    j,
+                    _short(owner.peer_id),
+                    last_err,
+                )
+                return None
+            wait_s = max(0.0, min(self.long_poll_s, remaining - 0.25))
+            req = collective_pb2.PullPartRequest(round=spec.round, part=j, wait_s=wait_s, spec_id=spec.spec_id)
+            try:
+                t_call = time.monotonic()
+                reply = await self.transport.call(
+                    owner.address, COLLECTIVE_PULL, req.SerializeToString(), round=spec.round, timeout=remaining
+                )
+                t_reply = time.monotonic()
+                resp = await _parse_pull(reply.payload)
+                if resp.ready:
+                    # The long poll comes first, the result's bytes after it: the hold starts the interval late.
+                    state = self._rounds.get(spec.round)
+                    if state is not None:
+                        state.transfers.append(
+                            ("down", len(reply.payload), t_call + _held(resp.held_s, t_reply - t_call), t_reply)
+                        )
+                    return resp.signed_result
+                if wait_s < 0.05:
+                    await asyncio.sleep(min(0.05, max(0.0, spec.pull_deadline - swarm_time())))
+                continue
+            except RpcError as e:
+                last_err = f"{e.code.name}: {e.reason}"
+                gone = gone or e.unreachable
+                if e.code not in _RETRY_PULL:
+                    log.warning(
+                        "round %d: part %d refused by owner %s: %s", spec.round, j, _short(owner.peer_id), last_err
+                    )
+                    return None
+            except DecodeError:
+                last_err = "malformed reply"
+            # The owner is unreachable: maybe another serving peer got the owner's signed result.
+            for h in helpers:
+                left = spec.pull_deadline - swarm_time()
+                if left <= 0:
+                    break
+                req = collective_pb2.PullPartRequest(round=spec.round, part=j, wait_s=0.0, spec_id=spec.spec_id)
+                try:
+                    reply = await self.transport.call(
+                        h, COLLECTIVE_PULL, req.SerializeToString(), round=spec.round, timeout=min(1.0, left)
+                    )
+                    resp = await _parse_pull(reply.payload)
+                    if resp.ready:
+                        log.info(
+                            "round %d: part %d obtained from %s (owner unreachable)",
+                            spec.round,
+                            j,
+                            reply.sender.short(),
+                        )
+                        return resp.signed_result
+                except (RpcError, DecodeError):
+                    pass
+            if gone:
+                # Waiting for the pull deadline would stretch every puller's round to it (15.8 s instead
+                # of ~3.5 s with a killed owner); nobody else had its result just now: the part is missing.
+                events.emit(
+                    log,
+                    logging.WARNING,
+                    "owner_unreachable",
+                    "round %d: part %d: owner %s is unreachable (%s); giving up on the part",
+                    spec.round,
+                    j,
+                    _short(owner.peer_id),
+                    last_err,
+                    peer=str(self.transport.identity.peer_id),
+                    round=spec.round,
+                    part=j,
+                    owner=owner.peer_id,
+                    error=str(last_err),
+                )
+                return None
+            await asyncio.sleep(min(delay, max(0.0, spec.pull_deadline - swarm_time())))
+            delay = min(2 * delay, 0.5)
+
+    def _read_result(
+        self, spec: CollectiveSpec, j: int, signed: wire.Buffer, out: Optional[torch.Tensor] = None
+    ) -> tuple[torch.Tensor, list[tuple[str, int]], float, dict[str, Any]]:
+        """Verify the owner-signed PartResult of part ``j`` and turn it into (fp32 [size] -- ``out`` if
+        given --, contributors, last compute end, relayed sign packets): :func:`.messages.read_result`.
+        Synchronous: a worker thread. Raises EnvelopeError for a result every reader refuses.
+
+        Relay: every forwarded contribution is re-verified; invalid ones and repeated senders are
+        dropped (the same bytes give the same choice on every peer), the rest are sorted by raw
+        PeerID, capped, clipped and averaged with :func:`token_weighted_mean`.
+        """
+        o = spec.owners[j]
+
+        def bad(reason: str) -> None:
+            self._log_once(
+                (spec.round, o.peer_id, "relay-bad", j),
+                logging.WARNING,
+                "round %d: part %d: owner %s relayed an invalid contribution, dropped: %s",
+                spec.round,
+                j,
+                _short(o.peer_id),
+                reason,
+            )
+
+        return messages.read_result(self._inner, spec, j, signed, out=out, on_bad_relay=bad)
+
+
+def _cpu_fp32_finite(delta: torch.Tensor) -> torch.Tensor:
+    """``delta`` as a flat CPU fp32 tensor (no copy when it is one already); CodecError on NaN / Inf."""
+    delta = delta.detach().to("cpu", torch.float32).reshape(-1)
+    if not all_finite(delta):
+        raise compression.CodecError("delta contains NaN or Inf; refusing to contribute")
+    return delta
+
+
+class _PullReply:
+    """A PullPartResponse read without copying its result: the small fields parsed by protobuf,
+    ``signed_result`` a memoryview of the reply's payload."""
+
+    __slots__ = ("ready", "held_s", "signed_result")
+
+    def __init__(self, payload) -> None:
+        spans = wire.scan(payload)
+        small = collective_pb2.PullPartResponse.FromString(wire.small_fields(payload, spans, (4,)))
+        self.ready, self.held_s = small.ready, small.held_s
+        self.signed_result = wire.one_bytes_field(payload, spans, 4, "PullPartResponse")
+
+
+async def _parse_pull(payload) -> _PullReply:
+    """A PullPartResponse (:class:`_PullReply`). Raises DecodeError when malformed."""
+    try:
+        return _PullReply(payload)
+    except wire.WireError as e:
+        raise DecodeError(str(e)) from None

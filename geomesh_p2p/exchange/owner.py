@@ -1,0 +1,486 @@
+"""The owner (server) side of the collective: per-round state, ``PushPart`` / ``PullPart`` handlers,
+closing parts at the deadline, building the signed part results (:mod:`.messages`, in worker threads).
+
+:class:`OwnerService` is the base of :class:`~geomesh_p2p.exchange.CollectiveService` (which adds
+the client side, :mod:`.client`); the two share one per-round state (:class:`_RoundState`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from geomesh_p2p.telemetry import events
+from geomesh_p2p.net.swarm_time import swarm_time
+from geomesh_p2p.util.aio import wait_event
+from geomesh_p2p.exchange import messages
+from geomesh_p2p.exchange import frames as wire
+from geomesh_p2p.exchange.messages import Contribution
+from geomesh_p2p.exchange.partition import CollectiveSpec, PartOwner, _pid_bytes, _short
+from geomesh_p2p.net.identity import EnvelopeError, Verified, Verifier
+from geomesh_p2p.telemetry.logonce import LogOnce
+from geomesh_p2p.net.transport import COLLECTIVE_PULL, COLLECTIVE_PUSH, TaskOwner, Transport
+from geomesh_p2p.wire import collective_pb2
+
+__all__ = ["OwnerService"]
+
+log = logging.getLogger(__name__)
+
+Code = grpc.StatusCode
+
+#: replies (results) larger than this are serialized in a worker thread, not on the event loop
+_THREAD_BYTES = 1 << 20
+
+_Contribution = Contribution  # the name older code and tests use
+
+
+@dataclass
+class _OwnedPart:
+    index: int
+    owner: PartOwner
+    contributions: dict[str, _Contribution] = field(default_factory=dict)
+    closed_by: Optional[str] = None
+    closing_early: bool = False  # every established participant pushed: the close is scheduled
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+    signed_result: Optional[bytes] = None
+    #: PeerIDs this owner handed the result to (a pull answered ready): what a leaving owner waits for
+    pulled_by: set = field(default_factory=set)
+
+    def result(self) -> bytes:
+        """The signed result (envelope bytes), once ``ready`` is set (it is set only after the result is built).
+
+        Raises:
+            RuntimeError: read before the result was built (a caller that did not wait for ``ready``).
+        """
+        if self.signed_result is None:
+            raise RuntimeError(f"part {self.index}: its result is read before it was built")
+        return self.signed_result
+
+
+@dataclass
+class _RoundState:
+    spec: CollectiveSpec
+    parts: dict[int, _OwnedPart]
+    cache: dict[int, wire.Buffer] = field(default_factory=dict)  # owner-signed results pulled from others
+    contributing: bool = False
+    compute_end: float = 0.0  # this node's, carried in its contributions
+    # (direction "up"/"down", payload bytes, start, end) in monotonic seconds, server hold taken out
+    transfers: list[tuple[str, int, float, float]] = field(default_factory=list)
+    # fp32 [numel] CPU tensor: this node's aggregate of the round, every part decoded into its slice
+    aggregate: Optional[Any] = None
+    # owner PeerID -> semaphore bounding this node's pulls in flight to that owner (set by all_reduce)
+    pull_slots: dict[str, asyncio.Semaphore] = field(default_factory=dict)
+
+
+class _TooFarAhead(EnvelopeError):
+    """A push/pull for a round too far ahead of this node's newest registered round
+    (FAILED_PRECONDITION); logged once per sender, not per round, since a flood names a new round
+    each time."""
+
+
+class OwnerService:
+    """The owner side of a node's :class:`~geomesh_p2p.exchange.CollectiveService`: serves ``PushPart`` / ``PullPart`` for the parts it owns and runs all-reduces.
+
+    Create it before ``await transport.start()`` (it registers its handlers). Per-round state
+    (accepted contributions, signed results, cached results of others' parts) is kept for the
+    ``max_rounds_kept`` newest rounds, so slow peers can still pull after this node has finished.
+
+    Unknown rounds: a push or pull for a round whose spec this node has not registered yet is
+    *held* up to ``hold_unknown_round_s`` seconds (the spec usually arrives within milliseconds,
+    when this node's own round starts); after that the push is refused with ``UNAVAILABLE`` and the
+    sender retries until its deadline (pulls simply answer "not ready"). At most
+    ``max_held_requests`` requests are held at once (more: ``UNAVAILABLE`` right away). Rounds older
+    than the kept window are refused with ``FAILED_PRECONDITION``, and so are rounds more than
+    ``max_rounds_ahead`` past the newest round this node has registered (before any is registered,
+    a node just starting, any round is held): an outsider naming far-future rounds must not take the
+    held slots that honest early pushes for the next round need. That refusal is logged once per
+    sender.
+
+    Client side (:class:`~geomesh_p2p.exchange.CollectiveService`): at most ``max_concurrent_pushes``
+    uploads at once, and at most ``max_pulls_per_owner`` pulls in flight to one owner (an owner of
+    many small parts would otherwise get more calls from this node than the transport's per-sender
+    cap allows).
+
+    Refusals (status: reason), each logged once per (round, sender, status): sender not a
+    participant (PERMISSION_DENIED), contribution signed by someone other than the caller
+    (PERMISSION_DENIED), forged/tampered inner signature (UNAUTHENTICATED / DATA_LOSS), round in
+    payload differs from envelope (INVALID_ARGUMENT), stale round / other spec / part already closed
+    (FAILED_PRECONDITION), wrong range, length, block size, encoding, malformed packet, NaN/Inf or
+    negative scales (INVALID_ARGUMENT), part not owned here (NOT_FOUND).
+    """
+
+    def __init__(
+        self,
+        transport: Transport,
+        *,
+        max_rounds_kept: int = 3,
+        long_poll_s: float = 5.0,
+        hold_unknown_round_s: float = 2.0,
+        max_held_requests: int = 256,
+        max_rounds_ahead: int = 2,
+        push_grace_s: float = 0.5,
+        max_concurrent_pushes: int = 2,
+        max_pulls_per_owner: int = 8,
+    ):
+        if transport.address is not None:
+            raise RuntimeError("create the CollectiveService before transport.start()")
+        self.transport = transport
+        self.peer_id = transport.identity.peer_id.to_string()
+        self.max_rounds_kept = max_rounds_kept
+        self.long_poll_s = long_poll_s
+        self.hold_unknown_round_s = hold_unknown_round_s
+        self.max_held_requests = max_held_requests
+        self.max_rounds_ahead = max(0, int(max_rounds_ahead))
+        self.push_grace_s = push_grace_s
+        self.max_concurrent_pushes = max(1, int(max_concurrent_pushes))
+        self.max_pulls_per_owner = max(1, int(max_pulls_per_owner))
+        self._rounds: dict[int, _RoundState] = {}
+        self._oldest_kept = 0  # rounds below this were pruned
+        self._newest: Optional[int] = None  # newest round ever registered here (None: none yet)
+        self._round_events: dict[int, asyncio.Event] = {}
+        self._held = 0
+        self._tasks = TaskOwner(f"collective {_short(self.peer_id)}")
+        self._pulled = asyncio.Event()  # set at every result handed out (linger's wake-up)
+        # Keys (round, peer, what, code): a caller retrying the same bad push logs one line.
+        self._log_once = LogOnce(log, capacity=10_000)
+        # Inner signatures (contributions, part results) are checked without skew or replay
+        # windows: they are forwarded, and replay is already checked on the outer envelope.
+        self._inner = Verifier(
+            transport.run_id, max_skew_s=float("inf"), max_payload_bytes=transport.config.max_message_bytes
+        )
+        transport.add_unary(COLLECTIVE_PUSH, self._handle_push)
+        transport.add_unary(COLLECTIVE_PULL, self._handle_pull)
+
+    # --------------------------------------------------------------------------- registration
+    def register(self, spec: CollectiveSpec) -> _RoundState:
+        """Make this node ready to accept pushes for ``spec`` (idempotent for the same spec).
+
+        ``all_reduce`` calls it; an owner that does not contribute (a pure aggregator) calls it
+        directly. Prunes rounds older than the ``max_rounds_kept`` newest. Raises ValueError for
+        another run, a different spec for a registered round, a pruned round, or a client-only
+        transport that owns a part.
+        """
+        if spec.run_id != self.transport.run_id:
+            raise ValueError(f"spec is for run {spec.run_id!r}, the transport serves {self.transport.run_id!r}")
+        state = self._rounds.get(spec.round)
+        if state is not None:
+            if state.spec.spec_id != spec.spec_id:
+                raise ValueError(f"round {spec.round} is already registered with a different spec")
+            return state
+        if spec.round < self._oldest_kept or (
+            len(self._rounds) >= self.max_rounds_kept and spec.round < min(self._rounds)
+        ):
+            raise ValueError(
+                f"round {spec.round} is older than the rounds kept here "
+                f"({self.rounds_kept() or 'from ' + str(self._oldest_kept)})"
+            )
+        mine = spec.part_index_of(self.peer_id)
+        if mine and self.transport.config.client_only:
+            raise ValueError("a client-only peer cannot own a part")
+        state = _RoundState(spec, {j: _OwnedPart(j, spec.owners[j]) for j in mine})
+        self._rounds[spec.round] = state
+        self._newest = spec.round if self._newest is None else max(self._newest, spec.round)
+        ev = self._round_events.pop(spec.round, None)
+        if ev is not None:
+            ev.set()
+        if len(self._rounds) > self.max_rounds_kept:
+            keep = sorted(self._rounds)[-self.max_rounds_kept :]
+            self._oldest_kept = max(self._oldest_kept, keep[0])
+            for r in [r for r in self._rounds if r < keep[0]]:
+                del self._rounds[r]
+        if state.parts:
+            self._tasks.spawn(self._close_at_deadline(state), name=f"close r{spec.round}")
+        return state
+
+    def rounds_kept(self) -> list[int]:
+        return sorted(self._rounds)
+
+    def unserved(self) -> dict[int, list[str]]:
+        """Of the newest round registered here: owned part index -> the round's other participants that have
+        not pulled that part's result from this owner yet (sorted PeerIDs). Empty when there is no round, or
+        every owned part went to every other participant."""
+        state = self._rounds.get(self._newest) if self._newest is not None else None
+        if state is None:
+            return {}
+        others = [p for p in state.spec.participants if p != self.peer_id]
+        out = {idx: sorted(p for p in others if p not in part.pulled_by) for idx, part in state.parts.items()}
+        return {idx: left for idx, left in out.items() if left}
+
+    async def linger(self, until: float) -> dict[int, list[str]]:
+        """Keep serving the newest round's owned parts until every other participant pulled each of them, or
+        until ``until`` (swarm seconds): a leaving owner that stopped at once cut off the slower peers still
+        pulling its part (rs9: the last round's owner exited while a peer on a 4.6 Mbit/s link pulled, and
+        that peer ended on another digest). Returns what is left unserved (:meth:`unserved`); waits on
+        pulls, not a poll."""
+        while True:
+            left = self.unserved()
+            remaining = until - swarm_time()
+            if not left or remaining <= 0:
+                return left
+            self._pulled.clear()
+            await wait_event(self._pulled, remaining)
+
+    async def close(self) -> None:
+        """Cancel background tasks (deadline timers, reductions). The transport is the caller's."""
+        await self._tasks.close()
+
+    # ---------------------------------------------------------------- test hooks (fault injection)
+    async def _before_push(self, spec: CollectiveSpec, part: int) -> None:
+        """Called before this node delivers part ``part`` (also its own). Tests override it."""
+
+    async def _before_pull(self, spec: CollectiveSpec, part: int) -> None:
+        """Test hook (fault injection): called before this node pulls ``part``'s result."""
+
+    async def _before_reduce(self, spec: CollectiveSpec, part: int) -> None:
+        """Called when an owned part closed, before its result is built. Tests override it."""
+
+    # ------------------------------------------------------------------------------ owner side
+    async def _round_for(self, round: int, hold_s: float) -> Optional[_RoundState]:
+        """The state of ``round``; waits up to ``hold_s`` seconds for it to be registered (None: not yet).
+
+        Raises EnvelopeError FAILED_PRECONDITION for a round already pruned here, and
+        :class:`_TooFarAhead` (FAILED_PRECONDITION) for one more than ``max_rounds_ahead`` past the
+        newest registered round: those take no held slot.
+        """
+        state = self._rounds.get(round)
+        if state is not None:
+            return state
+        if round < self._oldest_kept:
+            raise EnvelopeError(
+                Code.FAILED_PRECONDITION, f"round {round} is over on this node (oldest kept: {self._oldest_kept})"
+            )
+        if self._newest is not None and round > self._newest + self.max_rounds_ahead:
+            raise _TooFarAhead(
+                Code.FAILED_PRECONDITION, f"round {round} is too far ahead of this node's round {self._newest}"
+            )
+        if hold_s <= 0 or self._held >= self.max_held_requests:
+            return None
+        ev = self._round_events.setdefault(round, asyncio.Event())
+        self._held += 1
+        try:
+            await wait_event(ev, hold_s)
+        finally:
+            self._held -= 1
+            if self._held == 0:
+                self._round_events.clear()  # nobody waits on the rest
+        return self._rounds.get(round)
+
+    def _check_contribution(
+        self, spec: CollectiveSpec, part: int, signed: bytes, caller: Optional[str]
+    ) -> Contribution:
+        """Verify a sender-signed contribution to ``part`` (:func:`.messages.check_contribution`);
+        EnvelopeError (status + reason) if bad. Synchronous: call it in a worker thread.
+
+        Used by the owner (on push) and by relay-mode readers (on every forwarded contribution).
+        """
+        return messages.check_contribution(self._inner, spec, part, signed, caller)[1]
+
+    def _check_push(self, spec: CollectiveSpec, payload: bytes, caller: str) -> tuple[int, Contribution]:
+        """A PushPartRequest's contribution, checked: (part index, Contribution). Worker thread."""
+        signed = messages.push_request_contribution(payload)  # a view of the request: no copy
+        return messages.check_contribution(self._inner, spec, None, signed, caller)
+
+    async def _handle_push(self, verified: Verified, context) -> bytes:
+        t_in = time.monotonic()
+        caller = verified.sender.to_string()
+        round_, part_ix = verified.round, None
+        try:
+            state = await self._round_for(verified.round, self.hold_unknown_round_s)
+            if state is None:
+                raise EnvelopeError(Code.UNAVAILABLE, f"round {verified.round} is not open on this node yet")
+            spec = state.spec
+            # Parsing, the part index (a part beyond the spec is told so before the signature is
+            # checked), verification and the packet's decoding touch the whole part: a worker thread.
+            part_ix, c = await asyncio.to_thread(self._check_push, spec, verified.payload, caller)
+            part = state.parts.get(part_ix)
+            if part is None:
+                raise EnvelopeError(Code.NOT_FOUND, f"this node does not own part {part_ix} of round {spec.round}")
+            resp = self._accept(state, part, c)
+            resp.held_s = time.monotonic() - t_in  # lets the sender time its upload without our work
+            return resp.SerializeToString()
+        except EnvelopeError as err:
+            # A round not open here yet is flow control (the sender retries until its deadline), not a
+            # fault: DEBUG, or every round of a healthy swarm printed a WARNING (issue 14 #10).
+            quiet = err.code == Code.UNAVAILABLE and part_ix is None
+            key = (caller, "push", "ahead") if isinstance(err, _TooFarAhead) else (round_, caller, "push", err.code)
+            self._log_once(
+                key,
+                logging.DEBUG if quiet else logging.WARNING,
+                "round %d: refused a push%s from %s: %s: %s",
+                round_,
+                "" if part_ix is None else f" of part {part_ix}",
+                _short(caller),
+                err.code.name,
+                err.reason,
+                event="push_refused",
+                peer=self.peer_id,
+                round=round_,
+                part=part_ix,
+                sender=caller,
+                code=err.code.name,
+                reason=err.reason,
+            )
+            raise
+
+    def _accept(self, state: _RoundState, part: _OwnedPart, c: _Contribution) -> collective_pb2.PushPartResponse:
+        spec = state.spec
+        if c.sender in part.contributions:
+            return collective_pb2.PushPartResponse(accepted=True, reason="duplicate push ignored (first one kept)")
+        if part.closed_by is not None:
+            raise EnvelopeError(
+                Code.FAILED_PRECONDITION,
+                f"part {part.index} of round {spec.round} closed ({part.closed_by}) before this push arrived",
+            )
+        part.contributions[c.sender] = c
+        if len(part.contributions) == len(spec.participants):
+            self._close(state, part, "all pushed")
+        elif spec.probation and not part.closing_early and all(p in part.contributions for p in spec.established()):
+            # Every established participant pushed: the peers on probation get a short grace, not the deadline.
+            part.closing_early = True
+            self._tasks.spawn(self._close_after_grace(state, part), name=f"grace r{spec.round} p{part.index}")
+        return collective_pb2.PushPartResponse(accepted=True, reason="")
+
+    async def _close_after_grace(self, state: _RoundState, part: _OwnedPart) -> None:
+        await asyncio.sleep(max(0.0, min(state.spec.grace_s, state.spec.deadline - swarm_time())))
+        if self._rounds.get(state.spec.round) is state:
+            self._close(state, part, "established pushed")
+
+    def _close(self, state: _RoundState, part: _OwnedPart, reason: str) -> None:
+        if part.closed_by is not None:
+            return
+        part.closed_by = reason
+        absent = [p for p in state.spec.participants if p not in part.contributions]
+        fields: dict[str, Any] = dict(round=state.spec.round, part=part.index, reason=reason, absent=sorted(absent))
+        if absent and reason == "established pushed":
+            events.emit(
+                log,
+                logging.INFO,
+                "part_closed",
+                "round %d: part %d closed %.1fs after every established participant pushed, without %s (on probation)",
+                state.spec.round,
+                part.index,
+                state.spec.grace_s,
+                ", ".join(_short(p) for p in sorted(absent)),
+                **fields,
+            )
+        elif absent:
+            events.emit(
+                log,
+                logging.WARNING,
+                "part_closed",
+                "round %d: part %d closed at the deadline without %s (left out of this part)",
+                state.spec.round,
+                part.index,
+                ", ".join(_short(p) for p in sorted(absent)),
+                **fields,
+            )
+        else:
+            events.emit(
+                log,
+                logging.DEBUG,
+                "part_closed",
+                "round %d: part %d closed (%s)",
+                state.spec.round,
+                part.index,
+                reason,
+                **fields,
+            )
+        self._tasks.spawn(self._finish(state, part), name=f"reduce r{state.spec.round} p{part.index}")
+
+    async def _close_at_deadline(self, state: _RoundState) -> None:
+        await asyncio.sleep(max(0.0, state.spec.deadline - swarm_time()))
+        if self._rounds.get(state.spec.round) is not state:
+            return  # pruned meanwhile
+        for part in state.parts.values():
+            self._close(state, part, "deadline")
+
+    async def _finish(self, state: _RoundState, part: _OwnedPart) -> None:
+        spec = state.spec
+        try:
+            await self._before_reduce(spec, part.index)
+            contributions = sorted(part.contributions.values(), key=lambda c: _pid_bytes(c.sender))
+            part.signed_result = await asyncio.to_thread(self._build_result, spec, part, contributions)
+            part.ready.set()
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("round %d: building the result of part %d failed; it will be missing", spec.round, part.index)
+
+    def _build_result(self, spec: CollectiveSpec, part: _OwnedPart, contributions: list[Contribution]) -> bytes:
+        """The owner-signed result of ``part`` (:func:`.messages.build_result`). Worker thread.
+        Subclasses (tests, the adversary) override it to alter what an owner serves."""
+        return messages.build_result(
+            self.transport.identity, spec, part.index, part.owner, part.closed_by or "", contributions
+        )
+
+    async def _handle_pull(self, verified: Verified, context) -> bytes:
+        caller = verified.sender.to_string()
+        try:
+            try:
+                req = collective_pb2.PullPartRequest.FromString(verified.payload)
+            except DecodeError:
+                raise EnvelopeError(Code.INVALID_ARGUMENT, "PullPartRequest is malformed") from None
+            if req.round != verified.round:
+                raise EnvelopeError(
+                    Code.INVALID_ARGUMENT, f"payload round {req.round} differs from envelope round {verified.round}"
+                )
+            wait_s = max(0.0, min(float(req.wait_s), 60.0)) if math.isfinite(req.wait_s) else 0.0
+            t0 = time.monotonic()
+            state = await self._round_for(req.round, min(wait_s, self.hold_unknown_round_s))
+            not_ready = collective_pb2.PullPartResponse(round=req.round, part=req.part, ready=False)
+            if state is None:
+                return not_ready.SerializeToString()
+            spec = state.spec
+            if req.spec_id != spec.spec_id:
+                raise EnvelopeError(Code.FAILED_PRECONDITION, f"pull is for another spec of round {spec.round}")
+            if caller not in spec.participants and all(o.peer_id != caller for o in spec.owners):
+                raise EnvelopeError(Code.PERMISSION_DENIED, f"{_short(caller)} is not in round {spec.round}")
+            part = state.parts.get(req.part)
+            if part is None:
+                cached = state.cache.get(req.part)
+                if cached is None:
+                    raise EnvelopeError(Code.NOT_FOUND, f"part {req.part} of round {spec.round} is not held here")
+                signed = cached
+            else:
+                left = wait_s - (time.monotonic() - t0)
+                if not await wait_event(part.ready, left):
+                    return not_ready.SerializeToString()
+                signed = part.result()
+                part.pulled_by.add(caller)
+                self._pulled.set()
+            head = collective_pb2.PullPartResponse(
+                round=req.round, part=req.part, ready=True, held_s=time.monotonic() - t0
+            ).SerializeToString()
+            parts = [head, *wire.bytes_field(4, [signed])]
+            # a whole part's result is copied into the reply (once): off the event loop when large
+            return await asyncio.to_thread(b"".join, parts) if len(signed) > _THREAD_BYTES else b"".join(parts)
+        except EnvelopeError as err:
+            if err.code != Code.NOT_FOUND:
+                key = (
+                    (caller, "pull", "ahead")
+                    if isinstance(err, _TooFarAhead)
+                    else (verified.round, caller, "pull", err.code)
+                )
+                self._log_once(
+                    key,
+                    logging.WARNING,
+                    "round %d: refused pull from %s: %s: %s",
+                    verified.round,
+                    _short(caller),
+                    err.code.name,
+                    err.reason,
+                    event="pull_refused",
+                    peer=self.peer_id,
+                    round=verified.round,
+                    sender=caller,
+                    code=err.code.name,
+                    reason=err.reason,
+                )
+            raise

@@ -1,0 +1,528 @@
+"""Aggregation rules for one part of the pseudo-gradient: the plain token-weighted mean and robust rules.
+
+Pure tensor code (no I/O): the collective, relay readers, re-encoding owners and the simulator all call
+these, so every peer computes the same bits from the same contributions.
+
+Rules (``RULES``):
+
+* ``mean`` -- the token-weighted mean ``sum_i n_i * decode_i / sum_i n_i`` with per-block scale clipping at
+  ``clip_k x`` the median scale (the first version's rule; GeoMesh arXiv 2609.18388, "Compressed sign
+  synchronization"). One contributor with a large weight steers it: see docs/security.md.
+* ``vote`` -- a sign majority vote weighted by *bounded* token weights, with the median block scale as the
+  magnitude (signSGD with majority vote, Bernstein et al., ICLR 2019, "signSGD with majority vote is
+  communication efficient and fault tolerant", section 4; the median scale plays the role of the server's
+  step size). A minority cannot reverse a coordinate on which the honest contributors agree, and its
+  scales cannot move the magnitude beyond the honest range (the median).
+* ``meanmed`` -- the bounded-weight mean of the signs times the median block scale (a bounded-influence
+  mean: a contributor moves a coordinate by at most ``2 w_i`` of the median scale).
+
+Bounded weights (``bounded_weights``): token counts are first capped by the plan (``min(claimed, cap)``),
+then by ``weight_cap x`` the median of the contributors' capped counts, so no contributor's weight exceeds
+``weight_cap x`` a typical one, whatever its plan or record says.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from typing import Any, Optional, Sequence
+
+import torch
+
+from geomesh_p2p.exchange import codec as compression
+from geomesh_p2p.exchange.codec.sign import _run_parallel
+
+RULES = ("mean", "vote", "meanmed")
+ROBUST_RULES = ("vote", "meanmed")
+
+__all__ = ["RULES", "ROBUST_RULES", "bounded_weights", "median_rows", "token_weighted_mean", "aggregate_part"]
+
+
+def median_rows(x: torch.Tensor) -> torch.Tensor:
+    """Median over dim 0 of ``x`` [C, K] fp32 -> [K] fp32; for even C the mean of the two middle values
+    (``(lo + hi) * 0.5``, two IEEE roundings: the same bits on every device)."""
+    srt = torch.sort(x, dim=0).values
+    c = srt.shape[0]
+    if c % 2 == 1:
+        return srt[c // 2].clone()
+    return (srt[c // 2 - 1] + srt[c // 2]) * torch.tensor(0.5, dtype=torch.float32)
+
+
+def _median_int(values: Sequence[int]) -> int:
+    """Median of positive integers (the lower middle's mean rounded down for an even count); 0 if none."""
+    pos = sorted(int(n) for n in values if int(n) > 0)
+    if not pos:
+        return 0
+    c = len(pos)
+    return pos[c // 2] if c % 2 == 1 else (pos[c // 2 - 1] + pos[c // 2]) // 2
+
+
+def _cap(tokens: Sequence[int], bound: int) -> list[int]:
+    return [min(max(0, int(n)), bound) for n in tokens]
+
+
+def median_active(x: torch.Tensor) -> torch.Tensor:
+    """Per column of ``x`` [C, K] fp32 (>= 0), the median of its positive entries (0 where none): a
+    contributor whose block scale is 0 abstains from the block's magnitude too. Even counts take
+    ``(lo + hi) * 0.5`` (two IEEE roundings), as :func:`median_rows`."""
+    active = x > 0
+    cnt = active.sum(dim=0)  # [K]
+    inf = torch.tensor(float("inf"), dtype=torch.float32)
+    srt = torch.sort(torch.where(active, x, inf), dim=0).values
+    hi_i = (cnt // 2).clamp(max=x.shape[0] - 1)
+    lo_i = ((cnt - 1) // 2).clamp(min=0)
+    hi = srt.gather(0, hi_i.unsqueeze(0)).squeeze(0)
+    lo = srt.gather(0, lo_i.unsqueeze(0)).squeeze(0)
+    odd = torch.where(cnt % 2 == 1, hi, (lo + hi) * torch.tensor(0.5, dtype=torch.float32))
+    return torch.where(cnt > 0, odd, torch.zeros((), dtype=torch.float32))
+
+
+def bounded_weights(tokens: Sequence[int], weight_cap: Optional[float]) -> list[int]:
+    """Token counts ``tokens`` (already capped by the plan) bounded to ``weight_cap x`` their median.
+
+    Integer arithmetic only (the median of an even count is rounded down), so every peer gets the same
+    list. ``weight_cap=None`` leaves them unchanged. Zero counts stay zero and do not enter the median.
+
+    Raises:
+        ValueError: ``weight_cap`` is not > 0.
+    """
+    toks = [max(0, int(n)) for n in tokens]
+    if weight_cap is None:
+        return toks
+    if not weight_cap > 0:
+        raise ValueError(f"weight_cap must be > 0, got {weight_cap}")
+    med = _median_int(toks)
+    if med == 0:
+        return toks
+    return _cap(toks, max(1, int(med * float(weight_cap))))
+
+
+def token_weighted_mean(
+    items: Sequence[tuple[int, Any]],
+    numel: int,
+    *,
+    clip_k: Optional[float],
+    encoding: str = "sign",
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """The ``mean`` rule of one part: ``sum_i n_i * decode_i / sum_i n_i``, computed one fixed way.
+
+    Args:
+        items: ``(tokens, packet)`` in the fixed order (ascending raw PeerID). ``tokens`` already
+            capped (``min(claimed, cap)``). ``packet``: a :class:`compression.SignPacket` of
+            ``numel`` elements (``encoding="sign"``) or an fp32 tensor [numel] (``"fp32"``).
+        numel: elements of the part.
+        clip_k: scale clipping factor, or None.
+        encoding: ``"sign"`` or ``"fp32"``.
+        out: optional contiguous fp32 tensor [numel] to accumulate into (overwritten; e.g. the
+            part's slice of the round's aggregate), so no other full-size tensor is kept.
+
+    Returns:
+        fp32 tensor [numel] (``out`` if given); all zeros when no item has tokens > 0.
+
+    The exact rule (each step one IEEE fp32 rounding; the same on every peer, so relay peers and
+    a reencode owner get the same bits):
+
+    1. Items with ``tokens == 0`` are dropped. ``N = sum(tokens)`` (exact integer).
+    2. Sign only, if ``clip_k`` is set: per block b, ``med_b`` = :func:`median_rows` of the items'
+       scales; ``cap_b = med_b * fp32(clip_k)``; ``s'_ib = min(s_ib, cap_b)``.
+    3. ``w_i = fp32(n_i / N)`` (the quotient in float64, then rounded to fp32).
+    4. Sign: ``c_ib = s'_ib * w_i`` and ``x_i = decode(SignPacket(signs_i, scales=c_i))`` =
+       ``+-c_ib`` exactly. fp32: ``x_i = v_i * w_i``.
+    5. ``acc = 0``; for each item in order: ``acc = acc + x_i``.
+
+    Memory: ``acc`` (or ``out``) plus one scratch tensor [numel] for ``x_i``; every step is an
+    unfused elementwise op into them (the same IEEE roundings as ``acc = acc + x_i``).
+    """
+    active = [(int(n), p) for n, p in items if int(n) > 0]
+    if out is None:
+        acc = torch.zeros(numel, dtype=torch.float32)
+    else:
+        if out.dtype != torch.float32 or out.numel() != numel or not out.is_contiguous():
+            raise ValueError(f"out must be a contiguous fp32 tensor of {numel} elements")
+        acc = out.zero_()
+    if not active:
+        return acc
+    total = sum(n for n, _ in active)
+    x = torch.empty(numel, dtype=torch.float32)  # the one scratch buffer: x_i, then acc += x_i
+    if encoding == "fp32":
+        for n, v in active:
+            torch.mul(v, torch.tensor(n / total, dtype=torch.float32), out=x)
+            acc.add_(x)
+        return acc
+    cap = None
+    if clip_k is not None:
+        med = median_rows(torch.stack([p.scales for _, p in active]))
+        cap = med * torch.tensor(clip_k, dtype=torch.float32)
+    for n, p in active:
+        s = p.scales if cap is None else torch.minimum(p.scales, cap)
+        c_i = s * torch.tensor(n / total, dtype=torch.float32)
+        acc.add_(compression.decode(compression.SignPacket(p.numel, p.block_size, n, p.signs, c_i), out=x))
+    return acc
+
+
+# ---------------------------------------------------------------------------------------------------------
+# vote / meanmed over sign packets
+#
+# The rule (step by step in _robust_sign's docstring) is defined by the fp32 operations of its first
+# implementation (kept verbatim as the reference in tests/unit/test_robust_agg_equiv.py): per element
+# ``v = ((0 + x_1) + x_2) + ...`` with ``x_i = (+-1) * (w_i or 0)``, then ``v / W_b`` where ``W_b > 0``, then
+# ``v * m_b`` (or ``sign(v) * m_b``). Both paths below do exactly these roundings, in this order, so the
+# output is bit-identical (signed zeros included); only where they are computed changes:
+#
+# * pattern-table path (C <= _TABLE_MAX_ITEMS contributions, the usual case): every block has one pattern of
+#   voting contributors (scale > 0) and every element one pattern of C sign bits, so ``v`` of an element is a
+#   function of (block pattern, sign pattern): a table of at most 2^C x 2^C values, computed with the same
+#   fp32 ops on the table. Per element the work is: gather the C sign bits into one byte (8 elements per
+#   int64 word, one table lookup per packed byte and contribution), one bincount (the agreement filter's
+#   integer counts, for every contributor at once, from a histogram of the patterns) and one gather of the
+#   final value times the block's magnitude, in block-aligned chunks that stay in cache.
+# * streaming path (more contributions): each contribution decoded into one preallocated buffer and added in
+#   place; the agreement counts from uint8 views (its unpacked sign bits against the consensus's).
+
+_TABLE_MAX_ITEMS = 8  # pattern bytes: one uint8 per element
+_GRAIN = 32768  # torch's at::internal::GRAIN_SIZE: smaller CPU ops run inline (see _segments)
+
+_BYTE_SPREAD: Optional[torch.Tensor] = None  # int64 [256]: bit j of b -> byte j (value 0/1)
+_BIT_UNPACK: Optional[torch.Tensor] = None  # uint8 [256, 8]: bit j of b
+
+
+def _byte_spread() -> torch.Tensor:
+    global _BYTE_SPREAD
+    if _BYTE_SPREAD is None:
+        bits = (torch.arange(256, dtype=torch.int64)[:, None] >> torch.arange(8)) & 1
+        _BYTE_SPREAD = (bits << (8 * torch.arange(8))).sum(dim=1)
+    return _BYTE_SPREAD
+
+
+def _bit_unpack() -> torch.Tensor:
+    global _BIT_UNPACK
+    if _BIT_UNPACK is None:
+        _BIT_UNPACK = ((torch.arange(256)[:, None] >> torch.arange(8)) & 1).to(torch.uint8).contiguous()
+    return _BIT_UNPACK
+
+
+def _f32(x: float) -> torch.Tensor:
+    return torch.tensor(x, dtype=torch.float32)
+
+
+def _weights(chosen: Sequence[tuple[int, Any]], t: int, weight_cap: Optional[float]) -> tuple[list[int], int]:
+    """Bounded integer weights of ``chosen`` (``min(n_i, weight_cap x t)``) and their sum."""
+    toks = [n for n, _ in chosen] if weight_cap is None else _cap([n for n, _ in chosen], max(1, int(t * weight_cap)))
+    return toks, sum(toks)
+
+
+def _active_weights(toks: Sequence[int], total: int, chosen: Sequence[tuple[int, Any]]) -> list[torch.Tensor]:
+    """Per item its per-block weight ``w_i a_ib``: ``fp32(n_i / N)`` where its scale is > 0, else 0."""
+    zero = torch.zeros((), dtype=torch.float32)
+    return [torch.where(p.scales > 0, _f32(n / total), zero) for n, (_, p) in zip(toks, chosen)]
+
+
+def _wsum(was: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``W_b = sum_i w_i a_ib`` in order (one fp32 rounding per addition)."""
+    wsum = torch.zeros_like(was[0])
+    for wa in was:
+        wsum = wsum + wa
+    return wsum
+
+
+def _blockwise(x: torch.Tensor, per_block: torch.Tensor, block: int, op: str) -> None:
+    """In place ``x[e] op= per_block[e // block]`` for a segment ``x`` that starts on a block boundary."""
+    n = x.numel()
+    nfull = n // block
+    if nfull:
+        getattr(x[: nfull * block].view(nfull, block), op)(per_block[:nfull, None])
+    if nfull * block < n:
+        getattr(x[nfull * block :], op)(per_block[nfull])
+
+
+def _segments(numel: int, block: int) -> tuple[list[int], int]:
+    """Segment bounds for the table path's per-element passes, and worker threads.
+
+    Segments start on a block and byte boundary and hold fewer than ``_GRAIN`` elements when the block
+    allows, so every torch op on one runs inline in its thread (no OpenMP team and barrier per op: on
+    shared, loaded cores a per-op barrier costs a scheduler time slice), and its buffers stay in cache;
+    the segments are spread over the codec's small thread pool (torch ops release the GIL)."""
+    align = 8 * block // math.gcd(8, block)
+    chunk = (_GRAIN - 1) // align * align if align < _GRAIN else align
+    bounds = list(range(0, numel, chunk)) + [numel]
+    nseg = len(bounds) - 1
+    workers = max(1, min(torch.get_num_threads(), nseg // 4))
+    return bounds, workers
+
+
+def _keep_mask(n_both: Sequence[int], n_agree: Sequence[int], min_agreement: float) -> list[bool]:
+    return [n == 0 or a >= min_agreement * n for n, a in zip(n_both, n_agree)]
+
+
+def _table_path(pos, numel, block, rule, weight_cap, min_agreement, t_all, res) -> list[bool]:
+    """vote / meanmed of ``pos`` (C <= 8 items, same numel and block) into ``res``; returns the keep mask."""
+    c = len(pos)
+    ns = 1 << c
+    # Block patterns: bit i set where item i's scale is > 0; distinct ones numbered by ``inv``.
+    active = torch.stack([p.scales > 0 for _, p in pos])  # [C, nb] bool
+    apat = (active.to(torch.int64) << torch.arange(c)[:, None]).sum(dim=0)
+    uniq, inv = torch.unique(apat, return_inverse=True)
+    npat = uniq.numel()
+    act_k = ((uniq[None, :] >> torch.arange(c)[:, None]) & 1).bool()  # [C, npat]: item i votes in pattern k
+    # Sign patterns: byte e of ``words`` = sum_i bit_i(e) << i (8 elements per int64, little-endian bytes).
+    words = torch.empty((numel + 7) // 8, dtype=torch.int64)
+    pat = words.view(torch.uint8)[:numel]
+    spreads = [_byte_spread() << i for i in range(c)]
+    signs = [p.signs for _, p in pos]
+    multi = npat > 1
+    offs = (inv * ns).to(torch.int32) if multi else None
+    bounds, workers = _segments(numel, block)
+    filt = min_agreement is not None and c > 2
+    hists: list[torch.Tensor] = []
+
+    def keys(key: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+        k = key[: hi - lo]
+        k.copy_(pat[lo:hi])
+        if offs is not None:  # multi
+            _blockwise(k, offs[lo // block :], block, "add_")
+        return k
+
+    def patterns(a: int, b: int) -> None:
+        n = bounds[1] - bounds[0]
+        tmp = torch.empty((n + 7) // 8, dtype=torch.int64)
+        sidx = torch.empty((n + 7) // 8, dtype=torch.int32)
+        key = torch.empty(n, dtype=torch.int32)
+        hist = torch.zeros(npat * ns, dtype=torch.int64) if filt else None
+        for j in range(a, b):
+            lo, hi = bounds[j], bounds[j + 1]
+            blo, bhi = lo // 8, (hi + 7) // 8
+            w = words[blo:bhi]
+            for i in range(c):
+                si = sidx[: bhi - blo]
+                si.copy_(signs[i][blo:bhi])
+                if i == 0:
+                    torch.index_select(spreads[0], 0, si, out=w)
+                else:
+                    t = tmp[: bhi - blo]
+                    torch.index_select(spreads[i], 0, si, out=t)
+                    w.add_(t)
+            if hist is not None:  # filt
+                hist += torch.bincount(keys(key, lo, hi), minlength=npat * ns)
+        if hist is not None:
+            hists.append(hist)
+
+    _run_parallel(patterns, len(bounds) - 1, workers)
+
+    # Per (block pattern, sign pattern) the bits of ``x_i`` and of ``v``, as the reference computes them.
+    signf = 1.0 - 2.0 * ((torch.arange(ns)[None, :] >> torch.arange(c)[:, None]) & 1).to(torch.float32)  # [C, ns]
+
+    def table(sel: list[int], t: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        chosen = [pos[i] for i in sel]
+        toks, total = _weights(chosen, t, weight_cap)
+        zero = torch.zeros((), dtype=torch.float32)
+        xs = []
+        v = torch.zeros(npat, ns, dtype=torch.float32)
+        wsum = torch.zeros(npat, dtype=torch.float32)
+        for n, i in zip(toks, sel):
+            wa = torch.where(act_k[i], _f32(n / total), zero)  # [npat]
+            x = signf[i][None, :] * wa[:, None]  # decode: (+-1) * scale
+            xs.append(x)
+            v = v + x
+            wsum = wsum + wa
+        den = wsum[:, None].expand(npat, ns)
+        v = torch.where(den > 0, v / torch.where(den > 0, den, torch.ones((), dtype=torch.float32)), v)
+        return v, xs
+
+    sel = list(range(c))
+    v, xs = table(sel, t_all)
+    keep = [True] * c
+    if filt:
+        hist = torch.stack(hists).sum(dim=0).view(npat, ns)
+        cons = torch.sign(v)
+        n_both, n_agree = [], []
+        for x in xs:
+            both = (x != 0) & (cons != 0)
+            n_both.append(int(hist[both].sum()))
+            n_agree.append(int(hist[both & ((x > 0) == (cons > 0))].sum()))
+        keep = _keep_mask(n_both, n_agree, min_agreement)
+        if not all(keep) and any(keep):
+            sel = [i for i in range(c) if keep[i]]
+            v, _ = table(sel, min(t_all, _median_int([pos[i][0] for i in sel])))
+        else:
+            keep = [True] * c
+    m_all = median_active(torch.stack([p.scales for _, p in pos]))
+    med = m_all if all(keep) else torch.minimum(m_all, median_active(torch.stack([pos[i][1].scales for i in sel])))
+    val = (torch.sign(v) if rule == "vote" else v).reshape(-1)
+
+    def gather(a: int, b: int) -> None:
+        key = torch.empty(bounds[1] - bounds[0], dtype=torch.int32)
+        for j in range(a, b):
+            lo, hi = bounds[j], bounds[j + 1]
+            seg = res[lo:hi]
+            torch.index_select(val, 0, keys(key, lo, hi), out=seg)
+            _blockwise(seg, med[lo // block :], block, "mul_")
+
+    _run_parallel(gather, len(bounds) - 1, workers)
+    return keep
+
+
+def _stream_path(pos, numel, block, rule, weight_cap, min_agreement, t_all, res) -> list[bool]:
+    """vote / meanmed of ``pos`` (any count) into ``res``, one decoded contribution at a time."""
+    x = torch.empty(numel, dtype=torch.float32)
+
+    def combine(sel: list[int], t: int) -> list[torch.Tensor]:
+        chosen = [pos[i] for i in sel]
+        toks, total = _weights(chosen, t, weight_cap)
+        was = _active_weights(toks, total, chosen)
+        v = res.zero_()
+        for wa, (_, p) in zip(was, chosen):
+            v.add_(compression.decode(compression.SignPacket(numel, block, 0, p.signs, wa), out=x))
+        wsum = _wsum(was)
+        # v / W_b where W_b > 0, else v: a division by 1 is exact, so one in-place division does both.
+        _blockwise(v, torch.where(wsum > 0, wsum, torch.ones((), dtype=torch.float32)), block, "div_")
+        return was
+
+    c = len(pos)
+    sel = list(range(c))
+    was = combine(sel, t_all)
+    keep = [True] * c
+    if min_agreement is not None and c > 2:
+        # x_i != 0 exactly where w_i a_ib != 0 (a whole block); x_i > 0 where moreover its sign bit is 0.
+        cons_nz = torch.ne(res, 0).view(torch.uint8)
+        cons_neg = torch.lt(res, 0).view(torch.uint8)
+        nz_blocks = torch.zeros(len(was[0]), dtype=torch.int64)
+        nfull = numel // block
+        if nfull:
+            nz_blocks[:nfull] = cons_nz[: nfull * block].view(nfull, block).sum(dim=1, dtype=torch.int64)
+        if nfull * block < numel:
+            nz_blocks[nfull:] = cons_nz[nfull * block :].sum(dtype=torch.int64)
+        unpack = _bit_unpack()
+        bits = torch.empty((numel + 7) // 8 * 8, dtype=torch.uint8)
+        mism = torch.empty(numel, dtype=torch.uint8)
+        n_both, n_agree = [], []
+        for wa, (_, p) in zip(was, pos):
+            votes = wa != 0
+            n = int(nz_blocks[votes].sum())
+            torch.index_select(unpack, 0, p.signs.to(torch.int32), out=bits.view(-1, 8))
+            torch.bitwise_xor(bits[:numel], cons_neg, out=mism)
+            mism.bitwise_and_(cons_nz)
+            if bool(votes.all()):
+                bad = int(mism.sum(dtype=torch.int64))
+            else:
+                per = torch.zeros(len(wa), dtype=torch.int64)
+                if nfull:
+                    per[:nfull] = mism[: nfull * block].view(nfull, block).sum(dim=1, dtype=torch.int64)
+                if nfull * block < numel:
+                    per[nfull:] = mism[nfull * block :].sum(dtype=torch.int64)
+                bad = int(per[votes].sum())
+            n_both.append(n)
+            n_agree.append(n - bad)
+        del bits, mism, cons_nz, cons_neg
+        keep = _keep_mask(n_both, n_agree, min_agreement)
+        if not all(keep) and any(keep):
+            sel = [i for i in range(c) if keep[i]]
+            combine(sel, min(t_all, _median_int([pos[i][0] for i in sel])))
+        else:
+            keep = [True] * c
+    m_all = median_active(torch.stack([p.scales for _, p in pos]))
+    med = m_all if all(keep) else torch.minimum(m_all, median_active(torch.stack([pos[i][1].scales for i in sel])))
+    if rule == "vote":
+        torch.sign(res, out=res)
+    _blockwise(res, med, block, "mul_")
+    return keep
+
+
+def _robust_sign(
+    items: Sequence[tuple[int, Any]],
+    numel: int,
+    rule: str,
+    weight_cap: Optional[float],
+    min_agreement: Optional[float],
+    dropped: Optional[list] = None,
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """``vote`` / ``meanmed`` over sign packets (tokens capped by the plan), in the given order.
+
+    1. Items with 0 tokens are left out. Over the C others: ``T`` = median token count, ``M_b`` = median
+       of the positive block scales (:func:`median_active`; a zero block abstains). A minority cannot
+       move either beyond the honest range.
+    2. Weights ``n'_i = min(n_i, weight_cap x T)`` (integers); ``w_i = fp32(n'_i / sum n')``.
+       ``v = sum_i w_i * a_ib * sign_i`` accumulated in order (exact ``+-w_i`` terms, one rounding per
+       addition), where ``a_ib = 0`` if the item's scale in block b is 0 (a zero contribution abstains),
+       then divided by ``W_b = sum_i w_i * a_ib`` (same order): the mean over the items that vote there.
+    3. Agreement filter (``min_agreement``, C > 2): an item whose signs match ``sign(v)`` on fewer than
+       ``min_agreement`` of the elements where both are non-zero (integer counts: exact) is dropped and
+       step 2 runs again over the kept ones, with ``T = min(T, median of the kept)``. Honest pseudo-
+       gradients of one round agree with each other (> 0.5); a flipped one is anti-correlated. If every
+       item would be dropped, none is.
+    4. Magnitude ``m_b = min(M_b, median of the kept items' scales)``: ``vote`` -> ``sign(v) * m_b`` (ties
+       give 0); ``meanmed`` -> ``v * m_b``. So ``|out| <= M_b``: bounded by the honest scales whenever the
+       honest items are a strict majority, whatever the rest send.
+
+    ``out``: optional contiguous fp32 tensor [numel] written in place (and returned). The bits are those of
+    the first implementation (see the comment above ``_TABLE_MAX_ITEMS``).
+    """
+    if out is None:
+        res = torch.empty(numel, dtype=torch.float32)
+    else:
+        if out.dtype != torch.float32 or out.numel() != numel or not out.is_contiguous():
+            raise ValueError(f"out must be a contiguous fp32 tensor of {numel} elements")
+        res = out.view(-1)
+    pos = [(int(n), p) for n, p in items if int(n) > 0]
+    if not pos:
+        res.zero_()
+        return res if out is None else out
+    block = pos[0][1].block_size
+    for _, p in pos:
+        if p.numel != numel or p.block_size != block:
+            raise ValueError(f"every packet must hold {numel} elements in blocks of {block}")
+    t_all = _median_int([n for n, _ in pos])
+    table = len(pos) <= _TABLE_MAX_ITEMS and numel > 0 and sys.byteorder == "little"
+    keep = (_table_path if table else _stream_path)(pos, numel, block, rule, weight_cap, min_agreement, t_all, res)
+    if not all(keep) and dropped is not None:
+        gone = {id(p) for (_, p), k in zip(pos, keep) if not k}
+        dropped.extend(i for i, (_, p) in enumerate(items) if id(p) in gone)
+    return res if out is None else out
+
+
+def aggregate_part(
+    items: Sequence[tuple[int, Any]],
+    numel: int,
+    *,
+    rule: str = "vote",
+    encoding: str = "sign",
+    clip_k: Optional[float] = 4.0,
+    weight_cap: Optional[float] = 1.0,
+    min_agreement: Optional[float] = 0.5,
+    dropped: Optional[list] = None,
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """The aggregate of one part under ``rule``: what every peer applies for that range.
+
+    Args:
+        items: ``(tokens, packet)`` in the fixed order (ascending raw PeerID); ``tokens`` already capped
+            by the plan. Packets: :class:`compression.SignPacket` [numel] (``encoding="sign"``) or fp32
+            tensors [numel] (``"fp32"``).
+        numel: elements of the part.
+        rule: one of :data:`RULES`. Robust rules need sign packets; with fp32 packets they fall back to
+            the bounded-weight mean (the fp32 baselines are not Byzantine-robust: docs/security.md).
+        clip_k: scale clipping of the ``mean`` rule (None = off).
+        weight_cap: bound on each weight as a multiple of the median weight (None = off); applied by
+            every rule.
+        min_agreement: robust rules: the agreement filter's threshold (None = off).
+        dropped: if a list is given, the indices (into ``items``) of the items the agreement filter
+            dropped are appended to it (the same on every peer: the collective leaves them out of the
+            part's contributors, so a peer dropped in every part counts as having delivered nothing).
+        out: optional contiguous fp32 tensor [numel] the result is written into (see
+            :func:`token_weighted_mean`).
+
+    Returns:
+        fp32 tensor [numel] (``out`` if given; zeros when no item has weight).
+
+    Raises:
+        ValueError: an unknown rule.
+    """
+    if rule not in RULES:
+        raise ValueError(f"aggregation rule must be one of {RULES}, got {rule!r}")
+    if rule == "mean" or encoding == "fp32":
+        weights = bounded_weights([n for n, _ in items], weight_cap)
+        return token_weighted_mean(
+            [(w, p) for w, (_, p) in zip(weights, items)], numel, clip_k=clip_k, encoding=encoding, out=out
+        )
+    return _robust_sign(items, numel, rule, weight_cap, min_agreement, dropped, out)

@@ -1,0 +1,1163 @@
+"""gRPC transport: an asyncio server that bounds and verifies every request, and a channel cache.
+
+Every RPC in GeoMesh-P2P carries one :class:`~geomesh_p2p.wire.envelope_pb2.SignedMessage` each way
+(a stream of them for state download). The server verifies the request envelope (signature, run,
+skew, replay, size, allow-list; see ``identity.Verifier``) before the handler runs; a refusal is a
+specific gRPC status with a reason, logged once per caller address and reason, and the server keeps
+serving. Replies are signed by the server and verified by the client.
+
+Bounded resources (server side; see :class:`TransportConfig` and :class:`_Guard`):
+
+* size: every method has a payload limit; the server-wide ``grpc.max_receive_message_length`` is
+  the largest of them (plus the envelope), so a node that serves only small methods (a bootstrap:
+  DHT and link probe) refuses anything bigger from the 5-byte length prefix, before receiving it;
+  a request over its own method's limit is refused from its length before it is parsed or verified
+  (limits can be lowered while serving: :meth:`Transport.set_payload_limit`);
+* requests are received one at a time per remote IP and size class (and a few at a time in all); the
+  others wait, at ~64 KiB of flow-control window each, in a bounded queue where connections that
+  already delivered a valid request go first; a request over 1 MiB keeps its slot until its handler
+  returns; a connection that sent an oversized request is refused for a while; the payload is sliced
+  out once (not copied by protobuf on every read) and a big one is verified off the event loop;
+* concurrent calls per method class in total and per verified sender;
+* connections: in total (``grpc.max_allowed_incoming_connections``), streams per connection,
+  handshake timeout, idle timeout and maximum age.
+
+Limits both ways (default 128 MiB), a deadline on every call (default 10 s), keepalive pings,
+optional TLS. ``added_latency_s`` delays each outgoing call, to emulate WAN latency where netem is
+unavailable (DESIGN.md, "Measuring"). A client-cancelled call (unary or streaming) ends quietly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import functools
+import logging
+import resource
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import AsyncGenerator, AsyncIterator, Awaitable, Callable, Dict, Optional, Tuple
+
+import grpc
+import grpc.aio
+
+from geomesh_p2p.net.addr import AddressError, format_address
+from geomesh_p2p.util.aio import create_unscoped_task
+from geomesh_p2p.util.errors import UserFacingError
+from geomesh_p2p.net import identity as identity_mod
+from geomesh_p2p.net.identity import EnvelopeError, Identity, PeerID, Verified, Verifier
+from geomesh_p2p.telemetry.logonce import LogOnce
+from geomesh_p2p.wire import envelope_pb2
+from geomesh_p2p.wire.varint import read_varint, skip_value, varint
+
+log = logging.getLogger(__name__)
+
+SignedMessage = envelope_pb2.SignedMessage
+
+# Full method names, as in geomesh_p2p/wire/envelope.proto.
+DHT_PING = "/geomesh.wire.Dht/Ping"
+DHT_STORE = "/geomesh.wire.Dht/Store"
+DHT_FIND = "/geomesh.wire.Dht/Find"
+COLLECTIVE_PUSH = "/geomesh.wire.Collective/PushPart"
+COLLECTIVE_PULL = "/geomesh.wire.Collective/PullPart"
+STATE_GET = "/geomesh.wire.State/GetState"
+STATE_STATUS = "/geomesh.wire.State/Status"
+LINK_PROBE = "/geomesh.wire.Link/Probe"
+STATE_UPDATE = "/geomesh.wire.State/GetUpdate"
+
+#: Connection lanes. Calls that move bulk data (pseudo-gradient parts, the state, outer updates, link
+#: probes) go over their own connection to a peer, the control calls (DHT, status) over another. Why: on a
+#: slow uplink one connection's kernel send buffer holds seconds of queued part bytes, and a DHT store
+#: queued behind them arrived after its record expired (a real-process DiLoCo run at 5-7 Mbit/s: peers
+#: announced as dead, planned out every round). A second TCP connection shares the link fairly instead.
+CONTROL_LANE, BULK_LANE = "control", "bulk"
+BULK_METHODS = frozenset({COLLECTIVE_PUSH, COLLECTIVE_PULL, STATE_GET, STATE_UPDATE, LINK_PROBE})
+
+
+def lane_of(method: str) -> str:
+    """The connection lane of ``method``: :data:`BULK_LANE` for :data:`BULK_METHODS`, else :data:`CONTROL_LANE`."""
+    return BULK_LANE if method in BULK_METHODS else CONTROL_LANE
+
+
+DEFAULT_MAX_MESSAGE_BYTES = 128 << 20
+RESPONSE_SUFFIX = "+resp"
+# Bytes a SignedMessage adds to its payload: keys, signature, hashes, nonce, run id, kind, round,
+# timestamp and protobuf tags (~250 bytes with a short run id); generous, so a payload at its
+# method's limit always fits.
+ENVELOPE_OVERHEAD = 4096
+
+# Payload limits of methods registered without one (their requests are small, their replies are not).
+DEFAULT_PAYLOAD_LIMITS: Dict[str, int] = {
+    COLLECTIVE_PULL: 4 << 10,
+    STATE_GET: 1 << 10,
+    STATE_STATUS: 1 << 10,
+}
+
+# Method classes for the concurrent-call caps (class "other": any method not listed).
+METHOD_CLASS: Dict[str, str] = {
+    DHT_PING: "dht",
+    DHT_STORE: "dht",
+    DHT_FIND: "dht",
+    COLLECTIVE_PUSH: "collective",
+    COLLECTIVE_PULL: "collective",
+    STATE_GET: "state",
+    STATE_STATUS: "state",
+    LINK_PROBE: "probe",
+}
+# (calls in progress in total, calls in progress per verified sender), per class. Collective pulls are
+# long polls (CollectiveService holds at most 256); a state download is one stream per donor piece.
+DEFAULT_CALL_LIMITS: Dict[str, Tuple[int, int]] = {
+    "dht": (512, 32),
+    "collective": (1024, 128),
+    "state": (32, 8),
+    "probe": (16, 4),
+    "other": (256, 32),
+}
+
+_current: contextvars.ContextVar[Optional[Verified]] = contextvars.ContextVar("geomesh_verified", default=None)
+
+UnaryHandler = Callable[[Verified, grpc.aio.ServicerContext], Awaitable[bytes]]
+StreamHandler = Callable[[Verified, grpc.aio.ServicerContext], AsyncIterator[bytes]]
+
+
+#: Payloads over this many bytes are hashed, signed or verified, and encoded, in a worker thread
+#: (issue 13): SHA-256 of 1 MiB takes ~1 ms; of a 100 MiB part, ~0.1-0.5 s of a stalled loop.
+BIG_PAYLOAD_BYTES = 1 << 20
+
+
+class _Request:
+    """A request SignedMessage split by :func:`_split_request`: ``envelope`` parsed by protobuf (it is
+    small), ``payload`` one ``bytes`` slice of the received buffer. It offers what
+    ``identity.Verifier.verify`` reads (``HasField``, ``envelope``, ``payload``) and ``ByteSize``."""
+
+    __slots__ = ("envelope", "payload", "_size")
+
+    def __init__(self, envelope, payload: bytes, size: int):
+        self.envelope, self.payload, self._size = envelope, payload, size
+
+    def HasField(self, name: str) -> bool:  # noqa: N802  (protobuf's name)
+        return name == "envelope" and self.envelope is not None
+
+    def ByteSize(self) -> int:  # noqa: N802
+        return self._size
+
+
+def _split_request(data: bytes):
+    """Parse a SignedMessage without protobuf's copy of its payload: with upb, every read of
+    ``msg.payload`` returns a fresh copy (a 100 MiB payload: ~0.5 s and 100 MiB each time, and the
+    verifier reads it three times, on the event loop). Fields 1 (envelope) and 2 (payload) at most
+    once each, unknown fields skipped; anything else is malformed and becomes an empty message."""
+    try:
+        n = len(data)
+        env_at = payload_at = None
+        i = 0
+        while i < n:
+            key, i = read_varint(data, i, n)
+            field, wire = key >> 3, key & 7
+            if wire == 2:
+                length, i = read_varint(data, i, n)
+                if i + length > n:
+                    raise ValueError("truncated field")
+                if field in (1, 2):
+                    if (env_at if field == 1 else payload_at) is not None:
+                        raise ValueError("repeated field")
+                    if field == 1:
+                        env_at = (i, i + length)
+                    else:
+                        payload_at = (i, i + length)
+                i += length
+            elif field in (1, 2):
+                raise ValueError("wrong wire type")
+            else:
+                i = skip_value(data, i, n, wire)
+            if i > n:
+                raise ValueError("truncated field")
+        envelope = envelope_pb2.Envelope.FromString(data[env_at[0] : env_at[1]]) if env_at is not None else None
+        payload = data[payload_at[0] : payload_at[1]] if payload_at is not None else b""
+        return _Request(envelope, payload, n)
+    except Exception:  # ValueError, DecodeError: not a SignedMessage
+        return SignedMessage()
+
+
+class _Oversized:
+    """What the request deserializer returns for a message over its method's limit (never parsed)."""
+
+    __slots__ = ("nbytes",)
+
+    def __init__(self, nbytes: int):
+        self.nbytes = nbytes
+
+
+def _sized_parser(max_message: Callable[[], int]) -> Callable[[bytes], object]:
+    """A request deserializer that refuses, from its length alone, a message over ``max_message()``
+    bytes: it is neither parsed (a protobuf copy) nor hashed and signature-checked."""
+
+    def parse(data: bytes):
+        if len(data) > max_message():
+            return _Oversized(len(data))
+        return _split_request(data)
+
+    return parse
+
+
+def peer_ip(peer: str) -> str:
+    """The remote IP of a gRPC ``context.peer()`` string ("ipv4:1.2.3.4:5", "ipv6:[::1]:5"); the
+    string itself when it has no port (e.g. "unix:...")."""
+    kind, _, rest = peer.partition(":")
+    if kind in ("ipv4", "ipv6") and rest:
+        host = rest.rsplit(":", 1)[0]
+        return host.strip("[]")
+    return peer
+
+
+def current_request() -> Verified:
+    """The verified request of the RPC being handled (set before its handler runs). RuntimeError outside one."""
+    v = _current.get()
+    if v is None:
+        raise RuntimeError("no verified request in this context")
+    return v
+
+
+class TlsError(UserFacingError, ValueError):
+    """A TLS file (``--tls-cert/--tls-key/--tls-ca``) is missing, unreadable or not what it should be; the
+    message names the flag and the file."""
+
+
+@dataclass
+class TlsConfig:
+    """TLS of every gRPC connection (``--tls-cert``, ``--tls-key``, ``--tls-ca``): PEM file paths.
+
+    * Server: ``cert_file`` + ``key_file`` (its certificate chain and private key). With ``ca_file`` too,
+      the server requires each caller to present a certificate signed by that CA (mutual TLS).
+    * Client: ``ca_file``, the root the servers' certificates must chain to (None: the system roots);
+      ``cert_file`` + ``key_file``, when given, are presented to servers that ask for one.
+
+    A certificate must name the address others dial (an IP SAN such as 127.0.0.1, or the DNS name).
+    TLS authenticates and encrypts the connection; who sent a message is still the Ed25519 envelope
+    (``identity.Verifier``), checked on every request and reply as without TLS.
+    """
+
+    cert_file: Optional[str] = None
+    key_file: Optional[str] = None
+    ca_file: Optional[str] = None
+    _pem: Dict[str, bytes] = field(default_factory=dict, repr=False, compare=False)
+
+    def check(self) -> "TlsConfig":
+        """Read and validate the files once (blocking file I/O; call it at start-up). Returns ``self``.
+
+        Raises:
+            TlsError: a key without a certificate or the reverse; a file missing or unreadable; a file that
+                holds no PEM certificate (cert, CA) or private key (key); a key that does not belong to the
+                certificate. The message names the flag and the file.
+        """
+        if (self.cert_file is None) != (self.key_file is None):
+            raise TlsError("--tls-cert and --tls-key go together (the server's certificate and its private key)")
+        if not (self.cert_file or self.ca_file):
+            raise TlsError("TLS needs --tls-cert/--tls-key (a server), --tls-ca (a client), or all three")
+        from cryptography import x509
+        from cryptography.hazmat.primitives import serialization
+
+        certs = {}
+        for flag, path, what in (
+            ("--tls-cert", self.cert_file, "cert"),
+            ("--tls-ca", self.ca_file, "cert"),
+            ("--tls-key", self.key_file, "key"),
+        ):
+            if path is None:
+                continue
+            try:
+                with open(path, "rb") as f:
+                    data = f.read()
+            except OSError as e:
+                raise TlsError(f"{flag} {path}: cannot read it ({e.strerror or e})") from None
+            try:
+                if what == "cert":
+                    certs[flag] = x509.load_pem_x509_certificates(data)[0]
+                else:
+                    key = serialization.load_pem_private_key(data, password=None)
+            except (ValueError, TypeError) as e:
+                kind = "a PEM certificate" if what == "cert" else "an unencrypted PEM private key"
+                raise TlsError(f"{flag} {path}: not {kind} ({str(e).splitlines()[0] if str(e) else e})") from None
+            self._pem[flag] = data
+        if self.cert_file is not None:
+            pub = serialization.PublicFormat.SubjectPublicKeyInfo
+            enc = serialization.Encoding.DER
+            if key.public_key().public_bytes(enc, pub) != certs["--tls-cert"].public_key().public_bytes(enc, pub):
+                raise TlsError(f"--tls-key {self.key_file} is not the private key of --tls-cert {self.cert_file}")
+        return self
+
+    def _bytes(self, flag: str) -> Optional[bytes]:
+        if not self._pem:
+            self.check()
+        return self._pem.get(flag)
+
+    def server_credentials(self) -> grpc.ServerCredentials:
+        """Server credentials: ``key_file`` + ``cert_file``; callers must present a certificate signed by
+        ``ca_file`` when it is set. Raises TlsError (see :meth:`check`) or when no certificate is set."""
+        if self.cert_file is None:
+            raise TlsError("a TLS server needs --tls-cert and --tls-key (or run it --client-only)")
+        ca = self._bytes("--tls-ca")
+        return grpc.ssl_server_credentials(
+            [(self._bytes("--tls-key"), self._bytes("--tls-cert"))],
+            root_certificates=ca,
+            require_client_auth=ca is not None,
+        )
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        """Client credentials: servers are checked against ``ca_file`` (None: the system roots); this node's
+        certificate and key, when set, answer a server's request for one. Raises TlsError (:meth:`check`)."""
+        return grpc.ssl_channel_credentials(
+            root_certificates=self._bytes("--tls-ca"),
+            private_key=self._bytes("--tls-key"),
+            certificate_chain=self._bytes("--tls-cert"),
+        )
+
+
+def tls_from_flags(cert: Optional[str], key: Optional[str], ca: Optional[str]) -> Optional[TlsConfig]:
+    """The checked :class:`TlsConfig` of ``--tls-cert/--tls-key/--tls-ca`` (None when none is given: plaintext).
+    Blocking file reads (call it at start-up, off the event loop). Raises TlsError naming the flag and file."""
+    if not (cert or key or ca):
+        return None
+    return TlsConfig(cert or None, key or None, ca or None).check()
+
+
+@dataclass
+class TransportConfig:
+    """Transport settings. Units: bytes, seconds."""
+
+    host: str = "127.0.0.1"
+    port: int = 0  # 0 = pick a free port
+    advertise_host: Optional[str] = None  # what others dial; defaults to host
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    default_timeout_s: float = 10.0
+    keepalive_s: float = 20.0
+    # The skew window also covers the time a large message spends in flight (a 25 MB part over a slow
+    # uplink takes tens of seconds), so it is wider than clock skew alone needs.
+    max_skew_s: float = 120.0
+    added_latency_s: float = 0.0
+    tls: Optional[TlsConfig] = None
+    client_only: bool = False
+    max_channels: int = 1024  # client channels kept open (least recently used closed first)
+    # ---- server-side resource bounds (see the module docstring) ----
+    # Connections: in total (also at most half the process's file-descriptor limit), streams per
+    # connection, seconds to finish the HTTP/2 handshake, idle seconds before a connection is closed,
+    # maximum age (then ``connection_age_grace_s`` for the calls in flight).
+    max_connections: int = 1024
+    max_streams_per_connection: int = 256
+    handshake_timeout_s: float = 10.0
+    connection_idle_s: float = 300.0
+    connection_age_s: float = 3600.0
+    connection_age_grace_s: float = 300.0
+    # Calls in progress on the server, all methods (gRPC answers RESOURCE_EXHAUSTED beyond).
+    max_concurrent_rpcs: int = 4096
+    # Requests being received at once (each may hold up to the server-wide limit in memory, twice,
+    # while it is read; see _Guard), per remote IP and in all, per class (small: max_reads, bulk: half,
+    # large: a quarter), and requests waiting to be received (~64 KiB each), per IP and in all.
+    max_reads_per_ip: int = 1
+    max_reads: int = 8
+    max_waiting_per_ip: int = 256
+    max_waiting: int = 2048
+    # A connection that sent a request over its method's limit is refused for this long.
+    oversize_penalty_s: float = 30.0
+    # {method class: (calls in total, calls per verified sender)}; missing classes use DEFAULT_CALL_LIMITS.
+    call_limits: Dict[str, Tuple[int, int]] = field(default_factory=dict)
+    # HTTP/2 BDP probing on the server grows every stream's receive window to the link's
+    # bandwidth-delay product (~16 MB per stream on loopback), so each request waiting for its turn
+    # would hold that much; off, a waiting request holds 64 KiB and a request being read gets a
+    # window sized to its message.
+    server_bdp_probe: bool = False
+
+
+@dataclass
+class TrafficStats:
+    """Bytes of serialized SignedMessages sent and received by this node (requests and replies)."""
+
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    calls: int = 0
+    rejected: int = 0
+    by_method: dict = field(default_factory=dict)
+
+    def add(self, method: str, sent: int, received: int) -> None:
+        self.bytes_sent += sent
+        self.bytes_received += received
+        s, r = self.by_method.get(method, (0, 0))
+        self.by_method[method] = (s + sent, r + received)
+
+    def snapshot(self) -> tuple[int, int]:
+        return self.bytes_sent, self.bytes_received
+
+
+# What grpc.aio raises from ``context.write`` when the call's stream is gone (the caller's process ended or
+# its connection was reset); uncaught, gRPC logged it as an ERROR with a traceback for every such stream.
+try:
+    from grpc._cython.cygrpc import ExecuteBatchError as _ExecuteBatchError
+
+    _WRITE_FAILED: tuple[type[BaseException], ...] = (_ExecuteBatchError,)
+except ImportError:  # another grpcio layout: nothing special to catch
+    _WRITE_FAILED = ()
+
+# Methods whose call may be sent twice with no other effect than once (a read, a probe, or a store/push
+# the server keeps once per sender): the transport redials and retries them once after a lost connection.
+IDEMPOTENT_METHODS = frozenset({DHT_PING, DHT_STORE, DHT_FIND, COLLECTIVE_PULL, STATE_GET, STATE_STATUS, LINK_PROBE})
+
+# gRPC core's wording (the status details) for a connection that could not be made or was lost, as
+# opposed to a server that answered UNAVAILABLE itself ("round N is not open on this node yet").
+_CONNECTION_LOST = (
+    "failed to connect",
+    "connection refused",
+    "connect failed",
+    "socket closed",
+    "connection reset",
+    "broken pipe",
+    "endpoint closing",
+    "no route to host",
+    "dns resolution failed",
+)
+
+
+def connection_failed(code: grpc.StatusCode, details: str) -> bool:
+    """True when a call failed with UNAVAILABLE because no connection to the peer could be made or kept
+    (refused, reset, unresolvable), rather than by the peer's own UNAVAILABLE answer."""
+    if code != grpc.StatusCode.UNAVAILABLE:
+        return False
+    d = (details or "").lower()
+    return any(w in d for w in _CONNECTION_LOST)
+
+
+class RpcError(Exception):
+    """An outgoing call failed: the peer refused it (``code`` + ``reason``), timed out, or is unreachable.
+
+    ``unreachable``: the call failed because no connection could be made or kept, after the transport's
+    one redial (:meth:`Transport.call`): the peer's process is gone or not listening there; a caller
+    waiting on this peer for a deadline can stop at once (issue 14 #10)."""
+
+    def __init__(self, address: str, method: str, code: grpc.StatusCode, reason: str, unreachable: bool = False):
+        super().__init__(f"{method} to {address} failed: {code.name}: {reason}")
+        self.address, self.method, self.code, self.reason = address, method, code, reason
+        self.unreachable = unreachable
+
+
+def _count_down(counts: dict, key) -> None:
+    """Decrement ``counts[key]`` (KeyError when absent), deleting the key at 0 so that the per-IP and
+    per-sender tables hold only the keys with something in progress (they stay bounded)."""
+    n = counts[key] - 1
+    if n:
+        counts[key] = n
+    else:
+        del counts[key]
+
+
+class _Pool:
+    """Read slots of one size class: at most ``per_ip`` per remote IP and ``total`` in all; waiters
+    in two FIFO lanes, connections with a good record first."""
+
+    def __init__(self, name: str, per_ip: int, total: int):
+        self.name, self.per_ip, self.total = name, max(1, int(per_ip)), max(1, int(total))
+        self.reading = 0
+        self.by_ip: Dict[str, int] = {}
+        self.fast: "OrderedDict[object, tuple[str, asyncio.Future]]" = OrderedDict()
+        self.queue: "OrderedDict[object, tuple[str, asyncio.Future]]" = OrderedDict()
+
+    def waits(self, ip: str, fast: bool) -> bool:
+        """Whether a request of ``ip`` waits in this lane or ahead of it."""
+        lanes = (self.fast,) if fast else (self.fast, self.queue)
+        return any(q_ip == ip for lane in lanes for q_ip, _ in lane.values())
+
+    def free_for(self, ip: str) -> bool:
+        return self.reading < self.total and self.by_ip.get(ip, 0) < self.per_ip
+
+    def take(self, ip: str) -> None:
+        self.reading += 1
+        self.by_ip[ip] = self.by_ip.get(ip, 0) + 1
+
+    def give(self, ip: str) -> None:
+        self.reading -= 1
+        _count_down(self.by_ip, ip)
+
+
+class _Guard:
+    """Admission of requests on one server: who may be read now, who waits, who is refused.
+
+    What gRPC (C core, chttp2) holds before this code runs: the call's headers and, per stream, at most
+    its HTTP/2 receive window of request data (64 KiB with BDP probing off, see
+    ``TransportConfig.server_bdp_probe``; the sender blocks on flow control beyond it). A request over
+    the server-wide ``grpc.max_receive_message_length`` is refused by the core from its 5-byte length
+    prefix, without receiving it. Once a handler asks for the message (``context.read()``), the core
+    opens the window and buffers the whole message (up to that server-wide limit), then copies it into
+    a Python ``bytes`` object for the deserializer: so a request to a method with a small limit can
+    still cost up to the server-wide limit, twice over, while it is read. Hence:
+
+    * reads take a slot of their method's class: "bulk" for :data:`BULK_METHODS` (PushPart, PullPart,
+      the state, outer updates, link probes), else by payload limit "small" (up to 1 MiB, e.g. DHT ping
+      and find) or "large" (e.g. DHT store); at most ``max_reads_per_ip`` per remote IP and ``max_reads``
+      in all per class (bulk: half of them, large: a quarter, at least 1). Control calls never wait for a
+      bulk slot: a peer's DHT store is not held up behind its own or others' part uploads (the client's
+      connection lanes alone did not help while the server queued both for one slot); the others wait holding only their flow-control window, at most
+      ``max_waiting_per_ip`` per IP and ``max_waiting`` in all (more: RESOURCE_EXHAUSTED at once),
+      in two FIFO lanes: connections that already delivered a valid signed request first (an honest
+      peer's DHT ping does not queue behind a flood of new connections from its IP);
+    * a request bigger than 1 MiB keeps its slot until its handler returns (its bytes live that
+      long), a smaller one gives it back once read;
+    * the deserializer checks the length against the method's own limit before parsing;
+      :meth:`penalize` then refuses that connection (``context.peer()``, IP and port) for
+      ``oversize_penalty_s`` seconds before reading anything more from it;
+    * :meth:`enter_call` caps calls in progress per method class in total and per verified sender.
+    """
+
+    SMALL_LIMIT = 1 << 20
+
+    def __init__(self, config: "TransportConfig"):
+        c = config
+        self.pools = {
+            "small": _Pool("small", c.max_reads_per_ip, c.max_reads),
+            "large": _Pool("large", c.max_reads_per_ip, max(1, c.max_reads // 4)),
+            "bulk": _Pool("bulk", c.max_reads_per_ip, max(1, c.max_reads // 2)),
+        }
+        self.max_waiting_per_ip, self.max_waiting = max(0, c.max_waiting_per_ip), max(0, c.max_waiting)
+        self.penalty_s = c.oversize_penalty_s
+        self.limits = {**DEFAULT_CALL_LIMITS, **c.call_limits}
+        self._waiting_by_ip: Dict[str, int] = {}
+        self._waiting = 0
+        self._penalty: "OrderedDict[str, float]" = OrderedDict()  # connection -> until (monotonic)
+        self._good: "OrderedDict[str, None]" = OrderedDict()  # connections that sent a valid request
+        self._calls: Dict[str, int] = {}
+        self._sender_calls: Dict[tuple, int] = {}
+        self.refused = 0
+
+    def pool_for(self, payload_limit: int, method: str = "") -> str:
+        """The read pool of a call: "bulk" for a bulk ``method`` (:func:`lane_of`), else "small" or
+        "large" by ``payload_limit`` (bytes)."""
+        if lane_of(method) == BULK_LANE:
+            return "bulk"
+        return "small" if payload_limit <= self.SMALL_LIMIT else "large"
+
+    # -------------------------------------------------------------- reading
+    def _refuse(self, reason: str) -> EnvelopeError:
+        self.refused += 1
+        return EnvelopeError(grpc.StatusCode.RESOURCE_EXHAUSTED, reason)
+
+    def penalize(self, peer: str) -> None:
+        self._good.pop(peer, None)
+        self._penalty[peer] = time.monotonic() + self.penalty_s
+        self._penalty.move_to_end(peer)
+        while len(self._penalty) > 8192:
+            self._penalty.popitem(last=False)
+
+    def _penalized(self, peer: str) -> Optional[float]:
+        until = self._penalty.get(peer)
+        if until is None:
+            return None
+        left = until - time.monotonic()
+        if left <= 0:
+            del self._penalty[peer]
+            return None
+        return left
+
+    def _unwait(self, ip: str) -> None:
+        self._waiting -= 1
+        _count_down(self._waiting_by_ip, ip)
+
+    def _wake(self, pool: _Pool) -> None:
+        """Start the first waiting reads (good connections first, FIFO) whose IP and the pool have a free slot."""
+        for lane in (pool.fast, pool.queue):
+            for key, (ip, fut) in list(lane.items()):
+                if pool.reading >= pool.total:
+                    return
+                if fut.done():
+                    continue
+                if pool.free_for(ip):
+                    del lane[key]
+                    self._unwait(ip)
+                    pool.take(ip)
+                    fut.set_result(None)
+
+    def mark_good(self, peer: str) -> None:
+        """``peer`` (a connection) delivered a valid signed request: its next ones wait in the first lane."""
+        self._good[peer] = None
+        self._good.move_to_end(peer)
+        while len(self._good) > 8192:
+            self._good.popitem(last=False)
+
+    async def acquire_read(self, peer: str, pool_name: str = "small") -> tuple:
+        """Wait for a read slot for a request from ``peer``; returns a ticket for :meth:`release_read`.
+        Raises EnvelopeError(RESOURCE_EXHAUSTED) when the connection is penalized or the queues are full."""
+        left = self._penalized(peer)
+        if left is not None:
+            raise self._refuse(
+                f"this connection sent a request over its method's size limit; refused for {left:.0f}s more"
+            )
+        ip = peer_ip(peer)
+        pool = self.pools[pool_name]
+        fast = peer in self._good
+        if pool.free_for(ip) and not pool.waits(ip, fast):  # nobody of this IP waits ahead of it
+            pool.take(ip)
+            return pool, ip
+        mine = self._waiting_by_ip.get(ip, 0)
+        if mine >= self.max_waiting_per_ip or self._waiting >= self.max_waiting:
+            raise self._refuse(f"too many requests waiting to be received ({mine} from {ip}, {self._waiting} in all)")
+        fut = asyncio.get_running_loop().create_future()
+        key = object()
+        lane = pool.fast if fast else pool.queue
+        lane[key] = (ip, fut)
+        self._waiting_by_ip[ip] = mine + 1
+        self._waiting += 1
+        try:
+            await fut
+        except BaseException:  # cancelled (deadline, client gone, server stop) while waiting
+            if key in lane:
+                del lane[key]
+                self._unwait(ip)
+            elif fut.done() and not fut.cancelled():  # granted just as it was cancelled: give it back
+                self.release_read((pool, ip))
+            raise
+        return pool, ip
+
+    def release_read(self, ticket: tuple) -> None:
+        pool, ip = ticket
+        pool.give(ip)
+        self._wake(pool)
+
+    # -------------------------------------------------------------- calls in progress
+    def enter_call(self, method: str, sender: PeerID) -> tuple:
+        """Count a verified call; raises EnvelopeError(RESOURCE_EXHAUSTED) over a cap. Returns the token
+        for :meth:`leave_call`."""
+        cls = METHOD_CLASS.get(method, "other")
+        total, per_sender = self.limits.get(cls, DEFAULT_CALL_LIMITS["other"])
+        key = (cls, bytes(sender))
+        mine = self._sender_calls.get(key, 0)
+        if mine >= per_sender:
+            raise self._refuse(f"{mine} {cls} calls from this sender in progress (at most {per_sender} per caller)")
+        n = self._calls.get(cls, 0)
+        if n >= total:
+            raise self._refuse(f"{n} {cls} calls in progress (at most {total} in total); try again shortly")
+        self._sender_calls[key] = mine + 1
+        self._calls[cls] = n + 1
+        return cls, key
+
+    def leave_call(self, token: tuple) -> None:
+        cls, key = token
+        self._calls[cls] -= 1
+        _count_down(self._sender_calls, key)
+
+    def snapshot(self) -> dict:
+        """Counters, for tests and benchmarks."""
+        return {
+            "reading": sum(p.reading for p in self.pools.values()),
+            "waiting": self._waiting,
+            "ips": len(set().union(*(p.by_ip for p in self.pools.values()))),
+            "calls": {k: v for k, v in self._calls.items() if v},
+            "penalized": len(self._penalty),
+            "refused": self.refused,
+        }
+
+
+class TaskOwner:
+    """Owns background asyncio tasks: every task started here is cancelled and awaited by :meth:`close`."""
+
+    def __init__(self, name: str = "node"):
+        self.name = name
+        self._tasks: set[asyncio.Task] = set()
+
+    def spawn(self, coro, name: Optional[str] = None) -> asyncio.Task:
+        task = create_unscoped_task(coro, name=name)  # owned here, not by a TaskScope it was spawned in
+        self._tasks.add(task)
+        task.add_done_callback(self._done)
+        return task
+
+    def _done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("%s: background task %s failed: %r", self.name, task.get_name(), task.exception())
+
+    async def close(self) -> None:
+        tasks = list(self._tasks)
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+        self._tasks.clear()
+
+    def __len__(self) -> int:
+        return len(self._tasks)
+
+
+class Transport:
+    """One node's gRPC endpoint: a verifying server (unless client-only) plus a signing client.
+
+    Usage::
+
+        t = Transport(identity, run_id="demo", config=TransportConfig(port=0))
+        t.add_unary(DHT_PING, handler)      # handler(verified, context) -> reply payload bytes
+        address = await t.start()           # "host:port", or None when client-only
+        reply = await t.call(other, DHT_PING, payload)   # -> Verified (the signed reply)
+        await t.stop()
+
+    Handlers return reply payload bytes; the transport signs them (kind = method + "+resp", same
+    round as the request). Raise :class:`EnvelopeError` in a handler to refuse with a status.
+    """
+
+    def __init__(
+        self,
+        identity: Identity,
+        run_id: str,
+        config: Optional[TransportConfig] = None,
+        allow: Optional[Callable[[PeerID], bool]] = None,
+    ):
+        self.identity = identity
+        self.run_id = run_id
+        self.config = config or TransportConfig()
+        self.verifier = Verifier(
+            run_id, max_skew_s=self.config.max_skew_s, max_payload_bytes=self.config.max_message_bytes, allow=allow
+        )
+        self.stats = TrafficStats()
+        self.address: Optional[str] = None
+        self._unary: dict[str, UnaryHandler] = {}
+        self._stream: dict[str, StreamHandler] = {}
+        self._payload_limits: dict[str, int] = {}
+        self._guard = _Guard(self.config)
+        # Keys (caller IP, status, reason head): a flood of bad messages is not a flood of logs.
+        self._reject_log = LogOnce(log, capacity=4096)
+        self._server: Optional[grpc.aio.Server] = None
+        # (address, lane) -> channel, least recently used first
+        self._channels: "OrderedDict[tuple[str, str], grpc.aio.Channel]" = OrderedDict()
+        self._evicted: set = set()  # evicted channels still closing
+        self.tasks = TaskOwner(f"transport {identity.peer_id.short()}")
+        self._closed = False
+
+    # ---------------------------------------------------------------- server side
+    def add_unary(self, method: str, handler: UnaryHandler, max_payload_bytes: Optional[int] = None) -> None:
+        """Serve ``method`` (full name, e.g. DHT_PING) with ``handler``; optional per-method payload limit
+        (default: DEFAULT_PAYLOAD_LIMITS for the method, else ``max_message_bytes``)."""
+        self._unary[method] = handler
+        self._set_limit(method, max_payload_bytes)
+
+    def add_stream(self, method: str, handler: StreamHandler, max_payload_bytes: Optional[int] = None) -> None:
+        """Serve a server-streaming ``method``; ``handler`` is an async generator of payload bytes."""
+        self._stream[method] = handler
+        self._set_limit(method, max_payload_bytes)
+
+    def _set_limit(self, method: str, max_payload_bytes: Optional[int]) -> None:
+        if max_payload_bytes is None:
+            max_payload_bytes = DEFAULT_PAYLOAD_LIMITS.get(method)
+        if max_payload_bytes is not None:
+            self._payload_limits[method] = int(max_payload_bytes)
+        else:
+            self._payload_limits.pop(method, None)
+
+    def set_payload_limit(self, method: str, max_payload_bytes: Optional[int]) -> None:
+        """Change ``method``'s payload limit, also while serving (e.g. the collective, once it knows the
+        largest part of a round). Checked on every request from its length before parsing; the
+        server-wide limit that gRPC applies before receiving is fixed at :meth:`start` (the largest
+        limit registered then), so raise limits before starting, lower them at any time."""
+        self._set_limit(method, max_payload_bytes)
+
+    def payload_limit(self, method: str) -> int:
+        """Largest request payload ``method`` accepts, bytes."""
+        return min(self._payload_limits.get(method, self.config.max_message_bytes), self.config.max_message_bytes)
+
+    def _request_limit(self, method: str) -> int:
+        """Largest signed request message of ``method``, bytes (payload limit + envelope), read at each
+        call so that a limit set after the handler was registered applies."""
+        return self.payload_limit(method) + ENVELOPE_OVERHEAD
+
+    def max_request_bytes(self) -> int:
+        """The server-wide ``grpc.max_receive_message_length``: the largest request any served method
+        accepts (payload limit + envelope), at most ``max_message_bytes``."""
+        methods = list(self._unary) + list(self._stream)
+        if not methods:
+            return self.config.max_message_bytes
+        return min(self.config.max_message_bytes, max(self.payload_limit(m) + ENVELOPE_OVERHEAD for m in methods))
+
+    def _options(self) -> list[tuple[str, int]]:
+        c = self.config
+        return [
+            ("grpc.max_send_message_length", c.max_message_bytes),
+            ("grpc.max_receive_message_length", c.max_message_bytes),
+            ("grpc.keepalive_time_ms", int(c.keepalive_s * 1000)),
+            ("grpc.keepalive_timeout_ms", 10_000),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.max_pings_without_data", 0),
+            ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+            ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
+        ]
+
+    def _server_options(self) -> list[tuple[str, int]]:
+        c = self.config
+        opts = dict(self._options())
+        try:  # a full fd table stops accept() for everyone: keep connections well below it
+            soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        except (ValueError, OSError):
+            soft = resource.RLIM_INFINITY
+        max_conn = c.max_connections if soft == resource.RLIM_INFINITY else min(c.max_connections, max(16, soft // 2))
+        opts.update(
+            {
+                "grpc.max_receive_message_length": self.max_request_bytes(),
+                "grpc.max_allowed_incoming_connections": int(max_conn),
+                "grpc.max_concurrent_streams": int(c.max_streams_per_connection),
+                "grpc.server_handshake_timeout_ms": int(c.handshake_timeout_s * 1000),
+                "grpc.max_connection_idle_ms": int(c.connection_idle_s * 1000),
+                "grpc.max_connection_age_ms": int(c.connection_age_s * 1000),
+                "grpc.max_connection_age_grace_ms": int(c.connection_age_grace_s * 1000),
+                "grpc.http2.bdp_probe": int(bool(c.server_bdp_probe)),
+                # No SO_REUSEPORT: a second node on a taken port must fail, not silently share its traffic.
+                "grpc.so_reuseport": 0,
+            }
+        )
+        return list(opts.items())
+
+    def _sign_encode(self, *, round: int, kind: str, payload: bytes) -> bytes:
+        """Sign ``payload`` (its SHA-256 is computed once, here) and encode the SignedMessage: the bytes
+        sent on the wire (protobuf's format, written by hand so that the payload is copied once, by the
+        join: building the message and serializing it copied it twice)."""
+        env = self.identity.sign_envelope(
+            run_id=self.run_id, round=round, kind=kind, payload_sha256=identity_mod.payload_hash(payload)
+        ).SerializeToString()
+        return b"".join((b"\x0a", varint(len(env)), env, b"\x12", varint(len(payload)), payload))
+
+    async def _signed(self, *, round: int, kind: str, payload: bytes) -> bytes:
+        """:meth:`_sign_encode`, in a worker thread for a payload over 1 MiB: hashing and encoding
+        100 MiB takes ~0.1-0.5 s, which would stall every other call on this event loop."""
+        if len(payload) > BIG_PAYLOAD_BYTES:
+            return await asyncio.to_thread(self._sign_encode, round=round, kind=kind, payload=payload)
+        return self._sign_encode(round=round, kind=kind, payload=payload)
+
+    async def _sign_reply(self, request: Verified, method: str, payload: bytes) -> bytes:
+        return await self._signed(round=request.round, kind=method + RESPONSE_SUFFIX, payload=payload)
+
+    async def _receive(self, method: str, context) -> tuple[Verified, Optional[tuple]]:
+        """Admit, read and verify the one request message of a call (see :class:`_Guard`). Returns the
+        verified request and, for a request over 1 MiB, its read slot (release it when the handler is
+        done). Raises EnvelopeError with the status to answer."""
+        guard = self._guard
+        peer = context.peer()
+        limit = self.payload_limit(method)
+        ticket = await guard.acquire_read(peer, guard.pool_for(limit, method))
+        try:
+            request = await context.read()
+            if request is grpc.aio.EOF or request is None:
+                raise EnvelopeError(grpc.StatusCode.INVALID_ARGUMENT, "call carries no request message")
+            if isinstance(request, _Oversized):
+                guard.penalize(peer)
+                self.stats.add(method, 0, request.nbytes)
+                raise EnvelopeError(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"request of {request.nbytes} bytes: payload over the limit of {limit} bytes of {method}",
+                )
+            size = request.ByteSize()
+            self.stats.add(method, 0, size)
+            if size > guard.SMALL_LIMIT:  # hashing a big payload would hold up every other call
+                verified = await asyncio.to_thread(self.verifier.verify, request, kind=method, max_payload_bytes=limit)
+            else:
+                verified = self.verifier.verify(request, kind=method, max_payload_bytes=limit)
+            del request
+        except BaseException:
+            guard.release_read(ticket)
+            raise
+        if size <= guard.SMALL_LIMIT:
+            guard.release_read(ticket)
+            return verified, None
+        return verified, ticket
+
+    async def _admit(self, method: str, context) -> tuple:
+        """(verified request, read slot or None, call token); aborts the call on a refusal.
+
+        Refusals abort *outside* the ``except`` block, with nothing big left in this frame: gRPC keeps
+        the abort exception on the call's state, whose traceback (frames and their locals) would
+        otherwise hold the request message in a reference cycle until the next garbage collection,
+        i.e. hundreds of refused requests' bytes under a flood."""
+        ticket = None
+        verified: Optional[Verified] = None
+        try:
+            verified, ticket = await self._receive(method, context)
+            token = self._guard.enter_call(method, verified.sender)
+            self._guard.mark_good(context.peer())
+            return verified, ticket, token
+        except EnvelopeError as err:
+            refusal = (err.code, err.reason)
+            self.stats.rejected += 1
+            peer = context.peer()
+            self._reject_log(
+                (peer_ip(peer), err.code, err.reason[:40]),
+                logging.WARNING,
+                "refused %s from %s: %s: %s",
+                method,
+                peer,
+                err.code.name,
+                err.reason,
+                event="call_refused",
+                peer=str(self.identity.peer_id),
+                method=method,
+                caller_address=peer,
+                code=err.code.name,
+                reason=err.reason,
+            )
+        if ticket is not None:
+            self._guard.release_read(ticket)
+        verified = None  # noqa: F841  (see the docstring)
+        await context.abort(*refusal)
+        raise AssertionError("unreachable: ServicerContext.abort raises")
+
+    def _done(self, ticket: Optional[tuple], token: tuple) -> None:
+        self._guard.leave_call(token)
+        if ticket is not None:
+            self._guard.release_read(ticket)
+
+    def _make_generic_handlers(self) -> list[grpc.GenericRpcHandler]:
+        """One handler per method. Each is registered as request-streaming, although clients make
+        ordinary unary calls (the wire is the same): the handler then runs *before* the request is
+        received, so it can queue or refuse it first (see :class:`_Guard`), and reads it itself."""
+        by_service: dict[str, dict[str, grpc.RpcMethodHandler]] = {}
+        ser = None  # replies are signed and encoded by _sign_reply (in a thread when big): bytes as they are
+
+        for method, h in self._unary.items():
+
+            async def unary(request_iterator, context, _h=h, _m=method):
+                verified, ticket, token = await self._admit(_m, context)
+                var = _current.set(verified)
+                refusal = None
+                try:
+                    payload = await _h(verified, context)
+                except EnvelopeError as err:
+                    refusal = (err.code, err.reason)
+                finally:
+                    self._done(ticket, token)
+                    _current.reset(var)  # a coroutine: same task, same context
+                if refusal is not None:  # abort outside the except block: see _admit
+                    self.stats.rejected += 1
+                    verified = payload = None
+                    await context.abort(*refusal)
+                reply = await self._sign_reply(verified, _m, payload)
+                self.stats.add(_m, len(reply), 0)
+                return reply
+
+            de = _sized_parser(functools.partial(self._request_limit, method))
+            service, name = method.rsplit("/", 1)
+            by_service.setdefault(service.lstrip("/"), {})[name] = grpc.stream_unary_rpc_method_handler(
+                unary, request_deserializer=de, response_serializer=ser
+            )
+
+        for method, sh in self._stream.items():
+
+            async def stream(request_iterator, context, _h=sh, _m=method):
+                # A coroutine that writes (not an async generator): a client's cancel arrives here as
+                # CancelledError, in this task, and the handler's generator is closed right here, in the
+                # context it ran in (an abandoned generator would be closed later by asyncio's finalizer
+                # in another task and context, which printed "Token ... created in a different Context").
+                verified, ticket, token = await self._admit(_m, context)
+                var = _current.set(verified)
+                gen = _h(verified, context)
+                refusal = None
+                try:
+                    async for payload in gen:
+                        reply = await self._sign_reply(verified, _m, payload)
+                        self.stats.add(_m, len(reply), 0)
+                        await context.write(reply)
+                except EnvelopeError as err:
+                    refusal = (err.code, err.reason)
+                except _WRITE_FAILED as err:  # the caller's connection went away mid-stream (it left)
+                    log.debug("%s: stream to %s ended by the caller's side: %r", _m, context.peer(), err)
+                finally:
+                    self._done(ticket, token)
+                    await gen.aclose()
+                    _current.reset(var)
+                if refusal is not None:
+                    self.stats.rejected += 1
+                    verified = gen = None
+                    await context.abort(*refusal)
+
+            de = _sized_parser(functools.partial(self._request_limit, method))
+            service, name = method.rsplit("/", 1)
+            by_service.setdefault(service.lstrip("/"), {})[name] = grpc.stream_stream_rpc_method_handler(
+                stream, request_deserializer=de, response_serializer=ser
+            )
+        return [grpc.method_handlers_generic_handler(s, m) for s, m in by_service.items()]
+
+    async def start(self) -> Optional[str]:
+        """Start serving (unless client-only). Returns the advertised ``host:port`` (None if client-only).
+
+        Raises OSError when the port cannot be bound.
+        """
+        c = self.config
+        if c.client_only:
+            return None
+        try:  # an IPv6 literal in brackets, or gRPC reads it as a host name
+            bind = format_address(c.host, c.port)
+            advertised_host = format_address(c.advertise_host or c.host, 1).rpartition(":")[0]
+        except AddressError as e:
+            raise OSError(f"cannot listen on {c.host}:{c.port}: {e}") from None
+        self._guard = _Guard(c)
+        self._server = grpc.aio.server(
+            options=self._server_options(), maximum_concurrent_rpcs=max(1, int(c.max_concurrent_rpcs))
+        )
+        self._server.add_generic_rpc_handlers(self._make_generic_handlers())
+        try:
+            if c.tls is not None:
+                port = self._server.add_secure_port(bind, c.tls.server_credentials())
+            else:
+                port = self._server.add_insecure_port(bind)
+        except RuntimeError:  # grpc raises RuntimeError("Failed to bind ...") for a port in use
+            port = 0
+        if port == 0:
+            self._server = None
+            raise OSError(f"cannot listen on {bind}: the port is in use or the address is not local")
+        await self._server.start()
+        self.address = f"{advertised_host}:{port}"
+        return self.address
+
+    # ---------------------------------------------------------------- client side
+    def _channel(self, address: str, lane: str = CONTROL_LANE) -> grpc.aio.Channel:
+        """The cached channel to ``address`` for ``lane`` (:func:`lane_of`: each lane is its own TCP
+        connection). At most ``max_channels`` are kept (addresses come from other nodes, e.g. the ones a
+        caller claims): the least recently used is closed, with a grace period for its calls in flight."""
+        key = (address, lane)
+        ch = self._channels.get(key)
+        if ch is None:
+            # Its own subchannels (not gRPC's process-wide pool): a channel dropped by drop_channel takes
+            # its reconnect backoff with it instead of handing it to the next channel to that address.
+            opts = self._options() + [("grpc.use_local_subchannel_pool", 1)]
+            if self.config.tls is not None:
+                ch = grpc.aio.secure_channel(address, self.config.tls.channel_credentials(), options=opts)
+            else:
+                ch = grpc.aio.insecure_channel(address, options=opts)
+            self._channels[key] = ch
+            while len(self._channels) > max(1, self.config.max_channels):
+                _, old = self._channels.popitem(last=False)
+                self._evicted.add(old)
+                task = self.tasks.spawn(old.close(grace=self.config.default_timeout_s), name="close-channel")
+                task.add_done_callback(functools.partial(self._forget_evicted, old))
+        else:
+            self._channels.move_to_end(key)
+        return ch
+
+    def drop_channel(
+        self, address: str, channel: Optional[grpc.aio.Channel] = None, lane: Optional[str] = None
+    ) -> bool:
+        """Close the cached channel to ``address`` (a grace of ``default_timeout_s`` seconds for its calls in
+        flight), so the next call dials a new connection. Why: a channel whose peer went away waits out
+        gRPC's reconnect backoff (up to minutes), failing every call at once with the old error, even
+        after a new process listens there again (a restart on the same port). With ``channel``: only if
+        that one is still the cached one (concurrent failed calls drop the dead channel once, not the new
+        one a first retry dialled). Without ``channel``: the channels of every lane to ``address``, or of
+        ``lane`` only. True when one was dropped."""
+        keys = [
+            k for k, ch in self._channels.items() if k[0] == address and channel in (None, ch) and lane in (None, k[1])
+        ]
+        for key in keys:
+            ch = self._channels.pop(key)
+            self._evicted.add(ch)
+            task = self.tasks.spawn(ch.close(grace=self.config.default_timeout_s), name="close-channel")
+            task.add_done_callback(functools.partial(self._forget_evicted, ch))
+        return bool(keys)
+
+    def _forget_evicted(self, channel: grpc.aio.Channel, task: asyncio.Task) -> None:
+        """Done callback of an evicted channel's close: it is no longer closed at :meth:`stop`, unless the
+        close was cancelled (stop cancels the tasks first, during a close's grace period): then stop still
+        closes it (review: it was left to the garbage collector)."""
+        if not task.cancelled():
+            self._evicted.discard(channel)
+
+    async def _check_reply(self, address: str, method: str, reply) -> Verified:
+        """Verify a reply (split by :func:`_split_request`: its payload is read once, not copied by
+        protobuf); in a worker thread when it is over 1 MiB (hashing it would stall the loop)."""
+        try:
+            if reply.ByteSize() > BIG_PAYLOAD_BYTES:
+                return await asyncio.to_thread(self.verifier.verify, reply, kind=method + RESPONSE_SUFFIX)
+            return self.verifier.verify(reply, kind=method + RESPONSE_SUFFIX)
+        except EnvelopeError as err:
+            raise RpcError(address, method, err.code, f"reply refused: {err.reason}") from None
+
+    async def call(
+        self,
+        address: str,
+        method: str,
+        payload: bytes,
+        *,
+        round: int = 0,
+        timeout: Optional[float] = None,
+        idempotent: Optional[bool] = None,
+    ) -> Verified:
+        """Sign ``payload``, call ``method`` on ``address`` with a deadline (``timeout`` seconds, default
+        ``default_timeout_s``, for both tries together), verify the signed reply.
+
+        A lost connection (:func:`connection_failed`) drops the cached channel, whatever the method: a
+        peer restarted on its old port is dialled afresh instead of after gRPC's reconnect backoff. An
+        ``idempotent`` call (default: ``method`` in :data:`IDEMPOTENT_METHODS`) is then retried once at
+        once on the new connection. Only an answered call counts its bytes in :attr:`stats` (a failed
+        one may never have left this host: counting it inflated the exchange's sent bytes).
+
+        Raises RpcError (status + reason; ``unreachable`` for a lost connection) on refusal, deadline,
+        unreachable peer or a bad reply.
+        """
+        if self._closed:
+            raise RpcError(address, method, grpc.StatusCode.CANCELLED, "transport is closed")
+        request = await self._signed(round=round, kind=method, payload=payload)
+        if self.config.added_latency_s > 0:
+            await asyncio.sleep(self.config.added_latency_s)
+        retry = method in IDEMPOTENT_METHODS if idempotent is None else idempotent
+        deadline = time.monotonic() + (timeout or self.config.default_timeout_s)
+        while True:
+            channel = self._channel(address, lane_of(method))
+            mc = channel.unary_unary(method, request_serializer=None, response_deserializer=_split_request)
+            try:
+                reply = await mc(request, timeout=max(0.001, deadline - time.monotonic()))
+                break
+            except grpc.aio.AioRpcError as e:
+                lost = connection_failed(e.code(), e.details() or "")
+                if lost:
+                    self.drop_channel(address, channel)
+                if lost and retry and not self._closed and deadline - time.monotonic() > 0.001:
+                    retry = False
+                    log.debug("%s to %s: connection lost (%s); redialling once", method, address, e.details())
+                    # Signed afresh: the first try may have reached the server before the connection broke,
+                    # and the same nonce again is refused as a replay (rs9: a pull retried this way got
+                    # ALREADY_EXISTS, the reader zeroed the part and left the swarm's digest).
+                    request = await self._signed(round=round, kind=method, payload=payload)
+                    continue
+                raise RpcError(address, method, e.code(), e.details() or "", unreachable=lost) from None
+        self.stats.calls += 1
+        self.stats.add(method, len(request), reply.ByteSize())
+        return await self._check_reply(address, method, reply)
+
+    async def call_stream(
+        self, address: str, method: str, payload: bytes, *, round: int = 0, timeout: Optional[float] = None
+    ) -> AsyncGenerator[Verified, None]:
+        """Server-streaming call; yields each verified reply. Same errors as :meth:`call`."""
+        request = await self._signed(round=round, kind=method, payload=payload)
+        if self.config.added_latency_s > 0:
+            await asyncio.sleep(self.config.added_latency_s)
+        channel = self._channel(address, lane_of(method))
+        mc = channel.unary_stream(method, request_serializer=None, response_deserializer=_split_request)
+        call = mc(request, timeout=timeout or self.config.default_timeout_s)
+        answered = False  # the request's bytes count once a reply arrived (see call)
+        try:
+            async for reply in call:
+                if not answered:
+                    answered = True
+                    self.stats.add(method, len(request), 0)
+                self.stats.add(method, 0, reply.ByteSize())
+                yield await self._check_reply(address, method, reply)
+            if not answered:  # an answer with no message
+                self.stats.add(method, len(request), 0)
+        except grpc.aio.AioRpcError as e:
+            # Not retried here (replies may already have been yielded): the channel is dropped so the
+            # caller's next try dials afresh.
+            lost = connection_failed(e.code(), e.details() or "")
+            if lost:
+                self.drop_channel(address, channel)
+            raise RpcError(address, method, e.code(), e.details() or "", unreachable=lost) from None
+        finally:
+            call.cancel()
+
+    async def stop(self, grace: float = 1.0) -> None:
+        """Cancel owned tasks, stop the server (``grace`` seconds for calls in flight), close channels."""
+        self._closed = True
+        await self.tasks.close()
+        if self._server is not None:
+            await self._server.stop(grace)
+            self._server = None
+        channels, self._channels = list(self._channels.values()) + list(self._evicted), OrderedDict()
+        self._evicted = set()
+        for ch in channels:
+            await ch.close()

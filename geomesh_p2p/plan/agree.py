@@ -1,0 +1,335 @@
+"""Round lifecycle: leader election, the signed plan in the DHT, digest agreement (DESIGN.md "Round r").
+
+Leader election is rendezvous hashing: every candidate PeerID p gets the rank H(r, p) = SHA-256 of
+``"<run>/<r>/<p>"``; the lowest rank leads round r. Candidates are the members a peer sees that may
+lead (the node passes the established ones, :func:`geomesh_p2p.trust.probation.leader_candidates`: new
+identities never lead). Candidate i (0-based, in rank order) publishes its plan only after
+:func:`takeover_delay` without a plan from a better-ranked leader: ``i * plan_timeout_s`` for the
+first ``LEADER_WAIT_CANDIDATES`` (so a leader that died before publishing is replaced within one
+timeout), then only a short ``stagger_s`` more per candidate, never more than
+``(LEADER_WAIT_CANDIDATES + 1) * plan_timeout_s`` in all. So silent candidates (identities that announce
+and never lead) cost a bounded wait however many there are.
+
+Why this cannot fork an honest round: waiting less only makes *more* candidates publish, and which plan
+is followed does not depend on who published first. Every peer, candidate or not, follows
+:func:`choose_plan` over the valid plans it reads after ``settle_s``: the lowest-ranked leader's. Two
+honest leaders publishing (one took over while the other was slow) is harmless as long as every
+follower sees both before deciding; a better-ranked candidate does not publish once a worse-ranked
+plan has started (its peers are training), which is the rule that already kept late leaders from
+splitting a round. The stagger keeps the candidates past the bounded ones from all publishing at once
+(each sees the first of them and stays quiet).
+
+Several plans can exist for one round (peers that saw different member sets may each think they
+lead). Every peer follows the same deterministic rule: among the valid plans it can read, the one
+whose leader has the lowest rank wins. A peer waits ``settle_s`` after the first plan appears and
+reads again before deciding, so late-published better-ranked plans are seen too (no settle once
+``settle_s`` has passed since the plan's start time: an honest better-ranked leader does not publish
+after a plan has started, so whatever it published before is visible by then). A plan is valid
+when it is signed by its leader (the DHT record's owner), names that leader and this round.
+
+Digest agreement: after the outer step each peer publishes the digest of its global weights in its
+PeerRecord; :func:`digest_majority` finds the majority digest of a round, and a peer whose digest
+differs is flagged for re-sync.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+from collections import Counter
+from typing import Callable, Iterable, Optional, Sequence
+
+from pydantic import ValidationError
+
+from geomesh_p2p.telemetry import events
+from geomesh_p2p.net.swarm_time import swarm_time
+from geomesh_p2p.plan.planner import RoundPlan
+from geomesh_p2p.util.backoff import Backoff
+from geomesh_p2p.schema.peer import PeerRecord
+
+
+class PlanDeferred(Exception):
+    """Raised by :meth:`RoundPolicy.make_plan` when no plan can be made yet for a reason the policy has
+    already told the user (logged once per change of state, e.g. no reachable peer can own a part): the
+    caller waits and retries without logging it again (issue 14 #10: not an ERROR every few seconds)."""
+
+
+log = logging.getLogger(__name__)
+
+
+#: Better-ranked candidates a follower waits a whole ``plan_timeout_s`` for before the next takes over;
+#: past them each further candidate waits only ``stagger_s`` more (see :func:`takeover_delay`).
+LEADER_WAIT_CANDIDATES = 2
+
+
+def takeover_delay(
+    index: int, plan_timeout_s: float, stagger_s: float, wait_candidates: int = LEADER_WAIT_CANDIDATES
+) -> float:
+    """Seconds without a better-ranked plan after which the candidate at ``index`` (0 = best) publishes:
+    ``min(i, M) * T + min(max(0, i - M) * stagger_s, T)`` with ``M = wait_candidates``, ``T =
+    plan_timeout_s``; bounded by ``(M + 1) * T`` whatever the number of candidates."""
+    m = max(0, int(wait_candidates))
+    return min(index, m) * plan_timeout_s + min(max(0, index - m) * stagger_s, plan_timeout_s)
+
+
+def plan_key(run_id: str, round: int) -> str:
+    """DHT key under which the leaders of ``round`` store their plans (subkey = leader PeerID)."""
+    return f"{run_id}/plan/{round}"
+
+
+def leader_rank(run_id: str, round: int, peer_id: str) -> bytes:
+    """Rendezvous-hash rank of ``peer_id`` for ``round`` (lower leads). 32 bytes."""
+    return hashlib.sha256(f"{run_id}/{round}/{peer_id}".encode()).digest()
+
+
+def leader_order(run_id: str, round: int, peer_ids: Iterable[str]) -> list[str]:
+    """Candidates for leading ``round``, best first (deterministic for the same set)."""
+    return sorted(set(peer_ids), key=lambda p: leader_rank(run_id, round, p))
+
+
+def choose_plan(run_id: str, round: int, plans: Sequence[RoundPlan]) -> Optional[RoundPlan]:
+    """The plan every peer follows for ``round``: the one whose leader ranks lowest. None if no plan."""
+    valid = [p for p in plans if p.round == round and p.run_id == run_id]
+    if not valid:
+        return None
+    return min(valid, key=lambda p: leader_rank(run_id, round, p.leader))
+
+
+def digest_majority(records: Iterable[PeerRecord], round: int) -> tuple[Optional[str], int, int]:
+    """Majority weights digest among records announced at ``round``.
+
+    Returns (digest or None, votes for it, records counted). Ties break on the digest string so
+    every peer picks the same one.
+    """
+    votes = Counter(r.weights_digest for r in records if r.round == round and r.weights_digest)
+    if not votes:
+        return None, 0, 0
+    digest, n = max(votes.items(), key=lambda kv: (kv[1], kv[0]))
+    return digest, n, sum(votes.values())
+
+
+class PlanStore:
+    """Reads and writes signed plans in the DHT (the DHT record owner is the plan's leader)."""
+
+    def __init__(self, dht, identity, run_id: str, ttl_s: float = 120.0, stale_after_s: float = 30.0):
+        self.dht, self.identity, self.run_id, self.ttl_s = dht, identity, run_id, ttl_s
+        self.stale_after_s = stale_after_s
+        self._refused: set = set()
+
+    async def publish(self, plan: RoundPlan) -> bool:
+        me = str(self.identity.peer_id)
+        return await self.dht.store(
+            plan_key(self.run_id, plan.round),
+            plan.to_bytes(),
+            expiration_time=swarm_time() + self.ttl_s,
+            subkey=me,
+            owner=self.identity,
+        )
+
+    async def read(
+        self,
+        round: int,
+        accept: Optional[Callable[[RoundPlan], Optional[str]]] = None,
+        seen: Optional[set] = None,
+    ) -> list[RoundPlan]:
+        """Valid plans for ``round``: parsed, for this run and round, signed by the leader they name,
+        and passing ``accept`` (a check returning a reason to refuse, or None). ``seen``, when given,
+        receives the leader of every signed, current plan of the round, refused ones included."""
+        found = await self.dht.get(plan_key(self.run_id, round))
+        plans = []
+        for subkey, entry in (found or {}).items():
+            value, _expiration, owner = entry
+            try:
+                plan = RoundPlan.from_bytes(value)
+            except (ValidationError, ValueError) as e:
+                log.warning("ignoring malformed plan for round %d from %s: %s", round, subkey, str(e)[:120])
+                continue
+            if owner is None or str(owner) != plan.leader or subkey != plan.leader:
+                log.warning("ignoring plan for round %d: leader %s did not sign it", round, plan.leader[:10])
+                continue
+            if plan.round != round or plan.run_id != self.run_id:
+                log.warning(
+                    "ignoring plan stored for round %d that says run %s round %d", round, plan.run_id, plan.round
+                )
+                continue
+            if plan.exchange_deadline + self.stale_after_s < swarm_time():
+                continue  # a finished round of an earlier swarm (e.g. before a restart): not ours to follow
+            if seen is not None:
+                seen.add(plan.leader)
+            reason = accept(plan) if accept is not None else None
+            if reason is not None:
+                key = (round, plan.leader, reason)
+                if key not in self._refused:
+                    self._refused.add(key)
+                    events.emit(
+                        log,
+                        logging.WARNING,
+                        "plan_refused",
+                        "refusing the plan of round %d from %s: %s",
+                        round,
+                        plan.leader[:10],
+                        reason,
+                        peer=str(self.identity.peer_id),
+                        round=round,
+                        leader=plan.leader,
+                        reason=reason,
+                    )
+                continue
+            plans.append(plan)
+        return plans
+
+
+async def obtain_plan(
+    store: PlanStore,
+    round: int,
+    members: Sequence[PeerRecord],
+    make_plan: Callable[[Sequence[PeerRecord], str], RoundPlan],
+    *,
+    plan_timeout_s: float = 5.0,
+    settle_s: float = 0.5,
+    poll_s: float = 1.0,
+    give_up_s: Optional[float] = None,
+    accept: Optional[Callable[[RoundPlan], Optional[str]]] = None,
+    candidates: Optional[Sequence[str]] = None,
+    stagger_s: Optional[float] = None,
+    wait_candidates: int = LEADER_WAIT_CANDIDATES,
+    provisional: Optional[Callable[[RoundPlan], None]] = None,
+    last_resort: Sequence[str] = (),
+) -> Optional[RoundPlan]:
+    """Agree on the plan of ``round``: publish one if this peer's turn as leader comes, follow the best.
+
+        ``members`` is this peer's view of the live, in-sync peers (itself included); ``make_plan(members,
+        leader)`` computes a plan. ``candidates``: the PeerIDs that may lead (default: every member); a peer
+        that is not one never publishes. Candidate i publishes after :func:`takeover_delay` (``stagger_s``
+        defaults to ``settle_s``). Returns None when no plan appeared within ``give_up_s`` (default: the
+        last candidate's delay + 2 * plan_timeout_s). DHT reads back off from 50 ms to ``poll_s`` (x1.5),
+    restarting when the plans seen change and at each candidate's take-over instant. ``accept(plan)`` returns a reason to refuse a plan (a
+        rogue or broken leader's), or None; refused plans are ignored as if absent.
+
+        ``provisional(plan)`` (issue 17), when given, is called once with the best plan seen just before the
+        settle wait starts: the plan that is returned unless a better-ranked one shows up during the settle.
+        The caller may start the round on it at once (the driver trains on it, and throws those steps away
+        if the returned plan differs), so the settle costs no compute; which plan is followed is unchanged.
+
+        ``last_resort``: PeerIDs that are no candidates but publish when every candidate's turn has passed
+        with no plan at all: ranked after the candidates (by :func:`leader_order` among themselves), the
+        first one ``plan_timeout_s`` after the last candidate's turn, then ``stagger_s`` apart. One never
+        publishes once a plan of the round from one of ``members`` was read, even one it refuses (a leader it
+        does not accept is there: its own plan would split the round).
+        The driver names this peer so after a whole attempt without a plan (docs/round.md, "Leader
+        election when nobody leads"): views that differ must not leave every member deferring to another.
+    """
+    me = str(store.identity.peer_id)
+    member_ids = {m.peer_id for m in members}
+    pool = [m.peer_id for m in members] if candidates is None else list(candidates)
+    order = leader_order(store.run_id, round, pool)
+    n_regular = len(order)
+    # Last resorts are ranked among themselves over the whole list, candidates of this view included: the
+    # views differ (rs7: each peer's only candidate was the other), and each last resort must get the same
+    # rank in every view for the stagger to hold.
+    lr_order = leader_order(store.run_id, round, list(last_resort))
+    order += [p for p in lr_order if p not in order]
+    my_turn = order.index(me) if me in order else None
+    stagger_s = settle_s if stagger_s is None else stagger_s
+
+    def delay(i: int) -> float:
+        if i < n_regular:
+            return takeover_delay(i, plan_timeout_s, stagger_s, wait_candidates)
+        # a last resort: strictly after every candidate's turn (by one plan timeout), then staggered
+        after = delay(n_regular - 1) + plan_timeout_s if n_regular else 0.0
+        return after + lr_order.index(order[i]) * stagger_s
+
+    give_up_s = give_up_s if give_up_s is not None else delay(max(0, len(order) - 1)) + 2 * plan_timeout_s
+    # Take-over instants (seconds after t0): a plan is most likely to appear right after one of them, so
+    # the reads wake there and back off (50 ms -> poll cap, x1.5) in between instead of polling every poll_s.
+    turns = sorted({delay(i) for i in range(len(order))})
+    backoff = Backoff(first=min(0.05, poll_s), cap=max(poll_s, 1.0))
+    t0 = time.monotonic()
+    published = False
+    seen: Optional[frozenset] = None
+    signed: set = set()  # leaders of every plan of the round read, refused ones included
+    while True:
+        elapsed = time.monotonic() - t0
+        plans = await store.read(round, accept, signed)
+        now_seen = frozenset(p.leader for p in plans)
+        if now_seen != seen:
+            seen = now_seen
+            backoff.reset()  # something changed: read again soon
+        best = choose_plan(store.run_id, round, plans)
+        my_turn_now = my_turn is not None and not published and elapsed >= delay(my_turn)
+        if my_turn_now and my_turn is not None and my_turn >= n_regular and (signed & member_ids) - {me}:
+            # a last resort publishes only where nobody leads at all; a plan it refuses from a member means a
+            # leader it does not accept is there, and its own plan would split the round: it keeps waiting.
+            # Plans of non-members do not count: any identity can sign one (review: a Sybil publishing a
+            # plan every round that all refuse would bring the livelock back).
+            my_turn_now = False
+        # Publish when it is my turn, unless a plan from a better-ranked leader already exists, or a
+        # worse-ranked one has already started (its peers are training: a competing plan would only
+        # split the round; this peer follows it, or waits and catches up if it is not in it).
+        if my_turn_now and (
+            best is None
+            or (
+                leader_rank(store.run_id, round, me) < leader_rank(store.run_id, round, best.leader)
+                and swarm_time() < best.created_at
+            )
+        ):
+            if my_turn is not None and my_turn > 0 and best is None:
+                events.emit(
+                    log,
+                    logging.WARNING,
+                    "plan_takeover",
+                    "round %d: no plan from %d better-ranked leader(s) after %.1fs; taking over",
+                    round,
+                    my_turn,
+                    elapsed,
+                    round=round,
+                    peer=me,
+                    turn=my_turn,
+                    delay_s=delay(my_turn),
+                    after_s=elapsed,
+                    last_resort=my_turn >= n_regular,
+                )  # delay_s: this turn's take-over delay
+            try:
+                plan = make_plan(members, me)
+            except PlanDeferred:  # the policy has said why (once); the next leader may do better
+                my_turn = None
+                continue
+            except Exception as e:  # a broken record or a planner bug must not end the node
+                log.error(
+                    "round %d: planning failed (%s: %s); leaving the round to the next leader",
+                    round,
+                    type(e).__name__,
+                    e,
+                )
+                my_turn = None
+                continue
+            published = await store.publish(plan)
+            if not published:
+                log.warning("round %d: could not store my plan in the DHT", round)
+                my_turn = None  # do not retry every poll; follow whatever plan appears
+            continue
+        if best is not None:
+            # Settle only while a better-ranked leader may still publish legitimately: until settle_s past
+            # the plan's start (created_at); a peer reading later decides at once.
+            wait = min(settle_s, best.created_at + settle_s - swarm_time())
+            if wait > 0:
+                if provisional is not None:
+                    provisional(best)
+                await asyncio.sleep(wait)  # let a better-ranked plan published meanwhile become visible
+                plans = await store.read(round, accept) or plans
+            chosen = choose_plan(store.run_id, round, plans)
+            if len(plans) > 1 and chosen is not None:
+                log.info(
+                    "round %d: %d plans seen, following leader %s (lowest rank)", round, len(plans), chosen.leader[:10]
+                )
+            return chosen
+        if elapsed > give_up_s:
+            return None
+        step = backoff.next()
+        upcoming = [t - elapsed for t in turns if t > elapsed]
+        if upcoming and upcoming[0] <= step:
+            step = upcoming[0] + 0.01  # wake just past the next take-over instant ...
+            backoff.reset()  # ... and look closely for the plan it brings
+        await asyncio.sleep(max(0.0, min(step, give_up_s - elapsed + 0.01)))

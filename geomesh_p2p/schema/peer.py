@@ -1,0 +1,141 @@
+"""Record schemas shared by the DHT, the planner and the round protocol (pydantic, versioned).
+
+A record travels as its JSON bytes inside a signed DHT value; the DHT never unpickles anything.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+RECORD_SCHEMA_VERSION = 1
+
+
+#: Bandwidth bounds of a record, bytes/s: 1 B/s .. 1 TB/s (anything outside is an error or a lie).
+MIN_LINK_BPS, MAX_LINK_BPS = 1.0, 1e12
+#: Throughput bounds of a record, tokens/s, and the largest batch (sequences) it may state.
+MIN_TOKENS_PER_S, MAX_TOKENS_PER_S = 1e-3, 1e10
+MAX_BATCH = 1 << 20
+#: Most peers a record may vouch for in ``standing``.
+MAX_ATTESTED = 64
+
+
+class SyncProgress(BaseModel):
+    """How far a syncing peer's state download is (issue 14 #3), announced in its :class:`PeerRecord`
+    so that a leader gathering the round waits for it as long as the download needs, within a cap
+    (:class:`geomesh_p2p.round.driver.RoundDriver.gather`). Bytes and bytes/s; a rate, not times, so
+    clocks need not agree."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    done_bytes: int = Field(ge=0, le=1 << 50, description="bytes of the state received so far")
+    total_bytes: int = Field(ge=1, le=1 << 50, description="bytes of the whole state (weights and outer state)")
+    bytes_per_s: float = Field(
+        ge=0, le=MAX_LINK_BPS, description="download rate measured over the last seconds; 0: not measured yet"
+    )
+
+    @model_validator(mode="after")
+    def _done_within_total(self) -> "SyncProgress":
+        if self.done_bytes > self.total_bytes:
+            raise ValueError(f"done_bytes {self.done_bytes} exceeds total_bytes {self.total_bytes}")
+        return self
+
+    def remaining_s(self) -> Optional[float]:
+        """Seconds the rest of the download takes at the announced rate; None when no rate is known yet."""
+        if self.done_bytes >= self.total_bytes:
+            return 0.0
+        if self.bytes_per_s <= 0:
+            return None
+        return (self.total_bytes - self.done_bytes) / self.bytes_per_s
+
+
+class PeerRecord(BaseModel):
+    """What a peer announces under ``<run>/peers`` (subkey = its PeerID), refreshed every few seconds.
+
+    Units: bytes for memory, bytes/s for bandwidth, tokens/s for throughput, unix seconds for time.
+    """
+
+    # No NaN / Infinity anywhere: a record feeds the planner's arithmetic on every peer.
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    schema_version: int = RECORD_SCHEMA_VERSION
+    peer_id: str = Field(description="PeerID (base58 of SHA-256 of the Ed25519 public key)")
+    address: Optional[str] = Field(
+        default=None, description="host:port the peer serves on; None means client-only (behind NAT)"
+    )
+    device: str = Field(description="device name, e.g. 'NVIDIA H100 80GB HBM3' or 'cpu: AMD EPYC'")
+    memory_bytes: int = Field(ge=0, le=1 << 50, description="memory budget usable for training, bytes")
+    tokens_per_s: dict[int, float] = Field(
+        default_factory=dict, description="measured training throughput per batch size (sequences), tokens/s"
+    )
+    max_batch: int = Field(ge=1, le=MAX_BATCH, description="largest batch (sequences) that fits in one micro-step")
+    upload_bps: float = Field(ge=MIN_LINK_BPS, le=MAX_LINK_BPS, description="upload bandwidth, bytes/s")
+    download_bps: float = Field(ge=MIN_LINK_BPS, le=MAX_LINK_BPS, description="download bandwidth, bytes/s")
+    version: str = Field(description="software version (geomesh_p2p.__version__)")
+    protocol_version: int = 1
+    run_config_hash: str = Field(description="hash of the run config every peer of a run shares")
+    run_config: Optional[dict] = Field(
+        default=None, description="the run config itself (JSON object), so a mismatch can say which field differs"
+    )
+    round: int = Field(ge=0, default=0, description="the round this peer is in or will join")
+    weights_digest: Optional[str] = Field(default=None, description="digest of its global weights at `round`")
+    timestamp: float = Field(default_factory=time.time, ge=0, le=1e11, description="unix seconds when announced")
+    leaving: bool = Field(default=False, description="the peer is shutting down: plan the next rounds without it")
+    pow_nonce: Optional[int] = Field(
+        default=None,
+        ge=0,
+        le=(1 << 64) - 1,
+        description="proof of work for this PeerID and run (geomesh_p2p.trust.admission); checked by every reader",
+    )
+    standing: dict[str, int] = Field(
+        default_factory=dict,
+        description="peers this one saw deliver: PeerID prefix -> rounds of its last "
+        "window (geomesh_p2p.trust.standing); what a fresh joiner reads as history",
+    )
+    sync_progress: Optional[SyncProgress] = Field(
+        default=None,
+        description="while syncing (no weights_digest): the state download's progress; optional, "
+        "left out of the JSON when None (records of older peers parse as before)",
+    )
+
+    @field_validator("tokens_per_s")
+    @classmethod
+    def _positive_throughput(cls, v: dict[int, float]) -> dict[int, float]:
+        for b, tps in v.items():
+            if not 1 <= b <= MAX_BATCH or not (MIN_TOKENS_PER_S <= tps <= MAX_TOKENS_PER_S):
+                raise ValueError(
+                    f"tokens_per_s[{b}]={tps}: batch must be in [1, {MAX_BATCH}] and throughput in "
+                    f"[{MIN_TOKENS_PER_S:g}, {MAX_TOKENS_PER_S:g}]"
+                )
+        return v
+
+    @field_validator("standing")
+    @classmethod
+    def _bounded_standing(cls, v: dict[str, int]) -> dict[str, int]:
+        if len(v) > MAX_ATTESTED or any(not 1 <= len(k) <= 64 or not 0 <= c <= 1 << 20 for k, c in v.items()):
+            raise ValueError(
+                f"standing: at most {MAX_ATTESTED} entries, names of 1..64 characters, counts in [0, 2**20]"
+            )
+        return v
+
+    @property
+    def client_only(self) -> bool:
+        """True when the peer accepts no connections: it owns no collective part."""
+        return self.address is None
+
+    def best_tokens_per_s(self) -> float:
+        """Highest measured throughput over batch sizes, tokens/s (0.0 when nothing was measured)."""
+        return max(self.tokens_per_s.values(), default=0.0)
+
+    def to_bytes(self) -> bytes:
+        """JSON bytes. ``sync_progress`` is written only when set, so a record without it is byte for byte
+        what a peer of the previous version wrote (and such a peer, whose schema forbids unknown fields,
+        still reads every record but a syncing peer's)."""
+        return self.model_dump_json(exclude={"sync_progress"} if self.sync_progress is None else None).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "PeerRecord":
+        """Parse JSON bytes; raises pydantic.ValidationError on anything malformed."""
+        return cls.model_validate_json(data)
