@@ -31,11 +31,9 @@ browser:
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver libfaketime >/dev/null) || \
 	  echo "make: could not install chromium + chromium-driver + libfaketime: the browser and clock-skew tests will be skipped"
 
-# Lint and the format check, then types of the library (mypy, config in pyproject.toml's [tool.mypy]), then the suite.
-test: setup browser
-	$(VENV)/bin/ruff check $(LINT_PATHS) && $(VENV)/bin/ruff format --check $(LINT_PATHS) && \
-	  $(VENV)/bin/mypy geomesh_p2p && \
-	  $(VENV)/bin/pytest -q tests/unit tests/integration tests/e2e
+# `make lint` first (its findings stop here), then the suite.
+test: setup browser lint
+	$(VENV)/bin/pytest -q tests/unit tests/integration tests/e2e
 
 # The first two tiers: tests/unit (no sockets) and tests/integration (in-process gRPC on 127.0.0.1); no
 # processes, no browser.
@@ -43,12 +41,17 @@ test-quick: setup
 	$(VENV)/bin/pytest -q tests/unit tests/integration
 
 # Lint (rules in pyproject.toml's [tool.ruff.lint]: real defects, not style), the format check (ruff's
-# formatter, line length 120; `make format` applies it) and types of the library; all three run, and any
-# one's findings fail the target.
-LINT_PATHS = geomesh_p2p peer bootstrap tests benchmarks
+# formatter, line length 120; `make format` applies it), types of the library (mypy, [tool.mypy]), the
+# package layers (lint-imports, [tool.importlinter]) and the layout rules (scripts/check_layout.py: no file
+# over 800 lines, no project import inside a function); all five run, and any one's findings fail the target.
+LINT_PATHS = geomesh_p2p peer bootstrap tests benchmarks scripts
 lint: setup
-	$(VENV)/bin/ruff check $(LINT_PATHS); r=$$?; $(VENV)/bin/ruff format --check $(LINT_PATHS) || r=1; \
-	  $(VENV)/bin/mypy geomesh_p2p && exit $$r
+	r=0; $(VENV)/bin/ruff check $(LINT_PATHS) || r=1; \
+	  $(VENV)/bin/ruff format --check $(LINT_PATHS) || r=1; \
+	  $(VENV)/bin/mypy geomesh_p2p || r=1; \
+	  $(VENV)/bin/lint-imports --no-logo || r=1; \
+	  $(PY) scripts/check_layout.py || r=1; \
+	  exit $$r
 
 format: setup
 	$(VENV)/bin/ruff format $(LINT_PATHS)

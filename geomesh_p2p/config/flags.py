@@ -27,6 +27,8 @@ from typing import Any, Callable, Literal, Optional, cast
 from pydantic import BaseModel, Field
 from pydantic.fields import FieldInfo
 
+from geomesh_p2p.net.addr import AddressError, canonical_address
+
 __all__ = [
     "opt",
     "FlagSpec",
@@ -165,8 +167,6 @@ def _speed_factor(text: str) -> float:
 
 def _host_port(text: str) -> str:
     """``HOST:PORT`` (``[IPV6]:PORT``) in its canonical spelling (:func:`geomesh_p2p.net.addr.canonical_address`)."""
-    from geomesh_p2p.net.addr import AddressError, canonical_address
-
     try:
         return canonical_address(text)
     except AddressError as e:

@@ -13,7 +13,6 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
-from geomesh_p2p.trust.admission import DEFAULT_POW_BITS, MAX_POW_BITS
 from geomesh_p2p.config.flags import opt
 
 __all__ = [
@@ -27,6 +26,8 @@ __all__ = [
     "RUN_GROUP",
     "NODE_GROUP",
     "TUNING_GROUP",
+    "DEFAULT_POW_BITS",
+    "MAX_POW_BITS",
 ]
 
 # Every default below is written once: the CLI flags (geomesh_p2p.config.flags) and the demo read them here.
@@ -37,6 +38,11 @@ DEFAULT_BOOTSTRAP_PORT = 31337
 RUN_GROUP = "run config (shared by every peer of a run; mismatches are refused)"
 NODE_GROUP = "this node"
 TUNING_GROUP = "tuning of this node (rarely changed)"
+#: Default proof-of-work difficulty (leading zero bits, geomesh_p2p.trust.admission): ~4 M SHA-256 on average, a
+#: few seconds of one core in Python.
+DEFAULT_POW_BITS = 22
+#: Most a run may ask (2**40 hashes is days of one core); records hold the nonce as an unsigned 64-bit int.
+MAX_POW_BITS = 40
 
 
 class RunConfig(BaseModel):

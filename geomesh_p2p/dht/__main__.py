@@ -32,6 +32,12 @@ from typing import Optional
 
 from geomesh_p2p.config.flags import add_log_level
 from geomesh_p2p.config.models import DEFAULT_RUN_ID
+from geomesh_p2p import __version__
+from geomesh_p2p.dht import DHTJoinError, DHTNode, PeerAnnouncer, live_peers
+from geomesh_p2p.dht.progress import swarm_progress
+from geomesh_p2p.net.identity import Identity
+from geomesh_p2p.schema.peer import PeerRecord
+from geomesh_p2p.net.transport import Transport, TransportConfig
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -74,13 +80,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 async def run(ns: argparse.Namespace) -> int:
-    from geomesh_p2p import __version__
-    from geomesh_p2p.dht import DHTJoinError, DHTNode, PeerAnnouncer, live_peers
-    from geomesh_p2p.dht.progress import swarm_progress
-    from geomesh_p2p.net.identity import Identity
-    from geomesh_p2p.schema.peer import PeerRecord
-    from geomesh_p2p.net.transport import Transport, TransportConfig
-
     identity = Identity.load_or_create(ns.identity) if ns.identity else Identity.generate()
     transport = Transport(
         identity,

@@ -19,6 +19,7 @@ import torch
 from geomesh_p2p.exchange import robust as aggregation
 from geomesh_p2p.net.identity import PeerID
 from geomesh_p2p.config.method import bytes_per_element
+from geomesh_p2p.plan.planner import part_sizes  # the one partition rule
 
 __all__ = [
     "MODES",
@@ -114,8 +115,6 @@ def make_partition(
     ids = [_pid_str(o[0]) for o in owners]
     if len(set(ids)) != len(ids):
         raise ValueError("duplicate peer id among owners")
-    from geomesh_p2p.plan.planner import part_sizes  # the one partition rule (planner imports no torch)
-
     sizes = part_sizes(
         numel, [None if o[2] is None else float(o[2]) for o in owners], align=block_size, min_size=min_size
     )

@@ -27,6 +27,12 @@ from typing import Any, Optional
 
 import torch
 
+from geomesh_p2p.config.models import RunConfig
+from geomesh_p2p.data import DataError, get_tokenizer, load_text
+from geomesh_p2p.data.hub import parse_hf_spec
+from geomesh_p2p.data.tokenizer import EOS_TOKEN
+from geomesh_p2p.model.state import CKPT_FORMAT, CheckpointError, digest, list_checkpoints, read_checkpoint_files
+from geomesh_p2p.model.training import ConfigError, build_model, load_flat_, num_params
 from geomesh_p2p.util.errors import UserFacingError
 
 EXPORT_INFO = "geomesh_export.json"
@@ -49,7 +55,6 @@ def list_checkpoint_info(directory: str | os.PathLike, verify: bool = False) -> 
     metadata, missing weights, a digest that does not match when ``verify``).
 
     Raises ExportError when ``directory`` is not a directory or holds no checkpoint."""
-    from geomesh_p2p.model.state import CKPT_FORMAT, list_checkpoints
 
     d = Path(directory).expanduser()
     if not d.is_dir():
@@ -109,7 +114,6 @@ def list_checkpoint_info(directory: str | os.PathLike, verify: bool = False) -> 
 def load_checkpoint(directory: str | os.PathLike, round: Optional[int] = None):
     """``(round, theta, momentum, record)`` of the checkpoint of ``round`` (default: the newest) in
     ``directory``; the digest of the tensors is checked against the metadata. Raises ExportError."""
-    from geomesh_p2p.model.state import CheckpointError, digest, list_checkpoints, read_checkpoint_files
 
     d = Path(directory).expanduser()
     if not d.is_dir():
@@ -141,11 +145,9 @@ def load_checkpoint(directory: str | os.PathLike, round: Optional[int] = None):
 
 
 def run_config_of(record: dict, where: str = "checkpoint"):
-    """The :class:`~geomesh_p2p.node.peer.RunConfig` a checkpoint was trained with; its hash must be the one
+    """The :class:`~geomesh_p2p.config.models.RunConfig` a checkpoint was trained with; its hash must be the one
     recorded. Raises ExportError."""
     from pydantic import ValidationError
-
-    from geomesh_p2p.node.peer import RunConfig
 
     meta: dict = record["meta"] if isinstance(record.get("meta"), dict) else {}
     cfg = meta.get("run_config")
@@ -171,8 +173,6 @@ def run_config_of(record: dict, where: str = "checkpoint"):
 def data_identifier(data: str) -> str:
     """The ``RunConfig.data`` value of ``--data`` (as ``geomesh-peer join`` computes it)."""
     if data.startswith("hf:"):
-        from geomesh_p2p.data.hub import parse_hf_spec
-
         return parse_hf_spec(data).canonical()
     p = Path(data).expanduser()
     if not p.is_file():
@@ -202,8 +202,6 @@ def build_exported(
 
     ``data``: the run's ``--data`` (needed for any corpus but the shipped one, to rebuild its
     tokenizer); ``run_id``: when given, the checkpoint must be of that run. Raises ExportError."""
-    from geomesh_p2p.data import DataError, get_tokenizer
-    from geomesh_p2p.model.training import ConfigError, build_model, load_flat_, num_params
 
     rnd, theta, _momentum, record = load_checkpoint(directory, round)
     where = f"checkpoint of round {rnd} in {Path(directory).expanduser()}"
@@ -224,8 +222,6 @@ def build_exported(
                 raise ExportError(
                     f"{where}: --data {data} is not the run's data ({data_identifier(data)} vs {run.data})"
                 )
-            from geomesh_p2p.data import load_text
-
             tok = get_tokenizer(load_text(data), vocab_size=run.vocab_size)
     except DataError as e:
         raise ExportError(f"{where}: {e}") from None
@@ -255,8 +251,6 @@ def hf_tokenizer(tok, max_length: Optional[int] = None):
     """A ``transformers`` fast tokenizer around the run's ``tokenizers.Tokenizer`` (EOS = BOS =
     ``<|endoftext|>``, id 0)."""
     from transformers import PreTrainedTokenizerFast
-
-    from geomesh_p2p.data.tokenizer import EOS_TOKEN
 
     kwargs = {"model_max_length": max_length} if max_length else {}
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS_TOKEN, bos_token=EOS_TOKEN, **kwargs)

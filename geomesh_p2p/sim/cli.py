@@ -20,6 +20,9 @@ import shlex
 import sys
 from typing import Optional, Sequence
 
+from geomesh_p2p.sim.charge import Charger
+from geomesh_p2p.sim.hardware import Profile, load_profile, shipped_profiles
+from geomesh_p2p.sim.methods import parse_method, parse_methods
 from geomesh_p2p.util.errors import UserFacingError
 
 DEFAULT_METHODS = "diloco,awb,css,geomesh,async"
@@ -97,9 +100,6 @@ def _die(msg: str) -> int:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    from geomesh_p2p.sim.hardware import load_profile, shipped_profiles
-    from geomesh_p2p.sim.methods import parse_methods
-
     if args.list_profiles:
         for name in shipped_profiles():
             prof = load_profile(name)
@@ -247,7 +247,6 @@ def _run(args, profile, specs, argv) -> int:
 
 def _charged_only(profile, specs) -> int:
     """One round of each method on the clock, without training (fast)."""
-    from geomesh_p2p.sim.charge import Charger
     from geomesh_p2p.model.training import build_model, num_params
 
     numel = num_params(build_model(profile.train.preset, seed=profile.train.seed))
@@ -310,8 +309,6 @@ def _worker(profile_json: str, label: str, rounds, seed, data, threads: int, que
     import torch
 
     from geomesh_p2p.sim.engine import Simulator
-    from geomesh_p2p.sim.hardware import Profile
-    from geomesh_p2p.sim.methods import parse_method
 
     torch.set_num_threads(threads)
     profile = Profile.model_validate_json(profile_json)

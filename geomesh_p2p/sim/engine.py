@@ -52,6 +52,9 @@ from geomesh_p2p.sim.link_time import RoundTiming, async_exchange_s, encoded_nby
 from geomesh_p2p.sim.hardware import Profile, SimPeer
 from geomesh_p2p.sim.methods import MethodSpec
 from geomesh_p2p.model.training import InnerTrainer, build_model, flat_params, load_flat_
+from geomesh_p2p.data import load_dataset
+from geomesh_p2p.exchange import token_weighted_mean
+from geomesh_p2p.exchange.robust import aggregate_part
 
 __all__ = ["RoundLog", "MethodResult", "Simulator", "ProgressFn", "time_to_target"]
 
@@ -196,8 +199,6 @@ class Simulator:
         progress: Optional[ProgressFn] = None,
         dataset=None,
     ):
-        from geomesh_p2p.data import load_dataset
-
         self.profile = profile
         self.ref = profile.reference
         self.tr = profile.train
@@ -305,8 +306,6 @@ class Simulator:
         self, spec: MethodSpec, deltas: list[torch.Tensor], tokens: list[int], efs, plan: RoundPlan
     ) -> Optional[torch.Tensor]:
         """The update every peer applies: the collective's arithmetic, without gRPC."""
-        from geomesh_p2p.exchange import token_weighted_mean
-
         if sum(tokens) == 0:
             return None
         if spec.contribution == "fp32":
@@ -320,8 +319,6 @@ class Simulator:
         if spec.rule == "mean":
             mean = token_weighted_mean(list(zip(tokens, packets)), self.numel, clip_k=self.tr.clip_k)
         else:  # robust rules are per part (their medians and agreement are per owner's range)
-            from geomesh_p2p.exchange.robust import aggregate_part
-
             mean = torch.empty(self.numel)
             for _, s, e in plan.owners():
                 parts = [(n, compression.slice_packet(p, s, e)) for n, p in zip(tokens, packets)]

@@ -36,6 +36,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from geomesh_p2p.util.aio import cancel_and_wait
 from geomesh_p2p.net.swarm_time import swarm_time
 from geomesh_p2p.schema.peer import PeerRecord
+from geomesh_p2p.config.models import MAX_POW_BITS
+from geomesh_p2p.dht import live_peers
+from geomesh_p2p.plan.agree import choose_plan, digest_majority, leader_order, plan_key
+from geomesh_p2p.plan.planner import RoundPlan
+from geomesh_p2p.trust.admission import Admission
 
 log = logging.getLogger(__name__)
 
@@ -238,8 +243,6 @@ class SwarmWatcher:
 
     def _admitted(self, recs: List[PeerRecord]):
         """(admitted records, ignored count): majority run-config hash, its proof of work, allow-list."""
-        from geomesh_p2p.trust.admission import Admission
-
         if not recs:
             return [], 0
         hashes = Counter(r.run_config_hash for r in recs if not r.leaving) or Counter(r.run_config_hash for r in recs)
@@ -247,7 +250,7 @@ class SwarmWatcher:
         configs = [r.run_config for r in recs if r.run_config_hash == major and isinstance(r.run_config, dict)]
         bits = Counter(int(c.get("pow_bits", 0)) for c in configs if isinstance(c.get("pow_bits", 0), int))
         pow_bits = max(bits.items(), key=lambda kv: (kv[1], kv[0]))[0] if bits else 0
-        pow_bits = max(0, min(pow_bits, 40))
+        pow_bits = max(0, min(pow_bits, MAX_POW_BITS))
         admission = self._admissions.get(pow_bits)
         if admission is None:
             admission = self._admissions[pow_bits] = Admission(self.run_id, pow_bits, self.allow)
@@ -256,8 +259,6 @@ class SwarmWatcher:
 
     async def refresh(self) -> Dict[str, Any]:
         """Read the records now and rebuild both views. Returns the swarm view."""
-        from geomesh_p2p.dht import live_peers
-
         now = swarm_time()
         recs = await live_peers(self.node, self.run_id, include_leaving=True)
         if self.self_id is not None:
@@ -280,9 +281,6 @@ class SwarmWatcher:
         return self._swarm
 
     async def _plan(self, r: int, known: set):
-        from geomesh_p2p.plan.planner import RoundPlan
-        from geomesh_p2p.round import choose_plan, plan_key
-
         try:
             found = await self._get(plan_key(self.run_id, r))
         except Exception as e:
@@ -332,8 +330,6 @@ class SwarmWatcher:
 
     # -------------------------------------------------------------------- building the views
     def _build(self, now, peers: List[PeerRecord], ignored: int, current, plan, members) -> Dict[str, Any]:
-        from geomesh_p2p.round import digest_majority, leader_order
-
         assign = {a.peer_id: a for a in plan.assignments} if plan is not None else {}
         rows = []
         for r in peers:

@@ -36,16 +36,13 @@ from typing import Callable, Iterable, Optional
 
 import base58
 
+from geomesh_p2p.config.models import DEFAULT_POW_BITS, MAX_POW_BITS  # noqa: F401  (kept importable from here)
 from geomesh_p2p.net.identity import PUBLIC_KEY_BYTES, Identity, PeerID
 from geomesh_p2p.telemetry.logonce import LogOnce
 
 log = logging.getLogger(__name__)
 
 POW_DOMAIN = b"geomesh-p2p/pow/v1\x00"
-#: Default difficulty (leading zero bits): ~4 M SHA-256 on average, a few seconds of one core in Python.
-DEFAULT_POW_BITS = 22
-#: Most a run may ask (2**40 hashes is days of one core); records hold the nonce as an unsigned 64-bit int.
-MAX_POW_BITS = 40
 MAX_NONCE = (1 << 64) - 1
 
 

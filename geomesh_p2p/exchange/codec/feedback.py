@@ -21,6 +21,7 @@ from geomesh_p2p.exchange.codec._format import (
     raise_non_finite,
 )
 from geomesh_p2p.exchange.codec.sign import SignPacket, decode, encode
+from geomesh_p2p.util.atomic import atomic_write
 
 __all__ = ["ErrorFeedback", "PushFeedback", "RESIDUAL_FILE"]
 
@@ -152,8 +153,6 @@ class PushFeedback:
         from pathlib import Path
 
         from safetensors.torch import save_file
-
-        from geomesh_p2p.util.atomic import atomic_write
 
         meta = {
             "round": str(int(state_round)),
