@@ -33,6 +33,8 @@ from geomesh_p2p.config.flags import ConfigFileError, add_flags, add_log_level, 
 from geomesh_p2p.config.models import DEFAULT_BOOTSTRAP_IDENTITY as DEFAULT_IDENTITY  # noqa: F401  (re-exported)
 from geomesh_p2p.config.models import DEFAULT_BOOTSTRAP_PORT as DEFAULT_PORT  # noqa: F401
 from geomesh_p2p.config.models import DEFAULT_RUN_ID, BootstrapConfig  # noqa: F401
+from geomesh_p2p.net.addr import AddressError, format_address, is_wildcard_host, normalize_host, parse_address
+from geomesh_p2p.util.aio import unless_set, wait_event
 
 PROG = "geomesh-bootstrap"
 #: bound (seconds) on the last read of the swarm's round when the bootstrap stops (its state file keeps it)
@@ -87,8 +89,6 @@ def _outward_host() -> str:
 
 def _fmt(host: str, port: int) -> str:
     """``host:port`` for a message (IPv6 in brackets; as given when it does not format)."""
-    from geomesh_p2p.net.addr import AddressError, format_address
-
     try:
         return format_address(host, port)
     except AddressError:
@@ -106,8 +106,6 @@ def _check(ns: argparse.Namespace) -> Optional[str]:
     """A one-line complaint about the option values, or None."""
     if not 0 <= ns.port <= 65535:
         return f"--port {ns.port}: must be between 0 and 65535"
-    from geomesh_p2p.net.addr import AddressError, normalize_host, parse_address
-
     for b in ns.bootstrap:
         try:
             parse_address(str(b))
@@ -173,12 +171,9 @@ async def serve(ns: argparse.Namespace, identity, allow_peers: Optional[list[str
 
 async def _serve(ns: argparse.Namespace, identity, allow_peers, tls, stop: asyncio.Event) -> int:
     """:func:`serve` with its stop event (set by SIGINT/SIGTERM)."""
-    from geomesh_p2p.util.aio import unless_set, wait_event
     from geomesh_p2p.dht import DHTJoinError, DHTNode, live_peers
     from geomesh_p2p.net.identity import allow_list
     from geomesh_p2p.net.transport import Transport, TransportConfig
-
-    from geomesh_p2p.net.addr import is_wildcard_host
 
     advertise = ns.advertise_host
     if advertise is None and is_wildcard_host(ns.host):

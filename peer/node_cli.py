@@ -11,9 +11,11 @@ import sys
 
 log = logging.getLogger("geomesh-peer")
 
-from geomesh_p2p.trust.admission import DEFAULT_POW_BITS, MAX_POW_BITS  # noqa: F401  (re-exported for tests)
+from geomesh_p2p.config.models import DEFAULT_POW_BITS, MAX_POW_BITS  # noqa: F401  (re-exported for tests)
 from geomesh_p2p.config.flags import PARSERS, FlagSpec, add_flags, flag_specs, number_type, to_argv, values_from
 from geomesh_p2p.config.models import NODE_GROUP, RUN_GROUP, NodeConfig, RunConfig
+from geomesh_p2p.net.addr import host_of, is_loopback_host
+from geomesh_p2p.util.errors import UserFacingError
 
 # Defaults of --data-column / --data-max-bytes (kept in sync with geomesh_p2p.data.hub, which is
 # not imported here so that --help stays fast; tests/unit/test_cli.py checks they are equal).
@@ -333,8 +335,6 @@ def trust_warning(ns: argparse.Namespace) -> str | None:
 
 
 def _is_loopback(host: str) -> bool:
-    from geomesh_p2p.net.addr import is_loopback_host
-
     return is_loopback_host(host)
 
 
@@ -344,8 +344,6 @@ def reachability_warning(ns: argparse.Namespace):
     if ns.client_only:
         return None
     own = ns.advertise_host or ns.host
-    from geomesh_p2p.net.addr import host_of
-
     remote = [b for b in ns.bootstrap if not _is_loopback(host_of(b))]
     if _is_loopback(own) and remote:
         return (
@@ -359,7 +357,6 @@ def reachability_warning(ns: argparse.Namespace):
 def user_facing_errors() -> tuple[type[BaseException], ...]:
     """Errors whose message is enough for the user (bad data path, bad model config, no bootstrap...)."""
     from geomesh_p2p.data import DataError
-    from geomesh_p2p.util.errors import UserFacingError
     from geomesh_p2p.net.identity import IdentityError
     from geomesh_p2p.model.state import StateError
     from geomesh_p2p.sync.transfer import StateSyncError
