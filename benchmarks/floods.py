@@ -244,7 +244,7 @@ class Pinger:
 
 async def serve_pinger(ns) -> None:
     """The pinger process: one DHT ping to each NAME=ADDRESS every --interval s, one line per answer."""
-    from geomesh_p2p.dht.node import DHT_PROTOCOL_VERSION
+    from geomesh_p2p.dht.state import DHT_PROTOCOL_VERSION
     from geomesh_p2p.net.identity import Identity
     from geomesh_p2p.net.transport import DHT_PING, RpcError, Transport, TransportConfig
     from geomesh_p2p.wire import dht_pb2
@@ -467,7 +467,7 @@ async def flood_store(boot, peer, ns) -> dict:
 
 async def flood_fake_pings(boot, peer, ns, n: int = 300) -> dict:
     from geomesh_p2p.dht import DHTNode
-    from geomesh_p2p.dht.node import DHT_PROTOCOL_VERSION
+    from geomesh_p2p.dht.state import DHT_PROTOCOL_VERSION
     from geomesh_p2p.net.identity import Identity
     from geomesh_p2p.net.transport import DHT_FIND, DHT_PING, RpcError, Transport, TransportConfig
     from geomesh_p2p.wire import dht_pb2

@@ -149,7 +149,7 @@ def cmd_status(ns: argparse.Namespace) -> int:
 
         logging.getLogger("geomesh_p2p").setLevel(logging.WARNING)
     from geomesh_p2p.dht import DHTJoinError
-    from geomesh_p2p.dht.node import OtherRunError
+    from geomesh_p2p.dht.state import OtherRunError
     from geomesh_p2p.net.identity import IdentityError
 
     try:

@@ -50,7 +50,7 @@ from geomesh_p2p.config.models import NodeConfig, RunConfig
 from geomesh_p2p.data import load_dataset
 from geomesh_p2p.dht import IncompatibleSwarmError, PeerAnnouncer, check_compatible, live_peers
 from geomesh_p2p.dht import DHTNode
-from geomesh_p2p.dht.node import DHT_PROTOCOL_VERSION
+from geomesh_p2p.dht.state import DHT_PROTOCOL_VERSION
 from geomesh_p2p.dht.progress import swarm_progress
 from geomesh_p2p.util.errors import UserFacingError
 from geomesh_p2p.exchange.codec.feedback import PushFeedback

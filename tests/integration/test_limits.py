@@ -22,7 +22,7 @@ import torch
 
 from geomesh_p2p.telemetry import events
 from geomesh_p2p.net import transport as transport_mod
-from geomesh_p2p.dht.node import DHT_PROTOCOL_VERSION
+from geomesh_p2p.dht.state import DHT_PROTOCOL_VERSION
 from geomesh_p2p.net.identity import EnvelopeError, Identity
 from geomesh_p2p.sync.transfer import Snapshot, StateServer
 from geomesh_p2p.net.transport import DHT_PING, DHT_STORE, STATE_GET, RpcError, Transport, TransportConfig
