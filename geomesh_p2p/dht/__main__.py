@@ -79,7 +79,8 @@ async def run(ns: argparse.Namespace) -> int:
     from geomesh_p2p.dht.progress import swarm_progress
     from geomesh_p2p.net.identity import Identity
     from geomesh_p2p.schema.peer import PeerRecord
-    from geomesh_p2p.net.transport import Transport, TransportConfig
+    from geomesh_p2p.net.transport import Transport
+    from geomesh_p2p.net.transport_config import TransportConfig
 
     identity = Identity.load_or_create(ns.identity) if ns.identity else Identity.generate()
     transport = Transport(

@@ -20,7 +20,8 @@ from geomesh_p2p.dht.records import (
     SignedRecord,
 )
 from geomesh_p2p.net.identity import PeerID
-from geomesh_p2p.net.transport import DHT_PING, RpcError
+from geomesh_p2p.net.transport import RpcError
+from geomesh_p2p.net.methods import DHT_PING
 from geomesh_p2p.wire import dht_pb2
 from geomesh_p2p.dht.state import (
     DHT_PROTOCOL_VERSION,
@@ -29,7 +30,7 @@ from geomesh_p2p.dht.state import (
 )
 from geomesh_p2p.dht.storage import DHTStorage
 
-# One logger for the whole node (its parts were one module): same log names as before the split.
+# The node was one module: its parts log under that logger name (operators filter on it).
 log = logging.getLogger("geomesh_p2p.dht.node")
 
 

@@ -22,7 +22,7 @@ from geomesh_p2p.dht.state import (
 )
 from geomesh_p2p.dht.protocol import DHTProtocol
 
-# One logger for the whole node (its parts were one module): same log names as before the split.
+# The node was one module: its parts log under that logger name (operators filter on it).
 log = logging.getLogger("geomesh_p2p.dht.node")
 
 

@@ -67,9 +67,6 @@ from geomesh_p2p.dht.state import (
 )
 from geomesh_p2p.dht.join import DHTJoin
 
-# One logger for the whole node (its parts were one module): same log names as before the split.
-log = logging.getLogger("geomesh_p2p.dht.node")
-
 
 class _Merge:
     """Best record per slot seen during a get: signed beats unsigned, then the latest expiration."""

@@ -22,7 +22,8 @@ from geomesh_p2p.dht.records import (
     verify_record,
 )
 from geomesh_p2p.net.identity import PeerID, Verified
-from geomesh_p2p.net.transport import CONTROL_LANE, DHT_FIND, DHT_PING, DHT_STORE, RpcError
+from geomesh_p2p.net.transport import RpcError
+from geomesh_p2p.net.methods import CONTROL_LANE, DHT_FIND, DHT_PING, DHT_STORE
 from geomesh_p2p.wire import dht_pb2
 from geomesh_p2p.dht.state import (
     _UNREACHABLE,
@@ -35,7 +36,7 @@ from geomesh_p2p.dht.state import (
 )
 from geomesh_p2p.dht.contacts import DHTContacts
 
-# One logger for the whole node (its parts were one module): same log names as before the split.
+# The node was one module: its parts log under that logger name (operators filter on it).
 log = logging.getLogger("geomesh_p2p.dht.node")
 
 

@@ -39,11 +39,8 @@ from geomesh_p2p.telemetry.logonce import LogOnce
 from geomesh_p2p.net.transport import RpcError, TaskOwner, Transport
 from geomesh_p2p.wire import dht_pb2
 
-# One logger for the whole node (its parts were one module): same log names as before the split.
+# The node was one module: its parts log under that logger name (operators filter on it).
 log = logging.getLogger("geomesh_p2p.dht.node")
-
-
-log = logging.getLogger(__name__)
 
 DHT_PROTOCOL_VERSION = 1
 # "Dial me back" (as Petals' bootstraps do): request PingRequest naming the address to check; reply

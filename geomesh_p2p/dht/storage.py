@@ -8,7 +8,6 @@ Replication to other nodes (store, republish) is :mod:`geomesh_p2p.dht.node`'s.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import time
 from typing import List, Optional, Tuple
 
@@ -26,9 +25,6 @@ from geomesh_p2p.wire import dht_pb2
 from geomesh_p2p.dht.state import (
     DHTNodeState,
 )
-
-# One logger for the whole node (its parts were one module): same log names as before the split.
-log = logging.getLogger("geomesh_p2p.dht.node")
 
 
 class DHTStorage(DHTNodeState):
