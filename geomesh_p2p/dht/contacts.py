@@ -16,18 +16,12 @@ from hivemind.dht.routing import DHTID
 
 from geomesh_p2p import __version__
 from geomesh_p2p.net.addr import host_of, ip_of
-from geomesh_p2p.dht.records import (
-    SignedRecord,
-)
+from geomesh_p2p.dht.records import SignedRecord
 from geomesh_p2p.net.identity import PeerID
 from geomesh_p2p.net.transport import RpcError
 from geomesh_p2p.net.methods import DHT_PING
 from geomesh_p2p.wire import dht_pb2
-from geomesh_p2p.dht.state import (
-    DHT_PROTOCOL_VERSION,
-    Contact,
-    DHTJoinError,
-)
+from geomesh_p2p.dht.state import DHT_PROTOCOL_VERSION, Contact, DHTJoinError
 from geomesh_p2p.dht.storage import DHTStorage
 
 # The node was one module: its parts log under that logger name (operators filter on it).

@@ -13,13 +13,8 @@ from hivemind.dht.routing import DHTID
 from hivemind.dht.traverse import traverse_dht
 
 from geomesh_p2p.util.aio import TaskScope, finish_or_cancel, runs
-from geomesh_p2p.dht.records import (
-    VerifiedRecord,
-)
-from geomesh_p2p.dht.state import (
-    Contact,
-    LookupStats,
-)
+from geomesh_p2p.dht.records import VerifiedRecord
+from geomesh_p2p.dht.state import Contact, LookupStats
 from geomesh_p2p.dht.protocol import DHTProtocol
 
 # The node was one module: its parts log under that logger name (operators filter on it).

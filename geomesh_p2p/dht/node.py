@@ -50,21 +50,10 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from hivemind.dht.routing import DHTID
 
-from geomesh_p2p.dht.records import (
-    RecordError,
-    SignedRecord,
-    VerifiedRecord,
-    key_id_of,
-    make_record,
-    verify_record,
-)
+from geomesh_p2p.dht.records import RecordError, SignedRecord, VerifiedRecord, key_id_of, make_record, verify_record
 from geomesh_p2p.net.identity import Identity
 from geomesh_p2p.net.transport import Transport
-from geomesh_p2p.dht.state import (
-    Contact,
-    DHTValue,
-    LookupStats,
-)
+from geomesh_p2p.dht.state import Contact, DHTValue, LookupStats
 from geomesh_p2p.dht.join import DHTJoin
 
 

@@ -14,13 +14,7 @@ from google.protobuf.message import DecodeError
 from hivemind.dht.routing import DHTID
 
 from geomesh_p2p import __version__
-from geomesh_p2p.dht.records import (
-    RecordError,
-    SignedRecord,
-    VerifiedRecord,
-    node_id_of,
-    verify_record,
-)
+from geomesh_p2p.dht.records import RecordError, SignedRecord, VerifiedRecord, node_id_of, verify_record
 from geomesh_p2p.net.identity import PeerID, Verified
 from geomesh_p2p.net.transport import RpcError
 from geomesh_p2p.net.methods import CONTROL_LANE, DHT_FIND, DHT_PING, DHT_STORE

@@ -26,12 +26,7 @@ from hivemind.dht.routing import DHTID, RoutingTable
 from hivemind.dht.storage import DHTLocalStorage
 
 from geomesh_p2p.net.addr import valid_address
-from geomesh_p2p.dht.records import (
-    DEFAULT_LIMITS,
-    RecordLimits,
-    SignedRecord,
-    node_id_of,
-)
+from geomesh_p2p.dht.records import DEFAULT_LIMITS, RecordLimits, SignedRecord, node_id_of
 from geomesh_p2p.dht.quota import DEFAULT_QUOTA, StorageLedger, StorageQuota
 from geomesh_p2p.util.errors import UserFacingError
 from geomesh_p2p.net.identity import EnvelopeError, Identity, PeerID

@@ -15,16 +15,10 @@ import grpc
 from hivemind.dht.routing import DHTID
 from hivemind.dht.storage import DictionaryDHTValue
 
-from geomesh_p2p.dht.records import (
-    RecordError,
-    SignedRecord,
-    verify_record,
-)
+from geomesh_p2p.dht.records import RecordError, SignedRecord, verify_record
 from geomesh_p2p.net.identity import PeerID
 from geomesh_p2p.wire import dht_pb2
-from geomesh_p2p.dht.state import (
-    DHTNodeState,
-)
+from geomesh_p2p.dht.state import DHTNodeState
 
 
 class DHTStorage(DHTNodeState):

@@ -16,12 +16,7 @@ import grpc
 import grpc.aio
 
 from geomesh_p2p.net.identity import EnvelopeError, PeerID
-from geomesh_p2p.net.methods import (
-    BULK_LANE,
-    DEFAULT_CALL_LIMITS,
-    METHOD_CLASS,
-    lane_of,
-)
+from geomesh_p2p.net.methods import BULK_LANE, DEFAULT_CALL_LIMITS, METHOD_CLASS, lane_of
 from geomesh_p2p.net.envelope import _split_request
 
 if TYPE_CHECKING:
