@@ -69,7 +69,9 @@ def _emit(obj) -> None:
 async def _worker(seed: int, numel: int) -> int:
     from geomesh_p2p.exchange import CollectiveService, CollectiveSpec
     from geomesh_p2p.net.identity import Identity
-    from geomesh_p2p.net.transport import COLLECTIVE_PULL, COLLECTIVE_PUSH, Transport, TransportConfig
+    from geomesh_p2p.net.transport import Transport
+    from geomesh_p2p.net.transport_config import TransportConfig
+    from geomesh_p2p.net.methods import COLLECTIVE_PULL, COLLECTIVE_PUSH
 
     torch.set_num_threads(1)
     ident = Identity.generate()
@@ -271,7 +273,8 @@ async def _memory_child(n: int, numel: int, block_size: int, mode_name: str) -> 
 
     from geomesh_p2p.exchange import CollectiveService, CollectiveSpec, make_partition
     from geomesh_p2p.net.identity import Identity
-    from geomesh_p2p.net.transport import Transport, TransportConfig
+    from geomesh_p2p.net.transport import Transport
+    from geomesh_p2p.net.transport_config import TransportConfig
 
     _, mode, push, agg = next(m for m in MODES if m[0] == mode_name)
     ids = [Identity.generate() for _ in range(n)]

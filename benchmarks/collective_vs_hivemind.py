@@ -94,7 +94,8 @@ async def _worker(seed: int, numel: int, n: int, initial_peers: list[str], reads
 
     from geomesh_p2p.exchange import CollectiveService, CollectiveSpec
     from geomesh_p2p.net.identity import Identity
-    from geomesh_p2p.net.transport import Transport, TransportConfig
+    from geomesh_p2p.net.transport import Transport
+    from geomesh_p2p.net.transport_config import TransportConfig
 
     torch.set_num_threads(1)
     ident = Identity.generate()
@@ -197,7 +198,7 @@ async def run_group(
 ) -> dict:
     """Medians of wall s and CPU-s per peer for each contender, ``n`` peers."""
     from geomesh_p2p.exchange import CollectiveSpec, make_partition, max_part_elements, split_owners
-    from geomesh_p2p.net.transport import TransportConfig
+    from geomesh_p2p.net.transport_config import TransportConfig
 
     procs: list[JsonLineProc] = []
     try:

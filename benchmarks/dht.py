@@ -72,7 +72,8 @@ def start_our_server() -> tuple[subprocess.Popen, str]:
 async def loopback(args, our_address: str, hivemind_maddrs) -> dict:
     from geomesh_p2p.dht import DHTNode
     from geomesh_p2p.net.identity import Identity
-    from geomesh_p2p.net.transport import Transport, TransportConfig
+    from geomesh_p2p.net.transport import Transport
+    from geomesh_p2p.net.transport_config import TransportConfig
 
     value = os.urandom(args.value_bytes)
     transport = Transport(Identity.generate(), RUN, TransportConfig(host="127.0.0.1", port=0))
@@ -138,7 +139,8 @@ async def swarm(n: int, args) -> dict:
 
     from geomesh_p2p.dht import DHTNode, LookupStats
     from geomesh_p2p.net.identity import Identity
-    from geomesh_p2p.net.transport import Transport, TransportConfig
+    from geomesh_p2p.net.transport import Transport
+    from geomesh_p2p.net.transport_config import TransportConfig
 
     rnd = random.Random(n)
     nodes = []

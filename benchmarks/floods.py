@@ -64,8 +64,11 @@ async def serve_peer(ns) -> None:
     from geomesh_p2p.net.identity import Identity
     from geomesh_p2p.net.links import LinkProbeService
     from geomesh_p2p.model.state import digest
-    from geomesh_p2p.sync.transfer import Snapshot, StateServer
-    from geomesh_p2p.net.transport import COLLECTIVE_PUSH, Transport, TransportConfig
+    from geomesh_p2p.sync.download import Snapshot
+    from geomesh_p2p.sync.server import StateServer
+    from geomesh_p2p.net.transport import Transport
+    from geomesh_p2p.net.transport_config import TransportConfig
+    from geomesh_p2p.net.methods import COLLECTIVE_PUSH
 
     transport = Transport(Identity.generate(), ns.run_id, TransportConfig(host="127.0.0.1", port=0))
     dht = DHTNode(transport, republish_period_s=ns.republish_period)
@@ -244,9 +247,11 @@ class Pinger:
 
 async def serve_pinger(ns) -> None:
     """The pinger process: one DHT ping to each NAME=ADDRESS every --interval s, one line per answer."""
-    from geomesh_p2p.dht.node import DHT_PROTOCOL_VERSION
+    from geomesh_p2p.dht.state import DHT_PROTOCOL_VERSION
     from geomesh_p2p.net.identity import Identity
-    from geomesh_p2p.net.transport import DHT_PING, RpcError, Transport, TransportConfig
+    from geomesh_p2p.net.transport import RpcError, Transport
+    from geomesh_p2p.net.transport_config import TransportConfig
+    from geomesh_p2p.net.methods import DHT_PING
     from geomesh_p2p.wire import dht_pb2
 
     targets = [a.split("=", 1) for a in ns.targets]
@@ -328,7 +333,7 @@ async def _signed_raw(address: str, msg: bytes, method: str, timeout: float = 30
 def prepare_oversized(boot, peer, ns) -> list:
     """The signed messages of every wave, built before the flood starts (signing 100 MiB takes CPU)."""
     from geomesh_p2p.net.identity import Identity
-    from geomesh_p2p.net.transport import COLLECTIVE_PUSH, DHT_PING, DHT_STORE
+    from geomesh_p2p.net.methods import COLLECTIVE_PUSH, DHT_PING, DHT_STORE
     from geomesh_p2p.wire import collective_pb2
 
     blob = bytes(100 * MiB)
@@ -406,7 +411,9 @@ async def flood_connections(boot, peer, ns, n: int = 3000) -> dict:
 async def flood_store(boot, peer, ns) -> dict:
     from geomesh_p2p.dht.records import make_record
     from geomesh_p2p.net.identity import Identity
-    from geomesh_p2p.net.transport import DHT_STORE, RpcError, Transport, TransportConfig
+    from geomesh_p2p.net.transport import RpcError, Transport
+    from geomesh_p2p.net.transport_config import TransportConfig
+    from geomesh_p2p.net.methods import DHT_STORE
     from geomesh_p2p.wire import dht_pb2
 
     me = Identity.generate()
@@ -467,9 +474,11 @@ async def flood_store(boot, peer, ns) -> dict:
 
 async def flood_fake_pings(boot, peer, ns, n: int = 300) -> dict:
     from geomesh_p2p.dht import DHTNode
-    from geomesh_p2p.dht.node import DHT_PROTOCOL_VERSION
+    from geomesh_p2p.dht.state import DHT_PROTOCOL_VERSION
     from geomesh_p2p.net.identity import Identity
-    from geomesh_p2p.net.transport import DHT_FIND, DHT_PING, RpcError, Transport, TransportConfig
+    from geomesh_p2p.net.transport import RpcError, Transport
+    from geomesh_p2p.net.transport_config import TransportConfig
+    from geomesh_p2p.net.methods import DHT_FIND, DHT_PING
     from geomesh_p2p.wire import dht_pb2
 
     fakes = {f"192.0.2.{i % 250 + 1}:{20000 + i}" for i in range(n)} | {f"127.0.0.1:{1 + i}" for i in range(n // 10)}

@@ -173,7 +173,8 @@ async def _serve(ns: argparse.Namespace, identity, allow_peers, tls, stop: async
     """:func:`serve` with its stop event (set by SIGINT/SIGTERM)."""
     from geomesh_p2p.dht import DHTJoinError, DHTNode, live_peers
     from geomesh_p2p.net.identity import allow_list
-    from geomesh_p2p.net.transport import Transport, TransportConfig
+    from geomesh_p2p.net.transport import Transport
+    from geomesh_p2p.net.transport_config import TransportConfig
 
     advertise = ns.advertise_host
     if advertise is None and is_wildcard_host(ns.host):
@@ -344,7 +345,7 @@ def _main(argv: Optional[list[str]] = None) -> int:
             return _fail(f"--allow-peers: {ns.allow_peers} is not UTF-8 text (byte {e.start})")
         except ValueError as e:
             return _fail(f"--allow-peers: {e}")
-    from geomesh_p2p.net.transport import TlsError, tls_from_flags
+    from geomesh_p2p.net.tls import TlsError, tls_from_flags
 
     try:
         tls = tls_from_flags(getattr(ns, "tls_cert", None), getattr(ns, "tls_key", None), getattr(ns, "tls_ca", None))

@@ -359,7 +359,7 @@ def user_facing_errors() -> tuple[type[BaseException], ...]:
     from geomesh_p2p.data import DataError
     from geomesh_p2p.net.identity import IdentityError
     from geomesh_p2p.model.state import StateError
-    from geomesh_p2p.sync.transfer import StateSyncError
+    from geomesh_p2p.sync.download import StateSyncError
     from geomesh_p2p.model.training import ConfigError
 
     errs = [UserFacingError, DataError, IdentityError, StateError, StateSyncError, ConfigError, OSError]
@@ -410,7 +410,8 @@ async def _probe(address: str, run_id: str, mb: float):
     """Measure the link to ``address`` with a throwaway identity and a client-only transport."""
     from geomesh_p2p.net.identity import Identity
     from geomesh_p2p.net.links import probe_link
-    from geomesh_p2p.net.transport import Transport, TransportConfig
+    from geomesh_p2p.net.transport import Transport
+    from geomesh_p2p.net.transport_config import TransportConfig
 
     t = Transport(Identity.generate(), run_id, TransportConfig(client_only=True))
     await t.start()

@@ -35,7 +35,8 @@ async def _read_swarm(ns):
     from geomesh_p2p.dht import DHTNode
     from geomesh_p2p.net.identity import Identity
     from geomesh_p2p.status.swarm import SwarmWatcher
-    from geomesh_p2p.net.transport import Transport, TransportConfig
+    from geomesh_p2p.net.transport import Transport
+    from geomesh_p2p.net.transport_config import TransportConfig
 
     identity = Identity.load_or_create(ns.identity) if ns.identity else Identity.generate()
     transport = Transport(identity, ns.run_id, TransportConfig(client_only=True))
@@ -149,7 +150,7 @@ def cmd_status(ns: argparse.Namespace) -> int:
 
         logging.getLogger("geomesh_p2p").setLevel(logging.WARNING)
     from geomesh_p2p.dht import DHTJoinError
-    from geomesh_p2p.dht.node import OtherRunError
+    from geomesh_p2p.dht.state import OtherRunError
     from geomesh_p2p.net.identity import IdentityError
 
     try:

@@ -16,7 +16,8 @@ import torch
 from geomesh_p2p.exchange import codec as compression
 from geomesh_p2p.exchange import CONTRIBUTION_KIND, CollectiveService, CollectiveSpec, PartOwner
 from geomesh_p2p.net.identity import Identity, PeerID
-from geomesh_p2p.net.transport import Transport, TransportConfig
+from geomesh_p2p.net.transport import Transport
+from geomesh_p2p.net.transport_config import TransportConfig
 from geomesh_p2p.wire import collective_pb2
 
 RUN = "collective-test"

@@ -27,7 +27,8 @@ import torch
 
 from geomesh_p2p.exchange import CollectiveService, CollectiveSpec
 from geomesh_p2p.net.identity import Identity
-from geomesh_p2p.net.transport import Transport, TransportConfig
+from geomesh_p2p.net.transport import Transport
+from geomesh_p2p.net.transport_config import TransportConfig
 
 
 def emit(obj) -> None:

@@ -9,7 +9,8 @@ from typing import Awaitable, Callable, List, Optional
 
 from geomesh_p2p.dht import DHTNode
 from geomesh_p2p.net.identity import Identity
-from geomesh_p2p.net.transport import Transport, TransportConfig
+from geomesh_p2p.net.transport import Transport
+from geomesh_p2p.net.transport_config import TransportConfig
 
 RUN = "dht-test-run"
 

@@ -7,7 +7,7 @@ import asyncio
 import grpc
 
 from geomesh_p2p.net.identity import EnvelopeError
-from geomesh_p2p.sync.transfer import StateServer
+from geomesh_p2p.sync.server import StateServer
 from geomesh_p2p.wire import state_pb2
 
 

@@ -63,7 +63,8 @@ async def announce_sybils(
     from geomesh_p2p.net.identity import Identity
     from geomesh_p2p.schema.peer import PeerRecord
     from geomesh_p2p.trust.standing import DEFAULT_WINDOW, attest_key
-    from geomesh_p2p.net.transport import Transport, TransportConfig
+    from geomesh_p2p.net.transport import Transport
+    from geomesh_p2p.net.transport_config import TransportConfig
 
     stop = stop or asyncio.Event()
     transport = Transport(Identity.generate(), run_id, TransportConfig(host=host, port=0))

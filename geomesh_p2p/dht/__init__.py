@@ -19,13 +19,13 @@ from geomesh_p2p.dht.announce import (
     live_peers,
     peers_key,
 )
-from geomesh_p2p.dht.node import (
+from geomesh_p2p.dht.node import DHTNode
+from geomesh_p2p.dht.state import (
     DHT_CHECK_REACHABLE,
     DHT_PROTOCOL_VERSION,
     ClockSkewError,
     Contact,
     DHTJoinError,
-    DHTNode,
     DHTStats,
     DHTValue,
     LookupStats,

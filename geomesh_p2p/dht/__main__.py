@@ -37,7 +37,8 @@ from geomesh_p2p.dht import DHTJoinError, DHTNode, PeerAnnouncer, live_peers
 from geomesh_p2p.dht.progress import swarm_progress
 from geomesh_p2p.net.identity import Identity
 from geomesh_p2p.schema.peer import PeerRecord
-from geomesh_p2p.net.transport import Transport, TransportConfig
+from geomesh_p2p.net.transport import Transport
+from geomesh_p2p.net.transport_config import TransportConfig
 
 
 def build_parser() -> argparse.ArgumentParser:

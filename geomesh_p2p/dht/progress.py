@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import List, Optional
 
 from geomesh_p2p.util.atomic import atomic_write
-from geomesh_p2p.dht.node import Contact, DHTNode
+from geomesh_p2p.dht.node import DHTNode
+from geomesh_p2p.dht.state import Contact
 from geomesh_p2p.net.identity import Identity, PeerID
 
 log = logging.getLogger(__name__)

@@ -30,7 +30,8 @@ from geomesh_p2p.exchange.owner import OwnerService, _RoundState
 from geomesh_p2p.exchange.partition import CollectiveSpec, _pid_bytes, _short
 from geomesh_p2p.net.identity import EnvelopeError
 from geomesh_p2p.net.links import LinkSample, link_sample
-from geomesh_p2p.net.transport import COLLECTIVE_PULL, COLLECTIVE_PUSH, RpcError
+from geomesh_p2p.net.transport import RpcError
+from geomesh_p2p.net.methods import COLLECTIVE_PULL, COLLECTIVE_PUSH
 from geomesh_p2p.wire import collective_pb2
 
 __all__ = ["AllReduceResult", "CollectiveService"]

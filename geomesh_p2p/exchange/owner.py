@@ -26,7 +26,8 @@ from geomesh_p2p.exchange.messages import Contribution
 from geomesh_p2p.exchange.partition import CollectiveSpec, PartOwner, _pid_bytes, _short
 from geomesh_p2p.net.identity import EnvelopeError, Verified, Verifier
 from geomesh_p2p.telemetry.logonce import LogOnce
-from geomesh_p2p.net.transport import COLLECTIVE_PULL, COLLECTIVE_PUSH, TaskOwner, Transport
+from geomesh_p2p.net.transport import TaskOwner, Transport
+from geomesh_p2p.net.methods import COLLECTIVE_PULL, COLLECTIVE_PUSH
 from geomesh_p2p.wire import collective_pb2
 
 __all__ = ["OwnerService"]

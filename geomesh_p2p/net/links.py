@@ -32,7 +32,8 @@ from typing import Iterable, Optional
 import grpc
 
 from geomesh_p2p.net.identity import EnvelopeError
-from geomesh_p2p.net.transport import LINK_PROBE, RpcError, Transport, Verified
+from geomesh_p2p.net.transport import RpcError, Transport, Verified
+from geomesh_p2p.net.methods import LINK_PROBE
 from geomesh_p2p.wire import link_pb2
 
 log = logging.getLogger(__name__)

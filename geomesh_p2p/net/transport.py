@@ -6,7 +6,7 @@ skew, replay, size, allow-list; see ``identity.Verifier``) before the handler ru
 specific gRPC status with a reason, logged once per caller address and reason, and the server keeps
 serving. Replies are signed by the server and verified by the client.
 
-Bounded resources (server side; see :class:`TransportConfig` and :class:`_Guard`):
+Bounded resources (server side; see :class:`TransportConfig` and :class:`~geomesh_p2p.net.guard._Guard`):
 
 * size: every method has a payload limit; the server-wide ``grpc.max_receive_message_length`` is
   the largest of them (plus the envelope), so a node that serves only small methods (a bootstrap:
@@ -24,7 +24,10 @@ Bounded resources (server side; see :class:`TransportConfig` and :class:`_Guard`
 
 Limits both ways (default 128 MiB), a deadline on every call (default 10 s), keepalive pings,
 optional TLS. ``added_latency_s`` delays each outgoing call, to emulate WAN latency where netem is
-unavailable (DESIGN.md, "Measuring"). A client-cancelled call (unary or streaming) ends quietly.
+
+Method names, lanes and limits: :mod:`geomesh_p2p.net.methods`; TLS: :mod:`geomesh_p2p.net.tls`; the
+server's request bounds: :mod:`geomesh_p2p.net.guard`; parsing a
+received SignedMessage: :mod:`geomesh_p2p.net.envelope`.
 """
 
 from __future__ import annotations
@@ -37,178 +40,36 @@ import resource
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import AsyncGenerator, AsyncIterator, Awaitable, Callable, Dict, Optional, Tuple
+from typing import AsyncGenerator, AsyncIterator, Awaitable, Callable, Optional
 
 import grpc
 import grpc.aio
 
 from geomesh_p2p.net.addr import AddressError, format_address
 from geomesh_p2p.util.aio import create_unscoped_task
-from geomesh_p2p.util.errors import UserFacingError
 from geomesh_p2p.net import identity as identity_mod
 from geomesh_p2p.net.identity import EnvelopeError, Identity, PeerID, Verified, Verifier
 from geomesh_p2p.telemetry.logonce import LogOnce
-from geomesh_p2p.wire import envelope_pb2
-from geomesh_p2p.wire.varint import read_varint, skip_value, varint
+from geomesh_p2p.wire.varint import varint
+from geomesh_p2p.net.methods import (
+    BIG_PAYLOAD_BYTES,
+    CONTROL_LANE,
+    DEFAULT_PAYLOAD_LIMITS,
+    ENVELOPE_OVERHEAD,
+    IDEMPOTENT_METHODS,
+    RESPONSE_SUFFIX,
+    lane_of,
+)
+from geomesh_p2p.net.transport_config import TransportConfig
+from geomesh_p2p.net.envelope import _split_request
+from geomesh_p2p.net.guard import _Guard, _Oversized, _sized_parser, peer_ip
 
 log = logging.getLogger(__name__)
-
-SignedMessage = envelope_pb2.SignedMessage
-
-# Full method names, as in geomesh_p2p/wire/envelope.proto.
-DHT_PING = "/geomesh.wire.Dht/Ping"
-DHT_STORE = "/geomesh.wire.Dht/Store"
-DHT_FIND = "/geomesh.wire.Dht/Find"
-COLLECTIVE_PUSH = "/geomesh.wire.Collective/PushPart"
-COLLECTIVE_PULL = "/geomesh.wire.Collective/PullPart"
-STATE_GET = "/geomesh.wire.State/GetState"
-STATE_STATUS = "/geomesh.wire.State/Status"
-LINK_PROBE = "/geomesh.wire.Link/Probe"
-STATE_UPDATE = "/geomesh.wire.State/GetUpdate"
-
-#: Connection lanes. Calls that move bulk data (pseudo-gradient parts, the state, outer updates, link
-#: probes) go over their own connection to a peer, the control calls (DHT, status) over another. Why: on a
-#: slow uplink one connection's kernel send buffer holds seconds of queued part bytes, and a DHT store
-#: queued behind them arrived after its record expired (a real-process DiLoCo run at 5-7 Mbit/s: peers
-#: announced as dead, planned out every round). A second TCP connection shares the link fairly instead.
-CONTROL_LANE, BULK_LANE = "control", "bulk"
-BULK_METHODS = frozenset({COLLECTIVE_PUSH, COLLECTIVE_PULL, STATE_GET, STATE_UPDATE, LINK_PROBE})
-
-
-def lane_of(method: str) -> str:
-    """The connection lane of ``method``: :data:`BULK_LANE` for :data:`BULK_METHODS`, else :data:`CONTROL_LANE`."""
-    return BULK_LANE if method in BULK_METHODS else CONTROL_LANE
-
-
-DEFAULT_MAX_MESSAGE_BYTES = 128 << 20
-RESPONSE_SUFFIX = "+resp"
-# Bytes a SignedMessage adds to its payload: keys, signature, hashes, nonce, run id, kind, round,
-# timestamp and protobuf tags (~250 bytes with a short run id); generous, so a payload at its
-# method's limit always fits.
-ENVELOPE_OVERHEAD = 4096
-
-# Payload limits of methods registered without one (their requests are small, their replies are not).
-DEFAULT_PAYLOAD_LIMITS: Dict[str, int] = {
-    COLLECTIVE_PULL: 4 << 10,
-    STATE_GET: 1 << 10,
-    STATE_STATUS: 1 << 10,
-}
-
-# Method classes for the concurrent-call caps (class "other": any method not listed).
-METHOD_CLASS: Dict[str, str] = {
-    DHT_PING: "dht",
-    DHT_STORE: "dht",
-    DHT_FIND: "dht",
-    COLLECTIVE_PUSH: "collective",
-    COLLECTIVE_PULL: "collective",
-    STATE_GET: "state",
-    STATE_STATUS: "state",
-    LINK_PROBE: "probe",
-}
-# (calls in progress in total, calls in progress per verified sender), per class. Collective pulls are
-# long polls (CollectiveService holds at most 256); a state download is one stream per donor piece.
-DEFAULT_CALL_LIMITS: Dict[str, Tuple[int, int]] = {
-    "dht": (512, 32),
-    "collective": (1024, 128),
-    "state": (32, 8),
-    "probe": (16, 4),
-    "other": (256, 32),
-}
 
 _current: contextvars.ContextVar[Optional[Verified]] = contextvars.ContextVar("geomesh_verified", default=None)
 
 UnaryHandler = Callable[[Verified, grpc.aio.ServicerContext], Awaitable[bytes]]
 StreamHandler = Callable[[Verified, grpc.aio.ServicerContext], AsyncIterator[bytes]]
-
-
-#: Payloads over this many bytes are hashed, signed or verified, and encoded, in a worker thread
-#: (issue 13): SHA-256 of 1 MiB takes ~1 ms; of a 100 MiB part, ~0.1-0.5 s of a stalled loop.
-BIG_PAYLOAD_BYTES = 1 << 20
-
-
-class _Request:
-    """A request SignedMessage split by :func:`_split_request`: ``envelope`` parsed by protobuf (it is
-    small), ``payload`` one ``bytes`` slice of the received buffer. It offers what
-    ``identity.Verifier.verify`` reads (``HasField``, ``envelope``, ``payload``) and ``ByteSize``."""
-
-    __slots__ = ("envelope", "payload", "_size")
-
-    def __init__(self, envelope, payload: bytes, size: int):
-        self.envelope, self.payload, self._size = envelope, payload, size
-
-    def HasField(self, name: str) -> bool:  # noqa: N802  (protobuf's name)
-        return name == "envelope" and self.envelope is not None
-
-    def ByteSize(self) -> int:  # noqa: N802
-        return self._size
-
-
-def _split_request(data: bytes):
-    """Parse a SignedMessage without protobuf's copy of its payload: with upb, every read of
-    ``msg.payload`` returns a fresh copy (a 100 MiB payload: ~0.5 s and 100 MiB each time, and the
-    verifier reads it three times, on the event loop). Fields 1 (envelope) and 2 (payload) at most
-    once each, unknown fields skipped; anything else is malformed and becomes an empty message."""
-    try:
-        n = len(data)
-        env_at = payload_at = None
-        i = 0
-        while i < n:
-            key, i = read_varint(data, i, n)
-            field, wire = key >> 3, key & 7
-            if wire == 2:
-                length, i = read_varint(data, i, n)
-                if i + length > n:
-                    raise ValueError("truncated field")
-                if field in (1, 2):
-                    if (env_at if field == 1 else payload_at) is not None:
-                        raise ValueError("repeated field")
-                    if field == 1:
-                        env_at = (i, i + length)
-                    else:
-                        payload_at = (i, i + length)
-                i += length
-            elif field in (1, 2):
-                raise ValueError("wrong wire type")
-            else:
-                i = skip_value(data, i, n, wire)
-            if i > n:
-                raise ValueError("truncated field")
-        envelope = envelope_pb2.Envelope.FromString(data[env_at[0] : env_at[1]]) if env_at is not None else None
-        payload = data[payload_at[0] : payload_at[1]] if payload_at is not None else b""
-        return _Request(envelope, payload, n)
-    except Exception:  # ValueError, DecodeError: not a SignedMessage
-        return SignedMessage()
-
-
-class _Oversized:
-    """What the request deserializer returns for a message over its method's limit (never parsed)."""
-
-    __slots__ = ("nbytes",)
-
-    def __init__(self, nbytes: int):
-        self.nbytes = nbytes
-
-
-def _sized_parser(max_message: Callable[[], int]) -> Callable[[bytes], object]:
-    """A request deserializer that refuses, from its length alone, a message over ``max_message()``
-    bytes: it is neither parsed (a protobuf copy) nor hashed and signature-checked."""
-
-    def parse(data: bytes):
-        if len(data) > max_message():
-            return _Oversized(len(data))
-        return _split_request(data)
-
-    return parse
-
-
-def peer_ip(peer: str) -> str:
-    """The remote IP of a gRPC ``context.peer()`` string ("ipv4:1.2.3.4:5", "ipv6:[::1]:5"); the
-    string itself when it has no port (e.g. "unix:...")."""
-    kind, _, rest = peer.partition(":")
-    if kind in ("ipv4", "ipv6") and rest:
-        host = rest.rsplit(":", 1)[0]
-        return host.strip("[]")
-    return peer
 
 
 def current_request() -> Verified:
@@ -217,156 +78,6 @@ def current_request() -> Verified:
     if v is None:
         raise RuntimeError("no verified request in this context")
     return v
-
-
-class TlsError(UserFacingError, ValueError):
-    """A TLS file (``--tls-cert/--tls-key/--tls-ca``) is missing, unreadable or not what it should be; the
-    message names the flag and the file."""
-
-
-@dataclass
-class TlsConfig:
-    """TLS of every gRPC connection (``--tls-cert``, ``--tls-key``, ``--tls-ca``): PEM file paths.
-
-    * Server: ``cert_file`` + ``key_file`` (its certificate chain and private key). With ``ca_file`` too,
-      the server requires each caller to present a certificate signed by that CA (mutual TLS).
-    * Client: ``ca_file``, the root the servers' certificates must chain to (None: the system roots);
-      ``cert_file`` + ``key_file``, when given, are presented to servers that ask for one.
-
-    A certificate must name the address others dial (an IP SAN such as 127.0.0.1, or the DNS name).
-    TLS authenticates and encrypts the connection; who sent a message is still the Ed25519 envelope
-    (``identity.Verifier``), checked on every request and reply as without TLS.
-    """
-
-    cert_file: Optional[str] = None
-    key_file: Optional[str] = None
-    ca_file: Optional[str] = None
-    _pem: Dict[str, bytes] = field(default_factory=dict, repr=False, compare=False)
-
-    def check(self) -> "TlsConfig":
-        """Read and validate the files once (blocking file I/O; call it at start-up). Returns ``self``.
-
-        Raises:
-            TlsError: a key without a certificate or the reverse; a file missing or unreadable; a file that
-                holds no PEM certificate (cert, CA) or private key (key); a key that does not belong to the
-                certificate. The message names the flag and the file.
-        """
-        if (self.cert_file is None) != (self.key_file is None):
-            raise TlsError("--tls-cert and --tls-key go together (the server's certificate and its private key)")
-        if not (self.cert_file or self.ca_file):
-            raise TlsError("TLS needs --tls-cert/--tls-key (a server), --tls-ca (a client), or all three")
-        from cryptography import x509
-        from cryptography.hazmat.primitives import serialization
-
-        certs = {}
-        for flag, path, what in (
-            ("--tls-cert", self.cert_file, "cert"),
-            ("--tls-ca", self.ca_file, "cert"),
-            ("--tls-key", self.key_file, "key"),
-        ):
-            if path is None:
-                continue
-            try:
-                with open(path, "rb") as f:
-                    data = f.read()
-            except OSError as e:
-                raise TlsError(f"{flag} {path}: cannot read it ({e.strerror or e})") from None
-            try:
-                if what == "cert":
-                    certs[flag] = x509.load_pem_x509_certificates(data)[0]
-                else:
-                    key = serialization.load_pem_private_key(data, password=None)
-            except (ValueError, TypeError) as e:
-                kind = "a PEM certificate" if what == "cert" else "an unencrypted PEM private key"
-                raise TlsError(f"{flag} {path}: not {kind} ({str(e).splitlines()[0] if str(e) else e})") from None
-            self._pem[flag] = data
-        if self.cert_file is not None:
-            pub = serialization.PublicFormat.SubjectPublicKeyInfo
-            enc = serialization.Encoding.DER
-            if key.public_key().public_bytes(enc, pub) != certs["--tls-cert"].public_key().public_bytes(enc, pub):
-                raise TlsError(f"--tls-key {self.key_file} is not the private key of --tls-cert {self.cert_file}")
-        return self
-
-    def _bytes(self, flag: str) -> Optional[bytes]:
-        if not self._pem:
-            self.check()
-        return self._pem.get(flag)
-
-    def server_credentials(self) -> grpc.ServerCredentials:
-        """Server credentials: ``key_file`` + ``cert_file``; callers must present a certificate signed by
-        ``ca_file`` when it is set. Raises TlsError (see :meth:`check`) or when no certificate is set."""
-        if self.cert_file is None:
-            raise TlsError("a TLS server needs --tls-cert and --tls-key (or run it --client-only)")
-        ca = self._bytes("--tls-ca")
-        return grpc.ssl_server_credentials(
-            [(self._bytes("--tls-key"), self._bytes("--tls-cert"))],
-            root_certificates=ca,
-            require_client_auth=ca is not None,
-        )
-
-    def channel_credentials(self) -> grpc.ChannelCredentials:
-        """Client credentials: servers are checked against ``ca_file`` (None: the system roots); this node's
-        certificate and key, when set, answer a server's request for one. Raises TlsError (:meth:`check`)."""
-        return grpc.ssl_channel_credentials(
-            root_certificates=self._bytes("--tls-ca"),
-            private_key=self._bytes("--tls-key"),
-            certificate_chain=self._bytes("--tls-cert"),
-        )
-
-
-def tls_from_flags(cert: Optional[str], key: Optional[str], ca: Optional[str]) -> Optional[TlsConfig]:
-    """The checked :class:`TlsConfig` of ``--tls-cert/--tls-key/--tls-ca`` (None when none is given: plaintext).
-    Blocking file reads (call it at start-up, off the event loop). Raises TlsError naming the flag and file."""
-    if not (cert or key or ca):
-        return None
-    return TlsConfig(cert or None, key or None, ca or None).check()
-
-
-@dataclass
-class TransportConfig:
-    """Transport settings. Units: bytes, seconds."""
-
-    host: str = "127.0.0.1"
-    port: int = 0  # 0 = pick a free port
-    advertise_host: Optional[str] = None  # what others dial; defaults to host
-    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
-    default_timeout_s: float = 10.0
-    keepalive_s: float = 20.0
-    # The skew window also covers the time a large message spends in flight (a 25 MB part over a slow
-    # uplink takes tens of seconds), so it is wider than clock skew alone needs.
-    max_skew_s: float = 120.0
-    added_latency_s: float = 0.0
-    tls: Optional[TlsConfig] = None
-    client_only: bool = False
-    max_channels: int = 1024  # client channels kept open (least recently used closed first)
-    # ---- server-side resource bounds (see the module docstring) ----
-    # Connections: in total (also at most half the process's file-descriptor limit), streams per
-    # connection, seconds to finish the HTTP/2 handshake, idle seconds before a connection is closed,
-    # maximum age (then ``connection_age_grace_s`` for the calls in flight).
-    max_connections: int = 1024
-    max_streams_per_connection: int = 256
-    handshake_timeout_s: float = 10.0
-    connection_idle_s: float = 300.0
-    connection_age_s: float = 3600.0
-    connection_age_grace_s: float = 300.0
-    # Calls in progress on the server, all methods (gRPC answers RESOURCE_EXHAUSTED beyond).
-    max_concurrent_rpcs: int = 4096
-    # Requests being received at once (each may hold up to the server-wide limit in memory, twice,
-    # while it is read; see _Guard), per remote IP and in all, per class (small: max_reads, bulk: half,
-    # large: a quarter), and requests waiting to be received (~64 KiB each), per IP and in all.
-    max_reads_per_ip: int = 1
-    max_reads: int = 8
-    max_waiting_per_ip: int = 256
-    max_waiting: int = 2048
-    # A connection that sent a request over its method's limit is refused for this long.
-    oversize_penalty_s: float = 30.0
-    # {method class: (calls in total, calls per verified sender)}; missing classes use DEFAULT_CALL_LIMITS.
-    call_limits: Dict[str, Tuple[int, int]] = field(default_factory=dict)
-    # HTTP/2 BDP probing on the server grows every stream's receive window to the link's
-    # bandwidth-delay product (~16 MB per stream on loopback), so each request waiting for its turn
-    # would hold that much; off, a waiting request holds 64 KiB and a request being read gets a
-    # window sized to its message.
-    server_bdp_probe: bool = False
 
 
 @dataclass
@@ -398,9 +109,6 @@ try:
 except ImportError:  # another grpcio layout: nothing special to catch
     _WRITE_FAILED = ()
 
-# Methods whose call may be sent twice with no other effect than once (a read, a probe, or a store/push
-# the server keeps once per sender): the transport redials and retries them once after a lost connection.
-IDEMPOTENT_METHODS = frozenset({DHT_PING, DHT_STORE, DHT_FIND, COLLECTIVE_PULL, STATE_GET, STATE_STATUS, LINK_PROBE})
 
 # gRPC core's wording (the status details) for a connection that could not be made or was lost, as
 # opposed to a server that answered UNAVAILABLE itself ("round N is not open on this node yet").
@@ -437,220 +145,6 @@ class RpcError(Exception):
         super().__init__(f"{method} to {address} failed: {code.name}: {reason}")
         self.address, self.method, self.code, self.reason = address, method, code, reason
         self.unreachable = unreachable
-
-
-def _count_down(counts: dict, key) -> None:
-    """Decrement ``counts[key]`` (KeyError when absent), deleting the key at 0 so that the per-IP and
-    per-sender tables hold only the keys with something in progress (they stay bounded)."""
-    n = counts[key] - 1
-    if n:
-        counts[key] = n
-    else:
-        del counts[key]
-
-
-class _Pool:
-    """Read slots of one size class: at most ``per_ip`` per remote IP and ``total`` in all; waiters
-    in two FIFO lanes, connections with a good record first."""
-
-    def __init__(self, name: str, per_ip: int, total: int):
-        self.name, self.per_ip, self.total = name, max(1, int(per_ip)), max(1, int(total))
-        self.reading = 0
-        self.by_ip: Dict[str, int] = {}
-        self.fast: "OrderedDict[object, tuple[str, asyncio.Future]]" = OrderedDict()
-        self.queue: "OrderedDict[object, tuple[str, asyncio.Future]]" = OrderedDict()
-
-    def waits(self, ip: str, fast: bool) -> bool:
-        """Whether a request of ``ip`` waits in this lane or ahead of it."""
-        lanes = (self.fast,) if fast else (self.fast, self.queue)
-        return any(q_ip == ip for lane in lanes for q_ip, _ in lane.values())
-
-    def free_for(self, ip: str) -> bool:
-        return self.reading < self.total and self.by_ip.get(ip, 0) < self.per_ip
-
-    def take(self, ip: str) -> None:
-        self.reading += 1
-        self.by_ip[ip] = self.by_ip.get(ip, 0) + 1
-
-    def give(self, ip: str) -> None:
-        self.reading -= 1
-        _count_down(self.by_ip, ip)
-
-
-class _Guard:
-    """Admission of requests on one server: who may be read now, who waits, who is refused.
-
-    What gRPC (C core, chttp2) holds before this code runs: the call's headers and, per stream, at most
-    its HTTP/2 receive window of request data (64 KiB with BDP probing off, see
-    ``TransportConfig.server_bdp_probe``; the sender blocks on flow control beyond it). A request over
-    the server-wide ``grpc.max_receive_message_length`` is refused by the core from its 5-byte length
-    prefix, without receiving it. Once a handler asks for the message (``context.read()``), the core
-    opens the window and buffers the whole message (up to that server-wide limit), then copies it into
-    a Python ``bytes`` object for the deserializer: so a request to a method with a small limit can
-    still cost up to the server-wide limit, twice over, while it is read. Hence:
-
-    * reads take a slot of their method's class: "bulk" for :data:`BULK_METHODS` (PushPart, PullPart,
-      the state, outer updates, link probes), else by payload limit "small" (up to 1 MiB, e.g. DHT ping
-      and find) or "large" (e.g. DHT store); at most ``max_reads_per_ip`` per remote IP and ``max_reads``
-      in all per class (bulk: half of them, large: a quarter, at least 1). Control calls never wait for a
-      bulk slot: a peer's DHT store is not held up behind its own or others' part uploads (the client's
-      connection lanes alone did not help while the server queued both for one slot); the others wait holding only their flow-control window, at most
-      ``max_waiting_per_ip`` per IP and ``max_waiting`` in all (more: RESOURCE_EXHAUSTED at once),
-      in two FIFO lanes: connections that already delivered a valid signed request first (an honest
-      peer's DHT ping does not queue behind a flood of new connections from its IP);
-    * a request bigger than 1 MiB keeps its slot until its handler returns (its bytes live that
-      long), a smaller one gives it back once read;
-    * the deserializer checks the length against the method's own limit before parsing;
-      :meth:`penalize` then refuses that connection (``context.peer()``, IP and port) for
-      ``oversize_penalty_s`` seconds before reading anything more from it;
-    * :meth:`enter_call` caps calls in progress per method class in total and per verified sender.
-    """
-
-    SMALL_LIMIT = 1 << 20
-
-    def __init__(self, config: "TransportConfig"):
-        c = config
-        self.pools = {
-            "small": _Pool("small", c.max_reads_per_ip, c.max_reads),
-            "large": _Pool("large", c.max_reads_per_ip, max(1, c.max_reads // 4)),
-            "bulk": _Pool("bulk", c.max_reads_per_ip, max(1, c.max_reads // 2)),
-        }
-        self.max_waiting_per_ip, self.max_waiting = max(0, c.max_waiting_per_ip), max(0, c.max_waiting)
-        self.penalty_s = c.oversize_penalty_s
-        self.limits = {**DEFAULT_CALL_LIMITS, **c.call_limits}
-        self._waiting_by_ip: Dict[str, int] = {}
-        self._waiting = 0
-        self._penalty: "OrderedDict[str, float]" = OrderedDict()  # connection -> until (monotonic)
-        self._good: "OrderedDict[str, None]" = OrderedDict()  # connections that sent a valid request
-        self._calls: Dict[str, int] = {}
-        self._sender_calls: Dict[tuple, int] = {}
-        self.refused = 0
-
-    def pool_for(self, payload_limit: int, method: str = "") -> str:
-        """The read pool of a call: "bulk" for a bulk ``method`` (:func:`lane_of`), else "small" or
-        "large" by ``payload_limit`` (bytes)."""
-        if lane_of(method) == BULK_LANE:
-            return "bulk"
-        return "small" if payload_limit <= self.SMALL_LIMIT else "large"
-
-    # -------------------------------------------------------------- reading
-    def _refuse(self, reason: str) -> EnvelopeError:
-        self.refused += 1
-        return EnvelopeError(grpc.StatusCode.RESOURCE_EXHAUSTED, reason)
-
-    def penalize(self, peer: str) -> None:
-        self._good.pop(peer, None)
-        self._penalty[peer] = time.monotonic() + self.penalty_s
-        self._penalty.move_to_end(peer)
-        while len(self._penalty) > 8192:
-            self._penalty.popitem(last=False)
-
-    def _penalized(self, peer: str) -> Optional[float]:
-        until = self._penalty.get(peer)
-        if until is None:
-            return None
-        left = until - time.monotonic()
-        if left <= 0:
-            del self._penalty[peer]
-            return None
-        return left
-
-    def _unwait(self, ip: str) -> None:
-        self._waiting -= 1
-        _count_down(self._waiting_by_ip, ip)
-
-    def _wake(self, pool: _Pool) -> None:
-        """Start the first waiting reads (good connections first, FIFO) whose IP and the pool have a free slot."""
-        for lane in (pool.fast, pool.queue):
-            for key, (ip, fut) in list(lane.items()):
-                if pool.reading >= pool.total:
-                    return
-                if fut.done():
-                    continue
-                if pool.free_for(ip):
-                    del lane[key]
-                    self._unwait(ip)
-                    pool.take(ip)
-                    fut.set_result(None)
-
-    def mark_good(self, peer: str) -> None:
-        """``peer`` (a connection) delivered a valid signed request: its next ones wait in the first lane."""
-        self._good[peer] = None
-        self._good.move_to_end(peer)
-        while len(self._good) > 8192:
-            self._good.popitem(last=False)
-
-    async def acquire_read(self, peer: str, pool_name: str = "small") -> tuple:
-        """Wait for a read slot for a request from ``peer``; returns a ticket for :meth:`release_read`.
-        Raises EnvelopeError(RESOURCE_EXHAUSTED) when the connection is penalized or the queues are full."""
-        left = self._penalized(peer)
-        if left is not None:
-            raise self._refuse(
-                f"this connection sent a request over its method's size limit; refused for {left:.0f}s more"
-            )
-        ip = peer_ip(peer)
-        pool = self.pools[pool_name]
-        fast = peer in self._good
-        if pool.free_for(ip) and not pool.waits(ip, fast):  # nobody of this IP waits ahead of it
-            pool.take(ip)
-            return pool, ip
-        mine = self._waiting_by_ip.get(ip, 0)
-        if mine >= self.max_waiting_per_ip or self._waiting >= self.max_waiting:
-            raise self._refuse(f"too many requests waiting to be received ({mine} from {ip}, {self._waiting} in all)")
-        fut = asyncio.get_running_loop().create_future()
-        key = object()
-        lane = pool.fast if fast else pool.queue
-        lane[key] = (ip, fut)
-        self._waiting_by_ip[ip] = mine + 1
-        self._waiting += 1
-        try:
-            await fut
-        except BaseException:  # cancelled (deadline, client gone, server stop) while waiting
-            if key in lane:
-                del lane[key]
-                self._unwait(ip)
-            elif fut.done() and not fut.cancelled():  # granted just as it was cancelled: give it back
-                self.release_read((pool, ip))
-            raise
-        return pool, ip
-
-    def release_read(self, ticket: tuple) -> None:
-        pool, ip = ticket
-        pool.give(ip)
-        self._wake(pool)
-
-    # -------------------------------------------------------------- calls in progress
-    def enter_call(self, method: str, sender: PeerID) -> tuple:
-        """Count a verified call; raises EnvelopeError(RESOURCE_EXHAUSTED) over a cap. Returns the token
-        for :meth:`leave_call`."""
-        cls = METHOD_CLASS.get(method, "other")
-        total, per_sender = self.limits.get(cls, DEFAULT_CALL_LIMITS["other"])
-        key = (cls, bytes(sender))
-        mine = self._sender_calls.get(key, 0)
-        if mine >= per_sender:
-            raise self._refuse(f"{mine} {cls} calls from this sender in progress (at most {per_sender} per caller)")
-        n = self._calls.get(cls, 0)
-        if n >= total:
-            raise self._refuse(f"{n} {cls} calls in progress (at most {total} in total); try again shortly")
-        self._sender_calls[key] = mine + 1
-        self._calls[cls] = n + 1
-        return cls, key
-
-    def leave_call(self, token: tuple) -> None:
-        cls, key = token
-        self._calls[cls] -= 1
-        _count_down(self._sender_calls, key)
-
-    def snapshot(self) -> dict:
-        """Counters, for tests and benchmarks."""
-        return {
-            "reading": sum(p.reading for p in self.pools.values()),
-            "waiting": self._waiting,
-            "ips": len(set().union(*(p.by_ip for p in self.pools.values()))),
-            "calls": {k: v for k, v in self._calls.items() if v},
-            "penalized": len(self._penalty),
-            "refused": self.refused,
-        }
 
 
 class TaskOwner:

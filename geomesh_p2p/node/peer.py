@@ -50,7 +50,7 @@ from geomesh_p2p.config.models import NodeConfig, RunConfig
 from geomesh_p2p.data import load_dataset
 from geomesh_p2p.dht import IncompatibleSwarmError, PeerAnnouncer, check_compatible, live_peers
 from geomesh_p2p.dht import DHTNode
-from geomesh_p2p.dht.node import DHT_PROTOCOL_VERSION
+from geomesh_p2p.dht.state import DHT_PROTOCOL_VERSION
 from geomesh_p2p.dht.progress import swarm_progress
 from geomesh_p2p.util.errors import UserFacingError
 from geomesh_p2p.exchange.codec.feedback import PushFeedback
@@ -69,7 +69,7 @@ from geomesh_p2p.round.policy import OWNER_PENALTY_ROUNDS, NodeRoundPolicy
 from geomesh_p2p.trust.standing import OnceLog, Standing
 from geomesh_p2p.sync import progress as sync_progress
 from geomesh_p2p.model import state as gstate  # module-qualified: tests replace gstate.save_checkpoint
-from geomesh_p2p.sync.transfer import StateServer
+from geomesh_p2p.sync.server import StateServer
 from geomesh_p2p.model.training import (
     DEFAULT_INNER,
     InnerTrainer,
@@ -80,14 +80,10 @@ from geomesh_p2p.model.training import (
     num_params,
     pseudo_gradient,
 )
-from geomesh_p2p.net.transport import (
-    COLLECTIVE_PULL,
-    COLLECTIVE_PUSH,
-    DHT_PING,
-    Transport,
-    TransportConfig,
-    tls_from_flags,
-)
+from geomesh_p2p.net.transport import Transport
+from geomesh_p2p.net.transport_config import TransportConfig
+from geomesh_p2p.net.methods import COLLECTIVE_PULL, COLLECTIVE_PUSH, DHT_PING
+from geomesh_p2p.net.tls import tls_from_flags
 from geomesh_p2p.wire import dht_pb2
 
 log = logging.getLogger(__name__)

@@ -45,7 +45,7 @@ from geomesh_p2p.round.ports import (
     SystemClock,
     Trainer,
 )
-from geomesh_p2p.sync.transfer import StateSyncError
+from geomesh_p2p.sync.download import StateSyncError
 
 # Round log lines keep the node's logger name: operators' filters and the tests' caplog select on it.
 log = logging.getLogger("geomesh_p2p.node.peer.round")

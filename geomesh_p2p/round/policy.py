@@ -27,7 +27,7 @@ from geomesh_p2p.model import capability
 from geomesh_p2p import exchange as collective
 from geomesh_p2p.telemetry import events
 from geomesh_p2p.plan import planner
-from geomesh_p2p.sync import transfer as state_sync
+from geomesh_p2p.sync import download as state_sync
 from geomesh_p2p.status import swarm as swarm_status
 from geomesh_p2p.trust import verify
 from geomesh_p2p.trust import probation as pb

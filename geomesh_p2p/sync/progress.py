@@ -3,7 +3,7 @@ syncing joiner is derived from its progress, not a fixed 4 s).
 
 :class:`SyncMeter` counts the bytes of a state download as they arrive: :meth:`SyncMeter.wrap` gives a
 transport whose ``call_stream`` counts each message's payload and passes everything else through, so
-:func:`geomesh_p2p.sync.transfer.download_state` is measured without being changed. The node puts
+:func:`geomesh_p2p.sync.download.download_state` is measured without being changed. The node puts
 :meth:`SyncMeter.progress` in its record while it syncs (``PeerRecord.sync_progress``); the announcer
 refreshes the record every ``announce_period_s``.
 """

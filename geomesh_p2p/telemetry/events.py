@@ -36,7 +36,7 @@ kind                         where                            fields
                                                               ``update_not_finite``), detail (if any)
 ``digest_mismatch``          round.driver.check_digest        peer, round, digest, majority_digest,
                                                               agree, total
-``dht_join_retry``           dht.node.DHTNode.join            peer, attempt, attempts, wait_s
+``dht_join_retry``           dht.join.DHTJoin.join            peer, attempt, attempts, wait_s
 ``early_steps_discarded``    round.driver._discard_early      peer, round, started_leader,
                                                               followed_leader (None: no plan)
 ``empty_swarm``              node._on_empty_swarm             peer, run_id, round, bootstrap, peers,

@@ -6,7 +6,9 @@ import time
 import grpc
 from geomesh_p2p.dht import make_record
 from geomesh_p2p.net.identity import Identity
-from geomesh_p2p.net.transport import DHT_STORE, RpcError, Transport, TransportConfig
+from geomesh_p2p.net.transport import RpcError, Transport
+from geomesh_p2p.net.transport_config import TransportConfig
+from geomesh_p2p.net.methods import DHT_STORE
 from geomesh_p2p.wire import dht_pb2
 from tests.proc_util import MiB, bootstrap_args
 from tests.integration.test_dht_guard import _store_req  # noqa: F401

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import grpc
 from geomesh_p2p.net.identity import Identity
-from geomesh_p2p.net.transport import DHT_PING, DHT_STORE
+from geomesh_p2p.net.methods import DHT_PING, DHT_STORE
 from tests.proc_util import MiB, bootstrap_args, signed_call
 from tests.integration.test_limits import RUN, _valid_pings, ping_payload  # noqa: F401
 

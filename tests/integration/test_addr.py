@@ -19,7 +19,8 @@ from geomesh_p2p.net.addr import (
 )
 from geomesh_p2p.dht import DHTNode
 from geomesh_p2p.net.identity import Identity
-from geomesh_p2p.net.transport import Transport, TransportConfig
+from geomesh_p2p.net.transport import Transport
+from geomesh_p2p.net.transport_config import TransportConfig
 from tests.dht_helpers import stop_node
 
 pytestmark = pytest.mark.timeout(60)

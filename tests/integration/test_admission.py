@@ -23,7 +23,9 @@ from geomesh_p2p.dht import PeerAnnouncer, live_peers
 from geomesh_p2p.net.identity import Identity, allow_list
 from geomesh_p2p.schema.peer import PeerRecord
 from tests.records_util import peer_record
-from geomesh_p2p.net.transport import STATE_STATUS, RpcError, Transport, TransportConfig
+from geomesh_p2p.net.transport import RpcError, Transport
+from geomesh_p2p.net.transport_config import TransportConfig
+from geomesh_p2p.net.methods import STATE_STATUS
 from tests.dht_helpers import RUN, start_node, stop_all
 
 pytestmark = pytest.mark.timeout(60)
@@ -171,7 +173,7 @@ def test_allow_file_accepts_peer_ids_and_public_keys(tmp_path):
 async def test_allow_listed_run_refuses_an_outsiders_record_and_rpc():
     """A private run: the insiders' DHT and state server refuse an outsider's store and state RPC with
     PERMISSION_DENIED and a reason; an outsider's record that reaches a peer anyway is ignored."""
-    from geomesh_p2p.sync.transfer import StateServer
+    from geomesh_p2p.sync.server import StateServer
     from geomesh_p2p.wire import state_pb2
 
     inside = [Identity.generate() for _ in range(2)]
@@ -194,7 +196,7 @@ async def test_allow_listed_run_refuses_an_outsiders_record_and_rpc():
         assert await PeerAnnouncer(dht1, _rec(inside[1])).announce_once()
         out_t = Transport(outsider, RUN, TransportConfig(client_only=True))
         try:
-            from geomesh_p2p.net.transport import DHT_STORE
+            from geomesh_p2p.net.methods import DHT_STORE
             from geomesh_p2p.dht.records import make_record
             from geomesh_p2p.wire import dht_pb2
 

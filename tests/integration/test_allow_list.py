@@ -10,7 +10,8 @@ import pytest
 from geomesh_p2p.telemetry import events
 from geomesh_p2p.dht import DHTJoinError, DHTNode
 from geomesh_p2p.net.identity import Identity, allow_list
-from geomesh_p2p.net.transport import Transport, TransportConfig
+from geomesh_p2p.net.transport import Transport
+from geomesh_p2p.net.transport_config import TransportConfig
 
 RUN = "allow-test-run"
 REASON = "not on this node's allow-list, --allow-peers"

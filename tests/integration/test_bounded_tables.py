@@ -12,7 +12,8 @@ import torch
 
 from geomesh_p2p.net.identity import EnvelopeError
 from geomesh_p2p.net.links import LinkProbeService
-from geomesh_p2p.net.transport import COLLECTIVE_PULL, COLLECTIVE_PUSH, RpcError
+from geomesh_p2p.net.transport import RpcError
+from geomesh_p2p.net.methods import COLLECTIVE_PULL, COLLECTIVE_PUSH
 from geomesh_p2p.wire import collective_pb2
 from tests.collective_util import deltas_for, reference
 from tests.wait_util import until

@@ -14,16 +14,10 @@ from geomesh_p2p.net.identity import Identity
 from geomesh_p2p.model.optim import OuterNesterov
 from geomesh_p2p.round.policy import outer_step_per_part
 from geomesh_p2p.model.state import GlobalState
-from geomesh_p2p.sync.transfer import (
-    OuterUpdate,
-    Snapshot,
-    StateServer,
-    StateSyncError,
-    UpdateLog,
-    catch_up_updates,
-    download_state,
-)
-from geomesh_p2p.net.transport import Transport, TransportConfig
+from geomesh_p2p.sync.download import OuterUpdate, Snapshot, StateSyncError, catch_up_updates, download_state
+from geomesh_p2p.sync.server import StateServer, UpdateLog
+from geomesh_p2p.net.transport import Transport
+from geomesh_p2p.net.transport_config import TransportConfig
 from geomesh_p2p.wire import state_pb2
 from tests.state_util import StallingServer
 
@@ -273,7 +267,7 @@ async def test_the_update_log_keeps_the_last_rounds_and_only_sealed_ones():
 async def test_a_donor_frozen_from_its_first_chunk_costs_the_floor_not_the_stall_timeout():
     """The piece of a donor that never sends a chunk moves once its sibling's rate shows the donor is late:
     STALL_FLOOR_S (2 s) here, not the 30 s stall timeout (issue 14 #3: a frozen donor costs <= 5 s)."""
-    from geomesh_p2p.sync.transfer import STALL_FLOOR_S
+    from geomesh_p2p.sync.download import STALL_FLOOR_S
 
     gs = _state(p=1 << 17)  # 1 MiB: 32 chunks per piece
     frozen_t, frozen, frozen_addr = await _serve(gs, StallingServer, stall_after=0)

@@ -24,7 +24,9 @@ from geomesh_p2p.exchange import (
     token_weighted_mean,
 )
 from geomesh_p2p.net.identity import EnvelopeError, Identity
-from geomesh_p2p.net.transport import COLLECTIVE_PULL, COLLECTIVE_PUSH, RpcError, Transport, TransportConfig
+from geomesh_p2p.net.transport import RpcError, Transport
+from geomesh_p2p.net.transport_config import TransportConfig
+from geomesh_p2p.net.methods import COLLECTIVE_PULL, COLLECTIVE_PUSH
 from geomesh_p2p.wire import collective_pb2
 
 from tests.collective_util import RUN, craft_contribution, deltas_for, pid_order, reference, reference_part
@@ -484,7 +486,8 @@ async def test_parts_too_big_for_one_message_are_split_and_still_exact():
     """fp32 parts larger than the gRPC message limit fail whole (the push is refused and the part is
     missing); cut with split_owners(max_part_elements(...)) the same vectors reduce exactly."""
     from geomesh_p2p.exchange import make_partition, max_part_elements, split_owners
-    from geomesh_p2p.net.transport import Transport, TransportConfig
+    from geomesh_p2p.net.transport import Transport
+    from geomesh_p2p.net.transport_config import TransportConfig
 
     limit = 256 << 10
     ids = [Identity.generate() for _ in range(3)]

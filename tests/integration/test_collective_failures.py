@@ -20,7 +20,8 @@ import torch
 
 from geomesh_p2p.exchange import codec as compression
 from geomesh_p2p.exchange import CollectiveService
-from geomesh_p2p.net.transport import COLLECTIVE_PUSH, RpcError
+from geomesh_p2p.net.transport import RpcError
+from geomesh_p2p.net.methods import COLLECTIVE_PUSH
 from geomesh_p2p.wire import collective_pb2
 from tests.jsonl_util import JsonLineProc, kill_workers
 from tests.collective_util import RUN, Swarm, craft_contribution, deltas_for, pid_order, reference

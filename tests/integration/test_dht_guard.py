@@ -12,9 +12,11 @@ import grpc
 import pytest
 
 from geomesh_p2p.dht import DHTNode, make_record
-from geomesh_p2p.dht.node import DHT_PROTOCOL_VERSION
+from geomesh_p2p.dht.state import DHT_PROTOCOL_VERSION
 from geomesh_p2p.net.identity import Identity
-from geomesh_p2p.net.transport import DHT_FIND, DHT_PING, DHT_STORE, RpcError, Transport, TransportConfig
+from geomesh_p2p.net.transport import RpcError, Transport
+from geomesh_p2p.net.transport_config import TransportConfig
+from geomesh_p2p.net.methods import DHT_FIND, DHT_PING, DHT_STORE
 from geomesh_p2p.wire import dht_pb2
 from tests.dht_helpers import RUN, start_node, stop_all, wait_for
 from tests.proc_util import MiB, closed_ports

@@ -12,7 +12,9 @@ import pytest
 from geomesh_p2p.dht import RecordError, key_id_of, make_record, owned_key, verify_record
 from geomesh_p2p.dht.records import RecordLimits, canonical_record_bytes, required_owner
 from geomesh_p2p.net.identity import Identity
-from geomesh_p2p.net.transport import DHT_FIND, DHT_STORE, RpcError, Transport, TransportConfig
+from geomesh_p2p.net.transport import RpcError, Transport
+from geomesh_p2p.net.transport_config import TransportConfig
+from geomesh_p2p.net.methods import DHT_FIND, DHT_STORE
 from geomesh_p2p.wire import dht_pb2
 from tests.dht_helpers import RUN, start_node, start_swarm, stop_all
 

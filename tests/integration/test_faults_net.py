@@ -11,7 +11,8 @@ import pytest
 
 from geomesh_p2p.dht import DHTNode
 from geomesh_p2p.net.identity import Identity
-from geomesh_p2p.net.transport import RpcError, Transport, TransportConfig
+from geomesh_p2p.net.transport import RpcError, Transport
+from geomesh_p2p.net.transport_config import TransportConfig
 from tests.dht_helpers import RUN, start_node, stop_all, stop_node
 from tests.e2e.test_bootstrap import START_TIMEOUT, procs  # noqa: F401  (the fixture)
 from tests.proc_util import bootstrap_args

@@ -153,8 +153,11 @@ import gc  # noqa: E402
 import grpc  # noqa: E402
 
 from geomesh_p2p.net.identity import Identity  # noqa: E402
-from geomesh_p2p.sync.transfer import StateServer, StateSyncError, download_state  # noqa: E402
-from geomesh_p2p.net.transport import STATE_GET, RpcError, Transport, TransportConfig  # noqa: E402
+from geomesh_p2p.sync.download import StateSyncError, download_state
+from geomesh_p2p.sync.server import StateServer
+from geomesh_p2p.net.transport import RpcError, Transport
+from geomesh_p2p.net.transport_config import TransportConfig
+from geomesh_p2p.net.methods import STATE_GET
 from geomesh_p2p.wire import state_pb2  # noqa: E402
 from tests.state_util import StallingServer  # noqa: E402
 

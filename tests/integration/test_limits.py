@@ -21,11 +21,15 @@ import pytest
 import torch
 
 from geomesh_p2p.telemetry import events
-from geomesh_p2p.net import transport as transport_mod
-from geomesh_p2p.dht.node import DHT_PROTOCOL_VERSION
+from geomesh_p2p.net.envelope import _split_request
+from geomesh_p2p.net.guard import _Guard
+from geomesh_p2p.dht.state import DHT_PROTOCOL_VERSION
 from geomesh_p2p.net.identity import EnvelopeError, Identity
-from geomesh_p2p.sync.transfer import Snapshot, StateServer
-from geomesh_p2p.net.transport import DHT_PING, DHT_STORE, STATE_GET, RpcError, Transport, TransportConfig
+from geomesh_p2p.sync.download import Snapshot
+from geomesh_p2p.sync.server import StateServer
+from geomesh_p2p.net.transport import RpcError, Transport
+from geomesh_p2p.net.transport_config import TransportConfig
+from geomesh_p2p.net.methods import DHT_PING, DHT_STORE, STATE_GET
 from geomesh_p2p.wire import dht_pb2, state_pb2
 from tests.proc_util import MiB, signed_call
 from tests.wait_util import until
@@ -85,13 +89,13 @@ def test_request_split_matches_protobuf_and_refuses_malformed_bytes():
     for n in (0, 1, 127, 128, 300, 70_000):
         msg = me.sign_message(run_id=RUN, round=rnd.randrange(1 << 40), kind=DHT_PING, payload=rnd.randbytes(n))
         raw = msg.SerializeToString()
-        got = transport_mod._split_request(raw)
+        got = _split_request(raw)
         assert got.HasField("envelope") and got.envelope == msg.envelope and got.payload == msg.payload
         assert got.ByteSize() == len(raw)
         extra = raw + bytes([0x18, 0x05])  # an unknown varint field 3 is skipped, as protobuf does
-        assert transport_mod._split_request(extra).payload == msg.payload
+        assert _split_request(extra).payload == msg.payload
         for bad in (raw[:-1], raw + raw[:2], raw + b"\x0a\x00", raw + b"\x10\x01", b"\xff" * 8):
-            assert not transport_mod._split_request(bad).HasField("envelope")
+            assert not _split_request(bad).HasField("envelope")
 
 
 async def test_server_wide_limit_is_the_largest_method_limit():
@@ -143,7 +147,7 @@ async def test_concurrent_calls_capped_per_sender_and_in_total():
 async def test_reads_wait_for_a_slot_per_ip_and_the_queue_is_bounded():
     """The admission of reads alone (no gRPC): one read per IP and two in all per size class; a
     bounded queue; FIFO within an IP; another IP is not held up by a busy one."""
-    guard = transport_mod._Guard(TransportConfig(max_reads_per_ip=1, max_reads=2, max_waiting_per_ip=1, max_waiting=2))
+    guard = _Guard(TransportConfig(max_reads_per_ip=1, max_reads=2, max_waiting_per_ip=1, max_waiting=2))
     a = await guard.acquire_read("ipv4:10.0.0.1:1000")  # reading
     waiting = asyncio.ensure_future(guard.acquire_read("ipv4:10.0.0.1:1001"))
     await asyncio.sleep(0)
@@ -264,7 +268,7 @@ async def test_state_download_retries_a_bad_donor_and_closes_its_stream():
     """download_state over three donors, one of which serves another state: its piece moves to a good
     donor, and the abandoned stream is cancelled at once (the donor counts no state call after)."""
     from geomesh_p2p.model.state import digest
-    from geomesh_p2p.sync.transfer import download_state
+    from geomesh_p2p.sync.download import download_state
 
     theta, momentum = torch.randn(1 << 16), torch.randn(1 << 16)
     good = digest(theta, momentum)
@@ -330,7 +334,7 @@ async def test_a_dht_store_does_not_wait_behind_the_same_peers_part_upload():
     to the same node takes its own read slot: it answers in well under the upload's remaining time. Before,
     both took the one "large" slot of that IP and the store waited for the whole upload (3.7 s here)."""
     from geomesh_p2p.dht.records import DEFAULT_LIMITS
-    from geomesh_p2p.net.transport import COLLECTIVE_PUSH, DHT_STORE
+    from geomesh_p2p.net.methods import COLLECTIVE_PUSH, DHT_STORE
 
     async def ok(verified, context):
         return b"ok"

@@ -14,7 +14,9 @@ import torch
 from geomesh_p2p.model.capability import ThroughputEMA
 from geomesh_p2p.net.identity import Identity
 from geomesh_p2p.net.links import MAX_PROBE_BYTES, LinkProbeService, LinkSample, busy_seconds, link_sample, probe_link
-from geomesh_p2p.net.transport import LINK_PROBE, RpcError, Transport, TransportConfig
+from geomesh_p2p.net.transport import RpcError, Transport
+from geomesh_p2p.net.transport_config import TransportConfig
+from geomesh_p2p.net.methods import LINK_PROBE
 from geomesh_p2p.wire import collective_pb2, link_pb2
 
 pytestmark = pytest.mark.timeout(60)

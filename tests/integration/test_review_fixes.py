@@ -10,13 +10,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from geomesh_p2p.sync import transfer as state_sync
 from geomesh_p2p.net.identity import Identity
 from geomesh_p2p.model.optim import OuterNesterov
 from geomesh_p2p.round.policy import outer_step_per_part
 from geomesh_p2p.model.state import GlobalState
-from geomesh_p2p.sync.transfer import StateServer, download_state
-from geomesh_p2p.net.transport import STATE_GET, RpcError, Transport, TransportConfig
+from geomesh_p2p.sync.download import download_state
+from geomesh_p2p.sync import server as state_server
+from geomesh_p2p.sync.server import StateServer
+from geomesh_p2p.net.transport import RpcError, Transport
+from geomesh_p2p.net.transport_config import TransportConfig
+from geomesh_p2p.net.methods import STATE_GET, STATE_UPDATE
 from geomesh_p2p.wire import state_pb2
 
 RUN = "review-fixes"
@@ -93,7 +96,7 @@ async def test_requests_for_rounds_not_held_are_refused_before_anything_is_recor
 @pytest.mark.timeout(60)
 async def test_callers_tracked_are_lru_capped(donor, monkeypatch):
     gs, srv, addr, _, client = donor
-    monkeypatch.setattr(state_sync, "MAX_TRACKED_CALLERS", 3)
+    monkeypatch.setattr(state_server, "MAX_TRACKED_CALLERS", 3)
     for _ in range(5):  # five outsiders, one byte each
         assert await _get(client(), addr, state_pb2.StateRequest(round=5, length=1)) == 1
     assert srv.tracked() == 3
@@ -134,16 +137,14 @@ async def test_a_one_byte_update_request_does_not_make_the_donor_eager(donor):
     _advance(gs, srv, outer, 5)
     atk = client()
     req = state_pb2.StateRequest(round=5, length=1)
-    got = [
-        v async for v in atk.call_stream(addr, state_sync.STATE_UPDATE, req.SerializeToString(), round=5, timeout=10)
-    ]
+    got = [v async for v in atk.call_stream(addr, STATE_UPDATE, req.SerializeToString(), round=5, timeout=10)]
     assert len(state_pb2.StateChunk.FromString(got[0].payload).data) == 1
     assert not srv.updates.catching_up  # rounds sealed from now on are not encoded eagerly
     # a real catch-up (the whole update) does
     got = [
         v
         async for v in atk.call_stream(
-            addr, state_sync.STATE_UPDATE, state_pb2.StateRequest(round=5).SerializeToString(), round=5, timeout=10
+            addr, STATE_UPDATE, state_pb2.StateRequest(round=5).SerializeToString(), round=5, timeout=10
         )
     ]
     assert srv.updates.catching_up

@@ -7,7 +7,8 @@ import pytest
 
 from geomesh_p2p.dht import DHTJoinError, DHTNode
 from geomesh_p2p.net.identity import Identity
-from geomesh_p2p.net.transport import Transport, TransportConfig
+from geomesh_p2p.net.transport import Transport
+from geomesh_p2p.net.transport_config import TransportConfig
 from tests.integration.test_tls import RUN, _ca, _dht, _tls
 
 

@@ -12,15 +12,10 @@ import pytest
 
 from geomesh_p2p.dht import DHTNode
 from geomesh_p2p.net.identity import Identity
-from geomesh_p2p.net.transport import (
-    DHT_PING,
-    RpcError,
-    TlsConfig,
-    TlsError,
-    Transport,
-    TransportConfig,
-    tls_from_flags,
-)
+from geomesh_p2p.net.transport import RpcError, Transport
+from geomesh_p2p.net.transport_config import TransportConfig
+from geomesh_p2p.net.methods import DHT_PING
+from geomesh_p2p.net.tls import TlsConfig, TlsError, tls_from_flags
 
 RUN = "tls-test-run"
 

@@ -11,15 +11,9 @@ import grpc
 import pytest
 
 from geomesh_p2p.net.identity import EnvelopeError, Identity, canonical_header
-from geomesh_p2p.net.transport import (
-    DHT_FIND,
-    DHT_PING,
-    DHT_STORE,
-    RpcError,
-    Transport,
-    TransportConfig,
-    current_request,
-)
+from geomesh_p2p.net.transport import RpcError, Transport, current_request
+from geomesh_p2p.net.transport_config import TransportConfig
+from geomesh_p2p.net.methods import DHT_FIND, DHT_PING, DHT_STORE
 from geomesh_p2p.wire import envelope_pb2
 
 pytestmark = pytest.mark.timeout(60)
@@ -345,7 +339,7 @@ async def test_bulk_and_control_calls_use_separate_connections():
     """Parts and state go over their own TCP connection to a peer, DHT calls over another (a DHT store
     must not queue behind seconds of part bytes in one connection's send buffer). The server sees two
     client ports; the same lane reuses its connection; dropping the address drops both lanes."""
-    from geomesh_p2p.net.transport import COLLECTIVE_PUSH, STATE_GET, lane_of
+    from geomesh_p2p.net.methods import COLLECTIVE_PUSH, STATE_GET, lane_of
 
     seen: dict[str, set] = {}
 

@@ -15,7 +15,7 @@ from geomesh_p2p.telemetry import events
 from geomesh_p2p.node import peer as node_mod
 from geomesh_p2p.model import state as gstate
 from geomesh_p2p.dht import IncompatibleSwarmError
-from geomesh_p2p.dht.node import Reachability
+from geomesh_p2p.dht.state import Reachability
 from geomesh_p2p.dht.progress import SwarmProgress
 from geomesh_p2p.util.errors import UserFacingError
 from geomesh_p2p.net.identity import Identity

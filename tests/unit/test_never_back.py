@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from geomesh_p2p.telemetry import events
-from geomesh_p2p.sync import transfer as ss
+from geomesh_p2p.sync import download as ss
 from geomesh_p2p.net.identity import Identity
 from geomesh_p2p.node.peer import PeerNode
 from geomesh_p2p.schema.peer import PeerRecord

@@ -18,7 +18,7 @@ from geomesh_p2p.telemetry import events
 from geomesh_p2p.round.driver import STALL_VOID_SHARE
 from geomesh_p2p.trust.probation import noshow_penalty_rounds
 from geomesh_p2p.round.policy import OWNER_PENALTY_ROUNDS, NodeRoundPolicy
-from geomesh_p2p.sync.transfer import StateSyncError
+from geomesh_p2p.sync.download import StateSyncError
 from tests.unit.test_round_driver import FakeClock, _digest, _peers, _run_all
 
 pytestmark = pytest.mark.timeout(60)

@@ -114,7 +114,7 @@ async def test_catch_up_of_a_trained_peer_refuses_the_forged_majority(monkeypatc
     async def announce():
         pass
 
-    import geomesh_p2p.sync.transfer as ss
+    import geomesh_p2p.sync.download as ss
 
     monkeypatch.setattr(ss, "download_state", fake_download)
     node.peers, node.announce = peers, announce
@@ -143,7 +143,7 @@ def test_fresh_joiner_picks_the_honest_digest_over_thirty_fresh_sybils(sybil_rou
 
 
 async def test_fresh_joiner_downloads_the_honest_state(monkeypatch):
-    from geomesh_p2p.sync.transfer import Snapshot
+    from geomesh_p2p.sync.download import Snapshot
 
     ids, honest = _honest(round=7, digest="honest")
     forged = _sybils(30, round=7, digest="forged")
@@ -163,7 +163,7 @@ async def test_fresh_joiner_downloads_the_honest_state(monkeypatch):
     def set_state(rnd, theta, momentum):
         node.round, node.digest = rnd, "honest"
 
-    import geomesh_p2p.sync.transfer as ss
+    import geomesh_p2p.sync.download as ss
 
     monkeypatch.setattr(ss, "download_state", fake_download)
     node.peers, node.announce, node._set_state = peers, announce, set_state

@@ -190,7 +190,7 @@ def test_a_busy_port_exits_2_like_the_bootstrap():
 
 # ------------------------------------------------------------------ join error wording (findings 5, 9)
 def test_other_run_message_names_both_runs_from_this_peers_side():
-    from geomesh_p2p.dht.node import _other_run_message
+    from geomesh_p2p.dht.join import _other_run_message
 
     msg = _other_run_message("127.0.0.1:31337", "message is for run 'lonely', this node serves 'my-run'", "lonely")
     assert msg == (
@@ -200,7 +200,7 @@ def test_other_run_message_names_both_runs_from_this_peers_side():
 
 
 def test_tls_hint_on_a_closed_socket():
-    from geomesh_p2p.dht.node import _tls_hint
+    from geomesh_p2p.dht.join import _tls_hint
 
     assert _tls_hint(["UNAVAILABLE: Socket closed"], tls=False) == (
         "; the bootstrap may require TLS: if the swarm uses TLS, pass --tls-cert/--tls-key/--tls-ca"
@@ -212,7 +212,8 @@ def test_tls_hint_on_a_closed_socket():
 
 
 def test_status_says_it_reached_a_bootstrap_of_another_run(capsys, monkeypatch):
-    from geomesh_p2p.dht.node import OtherRunError, _other_run_message
+    from geomesh_p2p.dht.join import _other_run_message
+    from geomesh_p2p.dht.state import OtherRunError
     from peer import tools_cli
     from peer.cli import main
 

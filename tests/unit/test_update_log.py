@@ -10,7 +10,7 @@ import threading
 import pytest
 import torch
 
-from geomesh_p2p.sync.transfer import UpdateLog
+from geomesh_p2p.sync.server import UpdateLog
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -1,0 +1,302 @@
+"""How a DHT node joins the swarm and stays in it: :meth:`~DHTJoin.join` through bootstrap addresses
+(retries with backoff; errors that say why: another run, TLS, identity in use), the clock offset
+measured against the bootstraps (swarm time; :class:`~geomesh_p2p.dht.state.ClockSkewError` beyond the
+tolerance), the reachability check (a bootstrap dials this node back), :meth:`~DHTJoin.rejoin`, and the
+background refresh, republish and bootstrap-ping loops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from typing import TYPE_CHECKING, Awaitable, Callable, Dict, Iterable, List, Optional, Sequence
+
+import grpc
+from google.protobuf.message import DecodeError
+from hivemind.dht.routing import DHTID
+
+from geomesh_p2p import __version__
+from geomesh_p2p.telemetry import events
+from geomesh_p2p.net.addr import AddressError, parse_address
+from geomesh_p2p.net.transport import RpcError
+from geomesh_p2p.wire import dht_pb2
+from geomesh_p2p.dht.state import (
+    _UNREACHABLE,
+    DHT_CHECK_REACHABLE,
+    DHT_PROTOCOL_VERSION,
+    ClockSkewError,
+    Contact,
+    DHTJoinError,
+    IdentityInUseError,
+    OtherRunError,
+    Reachability,
+    _valid_address,
+)
+from geomesh_p2p.dht.lookup import DHTLookup
+
+# The node was one module: its parts log under that logger name (operators filter on it).
+log = logging.getLogger("geomesh_p2p.dht.node")
+
+
+def _other_run_message(address: str, reason: str, own_run: str) -> str:
+    """The join error for a bootstrap that answered for another run. ``reason``: its refusal, worded by
+    :mod:`geomesh_p2p.net.identity` from the bootstrap's side ("message is for run 'a', this node serves 'b'")."""
+    import re
+
+    m = re.search(r"this node serves ('.*')", reason)
+    theirs = m.group(1) if m else "another run"
+    return f"could not join the DHT: bootstrap {address} serves run {theirs}, this peer asked for run {own_run!r}: check --run-id"
+
+
+def _tls_hint(errors: Iterable[str], tls: bool) -> str:
+    """A hint for a join that failed on connections closed during set-up, the way a plaintext client
+    meets a TLS server (UNAVAILABLE "Socket closed") or a TLS client a plaintext one (a failed handshake);
+    "" otherwise. ``tls``: whether this node dials with TLS."""
+    looks = any("socket closed" in e.lower() or "handshake" in e.lower() or "ssl" in e.lower() for e in errors)
+    if not looks:
+        return ""
+    if tls:
+        return "; the bootstrap may not use TLS, or its certificate is not signed by --tls-ca"
+    return "; the bootstrap may require TLS: if the swarm uses TLS, pass --tls-cert/--tls-key/--tls-ca"
+
+
+class DHTJoin(DHTLookup):
+    """Joining and staying in the swarm (see the module doc)."""
+
+    if TYPE_CHECKING:  # provided by node.py; declared for the type checker
+
+        async def republish_once(self) -> int: ...
+
+    async def join(self, bootstrap: Iterable[str] = (), *, attempts: Optional[int] = None) -> int:
+        """Join the swarm through ``bootstrap`` addresses (``host:port``; several allowed; none = start a
+        new swarm), then look up this node's own id to fill the routing table and make it known.
+
+        Pings all bootstraps at once, ``attempts`` times (default ``join_attempts``) with backoff
+        doubling from ``join_backoff_s``. Starts the refresh and republish tasks. Returns the number of
+        nodes in the routing table. Raises DHTJoinError naming each bootstrap and why it failed.
+        """
+        addresses = list(dict.fromkeys(a.strip() for a in bootstrap if a and a.strip()))
+        for a in addresses:
+            try:
+                parse_address(a)
+            except AddressError as e:
+                raise DHTJoinError(f"bootstrap address is not host:port: {e}") from None
+        addresses = [a for a in addresses if a != self.address]
+        self.bootstrap_addresses = addresses
+        self._start_background()
+        if not addresses:
+            return len(self.contacts())
+        attempts = max(1, attempts or self.join_attempts)
+        delay = self.join_backoff_s
+        errors: Dict[str, str] = {}
+        refused: Dict[str, RpcError] = {}  # bootstraps that answered with a refusal (not silence)
+        ok: List[Contact] = []
+        t0 = time.monotonic()
+        for attempt in range(attempts):
+            results = await asyncio.gather(*(self.ping(a) for a in addresses), return_exceptions=True)
+            ok = [r for r in results if isinstance(r, Contact)]
+            twins = [r for r in ok if r.peer_id == self.peer_id]
+            if twins:
+                raise IdentityInUseError(
+                    f"this PeerID ({self.peer_id.short()}) is already live at {twins[0].address}: "
+                    f"another process runs with the same --identity key; give each peer its "
+                    f"own key file"
+                )
+            if ok:
+                break
+            definitive = True
+            refused.clear()  # this attempt's answers only
+            for a, r in zip(addresses, results):
+                if isinstance(r, RpcError):
+                    errors[a] = f"{r.code.name}: {r.reason}" if r.reason else r.code.name
+                    definitive &= r.code not in _UNREACHABLE
+                    if r.code not in _UNREACHABLE:
+                        refused[a] = r
+                else:
+                    errors[a] = str(r)
+            if definitive or attempt == attempts - 1:
+                break
+            wait = delay * random.uniform(0.8, 1.2)
+            events.emit(
+                log,
+                logging.INFO,
+                "dht_join_retry",
+                "no bootstrap answered yet (%s); retrying in %.1f s (attempt %d of %d)",
+                "; ".join(f"{a}: {e}" for a, e in errors.items()),
+                wait,
+                attempt + 1,
+                attempts,
+                peer=self.peer_id.to_string(),
+                attempt=attempt + 1,
+                attempts=attempts,
+                wait_s=wait,
+            )
+            await asyncio.sleep(wait)
+            delay = min(delay * 2, 8.0)
+        if not ok:
+            detail = "; ".join(f"{a}: {e}" for a, e in errors.items())
+            other_run = [
+                a
+                for a, r in refused.items()
+                if r.code == grpc.StatusCode.FAILED_PRECONDITION and "this node serves" in r.reason
+            ]
+            if other_run:  # it answered: a wrong --run-id is not "no answer" (issue 14 #10)
+                raise OtherRunError(
+                    _other_run_message(
+                        other_run[0], refused[other_run[0]].reason, getattr(self.transport, "run_id", "?")
+                    )
+                )
+            if refused and len(refused) == len(errors):
+                raise DHTJoinError(f"could not join the DHT: every bootstrap node refused this node: {detail}")
+            tls = getattr(getattr(self.transport, "config", None), "tls", None) is not None
+            raise DHTJoinError(
+                f"could not join the DHT: no bootstrap node answered "
+                f"({attempt + 1} attempt(s) over {time.monotonic() - t0:.1f}s): {detail}"
+                f"{_tls_hint(errors.values(), tls)}"
+            )
+        for c in ok:
+            self.bootstrap_peers[c.peer_id] = c.address
+        self._measure_clock(ok, refuse=True)
+        if self.check_reachability and not self.client_only:
+            self.reachability = await self.check_reachable([c.address for c in ok])
+            if self.reachability.reachable is False:
+                log.warning(
+                    "nobody can dial this node at %s (bootstrap %s could not: %s); continuing as a "
+                    "client-only node that owns no part. Check --advertise-host, --port and the firewall",
+                    self.reachability.address,
+                    self.reachability.checked_by[0],
+                    self.reachability.reason,
+                )
+        await self.find_nearest_nodes([self.node_id])
+        n = len(self.contacts())
+        log.info("DHT node %s joined via %s: %d nodes known", self.peer_id.short(), ", ".join(addresses), n)
+        return n
+
+    def _start_background(self) -> None:
+        if self._started:
+            return
+        self._started = True
+        if self.refresh_period_s and self.refresh_period_s > 0:
+            self.tasks.spawn(self._every(self.refresh_period_s, self.refresh_once, "refresh"), name="dht-refresh")
+        if self.republish_period_s and self.republish_period_s > 0:
+            self.tasks.spawn(
+                self._every(self.republish_period_s, self.republish_once, "republish"), name="dht-republish"
+            )
+        if self.bootstrap_refresh_s and self.bootstrap_refresh_s > 0:
+            self.tasks.spawn(
+                self._every(self.bootstrap_refresh_s, self.ping_bootstraps, "bootstrap refresh"),
+                name="dht-bootstrap-refresh",
+            )
+
+    async def _every(self, period_s: float, job: Callable[[], Awaitable[object]], what: str) -> None:
+        """Run ``job`` every ``period_s`` seconds (+-10 % jitter, so that nodes started together do not
+        act in step) while the node is alive; a failure is logged and the loop goes on."""
+        while self._alive:
+            await asyncio.sleep(period_s * random.uniform(0.9, 1.1))
+            try:
+                await job()
+            except Exception as e:  # keep going whatever happens
+                log.warning("DHT %s failed: %r", what, e)
+
+    async def ping_bootstraps(self) -> int:
+        """Ping every bootstrap address once (at once; failures are only counted). A bootstrap that
+        restarted with an empty table pings this node back and adds it; one that is back after an
+        outage re-enters this node's table. Returns the number that answered."""
+        addresses = [a for a in self.bootstrap_addresses if a != self.address]
+        if not addresses:
+            return 0
+        results = await asyncio.gather(*(self.ping(a) for a in addresses), return_exceptions=True)
+        answered = [r for r in results if isinstance(r, Contact)]
+        for c in answered:
+            self.bootstrap_peers[c.peer_id] = c.address
+        self._measure_clock(answered, refuse=False)
+        return len(answered)
+
+    def _measure_clock(self, bootstraps: Sequence[Contact], *, refuse: bool) -> None:
+        """Set :attr:`clock_offset_s` to the median offset measured against ``bootstraps`` (kept when it
+        moved less than 0.5 s: the estimate jitters by the calls' asymmetry). ``refuse``: raise
+        :class:`ClockSkewError` when it is over ``max_clock_skew_s``, else log it once."""
+        samples = sorted(self._offsets[c.peer_id] for c in bootstraps if c.peer_id in self._offsets)
+        if not samples:
+            return
+        offset = samples[len(samples) // 2]
+        if abs(offset) > self.max_clock_skew_s:
+            who = next(c.address for c in bootstraps if self._offsets.get(c.peer_id) == offset)
+            msg = (
+                f"this machine's clock is {abs(offset):.0f} s {'behind' if offset > 0 else 'ahead of'} the clock "
+                f"of bootstrap {who}; the swarm tolerates {self.max_clock_skew_s:.0f} s: set the clock of the "
+                f"wrong one (enable NTP, e.g. timedatectl set-ntp true)"
+            )
+            if refuse:
+                raise ClockSkewError(msg)
+            self._once(logging.WARNING, "clock", msg)
+            return
+        if abs(offset - self.clock_offset_s) >= 0.5 or refuse:
+            if abs(offset) >= 1.0:
+                log.info("clock offset to the bootstrap(s): %+.1f s; records are judged in swarm time", offset)
+            self.clock_offset_s = offset
+
+    async def rejoin(self, contacts: Sequence[Contact]) -> int:
+        """Ping ``contacts`` (e.g. the routing table a bootstrap saved before a restart) once, each
+        expected to answer signed by its PeerID, then look up this node's own id. Never raises.
+        Returns the number of nodes in the routing table after."""
+        contacts = [c for c in contacts if c.peer_id != self.peer_id and _valid_address(c.address)]
+        if contacts:
+            await asyncio.gather(*(self.ping(c.address, expected=c.peer_id) for c in contacts), return_exceptions=True)
+            if self.contacts():
+                await self.find_nearest_nodes([self.node_id])
+        return len(self.contacts())
+
+    async def refresh_once(self) -> None:
+        """Re-dial bootstraps and recently dropped nodes if no node is known; look up a random id in
+        each stale bucket."""
+        if not self.contacts() and (self.bootstrap_addresses or self._removed):
+            again = list(dict.fromkeys(self.bootstrap_addresses + list(self._removed)))
+            await asyncio.gather(*(self.ping(a) for a in again), return_exceptions=True)
+            if self.contacts():
+                await self.find_nearest_nodes([self.node_id])
+        threshold = time.time() - self.refresh_period_s
+        stale = [
+            DHTID(random.randint(b.lower, b.upper - 1))
+            for b in self.routing_table.buckets
+            if b.last_updated < threshold
+        ]
+        if stale:
+            await self.find_nearest_nodes(stale)
+
+    async def check_reachable(self, bootstraps: Sequence[str]) -> Reachability:
+        """Ask each of ``bootstraps`` (at once) to dial this node back at its advertised address.
+
+        Reachable when any of them reached it; unreachable when every one that supports the check
+        failed to; None (unknown) when none supports it (older software) or none answered. Never raises.
+        Deadline of each call: 2 x ``rpc_timeout_s`` + 1 s (the dial-back itself has ``rpc_timeout_s``).
+        """
+        address = self.transport.address
+        if self.client_only or address is None or not bootstraps:
+            return Reachability(address, None)
+        req = dht_pb2.PingRequest(
+            sender=dht_pb2.NodeInfo(node_id=self.node_id.to_bytes(), address=address, peer_id=bytes(self.peer_id)),
+            dht_protocol=DHT_PROTOCOL_VERSION,
+            software_version=__version__,
+        )
+
+        async def ask(b: str) -> Optional[dht_pb2.StoreOutcome]:
+            try:
+                reply = await self.transport.call(
+                    b, DHT_CHECK_REACHABLE, req.SerializeToString(), timeout=2 * self.rpc_timeout_s + 1.0
+                )
+                return dht_pb2.StoreOutcome.FromString(reply.payload)
+            except (RpcError, DecodeError) as e:
+                log.debug("reachability check at %s failed: %s", b, e)
+                return None
+
+        outs = await asyncio.gather(*(ask(b) for b in bootstraps))
+        asked = tuple(b for b, o in zip(bootstraps, outs) if o is not None)
+        if any(o is not None and o.stored for o in outs):
+            return Reachability(address, True, asked)
+        if not asked:
+            return Reachability(address, None)
+        reason = next(o.reason for o in outs if o is not None)
+        return Reachability(address, False, asked, reason)

@@ -1,0 +1,276 @@
+"""What every part of a DHT node shares: :class:`DHTNodeState` (the constructor: routing table, local
+storage, counters, clock offset, background tasks; small helpers such as :meth:`~DHTNodeState.now`), the
+value types (:class:`Contact`, :class:`DHTValue`, :class:`LookupStats`, :class:`DHTStats`,
+:class:`Reachability`), the join errors and the DHT protocol constants.
+
+The node is built in layers, each a module, each class deriving from the one below:
+``state`` < :mod:`~geomesh_p2p.dht.storage` (local records) < :mod:`~geomesh_p2p.dht.contacts` (routing
+table upkeep) < :mod:`~geomesh_p2p.dht.protocol` (RPC handlers and calls) < :mod:`~geomesh_p2p.dht.lookup`
+(iterative search) < :mod:`~geomesh_p2p.dht.join` (join, clock, reachability, refresh) <
+:mod:`~geomesh_p2p.dht.node` (:class:`~geomesh_p2p.dht.node.DHTNode`: store, get, republish, shutdown).
+
+Units: seconds and unix seconds for time, bytes for sizes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
+
+import grpc
+from hivemind.dht.node import Blacklist
+from hivemind.dht.routing import DHTID, RoutingTable
+from hivemind.dht.storage import DHTLocalStorage
+
+from geomesh_p2p.net.addr import valid_address
+from geomesh_p2p.dht.records import DEFAULT_LIMITS, RecordLimits, SignedRecord, node_id_of
+from geomesh_p2p.dht.quota import DEFAULT_QUOTA, StorageLedger, StorageQuota
+from geomesh_p2p.util.errors import UserFacingError
+from geomesh_p2p.net.identity import EnvelopeError, Identity, PeerID
+from geomesh_p2p.telemetry.logonce import LogOnce
+from geomesh_p2p.net.transport import RpcError, TaskOwner, Transport
+from geomesh_p2p.wire import dht_pb2
+
+# The node was one module: its parts log under that logger name (operators filter on it).
+log = logging.getLogger("geomesh_p2p.dht.node")
+
+DHT_PROTOCOL_VERSION = 1
+# "Dial me back" (as Petals' bootstraps do): request PingRequest naming the address to check; reply
+# StoreOutcome with stored = reached, code = the gRPC status of the dial-back, reason = why not.
+DHT_CHECK_REACHABLE = "/geomesh.wire.Dht/CheckReachable"
+
+# RPC failures that mean "this node cannot serve us" (as opposed to "it refused this record").
+_UNREACHABLE = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.UNIMPLEMENTED,
+}
+
+
+class DHTJoinError(RuntimeError):
+    """No bootstrap node answered (after retries with backoff), or all of them refused us."""
+
+
+class IdentityInUseError(DHTJoinError):
+    """A bootstrap answered signed by this node's own PeerID: another live process holds the same key."""
+
+
+class OtherRunError(DHTJoinError):
+    """A bootstrap answered, but it serves another run (``--run-id``): it was reached, so no "cannot reach"."""
+
+
+class ClockSkewError(DHTJoinError, UserFacingError):
+    """This machine's clock and its bootstrap's differ by more than the swarm tolerates
+    (``DHTNode.max_clock_skew_s``): records and deadlines would be misjudged. One line, says what to do."""
+
+
+class _WrongPeer(RpcError):
+    """The node at an address is not the one its contact names (restarted with another key, or a lie)."""
+
+
+@dataclass(frozen=True)
+class Contact:
+    """How to reach a DHT node: its PeerID and the ``host:port`` it serves on."""
+
+    peer_id: PeerID
+    address: str
+
+    @property
+    def node_id(self) -> DHTID:
+        return node_id_of(self.peer_id)
+
+    def __repr__(self) -> str:
+        return f"Contact({self.peer_id.short()}@{self.address})"
+
+
+@dataclass(frozen=True)
+class Reachability:
+    """Whether other nodes can dial this one at the address it advertises, as a bootstrap found by
+    dialling it back during :meth:`DHTNode.join`.
+
+    ``reachable``: True (a bootstrap reached it), False (every bootstrap asked failed to: the node then
+    serves nobody and advertises no address, like a client-only node), None (not checked: client-only,
+    no bootstrap, or no bootstrap supports the check). ``checked_by``: the bootstrap addresses asked;
+    ``reason``: one line, why not reached.
+    """
+
+    address: Optional[str]
+    reachable: Optional[bool]
+    checked_by: Tuple[str, ...] = ()
+    reason: str = ""
+
+
+class DHTValue(NamedTuple):
+    """One value found under a key (or one of its subkeys)."""
+
+    value: bytes
+    expiration_time: float  # unix seconds
+    owner: Optional[PeerID]  # who signed it; None = unsigned
+
+
+@dataclass
+class LookupStats:
+    """What one lookup cost. ``hops``: longest chain of find calls, each learnt from the previous
+    answer (1 = answered by a node already in the routing table). ``found_hop``: hop of the first
+    node that returned a value (0 = found locally; None = not found)."""
+
+    rpcs: int = 0
+    failures: int = 0
+    hops: int = 0
+    found_hop: Optional[int] = None
+    seconds: float = 0.0
+
+
+@dataclass
+class DHTStats:
+    """Counters of this node since start."""
+
+    lookups: int = 0
+    rpcs_sent: int = 0
+    rpc_failures: int = 0
+    stores_accepted: int = 0
+    records_refused: int = 0
+    records_dropped_on_find: int = 0
+    republished: int = 0
+    contacts_checked: int = 0  # callers pinged back at the address they claim
+    contacts_unverified: int = 0  # ... that did not answer there
+    contacts_refused: int = 0  # not admitted: per-IP/subnet limit, or too many checks pending
+
+
+def _valid_address(address: str) -> bool:
+    """``host:port`` with an IPv6 literal in brackets (geomesh_p2p.net.addr), at most 256 characters."""
+    return valid_address(address)
+
+
+class DHTNodeState:
+    """The state every part of a :class:`~geomesh_p2p.dht.node.DHTNode` reads and writes (its routing
+    table, local storage, counters, clock offset, background tasks), and the small helpers they share.
+    Parameters: see :class:`~geomesh_p2p.dht.node.DHTNode`."""
+
+    def __init__(
+        self,
+        transport: Transport,
+        *,
+        k: int = 20,
+        alpha: int = 3,
+        num_replicas: Optional[int] = None,
+        depth_modulo: int = 5,
+        rpc_timeout_s: float = 3.0,
+        refresh_period_s: float = 60.0,
+        republish_period_s: float = 60.0,
+        limits: RecordLimits = DEFAULT_LIMITS,
+        blacklist_s: float = 2.0,
+        max_failures: int = 3,
+        join_attempts: int = 5,
+        join_backoff_s: float = 0.5,
+        storage_size: Optional[int] = None,
+        quota: StorageQuota = DEFAULT_QUOTA,
+        max_contacts_per_ip: int = 8,
+        max_contacts_per_subnet: int = 32,
+        limit_loopback: bool = False,
+        max_contact_checks: int = 64,
+        check_reachability: bool = True,
+        bootstrap_refresh_s: Optional[float] = None,
+        max_clock_skew_s: float = 60.0,
+        clock: Callable[[], float] = time.time,
+    ):
+        if k < 1 or alpha < 1:
+            raise ValueError(f"k and alpha must be >= 1 (got k={k}, alpha={alpha})")
+        self.transport = transport
+        self.identity: Identity = transport.identity
+        self.peer_id: PeerID = transport.identity.peer_id
+        self.node_id: DHTID = node_id_of(self.peer_id)
+        self.run_id: str = transport.run_id
+        self.client_only: bool = transport.config.client_only
+        self.k, self.alpha = k, alpha
+        self.num_replicas = num_replicas or k
+        self.rpc_timeout_s = rpc_timeout_s
+        self.refresh_period_s = refresh_period_s
+        self.republish_period_s = republish_period_s
+        self.limits = limits
+        self.join_attempts, self.join_backoff_s = join_attempts, join_backoff_s
+        self.routing_table = RoutingTable(self.node_id, k, depth_modulo)
+        self.storage = DHTLocalStorage(maxsize=storage_size)
+        self.ledger = StorageLedger(quota)
+        self.max_contacts_per_ip, self.max_contacts_per_subnet = max_contacts_per_ip, max_contacts_per_subnet
+        self.limit_loopback = limit_loopback
+        self.max_contact_checks = max_contact_checks
+        self.check_reachability = check_reachability
+        self.max_clock_skew_s = max_clock_skew_s
+        self._clock = clock
+        self.clock_offset_s = 0.0  # bootstraps' clock - this clock, seconds (0 until measured)
+        self._offsets: Dict[PeerID, float] = {}  # last measured offset per node that answered a ping
+        # Local storage (hivemind TimedStorage) evicts by time.time(): its expirations are shifted from
+        # swarm time by this much (clock bias of an injected clock + measured offset).
+        self._clock_bias = clock() - time.time()
+        self.bootstrap_refresh_s = min(refresh_period_s, 15.0) if bootstrap_refresh_s is None else bootstrap_refresh_s
+        self._checking: Dict[PeerID, str] = {}  # callers being pinged back -> claimed address
+        self._unanswered: "OrderedDict[str, float]" = OrderedDict()  # address -> monotonic time of a failed check
+        self.blacklist = Blacklist(blacklist_s, 2.0)
+        self.stats = DHTStats()
+        self.tasks = TaskOwner(f"dht {self.peer_id.short()}")
+        self.bootstrap_addresses: List[str] = []
+        self.bootstrap_peers: Dict[PeerID, str] = {}  # PeerIDs that answered at a bootstrap address
+        self._published: Dict[Tuple[DHTID, Optional[str]], SignedRecord] = {}
+        self._fresh: Dict[Tuple[DHTID, Optional[str]], float] = {}
+        self._pinging: set = set()
+        self._failures: Dict[PeerID, int] = {}
+        self._removed: Dict[str, Contact] = {}  # recently dropped contacts, re-dialled if the table empties
+        self.max_failures = max_failures
+        self._started = False
+        self._alive = True
+        # Keys (who, reason head): a misbehaving peer cannot flood the log.
+        self._once_log = LogOnce(log, capacity=4096)
+        self.reachability = Reachability(None, None)
+        self._dialing_back: set = set()  # PeerIDs whose CheckReachable is being answered
+
+    # ------------------------------------------------------------------ small helpers
+    def _once(self, level: int, who: str, msg: str) -> None:
+        """Log ``"<who>: <msg>"`` at ``level`` once per (who, first 48 characters of msg)."""
+        self._once_log((who, msg[:48]), level, "%s: %s", who, msg)
+
+    @property
+    def address(self) -> Optional[str]:
+        """``host:port`` this node serves on; None for a client-only node (or before start)."""
+        return self.transport.address
+
+    @property
+    def advertised_address(self) -> Optional[str]:
+        """The ``host:port`` others should dial (put it in this peer's records); None when this node is
+        client-only, not started, or a bootstrap could not dial it back at its address (see
+        :attr:`reachability`)."""
+        if self.client_only or self.reachability.reachable is False:
+            return None
+        return self.transport.address
+
+    @property
+    def serving(self) -> bool:
+        return self.advertised_address is not None
+
+    def self_info(self) -> dht_pb2.NodeInfo:
+        if not self.serving:
+            return dht_pb2.NodeInfo(peer_id=bytes(self.peer_id))
+        return dht_pb2.NodeInfo(node_id=self.node_id.to_bytes(), address=self.address, peer_id=bytes(self.peer_id))
+
+    def now(self) -> float:
+        """Swarm time, unix seconds: this machine's clock corrected by the offset measured against the
+        bootstraps at :meth:`join`. Every record expiration is written and judged in it."""
+        return self._clock() + self.clock_offset_s
+
+    def _to_storage(self, expiration_time: float) -> float:
+        """A swarm-time expiration as the local storage (which evicts by time.time()) must hold it."""
+        return expiration_time - self.clock_offset_s - self._clock_bias
+
+    def contacts(self) -> List[Contact]:
+        """Every node in the routing table (not replacements), nearest buckets first."""
+        return [c for b in self.routing_table.buckets for c in b.nodes_to_peer_id.values()]
+
+    def _alive_check(self) -> None:
+        if not self._alive:
+            raise EnvelopeError(grpc.StatusCode.UNAVAILABLE, "DHT node has shut down")
