@@ -37,7 +37,8 @@ from geomesh_p2p.exchange import codec as compression
 from geomesh_p2p.trust import verify as V
 from geomesh_p2p.data import load_dataset
 from geomesh_p2p.model.optim import OuterNesterov
-from geomesh_p2p.model.training import InnerTrainer, build_model, flat_params, load_flat_
+from geomesh_p2p.model.build import build_model, flat_params, load_flat_
+from geomesh_p2p.model.training import InnerTrainer
 
 CANDIDATES = (
     "honest",

@@ -4,7 +4,7 @@
   directory (``geomesh-peer checkpoints D``);
 * :func:`load_checkpoint` — one round's global state, its digest checked;
 * :func:`build_exported` — the run's model with those weights and the run's tokenizer, exactly as a
-  peer builds them (:func:`geomesh_p2p.model.training.build_model`, :func:`geomesh_p2p.data.get_tokenizer`);
+  peer builds them (:func:`geomesh_p2p.model.build.build_model`, :func:`geomesh_p2p.data.get_tokenizer`);
 * :func:`export_checkpoint` — ``save_pretrained`` of both (``config.json``, ``model.safetensors``,
   ``generation_config.json``, ``tokenizer.json``, ``tokenizer_config.json``) plus
   ``geomesh_export.json`` (round, digest, run config), so that ``AutoModelForCausalLM`` and
@@ -203,7 +203,7 @@ def build_exported(
     ``data``: the run's ``--data`` (needed for any corpus but the shipped one, to rebuild its
     tokenizer); ``run_id``: when given, the checkpoint must be of that run. Raises ExportError."""
     from geomesh_p2p.data import DataError, get_tokenizer
-    from geomesh_p2p.model.training import ConfigError, build_model, load_flat_, num_params
+    from geomesh_p2p.model.build import ConfigError, build_model, load_flat_, num_params
 
     rnd, theta, _momentum, record = load_checkpoint(directory, round)
     where = f"checkpoint of round {rnd} in {Path(directory).expanduser()}"

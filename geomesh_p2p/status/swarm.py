@@ -280,7 +280,7 @@ class SwarmWatcher:
         return self._swarm
 
     async def _plan(self, r: int, known: set):
-        from geomesh_p2p.plan.planner import RoundPlan
+        from geomesh_p2p.plan.schema import RoundPlan
         from geomesh_p2p.round import choose_plan, plan_key
 
         try:

@@ -410,7 +410,7 @@ def batch_gradients(
     inner trainer computes it, accumulated over ``micro_batch`` rows) at the flat elements ``index``.
     ``model`` is loaded with ``theta`` (it must be a copy nobody else uses). Raises VerifyTimeout when
     ``deadline`` (unix seconds) passes between two batches."""
-    from geomesh_p2p.model.training import load_flat_
+    from geomesh_p2p.model.build import load_flat_
 
     load_flat_(model, theta)
     model.train()

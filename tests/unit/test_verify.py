@@ -20,7 +20,8 @@ import torch
 from geomesh_p2p.exchange import codec as compression
 from geomesh_p2p.trust import verify as V
 from geomesh_p2p.net.identity import Identity
-from geomesh_p2p.plan.planner import PeerAssignment, PlanConfig, RoundPlan, make_plan
+from geomesh_p2p.plan.planner import make_plan
+from geomesh_p2p.plan.schema import PeerAssignment, PlanConfig, RoundPlan
 from tests.records_util import peer_record
 from geomesh_p2p.wire import collective_pb2
 
@@ -59,7 +60,8 @@ def _fixed_identity(name: str) -> Identity:
 def world():
     from geomesh_p2p.data import load_dataset
     from geomesh_p2p.model.optim import OuterNesterov
-    from geomesh_p2p.model.training import InnerTrainer, build_model, flat_params, load_flat_
+    from geomesh_p2p.model.build import build_model, flat_params, load_flat_
+    from geomesh_p2p.model.training import InnerTrainer
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
