@@ -109,29 +109,51 @@ Followers also refuse a plan led by a peer they excluded, or naming one excluded
 earlier (:meth:`WorkVerifier.plan_problem`): an excluded peer that leads would plan itself back in.
 Exclusions live in each peer's memory for the run (a restarted peer forgets them; evidence expires
 after :attr:`VerifyConfig.evidence_ttl_s` and needs the round's weights to be re-checked).
+
+Where: what a check draws (:mod:`.verify_task`), the check itself (:mod:`.verify_check`), the evidence
+a failed check publishes (:mod:`.evidence`); here, the node's side (:class:`WorkVerifier`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
 import copy
 import hashlib
-import json
 import logging
-import math
-import struct
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Optional, Sequence, TypedDict
 
 import torch
 
+from geomesh_p2p.net.identity import Identity, PeerID
 from geomesh_p2p.net.swarm_time import swarm_time
-from geomesh_p2p.exchange import codec as compression
-from geomesh_p2p.net.identity import EnvelopeError, Identity, PeerID, Verifier, verify_signature
+from geomesh_p2p.trust.evidence import (
+    MAX_VALUE_BYTES,
+    Evidence,
+    EvidenceError,
+    contributions_key,
+    evidence_key,
+)
+from geomesh_p2p.trust.verify_check import (
+    FAIL,
+    MARGINAL,
+    PASS,
+    Verdict,
+    VerifyTimeout,
+    WorkStats,
+    check_contribution,
+    packet_digest,
+    quick_verdict,
+)
+from geomesh_p2p.trust.verify_task import (
+    VerifyConfig,
+    VerifyTask,
+    derive_task,
+    selection_message,
+)
 from geomesh_p2p.wire import collective_pb2, envelope_pb2
 
 if TYPE_CHECKING:  # typing.Unpack for **kwargs is Python 3.12 (PEP 692); only type checkers read it
@@ -139,665 +161,8 @@ if TYPE_CHECKING:  # typing.Unpack for **kwargs is Python 3.12 (PEP 692); only t
 
 log = logging.getLogger(__name__)
 
-__all__ = [
-    "VerifyConfig",
-    "VerifyTask",
-    "WorkStats",
-    "Verdict",
-    "Evidence",
-    "EvidenceError",
-    "WorkVerifier",
-    "CheckOptions",
-    "CONTROL_STREAM",
-    "EVIDENCE_KIND",
-    "PASS",
-    "MARGINAL",
-    "FAIL",
-    "selection_message",
-    "derive_task",
-    "sample_elements",
-    "batch_gradients",
-    "work_statistics",
-    "judge",
-    "quick_verdict",
-    "check_contribution",
-    "evidence_key",
-    "contributions_key",
-    "signed_contribution",
-    "fetch_contributions",
-]
 
-#: Stream name of the control batches (``sample_batch(seed, CONTROL_STREAM, round, i, ...)``): no peer
-#: trains on it (PeerIDs are base58 strings without "/").
-CONTROL_STREAM = "geomesh-verify/control"
-#: Envelope kind of a signed evidence record.
-EVIDENCE_KIND = "geomesh.verify/Evidence"
-#: Envelope kind of a collective contribution (collective.CONTRIBUTION_KIND; repeated to avoid the import).
-_CONTRIBUTION_KIND = "geomesh.collective/Contribution"
-_SELECT_DOMAIN = b"geomesh-p2p/verify-select/v1\x00"
-_EVIDENCE_MAGIC = b"GMEV"
-#: Largest value stored in the DHT here (the DHT refuses values over 64 KiB): a signed contribution of
-#: a part larger than this is not published with the evidence (the round's peers hold it anyway).
-MAX_VALUE_BYTES = 60_000
-
-PASS, MARGINAL, FAIL = "pass", "marginal", "fail"
-
-
-class EvidenceError(ValueError):
-    """An evidence record is malformed, forged, tampered with or inconsistent (one-line reason)."""
-
-
-@dataclass(frozen=True)
-class VerifyConfig:
-    """Verified work settings; every peer of a run must use the same ones (thresholds are measured,
-    see the module docstring).
-
-    Attributes:
-        share: largest share of its own compute a peer spends on checks (sets the check probability).
-        k_fraction, k_min, k_max: own batches checked: ``clamp(ceil(k_fraction x steps), k_min, k_max)``,
-            at most ``steps``.
-        controls: control batches (``m``).
-        sample_elements: elements compared (sampled over every part the contributor sent; all of them
-            when fewer).
-        min_steps: contributions with fewer steps are not checked (below the measured range).
-        max_full_steps: above this, ``k < steps/4``: only the scale and plain tests run.
-        plain_min: ``plain`` below it fails (hard).
-        trace_hard: ``trace`` below it fails (hard).
-        trace_min: ``trace`` below it is a marginal failure.
-        scale_factor: block scale bound ``steps x lr x (scale_factor + weight_decay x max|theta|)``.
-        refute_margin: a re-check of a hard accusation passing every threshold by this much refutes it.
-        marginal_needed, marginal_window: marginal failures (distinct rounds within the window) that
-            exclude.
-        keep_rounds: rounds whose start weights and contributions are kept for re-checks.
-        time_share: a round's check must finish within this share of the plan's window after the
-            exchange (at least 1 s), or it is skipped.
-        evidence_ttl_s: lifetime of evidence in the DHT.
-        max_rechecks: evidence re-checked per round at most (the rest waits for the next round).
-    """
-
-    share: float = 0.2
-    k_fraction: float = 0.25
-    k_min: int = 4
-    k_max: int = 16
-    controls: int = 4
-    sample_elements: int = 1 << 18
-    min_steps: int = 5
-    max_full_steps: int = 64
-    plain_min: float = 0.55
-    trace_hard: float = 0.50
-    trace_min: float = 0.515
-    scale_factor: float = 1.5
-    refute_margin: float = 0.03
-    marginal_needed: int = 2
-    marginal_window: int = 50
-    keep_rounds: int = 3
-    time_share: float = 0.25
-    evidence_ttl_s: float = 900.0
-    max_rechecks: int = 2
-
-
-# ------------------------------------------------------------------------------------ selection
-
-
-def selection_message(run_id: str, round: int, start_digest: Optional[str]) -> bytes:
-    """What a verifier signs to draw its check of ``round`` (bound to the round's start weights)."""
-    return _SELECT_DOMAIN + json.dumps([run_id, int(round), start_digest or ""]).encode()
-
-
-def _u64(b: bytes) -> int:
-    return int.from_bytes(b[:8], "little")
-
-
-@dataclass(frozen=True)
-class VerifyTask:
-    """One check: whose contribution, which parts (``ranges``: their ``[start, end)``), steps and elements
-    (a pure function of the plan, the contributions received and the verifier's selection signature;
-    see :func:`derive_task`)."""
-
-    round: int
-    verifier: str
-    accused: str
-    parts: tuple[int, ...]
-    ranges: tuple[tuple[int, int], ...]
-    steps_done: int
-    steps: tuple[int, ...]
-    controls: int
-    batch_size: int
-    seq_len: int
-    element_seed: int
-    n_elements: int
-    full_test: bool
-
-    def passes(self) -> int:
-        """Forward/backward passes of ``batch_size`` rows the check costs."""
-        return len(self.steps) + self.controls
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "VerifyTask":
-        d = dict(d)
-        d["parts"] = tuple(int(x) for x in d["parts"])
-        d["ranges"] = tuple((int(a), int(b)) for a, b in d["ranges"])
-        d["steps"] = tuple(int(x) for x in d["steps"])
-        return cls(**d)
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d["parts"], d["ranges"], d["steps"] = list(self.parts), [list(r) for r in self.ranges], list(self.steps)
-        return d
-
-
-def _k_of(cfg: VerifyConfig, steps: int) -> int:
-    """Own batches a check of ``steps`` steps recomputes: a quarter of them, within [k_min, k_max]; only
-    k_min beyond ``max_full_steps`` (where only the plain test applies, which needs no more)."""
-    if steps > cfg.max_full_steps:
-        return min(steps, cfg.k_min)
-    return min(steps, max(cfg.k_min, min(cfg.k_max, math.ceil(cfg.k_fraction * steps))))
-
-
-def derive_task(
-    cfg: VerifyConfig,
-    *,
-    plan,
-    verifier: str,
-    selection: bytes,
-    packets: Mapping[str, Mapping[int, Any]],
-    part_ranges: Sequence[tuple[int, int]],
-) -> Optional[VerifyTask]:
-    """The check ``verifier`` must run this round, or None (not drawn, nobody checkable).
-
-    ``plan``: the round's RoundPlan; ``selection``: the verifier's signature of
-    :func:`selection_message`; ``packets``: sender -> part -> SignPacket received (relay);
-    ``part_ranges``: ``[start, end)`` of every part. Every input is the same on every peer that took
-    part in the round, so anyone can recompute (and so check) the task of any verifier.
-    """
-    try:
-        mine = plan.assignment(verifier)
-    except KeyError:
-        return None
-    seed = hashlib.sha256(b"task\x00" + selection).digest()
-    L = int(plan.seq_len)
-    eligible = []
-    for a in plan.assignments:
-        got = {j: p for j, p in (packets.get(a.peer_id) or {}).items() if isinstance(p, compression.SignPacket)}
-        if a.peer_id == verifier or not got or a.inner_steps < cfg.min_steps:
-            continue
-        tokens = min(max(p.tokens for p in got.values()), a.token_budget)
-        steps = min(a.inner_steps, tokens // max(1, a.batch_size * L))
-        if steps >= cfg.min_steps:
-            eligible.append((a, steps, tuple(sorted(got))))
-    if not eligible:
-        return None
-    a, steps, parts = eligible[_u64(seed[8:]) % len(eligible)]
-    k = _k_of(cfg, steps)
-    cost = (k + cfg.controls) * a.batch_size
-    p = min(1.0, cfg.share * mine.inner_steps * mine.batch_size / cost)
-    if _u64(seed) / 2.0**64 >= p:
-        return None
-    ranges = tuple((int(part_ranges[j][0]), int(part_ranges[j][1])) for j in parts)
-    sub = hashlib.sha256(seed + a.peer_id.encode()).digest()
-    chosen = sorted(sorted(range(steps), key=lambda j: hashlib.sha256(sub + struct.pack("<Q", j)).digest())[:k])
-    return VerifyTask(
-        round=int(plan.round),
-        verifier=verifier,
-        accused=a.peer_id,
-        parts=parts,
-        ranges=ranges,
-        steps_done=int(steps),
-        steps=tuple(chosen),
-        controls=cfg.controls,
-        batch_size=int(a.batch_size),
-        seq_len=L,
-        element_seed=_u64(sub[8:]) & ((1 << 63) - 1),
-        n_elements=min(sum(e - s for s, e in ranges), cfg.sample_elements),
-        full_test=steps <= cfg.max_full_steps,
-    )
-
-
-def sample_elements(ranges: Sequence[tuple[int, int]], n: int, seed: int) -> torch.Tensor:
-    """Sorted int64 element indices from the union of ``ranges`` (disjoint ``[start, end)``): all of
-    them when they hold at most ``n``, else ``n`` distinct ones drawn with a CPU generator seeded with
-    ``seed`` (the same on every machine). Sampling the whole model, not one part, is what was measured:
-    one part can be all embedding rows of rare tokens, where every update follows weight decay."""
-    ranges = sorted((int(s), int(e)) for s, e in ranges)
-    sizes = torch.tensor([e - s for s, e in ranges], dtype=torch.int64)
-    total = int(sizes.sum()) if len(ranges) else 0
-    if total <= n:
-        pos = torch.arange(total, dtype=torch.int64)
-    else:
-        g = torch.Generator(device="cpu")
-        g.manual_seed(int(seed))
-        pos = torch.randperm(total, generator=g)[:n].sort().values
-    starts = torch.tensor([s for s, _ in ranges], dtype=torch.int64)
-    offsets = torch.cumsum(sizes, 0) - sizes  # position of each range's first element in the union
-    which = torch.searchsorted(offsets, pos, right=True) - 1
-    return starts[which] + (pos - offsets[which])
-
-
-def _gather(packets: Mapping[int, Any], task: VerifyTask, index: torch.Tensor) -> torch.Tensor:
-    """The decoded values of a sender's part packets at the global elements ``index`` (in the task's parts)."""
-    out = torch.empty(index.numel(), dtype=torch.float32)
-    for j, (s, e) in zip(task.parts, task.ranges):
-        sel = (index >= s) & (index < e)
-        if bool(sel.any()):
-            out[sel] = compression.decode(packets[j])[index[sel] - s]
-    return out
-
-
-# ------------------------------------------------------------------------------------ computation
-
-
-class VerifyTimeout(RuntimeError):
-    """A check ran past its deadline and was abandoned."""
-
-
-def batch_gradients(
-    model,
-    dataset,
-    theta: torch.Tensor,
-    streams: Sequence[tuple[str, int]],
-    *,
-    seed: int,
-    round: int,
-    batch_size: int,
-    seq_len: int,
-    index: torch.Tensor,
-    micro_batch: Optional[int] = None,
-    amp: bool = False,
-    deadline: Optional[float] = None,
-) -> torch.Tensor:
-    """fp32 CPU ``[len(streams), len(index)]``: for each ``(peer_id, step)``, the gradient at ``theta`` of
-    ``dataset.sample_batch(seed, peer_id, round, step, batch_size, seq_len)`` (mean token loss, as the
-    inner trainer computes it, accumulated over ``micro_batch`` rows) at the flat elements ``index``.
-    ``model`` is loaded with ``theta`` (it must be a copy nobody else uses). Raises VerifyTimeout when
-    ``deadline`` (unix seconds) passes between two batches."""
-    from geomesh_p2p.model.build import load_flat_
-
-    load_flat_(model, theta)
-    model.train()
-    device = next(model.parameters()).device
-    params = [p for _, p in model.named_parameters()]
-    idx = index.to(device)
-    out = torch.empty(len(streams), index.numel(), dtype=torch.float32)
-    use_amp = amp and device.type == "cuda"
-    for i, (peer, step) in enumerate(streams):
-        if deadline is not None and time.time() > deadline:
-            raise VerifyTimeout(f"past the deadline after {i} of {len(streams)} batches")
-        for p in params:
-            p.grad = None
-        x = dataset.sample_batch(
-            seed=seed, peer_id=peer, round=round, step=step, batch_size=batch_size, seq_len=seq_len
-        )
-        mb = batch_size if not micro_batch or micro_batch >= batch_size else int(micro_batch)
-        for a in range(0, batch_size, mb):
-            xm = x[a : a + mb].to(device)
-            if use_amp:
-                with torch.autocast(device_type="cuda", dtype=torch.bfloat16):
-                    loss = model(input_ids=xm, labels=xm).loss
-            else:
-                loss = model(input_ids=xm, labels=xm).loss
-            (loss * (xm.shape[0] / batch_size)).backward()
-        with torch.no_grad():
-            flat = torch.cat(
-                [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float() for p in params]
-            )
-            out[i] = flat[idx].cpu()
-    for p in params:
-        p.grad = None
-    return out
-
-
-@dataclass(frozen=True)
-class WorkStats:
-    """``plain``: sign agreement with the summed normalised batch gradients; ``trace``: |d|-weighted
-    sign agreement with their part orthogonal to the controls and the checker's own contribution;
-    ``basis``: vectors projected out."""
-
-    plain: float
-    trace: float
-    basis: int
-
-
-def _total(vs: Iterable[torch.Tensor]) -> torch.Tensor:
-    """``0 + v0 + v1 + ...`` in order, as the builtin ``sum`` adds them (same bits), typed as a tensor.
-
-    Raises:
-        ValueError: ``vs`` is empty (no gradient to sum: a task with no step).
-    """
-    it = iter(vs)
-    try:
-        total = 0 + next(it)
-    except StopIteration:
-        raise ValueError("no gradient to sum") from None
-    for v in it:
-        total = total + v
-    return total
-
-
-def work_statistics(
-    c: torch.Tensor, own: torch.Tensor, ctrl: torch.Tensor, others: Sequence[torch.Tensor] = ()
-) -> WorkStats:
-    """The statistics of the module docstring for a decoded contribution ``c`` ``[n]``, its own batch
-    gradients ``own`` ``[k, n]``, control gradients ``ctrl`` ``[m, n]`` and trusted contributions to
-    project out too (decoded, ``[n]`` each; the checker's own) on the same elements. Float64."""
-    c = c.double()
-    sc = torch.sign(c)
-    own = own.double()
-
-    def unit(v: torch.Tensor) -> torch.Tensor:
-        rms = v.pow(2).mean().sqrt()
-        return v / rms if rms > 0 else v
-
-    plain = float((sc == torch.sign(_total(unit(g) for g in own))).double().mean())
-    basis = [unit(g) for g in ctrl.double()] + [unit(o.double()) for o in others if bool((o != 0).any())]
-    if basis:
-        q, _ = torch.linalg.qr(torch.stack(basis, 1))
-        resid = [g - q @ (q.T @ g) for g in own]
-    else:
-        resid = list(own)
-    d = _total(unit(r) for r in resid)
-    w = d.abs()
-    total = float(w.sum())
-    trace = float((w * (sc == torch.sign(d))).sum()) / total if total > 0 else 0.5
-    return WorkStats(plain=plain, trace=trace, basis=len(basis))
-
-
-@dataclass(frozen=True)
-class Verdict:
-    """``outcome``: :data:`PASS`, :data:`MARGINAL` or :data:`FAIL`; ``reason``: one line."""
-
-    outcome: str
-    reason: str
-
-
-def scale_bound(steps: int, lr: float, weight_decay: float, theta_maxabs: float, factor: float) -> float:
-    """Largest mean |delta| of a block that ``steps`` AdamW steps at learning rate <= ``lr`` can produce."""
-    return steps * lr * (factor + weight_decay * theta_maxabs)
-
-
-def judge(
-    cfg: VerifyConfig, task: VerifyTask, stats: WorkStats, *, all_zero: bool, max_scale: float, bound: float
-) -> Verdict:
-    """Pass, marginal or fail (see the module docstring)."""
-    if all_zero:
-        return Verdict(FAIL, f"zeros: every block scale is 0 while it claims {task.steps_done} steps")
-    if not max_scale <= bound:
-        return Verdict(
-            FAIL,
-            f"scale: a block scale of {max_scale:.3g} exceeds what {task.steps_done} inner "
-            f"steps can move ({bound:.3g})",
-        )
-    if stats.plain < cfg.plain_min:
-        return Verdict(
-            FAIL,
-            f"signs: plain agreement {stats.plain:.3f} with its own batches' gradients "
-            f"(< {cfg.plain_min}: flipped or random)",
-        )
-    if task.full_test and stats.trace < cfg.trace_hard:
-        return Verdict(FAIL, f"no trace of its own batches: trace {stats.trace:.3f} < {cfg.trace_hard}")
-    if task.full_test and stats.trace < cfg.trace_min:
-        return Verdict(MARGINAL, f"weak trace of its own batches: trace {stats.trace:.3f} < {cfg.trace_min}")
-    return Verdict(PASS, f"plain {stats.plain:.3f}, trace {stats.trace:.3f}")
-
-
-def _packet_digest(packet) -> str:
-    return hashlib.sha256(packet.to_bytes()).hexdigest()
-
-
-def _scales(
-    cfg: VerifyConfig,
-    task: VerifyTask,
-    packets: Mapping[str, Mapping[int, Any]],
-    theta: torch.Tensor,
-    lr: float,
-    weight_decay: float,
-) -> tuple[bool, float, float]:
-    """(all scales zero while tokens are claimed, largest block scale, the scale bound) of the task."""
-    mine = packets[task.accused]
-    scales = torch.cat([mine[j].scales for j in task.parts])
-    tokens = max(mine[j].tokens for j in task.parts)
-    all_zero = tokens > 0 and scales.numel() > 0 and not bool((scales > 0).any())
-    bound = scale_bound(task.steps_done, lr, weight_decay, float(theta.abs().max()), cfg.scale_factor)
-    return all_zero, float(scales.max()) if scales.numel() else 0.0, bound
-
-
-def quick_verdict(
-    cfg: VerifyConfig,
-    task: VerifyTask,
-    *,
-    packets: Mapping[str, Mapping[int, Any]],
-    theta: torch.Tensor,
-    lr: float,
-    weight_decay: float,
-) -> Optional[Verdict]:
-    """The verdict of the tests that need no computation (zero scales, the scale bound), or None."""
-    all_zero, max_scale, bound = _scales(cfg, task, packets, theta, lr, weight_decay)
-    if all_zero or not max_scale <= bound:
-        return judge(cfg, task, WorkStats(0.0, 0.0, 0), all_zero=all_zero, max_scale=max_scale, bound=bound)
-    return None
-
-
-def check_contribution(
-    cfg: VerifyConfig,
-    task: VerifyTask,
-    *,
-    model,
-    dataset,
-    theta: torch.Tensor,
-    seed: int,
-    packets: Mapping[str, Mapping[int, Any]],
-    lr: float,
-    weight_decay: float,
-    checker: Optional[str] = None,
-    micro_batch: Optional[int] = None,
-    amp: bool = False,
-    deadline: Optional[float] = None,
-) -> tuple[WorkStats, Verdict, list[tuple[str, str]]]:
-    """Run ``task`` (heavy: ``task.passes()`` forward/backward passes, unless :func:`quick_verdict`
-    decides it) as peer ``checker``, whose own contribution (if any, in every part of the task) joins
-    the projection basis. Returns the statistics, the verdict and that basis contribution (``[(peer,
-    sha256 of its packets)]``, or [])."""
-    quick = quick_verdict(cfg, task, packets=packets, theta=theta, lr=lr, weight_decay=weight_decay)
-    if quick is not None:
-        return WorkStats(0.0, 0.0, 0), quick, []
-    all_zero, max_scale, bound = _scales(cfg, task, packets, theta, lr, weight_decay)
-    mine = packets[task.accused]
-    index = sample_elements(task.ranges, task.n_elements, task.element_seed)
-    c = _gather(mine, task, index)
-    streams = [(task.accused, j) for j in task.steps] + [(CONTROL_STREAM, i) for i in range(task.controls)]
-    g = batch_gradients(
-        model,
-        dataset,
-        theta,
-        streams,
-        seed=seed,
-        round=task.round,
-        batch_size=task.batch_size,
-        seq_len=task.seq_len,
-        index=index,
-        micro_batch=micro_batch,
-        amp=amp,
-        deadline=deadline,
-    )
-    k = len(task.steps)
-    others: list[torch.Tensor] = []
-    used: list[tuple[str, str]] = []
-    own = packets.get(checker) if checker not in (None, task.accused) else None
-    if checker is not None and own and all(isinstance(own.get(j), compression.SignPacket) for j in task.parts):
-        others.append(_gather(own, task, index))
-        used.append(
-            (checker, hashlib.sha256(b"".join(bytes.fromhex(_packet_digest(own[j])) for j in task.parts)).hexdigest())
-        )
-    stats = work_statistics(c, g[:k], g[k:], others)
-    return stats, judge(cfg, task, stats, all_zero=False, max_scale=max_scale, bound=bound), used
-
-
-# ------------------------------------------------------------------------------------ evidence
-
-
-def _b64(b: bytes) -> str:
-    return base64.b64encode(b).decode()
-
-
-@dataclass
-class Evidence:
-    """A verifier's signed claim that ``accused``'s contribution to ``round`` failed its check.
-
-    ``packets``: part -> SHA-256 of the accused's packet checked there; ``basis``: the verifier's own
-    contribution it projected out (``[(peer, digest)]``). ``contributions``: part -> the accused's own
-    signed PartContribution (SignedMessage bytes), not covered by the verifier's signature (the
-    accused's signature and ``packets`` authenticate them); published beside the record, see
-    :func:`contributions_key`. ``verifier_key`` is filled by :meth:`open`."""
-
-    run_id: str
-    round: int
-    verifier: str
-    accused: str
-    start_digest: Optional[str]
-    selection: bytes
-    task: VerifyTask
-    packets: dict[int, str]
-    basis: list[tuple[str, str]]
-    plain: float
-    trace: float
-    outcome: str
-    reason: str
-    contributions: dict[int, bytes] = field(default_factory=dict, compare=False)
-    verifier_key: bytes = field(default=b"", compare=False)
-
-    def header(self) -> dict:
-        return {
-            "v": 1,
-            "run_id": self.run_id,
-            "round": self.round,
-            "verifier": self.verifier,
-            "accused": self.accused,
-            "start_digest": self.start_digest,
-            "selection": _b64(self.selection),
-            "task": self.task.to_dict(),
-            "packets": {str(j): h for j, h in sorted(self.packets.items())},
-            "basis": [list(o) for o in self.basis],
-            "plain": self.plain,
-            "trace": self.trace,
-            "outcome": self.outcome,
-            "reason": self.reason,
-        }
-
-    def to_signed(self, identity: Identity) -> bytes:
-        """SignedMessage bytes (kind :data:`EVIDENCE_KIND`) of the header, signed by the verifier ``identity``."""
-        if str(identity.peer_id) != self.verifier:
-            raise ValueError("evidence must be signed by its verifier")
-        head = json.dumps(self.header(), sort_keys=True, separators=(",", ":")).encode()
-        return identity.sign_message(
-            run_id=self.run_id, round=self.round, kind=EVIDENCE_KIND, payload=_EVIDENCE_MAGIC + head
-        ).SerializeToString()
-
-    @classmethod
-    def open(cls, data: bytes, run_id: str, contributions: Optional[Mapping[int, bytes]] = None) -> "Evidence":
-        """Parse and check signed evidence: the verifier's signature, the selection signature (by the same
-        key over this round's start digest), the task's consistency, and each of ``contributions``
-        (part -> the accused's signed bytes, e.g. from :func:`fetch_contributions`): signed by the
-        accused for this round and part, and the packet the evidence names. Raises EvidenceError."""
-        try:
-            msg = envelope_pb2.SignedMessage.FromString(data)
-        except Exception:
-            raise EvidenceError("evidence is not a SignedMessage") from None
-        try:
-            v = Verifier(run_id, max_skew_s=float("inf")).verify(msg, kind=EVIDENCE_KIND, check_replay=False)
-        except EnvelopeError as e:
-            raise EvidenceError(f"evidence signature refused: {e.reason}") from None
-        p = v.payload
-        if p[:4] != _EVIDENCE_MAGIC:
-            raise EvidenceError("evidence payload is malformed")
-        try:
-            h = json.loads(p[4:])
-            task = VerifyTask.from_dict(h["task"])
-            ev = cls(
-                run_id=str(h["run_id"]),
-                round=int(h["round"]),
-                verifier=str(h["verifier"]),
-                accused=str(h["accused"]),
-                start_digest=h["start_digest"],
-                selection=base64.b64decode(h["selection"], validate=True),
-                task=task,
-                packets={int(j): str(x) for j, x in h["packets"].items()},
-                basis=[(str(a), str(b)) for a, b in h["basis"]],
-                plain=float(h["plain"]),
-                trace=float(h["trace"]),
-                outcome=str(h["outcome"]),
-                reason=str(h["reason"]),
-                verifier_key=v.public_key,
-            )
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise EvidenceError(f"evidence header is malformed ({type(e).__name__})") from None
-        if ev.verifier != v.sender.to_string() or ev.run_id != run_id or ev.round != v.round:
-            raise EvidenceError("evidence names another verifier, run or round than its signature")
-        if (
-            (task.verifier, task.accused, task.round) != (ev.verifier, ev.accused, ev.round)
-            or ev.accused == ev.verifier
-            or set(ev.packets) != set(task.parts)
-        ):
-            raise EvidenceError("evidence task does not match its header")
-        if ev.outcome not in (MARGINAL, FAIL):
-            raise EvidenceError(f"evidence outcome {ev.outcome!r} accuses nobody")
-        if not verify_signature(v.public_key, ev.selection, selection_message(run_id, ev.round, ev.start_digest)):
-            raise EvidenceError("the selection signature is not the verifier's for this round")
-        for j, signed in (contributions or {}).items():
-            if j not in ev.packets:
-                raise EvidenceError(f"a contribution to part {j}, which the evidence does not name")
-            packet = _open_contribution(signed, run_id, ev.accused, ev.round, j, task)
-            if _packet_digest(packet) != ev.packets[j]:
-                raise EvidenceError(f"the contribution to part {j} is not the packet the evidence names")
-            ev.contributions[int(j)] = bytes(signed)
-        return ev
-
-
-def _open_contribution(signed: bytes, run_id: str, accused: str, round: int, part: int, task: VerifyTask):
-    """The SignPacket of a sender-signed PartContribution, checked against the accused, round and part."""
-    try:
-        msg = envelope_pb2.SignedMessage.FromString(signed)
-        v = Verifier(run_id, max_skew_s=float("inf")).verify(msg, kind=_CONTRIBUTION_KIND, check_replay=False)
-        c = collective_pb2.PartContribution.FromString(v.payload)
-    except EnvelopeError as e:
-        raise EvidenceError(f"the contribution's signature is refused: {e.reason}") from None
-    except Exception:
-        raise EvidenceError("the contribution is malformed") from None
-    if v.sender.to_string() != accused or c.round != round or v.round != round:
-        raise EvidenceError("the contribution was not signed by the accused for this round")
-    if (c.part, (c.start, c.end)) != (part, task.ranges[task.parts.index(part)]):
-        raise EvidenceError(f"the contribution is not the accused's to part {part}")
-    try:
-        packet = compression.packet_from_bytes(c.packet)
-    except compression.CodecError as e:
-        raise EvidenceError(f"the contribution's packet is malformed: {e}") from None
-    if not isinstance(packet, compression.SignPacket):
-        raise EvidenceError("the contribution is not a sign packet")
-    return packet
-
-
-def evidence_key(run_id: str, round: int) -> str:
-    """DHT key of the evidence about ``round`` (subkey = the verifier's PeerID: only it can write there)."""
-    return f"{run_id}/evidence/{int(round)}"
-
-
-def contributions_key(run_id: str, round: int, verifier: str) -> str:
-    """DHT key of the accused's signed contributions a verifier's evidence of ``round`` names (subkey = the
-    part index; owned by the verifier, see :func:`geomesh_p2p.dht.records.owned_key`)."""
-    from geomesh_p2p.dht.records import owned_key
-
-    return owned_key(f"{run_id}/evidence/{int(round)}/contributions", PeerID.from_string(verifier))
-
-
-async def fetch_contributions(dht, ev: Evidence) -> dict[int, bytes]:
-    """The accused's signed contributions published with ``ev`` (part -> bytes; not yet checked: pass
-    them to :meth:`Evidence.open`). For peers that were not in the round and hold no copy."""
-    found = await dht.get(contributions_key(ev.run_id, ev.round, ev.verifier))
-    out = {}
-    for sub, entry in (found or {}).items():
-        try:
-            out[int(sub)] = entry[0]
-        except (TypeError, ValueError):
-            continue
-    return out
+__all__ = ["WorkVerifier", "CheckOptions", "signed_contribution"]
 
 
 def signed_contribution(collective, round: int, part: int, sender: str) -> Optional[bytes]:
@@ -824,9 +189,6 @@ def signed_contribution(collective, round: int, part: int, sender: str) -> Optio
     except Exception as e:  # never let evidence gathering break a round
         log.debug("signed contribution of %s, round %d part %d not found: %s", sender[:10], round, part, e)
     return None
-
-
-# ------------------------------------------------------------------------------------ the node's side
 
 
 @dataclass
@@ -1062,7 +424,7 @@ class WorkVerifier:
             start_digest=kept.plan.start_digest,
             selection=self.selection(round, kept.plan.start_digest),
             task=task,
-            packets={j: _packet_digest(mine[j]) for j in task.parts},
+            packets={j: packet_digest(mine[j]) for j in task.parts},
             basis=used,
             plain=stats.plain,
             trace=stats.trace,
@@ -1107,7 +469,7 @@ class WorkVerifier:
             )
             return "invalid"
         mine = kept.packets.get(ev.accused, {})
-        if any(j not in mine or _packet_digest(mine[j]) != h for j, h in ev.packets.items()):
+        if any(j not in mine or packet_digest(mine[j]) != h for j, h in ev.packets.items()):
             return "unverifiable"
         try:
             stats, verdict, used = self._run(task, kept, micro_batch, deadline)
