@@ -11,9 +11,7 @@ from typing import Collection, NamedTuple, Optional, Sequence
 
 import numpy as np
 
-from geomesh_p2p.plan.cost import (
-    PeerModel,
-)
+from geomesh_p2p.plan.cost import PeerModel
 from geomesh_p2p.plan.schema import PeerAssignment, PlanConfig, RoundPlan
 from geomesh_p2p.schema.partition import part_sizes
 from geomesh_p2p.schema.peer import PeerRecord

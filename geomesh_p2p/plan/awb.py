@@ -56,19 +56,8 @@ from typing import Collection, Iterable, Mapping, Optional, Sequence
 import numpy as np
 
 from geomesh_p2p.plan.assign import PlanMeta, build_plan, probation_ids
-from geomesh_p2p.plan.bounds import (
-    BUDGET_MEDIAN_FACTOR,
-    EVIDENCE_GROWTH,
-    bound_records,
-    check_records,
-)
-from geomesh_p2p.plan.cost import (
-    PeerModel,
-    best_micro_batch,
-    inner_steps,
-    interpolate_tokens_per_s,
-    step_and_comm,
-)
+from geomesh_p2p.plan.bounds import BUDGET_MEDIAN_FACTOR, EVIDENCE_GROWTH, bound_records, check_records
+from geomesh_p2p.plan.cost import PeerModel, best_micro_batch, inner_steps, interpolate_tokens_per_s, step_and_comm
 from geomesh_p2p.plan.schema import PlanConfig, RoundPlan
 from geomesh_p2p.schema.peer import PeerRecord
 

@@ -31,12 +31,7 @@ from geomesh_p2p.plan.bounds import (
     check_records,
     max_token_share,
 )
-from geomesh_p2p.plan.cost import (
-    PeerModel,
-    accum_steps_for,
-    best_micro_batch,
-    step_and_comm,
-)
+from geomesh_p2p.plan.cost import PeerModel, accum_steps_for, best_micro_batch, step_and_comm
 from geomesh_p2p.plan.schema import PlanConfig, RoundPlan
 from geomesh_p2p.plan.uniform import plan_uniform
 from geomesh_p2p.schema.partition import OWNER_SHARE_FACTOR, max_owner_units

@@ -13,13 +13,8 @@ from typing import Collection, Optional, Sequence
 import numpy as np
 
 from geomesh_p2p.plan.assign import PlanMeta, build_plan, probation_ids
-from geomesh_p2p.plan.bounds import (
-    bound_records,
-    check_records,
-)
-from geomesh_p2p.plan.cost import (
-    PeerModel,
-)
+from geomesh_p2p.plan.bounds import bound_records, check_records
+from geomesh_p2p.plan.cost import PeerModel
 from geomesh_p2p.plan.schema import PlanConfig, RoundPlan
 from geomesh_p2p.schema.peer import PeerRecord
 

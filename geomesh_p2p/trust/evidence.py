@@ -15,15 +15,8 @@ from typing import Mapping, Optional
 from geomesh_p2p.dht.records import owned_key
 from geomesh_p2p.exchange import codec as compression
 from geomesh_p2p.net.identity import EnvelopeError, Identity, PeerID, Verifier, verify_signature
-from geomesh_p2p.trust.verify_check import (
-    FAIL,
-    MARGINAL,
-    packet_digest,
-)
-from geomesh_p2p.trust.verify_task import (
-    VerifyTask,
-    selection_message,
-)
+from geomesh_p2p.trust.verify_check import FAIL, MARGINAL, packet_digest
+from geomesh_p2p.trust.verify_task import VerifyTask, selection_message
 from geomesh_p2p.wire import collective_pb2, envelope_pb2
 
 __all__ = ["Evidence", "EvidenceError", "EVIDENCE_KIND", "evidence_key", "contributions_key", "fetch_contributions"]

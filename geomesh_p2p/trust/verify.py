@@ -130,13 +130,7 @@ import torch
 
 from geomesh_p2p.net.identity import Identity, PeerID
 from geomesh_p2p.net.swarm_time import swarm_time
-from geomesh_p2p.trust.evidence import (
-    MAX_VALUE_BYTES,
-    Evidence,
-    EvidenceError,
-    contributions_key,
-    evidence_key,
-)
+from geomesh_p2p.trust.evidence import MAX_VALUE_BYTES, Evidence, EvidenceError, contributions_key, evidence_key
 from geomesh_p2p.trust.verify_check import (
     FAIL,
     MARGINAL,
@@ -148,12 +142,7 @@ from geomesh_p2p.trust.verify_check import (
     packet_digest,
     quick_verdict,
 )
-from geomesh_p2p.trust.verify_task import (
-    VerifyConfig,
-    VerifyTask,
-    derive_task,
-    selection_message,
-)
+from geomesh_p2p.trust.verify_task import VerifyConfig, VerifyTask, derive_task, selection_message
 from geomesh_p2p.wire import collective_pb2, envelope_pb2
 
 if TYPE_CHECKING:  # typing.Unpack for **kwargs is Python 3.12 (PEP 692); only type checkers read it

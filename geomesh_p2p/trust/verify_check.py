@@ -16,13 +16,7 @@ import torch
 
 from geomesh_p2p.exchange import codec as compression
 from geomesh_p2p.model.build import load_flat_
-from geomesh_p2p.trust.verify_task import (
-    CONTROL_STREAM,
-    VerifyConfig,
-    VerifyTask,
-    gather,
-    sample_elements,
-)
+from geomesh_p2p.trust.verify_task import CONTROL_STREAM, VerifyConfig, VerifyTask, gather, sample_elements
 
 __all__ = [
     "WorkStats",
