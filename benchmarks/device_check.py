@@ -7,7 +7,7 @@ section that fails is reported as failed and the next one still runs):
    skipped without a GPU), outcome per test.
 2. **Codec on the device**: ``benchmarks/codec.py --device DEV`` (sign encode / decode of a
    ``--numel`` fp32 vector vs ``torch.clone`` and ``copy_`` on the same device, GB/s of fp32 input).
-3. **Start-up profile** (:func:`geomesh_p2p.model.capability.profile_training`, as a peer runs it at
+3. **Start-up profile** (:func:`geomesh_p2p.model.profile.profile_training`, as a peer runs it at
    start-up, with the peer's default ``--profile-batches``) for each of ``--profile-models``: the
    memory budget, the fitted static and per-sequence bytes, the max batch and tokens/s per batch;
    then the same profile under a small ``--check-budget-gib`` budget, and one real AdamW step at the
@@ -170,8 +170,10 @@ def profile_section(
     with one real step at the max batch found, whose allocator peak must stay within that budget (CUDA)."""
     import torch
 
-    from geomesh_p2p.model.capability import SHIPPED_VOCAB_SIZE, detect_device, profile_training
-    from geomesh_p2p.model.training import build_model
+    from geomesh_p2p.model.device import detect_device
+    from geomesh_p2p.model.memory import SHIPPED_VOCAB_SIZE
+    from geomesh_p2p.model.profile import profile_training
+    from geomesh_p2p.model.build import build_model
 
     info = detect_device(device)
     dev = info.torch_device
@@ -239,7 +241,8 @@ def training_step(device: str, model: str, batches: list[int], steps: int, time_
     import torch
 
     from geomesh_p2p.data import load_dataset
-    from geomesh_p2p.model.training import InnerTrainer, build_model
+    from geomesh_p2p.model.build import build_model
+    from geomesh_p2p.model.training import InnerTrainer
 
     ds = load_dataset(None, seq_len=128)
     rows = [
@@ -467,7 +470,7 @@ def main(argv=None) -> int:
         ("The suite's CUDA tests", lambda: tests_section(ns.device, ns.quick, min(150.0, max(30.0, time_left())))),
         ("Codec on the device", lambda: codec_step(ns.device, ns.numel, ns.codec_repeats, workdir)),
         (
-            "Start-up profile (capability.profile_training)",
+            "Start-up profile (profile.profile_training)",
             lambda: profile_section(ns.device, presets, 128, prof_batches, int(ns.check_budget_gib * GIB), time_left),
         ),
         (

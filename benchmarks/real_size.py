@@ -11,7 +11,7 @@ period), by PID. Printed, per peer, and written as JSON (``--out``):
 
 * peak RSS (the larger of the VmHWM sampled from /proc/PID/status and the ``ru_maxrss`` the kernel
   reports when the process is reaped) against the minimum the method needs
-  (:func:`geomesh_p2p.model.capability.method_min_memory`: weights + gradients + inner AdamW state + global
+  (:func:`geomesh_p2p.model.memory.method_min_memory`: weights + gradients + inner AdamW state + global
   weights + outer state, fp32), and the ratio (goal for geomesh: <= 1.25x);
 * per round: the worst event-loop stall (``loop_stall_ms`` of the round log, when the node writes it;
   goal <= 50 ms), round time minus compute time (exchange + outer step + digest + straggler idle;
@@ -207,8 +207,8 @@ def helper(model: str, method: str, vocab_size: int) -> dict:
     import torch
 
     from geomesh_p2p.model import state as gstate
-    from geomesh_p2p.model.capability import method_min_memory
-    from geomesh_p2p.model.training import count_params
+    from geomesh_p2p.model.memory import method_min_memory
+    from geomesh_p2p.model.build import count_params
 
     n = count_params(model, vocab_size=vocab_size)
     mins = {m: method_min_memory(n, m) for m in ("geomesh", "diloco", "ddp")}

@@ -34,10 +34,12 @@ import time
 import torch
 
 from geomesh_p2p.exchange import codec as compression
-from geomesh_p2p.trust import verify as V
+from geomesh_p2p.trust import verify_check as VC
+from geomesh_p2p.trust import verify_task as VT
 from geomesh_p2p.data import load_dataset
 from geomesh_p2p.model.optim import OuterNesterov
-from geomesh_p2p.model.training import InnerTrainer, build_model, flat_params, load_flat_
+from geomesh_p2p.model.build import build_model, flat_params, load_flat_
+from geomesh_p2p.model.training import InnerTrainer
 
 CANDIDATES = (
     "honest",
@@ -76,7 +78,7 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     Hs = [int(x) for x in a.Hs.split(",")]
     measure = {int(x) for x in a.measure.split(",")}
-    cfg = V.VerifyConfig()
+    cfg = VT.VerifyConfig()
     L, B, lr = a.seq_len, a.batch, 1e-3
     ds = load_dataset(None, seq_len=L)
     base = build_model("tiny", vocab_size=ds.vocab_size, seed=0)
@@ -117,15 +119,15 @@ def main() -> None:
                 t.run(round=r, inner_steps=steps, batch_size=B)
                 return theta - flat_params(m)
 
-            index = V.sample_elements([(0, P)], cfg.sample_elements, 1000 + r)
+            index = VT.sample_elements([(0, P)], cfg.sample_elements, 1000 + r)
             basis_src = [deltas["peerB"]] if a.basis == "own" else [deltas[p] for p in ("peerB", "peerC", "peerD")]
             basis = [roundtrip(d)[index] for d in basis_src]
             need = sorted(set(range(max(Hs))))
-            g_all = V.batch_gradients(
+            g_all = VC.batch_gradients(
                 vmodel,
                 ds,
                 theta,
-                [("peerA", j) for j in need] + [(V.CONTROL_STREAM, i) for i in range(cfg.controls)],
+                [("peerA", j) for j in need] + [(VT.CONTROL_STREAM, i) for i in range(cfg.controls)],
                 seed=0,
                 round=r,
                 batch_size=B,
@@ -135,7 +137,7 @@ def main() -> None:
             g, ctrl = g_all[: len(need)], g_all[len(need) :]
             # float noise of the gradient itself (whole vector)
             full = torch.arange(P)
-            g0 = V.batch_gradients(
+            g0 = VC.batch_gradients(
                 vmodel, ds, theta, [("peerA", 0)], seed=0, round=r, batch_size=B, seq_len=L, index=full
             )[0]
             m2 = copy.deepcopy(vmodel)
@@ -146,7 +148,7 @@ def main() -> None:
             loss.backward()
             gb = torch.cat([p.grad.reshape(-1) for _, p in m2.named_parameters()])
             torch.set_num_threads(2 if a.threads == 1 else 1)
-            gt = V.batch_gradients(
+            gt = VC.batch_gradients(
                 vmodel, ds, theta, [("peerA", 0)], seed=0, round=r, batch_size=B, seq_len=L, index=full
             )[0]
             torch.set_num_threads(a.threads)
@@ -177,12 +179,12 @@ def main() -> None:
                     f" mean {float(enc.scales.mean()) / (H * lr):.3f}",
                     flush=True,
                 )
-                k = V._k_of(cfg, H)
+                k = VT._k_of(cfg, H)
                 draws = [sorted(rng.sample(range(H), k)) for _ in range(a.samples)]
                 for name, cand in cands.items():
                     c = roundtrip(cand)[index]
                     for js in draws:
-                        s = V.work_statistics(c, g[js], ctrl, basis)
+                        s = VC.work_statistics(c, g[js], ctrl, basis)
                         stats.setdefault((H, name), []).append((r, s.trace, s.plain))
                 if a.adamw:
                     for kk in (1, 2, 4):
@@ -218,7 +220,7 @@ def main() -> None:
             tr = torch.tensor([x[1] for x in v])
             pl = torch.tensor([x[2] for x in v])
             print(
-                f"H={H:2d} k={V._k_of(cfg, H):2d} {name:12s} trace {tr.min():.3f}/{tr.mean():.3f}/{tr.max():.3f}"
+                f"H={H:2d} k={VT._k_of(cfg, H):2d} {name:12s} trace {tr.min():.3f}/{tr.mean():.3f}/{tr.max():.3f}"
                 f"  plain {pl.min():.3f}/{pl.mean():.3f}/{pl.max():.3f}  <{cfg.trace_hard}: "
                 f"{float((tr < cfg.trace_hard).double().mean()):.2f}  <{cfg.trace_min}: "
                 f"{float((tr < cfg.trace_min).double().mean()):.2f}  plain<{cfg.plain_min}: "

@@ -258,7 +258,7 @@ def check_model(ns: argparse.Namespace) -> None:
     mismatch with a live swarm). Builds the ``transformers`` config only, no weights (imports torch, which
     the node needs anyway). Raises ValueError naming the flag: unknown preset, model-config file missing,
     not JSON, or rejected by the model class."""
-    from geomesh_p2p.model.training import PRESETS, ConfigError, model_config
+    from geomesh_p2p.model.build import PRESETS, ConfigError, model_config
 
     if not ns.model_config and ns.model not in PRESETS:
         raise ValueError(f"--model {ns.model}: unknown model preset (known: {', '.join(PRESETS)})")
@@ -360,7 +360,7 @@ def user_facing_errors() -> tuple[type[BaseException], ...]:
     from geomesh_p2p.net.identity import IdentityError
     from geomesh_p2p.model.state import StateError
     from geomesh_p2p.sync.download import StateSyncError
-    from geomesh_p2p.model.training import ConfigError
+    from geomesh_p2p.model.build import ConfigError
 
     errs = [UserFacingError, DataError, IdentityError, StateError, StateSyncError, ConfigError, OSError]
     from geomesh_p2p.dht import DHTJoinError, IncompatibleSwarmError
@@ -370,7 +370,7 @@ def user_facing_errors() -> tuple[type[BaseException], ...]:
 
 
 def cmd_profile(ns: argparse.Namespace) -> int:
-    from geomesh_p2p.model.capability import format_profile_table, profile
+    from geomesh_p2p.model.profile import format_profile_table, profile
 
     try:  # before the probe and the measurements (profile has no --model-config)
         check_model(argparse.Namespace(model=ns.model, model_config=None))

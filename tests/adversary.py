@@ -265,7 +265,7 @@ class AdversaryNode(PeerNode):
         plan = super()._make_plan(members, leader)
         if self.attack != "rogue-leader" or leader != self.me:
             return plan
-        from geomesh_p2p.plan.planner import RoundPlan
+        from geomesh_p2p.plan.schema import RoundPlan
 
         H = self.run_cfg.max_inner_steps
         seq = plan.seq_len

@@ -98,8 +98,8 @@ class MethodRule:
         push_encoding: "sign" or "fp32": encoding of the contributions pushed to part owners.
         aggregate_encoding: reencode-mode encoding of an owner's aggregate: the run's
             ``aggregate_encoding`` ("sign", "int8", "fp16") when compressed, else "fp32".
-        balanced: per-peer step budgets (AWB planner, ``planner.plan_round``); else the same steps
-            for everyone (``planner.plan_uniform``).
+        balanced: per-peer step budgets (AWB planner, ``plan.awb.plan_round``); else the same steps
+            for everyone (``plan.uniform.plan_uniform``).
         uniform_inner_steps: inner steps of every peer in a uniform plan (1 for ddp: a sync every
             step); None for balanced methods (the planner picks each peer's).
         rule: the robust aggregation rule of every part (``aggregation.py``): the run's

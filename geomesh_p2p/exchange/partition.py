@@ -2,7 +2,7 @@
 :func:`split_owners`, :func:`max_part_elements`) and the round's :class:`CollectiveSpec`.
 
 Pure and synchronous (no I/O). The partition sizes come from the planner's one partition rule
-(:func:`geomesh_p2p.plan.planner.part_sizes`) and the message-size bounds from the one codec-size
+(:func:`geomesh_p2p.schema.partition.part_sizes`) and the message-size bounds from the one codec-size
 formula (:func:`geomesh_p2p.config.method.encoded_nbytes`).
 """
 
@@ -19,7 +19,7 @@ import torch
 from geomesh_p2p.exchange import robust as aggregation
 from geomesh_p2p.net.identity import PeerID
 from geomesh_p2p.config.method import bytes_per_element
-from geomesh_p2p.plan.planner import part_sizes  # the one partition rule
+from geomesh_p2p.schema.partition import part_sizes
 
 __all__ = [
     "MODES",
@@ -90,8 +90,8 @@ def make_partition(
     min_size: int = 0,
 ) -> list[PartOwner]:
     """Split ``[0, numel)`` into contiguous parts sized by bandwidth: the planner's one partition rule
-    (:func:`geomesh_p2p.plan.planner.part_sizes`: hivemind's ``load_balance_peers``, no owner above
-    ``planner.max_owner_units``).
+    (:func:`geomesh_p2p.schema.partition.part_sizes`: hivemind's ``load_balance_peers``, no owner above
+    ``max_owner_units``).
 
     Args:
         numel: elements of the flat vector (> 0).

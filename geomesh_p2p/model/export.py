@@ -4,7 +4,7 @@
   directory (``geomesh-peer checkpoints D``);
 * :func:`load_checkpoint` — one round's global state, its digest checked;
 * :func:`build_exported` — the run's model with those weights and the run's tokenizer, exactly as a
-  peer builds them (:func:`geomesh_p2p.model.training.build_model`, :func:`geomesh_p2p.data.get_tokenizer`);
+  peer builds them (:func:`geomesh_p2p.model.build.build_model`, :func:`geomesh_p2p.data.get_tokenizer`);
 * :func:`export_checkpoint` — ``save_pretrained`` of both (``config.json``, ``model.safetensors``,
   ``generation_config.json``, ``tokenizer.json``, ``tokenizer_config.json``) plus
   ``geomesh_export.json`` (round, digest, run config), so that ``AutoModelForCausalLM`` and
@@ -32,7 +32,7 @@ from geomesh_p2p.data import DataError, get_tokenizer, load_text
 from geomesh_p2p.data.hub import parse_hf_spec
 from geomesh_p2p.data.tokenizer import EOS_TOKEN
 from geomesh_p2p.model.state import CKPT_FORMAT, CheckpointError, digest, list_checkpoints, read_checkpoint_files
-from geomesh_p2p.model.training import ConfigError, build_model, load_flat_, num_params
+from geomesh_p2p.model.build import ConfigError, build_model, load_flat_, num_params
 from geomesh_p2p.util.errors import UserFacingError
 
 EXPORT_INFO = "geomesh_export.json"

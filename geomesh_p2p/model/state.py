@@ -1,7 +1,7 @@
 """Global state (flat weights + outer momentum): digests, checkpoints, the buffer served to joiners.
 
 The global state of a run is two fp32 CPU vectors of the same length ``P``: the weights
-``theta`` (layout of :func:`geomesh_p2p.model.training.flat_params`) and the outer Nesterov
+``theta`` (layout of :func:`geomesh_p2p.model.build.flat_params`) and the outer Nesterov
 momentum buffer (:class:`geomesh_p2p.model.optim.OuterNesterov`), which may be absent before
 the first outer step.
 
@@ -274,7 +274,7 @@ class GlobalState:
     """The swarm's global state in one contiguous fp32 CPU buffer (issue 13).
 
     ``buffer`` is fp32 CPU ``[(1 + k) * P]``: the weights ``theta`` ``[P]`` (layout of
-    :func:`geomesh_p2p.model.training.flat_params`) followed by the outer optimizer's state
+    :func:`geomesh_p2p.model.build.flat_params`) followed by the outer optimizer's state
     ``opt_state`` ``[k * P]`` (k = 1: Nesterov's momentum; k = 2: the ddp baseline's AdamW
     ``m`` then ``v``; k = 0: none). ``theta`` and ``opt_state`` are views of ``buffer``: the
     outer step updates them in place and :meth:`commit` then hashes the buffer's memory

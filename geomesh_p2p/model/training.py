@@ -1,8 +1,6 @@
 """Inner loop: a Hugging Face causal LM trained for H steps per round (DiLoCo inner phase).
 
-Models are always built from a configuration (:data:`PRESETS` or a JSON file), never
-downloaded: ``from_pretrained`` is not used anywhere. Weights travel between peers as one
-flat fp32 CPU vector (:func:`flat_params` / :func:`load_flat_`).
+The model is built by :mod:`geomesh_p2p.model.build`.
 
 Inner optimizer defaults follow DiLoCo (Douillard et al. 2023, arXiv 2311.08105) and
 this project's pre-build measurements (DESIGN.md, "Measured before building"):
@@ -17,331 +15,31 @@ worse (perplexity 208 vs 106.5).
 
 from __future__ import annotations
 
-import json
 import logging
 import math
-import os
 import threading
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-from geomesh_p2p.telemetry import events
-from geomesh_p2p.model.capability import release_freed_memory
+from geomesh_p2p.model.build import load_flat_
+from geomesh_p2p.model.memory import release_freed_memory
 from geomesh_p2p.net.swarm_time import swarm_time
+from geomesh_p2p.telemetry import events
 
 log = logging.getLogger(__name__)
 
-__all__ = [
-    "StepTarget",
-    "PRESETS",
-    "ConfigError",
-    "build_model",
-    "model_config",
-    "flat_params",
-    "pseudo_gradient",
-    "load_flat_",
-    "num_params",
-    "count_params",
-    "InnerResult",
-    "InnerTrainer",
-    "lr_at",
-    "swarm_lr_at",
-    "DEFAULT_INNER",
-    "perplexity",
-]
+__all__ = ["StepTarget", "InnerResult", "InnerTrainer", "lr_at", "swarm_lr_at", "DEFAULT_INNER", "perplexity"]
 
-_NO_DROPOUT_GPT2 = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
-
-#: Model presets: Hugging Face config kwargs plus ``model_type``. Dropout is off
-#: (pre-training regime; also keeps gradients deterministic). ``vocab_size`` is
-#: normally overridden by :func:`build_model` with the tokenizer's. Parameter counts
-#: below are at vocab 4096 (the shipped tokenizer's) with tied input/output embeddings
-#: (:func:`count_params`).
-PRESETS: dict[str, dict[str, Any]] = {
-    # 0.94M params (937,472): the model the design's pre-build measurements used. CPU-friendly.
-    "tiny": {
-        "model_type": "gpt2",
-        "vocab_size": 4096,
-        "n_layer": 2,
-        "n_embd": 128,
-        "n_head": 4,
-        "n_positions": 128,
-        **_NO_DROPOUT_GPT2,
-    },
-    # 12.3M params (12,318,720).
-    "small": {
-        "model_type": "gpt2",
-        "vocab_size": 4096,
-        "n_layer": 6,
-        "n_embd": 384,
-        "n_head": 6,
-        "n_positions": 256,
-        **_NO_DROPOUT_GPT2,
-    },
-    # GPT-2 small shape (124M at the GPT-2 vocab of 50257; 88,988,160 at vocab 4096).
-    "gpt2-124m": {
-        "model_type": "gpt2",
-        "vocab_size": 50257,
-        "n_layer": 12,
-        "n_embd": 768,
-        "n_head": 12,
-        "n_positions": 1024,
-        **_NO_DROPOUT_GPT2,
-    },
-    # 0.93M params (926,336), LLaMA architecture (RMSNorm, SwiGLU, RoPE), like the paper's family.
-    "llama-tiny": {
-        "model_type": "llama",
-        "vocab_size": 4096,
-        "hidden_size": 128,
-        "intermediate_size": 352,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 4,
-        "max_position_embeddings": 256,
-        "tie_word_embeddings": True,
-        "attention_dropout": 0.0,
-        "bos_token_id": 0,
-        "eos_token_id": 0,
-    },
-    # The paper's ~150M LLaMA-style model: OpenDiLoCo's "llama-150m" shape (Jaghouar et al.
-    # 2024, arXiv 2407.07852; hidden 1024, SwiGLU 2688, 12 layers, 16 heads), at this
-    # project's vocabulary with tied embeddings: exactly 153,641,984 params at vocab 4096
-    # (12 x 12,453,888 per layer + 4,194,304 embedding + 1,024 final norm).
-    "llama-150m": {
-        "model_type": "llama",
-        "vocab_size": 4096,
-        "hidden_size": 1024,
-        "intermediate_size": 2688,
-        "num_hidden_layers": 12,
-        "num_attention_heads": 16,
-        "num_key_value_heads": 16,
-        "max_position_embeddings": 1024,
-        "tie_word_embeddings": True,
-        "attention_dropout": 0.0,
-        "bos_token_id": 0,
-        "eos_token_id": 0,
-    },
-}
 
 #: Inner-optimizer defaults per optimizer name (lr for the tiny preset).
 DEFAULT_INNER: dict[str, dict[str, Any]] = {
     "adamw": {"lr": 1e-3, "betas": (0.9, 0.95), "weight_decay": 0.1},
     "lion": {"lr": 1e-4, "betas": (0.9, 0.99), "weight_decay": 0.1},
 }
-
-
-class ConfigError(ValueError):
-    """Unknown preset, unreadable/unparsable model config file, or an invalid config.
-
-    The message is one line and names the preset or file.
-    """
-
-
-def _read_config_file(path: str | os.PathLike) -> dict[str, Any]:
-    p = Path(path).expanduser()
-    if not p.is_file():
-        raise ConfigError(f"model config file not found: {p}")
-    try:
-        d = json.loads(p.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise ConfigError(
-            f"model config file {p} is not valid JSON (line {e.lineno} column {e.colno}: {e.msg})"
-        ) from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"cannot read model config file {p}: {e}") from None
-    if not isinstance(d, dict):
-        raise ConfigError(f"model config file {p} must hold a JSON object")
-    return d
-
-
-def model_config(
-    preset: str | None = "tiny", config_file: str | os.PathLike | None = None, vocab_size: int | None = None
-):
-    """The ``transformers.PretrainedConfig`` :func:`build_model` would use (no weights).
-
-    ``config_file`` (JSON) wins over ``preset``. It is either a Hugging Face
-    ``config.json`` (must contain ``"model_type"``, e.g. ``"gpt2"`` or ``"llama"``) or
-    ``{"preset": "<name>", ...overrides}``. ``vocab_size`` overrides both.
-
-    Raises:
-        ConfigError: unknown preset / model_type, missing or unparsable file, or a
-            configuration the model class rejects.
-    """
-    from transformers import AutoConfig
-
-    if config_file is not None:
-        d = _read_config_file(config_file)
-        source = f"model config file {Path(config_file).expanduser()}"
-        if "preset" in d:
-            name = d.pop("preset")
-            if name not in PRESETS:
-                raise ConfigError(f"{source}: unknown preset {name!r} (known: {', '.join(PRESETS)})")
-            d = {**PRESETS[name], **d}
-    else:
-        if preset not in PRESETS:
-            raise ConfigError(f"unknown model preset {preset!r} (known: {', '.join(PRESETS)})")
-        d = dict(PRESETS[preset])
-        source = f"preset {preset!r}"
-    model_type = d.pop("model_type", None)
-    if not isinstance(model_type, str):
-        raise ConfigError(f'{source}: missing "model_type" (e.g. "gpt2", "llama") or "preset"')
-    for k in ("architectures", "transformers_version", "_name_or_path", "auto_map"):
-        d.pop(k, None)  # harmless in HF config.json, irrelevant here; auto_map = remote code
-    if vocab_size is not None:
-        d["vocab_size"] = int(vocab_size)
-    d.setdefault("use_cache", False)
-    # Our tokenizers put <|endoftext|> at id 0; GPT-2's default 50256 is out of range
-    # for a smaller vocabulary (and transformers warns about it).
-    if model_type == "gpt2" and int(d.get("vocab_size", 50257)) <= 50256:
-        d.setdefault("bos_token_id", 0)
-        d.setdefault("eos_token_id", 0)
-    for attr in ("bos_token_id", "eos_token_id"):
-        v = d.get(attr)
-        if isinstance(v, int) and "vocab_size" in d and v >= int(d["vocab_size"]):
-            d[attr] = 0
-    try:
-        cfg = AutoConfig.for_model(model_type, **d)
-    except Exception as e:
-        raise ConfigError(
-            f"{source}: invalid configuration ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
-        ) from None
-    return cfg
-
-
-def build_model(
-    preset: str | None = "tiny",
-    config_file: str | os.PathLike | None = None,
-    vocab_size: int | None = None,
-    seed: int = 0,
-):
-    """A freshly initialised causal LM, fp32 on CPU, in train mode.
-
-    Built with ``AutoModelForCausalLM.from_config`` (never ``from_pretrained``; nothing
-    is downloaded). Initialisation draws from the global torch RNG inside
-    ``torch.random.fork_rng`` seeded with ``seed``, so the same (config, seed, torch
-    and transformers versions) give bitwise-identical weights and the caller's RNG
-    state is untouched. Attention uses PyTorch SDPA.
-
-    Raises:
-        ConfigError: see :func:`model_config`; also when the model class rejects it.
-    """
-    from transformers import AutoModelForCausalLM
-
-    cfg = model_config(preset, config_file, vocab_size)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(int(seed))
-        try:
-            model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
-        except Exception as e:
-            src = f"model config file {config_file}" if config_file else f"preset {preset!r}"
-            raise ConfigError(
-                f"{src}: cannot build model ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
-            ) from None
-    model = model.float()
-    if getattr(model, "loss_type", "ForCausalLM") is None:
-        # transformers 5 derives it from the class name; GPT2LMHeadModel matches nothing
-        # and would log a warning on first use. Same loss either way.
-        model.loss_type = "ForCausalLM"
-    model.train()
-    return model
-
-
-def count_params(
-    preset: str | None = "tiny", config_file: str | os.PathLike | None = None, vocab_size: int | None = None
-) -> int:
-    """Parameters :func:`build_model` would give (tied weights once), without allocating them.
-
-    The model is built on PyTorch's ``meta`` device (shapes only: no memory, no initialisation),
-    so even large presets are counted in milliseconds once transformers is imported. E.g.
-    ``count_params("llama-150m", vocab_size=4096) == 153_641_984``.
-
-    Raises:
-        ConfigError: as :func:`model_config`.
-    """
-    from transformers import AutoModelForCausalLM
-
-    cfg = model_config(preset, config_file, vocab_size)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(cfg)
-    return num_params(model)
-
-
-def num_params(model) -> int:
-    """Number of elements of :func:`flat_params` (tied weights counted once)."""
-    return sum(p.numel() for _, p in model.named_parameters())
-
-
-def flat_params(model, out: torch.Tensor | None = None) -> torch.Tensor:
-    """All trainable parameters as one new fp32 CPU tensor ``[P]``.
-
-    Order: ``model.named_parameters()`` order, each tensor flattened row-major.
-    ``named_parameters`` yields a shared tensor once, so tied weights (GPT-2's
-    ``lm_head.weight`` is ``transformer.wte.weight``) appear once, under the first name.
-    Buffers (e.g. rotary caches) are not included. Always a copy.
-
-    ``out``: an fp32 CPU tensor of ``P`` elements to write into (returned), parameter by parameter:
-    no second ``[P]`` temporary (``torch.cat`` of per-parameter copies). Raises ``ValueError`` on a
-    size mismatch.
-    """
-    if out is not None:
-        flat = out.view(-1)
-        if flat.numel() != num_params(model):
-            raise ValueError(f"out has {flat.numel()} elements, the model has {num_params(model)}")
-        off = 0
-        with torch.no_grad():
-            for _, p in model.named_parameters():
-                n = p.numel()
-                flat[off : off + n].copy_(p.detach().reshape(-1))
-                off += n
-        return out
-    with torch.no_grad():
-        parts = [p.detach().reshape(-1).to(device="cpu", dtype=torch.float32) for _, p in model.named_parameters()]
-        return torch.cat(parts) if parts else torch.empty(0, dtype=torch.float32)
-
-
-def pseudo_gradient(model, theta: torch.Tensor) -> torch.Tensor:
-    """``theta - flat_params(model)``: the pseudo-gradient of a round's inner steps, fp32 CPU ``[P]``.
-
-    Computed parameter by parameter into the one result tensor, so the peak is one ``[P]`` (the
-    result) instead of two (the flattened copy and the difference). Bitwise equal to
-    ``theta - flat_params(model)``. ``theta``: fp32 CPU ``[P]`` (layout of :func:`flat_params`).
-    Raises ``ValueError`` on a size mismatch.
-    """
-    theta = theta.reshape(-1)
-    total = num_params(model)
-    if theta.numel() != total:
-        raise ValueError(f"theta has {theta.numel()} elements, the model has {total}")
-    out = torch.empty(total, dtype=torch.float32)
-    off = 0
-    with torch.no_grad():
-        for _, p in model.named_parameters():
-            n = p.numel()
-            torch.sub(theta[off : off + n], p.detach().reshape(-1).to("cpu", torch.float32), out=out[off : off + n])
-            off += n
-    return out
-
-
-def load_flat_(model, flat: torch.Tensor) -> None:
-    """Copy a flat vector (layout of :func:`flat_params`) into the model's parameters.
-
-    ``flat`` may be on any device and of any floating dtype; values are converted to
-    each parameter's device and dtype. Raises ``ValueError`` on a size mismatch.
-    """
-    flat = flat.reshape(-1)
-    total = num_params(model)
-    if flat.numel() != total:
-        raise ValueError(f"flat vector has {flat.numel()} elements, model has {total}")
-    off = 0
-    with torch.no_grad():
-        for _, p in model.named_parameters():
-            n = p.numel()
-            p.copy_(flat[off : off + n].view_as(p))
-            off += n
 
 
 def lr_at(step: float, *, lr: float, warmup_steps: int, total_steps: int, min_lr_ratio: float = 0.1) -> float:
@@ -700,7 +398,7 @@ class InnerTrainer:
         step ``k`` is :meth:`lr_for` ``(round, k, inner_steps)``: ``inner_steps`` is the
         plan's, so a step cut by the deadline does not shift the schedule. The gradients are
         freed on return (``.grad`` is None) and, on CPU, the freed heap memory is returned to the OS
-        (:func:`geomesh_p2p.model.capability.release_freed_memory`): the exchange that follows needs it.
+        (:func:`geomesh_p2p.model.memory.release_freed_memory`): the exchange that follows needs it.
 
         Raises:
             FloatingPointError: a non-finite training loss (weights are not updated).

@@ -37,14 +37,11 @@ import geomesh_p2p
 from geomesh_p2p.status import swarm as swarm_status  # noqa: F401  (kept importable from here: tests patch it)
 from geomesh_p2p.util.aio import wait_event
 from geomesh_p2p.trust.admission import Admission, load_or_solve_pow, pow_cache_path
-from geomesh_p2p.model.capability import (
-    ProfileStopped,
-    ThroughputEMA,
-    detect_device,
-    measure_codec,
-    profile_training,
-    release_freed_memory,
-)
+from geomesh_p2p.exchange.profile import measure_codec
+from geomesh_p2p.model.capability import ThroughputEMA
+from geomesh_p2p.model.device import detect_device
+from geomesh_p2p.model.memory import release_freed_memory
+from geomesh_p2p.model.profile import ProfileStopped, profile_training
 from geomesh_p2p.exchange import CollectiveService
 from geomesh_p2p.config.models import NodeConfig, RunConfig
 from geomesh_p2p.data import load_dataset
@@ -70,16 +67,8 @@ from geomesh_p2p.trust.standing import OnceLog, Standing
 from geomesh_p2p.sync import progress as sync_progress
 from geomesh_p2p.model import state as gstate  # module-qualified: tests replace gstate.save_checkpoint
 from geomesh_p2p.sync.server import StateServer
-from geomesh_p2p.model.training import (
-    DEFAULT_INNER,
-    InnerTrainer,
-    build_model,
-    flat_params,
-    load_flat_,
-    lr_at,
-    num_params,
-    pseudo_gradient,
-)
+from geomesh_p2p.model.build import build_model, flat_params, load_flat_, num_params, pseudo_gradient
+from geomesh_p2p.model.training import DEFAULT_INNER, InnerTrainer, lr_at
 from geomesh_p2p.net.transport import Transport
 from geomesh_p2p.net.transport_config import TransportConfig
 from geomesh_p2p.net.methods import COLLECTIVE_PULL, COLLECTIVE_PUSH, DHT_PING
@@ -1123,7 +1112,7 @@ class PeerNode(NodeRoundPolicy):
     def outer_step(self, r: int, plan, aggregate: torch.Tensor, idle=()) -> None:
         """Round ``r``'s outer step in place, per part (:meth:`_outer_step`), under the state's lock (worker thread).
         Before it (issue 14 #3): the state server keeps a copy of round ``r`` while a download of it is in
-        progress, and the update is recorded for peers that fell behind (:class:`~geomesh_p2p.sync.transfer.UpdateLog`)."""
+        progress, and the update is recorded for peers that fell behind (:class:`~geomesh_p2p.sync.server.UpdateLog`)."""
         lock = getattr(getattr(self, "gstate", None), "lock", None)
         if lock is None:
             return self._outer_step(r, plan, aggregate, idle)

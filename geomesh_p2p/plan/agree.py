@@ -45,7 +45,7 @@ from pydantic import ValidationError
 
 from geomesh_p2p.telemetry import events
 from geomesh_p2p.net.swarm_time import swarm_time
-from geomesh_p2p.plan.planner import RoundPlan
+from geomesh_p2p.plan.schema import RoundPlan
 from geomesh_p2p.util.backoff import Backoff
 from geomesh_p2p.schema.peer import PeerRecord
 

@@ -28,7 +28,7 @@ from geomesh_p2p.telemetry import events
 from geomesh_p2p.util.aio import wait_event
 from geomesh_p2p.config.models import NodeConfig
 from geomesh_p2p.telemetry.metrics import RoundRecord
-from geomesh_p2p.plan.planner import RoundPlan
+from geomesh_p2p.plan.schema import RoundPlan
 from geomesh_p2p.trust.probation import PROBATION_SYNC_WAIT_S
 from geomesh_p2p.schema.peer import PeerRecord
 from geomesh_p2p.util.backoff import Backoff

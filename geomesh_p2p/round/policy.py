@@ -33,7 +33,7 @@ from geomesh_p2p.trust import verify
 from geomesh_p2p.trust import probation as pb
 from geomesh_p2p.telemetry.logonce import LogOnce
 from geomesh_p2p.config.method import MethodRule
-from geomesh_p2p.plan.planner import PlanConfig
+from geomesh_p2p.plan.schema import PlanConfig
 from geomesh_p2p.round.driver import no_work
 from geomesh_p2p.plan.agree import choose_plan
 from geomesh_p2p.plan.agree import PlanDeferred

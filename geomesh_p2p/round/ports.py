@@ -17,7 +17,7 @@ import torch
 
 from geomesh_p2p.net.swarm_time import swarm_time
 from geomesh_p2p.util.aio import wait_event
-from geomesh_p2p.plan.planner import RoundPlan
+from geomesh_p2p.plan.schema import RoundPlan
 from geomesh_p2p.schema.peer import PeerRecord
 
 __all__ = [

@@ -6,10 +6,10 @@ adds the *training*. Units: reference tokens, bytes, bytes/s, virtual seconds.
 
 Planning (DESIGN.md "Round r", step 2; GeoMesh arXiv 2609.18388, AWB):
 
-* ``diloco``, ``css``, ``async`` (and ``ddp`` with H = 1): :func:`geomesh_p2p.plan.planner.plan_uniform`
+* ``diloco``, ``css``, ``async`` (and ``ddp`` with H = 1): :func:`geomesh_p2p.plan.uniform.plan_uniform`
   — the same micro-batch (``min(target_batch, min max_batch)``), batch and ``H = plan.inner_steps``
   for every peer; the window is set by the slowest peer.
-* ``awb``, ``geomesh``: :func:`geomesh_p2p.plan.planner.plan_round` with the profile's window rule:
+* ``awb``, ``geomesh``: :func:`geomesh_p2p.plan.awb.plan_round` with the profile's window rule:
   ``comm_share`` (T = predicted comm / comm_share) or ``match_diloco`` (the smallest T at which the
   group trains DiLoCo's tokens per round).
 
@@ -30,7 +30,10 @@ from typing import Optional, Sequence
 import numpy as np
 
 from geomesh_p2p.config.method import MethodRule
-from geomesh_p2p.plan.planner import Method, PlanConfig, RoundPlan, partition, plan_round, plan_uniform
+from geomesh_p2p.plan.assign import partition
+from geomesh_p2p.plan.awb import plan_round
+from geomesh_p2p.plan.schema import Method, PlanConfig, RoundPlan
+from geomesh_p2p.plan.uniform import plan_uniform
 from geomesh_p2p.schema.peer import PeerRecord
 from geomesh_p2p.sim.link_time import ExchangeBytes, Link, RoundTiming, charge_round, exchange_bytes
 from geomesh_p2p.sim.hardware import Profile

@@ -247,7 +247,7 @@ def _run(args, profile, specs, argv) -> int:
 
 def _charged_only(profile, specs) -> int:
     """One round of each method on the clock, without training (fast)."""
-    from geomesh_p2p.model.training import build_model, num_params
+    from geomesh_p2p.model.build import build_model, num_params
 
     numel = num_params(build_model(profile.train.preset, seed=profile.train.seed))
     ch = Charger(profile, numel)

@@ -17,7 +17,7 @@ What is *trained* and what is *charged* (DESIGN.md "Measuring"):
   the method's encoding) over the profile's links (:mod:`geomesh_p2p.sim.link_time`).
 
 Mapping between the two: each round is planned by the real planner
-(:func:`geomesh_p2p.plan.planner.plan_round` for AWB, :func:`~geomesh_p2p.plan.planner.plan_uniform` for the
+(:func:`geomesh_p2p.plan.awb.plan_round` for AWB, :func:`~geomesh_p2p.plan.uniform.plan_uniform` for the
 DiLoCo-style plans) from the peers' :class:`~geomesh_p2p.schema.peer.PeerRecord` for the reference
 workload. Peer ``i`` then trains the proxy for exactly its planned inner steps ``H_i`` (fewer if a
 slowed peer hits the window deadline), with ``round(batch_i / batch_div)`` proxy sequences of
@@ -46,12 +46,13 @@ import torch
 
 from geomesh_p2p.exchange import codec as compression
 from geomesh_p2p.model.optim import OuterNesterov
-from geomesh_p2p.plan.planner import RoundPlan
+from geomesh_p2p.plan.schema import RoundPlan
 from geomesh_p2p.sim.charge import Charger, RoundCharge, speed_factor
 from geomesh_p2p.sim.link_time import RoundTiming, async_exchange_s, encoded_nbytes
 from geomesh_p2p.sim.hardware import Profile, SimPeer
 from geomesh_p2p.sim.methods import MethodSpec
-from geomesh_p2p.model.training import InnerTrainer, build_model, flat_params, load_flat_
+from geomesh_p2p.model.build import build_model, flat_params, load_flat_
+from geomesh_p2p.model.training import InnerTrainer
 from geomesh_p2p.data import load_dataset
 from geomesh_p2p.exchange import token_weighted_mean
 from geomesh_p2p.exchange.robust import aggregate_part

@@ -118,7 +118,7 @@ WindowRule = Literal["comm_share", "match_diloco"]
 
 
 class PlanSpec(_Strict):
-    """Planner settings (geomesh_p2p.plan.planner.PlanConfig) for the reference workload."""
+    """Planner settings (geomesh_p2p.plan.schema.PlanConfig) for the reference workload."""
 
     target_batch: int = Field(default=32, ge=1, description="sequences per inner step (a floor for AWB)")
     inner_steps: int = Field(default=20, ge=1, description="H of the uniform plan (diloco, css, async)")

@@ -40,7 +40,7 @@ from dataclasses import dataclass, replace
 from typing import Optional
 
 from geomesh_p2p.util.errors import UserFacingError
-from geomesh_p2p.plan.planner import Method, Mode
+from geomesh_p2p.plan.schema import Method, Mode
 
 __all__ = ["BASE_METHODS", "MethodSpec", "MethodError", "parse_method", "parse_methods"]
 
@@ -86,7 +86,7 @@ class MethodSpec:
 
     @property
     def planner_method(self) -> Method:
-        """The :class:`~geomesh_p2p.plan.planner.PlanConfig` method that plans this base (async: diloco)."""
+        """The :class:`~geomesh_p2p.plan.schema.PlanConfig` method that plans this base (async: diloco)."""
         return _PLANNER_METHOD[self.base]
 
 

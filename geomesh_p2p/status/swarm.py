@@ -39,7 +39,7 @@ from geomesh_p2p.schema.peer import PeerRecord
 from geomesh_p2p.config.models import MAX_POW_BITS
 from geomesh_p2p.dht import live_peers
 from geomesh_p2p.plan.agree import choose_plan, digest_majority, leader_order, plan_key
-from geomesh_p2p.plan.planner import RoundPlan
+from geomesh_p2p.plan.schema import RoundPlan
 from geomesh_p2p.trust.admission import Admission
 
 log = logging.getLogger(__name__)

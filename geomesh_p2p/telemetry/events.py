@@ -70,7 +70,7 @@ kind                         where                            fields
                                                               last_resort (bool)
 ``planned_out``              round.driver.wait_out            peer, round, leader, reason
                                                               (``not_in_plan`` | ``weights_differ``)
-``profile_batch``            capability.profile_training      batch, tokens_per_s, step_s, steps,
+``profile_batch``            profile.profile_training         batch, tokens_per_s, step_s, steps,
                                                               peak_bytes, extra_bytes, budget_bytes
 ``pull_refused``             collective.owner (pull handler)  peer, round, sender, code, reason
 ``push_refused``             collective.owner (push handler)  peer, round, part (None: not parsed),

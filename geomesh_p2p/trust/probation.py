@@ -69,7 +69,7 @@ PROBATION_ROUNDS = 3
 #: 8: 2), so probation peers are at most ~1/5 of a round's participants.
 PROBATION_SHARE = 4
 #: A probation peer's token budget is at most this many times the lower-median budget of the
-#: established participants (followers allow planner.PLAN_CHECK_TOLERANCE on top).
+#: established participants (followers allow plan.bounds.PLAN_CHECK_TOLERANCE on top).
 PROBATION_BUDGET_FACTOR = 1.0
 #: Rounds an established peer that was planned and delivered nothing is left out of plans (and of the
 #: leader candidates). Short: an honest peer can miss one round (a crash and restart, a stall), and

@@ -27,7 +27,8 @@ from geomesh_p2p.dht import DHTNode
 from geomesh_p2p.net.identity import Identity
 from geomesh_p2p.node.peer import PeerNode
 from geomesh_p2p.model.optim import OuterNesterov, eager_start
-from geomesh_p2p.model.training import InnerTrainer, flat_params
+from geomesh_p2p.model.build import flat_params
+from geomesh_p2p.model.training import InnerTrainer
 from geomesh_p2p.net.transport import Transport
 from geomesh_p2p.net.transport_config import TransportConfig
 

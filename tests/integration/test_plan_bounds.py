@@ -23,23 +23,20 @@ from geomesh_p2p.net.identity import Identity
 from geomesh_p2p.telemetry.metrics import RoundLog, RoundRecord, format_row, json_safe
 from geomesh_p2p.node.peer import NodeConfig, PeerNode, RunConfig
 from geomesh_p2p.model.optim import OuterNesterov, SyncAdamW
-from geomesh_p2p.plan.planner import (
+from geomesh_p2p.plan.assign import partition
+from geomesh_p2p.plan.awb import plan_round
+from geomesh_p2p.plan.bounds import (
     BANDWIDTH_SPREAD_CAP,
     BATCH_SPREAD_CAP,
     BUDGET_MEDIAN_FACTOR,
     EVIDENCE_GROWTH,
-    OWNER_SHARE_FACTOR,
     THROUGHPUT_SPREAD_CAP,
-    PlanConfig,
-    RoundPlan,
     bound_records,
-    check_plan,
-    make_plan,
-    max_owner_units,
     max_token_share,
-    partition,
-    plan_round,
 )
+from geomesh_p2p.plan.planner import check_plan, make_plan
+from geomesh_p2p.plan.schema import PlanConfig, RoundPlan
+from geomesh_p2p.schema.partition import OWNER_SHARE_FACTOR, max_owner_units
 from geomesh_p2p.schema.peer import (
     MAX_BATCH,
     MAX_LINK_BPS,
@@ -443,7 +440,8 @@ def test_perplexity_never_raises():
 
 def test_evaluate_a_model_blown_up_by_a_hostile_update(caplog):
     from geomesh_p2p.data import TokenDataset
-    from geomesh_p2p.model.training import InnerTrainer, build_model, load_flat_, num_params
+    from geomesh_p2p.model.build import build_model, load_flat_, num_params
+    from geomesh_p2p.model.training import InnerTrainer
 
     torch.set_num_threads(1)
     d = TokenDataset(torch.arange(4000) % 50, vocab_size=50)

@@ -311,7 +311,8 @@ def test_takeover_delay_is_bounded_whatever_the_number_of_candidates():
 
 
 async def test_silent_better_ranked_candidates_cost_a_bounded_wait_and_non_candidates_never_publish():
-    from geomesh_p2p.plan.planner import PlanConfig, plan_round
+    from geomesh_p2p.plan.awb import plan_round
+    from geomesh_p2p.plan.schema import PlanConfig
 
     cfg = PlanConfig(seq_len=64, target_batch=8, window_s=5.0, payload_bytes=10_000)
     ids = [Identity.generate() for _ in range(12)]

@@ -11,21 +11,22 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from geomesh_p2p.telemetry import events
-from geomesh_p2p.model.capability import (
-    DeviceInfo,
-    ThroughputEMA,
+from geomesh_p2p.model.capability import ThroughputEMA
+from geomesh_p2p.model.device import DeviceInfo, detect_device
+from geomesh_p2p.model.memory import (
     analytic_activation_bytes,
-    default_batch_sizes,
-    detect_device,
     estimate_memory,
     find_max_batch,
-    format_profile_table,
-    measure_throughput,
     method_min_memory,
     preset_min_memory,
+    rss_probe,
+)
+from geomesh_p2p.model.profile import (
+    default_batch_sizes,
+    format_profile_table,
+    measure_throughput,
     profile,
     profile_training,
-    rss_probe,
 )
 from tests.records_util import peer_record
 

@@ -163,9 +163,9 @@ async def test_driver_exchange_pushes_delta_plus_residual_and_a_foreign_resync_z
 
 
 def test_method_memory_counts_the_residual_only_for_sign_pushes():
-    """capability.method_min_memory: --error-feedback adds a [P] fp32 residual to geomesh/css (sign pushes),
+    """memory.method_min_memory: --error-feedback adds a [P] fp32 residual to geomesh/css (sign pushes),
     nothing to the fp32 methods, which keep none (the peer allocates it only for sign pushes)."""
-    from geomesh_p2p.model.capability import method_min_memory
+    from geomesh_p2p.model.memory import method_min_memory
 
     assert method_min_memory(1000, "geomesh", error_feedback=True).error_feedback == 4000
     assert method_min_memory(1000, "css", error_feedback=True).error_feedback == 4000

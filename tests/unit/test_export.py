@@ -14,7 +14,8 @@ import torch
 from geomesh_p2p.data import load_dataset
 from geomesh_p2p.node.peer import RunConfig
 from geomesh_p2p.model.state import save_checkpoint
-from geomesh_p2p.model.training import InnerTrainer, build_model, flat_params, load_flat_
+from geomesh_p2p.model.build import build_model, flat_params, load_flat_
+from geomesh_p2p.model.training import InnerTrainer
 from peer.cli import main
 
 pytestmark = pytest.mark.timeout(300)

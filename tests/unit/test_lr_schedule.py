@@ -10,7 +10,8 @@ import zlib
 import pytest
 import torch
 
-from geomesh_p2p.model.training import InnerTrainer, build_model, lr_at, swarm_lr_at
+from geomesh_p2p.model.build import build_model
+from geomesh_p2p.model.training import InnerTrainer, lr_at, swarm_lr_at
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -8,7 +8,8 @@ import pytest
 
 from geomesh_p2p.net.identity import Identity
 from geomesh_p2p.node.peer import NodeConfig, PeerNode, RunConfig
-from geomesh_p2p.plan.planner import PlanConfig, plan_round
+from geomesh_p2p.plan.awb import plan_round
+from geomesh_p2p.plan.schema import PlanConfig
 from geomesh_p2p.schema.peer import PeerRecord
 from tests.records_util import peer_record
 

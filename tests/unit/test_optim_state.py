@@ -270,7 +270,8 @@ def test_ddp_step_equals_adamw_on_the_union_of_the_peers_batches(tmp_path):
     from geomesh_p2p.exchange import token_weighted_mean
     from geomesh_p2p.data import load_dataset
     from geomesh_p2p.model.optim import SyncAdamW
-    from geomesh_p2p.model.training import InnerTrainer, build_model, flat_params
+    from geomesh_p2p.model.build import build_model, flat_params
+    from geomesh_p2p.model.training import InnerTrainer
 
     torch.set_num_threads(1)
     ds = load_dataset(None, seq_len=32, cache_dir=tmp_path)

@@ -12,22 +12,13 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from geomesh_p2p.plan.planner import (
-    BUDGET_MEDIAN_FACTOR,
-    PLAN_SCHEMA_VERSION,
-    PlanConfig,
-    RoundPlan,
-    best_micro_batch,
-    check_plan,
-    comm_time,
-    format_plan_table,
-    interpolate_tokens_per_s,
-    make_plan,
-    partition,
-    plan_round,
-    plan_uniform,
-    window_exclusions,
-)
+from geomesh_p2p.plan.assign import partition
+from geomesh_p2p.plan.awb import plan_round
+from geomesh_p2p.plan.bounds import BUDGET_MEDIAN_FACTOR
+from geomesh_p2p.plan.cost import best_micro_batch, comm_time, interpolate_tokens_per_s
+from geomesh_p2p.plan.planner import check_plan, make_plan, window_exclusions
+from geomesh_p2p.plan.schema import PLAN_SCHEMA_VERSION, PlanConfig, RoundPlan, format_plan_table
+from geomesh_p2p.plan.uniform import plan_uniform
 from geomesh_p2p.schema.peer import PeerRecord
 from tests.records_util import peer_record
 

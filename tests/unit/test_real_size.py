@@ -9,10 +9,12 @@ import types
 import pytest
 import torch
 
-from geomesh_p2p.model import capability
+from geomesh_p2p.exchange.profile import measure_codec
+from geomesh_p2p.model.memory import release_freed_memory
+from geomesh_p2p.model.profile import profile_training
 from geomesh_p2p.plan import planner
 from geomesh_p2p.round.policy import EXCHANGE_COST_STEP, NodeRoundPolicy
-from geomesh_p2p.model.training import build_model, flat_params, pseudo_gradient
+from geomesh_p2p.model.build import build_model, flat_params, pseudo_gradient
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -111,14 +113,14 @@ def test_exchange_cost_ema_first_sample_replaces_then_bounded_steps(monkeypatch)
 
 
 def test_measure_codec_is_a_positive_cost_per_element():
-    c = capability.measure_codec(1 << 14, repeats=1)
+    c = measure_codec(1 << 14, repeats=1)
     assert 0 < c < 1e-3
     with pytest.raises(ValueError):
-        capability.measure_codec(0)
+        measure_codec(0)
 
 
 def test_release_freed_memory_reports_whether_glibc_answered():
-    assert isinstance(capability.release_freed_memory(), bool)
+    assert isinstance(release_freed_memory(), bool)
 
 
 class _FakeTransport:
@@ -134,14 +136,14 @@ class _FakeTransport:
 
 @pytest.mark.timeout(120)
 def test_build_training_profiles_the_model_in_place_and_holds_the_budget(monkeypatch):
-    """The node profiles with capability.profile_training on its own model (no copy: the weights stay
+    """The node profiles with model.profile.profile_training on its own model (no copy: the weights stay
     bit-identical), the budget reaches it, and the state buffer and codec cost are set up after it."""
     from geomesh_p2p.config.models import NodeConfig, RunConfig
     from geomesh_p2p.net.identity import Identity
     from geomesh_p2p.node.peer import PeerNode
 
     seen = {}
-    real = capability.profile_training
+    real = profile_training
 
     def spy(model, seq_len, device, memory_bytes, **kw):
         seen["model"], seen["budget"], seen["extra"] = model, memory_bytes, kw.get("extra_bytes")

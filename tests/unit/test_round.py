@@ -11,7 +11,8 @@ import pytest
 
 from geomesh_p2p.telemetry import events
 from geomesh_p2p.net.identity import Identity
-from geomesh_p2p.plan.planner import PlanConfig, plan_round
+from geomesh_p2p.plan.awb import plan_round
+from geomesh_p2p.plan.schema import PlanConfig
 from geomesh_p2p.schema.peer import PeerRecord
 from tests.records_util import peer_record
 from geomesh_p2p.round import PlanStore, choose_plan, digest_majority, leader_order, leader_rank, obtain_plan

@@ -15,7 +15,8 @@ import torch
 
 from geomesh_p2p.telemetry import events
 from geomesh_p2p.net.identity import Identity
-from geomesh_p2p.plan.planner import PlanConfig, plan_round
+from geomesh_p2p.plan.awb import plan_round
+from geomesh_p2p.plan.schema import PlanConfig
 from geomesh_p2p.schema.peer import PeerRecord, SyncProgress
 from tests.records_util import peer_record
 from geomesh_p2p.round import DhtPlanAgreement, DriverConfig, Phase, PlanStore, RoundDriver, leader_order

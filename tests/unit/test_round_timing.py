@@ -64,7 +64,7 @@ async def test_the_settle_hands_out_the_likely_plan_first_and_still_follows_the_
     returned (the rule of which plan is followed is unchanged)."""
     from geomesh_p2p.net.identity import Identity
     from geomesh_p2p.round import PlanStore, leader_order, obtain_plan
-    from geomesh_p2p.plan.planner import plan_round
+    from geomesh_p2p.plan.awb import plan_round
     from tests.unit.test_round import CFG, RUN as RRUN, MemoryDHT, _record
 
     ids = [Identity.generate() for _ in range(4)]
@@ -202,7 +202,8 @@ def test_the_trainers_eval_snapshot_gives_evaluates_value_while_the_model_trains
     """InnerTrainer.snapshot_for_eval / evaluate_snapshot: the snapshot's perplexity equals evaluate() on
     the weights it copied (bitwise: same batches, same model), also after the model trained on."""
     from geomesh_p2p.data import load_dataset
-    from geomesh_p2p.model.training import InnerTrainer, build_model
+    from geomesh_p2p.model.build import build_model
+    from geomesh_p2p.model.training import InnerTrainer
 
     n = torch.get_num_threads()
     torch.set_num_threads(1)

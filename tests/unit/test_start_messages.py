@@ -124,7 +124,7 @@ def _join_rc(capsys, tmp_path, *argv) -> tuple[int, list[str]]:
 
 
 def test_unknown_model_preset_fails_before_joining(capsys, tmp_path, monkeypatch):
-    from geomesh_p2p.model.training import PRESETS
+    from geomesh_p2p.model.build import PRESETS
     import geomesh_p2p.node.peer
 
     def no_node(*a, **k):
@@ -157,7 +157,7 @@ def test_resume_without_checkpoint_dir_is_refused(capsys, tmp_path):
 
 
 def test_profile_unknown_model_is_one_line(capsys):
-    from geomesh_p2p.model.training import PRESETS
+    from geomesh_p2p.model.build import PRESETS
     from peer.cli import main
 
     assert main(["profile", "--model", "huge"]) == 2
@@ -168,7 +168,7 @@ def test_profile_unknown_model_is_one_line(capsys):
 
 
 def test_demo_unknown_model_is_one_line_before_any_process(capsys, tmp_path):
-    from geomesh_p2p.model.training import PRESETS
+    from geomesh_p2p.model.build import PRESETS
     from peer.cli import main
 
     assert main(["demo", "--model", "huge", "--workdir", str(tmp_path / "w")]) == 2

@@ -10,18 +10,17 @@ import torch
 import geomesh_p2p.model.training as training
 from geomesh_p2p.net.swarm_time import swarm_time
 from geomesh_p2p.data import TokenDataset, load_dataset
-from geomesh_p2p.model.training import (
+from geomesh_p2p.model.build import (
     PRESETS,
     ConfigError,
-    InnerTrainer,
     build_model,
     count_params,
     flat_params,
     load_flat_,
-    lr_at,
     model_config,
     num_params,
 )
+from geomesh_p2p.model.training import InnerTrainer, lr_at
 
 SEQ = 64
 

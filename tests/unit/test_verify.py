@@ -18,9 +18,13 @@ import pytest
 import torch
 
 from geomesh_p2p.exchange import codec as compression
+from geomesh_p2p.trust import evidence as EV
 from geomesh_p2p.trust import verify as V
+from geomesh_p2p.trust import verify_check as VC
+from geomesh_p2p.trust import verify_task as VT
 from geomesh_p2p.net.identity import Identity
-from geomesh_p2p.plan.planner import PeerAssignment, PlanConfig, RoundPlan, make_plan
+from geomesh_p2p.plan.planner import make_plan
+from geomesh_p2p.plan.schema import PeerAssignment, PlanConfig, RoundPlan
 from tests.records_util import peer_record
 from geomesh_p2p.wire import collective_pb2
 
@@ -59,7 +63,8 @@ def _fixed_identity(name: str) -> Identity:
 def world():
     from geomesh_p2p.data import load_dataset
     from geomesh_p2p.model.optim import OuterNesterov
-    from geomesh_p2p.model.training import InnerTrainer, build_model, flat_params, load_flat_
+    from geomesh_p2p.model.build import build_model, flat_params, load_flat_
+    from geomesh_p2p.model.training import InnerTrainer
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -125,10 +130,10 @@ def _packets(w, contribution: torch.Tensor, H: int, others_H: int = 10, extra: d
     return out
 
 
-def _task(H: int, w) -> V.VerifyTask:
-    cfg = V.VerifyConfig()
-    k = V._k_of(cfg, H)
-    return V.VerifyTask(
+def _task(H: int, w) -> VT.VerifyTask:
+    cfg = VT.VerifyConfig()
+    k = VT._k_of(cfg, H)
+    return VT.VerifyTask(
         round=ROUND,
         verifier="V",
         accused=w.pid["A"],
@@ -147,8 +152,8 @@ def _task(H: int, w) -> V.VerifyTask:
 
 def _check(w, contribution, H, others_H=10, extra=None, checker="C"):
     packets = _packets(w, contribution, H, others_H, extra)
-    return V.check_contribution(
-        V.VerifyConfig(),
+    return VC.check_contribution(
+        VT.VerifyConfig(),
         _task(H, w),
         model=copy.deepcopy(w.base),
         dataset=w.ds,
@@ -167,9 +172,9 @@ def _check(w, contribution, H, others_H=10, extra=None, checker="C"):
 @pytest.mark.parametrize("H", [5, 10, 20])
 def test_honest_contributions_pass(world, H):
     stats, verdict, used = _check(world, world.honest[H], H)
-    assert verdict.outcome == V.PASS, verdict.reason
+    assert verdict.outcome == VC.PASS, verdict.reason
     assert stats.plain > 0.65  # measured 0.63-0.85; the hard limit is 0.55
-    assert stats.trace > V.VerifyConfig().trace_min + 0.02  # measured >= 0.525 over rounds 1-19
+    assert stats.trace > VT.VerifyConfig().trace_min + 0.02  # measured >= 0.525 over rounds 1-19
     assert stats.basis == 4 + 1  # 4 controls + the checker's own contribution
     assert [p for p, _ in used] == [world.pid["C"]]
 
@@ -185,7 +190,7 @@ def test_flipped_zeros_noise_scaled_fail_hard(world):
     }
     for name, (c, why) in cases.items():
         stats, verdict, _ = _check(world, c, 10)
-        assert verdict.outcome == V.FAIL, (name, verdict)
+        assert verdict.outcome == VC.FAIL, (name, verdict)
         assert verdict.reason.startswith(why), (name, verdict.reason)
     stats, _, _ = _check(world, -h, 10)
     assert stats.plain < 0.3 and stats.trace < 0.45
@@ -197,10 +202,10 @@ def six_checks(world):
     [(task, element index, own gradients, control gradients)]."""
     out = []
     for i, steps in enumerate([(0, 2, 5, 7), (1, 3, 6, 8), (0, 4, 6, 9), (2, 3, 7, 9), (1, 4, 5, 8), (0, 1, 8, 9)]):
-        task = V.VerifyTask(**{**_task(10, world).__dict__, "steps": steps, "element_seed": 100 + i})
-        idx = V.sample_elements(task.ranges, task.n_elements, task.element_seed)
-        streams = [(task.accused, j) for j in steps] + [(V.CONTROL_STREAM, m) for m in range(task.controls)]
-        g = V.batch_gradients(
+        task = VT.VerifyTask(**{**_task(10, world).__dict__, "steps": steps, "element_seed": 100 + i})
+        idx = VT.sample_elements(task.ranges, task.n_elements, task.element_seed)
+        streams = [(task.accused, j) for j in steps] + [(VT.CONTROL_STREAM, m) for m in range(task.controls)]
+        g = VC.batch_gradients(
             copy.deepcopy(world.base),
             world.ds,
             world.theta,
@@ -217,19 +222,19 @@ def six_checks(world):
 
 def _verdicts(world, checks, contribution):
     """(stats, verdict) of each check for A sending ``contribution``, checked by C (C's own update as basis)."""
-    cfg = V.VerifyConfig()
+    cfg = VT.VerifyConfig()
     packets = _packets(world, contribution, 10)
     out = []
     for task, idx, own, ctrl in checks:
-        c = V._gather(packets[world.pid["A"]], task, idx)
-        basis = [V._gather(packets[world.pid["C"]], task, idx)]
-        stats = V.work_statistics(c, own, ctrl, basis)
+        c = VT.gather(packets[world.pid["A"]], task, idx)
+        basis = [VT.gather(packets[world.pid["C"]], task, idx)]
+        stats = VC.work_statistics(c, own, ctrl, basis)
         scales = torch.cat([packets[world.pid["A"]][j].scales for j in task.parts])
-        bound = V.scale_bound(10, 1e-3, 0.1, float(world.theta.abs().max()), cfg.scale_factor)
+        bound = VC.scale_bound(10, 1e-3, 0.1, float(world.theta.abs().max()), cfg.scale_factor)
         out.append(
             (
                 stats,
-                V.judge(
+                VC.judge(
                     cfg, task, stats, all_zero=not bool((scales > 0).any()), max_scale=float(scales.max()), bound=bound
                 ),
             )
@@ -238,23 +243,23 @@ def _verdicts(world, checks, contribution):
 
 
 def test_stale_wrong_data_and_copies_do_not_pass(world, six_checks):
-    cfg = V.VerifyConfig()
+    cfg = VT.VerifyConfig()
     honest = _verdicts(world, six_checks, world.honest[10])
-    assert all(v.outcome == V.PASS for _, v in honest), honest
+    assert all(v.outcome == VC.PASS for _, v in honest), honest
     h_mean = sum(s.trace for s, _ in honest) / 6
     assert h_mean > 0.57
     attacks = [("stale", world.prev_aggregate), ("wrong data", world.wrong_data), ("copy of B", world.others["B"])]
     for name, c in attacks:
         got = _verdicts(world, six_checks, c)
         traces = [s.trace for s, _ in got]
-        caught = sum(v.outcome != V.PASS for _, v in got)
+        caught = sum(v.outcome != VC.PASS for _, v in got)
         # measured: marginal in 40-100% of the checks (stale mostly hard); two checks in different rounds exclude
         assert caught >= 3, (name, traces)
         assert sum(traces) / 6 < cfg.trace_min < h_mean - 0.05, (name, traces)
         assert min(s.plain for s, _ in got) > 0.55  # the plain test alone would have let it through
     # checked by the peer it copied (its own contribution is then the basis), no trace either
     stats, verdict, _ = _check(world, world.others["B"], 10, checker="B")
-    assert verdict.outcome in (V.MARGINAL, V.FAIL) and abs(stats.trace - 0.5) < 0.015
+    assert verdict.outcome in (VC.MARGINAL, VC.FAIL) and abs(stats.trace - 0.5) < 0.015
 
 
 def test_a_copier_does_not_erase_the_honest_peers_trace(world):
@@ -263,8 +268,8 @@ def test_a_copier_does_not_erase_the_honest_peers_trace(world):
     d = str(Identity.generate().peer_id)
     alone = _check(world, world.honest[10], 10)[0]
     stats, verdict, _ = _check(world, world.honest[10], 10, extra={d: world.honest[10]})
-    assert verdict.outcome == V.PASS and stats == alone
-    erased = V.work_statistics(*_raw(world, world.honest[10], 10, [world.honest[10]]))
+    assert verdict.outcome == VC.PASS and stats == alone
+    erased = VC.work_statistics(*_raw(world, world.honest[10], 10, [world.honest[10]]))
     # what the copy would have done in the basis: A's trace down to the null level (~0.5)
     assert erased.trace < min(0.53, alone.trace - 0.05), (erased, alone)
 
@@ -272,15 +277,15 @@ def test_a_copier_does_not_erase_the_honest_peers_trace(world):
 def _raw(w, c, H, basis):
     """The inputs of work_statistics for the check of A (decoded contribution, own and control gradients)."""
     task = _task(H, w)
-    idx = V.sample_elements(task.ranges, task.n_elements, task.element_seed)
+    idx = VT.sample_elements(task.ranges, task.n_elements, task.element_seed)
     dec = lambda v: torch.cat(
         [
             compression.decode(compression.encode(v[s:e].contiguous(), 2048, 1))  # noqa: E731
             for s, e in w.part_ranges
         ]
     )
-    streams = [(task.accused, j) for j in task.steps] + [(V.CONTROL_STREAM, i) for i in range(task.controls)]
-    g = V.batch_gradients(
+    streams = [(task.accused, j) for j in task.steps] + [(VT.CONTROL_STREAM, i) for i in range(task.controls)]
+    g = VC.batch_gradients(
         copy.deepcopy(w.base), w.ds, w.theta, streams, seed=0, round=ROUND, batch_size=B, seq_len=L, index=idx
     )
     k = len(task.steps)
@@ -350,8 +355,8 @@ def _drawn(w, accused: str, cfg, packets, tries=400):
     for i in range(tries):
         v = _fixed_identity(f"verifier-{accused[:6]}-{i}")
         plan = _plan(w, {"V": v})
-        sel = v.sign(V.selection_message(RUN, ROUND, plan.start_digest))
-        task = V.derive_task(
+        sel = v.sign(VT.selection_message(RUN, ROUND, plan.start_digest))
+        task = VT.derive_task(
             cfg, plan=plan, verifier=str(v.peer_id), selection=sel, packets=packets, part_ranges=w.part_ranges
         )
         if task is not None and task.accused == accused:
@@ -360,32 +365,32 @@ def _drawn(w, accused: str, cfg, packets, tries=400):
 
 
 def test_task_is_a_pure_function_of_the_selection(world):
-    cfg = V.VerifyConfig(share=1.0)
+    cfg = VT.VerifyConfig(share=1.0)
     packets = _packets(world, world.honest[10], 10)
     v, plan, task = _drawn(world, world.pid["A"], cfg, packets)
-    sel = v.sign(V.selection_message(RUN, ROUND, plan.start_digest))
-    again = V.derive_task(
+    sel = v.sign(VT.selection_message(RUN, ROUND, plan.start_digest))
+    again = VT.derive_task(
         cfg, plan=plan, verifier=str(v.peer_id), selection=sel, packets=packets, part_ranges=world.part_ranges
     )
     assert again == task
     assert task.steps_done == 10 and len(task.steps) == 4 and len(set(task.steps)) == 4
     assert all(0 <= j < 10 for j in task.steps) and task.controls == 4
     assert task.parts == (0, 1, 2, 3) and list(task.ranges) == world.part_ranges
-    assert task.n_elements == V.VerifyConfig().sample_elements
+    assert task.n_elements == VT.VerifyConfig().sample_elements
     assert task.verifier != task.accused and task.full_test
     # another signature (another round digest) draws another check
-    other = v.sign(V.selection_message(RUN, ROUND, "another-digest"))
-    t2 = V.derive_task(
+    other = v.sign(VT.selection_message(RUN, ROUND, "another-digest"))
+    t2 = VT.derive_task(
         cfg, plan=plan, verifier=str(v.peer_id), selection=other, packets=packets, part_ranges=world.part_ranges
     )
     assert t2 != task
     # share 0.1: a check of 8 passes x 8 rows against the verifier's 10 steps x 8 rows: p = 0.125
-    low = V.VerifyConfig(share=0.1)
+    low = VT.VerifyConfig(share=0.1)
     drawn = 0
     for i in range(200):
-        s = v.sign(V.selection_message(RUN, ROUND, f"d{i}"))
+        s = v.sign(VT.selection_message(RUN, ROUND, f"d{i}"))
         drawn += (
-            V.derive_task(
+            VT.derive_task(
                 low, plan=plan, verifier=str(v.peer_id), selection=s, packets=packets, part_ranges=world.part_ranges
             )
             is not None
@@ -395,21 +400,21 @@ def test_task_is_a_pure_function_of_the_selection(world):
 
 def test_sample_elements_deterministic_and_bounded():
     ranges = [(1000, 400_000), (600_000, 1_000_000)]  # a part the contributor did not send is left out
-    a = V.sample_elements(ranges, 5000, seed=3)
-    assert torch.equal(a, V.sample_elements(ranges, 5000, seed=3))
+    a = VT.sample_elements(ranges, 5000, seed=3)
+    assert torch.equal(a, VT.sample_elements(ranges, 5000, seed=3))
     assert a.numel() == 5000 and int(a.min()) >= 1000 and int(a.max()) < 1_000_000
     assert not bool(((a >= 400_000) & (a < 600_000)).any()) and bool((a[1:] > a[:-1]).all())
     frac = float((a < 400_000).double().mean())
     assert 0.45 < frac < 0.55  # uniform over the union (399k and 400k elements)
     assert torch.equal(
-        V.sample_elements([(10, 20), (30, 35)], 100, seed=1), torch.tensor(list(range(10, 20)) + list(range(30, 35)))
+        VT.sample_elements([(10, 20), (30, 35)], 100, seed=1), torch.tensor(list(range(10, 20)) + list(range(30, 35)))
     )
 
 
 @pytest.fixture(scope="module")
 def flipped_case(world):
     """A verifier drawn to check A, A having sent -delta, and the evidence its check produced."""
-    cfg = V.VerifyConfig(share=1.0)
+    cfg = VT.VerifyConfig(share=1.0)
     bad = -world.honest[10]
     packets = _packets(world, bad, 10)
     v, plan, task = _drawn(world, world.pid["A"], cfg, packets)
@@ -423,7 +428,7 @@ def flipped_case(world):
 
 def test_failing_check_gives_evidence_and_excludes_locally(world, flipped_case):
     c = flipped_case
-    assert c.ev is not None and c.ev.outcome == V.FAIL and c.ev.accused == world.pid["A"]
+    assert c.ev is not None and c.ev.outcome == VC.FAIL and c.ev.accused == world.pid["A"]
     assert c.ev.task == c.task and c.ev.contributions == c.signed and set(c.ev.packets) == {0, 1, 2, 3}
     assert c.ev.plain < 0.3 and world.pid["A"] in c.wv.excluded
     assert [m.peer_id for m in c.wv.filter([types.SimpleNamespace(peer_id=p) for p in world.pid.values()])] == [
@@ -436,10 +441,10 @@ def test_evidence_round_trips(world, flipped_case):
     c = flipped_case
     data = c.ev.to_signed(c.v)
     assert len(data) < 4096  # the header; each contribution is its own DHT value (~29 KB here)
-    assert all(len(b) <= V.MAX_VALUE_BYTES for b in c.signed.values())
-    ev = V.Evidence.open(data, RUN, contributions=c.signed)
+    assert all(len(b) <= EV.MAX_VALUE_BYTES for b in c.signed.values())
+    ev = EV.Evidence.open(data, RUN, contributions=c.signed)
     assert ev.header() == c.ev.header() and ev.contributions == c.signed
-    assert ev.verifier_key == c.v.public_key_bytes and ev.outcome == V.FAIL and ev.plain == c.ev.plain
+    assert ev.verifier_key == c.v.public_key_bytes and ev.outcome == VC.FAIL and ev.plain == c.ev.plain
 
 
 def test_forged_or_tampered_evidence_is_refused(world, flipped_case):
@@ -447,14 +452,14 @@ def test_forged_or_tampered_evidence_is_refused(world, flipped_case):
     data = bytearray(c.ev.to_signed(c.v))
     i = bytes(data).index(b'"trace":')
     data[i + 10] ^= 1  # change the measured value under the verifier's signature
-    with pytest.raises(V.EvidenceError, match="tampered"):
-        V.Evidence.open(bytes(data), RUN)
+    with pytest.raises(EV.EvidenceError, match="tampered"):
+        EV.Evidence.open(bytes(data), RUN)
     part0 = bytearray(c.signed[0])
     part0[-10] ^= 1  # a sign byte of the accused's contribution, under the accused's signature
-    with pytest.raises(V.EvidenceError, match="tampered"):
-        V.Evidence.open(c.ev.to_signed(c.v), RUN, contributions={0: bytes(part0)})
-    with pytest.raises(V.EvidenceError, match="run"):
-        V.Evidence.open(c.ev.to_signed(c.v), "another-run")
+    with pytest.raises(EV.EvidenceError, match="tampered"):
+        EV.Evidence.open(c.ev.to_signed(c.v), RUN, contributions={0: bytes(part0)})
+    with pytest.raises(EV.EvidenceError, match="run"):
+        EV.Evidence.open(c.ev.to_signed(c.v), "another-run")
     mallory = Identity.generate()
     # signed by someone else in the verifier's name
     forged = copy.copy(c.ev)
@@ -462,28 +467,28 @@ def test_forged_or_tampered_evidence_is_refused(world, flipped_case):
         forged.to_signed(mallory)
     payload_from_mallory = copy.copy(c.ev)
     payload_from_mallory.verifier = str(mallory.peer_id)
-    payload_from_mallory.task = V.VerifyTask(**{**c.ev.task.__dict__, "verifier": str(mallory.peer_id)})
-    with pytest.raises(V.EvidenceError, match="selection"):  # it reuses the real verifier's selection
-        V.Evidence.open(payload_from_mallory.to_signed(mallory), RUN)
+    payload_from_mallory.task = VT.VerifyTask(**{**c.ev.task.__dict__, "verifier": str(mallory.peer_id)})
+    with pytest.raises(EV.EvidenceError, match="selection"):  # it reuses the real verifier's selection
+        EV.Evidence.open(payload_from_mallory.to_signed(mallory), RUN)
     # the accused's contribution "signed" by the verifier instead of the accused
     s, e = world.part_ranges[1]
     fake = _signed(c.v, c.packets[world.pid["A"]][1], 1, s, e)
-    with pytest.raises(V.EvidenceError, match="not signed by the accused"):
-        V.Evidence.open(c.ev.to_signed(c.v), RUN, contributions={1: fake})
+    with pytest.raises(EV.EvidenceError, match="not signed by the accused"):
+        EV.Evidence.open(c.ev.to_signed(c.v), RUN, contributions={1: fake})
     # a contribution the accused really signed, but not the packet named (e.g. from another round's data)
     other = _signed(world.ids["A"], compression.encode(torch.ones(e - s), 2048, 1), 1, s, e)
-    with pytest.raises(V.EvidenceError, match="not the packet"):
-        V.Evidence.open(c.ev.to_signed(c.v), RUN, contributions={1: other})
+    with pytest.raises(EV.EvidenceError, match="not the packet"):
+        EV.Evidence.open(c.ev.to_signed(c.v), RUN, contributions={1: other})
     # filed under another part
-    with pytest.raises(V.EvidenceError, match="part 2"):
-        V.Evidence.open(c.ev.to_signed(c.v), RUN, contributions={2: c.signed[1]})
+    with pytest.raises(EV.EvidenceError, match="part 2"):
+        EV.Evidence.open(c.ev.to_signed(c.v), RUN, contributions={2: c.signed[1]})
     # a header that names the accused as its own verifier, or accuses nobody
-    for change in ({"outcome": V.PASS}, {"packets": {0: "00"}}):
+    for change in ({"outcome": VC.PASS}, {"packets": {0: "00"}}):
         bad = copy.copy(c.ev)
         for k, val in change.items():
             setattr(bad, k, val)
-        with pytest.raises(V.EvidenceError):
-            V.Evidence.open(bad.to_signed(c.v), RUN)
+        with pytest.raises(EV.EvidenceError):
+            EV.Evidence.open(bad.to_signed(c.v), RUN)
 
 
 def test_recheck_confirms_and_the_leaders_plan_leaves_the_accused_out(world, flipped_case):
@@ -528,39 +533,39 @@ def test_evidence_not_drawn_by_the_selection_is_ignored(world, flipped_case):
     for i in range(200):
         liar = _fixed_identity(f"liar-{i}")
         plan = _plan(world, {"V": c.v, "L": liar})
-        sel = liar.sign(V.selection_message(RUN, ROUND, plan.start_digest))
-        t = V.derive_task(
+        sel = liar.sign(VT.selection_message(RUN, ROUND, plan.start_digest))
+        t = VT.derive_task(
             cfg, plan=plan, verifier=str(liar.peer_id), selection=sel, packets=c.packets, part_ranges=world.part_ranges
         )
         if t is None or t.accused != world.pid["A"]:
             break
     ev = copy.copy(c.ev)
     ev.verifier, ev.selection = str(liar.peer_id), sel
-    ev.task = V.VerifyTask(**{**c.task.__dict__, "verifier": str(liar.peer_id)})
+    ev.task = VT.VerifyTask(**{**c.task.__dict__, "verifier": str(liar.peer_id)})
     w = _verifier(world, world.ids["C"], cfg, plan, c.packets)
     assert w.recheck(ev.to_signed(liar)) == "invalid"
     assert not w.excluded
 
 
 def test_false_accusation_is_refuted_and_excludes_the_accuser(world):
-    cfg = V.VerifyConfig(share=1.0)
+    cfg = VT.VerifyConfig(share=1.0)
     packets = _packets(world, world.honest[10], 10)  # A is honest
     liar, plan, task = _drawn(world, world.pid["A"], cfg, packets)
     honest_check = _verifier(world, liar, cfg, plan, packets)
     assert honest_check.check_round(ROUND) is None  # an honest verifier would not accuse
-    ev = V.Evidence(
+    ev = EV.Evidence(
         run_id=RUN,
         round=ROUND,
         verifier=str(liar.peer_id),
         accused=world.pid["A"],
         start_digest=plan.start_digest,
-        selection=liar.sign(V.selection_message(RUN, ROUND, plan.start_digest)),
+        selection=liar.sign(VT.selection_message(RUN, ROUND, plan.start_digest)),
         task=task,
-        packets={j: V._packet_digest(packets[world.pid["A"]][j]) for j in task.parts},
+        packets={j: VC.packet_digest(packets[world.pid["A"]][j]) for j in task.parts},
         basis=[],
         plain=0.2,
         trace=0.4,
-        outcome=V.FAIL,
+        outcome=VC.FAIL,
         reason="signs: made up",
     )
     w = _verifier(world, world.ids["B"], cfg, plan, packets)
@@ -569,21 +574,21 @@ def test_false_accusation_is_refuted_and_excludes_the_accuser(world):
 
 
 def test_marginal_failures_exclude_after_two_rounds(world):
-    cfg = V.VerifyConfig()
+    cfg = VT.VerifyConfig()
     w = V.WorkVerifier(
         cfg, identity=Identity.generate(), run_id=RUN, model=None, dataset=None, seed=0, lr=1e-3, weight_decay=0.1
     )
     t = _task(10, world)
-    w._record(t, V.Verdict(V.MARGINAL, "weak"), "v1")
-    w._record(t, V.Verdict(V.MARGINAL, "weak"), "v2")  # the same round again: still one
+    w._record(t, VC.Verdict(VC.MARGINAL, "weak"), "v1")
+    w._record(t, VC.Verdict(VC.MARGINAL, "weak"), "v2")  # the same round again: still one
     assert world.pid["A"] not in w.excluded
-    w._record(V.VerifyTask(**{**t.__dict__, "round": ROUND + 3}), V.Verdict(V.MARGINAL, "weak"), "v3")
+    w._record(VT.VerifyTask(**{**t.__dict__, "round": ROUND + 3}), VC.Verdict(VC.MARGINAL, "weak"), "v3")
     assert world.pid["A"] in w.excluded
     w2 = V.WorkVerifier(
         cfg, identity=Identity.generate(), run_id=RUN, model=None, dataset=None, seed=0, lr=1e-3, weight_decay=0.1
     )
-    w2._record(t, V.Verdict(V.MARGINAL, "weak"), "v1")
-    w2._record(V.VerifyTask(**{**t.__dict__, "round": ROUND + cfg.marginal_window}), V.Verdict(V.MARGINAL, "w"), "v")
+    w2._record(t, VC.Verdict(VC.MARGINAL, "weak"), "v1")
+    w2._record(VT.VerifyTask(**{**t.__dict__, "round": ROUND + cfg.marginal_window}), VC.Verdict(VC.MARGINAL, "w"), "v")
     assert not w2.excluded  # too far apart
 
 
@@ -612,10 +617,10 @@ def test_published_evidence_is_fetched_and_rechecked(world, flipped_case):
         assert asyncio.run(c.wv.publish(c.ev))
     finally:
         c.wv.dht = None
-    assert sorted(dht.data) == sorted([V.evidence_key(RUN, ROUND), V.contributions_key(RUN, ROUND, str(c.v.peer_id))])
-    got = asyncio.run(V.fetch_contributions(dht, c.ev))
-    stored = dht.data[V.evidence_key(RUN, ROUND)][str(c.v.peer_id)][0]
-    assert V.Evidence.open(stored, RUN, got).contributions == c.signed
+    assert sorted(dht.data) == sorted([EV.evidence_key(RUN, ROUND), EV.contributions_key(RUN, ROUND, str(c.v.peer_id))])
+    got = asyncio.run(EV.fetch_contributions(dht, c.ev))
+    stored = dht.data[EV.evidence_key(RUN, ROUND)][str(c.v.peer_id)][0]
+    assert EV.Evidence.open(stored, RUN, got).contributions == c.signed
     # a peer holding the round's data but drawing no check of its own (B and C both draw A here), so that
     # A's exclusion comes from the re-check of V's evidence
     other = _verifier(world, _fixed_identity("observer"), c.cfg, c.plan, c.packets)
@@ -624,7 +629,7 @@ def test_published_evidence_is_fetched_and_rechecked(world, flipped_case):
     asyncio.run(other.run_round(ROUND))
     assert world.pid["A"] in other.excluded
     assert f"checked by {str(c.v.peer_id)[:10]}" in other.excluded[world.pid["A"]]
-    v_ev = hashlib.sha256(dht.data[V.evidence_key(RUN, ROUND)][str(c.v.peer_id)][0]).hexdigest()
+    v_ev = hashlib.sha256(dht.data[EV.evidence_key(RUN, ROUND)][str(c.v.peer_id)][0]).hexdigest()
     assert v_ev in other._seen and not other._pending
     seen = set(other._seen)
     asyncio.run(other.run_round(ROUND))  # read again, not re-checked again

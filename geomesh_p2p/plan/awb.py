@@ -1,0 +1,265 @@
+"""Adaptive workload balancing (AWB): :func:`plan_round`.
+
+AWB is the "adaptive workload balancing" half of GeoMesh (arXiv 2609.18388, "GeoMesh:
+Workload-Balanced and Sign-Compressed Geo-Distributed LLM Training"); DESIGN.md, "Round r", step 2.
+The round leader turns the members' announced :class:`~geomesh_p2p.schema.peer.PeerRecord` s into a
+:class:`~geomesh_p2p.plan.schema.RoundPlan`: per peer a batch size and a number of inner steps such that every peer's
+compute plus its own communication fills the same sync window ``T``, so that fast GPUs do more
+useful work instead of idling at the barrier. Everything here is a pure, deterministic function
+of its inputs (no clock, no I/O, no randomness): the same records and config give the same plan
+bytes whatever the order of the records.
+
+The model (units: sequences, tokens, seconds, bytes, bytes/s)
+--------------------------------------------------------------
+For each peer ``i`` (records sorted by ``peer_id``):
+
+* **Micro-batch** ``m_i``: the measured batch size with the highest tokens/s among those that fit
+  in memory (``<= max_batch``); ties go to the larger batch. With no measured batch that fits,
+  ``m_i = max_batch`` with interpolated throughput (see :func:`interpolate_tokens_per_s`).
+* **Batch per inner step** ``b_i = m_i * a_i`` with ``a_i = ceil(target_batch / m_i)`` gradient
+  accumulation steps: ``target_batch`` is a floor on the sequences per optimizer step (micro-batched
+  when it does not fit or when a smaller micro-batch is faster); a peer whose best micro-batch is
+  larger than ``target_batch`` uses it whole (the paper's "batch that fits its memory").
+* **Step time** ``s_i = b_i * seq_len / tps_i(m_i)`` seconds.
+* **Communication time** ``c_i = 2 * latency_s + payload_bytes / upload_bps_i +
+  payload_bytes / download_bps_i``. The sum, not the max: the collective has two *sequential*
+  phases (push the parts to their owners, then pull the aggregates, which exist only once every
+  contribution to a part has arrived), the first bound by the upload link and the second by the
+  download link, each paying one request latency. Overlap of the two directions happens only on
+  the owners' side and is already counted by the caller in ``payload_bytes``.
+* **Window** ``T``:
+
+  - ``target_tokens_per_round`` set: the smallest ``T`` at which the planned budgets sum to at least
+    the target (``window_s``, if also set, caps it);
+  - else ``window_s`` set: that window;
+  - else ``T = max_i c_i / comm_share`` (communication over the slowest link is ``comm_share`` of
+    the round);
+
+  and always ``T >= max_i (c_i + min_inner_steps * s_i)`` so that the slowest peer fits its minimum
+  number of steps (an explicit ``window_s`` that is too short is stretched). Whole steps leave each
+  peer up to one step of slack; the planner then moves ``T`` within ``window_slack`` of that value
+  (never above an explicit ``window_s``, nor above a token target that the minimum steps already
+  exceed) to the candidate that minimises the largest idle fraction.
+  Candidates are the instants where some peer finishes a whole step, so the last finisher ends
+  exactly at ``T``.
+* **Inner steps** ``H_i = clip(floor((T - c_i) / s_i), min_inner_steps, max_inner_steps)``, token
+  budget ``b_i * seq_len * H_i``, predicted idle ``idle_i = T - (H_i * s_i + c_i)`` and straggler
+  idle fraction ``idle_i / T``. Unclipped, ``0 <= idle_i < s_i``.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from typing import Collection, Iterable, Mapping, Optional, Sequence
+
+import numpy as np
+
+from geomesh_p2p.plan.assign import PlanMeta, build_plan, probation_ids
+from geomesh_p2p.plan.bounds import BUDGET_MEDIAN_FACTOR, EVIDENCE_GROWTH, bound_records, check_records
+from geomesh_p2p.plan.cost import PeerModel, best_micro_batch, inner_steps, interpolate_tokens_per_s, step_and_comm
+from geomesh_p2p.plan.schema import PlanConfig, RoundPlan
+from geomesh_p2p.schema.peer import PeerRecord
+
+_MAX_BREAKPOINTS_PER_PEER = 1000
+
+
+def _best_in_window(record: PeerRecord, current: "PeerModel", T: float, cfg: PlanConfig) -> "PeerModel":
+    """The micro-batch (among measured ones that fit memory) training the most tokens within ``T``."""
+    best, best_tokens = current, None
+    for micro in sorted(b for b in record.tokens_per_s if b <= record.max_batch):
+        m = current if micro == current.micro else PeerModel(record, cfg, micro)
+        h = int(inner_steps(np.float64(T), np.array([m.step_s]), np.array([m.comm_s]), cfg)[0])
+        if h * m.step_s + m.comm_s > T * (1 + 1e-9):
+            continue  # does not fit even its minimum steps
+        tokens = h * m.batch
+        if best_tokens is None or tokens > best_tokens or (tokens == best_tokens and m is current):
+            best, best_tokens = m, tokens
+    return best
+
+
+def _window_for_tokens(s, c, tokens_per_step, T_lo: float, cfg: PlanConfig) -> float:
+    """Smallest T >= T_lo whose planned budgets sum to >= the target (or all peers at max steps)."""
+    target = cfg.target_tokens_per_round
+    assert target is not None  # called only for a run with a token target (choose_window)
+
+    def tokens(T: float) -> int:
+        return int((inner_steps(np.float64(T), s, c, cfg) * tokens_per_step).sum())
+
+    T_hi = float(np.max(c + cfg.max_inner_steps * s))
+    if T_hi <= T_lo or tokens(T_lo) >= target:
+        return T_lo
+    if tokens(T_hi) < target:
+        return T_hi
+    lo, hi = T_lo, T_hi  # tokens(lo) < target <= tokens(hi)
+    for _ in range(200):
+        mid = 0.5 * (lo + hi)
+        if mid <= lo or mid >= hi:
+            break
+        if tokens(mid) >= target:
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
+def choose_window(s: np.ndarray, c: np.ndarray, tokens_per_step: np.ndarray, cfg: PlanConfig) -> float:
+    """The sync window T (seconds) for AWB; see the module docstring."""
+    T_feasible = float(np.max(c + cfg.min_inner_steps * s))
+    slack = cfg.window_slack
+    if cfg.target_tokens_per_round is not None:
+        T_base = _window_for_tokens(s, c, tokens_per_step, T_feasible, cfg)
+        lo, hi = T_base * (1 - slack), T_base * (1 + slack)
+        if T_base <= T_feasible:
+            hi = T_base  # the minimum steps already overshoot the target: do not add more
+        if cfg.window_s is not None:
+            T_base = min(T_base, cfg.window_s)
+            hi = min(hi, cfg.window_s)
+            lo = min(lo, hi)
+    elif cfg.window_s is not None:
+        T_base = cfg.window_s
+        lo, hi = T_base * (1 - slack), T_base
+    else:
+        T_base = float(np.max(c)) / cfg.comm_share
+        lo, hi = T_base * (1 - slack), T_base * (1 + slack)
+    lo = max(lo, T_feasible)
+    hi = max(hi, lo)
+    T_base = min(max(T_base, lo), hi)
+    if hi == lo:
+        return lo
+
+    # candidate windows: the instants at which some peer completes a whole step, within [lo, hi]
+    cands = [lo, hi, T_base]
+    for s_i, c_i in zip(s, c):
+        k_lo = max(math.ceil((lo - c_i) / s_i), cfg.min_inner_steps)
+        k_hi = min(math.floor((hi - c_i) / s_i), cfg.max_inner_steps)
+        if k_hi < k_lo or k_hi - k_lo > _MAX_BREAKPOINTS_PER_PEER:
+            continue  # none in range, or so many that this peer's idle is negligible anyway
+        cands.extend((c_i + np.arange(k_lo, k_hi + 1) * s_i).tolist())
+    Ts = np.unique(np.clip(np.asarray(cands, dtype=np.float64), lo, hi))
+    H = inner_steps(Ts[:, None], s[None, :], c[None, :], cfg)
+    finish = H * s[None, :] + c[None, :]
+    ok = np.all(finish <= Ts[:, None] * (1 + 1e-9), axis=1)
+    worst = np.max((Ts[:, None] - finish) / Ts[:, None], axis=1)
+    worst = np.where(ok, worst, np.inf)
+    best = float(np.min(worst))
+    if not math.isfinite(best):
+        return T_base
+    # among the (near-)best, prefer the one closest to the base window, then the shorter
+    pick = min(
+        (i for i in range(len(Ts)) if worst[i] <= best + 1e-12),
+        key=lambda i: (abs(Ts[i] - T_base), Ts[i]),
+    )
+    return float(Ts[pick])
+
+
+def plan_round(
+    records: Sequence[PeerRecord],
+    cfg: PlanConfig,
+    *,
+    run_id: str,
+    round: int,
+    leader: str,
+    numel: int,
+    start_time: float,
+    start_digest: Optional[str] = None,
+    created_at: Optional[float] = None,
+    supported_tokens_per_s: Optional[Mapping[str, float]] = None,
+    probation: Collection[str] = (),
+) -> RoundPlan:
+    """Plan a round with adaptive workload balancing (GeoMesh's AWB; see the module docstring).
+
+    Every peer gets the batch size that fits its memory at its best measured tokens/s and the
+    number of inner steps ``H_i = clip(floor((T - c_i) / s_i), min, max)`` that fills the common
+    window ``T`` (seconds) with its compute (``H_i * s_i``) plus its communication (``c_i``), so
+    its predicted idle ``T - H_i s_i - c_i`` is under one step. ``numel``: elements of the flat
+    parameter vector to partition; ``start_time``: unix seconds the round starts (deadlines are
+    ``start_time + T`` and that ``+ exchange_timeout_s``); ``created_at`` defaults to
+    ``start_time`` so that the plan is a pure function of its inputs.
+
+    Claims are bounded first (:func:`bound_records`). ``supported_tokens_per_s`` (peer_id ->
+    tokens/s), when the leader has it, is what each peer's last delivered contribution supports
+    (tokens delivered / compute seconds planned for it); a peer is then planned at no more than
+    ``EVIDENCE_GROWTH`` x that rate: its ``H_i`` is lowered, the window ``T`` is not (followers
+    recompute ``T`` from the records alone). Finally no budget exceeds ``BUDGET_MEDIAN_FACTOR`` x the
+    lower-median budget unless it is ``min_inner_steps`` steps of its batch.
+
+    The result does not depend on the order of ``records``. Raises ValueError for no peers, a
+    duplicate peer_id, a peer with no measured throughput or a non-positive bandwidth (the message
+    names the peer and field), no peer that accepts connections, or ``numel < 0``.
+    """
+    recs = bound_records(check_records(records))
+    models = [PeerModel(r, cfg, best_micro_batch(r)) for r in recs]
+    s, c = step_and_comm(models)
+    tokens_per_step = np.array([m.batch * cfg.seq_len for m in models], dtype=np.int64)
+    T = choose_window(s, c, tokens_per_step, cfg)
+    # Step granularity: with few, long steps a peer can lose most of a step to rounding. Once T is
+    # known, each peer takes the measured micro-batch that trains the most tokens inside T (ties:
+    # the throughput-optimal one), which can be a smaller, slightly less efficient batch.
+    models = [_best_in_window(r, m, T, cfg) for r, m in zip(recs, models)]
+    if supported_tokens_per_s:
+        models = _bound_by_evidence(recs, models, supported_tokens_per_s, cfg)
+    s, c = step_and_comm(models)
+    H = inner_steps(np.float64(T), s, c, cfg)
+    H = _cap_budgets(models, H, cfg)
+    probation = probation_ids(recs, probation)
+    if probation:
+        H = _cap_budgets(models, _cap_probation(models, H, cfg, probation), cfg)
+    meta = PlanMeta(run_id, round, leader, numel, start_time, start_digest, created_at)
+    return build_plan(recs, models, H, T, cfg, meta, probation, equal=False)
+
+
+def _bound_by_evidence(
+    recs: Sequence[PeerRecord], models: list[PeerModel], supported: Mapping[str, float], cfg: PlanConfig
+) -> list[PeerModel]:
+    """Models whose step time is at least what ``EVIDENCE_GROWTH`` x the supported rate allows.
+    Longer steps only: a peer with no (or unusable) evidence keeps its model."""
+    out = []
+    for r, m in zip(recs, models):
+        rate = supported.get(r.peer_id)
+        if rate is not None and math.isfinite(rate) and rate > 0:
+            ceiling = EVIDENCE_GROWTH * float(rate)
+            if interpolate_tokens_per_s(r.tokens_per_s, m.micro) > ceiling:
+                m = m.with_step_s(m.batch * cfg.seq_len / ceiling)
+        out.append(m)
+    return out
+
+
+def _cap_budgets(models: Sequence[PeerModel], H: np.ndarray, cfg: PlanConfig) -> np.ndarray:
+    """``H`` lowered so that no budget exceeds ``BUDGET_MEDIAN_FACTOR`` x the lower-median budget,
+    never below ``min_inner_steps``. The lower median is unchanged by the cap (a capped budget stays
+    >= half the limit >= the median, since the factor is >= 2), so one pass suffices."""
+    step_tokens = [m.batch * cfg.seq_len for m in models]
+    budgets = [int(h) * t for h, t in zip(H.tolist(), step_tokens)]
+    limit = BUDGET_MEDIAN_FACTOR * statistics.median_low(budgets)
+    return _lowered_to(H, step_tokens, limit, range(len(models)), cfg)
+
+
+def _lowered_to(
+    H: np.ndarray, step_tokens: Sequence[int], limit: float, among: Iterable[int], cfg: PlanConfig
+) -> np.ndarray:
+    """A copy of ``H`` in which each peer of index in ``among`` whose budget ``H_i x step_tokens_i``
+    exceeds ``limit`` tokens gets ``floor(limit / step_tokens_i)`` steps, never below ``min_inner_steps``."""
+    out = H.copy()
+    for i in among:
+        t = step_tokens[i]
+        if int(H[i]) * t > limit:
+            out[i] = max(cfg.min_inner_steps, math.floor(limit / t))
+    return out
+
+
+def _cap_probation(
+    models: Sequence[PeerModel], H: np.ndarray, cfg: PlanConfig, probation: Collection[str]
+) -> np.ndarray:
+    """``H`` lowered so that no probation peer's budget exceeds ``PROBATION_BUDGET_FACTOR`` x the
+    lower-median budget of the established peers, never below ``min_inner_steps``."""
+    if not probation:
+        return H
+    from geomesh_p2p.trust.probation import PROBATION_BUDGET_FACTOR
+
+    step_tokens = [m.batch * cfg.seq_len for m in models]
+    est = [int(h) * t for m, h, t in zip(models, H.tolist(), step_tokens) if m.peer_id not in probation]
+    if not est:
+        return H
+    limit = PROBATION_BUDGET_FACTOR * statistics.median_low(est)
+    return _lowered_to(H, step_tokens, limit, [i for i, m in enumerate(models) if m.peer_id in probation], cfg)

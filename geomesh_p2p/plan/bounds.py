@@ -1,0 +1,139 @@
+"""Bounds on untrusted records and plans (DESIGN.md "Untrusted volunteers", issue 11).
+
+Records are what peers *say*. Before planning, :func:`bound_records` clamps every claim to a bounded
+multiple of the members' lower median (``statistics.median_low``: with two members, the smaller
+one, so one liar cannot drag the median up): tokens/s to ``THROUGHPUT_SPREAD_CAP`` x, ``max_batch``
+to ``BATCH_SPREAD_CAP`` x, each bandwidth direction to ``BANDWIDTH_SPREAD_CAP`` x. The leader may
+also pass what each peer's last *delivered* contribution supports (``supported_tokens_per_s``): the
+peer's inner steps are then planned at no more than ``EVIDENCE_GROWTH`` x that rate (this only lowers
+``H_i``; the window stays what every follower can recompute). After the inner steps are known, no
+budget exceeds ``BUDGET_MEDIAN_FACTOR`` x the plan's lower-median budget (``H_i`` is lowered; a peer
+already at ``min_inner_steps`` keeps them). Followers run :func:`~geomesh_p2p.plan.planner.check_plan` on every plan: it
+recomputes these bounds from the records they see and the run's :class:`PlanConfig` and refuses a
+plan outside them with a one-line reason (the next leader then takes over, :mod:`geomesh_p2p.round`).
+Every plan :func:`~geomesh_p2p.plan.planner.make_plan` makes passes :func:`~geomesh_p2p.plan.planner.check_plan` on the same records by construction.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from typing import Sequence
+
+from geomesh_p2p.schema.peer import PeerRecord
+
+# Bounds on claims and plans (issue 11). Each is a multiple of the members' lower median, so that a
+# minority of liars cannot move the reference; honest swarms sit well inside them.
+#: tokens/s claims count up to this many times the members' lower-median throughput. Real GPU spreads
+#: on one model are < 4x between data-centre cards (H100 vs RTX 6000 Ada: 2.5x, GeoMesh's testbed) and
+#: ~14x only with T4-class cards among H100s (volunteer32), where the slow ones sit *below* the median;
+#: 8x leaves a 2x margin over the data-centre spread. An inflated record gets at most 8x the median.
+THROUGHPUT_SPREAD_CAP = 8.0
+
+
+#: ``max_batch`` claims count up to this many times the members' lower-median ``max_batch`` (memory
+#: spreads: 80 GB vs 10-24 GB cards, < 8x).
+BATCH_SPREAD_CAP = 8
+
+
+#: bandwidth claims (each direction) count up to this many times the members' lower median: link
+#: spreads among volunteers are wider than GPU spreads (20 Mbit/s home uplinks vs 1 Gbit/s data
+#: centres, 50x in volunteer32), and a fast-link claim buys ownership, which OWNER_SHARE_FACTOR caps.
+BANDWIDTH_SPREAD_CAP = 64.0
+
+
+#: a peer's planned rate is at most this many times what its last delivered contribution supports
+#: (tokens it delivered / compute seconds it was planned): a record can only grow that fast per round.
+EVIDENCE_GROWTH = 2.0
+
+
+#: no token budget exceeds this many times the plan's lower-median budget (unless it is a single
+#: ``min_inner_steps`` block of its own batch). Honest budgets spread by throughput *and* by link:
+#: a slow link leaves a peer less of the window (the paper's 4 GPUs with an fp32 exchange, sim
+#: profile paper4 method awb: the L40S gets one step, the H100 5.6x the median), so the factor matches
+#: THROUGHPUT_SPREAD_CAP rather than the 4x GPU spread (4x would cut that honest plan's tokens by
+#: 18%). It also bounds a peer's share of the round's tokens: :func:`max_token_share` (4 peers: 80%).
+BUDGET_MEDIAN_FACTOR = 8.0
+
+
+#: From this many possible owners on, followers accept that the leader bars a minority of them from owning
+#: (check_plan: its owner penalties may differ from the follower's); below it, only the follower's own bars.
+LEADER_BAR_MIN_OWNERS = 4
+
+
+#: how far a follower's recomputation (window, budget ceilings) may differ from the leader's: views of
+#: the records can differ between leader and follower by one re-announcement. Followers' recomputation
+#: from the same records is exact; attacks are orders of magnitude outside.
+PLAN_CHECK_TOLERANCE = 1.5
+
+
+#: how far in the future a plan may say it was created (the envelope's clock-skew window, identity.Verifier)
+MAX_CLOCK_SKEW_S = 30.0
+
+
+def check_records(records: Sequence[PeerRecord]) -> list[PeerRecord]:
+    """Validate what the planner relies on; return the records sorted by peer_id."""
+    if not records:
+        raise ValueError("no peers to plan for")
+    seen: set[str] = set()
+    for r in records:
+        pid = r.peer_id
+        if pid in seen:
+            raise ValueError(f"peer {pid}: duplicate peer_id")
+        seen.add(pid)
+        if not r.tokens_per_s:
+            raise ValueError(f"peer {pid}: tokens_per_s is empty (no measured throughput)")
+        for b, v in r.tokens_per_s.items():
+            if not (b >= 1 and math.isfinite(v) and v > 0):
+                raise ValueError(f"peer {pid}: tokens_per_s[{b}]={v} must be a positive finite throughput")
+        if not (r.max_batch >= 1):
+            raise ValueError(f"peer {pid}: max_batch={r.max_batch} must be >= 1")
+        for field in ("upload_bps", "download_bps"):
+            v = getattr(r, field)
+            if not (math.isfinite(v) and v > 0):
+                raise ValueError(f"peer {pid}: {field}={v} must be a positive finite bandwidth (bytes/s)")
+    return sorted(records, key=lambda r: r.peer_id)
+
+
+def bound_records(records: Sequence[PeerRecord]) -> list[PeerRecord]:
+    """``records`` (same order) with each claim clamped to a bounded multiple of the members' lower median.
+
+    Per record: every tokens/s entry to ``THROUGHPUT_SPREAD_CAP`` x the lower median of the members'
+    best tokens/s; ``max_batch`` to ``BATCH_SPREAD_CAP`` x the lower median ``max_batch``;
+    ``upload_bps`` and ``download_bps`` each to ``BANDWIDTH_SPREAD_CAP`` x the lower median of that
+    direction. Only upper clamps: claiming less only costs the claimer its share. Records within the
+    bounds are returned as they are; clamped ones are copies (``model_copy``, not re-validated: the
+    values only shrink). Pure and deterministic; the leader plans on the result and every follower
+    recomputes it from the same records (:func:`check_plan`).
+
+    Not evidence: a record is what its peer says. Delivered work bounds a peer's rate further on the
+    leader (``supported_tokens_per_s`` of :func:`plan_round`); bandwidth is bounded only relative to
+    the median (a peer measures its own links, not the others').
+    """
+    if not records:
+        return []
+    tps_cap = THROUGHPUT_SPREAD_CAP * statistics.median_low([r.best_tokens_per_s() for r in records])
+    batch_cap = int(BATCH_SPREAD_CAP * statistics.median_low([r.max_batch for r in records]))
+    up_cap = BANDWIDTH_SPREAD_CAP * statistics.median_low([r.upload_bps for r in records])
+    down_cap = BANDWIDTH_SPREAD_CAP * statistics.median_low([r.download_bps for r in records])
+    out = []
+    for r in records:
+        update: dict = {}
+        if r.tokens_per_s and r.best_tokens_per_s() > tps_cap:
+            update["tokens_per_s"] = {b: min(v, tps_cap) for b, v in r.tokens_per_s.items()}
+        if r.max_batch > batch_cap:
+            update["max_batch"] = max(1, batch_cap)
+        if r.upload_bps > up_cap:
+            update["upload_bps"] = up_cap
+        if r.download_bps > down_cap:
+            update["download_bps"] = down_cap
+        out.append(r.model_copy(update=update) if update else r)
+    return out
+
+
+def max_token_share(n_peers: int) -> float:
+    """The largest share of a round's token budget one of ``n_peers`` can hold when every budget is
+    within ``BUDGET_MEDIAN_FACTOR`` (F) x the lower median: ``F / (F + n_peers // 2)`` (at least
+    ``n_peers // 2`` other budgets are >= the lower median). 2 peers: 8/9; 4 peers: 4/5; 7 peers:
+    8/11; 1 peer: 1."""
+    return BUDGET_MEDIAN_FACTOR / (BUDGET_MEDIAN_FACTOR + n_peers // 2)

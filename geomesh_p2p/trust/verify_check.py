@@ -1,0 +1,280 @@
+"""The verified-work check itself: the batch gradients at the round's start weights
+(:func:`batch_gradients`), the statistics compared with the contribution (:func:`work_statistics`:
+``plain`` and ``trace``) and the decision (:func:`judge`, :func:`quick_verdict`); :func:`check_contribution`
+runs one :class:`~geomesh_p2p.trust.verify_task.VerifyTask`. The thresholds and how they were measured:
+:mod:`geomesh_p2p.trust.verify`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping, Optional, Sequence
+
+import torch
+
+from geomesh_p2p.exchange import codec as compression
+from geomesh_p2p.model.build import load_flat_
+from geomesh_p2p.trust.verify_task import CONTROL_STREAM, VerifyConfig, VerifyTask, gather, sample_elements
+
+__all__ = [
+    "WorkStats",
+    "Verdict",
+    "VerifyTimeout",
+    "PASS",
+    "MARGINAL",
+    "FAIL",
+    "batch_gradients",
+    "work_statistics",
+    "scale_bound",
+    "judge",
+    "quick_verdict",
+    "check_contribution",
+]
+
+
+PASS, MARGINAL, FAIL = "pass", "marginal", "fail"
+
+
+class VerifyTimeout(RuntimeError):
+    """A check ran past its deadline and was abandoned."""
+
+
+def batch_gradients(
+    model,
+    dataset,
+    theta: torch.Tensor,
+    streams: Sequence[tuple[str, int]],
+    *,
+    seed: int,
+    round: int,
+    batch_size: int,
+    seq_len: int,
+    index: torch.Tensor,
+    micro_batch: Optional[int] = None,
+    amp: bool = False,
+    deadline: Optional[float] = None,
+) -> torch.Tensor:
+    """fp32 CPU ``[len(streams), len(index)]``: for each ``(peer_id, step)``, the gradient at ``theta`` of
+    ``dataset.sample_batch(seed, peer_id, round, step, batch_size, seq_len)`` (mean token loss, as the
+    inner trainer computes it, accumulated over ``micro_batch`` rows) at the flat elements ``index``.
+    ``model`` is loaded with ``theta`` (it must be a copy nobody else uses). Raises VerifyTimeout when
+    ``deadline`` (unix seconds) passes between two batches."""
+    load_flat_(model, theta)
+    model.train()
+    device = next(model.parameters()).device
+    params = [p for _, p in model.named_parameters()]
+    idx = index.to(device)
+    out = torch.empty(len(streams), index.numel(), dtype=torch.float32)
+    use_amp = amp and device.type == "cuda"
+    for i, (peer, step) in enumerate(streams):
+        if deadline is not None and time.time() > deadline:
+            raise VerifyTimeout(f"past the deadline after {i} of {len(streams)} batches")
+        for p in params:
+            p.grad = None
+        x = dataset.sample_batch(
+            seed=seed, peer_id=peer, round=round, step=step, batch_size=batch_size, seq_len=seq_len
+        )
+        mb = batch_size if not micro_batch or micro_batch >= batch_size else int(micro_batch)
+        for a in range(0, batch_size, mb):
+            xm = x[a : a + mb].to(device)
+            if use_amp:
+                with torch.autocast(device_type="cuda", dtype=torch.bfloat16):
+                    loss = model(input_ids=xm, labels=xm).loss
+            else:
+                loss = model(input_ids=xm, labels=xm).loss
+            (loss * (xm.shape[0] / batch_size)).backward()
+        with torch.no_grad():
+            flat = torch.cat(
+                [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float() for p in params]
+            )
+            out[i] = flat[idx].cpu()
+    for p in params:
+        p.grad = None
+    return out
+
+
+@dataclass(frozen=True)
+class WorkStats:
+    """``plain``: sign agreement with the summed normalised batch gradients; ``trace``: |d|-weighted
+    sign agreement with their part orthogonal to the controls and the checker's own contribution;
+    ``basis``: vectors projected out."""
+
+    plain: float
+    trace: float
+    basis: int
+
+
+def _total(vs: Iterable[torch.Tensor]) -> torch.Tensor:
+    """``0 + v0 + v1 + ...`` in order, as the builtin ``sum`` adds them (same bits), typed as a tensor.
+
+    Raises:
+        ValueError: ``vs`` is empty (no gradient to sum: a task with no step).
+    """
+    it = iter(vs)
+    try:
+        total = 0 + next(it)
+    except StopIteration:
+        raise ValueError("no gradient to sum") from None
+    for v in it:
+        total = total + v
+    return total
+
+
+def work_statistics(
+    c: torch.Tensor, own: torch.Tensor, ctrl: torch.Tensor, others: Sequence[torch.Tensor] = ()
+) -> WorkStats:
+    """The statistics of the module docstring for a decoded contribution ``c`` ``[n]``, its own batch
+    gradients ``own`` ``[k, n]``, control gradients ``ctrl`` ``[m, n]`` and trusted contributions to
+    project out too (decoded, ``[n]`` each; the checker's own) on the same elements. Float64."""
+    c = c.double()
+    sc = torch.sign(c)
+    own = own.double()
+
+    def unit(v: torch.Tensor) -> torch.Tensor:
+        rms = v.pow(2).mean().sqrt()
+        return v / rms if rms > 0 else v
+
+    plain = float((sc == torch.sign(_total(unit(g) for g in own))).double().mean())
+    basis = [unit(g) for g in ctrl.double()] + [unit(o.double()) for o in others if bool((o != 0).any())]
+    if basis:
+        q, _ = torch.linalg.qr(torch.stack(basis, 1))
+        resid = [g - q @ (q.T @ g) for g in own]
+    else:
+        resid = list(own)
+    d = _total(unit(r) for r in resid)
+    w = d.abs()
+    total = float(w.sum())
+    trace = float((w * (sc == torch.sign(d))).sum()) / total if total > 0 else 0.5
+    return WorkStats(plain=plain, trace=trace, basis=len(basis))
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """``outcome``: :data:`PASS`, :data:`MARGINAL` or :data:`FAIL`; ``reason``: one line."""
+
+    outcome: str
+    reason: str
+
+
+def scale_bound(steps: int, lr: float, weight_decay: float, theta_maxabs: float, factor: float) -> float:
+    """Largest mean |delta| of a block that ``steps`` AdamW steps at learning rate <= ``lr`` can produce."""
+    return steps * lr * (factor + weight_decay * theta_maxabs)
+
+
+def judge(
+    cfg: VerifyConfig, task: VerifyTask, stats: WorkStats, *, all_zero: bool, max_scale: float, bound: float
+) -> Verdict:
+    """Pass, marginal or fail (see the module docstring)."""
+    if all_zero:
+        return Verdict(FAIL, f"zeros: every block scale is 0 while it claims {task.steps_done} steps")
+    if not max_scale <= bound:
+        return Verdict(
+            FAIL,
+            f"scale: a block scale of {max_scale:.3g} exceeds what {task.steps_done} inner "
+            f"steps can move ({bound:.3g})",
+        )
+    if stats.plain < cfg.plain_min:
+        return Verdict(
+            FAIL,
+            f"signs: plain agreement {stats.plain:.3f} with its own batches' gradients "
+            f"(< {cfg.plain_min}: flipped or random)",
+        )
+    if task.full_test and stats.trace < cfg.trace_hard:
+        return Verdict(FAIL, f"no trace of its own batches: trace {stats.trace:.3f} < {cfg.trace_hard}")
+    if task.full_test and stats.trace < cfg.trace_min:
+        return Verdict(MARGINAL, f"weak trace of its own batches: trace {stats.trace:.3f} < {cfg.trace_min}")
+    return Verdict(PASS, f"plain {stats.plain:.3f}, trace {stats.trace:.3f}")
+
+
+def packet_digest(packet) -> str:
+    return hashlib.sha256(packet.to_bytes()).hexdigest()
+
+
+def _scales(
+    cfg: VerifyConfig,
+    task: VerifyTask,
+    packets: Mapping[str, Mapping[int, Any]],
+    theta: torch.Tensor,
+    lr: float,
+    weight_decay: float,
+) -> tuple[bool, float, float]:
+    """(all scales zero while tokens are claimed, largest block scale, the scale bound) of the task."""
+    mine = packets[task.accused]
+    scales = torch.cat([mine[j].scales for j in task.parts])
+    tokens = max(mine[j].tokens for j in task.parts)
+    all_zero = tokens > 0 and scales.numel() > 0 and not bool((scales > 0).any())
+    bound = scale_bound(task.steps_done, lr, weight_decay, float(theta.abs().max()), cfg.scale_factor)
+    return all_zero, float(scales.max()) if scales.numel() else 0.0, bound
+
+
+def quick_verdict(
+    cfg: VerifyConfig,
+    task: VerifyTask,
+    *,
+    packets: Mapping[str, Mapping[int, Any]],
+    theta: torch.Tensor,
+    lr: float,
+    weight_decay: float,
+) -> Optional[Verdict]:
+    """The verdict of the tests that need no computation (zero scales, the scale bound), or None."""
+    all_zero, max_scale, bound = _scales(cfg, task, packets, theta, lr, weight_decay)
+    if all_zero or not max_scale <= bound:
+        return judge(cfg, task, WorkStats(0.0, 0.0, 0), all_zero=all_zero, max_scale=max_scale, bound=bound)
+    return None
+
+
+def check_contribution(
+    cfg: VerifyConfig,
+    task: VerifyTask,
+    *,
+    model,
+    dataset,
+    theta: torch.Tensor,
+    seed: int,
+    packets: Mapping[str, Mapping[int, Any]],
+    lr: float,
+    weight_decay: float,
+    checker: Optional[str] = None,
+    micro_batch: Optional[int] = None,
+    amp: bool = False,
+    deadline: Optional[float] = None,
+) -> tuple[WorkStats, Verdict, list[tuple[str, str]]]:
+    """Run ``task`` (heavy: ``task.passes()`` forward/backward passes, unless :func:`quick_verdict`
+    decides it) as peer ``checker``, whose own contribution (if any, in every part of the task) joins
+    the projection basis. Returns the statistics, the verdict and that basis contribution (``[(peer,
+    sha256 of its packets)]``, or [])."""
+    quick = quick_verdict(cfg, task, packets=packets, theta=theta, lr=lr, weight_decay=weight_decay)
+    if quick is not None:
+        return WorkStats(0.0, 0.0, 0), quick, []
+    all_zero, max_scale, bound = _scales(cfg, task, packets, theta, lr, weight_decay)
+    mine = packets[task.accused]
+    index = sample_elements(task.ranges, task.n_elements, task.element_seed)
+    c = gather(mine, task, index)
+    streams = [(task.accused, j) for j in task.steps] + [(CONTROL_STREAM, i) for i in range(task.controls)]
+    g = batch_gradients(
+        model,
+        dataset,
+        theta,
+        streams,
+        seed=seed,
+        round=task.round,
+        batch_size=task.batch_size,
+        seq_len=task.seq_len,
+        index=index,
+        micro_batch=micro_batch,
+        amp=amp,
+        deadline=deadline,
+    )
+    k = len(task.steps)
+    others: list[torch.Tensor] = []
+    used: list[tuple[str, str]] = []
+    own = packets.get(checker) if checker not in (None, task.accused) else None
+    if checker is not None and own and all(isinstance(own.get(j), compression.SignPacket) for j in task.parts):
+        others.append(gather(own, task, index))
+        used.append(
+            (checker, hashlib.sha256(b"".join(bytes.fromhex(packet_digest(own[j])) for j in task.parts)).hexdigest())
+        )
+    stats = work_statistics(c, g[:k], g[k:], others)
+    return stats, judge(cfg, task, stats, all_zero=False, max_scale=max_scale, bound=bound), used

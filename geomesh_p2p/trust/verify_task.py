@@ -1,0 +1,221 @@
+"""What a verified-work check recomputes (:mod:`geomesh_p2p.trust.verify`): the run's settings
+(:class:`VerifyConfig`), the draw of a check from the verifier's selection signature
+(:func:`selection_message`, :func:`derive_task` -> :class:`VerifyTask`: whose contribution, which parts,
+steps and control batches) and the elements compared (:func:`sample_elements`). Pure functions.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import struct
+from dataclasses import asdict, dataclass
+from typing import Any, Mapping, Optional, Sequence
+
+import torch
+
+from geomesh_p2p.exchange import codec as compression
+
+__all__ = ["VerifyConfig", "VerifyTask", "CONTROL_STREAM", "selection_message", "derive_task", "sample_elements"]
+
+
+#: Stream name of the control batches (``sample_batch(seed, CONTROL_STREAM, round, i, ...)``): no peer
+#: trains on it (PeerIDs are base58 strings without "/").
+CONTROL_STREAM = "geomesh-verify/control"
+
+
+_SELECT_DOMAIN = b"geomesh-p2p/verify-select/v1\x00"
+
+
+@dataclass(frozen=True)
+class VerifyConfig:
+    """Verified work settings; every peer of a run must use the same ones (thresholds are measured,
+    see the module docstring).
+
+    Attributes:
+        share: largest share of its own compute a peer spends on checks (sets the check probability).
+        k_fraction, k_min, k_max: own batches checked: ``clamp(ceil(k_fraction x steps), k_min, k_max)``,
+            at most ``steps``.
+        controls: control batches (``m``).
+        sample_elements: elements compared (sampled over every part the contributor sent; all of them
+            when fewer).
+        min_steps: contributions with fewer steps are not checked (below the measured range).
+        max_full_steps: above this, ``k < steps/4``: only the scale and plain tests run.
+        plain_min: ``plain`` below it fails (hard).
+        trace_hard: ``trace`` below it fails (hard).
+        trace_min: ``trace`` below it is a marginal failure.
+        scale_factor: block scale bound ``steps x lr x (scale_factor + weight_decay x max|theta|)``.
+        refute_margin: a re-check of a hard accusation passing every threshold by this much refutes it.
+        marginal_needed, marginal_window: marginal failures (distinct rounds within the window) that
+            exclude.
+        keep_rounds: rounds whose start weights and contributions are kept for re-checks.
+        time_share: a round's check must finish within this share of the plan's window after the
+            exchange (at least 1 s), or it is skipped.
+        evidence_ttl_s: lifetime of evidence in the DHT.
+        max_rechecks: evidence re-checked per round at most (the rest waits for the next round).
+    """
+
+    share: float = 0.2
+    k_fraction: float = 0.25
+    k_min: int = 4
+    k_max: int = 16
+    controls: int = 4
+    sample_elements: int = 1 << 18
+    min_steps: int = 5
+    max_full_steps: int = 64
+    plain_min: float = 0.55
+    trace_hard: float = 0.50
+    trace_min: float = 0.515
+    scale_factor: float = 1.5
+    refute_margin: float = 0.03
+    marginal_needed: int = 2
+    marginal_window: int = 50
+    keep_rounds: int = 3
+    time_share: float = 0.25
+    evidence_ttl_s: float = 900.0
+    max_rechecks: int = 2
+
+
+def selection_message(run_id: str, round: int, start_digest: Optional[str]) -> bytes:
+    """What a verifier signs to draw its check of ``round`` (bound to the round's start weights)."""
+    return _SELECT_DOMAIN + json.dumps([run_id, int(round), start_digest or ""]).encode()
+
+
+def _u64(b: bytes) -> int:
+    return int.from_bytes(b[:8], "little")
+
+
+@dataclass(frozen=True)
+class VerifyTask:
+    """One check: whose contribution, which parts (``ranges``: their ``[start, end)``), steps and elements
+    (a pure function of the plan, the contributions received and the verifier's selection signature;
+    see :func:`derive_task`)."""
+
+    round: int
+    verifier: str
+    accused: str
+    parts: tuple[int, ...]
+    ranges: tuple[tuple[int, int], ...]
+    steps_done: int
+    steps: tuple[int, ...]
+    controls: int
+    batch_size: int
+    seq_len: int
+    element_seed: int
+    n_elements: int
+    full_test: bool
+
+    def passes(self) -> int:
+        """Forward/backward passes of ``batch_size`` rows the check costs."""
+        return len(self.steps) + self.controls
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "VerifyTask":
+        d = dict(d)
+        d["parts"] = tuple(int(x) for x in d["parts"])
+        d["ranges"] = tuple((int(a), int(b)) for a, b in d["ranges"])
+        d["steps"] = tuple(int(x) for x in d["steps"])
+        return cls(**d)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["parts"], d["ranges"], d["steps"] = list(self.parts), [list(r) for r in self.ranges], list(self.steps)
+        return d
+
+
+def _k_of(cfg: VerifyConfig, steps: int) -> int:
+    """Own batches a check of ``steps`` steps recomputes: a quarter of them, within [k_min, k_max]; only
+    k_min beyond ``max_full_steps`` (where only the plain test applies, which needs no more)."""
+    if steps > cfg.max_full_steps:
+        return min(steps, cfg.k_min)
+    return min(steps, max(cfg.k_min, min(cfg.k_max, math.ceil(cfg.k_fraction * steps))))
+
+
+def derive_task(
+    cfg: VerifyConfig,
+    *,
+    plan,
+    verifier: str,
+    selection: bytes,
+    packets: Mapping[str, Mapping[int, Any]],
+    part_ranges: Sequence[tuple[int, int]],
+) -> Optional[VerifyTask]:
+    """The check ``verifier`` must run this round, or None (not drawn, nobody checkable).
+
+    ``plan``: the round's RoundPlan; ``selection``: the verifier's signature of
+    :func:`selection_message`; ``packets``: sender -> part -> SignPacket received (relay);
+    ``part_ranges``: ``[start, end)`` of every part. Every input is the same on every peer that took
+    part in the round, so anyone can recompute (and so check) the task of any verifier.
+    """
+    try:
+        mine = plan.assignment(verifier)
+    except KeyError:
+        return None
+    seed = hashlib.sha256(b"task\x00" + selection).digest()
+    L = int(plan.seq_len)
+    eligible = []
+    for a in plan.assignments:
+        got = {j: p for j, p in (packets.get(a.peer_id) or {}).items() if isinstance(p, compression.SignPacket)}
+        if a.peer_id == verifier or not got or a.inner_steps < cfg.min_steps:
+            continue
+        tokens = min(max(p.tokens for p in got.values()), a.token_budget)
+        steps = min(a.inner_steps, tokens // max(1, a.batch_size * L))
+        if steps >= cfg.min_steps:
+            eligible.append((a, steps, tuple(sorted(got))))
+    if not eligible:
+        return None
+    a, steps, parts = eligible[_u64(seed[8:]) % len(eligible)]
+    k = _k_of(cfg, steps)
+    cost = (k + cfg.controls) * a.batch_size
+    p = min(1.0, cfg.share * mine.inner_steps * mine.batch_size / cost)
+    if _u64(seed) / 2.0**64 >= p:
+        return None
+    ranges = tuple((int(part_ranges[j][0]), int(part_ranges[j][1])) for j in parts)
+    sub = hashlib.sha256(seed + a.peer_id.encode()).digest()
+    chosen = sorted(sorted(range(steps), key=lambda j: hashlib.sha256(sub + struct.pack("<Q", j)).digest())[:k])
+    return VerifyTask(
+        round=int(plan.round),
+        verifier=verifier,
+        accused=a.peer_id,
+        parts=parts,
+        ranges=ranges,
+        steps_done=int(steps),
+        steps=tuple(chosen),
+        controls=cfg.controls,
+        batch_size=int(a.batch_size),
+        seq_len=L,
+        element_seed=_u64(sub[8:]) & ((1 << 63) - 1),
+        n_elements=min(sum(e - s for s, e in ranges), cfg.sample_elements),
+        full_test=steps <= cfg.max_full_steps,
+    )
+
+
+def sample_elements(ranges: Sequence[tuple[int, int]], n: int, seed: int) -> torch.Tensor:
+    """Sorted int64 element indices from the union of ``ranges`` (disjoint ``[start, end)``): all of
+    them when they hold at most ``n``, else ``n`` distinct ones drawn with a CPU generator seeded with
+    ``seed`` (the same on every machine). Sampling the whole model, not one part, is what was measured:
+    one part can be all embedding rows of rare tokens, where every update follows weight decay."""
+    ranges = sorted((int(s), int(e)) for s, e in ranges)
+    sizes = torch.tensor([e - s for s, e in ranges], dtype=torch.int64)
+    total = int(sizes.sum()) if len(ranges) else 0
+    if total <= n:
+        pos = torch.arange(total, dtype=torch.int64)
+    else:
+        g = torch.Generator(device="cpu")
+        g.manual_seed(int(seed))
+        pos = torch.randperm(total, generator=g)[:n].sort().values
+    starts = torch.tensor([s for s, _ in ranges], dtype=torch.int64)
+    offsets = torch.cumsum(sizes, 0) - sizes  # position of each range's first element in the union
+    which = torch.searchsorted(offsets, pos, right=True) - 1
+    return starts[which] + (pos - offsets[which])
+
+
+def gather(packets: Mapping[int, Any], task: VerifyTask, index: torch.Tensor) -> torch.Tensor:
+    """The decoded values of a sender's part packets at the global elements ``index`` (in the task's parts)."""
+    out = torch.empty(index.numel(), dtype=torch.float32)
+    for j, (s, e) in zip(task.parts, task.ranges):
+        sel = (index >= s) & (index < e)
+        if bool(sel.any()):
+            out[sel] = compression.decode(packets[j])[index[sel] - s]
+    return out
