@@ -172,20 +172,26 @@ class RoundDriver:
         keeps serving that round's parts until its exchange deadline (``PeerNode.shutdown``)."""
         return self._last_plan
 
-    def _backoff(self) -> Backoff:
+    # ------------------------------------------------------------------ what the phases share
+    def backoff(self) -> Backoff:
+        """A fresh backoff of the driver's DHT reads (``backoff_first_s`` -> ``backoff_cap_s``)."""
         return Backoff(self.cfg.backoff_first_s, max(self.cfg.backoff_first_s, self.cfg.backoff_cap_s))
 
+    def add_phase_s(self, name: str, seconds: float) -> None:
+        """Add ``seconds`` (may be negative: a share moved to another phase) to phase ``name`` of the cycle."""
+        self._phases[name] = self._phases.get(name, 0.0) + seconds
+
     @contextlib.contextmanager
-    def _timed(self, name: str) -> Iterator[None]:
+    def timed(self, name: str) -> Iterator[None]:
         """Add the monotonic seconds the block takes to phase ``name`` of the current cycle (issue 17: the
         round row's ``phase_s``, what the non-compute share of a round is made of)."""
         t0 = self.clock.monotonic()
         try:
             yield
         finally:
-            self._phases[name] = self._phases.get(name, 0.0) + max(0.0, self.clock.monotonic() - t0)
+            self.add_phase_s(name, max(0.0, self.clock.monotonic() - t0))
 
-    async def _pause(self, seconds: float) -> bool:
+    async def pause(self, seconds: float) -> bool:
         """Wait ``seconds`` or until stop; True when stopped. (The only sleep of the driver: backoff.)"""
         return await self.clock.wait(self.stop, seconds)
 
@@ -214,7 +220,7 @@ class RoundDriver:
         await self.stop.wait()
         if self.leaving or self.ended is not None:
             return
-        self._leave()
+        self.mark_leaving()
         events.emit(
             log,
             logging.INFO,
@@ -239,14 +245,14 @@ class RoundDriver:
             if self._fresh_record:
                 self._fresh_record = False  # gather() itself returns None when the swarm is ahead
             else:
-                with self._timed("top"):
+                with self.timed("top"):
                     await self.membership.announce()
                     behind = await self.behind()
                 if behind:
-                    with self._timed("resync"):
+                    with self.timed("resync"):
                         await self.resync("the swarm is at a later round")
                     continue
-            with self._timed("gather"):
+            with self.timed("gather"):
                 members = await self.gather(expected, first=first)
             if self.ended is not None:
                 break  # the swarm ended without this peer (gather or resync said so in one WARNING)
@@ -275,14 +281,14 @@ class RoundDriver:
         ctx = RoundContext(
             round=self.state.round, t_round=self.clock.time(), members=members, m_round=self.clock.monotonic()
         )
-        with self._timed("plan"):
+        with self.timed("plan"):
             agreed = await self.agree(ctx)
         if not agreed:
             return set()
         if not await self.train(ctx):
             return set()
         if not self.cfg.eager:
-            with self._timed("exchange"):
+            with self.timed("exchange"):
                 exchanged = await self.exchange(ctx)
             if not exchanged:
                 return set()
@@ -302,7 +308,7 @@ class RoundDriver:
                     type(e).__name__,
                     e,
                 )
-            with self._timed("exchange"):
+            with self.timed("exchange"):
                 exchanged = await exchanging
             if not exchanged:
                 await self._drop_speculative("the exchange failed")
@@ -315,7 +321,8 @@ class RoundDriver:
                 await asyncio.gather(exchanging, return_exceptions=True)
             raise
 
-    def _leave(self) -> None:
+    def mark_leaving(self) -> None:
+        """This peer leaves after the round under way (its next announcement says so; the node is told)."""
         self.leaving = True
         self.set_leaving(True)
 

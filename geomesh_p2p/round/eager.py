@@ -42,10 +42,9 @@ async def start_speculative(drv: RoundDriver, ctx: RoundContext, own: torch.Tens
     total = plan.total_token_budget()
     weight = float(a.token_budget) / float(total) if total > 0 else 0.0
     state = cast(EagerStatePort, drv.state)
-    t0 = drv.clock.monotonic()
-    start = await asyncio.to_thread(state.eager_start, own, weight)
-    await asyncio.to_thread(state.load_model, start)
-    drv._phases["pseudo_gradient"] = drv._phases.get("pseudo_gradient", 0.0) + max(0.0, drv.clock.monotonic() - t0)
+    with drv.timed("pseudo_gradient"):
+        start = await asyncio.to_thread(state.eager_start, own, weight)
+        await asyncio.to_thread(state.load_model, start)
     from geomesh_p2p.model.training import StepTarget  # training imports transformers: load it only when needed
 
     spec = Speculative(

@@ -38,29 +38,39 @@ async def finish(drv: RoundDriver, ctx: RoundContext) -> set[str]:
     round's row, digest check, then a checkpoint or a re-sync on a digest mismatch. Returns the
     participants expected next round (this round's contributors)."""
     drv.phase = Phase.FINISH
-    r, plan, ar = ctx.round, ctx.planned(), ctx.exchanged()
+    r, plan = ctx.round, ctx.planned()
     drv._last_plan = plan
-    await outer_step(drv, ctx)  # outer step, commit, re-profiling
-    traffic = drv.traffic()
     last = drv.cfg.rounds is not None and r + 1 >= drv.cfg.rounds
-    await announce(drv, r, last)  # the new round's record (and leaving, when this was the last)
+    await outer_step(drv, ctx)  # outer step and commit (a worker thread), then re-profiling
+    traffic = drv.traffic()
+    await announce(drv, r, last)  # round r + 1's record (as leaving, when this was the last round)
     ppl, eval_round = await evaluate_round(drv, r, last)
-    delivered = {pid for part in ar.contributors.values() for pid, _ in part}
     note_lineage(drv, ctx)
     rec = round_record(drv, ctx, ppl, eval_round, traffic)
-    # Only the participants that delivered vote on the digest (and are waited for): a no-show, e.g. an
-    # identity on probation that never takes part, would hold every check for its whole wait.
-    with drv._timed("digest_check"):
-        rec.digest_agree = await check_digest(
-            drv, r + 1, [p for p in plan.participants() if p in delivered] or plan.participants()
-        )
+    rec.digest_agree = await digest_check(drv, ctx)
     publish_row(drv, rec)
     if rec.digest_agree is False:
         await resync_after_mismatch(drv)
     else:
         await checkpoint_if_due(drv, r)
         drv._fresh_record = True
-    return delivered or set(plan.participants())
+    return contributors(ctx.exchanged()) or set(plan.participants())
+
+
+def contributors(ar: AllReduceResult) -> set[str]:
+    """PeerIDs whose contributions the exchange aggregated (in any part)."""
+    return {pid for part in ar.contributors.values() for pid, _ in part}
+
+
+async def digest_check(drv: RoundDriver, ctx: RoundContext) -> Optional[bool]:
+    """:func:`check_digest` of round ``ctx.round + 1``'s state against the round's contributors."""
+    plan, delivered = ctx.planned(), contributors(ctx.exchanged())
+    # Only the participants that delivered vote on the digest (and are waited for): a no-show, e.g. an
+    # identity on probation that never takes part, would hold every check for its whole wait.
+    with drv.timed("digest_check"):
+        return await check_digest(
+            drv, ctx.round + 1, [p for p in plan.participants() if p in delivered] or plan.participants()
+        )
 
 
 async def outer_step(drv: RoundDriver, ctx: RoundContext) -> None:
@@ -69,7 +79,7 @@ async def outer_step(drv: RoundDriver, ctx: RoundContext) -> None:
     r, plan, a, ar = ctx.round, ctx.planned(), ctx.assigned(), ctx.exchanged()
     await drv.policy.before_outer_step(r, plan, a, ar)  # verified work keeps this round's start weights
     idle = ar.idle_ranges()
-    with drv._timed("outer_step"):  # advance moves its digest (commit) share to "digest"
+    with drv.timed("outer_step"):  # advance moves its digest (commit) share to "digest"
         await asyncio.to_thread(advance, drv, r, plan, ar.aggregate, idle)
     # Re-profile before announcing round r+1: the record a leader gathers for r+1 then already holds
     # the figures every follower will check its plan against (planner.check_plan).
@@ -82,7 +92,7 @@ async def announce(drv: RoundDriver, r: int, last: bool) -> None:
         # Say so with the new round's record, before the others gather for it (every way of leaving
         # announces before the next gather; --target-ppl right after the evaluation below; a stop request
         # already said so when it came: _say_leaving_on_stop).
-        drv._leave()
+        drv.mark_leaving()
         events.emit(
             log,
             logging.INFO,
@@ -94,17 +104,17 @@ async def announce(drv: RoundDriver, r: int, last: bool) -> None:
             round=r,
             reason="stop" if drv.stop.is_set() else "rounds",
         )
-    with drv._timed("announce"):
+    with drv.timed("announce"):
         await drv.membership.announce()
 
 
 async def evaluate_round(drv: RoundDriver, r: int, last: bool) -> tuple[Optional[float], Optional[int]]:
     """:func:`evaluate` of round ``r``'s end state; reaching ``target_ppl`` announces that this peer leaves."""
-    with drv._timed("eval"):
+    with drv.timed("eval"):
         ppl, eval_round = await evaluate(drv, r, last)
     t = drv.cfg.target_ppl
     if t is not None and ppl is not None and ppl <= t and not drv.leaving:
-        drv._leave()
+        drv.mark_leaving()
         events.emit(
             log,
             logging.INFO,
@@ -151,7 +161,7 @@ def round_record(
     r, plan, a, result, ar = ctx.round, ctx.planned(), ctx.assigned(), ctx.trained(), ctx.exchanged()
     spec = drv._spec if drv._spec is not None and drv._spec.round == r + 1 else None
     straggler, network = idle_split(ctx, ar, spec)
-    delivered = {pid for part in ar.contributors.values() for pid, _ in part}
+    delivered = contributors(ar)
     digest = drv.state.digest
     if digest is None:  # commit() always sets it: a state port that does not is a bug, not a round's fault
         raise RuntimeError(f"round {r}: the global state has no digest after its commit")
@@ -241,7 +251,7 @@ async def resync_after_mismatch(drv: RoundDriver) -> None:
     drv.phase = Phase.RESYNC
     await drop_speculative(drv, "digest mismatch")
     try:
-        with drv._timed("resync"):
+        with drv.timed("resync"):
             await catch_up(drv)
     except StateSyncError as e:  # the next round's behind() check tries again
         log.warning("re-sync failed (%s); will retry", e)
@@ -250,7 +260,7 @@ async def resync_after_mismatch(drv: RoundDriver) -> None:
 async def checkpoint_if_due(drv: RoundDriver, r: int) -> None:
     """A checkpoint after round ``r`` every ``checkpoint_every`` rounds (when checkpointing)."""
     if drv.cfg.checkpointing and (r + 1) % drv.cfg.checkpoint_every == 0:
-        with drv._timed("checkpoint"):  # counted in the next row's cycle
+        with drv.timed("checkpoint"):  # counted in the next row's cycle
             await drv.state.checkpoint_or_warn()
 
 
@@ -323,15 +333,15 @@ def advance(drv: RoundDriver, r: int, plan: RoundPlan, aggregate: torch.Tensor, 
         # call as "outer_step", so the commit's seconds move from there (a float add: GIL-atomic enough
         # for the one writer, the driver's own worker thread, while the loop awaits it).
         dt = time.monotonic() - t0
-        drv._phases["digest"] = drv._phases.get("digest", 0.0) + dt
-        drv._phases["outer_step"] = drv._phases.get("outer_step", 0.0) - dt
+        drv.add_phase_s("digest", dt)
+        drv.add_phase_s("outer_step", -dt)
 
 
 async def check_digest(drv: RoundDriver, r: int, participants: Sequence[str]) -> Optional[bool]:
     """This peer's digest against the majority of the round's participants (waits up to
     ``digest_wait_s`` for their records, backoff). None: nobody else to compare with."""
     deadline = drv.clock.monotonic() + drv.cfg.digest_wait_s
-    backoff = drv._backoff()
+    backoff = drv.backoff()
     counted = -1
     while True:
         # leaving peers count too: their last record carries the digest they ended the round with
@@ -342,7 +352,7 @@ async def check_digest(drv: RoundDriver, r: int, participants: Sequence[str]) ->
         if total != counted:
             counted = total
             backoff.reset()
-        if await drv._pause(min(backoff.next(), max(0.0, deadline - drv.clock.monotonic()) + 0.01)):
+        if await drv.pause(min(backoff.next(), max(0.0, deadline - drv.clock.monotonic()) + 0.01)):
             break
     if majority is None or total <= 1:
         return None

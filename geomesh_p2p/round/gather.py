@@ -69,7 +69,7 @@ async def gather(drv: RoundDriver, expected: set[str], *, first: bool) -> Option
     t0 = drv.clock.monotonic()
     finish_end = finishing_end(drv, t0)
     finish_logged: set[str] = set()
-    backoff = drv._backoff()
+    backoff = drv.backoff()
     last_ids: Optional[frozenset] = None
     waits = SyncWaits(t0)
     synced: list[PeerRecord] = []
@@ -155,7 +155,7 @@ async def gather(drv: RoundDriver, expected: set[str], *, first: bool) -> Option
             wake = until
             if syncing and now - t0 <= PROBATION_SYNC_WAIT_S:
                 wake = min(until, t0 + PROBATION_SYNC_WAIT_S)  # standing decides the wait from then on
-            if await drv._pause(min(backoff.next(), max(0.0, wake - drv.clock.monotonic()) + 0.01)):
+            if await drv.pause(min(backoff.next(), max(0.0, wake - drv.clock.monotonic()) + 0.01)):
                 return synced
     finally:
         arrived = {r.peer_id for r in synced}

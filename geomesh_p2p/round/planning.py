@@ -66,11 +66,11 @@ async def agree(drv: RoundDriver, ctx: RoundContext) -> bool:
         try:
             plan = drv.policy.make_plan(members, drv.me)
         except PlanDeferred:  # the policy said why, once: wait without an ERROR every pause
-            await drv._pause(drv.cfg.plan_timeout_s)
+            await drv.pause(drv.cfg.plan_timeout_s)
             return False
         except Exception as e:
             log.error("round %d: planning failed (%s: %s)", r, type(e).__name__, e)
-            await drv._pause(drv.cfg.plan_timeout_s)
+            await drv.pause(drv.cfg.plan_timeout_s)
             return False
         drv.plans.publish_background(plan)  # for the status page; nobody waits for it
     else:
@@ -223,13 +223,13 @@ async def reprobe_and_announce(drv: RoundDriver) -> None:
 async def wait_for_round(drv: RoundDriver, r: int, timeout_s: float = 30.0) -> bool:
     """Wait until another peer announces round ``r`` with a digest (backoff); True when one did."""
     deadline = drv.clock.monotonic() + timeout_s
-    backoff = drv._backoff()
+    backoff = drv.backoff()
     while drv.clock.monotonic() < deadline and not drv.stop.is_set():
         # leaving peers count: their last record says they finished round r - 1
         recs = [x for x in await drv.membership.peers(include_leaving=True) if x.peer_id != drv.me]
         if any(x.round >= r and x.weights_digest for x in recs):
             return True
-        if await drv._pause(min(backoff.next(), max(0.0, deadline - drv.clock.monotonic()) + 0.01)):
+        if await drv.pause(min(backoff.next(), max(0.0, deadline - drv.clock.monotonic()) + 0.01)):
             break
     return False
 

@@ -156,7 +156,7 @@ async def resync(drv: RoundDriver, why: str) -> None:
             end_run(drv, ended)
             return
         log.warning("catching up failed (%s; %s); retrying in a few seconds", e, why)
-        await drv._pause(RESYNC_RETRY_PAUSE_S)
+        await drv.pause(RESYNC_RETRY_PAUSE_S)
 
 
 async def catch_up(drv: RoundDriver) -> None:

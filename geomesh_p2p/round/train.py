@@ -35,17 +35,15 @@ async def train(drv: RoundDriver, ctx: RoundContext) -> bool:
     plan, r = ctx.planned(), ctx.round
     ctx.assignment = plan.assignment(drv.me)
     ctx.sent0, ctx.recv0 = drv.traffic()
-    t_phase = drv.clock.monotonic()
-    grad, result, t_end = await _steps(drv, ctx)
-    ctx.t_compute_end = t_end if t_end is not None else drv.clock.time()
-    drv._phases["train"] = drv._phases.get("train", 0.0) + max(0.0, drv.clock.monotonic() - t_phase)
-    t_phase = drv.clock.monotonic()
-    if drv.stop.is_set():
-        # Finish the round anyway (the inner steps stopped early): the parts this peer owns stay
-        # served and the others get a full update; the node leaves right after.
-        log.info("round %d: stop requested; exchanging what was trained, then leaving", r)
-    ctx.delta, ctx.result = await _update(drv, ctx, grad, result)
-    drv._phases["pseudo_gradient"] = drv._phases.get("pseudo_gradient", 0.0) + max(0.0, drv.clock.monotonic() - t_phase)
+    with drv.timed("train"):
+        grad, result, t_end = await _steps(drv, ctx)
+        ctx.t_compute_end = t_end if t_end is not None else drv.clock.time()
+    with drv.timed("pseudo_gradient"):
+        if drv.stop.is_set():
+            # Finish the round anyway (the inner steps stopped early): the parts this peer owns stay
+            # served and the others get a full update; the node leaves right after.
+            log.info("round %d: stop requested; exchanging what was trained, then leaving", r)
+        ctx.delta, ctx.result = await _update(drv, ctx, grad, result)
     try:
         ctx.spec = drv.policy.collective_spec(plan)
     except ValueError as e:  # plan_problem should have caught it; never crash on a leader's plan
