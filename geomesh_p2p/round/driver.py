@@ -62,9 +62,6 @@ log = logging.getLogger("geomesh_p2p.node.peer.round")
 #: Rounds of this peer's lineage kept for telling what a re-sync to another side's state discards.
 LINEAGE_ROUNDS = 4096
 
-#: The former private name of :class:`~geomesh_p2p.round.context.Speculative` (tests build one).
-_Speculative = Speculative
-
 __all__ = [
     "Phase",
     "DriverConfig",
@@ -156,7 +153,8 @@ class RoundDriver:
         #: eager updates: the next round's inner steps, started speculatively while this round's exchange runs
         self._spec: Optional[Speculative] = None
         #: (round, digest, attempts in a row that ended without a plan) of the round being agreed: after one,
-        #: a peer that is no leader candidate in its own view becomes the last resort (:func:`~geomesh_p2p.round.planning.last_resort`)
+        #: a peer that is no leader candidate in its own view becomes the last resort
+        #: (:func:`~geomesh_p2p.round.planning.last_resort`)
         self._plan_misses: tuple[int, Optional[str], int] = (-1, None, 0)
         #: the plan of the last round this peer applied: the next gather waits for its contributors still
         #: finishing it until its exchange deadline (:func:`~geomesh_p2p.round.gather.finishing_waits`)
@@ -371,8 +369,8 @@ class RoundDriver:
         return await planning.wait_for_round(self, r, timeout_s)
 
     async def check_digest(self, r: int, participants: Sequence[str]) -> Optional[bool]:
-        """This peer's digest against the majority of the round's participants (:func:`geomesh_p2p.round.finish.check_digest`).
-        None: nobody else to compare with."""
+        """This peer's digest against the majority of the round's participants
+        (:func:`geomesh_p2p.round.finish.check_digest`). None: nobody else to compare with."""
         return await finish.check_digest(self, r, participants)
 
     # The phases' helpers under their former names (tests call them; the modules hold the details).

@@ -33,8 +33,8 @@ async def start_speculative(drv: RoundDriver, ctx: RoundContext, own: torch.Tens
     peer's start of round ``r + 1``, ``x = O(θ^r, v^r; w·own)`` with ``w`` its planned token share of round
     ``r`` (the real token total is not known before the exchange), computed on copies in a worker thread
     and loaded into the model; then round ``r + 1``'s inner steps start on it with round ``r``'s assignment
-    and a train deadline of now + the round's window (:class:`~geomesh_p2p.round.context.Speculative`). Nothing when the peer stops
-    or leaves after this round, or after its last round."""
+    and a train deadline of now + the round's window (:class:`~geomesh_p2p.round.context.Speculative`).
+    Nothing when the peer stops or leaves after this round, or after its last round."""
     r, plan, a = ctx.round, ctx.planned(), ctx.assigned()
     last = drv.cfg.rounds is not None and r + 1 >= drv.cfg.rounds
     if drv.stop.is_set() or drv.leaving or last:

@@ -17,7 +17,7 @@ import torch
 
 from geomesh_p2p.net.swarm_time import swarm_time
 from geomesh_p2p.util.aio import wait_event
-from geomesh_p2p.plan.planner import RoundPlan
+from geomesh_p2p.plan.planner import PeerAssignment, RoundPlan
 from geomesh_p2p.schema.peer import PeerRecord
 
 if TYPE_CHECKING:  # the real types; training imports transformers, the exchange grpc: not loaded at run time here
@@ -251,10 +251,12 @@ class RoundPolicy(Protocol):
         """Drop the penalty marks this peer noted in rounds ``round`` and later (a lineage the swarm did not
         confirm, abandoned by a re-sync); returns the PeerIDs whose marks were dropped."""
 
-    async def before_outer_step(self, r: int, plan: RoundPlan, assignment, ar) -> None:
+    async def before_outer_step(self, r: int, plan: RoundPlan, assignment: PeerAssignment, ar: AllReduceResult) -> None:
         """Verified work keeps round ``r``'s start weights (never raises)."""
 
-    def after_outer_step(self, r: int, plan: RoundPlan, assignment, result, ar) -> None:
+    def after_outer_step(
+        self, r: int, plan: RoundPlan, assignment: PeerAssignment, result: InnerResult, ar: AllReduceResult
+    ) -> None:
         """Re-profiling (EMAs), delivered rates, standing credits."""
 
     def publish_record(self, record: RoundRecord) -> None:

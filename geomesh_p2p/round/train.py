@@ -30,7 +30,8 @@ async def train(drv: RoundDriver, ctx: RoundContext) -> bool:
     """Phase TRAIN: the assigned inner steps (a worker thread) until the plan's train deadline, then
     this peer's pseudo-gradient. A diverged or non-finite update is replaced by a zero contribution of
     0 tokens (one WARNING line) and the model goes back to the global weights. Inner steps already
-    started during the plan's settle on this very plan (:meth:`agree`) are awaited, not started again."""
+    started during the plan's settle on this very plan (:func:`~geomesh_p2p.round.planning.agree`) are
+    awaited, not started again."""
     drv.phase = Phase.TRAIN
     plan, r = ctx.planned(), ctx.round
     ctx.assignment = plan.assignment(drv.me)
