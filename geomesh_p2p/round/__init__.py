@@ -1,6 +1,8 @@
-"""Round lifecycle: plan agreement (:mod:`.plans`), the round state machine (:mod:`.driver`) and its
-injected collaborators (:mod:`.ports`). Every name of the former ``geomesh_p2p/round.py`` is importable
-from here."""
+"""Round lifecycle: the round state machine (:mod:`.driver`), its phases (:mod:`.gather`, :mod:`.planning`,
+:mod:`.train` with :mod:`.steps`, :mod:`.exchange`, :mod:`.finish`, :mod:`.eager`, :mod:`.resync`; what they
+share in :mod:`.context`), its injected collaborators (:mod:`.ports`) and the node's round rules
+(:mod:`.policy`); plan agreement itself is :mod:`geomesh_p2p.plan.agree`. Every name of the former
+``geomesh_p2p/round.py`` is importable from here."""
 
 import logging
 

@@ -11,14 +11,20 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, Callable, Optional, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, Sequence, runtime_checkable
 
 import torch
 
 from geomesh_p2p.net.swarm_time import swarm_time
 from geomesh_p2p.util.aio import wait_event
-from geomesh_p2p.plan.schema import RoundPlan
+from geomesh_p2p.plan.schema import PeerAssignment, RoundPlan
 from geomesh_p2p.schema.peer import PeerRecord
+
+if TYPE_CHECKING:  # the real types; training imports transformers, the exchange grpc: not loaded at run time here
+    from geomesh_p2p.exchange.client import AllReduceResult
+    from geomesh_p2p.exchange.partition import CollectiveSpec
+    from geomesh_p2p.model.training import InnerResult, StepTarget
+    from geomesh_p2p.telemetry.metrics import RoundRecord
 
 __all__ = [
     "Clock",
@@ -99,6 +105,9 @@ class PlanAgreement(Protocol):
         PeerIDs that publish only when no plan at all appeared after every candidate's turn (the driver
         passes it only when non-empty, so an agreement without the keyword still works)."""
 
+    def publish_background(self, plan: RoundPlan) -> None:
+        """Store ``plan`` without waiting (a lone peer's own plan, for the status page); never raises."""
+
 
 class Trainer(Protocol):
     """Inner training (geomesh_p2p.model.training.InnerTrainer); synchronous, the driver runs it in a thread."""
@@ -113,22 +122,26 @@ class Trainer(Protocol):
         deadline: Optional[float] = None,
         progress=None,
         should_stop=None,
-        target: Any = None,
-    ) -> Any:
+        target: Optional[StepTarget] = None,
+    ) -> InnerResult:
         """Inner steps on the model; returns an InnerResult (steps_done, tokens, mean_loss, compute_s).
         ``target``: a :class:`~geomesh_p2p.model.training.StepTarget` read before every step instead of
         ``inner_steps`` / ``deadline`` (eager updates: only passed when ``DriverConfig.eager``)."""
 
-    def gradient(self, *, round: int, batch_size: int, micro_batch: Optional[int] = None) -> tuple[torch.Tensor, Any]:
+    def gradient(
+        self, *, round: int, batch_size: int, micro_batch: Optional[int] = None
+    ) -> tuple[torch.Tensor, InnerResult]:
         """One batch's gradient [P] fp32 and its InnerResult (the ddp baseline)."""
 
     def evaluate(self, max_batches: int = 8) -> float:
         """Held-out perplexity of the model."""
 
 
+@runtime_checkable
 class SnapshotEvaluator(Protocol):
     """What a :class:`Trainer` may also offer (InnerTrainer does): evaluation of a snapshot of the global
-    weights in a worker thread while the next round trains (issue 17). The driver checks for it first."""
+    weights in a worker thread while the next round trains (issue 17). The driver checks for it first
+    (``isinstance(trainer, SnapshotEvaluator)``)."""
 
     def snapshot_for_eval(self, weights: Optional[torch.Tensor] = None) -> None:
         """Copy the model's weights (or ``weights``, a flat [P] fp32 vector) into the model kept for evaluation."""
@@ -140,7 +153,9 @@ class SnapshotEvaluator(Protocol):
 class Collective(Protocol):
     """The exchange (geomesh_p2p.exchange.CollectiveService)."""
 
-    async def all_reduce(self, spec, delta: torch.Tensor, tokens: int, compute_end: Optional[float] = None) -> Any:
+    async def all_reduce(
+        self, spec: CollectiveSpec, delta: torch.Tensor, tokens: int, compute_end: Optional[float] = None
+    ) -> AllReduceResult:
         """Aggregate ``delta`` [P] fp32 with the plan's participants; returns an AllReduceResult."""
 
 
@@ -213,7 +228,7 @@ class RoundPolicy(Protocol):
     def leader_candidates(self, members: Sequence[PeerRecord], live: dict) -> tuple[list[PeerRecord], list[str]]:
         """(the members to plan, the PeerIDs that may lead)."""
 
-    def collective_spec(self, plan: RoundPlan):
+    def collective_spec(self, plan: RoundPlan) -> CollectiveSpec:
         """The collective's spec of ``plan`` (raises ValueError when it cannot be executed)."""
 
     def swarm_round(self, records: Sequence[PeerRecord]) -> Optional[int]:
@@ -222,14 +237,27 @@ class RoundPolicy(Protocol):
     def standing_established(self, records: Sequence[PeerRecord], peer_id: str) -> bool:
         """Whether ``peer_id`` is established in this peer's view (syncing peers on probation are not waited for)."""
 
-    def after_exchange(self, spec, plan: RoundPlan, ar) -> None:
+    def after_exchange(self, spec: CollectiveSpec, plan: RoundPlan, ar: AllReduceResult) -> None:
         """Penalties for failed owners and no-shows."""
 
-    async def before_outer_step(self, r: int, plan: RoundPlan, assignment, ar) -> None:
+    def note_own_failures(
+        self, spec: CollectiveSpec, plan: RoundPlan, ar: AllReduceResult, *, stalled: bool = False
+    ) -> None:
+        """This peer's own failures of round ``plan.round`` only (its parts that failed, itself as a no-show),
+        penalised as the others penalise it: ``stalled`` says this peer was not running through the
+        exchange window, so the others' failures are not held against them."""
+
+    def forget_marks_since(self, round: int) -> list[str]:
+        """Drop the penalty marks this peer noted in rounds ``round`` and later (a lineage the swarm did not
+        confirm, abandoned by a re-sync); returns the PeerIDs whose marks were dropped."""
+
+    async def before_outer_step(self, r: int, plan: RoundPlan, assignment: PeerAssignment, ar: AllReduceResult) -> None:
         """Verified work keeps round ``r``'s start weights (never raises)."""
 
-    def after_outer_step(self, r: int, plan: RoundPlan, assignment, result, ar) -> None:
+    def after_outer_step(
+        self, r: int, plan: RoundPlan, assignment: PeerAssignment, result: InnerResult, ar: AllReduceResult
+    ) -> None:
         """Re-profiling (EMAs), delivered rates, standing credits."""
 
-    def publish_record(self, record) -> None:
+    def publish_record(self, record: RoundRecord) -> None:
         """The round's row to the log, Prometheus and the status page."""

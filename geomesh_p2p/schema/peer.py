@@ -25,7 +25,7 @@ MAX_ATTESTED = 64
 class SyncProgress(BaseModel):
     """How far a syncing peer's state download is (issue 14 #3), announced in its :class:`PeerRecord`
     so that a leader gathering the round waits for it as long as the download needs, within a cap
-    (:class:`geomesh_p2p.round.driver.RoundDriver.gather`). Bytes and bytes/s; a rate, not times, so
+    (:func:`geomesh_p2p.round.gather.gather`). Bytes and bytes/s; a rate, not times, so
     clocks need not agree."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)

@@ -32,12 +32,12 @@ kind                         where                            fields
                              (once per caller IP/code/reason)
 ``checkpoint_failed``        node._checkpoint_or_warn         round, final, error (type), detail
 ``checkpoint_of_held_round`` node._final_checkpoint           round (the counter), held_round (the weights')
-``contributing_nothing``     round.driver (train)             peer, round, reason (``loss_not_finite`` |
+``contributing_nothing``     round.steps, round.train         peer, round, reason (``loss_not_finite`` |
                                                               ``update_not_finite``), detail (if any)
-``digest_mismatch``          round.driver.check_digest        peer, round, digest, majority_digest,
+``digest_mismatch``          round.finish.check_digest        peer, round, digest, majority_digest,
                                                               agree, total
 ``dht_join_retry``           dht.join.DHTJoin.join            peer, attempt, attempts, wait_s
-``early_steps_discarded``    round.driver._discard_early      peer, round, started_leader,
+``early_steps_discarded``    round.planning.discard_early     peer, round, started_leader,
                                                               followed_leader (None: no plan)
 ``empty_swarm``              node._on_empty_swarm             peer, run_id, round, bootstrap, peers,
                                                               seen_ago_s, action (``wait`` | ``resume``
@@ -46,8 +46,8 @@ kind                         where                            fields
 ``eval_not_finite``          training.InnerTrainer.evaluate   peer, loss (nats/token; NaN or huge)
 ``idle_parts_unchanged``     round.policy._outer_step         peer, round, idle (ranges), idle_elements,
                                                               elements
-``leaving_announced``        round.driver (finish), node      peer, round, reason (``stop`` | ``rounds``
-                             shutdown                         | ``target_ppl`` | ``shutdown``)
+``leaving_announced``        round.finish.announce, node      peer, round, reason (``stop`` | ``rounds``
+                             shutdown, round.driver (stop)    | ``target_ppl`` | ``shutdown``)
 ``link_reprobed``            node.remeasure_links (planned     upload_bps, download_bps, was_upload_bps,
                              out)                             was_download_bps (bytes/s)
 ``older_state_adopted``      round.policy._catch_up (once     peer, round (the older state's), digest,
@@ -59,16 +59,16 @@ kind                         where                            fields
                                                               (ranges of them), parts, elements
 ``owner_unreachable``        collective.client (pull)         peer, round, part, owner, error
 ``part_closed``              collective.owner._close          round, part, reason, absent (PeerIDs)
-``partition_lost``           round.driver._log_dropped        peer, round, digest, discarded_rounds,
+``partition_lost``           round.resync.log_dropped         peer, round, digest, discarded_rounds,
                                                               side (PeerIDs), tokens, own_tokens
 ``peer_record_dropped``      dht.announce (once per record)   subkey (the record's PeerID), reason;
                                                               incompatible: differs (list)
 ``plan_refused``             round.plans.PlanStore.read       peer, round, leader, reason
-``plan_last_resort``         round.driver._last_resort (once  peer, round, candidates (PeerIDs it defers
+``plan_last_resort``         round.planning.last_resort (once peer, round, candidates (PeerIDs it defers
                              per round and state)             to), attempts (without a plan so far)
 ``plan_takeover``            round.plans.obtain_plan          peer, round, turn, delay_s, after_s,
                                                               last_resort (bool)
-``planned_out``              round.driver.wait_out            peer, round, leader, reason
+``planned_out``              round.planning.wait_out          peer, round, leader, reason
                                                               (``not_in_plan`` | ``weights_differ``)
 ``profile_batch``            profile.profile_training         batch, tokens_per_s, step_s, steps,
                                                               peak_bytes, extra_bytes, budget_bytes
@@ -76,7 +76,7 @@ kind                         where                            fields
 ``push_refused``             collective.owner (push handler)  peer, round, part (None: not parsed),
                                                               sender, code, reason
 ``record_not_admitted``      admission (once per record)      peer (the record's), reason
-``residual_zeroed``          round.driver._drop_feedback      peer, round
+``residual_zeroed``          round.exchange.drop_feedback     peer, round
 ``resumed_behind_swarm``     node._warn_if_resumed_behind     peer, round (resumed at), swarm_round (the
                                                               bootstrap's), bootstrap
 ``resumed_from_checkpoint``  node._resume_from                peer, round, digest
@@ -84,24 +84,24 @@ kind                         where                            fields
                                                               cause, exit_code
 ``serving_last_parts``       node.PeerNode._serve_last_parts  peer, round, readers (PeerIDs still pulling),
                                                               wait_s (the most it waits)
-``stalled_round_not_blamed`` round.driver.exchange            peer, round, stalled_s, window_s
+``stalled_round_not_blamed`` round.exchange.exchange          peer, round, stalled_s, window_s
 ``state_downloaded``         round.policy._catch_up           peer, round, donors (addresses), digest,
                                                               vote (``standing`` | ``fresh`` | ``solo``)
 ``state_piece_failed``       state_sync.download_state        round, piece, donor (address), outcome
                                                               (``failed`` | ``stalled``), error
 ``state_refused``            round.policy._state_vote (once)  peer, round, digest, identities, backing,
                                                               total
-``swarm_ended``              round.driver._end                peer, round, swarm_round, synced, cause
+``swarm_ended``              round.resync.end_run             peer, round, swarm_round, synced, cause
                                                               (``others_left`` | ``alone`` |
                                                               ``digest_differs``); alone: waited_s,
                                                               min_peers; digest_differs: others,
                                                               majority_digest
 ``swarm_back``               node._on_empty_swarm             peer, run_id, peers (PeerIDs live again)
-``waiting_for_late_peer``    round.driver._finishing_waits    peer, round, finishing_peer (still in the
+``waiting_for_late_peer``    round.gather.finishing_waits     peer, round, finishing_peer (still in the
                                                               last round), wait_s
-``waiting_for_peers``        round.driver.gather (once per    peer, round, min_peers, live, wait_s
+``waiting_for_peers``        round.gather.gather (once per    peer, round, min_peers, live, wait_s
                              state)
-``waiting_for_syncing_peer`` round.driver._sync_deadline      peer, round, syncing_peer, wait_s,
+``waiting_for_syncing_peer`` round.gather.sync_deadline       peer, round, syncing_peer, wait_s,
                                                               done_bytes, total_bytes, bytes_per_s
 ============================ ================================ ==========================================
 """

@@ -392,7 +392,7 @@ async def test_cancelling_the_driver_while_it_waits_for_adopted_steps_stops_thei
     cancellation there (the node's task cancelled, a second Ctrl+C) reached neither their abort nor
     run()'s final drop, so the worker thread went on training the model up to its deadline (here 20 s;
     a window at real scale) while the process shut down. Now it is aborted and ends at its next step."""
-    from geomesh_p2p.round.driver import RoundContext, _Speculative
+    from geomesh_p2p.round.context import RoundContext, Speculative
     from geomesh_p2p.model.training import StepTarget
 
     swarm = trd.Swarm()
@@ -412,7 +412,7 @@ async def test_cancelling_the_driver_while_it_waits_for_adopted_steps_stops_thei
     )
     a = plan.assignment(p.me)
     started, ended = threading.Event(), threading.Event()
-    spec = _Speculative(
+    spec = Speculative(
         round=0,
         start=p.model.clone(),
         batch_size=a.batch_size,

@@ -5,6 +5,8 @@ the state and zeroed on a re-sync to another lineage."""
 from __future__ import annotations
 
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -103,10 +105,14 @@ class _Policy:
     def after_exchange(self, spec, plan, ar):
         pass
 
+    def forget_marks_since(self, round):
+        return []
+
 
 class _State:
     round = 3
     digest = "11" * 32
+    syncing = False
 
     async def catch_up(self):
         self.digest = "22" * 32
@@ -139,7 +145,7 @@ async def test_driver_exchange_pushes_delta_plus_residual_and_a_foreign_resync_z
             t_round=0.0,
             delta=delta.clone(),
             spec=_Spec(),
-            plan=object(),
+            plan=SimpleNamespace(train_deadline=0.0, exchange_deadline=0.0),
             result=type("R", (), {"tokens": 50})(),
         )  # the plan is only handed to the policy
         assert await d.exchange(ctx)

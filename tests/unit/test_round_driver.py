@@ -119,6 +119,8 @@ class FakePeer:
         self.remeasured = getattr(self, "remeasured", 0) + 1
 
     # GlobalStatePort
+    state_lock = None  # the fake's state changes only on the driver's worker thread
+
     def pseudo_gradient(self):
         return self.theta - self.model
 
@@ -226,6 +228,12 @@ class FakePeer:
     def after_exchange(self, spec, plan, ar):
         pass
 
+    def note_own_failures(self, spec, plan, ar, *, stalled=False):
+        pass
+
+    def forget_marks_since(self, round):
+        return []
+
     async def before_outer_step(self, r, plan, assignment, ar):
         pass
 
@@ -249,6 +257,11 @@ class FakePeer:
                 me.agreements += 1
                 me._hook("agree")
                 return await agreement.agree(*a, **k)
+
+            def publish_background(self, plan):
+                publish = getattr(agreement, "publish_background", None)
+                if publish is not None:
+                    publish(plan)
 
         cfg = DriverConfig(
             min_peers=min_peers,

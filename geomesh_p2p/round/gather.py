@@ -1,0 +1,273 @@
+"""Phase GATHER: the peers in sync for the round (announced it with this peer's digest), and how long the
+gather waits for the missing ones: last round's contributors still finishing it (until that round's exchange
+deadline), syncing peers (by their announced download progress, issue 14 #3), ``min_peers``. Functions of
+the :class:`~geomesh_p2p.round.driver.RoundDriver` (its ports: membership, policy, state, clock)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Optional
+
+from geomesh_p2p.schema.peer import PeerRecord
+from geomesh_p2p.telemetry import events
+from geomesh_p2p.trust.probation import PROBATION_SYNC_WAIT_S
+from geomesh_p2p.round.context import Phase
+from geomesh_p2p.round.resync import end_run, left_alone, swarm_ended
+
+if TYPE_CHECKING:
+    from geomesh_p2p.round.driver import RoundDriver
+
+# Round log lines keep the node's logger name: operators' filters and the tests' caplog select on it.
+log = logging.getLogger("geomesh_p2p.node.peer.round")
+
+#: A syncing peer's wait (issue 14 #3) is its announced remaining download time x ``SYNC_WAIT_SLACK`` plus
+#: ``SYNC_WAIT_MARGIN_S``: its record is up to one announcement old, the rate varies, and after the last
+#: byte it still checks the digest and loads the state.
+SYNC_WAIT_SLACK = 1.25
+SYNC_WAIT_MARGIN_S = 2.0
+#: A planned-out peer waits for the next round until the plan's exchange deadline plus this (at least this).
+#: The gather waits as long for a contributor of the last round still finishing it (its outer step, commit
+#: and announcement come after its last pull, which ends by the exchange deadline at the latest).
+ROUND_END_SLACK_S = 5.0
+#: Gathers a peer on probation may hold past ``PROBATION_SYNC_WAIT_S`` by announcing a download and then
+#: not arrive in sync: an identity announcing a slow download forever costs the swarm at most this many
+#: capped waits (and each identity costs its proof of work).
+PROBATION_SYNC_GRANTS = 2
+
+
+@dataclass
+class SyncWaits:
+    """One gather's bookkeeping of syncing peers (:func:`sync_deadline`); monotonic seconds."""
+
+    t0: float
+    until: dict[str, float] = field(default_factory=dict)  # peer -> end of its progress-derived wait
+    seen: dict[str, int] = field(default_factory=dict)  # peer -> done_bytes that wait was derived from
+    extended: set[str] = field(default_factory=set)  # peers waited for past the plain wait by their progress
+    established: set[str] = field(default_factory=set)  # standing asked once per gather
+    probation: set[str] = field(default_factory=set)
+    logged: set[str] = field(default_factory=set)
+
+
+async def gather(drv: RoundDriver, expected: set[str], *, first: bool) -> Optional[list[PeerRecord]]:
+    """Phase GATHER: the peers in sync for this round (announced it with this digest). Waits for
+    ``expected`` (last round's contributors, less those leaving) up to ``gather_wait_s``
+    (``wait_peers_s`` and ``min_peers`` before the first round); one of them whose record still shows
+    the last round is finishing its exchange and is waited for until that round's exchange deadline plus
+    ``ROUND_END_SLACK_S`` (:func:`finishing_waits`); and for each peer announced as
+    syncing for this round as long as :func:`sync_deadline` says (its announced download progress,
+    within ``sync_wait_cap_s``). None at once when the swarm holds a later round (leaving peers' records
+    count: they show where the swarm is). Short of ``min_peers`` (after the first round ``min(min_peers,
+    2)``: never alone): one INFO line "waiting for N peers, M live" (not one per read), a wait of up to
+    ``wait_peers_s``; None with :attr:`ended` set
+    (one WARNING) when every other peer's record says it left, on two reads in a row (a live peer's
+    record may be a moment old) -- this peer never trains alone on a swarm that ended."""
+    drv.phase = Phase.GATHER
+    # After the first round only "not alone" holds: waiting for all N every round would stall a swarm
+    # that lost one peer by wait_peers_s per round; the fork risk is a peer training by itself.
+    min_peers = drv.cfg.min_peers if first else min(drv.cfg.min_peers, 2)
+    t0 = drv.clock.monotonic()
+    finish_end = finishing_end(drv, t0)
+    finish_logged: set[str] = set()
+    backoff = drv.backoff()
+    last_ids: Optional[frozenset] = None
+    waits = SyncWaits(t0)
+    synced: list[PeerRecord] = []
+    left_reads = 0  # consecutive reads on which every other peer's record says it left
+    try:
+        while True:
+            everyone = await drv.membership.peers(include_leaving=True)
+            now = drv.clock.monotonic()
+            # A peer that said it is leaving is not waited for (it finished its last exchange).
+            expected = expected - {r.peer_id for r in everyone if r.leaving}
+            recs = [r for r in everyone if not r.leaving]
+            drv._gathered = {r.peer_id: r for r in recs}  # the live view PLAN starts from (no re-read)
+            # Leaving peers' records are evidence of the swarm's progress (their round and digest): a
+            # stalled peer whose swarm finished while it was stopped must catch up, not train alone.
+            sr = drv.policy.swarm_round(everyone)
+            drv._swarm_seen = max(drv._swarm_seen, sr or 0)
+            if sr is not None and sr > drv.state.round:
+                return None
+            synced = [r for r in recs if r.round == drv.state.round and r.weights_digest == drv.state.digest]
+            ids = {r.peer_id for r in synced}
+            short = len(ids) < min_peers
+            ended = swarm_ended(drv, everyone) if short and not drv.stop.is_set() else None
+            # A record of a peer still live may be a moment old (it re-announces at its loop top): the end
+            # is confirmed by the next read, one backoff pause later. Not a longer wait: the leaving
+            # records expire a few announce periods after their peers exit, and without them this peer
+            # could only say it was left alone (not synced).
+            left_reads = 0 if ended is None else left_reads + 1
+            if ended is not None and left_reads >= 2:
+                end_run(drv, ended)
+                return None
+            wait_s = drv.cfg.wait_peers_s if first or short else drv.cfg.gather_wait_s
+            syncing = [
+                r
+                for r in recs
+                if r.round == drv.state.round
+                and r.weights_digest is None
+                and r.peer_id not in ids
+                and r.peer_id != drv.me
+            ]
+            ends = {r.peer_id: sync_deadline(drv, r, recs, waits, now, wait_s) for r in syncing}
+            if not short:
+                ends.update(finishing_waits(drv, expected - ids, recs, finish_end, now, finish_logged))
+            waited = {p for p, end in ends.items() if end > now}
+            if (expected | waited) <= ids and len(ids) >= min_peers:
+                return synced
+            if len(ids) < min_peers and drv._waiting_logged != (min_peers, len(recs)):
+                drv._waiting_logged = (min_peers, len(recs))
+                events.emit(
+                    log,
+                    logging.INFO,
+                    "waiting_for_peers",
+                    "round %d: waiting for %d peers, %d live (up to %.0f s)",
+                    drv.state.round,
+                    min_peers,
+                    len(recs),
+                    wait_s,
+                    peer=drv.me,
+                    round=drv.state.round,
+                    min_peers=min_peers,
+                    live=len(recs),
+                    wait_s=wait_s,
+                )
+            until = max([t0 + wait_s] + [ends[p] for p in waited])
+            if now > until or drv.stop.is_set():
+                if short and not first and not drv.stop.is_set() and not any(x.peer_id != drv.me for x in recs):
+                    # After the first round nobody else is live at all: the swarm is gone (its records
+                    # may have vanished with its peers). Training on alone would fork the run.
+                    end_run(drv, left_alone(drv, everyone, now - t0), waited_s=now - t0, min_peers=min_peers)
+                    return None
+                if len(ids) < min_peers and not drv.stop.is_set():  # says so (issue 14 #10)
+                    log.info(
+                        "round %d: starting with %d of the %d peers wanted (--min-peers): waited %.0f s",
+                        drv.state.round,
+                        len(ids),
+                        min_peers,
+                        now - t0,
+                    )
+                return synced
+            now_ids = frozenset(r.peer_id for r in recs)
+            if now_ids != last_ids:
+                last_ids = now_ids
+                backoff.reset()
+            wake = until
+            if syncing and now - t0 <= PROBATION_SYNC_WAIT_S:
+                wake = min(until, t0 + PROBATION_SYNC_WAIT_S)  # standing decides the wait from then on
+            if await drv.pause(min(backoff.next(), max(0.0, wake - drv.clock.monotonic()) + 0.01)):
+                return synced
+    finally:
+        arrived = {r.peer_id for r in synced}
+        for p in waits.extended - arrived:  # it held the round by its progress and did not arrive
+            drv._sync_misses[p] = drv._sync_misses.get(p, 0) + 1
+        for p in waits.extended & arrived:
+            drv._sync_misses.pop(p, None)
+
+
+def finishing_end(drv: RoundDriver, t0: float) -> Optional[float]:
+    """Until when (monotonic seconds) the gather that starts at ``t0`` waits for contributors of the last
+    round still finishing it: that round's exchange deadline plus ``ROUND_END_SLACK_S`` (None when this
+    peer did not apply the round before this one). A peer of a uniform-H method on a slow link finishes
+    its pulls later than the others, up to the deadline; leaving it out made it download the state."""
+    plan = drv._last_plan
+    if plan is None or plan.round != drv.state.round - 1:
+        return None
+    return t0 + float(plan.exchange_deadline) - drv.clock.time() + ROUND_END_SLACK_S  # past: no wait
+
+
+def finishing_waits(
+    drv, missing: set[str], recs: list[PeerRecord], end: Optional[float], now: float, logged: set[str]
+) -> dict[str, float]:
+    """Peer -> until when (monotonic seconds) to wait for it, for each of ``missing`` (last round's
+    contributors not yet in sync) whose live record still shows the last round at its start digest: it
+    is finishing that round's exchange (or its outer step). ``end``: :func:`finishing_end`. A peer that
+    died is not waited for past ``end``, and not at all once its record expired. One INFO line per peer
+    (``waiting_for_late_peer``) when the wait goes past the plain gather wait."""
+    plan = drv._last_plan
+    if end is None or plan is None or not missing:
+        return {}
+    out = {
+        r.peer_id: end
+        for r in recs
+        if r.peer_id in missing
+        and r.round == plan.round
+        and r.weights_digest is not None
+        and r.weights_digest == (plan.start_digest or r.weights_digest)
+    }
+    for pid in sorted(set(out) - logged):
+        if end > now:
+            logged.add(pid)
+            events.emit(
+                log,
+                logging.INFO,
+                "waiting_for_late_peer",
+                "round %d: waiting up to %.1f s more for %s, still finishing round %d (its exchange ends by "
+                "the deadline)",
+                drv.state.round,
+                end - now,
+                pid[:10],
+                plan.round,
+                peer=drv.me,
+                round=drv.state.round,
+                finishing_peer=pid,
+                wait_s=end - now,
+            )
+    return out
+
+
+def sync_deadline(drv, rec: PeerRecord, recs: list[PeerRecord], waits: SyncWaits, now: float, wait_s: float) -> float:
+    """Until when (monotonic seconds) this gather waits for syncing peer ``rec`` (issue 14 #3).
+
+    Without a usable announced download progress: ``wait_s`` from the gather's start for an established
+    peer, ``PROBATION_SYNC_WAIT_S`` for one on probation, as before. With one (a record with
+    ``sync_progress``), ``wait_s`` at least, and each time its ``done_bytes`` moves, until now + its
+    announced remaining time x ``SYNC_WAIT_SLACK`` + ``SYNC_WAIT_MARGIN_S``; never past
+    ``sync_wait_cap_s`` from the gather's start. A download that stops moving is not waited for past
+    the wait derived from its last progress. A peer on probation gets a progress-derived wait only
+    while it has failed to arrive after fewer than ``PROBATION_SYNC_GRANTS`` of them."""
+    pid, t0 = rec.peer_id, waits.t0
+    if pid in waits.established:
+        established: Optional[bool] = True
+    elif pid in waits.probation:
+        established = False
+    elif now - t0 <= PROBATION_SYNC_WAIT_S:
+        established = None  # not asked yet: every syncing peer is waited for that long
+    else:
+        established = drv.policy.standing_established(recs, pid)
+        (waits.established if established else waits.probation).add(pid)
+    plain = t0 + (PROBATION_SYNC_WAIT_S if established is False else wait_s)
+    sp = rec.sync_progress
+    if sp is None or (established is False and drv._sync_misses.get(pid, 0) >= PROBATION_SYNC_GRANTS):
+        return plain
+    if waits.seen.get(pid) != sp.done_bytes:  # it moved (or is new): derive its wait again
+        waits.seen[pid] = sp.done_bytes
+        remaining = sp.remaining_s()
+        if remaining is not None:
+            cap = t0 + max(wait_s, drv.cfg.sync_wait_cap_s)
+            waits.until[pid] = min(cap, now + remaining * SYNC_WAIT_SLACK + SYNC_WAIT_MARGIN_S)
+            if waits.until[pid] > t0 + wait_s and pid not in waits.logged:
+                waits.logged.add(pid)
+                events.emit(
+                    log,
+                    logging.INFO,
+                    "waiting_for_syncing_peer",
+                    "round %d: waiting up to %.1f s more for %s, syncing (%d of %d MiB at %.1f MiB/s)",
+                    drv.state.round,
+                    waits.until[pid] - now,
+                    pid[:10],
+                    sp.done_bytes >> 20,
+                    sp.total_bytes >> 20,
+                    sp.bytes_per_s / 2**20,
+                    peer=drv.me,
+                    round=drv.state.round,
+                    syncing_peer=pid,
+                    wait_s=waits.until[pid] - now,
+                    done_bytes=sp.done_bytes,
+                    total_bytes=sp.total_bytes,
+                    bytes_per_s=sp.bytes_per_s,
+                )
+    end = max(t0 + wait_s, waits.until.get(pid, 0.0))
+    if end > plain and end > now:
+        waits.extended.add(pid)  # held past its plain wait by its progress: a miss if it does not arrive
+    return end

@@ -1,0 +1,272 @@
+"""Phase PLAN: the plan this peer follows for the round (:func:`agree`: the policy's leader candidates,
+the plan agreement port, the live view kept fresh meanwhile, inner steps started on the provisional plan
+during its settle), a last resort when no candidate publishes (:func:`last_resort`), and a planned-out
+peer's wait for the round's end before it re-syncs (:func:`wait_out`). Functions of the
+:class:`~geomesh_p2p.round.driver.RoundDriver` (its ports: plans, membership, policy, state)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+from typing import TYPE_CHECKING, Optional, Sequence
+
+from geomesh_p2p.plan.agree import PlanDeferred
+from geomesh_p2p.plan.schema import RoundPlan
+from geomesh_p2p.schema.peer import PeerRecord
+from geomesh_p2p.telemetry import events
+from geomesh_p2p.util.aio import wait_event
+from geomesh_p2p.util.backoff import Backoff
+from geomesh_p2p.round.context import Phase, RoundContext
+from geomesh_p2p.round.eager import drop_speculative
+from geomesh_p2p.round.gather import ROUND_END_SLACK_S
+from geomesh_p2p.round.resync import resync
+from geomesh_p2p.round.steps import inner_steps
+
+if TYPE_CHECKING:
+    from geomesh_p2p.round.driver import RoundDriver
+
+# Round log lines keep the node's logger name: operators' filters and the tests' caplog select on it.
+log = logging.getLogger("geomesh_p2p.node.peer.round")
+
+
+async def refresh_live(drv: RoundDriver, live: dict, done: asyncio.Event) -> None:
+    """Add newly seen live peers to ``live`` until ``done``: backoff, restarting when a peer appears.
+    Stopped by the event, not cancelled, so that a lookup in flight finishes and its result is kept
+    (a cancelled lookup is safe too: its tasks are owned by an :class:`~geomesh_p2p.util.aio.TaskScope`)."""
+    backoff = Backoff(drv.cfg.backoff_first_s * 4, max(drv.cfg.backoff_first_s * 4, drv.cfg.live_refresh_s))
+    while not await wait_event(done, backoff.next()):
+        try:
+            fresh = {x.peer_id: x for x in await drv.membership.peers()}
+        except Exception as e:  # a failed DHT read: keep the last view
+            log.debug("refreshing live peers failed: %s", e)
+            continue
+        if set(fresh) - set(live):
+            backoff.reset()
+        live.update(fresh)
+
+
+async def agree(drv: RoundDriver, ctx: RoundContext) -> bool:
+    """Phase PLAN: the plan this peer follows (it publishes one when its turn as leader comes). A peer
+    alone in the run plans its own round at once (no DHT round trips eat its window). False: no
+    round for this peer (no plan, or not in it: it waited for the round's end and re-synced)."""
+    drv.phase = Phase.PLAN
+    r = ctx.round
+    live = ctx.live
+    # The gather's last read is a moment old: reuse it (one DHT get less between the gather and the
+    # plan, issue 17); the refresher below keeps the view fresh while the plan is agreed.
+    gathered, drv._gathered = drv._gathered, None
+    live.update(gathered if gathered is not None else {x.peer_id: x for x in await drv.membership.peers()})
+    members, candidates = drv.policy.leader_candidates(ctx.members, live)
+    plan: Optional[RoundPlan]
+    if [m.peer_id for m in members] == [drv.me] and set(live) == {drv.me}:
+        # Lone peer: nobody else can lead, follow or read a plan; plan with a fresh start time so
+        # the whole window trains (the DHT, maybe unreachable, is not asked).
+        try:
+            plan = drv.policy.make_plan(members, drv.me)
+        except PlanDeferred:  # the policy said why, once: wait without an ERROR every pause
+            await drv.pause(drv.cfg.plan_timeout_s)
+            return False
+        except Exception as e:
+            log.error("round %d: planning failed (%s: %s)", r, type(e).__name__, e)
+            await drv.pause(drv.cfg.plan_timeout_s)
+            return False
+        drv.plans.publish_background(plan)  # for the status page; nobody waits for it
+    else:
+        # Not cancelled by a stop request (bounded by the plan timeouts): once the others follow a plan
+        # naming this peer, it must serve its part and contribute (0 steps if stopping). The live view
+        # stays fresh meanwhile: a peer that (re)joined just now may lead a better-ranked plan.
+        done = asyncio.Event()
+        refresher = asyncio.ensure_future(refresh_live(drv, live, done))
+
+        def on_provisional(p: RoundPlan) -> None:
+            # The settle (plans.obtain_plan) waits for a better-ranked plan that almost never comes:
+            # train on the plan it will most likely return meanwhile; discarded below if another wins.
+            if ctx.early is None and drv._spec is None and may_start_early(drv, p):
+                ctx.early_plan, ctx.early_abort = p, threading.Event()
+                ctx.early = asyncio.ensure_future(inner_steps(drv, ctx, p, ctx.early_abort))
+
+        resort = last_resort(drv, r, members, candidates)
+        try:
+            plan = await drv.plans.agree(
+                r,
+                members,
+                drv.policy.make_plan,
+                accept=lambda p: drv.policy.plan_problem(p, live),
+                candidates=candidates,
+                plan_timeout_s=drv.cfg.plan_timeout_s,
+                provisional=on_provisional,
+                **({"last_resort": resort} if resort else {}),
+            )
+        finally:
+            done.set()  # the lookup under way finishes (bounded by the DHT's RPC timeouts)
+            await asyncio.gather(refresher, return_exceptions=True)
+    if ctx.early is not None and (
+        plan is None or ctx.early_plan is None or plan.to_bytes() != ctx.early_plan.to_bytes()
+    ):
+        await discard_early(drv, ctx, plan)
+    key = (r, drv.state.digest)
+    misses = drv._plan_misses[2] if drv._plan_misses[:2] == key else 0
+    drv._plan_misses = (r, drv.state.digest, misses + 1 if plan is None else 0)
+    if plan is None:
+        await drop_speculative(drv, "no plan appeared")
+        if not drv.stop.is_set():
+            log.warning("round %d: no plan appeared; retrying", r)
+        return False
+    ctx.plan = plan
+    if drv.stop.is_set() and drv.me not in plan.participants():
+        await drop_speculative(drv, "stopping, not in the plan")
+        return False
+    if drv.me not in plan.participants() or plan.start_digest != drv.state.digest:
+        await drop_speculative(drv, "not in the plan" if drv.me not in plan.participants() else "weights differ")
+        await wait_out(drv, ctx)
+        return False
+    return True
+
+
+def last_resort(drv: RoundDriver, r: int, members: Sequence[PeerRecord], candidates: Sequence[str]) -> list[str]:
+    """The members that are no leader candidates (this peer among them) when this peer must publish a plan
+    itself if no candidate does (``last_resort`` of
+    :func:`~geomesh_p2p.plan.agree.obtain_plan`), else ``[]``.
+
+    The leader candidates are computed by each member from its own view (standing, no-show marks), and
+    a member leaves itself out where it expects the others to refuse its plan: while it is not
+    established in its own view (a newcomer follows the peers whose state it downloaded), or while it
+    marked itself a no-show. Views differ, so every member can defer to another that defers in turn
+    (rs7: two peers, each the other's only candidate, "no plan appeared; retrying" for 6 minutes). So
+    once an attempt at this round and state ended with no plan at all, a member in sync that is no
+    candidate becomes the last resort: it publishes after every candidate's turn has passed with no
+    plan read, refused ones included (docs/round.md, "Leader election when nobody leads"). A healthy
+    established leader publishes within its turn of the first attempt, so a newcomer following it never
+    gets there (the young-swarm rule holds); one WARNING per round."""
+    member_ids = {m.peer_id for m in members}
+    if drv.me in candidates or drv.me not in member_ids:
+        return []
+    if drv._plan_misses[:2] != (r, drv.state.digest) or drv._plan_misses[2] < 1:
+        return []
+    if drv._plan_misses[2] == 1:  # the first escalated attempt of this round: said once
+        events.emit(
+            log,
+            logging.WARNING,
+            "plan_last_resort",
+            "round %d: no plan appeared in a whole attempt; this peer is no leader candidate in its own view "
+            "and the %d it defers to (%s) published none: it publishes a plan itself if none appears "
+            "after their turns",
+            r,
+            len(candidates),
+            ", ".join(c[:10] for c in candidates) or "none",
+            peer=drv.me,
+            round=r,
+            candidates=list(candidates),
+            attempts=drv._plan_misses[2],
+        )
+    # Every member that is no candidate, not only this peer: obtain_plan ranks them among themselves, so
+    # two last resorts publish a stagger apart and the second follows the first's plan (review: with
+    # ``[me]`` alone both sat at the same instant and, refusing each other's plans, split the round).
+    return sorted(member_ids - set(candidates))
+
+
+async def wait_out(drv: RoundDriver, ctx: RoundContext) -> None:
+    """A planned-out peer (joined late, too slow for the window, or other weights): announce as syncing
+    for the next round (its leader then waits for it), wait for the others to announce it, re-sync."""
+    plan, r = ctx.planned(), ctx.round
+    planned_in = drv.me in plan.participants()
+    why = (
+        f"not in the plan of leader {plan.leader[:10]} (the leader left it out: it joined late, missed an "
+        f"earlier round's exchange, or its link or device is too slow for the {plan.window_s:.1f} s window; "
+        "see the leader's log)"
+        if not planned_in
+        else "weights differ from the plan's"
+    )
+    events.emit(
+        log,
+        logging.INFO,
+        "planned_out",
+        "round %d: %s; waiting for the round to end, then syncing",
+        r,
+        why,
+        peer=drv.me,
+        round=r,
+        leader=plan.leader,
+        reason="not_in_plan" if not planned_in else "weights_differ",
+    )
+    drv.state.syncing, drv.state.round = True, r + 1
+    await drv.membership.announce()
+    # Left out by the leader: re-measure the link while the round ends (bounded, see the port), and
+    # announce the fresh figure as soon as it is known, before the next round is planned.
+    reprobe = None if planned_in else asyncio.ensure_future(reprobe_and_announce(drv))
+    try:
+        await wait_for_round(
+            drv, r + 1, timeout_s=max(ROUND_END_SLACK_S, plan.exchange_deadline - drv.clock.time() + ROUND_END_SLACK_S)
+        )
+        if reprobe is not None and not drv.stop.is_set():
+            await reprobe
+    finally:
+        if reprobe is not None and not reprobe.done():
+            reprobe.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reprobe
+    await resync(drv, "planned out")
+
+
+async def reprobe_and_announce(drv: RoundDriver) -> None:
+    """A planned-out peer's link re-probe (:meth:`Membership.remeasure_links`), then its announcement.
+    A failure is logged once at DEBUG: the peer keeps the figures it had."""
+    try:
+        await drv.membership.remeasure_links()
+        await drv.membership.announce()
+    except Exception as e:  # never fail the wait for the round's end over a probe
+        log.debug("link re-probe failed: %r", e)
+
+
+async def wait_for_round(drv: RoundDriver, r: int, timeout_s: float = 30.0) -> bool:
+    """Wait until another peer announces round ``r`` with a digest (backoff); True when one did."""
+    deadline = drv.clock.monotonic() + timeout_s
+    backoff = drv.backoff()
+    while drv.clock.monotonic() < deadline and not drv.stop.is_set():
+        # leaving peers count: their last record says they finished round r - 1
+        recs = [x for x in await drv.membership.peers(include_leaving=True) if x.peer_id != drv.me]
+        if any(x.round >= r and x.weights_digest for x in recs):
+            return True
+        if await drv.pause(min(backoff.next(), max(0.0, deadline - drv.clock.monotonic()) + 0.01)):
+            break
+    return False
+
+
+def may_start_early(drv: RoundDriver, plan: RoundPlan) -> bool:
+    """Whether this peer may start its inner steps on ``plan`` before the settle confirms it: it is in
+    the plan, holds the plan's start weights, is not stopping, and trains inner steps (ddp's one-batch
+    gradient gains nothing from it)."""
+    return (
+        not drv.cfg.exchanges_gradient
+        and not drv.stop.is_set()
+        and drv.me in plan.participants()
+        and plan.start_digest == drv.state.digest
+    )
+
+
+async def discard_early(drv: RoundDriver, ctx: RoundContext, plan: Optional[RoundPlan]) -> None:
+    """The plan followed is not the one the inner steps started on during the settle (a better-ranked
+    leader's plan appeared, or none is followed): stop those steps and load the global weights back."""
+    early, early_plan, abort = ctx.early, ctx.early_plan, ctx.early_abort
+    if early is None or early_plan is None or abort is None:  # set together by agree's on_provisional
+        raise RuntimeError(f"round {ctx.round}: no inner steps were started during the settle")
+    abort.set()
+    await asyncio.gather(early, return_exceptions=True)
+    ctx.early = None
+    await asyncio.to_thread(drv.state.reset_model)
+    events.emit(
+        log,
+        logging.INFO,
+        "early_steps_discarded",
+        "round %d: the plan of leader %s started on during the settle is not the one followed (%s); "
+        "its inner steps are discarded",
+        ctx.round,
+        early_plan.leader[:10],
+        f"leader {plan.leader[:10]}'s is" if plan is not None else "none is",
+        peer=drv.me,
+        round=ctx.round,
+        started_leader=early_plan.leader,
+        followed_leader=plan.leader if plan is not None else None,
+    )

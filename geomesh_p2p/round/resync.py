@@ -1,0 +1,247 @@
+"""Where this peer stands against the swarm: behind it (:func:`behind`), re-synced to its state
+(:func:`resync`, :func:`catch_up`: what a re-sync to another side of a partition discards, blame noted on an
+abandoned lineage), or left by it (:func:`swarm_ended`, :func:`left_alone`, :func:`check_end`,
+:func:`end_run`: the run ends without its goal). Functions of the
+:class:`~geomesh_p2p.round.driver.RoundDriver` (its ports: membership, state, policy)."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any, Optional, Sequence
+
+from geomesh_p2p.plan.agree import digest_majority
+from geomesh_p2p.schema.peer import PeerRecord
+from geomesh_p2p.sync.download import StateSyncError
+from geomesh_p2p.telemetry import events
+from geomesh_p2p.round.context import LineageEntry, Phase, SwarmEnded
+from geomesh_p2p.round.eager import drop_speculative
+from geomesh_p2p.round.exchange import drop_feedback
+
+if TYPE_CHECKING:
+    from geomesh_p2p.round.driver import RoundDriver
+
+# Round log lines keep the node's logger name: operators' filters and the tests' caplog select on it.
+log = logging.getLogger("geomesh_p2p.node.peer.round")
+
+#: Pause after a failed catch-up before the next: long enough for a donor to come back, short for a joiner.
+RESYNC_RETRY_PAUSE_S = 3.0
+
+#: Which side of a healed partition survives (docs/round.md, "Partitions"); said in the dropped side's line.
+SURVIVOR_RULE = (
+    "a peer adopts the state more than half of the vote backs (standing.choose_state: each other peer "
+    "weighs the rounds this peer saw it deliver among the last 32) once it is at a later round than its "
+    "own, or when a plan of the other side's leader plans it out; after a partition of under 16 rounds "
+    "the side at the later round survives (docs/round.md, Partitions)"
+)
+
+
+async def behind(drv: RoundDriver) -> bool:
+    """True when the swarm's vote backs a later round than this peer's. Peers that announced leaving
+    count: their last record says which round and state the swarm reached (a swarm whose peers all
+    finished their last round is ahead of a peer that was stalled, not gone)."""
+    sr = drv.policy.swarm_round(await drv.membership.peers(include_leaving=True))
+    drv._swarm_seen = max(drv._swarm_seen, sr or 0)
+    return sr is not None and sr > drv.state.round
+
+
+def swarm_ended(drv: RoundDriver, everyone: Sequence[PeerRecord]) -> Optional[SwarmEnded]:
+    """A :class:`SwarmEnded` when ``everyone`` (the run's records, leaving peers included) holds at least
+    one other peer and every other peer announced leaving; None while another peer is live.
+
+    ``synced``: the majority digest of the others' records at this peer's round is this peer's digest
+    (the swarm ended on the state this peer holds); ``swarm_round``: the latest round they announced."""
+    others = [x for x in everyone if x.peer_id != drv.me]
+    if not others or any(not x.leaving for x in others):
+        return None
+    r = drv.state.round
+    majority, _, _ = digest_majority(others, r)
+    swarm_round = max(x.round for x in others)
+    synced = majority is not None and majority == drv.state.digest and swarm_round <= r
+    state = (
+        f"the swarm's last state (round {r}, digest {(drv.state.digest or '')[:8]})"
+        if synced
+        else f"NOT the swarm's: this peer holds round {r}, digest {(drv.state.digest or '')[:8]}, the swarm "
+        f"ended at round {swarm_round}" + (f" with digest {majority[:8]}" if majority else "")
+    )
+    why = (
+        f"the swarm ended: every other peer ({len(others)}) announced leaving, the latest at round "
+        f"{swarm_round}; this peer's state is {state}"
+    )
+    return SwarmEnded(round=r, swarm_round=swarm_round, synced=synced, why=why, cause="others_left")
+
+
+def left_alone(drv: RoundDriver, everyone: Sequence[PeerRecord], waited_s: float) -> SwarmEnded:
+    """The :class:`SwarmEnded` of a peer that, after its first round, found no other live peer for a
+    whole ``wait_peers_s`` short of ``min_peers``. Never ``synced``: with the others' records gone nothing
+    shows where the swarm ended (it may have gone on after the last state it confirmed to this peer), so
+    the run is not claimed healthy; the line says whether the swarm confirmed this peer's state (a digest
+    check that agreed, or a catch-up adopted it)."""
+    r = drv.state.round
+    others = [x for x in everyone if x.peer_id != drv.me]
+    seen = max([drv._swarm_seen] + [x.round for x in others])
+    state = (
+        f"NOT the swarm's: the swarm was last seen at round {seen}"
+        if seen > r
+        else "NOT known to be the swarm's last: the swarm confirmed it, and where the swarm ended is unknown"
+        if drv._confirmed_round >= r
+        else "NOT the swarm's: the swarm never confirmed it (its last round had no agreeing digest check)"
+    )
+    why = (
+        f"no other peer of the run is live (waited {waited_s:.0f} s for --min-peers {drv.cfg.min_peers}); "
+        f"this peer's state (round {r}, digest {(drv.state.digest or '')[:8]}) is {state}"
+    )
+    return SwarmEnded(round=r, swarm_round=max(r, seen), synced=False, why=why, cause="alone")
+
+
+def end_run(drv: RoundDriver, ended: SwarmEnded, **facts: Any) -> None:
+    """Record that the run ends without reaching its goal because the swarm ended (one WARNING, the
+    ``swarm_ended`` event; ``facts``: more event fields of the call site)."""
+    drv.ended = ended
+    events.emit(
+        log,
+        logging.WARNING,
+        "swarm_ended",
+        "round %d: %s; ending without reaching %s",
+        ended.round,
+        ended.why,
+        f"--rounds {drv.cfg.rounds}" if drv.cfg.rounds is not None else "the target",
+        peer=drv.me,
+        round=ended.round,
+        swarm_round=ended.swarm_round,
+        synced=ended.synced,
+        cause=ended.cause,
+        **facts,
+    )
+
+
+async def check_end(drv: RoundDriver) -> None:
+    """After the last round: when the other peers' records at this peer's round back another digest
+    (this peer trained its last rounds on a state the swarm never had), the run did not end healthy:
+    :attr:`ended` says so (synced False) and one WARNING line. Others at a later round are no failure
+    (peers with a larger ``--rounds`` go on). One DHT read."""
+    everyone = await drv.membership.peers(include_leaving=True)
+    others = [x for x in everyone if x.peer_id != drv.me]
+    r = drv.state.round
+    majority, agree, total = digest_majority(others, r)
+    if majority is not None and majority != drv.state.digest:
+        later = max((x.round for x in others), default=r)
+        end_run(
+            drv,
+            SwarmEnded(
+                round=r,
+                swarm_round=max(later, r),
+                synced=False,
+                why=(
+                    f"this peer's last state (round {r}, digest {(drv.state.digest or '')[:8]}) is NOT the swarm's: "
+                    f"{agree} of {total} other peer(s) hold digest {majority[:8]}"
+                ),
+                cause="digest_differs",
+            ),
+            others=total,
+            majority_digest=majority,
+        )
+
+
+async def resync(drv: RoundDriver, why: str) -> None:
+    """Download the swarm's state; a failure is one warning and a pause (the donors may come back), or,
+    when every other peer announced leaving, the end of the run (:attr:`ended`, one WARNING)."""
+    drv.phase = Phase.RESYNC
+    await drop_speculative(drv, "re-sync")  # no eager start after a re-sync: the peer starts from θ
+    try:
+        await catch_up(drv)
+    except StateSyncError as e:
+        # Every donor gone for good (all of them announced leaving): retrying would never end.
+        ended = swarm_ended(drv, await drv.membership.peers(include_leaving=True))
+        if ended is not None:
+            end_run(drv, ended)
+            return
+        log.warning("catching up failed (%s; %s); retrying in a few seconds", e, why)
+        await drv.pause(RESYNC_RETRY_PAUSE_S)
+
+
+async def catch_up(drv: RoundDriver) -> None:
+    """``state.catch_up()``; when the state adopted is not of this peer's lineage (its side of a
+    partition lost the vote), one WARNING line says what is discarded (:func:`log_dropped`). Raises
+    what ``catch_up`` raises (StateSyncError)."""
+    before = (drv.state.round, drv.state.digest)
+    # The sides as announced before the download (a peer that trained with this one: its lineage);
+    # read only when there is a lineage to lose (a joiner's catch-up costs no extra DHT read).
+    recs = await drv.membership.peers(include_leaving=True) if drv.lineage else []
+    kept = len(drv.lineage)
+    mine = {e.digest for e in drv.lineage}
+    await drv.state.catch_up()
+    if drv.lineage and drv.state.digest != before[1]:
+        drv._log_dropped(before, recs)
+    if len(drv.lineage) < kept:  # rounds of this peer's lineage were discarded
+        await drop_feedback(drv)
+    if drv.state.digest != before[1] and drv.state.digest not in mine:
+        forget_blame(drv)
+    if drv.state.digest != before[1] and not drv.state.syncing:
+        drv._confirmed_round = drv.state.round  # adopted the swarm's state: its start is confirmed
+
+
+def forget_blame(drv: RoundDriver) -> None:
+    """After a re-sync to a state this peer did not make: penalties it noted in rounds the swarm never
+    confirmed to it (from :attr:`_confirmed_round` on) came from the lineage it abandoned (e.g. every part
+    failed while it was stalled) and are dropped (``policy.forget_marks_since``; one INFO line)."""
+    dropped = drv.policy.forget_marks_since(drv._confirmed_round)
+    if dropped:
+        log.info(
+            "re-synced to the swarm's state: %d penalty mark(s) this peer noted since round %d (a lineage "
+            "the swarm did not confirm) dropped: %s",
+            len(dropped),
+            drv._confirmed_round,
+            ", ".join(p[:10] for p in dropped),
+        )
+
+
+def log_dropped(drv: RoundDriver, before: tuple, recs: Sequence[PeerRecord]) -> None:
+    """After a re-sync from ``before`` (round, digest) to the state now held: when that state is not of
+    this peer's lineage, log one WARNING with the rounds trained since the fork, the peers of this
+    side, the tokens discarded and :data:`SURVIVOR_RULE`, and forget those rounds.
+
+    The fork is found from the records read before the download: peers announcing a digest that is
+    not in this peer's lineage are the other side; the rounds discarded are the newest rounds of the
+    lineage that none of them took part in (a round with a peer of the other side was before the
+    split)."""
+    mine = {e.digest for e in drv.lineage} | {before[1]}
+    if drv.state.digest in mine:
+        return  # a state this peer made itself: nothing of its lineage is lost
+    others = {r.peer_id for r in recs if r.peer_id != drv.me and r.weights_digest and r.weights_digest not in mine}
+    dropped: list[LineageEntry] = []
+    for e in reversed(drv.lineage):
+        if e.participants & others:
+            break
+        dropped.append(e)
+    if not others or not dropped:
+        return  # no round of this peer's is known to be discarded (nobody of another side in view)
+    dropped.reverse()
+    side = sorted(set().union(*(e.participants for e in dropped)))
+    tokens, own = sum(e.tokens for e in dropped), sum(e.own_tokens for e in dropped)
+    span = f"round {dropped[0].round}" if len(dropped) == 1 else f"rounds {dropped[0].round}-{dropped[-1].round}"
+    events.emit(
+        log,
+        logging.WARNING,
+        "partition_lost",
+        "re-synced to the state of round %d (digest %s), not of this peer's lineage: its side of a "
+        "partition lost; discarded %d round(s) trained since the fork (%s) by %d peer(s) of this side "
+        "(%s), %d tokens (%d of them this peer's). Rule: %s",
+        drv.state.round,
+        (drv.state.digest or "")[:8],
+        len(dropped),
+        span,
+        len(side),
+        ", ".join(p[:10] for p in side),
+        tokens,
+        own,
+        SURVIVOR_RULE,
+        peer=drv.me,
+        round=drv.state.round,
+        digest=drv.state.digest,
+        discarded_rounds=[e.round for e in dropped],
+        side=side,
+        tokens=tokens,
+        own_tokens=own,
+    )
+    for _ in dropped:
+        drv.lineage.pop()

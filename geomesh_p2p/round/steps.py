@@ -1,0 +1,98 @@
+"""This peer's inner steps of a plan (in a worker thread: the trainer port), a non-finite loss turned into a
+zero contribution, and the live progress line. Used by the TRAIN phase, by the steps started during the
+plan's settle and by eager updates' speculative steps."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+import threading
+import time
+from typing import TYPE_CHECKING, Callable, Optional, cast
+
+import torch
+
+from geomesh_p2p.plan.schema import RoundPlan
+from geomesh_p2p.telemetry import events
+from geomesh_p2p.round.context import RoundContext, no_work
+from geomesh_p2p.round.ports import EagerStatePort
+
+if TYPE_CHECKING:
+    from geomesh_p2p.model.training import InnerResult
+    from geomesh_p2p.round.driver import RoundDriver
+
+# Round log lines keep the node's logger name: operators' filters and the tests' caplog select on it.
+log = logging.getLogger("geomesh_p2p.node.peer.round")
+
+
+async def inner_steps(
+    drv: RoundDriver, ctx: RoundContext, plan: RoundPlan, abort: Optional[threading.Event] = None
+) -> tuple[Optional[torch.Tensor], InnerResult]:
+    """This peer's inner steps of ``plan`` in a worker thread, until the plan's train deadline, a stop
+    request or ``abort``; ddp: one batch's gradient. Returns ``(grad or None, InnerResult)``; a
+    non-finite loss gives ``(None, no_work(...))`` and the model back at the global weights."""
+    r = ctx.round
+    a = plan.assignment(drv.me)
+    should_stop = drv.stop.is_set if abort is None else (lambda: drv.stop.is_set() or abort.is_set())
+    t_train = time.perf_counter()
+    try:
+        if drv.cfg.exchanges_gradient:
+            return await asyncio.to_thread(
+                lambda: drv.trainer.gradient(round=r, batch_size=a.batch_size, micro_batch=a.micro_batch)
+            )
+        return None, await asyncio.to_thread(
+            lambda: drv.trainer.run(
+                round=r,
+                inner_steps=a.inner_steps,
+                batch_size=a.batch_size,
+                micro_batch=a.micro_batch,
+                deadline=plan.train_deadline,
+                should_stop=should_stop,
+                progress=progress_printer(r, a.inner_steps),
+            )
+        )
+    except FloatingPointError as e:
+        # The global weights give a non-finite loss (e.g. a hostile update blew them up): this peer has
+        # nothing sound to contribute this round, but it keeps serving and following the swarm.
+        say_loss_not_finite(drv, r, e)
+        await reset_to_start(drv, ctx)
+        return None, no_work(time.perf_counter() - t_train)
+
+
+def say_loss_not_finite(drv: RoundDriver, r: int, e: FloatingPointError) -> None:
+    """The one WARNING of inner steps stopped by a non-finite loss (event ``contributing_nothing``)."""
+    events.emit(
+        log,
+        logging.WARNING,
+        "contributing_nothing",
+        "round %d: %s; contributing nothing this round",
+        r,
+        e,
+        peer=drv.me,
+        round=r,
+        reason="loss_not_finite",
+        detail=str(e),
+    )
+
+
+async def reset_to_start(drv: RoundDriver, ctx: RoundContext) -> None:
+    """The model back at this round's start weights: its own eager start (``ctx.start``) or the global ones."""
+    if ctx.start is not None:
+        await asyncio.to_thread(cast(EagerStatePort, drv.state).load_model, ctx.start)
+    else:
+        await asyncio.to_thread(drv.state.reset_model)
+
+
+def progress_printer(r: int, planned: int) -> Optional[Callable[[int, float, float], None]]:
+    """A live progress line for the inner steps, on a terminal only (logs stay clean)."""
+    if not sys.stdout.isatty():
+        return None
+
+    def show(step: int, loss: float, tokens_per_s: float) -> None:
+        sys.stdout.write(
+            f"\r  round {r}: inner step {step}/{planned}  loss {loss:.3f}  {tokens_per_s:,.0f} tokens/s\x1b[K"
+        )
+        sys.stdout.flush()
+
+    return show
