@@ -60,6 +60,7 @@ from geomesh_p2p.plan.bounds import BUDGET_MEDIAN_FACTOR, EVIDENCE_GROWTH, bound
 from geomesh_p2p.plan.cost import PeerModel, best_micro_batch, inner_steps, interpolate_tokens_per_s, step_and_comm
 from geomesh_p2p.plan.schema import PlanConfig, RoundPlan
 from geomesh_p2p.schema.peer import PeerRecord
+from geomesh_p2p.trust.probation import PROBATION_BUDGET_FACTOR
 
 _MAX_BREAKPOINTS_PER_PEER = 1000
 
@@ -255,8 +256,6 @@ def _cap_probation(
     lower-median budget of the established peers, never below ``min_inner_steps``."""
     if not probation:
         return H
-    from geomesh_p2p.trust.probation import PROBATION_BUDGET_FACTOR
-
     step_tokens = [m.batch * cfg.seq_len for m in models]
     est = [int(h) * t for m, h, t in zip(models, H.tolist(), step_tokens) if m.peer_id not in probation]
     if not est:

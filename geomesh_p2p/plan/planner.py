@@ -20,6 +20,7 @@ from typing import Collection, Mapping, NamedTuple, Optional, Sequence
 
 import numpy as np
 
+from geomesh_p2p.trust.probation import PROBATION_BUDGET_FACTOR, probation_slots
 from geomesh_p2p.config import method as _method
 from geomesh_p2p.plan.awb import choose_window, plan_round
 from geomesh_p2p.plan.bounds import (
@@ -330,8 +331,6 @@ def check_plan(
 
 def _probation_problem(plan: RoundPlan, cfg: PlanConfig) -> Optional[str]:
     """Count, ownership and budgets of the participants ``plan`` marks as on probation (see check_plan)."""
-    from geomesh_p2p.trust.probation import PROBATION_BUDGET_FACTOR, probation_slots
-
     marked = [a for a in plan.assignments if a.probation]
     if not marked:
         return None

@@ -14,13 +14,14 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 
 from geomesh_p2p.config.models import NodeConfig
+from geomesh_p2p.model.training import InnerResult
 from geomesh_p2p.plan.schema import PeerAssignment, RoundPlan
 from geomesh_p2p.schema.peer import PeerRecord
 
-if TYPE_CHECKING:  # the real types; training imports transformers, the exchange grpc: not loaded at run time here
+if TYPE_CHECKING:  # the real types; the exchange loads grpc: not loaded at run time here
     from geomesh_p2p.exchange.client import AllReduceResult
     from geomesh_p2p.exchange.partition import CollectiveSpec
-    from geomesh_p2p.model.training import InnerResult, StepTarget
+    from geomesh_p2p.model.training import StepTarget
 
 __all__ = ["Phase", "SwarmEnded", "DriverConfig", "no_work", "RoundContext", "LineageEntry", "Speculative"]
 
@@ -112,8 +113,6 @@ class DriverConfig:
 def no_work(compute_s: float) -> InnerResult:
     """The InnerResult of a round in which this peer trained nothing usable (0 tokens: the collective
     gives its contribution no weight)."""
-    from geomesh_p2p.model.training import InnerResult  # training imports transformers: load it only when needed
-
     return InnerResult(
         steps_done=0,
         tokens=0,

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Optional, cast
 import torch
 
 from geomesh_p2p.telemetry import events
+from geomesh_p2p.model.training import StepTarget
 from geomesh_p2p.round.context import RoundContext, Speculative, no_work
 from geomesh_p2p.round.ports import EagerStatePort
 from geomesh_p2p.round.steps import inner_steps, say_loss_not_finite
@@ -45,8 +46,6 @@ async def start_speculative(drv: RoundDriver, ctx: RoundContext, own: torch.Tens
     with drv.timed("pseudo_gradient"):
         start = await asyncio.to_thread(state.eager_start, own, weight)
         await asyncio.to_thread(state.load_model, start)
-    from geomesh_p2p.model.training import StepTarget  # training imports transformers: load it only when needed
-
     spec = Speculative(
         round=r + 1,
         start=start,
