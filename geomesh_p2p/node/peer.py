@@ -26,10 +26,9 @@ import json
 import logging
 import os
 import tempfile
-import random
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 
@@ -55,7 +54,7 @@ from geomesh_p2p.dht.progress import swarm_progress
 from geomesh_p2p.util.errors import UserFacingError
 from geomesh_p2p.exchange.codec.feedback import PushFeedback
 from geomesh_p2p.net.identity import Identity, IdentityError, allow_list
-from geomesh_p2p.net.links import LinkProbeService, probe_link
+from geomesh_p2p.net.links import LinkProbeService
 from geomesh_p2p.telemetry.looplag import LoopLagMonitor
 from geomesh_p2p.telemetry.metrics import RoundLog, RoundRecord, json_safe
 from geomesh_p2p.model.optim import OuterNesterov, SyncAdamW, eager_start
@@ -65,9 +64,12 @@ from geomesh_p2p.telemetry import events
 from geomesh_p2p.net.swarm_time import swarm_time
 from geomesh_p2p.util.backoff import Backoff
 from geomesh_p2p.round import DhtPlanAgreement, DriverConfig, PlanStore, RoundDriver
+from geomesh_p2p.node.checkpoints import Checkpointer
+from geomesh_p2p.node.links import LinkProber
 from geomesh_p2p.round.policy import OWNER_PENALTY_ROUNDS, NodeRoundPolicy
-from geomesh_p2p.trust.standing import OnceLog, Standing
-from geomesh_p2p.sync import progress as sync_progress
+from geomesh_p2p.round.rules import OuterStepRule, Penalties, PlanRules, Reprofiler, RoundState, StateSync, VerifiedWork
+from geomesh_p2p.trust import verify
+from geomesh_p2p.trust.standing import Standing
 from geomesh_p2p.model import state as gstate  # module-qualified: tests replace gstate.save_checkpoint
 from geomesh_p2p.sync.transfer import StateServer
 from geomesh_p2p.model.training import (
@@ -136,14 +138,6 @@ EXIT_NOT_SYNCED = 3
 #: A leaving peer serves its last round's parts to peers still pulling them, and lets the results it handed
 #: out finish on the wire, until that round's exchange deadline and at most this long (seconds).
 MAX_LINGER_S = 120.0
-#: A planned-out peer re-probes its link at most this often (seconds), and gives a probe this long.
-REPROBE_MIN_INTERVAL_S = 20.0
-REPROBE_TIMEOUT_S = 10.0
-
-
-def _mbit(bps: Optional[float]) -> str:
-    """``bps`` (bytes/s) as Mbit/s text, or "unknown"."""
-    return "unknown" if bps is None else f"{bps * 8e-6:.1f}"
 
 
 class StoppedBeforeJoining(Exception):
@@ -170,11 +164,12 @@ def check_writable_dir(path: str, flag: str) -> Path:
     return d
 
 
-class PeerNode(NodeRoundPolicy):
+class PeerNode:
     """One volunteer node. ``await node.run()`` trains until ``rounds`` / ``target_ppl`` / stop().
 
     Composition and lifecycle only: the rounds are run by a :class:`~geomesh_p2p.round.RoundDriver`, the
-    round rules come from :class:`~geomesh_p2p.round.policy.NodeRoundPolicy`."""
+    round rules are the objects of :mod:`geomesh_p2p.round.rules` over this node's :class:`RoundState`
+    (``self.rs``), composed into the driver's policy by :class:`~geomesh_p2p.round.policy.NodeRoundPolicy`."""
 
     def __init__(self, run: RunConfig, cfg: NodeConfig, identity: Optional[Identity] = None):
         self.run_cfg = run
@@ -182,27 +177,157 @@ class PeerNode(NodeRoundPolicy):
         self.identity = identity or Identity.load_or_create(cfg.identity)
         self.me = str(self.identity.peer_id)
         self.config_hash = run.config_hash()
-        self.round = 0
-        self.digest: Optional[str] = None
+        self.rs = RoundState(me=self.me)  # round, digest, P, standing, history: shared with the round rules
         self.theta: Optional[torch.Tensor] = None
         self.outer: Optional[OuterNesterov | SyncAdamW] = None
         self._stop = asyncio.Event()
-        self.history: list[RoundRecord] = []
         self.initial_ppl: Optional[float] = None
         self.time_to_target: Optional[float] = None
         self._t_start = time.time()
         self.transport: Optional[Transport] = None
-        self.ema: Optional[ThroughputEMA] = (
-            None  # capability.ThroughputEMA: tokens/s per micro-batch and link bytes/s, re-profiled
-        )
         self.max_batch = 1
-        self.probe_result = None  # links.ProbeResult of the start-up probe, if one was made
-        self._measured: set[str] = set()  # quantities measured in a round at least once ("tps", "up", "down")
-        self._syncing = False
         self._leaving = False  # announced once this peer is on its way out (Ctrl+C / SIGTERM)
-        self._owner_penalty: dict[str, int] = {}  # peer id -> last round it owns no part (OWNER_PENALTY_ROUNDS)
-        self._noshow_penalty: dict[str, int] = {}  # peer id -> last round it is not planned (probation.py, no-shows)
+        self.round_log: Optional[RoundLog] = None  # made by start(); None once shut down
         self._init_admission()
+        self._init_rules()
+
+    def _init_rules(self) -> None:
+        """The round rules (:mod:`geomesh_p2p.round.rules`) over ``self.rs``, with what each reads of this node
+        passed explicitly (getters for what ``start`` builds later), and the driver's policy composing them."""
+        self.penalties = Penalties(self.rs)  # owner and no-show penalties (peer id -> last round)
+        self.profile = Reprofiler(self.cfg, self.rs)  # tokens/s and link EMAs, exchange cost (re-profiled)
+        self.planning = PlanRules(self.run_cfg, self.cfg, self.rs, self.penalties, self.profile)
+        self.verified = VerifiedWork(
+            self.rs,
+            lambda: verify.WorkVerifier.for_node(self),  # a private copy of the model, on first use
+            theta=self._global_theta,
+            collective=lambda: self.collective,
+            row_time=lambda: getattr(self.trainer, "_row_time_ema", None),
+        )
+        self.resync = StateSync(
+            self.run_cfg,
+            self.rs,
+            self._stop,
+            # late-bound: the node's own methods at call time
+            peers=lambda include_leaving=False: self.peers(include_leaving=include_leaving),
+            announce=lambda: self.announce(),
+            record_changed=lambda: self.announcer.update(self.my_record),
+            set_state=lambda rnd, theta, momentum: self._set_state(rnd, theta, momentum),
+            transport=lambda: self.transport,
+            plans=lambda: getattr(self, "plans", None),  # the run's signed plans: made by start()
+            gstate=lambda: getattr(self, "gstate", None),  # built by start()
+            outer=lambda: self.outer,
+            address=lambda: self.record_address,
+        )
+        self.links = LinkProber(self.cfg, transport=lambda: self.transport, ema=lambda: self.profile.ema)
+        self.checkpoints = Checkpointer(
+            self.run_cfg,
+            self.cfg,
+            self.rs,
+            self.config_hash,
+            theta=lambda: self.theta,
+            outer=lambda: self.outer,
+            gstate=lambda: getattr(self, "gstate", None),  # built by start()
+            feedback=lambda: getattr(self, "feedback", None),  # --error-feedback's residual (start)
+        )
+        self.outer_rule = OuterStepRule(self.rs, theta=lambda: self.theta, outer=lambda: self.outer)
+        self.policy = NodeRoundPolicy(
+            self.planning,
+            verified=self.verified,
+            sync=self.resync,
+            publish=self._publish_record,
+            max_message_bytes=lambda: self._started_transport().config.max_message_bytes,
+        )
+
+    # The round state lives in self.rs (shared with the rules); the node's attributes read and write it.
+    @property
+    def round(self) -> int:
+        return self.rs.round
+
+    @round.setter
+    def round(self, value: int) -> None:
+        self.rs.round = value
+
+    @property
+    def digest(self) -> Optional[str]:
+        return self.rs.digest
+
+    @digest.setter
+    def digest(self, value: Optional[str]) -> None:
+        self.rs.digest = value
+
+    @property
+    def numel(self) -> int:
+        """P, the model's parameters (0 until ``start`` built the model)."""
+        return self.rs.numel
+
+    @numel.setter
+    def numel(self, value: int) -> None:
+        self.rs.numel = value
+
+    @property
+    def state_numel(self) -> int:
+        """Elements of the outer optimizer's state (k x P)."""
+        return self.rs.state_numel
+
+    @state_numel.setter
+    def state_numel(self, value: int) -> None:
+        self.rs.state_numel = value
+
+    @property
+    def standing(self) -> Standing:
+        """The standing ledger (rounds seen delivered; replaced by ``--resume``)."""
+        return self.rs.standing
+
+    @standing.setter
+    def standing(self, value: Standing) -> None:
+        self.rs.standing = value
+
+    @property
+    def history(self) -> list[RoundRecord]:
+        """The rows of the rounds this peer trained."""
+        return self.rs.history
+
+    @property
+    def ema(self) -> Optional[ThroughputEMA]:
+        """Tokens/s per micro-batch and link bytes/s, re-profiled each round (None before the profile)."""
+        return self.profile.ema
+
+    @ema.setter
+    def ema(self, value: Optional[ThroughputEMA]) -> None:
+        self.profile.ema = value
+
+    @property
+    def codec_s_per_element(self) -> Optional[float]:
+        """The exchange's CPU seconds per element pass (calibrated at start, refined by each exchange)."""
+        return self.profile.codec_s_per_element
+
+    @codec_s_per_element.setter
+    def codec_s_per_element(self, value: Optional[float]) -> None:
+        self.profile.codec_s_per_element = value
+
+    @property
+    def method_rule(self):
+        """What the run's method means for a round (:class:`~geomesh_p2p.config.method.MethodRule`)."""
+        return self.planning.method_rule
+
+    def _global_theta(self) -> torch.Tensor:
+        """The global weights ``self.theta``: [P] fp32 CPU.
+
+        Raises:
+            RuntimeError: the global state does not exist yet (called before the node built it in ``start``).
+        """
+        if self.theta is None:
+            raise RuntimeError("the global weights do not exist yet (the node has not built its training state)")
+        return self.theta
+
+    def _publish_record(self, rec: RoundRecord) -> None:
+        """The round's row to the log, Prometheus and the status page. Raises RuntimeError after shutdown
+        (the round log is closed)."""
+        if self.round_log is None:
+            raise RuntimeError(f"round {rec.round}: the round log is closed (the node is shut down)")
+        self.round_log.add(rec)
+        swarm_status.publish_round_summary(self, rec)  # the bootstrap's status page (issue 16)
 
     def _started_transport(self) -> Transport:
         """``self.transport``, the node's gRPC transport.
@@ -217,7 +342,6 @@ class PeerNode(NodeRoundPolicy):
     def _init_admission(self) -> None:
         """Standing ledger, proof-of-work state and the record filter (issue 12); allow-list when private."""
 
-        self.standing = Standing()
         self.pow_nonce: Optional[int] = None
         # The nonce is cached next to the key file, only when that file holds this identity's key.
         self._pow_cache = None
@@ -231,7 +355,6 @@ class PeerNode(NodeRoundPolicy):
             allow_list(self.cfg.allow_peers, also=[self.identity.peer_id]) if self.cfg.allow_peers is not None else None
         )
         self.admission = Admission(self.run_cfg.run_id, self.run_cfg.pow_bits, self._allow)
-        self._vote_log = OnceLog()
 
     async def _prove_work(self) -> None:
         """This identity's proof of work for the run: cached next to the key file, else computed (seconds)."""
@@ -325,7 +448,7 @@ class PeerNode(NodeRoundPolicy):
         # Refuse an incompatible run config now, before spending half a minute on data and profiling.
         await self._check_swarm(self._placeholder_record())
         await self._check_identity_unique()
-        probed = await self._probe_links()
+        probed = await self.links.probe()
 
         self.announcer = PeerAnnouncer(
             self.dht, self.my_record, period_s=c.announce_period_s, ttl_s=4 * c.announce_period_s
@@ -479,87 +602,10 @@ class PeerNode(NodeRoundPolicy):
             PushFeedback(self.numel, r.block_size) if r.error_feedback and rule.push_encoding == "sign" else None
         )
 
-    async def _probe_links(self):
-        """Measure this peer's link against the first bootstrap that answers (links.probe_link);
-        None when both directions are stated by flags or no bootstrap answers the probe."""
-
-        c = self.cfg
-        if c.upload_bps and c.download_bps:
-            return None
-        for b in c.bootstrap:
-            try:
-                res = await probe_link(self.transport, b, nbytes=c.probe_bytes, repeats=2, timeout_s=30.0)
-            except Exception as e:  # an old or busy bootstrap: the first rounds will measure instead
-                log.info("link probe of %s failed (%s); bandwidth will be measured in the first round", b, e)
-                continue
-            log.info(
-                "link to %s: upload %.1f Mbit/s, download %.1f Mbit/s, RTT %.1f ms (probe, up to %d KiB)",
-                b,
-                res.upload_bps * 8e-6,
-                res.download_bps * 8e-6,
-                res.rtt_s * 1e3,
-                res.nbytes >> 10,
-            )
-            self.probe_result = res
-            self._reprobed_at = time.monotonic()  # a newcomer planned out at once does not probe twice
-            return res
-        return None
-
     async def remeasure_links(self) -> None:
-        """Round driver port (:meth:`~geomesh_p2p.round.ports.Membership.remeasure_links`): a planned-out
-        peer probes its link again against a bootstrap (:func:`~geomesh_p2p.net.links.probe_link`, as at
-        start-up: ``--probe-bytes`` each way, one repeat; bootstraps in random order, so peers planned out
-        together do not all queue at the first), so its next record is not the pessimistic figure of the
-        exchange that got it planned out. Each direction becomes the larger of the old figure and the
-        probe's: a probe slowed by a busy bootstrap (its queue counts as transfer time) never lowers it.
-        The whole re-probe is bounded by :data:`REPROBE_TIMEOUT_S` (then the old figures stay). At most once
-        per :data:`REPROBE_MIN_INTERVAL_S` (the start-up probe counts); nothing when both directions are
-        stated by flags."""
-        c = self.cfg
-        now = time.monotonic()
-        if (c.upload_bps and c.download_bps) or self.ema is None or self.transport is None:
-            return
-        if now - getattr(self, "_reprobed_at", -1e18) < REPROBE_MIN_INTERVAL_S:
-            return
-        self._reprobed_at = now
-        try:
-            await asyncio.wait_for(self._reprobe(), REPROBE_TIMEOUT_S)
-        except asyncio.TimeoutError:
-            log.debug("link re-probe gave no answer within %.0f s; the link figures stay", REPROBE_TIMEOUT_S)
-
-    async def _reprobe(self) -> None:
-        """The probes of :meth:`remeasure_links`: the first bootstrap that answers (random order)."""
-        c, ema, transport = self.cfg, self.ema, self.transport
-        assert ema is not None and transport is not None  # checked by remeasure_links
-        for b in random.sample(list(c.bootstrap), len(c.bootstrap)):
-            try:
-                res = await probe_link(transport, b, nbytes=c.probe_bytes, repeats=1, timeout_s=REPROBE_TIMEOUT_S)
-            except Exception as e:  # a busy bootstrap: try the next
-                log.debug("link re-probe of %s failed: %s", b, e)
-                continue
-            old = (ema.upload_bps, ema.download_bps)
-            for direction, was, bps, stated in (
-                ("up", old[0], res.upload_bps, c.upload_bps),
-                ("down", old[1], res.download_bps, c.download_bps),
-            ):
-                if not stated:
-                    ema.update_link(max(1, int(max(bps, was or 0.0))), 1.0, direction, alpha=1.0)
-            events.emit(
-                log,
-                logging.INFO,
-                "link_reprobed",
-                "planned out: link re-measured against %s: upload %.1f, download %.1f Mbit/s (was %s, %s)",
-                b,
-                res.upload_bps * 8e-6,
-                res.download_bps * 8e-6,
-                _mbit(old[0]),
-                _mbit(old[1]),
-                upload_bps=ema.upload_bps,
-                download_bps=ema.download_bps,
-                was_upload_bps=old[0],
-                was_download_bps=old[1],
-            )
-            return
+        """Round driver port (:meth:`~geomesh_p2p.round.ports.Membership.remeasure_links`): a planned-out peer
+        probes its link again (:meth:`~geomesh_p2p.node.links.LinkProber.remeasure`)."""
+        await self.links.remeasure()
 
     def _init_ema(self, probed) -> None:
 
@@ -577,7 +623,7 @@ class PeerNode(NodeRoundPolicy):
         return dht.advertised_address if dht is not None else self._started_transport().address
 
     def my_record(self) -> PeerRecord:
-        c, ema = self.cfg, self._throughput_ema()
+        c, ema = self.cfg, self.profile.throughput_ema()
         max_batch = max(1, self.max_batch)
         return PeerRecord(
             peer_id=self.me,
@@ -593,11 +639,11 @@ class PeerNode(NodeRoundPolicy):
             run_config_hash=self.config_hash,
             run_config=self.run_cfg.model_dump(),
             round=self.round,
-            weights_digest=None if self._syncing else self.digest,
+            weights_digest=None if self.resync.syncing else self.digest,
             leaving=self._leaving,
             pow_nonce=self.pow_nonce,
             standing=self.standing.attestations(exclude=self.me, own=True),
-            sync_progress=sync_progress.announced(self),  # while syncing (issue 14 #3)
+            sync_progress=self.resync.progress(),  # while syncing (issue 14 #3)
             timestamp=swarm_time(),
         )  # read by other machines (status page: last seen)
 
@@ -738,7 +784,7 @@ class PeerNode(NodeRoundPolicy):
         )
         recs = [r for r in await self.peers() if r.peer_id != self.me]
         if any(r.round > 0 and r.weights_digest for r in recs):
-            await self._catch_up()
+            await self.resync.catch_up()
         elif not recs:
             await self._on_empty_swarm()
 
@@ -904,105 +950,8 @@ class PeerNode(NodeRoundPolicy):
                 peers=sorted(r.peer_id for r in recs),
             )
             if any(r.round > 0 and r.weights_digest for r in recs):
-                await self._catch_up()
+                await self.resync.catch_up()
             return
-
-    async def _checkpoint_or_warn(self, final: bool = False) -> Optional[Path]:
-        """Write a checkpoint in a worker thread; a failure (disk full, directory gone read-only, ...) is one
-        WARNING line: the previous checkpoint stays valid (writes are atomic), training goes on and the next
-        checkpoint retries. Awaited before the next round starts, so the state does not change while it is written.
-        ``final``: the checkpoint at shutdown (a failure says this peer's last rounds are not on disk)."""
-        try:
-            return await asyncio.to_thread(self.checkpoint)
-        except Exception as e:  # never end a training peer over its checkpoint
-            fields: dict[str, Any] = dict(round=self.round, final=final, error=type(e).__name__, detail=str(e))
-            if final:
-                events.emit(
-                    log,
-                    logging.WARNING,
-                    "checkpoint_failed",
-                    "round %d: the final checkpoint failed (%s: %s); "
-                    "the latest one already in %s stays valid (a --resume starts from it, not from round %d)",
-                    self.round,
-                    type(e).__name__,
-                    e,
-                    self.cfg.checkpoint_dir,
-                    self.round,
-                    **fields,
-                )
-            else:
-                events.emit(
-                    log,
-                    logging.WARNING,
-                    "checkpoint_failed",
-                    "round %d: checkpoint failed (%s: %s); the previous one stays valid, retrying at the next",
-                    self.round,
-                    type(e).__name__,
-                    e,
-                    **fields,
-                )
-            return None
-
-    def _held_state(self) -> tuple[int, Optional[str]]:
-        """(round, digest) of the global state this peer holds (``gstate``): ``self.round`` runs ahead of it
-        while the peer syncs (planned out, catching up: it already names the round it is going to)."""
-        gs = getattr(self, "gstate", None)
-        if gs is not None and gs.digest is not None:
-            return int(gs.round), gs.digest
-        return self.round, self.digest
-
-    async def _final_checkpoint(self) -> Optional[Path]:
-        """The checkpoint at shutdown, of the state this peer holds and labelled with that state's round
-        (:meth:`_held_state`), whatever its round counter says: a peer stopped while planned out or
-        catching up holds round r's weights with its counter at r + 1 (review F2: written as r + 1, a
-        ``--resume`` would have started a fork). A state the swarm later moved past is still a true
-        checkpoint of its round: a ``--resume`` catches up from it. None when nothing is written."""
-        if self.outer is None or not self.cfg.checkpoint_dir or getattr(self, "_skip_checkpoint", False):
-            return None
-        held, _ = self._held_state()
-        if held != self.round:
-            events.emit(
-                log,
-                logging.INFO,
-                "checkpoint_of_held_round",
-                "round %d: this peer was syncing; its final checkpoint is of round %d, the state it holds",
-                self.round,
-                held,
-                round=self.round,
-                held_round=held,
-            )
-        path = await self._checkpoint_or_warn(final=True)
-        if path:
-            log.info("checkpoint written: %s (round %d)", path, held)
-        return path
-
-    def checkpoint(self) -> Optional[Path]:
-
-        # No global state taken yet (no digest: _initial_state has not set one): nothing to save. A refused
-        # --resume (another run config) wrote the empty state buffer as a round-0 checkpoint into that
-        # run's --checkpoint-dir at shutdown before this check.
-        if not self.cfg.checkpoint_dir or self.theta is None or self.outer is None or self.digest is None:
-            return None
-        held, digest = self._held_state()  # the weights' own round, not the counter of a peer syncing
-        if digest is None:
-            return None
-        path = gstate.save_checkpoint(
-            self.cfg.checkpoint_dir,
-            round=held,
-            theta=self.theta,
-            momentum=self.outer.buf,
-            keep=self.cfg.checkpoint_keep,
-            meta={
-                "run_config_hash": self.config_hash,
-                "peer_id": self.me,
-                "run_config": self.run_cfg.model_dump(),
-                "standing": self.standing.to_meta(),
-            },
-        )
-        fb: Optional[PushFeedback] = getattr(self, "feedback", None)
-        if fb is not None:  # next to the checkpoint, tagged with its state
-            fb.save(self.cfg.checkpoint_dir, state_round=held, digest=digest)
-        return path
 
     async def run(self) -> int:
         """Train until done; returns a process exit code (0 on success or clean stop)."""
@@ -1012,7 +961,7 @@ class PeerNode(NodeRoundPolicy):
                 await self._initial_state()
             except StoppedBeforeJoining as e:
                 log.info("stop requested before this peer joined the swarm: leaving (%s)", e)
-                self._skip_checkpoint = True  # it holds no state of the run: a checkpoint would be the seed's
+                self.checkpoints.skip = True  # it holds no state of the run: a checkpoint would be the seed's
                 return 0
             if self._stop.is_set():  # Ctrl+C during start-up: no initial evaluation (seconds at real size)
                 log.info("stop requested during start-up: leaving before the first round")
@@ -1082,7 +1031,7 @@ class PeerNode(NodeRoundPolicy):
             trainer=self.trainer,
             collective=self.collective,
             state=self,
-            policy=self,
+            policy=self.policy,
             cfg=cfg,
             stop=self._stop,
             history=self.history,
@@ -1104,11 +1053,11 @@ class PeerNode(NodeRoundPolicy):
     @property
     def syncing(self) -> bool:
         """True while this peer downloads the swarm's state (its record then carries no digest)."""
-        return self._syncing
+        return self.resync.syncing
 
     @syncing.setter
     def syncing(self, value: bool) -> None:
-        self._syncing = value
+        self.resync.syncing = value
 
     async def _one_round(self, members: list[PeerRecord]) -> set[str]:
         """Run round ``self.round`` (:meth:`RoundDriver.one_round`); returns the participants expected next."""
@@ -1125,12 +1074,12 @@ class PeerNode(NodeRoundPolicy):
         return self.gstate.lock
 
     def outer_step(self, r: int, plan, aggregate: torch.Tensor, idle=()) -> None:
-        """Round ``r``'s outer step in place, per part (:meth:`_outer_step`), under the state's lock (worker thread).
+        """Round ``r``'s outer step in place, per part (:meth:`OuterStepRule.apply`), under the state's lock (worker thread).
         Before it (issue 14 #3): the state server keeps a copy of round ``r`` while a download of it is in
         progress, and the update is recorded for peers that fell behind (:class:`~geomesh_p2p.sync.transfer.UpdateLog`)."""
         lock = getattr(getattr(self, "gstate", None), "lock", None)
         if lock is None:
-            return self._outer_step(r, plan, aggregate, idle)
+            return self.outer_rule.apply(r, plan, aggregate, idle)
         with lock:
             server = getattr(self, "state_server", None)
             if server is not None and getattr(server, "state", None) is self.gstate:
@@ -1142,7 +1091,7 @@ class PeerNode(NodeRoundPolicy):
                     idle,
                     aggregate,
                 )
-            return self._outer_step(r, plan, aggregate, idle)
+            return self.outer_rule.apply(r, plan, aggregate, idle)
 
     def reset_model(self) -> None:
         """The model back at the global weights (worker thread)."""
@@ -1186,10 +1135,10 @@ class PeerNode(NodeRoundPolicy):
         return self._global_theta()
 
     async def catch_up(self) -> None:
-        await self._catch_up()
+        await self.resync.catch_up()
 
     async def checkpoint_or_warn(self):
-        return await self._checkpoint_or_warn()
+        return await self.checkpoints.checkpoint_or_warn()
 
     def _log_done(self) -> None:
         """One closing line: why the node stops, rounds trained here, the last perplexity."""
@@ -1250,7 +1199,7 @@ class PeerNode(NodeRoundPolicy):
                 await self.announce()
         except Exception as e:  # the DHT may be gone already; the record expires on its own
             log.warning("could not announce that this peer leaves: %s", e)
-        await self._final_checkpoint()
+        await self.checkpoints.final_checkpoint()
         if self.cfg.summary_json:
             self.write_summary(self.cfg.summary_json)
         grace = await self._serve_last_parts()
@@ -1339,12 +1288,12 @@ class PeerNode(NodeRoundPolicy):
                 "download_bps": self.cfg.download_bps or (self.ema.download_bps if self.ema else None),
                 "stated": {"upload": self.cfg.upload_bps is not None, "download": self.cfg.download_bps is not None},
                 "probe": None
-                if self.probe_result is None
+                if self.links.probe_result is None
                 else {
-                    "address": self.probe_result.address,
-                    "rtt_s": self.probe_result.rtt_s,
-                    "upload_bps": self.probe_result.upload_bps,
-                    "download_bps": self.probe_result.download_bps,
+                    "address": self.links.probe_result.address,
+                    "rtt_s": self.links.probe_result.rtt_s,
+                    "upload_bps": self.links.probe_result.upload_bps,
+                    "download_bps": self.links.probe_result.download_bps,
                 },
             },
             "rows": [json.loads(r.to_json()) for r in h],

@@ -97,7 +97,7 @@ def _empty_swarm_node(monkeypatch, progress, peers_seq=(), **cfg):
         calls["catch_up"] += 1
 
     node.peers = peers
-    node._catch_up = catch_up
+    node.resync.catch_up = catch_up  # type: ignore[method-assign]
     node._set_state = lambda rnd, theta, mom: calls["set_state"].append((rnd, theta.clone(), mom.clone()))
     node.digest = "cd" * 32
     return node, calls
