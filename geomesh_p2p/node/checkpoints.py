@@ -1,4 +1,5 @@
-"""The node's checkpoints (:class:`Checkpointer`): a checkpoint of the state this peer holds every N rounds
+"""The node's checkpoints (:class:`Checkpointer`; ``--checkpoint-dir`` checked at start by
+:func:`check_writable_dir`): a checkpoint of the state this peer holds every N rounds
 and at shutdown (labelled with that state's round), never ending a training peer over a failed write.
 """
 
@@ -6,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
@@ -15,13 +17,30 @@ from geomesh_p2p.exchange.codec.feedback import PushFeedback
 from geomesh_p2p.model import state as gstate  # module-qualified: tests replace gstate.save_checkpoint
 from geomesh_p2p.round.rules import RoundState
 from geomesh_p2p.telemetry import events
+from geomesh_p2p.util.errors import UserFacingError
 
 if TYPE_CHECKING:
     from geomesh_p2p.config.models import NodeConfig, RunConfig
 
 log = logging.getLogger("geomesh_p2p.node.peer")
 
-__all__ = ["Checkpointer"]
+__all__ = ["Checkpointer", "check_writable_dir"]
+
+
+def check_writable_dir(path: str, flag: str) -> Path:
+    """Create ``path`` if needed and check that a file can be written there (then removed).
+
+    Raises:
+        UserFacingError: one line naming ``flag`` and the reason (read-only, not a directory, no permission).
+    """
+    d = Path(path).expanduser()
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=d, prefix=".write-check-"):
+            pass
+    except OSError as e:
+        raise UserFacingError(f"{flag} {path}: cannot write there ({e.strerror or e})") from None
+    return d
 
 
 def _none() -> None:

@@ -22,75 +22,57 @@ Lifecycle (DESIGN.md, all of it):
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import os
-import tempfile
 import time
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
 import geomesh_p2p
 from geomesh_p2p.status import swarm as swarm_status  # noqa: F401  (kept importable from here: tests patch it)
-from geomesh_p2p.util.aio import wait_event
 from geomesh_p2p.trust.admission import Admission, load_or_solve_pow, pow_cache_path
 from geomesh_p2p.model.capability import (
-    ProfileStopped,
     ThroughputEMA,
-    detect_device,
-    measure_codec,
-    profile_training,
-    release_freed_memory,
 )
 from geomesh_p2p.exchange import CollectiveService
 from geomesh_p2p.config.models import NodeConfig, RunConfig
-from geomesh_p2p.data import load_dataset
-from geomesh_p2p.dht import IncompatibleSwarmError, PeerAnnouncer, check_compatible, live_peers
+from geomesh_p2p.dht import PeerAnnouncer, live_peers
 from geomesh_p2p.dht import DHTNode
-from geomesh_p2p.dht.node import DHT_PROTOCOL_VERSION
-from geomesh_p2p.dht.progress import swarm_progress
 from geomesh_p2p.util.errors import UserFacingError
-from geomesh_p2p.exchange.codec.feedback import PushFeedback
 from geomesh_p2p.net.identity import Identity, IdentityError, allow_list
 from geomesh_p2p.net.links import LinkProbeService
 from geomesh_p2p.telemetry.looplag import LoopLagMonitor
-from geomesh_p2p.telemetry.metrics import RoundLog, RoundRecord, json_safe
+from geomesh_p2p.telemetry.metrics import RoundLog, RoundRecord
 from geomesh_p2p.model.optim import OuterNesterov, SyncAdamW, eager_start
 from geomesh_p2p.schema.peer import MAX_LINK_BPS, MAX_TOKENS_PER_S, MIN_LINK_BPS, MIN_TOKENS_PER_S, PeerRecord
 from geomesh_p2p.net import swarm_time as clock
 from geomesh_p2p.telemetry import events
 from geomesh_p2p.net.swarm_time import swarm_time
-from geomesh_p2p.util.backoff import Backoff
 from geomesh_p2p.round import DhtPlanAgreement, DriverConfig, PlanStore, RoundDriver
-from geomesh_p2p.node.checkpoints import Checkpointer
+from geomesh_p2p.node import joining, report, training
+from geomesh_p2p.node.checkpoints import Checkpointer, check_writable_dir
+from geomesh_p2p.node.joining import DuplicateIdentityError, StoppedBeforeJoining
 from geomesh_p2p.node.links import LinkProber
 from geomesh_p2p.round.policy import OWNER_PENALTY_ROUNDS, NodeRoundPolicy
 from geomesh_p2p.round.rules import OuterStepRule, Penalties, PlanRules, Reprofiler, RoundState, StateSync, VerifiedWork
 from geomesh_p2p.trust import verify
 from geomesh_p2p.trust.standing import Standing
-from geomesh_p2p.model import state as gstate  # module-qualified: tests replace gstate.save_checkpoint
 from geomesh_p2p.sync.transfer import StateServer
+
+if TYPE_CHECKING:
+    from geomesh_p2p.exchange.codec.feedback import PushFeedback
+    from geomesh_p2p.model.state import GlobalState
+    from geomesh_p2p.model.training import InnerTrainer
 from geomesh_p2p.model.training import (
-    DEFAULT_INNER,
-    InnerTrainer,
-    build_model,
-    flat_params,
     load_flat_,
-    lr_at,
-    num_params,
     pseudo_gradient,
 )
 from geomesh_p2p.net.transport import (
-    COLLECTIVE_PULL,
-    COLLECTIVE_PUSH,
-    DHT_PING,
     Transport,
     TransportConfig,
     tls_from_flags,
 )
-from geomesh_p2p.wire import dht_pb2
 
 log = logging.getLogger(__name__)
 
@@ -108,11 +90,6 @@ __all__ = [
 #: Bandwidth assumed for a direction that is neither stated nor measured yet (bytes/s, 800 Mbit/s).
 DEFAULT_LINK_BPS = 1e8
 
-#: Envelope, protobuf and codec headers around a pushed part (bytes): the push limit is 4 x numel + this.
-PUSH_FRAMING_BYTES = 1 << 20
-#: A PullPart request is a few ids and numbers (bytes).
-PULL_REQUEST_BYTES = 16 << 10
-
 
 def _link(bps: Optional[float]) -> float:
     """A bandwidth for this peer's record: the default when unknown, else clamped to the record's bounds."""
@@ -125,43 +102,9 @@ def _record_tps(tps: dict) -> dict:
     return {b: min(max(float(v), MIN_TOKENS_PER_S), MAX_TOKENS_PER_S) for b, v in tps.items()}
 
 
-#: Longest pause between two looks for a live peer while ``--on-empty-swarm wait`` waits (seconds).
-EMPTY_SWARM_POLL_MAX_S = 15.0
-
-#: How long a peer waits for the address of a record under its own PeerID to answer at start (seconds).
-IDENTITY_PING_TIMEOUT_S = 3.0
-
-
-#: Exit code of a peer whose run ended on a state that is not the swarm's (the swarm ended while it was behind,
-#: or its last rounds were trained on a state the others never had): docs/round.md, "A stalled peer and a swarm that ended".
-EXIT_NOT_SYNCED = 3
 #: A leaving peer serves its last round's parts to peers still pulling them, and lets the results it handed
 #: out finish on the wire, until that round's exchange deadline and at most this long (seconds).
 MAX_LINGER_S = 120.0
-
-
-class StoppedBeforeJoining(Exception):
-    """Ctrl+C / SIGTERM arrived while the node was still joining the DHT (a clean stop, exit 0)."""
-
-
-class DuplicateIdentityError(UserFacingError):
-    """Another live process runs this PeerID (the same --identity key file)."""
-
-
-def check_writable_dir(path: str, flag: str) -> Path:
-    """Create ``path`` if needed and check that a file can be written there (then removed).
-
-    Raises:
-        UserFacingError: one line naming ``flag`` and the reason (read-only, not a directory, no permission).
-    """
-    d = Path(path).expanduser()
-    try:
-        d.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=d, prefix=".write-check-"):
-            pass
-    except OSError as e:
-        raise UserFacingError(f"{flag} {path}: cannot write there ({e.strerror or e})") from None
-    return d
 
 
 class PeerNode:
@@ -170,6 +113,16 @@ class PeerNode:
     Composition and lifecycle only: the rounds are run by a :class:`~geomesh_p2p.round.RoundDriver`, the
     round rules are the objects of :mod:`geomesh_p2p.round.rules` over this node's :class:`RoundState`
     (``self.rs``), composed into the driver's policy by :class:`~geomesh_p2p.round.policy.NodeRoundPolicy`."""
+
+    # Built by start() (node/training.py, node/services of start()); declared for the type checker.
+    dataset: Any
+    device: torch.device
+    device_info: Any  # capability.DeviceInfo
+    model: torch.nn.Module
+    profiled_tps: dict[int, float]
+    trainer: InnerTrainer
+    gstate: GlobalState  # the one buffer theta and the outer state are views of
+    feedback: Optional[PushFeedback]  # --error-feedback's residual
 
     def __init__(self, run: RunConfig, cfg: NodeConfig, identity: Optional[Identity] = None):
         self.run_cfg = run
@@ -446,8 +399,8 @@ class PeerNode:
         clock.set_offset(self.dht.clock_offset_s)
         clock.follow(lambda: self.dht.clock_offset_s)
         # Refuse an incompatible run config now, before spending half a minute on data and profiling.
-        await self._check_swarm(self._placeholder_record())
-        await self._check_identity_unique()
+        await joining.check_swarm(self, self._placeholder_record())
+        await joining.check_identity_unique(self)
         probed = await self.links.probe()
 
         self.announcer = PeerAnnouncer(
@@ -468,139 +421,9 @@ class PeerNode:
             raise StoppedBeforeJoining(f"stop requested during start-up ({where})")
 
     def _build_training(self) -> None:
-        """Data, model, start-up profile, inner trainer, outer optimizer and the global state buffer
-        (worker thread). The profile (:func:`capability.profile_training`) runs on the model itself
-        (weights restored bit-identical, no copy) before anything else of the model's size is
-        allocated, so its measured peaks are the process's and ``--memory-budget-gb`` binds the batch.
-
-        Raises:
-            UserFacingError: the memory budget (``--memory-budget-gb``, else the memory available) cannot
-                hold training this model (the profile's one-line reason).
-        """
-        r, c = self.run_cfg, self.cfg
-        # No release_freed_memory(configure=True) (a 1 MiB mmap threshold): every inner step then mapped and
-        # faulted in its activations and gradients afresh. Freed memory goes back by trims instead: after
-        # the profile (below) and after each round's inner steps (InnerTrainer.run).
-        # Start-up says what it is doing: data, tokenizer and model take seconds to minutes (issue 14 #10).
-        log.info(
-            "loading the training data (%s) and its tokenizer (cached after the first run)...",
-            c.data_path or "the shipped corpus",
-        )
-        t0 = time.monotonic()
-        self.dataset = load_dataset(c.data_path, seq_len=r.seq_len, vocab_size=r.vocab_size)
-        log.info(
-            "data loaded in %.1fs; building the model and profiling this device (a few timed steps)...",
-            time.monotonic() - t0,
-        )
-        self._stop_point("after loading the data")
-        self.device_info = detect_device(c.device, c.memory_budget_bytes)
-        device = (
-            "cuda"
-            if self.device_info.kind == "cuda" and c.device == "auto"
-            else (c.device if c.device != "auto" else "cpu")
-        )
-        self.device = torch.device(device)
-        self.model = build_model(
-            r.model if not c.model_config_file else None,
-            config_file=c.model_config_file,
-            vocab_size=self.dataset.vocab_size,
-            seed=r.seed,
-        ).to(self.device)
-        self.numel = num_params(self.model)
-        # Outer optimizer state: Nesterov's momentum [P], or the ddp baseline's AdamW moments [2P].
-        rule = self.method_rule
-        self.state_numel = self.numel * rule.outer_state_slots
-        ef_slots = int(r.error_feedback and rule.push_encoding == "sign")  # the --error-feedback residual [P]
-        # Profile first: the inner optimizer and the global state are not allocated yet, so the profile's
-        # static estimate (gradients + AdamW state + global weights and outer state) is what the node adds.
-        try:
-            prof = profile_training(
-                self.model,
-                r.seq_len,
-                self.device,
-                self.device_info.memory_bytes,
-                vocab_size=self.dataset.vocab_size,
-                batch_sizes=c.profile_batches,
-                speed_factor=c.speed_factor,
-                amp=c.amp,
-                limit=256,
-                extra_bytes=(
-                    4 * (1 + rule.outer_state_slots + ef_slots) * self.numel if self.device.type == "cpu" else 0
-                ),
-                logger=log,
-                should_stop=self._stop.is_set,
-            )
-        except ValueError as e:  # the budget (stated or the memory available) cannot hold this model
-            raise UserFacingError(f"cannot train {r.model} here: {e}") from None
-        except ProfileStopped as e:
-            raise StoppedBeforeJoining(str(e)) from None
-        self.profiled_tps, self.max_batch = prof.tokens_per_s, prof.max_batch
-        release_freed_memory()
-        self._stop_point("after the profile")
-        # The exchange's CPU cost per element (encode, sign, verify, aggregate): the exchange window of this
-        # peer's plans grows with the model by it (planner.exchange_cpu_s); each exchange then refines it.
-        self.codec_s_per_element = measure_codec(
-            block_size=r.block_size,
-            push_encoding=rule.push_encoding,
-            rule=rule.rule,
-            weight_cap=r.weight_cap,
-            min_agreement=r.min_agreement,
-            clip_k=r.clip_k,
-        )
-        log.info(
-            "device %s: %s tokens/s per batch, max batch %d (%.1fs to measure, peak %.2f GiB, budget %.2f GiB); "
-            "exchange CPU %.1f ns per element pass",
-            self.device_info.name,
-            {b: round(t) for b, t in self.profiled_tps.items()},
-            self.max_batch,
-            prof.seconds,
-            max(prof.peak_bytes.values()) / 2**30,
-            prof.memory_bytes / 2**30,
-            self.codec_s_per_element * 1e9,
-        )
-        # No legitimate push exceeds one fp32 copy of the vector (the fp32 baselines' largest part) plus
-        # framing: a larger one is refused from its length prefix, before it is read (issue 12).
-        transport = self._started_transport()
-        transport.set_payload_limit(
-            COLLECTIVE_PUSH, min(transport.config.max_message_bytes, 4 * self.numel + PUSH_FRAMING_BYTES)
-        )
-        transport.set_payload_limit(COLLECTIVE_PULL, PULL_REQUEST_BYTES)
-        self.trainer = InnerTrainer(
-            self.model,
-            self.dataset,
-            device=self.device,
-            seq_len=r.seq_len,
-            optimizer=r.inner_optimizer,
-            lr=r.inner_lr,
-            weight_decay=0.1,
-            warmup_steps=r.warmup_steps,
-            total_steps=r.total_inner_steps,
-            seed=r.seed,
-            peer_id=self.me,
-            speed_factor=c.speed_factor,
-            amp=c.amp,
-            steps_per_round=r.uniform_inner_steps,
-        )  # the inner LR follows the swarm's rounds (issue 14 #8)
-        if rule.exchanges_gradient:
-            # Data-parallel baseline: the "outer" step is AdamW on the swarm's mean gradient.
-            self.outer = SyncAdamW(
-                lambda rnd: lr_at(rnd, lr=r.inner_lr, warmup_steps=r.warmup_steps, total_steps=r.total_inner_steps),
-                betas=DEFAULT_INNER["adamw"]["betas"],
-                weight_decay=0.1,
-                decay_mask=self.trainer.decay_mask(),
-            )
-        else:
-            self.outer = OuterNesterov(lr=r.outer_lr, momentum=r.outer_momentum)
-        # The global state in one buffer [(1 + k) * P]: theta and the outer optimizer's state are views of it,
-        # stepped in place (no copies of the model per round), hashed in place (state.GlobalState).
-        self.gstate = gstate.GlobalState(self.numel, rule.outer_state_slots)
-        self.theta = self.gstate.theta
-        self.outer.buf = self.gstate.opt_state
-        self.state_server.serve(self.gstate)  # served by byte range from the buffer itself (no snapshot copies)
-        # --error-feedback: the residual [P] fp32 of this peer's sign pushes (fp32 pushes lose nothing).
-        self.feedback = (
-            PushFeedback(self.numel, r.block_size) if r.error_feedback and rule.push_encoding == "sign" else None
-        )
+        """Data, model, profile, trainers and the global state (:func:`geomesh_p2p.node.training.build_training`;
+        worker thread)."""
+        training.build_training(self)
 
     async def remeasure_links(self) -> None:
         """Round driver port (:meth:`~geomesh_p2p.round.ports.Membership.remeasure_links`): a planned-out peer
@@ -696,269 +519,20 @@ class PeerNode:
 
     def _placeholder_record(self) -> PeerRecord:
         """This peer's version, protocol and run config, before its device is profiled (never announced)."""
-        return PeerRecord(
-            peer_id=self.me,
-            address=self.record_address,
-            device="(starting)",
-            memory_bytes=0,
-            max_batch=1,
-            upload_bps=1.0,
-            download_bps=1.0,
-            version=geomesh_p2p.__version__,
-            protocol_version=geomesh_p2p.PROTOCOL_VERSION,
-            run_config_hash=self.config_hash,
-            run_config=self.run_cfg.model_dump(),
-        )
-
-    async def _check_identity_unique(self) -> None:
-        """Refuse to start when another live process already runs this PeerID (issue 14 #7).
-
-        A record under this PeerID at another address may be this identity's previous run (a restart
-        within the record's lifetime) or a second process with the same key: the address is pinged, and
-        only an answer signed by this very PeerID (only the key's holder can sign it) proves the second.
-
-        Raises:
-            DuplicateIdentityError: "this PeerID is already live at ADDRESS".
-        """
-
-        transport = self._started_transport()
-        mine = transport.address
-        for rec in await live_peers(self.dht, self.run_cfg.run_id, include_leaving=True):
-            if rec.peer_id != self.me or not rec.address or rec.address == mine:
-                continue
-            req = dht_pb2.PingRequest(
-                sender=self.dht.self_info(), dht_protocol=DHT_PROTOCOL_VERSION, software_version=geomesh_p2p.__version__
-            )
-            try:
-                reply = await transport.call(
-                    rec.address, DHT_PING, req.SerializeToString(), timeout=IDENTITY_PING_TIMEOUT_S
-                )
-            except Exception:  # nobody there (a stale record of this identity's previous run)
-                continue
-            if reply.sender == self.identity.peer_id:
-                raise DuplicateIdentityError(
-                    f"this PeerID ({self.identity.peer_id.short()}) is already live at {rec.address}: another "
-                    f"process runs with the same --identity key; give each peer its own key file"
-                )
-
-    async def _check_swarm(self, mine: Optional[PeerRecord] = None) -> None:
-        """Refuse to start when the swarm's live peers all run another config or version.
-
-        Raises IncompatibleSwarmError naming the differing fields (e.g. "inner_lr: 0.001 here vs
-        0.0003 in the swarm").
-        """
-
-        mine = mine or self.my_record()
-        others = [r for r in await live_peers(self.dht, self.run_cfg.run_id) if r.peer_id != self.me]
-        if not others or any(check_compatible(mine, r) is None for r in others):
-            return
-        other = others[0]
-        detail = check_compatible(mine, other)
-        if other.run_config and other.run_config_hash != self.config_hash:
-            a, b = self.run_cfg.model_dump(), other.run_config
-            fields = [
-                f"{k}: {a.get(k)!r} here vs {b.get(k)!r} in the swarm"
-                for k in sorted(set(a) | set(b))
-                if a.get(k) != b.get(k)
-            ]
-            detail = "; ".join(fields) or detail
-        raise IncompatibleSwarmError(
-            f"the {len(others)} live peer(s) of run {self.run_cfg.run_id!r} use another run config: {detail}"
-        )
-
-    async def _initial_state(self) -> None:
-
-        await self._check_swarm()
-
-        if self.cfg.resume and self.cfg.checkpoint_dir:
-            ck = await asyncio.to_thread(gstate.load_latest_checkpoint, self.cfg.checkpoint_dir)
-            if ck is not None:
-                await self._resume_from(ck)
-                await self._warn_if_resumed_behind()
-                return
-            log.info("--resume: no checkpoint in %s, starting fresh", self.cfg.checkpoint_dir)
-        # Fresh peer: join the swarm's state if it already trained, else the seed's.
-        # The seed weights are written into the state buffer itself, in the worker thread (not on the loop).
-        await asyncio.to_thread(
-            lambda: self._set_state(0, flat_params(self.model, out=self.gstate.theta), self.gstate.opt_state.zero_())
-        )
-        recs = [r for r in await self.peers() if r.peer_id != self.me]
-        if any(r.round > 0 and r.weights_digest for r in recs):
-            await self.resync.catch_up()
-        elif not recs:
-            await self._on_empty_swarm()
-
-    async def _resume_from(self, ck) -> None:
-        """Take the global state of checkpoint ``ck`` (``gstate.load_latest_checkpoint``'s tuple: round,
-        theta [P] fp32, optimizer state [k * P] fp32 or None, meta) and the standing ledger it saved.
-
-        Raises:
-            UserFacingError: the checkpoint is of another run config, or holds no or another optimizer state.
-        """
-        rnd, theta, momentum, meta = ck
-        if meta.get("run_config_hash") not in (None, self.config_hash):
-            old = (meta.get("meta") or {}).get("run_config") or {}
-            diff = [
-                f"{k}: {old.get(k)!r} there vs {v!r} here"
-                for k, v in self.run_cfg.model_dump().items()
-                if k in old and old[k] != v
-            ]
-            raise UserFacingError(
-                f"checkpoint in {self.cfg.checkpoint_dir} is from another run config ("
-                + ("; ".join(diff) or f"{meta.get('run_config_hash')} vs {self.config_hash}")
-                + "); resume with the same flags, or use another --checkpoint-dir"
-            )
-        if momentum is None or momentum.numel() != self.state_numel:
-            raise UserFacingError(
-                f"checkpoint in {self.cfg.checkpoint_dir} holds no or another optimizer "
-                f"state ({0 if momentum is None else momentum.numel()} elements, this run "
-                f"needs {self.state_numel}); was it written by another --method?"
-            )
-        await asyncio.to_thread(self._set_state, rnd, theta, momentum)
-        self.standing = Standing.from_meta((meta.get("meta") or {}).get("standing"))
-        events.emit(
-            log,
-            logging.INFO,
-            "resumed_from_checkpoint",
-            "resumed from checkpoint at round %d (digest %s)",
-            rnd,
-            str(self.digest)[:8],
-            peer=self.me,
-            round=rnd,
-            digest=self.digest,
-        )
-        fb: Optional[PushFeedback] = getattr(self, "feedback", None)  # absent before _build_training
-        if fb is not None and self.digest is not None:  # _set_state set the digest
-            got = await asyncio.to_thread(fb.load, self.cfg.checkpoint_dir, state_round=rnd, digest=self.digest)
-            log.info(
-                "error feedback: %s",
-                "residual resumed from the checkpoint" if got == "loaded" else f"residual starts at zero ({got})",
-            )
+        return joining.placeholder_record(self)
 
     async def _warn_if_resumed_behind(self) -> None:
-        """After ``--resume``: when no other peer of the run is live but a bootstrap saw the run at a later
-        round than the checkpoint's, say so in one WARNING (event ``resumed_behind_swarm``): this peer now
-        trains alone from an older state, a fork of the run if its peers come back (a fresh-user trial resumed
-        round 6 of a run that had reached round 12, untold). Live peers at a later round need no line: the
-        first round's behind-check catches up to them."""
-        if [r for r in await self.peers() if r.peer_id != self.me]:
-            return
-        prog = await swarm_progress(self.dht, self.run_cfg.run_id)
-        if prog is None or prog.round <= self.round:
-            return
-        events.emit(
-            log,
-            logging.WARNING,
-            "resumed_behind_swarm",
-            "resumed at round %d, but bootstrap %s saw run %r at round %d and no peer of it is live now: this peer "
-            "trains alone from an older state (a fork of the run if its peers come back); to continue the run, "
-            "resume from a checkpoint of round %d, or wait for its peers (--on-empty-swarm wait, without --resume)",
-            self.round,
-            prog.by[:8] or "?",
-            self.run_cfg.run_id,
-            prog.round,
-            prog.round,
-            peer=self.me,
-            round=self.round,
-            swarm_round=prog.round,
-            bootstrap=prog.by,
-        )
+        await joining.warn_if_resumed_behind(self)
 
     async def _on_empty_swarm(self) -> None:
-        """No other live peer of this run (issue 14 #2): when a bootstrap saw the run at round N > 0
-        (:func:`~geomesh_p2p.dht.progress.swarm_progress`, kept across bootstrap restarts), say so in one
-        line and act by ``--on-empty-swarm``: ``wait`` (default) polls with a capped backoff until a peer
-        of the run is live (then downloads its state) or Ctrl+C; ``resume`` takes ``--checkpoint-dir``'s
-        newest checkpoint; ``seed`` keeps the seed's state at round 0 (a new run under the same id). A run
-        no bootstrap knows past round 0 starts from the seed silently, as before.
-
-        Raises:
-            UserFacingError: ``resume`` with no ``--checkpoint-dir`` or no checkpoint in it.
-            StoppedBeforeJoining: Ctrl+C / SIGTERM while waiting.
-        """
-        prog = await swarm_progress(self.dht, self.run_cfg.run_id)
-        if prog is None or prog.round <= 0:
-            return
-        how = self.cfg.on_empty_swarm
-        ago = max(0.0, swarm_time() - prog.seen_at)
-        events.emit(
-            log,
-            logging.WARNING,
-            "empty_swarm",
-            "run %r was at round %d (bootstrap %s saw %d peer(s) %.0f s ago) but no peer of it is live now",
-            self.run_cfg.run_id,
-            prog.round,
-            prog.by[:8] or "?",
-            prog.peers,
-            ago,
-            peer=self.me,
-            run_id=self.run_cfg.run_id,
-            round=prog.round,
-            bootstrap=prog.by,
-            peers=prog.peers,
-            seen_ago_s=ago,
-            action=how,
-        )
-        if how == "seed":
-            log.info("--on-empty-swarm seed: starting the run again from the seed at round 0")
-            return
-        if prog.config_hash and prog.config_hash != self.config_hash:
-            # The remembered swarm's peers would refuse this one when they come back (and it them): say so
-            # now rather than wait for them (a fresh-user trial waited, untold).
-            raise IncompatibleSwarmError(
-                f"run {self.run_cfg.run_id!r} was at round {prog.round} with another run config (hash "
-                f"{prog.config_hash[:12]} there, {self.config_hash[:12]} here): its peers could not take this one "
-                "back; use the run's flags, another --run-id, or --on-empty-swarm seed to start this run id anew"
-            )
-        if how == "resume":
-            d = self.cfg.checkpoint_dir
-            ck = await asyncio.to_thread(gstate.load_latest_checkpoint, d) if d else None
-            if ck is None:
-                raise UserFacingError(
-                    f"--on-empty-swarm resume: no checkpoint in {d}"
-                    if d
-                    else "--on-empty-swarm resume needs --checkpoint-dir (the directory of this run's checkpoints)"
-                )
-            await self._resume_from(ck)
-            return
-        events.emit(
-            log,
-            logging.INFO,
-            "empty_swarm_waiting",
-            "waiting for a peer of run %r to come back (Ctrl+C to stop; --on-empty-swarm resume or seed "
-            "starts without one)",
-            self.run_cfg.run_id,
-            peer=self.me,
-            run_id=self.run_cfg.run_id,
-        )
-        backoff = Backoff(first=1.0, cap=EMPTY_SWARM_POLL_MAX_S)
-        while True:
-            if await wait_event(self._stop, backoff.next()):
-                raise StoppedBeforeJoining("stop requested while waiting for a peer of the run")
-            recs = [r for r in await self.peers() if r.peer_id != self.me]
-            if not recs:
-                continue
-            events.emit(
-                log,
-                logging.INFO,
-                "swarm_back",
-                "%d peer(s) of run %r are live again",
-                len(recs),
-                self.run_cfg.run_id,
-                peer=self.me,
-                run_id=self.run_cfg.run_id,
-                peers=sorted(r.peer_id for r in recs),
-            )
-            if any(r.round > 0 and r.weights_digest for r in recs):
-                await self.resync.catch_up()
-            return
+        await joining.on_empty_swarm(self)
 
     async def run(self) -> int:
         """Train until done; returns a process exit code (0 on success or clean stop)."""
         try:
             try:
                 await self.start()
-                await self._initial_state()
+                await joining.initial_state(self)
             except StoppedBeforeJoining as e:
                 log.info("stop requested before this peer joined the swarm: leaving (%s)", e)
                 self.checkpoints.skip = True  # it holds no state of the run: a checkpoint would be the seed's
@@ -973,38 +547,12 @@ class PeerNode:
             await driver.run()
             self._reached_target()
             if driver.ended is not None:
-                return self._log_swarm_ended(driver.ended)
-            self._log_done()
+                return report.log_swarm_ended(self, driver.ended)
+            report.log_done(self)
         finally:
             await self.shutdown()
         return 0
 
-    def _log_swarm_ended(self, ended) -> int:
-        """The closing line of a run the swarm ended before its ``--rounds`` / target (``RoundDriver.ended``,
-        a :class:`~geomesh_p2p.round.driver.SwarmEnded`): a WARNING, never "done". Returns the exit code:
-        0 when this peer holds the swarm's last state (the run's result is here and sound; it only did not
-        reach its own goal), :data:`EXIT_NOT_SYNCED` when it does not (its state is not the swarm's: a script
-        must not take its checkpoint or perplexity for the run's)."""
-        code = 0 if ended.synced else EXIT_NOT_SYNCED
-        events.emit(
-            log,
-            logging.WARNING,
-            "run_not_done",
-            "not done: %s; %d round(s) trained here, now at round %d; exit %d",
-            ended.why,
-            len(self.history),
-            self.round,
-            code,
-            peer=self.me,
-            round=self.round,
-            rounds_trained=len(self.history),
-            synced=ended.synced,
-            cause=ended.cause,
-            exit_code=code,
-        )
-        return code
-
-    # ------------------------------------------------------------------ the round driver's ports
     def _driver(self) -> RoundDriver:
         """The round state machine over this node's parts (built once; rebuilt when a test swapped a part)."""
         c = self.cfg
@@ -1140,26 +688,6 @@ class PeerNode:
     async def checkpoint_or_warn(self):
         return await self.checkpoints.checkpoint_or_warn()
 
-    def _log_done(self) -> None:
-        """One closing line: why the node stops, rounds trained here, the last perplexity."""
-        h = self.history
-        why = (
-            "stop requested"
-            if self._stop.is_set()
-            else f"target eval perplexity {self.cfg.target_ppl:g} reached"
-            if self._reached_target()
-            else f"--rounds {self.cfg.rounds} reached"
-        )
-        ppl = next((r.eval_ppl for r in reversed(h) if r.eval_ppl is not None), self.initial_ppl)
-        log.info(
-            "done (%s): %d round(s) trained here, now at round %d, eval perplexity %.2f (from %.2f)",
-            why,
-            len(h),
-            self.round,
-            ppl if ppl is not None else float("nan"),
-            self.initial_ppl if self.initial_ppl is not None else float("nan"),
-        )
-
     def _reached_target(self) -> bool:
         t = self.cfg.target_ppl
         if t is None or not self.history or self.history[-1].eval_ppl is None:
@@ -1263,47 +791,9 @@ class PeerNode:
         return max(0.5, until - swarm_time())
 
     def summary(self) -> dict:
-        h = self.history
-        return {
-            "peer_id": self.me,
-            "rounds": len(h),
-            "last_round": self.round,
-            "initial_eval_ppl": self.initial_ppl,
-            "final_eval_ppl": next((r.eval_ppl for r in reversed(h) if r.eval_ppl is not None), self.initial_ppl),
-            "time_to_target_s": self.time_to_target,
-            "straggler_idle_pct": (sum(r.straggler_idle_s for r in h) / max(1e-9, sum(r.round_s for r in h)) * 100)
-            if h
-            else 0.0,
-            "network_idle_pct": (sum(r.network_idle_s for r in h) / max(1e-9, sum(r.round_s for r in h)) * 100)
-            if h
-            else 0.0,
-            "bytes_sent": sum(r.bytes_sent for r in h),
-            "bytes_received": sum(r.bytes_received for r in h),
-            # the weights digest after each round's outer step (= the digest round r+1 starts from)
-            "digests_after_round": {r.round: r.digest for r in h},
-            "digest_mismatches": sum(1 for r in h if r.digest_agree is False),
-            # bytes/s: what this peer announced last (stated by a flag, else measured) and the probe's figures
-            "links": {
-                "upload_bps": self.cfg.upload_bps or (self.ema.upload_bps if self.ema else None),
-                "download_bps": self.cfg.download_bps or (self.ema.download_bps if self.ema else None),
-                "stated": {"upload": self.cfg.upload_bps is not None, "download": self.cfg.download_bps is not None},
-                "probe": None
-                if self.links.probe_result is None
-                else {
-                    "address": self.links.probe_result.address,
-                    "rtt_s": self.links.probe_result.rtt_s,
-                    "upload_bps": self.links.probe_result.upload_bps,
-                    "download_bps": self.links.probe_result.download_bps,
-                },
-            },
-            "rows": [json.loads(r.to_json()) for r in h],
-        }
+        """This peer's run in numbers (:func:`geomesh_p2p.node.report.summary`)."""
+        return report.summary(self)
 
     def write_summary(self, path: str) -> None:
-        p = Path(path)
-        p.parent.mkdir(parents=True, exist_ok=True)
-        tmp = p.with_suffix(p.suffix + ".tmp")
-
-        # strict JSON: an infinite perplexity (weights a hostile update blew up) is written as null
-        tmp.write_text(json.dumps(json_safe(self.summary()), indent=1, allow_nan=False))
-        os.replace(tmp, p)
+        """:meth:`summary` as strict JSON at ``path`` (atomic)."""
+        report.write_summary(self, path)

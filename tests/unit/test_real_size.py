@@ -150,7 +150,7 @@ def test_build_training_profiles_the_model_in_place_and_holds_the_budget(monkeyp
         seen["before"] = flat_params(model)
         return real(model, seq_len, device, memory_bytes, **kw)
 
-    monkeypatch.setattr("geomesh_p2p.node.peer.profile_training", spy)
+    monkeypatch.setattr("geomesh_p2p.node.training.profile_training", spy)
     node = PeerNode(
         RunConfig(seq_len=32),
         NodeConfig(profile_batches=[1, 2], memory_budget_bytes=6 << 30, device="cpu"),
