@@ -458,7 +458,7 @@ class StateSync:
         if gs is None:
             raise RuntimeError("this peer holds no global state yet: it cannot be a base to catch up from")
         with gs.lock:
-            if gs.digest is None:  # _catch_up asks only for a committed state
+            if gs.digest is None:  # catch_up asks only for a committed state
                 raise RuntimeError("this peer's global state has no digest yet: it cannot be a base to catch up from")
             return self._snapshot_copy(
                 state_sync.Snapshot(gs.round, gs.theta, gs.opt_state, gs.digest, buffer=gs.buffer)
