@@ -21,11 +21,12 @@ for fp32 tensors.
 
 from __future__ import annotations
 
-from typing import Any
+import copy
+from typing import Any, Sequence
 
 import torch
 
-__all__ = ["OuterNesterov", "SyncAdamW", "eager_start"]
+__all__ = ["OuterNesterov", "SyncAdamW", "eager_start", "outer_step_per_part"]
 
 
 class OuterNesterov:
@@ -231,3 +232,69 @@ class SyncAdamW:
         torch.mul(tmp, lr, out=tmp)
         torch.sub(theta, tmp, out=theta)  # θ = θ − η·m̂/(sqrt(v̂)+ε)
         self.steps = t
+
+
+def outer_step_per_part(
+    outer,
+    theta: torch.Tensor,
+    aggregate: torch.Tensor,
+    ranges: Sequence[tuple[int, int]],
+    r: int,
+    idle: Sequence[tuple[int, int]] = (),
+) -> tuple[list, set]:
+    """Apply ``outer``'s step (OuterNesterov / SyncAdamW: element-wise) part by part, in place.
+
+    Each part ``[s, e)`` of ``ranges`` steps on a private copy of its slices of ``theta`` and of the k
+    optimizer-state slices (``outer.buf``: k consecutive [P] slices, Nesterov momentum or AdamW m then v),
+    written back only when every new value is finite; a part whose aggregate is not finite is not stepped.
+    Elements in ``idle`` ranges keep weights and state. Peak extra memory is (1 + k) x the largest part
+    (not (1 + k) x P: 1.2 GB at 150M parameters). Bitwise equal to one whole-vector step on the parts
+    that step (the ops are element-wise).
+
+    Args:
+        theta: [P] fp32 CPU global weights (modified in place).
+        aggregate: [P] fp32 CPU, not modified.
+    Returns:
+        (parts skipped, sorted; the subset of them skipped for a non-finite aggregate).
+    """
+    p = theta.numel()
+    if outer.buf is None:
+        outer.buf = torch.zeros(p * int(getattr(outer, "state_factor", 1)), dtype=torch.float32)
+    buf = outer.buf
+    k = buf.numel() // p if p else 0
+    steps_after = None
+    bad, bad_in = [], set()
+    for s, e in ranges:
+        if not bool(torch.isfinite(aggregate[s:e]).all()):
+            bad.append((s, e))
+            bad_in.add((s, e))
+            continue
+        part = copy.copy(outer)  # shares lr / momentum / schedule; its buffer is this part's own copy
+        part.buf = torch.cat([buf[j * p + s : j * p + e] for j in range(k)]) if k else None
+        if getattr(outer, "decay_mask", None) is not None:
+            part.decay_mask = outer.decay_mask[s:e]
+        new = theta[s:e].clone()
+        part.step(new, aggregate[s:e].contiguous(), round=r)
+        steps_after = part.steps
+        if not bool(torch.isfinite(new).all()) or (part.buf is not None and not bool(torch.isfinite(part.buf).all())):
+            bad.append((s, e))
+            continue
+        n = e - s
+        for i0, i1 in idle:  # idle elements keep their values
+            a0, a1 = max(i0, s), min(i1, e)
+            if a0 < a1:
+                new[a0 - s : a1 - s] = theta[a0:a1]
+                for j in range(k):
+                    part.buf[j * n + a0 - s : j * n + a1 - s] = buf[j * p + a0 : j * p + a1]
+        theta[s:e] = new
+        for j in range(k):
+            buf[j * p + s : j * p + e] = part.buf[j * n : (j + 1) * n]
+    if steps_after is None:  # no part stepped: the step count still advances, as a whole-vector step would
+        part = copy.copy(outer)
+        part.buf = torch.zeros(0) if k else None
+        if getattr(outer, "decay_mask", None) is not None:
+            part.decay_mask = outer.decay_mask[:0]
+        part.step(theta[:0].clone(), aggregate[:0].contiguous(), round=r)
+        steps_after = part.steps
+    outer.steps = steps_after
+    return sorted(bad), bad_in

@@ -221,7 +221,7 @@ def check_plan(
       what ``target_batch`` implies; uniform methods: the same micro-batch for all, the fixed ``H``;
     * steps: every participant gets ``min_inner_steps..max_inner_steps`` (AWB). No peer is planned
       with 0 steps: the stated rule for a peer that cannot keep up is to leave it out of the plan
-      (``PeerNode._make_plan``: exchange or one sequence longer than half the window);
+      (``PlanRules.build_plan``: exchange or one sequence longer than half the window);
     * window: ``window_s`` within ``PLAN_CHECK_TOLERANCE`` x (either way) of :func:`reference_window`,
       ``train_deadline = created_at + window_s``, ``created_at`` at most ``MAX_CLOCK_SKEW_S`` ahead;
     * budgets: each at most ``PLAN_CHECK_TOLERANCE`` x (bounded best tokens/s x ``window_s``); at

@@ -38,6 +38,7 @@ from google.protobuf.message import DecodeError
 
 from geomesh_p2p.telemetry import events
 from geomesh_p2p.net.swarm_time import swarm_time
+from geomesh_p2p.model.optim import outer_step_per_part
 from geomesh_p2p.model.state import GlobalState, StateError
 from geomesh_p2p.net.transport import RpcError
 from geomesh_p2p.net.methods import STATE_GET, STATE_UPDATE
@@ -383,7 +384,7 @@ _ZLIB_LEVEL = 1
 class OuterUpdate:
     """The outer update of round ``round``: what turns the state of round ``round`` (digest
     ``start_digest``) into the state of round ``round + 1`` (``end_digest``), as every peer of the round
-    applied it (:func:`geomesh_p2p.round.policy.outer_step_per_part`).
+    applied it (:func:`geomesh_p2p.model.optim.outer_step_per_part`).
 
     Attributes:
         aggregate: fp32 CPU [P], the round's aggregated pseudo-gradient (zeros in missing parts).
@@ -449,11 +450,9 @@ class OuterUpdate:
 def apply_update(theta: torch.Tensor, opt_state: torch.Tensor, outer: Any, upd: OuterUpdate) -> None:
     """Apply ``upd`` in place to ``theta`` (fp32 [P]) and ``opt_state`` (fp32 [k * P]) with a shallow copy of
     ``outer`` (the run's outer optimizer: OuterNesterov or SyncAdamW; its own state is not touched),
-    exactly as the round's peers did (:meth:`NodeRoundPolicy._outer_step`): nothing when the idle ranges
-    cover the model, else :func:`~geomesh_p2p.round.policy.outer_step_per_part`. Synchronous: run it
+    exactly as the round's peers did (:meth:`geomesh_p2p.round.rules.outer.OuterStepRule.apply`): nothing when the idle ranges
+    cover the model, else :func:`~geomesh_p2p.model.optim.outer_step_per_part`. Synchronous: run it
     in a worker thread."""
-    from geomesh_p2p.round.policy import outer_step_per_part  # the round package imports this module
-
     p = theta.numel()
     if sum(e - s for s, e in upd.idle) >= p:
         return

@@ -30,8 +30,8 @@ kind                         where                            fields
 ``adversary_acted``          adversary.AdversaryNode._note    peer, attack, round, action, key
 ``call_refused``             transport.Transport._admit       peer, method, caller_address, code, reason
                              (once per caller IP/code/reason)
-``checkpoint_failed``        node._checkpoint_or_warn         round, final, error (type), detail
-``checkpoint_of_held_round`` node._final_checkpoint           round (the counter), held_round (the weights')
+``checkpoint_failed``        node.checkpoints (a write)       round, final, error (type), detail
+``checkpoint_of_held_round`` node.checkpoints (final)         round (the counter), held_round (the weights')
 ``contributing_nothing``     round.steps, round.train         peer, round, reason (``loss_not_finite`` |
                                                               ``update_not_finite``), detail (if any)
 ``digest_mismatch``          round.finish.check_digest        peer, round, digest, majority_digest,
@@ -44,18 +44,18 @@ kind                         where                            fields
                                                               | ``seed``)
 ``empty_swarm_waiting``      node._on_empty_swarm             peer, run_id
 ``eval_not_finite``          training.InnerTrainer.evaluate   peer, loss (nats/token; NaN or huge)
-``idle_parts_unchanged``     round.policy._outer_step         peer, round, idle (ranges), idle_elements,
+``idle_parts_unchanged``     round.rules.outer                peer, round, idle (ranges), idle_elements,
                                                               elements
 ``leaving_announced``        round.finish.announce, node      peer, round, reason (``stop`` | ``rounds``
                              shutdown, round.driver (stop)    | ``target_ppl`` | ``shutdown``)
 ``link_reprobed``            node.remeasure_links (planned     upload_bps, download_bps, was_upload_bps,
                              out)                             was_download_bps (bytes/s)
-``older_state_adopted``      round.policy._catch_up (once     peer, round (the older state's), digest,
+``older_state_adopted``      round.rules.resync (once         peer, round (the older state's), digest,
                              per pair of states; WARNING)     held_round, held_digest (the state it
                                                               leaves), live (PeerIDs live at the time)
-``older_state_declined``     round.policy._catch_up (once     peer, round (the older state's), digest,
+``older_state_declined``     round.rules.resync (once         peer, round (the older state's), digest,
                              per pair of states)              held_round, held_digest, reason
-``outer_step_skipped``       round.policy._outer_step         peer, round, skipped (ranges), not_finite
+``outer_step_skipped``       round.rules.outer                peer, round, skipped (ranges), not_finite
                                                               (ranges of them), parts, elements
 ``owner_unreachable``        collective.client (pull)         peer, round, part, owner, error
 ``part_closed``              collective.owner._close          round, part, reason, absent (PeerIDs)
@@ -85,11 +85,11 @@ kind                         where                            fields
 ``serving_last_parts``       node.PeerNode._serve_last_parts  peer, round, readers (PeerIDs still pulling),
                                                               wait_s (the most it waits)
 ``stalled_round_not_blamed`` round.exchange.exchange          peer, round, stalled_s, window_s
-``state_downloaded``         round.policy._catch_up           peer, round, donors (addresses), digest,
+``state_downloaded``         round.rules.resync               peer, round, donors (addresses), digest,
                                                               vote (``standing`` | ``fresh`` | ``solo``)
 ``state_piece_failed``       state_sync.download_state        round, piece, donor (address), outcome
                                                               (``failed`` | ``stalled``), error
-``state_refused``            round.policy._state_vote (once)  peer, round, digest, identities, backing,
+``state_refused``            round.rules.resync (vote, once)  peer, round, digest, identities, backing,
                                                               total
 ``swarm_ended``              round.resync.end_run             peer, round, swarm_round, synced, cause
                                                               (``others_left`` | ``alone`` |

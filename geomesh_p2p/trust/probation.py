@@ -5,8 +5,8 @@ that never take part. Left alone they are planned in (33 participants for 3 hone
 parts (zero updates for their ranges), make every part wait for pushes that never come and stretch the
 leader take-over by one timeout each. This module holds the rules that stop a burst of identities from
 dominating a round; :class:`~geomesh_p2p.node.peer.PeerNode` applies them (its round rules,
-:class:`~geomesh_p2p.round.policy.NodeRoundPolicy`) when it plans (``_make_plan``), checks a plan
-(``_plan_problem``) and picks leader candidates (``leader_candidates``, asked by
+:class:`~geomesh_p2p.round.policy.NodeRoundPolicy`) when it plans (``PlanRules.build_plan``), checks a plan
+(``PlanRules.plan_problem``) and picks leader candidates (``leader_candidates``, asked by
 :meth:`RoundDriver.agree <geomesh_p2p.round.driver.RoundDriver.agree>`); the round driver waits for
 peers on probation as they sync (:meth:`RoundDriver.gather <geomesh_p2p.round.driver.RoundDriver.gather>`).
 

@@ -14,10 +14,12 @@ import pytest
 from geomesh_p2p.telemetry import events
 from geomesh_p2p.trust import probation as pb
 from geomesh_p2p.net.identity import Identity
-from geomesh_p2p.node.peer import NodeConfig, PeerNode, RunConfig
+from geomesh_p2p.config.models import NodeConfig, RunConfig
+from geomesh_p2p.round.policy import NodeRoundPolicy
 from geomesh_p2p.schema.peer import PeerRecord
 from geomesh_p2p.trust.standing import Standing
 from tests.records_util import peer_record
+from tests.rules_util import make_rules
 from tests.unit.test_round_driver import NUMEL, PEER_INDEX, PEERS, FakePeer, Swarm
 
 pytestmark = pytest.mark.timeout(60)
@@ -25,20 +27,16 @@ RUN = RunConfig(seq_len=16, window_s=5.0, run_id="driver-test")
 
 
 class RulesPeer(FakePeer):
-    """A fake peer whose leader candidates, plans and plan checks are the node's (NodeRoundPolicy on a
-    bare PeerNode with this peer's ledger and no-show marks); its records attest its ledger as a node's do."""
+    """A fake peer whose leader candidates, plans and plan checks are the node's (NodeRoundPolicy, the node's
+    round rules, with this peer's ledger and no-show marks); its records attest its ledger as a node's do."""
 
     def __init__(self, swarm: Swarm, ident: Identity, standing: Standing, noshow: dict[str, int]):
         super().__init__(swarm, ident)
-        node = PeerNode.__new__(PeerNode)  # the round rules only: no transport, no model
-        node.run_cfg, node.cfg = RUN, NodeConfig()
-        node.numel, node.me = NUMEL, self.me
-        node._owner_penalty, node._noshow_penalty = {}, dict(noshow)
-        node.standing = standing
-        self.rules = node
+        # the round rules only: no transport, no model
+        self.rules = make_rules(RUN, NodeConfig(), me=self.me, numel=NUMEL, standing=standing, noshow_penalty=noshow)
 
-    def _sync_rules(self) -> PeerNode:
-        self.rules.round, self.rules.digest = self.round, self.digest
+    def _sync_rules(self) -> NodeRoundPolicy:
+        self.rules.state.round, self.rules.state.digest = self.round, self.digest
         return self.rules
 
     def record(self) -> PeerRecord:
@@ -49,7 +47,7 @@ class RulesPeer(FakePeer):
             round=self.round,
             weights_digest=None if self.syncing else self.digest,
             leaving=self.leaving,
-            standing=self.rules.standing.attestations(exclude=self.me, own=True),
+            standing=self.rules.state.standing.attestations(exclude=self.me, own=True),
         )
 
     def leader_candidates(self, members, live):

@@ -148,24 +148,26 @@ async def test_collective_reports_upload_and_download_samples():
             await t.stop(grace=0)
 
 
-def _node_with(upload_bps=None, download_bps=None, rtt_s=0.0):
-    from geomesh_p2p.node.peer import NodeConfig, PeerNode
+def _node_with(upload_bps=None, download_bps=None):
+    """The node's re-profiling rules (:class:`Reprofiler`) past its first round, with these stated links."""
+    from geomesh_p2p.node.peer import NodeConfig
+    from geomesh_p2p.round.rules import Reprofiler, RoundState
 
-    node = PeerNode.__new__(PeerNode)
-    node.cfg = NodeConfig(upload_bps=upload_bps, download_bps=download_bps, min_link_sample_bytes=1000)
-    node.ema = ThroughputEMA(
-        alpha=0.5, tokens_per_s={8: 100.0}, upload_bps=upload_bps or 1000.0, download_bps=download_bps or 1000.0
+    node = Reprofiler(
+        NodeConfig(upload_bps=upload_bps, download_bps=download_bps, min_link_sample_bytes=1000),
+        RoundState(round=1),
+        ema=ThroughputEMA(
+            alpha=0.5, tokens_per_s={8: 100.0}, upload_bps=upload_bps or 1000.0, download_bps=download_bps or 1000.0
+        ),
     )
-    node.rtt_s = rtt_s
-    node.round = 1
-    node._measured = {"up", "down", "tps"}  # past the first round: plain EMA
+    node.measured = {"up", "down", "tps"}  # past the first round: plain EMA
     return node
 
 
 def test_node_folds_measured_links_into_its_ema():
-    node = _node_with(rtt_s=0.5)
+    node = _node_with()
     ar = SimpleNamespace(upload=LinkSample(3000, 1.5, 2), download=LinkSample(500, 0.1, 1))
-    node._update_links(ar)
+    node.update_links(ar)
     # up: 3000 bytes in 1.5 s busy = 2000 B/s (the bootstrap's RTT is not taken out); EMA 0.5 * 2000 + 0.5 * 1000
     assert node.ema.upload_bps == 1500.0
     # down: 500 bytes is under min_link_sample_bytes: unchanged
@@ -175,14 +177,14 @@ def test_node_folds_measured_links_into_its_ema():
 def test_one_sample_moves_the_figure_at_most_link_step_ratio():
     """An owner that lies about its hold time skews one sample; the record moves by at most 4x."""
     node = _node_with()
-    node._update_links(SimpleNamespace(upload=LinkSample(1_000_000, 0.001, 1), download=LinkSample(4000, 400.0, 1)))
+    node.update_links(SimpleNamespace(upload=LinkSample(1_000_000, 0.001, 1), download=LinkSample(4000, 400.0, 1)))
     assert node.ema.upload_bps == 0.5 * 4000.0 + 0.5 * 1000.0  # 1e9 B/s claimed, 4x the figure taken
     assert node.ema.download_bps == 0.5 * 250.0 + 0.5 * 1000.0  # 10 B/s claimed, 1/4 of the figure taken
 
 
 def test_stated_bandwidth_is_not_overwritten():
     node = _node_with(upload_bps=5e6)
-    node._update_links(SimpleNamespace(upload=LinkSample(10_000, 1.0, 1), download=LinkSample(3_000, 1.0, 1)))
+    node.update_links(SimpleNamespace(upload=LinkSample(10_000, 1.0, 1), download=LinkSample(3_000, 1.0, 1)))
     assert node.ema.upload_bps == 5e6
     assert node.ema.download_bps == 0.5 * 3_000 + 0.5 * 1000.0
 
@@ -191,14 +193,14 @@ def test_first_measurement_replaces_the_start_up_figure():
     """The probe's (or start-up profile's) figure is a prior: the first round's sample replaces it,
     later samples are averaged in."""
     node = _node_with()
-    node._measured = set()
-    node._update_links(SimpleNamespace(upload=LinkSample(6000, 2.0, 1), download=None))
-    assert node.ema.upload_bps == 3000.0 and node._measured == {"up"}
-    node._update_links(SimpleNamespace(upload=LinkSample(1000, 1.0, 1), download=None))
+    node.measured = set()
+    node.update_links(SimpleNamespace(upload=LinkSample(6000, 2.0, 1), download=None))
+    assert node.ema.upload_bps == 3000.0 and node.measured == {"up"}
+    node.update_links(SimpleNamespace(upload=LinkSample(1000, 1.0, 1), download=None))
     assert node.ema.upload_bps == 0.5 * 1000.0 + 0.5 * 3000.0
-    node._update_throughput(8, SimpleNamespace(tokens=512, compute_s=4.0))
+    node.update_throughput(8, SimpleNamespace(tokens=512, compute_s=4.0))
     assert node.ema.tokens_per_s == {8: 128.0}
-    node._update_throughput(8, SimpleNamespace(tokens=512, compute_s=2.0))
+    node.update_throughput(8, SimpleNamespace(tokens=512, compute_s=2.0))
     assert node.ema.tokens_per_s == {8: 0.5 * 256.0 + 0.5 * 128.0}
 
 
@@ -207,11 +209,11 @@ def test_announced_throughput_grows_at_most_2x_per_round():
     moves its announced tokens/s by at most MAX_TPS_GROWTH_PER_UPDATE (2x) per round, the first
     measurement included; slowing down is taken as measured."""
     node = _node_with()
-    node._measured = set()
+    node.measured = set()
     for expected in (200.0, 400.0, 800.0):
-        node._update_throughput(8, SimpleNamespace(tokens=204_800, compute_s=1e-3))
+        node.update_throughput(8, SimpleNamespace(tokens=204_800, compute_s=1e-3))
         assert node.ema.tokens_per_s == {8: expected}
-    node._update_throughput(8, SimpleNamespace(tokens=80, compute_s=1.0))
+    node.update_throughput(8, SimpleNamespace(tokens=80, compute_s=1.0))
     assert node.ema.tokens_per_s == {8: 0.5 * 80.0 + 0.5 * 800.0}
 
 

@@ -10,9 +10,11 @@ import re
 import pytest
 
 from geomesh_p2p.net.identity import Identity
-from geomesh_p2p.node.peer import NodeConfig, PeerNode, RunConfig
+from geomesh_p2p.config.models import NodeConfig, RunConfig
+from geomesh_p2p.round.rules import PlanRules
 from geomesh_p2p.schema.peer import PeerRecord
 from tests.records_util import peer_record
+from tests.rules_util import make_rules
 from geomesh_p2p.plan.agree import PlanDeferred
 
 pytestmark = pytest.mark.timeout(60)
@@ -22,12 +24,9 @@ def _rec(ident: Identity, addr) -> PeerRecord:
     return peer_record(ident, address=addr, round=0, weights_digest="d")
 
 
-def _policy_node() -> PeerNode:
-    node = PeerNode.__new__(PeerNode)  # the round rules only: no transport, no model
-    node.run_cfg, node.cfg = RunConfig(window_s=6.0), NodeConfig()
-    node.numel, node.round, node.digest, node.me = 1_000_000, 0, "d", None
-    node._owner_penalty = {}
-    return node
+def _policy_node() -> PlanRules:
+    """The node's planning rules only: no transport, no model."""
+    return make_rules(RunConfig(window_s=6.0), NodeConfig(), numel=1_000_000, digest="d").planning
 
 
 def test_a_lone_client_only_peer_waits_with_one_line_per_state_change(caplog):
@@ -36,13 +35,13 @@ def test_a_lone_client_only_peer_waits_with_one_line_per_state_change(caplog):
     alone = [_rec(me, None)]  # nobody can dial it: client-only
     with caplog.at_level(logging.INFO, logger="geomesh_p2p"):
         for r in range(5):  # five retries of the driver: one line
-            node.round = r
+            node.state.round = r
             with pytest.raises(PlanDeferred):
                 node.make_plan(alone, alone[0].peer_id)
         other = _rec(Identity.generate(), "127.0.0.1:7001")
-        node.round = 5
+        node.state.round = 5
         plan = node.make_plan(alone + [other], alone[0].peer_id)
-        node.round = 6
+        node.state.round = 6
         with pytest.raises(PlanDeferred):
             node.make_plan(alone, alone[0].peer_id)
     names = {logging.INFO: "INFO", logging.WARNING: "WARNING"}

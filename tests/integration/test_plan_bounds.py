@@ -22,6 +22,7 @@ from geomesh_p2p.model.capability import MAX_TPS_GROWTH_PER_UPDATE, ThroughputEM
 from geomesh_p2p.net.identity import Identity
 from geomesh_p2p.telemetry.metrics import RoundLog, RoundRecord, format_row, json_safe
 from geomesh_p2p.node.peer import NodeConfig, PeerNode, RunConfig
+from geomesh_p2p.round.rules import Reprofiler
 from geomesh_p2p.model.optim import OuterNesterov, SyncAdamW
 from geomesh_p2p.plan.assign import partition
 from geomesh_p2p.plan.awb import plan_round
@@ -303,7 +304,7 @@ def test_the_rogue_leader_plan_and_its_variants_are_refused():
 
 
 def test_a_follower_refuses_the_rogue_plan_before_following_it():
-    """Through PeerNode._plan_problem (what obtain_plan's accept= calls): the rogue plan of the issue
+    """Through the node's PlanRules.plan_problem (what obtain_plan's accept= calls): the rogue plan of the issue
     is refused with a one-line reason; the node's own honest plan for the same records is not."""
     run = RunConfig(seq_len=32, window_s=5.0)
     ids = [Identity.generate() for _ in range(4)]
@@ -314,9 +315,9 @@ def test_a_follower_refuses_the_rogue_plan_before_following_it():
     node = PeerNode(run, NodeConfig(), identity=ids[0])
     node.numel, node.round, node.digest = 200_000, 0, "d"
     live = by_id(recs)
-    plan = node._make_plan(recs, recs[0].peer_id)
-    assert node._plan_problem(plan, live) is None
-    reason = node._plan_problem(rogue_of(plan, recs[0].peer_id, H=run.max_inner_steps), live)
+    plan = node.planning.build_plan(recs, recs[0].peer_id)
+    assert node.policy.plan_problem(plan, live) is None
+    reason = node.planning.plan_problem(rogue_of(plan, recs[0].peer_id, H=run.max_inner_steps), live)
     assert reason is not None and "\n" not in reason
 
 
@@ -415,7 +416,7 @@ def test_node_evidence_is_tokens_delivered_over_planned_compute():
         ]
     )
     ar = SimpleNamespace(contributors={0: [("a", 1000), ("b", 400)], 1: [("a", 1000), ("b", 800)]})
-    assert PeerNode._delivered_rates(plan, ar) == {"a": 500.0, "b": 200.0}  # c delivered nothing
+    assert Reprofiler.delivered_rates(plan, ar) == {"a": 500.0, "b": 200.0}  # c delivered nothing
 
 
 def test_throughput_ema_growth_bound():
@@ -518,7 +519,7 @@ def test_outer_step_skips_parts_whose_aggregate_or_result_is_not_finite(make_out
     clean = theta.clone()
     ref.step(clean, torch.full((12,), 0.01), round=0)
     with caplog.at_level("WARNING", logger="geomesh_p2p.node.peer"), events.capture("outer_step_skipped") as skips:
-        node._outer_step(0, plan, agg)
+        node.outer_rule.apply(0, plan, agg)
     assert torch.equal(node.theta[:4], clean[:4])  # part a stepped as usual
     skipped = [(4, 8), (8, 12)]  # Nesterov: buf + g overflows; AdamW: v = g^2 overflows
     for s, e in skipped:  # untouched: weights and every optimizer-state slice
@@ -571,7 +572,7 @@ def test_a_peer_whose_training_diverges_contributes_nothing_and_keeps_going(monk
     node.peers = fake_peers
     node.transport = SimpleNamespace(stats=SimpleNamespace(snapshot=lambda: (0, 0)))
     node.collective = SimpleNamespace(all_reduce=fake_all_reduce)
-    node._collective_spec = lambda p: "spec"
+    node.policy.collective_spec = lambda p: "spec"  # type: ignore[method-assign]
     from geomesh_p2p.round import RoundDriver  # the finish phase is the round driver's (issue 13)
 
     monkeypatch.setattr(
@@ -666,26 +667,21 @@ def test_a_leader_may_bar_a_minority_of_owners_but_not_make_itself_sole_owner():
 def test_penalties_hold_whoever_leads(monkeypatch):
     """Adversarial review: a peer under a no-show / owner penalty led a round and gave itself 64% of the
     model again. Followers now refuse such a plan (the next leader takes over)."""
-    from geomesh_p2p.node.peer import NodeConfig, PeerNode, RunConfig
+    from geomesh_p2p.config.models import NodeConfig, RunConfig
+    from tests.rules_util import make_rules
 
     recs = [rec(x, 1000.0, up_mbit=100.0) for x in ("p0", "p1", "p2")]
     cfg = PlanConfig(seq_len=8, target_batch=4, payload_bytes=1000, window_s=5.0, mode="relay")
     plan = plan_round(recs, cfg, numel=3000, **KW)  # led by p0, which owns a part
-    node = PeerNode.__new__(PeerNode)
-    node.run_cfg, node.cfg, node.numel, node.round, node.me = (
-        RunConfig(seq_len=8, window_s=5.0),
-        NodeConfig(),
-        3000,
-        5,
-        "p1",
-    )
-    node._owner_penalty, node._noshow_penalty = {}, {"p0": 7}
+    rules = make_rules(RunConfig(seq_len=8, window_s=5.0), NodeConfig(), numel=3000, round=5, me="p1")
+    node, pens = rules.planning, rules.penalties
+    pens.owner, pens.noshow = {}, {"p0": 7}
     live = by_id(recs)
     monkeypatch.setattr("geomesh_p2p.trust.probation.marking_problem", lambda *a, **k: None)
     monkeypatch.setattr("geomesh_p2p.plan.planner.check_plan", lambda *a, **k: None)
     monkeypatch.setattr(time, "time", lambda: T0)
-    assert "its leader p0 contributed to no part recently" in node._plan_problem(plan, live)
-    node._noshow_penalty, node._owner_penalty = {}, {"p0": 9}
-    assert "it gives a part to p0, whose part had no valid result" in node._plan_problem(plan, live)
-    node._owner_penalty = {}
-    assert node._plan_problem(plan, live) is None
+    assert "its leader p0 contributed to no part recently" in node.plan_problem(plan, live)
+    pens.noshow, pens.owner = {}, {"p0": 9}
+    assert "it gives a part to p0, whose part had no valid result" in node.plan_problem(plan, live)
+    pens.owner = {}
+    assert node.plan_problem(plan, live) is None

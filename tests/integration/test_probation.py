@@ -17,10 +17,12 @@ from geomesh_p2p.telemetry import events
 from geomesh_p2p.trust import probation as pb
 from geomesh_p2p.exchange import CollectiveSpec, PartOwner
 from geomesh_p2p.net.identity import Identity
-from geomesh_p2p.node.peer import NodeConfig, PeerNode, RunConfig
+from geomesh_p2p.config.models import NodeConfig, RunConfig
+from geomesh_p2p.round.policy import NodeRoundPolicy
 from geomesh_p2p.plan.planner import check_plan, make_plan
 from geomesh_p2p.schema.peer import PeerRecord
 from tests.records_util import peer_record
+from tests.rules_util import make_rules
 from geomesh_p2p.round import LEADER_WAIT_CANDIDATES, PlanStore, leader_order, obtain_plan, takeover_delay
 from geomesh_p2p.trust.standing import Standing, attest_key
 
@@ -54,18 +56,13 @@ def _swarm(n_honest=3, n_sybils=30, delivered=5):
     return hon, honest, sybils
 
 
-def _node(me: str, *, round=5, credited=(), standing=None) -> PeerNode:
-    node = PeerNode.__new__(PeerNode)
-    node.run_cfg, node.cfg = RUN, NodeConfig()
-    node.numel, node.round, node.digest, node.me = 200_000, round, "d", me
-    node._owner_penalty = {}
-    node._noshow_penalty = {}
+def _node(me: str, *, round=5, credited=(), standing=None) -> NodeRoundPolicy:
+    """The round rules of peer ``me`` at ``round`` (a 200k-parameter model), its ledger crediting ``credited``."""
     if standing is None:
         standing = Standing()
         for r, ids in credited:
             standing.credit(r, ids)
-    node.standing = standing
-    return node
+    return make_rules(RUN, NodeConfig(), me=me, round=round, digest="d", numel=200_000, standing=standing)
 
 
 def _trained_node(honest, me=None, rounds=5):
@@ -77,7 +74,7 @@ def _trained_node(honest, me=None, rounds=5):
 def test_thirty_new_identities_get_one_probation_slot_no_part_and_a_bounded_budget():
     _, honest, sybils = _swarm()
     node = _trained_node(honest)
-    plan = node._make_plan(honest + sybils, honest[0].peer_id)
+    plan = node.planning.build_plan(honest + sybils, honest[0].peer_id)
     assert len(plan.participants()) == 4, len(plan.participants())  # before probation: 33
     assert set(plan.established()) == {r.peer_id for r in honest}
     [sybil] = plan.probation()
@@ -88,13 +85,14 @@ def test_thirty_new_identities_get_one_probation_slot_no_part_and_a_bounded_budg
     # Every honest peer (same ledger) picks the same Sybil, and follows the plan.
     for other in honest[1:]:
         o = _trained_node(honest, me=other.peer_id)
-        assert o._make_plan(honest + sybils, other.peer_id).probation() == [sybil]
+        assert o.planning.build_plan(honest + sybils, other.peer_id).probation() == [sybil]
         live = {r.peer_id: r for r in honest + sybils}
-        o.numel = plan.numel
-        assert o._plan_problem(plan, live) is None
+        o.state.numel = plan.numel
+        assert o.planning.plan_problem(plan, live) is None
     # Another round, another slot (a Sybil cannot pick its slot; rendezvous hash per round).
     picks = {
-        pb.select_probation("run", r, node._standing_view(honest), [s.peer_id for s in sybils], 1)[0] for r in range(20)
+        pb.select_probation("run", r, node.planning.standing_view(honest), [s.peer_id for s in sybils], 1)[0]
+        for r in range(20)
     }
     assert len(picks) > 5
 
@@ -107,26 +105,26 @@ def test_more_established_peers_open_more_slots_and_a_newcomer_that_delivered_ke
     # the newcomer delivered in round 4 only: standing 1 < 3, but ahead of 30 zero-standing identities
     node = _node(ids[0], credited=[(r, ids + ([newcomer.peer_id] if r == 4 else [])) for r in range(5)])
     for _ in range(3):
-        plan = node._make_plan(honest + sybils + [newcomer], ids[0])
+        plan = node.planning.build_plan(honest + sybils + [newcomer], ids[0])
         assert plan.probation() == [newcomer.peer_id]
-        node.round += 1
+        node.state.round += 1
 
 
 def test_a_fresh_swarm_plans_everyone_established_exactly_as_before():
     ids = [Identity.generate() for _ in range(3)]
     recs = [_rec(i, 7000 + k, round=0) for k, i in enumerate(ids)]
     node = _node(recs[0].peer_id, round=0)  # nobody has standing yet
-    node.run_cfg = RunConfig(seq_len=32, window_s=5.0)
-    plan = node._make_plan(recs, recs[0].peer_id)
+    node.planning.run_cfg = RunConfig(seq_len=32, window_s=5.0)
+    plan = node.planning.build_plan(recs, recs[0].peer_id)
     assert plan.probation() == [] and len(plan.participants()) == 3
-    cfg = node._plan_config(3)
+    cfg = node.planning.plan_config(3)
     plain = make_plan(
         recs,
         cfg,
         run_id=RUN.run_id,
         round=0,
         leader=recs[0].peer_id,
-        numel=node.numel,
+        numel=node.state.numel,
         start_time=plan.created_at,
         start_digest="d",
     )
@@ -134,7 +132,7 @@ def test_a_fresh_swarm_plans_everyone_established_exactly_as_before():
     # round 1: those who delivered round 0 are established (threshold min(K, r) = 1), a late joiner is not
     late = _rec(Identity.generate(), 7200, round=1)
     node = _node(recs[0].peer_id, round=1, credited=[(0, [r.peer_id for r in recs])])
-    assert node._make_plan(recs + [late], recs[0].peer_id).probation() == [late.peer_id]
+    assert node.planning.build_plan(recs + [late], recs[0].peer_id).probation() == [late.peer_id]
 
 
 def test_a_view_fills_missed_rounds_from_attestations_of_peers_it_saw_deliver():
@@ -169,25 +167,25 @@ def test_followers_refuse_a_probation_leader_and_sybils_planned_as_established()
     live = {r.peer_id: r for r in honest + sybils}
     # a Sybil leading, even with an honest-looking plan
     rogue = _trained_node(honest)
-    rogue.me = sybils[0].peer_id
-    plan = rogue._make_plan(honest + sybils, sybils[0].peer_id)
-    reason = node._plan_problem(plan, live)
+    rogue.state.me = sybils[0].peer_id
+    plan = rogue.planning.build_plan(honest + sybils, sybils[0].peer_id)
+    reason = node.planning.plan_problem(plan, live)
     assert reason is not None and "probation" in reason, reason
     # an honest leader whose view was fooled: Sybils planned as established
     fooled = _node(honest[1].peer_id)  # empty ledger, sees Sybil vouches
-    fooled.standing = Standing()
-    plan = fooled._make_plan(honest + sybils[:3], honest[1].peer_id)
-    reason = node._plan_problem(plan, live)
+    fooled.state.standing = Standing()
+    plan = fooled.planning.build_plan(honest + sybils[:3], honest[1].peer_id)
+    reason = node.planning.plan_problem(plan, live)
     assert reason is not None and "as established" in reason, reason
     # too many on probation for the established ones, whatever the view
-    cfg = node._plan_config(5)
+    cfg = node.planning.plan_config(5)
     plan = make_plan(
         honest + sybils[:2],
         cfg,
         run_id=RUN.run_id,
         round=5,
         leader=honest[0].peer_id,
-        numel=node.numel,
+        numel=node.state.numel,
         start_time=time.time(),
         start_digest="d",
         probation=[s.peer_id for s in sybils[:2]],
@@ -198,10 +196,10 @@ def test_followers_refuse_a_probation_leader_and_sybils_planned_as_established()
 
 def test_a_late_joiner_follows_the_honest_plan():
     _, honest, sybils = _swarm()
-    plan = _trained_node(honest)._make_plan(honest + sybils, honest[0].peer_id)
+    plan = _trained_node(honest).planning.build_plan(honest + sybils, honest[0].peer_id)
     joiner = _node(str(Identity.generate().peer_id))
     live = {r.peer_id: r for r in honest + sybils}
-    assert joiner._plan_problem(plan, live) is None
+    assert joiner.planning.plan_problem(plan, live) is None
 
 
 # ------------------------------------------------------------------------------------ quorum and early close
@@ -263,32 +261,34 @@ async def test_owners_close_parts_a_grace_after_the_established_pushed_not_at_th
 def test_a_planned_peer_that_contributed_nothing_is_not_planned_for_a_while():
     _, honest, sybils = _swarm(n_sybils=2)
     node = _trained_node(honest)
-    plan = node._make_plan(honest + sybils, honest[0].peer_id)
+    plan = node.planning.build_plan(honest + sybils, honest[0].peer_id)
     [sybil] = plan.probation()
     ar = SimpleNamespace(contributors={0: [(r.peer_id, 100) for r in honest]})
-    node._note_no_shows(plan, ar)
-    node.round += 1
-    nxt = node._make_plan(honest + sybils, honest[0].peer_id)
+    node.penalties.note_no_shows(plan, ar)
+    node.state.round += 1
+    nxt = node.planning.build_plan(honest + sybils, honest[0].peer_id)
     assert sybil not in nxt.participants() and len(nxt.participants()) == 4  # the other Sybil's turn
-    node.round += pb.PROBATION_NOSHOW_PENALTY_ROUNDS
+    node.state.round += pb.PROBATION_NOSHOW_PENALTY_ROUNDS
     assert (
         sybil
-        in node._make_plan([*honest, next(s for s in sybils if s.peer_id == sybil)], honest[0].peer_id).participants()
+        in node.planning.build_plan(
+            [*honest, next(s for s in sybils if s.peer_id == sybil)], honest[0].peer_id
+        ).participants()
     )
     # an established no-show: shorter, and it is no leader candidate meanwhile
     node = _trained_node(honest)
     ar = SimpleNamespace(contributors={0: [(r.peer_id, 100) for r in honest[:2]]})
-    node._note_no_shows(node._make_plan(honest, honest[0].peer_id), ar)
-    assert node._noshows() == {honest[2].peer_id: 5 + pb.NOSHOW_PENALTY_ROUNDS}
-    node.round = 6
-    assert honest[2].peer_id not in node._make_plan(honest, honest[0].peer_id).participants()
+    node.penalties.note_no_shows(node.planning.build_plan(honest, honest[0].peer_id), ar)
+    assert node.penalties.noshows() == {honest[2].peer_id: 5 + pb.NOSHOW_PENALTY_ROUNDS}
+    node.state.round = 6
+    assert honest[2].peer_id not in node.planning.build_plan(honest, honest[0].peer_id).participants()
     assert honest[2].peer_id not in pb.leader_candidates(
-        node._standing_view(honest), [r.peer_id for r in honest], node._noshows()
+        node.planning.standing_view(honest), [r.peer_id for r in honest], node.penalties.noshows()
     )
     # nothing is concluded from a round without any part result
     node = _trained_node(honest)
-    node._note_no_shows(node._make_plan(honest, honest[0].peer_id), SimpleNamespace(contributors={}))
-    assert node._noshows() == {}
+    node.penalties.note_no_shows(node.planning.build_plan(honest, honest[0].peer_id), SimpleNamespace(contributors={}))
+    assert node.penalties.noshows() == {}
 
 
 # ------------------------------------------------------------------------------------ leader candidates
@@ -296,9 +296,9 @@ def test_leader_candidates_are_the_established_members():
     _, honest, sybils = _swarm()
     node = _trained_node(honest)
     ids = [r.peer_id for r in honest + sybils]
-    assert set(pb.leader_candidates(node._standing_view(honest + sybils), ids)) == {r.peer_id for r in honest}
+    assert set(pb.leader_candidates(node.planning.standing_view(honest + sybils), ids)) == {r.peer_id for r in honest}
     fresh = _node(honest[0].peer_id, round=0)
-    assert set(pb.leader_candidates(fresh._standing_view(honest), [r.peer_id for r in honest])) == {
+    assert set(pb.leader_candidates(fresh.planning.standing_view(honest), [r.peer_id for r in honest])) == {
         r.peer_id for r in honest
     }
 
@@ -372,18 +372,18 @@ def test_a_newcomer_that_downloaded_a_lone_peers_state_follows_it_and_sees_it_es
     assert lone.attestations(exclude=pa) == {} and lone.attestations(exclude=pa, own=True) == {attest_key(pa): 6}
     recs = [_rec(a, 7000, round=6, standing=lone.attestations(exclude=pa, own=True)), _rec(b, 7001, round=6)]
     newcomer = _node(pb_, round=6)
-    view = newcomer._standing_view(recs)
+    view = newcomer.planning.standing_view(recs)
     assert (view.score(pa), view.established(pa), view.score(pb_), view.established(pb_)) == (6, True, 0, False)
     assert newcomer.leader_candidates(recs, {r.peer_id: r for r in recs})[1] == [pa]
     # the leader's view agrees: b on probation, a the only candidate; b follows a's plan
     leader = _node(pa, round=6, standing=lone)
     assert leader.leader_candidates(recs, {r.peer_id: r for r in recs})[1] == [pa]
-    plan = leader._make_plan(recs, pa)
+    plan = leader.planning.build_plan(recs, pa)
     assert plan.probation() == [pb_]
-    assert newcomer._plan_problem(plan, {r.peer_id: r for r in recs}) is None
+    assert newcomer.planning.plan_problem(plan, {r.peer_id: r for r in recs}) is None
     # without a's own attestation b still never ranks itself: it sees nobody established and follows
     bare = [recs[0].model_copy(update={"standing": {}}), recs[1]]
-    assert not any(newcomer._standing_view(bare).established(p) for p in (pa, pb_))
+    assert not any(newcomer.planning.standing_view(bare).established(p) for p in (pa, pb_))
     assert newcomer.leader_candidates(bare, {r.peer_id: r for r in bare})[1] == [pa]
     # a lone member still leads (nobody else could)
     assert newcomer.leader_candidates(bare[1:], {pb_: bare[1]})[1] == [pb_]
@@ -395,7 +395,7 @@ def test_own_attestations_never_establish_an_identity_this_node_did_not_see_deli
     hon, honest, sybils = _swarm()
     selfish = [x.model_copy(update={"standing": {**x.standing, attest_key(x.peer_id): 32}}) for x in sybils]
     node = _trained_node(honest)
-    view = node._standing_view(honest + selfish)
+    view = node.planning.standing_view(honest + selfish)
     assert not any(view.established(x.peer_id) or view.plausible(x.peer_id) for x in selfish)
     assert node.leader_candidates(honest + selfish, {r.peer_id: r for r in honest + selfish})[1] == sorted(
         r.peer_id for r in honest

@@ -12,7 +12,7 @@ import torch
 
 from geomesh_p2p.net.identity import Identity
 from geomesh_p2p.model.optim import OuterNesterov
-from geomesh_p2p.round.policy import outer_step_per_part
+from geomesh_p2p.model.optim import outer_step_per_part
 from geomesh_p2p.model.state import GlobalState
 from geomesh_p2p.sync.download import download_state
 from geomesh_p2p.sync import server as state_server

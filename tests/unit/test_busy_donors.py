@@ -1,4 +1,4 @@
-"""NodeRoundPolicy._watch_busy_donors (docs/round.md, "Donors busy with their own round"): the donors'
+"""StateSync._watch_busy_donors (docs/round.md, "Donors busy with their own round"): the donors'
 busy windows read from the plans while a sync runs. Review: the horizon cap was re-read from "now" every
 refresh, so a rogue plan with a far exchange deadline (which every follower refuses) kept its participants
 "busy" for as long as it stayed in the DHT, and, ranked first, hid the round's real plan."""
@@ -11,9 +11,9 @@ from types import SimpleNamespace
 import pytest
 
 from geomesh_p2p.net.swarm_time import swarm_time
-from geomesh_p2p.node.peer import PeerNode
+from geomesh_p2p.round.rules import RoundState, StateSync
 from geomesh_p2p.plan.agree import leader_rank
-from geomesh_p2p.round.policy import plan_horizon_s
+from geomesh_p2p.round.rules import plan_horizon_s
 
 pytestmark = pytest.mark.timeout(20)
 RUN = "busy-test"
@@ -40,21 +40,25 @@ async def test_a_plan_with_deadlines_followers_refuse_marks_no_donor_busy_nor_hi
             _plan(honest, 4, now + 2.0, now + 6.0, ["d2"]),
         ]
     }
-    node = PeerNode.__new__(PeerNode)
-    node.round, node._stop = 4, asyncio.Event()
-    node.run_cfg = SimpleNamespace(run_id=RUN, window_s=window)
+    stop = asyncio.Event()
     reads = []
 
     async def read(rnd, accept=None, seen=None):
         reads.append(rnd)
         if len(reads) == 2:  # both rounds read once: the watcher ends after this pass
-            node._stop.set()
+            stop.set()
         return plans.get(rnd, [])
 
     async def peers(include_leaving=False):
         return []
 
-    node.plans, node.peers = SimpleNamespace(read=read), peers
+    node = StateSync(
+        SimpleNamespace(run_id=RUN, window_s=window),
+        RoundState(round=4),
+        stop,
+        peers=peers,
+        plans=lambda: SimpleNamespace(read=read),  # type: ignore[arg-type,return-value]
+    )
     busy: dict[str, float] = {}
     await asyncio.wait_for(node._watch_busy_donors(busy), 10)
     assert reads == [4, 5]

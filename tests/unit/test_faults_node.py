@@ -12,7 +12,7 @@ import torch
 
 from geomesh_p2p.net import swarm_time as clock
 from geomesh_p2p.telemetry import events
-from geomesh_p2p.node import peer as node_mod
+from geomesh_p2p.node import joining as joining_mod
 from geomesh_p2p.model import state as gstate
 from geomesh_p2p.dht import IncompatibleSwarmError
 from geomesh_p2p.dht.state import Reachability
@@ -85,19 +85,19 @@ def _empty_swarm_node(monkeypatch, progress, peers_seq=(), **cfg):
         assert dht is node.dht and run_id == node.run_cfg.run_id
         return progress
 
-    monkeypatch.setattr(node_mod, "swarm_progress", fake_progress)
+    monkeypatch.setattr(joining_mod, "swarm_progress", fake_progress)
     calls = {"peers": 0, "catch_up": 0, "set_state": []}
     seq = list(peers_seq)
 
     async def peers(include_leaving=False):
         calls["peers"] += 1
-        return [node_mod.PeerNode._placeholder_record(node)] + (seq.pop(0) if len(seq) > 1 else seq[0] if seq else [])
+        return [joining_mod.placeholder_record(node)] + (seq.pop(0) if len(seq) > 1 else seq[0] if seq else [])
 
     async def catch_up():
         calls["catch_up"] += 1
 
     node.peers = peers
-    node._catch_up = catch_up
+    node.resync.catch_up = catch_up  # type: ignore[method-assign]
     node._set_state = lambda rnd, theta, mom: calls["set_state"].append((rnd, theta.clone(), mom.clone()))
     node.digest = "cd" * 32
     return node, calls
@@ -152,14 +152,14 @@ async def test_empty_swarm_resume_takes_the_newest_checkpoint(monkeypatch, tmp_p
 
 
 async def test_empty_swarm_wait_polls_until_a_peer_is_back_then_catches_up(monkeypatch):
-    monkeypatch.setattr(node_mod, "EMPTY_SWARM_POLL_MAX_S", 1.0)
+    monkeypatch.setattr(joining_mod, "EMPTY_SWARM_POLL_MAX_S", 1.0)
     waits = []
 
     async def no_wait(event, seconds):  # the backoff's pauses, recorded instead of slept
         waits.append(seconds)
         return event.is_set()
 
-    monkeypatch.setattr(node_mod, "wait_event", no_wait)
+    monkeypatch.setattr(joining_mod, "wait_event", no_wait)
     back = [_rec("PeerBack", 9)]
     node, calls = _empty_swarm_node(monkeypatch, _progress(7), peers_seq=[[], [], back])
     with events.capture() as said:
@@ -188,7 +188,7 @@ async def test_empty_swarm_of_another_run_config_fails_at_once_instead_of_waitin
     async def no_wait(event, seconds):  # the backoff's pauses, not slept
         return event.is_set()
 
-    monkeypatch.setattr(node_mod, "wait_event", no_wait)
+    monkeypatch.setattr(joining_mod, "wait_event", no_wait)
     await asyncio.wait_for(node._on_empty_swarm(), 10)  # the same config: waits, then catches up
     assert calls["catch_up"] == 1
 

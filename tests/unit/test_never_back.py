@@ -15,7 +15,7 @@ import torch
 from geomesh_p2p.telemetry import events
 from geomesh_p2p.sync import download as ss
 from geomesh_p2p.net.identity import Identity
-from geomesh_p2p.node.peer import PeerNode
+from geomesh_p2p.round.rules import RoundState, StateSync
 from geomesh_p2p.schema.peer import PeerRecord
 from geomesh_p2p.trust.standing import Standing, attest_key, would_adopt
 from tests.records_util import peer_record
@@ -38,17 +38,11 @@ def _rec(pid, *, round, digest, port, attests=None, leaving=False) -> PeerRecord
     )
 
 
-def _node(me: str, standing: Standing, records: list, monkeypatch, *, round=9, digest="r9") -> tuple[PeerNode, list]:
-    """A node holding the state of ``round`` (``digest``) whose records are ``records``; downloads are faked
-    (they return the state asked for) and listed."""
-    node = PeerNode.__new__(PeerNode)
-    node.me, node.standing, node.history = me, standing, [object()]
-    node.round, node.digest = round, digest
-    node.gstate = SimpleNamespace(round=round, digest=digest)
-    node._stop, node._syncing, node._sync_meter = asyncio.Event(), False, None
-    node.transport, node.numel, node.state_numel = None, 2, 2
-    node.dht = SimpleNamespace(advertised_address="127.0.0.1:7009")  # the address its record names
-    node.announcer = SimpleNamespace(update=lambda fn: None)
+def _node(me: str, standing: Standing, records: list, monkeypatch, *, round=9, digest="r9") -> tuple[StateSync, list]:
+    """The re-sync rules of a node holding the state of ``round`` (``digest``) whose records are ``records``;
+    downloads are faked (they return the state asked for) and listed."""
+    state = RoundState(me=me, round=round, digest=digest, numel=2, state_numel=2, standing=standing, history=[object()])
+    gstate = SimpleNamespace(round=round, digest=digest)
     downloads = []
 
     async def peers(include_leaving=False):
@@ -58,15 +52,25 @@ def _node(me: str, standing: Standing, records: list, monkeypatch, *, round=9, d
         pass
 
     def set_state(rnd, theta, momentum):
-        node.round, node.digest = rnd, f"r{rnd}"
-        node.gstate.round, node.gstate.digest = rnd, f"r{rnd}"
+        state.round, state.digest = rnd, f"r{rnd}"
+        gstate.round, gstate.digest = rnd, f"r{rnd}"
 
     async def fake_download(transport, donors, *, round, numel, expected_digest, state_numel=None, **kw):
         downloads.append((round, expected_digest))
         return ss.Snapshot(round, torch.zeros(2), torch.zeros(2), expected_digest)
 
     monkeypatch.setattr(ss, "download_state", fake_download)
-    node.peers, node.announce, node._set_state = peers, announce, set_state
+    node = StateSync(
+        SimpleNamespace(run_id="never-back", window_s=None),
+        state,
+        asyncio.Event(),
+        peers=peers,
+        announce=announce,
+        set_state=set_state,
+        gstate=lambda: gstate,  # type: ignore[arg-type,return-value]
+        address=lambda: "127.0.0.1:7009",  # the address its record names
+    )
+    node.gstate = gstate  # type: ignore[attr-defined]  # what the tests read back
     return node, downloads
 
 
@@ -81,12 +85,12 @@ async def test_a_peer_holding_round_9_keeps_it_when_the_only_live_peer_is_at_rou
     ledger.credit(0, [p0, p1, p2, p3])
     r3 = _rec(p3, round=5, digest="r5", port=7003, attests={p0: 2, p1: 2, p2: 1, p3: 1})
     node, downloads = _node(p2, ledger, [r3], monkeypatch)
-    assert node._state_vote([r3]).choice.round == 5  # the vote that took P2 back in rs7
+    assert node.state_vote([r3]).choice.round == 5  # the vote that took P2 back in rs7
     with events.capture("older_state_declined") as declined, events.capture("older_state_adopted") as adopted:
-        await node._catch_up()
-        await node._catch_up()  # a catch-up retried: one line, not one per attempt
+        await node.catch_up()
+        await node.catch_up()  # a catch-up retried: one line, not one per attempt
     assert downloads == [] and adopted == []
-    assert (node.round, node.digest, node.gstate.round) == (9, "r9", 9)
+    assert (node.state.round, node.state.digest, node.gstate.round) == (9, "r9", 9)
     [e] = declined
     assert (e["peer"], e["round"], e["digest"], e["held_round"], e["held_digest"]) == (p2, 5, "r5", 9, "r9")
     assert "would adopt this peer's state" in e["reason"]
@@ -94,10 +98,14 @@ async def test_a_peer_holding_round_9_keeps_it_when_the_only_live_peer_is_at_rou
     p3_ledger = Standing()
     p3_ledger.credit(0, [p0, p1, p2, p3])
     p3_ledger.credit(2, [p0, p1])
-    p3_node = PeerNode.__new__(PeerNode)
-    p3_node.me, p3_node.standing, p3_node.history, p3_node.round, p3_node.digest = p3, p3_ledger, [1], 5, "r5"
+    p3_node = StateSync(
+        SimpleNamespace(run_id="never-back", window_s=None),
+        RoundState(me=p3, standing=p3_ledger, history=[1], round=5, digest="r5"),
+        asyncio.Event(),
+        peers=lambda include_leaving=False: asyncio.sleep(0, []),
+    )
     r2 = _rec(p2, round=9, digest="r9", port=7009, attests={p0: 1, p1: 1, p3: 1})
-    assert p3_node._swarm_round([r2]) == 9
+    assert p3_node.swarm_round([r2]) == 9
 
 
 async def test_a_live_peer_at_a_newer_round_is_waited_for(monkeypatch):
@@ -113,8 +121,8 @@ async def test_a_live_peer_at_a_newer_round_is_waited_for(monkeypatch):
     syncing = _rec(x, round=10, digest=None, port=7100)
     node, downloads = _node(me, ledger, behind + [syncing], monkeypatch)
     with events.capture("older_state_declined") as declined:
-        await node._catch_up()
-    assert downloads == [] and (node.round, node.digest) == (9, "r9")
+        await node.catch_up()
+    assert downloads == [] and (node.state.round, node.state.digest) == (9, "r9")
     assert [e["reason"].split(":")[0] for e in declined] == [f"1 live peer(s) announce round 9 or later ({x[:10]})"]
 
 
@@ -136,8 +144,8 @@ async def test_going_back_when_everybody_live_is_at_round_5_and_would_not_come_u
     mine = SimpleNamespace(peer_id=me, address="127.0.0.1:7009", round=9, weights_digest="r9", standing={})
     assert not any(would_adopt(r, [o for o in behind if o is not r] + [mine], 9, "r9") for r in behind)
     with events.capture("older_state_adopted") as adopted:
-        await node._catch_up()
-    assert downloads == [(5, "r5")] and (node.round, node.digest) == (5, "r5")
+        await node.catch_up()
+    assert downloads == [(5, "r5")] and (node.state.round, node.state.digest) == (5, "r5")
     [e] = adopted
     assert e["level"] == "WARNING"
     assert (e["round"], e["digest"], e["held_round"], e["held_digest"], sorted(e["live"])) == (

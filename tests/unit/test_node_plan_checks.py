@@ -7,11 +7,12 @@ import time
 import pytest
 
 from geomesh_p2p.net.identity import Identity
-from geomesh_p2p.node.peer import NodeConfig, PeerNode, RunConfig
+from geomesh_p2p.config.models import NodeConfig, RunConfig
 from geomesh_p2p.plan.awb import plan_round
 from geomesh_p2p.plan.schema import PlanConfig
 from geomesh_p2p.schema.peer import PeerRecord
 from tests.records_util import peer_record
+from tests.rules_util import make_rules
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -25,8 +26,7 @@ def node_and_plan():
     run = RunConfig(seq_len=32, window_s=5.0)
     ids = [Identity.generate() for _ in range(2)]
     recs = [_rec(ids[0], "127.0.0.1:1001"), _rec(ids[1], "127.0.0.1:1002")]
-    node = PeerNode(run, NodeConfig(), identity=ids[0])
-    node.numel = 5000
+    node = make_rules(run, NodeConfig(), me=str(ids[0].peer_id), numel=5000).planning
     cfg = PlanConfig(seq_len=32, target_batch=8, window_s=5.0, payload_bytes=1000, mode=run.mode, method=run.method)
     plan = plan_round(
         recs,
@@ -43,7 +43,7 @@ def node_and_plan():
 
 def test_a_sane_plan_is_accepted(node_and_plan):
     node, plan, live = node_and_plan
-    assert node._plan_problem(plan, live) is None
+    assert node.plan_problem(plan, live) is None
 
 
 def test_rogue_or_broken_plans_are_refused(node_and_plan):
@@ -59,21 +59,18 @@ def test_rogue_or_broken_plans_are_refused(node_and_plan):
     ]
     cases["its record says"] = plan.model_copy(update={"assignments": moved})
     for expected, bad in cases.items():
-        reason = node._plan_problem(bad, live)
+        reason = node.plan_problem(bad, live)
         assert reason is not None and expected in reason, (expected, reason)
 
 
 def _leader_plan_with_third_record(update: dict):
-    """The plan a leader's ``PeerNode._make_plan`` makes (6 s window, 10**6 parameters, round 0) over three
+    """The plan a leader's ``PlanRules.build_plan`` makes (6 s window, 10**6 parameters, round 0) over three
     fresh records, the third one's fields replaced by ``update``; returns ``(plan, records)``."""
     ids = [Identity.generate() for _ in range(3)]
     recs = [_rec(i, f"127.0.0.1:{7000 + k}") for k, i in enumerate(ids)]
     recs[2] = recs[2].model_copy(update=update)
-    node = PeerNode.__new__(PeerNode)
-    node.run_cfg, node.cfg = RunConfig(window_s=6.0), NodeConfig()
-    node.numel, node.round, node.digest = 1_000_000, 0, "d"
-    node._owner_penalty = {}
-    return node._make_plan(recs, recs[0].peer_id), recs
+    node = make_rules(RunConfig(window_s=6.0), NodeConfig(), numel=1_000_000, round=0, digest="d").planning
+    return node.build_plan(recs, recs[0].peer_id), recs
 
 
 def test_a_peer_too_slow_for_half_the_window_is_planned_out():
@@ -85,18 +82,17 @@ def test_a_peer_too_slow_for_half_the_window_is_planned_out():
 
 
 def test_one_record_alone_cannot_drag_a_peer_to_a_far_round():
-    """_swarm_round: the round most other peers announce (more than half of them), so a single forged
+    """StateSync.swarm_round: the round most other peers announce (more than half of them), so a single forged
     or unreachable record claiming round 10**15 is not taken as 'the swarm is ahead'."""
-    node = PeerNode.__new__(PeerNode)
-    node.me = "me"
+    node = make_rules(me="me").sync
     ids = [Identity.generate() for _ in range(3)]
     honest = [_rec(i, f"127.0.0.1:{7100 + k}").model_copy(update={"round": 5}) for k, i in enumerate(ids[:2])]
     forged = _rec(ids[2], "127.0.0.1:7199").model_copy(update={"round": 10**15})
-    assert node._swarm_round(honest + [forged]) == 5
-    assert node._swarm_round([honest[0], forged]) is None  # one each: no majority, nobody to follow
-    assert node._swarm_round([forged]) == 10**15  # a single other peer is followed (a 2-peer swarm)
+    assert node.swarm_round(honest + [forged]) == 5
+    assert node.swarm_round([honest[0], forged]) is None  # one each: no majority, nobody to follow
+    assert node.swarm_round([forged]) == 10**15  # a single other peer is followed (a 2-peer swarm)
     syncing = honest[1].model_copy(update={"weights_digest": None, "round": 9})
-    assert node._swarm_round([honest[0], syncing]) == 5  # peers without a digest are not counted
+    assert node.swarm_round([honest[0], syncing]) == 5  # peers without a digest are not counted
 
 
 def test_records_refuse_values_that_would_break_the_planner():

@@ -13,7 +13,8 @@ from geomesh_p2p.exchange.profile import measure_codec
 from geomesh_p2p.model.memory import release_freed_memory
 from geomesh_p2p.model.profile import profile_training
 from geomesh_p2p.plan import planner
-from geomesh_p2p.round.policy import EXCHANGE_COST_STEP, NodeRoundPolicy
+from geomesh_p2p.round.rules import EXCHANGE_COST_STEP
+from tests.rules_util import make_rules
 from geomesh_p2p.model.build import build_model, flat_params, pseudo_gradient
 
 pytestmark = pytest.mark.timeout(60)
@@ -76,40 +77,41 @@ def test_exchange_timeout_floor_and_safety():
 
 
 def _policy_node(cost, numel=150_000_000, n_mode="relay"):
-    node = NodeRoundPolicy.__new__(NodeRoundPolicy)
-    node.numel = numel
-    node.cfg = types.SimpleNamespace(plan_timeout_s=4.0)
-    node.run_cfg = types.SimpleNamespace(mode=n_mode, window_s=30.0)
-    node.ema = types.SimpleNamespace(upload_bps=1e8, download_bps=1e8)
-    node.codec_s_per_element = cost
-    return node
+    """The node's planning rules (exchange window) and re-profiling (exchange cost) over a ``numel`` model."""
+    return make_rules(
+        types.SimpleNamespace(mode=n_mode, window_s=30.0),
+        types.SimpleNamespace(plan_timeout_s=4.0),
+        numel=numel,
+        ema=types.SimpleNamespace(upload_bps=1e8, download_bps=1e8),
+        codec_s_per_element=cost,
+    )
 
 
 def test_exchange_window_grows_with_the_model_and_the_measured_cost():
     # llama-150m-sized vector, 3 peers, relay, 10 ns per pass: 3 x (2 x 1e8 B / 1e8 B/s + 1.5e8 x 1e-8 x 5)
     node = _policy_node(1e-8)
-    assert node._exchange_window(3, 100_000_000) == pytest.approx(3 * (2.0 + 7.5))
-    assert _policy_node(1e-8, numel=1_000)._exchange_window(3, 1_000) == 12.0  # tiny model: the floor
-    assert _policy_node(None)._exchange_window(3, 100_000_000) == 12.0  # not calibrated: the floor
+    assert node.planning.exchange_window(3, 100_000_000) == pytest.approx(3 * (2.0 + 7.5))
+    assert _policy_node(1e-8, numel=1_000).planning.exchange_window(3, 1_000) == 12.0  # tiny model: the floor
+    assert _policy_node(None).planning.exchange_window(3, 100_000_000) == 12.0  # not calibrated: the floor
     # a huge cost is capped at 90% of what followers accept for a 30 s window: 0.9 x (4 x 30 + 120) s
-    assert _policy_node(1e-6)._exchange_window(3, 100_000_000) == pytest.approx(216.0)
+    assert _policy_node(1e-6).planning.exchange_window(3, 100_000_000) == pytest.approx(216.0)
 
 
 def test_exchange_cost_ema_first_sample_replaces_then_bounded_steps(monkeypatch):
     now = [1000.0]
-    monkeypatch.setattr("geomesh_p2p.round.policy.swarm_time", lambda: now[0])
+    monkeypatch.setattr("geomesh_p2p.round.rules.profiling.swarm_time", lambda: now[0])
     node = _policy_node(1e-9, numel=1_000_000)
     spec = types.SimpleNamespace(round=0, participants={"a": 1, "b": 1, "c": 1}, mode="relay")
     link = types.SimpleNamespace(seconds=0.5)
     # 10 s call, the last contributor finished 2 s into it, 0.5 + 0.5 s on the network: 7 s of CPU over
     # 1e6 elements x 5 passes = 1.4 us per pass, clamped to 4 x the 1 ns calibration.
     ar = types.SimpleNamespace(wall_s=10.0, last_compute_end=now[0] - 8.0, upload=link, download=link)
-    node._update_exchange_cost(spec, ar)
-    assert node.codec_s_per_element == pytest.approx(1e-9 * EXCHANGE_COST_STEP)
+    node.profile.update_exchange_cost(spec, ar)
+    assert node.profile.codec_s_per_element == pytest.approx(1e-9 * EXCHANGE_COST_STEP)
     # then an EMA (alpha 0.5) of a sample within the step: 0.02 s of CPU -> 4 ns per pass
     ar2 = types.SimpleNamespace(wall_s=0.02, last_compute_end=0.0, upload=None, download=None)
-    node._update_exchange_cost(spec, ar2)
-    assert node.codec_s_per_element == pytest.approx(0.5 * 4e-9 + 0.5 * 4e-9)
+    node.profile.update_exchange_cost(spec, ar2)
+    assert node.profile.codec_s_per_element == pytest.approx(0.5 * 4e-9 + 0.5 * 4e-9)
 
 
 def test_measure_codec_is_a_positive_cost_per_element():
@@ -150,7 +152,7 @@ def test_build_training_profiles_the_model_in_place_and_holds_the_budget(monkeyp
         seen["before"] = flat_params(model)
         return real(model, seq_len, device, memory_bytes, **kw)
 
-    monkeypatch.setattr("geomesh_p2p.node.peer.profile_training", spy)
+    monkeypatch.setattr("geomesh_p2p.node.training.profile_training", spy)
     node = PeerNode(
         RunConfig(seq_len=32),
         NodeConfig(profile_batches=[1, 2], memory_budget_bytes=6 << 30, device="cpu"),

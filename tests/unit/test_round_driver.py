@@ -22,7 +22,7 @@ from tests.records_util import peer_record
 from geomesh_p2p.round import DhtPlanAgreement, DriverConfig, Phase, PlanStore, RoundDriver, leader_order
 from geomesh_p2p.round.driver import PROBATION_SYNC_GRANTS, ROUND_END_SLACK_S, SYNC_WAIT_MARGIN_S, SYNC_WAIT_SLACK
 from geomesh_p2p.sync.progress import SyncMeter, announced
-from geomesh_p2p.round.policy import outer_step_per_part
+from geomesh_p2p.model.optim import outer_step_per_part
 from geomesh_p2p.sync.download import StateSyncError
 
 pytestmark = pytest.mark.timeout(60)

@@ -17,7 +17,8 @@ import torch
 from geomesh_p2p.telemetry import events
 from geomesh_p2p.round.driver import STALL_VOID_SHARE
 from geomesh_p2p.trust.probation import noshow_penalty_rounds
-from geomesh_p2p.round.policy import OWNER_PENALTY_ROUNDS, NodeRoundPolicy
+from geomesh_p2p.round.rules import OWNER_PENALTY_ROUNDS, Penalties, RoundState
+from tests.rules_util import make_rules
 from geomesh_p2p.sync.download import StateSyncError
 from tests.unit.test_round_driver import FakeClock, _digest, _peers, _run_all
 
@@ -222,12 +223,9 @@ async def test_penalties_of_a_lineage_abandoned_on_resync_are_dropped():
     assert forgot == {peers[0].me: [], peers[1].me: [], odd.me: [1]}
 
 
-class _Policy(NodeRoundPolicy):
-    """The node's round rules with only what owner / no-show penalties read."""
-
-    def __init__(self, me: str, round: int):
-        self.me, self.round = me, round
-        self._owner_penalty, self._noshow_penalty = {}, {}
+def _Policy(me: str, round: int) -> Penalties:
+    """The node's owner / no-show penalty rules of peer ``me`` at ``round``."""
+    return Penalties(RoundState(me=me, round=round))
 
 
 def test_a_peer_stalled_through_a_round_takes_on_the_penalties_the_others_give_it():
@@ -238,12 +236,12 @@ def test_a_peer_stalled_through_a_round_takes_on_the_penalties_the_others_give_i
     plan = SimpleNamespace(round=3, participants=lambda: ["a", "me", "b"], probation=lambda: ())
     nothing = SimpleNamespace(missing_parts=[0, 1, 2], contributors={})
     pol.note_own_failures(SimpleNamespace(round=3, owners=owners), plan, nothing, stalled=True)
-    assert pol._owner_penalty == {"me": 3 + OWNER_PENALTY_ROUNDS}
-    assert pol._noshow_penalty == {"me": 3 + noshow_penalty_rounds(False)}
+    assert pol.owner == {"me": 3 + OWNER_PENALTY_ROUNDS}
+    assert pol.noshow == {"me": 3 + noshow_penalty_rounds(False)}
     # not stalled and nothing it can tell: no no-show mark on itself (absent_participants says nothing)
     pol2 = _Policy("me", 3)
     pol2.note_own_failures(SimpleNamespace(round=3, owners=owners), plan, nothing)
-    assert pol2._noshow_penalty == {} and pol2._owner_penalty == {"me": 3 + OWNER_PENALTY_ROUNDS}
+    assert pol2.noshow == {} and pol2.owner == {"me": 3 + OWNER_PENALTY_ROUNDS}
     # not stalled, and the others' parts show it contributed nowhere: it marks itself like they do
     pol3 = _Policy("me", 3)
     pol3.note_own_failures(
@@ -251,27 +249,27 @@ def test_a_peer_stalled_through_a_round_takes_on_the_penalties_the_others_give_i
         plan,
         SimpleNamespace(missing_parts=[], contributors={0: [("a", 5), ("b", 5)]}),
     )
-    assert pol3._noshow_penalty == {"me": 3 + noshow_penalty_rounds(False)} and pol3._owner_penalty == {}
+    assert pol3.noshow == {"me": 3 + noshow_penalty_rounds(False)} and pol3.owner == {}
 
 
 def test_forget_marks_since_drops_penalties_noted_from_that_round_on_and_keeps_older_ones():
-    pol = _Policy("me", 2)
+    rules = make_rules(me="me", round=2)  # no exchange cost measured: after_exchange notes penalties only
+    pol = rules.penalties
     owners = [SimpleNamespace(peer_id=p) for p in ("old-owner", "new-owner", "me")]
-    pol._note_failed_owners(SimpleNamespace(round=2, owners=owners), SimpleNamespace(missing_parts=[0]))
-    pol.round = 3
+    pol.note_failed_owners(SimpleNamespace(round=2, owners=owners), SimpleNamespace(missing_parts=[0]))
+    pol.state.round = 3
     plan = SimpleNamespace(round=3, participants=lambda: ["me", "new-owner", "noshow"], probation=lambda: ())
     ar = SimpleNamespace(missing_parts=[1, 2], contributors={0: [("me", 10), ("new-owner", 10)]})
-    pol._update_exchange_cost = lambda spec, ar: None
-    pol.after_exchange(SimpleNamespace(round=3, owners=owners), plan, ar)
+    rules.after_exchange(SimpleNamespace(round=3, owners=owners), plan, ar)
     # its own part 2 failed too: the others bar it, so it bars itself (its plans and checks agree with theirs)
-    assert pol._owner_penalty == {
+    assert pol.owner == {
         "old-owner": 2 + OWNER_PENALTY_ROUNDS,
         "new-owner": 3 + OWNER_PENALTY_ROUNDS,
         "me": 3 + OWNER_PENALTY_ROUNDS,
     }
-    assert set(pol._noshow_penalty) == {"noshow"}
+    assert set(pol.noshow) == {"noshow"}
     assert pol.forget_marks_since(3) == ["new-owner", "noshow"]
     # the bar on itself is the others' view, kept
-    assert pol._owner_penalty == {"old-owner": 2 + OWNER_PENALTY_ROUNDS, "me": 3 + OWNER_PENALTY_ROUNDS}
-    assert pol._noshow_penalty == {}
+    assert pol.owner == {"old-owner": 2 + OWNER_PENALTY_ROUNDS, "me": 3 + OWNER_PENALTY_ROUNDS}
+    assert pol.noshow == {}
     assert pol.forget_marks_since(3) == []

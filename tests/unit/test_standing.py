@@ -4,6 +4,7 @@ move a peer that trained, and a fresh joiner prefers the digest of peers others 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import pytest
@@ -11,7 +12,8 @@ import torch
 
 from geomesh_p2p.telemetry import events
 from geomesh_p2p.net.identity import Identity
-from geomesh_p2p.node.peer import PeerNode
+from geomesh_p2p.config.models import RunConfig
+from geomesh_p2p.round.rules import RoundState, StateSync
 from geomesh_p2p.schema.peer import PeerRecord
 from tests.records_util import peer_record
 from geomesh_p2p.trust.standing import Standing, attest_key, choose_state, history
@@ -41,13 +43,26 @@ def _honest(n=3, *, round, digest, delivered=5):
     return ids, recs
 
 
-def _node(*, round=5, digest="honest", standing=None, trained=True):
-    node = PeerNode.__new__(PeerNode)
-    node.me = str(Identity.generate().peer_id)
-    node.round, node.digest = round, digest
-    node.standing = standing if standing is not None else Standing()
-    node.history = [object()] if trained else []
-    return node
+async def _no_peers(include_leaving=False):
+    return []
+
+
+def _sync(state: RoundState, **deps) -> StateSync:
+    """The node's state vote and re-sync over ``state``, with these collaborators (``peers``, ``announce``,
+    ``set_state``, ...: :class:`StateSync`'s keywords); no DHT, no transport."""
+    deps.setdefault("peers", _no_peers)
+    return StateSync(RunConfig(), state, asyncio.Event(), **deps)
+
+
+def _node(*, round=5, digest="honest", standing=None, trained=True) -> StateSync:
+    state = RoundState(
+        me=str(Identity.generate().peer_id),
+        round=round,
+        digest=digest,
+        standing=standing if standing is not None else Standing(),
+        history=[object()] if trained else [],
+    )
+    return _sync(state)
 
 
 # ------------------------------------------------------------------------------------------ the ledger
@@ -74,26 +89,26 @@ def test_thirty_zero_standing_records_announcing_round_plus_one_do_not_move_a_tr
     ids, honest = _honest(round=5, digest="honest")
     node = _node()
     for r in range(5):
-        node.standing.credit(r, [str(i.peer_id) for i in ids] + [node.me])
+        node.state.standing.credit(r, [str(i.peer_id) for i in ids] + [node.state.me])
     forged = _sybils(30, round=6, digest="zeros")
     with (
         caplog.at_level(logging.WARNING, logger="geomesh_p2p.trust.standing"),
         events.capture("state_refused") as refused,
     ):
-        assert node._swarm_round(honest + forged) == 5
-        assert node._swarm_round(honest + forged) == 5  # polled again: refused once, not once per poll
+        assert node.swarm_round(honest + forged) == 5
+        assert node.swarm_round(honest + forged) == 5  # polled again: refused once, not once per poll
     facts = [(e["peer"], e["round"], e["digest"], e["identities"], e["backing"], e["total"]) for e in refused]
-    assert facts == [(node.me, 6, "zeros", 30, 0, 15)]
+    assert facts == [(node.state.me, 6, "zeros", 30, 0, 15)]
     # the line is logged where the vote is read, not inside the log-once helper
-    assert [r.funcName for r in caplog.records] == ["_state_vote"]
-    vote = choose_state(honest + forged, me=node.me, standing=node.standing, trained=True)
+    assert [r.funcName for r in caplog.records] == ["state_vote"]  # StateSync.state_vote (was _state_vote)
+    vote = choose_state(honest + forged, me=node.state.me, standing=node.state.standing, trained=True)
     assert (vote.choice.round, vote.choice.digest) == (5, "honest") and vote.choice.mode == "standing"
     assert set(vote.choice.donors) == {r.address for r in honest}
     # ... even with no honest record in view (an eclipse), a peer that trained adopts nothing
-    assert node._swarm_round(forged) is None
+    assert node.swarm_round(forged) is None
     # ... but when the peers it saw deliver move on, so does it
     moved = [r.model_copy(update={"round": 6, "weights_digest": "next"}) for r in honest]
-    assert node._swarm_round(moved + forged) == 6
+    assert node.swarm_round(moved + forged) == 6
 
 
 async def test_catch_up_of_a_trained_peer_refuses_the_forged_majority(monkeypatch):
@@ -101,7 +116,7 @@ async def test_catch_up_of_a_trained_peer_refuses_the_forged_majority(monkeypatc
     forged = _sybils(30, round=7, digest="zeros")
     node = _node(round=6, digest="honest6")
     for r in range(6):
-        node.standing.credit(r, [str(i.peer_id) for i in ids])
+        node.state.standing.credit(r, [str(i.peer_id) for i in ids])
     called = []
 
     async def fake_download(*a, **kw):
@@ -117,11 +132,10 @@ async def test_catch_up_of_a_trained_peer_refuses_the_forged_majority(monkeypatc
     import geomesh_p2p.sync.download as ss
 
     monkeypatch.setattr(ss, "download_state", fake_download)
-    node.peers, node.announce = peers, announce
-    node._stop, node._syncing = __import__("asyncio").Event(), False
-    assert not await node._behind()
-    await node._catch_up()  # e.g. a digest check that the Sybils in the plan outvoted
-    assert not called and (node.round, node.digest) == (6, "honest6")
+    node = _sync(node.state, peers=peers, announce=announce)
+    assert not await node.behind()
+    await node.catch_up()  # e.g. a digest check that the Sybils in the plan outvoted
+    assert not called and (node.state.round, node.state.digest) == (6, "honest6")
 
 
 # ------------------------------------------------------------------------------------------ a fresh joiner
@@ -131,8 +145,8 @@ def test_fresh_joiner_picks_the_honest_digest_over_thirty_fresh_sybils(sybil_rou
     ids, honest = _honest(round=7, digest="honest")
     forged = _sybils(30, round=sybil_round, digest="forged", one_address=one_address)
     node = _node(round=0, digest="seed", trained=False)
-    assert node._swarm_round(honest + forged) == 7
-    vote = choose_state(honest + forged, me=node.me, standing=node.standing)
+    assert node.swarm_round(honest + forged) == 7
+    vote = choose_state(honest + forged, me=node.state.me, standing=node.state.standing)
     assert (vote.choice.round, vote.choice.digest, vote.choice.mode) == (7, "honest", "fresh")
     assert set(vote.choice.donors) == {r.address for r in honest}
     assert all(history(honest + forged, r.peer_id) == 5 for r in honest)
@@ -161,22 +175,16 @@ async def test_fresh_joiner_downloads_the_honest_state(monkeypatch):
         pass
 
     def set_state(rnd, theta, momentum):
-        node.round, node.digest = rnd, "honest"
+        node.state.round, node.state.digest = rnd, "honest"
 
     import geomesh_p2p.sync.download as ss
 
     monkeypatch.setattr(ss, "download_state", fake_download)
-    node.peers, node.announce, node._set_state = peers, announce, set_state
-    node._stop, node._syncing, node.transport, node.numel, node.state_numel = (
-        __import__("asyncio").Event(),
-        False,
-        None,
-        2,
-        2,
-    )
-    await node._catch_up()
+    node.state.numel, node.state.state_numel = 2, 2
+    node = _sync(node.state, peers=peers, announce=announce, set_state=set_state)
+    await node.catch_up()
     assert got == [([r.address for r in honest], 7, "honest")]
-    assert (node.round, node.digest) == (7, "honest")
+    assert (node.state.round, node.state.digest) == (7, "honest")
 
 
 def test_young_swarm_counts_addresses_not_identities():
@@ -189,9 +197,9 @@ def test_young_swarm_counts_addresses_not_identities():
     ]
     crowd = _sybils(30, round=4, digest="f", one_address=True)
     node = _node(round=0, digest="seed", trained=False)
-    assert node._swarm_round(honest + crowd) == 3
-    assert node._swarm_round(crowd) == 4  # one address: a 2-peer swarm is followed
-    assert node._swarm_round(honest[:1] + crowd) is None  # one address each: no majority
+    assert node.swarm_round(honest + crowd) == 3
+    assert node.swarm_round(crowd) == 4  # one address: a 2-peer swarm is followed
+    assert node.swarm_round(honest[:1] + crowd) is None  # one address each: no majority
 
 
 def test_peers_that_trained_alone_merge_on_the_latest_lineage():
@@ -221,14 +229,14 @@ def test_the_refusal_and_the_download_lines_say_the_same_thing():
     ids, honest = _honest(round=5, digest="honest")
     node = _node()
     for r in range(5):
-        node.standing.credit(r, [str(i.peer_id) for i in ids] + [node.me])
+        node.state.standing.credit(r, [str(i.peer_id) for i in ids] + [node.state.me])
     stranger = _sybils(1, round=9, digest="other")
-    vote = choose_state(stranger, me=node.me, standing=node.standing, trained=True)
+    vote = choose_state(stranger, me=node.state.me, standing=node.state.standing, trained=True)
     assert vote.choice is None and vote.refusal.message() == (
         "refusing the state of round 9 (digest other) announced by 1 peer(s): this peer has seen none of the "
         "peers in view deliver a round (standing vote: it follows only peers it saw deliver)"
     )
     moved = [r.model_copy(update={"round": 6, "weights_digest": "next"}) for r in honest]
-    vote = choose_state(moved + stranger, me=node.me, standing=node.standing, trained=True)
+    vote = choose_state(moved + stranger, me=node.state.me, standing=node.state.standing, trained=True)
     assert vote.choice.describe() == "standing vote: its backers hold 15 of the 15 rounds of standing this peer sees"
     assert vote.refusal is None

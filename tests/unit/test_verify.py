@@ -22,6 +22,7 @@ from geomesh_p2p.trust import evidence as EV
 from geomesh_p2p.trust import verify as V
 from geomesh_p2p.trust import verify_check as VC
 from geomesh_p2p.trust import verify_task as VT
+from geomesh_p2p.round.rules import RoundState, VerifiedWork
 from geomesh_p2p.net.identity import Identity
 from geomesh_p2p.plan.planner import make_plan
 from geomesh_p2p.plan.schema import PeerAssignment, PlanConfig, RoundPlan
@@ -504,10 +505,8 @@ def test_recheck_confirms_and_the_leaders_plan_leaves_the_accused_out(world, fli
         )
         for p in sorted(world.pid.values())
     ]
-    from geomesh_p2p.node.peer import PeerNode
-
-    leader = types.SimpleNamespace(_work_verifier=w, me=world.pid["B"])
-    members = PeerNode._verified_members(leader, recs)
+    leader = VerifiedWork(RoundState(me=world.pid["B"]), verifier=w)
+    members = leader.members(recs)
     assert sorted(m.peer_id for m in members) == sorted([world.pid["B"], world.pid["C"]])
     plan = make_plan(
         members,
@@ -521,9 +520,9 @@ def test_recheck_confirms_and_the_leaders_plan_leaves_the_accused_out(world, fli
     )
     assert world.pid["A"] not in plan.participants() and len(plan.participants()) == 2
     # a node without a verifier plans everyone; the accused never filters itself out
-    assert PeerNode._verified_members(types.SimpleNamespace(me="x"), recs) == recs
-    me_a = types.SimpleNamespace(_work_verifier=w, me=world.pid["A"])
-    assert len(PeerNode._verified_members(me_a, recs)) == 3
+    assert VerifiedWork(RoundState(me="x")).members(recs) == recs
+    me_a = VerifiedWork(RoundState(me=world.pid["A"]), verifier=w)
+    assert len(me_a.members(recs)) == 3
 
 
 def test_evidence_not_drawn_by_the_selection_is_ignored(world, flipped_case):
@@ -659,8 +658,6 @@ def test_followers_refuse_plans_of_an_excluded_leader(world, flipped_case):
     assert w.plan_problem(plan(ROUND + 1, world.pid["B"])) is None  # an honest leader not caught up yet: followed
     assert a[:10] in w.plan_problem(plan(ROUND + 3, world.pid["B"]))  # ...but not for ever
     assert w.plan_problem(plan(ROUND + 3, a), me=a) is None  # A never refuses itself
-    from geomesh_p2p.node.peer import PeerNode
-
-    node = types.SimpleNamespace(_work_verifier=w, me=world.pid["C"])
-    assert PeerNode._verified_plan_problem(node, plan(ROUND + 1, a)) is not None
-    assert PeerNode._verified_plan_problem(types.SimpleNamespace(me="x"), plan(ROUND + 1, a)) is None
+    node = VerifiedWork(RoundState(me=world.pid["C"]), verifier=w)
+    assert node.plan_problem(plan(ROUND + 1, a)) is not None
+    assert VerifiedWork(RoundState(me="x")).plan_problem(plan(ROUND + 1, a)) is None

@@ -1,0 +1,328 @@
+"""How a node joins its run (lifecycle step 3 of :mod:`geomesh_p2p.node.peer`): the checks before it
+trains (a compatible swarm, a PeerID no other live process runs), then the global state it starts from:
+``--resume``'s checkpoint, the swarm's state when the swarm is past round 0, the seed's otherwise, and what
+it does when the run's swarm is empty (``--on-empty-swarm``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING, Optional
+
+
+import geomesh_p2p
+from geomesh_p2p.dht import IncompatibleSwarmError, check_compatible, live_peers
+from geomesh_p2p.dht.state import DHT_PROTOCOL_VERSION
+from geomesh_p2p.dht.progress import swarm_progress
+from geomesh_p2p.model import state as gstate  # module-qualified: tests replace gstate.load_latest_checkpoint
+from geomesh_p2p.model.build import flat_params
+from geomesh_p2p.net.swarm_time import swarm_time
+from geomesh_p2p.schema.peer import PeerRecord
+from geomesh_p2p.telemetry import events
+from geomesh_p2p.trust.standing import Standing
+from geomesh_p2p.util.aio import wait_event
+from geomesh_p2p.util.backoff import Backoff
+from geomesh_p2p.util.errors import UserFacingError
+from geomesh_p2p.exchange.codec.feedback import PushFeedback
+from geomesh_p2p.net.methods import DHT_PING
+from geomesh_p2p.wire import dht_pb2
+
+if TYPE_CHECKING:
+    from geomesh_p2p.node.peer import PeerNode
+
+log = logging.getLogger("geomesh_p2p.node.peer")
+
+__all__ = [
+    "StoppedBeforeJoining",
+    "DuplicateIdentityError",
+    "EMPTY_SWARM_POLL_MAX_S",
+    "IDENTITY_PING_TIMEOUT_S",
+    "placeholder_record",
+    "check_identity_unique",
+    "check_swarm",
+    "initial_state",
+    "resume_from",
+    "warn_if_resumed_behind",
+    "on_empty_swarm",
+]
+
+#: Longest pause between two looks for a live peer while ``--on-empty-swarm wait`` waits (seconds).
+EMPTY_SWARM_POLL_MAX_S = 15.0
+
+#: How long a peer waits for the address of a record under its own PeerID to answer at start (seconds).
+IDENTITY_PING_TIMEOUT_S = 3.0
+
+
+class StoppedBeforeJoining(Exception):
+    """Ctrl+C / SIGTERM arrived while the node was still joining the DHT (a clean stop, exit 0)."""
+
+
+class DuplicateIdentityError(UserFacingError):
+    """Another live process runs this PeerID (the same --identity key file)."""
+
+
+def placeholder_record(node: PeerNode) -> PeerRecord:
+    """This peer's version, protocol and run config, before its device is profiled (never announced)."""
+    return PeerRecord(
+        peer_id=node.me,
+        address=node.record_address,
+        device="(starting)",
+        memory_bytes=0,
+        max_batch=1,
+        upload_bps=1.0,
+        download_bps=1.0,
+        version=geomesh_p2p.__version__,
+        protocol_version=geomesh_p2p.PROTOCOL_VERSION,
+        run_config_hash=node.config_hash,
+        run_config=node.run_cfg.model_dump(),
+    )
+
+
+async def check_identity_unique(node: PeerNode) -> None:
+    """Refuse to start when another live process already runs this PeerID (issue 14 #7).
+
+    A record under this PeerID at another address may be this identity's previous run (a restart
+    within the record's lifetime) or a second process with the same key: the address is pinged, and
+    only an answer signed by this very PeerID (only the key's holder can sign it) proves the second.
+
+    Raises:
+        DuplicateIdentityError: "this PeerID is already live at ADDRESS".
+    """
+
+    transport = node._started_transport()
+    mine = transport.address
+    for rec in await live_peers(node.dht, node.run_cfg.run_id, include_leaving=True):
+        if rec.peer_id != node.me or not rec.address or rec.address == mine:
+            continue
+        req = dht_pb2.PingRequest(
+            sender=node.dht.self_info(), dht_protocol=DHT_PROTOCOL_VERSION, software_version=geomesh_p2p.__version__
+        )
+        try:
+            reply = await transport.call(
+                rec.address, DHT_PING, req.SerializeToString(), timeout=IDENTITY_PING_TIMEOUT_S
+            )
+        except Exception:  # nobody there (a stale record of this identity's previous run)
+            continue
+        if reply.sender == node.identity.peer_id:
+            raise DuplicateIdentityError(
+                f"this PeerID ({node.identity.peer_id.short()}) is already live at {rec.address}: another "
+                f"process runs with the same --identity key; give each peer its own key file"
+            )
+
+
+async def check_swarm(node: PeerNode, mine: Optional[PeerRecord] = None) -> None:
+    """Refuse to start when the swarm's live peers all run another config or version.
+
+    Raises IncompatibleSwarmError naming the differing fields (e.g. "inner_lr: 0.001 here vs
+    0.0003 in the swarm").
+    """
+
+    mine = mine or node.my_record()
+    others = [r for r in await live_peers(node.dht, node.run_cfg.run_id) if r.peer_id != node.me]
+    if not others or any(check_compatible(mine, r) is None for r in others):
+        return
+    other = others[0]
+    detail = check_compatible(mine, other)
+    if other.run_config and other.run_config_hash != node.config_hash:
+        a, b = node.run_cfg.model_dump(), other.run_config
+        fields = [
+            f"{k}: {a.get(k)!r} here vs {b.get(k)!r} in the swarm"
+            for k in sorted(set(a) | set(b))
+            if a.get(k) != b.get(k)
+        ]
+        detail = "; ".join(fields) or detail
+    raise IncompatibleSwarmError(
+        f"the {len(others)} live peer(s) of run {node.run_cfg.run_id!r} use another run config: {detail}"
+    )
+
+
+async def initial_state(node: PeerNode) -> None:
+
+    await check_swarm(node)
+
+    if node.cfg.resume and node.cfg.checkpoint_dir:
+        ck = await asyncio.to_thread(gstate.load_latest_checkpoint, node.cfg.checkpoint_dir)
+        if ck is not None:
+            await resume_from(node, ck)
+            await node._warn_if_resumed_behind()
+            return
+        log.info("--resume: no checkpoint in %s, starting fresh", node.cfg.checkpoint_dir)
+    # Fresh peer: join the swarm's state if it already trained, else the seed's.
+    # The seed weights are written into the state buffer itself, in the worker thread (not on the loop).
+    await asyncio.to_thread(
+        lambda: node._set_state(0, flat_params(node.model, out=node.gstate.theta), node.gstate.opt_state.zero_())
+    )
+    recs = [r for r in await node.peers() if r.peer_id != node.me]
+    if any(r.round > 0 and r.weights_digest for r in recs):
+        await node.resync.catch_up()
+    elif not recs:
+        await node._on_empty_swarm()
+
+
+async def resume_from(node: PeerNode, ck) -> None:
+    """Take the global state of checkpoint ``ck`` (``gstate.load_latest_checkpoint``'s tuple: round,
+    theta [P] fp32, optimizer state [k * P] fp32 or None, meta) and the standing ledger it saved.
+
+    Raises:
+        UserFacingError: the checkpoint is of another run config, or holds no or another optimizer state.
+    """
+    rnd, theta, momentum, meta = ck
+    if meta.get("run_config_hash") not in (None, node.config_hash):
+        old = (meta.get("meta") or {}).get("run_config") or {}
+        diff = [
+            f"{k}: {old.get(k)!r} there vs {v!r} here"
+            for k, v in node.run_cfg.model_dump().items()
+            if k in old and old[k] != v
+        ]
+        raise UserFacingError(
+            f"checkpoint in {node.cfg.checkpoint_dir} is from another run config ("
+            + ("; ".join(diff) or f"{meta.get('run_config_hash')} vs {node.config_hash}")
+            + "); resume with the same flags, or use another --checkpoint-dir"
+        )
+    if momentum is None or momentum.numel() != node.state_numel:
+        raise UserFacingError(
+            f"checkpoint in {node.cfg.checkpoint_dir} holds no or another optimizer "
+            f"state ({0 if momentum is None else momentum.numel()} elements, this run "
+            f"needs {node.state_numel}); was it written by another --method?"
+        )
+    await asyncio.to_thread(node._set_state, rnd, theta, momentum)
+    node.standing = Standing.from_meta((meta.get("meta") or {}).get("standing"))
+    events.emit(
+        log,
+        logging.INFO,
+        "resumed_from_checkpoint",
+        "resumed from checkpoint at round %d (digest %s)",
+        rnd,
+        str(node.digest)[:8],
+        peer=node.me,
+        round=rnd,
+        digest=node.digest,
+    )
+    fb: Optional[PushFeedback] = getattr(node, "feedback", None)  # absent before _build_training
+    if fb is not None and node.digest is not None:  # _set_state set the digest
+        got = await asyncio.to_thread(fb.load, node.cfg.checkpoint_dir, state_round=rnd, digest=node.digest)
+        log.info(
+            "error feedback: %s",
+            "residual resumed from the checkpoint" if got == "loaded" else f"residual starts at zero ({got})",
+        )
+
+
+async def warn_if_resumed_behind(node: PeerNode) -> None:
+    """After ``--resume``: when no other peer of the run is live but a bootstrap saw the run at a later
+    round than the checkpoint's, say so in one WARNING (event ``resumed_behind_swarm``): this peer now
+    trains alone from an older state, a fork of the run if its peers come back (a fresh-user trial resumed
+    round 6 of a run that had reached round 12, untold). Live peers at a later round need no line: the
+    first round's behind-check catches up to them."""
+    if [r for r in await node.peers() if r.peer_id != node.me]:
+        return
+    prog = await swarm_progress(node.dht, node.run_cfg.run_id)
+    if prog is None or prog.round <= node.round:
+        return
+    events.emit(
+        log,
+        logging.WARNING,
+        "resumed_behind_swarm",
+        "resumed at round %d, but bootstrap %s saw run %r at round %d and no peer of it is live now: this peer "
+        "trains alone from an older state (a fork of the run if its peers come back); to continue the run, "
+        "resume from a checkpoint of round %d, or wait for its peers (--on-empty-swarm wait, without --resume)",
+        node.round,
+        prog.by[:8] or "?",
+        node.run_cfg.run_id,
+        prog.round,
+        prog.round,
+        peer=node.me,
+        round=node.round,
+        swarm_round=prog.round,
+        bootstrap=prog.by,
+    )
+
+
+async def on_empty_swarm(node: PeerNode) -> None:
+    """No other live peer of this run (issue 14 #2): when a bootstrap saw the run at round N > 0
+    (:func:`~geomesh_p2p.dht.progress.swarm_progress`, kept across bootstrap restarts), say so in one
+    line and act by ``--on-empty-swarm``: ``wait`` (default) polls with a capped backoff until a peer
+    of the run is live (then downloads its state) or Ctrl+C; ``resume`` takes ``--checkpoint-dir``'s
+    newest checkpoint; ``seed`` keeps the seed's state at round 0 (a new run under the same id). A run
+    no bootstrap knows past round 0 starts from the seed silently, as before.
+
+    Raises:
+        UserFacingError: ``resume`` with no ``--checkpoint-dir`` or no checkpoint in it.
+        StoppedBeforeJoining: Ctrl+C / SIGTERM while waiting.
+    """
+    prog = await swarm_progress(node.dht, node.run_cfg.run_id)
+    if prog is None or prog.round <= 0:
+        return
+    how = node.cfg.on_empty_swarm
+    ago = max(0.0, swarm_time() - prog.seen_at)
+    events.emit(
+        log,
+        logging.WARNING,
+        "empty_swarm",
+        "run %r was at round %d (bootstrap %s saw %d peer(s) %.0f s ago) but no peer of it is live now",
+        node.run_cfg.run_id,
+        prog.round,
+        prog.by[:8] or "?",
+        prog.peers,
+        ago,
+        peer=node.me,
+        run_id=node.run_cfg.run_id,
+        round=prog.round,
+        bootstrap=prog.by,
+        peers=prog.peers,
+        seen_ago_s=ago,
+        action=how,
+    )
+    if how == "seed":
+        log.info("--on-empty-swarm seed: starting the run again from the seed at round 0")
+        return
+    if prog.config_hash and prog.config_hash != node.config_hash:
+        # The remembered swarm's peers would refuse this one when they come back (and it them): say so
+        # now rather than wait for them (a fresh-user trial waited, untold).
+        raise IncompatibleSwarmError(
+            f"run {node.run_cfg.run_id!r} was at round {prog.round} with another run config (hash "
+            f"{prog.config_hash[:12]} there, {node.config_hash[:12]} here): its peers could not take this one "
+            "back; use the run's flags, another --run-id, or --on-empty-swarm seed to start this run id anew"
+        )
+    if how == "resume":
+        d = node.cfg.checkpoint_dir
+        ck = await asyncio.to_thread(gstate.load_latest_checkpoint, d) if d else None
+        if ck is None:
+            raise UserFacingError(
+                f"--on-empty-swarm resume: no checkpoint in {d}"
+                if d
+                else "--on-empty-swarm resume needs --checkpoint-dir (the directory of this run's checkpoints)"
+            )
+        await resume_from(node, ck)
+        return
+    events.emit(
+        log,
+        logging.INFO,
+        "empty_swarm_waiting",
+        "waiting for a peer of run %r to come back (Ctrl+C to stop; --on-empty-swarm resume or seed "
+        "starts without one)",
+        node.run_cfg.run_id,
+        peer=node.me,
+        run_id=node.run_cfg.run_id,
+    )
+    backoff = Backoff(first=1.0, cap=EMPTY_SWARM_POLL_MAX_S)
+    while True:
+        if await wait_event(node._stop, backoff.next()):
+            raise StoppedBeforeJoining("stop requested while waiting for a peer of the run")
+        recs = [r for r in await node.peers() if r.peer_id != node.me]
+        if not recs:
+            continue
+        events.emit(
+            log,
+            logging.INFO,
+            "swarm_back",
+            "%d peer(s) of run %r are live again",
+            len(recs),
+            node.run_cfg.run_id,
+            peer=node.me,
+            run_id=node.run_cfg.run_id,
+            peers=sorted(r.peer_id for r in recs),
+        )
+        if any(r.round > 0 and r.weights_digest for r in recs):
+            await node.resync.catch_up()
+        return

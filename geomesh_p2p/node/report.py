@@ -1,0 +1,124 @@
+"""What a node says of its run when it ends (lifecycle step 5 of :mod:`geomesh_p2p.node.peer`): the closing
+line ("done", or a WARNING and an exit code when the swarm ended without it) and the summary JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+
+from geomesh_p2p.telemetry import events
+from geomesh_p2p.telemetry.metrics import json_safe
+
+if TYPE_CHECKING:
+    from geomesh_p2p.node.peer import PeerNode
+
+log = logging.getLogger("geomesh_p2p.node.peer")
+
+__all__ = ["EXIT_NOT_SYNCED", "log_swarm_ended", "log_done", "summary", "write_summary"]
+
+#: Exit code of a peer whose run ended on a state that is not the swarm's (the swarm ended while it was behind,
+#: or its last rounds were trained on a state the others never had): docs/round.md, "A stalled peer and a swarm that ended".
+EXIT_NOT_SYNCED = 3
+
+
+def log_swarm_ended(node: PeerNode, ended) -> int:
+    """The closing line of a run the swarm ended before its ``--rounds`` / target (``RoundDriver.ended``,
+    a :class:`~geomesh_p2p.round.driver.SwarmEnded`): a WARNING, never "done". Returns the exit code:
+    0 when this peer holds the swarm's last state (the run's result is here and sound; it only did not
+    reach its own goal), :data:`EXIT_NOT_SYNCED` when it does not (its state is not the swarm's: a script
+    must not take its checkpoint or perplexity for the run's)."""
+    code = 0 if ended.synced else EXIT_NOT_SYNCED
+    events.emit(
+        log,
+        logging.WARNING,
+        "run_not_done",
+        "not done: %s; %d round(s) trained here, now at round %d; exit %d",
+        ended.why,
+        len(node.history),
+        node.round,
+        code,
+        peer=node.me,
+        round=node.round,
+        rounds_trained=len(node.history),
+        synced=ended.synced,
+        cause=ended.cause,
+        exit_code=code,
+    )
+    return code
+
+
+# ------------------------------------------------------------------ the round driver's ports
+
+
+def log_done(node: PeerNode) -> None:
+    """One closing line: why the node stops, rounds trained here, the last perplexity."""
+    h = node.history
+    why = (
+        "stop requested"
+        if node._stop.is_set()
+        else f"target eval perplexity {node.cfg.target_ppl:g} reached"
+        if node._reached_target()
+        else f"--rounds {node.cfg.rounds} reached"
+    )
+    ppl = next((r.eval_ppl for r in reversed(h) if r.eval_ppl is not None), node.initial_ppl)
+    log.info(
+        "done (%s): %d round(s) trained here, now at round %d, eval perplexity %.2f (from %.2f)",
+        why,
+        len(h),
+        node.round,
+        ppl if ppl is not None else float("nan"),
+        node.initial_ppl if node.initial_ppl is not None else float("nan"),
+    )
+
+
+def summary(node: PeerNode) -> dict:
+    h = node.history
+    return {
+        "peer_id": node.me,
+        "rounds": len(h),
+        "last_round": node.round,
+        "initial_eval_ppl": node.initial_ppl,
+        "final_eval_ppl": next((r.eval_ppl for r in reversed(h) if r.eval_ppl is not None), node.initial_ppl),
+        "time_to_target_s": node.time_to_target,
+        "straggler_idle_pct": (sum(r.straggler_idle_s for r in h) / max(1e-9, sum(r.round_s for r in h)) * 100)
+        if h
+        else 0.0,
+        "network_idle_pct": (sum(r.network_idle_s for r in h) / max(1e-9, sum(r.round_s for r in h)) * 100)
+        if h
+        else 0.0,
+        "bytes_sent": sum(r.bytes_sent for r in h),
+        "bytes_received": sum(r.bytes_received for r in h),
+        # the weights digest after each round's outer step (= the digest round r+1 starts from)
+        "digests_after_round": {r.round: r.digest for r in h},
+        "digest_mismatches": sum(1 for r in h if r.digest_agree is False),
+        # bytes/s: what this peer announced last (stated by a flag, else measured) and the probe's figures
+        "links": {
+            "upload_bps": node.cfg.upload_bps or (node.ema.upload_bps if node.ema else None),
+            "download_bps": node.cfg.download_bps or (node.ema.download_bps if node.ema else None),
+            "stated": {"upload": node.cfg.upload_bps is not None, "download": node.cfg.download_bps is not None},
+            "probe": None
+            if node.links.probe_result is None
+            else {
+                "address": node.links.probe_result.address,
+                "rtt_s": node.links.probe_result.rtt_s,
+                "upload_bps": node.links.probe_result.upload_bps,
+                "download_bps": node.links.probe_result.download_bps,
+            },
+        },
+        "rows": [json.loads(r.to_json()) for r in h],
+    }
+
+
+def write_summary(node: PeerNode, path: str) -> None:
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_suffix(p.suffix + ".tmp")
+
+    # strict JSON: an infinite perplexity (weights a hostile update blew up) is written as null
+    tmp.write_text(json.dumps(json_safe(node.summary()), indent=1, allow_nan=False))
+    os.replace(tmp, p)

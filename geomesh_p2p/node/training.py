@@ -1,0 +1,172 @@
+"""The node's training state, built at start (lifecycle step 2 of :mod:`geomesh_p2p.node.peer`): data, model,
+the start-up profile of this device, the inner trainer, the outer optimizer and the global state buffer.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from geomesh_p2p.model import state as gstate  # module-qualified: tests replace gstate.load_latest_checkpoint
+from geomesh_p2p.util.errors import UserFacingError
+from geomesh_p2p.exchange.codec.feedback import PushFeedback
+
+if TYPE_CHECKING:
+    from geomesh_p2p.node.peer import PeerNode
+
+from geomesh_p2p.data import load_dataset
+from geomesh_p2p.model.profile import ProfileStopped, profile_training
+from geomesh_p2p.model.device import detect_device
+from geomesh_p2p.exchange.profile import measure_codec
+from geomesh_p2p.model.memory import release_freed_memory
+from geomesh_p2p.model.optim import OuterNesterov, SyncAdamW
+from geomesh_p2p.model.training import DEFAULT_INNER, InnerTrainer, lr_at
+from geomesh_p2p.model.build import build_model, num_params
+from geomesh_p2p.net.methods import COLLECTIVE_PULL, COLLECTIVE_PUSH
+from geomesh_p2p.node.joining import StoppedBeforeJoining
+
+log = logging.getLogger("geomesh_p2p.node.peer")
+
+__all__ = ["build_training", "PUSH_FRAMING_BYTES", "PULL_REQUEST_BYTES"]
+
+#: Envelope, protobuf and codec headers around a pushed part (bytes): the push limit is 4 x numel + this.
+PUSH_FRAMING_BYTES = 1 << 20
+#: A PullPart request is a few ids and numbers (bytes).
+PULL_REQUEST_BYTES = 16 << 10
+
+
+def build_training(node: PeerNode) -> None:
+    """Data, model, start-up profile, inner trainer, outer optimizer and the global state buffer
+    (worker thread). The profile (:func:`capability.profile_training`) runs on the model itself
+    (weights restored bit-identical, no copy) before anything else of the model's size is
+    allocated, so its measured peaks are the process's and ``--memory-budget-gb`` binds the batch.
+
+    Raises:
+        UserFacingError: the memory budget (``--memory-budget-gb``, else the memory available) cannot
+            hold training this model (the profile's one-line reason).
+    """
+    r, c = node.run_cfg, node.cfg
+    # No release_freed_memory(configure=True) (a 1 MiB mmap threshold): every inner step then mapped and
+    # faulted in its activations and gradients afresh. Freed memory goes back by trims instead: after
+    # the profile (below) and after each round's inner steps (InnerTrainer.run).
+    # Start-up says what it is doing: data, tokenizer and model take seconds to minutes (issue 14 #10).
+    log.info(
+        "loading the training data (%s) and its tokenizer (cached after the first run)...",
+        c.data_path or "the shipped corpus",
+    )
+    t0 = time.monotonic()
+    node.dataset = load_dataset(c.data_path, seq_len=r.seq_len, vocab_size=r.vocab_size)
+    log.info(
+        "data loaded in %.1fs; building the model and profiling this device (a few timed steps)...",
+        time.monotonic() - t0,
+    )
+    node._stop_point("after loading the data")
+    node.device_info = detect_device(c.device, c.memory_budget_bytes)
+    device = (
+        "cuda"
+        if node.device_info.kind == "cuda" and c.device == "auto"
+        else (c.device if c.device != "auto" else "cpu")
+    )
+    node.device = torch.device(device)
+    node.model = build_model(
+        r.model if not c.model_config_file else None,
+        config_file=c.model_config_file,
+        vocab_size=node.dataset.vocab_size,
+        seed=r.seed,
+    ).to(node.device)
+    node.numel = num_params(node.model)
+    # Outer optimizer state: Nesterov's momentum [P], or the ddp baseline's AdamW moments [2P].
+    rule = node.method_rule
+    node.state_numel = node.numel * rule.outer_state_slots
+    ef_slots = int(r.error_feedback and rule.push_encoding == "sign")  # the --error-feedback residual [P]
+    # Profile first: the inner optimizer and the global state are not allocated yet, so the profile's
+    # static estimate (gradients + AdamW state + global weights and outer state) is what the node adds.
+    try:
+        prof = profile_training(
+            node.model,
+            r.seq_len,
+            node.device,
+            node.device_info.memory_bytes,
+            vocab_size=node.dataset.vocab_size,
+            batch_sizes=c.profile_batches,
+            speed_factor=c.speed_factor,
+            amp=c.amp,
+            limit=256,
+            extra_bytes=(4 * (1 + rule.outer_state_slots + ef_slots) * node.numel if node.device.type == "cpu" else 0),
+            logger=log,
+            should_stop=node._stop.is_set,
+        )
+    except ValueError as e:  # the budget (stated or the memory available) cannot hold this model
+        raise UserFacingError(f"cannot train {r.model} here: {e}") from None
+    except ProfileStopped as e:
+        raise StoppedBeforeJoining(str(e)) from None
+    node.profiled_tps, node.max_batch = prof.tokens_per_s, prof.max_batch
+    release_freed_memory()
+    node._stop_point("after the profile")
+    # The exchange's CPU cost per element (encode, sign, verify, aggregate): the exchange window of this
+    # peer's plans grows with the model by it (planner.exchange_cpu_s); each exchange then refines it.
+    node.codec_s_per_element = measure_codec(
+        block_size=r.block_size,
+        push_encoding=rule.push_encoding,
+        rule=rule.rule,
+        weight_cap=r.weight_cap,
+        min_agreement=r.min_agreement,
+        clip_k=r.clip_k,
+    )
+    log.info(
+        "device %s: %s tokens/s per batch, max batch %d (%.1fs to measure, peak %.2f GiB, budget %.2f GiB); "
+        "exchange CPU %.1f ns per element pass",
+        node.device_info.name,
+        {b: round(t) for b, t in node.profiled_tps.items()},
+        node.max_batch,
+        prof.seconds,
+        max(prof.peak_bytes.values()) / 2**30,
+        prof.memory_bytes / 2**30,
+        node.codec_s_per_element * 1e9,
+    )
+    # No legitimate push exceeds one fp32 copy of the vector (the fp32 baselines' largest part) plus
+    # framing: a larger one is refused from its length prefix, before it is read (issue 12).
+    transport = node._started_transport()
+    transport.set_payload_limit(
+        COLLECTIVE_PUSH, min(transport.config.max_message_bytes, 4 * node.numel + PUSH_FRAMING_BYTES)
+    )
+    transport.set_payload_limit(COLLECTIVE_PULL, PULL_REQUEST_BYTES)
+    node.trainer = InnerTrainer(
+        node.model,
+        node.dataset,
+        device=node.device,
+        seq_len=r.seq_len,
+        optimizer=r.inner_optimizer,
+        lr=r.inner_lr,
+        weight_decay=0.1,
+        warmup_steps=r.warmup_steps,
+        total_steps=r.total_inner_steps,
+        seed=r.seed,
+        peer_id=node.me,
+        speed_factor=c.speed_factor,
+        amp=c.amp,
+        steps_per_round=r.uniform_inner_steps,
+    )  # the inner LR follows the swarm's rounds (issue 14 #8)
+    if rule.exchanges_gradient:
+        # Data-parallel baseline: the "outer" step is AdamW on the swarm's mean gradient.
+        node.outer = SyncAdamW(
+            lambda rnd: lr_at(rnd, lr=r.inner_lr, warmup_steps=r.warmup_steps, total_steps=r.total_inner_steps),
+            betas=DEFAULT_INNER["adamw"]["betas"],
+            weight_decay=0.1,
+            decay_mask=node.trainer.decay_mask(),
+        )
+    else:
+        node.outer = OuterNesterov(lr=r.outer_lr, momentum=r.outer_momentum)
+    # The global state in one buffer [(1 + k) * P]: theta and the outer optimizer's state are views of it,
+    # stepped in place (no copies of the model per round), hashed in place (state.GlobalState).
+    node.gstate = gstate.GlobalState(node.numel, rule.outer_state_slots)
+    node.theta = node.gstate.theta
+    node.outer.buf = node.gstate.opt_state
+    node.state_server.serve(node.gstate)  # served by byte range from the buffer itself (no snapshot copies)
+    # --error-feedback: the residual [P] fp32 of this peer's sign pushes (fp32 pushes lose nothing).
+    node.feedback = (
+        PushFeedback(node.numel, r.block_size) if r.error_feedback and rule.push_encoding == "sign" else None
+    )

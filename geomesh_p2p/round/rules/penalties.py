@@ -1,0 +1,164 @@
+"""Penalties of the round rules (:class:`Penalties`): owners whose part had no valid result own no part for
+``OWNER_PENALTY_ROUNDS`` rounds, participants that contributed to no part are not planned (nor leader
+candidates) for ``probation.noshow_penalty_rounds`` rounds, and this peer's own failures, taken on by
+itself so that its plans and checks agree with the others'.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from geomesh_p2p.round.rules.state import RoundState
+from geomesh_p2p.trust import probation as pb
+
+# Round log lines keep the node's logger name: operators' filters and the tests' caplog select on it.
+log = logging.getLogger("geomesh_p2p.node.peer.round")
+
+__all__ = ["Penalties", "OWNER_PENALTY_ROUNDS"]
+
+#: Rounds during which a peer owns no part after a part it owned had no valid result (owner gone, or a
+#: result every reader refused, e.g. below the quorum). All honest peers saw the same missing part, so
+#: honest leaders agree; the peer still contributes, it only stops deciding a range.
+OWNER_PENALTY_ROUNDS = 5
+
+
+class Penalties:
+    """Owner and no-show penalties this peer holds (peer id -> last round of the penalty).
+
+    Args:
+        state: this peer's :class:`RoundState` (``me``, ``round``).
+        owner: initial owner penalties (peer id -> last round it owns no part).
+        noshow: initial no-show penalties (peer id -> last round it is not planned).
+    """
+
+    def __init__(self, state: RoundState, owner: dict[str, int] | None = None, noshow: dict[str, int] | None = None):
+        self.state = state
+        self.owner: dict[str, int] = dict(owner or {})
+        self.noshow: dict[str, int] = dict(noshow or {})
+        #: (penalty kind "owner" | "noshow", peer id) -> the round in which this peer noted that penalty
+        self.noted: dict[tuple[str, str], int] = {}
+
+    def noshows(self) -> dict[str, int]:
+        """Peers under a no-show penalty this round (peer id -> last round of it); expired ones dropped."""
+        pen = self.noshow
+        for p in [p for p, until in pen.items() if until < self.state.round]:
+            del pen[p]
+        return pen
+
+    def barred(self) -> list[str]:
+        """Peers under an owner penalty this round."""
+        return [p for p, until in self.owner.items() if until >= self.state.round]
+
+    def forget_marks_since(self, round: int) -> list[str]:
+        """Drop the owner and no-show penalties this peer noted in round ``round`` or later (the driver calls it
+        after a re-sync to a state this peer did not make: those rounds were of a lineage the swarm never
+        confirmed, e.g. every part failed while this peer itself was stalled). A penalty noted earlier and
+        renewed in such a round goes too (the renewal replaced it). This peer's penalties on itself are not
+        noted here: they are the others' view of its own failures, which they keep. Returns the peer ids whose
+        marks went."""
+        noted = self.noted
+        gone = [(kind, pid) for (kind, pid), r in noted.items() if r >= round]
+        pens = {"owner": self.owner, "noshow": self.noshows()}
+        for kind, pid in gone:
+            pens[kind].pop(pid, None)
+            del noted[(kind, pid)]
+        return sorted({pid for _, pid in gone})
+
+    def note_own_failures(self, spec, plan, ar, *, stalled: bool = False) -> None:
+        """Penalties the other peers give this peer for round ``plan.round``, taken on by itself so that its
+        plans and checks agree with theirs (one INFO line each when it starts):
+
+        * its own parts with no valid result: every other peer bars it from owning for
+          ``OWNER_PENALTY_ROUNDS`` rounds (:meth:`note_failed_owners`); barred in its own view too, it
+          plans itself client-only and accepts their plans that give it no part (planner.check_plan);
+        * a participant in no part's contributors (``stalled``: it pushed nothing in time, whatever its own
+          view of the parts): they mark it a no-show (:meth:`note_no_shows`), refuse its plans and do not
+          plan it; marked in its own view too, it does not lead meanwhile (leader_candidates' ``barred``).
+
+        The driver calls it alone (``stalled=True``) for a round this peer was stalled through: its view
+        of the others is void then, its own failures are real for everyone."""
+        me = self.state.me
+        self._note_own_no_show(plan, ar, stalled)
+        for j in ar.missing_parts:
+            if spec.owners[j].peer_id != me:
+                continue
+            if me not in self.owner:
+                log.info(
+                    "round %d: this peer's own part %d had no valid result; the others bar it from owning a "
+                    "part for the next %d rounds, and so does it",
+                    spec.round,
+                    j,
+                    OWNER_PENALTY_ROUNDS,
+                )
+            self.owner[me] = spec.round + OWNER_PENALTY_ROUNDS  # type: ignore[index]
+
+    def _note_own_no_show(self, plan, ar, stalled: bool) -> None:
+        """:meth:`note_own_failures`' no-show half."""
+        me = self.state.me
+        if me is None or me not in plan.participants():
+            return
+        if not stalled and me not in pb.absent_participants(plan.participants(), ar.contributors):
+            return
+        pen = self.noshows()
+        rounds = pb.noshow_penalty_rounds(me in set(plan.probation()))
+        if me not in pen:
+            log.info(
+                "round %d: this peer contributed to no part the others applied; they do not plan it nor "
+                "follow its plans for the next %d rounds, so it does not lead meanwhile",
+                plan.round,
+                rounds,
+            )
+        pen[me] = plan.round + rounds
+
+    def note_failed_owners(self, spec, ar) -> None:
+        """Owners of parts with no valid result this round own no part for ``OWNER_PENALTY_ROUNDS`` rounds
+        (this peer's own parts: :meth:`note_own_failures`)."""
+        for j in ar.missing_parts:
+            pid = spec.owners[j].peer_id
+            if pid == self.state.me:
+                continue
+            if pid not in self.owner:
+                log.warning(
+                    "round %d: part %d of %s had no valid result; it owns no part for the next %d rounds",
+                    spec.round,
+                    j,
+                    pid[:10],
+                    OWNER_PENALTY_ROUNDS,
+                )
+            self.owner[pid] = spec.round + OWNER_PENALTY_ROUNDS
+            self.noted[("owner", pid)] = spec.round
+
+    def note_no_shows(self, plan, ar) -> None:
+        """Participants of ``plan`` in no aggregate this node applied are not planned (nor leader
+        candidates) for ``probation.noshow_penalty_rounds`` rounds. Every honest peer applied the same
+        aggregates, so honest leaders agree. Nothing is concluded when no part had a result."""
+        pen = self.noshows()
+        marked = set(plan.probation())
+        for pid in pb.absent_participants(plan.participants(), ar.contributors):
+            if pid == self.state.me:
+                continue
+            rounds = pb.noshow_penalty_rounds(pid in marked)
+            if pid not in pen:
+                log.log(
+                    logging.INFO if pid in marked else logging.WARNING,
+                    "round %d: %s%s was planned and contributed to no part; not planned for the next %d rounds",
+                    plan.round,
+                    pid[:10],
+                    " (on probation)" if pid in marked else "",
+                    rounds,
+                )
+            pen[pid] = plan.round + rounds
+            self.noted[("noshow", pid)] = plan.round
+
+    def without_parts(self, members, probation=()):
+        """``members`` with the peers under an owner penalty planned as client-only (they own no part),
+        unless that would leave no owner at all; peers on ``probation`` always own no part."""
+        self.owner = {p: until for p, until in self.owner.items() if until >= self.state.round}
+        if probation:
+            members = [
+                m.model_copy(update={"address": None}) if m.peer_id in probation and m.address else m for m in members
+            ]
+        barred = [m for m in members if m.peer_id in self.owner and m.address]
+        if not barred or all(m in barred or not m.address for m in members):
+            return members
+        return [m.model_copy(update={"address": None}) if m in barred else m for m in members]

@@ -1,0 +1,260 @@
+"""Planning rules (:class:`PlanRules`): admission of the members to plan (no-shows left out, a bounded number
+on probation, owners under a penalty client-only), this peer's plan when it leads (with the window's
+exclusions and the evidence of delivered rates), and the checks a follower makes on a leader's plan.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Optional
+
+from geomesh_p2p.config.method import MethodRule
+from geomesh_p2p.net.swarm_time import swarm_time
+from geomesh_p2p.plan import planner
+from geomesh_p2p.plan.agree import PlanDeferred
+from geomesh_p2p.plan.planner import PlanConfig
+from geomesh_p2p.round.rules.penalties import Penalties
+from geomesh_p2p.round.rules.profiling import Reprofiler
+from geomesh_p2p.round.rules.state import RoundState
+from geomesh_p2p.trust import probation as pb
+
+if TYPE_CHECKING:
+    from geomesh_p2p.config.models import NodeConfig, RunConfig
+
+log = logging.getLogger("geomesh_p2p.node.peer.round")
+
+__all__ = ["PlanRules", "NoOwner", "plan_horizon_s"]
+
+#: Followers refuse a plan whose deadlines lie further ahead than PLAN_HORIZON_WINDOWS x window +
+#: PLAN_HORIZON_SLACK_S (window_s None: PLAN_HORIZON_DEFAULT_WINDOW_S): a rogue leader cannot park the swarm.
+PLAN_HORIZON_WINDOWS = 4
+PLAN_HORIZON_SLACK_S = 120.0
+PLAN_HORIZON_DEFAULT_WINDOW_S = 60.0
+#: A leader's own exchange timeout stays under this share of that horizon, so its followers accept the plan.
+EXCHANGE_HORIZON_SHARE = 0.9
+#: The exchange timeout is at least max(EXCHANGE_FLOOR_S, EXCHANGE_FLOOR_PLAN_TIMEOUTS x --plan-timeout-s).
+EXCHANGE_FLOOR_S = 5.0
+EXCHANGE_FLOOR_PLAN_TIMEOUTS = 3
+
+
+def plan_horizon_s(window_s: Optional[float]) -> float:
+    """Seconds ahead of now that a plan's deadlines may lie (followers refuse farther ones)."""
+    return PLAN_HORIZON_WINDOWS * (window_s or PLAN_HORIZON_DEFAULT_WINDOW_S) + PLAN_HORIZON_SLACK_S
+
+
+class NoOwner(Exception):
+    """:meth:`PlanRules.build_plan`: no member to plan has an address (nobody can own a part)."""
+
+
+class PlanRules:
+    """This peer's planning and plan checks.
+
+    Args:
+        run_cfg: the run config (shapes of the plan, window, method).
+        cfg: the node config (``plan_timeout_s``: the floor of this peer's exchange window).
+        state: this peer's :class:`RoundState` (``me``, ``round``, ``digest``, ``numel``, ``standing``).
+        penalties: the owner and no-show penalties this peer holds.
+        profile: this peer's re-profiled figures (link EMAs and exchange cost: its exchange window; the
+            delivered rates of the last round: the evidence its plans are bounded by). Default: none
+            measured (the floor window, no evidence).
+    """
+
+    def __init__(
+        self,
+        run_cfg: RunConfig,
+        cfg: NodeConfig,
+        state: RoundState,
+        penalties: Penalties,
+        profile: Optional[Reprofiler] = None,
+    ):
+        self.run_cfg = run_cfg
+        self.cfg = cfg
+        self.state = state
+        self.penalties = penalties
+        self.profile = profile if profile is not None else Reprofiler(cfg, state)
+        self._no_owner = False  # the last plan attempt found no member that can own a part
+
+    @property
+    def method_rule(self) -> MethodRule:
+        """What the run's method means for a round (encodings, balanced or uniform, part alignment)."""
+        return MethodRule.from_run(self.run_cfg)
+
+    def standing_view(self, records):
+        """This node's :class:`~geomesh_p2p.trust.probation.StandingView` of ``records`` for the current round."""
+        s = self.state
+        return pb.StandingView(s.standing, records, round=s.round, me=s.me)
+
+    def make_plan(self, members, leader):
+        """This peer's plan when it leads (:meth:`build_plan`).
+
+        Raises :class:`~geomesh_p2p.plan.agree.PlanDeferred` when no member to plan can own a part
+        (every one client-only, e.g. a lone peer nobody can dial, or on probation): it says so in one
+        WARNING when that starts and one INFO when it ends, not at every retry (issue 14 #10)."""
+        try:
+            plan = self.build_plan(members, leader)
+        except NoOwner as e:
+            if self._no_owner is False:
+                log.warning("round %d: no reachable peer can own a part (%s): waiting for one", self.state.round, e)
+            self._no_owner = True
+            raise PlanDeferred(str(e)) from None
+        if self._no_owner:
+            log.info("round %d: a peer can own a part again: planning", self.state.round)
+        self._no_owner = False
+        return plan
+
+    def plan_config(self, n_peers: int) -> PlanConfig:
+        """The planner's settings for a round of ``n_peers`` (this peer's exchange window included)."""
+        r, rule = self.run_cfg, self.method_rule
+        payload = rule.payload_bytes(self.state.numel, n_peers)
+        return PlanConfig(
+            seq_len=r.seq_len,
+            target_batch=r.target_batch,
+            window_s=r.window_s,
+            part_align=rule.part_align,
+            comm_share=r.comm_share,
+            payload_bytes=payload,
+            mode=r.mode,
+            method=r.method,
+            uniform_inner_steps=r.uniform_inner_steps,
+            max_inner_steps=r.max_inner_steps,
+            exchange_timeout_s=self.exchange_window(n_peers, payload),
+        )
+
+    def exchange_window(self, n_peers: int, payload_bytes: int) -> float:
+        """Seconds from a plan's train deadline to its exchange deadline (this peer's plans; followers check
+        only that it is not unreasonably far): :func:`planner.exchange_timeout` of this peer's predicted
+        exchange, network (its link EMAs) plus CPU (:func:`planner.exchange_cpu_s` at its measured cost per
+        element pass, :meth:`Reprofiler.update_exchange_cost`), at least ``max(5, 3 x --plan-timeout-s)`` and
+        at most 90% of the horizon followers accept (``4 x window + 120 s``). The CPU part grows with the model
+        (encoding, signing, verifying and aggregating every element)."""
+        floor = max(EXCHANGE_FLOOR_S, EXCHANGE_FLOOR_PLAN_TIMEOUTS * self.cfg.plan_timeout_s)
+        cost = self.profile.codec_s_per_element
+        numel = self.state.numel
+        if not cost or not numel:
+            return floor
+        ema = self.profile.ema
+        up = (getattr(ema, "upload_bps", None) or 0) or 1e8
+        down = (getattr(ema, "download_bps", None) or 0) or 1e8
+        comm = payload_bytes / up + payload_bytes / down
+        cpu = planner.exchange_cpu_s(numel, max(1, n_peers), self.run_cfg.mode, cost)
+        # Never past what followers accept (plan_problem: "deadlines unreasonably far"), with 10% to spare.
+        horizon = EXCHANGE_HORIZON_SHARE * plan_horizon_s(self.run_cfg.window_s)
+        return max(floor, min(planner.exchange_timeout(comm, cpu, floor), horizon))
+
+    def admit(self, members):
+        """(members to plan, those of them on probation): no-shows left out; of the peers on probation
+        (standing below ``probation.threshold``), at most ``probation_slots(established)``, highest
+        standing first, then by a per-round rendezvous hash (probation.py)."""
+        pen = self.penalties.noshows()
+        me, rnd = self.state.me, self.state.round
+        kept = [m for m in members if m.peer_id not in pen or m.peer_id == me]
+        view = self.standing_view(members)
+        est, waiting = pb.split(view, [m.peer_id for m in kept])
+        chosen = pb.select_probation(self.run_cfg.run_id, rnd, view, waiting, pb.probation_slots(len(est)))
+        left = len(waiting) - len(chosen)
+        if left or len(kept) < len(members):
+            log.info(
+                "round %d: planning %d established peer(s) and %d of %d on probation; %d no-show(s) left out",
+                rnd,
+                len(est),
+                len(chosen),
+                len(waiting),
+                len(members) - len(kept),
+            )
+        keep = set(est) | set(chosen)
+        return [m for m in kept if m.peer_id in keep], tuple(chosen)
+
+    def build_plan(self, members, leader):
+        """This peer's plan of the round over ``members`` with ``leader`` (raises :class:`NoOwner` when no
+        member to plan has an address)."""
+        rnd = self.state.round
+        members, chosen = self.admit(members)
+        probation = chosen
+        members = self.penalties.without_parts(members, probation)
+        cfg = self.plan_config(len(members))
+        evidence = self.profile.supported_tps
+        supported = evidence[1] if evidence is not None and evidence[0] == rnd - 1 else None
+        if self.run_cfg.window_s:
+            # A peer whose exchange plus minimum compute would stretch the round well past what it takes
+            # without it is planned out this round (planner.window_exclusions; docs/round.md, "Exclusion
+            # rule"). One that fits the window costs nothing: AWB gives it fewer steps. A peer that delivered
+            # last round stays unless it would double the round: a noisy link figure must not flap it.
+            ex = planner.window_exclusions(members, cfg, kept=supported or ())
+            if ex.excluded:
+                slow = set(ex.excluded)
+                log.warning(
+                    "round %d: planning without %s: the round needs %s s with it (exchange %s s), %.1f s "
+                    "without (window %.1f s)",
+                    rnd,
+                    ", ".join(p[:10] for p in ex.excluded),
+                    ", ".join(f"{ex.need_s[p]:.1f}" for p in ex.excluded),
+                    ", ".join(f"{ex.comm_s[p]:.1f}" for p in ex.excluded),
+                    max([self.run_cfg.window_s] + [v for p, v in ex.need_s.items() if p not in slow]),
+                    self.run_cfg.window_s,
+                )
+                members = [m for m in members if m.peer_id not in slow]
+                # Still at most probation_slots(established) on probation (those first in line stay).
+                ids = {m.peer_id for m in members}
+                n_est = sum(1 for p in ids if p not in probation)
+                probation = tuple(p for p in chosen if p in ids)[: pb.probation_slots(n_est)]
+                members = [m for m in members if m.peer_id not in chosen or m.peer_id in probation]
+                cfg = self.plan_config(len(members))
+        # geomesh/awb: AWB plan; diloco/css: uniform; ddp: uniform with one step per round. Claims are
+        # bounded by the planner (planner.bound_records) and, for the peers of the last round, by what
+        # their delivered contributions support (Reprofiler.delivered_rates).
+        if not any(m.address for m in members):
+            raise NoOwner(f"{len(members)} peer(s) to plan, all client-only or on probation")
+        return planner.make_plan(
+            members,
+            cfg,
+            run_id=self.run_cfg.run_id,
+            round=rnd,
+            leader=leader,
+            numel=self.state.numel,
+            start_time=swarm_time() + 0.5,
+            start_digest=self.state.digest,
+            supported_tokens_per_s=supported,
+            probation=probation,
+        )
+
+    def plan_problem(self, plan, live: dict) -> Optional[str]:
+        """Why this peer must not follow ``plan`` (None: it may). Guards against a rogue or broken
+        leader: wrong model size or settings, unknown leader or participants, owners at addresses
+        their records do not announce, deadlines far in the future (a stall); then
+        :func:`geomesh_p2p.plan.planner.check_plan`: batches, steps, window, token budgets and ownership
+        within what the participants' records and the run config support."""
+        rc, me, numel = self.run_cfg, self.state.me, self.state.numel
+        if plan.numel != numel:
+            return f"it is for {plan.numel} parameters, the model has {numel}"
+        if plan.seq_len != rc.seq_len or plan.method != rc.method or plan.mode != rc.mode:
+            return "its seq_len / method / mode differ from the run config"
+        if plan.leader not in live:
+            return "its leader is not a live peer of this run"
+        unknown = [p[:10] for p in plan.participants() if p not in live]
+        if unknown:
+            return f"it names peers that are not live: {unknown}"
+        for a in plan.assignments:
+            if a.part_end > a.part_start and a.address != live[a.peer_id].address:
+                return f"owner {a.peer_id[:10]} is placed at {a.address}, its record says {live[a.peer_id].address}"
+            if a.inner_steps > rc.max_inner_steps:
+                return f"{a.inner_steps} inner steps for {a.peer_id[:10]} exceed the run's {rc.max_inner_steps}"
+        horizon = plan_horizon_s(rc.window_s)
+        if plan.train_deadline - swarm_time() > horizon or plan.exchange_deadline - plan.train_deadline > horizon:
+            return "its deadlines are unreasonably far in the future"
+        # Probation (issue 12): the leader is not a new identity, and those it plans as established are
+        # established in this peer's view too (lenient by the rounds this peer did not see).
+        reason = pb.marking_problem(plan, self.standing_view(list(live.values())), live.keys())
+        if reason is not None:
+            return reason
+        # Batches, steps, window, budgets and ownership, recomputed from the records (issue 11).
+        barred = self.penalties.barred()
+        # Penalties hold whoever leads (an adversarial review found a no-show leading and giving itself 64%
+        # of the model again): a leader this peer saw deliver nothing, or a part given to an owner whose
+        # part had no valid result, is refused; the next leader takes over.
+        noshows = self.penalties.noshows()
+        if plan.leader in noshows and plan.leader != me:
+            return f"its leader {plan.leader[:10]} contributed to no part recently (not planned until round {noshows[plan.leader]})"
+        owning = [pid for pid, _, _ in plan.owners() if pid in barred and pid != me]
+        if owning:
+            return f"it gives a part to {owning[0][:10]}, whose part had no valid result in a recent round"
+        return planner.check_plan(plan, live, self.plan_config(len(plan.assignments)), now=swarm_time(), barred=barred)

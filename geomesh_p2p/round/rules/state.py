@@ -1,0 +1,38 @@
+"""The node's mutable round state that the round rules read and write (:class:`RoundState`).
+
+One instance is shared by :class:`~geomesh_p2p.node.peer.PeerNode` (its ``round``, ``digest``, ``numel``,
+``state_numel``, ``standing`` and ``history`` are this object's fields) and the rule objects of
+:mod:`geomesh_p2p.round.rules`, so a rule never needs the node itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from geomesh_p2p.trust.standing import Standing
+
+__all__ = ["RoundState"]
+
+
+@dataclass
+class RoundState:
+    """What the round rules know of this peer (shared with the node; the driver moves ``round`` / ``digest``).
+
+    Attributes:
+        me: this peer's PeerID (None: rules built for a test without an identity).
+        round: the round this peer is at (the driver's counter; runs ahead of the state held while syncing).
+        digest: the digest of the global state held (None before it took one).
+        numel: P, the model's parameters (0 until the node built its model).
+        state_numel: elements of the outer optimizer's state (k x P).
+        standing: the standing ledger (rounds seen delivered; replaced on ``--resume``).
+        history: the rows of the rounds this peer trained (a vote counts standing once it trained).
+    """
+
+    me: Optional[str] = None
+    round: int = 0
+    digest: Optional[str] = None
+    numel: int = 0
+    state_numel: int = 0
+    standing: Standing = field(default_factory=Standing)
+    history: list[Any] = field(default_factory=list)

@@ -1,0 +1,125 @@
+"""Verified work in the round rules (:class:`VerifiedWork`, :mod:`geomesh_p2p.trust.verify`): each round's
+start weights and signed contributions are kept, a drawn contributor is re-checked off the event loop, and
+peers the evidence excludes are neither planned nor followed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any, Callable, Optional
+
+import torch
+
+from geomesh_p2p.round.rules.state import RoundState
+from geomesh_p2p.trust import verify
+
+log = logging.getLogger("geomesh_p2p.node.peer.round")
+
+__all__ = ["VerifiedWork"]
+
+
+class VerifiedWork:
+    """This peer's verified work.
+
+    Args:
+        state: this peer's :class:`RoundState` (``me``).
+        make_verifier: builds the :class:`~geomesh_p2p.trust.verify.WorkVerifier` (a whole-model copy) on first
+            use; None: verified work is off until ``verifier`` is set.
+        theta: the global weights [P] fp32 CPU (read when a round's start weights are kept).
+        collective: the node's collective (the signed contributions it received).
+        row_time: the inner trainer's seconds per row (None when unknown).
+        verifier: a verifier to use from the start (tests).
+    """
+
+    def __init__(
+        self,
+        state: RoundState,
+        make_verifier: Optional[Callable[[], verify.WorkVerifier]] = None,
+        *,
+        theta: Optional[Callable[[], torch.Tensor]] = None,
+        collective: Optional[Callable[[], Any]] = None,
+        row_time: Optional[Callable[[], Optional[float]]] = None,
+        verifier: Optional[verify.WorkVerifier] = None,
+    ):
+        self.state = state
+        self._make_verifier = make_verifier
+        self._theta = theta
+        self._collective = collective
+        self._row_time = row_time
+        self.verifier = verifier
+        self.task: Optional[asyncio.Future] = None
+
+    def _global_theta(self) -> torch.Tensor:
+        if self._theta is None:
+            raise RuntimeError("verified work has no global weights to keep (built without them)")
+        return self._theta()
+
+    def _new_verifier(self) -> verify.WorkVerifier:
+        if self._make_verifier is None:
+            raise RuntimeError("verified work cannot build a verifier (built without a factory)")
+        return self._make_verifier()
+
+    async def before_outer_step(self, r, plan, assignment, ar) -> None:
+        """Verified work keeps round ``r``'s start weights: copied in a worker thread (a whole-model copy)."""
+        theta0 = await asyncio.to_thread(self._global_theta().clone) if getattr(ar, "contributions", None) else None
+        if theta0 is not None and self.verifier is None:
+            # Its private copy of the model (a whole-model deepcopy) is made in a worker thread, not on the loop.
+            self.verifier = await asyncio.to_thread(self._new_verifier)
+        self.verify_round(r, plan, assignment, ar, theta0=theta0)
+
+    def verify_round(self, r: int, plan, a, ar, theta0: Optional[torch.Tensor] = None) -> None:
+        """Verified work (:mod:`geomesh_p2p.trust.verify`): keep round ``r``'s start weights and the signed
+        contributions received (relay mode), then, off the event loop and in parallel with the evaluation,
+        check the contributor this peer's selection draws and re-check published evidence. Bounded by
+        ``time_share`` of the window after the exchange (skipped with a debug line past it); at most one
+        such task runs at a time. Never raises: a failure here must not cost the round."""
+        try:
+            if not ar.contributions:
+                return  # reencode mode (or nothing received): no contributions to check
+            wv = self.verifier
+            if wv is None:
+                wv = self.verifier = self._new_verifier()
+            wv.keep_round(
+                r,
+                theta=self._global_theta().clone() if theta0 is None else theta0,
+                plan=plan,
+                part_ranges=ar.part_ranges,
+                packets=ar.contributions,
+            )
+            running = self.task
+            if running is not None and not running.done():
+                log.debug("round %d: verified work skipped: the previous check is still running", r)
+                return
+            deadline = time.time() + max(1.0, wv.cfg.time_share * float(plan.window_s))
+            collective = self._collective() if self._collective is not None else None
+            self.task = asyncio.ensure_future(
+                wv.run_round(
+                    r,
+                    micro_batch=a.micro_batch,
+                    seconds_per_row=self._row_time() if self._row_time is not None else None,
+                    deadline=deadline,
+                    signed_of=lambda part, sender: verify.signed_contribution(collective, r, part, sender),
+                )
+            )
+
+            def failed(t: asyncio.Future) -> None:
+                if not t.cancelled() and t.exception() is not None:
+                    log.warning("round %d: verified work failed: %s", r, t.exception())
+
+            self.task.add_done_callback(failed)
+        except Exception as e:
+            log.warning("round %d: verified work skipped: %s", r, e)
+
+    def plan_problem(self, plan) -> Optional[str]:
+        """Why this peer refuses ``plan`` for verified work's sake (an excluded peer that leads would plan
+        itself back in): :meth:`geomesh_p2p.trust.verify.WorkVerifier.plan_problem`. None: no objection."""
+        wv = self.verifier
+        return None if wv is None else wv.plan_problem(plan, me=self.state.me)
+
+    def members(self, members):
+        """The planner's input without the peers that verified work excluded (their evidence re-checked
+        here, :meth:`geomesh_p2p.trust.verify.WorkVerifier.filter`); this peer itself always stays."""
+        wv = self.verifier
+        return members if wv is None else wv.filter(members, keep=self.state.me)
