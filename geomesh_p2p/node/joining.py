@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Optional
 
 
 import geomesh_p2p
+from geomesh_p2p.node.started import started
 from geomesh_p2p.dht import IncompatibleSwarmError, check_compatible, live_peers
 from geomesh_p2p.dht.state import DHT_PROTOCOL_VERSION
 from geomesh_p2p.dht.progress import swarm_progress
@@ -92,11 +93,13 @@ async def check_identity_unique(node: PeerNode) -> None:
 
     transport = node._started_transport()
     mine = transport.address
-    for rec in await live_peers(node.dht, node.run_cfg.run_id, include_leaving=True):
+    for rec in await live_peers(started(node.dht), node.run_cfg.run_id, include_leaving=True):
         if rec.peer_id != node.me or not rec.address or rec.address == mine:
             continue
         req = dht_pb2.PingRequest(
-            sender=node.dht.self_info(), dht_protocol=DHT_PROTOCOL_VERSION, software_version=geomesh_p2p.__version__
+            sender=started(node.dht).self_info(),
+            dht_protocol=DHT_PROTOCOL_VERSION,
+            software_version=geomesh_p2p.__version__,
         )
         try:
             reply = await transport.call(
@@ -119,7 +122,7 @@ async def check_swarm(node: PeerNode, mine: Optional[PeerRecord] = None) -> None
     """
 
     mine = mine or node.my_record()
-    others = [r for r in await live_peers(node.dht, node.run_cfg.run_id) if r.peer_id != node.me]
+    others = [r for r in await live_peers(started(node.dht), node.run_cfg.run_id) if r.peer_id != node.me]
     if not others or any(check_compatible(mine, r) is None for r in others):
         return
     other = others[0]
@@ -151,7 +154,9 @@ async def initial_state(node: PeerNode) -> None:
     # Fresh peer: join the swarm's state if it already trained, else the seed's.
     # The seed weights are written into the state buffer itself, in the worker thread (not on the loop).
     await asyncio.to_thread(
-        lambda: node._set_state(0, flat_params(node.model, out=node.gstate.theta), node.gstate.opt_state.zero_())
+        lambda: node._set_state(
+            0, flat_params(node.model, out=started(node.gstate).theta), started(node.gstate).opt_state.zero_()
+        )
     )
     recs = [r for r in await node.peers() if r.peer_id != node.me]
     if any(r.round > 0 and r.weights_digest for r in recs):
@@ -216,7 +221,7 @@ async def warn_if_resumed_behind(node: PeerNode) -> None:
     first round's behind-check catches up to them."""
     if [r for r in await node.peers() if r.peer_id != node.me]:
         return
-    prog = await swarm_progress(node.dht, node.run_cfg.run_id)
+    prog = await swarm_progress(started(node.dht), node.run_cfg.run_id)
     if prog is None or prog.round <= node.round:
         return
     events.emit(
@@ -250,7 +255,7 @@ async def on_empty_swarm(node: PeerNode) -> None:
         UserFacingError: ``resume`` with no ``--checkpoint-dir`` or no checkpoint in it.
         StoppedBeforeJoining: Ctrl+C / SIGTERM while waiting.
     """
-    prog = await swarm_progress(node.dht, node.run_cfg.run_id)
+    prog = await swarm_progress(started(node.dht), node.run_cfg.run_id)
     if prog is None or prog.round <= 0:
         return
     how = node.cfg.on_empty_swarm

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 
 import geomesh_p2p
+from geomesh_p2p.node.started import started
 from geomesh_p2p.status import swarm as swarm_status  # noqa: F401  (kept importable from here: tests patch it)
 from geomesh_p2p.trust.admission import Admission, load_or_solve_pow, pow_cache_path
 from geomesh_p2p.model.capability import (
@@ -116,8 +117,6 @@ class PeerNode:
     model: torch.nn.Module
     profiled_tps: dict[int, float]
     trainer: InnerTrainer
-    gstate: GlobalState  # the one buffer theta and the outer state are views of
-    feedback: Optional[PushFeedback]  # --error-feedback's residual
 
     def __init__(self, run: RunConfig, cfg: NodeConfig, identity: Optional[Identity] = None):
         self.run_cfg = run
@@ -136,6 +135,17 @@ class PeerNode:
         self.max_batch = 1
         self._leaving = False  # announced once this peer is on its way out (Ctrl+C / SIGTERM)
         self.round_log: Optional[RoundLog] = None  # made by start(); None once shut down
+        # built by start() (None before it and in the unit tests that never start the node)
+        self.event_sink: Any = None
+        self.dht: Optional[DHTNode] = None
+        self.collective: Optional[CollectiveService] = None
+        self.state_server: Optional[StateServer] = None
+        self.announcer: Optional[PeerAnnouncer] = None
+        self.plans: Optional[PlanStore] = None
+        self.looplag: Optional[LoopLagMonitor] = None
+        self._round_driver: Optional[RoundDriver] = None
+        self.gstate: Optional[GlobalState] = None
+        self.feedback: Optional[PushFeedback] = None  # --error-feedback's residual
         self._init_admission()
         self._init_rules()
 
@@ -159,11 +169,11 @@ class PeerNode:
             # late-bound: the node's own methods at call time
             peers=lambda include_leaving=False: self.peers(include_leaving=include_leaving),
             announce=lambda: self.announce(),
-            record_changed=lambda: self.announcer.update(self.my_record),
+            record_changed=lambda: started(self.announcer).update(self.my_record),
             set_state=lambda rnd, theta, momentum: self._set_state(rnd, theta, momentum),
             transport=lambda: self.transport,
-            plans=lambda: getattr(self, "plans", None),  # the run's signed plans: made by start()
-            gstate=lambda: getattr(self, "gstate", None),  # built by start()
+            plans=lambda: self.plans,  # the run's signed plans: made by start()
+            gstate=lambda: self.gstate,  # built by start()
             outer=lambda: self.outer,
             address=lambda: self.record_address,
         )
@@ -175,8 +185,8 @@ class PeerNode:
             self.config_hash,
             theta=lambda: self.theta,
             outer=lambda: self.outer,
-            gstate=lambda: getattr(self, "gstate", None),  # built by start()
-            feedback=lambda: getattr(self, "feedback", None),  # --error-feedback's residual (start)
+            gstate=lambda: self.gstate,  # built by start()
+            feedback=lambda: self.feedback,  # --error-feedback's residual (start)
         )
         self.outer_rule = OuterStepRule(self.rs, theta=lambda: self.theta, outer=lambda: self.outer)
         self.policy = NodeRoundPolicy(
@@ -392,7 +402,7 @@ class PeerNode:
         # Every absolute time that crosses machines (plans, deadlines, expiries) is in swarm time from now on;
         # read from the DHT at each use, so its re-measurements at each bootstrap ping apply too.
         clock.set_offset(self.dht.clock_offset_s)
-        clock.follow(lambda: self.dht.clock_offset_s)
+        clock.follow(lambda: started(self.dht).clock_offset_s)
         # Refuse an incompatible run config now, before spending half a minute on data and profiling.
         await joining.check_swarm(self, self._placeholder_record())
         await joining.check_identity_unique(self)
@@ -437,7 +447,7 @@ class PeerNode:
         """The ``host:port`` this peer's records name: the DHT's advertised address once joined (None when a
         bootstrap could not dial it back, issue 14 #5: then it is client-only, owns no part and donates no
         state, since the planner gives a record without address no bandwidth), the transport's before."""
-        dht = getattr(self, "dht", None)
+        dht = self.dht
         return dht.advertised_address if dht is not None else self._started_transport().address
 
     def my_record(self) -> PeerRecord:
@@ -468,7 +478,7 @@ class PeerNode:
     async def announce(self) -> None:
         """Store this peer's current record now (the announcer also refreshes it every period)."""
         try:
-            await self.announcer.announce_once()
+            await started(self.announcer).announce_once()
         except Exception as e:  # a failed announcement is retried by the announcer's loop
             log.warning("announce failed: %s", e)
 
@@ -478,7 +488,7 @@ class PeerNode:
         work, or of identities off the allow-list in a private run, are ignored (admission.py)."""
 
         recs = await live_peers(
-            self.dht,
+            started(self.dht),
             self.run_cfg.run_id,
             expected_version=geomesh_p2p.__version__,
             expected_config_hash=self.config_hash,
@@ -497,10 +507,10 @@ class PeerNode:
         digest recomputed in place (the state server serves the buffer itself), weights loaded into the model
         (not with ``load_model=False``: eager updates' speculative steps train on it). Synchronous,
         whole-model: call it in a worker thread."""
-        gs = self.gstate
+        gs = started(self.gstate)
         with gs.lock:
             if theta is not gs.theta:
-                server = getattr(self, "state_server", None)
+                server = self.state_server
                 if server is not None and getattr(server, "state", None) is gs:
                     server.retain()  # a download of the state replaced here finishes from a copy
                 gs.theta.copy_(theta.detach().reshape(-1))
@@ -535,7 +545,7 @@ class PeerNode:
             if self._stop.is_set():  # Ctrl+C during start-up: no initial evaluation (seconds at real size)
                 log.info("stop requested during start-up: leaving before the first round")
                 return 0
-            self.announcer.start()
+            started(self.announcer).start()
             self.initial_ppl = await asyncio.to_thread(self.trainer.evaluate, max_batches=self.cfg.eval_batches)
             log.info("round %d: eval perplexity %.2f (initial)", self.round, self.initial_ppl)
             driver = self._driver()
@@ -552,7 +562,7 @@ class PeerNode:
         """The round state machine over this node's parts (built once; rebuilt when a test swapped a part)."""
         c = self.cfg
         parts = (self.trainer, self.collective)
-        d = getattr(self, "_round_driver", None)
+        d = self._round_driver
         if d is not None and (d.trainer, d.collective) == parts:
             return d
         cfg = DriverConfig.from_node(
@@ -570,9 +580,9 @@ class PeerNode:
 
         self._round_driver = RoundDriver(
             membership=self,
-            plans=DhtPlanAgreement(self.plans),
+            plans=DhtPlanAgreement(started(self.plans)),
             trainer=self.trainer,
-            collective=self.collective,
+            collective=started(self.collective),
             state=self,
             policy=self.policy,
             cfg=cfg,
@@ -580,8 +590,8 @@ class PeerNode:
             history=self.history,
             traffic=traffic,
             leaving=self._set_leaving,
-            loop_stall=self.looplag.take_worst if getattr(self, "looplag", None) is not None else lambda: None,
-            feedback=getattr(self, "feedback", None),
+            loop_stall=self.looplag.take_worst if self.looplag is not None else lambda: None,
+            feedback=self.feedback,
         )
         return self._round_driver
 
@@ -590,7 +600,7 @@ class PeerNode:
 
     @property
     def _in_exchange(self) -> bool:
-        d = getattr(self, "_round_driver", None)
+        d = self._round_driver
         return d is not None and d.in_exchange
 
     @property
@@ -620,16 +630,16 @@ class PeerNode:
         """Round ``r``'s outer step in place, per part (:meth:`OuterStepRule.apply`), under the state's lock (worker thread).
         Before it (issue 14 #3): the state server keeps a copy of round ``r`` while a download of it is in
         progress, and the update is recorded for peers that fell behind (:class:`~geomesh_p2p.sync.server.UpdateLog`)."""
-        lock = getattr(getattr(self, "gstate", None), "lock", None)
+        lock = getattr(self.gstate, "lock", None)
         if lock is None:
             return self.outer_rule.apply(r, plan, aggregate, idle)
         with lock:
-            server = getattr(self, "state_server", None)
+            server = self.state_server
             if server is not None and getattr(server, "state", None) is self.gstate:
                 server.retain()
                 server.updates.record(
                     r,
-                    self.gstate.digest if self.gstate.round == r else None,
+                    started(self.gstate).digest if started(self.gstate).round == r else None,
                     [(s, e) for _, s, e in plan.owners()] or [(0, self.numel)],
                     idle,
                     aggregate,
@@ -646,8 +656,8 @@ class PeerNode:
         self._set_state(round, self._global_theta(), None, load_model=load_model)
         if self.digest is None:  # _set_state always sets it
             raise RuntimeError(f"round {round}: the global state has no digest after its commit")
-        server = getattr(self, "state_server", None)
-        if server is not None and getattr(server, "state", None) is getattr(self, "gstate", None):
+        server = self.state_server
+        if server is not None and getattr(server, "state", None) is self.gstate:
             server.updates.seal(round, self.digest)  # the update recorded by outer_step is now served
         return self.digest
 
@@ -655,10 +665,10 @@ class PeerNode:
     def eager_start(self, delta: torch.Tensor, weight: float) -> torch.Tensor:
         """This peer's next start weights ``O(θ, v; weight·delta)`` on copies (worker thread; three [P] more
         while it runs): :func:`geomesh_p2p.model.optim.eager_start` with the run's outer lr and momentum."""
-        with self.gstate.lock:  # θ and v of one round, never half-stepped by a concurrent outer step
+        with started(self.gstate).lock:  # θ and v of one round, never half-stepped by a concurrent outer step
             return eager_start(
                 self._global_theta(),
-                self.gstate.opt_state,
+                started(self.gstate).opt_state,
                 delta,
                 weight,
                 lr=self.run_cfg.outer_lr,
@@ -696,7 +706,7 @@ class PeerNode:
     async def shutdown(self) -> None:
         """Checkpoint, stop tasks, server and channels. Safe to call twice."""
         if self.transport is None:  # stopped before the transport existed: only the metrics server may run
-            round_log = getattr(self, "round_log", None)  # absent before start() made it
+            round_log = self.round_log  # absent before start() made it
             if round_log is not None:
                 round_log.close()
                 self.round_log = None
@@ -704,11 +714,7 @@ class PeerNode:
         # Leaving is announced first (before the checkpoint, which takes seconds on a large model), so
         # the others plan their next round without this peer whatever the reason it stops.
         try:
-            if (
-                getattr(self, "announcer", None) is not None
-                and not self._leaving
-                and getattr(self, "ema", None) is not None
-            ):
+            if self.announcer is not None and not self._leaving and self.ema is not None:
                 self._leaving = True
                 events.emit(
                     log,
@@ -727,23 +733,23 @@ class PeerNode:
             self.write_summary(self.cfg.summary_json)
         grace = await self._serve_last_parts()
         try:
-            if getattr(self, "looplag", None) is not None:
+            if self.looplag is not None:
                 await self.looplag.stop()
-            if getattr(self, "announcer", None) is not None:
+            if self.announcer is not None:
                 await self.announcer.stop()
-            if getattr(self, "collective", None) is not None:
+            if self.collective is not None:
                 await self.collective.close()
-            if getattr(self, "dht", None) is not None:
+            if self.dht is not None:
                 clock.follow(None)  # keep the last measured offset, drop the reference to this DHT
                 await self.dht.shutdown()
         finally:
             # results handed out may still be on a slow link: the server's stop waits for calls in flight up to
             # the last round's exchange deadline (it returns as soon as none is left)
             await self.transport.stop(grace=grace)
-            round_log = getattr(self, "round_log", None)
+            round_log = self.round_log
             if round_log is not None:
                 round_log.close()
-            events.close_sink(getattr(self, "event_sink", None))
+            events.close_sink(self.event_sink)
             self.transport = None
 
     async def _serve_last_parts(self) -> float:
@@ -753,8 +759,8 @@ class PeerNode:
         more if some never pulled. Returns the grace (seconds) the server's stop gives calls still in flight:
         a result handed out is still on the wire (rs10: a 2.8 MB relay result on a 4.64 Mbit/s link was cut
         by the 0.5 s grace), so until that deadline, at least 0.5 s. A second Ctrl+C ends the wait."""
-        collective = getattr(self, "collective", None)
-        plan = getattr(getattr(self, "_round_driver", None), "last_plan", None)
+        collective = self.collective
+        plan = getattr(self._round_driver, "last_plan", None)
         if collective is None or plan is None or not hasattr(collective, "linger"):
             return 0.5
         until = min(float(plan.exchange_deadline), swarm_time() + MAX_LINGER_S)

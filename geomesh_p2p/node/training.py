@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from geomesh_p2p.node.started import started
 from geomesh_p2p.model import state as gstate  # module-qualified: tests replace gstate.load_latest_checkpoint
 from geomesh_p2p.util.errors import UserFacingError
 from geomesh_p2p.exchange.codec.feedback import PushFeedback
@@ -165,7 +166,9 @@ def build_training(node: PeerNode) -> None:
     node.gstate = gstate.GlobalState(node.numel, rule.outer_state_slots)
     node.theta = node.gstate.theta
     node.outer.buf = node.gstate.opt_state
-    node.state_server.serve(node.gstate)  # served by byte range from the buffer itself (no snapshot copies)
+    started(node.state_server).serve(
+        started(node.gstate)
+    )  # served by byte range from the buffer itself (no snapshot copies)
     # --error-feedback: the residual [P] fp32 of this peer's sign pushes (fp32 pushes lose nothing).
     node.feedback = (
         PushFeedback(node.numel, r.block_size) if r.error_feedback and rule.push_encoding == "sign" else None
