@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 from geomesh_p2p.round.rules.penalties import OWNER_PENALTY_ROUNDS, Penalties
 from geomesh_p2p.round.rules.planning import PlanRules, plan_horizon_s
 from geomesh_p2p.round.rules.profiling import EXCHANGE_COST_STEP, Reprofiler
-from geomesh_p2p.round.rules.resync import StateSync
+from geomesh_p2p.round.rules.state_sync import StateSync
 from geomesh_p2p.round.rules.spec import collective_spec
 from geomesh_p2p.round.rules.state import RoundState
 from geomesh_p2p.round.rules.verified import VerifiedWork

@@ -50,10 +50,10 @@ kind                         where                            fields
                              shutdown, round.driver (stop)    | ``target_ppl`` | ``shutdown``)
 ``link_reprobed``            node.remeasure_links (planned     upload_bps, download_bps, was_upload_bps,
                              out)                             was_download_bps (bytes/s)
-``older_state_adopted``      round.rules.resync (once         peer, round (the older state's), digest,
+``older_state_adopted``      round.rules.state_sync (once         peer, round (the older state's), digest,
                              per pair of states; WARNING)     held_round, held_digest (the state it
                                                               leaves), live (PeerIDs live at the time)
-``older_state_declined``     round.rules.resync (once         peer, round (the older state's), digest,
+``older_state_declined``     round.rules.state_sync (once         peer, round (the older state's), digest,
                              per pair of states)              held_round, held_digest, reason
 ``outer_step_skipped``       round.rules.outer                peer, round, skipped (ranges), not_finite
                                                               (ranges of them), parts, elements
@@ -85,11 +85,11 @@ kind                         where                            fields
 ``serving_last_parts``       node.PeerNode._serve_last_parts  peer, round, readers (PeerIDs still pulling),
                                                               wait_s (the most it waits)
 ``stalled_round_not_blamed`` round.exchange.exchange          peer, round, stalled_s, window_s
-``state_downloaded``         round.rules.resync               peer, round, donors (addresses), digest,
+``state_downloaded``         round.rules.state_sync               peer, round, donors (addresses), digest,
                                                               vote (``standing`` | ``fresh`` | ``solo``)
 ``state_piece_failed``       state_sync.download_state        round, piece, donor (address), outcome
                                                               (``failed`` | ``stalled``), error
-``state_refused``            round.rules.resync (vote, once)  peer, round, digest, identities, backing,
+``state_refused``            round.rules.state_sync (vote, once)  peer, round, digest, identities, backing,
                                                               total
 ``swarm_ended``              round.resync.end_run             peer, round, swarm_round, synced, cause
                                                               (``others_left`` | ``alone`` |

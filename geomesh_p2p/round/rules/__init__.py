@@ -7,7 +7,7 @@
 * :mod:`.outer`: the outer step per part (:class:`OuterStepRule`);
 * :mod:`.profiling`: re-profiling EMAs and delivered rates (:class:`Reprofiler`);
 * :mod:`.verified`: verified work (:class:`VerifiedWork`);
-* :mod:`.resync`: the state vote and the re-sync (:class:`StateSync`).
+* :mod:`.state_sync`: the state vote and the re-sync (:class:`StateSync`).
 
 :class:`geomesh_p2p.round.policy.NodeRoundPolicy` composes them into the driver's ``RoundPolicy``.
 """
@@ -16,7 +16,7 @@ from geomesh_p2p.round.rules.outer import OuterStepRule
 from geomesh_p2p.round.rules.penalties import OWNER_PENALTY_ROUNDS, Penalties
 from geomesh_p2p.round.rules.planning import NoOwner, PlanRules, plan_horizon_s
 from geomesh_p2p.round.rules.profiling import EXCHANGE_COST_STEP, Reprofiler
-from geomesh_p2p.round.rules.resync import StateSync
+from geomesh_p2p.round.rules.state_sync import StateSync
 from geomesh_p2p.round.rules.spec import collective_spec
 from geomesh_p2p.round.rules.state import RoundState
 from geomesh_p2p.round.rules.verified import VerifiedWork
