@@ -90,7 +90,6 @@ IN_FUNCTION_IMPORTS: dict[tuple[str, str], str] = {
     ("peer/tools_cli.py", "geomesh_p2p.dht.state"): _CLI,
     ("geomesh_p2p/sim/cli.py", "geomesh_p2p.model.build"): "CLI: torch is loaded only by the commands that train",
     # the library
-    ("geomesh_p2p/data/corpus.py", "geomesh_p2p.data.hub"): "cycle: hub imports corpus's DataError, DOC_SEPARATOR",
 }
 
 

@@ -14,20 +14,13 @@ import os
 from importlib import resources
 from pathlib import Path
 
+from geomesh_p2p.data.format import DOC_SEPARATOR, DataError
+from geomesh_p2p.data.hub import load_hf_text
+
 __all__ = ["DataError", "load_text", "SHIPPED_CORPUS", "cache_dir_default", "DATA_SUFFIXES", "check_data_suffix"]
 
 #: File name of the shipped corpus inside the ``geomesh_p2p.data`` package.
 SHIPPED_CORPUS = "kjv.txt.xz"
-
-#: Separator put between documents of a .jsonl / .parquet file.
-DOC_SEPARATOR = "\n\n"
-
-
-class DataError(ValueError):
-    """A data file is missing, unreadable or in an unsupported format.
-
-    The message is one line and names the offending path.
-    """
 
 
 #: file name endings :func:`load_text` reads (lower case)
@@ -117,8 +110,6 @@ def load_text(path: str | os.PathLike | None = None) -> str:
     if path is None:
         return lzma.decompress(_shipped_bytes()).decode("ascii")
     if isinstance(path, str) and path.startswith("hf:"):
-        from geomesh_p2p.data.hub import load_hf_text  # imported here: hub imports this module
-
         return load_hf_text(path)
     p = Path(path).expanduser()
     if not p.exists():

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Optional
 from urllib.parse import parse_qsl, urlencode
 
-from geomesh_p2p.data.corpus import DOC_SEPARATOR, DataError
+from geomesh_p2p.data.format import DOC_SEPARATOR, DataError
 
 __all__ = [
     "HF_PREFIX",
