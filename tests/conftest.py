@@ -78,31 +78,41 @@ def servers():
 TESTS = Path(__file__).resolve().parent
 
 
+def pytest_collection_modifyitems(config, items):
+    """Mark the tests under ``tests/e2e`` ``e2e``; pytest's own hook, no return."""
+    for item in items:
+        if (TESTS / "e2e") in Path(item.path).resolve().parents:
+            item.add_marker(pytest.mark.e2e)
+
+
 # ------------------------------------------------------------------------------ parallel runs (pytest-xdist)
-# `make test` runs the suite with ``-n N --dist loadgroup``: every test is in the ``xdist_group`` of its file
-# (so a module's shared fixtures, e.g. a module-scoped swarm, stay in one worker, as with ``--dist loadfile``),
-# except the files of a group in SERIAL_GROUPS, which share one group and so run one after another in one
-# worker: their assertions hold under load, but each of them keeps two cores busy for minutes (processes that
-# train), and two of them at once on a 2-core machine only slow each other down. A test's own
-# ``xdist_group`` marker wins. Without xdist (plain ``pytest``) the markers do nothing.
+# `make test` runs the suite with ``-n N --dist loadfile``: each file's tests run in one worker, one after another
+# (a module's shared fixtures stay in one process), except that the files of a group in SERIAL_GROUPS count as
+# one file: their assertions hold under load, but each of them keeps the cores busy for minutes (processes that
+# train), and two of them at once on a 2-core machine only slow each other down. (Not ``--dist loadgroup`` with
+# ``xdist_group`` markers: pytest-xdist 3.8 marks a group in ``item._nodeid``, which pytest 9.2 no longer reads.)
 SERIAL_GROUPS = {
     # swarms of 3-4 training peer processes, several minutes each
     "e2e-swarms": ("tests/e2e/test_attacks.py", "tests/e2e/test_swarm.py"),
 }
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups into the test ids
-def pytest_collection_modifyitems(config, items):
-    """Mark the tests under ``tests/e2e`` ``e2e`` and put every test in its ``xdist_group`` (above);
-    pytest's own hook, no return."""
-    serial = {f: g for g, files in SERIAL_GROUPS.items() for f in files}
-    for item in items:
-        path = Path(item.path).resolve()
-        if (TESTS / "e2e") in path.parents:
-            item.add_marker(pytest.mark.e2e)
-        if item.get_closest_marker("xdist_group") is None:
-            rel = path.relative_to(TESTS.parent).as_posix() if TESTS in path.parents else path.as_posix()
-            item.add_marker(pytest.mark.xdist_group(serial.get(rel, rel)))
+@pytest.hookimpl(optionalhook=True, tryfirst=True)  # a pytest-xdist hook: without xdist (plain pytest) never called
+def pytest_xdist_make_scheduler(config, log):
+    """With ``--dist loadfile``: the scheduler that groups the tests by file, the files of a SERIAL_GROUPS
+    group together (above); ``None`` (xdist's own) for every other mode."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling  # here: xdist is installed only when it runs this hook
+
+    group_of = {f: g for g, files in SERIAL_GROUPS.items() for f in files}
+
+    class FileGroupScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return group_of.get(path, path)
+
+    return FileGroupScheduling(config, log)
 
 
 @pytest.fixture(autouse=True)
