@@ -31,9 +31,14 @@ browser:
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver libfaketime >/dev/null) || \
 	  echo "make: could not install chromium + chromium-driver + libfaketime: the browser and clock-skew tests will be skipped"
 
-# `make lint` first (its findings stop here), then the suite.
+# `make lint` first (its findings stop here), then the suite in TEST_WORKERS pytest-xdist workers (`make test
+# TEST_WORKERS=0` runs it in this process); each file's tests run in one worker (tests/conftest.py:
+# pytest_xdist_make_scheduler), files in the order given (tests/e2e first, so that its long files start first, not
+# xdist's default of the files with most tests first); the slowest 25 are listed at the end. 3 workers on 2 cores:
+# the e2e tests mostly wait (round windows, start-ups).
+TEST_WORKERS ?= 3
 test: setup browser lint
-	$(VENV)/bin/pytest -q tests/unit tests/integration tests/e2e
+	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25 tests/e2e tests/integration tests/unit
 
 # The first two tiers: tests/unit (no sockets) and tests/integration (in-process gRPC on 127.0.0.1); no
 # processes, no browser.

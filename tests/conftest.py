@@ -85,6 +85,36 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.e2e)
 
 
+# ------------------------------------------------------------------------------ parallel runs (pytest-xdist)
+# `make test` runs the suite with ``-n N --dist loadfile``: each file's tests run in one worker, one after another
+# (a module's shared fixtures stay in one process), except that the files of a group in SERIAL_GROUPS count as
+# one file: their assertions hold under load, but each of them keeps the cores busy for minutes (processes that
+# train), and two of them at once on a 2-core machine only slow each other down. (Not ``--dist loadgroup`` with
+# ``xdist_group`` markers: pytest-xdist 3.8 marks a group in ``item._nodeid``, which pytest 9.2 no longer reads.)
+SERIAL_GROUPS = {
+    # swarms of 3-4 training peer processes, several minutes each
+    "e2e-swarms": ("tests/e2e/test_attacks.py", "tests/e2e/test_swarm.py"),
+}
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)  # a pytest-xdist hook: without xdist (plain pytest) never called
+def pytest_xdist_make_scheduler(config, log):
+    """With ``--dist loadfile``: the scheduler that groups the tests by file, the files of a SERIAL_GROUPS
+    group together (above); ``None`` (xdist's own) for every other mode."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling  # here: xdist is installed only when it runs this hook
+
+    group_of = {f: g for g, files in SERIAL_GROUPS.items() for f in files}
+
+    class FileGroupScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return group_of.get(path, path)
+
+    return FileGroupScheduling(config, log)
+
+
 @pytest.fixture(autouse=True)
 def _unit_tier_opens_no_socket(request, monkeypatch):
     """In ``tests/unit``, binding or connecting an IPv4/IPv6 socket fails the test: such a test belongs in
