@@ -148,6 +148,9 @@ class AdversaryNode(PeerNode):
         self._last_update: Optional[torch.Tensor] = None
         self._acted: set[tuple] = set()
         self.actions = 0  # times the attack acted (pushes poisoned, results forged, plans rigged)
+        # The round rules are objects the node owns (round/rules/): rig this node's own plan rules' output.
+        honest_plan = self.planning.make_plan
+        self.planning.make_plan = lambda members, leader: self._rig_plan(honest_plan(members, leader), leader)
 
     # ------------------------------------------------------------------ bookkeeping
     def _note(self, round_: int, kind: str, msg: str, *args, key: str = "") -> None:
@@ -261,8 +264,8 @@ class AdversaryNode(PeerNode):
         return type(rec).model_validate({**rec.model_dump(), **update})
 
     # ------------------------------------------------------------------ plan
-    def _make_plan(self, members, leader):
-        plan = super()._make_plan(members, leader)
+    def _rig_plan(self, plan, leader):
+        """``plan`` (this node's honest plan as leader) made rogue when the attack is ``rogue-leader``."""
         if self.attack != "rogue-leader" or leader != self.me:
             return plan
         from geomesh_p2p.plan.schema import RoundPlan
