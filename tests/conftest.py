@@ -158,3 +158,16 @@ def _unit_tier_opens_no_socket(request, monkeypatch):
     ):
         monkeypatch.setattr(mod, name, refuse(f"a gRPC {name}"))
     yield
+
+
+@pytest.fixture(autouse=True)
+def _torch_threads_restored():
+    """Restore torch's intra-op thread count after each test: an in-process PeerNode sets it (``--threads``),
+    and under ``make test``'s xdist workers a later file in the same worker (the codec's thread plan) must not
+    see what an earlier one set."""
+    import torch  # here: collecting the suite stays fast for files that never use torch
+
+    before = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != before:
+        torch.set_num_threads(before)

@@ -23,7 +23,6 @@ from geomesh_p2p.telemetry.metrics import RoundRecord
 from geomesh_p2p.round.context import LineageEntry, Phase, RoundContext, Speculative
 from geomesh_p2p.round.eager import drop_speculative
 from geomesh_p2p.round.ports import EagerStatePort, SnapshotEvaluator
-from geomesh_p2p.round.resync import catch_up
 
 if TYPE_CHECKING:
     from geomesh_p2p.exchange.client import AllReduceResult
@@ -68,8 +67,8 @@ async def digest_check(drv: RoundDriver, ctx: RoundContext) -> Optional[bool]:
     # Only the participants that delivered vote on the digest (and are waited for): a no-show, e.g. an
     # identity on probation that never takes part, would hold every check for its whole wait.
     with drv.timed("digest_check"):
-        return await check_digest(
-            drv, ctx.round + 1, [p for p in plan.participants() if p in delivered] or plan.participants()
+        return await drv.check_digest(  # through the driver: its methods are the phases' hooks
+            ctx.round + 1, [p for p in plan.participants() if p in delivered] or plan.participants()
         )
 
 
@@ -252,7 +251,7 @@ async def resync_after_mismatch(drv: RoundDriver) -> None:
     await drop_speculative(drv, "digest mismatch")
     try:
         with drv.timed("resync"):
-            await catch_up(drv)
+            await drv._catch_up()
     except StateSyncError as e:  # the next round's behind() check tries again
         log.warning("re-sync failed (%s); will retry", e)
 

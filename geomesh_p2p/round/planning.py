@@ -21,7 +21,6 @@ from geomesh_p2p.util.backoff import Backoff
 from geomesh_p2p.round.context import Phase, RoundContext
 from geomesh_p2p.round.eager import drop_speculative
 from geomesh_p2p.round.gather import ROUND_END_SLACK_S
-from geomesh_p2p.round.resync import resync
 from geomesh_p2p.round.steps import inner_steps
 
 if TYPE_CHECKING:
@@ -207,7 +206,7 @@ async def wait_out(drv: RoundDriver, ctx: RoundContext) -> None:
             reprobe.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await reprobe
-    await resync(drv, "planned out")
+    await drv.resync("planned out")
 
 
 async def reprobe_and_announce(drv: RoundDriver) -> None:

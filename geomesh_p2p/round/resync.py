@@ -148,7 +148,7 @@ async def resync(drv: RoundDriver, why: str) -> None:
     drv.phase = Phase.RESYNC
     await drop_speculative(drv, "re-sync")  # no eager start after a re-sync: the peer starts from θ
     try:
-        await catch_up(drv)
+        await drv._catch_up()
     except StateSyncError as e:
         # Every donor gone for good (all of them announced leaving): retrying would never end.
         ended = swarm_ended(drv, await drv.membership.peers(include_leaving=True))

@@ -17,7 +17,7 @@ from typing import Any, Callable, Optional
 
 from geomesh_p2p.schema.peer import MAX_LINK_BPS, SyncProgress
 
-__all__ = ["SyncMeter", "RATE_WINDOW_S", "NOTIFY_EVERY_S", "announced"]
+__all__ = ["SyncMeter", "RATE_WINDOW_S", "NOTIFY_EVERY_S"]
 
 #: The announced rate is measured over about the last this many seconds (a download that moved to a
 #: faster donor after a stall shows the new donor's rate soon).
@@ -103,10 +103,3 @@ class _CountingTransport:
             async for msg in stream:
                 self._meter.add(len(getattr(msg, "payload", b"") or b""))
                 yield msg
-
-
-def announced(node: Any) -> Optional[SyncProgress]:
-    """The ``sync_progress`` of ``node``'s record: its meter's progress while it syncs, else None
-    (reads ``node._syncing`` and ``node._sync_meter``)."""
-    meter = getattr(node, "_sync_meter", None)
-    return meter.progress() if meter is not None and getattr(node, "_syncing", False) else None

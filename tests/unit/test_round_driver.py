@@ -21,7 +21,8 @@ from geomesh_p2p.schema.peer import PeerRecord, SyncProgress
 from tests.records_util import peer_record
 from geomesh_p2p.round import DhtPlanAgreement, DriverConfig, Phase, PlanStore, RoundDriver, leader_order
 from geomesh_p2p.round.driver import PROBATION_SYNC_GRANTS, ROUND_END_SLACK_S, SYNC_WAIT_MARGIN_S, SYNC_WAIT_SLACK
-from geomesh_p2p.sync.progress import SyncMeter, announced
+from geomesh_p2p.round.rules.state_sync import StateSync
+from geomesh_p2p.sync.progress import SyncMeter
 from geomesh_p2p.model.optim import outer_step_per_part
 from geomesh_p2p.sync.download import StateSyncError
 
@@ -620,10 +621,10 @@ async def test_sync_meter_counts_a_wrapped_transports_stream_and_measures_the_re
     assert meter.bytes_per_s() == pytest.approx(1 * MB)
     meter.add(7 * MB)  # capped at the total; the last byte is announced at once
     assert meter.done_bytes == 10 * MB and notes[-1] == 10 * MB
-    node = SimpleNamespace(_syncing=True, _sync_meter=meter)
-    assert announced(node).done_bytes == 10 * MB
-    node._syncing = False
-    assert announced(node) is None
+    sync = SimpleNamespace(syncing=True, meter=meter)  # what StateSync.progress reads of its rule object
+    assert StateSync.progress(sync).done_bytes == 10 * MB
+    sync.syncing = False
+    assert StateSync.progress(sync) is None
 
 
 # ------------------------------------------- a contributor of the last round still finishing its exchange
