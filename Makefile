@@ -31,12 +31,12 @@ browser:
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver libfaketime >/dev/null) || \
 	  echo "make: could not install chromium + chromium-driver + libfaketime: the browser and clock-skew tests will be skipped"
 
-# `make lint` first (its findings stop here), then the suite in TEST_WORKERS pytest-xdist workers (`make test
-# TEST_WORKERS=0` runs it in this process); each file's tests run in one worker (tests/conftest.py:
-# pytest_xdist_make_scheduler), files in the order given (tests/e2e first, so that its long files start first, not
-# xdist's default of the files with most tests first); the slowest 25 are listed at the end. 3 workers on 2 cores:
-# the e2e tests mostly wait (round windows, start-ups).
-TEST_WORKERS ?= 3
+# `make lint` first (its findings stop here), then the suite, the slowest 25 tests listed at the end.
+# TEST_WORKERS=N runs it in N pytest-xdist workers: each file's tests in one worker (tests/conftest.py:
+# pytest_xdist_make_scheduler), tests/e2e first. 3 workers took 10.7-12.8 min on 2 cores against ~21 serially, but
+# two e2e scenarios are load-sensitive there (the Ctrl+C leaver's fork race, a frozen donor on a slow link: 2 of 3
+# fresh-clone runs failed one of them), so the default stays serial (0) until they hold under load.
+TEST_WORKERS ?= 0
 test: setup browser lint
 	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25 tests/e2e tests/integration tests/unit
 

@@ -113,7 +113,7 @@ def test_ddp_baseline_runs_as_a_swarm_mode(swarm, tmp_path):
 
 # Rerun once, and only on the fork symptom (a peer exiting 3, "NOT the swarm's state"): under load a leaver
 # can still be planned by one leader and not by another, two plans of one round split the two survivors
-# (seen 1 of 2 fresh-clone runs with 3 xdist workers; a protocol race of issue 25's "no fork under
+# (seen in fresh-clone runs with 3 xdist workers; a protocol race of issue 25's "no fork under
 # overload", not fixed here). Any other failure fails at once.
 @pytest.mark.flaky(reruns=1, only_rerun=["exited with 3"])
 def test_ctrl_c_peer_leaves_cleanly_and_the_others_plan_without_it(swarm):
