@@ -33,12 +33,12 @@ browser:
 
 # `make lint` first (its findings stop here), then the suite, the slowest 25 tests listed at the end.
 # TEST_WORKERS=N runs it in N pytest-xdist workers: each file's tests in one worker (tests/conftest.py:
-# pytest_xdist_make_scheduler), tests/e2e first. 3 workers took 10.7-12.8 min on 2 cores against ~21 serially, but
+# pytest_xdist_make_scheduler). 3 workers took 10.7-12.8 min on 2 cores against ~21 serially, but
 # two e2e scenarios are load-sensitive there (the Ctrl+C leaver's fork race, a frozen donor on a slow link: 2 of 3
 # fresh-clone runs failed one of them), so the default stays serial (0) until they hold under load.
 TEST_WORKERS ?= 0
 test: setup browser lint
-	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25 tests/e2e tests/integration tests/unit
+	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25 tests/unit tests/integration tests/e2e
 
 # The first two tiers: tests/unit (no sockets) and tests/integration (in-process gRPC on 127.0.0.1); no
 # processes, no browser.
