@@ -109,6 +109,11 @@ def _start(link: SlowLink, sw: ProcSwarm) -> str:
     for name in ("a", "b"):
         sw.peer(name, "--host", link.root_ip, "--min-peers", "2", *link.model, bootstrap=boot)
     sw.wait_for(lambda: len(sw.rows("a")) >= 2 and len(sw.rows("b")) >= 2, 150, "2 rounds of the donors")
+    _joiner(link, sw, boot, "j")
+    return boot
+
+
+def _joiner(link: SlowLink, sw: ProcSwarm, boot: str, name: str) -> None:
     argv = [
         "ip",
         "netns",
@@ -119,11 +124,11 @@ def _start(link: SlowLink, sw: ProcSwarm) -> str:
         "peer.cli",
         "join",
         "--identity",
-        str(sw.dir / "j.key"),
+        str(sw.dir / f"{name}.key"),
         "--port",
         "0",
         "--log-json",
-        str(sw.log_path("j")),
+        str(sw.log_path(name)),
         *FAST,
         "--host",
         link.ns_ip,
@@ -135,8 +140,7 @@ def _start(link: SlowLink, sw: ProcSwarm) -> str:
         "--bootstrap",
         boot,
     ]
-    sw._spawn("j", argv)  # `ip netns exec` execs the peer: the PID is the peer's
-    return boot
+    sw._spawn(name, argv)  # `ip netns exec` execs the peer: the PID is the peer's
 
 
 def _count(text: str, pattern: str) -> list[re.Match]:
@@ -187,16 +191,29 @@ def test_a_joiner_behind_a_slow_link_downloads_once_and_trains_within_3_rounds(l
 @pytest.mark.parametrize("lab", [SMALL_100], ids=["small-100mbit"], indirect=True)
 def test_a_donor_frozen_during_the_download_costs_at_most_5_s(lab):
     link, sw = lab
-    _start(link, sw)
-    sw.wait_for(lambda: "downloading the state of round" in sw.text("j"), 150, "the joiner's download")
+    boot = _start(link, sw)
+    # The premise needs both donors in the joiner's vote. A record read while a donor seals its round can
+    # leave one donor (the vote then backs the other's state alone): that joiner is stopped and a fresh one
+    # (a new identity) joins, at most 3 times.
+    name = "j"
+    for attempt in range(3):
+        sw.wait_for(lambda: "downloading the state of round" in sw.text(name), 150, "the joiner's download")
+        started = re.search(r"downloading the state of round \d+ \(\d+ bytes\) from (\d+) donor", sw.text(name))
+        if started and int(started.group(1)) == 2:
+            break
+        sw.kill(name)
+        name = f"j{attempt + 2}"
+        _joiner(link, sw, boot, name)
+    else:
+        pytest.fail("three joiners each saw one donor: " + sw.text(name)[-2000:])
     os.kill(sw.procs["b"].pid, signal.SIGSTOP)  # one of the two donors freezes mid-download
     try:
         sw.wait_for(
-            lambda: re.search(r"state of round \d+: \d+ bytes from", sw.text("j")), 120, "the download to finish"
+            lambda: re.search(r"state of round \d+: \d+ bytes from", sw.text(name)), 120, "the download to finish"
         )
     finally:
         os.kill(sw.procs["b"].pid, signal.SIGCONT)
-    text = sw.text("j")
+    text = sw.text(name)
     m = re.search(
         r"state of round \d+: \d+ bytes from (\d) donor\(s\) in ([\d.]+) s; (\d+) piece move\(s\), "
         r"longest gap ([\d.]+) s",
