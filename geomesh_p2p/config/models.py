@@ -285,6 +285,13 @@ class NodeConfig(BaseModel):
     )
     eval_batches: int = opt(8, "batches of each evaluation", group=TUNING_GROUP, ge=1)
     announce_period_s: float = opt(2.0, "seconds between this peer's record announcements", group=TUNING_GROUP, gt=0)
+    join_attempts: int = opt(
+        8,
+        "times the bootstrap addresses are tried before the join fails (backoff doubling from 0.5 s to 8 s: ~32 s for 8)",
+        group=TUNING_GROUP,
+        ge=1,
+        le=100,
+    )
     plan_timeout_s: float = opt(4.0, "seconds to wait for the round's plan", group=TUNING_GROUP, gt=0)
     gather_wait_s: float = opt(4.0, "seconds the leader waits for the round's peers", group=TUNING_GROUP, gt=0)
     sync_wait_cap_s: float = opt(

@@ -380,7 +380,7 @@ class PeerNode:
         )
         await self._prove_work()
         self.transport = Transport(self.identity, self.run_cfg.run_id, tcfg, allow=self._allow)
-        self.dht = DHTNode(self.transport, join_attempts=8)
+        self.dht = DHTNode(self.transport, join_attempts=c.join_attempts)
         self.collective = CollectiveService(self.transport)
         self.state_server = StateServer(self.transport)
         LinkProbeService(self.transport)
