@@ -49,7 +49,9 @@ async def test_a_1024_peer_plan_is_stored_in_chunks_and_read_back_from_every_nod
         # assembled the plan yet refuses it, with the reason, until the right chunk is back
         bad = wire.chunks[1][:-1] + bytes([wire.chunks[1][-1] ^ 1])
         expires = swarm_time() + 200
-        assert await nodes[0].store(chunk_key(key, wire.sha256, 1), bad, expires, subkey=str(leader.peer_id), owner=leader)
+        assert await nodes[0].store(
+            chunk_key(key, wire.sha256, 1), bad, expires, subkey=str(leader.peer_id), owner=leader
+        )
         fresh = PlanStore(nodes[4], Identity.generate(), RUN)
         with caplog.at_level(logging.INFO, logger="geomesh_p2p.plan.agree"):
             assert await fresh.read(7) == []
