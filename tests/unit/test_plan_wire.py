@@ -13,6 +13,7 @@ import zlib
 
 import pytest
 
+from geomesh_p2p.dht.state import DHTValue
 from geomesh_p2p.net.identity import Identity
 from geomesh_p2p.plan.agree import PlanStore, plan_key
 from geomesh_p2p.plan.wire import (
@@ -24,6 +25,7 @@ from geomesh_p2p.plan.wire import (
     parse_head,
     split_plan,
 )
+from geomesh_p2p.status.swarm import SwarmWatcher
 from geomesh_p2p.telemetry import events
 from tests.plan_util import big_plan
 
@@ -46,7 +48,7 @@ class CountingDHT:
 
     async def get(self, key, latest=True):
         self.gets += 1
-        return dict(self.data.get(key, {}))
+        return {sk: DHTValue(*v) for sk, v in self.data.get(key, {}).items()}  # as DHTNode.get
 
 
 def _body(wire) -> bytes:
@@ -173,3 +175,10 @@ async def test_refusal_and_stale_rules_hold_for_a_chunked_plan():
     stale = PlanStore(dht, Identity.generate(), RUN, stale_after_s=-(plan.exchange_deadline - time.time()) - 1)
     assert await stale.read(5) == []  # its exchange deadline + stale_after_s has passed
     assert await reader.read(6) == []  # another round's key: nothing
+
+
+async def test_the_status_page_reads_a_chunked_plan_of_a_known_leader_only():
+    dht, leader, plan, _k1 = await _published()
+    watcher = SwarmWatcher(dht, RUN)
+    assert await watcher._plan(5, {str(leader.peer_id)}) == plan
+    assert await watcher._plan(5, set()) is None  # a leader that is no admitted peer: not shown
