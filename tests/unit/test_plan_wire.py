@@ -182,3 +182,11 @@ async def test_the_status_page_reads_a_chunked_plan_of_a_known_leader_only():
     watcher = SwarmWatcher(dht, RUN)
     assert await watcher._plan(5, {str(leader.peer_id)}) == plan
     assert await watcher._plan(5, set()) is None  # a leader that is no admitted peer: not shown
+
+
+async def test_a_plan_over_the_chunk_limit_is_not_published_and_does_not_raise(monkeypatch):
+    leader = Identity.generate()
+    dht = CountingDHT()
+    monkeypatch.setattr("geomesh_p2p.plan.wire.MAX_PLAN_CHUNKS", 1)  # 1,024 peers need 2
+    assert not await PlanStore(dht, leader, RUN).publish(big_plan(1024, run_id=RUN, leader=str(leader.peer_id)))
+    assert dht.stores == 0
