@@ -41,9 +41,10 @@ class Counts:
     def __init__(self) -> None:
         self.calls: Counter = Counter()  # (id(transport), method) -> calls
         self.reads: Counter = Counter()  # id(dht) -> gets of <run>/peers
+        self.ops: Counter = Counter()  # (id(dht), "get" | "store", key kind: peers, plan, ...) -> calls
 
     def install(self) -> None:
-        real_call, real_get = Transport.call, DHTNode.get
+        real_call, real_get, real_store = Transport.call, DHTNode.get, DHTNode.store
         counts = self
 
         async def call(self, address, method, *a, **kw):
@@ -53,9 +54,20 @@ class Counts:
         async def get(self, key, *a, **kw):
             if key.endswith("/peers"):
                 counts.reads[id(self)] += 1
+            counts.ops[(id(self), "get", _kind(key))] += 1
             return await real_get(self, key, *a, **kw)
 
-        Transport.call, DHTNode.get = call, get  # type: ignore[method-assign]
+        async def store(self, key, *a, **kw):
+            counts.ops[(id(self), "store", _kind(key))] += 1
+            return await real_store(self, key, *a, **kw)
+
+        Transport.call, DHTNode.get, DHTNode.store = call, get, store  # type: ignore[method-assign]
+
+
+def _kind(key: str) -> str:
+    """``<run>/plan/7`` -> ``plan``: what a DHT key holds."""
+    parts = key.split("/")
+    return parts[1] if len(parts) > 1 else parts[0]
 
 
 def snapshot(node: PeerNode, counts: Counts) -> dict:
@@ -64,7 +76,9 @@ def snapshot(node: PeerNode, counts: Counts) -> dict:
     all_bytes = t.stats.bytes_sent + t.stats.bytes_received
     dht_calls = sum(counts.calls[(id(t), m)] for m in DHT_METHODS)
     all_calls = sum(v for (tid, _), v in counts.calls.items() if tid == id(t))
+    ops = {f"{op}:{kind}": v for (did, op, kind), v in counts.ops.items() if did == id(node.dht)}
     return {
+        **ops,
         "dht_calls": dht_calls,
         "find_calls": counts.calls[(id(t), DHT_METHODS[2])],
         "store_calls": counts.calls[(id(t), DHT_METHODS[1])],
@@ -73,6 +87,18 @@ def snapshot(node: PeerNode, counts: Counts) -> dict:
         "other_bytes": all_bytes - dht_bytes,
         "peer_reads": counts.reads[id(node.dht)],
     }
+
+
+class Rows(list):
+    """A round history that calls ``on_row(row)`` for each row appended."""
+
+    def __init__(self, on_row) -> None:
+        super().__init__()
+        self.on_row = on_row
+
+    def append(self, row) -> None:
+        super().append(row)
+        self.on_row(row)
 
 
 def _locked(lock: threading.Lock, fn) -> None:
@@ -112,33 +138,22 @@ async def main(args) -> dict:
     for n in nodes:  # one build at a time: the start-up threads share torch's global RNG (the seed's weights)
         n._build_training = (lambda real: lambda: _locked(build_lock, real))(n._build_training)
     rows: dict = {id(n): [] for n in nodes}  # node -> [(round, snapshot at its row)]
-    done = asyncio.Event()
-
-    async def watch() -> None:
-        while not done.is_set():
-            for n in nodes:
-                seen = rows[id(n)]
-                hist = n.history if n.transport is not None else []
-                while len(seen) < len(hist):
-                    seen.append((hist[len(seen)].round, snapshot(n, counts)))
-            await asyncio.sleep(0.02)
-
-    watcher = asyncio.ensure_future(watch())
+    for n in nodes:  # a snapshot as each round's row is appended (finish.py), before the next round starts
+        n.rs.history = Rows(lambda rec, n=n: rows[id(n)].append((rec.round, snapshot(n, counts))))
     t0 = time.monotonic()
     try:
         codes = await asyncio.gather(*(n.run() for n in nodes))
     finally:
-        done.set()
-        await watcher
         await dht.shutdown()
         await boot.stop(grace=0)
     per_round: list[dict] = []
     for n in nodes:
         seen = rows[id(n)]
         for (_, a), (_, b) in zip(seen, seen[1:]):
-            per_round.append({k: b[k] - a[k] for k in a})
+            per_round.append({k: b[k] - a.get(k, 0) for k in b})
     digests = {r: {row.digest for n in nodes for row in n.history if row.round == r} for r in range(args.rounds)}
-    mean = {k: round(sum(d[k] for d in per_round) / max(1, len(per_round)), 1) for k in (per_round or [{}])[0]}
+    keys = sorted({k for d in per_round for k in d})
+    mean = {k: round(sum(d.get(k, 0) for d in per_round) / max(1, len(per_round)), 1) for k in keys}
     return {
         "peers": args.peers,
         "rounds": args.rounds,

@@ -284,7 +284,12 @@ class NodeConfig(BaseModel):
         4.0, "most a round's link sample may move the figure (x or /)", group=TUNING_GROUP, ge=1
     )
     eval_batches: int = opt(8, "batches of each evaluation", group=TUNING_GROUP, ge=1)
-    announce_period_s: float = opt(2.0, "seconds between this peer's record announcements", group=TUNING_GROUP, gt=0)
+    announce_period_s: float = opt(
+        2.0,
+        "seconds between this peer's record announcements (a record lives max(4 periods, 2 windows + 2 periods))",
+        group=TUNING_GROUP,
+        gt=0,
+    )
     peers_max_age_s: float = opt(
         0.5,
         "seconds a read of the run's peer records is reused by later asks (0: each ask reads; asks during a read "
