@@ -152,6 +152,14 @@ async def main(args) -> dict:
         for (_, a), (_, b) in zip(seen, seen[1:]):
             per_round.append({k: b[k] - a.get(k, 0) for k in b})
     digests = {r: {row.digest for n in nodes for row in n.history if row.round == r} for r in range(args.rounds)}
+    # Seconds of the phases that poll the records (rounds 1..): a reused read may see a change later.
+    phases = [row.phase_s for n in nodes for row in n.history[1:]]
+    phase_mean = {
+        k: round(sum(p.get(k, 0.0) for p in phases) / max(1, len(phases)), 3)
+        for k in ("top", "gather", "plan", "digest_check")
+    }
+    cycles = [row.cycle_s or 0.0 for n in nodes for row in n.history[1:]]
+    phase_mean["cycle"] = round(sum(cycles) / max(1, len(cycles)), 3)
     keys = sorted({k for d in per_round for k in d})
     mean = {k: round(sum(d.get(k, 0) for d in per_round) / max(1, len(per_round)), 1) for k in keys}
     return {
@@ -162,6 +170,7 @@ async def main(args) -> dict:
         "digests_equal": all(len(d) == 1 for d in digests.values()),
         "rounds_measured_per_peer": len(per_round) // max(1, args.peers),
         "per_peer_per_round": mean,
+        "phase_s": phase_mean,
         "wall_s": round(time.monotonic() - t0, 1),
     }
 
