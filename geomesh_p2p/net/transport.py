@@ -82,13 +82,15 @@ def current_request() -> Verified:
 
 @dataclass
 class TrafficStats:
-    """Bytes of serialized SignedMessages sent and received by this node (requests and replies)."""
+    """Bytes of serialized SignedMessages sent and received by this node (requests and replies), per method
+    in ``by_method``; ``calls``: the outgoing calls answered, per method in ``calls_by_method``."""
 
     bytes_sent: int = 0
     bytes_received: int = 0
     calls: int = 0
     rejected: int = 0
-    by_method: dict = field(default_factory=dict)
+    by_method: dict = field(default_factory=dict)  # method -> (bytes sent, bytes received)
+    calls_by_method: dict = field(default_factory=dict)  # method -> outgoing calls answered
 
     def add(self, method: str, sent: int, received: int) -> None:
         self.bytes_sent += sent
@@ -611,6 +613,7 @@ class Transport:
                     continue
                 raise RpcError(address, method, e.code(), e.details() or "", unreachable=lost) from None
         self.stats.calls += 1
+        self.stats.calls_by_method[method] = self.stats.calls_by_method.get(method, 0) + 1
         self.stats.add(method, len(request), reply.ByteSize())
         return await self._check_reply(address, method, reply)
 
