@@ -341,7 +341,9 @@ class ChunkedReader(Generic[T]):
     async def _chunk(self, key: str, owner: str, head: Head, i: int) -> bytes:
         n = len(head.chunks)
         try:
-            found = await asyncio.wait_for(self.dht.get(chunk_key(key, head.sha256, i), latest=True), self.chunk_timeout_s)
+            found = await asyncio.wait_for(
+                self.dht.get(chunk_key(key, head.sha256, i), latest=True), self.chunk_timeout_s
+            )
         except asyncio.TimeoutError:
             raise ChunksPending(f"chunk {i + 1}/{n} not read within {self.chunk_timeout_s:g}s") from None
         entry = (found or {}).get(owner)
