@@ -162,7 +162,8 @@ def parse_head(value: bytes, fmt: ChunkFormat) -> Head:
         return Head(body=value[len(fmt.inline) :])
     w = fmt.what
     if not value.startswith(fmt.head_prefix):
-        raise ValueError(f"not a {w} of wire version {fmt.version} (starts {value[: len(fmt.inline)]!r})")
+        a = "an" if w[:1] in "aeiou" else "a"
+        raise ValueError(f"not {a} {w} of wire version {fmt.version} (starts {value[: len(fmt.inline)]!r})")
     try:
         d = json.loads(value[len(fmt.head_prefix) :])
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
