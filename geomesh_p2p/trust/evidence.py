@@ -16,7 +16,8 @@ accused its contributions; the framing only carries the signed bytes (the reader
 owner and hash, the whole against the head's hash, and caps the decompression at
 ``MAX_EVIDENCE_BYTES``; :class:`EvidenceReader`). The accused's contributions, one value per part,
 are spread over keys of ``CONTRIBUTIONS_PER_KEY`` parts each (a DHT key holds at most 2,048 subkeys)
-and stored with bounded concurrency, each store with its deadline (:func:`publish_evidence`).
+and stored with bounded concurrency, each store with its deadline, at most ``MAX_CONTRIBUTION_RECORDS``
+of them (a DHT node's quota per signer; :func:`publish_evidence`).
 """
 
 from __future__ import annotations
@@ -78,6 +79,13 @@ MAX_EVIDENCE_BYTES = 8 << 20
 MAX_EVIDENCE_CHUNKS = 64
 #: Parts whose contributions share one DHT key (a key holds at most 2,048 subkeys, 8 MiB per node).
 CONTRIBUTIONS_PER_KEY = 256
+#: At most this many of the accused's contributions, of at most ``MAX_CONTRIBUTION_BYTES`` together, are
+#: published with one evidence (parts in order; the rest are left out, logged). A DHT node holds at most
+#: 512 records / 2 MiB per signer (``dht.quota.StorageQuota``): measured on 4 nodes, publishing all 1,024
+#: contributions stored 511 and then refused the verifier's next evidence and would refuse its peer
+#: record. Re-checks use the round's own copies; these are an audit trail for peers outside the round.
+MAX_CONTRIBUTION_RECORDS = 128
+MAX_CONTRIBUTION_BYTES = 512 << 10
 #: Deadline of each store and get of :func:`publish_evidence` / :func:`fetch_contributions`, seconds.
 STORE_TIMEOUT_S = 10.0
 #: Stores of one evidence in flight at once.
@@ -276,12 +284,14 @@ class EvidenceReader(chunked.ChunkedReader[bytes]):
 @dataclass(frozen=True)
 class Published:
     """What :func:`publish_evidence` stored: ``evidence`` (its head, after every chunk; ``chunks`` of
-    them), ``contributions`` of ``contributions_total`` stored somewhere."""
+    them), ``contributions`` of ``contributions_total`` tried stored somewhere, ``contributions_left_out``
+    not tried (over ``MAX_CONTRIBUTION_RECORDS`` / ``MAX_CONTRIBUTION_BYTES``)."""
 
     evidence: bool
     chunks: int
     contributions: int
     contributions_total: int
+    contributions_left_out: int = 0
 
 
 async def publish_evidence(
@@ -296,8 +306,8 @@ async def publish_evidence(
     """Store ``ev`` signed by its verifier ``identity`` (:func:`encode_value`, in a worker thread: tens of
     ms at thousands of parts), its chunks then its head under :func:`evidence_key`, then the accused's
     signed contributions it carries under :func:`contributions_key` (not needed by the round's peers,
-    who hold them: after the evidence), at most ``concurrency`` stores at once, each within
-    ``timeout_s``. Raises ValueError when ``identity`` is not the verifier or the evidence needs more
+    who hold them: after the evidence; the first ``MAX_CONTRIBUTION_RECORDS`` parts within
+    ``MAX_CONTRIBUTION_BYTES``), at most ``concurrency`` stores at once, each within ``timeout_s``. Raises ValueError when ``identity`` is not the verifier or the evidence needs more
     than ``MAX_EVIDENCE_CHUNKS`` chunks; a store that fails or times out is counted, not raised."""
     value = await asyncio.to_thread(lambda: encode_value(ev.to_signed(identity)))
     out = await chunked.store_chunked(
@@ -310,14 +320,16 @@ async def publish_evidence(
         timeout_s=timeout_s,
         concurrency=concurrency,
     )
-    items = [
-        (contributions_key(ev.run_id, ev.round, ev.verifier, j // CONTRIBUTIONS_PER_KEY), str(j), b)
-        for j, b in sorted(ev.contributions.items())
-    ]
+    items, total = [], 0
+    for j, b in sorted(ev.contributions.items()):
+        if len(items) == MAX_CONTRIBUTION_RECORDS or total + len(b) > MAX_CONTRIBUTION_BYTES:
+            break
+        total += len(b)
+        items.append((contributions_key(ev.run_id, ev.round, ev.verifier, j // CONTRIBUTIONS_PER_KEY), str(j), b))
     stored = await chunked.store_many(
         dht, items, owner=identity, expiration_time=expiration_time, timeout_s=timeout_s, concurrency=concurrency
     )
-    return Published(out.ok, len(value.chunks), sum(stored), len(items))
+    return Published(out.ok, len(value.chunks), sum(stored), len(items), len(ev.contributions) - len(items))
 
 
 async def fetch_contributions(dht, ev: Evidence, timeout_s: float = STORE_TIMEOUT_S) -> dict[int, bytes]:

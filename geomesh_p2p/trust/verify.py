@@ -518,13 +518,16 @@ class WorkVerifier:
                 len(ev.packets),
                 out.chunks,
             )
-        elif out.contributions < out.contributions_total:
+        elif out.contributions < out.contributions_total or out.contributions_left_out:
             log.info(
-                "round %d: %d of %d contributions of %s were stored nowhere (the round's peers hold them)",
+                "round %d: %d of %d contributions of %s published (%d over the limit, %d stored nowhere; "
+                "the round's peers hold them)",
                 ev.round,
-                out.contributions_total - out.contributions,
-                out.contributions_total,
+                out.contributions,
+                len(ev.contributions),
                 ev.accused[:10],
+                out.contributions_left_out,
+                out.contributions_total - out.contributions,
             )
         return out.evidence
 

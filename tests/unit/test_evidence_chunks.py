@@ -2,8 +2,8 @@
 4,096 parts, whose signed header (~92 B per part) is over the 64 KiB DHT value limit, is published and
 read back exactly (zlib of the verifier's signed bytes, inline or head + chunks via dht/chunked.py); a
 forged, corrupted or missing chunk is refused with a reason and the evidence is picked up once it is
-right; the accused's contributions are stored at most 16 at once, each store with its deadline, under
-keys of 256 parts. The DHT is an in-memory stand-in applying the real DHT's owner rule, value size and
+right; the accused's contributions (the first 128: a DHT node's quota per signer) are stored at most 16
+at once, each store with its deadline, under keys of 256 parts. The DHT is an in-memory stand-in applying the real DHT's owner rule, value size and
 subkey limits (tests/integration/test_plan_chunks.py runs the same framing over real DHT nodes)."""
 
 from __future__ import annotations
@@ -77,8 +77,12 @@ async def _published(v, ev) -> LimitedDHT:
     return dht
 
 
-@pytest.mark.parametrize("n, chunks", [(1024, 0), (4096, 4)])
-async def test_evidence_of_n_parts_is_published_and_read_back_exactly(n, chunks, ev4096):
+@pytest.mark.parametrize("n, chunks, cap", [(1024, 0, None), (4096, 4, 4096)])
+async def test_evidence_of_n_parts_is_published_and_read_back_exactly(n, chunks, cap, ev4096, monkeypatch):
+    if cap is not None:  # all 4,096 contributions (no DHT quota here): 16 keys of 256 parts
+        monkeypatch.setattr(EV, "MAX_CONTRIBUTION_RECORDS", cap)
+        monkeypatch.setattr(EV, "MAX_CONTRIBUTION_BYTES", 1 << 30)
+    published = min(n, EV.MAX_CONTRIBUTION_RECORDS)  # the default: the first 128 parts (a node's quota)
     if n == 4096:
         v, ev = ev4096
     else:
@@ -88,15 +92,15 @@ async def test_evidence_of_n_parts_is_published_and_read_back_exactly(n, chunks,
     assert len(signed) > DEFAULT_LIMITS.max_value_bytes  # version 1 (these bytes as one value) stored nothing
     dht = LimitedDHT()
     out = await EV.publish_evidence(dht, ev, v, expiration_time=swarm_time() + 60)
-    assert out == EV.Published(evidence=True, chunks=chunks, contributions=n, contributions_total=n)
-    assert dht.stores == 1 + chunks + n and dht.max_in_flight == EV.STORE_CONCURRENCY
+    assert out == EV.Published(True, chunks, published, published, n - published)
+    assert dht.stores == 1 + chunks + published and dht.max_in_flight == EV.STORE_CONCURRENCY
     me = str(v.peer_id)
     head = dht.data[_key()][me][0]
     parsed = parse_head(head, EV.evidence_format())
     assert (parsed.body is None) == (chunks > 0) and len(parsed.chunks) == chunks and len(head) < 60_000
-    # the contributions under ceil(n / 256) keys, each part once
-    shards = [EV.contributions_key(RUN, ROUND, me, s) for s in range(-(-n // EV.CONTRIBUTIONS_PER_KEY))]
-    assert sum(len(dht.data[k]) for k in shards) == n and all(len(dht.data[k]) <= 256 for k in shards)
+    # the contributions under ceil(published / 256) keys, each part once
+    shards = [EV.contributions_key(RUN, ROUND, me, s) for s in range(-(-published // EV.CONTRIBUTIONS_PER_KEY))]
+    assert sum(len(dht.data[k]) for k in shards) == published and all(len(dht.data[k]) <= 256 for k in shards)
 
     reader = EV.EvidenceReader(dht)
     data = await reader.load(_key(), me, head)
@@ -104,9 +108,9 @@ async def test_evidence_of_n_parts_is_published_and_read_back_exactly(n, chunks,
     body = parsed.body if parsed.body is not None else b"".join(stored)
     assert zlib.decompress(body) == data and all(len(c) <= 60_000 for c in stored)
     got = await EV.fetch_contributions(dht, ev)
-    assert got == ev.contributions  # exact bytes, every part
+    assert got == {j: ev.contributions[j] for j in range(published)}  # exact bytes, every part published
     opened = EV.Evidence.open(data, RUN, got)  # the verifier's signature and every accused signature checked
-    assert opened == ev and opened.header() == ev.header() and opened.contributions == ev.contributions
+    assert opened == ev and opened.header() == ev.header() and opened.contributions == got
     assert opened.verifier_key == v.public_key_bytes and len(opened.packets) == n
     gets = 0
 
@@ -180,14 +184,14 @@ async def test_contributions_are_stored_16_at_once_each_within_its_deadline():
     v = Identity.generate()
     ev = big_evidence(300, run_id=RUN, round=ROUND, verifier=v)
     me = str(v.peer_id)
-    stuck = (EV.contributions_key(RUN, ROUND, me, 1), "257")  # one node never answers this store
+    stuck = (EV.contributions_key(RUN, ROUND, me, 0), "57")  # one node never answers this store
     dht = LimitedDHT(hang=frozenset({stuck}))
     out = await EV.publish_evidence(dht, ev, v, expiration_time=swarm_time() + 60, timeout_s=0.5)
-    assert out == EV.Published(evidence=True, chunks=0, contributions=299, contributions_total=300)
+    assert out == EV.Published(True, 0, 127, 128, 300 - 128)  # the first 128 parts tried, one timed out
     assert dht.max_in_flight == 16 and dht.in_flight == 0  # bounded, and the stuck store was cancelled
     got = await EV.fetch_contributions(dht, ev)
-    assert set(got) == set(range(300)) - {257} and all(got[j] == ev.contributions[j] for j in got)
+    assert set(got) == set(range(128)) - {57} and all(got[j] == ev.contributions[j] for j in got)
     # a head that cannot be stored in time: the evidence is reported as not stored (no exception)
     dht2 = LimitedDHT(hang=frozenset({(_key(), me)}))
     out2 = await EV.publish_evidence(dht2, ev, v, expiration_time=swarm_time() + 60, timeout_s=0.2)
-    assert not out2.evidence and out2.contributions == 300
+    assert not out2.evidence and out2.contributions == 128
