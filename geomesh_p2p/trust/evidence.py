@@ -320,7 +320,8 @@ async def publish_evidence(
         timeout_s=timeout_s,
         concurrency=concurrency,
     )
-    items, total = [], 0
+    items: list[tuple[str, Optional[str], bytes]] = []
+    total = 0
     for j, b in sorted(ev.contributions.items()):
         if len(items) == MAX_CONTRIBUTION_RECORDS or total + len(b) > MAX_CONTRIBUTION_BYTES:
             break
