@@ -45,10 +45,11 @@ from typing import Callable, Iterable, Optional, Sequence
 
 from pydantic import ValidationError
 
+from geomesh_p2p.dht.chunked import store_chunked
 from geomesh_p2p.telemetry import events
 from geomesh_p2p.net.swarm_time import swarm_time
 from geomesh_p2p.plan.schema import RoundPlan
-from geomesh_p2p.plan.wire import THREAD_ABOVE_PEERS, PlanPending, PlanReader, chunk_key, split_plan
+from geomesh_p2p.plan.wire import THREAD_ABOVE_PEERS, PlanPending, PlanReader, split_plan
 from geomesh_p2p.util.backoff import Backoff
 from geomesh_p2p.schema.peer import PeerRecord
 
@@ -137,7 +138,7 @@ class PlanStore:
         self._logged: set = set()
 
     async def publish(self, plan: RoundPlan) -> bool:
-        """Store ``plan`` signed by this peer: its chunks first (in parallel), then the head, so a reader
+        """Store ``plan`` signed by this peer: its chunks first (16 at once), then the head, so a reader
         that sees the head finds the chunks. Returns False when a chunk or the head was stored nowhere.
         Also False (one ERROR line) when the plan needs more than ``wire.MAX_PLAN_CHUNKS`` chunks."""
         me = str(self.identity.peer_id)
@@ -150,22 +151,12 @@ class PlanStore:
             log.error("round %d: my plan cannot be stored: %s", plan.round, e)
             return False
         key = plan_key(self.run_id, plan.round)
-        expires = swarm_time() + self.ttl_s
-        if enc.chunks:
-            stored = await asyncio.gather(
-                *(
-                    self.dht.store(
-                        chunk_key(key, enc.sha256, i), c, expiration_time=expires, subkey=me, owner=self.identity
-                    )
-                    for i, c in enumerate(enc.chunks)
-                )
-            )
-            if not all(stored):
-                log.warning(
-                    "round %d: %d of %d plan chunks were stored nowhere", plan.round, stored.count(False), len(stored)
-                )
-                return False
-        return await self.dht.store(key, enc.head, expiration_time=expires, subkey=me, owner=self.identity)
+        out = await store_chunked(
+            self.dht, key, enc, subkey=me, owner=self.identity, expiration_time=swarm_time() + self.ttl_s
+        )
+        if out.chunks_failed:
+            log.warning("round %d: %d of %d plan chunks were stored nowhere", plan.round, out.chunks_failed, out.chunks)
+        return out.ok
 
     def _once(self, level: int, key: tuple, msg: str, *args) -> None:
         """Log ``msg`` once per ``key`` (the reads of a round poll: one line per reason, not one per poll)."""
