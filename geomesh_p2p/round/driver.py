@@ -143,6 +143,11 @@ class RoundDriver:
         #: announce and behind-check would repeat that store and the gather's own swarm-round check
         self._fresh_record = False
         self._gathered: Optional[dict[str, PeerRecord]] = None  # live records of the gather's last read, for agree()
+        #: records that announced leaving in the gather's last read: a plan naming one is no fork, see agree()
+        self._gathered_leaving: dict[str, PeerRecord] = {}
+        #: (round, digest, leaders) whose plans this peer refused while others could follow them: it sat that
+        #: attempt out; the next attempt at the same round and state does not wait for or defer to them
+        self._refused_leaders: tuple[int, Optional[str], frozenset] = (-1, None, frozenset())
         #: set when the run ends because the swarm ended without this peer (node: no "done" line)
         self.ended: Optional[SwarmEnded] = None
         #: the first round whose start state the swarm has not confirmed to this peer (a digest check that

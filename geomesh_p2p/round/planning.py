@@ -12,7 +12,7 @@ import logging
 import threading
 from typing import TYPE_CHECKING, Optional, Sequence
 
-from geomesh_p2p.plan.agree import PlanDeferred
+from geomesh_p2p.plan.agree import PlanDeferred, PlanRefused
 from geomesh_p2p.plan.schema import RoundPlan
 from geomesh_p2p.schema.peer import PeerRecord
 from geomesh_p2p.telemetry import events
@@ -30,20 +30,32 @@ if TYPE_CHECKING:
 log = logging.getLogger("geomesh_p2p.node.peer.round")
 
 
-async def refresh_live(drv: RoundDriver, live: dict, done: asyncio.Event) -> None:
-    """Add newly seen live peers to ``live`` until ``done``: backoff, restarting when a peer appears.
-    Stopped by the event, not cancelled, so that a lookup in flight finishes and its result is kept
-    (a cancelled lookup is safe too: its tasks are owned by an :class:`~geomesh_p2p.util.aio.TaskScope`)."""
+async def refresh_live(drv: RoundDriver, live: dict, done: asyncio.Event, leaving: Optional[dict] = None) -> None:
+    """Add newly seen live peers to ``live`` (and, when given, the records that announce leaving to
+    ``leaving``) until ``done``: backoff, restarting when a peer appears. Stopped by the event, not
+    cancelled, so that a lookup in flight finishes and its result is kept (a cancelled lookup is safe too:
+    its tasks are owned by an :class:`~geomesh_p2p.util.aio.TaskScope`)."""
     backoff = Backoff(drv.cfg.backoff_first_s * 4, max(drv.cfg.backoff_first_s * 4, drv.cfg.live_refresh_s))
     while not await wait_event(done, backoff.next()):
         try:
-            fresh = {x.peer_id: x for x in await drv.membership.peers()}
+            read = await drv.membership.peers(include_leaving=leaving is not None)
         except Exception as e:  # a failed DHT read: keep the last view
             log.debug("refreshing live peers failed: %s", e)
             continue
+        fresh = {x.peer_id: x for x in read if not x.leaving}
+        if leaving is not None:
+            leaving.update({x.peer_id: x for x in read if x.leaving})
         if set(fresh) - set(live):
             backoff.reset()
         live.update(fresh)
+
+
+def known_view(live: dict, leaving: dict) -> dict:
+    """The records a follower checks a plan against: the live ones, and those that announced leaving.
+    A leader whose read came before a peer's leaving record planned it (under load the announcement is
+    seconds late): following that plan costs the leaver's parts, refusing it while others follow it
+    splits the round (issue 25; the fork of test_ctrl_c_peer_leaves_cleanly...)."""
+    return {**leaving, **live}
 
 
 async def agree(drv: RoundDriver, ctx: RoundContext) -> bool:
@@ -56,9 +68,17 @@ async def agree(drv: RoundDriver, ctx: RoundContext) -> bool:
     # The gather's last read is a moment old: reuse it (one DHT get less between the gather and the
     # plan, issue 17); the refresher below keeps the view fresh while the plan is agreed.
     gathered, drv._gathered = drv._gathered, None
+    leaving: dict = dict(drv._gathered_leaving) if gathered is not None else {}
+    drv._gathered_leaving = {}
     live.update(gathered if gathered is not None else {x.peer_id: x for x in await drv.membership.peers()})
     members, candidates = drv.policy.leader_candidates(ctx.members, live)
+    refused_before = drv._refused_leaders[2] if drv._refused_leaders[:2] == (r, drv.state.digest) else frozenset()
+    if refused_before:
+        # An earlier attempt at this round and state sat out a plan this peer refuses: its leader is no
+        # candidate now (its plan stays refused; else a leader all refuse would stall the round forever).
+        candidates = [c for c in candidates if c not in refused_before]
     plan: Optional[RoundPlan]
+    refused_plan: Optional[RoundPlan] = None  # a plan others may follow that this peer refuses: it sits out
     if [m.peer_id for m in members] == [drv.me] and set(live) == {drv.me}:
         # Lone peer: nobody else can lead, follow or read a plan; plan with a fresh start time so
         # the whole window trains (the DHT, maybe unreachable, is not asked).
@@ -77,7 +97,11 @@ async def agree(drv: RoundDriver, ctx: RoundContext) -> bool:
         # naming this peer, it must serve its part and contribute (0 steps if stopping). The live view
         # stays fresh meanwhile: a peer that (re)joined just now may lead a better-ranked plan.
         done = asyncio.Event()
-        refresher = asyncio.ensure_future(refresh_live(drv, live, done))
+        refresher = asyncio.ensure_future(refresh_live(drv, live, done, leaving))
+
+        def make_plan(ms: Sequence[PeerRecord], leader: str) -> RoundPlan:
+            # A member that announced leaving since the gather is not planned (its parts would go missing).
+            return drv.policy.make_plan([m for m in ms if m.peer_id not in leaving or m.peer_id == drv.me], leader)
 
         def on_provisional(p: RoundPlan) -> None:
             # The settle (plans.obtain_plan) waits for a better-ranked plan that almost never comes:
@@ -91,13 +115,21 @@ async def agree(drv: RoundDriver, ctx: RoundContext) -> bool:
             plan = await drv.plans.agree(
                 r,
                 members,
-                drv.policy.make_plan,
-                accept=lambda p: drv.policy.plan_problem(p, live),
+                make_plan,
+                accept=lambda p: drv.policy.plan_problem(p, known_view(live, leaving)),
                 candidates=candidates,
                 plan_timeout_s=drv.cfg.plan_timeout_s,
                 provisional=on_provisional,
                 **({"last_resort": resort} if resort else {}),
             )
+        except PlanRefused as e:
+            # Others may follow a plan this peer refuses: following another one would fork the lineage. Sit
+            # the round out (wait for its end, re-sync to what the swarm made); the round gets longer for this
+            # peer, the swarm keeps one lineage (issue 25, docs/round.md "No fork under overload").
+            refused = drv._refused_leaders[2] if drv._refused_leaders[:2] == (r, drv.state.digest) else frozenset()
+            drv._refused_leaders = (r, drv.state.digest, refused | {e.plan.leader})
+            refused_plan = e.plan
+            plan = None
         finally:
             done.set()  # the lookup under way finishes (bounded by the DHT's RPC timeouts)
             await asyncio.gather(refresher, return_exceptions=True)
@@ -105,6 +137,11 @@ async def agree(drv: RoundDriver, ctx: RoundContext) -> bool:
         plan is None or ctx.early_plan is None or plan.to_bytes() != ctx.early_plan.to_bytes()
     ):
         await discard_early(drv, ctx, plan)
+    if refused_plan is not None:
+        await drop_speculative(drv, "sitting out a refused plan")
+        ctx.plan = refused_plan
+        await wait_out(drv, ctx, refused=True)
+        return False
     key = (r, drv.state.digest)
     misses = drv._plan_misses[2] if drv._plan_misses[:2] == key else 0
     drv._plan_misses = (r, drv.state.digest, misses + 1 if plan is None else 0)
@@ -166,13 +203,17 @@ def last_resort(drv: RoundDriver, r: int, members: Sequence[PeerRecord], candida
     return sorted(member_ids - set(candidates))
 
 
-async def wait_out(drv: RoundDriver, ctx: RoundContext) -> None:
-    """A planned-out peer (joined late, too slow for the window, or other weights): announce as syncing
-    for the next round (its leader then waits for it), wait for the others to announce it, re-sync."""
+async def wait_out(drv: RoundDriver, ctx: RoundContext, refused: bool = False) -> None:
+    """A planned-out peer (joined late, too slow for the window, or other weights), or one that refuses the
+    plan others may follow (``refused``): announce as syncing for the next round (its leader then waits for
+    it), wait for the others to announce it, re-sync."""
     plan, r = ctx.planned(), ctx.round
-    planned_in = drv.me in plan.participants()
+    planned_in = drv.me in plan.participants() and not refused
     why = (
-        f"not in the plan of leader {plan.leader[:10]} (the leader left it out: it joined late, missed an "
+        f"refusing the plan of leader {plan.leader[:10]} that other peers may follow (following another would "
+        "split the round; see the plan_refused line)"
+        if refused
+        else f"not in the plan of leader {plan.leader[:10]} (the leader left it out: it joined late, missed an "
         f"earlier round's exchange, or its link or device is too slow for the {plan.window_s:.1f} s window; "
         "see the leader's log)"
         if not planned_in
@@ -188,13 +229,13 @@ async def wait_out(drv: RoundDriver, ctx: RoundContext) -> None:
         peer=drv.me,
         round=r,
         leader=plan.leader,
-        reason="not_in_plan" if not planned_in else "weights_differ",
+        reason="refused" if refused else "not_in_plan" if not planned_in else "weights_differ",
     )
     drv.state.syncing, drv.state.round = True, r + 1
     await drv.membership.announce()
     # Left out by the leader: re-measure the link while the round ends (bounded, see the port), and
     # announce the fresh figure as soon as it is known, before the next round is planned.
-    reprobe = None if planned_in else asyncio.ensure_future(reprobe_and_announce(drv))
+    reprobe = None if planned_in or refused else asyncio.ensure_future(reprobe_and_announce(drv))
     try:
         await wait_for_round(
             drv, r + 1, timeout_s=max(ROUND_END_SLACK_S, plan.exchange_deadline - drv.clock.time() + ROUND_END_SLACK_S)
