@@ -461,6 +461,8 @@ async def obtain_plan(
                 )
             return chosen
         if elapsed > give_up_s:
+            if over is not None:
+                raise PlanRefused(*over)  # others may still follow it: sit out rather than retry beside it
             return None
         step = backoff.next()
         upcoming = [t - elapsed for t in turns if t > elapsed]

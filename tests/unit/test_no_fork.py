@@ -1,0 +1,164 @@
+"""No fork under overload (issue 25): the ways two peers could end one round on different plans, each closed.
+
+* A plan refused by some followers and followed by others: a follower whose view lags (a record read late,
+  another penalty) refused the best-ranked candidate's plan, then published or followed another one. Now it
+  sits the round out (:class:`PlanRefused`, the driver waits for the round's end and re-syncs); a view that
+  catches up before the plan's settle ends follows the plan as before.
+* A leaver planned by a leader that read its record before it said it leaves: followers that saw the
+  leaving record refused the plan ("names peers that are not live") and split the two survivors
+  (tests/e2e/test_swarm.py::test_ctrl_c...). Now plans are checked against leaving records too.
+* A leader slow to plan (a loaded CPU) published after a worse-ranked plan started: late readers followed
+  its plan, early ones the other. Now it follows the started plan.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from geomesh_p2p.config.models import NodeConfig, RunConfig
+from geomesh_p2p.net.identity import Identity
+from geomesh_p2p.plan.agree import PlanRefused
+from geomesh_p2p.plan.awb import plan_round
+from geomesh_p2p.plan.schema import PlanConfig
+from geomesh_p2p.round import PlanStore, leader_order, obtain_plan
+from geomesh_p2p.round.planning import known_view
+from tests.records_util import peer_record
+from tests.rules_util import make_rules
+from tests.unit.test_round import RUN, MemoryDHT, _planner, _record
+
+pytestmark = pytest.mark.timeout(30)
+T = 0.3  # plan timeout (s)
+
+
+def _three():
+    """Three members at round 3, as (leader, second, third) of the rendezvous order, and their records."""
+    ids = [Identity.generate() for _ in range(3)]
+    order = leader_order(RUN, 3, [str(i.peer_id) for i in ids])
+    ids.sort(key=lambda i: order.index(str(i.peer_id)))
+    return ids, [_record(i, 1.0) for i in ids]
+
+
+def _not_live(view: set):
+    """A follower's check that refuses a plan naming a peer its view lacks (PlanRules.plan_problem's rule)."""
+
+    def accept(plan):
+        unknown = [p[:10] for p in plan.participants() if p not in view]
+        return f"it names peers that are not live: {unknown}" if unknown else None
+
+    return accept
+
+
+async def test_a_follower_refusing_the_leaders_plan_sits_out_instead_of_leading_a_second_plan():
+    """The second-ranked candidate's view lacks the third peer's record (expired before it was read): it
+    refuses the leader's plan. Before: after its take-over delay it published a plan of its own and followed
+    it while the two others followed the leader's: two plans trained in one round. Now it raises
+    PlanRefused (sits out), one plan is stored and every peer that trains follows it."""
+    ids, recs = _three()
+    everyone = {r.peer_id for r in recs}
+    dht = MemoryDHT()
+
+    def run(i, members, accept):
+        return obtain_plan(
+            PlanStore(dht.view(), i, RUN),
+            3,
+            members,
+            _planner(3),
+            plan_timeout_s=T,
+            settle_s=0.05,
+            accept=accept,
+            candidates=[r.peer_id for r in recs[:2]],
+        )
+
+    lagging = set(everyone) - {recs[2].peer_id}
+    got = await asyncio.gather(
+        run(ids[0], recs, _not_live(everyone)),
+        run(ids[1], recs[:2], _not_live(lagging)),
+        run(ids[2], recs, _not_live(everyone)),
+        return_exceptions=True,
+    )
+    assert isinstance(got[1], PlanRefused), got[1]
+    assert got[1].plan.leader == recs[0].peer_id and "not live" in got[1].reason
+    assert got[0].to_bytes() == got[2].to_bytes() and got[0].leader == recs[0].peer_id
+    assert set(dht.data["round-test/plan/3"]) == {recs[0].peer_id}  # no second plan was published
+
+
+async def test_a_view_that_catches_up_within_the_settle_follows_the_plan():
+    """The refusal is read again while the plan's settle runs: a lagging record that arrives in time (the
+    live view's refresh) turns it into the plan followed, with no sit-out."""
+    ids, recs = _three()
+    view = {recs[0].peer_id, recs[1].peer_id}
+    dht = MemoryDHT()
+    leader = asyncio.ensure_future(
+        obtain_plan(PlanStore(dht.view(), ids[0], RUN), 3, recs, _planner(3), plan_timeout_s=T, settle_s=0.05)
+    )
+    follower = asyncio.ensure_future(
+        obtain_plan(
+            PlanStore(dht.view(), ids[1], RUN),
+            3,
+            recs,
+            _planner(3),
+            plan_timeout_s=T,
+            settle_s=0.05,
+            accept=_not_live(view),
+            candidates=[r.peer_id for r in recs[:2]],
+        )
+    )
+    await dht.wait_until(lambda: bool(dht.data))
+    view.add(recs[2].peer_id)  # the third's record is read now (the plan starts 1 s after it was made)
+    a, b = await asyncio.gather(leader, follower)
+    assert a.to_bytes() == b.to_bytes() and set(b.participants()) == {r.peer_id for r in recs}
+
+
+async def test_a_leader_that_planned_past_a_started_plan_does_not_publish_it():
+    """The best-ranked candidate reads a worse-ranked plan that has not started yet, then takes longer to plan
+    than that plan's start (a loaded CPU): it follows the started plan instead of publishing a second one."""
+    ids, recs = _three()
+    dht = MemoryDHT()
+    # the second-ranked's plan, starting 0.2 s from now, is there already
+    early = plan_round(
+        recs,
+        PlanConfig(seq_len=64, target_batch=8, window_s=5.0, payload_bytes=10_000),
+        run_id=RUN,
+        round=3,
+        leader=recs[1].peer_id,
+        numel=1000,
+        start_time=time.time() + 0.2,
+        start_digest="d0",
+    )
+    await PlanStore(dht.view(), ids[1], RUN).publish(early)
+
+    def slow_planner(members, leader):
+        time.sleep(0.4)  # planning outlasts the other plan's start
+        return _planner(3)(members, leader)
+
+    got = await obtain_plan(PlanStore(dht.view(), ids[0], RUN), 3, recs, slow_planner, plan_timeout_s=T, settle_s=0.05)
+    assert got.to_bytes() == early.to_bytes()
+    assert set(dht.data["round-test/plan/3"]) == {recs[1].peer_id}
+
+
+def test_a_plan_naming_a_peer_that_announced_leaving_is_accepted_not_split_on():
+    """The leaver case (test_ctrl_c_peer_leaves_cleanly_...): the leader read c2's record before c2 said it
+    leaves and planned it; a follower whose live view already drops c2 refused the plan ("names peers that
+    are not live") and split the survivors. Checked against the leaving records too, it follows the plan."""
+    run = RunConfig(seq_len=32, window_s=5.0)
+    ids = [Identity.generate() for _ in range(3)]
+    recs = [peer_record(i, address=f"127.0.0.1:{1001 + k}", round=2, weights_digest="d") for k, i in enumerate(ids)]
+    gone = recs[2].model_copy(update={"leaving": True})
+    rules = make_rules(run, NodeConfig(), me=recs[0].peer_id, numel=5000).planning
+    cfg = PlanConfig(seq_len=32, target_batch=8, window_s=5.0, payload_bytes=1000, mode=run.mode, method=run.method)
+    plan = plan_round(
+        recs,
+        cfg,
+        run_id=run.run_id,
+        round=2,
+        leader=recs[1].peer_id,
+        numel=5000,
+        start_time=time.time() + 1,
+        start_digest="d",
+    )
+    live = {r.peer_id: r for r in recs[:2]}
+    assert "not live" in (rules.plan_problem(plan, live) or "")  # the check alone: the refusal that split the round
+    assert rules.plan_problem(plan, known_view(live, {gone.peer_id: gone})) is None
