@@ -287,6 +287,7 @@ async def obtain_plan(
     wait_candidates: int = LEADER_WAIT_CANDIDATES,
     provisional: Optional[Callable[[RoundPlan], None]] = None,
     last_resort: Sequence[str] = (),
+    authorities: Sequence[str] = (),
 ) -> Optional[RoundPlan]:
     """Agree on the plan of ``round``: publish one if this peer's turn as leader comes, follow the best.
 
@@ -310,6 +311,14 @@ async def obtain_plan(
         does not accept is there: its own plan would split the round).
         The driver names this peer so after a whole attempt without a plan (docs/round.md, "Leader
         election when nobody leads"): views that differ must not leave every member deferring to another.
+
+        No fork on a refused plan (issue 25): a plan this peer refuses from one of ``candidates`` or
+        ``authorities`` (established live peers outside this peer's members, e.g. in sync at another state:
+        other peers may follow their plans) is not bypassed. While it ranks better than every plan this peer
+        accepts, this peer publishes nothing and follows nothing; the refusal is read again until that plan's
+        settle ends (a view that catches up accepts it), then :class:`PlanRefused` is raised: the caller sits
+        the round out. Nor does this peer publish once such a plan ranks better than itself or has started.
+        Followers of a refused plan and of another one would end the round on two states.
     """
     me = str(store.identity.peer_id)
     member_ids = {m.peer_id for m in members}
@@ -341,7 +350,9 @@ async def obtain_plan(
     seen: Optional[frozenset] = None
     signed: set = set()  # leaders of every plan of the round read, refused ones included
     refused: dict[str, tuple[RoundPlan, str]] = {}  # leader -> its plan this peer refuses now, and why
-    blockers = set(pool) - {me}  # leaders whose plans others may follow: a refused one must not be bypassed
+    blockers = (set(pool) | set(authorities)) - {
+        me
+    }  # leaders whose plans others may follow: a refused one must not be bypassed
 
     def check(plan: RoundPlan) -> Optional[str]:
         reason = accept(plan) if accept is not None else None

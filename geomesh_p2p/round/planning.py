@@ -77,6 +77,13 @@ async def agree(drv: RoundDriver, ctx: RoundContext) -> bool:
         # An earlier attempt at this round and state sat out a plan this peer refuses: its leader is no
         # candidate now (its plan stays refused; else a leader all refuse would stall the round forever).
         candidates = [c for c in candidates if c not in refused_before]
+    # Established live peers outside this peer's members (in sync at another state, or not gathered): others
+    # may follow their plans, so one this peer refuses is not bypassed either (obtain_plan's authorities).
+    authorities = [
+        p
+        for p in drv.policy.leader_candidates(list(live.values()), live)[1]
+        if p not in candidates and p not in refused_before and p != drv.me
+    ]
     plan: Optional[RoundPlan]
     refused_plan: Optional[RoundPlan] = None  # a plan others may follow that this peer refuses: it sits out
     if [m.peer_id for m in members] == [drv.me] and set(live) == {drv.me}:
@@ -121,6 +128,7 @@ async def agree(drv: RoundDriver, ctx: RoundContext) -> bool:
                 plan_timeout_s=drv.cfg.plan_timeout_s,
                 provisional=on_provisional,
                 **({"last_resort": resort} if resort else {}),
+                **({"authorities": authorities} if authorities else {}),
             )
         except PlanRefused as e:
             # Others may follow a plan this peer refuses: following another one would fork the lineage. Sit

@@ -17,11 +17,13 @@ import asyncio
 import time
 
 import pytest
+import torch
 
 from geomesh_p2p.config.models import NodeConfig, RunConfig
 from geomesh_p2p.net.identity import Identity
 from geomesh_p2p.plan.agree import PlanRefused
 from geomesh_p2p.plan.awb import plan_round
+from geomesh_p2p.telemetry import events
 from geomesh_p2p.plan.schema import PlanConfig
 from geomesh_p2p.round import PlanStore, leader_order, obtain_plan
 from geomesh_p2p.round.planning import known_view
@@ -162,3 +164,63 @@ def test_a_plan_naming_a_peer_that_announced_leaving_is_accepted_not_split_on():
     live = {r.peer_id: r for r in recs[:2]}
     assert "not live" in (rules.plan_problem(plan, live) or "")  # the check alone: the refusal that split the round
     assert rules.plan_problem(plan, known_view(live, {gone.peer_id: gone})) is None
+
+
+async def test_a_refused_plan_of_an_established_peer_outside_the_members_is_not_bypassed():
+    """Two groups at one round hold different states (a and a2; b and b2): every peer follows the best-ranked
+    leader's plan, and the group it plans out re-syncs. Peer a refuses b's better-ranked plan (its view lags):
+    before, it led its own group's plan beside b's (two lineages); b being an established live peer
+    (``authorities``), a now sits the round out."""
+    ids = [Identity.generate() for _ in range(4)]
+    order = leader_order(RUN, 3, [str(i.peer_id) for i in ids])
+    ids.sort(key=lambda i: order.index(str(i.peer_id)))
+    b, a = ids[0], ids[1]  # b ranks first
+    recs = {str(i.peer_id): _record(i, 1.0) for i in ids}
+    mine = [recs[str(a.peer_id)], recs[str(ids[2].peer_id)]]
+    dht = MemoryDHT()
+    await PlanStore(dht.view(), b, RUN).publish(
+        _planner(3)([recs[str(b.peer_id)], recs[str(ids[3].peer_id)]], str(b.peer_id))
+    )
+
+    def attempt(**kw):
+        return obtain_plan(
+            PlanStore(dht.view(), a, RUN),
+            3,
+            mine,
+            _planner(3),
+            plan_timeout_s=T,
+            settle_s=0.05,
+            accept=lambda p: "it names peers that are not live" if p.leader == str(b.peer_id) else None,
+            candidates=[m.peer_id for m in mine],
+            **kw,
+        )
+
+    with pytest.raises(PlanRefused):
+        await attempt(authorities=[str(b.peer_id)])
+    assert set(dht.data["round-test/plan/3"]) == {str(b.peer_id)}
+    own = await attempt()  # the rule without authorities: a leads its own group's plan beside b's
+    assert own.leader == str(a.peer_id) and set(dht.data["round-test/plan/3"]) == {str(b.peer_id), own.leader}
+
+
+async def test_a_driver_that_refuses_the_plan_sits_the_round_out_and_resyncs_to_one_lineage():
+    """Three in-memory peers (tests/unit/test_round_driver.py's fakes: real plan agreement, a collective that
+    averages the participants' updates). The second-ranked refuses the leader's plan of round 0 (as a view
+    that lost a record would). It sits the round out (``planned_out``, reason ``refused``) and re-syncs: one
+    plan is trained, and after round 1 all three hold one digest and the same weights."""
+    from tests.unit.test_round_driver import PEERS, _peers, _run_all
+    from tests.unit.test_round_driver import RUN as DRIVER_RUN
+
+    peers = _peers(3)
+    order = leader_order(DRIVER_RUN, 0, [p.me for p in peers])
+    lagging = PEERS[order[1]]
+    base = lagging.plan_problem
+    lagging.plan_problem = lambda plan, live: (  # type: ignore[method-assign]
+        "it names peers that are not live: [test]" if plan.round == 0 and plan.leader == order[0] else base(plan, live)
+    )
+    with events.capture("planned_out") as out:
+        await _run_all(peers, rounds=2)
+    assert [(e["peer"], e["round"], e["reason"]) for e in out] == [(lagging.me, 0, "refused")]
+    assert {p.drv.history[0].leader for p in peers if p.drv.history and p.drv.history[0].round == 0} == {order[0][:10]}
+    assert lagging.catch_ups == 1 and [row.round for row in lagging.drv.history] == [1]
+    assert len({p.digest for p in peers}) == 1 and all(p.round == 2 for p in peers)
+    assert all(torch.equal(p.theta, peers[0].theta) for p in peers)
