@@ -350,9 +350,8 @@ async def obtain_plan(
     seen: Optional[frozenset] = None
     signed: set = set()  # leaders of every plan of the round read, refused ones included
     refused: dict[str, tuple[RoundPlan, str]] = {}  # leader -> its plan this peer refuses now, and why
-    blockers = (set(pool) | set(authorities)) - {
-        me
-    }  # leaders whose plans others may follow: a refused one must not be bypassed
+    # leaders whose plans others may follow: a refused one of theirs must not be bypassed
+    blockers = (set(pool) | set(authorities)) - {me}
 
     def check(plan: RoundPlan) -> Optional[str]:
         reason = accept(plan) if accept is not None else None
