@@ -50,12 +50,15 @@ async def refresh_live(drv: RoundDriver, live: dict, done: asyncio.Event, leavin
         live.update(fresh)
 
 
-def known_view(live: dict, leaving: dict) -> dict:
-    """The records a follower checks a plan against: the live ones, and those that announced leaving.
-    A leader whose read came before a peer's leaving record planned it (under load the announcement is
-    seconds late): following that plan costs the leaver's parts, refusing it while others follow it
-    splits the round (issue 25; the fork of test_ctrl_c_peer_leaves_cleanly...)."""
-    return {**leaving, **live}
+def known_view(live: dict, leaving: dict, recent: Optional[dict] = None) -> dict:
+    """The records a follower checks a plan against: the live ones, those that announced leaving, and
+    (``recent``) those its gathers read within ``RECENT_RECORD_S`` whose records have expired since. A
+    leader whose read came before a peer's leaving record planned it (under load the announcement is
+    seconds late), or read a record that expired before this peer's read: following that plan costs that
+    peer's parts at most, refusing it makes this peer sit the round out (issue 25; before, it led a plan of
+    its own and the survivors of test_ctrl_c_peer_leaves_cleanly... forked). Newest first: live, leaving,
+    recent."""
+    return {**(recent or {}), **leaving, **live}
 
 
 async def agree(drv: RoundDriver, ctx: RoundContext) -> bool:
@@ -69,6 +72,7 @@ async def agree(drv: RoundDriver, ctx: RoundContext) -> bool:
     # plan, issue 17); the refresher below keeps the view fresh while the plan is agreed.
     gathered, drv._gathered = drv._gathered, None
     leaving: dict = dict(drv._gathered_leaving) if gathered is not None else {}
+    recent = drv.recent()
     drv._gathered_leaving = {}
     live.update(gathered if gathered is not None else {x.peer_id: x for x in await drv.membership.peers()})
     members, candidates = drv.policy.leader_candidates(ctx.members, live)
@@ -123,7 +127,7 @@ async def agree(drv: RoundDriver, ctx: RoundContext) -> bool:
                 r,
                 members,
                 make_plan,
-                accept=lambda p: drv.policy.plan_problem(p, known_view(live, leaving)),
+                accept=lambda p: drv.policy.plan_problem(p, known_view(live, leaving, recent)),
                 candidates=candidates,
                 plan_timeout_s=drv.cfg.plan_timeout_s,
                 provisional=on_provisional,

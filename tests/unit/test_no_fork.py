@@ -224,3 +224,38 @@ async def test_a_driver_that_refuses_the_plan_sits_the_round_out_and_resyncs_to_
     assert lagging.catch_ups == 1 and [row.round for row in lagging.drv.history] == [1]
     assert len({p.digest for p in peers}) == 1 and all(p.round == 2 for p in peers)
     assert all(torch.equal(p.theta, peers[0].theta) for p in peers)
+
+
+def test_a_plan_naming_a_peer_whose_record_expired_since_a_recent_gather_is_accepted():
+    """Under load records (8 s lifetime) expire before a follower reads them: the plan of a leader that read
+    one in time named a peer "not live" in the follower's view, which then refused it (before: led its own).
+    A record a gather read within RECENT_RECORD_S counts for the check; older ones are forgotten."""
+    from geomesh_p2p.round.driver import RECENT_RECORD_S
+    from tests.unit.test_round_driver import FakeClock, _peers
+
+    run = RunConfig(seq_len=32, window_s=5.0)
+    ids = [Identity.generate() for _ in range(3)]
+    recs = [peer_record(i, address=f"127.0.0.1:{1001 + k}", round=2, weights_digest="d") for k, i in enumerate(ids)]
+    rules = make_rules(run, NodeConfig(), me=recs[0].peer_id, numel=5000).planning
+    cfg = PlanConfig(seq_len=32, target_batch=8, window_s=5.0, payload_bytes=1000, mode=run.mode, method=run.method)
+    plan = plan_round(
+        recs,
+        cfg,
+        run_id=run.run_id,
+        round=2,
+        leader=recs[1].peer_id,
+        numel=5000,
+        start_time=time.time() + 1,
+        start_digest="d",
+    )
+    live = {r.peer_id: r for r in recs[:2]}  # the third's record expired before this read
+    (p,) = _peers(1)
+    clock = FakeClock()
+    drv = p.driver(clock=clock)
+    drv.remember(recs)  # a gather read all three a moment ago
+    clock.t += RECENT_RECORD_S - 1
+    assert rules.plan_problem(plan, known_view(live, {}, drv.recent())) is None
+    clock.t += 2  # read longer ago than RECENT_RECORD_S: not vouched for any more
+    assert "not live" in (rules.plan_problem(plan, known_view(live, {}, drv.recent())) or "")
+    drv.remember([])
+    assert drv._recent == {}
