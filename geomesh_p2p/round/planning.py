@@ -83,14 +83,20 @@ async def agree(drv: RoundDriver, ctx: RoundContext) -> bool:
         candidates = [c for c in candidates if c not in refused_before]
     # Established live peers outside this peer's members (in sync at another state, or not gathered): others
     # may follow their plans, so one this peer refuses is not bypassed either (obtain_plan's authorities).
+    # Records a gather read within RECENT_RECORD_S count (a read under load misses records).
+    seen = {**{p: x for p, x in recent.items() if not x.leaving}, **live}
     authorities = [
         p
-        for p in drv.policy.leader_candidates(list(live.values()), live)[1]
+        for p in drv.policy.leader_candidates(list(seen.values()), seen)[1]
         if p not in candidates and p not in refused_before and p != drv.me
     ]
     plan: Optional[RoundPlan]
     refused_plan: Optional[RoundPlan] = None  # a plan others may follow that this peer refuses: it sits out
-    if [m.peer_id for m in members] == [drv.me] and set(live) == {drv.me}:
+    # A peer read by a gather within RECENT_RECORD_S and not leaving may still be there: its record expired
+    # or was missed by this read (under load). Planning alone without reading the plans would fork off a
+    # lineage of one (issue 25: a peer whose reads lost every other record trained rounds by itself).
+    others_recent = any(p != drv.me and not x.leaving for p, x in recent.items())
+    if [m.peer_id for m in members] == [drv.me] and set(live) == {drv.me} and not others_recent:
         # Lone peer: nobody else can lead, follow or read a plan; plan with a fresh start time so
         # the whole window trains (the DHT, maybe unreachable, is not asked).
         try:
