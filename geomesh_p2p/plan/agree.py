@@ -54,6 +54,18 @@ from geomesh_p2p.util.backoff import Backoff
 from geomesh_p2p.schema.peer import PeerRecord
 
 
+class PlanRefused(Exception):
+    """Raised by :func:`obtain_plan` when this peer refuses a plan that other peers may follow, so that any
+    other plan it followed (or published) would split the round: a leader candidate's plan ranked better than
+    every plan it accepts, or a plan of one that already started (its peers are training). The peer sits the
+    round out (waits for its end and re-syncs to what the swarm made) instead of forking; ``plan`` is the
+    refused plan, ``reason`` why (issue 25, "no fork under overload")."""
+
+    def __init__(self, plan: RoundPlan, reason: str):
+        super().__init__(f"round {plan.round}: refused the plan of leader {plan.leader[:10]}: {reason}")
+        self.plan, self.reason = plan, reason
+
+
 class PlanDeferred(Exception):
     """Raised by :meth:`RoundPolicy.make_plan` when no plan can be made yet for a reason the policy has
     already told the user (logged once per change of state, e.g. no reachable peer can own a part): the
@@ -266,6 +278,7 @@ async def obtain_plan(
     wait_candidates: int = LEADER_WAIT_CANDIDATES,
     provisional: Optional[Callable[[RoundPlan], None]] = None,
     last_resort: Sequence[str] = (),
+    authorities: Sequence[str] = (),
 ) -> Optional[RoundPlan]:
     """Agree on the plan of ``round``: publish one if this peer's turn as leader comes, follow the best.
 
@@ -289,6 +302,14 @@ async def obtain_plan(
         does not accept is there: its own plan would split the round).
         The driver names this peer so after a whole attempt without a plan (docs/round.md, "Leader
         election when nobody leads"): views that differ must not leave every member deferring to another.
+
+        No fork on a refused plan (issue 25): a plan this peer refuses from one of ``candidates`` or
+        ``authorities`` (established live peers outside this peer's members, e.g. in sync at another state:
+        other peers may follow their plans) is not bypassed. While it ranks better than every plan this peer
+        accepts, this peer publishes nothing and follows nothing; the refusal is read again until that plan's
+        settle ends (a view that catches up accepts it), then :class:`PlanRefused` is raised: the caller sits
+        the round out. Nor does this peer publish once such a plan ranks better than itself or has started.
+        Followers of a refused plan and of another one would end the round on two states.
     """
     me = str(store.identity.peer_id)
     member_ids = {m.peer_id for m in members}
@@ -319,9 +340,36 @@ async def obtain_plan(
     published = False
     seen: Optional[frozenset] = None
     signed: set = set()  # leaders of every plan of the round read, refused ones included
+    refused: dict[str, tuple[RoundPlan, str]] = {}  # leader -> its plan this peer refuses now, and why
+    # leaders whose plans others may follow: a refused one of theirs must not be bypassed
+    blockers = (set(pool) | set(authorities)) - {me}
+
+    def check(plan: RoundPlan) -> Optional[str]:
+        reason = accept(plan) if accept is not None else None
+        if reason is None:
+            refused.pop(plan.leader, None)  # a view that caught up (a record read late) accepts it now
+        else:
+            refused[plan.leader] = (plan, reason)
+        return reason
+
+    def rank(leader: str) -> bytes:
+        return leader_rank(store.run_id, round, leader)
+
+    def refused_over(best: Optional[RoundPlan]) -> Optional[tuple[RoundPlan, str]]:
+        """The best-ranked refused plan of a candidate that ranks better than ``best`` (any, without one): a
+        peer accepting both follows it, so following ``best`` (or a plan of this peer's) would split the round."""
+        over = [v for k, v in refused.items() if k in blockers and (best is None or rank(k) < rank(best.leader))]
+        return min(over, key=lambda v: rank(v[0].leader)) if over else None
+
+    def publish_blocked() -> bool:
+        """A refused candidate plan that ranks better than this peer, or that already started (its peers train)."""
+        now = swarm_time()
+        return any(k in blockers and (rank(k) < rank(me) or now >= p.created_at) for k, (p, _) in refused.items())
+
+    check_fn = check if accept is not None else None
     while True:
         elapsed = time.monotonic() - t0
-        plans = await store.read(round, accept, signed)
+        plans = await store.read(round, check_fn, signed)
         now_seen = frozenset(p.leader for p in plans)
         if now_seen != seen:
             seen = now_seen
@@ -337,6 +385,18 @@ async def obtain_plan(
         # Publish when it is my turn, unless a plan from a better-ranked leader already exists, or a
         # worse-ranked one has already started (its peers are training: a competing plan would only
         # split the round; this peer follows it, or waits and catches up if it is not in it).
+        if my_turn_now and publish_blocked():
+            # A candidate's plan this peer refuses is there (its view lacks a record the leader saw, or holds
+            # another penalty): others may follow it, and a plan of this peer's would split the round.
+            my_turn_now = False
+        over = refused_over(best)
+        if over is not None:
+            # Some peers may follow the refused plan (it ranks better than anything this peer would follow):
+            # read again while its settle runs (the view may catch up: a record read late), then sit out.
+            if swarm_time() > over[0].created_at + settle_s:
+                raise PlanRefused(*over)
+            best = None
+            my_turn_now = False
         if my_turn_now and (
             best is None
             or (
@@ -374,6 +434,11 @@ async def obtain_plan(
                 )
                 my_turn = None
                 continue
+            if best is not None and swarm_time() >= best.created_at:
+                # Planning took long (a loaded CPU) and the worse-ranked plan read before it has started by
+                # now: publishing would split the round. Follow it instead.
+                my_turn = None
+                continue
             published = await store.publish(plan)
             if not published:
                 log.warning("round %d: could not store my plan in the DHT", round)
@@ -387,7 +452,9 @@ async def obtain_plan(
                 if provisional is not None:
                     provisional(best)
                 await asyncio.sleep(wait)  # let a better-ranked plan published meanwhile become visible
-                plans = await store.read(round, accept) or plans
+                plans = await store.read(round, check_fn) or plans
+                if refused_over(choose_plan(store.run_id, round, plans)) is not None:
+                    continue  # a better-ranked plan this peer refuses appeared: the loop decides (above)
             chosen = choose_plan(store.run_id, round, plans)
             if len(plans) > 1 and chosen is not None:
                 log.info(
@@ -395,6 +462,8 @@ async def obtain_plan(
                 )
             return chosen
         if elapsed > give_up_s:
+            if over is not None:
+                raise PlanRefused(*over)  # others may still follow it: sit out rather than retry beside it
             return None
         step = backoff.next()
         upcoming = [t - elapsed for t in turns if t > elapsed]

@@ -81,7 +81,17 @@ class DhtPlanAgreement:
         spawn(store(), name=f"plan-{plan.round}")
 
     async def agree(
-        self, round, members, make_plan, *, accept, candidates, plan_timeout_s, provisional=None, last_resort=()
+        self,
+        round,
+        members,
+        make_plan,
+        *,
+        accept,
+        candidates,
+        plan_timeout_s,
+        provisional=None,
+        last_resort=(),
+        authorities=(),
     ):
         return await obtain_plan(
             self.store,
@@ -93,4 +103,5 @@ class DhtPlanAgreement:
             candidates=candidates,
             provisional=provisional,
             last_resort=last_resort,
+            authorities=authorities,
         )

@@ -61,6 +61,10 @@ log = logging.getLogger("geomesh_p2p.node.peer.round")
 
 #: Rounds of this peer's lineage kept for telling what a re-sync to another side's state discards.
 LINEAGE_ROUNDS = 4096
+#: Seconds a record read by a gather still counts when a plan is checked (issue 25): under load records
+#: expire (8 s) before a follower reads them; a plan naming such a peer costs at most its parts, while
+#: refusing it makes the follower sit the round out.
+RECENT_RECORD_S = 60.0
 
 __all__ = [
     "Phase",
@@ -143,6 +147,14 @@ class RoundDriver:
         #: announce and behind-check would repeat that store and the gather's own swarm-round check
         self._fresh_record = False
         self._gathered: Optional[dict[str, PeerRecord]] = None  # live records of the gather's last read, for agree()
+        #: records that announced leaving in the gather's last read: a plan naming one is no fork, see agree()
+        self._gathered_leaving: dict[str, PeerRecord] = {}
+        #: peer -> (its latest record read by a gather, monotonic seconds read): a plan naming a peer whose
+        #: record expired before this peer's read (under load) is checked against it (planning.known_view)
+        self._recent: dict[str, tuple[PeerRecord, float]] = {}
+        #: (round, digest, leaders) whose plans this peer refused while others could follow them: it sat that
+        #: attempt out; the next attempt at the same round and state does not wait for or defer to them
+        self._refused_leaders: tuple[int, Optional[str], frozenset] = (-1, None, frozenset())
         #: set when the run ends because the swarm ended without this peer (node: no "done" line)
         self.ended: Optional[SwarmEnded] = None
         #: the first round whose start state the swarm has not confirmed to this peer (a digest check that
@@ -174,6 +186,18 @@ class RoundDriver:
     def backoff(self) -> Backoff:
         """A fresh backoff of the driver's DHT reads (``backoff_first_s`` -> ``backoff_cap_s``)."""
         return Backoff(self.cfg.backoff_first_s, max(self.cfg.backoff_first_s, self.cfg.backoff_cap_s))
+
+    def remember(self, records: Sequence[PeerRecord]) -> None:
+        """Keep ``records`` (a gather's read) for :meth:`recent`; forget those older than ``RECENT_RECORD_S``."""
+        now = self.clock.monotonic()
+        self._recent.update({r.peer_id: (r, now) for r in records})
+        for pid in [p for p, (_, t) in self._recent.items() if now - t > RECENT_RECORD_S]:
+            del self._recent[pid]
+
+    def recent(self) -> dict[str, PeerRecord]:
+        """Records read by gathers within the last ``RECENT_RECORD_S`` seconds (the newest of each peer)."""
+        now = self.clock.monotonic()
+        return {p: r for p, (r, t) in self._recent.items() if now - t <= RECENT_RECORD_S}
 
     def add_phase_s(self, name: str, seconds: float) -> None:
         """Add ``seconds`` (may be negative: a share moved to another phase) to phase ``name`` of the cycle."""

@@ -82,6 +82,8 @@ async def gather(drv: RoundDriver, expected: set[str], *, first: bool) -> Option
             expected = expected - {r.peer_id for r in everyone if r.leaving}
             recs = [r for r in everyone if not r.leaving]
             drv._gathered = {r.peer_id: r for r in recs}  # the live view PLAN starts from (no re-read)
+            drv._gathered_leaving = {r.peer_id: r for r in everyone if r.leaving}
+            drv.remember(everyone)
             # Leaving peers' records are evidence of the swarm's progress (their round and digest): a
             # stalled peer whose swarm finished while it was stopped must catch up, not train alone.
             sr = drv.policy.swarm_round(everyone)

@@ -12,7 +12,7 @@ import logging
 import threading
 from typing import TYPE_CHECKING, Optional, Sequence
 
-from geomesh_p2p.plan.agree import PlanDeferred
+from geomesh_p2p.plan.agree import PlanDeferred, PlanRefused
 from geomesh_p2p.plan.schema import RoundPlan
 from geomesh_p2p.schema.peer import PeerRecord
 from geomesh_p2p.telemetry import events
@@ -30,20 +30,35 @@ if TYPE_CHECKING:
 log = logging.getLogger("geomesh_p2p.node.peer.round")
 
 
-async def refresh_live(drv: RoundDriver, live: dict, done: asyncio.Event) -> None:
-    """Add newly seen live peers to ``live`` until ``done``: backoff, restarting when a peer appears.
-    Stopped by the event, not cancelled, so that a lookup in flight finishes and its result is kept
-    (a cancelled lookup is safe too: its tasks are owned by an :class:`~geomesh_p2p.util.aio.TaskScope`)."""
+async def refresh_live(drv: RoundDriver, live: dict, done: asyncio.Event, leaving: Optional[dict] = None) -> None:
+    """Add newly seen live peers to ``live`` (and, when given, the records that announce leaving to
+    ``leaving``) until ``done``: backoff, restarting when a peer appears. Stopped by the event, not
+    cancelled, so that a lookup in flight finishes and its result is kept (a cancelled lookup is safe too:
+    its tasks are owned by an :class:`~geomesh_p2p.util.aio.TaskScope`)."""
     backoff = Backoff(drv.cfg.backoff_first_s * 4, max(drv.cfg.backoff_first_s * 4, drv.cfg.live_refresh_s))
     while not await wait_event(done, backoff.next()):
         try:
-            fresh = {x.peer_id: x for x in await drv.membership.peers()}
+            read = await drv.membership.peers(include_leaving=leaving is not None)
         except Exception as e:  # a failed DHT read: keep the last view
             log.debug("refreshing live peers failed: %s", e)
             continue
+        fresh = {x.peer_id: x for x in read if not x.leaving}
+        if leaving is not None:
+            leaving.update({x.peer_id: x for x in read if x.leaving})
         if set(fresh) - set(live):
             backoff.reset()
         live.update(fresh)
+
+
+def known_view(live: dict, leaving: dict, recent: Optional[dict] = None) -> dict:
+    """The records a follower checks a plan against: the live ones, those that announced leaving, and
+    (``recent``) those its gathers read within ``RECENT_RECORD_S`` whose records have expired since. A
+    leader whose read came before a peer's leaving record planned it (under load the announcement is
+    seconds late), or read a record that expired before this peer's read: following that plan costs that
+    peer's parts at most, refusing it makes this peer sit the round out (issue 25; before, it led a plan of
+    its own and the survivors of test_ctrl_c_peer_leaves_cleanly... forked). Newest first: live, leaving,
+    recent."""
+    return {**(recent or {}), **leaving, **live}
 
 
 async def agree(drv: RoundDriver, ctx: RoundContext) -> bool:
@@ -56,10 +71,32 @@ async def agree(drv: RoundDriver, ctx: RoundContext) -> bool:
     # The gather's last read is a moment old: reuse it (one DHT get less between the gather and the
     # plan, issue 17); the refresher below keeps the view fresh while the plan is agreed.
     gathered, drv._gathered = drv._gathered, None
+    leaving: dict = dict(drv._gathered_leaving) if gathered is not None else {}
+    recent = drv.recent()
+    drv._gathered_leaving = {}
     live.update(gathered if gathered is not None else {x.peer_id: x for x in await drv.membership.peers()})
     members, candidates = drv.policy.leader_candidates(ctx.members, live)
+    refused_before = drv._refused_leaders[2] if drv._refused_leaders[:2] == (r, drv.state.digest) else frozenset()
+    if refused_before:
+        # An earlier attempt at this round and state sat out a plan this peer refuses: its leader is no
+        # candidate now (its plan stays refused; else a leader all refuse would stall the round forever).
+        candidates = [c for c in candidates if c not in refused_before]
+    # Established live peers outside this peer's members (in sync at another state, or not gathered): others
+    # may follow their plans, so one this peer refuses is not bypassed either (obtain_plan's authorities).
+    # Records a gather read within RECENT_RECORD_S count (a read under load misses records).
+    seen = {**{p: x for p, x in recent.items() if not x.leaving}, **live}
+    authorities = [
+        p
+        for p in drv.policy.leader_candidates(list(seen.values()), seen)[1]
+        if p not in candidates and p not in refused_before and p != drv.me
+    ]
     plan: Optional[RoundPlan]
-    if [m.peer_id for m in members] == [drv.me] and set(live) == {drv.me}:
+    refused_plan: Optional[RoundPlan] = None  # a plan others may follow that this peer refuses: it sits out
+    # A peer read by a gather within RECENT_RECORD_S and not leaving may still be there: its record expired
+    # or was missed by this read (under load). Planning alone without reading the plans would fork off a
+    # lineage of one (issue 25: a peer whose reads lost every other record trained rounds by itself).
+    others_recent = any(p != drv.me and not x.leaving for p, x in recent.items())
+    if [m.peer_id for m in members] == [drv.me] and set(live) == {drv.me} and not others_recent:
         # Lone peer: nobody else can lead, follow or read a plan; plan with a fresh start time so
         # the whole window trains (the DHT, maybe unreachable, is not asked).
         try:
@@ -77,7 +114,11 @@ async def agree(drv: RoundDriver, ctx: RoundContext) -> bool:
         # naming this peer, it must serve its part and contribute (0 steps if stopping). The live view
         # stays fresh meanwhile: a peer that (re)joined just now may lead a better-ranked plan.
         done = asyncio.Event()
-        refresher = asyncio.ensure_future(refresh_live(drv, live, done))
+        refresher = asyncio.ensure_future(refresh_live(drv, live, done, leaving))
+
+        def make_plan(ms: Sequence[PeerRecord], leader: str) -> RoundPlan:
+            # A member that announced leaving since the gather is not planned (its parts would go missing).
+            return drv.policy.make_plan([m for m in ms if m.peer_id not in leaving or m.peer_id == drv.me], leader)
 
         def on_provisional(p: RoundPlan) -> None:
             # The settle (plans.obtain_plan) waits for a better-ranked plan that almost never comes:
@@ -91,13 +132,22 @@ async def agree(drv: RoundDriver, ctx: RoundContext) -> bool:
             plan = await drv.plans.agree(
                 r,
                 members,
-                drv.policy.make_plan,
-                accept=lambda p: drv.policy.plan_problem(p, live),
+                make_plan,
+                accept=lambda p: drv.policy.plan_problem(p, known_view(live, leaving, recent)),
                 candidates=candidates,
                 plan_timeout_s=drv.cfg.plan_timeout_s,
                 provisional=on_provisional,
                 **({"last_resort": resort} if resort else {}),
+                **({"authorities": authorities} if authorities else {}),
             )
+        except PlanRefused as e:
+            # Others may follow a plan this peer refuses: following another one would fork the lineage. Sit
+            # the round out (wait for its end, re-sync to what the swarm made); the round gets longer for this
+            # peer, the swarm keeps one lineage (issue 25, docs/round.md "No fork under overload").
+            refused = drv._refused_leaders[2] if drv._refused_leaders[:2] == (r, drv.state.digest) else frozenset()
+            drv._refused_leaders = (r, drv.state.digest, refused | {e.plan.leader})
+            refused_plan = e.plan
+            plan = None
         finally:
             done.set()  # the lookup under way finishes (bounded by the DHT's RPC timeouts)
             await asyncio.gather(refresher, return_exceptions=True)
@@ -105,6 +155,11 @@ async def agree(drv: RoundDriver, ctx: RoundContext) -> bool:
         plan is None or ctx.early_plan is None or plan.to_bytes() != ctx.early_plan.to_bytes()
     ):
         await discard_early(drv, ctx, plan)
+    if refused_plan is not None:
+        await drop_speculative(drv, "sitting out a refused plan")
+        ctx.plan = refused_plan
+        await wait_out(drv, ctx, refused=True)
+        return False
     key = (r, drv.state.digest)
     misses = drv._plan_misses[2] if drv._plan_misses[:2] == key else 0
     drv._plan_misses = (r, drv.state.digest, misses + 1 if plan is None else 0)
@@ -166,13 +221,17 @@ def last_resort(drv: RoundDriver, r: int, members: Sequence[PeerRecord], candida
     return sorted(member_ids - set(candidates))
 
 
-async def wait_out(drv: RoundDriver, ctx: RoundContext) -> None:
-    """A planned-out peer (joined late, too slow for the window, or other weights): announce as syncing
-    for the next round (its leader then waits for it), wait for the others to announce it, re-sync."""
+async def wait_out(drv: RoundDriver, ctx: RoundContext, refused: bool = False) -> None:
+    """A planned-out peer (joined late, too slow for the window, or other weights), or one that refuses the
+    plan others may follow (``refused``): announce as syncing for the next round (its leader then waits for
+    it), wait for the others to announce it, re-sync."""
     plan, r = ctx.planned(), ctx.round
-    planned_in = drv.me in plan.participants()
+    planned_in = drv.me in plan.participants() and not refused
     why = (
-        f"not in the plan of leader {plan.leader[:10]} (the leader left it out: it joined late, missed an "
+        f"refusing the plan of leader {plan.leader[:10]} that other peers may follow (following another would "
+        "split the round; see the plan_refused line)"
+        if refused
+        else f"not in the plan of leader {plan.leader[:10]} (the leader left it out: it joined late, missed an "
         f"earlier round's exchange, or its link or device is too slow for the {plan.window_s:.1f} s window; "
         "see the leader's log)"
         if not planned_in
@@ -188,13 +247,13 @@ async def wait_out(drv: RoundDriver, ctx: RoundContext) -> None:
         peer=drv.me,
         round=r,
         leader=plan.leader,
-        reason="not_in_plan" if not planned_in else "weights_differ",
+        reason="refused" if refused else "not_in_plan" if not planned_in else "weights_differ",
     )
     drv.state.syncing, drv.state.round = True, r + 1
     await drv.membership.announce()
     # Left out by the leader: re-measure the link while the round ends (bounded, see the port), and
     # announce the fresh figure as soon as it is known, before the next round is planned.
-    reprobe = None if planned_in else asyncio.ensure_future(reprobe_and_announce(drv))
+    reprobe = None if planned_in or refused else asyncio.ensure_future(reprobe_and_announce(drv))
     try:
         await wait_for_round(
             drv, r + 1, timeout_s=max(ROUND_END_SLACK_S, plan.exchange_deadline - drv.clock.time() + ROUND_END_SLACK_S)

@@ -98,12 +98,16 @@ class PlanAgreement(Protocol):
         plan_timeout_s: float,
         provisional: Optional[Callable[[RoundPlan], None]] = None,
         last_resort: Sequence[str] = (),
+        authorities: Sequence[str] = (),
     ) -> Optional[RoundPlan]:
         """The plan every peer follows for ``round`` (publishing one when this peer's turn comes), or None.
         ``provisional(plan)``: called with the plan it will most likely return, before a settle wait
         (:func:`geomesh_p2p.plan.agree.obtain_plan`); the driver trains on it meanwhile. ``last_resort``:
         PeerIDs that publish only when no plan at all appeared after every candidate's turn (the driver
-        passes it only when non-empty, so an agreement without the keyword still works)."""
+        passes it only when non-empty, so an agreement without the keyword still works). ``authorities``:
+        established peers besides the candidates whose plans this peer must not bypass when it refuses them
+        (passed only when non-empty). Raises :class:`~geomesh_p2p.plan.agree.PlanRefused` when this peer
+        refuses a plan others may follow: the driver sits the round out (no fork, issue 25)."""
 
     def publish_background(self, plan: RoundPlan) -> None:
         """Store ``plan`` without waiting (a lone peer's own plan, for the status page); never raises."""

@@ -69,7 +69,8 @@ kind                         where                            fields
 ``plan_takeover``            round.plans.obtain_plan          peer, round, turn, delay_s, after_s,
                                                               last_resort (bool)
 ``planned_out``              round.planning.wait_out          peer, round, leader, reason
-                                                              (``not_in_plan`` | ``weights_differ``)
+                                                              (``not_in_plan`` | ``weights_differ`` |
+                                                              ``refused``: a plan others may follow)
 ``profile_batch``            profile.profile_training         batch, tokens_per_s, step_s, steps,
                                                               peak_bytes, extra_bytes, budget_bytes
 ``pull_refused``             collective.owner (pull handler)  peer, round, sender, code, reason

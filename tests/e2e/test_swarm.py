@@ -111,11 +111,6 @@ def test_ddp_baseline_runs_as_a_swarm_mode(swarm, tmp_path):
         assert len({_digest(swarm, n, r) for n in names}) == 1, f"digests differ after round {r}"
 
 
-# Rerun once, and only on the fork symptom (a peer exiting 3, "NOT the swarm's state"): under load a leaver
-# can still be planned by one leader and not by another, two plans of one round split the two survivors
-# (seen in fresh-clone runs with 3 xdist workers; a protocol race of issue 25's "no fork under
-# overload", not fixed here). Any other failure fails at once.
-@pytest.mark.flaky(reruns=1, only_rerun=["exited with 3"])
 def test_ctrl_c_peer_leaves_cleanly_and_the_others_plan_without_it(swarm):
     """SIGINT: the peer finishes its exchange, announces that it leaves and exits 0; the next round
     of the others is planned without it, so no part goes missing and nobody waits for it."""
@@ -136,7 +131,12 @@ def test_ctrl_c_peer_leaves_cleanly_and_the_others_plan_without_it(swarm):
         "two rounds without c2",
     )
     after = [x for x in swarm.rows("c0") if x["round"] > last]
-    assert after and all(x["peers"] == 2 and x["missing_parts"] == 0 for x in after), after
+    # Under load the leader of round last+1 may have read c2's record before the one saying it leaves and
+    # planned it: that round misses c2's parts, and both survivors follow that one plan (issue 25: before,
+    # the survivor that saw c2 leave refused the plan and led its own, and they forked: exit 3, rerun once
+    # by a flaky mark). From the round after, c2 is never planned.
+    raced = after[:1] if after and after[0]["peers"] == 3 else []
+    assert after and all(x["peers"] == 2 and x["missing_parts"] == 0 for x in after[len(raced) :]), after
     for r in (last + 1, last + 2):
         assert _digest(swarm, "c0", r) == _digest(swarm, "c1", r)
     # --rounds 4: c1 announces that it leaves with its round-4 record, before c0 gathers round 4, so c0

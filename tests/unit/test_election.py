@@ -13,6 +13,8 @@ import pytest
 
 from geomesh_p2p.trust import probation as pb
 from geomesh_p2p.net.identity import Identity
+from geomesh_p2p.plan.agree import PlanRefused
+from geomesh_p2p.plan.schema import RoundPlan
 from geomesh_p2p.round import PlanStore, leader_order, obtain_plan, takeover_delay
 from geomesh_p2p.trust.standing import Standing
 from tests.records_util import peer_record
@@ -126,20 +128,22 @@ async def test_a_last_resort_waits_for_a_candidate_that_publishes_in_its_turn():
 
 async def test_a_last_resort_never_publishes_when_a_plan_it_refuses_exists():
     """A plan this member refuses means a leader it does not accept is there: its own plan would split
-    the round, so it waits (and gives up) instead."""
+    the round, so it waits and then sits the round out (PlanRefused: others may follow the plan of its
+    candidate, issue 25) instead."""
     ids, members = _pair()
     a, b = (str(i.peer_id) for i in ids)
     dht = MemoryDHT()
     await PlanStore(dht.view(), ids[1], RUN).publish(_planner(3)(members, b))
-    got = await _obtain(
-        dht,
-        ids[0],
-        members,
-        candidates=[b],
-        last_resort=[a],
-        accept=lambda plan: "refused by this test",
-    )
-    assert got is None
+    with pytest.raises(PlanRefused) as ei:
+        await _obtain(
+            dht,
+            ids[0],
+            members,
+            candidates=[b],
+            last_resort=[a],
+            accept=lambda plan: "refused by this test",
+        )
+    assert (ei.value.plan.leader, ei.value.reason) == (b, "refused by this test")
     assert set(dht.data[next(iter(dht.data))]) == {b}
 
 
@@ -182,7 +186,11 @@ async def test_two_last_resorts_that_refuse_each_other_do_not_both_lead():
             accept=lambda plan, mine=str(ident.peer_id): None if plan.leader == mine else "refused by this test",
         )
 
-    got = await asyncio.gather(attempt(ids[0], b), attempt(ids[1], a))
+    got = await asyncio.gather(attempt(ids[0], b), attempt(ids[1], a), return_exceptions=True)
     first = leader_order(RUN, 3, [a, b])[0]
-    assert [p.leader if p is not None else None for p in got] == [first if pid == first else None for pid in (a, b)]
+    # the second refuses a plan of its own candidate, which others may follow: it sits the round out
+    # (PlanRefused, issue 25) rather than follow or publish another
+    assert [p.leader if isinstance(p, RoundPlan) else type(p).__name__ for p in got] == [
+        first if pid == first else "PlanRefused" for pid in (a, b)
+    ]
     assert set(dht.data[next(iter(dht.data))]) == {first}
