@@ -578,6 +578,9 @@ class PeerNode:
                 raise RuntimeError("the round driver was built before the node's transport started")
             return transport.stats.snapshot()
 
+        def traffic_classes() -> dict:
+            return {} if transport is None else transport.stats.by_class()
+
         self._round_driver = RoundDriver(
             membership=self,
             plans=DhtPlanAgreement(cast(PlanStore, self.plans)),  # None only in tests driving a round by hand
@@ -589,6 +592,7 @@ class PeerNode:
             stop=self._stop,
             history=self.history,
             traffic=traffic,
+            traffic_classes=traffic_classes,
             leaving=self._set_leaving,
             loop_stall=self.looplag.take_worst if self.looplag is not None else lambda: None,
             feedback=self.feedback,
