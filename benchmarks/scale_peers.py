@@ -110,7 +110,9 @@ def make_plan(records: list[PeerRecord], round: int = 12) -> RoundPlan:
     """The real AWB plan of ``records`` for the tiny model (defaults of RunConfig: seq 64, batch 8,
     window 6 s, relay sign payloads)."""
     n = len(records)
-    payload = exchange_bytes([TINY_NUMEL // n] * n, contribution="sign", aggregate="sign", mode="relay", block_size=BLOCK)
+    payload = exchange_bytes(
+        [TINY_NUMEL // n] * n, contribution="sign", aggregate="sign", mode="relay", block_size=BLOCK
+    )
     cfg = PlanConfig(
         seq_len=64, target_batch=8, window_s=6.0, part_align=BLOCK, payload_bytes=int(max(payload.pull_down))
     )
@@ -128,7 +130,8 @@ def _env_bytes(ident: Identity, payload: bytes, kind: str) -> int:
 def sim_row(n: int, reads: int, round_s: float) -> dict[str, Any]:
     """Tier 1 at ``n`` peers: plan from the real planner; exchange from sim.link_time; DHT from the model
     described in the module docstring with real message sizes. Per peer per round: bytes are sent +
-    received, RPCs are calls made."""
+    received of the calls it makes and of those it serves (as the other tiers count them), RPCs are calls
+    made."""
     ids, recs = make_records(n)
     plan = make_plan(recs)
     plan_b = len(plan.to_bytes())
@@ -156,7 +159,8 @@ def sim_row(n: int, reads: int, round_s: float) -> dict[str, Any]:
     look_b = lookup * find_req + holders * find_rep + (lookup - holders) * (find_rep - res.ByteSize() + 30)
     plan_rep = find_rep - res.ByteSize() + 30 + plan_b
     dht_rpcs = announces * (lookup + replicas) + reads * lookup + lookup
-    dht_b = announces * (look_b + replicas * (store_req + store_rep)) + reads * look_b + lookup * (find_req + plan_rep)
+    made = announces * (look_b + replicas * (store_req + store_rep)) + reads * look_b + lookup * (find_req + plan_rep)
+    dht_b = 2 * made  # + the calls it serves: as many bytes as it makes, on average over a symmetric swarm
     xb = exchange_bytes(
         [a.part_end - a.part_start for a in plan.assignments],
         contribution="sign",
