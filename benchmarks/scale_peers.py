@@ -12,8 +12,9 @@ processes) round overhead and digests. Three tiers, each usable alone (``--tiers
    records and envelopes at N: per round each peer announces ``round_s / announce_period_s`` times (a
    store = one lookup of the key's k nearest, whose Find replies carry every record held under the key,
    then k Store calls) and reads ``--reads`` times with ``latest=True`` (one lookup), plus one plan read
-   (followers) or store (leader). Lookup RPCs are modelled as ``min(N - 1, k + alpha * ceil(log2(N / k)))``;
-   the ``inproc`` tier measures them.
+   (followers) or store (leader). Lookup RPCs are modelled as ``min(N - 1, k + ceil(log2(N / k)))``;
+   the ``inproc`` tier measures them (20-21 at 32-128 nodes). The busiest node: each of the key's k
+   nearest nodes serves every lookup and store of the key, ``(N - 1) * (2 * announces + reads)`` per round.
 2. ``inproc``: N real DHT nodes (:class:`geomesh_p2p.dht.DHTNode` over gRPC on 127.0.0.1, one process)
    run the membership traffic of a round through the real calls (:class:`~geomesh_p2p.dht.announce.PeerAnnouncer`
    ``announce_once``, :func:`~geomesh_p2p.dht.announce.live_peers`, :class:`~geomesh_p2p.plan.agree.PlanStore`),
@@ -65,7 +66,7 @@ from geomesh_p2p.sim.link_time import exchange_bytes  # noqa: E402
 from geomesh_p2p.wire import dht_pb2  # noqa: E402
 
 RUN = "scale-bench"
-K, ALPHA = 20, 3  # the DHT's replication / beam and parallelism (dht/state.py defaults)
+K = 20  # the DHT's replication and lookup beam (dht/state.py default)
 TINY_NUMEL = 937_472  # elements of the tiny preset's flat vector (sim tier; the proc tier trains it)
 BLOCK = 2048  # sign-codec block (RunConfig.block_size default)
 ANNOUNCE_PERIOD_S = 2.0  # NodeConfig.announce_period_s default; records live 4 periods
@@ -133,7 +134,9 @@ def sim_row(n: int, reads: int, round_s: float) -> dict[str, Any]:
     received of the calls it makes and of those it serves (as the other tiers count them), RPCs are calls
     made."""
     ids, recs = make_records(n)
+    t = time.process_time()
     plan = make_plan(recs)
+    plan_s = time.process_time() - t  # the leader's CPU seconds to plan (the partition's LP grows with n)
     plan_b = len(plan.to_bytes())
     me = ids[0]
     exp = time.time() + 8
@@ -150,7 +153,7 @@ def sim_row(n: int, reads: int, round_s: float) -> dict[str, Any]:
     store_rep = _env_bytes(
         me, dht_pb2.StoreResponse(outcomes=[dht_pb2.StoreOutcome(stored=True)]).SerializeToString(), DHT_STORE + "+resp"
     )
-    lookup = min(n - 1, K + ALPHA * math.ceil(math.log2(max(1.0, n / K))))
+    lookup = min(n - 1, K + math.ceil(math.log2(max(1.0, n / K))))
     replicas = min(n - 1, K)  # the other nodes a store reaches (this node keeps its own copy)
     announces = round_s / ANNOUNCE_PERIOD_S
     # Every node near the key holds all n records (k >= n, or the key's k nearest at larger n): each Find
@@ -169,15 +172,16 @@ def sim_row(n: int, reads: int, round_s: float) -> dict[str, Any]:
         block_size=BLOCK,
     )
     x_b = statistics.fmean(xb.sent(i) + xb.received(i) for i in range(n))
-    # served by the busiest node: one of the peers key's k nearest, asked by a given lookup's Find and
-    # reached by a given store with probability min(1, k / (n - 1)) (the plan key has other holders)
-    share = min(1.0, K / max(1, n - 1))
-    busiest = n * share * (2 * announces + reads)
+    # served by the busiest node: each of the peers key's k nearest nodes is asked by every lookup of the
+    # key (a lookup ends by querying the k nearest, the same k for every peer) and reached by every store:
+    # the hot key. The plan key has its own k nearest: the same nodes only while n - 1 <= k.
+    busiest = (n - 1) * (2 * announces + reads + (1 if n - 1 <= K else 0))
     return {
         "tier": "sim",
         "n": n,
         "plan_bytes": plan_b,
         "plan_fits": plan_b <= DEFAULT_LIMITS.max_value_bytes,
+        "plan_cpu_s": plan_s,
         "record_bytes": len(recs[0].to_bytes()),
         "find_reply_bytes": find_rep,
         "lookup_rpcs": lookup,
@@ -325,7 +329,7 @@ def _n(x, fmt="{:,.0f}") -> str:
 def table(rows: list[dict]) -> str:
     """A markdown table of the rows of one or more tiers, ratios against each tier's smallest N."""
     head = (
-        "| tier | N | DHT KB/peer/round | DHT RPCs/peer/round | x N0 (KB, RPCs) | exchange KB/peer/round | "
+        "| tier | N | DHT KB/peer/round (sent + received) | DHT RPCs/peer/round | x N0 (KB, RPCs) | exchange KB/peer/round | "
         "exchange RPCs | busiest DHT node served/round | plan KB (fits 64 KiB) | overhead s | digests |"
     )
     out = [head, "|" + "---|" * 11]
@@ -338,6 +342,8 @@ def table(rows: list[dict]) -> str:
         plan = "-"
         if r.get("plan_bytes"):
             plan = f"{r['plan_bytes'] / 1e3:.1f} ({'yes' if r['plan_fits'] else 'NO'})"
+            if "plan_cpu_s" in r:
+                plan += f", planned in {r['plan_cpu_s']:.2f} s"
         dig = "-"
         if "digests_equal" in r:
             dig = "equal" if r["digests_equal"] else f"{r['digests_per_round']} in a round"

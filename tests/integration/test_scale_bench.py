@@ -34,9 +34,12 @@ async def test_inproc_tier_counts_real_dht_calls_and_matches_the_models_rpcs():
     assert row["records_seen_min"] == 6  # every read saw every peer's record
     assert row["plan_reads_ok"] == row["plan_reads"] == 6
     assert row["dht_rpcs"] > 0 and row["busiest_served"] >= row["median_served"] > 0
+    # 6 nodes <= k: every node holds the key and serves every other peer's lookups and stores of it
+    assert row["busiest_served"] == pytest.approx((6 - 1) * (2 * 2 + 2 + 1), abs=2)
     model = await asyncio.to_thread(sim_row, 6, 2, 4.0)
     # the model's calls per peer per round: 2 announces x (5 + 5) + 2 reads x 5 + 1 plan read x 5 = 35
     assert model["dht_rpcs"] == 35
     assert row["dht_rpcs"] == pytest.approx(model["dht_rpcs"], rel=0.15)
     assert row["dht_bytes"] == pytest.approx(model["dht_bytes"], rel=0.35)
+    assert model["busiest_served"] == (6 - 1) * (2 * 2 + 2 + 1)
     assert "| inproc | 6 |" in table([row])
