@@ -222,22 +222,24 @@ async def inproc_row(n: int, rounds: int, reads: int, round_s: float, timeout_s:
     seen: list[int] = []
     plan_ok: list[bool] = []
 
-    async def peer_round(i: int, r: int) -> None:
+    async def peer_round(i: int, r: int, published: asyncio.Event) -> None:
         for _ in range(announces):
             await announcers[i].announce_once()
         for _ in range(reads):
             seen.append(len(await live_peers(nodes[i], RUN, latest=True)))
         if i == 0:
             plan_ok.append(await stores[0].publish(plan.model_copy(update={"round": r})))
+            published.set()
         else:
-            await asyncio.sleep(0.05)  # followers read once the leader published (as they poll for it)
+            await published.wait()  # one read once the plan is there (real followers poll until it is)
             plan_ok.append(bool(await nodes[i].get(plan_key(RUN, r))))
 
     await asyncio.gather(*(a.announce_once() for a in announcers))  # warm-up: every record stored once
     before = [_dht_counts(x.transport) for x in nodes]
     t1 = time.perf_counter()
     for r in range(rounds):
-        await asyncio.gather(*(peer_round(i, r) for i in range(n)))
+        published = asyncio.Event()
+        await asyncio.gather(*(peer_round(i, r, published) for i in range(n)))
     wall = time.perf_counter() - t1
     after = [_dht_counts(x.transport) for x in nodes]
     d = [{f: a[f] - b[f] for f in a} for a, b in zip(after, before)]
