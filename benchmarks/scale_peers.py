@@ -276,9 +276,12 @@ def proc_row(n: int, rounds: int, workdir: Path, timeout_s: float) -> dict[str, 
     try:
         swarm.start_peers(names, "--rounds", str(rounds), "--min-peers", str(n), "--wait-peers-s", "300")
         deadline = time.time() + timeout_s
-        while time.time() < deadline and not all(len(swarm.rows(x)) >= rounds for x in names):
-            if all(swarm.procs[x].poll() is not None for x in names):
-                break
+
+        def finished(x: str) -> bool:  # its last round's row is written, or it exited
+            done = any(r.get("round") == rounds - 1 for r in swarm.rows(x))
+            return done or swarm.procs[x].poll() is not None
+
+        while time.time() < deadline and not all(finished(x) for x in names):
             time.sleep(2)
     finally:
         swarm.stop_all(grace_s=30)
