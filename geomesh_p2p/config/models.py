@@ -284,7 +284,26 @@ class NodeConfig(BaseModel):
         4.0, "most a round's link sample may move the figure (x or /)", group=TUNING_GROUP, ge=1
     )
     eval_batches: int = opt(8, "batches of each evaluation", group=TUNING_GROUP, ge=1)
-    announce_period_s: float = opt(2.0, "seconds between this peer's record announcements", group=TUNING_GROUP, gt=0)
+    announce_period_s: float = opt(
+        2.0,
+        "seconds between this peer's record announcements (a record lives max(4 periods, 2 windows + 2 periods), at most max(4 periods, 120 s))",
+        group=TUNING_GROUP,
+        gt=0,
+    )
+    peers_max_age_s: float = opt(
+        0.5,
+        "seconds a read of the run's peer records is reused by later asks (0: each ask reads; asks during a read "
+        "share it)",
+        group=TUNING_GROUP,
+        ge=0,
+    )
+    join_attempts: int = opt(
+        8,
+        "times the bootstrap addresses are tried before the join fails (backoff doubling from 0.5 s to 8 s: ~32 s for 8)",
+        group=TUNING_GROUP,
+        ge=1,
+        le=100,
+    )
     plan_timeout_s: float = opt(4.0, "seconds to wait for the round's plan", group=TUNING_GROUP, gt=0)
     gather_wait_s: float = opt(4.0, "seconds the leader waits for the round's peers", group=TUNING_GROUP, gt=0)
     sync_wait_cap_s: float = opt(

@@ -7,8 +7,8 @@ Main entry points:
 * :mod:`~geomesh_p2p.dht.records` — record signing and the owner rule;
 * :mod:`~geomesh_p2p.dht.progress` — a bootstrap's saved state and the run's last known round
   (:func:`swarm_progress`), kept across its restarts;
-* :class:`PeerAnnouncer`, :func:`announce_loop`, :func:`live_peers`, :func:`check_compatible` —
-  ``<run>/peers`` announcements.
+* :class:`PeerAnnouncer`, :func:`announce_loop`, :func:`live_peers`, :func:`check_compatible`,
+  :func:`record_ttl_s` — ``<run>/peers`` announcements.
 """
 
 from geomesh_p2p.dht.announce import (
@@ -18,6 +18,7 @@ from geomesh_p2p.dht.announce import (
     check_compatible,
     live_peers,
     peers_key,
+    record_ttl_s,
 )
 from geomesh_p2p.dht.node import DHTNode
 from geomesh_p2p.dht.state import (
@@ -67,6 +68,7 @@ __all__ = [
     "check_compatible",
     "live_peers",
     "peers_key",
+    "record_ttl_s",
     "RecordError",
     "RecordLimits",
     "VerifiedRecord",

@@ -2,8 +2,8 @@
 ``<run>/peers`` (subkey = its base58 PeerID, so only it can write it) and reads everyone else's.
 
 * :class:`PeerAnnouncer` / :func:`announce_loop` re-store the record every ``period_s`` seconds with a
-  lifetime of ``ttl_s`` (default 3 periods): a peer that dies drops out of :func:`live_peers` within
-  ``ttl_s`` seconds.
+  lifetime of ``ttl_s`` (default 3 periods; a training peer's is :func:`record_ttl_s`, from its run's sync
+  window): a peer that dies drops out of :func:`live_peers` within ``ttl_s`` seconds.
 * :func:`live_peers` reads the records, drops malformed ones and those of incompatible peers, and
   logs why (once per peer and reason).
 * :func:`check_compatible` says exactly what differs between two records: run-config hash, software
@@ -29,6 +29,46 @@ log = logging.getLogger(__name__)
 RecordSource = Union[PeerRecord, Callable[[], PeerRecord], Callable[[], Awaitable[PeerRecord]]]
 # Process-wide: every live_peers poll re-reads the same bad records; each (record, why) logs once.
 _dropped_log = LogOnce(log, capacity=4096)
+
+
+#: A training peer's record lives at least this many announce periods (the rule before issue 25: 4 x 2 s).
+RECORD_TTL_MIN_PERIODS = 4
+#: ... and at least this many sync windows plus ``RECORD_TTL_SLACK_PERIODS`` announce periods
+#: (:func:`record_ttl_s`).
+RECORD_TTL_WINDOWS = 2.0
+RECORD_TTL_SLACK_PERIODS = 2
+#: ... but at most this many seconds (unless 4 periods are longer): minutes-long windows
+RECORD_TTL_CAP_S = 120.0
+
+
+def record_ttl_s(period_s: float, window_s: Optional[float]) -> float:
+    """The lifetime (seconds) of a training peer's record, announced every ``period_s`` seconds in a run
+    whose sync window is ``window_s`` seconds (None: no fixed window; then 4 periods, as before):
+    ``max(4 * period_s, 2 * window_s + 2 * period_s)``; 16 s at the defaults (window 6 s, period 2 s).
+
+    Why this long: the others read a record only while it lives, and a record that expires mid-round makes
+    the peer vanish from their view: the leader plans without it while a follower that read it still
+    names it, or a follower refuses a plan naming it as "not live" (``plan_problem``), and the swarm
+    splits. A fixed 8 s did exactly that under CPU load (issue 25: 57 "record expired" at 16 peers, a fork
+    at 24): a peer whose event loop lags announces late. A round lasts about a window plus its gather,
+    plan and exchange (under load up to about another window: a cycle of 7.8-8.6 s for a 6 s window at
+    4-8 peers); two windows cover a peer lagging by a round, and two periods its next announcement, due
+    one period after its loop resumes, and that store's own latency.
+
+    Why not longer: what a longer lifetime costs falls on crashed peers only (a peer that leaves announces
+    ``leaving`` and readers drop it at once), and is bounded: a crashed peer's last record names the
+    round it died in, so from the next round on it is not in sync and not planned (the gather waits for
+    such a record at most until the last round's exchange deadline plus ``ROUND_END_SLACK_S``); it stays
+    listed as live (a state donor candidate that does not answer, a row of the status page) for at most
+    this lifetime, about a round. At most ``RECORD_TTL_CAP_S`` (120 s) unless 4 periods are longer: a
+    window of minutes does not keep a crashed peer listed for many minutes.
+    """
+    floor = RECORD_TTL_MIN_PERIODS * period_s
+    if not window_s:
+        return floor
+    ttl = RECORD_TTL_WINDOWS * window_s + RECORD_TTL_SLACK_PERIODS * period_s
+    # capped: with a long window (minutes) a crashed peer would stay a donor candidate for many minutes
+    return max(floor, min(ttl, RECORD_TTL_CAP_S))
 
 
 def peers_key(run_id: str) -> str:

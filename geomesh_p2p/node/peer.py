@@ -38,8 +38,9 @@ from geomesh_p2p.model.capability import (
 )
 from geomesh_p2p.exchange import CollectiveService
 from geomesh_p2p.config.models import NodeConfig, RunConfig
-from geomesh_p2p.dht import PeerAnnouncer, live_peers
+from geomesh_p2p.dht import PeerAnnouncer, live_peers, record_ttl_s
 from geomesh_p2p.dht import DHTNode
+from geomesh_p2p.util.aio import SharedRead
 from geomesh_p2p.util.errors import UserFacingError
 from geomesh_p2p.net.identity import Identity, IdentityError, allow_list
 from geomesh_p2p.net.links import LinkProbeService
@@ -142,6 +143,7 @@ class PeerNode:
         self.state_server: Optional[StateServer] = None
         self.announcer: Optional[PeerAnnouncer] = None
         self.plans: Optional[PlanStore] = None
+        self.member_reads = SharedRead(self._read_records, max_age_s=cfg.peers_max_age_s)
         self.looplag: Optional[LoopLagMonitor] = None
         self._round_driver: Optional[RoundDriver] = None
         self.gstate: Optional[GlobalState] = None
@@ -380,7 +382,7 @@ class PeerNode:
         )
         await self._prove_work()
         self.transport = Transport(self.identity, self.run_cfg.run_id, tcfg, allow=self._allow)
-        self.dht = DHTNode(self.transport, join_attempts=8)
+        self.dht = DHTNode(self.transport, join_attempts=c.join_attempts)
         self.collective = CollectiveService(self.transport)
         self.state_server = StateServer(self.transport)
         LinkProbeService(self.transport)
@@ -408,9 +410,8 @@ class PeerNode:
         await joining.check_identity_unique(self)
         probed = await self.links.probe()
 
-        self.announcer = PeerAnnouncer(
-            self.dht, self.my_record, period_s=c.announce_period_s, ttl_s=4 * c.announce_period_s
-        )
+        ttl_s = record_ttl_s(c.announce_period_s, self.run_cfg.window_s)  # follows the sync window (issue 25)
+        self.announcer = PeerAnnouncer(self.dht, self.my_record, period_s=c.announce_period_s, ttl_s=ttl_s)
         self.plans = PlanStore(self.dht, self.identity, self.run_cfg.run_id)
         # Off the event loop: tokenizing and profiling take seconds, and the DHT must keep answering.
         await asyncio.to_thread(self._build_training)
@@ -436,7 +437,6 @@ class PeerNode:
         await self.links.remeasure()
 
     def _init_ema(self, probed) -> None:
-
         c = self.cfg
         up = c.upload_bps or (probed.upload_bps if probed else None)
         down = c.download_bps or (probed.download_bps if probed else None)
@@ -485,19 +485,19 @@ class PeerNode:
     async def peers(self, include_leaving: bool = False) -> list[PeerRecord]:
         """Live, compatible peers of this run (this node's own record always included, fresh); peers
         that announced they are leaving only with ``include_leaving``. Records without a valid proof of
-        work, or of identities off the allow-list in a private run, are ignored (admission.py)."""
-
-        recs = await live_peers(
-            started(self.dht),
-            self.run_cfg.run_id,
-            expected_version=geomesh_p2p.__version__,
-            expected_config_hash=self.config_hash,
-            latest=True,
-            include_leaving=include_leaving,
-        )
-        out = {r.peer_id: r for r in self.admission.filter(recs)}
+        work, or of identities off the allow-list in a private run, are ignored (admission.py). Calls share
+        one DHT read while it runs and for ``peers_max_age_s`` after it (:attr:`member_reads`)."""
+        recs = await self.member_reads.get()
+        out = {r.peer_id: r for r in self.admission.filter(recs) if include_leaving or not r.leaving}
         out[self.me] = self.my_record()
         return list(out.values())
+
+    async def _read_records(self) -> list[PeerRecord]:
+        """One full read of the run's records, leaving peers' included (:attr:`member_reads`' read)."""
+        v, h, run = geomesh_p2p.__version__, self.config_hash, self.run_cfg.run_id
+        return await live_peers(
+            started(self.dht), run, expected_version=v, expected_config_hash=h, include_leaving=True
+        )
 
     def _set_state(
         self, round: int, theta: torch.Tensor, momentum: Optional[torch.Tensor], load_model: bool = True

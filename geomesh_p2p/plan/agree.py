@@ -25,7 +25,9 @@ whose leader has the lowest rank wins. A peer waits ``settle_s`` after the first
 reads again before deciding, so late-published better-ranked plans are seen too (no settle once
 ``settle_s`` has passed since the plan's start time: an honest better-ranked leader does not publish
 after a plan has started, so whatever it published before is visible by then). A plan is valid
-when it is signed by its leader (the DHT record's owner), names that leader and this round.
+when it is signed by its leader (the DHT record's owner), names that leader and this round, and (a plan
+too big for one DHT value, :mod:`geomesh_p2p.plan.wire`) every chunk the leader's head lists is there,
+signed by the leader and matching its hash; until then the plan counts as not yet visible.
 
 Digest agreement: after the outer step each peer publishes the digest of its global weights in its
 PeerRecord; :func:`digest_majority` finds the majority digest of a round, and a peer whose digest
@@ -43,9 +45,11 @@ from typing import Callable, Iterable, Optional, Sequence
 
 from pydantic import ValidationError
 
+from geomesh_p2p.dht.chunked import store_chunked
 from geomesh_p2p.telemetry import events
 from geomesh_p2p.net.swarm_time import swarm_time
 from geomesh_p2p.plan.schema import RoundPlan
+from geomesh_p2p.plan.wire import THREAD_ABOVE_PEERS, PlanPending, PlanReader, split_plan
 from geomesh_p2p.util.backoff import Backoff
 from geomesh_p2p.schema.peer import PeerRecord
 
@@ -111,22 +115,88 @@ def digest_majority(records: Iterable[PeerRecord], round: int) -> tuple[Optional
 
 
 class PlanStore:
-    """Reads and writes signed plans in the DHT (the DHT record owner is the plan's leader)."""
+    """Reads and writes signed plans in the DHT (the DHT record owner is the plan's leader).
 
-    def __init__(self, dht, identity, run_id: str, ttl_s: float = 120.0, stale_after_s: float = 30.0):
+    The wire form (:mod:`geomesh_p2p.plan.wire`): a compact body, in the head value under
+    ``<run>/plan/<r>`` (subkey = the leader) when it fits in one value, else in chunks under their own
+    keys that the head lists by hash. ``chunk_timeout_s``: deadline of each chunk's get, seconds.
+    """
+
+    def __init__(
+        self,
+        dht,
+        identity,
+        run_id: str,
+        ttl_s: float = 120.0,
+        stale_after_s: float = 30.0,
+        chunk_timeout_s: float = 5.0,
+    ):
         self.dht, self.identity, self.run_id, self.ttl_s = dht, identity, run_id, ttl_s
         self.stale_after_s = stale_after_s
+        self.reader = PlanReader(dht, chunk_timeout_s=chunk_timeout_s)
         self._refused: set = set()
+        self._logged: set = set()
 
     async def publish(self, plan: RoundPlan) -> bool:
+        """Store ``plan`` signed by this peer: its chunks first (16 at once), then the head, so a reader
+        that sees the head finds the chunks. Returns False when a chunk or the head was stored nowhere.
+        Also False (one ERROR line) when the plan needs more than ``wire.MAX_PLAN_CHUNKS`` chunks."""
         me = str(self.identity.peer_id)
-        return await self.dht.store(
-            plan_key(self.run_id, plan.round),
-            plan.to_bytes(),
-            expiration_time=swarm_time() + self.ttl_s,
-            subkey=me,
-            owner=self.identity,
+        try:
+            if len(plan.assignments) > THREAD_ABOVE_PEERS:
+                enc = await asyncio.to_thread(split_plan, plan)
+            else:
+                enc = split_plan(plan)
+        except ValueError as e:  # ~47,000 peers: the next leader will not do better, but the node lives on
+            log.error("round %d: my plan cannot be stored: %s", plan.round, e)
+            return False
+        key = plan_key(self.run_id, plan.round)
+        out = await store_chunked(
+            self.dht, key, enc, subkey=me, owner=self.identity, expiration_time=swarm_time() + self.ttl_s
         )
+        if out.chunks_failed:
+            log.warning("round %d: %d of %d plan chunks were stored nowhere", plan.round, out.chunks_failed, out.chunks)
+        return out.ok
+
+    def _once(self, level: int, key: tuple, msg: str, *args) -> None:
+        """Log ``msg`` once per ``key`` (the reads of a round poll: one line per reason, not one per poll)."""
+        if key not in self._logged:
+            self._logged.add(key)
+            if len(self._logged) > 4096:  # bounded: a long run forgets old rounds' lines
+                self._logged.clear()
+                self._logged.add(key)
+            log.log(level, msg, *args)
+
+    async def _load(self, round: int, key: str, subkey, entry) -> Optional[RoundPlan]:
+        """The plan of one head, or None (logged once with the reason) when it is not signed by the peer
+        whose subkey it is under, malformed, or not assembled yet (a chunk missing or not matching)."""
+        value, _expiration, owner = entry
+        who = str(subkey)[:10]
+        if owner is None or subkey is None or str(owner) != subkey:
+            self._once(
+                logging.WARNING,
+                (round, subkey, "unsigned"),
+                "ignoring plan for round %d under %s: not signed by it",
+                round,
+                who,
+            )
+            return None
+        try:
+            return await self.reader.load(key, subkey, value)
+        except PlanPending as e:
+            self._once(
+                logging.INFO, (round, subkey, str(e)), "plan of round %d from %s not usable yet: %s", round, who, e
+            )
+        except (ValidationError, ValueError) as e:
+            self._once(
+                logging.WARNING,
+                (round, subkey, "malformed"),
+                "ignoring malformed plan for round %d from %s: %s",
+                round,
+                who,
+                str(e)[:160],
+            )
+        return None
 
     async def read(
         self,
@@ -136,17 +206,16 @@ class PlanStore:
     ) -> list[RoundPlan]:
         """Valid plans for ``round``: parsed, for this run and round, signed by the leader they name,
         and passing ``accept`` (a check returning a reason to refuse, or None). ``seen``, when given,
-        receives the leader of every signed, current plan of the round, refused ones included."""
-        found = await self.dht.get(plan_key(self.run_id, round))
+        receives the leader of every signed, current plan of the round, refused ones included.
+        A plan whose chunks are not all readable and matching is left out (the next read retries)."""
+        key = plan_key(self.run_id, round)
+        found = list((await self.dht.get(key) or {}).items())
+        loaded = await asyncio.gather(*(self._load(round, key, sk, entry) for sk, entry in found))
         plans = []
-        for subkey, entry in (found or {}).items():
-            value, _expiration, owner = entry
-            try:
-                plan = RoundPlan.from_bytes(value)
-            except (ValidationError, ValueError) as e:
-                log.warning("ignoring malformed plan for round %d from %s: %s", round, subkey, str(e)[:120])
+        for (subkey, _entry), plan in zip(found, loaded):
+            if plan is None:
                 continue
-            if owner is None or str(owner) != plan.leader or subkey != plan.leader:
+            if plan.leader != subkey:
                 log.warning("ignoring plan for round %d: leader %s did not sign it", round, plan.leader[:10])
                 continue
             if plan.round != round or plan.run_id != self.run_id:
@@ -160,9 +229,9 @@ class PlanStore:
                 seen.add(plan.leader)
             reason = accept(plan) if accept is not None else None
             if reason is not None:
-                key = (round, plan.leader, reason)
-                if key not in self._refused:
-                    self._refused.add(key)
+                once = (round, plan.leader, reason)
+                if once not in self._refused:
+                    self._refused.add(once)
                     events.emit(
                         log,
                         logging.WARNING,

@@ -74,7 +74,7 @@ class PeerRecord(BaseModel):
     upload_bps: float = Field(ge=MIN_LINK_BPS, le=MAX_LINK_BPS, description="upload bandwidth, bytes/s")
     download_bps: float = Field(ge=MIN_LINK_BPS, le=MAX_LINK_BPS, description="download bandwidth, bytes/s")
     version: str = Field(description="software version (geomesh_p2p.__version__)")
-    protocol_version: int = 1
+    protocol_version: int = 2  # geomesh_p2p.PROTOCOL_VERSION (peers of other protocol versions are refused)
     run_config_hash: str = Field(description="hash of the run config every peer of a run shares")
     run_config: Optional[dict] = Field(
         default=None, description="the run config itself (JSON object), so a mismatch can say which field differs"

@@ -39,7 +39,7 @@ from geomesh_p2p.schema.peer import PeerRecord
 from geomesh_p2p.config.models import MAX_POW_BITS
 from geomesh_p2p.dht import live_peers
 from geomesh_p2p.plan.agree import choose_plan, digest_majority, leader_order, plan_key
-from geomesh_p2p.plan.schema import RoundPlan
+from geomesh_p2p.plan.wire import PlanPending, PlanReader
 from geomesh_p2p.trust.admission import Admission
 
 log = logging.getLogger(__name__)
@@ -220,6 +220,7 @@ class SwarmWatcher:
         self._rounds_bytes = json.dumps({"run_id": self.run_id, "rounds": []}).encode()
         self._task: Optional[asyncio.Task] = None
         self._admissions: Dict[int, Any] = {}
+        self._plans = PlanReader(node)  # assembles chunked plans; remembers the last ones read
         self.refreshes = 0
         self.last_error: Optional[str] = None
 
@@ -287,19 +288,15 @@ class SwarmWatcher:
             log.debug("plan of round %d not read: %r", r, e)
             return None
         plans = []
+        key = plan_key(self.run_id, r)
         for subkey, item in (found or {}).items():
+            if item.owner is None or subkey is None or subkey != str(item.owner) or subkey not in known:
+                continue  # checked before any chunk is fetched
             try:
-                p = RoundPlan.from_bytes(item.value)
-            except (ValidationError, ValueError):
+                p = await self._plans.load(key, subkey, item.value)
+            except (PlanPending, ValidationError, ValueError):
                 continue
-            if (
-                item.owner is None
-                or str(item.owner) != p.leader
-                or subkey != p.leader
-                or p.round != r
-                or p.run_id != self.run_id
-                or p.leader not in known
-            ):
+            if p.leader != subkey or p.round != r or p.run_id != self.run_id:
                 continue
             plans.append(p)
         return choose_plan(self.run_id, r, plans)

@@ -61,9 +61,10 @@ class StateSyncError(RuntimeError):
     """No donor could provide a state with the expected digest."""
 
 
-#: Seconds without a chunk after which a piece moves to another donor (the call's own deadline is
+#: Seconds without a chunk after which a piece moves to another donor (4 s: with the move and the new
+#: donor's first chunk a frozen donor costs at most ~5 s, issue 14 #3; the call's own deadline is
 #: ``timeout_s``, 120 s by default: far too long to wait on a donor that went quiet).
-DEFAULT_STALL_TIMEOUT_S = 5.0
+DEFAULT_STALL_TIMEOUT_S = 4.0
 #: Once a donor has sent a piece ``STALL_MIN_CHUNKS`` chunks, its stall limit is ``STALL_FACTOR`` x its mean
 #: interval between chunks, at least ``STALL_FLOOR_S`` (an outer step and a commit may hold the donor's
 #: state that long) and at most the stall timeout.

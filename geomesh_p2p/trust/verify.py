@@ -96,8 +96,9 @@ so pick whom it accuses; that gains it nothing, see below.)
 Evidence and exclusion. A failing check is signed by the verifier and stored in the DHT under
 ``<run>/evidence/<round>``, subkey = the verifier's PeerID (only it can write there): round, accused,
 the selection signature, the task, the values measured and the SHA-256 of each of the accused's
-packets; beside it (:func:`contributions_key`, one value per part that fits a DHT value) the accused's
-own signed contributions, which need no other signature. Every peer that holds the round's start
+packets (chunked past one DHT value, :mod:`.evidence`); beside it (:func:`contributions_key`, one
+value per part that fits a DHT value) the accused's own signed contributions, which need no other
+signature. Every peer that holds the round's start
 weights and contributions (the participants, for :attr:`VerifyConfig.keep_rounds` rounds) re-checks
 it by re-running the computation with its own contribution as the basis, and excludes the accused from
 the plans it makes when its own measurement fails too (one hard failure, or marginal failures in two
@@ -130,7 +131,16 @@ import torch
 
 from geomesh_p2p.net.identity import Identity, PeerID
 from geomesh_p2p.net.swarm_time import swarm_time
-from geomesh_p2p.trust.evidence import MAX_VALUE_BYTES, Evidence, EvidenceError, contributions_key, evidence_key
+from geomesh_p2p.dht.chunked import ChunksPending
+from geomesh_p2p.telemetry.logonce import LogOnce
+from geomesh_p2p.trust.evidence import (
+    MAX_VALUE_BYTES,
+    Evidence,
+    EvidenceError,
+    EvidenceReader,
+    evidence_key,
+    publish_evidence,
+)
 from geomesh_p2p.trust.verify_check import (
     FAIL,
     MARGINAL,
@@ -240,7 +250,9 @@ class WorkVerifier:
         self.excluded_round: dict[str, int] = {}
         self._marginal: dict[str, set[int]] = {}
         self._seen: set[str] = set()
-        self._pending: "OrderedDict[str, bytes]" = OrderedDict()
+        self._pending: "OrderedDict[str, bytes]" = OrderedDict()  # sha256 of the head -> signed evidence
+        self._reader: Optional[EvidenceReader] = None  # for self.dht (which a test may swap)
+        self._log_once = LogOnce(log, capacity=1024)
         #: (round, task, stats, verdict) of this node's own checks, newest last (bounded)
         self.history: list[tuple[int, VerifyTask, WorkStats, Verdict]] = []
 
@@ -486,34 +498,51 @@ class WorkVerifier:
         return "inconclusive"
 
     async def publish(self, ev: Evidence) -> bool:
-        """Store ``ev`` (and the accused's signed contributions it carries) in the DHT."""
+        """Store ``ev`` (chunked when over one DHT value) and the accused's signed contributions it carries
+        in the DHT (:func:`~geomesh_p2p.trust.evidence.publish_evidence`: bounded concurrency, a deadline
+        per store). True when the evidence itself was stored; a contribution stored nowhere is logged."""
         if self.dht is None:
             return False
-        exp = swarm_time() + self.cfg.evidence_ttl_s
         try:
-            ok = await self.dht.store(
-                evidence_key(self.run_id, ev.round),
-                ev.to_signed(self.identity),
-                expiration_time=exp,
-                subkey=self.me,
-                owner=self.identity,
+            out = await publish_evidence(
+                self.dht, ev, self.identity, expiration_time=swarm_time() + self.cfg.evidence_ttl_s
             )
-            key = contributions_key(self.run_id, ev.round, self.me)
-            for j, b in sorted(ev.contributions.items()):
-                await self.dht.store(key, b, expiration_time=exp, subkey=str(j), owner=self.identity)
-            return ok
-        except Exception as e:
+        except Exception as e:  # never let publishing break a round (e.g. over MAX_EVIDENCE_CHUNKS)
             log.warning("round %d: could not publish verified-work evidence: %s", ev.round, e)
             return False
+        if not out.evidence:
+            log.warning(
+                "round %d: verified-work evidence against %s (%d parts, %d chunks) was stored nowhere",
+                ev.round,
+                ev.accused[:10],
+                len(ev.packets),
+                out.chunks,
+            )
+        elif out.contributions < out.contributions_total or out.contributions_left_out:
+            log.info(
+                "round %d: %d of %d contributions of %s published (%d over the limit, %d stored nowhere; "
+                "the round's peers hold them)",
+                ev.round,
+                out.contributions,
+                len(ev.contributions),
+                ev.accused[:10],
+                out.contributions_left_out,
+                out.contributions_total - out.contributions,
+            )
+        return out.evidence
 
     async def fetch(self) -> int:
-        """Queue the evidence published about the kept rounds that this node has not seen yet."""
+        """Queue the evidence published about the kept rounds that this node has not seen yet (assembled
+        from its chunks; one whose chunks are not all there yet is retried on the next call, logged once)."""
         if self.dht is None:
             return 0
+        if self._reader is None or self._reader.dht is not self.dht:
+            self._reader = EvidenceReader(self.dht)
         n = 0
         for r in list(self._kept):
+            key = evidence_key(self.run_id, r)
             try:
-                found = await self.dht.get(evidence_key(self.run_id, r))
+                found = await self.dht.get(key)
             except Exception as e:
                 log.debug("reading evidence of round %d failed: %s", r, e)
                 continue
@@ -522,9 +551,21 @@ class WorkVerifier:
                 if owner is None or str(owner) != subkey:
                     continue
                 h = hashlib.sha256(value).hexdigest()
-                if h not in self._seen and h not in self._pending:
-                    self._pending[h] = value
-                    n += 1
+                if h in self._seen or h in self._pending:
+                    continue
+                try:
+                    data = await self._reader.load(key, subkey, value)
+                except ChunksPending as e:
+                    self._log_once(
+                        (h, str(e)), logging.INFO, "round %d: evidence of %s not usable yet: %s", r, subkey[:10], e
+                    )
+                    continue
+                except ValueError as e:
+                    self._log_once(h, logging.INFO, "round %d: evidence of %s refused: %s", r, subkey[:10], e)
+                    self._seen.add(h)  # the same bytes stay malformed
+                    continue
+                self._pending[h] = data
+                n += 1
         return n
 
     async def run_round(self, round: int, **options: Unpack[CheckOptions]) -> Optional[Evidence]:

@@ -5,9 +5,11 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import sys
-from typing import Any, Awaitable, Callable, Collection, Dict, Optional, Set, Tuple
+import time
+from typing import Any, Awaitable, Callable, Collection, Dict, Generic, Optional, Set, Tuple, TypeVar
 
 __all__ = [
+    "SharedRead",
     "TaskScope",
     "cancel_and_wait",
     "create_unscoped_task",
@@ -268,3 +270,70 @@ class TaskScope:
             self._creator.clear()  # adopted tasks keep this scope in their context: drop the references
         if interrupted:
             raise asyncio.CancelledError
+
+
+T = TypeVar("T")
+
+
+class SharedRead(Generic[T]):
+    """A read that concurrent and closely following callers share (single flight, then reuse).
+
+    ``await shared.get()``: the result of a read (``read()``, an async function) that finished less than
+    ``max_age_s`` seconds ago (monotonic ``clock``), else of the read in flight (joined), else of a new one.
+    Why: a peer's round asks for the run's membership from several phases and polling loops, and each
+    full read of the peer records costs O(N) DHT traffic; callers that ask within ``max_age_s`` of each
+    other (or while a read runs) cost one read. ``max_age_s`` = 0: no reuse, concurrent callers still share.
+
+    Errors: an exception of the shared read is raised to every caller waiting on it, and is not kept:
+    the next call reads again. The read runs as a task of its own (outside any :class:`TaskScope`, so a
+    caller's scope ending does not cancel it under the other callers); a caller cancelled while waiting
+    is cancelled alone, and the read with it once no caller waits (a new call then starts a fresh read).
+    ``reads``: how many reads were started (for tests and measurements).
+    """
+
+    def __init__(
+        self, read: Callable[[], Awaitable[T]], max_age_s: float = 0.5, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        if max_age_s < 0:
+            raise ValueError("max_age_s must be >= 0")
+        self._read, self.max_age_s, self._clock = read, max_age_s, clock
+        self._value: Optional[Tuple[float, T]] = None  # (clock when the read finished, its result)
+        self._inflight: Optional[asyncio.Task] = None
+        self._waiters: Dict[asyncio.Future, int] = {}  # read task -> callers waiting on it
+        self.reads = 0
+
+    def invalidate(self) -> None:
+        """Forget the last result: the next call reads (or joins a read already in flight)."""
+        self._value = None
+
+    async def _run(self) -> T:
+        try:
+            value = await self._read()
+            self._value = (self._clock(), value)
+            return value
+        finally:
+            if self._inflight is asyncio.current_task():
+                self._inflight = None
+
+    async def get(self) -> T:
+        """The shared result (see the class); raises what the shared read raised."""
+        got = self._value
+        if got is not None and self._clock() - got[0] < self.max_age_s:
+            return got[1]
+        task = self._inflight
+        if task is None:
+            self.reads += 1
+            task = self._inflight = create_unscoped_task(self._run(), name="shared-read")
+        self._waiters[task] = self._waiters.get(task, 0) + 1
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if self._waiters[task] == 1 and not task.done():  # the last one waiting: nobody needs the read
+                task.cancel()
+                if self._inflight is task:
+                    self._inflight = None
+            raise
+        finally:
+            left = self._waiters.pop(task) - 1
+            if left:
+                self._waiters[task] = left

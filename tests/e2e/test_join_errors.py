@@ -54,7 +54,7 @@ def test_model_config_that_does_not_parse(tmp_path):
 
 def test_bootstrap_that_does_not_answer(tmp_path):
     with dead_address() as entry:  # bound, never listening: connections are refused
-        r = _join(tmp_path, "--bootstrap", entry)
+        r = _join(tmp_path, "--bootstrap", entry, "--join-attempts", "3")  # ~2 s of backoff, not the default ~35 s
     line = _one_line_error(r)
     assert "could not join the DHT" in line and entry in line
     assert "attempt" in line  # it retried with backoff before giving up

@@ -136,8 +136,8 @@ def test_check_compatible_messages():
     assert (
         msg == "run-config hash c0ffeec0ffeec0ffeec0ffeec0ff… vs c0ffeec0ffeec0ffeec0ffeeabcd…"
     )  # long enough to differ
-    two = check_compatible(mine, node_record(N, protocol_version=2, version="1.0.0"))
-    assert two == f"version {__version__} vs 1.0.0; protocol version 1 vs 2"
+    two = check_compatible(mine, node_record(N, protocol_version=1, version="1.0.0"))
+    assert two == f"version {__version__} vs 1.0.0; protocol version 2 vs 1"
 
 
 async def test_malformed_or_misplaced_peer_records_are_dropped():

@@ -161,6 +161,9 @@ async def test_eager_rounds_in_real_peer_nodes_follow_the_rule(tmp_path, monkeyp
         await dht.shutdown()
         await boot.stop(grace=0)
     assert codes == [0] * PEERS
+    # The records lived 2 windows + 2 periods (record_ttl_s, issue 25), not 4 periods: 2 x 2.5 + 2 x 0.5 s.
+    assert [n.announcer.ttl_s for n in nodes] == [6.0] * PEERS
+    assert all(n.member_reads.reads > 0 for n in nodes)  # peers() read through the shared read
 
     rows = {n.me: {row.round: row for row in n.history} for n in nodes}
     for r in range(ROUNDS):

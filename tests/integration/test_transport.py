@@ -64,6 +64,8 @@ async def test_valid_call_round_trip_is_signed_by_server(pair):
     assert reply.round == 7
     assert reply.kind == DHT_PING + "+resp"
     assert client.stats.bytes_sent > 5 and client.stats.bytes_received > 10
+    await client.call(address, DHT_PING, b"again")
+    assert client.stats.calls_by_method == {DHT_PING: 2} and client.stats.calls == 2  # answered calls, per method
 
 
 async def test_traffic_is_counted_per_method_and_per_class_on_both_sides(pair):
@@ -313,6 +315,7 @@ async def test_a_peer_restarted_on_its_old_port_is_redialled_and_failed_calls_co
             await client.call(address, DHT_PING, b"b", timeout=5)
         assert ei.value.code == grpc.StatusCode.UNAVAILABLE and ei.value.unreachable
         assert client.stats.snapshot() == sent and client.stats.by_method[DHT_PING] == sent
+        assert client.stats.calls_by_method == {DHT_PING: 1}  # a failed call is not counted
         # A non-idempotent call fails too (not retried), and also drops the channel.
         with pytest.raises(RpcError) as ei:
             await client.call(address, DHT_PING, b"c", timeout=5, idempotent=False)

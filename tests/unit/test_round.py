@@ -13,6 +13,7 @@ from geomesh_p2p.telemetry import events
 from geomesh_p2p.net.identity import Identity
 from geomesh_p2p.plan.awb import plan_round
 from geomesh_p2p.plan.schema import PlanConfig
+from geomesh_p2p.plan.wire import split_plan
 from geomesh_p2p.schema.peer import PeerRecord
 from tests.records_util import peer_record
 from geomesh_p2p.round import PlanStore, choose_plan, digest_majority, leader_order, leader_rank, obtain_plan
@@ -196,9 +197,17 @@ async def test_forged_or_misattributed_plan_is_ignored():
     dht = MemoryDHT()
     plan = _planner(2)(members, str(ids[0].peer_id))
     # stored by ids[1] but claiming ids[0] leads: not signed by its leader -> ignored
-    await dht.view().store(f"{RUN}/plan/2", plan.to_bytes(), time.time() + 60, subkey=str(ids[0].peer_id), owner=ids[1])
+    head = split_plan(plan).head  # the wire form PlanStore.publish stores
+    await dht.view().store(f"{RUN}/plan/2", head, time.time() + 60, subkey=str(ids[0].peer_id), owner=ids[1])
     dht.data[f"{RUN}/plan/2"]["garbage"] = (b"{not json", time.time() + 60, ids[1].peer_id)
+    # ids[1]'s own subkey, a head naming ids[0] as leader: signed, but not by the leader it names
+    dht.data[f"{RUN}/plan/2"][str(ids[1].peer_id)] = (head, time.time() + 60, ids[1].peer_id)
+    # version 1's wire form (the JSON as it is), even signed by its leader: refused as malformed
+    dht.data[f"{RUN}/plan/3"] = {str(ids[0].peer_id): (plan.to_bytes(), time.time() + 60, ids[0].peer_id)}
     assert await PlanStore(dht.view(), ids[1], RUN).read(2) == []
+    assert await PlanStore(dht.view(), ids[1], RUN).read(3) == []
+    dht.data[f"{RUN}/plan/2"][str(ids[0].peer_id)] = (head, time.time() + 60, ids[0].peer_id)
+    assert await PlanStore(dht.view(), ids[1], RUN).read(2) == [plan]  # the same head, signed by its leader
 
 
 def test_client_only_peer_gets_no_partition():

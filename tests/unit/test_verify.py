@@ -618,8 +618,11 @@ def test_published_evidence_is_fetched_and_rechecked(world, flipped_case):
         c.wv.dht = None
     assert sorted(dht.data) == sorted([EV.evidence_key(RUN, ROUND), EV.contributions_key(RUN, ROUND, str(c.v.peer_id))])
     got = asyncio.run(EV.fetch_contributions(dht, c.ev))
-    stored = dht.data[EV.evidence_key(RUN, ROUND)][str(c.v.peer_id)][0]
-    assert EV.Evidence.open(stored, RUN, got).contributions == c.signed
+    head = dht.data[EV.evidence_key(RUN, ROUND)][str(c.v.peer_id)][0]
+    assert head.startswith(b"gmev/2I")  # wire version 2: small evidence is inline (zlib of the signed bytes)
+    stored = asyncio.run(EV.EvidenceReader(dht).load(EV.evidence_key(RUN, ROUND), str(c.v.peer_id), head))
+    opened = EV.Evidence.open(stored, RUN, got)  # the verifier's signed bytes, unchanged by the framing
+    assert opened.header() == c.ev.header() and opened.contributions == c.signed
     # a peer holding the round's data but drawing no check of its own (B and C both draw A here), so that
     # A's exclusion comes from the re-check of V's evidence
     other = _verifier(world, _fixed_identity("observer"), c.cfg, c.plan, c.packets)

@@ -1,0 +1,214 @@
+"""Membership that scales (issue 25, its first part): a peer record's lifetime follows the sync window
+(:func:`geomesh_p2p.dht.announce.record_ttl_s`), and the round's many asks for the run's peers share DHT
+reads (:class:`geomesh_p2p.util.aio.SharedRead` behind :meth:`PeerNode.peers`): concurrent asks cost one
+read, a read younger than the max age is reused, an error reaches every waiter and is not kept."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
+from geomesh_p2p.config.models import NodeConfig, RunConfig
+from geomesh_p2p.dht.announce import record_ttl_s
+from geomesh_p2p.net.identity import Identity
+from geomesh_p2p.node.peer import PeerNode
+from geomesh_p2p.util.aio import SharedRead, TaskScope
+
+pytestmark = pytest.mark.timeout(30)
+
+
+# ---------------------------------------------------------------- the record's lifetime
+def test_record_ttl_follows_the_window():
+    assert record_ttl_s(2.0, 6.0) == 16.0  # the defaults: 2 windows + 2 periods (was a fixed 8 s)
+    assert record_ttl_s(2.0, 50.0) == 104.0  # a real-size window: a lagging peer's record outlives a round
+    assert record_ttl_s(2.0, 600.0) == 120.0  # capped: a crashed peer is not listed for 20 minutes
+    assert record_ttl_s(60.0, 600.0) == 240.0  # ... unless 4 announce periods are longer
+    assert record_ttl_s(2.0, 1.0) == 8.0  # a short window: never under 4 periods (the old rule)
+    assert record_ttl_s(0.5, 2.5) == 6.0
+    assert record_ttl_s(2.0, None) == 8.0  # no fixed window: 4 periods, as before
+
+
+@pytest.mark.parametrize("period", [0.5, 2.0, 5.0])
+@pytest.mark.parametrize("window", [1.0, 6.0, 30.0, 55.0])
+def test_a_peer_lagging_a_round_stays_visible(period, window):
+    # A round is about a window plus its gather, plan and exchange (up to about another window under
+    # load). A peer whose loop stalls that long after an announcement, and then needs one more period
+    # to announce, is still in the others' view; a crashed peer is gone about a round later.
+    ttl = record_ttl_s(period, window)
+    assert ttl >= 2 * window + period
+    assert ttl >= 4 * period
+    assert ttl <= max(4 * period, 2 * window + 2 * period)
+
+
+# ---------------------------------------------------------------- SharedRead
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class Reader:
+    """A read that waits for ``release`` (so callers pile up) and returns how many reads ran so far."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.release = asyncio.Event()
+        self.fail: Exception | None = None
+        self.cancelled = 0
+
+    async def __call__(self) -> int:
+        self.calls += 1
+        try:
+            await self.release.wait()
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+        if self.fail is not None:
+            raise self.fail
+        return self.calls
+
+
+async def _spin() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+async def test_concurrent_calls_share_one_read():
+    read, clock = Reader(), Clock()
+    shared = SharedRead(read, max_age_s=0.5, clock=clock)
+    waiters = [asyncio.ensure_future(shared.get()) for _ in range(10)]
+    await _spin()
+    assert read.calls == 1 and not any(w.done() for w in waiters)
+    read.release.set()
+    assert await asyncio.gather(*waiters) == [1] * 10
+    assert (read.calls, shared.reads) == (1, 1)
+
+
+async def test_a_read_younger_than_max_age_is_reused_an_older_one_is_not():
+    read, clock = Reader(), Clock()
+    read.release.set()
+    shared = SharedRead(read, max_age_s=0.5, clock=clock)
+    assert await shared.get() == 1
+    clock.t += 0.49
+    assert await shared.get() == 1 and read.calls == 1  # reused: no DHT get
+    clock.t += 0.02  # 0.51 s after the read finished
+    assert await shared.get() == 2 and read.calls == 2
+    shared.invalidate()
+    assert await shared.get() == 3
+    zero = SharedRead(read, max_age_s=0.0, clock=clock)  # 0: every call that finds no read in flight reads
+    assert [await zero.get(), await zero.get()] == [4, 5]
+    with pytest.raises(ValueError):
+        SharedRead(read, max_age_s=-1)
+
+
+async def test_an_error_reaches_every_waiter_and_the_next_call_reads_again():
+    read, clock = Reader(), Clock()
+    read.fail = RuntimeError("lookup failed: no node answered")
+    shared = SharedRead(read, max_age_s=5.0, clock=clock)
+    waiters = [asyncio.ensure_future(shared.get()) for _ in range(4)]
+    await _spin()
+    read.release.set()
+    got = await asyncio.gather(*waiters, return_exceptions=True)
+    assert [str(e) for e in got] == ["lookup failed: no node answered"] * 4
+    assert all(isinstance(e, RuntimeError) for e in got) and read.calls == 1
+    read.fail = None  # not kept: the next call, within the max age, reads again
+    assert await shared.get() == 2 and read.calls == 2
+
+
+async def test_a_cancelled_waiter_leaves_the_read_to_the_others():
+    read, clock = Reader(), Clock()
+    shared = SharedRead(read, max_age_s=0.5, clock=clock)
+    a, b = asyncio.ensure_future(shared.get()), asyncio.ensure_future(shared.get())
+    await _spin()
+    a.cancel()
+    await _spin()
+    assert a.cancelled() and not b.done() and read.cancelled == 0
+    read.release.set()
+    assert await b == 1 and read.calls == 1
+
+
+async def test_the_last_waiter_cancelled_cancels_the_read_and_the_next_call_reads_afresh():
+    read, clock = Reader(), Clock()
+    shared = SharedRead(read, max_age_s=0.5, clock=clock)
+    a = asyncio.ensure_future(shared.get())
+    await _spin()
+    a.cancel()
+    await _spin()
+    assert a.cancelled() and read.cancelled == 1
+    read.release.set()
+    assert await shared.get() == 2 and read.calls == 2
+
+
+async def test_a_callers_task_scope_ending_does_not_cancel_the_shared_read():
+    read, clock = Reader(), Clock()
+    shared = SharedRead(read, max_age_s=0.5, clock=clock)
+    other = asyncio.ensure_future(shared.get())
+    await _spin()
+    async with TaskScope():  # a lookup's scope: tasks created inside are cancelled on exit
+        inner = asyncio.ensure_future(shared.get())
+        await _spin()
+        inner.cancel()
+    read.release.set()
+    assert await other == 1 and read.calls == 1 and read.cancelled == 0
+
+
+# ---------------------------------------------------------------- PeerNode.peers over one read
+class FakeDHT:
+    """What live_peers reads of a DHTNode: ``get(key, latest)`` -> {subkey: value with owner}; counts gets."""
+
+    def __init__(self, records) -> None:
+        self.items = {r.peer_id: SimpleNamespace(value=r.to_bytes(), owner=_Owner(r.peer_id)) for r in records}
+        self.gets = 0
+        self.release = asyncio.Event()
+        self.advertised_address = "127.0.0.9:4000"
+
+    async def get(self, key, latest=True):
+        self.gets += 1
+        await self.release.wait()
+        return dict(self.items)
+
+
+class _Owner:
+    def __init__(self, pid: str) -> None:
+        self.pid = pid
+
+    def to_string(self) -> str:
+        return self.pid
+
+
+def _bare_node(max_age_s: float = 0.5) -> PeerNode:
+    run = RunConfig(seq_len=32, pow_bits=0)
+    node = PeerNode(run, NodeConfig(peers_max_age_s=max_age_s), identity=Identity.generate())
+    node.transport = SimpleNamespace(address="127.0.0.9:4000")
+    return node
+
+
+async def test_peer_node_phases_share_one_read_leaving_peers_filtered_own_record_fresh():
+    me, a, b = _bare_node(), _bare_node(), _bare_node()
+    rec_a = a._placeholder_record()
+    rec_b = b._placeholder_record().model_copy(update={"leaving": True})
+    stale_me = me._placeholder_record().model_copy(update={"round": 3})  # this node's own record, as stored
+    me.dht = dht = FakeDHT([rec_a, rec_b, stale_me])
+    mine = [0]
+
+    def my_record():
+        mine[0] += 1
+        return me._placeholder_record().model_copy(update={"round": 7})
+
+    me.my_record = my_record  # type: ignore[method-assign]
+    asks = [asyncio.ensure_future(me.peers(include_leaving=k % 2 == 0)) for k in range(6)]
+    await _spin()
+    dht.release.set()
+    got = await asyncio.gather(*asks)
+    assert dht.gets == 1  # six asks (gather, plan, finish, resync...), one DHT read
+    for k, recs in enumerate(got):
+        by_id = {r.peer_id: r for r in recs}
+        want = {me.me, a.me} | ({b.me} if k % 2 == 0 else set())
+        assert set(by_id) == want, k
+        assert by_id[me.me].round == 7  # its own record: fresh, never the stored one
+    assert mine[0] == 6
+    assert {r.peer_id for r in await me.peers()} == {me.me, a.me} and dht.gets == 1  # within the max age
