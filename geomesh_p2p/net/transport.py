@@ -57,6 +57,7 @@ from geomesh_p2p.net.methods import (
     DEFAULT_PAYLOAD_LIMITS,
     ENVELOPE_OVERHEAD,
     IDEMPOTENT_METHODS,
+    METHOD_CLASS,
     RESPONSE_SUFFIX,
     lane_of,
 )
@@ -82,15 +83,17 @@ def current_request() -> Verified:
 
 @dataclass
 class TrafficStats:
-    """Bytes of serialized SignedMessages sent and received by this node (requests and replies), per method
-    in ``by_method``; ``calls``: the outgoing calls answered, per method in ``calls_by_method``."""
+    """Bytes of serialized SignedMessages sent and received by this node (requests and replies), in total
+    and per full method name; calls this node made that were answered (``calls``, ``calls_by_method``) and
+    requests it received and read in full (``served_by_method``). Counters only grow."""
 
     bytes_sent: int = 0
     bytes_received: int = 0
     calls: int = 0
     rejected: int = 0
     by_method: dict = field(default_factory=dict)  # method -> (bytes sent, bytes received)
-    calls_by_method: dict = field(default_factory=dict)  # method -> outgoing calls answered
+    calls_by_method: dict = field(default_factory=dict)  # method -> answered calls made
+    served_by_method: dict = field(default_factory=dict)  # method -> requests received
 
     def add(self, method: str, sent: int, received: int) -> None:
         self.bytes_sent += sent
@@ -98,8 +101,39 @@ class TrafficStats:
         s, r = self.by_method.get(method, (0, 0))
         self.by_method[method] = (s + sent, r + received)
 
+    def called(self, method: str) -> None:
+        """Count one answered call of ``method`` made by this node."""
+        self.calls_by_method[method] = self.calls_by_method.get(method, 0) + 1
+
+    def served(self, method: str) -> None:
+        """Count one request of ``method`` received by this node."""
+        self.served_by_method[method] = self.served_by_method.get(method, 0) + 1
+
     def snapshot(self) -> tuple[int, int]:
         return self.bytes_sent, self.bytes_received
+
+    def by_class(self) -> dict[str, dict[str, int]]:
+        """The counters so far per method class (:data:`~geomesh_p2p.net.methods.METHOD_CLASS`: ``dht``,
+        ``collective``, ``state``, ``probe``, ``other``): ``{class: {"sent", "received", "calls", "served"}}``,
+        bytes and counts; only classes with traffic appear."""
+        out: dict[str, dict[str, int]] = {}
+
+        def row(method: str) -> dict[str, int]:
+            return out.setdefault(METHOD_CLASS.get(method, "other"), dict.fromkeys(TRAFFIC_FIELDS, 0))
+
+        for m, (s, r) in self.by_method.items():
+            x = row(m)
+            x["sent"] += s
+            x["received"] += r
+        for m, n in self.calls_by_method.items():
+            row(m)["calls"] += n
+        for m, n in self.served_by_method.items():
+            row(m)["served"] += n
+        return out
+
+
+#: The fields of each class in :meth:`TrafficStats.by_class`.
+TRAFFIC_FIELDS = ("sent", "received", "calls", "served")
 
 
 # What grpc.aio raises from ``context.write`` when the call's stream is gone (the caller's process ended or
@@ -343,6 +377,7 @@ class Transport:
                 )
             size = request.ByteSize()
             self.stats.add(method, 0, size)
+            self.stats.served(method)
             if size > guard.SMALL_LIMIT:  # hashing a big payload would hold up every other call
                 verified = await asyncio.to_thread(self.verifier.verify, request, kind=method, max_payload_bytes=limit)
             else:
@@ -613,7 +648,7 @@ class Transport:
                     continue
                 raise RpcError(address, method, e.code(), e.details() or "", unreachable=lost) from None
         self.stats.calls += 1
-        self.stats.calls_by_method[method] = self.stats.calls_by_method.get(method, 0) + 1
+        self.stats.called(method)
         self.stats.add(method, len(request), reply.ByteSize())
         return await self._check_reply(address, method, reply)
 
@@ -632,10 +667,12 @@ class Transport:
             async for reply in call:
                 if not answered:
                     answered = True
+                    self.stats.called(method)
                     self.stats.add(method, len(request), 0)
                 self.stats.add(method, 0, reply.ByteSize())
                 yield await self._check_reply(address, method, reply)
             if not answered:  # an answer with no message
+                self.stats.called(method)
                 self.stats.add(method, len(request), 0)
         except grpc.aio.AioRpcError as e:
             # Not retried here (replies may already have been yielded): the channel is dropped so the

@@ -560,14 +560,13 @@ class PeerNode:
 
     def _driver(self) -> RoundDriver:
         """The round state machine over this node's parts (built once; rebuilt when a test swapped a part)."""
-        c = self.cfg
         parts = (self.trainer, self.collective)
         d = self._round_driver
         if d is not None and (d.trainer, d.collective) == parts:
             return d
         cfg = DriverConfig.from_node(
-            c,
-            checkpointing=bool(c.checkpoint_dir),
+            self.cfg,
+            checkpointing=bool(self.cfg.checkpoint_dir),
             exchanges_gradient=self.method_rule.exchanges_gradient,
             eager=self.run_cfg.eager,
         )
@@ -589,6 +588,7 @@ class PeerNode:
             stop=self._stop,
             history=self.history,
             traffic=traffic,
+            traffic_classes=transport.stats.by_class if transport is not None else dict,  # per class: the DHT apart
             leaving=self._set_leaving,
             loop_stall=self.looplag.take_worst if self.looplag is not None else lambda: None,
             feedback=self.feedback,

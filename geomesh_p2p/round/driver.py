@@ -95,6 +95,9 @@ class RoundDriver:
         stop: set to stop; a round under exchange finishes first (its parts stay served).
         clock: wall and monotonic time (injected in tests).
         traffic: ``() -> (bytes sent, bytes received)`` so far, for the round's row.
+        traffic_classes: ``() -> {class: {"sent", "received", "calls", "served"}}`` so far
+            (:meth:`~geomesh_p2p.net.transport.TrafficStats.by_class`); each row's ``extra["traffic"]`` is
+            its change over the row's cycle (DHT and exchange apart). Default: none (no ``extra["traffic"]``).
         history: the node's list of RoundRecord rows (appended to).
     """
 
@@ -111,6 +114,7 @@ class RoundDriver:
         stop: asyncio.Event,
         clock: Optional[Clock] = None,
         traffic: Callable[[], tuple[int, int]] = lambda: (0, 0),
+        traffic_classes: Callable[[], dict] = dict,
         history: Optional[list[RoundRecord]] = None,
         leaving: Callable[[bool], None] = lambda _: None,
         loop_stall: Callable[[], Optional[float]] = lambda: None,
@@ -124,6 +128,7 @@ class RoundDriver:
         self.state, self.policy, self.cfg, self.stop = state, policy, cfg, stop
         self.clock = clock or SystemClock()
         self.traffic = traffic
+        self.traffic_classes = traffic_classes
         self.history = history if history is not None else []
         self.set_leaving = leaving
         self.loop_stall = loop_stall
@@ -138,6 +143,7 @@ class RoundDriver:
         #: seconds per phase (metrics.PHASES) since this peer's previous row, and that row's monotonic time
         self._phases: dict[str, float] = {}
         self._t_row: Optional[float] = None
+        self._traffic_row: dict = {}  # traffic_classes() at the previous row (empty: none yet)
         #: the background evaluation under way (DriverConfig.eval_background) and the round it measures
         self._eval_task: Optional[asyncio.Future] = None
         self._eval_round: Optional[int] = None

@@ -222,13 +222,24 @@ def idle_split(ctx: RoundContext, ar: AllReduceResult, spec: Optional[Speculativ
     return straggler, network
 
 
+def traffic_delta(now: dict, before: dict) -> dict[str, dict[str, int]]:
+    """``now - before`` of two ``{class: {field: count}}`` traffic snapshots (a class or field missing in
+    ``before``: 0), e.g. ``{"dht": {"sent": 41230, "received": 90112, "calls": 57, "served": 61}}``."""
+    return {c: {f: v - before.get(c, {}).get(f, 0) for f, v in x.items()} for c, x in now.items()}
+
+
 def publish_row(drv: RoundDriver, rec: RoundRecord) -> None:
-    """The row's phase seconds and cycle, into the history, the log (an underfilled round warns) and the
-    policy (Prometheus, the status page)."""
+    """The row's phase seconds, cycle and cycle traffic per method class (``extra["traffic"]``: the DHT
+    traffic of gather, planning, evaluation and the digest check included, unlike ``bytes_sent``), into the
+    history, the log (an underfilled round warns) and the policy (Prometheus, the status page)."""
     now = drv.clock.monotonic()
     rec.phase_s = {k: round(v, 4) for k, v in drv._phases.items()}
     rec.cycle_s = now - drv._t_row if drv._t_row is not None else None
     drv._phases, drv._t_row = {}, now
+    traffic = drv.traffic_classes()
+    if traffic:  # the cycle's bytes and calls per method class; the first row's: since the node started
+        rec.extra["traffic"] = traffic_delta(traffic, drv._traffic_row)
+        drv._traffic_row = traffic
     drv.history.append(rec)
     if sys.stdout.isatty():
         sys.stdout.write("\r\x1b[K")  # clear the progress line before the row

@@ -68,6 +68,25 @@ async def test_valid_call_round_trip_is_signed_by_server(pair):
     assert client.stats.calls_by_method == {DHT_PING: 2} and client.stats.calls == 2  # answered calls, per method
 
 
+async def test_traffic_is_counted_per_method_and_per_class_on_both_sides(pair):
+    """Calls made (client) and requests served (server) per method; ``by_class`` sums them per method
+    class with the bytes, which equal ``by_method``'s."""
+    server, client, address = pair
+    await client.call(address, DHT_PING, b"a")
+    await client.call(address, DHT_PING, b"b")
+    await client.call(address, DHT_STORE, b"c")
+    assert client.stats.calls_by_method == {DHT_PING: 2, DHT_STORE: 1}
+    assert server.stats.served_by_method == {DHT_PING: 2, DHT_STORE: 1}
+    cls = client.stats.by_class()
+    assert set(cls) == {"dht"}
+    assert cls["dht"]["calls"] == 3 and cls["dht"]["served"] == 0
+    assert (cls["dht"]["sent"], cls["dht"]["received"]) == client.stats.snapshot()
+    srv = server.stats.by_class()["dht"]
+    assert srv["served"] == 3 and srv["calls"] == 0
+    # what the client sent is what the server received, request by request
+    assert srv["received"] == cls["dht"]["sent"] and srv["sent"] == cls["dht"]["received"]
+
+
 def _fresh(client: Transport, payload: bytes = b"x", kind: str = DHT_PING, run: str = RUN):
     return client.identity.sign_message(run_id=run, round=1, kind=kind, payload=payload)
 

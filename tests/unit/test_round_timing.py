@@ -233,3 +233,22 @@ def test_the_trainers_eval_snapshot_gives_evaluates_value_while_the_model_trains
         assert tr.evaluate_snapshot(max_batches=2) == after
     finally:
         torch.set_num_threads(n)
+
+
+async def test_each_row_carries_its_cycles_traffic_per_method_class():
+    """``extra["traffic"]``: the change of the driver's ``traffic_classes()`` between two rows (the first
+    row: since the start), DHT and exchange apart -- here a counter that grows by a known amount per row."""
+    (peer,) = _peers(1)
+    drv = peer.driver(rounds=3)
+    calls = {"n": 0}
+
+    def traffic_classes() -> dict:
+        calls["n"] += 1
+        n = calls["n"]
+        return {"dht": {"sent": 100 * n, "received": 300 * n, "calls": 2 * n, "served": 5 * n}}
+
+    drv.traffic_classes = traffic_classes
+    await drv.run()
+    rows = drv.history
+    assert [r.extra["traffic"] for r in rows] == [{"dht": {"sent": 100, "received": 300, "calls": 2, "served": 5}}] * 3
+    assert calls["n"] == 3  # read once per row

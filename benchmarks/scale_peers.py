@@ -1,0 +1,412 @@
+"""How the protocol's own cost per peer grows with the swarm (issue 25): bytes and RPCs per peer per
+round, the DHT apart from the exchange, requests served by the busiest DHT node, plan size, and (real
+processes) round overhead and digests. Three tiers, each usable alone (``--tiers``), cheapest first:
+
+1. ``sim``: the protocol at N = 8 ... 1,024 computed from the real code's messages, no network. The
+   plan is the real planner's (:func:`geomesh_p2p.plan.awb.plan_round`) over N realistic signed-size
+   PeerRecords (real Ed25519 PeerIDs, addresses, 16 standing entries), its size ``len(to_bytes())``
+   against the DHT's 64 KiB value limit. Exchange bytes: :func:`geomesh_p2p.sim.link_time.exchange_bytes`
+   of the plan's parts (relay mode, sign codec: the defaults; payload bytes, envelopes not counted);
+   exchange RPCs 2 (N - 1) (push to and pull from every other owner, docs/collective.md). DHT: a MODEL
+   of the membership traffic (docs/dht.md) whose message sizes are the real protobuf messages, signed
+   records and envelopes at N: per round each peer announces ``round_s / announce_period_s`` times (a
+   store = one lookup of the key's k nearest, whose Find replies carry every record held under the key,
+   then k Store calls) and reads ``--reads`` times with ``latest=True`` (one lookup), plus one plan read
+   (followers) or store (leader). Lookup RPCs are modelled as ``min(N - 1, k + ceil(log2(N / k)))``;
+   the ``inproc`` tier measures them (20-21 at 32-128 nodes). The busiest node: each of the key's k
+   nearest nodes serves every lookup and store of the key, ``(N - 1) * (2 * announces + reads)`` per round.
+2. ``inproc``: N real DHT nodes (:class:`geomesh_p2p.dht.DHTNode` over gRPC on 127.0.0.1, one process)
+   run the membership traffic of a round through the real calls (:class:`~geomesh_p2p.dht.announce.PeerAnnouncer`
+   ``announce_once``, :func:`~geomesh_p2p.dht.announce.live_peers`, :class:`~geomesh_p2p.plan.agree.PlanStore`),
+   as many as the sim tier models, all nodes at once; traffic read from each node's
+   :class:`~geomesh_p2p.net.transport.TrafficStats`. No training, no exchange: it isolates the DHT.
+3. ``proc``: real peer processes of the tiny model (one torch thread each) on 127.0.0.1 for a few
+   rounds; every figure from their JSON round rows (``extra["traffic"]``: the cycle's bytes and calls
+   per method class, DHT included). CPU heavy: N = 8, 16 by default.
+
+Usage:
+    python benchmarks/scale_peers.py --quick                    # < 1 minute: sim to 1,024, inproc 8/16
+    python benchmarks/scale_peers.py --tiers sim,inproc         # sim 8..1,024, inproc 8..128
+    python benchmarks/scale_peers.py --tiers proc --proc-n 8,16 # real processes (minutes)
+    ... [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import resource
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+
+from geomesh_p2p.dht import DHTNode  # noqa: E402
+from geomesh_p2p.dht.announce import PeerAnnouncer, live_peers, peers_key  # noqa: E402
+from geomesh_p2p.dht.records import DEFAULT_LIMITS, make_record  # noqa: E402
+from geomesh_p2p.net.identity import Identity  # noqa: E402
+from geomesh_p2p.net.methods import DHT_FIND, DHT_STORE  # noqa: E402
+from geomesh_p2p.net.transport import Transport  # noqa: E402
+from geomesh_p2p.net.transport_config import TransportConfig  # noqa: E402
+from geomesh_p2p.plan.agree import PlanStore, plan_key  # noqa: E402
+from geomesh_p2p.plan.awb import plan_round  # noqa: E402
+from geomesh_p2p.plan.schema import PlanConfig, RoundPlan  # noqa: E402
+from geomesh_p2p.schema.peer import PeerRecord  # noqa: E402
+from geomesh_p2p.sim.link_time import exchange_bytes  # noqa: E402
+from geomesh_p2p.wire import dht_pb2  # noqa: E402
+
+RUN = "scale-bench"
+K = 20  # the DHT's replication and lookup beam (dht/state.py default)
+TINY_NUMEL = 937_472  # elements of the tiny preset's flat vector (sim tier; the proc tier trains it)
+BLOCK = 2048  # sign-codec block (RunConfig.block_size default)
+ANNOUNCE_PERIOD_S = 2.0  # NodeConfig.announce_period_s default; records live 4 periods
+
+
+# ------------------------------------------------------------------------------------------ records
+def make_records(n: int, seed: int = 0) -> tuple[list[Identity], list[PeerRecord]]:
+    """``n`` identities and the PeerRecords they would announce mid-run: real PeerIDs, 127.0.0.1
+    addresses, a 64-hex digest and config hash, 16 standing entries + their own (ATTEST_TOP), a PoW
+    nonce; throughput spread +-50 % so the planner has something to balance."""
+    rnd = random.Random(seed)
+    ids = [Identity.generate() for _ in range(n)]
+    pids = [str(i.peer_id) for i in ids]
+    recs = []
+    for i, pid in enumerate(pids):
+        f = 0.5 + rnd.random()
+        others = rnd.sample(pids, min(16, n - 1) + 1)
+        standing = {p[:16]: rnd.randint(1, 30) for p in others if p != pid}
+        standing[pid[:16]] = 30
+        recs.append(
+            PeerRecord(
+                peer_id=pid,
+                address=f"127.0.0.1:{40000 + i}",
+                device="cpu: x86_64 (1 thread)",
+                memory_bytes=2 << 30,
+                tokens_per_s={b: 900.0 * f * b / (b + 2) for b in (1, 2, 4, 8)},
+                max_batch=8,
+                upload_bps=2.5e6,
+                download_bps=2.5e6,
+                version="0.1.0",
+                run_config_hash="a" * 64,
+                round=12,
+                weights_digest="b" * 64,
+                pow_nonce=rnd.randrange(1 << 40),
+                standing=standing,
+            )
+        )
+    return ids, recs
+
+
+def make_plan(records: list[PeerRecord], round: int = 12) -> RoundPlan:
+    """The real AWB plan of ``records`` for the tiny model (defaults of RunConfig: seq 64, batch 8,
+    window 6 s, relay sign payloads)."""
+    n = len(records)
+    payload = exchange_bytes(
+        [TINY_NUMEL // n] * n, contribution="sign", aggregate="sign", mode="relay", block_size=BLOCK
+    )
+    cfg = PlanConfig(
+        seq_len=64, target_batch=8, window_s=6.0, part_align=BLOCK, payload_bytes=int(max(payload.pull_down))
+    )
+    return plan_round(
+        records, cfg, run_id=RUN, round=round, leader=records[0].peer_id, numel=TINY_NUMEL, start_time=time.time() + 5
+    )
+
+
+# ------------------------------------------------------------------------------------------ tier 1
+def _env_bytes(ident: Identity, payload: bytes, kind: str) -> int:
+    """Bytes of ``payload`` in its signed envelope, as the transport counts them (request or reply)."""
+    return ident.sign_message(run_id=RUN, round=0, kind=kind, payload=payload).ByteSize()
+
+
+def sim_row(n: int, reads: int, round_s: float) -> dict[str, Any]:
+    """Tier 1 at ``n`` peers: plan from the real planner; exchange from sim.link_time; DHT from the model
+    described in the module docstring with real message sizes. Per peer per round: bytes are sent +
+    received of the calls it makes and of those it serves (as the other tiers count them), RPCs are calls
+    made."""
+    ids, recs = make_records(n)
+    t = time.process_time()
+    plan = make_plan(recs)
+    plan_s = time.process_time() - t  # the leader's CPU seconds to plan (the partition's LP grows with n)
+    plan_b = len(plan.to_bytes())
+    me = ids[0]
+    exp = time.time() + 8
+    signed = [
+        make_record(peers_key(RUN), r.to_bytes(), exp, subkey=r.peer_id, owner=ids[i], run_id=RUN)
+        for i, r in enumerate(recs)
+    ]
+    info = dht_pb2.NodeInfo(node_id=b"x" * 20, address="127.0.0.1:40000", peer_id=b"p" * 32)
+    held = min(n, DEFAULT_LIMITS.max_subkeys_per_key)
+    find_req = _env_bytes(me, dht_pb2.FindRequest(sender=info, keys=[b"k" * 20]).SerializeToString(), DHT_FIND)
+    res = dht_pb2.FindResult(key=b"k" * 20, records=signed[:held], nearest=[info] * K)
+    find_rep = _env_bytes(me, dht_pb2.FindResponse(results=[res]).SerializeToString(), DHT_FIND + "+resp")
+    store_req = _env_bytes(me, dht_pb2.StoreRequest(sender=info, records=signed[:1]).SerializeToString(), DHT_STORE)
+    store_rep = _env_bytes(
+        me, dht_pb2.StoreResponse(outcomes=[dht_pb2.StoreOutcome(stored=True)]).SerializeToString(), DHT_STORE + "+resp"
+    )
+    lookup = min(n - 1, K + math.ceil(math.log2(max(1.0, n / K))))
+    replicas = min(n - 1, K)  # the other nodes a store reaches (this node keeps its own copy)
+    announces = round_s / ANNOUNCE_PERIOD_S
+    # Every node near the key holds all n records (k >= n, or the key's k nearest at larger n): each Find
+    # of a lookup is answered with them; a lookup of n > k nodes also asks farther nodes (no records).
+    holders = min(lookup, K)
+    look_b = lookup * find_req + holders * find_rep + (lookup - holders) * (find_rep - res.ByteSize() + 30)
+    plan_rep = find_rep - res.ByteSize() + 30 + plan_b
+    dht_rpcs = announces * (lookup + replicas) + reads * lookup + lookup
+    made = announces * (look_b + replicas * (store_req + store_rep)) + reads * look_b + lookup * (find_req + plan_rep)
+    dht_b = 2 * made  # + the calls it serves: as many bytes as it makes, on average over a symmetric swarm
+    xb = exchange_bytes(
+        [a.part_end - a.part_start for a in plan.assignments],
+        contribution="sign",
+        aggregate="sign",
+        mode="relay",
+        block_size=BLOCK,
+    )
+    x_b = statistics.fmean(xb.sent(i) + xb.received(i) for i in range(n))
+    # served by the busiest node: each of the peers key's k nearest nodes is asked by every lookup of the
+    # key (a lookup ends by querying the k nearest, the same k for every peer) and reached by every store:
+    # the hot key. The plan key has its own k nearest: the same nodes only while n - 1 <= k.
+    busiest = (n - 1) * (2 * announces + reads + (1 if n - 1 <= K else 0))
+    return {
+        "tier": "sim",
+        "n": n,
+        "plan_bytes": plan_b,
+        "plan_fits": plan_b <= DEFAULT_LIMITS.max_value_bytes,
+        "plan_cpu_s": plan_s,
+        "record_bytes": len(recs[0].to_bytes()),
+        "find_reply_bytes": find_rep,
+        "lookup_rpcs": lookup,
+        "dht_bytes": dht_b,
+        "dht_rpcs": dht_rpcs,
+        "exchange_bytes": x_b,
+        "exchange_rpcs": 2 * (n - 1),
+        "busiest_served": busiest,
+    }
+
+
+# ------------------------------------------------------------------------------------------ tier 2
+def _dht_counts(t: Transport) -> dict[str, int]:
+    return t.stats.by_class().get("dht", {"sent": 0, "received": 0, "calls": 0, "served": 0})
+
+
+async def inproc_row(n: int, rounds: int, reads: int, round_s: float, timeout_s: float) -> dict[str, Any]:
+    """Tier 2 at ``n`` in-process DHT nodes; each measured round: every node announces
+    ``round_s / ANNOUNCE_PERIOD_S`` times and reads the records ``reads`` times (live_peers, latest), the
+    leader (node 0) stores the real plan of the n records and every follower reads it once."""
+    ids, recs = make_records(n, seed=n)
+    rnd = random.Random(n)
+    nodes: list[DHTNode] = []
+    t0 = time.perf_counter()
+    for ident in ids:
+        t = Transport(ident, RUN, TransportConfig(host="127.0.0.1", port=0, default_timeout_s=timeout_s))
+        node = DHTNode(t, rpc_timeout_s=timeout_s, refresh_period_s=3600, republish_period_s=3600)
+        await t.start()
+        await node.join([rnd.choice(nodes).address] if nodes else [])
+        nodes.append(node)
+    build_s = time.perf_counter() - t0
+    announcers = [
+        PeerAnnouncer(node, rec, period_s=ANNOUNCE_PERIOD_S, ttl_s=3600.0) for node, rec in zip(nodes, recs)
+    ]  # a long lifetime: the benchmark's rounds run faster or slower than real time, records must not lapse
+    stores = [PlanStore(node, ident, RUN) for node, ident in zip(nodes, ids)]
+    plan = make_plan(recs, round=0)
+    announces = max(1, round(round_s / ANNOUNCE_PERIOD_S))
+    seen: list[int] = []
+    plan_ok: list[bool] = []
+
+    async def peer_round(i: int, r: int, published: asyncio.Event) -> None:
+        for _ in range(announces):
+            await announcers[i].announce_once()
+        for _ in range(reads):
+            seen.append(len(await live_peers(nodes[i], RUN, latest=True)))
+        if i == 0:
+            plan_ok.append(await stores[0].publish(plan.model_copy(update={"round": r})))
+            published.set()
+        else:
+            await published.wait()  # one read once the plan is there (real followers poll until it is)
+            plan_ok.append(bool(await nodes[i].get(plan_key(RUN, r))))
+
+    await asyncio.gather(*(a.announce_once() for a in announcers))  # warm-up: every record stored once
+    before = [_dht_counts(x.transport) for x in nodes]
+    t1 = time.perf_counter()
+    for r in range(rounds):
+        published = asyncio.Event()
+        await asyncio.gather(*(peer_round(i, r, published) for i in range(n)))
+    wall = time.perf_counter() - t1
+    after = [_dht_counts(x.transport) for x in nodes]
+    d = [{f: a[f] - b[f] for f in a} for a, b in zip(after, before)]
+    await asyncio.gather(*(x.shutdown() for x in nodes))
+    await asyncio.gather(*(x.transport.stop(grace=0) for x in nodes))
+    return {
+        "tier": "inproc",
+        "n": n,
+        "rounds": rounds,
+        "build_s": build_s,
+        "wall_s_per_round": wall / rounds,
+        "plan_bytes": len(plan.to_bytes()),
+        "plan_fits": len(plan.to_bytes()) <= DEFAULT_LIMITS.max_value_bytes,
+        "dht_bytes": statistics.fmean(x["sent"] + x["received"] for x in d) / rounds,
+        "dht_sent": statistics.fmean(x["sent"] for x in d) / rounds,
+        "dht_rpcs": statistics.fmean(x["calls"] for x in d) / rounds,
+        "busiest_served": max(x["served"] for x in d) / rounds,
+        "median_served": statistics.median(x["served"] for x in d) / rounds,
+        "records_seen_min": min(seen) if seen else 0,
+        "plan_reads_ok": sum(plan_ok),
+        "plan_reads": len(plan_ok),
+    }
+
+
+# ------------------------------------------------------------------------------------------ tier 3
+def proc_row(n: int, rounds: int, workdir: Path, timeout_s: float) -> dict[str, Any]:
+    """Tier 3: ``n`` peer processes (tests.swarm_util.ProcSwarm: tiny model, one torch thread, 127.0.0.1)
+    until each wrote ``rounds`` rows or ``timeout_s``; figures from rows after each peer's first."""
+    from tests.swarm_util import ProcSwarm  # the tests' process helper (benchmarks may use it)
+
+    names = [f"p{i}" for i in range(n)]
+    swarm = ProcSwarm(workdir)
+    t0 = time.time()
+    try:
+        swarm.start_peers(names, "--rounds", str(rounds), "--min-peers", str(n), "--wait-peers-s", "300")
+        deadline = time.time() + timeout_s
+
+        def finished(x: str) -> bool:  # its last round's row is written, or it exited
+            done = any(r.get("round") == rounds - 1 for r in swarm.rows(x))
+            return done or swarm.procs[x].poll() is not None
+
+        while time.time() < deadline and not all(finished(x) for x in names):
+            time.sleep(2)
+    finally:
+        swarm.stop_all(grace_s=30)
+    rows = {x: [r for r in swarm.rows(x) if "round" in r and "digest" in r] for x in names}
+    use = [r for x in names for r in rows[x][1:] if isinstance(r.get("extra", {}).get("traffic"), dict)]
+    by_round: dict[int, set] = {}
+    for x in names:
+        for r in rows[x]:
+            by_round.setdefault(r["round"], set()).add(r["digest"])
+
+    def mean(f) -> Optional[float]:
+        xs = [f(r) for r in use]
+        xs = [v for v in xs if v is not None]
+        return statistics.fmean(xs) if xs else None
+
+    def cls(r, c, f) -> int:
+        return r["extra"]["traffic"].get(c, {}).get(f, 0)
+
+    return {
+        "tier": "proc",
+        "n": n,
+        "wall_s": time.time() - t0,
+        "rows": sum(len(v) for v in rows.values()),
+        "rows_used": len(use),
+        "dht_bytes": mean(lambda r: cls(r, "dht", "sent") + cls(r, "dht", "received")),
+        "dht_rpcs": mean(lambda r: cls(r, "dht", "calls")),
+        "exchange_bytes": mean(lambda r: cls(r, "collective", "sent") + cls(r, "collective", "received")),
+        "exchange_rpcs": mean(lambda r: cls(r, "collective", "calls")),
+        "busiest_served": max(
+            (statistics.fmean(cls(r, "dht", "served") for r in rows[x][1:]) for x in names if rows[x][1:]),
+            default=None,
+        ),
+        "cycle_s": mean(lambda r: r.get("cycle_s")),
+        "overhead_s": mean(lambda r: (r["cycle_s"] - r["compute_s"]) if r.get("cycle_s") else None),
+        "peers_planned": mean(lambda r: r.get("peers")),
+        "digests_per_round": max((len(v) for v in by_round.values()), default=0),
+        "digests_equal": bool(by_round) and all(len(v) == 1 for v in by_round.values()),
+    }
+
+
+# ------------------------------------------------------------------------------------------ output
+def _kb(x) -> str:
+    return "-" if x is None else f"{x / 1e3:,.1f}"
+
+
+def _n(x, fmt="{:,.0f}") -> str:
+    return "-" if x is None else fmt.format(x)
+
+
+def table(rows: list[dict]) -> str:
+    """A markdown table of the rows of one or more tiers, ratios against each tier's smallest N."""
+    head = (
+        "| tier | N | DHT KB/peer/round (sent + received) | DHT RPCs/peer/round | x N0 (KB, RPCs) | exchange KB/peer/round | "
+        "exchange RPCs | busiest DHT node served/round | plan KB (fits 64 KiB) | overhead s | digests |"
+    )
+    out = [head, "|" + "---|" * 11]
+    base: dict[str, dict] = {}
+    for r in rows:
+        b = base.setdefault(r["tier"], r)
+        ratio = "-"
+        if r.get("dht_bytes") and b.get("dht_bytes") and r.get("dht_rpcs") and b.get("dht_rpcs"):
+            ratio = f"{r['dht_bytes'] / b['dht_bytes']:.1f}x, {r['dht_rpcs'] / b['dht_rpcs']:.1f}x"
+        plan = "-"
+        if r.get("plan_bytes"):
+            plan = f"{r['plan_bytes'] / 1e3:.1f} ({'yes' if r['plan_fits'] else 'NO'})"
+            if "plan_cpu_s" in r:
+                plan += f", planned in {r['plan_cpu_s']:.2f} s"
+        dig = "-"
+        if "digests_equal" in r:
+            dig = "equal" if r["digests_equal"] else f"{r['digests_per_round']} in a round"
+        out.append(
+            f"| {r['tier']} | {r['n']} | {_kb(r.get('dht_bytes'))} | {_n(r.get('dht_rpcs'))} | {ratio} | "
+            f"{_kb(r.get('exchange_bytes'))} | {_n(r.get('exchange_rpcs'))} | {_n(r.get('busiest_served'))} | "
+            f"{plan} | {_n(r.get('overhead_s'), '{:.1f}')} | {dig} |"
+        )
+    return "\n".join(out)
+
+
+def _sizes(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tiers", default="sim,inproc", help="sim, inproc, proc (default: %(default)s)")
+    ap.add_argument("--sim-n", default="8,16,32,128,256,1024", help="sim tier sizes (default: %(default)s)")
+    ap.add_argument("--inproc-n", default="8,16,32,64,128", help="inproc tier sizes (default: %(default)s)")
+    ap.add_argument("--proc-n", default="8,16", help="proc tier sizes; 32 is possible (default: %(default)s)")
+    ap.add_argument("--rounds", type=int, default=2, help="inproc: measured rounds per size (default: %(default)s)")
+    ap.add_argument("--proc-rounds", type=int, default=5, help="proc: rounds per peer (default: %(default)s)")
+    ap.add_argument("--proc-timeout-s", type=float, default=600, help="proc: seconds per size (default: %(default)s)")
+    ap.add_argument("--reads", type=int, default=3, help="peers() reads per peer per round (default: %(default)s)")
+    ap.add_argument("--round-s", type=float, default=8.0, help="round length the announces follow (default: 8)")
+    ap.add_argument("--rpc-timeout-s", type=float, default=30.0, help="inproc: DHT RPC deadline (default: 30)")
+    ap.add_argument("--quick", action="store_true", help="sim tier + inproc at 8, 16, one round (< 1 min)")
+    ap.add_argument("--json", default=None, help="also write every row here")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.tiers, args.inproc_n, args.rounds = "sim,inproc", "8,16", 1
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    tiers = [t for t in args.tiers.split(",") if t]
+    unknown = set(tiers) - {"sim", "inproc", "proc"}
+    if unknown:
+        ap.error(f"unknown tier(s) {sorted(unknown)}")
+    rows: list[dict] = []
+    print(f"machine: {os.cpu_count()} cpus, load {os.getloadavg()[0]:.2f}; reads {args.reads}, round {args.round_s} s")
+    if "sim" in tiers:
+        for n in _sizes(args.sim_n):
+            rows.append(sim_row(n, args.reads, args.round_s))
+            print(json.dumps(rows[-1]), flush=True)
+    if "inproc" in tiers:
+        for n in _sizes(args.inproc_n):
+            rows.append(asyncio.run(inproc_row(n, args.rounds, args.reads, args.round_s, args.rpc_timeout_s)))
+            print(json.dumps(rows[-1]), flush=True)
+    if "proc" in tiers:
+        for n in _sizes(args.proc_n):
+            with tempfile.TemporaryDirectory(prefix=f"scale{n}-") as d:
+                rows.append(proc_row(n, args.proc_rounds, Path(d), args.proc_timeout_s))
+            print(json.dumps(rows[-1]), flush=True)
+    print(table(rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
