@@ -53,7 +53,8 @@ class DHTLookup(DHTProtocol):
         """Iterative Kademlia lookup of ``key_ids`` with hivemind's traverse_dht (alpha workers), in a
         TaskScope: no task of it is left pending when it returns or is cancelled.
 
-        ``on_records(key_id, records, hop) -> stop`` sees every verified record returned.
+        ``on_records(key_id, records, hop) -> stop`` sees every verified record returned; without it the
+        lookup asks for nodes only (FindRequest.nodes_only: a store's lookup carries no records).
         Returns (nearest node ids per key, nearest-first, never self; contact of every node seen).
         """
         stats = stats if stats is not None else LookupStats()
@@ -83,7 +84,7 @@ class DHTLookup(DHTProtocol):
             stats.rpcs += 1
             stats.hops = max(stats.hops, hop)
             try:
-                response = await self._find(contacts[peer], queries)
+                response = await self._find(contacts[peer], queries, nodes_only=on_records is None)
             except Exception as e:  # never let a worker die: it would end the whole lookup (an assert)
                 log.exception("find failed unexpectedly: %r", e)
                 response = None

@@ -118,12 +118,14 @@ class DHTProtocol(DHTContacts):
         return contact
 
     async def _find(
-        self, contact: Contact, key_ids: Sequence[DHTID]
+        self, contact: Contact, key_ids: Sequence[DHTID], *, nodes_only: bool = False
     ) -> Optional[Dict[DHTID, Tuple[List[VerifiedRecord], Dict[DHTID, Contact]]]]:
-        """FIND at ``contact``; None when it fails. Invalid records and contacts in the reply are dropped."""
+        """FIND at ``contact``; None when it fails. Invalid records and contacts in the reply are dropped.
+        ``nodes_only``: ask for the nearest nodes only (a store's lookup: no records in the reply, so no
+        bytes and no signature checks for them)."""
         if contact.peer_id in self.blacklist:
             return None
-        req = dht_pb2.FindRequest(sender=self.self_info(), keys=[k.to_bytes() for k in key_ids])
+        req = dht_pb2.FindRequest(sender=self.self_info(), keys=[k.to_bytes() for k in key_ids], nodes_only=nodes_only)
         try:
             contact, resp = await self._call(contact, DHT_FIND, req, dht_pb2.FindResponse)
         except RpcError as err:
@@ -303,7 +305,7 @@ class DHTProtocol(DHTContacts):
         for raw in req.keys:
             key_id = DHTID.from_bytes(raw)
             result = resp.results.add(key=raw)
-            for rec in self._local_records(key_id):
+            for rec in () if req.nodes_only else self._local_records(key_id):
                 budget -= rec.ByteSize() + 8
                 if budget < 0:
                     self._once(logging.WARNING, "find", "reply truncated at the message size limit")

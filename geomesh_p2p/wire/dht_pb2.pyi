@@ -79,12 +79,14 @@ class StoreResponse(_message.Message):
     def __init__(self, outcomes: _Optional[_Iterable[_Union[StoreOutcome, _Mapping]]] = ...) -> None: ...
 
 class FindRequest(_message.Message):
-    __slots__ = ("sender", "keys")
+    __slots__ = ("sender", "keys", "nodes_only")
     SENDER_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
+    NODES_ONLY_FIELD_NUMBER: _ClassVar[int]
     sender: NodeInfo
     keys: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, sender: _Optional[_Union[NodeInfo, _Mapping]] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    nodes_only: bool
+    def __init__(self, sender: _Optional[_Union[NodeInfo, _Mapping]] = ..., keys: _Optional[_Iterable[bytes]] = ..., nodes_only: _Optional[bool] = ...) -> None: ...
 
 class FindResult(_message.Message):
     __slots__ = ("key", "records", "nearest")

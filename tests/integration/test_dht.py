@@ -10,6 +10,7 @@ import pytest
 from geomesh_p2p.telemetry import events
 from geomesh_p2p.dht import DHTJoinError, DHTNode, LookupStats, key_id_of
 from geomesh_p2p.net.identity import Identity
+from geomesh_p2p.net.methods import DHT_FIND
 from tests.dht_helpers import RUN, start_node, start_swarm, stop_all, stop_node, wait_for
 
 pytestmark = pytest.mark.timeout(60)
@@ -187,3 +188,35 @@ async def test_create_starts_transport_and_joins():
             DHTNode(t)
     finally:
         await stop_all([a, node])
+
+
+async def test_a_stores_lookup_asks_for_nodes_only_and_a_get_still_sees_every_record():
+    # Issue 25: a store's lookup (every announcement) carried every record held under the key from every node
+    # on the way: at N peers' records under <run>/peers, N x ~1 KB per Find reply. It now asks for nodes only.
+    nodes = await start_swarm(6)
+    try:
+        writers = nodes[:5]
+        for i, w in enumerate(writers):  # 5 owners' records under one key, 2 KB each
+            assert await w.store(
+                "run/peers", bytes([i]) * 2000, time.time() + 120, subkey=w.peer_id.to_string(), owner=w.identity
+            )
+        reader = nodes[5]
+        stats = reader.transport.stats
+        before = stats.by_method.get(DHT_FIND, (0, 0))[1]
+        assert await reader.store(
+            "run/peers", b"r" * 2000, time.time() + 120, subkey=reader.peer_id.to_string(), owner=reader.identity
+        )
+        store_recv = stats.by_method.get(DHT_FIND, (0, 0))[1] - before
+        calls = reader.stats.lookups
+        before = stats.by_method.get(DHT_FIND, (0, 0))[1]
+        found = await reader.get("run/peers", latest=True)
+        get_recv = stats.by_method.get(DHT_FIND, (0, 0))[1] - before
+        assert sorted(found) == sorted(n.peer_id.to_string() for n in nodes)  # every record, its own included
+        assert {found[w.peer_id.to_string()].value for w in writers} == {bytes([i]) * 2000 for i in range(5)}
+        assert calls >= 1 and store_recv > 0
+        # the store's Find replies carried node lists only (less than two of the 2 KB records in all, where each
+        # node holds 5 of them); the get's carried the records (all 6 from a node)
+        assert store_recv < 2 * 2000, store_recv
+        assert get_recv > 6 * 2000, get_recv
+    finally:
+        await stop_all(nodes)
