@@ -220,8 +220,9 @@ class DHTNode(DHTJoin):
     ) -> Dict[Optional[str], DHTValue]:
         """Find ``key``: ``{subkey or None: DHTValue(value, expiration_time, owner)}``, ``{}`` if absent.
 
-        ``latest=True`` asks all k nearest nodes and keeps, per subkey, the signed record with the
-        latest expiration (an unsigned one only when no signed one exists); ``latest=False`` stops at
+        ``latest=True`` asks the k nearest nodes until ``read_quorum`` of them (None: all) have answered with
+        records of the key, and keeps, per subkey, the signed record with the latest expiration (an unsigned
+        one only when no signed one exists); ``latest=False`` stops at
         the first node that has any value (faster; a dictionary may then be partial). Every record is
         verified (signature, owner rule, expiry, size, key) before it is returned.
         """
@@ -237,13 +238,15 @@ class DHTNode(DHTJoin):
                 pass
         if merge.best and not latest:
             return merge.result(now)
+        answered = [1 if merge.best else 0]  # nodes that answered with records (this one's store included)
 
         def on_records(q: DHTID, records: List[VerifiedRecord], hop: int) -> bool:
             for vr in records:
                 merge.add(vr)
             if stats.found_hop is None:
                 stats.found_hop = hop
-            return not latest
+            answered[0] += 1
+            return not latest or (self.read_quorum is not None and answered[0] >= self.read_quorum)
 
         await self._traverse([key_id], beam=self.k, on_records=on_records, stats=stats, await_all=False)
         return merge.result(self.now())

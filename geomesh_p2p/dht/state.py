@@ -53,6 +53,13 @@ _UNREACHABLE = {
 }
 
 
+#: A ``get(latest=True)`` ends once this many nodes have answered with records of the key (the local store
+#: counts as one): every writer stores on the key's k (20) nearest nodes, so a few of them hold what all of
+#: them do, and asking all 20 moved 20 x N records per read of a key held by N peers (issue 25). A node that
+#: withholds or lags is outvoted per record by the latest expiration among the others.
+DEFAULT_READ_QUORUM = 5
+
+
 class DHTJoinError(RuntimeError):
     """No bootstrap node answered (after retries with backoff), or all of them refused us."""
 
@@ -160,6 +167,7 @@ class DHTNodeState:
         k: int = 20,
         alpha: int = 3,
         num_replicas: Optional[int] = None,
+        read_quorum: Optional[int] = DEFAULT_READ_QUORUM,
         depth_modulo: int = 5,
         rpc_timeout_s: float = 3.0,
         refresh_period_s: float = 60.0,
@@ -190,6 +198,9 @@ class DHTNodeState:
         self.client_only: bool = transport.config.client_only
         self.k, self.alpha = k, alpha
         self.num_replicas = num_replicas or k
+        if read_quorum is not None and read_quorum < 1:
+            raise ValueError(f"read_quorum must be >= 1 or None (got {read_quorum})")
+        self.read_quorum = read_quorum
         self.rpc_timeout_s = rpc_timeout_s
         self.refresh_period_s = refresh_period_s
         self.republish_period_s = republish_period_s

@@ -220,3 +220,31 @@ async def test_a_stores_lookup_asks_for_nodes_only_and_a_get_still_sees_every_re
         assert get_recv > 6 * 2000, get_recv
     finally:
         await stop_all(nodes)
+
+
+async def test_a_latest_read_ends_at_its_quorum_of_answering_replicas_with_the_same_records():
+    # Issue 25: get(latest=True) asked all k nearest nodes, each answering with every record under the key. It
+    # now ends once read_quorum (5) nodes answered with records; every writer stored on all of them, so the
+    # merged dictionary is the same.
+    nodes = await start_swarm(12)
+    try:
+        for i, w in enumerate(nodes[:8]):
+            assert await w.store(
+                "run/peers", bytes([i]) * 500, time.time() + 120, subkey=w.peer_id.to_string(), owner=w.identity
+            )
+        reader = nodes[11]
+        assert reader.read_quorum == 5
+        quorum_stats = LookupStats()
+        quorum = await reader.get("run/peers", latest=True, stats=quorum_stats)
+        reader.read_quorum = None  # the old rule: every replica
+        all_stats = LookupStats()
+        everyone = await reader.get("run/peers", latest=True, stats=all_stats)
+        expected = {w.peer_id.to_string(): bytes([i]) * 500 for i, w in enumerate(nodes[:8])}
+        assert {sk: v.value for sk, v in quorum.items()} == expected
+        assert {sk: v.value for sk, v in everyone.items()} == expected
+        # the quorum read asked at most quorum + alpha - 1 nodes (calls in flight when it ended), the old one 11
+        assert quorum_stats.rpcs <= 5 + reader.alpha - 1 < all_stats.rpcs == 11, (quorum_stats.rpcs, all_stats.rpcs)
+        with pytest.raises(ValueError, match="read_quorum"):
+            DHTNode(reader.transport, read_quorum=0)
+    finally:
+        await stop_all(nodes)
