@@ -54,6 +54,7 @@ os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 from geomesh_p2p.dht import DHTNode  # noqa: E402
 from geomesh_p2p.dht.announce import PeerAnnouncer, live_peers, peers_key  # noqa: E402
 from geomesh_p2p.dht.records import DEFAULT_LIMITS, make_record  # noqa: E402
+from geomesh_p2p.dht.state import DEFAULT_READ_QUORUM  # noqa: E402
 from geomesh_p2p.net.identity import Identity  # noqa: E402
 from geomesh_p2p.net.methods import DHT_FIND, DHT_STORE  # noqa: E402
 from geomesh_p2p.net.transport import Transport  # noqa: E402
@@ -61,12 +62,15 @@ from geomesh_p2p.net.transport_config import TransportConfig  # noqa: E402
 from geomesh_p2p.plan.agree import PlanStore, plan_key  # noqa: E402
 from geomesh_p2p.plan.awb import plan_round  # noqa: E402
 from geomesh_p2p.plan.schema import PlanConfig, RoundPlan  # noqa: E402
+from geomesh_p2p.plan.wire import split_plan  # noqa: E402
 from geomesh_p2p.schema.peer import PeerRecord  # noqa: E402
 from geomesh_p2p.sim.link_time import exchange_bytes  # noqa: E402
 from geomesh_p2p.wire import dht_pb2  # noqa: E402
 
 RUN = "scale-bench"
 K = 20  # the DHT's replication and lookup beam (dht/state.py default)
+READ_QUORUM = DEFAULT_READ_QUORUM  # holders a latest read waits for (dht/state.py)
+ALPHA = 3  # the DHT's parallel lookup workers (dht/state.py default)
 TINY_NUMEL = 937_472  # elements of the tiny preset's flat vector (sim tier; the proc tier trains it)
 BLOCK = 2048  # sign-codec block (RunConfig.block_size default)
 ANNOUNCE_PERIOD_S = 2.0  # NodeConfig.announce_period_s default; records live 4 periods
@@ -128,7 +132,7 @@ def _env_bytes(ident: Identity, payload: bytes, kind: str) -> int:
     return ident.sign_message(run_id=RUN, round=0, kind=kind, payload=payload).ByteSize()
 
 
-def sim_row(n: int, reads: int, round_s: float) -> dict[str, Any]:
+def sim_row(n: int, reads: int, round_s: float, model: str = "after") -> dict[str, Any]:
     """Tier 1 at ``n`` peers: plan from the real planner; exchange from sim.link_time; DHT from the model
     described in the module docstring with real message sizes. Per peer per round: bytes are sent +
     received of the calls it makes and of those it serves (as the other tiers count them), RPCs are calls
@@ -159,10 +163,26 @@ def sim_row(n: int, reads: int, round_s: float) -> dict[str, Any]:
     # Every node near the key holds all n records (k >= n, or the key's k nearest at larger n): each Find
     # of a lookup is answered with them; a lookup of n > k nodes also asks farther nodes (no records).
     holders = min(lookup, K)
-    look_b = lookup * find_req + holders * find_rep + (lookup - holders) * (find_rep - res.ByteSize() + 30)
-    plan_rep = find_rep - res.ByteSize() + 30 + plan_b
-    dht_rpcs = announces * (lookup + replicas) + reads * lookup + lookup
-    made = announces * (look_b + replicas * (store_req + store_rep)) + reads * look_b + lookup * (find_req + plan_rep)
+    nodes_rep = find_rep - res.ByteSize() + 30  # a Find reply without records (the nearest nodes only)
+    look_b = lookup * find_req + holders * find_rep + (lookup - holders) * nodes_rep
+    plan_value = plan_b if model == "before" else len(split_plan(plan).head)
+    plan_rep = nodes_rep + plan_value
+    if model == "before":  # main at def8ba8: a store's lookup read every record; a read asked all k holders
+        store_look_b, read_rpcs, read_b = look_b, lookup, look_b
+    else:
+        # a store's lookup asks for nodes only (FindRequest.nodes_only); a latest read ends once READ_QUORUM
+        # holders answered (plus the alpha - 1 calls in flight then), after the hops to the key's neighbourhood
+        store_look_b = lookup * (find_req + nodes_rep)
+        hops = lookup - holders
+        asked = min(holders, READ_QUORUM + ALPHA - 1)
+        read_rpcs = hops + asked
+        read_b = read_rpcs * find_req + asked * find_rep + hops * nodes_rep
+    dht_rpcs = announces * (lookup + replicas) + reads * read_rpcs + read_rpcs
+    made = (
+        announces * (store_look_b + replicas * (store_req + store_rep))
+        + reads * read_b
+        + read_rpcs * (find_req + plan_rep)
+    )
     dht_b = 2 * made  # + the calls it serves: as many bytes as it makes, on average over a symmetric swarm
     xb = exchange_bytes(
         [a.part_end - a.part_start for a in plan.assignments],
@@ -179,8 +199,11 @@ def sim_row(n: int, reads: int, round_s: float) -> dict[str, Any]:
     return {
         "tier": "sim",
         "n": n,
+        "dht_model": model,
         "plan_bytes": plan_b,
-        "plan_fits": plan_b <= DEFAULT_LIMITS.max_value_bytes,
+        # stored at all: as one value before; after, its compact head (+ chunks, plan/wire.py) at every size
+        "plan_fits": plan_b <= DEFAULT_LIMITS.max_value_bytes or model != "before",
+        "plan_head_bytes": plan_value,
         "plan_cpu_s": plan_s,
         "record_bytes": len(recs[0].to_bytes()),
         "find_reply_bytes": find_rep,
@@ -376,6 +399,13 @@ def main(argv=None) -> int:
     ap.add_argument("--reads", type=int, default=3, help="peers() reads per peer per round (default: %(default)s)")
     ap.add_argument("--round-s", type=float, default=8.0, help="round length the announces follow (default: 8)")
     ap.add_argument("--rpc-timeout-s", type=float, default=30.0, help="inproc: DHT RPC deadline (default: 30)")
+    ap.add_argument(
+        "--dht-model",
+        choices=("after", "before"),
+        default="after",
+        help="sim: the DHT protocol modelled: 'before' is main at def8ba8 (a store's lookup read every record, a "
+        "read asked all k holders), 'after' the current one (default: %(default)s)",
+    )
     ap.add_argument("--quick", action="store_true", help="sim tier + inproc at 8, 16, one round (< 1 min)")
     ap.add_argument("--json", default=None, help="also write every row here")
     args = ap.parse_args(argv)
@@ -391,7 +421,7 @@ def main(argv=None) -> int:
     print(f"machine: {os.cpu_count()} cpus, load {os.getloadavg()[0]:.2f}; reads {args.reads}, round {args.round_s} s")
     if "sim" in tiers:
         for n in _sizes(args.sim_n):
-            rows.append(sim_row(n, args.reads, args.round_s))
+            rows.append(sim_row(n, args.reads, args.round_s, args.dht_model))
             print(json.dumps(rows[-1]), flush=True)
     if "inproc" in tiers:
         for n in _sizes(args.inproc_n):
