@@ -570,7 +570,7 @@ def test_a_peer_whose_training_diverges_contributes_nothing_and_keeps_going(monk
     monkeypatch.setattr(round_mod, "obtain_plan", fake_obtain)
     node.plans = None  # obtain_plan is replaced: no DHT
     node.peers = fake_peers
-    node.transport = SimpleNamespace(stats=SimpleNamespace(snapshot=lambda: (0, 0)))
+    node.transport = SimpleNamespace(stats=SimpleNamespace(snapshot=lambda: (0, 0), by_class=dict))
     node.collective = SimpleNamespace(all_reduce=fake_all_reduce)
     node.policy.collective_spec = lambda p: "spec"  # type: ignore[method-assign]
     from geomesh_p2p.round import RoundDriver  # the finish phase is the round driver's (issue 13)
