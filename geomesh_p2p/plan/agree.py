@@ -48,7 +48,7 @@ from pydantic import ValidationError
 from geomesh_p2p.dht.chunked import store_chunked
 from geomesh_p2p.telemetry import events
 from geomesh_p2p.net.swarm_time import swarm_time
-from geomesh_p2p.plan.schema import RoundPlan
+from geomesh_p2p.plan.schema import ContentRefusal, RoundPlan
 from geomesh_p2p.plan.wire import THREAD_ABOVE_PEERS, PlanPending, PlanReader, split_plan
 from geomesh_p2p.util.backoff import Backoff
 from geomesh_p2p.schema.peer import PeerRecord
@@ -309,7 +309,9 @@ async def obtain_plan(
         accepts, this peer publishes nothing and follows nothing; the refusal is read again until that plan's
         settle ends (a view that catches up accepts it), then :class:`PlanRefused` is raised: the caller sits
         the round out. Nor does this peer publish once such a plan ranks better than itself or has started.
-        Followers of a refused plan and of another one would end the round on two states.
+        Followers of a refused plan and of another one would end the round on two states. A refusal that is a
+        :class:`~geomesh_p2p.plan.schema.ContentRefusal` (it follows from the plan and the run config alone:
+        every honest follower gives it) is not such a plan: it is ignored as absent, as before.
     """
     me = str(store.identity.peer_id)
     member_ids = {m.peer_id for m in members}
@@ -331,7 +333,10 @@ async def obtain_plan(
         after = delay(n_regular - 1) + plan_timeout_s if n_regular else 0.0
         return after + lr_order.index(order[i]) * stagger_s
 
-    give_up_s = give_up_s if give_up_s is not None else delay(max(0, len(order) - 1)) + 2 * plan_timeout_s
+    if give_up_s is None:
+        # nobody may publish in this view (e.g. every candidate's plan was refused last attempt): wait for a plan
+        # from the others as long as for a first candidate's
+        give_up_s = (delay(len(order) - 1) if order else 0.0) + 2 * plan_timeout_s
     # Take-over instants (seconds after t0): a plan is most likely to appear right after one of them, so
     # the reads wake there and back off (50 ms -> poll cap, x1.5) in between instead of polling every poll_s.
     turns = sorted({delay(i) for i in range(len(order))})
@@ -346,8 +351,10 @@ async def obtain_plan(
 
     def check(plan: RoundPlan) -> Optional[str]:
         reason = accept(plan) if accept is not None else None
-        if reason is None:
-            refused.pop(plan.leader, None)  # a view that caught up (a record read late) accepts it now
+        if reason is None or isinstance(reason, ContentRefusal):
+            # accepted (a view that caught up, a record read late), or refused by every honest follower alike:
+            # ignored as absent, the next leader takes over (no follower can be on that plan)
+            refused.pop(plan.leader, None)
         else:
             refused[plan.leader] = (plan, reason)
         return reason

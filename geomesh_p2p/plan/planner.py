@@ -33,7 +33,7 @@ from geomesh_p2p.plan.bounds import (
     max_token_share,
 )
 from geomesh_p2p.plan.cost import PeerModel, accum_steps_for, best_micro_batch, step_and_comm
-from geomesh_p2p.plan.schema import PlanConfig, RoundPlan
+from geomesh_p2p.plan.schema import ContentRefusal, PlanConfig, RoundPlan
 from geomesh_p2p.plan.uniform import plan_uniform
 from geomesh_p2p.schema.partition import OWNER_SHARE_FACTOR, max_owner_units
 from geomesh_p2p.schema.peer import PeerRecord
@@ -262,12 +262,12 @@ def check_plan(
         if a.micro_batch > r.max_batch:
             return f"micro-batch {a.micro_batch} for {who} exceeds the {r.max_batch} its record supports"
         if a.accum_steps != accum_steps_for(a.micro_batch, cfg.target_batch):
-            return (
+            return ContentRefusal(
                 f"{who} accumulates {a.accum_steps} micro-batches of {a.micro_batch}; target batch "
                 f"{cfg.target_batch} means {accum_steps_for(a.micro_batch, cfg.target_batch)}"
             )
         if balanced and not cfg.min_inner_steps <= a.inner_steps <= cfg.max_inner_steps:
-            return (
+            return ContentRefusal(
                 f"{a.inner_steps} inner steps for {who}, outside {cfg.min_inner_steps}..{cfg.max_inner_steps}"
                 " (a peer that cannot keep up is left out of the plan, not given 0 steps)"
             )

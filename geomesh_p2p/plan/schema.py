@@ -19,6 +19,14 @@ Method = Literal["geomesh", "awb", "diloco", "css", "ddp"]
 Mode = Literal["relay", "reencode"]
 
 
+class ContentRefusal(str):
+    """A reason to refuse a plan that follows from the plan and the run config alone (its model size, settings,
+    accumulation steps, inner-step range), not from the follower's view of the swarm: every honest follower
+    gives it, so none follows that plan and bypassing it (following the next leader's) cannot split the round.
+    :func:`geomesh_p2p.plan.agree.obtain_plan` treats such a plan as absent; a refusal that depends on the view
+    (records, standing, penalties) blocks instead (issue 25, "No fork under overload")."""
+
+
 class PlanConfig(BaseModel):
     """What the leader needs besides the peers' records to plan a round (shared by the run).
 

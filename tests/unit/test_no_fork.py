@@ -26,7 +26,7 @@ from geomesh_p2p.net.identity import Identity
 from geomesh_p2p.plan.agree import PlanRefused
 from geomesh_p2p.plan.awb import plan_round
 from geomesh_p2p.telemetry import events
-from geomesh_p2p.plan.schema import PlanConfig
+from geomesh_p2p.plan.schema import ContentRefusal, PlanConfig
 from geomesh_p2p.round import PlanStore, leader_order, obtain_plan
 from geomesh_p2p.round.planning import known_view
 from tests.records_util import peer_record
@@ -87,6 +87,53 @@ async def test_a_follower_refusing_the_leaders_plan_sits_out_instead_of_leading_
     assert got[1].plan.leader == recs[0].peer_id and "not live" in got[1].reason
     assert got[0].to_bytes() == got[2].to_bytes() and got[0].leader == recs[0].peer_id
     assert set(dht.data["round-test/plan/3"]) == {recs[0].peer_id}  # no second plan was published
+
+
+async def test_a_plan_every_honest_follower_refuses_by_its_content_is_bypassed_as_before():
+    """A rogue leader's plan refused for what it says alone (ContentRefusal: here its accumulation steps) is
+    refused by every honest follower alike: none follows it, so taking the next leader's plan cannot split
+    the round; the followers do that (no sit-out, no re-sync: the rogue-leader attack costs a takeover delay,
+    not a round)."""
+    ids, recs = _three()
+    rogue = recs[0].peer_id
+    dht = MemoryDHT()
+
+    def accept(plan):
+        return ContentRefusal("it accumulates 273437500 micro-batches") if plan.leader == rogue else None
+
+    def run(i):
+        return obtain_plan(
+            PlanStore(dht.view(), i, RUN),
+            3,
+            recs,
+            _planner(3),
+            plan_timeout_s=T,
+            settle_s=0.05,
+            accept=accept,
+            candidates=[r.peer_id for r in recs],
+        )
+
+    got = await asyncio.gather(*(run(i) for i in ids), return_exceptions=True)
+    assert not any(isinstance(g, BaseException) for g in got), got
+    assert {g.leader for g in got} == {recs[1].peer_id}  # the second-ranked leader's plan, on every peer
+    assert len({g.to_bytes() for g in got}) == 1
+    # the same refusal as a plain reason (it depends on the view) blocks: the honest followers sit out
+    dht2 = MemoryDHT()
+
+    def run2(i):
+        return obtain_plan(
+            PlanStore(dht2.view(), i, RUN),
+            3,
+            recs,
+            _planner(3),
+            plan_timeout_s=T,
+            settle_s=0.05,
+            accept=lambda p: "it names peers that are not live" if p.leader == rogue else None,
+            candidates=[r.peer_id for r in recs],
+        )
+
+    got2 = await asyncio.gather(*(run2(i) for i in ids), return_exceptions=True)
+    assert all(isinstance(g, PlanRefused) and g.plan.leader == rogue for g in got2[1:]), got2
 
 
 async def test_a_view_that_catches_up_within_the_settle_follows_the_plan():

@@ -13,6 +13,7 @@ from geomesh_p2p.net.swarm_time import swarm_time
 from geomesh_p2p.plan import planner
 from geomesh_p2p.plan.agree import PlanDeferred
 from geomesh_p2p.plan.planner import PlanConfig
+from geomesh_p2p.plan.schema import ContentRefusal
 from geomesh_p2p.round.rules.penalties import Penalties
 from geomesh_p2p.round.rules.profiling import Reprofiler
 from geomesh_p2p.round.rules.state import RoundState
@@ -224,10 +225,11 @@ class PlanRules:
         :func:`geomesh_p2p.plan.planner.check_plan`: batches, steps, window, token budgets and ownership
         within what the participants' records and the run config support."""
         rc, me, numel = self.run_cfg, self.state.me, self.state.numel
+        # reasons of the plan and the run config alone: every honest follower gives them (ContentRefusal)
         if plan.numel != numel:
-            return f"it is for {plan.numel} parameters, the model has {numel}"
+            return ContentRefusal(f"it is for {plan.numel} parameters, the model has {numel}")
         if plan.seq_len != rc.seq_len or plan.method != rc.method or plan.mode != rc.mode:
-            return "its seq_len / method / mode differ from the run config"
+            return ContentRefusal("its seq_len / method / mode differ from the run config")
         if plan.leader not in live:
             return "its leader is not a live peer of this run"
         unknown = [p[:10] for p in plan.participants() if p not in live]
@@ -237,7 +239,9 @@ class PlanRules:
             if a.part_end > a.part_start and a.address != live[a.peer_id].address:
                 return f"owner {a.peer_id[:10]} is placed at {a.address}, its record says {live[a.peer_id].address}"
             if a.inner_steps > rc.max_inner_steps:
-                return f"{a.inner_steps} inner steps for {a.peer_id[:10]} exceed the run's {rc.max_inner_steps}"
+                return ContentRefusal(
+                    f"{a.inner_steps} inner steps for {a.peer_id[:10]} exceed the run's {rc.max_inner_steps}"
+                )
         horizon = plan_horizon_s(rc.window_s)
         if plan.train_deadline - swarm_time() > horizon or plan.exchange_deadline - plan.train_deadline > horizon:
             return "its deadlines are unreasonably far in the future"
