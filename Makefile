@@ -33,9 +33,10 @@ browser:
 
 # `make lint` first (its findings stop here), then the suite, the slowest 25 tests listed at the end.
 # TEST_WORKERS=N runs it in N pytest-xdist workers: each file's tests in one worker (tests/conftest.py:
-# pytest_xdist_make_scheduler). 3 workers took 10.7-12.8 min on 2 cores against ~21 serially, but
-# two e2e scenarios are load-sensitive there (the Ctrl+C leaver's fork race, a frozen donor on a slow link: 2 of 3
-# fresh-clone runs failed one of them), so the default stays serial (0) until they hold under load.
+# pytest_xdist_make_scheduler). 3 workers took 10.7-12.8 min on 2 cores against ~21-24 serially, but
+# two e2e scenarios failed under that load in 2 of 3 fresh-clone runs (the Ctrl+C leaver's fork race, since
+# closed by the no-fork rules of issue 25; a frozen donor of the small model, now run on tiny); the default
+# stays serial (0) until a few parallel fresh-clone runs in a row are green.
 TEST_WORKERS ?= 0
 test: setup browser lint
 	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25 tests/unit tests/integration tests/e2e
