@@ -45,6 +45,26 @@ def _three():
     return ids, [_record(i, 1.0) for i in ids]
 
 
+def _three_at_round_2():
+    """Three peers' records at round 2, the first's planning rules, and the second's honest plan naming all three."""
+    run = RunConfig(seq_len=32, window_s=5.0)
+    ids = [Identity.generate() for _ in range(3)]
+    recs = [peer_record(i, address=f"127.0.0.1:{1001 + k}", round=2, weights_digest="d") for k, i in enumerate(ids)]
+    rules = make_rules(run, NodeConfig(), me=recs[0].peer_id, numel=5000).planning
+    cfg = PlanConfig(seq_len=32, target_batch=8, window_s=5.0, payload_bytes=1000, mode=run.mode, method=run.method)
+    plan = plan_round(
+        recs,
+        cfg,
+        run_id=run.run_id,
+        round=2,
+        leader=recs[1].peer_id,
+        numel=5000,
+        start_time=time.time() + 1,
+        start_digest="d",
+    )
+    return recs, rules, plan
+
+
 def _not_live(view: set):
     """A follower's check that refuses a plan naming a peer its view lacks (PlanRules.plan_problem's rule)."""
 
@@ -194,22 +214,8 @@ def test_a_plan_naming_a_peer_that_announced_leaving_is_accepted_not_split_on():
     """The leaver case (test_ctrl_c_peer_leaves_cleanly_...): the leader read c2's record before c2 said it
     leaves and planned it; a follower whose live view already drops c2 refused the plan ("names peers that
     are not live") and split the survivors. Checked against the leaving records too, it follows the plan."""
-    run = RunConfig(seq_len=32, window_s=5.0)
-    ids = [Identity.generate() for _ in range(3)]
-    recs = [peer_record(i, address=f"127.0.0.1:{1001 + k}", round=2, weights_digest="d") for k, i in enumerate(ids)]
+    recs, rules, plan = _three_at_round_2()
     gone = recs[2].model_copy(update={"leaving": True})
-    rules = make_rules(run, NodeConfig(), me=recs[0].peer_id, numel=5000).planning
-    cfg = PlanConfig(seq_len=32, target_batch=8, window_s=5.0, payload_bytes=1000, mode=run.mode, method=run.method)
-    plan = plan_round(
-        recs,
-        cfg,
-        run_id=run.run_id,
-        round=2,
-        leader=recs[1].peer_id,
-        numel=5000,
-        start_time=time.time() + 1,
-        start_digest="d",
-    )
     live = {r.peer_id: r for r in recs[:2]}
     assert "not live" in (rules.plan_problem(plan, live) or "")  # the check alone: the refusal that split the round
     assert rules.plan_problem(plan, known_view(live, {gone.peer_id: gone})) is None
@@ -282,21 +288,7 @@ def test_a_plan_naming_a_peer_whose_record_expired_since_a_recent_gather_is_acce
     from geomesh_p2p.round.driver import RECENT_RECORD_S
     from tests.unit.test_round_driver import FakeClock, _peers
 
-    run = RunConfig(seq_len=32, window_s=5.0)
-    ids = [Identity.generate() for _ in range(3)]
-    recs = [peer_record(i, address=f"127.0.0.1:{1001 + k}", round=2, weights_digest="d") for k, i in enumerate(ids)]
-    rules = make_rules(run, NodeConfig(), me=recs[0].peer_id, numel=5000).planning
-    cfg = PlanConfig(seq_len=32, target_batch=8, window_s=5.0, payload_bytes=1000, mode=run.mode, method=run.method)
-    plan = plan_round(
-        recs,
-        cfg,
-        run_id=run.run_id,
-        round=2,
-        leader=recs[1].peer_id,
-        numel=5000,
-        start_time=time.time() + 1,
-        start_digest="d",
-    )
+    recs, rules, plan = _three_at_round_2()
     live = {r.peer_id: r for r in recs[:2]}  # the third's record expired before this read
     (p,) = _peers(1)
     clock = FakeClock()
