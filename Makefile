@@ -36,7 +36,8 @@ browser:
 # pytest_xdist_make_scheduler). 3 workers took 10.7-12.8 min on 2 cores against ~21-24 serially, but
 # two e2e scenarios failed under that load in 2 of 3 fresh-clone runs (the Ctrl+C leaver's fork race, since
 # closed by the no-fork rules of issue 25; a frozen donor of the small model, now run on tiny); the default
-# stays serial (0) until a few parallel fresh-clone runs in a row are green.
+# stays serial (0) until a few parallel fresh-clone runs in a row are green (the first after those fixes: green,
+# 13.0 min).
 TEST_WORKERS ?= 0
 test: setup browser lint
 	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25 tests/unit tests/integration tests/e2e
