@@ -40,6 +40,11 @@ SMALL_100_OPT = pytest.param(
     ),
 )
 
+#: Each scenario on the issue's small @ 100 Mbit/s (opt-in) and on tiny @ 10 Mbit/s (the same download-to-round ratio).
+BOTH_LINKS = pytest.mark.parametrize(
+    "lab", [SMALL_100_OPT, TINY_10], ids=["small-100mbit", "tiny-10mbit"], indirect=True
+)
+
 
 def _sh(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
     p = subprocess.run(list(argv), capture_output=True, text=True)
@@ -160,15 +165,7 @@ def _count(text: str, pattern: str) -> list[re.Match]:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize(
-    "lab",
-    [
-        SMALL_100_OPT,
-        TINY_10,
-    ],
-    ids=["small-100mbit", "tiny-10mbit"],
-    indirect=True,
-)
+@BOTH_LINKS
 def test_a_joiner_behind_a_slow_link_downloads_once_and_trains_within_3_rounds(lab):
     link, sw = lab
     _start(link, sw)
@@ -193,15 +190,7 @@ def test_a_joiner_behind_a_slow_link_downloads_once_and_trains_within_3_rounds(l
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize(
-    "lab",
-    [
-        SMALL_100_OPT,
-        TINY_10,
-    ],
-    ids=["small-100mbit", "tiny-10mbit"],
-    indirect=True,
-)
+@BOTH_LINKS
 def test_a_donor_frozen_during_the_download_costs_at_most_5_s(lab):
     link, sw = lab
     boot = _start(link, sw)
