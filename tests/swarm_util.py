@@ -21,7 +21,7 @@ FAST = [
     "--seq-len",
     "32",
     "--window-s",
-    "2.5",
+    "1.5",  # 2.5 until session 10: a second less per round of every e2e swarm (~200 rounds in the suite)
     "--profile-batches",
     "4,8",
     "--target-batch",

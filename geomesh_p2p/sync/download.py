@@ -332,6 +332,10 @@ async def download_state(
                 if not task.done():
                     task.cancel()
                     await asyncio.wait({task})
+                if not task.cancelled():
+                    # retrieved here: an attempt that failed while this piece was itself being cancelled (a
+                    # sibling piece failed) left "Task exception was never retrieved" (an ERROR with traceback)
+                    task.exception()
         if got[0] != end:
             raise StateSyncError(f"piece {piece} failed on every donor: {errors[-1] if errors else 'no healthy donor'}")
 

@@ -45,6 +45,8 @@ ROUNDS = 4
 #: Worst honest eval perplexity allowed after ROUNDS rounds: clean runs of 3 honest peers ended at 440-571,
 #: the undefended first version at >= 4,380 under every attack of FAST_ATTACKS (as run here).
 PPL_LIMIT = 1000.0
+#: The window PPL_LIMIT was measured with (the shared FAST flags now use 1.5 s): its perplexities need those steps.
+WINDOW = ["--window-s", "2.5"]
 #: Seconds a swarm may take before its honest peers count as hung (a 4-round run takes 45-60 s on 2 idle
 #: cores, up to ~120 s when other jobs share them; at load 12-20 the four start-ups alone took ~80 s and the
 #: run did not end within 200 s: a hang guard, so generous).
@@ -84,6 +86,7 @@ def test_one_attacker_of_four_does_not_poison_or_split_the_honest_peers(swarm, a
         timeout_s=SWARM_TIMEOUT_S,
         lead_rounds=ROUNDS if attack == "rogue-leader" else 0,
         attacker_extra=ATTACKER_FLAGS.get(attack, []),
+        extra=WINDOW,
     )
     logs = honest_log_tails(swarm, o)
     assert o.attacker_acted, (

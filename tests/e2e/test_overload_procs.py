@@ -1,7 +1,7 @@
 """More peers than the cores can carry keep one lineage (issue 25, "no fork under overload").
 
 Six tiny-model peer processes with one torch thread each on a 2-core machine (a third of a core each, less
-under a CI run), a 2.5 s window: DHT reads are late, records are read seconds old, leaders are slow to plan.
+under a CI run), a 1 s window: DHT reads are late, records are read seconds old, leaders are slow to plan.
 Rounds may get longer and peers may be planned out (participants drop); what must never happen is two
 peers ending one round on different states: every round's rows carry one digest.
 """

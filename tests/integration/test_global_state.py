@@ -317,3 +317,54 @@ async def test_two_pieces_failing_at_once_leave_no_unretrieved_task_error():
     gc.collect()
     await asyncio.sleep(0)
     assert reported == []
+
+
+class _ErrorOnCancel:
+    """A StreamCaller whose streams send nothing and, when cancelled, end with an RpcError (CANCELLED) instead
+    of CancelledError, as a gRPC stream can: the piece's attempt task then ends with an error, not cancelled."""
+
+    def call_stream(self, address, method, payload, **kw):
+        async def stream():
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                raise RpcError(address, method, grpc.StatusCode.CANCELLED, "stream cancelled") from None
+            yield None  # never reached: makes this an async generator
+
+        return stream()
+
+
+@pytest.mark.timeout(60)
+async def test_an_attempt_that_fails_as_it_is_cancelled_leaves_no_unretrieved_task_error():
+    """A stalled piece cancels its attempt; an attempt that ends with an error rather than cancelled (its stream
+    raised on cancel, or failed in the same loop pass as a sibling piece) has that error retrieved, not logged as
+    "Task exception was never retrieved" (an ERROR with traceback, seen in a peer resumed after its swarm had
+    left). Checked on the attempt tasks themselves: asyncio logs that ERROR when such a task is collected with
+    ``_log_traceback`` still set, and under pytest the traceback kept the tasks alive past the test."""
+    loop = asyncio.get_running_loop()
+    attempts: list[asyncio.Task] = []
+
+    def factory(loop, coro, **kw):  # the loop names the task after this returns: filtered below
+        t = asyncio.Task(coro, loop=loop, **kw)
+        attempts.append(t)
+        return t
+
+    loop.set_task_factory(factory)
+    gs = _state()
+    try:
+        with pytest.raises(StateSyncError, match="failed on every donor"):
+            await download_state(
+                _ErrorOnCancel(),
+                ["127.0.0.1:1", "127.0.0.1:2"],
+                round=5,
+                numel=gs.num_params,
+                expected_digest=gs.digest,
+                stall_timeout_s=0.3,
+            )
+    finally:
+        loop.set_task_factory(None)
+    attempts[:] = [t for t in attempts if t.get_name().startswith("state-piece-") and "-from-" in t.get_name()]
+    assert attempts and all(t.done() and not t.cancelled() for t in attempts)
+    # asyncio's own flag (no public accessor): set while a task's exception was never asked for
+    assert [t._log_traceback for t in attempts] == [False] * len(attempts)
+    assert all(isinstance(t.exception(), RpcError) for t in attempts)

@@ -367,7 +367,15 @@ class StartTrackingPeer(EagerPeer):
         import weakref
 
         if self.prev_start is not None:
-            gc.collect()  # only a live reference counts, not a dropped frame's cycle waiting for the collector
+            # Only a reference that stays counts: not a dropped frame's cycle waiting for the collector, nor
+            # the executor's work item that handed the start to pseudo_gradient_from (a worker thread drops
+            # it right after setting the call's result; under load the loop can get here first, seen at
+            # load ~7). Held past 2 s is the context keeping it.
+            for _ in range(200):
+                gc.collect()
+                if self.prev_start() is None:
+                    break
+                time.sleep(0.01)
             self.prev_alive.append(self.prev_start() is not None)
         x = super().eager_start(delta, weight)
         self.prev_start = weakref.ref(x)
