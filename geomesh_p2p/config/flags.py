@@ -412,6 +412,10 @@ def load_config_defaults(parser: argparse.ArgumentParser, path: str | None) -> d
         where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
         what = getattr(e, "problem", None) or str(e).splitlines()[0]
         raise ConfigFileError(f"config file {p} does not parse: {what}{where}") from None
+    except RecursionError:  # [[[[... a few thousand deep: the parsers recurse (review, session 10)
+        raise ConfigFileError(f"config file {p} does not parse: nested too deeply") from None
+    except ValueError as e:  # e.g. an integer of more than 4,300 digits (Python's int limit)
+        raise ConfigFileError(f"config file {p} does not parse: {e}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):

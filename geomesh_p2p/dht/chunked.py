@@ -40,6 +40,7 @@ import zlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Generic, Iterable, Optional, TypeVar
+from geomesh_p2p.util.untrusted import json_loads
 
 log = logging.getLogger(__name__)
 
@@ -164,10 +165,7 @@ def parse_head(value: bytes, fmt: ChunkFormat) -> Head:
     if not value.startswith(fmt.head_prefix):
         a = "an" if w[:1] in "aeiou" else "a"
         raise ValueError(f"not {a} {w} of wire version {fmt.version} (starts {value[: len(fmt.inline)]!r})")
-    try:
-        d = json.loads(value[len(fmt.head_prefix) :])
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{w} head is no JSON: {e}") from None
+    d = json_loads(value[len(fmt.head_prefix) :], f"{w} head")
     if not isinstance(d, dict) or set(d) != {"sha256", "size", "chunk_bytes", "chunks"}:
         raise ValueError(f"{w} head must have exactly sha256, size, chunk_bytes, chunks")
     size, cb, chunks = d["size"], d["chunk_bytes"], d["chunks"]

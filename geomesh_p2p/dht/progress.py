@@ -28,6 +28,7 @@ from geomesh_p2p.util.atomic import atomic_write
 from geomesh_p2p.dht.node import DHTNode
 from geomesh_p2p.dht.state import Contact
 from geomesh_p2p.net.identity import Identity, PeerID
+from geomesh_p2p.util.untrusted import json_loads
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +72,7 @@ class SwarmProgress:
     def from_bytes(cls, data: bytes, by: str = "") -> "SwarmProgress":
         """Raises ValueError on anything but {"round": int >= 0, "seen_at": number, "peers": int >= 0} with an
         optional "config_hash": str of at most 128 characters."""
-        d = json.loads(data.decode())
+        d = json_loads(data, "swarm progress record")
         rnd, seen, peers, cfg = d.get("round"), d.get("seen_at"), d.get("peers"), d.get("config_hash", "")
         if not (
             isinstance(rnd, int)

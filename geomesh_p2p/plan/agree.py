@@ -41,7 +41,7 @@ import hashlib
 import logging
 import time
 from collections import Counter
-from typing import Callable, Iterable, Optional, Sequence
+from typing import Callable, Collection, Container, Iterable, Optional, Sequence
 
 from pydantic import ValidationError
 
@@ -215,13 +215,31 @@ class PlanStore:
         round: int,
         accept: Optional[Callable[[RoundPlan], Optional[str]]] = None,
         seen: Optional[set] = None,
+        leaders: Optional[Container[str]] = None,
     ) -> list[RoundPlan]:
         """Valid plans for ``round``: parsed, for this run and round, signed by the leader they name,
         and passing ``accept`` (a check returning a reason to refuse, or None). ``seen``, when given,
         receives the leader of every signed, current plan of the round, refused ones included.
-        A plan whose chunks are not all readable and matching is left out (the next read retries)."""
+        A plan whose chunks are not all readable and matching is left out (the next read retries).
+
+        ``leaders``, when given: only the plans stored under these subkeys (PeerIDs) are parsed and their
+        chunks fetched; the others are left unread. Any identity can store a head under its own subkey, and
+        a head that names 64 chunks costs 64 lookups per read (review, session 10: 50 throwaway identities
+        made each read of a follower take 11-13 s), so a follower passes the peers whose plans its ``accept``
+        could take (a plan's leader must be a live peer it knows)."""
         key = plan_key(self.run_id, round)
         found = list((await self.dht.get(key) or {}).items())
+        if leaders is not None:
+            unknown = [sk for sk, _ in found if sk is None or str(sk) not in leaders]
+            if unknown:
+                self._once(
+                    logging.INFO,
+                    (round, "unknown", len(unknown)),
+                    "round %d: %d plan(s) under the subkeys of no known peer left unread",
+                    round,
+                    len(unknown),
+                )
+                found = [(sk, e) for sk, e in found if sk is not None and str(sk) in leaders]
         loaded = await asyncio.gather(*(self._load(round, key, sk, entry) for sk, entry in found))
         plans = []
         for (subkey, _entry), plan in zip(found, loaded):
@@ -279,6 +297,7 @@ async def obtain_plan(
     provisional: Optional[Callable[[RoundPlan], None]] = None,
     last_resort: Sequence[str] = (),
     authorities: Sequence[str] = (),
+    leaders: Optional[Callable[[], Collection[str]]] = None,
 ) -> Optional[RoundPlan]:
     """Agree on the plan of ``round``: publish one if this peer's turn as leader comes, follow the best.
 
@@ -312,6 +331,10 @@ async def obtain_plan(
         Followers of a refused plan and of another one would end the round on two states. A refusal that is a
         :class:`~geomesh_p2p.plan.schema.ContentRefusal` (it follows from the plan and the run config alone:
         every honest follower gives it) is not such a plan: it is ignored as absent, as before.
+
+        ``leaders()``, when given: PeerIDs whose plans may be read besides ``members``, the candidates, the last
+        resorts and ``authorities`` (the caller's view of live peers: a plan's leader must be one for ``accept``
+        to take it); every other stored plan is left unread (:meth:`PlanStore.read`). None: all are read.
     """
     me = str(store.identity.peer_id)
     member_ids = {m.peer_id for m in members}
@@ -374,9 +397,16 @@ async def obtain_plan(
         return any(k in blockers and (rank(k) < rank(me) or now >= p.created_at) for k, (p, _) in refused.items())
 
     check_fn = check if accept is not None else None
+
+    # Plans read at all: those of ``leaders()`` (evaluated once per read) and of every peer this agreement names
+    named = member_ids | set(order) | set(authorities) | {me}
+
+    def readable() -> dict:
+        return {"leaders": named.union(leaders())} if leaders is not None else {}
+
     while True:
         elapsed = time.monotonic() - t0
-        plans = await store.read(round, check_fn, signed)
+        plans = await store.read(round, check_fn, signed, **readable())
         now_seen = frozenset(p.leader for p in plans)
         if now_seen != seen:
             seen = now_seen
@@ -459,7 +489,7 @@ async def obtain_plan(
                 if provisional is not None:
                     provisional(best)
                 await asyncio.sleep(wait)  # let a better-ranked plan published meanwhile become visible
-                plans = await store.read(round, check_fn) or plans
+                plans = await store.read(round, check_fn, **readable()) or plans
                 if refused_over(choose_plan(store.run_id, round, plans)) is not None:
                     continue  # a better-ranked plan this peer refuses appeared: the loop decides (above)
             chosen = choose_plan(store.run_id, round, plans)

@@ -39,6 +39,7 @@ from typing import Optional
 from geomesh_p2p.dht import chunked
 from geomesh_p2p.dht.chunked import ChunkedValue, ChunkFormat, ChunksPending, Head
 from geomesh_p2p.plan.schema import PeerAssignment, RoundPlan
+from geomesh_p2p.util.untrusted import json_loads
 
 #: Version of the plan's wire form (1: the plan's JSON as one value; 2: this module's head + chunks).
 PLAN_WIRE_VERSION = 2
@@ -94,10 +95,7 @@ def decode_body(body: bytes) -> RoundPlan:
     ``MAX_PLAN_JSON_BYTES`` once decompressed, columns that are no lists of one length) or
     pydantic.ValidationError (a ValueError) when the plan is not valid."""
     text = chunked.decompress_capped(body, MAX_PLAN_JSON_BYTES, "plan")
-    try:
-        d = json.loads(text)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"plan body is no JSON: {e}") from None
+    d = json_loads(text, "plan body")
     cols = d.get("assignments") if isinstance(d, dict) else None
     if not isinstance(cols, dict) or not cols or not all(isinstance(v, list) for v in cols.values()):
         raise ValueError("plan body: assignments must be a non-empty mapping of field -> list")

@@ -92,6 +92,7 @@ class DhtPlanAgreement:
         provisional=None,
         last_resort=(),
         authorities=(),
+        leaders=None,
     ):
         return await obtain_plan(
             self.store,
@@ -104,4 +105,5 @@ class DhtPlanAgreement:
             provisional=provisional,
             last_resort=last_resort,
             authorities=authorities,
+            leaders=leaders,
         )

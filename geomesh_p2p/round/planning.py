@@ -134,6 +134,8 @@ async def agree(drv: RoundDriver, ctx: RoundContext) -> bool:
                 members,
                 make_plan,
                 accept=lambda p: drv.policy.plan_problem(p, known_view(live, leaving, recent)),
+                # the plans accept could take (their leader must be in this view): the others stay unread
+                leaders=lambda: known_view(live, leaving, recent),
                 candidates=candidates,
                 plan_timeout_s=drv.cfg.plan_timeout_s,
                 provisional=on_provisional,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Any, Callable, Collection, Optional, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -99,6 +99,7 @@ class PlanAgreement(Protocol):
         provisional: Optional[Callable[[RoundPlan], None]] = None,
         last_resort: Sequence[str] = (),
         authorities: Sequence[str] = (),
+        leaders: Optional[Callable[[], Collection[str]]] = None,
     ) -> Optional[RoundPlan]:
         """The plan every peer follows for ``round`` (publishing one when this peer's turn comes), or None.
         ``provisional(plan)``: called with the plan it will most likely return, before a settle wait
@@ -107,7 +108,9 @@ class PlanAgreement(Protocol):
         passes it only when non-empty, so an agreement without the keyword still works). ``authorities``:
         established peers besides the candidates whose plans this peer must not bypass when it refuses them
         (passed only when non-empty). Raises :class:`~geomesh_p2p.plan.agree.PlanRefused` when this peer
-        refuses a plan others may follow: the driver sits the round out (no fork, issue 25)."""
+        refuses a plan others may follow: the driver sits the round out (no fork, issue 25). ``leaders()``:
+        the PeerIDs whose stored plans may be read at all (the others are left unread: any identity can store
+        one, and a chunked one costs a lookup per chunk)."""
 
     def publish_background(self, plan: RoundPlan) -> None:
         """Store ``plan`` without waiting (a lone peer's own plan, for the status page); never raises."""

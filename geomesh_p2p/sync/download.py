@@ -43,6 +43,7 @@ from geomesh_p2p.model.state import GlobalState, StateError
 from geomesh_p2p.net.transport import RpcError
 from geomesh_p2p.net.methods import STATE_GET, STATE_UPDATE
 from geomesh_p2p.wire import state_pb2
+from geomesh_p2p.util.untrusted import json_loads
 
 if TYPE_CHECKING:
     from geomesh_p2p.net.identity import Verified
@@ -433,7 +434,7 @@ class OuterUpdate:
             if blob[:4] != _UPDATE_MAGIC:
                 raise ValueError("not an outer update")
             (n,) = struct.unpack("<I", blob[4:8])
-            head = json.loads(bytes(blob[8 : 8 + n]))
+            head = json_loads(bytes(blob[8 : 8 + n]), "update header")
             if int(head["numel"]) != numel:
                 raise ValueError(f"update for P = {head['numel']}, this model has {numel}")
             ranges = tuple((int(a), int(b)) for a, b in head["ranges"])

@@ -37,6 +37,7 @@ from geomesh_p2p.net.identity import EnvelopeError, Identity, PeerID, Verifier, 
 from geomesh_p2p.trust.verify_check import FAIL, MARGINAL, packet_digest
 from geomesh_p2p.trust.verify_task import VerifyTask, selection_message
 from geomesh_p2p.wire import collective_pb2, envelope_pb2
+from geomesh_p2p.util.untrusted import json_loads
 
 __all__ = [
     "Evidence",
@@ -171,7 +172,7 @@ class Evidence:
         if p[:4] != _EVIDENCE_MAGIC:
             raise EvidenceError("evidence payload is malformed")
         try:
-            h = json.loads(p[4:])
+            h = json_loads(p[4:], "evidence header")
             task = VerifyTask.from_dict(h["task"])
             ev = cls(
                 run_id=str(h["run_id"]),

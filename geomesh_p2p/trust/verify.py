@@ -582,7 +582,12 @@ class WorkVerifier:
             if deadline is not None and time.time() > deadline:
                 break
             h, data = next(iter(self._pending.items()))
-            outcome = await asyncio.to_thread(self.recheck, data, micro_batch=micro_batch, deadline=deadline)
+            try:
+                outcome = await asyncio.to_thread(self.recheck, data, micro_batch=micro_batch, deadline=deadline)
+            except Exception as e:  # noqa: BLE001  one record that got past fetch must not stall the queue
+                # (it stayed first in _pending, so no other evidence was ever re-checked again): dropped
+                self._log_once(h, logging.WARNING, "round %d: evidence record refused in its re-check: %r", round, e)
+                outcome = "refused"
             if outcome == "late":
                 break
             del self._pending[h]

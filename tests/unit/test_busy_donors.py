@@ -43,7 +43,7 @@ async def test_a_plan_with_deadlines_followers_refuse_marks_no_donor_busy_nor_hi
     stop = asyncio.Event()
     reads = []
 
-    async def read(rnd, accept=None, seen=None):
+    async def read(rnd, accept=None, seen=None, leaders=None):
         reads.append(rnd)
         if len(reads) == 2:  # both rounds read once: the watcher ends after this pass
             stop.set()

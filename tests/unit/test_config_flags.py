@@ -4,6 +4,7 @@ the demo's peers get the same run config, and bootstrap/ imports nothing from pe
 
 from __future__ import annotations
 
+import argparse
 import ast
 import subprocess
 import sys
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from geomesh_p2p.config.flags import ConfigFileError, derived_fields, flag_specs
+from geomesh_p2p.config.flags import ConfigFileError, derived_fields, flag_specs, load_config_defaults
 from geomesh_p2p.config.models import BootstrapConfig, NodeConfig, RunConfig
 
 pytestmark = pytest.mark.timeout(60)
@@ -206,6 +207,23 @@ def test_demo_peers_get_the_same_run_config(tmp_path):
 
 def test_config_file_error_is_a_value_error():
     assert issubclass(ConfigFileError, ValueError)
+
+
+@pytest.mark.parametrize(
+    "name, text, reason",
+    [
+        ("deep.json", "[" * 100_000, "nested too deeply"),
+        ("deep.yaml", "[" * 100_000, "nested too deeply"),
+        ("big.json", '{"rounds": ' + "9" * 5000 + "}", "Exceeds the limit"),
+    ],
+)
+def test_a_config_file_that_breaks_the_parser_is_one_line_naming_it(tmp_path, name, text, reason):
+    """Review (session 10): nesting past the parsers' recursion limit (RecursionError) and an integer over
+    Python's 4,300-digit limit (ValueError) gave a traceback instead of the ConfigFileError naming the file."""
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(ConfigFileError, match=rf"config file {path} does not parse: .*{reason}"):
+        load_config_defaults(argparse.ArgumentParser(), str(path))
 
 
 def test_bootstrap_imports_nothing_from_peer():

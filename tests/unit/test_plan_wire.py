@@ -13,6 +13,7 @@ import zlib
 
 import pytest
 
+from geomesh_p2p.dht.progress import SwarmProgress
 from geomesh_p2p.dht.state import DHTValue
 from geomesh_p2p.net.identity import Identity
 from geomesh_p2p.plan.agree import PlanStore, plan_key
@@ -27,6 +28,7 @@ from geomesh_p2p.plan.wire import (
 )
 from geomesh_p2p.status.swarm import SwarmWatcher
 from geomesh_p2p.telemetry import events
+from geomesh_p2p.util.untrusted import json_loads
 from tests.plan_util import big_plan
 
 pytestmark = pytest.mark.timeout(60)
@@ -190,3 +192,49 @@ async def test_a_plan_over_the_chunk_limit_is_not_published_and_does_not_raise(m
     monkeypatch.setattr("geomesh_p2p.plan.wire.MAX_PLAN_CHUNKS", 1)  # 1,024 peers need 2
     assert not await PlanStore(dht, leader, RUN).publish(big_plan(1024, run_id=RUN, leader=str(leader.peer_id)))
     assert dht.stores == 0
+
+
+DEEP = b"[" * 100_000  # nested past the JSON parser's recursion limit: RecursionError, not ValueError, before
+
+
+def test_json_nested_too_deeply_is_a_malformed_value_not_a_crash():
+    """Review (session 10): ``json.loads`` of ``[[[[...`` raises RecursionError, which the parsers' ``except
+    ValueError`` let through: one signed plan of 227 bytes (zlib) stopped every peer that read it. Every parser
+    of a peer's JSON refuses it as malformed (ValueError), as a plan, a chunked head, evidence or progress."""
+
+    with pytest.raises(ValueError, match="plan body is no JSON: nested too deeply"):
+        decode_body(zlib.compress(DEEP))
+    with pytest.raises(ValueError, match="plan head is no JSON: nested too deeply"):
+        parse_head(b"gmplan/2H" + DEEP[:60_000])
+    with pytest.raises(ValueError, match="swarm progress record is no JSON: nested too deeply"):
+        SwarmProgress.from_bytes(DEEP)
+    with pytest.raises(ValueError, match="x is no JSON: Exceeds the limit"):
+        json_loads(b"[" + b"9" * 5000 + b"]", "x")  # Python's int digit limit: a ValueError, named
+    with pytest.raises(ValueError, match="x is no JSON: .*utf-8"):
+        json_loads(b"\x80abc", "x")
+    assert json_loads(b'{"a": [1]}', "x") == {"a": [1]}
+
+
+async def test_plans_under_subkeys_of_unknown_peers_are_left_unread(caplog):
+    """Review (session 10): any identity can store a plan head under its own subkey, naming up to 64 chunks;
+    a follower fetched every one (50 throwaway identities: 3,201 lookups, 11-13 s per read). With ``leaders``
+    only the heads of those peers are parsed and their chunks fetched: one get (the key) for 20 foreign
+    64-chunk heads, and the known leader's plan still read."""
+    dht = CountingDHT()
+    leader = Identity.generate()
+    plan = big_plan(1024, run_id=RUN, round=5, leader=str(leader.peer_id))
+    assert await PlanStore(dht, leader, RUN).publish(plan)
+    head = json.loads(split_plan(plan).head[9:])
+    foreign = {**head, "chunks": ["ab" * 32] * 64, "size": 64 * head["chunk_bytes"]}
+    for _ in range(20):
+        sybil = Identity.generate()
+        dht.data[plan_key(RUN, 5)][str(sybil.peer_id)] = (b"gmplan/2H" + json.dumps(foreign).encode(), 0, sybil.peer_id)
+    reader = PlanStore(dht, Identity.generate(), RUN)
+    dht.gets = 0
+    with caplog.at_level(logging.INFO, logger="geomesh_p2p.plan.agree"):
+        assert await reader.read(5, leaders={str(leader.peer_id)}) == [plan]
+    assert dht.gets == 1 + 2  # the key, then the leader's 2 chunks; none of the 20 x 64 foreign chunks
+    assert "round 5: 20 plan(s) under the subkeys of no known peer left unread" in caplog.text
+    dht.gets = 0
+    assert await reader.read(5) == [plan]  # without leaders (the status page, tests): every head is tried
+    assert dht.gets == 1 + 20 * 64

@@ -142,7 +142,7 @@ async def test_steps_started_on_a_plan_that_loses_the_settle_are_discarded():
         def __init__(self, peer):
             self.peer = peer
 
-        async def agree(self, round, members, make_plan, *, accept, candidates, plan_timeout_s, provisional=None):
+        async def agree(self, round, members, make_plan, *, accept, candidates, plan_timeout_s, provisional=None, **kw):
             plan_a, plan_b = make_plan(members, a_leader), make_plan(members, b_leader)
             provisional(plan_a)
             await asyncio.sleep(0)  # the early steps start

@@ -427,7 +427,7 @@ class StateSync:
                     # evidence of a busy donor (and not allowed to hide the round's real plan either).
                     sane = [
                         p
-                        for p in await store.read(rnd)
+                        for p in await store.read(rnd, leaders=addr)  # plans of unknown peers: left unread
                         if float(p.train_deadline) - now <= horizon
                         and float(p.exchange_deadline) - float(p.train_deadline) <= horizon
                     ]
