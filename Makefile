@@ -31,14 +31,12 @@ browser:
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver libfaketime >/dev/null) || \
 	  echo "make: could not install chromium + chromium-driver + libfaketime: the browser and clock-skew tests will be skipped"
 
-# `make lint` first (its findings stop here), then the suite, the slowest 25 tests listed at the end.
-# TEST_WORKERS=N runs it in N pytest-xdist workers: each file's tests in one worker (tests/conftest.py:
-# pytest_xdist_make_scheduler). 3 workers took 10.7-12.8 min on 2 cores against ~21-24 serially, but
-# two e2e scenarios failed under that load in 2 of 3 fresh-clone runs (the Ctrl+C leaver's fork race, since
-# closed by the no-fork rules of issue 25; a frozen donor of the small model, now run on tiny); the default
-# stays serial (0) until a few parallel fresh-clone runs in a row are green (the first after those fixes: green,
-# 13.0 min).
-TEST_WORKERS ?= 0
+# `make lint` first (its findings stop here), then the suite in TEST_WORKERS pytest-xdist workers (3 by default;
+# 0: one process), the slowest 25 tests listed at the end. Each file's tests run in one worker, and a free worker
+# takes the longest file still waiting (tests/conftest.py: pytest_xdist_make_scheduler), so the process swarms of
+# tests/e2e start first and the short unit files fill the last gaps. On 2 cores: ~21 min serially; 3 workers
+# (see README for the measured figures).
+TEST_WORKERS ?= 3
 test: setup browser lint
 	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25 tests/unit tests/integration tests/e2e
 

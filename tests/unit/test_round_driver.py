@@ -6,6 +6,7 @@ Waiting for peers runs on an injected virtual clock where timing matters (the lo
 from __future__ import annotations
 
 import asyncio
+import logging
 import hashlib
 import time
 from types import SimpleNamespace
@@ -367,7 +368,10 @@ async def test_a_digest_mismatch_resyncs_from_the_majority():
     assert odd.catch_ups == 1 and odd.digest == peers[0].digest and torch.equal(odd.theta, peers[0].theta)
 
 
-async def test_a_rogue_plan_is_refused_and_the_next_leaders_plan_followed():
+async def test_a_rogue_plan_is_left_unread_and_the_next_leaders_plan_followed(caplog):
+    """A plan signed by an identity that is no live peer: no follower could take it (its leader must be live),
+    so it is left unread (session 10: parsing and fetching every stranger's head let Sybils slow each read),
+    said once per peer; the best-ranked live leader's plan is followed."""
     swarm = Swarm()
     peers = _peers(2, swarm)
     rogue = Identity.generate()
@@ -383,15 +387,13 @@ async def test_a_rogue_plan_is_refused_and_the_next_leaders_plan_followed():
         start_digest=peers[0].digest,
     )
     await PlanStore(swarm.dht, rogue, RUN).publish(bad)  # signed by its leader, but not a live peer's
-    with events.capture("plan_refused") as refused:
+    with events.capture("plan_refused") as refused, caplog.at_level(logging.INFO, logger="geomesh_p2p.plan.agree"):
         await _run_all(peers, rounds=1)
     best = leader_order(RUN, 0, [p.me for p in peers])[0]
     assert [p.drv.history[0].leader for p in peers] == [best[:10]] * 2
-    # each peer refuses it once (not once per read of the plan store), naming the rogue leader
-    assert sorted((e["peer"], e["round"], e["leader"]) for e in refused) == sorted(
-        (p.me, 0, str(rogue.peer_id)) for p in peers
-    )
-    assert all(e["reason"] for e in refused)
+    # each peer says it once (not once per read of the plan store); nothing parsed, so nothing refused
+    unread = [r for r in caplog.records if "1 plan(s) under the subkeys of no known peer left unread" in r.message]
+    assert len(unread) == 2 and refused == []
     assert peers[0].digest == peers[1].digest
 
 
