@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import logging
 import os
+import shlex
 import signal
 import socket
 import sys
@@ -218,7 +219,7 @@ async def _serve(ns: argparse.Namespace, identity, allow_peers, tls, stop: async
 
     print(f"{PROG} {__version__}: run {ns.run_id!r}, DHT node serving on {address}", flush=True)
     print(f"PeerID: {identity.peer_id}", flush=True)
-    print(f"peers join with: --bootstrap {address}", flush=True)
+    print(f"peers join with: --bootstrap {address} --run-id {shlex.quote(ns.run_id)}", flush=True)
     if allow is not None:
         print(f"private run: {len(allow_peers)} allowed peer(s) from --allow-peers {ns.allow_peers}", flush=True)
     if status is not None:

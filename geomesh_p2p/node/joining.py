@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import TYPE_CHECKING, Optional
 
 
@@ -41,6 +42,8 @@ __all__ = [
     "IDENTITY_PING_TIMEOUT_S",
     "placeholder_record",
     "check_identity_unique",
+    "watch_identity",
+    "read_records",
     "check_swarm",
     "initial_state",
     "resume_from",
@@ -112,6 +115,43 @@ async def check_identity_unique(node: PeerNode) -> None:
                 f"this PeerID ({node.identity.peer_id.short()}) is already live at {rec.address}: another "
                 f"process runs with the same --identity key; give each peer its own key file"
             )
+
+
+#: seconds between two pings of a record of this PeerID at another address (seen in a membership read)
+IDENTITY_RECHECK_S = 30.0
+_identity_checked: dict[str, float] = {}  # PeerID -> monotonic time of its last in-run check
+
+
+async def watch_identity(node: PeerNode, recs: list[PeerRecord]) -> None:
+    """In a run: the check of :func:`check_identity_unique`, when a membership read holds a record of this
+    PeerID at another address. At start the other process may not have announced yet (two peers started
+    with the same default key seconds apart each saw nobody, then trained apart on two lineages; the record
+    under their common subkey then flips between their addresses). At most once per IDENTITY_RECHECK_S.
+
+    Raises:
+        DuplicateIdentityError: the other address answers as this PeerID.
+    """
+    mine = node.record_address
+    if not any(r.peer_id == node.me and r.address and r.address != mine for r in recs):
+        return
+    now = time.monotonic()
+    if now < _identity_checked.get(node.me, 0.0) + IDENTITY_RECHECK_S:
+        return
+    _identity_checked[node.me] = now
+    await check_identity_unique(node)
+
+
+async def read_records(node: PeerNode) -> list[PeerRecord]:
+    """One full read of the run's records of this version and run config, leaving peers' included (the
+    node's shared membership read), checked for this PeerID live elsewhere (:func:`watch_identity`).
+
+    Raises:
+        DuplicateIdentityError: another process runs this PeerID.
+    """
+    v, h, run = geomesh_p2p.__version__, node.config_hash, node.run_cfg.run_id
+    recs = await live_peers(started(node.dht), run, expected_version=v, expected_config_hash=h, include_leaving=True)
+    await watch_identity(node, recs)
+    return recs
 
 
 async def check_swarm(node: PeerNode, mine: Optional[PeerRecord] = None) -> None:

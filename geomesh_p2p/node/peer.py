@@ -38,7 +38,7 @@ from geomesh_p2p.model.capability import (
 )
 from geomesh_p2p.exchange import CollectiveService
 from geomesh_p2p.config.models import NodeConfig, RunConfig
-from geomesh_p2p.dht import PeerAnnouncer, live_peers, record_ttl_s
+from geomesh_p2p.dht import PeerAnnouncer, record_ttl_s
 from geomesh_p2p.dht import DHTNode
 from geomesh_p2p.util.aio import SharedRead
 from geomesh_p2p.util.errors import UserFacingError
@@ -346,13 +346,14 @@ class PeerNode:
         self._stop.set()
 
     async def start(self) -> None:
-
         c = self.cfg
         self.event_sink = events.open_json_sink(c.log_json)  # <log-json>.events.jsonl; closed in shutdown()
         if c.threads:
             torch.set_num_threads(c.threads)
         if c.checkpoint_dir:
             check_writable_dir(c.checkpoint_dir, "--checkpoint-dir")
+        else:  # said at start: a volunteer's Ctrl+C then saves nothing
+            log.info("no --checkpoint-dir: this peer saves no checkpoint (its state lives only in the swarm)")
         # This machine's own resources, one line each and before the DHT join (issue 14 #10): not found
         # out after the join, the link probe and the profile.
         if c.device.startswith("cuda") and not torch.cuda.is_available():
@@ -483,10 +484,9 @@ class PeerNode:
             log.warning("announce failed: %s", e)
 
     async def peers(self, include_leaving: bool = False) -> list[PeerRecord]:
-        """Live, compatible peers of this run (this node's own record always included, fresh); peers
-        that announced they are leaving only with ``include_leaving``. Records without a valid proof of
-        work, or of identities off the allow-list in a private run, are ignored (admission.py). Calls share
-        one DHT read while it runs and for ``peers_max_age_s`` after it (:attr:`member_reads`)."""
+        """Live, compatible peers of this run (this node's own record always included, fresh); leaving ones only
+        with ``include_leaving``. Records without a valid proof of work, or off a private run's allow-list, are
+        ignored (admission.py). Calls share one DHT read while it runs and ``peers_max_age_s`` after it."""
         recs = await self.member_reads.get()
         out = {r.peer_id: r for r in self.admission.filter(recs) if include_leaving or not r.leaving}
         out[self.me] = self.my_record()
@@ -494,10 +494,7 @@ class PeerNode:
 
     async def _read_records(self) -> list[PeerRecord]:
         """One full read of the run's records, leaving peers' included (:attr:`member_reads`' read)."""
-        v, h, run = geomesh_p2p.__version__, self.config_hash, self.run_cfg.run_id
-        return await live_peers(
-            started(self.dht), run, expected_version=v, expected_config_hash=h, include_leaving=True
-        )
+        return await joining.read_records(self)
 
     def _set_state(
         self, round: int, theta: torch.Tensor, momentum: Optional[torch.Tensor], load_model: bool = True
