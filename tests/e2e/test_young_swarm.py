@@ -11,6 +11,9 @@ import pytest
 
 
 ROUNDS = 18
+#: rounds as long as when BOUND was measured: c starts after a's third round and must join before ROUNDS (with
+#: the shared FAST flags' shorter rounds, a and b reached round 15 first under a 3-worker load)
+SLOW = ("--window-s", "2.5")
 #: rounds after the last peer's first round by which the three must train together with equal digests
 BOUND = 8
 
@@ -21,12 +24,12 @@ def test_three_peers_started_apart_with_min_peers_one_form_one_swarm(swarm):
     swarm.bootstrap("boot")  # port 0: it binds a free port and prints it
     entry = swarm.address("boot")
     names = ["a", "b", "c"]
-    swarm.peer("a", "--rounds", str(ROUNDS), "--min-peers", "1", bootstrap=entry)
+    swarm.peer("a", "--rounds", str(ROUNDS), "--min-peers", "1", *SLOW, bootstrap=entry)
     # a trains alone before b starts; c starts once a trained another round (a few seconds apart)
     swarm.wait_for(lambda: len(swarm.rows("a")) >= 1, 120, "a's first round")
-    swarm.peer("b", "--rounds", str(ROUNDS), "--min-peers", "1", bootstrap=entry)
+    swarm.peer("b", "--rounds", str(ROUNDS), "--min-peers", "1", *SLOW, bootstrap=entry)
     swarm.wait_for(lambda: len(swarm.rows("a")) >= 3, 120, "a's third round")
-    swarm.peer("c", "--rounds", str(ROUNDS), "--min-peers", "1", bootstrap=entry)
+    swarm.peer("c", "--rounds", str(ROUNDS), "--min-peers", "1", *SLOW, bootstrap=entry)
     codes = swarm.wait_exit(names, 240)
     logs = "\n".join(f"--- {n}\n{swarm.text(n)[-3000:]}" for n in names)
     assert codes == {n: 0 for n in names}, f"{codes}\n{logs}"
