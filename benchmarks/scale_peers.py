@@ -397,6 +397,7 @@ def main(argv=None) -> int:
     ap.add_argument("--inproc-n", default="8,16,32,64,128", help="inproc tier sizes (default: %(default)s)")
     ap.add_argument("--proc-n", default="8,16", help="proc tier sizes; 32 is possible (default: %(default)s)")
     ap.add_argument("--rounds", type=int, default=2, help="inproc: measured rounds per size (default: %(default)s)")
+    ap.add_argument("--proc-logs", default="", help="proc: keep the peers' logs under this folder (default: deleted)")
     ap.add_argument("--proc-rounds", type=int, default=5, help="proc: rounds per peer (default: %(default)s)")
     ap.add_argument("--proc-timeout-s", type=float, default=600, help="proc: seconds per size (default: %(default)s)")
     ap.add_argument("--reads", type=int, default=3, help="peers() reads per peer per round (default: %(default)s)")
@@ -432,8 +433,13 @@ def main(argv=None) -> int:
             print(json.dumps(rows[-1]), flush=True)
     if "proc" in tiers:
         for n in _sizes(args.proc_n):
-            with tempfile.TemporaryDirectory(prefix=f"scale{n}-") as d:
-                rows.append(proc_row(n, args.proc_rounds, Path(d), args.proc_timeout_s))
+            if args.proc_logs:  # kept: the peers' logs and rows, to read what happened
+                d = Path(args.proc_logs) / f"scale{n}"
+                d.mkdir(parents=True, exist_ok=True)
+                rows.append(proc_row(n, args.proc_rounds, d, args.proc_timeout_s))
+            else:
+                with tempfile.TemporaryDirectory(prefix=f"scale{n}-") as t:
+                    rows.append(proc_row(n, args.proc_rounds, Path(t), args.proc_timeout_s))
             print(json.dumps(rows[-1]), flush=True)
     print(table(rows))
     if args.json:

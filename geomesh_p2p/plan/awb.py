@@ -105,7 +105,16 @@ def _window_for_tokens(s, c, tokens_per_step, T_lo: float, cfg: PlanConfig) -> f
 
 
 def choose_window(s: np.ndarray, c: np.ndarray, tokens_per_step: np.ndarray, cfg: PlanConfig) -> float:
-    """The sync window T (seconds) for AWB; see the module docstring."""
+    """The sync window T (seconds) for AWB; see the module docstring. At most ``cfg.max_window_s``: a window
+    stretched for the slowest peer's minimum steps past what followers accept made every follower (the leader
+    too) refuse every plan, and 32 peer processes on 2 cores (re-profiled at a few tokens/s) split into two
+    lineages (issue 25); capped, the slowest peers train fewer steps than their minimum (the train deadline
+    stops them) and the round is long but held."""
+    T = _choose_window(s, c, tokens_per_step, cfg)
+    return T if cfg.max_window_s is None else min(T, cfg.max_window_s)
+
+
+def _choose_window(s: np.ndarray, c: np.ndarray, tokens_per_step: np.ndarray, cfg: PlanConfig) -> float:
     T_feasible = float(np.max(c + cfg.min_inner_steps * s))
     slack = cfg.window_slack
     if cfg.target_tokens_per_round is not None:

@@ -170,7 +170,9 @@ def window_exclusions(
     largest need is left out when the round with it would be longer than without it by more than
     ``EXCLUDE_NEW_SHARE`` (a peer not in ``kept``, the last round's participants) or ``EXCLUDE_KEPT_SHARE`` x
     the round without it, ``max(window_s, largest need of the others)``; it stops at the first peer kept,
-    and never leaves fewer than ``keep_at_least`` peers. A peer whose exchange is long but fits the window
+    and never leaves fewer than ``keep_at_least`` peers. Before that, a peer whose need exceeds
+    ``cfg.max_window_s`` is left out whatever the others need (kept or not): its minimum steps do not fit any
+    window followers accept (issue 25: 32 processes on 2 cores). A peer whose exchange is long but fits the window
     with its minimum steps costs the round nothing (AWB gives it fewer steps) and is kept. Claims are
     bounded first (:func:`bound_records`). Pure; raises ValueError like :func:`plan_round` on bad records.
     """
@@ -194,6 +196,10 @@ def window_exclusions(
     kept_ids = set(kept)
     remaining = sorted(need, key=lambda p: (-need[p], p))
     excluded: list[str] = []
+    cap = cfg.max_window_s
+    while cap is not None and len(remaining) > max(1, keep_at_least) and need[remaining[0]] > cap:
+        excluded.append(remaining[0])
+        remaining = remaining[1:]
     while len(remaining) > max(1, keep_at_least):
         pid, others = remaining[0], remaining[1:]
         without = max(window, max(need[p] for p in others))

@@ -59,6 +59,11 @@ class PlanConfig(BaseModel):
     mode: Mode = "reencode"
     method: Method = "geomesh"
     uniform_inner_steps: int = Field(default=20, ge=1, description="H for the uniform (DiLoCo) plan")
+    max_window_s: Optional[float] = Field(
+        default=None,
+        gt=0,
+        description="longest window T, seconds (followers refuse deadlines past their horizon); None: no cap",
+    )
     window_slack: float = Field(
         default=0.05, ge=0, le=0.5, description="relative room the AWB planner has to move T to cut straggler idle"
     )

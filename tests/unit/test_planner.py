@@ -167,6 +167,24 @@ def test_explicit_window_is_kept_or_stretched_for_min_steps():
     assert all(a.predicted_compute_s + a.predicted_comm_s <= plan.window_s * (1 + 1e-9) for a in plan.assignments)
 
 
+def test_a_window_stretched_for_slow_peers_stops_at_max_window_s():
+    """32 peer processes on 2 cores re-profiled at a few tokens/s (issue 25): the window stretched for the
+    slowest peer's minimum steps went past what followers accept, every follower (and the leader) refused every
+    plan, and the swarm split. ``max_window_s`` caps the window (the follower's reference window alike), and a
+    peer whose minimum steps do not fit under it is planned out by the exclusion rule."""
+    recs = [make_record("a", 2000.0, 8, 1e8), make_record("b", 1500.0, 8, 1e8), make_record("c", 1.0, 8, 1e8)]
+    cfg = PlanConfig(seq_len=32, target_batch=8, payload_bytes=10_000, window_s=2.5, min_inner_steps=1)
+    assert plan_round(recs, cfg, numel=1000, **PLAN_KW).window_s > 200  # c's one step of 256 tokens
+    capped = cfg.model_copy(update={"max_window_s": 117.0})
+    assert plan_round(recs, capped, numel=1000, **PLAN_KW).window_s == 117.0
+    ex = window_exclusions(recs, capped)
+    assert ex.excluded == ("c",)  # whatever the share rule says: no window followers accept fits its step
+    plan = plan_round([r for r in recs if r.peer_id not in ex.excluded], capped, numel=1000, **PLAN_KW)
+    assert plan.window_s <= 2.5 and check_plan(plan, {r.peer_id: r for r in recs}, capped, now=plan.created_at) is None
+    slow = [recs[2], make_record("d", 1.0, 8, 1e8)]
+    assert window_exclusions(slow, capped, keep_at_least=2).excluded == ()  # never below 2 peers
+
+
 def test_bad_input_raises_value_error_naming_the_peer():
     cfg = PlanConfig(seq_len=8, target_batch=4, payload_bytes=100)
     good = make_record("good", 100.0, 4, 1e6)

@@ -111,6 +111,8 @@ class PlanRules:
             seq_len=r.seq_len,
             target_batch=r.target_batch,
             window_s=r.window_s,
+            # what every follower accepts (plan_problem's horizon), with the exchange's 10% to spare
+            max_window_s=EXCHANGE_HORIZON_SHARE * plan_horizon_s(r.window_s),
             part_align=rule.part_align,
             comm_share=r.comm_share,
             payload_bytes=payload,
