@@ -224,13 +224,6 @@ class PeerAnnouncer:
         self._task: Optional[asyncio.Task] = None
         self._wake = asyncio.Event()
 
-    def follow_rounds(self, cycle_s: float, window_s: Optional[float]) -> None:
-        """Records from now on live :func:`record_ttl_s` of the longer of the sync window and the last round's
-        cycle (seconds, as it really ran). Under CPU overload rounds run several windows long and a peer's
-        loop announces late: with a lifetime from the configured window only, records expired before others
-        read them and the views of 32 peer processes on 2 cores split into two lineages (issue 25)."""
-        self.ttl_s = record_ttl_s(self.period_s, max(window_s or 0.0, cycle_s))
-
     def update(self, record: RecordSource) -> None:
         """Use ``record`` from now on and announce it at once (when running)."""
         self._source = record

@@ -288,8 +288,6 @@ class PeerNode:
             raise RuntimeError(f"round {rec.round}: the round log is closed (the node is shut down)")
         self.round_log.add(rec)
         swarm_status.publish_round_summary(self, rec)  # the bootstrap's status page (issue 16)
-        if self.announcer is not None and rec.cycle_s:  # records outlive rounds as long as they really run
-            self.announcer.follow_rounds(rec.cycle_s, self.run_cfg.window_s)
 
     def _started_transport(self) -> Transport:
         """``self.transport``, the node's gRPC transport.
@@ -354,8 +352,6 @@ class PeerNode:
             torch.set_num_threads(c.threads)
         if c.checkpoint_dir:
             check_writable_dir(c.checkpoint_dir, "--checkpoint-dir")
-        else:  # said at start: a volunteer's Ctrl+C then saves nothing
-            log.info("no --checkpoint-dir: this peer saves no checkpoint (its state lives only in the swarm)")
         # This machine's own resources, one line each and before the DHT join (issue 14 #10): not found
         # out after the join, the link probe and the profile.
         if c.device.startswith("cuda") and not torch.cuda.is_available():

@@ -58,6 +58,8 @@ def build_training(node: PeerNode) -> None:
         "loading the training data (%s) and its tokenizer (cached after the first run)...",
         c.data_path or "the shipped corpus",
     )
+    if not c.checkpoint_dir:  # said once joined (a start-up error stays the only line): Ctrl+C then saves nothing
+        log.info("no --checkpoint-dir: this peer saves no checkpoint (its state lives only in the swarm)")
     t0 = time.monotonic()
     node.dataset = load_dataset(c.data_path, seq_len=r.seq_len, vocab_size=r.vocab_size)
     log.info(

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from geomesh_p2p.config.models import NodeConfig, RunConfig
-from geomesh_p2p.dht.announce import PeerAnnouncer, record_ttl_s
+from geomesh_p2p.dht.announce import record_ttl_s
 from geomesh_p2p.net.identity import Identity
 from geomesh_p2p.node.peer import PeerNode
 from geomesh_p2p.util.aio import SharedRead, TaskScope
@@ -20,24 +20,6 @@ pytestmark = pytest.mark.timeout(30)
 
 
 # ---------------------------------------------------------------- the record's lifetime
-def test_record_ttl_follows_the_rounds_as_they_really_run():
-    """32 peer processes on 2 cores (issue 25): rounds ran 36-47 s for a 2.5 s window, records lived 9 s, expired
-    before others read them, and the views split into two lineages. After each round the announcer's lifetime
-    follows the longer of the window and that round's cycle."""
-    ann = PeerAnnouncer(
-        SimpleNamespace(identity=None, run_id="r"), lambda: None, period_s=2.0, ttl_s=record_ttl_s(2.0, 2.5)
-    )
-    assert ann.ttl_s == 9.0
-    ann.follow_rounds(36.6, 2.5)
-    assert ann.ttl_s == 2 * 36.6 + 2 * 2.0
-    ann.follow_rounds(1.0, 2.5)  # a round shorter than the window: the window's lifetime again
-    assert ann.ttl_s == 9.0
-    ann.follow_rounds(400.0, 2.5)
-    assert ann.ttl_s == 120.0  # capped, as record_ttl_s
-    ann.follow_rounds(10.0, None)  # no fixed window: the cycle
-    assert ann.ttl_s == 24.0
-
-
 def test_record_ttl_follows_the_window():
     assert record_ttl_s(2.0, 6.0) == 16.0  # the defaults: 2 windows + 2 periods (was a fixed 8 s)
     assert record_ttl_s(2.0, 50.0) == 104.0  # a real-size window: a lagging peer's record outlives a round
