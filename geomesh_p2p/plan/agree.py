@@ -230,16 +230,17 @@ class PlanStore:
         key = plan_key(self.run_id, round)
         found = list((await self.dht.get(key) or {}).items())
         if leaders is not None:
-            unknown = [sk for sk, _ in found if sk is None or str(sk) not in leaders]
-            if unknown:
+            known = [(sk, e) for sk, e in found if sk is not None and str(sk) in leaders]
+            if len(known) < len(found):
+                n = len(found) - len(known)
                 self._once(
                     logging.INFO,
-                    (round, "unknown", len(unknown)),
+                    (round, "unknown", n),
                     "round %d: %d plan(s) under the subkeys of no known peer left unread",
                     round,
-                    len(unknown),
+                    n,
                 )
-                found = [(sk, e) for sk, e in found if sk is not None and str(sk) in leaders]
+            found = known
         loaded = await asyncio.gather(*(self._load(round, key, sk, entry) for sk, entry in found))
         plans = []
         for (subkey, _entry), plan in zip(found, loaded):
