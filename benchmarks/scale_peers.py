@@ -299,7 +299,17 @@ def proc_row(n: int, rounds: int, workdir: Path, timeout_s: float) -> dict[str, 
     try:
         # window 2.5 s: the tests' FAST flags had it when this tier's rows in docs/scale.md were measured
         swarm.start_peers(
-            names, "--rounds", str(rounds), "--min-peers", str(n), "--wait-peers-s", "300", "--window-s", "2.5"
+            names,
+            "--rounds",
+            str(rounds),
+            "--min-peers",
+            str(n),
+            "--wait-peers-s",
+            "300",
+            "--window-s",
+            "2.5",
+            "--speed-factor",
+            "1",
         )
         deadline = time.time() + timeout_s
 

@@ -41,6 +41,12 @@ RECORD_TTL_SLACK_PERIODS = 2
 RECORD_TTL_CAP_S = 120.0
 
 
+#: How much later than the stored record a peer's own record expires when it must outlive it (seconds): more
+#: than the rounding of a stored expiration between swarm and local time (the storage shifts it by this
+#: node's clock offset, which moves by milliseconds between stores).
+EXPIRATION_STEP_S = 0.5
+
+
 def record_ttl_s(period_s: float, window_s: Optional[float]) -> float:
     """The lifetime (seconds) of a training peer's record, announced every ``period_s`` seconds in a run
     whose sync window is ``window_s`` seconds (None: no fixed window; then 4 periods, as before):
@@ -192,8 +198,9 @@ class IncompatibleSwarmError(RuntimeError):
 
 
 class PeerAnnouncer:
-    """Keeps this peer's record in the DHT: stores it now, then every ``period_s`` seconds, each
-    time with ``timestamp`` = now and expiration = now + ``ttl_s`` (default 3 x period).
+    """Keeps this peer's record in the DHT: stores it now, then every :attr:`refresh_s` seconds (``period_s``,
+    or a quarter of ``ttl_s`` when longer) and at once on :meth:`update`, each time with ``timestamp`` = now and
+    expiration = now + ``ttl_s`` (default 3 x period; never before the one already stored).
 
     ``record`` is a PeerRecord, or a (sync or async) function returning the current one (called at
     each announcement, so round, throughput and digest stay fresh). Its ``peer_id`` must be the
@@ -223,6 +230,34 @@ class PeerAnnouncer:
         self.last: Optional[PeerRecord] = None
         self._task: Optional[asyncio.Task] = None
         self._wake = asyncio.Event()
+        #: The latest expiration (swarm time) stored for this peer's subkey, by this announcer or found in the
+        #: DHT before its first store: every announcement expires later (see :meth:`announce_once`).
+        self.expires_at: Optional[float] = None
+
+    def follow_rounds(self, cycle_s: float, window_s: Optional[float]) -> None:
+        """Records from now on live :func:`record_ttl_s` of the longer of the sync window and the last round's
+        cycle (seconds, as it really ran). Under CPU overload rounds run several windows long and a peer's
+        loop announces late: with a lifetime from the configured window only, records expired before others
+        read them and the views of 32 peer processes on 2 cores split into two lineages (issue 25). A shorter
+        lifetime after a long one never makes a record expire before the one already stored (the DHT keeps
+        the later expiration): see :meth:`announce_once`."""
+        self.ttl_s = record_ttl_s(self.period_s, max(window_s or 0.0, cycle_s))
+
+    @property
+    def refresh_s(self) -> float:
+        """Seconds between two announcements of an unchanged record: ``period_s``, or a quarter of the record's
+        lifetime when that is longer (a record :meth:`update` changes is announced at once anyway). A lifetime
+        that follows long rounds (:meth:`follow_rounds`) then costs no more announcements per round: every
+        ``period_s`` would store a 40 s round's record ~20 times (each a lookup and k stores), and the overloaded
+        swarm's DHT traffic per round grew with its cycle (issue 25). Four refreshes per lifetime: three may
+        fail or come late before the record expires."""
+        return max(self.period_s, self.ttl_s / 4)
+
+    async def _stored_expiration(self, mine: str) -> Optional[float]:
+        """The expiration (swarm time) of the record the DHT holds for this peer's subkey, None when none."""
+        found = await self.node.get(peers_key(self.run_id), latest=True)
+        item = found.get(mine)
+        return None if item is None else float(item.expiration_time)
 
     def update(self, record: RecordSource) -> None:
         """Use ``record`` from now on and announce it at once (when running)."""
@@ -239,16 +274,31 @@ class PeerAnnouncer:
         return rec
 
     async def announce_once(self) -> bool:
-        """Store the current record now; True when at least one node accepted it."""
+        """Store the current record now; True when at least one node accepted it.
+
+        Its expiration is ``now + ttl_s``, or ``EXPIRATION_STEP_S`` past the latest one already stored for this
+        subkey when that is later: the DHT keeps the record that expires last, so a record expiring sooner
+        would be refused while the stale one stays. That happens to a peer restarted with its key while the
+        record of its previous process lives on (its old address, round and digest: the others would plan
+        it there, and so would it: issue 25), and after :meth:`follow_rounds` shortened the lifetime. Before
+        its first store the announcer reads the subkey's stored expiration (one read of the key); a failed
+        read is logged at DEBUG and the store goes ahead (the stale record then expires on its own)."""
         rec = await self._current()
         mine = self.identity.peer_id.to_string()
         if rec.peer_id != mine:
             raise ValueError(f"PeerRecord.peer_id {rec.peer_id[:10]}… is not this identity's PeerID {mine[:10]}…")
+        if self.expires_at is None:
+            try:
+                self.expires_at = await self._stored_expiration(mine)
+            except Exception as e:  # the DHT may not be reachable yet: announce anyway
+                log.debug("reading this peer's stored record before its first announcement failed: %r", e)
         now = self.node.now()  # swarm time: peers with skewed clocks agree on when it expires
+        expiration = now + self.ttl_s
+        if self.expires_at is not None and self.expires_at >= expiration:
+            expiration = self.expires_at + EXPIRATION_STEP_S
         rec = rec.model_copy(update={"timestamp": now})
-        ok = await self.node.store(
-            peers_key(self.run_id), rec.to_bytes(), now + self.ttl_s, subkey=mine, owner=self.identity
-        )
+        ok = await self.node.store(peers_key(self.run_id), rec.to_bytes(), expiration, subkey=mine, owner=self.identity)
+        self.expires_at = expiration
         self.last = rec
         self.announced += 1
         return ok
@@ -264,7 +314,7 @@ class PeerAnnouncer:
             except Exception as e:  # keep announcing whatever happens
                 log.warning("announcing %s failed: %r", self.identity.peer_id.short(), e)
             self._wake.clear()
-            await wait_event(self._wake, self.period_s)
+            await wait_event(self._wake, self.refresh_s)
 
     def start(self) -> asyncio.Task:
         """Start announcing in the background (a task owned by the node)."""

@@ -45,7 +45,9 @@ Units: seconds and unix seconds for time, bytes for sizes.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
+import time
 from typing import Any, Dict, List, Optional, Sequence
 
 from hivemind.dht.routing import DHTID
@@ -124,7 +126,14 @@ class DHTNode(DHTJoin):
 
     def __init__(self, transport: Transport, **kwargs: Any) -> None:
         super().__init__(transport, **kwargs)
+        #: Seconds each of this node's last stores took (lookup + replicas, a value of a chunked plan included):
+        #: the plan agreement settles at least as long as the slowest of them (:meth:`recent_store_s`).
+        self.store_times: collections.deque = collections.deque(maxlen=32)
         self._serve()
+
+    def recent_store_s(self) -> float:
+        """The longest of this node's last 32 stores, in seconds (0.0 before the first)."""
+        return max(self.store_times, default=0.0)
 
     @classmethod
     async def create(cls, transport: Transport, *, bootstrap: Sequence[str] = (), **kwargs) -> "DHTNode":
@@ -163,7 +172,9 @@ class DHTNode(DHTJoin):
         rec = make_record(key, value, expiration_time, subkey=subkey, owner=owner, run_id=self.run_id)
         vr = self._check_own(rec)
         self._published[(vr.key_id, vr.subkey)] = rec
+        t0 = time.monotonic()
         ok = await self._replicate({vr.key_id: [rec]})
+        self.store_times.append(time.monotonic() - t0)
         return ok[vr.key_id][0]
 
     async def store_record(self, rec: SignedRecord) -> bool:

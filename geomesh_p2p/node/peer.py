@@ -288,6 +288,8 @@ class PeerNode:
             raise RuntimeError(f"round {rec.round}: the round log is closed (the node is shut down)")
         self.round_log.add(rec)
         swarm_status.publish_round_summary(self, rec)  # the bootstrap's status page (issue 16)
+        if self.announcer is not None and rec.cycle_s:  # records outlive rounds as long as they really run
+            self.announcer.follow_rounds(rec.cycle_s, self.run_cfg.window_s)
 
     def _started_transport(self) -> Transport:
         """``self.transport``, the node's gRPC transport.

@@ -78,6 +78,9 @@ log = logging.getLogger(__name__)
 #: Better-ranked candidates a follower waits a whole ``plan_timeout_s`` for before the next takes over;
 #: past them each further candidate waits only ``stagger_s`` more (see :func:`takeover_delay`).
 LEADER_WAIT_CANDIDATES = 2
+#: Seconds a peer waits after the first plan it reads, for a better-ranked plan published meanwhile (the floor of
+#: :meth:`PlanStore.settle_s`, which follows the DHT's store latency).
+SETTLE_S = 0.5
 
 
 def takeover_delay(
@@ -148,6 +151,16 @@ class PlanStore:
         self.reader = PlanReader(dht, chunk_timeout_s=chunk_timeout_s)
         self._refused: set = set()
         self._logged: set = set()
+
+    def settle_s(self, floor_s: float = SETTLE_S) -> float:
+        """How long a follower settles (:func:`obtain_plan`'s ``settle_s``): ``floor_s``, or the longest of this
+        node's recent DHT stores when longer (``DHTNode.recent_store_s``). A better-ranked leader that read no
+        started plan publishes, and its plan becomes visible when its store ends: under load (32 peer processes on
+        2 cores, issue 25) stores took seconds, followers that settled 0.5 s read only the worse-ranked plan,
+        those that read later followed the better one, and the round ended on two states. Stores of one swarm
+        take about as long as each other's, so a settle as long as this node's slowest sees such a plan."""
+        recent = getattr(self.dht, "recent_store_s", None)
+        return max(floor_s, float(recent()) if callable(recent) else 0.0)
 
     async def publish(self, plan: RoundPlan) -> bool:
         """Store ``plan`` signed by this peer: its chunks first (16 at once), then the head, so a reader
@@ -288,7 +301,7 @@ async def obtain_plan(
     make_plan: Callable[[Sequence[PeerRecord], str], RoundPlan],
     *,
     plan_timeout_s: float = 5.0,
-    settle_s: float = 0.5,
+    settle_s: float = SETTLE_S,
     poll_s: float = 1.0,
     give_up_s: Optional[float] = None,
     accept: Optional[Callable[[RoundPlan], Optional[str]]] = None,

@@ -100,6 +100,7 @@ class DhtPlanAgreement:
             members,
             make_plan,
             plan_timeout_s=plan_timeout_s,
+            settle_s=self.store.settle_s(),
             accept=accept,
             candidates=candidates,
             provisional=provisional,

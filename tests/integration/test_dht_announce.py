@@ -194,3 +194,48 @@ async def _newer(node, t) -> bool:
 async def _round_is(node, r) -> bool:
     recs = await live_peers(node)
     return bool(recs) and recs[0].round == r
+
+
+async def test_a_restarted_peer_replaces_its_previous_processes_longer_lived_record():
+    """Issue 25: a peer restarted with its key while the record of its previous process still lives (a lifetime
+    that followed long rounds: 60 s here) announces a record that expires later than that one, so the DHT holds
+    the new address at once (before, the shorter-lived new record was refused and others, the peer itself too,
+    planned it at its old address). A lifetime shortened by follow_rounds never expires before the stored one."""
+    boot = await start_node(refresh_period_s=1.0)
+    identity = Identity.generate()
+    old = await start_node([boot.address], identity=identity)
+    new = None
+    try:
+        stale = PeerAnnouncer(old, lambda: node_record(old, round=7), period_s=30, ttl_s=60.0)
+        assert await stale.announce_once()
+        await stop_node(old)  # SIGKILL: no leaving record
+        new = await start_node([boot.address], identity=identity)
+        assert new.address != old.address
+        fresh = PeerAnnouncer(new, lambda: node_record(new, round=0), period_s=30, ttl_s=6.0)
+        assert await fresh.announce_once()
+        assert fresh.expires_at == pytest.approx(stale.expires_at + 0.5)
+        for reader in (boot, new):
+            assert [(r.address, r.round) for r in await live_peers(reader, RUN)] == [(new.address, 0)]
+        # a shorter lifetime after a longer one: the next record still expires after the stored one
+        before = fresh.expires_at
+        fresh.ttl_s = 3.0  # as follow_rounds sets it after a short round
+        fresh.update(lambda: node_record(new, round=1))
+        assert await fresh.announce_once()
+        assert fresh.expires_at == pytest.approx(before + 0.5)
+        assert [r.round for r in await live_peers(boot, RUN)] == [1]
+    finally:
+        await stop_all([n for n in (new, boot) if n is not None])
+
+
+async def test_a_dht_node_keeps_how_long_its_last_stores_took():
+    """The plan agreement's settle follows it (PlanStore.settle_s): 0.0 before any store, then the longest of the
+    last 32, each a positive duration."""
+    node = await start_node()
+    try:
+        assert node.recent_store_s() == 0.0
+        for i in range(3):
+            assert await node.store(f"{RUN}/x{i}", b"v", time.time() + 30, owner=node.identity)
+        assert len(node.store_times) == 3 and all(t > 0 for t in node.store_times)
+        assert node.recent_store_s() == max(node.store_times)
+    finally:
+        await stop_all([node])

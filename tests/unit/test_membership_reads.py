@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from geomesh_p2p.config.models import NodeConfig, RunConfig
-from geomesh_p2p.dht.announce import record_ttl_s
+from geomesh_p2p.dht.announce import PeerAnnouncer, record_ttl_s
 from geomesh_p2p.net.identity import Identity
 from geomesh_p2p.node.peer import PeerNode
 from geomesh_p2p.util.aio import SharedRead, TaskScope
@@ -212,3 +212,34 @@ async def test_peer_node_phases_share_one_read_leaving_peers_filtered_own_record
         assert by_id[me.me].round == 7  # its own record: fresh, never the stored one
     assert mine[0] == 6
     assert {r.peer_id for r in await me.peers()} == {me.me, a.me} and dht.gets == 1  # within the max age
+
+
+def test_record_ttl_follows_the_rounds_as_they_really_run():
+    """32 peer processes on 2 cores (issue 25): rounds ran 36-47 s for a 2.5 s window, records lived 9 s, expired
+    before others read them, and the views split into two lineages. After each round the announcer's lifetime
+    follows the longer of the window and that round's cycle."""
+    ann = PeerAnnouncer(
+        SimpleNamespace(identity=None, run_id="r"), lambda: None, period_s=2.0, ttl_s=record_ttl_s(2.0, 2.5)
+    )
+    assert ann.ttl_s == 9.0
+    ann.follow_rounds(36.6, 2.5)
+    assert ann.ttl_s == 2 * 36.6 + 2 * 2.0
+    ann.follow_rounds(1.0, 2.5)  # a round shorter than the window: the window's lifetime again
+    assert ann.ttl_s == 9.0
+    ann.follow_rounds(400.0, 2.5)
+    assert ann.ttl_s == 120.0  # capped, as record_ttl_s
+    ann.follow_rounds(10.0, None)  # no fixed window: the cycle
+    assert ann.ttl_s == 24.0
+
+
+def test_an_unchanged_record_is_refreshed_four_times_per_lifetime_at_most_every_period():
+    """Issue 25: with a lifetime that follows 40 s rounds, announcing every 2 s period stored each record ~20 times
+    a round (a lookup and k stores each). The refresh follows the lifetime: a quarter of it, never under the period."""
+    ann = PeerAnnouncer(
+        SimpleNamespace(identity=None, run_id="r"), lambda: None, period_s=2.0, ttl_s=record_ttl_s(2.0, 6.0)
+    )
+    assert (ann.ttl_s, ann.refresh_s) == (16.0, 4.0)  # the defaults: window 6 s, period 2 s
+    ann.follow_rounds(40.0, 6.0)
+    assert (ann.ttl_s, ann.refresh_s) == (84.0, 21.0)
+    ann.ttl_s = 3.0  # a lifetime under 4 periods (tests): the period
+    assert ann.refresh_s == 2.0

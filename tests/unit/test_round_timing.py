@@ -252,3 +252,33 @@ async def test_each_row_carries_its_cycles_traffic_per_method_class():
     rows = drv.history
     assert [r.extra["traffic"] for r in rows] == [{"dht": {"sent": 100, "received": 300, "calls": 2, "served": 5}}] * 3
     assert calls["n"] == 3  # read once per row
+
+
+async def test_the_settle_lasts_as_long_as_the_slowest_recent_dht_store(monkeypatch):
+    """Issue 25 (32 processes on 2 cores): stores took seconds, so a better-ranked plan became visible after a
+    0.5 s settle had ended for some followers, and one round ended on two states. The agreement's settle is the
+    longest of the node's recent DHT stores, at least SETTLE_S (0.5 s); a DHT that measures none keeps 0.5 s."""
+    from types import SimpleNamespace
+
+    import geomesh_p2p.round as round_mod
+    from geomesh_p2p.net.identity import Identity
+    from geomesh_p2p.plan.agree import SETTLE_S
+    from geomesh_p2p.round import DhtPlanAgreement, PlanStore
+    from tests.unit.test_round import RUN as RRUN, MemoryDHT
+
+    ident = Identity.generate()
+    assert PlanStore(MemoryDHT().view(), ident, RRUN).settle_s() == SETTLE_S == 0.5
+    times = [0.2]
+    slow = SimpleNamespace(recent_store_s=lambda: max(times))
+    store = PlanStore(slow, ident, RRUN)
+    assert store.settle_s() == 0.5
+    times.append(2.75)
+    assert store.settle_s() == 2.75
+    got = {}
+
+    async def fake_obtain(*args, **kwargs):
+        got.update(kwargs)
+
+    monkeypatch.setattr(round_mod, "obtain_plan", fake_obtain)
+    await DhtPlanAgreement(store).agree(7, [], None, accept=None, candidates=[], plan_timeout_s=1.0)
+    assert got["settle_s"] == 2.75
