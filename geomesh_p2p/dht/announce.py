@@ -233,6 +233,10 @@ class PeerAnnouncer:
         #: The latest expiration (swarm time) stored for this peer's subkey, by this announcer or found in the
         #: DHT before its first store: every announcement expires later (see :meth:`announce_once`).
         self.expires_at: Optional[float] = None
+        # One announcement at a time: two interleaved ones (the loop's and an update's, with a lifetime that
+        # follow_rounds shortened in between) stored the later-expiring, older record last-but-one, and the
+        # DHT then refused every newer one until now + ttl passed it (seen at 32 processes: "+36.4s later").
+        self._one_at_a_time = asyncio.Lock()
 
     def follow_rounds(self, cycle_s: float, window_s: Optional[float]) -> None:
         """Records from now on live :func:`record_ttl_s` of the longer of the sync window and the last round's
@@ -283,6 +287,10 @@ class PeerAnnouncer:
         it there, and so would it: issue 25), and after :meth:`follow_rounds` shortened the lifetime. Before
         its first store the announcer reads the subkey's stored expiration (one read of the key); a failed
         read is logged at DEBUG and the store goes ahead (the stale record then expires on its own)."""
+        async with self._one_at_a_time:
+            return await self._announce()
+
+    async def _announce(self) -> bool:
         rec = await self._current()
         mine = self.identity.peer_id.to_string()
         if rec.peer_id != mine:
@@ -297,8 +305,8 @@ class PeerAnnouncer:
         if self.expires_at is not None and self.expires_at >= expiration:
             expiration = self.expires_at + EXPIRATION_STEP_S
         rec = rec.model_copy(update={"timestamp": now})
+        self.expires_at = expiration  # before the store: replicas it reached hold it even if the call then fails
         ok = await self.node.store(peers_key(self.run_id), rec.to_bytes(), expiration, subkey=mine, owner=self.identity)
-        self.expires_at = expiration
         self.last = rec
         self.announced += 1
         return ok

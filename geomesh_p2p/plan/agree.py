@@ -158,7 +158,8 @@ class PlanStore:
         started plan publishes, and its plan becomes visible when its store ends: under load (32 peer processes on
         2 cores, issue 25) stores took seconds, followers that settled 0.5 s read only the worse-ranked plan,
         those that read later followed the better one, and the round ended on two states. Stores of one swarm
-        take about as long as each other's, so a settle as long as this node's slowest sees such a plan."""
+        take about as long as each other's, so a settle as long as this node's slowest sees such a plan.
+        :func:`obtain_plan` ends a settle longer than ``SETTLE_S`` by the middle of the plan's window at the latest."""
         recent = getattr(self.dht, "recent_store_s", None)
         return max(floor_s, float(recent()) if callable(recent) else 0.0)
 
@@ -396,6 +397,11 @@ async def obtain_plan(
             refused[plan.leader] = (plan, reason)
         return reason
 
+    def settle_of(plan: RoundPlan) -> float:
+        # A settle longer than SETTLE_S (one that follows slow stores) ends by the middle of the plan's window at
+        # the latest: the inner steps run on the provisional plan meanwhile, and the exchange must not start late.
+        return min(settle_s, max(SETTLE_S, plan.window_s / 2))
+
     def rank(leader: str) -> bytes:
         return leader_rank(store.run_id, round, leader)
 
@@ -444,7 +450,7 @@ async def obtain_plan(
         if over is not None:
             # Some peers may follow the refused plan (it ranks better than anything this peer would follow):
             # read again while its settle runs (the view may catch up: a record read late), then sit out.
-            if swarm_time() > over[0].created_at + settle_s:
+            if swarm_time() > over[0].created_at + settle_of(over[0]):
                 raise PlanRefused(*over)
             best = None
             my_turn_now = False
@@ -498,7 +504,7 @@ async def obtain_plan(
         if best is not None:
             # Settle only while a better-ranked leader may still publish legitimately: until settle_s past
             # the plan's start (created_at); a peer reading later decides at once.
-            wait = min(settle_s, best.created_at + settle_s - swarm_time())
+            wait = min(settle_of(best), best.created_at + settle_of(best) - swarm_time())
             if wait > 0:
                 if provisional is not None:
                     provisional(best)

@@ -9,6 +9,7 @@ import logging
 from geomesh_p2p.util.backoff import Backoff
 from geomesh_p2p.plan.agree import (
     LEADER_WAIT_CANDIDATES,
+    SETTLE_S,
     PlanStore,
     choose_plan,
     digest_majority,
@@ -101,6 +102,7 @@ class DhtPlanAgreement:
             make_plan,
             plan_timeout_s=plan_timeout_s,
             settle_s=self.store.settle_s(),
+            stagger_s=SETTLE_S,  # the take-over stagger stays short whatever the settle
             accept=accept,
             candidates=candidates,
             provisional=provisional,

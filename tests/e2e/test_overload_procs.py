@@ -20,7 +20,8 @@ def test_six_peers_on_two_cores_end_every_round_on_one_digest(swarm):
     names = [f"o{i}" for i in range(N)]
     # a 1 s window: shorter than what six peers on two cores need for a round (their DHT reads, planning,
     # exchange and evaluation share the cores with the inner steps), so rounds run late and records age
-    swarm.start_peers(names, "--min-peers", str(N), "--rounds", str(ROUNDS), "--window-s", "1.0")
+    # (full speed: the FAST flags' half-speed device would leave the cores half the load this test is about)
+    swarm.start_peers(names, "--min-peers", str(N), "--rounds", str(ROUNDS), "--window-s", "1.0", "--speed-factor", "1")
     codes = swarm.wait_exit(names, 200)
     rows = {n: swarm.rows(n) for n in names}
     digests: dict[int, set] = {}

@@ -243,3 +243,46 @@ def test_an_unchanged_record_is_refreshed_four_times_per_lifetime_at_most_every_
     assert (ann.ttl_s, ann.refresh_s) == (84.0, 21.0)
     ann.ttl_s = 3.0  # a lifetime under 4 periods (tests): the period
     assert ann.refresh_s == 2.0
+
+
+async def test_announcements_run_one_at_a_time_and_each_expires_after_the_last():
+    """Seen at 32 processes (issue 25): the loop's announcement and an update's interleaved while follow_rounds
+    shortened the lifetime; the older, later-expiring record was stored last-but-one and the DHT refused the newer
+    ones ("a value expiring +36.4s later is held"). Announcements now run one at a time, and each expires after
+    the one before (0.5 s past it when now + ttl is earlier)."""
+    from tests.records_util import peer_record
+
+    ident = Identity.generate()
+    me = ident.peer_id.to_string()
+    stored: list[tuple[int, float]] = []
+    gate = asyncio.Event()
+
+    class SlowDHT:
+        identity, run_id = ident, "r"
+
+        def now(self):
+            return 1000.0
+
+        async def get(self, key, latest=True):
+            return {}  # nothing stored for this peer yet
+
+        async def store(self, key, value, expiration, subkey=None, owner=None):
+            rnd = PeerRecord.from_bytes(value).round
+            if rnd == 1:
+                await gate.wait()  # the first store is slow
+            stored.append((rnd, expiration))
+            return True
+
+    from geomesh_p2p.schema.peer import PeerRecord
+
+    records = iter([peer_record(me, round=1), peer_record(me, round=2)])
+    ann = PeerAnnouncer(SlowDHT(), lambda: next(records), period_s=2.0, ttl_s=60.0)
+    first = asyncio.ensure_future(ann.announce_once())
+    await asyncio.sleep(0.05)
+    ann.ttl_s = 9.0  # follow_rounds after a short round
+    second = asyncio.ensure_future(ann.announce_once())
+    await asyncio.sleep(0.05)
+    assert stored == []  # the second waits for the first
+    gate.set()
+    assert await asyncio.wait_for(asyncio.gather(first, second), 5) == [True, True]
+    assert stored == [(1, 1060.0), (2, 1060.5)]
