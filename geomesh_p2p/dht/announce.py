@@ -45,6 +45,8 @@ RECORD_TTL_CAP_S = 120.0
 #: than the rounding of a stored expiration between swarm and local time (the storage shifts it by this
 #: node's clock offset, which moves by milliseconds between stores).
 EXPIRATION_STEP_S = 0.5
+#: A record lives at least this many times the node's slowest recent store (:meth:`PeerAnnouncer.lifetime_s`).
+STORE_LATENCY_LIFETIMES = 4.0
 
 
 def record_ttl_s(period_s: float, window_s: Optional[float]) -> float:
@@ -257,6 +259,15 @@ class PeerAnnouncer:
         fail or come late before the record expires."""
         return max(self.period_s, self.ttl_s / 4)
 
+    def lifetime_s(self) -> float:
+        """The lifetime of the next announcement, seconds: ``ttl_s``, or ``STORE_LATENCY_LIFETIMES`` x the
+        longest of the node's recent stores (``DHTNode.recent_store_s``) when that is longer. At 32 processes
+        on 2 cores stores took 10-20 s in the first round (before :meth:`follow_rounds` had a cycle to follow):
+        9 s records arrived expired ("record expired 13.0s ago") and the views of who is live emptied."""
+        recent = getattr(self.node, "recent_store_s", None)
+        slow = STORE_LATENCY_LIFETIMES * float(recent()) if callable(recent) else 0.0
+        return max(self.ttl_s, min(slow, RECORD_TTL_CAP_S))
+
     async def _stored_expiration(self, mine: str) -> Optional[float]:
         """The expiration (swarm time) of the record the DHT holds for this peer's subkey, None when none."""
         found = await self.node.get(peers_key(self.run_id), latest=True)
@@ -284,9 +295,10 @@ class PeerAnnouncer:
         subkey when that is later: the DHT keeps the record that expires last, so a record expiring sooner
         would be refused while the stale one stays. That happens to a peer restarted with its key while the
         record of its previous process lives on (its old address, round and digest: the others would plan
-        it there, and so would it: issue 25), and after :meth:`follow_rounds` shortened the lifetime. Before
-        its first store the announcer reads the subkey's stored expiration (one read of the key); a failed
-        read is logged at DEBUG and the store goes ahead (the stale record then expires on its own)."""
+        it there, and so would it: issue 25), and after :meth:`follow_rounds` shortened the lifetime. After
+        its first store the announcer reads the subkey's stored expiration (one read of the key) and stores again
+        past it when it is later; a failed read is logged at DEBUG (the stale record then expires on its own).
+        The lifetime is :meth:`lifetime_s`."""
         async with self._one_at_a_time:
             return await self._announce()
 
@@ -295,18 +307,28 @@ class PeerAnnouncer:
         mine = self.identity.peer_id.to_string()
         if rec.peer_id != mine:
             raise ValueError(f"PeerRecord.peer_id {rec.peer_id[:10]}… is not this identity's PeerID {mine[:10]}…")
-        if self.expires_at is None:
-            try:
-                self.expires_at = await self._stored_expiration(mine)
-            except Exception as e:  # the DHT may not be reachable yet: announce anyway
-                log.debug("reading this peer's stored record before its first announcement failed: %r", e)
+        first = self.expires_at is None
         now = self.node.now()  # swarm time: peers with skewed clocks agree on when it expires
-        expiration = now + self.ttl_s
+        expiration = now + self.lifetime_s()
         if self.expires_at is not None and self.expires_at >= expiration:
             expiration = self.expires_at + EXPIRATION_STEP_S
         rec = rec.model_copy(update={"timestamp": now})
+        data = rec.to_bytes()
         self.expires_at = expiration  # before the store: replicas it reached hold it even if the call then fails
-        ok = await self.node.store(peers_key(self.run_id), rec.to_bytes(), expiration, subkey=mine, owner=self.identity)
+        ok = await self.node.store(peers_key(self.run_id), data, expiration, subkey=mine, owner=self.identity)
+        if first:
+            # After the first store (not before: a fresh peer's record is not delayed by a read): a record of a
+            # previous process of this identity that expires later was kept instead; outlive it.
+            try:
+                held = await self._stored_expiration(mine)
+            except Exception as e:  # the DHT may not be reachable yet: the stale record then expires on its own
+                log.debug("reading this peer's stored record after its first announcement failed: %r", e)
+                held = None
+            if held is not None and held > expiration:
+                self.expires_at = held + EXPIRATION_STEP_S
+                ok = await self.node.store(
+                    peers_key(self.run_id), data, self.expires_at, subkey=mine, owner=self.identity
+                )
         self.last = rec
         self.announced += 1
         return ok

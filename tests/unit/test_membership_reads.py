@@ -286,3 +286,17 @@ async def test_announcements_run_one_at_a_time_and_each_expires_after_the_last()
     gate.set()
     assert await asyncio.wait_for(asyncio.gather(first, second), 5) == [True, True]
     assert stored == [(1, 1060.0), (2, 1060.5)]
+
+
+def test_a_record_outlives_four_of_the_nodes_slowest_recent_stores():
+    """32 processes on 2 cores, first round (issue 25): stores took 10-20 s and 9 s records arrived expired. The
+    lifetime is at least 4 x the node's slowest recent store, capped like record_ttl_s (120 s)."""
+    times = [0.1]
+    node = SimpleNamespace(identity=None, run_id="r", recent_store_s=lambda: max(times))
+    ann = PeerAnnouncer(node, lambda: None, period_s=2.0, ttl_s=9.0)
+    assert ann.lifetime_s() == 9.0
+    times.append(5.0)
+    assert ann.lifetime_s() == 20.0
+    times.append(60.0)
+    assert ann.lifetime_s() == 120.0
+    assert PeerAnnouncer(SimpleNamespace(identity=None, run_id="r"), lambda: None, ttl_s=9.0).lifetime_s() == 9.0
