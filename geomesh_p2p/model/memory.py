@@ -325,7 +325,30 @@ MemoryProbe = Callable[[Callable[[], None]], "tuple[int, int]"]
 
 
 #: glibc mallopt parameters (malloc.h).
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8
+
+#: glibc malloc arenas a peer process uses at most (:func:`limit_malloc_arenas`).
+MALLOC_ARENAS = 2
+
+
+def limit_malloc_arenas(arenas: int = MALLOC_ARENAS) -> bool:
+    """Cap glibc's malloc arenas at ``arenas`` for the rest of this process (``mallopt(M_ARENA_MAX)``), unless
+    the environment sets ``MALLOC_ARENA_MAX`` (the user's value wins). True when the cap was set.
+
+    glibc gives threads that allocate at once their own arenas (up to 8 per core), and memory freed in one
+    arena is reused by that arena only: a peer's worker threads (encoding, verification, evaluation, the
+    outer step) each keep freed tensors' memory resident. On ``benchmarks/real_size.py --quick`` (gpt2-124m,
+    3 peers on 2 cores) two arenas lowered the peak RSS per peer from 6.75-6.86 to 6.30-6.38 GiB with the
+    same step and round times (docs/real-size.md, session 11). Call it early, before the worker threads
+    start: threads that already have an arena keep it. Other C libraries: nothing happens, False."""
+    if os.environ.get("MALLOC_ARENA_MAX"):
+        return False
+    name = ctypes.util.find_library("c")
+    try:
+        mallopt = ctypes.CDLL(name or "libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return False
+    return bool(mallopt(_M_ARENA_MAX, int(arenas)))
 
 
 #: Allocations from this size (bytes) are mmapped by glibc once :func:`release_freed_memory` configured it,
