@@ -32,7 +32,8 @@ RUN pip install "/src${EXTRAS:+[$EXTRAS]}" && geomesh-peer --version
 
 # ---------------------------------------------------------------- runtime: the venv, a non-root user
 FROM ${PYTHON_IMAGE} AS runtime
-ENV PATH=/opt/venv/bin:$PATH PYTHONUNBUFFERED=1
+ENV PATH=/opt/venv/bin:$PATH PYTHONUNBUFFERED=1 \
+    MALLOC_ARENA_MAX=2
 COPY --from=build /opt/venv /opt/venv
 # The volumes' mount points exist and belong to the user, so fresh named volumes are writable by it.
 RUN useradd --create-home --uid 10001 --shell /usr/sbin/nologin geomesh \
