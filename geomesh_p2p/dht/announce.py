@@ -202,7 +202,7 @@ class IncompatibleSwarmError(RuntimeError):
 class PeerAnnouncer:
     """Keeps this peer's record in the DHT: stores it now, then every :attr:`refresh_s` seconds (``period_s``,
     or a quarter of ``ttl_s`` when longer) and at once on :meth:`update`, each time with ``timestamp`` = now and
-    expiration = now + ``ttl_s`` (default 3 x period; never before the one already stored).
+    expiration = now + :meth:`lifetime_s` (``ttl_s``, default 3 x period; never before the one already stored).
 
     ``record`` is a PeerRecord, or a (sync or async) function returning the current one (called at
     each announcement, so round, throughput and digest stay fresh). Its ``peer_id`` must be the
@@ -233,7 +233,7 @@ class PeerAnnouncer:
         self._task: Optional[asyncio.Task] = None
         self._wake = asyncio.Event()
         #: The latest expiration (swarm time) stored for this peer's subkey, by this announcer or found in the
-        #: DHT before its first store: every announcement expires later (see :meth:`announce_once`).
+        #: DHT right after its first store: every announcement expires later (see :meth:`announce_once`).
         self.expires_at: Optional[float] = None
         # One announcement at a time: two interleaved ones (the loop's and an update's, with a lifetime that
         # follow_rounds shortened in between) stored the later-expiring, older record last-but-one, and the
@@ -291,14 +291,13 @@ class PeerAnnouncer:
     async def announce_once(self) -> bool:
         """Store the current record now; True when at least one node accepted it.
 
-        Its expiration is ``now + ttl_s``, or ``EXPIRATION_STEP_S`` past the latest one already stored for this
+        Its expiration is now + :meth:`lifetime_s`, or ``EXPIRATION_STEP_S`` past the latest one already stored for this
         subkey when that is later: the DHT keeps the record that expires last, so a record expiring sooner
         would be refused while the stale one stays. That happens to a peer restarted with its key while the
         record of its previous process lives on (its old address, round and digest: the others would plan
         it there, and so would it: issue 25), and after :meth:`follow_rounds` shortened the lifetime. After
         its first store the announcer reads the subkey's stored expiration (one read of the key) and stores again
-        past it when it is later; a failed read is logged at DEBUG (the stale record then expires on its own).
-        The lifetime is :meth:`lifetime_s`."""
+        past it when it is later; a failed read is logged at DEBUG (the stale record then expires on its own)."""
         async with self._one_at_a_time:
             return await self._announce()
 

@@ -343,12 +343,18 @@ def limit_malloc_arenas(arenas: int = MALLOC_ARENAS) -> bool:
     start: threads that already have an arena keep it. Other C libraries: nothing happens, False."""
     if os.environ.get("MALLOC_ARENA_MAX"):
         return False
-    name = ctypes.util.find_library("c")
+    libc = _glibc()
+    return libc is not None and bool(libc.mallopt(_M_ARENA_MAX, int(arenas)))
+
+
+def _glibc() -> Optional[ctypes.CDLL]:
+    """The C library when it has glibc's ``malloc_trim`` and ``mallopt``; None elsewhere (musl, macOS)."""
     try:
-        mallopt = ctypes.CDLL(name or "libc.so.6").mallopt
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim, libc.mallopt  # noqa: B018  (AttributeError where they are missing)
     except (OSError, AttributeError):
-        return False
-    return bool(mallopt(_M_ARENA_MAX, int(arenas)))
+        return None
+    return libc
 
 
 #: Allocations from this size (bytes) are mmapped by glibc once :func:`release_freed_memory` configured it,
@@ -370,16 +376,13 @@ def release_freed_memory(configure: bool = False) -> bool:
     maps and faults in its activations and gradients afresh (the tiny preset's inner steps ran 1.5-3x
     slower in a 4-peer swarm on 2 cores). Other C libraries (musl, macOS): nothing happens, False.
     """
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name or "libc.so.6")
-        trim, mallopt = libc.malloc_trim, libc.mallopt
-    except (OSError, AttributeError):
+    libc = _glibc()
+    if libc is None:
         return False
     if configure:
-        mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
-        mallopt(_M_TRIM_THRESHOLD, 2 * MMAP_THRESHOLD_BYTES)
-    trim(0)
+        libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
+        libc.mallopt(_M_TRIM_THRESHOLD, 2 * MMAP_THRESHOLD_BYTES)
+    libc.malloc_trim(0)
     return True
 
 
