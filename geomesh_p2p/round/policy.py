@@ -7,9 +7,10 @@ over its state; tests build them directly with fakes (tests/rules_util.py).
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Callable, Optional
 
-from geomesh_p2p.round.rules.penalties import OWNER_PENALTY_ROUNDS, Penalties
+from geomesh_p2p.round.rules.penalties import OWNER_PENALTY_ROUNDS, Penalties, conclusive
 from geomesh_p2p.round.rules.planning import PlanRules, plan_horizon_s
 from geomesh_p2p.round.rules.profiling import EXCHANGE_COST_STEP, Reprofiler
 from geomesh_p2p.round.rules.state_sync import StateSync
@@ -20,6 +21,9 @@ from geomesh_p2p.trust import probation as pb
 
 if TYPE_CHECKING:
     from geomesh_p2p.telemetry.metrics import RoundRecord
+
+# Round log lines keep the node's logger name: operators' filters and the tests' caplog select on it.
+log = logging.getLogger("geomesh_p2p.node.peer.round")
 
 __all__ = [
     "NodeRoundPolicy",
@@ -103,7 +107,17 @@ class NodeRoundPolicy:
         return self.planning.standing_view(records).established(peer_id)
 
     def after_exchange(self, spec, plan, ar) -> None:
-        """Penalties for this peer's own failures, failed owners and no-shows; the exchange's cost EMA."""
+        """Penalties for this peer's own failures, failed owners and no-shows (none from a round that
+        aggregated no token: :func:`~geomesh_p2p.round.rules.penalties.conclusive`, one INFO line says so);
+        the exchange's cost EMA."""
+        if not conclusive(ar) and plan.participants() != [self.state.me]:
+            log.info(
+                "round %d: no part aggregated a token (%d of %d without a result); nobody is marked a no-show "
+                "or a failed owner for it",
+                spec.round,
+                len(ar.missing_parts),
+                len(spec.owners),
+            )
         self.penalties.note_own_failures(spec, plan, ar)
         self.penalties.note_failed_owners(spec, ar)
         self.penalties.note_no_shows(plan, ar)

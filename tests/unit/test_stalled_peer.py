@@ -238,10 +238,18 @@ def test_a_peer_stalled_through_a_round_takes_on_the_penalties_the_others_give_i
     pol.note_own_failures(SimpleNamespace(round=3, owners=owners), plan, nothing, stalled=True)
     assert pol.owner == {"me": 3 + OWNER_PENALTY_ROUNDS}
     assert pol.noshow == {"me": 3 + noshow_penalty_rounds(False)}
-    # not stalled and nothing it can tell: no no-show mark on itself (absent_participants says nothing)
+    # not stalled and the round aggregated no token: the others conclude nothing from it, nor does it
     pol2 = _Policy("me", 3)
     pol2.note_own_failures(SimpleNamespace(round=3, owners=owners), plan, nothing)
-    assert pol2.noshow == {} and pol2.owner == {"me": 3 + OWNER_PENALTY_ROUNDS}
+    assert pol2.noshow == {} and pol2.owner == {}
+    # not stalled, its own part 1 missing while part 0 aggregated tokens: it bars itself like the others do
+    pol2b = _Policy("me", 3)
+    pol2b.note_own_failures(
+        SimpleNamespace(round=3, owners=owners),
+        plan,
+        SimpleNamespace(missing_parts=[1], contributors={0: [("a", 5), ("me", 5)], 2: [("a", 5), ("me", 5)]}),
+    )
+    assert pol2b.noshow == {} and pol2b.owner == {"me": 3 + OWNER_PENALTY_ROUNDS}
     # not stalled, and the others' parts show it contributed nowhere: it marks itself like they do
     pol3 = _Policy("me", 3)
     pol3.note_own_failures(
@@ -256,7 +264,9 @@ def test_forget_marks_since_drops_penalties_noted_from_that_round_on_and_keeps_o
     rules = make_rules(me="me", round=2)  # no exchange cost measured: after_exchange notes penalties only
     pol = rules.penalties
     owners = [SimpleNamespace(peer_id=p) for p in ("old-owner", "new-owner", "me")]
-    pol.note_failed_owners(SimpleNamespace(round=2, owners=owners), SimpleNamespace(missing_parts=[0]))
+    pol.note_failed_owners(
+        SimpleNamespace(round=2, owners=owners), SimpleNamespace(missing_parts=[0], contributors={1: [("me", 3)]})
+    )
     pol.state.round = 3
     plan = SimpleNamespace(round=3, participants=lambda: ["me", "new-owner", "noshow"], probation=lambda: ())
     ar = SimpleNamespace(missing_parts=[1, 2], contributors={0: [("me", 10), ("new-owner", 10)]})
@@ -273,3 +283,21 @@ def test_forget_marks_since_drops_penalties_noted_from_that_round_on_and_keeps_o
     assert pol.owner == {"old-owner": 2 + OWNER_PENALTY_ROUNDS, "me": 3 + OWNER_PENALTY_ROUNDS}
     assert pol.noshow == {}
     assert pol.forget_marks_since(3) == []
+
+
+def test_a_round_that_aggregated_no_token_marks_nobody():
+    """Issue 25, 32 processes on 2 cores: round 0's parts closed below their quorum or with 0-token
+    contributions; each peer marked the no-shows and failed owners its own pulls showed, the marks differed,
+    and two lineages followed. A round that changed nothing concludes nothing, for anyone."""
+    owners = [SimpleNamespace(peer_id=p) for p in ("a", "me", "b")]
+    plan = SimpleNamespace(round=3, participants=lambda: ["a", "me", "b", "c"], probation=lambda: ())
+    spec = SimpleNamespace(round=3, owners=owners)
+    zero = SimpleNamespace(missing_parts=[0, 2], contributors={1: [("a", 0), ("me", 0)]})
+    rules = make_rules(me="me", round=3)
+    rules.after_exchange(spec, plan, zero)
+    assert rules.penalties.owner == {} and rules.penalties.noshows() == {} and rules.penalties.noted == {}
+    # the same round with one token applied in part 1: the failed owners and the no-shows are marked
+    one = SimpleNamespace(missing_parts=[0, 2], contributors={1: [("a", 1), ("me", 0)]})
+    rules.after_exchange(spec, plan, one)
+    assert rules.penalties.owner == {"a": 3 + OWNER_PENALTY_ROUNDS, "b": 3 + OWNER_PENALTY_ROUNDS}
+    assert set(rules.penalties.noshows()) == {"b", "c"}

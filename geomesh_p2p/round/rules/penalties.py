@@ -1,7 +1,9 @@
 """Penalties of the round rules (:class:`Penalties`): owners whose part had no valid result own no part for
 ``OWNER_PENALTY_ROUNDS`` rounds, participants that contributed to no part are not planned (nor leader
 candidates) for ``probation.noshow_penalty_rounds`` rounds, and this peer's own failures, taken on by
-itself so that its plans and checks agree with the others'.
+itself so that its plans and checks agree with the others'. A round that aggregated no token anywhere
+concludes nothing (:func:`conclusive`): under overload every peer's view of it differs, and marks taken from
+those views split the swarm (issue 25, 32 processes on 2 cores).
 """
 
 from __future__ import annotations
@@ -14,12 +16,24 @@ from geomesh_p2p.trust import probation as pb
 # Round log lines keep the node's logger name: operators' filters and the tests' caplog select on it.
 log = logging.getLogger("geomesh_p2p.node.peer.round")
 
-__all__ = ["Penalties", "OWNER_PENALTY_ROUNDS"]
+__all__ = ["Penalties", "OWNER_PENALTY_ROUNDS", "conclusive"]
 
 #: Rounds during which a peer owns no part after a part it owned had no valid result (owner gone, or a
 #: result every reader refused, e.g. below the quorum). All honest peers saw the same missing part, so
 #: honest leaders agree; the peer still contributes, it only stops deciding a range.
 OWNER_PENALTY_ROUNDS = 5
+
+
+def conclusive(ar) -> bool:
+    """Whether round result ``ar`` (an :class:`~geomesh_p2p.exchange.client.AllReduceResult`) can tell who
+    failed: some part aggregated at least one token. A round that changed nothing (every part missing, or
+    every contribution of 0 tokens: nobody trained in time) is the swarm's failure, not a peer's. Seen at 32
+    processes on 2 cores: round 0's exchange closed with 19 of 30 parts below their quorum and 0 tokens in
+    the others; each peer marked as no-shows and failed owners whatever its own pulls missed, those marks
+    differed between peers, their leader candidates and accepted plans differed, and from round 1 two
+    lineages trained side by side. With no token applied, every peer's weights are unchanged and equal, so
+    concluding nothing keeps their rules equal too."""
+    return any(int(n) > 0 for part in (getattr(ar, "contributors", None) or {}).values() for _, n in part)
 
 
 class Penalties:
@@ -76,7 +90,10 @@ class Penalties:
           plan it; marked in its own view too, it does not lead meanwhile (leader_candidates' ``barred``).
 
         The driver calls it alone (``stalled=True``) for a round this peer was stalled through: its view
-        of the others is void then, its own failures are real for everyone."""
+        of the others is void then, its own failures are real for everyone. Otherwise nothing is taken on
+        from a round that aggregated no token (:func:`conclusive`): the others conclude nothing from it."""
+        if not stalled and not conclusive(ar):
+            return
         me = self.state.me
         self._note_own_no_show(plan, ar, stalled)
         for j in ar.missing_parts:
@@ -112,7 +129,10 @@ class Penalties:
 
     def note_failed_owners(self, spec, ar) -> None:
         """Owners of parts with no valid result this round own no part for ``OWNER_PENALTY_ROUNDS`` rounds
-        (this peer's own parts: :meth:`note_own_failures`)."""
+        (this peer's own parts: :meth:`note_own_failures`). Nothing from a round that aggregated no token
+        (:func:`conclusive`)."""
+        if not conclusive(ar):
+            return
         for j in ar.missing_parts:
             pid = spec.owners[j].peer_id
             if pid == self.state.me:
@@ -131,7 +151,10 @@ class Penalties:
     def note_no_shows(self, plan, ar) -> None:
         """Participants of ``plan`` in no aggregate this node applied are not planned (nor leader
         candidates) for ``probation.noshow_penalty_rounds`` rounds. Every honest peer applied the same
-        aggregates, so honest leaders agree. Nothing is concluded when no part had a result."""
+        aggregates, so honest leaders agree. Nothing is concluded when no part had a result, nor when no
+        part aggregated a token (:func:`conclusive`)."""
+        if not conclusive(ar):
+            return
         pen = self.noshows()
         marked = set(plan.probation())
         for pid in pb.absent_participants(plan.participants(), ar.contributors):
