@@ -32,8 +32,10 @@ RUN pip install "/src${EXTRAS:+[$EXTRAS]}" && geomesh-peer --version
 
 # ---------------------------------------------------------------- runtime: the venv, a non-root user
 FROM ${PYTHON_IMAGE} AS runtime
+# Caches (tokenizers, token ids; Hugging Face and torch downloads) go to the identity volume, so the
+# container also runs with a read-only root file system (docker run --read-only --tmpfs /tmp, docs/docker.md).
 ENV PATH=/opt/venv/bin:$PATH PYTHONUNBUFFERED=1 \
-    MALLOC_ARENA_MAX=2
+    MALLOC_ARENA_MAX=2 XDG_CACHE_HOME=/home/geomesh/.geomesh/cache
 COPY --from=build /opt/venv /opt/venv
 # The volumes' mount points exist and belong to the user, so fresh named volumes are writable by it.
 RUN useradd --create-home --uid 10001 --shell /usr/sbin/nologin geomesh \
@@ -41,7 +43,8 @@ RUN useradd --create-home --uid 10001 --shell /usr/sbin/nologin geomesh \
     && chown geomesh:geomesh /home/geomesh/.geomesh /data /checkpoints
 USER geomesh
 WORKDIR /home/geomesh
-# identity keys (~/.geomesh: identity.key, bootstrap.key, their proof-of-work caches), training text, checkpoints
+# identity keys (~/.geomesh: identity.key, bootstrap.key, their proof-of-work caches, the caches above),
+# training text, checkpoints: the only places the node writes (with /tmp for `export` of a model config)
 VOLUME ["/home/geomesh/.geomesh", "/data", "/checkpoints"]
 # 31337: gRPC (a peer's --port, a bootstrap's default); 9100: Prometheus (--metrics-port 9100)
 EXPOSE 31337 9100

@@ -1,7 +1,8 @@
 """Node identity: Ed25519 keys, PeerIDs and signed envelopes (DESIGN.md, "Identity and trust").
 
 * A node's key lives in a file (raw 32-byte Ed25519 private key, PEM-free) created with mode 0600
-  and reused across restarts. A key file that others can read is refused.
+  and reused across restarts. A key file that others can read is refused, unless the platform mounted it
+  read-only as a secret (:func:`key_permission_problem`); one that others can write, always.
 * PeerID = SHA-256 of the raw 32-byte public key. Printed as base58 (``PeerID.to_string``), short
   form = its first 10 characters.
 * A signed envelope binds run id, round, sender, timestamp, nonce, payload SHA-256 and a ``kind``
@@ -78,6 +79,48 @@ class PeerID(bytes):
         return f"PeerID({self.short()}…)"
 
 
+def read_only_mount(path: Path) -> bool:
+    """True when ``path`` lies on a file system mounted read-only (``statvfs``'s ``ST_RDONLY``): a Docker or
+    Kubernetes secret, a ``:ro`` bind mount. False when it cannot be told."""
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except (OSError, AttributeError):
+        return False
+
+
+def key_permission_problem(
+    path: Path, mode: int, owner_uid: int, my_uid: int, on_read_only_mount: bool, dir_writable: bool
+) -> Optional[str]:
+    """Why the key file at ``path`` (permission bits ``mode``, owned by ``owner_uid``; this process runs as
+    ``my_uid``; ``dir_writable``: this process may write its folder) must not be used, or None. The policy
+    (docs/docker.md, "The identity key as a secret"):
+
+    * on a read-only mount (a Docker or Kubernetes secret, a ``:ro`` bind mount): accepted whatever its mode
+      bits, since nobody can change it there, ``chmod`` is impossible and inside the container there are no
+      other users to read it;
+    * writable by group or others: refused (anyone could swap the key);
+    * readable by group or others: refused, unless root owns it while this process is not root and cannot
+      write its folder (a secret the platform provisioned, e.g. ``/run/secrets``: only its owner can fix it).
+
+    The message is one line naming the file, its mode and a fix that is possible where the file is.
+    """
+    if on_read_only_mount:
+        return None
+    mine = my_uid in (0, owner_uid)
+    if mode & (stat.S_IWGRP | stat.S_IWOTH):
+        fix = f"fix it with: chmod 600 {path}" if mine else "its owner must make it mode 0600 or 0400"
+        return f"identity file {path} is writable by other users (mode {mode:o}); {fix}"
+    if not mode & (stat.S_IRWXG | stat.S_IRWXO):
+        return None
+    if owner_uid == 0 and not mine and not dir_writable:
+        return None
+    fix = f"fix it with: chmod 600 {path}" if mine else "its owner must make it mode 0600 or 0400"
+    return (
+        f"identity file {path} is accessible by other users (mode {mode:o}); {fix} "
+        f"(a key mounted read-only, as Docker and Kubernetes mount secrets, is accepted as it is)"
+    )
+
+
 class Identity:
     """An Ed25519 key pair and its PeerID."""
 
@@ -96,8 +139,9 @@ class Identity:
     def load_or_create(cls, path: str | os.PathLike) -> "Identity":
         """Load the key at ``path``, or create it (mode 0600, parent folders 0700) when absent.
 
-        Raises IdentityError (one line) when the file is readable by group/others, unreadable,
-        not a 32-byte Ed25519 key, or the path is a folder.
+        Raises IdentityError (one line) when the file is readable by group/others (except a secret
+        mounted read-only: :func:`key_permission_problem`), writable by them, unreadable, not a 32-byte
+        Ed25519 key, or the path is a folder.
         """
         p = Path(path).expanduser()
         if p.is_dir():
@@ -117,12 +161,12 @@ class Identity:
             except OSError as e:
                 raise IdentityError(f"cannot create identity file {p}: {e.strerror}") from None
         try:
-            mode = p.stat().st_mode
-            if mode & (stat.S_IRWXG | stat.S_IRWXO):
-                raise IdentityError(
-                    f"identity file {p} is accessible by other users (mode {stat.S_IMODE(mode):o}); "
-                    f"fix it with: chmod 600 {p}"
-                )
+            st = p.stat()
+            problem = key_permission_problem(
+                p, stat.S_IMODE(st.st_mode), st.st_uid, os.geteuid(), read_only_mount(p), os.access(p.parent, os.W_OK)
+            )
+            if problem:
+                raise IdentityError(problem)
             raw = p.read_bytes()
         except OSError as e:
             raise IdentityError(f"cannot read identity file {p}: {e.strerror}") from None

@@ -250,6 +250,9 @@ def test_every_docker_run_example_parses():
             pytest.fail(f"{' '.join(words)}: the CLI refuses it (exit {e.code})")
         for vol in _option(opts, "-v"):
             target = vol.split(":")[1]
+            if target.startswith("/run/secrets/"):  # a key mounted read-only as a secret, named by --identity
+                assert vol.endswith(":ro") and ns.identity == target, vol
+                continue
             assert target in ("/home/geomesh/.geomesh", "/data", "/checkpoints"), vol
         published = [p.split(":") for p in _option(opts, "-p")]
         for host_port, container_port in published:
@@ -284,3 +287,21 @@ def test_every_build_arg_in_the_docs_is_declared(dockerfile):
     used |= set(re.findall(r"--build-arg (\w+)=", "\n".join(p.read_text() for p in DOCS)))
     assert used and used <= declared, used - declared
     assert {"TORCH_INDEX", "TORCH", "EXTRAS", "PYTHON_IMAGE"} <= declared
+
+
+def test_writes_only_to_volumes_so_a_read_only_root_works(dockerfile):
+    """Issue 29 #6: ``docker run --read-only`` (docs/docker.md): the caches the node writes (tokenizers, token
+    ids; Hugging Face and torch downloads follow ``XDG_CACHE_HOME``) lie in a declared volume, and the docs
+    show a read-only run with the key as a secret."""
+    _, stages = dockerfile
+    runtime = stages[-1]
+    env = " ".join(r for w, r in runtime if w == "ENV")
+    cache = re.search(r"XDG_CACHE_HOME=(\S+)", env)
+    assert cache, "the runtime sets XDG_CACHE_HOME"
+    volumes = {v for w, r in runtime if w == "VOLUME" for v in json.loads(r)}
+    assert any(cache.group(1) == v or cache.group(1).startswith(v + "/") for v in volumes), cache.group(1)
+    read_only = [w for w in _docker_commands("run") if "--read-only" in w]
+    assert read_only and any(
+        any(v.startswith("/run/secrets/") for v in _option(_split_run(w)[0], "-v")) or "/run/secrets/" in " ".join(w)
+        for w in read_only
+    )

@@ -140,3 +140,65 @@ def test_verify_reads_and_hashes_the_payload_once(monkeypatch):
     assert Verifier("run").verify(m2, kind="k").payload == payload
     with pytest.raises(ValueError, match="32 bytes"):
         ident.sign_message(run_id="run", round=1, kind="k", payload=payload, payload_sha256=b"x")
+
+
+# ---- issue 29 #6: a key mounted read-only as a Docker/Kubernetes secret --------------------------------------
+def _secret_dir(tmp_path, mode=0o444):
+    """A key file with ``mode`` in a folder of mode 0555, as a secret volume shows it (restored in teardown)."""
+    d = tmp_path / "secrets"
+    d.mkdir()
+    key = d / "node.key"
+    ident = Identity.load_or_create(key)
+    os.chmod(key, mode)
+    os.chmod(d, 0o555)
+    return ident, key, d
+
+
+def test_key_on_a_read_only_mount_accepted(tmp_path, monkeypatch):
+    from geomesh_p2p.net import identity as identity_mod
+
+    ident, key, d = _secret_dir(tmp_path)
+    try:
+        monkeypatch.setattr(identity_mod, "read_only_mount", lambda p: p == key)  # statvfs's ST_RDONLY there
+        assert Identity.load_or_create(key).peer_id == ident.peer_id
+    finally:
+        os.chmod(d, 0o755)
+
+
+def test_key_readable_by_others_on_a_writable_mount_still_refused(tmp_path):
+    ident, key, d = _secret_dir(tmp_path)
+    try:  # 0444 in a 0555 folder, but owned by this user on a writable file system: chmod 600 works here
+        with pytest.raises(IdentityError) as ei:
+            Identity.load_or_create(key)
+        msg = str(ei.value)
+        assert f"chmod 600 {key}" in msg and "mode 444" in msg and "read-only" in msg and "\n" not in msg
+    finally:
+        os.chmod(d, 0o755)
+
+
+def test_key_permission_policy_table(tmp_path):
+    from geomesh_p2p.net.identity import key_permission_problem as problem
+
+    p = tmp_path / "k"
+    me = 10001
+    # (mode, owner, my uid, read-only mount, folder writable by me) -> accepted?
+    cases = [
+        ((0o600, me, me, False, True), True),
+        ((0o400, me, me, False, True), True),
+        ((0o644, me, me, False, True), False),  # the usual mistake: refused with chmod 600
+        ((0o444, me, me, False, False), False),  # read-only bits, but mine: chmod 600 is possible
+        ((0o444, 0, me, True, False), True),  # Docker secret: /run/secrets, root, mode 0444, read-only tmpfs
+        ((0o644, 0, me, True, False), True),  # Kubernetes secret: defaultMode 0644, read-only volume
+        ((0o444, 0, me, False, False), True),  # root's file in a folder this user cannot write: provisioned
+        ((0o444, 0, me, False, True), False),  # ... but in a folder it can write: refused
+        ((0o444, 0, 0, False, True), False),  # running as root: it could chmod it
+        ((0o666, me, me, False, True), False),  # writable by others: refused
+        ((0o664, 0, me, False, False), False),  # ... even when root provisioned it on a writable file system
+        ((0o666, 0, me, True, False), True),  # nobody can write a read-only mount
+    ]
+    for args, accepted in cases:
+        got = problem(p, *args)
+        assert (got is None) == accepted, (oct(args[0]), args[1:], got)
+    assert "chmod 600" in problem(p, 0o644, me, me, False, True)
+    assert "its owner must" in problem(p, 0o644, 0, me, False, True)  # not ours: chmod would fail
+    assert "writable by other users" in problem(p, 0o666, me, me, False, True)
