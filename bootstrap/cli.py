@@ -35,6 +35,7 @@ from geomesh_p2p.config.models import DEFAULT_BOOTSTRAP_IDENTITY as DEFAULT_IDEN
 from geomesh_p2p.config.models import DEFAULT_BOOTSTRAP_PORT as DEFAULT_PORT  # noqa: F401
 from geomesh_p2p.config.models import DEFAULT_RUN_ID, BootstrapConfig  # noqa: F401
 from geomesh_p2p.net.addr import AddressError, format_address, is_wildcard_host, normalize_host, parse_address
+from geomesh_p2p.telemetry.logonce import LogOnChange
 from geomesh_p2p.util.aio import unless_set, wait_event
 
 PROG = "geomesh-bootstrap"
@@ -249,13 +250,25 @@ async def _serve(ns: argparse.Namespace, identity, allow_peers, tls, stop: async
             await publish_progress(node, progress, identity)
         return sum(1 for r in recs if not r.leaving)
 
+    # A full disk, a read-only --state-file, a DHT that does not answer: one WARNING per change of state and
+    # one INFO line when it works again, not the same line every --status-interval (issue 29 #7).
+    save_failures, count_failures = LogOnChange(log), LogOnChange(log)
+
     async def save_state() -> None:
         if not state_file:
             return
         try:
             await asyncio.to_thread(BootstrapState.capture(node, progress).save, state_file)
         except OSError as e:  # the bootstrap keeps serving; the next interval tries again
-            log.warning("could not save the bootstrap state to %s: %s", state_file, e.strerror or e)
+            save_failures.failed(
+                (type(e).__name__, e.errno),
+                "could not save the bootstrap state to %s: %s (retried every --status-interval; "
+                "logged again when it changes)",
+                state_file,
+                e.strerror or e,
+            )
+        else:
+            save_failures.recovered("bootstrap state saved to %s again", state_file)
 
     try:
         try:
@@ -290,7 +303,9 @@ async def _serve(ns: argparse.Namespace, identity, allow_peers, tls, stop: async
                     len(node.storage),
                 )
             except Exception as e:  # a status line must never stop the node
-                log.warning("could not count live peers: %r", e)
+                count_failures.failed(type(e).__name__, "could not count live peers: %r", e)
+            else:
+                count_failures.recovered("counting live peers works again")
             await save_state()
     finally:
         if state_file:

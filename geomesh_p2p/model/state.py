@@ -20,7 +20,7 @@ import re
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -33,6 +33,7 @@ __all__ = [
     "save_checkpoint",
     "load_latest_checkpoint",
     "list_checkpoints",
+    "prune_checkpoints",
     "GlobalState",
     "StateChanged",
 ]
@@ -146,6 +147,7 @@ def save_checkpoint(
     meta: dict[str, Any] | None = None,
     keep: int = 3,
     digest_hex: str | None = None,
+    before_commit: Callable[[], None] | None = None,
 ) -> Path:
     """Write the global state after ``round`` and return the metadata file's path.
 
@@ -166,6 +168,11 @@ def save_checkpoint(
     ``digest_hex``: the state's :func:`digest` when the caller knows it already (a
     :class:`GlobalState`); it is then not recomputed. The tensors are written from their
     memory where safetensors allows (0.8 writes from the data pointer: no copy of the state).
+
+    ``before_commit``: called after the weights are on disk and before the JSON commits them; what it
+    raises abandons the checkpoint (the weights file is removed). A caller that stopped waiting for a
+    write that hung (issue 29 #5) makes it raise: the state may have moved on meanwhile, and weights read
+    while it moved must never be committed under the digest computed before.
 
     Raises:
         StateError: tensors not fp32 or of different lengths. TypeError: ``meta`` not
@@ -216,17 +223,33 @@ def save_checkpoint(
             f.write(text)
 
     meta_path = d / (stem + ".json")
+    if before_commit is not None:
+        try:
+            before_commit()
+        except BaseException:
+            if not meta_path.exists():  # an older commit of this round keeps its weights
+                (d / (stem + ".safetensors")).unlink(missing_ok=True)
+            raise
     _atomic_write(meta_path, _write_json)
     _fsync_dir(d)
     if keep > 0:
-        for _, old in list_checkpoints(d)[:-keep]:
-            weights = old.with_suffix(".safetensors")
-            for p in (old, weights):  # JSON first: the checkpoint disappears atomically
-                try:
-                    p.unlink()
-                except FileNotFoundError:
-                    pass
+        prune_checkpoints(d, keep)
     return meta_path
+
+
+def prune_checkpoints(directory: str | os.PathLike, keep: int) -> list[int]:
+    """Delete all but the newest ``keep`` (>= 1) committed checkpoints of ``directory``, each JSON first (the
+    checkpoint disappears atomically) then its weights; returns the rounds deleted, oldest first. A file
+    already gone is skipped; another OSError is raised."""
+    deleted = []
+    for rnd, old in list_checkpoints(directory)[: -max(1, int(keep))]:
+        for p in (old, old.with_suffix(".safetensors")):
+            try:
+                p.unlink()
+            except FileNotFoundError:
+                pass
+        deleted.append(rnd)
+    return deleted
 
 
 def load_latest_checkpoint(

@@ -1,13 +1,20 @@
 """The node's checkpoints (:class:`Checkpointer`; ``--checkpoint-dir`` checked at start by
 :func:`check_writable_dir`): a checkpoint of the state this peer holds every N rounds
 and at shutdown (labelled with that state's round), never ending a training peer over a failed write.
+
+Resources that fail and come back (issue 29): a full disk prunes older checkpoints (the newest complete one
+kept) and tries once more, so the checkpoints catch up as soon as there is room; a failure is one WARNING
+per change of state and its end one INFO line. A write that hangs is abandoned after
+:meth:`Checkpointer.timeout_s` (it never commits) and training goes on.
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import tempfile
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
@@ -17,6 +24,7 @@ from geomesh_p2p.exchange.codec.feedback import PushFeedback
 from geomesh_p2p.model import state as gstate  # module-qualified: tests replace gstate.save_checkpoint
 from geomesh_p2p.round.rules import RoundState
 from geomesh_p2p.telemetry import events
+from geomesh_p2p.telemetry.logonce import LogOnChange
 from geomesh_p2p.util.errors import UserFacingError
 
 if TYPE_CHECKING:
@@ -24,7 +32,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("geomesh_p2p.node.peer")
 
-__all__ = ["Checkpointer", "check_writable_dir"]
+__all__ = ["Checkpointer", "CheckpointAbandoned", "check_writable_dir"]
 
 
 def check_writable_dir(path: str, flag: str) -> Path:
@@ -45,6 +53,26 @@ def check_writable_dir(path: str, flag: str) -> Path:
 
 def _none() -> None:
     return None
+
+
+def _swallow(fut: asyncio.Future) -> None:
+    """Read the outcome of an abandoned write (its thread ends when the file system answers)."""
+    if not fut.cancelled():
+        fut.exception()
+
+
+#: errno values of a full disk or quota (a checkpoint then prunes older ones and tries once more)
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+#: A checkpoint write may take at least this long before it is abandoned (seconds) ...
+CHECKPOINT_TIMEOUT_MIN_S = 120.0
+#: ... or the state's size at this many bytes per second (a slow network file system) ...
+MIN_DISK_BPS = 10e6
+#: ... or this many sync windows, whichever is longest (:meth:`Checkpointer.timeout_s`).
+CHECKPOINT_TIMEOUT_WINDOWS = 10.0
+
+
+class CheckpointAbandoned(OSError):
+    """A checkpoint write that outlived its timeout reached its commit: it is not committed."""
 
 
 class Checkpointer:
@@ -85,42 +113,116 @@ class Checkpointer:
         self._gstate = gstate
         self._feedback = feedback
         self.skip = False
+        #: seconds a write may take (None: :meth:`timeout_s` derives it)
+        self.timeout_override_s: Optional[float] = None
+        self._failures = LogOnChange(log)  # one WARNING per change of state, not one per round
+        self._stuck: Optional[asyncio.Future] = None  # an abandoned write whose thread has not returned
+        self._stuck_round = -1
+
+    def timeout_s(self) -> float:
+        """Seconds a checkpoint write may take before the node stops waiting for it: the longest of
+        :data:`CHECKPOINT_TIMEOUT_MIN_S`, the state's bytes at :data:`MIN_DISK_BPS` and
+        :data:`CHECKPOINT_TIMEOUT_WINDOWS` sync windows (``self.timeout_override_s`` when set)."""
+        if self.timeout_override_s is not None:
+            return self.timeout_override_s
+        theta, outer = self._theta(), self._outer()
+        nbytes = 0 if theta is None else theta.numel() * 4
+        buf = getattr(outer, "buf", None)
+        if isinstance(buf, torch.Tensor):
+            nbytes += buf.numel() * 4
+        window = self.run_cfg.window_s or 0.0
+        return max(CHECKPOINT_TIMEOUT_MIN_S, nbytes / MIN_DISK_BPS, CHECKPOINT_TIMEOUT_WINDOWS * window)
 
     async def checkpoint_or_warn(self, final: bool = False) -> Optional[Path]:
         """Write a checkpoint in a worker thread; a failure (disk full, directory gone read-only, ...) is one
-        WARNING line: the previous checkpoint stays valid (writes are atomic), training goes on and the next
-        checkpoint retries. Awaited before the next round starts, so the state does not change while it is written.
+        WARNING line per change of state (the same failure again is a DEBUG line; the first success after it
+        one INFO line): the previous checkpoint stays valid (writes are atomic), training goes on and the next
+        checkpoint retries. A full disk first prunes older checkpoints (:meth:`checkpoint`). Awaited before the
+        next round starts, so the state does not change while it is written, for at most :meth:`timeout_s`:
+        a write that hangs (a stalled NFS mount) is abandoned with a WARNING (it never commits, see
+        ``before_commit``) and training goes on; while its thread is still stuck no other write starts.
         ``final``: the checkpoint at shutdown (a failure says this peer's last rounds are not on disk)."""
-        try:
-            return await asyncio.to_thread(self.checkpoint)
-        except Exception as e:  # never end a training peer over its checkpoint
-            fields: dict[str, Any] = dict(round=self.state.round, final=final, error=type(e).__name__, detail=str(e))
-            if final:
-                events.emit(
-                    log,
-                    logging.WARNING,
-                    "checkpoint_failed",
-                    "round %d: the final checkpoint failed (%s: %s); "
-                    "the latest one already in %s stays valid (a --resume starts from it, not from round %d)",
-                    self.state.round,
-                    type(e).__name__,
-                    e,
-                    self.cfg.checkpoint_dir,
-                    self.state.round,
-                    **fields,
-                )
-            else:
-                events.emit(
-                    log,
-                    logging.WARNING,
-                    "checkpoint_failed",
-                    "round %d: checkpoint failed (%s: %s); the previous one stays valid, retrying at the next",
-                    self.state.round,
-                    type(e).__name__,
-                    e,
-                    **fields,
-                )
+        if self._stuck is not None and not self._stuck.done():
+            self._failures.failed(
+                "hung",  # the same state as the timeout that abandoned it: one WARNING for both
+                "round %d: checkpoint skipped: the write abandoned at round %d is still stuck in the file system "
+                "(%s); the previous checkpoint stays valid",
+                self.state.round,
+                self._stuck_round,
+                self.cfg.checkpoint_dir,
+                event="checkpoint_failed",
+                round=self.state.round,
+                final=final,
+                error="Stuck",
+                detail=f"write of round {self._stuck_round} still in progress",
+            )
             return None
+        abandoned = threading.Event()
+
+        def before_commit() -> None:
+            if abandoned.is_set():
+                raise CheckpointAbandoned("abandoned: the node stopped waiting for this write")
+
+        write = asyncio.ensure_future(asyncio.to_thread(self.checkpoint, before_commit))
+        timeout = self.timeout_s()
+        try:
+            # shield: a timeout must not cancel the future while its thread still runs (it is kept in _stuck)
+            path = await asyncio.wait_for(asyncio.shield(write), timeout)
+        except asyncio.TimeoutError:
+            abandoned.set()
+            self._stuck, self._stuck_round = write, self.state.round
+            write.add_done_callback(_swallow)  # its late outcome (CheckpointAbandoned) is not an error
+            self._warn(
+                final,
+                "Timeout",
+                f"no progress in {timeout:.0f} s (the file system of {self.cfg.checkpoint_dir} does not answer); "
+                "the write is abandoned and will not commit",
+                key="hung",
+            )
+            return None
+        except Exception as e:  # never end a training peer over its checkpoint
+            self._warn(final, type(e).__name__, str(e), key=(type(e).__name__, getattr(e, "errno", None)))
+            return None
+        if path is not None and self._failures.failing is not None:
+            self._failures.recovered(
+                "round %d: checkpoint written again (%s) after %d failed attempt(s)",
+                self.state.round,
+                path,
+                self._failures.failures,
+                event="checkpoint_recovered",
+                round=self.state.round,
+                failures=self._failures.failures,
+            )
+        return path
+
+    def _warn(self, final: bool, error: str, detail: str, key) -> None:
+        """The WARNING of a failed checkpoint (once per change of state, the final one always)."""
+        fields: dict[str, Any] = dict(round=self.state.round, final=final, error=error, detail=detail)
+        if final:
+            events.emit(
+                log,
+                logging.WARNING,
+                "checkpoint_failed",
+                "round %d: the final checkpoint failed (%s: %s); "
+                "the latest one already in %s stays valid (a --resume starts from it, not from round %d)",
+                self.state.round,
+                error,
+                detail,
+                self.cfg.checkpoint_dir,
+                self.state.round,
+                **fields,
+            )
+            return
+        self._failures.failed(
+            key,
+            "round %d: checkpoint failed (%s: %s); the previous one stays valid, retrying at the next "
+            "(this failure is not logged again until it changes or checkpoints work again)",
+            self.state.round,
+            error,
+            detail,
+            event="checkpoint_failed",
+            **fields,
+        )
 
     def held_state(self) -> tuple[int, Optional[str]]:
         """(round, digest) of the global state this peer holds (``gstate``): ``self.state.round`` runs ahead of it
@@ -155,9 +257,12 @@ class Checkpointer:
             log.info("checkpoint written: %s (round %d)", path, held)
         return path
 
-    def checkpoint(self) -> Optional[Path]:
-        """Write a checkpoint of the state held (worker thread); None when nothing is written. Raises what the
-        write raises (OSError: disk full, directory gone)."""
+    def checkpoint(self, before_commit: Optional[Callable[[], None]] = None) -> Optional[Path]:
+        """Write a checkpoint of the state held (worker thread); None when nothing is written. On a full disk
+        (ENOSPC, EDQUOT) the older checkpoints are deleted, the newest complete one kept, and the write is
+        tried once more: written before pruning, a disk that filled up stayed full (issue 29 #7: the newest
+        checkpoint stayed at the round the disk filled). Raises what the write raises (OSError: disk full,
+        directory gone; what ``before_commit`` raises: see :func:`~geomesh_p2p.model.state.save_checkpoint`)."""
         # No global state taken yet (no digest: _initial_state has not set one): nothing to save. A refused
         # --resume (another run config) wrote the empty state buffer as a round-0 checkpoint into that
         # run's --checkpoint-dir at shutdown before this check.
@@ -167,8 +272,7 @@ class Checkpointer:
         held, digest = self.held_state()  # the weights' own round, not the counter of a peer syncing
         if digest is None:
             return None
-        path = gstate.save_checkpoint(
-            self.cfg.checkpoint_dir,
+        kwargs: dict[str, Any] = dict(
             round=held,
             theta=theta,
             momentum=outer.buf,
@@ -180,6 +284,30 @@ class Checkpointer:
                 "standing": self.state.standing.to_meta(),
             },
         )
+        if before_commit is not None:
+            kwargs["before_commit"] = before_commit
+        try:
+            path = gstate.save_checkpoint(self.cfg.checkpoint_dir, **kwargs)
+        except OSError as e:
+            if e.errno not in DISK_FULL:
+                raise
+            pruned = gstate.prune_checkpoints(self.cfg.checkpoint_dir, keep=1)
+            if not pruned:
+                raise
+            events.emit(
+                log,
+                logging.INFO,
+                "checkpoints_pruned",
+                "round %d: the checkpoint disk is full: deleted %d older checkpoint(s) (rounds %s) to make room, "
+                "kept the newest; writing round %d again",
+                self.state.round,
+                len(pruned),
+                ", ".join(map(str, pruned)),
+                held,
+                round=self.state.round,
+                pruned=pruned,
+            )
+            path = gstate.save_checkpoint(self.cfg.checkpoint_dir, **kwargs)
         fb: Optional[PushFeedback] = self._feedback()
         if fb is not None:  # next to the checkpoint, tagged with its state
             fb.save(self.cfg.checkpoint_dir, state_round=held, digest=digest)

@@ -69,3 +69,56 @@ class LogOnce:
     def __len__(self) -> int:
         """Number of keys remembered (<= capacity)."""
         return len(self._seen)
+
+
+class LogOnChange:
+    """The failures of one resource (a disk, a file, a remote service), logged once per change of state.
+
+    A resource that fails the same way at every try (a full disk at each round's checkpoint, a bootstrap
+    down at each refresh) must not print the same WARNING each time (issue 29 #7: 46 identical lines), and
+    when it comes back the operator must read that it did. :meth:`failed` logs at ``level`` when the
+    resource was fine before or fails another way (its ``kind`` differs), at DEBUG otherwise;
+    :meth:`recovered` logs one INFO line when it was failing. Thread-safe.
+
+    Attributes:
+        failing: the ``kind`` of the current failure, None while the resource works.
+        repeats: failures since the last line logged at ``level`` (0 after it).
+    """
+
+    def __init__(self, logger: logging.Logger, level: int = logging.WARNING):
+        self.logger, self.level = logger, level
+        self.failing: Optional[Hashable] = None
+        self.repeats = 0
+        self.failures = 0  # since the resource last worked
+        self._lock = threading.Lock()
+
+    def failed(self, kind: Hashable, msg: str, *args: Any, event: Optional[str] = None, **fields: Any) -> bool:
+        """One failure of kind ``kind`` (e.g. ``("OSError", errno)``): ``msg % args`` at ``level`` when the
+        state changed, else at DEBUG (with ``event``: through :func:`events.emit`, the event recorded each
+        time with a ``repeat`` field). Returns whether it logged at ``level``."""
+        with self._lock:
+            changed = kind != self.failing
+            self.failing = kind
+            self.failures += 1
+            self.repeats = 0 if changed else self.repeats + 1
+            repeat = self.repeats
+        level = self.level if changed else logging.DEBUG
+        if event is None:
+            self.logger.log(level, msg, *args, stacklevel=2)
+        else:
+            events.emit(self.logger, level, event, msg, *args, stacklevel=2, repeat=repeat, **fields)
+        return changed
+
+    def recovered(self, msg: str, *args: Any, event: Optional[str] = None, **fields: Any) -> bool:
+        """The resource works again: ``msg % args`` at INFO when it was failing (read :attr:`failures` first
+        to say after how many), nothing otherwise. Returns whether it logged."""
+        with self._lock:
+            was = self.failing is not None
+            self.failing, self.repeats, self.failures = None, 0, 0
+        if not was:
+            return False
+        if event is None:
+            self.logger.info(msg, *args, stacklevel=2)
+        else:
+            events.emit(self.logger, logging.INFO, event, msg, *args, stacklevel=2, **fields)
+        return True

@@ -28,6 +28,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
+from geomesh_p2p.telemetry.logonce import LogOnChange
+
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
 
@@ -192,6 +194,7 @@ class RoundLog:
             self.json_path.parent.mkdir(parents=True, exist_ok=True)
         self.print_fn = print_fn
         self._printed_header = False
+        self._json_failures = LogOnChange(log)  # --log-json on a full disk: one WARNING, then one when it works
         self._server: Optional[WSGIServer] = None
         self._thread: Optional[threading.Thread] = None
         self._gauges: dict[str, Any] = {}  # name -> prometheus_client Gauge
@@ -249,8 +252,22 @@ class RoundLog:
             self._printed_header = True
         self.print_fn(format_row(r))
         if self.json_path:
-            with self.json_path.open("a") as f:
-                f.write(r.to_json() + "\n")
+            try:
+                with self.json_path.open("a") as f:
+                    f.write(r.to_json() + "\n")
+            except OSError as e:  # a full disk must not end the round (issue 29 #7): one WARNING per state
+                self._json_failures.failed(
+                    (type(e).__name__, e.errno),
+                    "round %d: cannot append to --log-json %s (%s); rows are missing there until it works again",
+                    r.round,
+                    self.json_path,
+                    e.strerror or e,
+                )
+            else:
+                failures = self._json_failures.failures
+                self._json_failures.recovered(
+                    "round %d: --log-json %s written again (%d row(s) missing)", r.round, self.json_path, failures
+                )
         if self._gauges:
             gz = self._gauges
             gz["round"].set(r.round)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import json
 import logging
 from types import SimpleNamespace
 
@@ -134,3 +135,112 @@ def test_the_final_checkpoint_of_a_synced_peer_is_written(tmp_path):
     assert [r for r, _ in state.list_checkpoints(tmp_path)] == [3]
     node.cfg = NodeConfig()
     assert asyncio.run(node.final_checkpoint()) is None
+
+
+def test_a_full_disk_that_frees_up_again_catches_up_and_warns_once(tmp_path, monkeypatch, caplog):
+    """Issue 29 #7: the checkpoint disk holds ``keep`` (3) checkpoints and no more, and other files fill it for a
+    while. Written before the old ones were pruned, the new checkpoint never fitted again once the disk filled
+    (the newest stayed at that round, one identical WARNING per round); now a full disk prunes to the newest
+    complete checkpoint and tries once more, and the failure is one WARNING until it changes."""
+    node = _node(tmp_path)
+    node.cfg.checkpoint_keep = 3
+    real = state.save_checkpoint
+    other_files = {"fill": False}
+    calls = []
+
+    def disk(directory, **kw):  # room for 3 checkpoints, none while other files fill the disk
+        calls.append(kw["round"])
+        if other_files["fill"] or len(state.list_checkpoints(directory)) >= 3:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(directory, **kw)
+
+    for r in (1, 2, 3):
+        node.state.round = r
+        assert asyncio.run(node.checkpoint_or_warn()) is not None
+    monkeypatch.setattr(state, "save_checkpoint", disk)
+    newest = []
+    with caplog.at_level(logging.DEBUG, logger="geomesh_p2p.node.peer"), events.capture("checkpoint_failed") as failed:
+        for r in range(4, 12):
+            other_files["fill"] = r < 8  # rounds 4-7: the disk is full; then the other files are deleted
+            node.state.round = r
+            asyncio.run(node.checkpoint_or_warn())
+            newest.append(state.list_checkpoints(tmp_path)[-1][0])
+    assert newest == [3, 3, 3, 3, 8, 9, 10, 11]  # caught up as soon as the space came back
+    assert [r for r, _ in state.list_checkpoints(tmp_path)] == [9, 10, 11]  # and keeps 3 again
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "No space left" in warnings[0].getMessage()  # one line, not one per round
+    assert [e["round"] for e in failed] == [4, 5, 6, 7]  # every failure is still an event
+    assert [e["level"] for e in failed] == ["WARNING", "DEBUG", "DEBUG", "DEBUG"]
+    recovered = [r.getMessage() for r in caplog.records if "written again" in r.getMessage()]
+    assert len(recovered) == 1 and "after 4 failed attempt(s)" in recovered[0]
+    pruned = [r.getMessage() for r in caplog.records if "disk is full: deleted" in r.getMessage()]
+    assert len(pruned) == 2  # round 4 (rounds 1, 2 deleted: 3 kept) and round 10 (3 and 8 deleted: 9 kept)
+
+
+def test_a_checkpoint_write_that_hangs_is_abandoned_and_never_commits(tmp_path, monkeypatch, caplog):
+    """Issue 29 #5: a write that hangs (a stalled NFS mount) was awaited forever. Now the node stops waiting
+    after ``timeout_s`` (one WARNING), starts no other write while that thread is stuck (its round is skipped),
+    and the abandoned write, when the file system answers, does not commit weights that moved meanwhile."""
+    import threading
+
+    node = _node(tmp_path)
+    node.timeout_override_s = 0.2
+    release, entered = threading.Event(), threading.Event()
+    real = state.save_checkpoint
+
+    def nfs(directory, **kw):  # the weights hang in the file system until released
+        def hang():
+            entered.set()
+            assert release.wait(30), "never released"
+            kw["before_commit"]()  # the commit check
+
+        return real(directory, **{**kw, "before_commit": hang})
+
+    monkeypatch.setattr(state, "save_checkpoint", nfs)
+
+    async def rounds():
+        with caplog.at_level(logging.DEBUG, logger="geomesh_p2p.node.peer"):
+            first = await node.checkpoint_or_warn()  # returns after the timeout, not when the disk answers
+            node.state.round = 4
+            second = await node.checkpoint_or_warn()  # skipped: the first write's thread is still stuck
+            stuck = node._stuck
+            release.set()
+            await asyncio.gather(stuck, return_exceptions=True)
+            return first, second, stuck
+
+    first, second, stuck = asyncio.run(rounds())
+    assert (first, second) == (None, None) and entered.is_set()
+    assert isinstance(stuck.exception(), Exception) and "abandoned" in str(stuck.exception())
+    assert state.list_checkpoints(tmp_path) == [] and list(tmp_path.glob("*.safetensors")) == []  # nothing commits
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "no progress in 0 s" in warnings[0] and "abandoned" in warnings[0]
+    assert any("still stuck" in r.getMessage() for r in caplog.records)
+    monkeypatch.setattr(state, "save_checkpoint", real)
+    node.state.round = 5
+    assert asyncio.run(node.checkpoint_or_warn()) is not None  # the file system answers again: written
+    assert [r for r, _ in state.list_checkpoints(tmp_path)] == [5]
+
+
+def test_log_json_on_a_full_disk_warns_once_and_the_round_goes_on(tmp_path, caplog):
+    """Issue 29 #7, the same kind for --log-json: an append that failed raised out of the round's row (the
+    round ended in an exception); now one WARNING per change of state and one INFO when rows land again."""
+    from geomesh_p2p.telemetry.metrics import RoundLog, RoundRecord
+
+    path = tmp_path / "rounds.jsonl"
+    log_ = RoundLog(str(path), print_fn=lambda line: None)
+
+    def row(r):
+        return RoundRecord(r, 2, "lead", 4, 10, 10, 100, 3.0, None, 1.0, 0.1, 0.1, 2.0, 10, 10, "d" * 32)
+
+    path.mkdir()  # appending to it fails (IsADirectoryError), as a full disk or a read-only mount does
+    with caplog.at_level(logging.INFO, logger="geomesh_p2p.telemetry.metrics"):
+        for r in range(3):
+            log_.add(row(r))  # never raises
+        path.rmdir()
+        log_.add(row(3))
+        log_.add(row(4))
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "round 0: cannot append to --log-json" in warnings[0]
+    infos = [r.getMessage() for r in caplog.records if "written again" in r.getMessage()]
+    assert infos == [f"round 3: --log-json {path} written again (3 row(s) missing)"]
+    assert [json.loads(line)["round"] for line in path.read_text().splitlines()] == [3, 4]
