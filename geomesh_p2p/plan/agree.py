@@ -46,6 +46,7 @@ from typing import Callable, Collection, Container, Iterable, Optional, Sequence
 from pydantic import ValidationError
 
 from geomesh_p2p.dht.chunked import store_chunked
+from geomesh_p2p.dht.records import RecordLimits
 from geomesh_p2p.telemetry import events
 from geomesh_p2p.net.swarm_time import swarm_time
 from geomesh_p2p.plan.schema import ContentRefusal, RoundPlan
@@ -129,12 +130,35 @@ def digest_majority(records: Iterable[PeerRecord], round: int) -> tuple[Optional
     return digest, n, sum(votes.values())
 
 
+#: A stored plan lives at least this long (seconds), and longer when its round lasts longer (:func:`plan_expiration`).
+PLAN_TTL_FLOOR_S = 120.0
+#: A reader ignores a plan this long (seconds) after its exchange deadline (``PlanStore.stale_after_s``).
+PLAN_STALE_AFTER_S = 30.0
+
+
+def plan_expiration(
+    plan: RoundPlan, now: float, floor_s: float = PLAN_TTL_FLOOR_S, stale_after_s: float = PLAN_STALE_AFTER_S
+) -> float:
+    """When (swarm time, unix seconds) the DHT may drop ``plan`` stored at ``now``: not before its whole round is
+    over and readers stopped following it (``exchange_deadline + stale_after_s``), and at least ``floor_s``
+    after ``now``; never past the DHT's longest lifetime (``RecordLimits.max_ttl_s``, a store beyond it is refused).
+
+    Why from the plan's deadlines (issue 29 #2, hivemind#482): a fixed 120 s made a plan of a multi-minute window
+    vanish mid-round, from the status page and from a joiner's busy-donor map, and peers reading late found no
+    plan and published last-resort ones. Followers accept deadlines up to ``4 x window + 120 s`` ahead
+    (:func:`geomesh_p2p.round.rules.planning.plan_horizon_s`), so the lifetime follows the window through them."""
+    end = max(now + floor_s, float(plan.exchange_deadline) + stale_after_s)
+    return min(end, now + RecordLimits().max_ttl_s - 1.0)
+
+
 class PlanStore:
     """Reads and writes signed plans in the DHT (the DHT record owner is the plan's leader).
 
     The wire form (:mod:`geomesh_p2p.plan.wire`): a compact body, in the head value under
     ``<run>/plan/<r>`` (subkey = the leader) when it fits in one value, else in chunks under their own
     keys that the head lists by hash. ``chunk_timeout_s``: deadline of each chunk's get, seconds.
+    ``ttl_s``: the shortest lifetime of a stored plan, seconds; a plan lives until its round is over
+    (:func:`plan_expiration`). ``stale_after_s``: a plan whose exchange deadline is this long past is ignored.
     """
 
     def __init__(
@@ -142,8 +166,8 @@ class PlanStore:
         dht,
         identity,
         run_id: str,
-        ttl_s: float = 120.0,
-        stale_after_s: float = 30.0,
+        ttl_s: float = PLAN_TTL_FLOOR_S,
+        stale_after_s: float = PLAN_STALE_AFTER_S,
         chunk_timeout_s: float = 5.0,
     ):
         self.dht, self.identity, self.run_id, self.ttl_s = dht, identity, run_id, ttl_s
@@ -177,9 +201,8 @@ class PlanStore:
             log.error("round %d: my plan cannot be stored: %s", plan.round, e)
             return False
         key = plan_key(self.run_id, plan.round)
-        out = await store_chunked(
-            self.dht, key, enc, subkey=me, owner=self.identity, expiration_time=swarm_time() + self.ttl_s
-        )
+        expires = plan_expiration(plan, swarm_time(), self.ttl_s, self.stale_after_s)
+        out = await store_chunked(self.dht, key, enc, subkey=me, owner=self.identity, expiration_time=expires)
         if out.chunks_failed:
             log.warning("round %d: %d of %d plan chunks were stored nowhere", plan.round, out.chunks_failed, out.chunks)
         return out.ok

@@ -46,8 +46,20 @@ log = logging.getLogger(__name__)
 
 #: Rounds each peer's summary record holds (newest last); ~150 bytes each as JSON.
 KEEP_ROUNDS = 24
-#: Lifetime of a summary record, seconds (re-stored every round; kept a while after a peer leaves).
+#: Shortest lifetime of a summary record, seconds (re-stored every round; kept a while after a peer leaves).
 SUMMARY_TTL_S = 900.0
+#: ... and at least this many of the peer's longest recent rounds (:func:`summary_ttl_s`).
+SUMMARY_TTL_ROUNDS = 3.0
+
+
+def summary_ttl_s(rounds: Sequence["RoundSummary"]) -> float:
+    """Lifetime (seconds) of a summary record holding ``rounds``: ``SUMMARY_TTL_S``, or ``SUMMARY_TTL_ROUNDS``
+    times the longest of those rounds when longer, so a record re-stored once per round never expires between
+    two rounds, whatever the window (issue 29 #2: lifetimes follow the run's timing)."""
+    longest = max((float(r.round_s) for r in rounds), default=0.0)
+    return max(SUMMARY_TTL_S, SUMMARY_TTL_ROUNDS * longest)
+
+
 #: Most characters of a record string shown anywhere.
 MAX_TEXT = 64
 #: Most rounds a watcher keeps in memory.
@@ -159,6 +171,7 @@ def publish_round_summary(node, record) -> None:
         rows.append(RoundSummary.from_round_record(record))
         del rows[:-KEEP_ROUNDS]
         payload = RoundSummaries(peer_id=node.me, rounds=list(rows)).to_bytes()
+        ttl_s = summary_ttl_s(rows)
         dht = node.dht
 
         async def store() -> None:
@@ -166,7 +179,7 @@ def publish_round_summary(node, record) -> None:
                 await dht.store(
                     rounds_key(node.run_cfg.run_id),
                     payload,
-                    swarm_time() + SUMMARY_TTL_S,
+                    swarm_time() + ttl_s,
                     subkey=node.me,
                     owner=node.identity,
                 )

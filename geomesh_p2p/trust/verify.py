@@ -152,7 +152,13 @@ from geomesh_p2p.trust.verify_check import (
     packet_digest,
     quick_verdict,
 )
-from geomesh_p2p.trust.verify_task import VerifyConfig, VerifyTask, derive_task, selection_message
+from geomesh_p2p.trust.verify_task import (
+    VerifyConfig,
+    VerifyTask,
+    derive_task,
+    evidence_lifetime_s,
+    selection_message,
+)
 from geomesh_p2p.wire import collective_pb2, envelope_pb2
 
 if TYPE_CHECKING:  # typing.Unpack for **kwargs is Python 3.12 (PEP 692); only type checkers read it
@@ -503,9 +509,11 @@ class WorkVerifier:
         per store). True when the evidence itself was stored; a contribution stored nowhere is logged."""
         if self.dht is None:
             return False
+        kept = self._kept.get(int(ev.round))
+        round_s = None if kept is None else float(kept.plan.exchange_deadline) - float(kept.plan.created_at)
         try:
             out = await publish_evidence(
-                self.dht, ev, self.identity, expiration_time=swarm_time() + self.cfg.evidence_ttl_s
+                self.dht, ev, self.identity, expiration_time=swarm_time() + evidence_lifetime_s(self.cfg, round_s)
             )
         except Exception as e:  # never let publishing break a round (e.g. over MAX_EVIDENCE_CHUNKS)
             log.warning("round %d: could not publish verified-work evidence: %s", ev.round, e)

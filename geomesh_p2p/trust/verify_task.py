@@ -17,7 +17,15 @@ import torch
 
 from geomesh_p2p.exchange import codec as compression
 
-__all__ = ["VerifyConfig", "VerifyTask", "CONTROL_STREAM", "selection_message", "derive_task", "sample_elements"]
+__all__ = [
+    "VerifyConfig",
+    "VerifyTask",
+    "CONTROL_STREAM",
+    "selection_message",
+    "derive_task",
+    "sample_elements",
+    "evidence_lifetime_s",
+]
 
 
 #: Stream name of the control batches (``sample_batch(seed, CONTROL_STREAM, round, i, ...)``): no peer
@@ -52,7 +60,8 @@ class VerifyConfig:
         keep_rounds: rounds whose start weights and contributions are kept for re-checks.
         time_share: a round's check must finish within this share of the plan's window after the
             exchange (at least 1 s), or it is skipped.
-        evidence_ttl_s: lifetime of evidence in the DHT.
+        evidence_ttl_s: shortest lifetime of evidence in the DHT, seconds; evidence lives longer when rounds
+            are long (:func:`evidence_lifetime_s`: the peers keep a round for re-checks ``keep_rounds`` rounds).
         max_rechecks: evidence re-checked per round at most (the rest waits for the next round).
     """
 
@@ -75,6 +84,19 @@ class VerifyConfig:
     time_share: float = 0.25
     evidence_ttl_s: float = 900.0
     max_rechecks: int = 2
+
+
+#: Evidence lives at least this many times the rounds its participants keep it re-checkable (``keep_rounds``).
+EVIDENCE_TTL_KEEP_MARGIN = 2.0
+
+
+def evidence_lifetime_s(cfg: VerifyConfig, round_s: Optional[float]) -> float:
+    """Seconds the evidence of a round that lasts ``round_s`` seconds (plan created to exchange deadline; None:
+    unknown) stays in the DHT: ``cfg.evidence_ttl_s``, or longer when the rounds are long. The participants keep
+    a round's weights for ``cfg.keep_rounds`` rounds, and the evidence must be there for every re-check they can
+    make (issue 29 #2: a fixed 900 s is three 5-minute rounds, fewer than a re-check may need)."""
+    rounds = EVIDENCE_TTL_KEEP_MARGIN * (cfg.keep_rounds + 1) * max(0.0, float(round_s or 0.0))
+    return max(cfg.evidence_ttl_s, rounds)
 
 
 def selection_message(run_id: str, round: int, start_digest: Optional[str]) -> bytes:
