@@ -219,9 +219,13 @@ class MeasureSession:
 
 
 def is_oom(e: BaseException) -> bool:
-    return isinstance(e, torch.cuda.OutOfMemoryError) or (
-        isinstance(e, RuntimeError) and "out of memory" in str(e).lower()
-    )
+    """Whether ``e`` is the device or the host running out of memory: ``torch.cuda.OutOfMemoryError``, a
+    ``MemoryError``, or a RuntimeError saying "out of memory" (CUDA, MPS) or "can't allocate memory" (torch's
+    CPU allocator)."""
+    if isinstance(e, (torch.cuda.OutOfMemoryError, MemoryError)):
+        return True
+    msg = str(e).lower()
+    return isinstance(e, RuntimeError) and ("out of memory" in msg or "can't allocate memory" in msg)
 
 
 def free_after_oom(dev: torch.device) -> None:

@@ -26,6 +26,7 @@ from typing import Any, Callable
 import torch
 
 from geomesh_p2p.model.build import load_flat_
+from geomesh_p2p.model.device import free_after_oom, is_oom
 from geomesh_p2p.model.memory import release_freed_memory
 from geomesh_p2p.net.swarm_time import swarm_time
 from geomesh_p2p.telemetry import events
@@ -272,6 +273,9 @@ class InnerTrainer:
             )
         self.device = torch.device(device)
         self.model = model.to(self.device)
+        #: the largest micro-batch (sequences) that ran without running out of memory, once one did (None:
+        #: never); planned micro-batches are capped to it, and the node announces it as its max batch
+        self.max_micro_batch: int | None = None
         self.model.train()
         self.dataset = dataset
         self.seq_len = int(seq_len)
@@ -334,6 +338,49 @@ class InnerTrainer:
             (loss * (x.shape[0] / b)).backward()
             total += loss.detach().float().item() * (x.shape[0] / b)
         return total
+
+    def accumulate_fitting(self, batch: torch.Tensor, micro_batch: int | None = None) -> float:
+        """:meth:`accumulate_grad` that treats running out of memory as a condition (issue 27): on a CUDA or
+        CPU out-of-memory error the gradients are dropped, the device's cache freed, and the same batch is
+        accumulated again at half the micro-batch, down to 1 (the batch, and so the data, is unchanged;
+        only the accumulation splits it finer). Each halving logs one WARNING (event ``out_of_memory``) and
+        lowers :attr:`max_micro_batch`, which caps later steps and the node's announced max batch, so the
+        leader plans within it from the next record on. A micro-batch already capped is used at once.
+
+        Raises:
+            MemoryError: still out of memory at micro-batch 1 (gradients dropped); the caller contributes
+                the steps done so far.
+        """
+        b = batch.shape[0]
+        mb = b if not micro_batch or micro_batch >= b else int(micro_batch)
+        if self.max_micro_batch is not None:
+            mb = min(mb, self.max_micro_batch)
+        while True:
+            try:
+                return self.accumulate_grad(batch, mb)
+            except (RuntimeError, MemoryError) as e:
+                if not is_oom(e):
+                    raise
+                self.optimizer.zero_grad(set_to_none=True)
+                free_after_oom(self.device)
+                if mb <= 1:
+                    raise MemoryError(f"out of memory at micro-batch 1 on {self.device}") from None
+                new = max(1, mb // 2)
+                events.emit(
+                    log,
+                    logging.WARNING,
+                    "out_of_memory",
+                    "out of memory at micro-batch %d on %s (%s); continuing at %d, this peer's max batch from its "
+                    "next record",
+                    mb,
+                    self.device,
+                    type(e).__name__,
+                    new,
+                    peer=self.peer_id,
+                    micro_batch=mb,
+                    new_micro_batch=new,
+                )
+                self.max_micro_batch = mb = new
 
     def lr_for(self, round: int, step: int, planned_steps: int) -> float:
         """Learning rate of step ``step`` (0-based) of a round planned ``planned_steps`` inner steps:
@@ -440,7 +487,25 @@ class InnerTrainer:
                 seed=self.seed, peer_id=self.peer_id, round=round, step=k, batch_size=batch_size, seq_len=self.seq_len
             )
             self.optimizer.zero_grad(set_to_none=True)
-            loss = self.accumulate_grad(batch, micro_batch)
+            try:
+                loss = self.accumulate_fitting(batch, micro_batch)
+            except MemoryError as e:
+                # Not even one sequence fits now (the device's owner started something else): the steps
+                # done so far are contributed; the next round starts again at micro-batch 1.
+                events.emit(
+                    log,
+                    logging.WARNING,
+                    "out_of_memory",
+                    "round %d: %s; contributing the %d inner step(s) done",
+                    round,
+                    e,
+                    len(losses),
+                    peer=self.peer_id,
+                    round=round,
+                    micro_batch=1,
+                )
+                stopped = True
+                break
             if not math.isfinite(loss):
                 self.optimizer.zero_grad(set_to_none=True)
                 raise FloatingPointError(
@@ -496,6 +561,7 @@ class InnerTrainer:
 
         Raises:
             FloatingPointError: a non-finite loss.
+            MemoryError: out of memory even at micro-batch 1 (:meth:`accumulate_fitting`).
         """
         if batch_size < 1:
             raise ValueError("batch_size must be >= 1")
@@ -505,7 +571,7 @@ class InnerTrainer:
             seed=self.seed, peer_id=self.peer_id, round=round, step=0, batch_size=batch_size, seq_len=self.seq_len
         )
         self.optimizer.zero_grad(set_to_none=True)
-        loss = self.accumulate_grad(batch, micro_batch)
+        loss = self.accumulate_fitting(batch, micro_batch)  # MemoryError at micro-batch 1: the caller's
         if not math.isfinite(loss):
             self.optimizer.zero_grad(set_to_none=True)
             raise FloatingPointError(f"non-finite training loss {loss} at round {round}")
@@ -591,14 +657,21 @@ class InnerTrainer:
         """:meth:`evaluate`'s body on ``model`` (the trainer's own, or the evaluation snapshot)."""
         was_training = model.training
         model.eval()
-        tot, rows = 0.0, 0
+        rows_wanted = None if max_batches is None else max_batches * batch_size
         try:
-            for x in self.dataset.eval_batches(self.seq_len, batch_size, max_batches):
-                x = x.to(self.device)
-                with self._autocast():
-                    loss = model(input_ids=x, labels=x).loss
-                tot += loss.float().item() * x.shape[0]
-                rows += x.shape[0]
+            while True:
+                try:
+                    tot, rows = self._eval_rows(model, batch_size, rows_wanted)
+                    break
+                except (RuntimeError, MemoryError) as e:
+                    # Out of memory is a condition (issue 27): the same rows again in smaller batches.
+                    if not is_oom(e) or batch_size <= 1:
+                        raise
+                    free_after_oom(self.device)
+                    log.warning(
+                        "evaluation ran out of memory at batch %d; evaluating at %d", batch_size, batch_size // 2
+                    )
+                    batch_size //= 2
         finally:
             model.train(was_training)
         mean = tot / rows if rows else float("nan")
@@ -616,6 +689,22 @@ class InnerTrainer:
         return ppl
 
     # -- persistence ------------------------------------------------------------------
+
+    def _eval_rows(self, model, batch_size: int, rows_wanted: int | None) -> tuple[float, int]:
+        """(sum of per-row mean losses, rows) over the first ``rows_wanted`` held-out windows (all: None) in
+        batches of ``batch_size``: the same rows whatever the batch size."""
+        tot, rows = 0.0, 0
+        for x in self.dataset.eval_batches(self.seq_len, batch_size):
+            if rows_wanted is not None and rows >= rows_wanted:
+                break
+            if rows_wanted is not None:
+                x = x[: rows_wanted - rows]
+            x = x.to(self.device)
+            with self._autocast():
+                loss = model(input_ids=x, labels=x).loss
+            tot += loss.float().item() * x.shape[0]
+            rows += x.shape[0]
+        return tot, rows
 
     def state_dict(self) -> dict[str, Any]:
         """Inner optimizer state and the global step (torch objects; save with torch.save

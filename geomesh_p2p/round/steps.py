@@ -58,6 +58,23 @@ async def inner_steps(
         say_loss_not_finite(drv, r, e)
         await reset_to_start(drv, ctx)
         return None, no_work(time.perf_counter() - t_train)
+    except MemoryError as e:
+        # ddp's one gradient did not fit even at micro-batch 1 (inner steps contribute the steps done
+        # instead: InnerTrainer.run): nothing to contribute this round; the peer keeps following the swarm.
+        events.emit(
+            log,
+            logging.WARNING,
+            "contributing_nothing",
+            "round %d: %s; contributing nothing this round",
+            r,
+            e,
+            peer=drv.me,
+            round=r,
+            reason="out_of_memory",
+            detail=str(e),
+        )
+        await reset_to_start(drv, ctx)
+        return None, no_work(time.perf_counter() - t_train)
 
 
 def say_loss_not_finite(drv: RoundDriver, r: int, e: FloatingPointError) -> None:

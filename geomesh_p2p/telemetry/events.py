@@ -32,8 +32,11 @@ kind                         where                            fields
                              (once per caller IP/code/reason)
 ``checkpoint_failed``        node.checkpoints (a write)       round, final, error (type), detail
 ``checkpoint_of_held_round`` node.checkpoints (final)         round (the counter), held_round (the weights')
+``clock_jump``               dht.join._measure_clock (a       peer, change_s, offset_s (seconds; the new
+                             confirmed jump; WARNING)         swarm time minus this machine's clock)
 ``contributing_nothing``     round.steps, round.train         peer, round, reason (``loss_not_finite`` |
-                                                              ``update_not_finite``), detail (if any)
+                                                              ``update_not_finite`` | ``out_of_memory``),
+                                                              detail (if any)
 ``digest_mismatch``          round.finish.check_digest        peer, round, digest, majority_digest,
                                                               agree, total
 ``dht_join_retry``           dht.join.DHTJoin.join            peer, attempt, attempts, wait_s
@@ -55,6 +58,9 @@ kind                         where                            fields
                                                               leaves), live (PeerIDs live at the time)
 ``older_state_declined``     round.rules.state_sync (once         peer, round (the older state's), digest,
                              per pair of states)              held_round, held_digest, reason
+``out_of_memory``            training.InnerTrainer (a micro-  peer, micro_batch, new_micro_batch (the
+                             batch halved; steps stopped at   cap from now on), round (steps stopped)
+                             micro-batch 1; WARNING)
 ``outer_step_skipped``       round.rules.outer                peer, round, skipped (ranges), not_finite
                                                               (ranges of them), parts, elements
 ``owner_unreachable``        collective.client (pull)         peer, round, part, owner, error

@@ -403,7 +403,7 @@ class WorkVerifier:
                 return None
         try:
             stats, verdict, used = self._run(task, kept, micro_batch, deadline)
-        except VerifyTimeout as e:
+        except (VerifyTimeout, MemoryError) as e:  # out of memory even at one row: no verdict, no round lost
             log.debug("round %d: verified work of %s abandoned: %s", round, task.accused[:10], e)
             return None
         self.history = (self.history + [(round, task, stats, verdict)])[-100:]

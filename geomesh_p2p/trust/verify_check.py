@@ -8,6 +8,7 @@ runs one :class:`~geomesh_p2p.trust.verify_task.VerifyTask`. The thresholds and 
 from __future__ import annotations
 
 import hashlib
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Optional, Sequence
@@ -16,7 +17,10 @@ import torch
 
 from geomesh_p2p.exchange import codec as compression
 from geomesh_p2p.model.build import load_flat_
+from geomesh_p2p.model.device import free_after_oom, is_oom
 from geomesh_p2p.trust.verify_task import CONTROL_STREAM, VerifyConfig, VerifyTask, gather, sample_elements
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "WorkStats",
@@ -77,14 +81,22 @@ def batch_gradients(
             seed=seed, peer_id=peer, round=round, step=step, batch_size=batch_size, seq_len=seq_len
         )
         mb = batch_size if not micro_batch or micro_batch >= batch_size else int(micro_batch)
-        for a in range(0, batch_size, mb):
-            xm = x[a : a + mb].to(device)
-            if use_amp:
-                with torch.autocast(device_type="cuda", dtype=torch.bfloat16):
-                    loss = model(input_ids=xm, labels=xm).loss
-            else:
-                loss = model(input_ids=xm, labels=xm).loss
-            (loss * (xm.shape[0] / batch_size)).backward()
+        while True:
+            try:
+                _accumulate(model, x, mb, device, use_amp)
+                break
+            except (RuntimeError, MemoryError) as e:
+                # Out of memory is a condition (issue 27): the same batch again in halves, down to one row
+                # (then the MemoryError ends this check: VerifiedWork abandons it like a timeout).
+                if not is_oom(e):
+                    raise
+                for p in params:
+                    p.grad = None
+                free_after_oom(device)
+                if mb <= 1:
+                    raise MemoryError(f"verified work ran out of memory at micro-batch 1 on {device}") from None
+                log.warning("verified work ran out of memory at micro-batch %d; checking at %d", mb, mb // 2)
+                micro_batch = mb = mb // 2  # the later batches of this check too
         with torch.no_grad():
             flat = torch.cat(
                 [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float() for p in params]
@@ -93,6 +105,20 @@ def batch_gradients(
     for p in params:
         p.grad = None
     return out
+
+
+def _accumulate(model, x: torch.Tensor, mb: int, device: torch.device, use_amp: bool) -> None:
+    """Forward/backward int64 batch ``x`` ``[B, seq_len]`` into ``.grad`` in ``mb``-row slices, each loss
+    scaled by ``rows / B`` (the inner trainer's accumulation)."""
+    b = x.shape[0]
+    for a in range(0, b, mb):
+        xm = x[a : a + mb].to(device)
+        if use_amp:
+            with torch.autocast(device_type="cuda", dtype=torch.bfloat16):
+                loss = model(input_ids=xm, labels=xm).loss
+        else:
+            loss = model(input_ids=xm, labels=xm).loss
+        (loss * (xm.shape[0] / b)).backward()
 
 
 @dataclass(frozen=True)
