@@ -36,6 +36,7 @@ from geomesh_p2p.config.models import DEFAULT_BOOTSTRAP_PORT as DEFAULT_PORT  # 
 from geomesh_p2p.config.models import DEFAULT_RUN_ID, BootstrapConfig  # noqa: F401
 from geomesh_p2p.net.addr import AddressError, format_address, is_wildcard_host, normalize_host, parse_address
 from geomesh_p2p.telemetry.logonce import LogOnChange
+from geomesh_p2p.util.fds import raise_fd_limit
 from geomesh_p2p.util.aio import unless_set, wait_event
 
 PROG = "geomesh-bootstrap"
@@ -347,6 +348,7 @@ def _main(argv: Optional[list[str]] = None) -> int:
     )
     from geomesh_p2p.net.identity import Identity, IdentityError
 
+    raise_fd_limit()  # gRPC's and the status page's shares of it (geomesh_p2p/util/fds.py) grow with it
     try:
         identity = Identity.load_or_create(ns.identity)
     except IdentityError as e:

@@ -19,6 +19,7 @@ from typing import NoReturn
 from geomesh_p2p import __version__
 from geomesh_p2p.config.flags import ConfigFileError, add_log_level, load_config_defaults
 from geomesh_p2p.config.models import DEFAULT_IDENTITY
+from geomesh_p2p.util.fds import raise_fd_limit
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
@@ -157,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     if ns.command == "identity":
         return cmd_identity(ns)
+    raise_fd_limit()  # the listeners' and channels' shares of it (geomesh_p2p/util/fds.py) grow with it
     handler = getattr(ns, "handler", None)
     if handler is None:
         print(f"geomesh-peer {ns.command}: not available yet in this build; see README.md", file=sys.stderr)

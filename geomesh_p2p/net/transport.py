@@ -36,7 +36,6 @@ import asyncio
 import contextvars
 import functools
 import logging
-import resource
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -47,6 +46,7 @@ import grpc.aio
 
 from geomesh_p2p.net.addr import AddressError, format_address
 from geomesh_p2p.util.aio import create_unscoped_task
+from geomesh_p2p.util.fds import fd_share
 from geomesh_p2p.net import identity as identity_mod
 from geomesh_p2p.net.identity import EnvelopeError, Identity, PeerID, Verified, Verifier
 from geomesh_p2p.telemetry.logonce import LogOnce
@@ -316,11 +316,9 @@ class Transport:
     def _server_options(self) -> list[tuple[str, int]]:
         c = self.config
         opts = dict(self._options())
-        try:  # a full fd table stops accept() for everyone: keep connections well below it
-            soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-        except (ValueError, OSError):
-            soft = resource.RLIM_INFINITY
-        max_conn = c.max_connections if soft == resource.RLIM_INFINITY else min(c.max_connections, max(16, soft // 2))
+        # a full fd table stops accept() for everyone: gRPC's connections get their share of it (util/fds.py;
+        # the status page and the client channels have theirs)
+        max_conn = fd_share("grpc_server", c.max_connections, floor=16)
         opts.update(
             {
                 "grpc.max_receive_message_length": self.max_request_bytes(),
@@ -553,7 +551,7 @@ class Transport:
             else:
                 ch = grpc.aio.insecure_channel(address, options=opts)
             self._channels[key] = ch
-            while len(self._channels) > max(1, self.config.max_channels):
+            while len(self._channels) > max(1, fd_share("channels", self.config.max_channels)):
                 _, old = self._channels.popitem(last=False)
                 self._evicted.add(old)
                 task = self.tasks.spawn(old.close(grace=self.config.default_timeout_s), name="close-channel")

@@ -28,7 +28,7 @@ class TransportConfig:
     added_latency_s: float = 0.0
     tls: Optional[TlsConfig] = None
     client_only: bool = False
-    max_channels: int = 1024  # client channels kept open (least recently used closed first)
+    max_channels: int = 1024  # client channels kept open (LRU closed first; at most 1/4 of the fd limit, util/fds.py)
     # ---- server-side resource bounds (see the module docstring) ----
     # Connections: in total (also at most half the process's file-descriptor limit), streams per
     # connection, seconds to finish the HTTP/2 handshake, idle seconds before a connection is closed,

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 from geomesh_p2p.telemetry.logonce import LogOnChange
+from geomesh_p2p.telemetry.metrics_http import start_metrics_server
 
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
@@ -202,7 +203,7 @@ class RoundLog:
             self._start_prometheus(metrics_host, metrics_port)
 
     def _start_prometheus(self, host: str, port: int) -> None:
-        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
         self.registry = CollectorRegistry()
         g = lambda name, doc: Gauge(f"geomesh_{name}", doc, registry=self.registry)  # noqa: E731
@@ -237,8 +238,8 @@ class RoundLog:
         )
         self._bytes_sent = Counter("geomesh_sent_bytes", "bytes sent in exchanges", registry=self.registry)
         self._bytes_recv = Counter("geomesh_received_bytes", "bytes received in exchanges", registry=self.registry)
-        # prometheus-client >= 0.20 (the dependency's floor) returns (server, thread): close() stops both.
-        self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
+        # bounded: timeouts on every read and write, connections capped in all and per client (issue 29 #1)
+        self._server, self._thread = start_metrics_server(host, port, self.registry)
         log.info("Prometheus metrics on http://%s:%d/metrics", host, self.metrics_port)
 
     @property
