@@ -39,6 +39,13 @@ from geomesh_p2p.dht.lookup import DHTLookup
 # The node was one module: its parts log under that logger name (operators filter on it).
 log = logging.getLogger("geomesh_p2p.dht.node")
 
+#: A re-measured clock offset that differs from the one in use by this much (seconds) or more is a jump,
+#: followed once CLOCK_CONFIRMATIONS measurements in a row agree within CLOCK_CONFIRM_SPREAD_S (smaller changes:
+#: drift, followed at once). Bootstraps are pinged every ``bootstrap_refresh_s`` (15 s by default).
+CLOCK_JUMP_S = 5.0
+CLOCK_CONFIRMATIONS = 3
+CLOCK_CONFIRM_SPREAD_S = 1.0
+
 
 def _other_run_message(address: str, reason: str, own_run: str) -> str:
     """The join error for a bootstrap that answered for another run. ``reason``: its refusal, worded by
@@ -60,6 +67,15 @@ def _tls_hint(errors: Iterable[str], tls: bool) -> str:
     if tls:
         return "; the bootstrap may not use TLS, or its certificate is not signed by --tls-ca"
     return "; the bootstrap may require TLS: if the swarm uses TLS, pass --tls-cert/--tls-key/--tls-ca"
+
+
+def _clock_refusal(result: object) -> bool:
+    """``result`` (a ping's) is a refusal of this node's envelope timestamp (identity.Verifier's OUT_OF_RANGE)."""
+    return (
+        isinstance(result, RpcError)
+        and result.code == grpc.StatusCode.OUT_OF_RANGE
+        and "from this node's clock" in (result.reason or "")
+    )
 
 
 class DHTJoin(DHTLookup):
@@ -212,31 +228,100 @@ class DHTJoin(DHTLookup):
         for c in answered:
             self.bootstrap_peers[c.peer_id] = c.address
         self._measure_clock(answered, refuse=False)
+        if not answered and all(_clock_refusal(r) for r in results):
+            self._on_clock_refused(results)
         return len(answered)
+
+    def _on_clock_refused(self, results: Sequence[object]) -> None:
+        """Every bootstrap refused this node's pings for their timestamps: a step correction in use is wrong
+        (the steady clock stopped during a suspend, so the suspend looked like a step): drop it, so the next
+        ping carries this machine's clock plus the measured offset and the bootstraps answer again. Without a
+        correction in use: one WARNING line that says what to do (the node cannot re-measure by itself)."""
+        if self._steps.moved():
+            stepped = self._steps.moved()
+            self.clock_offset_s = self._measured_offset_s  # the offset as measured, against the clock as it is
+            log.warning(
+                "every bootstrap refuses this node's time after a %+.0f s change of this machine's clock; "
+                "dropping the correction for it and measuring the offset again",
+                stepped,
+            )
+            return
+        first = next(r for r in results if isinstance(r, RpcError))
+        self._once(
+            logging.WARNING,
+            "clock",
+            f"every bootstrap refuses this node's time ({first.reason}): this machine's clock moved; set it right "
+            f"(NTP) or restart the peer",
+        )
 
     def _measure_clock(self, bootstraps: Sequence[Contact], *, refuse: bool) -> None:
         """Set :attr:`clock_offset_s` to the median offset measured against ``bootstraps`` (kept when it
-        moved less than 0.5 s: the estimate jitters by the calls' asymmetry). ``refuse``: raise
-        :class:`ClockSkewError` when it is over ``max_clock_skew_s``, else log it once."""
+        moved less than 0.5 s: the estimate jitters by the calls' asymmetry).
+
+        ``refuse`` (at join): raise :class:`ClockSkewError` when it is over ``max_clock_skew_s``. After join
+        (issue 29 #3, rippled#3101: a peer that kept its old offset after a 90 s step was planned out for
+        good, and one 150 s off had every call refused): a change under ``CLOCK_JUMP_S`` is followed at once
+        (drift); a larger one, which no step of this machine's clock explains (those are corrected at once by
+        :attr:`clock_offset_s`): the bootstraps' clock moved, or a suspend the steady clock did not count, is
+        followed once ``CLOCK_CONFIRMATIONS`` measurements in a row agree within ``CLOCK_CONFIRM_SPREAD_S``,
+        with one WARNING line, whatever its size (envelopes and deadlines are in swarm time)."""
         samples = sorted(self._offsets[c.peer_id] for c in bootstraps if c.peer_id in self._offsets)
         if not samples:
             return
         offset = samples[len(samples) // 2]
-        if abs(offset) > self.max_clock_skew_s:
-            who = next(c.address for c in bootstraps if self._offsets.get(c.peer_id) == offset)
-            msg = (
-                f"this machine's clock is {abs(offset):.0f} s {'behind' if offset > 0 else 'ahead of'} the clock "
-                f"of bootstrap {who}; the swarm tolerates {self.max_clock_skew_s:.0f} s: set the clock of the "
-                f"wrong one (enable NTP, e.g. timedatectl set-ntp true)"
-            )
-            if refuse:
-                raise ClockSkewError(msg)
-            self._once(logging.WARNING, "clock", msg)
-            return
-        if abs(offset - self.clock_offset_s) >= 0.5 or refuse:
+        who = next(c.address for c in bootstraps if self._offsets.get(c.peer_id) == offset)
+        off_by = (
+            f"this machine's clock is {abs(offset):.0f} s {'behind' if offset > 0 else 'ahead of'} the clock "
+            f"of bootstrap {who}"
+        )
+        if refuse:
+            if abs(offset) > self.max_clock_skew_s:
+                raise ClockSkewError(
+                    f"{off_by}; the swarm tolerates {self.max_clock_skew_s:.0f} s: set the clock of the "
+                    f"wrong one (enable NTP, e.g. timedatectl set-ntp true)"
+                )
             if abs(offset) >= 1.0:
                 log.info("clock offset to the bootstrap(s): %+.1f s; records are judged in swarm time", offset)
             self.clock_offset_s = offset
+            self._clock_jumps.clear()
+            return
+        current = self.clock_offset_s
+        change = offset - current
+        if abs(change) < 0.5:
+            self._clock_jumps.clear()
+            return
+        if abs(change) < CLOCK_JUMP_S:
+            if abs(offset) >= 1.0:
+                log.info("clock offset to the bootstrap(s): %+.1f s; records are judged in swarm time", offset)
+            self.clock_offset_s = offset
+            self._clock_jumps.clear()
+            return
+        # A jump: confirmed by several measurements before it moves every deadline of this peer (one reply
+        # delayed in a queue is not a moved clock). The changes are against the offset in use, which a step of
+        # this machine's clock moves too, so they stay comparable.
+        self._clock_jumps.append(change)
+        del self._clock_jumps[:-CLOCK_CONFIRMATIONS]
+        jumps = self._clock_jumps
+        if len(jumps) < CLOCK_CONFIRMATIONS or max(jumps) - min(jumps) > CLOCK_CONFIRM_SPREAD_S:
+            log.debug("clock offset measured %+.1f s against %+.1f s in use: confirming", offset, current)
+            return
+        self._clock_jumps.clear()
+        self.clock_offset_s = offset
+        hint = f"; {off_by}: set it right (NTP)" if abs(offset) > self.max_clock_skew_s else ""
+        events.emit(
+            log,
+            logging.WARNING,
+            "clock_jump",
+            "swarm time moved %+.1f s against this machine's clock (measured %d times: a clock step, a suspend, "
+            "or the bootstraps' clock moved); following it: offset now %+.1f s%s",
+            change,
+            CLOCK_CONFIRMATIONS,
+            offset,
+            hint,
+            peer=self.peer_id.to_string(),
+            change_s=change,
+            offset_s=offset,
+        )
 
     async def rejoin(self, contacts: Sequence[Contact]) -> int:
         """Ping ``contacts`` (e.g. the routing table a bootstrap saved before a restart) once, each

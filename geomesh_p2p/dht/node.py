@@ -118,7 +118,13 @@ class DHTNode(DHTJoin):
         :class:`ClockSkewError` beyond this many seconds (half the envelope's 120 s window, which also
         covers time in flight). Within it, every record expiry this node writes or judges is in swarm
         time, :meth:`now` (= this clock + the measured offset), so a skewed peer agrees with the others.
+        After join the offset is re-measured at every bootstrap ping and followed, however large: a step of
+        this machine's clock is corrected at once (``steady_clock``), a jump it does not explain once
+        ``CLOCK_CONFIRMATIONS`` measurements agree (issue 29 #3; one WARNING line).
     :param clock: this machine's wall clock, unix seconds (a test passes a skewed one).
+    :param steady_clock: a clock that steps of ``clock`` do not move, seconds (default with the default
+        ``clock``: :func:`geomesh_p2p.net.swarm_time.steady_clock`; with an injected ``clock``: none, steps
+        are then not watched). A step of ``clock`` against it corrects :attr:`clock_offset_s` at once.
     :param check_reachability: during :meth:`join`, ask the bootstraps to dial this node back at its
         advertised address; when none can, the node advertises no address (client-only) and logs a
         warning (:attr:`reachability`, :attr:`advertised_address`).

@@ -26,6 +26,8 @@ from hivemind.dht.routing import DHTID, RoutingTable
 from hivemind.dht.storage import DHTLocalStorage
 
 from geomesh_p2p.net.addr import valid_address
+from geomesh_p2p.net.swarm_time import StepWatch
+from geomesh_p2p.net.swarm_time import steady_clock as steady_clock_default
 from geomesh_p2p.dht.records import DEFAULT_LIMITS, RecordLimits, SignedRecord, node_id_of
 from geomesh_p2p.dht.quota import DEFAULT_QUOTA, StorageLedger, StorageQuota
 from geomesh_p2p.util.errors import UserFacingError
@@ -187,6 +189,7 @@ class DHTNodeState:
         bootstrap_refresh_s: Optional[float] = None,
         max_clock_skew_s: float = 60.0,
         clock: Callable[[], float] = time.time,
+        steady_clock: Optional[Callable[[], float]] = None,
     ):
         if k < 1 or alpha < 1:
             raise ValueError(f"k and alpha must be >= 1 (got k={k}, alpha={alpha})")
@@ -215,7 +218,13 @@ class DHTNodeState:
         self.check_reachability = check_reachability
         self.max_clock_skew_s = max_clock_skew_s
         self._clock = clock
-        self.clock_offset_s = 0.0  # bootstraps' clock - this clock, seconds (0 until measured)
+        # Steps of this machine's clock since the offset was measured (issue 29 #3); an injected clock without
+        # a steady partner is never seen to step (tests that skew it by a constant).
+        if steady_clock is None and clock is time.time:
+            steady_clock = steady_clock_default
+        self._steps = StepWatch(clock, steady_clock)
+        self._measured_offset_s = 0.0
+        self._clock_jumps: List[float] = []  # unconfirmed offset changes, seconds (see DHTJoin._measure_clock)
         self._offsets: Dict[PeerID, float] = {}  # last measured offset per node that answered a ping
         # Local storage (hivemind TimedStorage) evicts by time.time(): its expirations are shifted from
         # swarm time by this much (clock bias of an injected clock + measured offset).
@@ -268,6 +277,18 @@ class DHTNodeState:
         if not self.serving:
             return dht_pb2.NodeInfo(peer_id=bytes(self.peer_id))
         return dht_pb2.NodeInfo(node_id=self.node_id.to_bytes(), address=self.address, peer_id=bytes(self.peer_id))
+
+    @property
+    def clock_offset_s(self) -> float:
+        """Swarm time minus this machine's clock, seconds (0 until measured): the offset measured against the
+        bootstraps, corrected by the steps of this machine's clock since (a step moves both: swarm time stays
+        continuous, issue 29 #3). Setting it records a measurement."""
+        return self._measured_offset_s - self._steps.moved()
+
+    @clock_offset_s.setter
+    def clock_offset_s(self, seconds: float) -> None:
+        self._measured_offset_s = float(seconds)
+        self._steps.mark()
 
     def now(self) -> float:
         """Swarm time, unix seconds: this machine's clock corrected by the offset measured against the

@@ -22,7 +22,6 @@ import secrets
 import stat
 import struct
 import threading
-import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +33,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
+from geomesh_p2p.net.swarm_time import swarm_time
 from geomesh_p2p.wire import envelope_pb2
 
 PUBLIC_KEY_BYTES = 32
@@ -211,7 +211,7 @@ class Identity:
             round=round,
             sender=bytes(self.peer_id),
             public_key=self.public_key_bytes,
-            timestamp=time.time(),
+            timestamp=swarm_time(),  # swarm time, as receivers judge it (issue 29 #3: a stepped clock)
             nonce=secrets.token_bytes(NONCE_BYTES),
             payload_sha256=payload_sha256,
             kind=kind,
@@ -313,6 +313,10 @@ class Verifier:
 
     Replay cache: (sender, nonce) pairs, kept for 2 x ``max_skew_s`` (older messages fail the skew
     check anyway) and at most ``replay_cache_size`` entries (oldest evicted first).
+
+    ``clock``: unix seconds the timestamps are judged against; default swarm time
+    (:func:`geomesh_p2p.net.swarm_time.swarm_time`), which signers stamp too, so a machine whose clock was
+    stepped or is off keeps its calls accepted (issue 29 #3).
     """
 
     def __init__(
@@ -323,7 +327,7 @@ class Verifier:
         replay_cache_size: int = 200_000,
         max_payload_bytes: int = 64 << 20,
         allow: Optional[Callable[[PeerID], bool]] = None,
-        clock: Callable[[], float] = time.time,
+        clock: Callable[[], float] = swarm_time,
     ):
         self.run_id = run_id
         self.max_skew_s = max_skew_s

@@ -8,6 +8,14 @@ its bootstraps at join and re-measures at every bootstrap ping
 (:attr:`geomesh_p2p.dht.DHTNode.clock_offset_s`; a skew over 60 s is refused at join). Local durations
 (timeouts, how long a step took) stay on ``time.monotonic()`` / ``time.perf_counter()``.
 
+Time that moves while the peer runs (issue 29 #3, rippled#3101): an NTP step, ``date -s`` or a VM restored
+moves ``time.time()`` by seconds to minutes. A :class:`StepWatch` sees such a step at once, as a change of
+``time.time()`` against :func:`steady_clock` (which steps never move and which runs through a suspend), and
+the offset in use is corrected by it, so swarm time stays continuous and every envelope, deadline and expiry
+stays right without waiting for a re-measurement. A laptop that suspends and resumes needs nothing: both
+clocks ran on. The DHT corrects its measured offset so (:attr:`geomesh_p2p.dht.DHTNode.clock_offset_s`),
+and this module corrects a :func:`set_offset` offset the same way when it follows no source (a bootstrap).
+
 Why process-wide, not passed around: one process runs one node (``peer.cli join``), and the times are
 read deep in code that has no DHT at hand (the collective's deadlines, the inner loop's train deadline,
 the plan store). Tests that need a skewed peer run it as a separate process under libfaketime
@@ -24,22 +32,71 @@ import math
 import time
 from typing import Callable, Optional
 
-__all__ = ["swarm_time", "to_local", "set_offset", "follow", "offset"]
+__all__ = ["swarm_time", "to_local", "set_offset", "follow", "offset", "steady_clock", "StepWatch", "STEP_MIN_S"]
+
+#: A change of the wall clock against the steady clock this large (seconds) is a step (smaller ones: the two
+#: clocks read a few microseconds apart, or a test's frozen clock; a re-measurement takes care of them).
+STEP_MIN_S = 1.0
+
+_CLOCK_BOOTTIME = getattr(time, "CLOCK_BOOTTIME", None)
+# bound at import: tests replace this module's ``time`` with a fixed wall clock, the step watch reads the real ones
+_clock_gettime, _monotonic = getattr(time, "clock_gettime", None), time.monotonic
+
+
+def steady_clock() -> float:
+    """Seconds on a clock that steps of the wall clock never move and that keeps running through a suspend:
+    ``CLOCK_BOOTTIME`` on Linux; elsewhere ``time.monotonic()`` (on some systems it stops during a suspend,
+    which then looks like a step: the DHT's re-measurement against the bootstraps corrects that)."""
+    if _CLOCK_BOOTTIME is not None and _clock_gettime is not None:
+        return _clock_gettime(_CLOCK_BOOTTIME)
+    return _monotonic()
+
+
+class StepWatch:
+    """How far a wall clock was stepped since :meth:`mark` (seconds; + = set forward): the change of
+    ``wall() - steady()``, or 0.0 while it is under ``min_step_s``. ``steady`` None: never moved (an injected
+    test clock that has no steady partner)."""
+
+    def __init__(
+        self,
+        wall: Callable[[], float] = time.time,
+        steady: Optional[Callable[[], float]] = steady_clock,
+        min_step_s: float = STEP_MIN_S,
+    ):
+        self.wall, self.steady, self.min_step_s = wall, steady, min_step_s
+        self._base = 0.0
+        self.mark()
+
+    def mark(self) -> None:
+        """From now on, :meth:`moved` counts from the wall clock as it is now."""
+        self._base = 0.0 if self.steady is None else self.wall() - self.steady()
+
+    def moved(self) -> float:
+        """Seconds the wall clock was stepped since :meth:`mark` (0.0 under ``min_step_s``)."""
+        if self.steady is None:
+            return 0.0
+        d = (self.wall() - self.steady()) - self._base
+        return d if math.isfinite(d) and abs(d) >= self.min_step_s else 0.0
+
 
 _offset_s: float = 0.0
 _source: Optional[Callable[[], float]] = None
+#: Steps of this process's wall clock since the offset was set (used while no source is followed). It reads
+#: the real clocks, not this module's ``time`` (which tests replace with a fixed clock).
+_steps = StepWatch()
 
 
 def offset() -> float:
-    """The current offset of swarm time over this machine's clock (seconds; 0 until set)."""
+    """The current offset of swarm time over this machine's clock (seconds; 0 until set): the followed
+    source's, or the one set, corrected by the steps of the wall clock since it was set."""
     if _source is not None:
         try:
             v = float(_source())
         except Exception:  # the followed node is gone (shut down): keep the last known offset
-            return _offset_s
+            return _offset_s - _steps.moved()
         if math.isfinite(v):
             return v
-    return _offset_s
+    return _offset_s - _steps.moved()
 
 
 def swarm_time() -> float:
@@ -64,6 +121,7 @@ def set_offset(seconds: float) -> None:
     if not math.isfinite(s):
         raise ValueError(f"clock offset must be finite, got {seconds!r}")
     _offset_s, _source = s, None
+    _steps.mark()
 
 
 def follow(source: Optional[Callable[[], float]]) -> None:
@@ -73,4 +131,5 @@ def follow(source: Optional[Callable[[], float]]) -> None:
     global _offset_s, _source
     if source is None and _source is not None:
         _offset_s = offset()
+        _steps.mark()
     _source = source

@@ -8,7 +8,9 @@ from __future__ import annotations
 import time
 from typing import Optional
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
+
+from geomesh_p2p.schema.compat import WIRE_MODEL
 
 RECORD_SCHEMA_VERSION = 1
 
@@ -28,7 +30,7 @@ class SyncProgress(BaseModel):
     (:func:`geomesh_p2p.round.gather.gather`). Bytes and bytes/s; a rate, not times, so
     clocks need not agree."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+    model_config = WIRE_MODEL  # a field of a newer patch is ignored, not refused (docs/compat.md)
 
     done_bytes: int = Field(ge=0, le=1 << 50, description="bytes of the state received so far")
     total_bytes: int = Field(ge=1, le=1 << 50, description="bytes of the whole state (weights and outer state)")
@@ -57,8 +59,9 @@ class PeerRecord(BaseModel):
     Units: bytes for memory, bytes/s for bandwidth, tokens/s for throughput, unix seconds for time.
     """
 
-    # No NaN / Infinity anywhere: a record feeds the planner's arithmetic on every peer.
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+    # No NaN / Infinity anywhere: a record feeds the planner's arithmetic on every peer. A field of a newer
+    # patch release is ignored (docs/compat.md): the DHT record's signature covers the bytes as received.
+    model_config = WIRE_MODEL
 
     schema_version: int = RECORD_SCHEMA_VERSION
     peer_id: str = Field(description="PeerID (base58 of SHA-256 of the Ed25519 public key)")
