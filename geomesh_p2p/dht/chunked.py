@@ -156,9 +156,9 @@ def _hex(v: Any) -> bool:
 
 
 def parse_head(value: bytes, fmt: ChunkFormat) -> Head:
-    """Parse a head value of format ``fmt``. Raises ValueError with the reason: not this format's magic,
-    a head that is no JSON object of exactly sha256/size/chunk_bytes/chunks, sizes, hashes or a chunk
-    count that do not fit together, chunks over ``fmt.value_bytes``, or more than ``fmt.max_chunks``."""
+    """Parse a head value of format ``fmt``. Raises ValueError with the reason: not this format's magic, a
+    head that is no JSON object with sha256/size/chunk_bytes/chunks (other keys are ignored), sizes, hashes or
+    a chunk count that do not fit together, chunks over ``fmt.value_bytes``, or more than ``fmt.max_chunks``."""
     if value.startswith(fmt.inline):
         return Head(body=value[len(fmt.inline) :])
     w = fmt.what
@@ -166,8 +166,9 @@ def parse_head(value: bytes, fmt: ChunkFormat) -> Head:
         a = "an" if w[:1] in "aeiou" else "a"
         raise ValueError(f"not {a} {w} of wire version {fmt.version} (starts {value[: len(fmt.inline)]!r})")
     d = json_loads(value[len(fmt.head_prefix) :], f"{w} head")
-    if not isinstance(d, dict) or set(d) != {"sha256", "size", "chunk_bytes", "chunks"}:
-        raise ValueError(f"{w} head must have exactly sha256, size, chunk_bytes, chunks")
+    # Keys of a newer patch release are ignored (docs/compat.md): the head is a signed DHT value, as received.
+    if not isinstance(d, dict) or not {"sha256", "size", "chunk_bytes", "chunks"} <= set(d):
+        raise ValueError(f"{w} head must have sha256, size, chunk_bytes, chunks")
     size, cb, chunks = d["size"], d["chunk_bytes"], d["chunks"]
     if not (isinstance(size, int) and isinstance(cb, int) and size > 0 and 0 < cb <= fmt.value_bytes):
         raise ValueError(f"{w} head: bad size {size!r} or chunk_bytes {cb!r}")

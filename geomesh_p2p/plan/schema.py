@@ -10,6 +10,8 @@ from typing import Literal, Mapping, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from geomesh_p2p.schema.compat import WIRE_MODEL
+
 PLAN_SCHEMA_VERSION = 1
 
 
@@ -85,7 +87,7 @@ class PeerAssignment(BaseModel):
     collective (empty for client-only peers). ``predicted_*`` are the planner's expectations.
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+    model_config = WIRE_MODEL  # a column of a newer patch is ignored, not refused (docs/compat.md)
 
     peer_id: str = Field(min_length=1)
     address: Optional[str] = Field(default=None, description="host:port as the leader saw it; None = client-only")
@@ -133,7 +135,9 @@ class RoundPlan(BaseModel):
     input (unsorted or duplicate peers, budgets that do not match, parts that overlap or leave gaps).
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+    # A field of a newer patch release is ignored, not refused (docs/compat.md): the plan is signed over the
+    # bytes as stored (its head, and its chunks by SHA-256), never over a re-serialization of the parsed fields.
+    model_config = WIRE_MODEL
 
     schema_version: int = PLAN_SCHEMA_VERSION
     run_id: str

@@ -31,11 +31,12 @@ import weakref
 from collections import Counter
 from typing import Any, Dict, List, Optional, Sequence
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, Field, ValidationError
 
 from geomesh_p2p.util.aio import cancel_and_wait
 from geomesh_p2p.net.swarm_time import swarm_time
 from geomesh_p2p.schema.peer import PeerRecord
+from geomesh_p2p.schema.compat import WIRE_MODEL
 from geomesh_p2p.config.models import MAX_POW_BITS
 from geomesh_p2p.dht import live_peers
 from geomesh_p2p.plan.agree import choose_plan, digest_majority, leader_order, plan_key
@@ -95,7 +96,7 @@ class RoundSummary(BaseModel):
     """One round as one peer saw it (a compact :class:`~geomesh_p2p.telemetry.metrics.RoundRecord`). Units:
     seconds, tokens, bytes; ``time`` in unix seconds (end of the round)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+    model_config = WIRE_MODEL  # a field of a newer patch is ignored, not refused (docs/compat.md)
 
     round: int = Field(ge=0, le=1 << 40)
     time: float = Field(ge=0, le=1e11)
@@ -146,7 +147,7 @@ class RoundSummary(BaseModel):
 class RoundSummaries(BaseModel):
     """What a peer stores under ``<run>/rounds`` (subkey = its PeerID): its last rounds, oldest first."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+    model_config = WIRE_MODEL  # a field of a newer patch is ignored, not refused (docs/compat.md)
 
     peer_id: str = Field(max_length=64)
     rounds: List[RoundSummary] = Field(default_factory=list, max_length=KEEP_ROUNDS)

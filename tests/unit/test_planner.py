@@ -284,7 +284,6 @@ def _mutated(plan: RoundPlan, fn) -> bytes:
         lambda d: d["assignments"][0].update(micro_batch=d["assignments"][0]["batch_size"] + 1),
         lambda d: d.update(numel=d["numel"] + 5),  # parts do not cover
         lambda d: d.update(schema_version=99),
-        lambda d: d.update(surprise=1),
         lambda d: d.update(assignments=[]),
         lambda d: d.update(exchange_deadline=d["train_deadline"] - 1),
         lambda d: d.update(method="gossip"),
@@ -296,6 +295,13 @@ def test_malformed_plan_json_raises_validation_error(mutate):
     plan = _sample_plan()
     with pytest.raises(pydantic.ValidationError):
         RoundPlan.from_bytes(_mutated(plan, mutate))
+
+
+def test_a_field_of_a_newer_patch_is_ignored_not_refused():
+    # docs/compat.md (issue 29 #4): a patch release may add a field; this version follows the plan without it
+    plan = _sample_plan()
+    assert RoundPlan.from_bytes(_mutated(plan, lambda d: d.update(surprise=1))) == plan
+    assert RoundPlan.from_bytes(_mutated(plan, lambda d: d["assignments"][0].update(surprise=[1, 2]))) == plan
 
 
 def test_garbage_bytes_raise_validation_error():
