@@ -219,6 +219,7 @@ class PeerAnnouncer:
         run_id: Optional[str] = None,
         period_s: float = 5.0,
         ttl_s: Optional[float] = None,
+        live: Optional[Callable[[], Optional[str]]] = None,
     ):
         if period_s <= 0:
             raise ValueError("period_s must be > 0")
@@ -239,6 +240,11 @@ class PeerAnnouncer:
         # follow_rounds shortened in between) stored the later-expiring, older record last-but-one, and the
         # DHT then refused every newer one until now + ttl passed it (seen at 32 processes: "+36.4s later").
         self._one_at_a_time = asyncio.Lock()
+        #: ``() -> None`` while this peer makes progress, else why not (issue 29 #5: liveness is progress, not
+        #: a heartbeat): :meth:`run` then stops refreshing the record (it expires within its lifetime).
+        self.live = live
+        #: why the refreshes stopped (the ``live`` check's answer), None while announcing
+        self.silenced: Optional[str] = None
 
     def follow_rounds(self, cycle_s: float, window_s: Optional[float]) -> None:
         """Records from now on live :func:`record_ttl_s` of the longer of the sync window and the last round's
@@ -332,18 +338,35 @@ class PeerAnnouncer:
         self.announced += 1
         return ok
 
+    def _check_live(self) -> bool:
+        """Ask :attr:`live` whether to refresh now; one WARNING when the refreshes stop, one INFO when they resume."""
+        reason = self.live() if self.live is not None else None
+        if reason and self.silenced is None:
+            log.warning(
+                "not announcing %s any more: %s; its record expires within %.0f s, so no leader plans it "
+                "and the status page drops it (announcing resumes when the peer makes progress again)",
+                self.identity.peer_id.short(),
+                reason,
+                self.lifetime_s(),
+            )
+        elif not reason and self.silenced is not None:
+            log.info("announcing %s again: it makes progress again", self.identity.peer_id.short())
+        self.silenced = reason or None
+        return self.silenced is None
+
     async def run(self) -> None:
-        """Announce forever (errors are logged, never fatal)."""
+        """Announce forever (errors are logged, never fatal), refreshing only while :attr:`live` says the peer
+        makes progress (checked every ``period_s`` while it does not)."""
         while True:
             try:
-                if not await self.announce_once():
+                if self._check_live() and not await self.announce_once():
                     log.debug("announcement of %s was accepted by no node", self.identity.peer_id.short())
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # keep announcing whatever happens
                 log.warning("announcing %s failed: %r", self.identity.peer_id.short(), e)
             self._wake.clear()
-            await wait_event(self._wake, self.refresh_s)
+            await wait_event(self._wake, self.refresh_s if self.silenced is None else self.period_s)
 
     def start(self) -> asyncio.Task:
         """Start announcing in the background (a task owned by the node)."""

@@ -133,6 +133,9 @@ class RoundDriver:
         self.set_leaving = leaving
         self.loop_stall = loop_stall
         self.feedback = feedback
+        #: monotonic seconds of the loop's last step: a phase entered, a backoff pause (liveness is progress,
+        #: issue 29 #5: the node's watchdog stops announcing a peer whose loop stopped advancing)
+        self.progressed_at = self.clock.monotonic()
         self.phase = Phase.IDLE
         self.in_exchange = False
         self.leaving = False
@@ -183,6 +186,20 @@ class RoundDriver:
         return self.membership.me
 
     @property
+    def phase(self) -> Phase:
+        """Where the driver is; entering a phase is progress (:attr:`progressed_at`)."""
+        return self._phase
+
+    @phase.setter
+    def phase(self, value: Phase) -> None:
+        self._phase = value
+        self.progressed_at = self.clock.monotonic()
+
+    def stalled_s(self) -> float:
+        """Seconds since the loop last advanced (a phase entered, a backoff pause ended)."""
+        return max(0.0, self.clock.monotonic() - self.progressed_at)
+
+    @property
     def last_plan(self) -> Optional[RoundPlan]:
         """The plan of the last round this peer exchanged and applied (None before its first): a leaving node
         keeps serving that round's parts until its exchange deadline (``PeerNode.shutdown``)."""
@@ -220,8 +237,12 @@ class RoundDriver:
             self.add_phase_s(name, max(0.0, self.clock.monotonic() - t0))
 
     async def pause(self, seconds: float) -> bool:
-        """Wait ``seconds`` or until stop; True when stopped. (The only sleep of the driver: backoff.)"""
-        return await self.clock.wait(self.stop, seconds)
+        """Wait ``seconds`` or until stop; True when stopped. (The only sleep of the driver: backoff.) A loop
+        that pauses comes round again: each pause is progress."""
+        try:
+            return await self.clock.wait(self.stop, seconds)
+        finally:
+            self.progressed_at = self.clock.monotonic()
 
     # ------------------------------------------------------------------ the loop
     async def run(self) -> None:
