@@ -33,9 +33,7 @@ import geomesh_p2p
 from geomesh_p2p.node.started import started
 from geomesh_p2p.status import swarm as swarm_status  # noqa: F401  (kept importable from here: tests patch it)
 from geomesh_p2p.trust.admission import Admission, load_or_solve_pow, pow_cache_path
-from geomesh_p2p.model.capability import (
-    ThroughputEMA,
-)
+from geomesh_p2p.model.capability import ThroughputEMA
 from geomesh_p2p.exchange import CollectiveService
 from geomesh_p2p.config.models import NodeConfig, RunConfig
 from geomesh_p2p.dht import PeerAnnouncer, record_ttl_s
@@ -54,6 +52,7 @@ from geomesh_p2p.net.swarm_time import swarm_time
 from geomesh_p2p.round import DhtPlanAgreement, DriverConfig, PlanStore, RoundDriver
 from geomesh_p2p.node import joining, report, training
 from geomesh_p2p.node.checkpoints import Checkpointer, check_writable_dir
+from geomesh_p2p.node.watchdog import ProgressWatchdog
 from geomesh_p2p.node.joining import DuplicateIdentityError, StoppedBeforeJoining
 from geomesh_p2p.node.links import LinkProber
 from geomesh_p2p.round.policy import OWNER_PENALTY_ROUNDS, NodeRoundPolicy
@@ -413,6 +412,7 @@ class PeerNode:
 
         ttl_s = record_ttl_s(c.announce_period_s, self.run_cfg.window_s)  # follows the sync window (issue 25)
         self.announcer = PeerAnnouncer(self.dht, self.my_record, period_s=c.announce_period_s, ttl_s=ttl_s)
+        self.announcer.live = ProgressWatchdog.for_node(self).problem  # liveness is progress (issue 29 #5)
         self.plans = PlanStore(self.dht, self.identity, self.run_cfg.run_id)
         # Off the event loop: tokenizing and profiling take seconds, and the DHT must keep answering.
         await asyncio.to_thread(self._build_training)
