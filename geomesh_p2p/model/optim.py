@@ -22,6 +22,7 @@ for fp32 tensors.
 from __future__ import annotations
 
 import copy
+import math
 from typing import Any, Sequence
 
 import torch
@@ -234,6 +235,90 @@ class SyncAdamW:
         self.steps = t
 
 
+#: Elements per block of the fused Nesterov step (:func:`_nesterov_fused`): 128 Ki fp32 = 512 KiB per array, so
+#: the block's weights, momentum, aggregate and two scratch arrays stay in a core's L2 cache between the ops.
+FUSED_BLOCK = 1 << 17
+#: Inputs bounded by this (and the outer lr below :data:`FUSED_MAX_LR`) cannot make the Nesterov step overflow
+#: fp32 (max 3.4e38): |new momentum| <= 2T, |update| <= lr x 3T, |new weight| <= T + 3 lr T.
+FUSED_BOUND = 1e30
+FUSED_MAX_LR = 1e6
+
+
+def _abs_max(t: torch.Tensor) -> float:
+    """max |t| in one read pass (NaN when t holds a NaN, inf for an inf; 0 for an empty tensor). ``aminmax``:
+    ~10x faster on one CPU thread than ``vector_norm(inf)`` or ``isfinite().all()`` (vectorised, no temporary)."""
+    if not t.numel():
+        return 0.0
+    lo, hi = (float(x) for x in torch.aminmax(t))
+    if math.isnan(lo) or math.isnan(hi):
+        return math.nan
+    return max(-lo, hi)
+
+
+def _state_bound(outer, theta: torch.Tensor) -> float:
+    """A bound of max |θ|, |momentum| over the whole vectors: the one the fused step recorded after its last
+    write (:func:`_bound_after`) when neither tensor changed since (torch's in-place version counters) and it
+    is still under :data:`FUSED_BOUND`, else measured (two read passes: the first step, after a state load or
+    any other write, or every ~150 rounds when the recorded bound has grown past :data:`FUSED_BOUND`)."""
+    buf = outer.buf
+    key = (theta.data_ptr(), theta._version, buf.data_ptr(), buf._version)
+    cached = getattr(outer, "_fused_bound", None)
+    if cached is not None and cached[0] == key and cached[1] <= FUSED_BOUND:
+        return cached[1]
+    return max(_abs_max(theta), _abs_max(buf))
+
+
+def _nesterov_fused(outer: OuterNesterov, theta, aggregate, spans: Sequence[tuple[int, int]]) -> None:
+    """One :meth:`OuterNesterov.step` on the elements of ``spans`` of ``theta`` / ``outer.buf``, block by block
+    (:data:`FUSED_BLOCK`): every op of a block works in cache, so the step reads θ, the momentum and the
+    aggregate once and writes θ and the momentum once (5 passes over the state, against 4 for a ``copy_`` of
+    θ and the momentum; the whole-vector step makes ~14 and the per-part one ~21 with its copies). The same
+    ops in the same order as :meth:`OuterNesterov.step`: bitwise equal. The caller checked that no value can
+    overflow."""
+    mu, lr = outer.momentum, outer.lr
+    buf = outer.buf
+    assert buf is not None
+    nb = torch.empty(FUSED_BLOCK, dtype=torch.float32)
+    upd = torch.empty(FUSED_BLOCK, dtype=torch.float32)
+    for s, e in spans:
+        for a in range(s, e, FUSED_BLOCK):
+            z = min(e, a + FUSED_BLOCK)
+            n = z - a
+            g, b, th, m, u = aggregate[a:z], buf[a:z], theta[a:z], nb[:n], upd[:n]
+            torch.mul(b, mu, out=m)  # m = μ·buf
+            torch.add(m, g, out=b)  # buf = m + g (written: its block is in cache)
+            torch.mul(b, mu, out=u)  # u = μ·buf
+            torch.add(g, u, out=u)  # u = g + u
+            torch.mul(u, lr, out=u)  # u = η·u
+            torch.sub(th, u, out=th)  # θ = θ − u
+
+
+def _bound_after(outer: OuterNesterov, state_bound: float, g_max: float) -> float:
+    """An upper bound of max |θ|, |momentum| after a Nesterov step from state bounded by ``state_bound`` with
+    an aggregate bounded by ``g_max``: |b'| <= μB + G, |θ'| <= B + η(G + μ|b'|). No pass over the data: the
+    bound only grows (~1.6x a round at η 0.7, μ 0.9), and once past :data:`FUSED_BOUND` it is measured again."""
+    mu, lr = outer.momentum, outer.lr
+    b_new = mu * state_bound + g_max
+    return max(b_new, state_bound + lr * (g_max + mu * b_new))
+
+
+def _minus(s: int, e: int, idle: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``[s, e)`` less the ``idle`` ranges, as sorted disjoint spans."""
+    spans = [(s, e)]
+    for i0, i1 in sorted(idle):
+        out = []
+        for a, b in spans:
+            if i1 <= a or i0 >= b:
+                out.append((a, b))
+                continue
+            if a < i0:
+                out.append((a, i0))
+            if i1 < b:
+                out.append((i1, b))
+        spans = out
+    return spans
+
+
 def outer_step_per_part(
     outer,
     theta: torch.Tensor,
@@ -251,6 +336,12 @@ def outer_step_per_part(
     (not (1 + k) x P: 1.2 GB at 150M parameters). Bitwise equal to one whole-vector step on the parts
     that step (the ops are element-wise).
 
+    An :class:`OuterNesterov` part whose aggregate, weights and momentum are all within
+    :data:`FUSED_BOUND` cannot overflow: it is stepped in place, block by block in cache
+    (:func:`_nesterov_fused`, no copies; issue 27: the per-part step took 21x a ``copy_`` of the state at
+    89M parameters, the fused one ~1.5x), bitwise equal to the copy-and-check path below, which the other
+    parts and optimizers take.
+
     Args:
         theta: [P] fp32 CPU global weights (modified in place).
         aggregate: [P] fp32 CPU, not modified.
@@ -264,10 +355,19 @@ def outer_step_per_part(
     k = buf.numel() // p if p else 0
     steps_after = None
     bad, bad_in = [], set()
+    fused = type(outer) is OuterNesterov and k == 1 and outer.lr < FUSED_MAX_LR
+    state_bound = _state_bound(outer, theta) if fused else float("inf")
+    written = 0.0  # a bound of the values the fused step wrote
     for s, e in ranges:
-        if not bool(torch.isfinite(aggregate[s:e]).all()):
+        g_max = _abs_max(aggregate[s:e])
+        if not g_max == g_max or g_max == float("inf"):  # a NaN or an inf in the part's aggregate
             bad.append((s, e))
             bad_in.add((s, e))
+            continue
+        if fused and g_max <= FUSED_BOUND and state_bound <= FUSED_BOUND:
+            _nesterov_fused(outer, theta, aggregate, _minus(s, e, idle))
+            written = max(written, _bound_after(outer, state_bound, g_max))
+            steps_after = outer.steps + 1
             continue
         part = copy.copy(outer)  # shares lr / momentum / schedule; its buffer is this part's own copy
         part.buf = torch.cat([buf[j * p + s : j * p + e] for j in range(k)]) if k else None
@@ -297,4 +397,11 @@ def outer_step_per_part(
         part.step(theta[:0].clone(), aggregate[:0].contiguous(), round=r)
         steps_after = part.steps
     outer.steps = steps_after
+    if fused:
+        # Elements outside the stepped parts kept their values (bounded by state_bound); the parts stepped
+        # are bounded by what was written: the next step skips the two read passes while nothing else wrote.
+        outer._fused_bound = (
+            (theta.data_ptr(), theta._version, buf.data_ptr(), buf._version),
+            max(written, state_bound),
+        )
     return sorted(bad), bad_in
