@@ -28,7 +28,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
-from geomesh_p2p.telemetry.logonce import LogOnChange
 from geomesh_p2p.telemetry.metrics_http import start_metrics_server
 
 if TYPE_CHECKING:
@@ -195,7 +194,10 @@ class RoundLog:
             self.json_path.parent.mkdir(parents=True, exist_ok=True)
         self.print_fn = print_fn
         self._printed_header = False
-        self._json_failures = LogOnChange(log)  # --log-json on a full disk: one WARNING, then one when it works
+        # --log-json on a full disk: one WARNING per kind of failure, one INFO when it works again (rows missed).
+        # (Not telemetry.logonce.LogOnChange: events imports this module, and logonce imports events.)
+        self._json_failing: Optional[tuple] = None
+        self._json_missed = 0
         self._server: Optional[WSGIServer] = None
         self._thread: Optional[threading.Thread] = None
         self._gauges: dict[str, Any] = {}  # name -> prometheus_client Gauge
@@ -257,18 +259,25 @@ class RoundLog:
                 with self.json_path.open("a") as f:
                     f.write(r.to_json() + "\n")
             except OSError as e:  # a full disk must not end the round (issue 29 #7): one WARNING per state
-                self._json_failures.failed(
-                    (type(e).__name__, e.errno),
+                kind = (type(e).__name__, e.errno)
+                self._json_missed += 1
+                log.log(
+                    logging.WARNING if kind != self._json_failing else logging.DEBUG,
                     "round %d: cannot append to --log-json %s (%s); rows are missing there until it works again",
                     r.round,
                     self.json_path,
                     e.strerror or e,
                 )
+                self._json_failing = kind
             else:
-                failures = self._json_failures.failures
-                self._json_failures.recovered(
-                    "round %d: --log-json %s written again (%d row(s) missing)", r.round, self.json_path, failures
-                )
+                if self._json_failing is not None:
+                    log.info(
+                        "round %d: --log-json %s written again (%d row(s) missing)",
+                        r.round,
+                        self.json_path,
+                        self._json_missed,
+                    )
+                self._json_failing, self._json_missed = None, 0
         if self._gauges:
             gz = self._gauges
             gz["round"].set(r.round)
