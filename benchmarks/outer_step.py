@@ -1,0 +1,72 @@
+#!/usr/bin/env python3
+"""The outer step and the state digest at real size (issue 27), each against a ``copy_`` of the state it
+touches, side by side in one run on one thread: ``outer_step_per_part`` (the fused in-place path), the same
+with the fused path off (the copy-and-check path every part took before), the whole-vector
+``OuterNesterov.step``, and ``state.digest`` of θ and the momentum.
+
+Usage::
+
+    PYTHONPATH=$PWD python benchmarks/outer_step.py                 # 89M parameters (gpt2-124m's body), 8 parts
+    PYTHONPATH=$PWD python benchmarks/outer_step.py --params 150e6 --parts 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from geomesh_p2p.model import optim
+from geomesh_p2p.model.optim import OuterNesterov, outer_step_per_part
+from geomesh_p2p.model.state import digest
+
+
+def best_of(f, n: int = 3) -> float:
+    """The fastest of ``n`` runs of ``f()``, in seconds."""
+    best = float("inf")
+    for _ in range(n):
+        t0 = time.perf_counter()
+        f()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--params", type=float, default=89e6, help="parameters P (default 89e6)")
+    ap.add_argument("--parts", type=int, default=8, help="owner parts of the plan (default 8)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1, as a peer per core)")
+    ns = ap.parse_args()
+    torch.set_num_threads(ns.threads)
+    p = int(ns.params)
+    theta, agg = torch.randn(p), torch.randn(p) * 1e-3
+    outer = OuterNesterov(0.7, 0.9)
+    outer.buf = torch.randn(p) * 1e-3
+    ranges = [(i * p // ns.parts, (i + 1) * p // ns.parts) for i in range(ns.parts)]
+    d1, d2 = torch.empty_like(theta), torch.empty_like(theta)
+    d1.copy_(theta), d2.copy_(outer.buf)  # touch the pages once: the copy below is warm
+    copy_s = best_of(lambda: (d1.copy_(theta), d2.copy_(outer.buf)))
+    fused_s = best_of(lambda: outer_step_per_part(outer, theta, agg, ranges, 1))
+    bound = optim.FUSED_BOUND
+    optim.FUSED_BOUND = -1.0  # every part takes the copy-and-check path (the code before)
+    checked_s = best_of(lambda: outer_step_per_part(outer, theta, agg, ranges, 1), n=2)
+    optim.FUSED_BOUND = bound
+    whole_s = best_of(lambda: outer.step(theta, agg))
+    digest_s = best_of(lambda: digest(theta, outer.buf), n=2)
+    print(f"P = {p:,} fp32, {ns.parts} parts, {ns.threads} thread(s); state touched: theta + momentum")
+    print()
+    print("| operation | seconds | x copy_ |")
+    print("|---|---|---|")
+    for name, s in [
+        ("copy_ of theta and momentum", copy_s),
+        ("outer_step_per_part, fused in place (now)", fused_s),
+        ("outer_step_per_part, copy-and-check (before)", checked_s),
+        ("OuterNesterov.step, whole vector", whole_s),
+        ("state.digest(theta, momentum), blake2b", digest_s),
+    ]:
+        print(f"| {name} | {s:.3f} | {s / copy_s:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
