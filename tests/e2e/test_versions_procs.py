@@ -32,11 +32,6 @@ from tests.records_util import peer_record
 pytestmark = pytest.mark.timeout(120)
 
 PACKAGE = Path(geomesh_p2p.__file__).parent
-#: The DHT tool of the copy. The events module first: its import order avoids the telemetry modules' cycle
-#: that a cold ``python -m geomesh_p2p.dht`` may meet (logonce -> events -> metrics -> logonce).
-TOOL = (
-    "import sys, geomesh_p2p.telemetry.events; from geomesh_p2p.dht.__main__ import main; sys.exit(main(sys.argv[1:]))"
-)
 
 
 def _copy(root: Path, version: str) -> Path:
@@ -61,8 +56,8 @@ async def _spawn(root: Path, bootstrap: str) -> asyncio.subprocess.Process:
     argv = ["--bootstrap", bootstrap, "--run-id", RUN, "--announce", "--watch", "--period", "0.5"]
     return await asyncio.create_subprocess_exec(
         sys.executable,
-        "-c",
-        TOOL,
+        "-m",
+        "geomesh_p2p.dht",  # the copy's tool
         *argv,
         cwd=root,  # not the repository: its geomesh_p2p would shadow the copy
         env=env,
