@@ -127,7 +127,7 @@ class CollectiveService(OwnerService):
             ValueError: a bad spec / delta, not a participant, the round already run on this node.
             compression.CodecError: ``delta`` holds NaN or Inf.
         """
-        t0 = time.time()
+        t0, started = swarm_time(), time.monotonic()  # compute_end is read by other peers: swarm time (issue 29 #3)
         me = self.peer_id
         if me not in spec.participants:
             raise ValueError(f"this node ({_short(me)}) is not a participant of round {spec.round}")
@@ -200,7 +200,7 @@ class CollectiveService(OwnerService):
             pushed,
             s_after[0] - s_before[0],
             s_after[1] - s_before[1],
-            time.time() - t0,
+            time.monotonic() - started,
             last_compute_end,
             up,
             down,

@@ -13,6 +13,7 @@ import torch
 from geomesh_p2p.exchange import messages
 from geomesh_p2p.exchange.partition import CollectiveSpec, PartOwner, _pid_bytes
 from geomesh_p2p.net.identity import Identity, Verifier
+from geomesh_p2p.net.swarm_time import swarm_time
 
 
 def measure_codec(
@@ -45,7 +46,7 @@ def measure_codec(
         raise ValueError(f"numel={numel}, contributors={contributors} and repeats={repeats} must be >= 1")
     idents = [Identity.generate() for _ in range(contributors)]
     pids = [str(i.peer_id) for i in idents]
-    now = time.time()
+    now = swarm_time()  # the deadlines are judged in swarm time, as the envelopes are
     spec = CollectiveSpec(
         run_id="codec-probe",
         round=0,
