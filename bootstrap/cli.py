@@ -42,6 +42,8 @@ from geomesh_p2p.util.aio import unless_set, wait_event
 PROG = "geomesh-bootstrap"
 #: bound (seconds) on the last read of the swarm's round when the bootstrap stops (its state file keeps it)
 FINAL_PROGRESS_READ_S = 3.0
+#: bound (seconds) on one write of the --state-file (a hung file system must not hold the status loop)
+STATE_SAVE_TIMEOUT_S = 30.0
 
 log = logging.getLogger("geomesh.bootstrap")
 
@@ -255,11 +257,23 @@ async def _serve(ns: argparse.Namespace, identity, allow_peers, tls, stop: async
     # one INFO line when it works again, not the same line every --status-interval (issue 29 #7).
     save_failures, count_failures = LogOnChange(log), LogOnChange(log)
 
+    saving: list[asyncio.Future] = []  # the last write (a stuck one is not joined by another)
+
     async def save_state() -> None:
         if not state_file:
             return
+        if saving and not saving[-1].done():
+            save_failures.failed("hung", "the bootstrap state is not saved: the last write to %s is stuck", state_file)
+            return
+        write = asyncio.ensure_future(asyncio.to_thread(BootstrapState.capture(node, progress).save, state_file))
+        write.add_done_callback(lambda f: f.cancelled() or f.exception())  # an abandoned one's outcome is read
+        saving[:] = [write]
         try:
-            await asyncio.to_thread(BootstrapState.capture(node, progress).save, state_file)
+            await asyncio.wait_for(asyncio.shield(write), STATE_SAVE_TIMEOUT_S)
+        except asyncio.TimeoutError:  # a file system that does not answer: the bootstrap serves on
+            save_failures.failed(
+                "hung", "saving the bootstrap state to %s took over %.0f s; abandoned", state_file, STATE_SAVE_TIMEOUT_S
+            )
         except OSError as e:  # the bootstrap keeps serving; the next interval tries again
             save_failures.failed(
                 (type(e).__name__, e.errno),
