@@ -44,7 +44,7 @@ log = logging.getLogger("geomesh_p2p.dht.node")
 #: drift, followed at once). Bootstraps are pinged every ``bootstrap_refresh_s`` (15 s by default).
 CLOCK_JUMP_S = 5.0
 CLOCK_CONFIRMATIONS = 3
-CLOCK_CONFIRM_SPREAD_S = 1.0
+CLOCK_CONFIRM_SPREAD_S = 2.0
 
 
 def _other_run_message(address: str, reason: str, own_run: str) -> str:

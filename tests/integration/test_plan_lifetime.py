@@ -23,6 +23,7 @@ from geomesh_p2p.net.identity import Identity
 from geomesh_p2p.plan.agree import PLAN_STALE_AFTER_S, PLAN_TTL_FLOOR_S, PlanStore, plan_expiration, plan_key
 from geomesh_p2p.plan.schema import RoundPlan
 from geomesh_p2p.round.rules import RoundState, StateSync
+from geomesh_p2p.round.rules.state_sync import SYNC_CALL_TIMEOUT_S, sync_call_timeout_s
 from geomesh_p2p.status.swarm import SUMMARY_TTL_S, SwarmWatcher, summary_ttl_s
 from geomesh_p2p.trust.verify_task import VerifyConfig, evidence_lifetime_s
 from tests.dht_helpers import RUN, start_swarm, stop_all
@@ -64,6 +65,9 @@ def test_evidence_and_round_summaries_live_as_long_as_the_rounds_they_serve():
     assert summary_ttl_s(rows) == SUMMARY_TTL_S == 900.0
     assert summary_ttl_s([*rows, SimpleNamespace(round_s=1200.0)]) == 3 * 1200.0  # 20-minute rounds
     assert summary_ttl_s([]) == 900.0
+    # a joiner's state calls outlast a donor's busy round (its plan's exchange deadline, within the horizon)
+    assert sync_call_timeout_s(6.0) == 4 * 6.0 + 120.0 and SYNC_CALL_TIMEOUT_S == 120.0
+    assert sync_call_timeout_s(WINDOW_S) == 4 * WINDOW_S + 120.0  # 22 minutes, not 2
 
 
 async def test_a_5_minute_plan_is_still_read_200_s_into_its_round_by_the_dht_status_page_and_a_joiner():

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("geomesh_p2p.node.peer.round")
 
-__all__ = ["StateSync", "NO_MAJORITY_RETRIES", "STATE_SYNC_ATTEMPTS", "BUSY_REFRESH_S"]
+__all__ = ["StateSync", "NO_MAJORITY_RETRIES", "STATE_SYNC_ATTEMPTS", "BUSY_REFRESH_S", "sync_call_timeout_s"]
 
 #: Reads of the swarm's records a catch-up makes, 0.5 s apart, while no state has a majority (mid-round).
 NO_MAJORITY_RETRIES = 8
@@ -43,6 +43,17 @@ STATE_SYNC_ATTEMPTS = 30
 #: Seconds between reads of the swarm's plans while a sync runs: the donors' busy windows (their exchange
 #: deadlines) that the download's stall clock waits for (state_sync.BusyFn).
 BUSY_REFRESH_S = 1.0
+#: The shortest deadline of one state or outer-update call of a sync, seconds (:func:`sync_call_timeout_s`).
+SYNC_CALL_TIMEOUT_S = 120.0
+
+
+def sync_call_timeout_s(window_s: Optional[float]) -> float:
+    """The deadline (seconds) of each state or outer-update call of a sync in a run whose window is ``window_s``:
+    ``SYNC_CALL_TIMEOUT_S``, or the plan horizon followers accept (``4 x window + 120 s``) when longer. A donor
+    busy with its own round sends late, not never: its stall clock is held until its plan's exchange deadline,
+    which lies at most that horizon ahead, so a fixed 120 s cut such calls mid-round once rounds last minutes
+    (issue 29 #2); a donor that went quiet is still left after the stall timeout."""
+    return max(SYNC_CALL_TIMEOUT_S, plan_horizon_s(window_s))
 
 
 def _none() -> None:
@@ -255,6 +266,7 @@ class StateSync:
                             target_round=top,
                             target_digest=choice.digest,
                             outer=self._outer(),
+                            timeout_s=sync_call_timeout_s(self.run_cfg.window_s),
                             busy_until=lambda d: busy.get(d, 0.0),
                         )
                     except state_sync.StateSyncError as e:
@@ -294,6 +306,7 @@ class StateSync:
                         numel=self.state.numel,
                         expected_digest=choice.digest,
                         state_numel=self.state.state_numel,
+                        timeout_s=sync_call_timeout_s(self.run_cfg.window_s),
                         busy_until=lambda d: busy.get(d, 0.0),
                     )
                 except state_sync.StateSyncError as e:
