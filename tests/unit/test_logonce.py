@@ -5,7 +5,7 @@ import logging
 import pytest
 
 from geomesh_p2p.telemetry import events
-from geomesh_p2p.telemetry.logonce import LogOnce
+from geomesh_p2p.telemetry.logonce import LogOnce, LogOnChange
 
 log = logging.getLogger("test.logonce")
 
@@ -78,3 +78,25 @@ def test_record_of_an_event_names_the_call_site_not_logonce(caplog):
         ("test_record_of_an_event_names_the_call_site_not_logonce", __file__)
     ]
     assert [e["peer"] for e in got] == ["p"]
+
+
+def test_log_on_change_warns_per_change_of_state_and_once_when_it_works_again(caplog):
+    """Issue 29 #7: a resource failing the same way at every try is one WARNING, not one per try."""
+    lc = LogOnChange(log)
+    with caplog.at_level(logging.DEBUG, logger="test.logonce"), events.capture("disk") as got:
+        assert lc.recovered("fine") is False  # it never failed: nothing to say
+        for _ in range(3):
+            lc.failed(("OSError", 28), "full %s", "/ckpt", event="disk")
+        lc.failed(("OSError", 30), "read-only %s", "/ckpt", event="disk")  # another failure: a new WARNING
+        failures = lc.failures
+        assert lc.recovered("works again after %d", failures) is True
+        assert lc.recovered("works again after %d", 0) is False  # said once
+    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
+        ("WARNING", "full /ckpt"),
+        ("DEBUG", "full /ckpt"),
+        ("DEBUG", "full /ckpt"),
+        ("WARNING", "read-only /ckpt"),
+        ("INFO", "works again after 4"),
+    ]
+    assert [e["repeat"] for e in got] == [0, 1, 2, 0]  # every failure is still an event
+    assert lc.failing is None and lc.failures == 0
