@@ -91,12 +91,12 @@ def test_log_on_change_warns_per_change_of_state_and_once_when_it_works_again(ca
         failures = lc.failures
         assert lc.recovered("works again after %d", failures) is True
         assert lc.recovered("works again after %d", 0) is False  # said once
-    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
-        ("WARNING", "full /ckpt"),
-        ("DEBUG", "full /ckpt"),
-        ("DEBUG", "full /ckpt"),
-        ("WARNING", "read-only /ckpt"),
-        ("INFO", "works again after 4"),
+    assert [(r.levelno, r.getMessage()) for r in caplog.records] == [
+        (logging.WARNING, "full /ckpt"),
+        (logging.DEBUG, "full /ckpt"),
+        (logging.DEBUG, "full /ckpt"),
+        (logging.WARNING, "read-only /ckpt"),
+        (logging.INFO, "works again after 4"),
     ]
     assert [e["repeat"] for e in got] == [0, 1, 2, 0]  # every failure is still an event
     assert lc.failing is None and lc.failures == 0
