@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
-from geomesh_p2p.util.atomic import atomic_write
+from geomesh_p2p.util.atomic import atomic_write, bounded_write_s
 from geomesh_p2p.data.corpus import DataError, cache_dir_default, load_text
 from geomesh_p2p.data.tokenizer import encode_corpus, get_tokenizer, tokenizer_fingerprint
 from geomesh_p2p.data.tokens import build_token_file, is_streamed, read_head_text, source_digest
@@ -171,7 +171,7 @@ def _save_ids(path: Path, ids: np.ndarray) -> None:
         with open(tmp, "wb") as f:
             np.save(f, ids, allow_pickle=False)
 
-    atomic_write(path, write)
+    atomic_write(path, write, timeout_s=bounded_write_s(ids.nbytes))  # a cache: a hung disk is a failed write
 
 
 def load_dataset(
@@ -286,7 +286,8 @@ def _source_tokenizer(p: Path, source_b2: str, vocab_size: int, cache_dir, cdir:
         raise DataError(f"data file is empty: {p}")
     tok = get_tokenizer(sample, vocab_size=vocab_size, cache_dir=cache_dir)
     try:
-        atomic_write(by_source, lambda tmp: _write_text(tmp, tok.to_str()))
+        text = tok.to_str()  # a cache: a hung disk is a failed write
+        atomic_write(by_source, lambda tmp: _write_text(tmp, text), timeout_s=bounded_write_s(len(text)))
     except OSError as e:
         log.warning("cannot cache tokenizer in %s: %s", cdir, e)
     return tok

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from geomesh_p2p.util.atomic import atomic_write
+from geomesh_p2p.util.atomic import atomic_write, bounded_write_s
 from geomesh_p2p.data.corpus import DataError, cache_dir_default, load_text
 
 __all__ = ["get_tokenizer", "tokenizer_key", "tokenizer_fingerprint", "encode_corpus", "EOS_TOKEN"]
@@ -54,7 +54,7 @@ def _atomic_write_text(path: Path, data: str) -> None:
         with open(tmp, "w", encoding="utf-8") as f:
             f.write(data)
 
-    atomic_write(path, write)
+    atomic_write(path, write, timeout_s=bounded_write_s(len(data)))  # a cache: a hung disk is a failed write
 
 
 def train_tokenizer(text: str, vocab_size: int) -> Tokenizer:

@@ -25,6 +25,7 @@ from geomesh_p2p.model import state as gstate  # module-qualified: tests replace
 from geomesh_p2p.round.rules import RoundState
 from geomesh_p2p.telemetry import events
 from geomesh_p2p.telemetry.logonce import LogOnChange
+from geomesh_p2p.util.atomic import MIN_DISK_BPS
 from geomesh_p2p.util.errors import UserFacingError
 
 if TYPE_CHECKING:
@@ -65,8 +66,7 @@ def _swallow(fut: asyncio.Future) -> None:
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 #: A checkpoint write may take at least this long before it is abandoned (seconds) ...
 CHECKPOINT_TIMEOUT_MIN_S = 120.0
-#: ... or the state's size at this many bytes per second (a slow network file system) ...
-MIN_DISK_BPS = 10e6
+#: ... or the state's size at MIN_DISK_BPS (10 MB/s: a slow network file system; util/atomic.py) ...
 #: ... or this many sync windows, whichever is longest (:meth:`Checkpointer.timeout_s`).
 CHECKPOINT_TIMEOUT_WINDOWS = 10.0
 

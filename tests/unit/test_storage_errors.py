@@ -9,6 +9,7 @@ import json
 import logging
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -244,3 +245,35 @@ def test_log_json_on_a_full_disk_warns_once_and_the_round_goes_on(tmp_path, capl
     infos = [r.getMessage() for r in caplog.records if "written again" in r.getMessage()]
     assert infos == [f"round 3: --log-json {path} written again (3 row(s) missing)"]
     assert [json.loads(line)["round"] for line in path.read_text().splitlines()] == [3, 4]
+
+
+def test_a_cache_write_that_hangs_is_a_failed_write_not_a_hung_start(tmp_path, monkeypatch):
+    """Issue 29 #5, the same kind for the token caches: a write given ``timeout_s`` raises TimeoutError (an
+    OSError: the callers' "cannot cache ..." warning) when the file system does not answer, and the start
+    goes on without the cache."""
+    import threading
+
+    from geomesh_p2p.data import dataset
+    from geomesh_p2p.util.atomic import atomic_write, bounded_write_s
+
+    assert bounded_write_s(10) == 60.0 and bounded_write_s(2_000_000_000) == 200.0
+    release = threading.Event()
+
+    def hangs(tmp):
+        assert release.wait(30)
+        with open(tmp, "w") as f:
+            f.write("late")
+
+    try:
+        with pytest.raises(OSError) as ei:
+            atomic_write(tmp_path / "cache.json", hangs, timeout_s=0.1)
+        assert isinstance(ei.value, TimeoutError) and ei.value.errno == errno.ETIMEDOUT
+        assert not (tmp_path / "cache.json").exists()
+        monkeypatch.setattr(dataset, "bounded_write_s", lambda n: 0.1)
+        monkeypatch.setattr(dataset.np, "save", lambda f, a, allow_pickle: release.wait(30))
+        with pytest.raises(TimeoutError):
+            dataset._save_ids(tmp_path / "ids.npy", np.zeros(4, dtype=np.uint16))
+    finally:
+        release.set()
+    with pytest.raises(ValueError):  # what the write raises still reaches the caller
+        atomic_write(tmp_path / "x", lambda tmp: (_ for _ in ()).throw(ValueError("bad")), timeout_s=5)
