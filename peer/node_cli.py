@@ -225,13 +225,22 @@ def _allow_peers(ns: argparse.Namespace):
         raise ValueError(f"--allow-peers {ns.allow_peers} is not UTF-8 text (byte {e.start})") from None
 
 
-async def _run_node(node) -> int:
+async def _run_node(node, ranks=None) -> int:
+    """``node.run()`` with Ctrl+C / SIGTERM asking it to stop; with ``ranks`` (a multi-rank peer's
+    :class:`~geomesh_p2p.node.ranks.LocalRanks`) a failure of the ranks stops it too."""
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, node.request_stop)
+    watch = None
+    if ranks is not None:
+        ranks.attach(node, loop)
+        watch = asyncio.ensure_future(ranks.watch())
     try:
         return await node.run()
     finally:
+        if watch is not None:
+            watch.cancel()
+            await asyncio.gather(watch, return_exceptions=True)
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
 
@@ -296,17 +305,58 @@ def cmd_join(ns: argparse.Namespace) -> int:
     trust = trust_warning(ns)
     if trust:
         log.warning(trust)
+    layout = rank_layout(ns, "geomesh-peer join")  # several local devices as one peer (issue 30)
+    if layout is False:
+        return 2
+    if layout is not None and layout.rank > 0:  # a torchrun follower: no identity, no swarm, rank 0's commands
+        return follow_rank_0(ns, layout)
     inputs = join_inputs(ns, "geomesh-peer join")
     if inputs is None:
         return 2
     node = PeerNode(*inputs)
+    ranks = None
     try:
-        return asyncio.run(_run_node(node))
+        if layout is not None:
+            from geomesh_p2p.node.ranks import LocalRanks
+
+            ranks = LocalRanks.start(node.run_cfg, node.cfg, layout)
+        status = asyncio.run(_run_node(node, ranks))
+        # A peer whose ranks failed left cleanly, but did not end as asked: a supervisor should restart it.
+        return 1 if ranks is not None and ranks.channel.broken is not None and status == 0 else status
     except Exception as e:  # known start-up failures are reported in one line, not a traceback
         if isinstance(e, user_facing_errors()):
             print(f"geomesh-peer join: {e}", file=sys.stderr)
             return start_error_status(e)
         raise
+    finally:
+        if ranks is not None:
+            ranks.close()
+
+
+def rank_layout(ns: argparse.Namespace, prog: str):
+    """This process's place among a multi-rank peer's ranks (``--local-devices``, torchrun's environment):
+    a :class:`~geomesh_p2p.node.ranks.RankLayout`, None for a one-device peer, or False after printing
+    ``"<prog>: <reason>"`` (a bad flag combination, named; the caller exits 2)."""
+    from geomesh_p2p.node.ranks import layout_from
+
+    try:
+        return layout_from(node_config_from(ns))
+    except ValueError as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        return False
+
+
+def follow_rank_0(ns: argparse.Namespace, layout) -> int:
+    """A follower rank started by torchrun: builds its run config from the same flags as rank 0 and follows
+    rank 0's commands (:func:`geomesh_p2p.node.ranks.run_follower`). Returns its exit status."""
+    from geomesh_p2p.node.ranks import follower_spec_from_flags, run_follower
+
+    try:
+        run, cfg = run_config_from(ns), node_config_from(ns)
+    except ValueError as e:
+        print(f"geomesh-peer join (rank {layout.rank}): {e}", file=sys.stderr)
+        return 2
+    return run_follower(follower_spec_from_flags(run, cfg, layout))
 
 
 def start_error_status(e: BaseException) -> int:

@@ -71,6 +71,7 @@ IN_FUNCTION_IMPORTS: dict[tuple[str, str], str] = {
     ("peer/node_cli.py", "geomesh_p2p.net.links"): _CLI,
     ("peer/node_cli.py", "geomesh_p2p.net.transport"): _CLI,
     ("peer/node_cli.py", "geomesh_p2p.node.peer"): _CLI,
+    ("peer/node_cli.py", "geomesh_p2p.node.ranks"): _CLI,
     ("peer/node_cli.py", "geomesh_p2p.telemetry.events"): _CLI,
     ("peer/node_cli.py", "geomesh_p2p.trust.admission"): _CLI,
     ("peer/tools_cli.py", "geomesh_p2p.dht"): _CLI,

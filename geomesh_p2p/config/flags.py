@@ -165,6 +165,30 @@ def _speed_factor(text: str) -> float:
     return v
 
 
+#: Most ranks ``--local-devices`` may list (geomesh_p2p.model.ranks.MAX_RANKS says the same).
+MAX_LOCAL_DEVICES = 64
+
+
+def _device_list(text: str) -> list[str]:
+    """``--local-devices``: 2 or more comma-separated devices, all ``cpu`` or all ``cuda`` / ``cuda:N`` (a
+    device may repeat: two ranks on one GPU). Spelled canonically (``cuda`` stays ``cuda``: rank i of a
+    ``cuda,cuda`` list takes GPU i)."""
+    items = [x.strip().lower() for x in text.split(",") if x.strip()]
+    for x in items:
+        kind, _, index = x.partition(":")
+        if kind not in ("cpu", "cuda") or (kind == "cpu" and index) or (index and not index.isdigit()):
+            raise argparse.ArgumentTypeError(f"{x!r} is not a device: use cpu, cuda or cuda:N")
+    if not 2 <= len(items) <= MAX_LOCAL_DEVICES:
+        raise argparse.ArgumentTypeError(
+            f"give 2 to {MAX_LOCAL_DEVICES} devices, one per rank, got {len(items)} (one device is --device)"
+        )
+    if len({x.partition(":")[0] for x in items}) > 1:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} mixes cpu and cuda: the ranks of a peer all-reduce on one backend (gloo or NCCL)"
+        )
+    return items
+
+
 def _host_port(text: str) -> str:
     """``HOST:PORT`` (``[IPV6]:PORT``) in its canonical spelling (:func:`geomesh_p2p.net.addr.canonical_address`)."""
     try:
@@ -180,6 +204,7 @@ PARSERS: dict[str, Callable[[str], Any]] = {
     "mbps": _mbps,
     "speed_factor": _speed_factor,
     "host_port": _host_port,
+    "device_list": _device_list,
     "positive_float": number_type(float, gt=0),
     "file": str,  # the flag names a file; the caller reads it into the field (--allow-peers FILE)
 }
@@ -264,7 +289,7 @@ def flag_specs(
                 dest = name
             else:
                 kw.update(action="store_true", default=default)
-        elif typing.get_origin(ann) is list and cli.get("parse") not in ("batch_list", "file"):
+        elif typing.get_origin(ann) is list and cli.get("parse") not in ("batch_list", "file", "device_list"):
             kw.update(
                 action=_AppendOverDefault, default=list(default or []), type=PARSERS.get(cli.get("parse", ""), str)
             )

@@ -193,6 +193,20 @@ class NodeConfig(BaseModel):
     identity: str = opt(DEFAULT_IDENTITY, "Ed25519 key file", metavar="PATH", min_length=1)
     device: str = opt("auto", "auto, cpu, cuda or cuda:N", min_length=1)
     threads: Optional[int] = opt(None, "torch CPU threads (default: torch's choice)", ge=1)
+    local_devices: Optional[list[str]] = opt(
+        None,
+        "train on several local devices as ONE peer (docs/multi-rank.md): the peer starts one rank per device "
+        "(e.g. cuda:0,cuda:1, or cpu,cpu), rank 0 speaks to the swarm and all ranks run the inner steps with "
+        "torch.distributed (DDP: NCCL on CUDA, gloo on CPU), each on its share of the peer's batch. Not with "
+        "--device or under torchrun (which starts the ranks itself: torchrun --nproc-per-node K)",
+        metavar="DEV,DEV,...",
+        parse="device_list",
+    )
+    shard: bool = opt(
+        False,
+        "shard the model over the ranks (FSDP): not built yet, refused at start; the ranks hold one copy of "
+        "the model each (DDP)",
+    )
     amp: bool = opt(
         True, "on CUDA, train in fp32 instead of bf16 autocast (the outer step is always fp32)", flag="--no-amp"
     )

@@ -458,7 +458,7 @@ class PeerNode:
             peer_id=self.me,
             address=self.record_address,
             device=self.device_info.name,
-            memory_bytes=self.device_info.memory_bytes,
+            **training.record_capacity(self),  # memory; ranks of a multi-rank peer (issue 30)
             tokens_per_s=_record_tps(ema.tokens_per_s),
             max_batch=max_batch,
             upload_bps=_link(c.upload_bps or ema.upload_bps),

@@ -24,6 +24,7 @@ from geomesh_p2p.model.device import detect_device
 from geomesh_p2p.exchange.profile import measure_codec
 from geomesh_p2p.model.memory import release_freed_memory
 from geomesh_p2p.model.optim import OuterNesterov, SyncAdamW
+from geomesh_p2p.model.ranks import RankChannel, RankedTrainer, rank_profile
 from geomesh_p2p.model.training import DEFAULT_INNER, InnerTrainer, lr_at
 from geomesh_p2p.model.build import build_model, num_params
 from geomesh_p2p.net.methods import COLLECTIVE_PULL, COLLECTIVE_PUSH
@@ -31,12 +32,39 @@ from geomesh_p2p.node.joining import StoppedBeforeJoining
 
 log = logging.getLogger("geomesh_p2p.node.peer")
 
-__all__ = ["build_training", "PUSH_FRAMING_BYTES", "PULL_REQUEST_BYTES"]
+__all__ = ["build_training", "trainer_kwargs", "record_capacity", "PUSH_FRAMING_BYTES", "PULL_REQUEST_BYTES"]
 
 #: Envelope, protobuf and codec headers around a pushed part (bytes): the push limit is 4 x numel + this.
 PUSH_FRAMING_BYTES = 1 << 20
 #: A PullPart request is a few ids and numbers (bytes).
 PULL_REQUEST_BYTES = 16 << 10
+
+
+def trainer_kwargs(run, cfg) -> dict:
+    """The :class:`InnerTrainer` arguments of a run config and node config besides model, data, device and peer
+    id: the same on every rank of a multi-rank peer, so the ranks' inner optimizers step identically."""
+    return dict(
+        seq_len=run.seq_len,
+        optimizer=run.inner_optimizer,
+        lr=run.inner_lr,
+        weight_decay=0.1,
+        warmup_steps=run.warmup_steps,
+        total_steps=run.total_inner_steps,
+        seed=run.seed,
+        speed_factor=cfg.speed_factor,
+        amp=cfg.amp,
+        steps_per_round=run.uniform_inner_steps,  # the inner LR follows the swarm's rounds (issue 14 #8)
+    )
+
+
+def record_capacity(node: PeerNode) -> dict:
+    """The memory fields of this peer's record: ``memory_bytes`` (its device's budget; a multi-rank peer's
+    sum over its ranks), and with several ranks ``ranks`` and ``rank_memory_bytes`` (one rank's budget)."""
+    channel = getattr(node, "rank_channel", None)
+    if channel is None or channel.world < 2:
+        return {"memory_bytes": node.device_info.memory_bytes}
+    per_rank = int(channel.rank_memory_bytes or node.device_info.memory_bytes)
+    return {"memory_bytes": per_rank * channel.world, "ranks": channel.world, "rank_memory_bytes": per_rank}
 
 
 def build_training(node: PeerNode) -> None:
@@ -67,13 +95,25 @@ def build_training(node: PeerNode) -> None:
         time.monotonic() - t0,
     )
     node._stop_point("after loading the data")
-    node.device_info = detect_device(c.device, c.memory_budget_bytes)
-    device = (
-        "cuda"
-        if node.device_info.kind == "cuda" and c.device == "auto"
-        else (c.device if c.device != "auto" else "cpu")
-    )
+    # A multi-rank peer (issue 30, geomesh_p2p.node.ranks): rank 0 trains on its rank's device; the profile
+    # below measures this one rank within its share of the device's memory, and the record states the peer's
+    # sum (rank_profile).
+    channel: RankChannel | None = getattr(node, "rank_channel", None)
+    ranks = channel.world if channel is not None else 1
+    share = max(1, int(getattr(node, "rank_device_share", 1)))  # ranks on rank 0's device (CPU: all of them)
+    node.device_info = detect_device(str(channel.device) if channel is not None else c.device, c.memory_budget_bytes)
+    if channel is not None:
+        device = str(channel.device)
+    else:
+        device = (
+            "cuda"
+            if node.device_info.kind == "cuda" and c.device == "auto"
+            else (c.device if c.device != "auto" else "cpu")
+        )
     node.device = torch.device(device)
+    rank_memory = node.device_info.memory_bytes // share
+    if channel is not None:
+        channel.rank_memory_bytes = rank_memory  # announced by record_capacity
     node.model = build_model(
         r.model if not c.model_config_file else None,
         config_file=c.model_config_file,
@@ -92,7 +132,7 @@ def build_training(node: PeerNode) -> None:
             node.model,
             r.seq_len,
             node.device,
-            node.device_info.memory_bytes,
+            rank_memory,
             vocab_size=node.dataset.vocab_size,
             batch_sizes=c.profile_batches,
             speed_factor=c.speed_factor,
@@ -106,7 +146,7 @@ def build_training(node: PeerNode) -> None:
         raise UserFacingError(f"cannot train {r.model} here: {e}") from None
     except ProfileStopped as e:
         raise StoppedBeforeJoining(str(e)) from None
-    node.profiled_tps, node.max_batch = prof.tokens_per_s, prof.max_batch
+    node.profiled_tps, node.max_batch = rank_profile(prof.tokens_per_s, prof.max_batch, ranks)
     release_freed_memory()
     node._stop_point("after the profile")
     # The exchange's CPU cost per element (encode, sign, verify, aggregate): the exchange window of this
@@ -120,14 +160,16 @@ def build_training(node: PeerNode) -> None:
         clip_k=r.clip_k,
     )
     log.info(
-        "device %s: %s tokens/s per batch, max batch %d (%.1fs to measure, peak %.2f GiB, budget %.2f GiB); "
+        "device %s%s: %s tokens/s per batch, max batch %d (%.1fs to measure, peak %.2f GiB, budget %.2f GiB%s); "
         "exchange CPU %.1f ns per element pass",
         node.device_info.name,
+        f" x {ranks} ranks" if ranks > 1 else "",
         {b: round(t) for b, t in node.profiled_tps.items()},
         node.max_batch,
         prof.seconds,
         max(prof.peak_bytes.values()) / 2**30,
         prof.memory_bytes / 2**30,
+        " per rank" if ranks > 1 else "",
         node.codec_s_per_element * 1e9,
     )
     # No legitimate push exceeds one fp32 copy of the vector (the fp32 baselines' largest part) plus
@@ -137,22 +179,14 @@ def build_training(node: PeerNode) -> None:
         COLLECTIVE_PUSH, min(transport.config.max_message_bytes, 4 * node.numel + PUSH_FRAMING_BYTES)
     )
     transport.set_payload_limit(COLLECTIVE_PULL, PULL_REQUEST_BYTES)
-    node.trainer = InnerTrainer(
-        node.model,
-        node.dataset,
-        device=node.device,
-        seq_len=r.seq_len,
-        optimizer=r.inner_optimizer,
-        lr=r.inner_lr,
-        weight_decay=0.1,
-        warmup_steps=r.warmup_steps,
-        total_steps=r.total_inner_steps,
-        seed=r.seed,
-        peer_id=node.me,
-        speed_factor=c.speed_factor,
-        amp=c.amp,
-        steps_per_round=r.uniform_inner_steps,
-    )  # the inner LR follows the swarm's rounds (issue 14 #8)
+    if channel is not None:  # the followers build theirs when rank 0's SETUP arrives (node/ranks.py)
+        node.trainer = RankedTrainer(
+            node.model, node.dataset, channel=channel, device=node.device, peer_id=node.me, **trainer_kwargs(r, c)
+        )
+    else:
+        node.trainer = InnerTrainer(
+            node.model, node.dataset, device=node.device, peer_id=node.me, **trainer_kwargs(r, c)
+        )
     if rule.exchanges_gradient:
         # Data-parallel baseline: the "outer" step is AdamW on the swarm's mean gradient.
         node.outer = SyncAdamW(

@@ -54,6 +54,34 @@ def best_micro_batch(record: PeerRecord) -> int:
     return max(fits, key=lambda b: (fits[b], b))
 
 
+def ranks_of(record: PeerRecord) -> int:
+    """The local devices a peer trains on as one (``record.ranks``, issue 30; 1 for older records)."""
+    return max(1, int(getattr(record, "ranks", 1) or 1))
+
+
+def rank_micro(micro: int, record: PeerRecord) -> int:
+    """``micro`` fitted to a multi-rank peer (``record.ranks`` K > 1, issue 30): rounded down to a multiple of
+    K, at least K, so the peer's batch splits evenly over its ranks; unchanged for K = 1, or when K rows do
+    not fit the record's ``max_batch`` (then the ranks split it unevenly: geomesh_p2p.model.ranks.split_rows)."""
+    k = ranks_of(record)
+    if k <= 1 or micro % k == 0:
+        return micro
+    fitted = max(k, micro - micro % k)
+    return fitted if fitted <= record.max_batch else micro
+
+
+def uniform_micro(records: Sequence[PeerRecord], cfg: PlanConfig) -> int:
+    """The micro-batch per device of a uniform plan: ``min(target_batch, min_i max_batch_i // ranks_i)`` (what
+    fits every device), at least 1."""
+    return max(1, min(cfg.target_batch, min(r.max_batch // ranks_of(r) for r in records)))
+
+
+def peer_uniform_micro(micro: int, record: PeerRecord) -> int:
+    """A peer's micro-batch in a uniform plan whose per-device micro-batch is ``micro``: ``micro`` on each of its
+    ranks (a K-rank peer trains K devices' batches, as K DiLoCo workers would), within its ``max_batch``."""
+    return min(micro * ranks_of(record), max(micro, record.max_batch))
+
+
 def comm_time(record: PeerRecord, cfg: PlanConfig) -> float:
     """Predicted seconds of this peer's collective: ``2*latency + payload/up + payload/down``."""
     return 2 * cfg.latency_s + cfg.payload_bytes / record.upload_bps + cfg.payload_bytes / record.download_bps
@@ -70,8 +98,10 @@ class PeerModel:
     def __init__(self, record: PeerRecord, cfg: PlanConfig, micro: int):
         self.peer_id = record.peer_id
         self.address = record.address
+        micro = rank_micro(micro, record)  # a multi-rank peer's batch is a multiple of its ranks
         self.micro = micro
-        self.accum = accum_steps_for(micro, cfg.target_batch)
+        # target_batch is a floor per device: a K-rank peer's step holds at least K x target_batch sequences
+        self.accum = accum_steps_for(micro, cfg.target_batch * ranks_of(record))
         self.batch = micro * self.accum
         self.step_s = self.batch * cfg.seq_len / interpolate_tokens_per_s(record.tokens_per_s, micro)
         self.comm_s = comm_time(record, cfg)

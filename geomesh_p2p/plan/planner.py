@@ -32,7 +32,16 @@ from geomesh_p2p.plan.bounds import (
     check_records,
     max_token_share,
 )
-from geomesh_p2p.plan.cost import PeerModel, accum_steps_for, best_micro_batch, step_and_comm
+from geomesh_p2p.plan.cost import (
+    PeerModel,
+    accum_steps_for,
+    best_micro_batch,
+    peer_uniform_micro,
+    rank_micro,
+    ranks_of,
+    step_and_comm,
+    uniform_micro,
+)
 from geomesh_p2p.plan.schema import ContentRefusal, PlanConfig, RoundPlan
 from geomesh_p2p.plan.uniform import plan_uniform
 from geomesh_p2p.schema.partition import OWNER_SHARE_FACTOR, max_owner_units
@@ -122,8 +131,8 @@ def reference_window(records: Sequence[PeerRecord], cfg: PlanConfig) -> float:
         return choose_window(s, c, np.array([m.batch * cfg.seq_len for m in models], dtype=np.int64), cfg)
     H = rule.uniform_inner_steps
     assert H is not None  # every method that is not balanced has one H for all peers (MethodRule.of)
-    micro = min(cfg.target_batch, min(r.max_batch for r in recs))
-    return max(H * m.step_s + m.comm_s for m in (PeerModel(r, cfg, micro) for r in recs))
+    micro = uniform_micro(recs, cfg)
+    return max(H * m.step_s + m.comm_s for m in (PeerModel(r, cfg, peer_uniform_micro(micro, r)) for r in recs))
 
 
 #: The window exclusion (:func:`window_exclusions`): a peer new to the plan is left out when including it would
@@ -182,8 +191,8 @@ def window_exclusions(
         models = [PeerModel(r, cfg, best_micro_batch(r)) for r in recs]
         k = cfg.min_inner_steps
     else:
-        micro = min(cfg.target_batch, min(r.max_batch for r in recs))
-        models = [PeerModel(r, cfg, micro) for r in recs]
+        micro = uniform_micro(recs, cfg)
+        models = [PeerModel(r, cfg, peer_uniform_micro(micro, r)) for r in recs]
         k = int(rule.uniform_inner_steps or 1)
     measured = {
         pid: float(v)
@@ -262,25 +271,27 @@ def check_plan(
     seq = cfg.seq_len
     rule = _method_rule(cfg)
     balanced, uniform_H = rule.balanced, rule.uniform_inner_steps
-    uniform_micro = min(cfg.target_batch, min(r.max_batch for r in by_id.values()))
+    micro_u = uniform_micro(list(by_id.values()), cfg)
     for a in plan.assignments:
         r, who = by_id[a.peer_id], a.peer_id[:10]
         if a.micro_batch > r.max_batch:
             return f"micro-batch {a.micro_batch} for {who} exceeds the {r.max_batch} its record supports"
-        if a.accum_steps != accum_steps_for(a.micro_batch, cfg.target_batch):
+        target = cfg.target_batch * ranks_of(r)  # a floor per device: K x for a K-rank peer
+        if a.accum_steps != accum_steps_for(a.micro_batch, target):
             return ContentRefusal(
                 f"{who} accumulates {a.accum_steps} micro-batches of {a.micro_batch}; target batch "
-                f"{cfg.target_batch} means {accum_steps_for(a.micro_batch, cfg.target_batch)}"
+                f"{target} means {accum_steps_for(a.micro_batch, target)}"
             )
         if balanced and not cfg.min_inner_steps <= a.inner_steps <= cfg.max_inner_steps:
             return ContentRefusal(
                 f"{a.inner_steps} inner steps for {who}, outside {cfg.min_inner_steps}..{cfg.max_inner_steps}"
                 " (a peer that cannot keep up is left out of the plan, not given 0 steps)"
             )
-        if not balanced and (a.inner_steps != uniform_H or a.micro_batch != uniform_micro):
+        want = rank_micro(peer_uniform_micro(micro_u, r), r)
+        if not balanced and (a.inner_steps != uniform_H or a.micro_batch != want):
             return (
                 f"{who} gets {a.inner_steps} steps of micro-batch {a.micro_batch}; method {cfg.method} gives "
-                f"everyone {uniform_H} of {uniform_micro}"
+                f"everyone {uniform_H} of {micro_u} per device ({want} for this peer)"
             )
         if a.owns_part and records[a.peer_id].address is None:
             return f"client-only peer {who} owns a part"

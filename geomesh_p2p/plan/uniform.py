@@ -14,7 +14,7 @@ import numpy as np
 
 from geomesh_p2p.plan.assign import PlanMeta, build_plan, probation_ids
 from geomesh_p2p.plan.bounds import bound_records, check_records
-from geomesh_p2p.plan.cost import PeerModel
+from geomesh_p2p.plan.cost import PeerModel, peer_uniform_micro, uniform_micro
 from geomesh_p2p.plan.schema import PlanConfig, RoundPlan
 from geomesh_p2p.schema.peer import PeerRecord
 
@@ -35,7 +35,8 @@ def plan_uniform(
 ) -> RoundPlan:
     """Plan a round the DiLoCo way: the same batch and inner steps for every peer.
 
-    Micro-batch ``m = min(target_batch, min_i max_batch_i)`` (fits everyone), batch
+    Micro-batch ``m = min(target_batch, min_i max_batch_i // ranks_i)`` per device (fits everyone; a
+    K-rank peer trains ``K m`` rows per pass, its ranks' sum), batch
     ``m * ceil(target_batch / m)``, ``H = inner_steps`` (default ``cfg.uniform_inner_steps``) for
     all; the window is set by the slowest peer, ``T = max_i (H s_i + c_i)``, so faster peers idle
     ``T - H s_i - c_i``. Parts are equal among the peers that accept connections. Claims are
@@ -46,8 +47,8 @@ def plan_uniform(
     H_all = cfg.uniform_inner_steps if inner_steps is None else int(inner_steps)
     if H_all < 1:
         raise ValueError(f"inner_steps={H_all} must be >= 1")
-    micro = min(cfg.target_batch, min(r.max_batch for r in recs))
-    models = [PeerModel(r, cfg, micro) for r in recs]
+    micro = uniform_micro(recs, cfg)
+    models = [PeerModel(r, cfg, peer_uniform_micro(micro, r)) for r in recs]
     H = np.full(len(models), H_all, dtype=np.int64)
     T = max(H_all * m.step_s + m.comm_s for m in models)
     probation = probation_ids(recs, probation)

@@ -20,6 +20,8 @@ MIN_LINK_BPS, MAX_LINK_BPS = 1.0, 1e12
 #: Throughput bounds of a record, tokens/s, and the largest batch (sequences) it may state.
 MIN_TOKENS_PER_S, MAX_TOKENS_PER_S = 1e-3, 1e10
 MAX_BATCH = 1 << 20
+#: Most ranks (local devices training as one peer, issue 30) a record may state.
+MAX_RANKS = 64
 #: Most peers a record may vouch for in ``standing``.
 MAX_ATTESTED = 64
 
@@ -103,6 +105,22 @@ class PeerRecord(BaseModel):
         "left out of the JSON when None (records of older peers parse as before)",
     )
 
+    ranks: int = Field(
+        default=1,
+        ge=1,
+        le=MAX_RANKS,
+        description="local devices this peer trains on as one (torch.distributed ranks, issue 30); its "
+        "tokens_per_s and max_batch are their sum, and the planner gives it batches that are a multiple of "
+        "it; optional, left out of the JSON when 1 (records of older peers parse as before)",
+    )
+    rank_memory_bytes: Optional[int] = Field(
+        default=None,
+        ge=0,
+        le=1 << 50,
+        description="with ranks > 1: the memory budget of one rank, bytes (memory_bytes is the peer's sum); "
+        "left out of the JSON when None",
+    )
+
     @field_validator("tokens_per_s")
     @classmethod
     def _positive_throughput(cls, v: dict[int, float]) -> dict[int, float]:
@@ -133,10 +151,14 @@ class PeerRecord(BaseModel):
         return max(self.tokens_per_s.values(), default=0.0)
 
     def to_bytes(self) -> bytes:
-        """JSON bytes. ``sync_progress`` is written only when set, so a record without it is byte for byte
-        what a peer of the previous version wrote (and such a peer, whose schema forbids unknown fields,
-        still reads every record but a syncing peer's)."""
-        return self.model_dump_json(exclude={"sync_progress"} if self.sync_progress is None else None).encode()
+        """JSON bytes. ``sync_progress``, ``ranks`` and ``rank_memory_bytes`` are written only when set (not
+        their defaults), so a record without them is byte for byte what a peer of the previous version wrote
+        (and such a peer, whose schema forbids unknown fields, still reads every record but a syncing or
+        multi-rank peer's)."""
+        absent = {
+            k for k, v in (("sync_progress", None), ("ranks", 1), ("rank_memory_bytes", None)) if getattr(self, k) == v
+        }
+        return self.model_dump_json(exclude=absent or None).encode()
 
     @classmethod
     def from_bytes(cls, data: bytes) -> "PeerRecord":

@@ -1,0 +1,460 @@
+"""One peer on several local devices (issue 30): the inner steps of rank 0's plan run on K ranks with
+torch.distributed (DDP; NCCL on CUDA, gloo on CPU), rank 0 alone speaks to the swarm.
+
+Rank 0 drives, ranks 1..K-1 follow (:meth:`RankedTrainer.follow`). Two process groups:
+
+* the **command channel** (always gloo, CPU tensors): rank 0 broadcasts a :class:`Command` (8 float64), then
+  the command's payload when it has one (the step's token batch). Idle, rank 0 sends a ``PING`` every
+  :data:`PING_PERIOD_S` seconds, so a follower's wait never reaches the collective timeout and a follower
+  sees rank 0's death (a closed connection) within a period;
+* the **main group** (NCCL on CUDA, gloo on CPU): DDP's gradient all-reduce, the step's loss, and the
+  broadcast of rank 0's weights (:data:`WEIGHTS`) before every run of inner steps.
+
+One step of global batch ``B`` (the plan's ``batch_size``, ``micro_batch`` rows per forward pass for the
+whole peer): rank 0 samples the batch as a single-device peer would
+(:meth:`~geomesh_p2p.data.TokenDataset.sample_batch`) and broadcasts it; each micro-batch of ``micro``
+rows is split over the ranks by :func:`split_rows`, rank ``r``'s loss is weighted by ``rows_r / B x K``
+(DDP averages over the K ranks), so the all-reduced gradient is exactly the whole batch's mean gradient:
+what a one-device peer computes, what verified work re-computes. Every rank then clips and steps its own
+inner optimizer on the same gradient, so the inner optimizer states stay identical and the pseudo-gradient
+is rank 0's. A failed collective (a rank died, a timeout) ends the run with the steps completed so far
+(:class:`RankFailure` inside, a result of those steps outside) and calls ``on_failure`` once: the node
+then leaves as on Ctrl+C.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+from torch.nn.utils import parameters_to_vector, vector_to_parameters
+
+from geomesh_p2p.model.training import InnerResult, InnerTrainer
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "Command",
+    "RankFailure",
+    "RankChannel",
+    "RankedTrainer",
+    "split_rows",
+    "collective_timeout_s",
+    "rank_profile",
+    "PING",
+    "SETUP",
+    "WEIGHTS",
+    "STEP",
+    "EXIT",
+]
+
+# Command opcodes (Command.op).
+PING, SETUP, WEIGHTS, STEP, EXIT = 0, 1, 2, 3, 4
+_OPS = {PING: "ping", SETUP: "setup", WEIGHTS: "weights", STEP: "step", EXIT: "exit"}
+#: Seconds between rank 0's keep-alive commands while no other command goes out.
+PING_PERIOD_S = 2.0
+#: Shortest collective timeout (seconds): a step of a large model, the followers' model build at SETUP.
+MIN_COLLECTIVE_TIMEOUT_S = 60.0
+#: Most ranks one peer may have (a record's ``ranks`` is bounded the same way).
+MAX_RANKS = 64
+
+
+def collective_timeout_s(window_s: Optional[float]) -> float:
+    """The timeout of every torch.distributed collective of a peer's ranks (seconds): 4 sync windows, at
+    least :data:`MIN_COLLECTIVE_TIMEOUT_S`; 300 s without a window. A collective waits at most one inner
+    step or one keep-alive period in a healthy peer; a rank that hangs (SIGSTOP, a stuck device) ends the
+    peer's round after this long instead of hanging it forever (a dead rank is seen at once: its
+    connections close)."""
+    if window_s is None:
+        return 300.0
+    return max(MIN_COLLECTIVE_TIMEOUT_S, 4.0 * float(window_s))
+
+
+def split_rows(rows: int, world: int, rank: int) -> tuple[int, int]:
+    """Rows ``[start, stop)`` of a ``rows``-row micro-batch that rank ``rank`` of ``world`` trains: equal
+    shares, the first ``rows % world`` ranks one row more. A rank may get none (``rows < world``).
+    Raises ValueError for ``world < 1``, a rank outside ``[0, world)`` or ``rows < 0``."""
+    if world < 1 or not 0 <= rank < world or rows < 0:
+        raise ValueError(f"rank {rank} of {world} ranks, {rows} rows: need world >= 1, 0 <= rank < world, rows >= 0")
+    base, extra = divmod(rows, world)
+    start = rank * base + min(rank, extra)
+    return start, start + base + (1 if rank < extra else 0)
+
+
+def rank_profile(tokens_per_s: dict[int, float], max_batch: int, ranks: int) -> tuple[dict[int, float], int]:
+    """A peer's figures from one rank's start-up profile: batch ``b`` per rank is ``ranks x b`` for the peer
+    at ``ranks x`` the tokens/s (DDP over local devices scales about linearly; each round's re-profiling
+    corrects it), and the peer's largest batch is ``ranks x`` the rank's. Returns ``(tokens/s per peer
+    batch, peer max batch)``. Raises ValueError for ``ranks < 1``."""
+    if ranks < 1:
+        raise ValueError(f"ranks={ranks} must be >= 1")
+    return {b * ranks: v * ranks for b, v in tokens_per_s.items()}, max(1, max_batch) * ranks
+
+
+@dataclass(frozen=True)
+class Command:
+    """One command of rank 0 to its followers, 8 float64 on the wire (:meth:`to_tensor`).
+
+    ``op``: :data:`PING`, :data:`SETUP` (``arg`` = the vocabulary size the model is built with),
+    :data:`WEIGHTS` (a broadcast of rank 0's flat parameters follows on the main group), :data:`STEP` (the
+    ``[batch_size, seq_len]`` int64 batch follows on the command channel; ``micro_batch`` rows per pass for
+    the whole peer, 0 = all; learning rate ``lr``; ``arg`` 1 = step the inner optimizer, 0 = gradient
+    only, the ddp baseline) or :data:`EXIT`. ``round`` and ``step`` are for the followers' logs.
+    """
+
+    op: int
+    round: int = 0
+    step: int = 0
+    batch_size: int = 0
+    micro_batch: int = 0
+    seq_len: int = 0
+    lr: float = 0.0
+    arg: int = 0
+
+    def to_tensor(self) -> torch.Tensor:
+        """float64 ``[8]`` (integers below 2**53 are exact; ``lr`` is a float64)."""
+        return torch.tensor(
+            [self.op, self.round, self.step, self.batch_size, self.micro_batch, self.seq_len, self.lr, self.arg],
+            dtype=torch.float64,
+        )
+
+    @classmethod
+    def from_tensor(cls, t: torch.Tensor) -> "Command":
+        """The inverse of :meth:`to_tensor`. Raises ValueError for an unknown opcode or a malformed tensor."""
+        if t.shape != (8,):
+            raise ValueError(f"a command is 8 float64, got shape {tuple(t.shape)}")
+        v = t.tolist()
+        op = int(v[0])
+        if op not in _OPS or v[0] != op:
+            raise ValueError(f"unknown command opcode {v[0]}")
+        return cls(op, int(v[1]), int(v[2]), int(v[3]), int(v[4]), int(v[5]), float(v[6]), int(v[7]))
+
+    def __str__(self) -> str:
+        return f"{_OPS[self.op]}(round={self.round}, step={self.step}, batch={self.batch_size})"
+
+
+class RankFailure(RuntimeError):
+    """A collective of the peer's ranks failed (a rank died or timed out); the message says which and why."""
+
+
+class RankChannel:
+    """The process groups of one peer's ranks and rank 0's command channel.
+
+    Made by :meth:`init` in every rank (a collective: all ranks call it). On rank 0 :meth:`send` and
+    :meth:`broadcast_weights` issue commands (thread-safe: a lock orders them with the keep-alive thread of
+    :meth:`start_keepalive`); on a follower :meth:`recv` and :meth:`recv_batch` take them. ``on_failure``
+    (rank 0) is called once, with a one-line reason, when a collective fails; :attr:`broken` holds it.
+    """
+
+    def __init__(self, rank: int, world: int, device: torch.device, main: Any, cmd: Any, timeout_s: float):
+        self.rank, self.world, self.device = rank, world, device
+        self.main, self.cmd, self.timeout_s = main, cmd, timeout_s
+        self.broken: Optional[str] = None
+        #: one rank's memory budget (bytes), set by the node once it profiled (its record announces it)
+        self.rank_memory_bytes: Optional[int] = None
+        self.on_failure: Optional[Callable[[str], None]] = None
+        self._lock = threading.Lock()
+        self._last_send = time.monotonic()
+        self._stop = threading.Event()
+        self._keepalive: Optional[threading.Thread] = None
+
+    @classmethod
+    def init(cls, rank: int, world: int, device: str, init_method: str, timeout_s: float) -> "RankChannel":
+        """Join the peer's process groups (blocks until all ``world`` ranks joined, at most ``timeout_s``):
+        the main group with NCCL when ``device`` is CUDA, else gloo, and a gloo command group. ``init_method``:
+        ``env://`` (MASTER_ADDR / MASTER_PORT, as torchrun sets) or ``tcp://HOST:PORT``. Raises RankFailure
+        when the others do not come (the reason in one line)."""
+        dev = torch.device(device)
+        backend = "nccl" if dev.type == "cuda" else "gloo"
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
+        timeout = timedelta(seconds=timeout_s)
+        try:
+            dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world, timeout=timeout)
+            cmd = dist.new_group(backend="gloo", timeout=timeout)  # the commands: small CPU tensors
+        except (RuntimeError, ValueError) as e:
+            raise RankFailure(f"rank {rank} of {world}: the peer's ranks did not form ({_one_line(e)})") from None
+        return cls(rank, world, dev, dist.group.WORLD, cmd, timeout_s)
+
+    # -- rank 0 ---------------------------------------------------------------------------------------
+    def send(self, command: Command, batch: Optional[torch.Tensor] = None) -> None:
+        """Rank 0: broadcast ``command`` (and ``batch``, int64 ``[B, seq_len]``, for a STEP) on the command
+        channel. Raises RankFailure (after :meth:`fail`) when it fails, or when the channel is broken."""
+        if self.broken is not None:
+            raise RankFailure(self.broken)
+        with self._lock:
+            try:
+                dist.broadcast(command.to_tensor(), src=0, group=self.cmd)
+                if batch is not None:
+                    dist.broadcast(batch.to("cpu", torch.int64).contiguous(), src=0, group=self.cmd)
+            except RuntimeError as e:
+                raise self.fail(f"command {command} to the other ranks failed", e) from None
+            self._last_send = time.monotonic()
+
+    def broadcast_weights(self, model: torch.nn.Module) -> None:
+        """Rank 0: the model's parameters to every rank (a :data:`WEIGHTS` command, then one flat broadcast
+        on the main group). Raises RankFailure."""
+        self.send(Command(WEIGHTS))
+        try:
+            with torch.no_grad():
+                flat = parameters_to_vector(model.parameters())
+                dist.broadcast(flat, src=0, group=self.main)
+        except RuntimeError as e:
+            raise self.fail("broadcasting the weights to the other ranks failed", e) from None
+
+    def fail(self, what: str, error: BaseException) -> RankFailure:
+        """Mark the channel broken (first failure only), call ``on_failure`` once; returns the RankFailure
+        to raise. ``what``: what was being done."""
+        reason = f"{what}: {_one_line(error)}"
+        first = self.broken is None
+        if first:
+            self.broken = reason
+            self._stop.set()
+            cb = self.on_failure
+            if cb is not None:
+                cb(reason)
+        return RankFailure(self.broken or reason)
+
+    def start_keepalive(self, period_s: float = PING_PERIOD_S) -> None:
+        """Rank 0: a daemon thread sending :data:`PING` whenever no command went out for ``period_s``."""
+
+        def loop() -> None:
+            while not self._stop.wait(period_s / 4):
+                if time.monotonic() - self._last_send < period_s or not self._lock.acquire(blocking=False):
+                    continue
+                self._lock.release()
+                try:
+                    self.send(Command(PING))
+                except RankFailure:
+                    return
+
+        self._keepalive = threading.Thread(target=loop, name="rank-keepalive", daemon=True)
+        self._keepalive.start()
+
+    def close(self, exit_followers: bool = True) -> None:
+        """Rank 0: stop the keep-alive, tell the followers to exit (when the channel is healthy), leave the
+        process groups. Followers: leave the groups. Never raises."""
+        self._stop.set()
+        t = self._keepalive
+        if t is not None:
+            t.join(timeout=self.timeout_s)
+        if self.rank == 0 and exit_followers and self.broken is None:
+            try:
+                self.send(Command(EXIT))
+            except RankFailure:
+                pass
+        if self.broken is None:
+            try:
+                dist.destroy_process_group()
+            except (RuntimeError, ValueError, AssertionError):  # already gone
+                pass
+
+    # -- followers ------------------------------------------------------------------------------------
+    def recv(self) -> Command:
+        """A follower: the next command of rank 0. Raises RankFailure when rank 0 is gone or times out."""
+        t = torch.zeros(8, dtype=torch.float64)
+        try:
+            dist.broadcast(t, src=0, group=self.cmd)
+        except RuntimeError as e:
+            raise RankFailure(f"rank {self.rank}: rank 0 is gone ({_one_line(e)})") from None
+        return Command.from_tensor(t)
+
+    def wait_setup(self) -> Optional[int]:
+        """A follower: skip keep-alives until rank 0's :data:`SETUP`; returns its vocabulary size (the model to
+        build), or None when rank 0 sent :data:`EXIT` first. Raises RankFailure."""
+        while True:
+            cmd = self.recv()
+            if cmd.op == SETUP:
+                return cmd.arg
+            if cmd.op == EXIT:
+                return None
+
+    def recv_batch(self, batch_size: int, seq_len: int) -> torch.Tensor:
+        """A follower: the STEP's int64 ``[batch_size, seq_len]`` batch. Raises RankFailure."""
+        t = torch.empty(batch_size, seq_len, dtype=torch.int64)
+        try:
+            dist.broadcast(t, src=0, group=self.cmd)
+        except RuntimeError as e:
+            raise RankFailure(f"rank {self.rank}: rank 0 is gone ({_one_line(e)})") from None
+        return t
+
+    def recv_weights(self, model: torch.nn.Module) -> None:
+        """A follower: rank 0's flat parameters into ``model``. Raises RankFailure."""
+        with torch.no_grad():
+            flat = parameters_to_vector(model.parameters())
+            try:
+                dist.broadcast(flat, src=0, group=self.main)
+            except RuntimeError as e:
+                raise RankFailure(f"rank {self.rank}: the weights' broadcast failed ({_one_line(e)})") from None
+            vector_to_parameters(flat, model.parameters())
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return (text[0] if text else type(e).__name__)[:300]
+
+
+class RankedTrainer(InnerTrainer):
+    """An :class:`InnerTrainer` whose steps run on all of a peer's ranks (DDP). Same arguments, plus
+    ``channel`` (this rank's :class:`RankChannel`). Rank 0's is the node's trainer (its ``run`` and
+    ``gradient`` drive the followers); a follower's runs :meth:`follow`. Build it on every rank at the same
+    time: rank 0 first sends :data:`SETUP` (``vocab_size``), then every rank wraps the model in DDP (a
+    collective that also copies rank 0's weights)."""
+
+    def __init__(self, model, dataset, *, channel: RankChannel, **kwargs):
+        super().__init__(model, dataset, **kwargs)
+        self.channel = channel
+        if channel.rank == 0:
+            channel.send(Command(SETUP, arg=int(getattr(model.config, "vocab_size", 0) or 0)))
+        dev = self.device
+        self.ddp = DistributedDataParallel(
+            self.model,
+            device_ids=[dev.index if dev.index is not None else torch.cuda.current_device()]
+            if dev.type == "cuda"
+            else None,
+            process_group=channel.main,
+            # buffers (attention masks, rotary tables) are constants of the config: no sync per forward pass
+            forward_sync_buffers=False,
+        )
+        self._apply_step = True
+        self._run_losses: list[float] = []
+
+    # -- rank 0 ---------------------------------------------------------------------------------------
+    def run(self, **kwargs) -> InnerResult:
+        """:meth:`InnerTrainer.run` on all ranks (rank 0's weights broadcast first). When a collective fails
+        the steps done so far are returned (``stopped_early``) and the channel's ``on_failure`` was called;
+        on a broken channel no step is run."""
+        t0 = time.perf_counter()
+        self._run_losses = []
+        try:
+            self.channel.broadcast_weights(self.model)
+            return super().run(**kwargs)
+        except RankFailure:
+            self.optimizer.zero_grad(set_to_none=True)
+            n = len(self._run_losses)
+            return InnerResult(
+                steps_done=n,
+                tokens=n * int(kwargs.get("batch_size", 0)) * self.seq_len,
+                mean_loss=sum(self._run_losses) / n if n else float("nan"),
+                last_loss=self._run_losses[-1] if n else float("nan"),
+                compute_s=time.perf_counter() - t0,
+                stopped_early=True,
+            )
+
+    def gradient(self, **kwargs) -> tuple[torch.Tensor, InnerResult]:
+        """:meth:`InnerTrainer.gradient` on all ranks (the ddp baseline). A failed collective gives a zero
+        gradient of 0 tokens (``on_failure`` was called)."""
+        t0 = time.perf_counter()
+        self._apply_step = False
+        try:
+            self.channel.broadcast_weights(self.model)
+            return super().gradient(**kwargs)
+        except RankFailure:
+            self.optimizer.zero_grad(set_to_none=True)
+            zero = torch.zeros(sum(p.numel() for p in self.model.parameters()), dtype=torch.float32)
+            return zero, InnerResult(0, 0, float("nan"), float("nan"), time.perf_counter() - t0, True)
+        finally:
+            self._apply_step = True
+
+    def accumulate_grad(self, batch: torch.Tensor, micro_batch: int | None = None) -> float:
+        """Rank 0: send the STEP (and ``batch``) to the followers, then this rank's rows of it; returns the
+        whole batch's mean loss (all-reduced: the same on every rank). Raises RankFailure."""
+        ch = self.channel
+        b = int(batch.shape[0])
+        ch.send(
+            Command(
+                STEP,
+                step=len(self._run_losses),
+                batch_size=b,
+                micro_batch=int(micro_batch or 0),
+                seq_len=int(batch.shape[1]),
+                lr=float(self.last_lr or self.lr),
+                arg=int(self._apply_step),
+            ),
+            batch,
+        )
+        try:
+            loss = self._shard_accumulate(batch, micro_batch)
+        except RuntimeError as e:
+            raise ch.fail("a training step of the peer's ranks failed", e) from None
+        self._run_losses.append(loss)
+        return loss
+
+    # -- every rank -----------------------------------------------------------------------------------
+    def _shard_accumulate(self, batch: torch.Tensor, micro_batch: int | None) -> float:
+        """Forward/backward of this rank's rows of each micro-batch through DDP (gradients all-reduced at the
+        last one); returns the batch's mean loss summed over the ranks (one scalar all-reduce)."""
+        ch = self.channel
+        b = int(batch.shape[0])
+        mb = b if not micro_batch or micro_batch >= b else int(micro_batch)
+        n = -(-b // mb)
+        total = 0.0
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        for i in range(n):
+            chunk = batch[i * mb : (i + 1) * mb]
+            s, e = split_rows(int(chunk.shape[0]), ch.world, ch.rank)
+            rows = e - s
+            # A rank with no row of this micro-batch still joins the all-reduce: one row at weight 0.
+            x = (chunk[s:e] if rows else chunk[:1]).to(self.device, non_blocking=True)
+            sync = self.ddp.no_sync() if i < n - 1 else nullcontext()
+            with sync:
+                with self._autocast():
+                    loss = self.ddp(input_ids=x, labels=x).loss
+                (loss * (rows / b * ch.world)).backward()
+            total += loss.detach().float().item() * (rows / b)
+        t = torch.tensor([total], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, group=ch.main)
+        return float(t.item())
+
+    # -- followers ------------------------------------------------------------------------------------
+    def follow(self) -> int:
+        """A follower's loop: run rank 0's commands until :data:`EXIT` (returns 0) or until rank 0 is gone or
+        a collective fails (one ERROR line, returns 1)."""
+        ch = self.channel
+        try:
+            while True:
+                cmd = ch.recv()
+                if cmd.op == EXIT:
+                    return 0
+                if cmd.op == WEIGHTS:
+                    ch.recv_weights(self.model)
+                elif cmd.op == STEP:
+                    self._follow_step(cmd, ch.recv_batch(cmd.batch_size, cmd.seq_len))
+        except (RankFailure, RuntimeError) as e:
+            log.error("rank %d of this peer: %s; exiting", ch.rank, _one_line(e))
+            return 1
+
+    def _follow_step(self, cmd: Command, batch: torch.Tensor) -> None:
+        """One STEP on a follower: the same gradient as rank 0, then (``arg`` 1) the same clip and step."""
+        for g in self.optimizer.param_groups:
+            g["lr"] = cmd.lr
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self._shard_accumulate(batch, cmd.micro_batch or None)
+        if cmd.arg and math.isfinite(loss):  # rank 0 raises FloatingPointError and steps neither
+            if self.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+            self.optimizer.step()
+            self.global_step += 1
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+class NoData:
+    """The dataset a follower's trainer is built with: followers get their rows from rank 0, never sample.
+    ``vocab_size``: the model's vocabulary (tokens)."""
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = int(vocab_size)
+
+    def sample_batch(self, **_: Any) -> torch.Tensor:
+        """Never called on a follower. Raises RuntimeError."""
+        raise RuntimeError("a follower rank samples no data: its rows come from rank 0")

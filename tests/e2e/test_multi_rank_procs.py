@@ -1,0 +1,68 @@
+"""One peer on 2 gloo ranks (``--local-devices cpu,cpu``, issue 30) trains with one-rank peers; killing one of
+its ranks makes it leave while the others keep training.
+
+A process test because the point is the processes: rank 0 starts its follower itself, the ranks form a
+torch.distributed group, and a dead rank must end the peer (exit status 1, one ERROR line) without a hang or an
+orphan. ``--method diloco`` plans every peer the same steps, so the tokens are exact: the 2-rank peer trains
+each device's batch on each of its ranks, twice the one-rank peer's tokens in every round both complete.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from tests.swarm_util import ProcSwarm
+
+RANKS = ["--local-devices", "cpu,cpu"]
+COMMON = ["--method", "diloco", "--uniform-inner-steps", "2", "--min-peers", "3"]
+
+
+def _children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(x) for x in f.read().split()]
+
+
+@pytest.mark.timeout(180)
+def test_two_rank_peer_trains_and_a_dead_rank_makes_it_leave(tmp_path: Path) -> None:
+    sw = ProcSwarm(tmp_path)
+    try:
+        entry = sw.start_peers(["b", "c"], *COMMON, "--rounds", "6")
+        sw.peer("a", *COMMON, *RANKS, bootstrap=entry)
+        # three rounds together, then one rank of "a" dies
+        sw.wait_for(lambda: len(sw.rows("a")) >= 3, 120, "a to train 3 rounds")
+        follower = _children(sw.procs["a"].pid)
+        assert len(follower) == 1, follower
+        os.kill(follower[0], signal.SIGKILL)
+        assert sw.wait_exit(["a"], 60) == {"a": 1}
+        gone = sw.procs.pop("a")  # exited: the swarm's waits below watch the others only
+        assert sw.wait_exit(["b", "c"], 120) == {"b": 0, "c": 0}
+        # no orphan: the follower is gone with its peer
+        assert gone.returncode == 1 and not Path(f"/proc/{follower[0]}").exists()
+    finally:
+        sw.stop_all(10)
+    a, b, c = (sw.rows(n) for n in "abc")
+    by_round = {n: {r["round"]: r for r in rows} for n, rows in (("a", a), ("b", b), ("c", c))}
+    # every round a trained: the same digest as the others
+    for rnd, ra in by_round["a"].items():
+        assert ra["digest"] == by_round["b"][rnd]["digest"] == by_round["c"][rnd]["digest"], rnd
+    # the 2-rank peer's batch is twice the one-rank peers', and so are its tokens when both did every step
+    assert all(r["batch_size"] == 2 * by_round["b"][r["round"]]["batch_size"] for r in a)
+    full = [
+        r["round"]
+        for r in a
+        if r["inner_steps_done"] == r["inner_steps_planned"] > 0
+        and by_round["b"][r["round"]]["inner_steps_done"] == by_round["b"][r["round"]]["inner_steps_planned"]
+    ]
+    assert full, a
+    assert all(by_round["a"][x]["tokens"] == 2 * by_round["b"][x]["tokens"] for x in full)
+    # after a left, b and c trained on together and agree
+    after = [x for x in by_round["b"] if x > max(by_round["a"])]
+    assert after and all(by_round["b"][x]["digest"] == by_round["c"][x]["digest"] for x in after)
+    assert any(by_round["b"][x]["peers"] == 2 for x in after)
+    log = sw.text("a")
+    assert log.count("this peer's ranks failed") == 1, log[-3000:]
+    assert "Traceback" not in log, log[-3000:]

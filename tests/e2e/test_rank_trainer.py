@@ -1,0 +1,88 @@
+"""A multi-rank trainer over gloo (issue 30): 2 OS processes (tests/rank_worker.py), no swarm.
+
+Processes because torch.distributed's process group is per process (the test process must not join one).
+Checks what the peer relies on: the ranks' steps give the one-device gradient (weights within float rounding of
+a single-process InnerTrainer, both ranks bitwise equal, inner optimizer states equal), and a rank that dies
+mid-run ends rank 0's run with the steps it completed, one failure reported, no hang.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests import rank_worker
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(tmp_path: Path, scenario: str, world: int = 2) -> dict[int, int]:
+    init = f"tcp://127.0.0.1:{_port()}"
+    out = str(tmp_path / "out")
+    env = {"GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(ROOT / "tests" / "rank_worker.py"), str(r), str(world), init, scenario, out],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        for r in range(world)
+    ]
+    codes = {}
+    try:
+        for r, p in enumerate(procs):
+            p.wait(timeout=90)
+            codes[r] = p.returncode
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    logs = b"".join(p.stdout.read() for p in procs if p.stdout is not None).decode(errors="replace")
+    assert codes[0] == 0, logs[-3000:]
+    return codes
+
+
+@pytest.mark.timeout(120)
+def test_ranks_reproduce_one_device_steps(tmp_path: Path) -> None:
+    codes = _run(tmp_path, "steps")
+    assert codes == {0: 0, 1: 0}
+    r0 = torch.load(tmp_path / "out.rank0.pt")
+    r1 = torch.load(tmp_path / "out.rank1.pt")
+    ref = rank_worker.reference()
+    res = r0["result"]
+    assert res["steps"] == rank_worker.STEPS and not res["early"]
+    assert res["tokens"] == rank_worker.STEPS * rank_worker.BATCH * rank_worker.SEQ
+    assert r0["failures"] == []
+    # the ranks step identically: the same weights and inner optimizer state, bit for bit
+    assert torch.equal(r0["flat"], r1["flat"])
+    assert torch.equal(r0["exp_avg"], r1["exp_avg"])
+    # and as one device would (the split of 5 rows into 3 + 2 and the all-reduce only change the rounding)
+    moved = (ref["flat"] - rank_worker.flat_params(rank_worker.model())).abs().max().item()
+    assert moved > 1e-4
+    # (AdamW normalises each element: a rounding-level gradient difference moves a weight by far less than lr)
+    assert (r0["flat"] - ref["flat"]).abs().max().item() < 1e-2 * moved
+    assert abs(res["loss"] - ref["loss"]) < 1e-4
+
+
+@pytest.mark.timeout(120)
+def test_a_dead_rank_ends_the_run_with_the_steps_done(tmp_path: Path) -> None:
+    codes = _run(tmp_path, "die")
+    assert codes[1] == 9
+    r0 = torch.load(tmp_path / "out.rank0.pt")
+    res = r0["result"]
+    assert res["steps"] == 1 and res["early"]
+    assert res["tokens"] == rank_worker.BATCH * rank_worker.SEQ
+    assert len(r0["failures"]) == 1

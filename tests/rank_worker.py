@@ -1,0 +1,93 @@
+"""One rank of a multi-rank trainer in its own OS process, for tests/e2e/test_rank_trainer.py (issue 30).
+
+    python tests/rank_worker.py RANK WORLD INIT_METHOD SCENARIO OUT
+
+Rank 0 runs :class:`RankedTrainer` inner steps on :class:`FakeData` (3 steps of batch 5, micro-batch 2: an
+uneven split over 2 ranks), the followers :meth:`RankedTrainer.follow`. Every rank writes ``OUT.rank<R>.pt``:
+its flat weights and its AdamW ``exp_avg`` after the steps, and (rank 0) the InnerResult and the failures
+seen. SCENARIO ``die``: rank 1 exits (``os._exit(9)``) on its second STEP; rank 0 must return the one step done.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+from geomesh_p2p.model import ranks as ranks_mod
+from geomesh_p2p.model.build import build_model, flat_params
+from geomesh_p2p.model.ranks import NoData, RankChannel, RankedTrainer
+
+VOCAB, SEQ, STEPS, BATCH, MICRO = 64, 16, 3, 5, 2
+KWARGS = dict(seq_len=SEQ, lr=1e-3, warmup_steps=0, total_steps=100, seed=0)
+
+
+class FakeData:
+    """Deterministic token rows: the batch of ``(round, step)`` from a seeded generator."""
+
+    vocab_size = VOCAB
+
+    def sample_batch(self, *, seed, peer_id, round, step, batch_size, seq_len):
+        g = torch.Generator().manual_seed(1000 * round + step + seed)
+        return torch.randint(0, VOCAB, (batch_size, seq_len), generator=g)
+
+
+def model():
+    torch.manual_seed(0)
+    return build_model("tiny", vocab_size=VOCAB, seed=0)
+
+
+def exp_avg(trainer) -> torch.Tensor:
+    st = trainer.optimizer.state
+    return torch.cat([st[p]["exp_avg"].reshape(-1) for p in trainer.model.parameters() if p in st])
+
+
+def reference() -> dict:
+    """The same steps on one process (InnerTrainer): what the ranks must reproduce."""
+    from geomesh_p2p.model.training import InnerTrainer
+
+    t = InnerTrainer(model(), FakeData(), **KWARGS)
+    res = t.run(round=0, inner_steps=STEPS, batch_size=BATCH, micro_batch=MICRO)
+    return {"flat": flat_params(t.model), "exp_avg": exp_avg(t), "steps": res.steps_done, "loss": res.mean_loss}
+
+
+def main() -> int:
+    rank, world, init, scenario, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
+    torch.set_num_threads(1)
+    ch = RankChannel.init(rank, world, "cpu", init, timeout_s=60)
+    failures: list[str] = []
+    if rank == 0:
+        ch.on_failure = failures.append
+        ch.start_keepalive(period_s=0.5)
+        t = RankedTrainer(model(), FakeData(), channel=ch, **KWARGS)
+        res = t.run(round=0, inner_steps=STEPS, batch_size=BATCH, micro_batch=MICRO)
+        result = {"steps": res.steps_done, "tokens": res.tokens, "loss": res.mean_loss, "early": res.stopped_early}
+        torch.save(
+            {"flat": flat_params(t.model), "exp_avg": exp_avg(t), "result": result, "failures": failures},
+            f"{out}.rank0.pt",
+        )
+        ch.close()
+        return 0
+    assert ch.wait_setup() == VOCAB
+    t = RankedTrainer(model(), NoData(VOCAB), channel=ch, **KWARGS)
+    if scenario == "die":
+        steps = {"n": 0}
+        real = t._follow_step
+
+        def dying(cmd, batch):
+            steps["n"] += 1
+            if steps["n"] == 2:
+                os._exit(9)
+            real(cmd, batch)
+
+        t._follow_step = dying  # type: ignore[method-assign]
+    code = t.follow()
+    torch.save({"flat": flat_params(t.model), "exp_avg": exp_avg(t), "code": code}, f"{out}.rank{rank}.pt")
+    ch.close(exit_followers=False)
+    return code
+
+
+if __name__ == "__main__":
+    assert ranks_mod is not None
+    sys.exit(main())

@@ -1,0 +1,212 @@
+"""A peer on several local devices (issue 30) without processes: the command protocol, the batch split, the
+peer's figures from one rank's profile, the record's new fields, the planner's multiple-of-ranks batches, and
+the flags' checks at start."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from geomesh_p2p.config.flags import PARSERS
+from geomesh_p2p.config.models import NodeConfig
+from geomesh_p2p.model.ranks import (
+    EXIT,
+    PING,
+    SETUP,
+    STEP,
+    WEIGHTS,
+    Command,
+    collective_timeout_s,
+    rank_profile,
+    split_rows,
+)
+from geomesh_p2p.node.ranks import RankLayout, layout_from, layout_from_env
+from geomesh_p2p.plan.cost import peer_uniform_micro, rank_micro, uniform_micro
+from geomesh_p2p.plan.planner import check_plan, make_plan
+from geomesh_p2p.plan.schema import PlanConfig
+from geomesh_p2p.schema.peer import PeerRecord
+from tests.records_util import peer_record
+
+PLAN_KW = dict(run_id="run", round=3, leader="a", start_time=1_700_000_000.0, start_digest="d0", numel=10_000)
+
+
+# ---------------------------------------------------------------------------------------------- protocol
+@pytest.mark.parametrize("op", [PING, SETUP, WEIGHTS, STEP, EXIT])
+def test_command_round_trips_through_its_tensor(op: int) -> None:
+    c = Command(op, round=7, step=3, batch_size=24, micro_batch=8, seq_len=1024, lr=2.5e-4 / 3, arg=1)
+    t = c.to_tensor()
+    assert t.dtype == torch.float64 and t.shape == (8,)
+    assert Command.from_tensor(t) == c  # lr too, bit for bit (a float64 carries it)
+
+
+def test_command_refuses_unknown_opcodes_and_shapes() -> None:
+    with pytest.raises(ValueError, match="opcode"):
+        Command.from_tensor(torch.tensor([9.0, 0, 0, 0, 0, 0, 0, 0], dtype=torch.float64))
+    with pytest.raises(ValueError, match="opcode"):
+        Command.from_tensor(torch.tensor([1.5, 0, 0, 0, 0, 0, 0, 0], dtype=torch.float64))
+    with pytest.raises(ValueError, match="8 float64"):
+        Command.from_tensor(torch.zeros(7, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("rows,world", [(8, 2), (5, 2), (7, 3), (1, 2), (0, 4), (16, 1), (3, 8)])
+def test_split_rows_tiles_the_micro_batch(rows: int, world: int) -> None:
+    parts = [split_rows(rows, world, r) for r in range(world)]
+    assert parts[0][0] == 0 and parts[-1][1] == rows
+    assert all(parts[i][1] == parts[i + 1][0] for i in range(world - 1))  # contiguous, in rank order
+    sizes = [e - s for s, e in parts]
+    assert max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True)
+
+
+def test_split_rows_exact_shares() -> None:
+    assert [split_rows(5, 2, r) for r in range(2)] == [(0, 3), (3, 5)]
+    assert [split_rows(16, 4, r) for r in range(4)] == [(0, 4), (4, 8), (8, 12), (12, 16)]
+    with pytest.raises(ValueError):
+        split_rows(4, 2, 2)
+    with pytest.raises(ValueError):
+        split_rows(4, 0, 0)
+
+
+def test_rank_profile_states_the_peers_sum() -> None:
+    tps, mb = rank_profile({4: 1000.0, 8: 1500.0}, 40, 4)
+    assert tps == {16: 4000.0, 32: 6000.0} and mb == 160
+    assert rank_profile({4: 1000.0}, 40, 1) == ({4: 1000.0}, 40)
+    with pytest.raises(ValueError):
+        rank_profile({4: 1.0}, 4, 0)
+
+
+def test_collective_timeout_follows_the_window() -> None:
+    assert collective_timeout_s(1.5) == 60.0  # the floor: a step of a large model, a follower's model build
+    assert collective_timeout_s(30.0) == 120.0
+    assert collective_timeout_s(None) == 300.0
+
+
+# ---------------------------------------------------------------------------------------------- record
+def test_record_without_ranks_is_byte_identical_and_old_json_parses() -> None:
+    rec = peer_record("p1", address="h:1")
+    data = rec.to_bytes()
+    assert b"ranks" not in data and b"rank_memory_bytes" not in data
+    back = PeerRecord.from_bytes(data)
+    assert back.ranks == 1 and back.rank_memory_bytes is None
+    multi = peer_record("p2", address="h:2", ranks=4, rank_memory_bytes=80 << 30, memory_bytes=320 << 30)
+    parsed = PeerRecord.from_bytes(multi.to_bytes())
+    assert (parsed.ranks, parsed.rank_memory_bytes) == (4, 80 << 30)
+    with pytest.raises(ValueError):
+        peer_record("p3", ranks=0)
+    with pytest.raises(ValueError):
+        peer_record("p3", ranks=65)
+
+
+# ---------------------------------------------------------------------------------------------- planner
+def _rec(pid: str, ranks: int, per_rank_tps: dict[int, float], per_rank_max: int) -> PeerRecord:
+    tps, mb = rank_profile(per_rank_tps, per_rank_max, ranks)
+    return peer_record(
+        pid, address=f"{pid}:1", ranks=ranks, tokens_per_s=tps, max_batch=mb, upload_bps=1e8, download_bps=1e8
+    )
+
+
+def test_rank_micro_rounds_to_a_multiple_of_the_ranks() -> None:
+    r3 = _rec("x", 3, {4: 100.0}, 8)  # max batch 24
+    assert [rank_micro(m, r3) for m in (1, 2, 3, 4, 7, 24)] == [3, 3, 3, 3, 6, 24]
+    r1 = _rec("y", 1, {4: 100.0}, 8)
+    assert [rank_micro(m, r1) for m in (1, 3, 7)] == [1, 3, 7]
+    tight = peer_record("z", address="z:1", ranks=4, max_batch=2)  # (a clamped record) K rows do not fit
+    assert rank_micro(2, tight) == 2
+
+
+def test_uniform_micro_is_per_device() -> None:
+    recs = [_rec("a", 2, {4: 100.0}, 6), _rec("b", 1, {4: 100.0}, 16)]  # a: 12 = 2 ranks x 6
+    cfg = PlanConfig(seq_len=16, target_batch=8, payload_bytes=1000)
+    assert uniform_micro(recs, cfg) == 6
+    assert [peer_uniform_micro(6, r) for r in recs] == [12, 6]
+
+
+@pytest.mark.parametrize("method", ["geomesh", "awb", "diloco", "css"])
+def test_plans_give_a_multi_rank_peer_a_multiple_of_its_ranks(method: str) -> None:
+    recs = [
+        _rec("a2", 2, {4: 1000.0, 8: 1500.0}, 16),
+        _rec("b1", 1, {4: 1000.0, 8: 1500.0}, 16),
+        _rec("c3", 3, {4: 900.0, 8: 1300.0}, 16),
+    ]
+    cfg = PlanConfig(seq_len=32, target_batch=6, payload_bytes=10_000, window_s=10.0, method=method)
+    plan = make_plan(recs, cfg, **PLAN_KW)
+    by = {a.peer_id: a for a in plan.assignments}
+    ranks = {r.peer_id: r.ranks for r in recs}
+    for pid, a in by.items():
+        assert a.batch_size % ranks[pid] == 0 and a.micro_batch % ranks[pid] == 0, (pid, a)
+        # target_batch is a floor per device
+        assert a.batch_size >= cfg.target_batch * ranks[pid]
+    if method in ("diloco", "css"):  # the same rows per device: each rank trains what a one-device peer does
+        assert by["a2"].batch_size == 2 * by["b1"].batch_size and by["c3"].batch_size == 3 * by["b1"].batch_size
+        assert by["a2"].token_budget == 2 * by["b1"].token_budget
+    else:  # same speed per device: the 2-rank peer's step is as long with twice the rows
+        assert by["a2"].token_budget >= 1.8 * by["b1"].token_budget
+    assert check_plan(plan, {r.peer_id: r for r in recs}, cfg, now=plan.created_at) is None
+
+
+def test_a_follower_refuses_a_uniform_plan_that_ignores_the_ranks() -> None:
+    recs = [_rec("a2", 2, {4: 1000.0}, 16), _rec("b1", 1, {4: 1000.0}, 16)]
+    cfg = PlanConfig(seq_len=32, target_batch=4, payload_bytes=10_000, window_s=10.0, method="diloco")
+    plan = make_plan(recs, cfg, **PLAN_KW)
+    assert [(a.peer_id, a.micro_batch, a.accum_steps) for a in plan.assignments] == [("a2", 8, 1), ("b1", 4, 1)]
+    # a leader that plans the 2-rank peer one device's micro-batch (accumulated to its batch) is refused
+    rows = [
+        a.model_copy(update={"micro_batch": 4, "accum_steps": 2}) if a.peer_id == "a2" else a for a in plan.assignments
+    ]
+    rogue = plan.model_copy(update={"assignments": rows})
+    reason = check_plan(rogue, {r.peer_id: r for r in recs}, cfg, now=plan.created_at)
+    assert (
+        reason is not None
+        and "micro-batch 4; method diloco gives everyone 20 of 4 per device (8 for this peer)" in str(reason)
+    )
+
+
+# ---------------------------------------------------------------------------------------------- flags
+def test_local_devices_flag_type() -> None:
+    parse = PARSERS["device_list"]
+    assert parse("cpu,cpu") == ["cpu", "cpu"]
+    assert parse("cuda:0, CUDA:1") == ["cuda:0", "cuda:1"]
+    assert parse("cuda,cuda,cuda") == ["cuda", "cuda", "cuda"]
+    for bad, words in [
+        ("cpu", "give 2 to 64"),
+        ("cpu,cuda:0", "mixes cpu and cuda"),
+        ("cpu,gpu", "'gpu' is not a device"),
+        ("cuda:x,cuda:1", "not a device"),
+        ("cpu:1,cpu", "not a device"),
+    ]:
+        with pytest.raises(argparse.ArgumentTypeError, match=words):
+            parse(bad)
+
+
+def test_layout_from_flags_and_environment() -> None:
+    assert layout_from(NodeConfig(), env={}) is None
+    lay = layout_from(NodeConfig(local_devices=["cpu", "cpu", "cpu"]), env={})
+    assert (lay.rank, lay.world, lay.device, lay.spawn) == (0, 3, "cpu", True)
+    assert lay.init_method == "" and lay.device_share == 3  # rank 0 picks its store's port when it starts them
+    env = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
+    tr = layout_from(NodeConfig(device="cpu"), env=env)
+    assert tr == RankLayout(1, 2, "cpu") and tr.device_share == 2
+    assert layout_from_env({"RANK": "0", "WORLD_SIZE": "1"}) is None  # torchrun with one process: one device
+
+
+@pytest.mark.parametrize(
+    "cfg,env,flag",
+    [
+        (NodeConfig(shard=True), {}, "--shard"),
+        (NodeConfig(local_devices=["cpu", "cpu"], device="cpu"), {}, "--local-devices sets each rank's device"),
+        (NodeConfig(local_devices=["cpu", "cpu"]), {"RANK": "0", "WORLD_SIZE": "2"}, "--local-devices under torchrun"),
+        (NodeConfig(device="cuda:1"), {"RANK": "0", "WORLD_SIZE": "2"}, "--device cuda:1 under torchrun"),
+        (NodeConfig(), {"RANK": "3", "WORLD_SIZE": "2"}, "RANK=3 outside"),
+        (NodeConfig(), {"RANK": "x", "WORLD_SIZE": "2"}, "not integers"),
+    ],
+)
+def test_bad_combinations_fail_at_start_naming_the_flag(cfg: NodeConfig, env: dict, flag: str) -> None:
+    with pytest.raises(ValueError, match=flag.replace("(", r"\(")):
+        layout_from(cfg, env=env)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without CUDA")
+def test_cuda_devices_without_cuda_fail_naming_the_flag() -> None:
+    with pytest.raises(ValueError, match="--local-devices cuda:0,cuda:1: CUDA is not available"):
+        layout_from(NodeConfig(local_devices=["cuda:0", "cuda:1"]), env={})
