@@ -431,7 +431,8 @@ class RankedTrainer(InnerTrainer):
                 elif cmd.op == STEP:
                     self._follow_step(cmd, ch.recv_batch(cmd.batch_size, cmd.seq_len))
         except (RankFailure, RuntimeError) as e:
-            log.error("rank %d of this peer: %s; exiting", ch.rank, _one_line(e))
+            ch.broken = _one_line(e)  # close() then leaves the groups without a collective that could wait
+            log.error("%s; exiting", ch.broken if isinstance(e, RankFailure) else f"rank {ch.rank}: {ch.broken}")
             return 1
 
     def _follow_step(self, cmd: Command, batch: torch.Tensor) -> None:

@@ -352,6 +352,7 @@ def run_follower(spec: FollowerSpec, build: Callable[..., torch.nn.Module] = bui
         log.info("rank %d of %d on %s: following rank 0", spec.rank, spec.world, spec.device)
         return trainer.follow()
     except RankFailure as e:
+        channel.broken = str(e)
         log.error("%s; exiting", e)
         return 1
     finally:
