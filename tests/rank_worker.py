@@ -6,6 +6,7 @@ Rank 0 runs :class:`RankedTrainer` inner steps on :class:`FakeData` (3 steps of 
 uneven split over 2 ranks), the followers :meth:`RankedTrainer.follow`. Every rank writes ``OUT.rank<R>.pt``:
 its flat weights and its AdamW ``exp_avg`` after the steps, and (rank 0) the InnerResult and the failures
 seen. SCENARIO ``die``: rank 1 exits (``os._exit(9)``) on its second STEP; rank 0 must return the one step done.
+``rank0dies``: rank 0 exits (``os._exit(9)``) after one step; the follower must see it and exit 1.
 """
 
 from __future__ import annotations
@@ -61,6 +62,9 @@ def main() -> int:
         ch.on_failure = failures.append
         ch.start_keepalive(period_s=0.5)
         t = RankedTrainer(model(), FakeData(), channel=ch, **KWARGS)
+        if scenario == "rank0dies":
+            t.run(round=0, inner_steps=1, batch_size=BATCH, micro_batch=MICRO)
+            os._exit(9)  # mid-run for the follower: it waits for the next command
         res = t.run(round=0, inner_steps=STEPS, batch_size=BATCH, micro_batch=MICRO)
         result = {"steps": res.steps_done, "tokens": res.tokens, "loss": res.mean_loss, "early": res.stopped_early}
         torch.save(

@@ -3,7 +3,8 @@
 Processes because torch.distributed's process group is per process (the test process must not join one).
 Checks what the peer relies on: the ranks' steps give the one-device gradient (weights within float rounding of
 a single-process InnerTrainer, both ranks bitwise equal, inner optimizer states equal), and a rank that dies
-mid-run ends rank 0's run with the steps it completed, one failure reported, no hang.
+mid-run ends rank 0's run with the steps it completed, one failure reported, no hang; a follower whose rank 0
+died exits.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _run(tmp_path: Path, scenario: str, world: int = 2) -> dict[int, int]:
+def _run(tmp_path: Path, scenario: str, world: int = 2, rank0: int = 0) -> dict[int, int]:
     init = f"tcp://127.0.0.1:{_port()}"
     out = str(tmp_path / "out")
     env = {"GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
@@ -51,7 +52,7 @@ def _run(tmp_path: Path, scenario: str, world: int = 2) -> dict[int, int]:
                 p.kill()
                 p.wait()
     logs = b"".join(p.stdout.read() for p in procs if p.stdout is not None).decode(errors="replace")
-    assert codes[0] == 0, logs[-3000:]
+    assert codes[0] == rank0, logs[-3000:]
     return codes
 
 
@@ -86,3 +87,10 @@ def test_a_dead_rank_ends_the_run_with_the_steps_done(tmp_path: Path) -> None:
     assert res["steps"] == 1 and res["early"]
     assert res["tokens"] == rank_worker.BATCH * rank_worker.SEQ
     assert len(r0["failures"]) == 1
+
+
+@pytest.mark.timeout(120)
+def test_a_follower_exits_when_rank_0_dies(tmp_path: Path) -> None:
+    codes = _run(tmp_path, "rank0dies", rank0=9)
+    assert codes[1] == 1  # "rank 0 is gone": it left its loop, no orphan waiting for commands
+    assert torch.load(tmp_path / "out.rank1.pt")["code"] == 1
