@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import signal
 import sys
 
@@ -339,6 +340,8 @@ def rank_layout(ns: argparse.Namespace, prog: str):
     ``"<prog>: <reason>"`` (a bad flag combination, named; the caller exits 2)."""
     from geomesh_p2p.node.ranks import layout_from
 
+    if not getattr(ns, "local_devices", None) and not getattr(ns, "shard", False) and "WORLD_SIZE" not in os.environ:
+        return None  # a one-device peer: its start is as before (its flags are checked by join_inputs)
     try:
         return layout_from(node_config_from(ns))
     except ValueError as e:
