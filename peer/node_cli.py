@@ -294,9 +294,11 @@ def check_offline(ns: argparse.Namespace) -> None:
 
 def cmd_join(ns: argparse.Namespace) -> int:
     from geomesh_p2p.model.memory import limit_malloc_arenas
+    from geomesh_p2p.node.host import set_threads
     from geomesh_p2p.node.peer import PeerNode
 
     limit_malloc_arenas()  # before the node's worker threads exist (docs/real-size.md)
+    set_threads(getattr(ns, "threads", None))  # --threads, else the host's cores shared by its peers (issue 27)
 
     if not ns.bootstrap:
         log.info("no --bootstrap given: starting a new swarm (others can join through this peer)")

@@ -192,7 +192,12 @@ class NodeConfig(BaseModel):
     client_only: bool = opt(False, "behind NAT: accept no connections, own no part")
     identity: str = opt(DEFAULT_IDENTITY, "Ed25519 key file", metavar="PATH", min_length=1)
     device: str = opt("auto", "auto, cpu, cuda or cuda:N", min_length=1)
-    threads: Optional[int] = opt(None, "torch CPU threads (default: torch's choice)", ge=1)
+    threads: Optional[int] = opt(
+        None,
+        "torch CPU threads",
+        ge=1,
+        default_text="the usable cores divided by the peer processes live on this host, at least 1",
+    )
     local_devices: Optional[list[str]] = opt(
         None,
         "train on several local devices as ONE peer (docs/multi-rank.md): the peer starts one rank per device "

@@ -454,6 +454,9 @@ class PeerNode:
     def my_record(self) -> PeerRecord:
         c, ema = self.cfg, self.profile.throughput_ema()
         max_batch = max(1, self.max_batch)
+        oom_cap = getattr(getattr(self, "trainer", None), "max_micro_batch", None)
+        if oom_cap:  # it ran out of memory above this (issue 27): the leader plans within it from now on
+            max_batch = min(max_batch, oom_cap)
         return PeerRecord(
             peer_id=self.me,
             address=self.record_address,
