@@ -140,7 +140,8 @@ class RoundDriver:
         self.in_exchange = False
         self.leaving = False
         self._waiting_logged: Optional[tuple[int, int]] = None
-        self._sync_misses: dict[str, int] = {}  # peer -> progress-derived waits it did not arrive from
+        #: peer -> (progress-derived waits it did not arrive from, the round of the last): round/gather.py
+        self._sync_misses: dict[str, tuple[int, int]] = {}
         #: the rounds this peer applied, newest last (what a re-sync to another side's state discards)
         self.lineage: collections.deque[LineageEntry] = collections.deque(maxlen=LINEAGE_ROUNDS)
         #: seconds per phase (metrics.PHASES) since this peer's previous row, and that row's monotonic time

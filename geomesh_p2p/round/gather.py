@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Optional
 
 from geomesh_p2p.schema.peer import PeerRecord
 from geomesh_p2p.telemetry import events
-from geomesh_p2p.trust.probation import PROBATION_SYNC_WAIT_S
+from geomesh_p2p.trust.probation import PROBATION_NOSHOW_PENALTY_ROUNDS, PROBATION_SYNC_WAIT_S
 from geomesh_p2p.round.context import Phase
 from geomesh_p2p.round.resync import end_run, left_alone, swarm_ended
 
@@ -26,6 +26,11 @@ log = logging.getLogger("geomesh_p2p.node.peer.round")
 #: byte it still checks the digest and loads the state.
 SYNC_WAIT_SLACK = 1.25
 SYNC_WAIT_MARGIN_S = 2.0
+#: After its last byte a syncing peer applies what it fetched (an outer update: the outer step and the
+#: commit's digest; a state: its digest) and copies it into its model: the margin above grows by this many
+#: times the seconds this peer's own last outer step and commit took (``phase_s`` of its last row), the same
+#: work on the same model. 2 s alone was short at real size (issue 29 #7: gpt2-124m, ~5 s per update).
+SYNC_APPLY_FACTOR = 2.0
 #: A planned-out peer waits for the next round until the plan's exchange deadline plus this (at least this).
 #: The gather waits as long for a contributor of the last round still finishing it (its outer step, commit
 #: and announcement come after its last pull, which ends by the exchange deadline at the latest).
@@ -34,6 +39,10 @@ ROUND_END_SLACK_S = 5.0
 #: not arrive in sync: an identity announcing a slow download forever costs the swarm at most this many
 #: capped waits (and each identity costs its proof of work).
 PROBATION_SYNC_GRANTS = 2
+#: ... per this many rounds: misses older than this are forgiven (issue 29 #7: an honest joiner whose two
+#: waits fell short was capped at 1.5 s for good and never trained). A Sybil announcing slow downloads
+#: forever thus costs the swarm at most ``PROBATION_SYNC_GRANTS`` capped waits per this many rounds.
+PROBATION_SYNC_RETRY_ROUNDS = PROBATION_NOSHOW_PENALTY_ROUNDS
 
 
 @dataclass
@@ -47,6 +56,7 @@ class SyncWaits:
     established: set[str] = field(default_factory=set)  # standing asked once per gather
     probation: set[str] = field(default_factory=set)
     logged: set[str] = field(default_factory=set)
+    capped: set[str] = field(default_factory=set)  # on probation with no grant left (its line said once)
 
 
 async def gather(drv: RoundDriver, expected: set[str], *, first: bool) -> Optional[list[PeerRecord]]:
@@ -154,17 +164,10 @@ async def gather(drv: RoundDriver, expected: set[str], *, first: bool) -> Option
             if now_ids != last_ids:
                 last_ids = now_ids
                 backoff.reset()
-            wake = until
-            if syncing and now - t0 <= PROBATION_SYNC_WAIT_S:
-                wake = min(until, t0 + PROBATION_SYNC_WAIT_S)  # standing decides the wait from then on
-            if await drv.pause(min(backoff.next(), max(0.0, wake - drv.clock.monotonic()) + 0.01)):
+            if await drv.pause(min(backoff.next(), max(0.0, until - drv.clock.monotonic()) + 0.01)):
                 return synced
     finally:
-        arrived = {r.peer_id for r in synced}
-        for p in waits.extended - arrived:  # it held the round by its progress and did not arrive
-            drv._sync_misses[p] = drv._sync_misses.get(p, 0) + 1
-        for p in waits.extended & arrived:
-            drv._sync_misses.pop(p, None)
+        note_sync_outcomes(drv, waits, {r.peer_id for r in synced})
 
 
 def finishing_end(drv: RoundDriver, t0: float) -> Optional[float]:
@@ -223,44 +226,79 @@ def sync_deadline(drv, rec: PeerRecord, recs: list[PeerRecord], waits: SyncWaits
 
     Without a usable announced download progress: ``wait_s`` from the gather's start for an established
     peer, ``PROBATION_SYNC_WAIT_S`` for one on probation, as before. With one (a record with
-    ``sync_progress``), ``wait_s`` at least, and each time its ``done_bytes`` moves, until now + its
-    announced remaining time x ``SYNC_WAIT_SLACK`` + ``SYNC_WAIT_MARGIN_S``; never past
-    ``sync_wait_cap_s`` from the gather's start. A download that stops moving is not waited for past
-    the wait derived from its last progress. A peer on probation gets a progress-derived wait only
-    while it has failed to arrive after fewer than ``PROBATION_SYNC_GRANTS`` of them."""
+    ``sync_progress``), ``wait_s`` at least (``PROBATION_SYNC_WAIT_S`` on probation), and each time its
+    ``done_bytes`` moves (or is first seen: a peer that will fetch once the round ends announces 0 bytes
+    and its rate), until now + its announced remaining time x ``SYNC_WAIT_SLACK`` + ``SYNC_WAIT_MARGIN_S``
+    + :func:`apply_allowance_s`; never past ``sync_wait_cap_s`` from the gather's start. A download that
+    stops moving is not waited for past the wait derived from its last progress. A peer on probation gets
+    a progress-derived wait only while :func:`grants_left` (fewer than ``PROBATION_SYNC_GRANTS`` such waits
+    it did not arrive from within ``PROBATION_SYNC_RETRY_ROUNDS`` rounds).
+
+    Standing is asked at first sight, so the one INFO line (``waiting_for_syncing_peer``) states the wait
+    really applied, probation cap included; a peer on probation with no grant left gets one INFO line
+    (``sync_wait_capped``) saying it is not waited for past ``PROBATION_SYNC_WAIT_S``, and until when it
+    is not (issue 29 #7: the line said "waiting up to 25 s" while the cap ended the gather at 1.5 s)."""
     pid, t0 = rec.peer_id, waits.t0
     if pid in waits.established:
-        established: Optional[bool] = True
+        established = True
     elif pid in waits.probation:
         established = False
-    elif now - t0 <= PROBATION_SYNC_WAIT_S:
-        established = None  # not asked yet: every syncing peer is waited for that long
     else:
-        established = drv.policy.standing_established(recs, pid)
+        established = bool(drv.policy.standing_established(recs, pid))
         (waits.established if established else waits.probation).add(pid)
-    plain = t0 + (PROBATION_SYNC_WAIT_S if established is False else wait_s)
+    plain = t0 + (wait_s if established else PROBATION_SYNC_WAIT_S)
     sp = rec.sync_progress
-    if sp is None or (established is False and drv._sync_misses.get(pid, 0) >= PROBATION_SYNC_GRANTS):
+    if sp is None:
+        return plain
+    if not established and not grants_left(drv, pid):
+        if pid not in waits.capped:
+            waits.capped.add(pid)
+            misses, last = drv._sync_misses[pid]
+            events.emit(
+                log,
+                logging.INFO,
+                "sync_wait_capped",
+                "round %d: not waiting for %s past %.1f s: syncing (%d of %d MiB at %.1f MiB/s), but on probation "
+                "and it did not arrive after %d wait(s) by its progress (the last in round %d); waited for by its "
+                "progress again from round %d",
+                drv.state.round,
+                pid[:10],
+                PROBATION_SYNC_WAIT_S,
+                sp.done_bytes >> 20,
+                sp.total_bytes >> 20,
+                sp.bytes_per_s / 2**20,
+                misses,
+                last,
+                last + PROBATION_SYNC_RETRY_ROUNDS,
+                peer=drv.me,
+                round=drv.state.round,
+                syncing_peer=pid,
+                wait_s=PROBATION_SYNC_WAIT_S,
+                misses=misses,
+                retry_round=last + PROBATION_SYNC_RETRY_ROUNDS,
+            )
         return plain
     if waits.seen.get(pid) != sp.done_bytes:  # it moved (or is new): derive its wait again
         waits.seen[pid] = sp.done_bytes
         remaining = sp.remaining_s()
         if remaining is not None:
             cap = t0 + max(wait_s, drv.cfg.sync_wait_cap_s)
-            waits.until[pid] = min(cap, now + remaining * SYNC_WAIT_SLACK + SYNC_WAIT_MARGIN_S)
-            if waits.until[pid] > t0 + wait_s and pid not in waits.logged:
+            margin = SYNC_WAIT_MARGIN_S + apply_allowance_s(drv)
+            waits.until[pid] = min(cap, now + remaining * SYNC_WAIT_SLACK + margin)
+            if waits.until[pid] > plain and pid not in waits.logged:
                 waits.logged.add(pid)
                 events.emit(
                     log,
                     logging.INFO,
                     "waiting_for_syncing_peer",
-                    "round %d: waiting up to %.1f s more for %s, syncing (%d of %d MiB at %.1f MiB/s)",
+                    "round %d: waiting up to %.1f s more for %s, syncing (%d of %d MiB at %.1f MiB/s)%s",
                     drv.state.round,
                     waits.until[pid] - now,
                     pid[:10],
                     sp.done_bytes >> 20,
                     sp.total_bytes >> 20,
                     sp.bytes_per_s / 2**20,
+                    "" if established else " on probation",
                     peer=drv.me,
                     round=drv.state.round,
                     syncing_peer=pid,
@@ -268,8 +306,40 @@ def sync_deadline(drv, rec: PeerRecord, recs: list[PeerRecord], waits: SyncWaits
                     done_bytes=sp.done_bytes,
                     total_bytes=sp.total_bytes,
                     bytes_per_s=sp.bytes_per_s,
+                    probation=not established,
                 )
-    end = max(t0 + wait_s, waits.until.get(pid, 0.0))
+    end = max(plain, waits.until.get(pid, 0.0))
     if end > plain and end > now:
         waits.extended.add(pid)  # held past its plain wait by its progress: a miss if it does not arrive
     return end
+
+
+def grants_left(drv: RoundDriver, pid: str) -> bool:
+    """Whether peer ``pid`` (on probation) may still hold a gather by its announced progress: it did not
+    arrive from ``PROBATION_SYNC_GRANTS`` such waits, or the last of them is ``PROBATION_SYNC_RETRY_ROUNDS``
+    rounds old or more (misses are forgiven then: an honest joiner whose waits fell short is not left out
+    for good)."""
+    misses, last = drv._sync_misses.get(pid, (0, 0))
+    return misses < PROBATION_SYNC_GRANTS or drv.state.round - last >= PROBATION_SYNC_RETRY_ROUNDS
+
+
+def note_sync_outcomes(drv: RoundDriver, waits: SyncWaits, arrived: set[str]) -> None:
+    """At a gather's end: a peer held past its plain wait by its progress (``waits.extended``) that did not
+    arrive counts one miss at this round (misses older than ``PROBATION_SYNC_RETRY_ROUNDS`` start again from
+    0); one that arrived has none."""
+    r = drv.state.round
+    for p in waits.extended - arrived:
+        misses, last = drv._sync_misses.get(p, (0, r))
+        drv._sync_misses[p] = (1 if r - last >= PROBATION_SYNC_RETRY_ROUNDS else misses + 1, r)
+    for p in waits.extended & arrived:
+        drv._sync_misses.pop(p, None)
+
+
+def apply_allowance_s(drv: RoundDriver) -> float:
+    """Seconds a syncing peer is given after its last byte to apply it, beyond ``SYNC_WAIT_MARGIN_S``:
+    ``SYNC_APPLY_FACTOR`` x this peer's own outer step and commit (``phase_s`` ``outer_step`` + ``digest``)
+    of its last row, the same work on the same model (0.0 before its first row)."""
+    phases = getattr(drv.history[-1], "phase_s", None) if drv.history else None
+    if not phases:
+        return 0.0
+    return SYNC_APPLY_FACTOR * max(0.0, float(phases.get("outer_step", 0.0)) + float(phases.get("digest", 0.0)))

@@ -477,12 +477,15 @@ async def fetch_update(
     stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
     on_event: Optional[EventFn] = None,
     busy_until: Optional[BusyFn] = None,
+    on_size: Optional[Callable[[int, int], None]] = None,
 ) -> OuterUpdate:
     """Download and parse the outer update of ``round`` (``State/GetUpdate``) from the first donor that
     has it; a donor that refuses, sends something inconsistent or nothing for ``stall_timeout_s`` is left
     for the next one (resuming at the byte reached when it serves the same blob, by hash). The blob is at
     most ``4 * P`` bytes plus 1 MiB. ``on_event`` and ``busy_until`` as :func:`download_state`'s (piece -1):
-    the stall clock does not run while the donor is known busy with its own round.
+    the stall clock does not run while the donor is known busy with its own round. ``on_size(round,
+    total_bytes)``: called (on the loop, must not block) when a blob's first chunk states its size (the
+    joiner's announced progress then counts the real size, not an estimate).
 
     Raises:
         StateSyncError: no donor served a well-formed update of ``round`` (the reasons of each).
@@ -518,6 +521,8 @@ async def fetch_update(
                     or len(buf) + len(c.data) > c.total_bytes
                 ):
                     raise StateSyncError(f"donor {donor} sent an inconsistent update chunk at {c.offset}")
+                if blob_hash != c.digest and on_size is not None:
+                    on_size(round, c.total_bytes)  # a blob's first chunk: its size is known
                 blob_hash = c.digest
                 buf.extend(c.data)
                 total = c.total_bytes
@@ -587,6 +592,7 @@ async def catch_up_updates(
     stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
     on_event: Optional[EventFn] = None,
     busy_until: Optional[BusyFn] = None,
+    on_size: Optional[Callable[[int, int], None]] = None,
 ) -> Snapshot:
     """From ``snap`` (a state of round r with its buffer, e.g. a download or a copy of this node's own),
     apply the donors' outer updates of rounds r .. ``target_round`` - 1 in place and return the
@@ -594,8 +600,8 @@ async def catch_up_updates(
     (the digest the swarm's vote backs). Each update must start from the digest reached so far and end
     at the digest it states (checked after applying it, in a worker thread); the last must reach
     ``target_digest``. ``outer``: the run's outer optimizer (copied, not changed). ``busy_until``: as for
-    :func:`download_state` (each update's stall clock waits while its donor is busy). ``snap``'s buffer is
-    changed in place: discard it when this raises.
+    :func:`download_state` (each update's stall clock waits while its donor is busy). ``on_size``: as for
+    :func:`fetch_update`. ``snap``'s buffer is changed in place: discard it when this raises.
 
     Raises:
         StateSyncError: ``snap`` has no buffer or is past ``target_round``; no donor kept an update;
@@ -623,6 +629,7 @@ async def catch_up_updates(
                 stall_timeout_s=stall_timeout_s,
                 on_event=on_event,
                 busy_until=busy_until,
+                on_size=on_size,
             ),
             name=f"update-{r}",
         )

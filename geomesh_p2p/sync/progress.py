@@ -50,18 +50,21 @@ class SyncMeter:
             raise ValueError(f"total_bytes must be >= 1, got {total_bytes}")
         self.total_bytes = int(total_bytes)
         self.done_bytes = 0
+        self._received = 0  # every byte counted, uncapped: a total corrected upwards keeps them
         self._clock = clock
         self._on_progress = on_progress
-        self._points: deque[tuple[float, int]] = deque([(clock(), 0)])  # (monotonic s, bytes done)
+        self._points: deque[tuple[float, int]] = deque([(clock(), 0)])  # (monotonic s, bytes received)
+        self._started = self._last_at = self._points[0][0]
         self._notified = self._points[0][0]
         self._complete_notified = False
 
     def add(self, nbytes: int) -> None:
         """Count ``nbytes`` more received (capped at ``total_bytes``: message framing, ~30 bytes per 1 MiB
         chunk, is counted too, so the count reaches the total a few KiB early)."""
-        self.done_bytes = min(self.total_bytes, self.done_bytes + max(0, int(nbytes)))
-        now = self._clock()
-        self._points.append((now, self.done_bytes))
+        self._received += max(0, int(nbytes))
+        self.done_bytes = min(self.total_bytes, self._received)
+        now = self._last_at = self._clock()
+        self._points.append((now, self._received))
         while len(self._points) > 2 and now - self._points[1][0] >= RATE_WINDOW_S:
             self._points.popleft()  # keep one point at least RATE_WINDOW_S old when there is one
         complete = self.done_bytes >= self.total_bytes and not self._complete_notified
@@ -69,14 +72,30 @@ class SyncMeter:
             self._notified, self._complete_notified = now, self.done_bytes >= self.total_bytes
             self._on_progress()
 
+    def set_total(self, total_bytes: int) -> None:
+        """The transfer's size became known (an outer update's blob states it in its first chunk; the meter
+        started from an estimate): ``total_bytes`` from now on (at least 1), the bytes counted so far kept.
+        Without it a catch-up estimated at ``P`` bytes per update showed its download done at a quarter
+        of an fp32 update, and the leader's wait for it ended 2 s later (issue 29 #7)."""
+        self.total_bytes = max(1, int(total_bytes))
+        self.done_bytes = min(self.total_bytes, self._received)
+        self._complete_notified = self._complete_notified and self.done_bytes >= self.total_bytes
+
+    def mean_bytes_per_s(self) -> float:
+        """Bytes/s from the meter's start to its last counted byte (0.0 before any): what the next transfer
+        of this peer announces as its rate before its own first byte
+        (:class:`~geomesh_p2p.round.rules.state_sync.StateSync`)."""
+        dt = self._last_at - self._started
+        return 0.0 if self._received <= 0 or dt <= 0 else min(MAX_LINK_BPS, self._received / dt)
+
     def bytes_per_s(self) -> float:
         """Rate over the last ~``RATE_WINDOW_S`` seconds up to now (a stall lowers it), bytes/s; 0.0 before
         any byte arrived."""
         t0, d0 = self._points[0]
         dt = self._clock() - t0
-        if self.done_bytes <= d0 or dt <= 0:
+        if self._received <= d0 or dt <= 0:
             return 0.0
-        return min(MAX_LINK_BPS, (self.done_bytes - d0) / dt)
+        return min(MAX_LINK_BPS, (self._received - d0) / dt)
 
     def progress(self) -> SyncProgress:
         """What the record announces."""

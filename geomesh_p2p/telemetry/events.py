@@ -98,6 +98,8 @@ kind                         where                            fields
                                                               (``failed`` | ``stalled``), error
 ``state_refused``            round.rules.state_sync (vote, once)  peer, round, digest, identities, backing,
                                                               total
+``sync_wait_capped``         round.gather.sync_deadline       peer, round, syncing_peer (on probation, no
+                                                              grant left), wait_s, misses, retry_round
 ``swarm_ended``              round.resync.end_run             peer, round, swarm_round, synced, cause
                                                               (``others_left`` | ``alone`` |
                                                               ``digest_differs``); alone: waited_s,
@@ -108,8 +110,9 @@ kind                         where                            fields
                                                               last round), wait_s
 ``waiting_for_peers``        round.gather.gather (once per    peer, round, min_peers, live, wait_s
                              state)
-``waiting_for_syncing_peer`` round.gather.sync_deadline       peer, round, syncing_peer, wait_s,
-                                                              done_bytes, total_bytes, bytes_per_s
+``waiting_for_syncing_peer`` round.gather.sync_deadline       peer, round, syncing_peer, wait_s (the
+                                                              wait applied), done_bytes, total_bytes,
+                                                              bytes_per_s, probation
 ============================ ================================ ==========================================
 """
 

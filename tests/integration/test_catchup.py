@@ -147,7 +147,7 @@ async def test_catch_up_from_r_to_r_plus_2_gives_the_exact_digest():
     assert srv.updates.rounds() == [5, 6]
     client = Transport(Identity.generate(), RUN, TransportConfig(client_only=True))
     try:
-        events = []
+        events, sized = [], []
         got = await catch_up_updates(
             client,
             [addr],
@@ -156,6 +156,7 @@ async def test_catch_up_from_r_to_r_plus_2_gives_the_exact_digest():
             target_digest=donor_gs.digest,
             outer=OuterNesterov(lr=0.7, momentum=0.9),
             on_event=lambda *e: events.append(e),
+            on_size=lambda r, n: sized.append((r, n)),
         )
         assert got.round == 7 and got.digest == donor_gs.digest
         assert torch.equal(got.buffer.view(torch.int32), donor_gs.buffer.view(torch.int32))
@@ -163,6 +164,8 @@ async def test_catch_up_from_r_to_r_plus_2_gives_the_exact_digest():
         # what crossed the wire: each update's blob, far below the whole state (a mean of sign packets)
         sizes = [len((await srv.updates.blob(r))[0]) for r in (5, 6)]
         assert all(s < donor_gs.nbytes / 4 for s in sizes), (sizes, donor_gs.nbytes)
+        # each blob's size as its first chunk states it, once (the joiner's announced progress counts it)
+        assert sorted(sized) == [(5, sizes[0]), (6, sizes[1])]
         # once encoded, the raw [P] copy of the aggregate is dropped (memory: the blob only)
         assert srv.updates.get(5) is None and srv.updates.get(6) is None
         # a round not kept is refused with a reason, by every donor

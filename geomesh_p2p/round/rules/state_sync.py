@@ -19,7 +19,7 @@ from geomesh_p2p.plan.agree import choose_plan
 from geomesh_p2p.round.rules.planning import plan_horizon_s
 from geomesh_p2p.round.rules.state import RoundState
 from geomesh_p2p.sync import download as state_sync
-from geomesh_p2p.schema.peer import SyncProgress
+from geomesh_p2p.schema.peer import MAX_LINK_BPS, SyncProgress
 from geomesh_p2p.sync.progress import SyncMeter
 from geomesh_p2p.telemetry import events
 from geomesh_p2p.telemetry.logonce import LogOnce
@@ -119,13 +119,50 @@ class StateSync:
         self.syncing = False
         self.meter: Optional[SyncMeter] = None
         self.stats = {"downloads": 0, "updates": 0, "refused": 0}
+        #: the last outer update's size (bytes, its blob's first chunk says) and this peer's mean rate over
+        #: its last transfer (bytes/s): what it announces before its next transfer's first byte
+        self.update_bytes: Optional[int] = None
+        self.rate_bps = 0.0
         self._back_once = LogOnce(log)
         self._vote_log = OnceLog()
 
     def progress(self) -> Optional[SyncProgress]:
-        """The ``sync_progress`` of this peer's record: the meter's progress while it syncs, else None."""
+        """The ``sync_progress`` of this peer's record: the meter's progress while it syncs, else None.
+
+        While it syncs before a transfer started (planned out, waiting for the round to end; reading the
+        vote), what it is about to fetch (:meth:`expected`), so that the leader's gather, which starts
+        as the round ends, waits for it by that from its first read (issue 29 #7: a joiner on probation
+        showed no progress in the first 1.5 s of the gather and was planned out every round)."""
+        if not self.syncing:
+            return None
         meter = self.meter
-        return meter.progress() if meter is not None and self.syncing else None
+        if meter is None:
+            return self.expected()
+        got = meter.progress()
+        if got.bytes_per_s <= 0 and self.rate_bps > 0:  # no byte of this transfer yet: the last one's rate
+            got = got.model_copy(update={"bytes_per_s": min(MAX_LINK_BPS, self.rate_bps)})
+        return got
+
+    def expected(self) -> Optional[SyncProgress]:
+        """0 bytes of what this peer will fetch to reach the round it announces, at its last transfer's mean
+        rate: the outer updates from the state it holds (``update_bytes`` each) when it holds one of the
+        last ``DEFAULT_KEEP_UPDATES`` rounds, else the whole state. None before any transfer (no rate)."""
+        if self.rate_bps <= 0:
+            return None
+        gs = self._gstate()
+        held = gs.round if gs is not None and gs.digest is not None else None
+        n = self.state.round - held if held is not None else 0
+        if 0 < n <= state_sync.DEFAULT_KEEP_UPDATES and self.update_bytes:
+            total = n * self.update_bytes
+        else:
+            total = (self.state.numel + self.state.state_numel) * 4
+        return SyncProgress(done_bytes=0, total_bytes=max(1, total), bytes_per_s=min(MAX_LINK_BPS, self.rate_bps))
+
+    def _note_rate(self) -> None:
+        """Keep the mean rate of the transfer just done (a meter that counted bytes) for :meth:`expected`."""
+        rate = self.meter.mean_bytes_per_s() if self.meter is not None else 0.0
+        if rate > 0:
+            self.rate_bps = rate
 
     def _set_state(self, round: int, theta: torch.Tensor, momentum: Optional[torch.Tensor]) -> None:
         if self._set_state_fn is None:
@@ -243,12 +280,21 @@ class StateSync:
                     return
                 if base is not None and base.round < top:
                     from_round = base.round
-                    # progress announced as for a download (the leader's wait follows it); the size is estimated
-                    # as P bytes per update (a sign-compressed swarm's zlib blob is ~0.25 x 4P)
-                    self.meter = SyncMeter(
-                        max(1, (top - from_round) * self.state.numel),
+                    # progress announced as for a download (the leader's wait follows it); each update's size is
+                    # estimated as the last one's (at first P bytes: a sign-compressed swarm's zlib blob is ~0.25 x
+                    # 4P) until its first chunk states it (an fp32 update is ~4P: issue 29 #7)
+                    self._note_rate()
+                    meter = self.meter = SyncMeter(
+                        max(1, (top - from_round) * (self.update_bytes or self.state.numel)),
                         on_progress=self._record_changed,
                     )
+                    sizes: dict[int, int] = {}
+
+                    def on_size(rnd: int, nbytes: int, n: int = top - from_round, meter=meter, sizes=sizes) -> None:
+                        sizes[rnd] = self.update_bytes = nbytes
+                        meter.set_total(sum(sizes.values()) + (n - len(sizes)) * nbytes)
+                        self._record_changed()
+
                     await self._announce()
                     log.info(
                         "catching up from round %d to %d by %d outer update(s) from %d donor(s)",
@@ -268,6 +314,7 @@ class StateSync:
                             outer=self._outer(),
                             timeout_s=sync_call_timeout_s(self.run_cfg.window_s),
                             busy_until=lambda d: busy.get(d, 0.0),
+                            on_size=on_size,
                         )
                     except state_sync.StateSyncError as e:
                         stats["refused"] += 1
@@ -288,6 +335,7 @@ class StateSync:
                     base = snap
                     continue
                 # the record announces the download's progress: the leader's wait for it follows (issue 14 #3)
+                self._note_rate()
                 self.meter = SyncMeter(
                     (self.state.numel + self.state.state_numel) * 4, on_progress=self._record_changed
                 )
@@ -339,6 +387,7 @@ class StateSync:
                 watcher.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await watcher
+            self._note_rate()
             self.syncing, self.meter = False, None
             await self._announce()
 
