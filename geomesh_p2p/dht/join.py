@@ -45,6 +45,11 @@ log = logging.getLogger("geomesh_p2p.dht.node")
 CLOCK_JUMP_S = 5.0
 CLOCK_CONFIRMATIONS = 3
 CLOCK_CONFIRM_SPREAD_S = 2.0
+#: After join, the bootstraps' time is followed only within ``max_clock_skew_s`` of where it stood at join,
+#: measured against this machine's steady clock (CLOCK_BOOTTIME: steps of the wall clock and suspends leave it
+#: comparable; an unsynchronised oscillator drifts ~4 s a day). A hostile or broken bootstrap could otherwise
+#: walk a peer's swarm time away, in one confirmed jump or in steps under CLOCK_JUMP_S, until every honest
+#: peer refuses its envelopes (a red-team run moved a peer by 100,000 s with one bootstrap).
 
 
 def _other_run_message(address: str, reason: str, own_run: str) -> str:
@@ -264,7 +269,10 @@ class DHTJoin(DHTLookup):
         (drift); a larger one, which no step of this machine's clock explains (those are corrected at once by
         :attr:`clock_offset_s`): the bootstraps' clock moved, or a suspend the steady clock did not count, is
         followed once ``CLOCK_CONFIRMATIONS`` measurements in a row agree within ``CLOCK_CONFIRM_SPREAD_S``,
-        with one WARNING line, whatever its size (envelopes and deadlines are in swarm time)."""
+        with one WARNING line (envelopes and deadlines are in swarm time). Either only when a majority of the
+        bootstraps measured it (within ``CLOCK_CONFIRM_SPREAD_S``), and never past ``max_clock_skew_s`` from
+        where the bootstraps' time stood at join against this machine's steady clock (one WARNING: a bootstrap
+        whose clock is wrong, or lies, cannot walk this peer's swarm time away from the honest peers')."""
         samples = sorted(self._offsets[c.peer_id] for c in bootstraps if c.peer_id in self._offsets)
         if not samples:
             return
@@ -283,11 +291,31 @@ class DHTJoin(DHTLookup):
             if abs(offset) >= 1.0:
                 log.info("clock offset to the bootstrap(s): %+.1f s; records are judged in swarm time", offset)
             self.clock_offset_s = offset
+            self._clock_anchor = self._swarm_minus_steady(offset)
             self._clock_jumps.clear()
             return
         current = self.clock_offset_s
         change = offset - current
         if abs(change) < 0.5:
+            self._clock_jumps.clear()
+            return
+        moved = self._swarm_minus_steady(offset) - self._clock_anchor if self._clock_anchor is not None else 0.0
+        if abs(moved) > self.max_clock_skew_s:
+            self._clock_jumps.clear()
+            self._once(
+                logging.WARNING,
+                "clock",
+                f"the bootstraps' time moved {moved:+.0f} s since this node joined (against this machine's steady "
+                f"clock); not followed past {self.max_clock_skew_s:.0f} s: a bootstrap's clock is wrong (or it "
+                f"lies); check the bootstraps' clocks and restart this peer to measure again",
+            )
+            return
+        if 2 * sum(1 for x in samples if abs(x - offset) <= CLOCK_CONFIRM_SPREAD_S) <= len(samples):
+            # No majority of the bootstraps says so (with two, the median is the larger: one hostile bootstrap
+            # would decide): not a moved clock.
+            log.debug(
+                "clock offset %+.1f s measured by a minority of %d bootstraps: not followed", offset, len(samples)
+            )
             self._clock_jumps.clear()
             return
         if abs(change) < CLOCK_JUMP_S:
@@ -322,6 +350,13 @@ class DHTJoin(DHTLookup):
             change_s=change,
             offset_s=offset,
         )
+
+    def _swarm_minus_steady(self, offset: float) -> float:
+        """Swarm time at ``offset`` minus this machine's steady clock, seconds: unchanged by steps of the wall
+        clock and by suspends, so its change since join is how far the bootstraps' time moved (0-based when
+        there is no steady clock)."""
+        steady = self._steps.steady
+        return offset + (self._steps.wall() - steady() if steady is not None else 0.0)
 
     async def rejoin(self, contacts: Sequence[Contact]) -> int:
         """Ping ``contacts`` (e.g. the routing table a bootstrap saved before a restart) once, each
