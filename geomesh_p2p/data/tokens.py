@@ -6,12 +6,13 @@ Files, under the token cache directory (:func:`~geomesh_p2p.data.corpus.cache_di
 
     tokens-<key>.bin    n_tokens ids, little-endian uint16 (vocabulary <= 65,536) or uint32
     tokens-<key>.json   the index: format, dtype, n_tokens, the source's size and blake2b, the tokenizer's
-                        fingerprint; written after the .bin, so a .bin without its index is never used
+                        fingerprint, the .bin's blake2b; written after the .bin, so a .bin without its index
+                        is never used
 
 ``key`` = blake2b("geomesh-tokens-v1", tokenizer fingerprint, source blake2b): the same file and tokenizer give
-the same key on every peer and every start. A start re-hashes the source (streamed, ~1 s per GB) and reuses
-the token file only when the index matches it and the .bin has exactly ``n_tokens`` ids; anything else (an
-edited source, a truncated .bin, an unreadable index) tokenizes again.
+the same key on every peer and every start. A start re-hashes the source and the .bin (streamed, ~1-2 s per
+GB each) and reuses the token file only when the index matches both; anything else (an edited source, a
+damaged or truncated .bin, an unreadable index) tokenizes again.
 
 Pieces are cut at a line end between two non-blank characters: no GPT-2 pre-token spans such a cut (a
 pre-token holds a newline only inside a run of whitespace), so the ids equal those of the whole text encoded
@@ -145,10 +146,11 @@ def _decoded(path: Path, raw: BinaryIO, progress: Callable[[int], None]) -> Iter
             block = raw.read(READ_BYTES)
         except (OSError, lzma.LZMAError, EOFError) as e:
             raise DataError(f"{path}: cannot read ({type(e).__name__}: {e})") from None
+        pending = len(dec.getstate()[0])  # bytes of a character the last block ended inside of
         try:
             text = dec.decode(block, final=not block)
-        except UnicodeDecodeError as e:
-            raise DataError(f"{path}: not valid UTF-8 text (byte {offset + e.start})") from None
+        except UnicodeDecodeError as e:  # e.start counts from the pending bytes
+            raise DataError(f"{path}: not valid UTF-8 text (byte {offset - pending + e.start})") from None
         offset += len(block)
         progress(len(block))
         if text:
@@ -221,29 +223,46 @@ def token_key(source_b2: str, tok: Tokenizer) -> str:
     return hashlib.blake2b(raw, digest_size=12).hexdigest()
 
 
-def open_token_file(cache_dir: Path, key: str, size: int, source_b2: str) -> Optional[TokenFile]:
-    """The cached token file of ``key`` when its index matches the source (``size``, ``source_b2``) and its
-    .bin holds exactly the indexed ids; None otherwise (one WARNING when an index exists but does not
-    match: the file is tokenized again)."""
+def _bin_digest(path: Path) -> str:
+    """24 hex chars of blake2b over a token file's bytes, read in :data:`READ_BYTES` blocks (~1 s per GB)."""
+    h = hashlib.blake2b(digest_size=12)
+    with open(path, "rb") as f:
+        while block := f.read(READ_BYTES):
+            h.update(block)
+    return h.hexdigest()
+
+
+def open_token_file(cache_dir: Path, key: str, size: int, source_b2: str, dtype: str) -> Optional[TokenFile]:
+    """The cached token file of ``key`` when its index is a well-formed one of this format that matches the
+    source (``size``, ``source_b2``) and the tokenizer's ``dtype``, and its .bin holds at least one id and
+    hashes to the indexed blake2b; None otherwise (one WARNING when an index exists but is unreadable or does
+    not match: the file is tokenized again). The .bin's hash is checked at every open: a damaged or edited
+    cache would otherwise train other ids under the same run-config fingerprint (red team: an all-zero .bin
+    of the right size trained to perplexity 1.16 and matched the honest peers' hash)."""
     bin_path, idx_path = _paths(cache_dir, key)
     if not idx_path.is_file():
         return None
     try:
         idx = json.loads(idx_path.read_text(encoding="utf-8"))
+        n = idx["n_tokens"] if isinstance(idx, dict) else None
         ok = (
-            idx.get("format") == _FORMAT
+            isinstance(idx, dict)
+            and idx.get("format") == _FORMAT
             and idx.get("source_bytes") == size
             and idx.get("source_blake2b") == source_b2
-            and idx.get("dtype") in ("uint16", "uint32")
-            and bin_path.stat().st_size == int(idx["n_tokens"]) * np.dtype(idx["dtype"]).itemsize
+            and idx.get("dtype") == dtype
+            and isinstance(n, int)
+            and n > 0
+            and bin_path.stat().st_size == n * np.dtype(dtype).itemsize
+            and idx.get("bin_blake2b") == _bin_digest(bin_path)
         )
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except Exception as e:  # noqa: BLE001  any damage (bad JSON, nesting, types, I/O): tokenize again
         log.warning("token cache %s unreadable (%s); tokenizing again", idx_path, type(e).__name__)
         return None
     if not ok:
         log.warning("token cache %s does not match its source; tokenizing again", idx_path)
         return None
-    return TokenFile(bin_path, idx["dtype"], int(idx["n_tokens"]), key)
+    return TokenFile(bin_path, dtype, int(n), key)
 
 
 class _Progress:
@@ -288,22 +307,24 @@ def build_token_file(
             caller says so; nothing half-written is left under the final names).
     """
     key = token_key(source_b2, tok)
-    found = open_token_file(cache_dir, key, size, source_b2)
-    if found is not None:
-        return found
     vs = tok.get_vocab_size(with_added_tokens=True)
     dtype = "uint16" if vs <= 65536 else "uint32"
+    found = open_token_file(cache_dir, key, size, source_b2, dtype)
+    if found is not None:
+        return found
     np_dtype = np.dtype(dtype).newbyteorder("<")
     bin_path, idx_path = _paths(cache_dir, key)
     progress = _Progress(path, size if not path.name.lower().endswith(".xz") else 0)
     counted = [0]
+    bin_hash = hashlib.blake2b(digest_size=12)
 
     def write(tmp: str) -> None:
         with open(tmp, "wb") as out:
             for piece in _pieces(iter_text(path, progress), piece_bytes):
-                ids = np.asarray(encode_corpus(tok, piece), dtype=np_dtype)
-                out.write(ids.tobytes())
-                counted[0] += int(ids.size)
+                raw = np.asarray(encode_corpus(tok, piece), dtype=np_dtype).tobytes()
+                out.write(raw)
+                bin_hash.update(raw)
+                counted[0] += len(raw) // np_dtype.itemsize
 
     t0 = time.monotonic()
     try:
@@ -322,6 +343,7 @@ def build_token_file(
         "source_bytes": size,
         "source_blake2b": source_b2,
         "tokenizer": tokenizer_fingerprint(tok),
+        "bin_blake2b": bin_hash.hexdigest(),
     }
     atomic_write(idx_path, lambda tmp: _write_json(tmp, index))
     log.info(

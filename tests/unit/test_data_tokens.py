@@ -161,3 +161,40 @@ def test_a_large_file_is_tokenized_in_bounded_memory(tmp_path):
     n_tokens, file_bytes, grew = (int(x) for x in out)
     assert file_bytes == 2 * n_tokens and n_tokens > 4_000_000
     assert grew < 120 << 20, f"peak RSS grew {grew >> 20} MiB while tokenizing 16 MB"
+
+
+def test_a_damaged_cache_is_tokenized_again_never_trained_on(tmp_path, caplog):
+    """Red team: an all-zero .bin of the right size was used (perplexity 1.16, the honest fingerprint); an index
+    that is a list, n_tokens 0 with an empty .bin, or a dtype other than the tokenizer's crashed or was used."""
+    p = tmp_path / "corpus.txt"
+    p.write_text(_text(2000, seed=3))
+    cache = tmp_path / "cache"
+    want = np.array(load_dataset(p, seq_len=32, cache_dir=cache).ids)
+    [bin_path] = cache.glob("tokens-*.bin")
+    [idx_path] = cache.glob("tokens-*.json")
+    good_idx = idx_path.read_text()
+
+    def damaged(bin_bytes=None, index=None):
+        if bin_bytes is not None:
+            bin_path.write_bytes(bin_bytes)
+        idx_path.write_text(good_idx if index is None else index)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="geomesh_p2p.data.tokens"):
+            got = np.array(load_dataset(p, seq_len=32, cache_dir=cache).ids)
+        assert np.array_equal(got, want) and "tokenizing again" in caplog.text
+
+    size = bin_path.stat().st_size
+    damaged(bin_bytes=bytes(size))  # zeros, the right size
+    idx = json.loads(good_idx)
+    damaged(index=json.dumps([1, 2]))
+    damaged(index=json.dumps({**idx, "dtype": "uint32", "n_tokens": idx["n_tokens"] // 2}))
+    damaged(bin_bytes=b"", index=json.dumps({**idx, "n_tokens": 0}))
+    damaged(index="[" * 100_000)
+
+
+def test_invalid_utf8_is_named_at_its_byte_across_a_block_boundary(tmp_path, monkeypatch):
+    monkeypatch.setattr(tokens, "READ_BYTES", 1000)
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(b"a" * 999 + b"\xc3A" + b"b" * 50)  # a lead byte ends block 1, a non-continuation starts 2
+    with pytest.raises(DataError, match=r"not valid UTF-8 text \(byte 999\)"):
+        load_dataset(bad, seq_len=8, cache_dir=tmp_path / "c")
