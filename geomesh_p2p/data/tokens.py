@@ -262,7 +262,7 @@ def open_token_file(cache_dir: Path, key: str, size: int, source_b2: str, dtype:
     if not ok:
         log.warning("token cache %s does not match its source; tokenizing again", idx_path)
         return None
-    return TokenFile(bin_path, dtype, int(n), key)
+    return TokenFile(bin_path, dtype, int(n or 0), key)
 
 
 class _Progress:
