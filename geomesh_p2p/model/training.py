@@ -107,6 +107,11 @@ def perplexity(mean_loss: float) -> float:
         return math.inf
 
 
+#: Clean accumulations at an out-of-memory cap before twice the cap is tried again (doubled after each try
+#: that runs out of memory again): a moment of memory pressure must not cost the rest of the run.
+OOM_RETRY_STEPS = 50
+
+
 @dataclass
 class InnerResult:
     """Outcome of one :meth:`InnerTrainer.run`.
@@ -276,6 +281,8 @@ class InnerTrainer:
         #: the largest micro-batch (sequences) that ran without running out of memory, once one did (None:
         #: never); planned micro-batches are capped to it, and the node announces it as its max batch
         self.max_micro_batch: int | None = None
+        self._largest_micro = 1  # the largest micro-batch asked for (where a raised cap stops)
+        self._cap_clean_steps, self._cap_retry_after, self._cap_probing = 0, OOM_RETRY_STEPS, False
         self.model.train()
         self.dataset = dataset
         self.seq_len = int(seq_len)
@@ -346,6 +353,9 @@ class InnerTrainer:
         only the accumulation splits it finer). Each halving logs one WARNING (event ``out_of_memory``) and
         lowers :attr:`max_micro_batch`, which caps later steps and the node's announced max batch, so the
         leader plans within it from the next record on. A micro-batch already capped is used at once.
+        Memory pressure passes (another job on the GPU ends): after :data:`OOM_RETRY_STEPS` clean
+        accumulations at the cap it is doubled again (one INFO line), the wait doubling each time the larger
+        micro-batch runs out of memory again, and dropped once it covers every micro-batch asked for.
 
         Raises:
             MemoryError: still out of memory at micro-batch 1 (gradients dropped); the caller contributes
@@ -353,11 +363,14 @@ class InnerTrainer:
         """
         b = batch.shape[0]
         mb = b if not micro_batch or micro_batch >= b else int(micro_batch)
+        self._largest_micro = max(self._largest_micro, mb)
         if self.max_micro_batch is not None:
             mb = min(mb, self.max_micro_batch)
         while True:
             try:
-                return self.accumulate_grad(batch, mb)
+                loss = self.accumulate_grad(batch, mb)
+                self._after_fitting_step()
+                return loss
             except (RuntimeError, MemoryError) as e:
                 if not is_oom(e):
                     raise
@@ -380,7 +393,27 @@ class InnerTrainer:
                     micro_batch=mb,
                     new_micro_batch=new,
                 )
+                if self._cap_probing:  # the raised cap did not fit yet: wait twice as long before the next try
+                    self._cap_retry_after *= 2
+                self._cap_probing = False
+                self._cap_clean_steps = 0
                 self.max_micro_batch = mb = new
+
+    def _after_fitting_step(self) -> None:
+        """One clean accumulation under an OOM cap: past the wait, try twice the cap (or drop it)."""
+        if self.max_micro_batch is None:
+            return
+        self._cap_clean_steps += 1
+        if self._cap_clean_steps < self._cap_retry_after:
+            return
+        self._cap_clean_steps = 0
+        raised = self.max_micro_batch * 2
+        self._cap_probing = True
+        if raised >= self._largest_micro:
+            self.max_micro_batch = None  # covers every micro-batch asked for: no cap (it returns if needed)
+        else:
+            self.max_micro_batch = raised
+        log.info("no out of memory for %d steps: trying micro-batch %d again", self._cap_retry_after, raised)
 
     def lr_for(self, round: int, step: int, planned_steps: int) -> float:
         """Learning rate of step ``step`` (0-based) of a round planned ``planned_steps`` inner steps:

@@ -128,3 +128,34 @@ def test_verified_work_batches_go_on_at_smaller_micro_batches(ds):
     got = verify_check.batch_gradients(model, ds, theta, streams, micro_batch=4, **args)
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-7)
     assert rows == [4, 2] + [1] * 8  # halved twice on the first batch, then one row at a time for both
+
+
+def test_a_cap_from_a_moment_of_memory_pressure_is_raised_again(ds, caplog):
+    """Red team: three allocations that failed once left the peer at micro-batch 1 (and max batch 1) for the
+    rest of the process. After clean steps at the cap, twice the cap is tried again; a try that runs out of
+    memory again halves it back and doubles the wait."""
+    passing = _trainer(ds)
+    calls: list[int] = []
+    real = passing.accumulate_grad
+    fails = iter([True, True])  # the other job on the device ends after two allocations
+
+    def transient(batch, micro_batch=None):
+        calls.append(micro_batch or batch.shape[0])
+        if next(fails, False):
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+        return real(batch, micro_batch)
+
+    passing.accumulate_grad = transient  # type: ignore[method-assign]
+    passing._cap_retry_after = 2
+    with caplog.at_level(logging.INFO, logger="geomesh_p2p.model.training"):
+        res = passing.run(round=0, inner_steps=6, batch_size=8, micro_batch=8)
+    assert res.steps_done == 6 and calls == [8, 4, 2, 2, 4, 4, 8, 8] and passing.max_micro_batch is None
+    assert caplog.text.count("trying micro-batch") == 2
+    # memory that stays short: the try at 4 fails, the cap returns to 2 and the next try waits 4 clean steps
+    short = _trainer(ds)
+    calls2: list[int] = []
+    _oom_above(short, 2, calls2)
+    short._cap_retry_after = 2
+    short.run(round=0, inner_steps=8, batch_size=8, micro_batch=8)
+    assert calls2 == [8, 4, 2, 2, 4, 2, 2, 2, 2, 4, 2, 2] and short.max_micro_batch == 2
+    assert short._cap_retry_after == 8
