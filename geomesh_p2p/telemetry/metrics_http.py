@@ -9,12 +9,16 @@ over a bound is closed at once (a scraper retries at its next interval).
 
 from __future__ import annotations
 
+import logging
 import socket
+import sys
 import threading
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-__all__ = ["IO_TIMEOUT_S", "MAX_CONNECTIONS", "MAX_PER_CLIENT", "start_metrics_server"]
+__all__ = ["IO_TIMEOUT_S", "MAX_CONNECTIONS", "MAX_PER_CLIENT", "REQUEST_DEADLINE_S", "start_metrics_server"]
+
+log = logging.getLogger(__name__)
 
 #: seconds a metrics client may stay silent on a read, or not take a write
 IO_TIMEOUT_S = 10.0
@@ -23,8 +27,34 @@ MAX_CONNECTIONS = 16
 MAX_PER_CLIENT = 4
 
 
+#: seconds a connection may take in all, from accept to the last byte of the answer: a per-read timeout alone
+#: is reset by every byte, and a client trickling one byte every few seconds held its slot for good (red team:
+#: 16 such sockets shut a scraper out)
+REQUEST_DEADLINE_S = 15.0
+
+
 class _Handler(WSGIRequestHandler):
     timeout = IO_TIMEOUT_S  # socketserver.StreamRequestHandler sets it on the connection's socket
+
+    def setup(self) -> None:
+        super().setup()
+        # Past the deadline the socket is shut: the handler's next read or write fails and its thread ends.
+        self._deadline = threading.Timer(REQUEST_DEADLINE_S, self._expire)
+        self._deadline.daemon = True
+        self._deadline.start()
+
+    def _expire(self) -> None:
+        try:
+            self.connection.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    def finish(self) -> None:
+        self._deadline.cancel()
+        try:
+            super().finish()
+        except OSError:  # the deadline shut the socket under it
+            pass
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002  (the base class's name)
         """No line per scrape."""
@@ -56,6 +86,10 @@ def start_metrics_server(
                 self.shutdown_request(request)
                 return
             super().process_request(request, client_address)
+
+        def handle_error(self, request, client_address):
+            """A client that timed out or went away: no traceback on stderr (socketserver prints one)."""
+            log.debug("metrics client %s: %s", client_address[0], sys.exc_info()[1])
 
         def process_request_thread(self, request, client_address):
             try:

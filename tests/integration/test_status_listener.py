@@ -203,3 +203,40 @@ async def test_the_peer_metrics_listener_is_bounded_per_client_too():
         for s in socks:
             s.close()
         rl.close()
+
+
+async def test_a_metrics_client_trickling_its_request_is_cut_at_the_request_deadline(monkeypatch, capfd):
+    """Red team: the per-read timeout was reset by every byte, so a client sending one byte every few seconds
+    held its slot for good (16 of them shut a scraper out), and each timed-out connection printed a traceback.
+    Now a connection has REQUEST_DEADLINE_S in all, and a failed one logs at DEBUG only."""
+    from geomesh_p2p.telemetry import metrics_http
+    from geomesh_p2p.telemetry.metrics import RoundLog
+
+    monkeypatch.setattr(metrics_http, "REQUEST_DEADLINE_S", 1.0)
+    rl = RoundLog(None, 0, print_fn=lambda line: None)
+    s = socket.create_connection(("127.0.0.1", rl.metrics_port), timeout=5)
+    try:
+        sent = 0
+        s.sendall(b"GET /metrics HTTP/1.1\r\n")
+
+        def trickle_until_cut() -> int:
+            nonlocal sent
+            for _ in range(100):  # one header byte every 0.1 s: 10 s if nothing cuts it
+                try:
+                    s.sendall(b"X")
+                    sent += 1
+                except OSError:
+                    return sent
+                if _closed_by_server(s):
+                    return sent
+                time.sleep(0.1)
+            return sent
+
+        n = await asyncio.to_thread(trickle_until_cut)
+        assert n < 100, "the trickling client was never cut"
+        status, body = await asyncio.to_thread(_get, f"http://127.0.0.1:{rl.metrics_port}/metrics")
+        assert status == 200 and b"geomesh_round" in body
+    finally:
+        s.close()
+        rl.close()
+    assert "Traceback" not in capfd.readouterr().err
