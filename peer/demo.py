@@ -289,3 +289,7 @@ def _print_summary(s: dict) -> None:
             f"{p['network_idle_pct']:.1f}%, sent {p['bytes_sent'] / 1e6:.2f} MB"
         )
     print(f"  digests equal on every peer every round: {s['digests_matched_every_round']}")
+    w = s["workdir"]
+    print(f"\nresults in {w}: each peer's round rows (peerN.jsonl), log (peerN.log) and checkpoints (ckptN/)")
+    print(f"next: geomesh-peer generate --checkpoint-dir {w}/ckpt0 --prompt 'And God said'  (text from the model)")
+    print("      README 'Joining a swarm as a volunteer': run a bootstrap and peers yourself")

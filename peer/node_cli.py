@@ -146,8 +146,12 @@ def run_config_from(ns: argparse.Namespace):
         data_id = spec  # name, config, split, column, max bytes (and revision): all compared between peers
     elif ns.data:
         p = Path(ns.data).expanduser()  # as the loader reads it (a YAML config may say ~/corpus.txt)
-        if not p.is_file():
+        if not p.exists():
             raise ValueError(f"--data {ns.data}: no such file")
+        if not p.is_file():
+            raise ValueError(f"--data {ns.data}: not a file")
+        if p.stat().st_size == 0:
+            raise ValueError(f"--data {ns.data}: the file is empty")
         from geomesh_p2p.data.corpus import DataError, check_data_suffix
 
         try:

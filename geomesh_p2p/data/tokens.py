@@ -288,7 +288,7 @@ class _Progress:
         if (self.total and pct >= self.next_pct) or now - self.last >= 30:
             self.last = now
             self.next_pct = pct // 10 * 10 + 10
-            log.info("tokenizing %s: %d%% of %d MB (%.0f s)", self.path.name, pct, self.total >> 20, now - self.t0)
+            log.info("tokenizing %s: %d%% of %.1f MB (%.0f s)", self.path.name, pct, self.total / 1e6, now - self.t0)
 
     def close(self) -> None:
         if self.bar is not None:
@@ -311,6 +311,7 @@ def build_token_file(
     dtype = "uint16" if vs <= 65536 else "uint32"
     found = open_token_file(cache_dir, key, size, source_b2, dtype)
     if found is not None:
+        log.info("%s: token file reused (%d tokens, %s)", path.name, found.n_tokens, found.bin_path)
         return found
     np_dtype = np.dtype(dtype).newbyteorder("<")
     bin_path, idx_path = _paths(cache_dir, key)
@@ -347,10 +348,10 @@ def build_token_file(
     }
     atomic_write(idx_path, lambda tmp: _write_json(tmp, index))
     log.info(
-        "tokenized %s: %d tokens (%d MB of %s) in %.1f s, cached as %s",
+        "tokenized %s: %d tokens (%.1f MB of %s) in %.1f s, cached as %s",
         path.name,
         n,
-        (n * np_dtype.itemsize) >> 20,
+        n * np_dtype.itemsize / 1e6,
         dtype,
         time.monotonic() - t0,
         bin_path,

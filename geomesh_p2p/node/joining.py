@@ -283,11 +283,26 @@ async def warn_if_resumed_behind(node: PeerNode) -> None:
     )
 
 
+async def _own_checkpoint(node: PeerNode):
+    """The newest checkpoint in ``--checkpoint-dir`` (``load_latest_checkpoint``'s tuple), or None when there is
+    no directory, no checkpoint or an unreadable one (the wait goes on as before)."""
+    d = node.cfg.checkpoint_dir
+    if not d:
+        return None
+    try:
+        return await asyncio.to_thread(gstate.load_latest_checkpoint, d)
+    except Exception as e:  # noqa: BLE001  a damaged checkpoint: no shortcut, the wait says nothing of it
+        log.debug("checkpoint in %s not usable while the swarm is empty: %s", d, e)
+        return None
+
+
 async def on_empty_swarm(node: PeerNode) -> None:
     """No other live peer of this run (issue 14 #2): when a bootstrap saw the run at round N > 0
     (:func:`~geomesh_p2p.dht.progress.swarm_progress`, kept across bootstrap restarts), say so in one
-    line and act by ``--on-empty-swarm``: ``wait`` (default) polls with a capped backoff until a peer
-    of the run is live (then downloads its state) or Ctrl+C; ``resume`` takes ``--checkpoint-dir``'s
+    line and act by ``--on-empty-swarm``: ``wait`` (default) continues from ``--checkpoint-dir``'s newest
+    checkpoint when it holds the round the run was at (this peer has the run's last state itself), else polls
+    with a capped backoff until a peer of the run is live (then downloads its state) or Ctrl+C; ``resume``
+    takes ``--checkpoint-dir``'s
     newest checkpoint; ``seed`` keeps the seed's state at round 0 (a new run under the same id). A run
     no bootstrap knows past round 0 starts from the seed silently, as before.
 
@@ -340,13 +355,28 @@ async def on_empty_swarm(node: PeerNode) -> None:
             )
         await resume_from(node, ck)
         return
+    own = await _own_checkpoint(node)
+    if own is not None and own[0] >= prog.round and own[3].get("run_config_hash") in (None, node.config_hash):
+        # This peer holds the run's last state itself (a fresh-user trial re-ran the README's one-machine swarm
+        # with the same run id: every peer waited for a peer of the run, none announced, for good).
+        log.info(
+            "this peer's checkpoint in %s holds round %d, the round the run was at: continuing from it",
+            node.cfg.checkpoint_dir,
+            own[0],
+        )
+        await resume_from(node, own)
+        return
     events.emit(
         log,
         logging.INFO,
         "empty_swarm_waiting",
         "waiting for a peer of run %r to come back (Ctrl+C to stop; --on-empty-swarm resume or seed "
-        "starts without one)",
+        "starts without one%s)",
         node.run_cfg.run_id,
+        ""
+        if own is None
+        else f"; this peer's checkpoint in {node.cfg.checkpoint_dir} is at round {own[0]}: "
+        "--on-empty-swarm resume continues from it",
         peer=node.me,
         run_id=node.run_cfg.run_id,
     )

@@ -179,6 +179,14 @@ def test_join_bad_data_flags_fail_in_one_line(tmp_path, capsys):
         '(use .txt, .txt.xz, .jsonl with field "text", or .parquet)'
     )
     assert not key2.exists()
+    # an empty file or a folder: at start too, saying which (fresh-user trial: an empty file failed only after
+    # the proof of work and the DHT join; a folder was "no such file")
+    (tmp_path / "empty.txt").write_text("")
+    assert main(["join", "--identity", str(key2), "--data", str(tmp_path / "empty.txt")]) == 2
+    assert capsys.readouterr().err.strip().endswith(f"--data {tmp_path / 'empty.txt'}: the file is empty")
+    assert main(["join", "--identity", str(key2), "--data", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.strip().endswith(f"--data {tmp_path}: not a file")
+    assert not key2.exists()
     with pytest.raises(SystemExit) as ei:
         main(["join", "--data", "hf:wikitext", "--data-max-bytes", "0"])
     assert ei.value.code == 2

@@ -151,6 +151,35 @@ async def test_empty_swarm_resume_takes_the_newest_checkpoint(monkeypatch, tmp_p
     assert rnd == 5 and torch.equal(t, theta) and torch.equal(m, mom)
 
 
+async def test_empty_swarm_wait_continues_from_its_own_checkpoint_of_the_runs_round(monkeypatch, tmp_path):
+    """Fresh-user trial: the README's one-machine swarm run again with the same run id (the bootstrap remembered
+    round 12) had every peer wait for a peer of the run, none of them announced, for good. A peer whose own
+    checkpoint holds the round the run was at continues from it; an older one is named in the waiting line."""
+    node, calls = _empty_swarm_node(monkeypatch, _progress(7), checkpoint_dir=str(tmp_path))
+    node.state_numel = 4
+    theta, mom = torch.arange(4, dtype=torch.float32), torch.full((4,), 0.5)
+    gstate.save_checkpoint(tmp_path, round=7, theta=theta, momentum=mom, meta={"run_config_hash": node.config_hash})
+    await asyncio.wait_for(node._on_empty_swarm(), 10)
+    [(rnd, t, m)] = calls["set_state"]
+    assert rnd == 7 and torch.equal(t, theta) and calls["peers"] == 0
+    older = tmp_path / "older"
+    node, calls = _empty_swarm_node(
+        monkeypatch, _progress(7), peers_seq=[[], [_rec("PeerBack", 9)]], checkpoint_dir=str(older)
+    )
+    node.state_numel = 4
+    gstate.save_checkpoint(older, round=5, theta=theta, momentum=mom, meta={"run_config_hash": node.config_hash})
+
+    async def no_wait(event, seconds):
+        return event.is_set()
+
+    monkeypatch.setattr(joining_mod, "wait_event", no_wait)
+    with events.capture() as said:
+        await asyncio.wait_for(node._on_empty_swarm(), 10)
+    assert calls["set_state"] == [] and calls["catch_up"] == 1  # it waited, then caught up with the peer back
+    [waiting] = [e for e in said if e["event"] == "empty_swarm_waiting"]
+    assert f"checkpoint in {older} is at round 5: --on-empty-swarm resume continues from it" in waiting["message"]
+
+
 async def test_empty_swarm_wait_polls_until_a_peer_is_back_then_catches_up(monkeypatch):
     monkeypatch.setattr(joining_mod, "EMPTY_SWARM_POLL_MAX_S", 1.0)
     waits = []
