@@ -196,6 +196,7 @@ class NodeConfig(BaseModel):
         None,
         "torch CPU threads",
         ge=1,
+        le=1024,  # red team: --threads 100000 ended in an unrelated ImportError (thread stacks)
         default_text="the usable cores divided by the peer processes live on this host, at least 1",
     )
     local_devices: Optional[list[str]] = opt(
