@@ -52,6 +52,16 @@ CLOCK_CONFIRM_SPREAD_S = 2.0
 #: peer refuses its envelopes (a red-team run moved a peer by 100,000 s with one bootstrap).
 
 
+#: What gRPC's resolvers say of a host name that does not resolve (c-ares, native; versions word it apart).
+_UNRESOLVABLE = ("dns resolution failed", "address lookup failed", "domain name not found", "name or service not known")
+
+
+def _unresolvable(reason: Optional[str]) -> bool:
+    """Whether a call failed because its host name does not resolve (a typo: no point in retrying)."""
+    text = (reason or "").lower()
+    return any(m in text for m in _UNRESOLVABLE)
+
+
 def _other_run_message(address: str, reason: str, own_run: str) -> str:
     """The join error for a bootstrap that answered for another run. ``reason``: its refusal, worded by
     :mod:`geomesh_p2p.net.identity` from the bootstrap's side ("message is for run 'a', this node serves 'b'")."""
@@ -132,7 +142,9 @@ class DHTJoin(DHTLookup):
             for a, r in zip(addresses, results):
                 if isinstance(r, RpcError):
                     errors[a] = f"{r.code.name}: {r.reason}" if r.reason else r.code.name
-                    definitive &= r.code not in _UNREACHABLE
+                    # A name that does not resolve is a typo, not a bootstrap still starting: no retries
+                    # (a fresh-user trial waited 41 s for nosuchhost.invalid, 8 attempts).
+                    definitive &= r.code not in _UNREACHABLE or _unresolvable(r.reason)
                     if r.code not in _UNREACHABLE:
                         refused[a] = r
                 else:

@@ -108,3 +108,15 @@ _BAD = re.compile(
 
 def _bad_lines(text: str) -> list[str]:
     return [line for line in text.splitlines() if _BAD.search(line)]
+
+
+async def test_a_bootstrap_name_that_does_not_resolve_fails_at_the_first_attempt():
+    """Fresh-user trial: --bootstrap nosuchhost.invalid:31337 was retried 8 times over 41 s. A name that does not
+    resolve is a typo, not a bootstrap still starting: one attempt, and the error names it."""
+    from geomesh_p2p.dht import DHTJoinError
+    from tests.dht_helpers import start_node
+
+    with pytest.raises(DHTJoinError) as ei:
+        await start_node(["nosuchhost.invalid:31337"], join_attempts=5)
+    msg = str(ei.value)
+    assert "(1 attempt(s) over" in msg and "nosuchhost.invalid:31337" in msg
