@@ -99,8 +99,9 @@ def key_permission_problem(
       bits, since nobody can change it there, ``chmod`` is impossible and inside the container there are no
       other users to read it;
     * writable by group or others: refused (anyone could swap the key);
-    * readable by group or others: refused, unless root owns it while this process is not root and cannot
-      write its folder (a secret the platform provisioned, e.g. ``/run/secrets``: only its owner can fix it).
+    * readable by others: refused (any local user could copy the identity: red team);
+    * readable by its group: refused, unless root owns it while this process is not root and cannot write its
+      folder (a secret the platform provisioned for a service group: only its owner can fix it).
 
     The message is one line naming the file, its mode and a fix that is possible where the file is.
     """
@@ -112,7 +113,7 @@ def key_permission_problem(
         return f"identity file {path} is writable by other users (mode {mode:o}); {fix}"
     if not mode & (stat.S_IRWXG | stat.S_IRWXO):
         return None
-    if owner_uid == 0 and not mine and not dir_writable:
+    if owner_uid == 0 and not mine and not dir_writable and not mode & stat.S_IRWXO:
         return None
     fix = f"fix it with: chmod 600 {path}" if mine else "its owner must make it mode 0600 or 0400"
     return (

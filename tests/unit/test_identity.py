@@ -189,8 +189,9 @@ def test_key_permission_policy_table(tmp_path):
         ((0o444, me, me, False, False), False),  # read-only bits, but mine: chmod 600 is possible
         ((0o444, 0, me, True, False), True),  # Docker secret: /run/secrets, root, mode 0444, read-only tmpfs
         ((0o644, 0, me, True, False), True),  # Kubernetes secret: defaultMode 0644, read-only volume
-        ((0o444, 0, me, False, False), True),  # root's file in a folder this user cannot write: provisioned
-        ((0o444, 0, me, False, True), False),  # ... but in a folder it can write: refused
+        ((0o440, 0, me, False, False), True),  # root's file for a group, in a folder this user cannot write
+        ((0o440, 0, me, False, True), False),  # ... but in a folder it can write: refused
+        ((0o444, 0, me, False, False), False),  # readable by every local user (red team): refused
         ((0o444, 0, 0, False, True), False),  # running as root: it could chmod it
         ((0o666, me, me, False, True), False),  # writable by others: refused
         ((0o664, 0, me, False, False), False),  # ... even when root provisioned it on a writable file system
