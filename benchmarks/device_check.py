@@ -278,7 +278,13 @@ def training_step(device: str, model: str, batches: list[int], steps: int, time_
     )
 
 
-def swarm_step(device: str, rounds: int, workdir: Path, model: str, deadline_s: float) -> tuple[str, bool]:
+def swarm_step(
+    device: str, rounds: int, workdir: Path, model: str, deadline_s: float, device_args: list[str] | None = None
+) -> tuple[str, bool]:
+    """Bootstrap + a peer on ``device`` (or started with ``device_args``, e.g. ``--local-devices cuda:0,cuda:1``:
+    one peer of several ranks, issue 30) + a peer on ``cpu``; the digests of both after every round."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    device_args = device_args or ["--device", device]
     from geomesh_p2p.util.procs import bootstrap_argv, wait_for_address
 
     env = dict(
@@ -326,8 +332,7 @@ def swarm_step(device: str, rounds: int, workdir: Path, model: str, deadline_s: 
                         "join",
                         "--bootstrap",
                         entry,
-                        "--device",
-                        dev,
+                        *(device_args if name == "gpu" else ["--device", dev]),
                         "--identity",
                         str(workdir / f"{name}.key"),
                         "--threads",
@@ -391,12 +396,23 @@ def swarm_step(device: str, rounds: int, workdir: Path, model: str, deadline_s: 
         if cells:
             extra.append(f"- {name} peer, inner steps x batch per round: {', '.join(cells)}")
     return (
-        f"Bootstrap + one peer on `{device}` + one on `cpu`, model `{model}`, seq 64, 6 s windows, {rounds} rounds "
+        f"Bootstrap + one peer (`{' '.join(device_args)}`) + one on `cpu`, model `{model}`, seq 64, 6 s windows, "
+        f"{rounds} rounds "
         f"of geomesh ({wall:.0f} s wall, processes included).\n\n"
         + "\n".join(lines)
         + "\n"
         + ("\n" + "\n".join(extra) + "\n" if extra else "")
     ), equal
+
+
+def two_ranks(device: str) -> str:
+    """``--local-devices`` for a 2-rank peer: two GPUs when there are, else both ranks on one (the issue's
+    fallback), ``cpu,cpu`` without CUDA."""
+    import torch
+
+    if not device.startswith("cuda"):
+        return "cpu,cpu"
+    return "cuda:0,cuda:1" if torch.cuda.device_count() >= 2 else "cuda:0,cuda:0"
 
 
 def main(argv=None) -> int:
@@ -480,6 +496,17 @@ def main(argv=None) -> int:
         (
             "Mixed swarm: digests of a device peer and a CPU peer",
             lambda: swarm_step(ns.device, ns.rounds, workdir, ns.swarm_model, max(60.0, min(240.0, time_left()))),
+        ),
+        (
+            "Multi-rank peer (issue 30): 2 ranks on the device(s) next to a CPU peer",
+            lambda: swarm_step(
+                ns.device,
+                ns.rounds,
+                workdir / "ranks",
+                ns.swarm_model,
+                max(60.0, min(240.0, time_left())),
+                device_args=["--local-devices", two_ranks(ns.device)],
+            ),
         ),
     )
     sections, ok = [], True

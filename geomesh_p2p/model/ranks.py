@@ -168,13 +168,16 @@ class RankChannel:
         self._keepalive: Optional[threading.Thread] = None
 
     @classmethod
-    def init(cls, rank: int, world: int, device: str, init_method: str, timeout_s: float) -> "RankChannel":
+    def init(
+        cls, rank: int, world: int, device: str, init_method: str, timeout_s: float, backend: Optional[str] = None
+    ) -> "RankChannel":
         """Join the peer's process groups (blocks until all ``world`` ranks joined, at most ``timeout_s``):
-        the main group with NCCL when ``device`` is CUDA, else gloo, and a gloo command group. ``init_method``:
+        the main group with ``backend`` (default NCCL when ``device`` is CUDA, else gloo; gloo for ranks that
+        share one GPU, which NCCL refuses), and a gloo command group. ``init_method``:
         ``env://`` (MASTER_ADDR / MASTER_PORT, as torchrun sets) or ``tcp://HOST:PORT``. Raises RankFailure
         when the others do not come (the reason in one line)."""
         dev = torch.device(device)
-        backend = "nccl" if dev.type == "cuda" else "gloo"
+        backend = backend or ("nccl" if dev.type == "cuda" else "gloo")
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
         timeout = timedelta(seconds=timeout_s)

@@ -175,6 +175,8 @@ class FollowerSpec:
     speed_factor: float
     amp: bool
     parent_pid: Optional[int] = None
+    #: the main group's backend ("nccl" / "gloo"; None: by the device)
+    backend: Optional[str] = None
 
 
 class LocalRanks:
@@ -196,6 +198,8 @@ class LocalRanks:
         timeout_s = collective_timeout_s(run.window_s)
         init = layout.init_method or f"tcp://127.0.0.1:{_free_port()}"  # self-started: rank 0's store
         procs: list[subprocess.Popen] = []
+        # NCCL refuses two ranks on one GPU ("duplicate GPU"): ranks sharing a device all-reduce with gloo.
+        backend = "gloo" if len(set(layout.devices)) < len(layout.devices) else None
         if layout.spawn:
             env = dict(os.environ)
             # One machine: the ranks' sockets stay on the loopback interface.
@@ -214,6 +218,7 @@ class LocalRanks:
                     speed_factor=cfg.speed_factor,
                     amp=cfg.amp,
                     parent_pid=os.getpid(),
+                    backend=backend,
                 )
                 env[SPEC_ENV] = json.dumps(asdict(spec))
                 argv = [sys.executable, "-c", "from geomesh_p2p.node.ranks import worker_main; exit(worker_main())"]
@@ -221,7 +226,7 @@ class LocalRanks:
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         _nccl_raises()
         try:
-            channel = RankChannel.init(0, layout.world, layout.device, init, timeout_s)
+            channel = RankChannel.init(0, layout.world, layout.device, init, timeout_s, backend=backend)
         except RankFailure as e:
             _end(procs, 0.0)
             raise UserFacingError(f"{e} (--local-devices / torchrun)") from None
@@ -230,7 +235,7 @@ class LocalRanks:
             "this peer trains on %d ranks (%s; torch.distributed %s, collective timeout %.0f s)",
             layout.world,
             ",".join(layout.devices) or f"torchrun, rank 0 on {layout.device}",
-            "nccl" if layout.device.startswith("cuda") else "gloo",
+            backend or ("nccl" if layout.device.startswith("cuda") else "gloo"),
             timeout_s,
         )
         return cls(layout, channel, procs)
@@ -325,7 +330,9 @@ def run_follower(spec: FollowerSpec, build: Callable[..., torch.nn.Module] = bui
         _watch_parent(spec.parent_pid, spec.rank)
     _nccl_raises()
     try:
-        channel = RankChannel.init(spec.rank, spec.world, spec.device, spec.init_method, spec.timeout_s)
+        channel = RankChannel.init(
+            spec.rank, spec.world, spec.device, spec.init_method, spec.timeout_s, backend=spec.backend
+        )
     except RankFailure as e:
         log.error("%s", e)
         return 1
