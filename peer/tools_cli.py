@@ -145,10 +145,20 @@ def render_status(view: dict, rounds: dict, console=None) -> None:
 
 def cmd_status(ns: argparse.Namespace) -> int:
     # gRPC's C core is silenced on import of the package (geomesh_p2p.util.grpc_env), before grpc loads.
-    if ns.log_level == "INFO":  # the default: the DHT's progress lines would only clutter the table
-        import logging
+    import logging
 
-        logging.getLogger("geomesh_p2p").setLevel(logging.WARNING)
+    lib = logging.getLogger("geomesh_p2p")
+    level = lib.level
+    if ns.log_level == "INFO":  # the default: the DHT's progress lines would only clutter the table
+        lib.setLevel(logging.WARNING)
+    try:
+        return _status(ns)
+    finally:
+        lib.setLevel(level)  # run in-process (the tests), the next caller's INFO lines are not lost
+
+
+def _status(ns: argparse.Namespace) -> int:
+    """:func:`cmd_status`'s body."""
     from geomesh_p2p.dht import DHTJoinError
     from geomesh_p2p.dht.state import OtherRunError
     from geomesh_p2p.net.identity import IdentityError

@@ -78,7 +78,7 @@ def test_config_file_values_get_the_flags_checks(tmp_path):
     add_node_flags(ap)
     cfg = tmp_path / "c.yaml"
     for text, expect in [
-        ("threads: -3", "threads: must be >= 1, got -3"),
+        ("threads: -3", "threads: must be in [1, 1024], got -3"),
         ("port: 70000", "port: must be in [0, 65535]"),
         ("rounds: -5", "rounds:"),
         ("quorum: 1.5", "quorum: must be in [0, 1], got 1.5"),

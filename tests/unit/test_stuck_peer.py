@@ -104,6 +104,8 @@ async def test_a_hung_checkpoint_stops_the_announcements_and_the_loop_goes_on(tm
         resumed.set()
 
     caplog.set_level(logging.INFO)
+    # The announcer's own logger too: another test of this worker may have left it (or a parent) at WARNING.
+    caplog.set_level(logging.INFO, logger="geomesh_p2p.dht.announce")
     announcer.start()
     watcher = asyncio.ensure_future(watch())
     try:
