@@ -30,7 +30,7 @@ def _children(pid: int) -> list[int]:
 def test_two_rank_peer_trains_and_a_dead_rank_makes_it_leave(tmp_path: Path) -> None:
     sw = ProcSwarm(tmp_path)
     try:
-        entry = sw.start_peers(["b", "c"], *COMMON, "--rounds", "6")
+        entry = sw.start_peers(["b", "c"], *COMMON, "--rounds", "5")
         sw.peer("a", *COMMON, *RANKS, bootstrap=entry)
         # three rounds together, then one rank of "a" dies
         sw.wait_for(lambda: len(sw.rows("a")) >= 3, 120, "a to train 3 rounds")
