@@ -34,8 +34,8 @@ browser:
 # `make lint` first (its findings stop here), then the suite in TEST_WORKERS pytest-xdist workers (3 by default;
 # 0: one process), the slowest 25 tests listed at the end. Each file's tests run in one worker, and a free worker
 # takes the longest file still waiting (tests/conftest.py: pytest_xdist_make_scheduler), so the process swarms of
-# tests/e2e start first and the short unit files fill the last gaps. On 2 cores, fresh clone: 11 min 42 s - 12 min 12 s with 3
-# workers (session 11; 12 min 39 s before the e2e peers ran at half speed, tests/swarm_util.FAST), ~21 min
+# tests/e2e start first and the short unit files fill the last gaps. On 2 cores, fresh clone: 10 min 15 s - 13 min 3 s with 3
+# workers (session 12, 1,193 tests; 12 min 39 s in session 11 before the e2e peers ran at half speed), ~21 min
 # serially. The e2e tier is CPU-bound there: more workers do not help (4 made two namespace tests fail).
 TEST_WORKERS ?= 3
 test: setup browser lint
