@@ -14,6 +14,7 @@ import socket
 import time
 import urllib.request
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -63,3 +64,60 @@ def test_a_plan_of_a_long_window_is_still_read_past_the_old_120_s_lifetime(tmp_p
         assert _plan(http) == seen[0][1], "the plan of a round still under way expired from the DHT"
     finally:
         sw.stop_all(10)
+
+
+def test_a_real_bootstrap_under_slowloris_still_answers_its_page_and_its_dht(tmp_path: Path) -> None:
+    """Issue 29 #1 as processes (netdata#3578's slowloris): 300 idle connections from 10 client addresses against
+    a running ``geomesh-bootstrap --http-port``; a normal GET still answers, and a DHT node joins through the
+    same process, stores and reads back. Before, every idle socket was accepted and held, and a GET got no answer
+    within 5 s. (The in-process twin with a lowered descriptor limit: tests/integration/test_status_listener.py.)"""
+    import asyncio
+
+    from tests.dht_helpers import start_node, stop_node
+
+    sw = ProcSwarm(tmp_path)
+    http = _free_port()
+    socks: list[socket.socket] = []
+    try:
+        sw.bootstrap("boot", "--http-port", str(http))
+        entry = sw.address("boot")
+        sw.wait_for(lambda: _plan_or_none_answers(http), 60, "the status page to answer")
+        for i in range(10):
+            for _ in range(30):
+                s = socket.socket()
+                s.settimeout(10)
+                s.bind((f"127.0.0.{2 + i}", 0))
+                s.connect(("127.0.0.1", http))  # never sends a byte
+                socks.append(s)
+        with urllib.request.urlopen(f"http://127.0.0.1:{http}/api/swarm", timeout=5) as r:
+            assert r.status == 200 and b"run_id" in r.read()
+
+        async def dht_round_trip() -> Optional[bytes]:
+            node = await start_node([entry], run_id=sw_run_id())
+            try:
+                assert await node.store("slowloris-check", b"still-here", node.now() + 60)
+                got = await node.get("slowloris-check", latest=True)
+                return got[None].value if None in got else None
+            finally:
+                await stop_node(node)
+
+        assert asyncio.run(asyncio.wait_for(dht_round_trip(), 60)) == b"still-here"
+        assert sw.procs["boot"].poll() is None  # the bootstrap serves on
+    finally:
+        for s in socks:
+            s.close()
+        sw.stop_all(10)
+
+
+def _plan_or_none_answers(port: int) -> bool:
+    try:
+        _plan(port)
+        return True
+    except OSError:
+        return False
+
+
+def sw_run_id() -> str:
+    from tests.swarm_util import RUN_ID
+
+    return RUN_ID
