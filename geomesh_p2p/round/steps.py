@@ -61,24 +61,18 @@ async def inner_steps(
     except MemoryError as e:
         # ddp's one gradient did not fit even at micro-batch 1 (inner steps contribute the steps done
         # instead: InnerTrainer.run): nothing to contribute this round; the peer keeps following the swarm.
-        events.emit(
-            log,
-            logging.WARNING,
-            "contributing_nothing",
-            "round %d: %s; contributing nothing this round",
-            r,
-            e,
-            peer=drv.me,
-            round=r,
-            reason="out_of_memory",
-            detail=str(e),
-        )
+        say_contributing_nothing(drv, r, e, "out_of_memory")
         await reset_to_start(drv, ctx)
         return None, no_work(time.perf_counter() - t_train)
 
 
 def say_loss_not_finite(drv: RoundDriver, r: int, e: FloatingPointError) -> None:
     """The one WARNING of inner steps stopped by a non-finite loss (event ``contributing_nothing``)."""
+    say_contributing_nothing(drv, r, e, "loss_not_finite")
+
+
+def say_contributing_nothing(drv: RoundDriver, r: int, e: BaseException, reason: str) -> None:
+    """One WARNING (event ``contributing_nothing``, ``reason``) for a round this peer contributes nothing to."""
     events.emit(
         log,
         logging.WARNING,
@@ -88,7 +82,7 @@ def say_loss_not_finite(drv: RoundDriver, r: int, e: FloatingPointError) -> None
         e,
         peer=drv.me,
         round=r,
-        reason="loss_not_finite",
+        reason=reason,
         detail=str(e),
     )
 
