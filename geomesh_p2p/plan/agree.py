@@ -67,6 +67,18 @@ class PlanRefused(Exception):
         self.plan, self.reason = plan, reason
 
 
+class PlanStalled(Exception):
+    """Raised by :func:`obtain_plan` instead of publishing when this process was not running (SIGSTOP, swap, a
+    debugger, an event loop blocked) for at least :data:`STALL_S` of the agreement: its members view and the
+    plans it read are as old as the stall, and a take-over made from them plans a round with peers that may
+    have finished the round or left long ago (review H1: a peer stopped 47 s planned round 3 alone after the
+    others exited). The caller reads the swarm again before planning; ``stalled_s`` is the stall, seconds."""
+
+    def __init__(self, round: int, stalled_s: float):
+        super().__init__(f"round {round}: this peer was not running for {stalled_s:.1f} s during the plan agreement")
+        self.round, self.stalled_s = round, stalled_s
+
+
 class PlanDeferred(Exception):
     """Raised by :meth:`RoundPolicy.make_plan` when no plan can be made yet for a reason the policy has
     already told the user (logged once per change of state, e.g. no reachable peer can own a part): the
@@ -79,6 +91,11 @@ log = logging.getLogger(__name__)
 #: Better-ranked candidates a follower waits a whole ``plan_timeout_s`` for before the next takes over;
 #: past them each further candidate waits only ``stagger_s`` more (see :func:`takeover_delay`).
 LEADER_WAIT_CANDIDATES = 2
+#: Seconds one step of the agreement loop (a DHT read and the sleep after it) may overrun what it was given
+#: before the process counts as stalled (:class:`PlanStalled`): far above the loop lag of a loaded host
+#: (heavy work runs off the loop) and the DHT's per-read deadlines, far below a stopped process.
+STALL_S = 15.0
+
 #: Seconds a peer waits after the first plan it reads, for a better-ranked plan published meanwhile (the floor of
 #: :meth:`PlanStore.settle_s`, which follows the DHT's store latency).
 SETTLE_S = 0.5
@@ -440,6 +457,8 @@ async def obtain_plan(
         return any(k in blockers and (rank(k) < rank(me) or now >= p.created_at) for k, (p, _) in refused.items())
 
     check_fn = check if accept is not None else None
+    stalled_s = 0.0  # the longest overrun of one loop step: see STALL_S
+    step_due: Optional[float] = None  # elapsed seconds at which the last sleep was due to end (None: no sleep)
 
     # Plans read at all: those of ``leaders()`` (evaluated once per read) and of every peer this agreement names
     named = member_ids | set(order) | set(authorities) | {me}
@@ -449,7 +468,9 @@ async def obtain_plan(
 
     while True:
         elapsed = time.monotonic() - t0
+        due = elapsed if step_due is None else step_due
         plans = await store.read(round, check_fn, signed, **readable())
+        stalled_s, step_due = max(stalled_s, time.monotonic() - t0 - due), None
         now_seen = frozenset(p.leader for p in plans)
         if now_seen != seen:
             seen = now_seen
@@ -477,6 +498,9 @@ async def obtain_plan(
                 raise PlanRefused(*over)
             best = None
             my_turn_now = False
+        if my_turn_now and stalled_s >= STALL_S:
+            # The view this take-over would plan from is as old as the stall: read the swarm again first.
+            raise PlanStalled(round, stalled_s)
         if my_turn_now and (
             best is None
             or (
@@ -531,6 +555,7 @@ async def obtain_plan(
             if wait > 0:
                 if provisional is not None:
                     provisional(best)
+                step_due = time.monotonic() - t0 + wait
                 await asyncio.sleep(wait)  # let a better-ranked plan published meanwhile become visible
                 plans = await store.read(round, check_fn, **readable()) or plans
                 if refused_over(choose_plan(store.run_id, round, plans)) is not None:
@@ -550,4 +575,6 @@ async def obtain_plan(
         if upcoming and upcoming[0] <= step:
             step = upcoming[0] + 0.01  # wake just past the next take-over instant ...
             backoff.reset()  # ... and look closely for the plan it brings
-        await asyncio.sleep(max(0.0, min(step, give_up_s - elapsed + 0.01)))
+        nap = max(0.0, min(step, give_up_s - elapsed + 0.01))
+        step_due = time.monotonic() - t0 + nap
+        await asyncio.sleep(nap)

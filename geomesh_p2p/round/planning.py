@@ -12,7 +12,7 @@ import logging
 import threading
 from typing import TYPE_CHECKING, Optional, Sequence
 
-from geomesh_p2p.plan.agree import PlanDeferred, PlanRefused
+from geomesh_p2p.plan.agree import PlanDeferred, PlanRefused, PlanStalled
 from geomesh_p2p.plan.schema import RoundPlan
 from geomesh_p2p.schema.peer import PeerRecord
 from geomesh_p2p.telemetry import events
@@ -92,6 +92,7 @@ async def agree(drv: RoundDriver, ctx: RoundContext) -> bool:
     ]
     plan: Optional[RoundPlan]
     refused_plan: Optional[RoundPlan] = None  # a plan others may follow that this peer refuses: it sits out
+    stalled = False  # this process was not running through the agreement (PlanStalled): the round starts over
     # A peer read by a gather within RECENT_RECORD_S and not leaving may still be there: its record expired
     # or was missed by this read (under load). Planning alone without reading the plans would fork off a
     # lineage of one (issue 25: a peer whose reads lost every other record trained rounds by itself).
@@ -150,6 +151,23 @@ async def agree(drv: RoundDriver, ctx: RoundContext) -> bool:
             drv._refused_leaders = (r, drv.state.digest, refused | {e.plan.leader})
             refused_plan = e.plan
             plan = None
+        except PlanStalled as e:
+            # This process was not running through the agreement: its view is stale, so its turn as leader is
+            # not taken (a plan from it could name peers that left, or train alone). The round starts over
+            # from a fresh gather; no plan miss is counted (the others may well have agreed meanwhile).
+            events.emit(
+                log,
+                logging.WARNING,
+                "plan_stalled",
+                "round %d: this peer was not running for %.1f s while the plan was agreed; reading the swarm "
+                "again instead of taking over as leader from a view that old",
+                r,
+                e.stalled_s,
+                peer=drv.me,
+                round=r,
+                stalled_s=e.stalled_s,
+            )
+            plan, stalled = None, True
         finally:
             done.set()  # the lookup under way finishes (bounded by the DHT's RPC timeouts)
             await asyncio.gather(refresher, return_exceptions=True)
@@ -157,6 +175,9 @@ async def agree(drv: RoundDriver, ctx: RoundContext) -> bool:
         plan is None or ctx.early_plan is None or plan.to_bytes() != ctx.early_plan.to_bytes()
     ):
         await discard_early(drv, ctx, plan)
+    if stalled:
+        await drop_speculative(drv, "stalled during the plan agreement")
+        return False
     if refused_plan is not None:
         await drop_speculative(drv, "sitting out a refused plan")
         ctx.plan = refused_plan

@@ -74,6 +74,9 @@ kind                         where                            fields
                              per round and state)             to), attempts (without a plan so far)
 ``plan_takeover``            round.plans.obtain_plan          peer, round, turn, delay_s, after_s,
                                                               last_resort (bool)
+``plan_stalled``             round.planning.agree (WARNING:   peer, round, stalled_s
+                             not running through the plan's
+                             agreement; no take-over)
 ``planned_out``              round.planning.wait_out          peer, round, leader, reason
                                                               (``not_in_plan`` | ``weights_differ`` |
                                                               ``refused``: a plan others may follow)

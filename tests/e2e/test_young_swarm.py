@@ -10,14 +10,39 @@ from __future__ import annotations
 import pytest
 
 
-ROUNDS = 18
-#: rounds as long as when BOUND was measured: c starts after a's third round and must join before ROUNDS (with
-#: the shared FAST flags' shorter rounds, a and b reached round 15 first under a 3-worker load)
+#: the peers' --rounds: a cap, not the test's length. The test stops them (Ctrl+C) once the three have trained
+#: together, or BOUND rounds after c's first one have passed: under load c's start-up (import, profile,
+#: download) can take a dozen rounds of a and b, and with a fixed number of rounds it then had too few
+#: left to merge (CI, session 12: c's first round was 14 of 18)
+ROUNDS = 60
+#: rounds as long as when BOUND was measured (the shared FAST flags' rounds are shorter)
 SLOW = ("--window-s", "2.5")
 #: rounds after the last peer's first round by which the three must train together with equal digests
 BOUND = 8
+#: rounds of one lineage asserted after the merge
+AFTER = 2
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = pytest.mark.timeout(420)
+
+
+def _rows(swarm, names):
+    return {n: {x["round"]: x for x in swarm.rows(n)} for n in names}
+
+
+def _together(rows, names):
+    """The last peer's first round, and the rounds all three trained with ``peers 3`` and one digest."""
+    start = max(min(rows[n]) for n in names)
+    last = min(max(rows[n]) for n in names)
+    return (
+        start,
+        last,
+        [
+            r
+            for r in range(start, last + 1)
+            if all(r in rows[n] and rows[n][r]["peers"] == 3 for n in names)
+            and len({rows[n][r]["digest"] for n in names}) == 1
+        ],
+    )
 
 
 def test_three_peers_started_apart_with_min_peers_one_form_one_swarm(swarm):
@@ -30,23 +55,27 @@ def test_three_peers_started_apart_with_min_peers_one_form_one_swarm(swarm):
     swarm.peer("b", "--rounds", str(ROUNDS), "--min-peers", "1", *SLOW, bootstrap=entry)
     swarm.wait_for(lambda: len(swarm.rows("a")) >= 3, 120, "a's third round")
     swarm.peer("c", "--rounds", str(ROUNDS), "--min-peers", "1", *SLOW, bootstrap=entry)
-    codes = swarm.wait_exit(names, 240)
+
+    def settled() -> bool:
+        rows = _rows(swarm, names)
+        if not all(rows[n] for n in names):
+            return False
+        start, last, together = _together(rows, names)
+        return last >= (together[0] + AFTER if together else start + BOUND + 1)
+
+    swarm.wait_for(settled, 300, "the three to train together, or BOUND rounds to pass")
+    for n in names:
+        swarm.interrupt(n)
+    codes = swarm.wait_exit(names, 120)
     logs = "\n".join(f"--- {n}\n{swarm.text(n)[-3000:]}" for n in names)
     assert codes == {n: 0 for n in names}, f"{codes}\n{logs}"
-    rows = {n: {x["round"]: x for x in swarm.rows(n)} for n in names}
-    assert all(rows[n] for n in names), logs
-    start = max(min(rows[n]) for n in names)  # the last peer's first round
-    together = [
-        r
-        for r in range(start, ROUNDS)
-        if all(r in rows[n] and rows[n][r]["peers"] == 3 for n in names)
-        and len({rows[n][r]["digest"] for n in names}) == 1
-    ]
+    rows = _rows(swarm, names)
+    start, last, together = _together(rows, names)
     assert together and together[0] <= start + BOUND, (start, together, logs)
-    # from then on one lineage: every round all three trained has one digest
-    for r in range(together[0], ROUNDS):
+    # from then on one lineage: every round trained has one digest (the peers leave within a round or two)
+    for r in range(together[0], max(max(rows[n]) for n in names) + 1):
         digests = {rows[n][r]["digest"] for n in names if r in rows[n]}
         assert len(digests) == 1, (r, {n: rows[n].get(r, {}).get("digest") for n in names}, logs)
-    assert rows["a"][ROUNDS - 1]["digest"] == rows["b"][ROUNDS - 1]["digest"] == rows["c"][ROUNDS - 1]["digest"], logs
+    assert len({rows[n][last]["digest"] for n in names}) == 1, logs
     text = "".join(swarm.text(n) for n in names)
     assert "0 of the 0 rounds" not in text, logs

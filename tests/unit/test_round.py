@@ -131,6 +131,35 @@ async def test_leader_dies_before_publishing_next_takes_over_within_timeout():
     assert t["delay_s"] == takeover_delay(1, 1.0, 0.1) == 1.0 and t["after_s"] >= t["delay_s"]
 
 
+async def test_a_peer_stalled_through_its_turn_does_not_take_over_from_its_old_view(monkeypatch):
+    """Review H1: a peer stopped (SIGSTOP) while the plan was agreed resumed past its turn as leader and
+    published a plan from its view of before the stall (it trained the round alone: the others had
+    finished). A read that overran by STALL_S now ends the agreement with PlanStalled, nothing published."""
+    from geomesh_p2p.plan import agree
+
+    monkeypatch.setattr(agree, "STALL_S", 0.5)
+    ids = [Identity.generate() for _ in range(2)]
+    members = [_record(i, 1.0) for i in ids]
+    order = leader_order(RUN, 5, [m.peer_id for m in members])
+    second = next(i for i in ids if str(i.peer_id) == order[1])  # the best-ranked never publishes
+    dht = MemoryDHT()
+    store = PlanStore(dht.view(), second, RUN)
+    real_read, reads = store.read, []
+
+    async def stalled_read(*a, **kw):
+        reads.append(1)
+        if len(reads) == 1:
+            await asyncio.sleep(1.5)  # the process "stopped" across its turn (at 1.0 s)
+        return await real_read(*a, **kw)
+
+    monkeypatch.setattr(store, "read", stalled_read)
+    with events.capture("plan_takeover") as takeovers, pytest.raises(agree.PlanStalled) as e:
+        await obtain_plan(store, 5, members, _planner(5), plan_timeout_s=1.0, settle_s=0.1)
+    assert e.value.round == 5 and e.value.stalled_s >= 1.4
+    assert takeovers == [] and len(reads) == 2  # raised at the first read past its turn
+    assert await PlanStore(dht.view(), ids[0], RUN).read(5) == []  # nothing was published
+
+
 async def test_a_leader_whose_planner_fails_hands_the_round_to_the_next():
     """A record that breaks the first leader's planner must not end that node: it logs, steps aside,
     and every peer (itself included) follows the next leader's plan."""
