@@ -276,7 +276,7 @@ def run_one(model: str, method: str, args, workdir: Path, procs: Procs, results:
     # first could be taken by another process before the bootstrap binds it.
     boot = procs.spawn(
         f"{tag}/bootstrap",
-        bootstrap_argv(run_id, d / "bootstrap.key"),
+        bootstrap_argv(run_id, d / "bootstrap.key", "--pow-bits", "8"),  # the peers' below
         d / "bootstrap.log",
     )
     wait_for(lambda: _SERVING.search(boot.text()) is not None, 120, "the bootstrap to listen", [boot])

@@ -34,6 +34,7 @@ from geomesh_p2p.config.flags import ConfigFileError, add_flags, add_log_level, 
 from geomesh_p2p.config.models import DEFAULT_BOOTSTRAP_IDENTITY as DEFAULT_IDENTITY  # noqa: F401  (re-exported)
 from geomesh_p2p.config.models import DEFAULT_BOOTSTRAP_PORT as DEFAULT_PORT  # noqa: F401
 from geomesh_p2p.config.models import DEFAULT_RUN_ID, BootstrapConfig  # noqa: F401
+from geomesh_p2p.config.models import DEFAULT_POW_BITS, MAX_POW_BITS
 from geomesh_p2p.net.addr import AddressError, format_address, is_wildcard_host, normalize_host, parse_address
 from geomesh_p2p.telemetry.logonce import LogOnChange
 from geomesh_p2p.util.fds import raise_fd_limit
@@ -134,7 +135,17 @@ def _check(ns: argparse.Namespace) -> Optional[str]:
         return f"--rpc-timeout {ns.rpc_timeout}: must be > 0"
     if not ns.run_id:
         return "--run-id: must not be empty"
+    if ns.pow_bits is not None and not 0 <= ns.pow_bits <= MAX_POW_BITS:
+        return f"--pow-bits {ns.pow_bits}: must be between 0 and {MAX_POW_BITS}"
     return None
+
+
+def pow_floor(ns: argparse.Namespace) -> int:
+    """The least proof of work (bits) a record must carry to count here: --pow-bits, else the peers' default
+    in an open run and 0 in a private one (--allow-peers admits by list)."""
+    if ns.pow_bits is not None:
+        return int(ns.pow_bits)
+    return 0 if ns.allow_peers else DEFAULT_POW_BITS
 
 
 def parse(argv: Optional[list[str]] = None) -> argparse.Namespace:
@@ -213,7 +224,7 @@ async def _serve(ns: argparse.Namespace, identity, allow_peers, tls, stop: async
         from geomesh_p2p.status.http import StatusServer
         from geomesh_p2p.status.swarm import SwarmWatcher
 
-        watcher = SwarmWatcher(node, ns.run_id, poll_s=ns.http_poll, allow=allow)
+        watcher = SwarmWatcher(node, ns.run_id, poll_s=ns.http_poll, allow=allow, pow_floor=pow_floor(ns))
         status = StatusServer(watcher, ns.http_host, ns.http_port)
         try:
             url = await status.start()
@@ -230,6 +241,9 @@ async def _serve(ns: argparse.Namespace, identity, allow_peers, tls, stop: async
         print(f"status page on {url} (JSON: {url}api/swarm, {url}api/rounds)", flush=True)
     from geomesh_p2p.dht.progress import BootstrapState, SwarmProgress, progress_of, publish_progress
 
+    from geomesh_p2p.trust.admission import Admission
+
+    counted = Admission(ns.run_id, pow_floor(ns), allow)
     state_file = state_path(ns)
     saved = await asyncio.to_thread(BootstrapState.load, state_file, ns.run_id) if state_file else None
     me = identity.peer_id.to_string()
@@ -243,7 +257,9 @@ async def _serve(ns: argparse.Namespace, identity, allow_peers, tls, stop: async
         ones it may only raise the remembered round: their records expire one by one, and a peer that stopped
         while waiting for the swarm announces round 0 as it leaves; neither may make the bootstrap forget."""
         nonlocal progress
-        recs = await live_peers(node, ns.run_id, include_leaving=True)
+        # Only records that carry the run's proof of work count: free identities announcing another config or
+        # round 10^9 would otherwise outvote the run's peers in progress_of (and tell newcomers a false round).
+        recs = counted.filter(await live_peers(node, ns.run_id, include_leaving=True))
         # live records, and the records of leaving peers that held a state (the last round each finished)
         held = [r for r in recs if not r.leaving or r.weights_digest]
         now = progress_of(held, me, time.time())  # the config most records announce, and its round

@@ -110,7 +110,9 @@ class ProcSwarm(ProcGroup):
         """Start a bootstrap as ``name`` (key ``<dir>/<name>.key``; see :func:`geomesh_p2p.util.procs.bootstrap_argv`); with port 0
         (the default) read the address it bound with :meth:`address`."""
         key = self.dir / f"{name}.key"
-        return self._spawn(name, bootstrap_argv(run_id, key, *extra, host=host, port=port))
+        # the peers' proof of work (FAST): a bootstrap counts only records that carry at least its --pow-bits
+        pow_bits = ("--pow-bits", FAST[FAST.index("--pow-bits") + 1])
+        return self._spawn(name, bootstrap_argv(run_id, key, *pow_bits, *extra, host=host, port=port))
 
     def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
         log = self.dir / f"{name}.log"

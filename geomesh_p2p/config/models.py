@@ -403,3 +403,12 @@ class BootstrapConfig(BaseModel):
     )
     http_host: str = opt("127.0.0.1", "interface the status page listens on; 0.0.0.0 = all", metavar="HOST")
     http_poll: float = opt(2.0, "how often the status page re-reads the swarm's records", metavar="SECONDS")
+    pow_bits: Optional[int] = opt(
+        None,
+        "least proof of work (leading zero bits, as the peers' --pow-bits) a peer record must carry to count "
+        "in this bootstrap's swarm size, the round it tells newcomers and its status page: identities made "
+        "for free cannot outvote the run (default: the peers' default, "
+        f"{DEFAULT_POW_BITS}, in an open run; 0 with --allow-peers); set it to the run's --pow-bits when "
+        "that is lower",
+        metavar="BITS",
+    )

@@ -221,13 +221,24 @@ class SwarmWatcher:
     """
 
     def __init__(
-        self, node, run_id: Optional[str] = None, *, poll_s: float = 2.0, allow=None, self_id: Optional[str] = None
+        self,
+        node,
+        run_id: Optional[str] = None,
+        *,
+        poll_s: float = 2.0,
+        allow=None,
+        self_id: Optional[str] = None,
+        pow_floor: int = 0,
     ):
         self.node = node
         self.run_id = run_id or node.run_id
         self.poll_s = poll_s
         self.allow = allow  # private run: callable(PeerID) -> bool, as admission.Admission takes
         self.self_id = self_id
+        # least proof of work (bits) a record needs to count at all, whatever config it announces (a bootstrap's
+        # --pow-bits): else free identities announcing a config with pow_bits 0 would be the majority and admit
+        # themselves
+        self.pow_floor = max(0, min(int(pow_floor), MAX_POW_BITS))
         self._history: Dict[int, Dict[str, RoundSummary]] = {}  # round -> peer id -> summary
         self._swarm: Dict[str, Any] = self._empty()
         self._swarm_bytes = json.dumps(self._swarm).encode()
@@ -260,17 +271,25 @@ class SwarmWatcher:
         """(admitted records, ignored count): majority run-config hash, its proof of work, allow-list."""
         if not recs:
             return [], 0
+        total = len(recs)
+        if self.pow_floor > 0:
+            floor = self._admissions.get(-1)
+            if floor is None:
+                floor = self._admissions[-1] = Admission(self.run_id, self.pow_floor, self.allow)
+            recs = floor.filter(recs)
+            if not recs:
+                return [], total
         hashes = Counter(r.run_config_hash for r in recs if not r.leaving) or Counter(r.run_config_hash for r in recs)
         major, _ = max(hashes.items(), key=lambda kv: (kv[1], kv[0]))
         configs = [r.run_config for r in recs if r.run_config_hash == major and isinstance(r.run_config, dict)]
         bits = Counter(int(c.get("pow_bits", 0)) for c in configs if isinstance(c.get("pow_bits", 0), int))
         pow_bits = max(bits.items(), key=lambda kv: (kv[1], kv[0]))[0] if bits else 0
-        pow_bits = max(0, min(pow_bits, MAX_POW_BITS))
+        pow_bits = max(self.pow_floor, min(pow_bits, MAX_POW_BITS))
         admission = self._admissions.get(pow_bits)
         if admission is None:
             admission = self._admissions[pow_bits] = Admission(self.run_id, pow_bits, self.allow)
         ok = [r for r in admission.filter([r for r in recs if r.run_config_hash == major])]
-        return ok, len(recs) - len(ok)
+        return ok, total - len(ok)
 
     async def refresh(self) -> Dict[str, Any]:
         """Read the records now and rebuild both views. Returns the swarm view."""

@@ -248,3 +248,50 @@ def test_join_and_bootstrap_take_allow_peers(tmp_path, capsys):
     assert boot_main(["--allow-peers", str(bad), "--identity", str(tmp_path / "b.key"), "--port", "0"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--allow-peers" in err and "line 1" in err
+
+
+async def test_free_identities_do_not_outvote_the_run_at_a_bootstrap(tmp_path):
+    """Issue 28 (trust gaps): a bootstrap counted records without checking their proof of work, so identities
+    made for free, announcing a config whose pow_bits is 0 and round 10^6, were the majority of its status page
+    and of the progress it tells newcomers. With the bootstrap's --pow-bits floor they are not counted."""
+    from bootstrap.cli import parse, pow_floor
+    from geomesh_p2p.config.models import DEFAULT_POW_BITS
+    from geomesh_p2p.dht import make_record, peers_key
+    from geomesh_p2p.dht.progress import progress_of
+    from geomesh_p2p.status.swarm import SwarmWatcher
+
+    node = await start_node(run_id=RUN)
+    try:
+        now = time.time()
+        honest, free = [Identity.generate() for _ in range(3)], [Identity.generate() for _ in range(12)]
+        for ident in honest + free:
+            if ident in honest:
+                rec = _rec(ident, nonce=_solved(ident), round=40, config_hash="a" * 16)
+                rec = rec.model_copy(update={"run_config": {"pow_bits": BITS, "run_id": RUN}})
+            else:
+                rec = _rec(ident, round=10**6, config_hash="b" * 16)
+                rec = rec.model_copy(update={"run_config": {"pow_bits": 0, "run_id": RUN}})
+            pid = str(ident.peer_id)
+            item = make_record(peers_key(RUN), rec.to_bytes(), now + 600, subkey=pid, owner=ident, run_id=RUN)
+            assert await node.store_record(item)
+        recs = await live_peers(node, RUN, include_leaving=True)
+        assert len(recs) == 15
+        # without a floor the free identities decide (the gap): their config, their round
+        unchecked = progress_of(recs, "boot", now)
+        assert unchecked is not None and (unchecked.round, unchecked.config_hash) == (10**6, "b" * 16)
+        assert (await SwarmWatcher(node, RUN).refresh())["round"] == 10**6
+        # with the floor: the run's three peers alone
+        counted = progress_of(Admission(RUN, BITS).filter(recs), "boot", now)
+        assert counted is not None and (counted.round, counted.config_hash, counted.peers) == (40, "a" * 16, 3)
+        view = await SwarmWatcher(node, RUN, pow_floor=BITS).refresh()
+        assert view["round"] == 40 and len(view["peers"]) == 3 and view["ignored"] == 12
+    finally:
+        await stop_all([node])
+    # the floor's default: the peers' default in an open run, 0 with --allow-peers; a bad value fails at start
+    allow = tmp_path / "allow.txt"
+    allow.write_text(str(Identity.generate().peer_id) + "\n")
+    assert pow_floor(parse([])) == DEFAULT_POW_BITS
+    assert pow_floor(parse(["--allow-peers", str(allow)])) == 0
+    assert pow_floor(parse(["--pow-bits", "8"])) == 8
+    with pytest.raises(SystemExit):
+        parse(["--pow-bits", "99"])
