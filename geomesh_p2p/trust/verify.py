@@ -107,7 +107,11 @@ verifier may only accuse the peer its own signature drew (so at most one accusat
 round); its claim is recomputed, never trusted; a hard accusation that the re-check passes by a wide
 margin excludes the accuser. "At least two accusers" would let two Sybils exclude any honest peer.
 Followers also refuse a plan led by a peer they excluded, or naming one excluded more than two rounds
-earlier (:meth:`WorkVerifier.plan_problem`): an excluded peer that leads would plan itself back in.
+earlier (:meth:`WorkVerifier.plan_problem`): an excluded peer that leads would plan itself back in. Not
+for a verdict a peer holds alone (only its own checks failed the accused, :attr:`WorkVerifier.lone`): the
+statistic depends on the checker's basis, so the others may all pass what it failed, and refusing their
+plans split it off the swarm (issue 28). It keeps following, leaves the accused out of the plans it leads,
+and the exclusion counts in full once another verifier's evidence, re-checked here, fails the accused too.
 Exclusions live in each peer's memory for the run (a restarted peer forgets them; evidence expires
 after :attr:`VerifyConfig.evidence_ttl_s` and needs the round's weights to be re-checked).
 
@@ -254,6 +258,9 @@ class WorkVerifier:
         self.excluded: dict[str, str] = {}
         #: peer id -> the round whose check excluded it
         self.excluded_round: dict[str, int] = {}
+        #: excluded peers whose failures this node measured only in its own checks (no other verifier's
+        #: evidence re-checked here fails them too): a verdict held alone, see :meth:`plan_problem`
+        self.lone: set[str] = set()
         self._marginal: dict[str, set[int]] = {}
         self._seen: set[str] = set()
         self._pending: "OrderedDict[str, bytes]" = OrderedDict()  # sha256 of the head -> signed evidence
@@ -307,27 +314,56 @@ class WorkVerifier:
     def plan_problem(self, plan, me: Optional[str] = None, grace_rounds: int = 2) -> Optional[str]:
         """Why a follower refuses ``plan``: its leader is excluded here (it would plan itself back in), or
         it names a peer excluded here more than ``grace_rounds`` rounds before the plan's round (honest
-        leaders re-check the same evidence within a round or two; before that, their plans still count)."""
+        leaders re-check the same evidence within a round or two; before that, their plans still count).
+
+        A verdict this node holds alone (:attr:`lone`: only its own checks failed the peer) never makes it
+        refuse a plan (issue 28, "verdicts that cannot fork"): the checks' statistic depends on the checker
+        (its own contribution is the basis), so the others' re-checks may all pass the same contribution,
+        and a peer refusing every plan they follow sat out every round (before: formed a swarm of one). It
+        keeps following the swarm's plans, leaves the peer out of the plans it leads (:meth:`filter`: the
+        others follow those), and its evidence stays published for the others to re-check."""
         bad = [
             p
             for p in plan.participants()
             if p in self.excluded
+            and p not in self.lone
             and p != me
             and (p == plan.leader or plan.round > self.excluded_round.get(p, plan.round) + grace_rounds)
         ]
         return f"it names {', '.join(p[:10] for p in bad)}, excluded by verified work" if bad else None
 
-    def _exclude(self, peer: str, why: str, round: int) -> None:
-        if peer == self.me or peer in self.excluded:
+    def _exclude(self, peer: str, why: str, round: int, lone: bool = False) -> None:
+        """Exclude ``peer`` (``lone``: on this node's own checks alone); a peer excluded alone before whose
+        failure another verifier's evidence now confirms here is no longer lone."""
+        if peer == self.me:
+            return
+        if peer in self.excluded:
+            if not lone and peer in self.lone:
+                self.lone.discard(peer)
+                self.excluded_round[peer] = int(round)  # the plan grace runs from the confirmation
+                log.info("verified work: the exclusion of %s is confirmed by another verifier's evidence", peer[:10])
             return
         self.excluded[peer] = why
         self.excluded_round[peer] = int(round)
-        log.warning("verified work: %s is excluded from the plans this peer makes: %s", peer[:10], why)
+        if lone:
+            self.lone.add(peer)
+        log.warning(
+            "verified work: %s is excluded from the plans this peer makes: %s%s",
+            peer[:10],
+            why,
+            " (a verdict of this peer alone until another verifier's evidence confirms it: it still follows "
+            "plans that name it)"
+            if lone
+            else "",
+        )
 
     def _record(self, task: VerifyTask, verdict: Verdict, by: str) -> None:
         """A failure of ``task.accused`` measured here (own check or re-check): exclude when the rule says so."""
+        lone = by == self.me
         if verdict.outcome == FAIL:
-            self._exclude(task.accused, f"round {task.round}: {verdict.reason} (checked by {by[:10]})", task.round)
+            self._exclude(
+                task.accused, f"round {task.round}: {verdict.reason} (checked by {by[:10]})", task.round, lone=lone
+            )
         elif verdict.outcome == MARGINAL:
             rounds = self._marginal.setdefault(task.accused, set())
             rounds.add(task.round)
@@ -335,7 +371,10 @@ class WorkVerifier:
             self._marginal[task.accused] = recent
             if len(recent) >= self.cfg.marginal_needed:
                 self._exclude(
-                    task.accused, f"rounds {sorted(recent)}: {verdict.reason} (last checked by {by[:10]})", task.round
+                    task.accused,
+                    f"rounds {sorted(recent)}: {verdict.reason} (last checked by {by[:10]})",
+                    task.round,
+                    lone=lone,
                 )
 
     def _run(self, task: VerifyTask, kept: _Kept, micro_batch: Optional[int], deadline: Optional[float]):
@@ -454,8 +493,8 @@ class WorkVerifier:
             return "invalid"
         if self.me in (ev.accused, ev.verifier):
             return "own"
-        if ev.accused in self.excluded:
-            return "known"
+        if ev.accused in self.excluded and ev.accused not in self.lone:
+            return "known"  # (one excluded alone is re-checked: the others' evidence may confirm it)
         kept = self._kept.get(ev.round)
         if kept is None or kept.plan.start_digest != ev.start_digest:
             return "unverifiable"

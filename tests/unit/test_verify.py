@@ -664,3 +664,32 @@ def test_followers_refuse_plans_of_an_excluded_leader(world, flipped_case):
     node = VerifiedWork(RoundState(me=world.pid["C"]), verifier=w)
     assert node.plan_problem(plan(ROUND + 1, a)) is not None
     assert VerifiedWork(RoundState(me="x")).plan_problem(plan(ROUND + 1, a)) is None
+
+
+def test_a_verdict_held_alone_never_makes_its_holder_refuse_the_swarms_plans(world, flipped_case):
+    """Issue 28, "verdicts that cannot fork": the red team's stealthy flip once failed one honest peer's own
+    check (the statistic depends on the checker's basis) while the others' re-checks passed it; that peer
+    refused every plan naming the attacker, became a swarm of one and ended "NOT the swarm's". A verdict of
+    its own checks alone now leaves the accused out of the plans it leads and nothing else: it follows the
+    swarm's plans, also past the grace and also when the accused leads, until another verifier's evidence
+    re-checked here confirms it; then its plans are refused as before."""
+    c = flipped_case
+    a, v = world.pid["A"], str(c.v.peer_id)
+    assert a in c.wv.excluded and c.wv.lone == {a}  # its own check failed A; nobody else's yet
+
+    def plan(round, leader):
+        return types.SimpleNamespace(round=round, leader=leader, participants=lambda: sorted(world.pid.values()))
+
+    for r in (ROUND + 1, ROUND + 3, ROUND + 10):
+        assert c.wv.plan_problem(plan(r, world.pid["B"]), me=v) is None  # names A: followed
+        assert c.wv.plan_problem(plan(r, a), me=v) is None  # led by A: followed
+    assert a not in [m.peer_id for m in c.wv.filter([types.SimpleNamespace(peer_id=p) for p in world.pid.values()])]
+    # another verifier's failing measurement of A, re-checked here (recheck's _record, by that verifier)
+    c.wv._record(c.task, VC.Verdict(VC.FAIL, "plain 0.2 < 0.55"), "another-verifier")
+    assert c.wv.lone == set() and c.wv.excluded_round[a] == c.task.round
+    assert "excluded by verified work" in c.wv.plan_problem(plan(ROUND + 1, a), me=v)  # A leads: refused
+    assert a[:10] in c.wv.plan_problem(plan(ROUND + 3, world.pid["B"]), me=v)  # past the grace: refused
+    # evidence about an accused excluded alone is still re-checked (it may confirm), not "known"
+    w = _verifier(world, world.ids["C"], c.cfg, c.plan, c.packets)
+    w._exclude(a, "own check", ROUND, lone=True)
+    assert w.recheck(c.ev.to_signed(c.v)) == "confirmed" and w.lone == set()
