@@ -119,6 +119,16 @@ class RunConfig(BaseModel):
     total_inner_steps: int = opt(2000, "inner steps of the cosine learning-rate schedule", ge=1)
     outer_lr: float = opt(0.7, "outer Nesterov lr, DiLoCo's 0.7", gt=0)
     outer_momentum: float = opt(0.9, "outer Nesterov momentum", ge=0, lt=1)
+    outer_momentum_clip: float = opt(
+        2.0,
+        "sign-compressed methods (geomesh, css): after each outer step the Nesterov momentum is clamped to C "
+        "x the largest aggregate element of its codec block (exact, the same bits on every peer; "
+        "geomesh_p2p.model.optim). With few inner steps per round the momentum otherwise builds to ~7 rounds' "
+        "worth and overshoots for a round when the pseudo-gradients shrink (a one-round perplexity spike, "
+        "benchmarks/outer_stability.py); 0 = off, DiLoCo's plain step. fp32 methods ignore it",
+        metavar="C",
+        ge=0,
+    )
     target_batch: int = opt(8, "sequences per inner step", ge=1)
     window_s: Optional[float] = opt(6.0, "sync window per round, seconds", gt=0)
     uniform_inner_steps: int = opt(20, "H of the uniform (diloco/css) plan", ge=1)

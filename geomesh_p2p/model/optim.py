@@ -17,6 +17,23 @@ nearest even). There is no fused multiply-add, no ``alpha=`` argument, no ``addc
 ``lerp_`` (whose contraction into FMA differs between instruction sets and kernels), and
 no reduction. ``μ`` and ``η`` enter as Python floats, which PyTorch rounds to fp32 once
 for fp32 tensors.
+
+**Momentum clip** (``momentum_clip`` c > 0; the run config's ``outer_momentum_clip``, on for the sign-compressed
+methods): after ``buf ← μ·buf + g`` every element of the momentum is clamped to ``±c·M_b``, ``M_b = max |g|``
+over its block ``b`` of ``block_size`` consecutive elements (blocks counted from the start of the vector
+stepped: a part's start in :func:`outer_step_per_part`, which for compressed methods is a multiple of the
+codec block, so the blocks are the codec's). ``max`` and clamping are exact in any order, ``c·M_b`` is one
+fp32 multiply per block: the clip adds no rounding that could differ between machines. Why: with few inner
+steps per round (H = 2-3 in the e2e swarms, against DiLoCo's H = 500) the outer Nesterov step at lr 0.7,
+μ 0.9 moves ~``η/(1-μ)`` = 7x one round's pseudo-gradient once the momentum has built up; when the
+pseudo-gradients shrink (the loss leaves a plateau) the stale momentum overshoots and eval perplexity jumps
+for a round (measured in process, benchmarks/outer_stability.py: 630 -> 6228 in round 8 with the sign codec,
+615 -> 9103 with an fp32 mean; none with μ = 0). Bounding the state that carries stale steps by the
+current step's scale is the update clipping of Adafactor (Shazeer & Stern 2018, arXiv 1804.04235, section 6)
+and StableAdamW (Wortsman et al. 2023, arXiv 2304.13013), which fix loss spikes caused by stale optimizer
+state; here the scale is the block's largest aggregate element, exact. With the sign codec an element of
+the aggregate is ``±m_b`` or a fraction of it, so c = 2 keeps about two rounds of momentum where the signs
+persist.
 """
 
 from __future__ import annotations
@@ -27,7 +44,15 @@ from typing import Any, Sequence
 
 import torch
 
-__all__ = ["OuterNesterov", "SyncAdamW", "eager_start", "outer_step_per_part"]
+__all__ = [
+    "OuterNesterov",
+    "SyncAdamW",
+    "block_bounds",
+    "clamp_blocks",
+    "eager_args",
+    "eager_start",
+    "outer_step_per_part",
+]
 
 
 class OuterNesterov:
@@ -36,16 +61,25 @@ class OuterNesterov:
     Args:
         lr: outer learning rate η (DiLoCo: 0.7).
         momentum: Nesterov momentum μ (DiLoCo: 0.9).
+        momentum_clip: c of the momentum clip (module doc): the momentum is clamped to ``±c·max|g|`` of
+            its block after each update; 0 (the default) = off, the plain DiLoCo step.
+        block_size: elements per block of the momentum clip (the codec's block).
 
     The momentum buffer (fp32 CPU ``[P]``) is created as zeros on the first
     :meth:`step`; :attr:`steps` counts applied steps.
     """
 
-    def __init__(self, lr: float = 0.7, momentum: float = 0.9):
+    def __init__(self, lr: float = 0.7, momentum: float = 0.9, momentum_clip: float = 0.0, block_size: int = 2048):
         if lr <= 0 or not 0 <= momentum < 1:
             raise ValueError(f"need lr > 0 and 0 <= momentum < 1, got lr={lr}, momentum={momentum}")
+        if not (momentum_clip >= 0 and math.isfinite(momentum_clip)) or block_size < 1:
+            raise ValueError(f"need momentum_clip >= 0 and block_size >= 1, got {momentum_clip}, {block_size}")
         self.lr = float(lr)
         self.momentum = float(momentum)
+        #: c of the momentum clip (module doc); 0 = off
+        self.momentum_clip = float(momentum_clip)
+        #: elements per block of the momentum clip's bound
+        self.block_size = int(block_size)
         self.buf: torch.Tensor | None = None
         self.steps = 0
 
@@ -85,6 +119,8 @@ class OuterNesterov:
         buf = self.buf
         torch.mul(buf, self.momentum, out=buf)  # buf = μ·buf
         torch.add(buf, g, out=buf)  # buf = buf + g
+        if self.momentum_clip > 0:
+            clamp_blocks(buf, block_bounds(g, self.block_size, self.momentum_clip), 0, self.block_size)
         upd = torch.mul(buf, self.momentum)  # upd = μ·buf
         torch.add(g, upd, out=upd)  # upd = g + upd
         torch.mul(upd, self.lr, out=upd)  # upd = η·upd
@@ -113,8 +149,71 @@ class OuterNesterov:
         )
 
 
+def block_bounds(g: torch.Tensor, block_size: int, c: float) -> torch.Tensor:
+    """``c·max|g|`` of each block of ``block_size`` consecutive elements of ``g`` (the last may be shorter):
+    fp32 ``[ceil(n / B)]``. ``max`` is exact whatever the order of its reduction, and ``c·M`` one fp32
+    multiply: the same bits on every machine. A NaN in a block gives a NaN bound."""
+    n = g.numel()
+    nfull = n // block_size
+    parts = []
+    if nfull:
+        parts.append(torch.abs(g[: nfull * block_size]).view(nfull, block_size).amax(dim=1))
+    if nfull * block_size < n:
+        parts.append(torch.abs(g[nfull * block_size :]).amax().reshape(1))
+    m = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float32)
+    return torch.mul(m, float(c))
+
+
+def clamp_blocks(x: torch.Tensor, bounds: torch.Tensor, offset: int, block_size: int) -> None:
+    """In place ``x[i] = min(max(x[i], -b), b)`` with ``b = bounds[(offset + i) // block_size]``: ``x`` holds the
+    elements ``[offset, offset + len(x))`` of a vector whose blocks :func:`block_bounds` measured. Exact
+    (min / max round nothing), so any split of the vector into pieces gives the same bits."""
+    n = x.numel()
+    i = 0
+    head = min(n, (-offset) % block_size)
+    if head:
+        b = bounds[offset // block_size]
+        torch.minimum(x[:head], b, out=x[:head])
+        torch.maximum(x[:head], torch.neg(b), out=x[:head])
+        i = head
+    k = (offset + i) // block_size
+    m = (n - i) // block_size
+    if m:
+        v = x[i : i + m * block_size].view(m, block_size)
+        b = bounds[k : k + m].unsqueeze(1)
+        torch.minimum(v, b, out=v)
+        torch.maximum(v, torch.neg(b), out=v)
+        i += m * block_size
+    if i < n:
+        b = bounds[k + m]
+        torch.minimum(x[i:], b, out=x[i:])
+        torch.maximum(x[i:], torch.neg(b), out=x[i:])
+
+
+def eager_args(outer) -> dict[str, Any]:
+    """The keyword arguments of :func:`eager_start` that ``outer`` (an :class:`OuterNesterov`) steps with: lr,
+    momentum, momentum clip and its block size. Raises TypeError for another optimizer (SyncAdamW: ddp has no
+    eager updates)."""
+    if not isinstance(outer, OuterNesterov):
+        raise TypeError(f"eager updates need the outer Nesterov optimizer, not {type(outer).__name__}")
+    return {
+        "lr": outer.lr,
+        "momentum": outer.momentum,
+        "momentum_clip": outer.momentum_clip,
+        "block_size": outer.block_size,
+    }
+
+
 def eager_start(
-    theta: torch.Tensor, momentum_buf: torch.Tensor, delta: torch.Tensor, weight: float, *, lr: float, momentum: float
+    theta: torch.Tensor,
+    momentum_buf: torch.Tensor,
+    delta: torch.Tensor,
+    weight: float,
+    *,
+    lr: float,
+    momentum: float,
+    momentum_clip: float = 0.0,
+    block_size: int = 2048,
 ) -> torch.Tensor:
     """Eager updates (docs/eager.md): the start weights of a peer's next round,
     ``x = O(θ, v; w·Δ)``: one :class:`OuterNesterov` step of copies of the global weights ``θ`` and
@@ -126,6 +225,7 @@ def eager_start(
         theta, momentum_buf, delta: fp32 CPU ``[P]`` (not modified).
         weight: ``w``, a Python float (rounded to fp32 once by the multiply).
         lr, momentum: the run's outer lr and Nesterov momentum.
+        momentum_clip, block_size: the outer optimizer's momentum clip (:class:`OuterNesterov`).
 
     Returns:
         A new fp32 CPU ``[P]`` tensor. Peak memory: three more ``[P]`` (the result, the momentum copy,
@@ -134,7 +234,7 @@ def eager_start(
     Raises:
         ValueError: dtype / device / shape as :meth:`OuterNesterov.step`.
     """
-    o = OuterNesterov(lr=lr, momentum=momentum)
+    o = OuterNesterov(lr=lr, momentum=momentum, momentum_clip=momentum_clip, block_size=block_size)
     OuterNesterov._check("momentum_buf", momentum_buf)
     o.buf = momentum_buf.clone()
     x = theta.clone()
@@ -268,13 +368,16 @@ def _state_bound(outer, theta: torch.Tensor) -> float:
     return max(_abs_max(theta), _abs_max(buf))
 
 
-def _nesterov_fused(outer: OuterNesterov, theta, aggregate, spans: Sequence[tuple[int, int]]) -> None:
+def _nesterov_fused(
+    outer: OuterNesterov, theta, aggregate, spans: Sequence[tuple[int, int]], part_start: int = 0, bounds=None
+) -> None:
     """One :meth:`OuterNesterov.step` on the elements of ``spans`` of ``theta`` / ``outer.buf``, block by block
     (:data:`FUSED_BLOCK`): every op of a block works in cache, so the step reads θ, the momentum and the
     aggregate once and writes θ and the momentum once (5 passes over the state, against 4 for a ``copy_`` of
     θ and the momentum; the whole-vector step makes ~14 and the per-part one ~21 with its copies). The same
     ops in the same order as :meth:`OuterNesterov.step`: bitwise equal. The caller checked that no value can
-    overflow."""
+    overflow. ``bounds``: the momentum clip's per-block bounds of the part that starts at ``part_start``
+    (:func:`block_bounds` of its aggregate), or None (no clip)."""
     mu, lr = outer.momentum, outer.lr
     buf = outer.buf
     assert buf is not None
@@ -287,6 +390,8 @@ def _nesterov_fused(outer: OuterNesterov, theta, aggregate, spans: Sequence[tupl
             g, b, th, m, u = aggregate[a:z], buf[a:z], theta[a:z], nb[:n], upd[:n]
             torch.mul(b, mu, out=m)  # m = μ·buf
             torch.add(m, g, out=b)  # buf = m + g (written: its block is in cache)
+            if bounds is not None:
+                clamp_blocks(b, bounds, a - part_start, outer.block_size)
             torch.mul(b, mu, out=u)  # u = μ·buf
             torch.add(g, u, out=u)  # u = g + u
             torch.mul(u, lr, out=u)  # u = η·u
@@ -365,7 +470,10 @@ def outer_step_per_part(
             bad_in.add((s, e))
             continue
         if fused and g_max <= FUSED_BOUND and state_bound <= FUSED_BOUND:
-            _nesterov_fused(outer, theta, aggregate, _minus(s, e, idle))
+            bounds = None
+            if outer.momentum_clip > 0:
+                bounds = block_bounds(aggregate[s:e], outer.block_size, outer.momentum_clip)
+            _nesterov_fused(outer, theta, aggregate, _minus(s, e, idle), s, bounds)
             written = max(written, _bound_after(outer, state_bound, g_max))
             steps_after = outer.steps + 1
             continue

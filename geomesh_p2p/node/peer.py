@@ -44,7 +44,7 @@ from geomesh_p2p.net.identity import Identity, IdentityError, allow_list
 from geomesh_p2p.net.links import LinkProbeService
 from geomesh_p2p.telemetry.looplag import LoopLagMonitor
 from geomesh_p2p.telemetry.metrics import RoundLog, RoundRecord
-from geomesh_p2p.model.optim import OuterNesterov, SyncAdamW, eager_start
+from geomesh_p2p.model.optim import OuterNesterov, SyncAdamW, eager_args, eager_start
 from geomesh_p2p.schema.peer import MAX_LINK_BPS, MAX_TOKENS_PER_S, MIN_LINK_BPS, MIN_TOKENS_PER_S, PeerRecord
 from geomesh_p2p.net import swarm_time as clock
 from geomesh_p2p.telemetry import events
@@ -671,8 +671,7 @@ class PeerNode:
                 started(self.gstate).opt_state,
                 delta,
                 weight,
-                lr=self.run_cfg.outer_lr,
-                momentum=self.run_cfg.outer_momentum,
+                **eager_args(self.outer),  # the run's outer lr, momentum and momentum clip
             )
 
     def load_model(self, flat: torch.Tensor) -> None:

@@ -196,7 +196,13 @@ def build_training(node: PeerNode) -> None:
             decay_mask=node.trainer.decay_mask(),
         )
     else:
-        node.outer = OuterNesterov(lr=r.outer_lr, momentum=r.outer_momentum)
+        node.outer = OuterNesterov(
+            lr=r.outer_lr,
+            momentum=r.outer_momentum,
+            # the momentum clip bounds by the codec's blocks: sign-compressed pushes only (RunConfig)
+            momentum_clip=r.outer_momentum_clip if rule.push_encoding == "sign" else 0.0,
+            block_size=r.block_size,
+        )
     # The global state in one buffer [(1 + k) * P]: theta and the outer optimizer's state are views of it,
     # stepped in place (no copies of the model per round), hashed in place (state.GlobalState).
     node.gstate = gstate.GlobalState(node.numel, rule.outer_state_slots)
