@@ -7,6 +7,10 @@ uneven split over 2 ranks), the followers :meth:`RankedTrainer.follow`. Every ra
 its flat weights and its AdamW ``exp_avg`` after the steps, and (rank 0) the InnerResult and the failures
 seen. SCENARIO ``die``: rank 1 exits (``os._exit(9)``) on its second STEP; rank 0 must return the one step done.
 ``rank0dies``: rank 0 exits (``os._exit(9)``) after one step; the follower must see it and exit 1.
+``shard``: two runs ("rounds", the second from other weights) of a DDP trainer, then the same of a sharded
+(FSDP2) one, on one channel; every rank writes its per-parameter local sizes, its bytes of parameters, gradients
+and AdamW state (measured before the last optimizer step of each trainer) and rank 0 each run's pseudo-gradient.
+``shard_die``: a sharded trainer whose rank 1 exits on its second STEP.
 """
 
 from __future__ import annotations
@@ -17,8 +21,8 @@ import sys
 import torch
 
 from geomesh_p2p.model import ranks as ranks_mod
-from geomesh_p2p.model.build import build_model, flat_params
-from geomesh_p2p.model.ranks import NoData, RankChannel, RankedTrainer
+from geomesh_p2p.model.build import build_model, flat_params, load_flat_
+from geomesh_p2p.model.ranks import Command, EXIT, NoData, RankChannel, RankedTrainer
 
 VOCAB, SEQ, STEPS, BATCH, MICRO = 64, 16, 3, 5, 2
 KWARGS = dict(seq_len=SEQ, lr=1e-3, warmup_steps=0, total_steps=100, seed=0)
@@ -53,10 +57,95 @@ def reference() -> dict:
     return {"flat": flat_params(t.model), "exp_avg": exp_avg(t), "steps": res.steps_done, "loss": res.mean_loss}
 
 
+def _measure_at_first_step(t: RankedTrainer, into: dict) -> None:
+    """Record ``t.memory_bytes()`` (gradients present) just before each optimizer step of ``t``."""
+    real = t.optimizer.step
+
+    def step(*a, **k):
+        into.update(t.memory_bytes())  # the last step's: its gradients and the state of the steps before it
+        return real(*a, **k)
+
+    t.optimizer.step = step  # type: ignore[method-assign]
+
+
+def _local_sizes(t: RankedTrainer) -> dict:
+    """Per trained parameter: its global numel, this rank's numel, this rank's AdamW exp_avg numel."""
+    out = {}
+    for p in t._trained_parameters():
+        loc = p.to_local() if hasattr(p, "to_local") else p
+        m = t.optimizer.state[p]["exp_avg"]
+        out[len(out)] = (p.numel(), loc.numel(), (m.to_local() if hasattr(m, "to_local") else m).numel())
+    return out
+
+
+#: The ``shard`` scenario's trainers, one after the other on one channel: (name, sharded, grad clip, micro-batch).
+#: Without a clip and with one micro-batch per step a sharded step is DDP's bit for bit; with them, not quite.
+SHARD_CASES = [
+    ("ddp", False, 0.0, None),
+    ("fsdp", True, 0.0, None),
+    ("ddp_clip", False, 1.0, MICRO),
+    ("fsdp_clip", True, 1.0, MICRO),
+]
+
+
+def shard_main(rank: int, ch: RankChannel, out: str, die: bool = False) -> int:
+    """The ``shard`` / ``shard_die`` scenarios (see the module's docstring)."""
+    starts = [flat_params(model()), flat_params(build_model("tiny", vocab_size=VOCAB, seed=1))]
+    cases = [("fsdp_clip", True, 1.0, MICRO)] if die else SHARD_CASES
+    res: dict = {"rounds": {}, "grad": {}, "mem": {}, "sizes": {}, "failures": []}
+    if rank == 0:
+        ch.on_failure = res["failures"].append
+        ch.start_keepalive(period_s=0.5)
+    code = 0
+    for name, shard, clip, micro in cases:
+        if rank == 0:
+            t = RankedTrainer(model(), FakeData(), channel=ch, shard=shard, **KWARGS)
+        else:
+            assert ch.wait_setup() == VOCAB and ch.setup_shard == shard
+            t = RankedTrainer(model(), NoData(VOCAB), channel=ch, shard=ch.setup_shard, **KWARGS)
+        t.grad_clip = clip
+        res["mem"][name] = {}
+        _measure_at_first_step(t, res["mem"][name])
+        if rank != 0:
+            if die:
+                real, n = t._follow_step, {"steps": 0}
+
+                def dying(cmd, batch):
+                    n["steps"] += 1
+                    if n["steps"] == 2:
+                        os._exit(9)
+                    real(cmd, batch)
+
+                t._follow_step = dying  # type: ignore[method-assign]
+            code = t.follow()
+            res["sizes"][name] = _local_sizes(t)
+            continue
+        for rnd, start in enumerate(starts[: 1 if die else 2]):
+            load_flat_(t.model, start)  # the round's global start weights, as the node loads them
+            r = t.run(round=rnd, inner_steps=STEPS, batch_size=BATCH, micro_batch=micro)
+            res["rounds"][(name, rnd)] = {
+                "pg": start - flat_params(t.model),
+                "steps": r.steps_done,
+                "tokens": r.tokens,
+                "loss": r.mean_loss,
+                "early": r.stopped_early,
+            }
+        if not die:
+            res["grad"][name] = t.gradient(round=2, batch_size=BATCH, micro_batch=micro)[0]
+            res["sizes"][name] = _local_sizes(t)
+            ch.send(Command(EXIT))  # the follower's trainer ends; the next SETUP builds the next one
+    res["code"] = code
+    torch.save(res, f"{out}.rank{rank}.pt")
+    ch.close(exit_followers=False)
+    return code
+
+
 def main() -> int:
     rank, world, init, scenario, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
     torch.set_num_threads(1)
     ch = RankChannel.init(rank, world, "cpu", init, timeout_s=60)
+    if scenario in ("shard", "shard_die"):
+        return shard_main(rank, ch, out, die=scenario == "shard_die")
     failures: list[str] = []
     if rank == 0:
         ch.on_failure = failures.append

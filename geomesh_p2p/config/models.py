@@ -220,8 +220,9 @@ class NodeConfig(BaseModel):
     )
     shard: bool = opt(
         False,
-        "shard the model over the ranks (FSDP): not built yet, refused at start; the ranks hold one copy of "
-        "the model each (DDP)",
+        "with --local-devices or under torchrun: the ranks train the model sharded over them (torch FSDP2) "
+        "instead of a whole copy each (DDP), so each holds 1/K of the trained parameters, gradients and AdamW "
+        "state; rank 0 still holds the whole model besides (docs/multi-rank.md). Refused at start with one rank",
     )
     amp: bool = opt(
         True, "on CUDA, train in fp32 instead of bf16 autocast (the outer step is always fp32)", flag="--no-amp"

@@ -1,5 +1,5 @@
 """One peer on several local devices (issue 30): the inner steps of rank 0's plan run on K ranks with
-torch.distributed (DDP; NCCL on CUDA, gloo on CPU), rank 0 alone speaks to the swarm.
+torch.distributed (DDP, or FSDP2 with ``--shard``; NCCL on CUDA, gloo on CPU), rank 0 alone speaks to the swarm.
 
 Rank 0 drives, ranks 1..K-1 follow (:meth:`RankedTrainer.follow`). Two process groups:
 
@@ -20,10 +20,20 @@ inner optimizer on the same gradient, so the inner optimizer states stay identic
 is rank 0's. A failed collective (a rank died, a timeout) ends the run with the steps completed so far
 (:class:`RankFailure` inside, a result of those steps outside) and calls ``on_failure`` once: the node
 then leaves as on Ctrl+C.
+
+Sharded (``--shard``, :func:`shard_model`): every rank holds a torch FSDP2 (``fully_shard``) copy of the model,
+each parameter split on dim 0 over the ranks, and an AdamW over those shards, so gradients and optimizer state
+are ``1/K`` per rank. Rank 0 also keeps the whole model (``trainer.model``: the node loads the global weights
+into it, evaluates it and reads the pseudo-gradient from it). Before each run of inner steps :data:`WEIGHTS`
+loads it into the shards (``set_model_state_dict``, broadcast from rank 0); after the run :data:`GATHER` puts
+the trained shards back into it (``get_model_state_dict``, full and offloaded to rank 0's CPU). Gradients are
+reduce-scattered after every micro-batch (they stay sharded), so the pseudo-gradient equals DDP's up to float
+rounding (the reduction order and the clip's norm), not bit for bit.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import threading
@@ -35,6 +45,10 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
@@ -50,16 +64,18 @@ __all__ = [
     "split_rows",
     "collective_timeout_s",
     "rank_profile",
+    "shard_model",
     "PING",
     "SETUP",
     "WEIGHTS",
     "STEP",
     "EXIT",
+    "GATHER",
 ]
 
 # Command opcodes (Command.op).
-PING, SETUP, WEIGHTS, STEP, EXIT = 0, 1, 2, 3, 4
-_OPS = {PING: "ping", SETUP: "setup", WEIGHTS: "weights", STEP: "step", EXIT: "exit"}
+PING, SETUP, WEIGHTS, STEP, EXIT, GATHER = 0, 1, 2, 3, 4, 5
+_OPS = {PING: "ping", SETUP: "setup", WEIGHTS: "weights", STEP: "step", EXIT: "exit", GATHER: "gather"}
 #: Seconds between rank 0's keep-alive commands while no other command goes out.
 PING_PERIOD_S = 2.0
 #: Shortest collective timeout (seconds): a step of a large model, the followers' model build at SETUP.
@@ -104,8 +120,10 @@ def rank_profile(tokens_per_s: dict[int, float], max_batch: int, ranks: int) -> 
 class Command:
     """One command of rank 0 to its followers, 8 float64 on the wire (:meth:`to_tensor`).
 
-    ``op``: :data:`PING`, :data:`SETUP` (``arg`` = the vocabulary size the model is built with),
-    :data:`WEIGHTS` (a broadcast of rank 0's flat parameters follows on the main group), :data:`STEP` (the
+    ``op``: :data:`PING`, :data:`SETUP` (``arg`` = the vocabulary size the model is built with, ``step`` 1 =
+    shard it, FSDP), :data:`WEIGHTS` (a broadcast of rank 0's flat parameters follows on the main group; sharded:
+    ``set_model_state_dict`` from rank 0), :data:`GATHER` (sharded only: every rank joins the gather of the
+    trained shards to rank 0's whole model), :data:`STEP` (the
     ``[batch_size, seq_len]`` int64 batch follows on the command channel; ``micro_batch`` rows per pass for
     the whole peer, 0 = all; learning rate ``lr``; ``arg`` 1 = step the inner optimizer, 0 = gradient
     only, the ddp baseline) or :data:`EXIT`. ``round`` and ``step`` are for the followers' logs.
@@ -159,6 +177,8 @@ class RankChannel:
         self.rank, self.world, self.device = rank, world, device
         self.main, self.cmd, self.timeout_s = main, cmd, timeout_s
         self.broken: Optional[str] = None
+        #: a follower: rank 0's SETUP asked for a sharded model (FSDP); set by :meth:`wait_setup`
+        self.setup_shard = False
         #: one rank's memory budget (bytes), set by the node once it profiled (its record announces it)
         self.rank_memory_bytes: Optional[int] = None
         self.on_failure: Optional[Callable[[str], None]] = None
@@ -273,10 +293,12 @@ class RankChannel:
 
     def wait_setup(self) -> Optional[int]:
         """A follower: skip keep-alives until rank 0's :data:`SETUP`; returns its vocabulary size (the model to
-        build), or None when rank 0 sent :data:`EXIT` first. Raises RankFailure."""
+        build; whether to shard it is then :attr:`setup_shard`), or None when rank 0 sent :data:`EXIT` first.
+        Raises RankFailure."""
         while True:
             cmd = self.recv()
             if cmd.op == SETUP:
+                self.setup_shard = bool(cmd.step)
                 return cmd.arg
             if cmd.op == EXIT:
                 return None
@@ -306,44 +328,83 @@ def _one_line(e: BaseException) -> str:
     return (text[0] if text else type(e).__name__)[:300]
 
 
-class RankedTrainer(InnerTrainer):
-    """An :class:`InnerTrainer` whose steps run on all of a peer's ranks (DDP). Same arguments, plus
-    ``channel`` (this rank's :class:`RankChannel`). Rank 0's is the node's trainer (its ``run`` and
-    ``gradient`` drive the followers); a follower's runs :meth:`follow`. Build it on every rank at the same
-    time: rank 0 first sends :data:`SETUP` (``vocab_size``), then every rank wraps the model in DDP (a
-    collective that also copies rank 0's weights)."""
+def shard_model(model: torch.nn.Module, mesh: DeviceMesh) -> torch.nn.Module:
+    """Shard ``model`` in place with torch FSDP2 over ``mesh`` (all the peer's ranks) and return it: each block of
+    its outermost ``nn.ModuleList`` (a transformer's layers: GPT-2's ``transformer.h``, LLaMA's ``model.layers``)
+    is one unit, gathered for its forward and backward only, and the rest (embeddings, tied head, final norm) is
+    the root unit. Every parameter becomes a DTensor split on dim 0 over the ranks (fp32, the model's device).
+    A collective-free call; every rank calls it on an identically built model."""
+    blocks = next((m for m in model.modules() if isinstance(m, torch.nn.ModuleList)), None)
+    for block in blocks if blocks is not None else ():
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
 
-    def __init__(self, model, dataset, *, channel: RankChannel, **kwargs):
+
+class RankedTrainer(InnerTrainer):
+    """An :class:`InnerTrainer` whose steps run on all of a peer's ranks (DDP, or FSDP2 with ``shard``). Same
+    arguments, plus ``channel`` (this rank's :class:`RankChannel`) and ``shard``. Rank 0's is the node's trainer
+    (its ``run`` and ``gradient`` drive the followers); a follower's runs :meth:`follow`. Build it on every rank
+    at the same time: rank 0 first sends :data:`SETUP` (``vocab_size`` and ``shard``: a follower passes
+    :attr:`RankChannel.setup_shard`), then every rank wraps the model in DDP (a collective that also copies rank
+    0's weights) or shards it (:func:`shard_model`; weights come with each run's :data:`WEIGHTS`).
+
+    ``shard``: rank 0 keeps ``model`` whole (the node's view) and trains a sharded copy (:attr:`sharded`); a
+    follower shards ``model`` itself (it never needs it whole). The inner optimizer then steps the shards, so its
+    state is sharded too. Raises ValueError for ``shard`` with one rank."""
+
+    def __init__(self, model, dataset, *, channel: RankChannel, shard: bool = False, **kwargs):
+        if shard and channel.world < 2:
+            raise ValueError(f"shard needs >= 2 ranks, this peer has {channel.world}")
         super().__init__(model, dataset, **kwargs)
         self.channel = channel
         if channel.rank == 0:
-            channel.send(Command(SETUP, arg=int(getattr(model.config, "vocab_size", 0) or 0)))
+            channel.send(Command(SETUP, step=int(shard), arg=int(getattr(model.config, "vocab_size", 0) or 0)))
         dev = self.device
-        self.ddp = DistributedDataParallel(
-            self.model,
-            device_ids=[dev.index if dev.index is not None else torch.cuda.current_device()]
-            if dev.type == "cuda"
-            else None,
-            process_group=channel.main,
-            # buffers (attention masks, rotary tables) are constants of the config: no sync per forward pass
-            forward_sync_buffers=False,
-        )
+        self.ddp: Optional[DistributedDataParallel] = None
+        #: the FSDP2 model this rank trains (``shard``), None under DDP; a follower's is ``self.model``
+        self.sharded: Optional[torch.nn.Module] = None
+        if shard:
+            mesh = DeviceMesh.from_group(channel.main, dev.type)
+            names = [n for n, _ in self.model.named_parameters()]
+            self.sharded = shard_model(self.model if channel.rank else copy.deepcopy(self.model), mesh)
+            if [n for n, _ in self.sharded.named_parameters()] != names:  # the gather relies on one order
+                raise RuntimeError("sharding changed the model's parameters")
+            self.optimizer = self._build_optimizer(self.sharded)  # its state is created sharded at the first step
+        else:
+            self.ddp = DistributedDataParallel(
+                self.model,
+                device_ids=[dev.index if dev.index is not None else torch.cuda.current_device()]
+                if dev.type == "cuda"
+                else None,
+                process_group=channel.main,
+                # buffers (attention masks, rotary tables) are constants of the config: no sync per forward pass
+                forward_sync_buffers=False,
+            )
         self._apply_step = True
         self._run_losses: list[float] = []
 
+    def _trained_parameters(self):
+        return (self.sharded if self.sharded is not None else self.model).parameters()
+
     # -- rank 0 ---------------------------------------------------------------------------------------
     def run(self, **kwargs) -> InnerResult:
-        """:meth:`InnerTrainer.run` on all ranks (rank 0's weights broadcast first). When a collective fails
-        the steps done so far are returned (``stopped_early``) and the channel's ``on_failure`` was called;
-        on a broken channel no step is run."""
+        """:meth:`InnerTrainer.run` on all ranks (rank 0's weights broadcast first; sharded: loaded into the shards
+        first and the trained shards gathered into ``self.model`` after). When a collective fails the steps done
+        so far are returned (``stopped_early``) and the channel's ``on_failure`` was called; on a broken channel
+        no step is run. Sharded, a failure returns 0 steps and 0 tokens: the steps trained on the shards never
+        reached ``self.model``, which keeps the round's start weights."""
         t0 = time.perf_counter()
         self._run_losses = []
         try:
-            self.channel.broadcast_weights(self.model)
-            return super().run(**kwargs)
+            self._send_weights()
+            result = super().run(**kwargs)
+            if self.sharded is not None:
+                self._gather_weights()
+            return result
         except RankFailure:
             self.optimizer.zero_grad(set_to_none=True)
-            n = len(self._run_losses)
+            n = len(self._run_losses) if self.sharded is None else 0
             return InnerResult(
                 steps_done=n,
                 tokens=n * int(kwargs.get("batch_size", 0)) * self.seq_len,
@@ -354,12 +415,12 @@ class RankedTrainer(InnerTrainer):
             )
 
     def gradient(self, **kwargs) -> tuple[torch.Tensor, InnerResult]:
-        """:meth:`InnerTrainer.gradient` on all ranks (the ddp baseline). A failed collective gives a zero
-        gradient of 0 tokens (``on_failure`` was called)."""
+        """:meth:`InnerTrainer.gradient` on all ranks (the ddp baseline; sharded, the gradient's shards are
+        gathered to rank 0). A failed collective gives a zero gradient of 0 tokens (``on_failure`` was called)."""
         t0 = time.perf_counter()
         self._apply_step = False
         try:
-            self.channel.broadcast_weights(self.model)
+            self._send_weights()
             return super().gradient(**kwargs)
         except RankFailure:
             self.optimizer.zero_grad(set_to_none=True)
@@ -367,6 +428,35 @@ class RankedTrainer(InnerTrainer):
             return zero, InnerResult(0, 0, float("nan"), float("nan"), time.perf_counter() - t0, True)
         finally:
             self._apply_step = True
+
+    def _send_weights(self) -> None:
+        """Rank 0: ``self.model``'s weights to every rank (DDP: one flat broadcast; sharded: into the shards)."""
+        if self.sharded is None:
+            self.channel.broadcast_weights(self.model)
+            return
+        self.channel.send(Command(WEIGHTS))
+        try:
+            self._load_shards(self.model.state_dict())
+        except RuntimeError as e:
+            raise self.channel.fail("loading the weights into the ranks' shards failed", e) from None
+
+    def _gather_weights(self) -> None:
+        """Rank 0: the trained shards into ``self.model`` (a :data:`GATHER`; ``self.model`` is written only once
+        every tensor arrived, so a failed gather leaves it as it was). Raises RankFailure."""
+        self.channel.send(Command(GATHER))
+        try:
+            full = self._gather_shards()
+        except RuntimeError as e:
+            raise self.channel.fail("gathering the trained shards from the other ranks failed", e) from None
+        self.model.load_state_dict(full)
+
+    def _flat_grad(self) -> torch.Tensor:
+        if self.sharded is None:
+            return super()._flat_grad()
+        try:
+            return self._gather_grad()
+        except RuntimeError as e:
+            raise self.channel.fail("gathering the gradient's shards from the other ranks failed", e) from None
 
     def accumulate_grad(self, batch: torch.Tensor, micro_batch: int | None = None) -> float:
         """Rank 0: send the STEP (and ``batch``) to the followers, then this rank's rows of it; returns the
@@ -394,8 +484,9 @@ class RankedTrainer(InnerTrainer):
 
     # -- every rank -----------------------------------------------------------------------------------
     def _shard_accumulate(self, batch: torch.Tensor, micro_batch: int | None) -> float:
-        """Forward/backward of this rank's rows of each micro-batch through DDP (gradients all-reduced at the
-        last one); returns the batch's mean loss summed over the ranks (one scalar all-reduce)."""
+        """Forward/backward of this rank's rows of each micro-batch; returns the batch's mean loss summed over the
+        ranks (one scalar all-reduce). DDP all-reduces the gradients at the last micro-batch; FSDP reduce-scatters
+        after each one, so no rank ever holds a whole gradient."""
         ch = self.channel
         b = int(batch.shape[0])
         mb = b if not micro_batch or micro_batch >= b else int(micro_batch)
@@ -403,21 +494,69 @@ class RankedTrainer(InnerTrainer):
         total = 0.0
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+        module = self.sharded if self.sharded is not None else self.ddp
+        assert module is not None
         for i in range(n):
             chunk = batch[i * mb : (i + 1) * mb]
             s, e = split_rows(int(chunk.shape[0]), ch.world, ch.rank)
             rows = e - s
             # A rank with no row of this micro-batch still joins the all-reduce: one row at weight 0.
             x = (chunk[s:e] if rows else chunk[:1]).to(self.device, non_blocking=True)
-            sync = self.ddp.no_sync() if i < n - 1 else nullcontext()
+            sync = self.ddp.no_sync() if self.ddp is not None and i < n - 1 else nullcontext()
             with sync:
                 with self._autocast():
-                    loss = self.ddp(input_ids=x, labels=x).loss
+                    loss = module(input_ids=x, labels=x).loss
                 (loss * (rows / b * ch.world)).backward()
             total += loss.detach().float().item() * (rows / b)
         t = torch.tensor([total], dtype=torch.float64, device=self.device)
         dist.all_reduce(t, group=ch.main)
         return float(t.item())
+
+    def _load_shards(self, full: dict[str, Any]) -> None:
+        """Sharded: rank 0's whole ``full`` state dict (``{}`` on a follower) into every rank's shards (a
+        collective of the main group: rank 0 broadcasts tensor by tensor, each rank keeps its slice)."""
+        assert self.sharded is not None
+        opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        with torch.no_grad():
+            set_model_state_dict(self.sharded, full, options=opts)
+
+    def _gather_shards(self) -> dict[str, Any]:
+        """Sharded: the whole trained weights, fp32 on rank 0's CPU (``{}`` on a follower); a collective."""
+        assert self.sharded is not None
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return get_model_state_dict(self.sharded, options=opts)
+
+    @torch.no_grad()
+    def _gather_grad(self) -> torch.Tensor:
+        """Sharded: the accumulated gradient as fp32 CPU ``[P]`` in :func:`flat_params` order, whole on every rank
+        (one all-gather per parameter; zeros where a parameter has no gradient); a collective."""
+        assert self.sharded is not None
+        parts = []
+        for p in self.sharded.parameters():
+            g = p.grad if p.grad is not None else torch.zeros_like(p)
+            full = g.full_tensor() if isinstance(g, DTensor) else g
+            parts.append(full.reshape(-1).to(device="cpu", dtype=torch.float32))
+        return torch.cat(parts)
+
+    def memory_bytes(self) -> dict[str, int]:
+        """This rank's bytes of the trained parameters, their gradients (0 when none is held) and the inner
+        optimizer's state, counting local shards only: ``{"params", "grads", "optimizer"}``. Rank 0's whole
+        ``self.model`` of a sharded trainer is not counted (it is the node's view, not trained)."""
+        params = list(self._trained_parameters())
+
+        def local(t: torch.Tensor) -> torch.Tensor:
+            return t.to_local() if isinstance(t, DTensor) else t
+
+        out = {"params": 0, "grads": 0, "optimizer": 0}
+        for p in params:
+            out["params"] += local(p).numel() * p.element_size()
+            if p.grad is not None:
+                out["grads"] += local(p.grad).numel() * p.grad.element_size()
+        for state in self.optimizer.state.values():
+            for v in state.values():
+                if isinstance(v, torch.Tensor):
+                    out["optimizer"] += local(v).numel() * v.element_size()
+        return out
 
     # -- followers ------------------------------------------------------------------------------------
     def follow(self) -> int:
@@ -430,7 +569,12 @@ class RankedTrainer(InnerTrainer):
                 if cmd.op == EXIT:
                     return 0
                 if cmd.op == WEIGHTS:
-                    ch.recv_weights(self.model)
+                    if self.sharded is None:
+                        ch.recv_weights(self.model)
+                    else:
+                        self._load_shards({})
+                elif cmd.op == GATHER:
+                    self._gather_shards()
                 elif cmd.op == STEP:
                     self._follow_step(cmd, ch.recv_batch(cmd.batch_size, cmd.seq_len))
         except (RankFailure, RuntimeError) as e:
@@ -439,16 +583,20 @@ class RankedTrainer(InnerTrainer):
             return 1
 
     def _follow_step(self, cmd: Command, batch: torch.Tensor) -> None:
-        """One STEP on a follower: the same gradient as rank 0, then (``arg`` 1) the same clip and step."""
+        """One STEP on a follower: the same gradient as rank 0, then (``arg`` 1) the same clip and step; (``arg``
+        0, sharded) the gather of the gradient rank 0 reads."""
         for g in self.optimizer.param_groups:
             g["lr"] = cmd.lr
         self.optimizer.zero_grad(set_to_none=True)
         loss = self._shard_accumulate(batch, cmd.micro_batch or None)
-        if cmd.arg and math.isfinite(loss):  # rank 0 raises FloatingPointError and steps neither
+        finite = math.isfinite(loss)  # rank 0 raises FloatingPointError and steps (or gathers) nothing
+        if cmd.arg and finite:
             if self.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+                torch.nn.utils.clip_grad_norm_(self._trained_parameters(), self.grad_clip)
             self.optimizer.step()
             self.global_step += 1
+        elif not cmd.arg and finite and self.sharded is not None:
+            self._gather_grad()
         self.optimizer.zero_grad(set_to_none=True)
 
 

@@ -21,7 +21,7 @@ import threading
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -305,22 +305,46 @@ class InnerTrainer:
         self.global_step = 0
         self._row_time_ema: float | None = None  # seconds per batch row, for the deadline
 
+        self.optimizer = self._build_optimizer(self.model)
+
+    # -- pieces ---------------------------------------------------------------------
+
+    def _build_optimizer(self, module: torch.nn.Module) -> torch.optim.Optimizer:
+        """The inner optimizer over ``module``'s trainable parameters (weight decay on tensors with ``ndim >=
+        2``; a sharded DTensor reports its global ndim). Raises ImportError for ``lion`` without lion-pytorch."""
+        defaults = DEFAULT_INNER[self.optimizer_name]
         decay: list[torch.nn.Parameter] = []
         no_decay: list[torch.nn.Parameter] = []
-        for _, p in self.model.named_parameters():
+        for _, p in module.named_parameters():
             if p.requires_grad:
                 (decay if p.ndim >= 2 else no_decay).append(p)
         groups = [{"params": decay, "weight_decay": self.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-        if optimizer == "adamw":
-            self.optimizer = torch.optim.AdamW(groups, lr=self.lr, betas=defaults["betas"], eps=1e-8)
-        else:
-            try:
-                from lion_pytorch import Lion
-            except ImportError:
-                raise ImportError("optimizer='lion' needs lion-pytorch (pip install lion-pytorch)") from None
-            self.optimizer = Lion(groups, lr=self.lr, betas=defaults["betas"])
+        if self.optimizer_name == "adamw":
+            return torch.optim.AdamW(groups, lr=self.lr, betas=defaults["betas"], eps=1e-8)
+        try:
+            from lion_pytorch import Lion
+        except ImportError:
+            raise ImportError("optimizer='lion' needs lion-pytorch (pip install lion-pytorch)") from None
+        return Lion(groups, lr=self.lr, betas=defaults["betas"])
 
-    # -- pieces ---------------------------------------------------------------------
+    def _trained_parameters(self) -> Iterable[torch.nn.Parameter]:
+        """The parameters the inner optimizer steps (and the gradient clip sees): the model's here; a sharded
+        multi-rank trainer's shards (:class:`geomesh_p2p.model.ranks.RankedTrainer`)."""
+        return self.model.parameters()
+
+    def _flat_grad(self) -> torch.Tensor:
+        """The accumulated gradient as fp32 CPU ``[P]`` in :func:`flat_params` order (zeros where a parameter has
+        no gradient)."""
+        with torch.no_grad():
+            return torch.cat(
+                [
+                    (p.grad if p.grad is not None else torch.zeros_like(p))
+                    .detach()
+                    .reshape(-1)
+                    .to(device="cpu", dtype=torch.float32)
+                    for _, p in self.model.named_parameters()
+                ]
+            )
 
     def _autocast(self):
         if self.amp:
@@ -545,7 +569,7 @@ class InnerTrainer:
                     f"non-finite training loss {loss} at round {round} step {k} (global step {self.global_step})"
                 )
             if self.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+                torch.nn.utils.clip_grad_norm_(self._trained_parameters(), self.grad_clip)
             self.optimizer.step()
             self.global_step += 1
             if self.device.type == "cuda":
@@ -608,16 +632,7 @@ class InnerTrainer:
         if not math.isfinite(loss):
             self.optimizer.zero_grad(set_to_none=True)
             raise FloatingPointError(f"non-finite training loss {loss} at round {round}")
-        with torch.no_grad():
-            grad = torch.cat(
-                [
-                    (p.grad if p.grad is not None else torch.zeros_like(p))
-                    .detach()
-                    .reshape(-1)
-                    .to(device="cpu", dtype=torch.float32)
-                    for _, p in self.model.named_parameters()
-                ]
-            )
+        grad = self._flat_grad()
         self.optimizer.zero_grad(set_to_none=True)
         compute = time.perf_counter() - t0
         if self.speed_factor < 1.0:

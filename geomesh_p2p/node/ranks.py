@@ -138,14 +138,9 @@ def layout_from_env(env: Mapping[str, str], device: str = "auto") -> Optional[Ra
 def layout_from(cfg: NodeConfig, env: Optional[Mapping[str, str]] = None) -> Optional[RankLayout]:
     """This process's rank layout from ``--local-devices``, ``--shard`` and the environment (torchrun), None for
     a one-device peer. Checked at start, before anything joins. Raises ValueError naming the flag:
-    ``--shard`` (FSDP is not built), ``--local-devices`` with ``--device`` or under torchrun, a CUDA device
-    this machine lacks."""
+    ``--shard`` on one rank (FSDP shards over >= 2), ``--local-devices`` with ``--device`` or under torchrun, a
+    CUDA device this machine lacks."""
     env = os.environ if env is None else env
-    if cfg.shard:
-        raise ValueError(
-            "--shard: sharding the model over the ranks (FSDP) is not built yet; leave it out: the ranks of a "
-            "multi-rank peer each hold the whole model (DDP), so the model must fit one device"
-        )
     under_torchrun = layout_from_env(env, cfg.device)
     if cfg.local_devices:
         if under_torchrun is not None:
@@ -157,6 +152,12 @@ def layout_from(cfg: NodeConfig, env: Optional[Mapping[str, str]] = None) -> Opt
             raise ValueError(f"--local-devices sets each rank's device: leave --device at auto (it is {cfg.device})")
         devices = _cuda_devices(list(cfg.local_devices))
         return RankLayout(0, len(devices), devices[0], tuple(devices), "", True)  # the port: LocalRanks.start
+    if cfg.shard and under_torchrun is None:
+        raise ValueError(
+            "--shard shards the model over the ranks of a multi-rank peer and needs >= 2 ranks: add "
+            "--local-devices DEV,DEV,... or run under torchrun --nproc-per-node K (K >= 2); a one-device peer "
+            "holds the whole model anyway"
+        )
     return under_torchrun
 
 
@@ -232,9 +233,10 @@ class LocalRanks:
             raise UserFacingError(f"{e} (--local-devices / torchrun)") from None
         channel.start_keepalive()
         log.info(
-            "this peer trains on %d ranks (%s; torch.distributed %s, collective timeout %.0f s)",
+            "this peer trains on %d ranks (%s; %s, torch.distributed %s, collective timeout %.0f s)",
             layout.world,
             ",".join(layout.devices) or f"torchrun, rank 0 on {layout.device}",
+            "the model sharded over them (FSDP2, --shard)" if cfg.shard else "a whole model on each (DDP)",
             backend or ("nccl" if layout.device.startswith("cuda") else "gloo"),
             timeout_s,
         )
@@ -352,6 +354,7 @@ def run_follower(spec: FollowerSpec, build: Callable[..., torch.nn.Module] = bui
             model,
             NoData(vocab),
             channel=channel,
+            shard=channel.setup_shard,  # rank 0's --shard, sent with SETUP (torchrun followers read no flag)
             device=spec.device,
             peer_id=f"rank{spec.rank}",
             **trainer_kwargs(run, cfg),

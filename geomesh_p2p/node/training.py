@@ -181,7 +181,13 @@ def build_training(node: PeerNode) -> None:
     transport.set_payload_limit(COLLECTIVE_PULL, PULL_REQUEST_BYTES)
     if channel is not None:  # the followers build theirs when rank 0's SETUP arrives (node/ranks.py)
         node.trainer = RankedTrainer(
-            node.model, node.dataset, channel=channel, device=node.device, peer_id=node.me, **trainer_kwargs(r, c)
+            node.model,
+            node.dataset,
+            channel=channel,
+            shard=c.shard,
+            device=node.device,
+            peer_id=node.me,
+            **trainer_kwargs(r, c),
         )
     else:
         node.trainer = InnerTrainer(

@@ -4,7 +4,8 @@ its ranks makes it leave while the others keep training.
 A process test because the point is the processes: rank 0 starts its follower itself, the ranks form a
 torch.distributed group, and a dead rank must end the peer (exit status 1, one ERROR line) without a hang or an
 orphan. ``--method diloco`` plans every peer the same steps, so the tokens are exact: the 2-rank peer trains
-each device's batch on each of its ranks, twice the one-rank peer's tokens in every round both complete.
+each device's batch on each of its ranks, twice the one-rank peer's tokens in every round both complete. The same
+with ``--shard`` (the ranks train an FSDP2 model): the same digests as a one-rank peer, both exit 0, no orphan.
 """
 
 from __future__ import annotations
@@ -66,3 +67,29 @@ def test_two_rank_peer_trains_and_a_dead_rank_makes_it_leave(tmp_path: Path) -> 
     log = sw.text("a")
     assert log.count("this peer's ranks failed") == 1, log[-3000:]
     assert "Traceback" not in log, log[-3000:]
+
+
+@pytest.mark.timeout(120)
+def test_sharded_two_rank_peer_trains_with_a_one_rank_peer(tmp_path: Path) -> None:
+    common = ["--method", "diloco", "--uniform-inner-steps", "2", "--min-peers", "2", "--rounds", "3"]
+    sw = ProcSwarm(tmp_path)
+    try:
+        entry = sw.start_peers(["b"], *common)
+        sw.peer("a", *common, *RANKS, "--shard", bootstrap=entry)
+        sw.wait_for(lambda: len(sw.rows("a")) >= 1, 90, "a to train a round")
+        follower = _children(sw.procs["a"].pid)
+        assert len(follower) == 1, follower
+        assert sw.wait_exit(["a", "b"], 90) == {"a": 0, "b": 0}
+        assert not Path(f"/proc/{follower[0]}").exists()
+    finally:
+        sw.stop_all(10)
+    a = {r["round"]: r for r in sw.rows("a")}
+    b = {r["round"]: r for r in sw.rows("b")}
+    assert sorted(a) == sorted(b) == [0, 1, 2]
+    assert all(a[x]["digest"] == b[x]["digest"] for x in a)
+    assert all(a[x]["batch_size"] == 2 * b[x]["batch_size"] for x in a)
+    full = [x for x in a if a[x]["inner_steps_done"] == a[x]["inner_steps_planned"] == b[x]["inner_steps_done"] > 0]
+    assert full and all(a[x]["tokens"] == 2 * b[x]["tokens"] for x in full)
+    log = sw.text("a")
+    assert "the model sharded over them (FSDP2, --shard)" in log and "rank 1 of 2 on cpu: following" in log
+    assert "Traceback" not in log and "ranks failed" not in log, log[-3000:]

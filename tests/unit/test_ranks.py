@@ -13,6 +13,7 @@ from geomesh_p2p.config.flags import PARSERS
 from geomesh_p2p.config.models import NodeConfig
 from geomesh_p2p.model.ranks import (
     EXIT,
+    GATHER,
     PING,
     SETUP,
     STEP,
@@ -33,7 +34,7 @@ PLAN_KW = dict(run_id="run", round=3, leader="a", start_time=1_700_000_000.0, st
 
 
 # ---------------------------------------------------------------------------------------------- protocol
-@pytest.mark.parametrize("op", [PING, SETUP, WEIGHTS, STEP, EXIT])
+@pytest.mark.parametrize("op", [PING, SETUP, WEIGHTS, STEP, EXIT, GATHER])
 def test_command_round_trips_through_its_tensor(op: int) -> None:
     c = Command(op, round=7, step=3, batch_size=24, micro_batch=8, seq_len=1024, lr=2.5e-4 / 3, arg=1)
     t = c.to_tensor()
@@ -188,12 +189,18 @@ def test_layout_from_flags_and_environment() -> None:
     tr = layout_from(NodeConfig(device="cpu"), env=env)
     assert tr == RankLayout(1, 2, "cpu") and tr.device_share == 2
     assert layout_from_env({"RANK": "0", "WORLD_SIZE": "1"}) is None  # torchrun with one process: one device
+    # --shard is a property of the ranks (rank 0's SETUP tells the followers), not of the layout
+    assert layout_from(NodeConfig(local_devices=["cpu", "cpu"], shard=True), env={}) == RankLayout(
+        0, 2, "cpu", ("cpu", "cpu"), "", True
+    )
+    assert layout_from(NodeConfig(device="cpu", shard=True), env=env) == tr
 
 
 @pytest.mark.parametrize(
     "cfg,env,flag",
     [
-        (NodeConfig(shard=True), {}, "--shard"),
+        (NodeConfig(shard=True), {}, "--shard shards the model over the ranks of a multi-rank peer and needs >= 2"),
+        (NodeConfig(shard=True, device="cpu"), {"RANK": "0", "WORLD_SIZE": "1"}, "--shard .* needs >= 2 ranks"),
         (NodeConfig(local_devices=["cpu", "cpu"], device="cpu"), {}, "--local-devices sets each rank's device"),
         (NodeConfig(local_devices=["cpu", "cpu"]), {"RANK": "0", "WORLD_SIZE": "2"}, "--local-devices under torchrun"),
         (NodeConfig(device="cuda:1"), {"RANK": "0", "WORLD_SIZE": "2"}, "--device cuda:1 under torchrun"),
