@@ -87,6 +87,8 @@ class Checkpointer:
         outer: the outer optimizer (its ``buf`` is saved; None before the node built it).
         gstate: the global state buffer (the round and digest of the state held), None before it exists.
         feedback: the ``--error-feedback`` residual, saved next to the checkpoint (None: off).
+        verdicts: this peer's verdicts on the others (a JSON-able dict: verified-work exclusions, owner and
+            no-show penalties), saved in the meta and restored by ``--resume``; taken on the event loop.
 
     Attributes:
         skip: no final checkpoint (the node stopped before it held any state of the run).
@@ -103,6 +105,7 @@ class Checkpointer:
         outer: Callable[[], Any],
         gstate: Callable[[], Any] = _none,
         feedback: Callable[[], Optional[PushFeedback]] = _none,
+        verdicts: Callable[[], dict] = dict,
     ):
         self.run_cfg = run_cfg
         self.cfg = cfg
@@ -112,6 +115,7 @@ class Checkpointer:
         self._outer = outer
         self._gstate = gstate
         self._feedback = feedback
+        self._verdicts = verdicts
         self.skip = False
         #: seconds a write may take (None: :meth:`timeout_s` derives it)
         self.timeout_override_s: Optional[float] = None
@@ -163,7 +167,8 @@ class Checkpointer:
             if abandoned.is_set():
                 raise CheckpointAbandoned("abandoned: the node stopped waiting for this write")
 
-        write = asyncio.ensure_future(asyncio.to_thread(self.checkpoint, before_commit))
+        verdicts = self._verdicts()  # the loop's objects, read on the loop (the write runs in a thread)
+        write = asyncio.ensure_future(asyncio.to_thread(self.checkpoint, before_commit, verdicts))
         timeout = self.timeout_s()
         try:
             # shield: a timeout must not cancel the future while its thread still runs (it is kept in _stuck)
@@ -257,7 +262,9 @@ class Checkpointer:
             log.info("checkpoint written: %s (round %d)", path, held)
         return path
 
-    def checkpoint(self, before_commit: Optional[Callable[[], None]] = None) -> Optional[Path]:
+    def checkpoint(
+        self, before_commit: Optional[Callable[[], None]] = None, verdicts: Optional[dict] = None
+    ) -> Optional[Path]:
         """Write a checkpoint of the state held (worker thread); None when nothing is written. On a full disk
         (ENOSPC, EDQUOT) the older checkpoints are deleted, the newest complete one kept, and the write is
         tried once more: written before pruning, a disk that filled up stayed full (issue 29 #7: the newest
@@ -282,6 +289,7 @@ class Checkpointer:
                 "peer_id": self.state.me,
                 "run_config": self.run_cfg.model_dump(),
                 "standing": self.state.standing.to_meta(),
+                "verdicts": self._verdicts() if verdicts is None else verdicts,
             },
         )
         if before_commit is not None:

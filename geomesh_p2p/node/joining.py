@@ -207,7 +207,8 @@ async def initial_state(node: PeerNode) -> None:
 
 async def resume_from(node: PeerNode, ck) -> None:
     """Take the global state of checkpoint ``ck`` (``gstate.load_latest_checkpoint``'s tuple: round,
-    theta [P] fp32, optimizer state [k * P] fp32 or None, meta) and the standing ledger it saved.
+    theta [P] fp32, optimizer state [k * P] fp32 or None, meta), the standing ledger it saved and this peer's
+    verdicts (verified-work exclusions, owner and no-show penalties).
 
     Raises:
         UserFacingError: the checkpoint is of another run config, or holds no or another optimizer state.
@@ -233,6 +234,10 @@ async def resume_from(node: PeerNode, ck) -> None:
         )
     await asyncio.to_thread(node._set_state, rnd, theta, momentum)
     node.standing = Standing.from_meta((meta.get("meta") or {}).get("standing"))
+    verdicts = (meta.get("meta") or {}).get("verdicts") or {}
+    if isinstance(verdicts, dict):  # checkpoints before issue 28 hold none
+        node.verified.restore(verdicts.get("verified"))
+        node.penalties.restore(verdicts.get("penalties"))
     events.emit(
         log,
         logging.INFO,

@@ -188,6 +188,7 @@ class PeerNode:
             outer=lambda: self.outer,
             gstate=lambda: self.gstate,  # built by start()
             feedback=lambda: self.feedback,  # --error-feedback's residual (start)
+            verdicts=lambda: {"verified": self.verified.to_meta(), "penalties": self.penalties.to_meta()},  # issue 28
         )
         self.outer_rule = OuterStepRule(self.rs, theta=lambda: self.theta, outer=lambda: self.outer)
         self.policy = NodeRoundPolicy(

@@ -218,42 +218,17 @@ class CheckOptions(TypedDict, total=False):
     signed_of: Optional[Callable[[int, str], Optional[bytes]]]
 
 
-class WorkVerifier:
-    """One per node: keeps the last rounds' start weights and contributions, runs this node's checks,
-    publishes and re-checks evidence, and keeps the set of excluded peers (:meth:`filter`).
+class Verdicts:
+    """The verdicts of verified work one node holds on the others, and what they mean for plans: the excluded
+    peers (left out of the plans it makes, :meth:`filter`; plans naming them refused, :meth:`plan_problem`),
+    which of those it holds alone (:attr:`lone`), and the rounds of marginal failures. Small and JSON-able
+    (:meth:`to_meta`): saved with the checkpoint, so a restarted peer does not forget them (issue 28).
+    :class:`WorkVerifier` is one; a node that has not built its verifier yet holds one alone.
 
-    ``model``: a private copy of the model (on the node's device); ``dataset``: the run's data;
-    ``seed``: the run's batch seed; ``lr`` / ``weight_decay``: the inner optimizer's peak lr and decay
-    (for the scale bound); ``dht``: anything with the DHTNode ``store`` / ``get`` coroutines (None: no
-    publishing or reading)."""
+    ``me``: this node's base58 PeerID (never excluded)."""
 
-    def __init__(
-        self,
-        cfg: VerifyConfig,
-        *,
-        identity: Identity,
-        run_id: str,
-        model,
-        dataset,
-        seed: int,
-        lr: float,
-        weight_decay: float,
-        amp: bool = False,
-        dht=None,
-    ):
-        self.cfg = cfg
-        self.identity = identity
-        self.me = str(identity.peer_id)
-        self.run_id = run_id
-        self.model = model
-        self.dataset = dataset
-        self.seed = int(seed)
-        self.lr = float(lr)
-        self.weight_decay = float(weight_decay)
-        self.amp = bool(amp)
-        self.dht = dht
-        self._kept: "OrderedDict[int, _Kept]" = OrderedDict()
-        self._compute = threading.Lock()
+    def __init__(self, me: str):
+        self.me = me
         #: peer id -> why it is excluded from this node's plans
         self.excluded: dict[str, str] = {}
         #: peer id -> the round whose check excluded it
@@ -261,51 +236,39 @@ class WorkVerifier:
         #: excluded peers whose failures this node measured only in its own checks (no other verifier's
         #: evidence re-checked here fails them too): a verdict held alone, see :meth:`plan_problem`
         self.lone: set[str] = set()
+        #: peer id -> rounds of its marginal failures measured here (recent ones)
         self._marginal: dict[str, set[int]] = {}
-        self._seen: set[str] = set()
-        self._pending: "OrderedDict[str, bytes]" = OrderedDict()  # sha256 of the head -> signed evidence
-        self._reader: Optional[EvidenceReader] = None  # for self.dht (which a test may swap)
-        self._log_once = LogOnce(log, capacity=1024)
-        #: (round, task, stats, verdict) of this node's own checks, newest last (bounded)
-        self.history: list[tuple[int, VerifyTask, WorkStats, Verdict]] = []
 
-    @classmethod
-    def for_node(cls, node, cfg: Optional[VerifyConfig] = None) -> "WorkVerifier":
-        """A verifier wired to a :class:`~geomesh_p2p.node.peer.PeerNode` (a private copy of its model)."""
-        rc = node.run_cfg
-        model = copy.deepcopy(node.model)
-        return cls(
-            cfg or VerifyConfig(),
-            identity=node.identity,
-            run_id=rc.run_id,
-            model=model,
-            dataset=node.dataset,
-            seed=rc.seed,
-            lr=rc.inner_lr,
-            weight_decay=0.1,
-            amp=bool(node.cfg.amp) and node.device.type == "cuda",
-            dht=getattr(node, "dht", None),
-        )
+    def to_meta(self) -> dict:
+        """The verdicts as JSON-able data: ``{"excluded": {peer: why}, "excluded_round": {peer: round},
+        "lone": [peers], "marginal": {peer: [rounds]}}``."""
+        return {
+            "excluded": dict(self.excluded),
+            "excluded_round": dict(self.excluded_round),
+            "lone": sorted(self.lone),
+            "marginal": {p: sorted(r) for p, r in self._marginal.items()},
+        }
 
-    # -- bookkeeping ----------------------------------------------------------------------------------
-    def keep_round(
-        self,
-        round: int,
-        *,
-        theta: torch.Tensor,
-        plan,
-        part_ranges: Sequence[tuple[int, int]],
-        packets: Mapping[str, Mapping[int, Any]],
-    ) -> None:
-        """Remember ``round``'s start weights (a copy is the caller's job), plan and received contributions."""
-        self._kept[int(round)] = _Kept(
-            theta, plan, [(s, e) for s, e in part_ranges], {p: dict(v) for p, v in packets.items()}
-        )
-        while len(self._kept) > self.cfg.keep_rounds:
-            self._kept.popitem(last=False)
-
-    def selection(self, round: int, start_digest: Optional[str]) -> bytes:
-        return self.identity.sign(selection_message(self.run_id, round, start_digest))
+    def restore(self, meta) -> None:
+        """Take the verdicts of :meth:`to_meta` (``--resume``), merged into those held; malformed entries are
+        dropped (an edited checkpoint must not end the node)."""
+        if not isinstance(meta, dict):
+            return
+        excluded, rounds = meta.get("excluded"), meta.get("excluded_round")
+        if isinstance(excluded, dict):
+            for p, why in excluded.items():
+                if isinstance(p, str) and p != self.me and p not in self.excluded:
+                    self.excluded[p] = str(why)
+                    r = rounds.get(p) if isinstance(rounds, dict) else None
+                    self.excluded_round[p] = r if type(r) is int else 0
+        lone = meta.get("lone")
+        if isinstance(lone, list):
+            self.lone |= {p for p in lone if isinstance(p, str) and p in self.excluded}
+        marginal = meta.get("marginal")
+        if isinstance(marginal, dict):
+            for p, rs in marginal.items():
+                if isinstance(p, str) and isinstance(rs, list):
+                    self._marginal.setdefault(p, set()).update(r for r in rs if type(r) is int)
 
     def filter(self, members: Iterable, keep: Optional[str] = None) -> list:
         """``members`` (PeerRecords or anything with ``peer_id``) without the excluded peers (never ``keep``)."""
@@ -356,6 +319,88 @@ class WorkVerifier:
             if lone
             else "",
         )
+
+
+class WorkVerifier(Verdicts):
+    """One per node: keeps the last rounds' start weights and contributions, runs this node's checks,
+    publishes and re-checks evidence, and keeps the set of excluded peers (:meth:`filter`).
+
+    ``model``: a private copy of the model (on the node's device); ``dataset``: the run's data;
+    ``seed``: the run's batch seed; ``lr`` / ``weight_decay``: the inner optimizer's peak lr and decay
+    (for the scale bound); ``dht``: anything with the DHTNode ``store`` / ``get`` coroutines (None: no
+    publishing or reading)."""
+
+    def __init__(
+        self,
+        cfg: VerifyConfig,
+        *,
+        identity: Identity,
+        run_id: str,
+        model,
+        dataset,
+        seed: int,
+        lr: float,
+        weight_decay: float,
+        amp: bool = False,
+        dht=None,
+    ):
+        super().__init__(str(identity.peer_id))
+        self.cfg = cfg
+        self.identity = identity
+        self.run_id = run_id
+        self.model = model
+        self.dataset = dataset
+        self.seed = int(seed)
+        self.lr = float(lr)
+        self.weight_decay = float(weight_decay)
+        self.amp = bool(amp)
+        self.dht = dht
+        self._kept: "OrderedDict[int, _Kept]" = OrderedDict()
+        self._compute = threading.Lock()
+        self._seen: set[str] = set()
+        self._pending: "OrderedDict[str, bytes]" = OrderedDict()  # sha256 of the head -> signed evidence
+        self._reader: Optional[EvidenceReader] = None  # for self.dht (which a test may swap)
+        self._log_once = LogOnce(log, capacity=1024)
+        #: (round, task, stats, verdict) of this node's own checks, newest last (bounded)
+        self.history: list[tuple[int, VerifyTask, WorkStats, Verdict]] = []
+
+    @classmethod
+    def for_node(cls, node, cfg: Optional[VerifyConfig] = None) -> "WorkVerifier":
+        """A verifier wired to a :class:`~geomesh_p2p.node.peer.PeerNode` (a private copy of its model)."""
+        rc = node.run_cfg
+        model = copy.deepcopy(node.model)
+        return cls(
+            cfg or VerifyConfig(),
+            identity=node.identity,
+            run_id=rc.run_id,
+            model=model,
+            dataset=node.dataset,
+            seed=rc.seed,
+            lr=rc.inner_lr,
+            weight_decay=0.1,
+            amp=bool(node.cfg.amp) and node.device.type == "cuda",
+            dht=getattr(node, "dht", None),
+        )
+
+    # -- bookkeeping ----------------------------------------------------------------------------------
+    def keep_round(
+        self,
+        round: int,
+        *,
+        theta: torch.Tensor,
+        plan,
+        part_ranges: Sequence[tuple[int, int]],
+        packets: Mapping[str, Mapping[int, Any]],
+    ) -> None:
+        """Remember ``round``'s start weights (a copy is the caller's job), plan and received contributions."""
+        self._kept[int(round)] = _Kept(
+            theta, plan, [(s, e) for s, e in part_ranges], {p: dict(v) for p, v in packets.items()}
+        )
+        while len(self._kept) > self.cfg.keep_rounds:
+            self._kept.popitem(last=False)
+
+    def selection(self, round: int, start_digest: Optional[str]) -> bytes:
+        return self.identity.sign(selection_message(self.run_id, round, start_digest))
 
     def _record(self, task: VerifyTask, verdict: Verdict, by: str) -> None:
         """A failure of ``task.accused`` measured here (own check or re-check): exclude when the rule says so."""

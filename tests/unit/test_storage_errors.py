@@ -277,3 +277,14 @@ def test_a_cache_write_that_hangs_is_a_failed_write_not_a_hung_start(tmp_path, m
         release.set()
     with pytest.raises(ValueError):  # what the write raises still reaches the caller
         atomic_write(tmp_path / "x", lambda tmp: (_ for _ in ()).throw(ValueError("bad")), timeout_s=5)
+
+
+def test_the_checkpoint_carries_this_peers_verdicts(tmp_path):
+    """Issue 28: the verdicts (verified-work exclusions, penalties) are written into the checkpoint's meta,
+    taken when the write starts (on the loop), and read back as they were."""
+    node = _node(tmp_path)
+    verdicts = {"verified": {"excluded": {"P": "round 3: flipped"}, "lone": ["P"]}, "penalties": {"noshow": {"Q": 9}}}
+    node._verdicts = lambda: verdicts
+    assert asyncio.run(node.checkpoint_or_warn()) is not None
+    rnd, _, _, record = state.load_latest_checkpoint(tmp_path)
+    assert rnd == 3 and record["meta"]["verdicts"] == verdicts

@@ -674,6 +674,14 @@ def test_a_verdict_held_alone_never_makes_its_holder_refuse_the_swarms_plans(wor
     swarm's plans, also past the grace and also when the accused leads, until another verifier's evidence
     re-checked here confirms it; then its plans are refused as before."""
     c = flipped_case
+    saved = (dict(c.wv.excluded_round), set(c.wv.lone), copy.deepcopy(c.wv._marginal))
+    try:
+        _lone_verdict(world, c)
+    finally:  # the module's fixture: the verdicts as they were
+        c.wv.excluded_round, c.wv.lone, c.wv._marginal = saved
+
+
+def _lone_verdict(world, c):
     a, v = world.pid["A"], str(c.v.peer_id)
     assert a in c.wv.excluded and c.wv.lone == {a}  # its own check failed A; nobody else's yet
 
@@ -693,3 +701,49 @@ def test_a_verdict_held_alone_never_makes_its_holder_refuse_the_swarms_plans(wor
     w = _verifier(world, world.ids["C"], c.cfg, c.plan, c.packets)
     w._exclude(a, "own check", ROUND, lone=True)
     assert w.recheck(c.ev.to_signed(c.v)) == "confirmed" and w.lone == set()
+
+
+def test_verdicts_and_penalties_survive_a_restart(world, flipped_case):
+    """Issue 28: exclusions and penalties lived in memory only, so a restarted peer planned an excluded peer
+    back in (its plans then refused by the others). They are saved in the checkpoint's meta and restored by
+    --resume; before the verifier is built (its model copy is made on first use) they are in force already."""
+    c = flipped_case
+    saved = copy.deepcopy(c.wv._marginal)
+    try:
+        _survive(world, c)
+    finally:
+        c.wv._marginal = saved
+
+
+def _survive(world, c):
+    import json
+
+    from geomesh_p2p.round.rules.penalties import Penalties
+
+    a, b = world.pid["A"], world.pid["B"]
+    c.wv._record(c.task, VC.Verdict(VC.MARGINAL, "trace 0.51"), "another-verifier")  # a marginal mark too
+    pens = Penalties(RoundState(me=world.pid["C"], round=ROUND), owner={b: ROUND + 4}, noshow={a: ROUND + 9})
+    meta = json.loads(json.dumps({"verified": c.wv.to_meta(), "penalties": pens.to_meta()}))  # as the file holds it
+    assert meta["verified"]["excluded"].keys() == {a} and meta["verified"]["lone"] == [a]
+    assert meta["verified"]["marginal"] == {a: [c.task.round]}
+
+    # the restarted node: no verifier yet, the verdicts restored are in force from its first plan
+    node = VerifiedWork(
+        RoundState(me=world.pid["C"]), make_verifier=lambda: _verifier(world, world.ids["C"], c.cfg, c.plan, c.packets)
+    )
+    node.restore(meta["verified"])
+    assert node.verifier is None
+    members = [types.SimpleNamespace(peer_id=p) for p in world.pid.values()]
+    assert a not in [m.peer_id for m in node.members(members)]
+    assert node.to_meta() == meta["verified"]
+    # handed to the verifier when it is built
+    wv = node._new_verifier()
+    assert wv.excluded == c.wv.excluded and wv.lone == {a} and wv.excluded_round == c.wv.excluded_round
+    assert wv._marginal == {a: {c.task.round}}
+    restored = Penalties(RoundState(me=world.pid["C"], round=ROUND))
+    restored.restore(meta["penalties"])
+    assert (restored.owner, restored.noshow) == ({b: ROUND + 4}, {a: ROUND + 9})
+    # malformed meta is dropped, never raised
+    restored.restore({"owner": {b: "x", 3: 4}, "noshow": []})
+    node.restore({"excluded": ["x"], "lone": "y", "marginal": {a: "z"}})
+    assert (restored.owner, restored.noshow) == ({b: ROUND + 4}, {a: ROUND + 9})

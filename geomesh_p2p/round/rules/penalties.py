@@ -52,6 +52,23 @@ class Penalties:
         #: (penalty kind "owner" | "noshow", peer id) -> the round in which this peer noted that penalty
         self.noted: dict[tuple[str, str], int] = {}
 
+    def to_meta(self) -> dict:
+        """The penalties as JSON-able data for the checkpoint's meta: ``{"owner": {peer id: last round},
+        "noshow": {peer id: last round}}``."""
+        return {"owner": dict(self.owner), "noshow": dict(self.noshow)}
+
+    def restore(self, meta) -> None:
+        """Take the penalties of :meth:`to_meta` (``--resume``); malformed entries are dropped (a checkpoint
+        is this peer's own file, but an edited one must not end the node)."""
+        if not isinstance(meta, dict):
+            return
+        for kind in ("owner", "noshow"):
+            got = meta.get(kind)
+            if isinstance(got, dict):
+                getattr(self, kind).update(
+                    {str(p): int(r) for p, r in got.items() if isinstance(p, str) and type(r) is int}
+                )
+
     def noshows(self) -> dict[str, int]:
         """Peers under a no-show penalty this round (peer id -> last round of it); expired ones dropped."""
         pen = self.noshow

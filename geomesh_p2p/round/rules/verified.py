@@ -50,6 +50,20 @@ class VerifiedWork:
         self._row_time = row_time
         self.verifier = verifier
         self.task: Optional[asyncio.Future] = None
+        # the verdicts while no verifier is built (a --resume's, in force from the first plan); handed over
+        self._book = verify.Verdicts(state.me or "")
+
+    def verdicts(self) -> verify.Verdicts:
+        """The verdicts in force: the verifier's, or those held until it is built."""
+        return self.verifier if self.verifier is not None else self._book
+
+    def to_meta(self) -> dict:
+        """This peer's verified-work verdicts for the checkpoint (:meth:`~geomesh_p2p.trust.verify.Verdicts.to_meta`)."""
+        return self.verdicts().to_meta()
+
+    def restore(self, meta) -> None:
+        """Take the verdicts of :meth:`to_meta` (``--resume``); in force at once."""
+        self.verdicts().restore(meta)
 
     def _global_theta(self) -> torch.Tensor:
         if self._theta is None:
@@ -59,7 +73,9 @@ class VerifiedWork:
     def _new_verifier(self) -> verify.WorkVerifier:
         if self._make_verifier is None:
             raise RuntimeError("verified work cannot build a verifier (built without a factory)")
-        return self._make_verifier()
+        wv = self._make_verifier()
+        wv.restore(self._book.to_meta())  # what was held (restored) before it existed
+        return wv
 
     async def before_outer_step(self, r, plan, assignment, ar) -> None:
         """Verified work keeps round ``r``'s start weights: copied in a worker thread (a whole-model copy)."""
@@ -115,11 +131,9 @@ class VerifiedWork:
     def plan_problem(self, plan) -> Optional[str]:
         """Why this peer refuses ``plan`` for verified work's sake (an excluded peer that leads would plan
         itself back in): :meth:`geomesh_p2p.trust.verify.WorkVerifier.plan_problem`. None: no objection."""
-        wv = self.verifier
-        return None if wv is None else wv.plan_problem(plan, me=self.state.me)
+        return self.verdicts().plan_problem(plan, me=self.state.me)
 
     def members(self, members):
         """The planner's input without the peers that verified work excluded (their evidence re-checked
         here, :meth:`geomesh_p2p.trust.verify.WorkVerifier.filter`); this peer itself always stays."""
-        wv = self.verifier
-        return members if wv is None else wv.filter(members, keep=self.state.me)
+        return self.verdicts().filter(members, keep=self.state.me)
