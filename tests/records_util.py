@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from geomesh_p2p import __version__
 from geomesh_p2p.net.identity import Identity
 from geomesh_p2p.schema.peer import PeerRecord
 
@@ -16,7 +17,7 @@ DEFAULTS: dict[str, Any] = dict(
     max_batch=8,
     upload_bps=1e7,
     download_bps=1e7,
-    version="0.1.0",
+    version=__version__,
     run_config_hash="h",
 )
 

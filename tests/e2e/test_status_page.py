@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
+from geomesh_p2p import __version__
 from geomesh_p2p.trust.admission import solve_pow
 from geomesh_p2p.dht import live_peers, make_record, peers_key
 from geomesh_p2p.net.identity import Identity
@@ -160,7 +161,7 @@ def _record(
         max_batch=16,
         upload_bps=1.25e6,
         download_bps=2.5e6,
-        version="0.1.0",
+        version=__version__,
         run_config_hash=cfg_hash,
         run_config=run_config,
         round=round,

@@ -32,6 +32,9 @@ from tests.records_util import peer_record
 pytestmark = pytest.mark.timeout(120)
 
 PACKAGE = Path(geomesh_p2p.__file__).parent
+_MAJ, _MIN, _ = (int(x) for x in geomesh_p2p.__version__.split("."))
+#: a newer patch of this series, and the next minor
+PATCH, MINOR = f"{_MAJ}.{_MIN}.99", f"{_MAJ}.{_MIN + 1}.0"
 
 
 def _copy(root: Path, version: str) -> Path:
@@ -86,9 +89,8 @@ async def _first_row(proc, out) -> dict:
 
 
 async def test_a_newer_patch_and_this_version_see_each_other_another_minor_is_dropped(tmp_path, caplog):
-    patch = _copy(tmp_path / "patch", "0.1.99")
-    minor = _copy(tmp_path / "minor", "0.2.0")
-    assert geomesh_p2p.__version__.startswith("0.1.")
+    patch = _copy(tmp_path / "patch", PATCH)
+    minor = _copy(tmp_path / "minor", MINOR)
     boot = await start_node()
     procs: list[asyncio.subprocess.Process] = []
     outs: list[list[str]] = [[], []]
@@ -112,8 +114,8 @@ async def test_a_newer_patch_and_this_version_see_each_other_another_minor_is_dr
                     break
                 await asyncio.sleep(0.1)
         # this version: its own peer and the newer patch's (unknown field ignored), not the other minor's
-        assert seen == {str(me.peer_id): geomesh_p2p.__version__, newer_id: "0.1.99"}
-        assert len(dropped) == 1 and f"version {geomesh_p2p.__version__} vs 0.2.0" in dropped[0], dropped
+        assert seen == {str(me.peer_id): geomesh_p2p.__version__, newer_id: PATCH}
+        assert len(dropped) == 1 and f"version {geomesh_p2p.__version__} vs {MINOR}" in dropped[0], dropped
         raw = (await boot.get(f"{RUN}/peers"))[newer_id].value
         assert json.loads(raw)["region"] == "eu-west"  # the newer field travelled, signed, as written
 

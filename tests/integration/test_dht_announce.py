@@ -95,13 +95,17 @@ async def test_four_peers_joining_one_bootstrap_at_once_form_one_swarm_that_outl
         await stop_all(peers + [boot])
 
 
+_MAJ, _MIN, _ = (int(x) for x in __version__.split("."))
+SAME_SERIES, OTHER_MINOR = f"{_MAJ}.{_MIN}.7", f"{_MAJ}.{_MIN + 1}.0"  # relative to this version
+
+
 async def test_incompatible_peer_is_refused_with_what_differs():
     boot = await start_node()
     nodes = []
     try:
         a, _ = await start_peer([boot.address])
         b, _ = await start_peer([boot.address], run_config_hash="deadbeef" * 8)
-        c, _ = await start_peer([boot.address], version="0.2.0")
+        c, _ = await start_peer([boot.address], version=OTHER_MINOR)
         nodes = [a, b, c]
         await wait_for(lambda: sees(boot, [a.peer_id, b.peer_id, c.peer_id]), timeout=10, what="all records")
         mine = node_record(a)
@@ -111,7 +115,7 @@ async def test_incompatible_peer_is_refused_with_what_differs():
         assert sorted((e["subkey"], e["reason"], e["differs"]) for e in dropped) == sorted(
             [
                 (b.peer_id.to_string(), "incompatible", ["run-config hash c0ffeec0ffee… vs deadbeefdead…"]),
-                (c.peer_id.to_string(), "incompatible", [f"version {__version__} vs 0.2.0"]),
+                (c.peer_id.to_string(), "incompatible", [f"version {__version__} vs {OTHER_MINOR}"]),
             ]
         )
         filtered = await live_peers(a, RUN, expected_config_hash=CONFIG_HASH, expected_version=__version__)
@@ -130,8 +134,8 @@ def test_check_compatible_messages():
 
     mine = node_record(N)
     assert check_compatible(mine, mine) is None
-    assert check_compatible(mine, node_record(N, version="0.1.7")) is None  # patch releases interoperate
-    assert check_compatible(mine, node_record(N, version="0.2.0")) == f"version {__version__} vs 0.2.0"
+    assert check_compatible(mine, node_record(N, version=SAME_SERIES)) is None  # patch releases interoperate
+    assert check_compatible(mine, node_record(N, version=OTHER_MINOR)) == f"version {__version__} vs {OTHER_MINOR}"
     msg = check_compatible(mine, node_record(N, run_config_hash="c0ffee" * 4 + "abcdef" * 4))
     assert (
         msg == "run-config hash c0ffeec0ffeec0ffeec0ffeec0ff… vs c0ffeec0ffeec0ffeec0ffeeabcd…"

@@ -17,6 +17,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from geomesh_p2p import __version__
 from geomesh_p2p.telemetry import events
 from geomesh_p2p.model.capability import MAX_TPS_GROWTH_PER_UPDATE, ThroughputEMA
 from geomesh_p2p.net.identity import Identity
@@ -79,7 +80,7 @@ def rec(
         max_batch=max_batch,
         upload_bps=up_mbit * MBIT,
         download_bps=(down_mbit or up_mbit) * MBIT,
-        version="0.1.0",
+        version=__version__,
         run_config_hash="h",
     )
 
@@ -368,7 +369,7 @@ def test_an_inflated_record_is_planned_like_at_most_8x_the_median():
         max_batch=65_536,
         upload_bps=1e12,
         download_bps=1e12,
-        version="0.1.0",
+        version=__version__,
         run_config_hash="h",
     )
     recs = honest + [liar]
@@ -630,7 +631,7 @@ def test_planner_maths_with_extreme_records(figures, window_s):
             max_batch=b,
             upload_bps=bw,
             download_bps=bw,
-            version="0.1.0",
+            version=__version__,
             run_config_hash="h",
         )
         for i, (tps, b, bw) in enumerate(figures)

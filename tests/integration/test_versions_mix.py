@@ -31,6 +31,10 @@ from geomesh_p2p.schema.peer import PeerRecord
 from geomesh_p2p.status.swarm import RoundSummaries
 from tests.dht_helpers import RUN, start_swarm, stop_all
 from tests.plan_util import big_plan
+
+_MAJ, _MIN, _ = (int(x) for x in geomesh_p2p.__version__.split("."))
+#: versions relative to this one: a newer patch of its series, the next minor, the next major
+PATCH, MINOR, MAJOR = f"{_MAJ}.{_MIN}.99", f"{_MAJ}.{_MIN + 1}.0", f"{_MAJ + 1}.{_MIN}.0"
 from tests.records_util import peer_record
 
 pytestmark = pytest.mark.timeout(90)
@@ -59,8 +63,8 @@ def test_the_series_rule():
 
 def test_every_wire_model_ignores_a_field_of_a_newer_patch_and_local_configs_still_refuse_one():
     ident = Identity.generate()
-    rec = PeerRecord.from_bytes(_newer_record_bytes(ident, "0.1.9", region="eu-west", sync_hint={"a": 1}))
-    assert rec.peer_id == str(ident.peer_id) and rec.version == "0.1.9" and not hasattr(rec, "region")
+    rec = PeerRecord.from_bytes(_newer_record_bytes(ident, PATCH, region="eu-west", sync_hint={"a": 1}))
+    assert rec.peer_id == str(ident.peer_id) and rec.version == PATCH and not hasattr(rec, "region")
     summaries = RoundSummaries.model_validate_json(
         json.dumps({"peer_id": "p", "rounds": [], "uptime_s": 12.5}).encode()
     )
@@ -85,7 +89,7 @@ def test_a_run_config_field_a_patch_adds_keeps_the_hash_at_its_default():
 
 def test_the_signature_covers_the_extra_field_as_received():
     owner = Identity.generate()
-    value = _newer_record_bytes(owner, "0.1.9", region="eu-west")
+    value = _newer_record_bytes(owner, PATCH, region="eu-west")
     now = swarm_time()
     rec = make_record(peers_key(RUN), value, now + 60, subkey=str(owner.peer_id), owner=owner, run_id=RUN)
     assert verify_record(rec, run_id=RUN, now=now).value == value
@@ -101,7 +105,7 @@ async def test_records_and_plans_of_a_newer_patch_are_accepted_over_the_dht_and_
         newer, minor, major = Identity.generate(), Identity.generate(), Identity.generate()
         now = swarm_time()
         stored = {}
-        for ident, version in ((newer, "0.1.9"), (minor, "0.2.0"), (major, "1.1.0")):
+        for ident, version in ((newer, PATCH), (minor, MINOR), (major, MAJOR)):
             value = _newer_record_bytes(ident, version, region="eu-west")
             stored[str(ident.peer_id)] = value
             assert await nodes[1].store(peers_key(RUN), value, now + 60, subkey=str(ident.peer_id), owner=ident)
@@ -109,13 +113,13 @@ async def test_records_and_plans_of_a_newer_patch_are_accepted_over_the_dht_and_
         with caplog.at_level(logging.INFO, logger="geomesh_p2p.dht.announce"):
             got = await live_peers(nodes[2], RUN, expected_version=geomesh_p2p.__version__, mine=mine)
         # the newer patch's record: accepted; the other MINOR and MAJOR: dropped, saying why
-        assert [(r.peer_id, r.version) for r in got] == [(str(newer.peer_id), "0.1.9")]
+        assert [(r.peer_id, r.version) for r in got] == [(str(newer.peer_id), PATCH)]
         raw = await nodes[2].get(peers_key(RUN))
         assert raw[str(newer.peer_id)].value == stored[str(newer.peer_id)]  # byte for byte what was signed
         dropped = sorted(r.getMessage() for r in caplog.records if "incompatible" in r.getMessage())
         assert len(dropped) == 2, dropped
-        assert any("version 0.1.0 vs 0.2.0" in m for m in dropped) and any(
-            "version 0.1.0 vs 1.1.0" in m for m in dropped
+        assert any(f"version {geomesh_p2p.__version__} vs {MINOR}" in m for m in dropped) and any(
+            f"version {geomesh_p2p.__version__} vs {MAJOR}" in m for m in dropped
         )
 
         # a leader of a newer patch publishes its plan with one more field and one more column, signed

@@ -12,6 +12,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+from geomesh_p2p import __version__
 from geomesh_p2p.plan.assign import partition
 from geomesh_p2p.plan.awb import plan_round
 from geomesh_p2p.plan.bounds import BUDGET_MEDIAN_FACTOR
@@ -50,7 +51,7 @@ def make_record(
         max_batch=max_batch,
         upload_bps=up_bps,
         download_bps=up_bps if down_bps is None else down_bps,
-        version="0.1.0",
+        version=__version__,
         run_config_hash="cfg",
     )
 
@@ -478,7 +479,7 @@ def test_slow_peer_takes_a_smaller_batch_when_big_steps_would_idle():
         max_batch=16,
         upload_bps=1e9,
         download_bps=1e9,
-        version="0.1.0",
+        version=__version__,
         run_config_hash="cfg",
     )
     cfg = PlanConfig(seq_len=64, target_batch=8, window_s=7.0, payload_bytes=1000, latency_s=0.0, window_slack=0.0)
