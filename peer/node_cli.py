@@ -260,10 +260,31 @@ def join_inputs(ns: argparse.Namespace, prog: str):
     try:
         run = run_config_from(ns)  # first: its messages for a missing or non-JSON file name the flag and path
         check_offline(ns)
-        return run, node_config_from(ns), Identity.load_or_create(ns.identity)
-    except (ValueError, IdentityError) as e:
+        cfg = node_config_from(ns)
+        check_memory(run, cfg)
+        return run, cfg, Identity.load_or_create(ns.identity)
+    except (ValueError, IdentityError, UserFacingError) as e:
         print(f"{prog}: {e}", file=sys.stderr)
         return None
+
+
+def check_memory(run, cfg) -> None:
+    """``--memory-budget-gb`` against the whole run's static memory, at start (before the proof of work and
+    the DHT join): the parameters counted on torch's meta device (no weights), the estimate of
+    :func:`geomesh_p2p.node.training.check_memory_budget` on the device ``--device`` picks. Nothing without
+    a budget. Raises UserFacingError (one line naming ``--memory-budget-gb``) when the budget cannot hold it."""
+    if cfg.memory_budget_bytes is None:
+        return
+    import torch
+
+    from geomesh_p2p.model.build import count_params
+    from geomesh_p2p.node.training import check_memory_budget
+
+    model = None if cfg.model_config_file else run.model
+    n = count_params(model, cfg.model_config_file, vocab_size=run.vocab_size)
+    auto = cfg.device == "auto"
+    cuda = cfg.device.startswith("cuda") or (auto and torch.cuda.is_available())
+    check_memory_budget(run, cfg, n, "cuda" if cuda else "cpu")
 
 
 def check_model(ns: argparse.Namespace) -> None:

@@ -163,9 +163,10 @@ def profile_training(
     Never runs a step whose predicted peak exceeds ``memory_bytes``. Order:
 
     1. Static check, before any step: memory in use now + gradients (``P`` x parameter bytes) +
-       optimizer state (``2P``, AdamW) + ``extra_bytes`` (default on CPU: ``8P`` bytes, the global
-       weights and the outer momentum the node holds besides; 0 on CUDA, where those live in host
-       memory) must fit, else ValueError.
+       optimizer state (``2P``, AdamW) + ``extra_bytes`` (what the run holds besides: the node passes
+       :meth:`geomesh_p2p.model.run_memory.RunMemory.profile_extra`, i.e. global weights, outer state,
+       exchange buffers and verified work; default on CPU: ``8P`` bytes, the global weights and the
+       outer momentum; 0 on CUDA, where those live in host memory) must fit, else ValueError.
     2. One step at batch 1 under ``memory_probe`` (CPU: :func:`rss_probe`, the process's RSS; CUDA:
        the allocator's peak). Its growth minus gradients and optimizer state is taken as the cost
        of one sequence (a linear extrapolation that over-counts the batch-independent part: safe).
@@ -246,7 +247,7 @@ def profile_training(
             raise ValueError(
                 f"memory budget {memory_bytes / gib:.2f} GiB is below what training this model needs before any "
                 f"activation: {static / gib:.2f} GiB ({before0 / gib:.2f} in use + {grad_opt / gib:.2f} gradients and "
-                f"AdamW state + {extra_bytes / gib:.2f} global weights and outer state)"
+                f"AdamW state + {extra_bytes / gib:.2f} the rest of the run's static memory)"
             )
         # 2. one step at batch 1: its growth gives the cost of a sequence
         dt1 = [0.0]
@@ -262,11 +263,11 @@ def profile_training(
             raise ValueError(
                 f"memory budget {memory_bytes / gib:.2f} GiB is below the predicted peak of one sequence of "
                 f"{seq_len} tokens: {(static + per_seq) / gib:.2f} GiB (measured step peak {peak1 / gib:.2f} GiB "
-                f"+ {extra_bytes / gib:.2f} GiB global weights and outer state)"
+                f"+ {extra_bytes / gib:.2f} GiB the rest of the run's static memory)"
             )
         log.info(
             "profile: %d parameters, seq_len %d, budget %.2f GiB: batch 1 step %.2fs, measured peak %.2f GiB "
-            "(+ %.2f GiB global weights and outer state); predicted %.0f MiB per sequence, max batch %d",
+            "(+ %.2f GiB the rest of the run's static memory); predicted %.0f MiB per sequence, max batch %d",
             n_params,
             seq_len,
             memory_bytes / gib,

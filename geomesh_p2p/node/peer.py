@@ -746,9 +746,9 @@ class PeerNode:
             # results handed out may still be on a slow link: the server's stop waits for calls in flight up to
             # the last round's exchange deadline (it returns as soon as none is left)
             await self.transport.stop(grace=grace)
-            round_log = self.round_log
-            if round_log is not None:
-                round_log.close()
+            await asyncio.to_thread(self.verified.close)  # verified work's kept start weights: temp files
+            if self.round_log is not None:
+                self.round_log.close()
             events.close_sink(self.event_sink)
             self.transport = None
 

@@ -23,6 +23,8 @@ from geomesh_p2p.model.profile import ProfileStopped, profile_training
 from geomesh_p2p.model.device import detect_device
 from geomesh_p2p.exchange.profile import measure_codec
 from geomesh_p2p.model.memory import release_freed_memory
+from geomesh_p2p.model.run_memory import RunMemory, memory_budget_problem, run_memory_estimate, verified_work_on
+from geomesh_p2p.trust.verify_task import VerifyConfig
 from geomesh_p2p.model.optim import OuterNesterov, SyncAdamW
 from geomesh_p2p.model.ranks import RankChannel, RankedTrainer, rank_profile
 from geomesh_p2p.model.training import DEFAULT_INNER, InnerTrainer, lr_at
@@ -32,7 +34,15 @@ from geomesh_p2p.node.joining import StoppedBeforeJoining
 
 log = logging.getLogger("geomesh_p2p.node.peer")
 
-__all__ = ["build_training", "trainer_kwargs", "record_capacity", "PUSH_FRAMING_BYTES", "PULL_REQUEST_BYTES"]
+__all__ = [
+    "build_training",
+    "trainer_kwargs",
+    "record_capacity",
+    "run_memory",
+    "check_memory_budget",
+    "PUSH_FRAMING_BYTES",
+    "PULL_REQUEST_BYTES",
+]
 
 #: Envelope, protobuf and codec headers around a pushed part (bytes): the push limit is 4 x numel + this.
 PUSH_FRAMING_BYTES = 1 << 20
@@ -65,6 +75,39 @@ def record_capacity(node: PeerNode) -> dict:
         return {"memory_bytes": node.device_info.memory_bytes}
     per_rank = int(channel.rank_memory_bytes or node.device_info.memory_bytes)
     return {"memory_bytes": per_rank * channel.world, "ranks": channel.world, "rank_memory_bytes": per_rank}
+
+
+def run_memory(run, cfg, n_params: int) -> RunMemory:
+    """The static memory of this peer's run (:func:`~geomesh_p2p.model.run_memory.run_memory_estimate`) for
+    ``n_params`` parameters under RunConfig ``run`` and NodeConfig ``cfg``: verified work when relay mode and a
+    sign-compressed method; its kept contributions counted at ``max(2, --min-peers)`` contributors."""
+    return run_memory_estimate(
+        n_params,
+        run.method,
+        inner_optimizer=run.inner_optimizer,
+        error_feedback=bool(run.error_feedback),
+        verified_work=verified_work_on(run.method, run.mode),
+        keep_rounds=VerifyConfig().keep_rounds,
+        contributors=max(2, int(cfg.min_peers)),
+        block_size=run.block_size,
+    )
+
+
+def check_memory_budget(run, cfg, n_params: int, device_type: str) -> RunMemory:
+    """:func:`run_memory` for ``n_params``, checked against ``--memory-budget-gb`` on ``device_type``
+    (``"cpu"`` or ``"cuda"``). Returns the estimate.
+
+    Raises:
+        UserFacingError: the static memory alone does not fit the budget (one line naming the flag, the
+            estimate, its largest items and what to do).
+    """
+    est = run_memory(run, cfg, n_params)
+    problem = memory_budget_problem(
+        est, cfg.memory_budget_bytes, device_type, verified_work=verified_work_on(run.method, run.mode)
+    )
+    if problem is not None:
+        raise UserFacingError(problem)
+    return est
 
 
 def build_training(node: PeerNode) -> None:
@@ -124,9 +167,16 @@ def build_training(node: PeerNode) -> None:
     # Outer optimizer state: Nesterov's momentum [P], or the ddp baseline's AdamW moments [2P].
     rule = node.method_rule
     node.state_numel = node.numel * rule.outer_state_slots
-    ef_slots = int(r.error_feedback and rule.push_encoding == "sign")  # the --error-feedback residual [P]
+    # The whole run's static memory (issue 27): refused at once when --memory-budget-gb cannot hold it, and
+    # what the profile leaves free besides the model, its gradients and AdamW state, so that the batch it
+    # picks leaves room for the round (exchange buffers, verified work), not only for the inner steps.
+    if ranks > 1:  # a rank holds a share of the model (--shard) besides rank 0's whole copy: not modelled
+        est = run_memory(r, c, node.numel)
+    else:
+        est = check_memory_budget(r, c, node.numel, node.device.type)
+    log.info("static memory of this run: %s", est.describe(node.device.type))
     # Profile first: the inner optimizer and the global state are not allocated yet, so the profile's
-    # static estimate (gradients + AdamW state + global weights and outer state) is what the node adds.
+    # static estimate (gradients + AdamW state + the estimate's other items) is what the node adds.
     try:
         prof = profile_training(
             node.model,
@@ -138,7 +188,7 @@ def build_training(node: PeerNode) -> None:
             speed_factor=c.speed_factor,
             amp=c.amp,
             limit=256,
-            extra_bytes=(4 * (1 + rule.outer_state_slots + ef_slots) * node.numel if node.device.type == "cpu" else 0),
+            extra_bytes=est.profile_extra(node.device.type),
             logger=log,
             should_stop=node._stop.is_set,
         )

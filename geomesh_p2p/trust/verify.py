@@ -137,6 +137,7 @@ from geomesh_p2p.net.identity import Identity, PeerID
 from geomesh_p2p.net.swarm_time import swarm_time
 from geomesh_p2p.dht.chunked import ChunksPending
 from geomesh_p2p.telemetry.logonce import LogOnce
+from geomesh_p2p.trust.kept_weights import KeptWeights
 from geomesh_p2p.trust.evidence import (
     MAX_VALUE_BYTES,
     Evidence,
@@ -202,7 +203,9 @@ def signed_contribution(collective, round: int, part: int, sender: str) -> Optio
 
 @dataclass
 class _Kept:
-    theta: torch.Tensor
+    """A kept round: its plan, part ranges and received contributions in memory; its start weights in the
+    verifier's :class:`~geomesh_p2p.trust.kept_weights.KeptWeights` (read by :meth:`WorkVerifier.kept_theta`)."""
+
     plan: Any
     part_ranges: list[tuple[int, int]]
     packets: dict[str, dict[int, Any]]
@@ -328,7 +331,9 @@ class WorkVerifier(Verdicts):
     ``model``: a private copy of the model (on the node's device); ``dataset``: the run's data;
     ``seed``: the run's batch seed; ``lr`` / ``weight_decay``: the inner optimizer's peak lr and decay
     (for the scale bound); ``dht``: anything with the DHTNode ``store`` / ``get`` coroutines (None: no
-    publishing or reading)."""
+    publishing or reading); ``kept_dir``: where the private directory of the kept start weights is made
+    (None: the system's temp folder; :class:`~geomesh_p2p.trust.kept_weights.KeptWeights`). Call
+    :meth:`close` when done (it deletes those files)."""
 
     def __init__(
         self,
@@ -343,6 +348,7 @@ class WorkVerifier(Verdicts):
         weight_decay: float,
         amp: bool = False,
         dht=None,
+        kept_dir: Optional[str] = None,
     ):
         super().__init__(str(identity.peer_id))
         self.cfg = cfg
@@ -356,6 +362,8 @@ class WorkVerifier(Verdicts):
         self.amp = bool(amp)
         self.dht = dht
         self._kept: "OrderedDict[int, _Kept]" = OrderedDict()
+        # the kept rounds' start weights live in files, not on the heap (4P bytes of RSS each otherwise)
+        self._weights = KeptWeights(kept_dir)
         self._compute = threading.Lock()
         self._seen: set[str] = set()
         self._pending: "OrderedDict[str, bytes]" = OrderedDict()  # sha256 of the head -> signed evidence
@@ -392,12 +400,38 @@ class WorkVerifier(Verdicts):
         part_ranges: Sequence[tuple[int, int]],
         packets: Mapping[str, Mapping[int, Any]],
     ) -> None:
-        """Remember ``round``'s start weights (a copy is the caller's job), plan and received contributions."""
-        self._kept[int(round)] = _Kept(
-            theta, plan, [(s, e) for s, e in part_ranges], {p: dict(v) for p, v in packets.items()}
-        )
+        """Remember ``round``'s start weights, plan and received contributions (blocking: call it off the
+        event loop). ``theta`` (fp32 CPU ``[P]``) is written to a file of the verifier's private directory
+        (``4P`` bytes; the caller may change ``theta`` once this returns) and read back, bitwise, when a
+        check or re-check needs it; the oldest rounds past ``cfg.keep_rounds`` are dropped, files included.
+
+        Raises:
+            ValueError: ``theta`` is not fp32 on the CPU.
+            OSError: the file could not be written (the round is not kept).
+        """
+        r = int(round)
+        self._weights.put(r, theta)
+        self._kept[r] = _Kept(plan, [(s, e) for s, e in part_ranges], {p: dict(v) for p, v in packets.items()})
+        self._kept.move_to_end(r)
         while len(self._kept) > self.cfg.keep_rounds:
-            self._kept.popitem(last=False)
+            old, _ = self._kept.popitem(last=False)
+            self._weights.drop(old)
+
+    def kept_theta(self, round: int) -> Optional[torch.Tensor]:
+        """Round ``round``'s kept start weights, fp32 CPU ``[P]`` mapped read-only from their file (writes
+        stay private to the tensor), or None when the round is not kept. Drop the tensor when done: its
+        pages leave the process then."""
+        return self._weights.get(round) if int(round) in self._kept else None
+
+    @property
+    def kept_weights(self) -> KeptWeights:
+        """The store of the kept start weights (its directory and files)."""
+        return self._weights
+
+    def close(self) -> None:
+        """Forget the kept rounds and delete their files and directory. Safe to call twice."""
+        self._kept.clear()
+        self._weights.close()
 
     def selection(self, round: int, start_digest: Optional[str]) -> bytes:
         return self.identity.sign(selection_message(self.run_id, round, start_digest))
@@ -422,14 +456,21 @@ class WorkVerifier(Verdicts):
                     lone=lone,
                 )
 
-    def _run(self, task: VerifyTask, kept: _Kept, micro_batch: Optional[int], deadline: Optional[float]):
+    def _run(
+        self,
+        task: VerifyTask,
+        kept: _Kept,
+        theta: torch.Tensor,
+        micro_batch: Optional[int],
+        deadline: Optional[float],
+    ):
         with self._compute:
             return check_contribution(
                 self.cfg,
                 task,
                 model=self.model,
                 dataset=self.dataset,
-                theta=kept.theta,
+                theta=theta,
                 seed=self.seed,
                 packets=kept.packets,
                 lr=self.lr,
@@ -470,10 +511,11 @@ class WorkVerifier(Verdicts):
         (``passes x batch x seconds_per_row``) would pass ``deadline``."""
         kept = self._kept.get(round)
         task = self.own_task(round)
-        if kept is None or task is None:
+        theta = self.kept_theta(round) if task is not None else None
+        if kept is None or task is None or theta is None:
             return None
         quick = quick_verdict(
-            self.cfg, task, packets=kept.packets, theta=kept.theta, lr=self.lr, weight_decay=self.weight_decay
+            self.cfg, task, packets=kept.packets, theta=theta, lr=self.lr, weight_decay=self.weight_decay
         )
         if quick is None and deadline is not None and seconds_per_row:
             est = 1.5 * task.passes() * task.batch_size * seconds_per_row  # 1.5: margin for a busy device
@@ -486,7 +528,7 @@ class WorkVerifier(Verdicts):
                 )
                 return None
         try:
-            stats, verdict, used = self._run(task, kept, micro_batch, deadline)
+            stats, verdict, used = self._run(task, kept, theta, micro_batch, deadline)
         except (VerifyTimeout, MemoryError) as e:  # out of memory even at one row: no verdict, no round lost
             log.debug("round %d: verified work of %s abandoned: %s", round, task.accused[:10], e)
             return None
@@ -562,8 +604,11 @@ class WorkVerifier(Verdicts):
         mine = kept.packets.get(ev.accused, {})
         if any(j not in mine or packet_digest(mine[j]) != h for j, h in ev.packets.items()):
             return "unverifiable"
+        theta = self.kept_theta(ev.round)
+        if theta is None:
+            return "unverifiable"
         try:
-            stats, verdict, used = self._run(task, kept, micro_batch, deadline)
+            stats, verdict, used = self._run(task, kept, theta, micro_batch, deadline)
         except VerifyTimeout:
             return "late"
         c = self.cfg

@@ -78,32 +78,43 @@ class VerifiedWork:
         return wv
 
     async def before_outer_step(self, r, plan, assignment, ar) -> None:
-        """Verified work keeps round ``r``'s start weights: copied in a worker thread (a whole-model copy)."""
-        theta0 = await asyncio.to_thread(self._global_theta().clone) if getattr(ar, "contributions", None) else None
-        if theta0 is not None and self.verifier is None:
-            # Its private copy of the model (a whole-model deepcopy) is made in a worker thread, not on the loop.
-            self.verifier = await asyncio.to_thread(self._new_verifier)
-        self.verify_round(r, plan, assignment, ar, theta0=theta0)
-
-    def verify_round(self, r: int, plan, a, ar, theta0: Optional[torch.Tensor] = None) -> None:
-        """Verified work (:mod:`geomesh_p2p.trust.verify`): keep round ``r``'s start weights and the signed
-        contributions received (relay mode), then, off the event loop and in parallel with the evaluation,
-        check the contributor this peer's selection draws and re-check published evidence. Bounded by
-        ``time_share`` of the window after the exchange (skipped with a debug line past it); at most one
-        such task runs at a time. Never raises: a failure here must not cost the round."""
+        """Verified work keeps round ``r``'s start weights (the global weights, before the outer step moves
+        them): written to the verifier's file in a worker thread, with no copy on the heap
+        (:meth:`~geomesh_p2p.trust.verify.WorkVerifier.keep_round`), then starts this round's check
+        (:meth:`verify_round`). Nothing in reencode mode (no contributions). Never raises."""
+        if not getattr(ar, "contributions", None):
+            return  # reencode mode (or nothing received): no contributions to check
         try:
-            if not ar.contributions:
-                return  # reencode mode (or nothing received): no contributions to check
+            await asyncio.to_thread(self._keep, r, plan, ar)
+        except Exception as e:  # a full disk, say: this round goes unchecked, the round itself goes on
+            log.warning("round %d: verified work skipped: its start weights could not be kept: %s", r, e)
+            return
+        self.verify_round(r, plan, assignment, ar)
+
+    def _keep(self, r: int, plan, ar) -> None:
+        """Blocking: build the verifier on first use (its private copy of the model, a whole-model deepcopy)
+        and keep round ``r`` (its start weights written to a file)."""
+        if self.verifier is None:
+            self.verifier = self._new_verifier()
+        self.verifier.keep_round(
+            r, theta=self._global_theta(), plan=plan, part_ranges=ar.part_ranges, packets=ar.contributions
+        )
+
+    def close(self) -> None:
+        """Delete the kept start weights' files (blocking: call it off the event loop). Safe to call twice."""
+        if self.verifier is not None:
+            self.verifier.close()
+
+    def verify_round(self, r: int, plan, a, ar) -> None:
+        """Verified work (:mod:`geomesh_p2p.trust.verify`) for round ``r``, once it is kept
+        (:meth:`before_outer_step`): off the event loop and in parallel with the evaluation, check the
+        contributor this peer's selection draws and re-check published evidence. Bounded by ``time_share``
+        of the window after the exchange (skipped with a debug line past it); at most one such task runs at
+        a time. Never raises: a failure here must not cost the round."""
+        try:
             wv = self.verifier
-            if wv is None:
-                wv = self.verifier = self._new_verifier()
-            wv.keep_round(
-                r,
-                theta=self._global_theta().clone() if theta0 is None else theta0,
-                plan=plan,
-                part_ranges=ar.part_ranges,
-                packets=ar.contributions,
-            )
+            if not ar.contributions or wv is None:
+                return
             running = self.task
             if running is not None and not running.done():
                 log.debug("round %d: verified work skipped: the previous check is still running", r)

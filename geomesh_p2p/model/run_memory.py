@@ -1,0 +1,169 @@
+"""The whole run's static memory, estimated at start and itemized (issue 27: ``--memory-budget-gb`` bounds the
+whole run, not only the start-up profile's batch).
+
+"Static": the buffers of the model's size a peer holds for the run whatever its batch, fp32 (4 bytes per
+element; ``P`` parameters): the model's weights, gradients and inner optimizer state (on the training
+device), and besides them the global weights and outer state, the round's pseudo-gradient (delta) and
+aggregate buffers, the error-feedback residual when on, and verified work's private model copy with its
+gradients (on the device) and the contributions it keeps (host). Verified work's kept start weights are
+files, not memory (:mod:`geomesh_p2p.trust.kept_weights`): listed with ``where="disk"``, counted in no total.
+Not included: activations (the profile measures them per sequence), a robust read's temporaries, the
+process's own ~0.5 GiB (Python, torch, the data set) -- docs/real-size.md.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+from geomesh_p2p.config.method import COMPRESSED_METHODS
+from geomesh_p2p.model.memory import INNER_OPTIMIZER_STATE_COPIES, OUTER_STATE_COPIES
+
+__all__ = ["MemoryItem", "RunMemory", "run_memory_estimate", "memory_budget_problem", "verified_work_on"]
+
+#: the items the start-up profile counts itself (the model it measures, its gradients and AdamW state)
+PROFILED_ITEMS = ("weights", "gradients", "inner optimizer state")
+
+_GIB = float(2**30)
+
+
+@dataclass(frozen=True)
+class MemoryItem:
+    """One thing of the model's size a peer holds: ``name``, ``bytes`` and ``where`` it lives: ``"device"``
+    (the training device's memory: CPU RAM, or GPU memory on CUDA), ``"host"`` (CPU RAM always) or
+    ``"disk"`` (a file: in no memory total)."""
+
+    name: str
+    bytes: int
+    where: Literal["device", "host", "disk"]
+
+
+@dataclass(frozen=True)
+class RunMemory:
+    """The itemized static memory of a run (:func:`run_memory_estimate`); ``n_params`` = P."""
+
+    n_params: int
+    items: tuple[MemoryItem, ...]
+
+    def in_memory(self, device_type: str = "cpu") -> list[MemoryItem]:
+        """The items in the memory a ``--memory-budget-gb`` bounds on ``device_type``: every item but the
+        files on ``"cpu"``; the device's items on a GPU (``"cuda"``)."""
+        return [i for i in self.items if i.where == "device" or (device_type == "cpu" and i.where == "host")]
+
+    def total(self, device_type: str = "cpu") -> int:
+        """Bytes of :meth:`in_memory`."""
+        return sum(i.bytes for i in self.in_memory(device_type))
+
+    def profile_extra(self, device_type: str = "cpu") -> int:
+        """Bytes the start-up profile must leave free besides what it measures and counts itself (the
+        model, its gradients and AdamW state): its ``extra_bytes``."""
+        return sum(i.bytes for i in self.in_memory(device_type) if i.name not in PROFILED_ITEMS)
+
+    def largest(self, n: int = 3, device_type: str = "cpu") -> list[MemoryItem]:
+        """The ``n`` largest items of :meth:`in_memory`, largest first (ties: in item order)."""
+        items = [i for i in self.in_memory(device_type) if i.bytes > 0]
+        return sorted(items, key=lambda i: -i.bytes)[:n]
+
+    def describe(self, device_type: str = "cpu") -> str:
+        """One line: the total in GiB and every non-zero item with its bytes, files marked as such."""
+        parts = [
+            f"{i.name} {i.bytes / _GIB:.3f} GiB{' (files, not memory)' if i.where == 'disk' else ''}"
+            for i in self.items
+            if i.bytes > 0
+        ]
+        where = "the device" if device_type != "cpu" else "RAM"
+        return (
+            f"{self.total(device_type) / _GIB:.2f} GiB of {where} for {self.n_params:,} parameters before "
+            f"activations: {', '.join(parts)}"
+        )
+
+
+def verified_work_on(method: str, mode: str) -> bool:
+    """Whether a peer of ``method`` in exchange ``mode`` runs verified work (it checks relayed sign
+    contributions only: relay mode and a sign-compressed method, ``COMPRESSED_METHODS``)."""
+    return mode == "relay" and method in COMPRESSED_METHODS
+
+
+def run_memory_estimate(
+    n_params: int,
+    method: str = "geomesh",
+    *,
+    inner_optimizer: str = "adamw",
+    error_feedback: bool = False,
+    verified_work: bool = False,
+    keep_rounds: int = 3,
+    contributors: int = 2,
+    block_size: int = 2048,
+    bytes_per_element: int = 4,
+) -> RunMemory:
+    """The static memory of a peer of ``method`` training ``n_params`` (P) parameters, itemized, in bytes
+    (``p = P x bytes_per_element``):
+
+    * ``weights``, ``gradients``: p each (device);
+    * ``inner optimizer state``: AdamW 2p, Lion p; 0 for ``ddp`` (no inner step) (device);
+    * ``global weights + outer state``: p x (1 + outer copies: Nesterov 1, ``ddp``'s AdamW 2) (host);
+    * ``delta + aggregate buffers``: 2p, the pseudo-gradient the collective encodes from and the fp32
+      aggregate it writes into (host);
+    * ``error-feedback residual``: p when ``error_feedback`` and the method pushes signs (host);
+    * with ``verified_work``: ``verified work: model copy + gradients`` 2p (device, its private model and
+      the gradients of a check), ``verified work: kept contributions`` ``keep_rounds x contributors x
+      (ceil(P / 8) + 4 x ceil(P / block_size))`` (host: sign bits and block scales of each contributor's
+      packets), and ``verified work: kept start weights`` ``keep_rounds x p`` on disk.
+
+    Raises:
+        ValueError: an unknown method or inner optimizer, ``n_params < 0``, ``keep_rounds < 0``,
+            ``contributors < 0`` or ``block_size < 1``.
+    """
+    if method not in OUTER_STATE_COPIES:
+        raise ValueError(f"unknown method {method!r} (known: {', '.join(OUTER_STATE_COPIES)})")
+    if inner_optimizer not in INNER_OPTIMIZER_STATE_COPIES:
+        raise ValueError(f"unknown inner optimizer {inner_optimizer!r}")
+    if n_params < 0 or keep_rounds < 0 or contributors < 0 or block_size < 1:
+        raise ValueError(
+            f"need n_params >= 0 ({n_params}), keep_rounds >= 0 ({keep_rounds}), contributors >= 0 "
+            f"({contributors}) and block_size >= 1 ({block_size})"
+        )
+    n = int(n_params)
+    p = n * int(bytes_per_element)
+    inner = 0 if method == "ddp" else INNER_OPTIMIZER_STATE_COPIES[inner_optimizer] * p
+    items = [
+        MemoryItem("weights", p, "device"),
+        MemoryItem("gradients", p, "device"),
+        MemoryItem("inner optimizer state", inner, "device"),
+        MemoryItem("global weights + outer state", (1 + OUTER_STATE_COPIES[method]) * p, "host"),
+        MemoryItem("delta + aggregate buffers", 2 * p, "host"),
+        MemoryItem("error-feedback residual", p if error_feedback and method in COMPRESSED_METHODS else 0, "host"),
+    ]
+    if verified_work:
+        packet = math.ceil(n / 8) + 4 * math.ceil(n / block_size)
+        items += [
+            MemoryItem("verified work: model copy + gradients", 2 * p, "device"),
+            MemoryItem("verified work: kept contributions", keep_rounds * contributors * packet, "host"),
+            MemoryItem("verified work: kept start weights", keep_rounds * p, "disk"),
+        ]
+    return RunMemory(n, tuple(items))
+
+
+def memory_budget_problem(
+    est: RunMemory, budget_bytes: Optional[int], device_type: str = "cpu", *, verified_work: bool = False
+) -> Optional[str]:
+    """Why ``--memory-budget-gb`` (``budget_bytes``) cannot hold this run, in one line, or None (no budget,
+    or the static memory fits): the budget, the estimate and its three largest items, and what to do (a
+    larger budget, a smaller model, and ``--mode reencode`` when ``verified_work``: verified work only
+    runs in relay mode)."""
+    if budget_bytes is None:
+        return None
+    need = est.total(device_type)
+    if need < budget_bytes:
+        return None
+    top = ", ".join(f"{i.name} {i.bytes / _GIB:.2f} GiB" for i in est.largest(3, device_type))
+    fixes = "a larger --memory-budget-gb or a smaller --model"
+    if verified_work:
+        vw = sum(i.bytes for i in est.in_memory(device_type) if i.name.startswith("verified work"))
+        fixes += f", or --mode reencode (no verified work: {vw / _GIB:.2f} GiB less)"
+    return (
+        f"--memory-budget-gb {budget_bytes / _GIB:.3g}: this run's static memory alone is "
+        f"{need / _GIB:.2f} GiB for {est.n_params:,} parameters before any activation (largest: {top}); "
+        f"use {fixes}"
+    )

@@ -1,0 +1,121 @@
+"""Verified work's kept start weights, off the heap (issue 27, "memory at the minimum").
+
+A verifier keeps the start weights of its last ``keep_rounds`` rounds to check and re-check contributions
+against them (:class:`~geomesh_p2p.trust.verify.WorkVerifier`). Held as clones they cost ``4P`` bytes of
+RSS each (three rounds: 1.07 GB at ``gpt2-124m``) for data read only when a check or re-check runs. Here
+each round's weights are written once to a raw fp32 file in a private temporary directory and read back
+through a copy-on-write memory map (:func:`torch.from_file`, ``shared=False``): pages are faulted in only
+while a check reads them and leave the process when the returned tensor is dropped.
+
+The directory is made by :class:`tempfile.TemporaryDirectory` under ``dir`` (default: the system's, i.e.
+``$TMPDIR`` or ``/tmp``); it is removed by :meth:`KeptWeights.close`, and, if nobody calls that, when the
+store is garbage-collected or the interpreter exits (the class's finalizer). On a tmpfs ``/tmp`` the files
+still take RAM (shared memory, outside the process's RSS): point ``TMPDIR`` at a disk there.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import threading
+from typing import Optional
+
+import torch
+
+__all__ = ["KeptWeights"]
+
+
+class KeptWeights:
+    """Start weights by round, one raw fp32 file each (native byte order), under a private temp directory.
+
+    Blocking (file writes and reads): call it off the event loop. Thread-safe.
+
+    Args:
+        dir: the folder to make the private directory in (None: the system's temp folder).
+
+    Raises:
+        OSError: the directory cannot be made.
+    """
+
+    def __init__(self, dir: Optional[str] = None):
+        self._tmp: Optional[tempfile.TemporaryDirectory] = tempfile.TemporaryDirectory(
+            prefix="geomesh-verify-", dir=dir
+        )
+        self.path = self._tmp.name
+        self._numel: dict[int, int] = {}
+        self._lock = threading.Lock()
+
+    def _file(self, round: int) -> str:
+        return os.path.join(self.path, f"theta-{int(round)}.f32")
+
+    def put(self, round: int, theta: torch.Tensor) -> int:
+        """Write ``theta`` (any shape, fp32 CPU; read as its flat contiguous copy) as round ``round``'s
+        weights, replacing any kept before. Returns the bytes written (``4 x numel``).
+
+        Raises:
+            ValueError: ``theta`` is not fp32 on the CPU.
+            RuntimeError: the store is closed.
+            OSError: the write failed (disk full: the round is not kept).
+        """
+        if theta.dtype != torch.float32 or theta.device.type != "cpu":
+            raise ValueError(f"kept weights must be fp32 on the CPU, got {theta.dtype} on {theta.device}")
+        if self._tmp is None:
+            raise RuntimeError("the kept weights' store is closed")
+        path = self._file(round)
+        flat = theta.detach().reshape(-1)  # a view when contiguous: written without a copy
+        try:
+            flat.numpy().tofile(path)
+        except BaseException:
+            self._remove(path)
+            raise
+        with self._lock:
+            self._numel[int(round)] = int(flat.numel())
+        return 4 * int(flat.numel())
+
+    def get(self, round: int) -> Optional[torch.Tensor]:
+        """Round ``round``'s weights: fp32 CPU ``[numel]`` mapped from its file copy-on-write (writes to
+        it never reach the file), bitwise what :meth:`put` was given; None when not kept. The pages are
+        read on first touch and leave the process's memory when the tensor is dropped."""
+        with self._lock:
+            n = self._numel.get(int(round))
+        if n is None:
+            return None
+        if n == 0:
+            return torch.empty(0, dtype=torch.float32)
+        return torch.from_file(self._file(round), shared=False, size=n, dtype=torch.float32)
+
+    def drop(self, round: int) -> None:
+        """Forget round ``round`` and delete its file (a tensor :meth:`get` returned stays readable until
+        dropped: the mapping outlives the name)."""
+        with self._lock:
+            had = self._numel.pop(int(round), None)
+        if had is not None:
+            self._remove(self._file(round))
+
+    def rounds(self) -> list[int]:
+        """The rounds kept, ascending."""
+        with self._lock:
+            return sorted(self._numel)
+
+    def files(self) -> list[str]:
+        """The names of the files in the store's directory (for tests and diagnostics)."""
+        return sorted(os.listdir(self.path)) if os.path.isdir(self.path) else []
+
+    @property
+    def closed(self) -> bool:
+        return self._tmp is None
+
+    def close(self) -> None:
+        """Delete every file and the directory. Safe to call twice."""
+        tmp, self._tmp = self._tmp, None
+        with self._lock:
+            self._numel.clear()
+        if tmp is not None:
+            tmp.cleanup()
+
+    @staticmethod
+    def _remove(path: str) -> None:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass

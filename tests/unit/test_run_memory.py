@@ -1,0 +1,190 @@
+"""Issue 27, "memory at the minimum" and "--memory-budget-gb bounds the whole run": verified work's kept start
+weights live in files (bitwise, dropped with their round, removed on close), and the whole run's static memory is
+estimated, itemized, and refused at start when the budget cannot hold it."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import types
+
+import pytest
+import torch
+
+from geomesh_p2p.model.build import count_params
+from geomesh_p2p.model.run_memory import memory_budget_problem, run_memory_estimate
+from geomesh_p2p.net.identity import Identity
+from geomesh_p2p.trust.kept_weights import KeptWeights
+from geomesh_p2p.trust.verify import WorkVerifier
+from geomesh_p2p.trust.verify_task import VerifyConfig
+from peer.cli import main
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _bits(t: torch.Tensor) -> list[int]:
+    return t.contiguous().view(torch.int32).tolist()
+
+
+def _awkward(n: int, seed: int) -> torch.Tensor:
+    """fp32 [n] with values whose bits a float round trip could change: -0.0, NaN payloads, inf, denormals."""
+    g = torch.Generator().manual_seed(seed)
+    t = torch.randn(n, generator=g)
+    t[:5] = torch.tensor([-0.0, float("inf"), float("-inf"), 1e-45, -3.4e38])
+    t.view(torch.int32)[5] = 0x7FC00123  # a NaN with a payload
+    return t
+
+
+def test_kept_weights_read_back_bitwise_and_files_go(tmp_path):
+    store = KeptWeights(str(tmp_path))
+    theta = _awkward(1000, 0)
+    assert store.put(7, theta) == 4000
+    assert store.files() == ["theta-7.f32"]
+    assert os.path.getsize(os.path.join(store.path, "theta-7.f32")) == 4000
+    want = _bits(theta)
+    theta.add_(1.0)  # the caller's buffer moves on (the outer step): the kept round does not
+    got = store.get(7)
+    assert got is not None and got.dtype == torch.float32 and got.shape == (1000,)
+    assert _bits(got) == want
+    got.zero_()  # copy-on-write: a check that wrote into it would not change the file
+    again = store.get(7)
+    assert again is not None and _bits(again) == want
+    assert store.get(8) is None
+    store.drop(7)
+    assert store.files() == [] and store.get(7) is None
+    assert _bits(again) == want  # a tensor handed out stays readable after its file is gone
+    store.put(9, torch.zeros(3))
+    path = store.path
+    store.close()
+    store.close()  # twice is fine
+    assert not os.path.exists(path) and store.closed
+    with pytest.raises(RuntimeError, match="closed"):
+        store.put(10, torch.zeros(3))
+    with pytest.raises(ValueError, match="fp32 on the CPU"):
+        KeptWeights(str(tmp_path)).put(1, torch.zeros(3, dtype=torch.float64))
+
+
+def test_verifier_keeps_rounds_in_files_and_drops_them(tmp_path):
+    wv = WorkVerifier(
+        VerifyConfig(keep_rounds=2), identity=Identity.generate(), run_id="run", model=None, dataset=None,
+        seed=0, lr=1e-3, weight_decay=0.1, kept_dir=str(tmp_path),
+    )  # fmt: skip
+    theta = _awkward(513, 1)
+    wants = {}
+    for r in range(3):
+        theta.mul_(1.5)  # the global weights move every round; each round keeps its own start weights
+        wants[r] = _bits(theta)
+        wv.keep_round(r, theta=theta, plan=None, part_ranges=[(0, 513)], packets={})
+    # round 0 fell out of keep_rounds = 2: its file went with it
+    assert wv.kept_weights.files() == ["theta-1.f32", "theta-2.f32"]
+    assert wv.kept_theta(0) is None
+    for r in (1, 2):
+        t = wv.kept_theta(r)
+        assert t is not None and _bits(t) == wants[r]
+    d = wv.kept_weights.path
+    assert os.path.isdir(d) and os.path.dirname(d) == str(tmp_path)
+    wv.close()
+    assert not os.path.exists(d) and wv.kept_theta(2) is None
+    assert os.listdir(tmp_path) == []
+
+
+def test_run_memory_items_exact_bytes():
+    P = 1000
+    est = run_memory_estimate(P, "geomesh", verified_work=True, keep_rounds=3, contributors=2, block_size=2048)
+    assert [(i.name, i.bytes, i.where) for i in est.items] == [
+        ("weights", 4000, "device"),
+        ("gradients", 4000, "device"),
+        ("inner optimizer state", 8000, "device"),
+        ("global weights + outer state", 8000, "host"),
+        ("delta + aggregate buffers", 8000, "host"),
+        ("error-feedback residual", 0, "host"),
+        ("verified work: model copy + gradients", 8000, "device"),
+        # 3 rounds x 2 contributors x (125 bytes of sign bits + 4 bytes for one block scale)
+        ("verified work: kept contributions", 774, "host"),
+        ("verified work: kept start weights", 12000, "disk"),
+    ]
+    assert est.total("cpu") == 40774  # the files count in no total
+    assert est.profile_extra("cpu") == 24774  # what the profile does not count itself
+    assert est.total("cuda") == 24000 and est.profile_extra("cuda") == 8000  # the device's items only
+    assert [i.name for i in est.largest(3)] == [
+        "inner optimizer state",
+        "global weights + outer state",
+        "delta + aggregate buffers",
+    ]
+    ddp = run_memory_estimate(P, "ddp", error_feedback=True)
+    assert {i.name: i.bytes for i in ddp.items} == {
+        "weights": 4000,
+        "gradients": 4000,
+        "inner optimizer state": 0,
+        "global weights + outer state": 12000,  # AdamW's two moments as the outer state
+        "delta + aggregate buffers": 8000,
+        "error-feedback residual": 0,  # fp32 pushes keep no residual
+    }
+    css = run_memory_estimate(P, "css", inner_optimizer="lion", error_feedback=True)
+    assert css.total() == 4000 + 4000 + 4000 + 8000 + 8000 + 4000
+    with pytest.raises(ValueError, match="unknown method"):
+        run_memory_estimate(P, "sgd")
+    assert memory_budget_problem(est, None) is None and memory_budget_problem(est, 40775) is None
+    assert memory_budget_problem(est, 40774) is not None
+
+
+def test_a_budget_below_the_static_memory_fails_at_start_in_one_line(tmp_path, capsys):
+    key = tmp_path / "id.key"
+    argv = ["join", "--identity", str(key), "--model", "tiny", "--device", "cpu", "--memory-budget-gb", "0.001"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err
+    n = count_params("tiny", vocab_size=4096)
+    p = 4 * n
+    gib = 2**30
+    # 24 B/param of the minimum (6p) + 2p exchange buffers + 2p verified work's model copy and gradients + its
+    # kept contributions (3 rounds x 2 contributors x sign bits and block scales)
+    contributions = 3 * 2 * (-(-n // 8) + 4 * -(-n // 2048))
+    total = 10 * p + contributions
+    vw = 2 * p + contributions
+    assert err == (
+        f"geomesh-peer join: --memory-budget-gb 0.001: this run's static memory alone is {total / gib:.2f} GiB for "
+        f"{n:,} parameters before any activation (largest: inner optimizer state {2 * p / gib:.2f} GiB, "
+        f"global weights + outer state {2 * p / gib:.2f} GiB, delta + aggregate buffers {2 * p / gib:.2f} GiB); "
+        f"use a larger --memory-budget-gb or a smaller --model, or --mode reencode (no verified work: "
+        f"{vw / gib:.2f} GiB less)"
+    )
+    assert not key.exists()  # refused before the identity, the proof of work and the DHT join
+    # reencode mode: no verified work, so the hint is not offered
+    assert main(argv + ["--mode", "reencode", "--method", "diloco"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("geomesh-peer join: --memory-budget-gb 0.001: ") and "reencode" not in err
+    assert f"{8 * p / gib:.2f} GiB for {n:,} parameters" in err  # 6p + the 2p exchange buffers
+
+
+def test_verified_work_keeps_the_start_weights_off_the_loop_and_closes(tmp_path, monkeypatch):
+    """The node's path: before the outer step the global weights go to the verifier's file (in a worker
+    thread, no clone), the round's check is started, and close removes the files."""
+    from geomesh_p2p.round.rules import RoundState, VerifiedWork
+
+    theta = _awkward(300, 2)
+    made: list[WorkVerifier] = []
+
+    def make() -> WorkVerifier:
+        wv = WorkVerifier(
+            VerifyConfig(), identity=Identity.generate(), run_id="run", model=None, dataset=None, seed=0,
+            lr=1e-3, weight_decay=0.1, kept_dir=str(tmp_path),
+        )  # fmt: skip
+        made.append(wv)
+        return wv
+
+    vw = VerifiedWork(RoundState(me="me"), make, theta=lambda: theta)
+    started: list[int] = []
+    monkeypatch.setattr(vw, "verify_round", lambda r, plan, a, ar: started.append(r))
+    ar = types.SimpleNamespace(contributions={"peer": {0: object()}}, part_ranges=[(0, 300)])
+    want = _bits(theta)
+    asyncio.run(vw.before_outer_step(4, None, None, ar))
+    theta.add_(1.0)  # the outer step
+    assert started == [4] and len(made) == 1 and vw.verifier is made[0]
+    kept = made[0].kept_theta(4)
+    assert kept is not None and _bits(kept) == want
+    # reencode mode (no contributions): nothing kept, no check
+    asyncio.run(vw.before_outer_step(5, None, None, types.SimpleNamespace(contributions={}, part_ranges=[])))
+    assert started == [4] and made[0].kept_weights.rounds() == [4]
+    vw.close()
+    assert os.listdir(tmp_path) == []
