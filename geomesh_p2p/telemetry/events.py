@@ -86,6 +86,9 @@ kind                         where                            fields
 ``push_refused``             collective.owner (push handler)  peer, round, part (None: not parsed),
                                                               sender, code, reason
 ``record_not_admitted``      admission (once per record)      peer (the record's), reason
+``record_not_dialled``       round.rules.state_sync (a vote   peer, subject (the record's PeerID),
+                             of addresses; once per record    reason
+                             and reason; INFO)
 ``residual_zeroed``          round.exchange.drop_feedback     peer, round
 ``resumed_behind_swarm``     node._warn_if_resumed_behind     peer, round (resumed at), swarm_round (the
                                                               bootstrap's), bootstrap

@@ -27,9 +27,12 @@ What a fresh joiner cannot defend against: it has no history of its own, so when
 it sees is the attacker's, it adopts the attacker's state, and the digest check only proves it got
 what those identities announced. Concretely: identities that vouch for each other (so they have
 "history") announcing more distinct addresses than the honest peers. Addresses in records are
-claims (only a donor that serves the forged state has to be real), so this costs the attacker the
-proof of work per identity and nothing else; checking addresses by dialling them (a signed Status
-reply) and counting distinct hosts would raise the price to real hosts, and is not done. A joiner
+claims (only a donor that serves the forged state has to be real), so this cost the attacker the
+proof of work per identity and nothing else. The catch-up now dials each voter's address first
+(:mod:`.dialback`: a signed Status reply from the record's own key, holding the state it announces),
+so each vote costs a reachable address that serves a key and the state; distinct *hosts* are not
+counted (honest peers share addresses behind NATs), so one attacker machine with many ports still
+buys many votes. A joiner
 of a private run (--allow-peers) is not exposed; a peer that has trained is protected by its own
 ledger, which no record can write.
 """

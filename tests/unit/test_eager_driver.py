@@ -332,7 +332,9 @@ def test_steps_that_reach_a_provisional_target_wait_for_the_plans(then):
     torch.set_num_threads(1)
     trainer = _trainer("p")
     waiting = threading.Event()
-    deadline = swarm_time() + (0.5 if then == "deadline" else 60.0)
+    # "deadline": far enough for the 2 steps under load (at 0.5 s a loaded CI host did 1 step before it), then
+    # it passes during the wait at the provisional target
+    deadline = swarm_time() + (8.0 if then == "deadline" else 60.0)
     target = _SignalledTarget.make(2, deadline, waiting)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         t0 = time.perf_counter()

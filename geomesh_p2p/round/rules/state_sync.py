@@ -23,6 +23,7 @@ from geomesh_p2p.schema.peer import MAX_LINK_BPS, SyncProgress
 from geomesh_p2p.sync.progress import SyncMeter
 from geomesh_p2p.telemetry import events
 from geomesh_p2p.telemetry.logonce import LogOnce
+from geomesh_p2p.trust.dialback import DialBack
 from geomesh_p2p.trust.standing import OnceLog, choose_state, would_adopt
 
 if TYPE_CHECKING:
@@ -125,6 +126,7 @@ class StateSync:
         self.rate_bps = 0.0
         self._back_once = LogOnce(log)
         self._vote_log = OnceLog()
+        self._dialback: Optional[DialBack] = None  # built on the first vote of addresses
 
     def progress(self) -> Optional[SyncProgress]:
         """The ``sync_progress`` of this peer's record: the meter's progress while it syncs, else None.
@@ -157,6 +159,30 @@ class StateSync:
         else:
             total = (self.state.numel + self.state.state_numel) * 4
         return SyncProgress(done_bytes=0, total_bytes=max(1, total), bytes_per_s=min(MAX_LINK_BPS, self.rate_bps))
+
+    async def _dialled(self, recs: list) -> list:
+        """``recs`` without the records whose addresses do not answer as their identities with their states
+        (:class:`~geomesh_p2p.trust.dialback.DialBack`); each dropped record is said once (INFO). Unchanged
+        without a transport (tests of the vote)."""
+        transport = self._transport()
+        if transport is None:
+            return recs
+        if self._dialback is None or self._dialback.transport is not transport:
+            self._dialback = DialBack(transport)
+        kept, dropped = await self._dialback.verified(recs)
+        for peer, why in dropped.items():
+            self._vote_log(
+                ("dialback", peer, why),
+                logging.INFO,
+                "state vote: the record of %s does not vote: %s",
+                peer[:10],
+                why,
+                event="record_not_dialled",
+                peer=self.state.me,
+                subject=peer,
+                reason=why,
+            )
+        return kept
 
     def _note_rate(self) -> None:
         """Keep the mean rate of the transfer just done (a meter that counted bytes) for :meth:`expected`."""
@@ -199,7 +225,13 @@ class StateSync:
                 # leaving peers vote and donate too: they serve their last state until they exit, and a peer
                 # stalled while the swarm finished must catch up to it rather than train alone (docs/round.md)
                 recs = [r for r in await self._peers(include_leaving=True) if r.peer_id != self.state.me]
-                choice = self.state_vote(recs).choice
+                vote = self.state_vote(recs)
+                if vote.choice is None or vote.choice.mode != "standing":
+                    # a vote of addresses (this peer knows nobody): only those that answer as their records'
+                    # identities, holding the states they announce, count (trust/dialback.py)
+                    recs = await self._dialled(recs)
+                    vote = self.state_vote(recs)
+                choice = vote.choice
                 if choice is None:
                     # No state has a majority: mostly a moment mid-round, when the others announce round r+1 one
                     # by one. Read again a few times; returning at once left a planned-out peer announcing a
