@@ -96,7 +96,8 @@ async def test_reachability_is_not_checked_without_bootstrap_or_when_client_only
 
 
 def _boot_argv(tmp_path, *extra):
-    return bootstrap_args("faults", tmp_path / "boot.key", "--status-interval", "0.5", *extra)
+    # the DHT CLI's records (the "peers" of these tests) carry no proof of work: count them (--pow-bits 0)
+    return bootstrap_args("faults", tmp_path / "boot.key", "--status-interval", "0.5", "--pow-bits", "0", *extra)
 
 
 # ---------------------------------------------------------------- 2. a restarted bootstrap
