@@ -108,6 +108,7 @@ async def _saved_progress(tmp_path, capsys, records: list[dict]) -> dict:
     ns = boot_cli.parse(
         ["--host", "127.0.0.1", "--port", "0", "--run-id", RUN, "--identity", str(tmp_path / "b.key")]
         + ["--state-file", str(state), "--status-interval", "3600"]
+        + ["--pow-bits", "0"]  # the records below carry no proof of work
     )
     stop = asyncio.Event()
     served = asyncio.ensure_future(boot_cli._serve(ns, Identity.load_or_create(ns.identity), None, None, stop))

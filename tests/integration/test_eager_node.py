@@ -28,7 +28,7 @@ from geomesh_p2p.config.models import NodeConfig, RunConfig
 from geomesh_p2p.dht import DHTNode
 from geomesh_p2p.net.identity import Identity
 from geomesh_p2p.node.peer import PeerNode
-from geomesh_p2p.model.optim import OuterNesterov, eager_start
+from geomesh_p2p.model.optim import OuterNesterov, eager_args, eager_start
 from geomesh_p2p.model.build import flat_params
 from geomesh_p2p.model.training import InnerTrainer
 from geomesh_p2p.net.transport import Transport
@@ -186,7 +186,13 @@ async def test_eager_rounds_in_real_peer_nodes_follow_the_rule(tmp_path, monkeyp
         assert all(torch.equal(a, b) for (_, a), (_, b) in zip(rec.outer, first.outer))
     theta = theta0[first.node.me].clone()
     assert all(torch.equal(theta, t) for t in theta0.values())
-    ref = OuterNesterov(lr=run_cfg.outer_lr, momentum=run_cfg.outer_momentum)
+    # geomesh pushes signs: the node's outer step clamps the momentum (RunConfig.outer_momentum_clip)
+    ref = OuterNesterov(
+        lr=run_cfg.outer_lr,
+        momentum=run_cfg.outer_momentum,
+        momentum_clip=run_cfg.outer_momentum_clip,
+        block_size=run_cfg.block_size,
+    )
     ref.buf = torch.zeros_like(theta)
     thetas, vs = [theta.clone()], [ref.buf.clone()]
     for _, agg in first.outer:
@@ -206,7 +212,7 @@ async def test_eager_rounds_in_real_peer_nodes_follow_the_rule(tmp_path, monkeyp
             assert torch.equal(th, thetas[r]) and torch.equal(v, vs[r]), f"round {r}: not the global state"
             assert torch.equal(delta, rec.deltas[r])
             assert 0 < w < 1
-            assert torch.equal(x, eager_start(thetas[r], vs[r], delta, w, lr=ref.lr, momentum=ref.momentum))
+            assert torch.equal(x, eager_start(thetas[r], vs[r], delta, w, **eager_args(ref)))
             assert torch.equal(began[(n.me, r + 1)], x), f"round {r + 1} did not begin on its eager start"
             assert torch.equal(rec.pg_from[r], x)  # Δ_m^{r+1} = x_m^{r+1} − y_m^{r+1}
             assert not torch.equal(x, thetas[r + 1])
