@@ -30,7 +30,14 @@ import time
 from typing import NoReturn, Optional
 
 from geomesh_p2p import __version__
-from geomesh_p2p.config.flags import ConfigFileError, add_flags, add_log_level, flag_specs, load_config_defaults
+from geomesh_p2p.config.flags import (
+    ConfigFileError,
+    StrictParser,
+    add_flags,
+    add_log_level,
+    flag_specs,
+    load_config_defaults,
+)
 from geomesh_p2p.config.models import DEFAULT_BOOTSTRAP_IDENTITY as DEFAULT_IDENTITY  # noqa: F401  (re-exported)
 from geomesh_p2p.config.models import DEFAULT_BOOTSTRAP_PORT as DEFAULT_PORT  # noqa: F401
 from geomesh_p2p.config.models import DEFAULT_RUN_ID, BootstrapConfig  # noqa: F401
@@ -49,11 +56,11 @@ STATE_SAVE_TIMEOUT_S = 30.0
 log = logging.getLogger("geomesh.bootstrap")
 
 
-class _Parser(argparse.ArgumentParser):
+class _Parser(StrictParser):
     """An ArgumentParser whose errors are one line (no usage dump): ``geomesh-bootstrap: error: ...``."""
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+        self.exit(2, f"{self.prog}: error: {self.suggest(message)} (see --help)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -17,7 +17,7 @@ import sys
 from typing import NoReturn
 
 from geomesh_p2p import __version__
-from geomesh_p2p.config.flags import ConfigFileError, add_log_level, load_config_defaults
+from geomesh_p2p.config.flags import ConfigFileError, StrictParser, add_log_level, load_config_defaults
 from geomesh_p2p.config.models import DEFAULT_IDENTITY
 from geomesh_p2p.util.fds import raise_fd_limit
 
@@ -41,14 +41,14 @@ class _Formatter(argparse.HelpFormatter):
                 )
 
 
-class _Parser(argparse.ArgumentParser):
+class _Parser(StrictParser):
     """Errors in one line, naming the command whose flag is wrong, without the usage dump (a join's usage is
     ~48 lines above the one useful line): ``geomesh-peer join: error: argument --rounds: must be >= 1, got -1
     (see geomesh-peer join --help)``; exit status 2, as argparse's. Subcommand parsers are of this class too
     (argparse makes them of the parent's class)."""
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        self.exit(2, f"{self.prog}: error: {self.suggest(message)} (see {self.prog} --help)\n")
 
 
 def _command_parser(parser: argparse.ArgumentParser, command: str | None) -> argparse.ArgumentParser:

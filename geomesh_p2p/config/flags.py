@@ -355,6 +355,32 @@ def add_flags(parser, specs: list[FlagSpec], title: Optional[str] = None) -> Non
         s.add_to(groups[name])
 
 
+class StrictParser(argparse.ArgumentParser):
+    """An ArgumentParser that takes no abbreviated flags (``--thread 1`` is an error, not ``--threads 1``: a
+    typo silently took another flag's meaning) and suggests the closest flag for an unknown one
+    (``unrecognized arguments: --thread 1 (did you mean --threads?)``). Subparsers are of the same class."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def suggest(self, message: str) -> str:
+        """``message`` with "(did you mean --X?)" for each unknown ``--flag`` in it that is close to a known one."""
+        import difflib
+
+        if "unrecognized arguments" not in message:
+            return message
+        known = [o for a in self._actions for o in a.option_strings if o.startswith("--")]
+        hints = []
+        for word in message.split(":", 1)[-1].split():
+            flag = word.split("=", 1)[0]
+            if flag.startswith("--"):
+                close = difflib.get_close_matches(flag, known, n=1, cutoff=0.75)
+                if close:
+                    hints.append(f"{flag}: did you mean {close[0]}?")
+        return f"{message} ({'; '.join(hints)})" if hints else message
+
+
 def add_log_level(parser, default: str = "INFO") -> None:
     """Add the programs' common ``--log-level`` flag (DEBUG, INFO, WARNING or ERROR; ``default``) to
     ``parser`` (an ArgumentParser or argument group)."""

@@ -218,3 +218,20 @@ def test_a_data_path_under_home_is_read_as_the_loader_reads_it(tmp_path, monkeyp
     (tmp_path / "t.txt").write_text("some text")
     run = node_cli.run_config_from(_join_ns("--data", "~/t.txt"))
     assert run.data.startswith("t.txt:9:")
+
+
+def test_an_abbreviated_or_mistyped_flag_is_refused_with_the_flag_it_is_close_to(capsys):
+    """Fresh-user trial: ``--thread 1`` was taken as ``--threads 1`` (argparse's prefix matching) and a peer
+    trained 10 minutes on a typo. Now it fails at start, in one line, naming the flag it is close to; the
+    bootstrap's parser does the same."""
+    from bootstrap.cli import parse as boot_parse
+
+    for argv in (["join", "--thread", "1"], ["join", "--bootstrap=127.0.0.1:1", "--thread=1"]):
+        with pytest.raises(SystemExit) as ei:
+            main(argv)
+        assert ei.value.code == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "unrecognized arguments" in err and "did you mean --threads?" in err, err
+    with pytest.raises(SystemExit) as ei:
+        boot_parse(["--pow-bit", "3"])
+    assert ei.value.code == 2 and "did you mean --pow-bits?" in capsys.readouterr().err
