@@ -266,9 +266,26 @@ async def _serve(ns: argparse.Namespace, identity, allow_peers, tls, stop: async
         nonlocal progress
         # Only records that carry the run's proof of work count: free identities announcing another config or
         # round 10^9 would otherwise outvote the run's peers in progress_of (and tell newcomers a false round).
-        recs = counted.filter(await live_peers(node, ns.run_id, include_leaving=True))
+        everyone = await live_peers(node, ns.run_id, include_leaving=True)
+        recs = counted.filter(everyone)
+        if len(recs) < len(everyone):
+            below.failed(
+                "pow",
+                "%d peer record(s) carry less proof of work than this bootstrap's --pow-bits %d and are not counted "
+                "(a run with a lower --pow-bits passes the same value here)",
+                len(everyone) - len(recs),
+                pow_floor(ns),
+            )
+        else:
+            below.recovered("every peer record carries this bootstrap's --pow-bits of work again")
         # live records, and the records of leaving peers that held a state (the last round each finished)
         held = [r for r in recs if not r.leaving or r.weights_digest]
+        if progress is not None and progress.config_hash:
+            # While a live peer of the config remembered is there, records of other configs cannot replace it
+            # (red team, session 13: three cheap identities of another config outnumbered two real peers)
+            same = [r for r in held if (r.run_config_hash or "") == progress.config_hash]
+            if any(not r.leaving for r in same):
+                held = same
         now = progress_of(held, me, time.time())  # the config most records announce, and its round
         live = now is not None and any(not r.leaving and (r.run_config_hash or "") == now.config_hash for r in held)
         if now is not None and (live or progress is None or now.round > progress.round):
@@ -278,7 +295,7 @@ async def _serve(ns: argparse.Namespace, identity, allow_peers, tls, stop: async
 
     # A full disk, a read-only --state-file, a DHT that does not answer: one WARNING per change of state and
     # one INFO line when it works again, not the same line every --status-interval (issue 29 #7).
-    save_failures, count_failures = LogOnChange(log), LogOnChange(log)
+    save_failures, count_failures, below = LogOnChange(log), LogOnChange(log), LogOnChange(log)
 
     saving: list[asyncio.Future] = []  # the last write (a stuck one is not joined by another)
 

@@ -95,7 +95,10 @@ def progress_of(records, by: str, seen_at: float) -> Optional[SwarmProgress]:
     The config hash is the one most records announce (ties: the one announced at the later round), and the
     round and peer count are those of its records only: a single record of another config (a stray peer,
     or an identity announcing round 10^9 with any hash) neither names the run's config -- a peer of the
-    run's own config would then fail at once in ``PeerNode._on_empty_swarm`` -- nor its round."""
+    run's own config would then fail at once in ``PeerNode._on_empty_swarm`` -- nor its round. The round is
+    the one a strict majority of that config's live records has reached (its leaving records when none is
+    live), not the newest one announced: one identity copying the run's config hash at round 10^9 told
+    newcomers that round (red team, session 13)."""
     recs = list(records)
     if not recs:
         return None
@@ -103,7 +106,9 @@ def progress_of(records, by: str, seen_at: float) -> Optional[SwarmProgress]:
     for r in recs:
         groups.setdefault(r.run_config_hash or "", []).append(r)
     config_hash, mine = max(groups.items(), key=lambda kv: (len(kv[1]), max(r.round for r in kv[1]), kv[0]))
-    newest = max(r.round for r in mine)
+    pool = [r for r in mine if not getattr(r, "leaving", False)] or mine
+    rounds = sorted((r.round for r in pool), reverse=True)
+    newest = rounds[len(rounds) // 2]  # more than half of the pool is at this round or later
     return SwarmProgress(newest, seen_at, len(mine), by, config_hash)
 
 

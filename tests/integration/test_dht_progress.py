@@ -101,14 +101,14 @@ async def test_a_record_of_another_config_is_not_remembered_as_the_runs(tmp_path
     assert (saved["round"], saved["config_hash"], saved["peers"]) == (7, "h", 2)
 
 
-async def _saved_progress(tmp_path, capsys, records: list[dict]) -> dict:
+async def _saved_progress(tmp_path, capsys, records: list[dict], pow_bits: str = "0") -> dict:
     """Run the bootstrap's _serve, store ``records`` (peer_record fields, one identity each) under the
     run's key, stop it, and return the progress its state file saved."""
     state = tmp_path / "boot.state.json"
     ns = boot_cli.parse(
         ["--host", "127.0.0.1", "--port", "0", "--run-id", RUN, "--identity", str(tmp_path / "b.key")]
         + ["--state-file", str(state), "--status-interval", "3600"]
-        + ["--pow-bits", "0"]  # the records below carry no proof of work
+        + ["--pow-bits", pow_bits]  # the records below carry no proof of work
     )
     stop = asyncio.Event()
     served = asyncio.ensure_future(boot_cli._serve(ns, Identity.load_or_create(ns.identity), None, None, stop))
@@ -136,3 +136,15 @@ async def _saved_progress(tmp_path, capsys, records: list[dict]) -> dict:
         await asyncio.gather(served, return_exceptions=True)
         if node is not None:
             await stop_node(node)
+
+
+async def test_records_below_the_bootstraps_pow_floor_are_not_counted_and_it_says_so(tmp_path, capsys, caplog):
+    """Red team (session 13): a bootstrap whose --pow-bits is above the run's counted nothing and logged only
+    "live peers: 0". Records without the work are not counted, with one WARNING naming the flag."""
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="geomesh.bootstrap"):
+        saved = await _saved_progress(tmp_path, capsys, [dict(round=7), dict(round=7)], pow_bits="8")
+    assert saved is None  # nothing counted, nothing remembered
+    lines = [r.getMessage() for r in caplog.records if "proof of work" in r.getMessage()]
+    assert len(lines) == 1 and "2 peer record(s)" in lines[0] and "--pow-bits 8" in lines[0], lines

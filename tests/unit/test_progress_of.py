@@ -27,3 +27,19 @@ def test_the_run_alone_and_a_tie_go_to_the_later_round():
     assert progress_of([_rec(3, "a"), _rec(5, "b")], "b", 1.0) == SwarmProgress(5, 1.0, 1, "b", "b")
     assert progress_of([_rec(2, ""), _rec(2, "")], "b", 1.0) == SwarmProgress(2, 1.0, 2, "b", "")
     assert progress_of([], "b", 1.0) is None
+
+
+def test_one_identity_of_the_runs_config_at_round_1e9_does_not_name_the_round():
+    """Red team (session 13): a fresh identity copying the run's config hash and announcing round 10^9 (live,
+    then leaving) was the bootstrap's published round. The round is now the one more than half of the
+    config's live records reached (the leaving records' when none is live)."""
+    live = [_rec(2, "run"), _rec(2, "run"), _rec(3, "run")]
+    assert progress_of(live + [_rec(10**9, "run")], "b", 1.0).round == 2
+    assert progress_of(live + [_rec(10**9, "run", leaving=True)], "b", 1.0).round == 2
+    # a swarm that ended: its leaving records, the last round most of them finished
+    ended = [_rec(7, "run", leaving=True), _rec(7, "run", leaving=True), _rec(10**9, "run", leaving=True)]
+    assert progress_of(ended, "b", 1.0).round == 7
+    # the peer still training while the others stopped early: the live one's round
+    assert (
+        progress_of([_rec(9, "run"), _rec(5, "run", leaving=True), _rec(5, "run", leaving=True)], "b", 1.0).round == 9
+    )
