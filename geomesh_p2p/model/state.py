@@ -287,7 +287,17 @@ def load_latest_checkpoint(
     got = digest(theta, momentum)
     if got != record.get("digest"):
         raise CheckpointError(f"corrupt checkpoint {wpath}: digest {got} != recorded {record.get('digest')}")
-    return int(record.get("round", rnd)), theta, momentum, record
+    got_round = record.get("round", rnd)
+    if type(got_round) is not int or not 0 <= got_round <= MAX_CHECKPOINT_ROUND:
+        raise CheckpointError(f"corrupt checkpoint {wpath}: round {got_round!r:.40} is not a round number")
+    if not isinstance(record.get("meta", {}), dict):
+        raise CheckpointError(f"corrupt checkpoint {wpath}: its meta is not a JSON object")
+    return got_round, theta, momentum, record
+
+
+#: The largest round a checkpoint may hold (a PeerRecord's bound too): an edited one past it failed later with a
+#: traceback (red team, session 13).
+MAX_CHECKPOINT_ROUND = 2**40
 
 
 # --- the global state in one buffer ------------------------------------------------------

@@ -221,6 +221,11 @@ class CheckOptions(TypedDict, total=False):
     signed_of: Optional[Callable[[int, str], Optional[bytes]]]
 
 
+#: Verdicts restored from a checkpoint: at most this many entries of each kind (an edited file of 200k
+#: exclusions stalled the loop 2 s and grew the checkpoint to 88 MB: red team, session 13)
+MAX_RESTORED = 4096
+
+
 class Verdicts:
     """The verdicts of verified work one node holds on the others, and what they mean for plans: the excluded
     peers (left out of the plans it makes, :meth:`filter`; plans naming them refused, :meth:`plan_problem`),
@@ -257,21 +262,25 @@ class Verdicts:
         dropped (an edited checkpoint must not end the node)."""
         if not isinstance(meta, dict):
             return
+
+        def peer(p) -> bool:  # a plausible other peer's id (never this node: an edited file must not bar it)
+            return isinstance(p, str) and 0 < len(p) <= 64 and p != self.me
+
         excluded, rounds = meta.get("excluded"), meta.get("excluded_round")
         if isinstance(excluded, dict):
-            for p, why in excluded.items():
-                if isinstance(p, str) and p != self.me and p not in self.excluded:
-                    self.excluded[p] = str(why)
+            for p, why in list(excluded.items())[:MAX_RESTORED]:
+                if peer(p) and p not in self.excluded:
+                    self.excluded[p] = str(why)[:500]
                     r = rounds.get(p) if isinstance(rounds, dict) else None
                     self.excluded_round[p] = r if type(r) is int else 0
         lone = meta.get("lone")
         if isinstance(lone, list):
-            self.lone |= {p for p in lone if isinstance(p, str) and p in self.excluded}
+            self.lone |= {p for p in lone[:MAX_RESTORED] if isinstance(p, str) and p in self.excluded}
         marginal = meta.get("marginal")
         if isinstance(marginal, dict):
-            for p, rs in marginal.items():
-                if isinstance(p, str) and isinstance(rs, list):
-                    self._marginal.setdefault(p, set()).update(r for r in rs if type(r) is int)
+            for p, rs in list(marginal.items())[:MAX_RESTORED]:
+                if peer(p) and isinstance(rs, list):
+                    self._marginal.setdefault(p, set()).update(r for r in rs[:64] if type(r) is int)
 
     def filter(self, members: Iterable, keep: Optional[str] = None) -> list:
         """``members`` (PeerRecords or anything with ``peer_id``) without the excluded peers (never ``keep``)."""

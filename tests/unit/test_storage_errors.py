@@ -288,3 +288,17 @@ def test_the_checkpoint_carries_this_peers_verdicts(tmp_path):
     assert asyncio.run(node.checkpoint_or_warn()) is not None
     rnd, _, _, record = state.load_latest_checkpoint(tmp_path)
     assert rnd == 3 and record["meta"]["verdicts"] == verdicts
+
+
+@pytest.mark.parametrize("edit", [{"round": "abc"}, {"round": None}, {"round": -5}, {"round": 2**41}, {"meta": [1, 2]}])
+def test_an_edited_checkpoint_record_is_refused_in_one_line(tmp_path, edit):
+    """Red team (session 13): a checkpoint whose JSON round or meta was edited crashed --resume with a
+    traceback (int() of "abc", a meta list, a PeerRecord refusing round -5). It is a CheckpointError (one line
+    naming the file, a StateError the CLI prints as such)."""
+    node = _node(tmp_path)
+    assert asyncio.run(node.checkpoint_or_warn()) is not None
+    [(_, meta_path)] = state.list_checkpoints(tmp_path)
+    record = json.loads(meta_path.read_text())
+    meta_path.write_text(json.dumps({**record, **edit}))
+    with pytest.raises(state.CheckpointError, match=str(tmp_path)):
+        state.load_latest_checkpoint(tmp_path)

@@ -747,3 +747,19 @@ def _survive(world, c):
     restored.restore({"owner": {b: "x", 3: 4}, "noshow": []})
     node.restore({"excluded": ["x"], "lone": "y", "marginal": {a: "z"}})
     assert (restored.owner, restored.noshow) == ({b: ROUND + 4}, {a: ROUND + 9})
+
+
+def test_restored_verdicts_never_bar_this_peer_and_are_bounded():
+    """Red team (session 13): a checkpoint edited to name this peer in its penalties barred it from leading and
+    owning for ever, silently; 200k entries stalled the loop. Its own id is dropped and each kind is bounded."""
+    from geomesh_p2p.round.rules.penalties import MAX_RESTORED, Penalties
+
+    me = "Me" * 22
+    pens = Penalties(RoundState(me=me, round=3))
+    pens.restore({"owner": {me: 10**9, "P": 9, "x" * 5000: 9}, "noshow": {f"Q{i}": 9 for i in range(10_000)}})
+    assert pens.owner == {"P": 9} and len(pens.noshow) == MAX_RESTORED
+    book = V.Verdicts(me)
+    book.restore({"excluded": {me: "own", "P": "flipped"}, "lone": [me, "P"], "marginal": {me: [1], "P": [2]}})
+    assert book.excluded == {"P": "flipped"} and book.lone == {"P"} and book._marginal == {"P": {2}}
+    book.restore({"excluded": {f"E{i}": "x" for i in range(10_000)}})
+    assert len(book.excluded) == 1 + V.MAX_RESTORED

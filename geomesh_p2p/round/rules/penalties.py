@@ -23,6 +23,11 @@ __all__ = ["Penalties", "OWNER_PENALTY_ROUNDS", "conclusive"]
 #: honest leaders agree; the peer still contributes, it only stops deciding a range.
 OWNER_PENALTY_ROUNDS = 5
 
+#: Restored from a checkpoint: at most this many penalties of each kind, of ids at most this long (a base58
+#: PeerID is ~44-46 characters)
+MAX_RESTORED = 4096
+MAX_ID_CHARS = 64
+
 
 def conclusive(ar) -> bool:
     """Whether round result ``ar`` (an :class:`~geomesh_p2p.exchange.client.AllReduceResult`) can tell who
@@ -65,9 +70,14 @@ class Penalties:
         for kind in ("owner", "noshow"):
             got = meta.get(kind)
             if isinstance(got, dict):
-                getattr(self, kind).update(
-                    {str(p): int(r) for p, r in got.items() if isinstance(p, str) and type(r) is int}
-                )
+                # never this peer itself (an edited file barred it for ever, silently: red team, session 13),
+                # ids of PeerID length, and a bounded number (the penalties of one swarm)
+                ok = [
+                    (p, r)
+                    for p, r in got.items()
+                    if isinstance(p, str) and 0 < len(p) <= MAX_ID_CHARS and p != self.state.me and type(r) is int
+                ]
+                getattr(self, kind).update(ok[:MAX_RESTORED])
 
     def noshows(self) -> dict[str, int]:
         """Peers under a no-show penalty this round (peer id -> last round of it); expired ones dropped."""
