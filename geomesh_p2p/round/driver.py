@@ -21,6 +21,7 @@ import logging
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 from geomesh_p2p.exchange.codec.feedback import PushFeedback
+from geomesh_p2p.net.swarm_time import swarm_time
 from geomesh_p2p.plan.schema import RoundPlan
 from geomesh_p2p.schema.peer import PeerRecord
 from geomesh_p2p.telemetry import events
@@ -172,6 +173,9 @@ class RoundDriver:
         self._confirmed_round: int = 0
         #: the latest round the swarm's vote was seen at (behind / gather), for the line of a peer left alone
         self._swarm_seen: int = 0
+        #: swarm seconds when this driver (this process's session of the run) began: leaving records announced
+        #: before it are a previous session's, no sign that the swarm ended now (resync.swarm_ended)
+        self.started_at: float = swarm_time()
         #: eager updates: the next round's inner steps, started speculatively while this round's exchange runs
         self._spec: Optional[Speculative] = None
         #: (round, digest, attempts in a row that ended without a plan) of the round being agreed: after one,

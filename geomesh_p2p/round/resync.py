@@ -44,14 +44,27 @@ async def behind(drv: RoundDriver) -> bool:
     return sr is not None and sr > drv.state.round
 
 
+#: Seconds of clock difference between peers tolerated when a leaving record's time is compared with this
+#: process's start (swarm time is agreed within about this)
+PREVIOUS_SESSION_MARGIN_S = 5.0
+
+
 def swarm_ended(drv: RoundDriver, everyone: Sequence[PeerRecord]) -> Optional[SwarmEnded]:
     """A :class:`SwarmEnded` when ``everyone`` (the run's records, leaving peers included) holds at least
     one other peer and every other peer announced leaving; None while another peer is live.
 
     ``synced``: the majority digest of the others' records at this peer's round is this peer's digest
-    (the swarm ended on the state this peer holds); ``swarm_round``: the latest round they announced."""
+    (the swarm ended on the state this peer holds); ``swarm_round``: the latest round they announced.
+
+    Leaving records announced before this process began (:attr:`RoundDriver.started_at`, less
+    :data:`PREVIOUS_SESSION_MARGIN_S`) are a previous session's: a run restarted with ``--resume`` saw the
+    others' old leaving records before their new live ones and ended at once (fresh-user trial, session 13).
+    They are no sign that the swarm ended now; the wait for ``--min-peers`` goes on."""
     others = [x for x in everyone if x.peer_id != drv.me]
     if not others or any(not x.leaving for x in others):
+        return None
+    since = getattr(drv, "started_at", None)
+    if since is not None and all(float(x.timestamp) < since - PREVIOUS_SESSION_MARGIN_S for x in others):
         return None
     r = drv.state.round
     majority, _, _ = digest_majority(others, r)

@@ -301,3 +301,30 @@ def test_a_round_that_aggregated_no_token_marks_nobody():
     rules.after_exchange(spec, plan, one)
     assert rules.penalties.owner == {"a": 3 + OWNER_PENALTY_ROUNDS, "b": 3 + OWNER_PENALTY_ROUNDS}
     assert set(rules.penalties.noshows()) == {"b", "c"}
+
+
+async def test_leaving_records_of_a_previous_session_do_not_end_a_restarted_run():
+    """Fresh-user trial (session 13): every peer of a run stopped, then two were restarted with --resume; the
+    first saw the other's leaving record of the previous session before its new live one, concluded "the swarm
+    ended" and exited at once (and said its state was NOT the swarm's). Leaving records older than this
+    process are no such sign: it waits out --wait-peers-s for the others, trains its first round as a lone
+    first peer does, and then ends as a peer left alone (never "the swarm ended" from the old record)."""
+    me, a = _peers(2)
+    _finished(a, 5, 0.25)
+    old = a.swarm.records[a.me]
+    a.swarm.records[a.me] = old.model_copy(update={"timestamp": old.timestamp - 120})  # before this process
+    me.theta, me.round, me.digest = a.theta.clone(), 5, a.digest  # the same state, resumed from its checkpoint
+    me.model = a.theta.clone()
+    drv = me.driver(rounds=9, min_peers=2, wait_peers_s=3.0, clock=FakeClock())
+    with events.capture("swarm_ended") as ended:
+        await asyncio.wait_for(drv.run(), 30)
+    assert [e["cause"] for e in ended] == ["alone"]  # not "others_left" from the old record, at once
+    assert [r.round for r in drv.history] == [5]
+    # the same record announced during this session does end it, as before
+    me2, b = _peers(2)
+    _finished(b, 5, 0.25)
+    me2.theta, me2.round, me2.digest, me2.model = b.theta.clone(), 5, b.digest, b.theta.clone()
+    drv2 = me2.driver(rounds=9, min_peers=2, wait_peers_s=3.0, clock=FakeClock())
+    with events.capture("swarm_ended") as ended2:
+        await asyncio.wait_for(drv2.run(), 30)
+    assert [(e["cause"], e["synced"]) for e in ended2] == [("others_left", True)]
