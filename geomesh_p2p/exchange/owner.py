@@ -145,6 +145,7 @@ class OwnerService:
         self._rounds: dict[int, _RoundState] = {}
         self._oldest_kept = 0  # rounds below this were pruned
         self._newest: Optional[int] = None  # newest round ever registered here (None: none yet)
+        self._noted: Optional[int] = None  # newest round this node holds the state of (note_round)
         self._round_events: dict[int, asyncio.Event] = {}
         self._held = 0
         self._tasks = TaskOwner(f"collective {_short(self.peer_id)}")
@@ -199,6 +200,12 @@ class OwnerService:
         if state.parts:
             self._tasks.spawn(self._close_at_deadline(state), name=f"close r{spec.round}")
         return state
+
+    def note_round(self, round: int) -> None:
+        """This node now holds the state of ``round`` (it caught up by a download or the donors' updates): the
+        rounds up to ``max_rounds_ahead`` past it are held until registered, not refused as too far ahead of
+        the last round it registered. Thread-safe enough to call from a worker thread (one int store)."""
+        self._noted = int(round) if self._noted is None else max(self._noted, int(round))
 
     def rounds_kept(self) -> list[int]:
         return sorted(self._rounds)
@@ -257,10 +264,9 @@ class OwnerService:
             raise EnvelopeError(
                 Code.FAILED_PRECONDITION, f"round {round} is over on this node (oldest kept: {self._oldest_kept})"
             )
-        if self._newest is not None and round > self._newest + self.max_rounds_ahead:
-            raise _TooFarAhead(
-                Code.FAILED_PRECONDITION, f"round {round} is too far ahead of this node's round {self._newest}"
-            )
+        known = max((r for r in (self._newest, self._noted) if r is not None), default=None)
+        if known is not None and round > known + self.max_rounds_ahead:
+            raise _TooFarAhead(Code.FAILED_PRECONDITION, f"round {round} is too far ahead of this node's round {known}")
         if hold_s <= 0 or self._held >= self.max_held_requests:
             return None
         ev = self._round_events.setdefault(round, asyncio.Event())

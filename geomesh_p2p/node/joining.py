@@ -205,6 +205,18 @@ async def initial_state(node: PeerNode) -> None:
         await node._on_empty_swarm()
 
 
+def adopt_state(node: PeerNode, round: int, theta, momentum) -> None:
+    """A state the catch-up adopted (a download or the donors' updates): made the node's state of ``round``
+    (``PeerNode._set_state``, whole-model: a worker thread), and the collective told, so that the others'
+    pushes for ``round`` are held until this peer registers it, not refused as "too far ahead" of the round it
+    had before (red team, session 13: a peer that caught up from round 3 to 19 refused round 19's pushes to the
+    part it owned, and the round's digests split)."""
+    node._set_state(round, theta, momentum)
+    collective = getattr(node, "collective", None)
+    if collective is not None:
+        collective.note_round(round)
+
+
 async def resume_from(node: PeerNode, ck) -> None:
     """Take the global state of checkpoint ``ck`` (``gstate.load_latest_checkpoint``'s tuple: round,
     theta [P] fp32, optimizer state [k * P] fp32 or None, meta), the standing ledger it saved and this peer's

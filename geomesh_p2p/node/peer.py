@@ -171,7 +171,7 @@ class PeerNode:
             peers=lambda include_leaving=False: self.peers(include_leaving=include_leaving),
             announce=lambda: self.announce(),
             record_changed=lambda: started(self.announcer).update(self.my_record),
-            set_state=lambda rnd, theta, momentum: self._set_state(rnd, theta, momentum),
+            set_state=lambda rnd, theta, momentum: joining.adopt_state(self, rnd, theta, momentum),
             transport=lambda: self.transport,
             plans=lambda: self.plans,  # the run's signed plans: made by start()
             gstate=lambda: self.gstate,  # built by start()

@@ -89,3 +89,24 @@ async def test_before_any_round_is_registered_any_round_is_held(swarms):
     pull = collective_pb2.PullPartRequest(round=10**6, part=0, wait_s=0.2).SerializeToString()
     reply = await sw.transports[0].call(sw.addresses[0], COLLECTIVE_PULL, pull, round=10**6, timeout=5)
     assert collective_pb2.PullPartResponse.FromString(reply.payload).ready is False  # held, then "not ready"
+
+
+async def test_a_node_that_caught_up_holds_pushes_for_its_new_round(swarms):
+    """Red team (session 13): a peer stopped at round 3 caught up to round 19 by a download; its owner service
+    still measured "too far ahead" from round 3 and refused the others' round-19 pushes to the part it owned
+    (one round's digests split). note_round (called when a state is adopted) moves the bound."""
+    sw = await swarms(2, max_held_requests=4, hold_unknown_round_s=0.2)
+    owner = sw.services[0]
+    owner.register(sw.spec(2 * 2048, round=3))
+    call = sw.transports[1].call(sw.addresses[0], COLLECTIVE_PUSH, b"", round=19, timeout=5)
+    with pytest.raises(RpcError) as e:
+        await call
+    assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION and "round 19 is too far ahead" in e.value.reason
+    owner.note_round(19)  # the download adopted round 19's state
+    with pytest.raises(RpcError) as e:
+        await sw.transports[1].call(sw.addresses[0], COLLECTIVE_PUSH, b"", round=19, timeout=5)
+    # held (not refused as too far ahead), then "not open yet" once the hold ends without the spec
+    assert e.value.code == grpc.StatusCode.UNAVAILABLE and "too far ahead" not in e.value.reason
+    with pytest.raises(RpcError) as e:
+        await sw.transports[1].call(sw.addresses[0], COLLECTIVE_PUSH, b"", round=22, timeout=5)
+    assert "round 22 is too far ahead of this node's round 19" in e.value.reason
