@@ -58,6 +58,8 @@ aggregates, so honest leaders agree.
 
 from __future__ import annotations
 
+from collections import Counter
+
 import hashlib
 from typing import Collection, Iterable, Mapping, Optional, Sequence
 
@@ -137,14 +139,18 @@ class StandingView:
         span = range(max(0, self.round - window), self.round)
         credited = {r for r in (standing.credited_rounds() if standing is not None else []) if r in span}
         self.credited = len(credited)
+        # what the ledger saw within the window only: a ledger restored after a gap (a --resume at a later
+        # round) holds credits of rounds before it, and counted them, this peer led while the others saw it
+        # on probation and refused its plans (fresh-user trial, session 13)
+        self._weights = standing.weights_in(span) if standing is not None else Counter()
         self.missed = len(span) - self.credited
         self._records = list(records)
         self._hist: dict[str, int] = {}
         self._attestors: Optional[list] = None
 
     def own(self, peer_id: str) -> int:
-        """Rounds this node itself saw ``peer_id`` deliver (its ledger)."""
-        return self._standing.weight(peer_id) if self._standing is not None else 0
+        """Rounds of the window this node itself saw ``peer_id`` deliver (its ledger)."""
+        return self._weights.get(peer_id, 0)
 
     def _trusted(self) -> list:
         """Records whose attestations count: of peers that delivered in ``min(threshold, credited)`` of

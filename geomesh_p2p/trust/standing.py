@@ -104,6 +104,16 @@ class Standing:
     def weight(self, peer_id: str) -> int:
         return self._counts.get(peer_id, 0)
 
+    def weights_in(self, rounds: range) -> Counter:
+        """Peer id -> rounds credited within ``rounds`` (round numbers) in which it contributed: the ledger's
+        weight restricted to a window of rounds, so credits of long ago (a checkpoint restored after a
+        gap) do not count as recent ones."""
+        out: Counter = Counter()
+        for r, ids in self._rounds:
+            if r in rounds:
+                out.update(ids)
+        return out
+
     def knows_others(self, me: Optional[str]) -> bool:
         """True when this ledger credits a peer other than ``me`` (this node saw someone else deliver).
         A ledger of rounds this node trained alone knows nobody: it is no evidence about anyone."""

@@ -240,3 +240,24 @@ def test_the_refusal_and_the_download_lines_say_the_same_thing():
     vote = choose_state(moved + stranger, me=node.state.me, standing=node.state.standing, trained=True)
     assert vote.choice.describe() == "standing vote: its backers hold 15 of the 15 rounds of standing this peer sees"
     assert vote.refusal is None
+
+
+def test_credits_from_before_a_gap_do_not_make_a_resumed_peer_established():
+    """Fresh-user trial (session 13): a peer stopped at round 128 and resumed at round 160 restored a ledger
+    crediting itself in rounds 96-127; counted as recent it led round 161 while the others, who saw it deliver
+    in 1 of their last rounds, held it on probation and refused its plans. A view counts the window's rounds
+    only: the resumed peer is on probation in its own view too, until it delivers again."""
+    from geomesh_p2p.trust import probation as pb
+    from geomesh_p2p.trust.standing import Standing
+
+    me, other = "M" * 44, "O" * 44
+    ledger = Standing()
+    for r in range(96, 128):
+        ledger.credit(r, [me, other])
+    assert ledger.weight(me) == 32  # the ledger itself still holds them (votes use it as before)
+    view = pb.StandingView(ledger, (), round=160, me=me)
+    assert view.own(me) == 0 and not view.established(me)
+    assert pb.StandingView(ledger, (), round=128, me=me).established(me)  # without the gap: established
+    for r in range(160, 163):  # it delivers again
+        ledger.credit(r, [me, other])
+    assert pb.StandingView(ledger, (), round=163, me=me).established(me)
