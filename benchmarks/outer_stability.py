@@ -24,6 +24,7 @@ import argparse
 import copy
 import time
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Optional
 
 import torch
@@ -35,6 +36,7 @@ from geomesh_p2p.exchange.robust import aggregate_part
 from geomesh_p2p.model.build import build_model, flat_params, load_flat_, pseudo_gradient
 from geomesh_p2p.model.optim import OuterNesterov, outer_step_per_part
 from geomesh_p2p.model.training import InnerTrainer
+from geomesh_p2p.node.training import trainer_kwargs
 from geomesh_p2p.schema.partition import part_sizes
 
 
@@ -82,16 +84,8 @@ def run_variant(v: Variant, ns, dataset, theta0: torch.Tensor, base_model, evalu
         if n:
             ranges.append((s, s + n))
         s += n
-    kw = dict(
-        seq_len=run.seq_len,
-        optimizer=run.inner_optimizer,
-        lr=run.inner_lr,
-        weight_decay=0.1,
-        warmup_steps=run.warmup_steps,
-        total_steps=run.total_inner_steps,
-        seed=run.seed,
-        steps_per_round=run.uniform_inner_steps,
-    )  # geomesh_p2p.node.training.trainer_kwargs
+    # the peers' own inner-trainer arguments (full speed, no autocast)
+    kw = trainer_kwargs(run, SimpleNamespace(speed_factor=1.0, amp=False))
     names = [f"peer{i}" for i in range(ns.peers)]
     trainers = [InnerTrainer(copy.deepcopy(base_model), dataset, peer_id=n, **kw) for n in names]
     efs = [compression.ErrorFeedback(p, block) if v.error_feedback else None for _ in names]
