@@ -88,6 +88,19 @@ SHARD_CASES = [
 ]
 
 
+def _die_at_second_step(t: RankedTrainer) -> None:
+    """Make follower ``t`` exit (code 9, no cleanup: a dead rank) at the second inner step it is told to run."""
+    real, n = t._follow_step, {"steps": 0}
+
+    def dying(cmd, batch):
+        n["steps"] += 1
+        if n["steps"] == 2:
+            os._exit(9)
+        real(cmd, batch)
+
+    t._follow_step = dying  # type: ignore[method-assign]
+
+
 def shard_main(rank: int, ch: RankChannel, out: str, die: bool = False) -> int:
     """The ``shard`` / ``shard_die`` scenarios (see the module's docstring)."""
     starts = [flat_params(model()), flat_params(build_model("tiny", vocab_size=VOCAB, seed=1))]
@@ -108,15 +121,7 @@ def shard_main(rank: int, ch: RankChannel, out: str, die: bool = False) -> int:
         _measure_at_first_step(t, res["mem"][name])
         if rank != 0:
             if die:
-                real, n = t._follow_step, {"steps": 0}
-
-                def dying(cmd, batch):
-                    n["steps"] += 1
-                    if n["steps"] == 2:
-                        os._exit(9)
-                    real(cmd, batch)
-
-                t._follow_step = dying  # type: ignore[method-assign]
+                _die_at_second_step(t)
             code = t.follow()
             res["sizes"][name] = _local_sizes(t)
             continue
@@ -165,16 +170,7 @@ def main() -> int:
     assert ch.wait_setup() == VOCAB
     t = RankedTrainer(model(), NoData(VOCAB), channel=ch, **KWARGS)
     if scenario == "die":
-        steps = {"n": 0}
-        real = t._follow_step
-
-        def dying(cmd, batch):
-            steps["n"] += 1
-            if steps["n"] == 2:
-                os._exit(9)
-            real(cmd, batch)
-
-        t._follow_step = dying  # type: ignore[method-assign]
+        _die_at_second_step(t)
     code = t.follow()
     torch.save({"flat": flat_params(t.model), "exp_avg": exp_avg(t), "code": code}, f"{out}.rank{rank}.pt")
     ch.close(exit_followers=False)
