@@ -49,12 +49,14 @@ class DHTLookup(DHTProtocol):
         on_records: Optional[Callable[[DHTID, List[VerifiedRecord], int], bool]] = None,
         stats: Optional[LookupStats] = None,
         await_all: bool = True,
+        subkeys: Optional[Collection[str]] = None,
     ) -> Tuple[Dict[DHTID, List[DHTID]], Dict[DHTID, Contact]]:
         """Iterative Kademlia lookup of ``key_ids`` with hivemind's traverse_dht (alpha workers), in a
         TaskScope: no task of it is left pending when it returns or is cancelled.
 
         ``on_records(key_id, records, hop) -> stop`` sees every verified record returned; without it the
-        lookup asks for nodes only (FindRequest.nodes_only: a store's lookup carries no records).
+        lookup asks for nodes only (FindRequest.nodes_only: a store's lookup carries no records); ``subkeys``:
+        the finds ask only for the records under these subkeys (FindRequest.subkeys).
         Returns (nearest node ids per key, nearest-first, never self; contact of every node seen).
         """
         stats = stats if stats is not None else LookupStats()
@@ -62,18 +64,18 @@ class DHTLookup(DHTProtocol):
         t0 = time.perf_counter()
         failures = stats.failures
         stopped: set = set()
-        nearest, contacts = await self._traverse_once(key_ids, beam, on_records, stats, await_all, stopped)
+        nearest, contacts = await self._traverse_once(key_ids, beam, on_records, stats, await_all, stopped, subkeys)
         if stats.failures > failures and len(stopped) < len(key_ids):
             # hivemind's traverse_dht keeps a silent node in the beam, so nodes behind it may have been
             # skipped; silent nodes are now out of the routing table and blacklisted: look again.
             again = [q for q in key_ids if q not in stopped]
-            nearest2, contacts2 = await self._traverse_once(again, beam, on_records, stats, await_all, stopped)
+            nearest2, contacts2 = await self._traverse_once(again, beam, on_records, stats, await_all, stopped, subkeys)
             nearest.update(nearest2)
             contacts.update(contacts2)
         stats.seconds += time.perf_counter() - t0
         return nearest, contacts
 
-    async def _traverse_once(self, key_ids, beam, on_records, stats, await_all, stopped: set):
+    async def _traverse_once(self, key_ids, beam, on_records, stats, await_all, stopped: set, subkeys=None):
         contacts = self._initial(key_ids, beam)
         depth: Dict[DHTID, int] = {nid: 1 for nid in contacts}
         failed: set = set()
@@ -84,7 +86,7 @@ class DHTLookup(DHTProtocol):
             stats.rpcs += 1
             stats.hops = max(stats.hops, hop)
             try:
-                response = await self._find(contacts[peer], queries, nodes_only=on_records is None)
+                response = await self._find(contacts[peer], queries, nodes_only=on_records is None, subkeys=subkeys)
             except Exception as e:  # never let a worker die: it would end the whole lookup (an assert)
                 log.exception("find failed unexpectedly: %r", e)
                 response = None

@@ -48,7 +48,7 @@ import asyncio
 import collections
 import logging
 import time
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Collection, Dict, List, Optional, Sequence
 
 from hivemind.dht.routing import DHTID
 
@@ -233,7 +233,12 @@ class DHTNode(DHTJoin):
         return await self._send_records(contacts[nid], records)
 
     async def get(
-        self, key: str, latest: bool = True, *, stats: Optional[LookupStats] = None
+        self,
+        key: str,
+        latest: bool = True,
+        *,
+        stats: Optional[LookupStats] = None,
+        subkeys: Optional[Collection[str]] = None,
     ) -> Dict[Optional[str], DHTValue]:
         """Find ``key``: ``{subkey or None: DHTValue(value, expiration_time, owner)}``, ``{}`` if absent.
 
@@ -242,12 +247,21 @@ class DHTNode(DHTJoin):
         one only when no signed one exists); ``latest=False`` stops at
         the first node that has any value (faster; a dictionary may then be partial). Every record is
         verified (signature, owner rule, expiry, size, key) before it is returned.
+
+        ``subkeys`` (at most ``limits.max_keys_per_find``): only the records under these subkeys are asked for
+        and returned (a read of a few peers' records costs a few records per node, not the key's N; issue 25).
+        A node holding none of them does not count towards the quorum.
         """
+        wanted = set(subkeys) if subkeys else None
+        if wanted is not None and len(wanted) > self.limits.max_keys_per_find:
+            raise ValueError(f"{len(wanted)} subkeys asked, at most {self.limits.max_keys_per_find} per find")
         key_id = key_id_of(key)
         stats = stats if stats is not None else LookupStats()
         merge = _Merge()
         now = self.now()
         for rec in self._local_records(key_id):
+            if wanted is not None and (not rec.HasField("subkey") or rec.subkey not in wanted):
+                continue
             try:
                 merge.add(verify_record(rec, run_id=self.run_id, now=now, limits=self.limits, expected_key_id=key_id))
                 stats.found_hop = 0
@@ -265,7 +279,9 @@ class DHTNode(DHTJoin):
             answered[0] += 1
             return not latest or (self.read_quorum is not None and answered[0] >= self.read_quorum)
 
-        await self._traverse([key_id], beam=self.k, on_records=on_records, stats=stats, await_all=False)
+        await self._traverse(
+            [key_id], beam=self.k, on_records=on_records, stats=stats, await_all=False, subkeys=wanted
+        )
         return merge.result(self.now())
 
     # ------------------------------------------------------------------ republish

@@ -7,7 +7,7 @@ contact names) and the handlers it serves (``_rpc_ping``, ``_rpc_store``, ``_rpc
 from __future__ import annotations
 
 import logging
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Collection, Dict, List, Optional, Sequence, Tuple
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -118,14 +118,26 @@ class DHTProtocol(DHTContacts):
         return contact
 
     async def _find(
-        self, contact: Contact, key_ids: Sequence[DHTID], *, nodes_only: bool = False
+        self,
+        contact: Contact,
+        key_ids: Sequence[DHTID],
+        *,
+        nodes_only: bool = False,
+        subkeys: Optional[Collection[str]] = None,
     ) -> Optional[Dict[DHTID, Tuple[List[VerifiedRecord], Dict[DHTID, Contact]]]]:
         """FIND at ``contact``; None when it fails. Invalid records and contacts in the reply are dropped.
         ``nodes_only``: ask for the nearest nodes only (a store's lookup: no records in the reply, so no
-        bytes and no signature checks for them)."""
+        bytes and no signature checks for them). ``subkeys``: ask only for the records under these subkeys
+        (a sampled read); records under other subkeys in the reply (a server that predates the field) are
+        dropped unverified."""
         if contact.peer_id in self.blacklist:
             return None
-        req = dht_pb2.FindRequest(sender=self.self_info(), keys=[k.to_bytes() for k in key_ids], nodes_only=nodes_only)
+        req = dht_pb2.FindRequest(
+            sender=self.self_info(),
+            keys=[k.to_bytes() for k in key_ids],
+            nodes_only=nodes_only,
+            subkeys=sorted(subkeys) if subkeys else [],
+        )
         try:
             contact, resp = await self._call(contact, DHT_FIND, req, dht_pb2.FindResponse)
         except RpcError as err:
@@ -141,6 +153,8 @@ class DHTProtocol(DHTContacts):
         for key_id, result in zip(key_ids, resp.results):
             records: List[VerifiedRecord] = []
             for rec in result.records:
+                if subkeys and (not rec.HasField("subkey") or rec.subkey not in subkeys):
+                    continue  # not asked for: not verified, not kept
                 try:
                     records.append(
                         verify_record(rec, run_id=self.run_id, now=now, limits=self.limits, expected_key_id=key_id)
@@ -299,6 +313,9 @@ class DHTProtocol(DHTContacts):
         if any(len(k) != DHTID.HASH_NBYTES for k in req.keys):
             raise RecordError(grpc.StatusCode.INVALID_ARGUMENT, f"a key is not a {DHTID.HASH_NBYTES}-byte DHTID")
         self._note_sender(verified, req.sender)
+        if req.subkeys:  # none asked: every record of the keys
+            _check_count(len(req.subkeys), self.limits.max_keys_per_find, "FindRequest", "subkeys", "find")
+        wanted = set(req.subkeys)
         exclude = node_id_of(verified.sender)
         resp = dht_pb2.FindResponse()
         budget = self.transport.config.max_message_bytes // 2  # room for the nearest lists and the envelope
@@ -306,6 +323,8 @@ class DHTProtocol(DHTContacts):
             key_id = DHTID.from_bytes(raw)
             result = resp.results.add(key=raw)
             for rec in () if req.nodes_only else self._local_records(key_id):
+                if wanted and (not rec.HasField("subkey") or rec.subkey not in wanted):
+                    continue
                 budget -= rec.ByteSize() + 8
                 if budget < 0:
                     self._once(logging.WARNING, "find", "reply truncated at the message size limit")

@@ -79,14 +79,16 @@ class StoreResponse(_message.Message):
     def __init__(self, outcomes: _Optional[_Iterable[_Union[StoreOutcome, _Mapping]]] = ...) -> None: ...
 
 class FindRequest(_message.Message):
-    __slots__ = ("sender", "keys", "nodes_only")
+    __slots__ = ("sender", "keys", "nodes_only", "subkeys")
     SENDER_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     NODES_ONLY_FIELD_NUMBER: _ClassVar[int]
+    SUBKEYS_FIELD_NUMBER: _ClassVar[int]
     sender: NodeInfo
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     nodes_only: bool
-    def __init__(self, sender: _Optional[_Union[NodeInfo, _Mapping]] = ..., keys: _Optional[_Iterable[bytes]] = ..., nodes_only: _Optional[bool] = ...) -> None: ...
+    subkeys: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, sender: _Optional[_Union[NodeInfo, _Mapping]] = ..., keys: _Optional[_Iterable[bytes]] = ..., nodes_only: _Optional[bool] = ..., subkeys: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class FindResult(_message.Message):
     __slots__ = ("key", "records", "nearest")

@@ -222,6 +222,34 @@ async def test_a_stores_lookup_asks_for_nodes_only_and_a_get_still_sees_every_re
         await stop_all(nodes)
 
 
+async def test_a_read_of_chosen_subkeys_carries_only_their_records():
+    # Issue 25: a light follower checks a sample of the plan's participants; reading their records must not
+    # carry the key's N records. FindRequest.subkeys asks a node for these subkeys' records only.
+    nodes = await start_swarm(6)
+    try:
+        for i, w in enumerate(nodes[:5]):
+            assert await w.store(
+                "run/peers", bytes([i]) * 2000, time.time() + 120, subkey=w.peer_id.to_string(), owner=w.identity
+            )
+        reader = nodes[5]
+        stats = reader.transport.stats
+        wanted = [nodes[1].peer_id.to_string(), nodes[3].peer_id.to_string(), "not-a-writer"]
+        before = stats.by_method.get(DHT_FIND, (0, 0))[1]
+        found = await reader.get("run/peers", latest=True, subkeys=wanted)
+        sampled_recv = stats.by_method.get(DHT_FIND, (0, 0))[1] - before
+        assert {sk: v.value for sk, v in found.items()} == {wanted[0]: bytes([1]) * 2000, wanted[1]: bytes([3]) * 2000}
+        before = stats.by_method.get(DHT_FIND, (0, 0))[1]
+        everyone = await reader.get("run/peers", latest=True)
+        full_recv = stats.by_method.get(DHT_FIND, (0, 0))[1] - before
+        assert len(everyone) == 5
+        # each answering node sent 2 of the 5 records: less than half the full read's bytes
+        assert sampled_recv < full_recv / 2, (sampled_recv, full_recv)
+        with pytest.raises(ValueError, match="subkeys asked"):
+            await reader.get("run/peers", subkeys=[f"s{i}" for i in range(reader.limits.max_keys_per_find + 1)])
+    finally:
+        await stop_all(nodes)
+
+
 async def test_a_latest_read_ends_at_its_quorum_of_answering_replicas_with_the_same_records():
     # Issue 25: get(latest=True) asked all k nearest nodes, each answering with every record under the key. It
     # now ends once read_quorum (5) nodes answered with records; every writer stored on all of them, so the
