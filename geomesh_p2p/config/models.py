@@ -346,6 +346,23 @@ class NodeConfig(BaseModel):
         le=100,
     )
     plan_timeout_s: float = opt(4.0, "seconds to wait for the round's plan", group=TUNING_GROUP, gt=0)
+    full_view_peers: int = opt(
+        8,
+        "peers of the last round's plan ranked first to lead the next round read every peer record (they gather, "
+        "lead and check plans in full); a peer ranked after them is a light follower: it reads the plan and the "
+        "records of a sample only, so its DHT traffic does not grow with the swarm (docs/round.md, 'Light "
+        "followers'); 0: every peer reads every record",
+        group=TUNING_GROUP,
+        ge=0,
+        le=1024,
+    )
+    light_sample: int = opt(
+        8,
+        "records a light follower reads to check a plan and its digest (the leader's and others drawn at random)",
+        group=TUNING_GROUP,
+        ge=1,
+        le=64,
+    )
     gather_wait_s: float = opt(4.0, "seconds the leader waits for the round's peers", group=TUNING_GROUP, gt=0)
     sync_wait_cap_s: float = opt(
         30.0,

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Awaitable, Callable, List, Optional, Union
+from typing import Any, Awaitable, Callable, Collection, List, Optional, Union
 
 from pydantic import ValidationError
 
@@ -132,6 +132,7 @@ async def live_peers(
     mine: Optional[PeerRecord] = None,
     latest: bool = True,
     include_leaving: bool = False,
+    only: Optional[Collection[str]] = None,
 ) -> List[PeerRecord]:
     """The unexpired, valid, compatible PeerRecords of ``run_id`` (default: the node's run), sorted by
     peer id.
@@ -140,10 +141,11 @@ async def live_peers(
     sit under, whose version's major.minor differs from ``expected_version``, whose run-config hash
     differs from ``expected_config_hash``, or that :func:`check_compatible` rejects against ``mine``.
     Records of peers that announced they are leaving are left out too, unless ``include_leaving``.
-    Signatures and the owner rule were already checked by the DHT.
+    Signatures and the owner rule were already checked by the DHT. ``only``: read the records of these
+    PeerIDs only (a subkey read, :meth:`DHTNode.get`'s ``subkeys``: a few records, not the run's N).
     """
     run_id = run_id or node.run_id
-    found = await node.get(peers_key(run_id), latest=latest)
+    found = await node.get(peers_key(run_id), latest=latest, subkeys=only)
     out: List[PeerRecord] = []
     for subkey, item in found.items():
         who = f"peer record {subkey[:10] if subkey else '(no subkey)'}…"

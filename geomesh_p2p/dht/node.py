@@ -279,9 +279,7 @@ class DHTNode(DHTJoin):
             answered[0] += 1
             return not latest or (self.read_quorum is not None and answered[0] >= self.read_quorum)
 
-        await self._traverse(
-            [key_id], beam=self.k, on_records=on_records, stats=stats, await_all=False, subkeys=wanted
-        )
+        await self._traverse([key_id], beam=self.k, on_records=on_records, stats=stats, await_all=False, subkeys=wanted)
         return merge.result(self.now())
 
     # ------------------------------------------------------------------ republish

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Collection, Optional
 
 
 import geomesh_p2p
@@ -152,6 +152,24 @@ async def read_records(node: PeerNode) -> list[PeerRecord]:
     recs = await live_peers(started(node.dht), run, expected_version=v, expected_config_hash=h, include_leaving=True)
     await watch_identity(node, recs)
     return recs
+
+
+async def records_of(node: PeerNode, peer_ids: Collection[str]) -> list[PeerRecord]:
+    """The live, admitted records of ``peer_ids`` only, of this version and run config, leaving ones
+    included: one read of those subkeys (:func:`~geomesh_p2p.dht.live_peers` with ``only``; a light
+    follower's sample, issue 25: a few records, not the run's N). This peer's own record, when asked for, is
+    its current one (not read); no DHT read when it is the only one asked for."""
+    others = [p for p in peer_ids if p != node.me]
+    recs: list[PeerRecord] = []
+    if others:
+        v, h, run = geomesh_p2p.__version__, node.config_hash, node.run_cfg.run_id
+        recs = await live_peers(
+            started(node.dht), run, expected_version=v, expected_config_hash=h, include_leaving=True, only=others
+        )
+    out = node.admission.filter(recs)
+    if node.me in peer_ids:
+        out.append(node.my_record())
+    return out
 
 
 async def check_swarm(node: PeerNode, mine: Optional[PeerRecord] = None) -> None:

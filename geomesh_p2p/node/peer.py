@@ -25,7 +25,7 @@ import asyncio
 import logging
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional, cast
+from typing import TYPE_CHECKING, Any, Collection, Optional, cast
 
 import torch
 
@@ -496,6 +496,10 @@ class PeerNode:
         out[self.me] = self.my_record()
         return list(out.values())
 
+    async def records_of(self, peer_ids: Collection[str]) -> list[PeerRecord]:
+        """Live, admitted records of ``peer_ids`` only (:func:`joining.records_of`: a subkey read, issue 25)."""
+        return await joining.records_of(self, peer_ids)
+
     async def _read_records(self) -> list[PeerRecord]:
         """One full read of the run's records, leaving peers' included (:attr:`member_reads`' read)."""
         return await joining.read_records(self)
@@ -615,7 +619,7 @@ class PeerNode:
 
     async def _one_round(self, members: list[PeerRecord]) -> set[str]:
         """Run round ``self.round`` (:meth:`RoundDriver.one_round`); returns the participants expected next."""
-        return await self._driver().one_round(members)
+        return await self._driver().one_round(members) or set()
 
     def pseudo_gradient(self) -> torch.Tensor:
         """Global weights minus the model's after the inner steps: [P] fp32 (worker thread)."""
@@ -753,43 +757,8 @@ class PeerNode:
             self.transport = None
 
     async def _serve_last_parts(self) -> float:
-        """Before the server stops: keep serving the last round's owned parts to participants still pulling
-        them (a slow link, a uniform-H method's slow peer), until each has been handed them or the round's
-        exchange deadline passed (at most :data:`MAX_LINGER_S`), with one INFO line when it waits and one
-        more if some never pulled. Returns the grace (seconds) the server's stop gives calls still in flight:
-        a result handed out is still on the wire (rs10: a 2.8 MB relay result on a 4.64 Mbit/s link was cut
-        by the 0.5 s grace), so until that deadline, at least 0.5 s. A second Ctrl+C ends the wait."""
-        collective = self.collective
-        plan = getattr(self._round_driver, "last_plan", None)
-        if collective is None or plan is None or not hasattr(collective, "linger"):
-            return 0.5
-        until = min(float(plan.exchange_deadline), swarm_time() + MAX_LINGER_S)
-        left = collective.unserved()
-        if left and until > swarm_time():
-            readers = sorted({p for ps in left.values() for p in ps})
-            events.emit(
-                log,
-                logging.INFO,
-                "serving_last_parts",
-                "round %d: %d peer(s) still pulling this peer's %d part(s) (%s); serving them for at most %.0f s",
-                plan.round,
-                len(readers),
-                len(left),
-                ", ".join(p[:10] for p in readers[:5]),
-                until - swarm_time(),
-                peer=self.me,
-                round=plan.round,
-                readers=readers,
-                wait_s=until - swarm_time(),
-            )
-            left = await collective.linger(until)
-            if left:
-                log.info(
-                    "round %d: %d peer(s) did not pull this peer's parts by the exchange deadline; stopping",
-                    plan.round,
-                    len({p for ps in left.values() for p in ps}),
-                )
-        return max(0.5, until - swarm_time())
+        """Serve the last round's owned parts before the server stops (:func:`report.serve_last_parts`)."""
+        return await report.serve_last_parts(self, MAX_LINGER_S)
 
     def summary(self) -> dict:
         """This peer's run in numbers (:func:`geomesh_p2p.node.report.summary`)."""

@@ -268,7 +268,6 @@ def check_plan(
     except ValueError as e:
         return f"its participants' records cannot be planned ({e})"
     by_id = {r.peer_id: r for r in bound_records(recs)}
-    seq = cfg.seq_len
     rule = _method_rule(cfg)
     balanced, uniform_H = rule.balanced, rule.uniform_inner_steps
     micro_u = uniform_micro(list(by_id.values()), cfg)
@@ -302,19 +301,98 @@ def check_plan(
         return "its train deadline is not its start plus its window"
     if plan.created_at - now > MAX_CLOCK_SKEW_S:
         return f"it starts {plan.created_at - now:.0f} s in the future"
+    for a in plan.assignments:
+        ceiling = PLAN_CHECK_TOLERANCE * by_id[a.peer_id].best_tokens_per_s() * T
+        if a.token_budget > ceiling:
+            return (
+                f"token budget {a.token_budget} for {a.peer_id[:10]} exceeds the {ceiling:.0f} its bounded "
+                f"throughput supports in {T:.3g} s"
+            )
+    reason = _budget_problem(plan, cfg) or _probation_problem(plan, cfg)
+    if reason is not None:
+        return reason
+    on_probation = set(plan.probation())
+    possible = {r.peer_id for r in recs if r.address is not None and r.peer_id not in on_probation}
+    return _ownership_problem(plan, cfg, possible, barred)
+
+
+def check_plan_sampled(
+    plan: RoundPlan,
+    sampled: Mapping[str, PeerRecord],
+    cfg: PlanConfig,
+    *,
+    now: float,
+    barred: Collection[str] = (),
+) -> Optional[str]:
+    """:func:`check_plan` for a light follower (issue 25) that holds the records of a sample of the plan's
+    participants only (``sampled``: ``peer_id -> PeerRecord``, each a participant). One-line reason, or None.
+
+    Checked over the whole plan, from the plan and ``cfg`` alone: settings, step bounds (AWB) or the fixed H
+    (uniform methods), the train deadline against the window and ``now``, every budget against the plan's
+    median and the largest share, probation counts, and ownership (each owner under
+    :func:`max_owner_units` among the participants the plan gives an address, less ``barred``). Checked for
+    the sampled participants, against their records as announced (not bounded by the median of all, which
+    needs every record; the announced figure is the looser bound, so a plan :func:`make_plan` makes always
+    passes): the address the plan gives them, micro-batch within ``max_batch``, ``accum_steps`` for the
+    target batch, token budget within ``PLAN_CHECK_TOLERANCE`` x best tokens/s x window. What it cannot
+    see: the window against the slowest record, and a lie about an unsampled participant's figures; a lie
+    about one participant is seen by each follower with probability (sample size / participants), and the
+    full-view peers check it all (docs/round.md, "Light followers").
+    """
+    if plan.seq_len != cfg.seq_len or plan.method != cfg.method or plan.mode != cfg.mode:
+        return (
+            f"its seq_len/method/mode {plan.seq_len}/{plan.method}/{plan.mode} differ from the run's "
+            f"{cfg.seq_len}/{cfg.method}/{cfg.mode}"
+        )
+    rule = _method_rule(cfg)
+    T = plan.window_s
+    for a in plan.assignments:
+        who = a.peer_id[:10]
+        if rule.balanced and not cfg.min_inner_steps <= a.inner_steps <= cfg.max_inner_steps:
+            return ContentRefusal(
+                f"{a.inner_steps} inner steps for {who}, outside {cfg.min_inner_steps}..{cfg.max_inner_steps}"
+            )
+        if not rule.balanced and a.inner_steps != rule.uniform_inner_steps:
+            return f"{who} gets {a.inner_steps} steps; method {cfg.method} gives everyone {rule.uniform_inner_steps}"
+        if a.owns_part and a.address is None:
+            return f"{who} owns a part and has no address in the plan"
+        r = sampled.get(a.peer_id)
+        if r is None:
+            continue
+        if a.address != r.address:
+            return f"{who} is placed at {a.address}, its record says {r.address}"
+        if a.micro_batch > r.max_batch:
+            return f"micro-batch {a.micro_batch} for {who} exceeds the {r.max_batch} its record supports"
+        target = cfg.target_batch * ranks_of(r)
+        if a.accum_steps != accum_steps_for(a.micro_batch, target):
+            return ContentRefusal(
+                f"{who} accumulates {a.accum_steps} micro-batches of {a.micro_batch}; target batch "
+                f"{target} means {accum_steps_for(a.micro_batch, target)}"
+            )
+        ceiling = PLAN_CHECK_TOLERANCE * r.best_tokens_per_s() * T
+        if a.token_budget > ceiling:
+            return f"token budget {a.token_budget} for {who} exceeds the {ceiling:.0f} its record supports in {T:.3g} s"
+    if abs(plan.train_deadline - plan.created_at - T) > 1e-6 * T + 1e-3:
+        return "its train deadline is not its start plus its window"
+    if plan.created_at - now > MAX_CLOCK_SKEW_S:
+        return f"it starts {plan.created_at - now:.0f} s in the future"
+    reason = _budget_problem(plan, cfg) or _probation_problem(plan, cfg)
+    if reason is not None:
+        return reason
+    on_probation = set(plan.probation())
+    possible = {a.peer_id for a in plan.assignments if a.address is not None and a.peer_id not in on_probation}
+    return _ownership_problem(plan, cfg, possible, barred)
+
+
+def _budget_problem(plan: RoundPlan, cfg: PlanConfig) -> Optional[str]:
+    """Budgets against the plan's own median and the largest share (see :func:`check_plan`)."""
     budgets = [a.token_budget for a in plan.assignments]
     limit = BUDGET_MEDIAN_FACTOR * statistics.median_low(budgets)
     total = sum(budgets)
     share = max_token_share(len(budgets))
     for a in plan.assignments:
         who = a.peer_id[:10]
-        ceiling = PLAN_CHECK_TOLERANCE * by_id[a.peer_id].best_tokens_per_s() * T
-        if a.token_budget > ceiling:
-            return (
-                f"token budget {a.token_budget} for {who} exceeds the {ceiling:.0f} its bounded throughput "
-                f"supports in {T:.3g} s"
-            )
-        floor = cfg.min_inner_steps * a.batch_size * seq
+        floor = cfg.min_inner_steps * a.batch_size * cfg.seq_len
         if a.token_budget > max(limit, floor):
             return (
                 f"token budget {a.token_budget} for {who} is over {BUDGET_MEDIAN_FACTOR:g}x the plan's median "
@@ -322,11 +400,11 @@ def check_plan(
             )
         if a.token_budget > floor and a.token_budget > share * total * (1 + 1e-12):
             return f"{who} holds {a.token_budget / total:.0%} of the round's tokens, over the {share:.0%} bound"
-    reason = _probation_problem(plan, cfg)
-    if reason is not None:
-        return reason
-    on_probation = set(plan.probation())
-    possible = {r.peer_id for r in recs if r.address is not None and r.peer_id not in on_probation}
+    return None
+
+
+def _ownership_problem(plan: RoundPlan, cfg: PlanConfig, possible: set, barred: Collection[str]) -> Optional[str]:
+    """Each owner's share of the vector against a fair share among ``possible`` owners (see :func:`check_plan`)."""
     # The leader may bar owners this follower does not (an owner penalty it saw and this follower did not,
     # e.g. while it was syncing): from 4 possible owners on, a minority of them is accepted as the leader's
     # call, so honest views that differ do not refuse honest plans, while a rogue leader still cannot make

@@ -83,6 +83,8 @@ class DriverConfig:
     gather_wait_s: float = _node_default("gather_wait_s")
     sync_wait_cap_s: float = _node_default("sync_wait_cap_s")  # longest gather wait for a syncing peer
     plan_timeout_s: float = _node_default("plan_timeout_s")
+    full_view_peers: int = _node_default("full_view_peers")  # light followers: docs/round.md "Light followers"
+    light_sample: int = _node_default("light_sample")
     digest_wait_s: float = 2.0
     rounds: Optional[int] = _node_default("rounds")
     target_ppl: Optional[float] = _node_default("target_ppl")
@@ -150,6 +152,9 @@ class RoundContext:
     #: round tells a host that slept; and the worst loop stall (seconds) taken when the exchange returned
     m_round: float = 0.0
     stall_s: Optional[float] = None
+    #: a light follower's round (issue 25, :mod:`geomesh_p2p.round.light`): no gather, the plan and the digest
+    #: checked against a sample of records
+    light: bool = False
     #: eager updates: this round's own start weights ([P] fp32) when it is not the global weights, and how its
     #: inner steps began: "adopted" (the speculative steps, kept), "restarted" (from the own start, with the
     #: plan's assignment), "global" (from the global weights: no eager start, e.g. the first round). ``start``

@@ -28,6 +28,7 @@ from geomesh_p2p.telemetry import events
 from geomesh_p2p.telemetry.metrics import RoundRecord
 from geomesh_p2p.util.backoff import Backoff
 from geomesh_p2p.round import eager, exchange, finish, gather, planning, resync, train
+from geomesh_p2p.round import light as light_phase
 from geomesh_p2p.round.context import (
     DriverConfig,
     LineageEntry,
@@ -185,6 +186,10 @@ class RoundDriver:
         #: the plan of the last round this peer applied: the next gather waits for its contributors still
         #: finishing it until its exchange deadline (:func:`~geomesh_p2p.round.gather.finishing_waits`)
         self._last_plan: Optional[RoundPlan] = None
+        #: light followers (issue 25, round/light.py): the round this peer may run light (set when it confirmed
+        #: the previous round's digest), and a round sent back to the full path
+        self._light_ok_round = -1
+        self._light_fallback_round = -1
 
     @property
     def me(self) -> str:
@@ -296,6 +301,7 @@ class RoundDriver:
         while not self.stop.is_set() and self.ended is None:  # ended: the swarm ended without this peer
             if self.cfg.rounds is not None and self.state.round >= self.cfg.rounds:
                 break
+            light_round = light_phase.is_light(self)
             if self._fresh_record:
                 self._fresh_record = False  # gather() itself returns None when the swarm is ahead
             else:
@@ -306,6 +312,15 @@ class RoundDriver:
                     with self.timed("resync"):
                         await self.resync("the swarm is at a later round")
                     continue
+            if light_round:
+                # a light follower: no gather (round/light.py); None sends this round back to the full path
+                outcome = await self.one_round([], light=True)
+                if outcome is None:
+                    continue
+                expected, first = outcome, False
+                if self.reached_target() or self.ended is not None:
+                    break
+                continue
             with self.timed("gather"):
                 members = await self.gather(expected, first=first)
             if self.ended is not None:
@@ -315,7 +330,7 @@ class RoundDriver:
             if self.stop.is_set() and {m.peer_id for m in members} <= {self.me}:
                 break  # stopped while alone: nobody plans with this peer (with others, it still takes part)
             first = False
-            expected = await self.one_round(members)
+            expected = await self.one_round(members) or set()
             if self.reached_target():
                 break
             if self.ended is not None:
@@ -330,13 +345,21 @@ class RoundDriver:
         h = self.history
         return t is not None and bool(h) and h[-1].eval_ppl is not None and h[-1].eval_ppl <= t
 
-    async def one_round(self, members: list[PeerRecord]) -> set[str]:
-        """Run round ``state.round`` with ``members``; returns the participants expected next round."""
+    async def one_round(self, members: list[PeerRecord], *, light: bool = False) -> Optional[set[str]]:
+        """Run round ``state.round`` with ``members``; returns the participants expected next round. ``light``:
+        as a light follower (round/light.py; ``members`` unused), None when it sends the round back to the
+        full path."""
         ctx = RoundContext(
-            round=self.state.round, t_round=self.clock.time(), members=members, m_round=self.clock.monotonic()
+            round=self.state.round,
+            t_round=self.clock.time(),
+            members=members,
+            m_round=self.clock.monotonic(),
+            light=light,
         )
         with self.timed("plan"):
-            agreed = await self.agree(ctx)
+            agreed = await (light_phase.agree(self, ctx) if light else self.agree(ctx))
+        if agreed is None:
+            return None
         if not agreed:
             return set()
         if not await self.train(ctx):

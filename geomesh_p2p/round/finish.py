@@ -21,6 +21,7 @@ from geomesh_p2p.sync.download import StateSyncError
 from geomesh_p2p.telemetry import events
 from geomesh_p2p.telemetry.metrics import RoundRecord
 from geomesh_p2p.round.context import LineageEntry, Phase, RoundContext, Speculative
+from geomesh_p2p.round import light
 from geomesh_p2p.round.eager import drop_speculative
 from geomesh_p2p.round.ports import EagerStatePort, SnapshotEvaluator
 
@@ -53,6 +54,7 @@ async def finish(drv: RoundDriver, ctx: RoundContext) -> set[str]:
     else:
         await checkpoint_if_due(drv, r)
         drv._fresh_record = True
+        drv._light_ok_round = r + 1  # round r + 1 may run light (round/light.py)
     return contributors(ctx.exchanged()) or set(plan.participants())
 
 
@@ -66,10 +68,11 @@ async def digest_check(drv: RoundDriver, ctx: RoundContext) -> Optional[bool]:
     plan, delivered = ctx.planned(), contributors(ctx.exchanged())
     # Only the participants that delivered vote on the digest (and are waited for): a no-show, e.g. an
     # identity on probation that never takes part, would hold every check for its whole wait.
+    voters = [p for p in plan.participants() if p in delivered] or plan.participants()
     with drv.timed("digest_check"):
-        return await drv.check_digest(  # through the driver: its methods are the phases' hooks
-            ctx.round + 1, [p for p in plan.participants() if p in delivered] or plan.participants()
-        )
+        if ctx.light:  # a light follower: against a sample of the voters (round/light.py)
+            return await light.check_digest(drv, ctx.round + 1, voters)
+        return await drv.check_digest(ctx.round + 1, voters)  # through the driver: its methods are the phases' hooks
 
 
 async def outer_step(drv: RoundDriver, ctx: RoundContext) -> None:
@@ -196,6 +199,8 @@ def round_record(
             "next_lead_s": (ctx.t_agg - spec.t_start) if spec is not None else None,
             "start_weight": spec.weight if spec is not None else None,
         }
+    if ctx.light:  # a light follower's round (round/light.py): no gather, sampled checks
+        rec.extra["light"] = True
     if drv._eval_carry is not None:  # every background evaluation lands in a row (review L3)
         rec.extra["eval_background"] = {"eval_ppl": drv._eval_carry[0], "eval_round": drv._eval_carry[1]}
         drv._eval_carry = None

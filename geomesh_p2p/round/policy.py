@@ -79,6 +79,11 @@ class NodeRoundPolicy:
         """Why this peer refuses ``plan``: :meth:`PlanRules.plan_problem`, then verified work's objection."""
         return self.planning.plan_problem(plan, live) or self.verified.plan_problem(plan)
 
+    def sampled_plan_problem(self, plan, sampled: dict, sample) -> Optional[str]:
+        """A light follower's :meth:`plan_problem` (:meth:`PlanRules.sampled_plan_problem`: the records of a
+        sample only), then verified work's objection."""
+        return self.planning.sampled_plan_problem(plan, sampled, sample) or self.verified.plan_problem(plan)
+
     def leader_candidates(self, members, live: dict):
         """(members without the peers verified work excluded, the established ones that may lead)."""
         members = self.verified.members(members)

@@ -74,6 +74,10 @@ class Membership(Protocol):
     async def peers(self, include_leaving: bool = False) -> list[PeerRecord]:
         """Live, admitted records of this run, this peer's own (fresh) included; one DHT read."""
 
+    async def records_of(self, peer_ids: Collection[str]) -> list[PeerRecord]:
+        """Live, admitted records of ``peer_ids`` only (leaving ones included); one DHT read of those subkeys
+        (a light follower's sample, issue 25)."""
+
     async def announce(self) -> None:
         """Store this peer's record now (round, digest, leaving); one DHT write. Never raises."""
 
@@ -231,6 +235,9 @@ class RoundPolicy(Protocol):
 
     def plan_problem(self, plan: RoundPlan, live: dict) -> Optional[str]:
         """Why this peer refuses ``plan`` (None: it follows it)."""
+
+    def sampled_plan_problem(self, plan: RoundPlan, sampled: dict, sample: Sequence[str]) -> Optional[str]:
+        """A light follower's :meth:`plan_problem`: ``sampled`` holds the records it read of ``sample`` only."""
 
     def leader_candidates(self, members: Sequence[PeerRecord], live: dict) -> tuple[list[PeerRecord], list[str]]:
         """(the members to plan, the PeerIDs that may lead)."""

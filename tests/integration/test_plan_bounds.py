@@ -36,7 +36,7 @@ from geomesh_p2p.plan.bounds import (
     bound_records,
     max_token_share,
 )
-from geomesh_p2p.plan.planner import check_plan, make_plan
+from geomesh_p2p.plan.planner import check_plan, check_plan_sampled, make_plan
 from geomesh_p2p.plan.schema import PlanConfig, RoundPlan
 from geomesh_p2p.schema.partition import OWNER_SHARE_FACTOR, max_owner_units
 from geomesh_p2p.schema.peer import (
@@ -239,6 +239,69 @@ def test_honest_plans_always_pass_the_followers_checks(recs, cfg_p, evidence):
     floors = [cfg.min_inner_steps * a.batch_size * cfg.seq_len for a in plan.assignments]
     limit = BUDGET_MEDIAN_FACTOR * statistics.median_low(budgets)
     assert all(b <= max(limit, f) for b, f in zip(budgets, floors))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(recs=honest_swarms(), cfg_p=node_configs(), seed=st.integers(0, 999), k=st.integers(0, 8))
+def test_honest_plans_pass_a_light_followers_check_whatever_it_samples(recs, cfg_p, seed, k):
+    """Issue 25: a light follower checks the plan against the records of a sample only, each against its
+    announced figures (looser than the bounded ones): every honest plan passes, whichever records it holds."""
+    cfg, numel = cfg_p
+    plan = make_plan(recs, cfg, numel=numel, **KW)
+    sample = random.Random(seed).sample(recs, min(k, len(recs)))
+    assert check_plan_sampled(plan, by_id(sample), cfg, now=T0) is None
+
+
+def test_a_light_follower_refuses_the_rogue_variants_it_can_see_from_the_plan_and_its_sample():
+    recs = paper_swarm()
+    cfg = paper_cfg()
+    honest = plan_round(recs, cfg, numel=150_000_000, **KW)
+    sampled = {r.peer_id: r for r in recs if r.peer_id in ("p0", "p2", "p3")}
+    assert check_plan_sampled(honest, sampled, cfg, now=T0) is None
+    a0 = honest.assignment("p0")
+    cases = {
+        # the rogue leader's own budget through accumulation, its record sampled (a leader's always is)
+        "accumulates": with_assignment(honest, "p0", batch_size=a0.micro_batch * 1000, accum_steps=1000),
+        "micro-batch": with_assignment(honest, "p2", micro_batch=64, accum_steps=1, batch_size=64),
+        "inner steps": with_assignment(honest, "p3", inner_steps=0),
+        "its record supports": with_assignment(honest, "p0", inner_steps=cfg.max_inner_steps),
+        # from the plan alone, whatever the sample: one budget over 8x the median, one owner of everything,
+        # a start in the future, a client-only owner
+        "median budget": RoundPlan.model_validate(
+            {
+                **honest.model_dump(),
+                "assignments": [
+                    {**a.model_dump(), "inner_steps": 1, "token_budget": a.batch_size * cfg.seq_len}
+                    if a.peer_id != "p0"
+                    else a.model_dump()
+                    for a in honest.assignments
+                ],
+            }
+        ),
+        "owns": RoundPlan.model_validate(
+            {
+                **honest.model_dump(),
+                "assignments": [
+                    {**a.model_dump(), "part_start": 0, "part_end": honest.numel if a.peer_id == "p0" else 0}
+                    for a in honest.assignments
+                ],
+            }
+        ),
+        "in the future": honest.model_copy(
+            update={
+                "created_at": T0 + 3600,
+                "train_deadline": T0 + 3600 + honest.window_s,
+                "exchange_deadline": T0 + 3700 + honest.window_s,
+            }
+        ),
+        # a sampled peer placed at another address than its record's (or made client-only)
+        "its record says": with_assignment(honest, "p2", address="10.9.9.9:1"),
+    }
+    for expected, bad in cases.items():
+        reason = check_plan_sampled(bad, sampled, cfg, now=T0)
+        assert reason is not None and expected in reason, (expected, reason)
+    # a lie about a participant outside the sample is the full-view peers' to see (docs/round.md)
+    assert check_plan_sampled(cases["micro-batch"], {"p0": sampled["p0"]}, cfg, now=T0) is None
 
 
 def test_the_rogue_leader_plan_and_its_variants_are_refused():

@@ -96,6 +96,8 @@ class FakePeer:
         self.corrupt_outer_step = False
         self.plan_only = None  # a leader planning only these peers
         self.hooks: dict = {}  # phase name -> callable run inside it
+        self.full_reads: list[int] = []  # the round of every peers() call (_read_round)
+        self.sampled_reads: list[tuple] = []  # (round, peer ids) of every records_of() call
         self.stop = asyncio.Event()
 
     # Membership
@@ -111,8 +113,20 @@ class FakePeer:
 
     async def peers(self, include_leaving=False):
         self._hook("peers")
+        self.full_reads.append(self._read_round())
         self.swarm.records[self.me] = self.record()
         return [r for r in self.swarm.records.values() if include_leaving or not r.leaving]
+
+    def _read_round(self) -> int:
+        """The round a read belongs to (the digest check of round r runs after the commit of r + 1)."""
+        drv = getattr(self, "drv", None)
+        return self.round - 1 if drv is not None and drv.phase is Phase.FINISH else self.round
+
+    async def records_of(self, peer_ids):
+        self._hook("records_of")
+        self.sampled_reads.append((self._read_round(), tuple(peer_ids)))
+        self.swarm.records[self.me] = self.record()
+        return [self.swarm.records[p] for p in peer_ids if p in self.swarm.records]
 
     async def announce(self):
         self.swarm.records[self.me] = self.record()
@@ -214,6 +228,12 @@ class FakePeer:
             return f"it is for {plan.numel} parameters, the model has {NUMEL}"
         return None if plan.leader in live else "its leader is not a live peer of this run"
 
+    def sampled_plan_problem(self, plan, sampled, sample):
+        if plan.numel != NUMEL:
+            return f"it is for {plan.numel} parameters, the model has {NUMEL}"
+        missing = [p[:10] for p in sample if p not in sampled]
+        return f"it names peers that are not live: {missing}" if missing else None
+
     def leader_candidates(self, members, live):
         return list(members), [m.peer_id for m in members]
 
@@ -250,7 +270,9 @@ class FakePeer:
         if fn is not None:
             fn()
 
-    def driver(self, *, rounds=None, min_peers=1, wait_peers_s=3.0, clock=None, plans=None) -> RoundDriver:
+    def driver(
+        self, *, rounds=None, min_peers=1, wait_peers_s=3.0, clock=None, plans=None, full_view_peers=8
+    ) -> RoundDriver:
         agreement = plans or DhtPlanAgreement(PlanStore(self.swarm.dht, self.ident, RUN))
         me = self
 
@@ -272,6 +294,7 @@ class FakePeer:
             plan_timeout_s=0.3,
             digest_wait_s=1.0,
             rounds=rounds,
+            full_view_peers=full_view_peers,
         )
         self.drv = RoundDriver(
             membership=self,
@@ -698,3 +721,59 @@ async def test_a_stop_request_is_announced_at_once_not_at_the_rounds_end():
     assert seen_at_exchange == [True]
     assert [(e["reason"], e["round"]) for e in said] == [("stop", 0)]  # said once, while round 0 ran
     assert len(p.drv.history) == 1  # the round under way was still finished
+
+
+def _light_of(ids, r, full_view_peers):
+    """The peers ranked ``full_view_peers`` or later to lead round ``r`` among ``ids``: its light followers."""
+    return set(leader_order(RUN, r, ids)[full_view_peers:])
+
+
+async def test_light_followers_follow_the_plan_and_check_a_sample_without_reading_every_record():
+    # Issue 25: only the peers ranked first to lead (full_view_peers) read every record; the others follow the
+    # signed plan, check it against a sample of records and their digest against a sample of digests.
+    peers = _peers(5)
+    ids = [p.me for p in peers]
+    await _run_all(peers, rounds=4, min_peers=5, full_view_peers=2)
+    assert len({p.digest for p in peers}) == 1 and all(p.round == 4 for p in peers)
+    assert all(torch.equal(p.theta, peers[0].theta) for p in peers)
+    for r in range(4):
+        light = _light_of(ids, r, 2) if r > 0 else set()  # round 0 follows no plan yet: everyone is full
+        assert len(light) == (3 if r else 0)
+        assert {p.me for p in peers if p.drv.history[r].extra.get("light")} == light
+        assert len({p.drv.history[r].leader for p in peers}) == 1
+        assert all(p.drv.history[r].digest_agree is True for p in peers)
+        for p in peers:
+            if p.me in light:
+                # no full read in a light round (after the last one, one: the run's end check, resync.check_end);
+                # two sampled reads at least (the plan's and the digest's)
+                assert p.full_reads.count(r) == (1 if r == 3 else 0), (r, p.full_reads)
+                reads = [ids_ for rr, ids_ in p.sampled_reads if rr == r]
+                assert len(reads) >= 2
+                plan_sample = reads[0]
+                assert p.drv.history[r].leader == plan_sample[0][:10]  # the leader's record comes first
+                assert len(plan_sample) == 4 and p.me not in plan_sample  # every other participant (5 - 1)
+            else:
+                assert r in p.full_reads
+
+
+async def test_a_light_follower_whose_sample_is_missing_takes_the_full_path_for_that_round():
+    # A check it cannot make from the plan and the sample (here: the sampled records cannot be read) sends the
+    # round back to the full path (gather, full agreement): the same plan is followed, one INFO line says why.
+    peers = _peers(4)
+    ids = [p.me for p in peers]
+    light1 = _light_of(ids, 1, 1)
+    victim = PEERS[sorted(light1)[0]]
+
+    def fail() -> None:
+        if victim.round == 1:
+            raise ConnectionError("DHT unreachable")
+
+    victim.hooks["records_of"] = fail
+    with events.capture("light_fallback") as fallbacks:
+        await _run_all(peers, rounds=3, min_peers=4, full_view_peers=1)
+    assert len({p.digest for p in peers}) == 1
+    assert [(e["peer"], e["round"]) for e in fallbacks] == [(victim.me, 1)]
+    assert "reading the sample's records failed (ConnectionError: DHT unreachable)" in fallbacks[0]["reason"]
+    assert not victim.drv.history[1].extra.get("light") and 1 in victim.full_reads
+    assert victim.drv.history[2].extra.get("light") is (victim.me in _light_of(ids, 2, 1))
+    assert len({p.drv.history[1].leader for p in peers}) == 1

@@ -6,7 +6,7 @@ exclusions and the evidence of delivered rates), and the checks a follower makes
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Optional, Sequence
 
 from geomesh_p2p.config.method import MethodRule
 from geomesh_p2p.net.swarm_time import swarm_time
@@ -226,20 +226,64 @@ class PlanRules:
         their records do not announce, deadlines far in the future (a stall); then
         :func:`geomesh_p2p.plan.planner.check_plan`: batches, steps, window, token budgets and ownership
         within what the participants' records and the run config support."""
-        rc, me, numel = self.run_cfg, self.state.me, self.state.numel
-        # reasons of the plan and the run config alone: every honest follower gives them (ContentRefusal)
-        if plan.numel != numel:
-            return ContentRefusal(f"it is for {plan.numel} parameters, the model has {numel}")
-        if plan.seq_len != rc.seq_len or plan.method != rc.method or plan.mode != rc.mode:
-            return ContentRefusal("its seq_len / method / mode differ from the run config")
+        reason = self._settings_problem(plan)
+        if reason is not None:
+            return reason
         if plan.leader not in live:
             return "its leader is not a live peer of this run"
         unknown = [p[:10] for p in plan.participants() if p not in live]
         if unknown:
             return f"it names peers that are not live: {unknown}"
+        reason = _address_problem(plan, live) or self._steps_problem(plan)
+        if reason is not None:
+            return reason
+        # Probation (issue 12): the leader is not a new identity, and those it plans as established are
+        # established in this peer's view too (lenient by the rounds this peer did not see).
+        reason = pb.marking_problem(plan, self.standing_view(list(live.values())), live.keys())
+        if reason is not None:
+            return reason
+        # Batches, steps, window, budgets and ownership, recomputed from the records (issue 11).
+        reason = self._penalty_problem(plan)
+        if reason is not None:
+            return reason
+        barred = self.penalties.barred()
+        return planner.check_plan(plan, live, self.plan_config(len(plan.assignments)), now=swarm_time(), barred=barred)
+
+    def sampled_plan_problem(self, plan, sampled: dict, sample: Sequence[str]) -> Optional[str]:
+        """A light follower's :meth:`plan_problem` (issue 25, docs/round.md "Light followers"): it read the
+        records of ``sample`` only (the plan's leader and a few participants drawn at random), ``sampled`` maps
+        those it found to their records. Every check that needs the plan and the run config alone applies to
+        the whole plan (settings, steps, deadlines, this peer's penalties, and
+        :func:`geomesh_p2p.plan.planner.check_plan_sampled`'s budgets, shares and ownership); those that need
+        a participant's record apply to the sampled ones, against their announced figures. A participant of
+        the sample with no live record is refused as in :meth:`plan_problem`. Probation marks are not
+        checked here (they need every record's standing): the full-view peers check them."""
+        reason = self._settings_problem(plan)
+        if reason is not None:
+            return reason
+        unknown = [p[:10] for p in sample if p not in sampled]
+        if unknown:
+            return f"it names peers that are not live: {unknown}"
+        reason = _address_problem(plan, sampled) or self._steps_problem(plan) or self._penalty_problem(plan)
+        if reason is not None:
+            return reason
+        return planner.check_plan_sampled(
+            plan, sampled, self.plan_config(len(plan.assignments)), now=swarm_time(), barred=self.penalties.barred()
+        )
+
+    def _settings_problem(self, plan) -> Optional[str]:
+        """Reasons of the plan and the run config alone: every honest follower gives them (ContentRefusal)."""
+        rc, numel = self.run_cfg, self.state.numel
+        if plan.numel != numel:
+            return ContentRefusal(f"it is for {plan.numel} parameters, the model has {numel}")
+        if plan.seq_len != rc.seq_len or plan.method != rc.method or plan.mode != rc.mode:
+            return ContentRefusal("its seq_len / method / mode differ from the run config")
+        return None
+
+    def _steps_problem(self, plan) -> Optional[str]:
+        """Inner steps over the run's maximum, deadlines far in the future (a stall)."""
+        rc = self.run_cfg
         for a in plan.assignments:
-            if a.part_end > a.part_start and a.address != live[a.peer_id].address:
-                return f"owner {a.peer_id[:10]} is placed at {a.address}, its record says {live[a.peer_id].address}"
             if a.inner_steps > rc.max_inner_steps:
                 return ContentRefusal(
                     f"{a.inner_steps} inner steps for {a.peer_id[:10]} exceed the run's {rc.max_inner_steps}"
@@ -247,20 +291,25 @@ class PlanRules:
         horizon = plan_horizon_s(rc.window_s)
         if plan.train_deadline - swarm_time() > horizon or plan.exchange_deadline - plan.train_deadline > horizon:
             return "its deadlines are unreasonably far in the future"
-        # Probation (issue 12): the leader is not a new identity, and those it plans as established are
-        # established in this peer's view too (lenient by the rounds this peer did not see).
-        reason = pb.marking_problem(plan, self.standing_view(list(live.values())), live.keys())
-        if reason is not None:
-            return reason
-        # Batches, steps, window, budgets and ownership, recomputed from the records (issue 11).
-        barred = self.penalties.barred()
-        # Penalties hold whoever leads (an adversarial review found a no-show leading and giving itself 64%
-        # of the model again): a leader this peer saw deliver nothing, or a part given to an owner whose
-        # part had no valid result, is refused; the next leader takes over.
-        noshows = self.penalties.noshows()
+        return None
+
+    def _penalty_problem(self, plan) -> Optional[str]:
+        """Penalties hold whoever leads (an adversarial review found a no-show leading and giving itself 64%
+        of the model again): a leader this peer saw deliver nothing, or a part given to an owner whose part
+        had no valid result, is refused; the next leader takes over."""
+        me, barred, noshows = self.state.me, self.penalties.barred(), self.penalties.noshows()
         if plan.leader in noshows and plan.leader != me:
             return f"its leader {plan.leader[:10]} contributed to no part recently (not planned until round {noshows[plan.leader]})"
         owning = [pid for pid, _, _ in plan.owners() if pid in barred and pid != me]
         if owning:
             return f"it gives a part to {owning[0][:10]}, whose part had no valid result in a recent round"
-        return planner.check_plan(plan, live, self.plan_config(len(plan.assignments)), now=swarm_time(), barred=barred)
+        return None
+
+
+def _address_problem(plan, records: dict) -> Optional[str]:
+    """An owner placed at an address its record (when in ``records``) does not announce."""
+    for a in plan.assignments:
+        rec = records.get(a.peer_id)
+        if rec is not None and a.part_end > a.part_start and a.address != rec.address:
+            return f"owner {a.peer_id[:10]} is placed at {a.address}, its record says {rec.address}"
+    return None

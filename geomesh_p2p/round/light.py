@@ -1,0 +1,218 @@
+"""Light followers (issue 25, docs/round.md "Light followers"): a follower whose DHT traffic per round does
+not grow with the swarm.
+
+Every read of ``<run>/peers`` returns all N records (~1 KB each, from a quorum of replicas), and a full-view
+peer reads them several times a round (the gather, the plan check, the digest check). A peer of the last
+round's plan ranked after the first ``full_view_peers`` (default 8) to lead the next round
+(:func:`geomesh_p2p.plan.agree.leader_order` over that plan's participants: the order every full-view peer's
+leader election starts from) is a **light follower** instead:
+
+* no gather and no "behind" read: it completed the last round with the swarm and announced its new record;
+* the plan: it reads the round's signed plans (all of them, whoever published) and follows the best-ranked
+  one that passes every check the plan and the run config allow
+  (:meth:`~geomesh_p2p.round.rules.planning.PlanRules.sampled_plan_problem` with no records), then reads the
+  records of a sample (the plan's leader and ``light_sample - 1`` participants drawn at random, a subkey
+  read) and checks the plan's figures for them;
+* the digest: it compares its own with the majority of a random sample of the round's contributors.
+
+It never publishes a plan. Whatever it cannot decide from the plan and the sample sends it back to the full
+path for the same round (gather, full agreement): no plan in time, a plan led by a peer outside the last
+plan's established participants, a plan its checks refuse, a stall. So a light follower either follows the
+plan the full path would pick, or takes the full path. What it gives up is a lie about an unsampled
+participant's figures, which each light follower sees with probability (sample size / participants) and the
+full-view peers see in full (they then sit the round out rather than fork, :class:`PlanRefused`).
+
+Per round a light follower makes O(1) DHT reads whose size does not depend on N besides the plan itself: its
+announcements (node lookups), the plan reads, one subkey read of ``light_sample`` records for the plan and
+one or a few for the digest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import threading
+from typing import TYPE_CHECKING, Optional, Sequence
+
+from geomesh_p2p.plan.agree import PlanRefused, PlanStalled, digest_majority, leader_order
+from geomesh_p2p.plan.schema import RoundPlan
+from geomesh_p2p.round.context import Phase, RoundContext
+from geomesh_p2p.round.eager import drop_speculative
+from geomesh_p2p.round.planning import discard_early, may_start_early, wait_out
+from geomesh_p2p.round.steps import inner_steps
+from geomesh_p2p.telemetry import events
+
+if TYPE_CHECKING:
+    from geomesh_p2p.round.driver import RoundDriver
+
+log = logging.getLogger("geomesh_p2p.node.peer.round")
+
+#: Draws of the samples: from the OS's entropy, so a leader cannot tell which participants a follower checks.
+_draw = random.SystemRandom()
+
+
+def is_light(drv: RoundDriver) -> bool:
+    """Whether this peer runs round ``drv.state.round`` as a light follower: it followed, applied and confirmed
+    the previous round's plan, is in it, is ranked ``full_view_peers`` or later among its participants for
+    leading this round, and nothing sent it back to the full path for this round. Never with eager updates
+    (their speculative steps span the plan agreement) or while stopping or leaving."""
+    cfg, plan, r = drv.cfg, drv._last_plan, drv.state.round
+    if cfg.full_view_peers <= 0 or cfg.eager or plan is None or plan.round != r - 1:
+        return False
+    if drv._light_ok_round != r or drv._light_fallback_round == r:
+        return False
+    if drv.stop.is_set() or drv.leaving or drv.state.syncing:
+        return False
+    order = leader_order(plan.run_id, r, plan.participants())
+    return drv.me in order and order.index(drv.me) >= cfg.full_view_peers
+
+
+def plan_sample(plan: RoundPlan, me: str, k: int) -> list[str]:
+    """The participants whose records a light follower reads to check ``plan``: its leader and ``k - 1``
+    others drawn at random (never this peer), at most ``k`` in all."""
+    others = [p for p in plan.participants() if p not in (me, plan.leader)]
+    chosen = _draw.sample(others, min(len(others), max(0, k - 1)))
+    return ([plan.leader] if plan.leader != me else []) + chosen
+
+
+async def agree(drv: RoundDriver, ctx: RoundContext) -> Optional[bool]:
+    """Phase PLAN of a light follower (see the module). True: follow ``ctx.plan``; False: no round for this
+    peer (planned out or other weights: it waited for the round's end and re-synced); None: take the full
+    path for this round (the driver gathers and agrees again; this round is no longer light)."""
+    drv.phase = Phase.PLAN
+    r, prev = ctx.round, drv._last_plan
+    assert prev is not None  # is_light checked it
+    established = [a.peer_id for a in prev.assignments if not a.probation]
+    candidates = [p for p in established if p != drv.me]
+
+    def on_provisional(p: RoundPlan) -> None:
+        # as the full path (planning.agree): train on the plan most likely followed while the settle runs
+        if ctx.early is None and drv._spec is None and may_start_early(drv, p):
+            ctx.early_plan, ctx.early_abort = p, threading.Event()
+            ctx.early = asyncio.ensure_future(inner_steps(drv, ctx, p, ctx.early_abort))
+
+    def never(*_args) -> RoundPlan:  # a light follower is no candidate: obtain_plan never asks it to lead
+        raise RuntimeError("a light follower does not lead")
+
+    why: Optional[str] = None
+    plan: Optional[RoundPlan] = None
+    try:
+        plan = await drv.plans.agree(
+            r,
+            [],
+            never,
+            accept=lambda p: drv.policy.sampled_plan_problem(p, {}, ()),
+            candidates=candidates,
+            plan_timeout_s=drv.cfg.plan_timeout_s,
+            provisional=on_provisional,
+        )
+    except PlanRefused as e:
+        why = f"it refuses the best-ranked plan ({e.reason})"
+    except PlanStalled as e:
+        why = f"this peer was not running for {e.stalled_s:.1f} s"
+    if plan is None and why is None:
+        why = "no plan appeared"
+    if plan is not None and plan.leader not in established:
+        why = f"the plan's leader {plan.leader[:10]} was no established participant of round {prev.round}"
+    if plan is not None and why is None:
+        why = await check_sample(drv, plan)
+    if why is not None:
+        return await fall_back(drv, ctx, why)
+    assert plan is not None
+    if ctx.early is not None and (ctx.early_plan is None or plan.to_bytes() != ctx.early_plan.to_bytes()):
+        await discard_early(drv, ctx, plan)
+    ctx.plan = plan
+    if drv.me not in plan.participants() or plan.start_digest != drv.state.digest:
+        await drop_speculative(drv, "not in the plan" if drv.me not in plan.participants() else "weights differ")
+        await wait_out(drv, ctx)
+        return False
+    return True
+
+
+async def check_sample(drv: RoundDriver, plan: RoundPlan) -> Optional[str]:
+    """Read the records of :func:`plan_sample` (one subkey read) and check ``plan`` against them; the reason
+    to leave the light path, or None."""
+    sample = plan_sample(plan, drv.me, drv.cfg.light_sample)
+    try:
+        recs = await drv.membership.records_of(sample)
+    except Exception as e:  # a failed read: the full path decides
+        return f"reading the sample's records failed ({type(e).__name__}: {e})"
+    sampled = {x.peer_id: x for x in recs if not x.leaving}
+    reason = drv.policy.sampled_plan_problem(plan, sampled, sample)
+    return None if reason is None else f"the plan fails its check against {len(sample)} sampled records: {reason}"
+
+
+async def fall_back(drv: RoundDriver, ctx: RoundContext, why: str) -> Optional[bool]:
+    """Leave the light path for this round (one INFO line): discard steps started on a provisional plan, and
+    mark the round so that :func:`is_light` says no. Returns None (the caller's "take the full path")."""
+    if ctx.early is not None:
+        await discard_early(drv, ctx, None)
+    drv._light_fallback_round = ctx.round
+    events.emit(
+        log,
+        logging.INFO,
+        "light_fallback",
+        "round %d: light follower takes the full path this round: %s",
+        ctx.round,
+        why,
+        peer=drv.me,
+        round=ctx.round,
+        reason=why,
+    )
+    return None
+
+
+async def check_digest(drv: RoundDriver, r: int, participants: Sequence[str]) -> Optional[bool]:
+    """A light follower's digest check of round ``r``'s state: this peer's digest against the majority of its
+    own and those of up to ``light_sample`` of ``participants`` drawn at random (waits up to ``digest_wait_s``
+    for their records of round ``r``, backoff). None: nobody else to compare with; False: the sample's
+    majority holds another digest (the caller re-syncs)."""
+    others = [p for p in participants if p != drv.me]
+    sample = _draw.sample(others, min(len(others), drv.cfg.light_sample))
+    if not sample:
+        return None
+    deadline = drv.clock.monotonic() + drv.cfg.digest_wait_s
+    backoff = drv.backoff()
+    recs: list = []
+    while True:
+        try:
+            recs = [x for x in await drv.membership.records_of(sample) if x.round == r and x.weights_digest]
+        except Exception as e:  # a failed read: try again until the deadline
+            log.debug("round %d: reading the digest sample failed: %r", r, e)
+        if len(recs) >= len(sample) or drv.clock.monotonic() > deadline:
+            break
+        if await drv.pause(min(backoff.next(), max(0.0, deadline - drv.clock.monotonic()) + 0.01)):
+            break
+    mine = drv.state.digest
+    majority, agree, total = digest_majority(recs + [_Vote(r, mine)], r)
+    if majority is None or total <= 1:
+        return None
+    if majority != mine:
+        events.emit(
+            log,
+            logging.ERROR,
+            "digest_mismatch",
+            "round %d: my digest %s differs from the majority's %s (%d/%d of a sample); re-syncing",
+            r,
+            (mine or "")[:8],
+            majority[:8],
+            agree,
+            total,
+            peer=drv.me,
+            round=r,
+            digest=mine,
+            majority_digest=majority,
+            agree=agree,
+            total=total,
+        )
+        return False
+    drv._confirmed_round = max(drv._confirmed_round, r)
+    return True
+
+
+class _Vote:
+    """This peer's own vote in :func:`digest_majority` (its round and digest; nothing else is read)."""
+
+    def __init__(self, round: int, digest: Optional[str]):
+        self.round, self.weights_digest = round, digest
