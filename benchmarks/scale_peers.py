@@ -74,6 +74,8 @@ ALPHA = 3  # the DHT's parallel lookup workers (dht/state.py default)
 TINY_NUMEL = 937_472  # elements of the tiny preset's flat vector (sim tier; the proc tier trains it)
 BLOCK = 2048  # sign-codec block (RunConfig.block_size default)
 ANNOUNCE_PERIOD_S = 2.0  # NodeConfig.announce_period_s default; records live 4 periods
+FULL_VIEW = 8  # NodeConfig.full_view_peers default: peers that read every record (the others: light followers)
+SAMPLE = 8  # NodeConfig.light_sample default: records a light follower reads per check
 
 
 # ------------------------------------------------------------------------------------------ records
@@ -132,11 +134,15 @@ def _env_bytes(ident: Identity, payload: bytes, kind: str) -> int:
     return ident.sign_message(run_id=RUN, round=0, kind=kind, payload=payload).ByteSize()
 
 
-def sim_row(n: int, reads: int, round_s: float, model: str = "after") -> dict[str, Any]:
+def sim_row(
+    n: int, reads: int, round_s: float, model: str = "light", full_view: int = FULL_VIEW, sample: int = SAMPLE
+) -> dict[str, Any]:
     """Tier 1 at ``n`` peers: plan from the real planner; exchange from sim.link_time; DHT from the model
     described in the module docstring with real message sizes. Per peer per round: bytes are sent +
     received of the calls it makes and of those it serves (as the other tiers count them), RPCs are calls
-    made."""
+    made. ``model`` "light" (issue 25's light followers, docs/round.md): the first ``full_view`` peers do
+    ``reads`` full reads, the others 2 reads of ``sample`` records (the plan's check and the digest's);
+    "after": every peer full-view; "before": main at def8ba8."""
     ids, recs = make_records(n)
     t = time.process_time()
     plan = make_plan(recs)
@@ -165,7 +171,8 @@ def sim_row(n: int, reads: int, round_s: float, model: str = "after") -> dict[st
     holders = min(lookup, K)
     nodes_rep = find_rep - res.ByteSize() + 30  # a Find reply without records (the nearest nodes only)
     look_b = lookup * find_req + holders * find_rep + (lookup - holders) * nodes_rep
-    plan_value = plan_b if model == "before" else len(split_plan(plan).head)
+    wire = split_plan(plan)
+    plan_value = plan_b if model == "before" else len(wire.head)
     plan_rep = nodes_rep + plan_value
     if model == "before":  # main at def8ba8: a store's lookup read every record; a read asked all k holders
         store_look_b, read_rpcs, read_b = look_b, lookup, look_b
@@ -177,12 +184,44 @@ def sim_row(n: int, reads: int, round_s: float, model: str = "after") -> dict[st
         asked = min(holders, READ_QUORUM + ALPHA - 1)
         read_rpcs = hops + asked
         read_b = read_rpcs * find_req + asked * find_rep + hops * nodes_rep
-    dht_rpcs = announces * (lookup + replicas) + reads * read_rpcs + read_rpcs
-    made = (
+    # a chunked plan's chunks (plan/wire.py, past ~750 participants): each read once per round (PlanReader
+    # caches the assembled plan), from the first holder of the leader's subkey (dht/chunked.py: every copy is
+    # the same owner-signed bytes), after the lookup's hops
+    hops_q = lookup - holders
+    chunk_rpcs = len(wire.chunks) * (hops_q + 1) if model != "before" else 0
+    chunk_b = (
+        sum((hops_q + 1) * find_req + hops_q * nodes_rep + nodes_rep + len(c) + 300 for c in wire.chunks)
+        if chunk_rpcs
+        else 0
+    )
+    full_rpcs = announces * (lookup + replicas) + reads * read_rpcs + read_rpcs + chunk_rpcs
+    full_made = (
         announces * (store_look_b + replicas * (store_req + store_rep))
         + reads * read_b
         + read_rpcs * (find_req + plan_rep)
+        + chunk_b
     )
+    n_full = n if model != "light" else min(n, full_view)
+    light_rpcs, light_made = full_rpcs, full_made
+    if n_full < n:
+        # a light follower: the same announcements and plan read, and 2 subkey reads of `sample` records
+        # (FindRequest.subkeys: each holder answers with those records only) instead of `reads` full reads
+        s_res = dht_pb2.FindResult(key=b"k" * 20, records=signed[: min(sample, held)], nearest=[info] * K)
+        s_rep = _env_bytes(me, dht_pb2.FindResponse(results=[s_res]).SerializeToString(), DHT_FIND + "+resp")
+        s_req = find_req + sample * 48  # the subkeys asked: a base58 PeerID each
+        hops = lookup - holders
+        asked = min(holders, READ_QUORUM + ALPHA - 1)
+        s_rpcs = hops + asked
+        s_read_b = s_rpcs * s_req + asked * s_rep + hops * nodes_rep
+        light_rpcs = announces * (lookup + replicas) + 2 * s_rpcs + read_rpcs + chunk_rpcs
+        light_made = (
+            announces * (store_look_b + replicas * (store_req + store_rep))
+            + 2 * s_read_b
+            + read_rpcs * (find_req + plan_rep)
+            + chunk_b
+        )
+    dht_rpcs = (n_full * full_rpcs + (n - n_full) * light_rpcs) / n
+    made = (n_full * full_made + (n - n_full) * light_made) / n
     dht_b = 2 * made  # + the calls it serves: as many bytes as it makes, on average over a symmetric swarm
     xb = exchange_bytes(
         [a.part_end - a.part_start for a in plan.assignments],
@@ -195,7 +234,7 @@ def sim_row(n: int, reads: int, round_s: float, model: str = "after") -> dict[st
     # served by the busiest node: each of the peers key's k nearest nodes is asked by every lookup of the
     # key (a lookup ends by querying the k nearest, the same k for every peer) and reached by every store:
     # the hot key. The plan key has its own k nearest: the same nodes only while n - 1 <= k.
-    busiest = (n - 1) * (2 * announces + reads + (1 if n - 1 <= K else 0))
+    busiest = (n - 1) * (2 * announces + (1 if n - 1 <= K else 0)) + n_full * reads + (n - n_full) * 2
     return {
         "tier": "sim",
         "n": n,
@@ -213,6 +252,10 @@ def sim_row(n: int, reads: int, round_s: float, model: str = "after") -> dict[st
         "exchange_bytes": x_b,
         "exchange_rpcs": 2 * (n - 1),
         "busiest_served": busiest,
+        "full_view_peers": n_full,
+        "dht_bytes_full_peer": 2 * full_made,
+        "dht_bytes_light_peer": 2 * light_made if n_full < n else None,
+        "dht_rpcs_light_peer": light_rpcs if n_full < n else None,
     }
 
 
@@ -221,10 +264,14 @@ def _dht_counts(t: Transport) -> dict[str, int]:
     return t.stats.by_class().get("dht", {"sent": 0, "received": 0, "calls": 0, "served": 0})
 
 
-async def inproc_row(n: int, rounds: int, reads: int, round_s: float, timeout_s: float) -> dict[str, Any]:
+async def inproc_row(
+    n: int, rounds: int, reads: int, round_s: float, timeout_s: float, full_view: int = FULL_VIEW, sample: int = SAMPLE
+) -> dict[str, Any]:
     """Tier 2 at ``n`` in-process DHT nodes; each measured round: every node announces
-    ``round_s / ANNOUNCE_PERIOD_S`` times and reads the records ``reads`` times (live_peers, latest), the
-    leader (node 0) stores the real plan of the n records and every follower reads it once."""
+    ``round_s / ANNOUNCE_PERIOD_S`` times; the first ``full_view`` nodes read the records ``reads`` times
+    (live_peers, latest), the others (light followers, ``full_view`` > 0) read ``sample`` records twice
+    (live_peers with ``only``: the plan's check and the digest's); the leader (node 0) stores the real plan of
+    the n records and every follower reads it once. ``full_view`` 0: every node reads every record."""
     ids, recs = make_records(n, seed=n)
     rnd = random.Random(n)
     nodes: list[DHTNode] = []
@@ -243,13 +290,22 @@ async def inproc_row(n: int, rounds: int, reads: int, round_s: float, timeout_s:
     plan = make_plan(recs, round=0)
     announces = max(1, round(round_s / ANNOUNCE_PERIOD_S))
     seen: list[int] = []
+    sampled: list[bool] = []  # a light follower's sampled read found every record it asked for
     plan_ok: list[bool] = []
 
     async def peer_round(i: int, r: int, published: asyncio.Event) -> None:
         for _ in range(announces):
             await announcers[i].announce_once()
+        if full_view and i >= full_view:
+            for _ in range(2):
+                picked = [recs[0].peer_id] + rnd.sample([x.peer_id for x in recs[1:] if x is not recs[i]], sample - 1)
+                sampled.append(len(await live_peers(nodes[i], RUN, latest=True, only=picked)) == len(picked))
+            return await plan_read(i, r, published)
         for _ in range(reads):
             seen.append(len(await live_peers(nodes[i], RUN, latest=True)))
+        await plan_read(i, r, published)
+
+    async def plan_read(i: int, r: int, published: asyncio.Event) -> None:
         if i == 0:
             plan_ok.append(await stores[0].publish(plan.model_copy(update={"round": r})))
             published.set()
@@ -282,6 +338,14 @@ async def inproc_row(n: int, rounds: int, reads: int, round_s: float, timeout_s:
         "busiest_served": max(x["served"] for x in d) / rounds,
         "median_served": statistics.median(x["served"] for x in d) / rounds,
         "records_seen_min": min(seen) if seen else 0,
+        "full_view_peers": min(n, full_view) if full_view else n,
+        "sampled_reads_complete": f"{sum(sampled)}/{len(sampled)}",
+        "dht_bytes_full_peer": statistics.fmean(x["sent"] + x["received"] for x in d[: full_view or n]) / rounds,
+        "dht_bytes_light_peer": (
+            statistics.fmean(x["sent"] + x["received"] for x in d[full_view:]) / rounds
+            if full_view and n > full_view
+            else None
+        ),
         "plan_reads_ok": sum(plan_ok),
         "plan_reads": len(plan_ok),
     }
@@ -371,9 +435,10 @@ def table(rows: list[dict]) -> str:
     """A markdown table of the rows of one or more tiers, ratios against each tier's smallest N."""
     head = (
         "| tier | N | DHT KB/peer/round (sent + received) | DHT RPCs/peer/round | x N0 (KB, RPCs) | exchange KB/peer/round | "
-        "exchange RPCs | busiest DHT node served/round | plan KB (fits 64 KiB) | overhead s | digests |"
+        "exchange RPCs | busiest DHT node served/round | plan KB (fits 64 KiB) | overhead s | digests | "
+        "DHT KB: full-view / light peer |"
     )
-    out = [head, "|" + "---|" * 11]
+    out = [head, "|" + "---|" * 12]
     base: dict[str, dict] = {}
     for r in rows:
         b = base.setdefault(r["tier"], r)
@@ -391,7 +456,8 @@ def table(rows: list[dict]) -> str:
         out.append(
             f"| {r['tier']} | {r['n']} | {_kb(r.get('dht_bytes'))} | {_n(r.get('dht_rpcs'))} | {ratio} | "
             f"{_kb(r.get('exchange_bytes'))} | {_n(r.get('exchange_rpcs'))} | {_n(r.get('busiest_served'))} | "
-            f"{plan} | {_n(r.get('overhead_s'), '{:.1f}')} | {dig} |"
+            f"{plan} | {_n(r.get('overhead_s'), '{:.1f}')} | {dig} | "
+            f"{_kb(r.get('dht_bytes_full_peer'))} / {_kb(r.get('dht_bytes_light_peer'))} |"
         )
     return "\n".join(out)
 
@@ -415,10 +481,23 @@ def main(argv=None) -> int:
     ap.add_argument("--rpc-timeout-s", type=float, default=30.0, help="inproc: DHT RPC deadline (default: 30)")
     ap.add_argument(
         "--dht-model",
-        choices=("after", "before"),
-        default="after",
+        choices=("light", "after", "before"),
+        default="light",
         help="sim: the DHT protocol modelled: 'before' is main at def8ba8 (a store's lookup read every record, a "
-        "read asked all k holders), 'after' the current one (default: %(default)s)",
+        "read asked all k holders), 'after' the same with every peer a full-view peer (session 9-13), 'light' "
+        "the current one: light followers past --full-view-peers (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--full-view-peers",
+        type=int,
+        default=FULL_VIEW,
+        help="sim, inproc: peers that read every record; the others are light followers; 0: all (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--light-sample",
+        type=int,
+        default=SAMPLE,
+        help="records a light follower reads per check (default: %(default)s)",
     )
     ap.add_argument("--quick", action="store_true", help="sim tier + inproc at 8, 16, one round (< 1 min)")
     ap.add_argument("--json", default=None, help="also write every row here")
@@ -435,11 +514,23 @@ def main(argv=None) -> int:
     print(f"machine: {os.cpu_count()} cpus, load {os.getloadavg()[0]:.2f}; reads {args.reads}, round {args.round_s} s")
     if "sim" in tiers:
         for n in _sizes(args.sim_n):
-            rows.append(sim_row(n, args.reads, args.round_s, args.dht_model))
+            rows.append(sim_row(n, args.reads, args.round_s, args.dht_model, args.full_view_peers, args.light_sample))
             print(json.dumps(rows[-1]), flush=True)
     if "inproc" in tiers:
         for n in _sizes(args.inproc_n):
-            rows.append(asyncio.run(inproc_row(n, args.rounds, args.reads, args.round_s, args.rpc_timeout_s)))
+            rows.append(
+                asyncio.run(
+                    inproc_row(
+                        n,
+                        args.rounds,
+                        args.reads,
+                        args.round_s,
+                        args.rpc_timeout_s,
+                        args.full_view_peers,
+                        args.light_sample,
+                    )
+                )
+            )
             print(json.dumps(rows[-1]), flush=True)
     if "proc" in tiers:
         for n in _sizes(args.proc_n):

@@ -288,7 +288,7 @@ class ChunkedReader(Generic[T]):
     (bytes -> T; raises ValueError when malformed), and remembers the last ``cache_size`` results (by
     owner and head bytes), so repeated polls fetch and decode each value once.
 
-    :param dht: has ``async get(key, latest=True) -> {subkey: (value, expiration, owner)}``.
+    :param dht: has ``async get(key, latest=True, subkeys=None) -> {subkey: (value, expiration, owner)}``.
     :param chunk_timeout_s: deadline of each chunk's get, seconds.
     :param thread_above_bytes: bodies bigger than this are decoded in a worker thread, not on the loop.
     """
@@ -341,8 +341,11 @@ class ChunkedReader(Generic[T]):
     async def _chunk(self, key: str, owner: str, head: Head, i: int) -> bytes:
         n = len(head.chunks)
         try:
+            # One holder's copy is enough: the key names the body's hash and the slot is the owner's (a record
+            # under it is signed by the owner, the DHT checked that), so every copy is the same bytes; a node
+            # asked for the owner's subkey only answers with it, and one that withholds it is passed over.
             found = await asyncio.wait_for(
-                self.dht.get(chunk_key(key, head.sha256, i), latest=True), self.chunk_timeout_s
+                self.dht.get(chunk_key(key, head.sha256, i), latest=False, subkeys=[owner]), self.chunk_timeout_s
             )
         except asyncio.TimeoutError:
             raise ChunksPending(f"chunk {i + 1}/{n} not read within {self.chunk_timeout_s:g}s") from None

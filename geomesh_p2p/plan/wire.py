@@ -129,7 +129,7 @@ class PlanReader(chunked.ChunkedReader[RoundPlan]):
     :class:`PlanPending` when a chunk is missing or does not match. Does not check who the plan names as
     leader (the caller does).
 
-    :param dht: has ``async get(key, latest=True) -> {subkey: (value, expiration, owner)}``.
+    :param dht: has ``async get(key, latest=True, subkeys=None) -> {subkey: (value, expiration, owner)}``.
     :param chunk_timeout_s: deadline of each chunk's get, seconds.
     """
 

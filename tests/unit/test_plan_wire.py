@@ -48,7 +48,7 @@ class CountingDHT:
         self.data.setdefault(key, {})[subkey] = (value, expiration_time, owner.peer_id if owner else None)
         return True
 
-    async def get(self, key, latest=True):
+    async def get(self, key, latest=True, subkeys=None):
         self.gets += 1
         return {sk: DHTValue(*v) for sk, v in self.data.get(key, {}).items()}  # as DHTNode.get
 

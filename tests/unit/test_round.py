@@ -48,7 +48,7 @@ class MemoryDHT:
                     dht.stored.notify_all()
                 return True
 
-            async def get(self, key, latest=True):
+            async def get(self, key, latest=True, subkeys=None):
                 return dict(dht.data.get(key, {}))
 
         return View()

@@ -604,7 +604,7 @@ class FakeDHT:
         self.data.setdefault(key, {})[subkey] = (value, expiration_time, owner.peer_id)
         return True
 
-    async def get(self, key, latest=True):
+    async def get(self, key, latest=True, subkeys=None):
         return dict(self.data.get(key, {}))
 
 
