@@ -59,7 +59,7 @@ class AllReduceResult:
         aggregate: fp32 CPU tensor [numel], the token-weighted mean (zeros in missing parts).
         contributors: part index -> ``[(peer_id base58, tokens used)]`` in the fixed order
             (ascending raw PeerID), as the owner took them; absent for missing parts.
-        missing_parts: indices of parts with no result by ``pull_deadline`` (owner gone or refused).
+        missing_parts: indices of parts with no result signed by ``pull_deadline`` (owner gone, late or refused).
         pushed: part index -> True when the owner accepted this peer's contribution.
         bytes_sent / bytes_received: serialized SignedMessage bytes of this node's PushPart and
             PullPart traffic (client and server side) while the call ran.
@@ -121,7 +121,9 @@ class CollectiveService(OwnerService):
 
         Returns:
             :class:`AllReduceResult`. It returns by ``spec.pull_deadline`` (plus the time to decode),
-            whatever the other peers do; parts with no result are zeros and listed as missing.
+            whatever the other peers do, unless an owner could not be reached by then: its part is asked for
+            ``late_pull_s`` more at most (:meth:`_pull`); parts with no result, or a result its owner signed
+            after the pull deadline, are zeros and listed as missing.
 
         Raises:
             ValueError: a bad spec / delta, not a participant, the round already run on this node.
@@ -364,11 +366,36 @@ class CollectiveService(OwnerService):
             if out is not None:
                 out.zero_()  # a refused result may have been decoded in part: the part is a zero update
             return None
+        signed_at = _signed_at(signed)
+        if signed_at > spec.pull_deadline:
+            # The same rule on every peer, from the owner's signed timestamp: readers that got the result late
+            # and those that gave up agree (see _pull). The owner itself waits for its part only until the
+            # deadline, so it never applies such a result either.
+            log.warning(
+                "round %d: result of part %d from %s was signed %.1f s after the pull deadline: left out (as on "
+                "every peer)",
+                spec.round,
+                j,
+                _short(owner.peer_id),
+                signed_at - spec.pull_deadline,
+            )
+            if out is not None:
+                out.zero_()
+            return None
         if owner.peer_id != self.peer_id and spec.round in self._rounds:
             state.cache[j] = signed  # serve it to peers that cannot reach the owner
         return res
 
     async def _pull(self, spec: CollectiveSpec, j: int) -> Optional[wire.Buffer]:
+        """The owner-signed result of part ``j`` (the owner's, or a helper's cached copy when the owner is
+        unreachable), or None.
+
+        Until the pull deadline: long polls. Past it, only quick asks, for at most ``late_pull_s`` more
+        seconds, and only while no ask sent after the deadline was answered: an owner that answers "not
+        ready" then will sign its result after the deadline, and :meth:`_obtain` leaves such results out on
+        every peer. So whether a part is applied depends on when its owner signed it, not on when each
+        reader got it: a reader whose pulls ran late (an overloaded host) still applies what the others
+        applied, instead of ending the round on another state (issue 25, run 8 of docs/scale.md)."""
         await self._before_pull(spec, j)
         owner = spec.owners[j]
         helpers = [
@@ -378,18 +405,22 @@ class CollectiveService(OwnerService):
         ]
         delay, last_err = 0.05, "no answer"
         gone = False  # no connection to the owner even after the transport's redial: its process is gone
+        late_end = spec.pull_deadline + self.late_pull_s
         while True:
-            remaining = spec.pull_deadline - swarm_time()
+            now = swarm_time()
+            remaining = late_end - now
+            past = now >= spec.pull_deadline  # this ask is sent after the deadline
             if remaining <= 0:
                 log.warning(
-                    "round %d: part %d: no result from owner %s by the pull deadline (%s)",
+                    "round %d: part %d: no result from owner %s by the pull deadline (+%.0f s) (%s)",
                     spec.round,
                     j,
                     _short(owner.peer_id),
+                    self.late_pull_s,
                     last_err,
                 )
                 return None
-            wait_s = max(0.0, min(self.long_poll_s, remaining - 0.25))
+            wait_s = 0.0 if past else max(0.0, min(self.long_poll_s, spec.pull_deadline - now - 0.25))
             req = collective_pb2.PullPartRequest(round=spec.round, part=j, wait_s=wait_s, spec_id=spec.spec_id)
             try:
                 t_call = time.monotonic()
@@ -406,6 +437,15 @@ class CollectiveService(OwnerService):
                             ("down", len(reply.payload), t_call + _held(resp.held_s, t_reply - t_call), t_reply)
                         )
                     return resp.signed_result
+                if past:
+                    # no result at the owner after the deadline: one it signs later is left out by every peer
+                    log.warning(
+                        "round %d: part %d: owner %s had no result by the pull deadline",
+                        spec.round,
+                        j,
+                        _short(owner.peer_id),
+                    )
+                    return None
                 if wait_s < 0.05:
                     await asyncio.sleep(min(0.05, max(0.0, spec.pull_deadline - swarm_time())))
                 continue
@@ -421,7 +461,7 @@ class CollectiveService(OwnerService):
                 last_err = "malformed reply"
             # The owner is unreachable: maybe another serving peer got the owner's signed result.
             for h in helpers:
-                left = spec.pull_deadline - swarm_time()
+                left = late_end - swarm_time()
                 if left <= 0:
                     break
                 req = collective_pb2.PullPartRequest(round=spec.round, part=j, wait_s=0.0, spec_id=spec.spec_id)
@@ -459,7 +499,7 @@ class CollectiveService(OwnerService):
                     error=str(last_err),
                 )
                 return None
-            await asyncio.sleep(min(delay, max(0.0, spec.pull_deadline - swarm_time())))
+            await asyncio.sleep(min(delay, max(0.0, late_end - swarm_time())))
             delay = min(2 * delay, 0.5)
 
     def _read_result(
@@ -516,3 +556,14 @@ async def _parse_pull(payload) -> _PullReply:
         return _PullReply(payload)
     except wire.WireError as e:
         raise DecodeError(str(e)) from None
+
+
+def _signed_at(signed: wire.Buffer) -> float:
+    """Swarm time (unix seconds) at which the owner signed a part result (its envelope's timestamp; the
+    signature over it was checked by :func:`~geomesh_p2p.exchange.messages.read_result`). +inf when the
+    envelope cannot be read (never after a successful read)."""
+    try:
+        env = wire.SignedView(signed).envelope
+    except wire.WireError:
+        return math.inf
+    return float(env.timestamp) if env is not None and math.isfinite(env.timestamp) else math.inf

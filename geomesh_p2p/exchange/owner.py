@@ -107,7 +107,9 @@ class OwnerService:
     Client side (:class:`~geomesh_p2p.exchange.CollectiveService`): at most ``max_concurrent_pushes``
     uploads at once, and at most ``max_pulls_per_owner`` pulls in flight to one owner (an owner of
     many small parts would otherwise get more calls from this node than the transport's per-sender
-    cap allows).
+    cap allows). A result is applied only when its owner signed it by the pull deadline; a reader that
+    could not reach the owner by then keeps trying for ``late_pull_s`` seconds more (the client's
+    ``_pull``: "one lineage under overload").
 
     Refusals (status: reason), each logged once per (round, sender, status): sender not a
     participant (PERMISSION_DENIED), contribution signed by someone other than the caller
@@ -129,6 +131,7 @@ class OwnerService:
         push_grace_s: float = 0.5,
         max_concurrent_pushes: int = 2,
         max_pulls_per_owner: int = 8,
+        late_pull_s: float = 5.0,
     ):
         if transport.address is not None:
             raise RuntimeError("create the CollectiveService before transport.start()")
@@ -142,6 +145,7 @@ class OwnerService:
         self.push_grace_s = push_grace_s
         self.max_concurrent_pushes = max(1, int(max_concurrent_pushes))
         self.max_pulls_per_owner = max(1, int(max_pulls_per_owner))
+        self.late_pull_s = max(0.0, float(late_pull_s))
         self._rounds: dict[int, _RoundState] = {}
         self._oldest_kept = 0  # rounds below this were pruned
         self._newest: Optional[int] = None  # newest round ever registered here (None: none yet)

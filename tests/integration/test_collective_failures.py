@@ -366,3 +366,59 @@ async def test_linger_stops_at_its_bound_when_a_reader_never_pulls(swarm):
     assert left and all(v == [sw.pids[1]] for v in left.values())
     outs[1].cancel()
     await asyncio.gather(outs[1], return_exceptions=True)
+
+
+# ------------------------------------------------------------------------------ one lineage under overload
+
+
+@pytest.mark.parametrize("mode", ["relay", "reencode"])
+async def test_a_reader_that_reaches_the_owner_only_after_the_pull_deadline_applies_what_the_others_applied(
+    swarm, mode
+):
+    """Issue 25 (run 8 of docs/scale.md): under overload some readers got a part's result by the pull deadline
+    and others did not, and the round ended on two states. A result signed by the pull deadline is applied by
+    every reader: one whose pulls start only after the deadline still asks (quick asks, late_pull_s more) and
+    gets the same aggregate, bit for bit."""
+    sw = await swarm()
+    spec, deltas, tokens = setup_round(sw, mode=mode)
+    late = sw.services[3]
+
+    async def overloaded(spec_, part):  # this reader's pulls start 0.3 s after the pull deadline
+        await asyncio.sleep(max(0.0, spec_.pull_deadline - time.time() + 0.3))
+
+    late.pull_fault = overloaded
+    outs = {k: await t for k, t in start_round(sw, spec, deltas, tokens, [0, 1, 2, 3]).items()}
+    results = [r for r, _ in outs.values()]
+    assert all(r.missing_parts == [] for r in results)
+    assert all(torch.equal(r.aggregate, results[0].aggregate) for r in results)
+    assert all(r.contributors == results[0].contributors for r in results)
+    assert outs[3][1] > spec.pull_deadline  # it did read after the deadline
+
+
+async def test_a_result_signed_after_the_pull_deadline_is_left_out_by_every_reader_and_its_owner(swarm):
+    """An owner that builds its result after the pull deadline (starved): a reader asking after the deadline is
+    told "not ready" and stops at once; one that gets the late result anyway (a helper's copy, a reply in
+    flight) leaves it out by its signed timestamp. Every peer, the owner included, skips the part."""
+    sw = await swarm()
+    spec, deltas, tokens = setup_round(sw, mode="reencode")
+    owner = sw.services[1]
+
+    def late_build(spec_, part, contributions, _orig=owner._build_result):
+        time.sleep(max(0.0, spec_.pull_deadline - time.time() + 0.2))  # a worker thread: the owner is starved
+        return _orig(spec_, part, contributions)
+
+    owner._build_result = late_build
+    outs = {k: await t for k, t in start_round(sw, spec, deltas, tokens, [0, 1, 2, 3]).items()}
+    check_survivors(sw, spec, deltas, tokens, outs, missing=[1])
+    # and the timestamp rule alone: the owner's late result, handed to a reader, is refused
+    state = owner._rounds[spec.round]
+    await asyncio.wait_for(state.parts[1].ready.wait(), 10)
+    signed = state.parts[1].result()
+    reader = sw.services[0]
+    rstate = reader._rounds[spec.round]
+
+    async def handed(spec_, j):
+        return signed
+
+    reader._pull = handed
+    assert await reader._obtain(rstate, 1) is None
