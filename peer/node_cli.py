@@ -16,7 +16,7 @@ from geomesh_p2p.config.models import DEFAULT_POW_BITS, MAX_POW_BITS  # noqa: F4
 from geomesh_p2p.config.flags import PARSERS, FlagSpec, add_flags, flag_specs, number_type, to_argv, values_from
 from geomesh_p2p.config.models import NODE_GROUP, RUN_GROUP, NodeConfig, RunConfig
 from geomesh_p2p.net.addr import host_of, is_loopback_host
-from geomesh_p2p.util.errors import UserFacingError
+from geomesh_p2p.util.errors import StartInputError, UserFacingError
 
 # Defaults of --data-column / --data-max-bytes (kept in sync with geomesh_p2p.data.hub, which is
 # not imported here so that --help stays fast; tests/unit/test_cli.py checks they are equal).
@@ -393,7 +393,7 @@ def start_error_status(e: BaseException) -> int:
     """The exit status of a failed start: 2 for bad start-up input (a flag's value, a file, a port that
     cannot be listened on: what argparse and ``geomesh-bootstrap`` also exit 2 for), 1 for a failure of
     the run itself (no bootstrap answered, the swarm runs another config)."""
-    return 2 if "cannot listen on" in str(e) else 1
+    return 2 if isinstance(e, StartInputError) or "cannot listen on" in str(e) else 1
 
 
 def trust_warning(ns: argparse.Namespace) -> str | None:

@@ -222,7 +222,9 @@ class NodeConfig(BaseModel):
         False,
         "with --local-devices or under torchrun: the ranks train the model sharded over them (torch FSDP2) "
         "instead of a whole copy each (DDP), so each holds 1/K of the trained parameters, gradients and AdamW "
-        "state; rank 0 still holds the whole model besides (docs/multi-rank.md). Refused at start with one rank",
+        "state; rank 0 still holds the whole model besides (docs/multi-rank.md). Without it a multi-rank peer "
+        "shards by itself when a whole copy does not fit a rank's memory budget but a shard does (said in one "
+        "line at start). Refused at start with one rank",
     )
     amp: bool = opt(
         True, "on CUDA, train in fp32 instead of bf16 autocast (the outer step is always fp32)", flag="--no-amp"

@@ -157,19 +157,24 @@ def profile_training(
     memory_probe: Optional[MemoryProbe] = None,
     logger: Optional[Any] = None,
     should_stop: Optional[Callable[[], bool]] = None,
+    state_bytes: Optional[int] = None,
 ) -> TrainingProfile:
     """Start-up profile within a memory budget: the largest batch that fits, and tokens/s per batch.
 
     Never runs a step whose predicted peak exceeds ``memory_bytes``. Order:
 
-    1. Static check, before any step: memory in use now + gradients (``P`` x parameter bytes) +
-       optimizer state (``2P``, AdamW) + ``extra_bytes`` (what the run holds besides: the node passes
+    1. Static check, before any step: memory in use now + ``state_bytes`` (what training adds to the
+       model: default gradients (parameter bytes) + AdamW's two moments (2 x parameter bytes); a rank of a
+       sharded peer counts its shard instead, :attr:`geomesh_p2p.model.run_memory.ShardChoice.state_bytes`)
+       + ``extra_bytes`` (what the run holds besides: the node passes
        :meth:`geomesh_p2p.model.run_memory.RunMemory.profile_extra`, i.e. global weights, outer state,
        exchange buffers and verified work; default on CPU: ``8P`` bytes, the global weights and the
        outer momentum; 0 on CUDA, where those live in host memory) must fit, else ValueError.
     2. One step at batch 1 under ``memory_probe`` (CPU: :func:`rss_probe`, the process's RSS; CUDA:
-       the allocator's peak). Its growth minus gradients and optimizer state is taken as the cost
-       of one sequence (a linear extrapolation that over-counts the batch-independent part: safe).
+       the allocator's peak). Its growth minus what the step left allocated (the gradients and the
+       measuring optimizer's state, counted tensor by tensor) is taken as the cost of one sequence (a
+       linear extrapolation that over-counts the batch-independent part: safe). The static part is
+       then memory in use before that step + ``state_bytes`` + ``extra_bytes``.
        ``max_batch = min(limit, (memory_bytes - static) // per_sequence)``; ValueError when 0.
     3. Up to ``max_sizes`` of ``batch_sizes`` (default 1, 2, 4, ...) that fit, smallest first:
        ``warmup`` untimed then ``steps`` timed steps each (tokens/s = ``batch * seq_len`` / median
@@ -188,6 +193,10 @@ def profile_training(
     ``should_stop`` (e.g. the node's Ctrl+C flag; called from this thread) is checked before each
     timed step: when it says True the profile ends there (issue 14 #10: Ctrl+C waited for the whole
     profile) with :class:`ProfileStopped`.
+
+    ``optimizer_factory``: the optimizer of the measuring steps (default: lr=0 AdamW). A sharded rank passes
+    :func:`stateless_optimizer`: its steps then hold the whole gradients but no optimizer state, so they need
+    no more than the sharded training counted (for up to 4 ranks), not a whole copy's AdamW moments.
 
     Raises:
         ProfileStopped: ``should_stop()`` said True; the model's weights and mode are restored.
@@ -213,7 +222,9 @@ def profile_training(
     params = [p for p in m.parameters() if p.requires_grad]
     n_params = sum(p.numel() for p in m.parameters())
     param_bytes = sum(p.numel() * p.element_size() for p in params)
-    grad_opt = 3 * param_bytes  # gradients + AdamW's two moments, allocated by the first step
+    counted = 3 * param_bytes if state_bytes is None else int(state_bytes)  # default: gradients + AdamW's moments
+    if counted < 0:
+        raise ValueError(f"state_bytes={state_bytes} must be >= 0")
     if extra_bytes is None:
         extra_bytes = DEFAULT_EXTRA_BYTES_PER_PARAM * n_params if dev.type == "cpu" else 0
     probe = memory_probe or (cuda_probe(dev) if dev.type == "cuda" else rss_probe)
@@ -242,17 +253,18 @@ def profile_training(
         # 1. static part, checked before any step
         base_probe_before = None
         before0, _ = probe(lambda: None)
-        static = int(before0 + grad_opt + extra_bytes)
+        static = int(before0 + counted + extra_bytes)
         if static >= memory_bytes:
             raise ValueError(
                 f"memory budget {memory_bytes / gib:.2f} GiB is below what training this model needs before any "
-                f"activation: {static / gib:.2f} GiB ({before0 / gib:.2f} in use + {grad_opt / gib:.2f} gradients and "
-                f"AdamW state + {extra_bytes / gib:.2f} the rest of the run's static memory)"
+                f"activation: {static / gib:.2f} GiB ({before0 / gib:.2f} in use + {counted / gib:.2f} gradients and "
+                f"optimizer state + {extra_bytes / gib:.2f} the rest of the run's static memory)"
             )
         # 2. one step at batch 1: its growth gives the cost of a sequence
         dt1 = [0.0]
         base_probe_before, peak1 = probe(lambda: dt1.__setitem__(0, run_step(1)))
-        static = int(base_probe_before + grad_opt + extra_bytes)
+        grad_opt = _held_bytes(sess)
+        static = int(base_probe_before + counted + extra_bytes)
         per_seq = max(1, int(peak1 - base_probe_before - grad_opt))
         peaks[1] = int(peak1)
 
@@ -353,6 +365,30 @@ def profile_training(
         skipped=skipped,
         seconds=time.perf_counter() - t_start,
     )
+
+
+def _held_bytes(sess: MeasureSession) -> int:
+    """Bytes the session's last step left allocated: the gradients and the optimizer's per-parameter state
+    (tensors of a parameter's size: AdamW's two moments; its scalar step counts are left out)."""
+    n = sum(p.grad.numel() * p.grad.element_size() for p in sess.model.parameters() if p.grad is not None)
+    for param, state in sess.opt.state.items():
+        for v in state.values():
+            if isinstance(v, torch.Tensor) and v.numel() == param.numel():
+                n += v.numel() * v.element_size()
+    return int(n)
+
+
+def stateless_optimizer(params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    """An optimizer for measuring steps that keeps no state: lr=0 SGD without momentum (weights unchanged)."""
+    return torch.optim.SGD(params, lr=0.0)
+
+
+def memory_in_use(device: Union[str, torch.device]) -> int:
+    """The memory :func:`profile_training` counts as in use before its first step (bytes): this process's RSS on
+    a CPU, the CUDA allocator's bytes on ``device`` otherwise. Raises OSError where the RSS is unreadable."""
+    dev = parse_device(device)
+    before, _ = (cuda_probe(dev) if dev.type == "cuda" else rss_probe)(lambda: None)
+    return int(before)
 
 
 def default_batch_sizes(max_batch: int, cap: int = 64) -> list[int]:

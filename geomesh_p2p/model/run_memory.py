@@ -14,13 +14,21 @@ process's own ~0.5 GiB (Python, torch, the data set) -- docs/real-size.md.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal, Optional
 
 from geomesh_p2p.config.method import COMPRESSED_METHODS
 from geomesh_p2p.model.memory import INNER_OPTIMIZER_STATE_COPIES, OUTER_STATE_COPIES
 
-__all__ = ["MemoryItem", "RunMemory", "run_memory_estimate", "memory_budget_problem", "verified_work_on"]
+__all__ = [
+    "MemoryItem",
+    "RunMemory",
+    "run_memory_estimate",
+    "memory_budget_problem",
+    "verified_work_on",
+    "ShardChoice",
+    "choose_sharding",
+]
 
 #: the items the start-up profile counts itself (the model it measures, its gradients and AdamW state)
 PROFILED_ITEMS = ("weights", "gradients", "inner optimizer state")
@@ -166,4 +174,119 @@ def memory_budget_problem(
         f"--memory-budget-gb {budget_bytes / _GIB:.3g}: this run's static memory alone is "
         f"{need / _GIB:.2f} GiB for {est.n_params:,} parameters before any activation (largest: {top}); "
         f"use {fixes}"
+    )
+
+
+@dataclass(frozen=True)
+class ShardChoice:
+    """How one rank of a K-rank peer trains, whole copy (DDP) or sharded (FSDP2), and what each needs of the
+    rank's budget, in bytes (:func:`choose_sharding`; issue 30, docs/multi-rank.md "Sharded").
+
+    Both needs count what the start-up profile counts before any activation
+    (:func:`geomesh_p2p.model.profile.profile_training`, its static part): ``in_use_bytes`` (the memory in use
+    now: the process's RSS on a CPU, the allocator's bytes on CUDA; rank 0's whole model is in it) + the
+    training state + ``extra_bytes`` (the rest of the run's static memory,
+    :meth:`RunMemory.profile_extra`). The training state of a whole copy, ``whole_state_bytes``: gradients +
+    inner optimizer state, ``param_bytes + optimizer_bytes``; sharded, ``sharded_state_bytes``: the rank's 1/K
+    of the trained parameters, gradients and optimizer state, ``ceil((2 x param_bytes + optimizer_bytes) / K)``
+    (rank 0 trains a sharded copy besides its whole model). ``shard``: train sharded; ``auto``: sharding was turned on
+    here because a whole copy does not fit (not by ``--shard``)."""
+
+    ranks: int
+    budget_bytes: int
+    in_use_bytes: int
+    extra_bytes: int
+    whole_state_bytes: int
+    sharded_state_bytes: int
+    shard: bool
+    auto: bool = False
+
+    @property
+    def whole_bytes(self) -> int:
+        """Bytes a rank needs with a whole copy: in use + gradients and optimizer state + the rest."""
+        return self.in_use_bytes + self.whole_state_bytes + self.extra_bytes
+
+    @property
+    def sharded_bytes(self) -> int:
+        """Bytes a rank needs sharded over the ranks: in use + its shard of the state + the rest."""
+        return self.in_use_bytes + self.sharded_state_bytes + self.extra_bytes
+
+    @property
+    def state_bytes(self) -> int:
+        """The training state the chosen way counts besides the memory in use (the profile's ``state_bytes``)."""
+        return self.sharded_state_bytes if self.shard else self.whole_state_bytes
+
+    def describe(self) -> str:
+        """One line for the log: why sharding was turned on, with the bytes."""
+        return (
+            f"a whole copy needs {self.whole_bytes / _GIB:.3f} GiB per rank ({self.whole_bytes:,} bytes), a rank's "
+            f"budget is {self.budget_bytes / _GIB:.3f} GiB ({self.budget_bytes:,} bytes): training sharded over "
+            f"{self.ranks} ranks (FSDP2), {self.sharded_bytes / _GIB:.3f} GiB per rank ({self.sharded_bytes:,} "
+            "bytes) before activations"
+        )
+
+
+def choose_sharding(
+    in_use_bytes: int,
+    param_bytes: int,
+    budget_bytes: int,
+    ranks: int,
+    *,
+    shard: bool = False,
+    optimizer_bytes: Optional[int] = None,
+    extra_bytes: int = 0,
+) -> ShardChoice:
+    """Whole copy (DDP) or sharded (FSDP2) for a rank with ``budget_bytes`` of memory, at start ("DDP for models
+    that fit one device; FSDP when ``--shard`` is given or the model does not fit", issue 30). Bytes throughout;
+    ``param_bytes``: the model's parameters (fp32: 4 x P), ``optimizer_bytes``: the inner optimizer's state for
+    a whole copy (default ``2 x param_bytes``, AdamW's two moments; Lion ``param_bytes``; 0 for a method that
+    takes no inner step: :func:`run_memory_estimate`'s ``inner optimizer state``); the needs are
+    :class:`ShardChoice`'s. A need fits when it is below the budget (the profile refuses one that reaches it).
+
+    * ``shard`` (``--shard``): sharded, when that fits;
+    * else a whole copy when it fits; else, with ``ranks >= 2``, sharded when that fits (``auto``);
+    * a one-rank peer is never sharded (nothing to shard over).
+
+    Raises:
+        ValueError: neither way fits (the message gives the budget and both needs, bytes and what they
+            count), ``shard`` with fewer than 2 ranks, or a negative size, ``ranks < 1`` or
+            ``budget_bytes <= 0``.
+    """
+    opt = 2 * int(param_bytes) if optimizer_bytes is None else int(optimizer_bytes)
+    if ranks < 1 or budget_bytes <= 0 or min(in_use_bytes, param_bytes, extra_bytes, opt) < 0:
+        raise ValueError(
+            f"need ranks >= 1 ({ranks}), budget_bytes > 0 ({budget_bytes}) and no negative size (in use "
+            f"{in_use_bytes}, parameters {param_bytes}, extra {extra_bytes}, optimizer state {opt})"
+        )
+    if shard and ranks < 2:
+        raise ValueError(f"sharding needs >= 2 ranks, this peer has {ranks}")
+    choice = ShardChoice(
+        ranks=int(ranks),
+        budget_bytes=int(budget_bytes),
+        in_use_bytes=int(in_use_bytes),
+        extra_bytes=int(extra_bytes),
+        whole_state_bytes=int(param_bytes) + opt,
+        sharded_state_bytes=-(-(2 * int(param_bytes) + opt) // int(ranks)),
+        shard=bool(shard),
+    )
+    if not shard and choice.whole_bytes < budget_bytes:
+        return choice
+    if ranks >= 2 and choice.sharded_bytes < budget_bytes:
+        return replace(choice, shard=True, auto=not shard)
+    parts = (
+        f"({choice.in_use_bytes:,} in use + {{state:,}} {{what}} + {choice.extra_bytes:,} the rest of the run's "
+        "static memory)"
+    )
+    whole = f"a whole copy needs {choice.whole_bytes:,} " + parts.format(
+        state=choice.whole_state_bytes, what="gradients and optimizer state"
+    )
+    budget = f"a rank's memory budget of {budget_bytes / _GIB:.3f} GiB ({budget_bytes:,} bytes)"
+    if ranks < 2:
+        raise ValueError(f"{budget} cannot hold training this model before any activation: {whole}")
+    sharded = f"sharded over {ranks} ranks it needs {choice.sharded_bytes:,} " + parts.format(
+        state=choice.sharded_state_bytes, what="its shard of the parameters, gradients and optimizer state"
+    )
+    raise ValueError(
+        f"{budget} cannot hold training this model before any activation, not even sharded: {sharded}"
+        + ("" if shard else f"; {whole}")
     )

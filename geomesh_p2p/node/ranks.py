@@ -236,7 +236,9 @@ class LocalRanks:
             "this peer trains on %d ranks (%s; %s, torch.distributed %s, collective timeout %.0f s)",
             layout.world,
             ",".join(layout.devices) or f"torchrun, rank 0 on {layout.device}",
-            "the model sharded over them (FSDP2, --shard)" if cfg.shard else "a whole model on each (DDP)",
+            "the model sharded over them (FSDP2, --shard)"
+            if cfg.shard
+            else "a whole model on each (DDP), sharded (FSDP2) if one does not fit a rank",
             backend or ("nccl" if layout.device.startswith("cuda") else "gloo"),
             timeout_s,
         )
@@ -359,7 +361,13 @@ def run_follower(spec: FollowerSpec, build: Callable[..., torch.nn.Module] = bui
             peer_id=f"rank{spec.rank}",
             **trainer_kwargs(run, cfg),
         )
-        log.info("rank %d of %d on %s: following rank 0", spec.rank, spec.world, spec.device)
+        log.info(
+            "rank %d of %d on %s: following rank 0%s",
+            spec.rank,
+            spec.world,
+            spec.device,
+            ", the model sharded (FSDP2)" if channel.setup_shard else "",
+        )
         return trainer.follow()
     except RankFailure as e:
         channel.broken = str(e)

@@ -12,18 +12,25 @@ import torch
 
 from geomesh_p2p.node.started import started
 from geomesh_p2p.model import state as gstate  # module-qualified: tests replace gstate.load_latest_checkpoint
-from geomesh_p2p.util.errors import UserFacingError
+from geomesh_p2p.util.errors import StartInputError, UserFacingError
 from geomesh_p2p.exchange.codec.feedback import PushFeedback
 
 if TYPE_CHECKING:
     from geomesh_p2p.node.peer import PeerNode
 
 from geomesh_p2p.data import load_dataset
-from geomesh_p2p.model.profile import ProfileStopped, profile_training
+from geomesh_p2p.model.profile import ProfileStopped, memory_in_use, profile_training, stateless_optimizer
 from geomesh_p2p.model.device import detect_device
 from geomesh_p2p.exchange.profile import measure_codec
 from geomesh_p2p.model.memory import release_freed_memory
-from geomesh_p2p.model.run_memory import RunMemory, memory_budget_problem, run_memory_estimate, verified_work_on
+from geomesh_p2p.model.run_memory import (
+    RunMemory,
+    ShardChoice,
+    choose_sharding,
+    memory_budget_problem,
+    run_memory_estimate,
+    verified_work_on,
+)
 from geomesh_p2p.trust.verify_task import VerifyConfig
 from geomesh_p2p.model.optim import OuterNesterov, SyncAdamW
 from geomesh_p2p.model.ranks import RankChannel, RankedTrainer, rank_profile
@@ -40,6 +47,7 @@ __all__ = [
     "record_capacity",
     "run_memory",
     "check_memory_budget",
+    "choose_rank_training",
     "PUSH_FRAMING_BYTES",
     "PULL_REQUEST_BYTES",
 ]
@@ -110,6 +118,41 @@ def check_memory_budget(run, cfg, n_params: int, device_type: str) -> RunMemory:
     return est
 
 
+def choose_rank_training(node: PeerNode, est: RunMemory, ranks: int, rank_memory: int) -> ShardChoice:
+    """A multi-rank peer's rank 0, before its profile: train a whole copy per rank (DDP) or sharded (FSDP2), by
+    :func:`~geomesh_p2p.model.run_memory.choose_sharding` on what the profile counts (the memory in use now, the
+    gradients and inner optimizer state, ``est``'s other items) against one rank's budget ``rank_memory``
+    (bytes). ``--shard`` shards; without it sharding is turned on when only sharded fits (one INFO line, with
+    the bytes). Raises StartInputError (the CLI exits 2) when not even sharded fits."""
+    r, c = node.run_cfg, node.cfg
+    param_bytes = sum(p.numel() * p.element_size() for p in node.model.parameters() if p.requires_grad)
+    try:
+        choice = choose_sharding(
+            memory_in_use(node.device),
+            param_bytes,
+            rank_memory,
+            ranks,
+            shard=c.shard,
+            # fp32 state as the estimate counts it (0 for the ddp baseline, which takes no inner step)
+            optimizer_bytes=sum(i.bytes for i in est.items if i.name == "inner optimizer state"),
+            extra_bytes=est.profile_extra(node.device.type),
+        )
+    except ValueError as e:
+        budget = (
+            f"--memory-budget-gb {c.memory_budget_bytes / 2**30:.3g}"
+            if c.memory_budget_bytes is not None and node.device.type == "cpu"
+            else "the memory available"
+        )
+        raise StartInputError(
+            f"cannot train {c.model_config_file or r.model} on {ranks} ranks here: {e}; {budget} is divided by the ranks sharing a "
+            f"device: use a larger --memory-budget-gb, more ranks (--local-devices, torchrun --nproc-per-node) or "
+            "a smaller --model"
+        ) from None
+    if choice.auto:
+        log.info("%s", choice.describe())
+    return choice
+
+
 def build_training(node: PeerNode) -> None:
     """Data, model, start-up profile, inner trainer, outer optimizer and the global state buffer
     (worker thread). The profile (:func:`capability.profile_training`) runs on the model itself
@@ -170,13 +213,17 @@ def build_training(node: PeerNode) -> None:
     # The whole run's static memory (issue 27): refused at once when --memory-budget-gb cannot hold it, and
     # what the profile leaves free besides the model, its gradients and AdamW state, so that the batch it
     # picks leaves room for the round (exchange buffers, verified work), not only for the inner steps.
-    if ranks > 1:  # a rank holds a share of the model (--shard) besides rank 0's whole copy: not modelled
+    if ranks > 1:  # checked per rank below (choose_rank_training), whole copy or sharded
         est = run_memory(r, c, node.numel)
     else:
         est = check_memory_budget(r, c, node.numel, node.device.type)
     log.info("static memory of this run: %s", est.describe(node.device.type))
+    # A multi-rank peer shards (FSDP2) with --shard or when a whole copy does not fit a rank (issue 30); the
+    # profile then counts the rank's shard of the training state, and measures with no optimizer state.
+    choice = choose_rank_training(node, est, ranks, rank_memory) if channel is not None else None
+    shard = choice is not None and choice.shard
     # Profile first: the inner optimizer and the global state are not allocated yet, so the profile's
-    # static estimate (gradients + AdamW state + the estimate's other items) is what the node adds.
+    # static estimate (gradients + optimizer state + the estimate's other items) is what the node adds.
     try:
         prof = profile_training(
             node.model,
@@ -191,6 +238,8 @@ def build_training(node: PeerNode) -> None:
             extra_bytes=est.profile_extra(node.device.type),
             logger=log,
             should_stop=node._stop.is_set,
+            state_bytes=choice.state_bytes if choice is not None else None,
+            optimizer_factory=stateless_optimizer if shard else None,
         )
     except ValueError as e:  # the budget (stated or the memory available) cannot hold this model
         raise UserFacingError(f"cannot train {r.model} here: {e}") from None
@@ -210,10 +259,11 @@ def build_training(node: PeerNode) -> None:
         clip_k=r.clip_k,
     )
     log.info(
-        "device %s%s: %s tokens/s per batch, max batch %d (%.1fs to measure, peak %.2f GiB, budget %.2f GiB%s); "
+        "device %s%s%s: %s tokens/s per batch, max batch %d (%.1fs to measure, peak %.2f GiB, budget %.2f GiB%s); "
         "exchange CPU %.1f ns per element pass",
         node.device_info.name,
         f" x {ranks} ranks" if ranks > 1 else "",
+        " (sharded, FSDP2)" if shard else "",
         {b: round(t) for b, t in node.profiled_tps.items()},
         node.max_batch,
         prof.seconds,
@@ -234,7 +284,7 @@ def build_training(node: PeerNode) -> None:
             node.model,
             node.dataset,
             channel=channel,
-            shard=c.shard,
+            shard=shard,  # --shard, or turned on above; the followers learn it from SETUP
             device=node.device,
             peer_id=node.me,
             **trainer_kwargs(r, c),

@@ -5,17 +5,22 @@ A process test because the point is the processes: rank 0 starts its follower it
 torch.distributed group, and a dead rank must end the peer (exit status 1, one ERROR line) without a hang or an
 orphan. ``--method diloco`` plans every peer the same steps, so the tokens are exact: the 2-rank peer trains
 each device's batch on each of its ranks, twice the one-rank peer's tokens in every round both complete. The same
-with ``--shard`` (the ranks train an FSDP2 model): the same digests as a one-rank peer, both exit 0, no orphan.
+with ``--shard`` (the ranks train an FSDP2 model): the same digests as a one-rank peer, both exit 0, no orphan. And
+without ``--shard`` under a ``--memory-budget-gb`` too small for a whole copy per rank but enough sharded: the peer
+shards by itself (one INFO line with the bytes) and trains with a one-rank peer; below even the shard it is
+refused at start (exit 2, one line).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 from pathlib import Path
 
 import pytest
 
+from geomesh_p2p.model.build import count_params
 from tests.swarm_util import ProcSwarm
 
 RANKS = ["--local-devices", "cpu,cpu"]
@@ -93,3 +98,60 @@ def test_sharded_two_rank_peer_trains_with_a_one_rank_peer(tmp_path: Path) -> No
     log = sw.text("a")
     assert "the model sharded over them (FSDP2, --shard)" in log and "rank 1 of 2 on cpu: following" in log
     assert "Traceback" not in log and "ranks failed" not in log, log[-3000:]
+
+
+def _needs(text: str) -> tuple[int, int]:
+    """(sharded, whole copy) bytes per rank from a refused start's one line (choose_sharding's message)."""
+    sharded = re.search(r"sharded over 2 ranks it needs ([\d,]+) ", text)
+    whole = re.search(r"a whole copy needs ([\d,]+) ", text)
+    assert sharded and whole, text[-3000:]
+    return int(sharded.group(1).replace(",", "")), int(whole.group(1).replace(",", ""))
+
+
+@pytest.mark.timeout(150)
+def test_a_two_rank_peer_shards_by_itself_when_a_whole_copy_does_not_fit(tmp_path: Path) -> None:
+    # The small preset (12.3M parameters): a whole copy's AdamW state and a 2-rank shard's differ by one copy of
+    # the weights (47 MiB), more than what the profile predicts for a sequence in a fresh process (~35 MiB at
+    # seq_len 32: its first step's one-time allocations count), so a budget can fall between.
+    common = ["--model", "small", "--method", "diloco", "--uniform-inner-steps", "1", "--min-peers", "2"]
+    common += ["--rounds", "1", "--target-batch", "1", "--speed-factor", "1"]
+    sw = ProcSwarm(tmp_path)
+    try:
+        # 1. a budget below even the sharded state: refused at start in one line (exit 2), naming the flag; its
+        # bytes (the memory in use now is this machine's) place the next budget between sharded and whole
+        sw.peer("a0", *common, *RANKS, "--memory-budget-gb", "0.5")
+        assert sw.wait_exit(["a0"], 60) == {"a0": 2}
+        sw.procs.pop("a0")  # exited: the swarm's waits below watch the others only
+        refused = sw.text("a0")
+        assert "not even sharded" in refused and "--memory-budget-gb 0.5 is divided by the ranks" in refused
+        assert "Traceback" not in refused, refused[-3000:]
+        sharded, whole = _needs(refused)
+        # fp32 AdamW: a whole copy counts gradients + 2 moments (3 x 4P bytes), a shard half of weights,
+        # gradients and moments (4 x 4P / 2): they differ by 4P bytes
+        assert whole - sharded == 4 * count_params("small", vocab_size=4096)
+        # 2. a budget per rank 2 MiB below the whole copy's need (the memory in use varies by ~0.1 MiB between
+        # starts), the rest left above the sharded need for a sequence: the peer shards by itself and trains with
+        # a one-rank peer
+        per_rank = whole - (2 << 20)
+        entry = sw.start_peers(["a"], *common, *RANKS, "--memory-budget-gb", repr(2 * per_rank / 2**30))
+        sw.peer("b", *common, bootstrap=entry)
+        assert sw.wait_exit(["a", "b"], 90) == {"a": 0, "b": 0}
+    finally:
+        sw.stop_all(10)
+    a = {r["round"]: r for r in sw.rows("a")}
+    b = {r["round"]: r for r in sw.rows("b")}
+    assert sorted(a) == sorted(b) == [0] and a[0]["digest"] == b[0]["digest"]
+    assert a[0]["batch_size"] == 2 * b[0]["batch_size"] and a[0]["inner_steps_done"] == b[0]["inner_steps_done"] == 1
+    assert a[0]["tokens"] == 2 * b[0]["tokens"] > 0
+    log = sw.text("a")
+    line = re.search(
+        r"a whole copy needs [\d.]+ GiB per rank \(([\d,]+) bytes\), a rank's budget is [\d.]+ GiB "
+        r"\(([\d,]+) bytes\): training sharded over 2 ranks \(FSDP2\)",
+        log,
+    )
+    assert line, log[-3000:]
+    need, budget = (int(g.replace(",", "")) for g in line.groups())
+    assert need >= budget and abs(budget - per_rank) <= 1
+    assert log.count("training sharded over 2 ranks") == 1 and "following rank 0, the model sharded (FSDP2)" in log
+    assert "x 2 ranks (sharded, FSDP2)" in log  # the profile's line: it counted the shard
+    assert "Traceback" not in log and not re.search(r"^\S+ E ", log, re.M), log[-3000:]
