@@ -417,9 +417,20 @@ def proc_row(n: int, rounds: int, workdir: Path, timeout_s: float) -> dict[str, 
         "cycle_s": mean(lambda r: r.get("cycle_s")),
         "overhead_s": mean(lambda r: (r["cycle_s"] - r["compute_s"]) if r.get("cycle_s") else None),
         "peers_planned": mean(lambda r: r.get("peers")),
+        "light_rows": sum(1 for r in use if r.get("extra", {}).get("light")),
+        "dht_bytes_full_peer": _mean_of(
+            [cls(r, "dht", "sent") + cls(r, "dht", "received") for r in use if not r.get("extra", {}).get("light")]
+        ),
+        "dht_bytes_light_peer": _mean_of(
+            [cls(r, "dht", "sent") + cls(r, "dht", "received") for r in use if r.get("extra", {}).get("light")]
+        ),
         "digests_per_round": max((len(v) for v in by_round.values()), default=0),
         "digests_equal": bool(by_round) and all(len(v) == 1 for v in by_round.values()),
     }
+
+
+def _mean_of(xs: list) -> Optional[float]:
+    return statistics.fmean(xs) if xs else None
 
 
 # ------------------------------------------------------------------------------------------ output
