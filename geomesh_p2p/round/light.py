@@ -84,7 +84,9 @@ async def agree(drv: RoundDriver, ctx: RoundContext) -> Optional[bool]:
     r, prev = ctx.round, drv._last_plan
     assert prev is not None  # is_light checked it
     established = [a.peer_id for a in prev.assignments if not a.probation]
-    candidates = [p for p in established if p != drv.me]
+    # The candidates whose turns pace the plan reads (obtain_plan wakes at each take-over instant): the first
+    # full_view_peers in the order; every stored plan is read whoever leads it, so this changes no choice.
+    candidates = [p for p in leader_order(prev.run_id, r, established) if p != drv.me][: drv.cfg.full_view_peers]
 
     def on_provisional(p: RoundPlan) -> None:
         # as the full path (planning.agree): train on the plan most likely followed while the settle runs
