@@ -347,6 +347,12 @@ class CollectiveService(OwnerService):
                     signed = await self._pull(spec, j)
             if signed is None:
                 return None
+            if spec.round in self._rounds:
+                # Serve it to peers that cannot reach the owner from now on, before it is decoded (which can
+                # take a while: the read slot, a loaded CPU): an owner gone meanwhile otherwise left them
+                # without a copy, and they gave up on a part this peer applies. Its verdict (signature,
+                # signed time) is the same on every peer, so the bytes are served before this peer's own.
+                state.cache[j] = signed
         try:
             # One part read at a time: a robust rule decodes every contribution of the part to fp32 (about
             # (contributors + 5) x the part's bytes while it runs); reading the parts concurrently held that
@@ -382,8 +388,6 @@ class CollectiveService(OwnerService):
             if out is not None:
                 out.zero_()
             return None
-        if owner.peer_id != self.peer_id and spec.round in self._rounds:
-            state.cache[j] = signed  # serve it to peers that cannot reach the owner
         return res
 
     async def _pull(self, spec: CollectiveSpec, j: int) -> Optional[wire.Buffer]:

@@ -326,6 +326,50 @@ async def test_owner_gone_after_serving_some_peers_the_rest_get_its_signed_resul
     check_survivors(sw, spec, deltas, tokens, outs, missing=[])
 
 
+async def test_owner_killed_while_its_only_reader_decodes_its_result(swarm):
+    """Owner 1 answers reader 0, then dies while reader 0 still decodes the result (the read slot, a loaded
+    CPU). Readers 2 and 3 find the owner gone: before the fix no helper had a copy yet (it was cached only once
+    decoded), they gave up at once and the round ended on two aggregates (missing [1] for them, [] for 0)."""
+    sw = await swarm()
+    spec, deltas, tokens = setup_round(sw, mode="reencode")
+    r0 = sw.services[0]
+    owner_gone = asyncio.Event()
+    pulled = asyncio.Event()
+    orig_pull0, orig_read0 = r0._pull, r0._read_result
+
+    async def pull0(spec_, j):
+        out = await orig_pull0(spec_, j)
+        if j == 1:
+            pulled.set()
+        return out
+
+    def read0(spec_, j, signed, out=None):  # a worker thread: decoding under load
+        if j == 1:
+            t_end = time.monotonic() + 10  # bounded: a failing test must not leave this thread spinning
+            while not owner_gone.is_set() and time.monotonic() < t_end:
+                time.sleep(0.01)
+            time.sleep(0.5)  # the others ask the helpers meanwhile
+        return orig_read0(spec_, j, signed, out)
+
+    r0._pull, r0._read_result = pull0, read0
+
+    async def wait_owner(spec_, part):
+        if part == 1:
+            await owner_gone.wait()
+
+    for k in (2, 3):
+        sw.services[k].pull_fault = wait_owner
+    tasks = start_round(sw, spec, deltas, tokens, [0, 1, 2, 3])
+    await pulled.wait()
+    tasks.pop(1).cancel()
+    await sw.stop_one(1)
+    owner_gone.set()
+    outs = {k: (await t)[0] for k, t in tasks.items()}
+    assert {k: r.missing_parts for k, r in outs.items()} == {0: [], 2: [], 3: []}
+    assert all(torch.equal(r.aggregate, outs[0].aggregate) for r in outs.values())
+    assert all(r.contributors == outs[0].contributors for r in outs.values())
+
+
 async def test_a_leaving_owner_serves_its_parts_until_a_slow_reader_pulled_them(swarm):
     """rs9: the last round's owner exited as soon as its own exchange ended, while a peer on a slow link was
     still pulling its part; that peer ended the run on another digest. ``linger`` (what a leaving node runs
