@@ -316,6 +316,15 @@ def check_plan(
     return _ownership_problem(plan, cfg, possible, barred)
 
 
+def records_needed(plan: RoundPlan, cfg: PlanConfig) -> list[str]:
+    """The participants of ``plan`` whose assignment the plan alone cannot check, so a light follower reads
+    their records (issue 25): an accumulation other than a one-device peer's for its micro-batch (a K-rank
+    peer's target batch is K x ``cfg.target_batch``, and only its record says K). :func:`check_plan` refuses
+    a wrong accumulation as a :class:`ContentRefusal` (the full-view peers then follow the next leader): a
+    light follower must see every such lie, not a sample of them, or it follows a plan they bypass."""
+    return [a.peer_id for a in plan.assignments if a.accum_steps != accum_steps_for(a.micro_batch, cfg.target_batch)]
+
+
 def check_plan_sampled(
     plan: RoundPlan,
     sampled: Mapping[str, PeerRecord],

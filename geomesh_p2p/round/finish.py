@@ -54,7 +54,8 @@ async def finish(drv: RoundDriver, ctx: RoundContext) -> set[str]:
     else:
         await checkpoint_if_due(drv, r)
         drv._fresh_record = True
-        drv._light_ok_round = r + 1  # round r + 1 may run light (round/light.py)
+        if rec.digest_agree is True:  # confirmed by others: round r + 1 may run light (round/light.py)
+            drv._light_ok_round = r + 1
     return contributors(ctx.exchanged()) or set(plan.participants())
 
 

@@ -35,7 +35,7 @@ import random
 import threading
 from typing import TYPE_CHECKING, Optional, Sequence
 
-from geomesh_p2p.plan.agree import PlanRefused, PlanStalled, digest_majority, leader_order
+from geomesh_p2p.plan.agree import PlanRefused, PlanStalled, digest_majority, leader_order, leader_rank
 from geomesh_p2p.plan.schema import RoundPlan
 from geomesh_p2p.round.context import Phase, RoundContext
 from geomesh_p2p.round.eager import drop_speculative
@@ -68,12 +68,18 @@ def is_light(drv: RoundDriver) -> bool:
     return drv.me in order and order.index(drv.me) >= cfg.full_view_peers
 
 
-def plan_sample(plan: RoundPlan, me: str, k: int) -> list[str]:
-    """The participants whose records a light follower reads to check ``plan``: its leader and ``k - 1``
-    others drawn at random (never this peer), at most ``k`` in all."""
-    others = [p for p in plan.participants() if p not in (me, plan.leader)]
-    chosen = _draw.sample(others, min(len(others), max(0, k - 1)))
-    return ([plan.leader] if plan.leader != me else []) + chosen
+#: Most records one sampled read asks for (the DHT's subkeys per find, RecordLimits.max_keys_per_find).
+MAX_SAMPLE = 64
+
+
+def plan_sample(plan: RoundPlan, me: str, k: int, needed: Sequence[str] = ()) -> list[str]:
+    """The participants whose records a light follower reads to check ``plan``: its leader, every one of
+    ``needed`` (whose assignment the plan alone cannot check, :func:`geomesh_p2p.plan.planner.records_needed`),
+    and others drawn at random up to ``k`` in all. This peer is in it only when needed (its own record is its
+    current one, not read: the plan's lie may be about this peer)."""
+    first = list(dict.fromkeys([*([plan.leader] if plan.leader != me else []), *needed]))
+    others = [p for p in plan.participants() if p != me and p not in first]
+    return first + _draw.sample(others, min(len(others), max(0, k - len(first))))
 
 
 async def agree(drv: RoundDriver, ctx: RoundContext) -> Optional[bool]:
@@ -97,6 +103,16 @@ async def agree(drv: RoundDriver, ctx: RoundContext) -> Optional[bool]:
     def never(*_args) -> RoundPlan:  # a light follower is no candidate: obtain_plan never asks it to lead
         raise RuntimeError("a light follower does not lead")
 
+    outsiders: set[str] = set()  # leaders of plans read that were no established participant of the last round
+
+    def accept(p: RoundPlan) -> Optional[str]:
+        if p.leader not in established:
+            # Not followed from here (its leader may be a Sybil: it would send every light follower to the full
+            # path each round); whether the full-view peers may follow it is asked once the choice is made.
+            outsiders.add(p.leader)
+            return f"its leader {p.leader[:10]} was no established participant of round {prev.round}"
+        return drv.policy.sampled_plan_problem(p, {}, ())
+
     why: Optional[str] = None
     plan: Optional[RoundPlan] = None
     try:
@@ -104,7 +120,7 @@ async def agree(drv: RoundDriver, ctx: RoundContext) -> Optional[bool]:
             r,
             [],
             never,
-            accept=lambda p: drv.policy.sampled_plan_problem(p, {}, ()),
+            accept=accept,
             candidates=candidates,
             plan_timeout_s=drv.cfg.plan_timeout_s,
             provisional=on_provisional,
@@ -115,8 +131,8 @@ async def agree(drv: RoundDriver, ctx: RoundContext) -> Optional[bool]:
         why = f"this peer was not running for {e.stalled_s:.1f} s"
     if plan is None and why is None:
         why = "no plan appeared"
-    if plan is not None and plan.leader not in established:
-        why = f"the plan's leader {plan.leader[:10]} was no established participant of round {prev.round}"
+    if plan is not None and why is None:
+        why = await outsider_problem(drv, plan, outsiders)
     if plan is not None and why is None:
         why = await check_sample(drv, plan)
     if why is not None:
@@ -132,10 +148,32 @@ async def agree(drv: RoundDriver, ctx: RoundContext) -> Optional[bool]:
     return True
 
 
+async def outsider_problem(drv: RoundDriver, plan: RoundPlan, outsiders: set[str]) -> Optional[str]:
+    """The reason to leave the light path when a plan of the round ranks before ``plan`` and its leader, no
+    established participant of the last round, has a live admitted record (an established peer that re-synced
+    may lead a plan the full-view peers follow); None when there is none, or none of them announces (a Sybil
+    without a record, or one whose record the admission rules drop: one subkey read)."""
+    rank = leader_rank(plan.run_id, plan.round, plan.leader)
+    before = sorted(p for p in outsiders if leader_rank(plan.run_id, plan.round, p) < rank)
+    if not before:
+        return None
+    try:
+        live = [x.peer_id for x in await drv.membership.records_of(before[:MAX_SAMPLE]) if not x.leaving]
+    except Exception as e:  # a failed read: the full path decides
+        return f"reading the records of {len(before)} better-ranked leader(s) failed ({type(e).__name__}: {e})"
+    if live or len(before) > MAX_SAMPLE:
+        who = ", ".join(p[:10] for p in (live or before)[:3])
+        return f"a better-ranked plan's leader ({who}) was no established participant of round {plan.round - 1}"
+    return None
+
+
 async def check_sample(drv: RoundDriver, plan: RoundPlan) -> Optional[str]:
     """Read the records of :func:`plan_sample` (one subkey read) and check ``plan`` against them; the reason
     to leave the light path, or None."""
-    sample = plan_sample(plan, drv.me, drv.cfg.light_sample)
+    needed = drv.policy.records_needed(plan)
+    if len(needed) >= MAX_SAMPLE:
+        return f"{len(needed)} participants' assignments need their records checked: more than one read holds"
+    sample = plan_sample(plan, drv.me, drv.cfg.light_sample, needed)
     try:
         recs = await drv.membership.records_of(sample)
     except Exception as e:  # a failed read: the full path decides
@@ -190,6 +228,10 @@ async def check_digest(drv: RoundDriver, r: int, participants: Sequence[str]) ->
     majority, agree, total = digest_majority(recs + [_Vote(r, mine)], r)
     if majority is None or total <= 1:
         return None
+    if majority != mine and 2 * agree <= total:
+        # no strict majority of the sample against this peer (a tie, e.g. one rogue digest of two): the full
+        # check decides, not a sample that small
+        return await drv.check_digest(r, participants)
     if majority != mine:
         events.emit(
             log,

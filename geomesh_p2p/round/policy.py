@@ -84,6 +84,10 @@ class NodeRoundPolicy:
         sample only), then verified work's objection."""
         return self.planning.sampled_plan_problem(plan, sampled, sample) or self.verified.plan_problem(plan)
 
+    def records_needed(self, plan) -> list[str]:
+        """Participants whose records a light follower must read to check ``plan`` (:meth:`PlanRules.records_needed`)."""
+        return self.planning.records_needed(plan)
+
     def leader_candidates(self, members, live: dict):
         """(members without the peers verified work excluded, the established ones that may lead)."""
         members = self.verified.members(members)

@@ -239,6 +239,9 @@ class RoundPolicy(Protocol):
     def sampled_plan_problem(self, plan: RoundPlan, sampled: dict, sample: Sequence[str]) -> Optional[str]:
         """A light follower's :meth:`plan_problem`: ``sampled`` holds the records it read of ``sample`` only."""
 
+    def records_needed(self, plan: RoundPlan) -> list[str]:
+        """Participants whose records a light follower must read (and not only sample) to check ``plan``."""
+
     def leader_candidates(self, members: Sequence[PeerRecord], live: dict) -> tuple[list[PeerRecord], list[str]]:
         """(the members to plan, the PeerIDs that may lead)."""
 

@@ -36,7 +36,7 @@ from geomesh_p2p.plan.bounds import (
     bound_records,
     max_token_share,
 )
-from geomesh_p2p.plan.planner import check_plan, check_plan_sampled, make_plan
+from geomesh_p2p.plan.planner import check_plan, check_plan_sampled, make_plan, records_needed
 from geomesh_p2p.plan.schema import PlanConfig, RoundPlan
 from geomesh_p2p.schema.partition import OWNER_SHARE_FACTOR, max_owner_units
 from geomesh_p2p.schema.peer import (
@@ -250,6 +250,7 @@ def test_honest_plans_pass_a_light_followers_check_whatever_it_samples(recs, cfg
     plan = make_plan(recs, cfg, numel=numel, **KW)
     sample = random.Random(seed).sample(recs, min(k, len(recs)))
     assert check_plan_sampled(plan, by_id(sample), cfg, now=T0) is None
+    assert records_needed(plan, cfg) == []  # one-device peers: every accumulation is checked from the plan
 
 
 def test_a_light_follower_refuses_the_rogue_variants_it_can_see_from_the_plan_and_its_sample():
@@ -300,6 +301,12 @@ def test_a_light_follower_refuses_the_rogue_variants_it_can_see_from_the_plan_an
     for expected, bad in cases.items():
         reason = check_plan_sampled(bad, sampled, cfg, now=T0)
         assert reason is not None and expected in reason, (expected, reason)
+    # a wrong accumulation (a ContentRefusal of the full check) always names a participant the light follower must
+    # sample: it never follows a plan the full-view peers bypass (red-team finding F1)
+    assert records_needed(cases["accumulates"], cfg) == ["p0"]
+    a3 = honest.assignment("p3")
+    lie = with_assignment(honest, "p3", accum_steps=2 * a3.accum_steps, batch_size=2 * a3.batch_size)
+    assert records_needed(lie, cfg) == ["p3"]
     # a lie about a participant outside the sample is the full-view peers' to see (docs/round.md)
     assert check_plan_sampled(cases["micro-batch"], {"p0": sampled["p0"]}, cfg, now=T0) is None
 

@@ -234,6 +234,9 @@ class FakePeer:
         missing = [p[:10] for p in sample if p not in sampled]
         return f"it names peers that are not live: {missing}" if missing else None
 
+    def records_needed(self, plan):
+        return []  # the fake's plans are all one-device peers (planner.records_needed: none)
+
     def leader_candidates(self, members, live):
         return list(members), [m.peer_id for m in members]
 

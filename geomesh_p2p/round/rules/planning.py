@@ -261,6 +261,9 @@ class PlanRules:
         reason = self._settings_problem(plan)
         if reason is not None:
             return reason
+        unchecked = [p[:10] for p in self.records_needed(plan) if sample and p not in sample]
+        if unchecked:
+            return f"it needs the records of {unchecked} to be checked, and they were not read"
         unknown = [p[:10] for p in sample if p not in sampled]
         if unknown:
             return f"it names peers that are not live: {unknown}"
@@ -270,6 +273,10 @@ class PlanRules:
         return planner.check_plan_sampled(
             plan, sampled, self.plan_config(len(plan.assignments)), now=swarm_time(), barred=self.penalties.barred()
         )
+
+    def records_needed(self, plan) -> list[str]:
+        """Participants a light follower must sample to check ``plan`` (:func:`planner.records_needed`)."""
+        return planner.records_needed(plan, self.plan_config(len(plan.assignments)))
 
     def _settings_problem(self, plan) -> Optional[str]:
         """Reasons of the plan and the run config alone: every honest follower gives them (ContentRefusal)."""
