@@ -411,81 +411,6 @@ def _wait(cond, timeout: float, what: str, poll: float = 0.5):
     raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
 
 
-@pytest.mark.timeout(420)
-def test_status_page_in_headless_chromium(swarm, browser, tmp_path):
-    from selenium.common.exceptions import NoAlertPresentException
-    from selenium.webdriver.common.by import By
-
-    ids = swarm["ids"]
-    # the devices the peers announced, read from the DHT independently of the page
-    recs = asyncio.run(_read_records(swarm["address"]))
-    devices = {pid: recs[pid].device for pid in ids.values()}
-    browser.get(swarm["url"])
-    assert browser.title == "GeoMesh-P2P swarm"
-
-    wanted = [pid[:10] for pid in ids.values()] + [swarm["hostile"][:10]]
-    rows = _wait(
-        lambda: (lambda r: r if all(w in r for w in wanted) else None)(_peer_rows(browser)),
-        60,
-        "the rows of both peers and of the hostile record",
-    )
-    # both peers' rows, each with its device
-    for pid in ids.values():
-        assert rows[pid[:10]]["cells"][0] == pid[:10]
-        assert rows[pid[:10]]["device"] == " ".join(clean_text(devices[pid]).split())  # as HTML lays text out
-    # the hostile device name is shown as text, and is not an element
-    assert rows[swarm["hostile"][:10]]["device"] == HOSTILE
-    assert "leaving" in rows[swarm["hostile"][:10]]["cells"]
-    assert browser.find_elements(By.TAG_NAME, "img") == []
-    with pytest.raises(NoAlertPresentException):
-        browser.switch_to.alert.text  # noqa: B018  (no alert(1) ran)
-    assert browser.execute_script("return window.geomesh.errors") == 0
-
-    # the round number advances on its own (the page refreshes itself)
-    r0 = int(
-        _wait(
-            lambda: (
-                browser.find_element(By.ID, "round").text.strip().isdigit()
-                and browser.find_element(By.ID, "round").text
-            ),
-            60,
-            "a round number",
-        )
-    )
-    _wait(lambda: int(browser.find_element(By.ID, "round").text) > r0, 150, f"the round to advance past {r0}")
-
-    # a plot with points: the loss chart holds >= 2 rounds and its line's colour is on the canvas
-    n = _wait(
-        lambda: (
-            browser.execute_script("var c = window.geomesh.charts['chart-loss']; return c ? c.data[0].length : 0;") >= 2
-        ),
-        120,
-        "two points on the loss plot",
-    )
-    assert n
-    blue = browser.execute_script("""
-        var c = document.querySelector('#chart-loss canvas');
-        var d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data, n = 0;
-        for (var i = 0; i < d.length; i += 4)
-          if (Math.abs(d[i] - 37) < 40 && Math.abs(d[i + 1] - 99) < 40 && Math.abs(d[i + 2] - 235) < 40 && d[i + 3] > 128) n++;
-        return n;""")
-    assert blue > 30, f"the loss line is not drawn ({blue} pixels of its colour)"
-    assert browser.find_elements(By.CSS_SELECTOR, "#rounds tbody tr")
-
-    shot = tmp_path / "status-page.png"
-    assert browser.save_screenshot(str(shot))
-    from PIL import Image
-
-    img = Image.open(shot).convert("RGB")
-    assert img.size[0] >= 800 and img.size[1] >= 600
-    colors = img.getcolors(maxcolors=1 << 20)
-    assert colors is not None and len(colors) > 50, "screenshot looks blank"
-    background = max(colors)[0] / (img.size[0] * img.size[1])
-    assert background < 0.97, f"screenshot is {background:.0%} one colour"
-    if os.environ.get("GEOMESH_SCREENSHOT"):  # to refresh the README's picture
-        shutil.copy(shot, os.environ["GEOMESH_SCREENSHOT"])
-
-
 async def _read_records(bootstrap: str) -> dict:
     node = await start_node([bootstrap], run_id=RUN, client_only=True)
     try:
@@ -503,22 +428,6 @@ def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
         timeout=timeout,
         env={**os.environ, "GRPC_VERBOSITY": "NONE"},
     )
-
-
-@pytest.mark.timeout(300)
-def test_peer_status_cli_table_and_json(swarm):
-    out = _cli("status", "--bootstrap", swarm["address"], "--run-id", RUN, "--json")
-    assert out.returncode == 0, out.stderr
-    doc = json.loads(out.stdout)
-    by_id = {p["peer_id"]: p for p in doc["swarm"]["peers"]}
-    assert set(swarm["ids"].values()) <= set(by_id)
-    assert by_id[swarm["hostile"]]["device"] == HOSTILE and by_id[swarm["hostile"]]["state"] == "leaving"
-    assert doc["swarm"]["round"] is not None and doc["rounds"]
-    table = _cli("status", "--bootstrap", swarm["address"], "--run-id", RUN)
-    assert table.returncode == 0, table.stderr
-    for pid in swarm["ids"].values():
-        assert pid[:10] in table.stdout
-    assert HOSTILE in table.stdout and "round" in table.stdout
 
 
 @pytest.mark.timeout(120)
@@ -642,3 +551,99 @@ def test_bootstrap_status_page_stops_with_the_bootstrap(tmp_path):
             socket.create_connection(("127.0.0.1", http_port), timeout=2).close()
     finally:
         s.stop_all()
+
+
+# ------------------------------------------------------------------------------------------ the swarm
+# The two tests of the module-scoped ``swarm`` come last: pytest stops a module fixture only when the module
+# ends, so its two training peers (about a core) ran on through every test after its first user.
+
+
+@pytest.mark.timeout(420)
+def test_status_page_in_headless_chromium(swarm, browser, tmp_path):
+    from selenium.common.exceptions import NoAlertPresentException
+    from selenium.webdriver.common.by import By
+
+    ids = swarm["ids"]
+    # the devices the peers announced, read from the DHT independently of the page
+    recs = asyncio.run(_read_records(swarm["address"]))
+    devices = {pid: recs[pid].device for pid in ids.values()}
+    browser.get(swarm["url"])
+    assert browser.title == "GeoMesh-P2P swarm"
+
+    wanted = [pid[:10] for pid in ids.values()] + [swarm["hostile"][:10]]
+    rows = _wait(
+        lambda: (lambda r: r if all(w in r for w in wanted) else None)(_peer_rows(browser)),
+        60,
+        "the rows of both peers and of the hostile record",
+    )
+    # both peers' rows, each with its device
+    for pid in ids.values():
+        assert rows[pid[:10]]["cells"][0] == pid[:10]
+        assert rows[pid[:10]]["device"] == " ".join(clean_text(devices[pid]).split())  # as HTML lays text out
+    # the hostile device name is shown as text, and is not an element
+    assert rows[swarm["hostile"][:10]]["device"] == HOSTILE
+    assert "leaving" in rows[swarm["hostile"][:10]]["cells"]
+    assert browser.find_elements(By.TAG_NAME, "img") == []
+    with pytest.raises(NoAlertPresentException):
+        browser.switch_to.alert.text  # noqa: B018  (no alert(1) ran)
+    assert browser.execute_script("return window.geomesh.errors") == 0
+
+    # the round number advances on its own (the page refreshes itself)
+    r0 = int(
+        _wait(
+            lambda: (
+                browser.find_element(By.ID, "round").text.strip().isdigit()
+                and browser.find_element(By.ID, "round").text
+            ),
+            60,
+            "a round number",
+        )
+    )
+    _wait(lambda: int(browser.find_element(By.ID, "round").text) > r0, 150, f"the round to advance past {r0}")
+
+    # a plot with points: the loss chart holds >= 2 rounds and its line's colour is on the canvas
+    n = _wait(
+        lambda: (
+            browser.execute_script("var c = window.geomesh.charts['chart-loss']; return c ? c.data[0].length : 0;") >= 2
+        ),
+        120,
+        "two points on the loss plot",
+    )
+    assert n
+    blue = browser.execute_script("""
+        var c = document.querySelector('#chart-loss canvas');
+        var d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data, n = 0;
+        for (var i = 0; i < d.length; i += 4)
+          if (Math.abs(d[i] - 37) < 40 && Math.abs(d[i + 1] - 99) < 40 && Math.abs(d[i + 2] - 235) < 40 && d[i + 3] > 128) n++;
+        return n;""")
+    assert blue > 30, f"the loss line is not drawn ({blue} pixels of its colour)"
+    assert browser.find_elements(By.CSS_SELECTOR, "#rounds tbody tr")
+
+    shot = tmp_path / "status-page.png"
+    assert browser.save_screenshot(str(shot))
+    from PIL import Image
+
+    img = Image.open(shot).convert("RGB")
+    assert img.size[0] >= 800 and img.size[1] >= 600
+    colors = img.getcolors(maxcolors=1 << 20)
+    assert colors is not None and len(colors) > 50, "screenshot looks blank"
+    background = max(colors)[0] / (img.size[0] * img.size[1])
+    assert background < 0.97, f"screenshot is {background:.0%} one colour"
+    if os.environ.get("GEOMESH_SCREENSHOT"):  # to refresh the README's picture
+        shutil.copy(shot, os.environ["GEOMESH_SCREENSHOT"])
+
+
+@pytest.mark.timeout(300)
+def test_peer_status_cli_table_and_json(swarm):
+    out = _cli("status", "--bootstrap", swarm["address"], "--run-id", RUN, "--json")
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    by_id = {p["peer_id"]: p for p in doc["swarm"]["peers"]}
+    assert set(swarm["ids"].values()) <= set(by_id)
+    assert by_id[swarm["hostile"]]["device"] == HOSTILE and by_id[swarm["hostile"]]["state"] == "leaving"
+    assert doc["swarm"]["round"] is not None and doc["rounds"]
+    table = _cli("status", "--bootstrap", swarm["address"], "--run-id", RUN)
+    assert table.returncode == 0, table.stderr
+    for pid in swarm["ids"].values():
+        assert pid[:10] in table.stdout
+    assert HOSTILE in table.stdout and "round" in table.stdout
