@@ -41,18 +41,20 @@ import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from geomesh_p2p.model.training import InnerResult, InnerTrainer
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+# FSDP2, DTensor and distributed checkpointing are imported where a sharded peer uses them: importing them costs
+# ~1.4 CPU-s per process (measured), which every one-device peer paid at start for nothing.
 
 log = logging.getLogger(__name__)
 
@@ -334,6 +336,8 @@ def shard_model(model: torch.nn.Module, mesh: DeviceMesh) -> torch.nn.Module:
     is one unit, gathered for its forward and backward only, and the rest (embeddings, tied head, final norm) is
     the root unit. Every parameter becomes a DTensor split on dim 0 over the ranks (fp32, the model's device).
     A collective-free call; every rank calls it on an identically built model."""
+    from torch.distributed.fsdp import fully_shard
+
     blocks = next((m for m in model.modules() if isinstance(m, torch.nn.ModuleList)), None)
     for block in blocks if blocks is not None else ():
         fully_shard(block, mesh=mesh)
@@ -365,6 +369,8 @@ class RankedTrainer(InnerTrainer):
         #: the FSDP2 model this rank trains (``shard``), None under DDP; a follower's is ``self.model``
         self.sharded: Optional[torch.nn.Module] = None
         if shard:
+            from torch.distributed.device_mesh import DeviceMesh
+
             mesh = DeviceMesh.from_group(channel.main, dev.type)
             names = [n for n, _ in self.model.named_parameters()]
             self.sharded = shard_model(self.model if channel.rank else copy.deepcopy(self.model), mesh)
@@ -515,6 +521,8 @@ class RankedTrainer(InnerTrainer):
     def _load_shards(self, full: dict[str, Any]) -> None:
         """Sharded: rank 0's whole ``full`` state dict (``{}`` on a follower) into every rank's shards (a
         collective of the main group: rank 0 broadcasts tensor by tensor, each rank keeps its slice)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
         assert self.sharded is not None
         opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
         with torch.no_grad():
@@ -522,6 +530,8 @@ class RankedTrainer(InnerTrainer):
 
     def _gather_shards(self) -> dict[str, Any]:
         """Sharded: the whole trained weights, fp32 on rank 0's CPU (``{}`` on a follower); a collective."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
         assert self.sharded is not None
         opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
         return get_model_state_dict(self.sharded, options=opts)
@@ -530,6 +540,8 @@ class RankedTrainer(InnerTrainer):
     def _gather_grad(self) -> torch.Tensor:
         """Sharded: the accumulated gradient as fp32 CPU ``[P]`` in :func:`flat_params` order, whole on every rank
         (one all-gather per parameter; zeros where a parameter has no gradient); a collective."""
+        from torch.distributed.tensor import DTensor
+
         assert self.sharded is not None
         parts = []
         for p in self.sharded.parameters():
@@ -545,6 +557,10 @@ class RankedTrainer(InnerTrainer):
         params = list(self._trained_parameters())
 
         def local(t: torch.Tensor) -> torch.Tensor:
+            if self.sharded is None:  # no DTensor without FSDP (and no import of it)
+                return t
+            from torch.distributed.tensor import DTensor
+
             return t.to_local() if isinstance(t, DTensor) else t
 
         out = {"params": 0, "grads": 0, "optimizer": 0}
