@@ -234,7 +234,10 @@ def sim_row(
     # served by the busiest node: each of the peers key's k nearest nodes is asked by every lookup of the
     # key (a lookup ends by querying the k nearest, the same k for every peer) and reached by every store:
     # the hot key. The plan key has its own k nearest: the same nodes only while n - 1 <= k.
-    busiest = (n - 1) * (2 * announces + (1 if n - 1 <= K else 0)) + n_full * reads + (n - n_full) * 2
+    # the other peers' reads: full-view peers make `reads` full reads, light followers 2 sampled ones
+    others = n - 1
+    full_others = min(n_full, others)
+    busiest = others * (2 * announces + (1 if others <= K else 0)) + full_others * reads + (others - full_others) * 2
     return {
         "tier": "sim",
         "n": n,

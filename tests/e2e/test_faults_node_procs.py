@@ -75,7 +75,14 @@ def test_peer_with_a_clock_30s_ahead_trains_with_the_swarm(swarm, monkeypatch):
     # (Python's sleep is a clock_nanosleep on CLOCK_MONOTONIC, which libfaketime then refuses: EINVAL)
     swarm.peer("skewed", *args, "--speed-factor", "1", bootstrap=entry)
     monkeypatch.delenv("LD_PRELOAD")
-    assert swarm.wait_exit(names, 420) == {n: 0 for n in names}
+    codes = swarm.wait_exit(names, 420)
+    assert codes["skewed"] == 0, swarm.text("skewed")[-3000:]
+    for n in ("p0", "p1"):
+        # Under load (a CI host at load ~10) the exclusion rule may plan a slow unskewed peer out of the last
+        # rounds; once the others have exited at --rounds it cannot download their last state and says so with
+        # exit 3 (EXIT_NOT_SYNCED). Not the fault this test is about; any other exit is.
+        late = codes[n] == 3 and "not in the plan of leader" in swarm.text(n)
+        assert codes[n] == 0 or late, (n, codes[n], swarm.text(n)[-3000:])
     assert re.search(r"clock offset to the bootstrap\(s\): -(29|30)\.\d s", swarm.text("skewed")), swarm.text("skewed")
     # Round 0 waits for all three (--min-peers 3): the skewed peer is in it, trains and agrees.
     d = _digests(swarm, names, 0)
