@@ -56,6 +56,17 @@ if TYPE_CHECKING:
 # FSDP2, DTensor and distributed checkpointing are imported where a sharded peer uses them: importing them costs
 # ~1.4 CPU-s per process (measured), which every one-device peer paid at start for nothing.
 
+
+def load_sharding_modules() -> None:
+    """Import FSDP2, DTensor and distributed checkpointing now. A multi-rank peer calls it before it measures its
+    memory in use for the sharding decision (:func:`geomesh_p2p.node.training.choose_rank_training`): the modules'
+    memory then counts as in use, not as the first step's growth (tens of MiB, which the profile would charge to
+    one sequence)."""
+    import torch.distributed.checkpoint.state_dict  # noqa: F401
+    import torch.distributed.fsdp  # noqa: F401
+    import torch.distributed.tensor  # noqa: F401
+
+
 log = logging.getLogger(__name__)
 
 __all__ = [

@@ -33,7 +33,7 @@ from geomesh_p2p.model.run_memory import (
 )
 from geomesh_p2p.trust.verify_task import VerifyConfig
 from geomesh_p2p.model.optim import OuterNesterov, SyncAdamW
-from geomesh_p2p.model.ranks import RankChannel, RankedTrainer, rank_profile
+from geomesh_p2p.model.ranks import RankChannel, RankedTrainer, load_sharding_modules, rank_profile
 from geomesh_p2p.model.training import DEFAULT_INNER, InnerTrainer, lr_at
 from geomesh_p2p.model.build import build_model, num_params
 from geomesh_p2p.net.methods import COLLECTIVE_PULL, COLLECTIVE_PUSH
@@ -125,6 +125,7 @@ def choose_rank_training(node: PeerNode, est: RunMemory, ranks: int, rank_memory
     (bytes). ``--shard`` shards; without it sharding is turned on when only sharded fits (one INFO line, with
     the bytes). Raises StartInputError (the CLI exits 2) when not even sharded fits."""
     r, c = node.run_cfg, node.cfg
+    load_sharding_modules()  # before the memory in use is read (their memory is not a step's)
     param_bytes = sum(p.numel() * p.element_size() for p in node.model.parameters() if p.requires_grad)
     try:
         choice = choose_sharding(
