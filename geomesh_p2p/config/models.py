@@ -350,17 +350,19 @@ class NodeConfig(BaseModel):
     plan_timeout_s: float = opt(4.0, "seconds to wait for the round's plan", group=TUNING_GROUP, gt=0)
     full_view_peers: int = opt(
         8,
-        "peers of the last round's plan ranked first to lead the next round read every peer record (they gather, "
-        "lead and check plans in full); a peer ranked after them is a light follower: it reads the plan and the "
-        "records of a sample only, so its DHT traffic does not grow with the swarm (docs/round.md, 'Light "
-        "followers'); 0: every peer reads every record",
+        "how many peers read every peer record each round: the first N of the last round's plan in the order that "
+        "elects the next leader (they gather, lead and check plans in full); the others are light followers that "
+        "read the plan and a sample of records only, so their DHT traffic does not grow with the swarm "
+        "(docs/round.md, 'Light followers'). A swarm of at most N peers has none: leave it at the default unless "
+        "the swarm has hundreds of peers. 0: every peer reads every record. 0..1024",
         group=TUNING_GROUP,
         ge=0,
         le=1024,
     )
     light_sample: int = opt(
         8,
-        "records a light follower reads to check a plan and its digest (the leader's and others drawn at random)",
+        "how many peer records a light follower reads to check a plan, and to check its digest (the plan's leader, "
+        "any participant the plan alone cannot check, and others drawn at random). 1..64",
         group=TUNING_GROUP,
         ge=1,
         le=64,
