@@ -41,27 +41,26 @@ import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from geomesh_p2p.model.training import InnerResult, InnerTrainer
 
-if TYPE_CHECKING:
-    from torch.distributed.device_mesh import DeviceMesh
-
-# FSDP2, DTensor and distributed checkpointing are imported where a sharded peer uses them: importing them costs
-# ~1.4 CPU-s per process (measured), which every one-device peer paid at start for nothing.
-
 
 def load_sharding_modules() -> None:
-    """Import FSDP2, DTensor and distributed checkpointing now. A multi-rank peer calls it before it measures its
-    memory in use for the sharding decision (:func:`geomesh_p2p.node.training.choose_rank_training`): the modules'
-    memory then counts as in use, not as the first step's growth (tens of MiB, which the profile would charge to
-    one sequence)."""
+    """Make sure FSDP2, DTensor and distributed checkpointing are imported before a multi-rank peer measures its
+    memory in use for the sharding decision (:func:`geomesh_p2p.node.training.choose_rank_training`), so their
+    memory counts as in use, not as the first step's growth. They are imported with this module today (an attempt
+    to import them lazily, for a faster start of one-device peers, slowed the sharded e2e's steps in session 14 and
+    was reverted); this keeps the decision right if that changes."""
     import torch.distributed.checkpoint.state_dict  # noqa: F401
     import torch.distributed.fsdp  # noqa: F401
     import torch.distributed.tensor  # noqa: F401
@@ -347,8 +346,6 @@ def shard_model(model: torch.nn.Module, mesh: DeviceMesh) -> torch.nn.Module:
     is one unit, gathered for its forward and backward only, and the rest (embeddings, tied head, final norm) is
     the root unit. Every parameter becomes a DTensor split on dim 0 over the ranks (fp32, the model's device).
     A collective-free call; every rank calls it on an identically built model."""
-    from torch.distributed.fsdp import fully_shard
-
     blocks = next((m for m in model.modules() if isinstance(m, torch.nn.ModuleList)), None)
     for block in blocks if blocks is not None else ():
         fully_shard(block, mesh=mesh)
@@ -380,8 +377,6 @@ class RankedTrainer(InnerTrainer):
         #: the FSDP2 model this rank trains (``shard``), None under DDP; a follower's is ``self.model``
         self.sharded: Optional[torch.nn.Module] = None
         if shard:
-            from torch.distributed.device_mesh import DeviceMesh
-
             mesh = DeviceMesh.from_group(channel.main, dev.type)
             names = [n for n, _ in self.model.named_parameters()]
             self.sharded = shard_model(self.model if channel.rank else copy.deepcopy(self.model), mesh)
@@ -532,8 +527,6 @@ class RankedTrainer(InnerTrainer):
     def _load_shards(self, full: dict[str, Any]) -> None:
         """Sharded: rank 0's whole ``full`` state dict (``{}`` on a follower) into every rank's shards (a
         collective of the main group: rank 0 broadcasts tensor by tensor, each rank keeps its slice)."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
         assert self.sharded is not None
         opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
         with torch.no_grad():
@@ -541,8 +534,6 @@ class RankedTrainer(InnerTrainer):
 
     def _gather_shards(self) -> dict[str, Any]:
         """Sharded: the whole trained weights, fp32 on rank 0's CPU (``{}`` on a follower); a collective."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
         assert self.sharded is not None
         opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
         return get_model_state_dict(self.sharded, options=opts)
@@ -551,8 +542,6 @@ class RankedTrainer(InnerTrainer):
     def _gather_grad(self) -> torch.Tensor:
         """Sharded: the accumulated gradient as fp32 CPU ``[P]`` in :func:`flat_params` order, whole on every rank
         (one all-gather per parameter; zeros where a parameter has no gradient); a collective."""
-        from torch.distributed.tensor import DTensor
-
         assert self.sharded is not None
         parts = []
         for p in self.sharded.parameters():
@@ -568,10 +557,6 @@ class RankedTrainer(InnerTrainer):
         params = list(self._trained_parameters())
 
         def local(t: torch.Tensor) -> torch.Tensor:
-            if self.sharded is None:  # no DTensor without FSDP (and no import of it)
-                return t
-            from torch.distributed.tensor import DTensor
-
             return t.to_local() if isinstance(t, DTensor) else t
 
         out = {"params": 0, "grads": 0, "optimizer": 0}
