@@ -173,7 +173,9 @@ def _device_list(text: str) -> list[str]:
     """``--local-devices``: 2 or more comma-separated devices, all ``cpu`` or all ``cuda`` / ``cuda:N`` (a
     device may repeat: two ranks on one GPU). Spelled canonically (``cuda`` stays ``cuda``: rank i of a
     ``cuda,cuda`` list takes GPU i)."""
-    items = [x.strip().lower() for x in text.split(",") if x.strip()]
+    items = [x.strip().lower() for x in text.split(",")]
+    if "" in items:  # "cpu,,cpu" or a trailing comma: a typo in a launch script, not two ranks
+        raise argparse.ArgumentTypeError(f"{text!r} has an empty entry: list one device per rank, comma-separated")
     for x in items:
         kind, _, index = x.partition(":")
         if kind not in ("cpu", "cuda") or (kind == "cpu" and index) or (index and not index.isdigit()):

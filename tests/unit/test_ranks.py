@@ -175,6 +175,8 @@ def test_local_devices_flag_type() -> None:
         ("cpu,gpu", "'gpu' is not a device"),
         ("cuda:x,cuda:1", "not a device"),
         ("cpu:1,cpu", "not a device"),
+        ("cpu,,cpu", "has an empty entry"),  # fresh-user review: was taken as cpu,cpu
+        ("cpu,cpu,", "has an empty entry"),
     ]:
         with pytest.raises(argparse.ArgumentTypeError, match=words):
             parse(bad)
