@@ -70,10 +70,17 @@ async def digest_check(drv: RoundDriver, ctx: RoundContext) -> Optional[bool]:
     # Only the participants that delivered vote on the digest (and are waited for): a no-show, e.g. an
     # identity on probation that never takes part, would hold every check for its whole wait.
     voters = [p for p in plan.participants() if p in delivered] or plan.participants()
+    r = ctx.round + 1
     with drv.timed("digest_check"):
         if ctx.light:  # a light follower: against a sample of the voters (round/light.py)
-            return await light.check_digest(drv, ctx.round + 1, voters)
-        return await drv.check_digest(ctx.round + 1, voters)  # through the driver: its methods are the phases' hooks
+            votes = await light.digest_sample(drv, r, voters)
+            majority, agree, total = digest_majority(votes, r)
+            if majority is not None and majority != drv.state.digest and 2 * agree <= total:
+                # no strict majority of the sample against this peer (a tie, e.g. one rogue digest of two): the
+                # full check decides, not a sample that small
+                return await drv.check_digest(r, voters)
+            return judge_digest(drv, r, majority, agree, total, " of a sample")
+        return await drv.check_digest(r, voters)  # through the driver: its methods are the phases' hooks
 
 
 async def outer_step(drv: RoundDriver, ctx: RoundContext) -> None:
@@ -370,6 +377,15 @@ async def check_digest(drv: RoundDriver, r: int, participants: Sequence[str]) ->
             backoff.reset()
         if await drv.pause(min(backoff.next(), max(0.0, deadline - drv.clock.monotonic()) + 0.01)):
             break
+    return judge_digest(drv, r, majority, agree, total)
+
+
+def judge_digest(
+    drv: RoundDriver, r: int, majority: Optional[str], agree: int, total: int, of: str = ""
+) -> Optional[bool]:
+    """This peer's digest of round ``r`` against a :func:`digest_majority` tally (``agree`` of ``total`` votes
+    for ``majority``; ``of``: what was counted, for the log line). None: nobody else to compare with; False:
+    the majority holds another digest (one ERROR line; the caller re-syncs); True: confirmed."""
     if majority is None or total <= 1:
         return None
     if majority != drv.state.digest:
@@ -377,7 +393,7 @@ async def check_digest(drv: RoundDriver, r: int, participants: Sequence[str]) ->
             log,
             logging.ERROR,
             "digest_mismatch",
-            "round %d: my digest %s differs from the majority's %s (%d/%d); re-syncing",
+            f"round %d: my digest %s differs from the majority's %s (%d/%d{of}); re-syncing",
             r,
             (drv.state.digest or "")[:8],
             majority[:8],

@@ -13,7 +13,8 @@ leader election starts from) is a **light follower** instead:
   (:meth:`~geomesh_p2p.round.rules.planning.PlanRules.sampled_plan_problem` with no records), then reads the
   records of a sample (the plan's leader and ``light_sample - 1`` participants drawn at random, a subkey
   read) and checks the plan's figures for them;
-* the digest: it compares its own with the majority of a random sample of the round's contributors.
+* the digest: it compares its own with the majority of a random sample of the round's contributors
+  (:func:`digest_sample`; the verdict is the full check's, ``finish.judge_digest``).
 
 It never publishes a plan. Whatever it cannot decide from the plan and the sample sends it back to the full
 path for the same round (gather, full agreement): no plan in time, a plan led by a peer outside the last
@@ -35,7 +36,7 @@ import random
 import threading
 from typing import TYPE_CHECKING, Optional, Sequence
 
-from geomesh_p2p.plan.agree import PlanRefused, PlanStalled, digest_majority, leader_order, leader_rank
+from geomesh_p2p.plan.agree import PlanRefused, PlanStalled, leader_order, leader_rank
 from geomesh_p2p.plan.schema import RoundPlan
 from geomesh_p2p.round.context import Phase, RoundContext
 from geomesh_p2p.round.eager import drop_speculative
@@ -203,19 +204,17 @@ async def fall_back(drv: RoundDriver, ctx: RoundContext, why: str) -> Optional[b
     return None
 
 
-async def check_digest(drv: RoundDriver, r: int, participants: Sequence[str]) -> Optional[bool]:
-    """A light follower's digest check of round ``r``'s state: this peer's digest against the majority of its
-    own and those of up to ``light_sample`` of ``participants`` drawn at random (waits up to ``digest_wait_s``
-    for their records of round ``r``, backoff). None: nobody else to compare with; False: the sample's
-    majority holds another digest (the caller re-syncs)."""
+async def digest_sample(drv: RoundDriver, r: int, participants: Sequence[str]) -> list:
+    """A light follower's votes on the digest of round ``r``: this peer's own and those of up to ``light_sample``
+    of ``participants`` drawn at random that announced round ``r`` with a digest (one subkey read, polled with
+    backoff until all did or ``digest_wait_s``). Only ``round`` and ``weights_digest`` of each vote are read
+    (:func:`~geomesh_p2p.plan.agree.digest_majority`)."""
     others = [p for p in participants if p != drv.me]
     sample = _draw.sample(others, min(len(others), drv.cfg.light_sample))
-    if not sample:
-        return None
     deadline = drv.clock.monotonic() + drv.cfg.digest_wait_s
     backoff = drv.backoff()
     recs: list = []
-    while True:
+    while sample:
         try:
             recs = [x for x in await drv.membership.records_of(sample) if x.round == r and x.weights_digest]
         except Exception as e:  # a failed read: try again until the deadline
@@ -224,35 +223,7 @@ async def check_digest(drv: RoundDriver, r: int, participants: Sequence[str]) ->
             break
         if await drv.pause(min(backoff.next(), max(0.0, deadline - drv.clock.monotonic()) + 0.01)):
             break
-    mine = drv.state.digest
-    majority, agree, total = digest_majority(recs + [_Vote(r, mine)], r)
-    if majority is None or total <= 1:
-        return None
-    if majority != mine and 2 * agree <= total:
-        # no strict majority of the sample against this peer (a tie, e.g. one rogue digest of two): the full
-        # check decides, not a sample that small
-        return await drv.check_digest(r, participants)
-    if majority != mine:
-        events.emit(
-            log,
-            logging.ERROR,
-            "digest_mismatch",
-            "round %d: my digest %s differs from the majority's %s (%d/%d of a sample); re-syncing",
-            r,
-            (mine or "")[:8],
-            majority[:8],
-            agree,
-            total,
-            peer=drv.me,
-            round=r,
-            digest=mine,
-            majority_digest=majority,
-            agree=agree,
-            total=total,
-        )
-        return False
-    drv._confirmed_round = max(drv._confirmed_round, r)
-    return True
+    return recs + [_Vote(r, drv.state.digest)]
 
 
 class _Vote:

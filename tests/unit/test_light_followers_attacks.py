@@ -15,15 +15,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from types import SimpleNamespace
 
 import pytest
-import torch
 
 from geomesh_p2p.plan.schema import ContentRefusal
 from geomesh_p2p.round import leader_order
 from geomesh_p2p.telemetry import events
-from tests.unit.test_round_driver import NUMEL, RUN, FakePeer, Swarm, PEERS, PEER_INDEX
+from tests.unit.test_round_driver import RUN, FakePeer, Swarm, PEERS, PEER_INDEX
 from geomesh_p2p.net.identity import Identity
 
 pytestmark = pytest.mark.timeout(60)
@@ -52,30 +50,6 @@ class Peer(FakePeer):
         if self._is_rogue(plan) and Peer.bad in sample:
             return ContentRefusal("accum")
         return super().sampled_plan_problem(plan, sampled, sample)
-
-    async def all_reduce(self, spec, delta, tokens, compute_end=None):
-        # one exchange per (round, plan): two plans of one round are two collectives (distinct spec ids)
-        plan, sw = spec, self.swarm
-        key = (plan.round, plan.leader)
-        pushes = sw.pushes.setdefault(key, {})
-        pushes[self.me] = (delta.clone(), tokens)
-        ev = sw.pushed.setdefault(key, asyncio.Event())
-        if set(plan.participants()) <= set(pushes):
-            ev.set()
-        try:
-            await asyncio.wait_for(ev.wait(), self.exchange_timeout_s)
-        except asyncio.TimeoutError:
-            pass
-        got = {p: v for p, v in pushes.items() if v[1] > 0 and p in plan.participants()}
-        total = sum(t for _, t in got.values())
-        agg = (sum(d * t for d, t in got.values()) / total) if total else torch.zeros(NUMEL)
-        return SimpleNamespace(
-            aggregate=agg,
-            contributors={0: [(p, t) for p, (_, t) in sorted(got.items())]},
-            missing_parts=[],
-            last_compute_end=None,
-            idle_ranges=lambda: [],
-        )
 
     def driver(self, **kw):
         drv = super().driver(**kw)

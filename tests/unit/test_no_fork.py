@@ -14,9 +14,7 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -321,27 +319,6 @@ async def test_peers_whose_record_reads_lose_records_keep_one_lineage():
         def plan_problem(self, plan, live):
             unknown = [p[:10] for p in plan.participants() if p not in live]
             return f"it names peers that are not live: {unknown}" if unknown else super().plan_problem(plan, live)
-
-        async def all_reduce(self, spec, delta, tokens, compute_end=None):
-            # one exchange per plan: peers following two plans of a round do not meet (the real collective)
-            key = (spec.round, spec.leader)
-            pushes = self.swarm.pushes.setdefault(key, {})  # type: ignore[call-overload]
-            pushes[self.me] = (delta.clone(), tokens)
-            ev = self.swarm.pushed.setdefault(key, asyncio.Event())  # type: ignore[call-overload]
-            if set(spec.participants()) <= set(pushes):
-                ev.set()
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(ev.wait(), self.exchange_timeout_s)
-            got = {p: v for p, v in pushes.items() if v[1] > 0}
-            total = sum(t for _, t in got.values())
-            agg = (sum(d * t for d, t in got.values()) / total) if total else torch.zeros_like(delta)
-            return SimpleNamespace(
-                aggregate=agg,
-                contributors={0: [(p, t) for p, (_, t) in sorted(got.items())]},
-                missing_parts=[],
-                last_compute_end=None,
-                idle_ranges=lambda: [],
-            )
 
     swarm = Swarm()
     peers = []

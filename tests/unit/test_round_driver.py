@@ -57,8 +57,8 @@ class Swarm:
     def __init__(self):
         self.records: dict[str, PeerRecord] = {}
         self.dht = MemoryDHT()
-        self.pushes: dict[int, dict] = {}
-        self.pushed: dict[int, asyncio.Event] = {}
+        self.pushes: dict[tuple[int, str], dict] = {}  # (round, leader) -> peer -> (delta, tokens)
+        self.pushed: dict[tuple[int, str], asyncio.Event] = {}
 
 
 class FakeClock:
@@ -187,10 +187,12 @@ class FakePeer:
     # Collective
     async def all_reduce(self, spec, delta, tokens, compute_end=None):
         self._hook("exchange")
-        plan, sw = spec, self.swarm
-        pushes = sw.pushes.setdefault(plan.round, {})
+        # one exchange per plan (round, leader): peers following two plans of a round do not meet, as in the
+        # real collective (their specs differ)
+        plan, sw, key = spec, self.swarm, (spec.round, spec.leader)
+        pushes = sw.pushes.setdefault(key, {})
         pushes[self.me] = (delta.clone(), tokens)
-        ev = sw.pushed.setdefault(plan.round, asyncio.Event())
+        ev = sw.pushed.setdefault(key, asyncio.Event())
         if set(plan.participants()) <= set(pushes):
             ev.set()
         try:
