@@ -241,89 +241,10 @@ def test_honest_plans_always_pass_the_followers_checks(recs, cfg_p, evidence):
     assert all(b <= max(limit, f) for b, f in zip(budgets, floors))
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(recs=honest_swarms(), cfg_p=node_configs(), seed=st.integers(0, 999), k=st.integers(0, 8))
-def test_honest_plans_pass_a_light_followers_check_whatever_it_samples(recs, cfg_p, seed, k):
-    """Issue 25: a light follower checks the plan against the records of a sample only, each against its
-    announced figures (looser than the bounded ones): every honest plan passes, whichever records it holds."""
-    cfg, numel = cfg_p
-    plan = make_plan(recs, cfg, numel=numel, **KW)
-    sample = random.Random(seed).sample(recs, min(k, len(recs)))
-    assert check_plan_sampled(plan, by_id(sample), cfg, now=T0) is None
-    assert records_needed(plan, cfg) == []  # one-device peers: every accumulation is checked from the plan
-
-
-def test_a_light_follower_refuses_the_rogue_variants_it_can_see_from_the_plan_and_its_sample():
-    recs = paper_swarm()
-    cfg = paper_cfg()
-    honest = plan_round(recs, cfg, numel=150_000_000, **KW)
-    sampled = {r.peer_id: r for r in recs if r.peer_id in ("p0", "p2", "p3")}
-    assert check_plan_sampled(honest, sampled, cfg, now=T0) is None
+def rogue_variants(honest: RoundPlan, cfg: PlanConfig) -> dict[str, RoundPlan]:
+    """Variants of ``honest`` (the paper swarm's plan, leader p0) that a rogue leader could publish, by name."""
     a0 = honest.assignment("p0")
-    cases = {
-        # the rogue leader's own budget through accumulation, its record sampled (a leader's always is)
-        "accumulates": with_assignment(honest, "p0", batch_size=a0.micro_batch * 1000, accum_steps=1000),
-        "micro-batch": with_assignment(honest, "p2", micro_batch=64, accum_steps=1, batch_size=64),
-        "inner steps": with_assignment(honest, "p3", inner_steps=0),
-        "its record supports": with_assignment(honest, "p0", inner_steps=cfg.max_inner_steps),
-        # from the plan alone, whatever the sample: one budget over 8x the median, one owner of everything,
-        # a start in the future, a client-only owner
-        "median budget": RoundPlan.model_validate(
-            {
-                **honest.model_dump(),
-                "assignments": [
-                    {**a.model_dump(), "inner_steps": 1, "token_budget": a.batch_size * cfg.seq_len}
-                    if a.peer_id != "p0"
-                    else a.model_dump()
-                    for a in honest.assignments
-                ],
-            }
-        ),
-        "owns": RoundPlan.model_validate(
-            {
-                **honest.model_dump(),
-                "assignments": [
-                    {**a.model_dump(), "part_start": 0, "part_end": honest.numel if a.peer_id == "p0" else 0}
-                    for a in honest.assignments
-                ],
-            }
-        ),
-        "in the future": honest.model_copy(
-            update={
-                "created_at": T0 + 3600,
-                "train_deadline": T0 + 3600 + honest.window_s,
-                "exchange_deadline": T0 + 3700 + honest.window_s,
-            }
-        ),
-        # a sampled peer placed at another address than its record's (or made client-only)
-        "its record says": with_assignment(honest, "p2", address="10.9.9.9:1"),
-    }
-    for expected, bad in cases.items():
-        reason = check_plan_sampled(bad, sampled, cfg, now=T0)
-        assert reason is not None and expected in reason, (expected, reason)
-    # a wrong accumulation (a ContentRefusal of the full check) always names a participant the light follower must
-    # sample: it never follows a plan the full-view peers bypass (red-team finding F1)
-    assert records_needed(cases["accumulates"], cfg) == ["p0"]
-    a3 = honest.assignment("p3")
-    lie = with_assignment(honest, "p3", accum_steps=2 * a3.accum_steps, batch_size=2 * a3.batch_size)
-    assert records_needed(lie, cfg) == ["p3"]
-    # a lie about a participant outside the sample is the full-view peers' to see (docs/round.md)
-    assert check_plan_sampled(cases["micro-batch"], {"p0": sampled["p0"]}, cfg, now=T0) is None
-
-
-def test_the_rogue_leader_plan_and_its_variants_are_refused():
-    recs = paper_swarm()
-    cfg = paper_cfg()
-    live = by_id(recs)
-    honest = plan_round(recs, cfg, numel=150_000_000, **KW)
-    assert check_plan(honest, live, cfg, now=T0) is None
-
-    rogue = rogue_of(honest, "p0")
-    assert rogue.assignment("p0").token_budget >= 14_000_000_000_000
-    assert check_plan(rogue, live, cfg, now=T0) is not None
-
-    a0 = honest.assignment("p0")
-    cases = {
+    return {
         # a huge batch through accumulation (what the rogue plan does)
         "accumulates": with_assignment(honest, "p0", batch_size=a0.micro_batch * 1000, accum_steps=1000),
         # a micro-batch over what the record (bounded) supports: an honest peer would run out of memory
@@ -331,7 +252,7 @@ def test_the_rogue_leader_plan_and_its_variants_are_refused():
         # 0 steps for a planned peer while the others train
         "inner steps": with_assignment(honest, "p3", inner_steps=0),
         # the most steps the run allows, at the record's batch: more than its throughput supports
-        "bounded throughput": with_assignment(honest, "p0", inner_steps=cfg.max_inner_steps),
+        "max steps": with_assignment(honest, "p0", inner_steps=cfg.max_inner_steps),
         # the leader's budget kept, everyone else cut to one step: over 8x the median budget
         "median budget": RoundPlan.model_validate(
             {
@@ -358,17 +279,83 @@ def test_the_rogue_leader_plan_and_its_variants_are_refused():
                 "exchange_deadline": T0 + 3700 + honest.window_s,
             }
         ),
+        # sole owner of every element, all else honest
+        "owns": RoundPlan.model_validate(
+            {
+                **honest.model_dump(),
+                "assignments": [
+                    {**a.model_dump(), "part_start": 0, "part_end": honest.numel if a.peer_id == "p0" else 0}
+                    for a in honest.assignments
+                ],
+            }
+        ),
     }
-    # sole owner of every element, all else honest
-    cases["owns"] = RoundPlan.model_validate(
-        {
-            **honest.model_dump(),
-            "assignments": [
-                {**a.model_dump(), "part_start": 0, "part_end": honest.numel if a.peer_id == "p0" else 0}
-                for a in honest.assignments
-            ],
-        }
-    )
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(recs=honest_swarms(), cfg_p=node_configs(), seed=st.integers(0, 999), k=st.integers(0, 8))
+def test_honest_plans_pass_a_light_followers_check_whatever_it_samples(recs, cfg_p, seed, k):
+    """Issue 25: a light follower checks the plan against the records of a sample only, each against its
+    announced figures (looser than the bounded ones): every honest plan passes, whichever records it holds."""
+    cfg, numel = cfg_p
+    plan = make_plan(recs, cfg, numel=numel, **KW)
+    sample = random.Random(seed).sample(recs, min(k, len(recs)))
+    assert check_plan_sampled(plan, by_id(sample), cfg, now=T0) is None
+    assert records_needed(plan, cfg) == []  # one-device peers: every accumulation is checked from the plan
+
+
+def test_a_light_follower_refuses_the_rogue_variants_it_can_see_from_the_plan_and_its_sample():
+    recs = paper_swarm()
+    cfg = paper_cfg()
+    honest = plan_round(recs, cfg, numel=150_000_000, **KW)
+    sampled = {r.peer_id: r for r in recs if r.peer_id in ("p0", "p2", "p3")}
+    assert check_plan_sampled(honest, sampled, cfg, now=T0) is None
+    variants = rogue_variants(honest, cfg)
+    # what a light follower sees (the window against the slowest record is the full-view peers' to see): the
+    # rogue leader's own figures (its record is always sampled) and the sampled p2 and p3; from the plan alone,
+    # whatever the sample, a budget over 8x the median, one owner of everything, a start in the future
+    cases = {
+        expected: variants[name]
+        for name, expected in [
+            ("accumulates", "accumulates"),
+            ("micro-batch", "micro-batch"),
+            ("inner steps", "inner steps"),
+            ("max steps", "its record supports"),
+            ("median budget", "median budget"),
+            ("owns", "owns"),
+            ("in the future", "in the future"),
+        ]
+    }
+    # a sampled peer placed at another address than its record's (or made client-only)
+    cases["its record says"] = with_assignment(honest, "p2", address="10.9.9.9:1")
+    for expected, bad in cases.items():
+        reason = check_plan_sampled(bad, sampled, cfg, now=T0)
+        assert reason is not None and expected in reason, (expected, reason)
+    # a wrong accumulation (a ContentRefusal of the full check) always names a participant the light follower must
+    # sample: it never follows a plan the full-view peers bypass (red-team finding F1)
+    assert records_needed(cases["accumulates"], cfg) == ["p0"]
+    a3 = honest.assignment("p3")
+    lie = with_assignment(honest, "p3", accum_steps=2 * a3.accum_steps, batch_size=2 * a3.batch_size)
+    assert records_needed(lie, cfg) == ["p3"]
+    # a lie about a participant outside the sample is the full-view peers' to see (docs/round.md)
+    assert check_plan_sampled(cases["micro-batch"], {"p0": sampled["p0"]}, cfg, now=T0) is None
+
+
+def test_the_rogue_leader_plan_and_its_variants_are_refused():
+    recs = paper_swarm()
+    cfg = paper_cfg()
+    live = by_id(recs)
+    honest = plan_round(recs, cfg, numel=150_000_000, **KW)
+    assert check_plan(honest, live, cfg, now=T0) is None
+
+    rogue = rogue_of(honest, "p0")
+    assert rogue.assignment("p0").token_budget >= 14_000_000_000_000
+    assert check_plan(rogue, live, cfg, now=T0) is not None
+
+    cases = {
+        ("bounded throughput" if name == "max steps" else name): bad
+        for name, bad in rogue_variants(honest, cfg).items()
+    }
     for expected, bad in cases.items():
         reason = check_plan(bad, live, cfg, now=T0)
         assert reason is not None and expected in reason, (expected, reason)

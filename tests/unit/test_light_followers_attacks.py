@@ -21,7 +21,7 @@ import pytest
 from geomesh_p2p.plan.schema import ContentRefusal
 from geomesh_p2p.round import leader_order
 from geomesh_p2p.telemetry import events
-from tests.unit.test_round_driver import RUN, FakePeer, Swarm, PEERS, PEER_INDEX
+from tests.unit.test_round_driver import RUN, FakePeer, _peers
 from geomesh_p2p.net.identity import Identity
 
 pytestmark = pytest.mark.timeout(60)
@@ -58,13 +58,7 @@ class Peer(FakePeer):
 
 
 async def test_a_rogue_plan_full_view_peers_ignore_as_a_content_refusal_is_not_followed_by_light_followers():
-    swarm = Swarm()
-    peers = []
-    for k in range(5):
-        p = Peer(swarm, Identity.generate())
-        PEERS[p.me], PEER_INDEX[p.me] = p, k
-        swarm.records[p.me] = p.record()
-        peers.append(p)
+    peers = _peers(5, cls=Peer)
     ids = [p.me for p in peers]
     order = leader_order(RUN, ROGUE_ROUND, ids)
     Peer.rogue = order[0]  # the best-ranked leader of round 2 (a full-view peer)
@@ -89,13 +83,8 @@ async def test_a_sybil_plan_sends_every_light_follower_to_the_full_path():
     from geomesh_p2p.plan.agree import leader_rank
     from geomesh_p2p.round import PlanStore
 
-    swarm = Swarm()
-    peers = []
-    for k in range(5):
-        p = FakePeer(swarm, Identity.generate())
-        PEERS[p.me], PEER_INDEX[p.me] = p, k
-        swarm.records[p.me] = p.record()
-        peers.append(p)
+    peers = _peers(5)
+    swarm = peers[0].swarm
     ids = [p.me for p in peers]
     best = min(leader_rank(RUN, 2, i) for i in ids)
     while True:  # an outsider identity (no record, never a participant) ranked before every peer for round 2

@@ -320,11 +320,12 @@ PEERS: dict[str, FakePeer] = {}
 PEER_INDEX: dict[str, int] = {}
 
 
-def _peers(n: int, swarm: Swarm | None = None, **kw) -> list[FakePeer]:
+def _peers(n: int, swarm: Swarm | None = None, cls: type[FakePeer] = FakePeer, **kw) -> list:
+    """``n`` peers of class ``cls`` sharing ``swarm`` (a new one by default), each with its record announced."""
     swarm = swarm or Swarm()
     out = []
     for k in range(n):
-        p = FakePeer(swarm, Identity.generate(), **kw)
+        p = cls(swarm, Identity.generate(), **kw)
         PEERS[p.me], PEER_INDEX[p.me] = p, k
         swarm.records[p.me] = p.record()
         out.append(p)
