@@ -254,11 +254,9 @@ def check_plan(
       ``min_inner_steps`` steps); they do not count as possible owners. Whether the marking matches this
       follower's view of standing is checked by ``probation.marking_problem`` (the node's).
     """
-    if plan.seq_len != cfg.seq_len or plan.method != cfg.method or plan.mode != cfg.mode:
-        return (
-            f"its seq_len/method/mode {plan.seq_len}/{plan.method}/{plan.mode} differ from the run's "
-            f"{cfg.seq_len}/{cfg.method}/{cfg.mode}"
-        )
+    reason = _settings_problem(plan, cfg)
+    if reason is not None:
+        return reason
     missing = [pid[:10] for pid in plan.participants() if pid not in records]
     if missing:
         return f"it names peers without a record: {missing}"
@@ -348,11 +346,9 @@ def check_plan_sampled(
     about one participant is seen by each follower with probability (sample size / participants), and the
     full-view peers check it all (docs/round.md, "Light followers").
     """
-    if plan.seq_len != cfg.seq_len or plan.method != cfg.method or plan.mode != cfg.mode:
-        return (
-            f"its seq_len/method/mode {plan.seq_len}/{plan.method}/{plan.mode} differ from the run's "
-            f"{cfg.seq_len}/{cfg.method}/{cfg.mode}"
-        )
+    reason = _settings_problem(plan, cfg)
+    if reason is not None:
+        return reason
     rule = _method_rule(cfg)
     T = plan.window_s
     for a in plan.assignments:
@@ -391,6 +387,16 @@ def check_plan_sampled(
     on_probation = set(plan.probation())
     possible = {a.peer_id for a in plan.assignments if a.address is not None and a.peer_id not in on_probation}
     return _ownership_problem(plan, cfg, possible, barred)
+
+
+def _settings_problem(plan: RoundPlan, cfg: PlanConfig) -> Optional[str]:
+    """``seq_len`` / ``method`` / ``mode`` of the plan against ``cfg``'s."""
+    if plan.seq_len != cfg.seq_len or plan.method != cfg.method or plan.mode != cfg.mode:
+        return (
+            f"its seq_len/method/mode {plan.seq_len}/{plan.method}/{plan.mode} differ from the run's "
+            f"{cfg.seq_len}/{cfg.method}/{cfg.mode}"
+        )
+    return None
 
 
 def _budget_problem(plan: RoundPlan, cfg: PlanConfig) -> Optional[str]:
