@@ -160,8 +160,9 @@ async def test_eager_rounds_keep_equal_digests_overlap_the_exchange_and_follow_t
     theta, ref = torch.randn(trd.NUMEL, generator=g), OuterNesterov(lr=LR, momentum=MOM)
     thetas, vs = [theta.clone()], [torch.zeros(trd.NUMEL)]
     for r in range(rounds):
-        got = {pid: d for pid, (d, t) in swarm.pushes[r].items() if t > 0}
-        toks = {pid: t for pid, (d, t) in swarm.pushes[r].items() if t > 0}
+        pushed = next(v for (rr, _leader), v in swarm.pushes.items() if rr == r)  # the round's one plan
+        got = {pid: d for pid, (d, t) in pushed.items() if t > 0}
+        toks = {pid: t for pid, (d, t) in pushed.items() if t > 0}
         agg = sum(got[q] * toks[q] for q in got) / sum(toks.values())
         ref.step(theta, agg.contiguous())
         thetas.append(theta.clone())
