@@ -175,10 +175,16 @@ def _clean_workdir(workdir: Path) -> None:
     work are kept. Without the bootstrap's state file, the new peers no longer wait for the old run's
     peers to come back (--on-empty-swarm wait): a second `make demo` hung."""
     stale = [*workdir.glob("peer*.jsonl"), *workdir.glob("*.summary.json"), *workdir.glob("*.log")]
-    for old in stale + list(workdir.glob("*.state.json")):
+    stale += list(workdir.glob("*.state.json"))
+    ckpts = list(workdir.glob("ckpt*"))
+    for old in stale:
         old.unlink()
-    for old in workdir.glob("ckpt*"):
+    for old in ckpts:
         shutil.rmtree(old, ignore_errors=True)
+    if stale or ckpts:  # said, not silent: a user may have wanted the earlier run's logs
+        print(
+            f"GeoMesh demo: cleared an earlier demo's {len(stale)} log/state files and {len(ckpts)} checkpoint folders in {workdir} (keys kept)"
+        )
 
 
 def _watch(ns, swarm: Swarm, workdir: Path, t0: float) -> int:

@@ -29,16 +29,27 @@ EXIT_NOT_SYNCED = 3
 
 def log_swarm_ended(node: PeerNode, ended) -> int:
     """The closing line of a run the swarm ended before its ``--rounds`` / target (``RoundDriver.ended``,
-    a :class:`~geomesh_p2p.round.driver.SwarmEnded`): a WARNING, never "done". Returns the exit code:
+    a :class:`~geomesh_p2p.round.driver.SwarmEnded`), never "done": an INFO "stopped early" when this peer holds
+    the swarm's last state, else a WARNING "not done". Returns the exit code:
     0 when this peer holds the swarm's last state (the run's result is here and sound; it only did not
     reach its own goal), :data:`EXIT_NOT_SYNCED` when it does not (its state is not the swarm's: a script
     must not take its checkpoint or perplexity for the run's)."""
     code = 0 if ended.synced else EXIT_NOT_SYNCED
+    # A synced peer's result is sound (the swarm ended first): INFO, worded as an early stop, so exit 0 does not
+    # read like a failure. A peer off the swarm's state keeps the WARNING "not done".
+    level, fmt = (
+        (
+            logging.INFO,
+            "stopped early, holding the swarm's last state: %s; %d round(s) trained here, at round %d; exit %d",
+        )
+        if ended.synced
+        else (logging.WARNING, "not done: %s; %d round(s) trained here, now at round %d; exit %d")
+    )
     events.emit(
         log,
-        logging.WARNING,
+        level,
         "run_not_done",
-        "not done: %s; %d round(s) trained here, now at round %d; exit %d",
+        fmt,
         ended.why,
         len(node.history),
         node.round,

@@ -194,7 +194,7 @@ def test_join_bad_data_flags_fail_in_one_line(tmp_path, capsys):
     assert not os.path.exists(key)  # refused before creating anything
 
 
-def test_a_demo_rerun_starts_clean_but_keeps_keys(tmp_path):
+def test_a_demo_rerun_starts_clean_but_keeps_keys(tmp_path, capsys):
     """A second `make demo` in the same folder hung: the bootstrap's remembered swarm (its state file)
     made the new peers wait for the old run's peers. Everything a run wrote goes; keys stay."""
     from peer.demo import _clean_workdir
@@ -207,6 +207,10 @@ def test_a_demo_rerun_starts_clean_but_keeps_keys(tmp_path):
     (tmp_path / "ckpt0" / "ckpt-00000004.json").write_text("{}")
     _clean_workdir(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(kept)
+    # said, not silent (a fresh user lost an earlier run's logs without a word)
+    assert "cleared an earlier demo's 5 log/state files and 1 checkpoint folders" in capsys.readouterr().out
+    _clean_workdir(tmp_path)  # nothing left to clear: nothing said
+    assert capsys.readouterr().out == ""
 
 
 def test_a_data_path_under_home_is_read_as_the_loader_reads_it(tmp_path, monkeypatch):
