@@ -318,6 +318,8 @@ def check_offline(ns: argparse.Namespace) -> None:
 
 
 def cmd_join(ns: argparse.Namespace) -> int:
+    # torch's import, the model and the proof of work take 10-30 s on a CPU box before the next line: say so
+    log.info("geomesh-peer join: starting (torch, the model, then the proof of work; 10-30 s on a CPU)")
     from geomesh_p2p.model.memory import limit_malloc_arenas
     from geomesh_p2p.node.host import set_threads
     from geomesh_p2p.node.peer import PeerNode
