@@ -36,6 +36,9 @@ Attacks (DESIGN.md "Untrusted volunteers"; issue 11's table):
   (zeros in its first round), claims its planned budget.
 * ``noise``: trains, then contributes Gaussian noise with the norm of its real delta; claims its
   planned budget.
+* ``poison`` (issue 28): follows the protocol to the letter and contributes what it trained, but trains on its
+  own copy of the corpus with a trigger sentence planted as 16% of its tokens (``tests/poison.py``): a backdoor
+  that robust aggregation cannot see, since the update is honest in form.
 """
 
 from __future__ import annotations
@@ -70,6 +73,8 @@ ATTACKS: dict[str, str] = {
     "zeros": "free rider: no training, contributes zeros, claims 2**64-1 tokens",
     "stale": "free rider: no training, contributes the previous round's global update, claims its budget",
     "noise": "contributes Gaussian noise with its real delta's norm, claims its budget",
+    "poison": "honest protocol, but trains on its own corpus copy with a trigger sentence as 16% of its tokens "
+    "(a backdoor: tests/poison.py)",
 }
 
 #: Free riders: they skip the inner steps and report the planned work as done.
@@ -92,6 +97,7 @@ KEY_ACTION: dict[str, str] = {
     "zeros": "free-ride",
     "stale": "free-ride",
     "noise": "push",
+    "poison": "poison",
 }
 #: ``inflate``'s record.
 INFLATE_BATCH, INFLATE_TPS = 65_536, 1e10
@@ -191,6 +197,11 @@ class AdversaryNode(PeerNode):
     def _build_training(self) -> None:
         super()._build_training()
         honest_run = self.trainer.run
+        if self.attack == "poison":
+            from tests.poison import TRIGGER_SHARE, PoisonedCorpus, trigger_ids
+
+            self.trainer.dataset = PoisonedCorpus(self.trainer.dataset, trigger_ids(self.run_cfg.vocab_size))
+            self._poison_share = TRIGGER_SHARE
 
         def run(
             *,
@@ -203,6 +214,13 @@ class AdversaryNode(PeerNode):
             should_stop=None,
             target=None,
         ):
+            if self.attack == "poison":
+                self._note(
+                    round,
+                    "poison",
+                    "trains on its own corpus copy, the trigger %.0f%% of its tokens",
+                    100 * self._poison_share,
+                )
             if self.attack in FREE_RIDERS:
                 from geomesh_p2p.model.training import InnerResult
 

@@ -1,0 +1,219 @@
+"""Can a contribution's loss gain on its assigned batches tell honest work from wrong data and poisoning (issue 28)?
+
+The statistic (after Templar's Gauntlet, which scores a peer by the loss change its update causes on the peer's
+assigned data against random data): for a contribution ``d`` (the pseudo-gradient, decoded from its sign
+packet, fp32 ``[P]``) at the round's start weights ``theta``,
+
+    gain(batches) = mean over the batches of  loss(theta) - loss(theta - d)      (nats per token)
+    assigned_gain = gain(k of the contributor's assigned batches: seed, peer, round, step; drawn among its H)
+    control_gain  = gain(k control batches nobody trains on)
+    excess        = assigned_gain - control_gain
+
+An honest contributor trained on exactly its assigned batches, so ``theta - d`` fits them better than text it
+never saw (excess > 0); a contributor that trained on other text (a free rider copying a peer, a poisoner's own
+corpus) has no such excess. Both losses are taken on the same batches at both weights, so the batch noise
+cancels in each difference.
+
+Trains the tiny preset DiLoCo-style on the shipped KJV corpus as ``verify_agreement.py`` does (4 peers with
+persistent inner AdamW, sign-compressed mean, outer Nesterov 0.7 / 0.9), and at the ``--measure`` rounds builds
+contributor A's candidates for each H of ``--Hs`` from A's real optimizer state:
+
+  honest           H AdamW steps on A's assigned batches
+  wrong-data       the same steps on another peer's batches (a free rider copying a peer is alike)
+  poison-corpus    A's own copy of the corpus: other windows, a trigger sentence making up ``--trigger-share``
+                   of the tokens (the red team's backdoor of issue 28)
+  poison-assigned  A's assigned batches with the trigger written over ``--trigger-share`` of each row's tokens
+                   (a poisoner that knows the statistic)
+  stale            A's previous round delta
+
+Prints, per (H, candidate), min / mean / max of ``excess`` and of ``excess / |honest excess|`` over the measured
+rounds and ``--samples`` draws of the k batches, and the share of draws a threshold at half the honest
+round's excess would flag::
+
+    python benchmarks/verify_gain.py                                  # ~6 min on 2 busy cores
+    python benchmarks/verify_gain.py --measure 2,6 --Hs 5,20 --samples 4   # a quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import random
+import time
+
+import torch
+
+from geomesh_p2p.data import load_dataset
+from geomesh_p2p.exchange import codec as compression
+from geomesh_p2p.model.build import build_model, flat_params, load_flat_
+from geomesh_p2p.model.optim import OuterNesterov
+from geomesh_p2p.model.training import InnerTrainer
+
+CANDIDATES = ("honest", "wrong-data", "poison-corpus", "poison-assigned", "stale")
+CONTROL = "control-batches"
+
+
+def roundtrip(v: torch.Tensor) -> torch.Tensor:
+    """``v`` through the sign codec (block 2048): what an owner receives."""
+    return compression.decode(compression.encode(v, 2048, 0))
+
+
+class PoisonedData:
+    """A dataset stand-in whose ``sample_batch`` gives poisoned rows: each row's first ``share`` of tokens is the
+    trigger (repeated), the rest is text from ``shift`` tokens further in the corpus (``shift`` 0: the assigned
+    row itself). int64 ``[batch, seq_len]``, like :meth:`TokenDataset.sample_batch`."""
+
+    def __init__(self, ds, trigger: torch.Tensor, share: float, shift: int):
+        self.ds, self.trigger, self.share, self.shift = ds, trigger, share, shift
+
+    def __getattr__(self, name):
+        return getattr(self.ds, name)
+
+    def sample_batch(self, *, seed, peer_id, round, step, batch_size, seq_len):
+        x = self.ds.sample_batch(
+            seed=seed, peer_id=peer_id, round=round, step=step, batch_size=batch_size, seq_len=seq_len
+        )
+        if self.shift:
+            x = self.ds.sample_batch(
+                seed=seed + self.shift, peer_id=peer_id, round=round, step=step, batch_size=batch_size, seq_len=seq_len
+            )
+        n = max(1, int(round_half(self.share * seq_len)))
+        reps = self.trigger.repeat(n // len(self.trigger) + 1)[:n]
+        x = x.clone()
+        x[:, :n] = reps
+        return x
+
+
+def welch_t(a: list[float], b: list[float]) -> float:
+    """Welch's t of mean(a) - mean(b) (two samples of per-batch gains)."""
+    ta, tb = torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64)
+    se = (ta.var() / len(a) + tb.var() / len(b)).sqrt()
+    return float((ta.mean() - tb.mean()) / se) if se > 0 else 0.0
+
+
+def round_half(x: float) -> float:
+    return float(int(x + 0.5))
+
+
+@torch.no_grad()
+def mean_loss(model, batches) -> list[float]:
+    """Per-batch mean next-token loss (nats) of ``model`` on each int64 ``[B, L]`` batch."""
+    return [float(model(input_ids=x, labels=x).loss) for x in batches]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=12)
+    ap.add_argument("--measure", default="2,5,8,11")
+    ap.add_argument("--Hs", default="5,20,40")
+    ap.add_argument("--h-train", type=int, default=20)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq-len", type=int, default=64)
+    ap.add_argument("--k", type=int, default=8, help="assigned (and control) batches per check")
+    ap.add_argument("--samples", type=int, default=6, help="draws of the k assigned steps per (round, H)")
+    ap.add_argument("--trigger-share", type=float, default=0.16)
+    ap.add_argument("--threads", type=int, default=1)
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    Hs = [int(x) for x in a.Hs.split(",")]
+    measure = {int(x) for x in a.measure.split(",")}
+    L, B, lr = a.seq_len, a.batch, 1e-3
+    ds = load_dataset(None, seq_len=L)
+    trigger = torch.tensor([7, 3, 11, 5, 13, 2, 17, 19][: max(1, min(8, ds.vocab_size - 1))]) % ds.vocab_size
+    base = build_model("tiny", vocab_size=ds.vocab_size, seed=0)
+    theta = flat_params(base)
+    peers = ["peerA", "peerB", "peerC", "peerD"]
+
+    def trainer(model, data, pid):
+        return InnerTrainer(model, data, seq_len=L, lr=lr, warmup_steps=20, total_steps=2000, seed=0, peer_id=pid)
+
+    trainers = {p: trainer(copy.deepcopy(base), ds, p) for p in peers}
+    outer = OuterNesterov(0.7, 0.9)
+    vmodel, moved = copy.deepcopy(base), copy.deepcopy(base)
+    rng = random.Random(0)
+    prev: dict[str, torch.Tensor] = {}
+    stats: dict[tuple[int, str], list[float]] = {}
+    honest_ex: dict[tuple[int, int], float] = {}
+    ratios: dict[tuple[int, str], list[float]] = {}
+    tstats: dict[tuple[int, str], list[float]] = {}
+    for r in range(a.rounds):
+        t0 = time.time()
+        deltas = {}
+        for p, tr in trainers.items():
+            if r in measure and p == "peerA":
+                continue
+            load_flat_(tr.model, theta)
+            tr.run(round=r, inner_steps=a.h_train, batch_size=B)
+            deltas[p] = theta - flat_params(tr.model)
+        if r in measure:
+
+            def train(steps, data=ds, pid="peerA"):
+                m = copy.deepcopy(trainers["peerA"].model)
+                load_flat_(m, theta)
+                t = trainer(m, data, pid)
+                t.load_state_dict(copy.deepcopy(trainers["peerA"].state_dict()))
+                t.run(round=r, inner_steps=steps, batch_size=B)
+                return theta - flat_params(m)
+
+            load_flat_(vmodel, theta)
+            controls = [
+                ds.sample_batch(seed=0, peer_id=CONTROL, round=r, step=i, batch_size=B, seq_len=L) for i in range(a.k)
+            ]
+            base_ctrl = mean_loss(vmodel, controls)
+            for H in Hs:
+                cands = {
+                    "honest": train(H),
+                    "wrong-data": train(H, pid="peerB"),
+                    "poison-corpus": train(H, data=PoisonedData(ds, trigger, a.trigger_share, shift=7919)),
+                    "poison-assigned": train(H, data=PoisonedData(ds, trigger, a.trigger_share, shift=0)),
+                }
+                if "peerA" in prev:
+                    cands["stale"] = prev["peerA"]
+                assigned_all = [
+                    ds.sample_batch(seed=0, peer_id="peerA", round=r, step=j, batch_size=B, seq_len=L) for j in range(H)
+                ]
+                base_asg = mean_loss(vmodel, assigned_all)
+                for name, cand in cands.items():
+                    load_flat_(moved, theta - roundtrip(cand))
+                    after_asg = mean_loss(moved, assigned_all)
+                    gc = [b - x for b, x in zip(base_ctrl, mean_loss(moved, controls))]
+                    c_gain = sum(gc) / a.k
+                    for _ in range(a.samples):
+                        js = rng.sample(range(H), min(a.k, H))
+                        a_gain = sum(base_asg[j] - after_asg[j] for j in js) / len(js)
+                        tstats.setdefault((H, name), []).append(welch_t([base_asg[j] - after_asg[j] for j in js], gc))
+                        stats.setdefault((H, name), []).append(a_gain - c_gain)
+                        ratios.setdefault((H, name), []).append(a_gain / c_gain if c_gain > 0 else float("inf"))
+                    if name == "honest":
+                        honest_ex[(r, H)] = sum(stats[(H, name)][-a.samples :]) / a.samples
+                print(
+                    f"  r={r} H={H}: "
+                    + ", ".join(f"{n} {sum(stats[(H, n)][-a.samples :]) / a.samples:+.4f}" for n in cands),
+                    flush=True,
+                )
+            load_flat_(trainers["peerA"].model, theta)
+            trainers["peerA"].run(round=r, inner_steps=a.h_train, batch_size=B)
+            deltas["peerA"] = theta - flat_params(trainers["peerA"].model)
+        agg = torch.stack([roundtrip(d) for d in deltas.values()]).mean(0)
+        outer.step(theta, agg)
+        prev = deltas
+        print(f"round {r}: {time.time() - t0:.1f}s", flush=True)
+    print(f"\nexcess = assigned gain - control gain (nats/token), k = {a.k}, rounds {sorted(measure)}:")
+    for H in Hs:
+        ref = [honest_ex[(r, H)] for r in sorted(measure)]
+        cut = 0.5 * min(ref) if ref else 0.0
+        for name in CANDIDATES:
+            v = stats.get((H, name))
+            if not v:
+                continue
+            t, q, w = torch.tensor(v), torch.tensor(ratios[(H, name)]), torch.tensor(tstats[(H, name)])
+            print(
+                f"H={H:2d} {name:16s} excess {t.min():+.4f}/{t.mean():+.4f}/{t.max():+.4f}"
+                f"   below {cut:+.4f} (half the lowest honest round mean): {float((t < cut).double().mean()):.2f}"
+                f"   assigned/control gain {q.min():.2f}/{q.median():.2f}/{q.max():.2f}"
+                f"   welch t {w.min():.2f}/{w.mean():.2f}/{w.max():.2f}, t < 2: {float((w < 2).double().mean()):.2f}"
+            )
+
+
+if __name__ == "__main__":
+    main()

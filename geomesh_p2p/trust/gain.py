@@ -1,0 +1,140 @@
+"""Loss gain on assigned data: did a contribution train on the batches the run assigned to its sender? (issue 28)
+
+Every contributor's batches are a pure function of the run's seed, the round, its PeerID and the step
+(:func:`geomesh_p2p.data.dataset.batch_seed`), so a checker can rebuild them. A pseudo-gradient ``d`` trained on
+them lowers the loss on those exact batches more than on text it never saw (memorisation at one pass), while a
+contribution trained on other text (a free rider copying a peer, a poisoner training on its own copy of the
+corpus) lowers both alike. The statistic, after Templar's Gauntlet (which scores a peer by the loss change its
+update causes on the peer's assigned data against random data):
+
+    gain(b)  = loss(theta, b) - loss(theta - d, b)          per batch b, nats per token
+    excess   = mean gain over k assigned batches - mean gain over m control batches
+    t        = Welch's t of that difference (the batches' spread as its unit: no threshold in nats)
+
+``theta`` is the round's start weights, ``d`` the contribution decoded from its sign packets (what the owners
+received), restricted to the checked parts when the check covers only some. Each batch's loss is taken at both
+weights, so the batch-to-batch spread of the loss itself cancels in every gain.
+
+Measured (``benchmarks/verify_gain.py``, tiny preset, 4 peers with persistent inner AdamW, k = m = 8): honest
+excess 0.039-0.075 nats at H = 5, 0.097-0.147 at H = 20, 0.108-0.184 at H = 40; wrong data -0.019..+0.050,
+a poisoner's own corpus copy -0.029..+0.043, stale -0.145..+0.024 (docs/security.md, "Loss gain on assigned
+data").
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from geomesh_p2p.model.build import load_flat_
+
+__all__ = ["GainStats", "batch_losses", "gain_stats", "welch_t"]
+
+
+@dataclass(frozen=True)
+class GainStats:
+    """``assigned`` / ``control``: mean loss gain (nats per token) of the contribution on the sender's assigned
+    batches / on control batches; ``t``: Welch's t of ``assigned - control`` (0.0 when both spreads are 0);
+    ``k`` / ``m``: batches on each side."""
+
+    assigned: float
+    control: float
+    t: float
+    k: int
+    m: int
+
+    @property
+    def excess(self) -> float:
+        """``assigned - control``, nats per token."""
+        return self.assigned - self.control
+
+
+def welch_t(a: Sequence[float], b: Sequence[float]) -> float:
+    """Welch's t statistic of ``mean(a) - mean(b)`` (float64; unbiased variances). 0.0 when the standard
+    error is 0; +-inf never (a zero error with a non-zero difference also gives 0.0: nothing to weigh).
+
+    Raises:
+        ValueError: fewer than 2 values on either side.
+    """
+    if len(a) < 2 or len(b) < 2:
+        raise ValueError(f"welch_t needs >= 2 values a side, got {len(a)} and {len(b)}")
+    ta, tb = torch.tensor(list(a), dtype=torch.float64), torch.tensor(list(b), dtype=torch.float64)
+    se = math.sqrt(float(ta.var()) / len(a) + float(tb.var()) / len(b))
+    return float(ta.mean() - tb.mean()) / se if se > 0 else 0.0
+
+
+@torch.no_grad()
+def batch_losses(
+    model,
+    dataset,
+    streams: Sequence[tuple[str, int]],
+    *,
+    seed: int,
+    round: int,
+    batch_size: int,
+    seq_len: int,
+    deadline: Optional[float] = None,
+) -> list[float]:
+    """The mean next-token loss (nats) of ``model`` as loaded, in eval mode, on each ``(peer_id, step)`` batch
+    ``dataset.sample_batch(seed, peer_id, round, step, batch_size, seq_len)`` (int64 ``[batch_size, seq_len]``).
+
+    Raises:
+        TimeoutError: ``deadline`` (unix seconds) passed between two batches.
+    """
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()  # no dropout: the same weights give the same loss on both sides of a gain
+    try:
+        out = []
+        for i, (peer, step) in enumerate(streams):
+            if deadline is not None and time.time() > deadline:
+                raise TimeoutError(f"past the deadline after {i} of {len(streams)} batches")
+            x = dataset.sample_batch(
+                seed=seed, peer_id=peer, round=round, step=step, batch_size=batch_size, seq_len=seq_len
+            ).to(device)
+            out.append(float(model(input_ids=x, labels=x).loss))
+        return out
+    finally:
+        model.train(was_training)
+
+
+def gain_stats(
+    model,
+    dataset,
+    theta: torch.Tensor,
+    contribution: torch.Tensor,
+    assigned: Sequence[tuple[str, int]],
+    controls: Sequence[tuple[str, int]],
+    *,
+    seed: int,
+    round: int,
+    batch_size: int,
+    seq_len: int,
+    deadline: Optional[float] = None,
+) -> GainStats:
+    """The loss gains of the module docstring. ``theta``: the round's start weights, fp32 ``[P]``;
+    ``contribution``: the pseudo-gradient as received (decoded; zero outside the checked parts), fp32 ``[P]``;
+    ``assigned`` / ``controls``: ``(peer_id, step)`` batch streams (at least 2 each). ``model`` (a copy nobody
+    else uses) is loaded with ``theta``, then with ``theta - contribution``. Cost: 2 x (k + m) forward passes
+    of ``batch_size`` rows, no backward; one temporary fp32 ``[P]``.
+
+    Raises:
+        ValueError: fewer than 2 streams on a side, or a vector of the wrong size.
+        TimeoutError: ``deadline`` passed.
+    """
+    if len(assigned) < 2 or len(controls) < 2:
+        raise ValueError(f"a gain needs >= 2 batches a side, got {len(assigned)} assigned, {len(controls)} control")
+    streams = list(assigned) + list(controls)
+    kw = dict(seed=seed, round=round, batch_size=batch_size, seq_len=seq_len, deadline=deadline)
+    load_flat_(model, theta)
+    before = batch_losses(model, dataset, streams, **kw)
+    load_flat_(model, theta - contribution)
+    after = batch_losses(model, dataset, streams, **kw)
+    gains = [b - a for b, a in zip(before, after)]
+    k = len(assigned)
+    ga, gc = gains[:k], gains[k:]
+    return GainStats(assigned=sum(ga) / len(ga), control=sum(gc) / len(gc), t=welch_t(ga, gc), k=len(ga), m=len(gc))
