@@ -338,6 +338,8 @@ class AdversaryNode(PeerNode):
         """What this attacker pushes instead of (``delta``, ``tokens``)."""
         r, a = spec.round, self.attack
         cap = int(spec.participants.get(self.me, 0))
+        if a == "poison":  # honest in form: what it trained (on its own poisoned corpus) goes out unchanged
+            return delta, tokens
         delta = delta.detach().to("cpu", torch.float32).reshape(-1)
         if a == "flip" or (a == "forge-aggregate" and self.forge_push == "flip"):
             out, claim = -delta, tokens
