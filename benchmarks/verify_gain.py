@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import random
 import time
 
@@ -109,7 +110,9 @@ def main() -> None:
     ap.add_argument("--h-train", type=int, default=20)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=64)
-    ap.add_argument("--k", type=int, default=8, help="assigned (and control) batches per check")
+    ap.add_argument("--k", type=int, default=8, help="assigned batches per check (at most H)")
+    ap.add_argument("--m", type=int, default=16, help="control batches per check")
+    ap.add_argument("--json", default=None, help="also write every draw's statistics here")
     ap.add_argument("--samples", type=int, default=6, help="draws of the k assigned steps per (round, H)")
     ap.add_argument("--trigger-share", type=float, default=0.16)
     ap.add_argument("--threads", type=int, default=1)
@@ -157,7 +160,7 @@ def main() -> None:
 
             load_flat_(vmodel, theta)
             controls = [
-                ds.sample_batch(seed=0, peer_id=CONTROL, round=r, step=i, batch_size=B, seq_len=L) for i in range(a.k)
+                ds.sample_batch(seed=0, peer_id=CONTROL, round=r, step=i, batch_size=B, seq_len=L) for i in range(a.m)
             ]
             base_ctrl = mean_loss(vmodel, controls)
             for H in Hs:
@@ -177,7 +180,7 @@ def main() -> None:
                     load_flat_(moved, theta - roundtrip(cand))
                     after_asg = mean_loss(moved, assigned_all)
                     gc = [b - x for b, x in zip(base_ctrl, mean_loss(moved, controls))]
-                    c_gain = sum(gc) / a.k
+                    c_gain = sum(gc) / a.m
                     for _ in range(a.samples):
                         js = rng.sample(range(H), min(a.k, H))
                         a_gain = sum(base_asg[j] - after_asg[j] for j in js) / len(js)
@@ -198,7 +201,7 @@ def main() -> None:
         outer.step(theta, agg)
         prev = deltas
         print(f"round {r}: {time.time() - t0:.1f}s", flush=True)
-    print(f"\nexcess = assigned gain - control gain (nats/token), k = {a.k}, rounds {sorted(measure)}:")
+    print(f"\nexcess = assigned gain - control gain (nats/token), k = {a.k}, m = {a.m}, rounds {sorted(measure)}:")
     for H in Hs:
         ref = [honest_ex[(r, H)] for r in sorted(measure)]
         cut = 0.5 * min(ref) if ref else 0.0
@@ -211,8 +214,12 @@ def main() -> None:
                 f"H={H:2d} {name:16s} excess {t.min():+.4f}/{t.mean():+.4f}/{t.max():+.4f}"
                 f"   below {cut:+.4f} (half the lowest honest round mean): {float((t < cut).double().mean()):.2f}"
                 f"   assigned/control gain {q.min():.2f}/{q.median():.2f}/{q.max():.2f}"
-                f"   welch t {w.min():.2f}/{w.mean():.2f}/{w.max():.2f}, t < 2: {float((w < 2).double().mean()):.2f}"
+                f"   welch t {w.min():.2f}/{w.mean():.2f}/{w.max():.2f}, share t < 0.5/1/1.5/2: "
+                + "/".join(f"{float((w < c).double().mean()):.2f}" for c in (0.5, 1.0, 1.5, 2.0))
             )
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({f"{H}/{n}": {"excess": stats[(H, n)], "t": tstats[(H, n)]} for (H, n) in stats}, f)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -129,7 +129,7 @@ def gain_stats(
     if len(assigned) < 2 or len(controls) < 2:
         raise ValueError(f"a gain needs >= 2 batches a side, got {len(assigned)} assigned, {len(controls)} control")
     streams = list(assigned) + list(controls)
-    kw = dict(seed=seed, round=round, batch_size=batch_size, seq_len=seq_len, deadline=deadline)
+    kw: dict[str, Any] = dict(seed=seed, round=round, batch_size=batch_size, seq_len=seq_len, deadline=deadline)
     load_flat_(model, theta)
     before = batch_losses(model, dataset, streams, **kw)
     load_flat_(model, theta - contribution)

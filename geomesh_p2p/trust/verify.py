@@ -630,6 +630,7 @@ class WorkVerifier(Verdicts):
             ev.outcome == FAIL
             and stats.plain >= c.plain_min + c.refute_margin
             and (not task.full_test or stats.trace >= c.trace_min + c.refute_margin)
+            and (stats.gain is None or stats.gain.t >= c.gain_t_min + c.gain_refute_margin)
         ):
             self._exclude(
                 ev.verifier,

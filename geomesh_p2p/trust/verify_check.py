@@ -18,7 +18,15 @@ import torch
 from geomesh_p2p.exchange import codec as compression
 from geomesh_p2p.model.build import load_flat_
 from geomesh_p2p.model.device import free_after_oom, is_oom
-from geomesh_p2p.trust.verify_task import CONTROL_STREAM, VerifyConfig, VerifyTask, gather, sample_elements
+from geomesh_p2p.trust.gain import GainStats, gain_stats
+from geomesh_p2p.trust.verify_task import (
+    CONTROL_STREAM,
+    VerifyConfig,
+    VerifyTask,
+    gain_steps,
+    gather,
+    sample_elements,
+)
 
 log = logging.getLogger(__name__)
 
@@ -125,11 +133,13 @@ def _accumulate(model, x: torch.Tensor, mb: int, device: torch.device, use_amp: 
 class WorkStats:
     """``plain``: sign agreement with the summed normalised batch gradients; ``trace``: |d|-weighted
     sign agreement with their part orthogonal to the controls and the checker's own contribution;
-    ``basis``: vectors projected out."""
+    ``basis``: vectors projected out; ``gain``: the loss-gain test on assigned vs control batches
+    (:class:`~geomesh_p2p.trust.gain.GainStats`), None when it did not run."""
 
     plain: float
     trace: float
     basis: int
+    gain: Optional[GainStats] = None
 
 
 def _total(vs: Iterable[torch.Tensor]) -> torch.Tensor:
@@ -207,11 +217,25 @@ def judge(
             f"signs: plain agreement {stats.plain:.3f} with its own batches' gradients "
             f"(< {cfg.plain_min}: flipped or random)",
         )
+    g = stats.gain
+    if g is not None and g.t < cfg.gain_t_hard:
+        return Verdict(
+            FAIL,
+            f"no loss gain on its own batches: t {g.t:.2f} < {cfg.gain_t_hard} (gain {g.assigned:+.4f} on its "
+            f"assigned batches vs {g.control:+.4f} on controls): trained on other data",
+        )
     if task.full_test and stats.trace < cfg.trace_hard:
         return Verdict(FAIL, f"no trace of its own batches: trace {stats.trace:.3f} < {cfg.trace_hard}")
+    if g is not None and g.t < cfg.gain_t_min:
+        return Verdict(
+            MARGINAL,
+            f"weak loss gain on its own batches: t {g.t:.2f} < {cfg.gain_t_min} (gain {g.assigned:+.4f} vs "
+            f"{g.control:+.4f} on controls)",
+        )
     if task.full_test and stats.trace < cfg.trace_min:
         return Verdict(MARGINAL, f"weak trace of its own batches: trace {stats.trace:.3f} < {cfg.trace_min}")
-    return Verdict(PASS, f"plain {stats.plain:.3f}, trace {stats.trace:.3f}")
+    gain = f", gain t {g.t:.2f}" if g is not None else ""
+    return Verdict(PASS, f"plain {stats.plain:.3f}, trace {stats.trace:.3f}{gain}")
 
 
 def packet_digest(packet) -> str:
@@ -303,4 +327,35 @@ def check_contribution(
             (checker, hashlib.sha256(b"".join(bytes.fromhex(packet_digest(own[j])) for j in task.parts)).hexdigest())
         )
     stats = work_statistics(c, g[:k], g[k:], others)
+    gain = _gain(cfg, task, model, dataset, theta, mine, seed=seed, deadline=deadline)
+    stats = WorkStats(stats.plain, stats.trace, stats.basis, gain)
     return stats, judge(cfg, task, stats, all_zero=False, max_scale=max_scale, bound=bound), used
+
+
+def _gain(cfg, task: VerifyTask, model, dataset, theta: torch.Tensor, mine, *, seed: int, deadline) -> GainStats:
+    """The loss-gain test of ``task`` (:mod:`geomesh_p2p.trust.gain`): the contributor's packets of the task's
+    parts decoded into a zero fp32 ``[P]`` (the parts it did not send, or the check does not hold, stay 0),
+    ``cfg.gain_assigned`` of its steps (:func:`gain_steps`) against ``cfg.gain_controls`` control batches.
+    Raises VerifyTimeout past ``deadline``."""
+    d = torch.zeros_like(theta)
+    for j, (s, e) in zip(task.parts, task.ranges):
+        d[s:e] = compression.decode(mine[j])
+    steps = gain_steps(task, cfg.gain_assigned)
+    if len(steps) < 2:  # below min_steps anyway; a t needs two batches a side
+        raise ValueError(f"a loss-gain test needs >= 2 steps, the task has {task.steps_done}")
+    try:
+        return gain_stats(
+            model,
+            dataset,
+            theta,
+            d,
+            [(task.accused, j) for j in steps],
+            [(CONTROL_STREAM, i) for i in range(cfg.gain_controls)],
+            seed=seed,
+            round=task.round,
+            batch_size=task.batch_size,
+            seq_len=task.seq_len,
+            deadline=deadline,
+        )
+    except TimeoutError as e:
+        raise VerifyTimeout(str(e)) from None

@@ -54,7 +54,12 @@ class VerifyConfig:
         trace_hard: ``trace`` below it fails (hard).
         trace_min: ``trace`` below it is a marginal failure.
         scale_factor: block scale bound ``steps x lr x (scale_factor + weight_decay x max|theta|)``.
-        refute_margin: a re-check of a hard accusation passing every threshold by this much refutes it.
+        refute_margin: a re-check of a hard accusation passing every threshold by this much refutes it
+            (``gain_refute_margin`` for the loss-gain test's t).
+        gain_assigned, gain_controls: batches of the loss-gain test (:mod:`geomesh_p2p.trust.gain`): of the
+            contributor's (at most its steps; drawn by :func:`gain_steps`) and control batches.
+        gain_t_hard, gain_t_min: the gain test's Welch t below ``gain_t_hard`` fails (hard: trained on other
+            data than assigned), below ``gain_t_min`` is a marginal failure (``benchmarks/verify_gain.py``).
         marginal_needed, marginal_window: marginal failures (distinct rounds within the window) that
             exclude.
         keep_rounds: rounds whose start weights and contributions are kept for re-checks.
@@ -78,6 +83,11 @@ class VerifyConfig:
     trace_min: float = 0.515
     scale_factor: float = 1.5
     refute_margin: float = 0.03
+    gain_assigned: int = 8
+    gain_controls: int = 16
+    gain_t_hard: float = 0.5
+    gain_t_min: float = 1.0
+    gain_refute_margin: float = 0.5
     marginal_needed: int = 2
     marginal_window: int = 50
     keep_rounds: int = 3
@@ -211,6 +221,15 @@ def derive_task(
         n_elements=min(sum(e - s for s, e in ranges), cfg.sample_elements),
         full_test=steps <= cfg.max_full_steps,
     )
+
+
+def gain_steps(task: "VerifyTask", n: int) -> tuple[int, ...]:
+    """The contributor's steps the loss-gain test replays: ``min(n, task.steps_done)`` of ``range(steps_done)``,
+    sorted, drawn from the task's element seed (which follows from the verifier's selection signature, made
+    after the contribution was signed: the contributor cannot know them when it trains)."""
+    key = task.element_seed.to_bytes(8, "little") + b"gain"
+    order = sorted(range(task.steps_done), key=lambda j: hashlib.sha256(key + struct.pack("<Q", j)).digest())
+    return tuple(sorted(order[: min(n, task.steps_done)]))
 
 
 def sample_elements(ranges: Sequence[tuple[int, int]], n: int, seed: int) -> torch.Tensor:

@@ -178,6 +178,24 @@ def test_honest_contributions_pass(world, H):
     assert stats.trace > VT.VerifyConfig().trace_min + 0.02  # measured >= 0.525 over rounds 1-19
     assert stats.basis == 4 + 1  # 4 controls + the checker's own contribution
     assert [p for p, _ in used] == [world.pid["C"]]
+    g = stats.gain  # the loss-gain test ran: min(8, H) of A's steps against 16 control batches
+    assert g is not None and (g.k, g.m) == (min(8, H), 16)
+    assert g.assigned > g.control and g.t > VT.VerifyConfig().gain_t_min + 0.5, g
+
+
+def test_wrong_data_stale_and_copies_fail_the_loss_gain_test(world):
+    """Issue 28: one check decides. A contribution trained on other batches than A's assigned ones (B's batches,
+    a copy of B's update, the last global update) lowers A's batches' loss no more than control text's:
+    a hard failure of the loss-gain test, where the trace test was marginal in 40-100% of checks."""
+    cfg = VT.VerifyConfig()
+    for name, c in [("wrong data", world.wrong_data), ("copy of B", world.others["B"]), ("stale", world.prev_aggregate)]:
+        stats, verdict, _ = _check(world, c, 10)
+        assert verdict.outcome == VC.FAIL and verdict.reason.startswith("no loss gain on its own batches"), (
+            name,
+            verdict,
+            stats.gain,
+        )
+        assert stats.gain is not None and stats.gain.t < cfg.gain_t_hard
 
 
 def test_flipped_zeros_noise_scaled_fail_hard(world):
