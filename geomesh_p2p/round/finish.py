@@ -325,7 +325,8 @@ async def evaluate(drv: RoundDriver, r: int, last: bool) -> tuple[Optional[float
         else:
             await asyncio.to_thread(snap.snapshot_for_eval)
         drv._eval_round = r
-        drv.eval_schedule.note_eval(r, 0.0)  # its seconds when it ends (note_eval_seconds above)
+        # the last figure until this one's own seconds arrive with its result (note_eval_seconds above)
+        drv.eval_schedule.note_eval(r, drv.eval_schedule.eval_s or 0.0)
 
         def timed() -> tuple[float, float]:
             t0 = time.monotonic()
