@@ -36,6 +36,9 @@ FAST = [
     "test-swarm",
     "--pow-bits",
     "8",
+    # Every row evaluated: tests read eval_ppl per round (auto would follow this loaded machine's timings).
+    "--eval-every",
+    "1",
 ]
 RUN_ID = FAST[FAST.index("--run-id") + 1]  # the run FAST peers join; a bootstrap for them must serve it
 

@@ -191,6 +191,26 @@ def _device_list(text: str) -> list[str]:
     return items
 
 
+def _auto_or(kind: type, **bounds) -> Callable[[str], Any]:
+    """An argparse type: ``auto`` (None: the node derives the value from what it measures) or a number of
+    ``kind`` within ``bounds`` (:func:`number_type`'s messages)."""
+    number = number_type(kind, **bounds)
+
+    def parse(text: str):
+        if text.strip().lower() == "auto":
+            return None
+        try:
+            return number(text)
+        except argparse.ArgumentTypeError as e:
+            if str(e).startswith("expected"):  # not a number at all (a bound's message stays as it is)
+                raise argparse.ArgumentTypeError(f"expected auto or a number, got {text!r}") from None
+            raise
+
+    parse.__name__ = kind.__name__
+    parse.accepts_auto = True  # type: ignore[attr-defined]  # to_argv renders None as "auto"
+    return parse
+
+
 def _host_port(text: str) -> str:
     """``HOST:PORT`` (``[IPV6]:PORT``) in its canonical spelling (:func:`geomesh_p2p.net.addr.canonical_address`)."""
     try:
@@ -208,6 +228,8 @@ PARSERS: dict[str, Callable[[str], Any]] = {
     "host_port": _host_port,
     "device_list": _device_list,
     "positive_float": number_type(float, gt=0),
+    "auto_seconds": _auto_or(float, gt=0),  # --window-s auto (RunConfig.window_s None)
+    "auto_rounds": _auto_or(int, ge=1),  # --eval-every auto (NodeConfig.eval_every None)
     "file": str,  # the flag names a file; the caller reads it into the field (--allow-peers FILE)
 }
 
@@ -410,7 +432,7 @@ def values_from(ns: argparse.Namespace, specs: list[FlagSpec]) -> dict:
 
 def to_argv(ns: argparse.Namespace, specs: list[FlagSpec]) -> list[str]:
     """The argv that gives a parser with ``specs`` the same values as ``ns`` (None values and unset
-    switches are left out; lists are repeated for ``append`` flags, comma-joined otherwise)."""
+    switches are left out, but for a flag that takes ``auto``, where None is rendered as ``auto``; lists are repeated for ``append`` flags, comma-joined otherwise)."""
     out: list[str] = []
     for s in specs:
         v = getattr(ns, s.dest, None)
@@ -420,6 +442,8 @@ def to_argv(ns: argparse.Namespace, specs: list[FlagSpec]) -> list[str]:
         elif action == "store_false":
             out += [] if v else [s.flag]
         elif v is None:
+            if getattr(s.kwargs.get("type"), "accepts_auto", False):
+                out += [s.flag, "auto"]  # None is the flag's "auto" (--window-s auto), not "unset"
             continue
         elif action in ("append", _AppendOverDefault):
             for x in v:

@@ -130,7 +130,26 @@ class RunConfig(BaseModel):
         ge=0,
     )
     target_batch: int = opt(8, "sequences per inner step", ge=1)
-    window_s: Optional[float] = opt(6.0, "sync window per round, seconds", gt=0)
+    window_s: Optional[float] = opt(
+        None,
+        "sync window per round, seconds, or auto: each round's leader sets it from the step times the peers "
+        "measured (their records, re-profiled every round), so that the median peer runs --target-inner-steps "
+        "inner steps plus its exchange in it, at least 6 s and at most the 324 s followers accept; every follower "
+        "recomputes it from the same records (a joiner follows the swarm's plans, it computes none of its own). "
+        "A number fixes the window (stretched when the slowest peer cannot fit one step)",
+        metavar="S",
+        parse="auto_seconds",
+        gt=0,
+        default_text="auto",
+    )
+    target_inner_steps: int = opt(
+        30,
+        "with --window-s auto: the inner steps (H) the median peer's window holds; faster peers run more, "
+        "slower ones fewer (AWB). DiLoCo uses hundreds; tens keep a round of a 124M-150M model on a CPU within "
+        "minutes. Ignored with a fixed --window-s and by the uniform methods (--uniform-inner-steps)",
+        metavar="H",
+        ge=1,
+    )
     uniform_inner_steps: int = opt(20, "H of the uniform (diloco/css) plan", ge=1)
     comm_share: float = opt(0.1, "share of a round the planner leaves to communication", gt=0, le=1)
     max_inner_steps: int = opt(200, "most inner steps a peer is planned per round", ge=1)
@@ -147,6 +166,11 @@ class RunConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check_combinations(self) -> "RunConfig":
+        if self.target_inner_steps > self.max_inner_steps:
+            raise ValueError(
+                f"target_inner_steps {self.target_inner_steps} is over max_inner_steps {self.max_inner_steps}: "
+                "no peer may be planned that many steps"
+            )
         if self.method == "ddp" and self.inner_optimizer != "adamw":
             raise ValueError("method 'ddp' applies AdamW to the averaged gradient; use inner_optimizer 'adamw'")
         if self.eager and self.method == "ddp":
@@ -285,12 +309,16 @@ class NodeConfig(BaseModel):
         metavar="B,B,...",
         parse="batch_list",
     )
-    eval_every: int = opt(
-        1,
-        "evaluate the global weights every N rounds and at the last (raise it for --method "
-        "ddp, whose rounds are single steps)",
+    eval_every: Optional[int] = opt(
+        None,
+        "evaluate the global weights every N rounds and at the last, or auto: as often as keeps evaluation "
+        "within 5 percent of the wall time, from the measured seconds of the last evaluation (the first is the "
+        "initial one at start) and of the rounds (every k rounds, k = ceil(0.95 x eval / (0.05 x round)), "
+        "re-chosen after each; 1 while an evaluation costs under 1/19 of a round)",
         metavar="N",
+        parse="auto_rounds",
         ge=1,
+        default_text="auto",
     )
     eval_background: bool = opt(
         False,

@@ -31,7 +31,14 @@ from geomesh_p2p.config.models import RunConfig
 from geomesh_p2p.data import DataError, get_tokenizer, load_text
 from geomesh_p2p.data.hub import parse_hf_spec
 from geomesh_p2p.data.tokenizer import EOS_TOKEN
-from geomesh_p2p.model.state import CKPT_FORMAT, CheckpointError, digest, list_checkpoints, read_checkpoint_files
+from geomesh_p2p.model.digest import DIGEST_ALGO
+from geomesh_p2p.model.state import (
+    CKPT_FORMAT,
+    CheckpointError,
+    list_checkpoints,
+    read_checkpoint_files,
+    verify_checkpoint_digest,
+)
 from geomesh_p2p.model.build import ConfigError, build_model, load_flat_, num_params
 from geomesh_p2p.util.errors import UserFacingError
 
@@ -135,12 +142,13 @@ def load_checkpoint(directory: str | os.PathLike, round: Optional[int] = None):
         raise ExportError(f"corrupt checkpoint weights {wpath}: no fp32 'theta' vector")
     if momentum is not None and (momentum.dtype != torch.float32 or momentum.dim() != 1):
         raise ExportError(f"corrupt checkpoint weights {wpath}: malformed 'momentum'")
-    got = digest(theta, momentum)
-    if got != record.get("digest"):
-        raise ExportError(
-            f"corrupt checkpoint {wpath}: digest {got[:16]} is not the recorded "
-            f"{str(record.get('digest'))[:16]} (damaged or altered file)"
-        )
+    try:
+        # this release's digest, or blake2b for a checkpoint of a release before 0.3.0 (model/digest.py)
+        current = verify_checkpoint_digest(record, theta, momentum, wpath)
+    except CheckpointError as e:
+        raise ExportError(f"{e} (damaged or altered file)" if "corrupt" in str(e) else str(e)) from None
+    if record.get("digest") != current:  # a legacy checkpoint: its state's digest in this release
+        record = {**record, "legacy_digest": record.get("digest"), "digest": current, "digest_algo": DIGEST_ALGO}
     return int(record.get("round", round)), theta, momentum, record
 
 

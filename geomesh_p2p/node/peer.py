@@ -50,6 +50,7 @@ from geomesh_p2p.net import swarm_time as clock
 from geomesh_p2p.telemetry import events
 from geomesh_p2p.net.swarm_time import swarm_time
 from geomesh_p2p.round import DhtPlanAgreement, DriverConfig, PlanStore, RoundDriver
+from geomesh_p2p.plan.awb import AUTO_WINDOW_MIN_S
 from geomesh_p2p.node import joining, report, training
 from geomesh_p2p.node.checkpoints import Checkpointer, check_writable_dir
 from geomesh_p2p.node.watchdog import ProgressWatchdog
@@ -289,7 +290,7 @@ class PeerNode:
         self.round_log.add(rec)
         swarm_status.publish_round_summary(self, rec)  # the bootstrap's status page (issue 16)
         if self.announcer is not None and rec.cycle_s:  # records outlive rounds as long as they really run
-            self.announcer.follow_rounds(rec.cycle_s, self.run_cfg.window_s)
+            self.announcer.follow_rounds(rec.cycle_s, self.run_cfg.window_s or AUTO_WINDOW_MIN_S)
 
     def _started_transport(self) -> Transport:
         """``self.transport``, the node's gRPC transport.
@@ -411,7 +412,8 @@ class PeerNode:
         await joining.check_identity_unique(self)
         probed = await self.links.probe()
 
-        ttl_s = record_ttl_s(c.announce_period_s, self.run_cfg.window_s)  # follows the sync window (issue 25)
+        # follows the sync window (issue 25); --window-s auto: its shortest, AUTO_WINDOW_MIN_S, until rounds ran
+        ttl_s = record_ttl_s(c.announce_period_s, self.run_cfg.window_s or AUTO_WINDOW_MIN_S)
         self.announcer = PeerAnnouncer(self.dht, self.my_record, period_s=c.announce_period_s, ttl_s=ttl_s)
         self.announcer.live = ProgressWatchdog.for_node(self).problem  # liveness is progress (issue 29 #5)
         self.plans = PlanStore(self.dht, self.identity, self.run_cfg.run_id)
@@ -551,9 +553,12 @@ class PeerNode:
                 log.info("stop requested during start-up: leaving before the first round")
                 return 0
             started(self.announcer).start()
+            t0 = time.monotonic()
             self.initial_ppl = await asyncio.to_thread(self.trainer.evaluate, max_batches=self.cfg.eval_batches)
-            log.info("round %d: eval perplexity %.2f (initial)", self.round, self.initial_ppl)
+            eval_s = time.monotonic() - t0
+            log.info("round %d: eval perplexity %.2f (initial, %.1f s)", self.round, self.initial_ppl, eval_s)
             driver = self._driver()
+            driver.eval_schedule.note_eval(-1, eval_s)  # --eval-every auto schedules from it (eval_schedule.py)
             await driver.run()
             self._reached_target()
             if driver.ended is not None:

@@ -34,7 +34,8 @@ STALL_SLACK_S = 60.0
 
 def stall_bound_s(window_s: Optional[float], checkpoint_timeout_s: float) -> float:
     """Seconds the round loop may go without progress before the peer stops announcing: ``max(STALL_MIN_S,
-    plan_horizon_s(window_s), checkpoint_timeout_s) + STALL_SLACK_S`` (204 s at the default 6 s window)."""
+    plan_horizon_s(window_s), checkpoint_timeout_s) + STALL_SLACK_S`` (204 s at a 6 s window; 420 s at
+    ``--window-s auto``, the default, whose windows are at most 0.9 x its 360 s horizon)."""
     return max(STALL_MIN_S, plan_horizon_s(window_s), checkpoint_timeout_s) + STALL_SLACK_S
 
 

@@ -32,6 +32,8 @@ For each peer ``i`` (records sorted by ``peer_id``):
   - ``target_tokens_per_round`` set: the smallest ``T`` at which the planned budgets sum to at least
     the target (``window_s``, if also set, caps it);
   - else ``window_s`` set: that window;
+  - else ``target_inner_steps`` set (the run's ``--window-s auto``): :func:`auto_window`, the time the
+    median peer needs for that many steps plus its communication, at least ``AUTO_WINDOW_MIN_S``;
   - else ``T = max_i c_i / comm_share`` (communication over the slowest link is ``comm_share`` of
     the round);
 
@@ -63,6 +65,25 @@ from geomesh_p2p.schema.peer import PeerRecord
 from geomesh_p2p.trust.probation import PROBATION_BUDGET_FACTOR
 
 _MAX_BREAKPOINTS_PER_PEER = 1000
+
+#: The shortest window :func:`auto_window` chooses, seconds (the fixed default before it, issue 27): a round's
+#: own costs (gather, plan, digest check) are a second or two, so a tiny model's round stays mostly compute.
+AUTO_WINDOW_MIN_S = 6.0
+
+
+def auto_window(s: np.ndarray, c: np.ndarray, cfg: PlanConfig) -> float:
+    """The base window (seconds) of ``--window-s auto`` (issue 27, "defaults that fit the model"):
+    ``max(AUTO_WINDOW_MIN_S, median_high_i(c_i + H * s_i))`` with ``H = cfg.target_inner_steps``, ``s_i`` the
+    peers' step times and ``c_i`` their communication times (float64 arrays, seconds). The median (the
+    upper one for an even count) peer then fits ``H`` steps; faster peers fit more, slower ones fewer, and a
+    minority that claims to be slow cannot stretch the round (claims are bounded before, ``bound_records``).
+    E.g. one peer at 6.6 s a step (gpt2-124m on one CPU thread, batch 8) and 0.5 s of exchange, H = 30:
+    198.5 s. Raises ValueError when ``cfg.target_inner_steps`` is None or there is no peer."""
+    H = cfg.target_inner_steps
+    if H is None or len(s) == 0:
+        raise ValueError("auto_window needs cfg.target_inner_steps and at least one peer")
+    need = sorted(float(ci + H * si) for si, ci in zip(s, c))
+    return max(AUTO_WINDOW_MIN_S, statistics.median_high(need))
 
 
 def _best_in_window(record: PeerRecord, current: "PeerModel", T: float, cfg: PlanConfig) -> "PeerModel":
@@ -129,6 +150,9 @@ def _choose_window(s: np.ndarray, c: np.ndarray, tokens_per_step: np.ndarray, cf
     elif cfg.window_s is not None:
         T_base = cfg.window_s
         lo, hi = T_base * (1 - slack), T_base
+    elif cfg.target_inner_steps is not None:
+        T_base = auto_window(s, c, cfg)
+        lo, hi = max(AUTO_WINDOW_MIN_S, T_base * (1 - slack)), T_base * (1 + slack)  # never under the floor
     else:
         T_base = float(np.max(c)) / cfg.comm_share
         lo, hi = T_base * (1 - slack), T_base * (1 + slack)

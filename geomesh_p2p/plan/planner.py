@@ -22,7 +22,7 @@ import numpy as np
 
 from geomesh_p2p.trust.probation import PROBATION_BUDGET_FACTOR, probation_slots
 from geomesh_p2p.config import method as _method
-from geomesh_p2p.plan.awb import choose_window, plan_round
+from geomesh_p2p.plan.awb import auto_window, choose_window, plan_round
 from geomesh_p2p.plan.bounds import (
     BUDGET_MEDIAN_FACTOR,
     LEADER_BAR_MIN_OWNERS,
@@ -154,12 +154,16 @@ class WindowExclusion(NamedTuple):
             steps for uniform plans).
         comm_s: peer -> the exchange seconds used in ``need_s``.
         measured: PeerIDs whose exchange figure was measured rather than predicted from the link figures.
+        window_s: the window the rule compared with: ``cfg.window_s``, or with ``--window-s auto``
+            (``cfg.target_inner_steps``, AWB) :func:`~geomesh_p2p.plan.awb.auto_window` of all the peers
+            (0: none).
     """
 
     excluded: tuple[str, ...]
     need_s: dict[str, float]
     comm_s: dict[str, float]
     measured: frozenset
+    window_s: float = 0.0
 
 
 def window_exclusions(
@@ -178,7 +182,8 @@ def window_exclusions(
     micro-batch), ``k`` = ``min_inner_steps`` (AWB) or the uniform ``H``. Repeatedly, the peer with the
     largest need is left out when the round with it would be longer than without it by more than
     ``EXCLUDE_NEW_SHARE`` (a peer not in ``kept``, the last round's participants) or ``EXCLUDE_KEPT_SHARE`` x
-    the round without it, ``max(window_s, largest need of the others)``; it stops at the first peer kept,
+    the round without it, ``max(window, largest need of the others)`` (``window``: ``cfg.window_s``, or with
+    ``--window-s auto`` the :func:`~geomesh_p2p.plan.awb.auto_window` of all the peers); it stops at the first peer kept,
     and never leaves fewer than ``keep_at_least`` peers. Before that, a peer whose need exceeds
     ``cfg.max_window_s`` is left out whatever the others need (kept or not): its minimum steps do not fit any
     window followers accept (issue 25: 32 processes on 2 cores). A peer whose exchange is long but fits the window
@@ -202,6 +207,13 @@ def window_exclusions(
     comm = {m.peer_id: measured.get(m.peer_id, m.comm_s) for m in models}
     need = {m.peer_id: comm[m.peer_id] + k * m.step_s for m in models}
     window = float(cfg.window_s or 0.0)
+    if cfg.window_s is None and cfg.target_inner_steps is not None and rule.balanced and models:
+        # --window-s auto: the window the median peer's target steps need (robust to the slow ones it judges)
+        window = auto_window(
+            np.array([m.step_s for m in models], dtype=np.float64),
+            np.array([comm[m.peer_id] for m in models], dtype=np.float64),
+            cfg,
+        )
     kept_ids = set(kept)
     remaining = sorted(need, key=lambda p: (-need[p], p))
     excluded: list[str] = []
@@ -217,7 +229,7 @@ def window_exclusions(
             break
         excluded.append(pid)
         remaining = others
-    return WindowExclusion(tuple(excluded), need, comm, frozenset(p for p in measured if p in need))
+    return WindowExclusion(tuple(excluded), need, comm, frozenset(p for p in measured if p in need), window)
 
 
 def check_plan(

@@ -46,7 +46,16 @@ class PlanConfig(BaseModel):
         default=None, ge=1, description="tokens the whole group should train per round; None: derive from the window"
     )
     window_s: Optional[float] = Field(
-        default=None, gt=0, description="sync window T, seconds; None: T such that comm is comm_share of it"
+        default=None,
+        gt=0,
+        description="sync window T, seconds; None: from target_inner_steps when set (geomesh_p2p.plan.awb."
+        "auto_window), else T such that comm is comm_share of it",
+    )
+    target_inner_steps: Optional[int] = Field(
+        default=None,
+        ge=1,
+        description="with window_s None: the inner steps the median peer's window holds (RunConfig's "
+        "--window-s auto); None: the comm_share window",
     )
     comm_share: float = Field(default=0.1, gt=0, le=1, description="target fraction of the window spent communicating")
     min_inner_steps: int = Field(default=1, ge=1)

@@ -88,7 +88,7 @@ class DriverConfig:
     digest_wait_s: float = 2.0
     rounds: Optional[int] = _node_default("rounds")
     target_ppl: Optional[float] = _node_default("target_ppl")
-    eval_every: int = _node_default("eval_every")
+    eval_every: Optional[int] = _node_default("eval_every")  # None: auto (round/eval_schedule.py)
     eval_batches: int = _node_default("eval_batches")
     #: evaluate in a worker thread on a copy of the global weights while the next round trains (issue 17);
     #: the result goes into the next row (``eval_round`` says which round's weights it measured), the last

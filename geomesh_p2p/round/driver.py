@@ -38,6 +38,7 @@ from geomesh_p2p.round.context import (
     SwarmEnded,
     no_work,
 )
+from geomesh_p2p.round.eval_schedule import EvalSchedule
 from geomesh_p2p.round.exchange import STALL_VOID_SHARE
 from geomesh_p2p.round.gather import (
     PROBATION_SYNC_GRANTS,
@@ -155,6 +156,9 @@ class RoundDriver:
         self._eval_round: Optional[int] = None
         #: a background evaluation collected by a synchronous one (the last round): (ppl, round), for the row's extra
         self._eval_carry: Optional[tuple[float, int]] = None
+        #: which rounds it evaluates after (--eval-every N, or auto from the seconds measured: eval_schedule.py);
+        #: the node notes its initial evaluation's seconds here (round -1)
+        self.eval_schedule = EvalSchedule(cfg.eval_every)
         #: the last round finished in sync and its end announced this peer's record: the loop top's
         #: announce and behind-check would repeat that store and the gather's own swarm-round check
         self._fresh_record = False

@@ -44,6 +44,7 @@ async def finish(drv: RoundDriver, ctx: RoundContext) -> set[str]:
     await outer_step(drv, ctx)  # outer step and commit (a worker thread), then re-profiling
     traffic = drv.traffic()
     await announce(drv, r, last)  # round r + 1's record (as leaving, when this was the last round)
+    drv.eval_schedule.note_round(drv.clock.time() - ctx.t_round)  # before the evaluation it schedules
     ppl, eval_round = await evaluate_round(drv, r, last)
     note_lineage(drv, ctx)
     rec = round_record(drv, ctx, ppl, eval_round, traffic)
@@ -288,7 +289,8 @@ async def checkpoint_if_due(drv: RoundDriver, r: int) -> None:
 
 
 async def evaluate(drv: RoundDriver, r: int, last: bool) -> tuple[Optional[float], Optional[int]]:
-    """Evaluation after round ``r``'s commit: every ``eval_every`` rounds and at the last. Returns
+    """Evaluation after round ``r``'s commit: when ``drv.eval_schedule`` says so (``--eval-every N``, or auto:
+    within 5% of the wall time, :class:`~geomesh_p2p.round.eval_schedule.EvalSchedule`), and at the last. Returns
     ``(perplexity, round whose end state it measured)`` for this row, or ``(None, None)``.
 
     With ``eval_background`` the evaluation of round ``r`` runs in a worker thread on a snapshot of the
@@ -296,7 +298,7 @@ async def evaluate(drv: RoundDriver, r: int, last: bool) -> tuple[Optional[float
     returned at the first finish after it completed (or waited for, when the next evaluation is due:
     the snapshot model is reused). The last round, and a peer that stops, evaluate at once; a background
     result collected then goes into the row's ``extra["eval_background"]`` (``eval_ppl``, ``eval_round``)."""
-    due = (r + 1) % drv.cfg.eval_every == 0 or last
+    due = drv.eval_schedule.due(r, last)  # --eval-every N, or auto: within 5% of the wall time (eval_schedule)
     background = (
         drv.cfg.eval_background and not last and not drv.stop.is_set() and isinstance(drv.trainer, SnapshotEvaluator)
     )
@@ -304,7 +306,9 @@ async def evaluate(drv: RoundDriver, r: int, last: bool) -> tuple[Optional[float
     if drv._eval_task is not None and (drv._eval_task.done() or due or drv.stop.is_set()):
         task, drv._eval_task = drv._eval_task, None
         try:
-            ready = (await task, drv._eval_round)
+            ppl_bg, seconds = await task
+            drv.eval_schedule.note_eval_seconds(seconds)
+            ready = (ppl_bg, drv._eval_round)
             log.info("round %d: eval perplexity %.2f (evaluated in the background)", ready[1], ready[0])
         except Exception as e:  # an evaluation must never end the node; the next one is due anyway
             log.warning("round %d: background evaluation failed (%s: %s)", drv._eval_round, type(e).__name__, e)
@@ -321,10 +325,16 @@ async def evaluate(drv: RoundDriver, r: int, last: bool) -> tuple[Optional[float
         else:
             await asyncio.to_thread(snap.snapshot_for_eval)
         drv._eval_round = r
-        drv._eval_task = asyncio.ensure_future(
-            asyncio.to_thread(snap.evaluate_snapshot, max_batches=drv.cfg.eval_batches)
-        )
+        # the last figure until this one's own seconds arrive with its result (note_eval_seconds above)
+        drv.eval_schedule.note_eval(r, drv.eval_schedule.eval_s or 0.0)
+
+        def timed() -> tuple[float, float]:
+            t0 = time.monotonic()
+            return snap.evaluate_snapshot(max_batches=drv.cfg.eval_batches), time.monotonic() - t0
+
+        drv._eval_task = asyncio.ensure_future(asyncio.to_thread(timed))
         return ready
+    t0 = drv.clock.monotonic()
     if weights is not None:
         snap = cast(SnapshotEvaluator, drv.trainer)
 
@@ -335,6 +345,7 @@ async def evaluate(drv: RoundDriver, r: int, last: bool) -> tuple[Optional[float
         ppl = await asyncio.to_thread(on_snapshot)
     else:
         ppl = await asyncio.to_thread(drv.trainer.evaluate, max_batches=drv.cfg.eval_batches)
+    drv.eval_schedule.note_eval(r, drv.clock.monotonic() - t0)
     if ready[0] is not None and ready[1] is not None:
         drv._eval_carry = (ready[0], ready[1])
     return ppl, r

@@ -135,6 +135,7 @@ async def test_eager_rounds_in_real_peer_nodes_follow_the_rule(tmp_path, monkeyp
             profile_batches=[4],
             probe_bytes=64 << 10,
             eval_batches=2,
+            eval_every=1,  # every row's perplexity is checked below
             announce_period_s=0.5,
         )
         node = PeerNode(run_cfg, cfg, identity=Identity.generate())

@@ -109,9 +109,16 @@ def test_digest_definition_and_sensitivity():
     theta, (mom, *_) = _inputs(4, steps=1)
     d = digest(theta)
     assert len(d) == 32 and int(d, 16) >= 0
-    expect = hashlib.blake2b(theta.numpy().astype("<f4").tobytes()).hexdigest()[:32]
-    assert d == expect
-    both = hashlib.blake2b(theta.numpy().astype("<f4").tobytes() + mom.numpy().astype("<f4").tobytes()).hexdigest()[:32]
+    # a tree of SHA-256 over 8 MiB leaves (model/digest.py); one leaf here: tests/unit/test_state_digest.py has more
+    data = theta.numpy().astype("<f4").tobytes()
+
+    def root(data: bytes) -> str:
+        leaf = hashlib.sha256(data).digest()
+        head = b"geomesh-state-digest-v2" + len(data).to_bytes(8, "little") + (8 << 20).to_bytes(8, "little")
+        return hashlib.sha256(head + leaf).hexdigest()[:32]
+
+    assert d == root(data)
+    both = root(data + mom.numpy().astype("<f4").tobytes())
     assert digest(theta, mom) == both != d
     flipped = theta.clone()
     flipped.view(torch.int32)[123] ^= 1  # one bit of one element

@@ -300,6 +300,7 @@ class FakePeer:
             digest_wait_s=1.0,
             rounds=rounds,
             full_view_peers=full_view_peers,
+            eval_every=1,  # every row evaluated (auto would follow the fakes' timings: eval_schedule.py)
         )
         self.drv = RoundDriver(
             membership=self,

@@ -111,6 +111,8 @@ class PlanRules:
             seq_len=r.seq_len,
             target_batch=r.target_batch,
             window_s=r.window_s,
+            # --window-s auto: each round's window from the records' step times (plan.awb.auto_window)
+            target_inner_steps=r.target_inner_steps if r.window_s is None else None,
             # what every follower accepts (plan_problem's horizon), with the exchange's 10% to spare
             max_window_s=EXCHANGE_HORIZON_SHARE * plan_horizon_s(r.window_s),
             part_align=rule.part_align,
@@ -177,7 +179,7 @@ class PlanRules:
         cfg = self.plan_config(len(members))
         evidence = self.profile.supported_tps
         supported = evidence[1] if evidence is not None and evidence[0] == rnd - 1 else None
-        if self.run_cfg.window_s:
+        if self.run_cfg.window_s or cfg.target_inner_steps is not None:
             # A peer whose exchange plus minimum compute would stretch the round well past what it takes
             # without it is planned out this round (planner.window_exclusions; docs/round.md, "Exclusion
             # rule"). One that fits the window costs nothing: AWB gives it fewer steps. A peer that delivered
@@ -192,8 +194,8 @@ class PlanRules:
                     ", ".join(p[:10] for p in ex.excluded),
                     ", ".join(f"{ex.need_s[p]:.1f}" for p in ex.excluded),
                     ", ".join(f"{ex.comm_s[p]:.1f}" for p in ex.excluded),
-                    max([self.run_cfg.window_s] + [v for p, v in ex.need_s.items() if p not in slow]),
-                    self.run_cfg.window_s,
+                    max([ex.window_s] + [v for p, v in ex.need_s.items() if p not in slow]),
+                    ex.window_s,
                 )
                 members = [m for m in members if m.peer_id not in slow]
                 # Still at most probation_slots(established) on probation (those first in line stay).
