@@ -8,6 +8,8 @@ packet, fp32 ``[P]``) at the round's start weights ``theta``,
     assigned_gain = gain(k of the contributor's assigned batches: seed, peer, round, step; drawn among its H)
     control_gain  = gain(k control batches nobody trains on)
     excess        = assigned_gain - control_gain
+    t             = Welch's t of that difference over the batches' rows (``geomesh_p2p.trust.gain``: the test
+                    verified work runs; its thresholds come from this table)
 
 An honest contributor trained on exactly its assigned batches, so ``theta - d`` fits them better than text it
 never saw (excess > 0); a contributor that trained on other text (a free rider copying a peer, a poisoner's own
@@ -26,9 +28,9 @@ contributor A's candidates for each H of ``--Hs`` from A's real optimizer state:
                    (a poisoner that knows the statistic)
   stale            A's previous round delta
 
-Prints, per (H, candidate), min / mean / max of ``excess`` and of ``excess / |honest excess|`` over the measured
-rounds and ``--samples`` draws of the k batches, and the share of draws a threshold at half the honest
-round's excess would flag::
+Prints, per (H, candidate), min / mean / max of ``excess``, of the assigned / control gain ratio and of ``t`` over
+the measured rounds and ``--samples`` draws of the k batches (``--m`` control batches), and the share of draws
+below t = 0.5, 1, 1.5, 2::
 
     python benchmarks/verify_gain.py                                  # ~6 min on 2 busy cores
     python benchmarks/verify_gain.py --measure 2,6 --Hs 5,20 --samples 4   # a quick look
@@ -49,6 +51,7 @@ from geomesh_p2p.exchange import codec as compression
 from geomesh_p2p.model.build import build_model, flat_params, load_flat_
 from geomesh_p2p.model.optim import OuterNesterov
 from geomesh_p2p.model.training import InnerTrainer
+from geomesh_p2p.trust.gain import row_losses, welch_t
 
 CANDIDATES = ("honest", "wrong-data", "poison-corpus", "poison-assigned", "stale")
 CONTROL = "control-batches"
@@ -85,21 +88,8 @@ class PoisonedData:
         return x
 
 
-def welch_t(a: list[float], b: list[float]) -> float:
-    """Welch's t of mean(a) - mean(b) (two samples of per-batch gains)."""
-    ta, tb = torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64)
-    se = (ta.var() / len(a) + tb.var() / len(b)).sqrt()
-    return float((ta.mean() - tb.mean()) / se) if se > 0 else 0.0
-
-
 def round_half(x: float) -> float:
     return float(int(x + 0.5))
-
-
-@torch.no_grad()
-def mean_loss(model, batches) -> list[float]:
-    """Per-batch mean next-token loss (nats) of ``model`` on each int64 ``[B, L]`` batch."""
-    return [float(model(input_ids=x, labels=x).loss) for x in batches]
 
 
 def main() -> None:
@@ -158,11 +148,10 @@ def main() -> None:
                 t.run(round=r, inner_steps=steps, batch_size=B)
                 return theta - flat_params(m)
 
+            kw = dict(seed=0, round=r, batch_size=B, seq_len=L)
+            ctrl_streams = [(CONTROL, i) for i in range(a.m)]
             load_flat_(vmodel, theta)
-            controls = [
-                ds.sample_batch(seed=0, peer_id=CONTROL, round=r, step=i, batch_size=B, seq_len=L) for i in range(a.m)
-            ]
-            base_ctrl = mean_loss(vmodel, controls)
+            base_ctrl = row_losses(vmodel, ds, ctrl_streams, **kw)
             for H in Hs:
                 cands = {
                     "honest": train(H),
@@ -172,26 +161,30 @@ def main() -> None:
                 }
                 if "peerA" in prev:
                     cands["stale"] = prev["peerA"]
-                assigned_all = [
-                    ds.sample_batch(seed=0, peer_id="peerA", round=r, step=j, batch_size=B, seq_len=L) for j in range(H)
-                ]
-                base_asg = mean_loss(vmodel, assigned_all)
+                asg_streams = [("peerA", j) for j in range(H)]
+                base_asg = row_losses(vmodel, ds, asg_streams, **kw)
                 for name, cand in cands.items():
+                    # the rows' gains exactly as trust.gain.gain_stats takes them, each draw of k steps apart
                     load_flat_(moved, theta - roundtrip(cand))
-                    after_asg = mean_loss(moved, assigned_all)
-                    gc = [b - x for b, x in zip(base_ctrl, mean_loss(moved, controls))]
-                    c_gain = sum(gc) / a.m
+                    after_asg = row_losses(moved, ds, asg_streams, **kw)
+                    gc = [
+                        b - x
+                        for rb, rx in zip(base_ctrl, row_losses(moved, ds, ctrl_streams, **kw))
+                        for b, x in zip(rb, rx)
+                    ]
+                    c_gain = sum(gc) / len(gc)
                     for _ in range(a.samples):
                         js = rng.sample(range(H), min(a.k, H))
-                        a_gain = sum(base_asg[j] - after_asg[j] for j in js) / len(js)
-                        tstats.setdefault((H, name), []).append(welch_t([base_asg[j] - after_asg[j] for j in js], gc))
+                        ga = [b - x for j in js for b, x in zip(base_asg[j], after_asg[j])]
+                        a_gain = sum(ga) / len(ga)
+                        tstats.setdefault((H, name), []).append(welch_t(ga, gc))
                         stats.setdefault((H, name), []).append(a_gain - c_gain)
                         ratios.setdefault((H, name), []).append(a_gain / c_gain if c_gain > 0 else float("inf"))
                     if name == "honest":
                         honest_ex[(r, H)] = sum(stats[(H, name)][-a.samples :]) / a.samples
                 print(
-                    f"  r={r} H={H}: "
-                    + ", ".join(f"{n} {sum(stats[(H, n)][-a.samples :]) / a.samples:+.4f}" for n in cands),
+                    f"  r={r} H={H}: t "
+                    + ", ".join(f"{n} {sum(tstats[(H, n)][-a.samples :]) / a.samples:+.2f}" for n in cands),
                     flush=True,
                 )
             load_flat_(trainers["peerA"].model, theta)

@@ -9,7 +9,8 @@ update causes on the peer's assigned data against random data):
 
     gain(b)  = loss(theta, b) - loss(theta - d, b)          per batch b, nats per token
     excess   = mean gain over k assigned batches - mean gain over m control batches
-    t        = Welch's t of that difference (the batches' spread as its unit: no threshold in nats)
+    t        = Welch's t of that difference over the batches' rows (each row a window of its own: the rows'
+               spread is the unit, so no threshold is in nats)
 
 ``theta`` is the round's start weights, ``d`` the contribution decoded from its sign packets (what the owners
 received), restricted to the checked parts when the check covers only some. Each batch's loss is taken at both
@@ -26,13 +27,13 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
 from geomesh_p2p.model.build import load_flat_
 
-__all__ = ["GainStats", "batch_losses", "gain_stats", "welch_t"]
+__all__ = ["GainStats", "row_losses", "gain_stats", "welch_t"]
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,7 @@ def welch_t(a: Sequence[float], b: Sequence[float]) -> float:
 
 
 @torch.no_grad()
-def batch_losses(
+def row_losses(
     model,
     dataset,
     streams: Sequence[tuple[str, int]],
@@ -78,9 +79,11 @@ def batch_losses(
     batch_size: int,
     seq_len: int,
     deadline: Optional[float] = None,
-) -> list[float]:
-    """The mean next-token loss (nats) of ``model`` as loaded, in eval mode, on each ``(peer_id, step)`` batch
-    ``dataset.sample_batch(seed, peer_id, round, step, batch_size, seq_len)`` (int64 ``[batch_size, seq_len]``).
+    pace: Optional[Callable[[], None]] = None,
+) -> list[list[float]]:
+    """Per batch, per row: the mean next-token loss (nats) of ``model`` as loaded, in eval mode, on each
+    ``(peer_id, step)`` batch ``dataset.sample_batch(seed, peer_id, round, step, batch_size, seq_len)`` (int64
+    ``[batch_size, seq_len]``; row r's ``seq_len - 1`` predictions). ``pace()`` is called between two batches.
 
     Raises:
         TimeoutError: ``deadline`` (unix seconds) passed between two batches.
@@ -91,12 +94,16 @@ def batch_losses(
     try:
         out = []
         for i, (peer, step) in enumerate(streams):
+            if pace is not None and i > 0:
+                pace()
             if deadline is not None and time.time() > deadline:
                 raise TimeoutError(f"past the deadline after {i} of {len(streams)} batches")
             x = dataset.sample_batch(
                 seed=seed, peer_id=peer, round=round, step=step, batch_size=batch_size, seq_len=seq_len
             ).to(device)
-            out.append(float(model(input_ids=x, labels=x).loss))
+            logits = model(input_ids=x).logits[:, :-1].float()
+            nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), x[:, 1:], reduction="none")
+            out.append([float(v) for v in nll.mean(dim=1).cpu()])
         return out
     finally:
         model.train(was_training)
@@ -115,12 +122,13 @@ def gain_stats(
     batch_size: int,
     seq_len: int,
     deadline: Optional[float] = None,
+    pace: Optional[Callable[[], None]] = None,
 ) -> GainStats:
     """The loss gains of the module docstring. ``theta``: the round's start weights, fp32 ``[P]``;
     ``contribution``: the pseudo-gradient as received (decoded; zero outside the checked parts), fp32 ``[P]``;
     ``assigned`` / ``controls``: ``(peer_id, step)`` batch streams (at least 2 each). ``model`` (a copy nobody
-    else uses) is loaded with ``theta``, then with ``theta - contribution``. Cost: 2 x (k + m) forward passes
-    of ``batch_size`` rows, no backward; one temporary fp32 ``[P]``.
+    else uses) is loaded with ``theta``, then with ``theta - contribution``. ``pace``: see :func:`row_losses`.
+    Cost: 2 x (k + m) forward passes of ``batch_size`` rows, no backward; one temporary fp32 ``[P]``.
 
     Raises:
         ValueError: fewer than 2 streams on a side, or a vector of the wrong size.
@@ -129,12 +137,19 @@ def gain_stats(
     if len(assigned) < 2 or len(controls) < 2:
         raise ValueError(f"a gain needs >= 2 batches a side, got {len(assigned)} assigned, {len(controls)} control")
     streams = list(assigned) + list(controls)
-    kw: dict[str, Any] = dict(seed=seed, round=round, batch_size=batch_size, seq_len=seq_len, deadline=deadline)
+    kw: dict[str, Any] = dict(
+        seed=seed, round=round, batch_size=batch_size, seq_len=seq_len, deadline=deadline, pace=pace
+    )
     load_flat_(model, theta)
-    before = batch_losses(model, dataset, streams, **kw)
+    before = row_losses(model, dataset, streams, **kw)
     load_flat_(model, theta - contribution)
-    after = batch_losses(model, dataset, streams, **kw)
-    gains = [b - a for b, a in zip(before, after)]
+    after = row_losses(model, dataset, streams, **kw)
+    # Each row is its own window of the corpus: one sample of the gain (a batch's rows were trained on
+    # together, but each is memorised on its own); a row-level t has B times the samples of a batch-level one.
+    gains = [[b - a for b, a in zip(rb, ra)] for rb, ra in zip(before, after)]
     k = len(assigned)
-    ga, gc = gains[:k], gains[k:]
-    return GainStats(assigned=sum(ga) / len(ga), control=sum(gc) / len(gc), t=welch_t(ga, gc), k=len(ga), m=len(gc))
+    ga = [g for batch in gains[:k] for g in batch]
+    gc = [g for batch in gains[k:] for g in batch]
+    return GainStats(
+        assigned=sum(ga) / len(ga), control=sum(gc) / len(gc), t=welch_t(ga, gc), k=len(assigned), m=len(controls)
+    )
