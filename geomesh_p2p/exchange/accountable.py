@@ -265,18 +265,18 @@ def recheck_part(
         raise ProofError(f"{len(contributions)} inputs served, the result commits to {len(opened.entries)}")
     order = participant_order(spec.participants)
     checked: list[Contribution] = []
-    for k, (e, signed) in enumerate(zip(opened.entries, contributions)):
-        if contribution_digest(signed)[:DIGEST_BYTES] != e.digest:
+    for k, (entry, signed) in enumerate(zip(opened.entries, contributions)):
+        if contribution_digest(signed)[:DIGEST_BYTES] != entry.digest:
             raise ProofError(f"served input {k} is not the contribution the result commits to")
         try:
             _, c = messages.check_contribution(verifier, spec, part, signed, None)
         except EnvelopeError as err:
             return f"input {k} the owner committed to fails verification: {err.reason}"
-        if c.sender != order[e.index]:
-            return f"input {k} is signed by {c.sender[:10]}, the result names participant {e.index}"
+        if c.sender != order[entry.index]:
+            return f"input {k} is signed by {c.sender[:10]}, the result names participant {entry.index}"
         used = min(c.tokens, spec.participants[c.sender])
-        if e.tokens != used:
-            return f"input {k} lists {e.tokens} tokens, the claim capped by the plan is {used}"
+        if entry.tokens != used:
+            return f"input {k} lists {entry.tokens} tokens, the claim capped by the plan is {used}"
         checked.append(c)
     used_all = [min(c.tokens, spec.participants[c.sender]) for c in checked]
     dropped: list[int] = []

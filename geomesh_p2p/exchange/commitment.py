@@ -23,7 +23,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from dataclasses import dataclass
-from typing import Sequence, Union
+from typing import Iterable, Sequence, Union
 
 from geomesh_p2p.net.identity import PeerID
 
@@ -66,10 +66,10 @@ class InputEntry:
     digest: bytes
 
 
-def participant_order(participants: Union[Sequence[str], object]) -> list[str]:
+def participant_order(participants: Iterable[str]) -> list[str]:
     """The participants (base58 PeerIDs: a spec's ``participants`` mapping or any iterable of them)
     sorted by raw PeerID bytes: the index space of :class:`InputEntry`."""
-    return sorted(participants, key=lambda p: bytes(PeerID.from_string(p)))  # type: ignore[call-overload]
+    return sorted(participants, key=lambda p: bytes(PeerID.from_string(p)))
 
 
 def contribution_digest(signed: Union[bytes, bytearray, memoryview]) -> bytes:

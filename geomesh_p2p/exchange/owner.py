@@ -546,7 +546,8 @@ class OwnerService:
                 raise EnvelopeError(Code.NOT_FOUND, f"this node does not own part {req.part} of round {spec.round}")
             if not part.ready.is_set():
                 raise EnvelopeError(Code.UNAVAILABLE, f"part {req.part} of round {spec.round} has no result yet")
-            page, size = [], 0
+            page: list[bytes] = []
+            size = 0
             for signed in part.inputs[int(req.first) :]:
                 if page and size + len(signed) > _INPUTS_PAGE_BYTES:
                     break

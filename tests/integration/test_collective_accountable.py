@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from types import SimpleNamespace
 
 import grpc
 
@@ -24,7 +25,12 @@ from geomesh_p2p.exchange.commitment import RECORD_BYTES, InputsError, decode_in
 from geomesh_p2p.net.identity import EnvelopeError, Identity, Verifier
 from geomesh_p2p.wire import collective_pb2, envelope_pb2
 
+from geomesh_p2p.round.rules.accountable import Accountability
+from geomesh_p2p.trust import fraud
+from geomesh_p2p.trust.verify import Verdicts
+
 from tests.collective_util import RUN
+from tests.unit.test_evidence_chunks import LimitedDHT
 from tests.integration.test_collective_robust import ROBUST, _expected, _honest_deltas
 
 pytestmark = pytest.mark.timeout(120)
@@ -260,3 +266,54 @@ async def test_a_validator_reports_inputs_the_owner_will_not_serve(swarms):
     assert len(findings) == 3 and all(f.kind == "withheld" and f.proof is None for f in findings)
     assert all("not telling" in f.reason for f in findings)
     assert isinstance(findings[0], audit.Finding)
+
+
+# ------------------------------------------------------------------------- proofs in the DHT, exclusion
+
+
+def _accountability(sw, k, dht):
+    verdicts = Verdicts(sw.pids[k])
+    acc = Accountability(
+        lambda: verdicts,
+        collective=lambda: sw.services[k],
+        dht=lambda: dht,
+        identity=sw.ids[k],
+        run_id=RUN,
+        validate_timeout_s=2.0,
+    )
+    return acc, verdicts
+
+
+async def test_a_forger_is_excluded_by_every_peer_once_its_proof_is_in_the_dht(swarms):
+    _Forger.how = "flip"
+    sw, spec, _, res = await _round(swarms, [CollectiveService] * 3 + [_Forger], validators=1, seed=6)
+    dht = LimitedDHT()
+    accs = [_accountability(sw, k, dht) for k in range(4)]
+    plan = SimpleNamespace(mode="accountable")
+    # validation, publication and the read run in the background after the round (after_round)
+    for (acc, _), r in zip(accs, res):
+        acc.after_round(spec.round, plan, r)
+    await asyncio.gather(*[acc.task for acc, _ in accs])
+    assert list(dht.data) == [fraud.proofs_key(RUN, spec.round)]  # the validator's one proof
+    # the peers that read before the proof was stored read again next round: all honest peers now exclude it
+    for acc, _ in accs:
+        await acc.read(spec.round)
+    for k in range(3):
+        verdicts = accs[k][1]
+        assert set(verdicts.excluded) == {sw.pids[3]} and sw.pids[3] not in verdicts.lone
+        assert "forgery proven" in verdicts.excluded[sw.pids[3]]
+        assert verdicts.plan_problem(SimpleNamespace(participants=lambda: sw.pids, leader=sw.pids[3], round=2))
+    assert accs[3][1].excluded == {}  # the accused's own verdicts: not itself
+
+
+async def test_honest_rounds_and_suspicions_exclude_nobody(swarms):
+    class _Withholder(CollectiveService):
+        async def _handle_inputs(self, verified, context):
+            raise EnvelopeError(grpc.StatusCode.UNAVAILABLE, "busy")
+
+    sw, spec, _, res = await _round(swarms, [CollectiveService] * 3 + [_Withholder], validators=3, seed=7)
+    dht = LimitedDHT()
+    accs = [_accountability(sw, k, dht) for k in range(4)]
+    for (acc, _), r in zip(accs, res):
+        await acc.run(spec.round)
+    assert dht.data == {} and all(v.excluded == {} for _, v in accs)  # withheld inputs: logged, no verdict
