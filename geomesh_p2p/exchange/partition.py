@@ -137,6 +137,11 @@ whole-part stages ran one after another. 2 MiB: on loopback (benchmarks/collecti
 reused by the allocator (a fresh 50 MB buffer costs ~0.1 s of page faults on a busy host)."""
 
 
+VALIDATION_BYTES = 256 << 20
+"""Accountable mode: a part's inputs together (``n_participants`` contributions, what a validator holds while it
+re-runs the rule) stay under about this many bytes: parts are cut smaller as the group grows."""
+
+
 def max_part_elements(
     *,
     push_encoding: str,
@@ -152,7 +157,9 @@ def max_part_elements(
     :data:`PIPELINE_PART_BYTES`; never below one block).
 
     The largest messages of a part are a contribution (``push_encoding``) and its result: the
-    re-encoded aggregate (reencode) or all ``n_participants`` contributions (relay). A tenth of the
+    re-encoded aggregate (reencode, accountable) or all ``n_participants`` contributions (relay); accountable
+    parts also keep ``n_participants`` contributions under :data:`VALIDATION_BYTES` (a validator's memory).
+    A tenth of the
     limit plus 64 KiB are left for envelopes and protobuf framing. Returns a positive multiple of
     ``block_size``. Raises ValueError when not even one block fits the limit.
     """
@@ -165,6 +172,10 @@ def max_part_elements(
         raise ValueError(f"a part of one block ({block_size} elements) does not fit {max_message_bytes} bytes")
     if pipeline_bytes is not None:
         n = min(n, max(block_size, int(pipeline_bytes // max(push, result)) // block_size * block_size))
+    if mode == "accountable":
+        # a validator holds all of a part's inputs at once (the robust rule needs them together)
+        inputs = push * max(1, n_participants)
+        n = min(n, max(block_size, int(VALIDATION_BYTES // inputs) // block_size * block_size))
     return n
 
 
