@@ -79,6 +79,7 @@ async def validate_round(
     hashes = [state.result_hashes.get(j) for j in range(len(spec.owners))]
     wanted = None if parts is None else set(parts)
     findings: list[Finding] = []
+    checked: list[int] = []
     for j in range(len(spec.owners)):
         if wanted is not None and j not in wanted:
             continue
@@ -89,9 +90,24 @@ async def validate_round(
         signed = state.cache.get(j)
         if signed is None:
             continue
+        checked.append(j)
         for f in await _validate_part(service, state, j, signed, hashes, timeout_s):
             findings.append(f)
             _report(service, f)
+    if checked:
+        events.emit(
+            log,
+            logging.DEBUG,
+            "parts_validated",
+            "round %d: validated parts %s: %d finding(s)",
+            round,
+            checked,
+            len(findings),
+            peer=service.peer_id,
+            round=round,
+            parts=checked,
+            findings=len(findings),
+        )
     return findings
 
 

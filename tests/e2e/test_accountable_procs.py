@@ -19,3 +19,7 @@ def test_three_peers_train_in_accountable_mode_with_equal_digests(swarm):
         assert "proven" not in log and "forged its result" not in log and "Traceback" not in log
         assert "accountable validation failed" not in log and "without a valid receipt" not in log
         assert all(x["contributors"] == 3 and x["missing_parts"] == 0 for x in swarm.rows(n))
+    # the validators drawn after each round re-checked their parts, and found nothing
+    validated = [e for n in names for e in swarm.events(n, "parts_validated")]
+    assert validated and all(e["findings"] == 0 for e in validated)
+    assert {e["round"] for e in validated} >= {0, 1}
