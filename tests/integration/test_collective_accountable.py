@@ -29,7 +29,10 @@ from geomesh_p2p.round.rules.accountable import Accountability
 from geomesh_p2p.trust import fraud
 from geomesh_p2p.trust.verify import Verdicts
 
-from tests.collective_util import RUN
+from geomesh_p2p.net.methods import COLLECTIVE_INPUTS
+from geomesh_p2p.net.transport import RpcError
+
+from tests.collective_util import RUN, Swarm
 from tests.unit.test_evidence_chunks import LimitedDHT
 from tests.integration.test_collective_robust import ROBUST, _expected, _honest_deltas
 
@@ -317,3 +320,62 @@ async def test_honest_rounds_and_suspicions_exclude_nobody(swarms):
     for (acc, _), r in zip(accs, res):
         await acc.run(spec.round)
     assert dht.data == {} and all(v.excluded == {} for _, v in accs)  # withheld inputs: logged, no verdict
+
+
+class _TokenCutter(CollectiveService):
+    """As an owner, lists the first other sender with 1 token instead of its capped claim (same contribution)."""
+
+    def _build_result(self, spec, part, contributions):
+        first = next(c for c in contributions if c.sender != self.peer_id)
+        cut = [dataclasses.replace(c, tokens=1) if c is first else c for c in contributions]
+        return super()._build_result(spec, part, cut)
+
+
+async def test_an_owner_that_cuts_a_receipted_token_count_is_proven_with_the_spec(swarms):
+    sw, spec, _, res = await _round(swarms, [CollectiveService] * 3 + [_TokenCutter], seed=8)
+    evil = spec.part_index_of(sw.pids[3])[0]
+    holders = [r for r in res if r.proofs]
+    assert len(holders) == 1  # the first other sender in raw-PeerID order: its receipt says 100 tokens
+    v = accountable.verify_proof(RUN, holders[0].proofs[0])
+    assert (v.kind, v.accused, v.part) == ("drop", sw.pids[3], evil)
+    assert "lists 1 tokens" in v.reason and "capped by the plan is 100" in v.reason
+
+
+async def test_pull_inputs_is_refused_with_a_reason(swarms):
+    sw, spec, _, _ = await _round(swarms, [CollectiveService] * 3, seed=9)
+    j = spec.part_index_of(sw.pids[1])[0]
+    outsider = Swarm(1)
+    await outsider.start()
+    try:
+        cases = [
+            (
+                outsider.transports[0],
+                collective_pb2.PullInputsRequest(round=1, part=j, spec_id=spec.spec_id),
+                "not in round",
+            ),
+            (sw.transports[0], collective_pb2.PullInputsRequest(round=1, part=j, spec_id=b"x" * 32), "another spec"),
+            (
+                sw.transports[0],
+                collective_pb2.PullInputsRequest(round=1, part=(j + 1) % 3, spec_id=spec.spec_id),
+                "does not own",
+            ),
+            (
+                sw.transports[0],
+                collective_pb2.PullInputsRequest(round=7, part=j, spec_id=spec.spec_id),
+                "too far ahead|not held",
+            ),
+        ]
+        for t, req, reason in cases:
+            with pytest.raises(RpcError, match=reason):
+                await t.call(sw.addresses[1], COLLECTIVE_INPUTS, req.SerializeToString(), round=req.round, timeout=5.0)
+        ok = await sw.transports[0].call(
+            sw.addresses[1],
+            COLLECTIVE_INPUTS,
+            collective_pb2.PullInputsRequest(round=1, part=j, spec_id=spec.spec_id, first=1).SerializeToString(),
+            round=1,
+            timeout=5.0,
+        )
+        resp = collective_pb2.PullInputsResponse.FromString(ok.payload)
+        assert resp.total == 3 and len(resp.contributions) == 2  # paged from input 1
+    finally:
+        await outsider.stop()
