@@ -39,6 +39,8 @@ __all__ = ["Finding", "validate_round"]
 
 log = logging.getLogger(__name__)
 
+#: Parts validated at once by one peer (each holds its inputs while the rule is re-run: see VALIDATION_BYTES).
+CONCURRENT_PARTS = 2
 #: At most this many PullInputs pages per part (a hostile owner must not keep a validator paging forever).
 MAX_PAGES = 4096
 
@@ -66,8 +68,8 @@ class Finding:
 async def validate_round(
     service: "CollectiveService", round: int, *, timeout_s: float = 10.0, parts: Optional[Iterable[int]] = None
 ) -> list[Finding]:
-    """Validate the parts of accountable ``round`` this node is drawn for (or only those in ``parts``), one
-    part at a time; returns the findings (none when every drawn part's result is the rule over its inputs).
+    """Validate the parts of accountable ``round`` this node is drawn for (or only those in ``parts``),
+    :data:`CONCURRENT_PARTS` at a time; returns the findings (none when every drawn part's result is the rule over its inputs).
 
     ``timeout_s``: the deadline of each part's pulls (inputs and the equivocation check), from its start.
     Never raises for what an owner does (a refusal or a timeout is a ``withheld`` finding); a round not held
@@ -78,22 +80,23 @@ async def validate_round(
     spec = state.spec
     hashes = [state.result_hashes.get(j) for j in range(len(spec.owners))]
     wanted = None if parts is None else set(parts)
-    findings: list[Finding] = []
     checked: list[int] = []
     for j in range(len(spec.owners)):
         if wanted is not None and j not in wanted:
             continue
-        if spec.owners[j].peer_id == service.peer_id or j not in state.result_hashes:
+        if spec.owners[j].peer_id == service.peer_id or j not in state.result_hashes or j not in state.cache:
             continue  # own part, or a part this node did not apply
-        if service.peer_id not in accountable.draw_validators(spec, hashes, j, spec.validators_per_part):
-            continue
-        signed = state.cache.get(j)
-        if signed is None:
-            continue
-        checked.append(j)
-        for f in await _validate_part(service, state, j, signed, hashes, timeout_s):
-            findings.append(f)
-            _report(service, f)
+        if service.peer_id in accountable.draw_validators(spec, hashes, j, spec.validators_per_part):
+            checked.append(j)
+    slots = asyncio.Semaphore(CONCURRENT_PARTS)
+
+    async def one(j: int) -> list[Finding]:
+        async with slots:
+            return await _validate_part(service, state, j, state.cache[j], hashes, timeout_s)
+
+    findings = [f for fs in await asyncio.gather(*(one(j) for j in checked)) for f in fs]
+    for f in findings:
+        _report(service, f)
     if checked:
         events.emit(
             log,
