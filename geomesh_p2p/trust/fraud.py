@@ -111,12 +111,20 @@ class PublishedProof:
 
 
 async def read_proofs(
-    dht, reader: ProofReader, run_id: str, slots: Iterable[int], *, timeout_s: float = STORE_TIMEOUT_S
+    dht,
+    reader: ProofReader,
+    run_id: str,
+    slots: Iterable[int],
+    *,
+    timeout_s: float = STORE_TIMEOUT_S,
+    seen: Optional[set] = None,
 ) -> tuple[list[PublishedProof], list[str]]:
     """The proofs published in rounds ``slots``, each re-checked in a worker thread
     (:func:`~geomesh_p2p.exchange.accountable.verify_proof`); returns (the valid ones, one reason per record
     refused: not the accuser's, malformed, or proving nothing). Records whose chunks are not in yet are skipped
-    (read again next time). A get that times out reads nothing for its round."""
+    (read again next time). A get that times out reads nothing for its round. ``seen``: SHA-256 hex of the
+    records already decided (valid or refused), skipped and added to (a proof is re-checked once, not every
+    read: a forgery proof costs a part's recomputation)."""
     valid: list[PublishedProof] = []
     refused: list[str] = []
     for r in slots:
@@ -128,6 +136,9 @@ async def read_proofs(
         for subkey, entry in found.items():
             value, owner = entry[0], (entry[2] if len(entry) > 2 else None)
             accuser = str(subkey)
+            h = chunked.sha256_hex(bytes(value))
+            if seen is not None and h in seen:
+                continue
             if _owner_id(owner) != accuser:
                 refused.append(f"proof record {subkey} of round {r} is not signed by its accuser")
                 continue
@@ -138,8 +149,12 @@ async def read_proofs(
                 continue
             except (ValueError, accountable.ProofError) as e:
                 refused.append(f"proof {subkey} of round {r} refused: {e}")
+                if seen is not None:
+                    seen.add(h)
                 continue
             valid.append(PublishedProof(verdict, accuser, data))
+            if seen is not None:
+                seen.add(h)
     return valid, refused
 
 

@@ -379,3 +379,23 @@ async def test_pull_inputs_is_refused_with_a_reason(swarms):
         assert resp.total == 3 and len(resp.contributions) == 2  # paged from input 1
     finally:
         await outsider.stop()
+
+
+async def test_a_false_proof_in_the_dht_excludes_nobody(swarms):
+    """An accuser publishes a "forgery proof" against an honest owner (its real result and inputs) and garbage:
+    every peer re-checks and refuses both; nobody is excluded."""
+    sw, spec, _, res = await _round(swarms, [CollectiveService] * 4, seed=10)
+    dht = LimitedDHT()
+    j = spec.part_index_of(sw.pids[1])[0]
+    inputs = [bytes(c) for c in sw.services[1]._rounds[spec.round].parts[j].inputs]
+    false = accountable.forgery_proof(spec, sw.services[0]._rounds[spec.round].cache[j], inputs)
+    exp = 1e12
+    assert await fraud.publish_proof(dht, false, sw.ids[0], run_id=RUN, slot=spec.round, expiration_time=exp)
+    assert await fraud.publish_proof(dht, b"\x00garbage", sw.ids[2], run_id=RUN, slot=spec.round, expiration_time=exp)
+    accs = [_accountability(sw, k, dht) for k in range(4)]
+    valid, refused = await fraud.read_proofs(dht, fraud.ProofReader(dht), RUN, [spec.round])
+    assert valid == [] and len(refused) == 2
+    assert any("no forgery" in r for r in refused) and any("malformed" in r for r in refused)
+    for acc, _ in accs:
+        await acc.read(spec.round)
+    assert all(v.excluded == {} for _, v in accs)

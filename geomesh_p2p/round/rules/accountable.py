@@ -64,6 +64,7 @@ class Accountability:
         self.task: Optional[asyncio.Future] = None
         self.proven: dict[str, accountable.ProofVerdict] = {}  # accused -> the proof that excluded it here
         self._reader: Optional[fraud.ProofReader] = None
+        self._seen: set[str] = set()  # proof records already decided here (bounded: cleared past 4,096)
 
     def after_round(self, r: int, plan, ar) -> None:
         """Round ``r`` was applied: start its validation, publication and the read of recent proofs in the
@@ -117,8 +118,10 @@ class Accountability:
             return
         if self._reader is None or self._reader.dht is not dht:
             self._reader = fraud.ProofReader(dht)
+        if len(self._seen) > 4096:
+            self._seen.clear()
         valid, refused = await fraud.read_proofs(
-            dht, self._reader, self.run_id, range(max(0, r - READ_SLOTS + 1), r + 1)
+            dht, self._reader, self.run_id, range(max(0, r - READ_SLOTS + 1), r + 1), seen=self._seen
         )
         for why in refused:
             log.info("accountable: %s", why)
