@@ -12,6 +12,7 @@ from geomesh_p2p.net.identity import Identity
 from geomesh_p2p.node.peer import RunConfig
 from geomesh_p2p.plan.planner import EXCHANGE_BASE_PASSES, exchange_passes
 from geomesh_p2p.sim.link_time import exchange_bytes
+from geomesh_p2p.sim.methods import parse_method
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -83,3 +84,9 @@ def test_accountable_parts_keep_a_validators_inputs_bounded():
     s1 = CollectiveSpec("a", 1, {p: 1}, [PartOwner(p, "h:1", 0, 8)], 8, 1.0, 2.0)
     s2 = CollectiveSpec("a", 1, {p: 1}, [PartOwner(p, "h:1", 0, 8)], 8, 1.0, 2.0, validators_per_part=3)
     assert s1.spec_id == s2.spec_id
+
+
+def test_simulator_method_modifier():
+    spec = parse_method("geomesh+accountable")
+    assert spec.mode == "accountable" and spec.compressed
+    assert parse_method("geomesh").mode == "reencode"
