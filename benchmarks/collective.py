@@ -54,8 +54,15 @@ RUN = "bench-collective"
 MODES = [  # (name, mode, push_encoding, aggregate_encoding)
     ("relay", "relay", "sign", "sign"),
     ("reencode", "reencode", "sign", "sign"),
+    ("accountable", "accountable", "sign", "sign"),
     ("fp32", "reencode", "fp32", "fp32"),
 ]
+LABELS = {
+    "relay": "relay (sign)",
+    "reencode": "reencode (sign)",
+    "accountable": "accountable (sign, V=1)",
+    "fp32": "fp32 butterfly",
+}
 
 
 # ------------------------------------------------------------------------------------- worker
@@ -71,7 +78,7 @@ async def _worker(seed: int, numel: int) -> int:
     from geomesh_p2p.net.identity import Identity
     from geomesh_p2p.net.transport import Transport
     from geomesh_p2p.net.transport_config import TransportConfig
-    from geomesh_p2p.net.methods import COLLECTIVE_PULL, COLLECTIVE_PUSH
+    from geomesh_p2p.net.methods import COLLECTIVE_INPUTS, COLLECTIVE_PULL, COLLECTIVE_PUSH
 
     torch.set_num_threads(1)
     ident = Identity.generate()
@@ -82,8 +89,8 @@ async def _worker(seed: int, numel: int) -> int:
 
     def stats():
         by = transport.stats.by_method
-        a, b = by.get(COLLECTIVE_PUSH, (0, 0)), by.get(COLLECTIVE_PULL, (0, 0))
-        return [a[0] + b[0], a[1] + b[1]]
+        a, b, c = (by.get(m, (0, 0)) for m in (COLLECTIVE_PUSH, COLLECTIVE_PULL, COLLECTIVE_INPUTS))
+        return [a[0] + b[0] + c[0], a[1] + b[1] + c[1]]
 
     _emit({"event": "ready", "peer_id": ident.peer_id.to_string(), "address": address})
     try:
@@ -96,6 +103,8 @@ async def _worker(seed: int, numel: int) -> int:
             await asyncio.sleep(max(0.0, cmd["start_at"] - time.time()))
             res = await service.all_reduce(spec, delta, cmd["tokens"])
             finished = time.time()
+            # accountable: the validation of the parts this peer is drawn for (its bytes count in the round's)
+            findings = await service.validate_round(spec.round, timeout_s=300.0) if spec.mode == "accountable" else []
             if cmd.get("out"):
                 res.aggregate.numpy().astype("<f4").tofile(cmd["out"])
             complete = all(res.pushed.values()) and all(
@@ -109,6 +118,7 @@ async def _worker(seed: int, numel: int) -> int:
                     "missing": res.missing_parts,
                     "complete": complete,
                     "sha256": hashlib.sha256(res.aggregate.numpy().tobytes()).hexdigest(),
+                    "findings": len(findings),
                 }
             )
     finally:
@@ -120,7 +130,9 @@ async def _worker(seed: int, numel: int) -> int:
 # ------------------------------------------------------------------------------------- parent
 
 
-async def run_group(n: int, numel: int, block_size: int, tmp: str, deadline_s: float) -> dict:
+async def run_group(
+    n: int, numel: int, block_size: int, tmp: str, deadline_s: float, modes=tuple(m[0] for m in MODES)
+) -> dict:
     from geomesh_p2p.exchange import CollectiveSpec, make_partition
 
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
@@ -158,6 +170,8 @@ async def run_group(n: int, numel: int, block_size: int, tmp: str, deadline_s: f
                 aggregate_encoding=agg,
                 block_size=block_size,
             )
+            if name not in modes:
+                continue
             out = os.path.join(tmp, f"agg-{n}-{name}.f32")
             for k, p in enumerate(procs):
                 p.send(
@@ -182,7 +196,7 @@ async def run_group(n: int, numel: int, block_size: int, tmp: str, deadline_s: f
                 "identical": len({d["sha256"] for d in done}) == 1,
                 "missing": sorted({j for d in done for j in d["missing"]}),
                 "out": out,
-                "complete": all(not d["missing"] and d["complete"] for d in done),
+                "complete": all(not d["missing"] and d["complete"] and not d["findings"] for d in done),
             }
         ref = torch.from_numpy(np.fromfile(rows["fp32"]["out"], dtype="<f4"))
         for name, row in rows.items():
@@ -212,7 +226,7 @@ def table(results: dict, numel: int) -> str:
         fp_bytes = np.mean(fp["sent"]) + np.mean(fp["recv"])
         for name, row in rows.items():
             s, r = np.mean(row["sent"]), np.mean(row["recv"])
-            label = {"relay": "relay (sign)", "reencode": "reencode (sign)", "fp32": "fp32 butterfly"}[name]
+            label = LABELS[name]
             lines.append(
                 f"| {n} | {label} | {_mb(s)} [{_mb(max(row['sent']))}] | {_mb(r)} [{_mb(max(row['recv']))}] | "
                 f"{row['wall_s']:.2f} | {fp_bytes / (s + r):.1f}x | {'yes' if row['identical'] else 'NO'} | "
@@ -227,7 +241,7 @@ async def main_async(ns) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for n in ns.peers:
             t0 = time.time()
-            results[n] = await run_group(n, ns.numel, ns.block_size, tmp, ns.deadline_s)
+            results[n] = await run_group(n, ns.numel, ns.block_size, tmp, ns.deadline_s, ns.bytes_modes)
             print(f"# {n} peers done in {time.time() - t0:.1f}s", file=sys.stderr)
     cmd = "python benchmarks/collective.py " + " ".join(sys.argv[1:])
     head = (
@@ -262,6 +276,33 @@ async def main_async(ns) -> int:
                 indent=1,
             )
     return 0 if (ok and goal) else 1
+
+
+def model_table(peers, numel: int, block_size: int) -> str:
+    """Modelled bytes per peer per round (sent + received, mean over peers) of a sign exchange of ``numel``
+    elements split equally among ``n`` owners, in units of P/8 (one sign bit per element), by mode: the
+    model of :func:`geomesh_p2p.sim.link_time.exchange_bytes` (envelopes and protobuf framing left out)."""
+    from geomesh_p2p.sim.link_time import exchange_bytes
+
+    unit = numel / 8
+    cols = [("relay", 1), ("reencode", 1), ("accountable", 1), ("accountable", 2)]
+    lines = [
+        f"modelled bytes per peer per round (sent + received) / 2, in P/8 (P = {numel:,}, B = {block_size})",
+        "",
+        "| peers | relay | reencode | accountable V=1 | accountable V=2 |",
+        "|---|---|---|---|---|",
+    ]
+    for n in peers:
+        sizes = [numel // n + (1 if k < numel % n else 0) for k in range(n)]
+        row = []
+        for mode, v in cols:
+            xb = exchange_bytes(
+                sizes, contribution="sign", aggregate="sign", mode=mode, block_size=block_size, validators=v
+            )
+            per_peer = sum(xb.sent(i) + xb.received(i) for i in range(n)) / n / 2
+            row.append(f"{per_peer / unit:.2f}")
+        lines.append(f"| {n} | " + " | ".join(row) + " |")
+    return "\n".join(lines)
 
 
 # ------------------------------------------------------------------------------ exchange memory
@@ -394,6 +435,19 @@ def main(argv=None) -> int:
         choices=[m[0] for m in MODES],
         help="--memory: the modes measured (default: %(default)s)",
     )
+    ap.add_argument(
+        "--bytes-modes",
+        nargs="+",
+        default=[m[0] for m in MODES],
+        choices=[m[0] for m in MODES],
+        help="the modes of the bytes run (fp32 is always run: the reference)",
+    )
+    ap.add_argument(
+        "--model",
+        action="store_true",
+        help="print the modelled bytes per peer per round (sim.link_time.exchange_bytes) of relay, reencode and "
+        "accountable side by side for --peers, in units of P/8, and exit (no processes)",
+    )
     ap.add_argument("--memory-child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
@@ -408,6 +462,11 @@ def main(argv=None) -> int:
         return memory_main(ns)
     if ns.worker:
         return asyncio.run(_worker(ns.seed, ns.numel))
+    if ns.model:
+        print(model_table(ns.peers, ns.numel, ns.block_size))
+        return 0
+    if "fp32" not in ns.bytes_modes:
+        ns.bytes_modes = [*ns.bytes_modes, "fp32"]
     return asyncio.run(main_async(ns))
 
 

@@ -21,7 +21,7 @@ Attacks (DESIGN.md "Untrusted volunteers"; issue 11's table):
 * ``inflate``: its PeerRecord claims 1e10 tokens/s at batch 65,536, 1 TiB of memory and 1 TB/s links
   (the records' upper bounds), so leaders plan it huge token budgets; contributes like ``flip`` but
   claims its whole (planned) budget.
-* ``forge-aggregate``: contributes like ``flip``; as a part owner, in reencode mode it serves
+* ``forge-aggregate``: contributes like ``flip``; as a part owner, in reencode (or accountable) mode it serves
   ``-20 x`` the aggregate it should serve for its range (re-signed: it is the owner); in relay mode it
   relays only its own flipped contribution (``--relay-forge drop``, default) or relays the others'
   contributions with their packets negated under their original signatures (``tamper``).
@@ -389,7 +389,7 @@ class AdversaryNode(PeerNode):
         msg = envelope_pb2.SignedMessage.FromString(signed)
         env = msg.envelope
         res = collective_pb2.PartResult.FromString(msg.payload)
-        if res.mode == "reencode":
+        if res.mode in ("reencode", "accountable"):  # accountable: its input list stays honest (issue 26)
             n = int(res.end - res.start)
             kind = res.aggregate_encoding
             if kind == "fp32":

@@ -93,7 +93,8 @@ class MethodRule:
 
     Attributes:
         method: "geomesh", "awb", "css", "diloco" or "ddp".
-        mode: "relay" (every peer aggregates the signed contributions) or "reencode".
+        mode: "relay" (every peer aggregates the signed contributions), "reencode" or "accountable"
+            (reencode with receipts, committed results and validators: ``exchange.accountable``).
         compressed: contributions are sign packets (geomesh, css); else fp32.
         push_encoding: "sign" or "fp32": encoding of the contributions pushed to part owners.
         aggregate_encoding: reencode-mode encoding of an owner's aggregate: the run's
@@ -111,6 +112,7 @@ class MethodRule:
             momentum), 2 for ddp (AdamW's two moments).
         exchanges_gradient: ddp: the exchanged vector is the batch gradient, not
             ``theta - theta_after_inner_steps``.
+        validators_per_part: accountable mode: validators drawn per part (each pulls the part's inputs).
     """
 
     method: str
@@ -125,6 +127,7 @@ class MethodRule:
     part_align: int
     outer_state_slots: int
     exchanges_gradient: bool
+    validators_per_part: int = 1
 
     @classmethod
     def of(
@@ -136,6 +139,7 @@ class MethodRule:
         aggregation: str = "meanmed",
         block_size: int = 2048,
         uniform_inner_steps: int = 20,
+        validators_per_part: int = 1,
     ) -> "MethodRule":
         """The rule of ``method`` under these run settings (same meaning as ``RunConfig``'s fields).
 
@@ -143,8 +147,8 @@ class MethodRule:
         """
         if method not in METHODS:
             raise ValueError(f"unknown method {method!r} (known: {', '.join(METHODS)})")
-        if mode not in ("relay", "reencode"):
-            raise ValueError(f"unknown mode {mode!r} (relay, reencode)")
+        if mode not in ("relay", "reencode", "accountable"):
+            raise ValueError(f"unknown mode {mode!r} (relay, reencode, accountable)")
         if block_size < 1 or uniform_inner_steps < 1:
             raise ValueError(f"block_size={block_size} and uniform_inner_steps={uniform_inner_steps} must be >= 1")
         compressed = method in COMPRESSED_METHODS
@@ -163,6 +167,7 @@ class MethodRule:
             part_align=block_size if compressed else 1,
             outer_state_slots=2 if ddp else 1,
             exchanges_gradient=ddp,
+            validators_per_part=int(validators_per_part),
         )
 
     @classmethod
@@ -176,6 +181,7 @@ class MethodRule:
             aggregation=run_cfg.aggregation,
             block_size=run_cfg.block_size,
             uniform_inner_steps=run_cfg.uniform_inner_steps,
+            validators_per_part=getattr(run_cfg, "validators_per_part", 1),
         )
 
     def payload_bytes(self, numel: int, n_peers: int) -> int:
@@ -184,9 +190,13 @@ class MethodRule:
 
         fp32: ``2 * 4 * numel`` (push + pull of the whole vector, the butterfly all-reduce).
         Compressed: one sign packet of the whole vector ``S`` (:func:`encoded_nbytes`,
-        headers aside); reencode: ``2 * S``; relay: ``S * n_peers`` (every contribution is relayed).
+        headers aside); reencode: ``2 * S``; relay: ``S * n_peers`` (every contribution is relayed);
+        accountable: ``(2 + V) * S`` (push, pull, and each of the V validations per part pulls one part's
+        inputs: ~S per peer per validator; docs/collective.md, "Accountable mode").
         """
         if not self.compressed:
             return 2 * encoded_nbytes("fp32", numel, self.block_size)
         s = encoded_nbytes("sign", numel, self.block_size, header=False)
+        if self.mode == "accountable":
+            return (2 + self.validators_per_part) * s
         return 2 * s if self.mode == "reencode" else s * max(1, n_peers)

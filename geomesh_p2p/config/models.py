@@ -71,11 +71,14 @@ class RunConfig(BaseModel):
         "geomesh = AWB + sign compression; awb / css = one of them; diloco = neither; "
         "ddp = fp32 gradient sync every step, AdamW on the mean",
     )
-    mode: Literal["relay", "reencode"] = opt(
+    mode: Literal["relay", "reencode", "accountable"] = opt(
         "relay",
         "how part owners serve a part: relay = forward the signed contributions, every peer "
         "aggregates them itself (an owner cannot forge the update; bytes grow with the group); "
-        "reencode = send the owner's re-encoded aggregate (~2 P/8 bytes per peer; trusted owners only)",
+        "reencode = send the owner's re-encoded aggregate (~2 P/8 bytes per peer; trusted owners only); "
+        "accountable = reencode with signed receipts, results committed to their inputs and validators "
+        "drawn after the round (a drop, forgery or equivocation is proven, the owner excluded; "
+        "~(2 + V) P/8 bytes per peer, docs/collective.md)",
     )
     aggregate_encoding: Literal["sign", "int8", "fp16"] = opt("sign", "reencode mode: encoding of the aggregate")
     block_size: int = opt(2048, "elements per sign-codec scale", ge=1)
@@ -112,6 +115,14 @@ class RunConfig(BaseModel):
         metavar="F",
         ge=0,
         le=1,
+    )
+    validators_per_part: int = opt(
+        1,
+        "accountable mode: participants drawn after each round to re-check each part's result (V; each costs "
+        "~P/8 bytes per peer per round; a forged part is caught with probability 1 - a^V at attacker share a)",
+        metavar="V",
+        ge=0,
+        le=16,
     )
     inner_optimizer: Literal["adamw", "lion"] = opt("adamw", "optimizer of the inner steps")
     inner_lr: float = opt(1e-3, "peak learning rate of the inner optimizer", gt=0)
@@ -190,8 +201,9 @@ class RunConfig(BaseModel):
 
     #: Fields a patch release added (docs/compat.md): left out of :meth:`config_hash` while at their default, so
     #: peers of the releases before, which do not know them, compute the same hash and train with this one.
-    #: A field here must not change what a round computes at its default. None yet.
-    patch_fields: ClassVar[frozenset[str]] = frozenset()
+    #: A field here must not change what a round computes at its default. ``validators_per_part`` (issue 26)
+    #: is read in accountable mode only.
+    patch_fields: ClassVar[frozenset[str]] = frozenset({"validators_per_part"})
 
     def config_hash(self) -> str:
         """First 16 hex chars of SHA-256 of the canonical JSON of this config (the ``patch_fields`` at their

@@ -16,7 +16,10 @@ One round, one group (see docs/collective.md for the whole protocol and its rule
 * Every participant **pulls** part ``j`` from its owner (``PullPart``, long poll, re-polled until
   ``spec.pull_deadline``). The owner answers with a :class:`PartResult` *signed by the owner*:
   ``relay`` -> the senders' own signed contributions and whom it took; ``reencode`` -> the
-  token-weighted mean it computed, encoded as sign / int8 / fp16 (or fp32 for the baseline).
+  token-weighted mean it computed, encoded as sign / int8 / fp16 (or fp32 for the baseline);
+  ``accountable`` -> as reencode, plus signed receipts of the pushes and a result committed to its inputs,
+  re-checked after the round by drawn validators (:mod:`.accountable`, :mod:`.audit`; BTARD, Gorbunov et
+  al., ICML 2022).
 * Every RPC is started by the side that needs the other (senders push, readers pull), so a
   client-only peer only ever makes outbound calls.
 
@@ -45,6 +48,8 @@ from geomesh_p2p.exchange.aggregate import decode_aggregate, encode_aggregate, f
 from geomesh_p2p.exchange.client import _RETRY_PULL, _RETRY_PUSH, _held  # noqa: F401  (older names)
 from geomesh_p2p.exchange.client import AllReduceResult, CollectiveService
 from geomesh_p2p.exchange.messages import CONTRIBUTION_KIND, RESULT_KIND, Contribution
+from geomesh_p2p.exchange.accountable import RECEIPT_KIND, ProofError, ProofVerdict, verify_proof
+from geomesh_p2p.exchange.audit import Finding
 from geomesh_p2p.exchange.owner import _OwnedPart, _RoundState  # noqa: F401  (verify.py reads _rounds)
 from geomesh_p2p.exchange.owner import OwnerService
 from geomesh_p2p.exchange.partition import (
@@ -76,6 +81,11 @@ __all__ = [
     "PIPELINE_PART_BYTES",
     "CONTRIBUTION_KIND",
     "RESULT_KIND",
+    "RECEIPT_KIND",
+    "ProofError",
+    "ProofVerdict",
+    "verify_proof",
+    "Finding",
     "MODES",
     "PUSH_ENCODINGS",
     "AGGREGATE_ENCODINGS",

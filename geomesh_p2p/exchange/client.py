@@ -9,6 +9,7 @@ no per-part or per-contributor full-size tensor is kept and nothing is concatena
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import math
 import time
@@ -24,14 +25,15 @@ from geomesh_p2p.exchange import codec as compression
 from geomesh_p2p.telemetry import events
 from geomesh_p2p.exchange.codec._format import all_finite
 from geomesh_p2p.util.aio import wait_event
-from geomesh_p2p.exchange import messages
+from geomesh_p2p.exchange import accountable, audit, messages
 from geomesh_p2p.exchange import frames as wire
+from geomesh_p2p.exchange.commitment import contribution_digest
 from geomesh_p2p.exchange.owner import OwnerService, _RoundState
 from geomesh_p2p.exchange.partition import CollectiveSpec, _pid_bytes, _short
 from geomesh_p2p.net.identity import EnvelopeError
 from geomesh_p2p.net.links import LinkSample, link_sample
 from geomesh_p2p.net.transport import RpcError
-from geomesh_p2p.net.methods import COLLECTIVE_PULL, COLLECTIVE_PUSH
+from geomesh_p2p.net.methods import COLLECTIVE_INPUTS, COLLECTIVE_PULL, COLLECTIVE_PUSH
 from geomesh_p2p.wire import collective_pb2
 
 __all__ = ["AllReduceResult", "CollectiveService"]
@@ -73,6 +75,10 @@ class AllReduceResult:
         upload / download: this node's pushes to other owners and its pulls of ready results as
             :class:`~geomesh_p2p.net.links.LinkSample` (payload bytes over the busy time of the link,
             the owners' stated hold taken out), or None when nothing crossed the network.
+        result_hashes: accountable mode: part -> SHA-256 of the payload of the owner-signed result applied
+            (the validators' seed, :func:`~geomesh_p2p.exchange.accountable.draw_validators`).
+        proofs: accountable mode: drop proofs this node holds (AccountabilityProof bytes, each checked with
+            :func:`~geomesh_p2p.exchange.accountable.verify_proof`): an owner omitted a receipted push.
     """
 
     aggregate: torch.Tensor
@@ -87,6 +93,19 @@ class AllReduceResult:
     download: Optional[LinkSample] = None
     contributions: dict[str, dict[int, Any]] = field(default_factory=dict)
     part_ranges: list[tuple[int, int]] = field(default_factory=list)
+    result_hashes: dict[int, bytes] = field(default_factory=dict)
+    proofs: list[bytes] = field(default_factory=list)
+
+    @property
+    def results_digest(self) -> str:
+        """Hex SHA-256 over the applied results' hashes in part order (missing parts: 32 zero bytes): two
+        peers that applied the same signed results hold the same value (accountable mode; "" otherwise)."""
+        if not self.result_hashes:
+            return ""
+        h = hashlib.sha256()
+        for j in range(len(self.part_ranges)):
+            h.update(self.result_hashes.get(j, bytes(32)))
+        return h.hexdigest()
 
     def idle_ranges(self) -> list[tuple[int, int]]:
         """``[start, end)`` element ranges of the parts that aggregated no token this round (missing, or
@@ -192,6 +211,7 @@ class CollectiveService(OwnerService):
                 missing,
                 ", ".join(f"[{spec.owners[j].start}, {spec.owners[j].end})" for j in missing),
             )
+        proofs = list(state.proofs)
         s_after = self._collective_bytes()
         up = link_sample((n, a, b) for d, n, a, b in state.transfers if d == "up")
         down = link_sample((n, a, b) for d, n, a, b in state.transfers if d == "down")
@@ -208,7 +228,17 @@ class CollectiveService(OwnerService):
             down,
             packets,
             [(o.start, o.end) for o in spec.owners],
+            dict(state.result_hashes),
+            proofs,
         )
+
+    async def validate_round(
+        self, round: int, *, timeout_s: float = 10.0, parts: Optional[list[int]] = None
+    ) -> list[audit.Finding]:
+        """Accountable mode, after ``round``'s all-reduce returned: re-check the parts this node is drawn to
+        validate (:func:`.audit.validate_round`: inputs pulled with a deadline, the rule recomputed in a
+        worker thread). Returns the findings (proofs re-checked here); ``[]`` for other modes."""
+        return await audit.validate_round(self, round, timeout_s=timeout_s, parts=parts)
 
     def _read_slot(self) -> asyncio.Semaphore:
         """The semaphore that serialises this node's part reads (created on first use, in the loop)."""
@@ -219,8 +249,8 @@ class CollectiveService(OwnerService):
 
     def _collective_bytes(self) -> tuple[int, int]:
         by = self.transport.stats.by_method
-        a, b = by.get(COLLECTIVE_PUSH, (0, 0)), by.get(COLLECTIVE_PULL, (0, 0))
-        return a[0] + b[0], a[1] + b[1]
+        a, b, c = by.get(COLLECTIVE_PUSH, (0, 0)), by.get(COLLECTIVE_PULL, (0, 0)), by.get(COLLECTIVE_INPUTS, (0, 0))
+        return a[0] + b[0] + c[0], a[1] + b[1] + c[1]
 
     def _contribution_bytes(
         self, spec: CollectiveSpec, j: int, delta: torch.Tensor, tokens: int, compute_end: float = 0.0
@@ -319,7 +349,59 @@ class CollectiveService(OwnerService):
             resp = collective_pb2.PushPartResponse.FromString(reply.payload)
             # The bytes were on the wire before the owner's handler ran: its hold ends the interval early.
             state.transfers.append(("up", len(payload), t_call, t_reply - _held(resp.held_s, t_reply - t_call)))
+            if resp.accepted and spec.mode == "accountable":
+                await self._keep_receipt(state, j, payload, resp.receipt)
             return resp.accepted
+
+    async def _keep_receipt(self, state: _RoundState, j: int, payload: bytes, receipt: bytes) -> None:
+        """Accountable mode: check the owner's receipt of this node's push of part ``j`` (its signer, part,
+        spec, tokens and the hash of the contribution pushed) and keep it (``state.receipts``); a missing or
+        wrong receipt is logged (no drop of that push can be proven then)."""
+        spec, owner = state.spec, state.spec.owners[j]
+        try:
+            rc, mine = await asyncio.to_thread(self._open_receipt, payload, receipt)
+            if (rc.owner, rc.round, rc.part, rc.spec_id, rc.sender) != (
+                owner.peer_id,
+                spec.round,
+                j,
+                spec.spec_id,
+                self.peer_id,
+            ) or rc.sha256 != mine:
+                raise EnvelopeError(Code.INVALID_ARGUMENT, "the receipt is not of this push")
+            state.receipts[j] = rc
+        except EnvelopeError as err:
+            self._log_once(
+                (spec.round, owner.peer_id, "receipt", j),
+                logging.WARNING,
+                "round %d: owner %s accepted part %d without a valid receipt (%s): a drop of it cannot be proven",
+                spec.round,
+                _short(owner.peer_id),
+                j,
+                err.reason,
+            )
+
+    def _open_receipt(self, payload: bytes, receipt: bytes) -> tuple[accountable.Receipt, bytes]:
+        """(the receipt opened, SHA-256 of the contribution a PushPartRequest ``payload`` carries). Worker
+        thread. Raises EnvelopeError when the receipt is absent, malformed or forged."""
+        if not receipt:
+            raise EnvelopeError(Code.INVALID_ARGUMENT, "no receipt")
+        mine = contribution_digest(messages.push_request_contribution(payload))
+        return accountable.open_receipt(self._inner, receipt), mine
+
+    def _check_inclusion(self, spec: CollectiveSpec, j: int, signed: wire.Buffer) -> tuple[bytes, Optional[bytes]]:
+        """Accountable mode, a worker thread: (the result's hash, a drop proof or None). The proof when this
+        node holds the owner's receipt of its push of ``j`` and the result omits it (or lists other tokens)."""
+        opened = accountable.open_result(self._inner, signed, len(spec.participants))
+        state = self._rounds.get(spec.round)
+        rc = None if state is None else state.receipts.get(j)
+        if rc is None:
+            return opened.payload_sha256, None
+        problem = accountable.inclusion_problem(spec, opened, rc)
+        if problem is None:
+            return opened.payload_sha256, None
+        proof = accountable.drop_proof(rc.signed, signed, spec)
+        accountable.verify_proof(spec.run_id, proof)  # the check any peer makes: never keep a proof that fails it
+        return opened.payload_sha256, proof
 
     async def _obtain(
         self, state: _RoundState, j: int
@@ -388,7 +470,35 @@ class CollectiveService(OwnerService):
             if out is not None:
                 out.zero_()
             return None
+        if spec.mode == "accountable":
+            await self._note_accountable(state, j, signed)
         return res
+
+    async def _note_accountable(self, state: _RoundState, j: int, signed: wire.Buffer) -> None:
+        """Keep the applied result's hash of part ``j`` and check that this node's receipted push is in it; a
+        drop proof is kept in ``state.proofs`` and logged (event ``owner_dropped_contribution``)."""
+        spec, owner = state.spec, state.spec.owners[j]
+        try:
+            digest, proof = await asyncio.to_thread(self._check_inclusion, spec, j, signed)
+        except (EnvelopeError, accountable.ProofError) as e:  # read_result accepted it: should not happen
+            log.warning("round %d: part %d: accountable result unreadable: %s", spec.round, j, e)
+            return
+        state.result_hashes[j] = digest
+        if proof is not None:
+            state.proofs.append(proof)
+            events.emit(
+                log,
+                logging.WARNING,
+                "owner_dropped_contribution",
+                "round %d: owner %s dropped this peer's receipted contribution to part %d (drop proof held)",
+                spec.round,
+                _short(owner.peer_id),
+                j,
+                peer=self.peer_id,
+                round=spec.round,
+                part=j,
+                owner=owner.peer_id,
+            )
 
     async def _pull(self, spec: CollectiveSpec, j: int) -> Optional[wire.Buffer]:
         """The owner-signed result of part ``j`` (the owner's, or a helper's cached copy when the owner is

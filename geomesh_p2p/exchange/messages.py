@@ -25,6 +25,14 @@ from geomesh_p2p.net.swarm_time import swarm_time
 from geomesh_p2p.exchange import codec as compression
 from geomesh_p2p.exchange import frames as wire
 from geomesh_p2p.exchange.aggregate import aggregate_buffer, decode_aggregate, fp32_buffer, fp32_view
+from geomesh_p2p.exchange.commitment import (
+    InputEntry,
+    InputsError,
+    contribution_digest,
+    decode_inputs,
+    encode_inputs,
+    participant_order,
+)
 from geomesh_p2p.exchange.partition import CollectiveSpec, PartOwner, _pid_bytes, _short
 from geomesh_p2p.net.identity import EnvelopeError, Identity, PeerID, Verifier
 from geomesh_p2p.wire import collective_pb2, envelope_pb2
@@ -61,6 +69,8 @@ class Contribution:
             viewing ``signed`` (fp32 pushes).
         signed: the SignedMessage bytes of the PartContribution (what relay forwards, verify re-checks).
         compute_end: unix seconds the sender says its inner steps ended (clamped to now).
+        digest: accountable mode: SHA-256 of ``signed`` (what the owner's receipt and result commit to);
+            empty in the other modes.
     """
 
     sender: str
@@ -68,6 +78,7 @@ class Contribution:
     packet: Any  # SignPacket or fp32 tensor
     signed: wire.Buffer  # SignedMessage bytes of the PartContribution (a view of the received buffer for fp32)
     compute_end: float = 0.0  # unix seconds the sender says its inner steps ended
+    digest: bytes = b""  # accountable mode: SHA-256 of ``signed``
 
 
 def contribution_parts(
@@ -224,6 +235,7 @@ def check_contribution(
         packet,
         signed,
         min(float(c.compute_end), swarm_time()) if math.isfinite(c.compute_end) else 0.0,
+        contribution_digest(signed) if spec.mode == "accountable" else b"",
     )
 
 
@@ -238,14 +250,26 @@ def build_result(
     """The owner-signed PartResult (SignedMessage bytes) of part ``index`` from ``contributions``
     (sorted by raw PeerID): relay forwards them; reencode aggregates them (``spec.aggregate``) and
     encodes the mean as ``spec.aggregate_encoding``; contributions the agreement filter dropped
-    are not listed."""
+    are not listed. Accountable: as reencode, and the result commits to *every* accepted contribution
+    (dropped ones flagged) in its ``inputs`` list (:mod:`.commitment`); the contributor list is left
+    empty (readers derive it from the inputs)."""
     used = [min(c.tokens, spec.participants[c.sender]) for c in contributions]
     aggregate: list[wire.Buffer] = []
     listed = list(range(len(contributions)))
-    if spec.mode == "reencode":
+    inputs = b""
+    if spec.mode in ("reencode", "accountable"):
         dropped: list[int] = []
         mean = spec.aggregate([(n, c.packet) for n, c in zip(used, contributions)], owner.size, dropped)
         listed = [i for i in listed if i not in set(dropped)]  # the filter's drops delivered nothing here
+        if spec.mode == "accountable":
+            rank = {p: k for k, p in enumerate(participant_order(spec.participants))}
+            inputs = encode_inputs(
+                [
+                    InputEntry(rank[c.sender], n, i in set(dropped), c.digest or contribution_digest(c.signed))
+                    for i, (c, n) in enumerate(zip(contributions, used))
+                ]
+            )
+            listed = []
         # fp32: a view of ``mean`` (kept alive by the view), copied once when the result is joined
         aggregate = wire.bytes_field(10, [aggregate_buffer(spec.aggregate_encoding, mean, spec.block_size, sum(used))])
         del mean
@@ -258,9 +282,10 @@ def build_result(
         mode=spec.mode,
         contributors=[_pid_bytes(contributions[i].sender) for i in listed],
         tokens=[used[i] for i in listed],
-        aggregate_encoding=spec.aggregate_encoding if spec.mode == "reencode" else "",
+        aggregate_encoding=spec.aggregate_encoding if spec.mode != "relay" else "",
         closed_by=closed_by or "",
         last_compute_end=max((c.compute_end for c in contributions), default=0.0),
+        inputs=inputs,
     ).SerializeToString()
     payload: list[wire.Buffer] = [head, *aggregate]
     if spec.mode == "relay":
@@ -359,6 +384,8 @@ def read_result(
         raise EnvelopeError(Code.INVALID_ARGUMENT, "part result does not match the round's spec")
     if max(len(res.contributors), len(relayed)) > len(spec.participants):
         raise EnvelopeError(Code.INVALID_ARGUMENT, "part result lists more contributors than participants")
+    if spec.mode == "accountable":
+        return _read_accountable(spec, j, res, aggregate, out)
     if spec.mode == "reencode":
         if len(res.contributors) != len(res.tokens):
             raise EnvelopeError(Code.INVALID_ARGUMENT, "part result lists contributors and tokens of different lengths")
@@ -420,3 +447,31 @@ def read_result(
     listed = [(c.sender, n) for i, (c, n) in enumerate(zip(ordered, used)) if i not in set(dropped)]
     packets = {c.sender: c.packet for c in ordered if isinstance(c.packet, compression.SignPacket)}
     return agg, listed, max((c.compute_end for c in ordered), default=0.0), packets
+
+
+def _read_accountable(
+    spec: CollectiveSpec, j: int, res: Any, aggregate: memoryview, out: Optional[torch.Tensor]
+) -> tuple[torch.Tensor, list[tuple[str, int]], float, dict[str, Any]]:
+    """:func:`read_result` of an accountable result (signature and spec already checked): the aggregate
+    decoded into ``out``, the contributors from its input list (entries the filter dropped left out)."""
+    o = spec.owners[j]
+    order = participant_order(spec.participants)
+    try:
+        entries = decode_inputs(res.inputs, len(order))
+    except InputsError as e:
+        raise EnvelopeError(Code.INVALID_ARGUMENT, f"part result's input list is malformed: {e}") from None
+    if res.contributors or res.tokens:
+        raise EnvelopeError(Code.INVALID_ARGUMENT, "accountable part result lists contributors outside its inputs")
+    try:
+        agg = decode_aggregate(spec.aggregate_encoding, aggregate, o.size, out=out)
+    except compression.CodecError as e:
+        raise EnvelopeError(Code.INVALID_ARGUMENT, f"bad aggregate: {e}") from None
+    listed = [(order[e.index], int(e.tokens)) for e in entries if not e.dropped]
+    if not spec.quorum_met(p for p, _ in listed):
+        raise EnvelopeError(
+            Code.FAILED_PRECONDITION,
+            f"part result aggregates {len(listed)} contribution(s), the quorum is "
+            f"{spec.quorum_count()} of {len(spec.established())} established participant(s)",
+        )
+    end = float(res.last_compute_end) if math.isfinite(res.last_compute_end) else 0.0
+    return agg, listed, end, {}

@@ -20,14 +20,14 @@ from google.protobuf.message import DecodeError
 from geomesh_p2p.telemetry import events
 from geomesh_p2p.net.swarm_time import swarm_time
 from geomesh_p2p.util.aio import wait_event
-from geomesh_p2p.exchange import messages
+from geomesh_p2p.exchange import accountable, messages
 from geomesh_p2p.exchange import frames as wire
 from geomesh_p2p.exchange.messages import Contribution
 from geomesh_p2p.exchange.partition import CollectiveSpec, PartOwner, _pid_bytes, _short
 from geomesh_p2p.net.identity import EnvelopeError, Verified, Verifier
 from geomesh_p2p.telemetry.logonce import LogOnce
 from geomesh_p2p.net.transport import TaskOwner, Transport
-from geomesh_p2p.net.methods import COLLECTIVE_PULL, COLLECTIVE_PUSH
+from geomesh_p2p.net.methods import COLLECTIVE_INPUTS, COLLECTIVE_PULL, COLLECTIVE_PUSH
 from geomesh_p2p.wire import collective_pb2
 
 __all__ = ["OwnerService"]
@@ -38,6 +38,8 @@ Code = grpc.StatusCode
 
 #: replies (results) larger than this are serialized in a worker thread, not on the event loop
 _THREAD_BYTES = 1 << 20
+#: a PullInputs reply holds inputs up to about this many bytes (at least one): the validator pages on
+_INPUTS_PAGE_BYTES = 16 << 20
 
 _Contribution = Contribution  # the name older code and tests use
 
@@ -53,6 +55,8 @@ class _OwnedPart:
     signed_result: Optional[bytes] = None
     #: PeerIDs this owner handed the result to (a pull answered ready): what a leaving owner waits for
     pulled_by: set = field(default_factory=set)
+    #: accountable mode: the signed contributions the result commits to, in its order (served to validators)
+    inputs: list = field(default_factory=list)
 
     def result(self) -> bytes:
         """The signed result (envelope bytes), once ``ready`` is set (it is set only after the result is built).
@@ -78,6 +82,12 @@ class _RoundState:
     aggregate: Optional[Any] = None
     # owner PeerID -> semaphore bounding this node's pulls in flight to that owner (set by all_reduce)
     pull_slots: dict[str, asyncio.Semaphore] = field(default_factory=dict)
+    # accountable mode: part -> the owner's receipt of this node's contribution (accountable.Receipt)
+    receipts: dict[int, Any] = field(default_factory=dict)
+    # accountable mode: part -> SHA-256 of the payload of the owner-signed result this node applied
+    result_hashes: dict[int, bytes] = field(default_factory=dict)
+    # accountable mode: proofs this node holds against owners (AccountabilityProof bytes)
+    proofs: list[bytes] = field(default_factory=list)
 
 
 class _TooFarAhead(EnvelopeError):
@@ -163,6 +173,7 @@ class OwnerService:
         )
         transport.add_unary(COLLECTIVE_PUSH, self._handle_push)
         transport.add_unary(COLLECTIVE_PULL, self._handle_pull)
+        transport.add_unary(COLLECTIVE_INPUTS, self._handle_inputs)
 
     # --------------------------------------------------------------------------- registration
     def register(self, spec: CollectiveSpec) -> _RoundState:
@@ -314,6 +325,9 @@ class OwnerService:
             if part is None:
                 raise EnvelopeError(Code.NOT_FOUND, f"this node does not own part {part_ix} of round {spec.round}")
             resp = self._accept(state, part, c)
+            if spec.mode == "accountable" and resp.accepted:
+                # BTARD-like accountability: a signed receipt of what was accepted (the first push of a sender)
+                resp.receipt = self._receipt(spec, part.index, part.contributions[c.sender])
             resp.held_s = time.monotonic() - t_in  # lets the sender time its upload without our work
             return resp.SerializeToString()
         except EnvelopeError as err:
@@ -357,6 +371,11 @@ class OwnerService:
             part.closing_early = True
             self._tasks.spawn(self._close_after_grace(state, part), name=f"grace r{spec.round} p{part.index}")
         return collective_pb2.PushPartResponse(accepted=True, reason="")
+
+    def _receipt(self, spec: CollectiveSpec, part: int, c: Contribution) -> bytes:
+        """The signed receipt of accepted contribution ``c`` (:func:`.accountable.build_receipt`: a small
+        message, its contribution's hash computed when it was checked). Subclasses (tests) override it."""
+        return accountable.build_receipt(self.transport.identity, spec, part, c)
 
     async def _close_after_grace(self, state: _RoundState, part: _OwnedPart) -> None:
         await asyncio.sleep(max(0.0, min(state.spec.grace_s, state.spec.deadline - swarm_time())))
@@ -417,6 +436,8 @@ class OwnerService:
         try:
             await self._before_reduce(spec, part.index)
             contributions = sorted(part.contributions.values(), key=lambda c: _pid_bytes(c.sender))
+            if spec.mode == "accountable":
+                part.inputs = [c.signed for c in contributions]  # what the result commits to, for validators
             part.signed_result = await asyncio.to_thread(self._build_result, spec, part, contributions)
             part.ready.set()
         except asyncio.CancelledError:
@@ -494,4 +515,62 @@ class OwnerService:
                     code=err.code.name,
                     reason=err.reason,
                 )
+            raise
+
+    async def _handle_inputs(self, verified: Verified, context) -> bytes:
+        """``PullInputs`` (accountable mode): the signed contributions part ``req.part``'s result commits to,
+        in its order, from ``req.first`` on, about :data:`_INPUTS_PAGE_BYTES` per reply (at least one).
+        Served to the round's participants once the result is built; refusals as for pulls."""
+        caller = verified.sender.to_string()
+        try:
+            try:
+                req = collective_pb2.PullInputsRequest.FromString(verified.payload)
+            except DecodeError:
+                raise EnvelopeError(Code.INVALID_ARGUMENT, "PullInputsRequest is malformed") from None
+            if req.round != verified.round:
+                raise EnvelopeError(
+                    Code.INVALID_ARGUMENT, f"payload round {req.round} differs from envelope round {verified.round}"
+                )
+            state = await self._round_for(req.round, 0.0)
+            if state is None:
+                raise EnvelopeError(Code.NOT_FOUND, f"round {req.round} is not held here")
+            spec = state.spec
+            if spec.mode != "accountable":
+                raise EnvelopeError(Code.FAILED_PRECONDITION, f"round {spec.round} is not an accountable round")
+            if req.spec_id != spec.spec_id:
+                raise EnvelopeError(Code.FAILED_PRECONDITION, f"request is for another spec of round {spec.round}")
+            if caller not in spec.participants:
+                raise EnvelopeError(Code.PERMISSION_DENIED, f"{_short(caller)} is not in round {spec.round}")
+            part = state.parts.get(req.part)
+            if part is None:
+                raise EnvelopeError(Code.NOT_FOUND, f"this node does not own part {req.part} of round {spec.round}")
+            if not part.ready.is_set():
+                raise EnvelopeError(Code.UNAVAILABLE, f"part {req.part} of round {spec.round} has no result yet")
+            page: list[bytes] = []
+            size = 0
+            for signed in part.inputs[int(req.first) :]:
+                if page and size + len(signed) > _INPUTS_PAGE_BYTES:
+                    break
+                page.append(bytes(signed))
+                size += len(signed)
+            resp = collective_pb2.PullInputsResponse(
+                round=req.round, part=req.part, contributions=page, total=len(part.inputs)
+            )
+            return await asyncio.to_thread(resp.SerializeToString) if size > _THREAD_BYTES else resp.SerializeToString()
+        except EnvelopeError as err:
+            self._log_once(
+                (verified.round, caller, "inputs", err.code),
+                logging.WARNING,
+                "round %d: refused a pull of inputs from %s: %s: %s",
+                verified.round,
+                _short(caller),
+                err.code.name,
+                err.reason,
+                event="inputs_refused",
+                peer=self.peer_id,
+                round=verified.round,
+                sender=caller,
+                code=err.code.name,
+                reason=err.reason,
+            )
             raise

@@ -32,7 +32,7 @@ __all__ = [
     "split_owners",
 ]
 
-MODES = ("relay", "reencode")
+MODES = ("relay", "reencode", "accountable")
 PUSH_ENCODINGS = ("sign", "fp32")
 AGGREGATE_ENCODINGS = ("sign", "int8", "fp16", "fp32")
 
@@ -137,6 +137,11 @@ whole-part stages ran one after another. 2 MiB: on loopback (benchmarks/collecti
 reused by the allocator (a fresh 50 MB buffer costs ~0.1 s of page faults on a busy host)."""
 
 
+VALIDATION_BYTES = 256 << 20
+"""Accountable mode: a part's inputs together (``n_participants`` contributions, what a validator holds while it
+re-runs the rule) stay under about this many bytes: parts are cut smaller as the group grows."""
+
+
 def max_part_elements(
     *,
     push_encoding: str,
@@ -152,11 +157,14 @@ def max_part_elements(
     :data:`PIPELINE_PART_BYTES`; never below one block).
 
     The largest messages of a part are a contribution (``push_encoding``) and its result: the
-    re-encoded aggregate (reencode) or all ``n_participants`` contributions (relay). A tenth of the
+    re-encoded aggregate (reencode, accountable) or all ``n_participants`` contributions (relay); accountable
+    parts also keep ``n_participants`` contributions under :data:`VALIDATION_BYTES` (a validator's memory).
+    A tenth of the
     limit plus 64 KiB are left for envelopes and protobuf framing. Returns a positive multiple of
     ``block_size``. Raises ValueError when not even one block fits the limit.
     """
     push = bytes_per_element(push_encoding, block_size)  # the one codec-size formula (method.encoded_nbytes)
+    # accountable: the re-encoded aggregate plus a 29-byte input record per contributor (small)
     result = push * max(1, n_participants) if mode == "relay" else bytes_per_element(aggregate_encoding, block_size)
     room = 0.9 * max_message_bytes - (64 << 10)
     n = int(room // max(push, result)) // block_size * block_size
@@ -164,6 +172,10 @@ def max_part_elements(
         raise ValueError(f"a part of one block ({block_size} elements) does not fit {max_message_bytes} bytes")
     if pipeline_bytes is not None:
         n = min(n, max(block_size, int(pipeline_bytes // max(push, result)) // block_size * block_size))
+    if mode == "accountable":
+        # a validator holds all of a part's inputs at once (the robust rule needs them together)
+        inputs = push * max(1, n_participants)
+        n = min(n, max(block_size, int(VALIDATION_BYTES // inputs) // block_size * block_size))
     return n
 
 
@@ -193,7 +205,9 @@ class CollectiveSpec:
         numel: elements of the flat fp32 vector.
         deadline: unix seconds by which pushes must arrive; the owner closes open parts then.
         pull_deadline: unix seconds after which a part with no result counts as missing.
-        mode: ``"relay"`` or ``"reencode"``.
+        mode: ``"relay"``, ``"reencode"`` or ``"accountable"`` (reencode whose owners sign receipts and a
+            result committed to its inputs, checked by validators drawn after the round:
+            :mod:`geomesh_p2p.exchange.accountable`).
         aggregate_encoding: reencode mode: ``"sign"``, ``"int8"``, ``"fp16"`` (or ``"fp32"``, baseline).
         block_size: codec block size B (elements per scale).
         clip_k: scale clipping factor (None = off); see :func:`token_weighted_mean`.
@@ -214,6 +228,8 @@ class CollectiveSpec:
             ``grace_s`` seconds after every *established* participant pushed it, without waiting for
             them until the deadline. At least one participant must be established.
         grace_s: see ``probation`` (unused when nobody is on probation).
+        validators_per_part: accountable mode: participants drawn after the round to re-check each part
+            (:func:`geomesh_p2p.exchange.accountable.draw_validators`); ignored by the other modes.
 
     ``spec_id`` (SHA-256 of the canonical JSON of all fields) travels in every push and pull;
     a peer with a different spec for the same round is refused with ``FAILED_PRECONDITION``.
@@ -237,6 +253,7 @@ class CollectiveSpec:
     quorum: float = 0.0
     probation: Sequence[str] = ()
     grace_s: float = 1.0
+    validators_per_part: int = 1
     spec_id: bytes = field(init=False, repr=False, compare=False, default=b"")
 
     def __post_init__(self):
@@ -301,6 +318,9 @@ class CollectiveSpec:
         object.__setattr__(self, "grace_s", float(self.grace_s))
         if not (math.isfinite(self.grace_s) and self.grace_s >= 0):
             raise ValueError(f"grace_s must be finite and >= 0, got {self.grace_s}")
+        object.__setattr__(self, "validators_per_part", int(self.validators_per_part))
+        if self.validators_per_part < 0:
+            raise ValueError(f"validators_per_part must be >= 0, got {self.validators_per_part}")
         object.__setattr__(self, "spec_id", hashlib.sha256(self._canonical_json().encode()).digest())
 
     def to_dict(self) -> dict[str, Any]:
@@ -324,6 +344,7 @@ class CollectiveSpec:
             "quorum": self.quorum,
             "probation": list(self.probation),
             "grace_s": self.grace_s,
+            "validators_per_part": self.validators_per_part,
         }
 
     @classmethod
@@ -341,6 +362,8 @@ class CollectiveSpec:
             d["grace_s"] = repr(self.grace_s)
         else:  # specs without probation keep the spec_id they had before the field existed
             del d["probation"], d["grace_s"]
+        if self.mode != "accountable":  # likewise: only accountable specs name their validators
+            del d["validators_per_part"]
         return json.dumps(d, sort_keys=True, separators=(",", ":"))
 
     def part_index_of(self, peer_id: str) -> list[int]:

@@ -35,6 +35,10 @@ PROFILED_ITEMS = ("weights", "gradients", "inner optimizer state")
 
 _GIB = float(2**30)
 
+#: Accountable mode: the most a validator holds of one part's inputs at once (the exchange's
+#: ``partition.VALIDATION_BYTES``, repeated: this layer does not import the exchange).
+ACCOUNTABLE_VALIDATION_BYTES = 256 << 20
+
 
 @dataclass(frozen=True)
 class MemoryItem:
@@ -104,6 +108,7 @@ def run_memory_estimate(
     contributors: int = 2,
     block_size: int = 2048,
     bytes_per_element: int = 4,
+    accountable: bool = False,
 ) -> RunMemory:
     """The static memory of a peer of ``method`` training ``n_params`` (P) parameters, itemized, in bytes
     (``p = P x bytes_per_element``):
@@ -117,7 +122,11 @@ def run_memory_estimate(
     * with ``verified_work``: ``verified work: model copy + gradients`` 2p (device, its private model and
       the gradients of a check), ``verified work: kept contributions`` ``keep_rounds x contributors x
       (ceil(P / 8) + 4 x ceil(P / block_size))`` (host: sign bits and block scales of each contributor's
-      packets), and ``verified work: kept start weights`` ``keep_rounds x p`` on disk.
+      packets), and ``verified work: kept start weights`` ``keep_rounds x p`` on disk;
+    * with ``accountable`` (``--mode accountable``, issue 26): ``accountable: one validation's inputs`` (host:
+      one part's signed inputs while a validator re-checks it, about one sign packet of the vector, at most
+      256 MiB). The signed contributions an owner serves to validators are the ones every mode keeps for the
+      kept rounds (not counted here, as in the other modes); receipts are ~250 B per part.
 
     Raises:
         ValueError: an unknown method or inner optimizer, ``n_params < 0``, ``keep_rounds < 0``,
@@ -150,6 +159,11 @@ def run_memory_estimate(
             MemoryItem("verified work: kept contributions", keep_rounds * contributors * packet, "host"),
             MemoryItem("verified work: kept start weights", keep_rounds * p, "disk"),
         ]
+    if accountable:
+        packet = math.ceil(n / 8) + 4 * math.ceil(n / block_size)
+        items.append(
+            MemoryItem("accountable: one validation's inputs", min(packet, ACCOUNTABLE_VALIDATION_BYTES), "host")
+        )
     return RunMemory(n, tuple(items))
 
 

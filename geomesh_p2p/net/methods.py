@@ -15,6 +15,7 @@ DHT_STORE = "/geomesh.wire.Dht/Store"
 DHT_FIND = "/geomesh.wire.Dht/Find"
 COLLECTIVE_PUSH = "/geomesh.wire.Collective/PushPart"
 COLLECTIVE_PULL = "/geomesh.wire.Collective/PullPart"
+COLLECTIVE_INPUTS = "/geomesh.wire.Collective/PullInputs"
 STATE_GET = "/geomesh.wire.State/GetState"
 STATE_STATUS = "/geomesh.wire.State/Status"
 LINK_PROBE = "/geomesh.wire.Link/Probe"
@@ -26,7 +27,7 @@ STATE_UPDATE = "/geomesh.wire.State/GetUpdate"
 #: queued behind them arrived after its record expired (a real-process DiLoCo run at 5-7 Mbit/s: peers
 #: announced as dead, planned out every round). A second TCP connection shares the link fairly instead.
 CONTROL_LANE, BULK_LANE = "control", "bulk"
-BULK_METHODS = frozenset({COLLECTIVE_PUSH, COLLECTIVE_PULL, STATE_GET, STATE_UPDATE, LINK_PROBE})
+BULK_METHODS = frozenset({COLLECTIVE_PUSH, COLLECTIVE_PULL, COLLECTIVE_INPUTS, STATE_GET, STATE_UPDATE, LINK_PROBE})
 
 
 def lane_of(method: str) -> str:
@@ -44,6 +45,7 @@ ENVELOPE_OVERHEAD = 4096
 # Payload limits of methods registered without one (their requests are small, their replies are not).
 DEFAULT_PAYLOAD_LIMITS: Dict[str, int] = {
     COLLECTIVE_PULL: 4 << 10,
+    COLLECTIVE_INPUTS: 4 << 10,
     STATE_GET: 1 << 10,
     STATE_STATUS: 1 << 10,
 }
@@ -55,6 +57,7 @@ METHOD_CLASS: Dict[str, str] = {
     DHT_FIND: "dht",
     COLLECTIVE_PUSH: "collective",
     COLLECTIVE_PULL: "collective",
+    COLLECTIVE_INPUTS: "collective",
     STATE_GET: "state",
     STATE_STATUS: "state",
     LINK_PROBE: "probe",
@@ -77,4 +80,6 @@ BIG_PAYLOAD_BYTES = 1 << 20
 
 # Methods whose call may be sent twice with no other effect than once (a read, a probe, or a store/push
 # the server keeps once per sender): the transport redials and retries them once after a lost connection.
-IDEMPOTENT_METHODS = frozenset({DHT_PING, DHT_STORE, DHT_FIND, COLLECTIVE_PULL, STATE_GET, STATE_STATUS, LINK_PROBE})
+IDEMPOTENT_METHODS = frozenset(
+    {DHT_PING, DHT_STORE, DHT_FIND, COLLECTIVE_PULL, COLLECTIVE_INPUTS, STATE_GET, STATE_STATUS, LINK_PROBE}
+)

@@ -58,6 +58,7 @@ from geomesh_p2p.node.joining import DuplicateIdentityError, StoppedBeforeJoinin
 from geomesh_p2p.node.links import LinkProber
 from geomesh_p2p.round.policy import OWNER_PENALTY_ROUNDS, NodeRoundPolicy
 from geomesh_p2p.round.rules import OuterStepRule, Penalties, PlanRules, Reprofiler, RoundState, StateSync, VerifiedWork
+from geomesh_p2p.round.rules.accountable import Accountability
 from geomesh_p2p.trust import verify
 from geomesh_p2p.trust.standing import Standing
 from geomesh_p2p.sync.server import StateServer
@@ -192,9 +193,17 @@ class PeerNode:
             verdicts=lambda: {"verified": self.verified.to_meta(), "penalties": self.penalties.to_meta()},  # issue 28
         )
         self.outer_rule = OuterStepRule(self.rs, theta=lambda: self.theta, outer=lambda: self.outer)
+        self.accountable = Accountability(
+            self.verified.verdicts,
+            collective=lambda: self.collective,
+            dht=lambda: self.dht,
+            identity=self.identity,
+            run_id=self.run_cfg.run_id,
+        )
         self.policy = NodeRoundPolicy(
             self.planning,
             verified=self.verified,
+            accountable=self.accountable,
             sync=self.resync,
             publish=self._publish_record,
             max_message_bytes=lambda: self._started_transport().config.max_message_bytes,
@@ -746,6 +755,7 @@ class PeerNode:
                 await self.looplag.stop()
             if self.announcer is not None:
                 await self.announcer.stop()
+            self.accountable.cancel()
             if self.collective is not None:
                 await self.collective.close()
             if self.dht is not None:

@@ -98,6 +98,7 @@ def run_memory(run, cfg, n_params: int) -> RunMemory:
         keep_rounds=VerifyConfig().keep_rounds,
         contributors=max(2, int(cfg.min_peers)),
         block_size=run.block_size,
+        accountable=run.mode == "accountable",
     )
 
 

@@ -58,13 +58,15 @@ EXCHANGE_BASE_PASSES = 2
 EXCHANGE_SAFETY = 3.0
 
 
-def exchange_passes(n_participants: int, mode: str) -> int:
+def exchange_passes(n_participants: int, mode: str, validators: int = 1) -> int:
     """Whole-vector element passes of one peer's side of a round's collective (a count, >= 3).
 
     Encoding + signing its vector and checking the contributions of the part it owns
     (:data:`EXCHANGE_BASE_PASSES`), then reading the results: ``"relay"`` re-verifies and aggregates
     every participant's contribution to every part (``n_participants`` passes), ``"reencode"``
-    decodes one aggregate (1 pass). Raises ValueError for another mode or ``n_participants < 1``.
+    decodes one aggregate (1 pass), ``"accountable"`` decodes one aggregate and, as a validator, re-runs the
+    rule over one part's inputs per validation (``validators`` passes on average, off the critical path but on
+    the same cores). Raises ValueError for another mode or ``n_participants < 1``.
     """
     if n_participants < 1:
         raise ValueError(f"n_participants={n_participants} must be >= 1")
@@ -72,7 +74,9 @@ def exchange_passes(n_participants: int, mode: str) -> int:
         return EXCHANGE_BASE_PASSES + int(n_participants)
     if mode == "reencode":
         return EXCHANGE_BASE_PASSES + 1
-    raise ValueError(f"unknown mode {mode!r} (relay, reencode)")
+    if mode == "accountable":
+        return EXCHANGE_BASE_PASSES + 1 + max(0, int(validators))
+    raise ValueError(f"unknown mode {mode!r} (relay, reencode, accountable)")
 
 
 def exchange_cpu_s(numel: int, n_participants: int, mode: str, seconds_per_element: float) -> float:

@@ -18,7 +18,7 @@ PLAN_SCHEMA_VERSION = 1
 Method = Literal["geomesh", "awb", "diloco", "css", "ddp"]
 
 
-Mode = Literal["relay", "reencode"]
+Mode = Literal["relay", "reencode", "accountable"]
 
 
 class ContentRefusal(str):

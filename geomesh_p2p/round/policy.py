@@ -17,6 +17,7 @@ from geomesh_p2p.round.rules.state_sync import StateSync
 from geomesh_p2p.round.rules.spec import collective_spec
 from geomesh_p2p.round.rules.state import RoundState
 from geomesh_p2p.round.rules.verified import VerifiedWork
+from geomesh_p2p.round.rules.accountable import Accountability
 from geomesh_p2p.trust import probation as pb
 
 if TYPE_CHECKING:
@@ -49,6 +50,7 @@ class NodeRoundPolicy:
         publish: the round's row to the log, Prometheus and the status page (raises RuntimeError after the
             node shut down); default: nowhere.
         max_message_bytes: the transport's largest gRPC message (the collective's spec cuts parts to it).
+        accountable: accountable mode's validation, proofs and exclusions after each round (off when omitted).
     """
 
     def __init__(
@@ -61,6 +63,7 @@ class NodeRoundPolicy:
         sync: Optional[StateSync] = None,
         publish: Callable[[RoundRecord], None] = _no_publish,
         max_message_bytes: Optional[Callable[[], int]] = None,
+        accountable: Optional[Accountability] = None,
     ):
         self.planning = planning
         self.state: RoundState = planning.state
@@ -70,6 +73,7 @@ class NodeRoundPolicy:
         self.sync = sync
         self._publish = publish
         self._max_message_bytes = max_message_bytes
+        self.accountable = accountable
 
     def make_plan(self, members, leader):
         """This peer's plan when it leads (:meth:`PlanRules.make_plan`; raises PlanDeferred)."""
@@ -146,9 +150,12 @@ class NodeRoundPolicy:
 
     def after_outer_step(self, r, plan, assignment, result, ar) -> None:
         """Re-profile before round r+1 is announced: its leader then plans with the figures every follower
-        checks the plan against (planner.check_plan); delivered rates; standing credits (standing.py)."""
+        checks the plan against (planner.check_plan); delivered rates; standing credits (standing.py); accountable
+        mode's validation of round ``r`` in the background (:meth:`Accountability.after_round`)."""
         self.profile.after_round(r, plan, assignment.micro_batch, result, ar)
         self.state.standing.credit(r, {pid for part in ar.contributors.values() for pid, _ in part})
+        if self.accountable is not None:
+            self.accountable.after_round(r, plan, ar)
 
     def publish_record(self, rec) -> None:
         """The round's row to the log, Prometheus and the status page. Raises RuntimeError after shutdown

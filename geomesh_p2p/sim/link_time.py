@@ -85,16 +85,20 @@ class ExchangeBytes:
 
 
 def exchange_bytes(
-    part_elems: Sequence[int], *, contribution: str, aggregate: str, mode: str, block_size: int
+    part_elems: Sequence[int], *, contribution: str, aggregate: str, mode: str, block_size: int, validators: int = 1
 ) -> ExchangeBytes:
     """Bytes of one push/pull exchange among ``len(part_elems)`` participants.
 
     ``part_elems[i]``: elements owned by peer ``i`` (0: owns nothing, e.g. client-only).
     ``contribution``: encoding of the pushed parts ("fp32" or "sign"); ``aggregate``: encoding of
-    the owner's mean in ``reencode`` mode (ignored by ``relay``, which forwards contributions).
+    the owner's mean in ``reencode`` / ``accountable`` mode (ignored by ``relay``, which forwards contributions).
+    ``accountable``: as ``reencode`` plus ``validators`` validations per part, each pulling the part's
+    ``n`` contributions from its owner; they are charged to the pull of the owner (up) and spread evenly
+    over the other peers (down), as the validators are drawn uniformly (receipts and input lists ignored:
+    under 1% of a part).
     """
-    if mode not in ("relay", "reencode"):
-        raise ValueError(f"unknown mode {mode!r} (relay, reencode)")
+    if mode not in ("relay", "reencode", "accountable"):
+        raise ValueError(f"unknown mode {mode!r} (relay, reencode, accountable)")
     n = len(part_elems)
     # a peer that owns nothing (e == 0) is sent no message about it
     c = [encoded_nbytes(contribution, e, block_size) if e > 0 else 0 for e in part_elems]
@@ -102,10 +106,15 @@ def exchange_bytes(
     total_c = sum(c)
     push_up = [total_c - c[i] for i in range(n)]
     push_down = [(n - 1) * c[j] for j in range(n)]
-    if mode == "reencode":
+    if mode in ("reencode", "accountable"):
         total_a = sum(a)
         pull_up = [(n - 1) * a[j] for j in range(n)]
         pull_down = [total_a - a[i] for i in range(n)]
+        if mode == "accountable" and n > 1:
+            v = min(max(0, int(validators)), n - 1)
+            pull_up = [pull_up[j] + v * n * c[j] for j in range(n)]
+            # part j's v validations, n contributions each, drawn among the n - 1 others
+            pull_down = [pull_down[i] + sum(v * n * c[j] for j in range(n) if j != i) // (n - 1) for i in range(n)]
     else:
         pull_up = [(n - 1) * (n - 1) * c[j] for j in range(n)]
         pull_down = [(n - 1) * (total_c - c[i]) for i in range(n)]

@@ -17,7 +17,8 @@ async     same batch and H, no barrier  fp32, applied on      async DiLoCo with 
 Variants: ``base+mod+mod...`` with modifiers
 
 * ``ef`` — worker-side error feedback on the sign contributions (css/geomesh);
-* ``relay`` / ``reencode`` — how owners serve parts (css/geomesh; default reencode);
+* ``relay`` / ``reencode`` / ``accountable`` — how owners serve parts (css/geomesh; default reencode;
+  accountable adds one validation per part: docs/collective.md, "Accountable mode");
 * ``sign`` / ``int8`` / ``fp16`` — encoding of the re-encoded aggregate (default sign);
 * ``mean`` / ``meanmed`` / ``vote`` — aggregation rule of the sign contributions (css/geomesh; default
   ``mean``, the paper's token-weighted mean; the swarm's default is ``meanmed``, see
@@ -37,7 +38,7 @@ Examples: ``geomesh+ef``, ``geomesh+relay``, ``geomesh+int8``, ``geomesh+lion+lr
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Optional
+from typing import Optional, cast
 
 from geomesh_p2p.util.errors import UserFacingError
 from geomesh_p2p.plan.schema import Method, Mode
@@ -123,14 +124,14 @@ def parse_method(label: str) -> MethodSpec:
         key, _, val = mod.partition("=")
         key = key.lower()
         if (
-            key in ("ef", "relay", "reencode", "sign", "int8", "fp16", "mean", "meanmed", "vote")
+            key in ("ef", "relay", "reencode", "accountable", "sign", "int8", "fp16", "mean", "meanmed", "vote")
             and not spec.compressed
         ):
             raise MethodError(f"method {label!r}: modifier {mod!r} applies to css/geomesh only")
         if key == "ef":
             spec = replace(spec, error_feedback=True)
-        elif key in ("relay", "reencode"):
-            spec = replace(spec, mode="relay" if key == "relay" else "reencode")
+        elif key in ("relay", "reencode", "accountable"):
+            spec = replace(spec, mode=cast(Mode, key))
         elif key in ("sign", "int8", "fp16"):
             spec = replace(spec, aggregate=key)
         elif key in ("mean", "meanmed", "vote"):
@@ -153,7 +154,7 @@ def parse_method(label: str) -> MethodSpec:
             spec = replace(spec, window="comm_share" if val in ("share", "comm_share") else "match_diloco")
         else:
             raise MethodError(
-                f"method {label!r}: unknown modifier {mod!r} (ef, relay, reencode, sign,"
+                f"method {label!r}: unknown modifier {mod!r} (ef, relay, reencode, accountable, sign,"
                 " int8, fp16, mean, meanmed, vote, lion, adamw, lr=X, outer_lr=X, window=share|match, eager)"
             )
     return spec

@@ -307,6 +307,12 @@ class Verdicts:
         ]
         return f"it names {', '.join(p[:10] for p in bad)}, excluded by verified work" if bad else None
 
+    def exclude_proven(self, peer: str, why: str, round: int) -> None:
+        """Exclude ``peer`` on a self-contained proof this node re-checked (accountable mode's drop, forgery or
+        equivocation proofs, :mod:`geomesh_p2p.trust.fraud`): never a verdict held alone, since every peer that
+        reads the proof reaches the same one."""
+        self._exclude(peer, why, round, lone=False)
+
     def _exclude(self, peer: str, why: str, round: int, lone: bool = False) -> None:
         """Exclude ``peer`` (``lone``: on this node's own checks alone); a peer excluded alone before whose
         failure another verifier's evidence now confirms here is no longer lone."""

@@ -35,14 +35,32 @@ class PushPartRequest(_message.Message):
     def __init__(self, contribution: _Optional[bytes] = ...) -> None: ...
 
 class PushPartResponse(_message.Message):
-    __slots__ = ("accepted", "reason", "held_s")
+    __slots__ = ("accepted", "reason", "held_s", "receipt")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     HELD_S_FIELD_NUMBER: _ClassVar[int]
+    RECEIPT_FIELD_NUMBER: _ClassVar[int]
     accepted: bool
     reason: str
     held_s: float
-    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., held_s: _Optional[float] = ...) -> None: ...
+    receipt: bytes
+    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., held_s: _Optional[float] = ..., receipt: _Optional[bytes] = ...) -> None: ...
+
+class Receipt(_message.Message):
+    __slots__ = ("round", "part", "spec_id", "sender", "tokens", "contribution_sha256")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    PART_FIELD_NUMBER: _ClassVar[int]
+    SPEC_ID_FIELD_NUMBER: _ClassVar[int]
+    SENDER_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CONTRIBUTION_SHA256_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    part: int
+    spec_id: bytes
+    sender: bytes
+    tokens: int
+    contribution_sha256: bytes
+    def __init__(self, round: _Optional[int] = ..., part: _Optional[int] = ..., spec_id: _Optional[bytes] = ..., sender: _Optional[bytes] = ..., tokens: _Optional[int] = ..., contribution_sha256: _Optional[bytes] = ...) -> None: ...
 
 class PullPartRequest(_message.Message):
     __slots__ = ("round", "part", "wait_s", "spec_id")
@@ -63,7 +81,7 @@ class Contribution(_message.Message):
     def __init__(self, signed_message: _Optional[bytes] = ...) -> None: ...
 
 class PartResult(_message.Message):
-    __slots__ = ("round", "part", "start", "end", "spec_id", "mode", "contributors", "tokens", "contributions", "aggregate", "aggregate_encoding", "closed_by", "last_compute_end")
+    __slots__ = ("round", "part", "start", "end", "spec_id", "mode", "contributors", "tokens", "contributions", "aggregate", "aggregate_encoding", "closed_by", "last_compute_end", "inputs")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     PART_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
@@ -77,6 +95,7 @@ class PartResult(_message.Message):
     AGGREGATE_ENCODING_FIELD_NUMBER: _ClassVar[int]
     CLOSED_BY_FIELD_NUMBER: _ClassVar[int]
     LAST_COMPUTE_END_FIELD_NUMBER: _ClassVar[int]
+    INPUTS_FIELD_NUMBER: _ClassVar[int]
     round: int
     part: int
     start: int
@@ -90,7 +109,48 @@ class PartResult(_message.Message):
     aggregate_encoding: str
     closed_by: str
     last_compute_end: float
-    def __init__(self, round: _Optional[int] = ..., part: _Optional[int] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., spec_id: _Optional[bytes] = ..., mode: _Optional[str] = ..., contributors: _Optional[_Iterable[bytes]] = ..., tokens: _Optional[_Iterable[int]] = ..., contributions: _Optional[_Iterable[_Union[Contribution, _Mapping]]] = ..., aggregate: _Optional[bytes] = ..., aggregate_encoding: _Optional[str] = ..., closed_by: _Optional[str] = ..., last_compute_end: _Optional[float] = ...) -> None: ...
+    inputs: bytes
+    def __init__(self, round: _Optional[int] = ..., part: _Optional[int] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., spec_id: _Optional[bytes] = ..., mode: _Optional[str] = ..., contributors: _Optional[_Iterable[bytes]] = ..., tokens: _Optional[_Iterable[int]] = ..., contributions: _Optional[_Iterable[_Union[Contribution, _Mapping]]] = ..., aggregate: _Optional[bytes] = ..., aggregate_encoding: _Optional[str] = ..., closed_by: _Optional[str] = ..., last_compute_end: _Optional[float] = ..., inputs: _Optional[bytes] = ...) -> None: ...
+
+class PullInputsRequest(_message.Message):
+    __slots__ = ("round", "part", "spec_id", "first")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    PART_FIELD_NUMBER: _ClassVar[int]
+    SPEC_ID_FIELD_NUMBER: _ClassVar[int]
+    FIRST_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    part: int
+    spec_id: bytes
+    first: int
+    def __init__(self, round: _Optional[int] = ..., part: _Optional[int] = ..., spec_id: _Optional[bytes] = ..., first: _Optional[int] = ...) -> None: ...
+
+class PullInputsResponse(_message.Message):
+    __slots__ = ("round", "part", "contributions", "total")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    PART_FIELD_NUMBER: _ClassVar[int]
+    CONTRIBUTIONS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    part: int
+    contributions: _containers.RepeatedScalarFieldContainer[bytes]
+    total: int
+    def __init__(self, round: _Optional[int] = ..., part: _Optional[int] = ..., contributions: _Optional[_Iterable[bytes]] = ..., total: _Optional[int] = ...) -> None: ...
+
+class AccountabilityProof(_message.Message):
+    __slots__ = ("kind", "result", "receipt", "other_result", "contributions", "spec_json")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    RECEIPT_FIELD_NUMBER: _ClassVar[int]
+    OTHER_RESULT_FIELD_NUMBER: _ClassVar[int]
+    CONTRIBUTIONS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_JSON_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    result: bytes
+    receipt: bytes
+    other_result: bytes
+    contributions: _containers.RepeatedScalarFieldContainer[bytes]
+    spec_json: str
+    def __init__(self, kind: _Optional[str] = ..., result: _Optional[bytes] = ..., receipt: _Optional[bytes] = ..., other_result: _Optional[bytes] = ..., contributions: _Optional[_Iterable[bytes]] = ..., spec_json: _Optional[str] = ...) -> None: ...
 
 class PullPartResponse(_message.Message):
     __slots__ = ("round", "part", "ready", "signed_result", "held_s")

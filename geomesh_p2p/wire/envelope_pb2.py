@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fgeomesh_p2p/wire/envelope.proto\x12\x0cgeomesh.wire\"\xa8\x01\n\x08\x45nvelope\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x0e\n\x06sender\x18\x03 \x01(\x0c\x12\x12\n\npublic_key\x18\x04 \x01(\x0c\x12\x11\n\ttimestamp\x18\x05 \x01(\x01\x12\r\n\x05nonce\x18\x06 \x01(\x0c\x12\x16\n\x0epayload_sha256\x18\x07 \x01(\x0c\x12\x0c\n\x04kind\x18\x08 \x01(\t\x12\x11\n\tsignature\x18\t \x01(\x0c\"J\n\rSignedMessage\x12(\n\x08\x65nvelope\x18\x01 \x01(\x0b\x32\x16.geomesh.wire.Envelope\x12\x0f\n\x07payload\x18\x02 \x01(\x0c\x32\xcc\x01\n\x03\x44ht\x12@\n\x04Ping\x12\x1b.geomesh.wire.SignedMessage\x1a\x1b.geomesh.wire.SignedMessage\x12\x41\n\x05Store\x12\x1b.geomesh.wire.SignedMessage\x1a\x1b.geomesh.wire.SignedMessage\x12@\n\x04\x46ind\x12\x1b.geomesh.wire.SignedMessage\x1a\x1b.geomesh.wire.SignedMessage2\x98\x01\n\nCollective\x12\x44\n\x08PushPart\x12\x1b.geomesh.wire.SignedMessage\x1a\x1b.geomesh.wire.SignedMessage\x12\x44\n\x08PullPart\x12\x1b.geomesh.wire.SignedMessage\x1a\x1b.geomesh.wire.SignedMessage2\xdc\x01\n\x05State\x12\x46\n\x08GetState\x12\x1b.geomesh.wire.SignedMessage\x1a\x1b.geomesh.wire.SignedMessage0\x01\x12G\n\tGetUpdate\x12\x1b.geomesh.wire.SignedMessage\x1a\x1b.geomesh.wire.SignedMessage0\x01\x12\x42\n\x06Status\x12\x1b.geomesh.wire.SignedMessage\x1a\x1b.geomesh.wire.SignedMessage2I\n\x04Link\x12\x41\n\x05Probe\x12\x1b.geomesh.wire.SignedMessage\x1a\x1b.geomesh.wire.SignedMessageb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fgeomesh_p2p/wire/envelope.proto\x12\x0cgeomesh.wire\"\xa8\x01\n\x08\x45nvelope\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x0e\n\x06sender\x18\x03 \x01(\x0c\x12\x12\n\npublic_key\x18\x04 \x01(\x0c\x12\x11\n\ttimestamp\x18\x05 \x01(\x01\x12\r\n\x05nonce\x18\x06 \x01(\x0c\x12\x16\n\x0epayload_sha256\x18\x07 \x01(\x0c\x12\x0c\n\x04kind\x18\x08 \x01(\t\x12\x11\n\tsignature\x18\t \x01(\x0c\"J\n\rSignedMessage\x12(\n\x08\x65nvelope\x18\x01 \x01(\x0b\x32\x16.geomesh.wire.Envelope\x12\x0f\n\x07payload\x18\x02 \x01(\x0c\x32\xcc\x01\n\x03\x44ht\x12@\n\x04Ping\x12\x1b.geomesh.wire.SignedMessage\x1a\x1b.geomesh.wire.SignedMessage\x12\x41\n\x05Store\x12\x1b.geomesh.wire.SignedMessage\x1a\x1b.geomesh.wire.SignedMessage\x12@\n\x04\x46ind\x12\x1b.geomesh.wire.SignedMessage\x1a\x1b.geomesh.wire.SignedMessage2\xe0\x01\n\nCollective\x12\x44\n\x08PushPart\x12\x1b.geomesh.wire.SignedMessage\x1a\x1b.geomesh.wire.SignedMessage\x12\x44\n\x08PullPart\x12\x1b.geomesh.wire.SignedMessage\x1a\x1b.geomesh.wire.SignedMessage\x12\x46\n\nPullInputs\x12\x1b.geomesh.wire.SignedMessage\x1a\x1b.geomesh.wire.SignedMessage2\xdc\x01\n\x05State\x12\x46\n\x08GetState\x12\x1b.geomesh.wire.SignedMessage\x1a\x1b.geomesh.wire.SignedMessage0\x01\x12G\n\tGetUpdate\x12\x1b.geomesh.wire.SignedMessage\x1a\x1b.geomesh.wire.SignedMessage0\x01\x12\x42\n\x06Status\x12\x1b.geomesh.wire.SignedMessage\x1a\x1b.geomesh.wire.SignedMessage2I\n\x04Link\x12\x41\n\x05Probe\x12\x1b.geomesh.wire.SignedMessage\x1a\x1b.geomesh.wire.SignedMessageb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,9 +38,9 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DHT']._serialized_start=297
   _globals['_DHT']._serialized_end=501
   _globals['_COLLECTIVE']._serialized_start=504
-  _globals['_COLLECTIVE']._serialized_end=656
-  _globals['_STATE']._serialized_start=659
-  _globals['_STATE']._serialized_end=879
-  _globals['_LINK']._serialized_start=881
-  _globals['_LINK']._serialized_end=954
+  _globals['_COLLECTIVE']._serialized_end=728
+  _globals['_STATE']._serialized_start=731
+  _globals['_STATE']._serialized_end=951
+  _globals['_LINK']._serialized_start=953
+  _globals['_LINK']._serialized_end=1026
 # @@protoc_insertion_point(module_scope)

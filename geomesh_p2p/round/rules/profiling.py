@@ -87,7 +87,9 @@ class Reprofiler:
         wait = max(0.0, min(wall, float(ar.last_compute_end or 0.0) - t0))
         net = sum(x.seconds for x in (ar.upload, ar.download) if x is not None)
         cpu = max(0.0, wall - wait - net)
-        sample = cpu / (numel * planner.exchange_passes(max(1, len(spec.participants)), spec.mode))
+        sample = cpu / (
+            numel * planner.exchange_passes(max(1, len(spec.participants)), spec.mode, spec.validators_per_part)
+        )
         first = not self.exchange_cost_measured
         self.exchange_cost_measured = True
         sample = min(max(sample, cur / EXCHANGE_COST_STEP), cur * EXCHANGE_COST_STEP)

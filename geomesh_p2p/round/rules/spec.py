@@ -60,6 +60,7 @@ def collective_spec(plan, run_cfg: RunConfig, numel: int, max_message_bytes: int
         quorum=run_cfg.quorum,
         probation=plan.probation(),
         grace_s=pb.early_close_grace_s(plan.window_s),
+        validators_per_part=run_cfg.validators_per_part,
         deadline=plan.exchange_deadline - PULL_SHARE_OF_EXCHANGE * (plan.exchange_deadline - plan.train_deadline),
         pull_deadline=plan.exchange_deadline,
     )

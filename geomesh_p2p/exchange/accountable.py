@@ -1,0 +1,395 @@
+"""Accountable re-encoding: receipts, results committed to their inputs, validators drawn after the round,
+and self-contained proofs against a part's owner. Pure and synchronous (no I/O): the service runs these in
+worker threads (the recomputation touches a whole part).
+
+Design after BTARD ("Secure Distributed Training at Scale", Gorbunov et al., ICML 2022, section 3: butterfly
+all-reduce with a robust rule per partition, validators chosen at random after the fact, ACCUSE and ban),
+on this exchange (docs/collective.md, "Accountable mode"):
+
+1. **Receipts.** The owner answers every accepted push with a :data:`RECEIPT_KIND` message it signs
+   (run, round, part, spec, sender, tokens claimed, SHA-256 of the contribution's signed bytes); the
+   sender keeps it for the kept rounds (:func:`build_receipt`, :func:`open_receipt`).
+2. **A result committed to its inputs.** The owner's PartResult carries the re-encoded aggregate (the run's
+   robust rule, as reencode) and the compact input list of :mod:`.commitment` (every accepted contribution
+   in the aggregate's order, 29 bytes each).
+3. **Drops are provable.** A contributor whose receipted contribution is not in the signed result (or with
+   other tokens than its cap allows) holds a *drop proof*: the receipt and the result, two owner signatures
+   that contradict (:func:`inclusion_problem`, :func:`drop_proof`); any peer checks it in O(list).
+4. **Forgeries are found after the fact.** Validators of each part are drawn after the results are known
+   (:func:`draw_validators`, a seed over the *other* parts' result hashes), pull the signed inputs from the
+   owner and recompute the rule and the encoding bit for bit (:func:`recheck_part`); a mismatch is a
+   *forgery proof* (signed result + signed inputs + the spec, whose SHA-256 the result signed) that any
+   peer re-checks in O(part).
+5. **Equivocation.** Two results an owner signed for one (round, part) with different payloads are an
+   *equivocation proof* (:func:`equivocation_proof`).
+
+Every proof is checked by :func:`verify_proof` from its bytes alone; it raises :class:`ProofError` with a
+reason when the bytes are malformed, forged, or prove nothing (e.g. a "forgery" whose recomputation matches).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence, cast
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from geomesh_p2p.exchange import frames as wire
+from geomesh_p2p.exchange import messages
+from geomesh_p2p.exchange.aggregate import aggregate_buffer
+from geomesh_p2p.exchange.commitment import (
+    DIGEST_BYTES,
+    InputEntry,
+    InputsError,
+    contribution_digest,
+    decode_inputs,
+    participant_order,
+)
+from geomesh_p2p.exchange.messages import RESULT_KIND, Contribution
+from geomesh_p2p.exchange.partition import CollectiveSpec, _pid_bytes
+from geomesh_p2p.net.identity import EnvelopeError, Identity, PeerID, Verifier
+from geomesh_p2p.wire import collective_pb2, envelope_pb2
+
+__all__ = [
+    "RECEIPT_KIND",
+    "PROOF_KINDS",
+    "ProofError",
+    "ProofVerdict",
+    "Receipt",
+    "OpenedResult",
+    "build_receipt",
+    "open_receipt",
+    "open_result",
+    "inclusion_problem",
+    "drop_proof",
+    "recheck_part",
+    "forgery_proof",
+    "equivocation_proof",
+    "verify_proof",
+    "draw_validators",
+    "validator_seed",
+]
+
+RECEIPT_KIND = "geomesh.collective/Receipt"  # inner envelope kind of an owner's receipt of a push
+PROOF_KINDS = ("drop", "forgery", "equivocation")
+#: A proof larger than this is refused unread (a forgery proof holds one part's inputs: N x part bytes).
+MAX_PROOF_BYTES = 256 << 20
+
+Code = grpc.StatusCode
+
+
+class ProofError(ValueError):
+    """A proof is malformed, forged, or proves nothing (one-line reason)."""
+
+
+@dataclass(frozen=True)
+class Receipt:
+    """An owner's signed receipt of one accepted push (accountable mode).
+
+    Attributes:
+        owner: base58 PeerID of the signer (the part's owner).
+        round / part / spec_id: what it was pushed for.
+        sender: base58 PeerID of the contributor.
+        tokens: tokens the contribution claims (before the plan's cap).
+        sha256: SHA-256 (32 bytes) of the contribution's SignedMessage bytes.
+        signed: the receipt's SignedMessage bytes (what a drop proof carries).
+    """
+
+    owner: str
+    round: int
+    part: int
+    spec_id: bytes
+    sender: str
+    tokens: int
+    sha256: bytes
+    signed: bytes
+
+
+@dataclass(frozen=True)
+class OpenedResult:
+    """An owner-signed accountable PartResult, signature checked (no spec needed).
+
+    Attributes:
+        owner: base58 PeerID of the signer.
+        payload_sha256: SHA-256 of the signed payload (the envelope's, covered by the signature): the part's
+            *result hash* (validator seed, equivocation).
+        fields: the PartResult's small fields (protobuf, ``aggregate`` and relayed contributions left out).
+        aggregate: the encoded aggregate (a view of the signed bytes).
+        entries: the decoded input list.
+    """
+
+    owner: str
+    round: int
+    payload_sha256: bytes
+    fields: Any
+    aggregate: memoryview
+    entries: list[InputEntry]
+
+
+def build_receipt(identity: Identity, spec: CollectiveSpec, part: int, c: Contribution) -> bytes:
+    """The owner's signed receipt (SignedMessage bytes, kind :data:`RECEIPT_KIND`) of contribution ``c``
+    to ``part`` (``c.digest`` set: accountable mode's :func:`~.messages.check_contribution`)."""
+    body = collective_pb2.Receipt(
+        round=spec.round,
+        part=part,
+        spec_id=spec.spec_id,
+        sender=_pid_bytes(c.sender),
+        tokens=int(c.tokens),
+        contribution_sha256=c.digest or contribution_digest(c.signed),
+    ).SerializeToString()
+    return identity.sign_message(
+        run_id=spec.run_id, round=spec.round, kind=RECEIPT_KIND, payload=body
+    ).SerializeToString()
+
+
+def _verify(verifier: Verifier, signed: wire.Buffer, kind: str, what: str):
+    try:
+        msg = wire.SignedView(signed)
+    except wire.WireError:
+        raise EnvelopeError(Code.INVALID_ARGUMENT, f"{what} is not a SignedMessage") from None
+    return verifier.verify(cast(envelope_pb2.SignedMessage, msg), kind=kind, check_replay=False)
+
+
+def open_receipt(verifier: Verifier, signed: wire.Buffer) -> Receipt:
+    """Verify a receipt's signature and read it. Raises EnvelopeError (status + reason) when it is not a
+    SignedMessage, not a receipt, forged or tampered, or its fields are malformed."""
+    v = _verify(verifier, signed, RECEIPT_KIND, "receipt")
+    try:
+        r = collective_pb2.Receipt.FromString(v.payload)
+        sender = PeerID(bytes(r.sender)).to_string()
+    except (DecodeError, ValueError):
+        raise EnvelopeError(Code.INVALID_ARGUMENT, "receipt payload is malformed") from None
+    if r.round != v.round:
+        raise EnvelopeError(Code.INVALID_ARGUMENT, f"receipt is for round {r.round} (envelope {v.round})")
+    if len(r.contribution_sha256) != 32 or len(r.spec_id) != 32:
+        raise EnvelopeError(Code.INVALID_ARGUMENT, "receipt's hashes have the wrong length")
+    return Receipt(
+        v.sender.to_string(), int(r.round), int(r.part), bytes(r.spec_id), sender, int(r.tokens),
+        bytes(r.contribution_sha256), bytes(signed),
+    )  # fmt: skip
+
+
+def open_result(verifier: Verifier, signed: wire.Buffer, n_participants: int) -> OpenedResult:
+    """Verify an owner-signed accountable PartResult (signature, mode, input list) without a spec; the
+    aggregate is not decoded. Raises EnvelopeError when it is malformed, forged or not accountable."""
+    v = _verify(verifier, signed, RESULT_KIND, "part result")
+    env = wire.SignedView(signed).envelope
+    try:
+        res, aggregate, relayed = messages._result_fields(v.payload)
+    except (DecodeError, wire.WireError):
+        raise EnvelopeError(Code.INVALID_ARGUMENT, "part result payload is malformed") from None
+    if res.mode != "accountable" or relayed or res.contributors or res.tokens:
+        raise EnvelopeError(Code.INVALID_ARGUMENT, "part result is not an accountable result")
+    if res.round != v.round:
+        raise EnvelopeError(Code.INVALID_ARGUMENT, f"part result is for round {res.round} (envelope {v.round})")
+    try:
+        entries = decode_inputs(res.inputs, n_participants)
+    except InputsError as e:
+        raise EnvelopeError(Code.INVALID_ARGUMENT, f"part result's input list is malformed: {e}") from None
+    return OpenedResult(v.sender.to_string(), int(res.round), bytes(env.payload_sha256), res, aggregate, entries)
+
+
+def inclusion_problem(spec: CollectiveSpec, result: OpenedResult, receipt: Receipt) -> Optional[str]:
+    """Why ``result`` contradicts ``receipt`` (the same owner's: the contribution it receipted is missing,
+    or listed with other tokens than ``min(claimed, cap)``), or None when it is in as receipted."""
+    order = participant_order(spec.participants)
+    if receipt.sender not in spec.participants:
+        return None  # not this round's participant: the owner should not have receipted it, nothing to prove
+    me = order.index(receipt.sender)
+    mine = [e for e in result.entries if e.index == me]
+    if not mine:
+        return "the receipted contribution is not in the result's inputs"
+    e = mine[0]
+    if e.digest != receipt.sha256[:DIGEST_BYTES]:
+        return "the result lists another contribution than the receipted one"
+    want = min(receipt.tokens, spec.participants[receipt.sender])
+    if e.tokens != want:
+        return f"the result lists {e.tokens} tokens, the receipt's claim capped by the plan is {want}"
+    return None
+
+
+def drop_proof(receipt: bytes, result: wire.Buffer, spec: Optional[CollectiveSpec] = None) -> bytes:
+    """A drop proof's bytes (AccountabilityProof): the owner's receipt and its result that omits it (with
+    ``spec`` when the contradiction is in the tokens, which need the plan's cap)."""
+    return collective_pb2.AccountabilityProof(
+        kind="drop",
+        receipt=bytes(receipt),
+        result=bytes(result),
+        spec_json="" if spec is None else json.dumps(spec.to_dict(), sort_keys=True),
+    ).SerializeToString()
+
+
+def forgery_proof(spec: CollectiveSpec, result: wire.Buffer, contributions: Sequence[wire.Buffer]) -> bytes:
+    """A forgery proof's bytes: the owner-signed result, the signed inputs in its order and the spec."""
+    return collective_pb2.AccountabilityProof(
+        kind="forgery",
+        result=bytes(result),
+        contributions=[bytes(c) for c in contributions],
+        spec_json=json.dumps(spec.to_dict(), sort_keys=True),
+    ).SerializeToString()
+
+
+def equivocation_proof(a: wire.Buffer, b: wire.Buffer) -> bytes:
+    """An equivocation proof's bytes: two results one owner signed for one (round, part)."""
+    return collective_pb2.AccountabilityProof(
+        kind="equivocation", result=bytes(a), other_result=bytes(b)
+    ).SerializeToString()
+
+
+def recheck_part(
+    verifier: Verifier, spec: CollectiveSpec, part: int, result: wire.Buffer, contributions: Sequence[wire.Buffer]
+) -> Optional[str]:
+    """A validator's check of ``part``'s owner-signed accountable ``result`` against the signed
+    ``contributions`` the owner served (in the result's order). Returns the reason the owner is proven to
+    have forged (an input it committed to that fails verification or names another sender, tokens not the
+    plan's cap, a filter decision or aggregate bytes other than the rule's over its inputs), or None when
+    the result is exactly the rule over its inputs.
+
+    Raises ProofError when nothing can be concluded against the owner: the result is not the part's owner's
+    or not this spec's, or the served contributions are not the ones it committed to (the owner served
+    other bytes: a withholding, not a forgery proof). Worker thread: it verifies and aggregates a part."""
+    o = spec.owners[part]
+    try:
+        opened = open_result(verifier, result, len(spec.participants))
+    except EnvelopeError as e:
+        raise ProofError(f"the part result does not open: {e.reason}") from None
+    f = opened.fields
+    if opened.owner != o.peer_id:
+        raise ProofError("the part result is not signed by the part's owner")
+    if (f.round, f.part, f.start, f.end, bytes(f.spec_id)) != (spec.round, part, o.start, o.end, spec.spec_id):
+        raise ProofError("the part result does not match the round's spec")
+    if len(contributions) != len(opened.entries):
+        raise ProofError(f"{len(contributions)} inputs served, the result commits to {len(opened.entries)}")
+    order = participant_order(spec.participants)
+    checked: list[Contribution] = []
+    for k, (entry, signed) in enumerate(zip(opened.entries, contributions)):
+        if contribution_digest(signed)[:DIGEST_BYTES] != entry.digest:
+            raise ProofError(f"served input {k} is not the contribution the result commits to")
+        try:
+            _, c = messages.check_contribution(verifier, spec, part, signed, None)
+        except EnvelopeError as err:
+            return f"input {k} the owner committed to fails verification: {err.reason}"
+        if c.sender != order[entry.index]:
+            return f"input {k} is signed by {c.sender[:10]}, the result names participant {entry.index}"
+        used = min(c.tokens, spec.participants[c.sender])
+        if entry.tokens != used:
+            return f"input {k} lists {entry.tokens} tokens, the claim capped by the plan is {used}"
+        checked.append(c)
+    used_all = [min(c.tokens, spec.participants[c.sender]) for c in checked]
+    dropped: list[int] = []
+    mean = spec.aggregate([(n, c.packet) for n, c in zip(used_all, checked)], o.size, dropped)
+    flags = [e.dropped for e in opened.entries]
+    if flags != [k in set(dropped) for k in range(len(checked))]:
+        return "the agreement filter's drops differ from the result's flags"
+    want = aggregate_buffer(spec.aggregate_encoding, mean, spec.block_size, sum(used_all))
+    if bytes(want) != bytes(opened.aggregate):
+        return "the aggregate differs from the rule recomputed over the committed inputs"
+    return None
+
+
+@dataclass(frozen=True)
+class ProofVerdict:
+    """What a verified proof establishes: ``accused`` (base58 PeerID) misbehaved as ``kind`` as the owner
+    of ``part`` in ``round``; ``reason`` says how."""
+
+    kind: str
+    accused: str
+    round: int
+    part: int
+    reason: str
+
+
+def verify_proof(run_id: str, data: bytes, max_bytes: int = MAX_PROOF_BYTES) -> ProofVerdict:
+    """Check a proof from its bytes alone (no trust in whoever sent it). O(result inputs) for a drop or an
+    equivocation, O(part) for a forgery (it re-runs the rule: a worker thread).
+
+    Raises ProofError with the reason when it is too large, malformed, forged, or proves nothing."""
+    if len(data) > max_bytes:
+        raise ProofError(f"proof of {len(data)} bytes is over the limit of {max_bytes}")
+    try:
+        p = collective_pb2.AccountabilityProof.FromString(data)
+    except DecodeError:
+        raise ProofError("proof is malformed") from None
+    if p.kind not in PROOF_KINDS:
+        raise ProofError(f"unknown proof kind {p.kind!r}")
+    verifier = Verifier(run_id, max_skew_s=float("inf"), max_payload_bytes=max_bytes)
+    spec = _spec_of(p.spec_json) if p.spec_json else None
+    n = len(spec.participants) if spec is not None else 1 << 20
+    try:
+        res = open_result(verifier, p.result, n)
+    except EnvelopeError as e:
+        raise ProofError(f"the part result does not open: {e.reason}") from None
+    f = res.fields
+    if spec is not None and (bytes(f.spec_id) != spec.spec_id or spec.owners[f.part].peer_id != res.owner):
+        raise ProofError("the spec is not the one the result was signed for, or the signer owns no such part")
+    if p.kind == "equivocation":
+        try:
+            other = open_result(verifier, p.other_result, n)
+        except EnvelopeError as e:
+            raise ProofError(f"the second part result does not open: {e.reason}") from None
+        g = other.fields
+        if (other.owner, other.round, g.part, bytes(g.spec_id)) != (res.owner, res.round, f.part, bytes(f.spec_id)):
+            raise ProofError("the two results are not one owner's for one part of one round and spec")
+        if other.payload_sha256 == res.payload_sha256:
+            raise ProofError("the two results are the same result: no equivocation")
+        return ProofVerdict("equivocation", res.owner, res.round, int(f.part), "two different signed results")
+    if p.kind == "drop":
+        try:
+            rc = open_receipt(verifier, p.receipt)
+        except EnvelopeError as e:
+            raise ProofError(f"the receipt does not open: {e.reason}") from None
+        if (rc.owner, rc.round, rc.part, rc.spec_id) != (res.owner, res.round, int(f.part), bytes(f.spec_id)):
+            raise ProofError("the receipt and the result are not one owner's for one part of one round and spec")
+        if spec is None:
+            if any(e.digest == rc.sha256[:DIGEST_BYTES] for e in res.entries):
+                raise ProofError("the receipted contribution is in the result: no drop")
+            why = "the receipted contribution is not in the result's inputs"
+        else:
+            problem = inclusion_problem(spec, res, rc)
+            if problem is None:
+                raise ProofError("the receipted contribution is in the result as receipted: no drop")
+            why = problem
+        return ProofVerdict("drop", res.owner, res.round, int(f.part), why)
+    if spec is None:
+        raise ProofError("a forgery proof needs the round's spec")
+    why_forged = recheck_part(verifier, spec, int(f.part), p.result, list(p.contributions))
+    if why_forged is None:
+        raise ProofError("the result is exactly the rule over its inputs: no forgery")
+    return ProofVerdict("forgery", res.owner, res.round, int(f.part), why_forged)
+
+
+def _spec_of(spec_json: str) -> CollectiveSpec:
+    try:
+        spec = CollectiveSpec.from_dict(json.loads(spec_json))
+    except (ValueError, TypeError, KeyError) as e:
+        raise ProofError(f"the proof's spec is malformed: {e}") from None
+    if spec.mode != "accountable":
+        raise ProofError("the proof's spec is not an accountable round's")
+    return spec
+
+
+def validator_seed(spec: CollectiveSpec, result_hashes: Sequence[Optional[bytes]], part: int) -> bytes:
+    """The seed of ``part``'s validator draw: SHA-256 over the run, round, part and the result hashes
+    (:attr:`OpenedResult.payload_sha256`; 32 zero bytes for a missing part) of every *other* part, in part
+    order. The owner cannot move its own part's draw by choosing its result's bytes; each other owner moves
+    it only by changing its own result (see docs/collective.md, "Accountable mode", for what that leaves)."""
+    h = hashlib.sha256(b"geomesh.accountable/validators\0" + spec.run_id.encode() + b"\0")
+    h.update(spec.round.to_bytes(8, "little") + part.to_bytes(4, "little"))
+    for k, rh in enumerate(result_hashes):
+        if k != part:
+            h.update(rh if rh is not None and len(rh) == 32 else bytes(32))
+    return h.digest()
+
+
+def draw_validators(spec: CollectiveSpec, result_hashes: Sequence[Optional[bytes]], part: int, k: int) -> list[str]:
+    """The ``k`` validators of ``part``: the participants other than its owner ranked by
+    SHA-256(seed || raw PeerID), lowest first (:func:`validator_seed`). Every peer with the same result
+    hashes draws the same ones; ``k`` above the candidates gives them all."""
+    seed = validator_seed(spec, result_hashes, part)
+    owner = spec.owners[part].peer_id
+    candidates = [p for p in spec.participants if p != owner]
+    candidates.sort(key=lambda p: hashlib.sha256(seed + _pid_bytes(p)).digest())
+    return candidates[: max(0, int(k))]

@@ -1,0 +1,233 @@
+"""Accountable mode's validation after the round (BTARD's validators, Gorbunov et al., ICML 2022, section
+3.2): this node re-checks the parts it is drawn for (:func:`~.accountable.draw_validators`), off the round's
+critical path. For each such part it pulls the signed inputs from the owner (``PullInputs``, with a
+deadline), recomputes the robust rule and the encoding bit for bit in a worker thread
+(:func:`~.accountable.recheck_part`), and compares its copy of the owner's result with one other serving
+peer's cached copy (an equivocation check: one result more).
+
+Outcomes (:class:`Finding`): ``forgery`` / ``equivocation`` carry a self-contained proof (already re-checked
+here with :func:`~.accountable.verify_proof`, the check every peer makes before acting on it); ``withheld``
+(the owner did not serve the inputs it committed to by the deadline, or served other bytes) is a suspicion
+without proof: logged and reported, never an exclusion by itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterable, Optional
+
+from google.protobuf.message import DecodeError
+
+from geomesh_p2p.exchange import accountable
+from geomesh_p2p.exchange import frames as wire
+from geomesh_p2p.exchange.owner import _RoundState
+from geomesh_p2p.exchange.partition import _pid_bytes, _short
+from geomesh_p2p.net.identity import EnvelopeError
+from geomesh_p2p.net.methods import COLLECTIVE_INPUTS, COLLECTIVE_PULL
+from geomesh_p2p.net.swarm_time import swarm_time
+from geomesh_p2p.net.transport import RpcError
+from geomesh_p2p.telemetry import events
+from geomesh_p2p.wire import collective_pb2
+
+if TYPE_CHECKING:
+    from geomesh_p2p.exchange.client import CollectiveService
+
+__all__ = ["Finding", "validate_round"]
+
+log = logging.getLogger(__name__)
+
+#: Parts validated at once by one peer (each holds its inputs while the rule is re-run: see VALIDATION_BYTES).
+CONCURRENT_PARTS = 2
+#: At most this many PullInputs pages per part (a hostile owner must not keep a validator paging forever).
+MAX_PAGES = 4096
+
+
+@dataclass(frozen=True)
+class Finding:
+    """What validating one part found against its owner.
+
+    Attributes:
+        kind: ``"forgery"``, ``"equivocation"`` (with ``proof``) or ``"withheld"`` (a suspicion, no proof).
+        owner: base58 PeerID of the part's owner.
+        round / part: the part.
+        reason: one line.
+        proof: AccountabilityProof bytes (verified here), or None for a suspicion.
+    """
+
+    kind: str
+    owner: str
+    round: int
+    part: int
+    reason: str
+    proof: Optional[bytes] = None
+
+
+async def validate_round(
+    service: "CollectiveService", round: int, *, timeout_s: float = 10.0, parts: Optional[Iterable[int]] = None
+) -> list[Finding]:
+    """Validate the parts of accountable ``round`` this node is drawn for (or only those in ``parts``),
+    :data:`CONCURRENT_PARTS` at a time; returns the findings (none when every drawn part's result is the rule over its inputs).
+
+    ``timeout_s``: the deadline of each part's pulls (inputs and the equivocation check), from its start.
+    Never raises for what an owner does (a refusal or a timeout is a ``withheld`` finding); a round not held
+    here, or not accountable, gives ``[]``."""
+    state = service._rounds.get(round)
+    if state is None or state.spec.mode != "accountable":
+        return []
+    spec = state.spec
+    hashes = [state.result_hashes.get(j) for j in range(len(spec.owners))]
+    wanted = None if parts is None else set(parts)
+    checked: list[int] = []
+    for j in range(len(spec.owners)):
+        if wanted is not None and j not in wanted:
+            continue
+        if spec.owners[j].peer_id == service.peer_id or j not in state.result_hashes or j not in state.cache:
+            continue  # own part, or a part this node did not apply
+        if service.peer_id in accountable.draw_validators(spec, hashes, j, spec.validators_per_part):
+            checked.append(j)
+    slots = asyncio.Semaphore(CONCURRENT_PARTS)
+
+    async def one(j: int) -> list[Finding]:
+        async with slots:
+            return await _validate_part(service, state, j, state.cache[j], hashes, timeout_s)
+
+    findings = [f for fs in await asyncio.gather(*(one(j) for j in checked)) for f in fs]
+    for f in findings:
+        _report(service, f)
+    if checked:
+        events.emit(
+            log,
+            logging.DEBUG,
+            "parts_validated",
+            "round %d: validated parts %s: %d finding(s)",
+            round,
+            checked,
+            len(findings),
+            peer=service.peer_id,
+            round=round,
+            parts=checked,
+            findings=len(findings),
+        )
+    return findings
+
+
+async def _validate_part(
+    service: "CollectiveService",
+    state: _RoundState,
+    j: int,
+    signed: wire.Buffer,
+    hashes: list[Optional[bytes]],
+    timeout_s: float,
+) -> list[Finding]:
+    spec, owner = state.spec, state.spec.owners[j]
+    deadline = swarm_time() + timeout_s
+    out: list[Finding] = []
+    inputs, why = await _pull_inputs(service, spec, j, deadline)
+    if inputs is None:
+        out.append(Finding("withheld", owner.peer_id, spec.round, j, why))
+    else:
+        try:
+            forged = await asyncio.to_thread(accountable.recheck_part, service._inner, spec, j, signed, inputs)
+        except accountable.ProofError as e:
+            out.append(Finding("withheld", owner.peer_id, spec.round, j, f"inputs served do not match: {e}"))
+            forged = None
+        if forged is not None:
+            proof = accountable.forgery_proof(spec, signed, inputs)
+            verdict = await asyncio.to_thread(accountable.verify_proof, spec.run_id, proof)
+            out.append(Finding("forgery", verdict.accused, spec.round, j, verdict.reason, proof))
+    other = await _cached_copy(service, spec, j, hashes, deadline)
+    if other is not None:
+        try:
+            proof = accountable.equivocation_proof(signed, other)
+            verdict = await asyncio.to_thread(accountable.verify_proof, spec.run_id, proof)
+            out.append(Finding("equivocation", verdict.accused, spec.round, j, verdict.reason, proof))
+        except accountable.ProofError:
+            pass  # the same result (or an unreadable copy): nothing against the owner
+    return out
+
+
+async def _pull_inputs(service: "CollectiveService", spec, j: int, deadline: float) -> tuple[Optional[list], str]:
+    """(the signed inputs of part ``j`` from its owner, "") or (None, why not) by ``deadline``."""
+    owner = spec.owners[j]
+    got: list[bytes] = []
+    total: Optional[int] = None
+    for _ in range(MAX_PAGES):
+        left = deadline - swarm_time()
+        if left <= 0:
+            return None, "the owner did not serve its inputs by the deadline"
+        req = collective_pb2.PullInputsRequest(round=spec.round, part=j, spec_id=spec.spec_id, first=len(got))
+        try:
+            reply = await service.transport.call(
+                owner.address, COLLECTIVE_INPUTS, req.SerializeToString(), round=spec.round, timeout=left
+            )
+            resp = await asyncio.to_thread(collective_pb2.PullInputsResponse.FromString, reply.payload)
+        except RpcError as e:
+            if e.code.name in ("UNAVAILABLE", "RESOURCE_EXHAUSTED") and deadline - swarm_time() > 0.1:
+                await asyncio.sleep(0.1)
+                continue
+            return None, f"the owner refused its inputs: {e.code.name}: {e.reason}"
+        except DecodeError:
+            return None, "the owner's inputs reply is malformed"
+        if reply.sender.to_string() != owner.peer_id:
+            return None, "another peer answered for the owner"
+        total = int(resp.total) if total is None else total
+        if resp.total != total or (not resp.contributions and len(got) < total):
+            return None, "the owner's input pages are inconsistent"
+        got.extend(resp.contributions)
+        if len(got) >= total:
+            return got[:total], ""
+    return None, "the owner's inputs took too many pages"
+
+
+async def _cached_copy(service: "CollectiveService", spec, j: int, hashes, deadline: float) -> Optional[bytes]:
+    """Another serving peer's cached copy of part ``j``'s result when it differs from the one applied here
+    (its payload hash), else None. The peer is drawn from the validators' seed among the other owners."""
+    seed = accountable.validator_seed(spec, hashes, j)
+    helpers = {o.peer_id: o.address for o in spec.owners if o.peer_id not in (spec.owners[j].peer_id, service.peer_id)}
+    if not helpers:
+        return None
+    pick = min(helpers, key=lambda p: hashlib.sha256(seed + b"copy" + _pid_bytes(p)).digest())
+    left = deadline - swarm_time()
+    if left <= 0:
+        return None
+    req = collective_pb2.PullPartRequest(round=spec.round, part=j, wait_s=0.0, spec_id=spec.spec_id)
+    try:
+        reply = await service.transport.call(
+            helpers[pick], COLLECTIVE_PULL, req.SerializeToString(), round=spec.round, timeout=min(left, 5.0)
+        )
+        resp = collective_pb2.PullPartResponse.FromString(reply.payload)
+    except (RpcError, DecodeError):
+        return None
+    if not resp.ready or not resp.signed_result:
+        return None
+    other = bytes(resp.signed_result)
+    try:
+        opened = await asyncio.to_thread(accountable.open_result, service._inner, other, len(spec.participants))
+    except EnvelopeError:
+        return None
+    return other if opened.payload_sha256 != hashes[j] else None
+
+
+def _report(service: "CollectiveService", f: Finding) -> None:
+    events.emit(
+        log,
+        logging.WARNING,
+        "owner_" + ("forged" if f.kind == "forgery" else f.kind),
+        "round %d: part %d: owner %s %s: %s",
+        f.round,
+        f.part,
+        _short(f.owner),
+        {"forgery": "forged its result (proof held)", "equivocation": "signed two results (proof held)"}.get(
+            f.kind, "withheld its inputs (a suspicion, no proof)"
+        ),
+        f.reason,
+        peer=service.peer_id,
+        round=f.round,
+        part=f.part,
+        owner=f.owner,
+        finding=f.kind,
+        reason=f.reason,
+    )

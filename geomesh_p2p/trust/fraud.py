@@ -1,0 +1,165 @@
+"""Accountable mode's proofs in the DHT (issue 26): an accuser publishes a self-contained proof against a part's
+owner (:mod:`geomesh_p2p.exchange.accountable`: a drop, a forgery or an equivocation), every peer reads the
+proofs of recent rounds, re-checks each from its bytes (:func:`~geomesh_p2p.exchange.accountable.verify_proof`)
+and only then excludes the accused (BTARD's ACCUSE and ban, Gorbunov et al., ICML 2022).
+
+Wire form: zlib of the proof's bytes, framed by :mod:`geomesh_p2p.dht.chunked` (magic ``gmpf/1``): inline
+when it fits one DHT value, else a head plus chunks, under :func:`proofs_key` ``<run>/proofs/<slot>`` with
+subkey = the accuser's PeerID (a slot only the accuser can write: the DHT's owner rule). ``slot`` is the round
+in which the accuser publishes, not necessarily the round the proof is about (the proof says that): one proof
+per accuser and slot, so an accuser holding several publishes one per round (any one proof excludes its
+owner). Readers read the slots of the last rounds (:func:`read_proofs`). A proof whose compressed bytes need more than :data:`MAX_PROOF_CHUNKS` chunks
+(~1.9 MB: a forgery proof holds a part's N signed inputs) is not published (:class:`ValueError`): the DHT's
+quota per signer is 2 MiB. Such parts need smaller parts or a proof served by RPC (not built; docs/collective.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import zlib
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+from geomesh_p2p.dht import chunked
+from geomesh_p2p.dht.chunked import ChunkedValue, ChunkFormat, ChunksPending
+from geomesh_p2p.exchange import accountable
+from geomesh_p2p.net.identity import Identity
+
+__all__ = [
+    "MAX_PROOF_CHUNKS",
+    "ProofReader",
+    "PublishedProof",
+    "encode_value",
+    "proofs_key",
+    "publish_proof",
+    "read_proofs",
+]
+
+log = logging.getLogger(__name__)
+
+_MAGIC = b"gmpf/1"
+#: A proof needing (or a head listing) more chunks is not published (refused): 32 x 60,000 B of zlib.
+MAX_PROOF_CHUNKS = 32
+#: A proof inflating to more is refused (a zlib bomb from an accuser).
+MAX_PROOF_INFLATED = 64 << 20
+#: Deadline of each store and get, seconds.
+STORE_TIMEOUT_S = 10.0
+
+
+def proofs_key(run_id: str, slot: int) -> str:
+    """DHT key of the accountability proofs published in round ``slot`` (subkey = the accuser's PeerID)."""
+    return f"{run_id}/proofs/{int(slot)}"
+
+
+def proof_format() -> ChunkFormat:
+    """The proofs' framing in the DHT (:mod:`geomesh_p2p.dht.chunked`, magic ``gmpf/1``)."""
+    return ChunkFormat(magic=_MAGIC, what="proof", owner_role="accuser", version=1, max_chunks=MAX_PROOF_CHUNKS)
+
+
+def encode_value(proof: bytes) -> ChunkedValue:
+    """Frame proof bytes for the DHT (zlib level 6). Raises ValueError over :data:`MAX_PROOF_CHUNKS` chunks."""
+    return chunked.split(zlib.compress(proof, 6), proof_format())
+
+
+def _decode(body: bytes) -> bytes:
+    return chunked.decompress_capped(body, MAX_PROOF_INFLATED, "proof")
+
+
+class ProofReader(chunked.ChunkedReader[bytes]):
+    """Assembles the proof bytes of heads read under :func:`proofs_key` (not checked yet: the caller runs
+    :func:`~geomesh_p2p.exchange.accountable.verify_proof`). Raises as :meth:`ChunkedReader.load`."""
+
+    def __init__(self, dht, chunk_timeout_s: float = 5.0, cache_size: int = 16):
+        super().__init__(dht, proof_format(), _decode, chunk_timeout_s=chunk_timeout_s, cache_size=cache_size)
+
+
+async def publish_proof(
+    dht,
+    proof: bytes,
+    identity: Identity,
+    *,
+    run_id: str,
+    slot: int,
+    expiration_time: float,
+    timeout_s: float = STORE_TIMEOUT_S,
+) -> bool:
+    """Store ``proof`` (bytes that passed :func:`~geomesh_p2p.exchange.accountable.verify_proof`) signed by the
+    accuser ``identity`` under :func:`proofs_key` of ``slot``, subkey = the accuser; True when the head (after
+    every chunk) was stored. Raises ValueError when it is too large for the DHT (:data:`MAX_PROOF_CHUNKS`)."""
+    value = await asyncio.to_thread(encode_value, proof)
+    out = await chunked.store_chunked(
+        dht,
+        proofs_key(run_id, slot),
+        value,
+        subkey=identity.peer_id.to_string(),
+        owner=identity,
+        expiration_time=expiration_time,
+        timeout_s=timeout_s,
+    )
+    return out.ok
+
+
+@dataclass(frozen=True)
+class PublishedProof:
+    """A proof read from the DHT and re-checked here: ``verdict`` (what it proves), ``accuser`` (who stored
+    it), ``proof`` (its bytes)."""
+
+    verdict: accountable.ProofVerdict
+    accuser: str
+    proof: bytes
+
+
+async def read_proofs(
+    dht,
+    reader: ProofReader,
+    run_id: str,
+    slots: Iterable[int],
+    *,
+    timeout_s: float = STORE_TIMEOUT_S,
+    seen: Optional[set] = None,
+) -> tuple[list[PublishedProof], list[str]]:
+    """The proofs published in rounds ``slots``, each re-checked in a worker thread
+    (:func:`~geomesh_p2p.exchange.accountable.verify_proof`); returns (the valid ones, one reason per record
+    refused: not the accuser's, malformed, or proving nothing). Records whose chunks are not in yet are skipped
+    (read again next time). A get that times out reads nothing for its round. ``seen``: SHA-256 hex of the
+    records already decided (valid or refused), skipped and added to (a proof is re-checked once, not every
+    read: a forgery proof costs a part's recomputation)."""
+    valid: list[PublishedProof] = []
+    refused: list[str] = []
+    for r in slots:
+        key = proofs_key(run_id, r)
+        try:
+            found = await asyncio.wait_for(dht.get(key), timeout_s) or {}
+        except asyncio.TimeoutError:
+            continue
+        for subkey, entry in found.items():
+            value, owner = entry[0], (entry[2] if len(entry) > 2 else None)
+            accuser = str(subkey)
+            h = chunked.sha256_hex(bytes(value))
+            if seen is not None and h in seen:
+                continue
+            if _owner_id(owner) != accuser:
+                refused.append(f"proof record {subkey} of round {r} is not signed by its accuser")
+                continue
+            try:
+                data = await reader.load(key, accuser, value)
+                verdict = await asyncio.to_thread(accountable.verify_proof, run_id, data)
+            except ChunksPending:
+                continue
+            except (ValueError, accountable.ProofError) as e:
+                refused.append(f"proof {subkey} of round {r} refused: {e}")
+                if seen is not None:
+                    seen.add(h)
+                continue
+            valid.append(PublishedProof(verdict, accuser, data))
+            if seen is not None:
+                seen.add(h)
+    return valid, refused
+
+
+def _owner_id(owner) -> Optional[str]:
+    """A record owner (a PeerID, its base58 string, or None when the DHT does not say) as base58."""
+    if owner is None:
+        return None
+    return owner if isinstance(owner, str) else str(owner)

@@ -1,0 +1,52 @@
+"""``geomesh-peer join --mode accountable`` (issue 26) as OS processes: 3 peers train a few rounds in accountable
+mode with equal digests every round, and an honest swarm logs no proof and no exclusion; with a forging owner
+among them, the forger is proven and excluded by every honest peer."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.attack_util import AttackSwarm, honest_log_tails, run_scenario
+from tests.e2e.test_attacks import WINDOW
+
+
+@pytest.mark.timeout(420)
+def test_three_peers_train_in_accountable_mode_with_equal_digests(swarm):
+    names = ["a0", "a1", "a2"]
+    swarm.start_peers(names, "--rounds", "3", "--min-peers", "3", "--mode", "accountable")
+    assert swarm.wait_exit(names, 360) == {n: 0 for n in names}
+    for r in range(3):
+        d = {n: next((x["digest"] for x in swarm.rows(n) if x["round"] == r), None) for n in names}
+        assert None not in d.values() and len(set(d.values())) == 1, f"round {r}: {d}"
+    for n in names:
+        log = (swarm.dir / f"{n}.log").read_text()
+        assert "proven" not in log and "forged its result" not in log and "Traceback" not in log
+        assert "accountable validation failed" not in log and "without a valid receipt" not in log
+        assert all(x["contributors"] == 3 and x["missing_parts"] == 0 for x in swarm.rows(n))
+    # the validators drawn after each round re-checked their parts, and found nothing
+    validated = [e for n in names for e in swarm.events(n, "parts_validated")]
+    assert validated and all(e["findings"] == 0 for e in validated)
+    assert {e["round"] for e in validated} >= {0, 1}
+
+
+@pytest.mark.timeout(520)
+def test_a_forging_owner_is_excluded_and_the_honest_peers_stay_equal(tmp_path):
+    """3 honest peers + 1 ``forge-aggregate`` attacker (tests.adversary: as an owner it serves -20x the true
+    aggregate, its input list honest) in accountable mode: a validator proves the forgery, every honest peer
+    re-checks the proof from the DHT and excludes the forger; the honest peers keep equal digests and finish."""
+    s = AttackSwarm(tmp_path)
+    try:
+        o = run_scenario(s, "forge-aggregate", rounds=6, timeout_s=420, extra=["--mode", "accountable", *WINDOW])
+        logs = honest_log_tails(s, o)
+        assert o.attacker_acted, o.attacker_log_tail
+        assert not o.honest_exited, f"{o.exit_codes}\n{logs}"
+        assert o.digests_equal, f"honest digests differ after rounds {o.digest_mismatches()}\n{logs}"
+        for n in o.rows:
+            text = s.text(n)
+            assert "excluded from the plans this peer makes: owner forgery proven" in text, logs
+        # once excluded, the forger is planned by nobody: the last round has the 3 honest peers only
+        assert all(rows[-1]["peers"] == 3 for rows in o.rows.values()), {
+            n: [r["peers"] for r in rows] for n, rows in o.rows.items()
+        }
+    finally:
+        s.stop_all()
