@@ -101,7 +101,7 @@ def test_exchange_cost_ema_first_sample_replaces_then_bounded_steps(monkeypatch)
     now = [1000.0]
     monkeypatch.setattr("geomesh_p2p.round.rules.profiling.swarm_time", lambda: now[0])
     node = _policy_node(1e-9, numel=1_000_000)
-    spec = types.SimpleNamespace(round=0, participants={"a": 1, "b": 1, "c": 1}, mode="relay")
+    spec = types.SimpleNamespace(round=0, participants={"a": 1, "b": 1, "c": 1}, mode="relay", validators_per_part=1)
     link = types.SimpleNamespace(seconds=0.5)
     # 10 s call, the last contributor finished 2 s into it, 0.5 + 0.5 s on the network: 7 s of CPU over
     # 1e6 elements x 5 passes = 1.4 us per pass, clamped to 4 x the 1 ns calibration.
