@@ -73,25 +73,33 @@ decided before any computation.
 
 Cost and coverage. A check costs ``k + m`` forward/backward passes of the contributor's batch (9 at
 H = 20: 45% of one contributor-round). Each peer checks with probability ``p = min(1, share x
-(H_v x B_v) / ((k + m) x B_t))`` per round (``share`` = :attr:`VerifyConfig.share`, 0.2 by default), so
-it spends at most ``share`` of its own compute (the node skips a check that would not end before the
-next round starts, so less on a busy device); each contributor is then checked by ~``share x H / (k +
-m)`` peers per round (0.44 per peer at H = 20, so ~1 check per round in a group of 4). Caught: zeros
-(free riders that send nothing), flipped, noise, scaled above the bound (~2x honest magnitudes right
-after warm-up, 3x later) -- hard, excluded after one confirmed check; stale updates (hard in ~50%,
-marginal in 84-100% of the checks); updates computed on other data or copied from another peer
+(H_v x B_v) / ((k + m) x B_t))`` per round (``share`` = :attr:`VerifyConfig.share`, 0.1 by default), so
+it draws at most ``share`` of its own compute on average; each contributor is then checked by ~``share x H
+/ (k + m)`` peers per round (0.22 per peer at H = 20). A drawn check is never skipped for time (issue 28;
+the first version skipped those that would not end before the next round's start, 21 of 28 in a clean
+4-peer run): it queues in a background worker (:mod:`.verify_queue`) paced to ``duty`` (0.15) of the wall
+time, in the background of the next rounds' inner steps, and its verdict is applied when it ends
+(:meth:`WorkVerifier.tend`), for the round it checked; the round's start weights stay kept until then. Its
+latency is ``(k + m) x B_t / (H_v x B_v) / duty`` rounds: ~1.3 rounds at H = 100, 3 at H = 20, ~11 at H = 5.
+Caught: zeros (free riders that send nothing), flipped, noise, scaled above the bound (~2x honest
+magnitudes right after warm-up, 3x later) -- hard, excluded after one confirmed check; stale updates (hard
+in ~50%, marginal in 84-100% of the checks); updates computed on other data or copied from another peer
 (marginal in 6-26% of the checks: excluded after two confirmed marginal checks in different rounds,
 so only a persistent one, after many rounds). Not caught: a peer that trains a fair share of its
 batches honestly and fakes the rest (at most in proportion to what it skips, "first ... only" above),
 scaling within the bound (the aggregation's clip is the defence there), anything in a round where
-nobody checks it, and everything in reencode mode (only relay mode shows every peer the signed
-contributions).
+nobody checks it, a contribution that claims fewer than ``min_steps`` steps (never drawn: the thresholds
+are not measured there), and everything in reencode mode (only relay mode shows every peer the signed
+contributions). A late verdict can be re-checked only by peers that still keep its round
+(``keep_rounds``): at small H it usually stays a verdict held alone (:attr:`WorkVerifier.lone`).
 
 Who checks whom. Verifier ``v`` signs ``(run, round, start digest)`` with its Ed25519 key; the SHA-256
 of that signature decides whether it checks this round, whom, which steps and elements. Nobody
 else can predict it (no contributor knows in advance whether or where it is checked), and anyone can
-check it afterwards with ``v``'s public key. (A dishonest verifier can make other valid signatures and
-so pick whom it accuses; that gains it nothing, see below.)
+check it afterwards with ``v``'s public key. The seed is fixed before the contributions are signed (the
+start digest), but only ``v`` can compute it, so an attacker can neither predict nor dodge it: which
+contributions are eligible depends only on what every participant received. (A dishonest verifier can make
+other valid signatures and so pick whom it accuses; that gains it nothing, see below.)
 
 Evidence and exclusion. A failing check is signed by the verifier and stored in the DHT under
 ``<run>/evidence/<round>``, subkey = the verifier's PeerID (only it can write there): round, accused,
@@ -589,17 +597,20 @@ class WorkVerifier(Verdicts):
                 continue
             self._queued.add(h)
             dropped = self._queue().submit(
-                CheckJob(
-                    self._pending_round.get(h, round),
-                    "recheck",
-                    lambda pace, data=data: self.recheck(data, micro_batch=micro_batch, pace=pace),
-                    key=h,
-                )
+                CheckJob(self._pending_round.get(h, round), "recheck", self._recheck_job(data, micro_batch), key=h)
             )
             if dropped is not None and dropped.kind == "recheck":
                 self._queued.discard(dropped.key)  # queued again on a later call while its round is kept
             n += 1
         return out
+
+    def _recheck_job(self, data: bytes, micro_batch: Optional[int]) -> Callable[[Pacer], str]:
+        """The background job of a re-check of ``data`` (:meth:`recheck`, paced)."""
+
+        def run(pace: Pacer) -> str:
+            return self.recheck(data, micro_batch=micro_batch, pace=pace)
+
+        return run
 
     # -- evidence -------------------------------------------------------------------------------------
     def recheck(

@@ -15,7 +15,7 @@ import pytest
 
 from geomesh_p2p.trust import verify_check as VC
 from geomesh_p2p.trust.verify_queue import CheckJob, CheckQueue, Pacer
-from tests.verify_util import ROUND, _verifier, flipped_case_fixture, world_fixture
+from tests.verify_util import ROUND, FakeDHT, _fixed_identity, _verifier, flipped_case_fixture, world_fixture
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -138,3 +138,31 @@ def test_a_check_longer_than_the_time_to_the_next_round_completes_and_its_verdic
         assert sorted(wv._kept) == [ROUND + 2, ROUND + 3, ROUND + 4]  # no longer needed: released
     finally:
         wv.close()
+
+
+def test_published_evidence_is_rechecked_in_the_background(world, flipped_case):
+    """Another verifier's evidence read from the DHT is re-checked by the same paced worker, and the exclusion
+    it confirms lands at the next tend."""
+    c = flipped_case
+    dht = FakeDHT()
+    c.wv.dht = dht
+    try:
+        assert asyncio.run(c.wv.publish(c.ev))
+    finally:
+        c.wv.dht = None
+    other = _verifier(world, _fixed_identity("observer"), dataclasses.replace(c.cfg, duty=0.5), c.plan, c.packets)
+    other.dht = dht
+    try:
+        assert other.own_task(ROUND) is None  # it draws no check of its own: A's exclusion comes from V's evidence
+        assert asyncio.run(other.tend(ROUND)) == []
+        assert other.counts()["queued"] == 1 and other.counts()["drawn"] == 0
+        assert other.queue is not None and other.queue.wait_idle(200)
+        asyncio.run(other.tend(ROUND + 1))
+        a = world.pid["A"]
+        assert a in other.excluded and f"checked by {str(c.v.peer_id)[:10]}" in other.excluded[a]
+        assert a not in other.lone and not other._pending and not other._queued and len(other._seen) == 1
+        assert other.counts()["done"] == 1
+        asyncio.run(other.tend(ROUND + 2))  # read again, not re-checked again
+        assert other.counts()["queued"] == 1
+    finally:
+        other.close()
