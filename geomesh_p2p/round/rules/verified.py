@@ -14,7 +14,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from geomesh_p2p.round.rules.state import RoundState
-from geomesh_p2p.trust import verify
+from geomesh_p2p.trust import agreement, verify
 
 log = logging.getLogger("geomesh_p2p.node.peer.round")
 
@@ -48,6 +48,8 @@ class VerifiedWork:
         self._collective = collective
         self.verifier = verifier
         self.task: Optional[asyncio.Future] = None
+        #: (round, its relative agreement test) of the newest round measured (advisory, issue 28)
+        self.agreement: Optional[tuple[int, agreement.AgreementTest]] = None
         # the verdicts while no verifier is built (a --resume's, in force from the first plan); handed over
         self._book = verify.Verdicts(state.me or "")
 
@@ -127,9 +129,16 @@ class VerifiedWork:
 
     def counts(self) -> Optional[dict]:
         """What this peer's background checks did so far (:meth:`~geomesh_p2p.trust.verify.WorkVerifier.counts`:
-        drawn, queued, done, late, dropped, failed, waiting, busy and paced seconds), None before any round was
-        kept (verified work off, or reencode mode)."""
-        return self.verifier.counts() if self.verifier is not None else None
+        drawn, queued, done, late, dropped, failed, waiting, busy and paced seconds) and, under ``"agreement"``,
+        the newest round's relative agreement test (advisory); None before any round was kept (verified work
+        off, or reencode mode)."""
+        if self.verifier is None:
+            return None
+        out = self.verifier.counts()
+        if self.agreement is not None:
+            r, test = self.agreement
+            out["agreement"] = {"round": r, **test.as_dict()}
+        return out
 
     def verify_round(self, r: int, plan, a, ar) -> None:
         """The event loop's side of verified work after round ``r`` was kept (:meth:`before_outer_step`): apply
@@ -146,7 +155,7 @@ class VerifiedWork:
             if running is not None and not running.done():
                 log.debug("round %d: verified work: the previous round's evidence is still being read", r)
                 return
-            self.task = asyncio.ensure_future(wv.tend(r, micro_batch=a.micro_batch))
+            self.task = asyncio.ensure_future(self._tend(wv, r, a, ar))
 
             def failed(t: asyncio.Future) -> None:
                 if not t.cancelled() and t.exception() is not None:
@@ -155,6 +164,28 @@ class VerifiedWork:
             self.task.add_done_callback(failed)
         except Exception as e:
             log.warning("round %d: verified work skipped: %s", r, e)
+
+    async def _tend(self, wv: verify.WorkVerifier, r: int, a, ar) -> None:
+        """The checks' results (:meth:`~geomesh_p2p.trust.verify.WorkVerifier.tend`), then the round's relative
+        agreement test (:mod:`geomesh_p2p.trust.agreement`; advisory: recorded in the row and logged, nothing
+        dropped or excluded on it). Off the round's path: a task of its own."""
+        await wv.tend(r, micro_batch=a.micro_batch)
+        aggregate = getattr(ar, "aggregate", None)
+        if aggregate is None or not ar.part_ranges:
+            return
+        found = await asyncio.to_thread(agreement.sign_agreements, ar.contributions, aggregate, ar.part_ranges)
+        test = agreement.relative_threshold(found)
+        self.agreement = (r, test)
+        if test.outliers:
+            log.info(
+                "round %d: sign agreement with the aggregate below the round's relative threshold %.3f (median "
+                "%.3f, MAD %.3f): %s (advisory: nothing is dropped on it)",
+                r,
+                test.threshold,
+                test.median,
+                test.mad,
+                ", ".join(f"{p[:10]} {found[p]:.3f}" for p in test.outliers),
+            )
 
     def plan_problem(self, plan) -> Optional[str]:
         """Why this peer refuses ``plan`` for verified work's sake (an excluded peer that leads would plan
