@@ -120,8 +120,8 @@ for a verdict a peer holds alone (only its own checks failed the accused, :attr:
 statistic depends on the checker's basis, so the others may all pass what it failed, and refusing their
 plans split it off the swarm (issue 28). It keeps following, leaves the accused out of the plans it leads,
 and the exclusion counts in full once another verifier's evidence, re-checked here, fails the accused too.
-Exclusions live in each peer's memory for the run (a restarted peer forgets them; evidence expires
-after :attr:`VerifyConfig.evidence_ttl_s` and needs the round's weights to be re-checked).
+Exclusions are saved with the checkpoint and restored by ``--resume`` (:class:`Verdicts`); evidence expires
+after :attr:`VerifyConfig.evidence_ttl_s` and needs the round's weights to be re-checked.
 
 Where: what a check draws (:mod:`.verify_task`), the check itself (:mod:`.verify_check`), the evidence
 a failed check publishes (:mod:`.evidence`); here, the node's side (:class:`WorkVerifier`).

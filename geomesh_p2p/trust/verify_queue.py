@@ -28,7 +28,11 @@ from typing import Any, Callable, Optional
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Pacer", "CheckJob", "CheckQueue", "CheckCounts"]
+__all__ = ["Pacer", "CheckJob", "CheckQueue", "CheckCounts", "QueueClosed"]
+
+
+class QueueClosed(RuntimeError):
+    """The queue was closed while a job ran: raised at the job's next pace, so it stops there."""
 
 
 class Pacer:
@@ -62,6 +66,9 @@ class Pacer:
         self._since = self.clock()
 
     def __call__(self) -> None:
+        """Pace: sleep for the work since the last call. Raises :class:`QueueClosed` once ``stop`` is set."""
+        if self.stop.is_set():
+            raise QueueClosed("the verified-work queue was closed")
         busy = max(0.0, self.clock() - self._since)
         self.busy_s += busy
         rest = busy * (1.0 - self.duty) / self.duty
@@ -218,8 +225,8 @@ class CheckQueue:
         return True
 
     def close(self, timeout: float = 10.0) -> None:
-        """Stop the worker: waiting jobs are dropped (not counted), the running one ends its current pass
-        (the pacer's sleep is cut short). Safe to call twice."""
+        """Stop the worker: waiting jobs are dropped (not counted), the running one ends at its next pace (the
+        pacer's sleep is cut short and it raises :class:`QueueClosed`). Safe to call twice."""
         with self._cond:
             self._stop.set()
             self._waiting.clear()
@@ -243,9 +250,15 @@ class CheckQueue:
                 result = job.run(self.pacer)
             except Exception as e:  # noqa: BLE001  a job's failure is reported with its result, never ends the worker
                 error = e
-            self.pacer()  # the rest of the job's compute is paced too
+            try:
+                self.pacer()  # the rest of the job's compute is paced too
+            except QueueClosed:
+                pass
             with self._cond:
                 self._running = None
+                if self._stop.is_set():  # closed while it ran: nothing reported
+                    self._cond.notify_all()
+                    return
                 if error is not None:
                     self.counts.failed += 1
                 else:

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from geomesh_p2p.trust import verify_check as VC
-from geomesh_p2p.trust.verify_queue import CheckJob, CheckQueue, Pacer
+from geomesh_p2p.trust.verify_queue import CheckJob, CheckQueue, Pacer, QueueClosed
 from tests.verify_util import ROUND, FakeDHT, _fixed_identity, _verifier, flipped_case_fixture, world_fixture
 
 pytestmark = pytest.mark.timeout(240)
@@ -166,3 +166,24 @@ def test_published_evidence_is_rechecked_in_the_background(world, flipped_case):
         assert other.counts()["queued"] == 1
     finally:
         other.close()
+
+
+def test_closing_the_queue_stops_the_running_job_at_its_next_pace():
+    running = threading.Event()
+    paces: list[int] = []
+    q = CheckQueue(0.5, 2)
+
+    def endless(pace):
+        while True:
+            running.set()
+            paces.append(1)
+            pace()  # sleeps as long as it computed; raises QueueClosed once the queue is closed
+
+    q.submit(CheckJob(1, "check", endless))
+    q.submit(CheckJob(2, "check", lambda pace: "never run"))
+    assert running.wait(30)
+    q.close()
+    assert q._thread is not None and not q._thread.is_alive()
+    assert q.results() == [] and q.rounds() == set()  # the waiting job was dropped, nothing reported
+    with pytest.raises(QueueClosed):
+        q.pacer()
