@@ -96,3 +96,45 @@ def test_uniform_plans_are_not_bounded_by_delivered_work():
     plan = make_plan(recs, cfg, supported_tokens_per_s={"h0": 10.0, "h1": 10.0, "z": 10.0}, **KW)
     assert {a.inner_steps for a in plan.assignments} == {10}
     assert check_plan(plan, _by_id(recs), cfg, now=T0, supported={"h0": 10.0, "h1": 10.0, "z": 10.0}) is None
+
+
+def test_a_follower_refuses_a_leader_that_plans_by_the_claim():
+    """The node's rules (PlanRules): the leader plans within the delivered rates of the last round, which every
+    peer that applied it holds (Reprofiler.supported_tps); a follower holding them refuses a plan made by the
+    claims, and one that did not apply the last round checks the records alone."""
+    from geomesh_p2p.config.models import NodeConfig, RunConfig
+    from geomesh_p2p.net.identity import Identity
+    from tests.rules_util import make_rules
+
+    run = RunConfig(seq_len=32, window_s=5.0)
+    ids = [str(Identity.generate().peer_id) for _ in range(4)]
+    z = ids[3]
+    recs = [
+        peer_record(
+            p,
+            address=f"127.0.0.1:{1001 + i}",
+            round=3,
+            weights_digest="d",
+            tokens_per_s={8: 1e10 if p == z else 1000.0},
+        )
+        for i, p in enumerate(ids)
+    ]
+    live = {r.peer_id: r for r in recs}
+    delivered = (2, {p: 1000.0 for p in ids})  # round 2's deliveries: every peer 1,000 tokens/s
+
+    def rules(me, evidence):
+        r = make_rules(run, NodeConfig(), me=me, round=3, digest="d", numel=5000).planning
+        r.profile.supported_tps = evidence
+        return r
+
+    leader, follower = rules(ids[0], delivered), rules(ids[1], delivered)
+    plan = leader.make_plan(recs, ids[0])
+    # honest: 19 steps of 8 x 32 tokens (1,000 tokens/s); z: EVIDENCE_GROWTH x its delivered 1,000, 38 steps
+    assert [plan.assignment(p).token_budget for p in ids] == [4864, 4864, 4864, 9728]
+    assert follower.plan_problem(plan, live) is None
+    by_claim = rules(ids[0], None).make_plan(recs, ids[0])  # a leader that plans by the records alone
+    assert by_claim.assignment(z).token_budget == 38912  # its claim, bounded to 8x the median: 152 steps
+    why = follower.plan_problem(by_claim, live)
+    assert why is not None and "delivered work" in why and z[:10] in why
+    assert rules(ids[1], None).plan_problem(by_claim, live) is None  # no evidence held: the records alone
+    assert rules(ids[1], (1, delivered[1])).plan_problem(by_claim, live) is None  # evidence of another round
