@@ -10,10 +10,13 @@ import math
 
 import pytest
 
+from geomesh_p2p.config.models import NodeConfig, RunConfig
+from geomesh_p2p.net.identity import Identity
 from geomesh_p2p.plan.bounds import EVIDENCE_GROWTH, PLAN_CHECK_TOLERANCE, THROUGHPUT_SPREAD_CAP, evidence_ceilings
 from geomesh_p2p.plan.planner import check_plan, check_plan_sampled, make_plan
 from geomesh_p2p.plan.schema import PlanConfig
 from tests.records_util import peer_record
+from tests.rules_util import make_rules
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -102,10 +105,6 @@ def test_a_follower_refuses_a_leader_that_plans_by_the_claim():
     """The node's rules (PlanRules): the leader plans within the delivered rates of the last round, which every
     peer that applied it holds (Reprofiler.supported_tps); a follower holding them refuses a plan made by the
     claims, and one that did not apply the last round checks the records alone."""
-    from geomesh_p2p.config.models import NodeConfig, RunConfig
-    from geomesh_p2p.net.identity import Identity
-    from tests.rules_util import make_rules
-
     run = RunConfig(seq_len=32, window_s=5.0)
     ids = [str(Identity.generate().peer_id) for _ in range(4)]
     z = ids[3]

@@ -12,8 +12,12 @@ import threading
 import time
 
 import pytest
+import torch
 
+from geomesh_p2p.net.identity import Identity
+from geomesh_p2p.trust import verify as V
 from geomesh_p2p.trust import verify_check as VC
+from geomesh_p2p.trust import verify_task as VT
 from geomesh_p2p.trust.verify_queue import CheckJob, CheckQueue, Pacer, QueueClosed
 from tests.verify_util import ROUND, FakeDHT, _fixed_identity, _verifier, flipped_case_fixture, world_fixture
 
@@ -187,3 +191,43 @@ def test_closing_the_queue_stops_the_running_job_at_its_next_pace():
     assert q.results() == [] and q.rounds() == set()  # the waiting job was dropped, nothing reported
     with pytest.raises(QueueClosed):
         q.pacer()
+
+
+def test_kept_rounds_stay_while_a_job_needs_them_and_go_when_it_is_dropped(tmp_path):
+    """The newest keep_rounds rounds stay, and older ones only while a queued or running job needs them; the
+    round of a job dropped from a full queue goes at the next keep (the counted reason: its weights released)."""
+    cfg = VT.VerifyConfig(keep_rounds=2, max_pending=1)
+    wv = V.WorkVerifier(
+        cfg, identity=Identity.generate(), run_id="run", model=None, dataset=None, seed=0, lr=1e-3,
+        weight_decay=0.1, kept_dir=str(tmp_path),
+    )  # fmt: skip
+    gate, running = threading.Event(), threading.Event()
+
+    def keep(r):
+        wv.keep_round(r, theta=torch.full((8,), float(r)), plan=None, part_ranges=[(0, 8)], packets={})
+
+    def held(pace):
+        running.set()
+        gate.wait(30)
+
+    try:
+        keep(0)
+        wv._queue().submit(CheckJob(0, "check", held))
+        assert running.wait(30)
+        keep(1)
+        wv._queue().submit(CheckJob(1, "check", lambda pace: None))  # waits behind round 0's
+        keep(2)
+        keep(3)
+        assert sorted(wv._kept) == [0, 1, 2, 3] and wv.kept_weights.rounds() == [0, 1, 2, 3]
+        wv._queue().submit(CheckJob(3, "check", lambda pace: None))  # the queue is full: round 1's job goes
+        keep(4)
+        assert sorted(wv._kept) == [0, 3, 4] and wv.kept_weights.rounds() == [0, 3, 4]
+        assert wv.counts()["dropped"] == 1 and wv.counts()["waiting"] == 2
+        gate.set()
+        assert wv.queue is not None and wv.queue.wait_idle(30)
+        keep(5)
+        assert sorted(wv._kept) == [4, 5] and wv.kept_weights.rounds() == [4, 5]
+        assert float(wv.kept_theta(5)[0]) == 5.0
+    finally:
+        gate.set()
+        wv.close()
