@@ -156,7 +156,7 @@ from geomesh_p2p.trust.evidence import (
     publish_evidence,
     signed_contribution,
 )
-from geomesh_p2p.trust.verify_queue import CheckCounts, CheckJob, CheckQueue, Pacer
+from geomesh_p2p.trust.verify_queue import CheckJob, CheckQueue, Pacer
 from geomesh_p2p.trust.verify_check import (
     FAIL,
     MARGINAL,
@@ -271,8 +271,8 @@ class WorkVerifier(Verdicts):
         self._log_once = LogOnce(log, capacity=1024)
         #: (round, task, stats, verdict) of this node's own checks, newest last (bounded)
         self.history: list[tuple[int, VerifyTask, WorkStats, Verdict]] = []
-        #: the background worker of :meth:`queue_check` / :meth:`tend` (made on first use)
-        self.queue: Optional[CheckQueue] = None
+        #: the background worker of :meth:`queue_check` / :meth:`tend` (its thread starts with the first job)
+        self.queue: CheckQueue = CheckQueue(cfg.duty, cfg.max_pending)
         #: the newest round :meth:`tend` was called for (a verdict reached later counts its plan grace from it)
         self.now_round = 0
         self._queued: set[str] = set()  # evidence (sha256 of its head) whose re-check is queued
@@ -321,7 +321,7 @@ class WorkVerifier(Verdicts):
         self._kept[r] = _Kept(plan, [(s, e) for s, e in part_ranges], {p: dict(v) for p, v in packets.items()})
         self._kept.move_to_end(r)
         # the newest keep_rounds stay, and older ones a queued check or re-check needs (at most max_pending + 1)
-        busy = self.queue.rounds() if self.queue is not None else set()
+        busy = self.queue.rounds()
         older = list(self._kept)[: max(0, len(self._kept) - self.cfg.keep_rounds)]
         for old in [k for k in older if k not in busy]:
             del self._kept[old]
@@ -341,8 +341,7 @@ class WorkVerifier(Verdicts):
     def close(self) -> None:
         """Stop the background worker (waiting checks are dropped), forget the kept rounds and delete their
         files and directory. Safe to call twice."""
-        if self.queue is not None:
-            self.queue.close()
+        self.queue.close()
         self._kept.clear()
         self._weights.close()
 
@@ -514,11 +513,6 @@ class WorkVerifier(Verdicts):
         return self._conclude(m) if m is not None else None
 
     # -- the background queue (issue 28: a check is never skipped) ------------------------------------
-    def _queue(self) -> CheckQueue:
-        if self.queue is None:
-            self.queue = CheckQueue(self.cfg.duty, self.cfg.max_pending)
-        return self.queue
-
     def queue_check(
         self,
         round: int,
@@ -535,7 +529,7 @@ class WorkVerifier(Verdicts):
         prep = self._prepare(round, signed_of)
         if prep is None:
             return False
-        self._queue().submit(
+        self.queue.submit(
             CheckJob(
                 round,
                 "check",
@@ -547,9 +541,9 @@ class WorkVerifier(Verdicts):
         return True
 
     def counts(self) -> dict:
-        """What the background queue did (:meth:`CheckCounts.as_dict`: queued, done, late, dropped, failed,
+        """What the background queue did (:meth:`~geomesh_p2p.trust.verify_queue.CheckCounts.as_dict`: queued, done, late, dropped, failed,
         waiting, busy and paced seconds), plus ``drawn``: this node's checks queued; all 0 before any."""
-        c = self.queue.snapshot() if self.queue is not None else CheckCounts()
+        c = self.queue.snapshot()
         return {**c.as_dict(), "drawn": c.by_kind.get("check", 0)}
 
     async def tend(self, round: int, *, micro_batch: Optional[int] = None) -> list[Evidence]:
@@ -559,7 +553,7 @@ class WorkVerifier(Verdicts):
         evidence of this node's failed checks published now."""
         self.now_round = max(self.now_round, int(round))
         out = []
-        for job, result, error in self._queue().results() if self.queue is not None else []:
+        for job, result, error in self.queue.results():
             if error is not None:  # one record that got past fetch, say: dropped, never re-queued
                 self._log_once(
                     job.key,
@@ -596,7 +590,7 @@ class WorkVerifier(Verdicts):
             if h in self._queued:
                 continue
             self._queued.add(h)
-            dropped = self._queue().submit(
+            dropped = self.queue.submit(
                 CheckJob(self._pending_round.get(h, round), "recheck", self._recheck_job(data, micro_batch), key=h)
             )
             if dropped is not None and dropped.kind == "recheck":

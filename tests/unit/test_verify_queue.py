@@ -120,7 +120,7 @@ def test_a_check_longer_than_the_time_to_the_next_round_completes_and_its_verdic
             assert wv.counts()["waiting"] == 1 and wv.counts()["done"] == 0
         finally:
             wv._compute.release()
-        assert wv.queue is not None and wv.queue.wait_idle(200)
+        assert wv.queue.wait_idle(200)
         [ev] = asyncio.run(wv.tend(ROUND + 3))
         assert ev.round == ROUND and ev.accused == a and ev.outcome == VC.FAIL and ev.task == c.task
         assert ev.contributions == c.signed and ev.plain < 0.3
@@ -160,7 +160,7 @@ def test_published_evidence_is_rechecked_in_the_background(world, flipped_case):
         assert other.own_task(ROUND) is None  # it draws no check of its own: A's exclusion comes from V's evidence
         assert asyncio.run(other.tend(ROUND)) == []
         assert other.counts()["queued"] == 1 and other.counts()["drawn"] == 0
-        assert other.queue is not None and other.queue.wait_idle(200)
+        assert other.queue.wait_idle(200)
         asyncio.run(other.tend(ROUND + 1))
         a = world.pid["A"]
         assert a in other.excluded and f"checked by {str(c.v.peer_id)[:10]}" in other.excluded[a]
@@ -212,19 +212,19 @@ def test_kept_rounds_stay_while_a_job_needs_them_and_go_when_it_is_dropped(tmp_p
 
     try:
         keep(0)
-        wv._queue().submit(CheckJob(0, "check", held))
+        wv.queue.submit(CheckJob(0, "check", held))
         assert running.wait(30)
         keep(1)
-        wv._queue().submit(CheckJob(1, "check", lambda pace: None))  # waits behind round 0's
+        wv.queue.submit(CheckJob(1, "check", lambda pace: None))  # waits behind round 0's
         keep(2)
         keep(3)
         assert sorted(wv._kept) == [0, 1, 2, 3] and wv.kept_weights.rounds() == [0, 1, 2, 3]
-        wv._queue().submit(CheckJob(3, "check", lambda pace: None))  # the queue is full: round 1's job goes
+        wv.queue.submit(CheckJob(3, "check", lambda pace: None))  # the queue is full: round 1's job goes
         keep(4)
         assert sorted(wv._kept) == [0, 3, 4] and wv.kept_weights.rounds() == [0, 3, 4]
         assert wv.counts()["dropped"] == 1 and wv.counts()["waiting"] == 2
         gate.set()
-        assert wv.queue is not None and wv.queue.wait_idle(30)
+        assert wv.queue.wait_idle(30)
         keep(5)
         assert sorted(wv._kept) == [4, 5] and wv.kept_weights.rounds() == [4, 5]
         assert float(wv.kept_theta(5)[0]) == 5.0
