@@ -163,7 +163,6 @@ class PeerNode:
             lambda: verify.WorkVerifier.for_node(self),  # a private copy of the model, on first use
             theta=self._global_theta,
             collective=lambda: self.collective,
-            row_time=lambda: getattr(self.trainer, "_row_time_ema", None),
         )
         self.resync = StateSync(
             self.run_cfg,

@@ -88,14 +88,17 @@ def record_capacity(node: PeerNode) -> dict:
 def run_memory(run, cfg, n_params: int) -> RunMemory:
     """The static memory of this peer's run (:func:`~geomesh_p2p.model.run_memory.run_memory_estimate`) for
     ``n_params`` parameters under RunConfig ``run`` and NodeConfig ``cfg``: verified work when relay mode and a
-    sign-compressed method; its kept contributions counted at ``max(2, --min-peers)`` contributors."""
+    sign-compressed method; its kept contributions counted at ``max(2, --min-peers)`` contributors, for
+    ``keep_rounds + 1`` rounds (one held by the background check)."""
     return run_memory_estimate(
         n_params,
         run.method,
         inner_optimizer=run.inner_optimizer,
         error_feedback=bool(run.error_feedback),
         verified_work=verified_work_on(run.method, run.mode),
-        keep_rounds=VerifyConfig().keep_rounds,
+        # the newest keep_rounds and the round of the check running in the background (issue 28); while more
+        # checks wait, up to max_pending more rounds stay (rare: docs/security.md, "Verified work")
+        keep_rounds=VerifyConfig().keep_rounds + 1,
         contributors=max(2, int(cfg.min_peers)),
         block_size=run.block_size,
         accountable=run.mode == "accountable",

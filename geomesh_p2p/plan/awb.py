@@ -58,7 +58,7 @@ from typing import Collection, Iterable, Mapping, Optional, Sequence
 import numpy as np
 
 from geomesh_p2p.plan.assign import PlanMeta, build_plan, probation_ids
-from geomesh_p2p.plan.bounds import BUDGET_MEDIAN_FACTOR, EVIDENCE_GROWTH, bound_records, check_records
+from geomesh_p2p.plan.bounds import BUDGET_MEDIAN_FACTOR, bound_records, check_records, evidence_ceilings
 from geomesh_p2p.plan.cost import PeerModel, best_micro_batch, inner_steps, interpolate_tokens_per_s, step_and_comm
 from geomesh_p2p.plan.schema import PlanConfig, RoundPlan
 from geomesh_p2p.schema.peer import PeerRecord
@@ -214,8 +214,9 @@ def plan_round(
     Claims are bounded first (:func:`bound_records`). ``supported_tokens_per_s`` (peer_id ->
     tokens/s), when the leader has it, is what each peer's last delivered contribution supports
     (tokens delivered / compute seconds planned for it); a peer is then planned at no more than
-    ``EVIDENCE_GROWTH`` x that rate: its ``H_i`` is lowered, the window ``T`` is not (followers
-    recompute ``T`` from the records alone). Finally no budget exceeds ``BUDGET_MEDIAN_FACTOR`` x the
+    ``EVIDENCE_GROWTH`` x that rate, and a peer without one (a newcomer) at no more than the lower
+    median of those rates (:func:`~geomesh_p2p.plan.bounds.evidence_ceilings`; followers check it):
+    its ``H_i`` is lowered, the window ``T`` is not (followers recompute ``T`` from the records alone). Finally no budget exceeds ``BUDGET_MEDIAN_FACTOR`` x the
     lower-median budget unless it is ``min_inner_steps`` steps of its batch.
 
     The result does not depend on the order of ``records``. Raises ValueError for no peers, a
@@ -246,15 +247,15 @@ def plan_round(
 def _bound_by_evidence(
     recs: Sequence[PeerRecord], models: list[PeerModel], supported: Mapping[str, float], cfg: PlanConfig
 ) -> list[PeerModel]:
-    """Models whose step time is at least what ``EVIDENCE_GROWTH`` x the supported rate allows.
-    Longer steps only: a peer with no (or unusable) evidence keeps its model."""
+    """Models whose step time is at least what the peer's delivered work allows (:func:`evidence_ceilings`:
+    ``EVIDENCE_GROWTH`` x its delivered rate, a newcomer the lower median of the delivered rates). Longer
+    steps only: the record can only lower the rate; with no usable evidence at all the models stay."""
+    ceilings = evidence_ceilings([r.peer_id for r in recs], supported)
     out = []
     for r, m in zip(recs, models):
-        rate = supported.get(r.peer_id)
-        if rate is not None and math.isfinite(rate) and rate > 0:
-            ceiling = EVIDENCE_GROWTH * float(rate)
-            if interpolate_tokens_per_s(r.tokens_per_s, m.micro) > ceiling:
-                m = m.with_step_s(m.batch * cfg.seq_len / ceiling)
+        ceiling = ceilings.get(r.peer_id)
+        if ceiling is not None and interpolate_tokens_per_s(r.tokens_per_s, m.micro) > ceiling:
+            m = m.with_step_s(m.batch * cfg.seq_len / ceiling)
         out.append(m)
     return out
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from typing import Sequence
+from typing import Iterable, Mapping, Optional, Sequence
 
 from geomesh_p2p.schema.peer import PeerRecord
 
@@ -45,6 +45,23 @@ BANDWIDTH_SPREAD_CAP = 64.0
 #: a peer's planned rate is at most this many times what its last delivered contribution supports
 #: (tokens it delivered / compute seconds it was planned): a record can only grow that fast per round.
 EVIDENCE_GROWTH = 2.0
+
+
+def evidence_ceilings(peer_ids: Iterable[str], supported: Optional[Mapping[str, float]]) -> dict[str, float]:
+    """Tokens/s ceiling of each of ``peer_ids`` from delivered work (issue 28, "claims planned by delivered
+    work"): ``EVIDENCE_GROWTH`` x its rate in ``supported`` (peer id -> tokens/s its last round's delivered
+    contribution supports: tokens the owners took from it, capped by its budget, over the compute seconds
+    its plan predicted; every peer that applied that round computes the same map), and for a peer with no
+    such rate (a newcomer, or one that sat the round out) the lower median of the rates there: an announced
+    figure seeds a newcomer at most at what the peers that delivered deliver. Empty when ``supported`` has no
+    usable rate (round 0, or a node that did not apply the last round: records alone bound the plan then).
+    Pure: the leader plans with it (:func:`~geomesh_p2p.plan.awb.plan_round`) and followers check the plan
+    against it (:func:`~geomesh_p2p.plan.planner.check_plan`)."""
+    rates = {p: float(v) for p, v in (supported or {}).items() if v is not None and math.isfinite(v) and v > 0}
+    if not rates:
+        return {}
+    seed = statistics.median_low(sorted(rates.values()))
+    return {p: EVIDENCE_GROWTH * rates[p] if p in rates else seed for p in peer_ids}
 
 
 #: no token budget exceeds this many times the plan's lower-median budget (unless it is a single

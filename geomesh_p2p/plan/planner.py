@@ -30,6 +30,7 @@ from geomesh_p2p.plan.bounds import (
     PLAN_CHECK_TOLERANCE,
     bound_records,
     check_records,
+    evidence_ceilings,
     max_token_share,
 )
 from geomesh_p2p.plan.cost import (
@@ -237,7 +238,13 @@ def window_exclusions(
 
 
 def check_plan(
-    plan: RoundPlan, records: Mapping[str, PeerRecord], cfg: PlanConfig, *, now: float, barred: Collection[str] = ()
+    plan: RoundPlan,
+    records: Mapping[str, PeerRecord],
+    cfg: PlanConfig,
+    *,
+    now: float,
+    barred: Collection[str] = (),
+    supported: Optional[Mapping[str, float]] = None,
 ) -> Optional[str]:
     """Why a follower must refuse ``plan`` (a one-line reason), or None when it is within bounds.
 
@@ -322,7 +329,7 @@ def check_plan(
                 f"token budget {a.token_budget} for {a.peer_id[:10]} exceeds the {ceiling:.0f} its bounded "
                 f"throughput supports in {T:.3g} s"
             )
-    reason = _budget_problem(plan, cfg) or _probation_problem(plan, cfg)
+    reason = _budget_problem(plan, cfg) or _probation_problem(plan, cfg) or _evidence_problem(plan, cfg, supported)
     if reason is not None:
         return reason
     on_probation = set(plan.probation())
@@ -346,6 +353,7 @@ def check_plan_sampled(
     *,
     now: float,
     barred: Collection[str] = (),
+    supported: Optional[Mapping[str, float]] = None,
 ) -> Optional[str]:
     """:func:`check_plan` for a light follower (issue 25) that holds the records of a sample of the plan's
     participants only (``sampled``: ``peer_id -> PeerRecord``, each a participant). One-line reason, or None.
@@ -397,7 +405,7 @@ def check_plan_sampled(
         return "its train deadline is not its start plus its window"
     if plan.created_at - now > MAX_CLOCK_SKEW_S:
         return f"it starts {plan.created_at - now:.0f} s in the future"
-    reason = _budget_problem(plan, cfg) or _probation_problem(plan, cfg)
+    reason = _budget_problem(plan, cfg) or _probation_problem(plan, cfg) or _evidence_problem(plan, cfg, supported)
     if reason is not None:
         return reason
     on_probation = set(plan.probation())
@@ -431,6 +439,28 @@ def _budget_problem(plan: RoundPlan, cfg: PlanConfig) -> Optional[str]:
             )
         if a.token_budget > floor and a.token_budget > share * total * (1 + 1e-12):
             return f"{who} holds {a.token_budget / total:.0%} of the round's tokens, over the {share:.0%} bound"
+    return None
+
+
+def _evidence_problem(plan: RoundPlan, cfg: PlanConfig, supported: Optional[Mapping[str, float]]) -> Optional[str]:
+    """Budgets against what delivered work supports (see :func:`check_plan`); None for uniform methods (every
+    peer gets the same steps) and when ``supported`` has no usable rate."""
+    if not _method_rule(cfg).balanced:
+        return None
+    ceilings = evidence_ceilings(plan.participants(), supported)
+    if not ceilings:
+        return None
+    T = plan.window_s
+    for a in plan.assignments:
+        limit = PLAN_CHECK_TOLERANCE * ceilings[a.peer_id] * T
+        floor = cfg.min_inner_steps * a.batch_size * cfg.seq_len
+        if a.token_budget > max(limit, floor):
+            rate = (supported or {}).get(a.peer_id)
+            basis = f"{rate:.0f} tokens/s delivered last round" if rate else "a newcomer: the median delivered rate"
+            return (
+                f"token budget {a.token_budget} for {a.peer_id[:10]} exceeds the {limit:.0f} its delivered work "
+                f"supports in {T:.3g} s ({basis})"
+            )
     return None
 
 

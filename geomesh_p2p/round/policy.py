@@ -159,5 +159,9 @@ class NodeRoundPolicy:
 
     def publish_record(self, rec) -> None:
         """The round's row to the log, Prometheus and the status page. Raises RuntimeError after shutdown
-        (the round log is closed)."""
+        (the round log is closed). The row carries verified work's counts (``extra["verify"]``: checks drawn,
+        done, late, dropped, waiting; issue 28)."""
+        counts = self.verified.counts()
+        if counts is not None:
+            rec.extra["verify"] = counts
         self._publish(rec)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import logging
 import zlib
 from dataclasses import dataclass, field
 from typing import Mapping, Optional
@@ -39,6 +40,8 @@ from geomesh_p2p.trust.verify_task import VerifyTask, selection_message
 from geomesh_p2p.wire import collective_pb2, envelope_pb2
 from geomesh_p2p.util.untrusted import json_loads
 
+log = logging.getLogger("geomesh_p2p.trust.verify")
+
 __all__ = [
     "Evidence",
     "EvidenceError",
@@ -51,6 +54,7 @@ __all__ = [
     "evidence_key",
     "fetch_contributions",
     "publish_evidence",
+    "signed_contribution",
 ]
 
 
@@ -357,3 +361,29 @@ async def fetch_contributions(dht, ev: Evidence, timeout_s: float = STORE_TIMEOU
             if j in ev.packets and j // CONTRIBUTIONS_PER_KEY == shard:
                 out[j] = entry[0]
     return out
+
+
+def signed_contribution(collective, round: int, part: int, sender: str) -> Optional[bytes]:
+    """The sender-signed contribution bytes of ``sender`` to ``part`` of ``round`` held by a
+    :class:`~geomesh_p2p.exchange.CollectiveService` (accepted as the part's owner, or relayed in an
+    owner's result it pulled), or None. Reads the service's per-round state (kept for its
+    ``max_rounds_kept`` newest rounds); returns None if that state is gone or shaped differently."""
+    try:
+        state = collective._rounds.get(round)
+        if state is None:
+            return None
+        owned = state.parts.get(part)
+        if owned is not None and sender in owned.contributions:
+            return owned.contributions[sender].signed
+        result = state.cache.get(part) or (owned.signed_result if owned is not None else None)
+        if not result:
+            return None
+        res = collective_pb2.PartResult.FromString(envelope_pb2.SignedMessage.FromString(result).payload)
+        want = bytes(PeerID.from_string(sender))
+        for item in res.contributions:
+            env = envelope_pb2.SignedMessage.FromString(item.signed_message).envelope
+            if env.sender == want:
+                return item.signed_message
+    except Exception as e:  # never let evidence gathering break a round
+        log.debug("signed contribution of %s, round %d part %d not found: %s", sender[:10], round, part, e)
+    return None

@@ -73,25 +73,33 @@ decided before any computation.
 
 Cost and coverage. A check costs ``k + m`` forward/backward passes of the contributor's batch (9 at
 H = 20: 45% of one contributor-round). Each peer checks with probability ``p = min(1, share x
-(H_v x B_v) / ((k + m) x B_t))`` per round (``share`` = :attr:`VerifyConfig.share`, 0.2 by default), so
-it spends at most ``share`` of its own compute (the node skips a check that would not end before the
-next round starts, so less on a busy device); each contributor is then checked by ~``share x H / (k +
-m)`` peers per round (0.44 per peer at H = 20, so ~1 check per round in a group of 4). Caught: zeros
-(free riders that send nothing), flipped, noise, scaled above the bound (~2x honest magnitudes right
-after warm-up, 3x later) -- hard, excluded after one confirmed check; stale updates (hard in ~50%,
-marginal in 84-100% of the checks); updates computed on other data or copied from another peer
+(H_v x B_v) / ((k + m) x B_t))`` per round (``share`` = :attr:`VerifyConfig.share`, 0.1 by default), so
+it draws at most ``share`` of its own compute on average; each contributor is then checked by ~``share x H
+/ (k + m)`` peers per round (0.22 per peer at H = 20). A drawn check is never skipped for time (issue 28;
+the first version skipped those that would not end before the next round's start, 21 of 28 in a clean
+4-peer run): it queues in a background worker (:mod:`.verify_queue`) paced to ``duty`` (0.15) of the wall
+time, in the background of the next rounds' inner steps, and its verdict is applied when it ends
+(:meth:`WorkVerifier.tend`), for the round it checked; the round's start weights stay kept until then. Its
+latency is ``(k + m) x B_t / (H_v x B_v) / duty`` rounds: ~1.3 rounds at H = 100, 3 at H = 20, ~11 at H = 5.
+Caught: zeros (free riders that send nothing), flipped, noise, scaled above the bound (~2x honest
+magnitudes right after warm-up, 3x later) -- hard, excluded after one confirmed check; stale updates (hard
+in ~50%, marginal in 84-100% of the checks); updates computed on other data or copied from another peer
 (marginal in 6-26% of the checks: excluded after two confirmed marginal checks in different rounds,
 so only a persistent one, after many rounds). Not caught: a peer that trains a fair share of its
 batches honestly and fakes the rest (at most in proportion to what it skips, "first ... only" above),
 scaling within the bound (the aggregation's clip is the defence there), anything in a round where
-nobody checks it, and everything in reencode mode (only relay mode shows every peer the signed
-contributions).
+nobody checks it, a contribution that claims fewer than ``min_steps`` steps (never drawn: the thresholds
+are not measured there), and everything in reencode mode (only relay mode shows every peer the signed
+contributions). A late verdict can be re-checked only by peers that still keep its round
+(``keep_rounds``): at small H it usually stays a verdict held alone (:attr:`WorkVerifier.lone`).
 
 Who checks whom. Verifier ``v`` signs ``(run, round, start digest)`` with its Ed25519 key; the SHA-256
 of that signature decides whether it checks this round, whom, which steps and elements. Nobody
 else can predict it (no contributor knows in advance whether or where it is checked), and anyone can
-check it afterwards with ``v``'s public key. (A dishonest verifier can make other valid signatures and
-so pick whom it accuses; that gains it nothing, see below.)
+check it afterwards with ``v``'s public key. The seed is fixed before the contributions are signed (the
+start digest), but only ``v`` can compute it, so an attacker can neither predict nor dodge it: which
+contributions are eligible depends only on what every participant received. (A dishonest verifier can make
+other valid signatures and so pick whom it accuses; that gains it nothing, see below.)
 
 Evidence and exclusion. A failing check is signed by the verifier and stored in the DHT under
 ``<run>/evidence/<round>``, subkey = the verifier's PeerID (only it can write there): round, accused,
@@ -112,8 +120,8 @@ for a verdict a peer holds alone (only its own checks failed the accused, :attr:
 statistic depends on the checker's basis, so the others may all pass what it failed, and refusing their
 plans split it off the swarm (issue 28). It keeps following, leaves the accused out of the plans it leads,
 and the exclusion counts in full once another verifier's evidence, re-checked here, fails the accused too.
-Exclusions live in each peer's memory for the run (a restarted peer forgets them; evidence expires
-after :attr:`VerifyConfig.evidence_ttl_s` and needs the round's weights to be re-checked).
+Exclusions are saved with the checkpoint and restored by ``--resume`` (:class:`Verdicts`); evidence expires
+after :attr:`VerifyConfig.evidence_ttl_s` and needs the round's weights to be re-checked.
 
 Where: what a check draws (:mod:`.verify_task`), the check itself (:mod:`.verify_check`), the evidence
 a failed check publishes (:mod:`.evidence`); here, the node's side (:class:`WorkVerifier`).
@@ -129,15 +137,16 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Optional, Sequence, TypedDict
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence, TypedDict
 
 import torch
 
-from geomesh_p2p.net.identity import Identity, PeerID
+from geomesh_p2p.net.identity import Identity
 from geomesh_p2p.net.swarm_time import swarm_time
 from geomesh_p2p.dht.chunked import ChunksPending
 from geomesh_p2p.telemetry.logonce import LogOnce
 from geomesh_p2p.trust.kept_weights import KeptWeights
+from geomesh_p2p.trust.verdicts import MAX_RESTORED, Verdicts
 from geomesh_p2p.trust.evidence import (
     MAX_VALUE_BYTES,
     Evidence,
@@ -145,7 +154,9 @@ from geomesh_p2p.trust.evidence import (
     EvidenceReader,
     evidence_key,
     publish_evidence,
+    signed_contribution,
 )
+from geomesh_p2p.trust.verify_queue import CheckJob, CheckQueue, Pacer
 from geomesh_p2p.trust.verify_check import (
     FAIL,
     MARGINAL,
@@ -155,7 +166,6 @@ from geomesh_p2p.trust.verify_check import (
     WorkStats,
     check_contribution,
     packet_digest,
-    quick_verdict,
 )
 from geomesh_p2p.trust.verify_task import (
     VerifyConfig,
@@ -164,7 +174,6 @@ from geomesh_p2p.trust.verify_task import (
     evidence_lifetime_s,
     selection_message,
 )
-from geomesh_p2p.wire import collective_pb2, envelope_pb2
 
 if TYPE_CHECKING:  # typing.Unpack for **kwargs is Python 3.12 (PEP 692); only type checkers read it
     from typing_extensions import Unpack
@@ -172,33 +181,7 @@ if TYPE_CHECKING:  # typing.Unpack for **kwargs is Python 3.12 (PEP 692); only t
 log = logging.getLogger(__name__)
 
 
-__all__ = ["WorkVerifier", "CheckOptions", "signed_contribution"]
-
-
-def signed_contribution(collective, round: int, part: int, sender: str) -> Optional[bytes]:
-    """The sender-signed contribution bytes of ``sender`` to ``part`` of ``round`` held by a
-    :class:`~geomesh_p2p.exchange.CollectiveService` (accepted as the part's owner, or relayed in an
-    owner's result it pulled), or None. Reads the service's per-round state (kept for its
-    ``max_rounds_kept`` newest rounds); returns None if that state is gone or shaped differently."""
-    try:
-        state = collective._rounds.get(round)
-        if state is None:
-            return None
-        owned = state.parts.get(part)
-        if owned is not None and sender in owned.contributions:
-            return owned.contributions[sender].signed
-        result = state.cache.get(part) or (owned.signed_result if owned is not None else None)
-        if not result:
-            return None
-        res = collective_pb2.PartResult.FromString(envelope_pb2.SignedMessage.FromString(result).payload)
-        want = bytes(PeerID.from_string(sender))
-        for item in res.contributions:
-            env = envelope_pb2.SignedMessage.FromString(item.signed_message).envelope
-            if env.sender == want:
-                return item.signed_message
-    except Exception as e:  # never let evidence gathering break a round
-        log.debug("signed contribution of %s, round %d part %d not found: %s", sender[:10], round, part, e)
-    return None
+__all__ = ["WorkVerifier", "CheckOptions", "signed_contribution", "Verdicts", "MAX_RESTORED"]
 
 
 @dataclass
@@ -211,132 +194,34 @@ class _Kept:
     packets: dict[str, dict[int, Any]]
 
 
+@dataclass
+class _Prepared:
+    """This node's check of ``round`` as drawn, with the accused's signed contributions (part -> bytes)."""
+
+    round: int
+    kept: _Kept
+    task: VerifyTask
+    signed: dict[int, bytes]
+
+
+@dataclass
+class _Measured:
+    """A check's measurement, not applied yet (:meth:`WorkVerifier._conclude`); ``evidence``: None when it passed."""
+
+    round: int
+    task: VerifyTask
+    stats: WorkStats
+    verdict: Verdict
+    evidence: Optional[Evidence]
+
+
 class CheckOptions(TypedDict, total=False):
     """The keyword options of :meth:`WorkVerifier.check_round`, which :meth:`WorkVerifier.run_round`
     passes on (see check_round for their meaning; an option left out is None)."""
 
     micro_batch: Optional[int]
-    seconds_per_row: Optional[float]
     deadline: Optional[float]
     signed_of: Optional[Callable[[int, str], Optional[bytes]]]
-
-
-#: Verdicts restored from a checkpoint: at most this many entries of each kind (an edited file of 200k
-#: exclusions stalled the loop 2 s and grew the checkpoint to 88 MB: red team, session 13)
-MAX_RESTORED = 4096
-
-
-class Verdicts:
-    """The verdicts of verified work one node holds on the others, and what they mean for plans: the excluded
-    peers (left out of the plans it makes, :meth:`filter`; plans naming them refused, :meth:`plan_problem`),
-    which of those it holds alone (:attr:`lone`), and the rounds of marginal failures. Small and JSON-able
-    (:meth:`to_meta`): saved with the checkpoint, so a restarted peer does not forget them (issue 28).
-    :class:`WorkVerifier` is one; a node that has not built its verifier yet holds one alone.
-
-    ``me``: this node's base58 PeerID (never excluded)."""
-
-    def __init__(self, me: str):
-        self.me = me
-        #: peer id -> why it is excluded from this node's plans
-        self.excluded: dict[str, str] = {}
-        #: peer id -> the round whose check excluded it
-        self.excluded_round: dict[str, int] = {}
-        #: excluded peers whose failures this node measured only in its own checks (no other verifier's
-        #: evidence re-checked here fails them too): a verdict held alone, see :meth:`plan_problem`
-        self.lone: set[str] = set()
-        #: peer id -> rounds of its marginal failures measured here (recent ones)
-        self._marginal: dict[str, set[int]] = {}
-
-    def to_meta(self) -> dict:
-        """The verdicts as JSON-able data: ``{"excluded": {peer: why}, "excluded_round": {peer: round},
-        "lone": [peers], "marginal": {peer: [rounds]}}``."""
-        return {
-            "excluded": dict(self.excluded),
-            "excluded_round": dict(self.excluded_round),
-            "lone": sorted(self.lone),
-            "marginal": {p: sorted(r) for p, r in self._marginal.items()},
-        }
-
-    def restore(self, meta) -> None:
-        """Take the verdicts of :meth:`to_meta` (``--resume``), merged into those held; malformed entries are
-        dropped (an edited checkpoint must not end the node)."""
-        if not isinstance(meta, dict):
-            return
-
-        def peer(p) -> bool:  # a plausible other peer's id (never this node: an edited file must not bar it)
-            return isinstance(p, str) and 0 < len(p) <= 64 and p != self.me
-
-        excluded, rounds = meta.get("excluded"), meta.get("excluded_round")
-        if isinstance(excluded, dict):
-            for p, why in list(excluded.items())[:MAX_RESTORED]:
-                if peer(p) and p not in self.excluded:
-                    self.excluded[p] = str(why)[:500]
-                    r = rounds.get(p) if isinstance(rounds, dict) else None
-                    self.excluded_round[p] = r if type(r) is int else 0
-        lone = meta.get("lone")
-        if isinstance(lone, list):
-            self.lone |= {p for p in lone[:MAX_RESTORED] if isinstance(p, str) and p in self.excluded}
-        marginal = meta.get("marginal")
-        if isinstance(marginal, dict):
-            for p, rs in list(marginal.items())[:MAX_RESTORED]:
-                if peer(p) and isinstance(rs, list):
-                    self._marginal.setdefault(p, set()).update(r for r in rs[:64] if type(r) is int)
-
-    def filter(self, members: Iterable, keep: Optional[str] = None) -> list:
-        """``members`` (PeerRecords or anything with ``peer_id``) without the excluded peers (never ``keep``)."""
-        return [m for m in members if m.peer_id not in self.excluded or m.peer_id == keep]
-
-    def plan_problem(self, plan, me: Optional[str] = None, grace_rounds: int = 2) -> Optional[str]:
-        """Why a follower refuses ``plan``: its leader is excluded here (it would plan itself back in), or
-        it names a peer excluded here more than ``grace_rounds`` rounds before the plan's round (honest
-        leaders re-check the same evidence within a round or two; before that, their plans still count).
-
-        A verdict this node holds alone (:attr:`lone`: only its own checks failed the peer) never makes it
-        refuse a plan (issue 28, "verdicts that cannot fork"): the checks' statistic depends on the checker
-        (its own contribution is the basis), so the others' re-checks may all pass the same contribution,
-        and a peer refusing every plan they follow sat out every round (before: formed a swarm of one). It
-        keeps following the swarm's plans, leaves the peer out of the plans it leads (:meth:`filter`: the
-        others follow those), and its evidence stays published for the others to re-check."""
-        bad = [
-            p
-            for p in plan.participants()
-            if p in self.excluded
-            and p not in self.lone
-            and p != me
-            and (p == plan.leader or plan.round > self.excluded_round.get(p, plan.round) + grace_rounds)
-        ]
-        return f"it names {', '.join(p[:10] for p in bad)}, excluded by verified work" if bad else None
-
-    def exclude_proven(self, peer: str, why: str, round: int) -> None:
-        """Exclude ``peer`` on a self-contained proof this node re-checked (accountable mode's drop, forgery or
-        equivocation proofs, :mod:`geomesh_p2p.trust.fraud`): never a verdict held alone, since every peer that
-        reads the proof reaches the same one."""
-        self._exclude(peer, why, round, lone=False)
-
-    def _exclude(self, peer: str, why: str, round: int, lone: bool = False) -> None:
-        """Exclude ``peer`` (``lone``: on this node's own checks alone); a peer excluded alone before whose
-        failure another verifier's evidence now confirms here is no longer lone."""
-        if peer == self.me:
-            return
-        if peer in self.excluded:
-            if not lone and peer in self.lone:
-                self.lone.discard(peer)
-                self.excluded_round[peer] = int(round)  # the plan grace runs from the confirmation
-                log.info("verified work: the exclusion of %s is confirmed by another verifier's evidence", peer[:10])
-            return
-        self.excluded[peer] = why
-        self.excluded_round[peer] = int(round)
-        if lone:
-            self.lone.add(peer)
-        log.warning(
-            "verified work: %s is excluded from the plans this peer makes: %s%s",
-            peer[:10],
-            why,
-            " (a verdict of this peer alone until another verifier's evidence confirms it: it still follows "
-            "plans that name it)"
-            if lone
-            else "",
-        )
 
 
 class WorkVerifier(Verdicts):
@@ -386,6 +271,12 @@ class WorkVerifier(Verdicts):
         self._log_once = LogOnce(log, capacity=1024)
         #: (round, task, stats, verdict) of this node's own checks, newest last (bounded)
         self.history: list[tuple[int, VerifyTask, WorkStats, Verdict]] = []
+        #: the background worker of :meth:`queue_check` / :meth:`tend` (its thread starts with the first job)
+        self.queue: CheckQueue = CheckQueue(cfg.duty, cfg.max_pending)
+        #: the newest round :meth:`tend` was called for (a verdict reached later counts its plan grace from it)
+        self.now_round = 0
+        self._queued: set[str] = set()  # evidence (sha256 of its head) whose re-check is queued
+        self._pending_round: dict[str, int] = {}  # evidence -> the kept round it was read for
 
     @classmethod
     def for_node(cls, node, cfg: Optional[VerifyConfig] = None) -> "WorkVerifier":
@@ -418,7 +309,8 @@ class WorkVerifier(Verdicts):
         """Remember ``round``'s start weights, plan and received contributions (blocking: call it off the
         event loop). ``theta`` (fp32 CPU ``[P]``) is written to a file of the verifier's private directory
         (``4P`` bytes; the caller may change ``theta`` once this returns) and read back, bitwise, when a
-        check or re-check needs it; the oldest rounds past ``cfg.keep_rounds`` are dropped, files included.
+        check or re-check needs it; the oldest rounds past ``cfg.keep_rounds`` are dropped, files included,
+        unless a check or re-check in the background queue still needs them (:meth:`queue_check`).
 
         Raises:
             ValueError: ``theta`` is not fp32 on the CPU.
@@ -428,8 +320,11 @@ class WorkVerifier(Verdicts):
         self._weights.put(r, theta)
         self._kept[r] = _Kept(plan, [(s, e) for s, e in part_ranges], {p: dict(v) for p, v in packets.items()})
         self._kept.move_to_end(r)
-        while len(self._kept) > self.cfg.keep_rounds:
-            old, _ = self._kept.popitem(last=False)
+        # the newest keep_rounds stay, and older ones a queued check or re-check needs (at most max_pending + 1)
+        busy = self.queue.rounds()
+        older = list(self._kept)[: max(0, len(self._kept) - self.cfg.keep_rounds)]
+        for old in [k for k in older if k not in busy]:
+            del self._kept[old]
             self._weights.drop(old)
 
     def kept_theta(self, round: int) -> Optional[torch.Tensor]:
@@ -444,7 +339,9 @@ class WorkVerifier(Verdicts):
         return self._weights
 
     def close(self) -> None:
-        """Forget the kept rounds and delete their files and directory. Safe to call twice."""
+        """Stop the background worker (waiting checks are dropped), forget the kept rounds and delete their
+        files and directory. Safe to call twice."""
+        self.queue.close()
         self._kept.clear()
         self._weights.close()
 
@@ -452,12 +349,13 @@ class WorkVerifier(Verdicts):
         return self.identity.sign(selection_message(self.run_id, round, start_digest))
 
     def _record(self, task: VerifyTask, verdict: Verdict, by: str) -> None:
-        """A failure of ``task.accused`` measured here (own check or re-check): exclude when the rule says so."""
+        """A failure of ``task.accused`` measured here (own check or re-check): exclude when the rule says so.
+        The exclusion is for the round checked; its plan grace runs from :attr:`now_round` when the verdict
+        comes later (a background check: the others need their rounds to re-check it too)."""
         lone = by == self.me
+        at = max(task.round, self.now_round)
         if verdict.outcome == FAIL:
-            self._exclude(
-                task.accused, f"round {task.round}: {verdict.reason} (checked by {by[:10]})", task.round, lone=lone
-            )
+            self._exclude(task.accused, f"round {task.round}: {verdict.reason} (checked by {by[:10]})", at, lone=lone)
         elif verdict.outcome == MARGINAL:
             rounds = self._marginal.setdefault(task.accused, set())
             rounds.add(task.round)
@@ -467,7 +365,7 @@ class WorkVerifier(Verdicts):
                 self._exclude(
                     task.accused,
                     f"rounds {sorted(recent)}: {verdict.reason} (last checked by {by[:10]})",
-                    task.round,
+                    at,
                     lone=lone,
                 )
 
@@ -478,8 +376,11 @@ class WorkVerifier(Verdicts):
         theta: torch.Tensor,
         micro_batch: Optional[int],
         deadline: Optional[float],
+        pace: Optional[Pacer] = None,
     ):
         with self._compute:
+            if pace is not None:
+                pace.start()  # the wait for the device (another check) is not this check's compute
             return check_contribution(
                 self.cfg,
                 task,
@@ -494,6 +395,7 @@ class WorkVerifier(Verdicts):
                 micro_batch=micro_batch,
                 amp=self.amp,
                 deadline=deadline,
+                pace=pace,
             )
 
     # -- this node's check ----------------------------------------------------------------------------
@@ -511,78 +413,208 @@ class WorkVerifier(Verdicts):
             part_ranges=kept.part_ranges,
         )
 
-    def check_round(
-        self,
-        round: int,
-        *,
-        micro_batch: Optional[int] = None,
-        seconds_per_row: Optional[float] = None,
-        deadline: Optional[float] = None,
-        signed_of: Optional[Callable[[int, str], Optional[bytes]]] = None,
-    ) -> Optional[Evidence]:
-        """Run this node's check of ``round`` (blocking; call it off the event loop). Returns the
-        evidence when the contribution failed (``signed_of(part, sender)`` supplies the accused's signed
-        contributions to attach), else None. Skips (debug log) when the estimated time
-        (``passes x batch x seconds_per_row``) would pass ``deadline``."""
+    def _prepare(
+        self, round: int, signed_of: Optional[Callable[[int, str], Optional[bytes]]] = None
+    ) -> Optional["_Prepared"]:
+        """This node's check of ``round`` as drawn (None: not kept, or not drawn), with the accused's signed
+        contributions taken now from ``signed_of(part, sender)`` (a late check no longer finds them in the
+        collective, which keeps a few rounds). Blocking (it parses part results): off the event loop."""
         kept = self._kept.get(round)
         task = self.own_task(round)
-        theta = self.kept_theta(round) if task is not None else None
-        if kept is None or task is None or theta is None:
+        if kept is None or task is None:
             return None
-        quick = quick_verdict(
-            self.cfg, task, packets=kept.packets, theta=theta, lr=self.lr, weight_decay=self.weight_decay
-        )
-        if quick is None and deadline is not None and seconds_per_row:
-            est = 1.5 * task.passes() * task.batch_size * seconds_per_row  # 1.5: margin for a busy device
-            if time.time() + est > deadline:
-                log.debug(
-                    "round %d: verified work of %s skipped: ~%.2fs of compute would pass the next round's start",
-                    round,
-                    task.accused[:10],
-                    est,
-                )
-                return None
-        try:
-            stats, verdict, used = self._run(task, kept, theta, micro_batch, deadline)
-        except (VerifyTimeout, MemoryError) as e:  # out of memory even at one row: no verdict, no round lost
-            log.debug("round %d: verified work of %s abandoned: %s", round, task.accused[:10], e)
-            return None
-        self.history = (self.history + [(round, task, stats, verdict)])[-100:]
-        log.debug("round %d: verified work of %s: %s (%s)", round, task.accused[:10], verdict.outcome, verdict.reason)
-        if verdict.outcome == PASS:
-            return None
-        log.info(
-            "round %d: verified work: the contribution of %s does not reproduce: %s",
-            round,
-            task.accused[:10],
-            verdict.reason,
-        )
-        self._record(task, verdict, self.me)
-        mine = kept.packets[task.accused]
         signed = {}
         for j in task.parts:
             b = signed_of(j, task.accused) if signed_of is not None else None
             if b and len(b) <= MAX_VALUE_BYTES:
                 signed[j] = b
-        return Evidence(
-            run_id=self.run_id,
-            round=round,
-            verifier=self.me,
-            accused=task.accused,
-            start_digest=kept.plan.start_digest,
-            selection=self.selection(round, kept.plan.start_digest),
-            task=task,
-            packets={j: packet_digest(mine[j]) for j in task.parts},
-            basis=used,
-            plain=stats.plain,
-            trace=stats.trace,
-            outcome=verdict.outcome,
-            reason=verdict.reason,
-            contributions=signed,
+        return _Prepared(round, kept, task, signed)
+
+    def _measure(
+        self,
+        prep: "_Prepared",
+        micro_batch: Optional[int] = None,
+        deadline: Optional[float] = None,
+        pace: Optional[Pacer] = None,
+    ) -> Optional[_Measured]:
+        """Run a prepared check (blocking, heavy: :func:`check_contribution`; ``pace()`` between its passes).
+        None when it cannot be run (its round's weights are gone, out of memory at one row, past
+        ``deadline``); the evidence of a failure is built here (hashing its packets), not applied."""
+        kept, task = prep.kept, prep.task
+        theta = self._weights.get(prep.round)
+        if theta is None:
+            log.info(
+                "round %d: verified work of %s not run: the round's kept weights are gone",
+                prep.round,
+                task.accused[:10],
+            )
+            return None
+        try:
+            stats, verdict, used = self._run(task, kept, theta, micro_batch, deadline, pace)
+        except (VerifyTimeout, MemoryError) as e:  # out of memory even at one row: no verdict, no round lost
+            log.debug("round %d: verified work of %s abandoned: %s", prep.round, task.accused[:10], e)
+            return None
+        ev = None
+        if verdict.outcome != PASS:
+            mine = kept.packets[task.accused]
+            ev = Evidence(
+                run_id=self.run_id,
+                round=prep.round,
+                verifier=self.me,
+                accused=task.accused,
+                start_digest=kept.plan.start_digest,
+                selection=self.selection(prep.round, kept.plan.start_digest),
+                task=task,
+                packets={j: packet_digest(mine[j]) for j in task.parts},
+                basis=used,
+                plain=stats.plain,
+                trace=stats.trace,
+                outcome=verdict.outcome,
+                reason=verdict.reason,
+                contributions=prep.signed,
+            )
+        return _Measured(prep.round, task, stats, verdict, ev)
+
+    def _conclude(self, m: _Measured) -> Optional[Evidence]:
+        """Apply a measured check here (its verdict, in the round it checked; the plan grace runs from
+        :attr:`now_round` when it ends later): history, log, exclusion. Returns its evidence (None: passed)."""
+        self.history = (self.history + [(m.round, m.task, m.stats, m.verdict)])[-100:]
+        log.debug(
+            "round %d: verified work of %s: %s (%s)", m.round, m.task.accused[:10], m.verdict.outcome, m.verdict.reason
         )
+        if m.verdict.outcome == PASS:
+            return None
+        log.info(
+            "round %d: verified work: the contribution of %s does not reproduce: %s%s",
+            m.round,
+            m.task.accused[:10],
+            m.verdict.reason,
+            f" (checked in the background, concluded in round {self.now_round})"
+            if self.now_round > m.round + 1
+            else "",
+        )
+        self._record(m.task, m.verdict, self.me)
+        return m.evidence
+
+    def check_round(
+        self,
+        round: int,
+        *,
+        micro_batch: Optional[int] = None,
+        deadline: Optional[float] = None,
+        signed_of: Optional[Callable[[int, str], Optional[bytes]]] = None,
+    ) -> Optional[Evidence]:
+        """Run this node's check of ``round`` now (blocking; call it off the event loop). Returns the
+        evidence when the contribution failed (``signed_of(part, sender)`` supplies the accused's signed
+        contributions to attach), else None; abandoned (None) only past ``deadline`` or out of memory. A
+        node runs its checks in the background instead (:meth:`queue_check`): never skipped for time."""
+        prep = self._prepare(round, signed_of)
+        m = self._measure(prep, micro_batch, deadline) if prep is not None else None
+        return self._conclude(m) if m is not None else None
+
+    # -- the background queue (issue 28: a check is never skipped) ------------------------------------
+    def queue_check(
+        self,
+        round: int,
+        *,
+        micro_batch: Optional[int] = None,
+        due: Optional[float] = None,
+        signed_of: Optional[Callable[[int, str], Optional[bytes]]] = None,
+    ) -> bool:
+        """Queue this node's check of kept round ``round`` in the background worker (:class:`CheckQueue`:
+        paced to ``cfg.duty`` of the wall time); its verdict is applied by :meth:`tend` once it ends, however
+        many rounds later. ``due``: when the first version would have given up on it (counted ``late`` past
+        it). Blocking (it takes the accused's signed contributions, :meth:`_prepare`): off the event loop.
+        True when a check was queued (this node's selection drew one)."""
+        prep = self._prepare(round, signed_of)
+        if prep is None:
+            return False
+        self.queue.submit(
+            CheckJob(
+                round,
+                "check",
+                lambda pace: self._measure(prep, micro_batch, None, pace),
+                key=prep.task.accused,
+                due=due,
+            )
+        )
+        return True
+
+    def counts(self) -> dict:
+        """What the background queue did (:meth:`~geomesh_p2p.trust.verify_queue.CheckCounts.as_dict`: queued, done, late, dropped, failed,
+        waiting, busy and paced seconds), plus ``drawn``: this node's checks queued; all 0 before any."""
+        c = self.queue.snapshot()
+        return {**c.as_dict(), "drawn": c.by_kind.get("check", 0)}
+
+    async def tend(self, round: int, *, micro_batch: Optional[int] = None) -> list[Evidence]:
+        """The event loop's side of the background checks, once per round (``round``: the round just kept):
+        apply the checks and re-checks that ended (verdicts here, evidence published), read the evidence
+        published about the kept rounds and queue up to ``max_rechecks`` re-checks of it. Returns the
+        evidence of this node's failed checks published now."""
+        self.now_round = max(self.now_round, int(round))
+        out = []
+        for job, result, error in self.queue.results():
+            if error is not None:  # one record that got past fetch, say: dropped, never re-queued
+                self._log_once(
+                    job.key,
+                    logging.WARNING,
+                    "round %d: verified work (%s of round %d) failed: %r",
+                    round,
+                    job.kind,
+                    job.round,
+                    error,
+                )
+                if job.kind == "recheck":
+                    self._queued.discard(job.key)
+                    self._pending.pop(job.key, None)
+                    self._pending_round.pop(job.key, None)
+                    self._seen.add(job.key)
+                continue
+            if job.kind == "check":
+                ev = self._conclude(result) if result is not None else None
+                if ev is not None:
+                    await self.publish(ev)
+                    out.append(ev)
+            else:
+                self._queued.discard(job.key)
+                if result == "late":
+                    continue
+                self._pending.pop(job.key, None)
+                self._pending_round.pop(job.key, None)
+                self._seen.add(job.key)
+        await self.fetch()
+        n = 0
+        for h, data in list(self._pending.items()):
+            if n >= self.cfg.max_rechecks:
+                break
+            if h in self._queued:
+                continue
+            self._queued.add(h)
+            dropped = self.queue.submit(
+                CheckJob(self._pending_round.get(h, round), "recheck", self._recheck_job(data, micro_batch), key=h)
+            )
+            if dropped is not None and dropped.kind == "recheck":
+                self._queued.discard(dropped.key)  # queued again on a later call while its round is kept
+            n += 1
+        return out
+
+    def _recheck_job(self, data: bytes, micro_batch: Optional[int]) -> Callable[[Pacer], str]:
+        """The background job of a re-check of ``data`` (:meth:`recheck`, paced)."""
+
+        def run(pace: Pacer) -> str:
+            return self.recheck(data, micro_batch=micro_batch, pace=pace)
+
+        return run
 
     # -- evidence -------------------------------------------------------------------------------------
-    def recheck(self, data: bytes, *, micro_batch: Optional[int] = None, deadline: Optional[float] = None) -> str:
+    def recheck(
+        self,
+        data: bytes,
+        *,
+        micro_batch: Optional[int] = None,
+        deadline: Optional[float] = None,
+        pace: Optional[Pacer] = None,
+    ) -> str:
         """Check signed evidence and re-run its computation here (blocking). Returns what came of it:
         ``"confirmed"``, ``"refuted"`` (the accuser is excluded), ``"inconclusive"``, ``"invalid"``,
         ``"unverifiable"`` (this node lacks the round's data), ``"own"`` (about or by this node),
@@ -623,7 +655,7 @@ class WorkVerifier(Verdicts):
         if theta is None:
             return "unverifiable"
         try:
-            stats, verdict, used = self._run(task, kept, theta, micro_batch, deadline)
+            stats, verdict, used = self._run(task, kept, theta, micro_batch, deadline, pace)
         except VerifyTimeout:
             return "late"
         c = self.cfg
@@ -718,6 +750,7 @@ class WorkVerifier(Verdicts):
                     self._seen.add(h)  # the same bytes stay malformed
                     continue
                 self._pending[h] = data
+                self._pending_round[h] = r
                 n += 1
         return n
 
@@ -744,6 +777,7 @@ class WorkVerifier(Verdicts):
             if outcome == "late":
                 break
             del self._pending[h]
+            self._pending_round.pop(h, None)
             self._seen.add(h)
             done += outcome in ("confirmed", "refuted", "inconclusive")
         return ev

@@ -11,7 +11,7 @@ import hashlib
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 import torch
 
@@ -67,12 +67,15 @@ def batch_gradients(
     micro_batch: Optional[int] = None,
     amp: bool = False,
     deadline: Optional[float] = None,
+    pace: Optional[Callable[[], None]] = None,
 ) -> torch.Tensor:
     """fp32 CPU ``[len(streams), len(index)]``: for each ``(peer_id, step)``, the gradient at ``theta`` of
     ``dataset.sample_batch(seed, peer_id, round, step, batch_size, seq_len)`` (mean token loss, as the
     inner trainer computes it, accumulated over ``micro_batch`` rows) at the flat elements ``index``.
     ``model`` is loaded with ``theta`` (it must be a copy nobody else uses). Raises VerifyTimeout when
-    ``deadline`` (unix seconds) passes between two batches."""
+    ``deadline`` (unix seconds) passes between two batches. ``pace()``, when given, is called between two
+    batches (the background queue's :class:`~geomesh_p2p.trust.verify_queue.Pacer`: it sleeps to keep the
+    check within its share of the device)."""
     load_flat_(model, theta)
     model.train()
     device = next(model.parameters()).device
@@ -81,6 +84,8 @@ def batch_gradients(
     out = torch.empty(len(streams), index.numel(), dtype=torch.float32)
     use_amp = amp and device.type == "cuda"
     for i, (peer, step) in enumerate(streams):
+        if pace is not None and i > 0:
+            pace()
         if deadline is not None and time.time() > deadline:
             raise VerifyTimeout(f"past the deadline after {i} of {len(streams)} batches")
         for p in params:
@@ -290,11 +295,12 @@ def check_contribution(
     micro_batch: Optional[int] = None,
     amp: bool = False,
     deadline: Optional[float] = None,
+    pace: Optional[Callable[[], None]] = None,
 ) -> tuple[WorkStats, Verdict, list[tuple[str, str]]]:
     """Run ``task`` (heavy: ``task.passes()`` forward/backward passes, unless :func:`quick_verdict`
     decides it) as peer ``checker``, whose own contribution (if any, in every part of the task) joins
     the projection basis. Returns the statistics, the verdict and that basis contribution (``[(peer,
-    sha256 of its packets)]``, or [])."""
+    sha256 of its packets)]``, or []). ``deadline`` / ``pace``: as for :func:`batch_gradients`."""
     quick = quick_verdict(cfg, task, packets=packets, theta=theta, lr=lr, weight_decay=weight_decay)
     if quick is not None:
         return WorkStats(0.0, 0.0, 0), quick, []
@@ -316,6 +322,7 @@ def check_contribution(
         micro_batch=micro_batch,
         amp=amp,
         deadline=deadline,
+        pace=pace,
     )
     k = len(task.steps)
     others: list[torch.Tensor] = []
@@ -327,16 +334,18 @@ def check_contribution(
             (checker, hashlib.sha256(b"".join(bytes.fromhex(packet_digest(own[j])) for j in task.parts)).hexdigest())
         )
     stats = work_statistics(c, g[:k], g[k:], others)
-    gain = _gain(cfg, task, model, dataset, theta, mine, seed=seed, deadline=deadline)
+    gain = _gain(cfg, task, model, dataset, theta, mine, seed=seed, deadline=deadline, pace=pace)
     stats = WorkStats(stats.plain, stats.trace, stats.basis, gain)
     return stats, judge(cfg, task, stats, all_zero=False, max_scale=max_scale, bound=bound), used
 
 
-def _gain(cfg, task: VerifyTask, model, dataset, theta: torch.Tensor, mine, *, seed: int, deadline) -> GainStats:
+def _gain(
+    cfg, task: VerifyTask, model, dataset, theta: torch.Tensor, mine, *, seed: int, deadline, pace=None
+) -> GainStats:
     """The loss-gain test of ``task`` (:mod:`geomesh_p2p.trust.gain`): the contributor's packets of the task's
     parts decoded into a zero fp32 ``[P]`` (the parts it did not send, or the check does not hold, stay 0),
-    ``cfg.gain_assigned`` of its steps (:func:`gain_steps`) against ``cfg.gain_controls`` control batches.
-    Raises VerifyTimeout past ``deadline``."""
+    ``cfg.gain_assigned`` of its steps (:func:`gain_steps`) against ``cfg.gain_controls`` control batches;
+    ``pace()`` between two batches (the background queue's pacing). Raises VerifyTimeout past ``deadline``."""
     d = torch.zeros_like(theta)
     for j, (s, e) in zip(task.parts, task.ranges):
         d[s:e] = compression.decode(mine[j])
@@ -356,6 +365,7 @@ def _gain(cfg, task: VerifyTask, model, dataset, theta: torch.Tensor, mine, *, s
             batch_size=task.batch_size,
             seq_len=task.seq_len,
             deadline=deadline,
+            pace=pace,
         )
     except TimeoutError as e:
         raise VerifyTimeout(str(e)) from None

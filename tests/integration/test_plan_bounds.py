@@ -454,7 +454,10 @@ def test_delivered_work_bounds_the_planned_rate():
     recs = [rec(f"h{i}", 2000.0, 256, 800, batches=(8,)) for i in range(3)] + [rec("z", 8000.0, 256, 800, batches=(8,))]
     cfg = PlanConfig(seq_len=64, target_batch=8, window_s=6.0, payload_bytes=240_000)
     free = plan_round(recs, cfg, numel=10_000, **KW)
-    bounded = plan_round(recs, cfg, numel=10_000, supported_tokens_per_s={"z": 800.0}, **KW)
+    # the honest peers delivered what their records say (a peer with no evidence would be a newcomer, seeded at
+    # the median delivered rate: tests/unit/test_delivered_work.py)
+    supported = {"z": 800.0, **{f"h{i}": 2000.0 * 8 / 12 for i in range(3)}}
+    bounded = plan_round(recs, cfg, numel=10_000, supported_tokens_per_s=supported, **KW)
     assert bounded.window_s == free.window_s
     z0, z1 = free.assignment("z"), bounded.assignment("z")
     # its claim: 8000 * 8 / 12 = 5333 tokens/s; its evidence allows 2 x 800 = 1600
@@ -463,6 +466,8 @@ def test_delivered_work_bounds_the_planned_rate():
     assert z1.inner_steps == math.floor((bounded.window_s - z1.predicted_comm_s) / (8 * 64 / 1600.0) + 1e-9)
     assert all(bounded.assignment(f"h{i}") == free.assignment(f"h{i}") for i in range(3))
     assert check_plan(bounded, by_id(recs), cfg, now=T0) is None
+    assert check_plan(bounded, by_id(recs), cfg, now=T0, supported=supported) is None
+    assert "delivered work" in check_plan(free, by_id(recs), cfg, now=T0, supported=supported)
 
 
 def test_node_evidence_is_tokens_delivered_over_planned_compute():

@@ -138,8 +138,8 @@ def test_a_budget_below_the_static_memory_fails_at_start_in_one_line(tmp_path, c
     p = 4 * n
     gib = 2**30
     # 24 B/param of the minimum (6p) + 2p exchange buffers + 2p verified work's model copy and gradients + its
-    # kept contributions (3 rounds x 2 contributors x sign bits and block scales)
-    contributions = 3 * 2 * (-(-n // 8) + 4 * -(-n // 2048))
+    # kept contributions (3 rounds + the one a background check holds, x 2 contributors x sign bits and scales)
+    contributions = 4 * 2 * (-(-n // 8) + 4 * -(-n // 2048))
     total = 10 * p + contributions
     vw = 2 * p + contributions
     assert err == (

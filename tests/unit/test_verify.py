@@ -25,110 +25,26 @@ from geomesh_p2p.trust import verify_task as VT
 from geomesh_p2p.round.rules import RoundState, VerifiedWork
 from geomesh_p2p.net.identity import Identity
 from geomesh_p2p.plan.planner import make_plan
-from geomesh_p2p.plan.schema import PeerAssignment, PlanConfig, RoundPlan
+from geomesh_p2p.plan.schema import PlanConfig
 from tests.records_util import peer_record
-from geomesh_p2p.wire import collective_pb2
+from tests.verify_util import (
+    B,
+    L,
+    ROUND,
+    RUN,
+    FakeDHT,
+    _drawn,
+    _fixed_identity,
+    _packets,
+    _plan,
+    _signed,
+    _verifier,
+    flipped_case_fixture,
+    world_fixture,
+)
 
-L, B, ROUND = 64, 8, 2
-CONTRIBUTION_KIND = "geomesh.collective/Contribution"
-RUN = "verify-test"
-
-
-class World:
-    """The round under test: start weights, identities, every candidate contribution (fp32 deltas)."""
-
-
-def _signed(ident: Identity, packet, part: int, start: int, end: int, round: int = ROUND) -> bytes:
-    c = collective_pb2.PartContribution(
-        round=round,
-        part=part,
-        start=start,
-        end=end,
-        tokens=packet.tokens,
-        spec_id=b"s" * 32,
-        encoding="sign",
-        packet=packet.to_bytes(),
-    )
-    return ident.sign_message(
-        run_id=RUN, round=round, kind=CONTRIBUTION_KIND, payload=c.SerializeToString()
-    ).SerializeToString()
-
-
-def _fixed_identity(name: str) -> Identity:
-    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-
-    return Identity(Ed25519PrivateKey.from_private_bytes(hashlib.sha256(f"verify-test/{name}".encode()).digest()))
-
-
-@pytest.fixture(scope="module")
-def world():
-    from geomesh_p2p.data import load_dataset
-    from geomesh_p2p.model.optim import OuterNesterov
-    from geomesh_p2p.model.build import build_model, flat_params, load_flat_
-    from geomesh_p2p.model.training import InnerTrainer
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        w = World()
-        w.ds = load_dataset(None, seq_len=L)
-        base = build_model("tiny", vocab_size=w.ds.vocab_size, seed=0)
-        theta = flat_params(base)
-        ids = {n: _fixed_identity(n) for n in ("A", "B", "C")}  # fixed keys: fixed batches, fixed values
-        pid = {n: str(i.peer_id) for n, i in ids.items()}
-        trainers = {
-            n: InnerTrainer(
-                copy.deepcopy(base), w.ds, seq_len=L, lr=1e-3, warmup_steps=20, total_steps=2000, seed=0, peer_id=pid[n]
-            )
-            for n in ids
-        }
-        enc = lambda v: compression.encode(v, 2048, 0)  # noqa: E731
-        outer = OuterNesterov(0.7, 0.9)
-        for r in range(ROUND):
-            deltas = {}
-            for n, t in trainers.items():
-                load_flat_(t.model, theta)
-                t.run(round=r, inner_steps=10, batch_size=B)
-                deltas[n] = theta - flat_params(t.model)
-            agg = torch.stack([compression.decode(enc(d)) for d in deltas.values()]).mean(0)
-            outer.step(theta, agg)
-        w.prev_aggregate = agg  # what the adversary's "stale" free rider sends: the last global update
-
-        def train(n: str, H: int, data_of: str | None = None) -> torch.Tensor:
-            m = copy.deepcopy(trainers[n].model)
-            load_flat_(m, theta)
-            t = InnerTrainer(
-                m, w.ds, seq_len=L, lr=1e-3, warmup_steps=20, total_steps=2000, seed=0, peer_id=pid[data_of or n]
-            )
-            t.load_state_dict(copy.deepcopy(trainers[n].state_dict()))
-            t.run(round=ROUND, inner_steps=H, batch_size=B)
-            return theta - flat_params(m)
-
-        w.theta, w.base, w.ids, w.pid = theta, base, ids, pid
-        w.others = {n: train(n, 10) for n in ("B", "C")}
-        w.honest = {H: train("A", H) for H in (5, 10, 20)}
-        w.wrong_data = train("A", 10, data_of="B")  # A's own optimizer, B's batches
-        w.P = theta.numel()
-        bounds = [0, 112 * 2048, 224 * 2048, 336 * 2048, w.P]
-        w.part_ranges = list(zip(bounds[:-1], bounds[1:]))
-        yield w
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _packets(w, contribution: torch.Tensor, H: int, others_H: int = 10, extra: dict | None = None):
-    """sender PeerID -> part -> SignPacket, as relay mode hands them to every peer."""
-    out = {}
-    for name, delta, steps in [("A", contribution, H)] + [(n, d, others_H) for n, d in w.others.items()]:
-        out[w.pid[name]] = {
-            j: compression.encode(delta[s:e].contiguous(), 2048, steps * B * L)
-            for j, (s, e) in enumerate(w.part_ranges)
-        }
-    for p, d in (extra or {}).items():
-        out[p] = {
-            j: compression.encode(d[s:e].contiguous(), 2048, others_H * B * L) for j, (s, e) in enumerate(w.part_ranges)
-        }
-    return out
+world = pytest.fixture(scope="module", name="world")(world_fixture)
+flipped_case = pytest.fixture(scope="module", name="flipped_case")(flipped_case_fixture)
 
 
 def _task(H: int, w) -> VT.VerifyTask:
@@ -188,7 +104,11 @@ def test_wrong_data_stale_and_copies_fail_the_loss_gain_test(world):
     a copy of B's update, the last global update) lowers A's batches' loss no more than control text's:
     a hard failure of the loss-gain test, where the trace test was marginal in 40-100% of checks."""
     cfg = VT.VerifyConfig()
-    for name, c in [("wrong data", world.wrong_data), ("copy of B", world.others["B"]), ("stale", world.prev_aggregate)]:
+    for name, c in [
+        ("wrong data", world.wrong_data),
+        ("copy of B", world.others["B"]),
+        ("stale", world.prev_aggregate),
+    ]:
         stats, verdict, _ = _check(world, c, 10)
         assert verdict.outcome == VC.FAIL and verdict.reason.startswith("no loss gain on its own batches"), (
             name,
@@ -314,75 +234,6 @@ def _raw(w, c, H, basis):
 # ------------------------------------------------------------------------------------ plans, tasks, evidence
 
 
-def _plan(w, verifiers: dict[str, Identity], steps=None) -> RoundPlan:
-    steps = steps or {}
-    people = dict(w.pid)
-    people.update({n: str(i.peer_id) for n, i in verifiers.items()})
-    ids = sorted(people.values())
-    owners = {w.pid["A"]: 0, w.pid["B"]: 1, w.pid["C"]: 2}
-    rest = [p for p in ids if p not in owners]
-    owners[rest[0]] = 3
-    assignments = []
-    for p in ids:
-        name = next(n for n, q in people.items() if q == p)
-        H = steps.get(name, 10)
-        s, e = w.part_ranges[owners[p]] if p in owners else (0, 0)
-        assignments.append(
-            PeerAssignment(
-                peer_id=p,
-                address="127.0.0.1:1",
-                batch_size=B,
-                micro_batch=B,
-                accum_steps=1,
-                inner_steps=H,
-                token_budget=B * L * H,
-                part_start=s,
-                part_end=e,
-                predicted_compute_s=1.0,
-                predicted_comm_s=0.1,
-                predicted_idle_s=0.0,
-            )
-        )
-    return RoundPlan(
-        run_id=RUN,
-        round=ROUND,
-        leader=ids[0],
-        method="geomesh",
-        mode="relay",
-        numel=w.P,
-        seq_len=L,
-        window_s=6.0,
-        train_deadline=1e9 + 6,
-        exchange_deadline=1e9 + 12,
-        start_digest="digest-r2",
-        created_at=1e9,
-        assignments=assignments,
-    )
-
-
-def _verifier(w, ident, cfg, plan, packets):
-    wv = V.WorkVerifier(
-        cfg, identity=ident, run_id=RUN, model=copy.deepcopy(w.base), dataset=w.ds, seed=0, lr=1e-3, weight_decay=0.1
-    )
-    wv.keep_round(ROUND, theta=w.theta, plan=plan, part_ranges=w.part_ranges, packets=packets)
-    return wv
-
-
-def _drawn(w, accused: str, cfg, packets, tries=400):
-    """An identity whose selection signature draws a check of ``accused`` (the selection is a pure
-    function of the signature: try fresh keys until one draws it)."""
-    for i in range(tries):
-        v = _fixed_identity(f"verifier-{accused[:6]}-{i}")
-        plan = _plan(w, {"V": v})
-        sel = v.sign(VT.selection_message(RUN, ROUND, plan.start_digest))
-        task = VT.derive_task(
-            cfg, plan=plan, verifier=str(v.peer_id), selection=sel, packets=packets, part_ranges=w.part_ranges
-        )
-        if task is not None and task.accused == accused:
-            return v, plan, task
-    raise AssertionError("no identity drew the accused")
-
-
 def test_task_is_a_pure_function_of_the_selection(world):
     cfg = VT.VerifyConfig(share=1.0)
     packets = _packets(world, world.honest[10], 10)
@@ -428,21 +279,6 @@ def test_sample_elements_deterministic_and_bounded():
     assert torch.equal(
         VT.sample_elements([(10, 20), (30, 35)], 100, seed=1), torch.tensor(list(range(10, 20)) + list(range(30, 35)))
     )
-
-
-@pytest.fixture(scope="module")
-def flipped_case(world):
-    """A verifier drawn to check A, A having sent -delta, and the evidence its check produced."""
-    cfg = VT.VerifyConfig(share=1.0)
-    bad = -world.honest[10]
-    packets = _packets(world, bad, 10)
-    v, plan, task = _drawn(world, world.pid["A"], cfg, packets)
-    wv = _verifier(world, v, cfg, plan, packets)
-    signed = {
-        j: _signed(world.ids["A"], packets[world.pid["A"]][j], j, s, e) for j, (s, e) in enumerate(world.part_ranges)
-    }
-    ev = wv.check_round(ROUND, signed_of=lambda part, sender: signed[part] if sender == task.accused else None)
-    return types.SimpleNamespace(cfg=cfg, packets=packets, v=v, plan=plan, task=task, wv=wv, ev=ev, signed=signed)
 
 
 def test_failing_check_gives_evidence_and_excludes_locally(world, flipped_case):
@@ -609,23 +445,6 @@ def test_marginal_failures_exclude_after_two_rounds(world):
     assert not w2.excluded  # too far apart
 
 
-class FakeDHT:
-    """The two DHTNode coroutines verify.py uses, over a dict; the owner rule as the real DHT applies it."""
-
-    def __init__(self):
-        self.data: dict[str, dict] = {}
-
-    async def store(self, key, value, expiration_time, subkey=None, owner=None):
-        from geomesh_p2p.dht.records import required_owner
-
-        assert owner is not None and required_owner(key, subkey) == owner.peer_id
-        self.data.setdefault(key, {})[subkey] = (value, expiration_time, owner.peer_id)
-        return True
-
-    async def get(self, key, latest=True, subkeys=None):
-        return dict(self.data.get(key, {}))
-
-
 def test_published_evidence_is_fetched_and_rechecked(world, flipped_case):
     c = flipped_case
     dht = FakeDHT()
@@ -654,16 +473,6 @@ def test_published_evidence_is_fetched_and_rechecked(world, flipped_case):
     seen = set(other._seen)
     asyncio.run(other.run_round(ROUND))  # read again, not re-checked again
     assert other._seen == seen and not other._pending
-
-
-def test_check_is_skipped_past_the_deadline(world, flipped_case):
-    import time
-
-    c = flipped_case
-    wv = _verifier(world, c.v, c.cfg, c.plan, c.packets)
-    n = len(wv.history)
-    assert wv.check_round(ROUND, seconds_per_row=0.01, deadline=time.time() + 0.05) is None
-    assert len(wv.history) == n and not wv.excluded
 
 
 def test_followers_refuse_plans_of_an_excluded_leader(world, flipped_case):

@@ -177,8 +177,7 @@ class PlanRules:
         probation = chosen
         members = self.penalties.without_parts(members, probation)
         cfg = self.plan_config(len(members))
-        evidence = self.profile.supported_tps
-        supported = evidence[1] if evidence is not None and evidence[0] == rnd - 1 else None
+        supported = self.delivered_evidence(rnd)
         if self.run_cfg.window_s or cfg.target_inner_steps is not None:
             # A peer whose exchange plus minimum compute would stretch the round well past what it takes
             # without it is planned out this round (planner.window_exclusions; docs/round.md, "Exclusion
@@ -249,7 +248,14 @@ class PlanRules:
         if reason is not None:
             return reason
         barred = self.penalties.barred()
-        return planner.check_plan(plan, live, self.plan_config(len(plan.assignments)), now=swarm_time(), barred=barred)
+        return planner.check_plan(
+            plan,
+            live,
+            self.plan_config(len(plan.assignments)),
+            now=swarm_time(),
+            barred=barred,
+            supported=self.delivered_evidence(plan.round),
+        )
 
     def sampled_plan_problem(self, plan, sampled: dict, sample: Sequence[str]) -> Optional[str]:
         """A light follower's :meth:`plan_problem` (issue 25, docs/round.md "Light followers"): it read the
@@ -273,8 +279,23 @@ class PlanRules:
         if reason is not None:
             return reason
         return planner.check_plan_sampled(
-            plan, sampled, self.plan_config(len(plan.assignments)), now=swarm_time(), barred=self.penalties.barred()
+            plan,
+            sampled,
+            self.plan_config(len(plan.assignments)),
+            now=swarm_time(),
+            barred=self.penalties.barred(),
+            supported=self.delivered_evidence(plan.round),
         )
+
+    def delivered_evidence(self, round: int) -> Optional[dict]:
+        """peer id -> tokens/s its delivered contribution to round ``round - 1`` supports
+        (:meth:`Reprofiler.delivered_rates`, computed by every peer that applied that round's aggregate), or
+        None when this peer did not apply round ``round - 1``. The leader plans round ``round`` within it and
+        followers check the plan against it (issue 28: claims planned by delivered work,
+        :func:`geomesh_p2p.plan.bounds.evidence_ceilings`); a follower without it checks against the records
+        alone."""
+        evidence = self.profile.supported_tps
+        return evidence[1] if evidence is not None and evidence[0] == round - 1 else None
 
     def records_needed(self, plan) -> list[str]:
         """Participants a light follower must sample to check ``plan`` (:func:`planner.records_needed`)."""

@@ -1,6 +1,7 @@
 """Verified work in the round rules (:class:`VerifiedWork`, :mod:`geomesh_p2p.trust.verify`): each round's
-start weights and signed contributions are kept, a drawn contributor is re-checked off the event loop, and
-peers the evidence excludes are neither planned nor followed.
+start weights and signed contributions are kept, a drawn contributor is re-checked in the verifier's
+background worker (never skipped for time: issue 28), and peers the evidence excludes are neither planned nor
+followed.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from geomesh_p2p.round.rules.state import RoundState
-from geomesh_p2p.trust import verify
+from geomesh_p2p.trust import agreement, verify
 
 log = logging.getLogger("geomesh_p2p.node.peer.round")
 
@@ -29,7 +30,6 @@ class VerifiedWork:
             use; None: verified work is off until ``verifier`` is set.
         theta: the global weights [P] fp32 CPU (read when a round's start weights are kept).
         collective: the node's collective (the signed contributions it received).
-        row_time: the inner trainer's seconds per row (None when unknown).
         verifier: a verifier to use from the start (tests).
     """
 
@@ -40,16 +40,16 @@ class VerifiedWork:
         *,
         theta: Optional[Callable[[], torch.Tensor]] = None,
         collective: Optional[Callable[[], Any]] = None,
-        row_time: Optional[Callable[[], Optional[float]]] = None,
         verifier: Optional[verify.WorkVerifier] = None,
     ):
         self.state = state
         self._make_verifier = make_verifier
         self._theta = theta
         self._collective = collective
-        self._row_time = row_time
         self.verifier = verifier
         self.task: Optional[asyncio.Future] = None
+        #: (round, its relative agreement test) of the newest round measured (advisory, issue 28)
+        self.agreement: Optional[tuple[int, agreement.AgreementTest]] = None
         # the verdicts while no verifier is built (a --resume's, in force from the first plan); handed over
         self._book = verify.Verdicts(state.me or "")
 
@@ -80,8 +80,9 @@ class VerifiedWork:
     async def before_outer_step(self, r, plan, assignment, ar) -> None:
         """Verified work keeps round ``r``'s start weights (the global weights, before the outer step moves
         them): written to the verifier's file in a worker thread, with no copy on the heap
-        (:meth:`~geomesh_p2p.trust.verify.WorkVerifier.keep_round`), then starts this round's check
-        (:meth:`verify_round`). Nothing in reencode mode (no contributions). Never raises."""
+        (:meth:`~geomesh_p2p.trust.verify.WorkVerifier.keep_round`), and queues this peer's check of the round
+        in the verifier's background worker; then tends the checks (:meth:`verify_round`). Nothing in
+        reencode mode (no contributions). Never raises."""
         if not getattr(ar, "contributions", None):
             return  # reencode mode (or nothing received): no contributions to check
         try:
@@ -89,6 +90,10 @@ class VerifiedWork:
         except Exception as e:  # a full disk, say: this round goes unchecked, the round itself goes on
             log.warning("round %d: verified work skipped: its start weights could not be kept: %s", r, e)
             return
+        try:
+            await asyncio.to_thread(self._queue_check, r, plan, assignment)
+        except Exception as e:  # the round goes on; the evidence of the others is still read and re-checked
+            log.warning("round %d: verified work: this round's check could not be queued: %s", r, e)
         self.verify_round(r, plan, assignment, ar)
 
     def _keep(self, r: int, plan, ar) -> None:
@@ -100,36 +105,57 @@ class VerifiedWork:
             r, theta=self._global_theta(), plan=plan, part_ranges=ar.part_ranges, packets=ar.contributions
         )
 
+    def _queue_check(self, r: int, plan, a) -> None:
+        """Blocking: queue this peer's check of kept round ``r`` in the verifier's background worker, the
+        accused's signed contributions taken now, while the collective holds them. Never skipped for time: it
+        runs in the background of the next rounds (issue 28); ``due`` is when the first version gave up on it
+        (the share ``time_share`` of the window after the exchange), past which it counts as late."""
+        wv = self.verifier
+        if wv is None:
+            return
+        collective = self._collective() if self._collective is not None else None
+        wv.queue_check(
+            r,
+            micro_batch=a.micro_batch,
+            due=time.time() + max(1.0, wv.cfg.time_share * float(plan.window_s)),
+            signed_of=lambda part, sender: verify.signed_contribution(collective, r, part, sender),
+        )
+
     def close(self) -> None:
-        """Delete the kept start weights' files (blocking: call it off the event loop). Safe to call twice."""
+        """Stop the background checks and delete the kept start weights' files (blocking: call it off the event
+        loop). Safe to call twice."""
         if self.verifier is not None:
             self.verifier.close()
 
+    def counts(self) -> Optional[dict]:
+        """What this peer's background checks did so far (:meth:`~geomesh_p2p.trust.verify.WorkVerifier.counts`:
+        drawn, queued, done, late, dropped, failed, waiting, busy and paced seconds) and, under ``"agreement"``,
+        the newest round's relative agreement test (advisory); None before any round was kept (verified work
+        off, or reencode mode)."""
+        if self.verifier is None:
+            return None
+        out = self.verifier.counts()
+        if self.agreement is not None:
+            r, test = self.agreement
+            out["agreement"] = {"round": r, **test.as_dict()}
+        return out
+
     def verify_round(self, r: int, plan, a, ar) -> None:
-        """Verified work (:mod:`geomesh_p2p.trust.verify`) for round ``r``, once it is kept
-        (:meth:`before_outer_step`): off the event loop and in parallel with the evaluation, check the
-        contributor this peer's selection draws and re-check published evidence. Bounded by ``time_share``
-        of the window after the exchange (skipped with a debug line past it); at most one such task runs at
-        a time. Never raises: a failure here must not cost the round."""
+        """The event loop's side of verified work after round ``r`` was kept (:meth:`before_outer_step`): apply
+        the background checks that ended (verdicts, evidence published), read the evidence published about the
+        kept rounds and queue re-checks of it (:meth:`~geomesh_p2p.trust.verify.WorkVerifier.tend`). No compute
+        here: the checks run in the verifier's worker thread, paced to ``VerifyConfig.duty`` of the wall time.
+        At most one tending task runs at a time (one still reading the DHT leaves this round's to the next:
+        the results wait in the queue). Never raises: a failure here must not cost the round."""
         try:
             wv = self.verifier
             if not ar.contributions or wv is None:
                 return
             running = self.task
             if running is not None and not running.done():
-                log.debug("round %d: verified work skipped: the previous check is still running", r)
+                log.debug("round %d: verified work: the previous round's evidence is still being read", r)
                 return
-            deadline = time.time() + max(1.0, wv.cfg.time_share * float(plan.window_s))
-            collective = self._collective() if self._collective is not None else None
-            self.task = asyncio.ensure_future(
-                wv.run_round(
-                    r,
-                    micro_batch=a.micro_batch,
-                    seconds_per_row=self._row_time() if self._row_time is not None else None,
-                    deadline=deadline,
-                    signed_of=lambda part, sender: verify.signed_contribution(collective, r, part, sender),
-                )
-            )
+            self.task = asyncio.ensure_future(self._tend(wv, r, a, ar))
 
             def failed(t: asyncio.Future) -> None:
                 if not t.cancelled() and t.exception() is not None:
@@ -138,6 +164,28 @@ class VerifiedWork:
             self.task.add_done_callback(failed)
         except Exception as e:
             log.warning("round %d: verified work skipped: %s", r, e)
+
+    async def _tend(self, wv: verify.WorkVerifier, r: int, a, ar) -> None:
+        """The checks' results (:meth:`~geomesh_p2p.trust.verify.WorkVerifier.tend`), then the round's relative
+        agreement test (:mod:`geomesh_p2p.trust.agreement`; advisory: recorded in the row and logged, nothing
+        dropped or excluded on it). Off the round's path: a task of its own."""
+        await wv.tend(r, micro_batch=a.micro_batch)
+        aggregate = getattr(ar, "aggregate", None)
+        if aggregate is None or not ar.part_ranges:
+            return
+        found = await asyncio.to_thread(agreement.sign_agreements, ar.contributions, aggregate, ar.part_ranges)
+        test = agreement.relative_threshold(found)
+        self.agreement = (r, test)
+        if test.outliers:
+            log.info(
+                "round %d: sign agreement with the aggregate below the round's relative threshold %.3f (median "
+                "%.3f, MAD %.3f): %s (advisory: nothing is dropped on it)",
+                r,
+                test.threshold,
+                test.median,
+                test.mad,
+                ", ".join(f"{p[:10]} {found[p]:.3f}" for p in test.outliers),
+            )
 
     def plan_problem(self, plan) -> Optional[str]:
         """Why this peer refuses ``plan`` for verified work's sake (an excluded peer that leads would plan

@@ -1,0 +1,123 @@
+"""An agreement test that tightens with training (issue 28): a threshold relative to the round's own
+agreement distribution, not the fixed 0.5 of the aggregation's filter.
+
+The aggregation's agreement filter (``exchange/robust.py``, docs/security.md "Aggregation a minority cannot
+steer") drops a contributor whose signs agree with the consensus on fewer than 0.5 of the elements. That
+separates a flipped update (anti-correlated) from an honest one, but not the red team's *stealthy* flip (it
+trains honestly, then flips the 45% largest-magnitude coordinates): its agreement rose from 0.48 to 0.62 as
+the model trained, above 0.5, while the honest contributors' agreement rose with it. What separates it is its
+place in the round's distribution, not an absolute level.
+
+:func:`sign_agreements` measures every contributor's sign agreement with the round's aggregate (integer counts
+over the elements where both are non-zero, from the signed relay contributions every participant holds: the
+same numbers everywhere). :func:`relative_threshold` turns them into a threshold with the modified z-score of
+Iglewicz and Hoaglin (1993, "How to Detect and Handle Outliers", sec. 3.3): ``M_i = 0.6745 (median - a_i) /
+MAD``; a contributor is a low outlier when ``M_i > z`` (3.5, their recommendation), i.e. when its agreement is
+below ``median - (z / 0.6745) x MAD``. Median and MAD ignore a minority, so the attackers cannot move the
+reference, and the threshold follows the honest spread as training tightens it. Guards: never below the fixed
+``floor`` (0.5, what the filter already drops), a MAD floor (``min_mad``: honest contributors that agree
+almost exactly would otherwise make any float difference an outlier), and no relative test under
+``min_contributors`` (the median of two or three says little).
+
+Advisory so far: the node records each round's figures (the row's ``extra["verify"]["agreement"]``) and logs
+the outliers; it does not drop or exclude on them. In a clean 4-peer process run it flagged the slowest honest
+peer (1-6 steps a round against 5-23) in every round: agreement grows with the steps a contribution holds, so
+the statistic must be normalised by the claimed steps, and honest distributions measured (H = 5...100,
+several batch sizes), before it may decide (docs/security.md, "An agreement test that tightens with training").
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from geomesh_p2p.exchange import codec as compression
+
+__all__ = ["AgreementTest", "sign_agreements", "relative_threshold", "MAD_SCALE"]
+
+#: The modified z-score's constant: 0.6745 = the 0.75 quantile of the standard normal, so that
+#: ``MAD / 0.6745`` estimates the standard deviation of normal data (Iglewicz and Hoaglin 1993).
+MAD_SCALE = 0.6745
+
+
+def sign_agreements(
+    contributions: Mapping[str, Mapping[int, Any]], aggregate: torch.Tensor, part_ranges: Sequence[tuple[int, int]]
+) -> dict[str, float]:
+    """Each contributor's sign agreement with the round's aggregate: over the parts it sent (sign packets;
+    other encodings are skipped), the elements where both its decoded value and ``aggregate`` (fp32 ``[P]``)
+    are non-zero, the share where their signs are equal. A contributor with no such element is left out.
+    Integer counts, so the same inputs give the same figures on every machine. Blocking (it decodes every
+    contribution): off the event loop."""
+    out: dict[str, float] = {}
+    for sender in sorted(contributions):
+        both = agree = 0
+        for j, packet in sorted(contributions[sender].items()):
+            if not isinstance(packet, compression.SignPacket) or not 0 <= j < len(part_ranges):
+                continue
+            s, e = part_ranges[j]
+            mine = torch.sign(compression.decode(packet))
+            ref = torch.sign(aggregate[s:e])
+            if mine.numel() != ref.numel():
+                continue
+            live = (mine != 0) & (ref != 0)
+            both += int(live.sum())
+            agree += int((live & (mine == ref)).sum())
+        if both:
+            out[sender] = agree / both
+    return out
+
+
+@dataclass(frozen=True)
+class AgreementTest:
+    """A round's relative agreement test: the median and MAD of the agreements, the threshold, and the low
+    outliers (contributors below it, sorted by peer id). ``relative``: False when too few contributors for
+    the relative test (the threshold is then ``floor``)."""
+
+    median: float
+    mad: float
+    threshold: float
+    outliers: tuple[str, ...]
+    relative: bool
+
+    def as_dict(self) -> dict:
+        """JSON-able (the round row's ``extra["verify"]["agreement"]``)."""
+        return {
+            "median": round(self.median, 4),
+            "mad": round(self.mad, 4),
+            "threshold": round(self.threshold, 4),
+            "outliers": [p[:10] for p in self.outliers],
+            "relative": self.relative,
+        }
+
+
+def relative_threshold(
+    agreements: Mapping[str, float],
+    *,
+    z: float = 3.5,
+    floor: float = 0.5,
+    min_mad: float = 0.01,
+    min_contributors: int = 4,
+) -> AgreementTest:
+    """The relative agreement test of ``agreements`` (peer id -> share in [0, 1]; see the module docstring):
+    threshold ``max(floor, median - (z / MAD_SCALE) x max(MAD, min_mad))``, outliers the peers strictly below
+    it. Fewer than ``min_contributors`` agreements: threshold ``floor``. Pure and deterministic (plain floats,
+    the statistics module's median). Raises ValueError for ``z <= 0``, a negative ``min_mad`` or an agreement
+    outside [0, 1]."""
+    if not z > 0 or not min_mad >= 0:
+        raise ValueError(f"z={z} must be > 0 and min_mad={min_mad} >= 0")
+    values = sorted(float(v) for v in agreements.values())
+    if any(not 0.0 <= v <= 1.0 for v in values):
+        raise ValueError("agreements must lie in [0, 1]")
+    if not values:
+        return AgreementTest(0.0, 0.0, floor, (), False)
+    med = statistics.median(values)
+    mad = statistics.median(abs(v - med) for v in values)
+    if len(values) < min_contributors:
+        threshold, relative = floor, False
+    else:
+        threshold, relative = max(floor, med - (z / MAD_SCALE) * max(mad, min_mad)), True
+    outliers = tuple(sorted(p for p, v in agreements.items() if float(v) < threshold))
+    return AgreementTest(med, mad, threshold, outliers, relative)

@@ -1,0 +1,269 @@
+"""Verified work that always runs (issue 28): a background worker with a compute budget.
+
+A check of round ``r`` (:mod:`geomesh_p2p.trust.verify`) costs ``k + m`` forward/backward passes of the
+contributor's batch: on a busy device that is often longer than what is left before round ``r + 1``
+starts, and the first version skipped such checks (21 of 28 in a clean 4-peer run) or abandoned them at a
+deadline, so whoever was drawn then went unchecked. Here a check is a *job* in :class:`CheckQueue`: one
+daemon thread runs the jobs one at a time, in the background of the next rounds' inner steps, and paces
+itself (:class:`Pacer`) so that it computes at most ``duty`` of the wall time: after each pass of ``t``
+seconds it sleeps ``t x (1 - duty) / duty``. A check is never skipped or abandoned for being late: it ends
+later, and its verdict is applied when it ends (:meth:`CheckQueue.results`, drained by the event loop).
+
+Bounded: at most ``max_pending`` jobs wait. A job needs its round's kept start weights, which the
+verifier keeps (pins) while a job of that round waits or runs; a new job past ``max_pending`` drops the
+*oldest* waiting one, whose round is then released (counted in ``dropped``, with the reason logged). With
+the draw budget (``VerifyConfig.share``, the mean compute drawn per round) below the duty cycle, the
+worker keeps up on average (utilisation ``share / duty``, 0.67 by default), so a drop needs a burst of
+draws: rare (docs/security.md, "Verified work").
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Pacer", "CheckJob", "CheckQueue", "CheckCounts", "QueueClosed"]
+
+
+class QueueClosed(RuntimeError):
+    """The queue was closed while a job ran: raised at the job's next pace, so it stops there."""
+
+
+class Pacer:
+    """Keeps a thread's compute at ``duty`` of the wall time: call it between two units of work; it sleeps
+    ``busy x (1 - duty) / duty`` where ``busy`` is the time since the last call returned (the work's time).
+
+    ``stop``: an event that ends the sleeps early (the queue's close); ``clock`` (seconds) and ``sleep(s)``:
+    how to read the time and wait (default: ``time.monotonic`` and ``stop.wait``; a test passes fakes).
+    Raises ValueError unless ``0 < duty <= 1``."""
+
+    def __init__(
+        self,
+        duty: float,
+        stop: Optional[threading.Event] = None,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Optional[Callable[[float], Any]] = None,
+    ):
+        if not 0.0 < float(duty) <= 1.0:
+            raise ValueError(f"duty={duty} must be in (0, 1]")
+        self.duty = float(duty)
+        self.stop = stop if stop is not None else threading.Event()
+        self.clock = clock
+        self.sleep = sleep if sleep is not None else self.stop.wait
+        self._since = clock()
+        #: seconds computed and seconds slept so far
+        self.busy_s = 0.0
+        self.slept_s = 0.0
+
+    def start(self) -> None:
+        """Begin a unit of work now (a job starts)."""
+        self._since = self.clock()
+
+    def __call__(self) -> None:
+        """Pace: sleep for the work since the last call. Raises :class:`QueueClosed` once ``stop`` is set."""
+        if self.stop.is_set():
+            raise QueueClosed("the verified-work queue was closed")
+        busy = max(0.0, self.clock() - self._since)
+        self.busy_s += busy
+        rest = busy * (1.0 - self.duty) / self.duty
+        if rest > 0:
+            t0 = self.clock()
+            self.sleep(rest)
+            self.slept_s += max(0.0, self.clock() - t0)
+        self._since = self.clock()
+
+
+@dataclass
+class CheckJob:
+    """One job: ``run(pace)`` (blocking, in the worker; calls ``pace()`` between its passes) for ``round``.
+    ``kind``: "check" (this node's own check) or "recheck" (another verifier's evidence); ``key``: what
+    the caller names it by; ``due``: unix seconds by which the first version required it to end (the next
+    round's start: it skipped or abandoned a check that would not), None: no such time (never late)."""
+
+    round: int
+    kind: str
+    run: Callable[["Pacer"], Any]
+    key: Any = None
+    due: Optional[float] = None
+
+
+@dataclass
+class CheckCounts:
+    """What the queue did, since it started. ``queued``: jobs accepted; ``done``: jobs that ended (a
+    verdict or an outcome); ``late``: of those, the ones that ended after their ``due`` time (the first
+    version skipped or abandoned every one of them); ``dropped``: jobs dropped before they ran, their round's
+    weights released (queue full); ``failed``: jobs that raised; ``waiting``: jobs queued now (the running
+    one included); ``busy_s`` / ``slept_s``: the worker's compute and pacing seconds."""
+
+    queued: int = 0
+    done: int = 0
+    late: int = 0
+    dropped: int = 0
+    failed: int = 0
+    waiting: int = 0
+    busy_s: float = 0.0
+    slept_s: float = 0.0
+    by_kind: dict = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        """JSON-able (the round row's ``extra["verify"]``)."""
+        return {
+            "queued": self.queued,
+            "done": self.done,
+            "late": self.late,
+            "dropped": self.dropped,
+            "failed": self.failed,
+            "waiting": self.waiting,
+            "busy_s": round(self.busy_s, 3),
+            "slept_s": round(self.slept_s, 3),
+        }
+
+
+class CheckQueue:
+    """The background worker of verified work (see the module docstring).
+
+    Args:
+        duty: largest share of the wall time the worker computes (0 < duty <= 1).
+        max_pending: jobs that may wait (besides the running one); a new one past it drops the oldest.
+        on_drop: called with each dropped job (in the caller's thread), e.g. to release its round.
+        pacer: the :class:`Pacer` (default: one at ``duty`` whose sleeps :meth:`close` cuts short).
+
+    The worker thread starts on the first :meth:`submit` and ends at :meth:`close`.
+    """
+
+    def __init__(
+        self,
+        duty: float,
+        max_pending: int,
+        *,
+        on_drop: Optional[Callable[[CheckJob], None]] = None,
+        pacer: Optional[Pacer] = None,
+    ):
+        if max_pending < 1:
+            raise ValueError(f"max_pending={max_pending} must be >= 1")
+        self.max_pending = int(max_pending)
+        self._stop = threading.Event()
+        self.pacer = pacer if pacer is not None else Pacer(duty, self._stop)
+        self._on_drop = on_drop
+        self._cond = threading.Condition()
+        self._waiting: deque[CheckJob] = deque()
+        self._running: Optional[CheckJob] = None
+        self._done: deque[tuple[CheckJob, Any, Optional[BaseException]]] = deque()
+        self._thread: Optional[threading.Thread] = None
+        self.counts = CheckCounts()
+
+    # -- the caller's side ----------------------------------------------------------------------------
+    def submit(self, job: CheckJob) -> Optional[CheckJob]:
+        """Queue ``job``; returns the job dropped to make room (the oldest waiting), or None.
+
+        Raises RuntimeError after :meth:`close`."""
+        dropped = None
+        with self._cond:
+            if self._stop.is_set():
+                raise RuntimeError("the verified-work queue is closed")
+            if len(self._waiting) >= self.max_pending:
+                dropped = self._waiting.popleft()
+                self.counts.dropped += 1
+            self._waiting.append(job)
+            self.counts.queued += 1
+            self.counts.by_kind[job.kind] = self.counts.by_kind.get(job.kind, 0) + 1
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._work, name="geomesh-verify", daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+        if dropped is not None:
+            log.info(
+                "verified work: the %s of round %d was dropped before it ran: %d checks were waiting (its round's "
+                "kept weights are released)",
+                dropped.kind,
+                dropped.round,
+                self.max_pending,
+            )
+            if self._on_drop is not None:
+                self._on_drop(dropped)
+        return dropped
+
+    def results(self) -> list[tuple[CheckJob, Any, Optional[BaseException]]]:
+        """The jobs that ended since the last call, oldest first: ``(job, its result, the exception it raised
+        or None)``."""
+        with self._cond:
+            out = list(self._done)
+            self._done.clear()
+        return out
+
+    def rounds(self) -> set[int]:
+        """Rounds with a job waiting or running (their kept weights must stay)."""
+        with self._cond:
+            out = {j.round for j in self._waiting}
+            if self._running is not None:
+                out.add(self._running.round)
+        return out
+
+    def snapshot(self) -> CheckCounts:
+        """A copy of the counts, ``waiting`` and the pacer's seconds filled in."""
+        with self._cond:
+            c = CheckCounts(**{**self.counts.__dict__, "by_kind": dict(self.counts.by_kind)})
+            c.waiting = len(self._waiting) + (self._running is not None)
+        c.busy_s, c.slept_s = self.pacer.busy_s, self.pacer.slept_s
+        return c
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Block until no job waits or runs (tests, shutdown); False on timeout."""
+        end = time.monotonic() + timeout
+        with self._cond:
+            while self._waiting or self._running is not None:
+                left = end - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the worker: waiting jobs are dropped (not counted), the running one ends at its next pace (the
+        pacer's sleep is cut short and it raises :class:`QueueClosed`). Safe to call twice."""
+        with self._cond:
+            self._stop.set()
+            self._waiting.clear()
+            self._cond.notify_all()
+            t = self._thread
+        if t is not None and t is not threading.current_thread():
+            t.join(timeout)
+
+    # -- the worker -----------------------------------------------------------------------------------
+    def _work(self) -> None:
+        while True:
+            with self._cond:
+                while not self._waiting and not self._stop.is_set():
+                    self._cond.wait()
+                if self._stop.is_set():
+                    return
+                job = self._running = self._waiting.popleft()
+            result, error = None, None
+            self.pacer.start()
+            try:
+                result = job.run(self.pacer)
+            except Exception as e:  # noqa: BLE001  a job's failure is reported with its result, never ends the worker
+                error = e
+            try:
+                self.pacer()  # the rest of the job's compute is paced too
+            except QueueClosed:
+                pass
+            with self._cond:
+                self._running = None
+                if self._stop.is_set():  # closed while it ran: nothing reported
+                    self._cond.notify_all()
+                    return
+                if error is not None:
+                    self.counts.failed += 1
+                else:
+                    self.counts.done += 1
+                    if job.due is not None and time.time() > job.due:
+                        self.counts.late += 1
+                self._done.append((job, result, error))
+                self._cond.notify_all()

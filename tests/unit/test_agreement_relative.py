@@ -1,0 +1,105 @@
+"""An agreement test that tightens with training (issue 28; geomesh_p2p/trust/agreement.py), on synthetic
+sign-compressed contributions aggregated by the real rule (meanmed + the 0.5 filter).
+
+Each round has a true update ``g`` (log-normal magnitudes, random signs) and honest contributions ``g + s x
+noise`` (``s`` within +-15% of ``sigma`` x mean |g|: peers of one H and batch); the red team's stealthy flip
+trains the same way, then flips the sign of its 45% largest-magnitude coordinates. As ``sigma`` falls (the
+model trains and the honest updates agree more) every agreement rises, the flip's above 0.5, so the fixed
+filter keeps it; the relative threshold follows the honest median and flags it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from geomesh_p2p.exchange import codec as compression
+from geomesh_p2p.exchange.robust import aggregate_part
+from geomesh_p2p.trust.agreement import MAD_SCALE, relative_threshold, sign_agreements
+
+pytestmark = pytest.mark.timeout(120)
+
+P = 1 << 15
+PARTS = [(0, P // 2), (P // 2, P)]
+
+
+def _round(seed: int, honest: int, stealthy: int, sigma: float, spread: float = 0.3):
+    """(agreements, the part-wise aggregate) of one synthetic round; honest peers are "h<i>", flippers "z<i>"."""
+    g = torch.Generator().manual_seed(seed)
+    mag = torch.exp(torch.randn(P, generator=g))
+    truth = mag * torch.where(torch.rand(P, generator=g) < 0.5, -1.0, 1.0)
+    contributions = {}
+    for i in range(honest + stealthy):
+        s = sigma * (1 + spread * (torch.rand(1, generator=g).item() - 0.5))
+        v = truth + s * float(mag.mean()) * torch.randn(P, generator=g)
+        name = f"h{i}" if i < honest else f"z{i}"
+        if name.startswith("z"):
+            top = v.abs().topk(int(0.45 * P)).indices
+            v[top] = -v[top]
+        contributions[name] = {j: compression.encode(v[a:b].contiguous(), 2048, 1000) for j, (a, b) in enumerate(PARTS)}
+    aggregate = torch.zeros(P)
+    for j, (a, b) in enumerate(PARTS):
+        items = [(1000, contributions[n][j]) for n in sorted(contributions)]
+        aggregate[a:b] = aggregate_part(items, b - a, rule="meanmed")
+    return sign_agreements(contributions, aggregate, PARTS), aggregate
+
+
+@pytest.mark.parametrize("honest, stealthy", [(3, 1), (5, 2)])
+def test_the_stealthy_flip_passes_the_fixed_filter_and_fails_the_relative_one(honest, stealthy):
+    flagged = missed = false = 0
+    for sigma in (1.0, 2.0, 3.0):  # honest agreement from ~0.9 down to ~0.7 (the flip's from ~0.4 up to ~0.6+)
+        for seed in range(6):
+            agreements, _ = _round(seed, honest, stealthy, sigma)
+            test = relative_threshold(agreements)
+            assert test.relative and test.threshold > 0.6
+            flips = {p for p in agreements if p.startswith("z")}
+            flagged += len(flips & set(test.outliers))
+            missed += len(flips - set(test.outliers))
+            false += len(set(test.outliers) - flips)
+            if sigma >= 2.0:  # the model has trained: the flip agrees on more than half, the fixed filter keeps it
+                assert all(agreements[p] > 0.5 for p in flips), agreements
+    assert false == 0  # no honest contributor flagged in 18 rounds
+    assert missed == 0 and flagged == 18 * stealthy
+
+
+def test_honest_rounds_flag_nobody_at_one_h_and_rarely_with_a_wide_spread():
+    false = 0
+    for sigma in (1.0, 2.0, 3.0):
+        for seed in range(10):
+            agreements, _ = _round(100 + seed, 4, 0, sigma)
+            false += len(relative_threshold(agreements).outliers)
+    assert false == 0  # 120 honest contributions, peers of one H and batch
+    # honest noise spread 0.25x..1.75x (peers of different H and batch): a few flags, why it is advisory
+    wide = sum(len(relative_threshold(_round(200 + s, 7, 0, 1.0, spread=1.5)[0]).outliers) for s in range(10))
+    assert wide <= 3  # of 70 (measured: 1-2 per 140 over sigma 1..3)
+
+
+def test_the_threshold_and_its_guards():
+    a = {"a": 0.80, "b": 0.82, "c": 0.84, "d": 0.86, "z": 0.70}
+    t = relative_threshold(a)
+    assert t.median == 0.82 and t.mad == pytest.approx(0.02) and t.relative
+    assert t.threshold == pytest.approx(0.82 - (3.5 / MAD_SCALE) * 0.02) and t.outliers == ("z",)
+    assert t.as_dict() == {"median": 0.82, "mad": 0.02, "threshold": 0.7162, "outliers": ["z"], "relative": True}
+    # identical honest agreements: the MAD floor, not any difference at all, sets the threshold
+    same = relative_threshold({"a": 0.8, "b": 0.8, "c": 0.8, "z": 0.76})
+    assert same.threshold == pytest.approx(0.8 - (3.5 / MAD_SCALE) * 0.01) and same.outliers == ()
+    # never below the fixed floor; no relative test under min_contributors
+    low = relative_threshold({"a": 0.5, "b": 0.6, "c": 0.7, "d": 0.55, "z": 0.45})
+    assert low.threshold == 0.5 and low.outliers == ("z",)
+    few = relative_threshold({"a": 0.9, "b": 0.9, "z": 0.6})
+    assert not few.relative and few.threshold == 0.5 and few.outliers == ()
+    assert relative_threshold({}).outliers == ()
+    with pytest.raises(ValueError):
+        relative_threshold({"a": 1.5})
+    with pytest.raises(ValueError):
+        relative_threshold(a, z=0)
+
+
+def test_agreements_count_only_elements_where_both_are_nonzero():
+    agg = torch.tensor([1.0, -1.0, 0.0, 2.0, -3.0, 1.0, 1.0, -1.0])
+    parts = [(0, 4), (4, 8)]
+    mine = torch.tensor([1.0, 1.0, 5.0, 2.0, -1.0, -1.0, 0.0, 0.0])  # part 1's last block is all zero
+    packets = {"p": {j: compression.encode(mine[a:b].contiguous(), 2, 10) for j, (a, b) in enumerate(parts)}}
+    # part 0: elements 0, 1, 3 both non-zero (2 agree); part 1: elements 4, 5 (1 agrees); 6, 7 abstain
+    assert sign_agreements(packets, agg, parts) == {"p": 3 / 5}
+    assert sign_agreements({"q": {0: torch.ones(4)}}, agg, parts) == {}  # fp32 pushes are skipped
