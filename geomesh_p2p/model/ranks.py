@@ -4,10 +4,12 @@ torch.distributed (DDP, or FSDP2 with ``--shard``; NCCL on CUDA, gloo on CPU), r
 Rank 0 drives, ranks 1..K-1 follow (:meth:`RankedTrainer.follow`). Two process groups:
 
 * the **command channel** (always gloo, CPU tensors): rank 0 broadcasts a :class:`Command` (8 float64), then
-  the command's payload when it has one (the step's token batch). Idle, rank 0 sends a ``PING`` every
+  the command's payload when it has one (the step's token batch; a STEP's broadcasts are not waited for: rank 0
+  goes on with its rows, :meth:`RankChannel.send`). Idle, rank 0 sends a ``PING`` every
   :data:`PING_PERIOD_S` seconds, so a follower's wait never reaches the collective timeout and a follower
   sees rank 0's death (a closed connection) within a period;
-* the **main group** (NCCL on CUDA, gloo on CPU): DDP's gradient all-reduce, the step's loss, and the
+* the **main group** (NCCL on CUDA, gloo on CPU): DDP's gradient all-reduce (on a CPU one bucket, one
+  all-reduce per step: :func:`ddp_bucket_cap_mb`), the step's loss, and the
   broadcast of rank 0's weights (:data:`WEIGHTS`) before every run of inner steps.
 
 One step of global batch ``B`` (the plan's ``batch_size``, ``micro_batch`` rows per forward pass for the
@@ -226,7 +228,7 @@ class RankChannel:
     # -- rank 0 ---------------------------------------------------------------------------------------
     def send(self, command: Command, batch: Optional[torch.Tensor] = None, *, wait: bool = True) -> None:
         """Rank 0: broadcast ``command`` (and ``batch``, int64 ``[B, seq_len]``, for a STEP) on the command
-        channel. The command sent before, when it was not waited for, completes first (:meth:`settle`).
+        channel. The command sent before, when it was not waited for, completes first (:meth:`_settle`).
 
         ``wait`` False (a STEP): the broadcasts are started (``async_op``) and this returns at once, so rank 0
         does not wait for the followers to be ready to receive (they are finishing the step before, or reading
@@ -249,17 +251,9 @@ class RankChannel:
                 raise self.fail(f"command {command} to the other ranks failed", e) from None
             self._last_send = time.monotonic()
 
-    def settle(self) -> None:
-        """Rank 0: wait until the last command sent without waiting (``send(wait=False)``) reached every rank.
-        Raises RankFailure (after :meth:`fail`) when it failed."""
-        with self._lock:
-            try:
-                self._settle()
-            except RuntimeError as e:
-                raise self.fail("a command to the other ranks failed", e) from None
-
     def _settle(self) -> None:
-        """:meth:`settle` with the lock held; raises the broadcast's RuntimeError."""
+        """Rank 0, the lock held: wait until the last command sent without waiting (``send(wait=False)``) reached
+        every rank. Raises the broadcast's RuntimeError."""
         pending, self._pending = self._pending, None
         for work in pending[0] if pending is not None else ():
             work.wait()
