@@ -60,6 +60,8 @@ def run_config(workdir: Path, two_ranks: bool, rounds: int, extra: list[str]) ->
         "box_sent": lambda r: sum(rows[n][r]["bytes_sent"] for n in box),
         "swarm_collective_sent": lambda r: sum(_collective_sent(rows[n][r]) for n in rows),
         "box_tokens": lambda r: sum(rows[n][r]["tokens"] for n in box),
+        # the rate of the inner steps (emulated slow-down included): what AWB plans by, not rounded to whole steps
+        "box_tokens_per_s": lambda r: sum(rows[n][r]["tokens"] / max(rows[n][r]["compute_s"], 1e-9) for n in box),
         "other_tokens": lambda r: rows["other"][r]["tokens"],
         "box_batch": lambda r: sum(rows[n][r]["batch_size"] for n in box),
     }
@@ -104,8 +106,15 @@ def main() -> int:
     pairs = []
     for i, (ra, rb) in enumerate(zip(runs[True], runs[False])):
         ta, tb = (statistics.median(r["per_round"]["box_tokens"]) for r in (ra, rb))
+        sa, sb = (statistics.median(r["per_round"]["box_tokens_per_s"]) for r in (ra, rb))
         pairs.append(
-            {"pair": i, "tokens": [ta, tb], "ratio": ta / tb if tb else float("nan"), "load": [ra["load"], rb["load"]]}
+            {
+                "pair": i,
+                "tokens": [ta, tb],
+                "ratio": ta / tb if tb else float("nan"),
+                "tokens_per_s_ratio": sa / sb if sb else float("nan"),
+                "load": [ra["load"], rb["load"]],
+            }
         )
     if ns.json:
         print(json.dumps({"one peer of 2 ranks": a, "two peers of 1 rank": b, "pairs": pairs}, indent=1))
@@ -120,6 +129,7 @@ def main() -> int:
         ("box_sent", "box: all bytes sent (DHT, probes too)"),
         ("swarm_collective_sent", "swarm: collective bytes sent"),
         ("box_tokens", "box: tokens trained"),
+        ("box_tokens_per_s", "box: tokens/s in its inner steps"),
         ("box_batch", "box: batch (sequences)"),
         ("other_tokens", "ordinary peer: tokens trained"),
     ]:
@@ -129,7 +139,7 @@ def main() -> int:
     for p in pairs:
         print(
             f"pair {p['pair']}: box tokens per round {p['tokens'][0]:,.0f} (2 ranks) / {p['tokens'][1]:,.0f} "
-            f"(2 x 1 rank) = {p['ratio']:.2f}; 1-minute load average at the starts {p['load'][0]:.2f}, "
+            f"(2 x 1 rank) = {p['ratio']:.2f}, tokens/s {p['tokens_per_s_ratio']:.2f}; 1-minute load average at the starts {p['load'][0]:.2f}, "
             f"{p['load'][1]:.2f}"
         )
     return 0
