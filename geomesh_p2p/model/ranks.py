@@ -368,9 +368,10 @@ def ddp_bucket_cap_mb(model: torch.nn.Module, device: torch.device) -> Optional[
     1 MiB, all-reduced while the backward pass runs) on CUDA, where NCCL's all-reduce overlaps the backward pass
     on its own stream; on a CPU one bucket that holds every gradient (its bytes rounded up, plus 1 MiB), so a step
     has one gradient all-reduce, after the last micro-batch's backward pass. CPU ranks use every core for their
-    forward and backward passes, and gloo's threads that overlap them only take cycles from them (one meeting of
-    the ranks per step, not one per bucket). Every rank's gradient is the same sum either way (for 2 ranks bit for
-    bit the same: each element is ``g0 / 2 + g1 / 2``)."""
+    forward and backward passes, which gloo's threads overlapping them can only compete with (one meeting of the
+    ranks per step, not one per bucket; no gain was measurable on a shared 2-core machine, docs/multi-rank.md
+    "Measured"). Every rank's gradient is the same sum either way (for 2 ranks bit for bit the same: each element
+    is ``g0 / 2 + g1 / 2``). ``model``'s parameters are counted at their element size (bytes)."""
     if device.type == "cuda":
         return None
     return math.ceil(sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20) + 1
