@@ -5,7 +5,9 @@ Per configuration: the box's bytes sent per round (the collective's, and everyth
 swarm's, and the tokens the box trained per round (the 2-rank peer's, or the two one-rank peers' sum). Goals
 (docs/multi-rank.md): the box's collective bytes about half, its tokens within 10%. Rounds after the first
 (round 0 is warm-up: no step's time is known yet), medians over the rounds. The tiny model and short windows of
-the tests (tests.swarm_util.FAST) with the speed factor given here.
+the tests (tests.swarm_util.FAST) with the speed factor given here. Other jobs on the machine change its load from
+minute to minute: the two configurations run in turns, A B B A ... (``--pairs``), each pair's tokens ratio is
+printed with the load averages at the starts of its runs, and the table pools every run's rounds.
 
     .venv/bin/python benchmarks/multi_rank.py --rounds 8 --workdir /tmp/mrb
     .venv/bin/python benchmarks/multi_rank.py --rounds 8 --workdir /tmp/mrb --method diloco \
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import statistics
 import sys
@@ -31,8 +34,11 @@ def _collective_sent(row: dict) -> int:
 
 
 def run_config(workdir: Path, two_ranks: bool, rounds: int, extra: list[str]) -> dict:
-    """Start the ordinary peer and the box's peer(s), train ``rounds`` rounds, return per-round medians."""
+    """Start the ordinary peer and the box's peer(s), train ``rounds`` rounds, return the box's per-round figures
+    (round -> figure) for the rounds after round 0 that every peer trained, and the 1-minute load average at the
+    start."""
     workdir.mkdir(parents=True, exist_ok=True)
+    load = os.getloadavg()[0]
     sw = ProcSwarm(workdir)
     args = ["--rounds", str(rounds), "--min-peers", "2" if two_ranks else "3", *extra]
     box = ["box"] if two_ranks else ["box1", "box2"]
@@ -49,20 +55,29 @@ def run_config(workdir: Path, two_ranks: bool, rounds: int, extra: list[str]) ->
     common = sorted(set.intersection(*(set(v) for v in rows.values())) - {0})
     if not common:
         raise SystemExit(f"no round trained by every peer after round 0 (logs in {workdir})")
-
-    def med(f) -> float:
-        return statistics.median(f(r) for r in common)
-
+    figures = {
+        "box_collective_sent": lambda r: sum(_collective_sent(rows[n][r]) for n in box),
+        "box_sent": lambda r: sum(rows[n][r]["bytes_sent"] for n in box),
+        "swarm_collective_sent": lambda r: sum(_collective_sent(rows[n][r]) for n in rows),
+        "box_tokens": lambda r: sum(rows[n][r]["tokens"] for n in box),
+        # the rate of the inner steps (emulated slow-down included): what AWB plans by, not rounded to whole steps
+        "box_tokens_per_s": lambda r: sum(rows[n][r]["tokens"] / max(rows[n][r]["compute_s"], 1e-9) for n in box),
+        "other_tokens": lambda r: rows["other"][r]["tokens"],
+        "box_batch": lambda r: sum(rows[n][r]["batch_size"] for n in box),
+    }
     return {
-        "rounds": len(common),
-        "box_collective_sent": med(lambda r: sum(_collective_sent(rows[n][r]) for n in box)),
-        "box_sent": med(lambda r: sum(rows[n][r]["bytes_sent"] for n in box)),
-        "swarm_collective_sent": med(lambda r: sum(_collective_sent(rows[n][r]) for n in rows)),
-        "box_tokens": med(lambda r: sum(rows[n][r]["tokens"] for n in box)),
-        "other_tokens": med(lambda r: rows["other"][r]["tokens"]),
-        "box_batch": med(lambda r: sum(rows[n][r]["batch_size"] for n in box)),
+        "load": load,
+        "per_round": {k: [f(r) for r in common] for k, f in figures.items()},
         "digests_agree": all(len({rows[n][r]["digest"] for n in rows}) == 1 for r in common),
     }
+
+
+def pooled(runs: list[dict]) -> dict:
+    """Medians per round over all the rounds of ``runs`` (one configuration), and whether digests agreed."""
+    out: dict = {k: statistics.median(v for run in runs for v in run["per_round"][k]) for k in runs[0]["per_round"]}
+    out["rounds"] = sum(len(run["per_round"]["box_tokens"]) for run in runs)
+    out["digests_agree"] = all(run["digests_agree"] for run in runs)
+    return out
 
 
 def main() -> int:
@@ -72,20 +87,41 @@ def main() -> int:
     ap.add_argument("--method", default="geomesh", help="the run's --method (default: %(default)s)")
     ap.add_argument("--speed-factor", default="0.5", help="every peer's --speed-factor (default: %(default)s)")
     ap.add_argument("--peer-args", default="", help="more flags for every peer, e.g. '--uniform-inner-steps 4'")
+    ap.add_argument(
+        "--pairs",
+        type=int,
+        default=2,
+        help="pairs of runs (a: 2 ranks, b: 2 x 1 rank), in A B B A A B ... order so that a change of the "
+        "machine's load hits both alike (default: %(default)s)",
+    )
     ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
     ns = ap.parse_args()
     extra = ["--method", ns.method, "--speed-factor", ns.speed_factor, *shlex.split(ns.peer_args)]
-    res = {
-        "one peer of 2 ranks": run_config(ns.workdir / "two_ranks", True, ns.rounds, extra),
-        "two peers of 1 rank": run_config(ns.workdir / "one_rank", False, ns.rounds, extra),
-    }
+    runs: dict[bool, list[dict]] = {True: [], False: []}
+    for i in range(ns.pairs):
+        for two_ranks in (True, False) if i % 2 == 0 else (False, True):
+            name = f"{'two_ranks' if two_ranks else 'one_rank'}{i}"
+            runs[two_ranks].append(run_config(ns.workdir / name, two_ranks, ns.rounds, extra))
+    a, b = pooled(runs[True]), pooled(runs[False])
+    pairs = []
+    for i, (ra, rb) in enumerate(zip(runs[True], runs[False])):
+        ta, tb = (statistics.median(r["per_round"]["box_tokens"]) for r in (ra, rb))
+        sa, sb = (statistics.median(r["per_round"]["box_tokens_per_s"]) for r in (ra, rb))
+        pairs.append(
+            {
+                "pair": i,
+                "tokens": [ta, tb],
+                "ratio": ta / tb if tb else float("nan"),
+                "tokens_per_s_ratio": sa / sb if sb else float("nan"),
+                "load": [ra["load"], rb["load"]],
+            }
+        )
     if ns.json:
-        print(json.dumps(res, indent=1))
+        print(json.dumps({"one peer of 2 ranks": a, "two peers of 1 rank": b, "pairs": pairs}, indent=1))
         return 0
-    a, b = res["one peer of 2 ranks"], res["two peers of 1 rank"]
     print(
         f"method {ns.method}, speed factor {ns.speed_factor} {ns.peer_args}, medians over the rounds after round 0 "
-        f"that every peer trained ({a['rounds']} and {b['rounds']})"
+        f"that every peer trained ({a['rounds']} and {b['rounds']} rounds in {ns.pairs} run(s) each)"
     )
     print(f"{'':38}{'2 ranks':>14}{'2 x 1 rank':>14}{'ratio':>9}")
     for key, label in [
@@ -93,12 +129,19 @@ def main() -> int:
         ("box_sent", "box: all bytes sent (DHT, probes too)"),
         ("swarm_collective_sent", "swarm: collective bytes sent"),
         ("box_tokens", "box: tokens trained"),
+        ("box_tokens_per_s", "box: tokens/s in its inner steps"),
         ("box_batch", "box: batch (sequences)"),
         ("other_tokens", "ordinary peer: tokens trained"),
     ]:
         ratio = a[key] / b[key] if b[key] else float("nan")
         print(f"{label:38}{a[key]:>14,.0f}{b[key]:>14,.0f}{ratio:>9.2f}")
     print(f"{'digests agree every round':38}{str(a['digests_agree']):>14}{str(b['digests_agree']):>14}")
+    for p in pairs:
+        print(
+            f"pair {p['pair']}: box tokens per round {p['tokens'][0]:,.0f} (2 ranks) / {p['tokens'][1]:,.0f} "
+            f"(2 x 1 rank) = {p['ratio']:.2f}, tokens/s {p['tokens_per_s_ratio']:.2f}; 1-minute load average at the starts {p['load'][0]:.2f}, "
+            f"{p['load'][1]:.2f}"
+        )
     return 0
 
 

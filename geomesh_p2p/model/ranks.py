@@ -4,10 +4,12 @@ torch.distributed (DDP, or FSDP2 with ``--shard``; NCCL on CUDA, gloo on CPU), r
 Rank 0 drives, ranks 1..K-1 follow (:meth:`RankedTrainer.follow`). Two process groups:
 
 * the **command channel** (always gloo, CPU tensors): rank 0 broadcasts a :class:`Command` (8 float64), then
-  the command's payload when it has one (the step's token batch). Idle, rank 0 sends a ``PING`` every
+  the command's payload when it has one (the step's token batch; a STEP's broadcasts are not waited for: rank 0
+  goes on with its rows, :meth:`RankChannel.send`). Idle, rank 0 sends a ``PING`` every
   :data:`PING_PERIOD_S` seconds, so a follower's wait never reaches the collective timeout and a follower
   sees rank 0's death (a closed connection) within a period;
-* the **main group** (NCCL on CUDA, gloo on CPU): DDP's gradient all-reduce, the step's loss, and the
+* the **main group** (NCCL on CUDA, gloo on CPU): DDP's gradient all-reduce (on a CPU one bucket, one
+  all-reduce per step: :func:`ddp_bucket_cap_mb`), the step's loss, and the
   broadcast of rank 0's weights (:data:`WEIGHTS`) before every run of inner steps.
 
 One step of global batch ``B`` (the plan's ``batch_size``, ``micro_batch`` rows per forward pass for the
@@ -77,6 +79,7 @@ __all__ = [
     "collective_timeout_s",
     "rank_profile",
     "shard_model",
+    "ddp_bucket_cap_mb",
     "PING",
     "SETUP",
     "WEIGHTS",
@@ -198,6 +201,8 @@ class RankChannel:
         self._last_send = time.monotonic()
         self._stop = threading.Event()
         self._keepalive: Optional[threading.Thread] = None
+        #: rank 0: the broadcasts of the last command sent without waiting, and their tensors (:meth:`send`)
+        self._pending: Optional[tuple[list[Any], list[torch.Tensor]]] = None
 
     @classmethod
     def init(
@@ -221,19 +226,37 @@ class RankChannel:
         return cls(rank, world, dev, dist.group.WORLD, cmd, timeout_s)
 
     # -- rank 0 ---------------------------------------------------------------------------------------
-    def send(self, command: Command, batch: Optional[torch.Tensor] = None) -> None:
+    def send(self, command: Command, batch: Optional[torch.Tensor] = None, *, wait: bool = True) -> None:
         """Rank 0: broadcast ``command`` (and ``batch``, int64 ``[B, seq_len]``, for a STEP) on the command
-        channel. Raises RankFailure (after :meth:`fail`) when it fails, or when the channel is broken."""
+        channel. The command sent before, when it was not waited for, completes first (:meth:`_settle`).
+
+        ``wait`` False (a STEP): the broadcasts are started (``async_op``) and this returns at once, so rank 0
+        does not wait for the followers to be ready to receive (they are finishing the step before, or reading
+        the weights) but goes on with its rows; gloo's threads complete the broadcasts meanwhile. They are waited
+        for before the next command, so a failure is still seen (the step's gradient all-reduce sees a dead rank
+        first). The bytes on the wire are the same. Raises RankFailure (after :meth:`fail`) when it fails, or
+        when the channel is broken."""
         if self.broken is not None:
             raise RankFailure(self.broken)
         with self._lock:
             try:
-                dist.broadcast(command.to_tensor(), src=0, group=self.cmd)
+                self._settle()
+                tensors = [command.to_tensor()]
                 if batch is not None:
-                    dist.broadcast(batch.to("cpu", torch.int64).contiguous(), src=0, group=self.cmd)
+                    tensors.append(batch.to("cpu", torch.int64).contiguous())
+                works = [dist.broadcast(t, src=0, group=self.cmd, async_op=not wait) for t in tensors]
+                if not wait:
+                    self._pending = (works, tensors)  # the tensors live until their broadcasts completed
             except RuntimeError as e:
                 raise self.fail(f"command {command} to the other ranks failed", e) from None
             self._last_send = time.monotonic()
+
+    def _settle(self) -> None:
+        """Rank 0, the lock held: wait until the last command sent without waiting (``send(wait=False)``) reached
+        every rank. Raises the broadcast's RuntimeError."""
+        pending, self._pending = self._pending, None
+        for work in pending[0] if pending is not None else ():
+            work.wait()
 
     def broadcast_weights(self, model: torch.nn.Module) -> None:
         """Rank 0: the model's parameters to every rank (a :data:`WEIGHTS` command, then one flat broadcast
@@ -340,6 +363,20 @@ def _one_line(e: BaseException) -> str:
     return (text[0] if text else type(e).__name__)[:300]
 
 
+def ddp_bucket_cap_mb(model: torch.nn.Module, device: torch.device) -> Optional[int]:
+    """DDP's bucket size (MiB) for ``model`` on ``device``: None (torch's default, 25 MiB buckets with a first of
+    1 MiB, all-reduced while the backward pass runs) on CUDA, where NCCL's all-reduce overlaps the backward pass
+    on its own stream; on a CPU one bucket that holds every gradient (its bytes rounded up, plus 1 MiB), so a step
+    has one gradient all-reduce, after the last micro-batch's backward pass. CPU ranks use every core for their
+    forward and backward passes, which gloo's threads overlapping them can only compete with (one meeting of the
+    ranks per step, not one per bucket; no gain was measurable on a shared 2-core machine, docs/multi-rank.md
+    "Measured"). Every rank's gradient is the same sum either way (for 2 ranks bit for bit the same: each element
+    is ``g0 / 2 + g1 / 2``). ``model``'s parameters are counted at their element size (bytes)."""
+    if device.type == "cuda":
+        return None
+    return math.ceil(sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20) + 1
+
+
 def shard_model(model: torch.nn.Module, mesh: DeviceMesh) -> torch.nn.Module:
     """Shard ``model`` in place with torch FSDP2 over ``mesh`` (all the peer's ranks) and return it: each block of
     its outermost ``nn.ModuleList`` (a transformer's layers: GPT-2's ``transformer.h``, LLaMA's ``model.layers``)
@@ -392,6 +429,7 @@ class RankedTrainer(InnerTrainer):
                 process_group=channel.main,
                 # buffers (attention masks, rotary tables) are constants of the config: no sync per forward pass
                 forward_sync_buffers=False,
+                bucket_cap_mb=ddp_bucket_cap_mb(self.model, dev),
             )
         self._apply_step = True
         self._run_losses: list[float] = []
@@ -486,6 +524,7 @@ class RankedTrainer(InnerTrainer):
                 arg=int(self._apply_step),
             ),
             batch,
+            wait=False,  # rank 0 goes on with its rows; the followers take the batch when they are ready
         )
         try:
             loss = self._shard_accumulate(batch, micro_batch)

@@ -20,6 +20,7 @@ from geomesh_p2p.model.ranks import (
     WEIGHTS,
     Command,
     collective_timeout_s,
+    ddp_bucket_cap_mb,
     rank_profile,
     split_rows,
 )
@@ -81,6 +82,14 @@ def test_collective_timeout_follows_the_window() -> None:
     assert collective_timeout_s(1.5) == 60.0  # the floor: a step of a large model, a follower's model build
     assert collective_timeout_s(30.0) == 120.0
     assert collective_timeout_s(None) == 300.0
+
+
+def test_a_cpu_peer_all_reduces_its_gradients_in_one_bucket() -> None:
+    # 3,000,000 fp32 = 12,000,000 bytes = 11.44 MiB: 12 MiB holds them all, + 1 MiB (one bucket, one all-reduce)
+    model = torch.nn.Linear(3000, 1000, bias=False)
+    assert ddp_bucket_cap_mb(model, torch.device("cpu")) == 13
+    assert ddp_bucket_cap_mb(torch.nn.Linear(1, 1), torch.device("cpu")) == 2  # 8 bytes
+    assert ddp_bucket_cap_mb(model, torch.device("cuda", 0)) is None  # torch's buckets: NCCL overlaps backward
 
 
 # ---------------------------------------------------------------------------------------------- record
