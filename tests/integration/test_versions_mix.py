@@ -80,7 +80,7 @@ def test_every_wire_model_ignores_a_field_of_a_newer_patch_and_local_configs_sti
 
 def test_a_run_config_field_a_patch_adds_keeps_the_hash_at_its_default():
     class NextPatch(RunConfig):  # what the next patch release's RunConfig would be
-        patch_fields = frozenset({"warmup_hint"})
+        patch_fields = RunConfig.patch_fields | frozenset({"warmup_hint"})
         warmup_hint: int = 0
 
     assert NextPatch().config_hash() == RunConfig().config_hash()  # peers of both patches train together

@@ -393,9 +393,12 @@ async def test_the_own_start_is_released_before_the_next_eager_start_allocates()
     peers = _three(StartTrackingPeer, swarm, rounds)
     await trd._run_all(peers, rounds=rounds, min_peers=3)
     for p in peers:
-        assert [row.extra["eager"]["steps"] for row in p.drv.history] == ["global"] + ["adopted"] * (rounds - 1)
-        # rounds 2 and 3 started while their predecessor had an own start: it was gone every time
-        assert p.prev_alive == [False] * (rounds - 2)
+        # Under load (CI at ~10) a peer can fall a round or two behind and catch up by a download, which trains
+        # no row: the rows it did train are eager from round 1 on, and that is what this test needs.
+        steps = [row.extra["eager"]["steps"] for row in p.drv.history]
+        assert steps[0] == "global" and len(steps) >= 3 and set(steps[1:]) == {"adopted"}, steps
+        # every eager start after the first found its predecessor's own start gone
+        assert len(p.prev_alive) >= 1 and not any(p.prev_alive), p.prev_alive
 
 
 async def test_cancelling_the_driver_while_it_waits_for_adopted_steps_stops_their_thread():
