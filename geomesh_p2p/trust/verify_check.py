@@ -216,18 +216,19 @@ def judge(
             f"scale: a block scale of {max_scale:.3g} exceeds what {task.steps_done} inner "
             f"steps can move ({bound:.3g})",
         )
+    g = stats.gain
+    if g is not None and g.t < cfg.gain_t_hard:  # decided without the gradient passes (plain, trace not measured)
+        return Verdict(
+            FAIL,
+            f"no loss gain on its own batches: t {g.t:.2f} < {cfg.gain_t_hard} (gain {g.assigned:+.4f} on its "
+            f"assigned batches vs {g.control:+.4f} on controls): not trained on them (other data, stale, "
+            f"flipped or noise)",
+        )
     if stats.plain < cfg.plain_min:
         return Verdict(
             FAIL,
             f"signs: plain agreement {stats.plain:.3f} with its own batches' gradients "
             f"(< {cfg.plain_min}: flipped or random)",
-        )
-    g = stats.gain
-    if g is not None and g.t < cfg.gain_t_hard:
-        return Verdict(
-            FAIL,
-            f"no loss gain on its own batches: t {g.t:.2f} < {cfg.gain_t_hard} (gain {g.assigned:+.4f} on its "
-            f"assigned batches vs {g.control:+.4f} on controls): trained on other data",
         )
     if task.full_test and stats.trace < cfg.trace_hard:
         return Verdict(FAIL, f"no trace of its own batches: trace {stats.trace:.3f} < {cfg.trace_hard}")
@@ -306,6 +307,13 @@ def check_contribution(
         return WorkStats(0.0, 0.0, 0), quick, []
     all_zero, max_scale, bound = _scales(cfg, task, packets, theta, lr, weight_decay)
     mine = packets[task.accused]
+    # The loss-gain test first (forward passes only): a contribution not trained on its batches fails it
+    # hard, and then the gradient passes are not needed. What a check of a free rider or a poisoner costs
+    # halves, and the background queue (paced to a share of the device) concludes it rounds sooner.
+    gain = _gain(cfg, task, model, dataset, theta, mine, seed=seed, deadline=deadline, pace=pace)
+    if gain.t < cfg.gain_t_hard:
+        early = WorkStats(0.0, 0.0, 0, gain)
+        return early, judge(cfg, task, early, all_zero=False, max_scale=max_scale, bound=bound), []
     index = sample_elements(task.ranges, task.n_elements, task.element_seed)
     c = gather(mine, task, index)
     streams = [(task.accused, j) for j in task.steps] + [(CONTROL_STREAM, i) for i in range(task.controls)]
@@ -334,7 +342,6 @@ def check_contribution(
             (checker, hashlib.sha256(b"".join(bytes.fromhex(packet_digest(own[j])) for j in task.parts)).hexdigest())
         )
     stats = work_statistics(c, g[:k], g[k:], others)
-    gain = _gain(cfg, task, model, dataset, theta, mine, seed=seed, deadline=deadline, pace=pace)
     stats = WorkStats(stats.plain, stats.trace, stats.basis, gain)
     return stats, judge(cfg, task, stats, all_zero=False, max_scale=max_scale, bound=bound), used
 
