@@ -500,22 +500,26 @@ class OwnerService:
                     if isinstance(err, _TooFarAhead)
                     else (verified.round, caller, "pull", err.code)
                 )
-                self._log_once(
-                    key,
-                    logging.WARNING,
-                    "round %d: refused pull from %s: %s: %s",
-                    verified.round,
-                    _short(caller),
-                    err.code.name,
-                    err.reason,
-                    event="pull_refused",
-                    peer=self.peer_id,
-                    round=verified.round,
-                    sender=caller,
-                    code=err.code.name,
-                    reason=err.reason,
-                )
+                self._log_refused(key, "pull", "pull_refused", verified.round, caller, err)
             raise
+
+    def _log_refused(self, key, what: str, event: str, round: int, caller: str, err: EnvelopeError) -> None:
+        """One WARNING (once per ``key``) and event ``event`` for a refused ``what`` (a pull, a pull of inputs)."""
+        self._log_once(
+            key,
+            logging.WARNING,
+            f"round %d: refused {what} from %s: %s: %s",
+            round,
+            _short(caller),
+            err.code.name,
+            err.reason,
+            event=event,
+            peer=self.peer_id,
+            round=round,
+            sender=caller,
+            code=err.code.name,
+            reason=err.reason,
+        )
 
     async def _handle_inputs(self, verified: Verified, context) -> bytes:
         """``PullInputs`` (accountable mode): the signed contributions part ``req.part``'s result commits to,
@@ -558,19 +562,12 @@ class OwnerService:
             )
             return await asyncio.to_thread(resp.SerializeToString) if size > _THREAD_BYTES else resp.SerializeToString()
         except EnvelopeError as err:
-            self._log_once(
+            self._log_refused(
                 (verified.round, caller, "inputs", err.code),
-                logging.WARNING,
-                "round %d: refused a pull of inputs from %s: %s: %s",
+                "a pull of inputs",
+                "inputs_refused",
                 verified.round,
-                _short(caller),
-                err.code.name,
-                err.reason,
-                event="inputs_refused",
-                peer=self.peer_id,
-                round=verified.round,
-                sender=caller,
-                code=err.code.name,
-                reason=err.reason,
+                caller,
+                err,
             )
             raise

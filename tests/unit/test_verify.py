@@ -138,6 +138,13 @@ def test_flipped_zeros_noise_scaled_fail_hard(world):
             assert stats.gain is not None and stats.gain.t < VT.VerifyConfig().gain_t_hard and stats.basis == 0
     # the sign statistics of a flipped update, measured directly
     task = _task(10, world)
+    idx, own, ctrl = _task_gradients(world, task)
+    stats = VC.work_statistics(VT.gather(_packets(world, -h, 10)[world.pid["A"]], task, idx), own, ctrl)
+    assert stats.plain < 0.3 and stats.trace < 0.45
+
+
+def _task_gradients(world, task: VT.VerifyTask):
+    """(element index, own batch gradients [k, n], control gradients [m, n]) of ``task`` at the round's start."""
     idx = VT.sample_elements(task.ranges, task.n_elements, task.element_seed)
     streams = [(task.accused, j) for j in task.steps] + [(VT.CONTROL_STREAM, m) for m in range(task.controls)]
     g = VC.batch_gradients(
@@ -152,8 +159,7 @@ def test_flipped_zeros_noise_scaled_fail_hard(world):
         index=idx,
     )
     k = len(task.steps)
-    stats = VC.work_statistics(VT.gather(_packets(world, -h, 10)[world.pid["A"]], task, idx), g[:k], g[k:])
-    assert stats.plain < 0.3 and stats.trace < 0.45
+    return idx, g[:k], g[k:]
 
 
 @pytest.fixture(scope="module")
@@ -163,20 +169,7 @@ def six_checks(world):
     out = []
     for i, steps in enumerate([(0, 2, 5, 7), (1, 3, 6, 8), (0, 4, 6, 9), (2, 3, 7, 9), (1, 4, 5, 8), (0, 1, 8, 9)]):
         task = VT.VerifyTask(**{**_task(10, world).__dict__, "steps": steps, "element_seed": 100 + i})
-        idx = VT.sample_elements(task.ranges, task.n_elements, task.element_seed)
-        streams = [(task.accused, j) for j in steps] + [(VT.CONTROL_STREAM, m) for m in range(task.controls)]
-        g = VC.batch_gradients(
-            copy.deepcopy(world.base),
-            world.ds,
-            world.theta,
-            streams,
-            seed=0,
-            round=ROUND,
-            batch_size=B,
-            seq_len=L,
-            index=idx,
-        )
-        out.append((task, idx, g[:4], g[4:]))
+        out.append((task, *_task_gradients(world, task)))
     return out
 
 
