@@ -323,6 +323,8 @@ def verify_proof(run_id: str, data: bytes, max_bytes: int = MAX_PROOF_BYTES) -> 
     except EnvelopeError as e:
         raise ProofError(f"the part result does not open: {e.reason}") from None
     f = res.fields
+    if spec is not None and not 0 <= int(f.part) < len(spec.owners):  # red team: part=99 raised IndexError
+        raise ProofError(f"the result names part {f.part}, the spec has {len(spec.owners)}")
     if spec is not None and (bytes(f.spec_id) != spec.spec_id or spec.owners[f.part].peer_id != res.owner):
         raise ProofError("the spec is not the one the result was signed for, or the signer owns no such part")
     if p.kind == "equivocation":
@@ -364,7 +366,9 @@ def verify_proof(run_id: str, data: bytes, max_bytes: int = MAX_PROOF_BYTES) -> 
 def _spec_of(spec_json: str) -> CollectiveSpec:
     try:
         spec = CollectiveSpec.from_dict(json.loads(spec_json))
-    except (ValueError, TypeError, KeyError) as e:
+    except RecursionError:  # red team: a spec nested 200,000 deep
+        raise ProofError("the proof's spec is malformed: nested too deep") from None
+    except (ValueError, TypeError, KeyError, AttributeError, IndexError) as e:
         raise ProofError(f"the proof's spec is malformed: {e}") from None
     if spec.mode != "accountable":
         raise ProofError("the proof's spec is not an accountable round's")

@@ -24,7 +24,7 @@ from google.protobuf.message import DecodeError
 from geomesh_p2p.exchange import accountable
 from geomesh_p2p.exchange import frames as wire
 from geomesh_p2p.exchange.owner import _RoundState
-from geomesh_p2p.exchange.partition import _pid_bytes, _short
+from geomesh_p2p.exchange.partition import VALIDATION_BYTES, _pid_bytes, _short
 from geomesh_p2p.net.identity import EnvelopeError
 from geomesh_p2p.net.methods import COLLECTIVE_INPUTS, COLLECTIVE_PULL
 from geomesh_p2p.net.swarm_time import swarm_time
@@ -39,6 +39,8 @@ __all__ = ["Finding", "validate_round"]
 
 log = logging.getLogger(__name__)
 
+#: Envelope and header bytes of one signed contribution beyond its packet (generous: signatures, keys, fields).
+INPUT_OVERHEAD_BYTES = 4096
 #: Parts validated at once by one peer (each holds its inputs while the rule is re-run: see VALIDATION_BYTES).
 CONCURRENT_PARTS = 2
 #: At most this many PullInputs pages per part (a hostile owner must not keep a validator paging forever).
@@ -154,6 +156,7 @@ async def _pull_inputs(service: "CollectiveService", spec, j: int, deadline: flo
     owner = spec.owners[j]
     got: list[bytes] = []
     total: Optional[int] = None
+    size = 0
     for _ in range(MAX_PAGES):
         left = deadline - swarm_time()
         if left <= 0:
@@ -176,7 +179,14 @@ async def _pull_inputs(service: "CollectiveService", spec, j: int, deadline: flo
         total = int(resp.total) if total is None else total
         if resp.total != total or (not resp.contributions and len(got) < total):
             return None, "the owner's input pages are inconsistent"
+        # bounded by what an honest owner can hold: one contribution per participant, the part sized so that
+        # they fit VALIDATION_BYTES (red team: total = 2^32 - 1 and 64 MiB pages held 320 MiB in 5 s)
+        if total > len(spec.participants):
+            return None, f"the owner claims {total} inputs for {len(spec.participants)} participants"
         got.extend(resp.contributions)
+        size += sum(len(c) for c in resp.contributions)
+        if size > VALIDATION_BYTES + INPUT_OVERHEAD_BYTES * len(got):
+            return None, f"the owner's inputs are over {VALIDATION_BYTES} bytes"
         if len(got) >= total:
             return got[:total], ""
     return None, "the owner's inputs took too many pages"

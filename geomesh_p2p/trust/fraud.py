@@ -131,7 +131,8 @@ async def read_proofs(
         key = proofs_key(run_id, r)
         try:
             found = await asyncio.wait_for(dht.get(key), timeout_s) or {}
-        except asyncio.TimeoutError:
+        except Exception as e:  # a timeout or a failed read: nothing of this round now, read again next time
+            log.debug("proofs of round %d not read: %r", r, e)
             continue
         for subkey, entry in found.items():
             value, owner = entry[0], (entry[2] if len(entry) > 2 else None)
@@ -147,8 +148,11 @@ async def read_proofs(
                 verdict = await asyncio.to_thread(accountable.verify_proof, run_id, data)
             except ChunksPending:
                 continue
-            except (ValueError, accountable.ProofError) as e:
-                refused.append(f"proof {subkey} of round {r} refused: {e}")
+            except Exception as e:  # noqa: BLE001
+                # Any failure of one record refuses that record only: an exception that escaped here (the red
+                # team's part=99 record: IndexError) lost every valid proof of the read, and marked them seen.
+                why = str(e) if isinstance(e, (ValueError, accountable.ProofError)) else f"{type(e).__name__}: {e}"
+                refused.append(f"proof {subkey} of round {r} refused: {why[:300]}")
                 if seen is not None:
                     seen.add(h)
                 continue

@@ -749,6 +749,12 @@ class WorkVerifier(Verdicts):
                     self._log_once(h, logging.INFO, "round %d: evidence of %s refused: %s", r, subkey[:10], e)
                     self._seen.add(h)  # the same bytes stay malformed
                     continue
+                try:  # signatures and framing now (cheap), not when its re-check's turn comes (red team)
+                    Evidence.open(data, self.run_id)
+                except Exception as e:  # noqa: BLE001  (hostile bytes: any failure refuses the record)
+                    self._log_once(h, logging.INFO, "round %d: evidence of %s refused: %s", r, subkey[:10], e)
+                    self._seen.add(h)
+                    continue
                 self._pending[h] = data
                 self._pending_round[h] = r
                 n += 1

@@ -160,7 +160,8 @@ class CheckQueue:
 
     # -- the caller's side ----------------------------------------------------------------------------
     def submit(self, job: CheckJob) -> Optional[CheckJob]:
-        """Queue ``job``; returns the job dropped to make room (the oldest waiting), or None.
+        """Queue ``job``; returns the job dropped to make room, or None: past ``max_pending`` the oldest waiting
+        re-check, else the oldest waiting check, but never a check for a re-check (then ``job`` itself).
 
         Raises RuntimeError after :meth:`close`."""
         dropped = None
@@ -168,11 +169,19 @@ class CheckQueue:
             if self._stop.is_set():
                 raise RuntimeError("the verified-work queue is closed")
             if len(self._waiting) >= self.max_pending:
-                dropped = self._waiting.popleft()
+                # Re-checks of others' evidence go first, the oldest first, and a new re-check never pushes out
+                # a check of this node's own: anyone can publish evidence records (red team: junk records
+                # re-queued every round dropped a peer's own checks).
+                dropped = next((j for j in self._waiting if j.kind == "recheck"), None)
+                if dropped is None:
+                    dropped = job if job.kind == "recheck" else self._waiting[0]
+                if dropped is not job:
+                    self._waiting.remove(dropped)
                 self.counts.dropped += 1
-            self._waiting.append(job)
-            self.counts.queued += 1
-            self.counts.by_kind[job.kind] = self.counts.by_kind.get(job.kind, 0) + 1
+            if dropped is not job:
+                self._waiting.append(job)
+                self.counts.queued += 1
+                self.counts.by_kind[job.kind] = self.counts.by_kind.get(job.kind, 0) + 1
             if self._thread is None:
                 self._thread = threading.Thread(target=self._work, name="geomesh-verify", daemon=True)
                 self._thread.start()

@@ -137,3 +137,19 @@ def test_a_follower_refuses_a_leader_that_plans_by_the_claim():
     assert why is not None and "delivered work" in why and z[:10] in why
     assert rules(ids[1], None).plan_problem(by_claim, live) is None  # no evidence held: the records alone
     assert rules(ids[1], (1, delivered[1])).plan_problem(by_claim, live) is None  # evidence of another round
+
+
+def test_an_owner_listing_a_peer_above_its_budget_does_not_lift_its_delivered_rate():
+    """Red team (session 15): delivered work was read from the owners' token lists uncapped, so one owner listing
+    a partner at 1e15 tokens voided the partner's ceiling. Every reader now caps it at the plan's budget."""
+    from types import SimpleNamespace
+
+    from geomesh_p2p.round.rules.profiling import Reprofiler
+
+    recs = [_rec("h0", 2000.0), _rec("h1", 2000.0), _rec("z", 2000.0)]
+    plan = make_plan(recs, CFG, **KW)
+    honest = {p: plan.assignment(p).token_budget for p in ("h0", "h1", "z")}
+    lists = {0: [(p, n) for p, n in honest.items()], 1: [("h0", honest["h0"]), ("h1", honest["h1"]), ("z", 10**15)]}
+    rates = Reprofiler.delivered_rates(plan, SimpleNamespace(contributors=lists))
+    a = plan.assignment("z")
+    assert rates["z"] == a.token_budget / a.predicted_compute_s  # the budget, not 1e15

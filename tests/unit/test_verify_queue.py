@@ -94,6 +94,35 @@ def test_a_full_queue_drops_the_oldest_waiting_job_and_counts_it():
         q.submit(CheckJob(6, "check", lambda pace: None))
 
 
+def test_re_checks_of_others_evidence_never_push_out_a_check_of_this_peers_own():
+    """Red team (session 15): anyone can publish evidence records, and junk ones re-queued every round as
+    re-checks dropped the victim's own checks (7 jobs by round 7). Past max_pending the oldest waiting re-check
+    goes first; a re-check finding only checks waiting is itself dropped."""
+    gate, started = threading.Event(), threading.Event()
+    dropped: list[CheckJob] = []
+    q = CheckQueue(1.0, 2, on_drop=dropped.append)
+    try:
+
+        def blocked(pace):
+            started.set()
+            gate.wait(30)
+
+        q.submit(CheckJob(1, "check", blocked, key="run"))
+        assert started.wait(30)
+        assert q.submit(CheckJob(2, "check", lambda pace: None, key="own2")) is None
+        assert q.submit(CheckJob(3, "recheck", lambda pace: None, key="junk1")) is None
+        out = q.submit(CheckJob(4, "check", lambda pace: None, key="own4"))  # full: the re-check goes, not own2
+        assert out is not None and out.key == "junk1"
+        out = q.submit(CheckJob(5, "recheck", lambda pace: None, key="junk2"))  # only checks wait: junk2 goes
+        assert out is not None and out.key == "junk2"
+        assert [j.key for j in dropped] == ["junk1", "junk2"] and q.rounds() == {1, 2, 4}
+        c = q.snapshot()
+        assert (c.queued, c.dropped) == (4, 2)  # junk2 was never queued
+    finally:
+        gate.set()
+        q.close()
+
+
 def test_a_check_longer_than_the_time_to_the_next_round_completes_and_its_verdict_lands_later(world, flipped_case):
     """The first version skipped a check whose estimated compute would pass the next round's start (21 of 28
     in a clean 4-peer run) and abandoned one past that deadline. Here the check of round ROUND is due

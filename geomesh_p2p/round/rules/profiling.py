@@ -117,7 +117,9 @@ class Reprofiler:
                 delivered[pid] = max(delivered.get(pid, 0), int(n))
         rates = {}
         for a in plan.assignments:
-            n = delivered.get(a.peer_id, 0)
+            # capped here, by every reader alike: an owner's list is the owner's word (red team: one owner
+            # listing a peer at 1e15 tokens lifted that peer's next budget 8x)
+            n = min(delivered.get(a.peer_id, 0), int(a.token_budget))
             if n > 0 and a.predicted_compute_s > 0:
                 rates[a.peer_id] = n / a.predicted_compute_s
         return rates
