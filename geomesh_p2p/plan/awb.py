@@ -73,17 +73,20 @@ AUTO_WINDOW_MIN_S = 6.0
 
 def auto_window(s: np.ndarray, c: np.ndarray, cfg: PlanConfig) -> float:
     """The base window (seconds) of ``--window-s auto`` (issue 27, "defaults that fit the model"):
-    ``max(AUTO_WINDOW_MIN_S, median_high_i(c_i + H * s_i))`` with ``H = cfg.target_inner_steps``, ``s_i`` the
+    ``max(AUTO_WINDOW_MIN_S, median_low_i(c_i + H * s_i))`` with ``H = cfg.target_inner_steps``, ``s_i`` the
     peers' step times and ``c_i`` their communication times (float64 arrays, seconds). The median (the
-    upper one for an even count) peer then fits ``H`` steps; faster peers fit more, slower ones fewer, and a
-    minority that claims to be slow cannot stretch the round (claims are bounded before, ``bound_records``).
+    lower one for an even count) peer then fits ``H`` steps; faster peers fit more, slower ones fewer, and
+    half the peers or fewer claiming to be slow cannot stretch the round (claims are bounded before, ``bound_records``).
     E.g. one peer at 6.6 s a step (gpt2-124m on one CPU thread, batch 8) and 0.5 s of exchange, H = 30:
     198.5 s. Raises ValueError when ``cfg.target_inner_steps`` is None or there is no peer."""
     H = cfg.target_inner_steps
     if H is None or len(s) == 0:
         raise ValueError("auto_window needs cfg.target_inner_steps and at least one peer")
     need = sorted(float(ci + H * si) for si, ci in zip(s, c))
-    return max(AUTO_WINDOW_MIN_S, statistics.median_high(need))
+    # The lower median: exactly half the peers claiming to be slow (bound_records caps claims from above
+    # only) stretched everyone's window with the upper one (red team, session 15: 2 of 4 claiming 15 s a step
+    # gave 427.5 s against 60 s).
+    return max(AUTO_WINDOW_MIN_S, statistics.median_low(need))
 
 
 def _best_in_window(record: PeerRecord, current: "PeerModel", T: float, cfg: PlanConfig) -> "PeerModel":

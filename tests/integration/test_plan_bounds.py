@@ -473,9 +473,9 @@ def test_delivered_work_bounds_the_planned_rate():
 def test_node_evidence_is_tokens_delivered_over_planned_compute():
     plan = SimpleNamespace(
         assignments=[
-            SimpleNamespace(peer_id="a", predicted_compute_s=2.0),
-            SimpleNamespace(peer_id="b", predicted_compute_s=4.0),
-            SimpleNamespace(peer_id="c", predicted_compute_s=1.0),
+            SimpleNamespace(peer_id="a", predicted_compute_s=2.0, token_budget=10**9),
+            SimpleNamespace(peer_id="b", predicted_compute_s=4.0, token_budget=10**9),
+            SimpleNamespace(peer_id="c", predicted_compute_s=1.0, token_budget=10**9),
         ]
     )
     ar = SimpleNamespace(contributors={0: [("a", 1000), ("b", 400)], 1: [("a", 1000), ("b", 800)]})
