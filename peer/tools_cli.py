@@ -233,7 +233,9 @@ def cmd_checkpoints(ns: argparse.Namespace) -> int:
     if newest is not None:
         cfg = newest["run_config"]
         console.print(Text(f"run config of round {newest['round']} (hash {newest['run_config_hash']}):", style="bold"))
-        console.print(Text("  " + "  ".join(f"{k}={cfg[k]!r}" for k in sorted(cfg) if k != "model_config_json")))
+        # None is how the run config stores "auto" (--window-s auto): say it as the flags and --help do
+        shown = {k: ("auto" if v is None and k == "window_s" else v) for k, v in cfg.items()}
+        console.print(Text("  " + "  ".join(f"{k}={shown[k]!r}" for k in sorted(shown) if k != "model_config_json")))
     if len(hashes) > 1:
         console.print(
             Text(f"warning: checkpoints of {len(hashes)} different run configs in this directory", style="yellow")

@@ -33,7 +33,10 @@ from geomesh_p2p.util.untrusted import json_loads
 log = logging.getLogger(__name__)
 
 STATE_VERSION = 1
-PROGRESS_TTL_S = 24 * 3600.0  # the longest a DHT record may live (RecordLimits.max_ttl_s)
+#: The longest a DHT record may live (RecordLimits.max_ttl_s), less a margin: a node whose swarm clock is a little
+#: behind the storer's saw exactly 24 h as "expires in 86400s, over the maximum lifetime of 86400s" and refused it
+#: (fresh user, session 15). 10 minutes covers any clock offset the transport accepts (30 s).
+PROGRESS_TTL_S = 24 * 3600.0 - 600.0
 MAX_SAVED_CONTACTS = 256
 
 

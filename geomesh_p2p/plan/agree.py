@@ -165,7 +165,7 @@ def plan_expiration(
     plan and published last-resort ones. Followers accept deadlines up to ``4 x window + 120 s`` ahead
     (:func:`geomesh_p2p.round.rules.planning.plan_horizon_s`), so the lifetime follows the window through them."""
     end = max(now + floor_s, float(plan.exchange_deadline) + stale_after_s)
-    return min(end, now + RecordLimits().max_ttl_s - 1.0)
+    return min(end, now + RecordLimits().max_ttl_s - 600.0)  # a margin for the readers' clock offsets
 
 
 class PlanStore:
