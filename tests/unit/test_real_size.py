@@ -7,6 +7,8 @@ from __future__ import annotations
 import types
 
 import pytest
+
+from geomesh_p2p.trust.verify_task import VerifyConfig
 import torch
 
 from geomesh_p2p.exchange.profile import measure_codec
@@ -167,7 +169,8 @@ def test_build_training_profiles_the_model_in_place_and_holds_the_budget(monkeyp
     # aggregate buffers (8), verified work's model copy + gradients (8, relay mode), and its kept contributions:
     # 3 rounds x 2 contributors x (sign bits + one fp32 scale per 2048-element block)
     n = node.numel
-    assert seen["extra"] == 24 * n + 3 * 2 * (-(-n // 8) + 4 * -(-n // 2048))
+    kept = VerifyConfig().keep_rounds + 1  # the newest rounds and the one a background check holds
+    assert seen["extra"] == 24 * n + kept * 2 * (-(-n // 8) + 4 * -(-n // 2048))
     assert torch.equal(flat_params(node.model), seen["before"])  # the profile left the weights as they were
     assert set(node.profiled_tps) <= {1, 2} and node.profiled_tps and node.max_batch >= 1
     assert seen["served"] is node.gstate and node.theta is node.gstate.theta
