@@ -34,6 +34,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 import asyncio
 import json
 import math
@@ -134,8 +135,26 @@ def _env_bytes(ident: Identity, payload: bytes, kind: str) -> int:
     return ident.sign_message(run_id=RUN, round=0, kind=kind, payload=payload).ByteSize()
 
 
+@dataclass(frozen=True)
+class WhatIf:
+    """Sim tier only: DHT changes that are modelled, not built (session 15's analysis of issue 25's 1.5x goal).
+    ``record_replicas``: nodes a peer record's store reaches (the DHT's k = 20 today); ``lookup_share``: share of
+    announcements that look the key's nodes up again (1.0 today; lower: cached store targets); ``two_phase``: a
+    full read asks the quorum for an index (~60 B a record) and fetches each record once."""
+
+    record_replicas: int = K
+    lookup_share: float = 1.0
+    two_phase: bool = False
+
+
 def sim_row(
-    n: int, reads: int, round_s: float, model: str = "light", full_view: int = FULL_VIEW, sample: int = SAMPLE
+    n: int,
+    reads: int,
+    round_s: float,
+    model: str = "light",
+    full_view: int = FULL_VIEW,
+    sample: int = SAMPLE,
+    what_if: WhatIf = WhatIf(),
 ) -> dict[str, Any]:
     """Tier 1 at ``n`` peers: plan from the real planner; exchange from sim.link_time; DHT from the model
     described in the module docstring with real message sizes. Per peer per round: bytes are sent +
@@ -164,7 +183,7 @@ def sim_row(
         me, dht_pb2.StoreResponse(outcomes=[dht_pb2.StoreOutcome(stored=True)]).SerializeToString(), DHT_STORE + "+resp"
     )
     lookup = min(n - 1, K + math.ceil(math.log2(max(1.0, n / K))))
-    replicas = min(n - 1, K)  # the other nodes a store reaches (this node keeps its own copy)
+    replicas = min(n - 1, what_if.record_replicas)  # the other nodes a store reaches (this node keeps its own)
     announces = round_s / ANNOUNCE_PERIOD_S
     # Every node near the key holds all n records (k >= n, or the key's k nearest at larger n): each Find
     # of a lookup is answered with them; a lookup of n > k nodes also asks farther nodes (no records).
@@ -184,6 +203,9 @@ def sim_row(
         asked = min(holders, READ_QUORUM + ALPHA - 1)
         read_rpcs = hops + asked
         read_b = read_rpcs * find_req + asked * find_rep + hops * nodes_rep
+        if what_if.two_phase:  # an index of the held records from the quorum, then each record once
+            read_b = read_rpcs * find_req + asked * (nodes_rep + held * 60) + hops * nodes_rep
+            read_b += (find_rep - nodes_rep) + held * 48
     # a chunked plan's chunks (plan/wire.py, past ~750 participants): each read once per round (PlanReader
     # caches the assembled plan), from the first holder of the leader's subkey (dht/chunked.py: every copy is
     # the same owner-signed bytes), after the lookup's hops
@@ -196,7 +218,7 @@ def sim_row(
     )
     full_rpcs = announces * (lookup + replicas) + reads * read_rpcs + read_rpcs + chunk_rpcs
     full_made = (
-        announces * (store_look_b + replicas * (store_req + store_rep))
+        announces * (what_if.lookup_share * store_look_b + replicas * (store_req + store_rep))
         + reads * read_b
         + read_rpcs * (find_req + plan_rep)
         + chunk_b
@@ -215,7 +237,7 @@ def sim_row(
         s_read_b = s_rpcs * s_req + asked * s_rep + hops * nodes_rep
         light_rpcs = announces * (lookup + replicas) + 2 * s_rpcs + read_rpcs + chunk_rpcs
         light_made = (
-            announces * (store_look_b + replicas * (store_req + store_rep))
+            announces * (what_if.lookup_share * store_look_b + replicas * (store_req + store_rep))
             + 2 * s_read_b
             + read_rpcs * (find_req + plan_rep)
             + chunk_b
@@ -513,6 +535,18 @@ def main(argv=None) -> int:
         default=SAMPLE,
         help="records a light follower reads per check (default: %(default)s)",
     )
+    ap.add_argument(
+        "--record-replicas", type=int, default=K, help="sim, what-if: nodes a peer record reaches (default: k = 20)"
+    )
+    ap.add_argument(
+        "--store-lookup-share",
+        type=float,
+        default=1.0,
+        help="sim, what-if: share of announcements that look the key's nodes up (default 1.0; lower: cached targets)",
+    )
+    ap.add_argument(
+        "--two-phase-reads", action="store_true", help="sim, what-if: full reads fetch an index, then each record once"
+    )
     ap.add_argument("--quick", action="store_true", help="sim tier + inproc at 8, 16, one round (< 1 min)")
     ap.add_argument("--json", default=None, help="also write every row here")
     args = ap.parse_args(argv)
@@ -528,7 +562,10 @@ def main(argv=None) -> int:
     print(f"machine: {os.cpu_count()} cpus, load {os.getloadavg()[0]:.2f}; reads {args.reads}, round {args.round_s} s")
     if "sim" in tiers:
         for n in _sizes(args.sim_n):
-            rows.append(sim_row(n, args.reads, args.round_s, args.dht_model, args.full_view_peers, args.light_sample))
+            what_if = WhatIf(args.record_replicas, args.store_lookup_share, args.two_phase_reads)
+            rows.append(
+                sim_row(n, args.reads, args.round_s, args.dht_model, args.full_view_peers, args.light_sample, what_if)
+            )
             print(json.dumps(rows[-1]), flush=True)
     if "inproc" in tiers:
         for n in _sizes(args.inproc_n):
