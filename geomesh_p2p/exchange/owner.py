@@ -96,6 +96,20 @@ class _TooFarAhead(EnvelopeError):
     each time."""
 
 
+def _request(cls, verified: Verified):
+    """``verified``'s payload parsed as ``cls`` (a request message with a ``round`` field). Raises EnvelopeError
+    (INVALID_ARGUMENT) when it does not parse or names another round than its envelope."""
+    try:
+        req = cls.FromString(verified.payload)
+    except DecodeError:
+        raise EnvelopeError(Code.INVALID_ARGUMENT, f"{cls.__name__} is malformed") from None
+    if req.round != verified.round:
+        raise EnvelopeError(
+            Code.INVALID_ARGUMENT, f"payload round {req.round} differs from envelope round {verified.round}"
+        )
+    return req
+
+
 class OwnerService:
     """The owner side of a node's :class:`~geomesh_p2p.exchange.CollectiveService`: serves ``PushPart`` / ``PullPart`` for the parts it owns and runs all-reduces.
 
@@ -455,14 +469,7 @@ class OwnerService:
     async def _handle_pull(self, verified: Verified, context) -> bytes:
         caller = verified.sender.to_string()
         try:
-            try:
-                req = collective_pb2.PullPartRequest.FromString(verified.payload)
-            except DecodeError:
-                raise EnvelopeError(Code.INVALID_ARGUMENT, "PullPartRequest is malformed") from None
-            if req.round != verified.round:
-                raise EnvelopeError(
-                    Code.INVALID_ARGUMENT, f"payload round {req.round} differs from envelope round {verified.round}"
-                )
+            req = _request(collective_pb2.PullPartRequest, verified)
             wait_s = max(0.0, min(float(req.wait_s), 60.0)) if math.isfinite(req.wait_s) else 0.0
             t0 = time.monotonic()
             state = await self._round_for(req.round, min(wait_s, self.hold_unknown_round_s))
@@ -527,14 +534,7 @@ class OwnerService:
         Served to the round's participants once the result is built; refusals as for pulls."""
         caller = verified.sender.to_string()
         try:
-            try:
-                req = collective_pb2.PullInputsRequest.FromString(verified.payload)
-            except DecodeError:
-                raise EnvelopeError(Code.INVALID_ARGUMENT, "PullInputsRequest is malformed") from None
-            if req.round != verified.round:
-                raise EnvelopeError(
-                    Code.INVALID_ARGUMENT, f"payload round {req.round} differs from envelope round {verified.round}"
-                )
+            req = _request(collective_pb2.PullInputsRequest, verified)
             state = await self._round_for(req.round, 0.0)
             if state is None:
                 raise EnvelopeError(Code.NOT_FOUND, f"round {req.round} is not held here")
