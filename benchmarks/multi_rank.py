@@ -33,7 +33,9 @@ def _collective_sent(row: dict) -> int:
     return int(row.get("extra", {}).get("traffic", {}).get("collective", {}).get("sent", 0))
 
 
-def run_config(workdir: Path, two_ranks: bool, rounds: int, extra: list[str]) -> dict:
+def run_config(
+    workdir: Path, two_ranks: bool, rounds: int, extra: list[str], box_speed: str = "0.5", other_speed: str = "0.5"
+) -> dict:
     """Start the ordinary peer and the box's peer(s), train ``rounds`` rounds, return the box's per-round figures
     (round -> figure) for the rounds after round 0 that every peer trained, and the 1-minute load average at the
     start."""
@@ -43,9 +45,10 @@ def run_config(workdir: Path, two_ranks: bool, rounds: int, extra: list[str]) ->
     args = ["--rounds", str(rounds), "--min-peers", "2" if two_ranks else "3", *extra]
     box = ["box"] if two_ranks else ["box1", "box2"]
     try:
-        entry = sw.start_peers(["other"], *args)
+        entry = sw.start_peers(["other"], *args, "--speed-factor", other_speed)
         for name in box:
-            sw.peer(name, *args, *(["--local-devices", "cpu,cpu"] if two_ranks else []), bootstrap=entry)
+            devices = ["--local-devices", "cpu,cpu"] if two_ranks else []
+            sw.peer(name, *args, "--speed-factor", box_speed, *devices, bootstrap=entry)
         codes = sw.wait_exit(["other", *box], 60 + 20 * rounds)
         if any(codes.values()):
             raise SystemExit(f"a peer failed: {codes} (logs in {workdir})")
@@ -85,7 +88,12 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/multi_rank_bench"))
     ap.add_argument("--method", default="geomesh", help="the run's --method (default: %(default)s)")
-    ap.add_argument("--speed-factor", default="0.5", help="every peer's --speed-factor (default: %(default)s)")
+    ap.add_argument("--speed-factor", default="0.5", help="the box's peers' --speed-factor (default: %(default)s)")
+    ap.add_argument(
+        "--other-speed-factor",
+        help="the ordinary peer's --speed-factor (default: --speed-factor's). A low one (e.g. 0.2) leaves the "
+        "box's processes a core each, as GPUs that no other process shares would be",
+    )
     ap.add_argument("--peer-args", default="", help="more flags for every peer, e.g. '--uniform-inner-steps 4'")
     ap.add_argument(
         "--pairs",
@@ -96,12 +104,15 @@ def main() -> int:
     )
     ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
     ns = ap.parse_args()
-    extra = ["--method", ns.method, "--speed-factor", ns.speed_factor, *shlex.split(ns.peer_args)]
+    extra = ["--method", ns.method, *shlex.split(ns.peer_args)]
+    other_speed = ns.other_speed_factor or ns.speed_factor
     runs: dict[bool, list[dict]] = {True: [], False: []}
     for i in range(ns.pairs):
         for two_ranks in (True, False) if i % 2 == 0 else (False, True):
             name = f"{'two_ranks' if two_ranks else 'one_rank'}{i}"
-            runs[two_ranks].append(run_config(ns.workdir / name, two_ranks, ns.rounds, extra))
+            runs[two_ranks].append(
+                run_config(ns.workdir / name, two_ranks, ns.rounds, extra, ns.speed_factor, other_speed)
+            )
     a, b = pooled(runs[True]), pooled(runs[False])
     pairs = []
     for i, (ra, rb) in enumerate(zip(runs[True], runs[False])):
@@ -120,7 +131,7 @@ def main() -> int:
         print(json.dumps({"one peer of 2 ranks": a, "two peers of 1 rank": b, "pairs": pairs}, indent=1))
         return 0
     print(
-        f"method {ns.method}, speed factor {ns.speed_factor} {ns.peer_args}, medians over the rounds after round 0 "
+        f"method {ns.method}, speed factor {ns.speed_factor} (ordinary peer {other_speed}) {ns.peer_args}, medians over the rounds after round 0 "
         f"that every peer trained ({a['rounds']} and {b['rounds']} rounds in {ns.pairs} run(s) each)"
     )
     print(f"{'':38}{'2 ranks':>14}{'2 x 1 rank':>14}{'ratio':>9}")

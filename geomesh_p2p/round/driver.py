@@ -194,6 +194,8 @@ class RoundDriver:
         #: the previous round's digest), and a round sent back to the full path
         self._light_ok_round = -1
         self._light_fallback_round = -1
+        #: the window of the last "trains H inner steps" line (round/steps.py): said again when it moves by a quarter
+        self.said_window: Optional[float] = None
 
     @property
     def me(self) -> str:

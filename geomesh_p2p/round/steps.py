@@ -34,6 +34,7 @@ async def inner_steps(
     non-finite loss gives ``(None, no_work(...))`` and the model back at the global weights."""
     r = ctx.round
     a = plan.assignment(drv.me)
+    say_assignment(drv, plan, a.inner_steps, a.batch_size)
     should_stop = drv.stop.is_set if abort is None else (lambda: drv.stop.is_set() or abort.is_set())
     t_train = time.perf_counter()
     try:
@@ -64,6 +65,24 @@ async def inner_steps(
         say_contributing_nothing(drv, r, e, "out_of_memory")
         await reset_to_start(drv, ctx)
         return None, no_work(time.perf_counter() - t_train)
+
+
+def say_assignment(drv: RoundDriver, plan: RoundPlan, steps: int, batch: int) -> None:
+    """One INFO line with this peer's share of ``plan`` (inner steps, batch, the window in seconds): at the first
+    round it trains, then whenever the window moved by more than a quarter since the last such line (an operator
+    sees what ``--window-s auto`` and the planner gave it without reading the rows)."""
+    last = drv.said_window
+    if last is not None and abs(plan.window_s - last) <= 0.25 * last:
+        return
+    drv.said_window = plan.window_s
+    log.info(
+        "round %d: this peer trains %d inner step(s) of batch %d in the plan's %.1f s window (leader %s)",
+        plan.round,
+        steps,
+        batch,
+        plan.window_s,
+        plan.leader[:10],
+    )
 
 
 def say_loss_not_finite(drv: RoundDriver, r: int, e: FloatingPointError) -> None:
