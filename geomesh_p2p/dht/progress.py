@@ -38,6 +38,8 @@ STATE_VERSION = 1
 #: (fresh user, session 15). 10 minutes covers any clock offset the transport accepts (30 s).
 PROGRESS_TTL_S = 24 * 3600.0 - 600.0
 MAX_SAVED_CONTACTS = 256
+#: the largest run config (bytes of JSON) a progress entry carries; a run config is ~1-2 KB
+MAX_CONFIG_BYTES = 8192
 
 
 def progress_key(run_id: str) -> str:
@@ -53,6 +55,9 @@ class SwarmProgress:
     ``peers``: live peers it counted then; ``by``: base58 PeerID of the bootstrap that says so;
     ``config_hash``: the run-config hash the peers at that round announced ("" when not known: an entry
     of an older bootstrap), so a newcomer of another config is told at once instead of waiting.
+    ``config``: the run config those peers announced (``RunConfig.model_dump()``, None when not known or over
+    :data:`MAX_CONFIG_BYTES` of JSON), so that newcomer is told which fields differ, not only two hashes. It is
+    the announcing peers' word: a reader shows it only when it hashes to ``config_hash``.
     """
 
     round: int
@@ -60,12 +65,16 @@ class SwarmProgress:
     peers: int
     by: str = ""
     config_hash: str = ""
+    config: Optional[dict] = None
 
     def fields(self) -> dict:
-        """The published fields (``by`` is the entry's subkey, not a field); ``config_hash`` only when known."""
+        """The published fields (``by`` is the entry's subkey, not a field); ``config_hash`` and ``config`` only
+        when known (``config`` also only when its JSON fits :data:`MAX_CONFIG_BYTES`)."""
         d: dict = {"round": self.round, "seen_at": self.seen_at, "peers": self.peers}
         if self.config_hash:
             d["config_hash"] = self.config_hash
+            if self.config is not None and len(json.dumps(self.config, sort_keys=True)) <= MAX_CONFIG_BYTES:
+                d["config"] = self.config
         return d
 
     def to_bytes(self) -> bytes:
@@ -74,9 +83,10 @@ class SwarmProgress:
     @classmethod
     def from_bytes(cls, data: bytes, by: str = "") -> "SwarmProgress":
         """Raises ValueError on anything but {"round": int >= 0, "seen_at": number, "peers": int >= 0} with an
-        optional "config_hash": str of at most 128 characters."""
+        optional "config_hash": str of at most 128 characters and an optional "config": object."""
         d = json_loads(data, "swarm progress record")
         rnd, seen, peers, cfg = d.get("round"), d.get("seen_at"), d.get("peers"), d.get("config_hash", "")
+        config = d.get("config")
         if not (
             isinstance(rnd, int)
             and rnd >= 0
@@ -85,9 +95,10 @@ class SwarmProgress:
             and isinstance(seen, (int, float))
             and isinstance(cfg, str)
             and len(cfg) <= 128
+            and (config is None or isinstance(config, dict))
         ):
             raise ValueError(f"malformed progress entry {d!r:.80}")
-        return cls(rnd, float(seen), peers, by, cfg)
+        return cls(rnd, float(seen), peers, by, cfg, config)
 
 
 def progress_of(records, by: str, seen_at: float) -> Optional[SwarmProgress]:
@@ -112,7 +123,8 @@ def progress_of(records, by: str, seen_at: float) -> Optional[SwarmProgress]:
     pool = [r for r in mine if not getattr(r, "leaving", False)] or mine
     rounds = sorted((r.round for r in pool), reverse=True)
     newest = rounds[len(rounds) // 2]  # more than half of the pool is at this round or later
-    return SwarmProgress(newest, seen_at, len(mine), by, config_hash)
+    config = next((r.run_config for r in mine if isinstance(getattr(r, "run_config", None), dict)), None)
+    return SwarmProgress(newest, seen_at, len(mine), by, config_hash, config)
 
 
 async def publish_progress(node: DHTNode, progress: SwarmProgress, identity: Optional[Identity] = None) -> bool:

@@ -16,6 +16,7 @@ import geomesh_p2p
 from geomesh_p2p.node.started import started
 from geomesh_p2p.dht import IncompatibleSwarmError, check_compatible, live_peers
 from geomesh_p2p.dht.state import DHT_PROTOCOL_VERSION
+from geomesh_p2p.config.models import RunConfig
 from geomesh_p2p.dht.progress import swarm_progress
 from geomesh_p2p.model import state as gstate  # module-qualified: tests replace gstate.load_latest_checkpoint
 from geomesh_p2p.model.build import flat_params
@@ -172,6 +173,30 @@ async def records_of(node: PeerNode, peer_ids: Collection[str]) -> list[PeerReco
     return out
 
 
+def config_differences(here: dict, there: dict) -> list[str]:
+    """The fields of two run configs (``RunConfig.model_dump()``) that differ, sorted by name, each as
+    ``"inner_lr: 0.001 here vs 0.0003 in the swarm"``."""
+    return [
+        f"{k}: {here.get(k)!r} here vs {there.get(k)!r} in the swarm"
+        for k in sorted(set(here) | set(there))
+        if here.get(k) != there.get(k)
+    ]
+
+
+def announced_config_differences(node: PeerNode, config: Optional[dict], config_hash: str) -> list[str]:
+    """:func:`config_differences` against a run config another node announced (a bootstrap's progress entry),
+    or [] when it does not parse as a run config or does not hash to ``config_hash`` (it is that node's word)."""
+    if not config:
+        return []
+    try:
+        theirs = RunConfig.model_validate(config)
+    except ValueError:
+        return []
+    if theirs.config_hash() != config_hash:
+        return []
+    return config_differences(node.run_cfg.model_dump(), theirs.model_dump())
+
+
 async def check_swarm(node: PeerNode, mine: Optional[PeerRecord] = None) -> None:
     """Refuse to start when the swarm's live peers all run another config or version.
 
@@ -186,13 +211,7 @@ async def check_swarm(node: PeerNode, mine: Optional[PeerRecord] = None) -> None
     other = others[0]
     detail = check_compatible(mine, other)
     if other.run_config and other.run_config_hash != node.config_hash:
-        a, b = node.run_cfg.model_dump(), other.run_config
-        fields = [
-            f"{k}: {a.get(k)!r} here vs {b.get(k)!r} in the swarm"
-            for k in sorted(set(a) | set(b))
-            if a.get(k) != b.get(k)
-        ]
-        detail = "; ".join(fields) or detail
+        detail = "; ".join(config_differences(node.run_cfg.model_dump(), other.run_config)) or detail
     raise IncompatibleSwarmError(
         f"the {len(others)} live peer(s) of run {node.run_cfg.run_id!r} use another run config: {detail}"
     )
@@ -374,10 +393,13 @@ async def on_empty_swarm(node: PeerNode) -> None:
     if prog.config_hash and prog.config_hash != node.config_hash:
         # The remembered swarm's peers would refuse this one when they come back (and it them): say so
         # now rather than wait for them (a fresh-user trial waited, untold).
+        diff = announced_config_differences(node, prog.config, prog.config_hash)
         raise IncompatibleSwarmError(
             f"run {node.run_cfg.run_id!r} was at round {prog.round} with another run config (hash "
-            f"{prog.config_hash[:12]} there, {node.config_hash[:12]} here): its peers could not take this one "
-            "back; use the run's flags, another --run-id, or --on-empty-swarm seed to start this run id anew"
+            f"{prog.config_hash[:12]} there, {node.config_hash[:12]} here"
+            + (f"; {'; '.join(diff)}" if diff else "")
+            + "): its peers could not take this one back; use the run's flags, another --run-id, or "
+            "--on-empty-swarm seed to start this run id anew"
         )
     if how == "resume":
         d = node.cfg.checkpoint_dir

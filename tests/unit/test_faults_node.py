@@ -4,6 +4,7 @@ an advertised address nobody can dial (#5), a run whose peers all left (#2), ske
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from types import SimpleNamespace
 
@@ -220,6 +221,33 @@ async def test_empty_swarm_of_another_run_config_fails_at_once_instead_of_waitin
     monkeypatch.setattr(joining_mod, "wait_event", no_wait)
     await asyncio.wait_for(node._on_empty_swarm(), 10)  # the same config: waits, then catches up
     assert calls["catch_up"] == 1
+
+
+async def test_empty_swarm_of_another_run_config_names_the_fields_that_differ(monkeypatch):
+    theirs = RunConfig(seq_len=32, inner_lr=0.0003)
+    good = SwarmProgress(7, time.time() - 30, 3, "B", theirs.config_hash(), theirs.model_dump())
+    node, _ = _empty_swarm_node(monkeypatch, good, peers_seq=[[]])
+    with pytest.raises(IncompatibleSwarmError) as e:
+        await asyncio.wait_for(node._on_empty_swarm(), 10)
+    here = node.run_cfg.inner_lr
+    assert f"; inner_lr: {here!r} here vs 0.0003 in the swarm): its peers could not" in str(e.value)
+    # A config that does not hash to the entry's hash is the bootstrap's word only: the hashes alone are shown.
+    forged = SwarmProgress(7, time.time() - 30, 3, "B", theirs.config_hash(), {**theirs.model_dump(), "seq_len": 64})
+    node, _ = _empty_swarm_node(monkeypatch, forged, peers_seq=[[]])
+    with pytest.raises(IncompatibleSwarmError) as e:
+        await asyncio.wait_for(node._on_empty_swarm(), 10)
+    assert f"{node.config_hash[:12]} here): its peers could not" in str(e.value) and "in the swarm" not in str(e.value)
+
+
+def test_progress_entries_carry_the_run_config_within_a_size_cap():
+    cfg = RunConfig(seq_len=32).model_dump()
+    p = SwarmProgress(7, 12.5, 3, "B", "ab" * 8, cfg)
+    assert json.loads(p.to_bytes())["config"] == cfg and SwarmProgress.from_bytes(p.to_bytes(), by="B") == p
+    big = SwarmProgress(7, 12.5, 3, "B", "ab" * 8, {"x": "y" * 9000})
+    assert "config" not in json.loads(big.to_bytes())
+    assert "config" not in json.loads(SwarmProgress(7, 12.5, 3, "B", "", cfg).to_bytes())  # no hash: no config
+    with pytest.raises(ValueError, match="malformed"):
+        SwarmProgress.from_bytes(b'{"peers": 3, "round": 7, "seen_at": 12.5, "config_hash": "ab", "config": [1]}')
 
 
 def test_progress_entries_carry_the_config_hash_and_read_older_entries():
