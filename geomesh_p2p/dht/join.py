@@ -62,7 +62,7 @@ def _unresolvable(reason: Optional[str]) -> bool:
     return any(m in text for m in _UNRESOLVABLE)
 
 
-def _other_run_message(address: str, reason: str, own_run: str) -> str:
+def other_run_message(address: str, reason: str, own_run: str) -> str:
     """The join error for a bootstrap that answered for another run. ``reason``: its refusal, worded by
     :mod:`geomesh_p2p.net.identity` from the bootstrap's side ("message is for run 'a', this node serves 'b'")."""
     import re
@@ -177,7 +177,7 @@ class DHTJoin(DHTLookup):
             ]
             if other_run:  # it answered: a wrong --run-id is not "no answer" (issue 14 #10)
                 raise OtherRunError(
-                    _other_run_message(
+                    other_run_message(
                         other_run[0], refused[other_run[0]].reason, getattr(self.transport, "run_id", "?")
                     )
                 )

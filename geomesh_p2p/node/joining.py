@@ -12,12 +12,18 @@ import time
 from typing import TYPE_CHECKING, Collection, Optional
 
 
+import grpc
+
 import geomesh_p2p
 from geomesh_p2p.node.started import started
 from geomesh_p2p.dht import IncompatibleSwarmError, check_compatible, live_peers
 from geomesh_p2p.dht.state import DHT_PROTOCOL_VERSION
 from geomesh_p2p.config.models import RunConfig
+from geomesh_p2p.dht.join import other_run_message
+from geomesh_p2p.dht.node import DHTNode
 from geomesh_p2p.dht.progress import swarm_progress
+from geomesh_p2p.dht.state import OtherRunError
+from geomesh_p2p.net.transport import RpcError, Transport, TransportConfig
 from geomesh_p2p.model import state as gstate  # module-qualified: tests replace gstate.load_latest_checkpoint
 from geomesh_p2p.model.build import flat_params
 from geomesh_p2p.net.swarm_time import swarm_time
@@ -171,6 +177,40 @@ async def records_of(node: PeerNode, peer_ids: Collection[str]) -> list[PeerReco
     if node.me in peer_ids:
         out.append(node.my_record())
     return out
+
+
+async def check_bootstrap_run(node: PeerNode, tls: Optional[object], timeout_s: float = 5.0) -> None:
+    """Before the proof of work (tens of seconds for a new identity): one ping to each ``--bootstrap`` from a
+    client-only transport that lives for this check only, so a bootstrap of another run (a wrong ``--run-id``)
+    is named at once, not after the proof of work (a fresh user waited 41 s for it). Any other outcome (an
+    answer, no answer, another refusal) is left to the join, which retries and words it.
+
+    Raises:
+        OtherRunError: no bootstrap answered and one said it serves another run.
+    """
+    addresses = list(node.cfg.bootstrap or [])
+    if not addresses or node.run_cfg.pow_bits <= 0:  # no proof of work: the join itself comes at once
+        return
+    transport = Transport(
+        node.identity,
+        node.run_cfg.run_id,
+        TransportConfig(client_only=True, tls=tls),  # type: ignore[arg-type]
+    )
+    dht = DHTNode(transport, join_attempts=1, rpc_timeout_s=timeout_s)
+    try:
+        await transport.start()
+        results = await asyncio.gather(*(dht.ping(a) for a in addresses), return_exceptions=True)
+    finally:
+        await transport.stop(grace=0)
+    if any(not isinstance(r, BaseException) for r in results):
+        return
+    for address, r in zip(addresses, results):
+        if (
+            isinstance(r, RpcError)
+            and r.code == grpc.StatusCode.FAILED_PRECONDITION
+            and "this node serves" in (r.reason or "")
+        ):
+            raise OtherRunError(other_run_message(address, r.reason, node.run_cfg.run_id))
 
 
 def config_differences(here: dict, there: dict) -> list[str]:

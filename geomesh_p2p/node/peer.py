@@ -390,6 +390,7 @@ class PeerNode:
             added_latency_s=c.added_latency_s,
             tls=tls,
         )
+        await joining.check_bootstrap_run(self, tls)  # a wrong --run-id named now, not after the proof of work
         await self._prove_work()
         self.transport = Transport(self.identity, self.run_cfg.run_id, tcfg, allow=self._allow)
         self.dht = DHTNode(self.transport, join_attempts=c.join_attempts)

@@ -120,3 +120,30 @@ async def test_a_bootstrap_name_that_does_not_resolve_fails_at_the_first_attempt
         await start_node(["nosuchhost.invalid:31337"], join_attempts=5)
     msg = str(ei.value)
     assert "(1 attempt(s) over" in msg and "nosuchhost.invalid:31337" in msg
+
+
+async def test_a_wrong_run_id_is_named_before_the_proof_of_work(caplog):
+    """A new identity's proof of work takes tens of seconds: a bootstrap of another run is named before it
+    starts (a fresh user waited 41 s), by a client-only ping whose transport is gone again."""
+    from geomesh_p2p.dht.state import OtherRunError
+    from geomesh_p2p.node.peer import PeerNode
+    from tests.dht_helpers import start_node, stop_node
+
+    boot = await start_node(run_id="run-a")
+    try:
+        # 40 bits: a proof of work that would not end within this test's timeout
+        node = PeerNode(
+            RunConfig(seq_len=32, run_id="run-b", pow_bits=40),
+            NodeConfig(bootstrap=[boot.transport.address]),
+            identity=Identity.generate(),
+        )
+        with caplog.at_level(logging.INFO), pytest.raises(OtherRunError) as ei:
+            await asyncio.wait_for(node.start(), 30)
+        assert str(ei.value) == (
+            f"could not join the DHT: bootstrap {boot.transport.address} serves run 'run-a', "
+            f"this peer asked for run 'run-b': check --run-id"
+        )
+        assert not [r for r in caplog.records if "proof of work" in r.getMessage()]
+        assert getattr(node, "transport", None) is None  # the node itself never listened
+    finally:
+        await stop_node(boot)

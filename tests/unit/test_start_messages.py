@@ -190,9 +190,9 @@ def test_a_busy_port_exits_2_like_the_bootstrap():
 
 # ------------------------------------------------------------------ join error wording (findings 5, 9)
 def test_other_run_message_names_both_runs_from_this_peers_side():
-    from geomesh_p2p.dht.join import _other_run_message
+    from geomesh_p2p.dht.join import other_run_message
 
-    msg = _other_run_message("127.0.0.1:31337", "message is for run 'lonely', this node serves 'my-run'", "lonely")
+    msg = other_run_message("127.0.0.1:31337", "message is for run 'lonely', this node serves 'my-run'", "lonely")
     assert msg == (
         "could not join the DHT: bootstrap 127.0.0.1:31337 serves run 'my-run', this peer asked for "
         "run 'lonely': check --run-id"
@@ -212,14 +212,14 @@ def test_tls_hint_on_a_closed_socket():
 
 
 def test_status_says_it_reached_a_bootstrap_of_another_run(capsys, monkeypatch):
-    from geomesh_p2p.dht.join import _other_run_message
+    from geomesh_p2p.dht.join import other_run_message
     from geomesh_p2p.dht.state import OtherRunError
     from peer import tools_cli
     from peer.cli import main
 
     async def other_run(ns):
         raise OtherRunError(
-            _other_run_message("127.0.0.1:31337", "message is for run 'lonely', this node serves 'my-run'", "lonely")
+            other_run_message("127.0.0.1:31337", "message is for run 'lonely', this node serves 'my-run'", "lonely")
         )
 
     monkeypatch.setattr(tools_cli, "_read_swarm", other_run)
