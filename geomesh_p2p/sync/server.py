@@ -275,7 +275,8 @@ class UpdateLog:
 
     The node calls :meth:`record` with the round's aggregate before its outer step and :meth:`seal`
     with the digest after it (both in the worker thread of the outer step). Memory: the aggregate is
-    copied (``4 * P`` bytes per round kept, so the collective may reuse its buffer); the first request
+    copied (``4 * P`` bytes per round kept), or kept as it is with ``record(copy=False)`` (the node: its round
+    buffer is its own and only read); the first request
     for a round encodes it once (zlib, in a worker thread) and the raw copy is dropped. Thread-safe."""
 
     def __init__(
