@@ -22,6 +22,7 @@ from typing import Iterable
 import torch
 
 from geomesh_p2p.model.build import load_flat_
+from geomesh_p2p.model.memory import release_freed_memory
 
 __all__ = ["hollow_copy", "is_hollow", "load_for_check", "release_", "sub_flat_"]
 
@@ -66,12 +67,18 @@ def load_for_check(model, theta: torch.Tensor) -> None:
     total = sum(math.prod(s) for s in shapes)
     if flat.numel() != total:
         raise ValueError(f"flat vector has {flat.numel()} elements, model has {total}")
-    off = 0
+    off, had_private = 0, False
+    lo, hi = flat.data_ptr(), flat.data_ptr() + 4 * flat.numel()
     for (_, p), shape in zip(model.named_parameters(), shapes):
         n = math.prod(shape)
+        had_private = had_private or (p.numel() > 0 and not lo <= p.data_ptr() < hi)
         p.data = flat[off : off + n].view(shape)
         p.grad = None
         off += n
+    if had_private:
+        # the private copies of the loss-gain test (:func:`sub_flat_`) are freed now: back to the OS before the
+        # gradient passes allocate (glibc keeps freed heap blocks resident until a trim)
+        release_freed_memory()
 
 
 def release_(model) -> None:

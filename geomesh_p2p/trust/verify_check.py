@@ -17,7 +17,8 @@ import torch
 
 from geomesh_p2p.exchange import codec as compression
 from geomesh_p2p.model.device import free_after_oom, is_oom
-from geomesh_p2p.trust.check_model import load_for_check
+from geomesh_p2p.model.memory import release_freed_memory
+from geomesh_p2p.trust.check_model import is_hollow, load_for_check, release_
 from geomesh_p2p.trust.gain import GainStats, gain_stats
 from geomesh_p2p.trust.verify_task import (
     CONTROL_STREAM,
@@ -286,7 +287,8 @@ def _scales(
     scales = torch.cat([mine[j].scales for j in task.parts])
     tokens = max(mine[j].tokens for j in task.parts)
     all_zero = tokens > 0 and scales.numel() > 0 and not bool((scales > 0).any())
-    bound = scale_bound(task.steps_done, lr, weight_decay, float(theta.abs().max()), cfg.scale_factor)
+    lo, hi = torch.aminmax(theta)  # max |theta| without a [P] temporary of |theta| (issue 27): the same value
+    bound = scale_bound(task.steps_done, lr, weight_decay, max(-float(lo), float(hi)), cfg.scale_factor)
     return all_zero, float(scales.max()) if scales.numel() else 0.0, bound
 
 
@@ -339,6 +341,9 @@ def check_contribution(
     if gain.t < cfg.gain_t_hard:
         early = WorkStats(0.0, 0.0, 0, gain)
         return early, judge(cfg, task, early, all_zero=False, max_scale=max_scale, bound=bound), []
+    if is_hollow(model):
+        release_(model)  # the gain's private copies go before the gradient passes (issue 27)
+        release_freed_memory()
     index = sample_elements(task.ranges, task.n_elements, task.element_seed)
     c = gather(mine, task, index)
     streams = [(task.accused, j) for j in task.steps] + [(CONTROL_STREAM, i) for i in range(task.controls)]
