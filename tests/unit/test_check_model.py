@@ -105,3 +105,18 @@ def test_gains_and_gradients_of_a_hollow_model_equal_a_whole_copys(ds):
     assert torch.equal(_bits(got[0]), _bits(flat[index]))
     with pytest.raises(ValueError, match="outside"):
         verify_check.batch_gradients(hollow, ds, theta, streams[0], index=torch.tensor([n]), **kw)
+
+
+def test_sample_elements_draws_the_same_elements_as_the_int64_permutation():
+    """The int32 permutation (half the memory at real size) picks the elements the int64 one picked: the same
+    checks on peers of either version (the selection is part of the evidence others re-check)."""
+    from geomesh_p2p.trust.verify_task import sample_elements
+
+    ranges = [(0, 3000), (5000, 90_001), (100_000, 100_017)]
+    total = 3000 + 85_001 + 17
+    for seed in (0, 7, 123):
+        g = torch.Generator().manual_seed(seed)
+        pos = torch.randperm(total, generator=g)[:1000].sort().values
+        starts, offsets = torch.tensor([0, 5000, 100_000]), torch.tensor([0, 3000, 88_001])
+        which = torch.searchsorted(offsets, pos, right=True) - 1
+        assert torch.equal(sample_elements(ranges, 1000, seed), starts[which] + (pos - offsets[which]))
