@@ -365,56 +365,61 @@ def run_one(model: str, method: str, args, workdir: Path, procs: Procs, results:
             return min(counts) >= args.rounds
 
         wait_for(rounds_done, args.timeout_s, f"{args.rounds} rounds on every peer", peers, poll_s=1.0)
-        # The joiner: a fresh peer that downloads the state the swarm backs.
-        jname = f"{tag}/joiner"
-        joiner = procs.spawn(
-            jname,
-            exe
-            + [
-                "peer.cli",
-                "join",
-                "--identity",
-                str(d / "joiner.key"),
-                "--host",
-                "127.0.0.1",
-                "--port",
-                "0",
-                "--log-json",
-                str(d / "joiner.jsonl"),
-                "--rounds",
-                str(args.rounds + 3),
-            ]
-            + common,
-            d / "joiner.log",
-        )
-        t_prof = wait_for(
-            lambda: bool(_PROFILED.search(joiner.text())), args.timeout_s, "the joiner's start-up profile", [joiner]
-        )
-        # Either it downloads, or it logs a round or exits without one: then the swarm's state was
-        # still the seed's, which the joiner holds already (every round so far aggregated nothing).
-        t_dl = wait_for(
-            lambda: bool(
-                _DOWNLOADED.search(joiner.text()) or read_rows(d / "joiner.jsonl") or joiner.poll() is not None
-            ),
-            args.timeout_s,
-            "the joiner's state download",
-            [],
-        )
-        if _DOWNLOADED.search(joiner.text()):
-            download_s = t_dl - t_prof
-            print(
-                f"[{tag}] joiner downloaded the state in {download_s:.1f}s "
-                f"({t_dl - joiner.started:.0f}s after its start)",
-                flush=True,
-            )
-        elif joiner.poll() not in (None, 0):
-            raise RuntimeError(f"the joiner exited with {joiner.returncode}; its log ends:\n{joiner.text()[-2500:]}")
+        if args.no_joiner:
+            print(f"[{tag}] no joiner (--no-joiner)", flush=True)
         else:
-            status = (
-                "joiner did not download: the swarm's state was still the seed state it holds "
-                "(no round aggregated an update)"
+            # The joiner: a fresh peer that downloads the state the swarm backs.
+            jname = f"{tag}/joiner"
+            joiner = procs.spawn(
+                jname,
+                exe
+                + [
+                    "peer.cli",
+                    "join",
+                    "--identity",
+                    str(d / "joiner.key"),
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    "0",
+                    "--log-json",
+                    str(d / "joiner.jsonl"),
+                    "--rounds",
+                    str(args.rounds + 3),
+                ]
+                + common,
+                d / "joiner.log",
             )
-            print(f"[{tag}] {status}", flush=True)
+            t_prof = wait_for(
+                lambda: bool(_PROFILED.search(joiner.text())), args.timeout_s, "the joiner's start-up profile", [joiner]
+            )
+            # Either it downloads, or it logs a round or exits without one: then the swarm's state was
+            # still the seed's, which the joiner holds already (every round so far aggregated nothing).
+            t_dl = wait_for(
+                lambda: bool(
+                    _DOWNLOADED.search(joiner.text()) or read_rows(d / "joiner.jsonl") or joiner.poll() is not None
+                ),
+                args.timeout_s,
+                "the joiner's state download",
+                [],
+            )
+            if _DOWNLOADED.search(joiner.text()):
+                download_s = t_dl - t_prof
+                print(
+                    f"[{tag}] joiner downloaded the state in {download_s:.1f}s "
+                    f"({t_dl - joiner.started:.0f}s after its start)",
+                    flush=True,
+                )
+            elif joiner.poll() not in (None, 0):
+                raise RuntimeError(
+                    f"the joiner exited with {joiner.returncode}; its log ends:\n{joiner.text()[-2500:]}"
+                )
+            else:
+                status = (
+                    "joiner did not download: the swarm's state was still the seed state it holds "
+                    "(no round aggregated an update)"
+                )
+                print(f"[{tag}] {status}", flush=True)
     except RuntimeError as e:
         status = f"failed: {e}"
         print(f"[{tag}] {status}", flush=True)
@@ -589,6 +594,11 @@ def main(argv=None) -> int:
     ap.add_argument("--method", default="geomesh,diloco", help="comma-separated methods (default: %(default)s)")
     ap.add_argument("--rounds", type=int, default=4, help="rounds measured (default: %(default)s)")
     ap.add_argument("--peers", type=int, default=3, help="peers before the joiner (default: %(default)s)")
+    ap.add_argument(
+        "--no-joiner",
+        action="store_true",
+        help="no 4th peer joining at the end (a machine that cannot hold one more process of the model)",
+    )
     ap.add_argument(
         "--quick",
         action="store_true",

@@ -3,7 +3,9 @@ with ``all_reduce``, its push / pull retry loops, and the round's :class:`AllRed
 
 Memory (issue 13): the round's aggregate is one preallocated fp32 buffer [numel]; every part's
 result is decoded (reencode) or aggregated (relay) straight into its slice in a worker thread, so
-no per-part or per-contributor full-size tensor is kept and nothing is concatenated.
+no per-part or per-contributor full-size tensor is kept and nothing is concatenated. With
+``in_place=True`` (issue 27) that buffer is the update itself: a part's result overwrites the update's
+slice once this node's push of that part is encoded, so the exchange holds no [numel] beyond the update.
 """
 
 from __future__ import annotations
@@ -126,17 +128,30 @@ class CollectiveService(OwnerService):
 
     # ----------------------------------------------------------------------------- peer side
     async def all_reduce(
-        self, spec: CollectiveSpec, delta: torch.Tensor, tokens: int, compute_end: Optional[float] = None
+        self,
+        spec: CollectiveSpec,
+        delta: torch.Tensor,
+        tokens: int,
+        compute_end: Optional[float] = None,
+        *,
+        in_place: bool = False,
     ) -> AllReduceResult:
         """Contribute ``delta`` (trained on ``tokens`` tokens) and return the round's aggregate.
 
         Args:
             spec: the round's :class:`CollectiveSpec`; this node must be a participant.
-            delta: fp32 tensor with ``spec.numel`` elements (any shape, flattened), finite; not
-                modified by this call, and must not be modified by the caller until it returns.
+            delta: fp32 tensor with ``spec.numel`` elements (any shape, flattened), finite; must not
+                be modified by the caller until this call returns. Not modified by it unless ``in_place``.
             tokens: tokens this peer trained on this round (>= 0; capped by the receivers).
             compute_end: unix seconds when this peer's inner steps ended (default: now); carried
                 in its contributions so that every peer can tell straggler from network idle.
+            in_place: write the aggregate into ``delta``'s own storage (when ``delta`` is a contiguous
+                fp32 CPU tensor; otherwise into the CPU fp32 copy made of it) instead of a new [numel]
+                buffer: part ``j``'s result overwrites ``delta``'s slice of ``j`` once this node's push of
+                ``j`` is encoded (or will never be), missing parts are zeroed; the result's ``aggregate``
+                is then ``delta`` (flattened) and its values are bitwise those of ``in_place=False``.
+                ``delta`` is garbage if the call raises. The caller must not read ``delta`` as its update
+                meanwhile (eager updates do: they pass False).
 
         Returns:
             :class:`AllReduceResult`. It returns by ``spec.pull_deadline`` (plus the time to decode),
@@ -165,13 +180,19 @@ class CollectiveService(OwnerService):
         state.compute_end = t0 if compute_end is None else float(compute_end)
         s_before = self._collective_bytes()
 
-        # Zero-filled in a worker thread, before any task starts: at 100M+ elements the fill and its page
-        # faults stalled the loop ~1 s.
-        zeros = await asyncio.to_thread(lambda: torch.zeros(spec.numel, dtype=torch.float32))
+        n_parts = len(spec.owners)
+        if in_place:
+            # Issue 27: no second [numel]; each part's slice of delta is read by its push's encoding, then
+            # becomes that part's aggregate (_obtain waits for the event before it writes).
+            state.delta_free = {j: asyncio.Event() for j in range(n_parts)}
+            zeros = delta
+        else:
+            # Zero-filled in a worker thread, before any task starts: at 100M+ elements the fill and its page
+            # faults stalled the loop ~1 s.
+            zeros = await asyncio.to_thread(lambda: torch.zeros(spec.numel, dtype=torch.float32))
         # Butterfly order: start with the part after "mine" so that not every sender hits owner 0
         # first; at most max_concurrent_pushes uploads at once, so each upload gets the link to
         # itself and arrives soon after it was signed (the receiver checks the envelope's age).
-        n_parts = len(spec.owners)
         me_rank = sorted(spec.participants, key=_pid_bytes).index(me)
         order = [(me_rank + 1 + k) % n_parts for k in range(n_parts)]
         uploads = asyncio.Semaphore(self.max_concurrent_pushes)
@@ -192,6 +213,7 @@ class CollectiveService(OwnerService):
                 t.cancel()
             await asyncio.gather(*pushes, *pulls, return_exceptions=True)
             state.aggregate = None  # the result owns it now; the kept round state must not pin it
+            state.delta_free = {}
 
         contributors, missing = {}, []
         packets: dict[str, dict[int, Any]] = {}
@@ -211,6 +233,10 @@ class CollectiveService(OwnerService):
                 missing,
                 ", ".join(f"[{spec.owners[j].start}, {spec.owners[j].end})" for j in missing),
             )
+        if in_place and missing:
+            # their slices still hold this node's update (every push has returned: nothing reads them now)
+            ranges = [(spec.owners[j].start, spec.owners[j].end) for j in missing]
+            await asyncio.to_thread(_zero_ranges, aggregate, ranges)
         proofs = list(state.proofs)
         s_after = self._collective_bytes()
         up = link_sample((n, a, b) for d, n, a, b in state.transfers if d == "up")
@@ -274,11 +300,37 @@ class CollectiveService(OwnerService):
         the deadline. ``uploads`` bounds the pushes in flight (the local part does not count)."""
         spec = state.spec
         owner = spec.owners[j]
-        await self._before_push(spec, j)
-        if owner.peer_id != self.peer_id and uploads is not None:
-            async with uploads:
-                return await self._deliver_now(state, j, delta, tokens)
-        return await self._deliver_now(state, j, delta, tokens)
+        try:
+            await self._before_push(spec, j)
+            if owner.peer_id != self.peer_id and uploads is not None:
+                async with uploads:
+                    return await self._deliver_now(state, j, delta, tokens)
+            return await self._deliver_now(state, j, delta, tokens)
+        finally:
+            free = state.delta_free.get(j)
+            if free is not None and j not in state.encoding:
+                free.set()  # no encoding thread started (done without one, refused, or cancelled before it)
+
+    async def _encode(self, state: _RoundState, j: int, fn, *args):
+        """``fn(*args)`` in a worker thread: the encoding of part ``j`` from the update. In-place all-reduce:
+        ``state.delta_free[j]`` is set when that thread returns, not when the awaiting task is cancelled
+        (a cancelled ``to_thread`` keeps running and reading the update's slice)."""
+        free = state.delta_free.get(j)
+        if free is None:
+            return await asyncio.to_thread(fn, *args)
+        loop = asyncio.get_running_loop()
+
+        def run():
+            try:
+                return fn(*args)
+            finally:
+                try:
+                    loop.call_soon_threadsafe(free.set)
+                except RuntimeError:  # the loop is closed: nobody waits any more
+                    pass
+
+        state.encoding.add(j)
+        return await asyncio.to_thread(run)
 
     async def _deliver_now(self, state: _RoundState, j: int, delta: torch.Tensor, tokens: int) -> bool:
         spec = state.spec
@@ -298,7 +350,7 @@ class CollectiveService(OwnerService):
                     ),
                 )
                 return True
-            signed = await asyncio.to_thread(self._contribution_bytes, spec, j, delta, tokens, state.compute_end)
+            signed = await self._encode(state, j, self._contribution_bytes, spec, j, delta, tokens, state.compute_end)
             try:
                 c = await asyncio.to_thread(self._check_contribution, spec, j, signed, self.peer_id)
                 self._accept(state, part, c)
@@ -306,7 +358,7 @@ class CollectiveService(OwnerService):
             except EnvelopeError as err:
                 log.warning("round %d: own part %d refused my contribution: %s", spec.round, j, err.reason)
                 return False
-        payload = await asyncio.to_thread(self._push_payload, spec, j, delta, tokens, state.compute_end)
+        payload = await self._encode(state, j, self._push_payload, spec, j, delta, tokens, state.compute_end)
         delay = 0.05
         while True:
             remaining = spec.deadline - swarm_time()
@@ -435,6 +487,11 @@ class CollectiveService(OwnerService):
                 # without a copy, and they gave up on a part this peer applies. Its verdict (signature,
                 # signed time) is the same on every peer, so the bytes are served before this peer's own.
                 state.cache[j] = signed
+        free = state.delta_free.get(j)
+        if free is not None and out is not None:
+            # In place: the slice is this node's update until its push of part j is encoded. A result of
+            # a part its owner closed without this node cannot wait long: that push is then refused at once.
+            await free.wait()
         try:
             # One part read at a time: a robust rule decodes every contribution of the part to fp32 (about
             # (contributors + 5) x the part's bytes while it runs); reading the parts concurrently held that
@@ -641,6 +698,12 @@ class CollectiveService(OwnerService):
             )
 
         return messages.read_result(self._inner, spec, j, signed, out=out, on_bad_relay=bad)
+
+
+def _zero_ranges(v: torch.Tensor, ranges: list[tuple[int, int]]) -> None:
+    """``v[s:e] = 0`` for every ``(s, e)`` of ``ranges`` (a worker thread: parts are large)."""
+    for s, e in ranges:
+        v[s:e].zero_()
 
 
 def _cpu_fp32_finite(delta: torch.Tensor) -> torch.Tensor:

@@ -80,6 +80,11 @@ class _RoundState:
     transfers: list[tuple[str, int, float, float]] = field(default_factory=list)
     # fp32 [numel] CPU tensor: this node's aggregate of the round, every part decoded into its slice
     aggregate: Optional[Any] = None
+    # in-place all-reduce (the aggregate written into the update's own storage): part -> set once this node
+    # no longer reads the update's slice of that part (its push encoded, or never to be); empty otherwise
+    delta_free: dict[int, asyncio.Event] = field(default_factory=dict)
+    # in-place all-reduce: parts whose push encoding started in a worker thread (that thread sets delta_free)
+    encoding: set[int] = field(default_factory=set)
     # owner PeerID -> semaphore bounding this node's pulls in flight to that owner (set by all_reduce)
     pull_slots: dict[str, asyncio.Semaphore] = field(default_factory=dict)
     # accountable mode: part -> the owner's receipt of this node's contribution (accountable.Receipt)

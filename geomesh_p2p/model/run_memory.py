@@ -4,8 +4,9 @@ whole run, not only the start-up profile's batch).
 "Static": the buffers of the model's size a peer holds for the run whatever its batch, fp32 (4 bytes per
 element; ``P`` parameters): the model's weights, gradients and inner optimizer state (on the training
 device), and besides them the global weights and outer state, the round's pseudo-gradient (delta) and
-aggregate buffers, the error-feedback residual when on, and verified work's private model copy with its
-gradients (on the device) and the contributions it keeps (host). Verified work's kept start weights are
+aggregate buffers (none beyond the gradients' place, except with eager updates), the newest outer update the
+state server keeps for peers that fell behind, the error-feedback residual when on, and what a verified-work
+check holds (on the device) and the contributions it keeps (host). Verified work's kept start weights are
 files, not memory (:mod:`geomesh_p2p.trust.kept_weights`): listed with ``where="disk"``, counted in no total.
 Not included: activations (the profile measures them per sequence), a robust read's temporaries, the
 process's own ~0.5 GiB (Python, torch, the data set) -- docs/real-size.md.
@@ -109,6 +110,8 @@ def run_memory_estimate(
     block_size: int = 2048,
     bytes_per_element: int = 4,
     accountable: bool = False,
+    eager: bool = False,
+    catch_up_update: bool = True,
 ) -> RunMemory:
     """The static memory of a peer of ``method`` training ``n_params`` (P) parameters, itemized, in bytes
     (``p = P x bytes_per_element``):
@@ -116,11 +119,20 @@ def run_memory_estimate(
     * ``weights``, ``gradients``: p each (device);
     * ``inner optimizer state``: AdamW 2p, Lion p; 0 for ``ddp`` (no inner step) (device);
     * ``global weights + outer state``: p x (1 + outer copies: Nesterov 1, ``ddp``'s AdamW 2) (host);
-    * ``delta + aggregate buffers``: 2p, the pseudo-gradient the collective encodes from and the fp32
-      aggregate it writes into (host);
+    * ``delta + aggregate buffers``: 0, or 2p with ``eager`` (host). The pseudo-gradient is made after the
+      inner steps freed the gradients (it takes their place) and the collective writes the aggregate into it,
+      part by part once pushed (issue 27). With eager updates the next round's steps (and gradients) run during
+      the exchange and read the pseudo-gradient: both are buffers of their own then;
+    * ``newest outer update``: p with ``catch_up_update`` (host): the state server keeps the last round's
+      aggregate as it is for peers that fell behind (:class:`~geomesh_p2p.sync.server.UpdateLog`), through
+      the next round;
     * ``error-feedback residual``: p when ``error_feedback`` and the method pushes signs (host);
-    * with ``verified_work``: ``verified work: model copy + gradients`` 2p (device, its private model and
-      the gradients of a check), ``verified work: kept contributions`` ``keep_rounds x contributors x
+    * with ``verified_work``: ``verified work: a check's weights + gradients`` 2p (device) while a check
+      runs, nothing between checks: on the CPU its model's parameters are views of the checked round's kept
+      weights (the file's pages, resident while the check reads them) and a gradient pass adds the gradients,
+      the loss-gain test's second pass copies of the parameters the contribution moves
+      (:mod:`geomesh_p2p.trust.check_model`); on a GPU a whole model copy and its gradients.
+      ``verified work: kept contributions`` ``keep_rounds x contributors x
       (ceil(P / 8) + 4 x ceil(P / block_size))`` (host: sign bits and block scales of each contributor's
       packets), and ``verified work: kept start weights`` ``keep_rounds x p`` on disk;
     * with ``accountable`` (``--mode accountable``, issue 26): ``accountable: one validation's inputs`` (host:
@@ -149,13 +161,14 @@ def run_memory_estimate(
         MemoryItem("gradients", p, "device"),
         MemoryItem("inner optimizer state", inner, "device"),
         MemoryItem("global weights + outer state", (1 + OUTER_STATE_COPIES[method]) * p, "host"),
-        MemoryItem("delta + aggregate buffers", 2 * p, "host"),
+        MemoryItem("delta + aggregate buffers", 2 * p if eager else 0, "host"),
+        MemoryItem("newest outer update", p if catch_up_update else 0, "host"),
         MemoryItem("error-feedback residual", p if error_feedback and method in COMPRESSED_METHODS else 0, "host"),
     ]
     if verified_work:
         packet = math.ceil(n / 8) + 4 * math.ceil(n / block_size)
         items += [
-            MemoryItem("verified work: model copy + gradients", 2 * p, "device"),
+            MemoryItem("verified work: a check's weights + gradients", 2 * p, "device"),
             MemoryItem("verified work: kept contributions", keep_rounds * contributors * packet, "host"),
             MemoryItem("verified work: kept start weights", keep_rounds * p, "disk"),
         ]

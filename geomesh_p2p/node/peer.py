@@ -662,6 +662,7 @@ class PeerNode:
                     [(s, e) for _, s, e in plan.owners()] or [(0, self.numel)],
                     idle,
                     aggregate,
+                    copy=False,  # the round's own buffer, only read from now on: no second [P] (issue 27)
                 )
             return self.outer_rule.apply(r, plan, aggregate, idle)
 

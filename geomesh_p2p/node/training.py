@@ -102,6 +102,7 @@ def run_memory(run, cfg, n_params: int) -> RunMemory:
         contributors=max(2, int(cfg.min_peers)),
         block_size=run.block_size,
         accountable=run.mode == "accountable",
+        eager=bool(run.eager),
     )
 
 

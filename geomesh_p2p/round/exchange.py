@@ -1,5 +1,5 @@
 """Phase EXCHANGE: this peer's update through the collective (with the run's error feedback applied to sign
-pushes), then what the exchange's failures mean: penalties for failed owners and no-shows, unless this
+pushes; the aggregate written into the update's storage except with eager updates), then what the exchange's failures mean: penalties for failed owners and no-shows, unless this
 peer itself was stalled through the exchange window (:data:`STALL_VOID_SHARE`: the round is then no
 evidence against the others). Also the residual zeroed when a re-sync discards this peer's lineage.
 Functions of the :class:`~geomesh_p2p.round.driver.RoundDriver` (its ports: collective, policy, clock)."""
@@ -38,9 +38,16 @@ async def exchange(drv: RoundDriver, ctx: RoundContext) -> bool:
             ctx.delta = await asyncio.to_thread(
                 fb.apply, ctx.update(), int(result.tokens), [(o.start, o.end) for o in spec.owners], ctx.round
             )
-        ctx.ar = await drv.collective.all_reduce(
-            spec, ctx.update(), tokens=result.tokens, compute_end=ctx.t_compute_end
-        )
+        # Issue 27: the aggregate is written into the update's own storage, part by part once pushed (no
+        # second [P]); not with eager updates, whose speculative start reads the update meanwhile.
+        in_place = not drv.cfg.eager
+        try:
+            ctx.ar = await drv.collective.all_reduce(
+                spec, ctx.update(), tokens=result.tokens, compute_end=ctx.t_compute_end, in_place=in_place
+            )
+        finally:
+            if in_place:
+                ctx.delta = None  # its storage is the aggregate now (or garbage after a failure)
     finally:
         drv.in_exchange = False
     ctx.t_agg = drv.clock.time()

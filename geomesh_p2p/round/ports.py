@@ -165,9 +165,16 @@ class Collective(Protocol):
     """The exchange (geomesh_p2p.exchange.CollectiveService)."""
 
     async def all_reduce(
-        self, spec: CollectiveSpec, delta: torch.Tensor, tokens: int, compute_end: Optional[float] = None
+        self,
+        spec: CollectiveSpec,
+        delta: torch.Tensor,
+        tokens: int,
+        compute_end: Optional[float] = None,
+        *,
+        in_place: bool = False,
     ) -> AllReduceResult:
-        """Aggregate ``delta`` [P] fp32 with the plan's participants; returns an AllReduceResult."""
+        """Aggregate ``delta`` [P] fp32 with the plan's participants; returns an AllReduceResult. ``in_place``:
+        the aggregate may be written into ``delta``'s storage (the caller no longer reads it as its update)."""
 
 
 class GlobalStatePort(Protocol):

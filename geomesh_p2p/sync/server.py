@@ -275,7 +275,8 @@ class UpdateLog:
 
     The node calls :meth:`record` with the round's aggregate before its outer step and :meth:`seal`
     with the digest after it (both in the worker thread of the outer step). Memory: the aggregate is
-    copied (``4 * P`` bytes per round kept, so the collective may reuse its buffer); the first request
+    copied (``4 * P`` bytes per round kept), or kept as it is with ``record(copy=False)`` (the node: its round
+    buffer is its own and only read); the first request
     for a round encodes it once (zlib, in a worker thread) and the raw copy is dropped. Thread-safe."""
 
     def __init__(
@@ -309,12 +310,19 @@ class UpdateLog:
         ranges: Sequence[tuple[int, int]],
         idle: Sequence[tuple[int, int]],
         aggregate: torch.Tensor,
+        *,
+        copy: bool = True,
     ) -> None:
         """Round ``round`` is about to apply ``aggregate`` (fp32 [P], copied here) from the state of digest
-        ``start_digest`` in ``ranges`` with ``idle`` ranges left unchanged. Synchronous (a copy)."""
+        ``start_digest`` in ``ranges`` with ``idle`` ranges left unchanged. Synchronous (a copy).
+        ``copy=False``: kept as it is (a flat view) when already a contiguous fp32 tensor, no ``[P]`` copy (issue 27); the
+        caller then never changes it (the node's round aggregate: a buffer of its own each round, which the
+        outer step only reads)."""
         if self.keep_rounds == 0 or not start_digest:
             return
-        agg = aggregate.detach().to(torch.float32).reshape(-1).clone()
+        agg = aggregate.detach().to(torch.float32).reshape(-1)
+        if copy:
+            agg = agg.clone()
         with self._mu:
             self._pending = (
                 int(round),

@@ -27,11 +27,11 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 import torch
 
-from geomesh_p2p.model.build import load_flat_
+from geomesh_p2p.trust.check_model import load_for_check, sub_flat_
 
 __all__ = ["GainStats", "row_losses", "gain_stats", "welch_t"]
 
@@ -113,7 +113,7 @@ def gain_stats(
     model,
     dataset,
     theta: torch.Tensor,
-    contribution: torch.Tensor,
+    contribution: Union[torch.Tensor, Iterable[tuple[int, torch.Tensor]]],
     assigned: Sequence[tuple[str, int]],
     controls: Sequence[tuple[str, int]],
     *,
@@ -125,10 +125,14 @@ def gain_stats(
     pace: Optional[Callable[[], None]] = None,
 ) -> GainStats:
     """The loss gains of the module docstring. ``theta``: the round's start weights, fp32 ``[P]``;
-    ``contribution``: the pseudo-gradient as received (decoded; zero outside the checked parts), fp32 ``[P]``;
+    ``contribution``: the pseudo-gradient as received (decoded; zero outside the checked parts), fp32 ``[P]``,
+    or its non-zero pieces as ``(start, values)`` pairs (may be a generator: one piece decoded at a time);
     ``assigned`` / ``controls``: ``(peer_id, step)`` batch streams (at least 2 each). ``model`` (a copy nobody
-    else uses) is loaded with ``theta``, then with ``theta - contribution``. ``pace``: see :func:`row_losses`.
-    Cost: 2 x (k + m) forward passes of ``batch_size`` rows, no backward; one temporary fp32 ``[P]``.
+    else uses) is loaded with ``theta`` (:func:`~geomesh_p2p.trust.check_model.load_for_check`: a hollow copy's
+    parameters become views of it), then the contribution is subtracted from its parameters
+    (:func:`~geomesh_p2p.trust.check_model.sub_flat_`, bitwise ``theta - contribution``; ``theta`` itself is
+    never written). ``pace``: see :func:`row_losses`. Cost: 2 x (k + m) forward passes of ``batch_size`` rows,
+    no backward, no temporary ``[P]`` (issue 27; a hollow model copies the parameters the pieces touch).
 
     Raises:
         ValueError: fewer than 2 streams on a side, or a vector of the wrong size.
@@ -140,9 +144,15 @@ def gain_stats(
     kw: dict[str, Any] = dict(
         seed=seed, round=round, batch_size=batch_size, seq_len=seq_len, deadline=deadline, pace=pace
     )
-    load_flat_(model, theta)
+    if isinstance(contribution, torch.Tensor):
+        if contribution.numel() != theta.numel():
+            raise ValueError(f"the contribution has {contribution.numel()} elements, theta {theta.numel()}")
+        pieces: Iterable[tuple[int, torch.Tensor]] = [(0, contribution)]
+    else:
+        pieces = contribution
+    load_for_check(model, theta)
     before = row_losses(model, dataset, streams, **kw)
-    load_flat_(model, theta - contribution)
+    sub_flat_(model, pieces)
     after = row_losses(model, dataset, streams, **kw)
     # Each row is its own window of the corpus: one sample of the gain (a batch's rows were trained on
     # together, but each is memorised on its own); a row-level t has B times the samples of a batch-level one.

@@ -145,6 +145,7 @@ from geomesh_p2p.net.identity import Identity
 from geomesh_p2p.net.swarm_time import swarm_time
 from geomesh_p2p.dht.chunked import ChunksPending
 from geomesh_p2p.telemetry.logonce import LogOnce
+from geomesh_p2p.trust.check_model import hollow_copy, release_
 from geomesh_p2p.trust.kept_weights import KeptWeights
 from geomesh_p2p.trust.verdicts import MAX_RESTORED, Verdicts
 from geomesh_p2p.trust.evidence import (
@@ -280,9 +281,12 @@ class WorkVerifier(Verdicts):
 
     @classmethod
     def for_node(cls, node, cfg: Optional[VerifyConfig] = None) -> "WorkVerifier":
-        """A verifier wired to a :class:`~geomesh_p2p.node.peer.PeerNode` (a private copy of its model)."""
+        """A verifier wired to a :class:`~geomesh_p2p.node.peer.PeerNode` (a private copy of its model: on the CPU
+        a hollow one, whose parameters are views of the checked round's kept weights only while a check runs,
+        :mod:`.check_model`; on a GPU a whole copy in device memory)."""
         rc = node.run_cfg
-        model = copy.deepcopy(node.model)
+        hollow = all(p.device.type == "cpu" and p.dtype == torch.float32 for p in node.model.parameters())
+        model = hollow_copy(node.model) if hollow else copy.deepcopy(node.model)
         return cls(
             cfg or VerifyConfig(),
             identity=node.identity,
@@ -381,22 +385,25 @@ class WorkVerifier(Verdicts):
         with self._compute:
             if pace is not None:
                 pace.start()  # the wait for the device (another check) is not this check's compute
-            return check_contribution(
-                self.cfg,
-                task,
-                model=self.model,
-                dataset=self.dataset,
-                theta=theta,
-                seed=self.seed,
-                packets=kept.packets,
-                lr=self.lr,
-                checker=self.me,
-                weight_decay=self.weight_decay,
-                micro_batch=micro_batch,
-                amp=self.amp,
-                deadline=deadline,
-                pace=pace,
-            )
+            try:
+                return check_contribution(
+                    self.cfg,
+                    task,
+                    model=self.model,
+                    dataset=self.dataset,
+                    theta=theta,
+                    seed=self.seed,
+                    packets=kept.packets,
+                    lr=self.lr,
+                    checker=self.me,
+                    weight_decay=self.weight_decay,
+                    micro_batch=micro_batch,
+                    amp=self.amp,
+                    deadline=deadline,
+                    pace=pace,
+                )
+            finally:
+                release_(self.model)  # a hollow model holds no weights between checks (issue 27)
 
     # -- this node's check ----------------------------------------------------------------------------
     def own_task(self, round: int) -> Optional[VerifyTask]:

@@ -16,8 +16,9 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 import torch
 
 from geomesh_p2p.exchange import codec as compression
-from geomesh_p2p.model.build import load_flat_
 from geomesh_p2p.model.device import free_after_oom, is_oom
+from geomesh_p2p.model.memory import release_freed_memory
+from geomesh_p2p.trust.check_model import is_hollow, load_for_check, release_
 from geomesh_p2p.trust.gain import GainStats, gain_stats
 from geomesh_p2p.trust.verify_task import (
     CONTROL_STREAM,
@@ -72,15 +73,17 @@ def batch_gradients(
     """fp32 CPU ``[len(streams), len(index)]``: for each ``(peer_id, step)``, the gradient at ``theta`` of
     ``dataset.sample_batch(seed, peer_id, round, step, batch_size, seq_len)`` (mean token loss, as the
     inner trainer computes it, accumulated over ``micro_batch`` rows) at the flat elements ``index``.
-    ``model`` is loaded with ``theta`` (it must be a copy nobody else uses). Raises VerifyTimeout when
+    ``model`` is loaded with ``theta`` (it must be a copy nobody else uses; a hollow copy's parameters become
+    views of ``theta``: :func:`~geomesh_p2p.trust.check_model.load_for_check`). The sampled elements are
+    gathered parameter by parameter: no flat ``[P]`` gradient is assembled. Raises VerifyTimeout when
     ``deadline`` (unix seconds) passes between two batches. ``pace()``, when given, is called between two
     batches (the background queue's :class:`~geomesh_p2p.trust.verify_queue.Pacer`: it sleeps to keep the
     check within its share of the device)."""
-    load_flat_(model, theta)
+    load_for_check(model, theta)
     model.train()
     device = next(model.parameters()).device
     params = [p for _, p in model.named_parameters()]
-    idx = index.to(device)
+    picks = _picks(params, index)
     out = torch.empty(len(streams), index.numel(), dtype=torch.float32)
     use_amp = amp and device.type == "cuda"
     for i, (peer, step) in enumerate(streams):
@@ -111,12 +114,35 @@ def batch_gradients(
                 log.warning("verified work ran out of memory at micro-batch %d; checking at %d", mb, mb // 2)
                 micro_batch = mb = mb // 2  # the later batches of this check too
         with torch.no_grad():
-            flat = torch.cat(
-                [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float() for p in params]
-            )
-            out[i] = flat[idx].cpu()
+            row = out[i]
+            for p, where, local in picks:
+                if p.grad is None:
+                    row[where] = 0.0  # no gradient: zeros, as the flat gradient had
+                else:
+                    row[where] = p.grad.reshape(-1)[local.to(p.grad.device)].float().cpu()
     for p in params:
         p.grad = None
+    return out
+
+
+def _picks(
+    params: Sequence[torch.Tensor], index: torch.Tensor
+) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """For each parameter holding some of the flat elements ``index`` (int64, any order, layout of
+    :func:`~geomesh_p2p.model.build.flat_params`): ``(param, positions in index, offsets in the param)``."""
+    idx = index.reshape(-1).to("cpu", torch.int64)
+    order = torch.argsort(idx, stable=True)
+    ordered = idx[order]
+    out, off = [], 0
+    for p in params:
+        n = p.numel()
+        lo = int(torch.searchsorted(ordered, off))
+        hi = int(torch.searchsorted(ordered, off + n))
+        if hi > lo:
+            out.append((p, order[lo:hi], ordered[lo:hi] - off))
+        off += n
+    if sum(len(w) for _, w, _ in out) != idx.numel():
+        raise ValueError(f"element indices outside the model's {off} elements")
     return out
 
 
@@ -261,7 +287,8 @@ def _scales(
     scales = torch.cat([mine[j].scales for j in task.parts])
     tokens = max(mine[j].tokens for j in task.parts)
     all_zero = tokens > 0 and scales.numel() > 0 and not bool((scales > 0).any())
-    bound = scale_bound(task.steps_done, lr, weight_decay, float(theta.abs().max()), cfg.scale_factor)
+    lo, hi = torch.aminmax(theta)  # max |theta| without a [P] temporary of |theta| (issue 27): the same value
+    bound = scale_bound(task.steps_done, lr, weight_decay, max(-float(lo), float(hi)), cfg.scale_factor)
     return all_zero, float(scales.max()) if scales.numel() else 0.0, bound
 
 
@@ -314,6 +341,9 @@ def check_contribution(
     if gain.t < cfg.gain_t_hard:
         early = WorkStats(0.0, 0.0, 0, gain)
         return early, judge(cfg, task, early, all_zero=False, max_scale=max_scale, bound=bound), []
+    if is_hollow(model):
+        release_(model)  # the gain's private copies go before the gradient passes (issue 27)
+        release_freed_memory()
     index = sample_elements(task.ranges, task.n_elements, task.element_seed)
     c = gather(mine, task, index)
     streams = [(task.accused, j) for j in task.steps] + [(CONTROL_STREAM, i) for i in range(task.controls)]
@@ -350,12 +380,12 @@ def _gain(
     cfg, task: VerifyTask, model, dataset, theta: torch.Tensor, mine, *, seed: int, deadline, pace=None
 ) -> GainStats:
     """The loss-gain test of ``task`` (:mod:`geomesh_p2p.trust.gain`): the contributor's packets of the task's
-    parts decoded into a zero fp32 ``[P]`` (the parts it did not send, or the check does not hold, stay 0),
+    parts, decoded one at a time and subtracted from the loaded weights (the parts it did not send, or the
+    check does not hold, stay 0),
     ``cfg.gain_assigned`` of its steps (:func:`gain_steps`) against ``cfg.gain_controls`` control batches;
     ``pace()`` between two batches (the background queue's pacing). Raises VerifyTimeout past ``deadline``."""
-    d = torch.zeros_like(theta)
-    for j, (s, e) in zip(task.parts, task.ranges):
-        d[s:e] = compression.decode(mine[j])
+    # The contribution's parts one at a time (issue 27: no [P] of it; zero elsewhere, as the gain test reads it)
+    pieces = ((s, compression.decode(mine[j])) for j, (s, _) in zip(task.parts, task.ranges))
     steps = gain_steps(task, cfg.gain_assigned)
     if len(steps) < 2:  # below min_steps anyway; a t needs two batches a side
         raise ValueError(f"a loss-gain test needs >= 2 steps, the task has {task.steps_done}")
@@ -364,7 +394,7 @@ def _gain(
             model,
             dataset,
             theta,
-            d,
+            pieces,
             [(task.accused, j) for j in steps],
             [(CONTROL_STREAM, i) for i in range(cfg.gain_controls)],
             seed=seed,

@@ -54,8 +54,8 @@ def _expected(spec, deltas, tokens, who):
 class _FlipMax(CollectiveService):
     """Pushes -1000 x its delta and claims 10**12 tokens (its plan's cap still applies)."""
 
-    async def all_reduce(self, spec, delta, tokens, compute_end=None):
-        return await super().all_reduce(spec, -1000.0 * delta, 10**12, compute_end)
+    async def all_reduce(self, spec, delta, tokens, compute_end=None, *, in_place=False):
+        return await super().all_reduce(spec, -1000.0 * delta, 10**12, compute_end, in_place=in_place)
 
 
 async def test_a_flipping_contributor_has_no_say_in_relay_mode(swarms):

@@ -112,7 +112,8 @@ class EagerPeer(trd.FakePeer):
         )
 
     # Collective: returns only once this peer's next round has started (eager) or after 2 s
-    async def all_reduce(self, spec, delta, tokens, compute_end=None):
+    async def all_reduce(self, spec, delta, tokens, compute_end=None, *, in_place=False):
+        assert not in_place, "eager updates read the update during the exchange: never in place"
         self.pushed[spec.round] = delta.clone()
         ar = await super().all_reduce(spec, delta, tokens, compute_end)
         if spec.round + 1 < self.rounds:

@@ -96,7 +96,7 @@ class _Collective:
     def __init__(self):
         self.pushed = []
 
-    async def all_reduce(self, spec, delta, tokens, compute_end=None):
+    async def all_reduce(self, spec, delta, tokens, compute_end=None, *, in_place=False):
         self.pushed.append(delta.clone())
         return object()
 

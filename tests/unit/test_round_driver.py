@@ -185,7 +185,7 @@ class FakePeer:
         return 100.0
 
     # Collective
-    async def all_reduce(self, spec, delta, tokens, compute_end=None):
+    async def all_reduce(self, spec, delta, tokens, compute_end=None, *, in_place=False):
         self._hook("exchange")
         # one exchange per plan (round, leader): peers following two plans of a round do not meet, as in the
         # real collective (their specs differ)
@@ -202,6 +202,8 @@ class FakePeer:
         got = {p: v for p, v in pushes.items() if v[1] > 0}
         total = sum(t for _, t in got.values())
         agg = (sum(d * t for d, t in got.values()) / total) if total else torch.zeros(NUMEL)
+        if in_place:  # as the real collective: the aggregate in the update's own storage
+            agg = delta.copy_(agg)
         return SimpleNamespace(
             aggregate=agg,
             contributors={0: [(p, t) for p, (_, t) in sorted(got.items())]},

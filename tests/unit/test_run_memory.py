@@ -96,20 +96,21 @@ def test_run_memory_items_exact_bytes():
         ("gradients", 4000, "device"),
         ("inner optimizer state", 8000, "device"),
         ("global weights + outer state", 8000, "host"),
-        ("delta + aggregate buffers", 8000, "host"),
+        ("delta + aggregate buffers", 0, "host"),  # in the gradients' place, the aggregate in the delta (issue 27)
+        ("newest outer update", 4000, "host"),
         ("error-feedback residual", 0, "host"),
-        ("verified work: model copy + gradients", 8000, "device"),
+        ("verified work: a check's weights + gradients", 8000, "device"),
         # 3 rounds x 2 contributors x (125 bytes of sign bits + 4 bytes for one block scale)
         ("verified work: kept contributions", 774, "host"),
         ("verified work: kept start weights", 12000, "disk"),
     ]
-    assert est.total("cpu") == 40774  # the files count in no total
-    assert est.profile_extra("cpu") == 24774  # what the profile does not count itself
+    assert est.total("cpu") == 36774  # the files count in no total
+    assert est.profile_extra("cpu") == 20774  # what the profile does not count itself
     assert est.total("cuda") == 24000 and est.profile_extra("cuda") == 8000  # the device's items only
     assert [i.name for i in est.largest(3)] == [
         "inner optimizer state",
         "global weights + outer state",
-        "delta + aggregate buffers",
+        "verified work: a check's weights + gradients",
     ]
     ddp = run_memory_estimate(P, "ddp", error_feedback=True)
     assert {i.name: i.bytes for i in ddp.items} == {
@@ -117,15 +118,22 @@ def test_run_memory_items_exact_bytes():
         "gradients": 4000,
         "inner optimizer state": 0,
         "global weights + outer state": 12000,  # AdamW's two moments as the outer state
-        "delta + aggregate buffers": 8000,
+        "delta + aggregate buffers": 0,
+        "newest outer update": 4000,
         "error-feedback residual": 0,  # fp32 pushes keep no residual
     }
     css = run_memory_estimate(P, "css", inner_optimizer="lion", error_feedback=True)
-    assert css.total() == 4000 + 4000 + 4000 + 8000 + 8000 + 4000
+    assert css.total() == 4000 + 4000 + 4000 + 8000 + 0 + 4000 + 4000
+    # eager updates: the next round's steps read the pseudo-gradient while the exchange runs: two buffers of
+    # their own; no state server's update kept: none of it
+    eager = run_memory_estimate(P, "geomesh", eager=True, catch_up_update=False)
+    sizes = {i.name: i.bytes for i in eager.items}
+    assert sizes["delta + aggregate buffers"] == 8000 and sizes["newest outer update"] == 0
+    assert eager.total() == 4000 + 4000 + 8000 + 8000 + 8000
     with pytest.raises(ValueError, match="unknown method"):
         run_memory_estimate(P, "sgd")
-    assert memory_budget_problem(est, None) is None and memory_budget_problem(est, 40775) is None
-    assert memory_budget_problem(est, 40774) is not None
+    assert memory_budget_problem(est, None) is None and memory_budget_problem(est, 36775) is None
+    assert memory_budget_problem(est, 36774) is not None
 
 
 def test_a_budget_below_the_static_memory_fails_at_start_in_one_line(tmp_path, capsys):
@@ -137,15 +145,17 @@ def test_a_budget_below_the_static_memory_fails_at_start_in_one_line(tmp_path, c
     n = count_params("tiny", vocab_size=4096)
     p = 4 * n
     gib = 2**30
-    # 24 B/param of the minimum (6p) + 2p exchange buffers + 2p verified work's model copy and gradients + its
-    # kept contributions (3 rounds + the one a background check holds, x 2 contributors x sign bits and scales)
+    # 24 B/param of the minimum (6p) + the newest outer update p + 2p of a verified-work check (its weights and
+    # gradients) + its kept contributions (3 rounds + the one a background check holds, x 2 contributors x sign
+    # bits and scales); the exchange's buffers take the gradients' place (issue 27)
     contributions = 4 * 2 * (-(-n // 8) + 4 * -(-n // 2048))
-    total = 10 * p + contributions
+    total = 9 * p + contributions
     vw = 2 * p + contributions
     assert err == (
         f"geomesh-peer join: --memory-budget-gb 0.001: this run's static memory alone is {total / gib:.2f} GiB for "
         f"{n:,} parameters before any activation (largest: inner optimizer state {2 * p / gib:.2f} GiB, "
-        f"global weights + outer state {2 * p / gib:.2f} GiB, delta + aggregate buffers {2 * p / gib:.2f} GiB); "
+        f"global weights + outer state {2 * p / gib:.2f} GiB, verified work: a check's weights + gradients "
+        f"{2 * p / gib:.2f} GiB); "
         f"use a larger --memory-budget-gb or a smaller --model, or --mode reencode (no verified work: "
         f"{vw / gib:.2f} GiB less)"
     )
@@ -154,7 +164,7 @@ def test_a_budget_below_the_static_memory_fails_at_start_in_one_line(tmp_path, c
     assert main(argv + ["--mode", "reencode", "--method", "diloco"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("geomesh-peer join: --memory-budget-gb 0.001: ") and "reencode" not in err
-    assert f"{8 * p / gib:.2f} GiB for {n:,} parameters" in err  # 6p + the 2p exchange buffers
+    assert f"{7 * p / gib:.2f} GiB for {n:,} parameters" in err  # 6p + the newest outer update
 
 
 def test_verified_work_keeps_the_start_weights_off_the_loop_and_closes(tmp_path, monkeypatch):

@@ -174,7 +174,7 @@ async def test_a_round_this_peer_was_stalled_through_blames_no_owner(stall_share
     lone.after_exchange = lambda spec, plan, ar: noted.append(spec.round)
     lone.note_own_failures = lambda spec, plan, ar, stalled: own.append((spec.round, stalled))
 
-    async def all_reduce(spec, delta, tokens, compute_end=None):
+    async def all_reduce(spec, delta, tokens, compute_end=None, *, in_place=False):
         return _FailedRound.make(delta)
 
     lone.all_reduce = all_reduce

@@ -168,12 +168,16 @@ class VerifiedWork:
     async def _tend(self, wv: verify.WorkVerifier, r: int, a, ar) -> None:
         """The checks' results (:meth:`~geomesh_p2p.trust.verify.WorkVerifier.tend`), then the round's relative
         agreement test (:mod:`geomesh_p2p.trust.agreement`; advisory: recorded in the row and logged, nothing
-        dropped or excluded on it). Off the round's path: a task of its own."""
-        await wv.tend(r, micro_batch=a.micro_batch)
+        dropped or excluded on it). Off the round's path: a task of its own. The agreement is measured first, so
+        the round's aggregate ([P]) is not held while the evidence is read (issue 27: into the next round)."""
         aggregate = getattr(ar, "aggregate", None)
-        if aggregate is None or not ar.part_ranges:
+        found = None
+        if aggregate is not None and ar.part_ranges:
+            found = await asyncio.to_thread(agreement.sign_agreements, ar.contributions, aggregate, ar.part_ranges)
+        del aggregate, ar
+        await wv.tend(r, micro_batch=a.micro_batch)
+        if found is None:
             return
-        found = await asyncio.to_thread(agreement.sign_agreements, ar.contributions, aggregate, ar.part_ranges)
         test = agreement.relative_threshold(found)
         self.agreement = (r, test)
         if test.outliers:
