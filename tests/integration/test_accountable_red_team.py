@@ -234,3 +234,16 @@ async def test_a_result_listing_the_owners_contribution_without_its_witness_rece
     opened = accountable.open_result(sw.services[1]._inner, signed, 4)
     rc = accountable.open_receipt(sw.services[1]._inner, opened.fields.witness_receipt)
     assert (rc.owner, rc.sender, rc.part) == (accountable.witness_of(spec, j).peer_id, sw.pids[0], j)
+
+
+async def test_an_owner_whose_witness_refuses_leaves_its_own_contribution_out_and_its_part_is_applied(swarms):
+    class _NoWitnessing(CollectiveService):
+        def _witness(self, state, j, c):
+            raise EnvelopeError(grpc.StatusCode.PERMISSION_DENIED, "not witnessing")
+
+    sw, spec, _, res = await _round(swarms, [CollectiveService] * 3 + [_NoWitnessing], seed=13)
+    (j,) = [j for j in range(4) if accountable.witness_of(spec, j).peer_id == sw.pids[3]]
+    owner = spec.owners[j].peer_id
+    assert all(r.missing_parts == [] for r in res)  # every part applied, on every reader
+    assert sorted(p for p, _ in res[0].contributors[j]) == sorted(p for p in sw.pids if p != owner)
+    assert all(sorted(p for p, _ in res[0].contributors[k]) == sorted(sw.pids) for k in range(4) if k != j)

@@ -92,3 +92,22 @@ def test_simulator_method_modifier():
     spec = parse_method("geomesh+accountable")
     assert spec.mode == "accountable" and spec.compressed
     assert parse_method("geomesh").mode == "reencode"
+
+
+def test_the_witness_of_a_part_is_the_next_owner_that_is_another_peer():
+    spec = _spec(3)
+    pids = [o.peer_id for o in spec.owners]
+    assert [accountable.witness_of(spec, j).peer_id for j in range(3)] == [pids[1], pids[2], pids[0]]
+    # a peer owning several parts (split_owners) is never its own witness; one owner alone has none
+    a, b = pids[0], pids[1]
+    owners = [
+        PartOwner(a, "127.0.0.1:1", 0, 100),
+        PartOwner(a, "127.0.0.1:1", 100, 200),
+        PartOwner(b, "127.0.0.1:2", 200, 300),
+    ]
+    split = CollectiveSpec("acc", 3, {a: 100, b: 100}, owners, 300, 10.0, 11.0, mode="accountable")
+    assert [accountable.witness_of(split, j).peer_id for j in range(3)] == [b, b, a]
+    alone = CollectiveSpec(
+        "acc", 3, {a: 100}, [PartOwner(a, "127.0.0.1:1", 0, 300)], 300, 10.0, 11.0, mode="accountable"
+    )
+    assert accountable.witness_of(alone, 0) is None
