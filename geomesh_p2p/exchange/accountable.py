@@ -32,7 +32,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence, cast
+from typing import Any, Optional, Sequence
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -50,8 +50,9 @@ from geomesh_p2p.exchange.commitment import (
 )
 from geomesh_p2p.exchange.messages import RESULT_KIND, Contribution
 from geomesh_p2p.exchange.partition import CollectiveSpec, _pid_bytes
-from geomesh_p2p.net.identity import EnvelopeError, Identity, PeerID, Verifier
-from geomesh_p2p.wire import collective_pb2, envelope_pb2
+from geomesh_p2p.exchange.witness import RECEIPT_KIND, Receipt, _verify, open_receipt, witness_of, witness_problem
+from geomesh_p2p.net.identity import EnvelopeError, Identity, Verifier
+from geomesh_p2p.wire import collective_pb2
 
 __all__ = [
     "RECEIPT_KIND",
@@ -71,9 +72,10 @@ __all__ = [
     "verify_proof",
     "draw_validators",
     "validator_seed",
+    "witness_of",
+    "witness_problem",
 ]
 
-RECEIPT_KIND = "geomesh.collective/Receipt"  # inner envelope kind of an owner's receipt of a push
 PROOF_KINDS = ("drop", "forgery", "equivocation")
 #: A proof larger than this is refused unread (a forgery proof holds one part's inputs: N x part bytes).
 MAX_PROOF_BYTES = 256 << 20
@@ -83,29 +85,6 @@ Code = grpc.StatusCode
 
 class ProofError(ValueError):
     """A proof is malformed, forged, or proves nothing (one-line reason)."""
-
-
-@dataclass(frozen=True)
-class Receipt:
-    """An owner's signed receipt of one accepted push (accountable mode).
-
-    Attributes:
-        owner: base58 PeerID of the signer (the part's owner).
-        round / part / spec_id: what it was pushed for.
-        sender: base58 PeerID of the contributor.
-        tokens: tokens the contribution claims (before the plan's cap).
-        sha256: SHA-256 (32 bytes) of the contribution's SignedMessage bytes.
-        signed: the receipt's SignedMessage bytes (what a drop proof carries).
-    """
-
-    owner: str
-    round: int
-    part: int
-    spec_id: bytes
-    sender: str
-    tokens: int
-    sha256: bytes
-    signed: bytes
 
 
 @dataclass(frozen=True)
@@ -143,33 +122,6 @@ def build_receipt(identity: Identity, spec: CollectiveSpec, part: int, c: Contri
     return identity.sign_message(
         run_id=spec.run_id, round=spec.round, kind=RECEIPT_KIND, payload=body
     ).SerializeToString()
-
-
-def _verify(verifier: Verifier, signed: wire.Buffer, kind: str, what: str):
-    try:
-        msg = wire.SignedView(signed)
-    except wire.WireError:
-        raise EnvelopeError(Code.INVALID_ARGUMENT, f"{what} is not a SignedMessage") from None
-    return verifier.verify(cast(envelope_pb2.SignedMessage, msg), kind=kind, check_replay=False)
-
-
-def open_receipt(verifier: Verifier, signed: wire.Buffer) -> Receipt:
-    """Verify a receipt's signature and read it. Raises EnvelopeError (status + reason) when it is not a
-    SignedMessage, not a receipt, forged or tampered, or its fields are malformed."""
-    v = _verify(verifier, signed, RECEIPT_KIND, "receipt")
-    try:
-        r = collective_pb2.Receipt.FromString(v.payload)
-        sender = PeerID(bytes(r.sender)).to_string()
-    except (DecodeError, ValueError):
-        raise EnvelopeError(Code.INVALID_ARGUMENT, "receipt payload is malformed") from None
-    if r.round != v.round:
-        raise EnvelopeError(Code.INVALID_ARGUMENT, f"receipt is for round {r.round} (envelope {v.round})")
-    if len(r.contribution_sha256) != 32 or len(r.spec_id) != 32:
-        raise EnvelopeError(Code.INVALID_ARGUMENT, "receipt's hashes have the wrong length")
-    return Receipt(
-        v.sender.to_string(), int(r.round), int(r.part), bytes(r.spec_id), sender, int(r.tokens),
-        bytes(r.contribution_sha256), bytes(signed),
-    )  # fmt: skip
 
 
 def open_result(verifier: Verifier, signed: wire.Buffer, n_participants: int) -> OpenedResult:

@@ -354,6 +354,12 @@ class CollectiveService(OwnerService):
             try:
                 c = await asyncio.to_thread(self._check_contribution, spec, j, signed, self.peer_id)
                 self._accept(state, part, c)
+                witness = accountable.witness_of(spec, j) if spec.mode == "accountable" else None
+                if witness is not None and part.witness_task is None:
+                    part.witness_task = self._tasks.spawn(
+                        self._hand_to_witness(state, part, witness, signed, c.digest),
+                        name=f"witness r{spec.round} p{j}",
+                    )
                 return True
             except EnvelopeError as err:
                 log.warning("round %d: own part %d refused my contribution: %s", spec.round, j, err.reason)
@@ -402,8 +408,44 @@ class CollectiveService(OwnerService):
             # The bytes were on the wire before the owner's handler ran: its hold ends the interval early.
             state.transfers.append(("up", len(payload), t_call, t_reply - _held(resp.held_s, t_reply - t_call)))
             if resp.accepted and spec.mode == "accountable":
+                state.pushed.setdefault(j, payload)  # served to validators whose owner withholds (from_sender)
                 await self._keep_receipt(state, j, payload, resp.receipt)
             return resp.accepted
+
+    async def _hand_to_witness(self, state: _RoundState, part, witness, signed: bytes, digest: bytes) -> None:
+        """Accountable mode: hand this owner's own signed contribution to part ``part.index`` to the part's
+        witness (a witness push, retried like a push until the deadline) and keep its checked receipt in
+        ``part.witness_receipt`` (the result lists the own contribution only with it). Never raises."""
+        spec, j = state.spec, part.index
+        payload = messages.push_request_bytes(signed, witness=True)
+        delay, why = 0.05, "deadline passed"
+        while spec.deadline - swarm_time() > 0:
+            try:
+                reply = await self.transport.call(
+                    witness.address, COLLECTIVE_PUSH, payload, round=spec.round, timeout=spec.deadline - swarm_time()
+                )
+                resp = collective_pb2.PushPartResponse.FromString(reply.payload)
+                rc = await asyncio.to_thread(accountable.open_receipt, self._inner, resp.receipt)
+                if (rc.owner, rc.part, rc.sender, rc.sha256) != (witness.peer_id, j, self.peer_id, digest):
+                    raise EnvelopeError(Code.INVALID_ARGUMENT, "the witness receipted something else")
+                part.witness_receipt = bytes(resp.receipt)
+                return
+            except RpcError as e:
+                why = f"{e.code.name}: {e.reason}"
+                if e.code not in _RETRY_PUSH:
+                    break
+                await asyncio.sleep(min(delay, max(0.0, spec.deadline - swarm_time())))
+                delay = min(2 * delay, 0.5)
+            except (EnvelopeError, DecodeError) as e:
+                why = getattr(e, "reason", "malformed reply")
+                break
+        log.warning(
+            "round %d: witness %s did not receipt this owner's own contribution to part %d (%s)",
+            spec.round,
+            _short(witness.peer_id),
+            j,
+            why,
+        )
 
     async def _keep_receipt(self, state: _RoundState, j: int, payload: bytes, receipt: bytes) -> None:
         """Accountable mode: check the owner's receipt of this node's push of part ``j`` (its signer, part,

@@ -34,6 +34,7 @@ from geomesh_p2p.exchange.commitment import (
     participant_order,
 )
 from geomesh_p2p.exchange.partition import CollectiveSpec, PartOwner, _pid_bytes, _short
+from geomesh_p2p.exchange.witness import witness_problem
 from geomesh_p2p.net.identity import EnvelopeError, Identity, PeerID, Verifier
 from geomesh_p2p.wire import collective_pb2, envelope_pb2
 
@@ -122,11 +123,22 @@ def contribution_bytes(
     return b"".join(contribution_parts(identity, spec, j, delta, tokens, compute_end))
 
 
-def push_request_bytes(signed: Union[wire.Buffer, list[wire.Buffer]]) -> bytes:
+def push_request_bytes(signed: Union[wire.Buffer, list[wire.Buffer]], witness: bool = False) -> bytes:
     """The PushPartRequest bytes carrying a signed contribution (bytes, or the buffer list of
-    :func:`contribution_parts`: then the packet is copied once, here)."""
+    :func:`contribution_parts`: then the packet is copied once, here); ``witness``: the owner's own
+    contribution handed to its part's witness (accountable mode)."""
     parts = list(signed) if isinstance(signed, list) else [signed]
-    return b"".join(wire.bytes_field(1, parts))
+    return b"".join([*wire.bytes_field(1, parts), b"\x10\x01" if witness else b""])
+
+
+def push_request_witness(payload: wire.Buffer) -> bool:
+    """Whether a PushPartRequest is a witness push (field 2). Scans the fields (no copy of the contribution).
+    Raises EnvelopeError(INVALID_ARGUMENT) when malformed."""
+    try:
+        small = wire.small_fields(payload, wire.scan(payload), (1,))
+        return bool(collective_pb2.PushPartRequest.FromString(small).witness)
+    except (wire.WireError, DecodeError):
+        raise EnvelopeError(Code.INVALID_ARGUMENT, "PushPartRequest is malformed") from None
 
 
 def push_request_contribution(payload: wire.Buffer) -> memoryview:
@@ -246,13 +258,15 @@ def build_result(
     owner: PartOwner,
     closed_by: str,
     contributions: list[Contribution],
+    witness_receipt: bytes = b"",
 ) -> bytes:
     """The owner-signed PartResult (SignedMessage bytes) of part ``index`` from ``contributions``
     (sorted by raw PeerID): relay forwards them; reencode aggregates them (``spec.aggregate``) and
     encodes the mean as ``spec.aggregate_encoding``; contributions the agreement filter dropped
     are not listed. Accountable: as reencode, and the result commits to *every* accepted contribution
     (dropped ones flagged) in its ``inputs`` list (:mod:`.commitment`); the contributor list is left
-    empty (readers derive it from the inputs)."""
+    empty (readers derive it from the inputs), and ``witness_receipt`` (the witness's receipt of the owner's
+    own contribution, :func:`.accountable.witness_of`) is carried when given."""
     used = [min(c.tokens, spec.participants[c.sender]) for c in contributions]
     aggregate: list[wire.Buffer] = []
     listed = list(range(len(contributions)))
@@ -286,6 +300,7 @@ def build_result(
         closed_by=closed_by or "",
         last_compute_end=max((c.compute_end for c in contributions), default=0.0),
         inputs=inputs,
+        witness_receipt=witness_receipt if spec.mode == "accountable" else b"",
     ).SerializeToString()
     payload: list[wire.Buffer] = [head, *aggregate]
     if spec.mode == "relay":
@@ -385,7 +400,7 @@ def read_result(
     if max(len(res.contributors), len(relayed)) > len(spec.participants):
         raise EnvelopeError(Code.INVALID_ARGUMENT, "part result lists more contributors than participants")
     if spec.mode == "accountable":
-        return _read_accountable(spec, j, res, aggregate, out)
+        return _read_accountable(verifier, spec, j, res, aggregate, out)
     if spec.mode == "reencode":
         if len(res.contributors) != len(res.tokens):
             raise EnvelopeError(Code.INVALID_ARGUMENT, "part result lists contributors and tokens of different lengths")
@@ -450,7 +465,7 @@ def read_result(
 
 
 def _read_accountable(
-    spec: CollectiveSpec, j: int, res: Any, aggregate: memoryview, out: Optional[torch.Tensor]
+    verifier: Verifier, spec: CollectiveSpec, j: int, res: Any, aggregate: memoryview, out: Optional[torch.Tensor]
 ) -> tuple[torch.Tensor, list[tuple[str, int]], float, dict[str, Any]]:
     """:func:`read_result` of an accountable result (signature and spec already checked): the aggregate
     decoded into ``out``, the contributors from its input list (entries the filter dropped left out)."""
@@ -462,6 +477,9 @@ def _read_accountable(
         raise EnvelopeError(Code.INVALID_ARGUMENT, f"part result's input list is malformed: {e}") from None
     if res.contributors or res.tokens:
         raise EnvelopeError(Code.INVALID_ARGUMENT, "accountable part result lists contributors outside its inputs")
+    why = witness_problem(verifier, spec, j, bytes(res.witness_receipt), entries)
+    if why is not None:  # an input only its owner could serve: validators could be kept from checking the part
+        raise EnvelopeError(Code.INVALID_ARGUMENT, f"accountable part result refused: {why}")
     try:
         agg = decode_aggregate(spec.aggregate_encoding, aggregate, o.size, out=out)
     except compression.CodecError as e:

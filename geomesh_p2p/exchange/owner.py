@@ -57,6 +57,10 @@ class _OwnedPart:
     pulled_by: set = field(default_factory=set)
     #: accountable mode: the signed contributions the result commits to, in its order (served to validators)
     inputs: list = field(default_factory=list)
+    #: accountable mode: the witness's signed receipt of this owner's own contribution (empty: none yet), and
+    #: the task handing it over (the result waits for it, then leaves the own contribution out without one)
+    witness_receipt: bytes = b""
+    witness_task: Optional[asyncio.Future] = None
 
     def result(self) -> bytes:
         """The signed result (envelope bytes), once ``ready`` is set (it is set only after the result is built).
@@ -93,12 +97,23 @@ class _RoundState:
     result_hashes: dict[int, bytes] = field(default_factory=dict)
     # accountable mode: proofs this node holds against owners (AccountabilityProof bytes)
     proofs: list[bytes] = field(default_factory=list)
+    # accountable mode: part -> this node's PushPartRequest bytes of its contribution to that part, kept with the
+    # round (max_rounds_kept) so that validators whose owner withholds can fetch it here (PullInputs from_sender)
+    pushed: dict[int, bytes] = field(default_factory=dict)
+    # accountable mode: part -> the owner's own contribution it handed to this node, the part's witness
+    witnessed: dict[int, Contribution] = field(default_factory=dict)
 
 
 class _TooFarAhead(EnvelopeError):
     """A push/pull for a round too far ahead of this node's newest registered round
     (FAILED_PRECONDITION); logged once per sender, not per round, since a flood names a new round
     each time."""
+
+
+def _with_inputs(reply: Any, held: list) -> bytes:
+    """``reply`` (a PullInputsResponse) with the contributions ``held`` appended, serialized."""
+    reply.contributions.extend(bytes(h) for h in held)
+    return reply.SerializeToString()
 
 
 def _request(cls, verified: Verified):
@@ -176,6 +191,8 @@ class OwnerService:
         self.max_pulls_per_owner = max(1, int(max_pulls_per_owner))
         self.late_pull_s = max(0.0, float(late_pull_s))
         self._rounds: dict[int, _RoundState] = {}
+        #: accountable mode: round -> this node's validation figures (audit.ValidationStats, the newest few)
+        self.validation_stats: dict[int, Any] = {}
         self._oldest_kept = 0  # rounds below this were pruned
         self._newest: Optional[int] = None  # newest round ever registered here (None: none yet)
         self._noted: Optional[int] = None  # newest round this node holds the state of (note_round)
@@ -340,6 +357,10 @@ class OwnerService:
             # Parsing, the part index (a part beyond the spec is told so before the signature is
             # checked), verification and the packet's decoding touch the whole part: a worker thread.
             part_ix, c = await asyncio.to_thread(self._check_push, spec, verified.payload, caller)
+            if messages.push_request_witness(verified.payload):
+                resp = self._witness(state, part_ix, c)
+                resp.held_s = time.monotonic() - t_in
+                return resp.SerializeToString()
             part = state.parts.get(part_ix)
             if part is None:
                 raise EnvelopeError(Code.NOT_FOUND, f"this node does not own part {part_ix} of round {spec.round}")
@@ -390,6 +411,23 @@ class OwnerService:
             part.closing_early = True
             self._tasks.spawn(self._close_after_grace(state, part), name=f"grace r{spec.round} p{part.index}")
         return collective_pb2.PushPartResponse(accepted=True, reason="")
+
+    def _witness(self, state: _RoundState, j: int, c: Contribution) -> collective_pb2.PushPartResponse:
+        """A witness push (accountable mode): part ``j``'s owner hands this node, the part's witness
+        (:func:`.accountable.witness_of`), its own contribution to ``j`` (``c``, signature checked); kept with
+        the round (the first one) and served to validators; answered with this node's signed receipt.
+        Raises EnvelopeError: not an accountable round, this node is not the witness, the caller is not the
+        part's owner."""
+        spec = state.spec
+        if spec.mode != "accountable":
+            raise EnvelopeError(Code.FAILED_PRECONDITION, f"round {spec.round} is not an accountable round")
+        w = accountable.witness_of(spec, j)
+        if w is None or w.peer_id != self.peer_id:
+            raise EnvelopeError(Code.PERMISSION_DENIED, f"this node is not the witness of part {j}")
+        if c.sender != spec.owners[j].peer_id:
+            raise EnvelopeError(Code.PERMISSION_DENIED, f"only the owner of part {j} hands its contribution over")
+        kept = state.witnessed.setdefault(j, c)
+        return collective_pb2.PushPartResponse(accepted=True, receipt=self._receipt(spec, j, kept))
 
     def _receipt(self, spec: CollectiveSpec, part: int, c: Contribution) -> bytes:
         """The signed receipt of accepted contribution ``c`` (:func:`.accountable.build_receipt`: a small
@@ -454,6 +492,15 @@ class OwnerService:
         spec = state.spec
         try:
             await self._before_reduce(spec, part.index)
+            if part.witness_task is not None:
+                # the own contribution is listed only with the witness's receipt (readers refuse it otherwise)
+                await asyncio.wait({part.witness_task}, timeout=max(0.0, spec.deadline - swarm_time()) + 1.0)
+                if not part.witness_receipt and part.contributions.pop(self.peer_id, None) is not None:
+                    log.warning(
+                        "round %d: part %d: no witness receipt of this owner's own contribution: left out",
+                        spec.round,
+                        part.index,
+                    )
             contributions = sorted(part.contributions.values(), key=lambda c: _pid_bytes(c.sender))
             if spec.mode == "accountable":
                 part.inputs = [c.signed for c in contributions]  # what the result commits to, for validators
@@ -467,8 +514,15 @@ class OwnerService:
     def _build_result(self, spec: CollectiveSpec, part: _OwnedPart, contributions: list[Contribution]) -> bytes:
         """The owner-signed result of ``part`` (:func:`.messages.build_result`). Worker thread.
         Subclasses (tests, the adversary) override it to alter what an owner serves."""
+        own = any(c.sender == self.peer_id for c in contributions)
         return messages.build_result(
-            self.transport.identity, spec, part.index, part.owner, part.closed_by or "", contributions
+            self.transport.identity,
+            spec,
+            part.index,
+            part.owner,
+            part.closed_by or "",
+            contributions,
+            part.witness_receipt if own else b"",
         )
 
     async def _handle_pull(self, verified: Verified, context) -> bytes:
@@ -533,6 +587,22 @@ class OwnerService:
             reason=err.reason,
         )
 
+    def _own_inputs(self, state: _RoundState, j: int) -> list:
+        """``PullInputs(from_sender)``: what this node holds of part ``j``'s inputs (views): its own signed push
+        to ``j``, and, as the part's witness, the owner's own contribution; served once part ``j``'s result is
+        out (applied here, or the round's deadline passed: a contribution is not shown to others while they can
+        still push). Raises EnvelopeError: UNAVAILABLE before that, NOT_FOUND when nothing is held for ``j``
+        (not pushed, refused, or pruned with the round: ``max_rounds_kept``)."""
+        spec = state.spec
+        if j not in state.result_hashes and swarm_time() < spec.deadline:
+            raise EnvelopeError(Code.UNAVAILABLE, f"part {j} of round {spec.round} has no result here yet")
+        held: list = [messages.push_request_contribution(state.pushed[j])] if j in state.pushed else []
+        if j in state.witnessed:
+            held.append(state.witnessed[j].signed)
+        if not held:
+            raise EnvelopeError(Code.NOT_FOUND, f"this node holds no contribution to part {j} of round {spec.round}")
+        return held
+
     async def _handle_inputs(self, verified: Verified, context) -> bytes:
         """``PullInputs`` (accountable mode): the signed contributions part ``req.part``'s result commits to,
         in its order, from ``req.first`` on, about :data:`_INPUTS_PAGE_BYTES` per reply (at least one).
@@ -550,6 +620,11 @@ class OwnerService:
                 raise EnvelopeError(Code.FAILED_PRECONDITION, f"request is for another spec of round {spec.round}")
             if caller not in spec.participants:
                 raise EnvelopeError(Code.PERMISSION_DENIED, f"{_short(caller)} is not in round {spec.round}")
+            if req.from_sender:
+                held = self._own_inputs(state, int(req.part))
+                reply = collective_pb2.PullInputsResponse(round=req.round, part=req.part, total=len(held))
+                # whole contributions are copied into the reply: off the event loop
+                return await asyncio.to_thread(_with_inputs, reply, held)
             part = state.parts.get(req.part)
             if part is None:
                 raise EnvelopeError(Code.NOT_FOUND, f"this node does not own part {req.part} of round {spec.round}")

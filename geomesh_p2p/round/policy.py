@@ -160,8 +160,12 @@ class NodeRoundPolicy:
     def publish_record(self, rec) -> None:
         """The round's row to the log, Prometheus and the status page. Raises RuntimeError after shutdown
         (the round log is closed). The row carries verified work's counts (``extra["verify"]``: checks drawn,
-        done, late, dropped, waiting; issue 28)."""
+        done, late, dropped, waiting; issue 28) and accountable mode's validation (``extra["accountable"]``:
+        :meth:`Accountability.counts`)."""
         counts = self.verified.counts()
         if counts is not None:
             rec.extra["verify"] = counts
+        validated = None if self.accountable is None else self.accountable.counts()
+        if validated is not None:
+            rec.extra["accountable"] = validated
         self._publish(rec)

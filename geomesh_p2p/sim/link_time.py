@@ -95,7 +95,8 @@ def exchange_bytes(
     ``accountable``: as ``reencode`` plus ``validators`` validations per part, each pulling the part's
     ``n`` contributions from its owner; they are charged to the pull of the owner (up) and spread evenly
     over the other peers (down), as the validators are drawn uniformly (receipts and input lists ignored:
-    under 1% of a part).
+    under 1% of a part); and each owner's push of its own contribution to its part's witness (the next owner,
+    :func:`geomesh_p2p.exchange.accountable.witness_of`), one contribution more in the push phase.
     """
     if mode not in ("relay", "reencode", "accountable"):
         raise ValueError(f"unknown mode {mode!r} (relay, reencode, accountable)")
@@ -111,6 +112,13 @@ def exchange_bytes(
         pull_up = [(n - 1) * a[j] for j in range(n)]
         pull_down = [total_a - a[i] for i in range(n)]
         if mode == "accountable" and n > 1:
+            # each owner hands its own contribution to its part's witness (the next owner): one part more
+            owning = [j for j in range(n) if c[j] > 0]
+            for k, j in enumerate(owning):
+                w = owning[(k + 1) % len(owning)]
+                if w != j:
+                    push_up[j] += c[j]
+                    push_down[w] += c[j]
             v = min(max(0, int(validators)), n - 1)
             pull_up = [pull_up[j] + v * n * c[j] for j in range(n)]
             # part j's v validations, n contributions each, drawn among the n - 1 others

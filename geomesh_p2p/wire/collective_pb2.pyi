@@ -29,10 +29,12 @@ class PartContribution(_message.Message):
     def __init__(self, round: _Optional[int] = ..., part: _Optional[int] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., tokens: _Optional[int] = ..., spec_id: _Optional[bytes] = ..., encoding: _Optional[str] = ..., packet: _Optional[bytes] = ..., compute_end: _Optional[float] = ...) -> None: ...
 
 class PushPartRequest(_message.Message):
-    __slots__ = ("contribution",)
+    __slots__ = ("contribution", "witness")
     CONTRIBUTION_FIELD_NUMBER: _ClassVar[int]
+    WITNESS_FIELD_NUMBER: _ClassVar[int]
     contribution: bytes
-    def __init__(self, contribution: _Optional[bytes] = ...) -> None: ...
+    witness: bool
+    def __init__(self, contribution: _Optional[bytes] = ..., witness: _Optional[bool] = ...) -> None: ...
 
 class PushPartResponse(_message.Message):
     __slots__ = ("accepted", "reason", "held_s", "receipt")
@@ -81,7 +83,7 @@ class Contribution(_message.Message):
     def __init__(self, signed_message: _Optional[bytes] = ...) -> None: ...
 
 class PartResult(_message.Message):
-    __slots__ = ("round", "part", "start", "end", "spec_id", "mode", "contributors", "tokens", "contributions", "aggregate", "aggregate_encoding", "closed_by", "last_compute_end", "inputs")
+    __slots__ = ("round", "part", "start", "end", "spec_id", "mode", "contributors", "tokens", "contributions", "aggregate", "aggregate_encoding", "closed_by", "last_compute_end", "inputs", "witness_receipt")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     PART_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
@@ -96,6 +98,7 @@ class PartResult(_message.Message):
     CLOSED_BY_FIELD_NUMBER: _ClassVar[int]
     LAST_COMPUTE_END_FIELD_NUMBER: _ClassVar[int]
     INPUTS_FIELD_NUMBER: _ClassVar[int]
+    WITNESS_RECEIPT_FIELD_NUMBER: _ClassVar[int]
     round: int
     part: int
     start: int
@@ -110,19 +113,22 @@ class PartResult(_message.Message):
     closed_by: str
     last_compute_end: float
     inputs: bytes
-    def __init__(self, round: _Optional[int] = ..., part: _Optional[int] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., spec_id: _Optional[bytes] = ..., mode: _Optional[str] = ..., contributors: _Optional[_Iterable[bytes]] = ..., tokens: _Optional[_Iterable[int]] = ..., contributions: _Optional[_Iterable[_Union[Contribution, _Mapping]]] = ..., aggregate: _Optional[bytes] = ..., aggregate_encoding: _Optional[str] = ..., closed_by: _Optional[str] = ..., last_compute_end: _Optional[float] = ..., inputs: _Optional[bytes] = ...) -> None: ...
+    witness_receipt: bytes
+    def __init__(self, round: _Optional[int] = ..., part: _Optional[int] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., spec_id: _Optional[bytes] = ..., mode: _Optional[str] = ..., contributors: _Optional[_Iterable[bytes]] = ..., tokens: _Optional[_Iterable[int]] = ..., contributions: _Optional[_Iterable[_Union[Contribution, _Mapping]]] = ..., aggregate: _Optional[bytes] = ..., aggregate_encoding: _Optional[str] = ..., closed_by: _Optional[str] = ..., last_compute_end: _Optional[float] = ..., inputs: _Optional[bytes] = ..., witness_receipt: _Optional[bytes] = ...) -> None: ...
 
 class PullInputsRequest(_message.Message):
-    __slots__ = ("round", "part", "spec_id", "first")
+    __slots__ = ("round", "part", "spec_id", "first", "from_sender")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     PART_FIELD_NUMBER: _ClassVar[int]
     SPEC_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_FIELD_NUMBER: _ClassVar[int]
+    FROM_SENDER_FIELD_NUMBER: _ClassVar[int]
     round: int
     part: int
     spec_id: bytes
     first: int
-    def __init__(self, round: _Optional[int] = ..., part: _Optional[int] = ..., spec_id: _Optional[bytes] = ..., first: _Optional[int] = ...) -> None: ...
+    from_sender: bool
+    def __init__(self, round: _Optional[int] = ..., part: _Optional[int] = ..., spec_id: _Optional[bytes] = ..., first: _Optional[int] = ..., from_sender: _Optional[bool] = ...) -> None: ...
 
 class PullInputsResponse(_message.Message):
     __slots__ = ("round", "part", "contributions", "total")

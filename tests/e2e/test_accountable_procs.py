@@ -27,6 +27,13 @@ def test_three_peers_train_in_accountable_mode_with_equal_digests(swarm):
     validated = [e for n in names for e in swarm.events(n, "parts_validated")]
     assert validated and all(e["findings"] == 0 for e in validated)
     assert {e["round"] for e in validated} >= {0, 1}
+    # the rows show it (extra["accountable"]): parts validated, inputs from the owners, nothing found or withheld
+    figures = [x["extra"]["accountable"] for n in names for x in swarm.rows(n) if "accountable" in x.get("extra", {})]
+    assert figures and sum(f.get("parts", 0) for f in figures) > 0, figures
+    assert all(f.get("from_owner", 0) >= 3 * f.get("parts", 0) for f in figures), figures
+    assert all(
+        f["proofs"] + f["suspicions"] + f["unvalidatable"] + f["from_senders"] == 0 for f in figures if "parts" in f
+    )
 
 
 @pytest.mark.timeout(520)

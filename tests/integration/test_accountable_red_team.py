@@ -5,20 +5,31 @@
   honest peer's read of that slot failed, and a real forgery proof read in the same pass was marked seen and
   never applied: the proven forger stayed in;
 * a hostile owner paging ``total = 2^32 - 1`` inputs of 64 MiB at a validator is refused after one page (the
-  validator held 320 MiB in 5 s before).
+  validator held 320 MiB in 5 s before);
+* a forger that answers every PullInputs with NOT_FOUND was excluded by nobody (caught with probability 0):
+  now its validator fetches the inputs from their senders (the owner's own from the part's witness) and the
+  proof is the same, so it is excluded by every honest peer; bytes a sender serves that are not the committed
+  ones are refused (the part is then "unvalidatable": a suspicion, no proof); outsiders get nothing; a result
+  listing the owner's own contribution without its witness's receipt is refused by every reader.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+from types import SimpleNamespace
+
+import grpc
 import pytest
 
 from geomesh_p2p.exchange import CollectiveService, accountable, messages
+from geomesh_p2p.exchange import owner as owner_mod
+from geomesh_p2p.net.identity import EnvelopeError
 from geomesh_p2p.net.methods import COLLECTIVE_INPUTS
+from geomesh_p2p.net.transport import RpcError
 from geomesh_p2p.trust import fraud
 from geomesh_p2p.wire import collective_pb2
-from tests.collective_util import RUN
+from tests.collective_util import RUN, Swarm
 from tests.integration.test_collective_accountable import _accountability, _Forger, _round
 from tests.unit.test_evidence_chunks import LimitedDHT
 
@@ -98,3 +109,141 @@ async def test_a_validator_refuses_an_owner_that_pages_more_inputs_than_particip
     assert flooded and all(f.proof is None for f in flooded)
     assert any("claims 4294967295 inputs for 4 participants" in f.reason for f in flooded), flooded
     assert len(calls) == 1  # refused at its first page: no paging on to the deadline
+
+
+class _WithholdingForger(_Forger):
+    """The session-15 red team's forger: doctors an input (as :class:`_Forger`) and answers every PullInputs
+    (its own pushes' too) with NOT_FOUND."""
+
+    async def _handle_inputs(self, verified, context):
+        raise EnvelopeError(grpc.StatusCode.NOT_FOUND, "no such inputs")
+
+
+async def test_a_forger_that_withholds_every_input_is_excluded_by_every_honest_peer(swarms):
+    _Forger.how = "flip"
+    sw, spec, _, res = await _round(swarms, [CollectiveService] * 3 + [_WithholdingForger], validators=1, seed=6)
+    evil = spec.part_index_of(sw.pids[3])[0]
+    dht = LimitedDHT()
+    accs = [_accountability(sw, k, dht) for k in range(4)]
+    plan = SimpleNamespace(mode="accountable")
+    for (acc, _), r in zip(accs, res):
+        acc.after_round(spec.round, plan, r)
+    await asyncio.gather(*[acc.task for acc, _ in accs])
+    for acc, _ in accs:
+        await acc.read(spec.round)
+    for k in range(3):
+        assert set(accs[k][1].excluded) == {sw.pids[3]}, k
+        assert "forgery proven" in accs[k][1].excluded[sw.pids[3]]
+    # caught by exactly the validator drawn for the part, as a forger that serves its inputs is: the detection
+    # probability is the draw's again, 1 - C(aM, V) / C(M, V)
+    hashes = [res[0].result_hashes[j] for j in range(len(spec.owners))]
+    (drawn,) = accountable.draw_validators(spec, hashes, evil, 1)
+    v = sw.pids.index(drawn)
+    # the validator's figures (the round row's extra["accountable"]): every input of the forged part came from its
+    # sender (the forger's own from the witness; this validator's own from itself), the honest parts' from owners
+    mine = [j for j in range(4) if j != v and sw.pids[v] in accountable.draw_validators(spec, hashes, j, 1)]
+    witness = accountable.witness_of(spec, evil).peer_id
+    row = accs[v][0].counts()
+    assert row == {
+        "published": 1,
+        "excluded": 1,
+        "validated_round": spec.round,
+        "parts": len(mine),
+        "from_owner": 4 * (len(mine) - 1),
+        "from_senders": 3 - (witness == drawn),
+        "proofs": 1,
+        "suspicions": 1,
+        "unvalidatable": 0,
+        "bytes": row["bytes"],
+    }, row
+    held = [sw.services[sw.pids.index(spec.owners[j].peer_id)] for j in mine]  # the owners: the true inputs
+    assert row["bytes"] == sum(len(c) for s_, j in zip(held, mine) for c in s_._rounds[spec.round].parts[j].inputs)
+    assert accs[3][1].excluded == {}
+
+
+async def test_bytes_a_sender_serves_other_than_the_committed_ones_are_refused(swarms):
+    class _LyingSender(CollectiveService):
+        async def _handle_inputs(self, verified, context):
+            req = collective_pb2.PullInputsRequest.FromString(verified.payload)
+            if not req.from_sender:
+                return await super()._handle_inputs(verified, context)
+            fake = bytearray(self._own_inputs(self._rounds[req.round], req.part)[0])
+            fake[-1] ^= 1
+            return collective_pb2.PullInputsResponse(
+                round=req.round, part=req.part, contributions=[bytes(fake)], total=1
+            ).SerializeToString()
+
+    _Forger.how = "flip"
+    classes = [CollectiveService, CollectiveService, _LyingSender, _WithholdingForger]
+    sw, spec, _, _ = await _round(swarms, classes, validators=3, seed=11)
+    evil = spec.part_index_of(sw.pids[3])
+    findings = await asyncio.gather(
+        *[sw.services[k].validate_round(spec.round, timeout_s=5.0, parts=evil) for k in (0, 1)]
+    )
+    for fs in findings:  # the honest validators: the liar's bytes are not the committed ones, nothing proven
+        assert [f.kind for f in fs] == ["unvalidatable"] and fs[0].proof is None, fs
+        assert "served other bytes than input" in fs[0].reason and "no such inputs" in fs[0].reason
+    assert all(sw.services[k].validation_stats[spec.round].unvalidatable == 1 for k in (0, 1))
+    # the liar itself validates from its own (true) copy: the forgery is proven all the same
+    liar = await sw.services[2].validate_round(spec.round, timeout_s=5.0, parts=evil)
+    assert [f.kind for f in liar if f.proof is not None] == ["forgery"]
+
+
+async def test_sender_copies_are_served_to_participants_only_and_once_the_part_is_out(swarms, monkeypatch):
+    sw, spec, _, _ = await _round(swarms, [CollectiveService] * 3, seed=9)
+    j = spec.part_index_of(sw.pids[1])[0]
+    outsider = Swarm(1)
+    await outsider.start()
+
+    def req(part, **kw):
+        return collective_pb2.PullInputsRequest(
+            round=spec.round, part=part, spec_id=spec.spec_id, from_sender=True, **kw
+        ).SerializeToString()
+
+    try:
+        with pytest.raises(RpcError, match="not in round"):
+            await outsider.transports[0].call(sw.addresses[0], COLLECTIVE_INPUTS, req(j), round=spec.round, timeout=5.0)
+        with pytest.raises(RpcError, match="holds no contribution to part"):  # the owner pushes nothing to its part
+            await sw.transports[0].call(sw.addresses[1], COLLECTIVE_INPUTS, req(j), round=spec.round, timeout=5.0)
+        ok = await sw.transports[0].call(sw.addresses[2], COLLECTIVE_INPUTS, req(j), round=spec.round, timeout=5.0)
+        resp = collective_pb2.PullInputsResponse.FromString(ok.payload)
+        pushed = sw.services[2]._rounds[spec.round].pushed[j]
+        assert resp.total == len(resp.contributions) >= 1 and resp.contributions[0] in pushed
+        # before the part's result is out (not applied, before the deadline), a contribution is not shown
+        state = sw.services[2]._rounds[spec.round]
+        state.result_hashes.pop(j)
+        monkeypatch.setattr(owner_mod, "swarm_time", lambda: spec.deadline - 1.0)
+        with pytest.raises(RpcError, match="has no result here yet"):
+            await sw.transports[0].call(sw.addresses[2], COLLECTIVE_INPUTS, req(j), round=spec.round, timeout=5.0)
+    finally:
+        await outsider.stop()
+
+
+async def test_a_result_listing_the_owners_contribution_without_its_witness_receipt_is_refused(swarms):
+    class _NoWitness(CollectiveService):
+        def _build_result(self, spec, part, contributions):
+            part.witness_receipt = b""
+            return super()._build_result(spec, part, contributions)
+
+    sw, spec, _, res = await _round(swarms, [CollectiveService] * 3 + [_NoWitness], seed=12)
+    evil = spec.part_index_of(sw.pids[3])
+    assert all(r.missing_parts == evil for r in res), [r.missing_parts for r in res]
+    # the honest owners' results carry their witness's receipt, which opens and names their own contribution
+    j = spec.part_index_of(sw.pids[0])[0]
+    signed = sw.services[1]._rounds[spec.round].cache[j]
+    opened = accountable.open_result(sw.services[1]._inner, signed, 4)
+    rc = accountable.open_receipt(sw.services[1]._inner, opened.fields.witness_receipt)
+    assert (rc.owner, rc.sender, rc.part) == (accountable.witness_of(spec, j).peer_id, sw.pids[0], j)
+
+
+async def test_an_owner_whose_witness_refuses_leaves_its_own_contribution_out_and_its_part_is_applied(swarms):
+    class _NoWitnessing(CollectiveService):
+        def _witness(self, state, j, c):
+            raise EnvelopeError(grpc.StatusCode.PERMISSION_DENIED, "not witnessing")
+
+    sw, spec, _, res = await _round(swarms, [CollectiveService] * 3 + [_NoWitnessing], seed=13)
+    (j,) = [j for j in range(4) if accountable.witness_of(spec, j).peer_id == sw.pids[3]]
+    owner = spec.owners[j].peer_id
+    assert all(r.missing_parts == [] for r in res)  # every part applied, on every reader
+    assert sorted(p for p, _ in res[0].contributors[j]) == sorted(p for p in sw.pids if p != owner)
+    assert all(sorted(p for p, _ in res[0].contributors[k]) == sorted(sw.pids) for k in range(4) if k != j)

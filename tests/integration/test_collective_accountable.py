@@ -186,7 +186,7 @@ class _Equivocator(CollectiveService):
     def _build_result(self, spec, part, contributions):
         self.alt = getattr(self, "alt", {})
         self.alt[part.index] = messages.build_result(
-            self.transport.identity, spec, part.index, part.owner, "equivocated", contributions
+            self.transport.identity, spec, part.index, part.owner, "equivocated", contributions, part.witness_receipt
         )
         return super()._build_result(spec, part, contributions)
 

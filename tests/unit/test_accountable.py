@@ -47,7 +47,9 @@ def test_bytes_model_is_reencode_plus_v_part_inputs_per_part():
     s = encoded_nbytes("sign", 256, 64)
     ree = exchange_bytes(parts, contribution="sign", aggregate="sign", mode="reencode", block_size=64)
     acc = exchange_bytes(parts, contribution="sign", aggregate="sign", mode="accountable", block_size=64, validators=1)
-    assert acc.push_up == ree.push_up and acc.push_down == ree.push_down
+    # one part more each way: every owner's own contribution to its part's witness
+    assert [a - b for a, b in zip(acc.push_up, ree.push_up)] == [s] * 4
+    assert [a - b for a, b in zip(acc.push_down, ree.push_down)] == [s] * 4
     assert [a - b for a, b in zip(acc.pull_up, ree.pull_up)] == [4 * s] * 4  # one validation: 4 inputs
     assert [a - b for a, b in zip(acc.pull_down, ree.pull_down)] == [4 * s] * 4  # 3 parts x 4 inputs / 3
     acc2 = exchange_bytes(parts, contribution="sign", aggregate="sign", mode="accountable", block_size=64, validators=2)
@@ -59,7 +61,7 @@ def test_bytes_model_is_reencode_plus_v_part_inputs_per_part():
 def test_planner_cost_and_run_config():
     rule = MethodRule.of("geomesh", mode="accountable", validators_per_part=2)
     s = encoded_nbytes("sign", 1 << 20, 2048, header=False)
-    assert rule.payload_bytes(1 << 20, 64) == 4 * s
+    assert rule.payload_bytes(1 << 20, 64) == 4 * s + s // 64  # + the witness's copy of one part
     assert MethodRule.of("geomesh", mode="reencode").payload_bytes(1 << 20, 64) == 2 * s
     assert exchange_passes(8, "accountable", 1) == EXCHANGE_BASE_PASSES + 2
     assert exchange_passes(8, "accountable", 3) == EXCHANGE_BASE_PASSES + 4
@@ -90,3 +92,22 @@ def test_simulator_method_modifier():
     spec = parse_method("geomesh+accountable")
     assert spec.mode == "accountable" and spec.compressed
     assert parse_method("geomesh").mode == "reencode"
+
+
+def test_the_witness_of_a_part_is_the_next_owner_that_is_another_peer():
+    spec = _spec(3)
+    pids = [o.peer_id for o in spec.owners]
+    assert [accountable.witness_of(spec, j).peer_id for j in range(3)] == [pids[1], pids[2], pids[0]]
+    # a peer owning several parts (split_owners) is never its own witness; one owner alone has none
+    a, b = pids[0], pids[1]
+    owners = [
+        PartOwner(a, "127.0.0.1:1", 0, 100),
+        PartOwner(a, "127.0.0.1:1", 100, 200),
+        PartOwner(b, "127.0.0.1:2", 200, 300),
+    ]
+    split = CollectiveSpec("acc", 3, {a: 100, b: 100}, owners, 300, 10.0, 11.0, mode="accountable")
+    assert [accountable.witness_of(split, j).peer_id for j in range(3)] == [b, b, a]
+    alone = CollectiveSpec(
+        "acc", 3, {a: 100}, [PartOwner(a, "127.0.0.1:1", 0, 300)], 300, 10.0, 11.0, mode="accountable"
+    )
+    assert accountable.witness_of(alone, 0) is None

@@ -65,6 +65,8 @@ class Accountability:
         self.proven: dict[str, accountable.ProofVerdict] = {}  # accused -> the proof that excluded it here
         self._reader: Optional[fraud.ProofReader] = None
         self._seen: set[str] = set()  # proof records already decided here (bounded: cleared past 4,096)
+        self.active = False  # an accountable round was applied here (rows then carry extra["accountable"])
+        self.published = 0  # proofs this peer stored in the DHT
 
     def after_round(self, r: int, plan, ar) -> None:
         """Round ``r`` was applied: start its validation, publication and the read of recent proofs in the
@@ -73,6 +75,7 @@ class Accountability:
         try:
             if getattr(plan, "mode", None) != "accountable":
                 return
+            self.active = True
             self.pending.extend(getattr(ar, "proofs", None) or [])
             if self.task is not None and not self.task.done():
                 log.debug("round %d: accountable validation skipped: the previous one still runs", r)
@@ -109,6 +112,8 @@ class Accountability:
                 ok = True  # dropped, not retried
             if not ok:
                 self.pending.insert(0, proof)  # next round's slot
+            else:
+                self.published += 1
         await self.read(r)
 
     async def read(self, r: int) -> None:
@@ -138,6 +143,21 @@ class Accountability:
             f"owner {verdict.kind} proven (round {verdict.round}, part {verdict.part}): {verdict.reason}",
             verdict.round,
         )
+
+    def counts(self) -> Optional[dict]:
+        """A round row's ``extra["accountable"]`` (None before any accountable round): the newest validation
+        this peer finished (``validated_round`` and :class:`~geomesh_p2p.exchange.audit.ValidationStats`: parts
+        validated, inputs fetched from owners / from senders, proofs found, suspicions, unvalidatable parts,
+        input bytes), plus the proofs it published in the DHT and the owners it excluded on proofs, so far."""
+        if not self.active:
+            return None
+        out: dict[str, Any] = {"published": self.published, "excluded": len(self.proven)}
+        stats = getattr(self._collective(), "validation_stats", None) or {}
+        if stats:
+            newest = dict(stats[max(stats)].as_dict())
+            out["validated_round"] = newest.pop("round")
+            out.update(newest)
+        return out
 
     def cancel(self) -> None:
         """Stop a validation in flight (shutdown)."""
