@@ -254,6 +254,15 @@ def sim_row(
             + read_rpcs * (find_req + plan_rep)
             + chunk_b
         )
+    # where a peer's bytes go (sent + received, x 2 as dht_b): its announcements, its reads of the records, the plan
+    announce_b = announces * (share * store_look_b + replicas * (store_req + store_rep))
+    plan_read_b = read_rpcs * (find_req + plan_rep) + chunk_b
+    full_parts = {"announce": 2 * announce_b, "records": 2 * reads * read_b, "plan": 2 * plan_read_b}
+    light_parts = (
+        {"announce": 2 * announce_b, "records": 2 * (light_made - announce_b - plan_read_b), "plan": 2 * plan_read_b}
+        if n_full < n
+        else None
+    )
     dht_rpcs = (n_full * full_rpcs + (n - n_full) * light_rpcs) / n
     made = (n_full * full_made + (n - n_full) * light_made) / n
     dht_b = 2 * made  # + the calls it serves: as many bytes as it makes, on average over a symmetric swarm
@@ -300,6 +309,8 @@ def sim_row(
         "dht_bytes_full_peer": 2 * full_made,
         "dht_bytes_light_peer": 2 * light_made if n_full < n else None,
         "dht_rpcs_light_peer": light_rpcs if n_full < n else None,
+        "full_peer_parts": full_parts,
+        "light_peer_parts": light_parts,
     }
 
 
@@ -536,7 +547,7 @@ def _sizes(text: str) -> list[int]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tiers", default="sim,inproc", help="sim, inproc, proc (default: %(default)s)")
-    ap.add_argument("--sim-n", default="8,16,32,128,256,1024", help="sim tier sizes (default: %(default)s)")
+    ap.add_argument("--sim-n", default="8,16,32,64,128,256,1024", help="sim tier sizes (default: %(default)s)")
     ap.add_argument("--inproc-n", default="8,16,32,64,128", help="inproc tier sizes (default: %(default)s)")
     ap.add_argument("--proc-n", default="8,16", help="proc tier sizes; 32 is possible (default: %(default)s)")
     ap.add_argument("--rounds", type=int, default=2, help="inproc: measured rounds per size (default: %(default)s)")
