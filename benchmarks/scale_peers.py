@@ -9,10 +9,11 @@ processes) round overhead and digests. Three tiers, each usable alone (``--tiers
    of the plan's parts (relay mode, sign codec: the defaults; payload bytes, envelopes not counted);
    exchange RPCs 2 (N - 1) (push to and pull from every other owner, docs/collective.md). DHT: a MODEL
    of the membership traffic (docs/dht.md) whose message sizes are the real protobuf messages, signed
-   records and envelopes at N: per round each peer announces ``round_s / announce_period_s`` times (a
-   store = one lookup of the key's k nearest, whose Find replies carry every record held under the key,
-   then k Store calls) and reads ``--reads`` times with ``latest=True`` (one lookup), plus one plan read
-   (followers) or store (leader). Lookup RPCs are modelled as ``min(N - 1, k + ceil(log2(N / k)))``;
+   records and envelopes at N: per round each peer stores its record once (``--dht-model rounds``, the
+   default since session 16: on 8 nodes, with a nodes-only lookup of the key for 1 store in 4; the older
+   models: ``round_s / announce_period_s`` stores, each a lookup and k Store calls), reads the records
+   ``--reads`` times with ``latest=True`` (one lookup; light followers: 2 reads of a sample), plus one plan
+   read (followers) or store (leader). Lookup RPCs are modelled as ``min(N - 1, k + ceil(log2(N / k)))``;
    the ``inproc`` tier measures them (20-21 at 32-128 nodes). The busiest node: each of the key's k
    nearest nodes serves every lookup and store of the key, ``(N - 1) * (2 * announces + reads)`` per round.
 2. ``inproc``: N real DHT nodes (:class:`geomesh_p2p.dht.DHTNode` over gRPC on 127.0.0.1, one process)
