@@ -9,10 +9,11 @@ processes) round overhead and digests. Three tiers, each usable alone (``--tiers
    of the plan's parts (relay mode, sign codec: the defaults; payload bytes, envelopes not counted);
    exchange RPCs 2 (N - 1) (push to and pull from every other owner, docs/collective.md). DHT: a MODEL
    of the membership traffic (docs/dht.md) whose message sizes are the real protobuf messages, signed
-   records and envelopes at N: per round each peer announces ``round_s / announce_period_s`` times (a
-   store = one lookup of the key's k nearest, whose Find replies carry every record held under the key,
-   then k Store calls) and reads ``--reads`` times with ``latest=True`` (one lookup), plus one plan read
-   (followers) or store (leader). Lookup RPCs are modelled as ``min(N - 1, k + ceil(log2(N / k)))``;
+   records and envelopes at N: per round each peer stores its record once (``--dht-model rounds``, the
+   default since session 16: on 8 nodes, with a nodes-only lookup of the key for 1 store in 4; the older
+   models: ``round_s / announce_period_s`` stores, each a lookup and k Store calls), reads the records
+   ``--reads`` times with ``latest=True`` (one lookup; light followers: 2 reads of a sample), plus one plan
+   read (followers) or store (leader). Lookup RPCs are modelled as ``min(N - 1, k + ceil(log2(N / k)))``;
    the ``inproc`` tier measures them (20-21 at 32-128 nodes). The busiest node: each of the key's k
    nearest nodes serves every lookup and store of the key, ``(N - 1) * (2 * announces + reads)`` per round.
 2. ``inproc``: N real DHT nodes (:class:`geomesh_p2p.dht.DHTNode` over gRPC on 127.0.0.1, one process)
@@ -55,7 +56,7 @@ os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 from geomesh_p2p.dht import DHTNode  # noqa: E402
 from geomesh_p2p.dht.announce import PeerAnnouncer, live_peers, peers_key  # noqa: E402
 from geomesh_p2p.dht.records import DEFAULT_LIMITS, make_record  # noqa: E402
-from geomesh_p2p.dht.state import DEFAULT_READ_QUORUM  # noqa: E402
+from geomesh_p2p.dht.state import DEFAULT_READ_QUORUM, PEER_RECORD_REPLICAS, STORE_TARGET_REUSE  # noqa: E402
 from geomesh_p2p.net.identity import Identity  # noqa: E402
 from geomesh_p2p.net.methods import DHT_FIND, DHT_STORE  # noqa: E402
 from geomesh_p2p.net.transport import Transport  # noqa: E402
@@ -74,7 +75,8 @@ READ_QUORUM = DEFAULT_READ_QUORUM  # holders a latest read waits for (dht/state.
 ALPHA = 3  # the DHT's parallel lookup workers (dht/state.py default)
 TINY_NUMEL = 937_472  # elements of the tiny preset's flat vector (sim tier; the proc tier trains it)
 BLOCK = 2048  # sign-codec block (RunConfig.block_size default)
-ANNOUNCE_PERIOD_S = 2.0  # NodeConfig.announce_period_s default; records live 4 periods
+ANNOUNCE_PERIOD_S = 2.0  # NodeConfig.announce_period_s default (before session 16: a store every period)
+ANNOUNCES_PER_ROUND = 1  # since session 16: a record is stored once a round, at its end (dht/announce.py)
 FULL_VIEW = 8  # NodeConfig.full_view_peers default: peers that read every record (the others: light followers)
 SAMPLE = 8  # NodeConfig.light_sample default: records a light follower reads per check
 
@@ -137,13 +139,14 @@ def _env_bytes(ident: Identity, payload: bytes, kind: str) -> int:
 
 @dataclass(frozen=True)
 class WhatIf:
-    """Sim tier only: DHT changes that are modelled, not built (session 15's analysis of issue 25's 1.5x goal).
-    ``record_replicas``: nodes a peer record's store reaches (the DHT's k = 20 today); ``lookup_share``: share of
-    announcements that look the key's nodes up again (1.0 today; lower: cached store targets); ``two_phase``: a
-    full read asks the quorum for an index (~60 B a record) and fetches each record once."""
+    """Sim tier: the DHT's peer-record parameters, and one change that is modelled, not built (session 15's analysis
+    of issue 25's 1.5x goal). ``record_replicas``: nodes a peer record's store reaches (built in session 16:
+    ``PEER_RECORD_REPLICAS`` = 8; k = 20 before); ``lookup_share``: share of announcements that look the key's
+    nodes up again (built: cached store targets, 1 / ``STORE_TARGET_REUSE`` = 0.25; 1.0 before); ``two_phase``
+    (not built): a full read asks the quorum for an index (~60 B a record) and fetches each record once."""
 
-    record_replicas: int = K
-    lookup_share: float = 1.0
+    record_replicas: int = PEER_RECORD_REPLICAS
+    lookup_share: float = 1.0 / STORE_TARGET_REUSE
     two_phase: bool = False
 
 
@@ -151,17 +154,23 @@ def sim_row(
     n: int,
     reads: int,
     round_s: float,
-    model: str = "light",
+    model: str = "rounds",
     full_view: int = FULL_VIEW,
     sample: int = SAMPLE,
     what_if: WhatIf = WhatIf(),
+    announces_per_round: Optional[float] = None,
 ) -> dict[str, Any]:
     """Tier 1 at ``n`` peers: plan from the real planner; exchange from sim.link_time; DHT from the model
     described in the module docstring with real message sizes. Per peer per round: bytes are sent +
     received of the calls it makes and of those it serves (as the other tiers count them), RPCs are calls
-    made. ``model`` "light" (issue 25's light followers, docs/round.md): the first ``full_view`` peers do
-    ``reads`` full reads, the others 2 reads of ``sample`` records (the plan's check and the digest's);
-    "after": every peer full-view; "before": main at def8ba8."""
+    made. ``model`` "rounds" (session 16, the code as built): as "light", with each record stored
+    ``announces_per_round`` times a round (default 1: at the round's end, dht/announce.py) on
+    ``what_if.record_replicas`` nodes (8), a lookup of the key for ``what_if.lookup_share`` of them (cached store
+    targets: 1 in 4); "light" (session 14, issue 25's light followers, docs/round.md): the first ``full_view``
+    peers do ``reads`` full reads, the others 2 reads of ``sample`` records (the plan's check and the digest's),
+    each record stored every 2 s (``round_s / ANNOUNCE_PERIOD_S`` a round); "after": every peer full-view;
+    "before": main at def8ba8. For "light", "after" and "before" pass ``WhatIf(K, 1.0)`` for the code they
+    describe (``main`` does)."""
     ids, recs = make_records(n)
     t = time.process_time()
     plan = make_plan(recs)
@@ -184,7 +193,11 @@ def sim_row(
     )
     lookup = min(n - 1, K + math.ceil(math.log2(max(1.0, n / K))))
     replicas = min(n - 1, what_if.record_replicas)  # the other nodes a store reaches (this node keeps its own)
-    announces = round_s / ANNOUNCE_PERIOD_S
+    if announces_per_round is not None:
+        announces = announces_per_round
+    else:
+        announces = ANNOUNCES_PER_ROUND if model == "rounds" else round_s / ANNOUNCE_PERIOD_S
+    share = what_if.lookup_share
     # Every node near the key holds all n records (k >= n, or the key's k nearest at larger n): each Find
     # of a lookup is answered with them; a lookup of n > k nodes also asks farther nodes (no records).
     holders = min(lookup, K)
@@ -216,14 +229,14 @@ def sim_row(
         if chunk_rpcs
         else 0
     )
-    full_rpcs = announces * (lookup + replicas) + reads * read_rpcs + read_rpcs + chunk_rpcs
+    full_rpcs = announces * (share * lookup + replicas) + reads * read_rpcs + read_rpcs + chunk_rpcs
     full_made = (
-        announces * (what_if.lookup_share * store_look_b + replicas * (store_req + store_rep))
+        announces * (share * store_look_b + replicas * (store_req + store_rep))
         + reads * read_b
         + read_rpcs * (find_req + plan_rep)
         + chunk_b
     )
-    n_full = n if model != "light" else min(n, full_view)
+    n_full = n if model not in ("light", "rounds") else min(n, full_view)
     light_rpcs, light_made = full_rpcs, full_made
     if n_full < n:
         # a light follower: the same announcements and plan read, and 2 subkey reads of `sample` records
@@ -235,13 +248,22 @@ def sim_row(
         asked = min(holders, READ_QUORUM + ALPHA - 1)
         s_rpcs = hops + asked
         s_read_b = s_rpcs * s_req + asked * s_rep + hops * nodes_rep
-        light_rpcs = announces * (lookup + replicas) + 2 * s_rpcs + read_rpcs + chunk_rpcs
+        light_rpcs = announces * (share * lookup + replicas) + 2 * s_rpcs + read_rpcs + chunk_rpcs
         light_made = (
-            announces * (what_if.lookup_share * store_look_b + replicas * (store_req + store_rep))
+            announces * (share * store_look_b + replicas * (store_req + store_rep))
             + 2 * s_read_b
             + read_rpcs * (find_req + plan_rep)
             + chunk_b
         )
+    # where a peer's bytes go (sent + received, x 2 as dht_b): its announcements, its reads of the records, the plan
+    announce_b = announces * (share * store_look_b + replicas * (store_req + store_rep))
+    plan_read_b = read_rpcs * (find_req + plan_rep) + chunk_b
+    full_parts = {"announce": 2 * announce_b, "records": 2 * reads * read_b, "plan": 2 * plan_read_b}
+    light_parts = (
+        {"announce": 2 * announce_b, "records": 2 * (light_made - announce_b - plan_read_b), "plan": 2 * plan_read_b}
+        if n_full < n
+        else None
+    )
     dht_rpcs = (n_full * full_rpcs + (n - n_full) * light_rpcs) / n
     made = (n_full * full_made + (n - n_full) * light_made) / n
     dht_b = 2 * made  # + the calls it serves: as many bytes as it makes, on average over a symmetric swarm
@@ -254,16 +276,23 @@ def sim_row(
     )
     x_b = statistics.fmean(xb.sent(i) + xb.received(i) for i in range(n))
     # served by the busiest node: each of the peers key's k nearest nodes is asked by every lookup of the
-    # key (a lookup ends by querying the k nearest, the same k for every peer) and reached by every store:
-    # the hot key. The plan key has its own k nearest: the same nodes only while n - 1 <= k.
+    # key (a lookup ends by querying the k nearest, the same k for every peer) and the nearest replicas are
+    # reached by every store: the hot key. The plan key has its own k nearest: the same nodes only while n - 1 <= k.
     # the other peers' reads: full-view peers make `reads` full reads, light followers 2 sampled ones
     others = n - 1
     full_others = min(n_full, others)
-    busiest = others * (2 * announces + (1 if others <= K else 0)) + full_others * reads + (others - full_others) * 2
+    busiest = (
+        others * (announces * (share + 1) + (1 if others <= K else 0))
+        + full_others * reads
+        + (others - full_others) * 2
+    )
     return {
         "tier": "sim",
         "n": n,
         "dht_model": model,
+        "announces_per_round": announces,
+        "record_replicas": replicas,
+        "store_lookup_share": share,
         "plan_bytes": plan_b,
         # stored at all: as one value before; after, its compact head (+ chunks, plan/wire.py) at every size
         "plan_fits": plan_b <= DEFAULT_LIMITS.max_value_bytes or model != "before",
@@ -281,6 +310,8 @@ def sim_row(
         "dht_bytes_full_peer": 2 * full_made,
         "dht_bytes_light_peer": 2 * light_made if n_full < n else None,
         "dht_rpcs_light_peer": light_rpcs if n_full < n else None,
+        "full_peer_parts": full_parts,
+        "light_peer_parts": light_parts,
     }
 
 
@@ -290,10 +321,18 @@ def _dht_counts(t: Transport) -> dict[str, int]:
 
 
 async def inproc_row(
-    n: int, rounds: int, reads: int, round_s: float, timeout_s: float, full_view: int = FULL_VIEW, sample: int = SAMPLE
+    n: int,
+    rounds: int,
+    reads: int,
+    round_s: float,
+    timeout_s: float,
+    full_view: int = FULL_VIEW,
+    sample: int = SAMPLE,
+    announces_per_round: int = ANNOUNCES_PER_ROUND,
 ) -> dict[str, Any]:
-    """Tier 2 at ``n`` in-process DHT nodes; each measured round: every node announces
-    ``round_s / ANNOUNCE_PERIOD_S`` times; the first ``full_view`` nodes read the records ``reads`` times
+    """Tier 2 at ``n`` in-process DHT nodes (the DHT's defaults: peer records on 8 nodes, store targets reused 4
+    times); each measured round: every node announces ``announces_per_round`` times (1: a record is stored once a
+    round since session 16; ``round_s / ANNOUNCE_PERIOD_S`` before); the first ``full_view`` nodes read the records ``reads`` times
     (live_peers, latest), the others (light followers, ``full_view`` > 0) read ``sample`` records twice
     (live_peers with ``only``: the plan's check and the digest's); the leader (node 0) stores the real plan of
     the n records and every follower reads it once. ``full_view`` 0: every node reads every record."""
@@ -313,7 +352,7 @@ async def inproc_row(
     ]  # a long lifetime: the benchmark's rounds run faster or slower than real time, records must not lapse
     stores = [PlanStore(node, ident, RUN) for node, ident in zip(nodes, ids)]
     plan = make_plan(recs, round=0)
-    announces = max(1, round(round_s / ANNOUNCE_PERIOD_S))
+    announces = announces_per_round
     seen: list[int] = []
     sampled: list[bool] = []  # a light follower's sampled read found every record it asked for
     plan_ok: list[bool] = []
@@ -340,12 +379,14 @@ async def inproc_row(
 
     await asyncio.gather(*(a.announce_once() for a in announcers))  # warm-up: every record stored once
     before = [_dht_counts(x.transport) for x in nodes]
+    lookups0 = sum(x.store_lookups for x in nodes)
     t1 = time.perf_counter()
     for r in range(rounds):
         published = asyncio.Event()
         await asyncio.gather(*(peer_round(i, r, published) for i in range(n)))
     wall = time.perf_counter() - t1
     after = [_dht_counts(x.transport) for x in nodes]
+    lookups1 = sum(x.store_lookups for x in nodes)
     d = [{f: a[f] - b[f] for f in a} for a, b in zip(after, before)]
     await asyncio.gather(*(x.shutdown() for x in nodes))
     await asyncio.gather(*(x.transport.stop(grace=0) for x in nodes))
@@ -353,6 +394,8 @@ async def inproc_row(
         "tier": "inproc",
         "n": n,
         "rounds": rounds,
+        "announces_per_round": announces,
+        "store_lookups": (lookups1 - lookups0) / n / rounds,
         "build_s": build_s,
         "wall_s_per_round": wall / rounds,
         "plan_bytes": len(plan.to_bytes()),
@@ -505,7 +548,7 @@ def _sizes(text: str) -> list[int]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tiers", default="sim,inproc", help="sim, inproc, proc (default: %(default)s)")
-    ap.add_argument("--sim-n", default="8,16,32,128,256,1024", help="sim tier sizes (default: %(default)s)")
+    ap.add_argument("--sim-n", default="8,16,32,64,128,256,1024", help="sim tier sizes (default: %(default)s)")
     ap.add_argument("--inproc-n", default="8,16,32,64,128", help="inproc tier sizes (default: %(default)s)")
     ap.add_argument("--proc-n", default="8,16", help="proc tier sizes; 32 is possible (default: %(default)s)")
     ap.add_argument("--rounds", type=int, default=2, help="inproc: measured rounds per size (default: %(default)s)")
@@ -517,11 +560,13 @@ def main(argv=None) -> int:
     ap.add_argument("--rpc-timeout-s", type=float, default=30.0, help="inproc: DHT RPC deadline (default: 30)")
     ap.add_argument(
         "--dht-model",
-        choices=("light", "after", "before"),
-        default="light",
+        choices=("rounds", "light", "after", "before"),
+        default="rounds",
         help="sim: the DHT protocol modelled: 'before' is main at def8ba8 (a store's lookup read every record, a "
         "read asked all k holders), 'after' the same with every peer a full-view peer (session 9-13), 'light' "
-        "the current one: light followers past --full-view-peers (default: %(default)s)",
+        "light followers past --full-view-peers, records stored every 2 s on k nodes (sessions 14-15), 'rounds' "
+        "the current one: light followers, a record stored once a round on 8 nodes through cached targets "
+        "(session 16) (default: %(default)s)",
     )
     ap.add_argument(
         "--full-view-peers",
@@ -536,13 +581,24 @@ def main(argv=None) -> int:
         help="records a light follower reads per check (default: %(default)s)",
     )
     ap.add_argument(
-        "--record-replicas", type=int, default=K, help="sim, what-if: nodes a peer record reaches (default: k = 20)"
+        "--record-replicas",
+        type=int,
+        default=None,
+        help=f"sim: nodes a peer record reaches (default: {PEER_RECORD_REPLICAS} for --dht-model rounds, k = {K} else)",
     )
     ap.add_argument(
         "--store-lookup-share",
         type=float,
-        default=1.0,
-        help="sim, what-if: share of announcements that look the key's nodes up (default 1.0; lower: cached targets)",
+        default=None,
+        help=f"sim: share of announcements that look the key's nodes up (default: 1/{STORE_TARGET_REUSE} for "
+        "--dht-model rounds, cached targets; 1.0 else)",
+    )
+    ap.add_argument(
+        "--announces-per-round",
+        type=float,
+        default=None,
+        help="sim, inproc: record stores per peer per round (default: 1 for the sim's 'rounds' model and inproc; "
+        "--round-s / 2 s for the sim's older models)",
     )
     ap.add_argument(
         "--two-phase-reads", action="store_true", help="sim, what-if: full reads fetch an index, then each record once"
@@ -562,9 +618,25 @@ def main(argv=None) -> int:
     print(f"machine: {os.cpu_count()} cpus, load {os.getloadavg()[0]:.2f}; reads {args.reads}, round {args.round_s} s")
     if "sim" in tiers:
         for n in _sizes(args.sim_n):
-            what_if = WhatIf(args.record_replicas, args.store_lookup_share, args.two_phase_reads)
+            built = args.dht_model == "rounds"
+            what_if = WhatIf(
+                args.record_replicas if args.record_replicas is not None else (PEER_RECORD_REPLICAS if built else K),
+                args.store_lookup_share
+                if args.store_lookup_share is not None
+                else (1.0 / STORE_TARGET_REUSE if built else 1.0),
+                args.two_phase_reads,
+            )
             rows.append(
-                sim_row(n, args.reads, args.round_s, args.dht_model, args.full_view_peers, args.light_sample, what_if)
+                sim_row(
+                    n,
+                    args.reads,
+                    args.round_s,
+                    args.dht_model,
+                    args.full_view_peers,
+                    args.light_sample,
+                    what_if,
+                    args.announces_per_round,
+                )
             )
             print(json.dumps(rows[-1]), flush=True)
     if "inproc" in tiers:
@@ -579,6 +651,7 @@ def main(argv=None) -> int:
                         args.rpc_timeout_s,
                         args.full_view_peers,
                         args.light_sample,
+                        int(args.announces_per_round or ANNOUNCES_PER_ROUND),
                     )
                 )
             )

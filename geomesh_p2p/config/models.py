@@ -369,7 +369,8 @@ class NodeConfig(BaseModel):
     eval_batches: int = opt(8, "batches of each evaluation", group=TUNING_GROUP, ge=1)
     announce_period_s: float = opt(
         2.0,
-        "seconds between this peer's record announcements (a record lives max(4 periods, 2 windows + 2 periods), at most max(4 periods, 120 s))",
+        "shortest time between two stores of this peer's unchanged record (it is stored at each round's end and "
+        "refreshed every max(period, lifetime / 3); a record lives max(4 periods, 4 rounds + 2 periods))",
         group=TUNING_GROUP,
         gt=0,
     )

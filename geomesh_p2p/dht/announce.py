@@ -1,9 +1,10 @@
 """Peer announcements: each peer keeps its signed :class:`~geomesh_p2p.schema.peer.PeerRecord` under
 ``<run>/peers`` (subkey = its base58 PeerID, so only it can write it) and reads everyone else's.
 
-* :class:`PeerAnnouncer` / :func:`announce_loop` re-store the record every ``period_s`` seconds with a
-  lifetime of ``ttl_s`` (default 3 periods; a training peer's is :func:`record_ttl_s`, from its run's sync
-  window): a peer that dies drops out of :func:`live_peers` within ``ttl_s`` seconds.
+* :class:`PeerAnnouncer` / :func:`announce_loop` store the record at once when it changes and refresh an
+  unchanged one every ``max(period_s, ttl_s / 3)`` seconds after the last store, with a lifetime of ``ttl_s``
+  (default 3 periods; a training peer's is :func:`record_ttl_s`: four rounds): a peer that dies drops out of
+  :func:`live_peers` within ``ttl_s`` seconds.
 * :func:`live_peers` reads the records, drops malformed ones and those of incompatible peers, and
   logs why (once per peer and reason).
 * :func:`check_compatible` says exactly what differs between two records: run-config hash, software
@@ -14,12 +15,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any, Awaitable, Callable, Collection, List, Optional, Union
 
 from pydantic import ValidationError
 
 from geomesh_p2p.util.aio import cancel_and_wait, wait_event
 from geomesh_p2p.dht.node import DHTNode
+from geomesh_p2p.dht.records import DEFAULT_LIMITS
 from geomesh_p2p.net.identity import Identity
 from geomesh_p2p.telemetry.logonce import LogOnce
 from geomesh_p2p.schema.peer import PeerRecord
@@ -33,12 +36,17 @@ _dropped_log = LogOnce(log, capacity=4096)
 
 #: A training peer's record lives at least this many announce periods (the rule before issue 25: 4 x 2 s).
 RECORD_TTL_MIN_PERIODS = 4
-#: ... and at least this many sync windows plus ``RECORD_TTL_SLACK_PERIODS`` announce periods
-#: (:func:`record_ttl_s`).
-RECORD_TTL_WINDOWS = 2.0
+#: ... and at least this many rounds (the longer of the sync window and the last round's real cycle) plus
+#: ``RECORD_TTL_SLACK_PERIODS`` announce periods (:func:`record_ttl_s`; 2 windows until session 16).
+RECORD_TTL_ROUNDS = 4
 RECORD_TTL_SLACK_PERIODS = 2
-#: ... but at most this many seconds (unless 4 periods are longer): minutes-long windows
-RECORD_TTL_CAP_S = 120.0
+#: ... but at most the DHT's maximum lifetime (``RecordLimits.max_ttl_s``, 24 h) less 10 minutes: a peer with a
+#: clock a little behind refused records at exactly the limit (the bootstrap's progress record, session 15).
+RECORD_TTL_CAP_S = DEFAULT_LIMITS.max_ttl_s - 600.0
+#: An unchanged record is refreshed this many times per lifetime (about once every 1.3 rounds): the round's own
+#: announcements (one a round, at its end) restart the wait, so a swarm whose rounds run on time stores each
+#: record once a round, whatever its size and its load.
+RECORD_REFRESHES = 3
 
 
 #: How much later than the stored record a peer's own record expires when it must outlive it (seconds): more
@@ -49,33 +57,33 @@ EXPIRATION_STEP_S = 0.5
 STORE_LATENCY_LIFETIMES = 4.0
 
 
-def record_ttl_s(period_s: float, window_s: Optional[float]) -> float:
-    """The lifetime (seconds) of a training peer's record, announced every ``period_s`` seconds in a run
-    whose sync window is ``window_s`` seconds (None: no fixed window; then 4 periods, as before):
-    ``max(4 * period_s, 2 * window_s + 2 * period_s)``; 16 s at the defaults (window 6 s, period 2 s).
+def record_ttl_s(period_s: float, round_s: Optional[float]) -> float:
+    """The lifetime (seconds) of a training peer's record, announced every ``period_s`` seconds at least, in a
+    run whose rounds last ``round_s`` seconds (the longer of the sync window and the last round's real cycle;
+    None: no fixed window, then 4 periods): ``max(4 * period_s, 4 * round_s + 2 * period_s)``, at most
+    ``RECORD_TTL_CAP_S`` (the DHT's 24 h less 10 minutes). 28 s at the defaults before the first round (window
+    6 s, period 2 s), 36 s once rounds cycle in 8 s.
 
-    Why this long: the others read a record only while it lives, and a record that expires mid-round makes
-    the peer vanish from their view: the leader plans without it while a follower that read it still
-    names it, or a follower refuses a plan naming it as "not live" (``plan_problem``), and the swarm
-    splits. A fixed 8 s did exactly that under CPU load (issue 25: 57 "record expired" at 16 peers, a fork
-    at 24): a peer whose event loop lags announces late. A round lasts about a window plus its gather,
-    plan and exchange (under load up to about another window: a cycle of 7.8-8.6 s for a 6 s window at
-    4-8 peers); two windows cover a peer lagging by a round, and two periods its next announcement, due
-    one period after its loop resumes, and that store's own latency.
+    Lifetime in rounds, not seconds (issue 25, session 16): the others read a record only while it lives, and a
+    record that expires mid-round makes the peer vanish from their view: the leader plans without it while a
+    follower that read it still names it, or a follower refuses a plan naming it as "not live", and the swarm
+    splits (sessions 10-14: 57 "record expired" at 16 processes, forks at 24 and 32, where rounds took 36-135 s
+    for a 2.5 s window). Four rounds cover a peer whose loop lags by a round or two and the refreshes that fail
+    or come late in between (:data:`RECORD_REFRESHES` per lifetime, each a round's worth apart); two periods the
+    latency of the store itself. A record stored once a round, at the round's end, then never lapses while its
+    peer runs, however long rounds get under load, and the number of stores per round does not grow with the
+    round's length (announcing every 2 s stored a 40 s round's record 20 times, each a lookup and k stores).
 
-    Why not longer: what a longer lifetime costs falls on crashed peers only (a peer that leaves announces
-    ``leaving`` and readers drop it at once), and is bounded: a crashed peer's last record names the
-    round it died in, so from the next round on it is not in sync and not planned (the gather waits for
-    such a record at most until the last round's exchange deadline plus ``ROUND_END_SLACK_S``); it stays
-    listed as live (a state donor candidate that does not answer, a row of the status page) for at most
-    this lifetime, about a round. At most ``RECORD_TTL_CAP_S`` (120 s) unless 4 periods are longer: a
-    window of minutes does not keep a crashed peer listed for many minutes.
+    What a longer lifetime costs falls on crashed peers only (a peer that leaves announces ``leaving`` and
+    readers drop it at once): its last record names the round it died in, so from the next round on it is not
+    in sync and not planned (the gather waits for such a record at most until the last round's exchange
+    deadline plus ``ROUND_END_SLACK_S``); it stays listed as live (a state donor candidate that does not answer,
+    a row of the status page) for at most this lifetime, about four rounds.
     """
     floor = RECORD_TTL_MIN_PERIODS * period_s
-    if not window_s:
+    if not round_s:
         return floor
-    ttl = RECORD_TTL_WINDOWS * window_s + RECORD_TTL_SLACK_PERIODS * period_s
-    # capped: with a long window (minutes) a crashed peer would stay a donor candidate for many minutes
+    ttl = RECORD_TTL_ROUNDS * round_s + RECORD_TTL_SLACK_PERIODS * period_s
     return max(floor, min(ttl, RECORD_TTL_CAP_S))
 
 
@@ -202,9 +210,12 @@ class IncompatibleSwarmError(RuntimeError):
 
 
 class PeerAnnouncer:
-    """Keeps this peer's record in the DHT: stores it now, then every :attr:`refresh_s` seconds (``period_s``,
-    or a quarter of ``ttl_s`` when longer) and at once on :meth:`update`, each time with ``timestamp`` = now and
+    """Keeps this peer's record in the DHT: stores it now, at once on :meth:`update` (and whenever the round calls
+    :meth:`announce_once`: at each round's end), and otherwise :attr:`refresh_s` seconds (``period_s``, or a
+    third of ``ttl_s`` when longer) after the last store, whoever made it; each time with ``timestamp`` = now and
     expiration = now + :meth:`lifetime_s` (``ttl_s``, default 3 x period; never before the one already stored).
+    A training peer's ``ttl_s`` is four rounds (:func:`record_ttl_s`, :meth:`follow_rounds`), so a swarm whose
+    rounds end on time stores each record once a round (issue 25, session 16).
 
     ``record`` is a PeerRecord, or a (sync or async) function returning the current one (called at
     each announcement, so round, throughput and digest stay fresh). Its ``peer_id`` must be the
@@ -222,6 +233,7 @@ class PeerAnnouncer:
         period_s: float = 5.0,
         ttl_s: Optional[float] = None,
         live: Optional[Callable[[], Optional[str]]] = None,
+        clock: Callable[[], float] = time.monotonic,
     ):
         if period_s <= 0:
             raise ValueError("period_s must be > 0")
@@ -235,6 +247,10 @@ class PeerAnnouncer:
         self.last: Optional[PeerRecord] = None
         self._task: Optional[asyncio.Task] = None
         self._wake = asyncio.Event()
+        self._clock = clock
+        #: When the last announcement started (``clock``, seconds), by the loop or anyone else: the next refresh of
+        #: an unchanged record is due :attr:`refresh_s` after it (:meth:`refresh_due_in`).
+        self.last_at: Optional[float] = None
         #: The latest expiration (swarm time) stored for this peer's subkey, by this announcer or found in the
         #: DHT right after its first store: every announcement expires later (see :meth:`announce_once`).
         self.expires_at: Optional[float] = None
@@ -249,23 +265,31 @@ class PeerAnnouncer:
         self.silenced: Optional[str] = None
 
     def follow_rounds(self, cycle_s: float, window_s: Optional[float]) -> None:
-        """Records from now on live :func:`record_ttl_s` of the longer of the sync window and the last round's
-        cycle (seconds, as it really ran). Under CPU overload rounds run several windows long and a peer's
-        loop announces late: with a lifetime from the configured window only, records expired before others
-        read them and the views of 32 peer processes on 2 cores split into two lineages (issue 25). A shorter
-        lifetime after a long one never makes a record expire before the one already stored (the DHT keeps
-        the later expiration): see :meth:`announce_once`."""
+        """Records from now on live :func:`record_ttl_s` (four rounds) of the longer of the sync window and the last
+        round's cycle (seconds, as it really ran). Under CPU overload rounds run several windows long and a
+        peer's loop announces late: with a lifetime from the configured window only, records expired before
+        others read them and the views of 32 peer processes on 2 cores split into two lineages (issue 25). A
+        shorter lifetime after a long one never makes a record expire before the one already stored (the DHT
+        keeps the later expiration): see :meth:`announce_once`."""
         self.ttl_s = record_ttl_s(self.period_s, max(window_s or 0.0, cycle_s))
 
     @property
     def refresh_s(self) -> float:
-        """Seconds between two announcements of an unchanged record: ``period_s``, or a quarter of the record's
-        lifetime when that is longer (a record :meth:`update` changes is announced at once anyway). A lifetime
-        that follows long rounds (:meth:`follow_rounds`) then costs no more announcements per round: every
-        ``period_s`` would store a 40 s round's record ~20 times (each a lookup and k stores), and the overloaded
-        swarm's DHT traffic per round grew with its cycle (issue 25). Four refreshes per lifetime: three may
-        fail or come late before the record expires."""
-        return max(self.period_s, self.ttl_s / 4)
+        """Seconds from the last announcement to the next of an unchanged record: ``period_s``, or
+        ``ttl_s / RECORD_REFRESHES`` (a third of the lifetime: about 1.3 rounds) when that is longer. A record
+        :meth:`update` changes is announced at once, and the round announces at its end, which restarts the
+        wait: a peer whose rounds end on time stores its record once a round, and one whose round runs long
+        refreshes it at most every 1.3 of its last rounds. Every ``period_s`` stored a 40 s round's record ~20
+        times, each a lookup and k stores, so the overloaded swarm's DHT traffic per round grew with its cycle
+        (issue 25). Three refreshes per lifetime: two may fail or come late before the record expires."""
+        return max(self.period_s, self.ttl_s / RECORD_REFRESHES)
+
+    def refresh_due_in(self) -> float:
+        """Seconds until the unchanged record is due for a refresh (:attr:`refresh_s` after the last announcement,
+        by this announcer's loop or anyone's :meth:`announce_once`); 0.0 when due, or before the first."""
+        if self.last_at is None:
+            return 0.0
+        return max(0.0, self.last_at + self.refresh_s - self._clock())
 
     def lifetime_s(self) -> float:
         """The lifetime of the next announcement, seconds: ``ttl_s``, or ``STORE_LATENCY_LIFETIMES`` x the
@@ -315,6 +339,7 @@ class PeerAnnouncer:
         if rec.peer_id != mine:
             raise ValueError(f"PeerRecord.peer_id {rec.peer_id[:10]}… is not this identity's PeerID {mine[:10]}…")
         first = self.expires_at is None
+        self.last_at = self._clock()  # the loop's next refresh waits refresh_s from here
         now = self.node.now()  # swarm time: peers with skewed clocks agree on when it expires
         expiration = now + self.lifetime_s()
         if self.expires_at is not None and self.expires_at >= expiration:
@@ -357,9 +382,12 @@ class PeerAnnouncer:
         return self.silenced is None
 
     async def run(self) -> None:
-        """Announce forever (errors are logged, never fatal), refreshing only while :attr:`live` says the peer
-        makes progress (checked every ``period_s`` while it does not)."""
+        """Announce forever (errors are logged, never fatal): now, at once on :meth:`update`, and when
+        :meth:`refresh_due_in` says the record is due (every announcement, the round's own included, restarts
+        that wait); refreshing only while :attr:`live` says the peer makes progress (checked every ``period_s``
+        while it does not)."""
         while True:
+            self._wake.clear()  # before the store: an update() during it is announced next, not lost
             try:
                 if self._check_live() and not await self.announce_once():
                     log.debug("announcement of %s was accepted by no node", self.identity.peer_id.short())
@@ -367,8 +395,12 @@ class PeerAnnouncer:
                 raise
             except Exception as e:  # keep announcing whatever happens
                 log.warning("announcing %s failed: %r", self.identity.peer_id.short(), e)
-            self._wake.clear()
-            await wait_event(self._wake, self.refresh_s if self.silenced is None else self.period_s)
+            if self.silenced is not None:
+                await wait_event(self._wake, self.period_s)
+                continue
+            # until woken or due; an announcement made meanwhile (the round's) moves the due time later
+            while not await wait_event(self._wake, self.refresh_due_in()) and self.refresh_due_in() > 0:
+                pass
 
     def start(self) -> asyncio.Task:
         """Start announcing in the background (a task owned by the node)."""

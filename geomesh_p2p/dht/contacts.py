@@ -197,12 +197,10 @@ class DHTContacts(DHTStorage):
         holder it knows (hivemind DHTProtocol.update_routing_table; Kademlia section 2.5)."""
         records: List[SignedRecord] = []
         for key_id, _slot, rec in self._held_records(min_remaining_s=self.rpc_timeout_s):
-            neighbors = self.routing_table.get_nearest_neighbors(key_id, self.num_replicas, exclude=self.node_id)
+            replicas = self.replicas_for(rec.key)  # fewer for peer records (PEER_RECORD_REPLICAS)
+            neighbors = self.routing_table.get_nearest_neighbors(key_id, replicas, exclude=self.node_id)
             if neighbors:
-                if (
-                    new_id.xor_distance(key_id) >= neighbors[-1][0].xor_distance(key_id)
-                    and len(neighbors) >= self.num_replicas
-                ):
+                if new_id.xor_distance(key_id) >= neighbors[-1][0].xor_distance(key_id) and len(neighbors) >= replicas:
                     continue
                 if self.node_id.xor_distance(key_id) >= neighbors[0][0].xor_distance(key_id):
                     continue

@@ -55,7 +55,7 @@ from hivemind.dht.routing import DHTID
 from geomesh_p2p.dht.records import RecordError, SignedRecord, VerifiedRecord, key_id_of, make_record, verify_record
 from geomesh_p2p.net.identity import Identity
 from geomesh_p2p.net.transport import Transport
-from geomesh_p2p.dht.state import Contact, DHTValue, LookupStats
+from geomesh_p2p.dht.state import Contact, DHTValue, LookupStats, is_peer_records_key
 from geomesh_p2p.dht.join import DHTJoin
 
 
@@ -78,6 +78,20 @@ class _Merge:
         }
 
 
+class _Targets:
+    """The store targets of one key, cached from a lookup: node ids nearest first (None = this node), their
+    contacts, and the stores that used them."""
+
+    __slots__ = ("ids", "contacts", "uses")
+
+    def __init__(self, ids: List[Optional[DHTID]], contacts: Dict[DHTID, Contact]) -> None:
+        self.ids, self.contacts, self.uses = ids, contacts, 0
+
+
+#: Keys whose store targets a node remembers (least recently stored first out).
+MAX_CACHED_TARGETS = 64
+
+
 class DHTNode(DHTJoin):
     """One Kademlia node over a :class:`~geomesh_p2p.net.transport.Transport` (k=20, alpha=3 by default).
 
@@ -86,6 +100,11 @@ class DHTNode(DHTJoin):
     :param k: bucket size and lookup beam width (Kademlia's k).
     :param alpha: concurrent find calls per lookup (Kademlia's alpha; traverse_dht's num_workers).
     :param num_replicas: nodes a value is stored on, default k.
+    :param peer_record_replicas: nodes a peer record (``<run>/peers``, :func:`~geomesh_p2p.dht.state.is_peer_records_key`)
+        is stored on, default ``PEER_RECORD_REPLICAS`` (8), at most ``num_replicas`` (:meth:`replicas_for`).
+    :param store_target_reuse: a store of a peer record reuses the targets of the last lookup of its key until
+        this many stores used them (default ``STORE_TARGET_REUSE``, 4; 1 = look up every time); a target that
+        fails drops them and the store looks the key up again at once.
     :param depth_modulo: hivemind RoutingTable's b: split a full bucket not holding our own id when
         its depth is not a multiple of this.
     :param rpc_timeout_s: deadline of every DHT call, seconds.
@@ -135,6 +154,12 @@ class DHTNode(DHTJoin):
         #: Seconds each of this node's last stores took (lookup + replicas, a value of a chunked plan included):
         #: the plan agreement settles at least as long as the slowest of them (:meth:`recent_store_s`).
         self.store_times: collections.deque = collections.deque(maxlen=32)
+        #: Per key whose stores reuse their targets (peer records): the nodes the last lookup found, nearest
+        #: first (None = this node), their contacts and how many stores used them (:meth:`_replicate`).
+        self._targets: "collections.OrderedDict[DHTID, _Targets]" = collections.OrderedDict()
+        #: Lookups made by stores, and stores that reused cached targets instead (counters, since start).
+        self.store_lookups = 0
+        self.store_reuses = 0
         self._serve()
 
     def recent_store_s(self) -> float:
@@ -165,8 +190,10 @@ class DHTNode(DHTJoin):
         subkey: Optional[str] = None,
         owner: Optional[Identity] = None,
     ) -> bool:
-        """Store ``value`` under ``key`` (and ``subkey``) on the k nearest nodes until ``expiration_time``
-        (unix seconds). Signed by ``owner`` when given; an owner-named key or subkey requires it.
+        """Store ``value`` under ``key`` (and ``subkey``) on the key's :meth:`replicas_for` nearest nodes (k; 8 for
+        the run's peer records) until ``expiration_time`` (unix seconds). Signed by ``owner`` when given; an
+        owner-named key or subkey requires it. A peer record's store reuses the nodes of the key's last lookup
+        (``store_target_reuse``, see :meth:`_replicate`).
 
         Returns True when at least one node (this one included, when it serves) accepted it; False when
         none did (unreachable, or each holds a newer value or refused it: reasons are logged).
@@ -179,7 +206,7 @@ class DHTNode(DHTJoin):
         vr = self._check_own(rec)
         self._published[(vr.key_id, vr.subkey)] = rec
         t0 = time.monotonic()
-        ok = await self._replicate({vr.key_id: [rec]})
+        ok = await self._replicate({vr.key_id: [rec]}, reuse_targets=True)
         self.store_times.append(time.monotonic() - t0)
         return ok[vr.key_id][0]
 
@@ -187,40 +214,93 @@ class DHTNode(DHTJoin):
         """Store a record built elsewhere (e.g. by :func:`~geomesh_p2p.dht.records.make_record`); see :meth:`store`."""
         vr = self._check_own(rec)
         self._published[(vr.key_id, vr.subkey)] = rec
-        ok = await self._replicate({vr.key_id: [rec]})
+        ok = await self._replicate({vr.key_id: [rec]}, reuse_targets=True)
         return ok[vr.key_id][0]
 
     async def _replicate(
-        self, by_key: Dict[DHTID, List[SignedRecord]], *, from_peer_self: bool = True
+        self, by_key: Dict[DHTID, List[SignedRecord]], *, reuse_targets: bool = False
     ) -> Dict[DHTID, List[bool]]:
-        """Store each key's records on its ``num_replicas`` nearest nodes (this one included when it
-        serves); an unreachable target is replaced by the next nearest. Returns, per key, per record:
-        accepted by at least one node."""
+        """Store each key's records on its :meth:`replicas_for` nearest nodes (this one included when it serves);
+        an unreachable target is replaced by the next nearest. Returns, per key, per record: accepted by at
+        least one node.
+
+        ``reuse_targets`` (:meth:`store`: this node's own records): the targets of a peer-records key
+        (:func:`~geomesh_p2p.dht.state.is_peer_records_key`) are remembered, and the next stores of that key go
+        to the same nodes without a lookup until ``store_target_reuse`` stores used them. Its peers re-store
+        their records every round and each lookup cost ~k + log N Find calls (issue 25, session 16). A cached
+        target that does not answer drops the cache: the store looks the key up again at once and completes its
+        replicas on the nodes found (skipping those that answered)."""
         key_ids = list(by_key)
-        nearest, contacts = await self._traverse(key_ids, beam=max(self.k, self.num_replicas))
+        reusable = {q for q in key_ids if reuse_targets and is_peer_records_key(by_key[q][0].key, self.run_id)}
+        cached: Dict[DHTID, _Targets] = {}
+        for q in reusable:
+            t = self._targets.get(q)
+            if t is not None and t.uses < self.store_target_reuse:
+                cached[q] = t
         result: Dict[DHTID, List[bool]] = {q: [False] * len(by_key[q]) for q in key_ids}
+        fresh = [q for q in key_ids if q not in cached]
+        nearest: Dict[DHTID, List[DHTID]] = {}
+        contacts: Dict[DHTID, Contact] = {}
+        if fresh:
+            nearest, contacts = await self._traverse(fresh, beam=max(self.k, self.num_replicas))
+            self.store_lookups += 1
+
+        def ordered(q: DHTID, ids: List[DHTID]) -> List[Optional[DHTID]]:
+            out: List[Optional[DHTID]] = list(ids)
+            if self.serving:
+                out.append(None)  # None = this node
+            out.sort(key=lambda nid: q.xor_distance(self.node_id if nid is None else nid))
+            return out
 
         async def store_key(q: DHTID) -> None:
             records = by_key[q]
-            candidates: List[Optional[DHTID]] = list(nearest.get(q, []))
-            if self.serving:
-                candidates.append(None)  # None = this node
-            candidates.sort(key=lambda nid: q.xor_distance(self.node_id if nid is None else nid))
+            want = self.replicas_for(records[0].key)
             reasons: List[str] = []
-            done = 0
-            while candidates and done < self.num_replicas:
-                batch = candidates[: self.num_replicas - done]
-                candidates = candidates[len(batch) :]
-                outs = await asyncio.gather(*(self._store_at(nid, contacts, records) for nid in batch))
-                for out in outs:
-                    if out is None:
-                        continue
-                    done += 1
-                    for i, o in enumerate(out):
-                        if o.stored:
-                            result[q][i] = True
-                        elif o.reason:
-                            reasons.append(o.reason)
+            answered: List[Optional[DHTID]] = []
+            tried: set = set()
+            failed = [False]
+
+            async def fill(candidates: List[Optional[DHTID]], known: Dict[DHTID, Contact]) -> None:
+                """Store on ``candidates`` in order until ``want`` nodes answered."""
+                todo = [c for c in candidates if c not in tried]
+                while todo and len(answered) < want:
+                    batch = todo[: want - len(answered)]
+                    todo = todo[len(batch) :]
+                    tried.update(batch)
+                    outs = await asyncio.gather(*(self._store_at(nid, known, records) for nid in batch))
+                    for nid, out in zip(batch, outs):
+                        if out is None:
+                            failed[0] = True
+                            continue
+                        answered.append(nid)
+                        for i, o in enumerate(out):
+                            if o.stored:
+                                result[q][i] = True
+                            elif o.reason:
+                                reasons.append(o.reason)
+
+            t = cached.get(q)
+            known = contacts
+            if t is not None:
+                t.uses += 1
+                self.store_reuses += 1
+                await fill(list(t.ids), t.contacts)
+                if failed[0]:
+                    # a cached target left or lags: forget them, look again, complete the replicas there
+                    self._targets.pop(q, None)
+                    found, seen = await self._traverse([q], beam=max(self.k, self.num_replicas))
+                    self.store_lookups += 1
+                    known = {**t.contacts, **seen}  # those that answered keep their place in the new cache
+                    await fill(ordered(q, found.get(q, [])), known)
+                    t = None
+            else:
+                await fill(ordered(q, nearest.get(q, [])), known)
+            if q in reusable and t is None and answered:
+                self._targets[q] = _Targets(list(answered), {nid: known[nid] for nid in answered if nid is not None})
+                self._targets[q].uses = 1
+                self._targets.move_to_end(q)
+                while len(self._targets) > MAX_CACHED_TARGETS:
+                    self._targets.popitem(last=False)
             if not all(result[q]) and reasons:
                 self._once(logging.INFO, f"store {records[0].key!r}", f"not accepted: {reasons[0]}")
 
@@ -270,6 +350,8 @@ class DHTNode(DHTJoin):
         if merge.best and not latest:
             return merge.result(now)
         answered = [1 if merge.best else 0]  # nodes that answered with records (this one's store included)
+        # a key stored on fewer nodes than the quorum (peer records on a small replica count) ends at all of them
+        quorum = None if self.read_quorum is None else min(self.read_quorum, self.replicas_for(key))
 
         def on_records(q: DHTID, records: List[VerifiedRecord], hop: int) -> bool:
             for vr in records:
@@ -277,7 +359,7 @@ class DHTNode(DHTJoin):
             if stats.found_hop is None:
                 stats.found_hop = hop
             answered[0] += 1
-            return not latest or (self.read_quorum is not None and answered[0] >= self.read_quorum)
+            return not latest or (quorum is not None and answered[0] >= quorum)
 
         await self._traverse([key_id], beam=self.k, on_records=on_records, stats=stats, await_all=False, subkeys=wanted)
         return merge.result(self.now())

@@ -61,6 +61,24 @@ _UNREACHABLE = {
 #: withholds or lags is outvoted per record by the latest expiration among the others.
 DEFAULT_READ_QUORUM = 5
 
+#: Nodes a peer record (a key :func:`is_peer_records_key`) is stored on (the DHT's k = 20 for every other key).
+#: Every peer re-stores its record about once a round, and a read ends at a quorum of ``DEFAULT_READ_QUORUM``
+#: holders, so 8 copies leave 3 spare for nodes that leave or lag between two refreshes; 20 made each
+#: announcement 20 Store calls and each node near the key hold (and serve) every record (issue 25, session 16).
+PEER_RECORD_REPLICAS = 8
+#: A store of a peer record reuses the nodes the last lookup of its key found this many times in all (one lookup,
+#: then stores on the same targets) before it looks the key up again; a target that fails ends the reuse at once
+#: (:meth:`~geomesh_p2p.dht.node.DHTNode.store`). 1: every store looks the key up (the rule before session 16).
+STORE_TARGET_REUSE = 4
+
+
+def is_peer_records_key(key: str, run_id: str) -> bool:
+    """True for the key of a run's peer records, ``<run>/peers`` (and ``<run>/peers/<shard>``): the keys whose
+    records every peer re-stores every round, stored on fewer nodes (``PEER_RECORD_REPLICAS``) through cached
+    store targets (``STORE_TARGET_REUSE``)."""
+    base = f"{run_id}/peers"
+    return key == base or key.startswith(base + "/")
+
 
 class DHTJoinError(RuntimeError):
     """No bootstrap node answered (after retries with backoff), or all of them refused us."""
@@ -169,6 +187,8 @@ class DHTNodeState:
         k: int = 20,
         alpha: int = 3,
         num_replicas: Optional[int] = None,
+        peer_record_replicas: int = PEER_RECORD_REPLICAS,
+        store_target_reuse: int = STORE_TARGET_REUSE,
         read_quorum: Optional[int] = DEFAULT_READ_QUORUM,
         depth_modulo: int = 5,
         rpc_timeout_s: float = 3.0,
@@ -201,6 +221,13 @@ class DHTNodeState:
         self.client_only: bool = transport.config.client_only
         self.k, self.alpha = k, alpha
         self.num_replicas = num_replicas or k
+        if peer_record_replicas < 1 or store_target_reuse < 1:
+            raise ValueError(
+                f"peer_record_replicas and store_target_reuse must be >= 1 "
+                f"(got {peer_record_replicas}, {store_target_reuse})"
+            )
+        self.peer_record_replicas = peer_record_replicas
+        self.store_target_reuse = store_target_reuse
         if read_quorum is not None and read_quorum < 1:
             raise ValueError(f"read_quorum must be >= 1 or None (got {read_quorum})")
         self.read_quorum = read_quorum
@@ -252,6 +279,14 @@ class DHTNodeState:
         self._dialing_back: set = set()  # PeerIDs whose CheckReachable is being answered
 
     # ------------------------------------------------------------------ small helpers
+    def replicas_for(self, key: str) -> int:
+        """Nodes a record under ``key`` is stored on: ``peer_record_replicas`` (at most ``num_replicas``) for the
+        run's peer records (:func:`is_peer_records_key`), ``num_replicas`` (k) for every other key. Every node of
+        a run applies the same rule when it stores, republishes or hands a record over."""
+        if is_peer_records_key(key, self.run_id):
+            return min(self.num_replicas, self.peer_record_replicas)
+        return self.num_replicas
+
     def _once(self, level: int, who: str, msg: str) -> None:
         """Log ``"<who>: <msg>"`` at ``level`` once per (who, first 48 characters of msg)."""
         self._once_log((who, msg[:48]), level, "%s: %s", who, msg)

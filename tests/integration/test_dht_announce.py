@@ -20,7 +20,7 @@ from geomesh_p2p.dht import (
 from geomesh_p2p.net.identity import Identity
 from geomesh_p2p.schema.peer import PeerRecord
 from tests.records_util import peer_record
-from tests.dht_helpers import RUN, start_node, stop_all, stop_node, wait_for
+from tests.dht_helpers import RUN, start_node, start_swarm, stop_all, stop_node, wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -243,3 +243,94 @@ async def test_a_dht_node_keeps_how_long_its_last_stores_took():
         assert node.recent_store_s() == max(node.store_times)
     finally:
         await stop_all([node])
+
+
+# ---------------------------------------------------------------- session 16: fewer replicas, cached targets, 4 rounds
+def _holders(nodes, key: str, subkey: str) -> list:
+    """The nodes whose local store holds ``key``/``subkey``, and the expiration each holds."""
+    from geomesh_p2p.dht.records import key_id_of
+
+    out = []
+    for n in nodes:
+        for rec in n._local_records(key_id_of(key)):
+            if rec.HasField("subkey") and rec.subkey == subkey:
+                out.append((n, rec.expiration_time))
+    return out
+
+
+async def test_a_peer_record_is_stored_on_8_nodes_and_other_keys_on_k():
+    """``PEER_RECORD_REPLICAS``: the run's peer records go to the key's 8 nearest nodes (the writer included when it
+    is one of them), every other key to k (20: all 12 nodes here); a read still finds the record."""
+    from geomesh_p2p.dht.state import PEER_RECORD_REPLICAS
+
+    nodes = await start_swarm(12)
+    try:
+        writer, reader = nodes[3], nodes[7]
+        mine = writer.peer_id.to_string()
+        assert writer.replicas_for(peers_key(RUN)) == PEER_RECORD_REPLICAS == 8
+        assert writer.replicas_for(f"{RUN}/plan/3") == writer.k == 20
+        assert await PeerAnnouncer(writer, node_record(writer), period_s=30).announce_once()
+        assert len(_holders(nodes, peers_key(RUN), mine)) == 8
+        assert await writer.store(f"{RUN}/other", b"v", writer.now() + 30, subkey=mine, owner=writer.identity)
+        assert len(_holders(nodes, f"{RUN}/other", mine)) == 12
+        assert [r.peer_id for r in await live_peers(reader, RUN)] == [mine]
+    finally:
+        await stop_all(nodes)
+
+
+async def test_store_targets_are_reused_and_a_failed_target_triggers_a_lookup():
+    """``STORE_TARGET_REUSE`` (4): a peer record's store looks its key up, the next 3 stores go to the same 8 nodes
+    without a lookup, the 5th looks up again. A cached target that does not answer (killed) drops the cache: that
+    store looks the key up at once and still reaches 8 live nodes with the new record."""
+    nodes = await start_swarm(12)
+    try:
+        writer = nodes[0]
+        mine = writer.peer_id.to_string()
+        ann = PeerAnnouncer(writer, lambda: node_record(writer), period_s=30, ttl_s=60.0)
+        assert await ann.announce_once()  # a lookup, then the read of its stored expiration (not a store)
+        assert (writer.store_lookups, writer.store_reuses) == (1, 0)
+        for _ in range(3):
+            assert await ann.announce_once()
+        assert (writer.store_lookups, writer.store_reuses) == (1, 3)
+        assert await ann.announce_once()  # the 5th: the targets were used 4 times
+        assert (writer.store_lookups, writer.store_reuses) == (2, 3)
+        held = _holders(nodes, peers_key(RUN), mine)
+        assert len(held) == 8 and all(exp == ann.expires_at for _, exp in held)
+
+        victim = next(n for n, _ in held if n is not writer)
+        await stop_node(victim)
+        live = [n for n in nodes if n is not victim]
+        assert await ann.announce_once()  # a cached target is dead: look again, complete the replicas
+        assert (writer.store_lookups, writer.store_reuses) == (3, 4)
+        newest = [n for n, exp in _holders(live, peers_key(RUN), mine) if exp == ann.expires_at]
+        assert len(newest) == 8
+        assert await ann.announce_once()  # the new targets are cached: no lookup
+        assert (writer.store_lookups, writer.store_reuses) == (3, 5)
+    finally:
+        await stop_all([n for n in nodes if n._alive])
+
+
+async def test_a_record_outlives_a_round_three_times_the_last_and_expires_after_four():
+    """Lifetime in rounds (session 16): after 8 s rounds a record lives 4 x 8 + 2 x 2 = 36 s of swarm time, so a
+    reader still finds it after a round three times as long (24 s; the rule before, 2 rounds + 2 periods = 20 s,
+    lost it) and no longer after 37 s. One swarm clock, moved by the test, for every node."""
+    t = [time.time()]
+
+    def clock() -> float:
+        return t[0]
+
+    boot = await start_node(clock=clock)
+    writer = await start_node([boot.address], clock=clock)
+    reader = await start_node([boot.address], clock=clock)
+    try:
+        ann = PeerAnnouncer(writer, node_record(writer), period_s=2.0)
+        ann.follow_rounds(8.0, 6.0)
+        assert ann.ttl_s == 36.0
+        assert await ann.announce_once()
+        assert await sees(reader, [writer.peer_id])
+        t[0] += 3 * 8.0
+        assert await sees(reader, [writer.peer_id])
+        t[0] += 13.0
+        assert await sees(reader, [])
+    finally:
+        await stop_all([reader, writer, boot])

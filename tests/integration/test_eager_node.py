@@ -164,7 +164,7 @@ async def test_eager_rounds_in_real_peer_nodes_follow_the_rule(tmp_path, monkeyp
         await dht.shutdown()
         await boot.stop(grace=0)
     assert codes == [0] * PEERS
-    # The records live 2 windows + 2 periods (record_ttl_s, issue 25), not 4 periods: at least 2 x 2.5 + 2 x 0.5 s,
+    # The records live 4 rounds + 2 periods (record_ttl_s, issue 25), not 4 periods: at least 4 x 2.5 + 2 x 0.5 s,
     # the window being the longer of the configured one and the last round's cycle (PeerAnnouncer.follow_rounds).
     assert [n.announcer.ttl_s for n in nodes] == [record_ttl_s(0.5, max(2.5, n.history[-1].cycle_s)) for n in nodes]
     assert all(n.announcer.ttl_s >= 6.0 for n in nodes)

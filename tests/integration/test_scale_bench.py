@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from benchmarks.scale_peers import inproc_row, sim_row, table
+from benchmarks.scale_peers import K, WhatIf, inproc_row, sim_row, table
 from geomesh_p2p.dht.records import DEFAULT_LIMITS
 
 pytestmark = pytest.mark.timeout(120)
@@ -21,8 +21,12 @@ def test_sim_tier_plan_grows_per_participant_and_counts_every_message():
     assert 200 < per_peer < 500
     assert a["plan_fits"] and b["plan_fits"] and b["plan_bytes"] < DEFAULT_LIMITS.max_value_bytes
     assert b["exchange_rpcs"] == 14  # push to and pull from each of the 7 other owners
-    # 4 announces (8 s / 2 s) of a lookup of 7 nodes + 7 stores, 3 reads and 1 plan read of a lookup each
-    assert b["lookup_rpcs"] == 7 and b["dht_rpcs"] == 4 * (7 + 7) + 3 * 7 + 7
+    # session 16 (the default model, as built): 1 store a round on the 7 other nodes (8 replicas), a lookup of 7
+    # nodes for 1 store in 4 (cached targets); 3 reads and 1 plan read of a lookup each
+    assert b["lookup_rpcs"] == 7 and b["dht_rpcs"] == 1 * (7 / 4 + 7) + 3 * 7 + 7
+    # sessions 14-15: 4 announces (8 s / 2 s), each a lookup of 7 nodes + 7 stores
+    old = sim_row(8, reads=3, round_s=8.0, model="light", what_if=WhatIf(K, 1.0))
+    assert old["dht_rpcs"] == 4 * (7 + 7) + 3 * 7 + 7
     # a Find reply holds every record: 4 more records, each a PeerRecord plus its key, subkey, owner key
     # and signature (and the standing entries grow from 3 to 7 per record)
     assert b["record_bytes"] < (b["find_reply_bytes"] - a["find_reply_bytes"]) / 4 < 1.5 * b["record_bytes"]
@@ -30,16 +34,19 @@ def test_sim_tier_plan_grows_per_participant_and_counts_every_message():
 
 
 async def test_inproc_tier_counts_real_dht_calls_and_matches_the_models_rpcs():
-    row = await inproc_row(6, rounds=1, reads=2, round_s=4.0, timeout_s=10.0)
+    # 4 rounds: one cycle of cached store targets (the warm-up's lookup, 3 stores without, then a lookup)
+    row = await inproc_row(6, rounds=4, reads=2, round_s=4.0, timeout_s=10.0)
     assert row["records_seen_min"] == 6  # every read saw every peer's record
-    assert row["plan_reads_ok"] == row["plan_reads"] == 6
+    assert row["plan_reads_ok"] == row["plan_reads"] == 4 * 6
     assert row["dht_rpcs"] > 0 and row["busiest_served"] >= row["median_served"] > 0
-    # 6 nodes <= k: every node holds the key and serves every other peer's lookups and stores of it
-    assert row["busiest_served"] == pytest.approx((6 - 1) * (2 * 2 + 2 + 1), abs=2)
+    # one lookup per peer in 4 rounds, and the leader's plan store each round (a key of its own each round)
+    assert row["store_lookups"] == (6 + 4) / 6 / 4
+    # 6 nodes <= k: every node holds the key and serves every other peer's lookups (1 in 4), stores and reads
+    assert row["busiest_served"] == pytest.approx((6 - 1) * (1 / 4 + 1 + 2 + 1), abs=2)
     model = await asyncio.to_thread(sim_row, 6, 2, 4.0)
-    # the model's calls per peer per round: 2 announces x (5 + 5) + 2 reads x 5 + 1 plan read x 5 = 35
-    assert model["dht_rpcs"] == 35
+    # the model's calls per peer per round: 1 store x (5 / 4 + 5) + 2 reads x 5 + 1 plan read x 5 = 21.25
+    assert model["dht_rpcs"] == 21.25
     assert row["dht_rpcs"] == pytest.approx(model["dht_rpcs"], rel=0.15)
     assert row["dht_bytes"] == pytest.approx(model["dht_bytes"], rel=0.35)
-    assert model["busiest_served"] == (6 - 1) * (2 * 2 + 2 + 1)
+    assert model["busiest_served"] == (6 - 1) * (1 / 4 + 1 + 2 + 1)
     assert "| inproc | 6 |" in table([row])

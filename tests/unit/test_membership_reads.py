@@ -1,5 +1,5 @@
-"""Membership that scales (issue 25, its first part): a peer record's lifetime follows the sync window
-(:func:`geomesh_p2p.dht.announce.record_ttl_s`), and the round's many asks for the run's peers share DHT
+"""Membership that scales (issue 25, its first part): a peer record's lifetime follows the rounds
+(:func:`geomesh_p2p.dht.announce.record_ttl_s`: four of them), it is stored about once a round, and the round's many asks for the run's peers share DHT
 reads (:class:`geomesh_p2p.util.aio.SharedRead` behind :meth:`PeerNode.peers`): concurrent asks cost one
 read, a read younger than the max age is reused, an error reaches every waiter and is not kept."""
 
@@ -14,19 +14,22 @@ from geomesh_p2p.config.models import NodeConfig, RunConfig
 from geomesh_p2p.dht.announce import PeerAnnouncer, record_ttl_s
 from geomesh_p2p.net.identity import Identity
 from geomesh_p2p.node.peer import PeerNode
-from geomesh_p2p.util.aio import SharedRead, TaskScope
+from geomesh_p2p.util.aio import SharedRead, TaskScope, cancel_and_wait
 
 pytestmark = pytest.mark.timeout(30)
 
 
 # ---------------------------------------------------------------- the record's lifetime
-def test_record_ttl_follows_the_window():
-    assert record_ttl_s(2.0, 6.0) == 16.0  # the defaults: 2 windows + 2 periods (was a fixed 8 s)
-    assert record_ttl_s(2.0, 50.0) == 104.0  # a real-size window: a lagging peer's record outlives a round
-    assert record_ttl_s(2.0, 600.0) == 120.0  # capped: a crashed peer is not listed for 20 minutes
-    assert record_ttl_s(60.0, 600.0) == 240.0  # ... unless 4 announce periods are longer
-    assert record_ttl_s(2.0, 1.0) == 8.0  # a short window: never under 4 periods (the old rule)
-    assert record_ttl_s(0.5, 2.5) == 6.0
+def test_record_ttl_is_four_rounds():
+    """Session 16: a record lives 4 rounds + 2 periods (2 windows + 2 periods before; a fixed 8 s before that), at
+    least 4 periods, at most the DHT's 24 h less 10 minutes."""
+    assert record_ttl_s(2.0, 6.0) == 28.0  # the defaults: 4 windows + 2 periods
+    assert record_ttl_s(2.0, 50.0) == 204.0  # a real-size window: a lagging peer's record outlives rounds
+    assert record_ttl_s(2.0, 600.0) == 2404.0  # no 120 s cap any more: under load rounds ran 135 s
+    assert record_ttl_s(2.0, 30000.0) == 86400.0 - 600.0  # the DHT's maximum lifetime, less 10 minutes
+    assert record_ttl_s(60.0, 1.0) == 240.0  # never under 4 announce periods
+    assert record_ttl_s(2.0, 1.0) == 8.0  # a short window: 4 periods (the old rule)
+    assert record_ttl_s(0.5, 2.5) == 11.0
     assert record_ttl_s(2.0, None) == 8.0  # no fixed window: 4 periods, as before
 
 
@@ -39,7 +42,7 @@ def test_a_peer_lagging_a_round_stays_visible(period, window):
     ttl = record_ttl_s(period, window)
     assert ttl >= 2 * window + period
     assert ttl >= 4 * period
-    assert ttl <= max(4 * period, 2 * window + 2 * period)
+    assert ttl <= max(4 * period, 4 * window + 2 * period)
 
 
 # ---------------------------------------------------------------- SharedRead
@@ -221,26 +224,27 @@ def test_record_ttl_follows_the_rounds_as_they_really_run():
     ann = PeerAnnouncer(
         SimpleNamespace(identity=None, run_id="r"), lambda: None, period_s=2.0, ttl_s=record_ttl_s(2.0, 2.5)
     )
-    assert ann.ttl_s == 9.0
+    assert ann.ttl_s == 14.0
     ann.follow_rounds(36.6, 2.5)
-    assert ann.ttl_s == 2 * 36.6 + 2 * 2.0
+    assert ann.ttl_s == 4 * 36.6 + 2 * 2.0
     ann.follow_rounds(1.0, 2.5)  # a round shorter than the window: the window's lifetime again
-    assert ann.ttl_s == 9.0
-    ann.follow_rounds(400.0, 2.5)
-    assert ann.ttl_s == 120.0  # capped, as record_ttl_s
+    assert ann.ttl_s == 14.0
+    ann.follow_rounds(30000.0, 2.5)
+    assert ann.ttl_s == 86400.0 - 600.0  # capped, as record_ttl_s
     ann.follow_rounds(10.0, None)  # no fixed window: the cycle
-    assert ann.ttl_s == 24.0
+    assert ann.ttl_s == 44.0
 
 
-def test_an_unchanged_record_is_refreshed_four_times_per_lifetime_at_most_every_period():
+def test_an_unchanged_record_is_refreshed_three_times_per_lifetime_at_most_every_period():
     """Issue 25: with a lifetime that follows 40 s rounds, announcing every 2 s period stored each record ~20 times
-    a round (a lookup and k stores each). The refresh follows the lifetime: a quarter of it, never under the period."""
+    a round (a lookup and k stores each). The refresh follows the lifetime (4 rounds): a third of it (about 1.3
+    rounds), never under the period."""
     ann = PeerAnnouncer(
         SimpleNamespace(identity=None, run_id="r"), lambda: None, period_s=2.0, ttl_s=record_ttl_s(2.0, 6.0)
     )
-    assert (ann.ttl_s, ann.refresh_s) == (16.0, 4.0)  # the defaults: window 6 s, period 2 s
+    assert (ann.ttl_s, ann.refresh_s) == (28.0, 28.0 / 3)  # the defaults: window 6 s, period 2 s
     ann.follow_rounds(40.0, 6.0)
-    assert (ann.ttl_s, ann.refresh_s) == (84.0, 21.0)
+    assert (ann.ttl_s, ann.refresh_s) == (164.0, 164.0 / 3)
     ann.ttl_s = 3.0  # a lifetime under 4 periods (tests): the period
     assert ann.refresh_s == 2.0
 
@@ -290,7 +294,7 @@ async def test_announcements_run_one_at_a_time_and_each_expires_after_the_last()
 
 def test_a_record_outlives_four_of_the_nodes_slowest_recent_stores():
     """32 processes on 2 cores, first round (issue 25): stores took 10-20 s and 9 s records arrived expired. The
-    lifetime is at least 4 x the node's slowest recent store, capped like record_ttl_s (120 s)."""
+    lifetime is at least 4 x the node's slowest recent store, capped like record_ttl_s (24 h less 10 minutes)."""
     times = [0.1]
     node = SimpleNamespace(identity=None, run_id="r", recent_store_s=lambda: max(times))
     ann = PeerAnnouncer(node, lambda: None, period_s=2.0, ttl_s=9.0)
@@ -298,5 +302,80 @@ def test_a_record_outlives_four_of_the_nodes_slowest_recent_stores():
     times.append(5.0)
     assert ann.lifetime_s() == 20.0
     times.append(60.0)
-    assert ann.lifetime_s() == 120.0
+    assert ann.lifetime_s() == 240.0
+    times.append(30000.0)
+    assert ann.lifetime_s() == 86400.0 - 600.0
     assert PeerAnnouncer(SimpleNamespace(identity=None, run_id="r"), lambda: None, ttl_s=9.0).lifetime_s() == 9.0
+
+
+# ---------------------------------------------------------------- once a round (session 16)
+class _CountingDHT:
+    """A DHT that keeps every store (round, expiration) and signals each one; swarm time = ``clock``."""
+
+    def __init__(self, ident: Identity, clock) -> None:
+        self.identity, self.run_id, self.clock = ident, "r", clock
+        self.stored: list[tuple[int, float]] = []
+        self.stored_one = asyncio.Event()
+
+    def now(self) -> float:
+        return self.clock()
+
+    async def get(self, key, latest=True, subkeys=None):
+        return {}  # nothing stored for this peer before its first announcement
+
+    async def store(self, key, value, expiration, subkey=None, owner=None):
+        from geomesh_p2p.schema.peer import PeerRecord
+
+        self.stored.append((PeerRecord.from_bytes(value).round, expiration))
+        self.stored_one.set()
+        return True
+
+
+async def test_the_rounds_own_announcement_restarts_the_refresh_so_a_record_is_stored_once_a_round():
+    """Session 16: each round announces its end (``announce_once``), and that restarts the loop's wait for the next
+    refresh (a third of four rounds): ten 8 s rounds store the record ten times, never more, and a round three
+    times as long as the last one finds the record still alive without any refresh (it lives 4 rounds + 2
+    periods = 36 s; the rule before, 2 rounds + 2 periods, lived 20 s)."""
+    from tests.records_util import peer_record
+
+    ident = Identity.generate()
+    clock = Clock()
+    dht = _CountingDHT(ident, clock)
+    rnd = [0]
+    ann = PeerAnnouncer(dht, lambda: peer_record(ident, round=rnd[0]), period_s=2.0, clock=clock)
+    ann.follow_rounds(8.0, 6.0)
+    assert (ann.ttl_s, ann.refresh_s) == (36.0, 12.0)
+    assert ann.refresh_due_in() == 0.0  # never announced: due now
+    await ann.announce_once()
+    for r in range(1, 11):
+        clock.t += 8.0  # a round on time
+        assert ann.refresh_due_in() == 4.0  # the loop would not have refreshed in between
+        rnd[0] = r
+        await ann.announce_once()  # the round's end
+    assert [x[0] for x in dht.stored] == list(range(11))
+    last = clock.t
+    assert dht.stored[-1][1] == last + 36.0
+    clock.t += 3 * 8.0  # a slow round: three of the last
+    assert ann.refresh_due_in() == 0.0  # due: the loop refreshes it now (it did at +12 s, +24 s)
+    assert dht.stored[-1][1] > clock.t  # ... but the record stored at the last round's end still lives
+
+
+async def test_a_changed_record_is_announced_at_once_and_an_unchanged_one_waits():
+    """The loop stores at start, then a changed record (``update``) at once; nothing else within the refresh
+    (period 1000 s here: no timed refresh can happen during the test)."""
+    from tests.records_util import peer_record
+
+    ident = Identity.generate()
+    dht = _CountingDHT(ident, Clock())
+    ann = PeerAnnouncer(dht, peer_record(ident, round=1), period_s=1000.0, ttl_s=3000.0)
+    task = asyncio.ensure_future(ann.run())
+    try:
+        await asyncio.wait_for(dht.stored_one.wait(), 10)
+        dht.stored_one.clear()
+        ann.update(peer_record(ident, round=2))
+        await asyncio.wait_for(dht.stored_one.wait(), 10)
+        await asyncio.sleep(0)  # the loop is back waiting
+        assert [x[0] for x in dht.stored] == [1, 2]
+        assert ann.refresh_due_in() > 0
+    finally:
+        await cancel_and_wait([task])
