@@ -109,6 +109,7 @@ def run_memory_estimate(
     block_size: int = 2048,
     bytes_per_element: int = 4,
     accountable: bool = False,
+    disk_rounds: Optional[int] = None,
 ) -> RunMemory:
     """The static memory of a peer of ``method`` training ``n_params`` (P) parameters, itemized, in bytes
     (``p = P x bytes_per_element``):
@@ -122,7 +123,9 @@ def run_memory_estimate(
     * with ``verified_work``: ``verified work: model copy + gradients`` 2p (device, its private model and
       the gradients of a check), ``verified work: kept contributions`` ``keep_rounds x contributors x
       (ceil(P / 8) + 4 x ceil(P / block_size))`` (host: sign bits and block scales of each contributor's
-      packets), and ``verified work: kept start weights`` ``keep_rounds x p`` on disk;
+      packets), and ``verified work: kept start weights`` ``keep_rounds x p`` on disk (``disk_rounds x p`` when
+      given: the rounds kept re-checkable in all, and then ``verified work: kept contributions on disk`` for the
+      ``disk_rounds - keep_rounds`` older ones, the same bytes per round as in memory);
     * with ``accountable`` (``--mode accountable``, issue 26): ``accountable: one validation's inputs`` (host:
       one part's signed inputs while a validator re-checks it, about one sign packet of the vector, at most
       256 MiB). The signed contributions an owner serves to validators are the ones every mode keeps for the
@@ -157,8 +160,13 @@ def run_memory_estimate(
         items += [
             MemoryItem("verified work: model copy + gradients", 2 * p, "device"),
             MemoryItem("verified work: kept contributions", keep_rounds * contributors * packet, "host"),
-            MemoryItem("verified work: kept start weights", keep_rounds * p, "disk"),
+            MemoryItem(
+                "verified work: kept start weights", (keep_rounds if disk_rounds is None else disk_rounds) * p, "disk"
+            ),
         ]
+        if disk_rounds is not None:
+            older = max(0, int(disk_rounds) - keep_rounds)
+            items.append(MemoryItem("verified work: kept contributions on disk", older * contributors * packet, "disk"))
     if accountable:
         packet = math.ceil(n / 8) + 4 * math.ceil(n / block_size)
         items.append(

@@ -123,12 +123,16 @@ def gain_stats(
     seq_len: int,
     deadline: Optional[float] = None,
     pace: Optional[Callable[[], None]] = None,
+    cache: Optional[dict] = None,
 ) -> GainStats:
     """The loss gains of the module docstring. ``theta``: the round's start weights, fp32 ``[P]``;
     ``contribution``: the pseudo-gradient as received (decoded; zero outside the checked parts), fp32 ``[P]``;
     ``assigned`` / ``controls``: ``(peer_id, step)`` batch streams (at least 2 each). ``model`` (a copy nobody
     else uses) is loaded with ``theta``, then with ``theta - contribution``. ``pace``: see :func:`row_losses`.
-    Cost: 2 x (k + m) forward passes of ``batch_size`` rows, no backward; one temporary fp32 ``[P]``.
+    Cost: 2 x (k + m) forward passes of ``batch_size`` rows, no backward; one temporary fp32 ``[P]``. ``cache``: a
+    dict the caller keeps for one ``theta`` (one round): the control batches' losses at ``theta`` are kept there and
+    reused by the next call with the same controls, batch size and sequence length (the same bits: the same weights
+    and batches), so screening a round's second contributor costs ``2k + m`` passes.
 
     Raises:
         ValueError: fewer than 2 streams on a side, or a vector of the wrong size.
@@ -141,7 +145,14 @@ def gain_stats(
         seed=seed, round=round, batch_size=batch_size, seq_len=seq_len, deadline=deadline, pace=pace
     )
     load_flat_(model, theta)
-    before = row_losses(model, dataset, streams, **kw)
+    key = (tuple(controls), int(batch_size), int(seq_len), int(seed), int(round))
+    known = cache.get(key) if cache is not None else None
+    if known is None:
+        before = row_losses(model, dataset, streams, **kw)
+        if cache is not None:
+            cache[key] = before[len(assigned) :]
+    else:
+        before = row_losses(model, dataset, list(assigned), **kw) + [list(r) for r in known]
     load_flat_(model, theta - contribution)
     after = row_losses(model, dataset, streams, **kw)
     # Each row is its own window of the corpus: one sample of the gain (a batch's rows were trained on
