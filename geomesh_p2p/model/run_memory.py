@@ -112,6 +112,7 @@ def run_memory_estimate(
     accountable: bool = False,
     eager: bool = False,
     catch_up_update: bool = True,
+    disk_rounds: Optional[int] = None,
 ) -> RunMemory:
     """The static memory of a peer of ``method`` training ``n_params`` (P) parameters, itemized, in bytes
     (``p = P x bytes_per_element``):
@@ -134,7 +135,9 @@ def run_memory_estimate(
       (:mod:`geomesh_p2p.trust.check_model`); on a GPU a whole model copy and its gradients.
       ``verified work: kept contributions`` ``keep_rounds x contributors x
       (ceil(P / 8) + 4 x ceil(P / block_size))`` (host: sign bits and block scales of each contributor's
-      packets), and ``verified work: kept start weights`` ``keep_rounds x p`` on disk;
+      packets), and ``verified work: kept start weights`` ``keep_rounds x p`` on disk (``disk_rounds x p`` when
+      given: the rounds kept re-checkable in all, and then ``verified work: kept contributions on disk`` for the
+      ``disk_rounds - keep_rounds`` older ones, the same bytes per round as in memory);
     * with ``accountable`` (``--mode accountable``, issue 26): ``accountable: one validation's inputs`` (host:
       one part's signed inputs while a validator re-checks it, about one sign packet of the vector, at most
       256 MiB). The signed contributions an owner serves to validators are the ones every mode keeps for the
@@ -170,8 +173,13 @@ def run_memory_estimate(
         items += [
             MemoryItem("verified work: a check's weights + gradients", 2 * p, "device"),
             MemoryItem("verified work: kept contributions", keep_rounds * contributors * packet, "host"),
-            MemoryItem("verified work: kept start weights", keep_rounds * p, "disk"),
+            MemoryItem(
+                "verified work: kept start weights", (keep_rounds if disk_rounds is None else disk_rounds) * p, "disk"
+            ),
         ]
+        if disk_rounds is not None:
+            older = max(0, int(disk_rounds) - keep_rounds)
+            items.append(MemoryItem("verified work: kept contributions on disk", older * contributors * packet, "disk"))
     if accountable:
         packet = math.ceil(n / 8) + 4 * math.ceil(n / block_size)
         items.append(

@@ -89,7 +89,8 @@ def run_memory(run, cfg, n_params: int) -> RunMemory:
     """The static memory of this peer's run (:func:`~geomesh_p2p.model.run_memory.run_memory_estimate`) for
     ``n_params`` parameters under RunConfig ``run`` and NodeConfig ``cfg``: verified work when relay mode and a
     sign-compressed method; its kept contributions counted at ``max(2, --min-peers)`` contributors, for
-    ``keep_rounds + 1`` rounds (one held by the background check)."""
+    ``keep_rounds + 1`` rounds in memory (one held by the background check) and ``recheck_rounds + 1`` on disk
+    (the older rounds kept re-checkable: their start weights and contributions)."""
     return run_memory_estimate(
         n_params,
         run.method,
@@ -99,6 +100,7 @@ def run_memory(run, cfg, n_params: int) -> RunMemory:
         # the newest keep_rounds and the round of the check running in the background (issue 28); while more
         # checks wait, up to max_pending more rounds stay (rare: docs/security.md, "Verified work")
         keep_rounds=VerifyConfig().keep_rounds + 1,
+        disk_rounds=max(VerifyConfig().keep_rounds, VerifyConfig().recheck_rounds) + 1,
         contributors=max(2, int(cfg.min_peers)),
         block_size=run.block_size,
         accountable=run.mode == "accountable",

@@ -36,7 +36,7 @@ from geomesh_p2p.dht.records import owned_key
 from geomesh_p2p.exchange import codec as compression
 from geomesh_p2p.net.identity import EnvelopeError, Identity, PeerID, Verifier, verify_signature
 from geomesh_p2p.trust.verify_check import FAIL, MARGINAL, packet_digest
-from geomesh_p2p.trust.verify_task import VerifyTask, selection_message
+from geomesh_p2p.trust.verify_task import SCREEN, VerifyTask, selection_message
 from geomesh_p2p.wire import collective_pb2, envelope_pb2
 from geomesh_p2p.util.untrusted import json_loads
 
@@ -52,6 +52,8 @@ __all__ = [
     "decode_value",
     "encode_value",
     "evidence_key",
+    "evidence_slot",
+    "screen_evidence_key",
     "fetch_contributions",
     "publish_evidence",
     "signed_contribution",
@@ -246,11 +248,28 @@ def evidence_key(run_id: str, round: int) -> str:
     return f"{run_id}/evidence/{int(round)}"
 
 
-def contributions_key(run_id: str, round: int, verifier: str, shard: int = 0) -> str:
+def screen_evidence_key(run_id: str, round: int, accused: str) -> str:
+    """DHT key of the screening evidence about ``accused`` in ``round`` (subkey = the verifier's PeerID). One key
+    per accused: a screener may fail several newcomers of one round, and :func:`evidence_key` holds one record per
+    verifier (its sampled check's)."""
+    return f"{run_id}/evidence/{int(round)}/screen/{accused}"
+
+
+def evidence_slot(ev: "Evidence") -> str:
+    """The DHT key ``ev`` is published under: :func:`screen_evidence_key` for a screening check, else
+    :func:`evidence_key`."""
+    if ev.task.kind == SCREEN:
+        return screen_evidence_key(ev.run_id, ev.round, ev.accused)
+    return evidence_key(ev.run_id, ev.round)
+
+
+def contributions_key(run_id: str, round: int, verifier: str, shard: int = 0, screen_of: Optional[str] = None) -> str:
     """DHT key of shard ``shard`` of the accused's signed contributions a verifier's evidence of ``round``
     names: parts ``[shard * CONTRIBUTIONS_PER_KEY, (shard + 1) * CONTRIBUTIONS_PER_KEY)``, subkey = the
-    part index; owned by the verifier (:func:`geomesh_p2p.dht.records.owned_key`)."""
-    return owned_key(f"{run_id}/evidence/{int(round)}/contributions/{int(shard)}", PeerID.from_string(verifier))
+    part index; owned by the verifier (:func:`geomesh_p2p.dht.records.owned_key`). ``screen_of``: the accused of a
+    screening evidence (its contributions under a key of their own)."""
+    screen = f"/screen/{screen_of}" if screen_of else ""
+    return owned_key(f"{run_id}/evidence/{int(round)}{screen}/contributions/{int(shard)}", PeerID.from_string(verifier))
 
 
 def evidence_format() -> ChunkFormat:
@@ -309,7 +328,7 @@ async def publish_evidence(
     concurrency: int = STORE_CONCURRENCY,
 ) -> Published:
     """Store ``ev`` signed by its verifier ``identity`` (:func:`encode_value`, in a worker thread: tens of
-    ms at thousands of parts), its chunks then its head under :func:`evidence_key`, then the accused's
+    ms at thousands of parts), its chunks then its head under :func:`evidence_slot`, then the accused's
     signed contributions it carries under :func:`contributions_key` (not needed by the round's peers,
     who hold them: after the evidence; the first ``MAX_CONTRIBUTION_RECORDS`` parts within
     ``MAX_CONTRIBUTION_BYTES``), at most ``concurrency`` stores at once, each within ``timeout_s``. Raises ValueError when ``identity`` is not the verifier or the evidence needs more
@@ -317,7 +336,7 @@ async def publish_evidence(
     value = await asyncio.to_thread(lambda: encode_value(ev.to_signed(identity)))
     out = await chunked.store_chunked(
         dht,
-        evidence_key(ev.run_id, ev.round),
+        evidence_slot(ev),
         value,
         subkey=ev.verifier,
         owner=identity,
@@ -331,7 +350,8 @@ async def publish_evidence(
         if len(items) == MAX_CONTRIBUTION_RECORDS or total + len(b) > MAX_CONTRIBUTION_BYTES:
             break
         total += len(b)
-        items.append((contributions_key(ev.run_id, ev.round, ev.verifier, j // CONTRIBUTIONS_PER_KEY), str(j), b))
+        shard = j // CONTRIBUTIONS_PER_KEY
+        items.append((contributions_key(ev.run_id, ev.round, ev.verifier, shard, _screen_of(ev)), str(j), b))
     stored = await chunked.store_many(
         dht, items, owner=identity, expiration_time=expiration_time, timeout_s=timeout_s, concurrency=concurrency
     )
@@ -346,7 +366,7 @@ async def fetch_contributions(dht, ev: Evidence, timeout_s: float = STORE_TIMEOU
 
     async def one(shard: int) -> dict:
         try:
-            key = contributions_key(ev.run_id, ev.round, ev.verifier, shard)
+            key = contributions_key(ev.run_id, ev.round, ev.verifier, shard, _screen_of(ev))
             return dict(await asyncio.wait_for(dht.get(key), timeout_s) or {})
         except asyncio.TimeoutError:
             return {}
@@ -361,6 +381,10 @@ async def fetch_contributions(dht, ev: Evidence, timeout_s: float = STORE_TIMEOU
             if j in ev.packets and j // CONTRIBUTIONS_PER_KEY == shard:
                 out[j] = entry[0]
     return out
+
+
+def _screen_of(ev: Evidence) -> Optional[str]:
+    return ev.accused if ev.task.kind == SCREEN else None
 
 
 def signed_contribution(collective, round: int, part: int, sender: str) -> Optional[bytes]:

@@ -123,6 +123,7 @@ def gain_stats(
     seq_len: int,
     deadline: Optional[float] = None,
     pace: Optional[Callable[[], None]] = None,
+    cache: Optional[dict] = None,
 ) -> GainStats:
     """The loss gains of the module docstring. ``theta``: the round's start weights, fp32 ``[P]``;
     ``contribution``: the pseudo-gradient as received (decoded; zero outside the checked parts), fp32 ``[P]``,
@@ -133,6 +134,9 @@ def gain_stats(
     (:func:`~geomesh_p2p.trust.check_model.sub_flat_`, bitwise ``theta - contribution``; ``theta`` itself is
     never written). ``pace``: see :func:`row_losses`. Cost: 2 x (k + m) forward passes of ``batch_size`` rows,
     no backward, no temporary ``[P]`` (issue 27; a hollow model copies the parameters the pieces touch).
+    ``cache``: a dict the caller keeps for one ``theta`` (one round): the control batches' losses at ``theta`` are
+    kept there and reused by the next call with the same controls, batch size and sequence length (the same bits:
+    the same weights and batches), so screening a round's second contributor costs ``2k + m`` passes.
 
     Raises:
         ValueError: fewer than 2 streams on a side, or a vector of the wrong size.
@@ -151,7 +155,14 @@ def gain_stats(
     else:
         pieces = contribution
     load_for_check(model, theta)
-    before = row_losses(model, dataset, streams, **kw)
+    key = (tuple(controls), int(batch_size), int(seq_len), int(seed), int(round))
+    known = cache.get(key) if cache is not None else None
+    if known is None:
+        before = row_losses(model, dataset, streams, **kw)
+        if cache is not None:
+            cache[key] = before[len(assigned) :]
+    else:
+        before = row_losses(model, dataset, list(assigned), **kw) + [list(r) for r in known]
     sub_flat_(model, pieces)
     after = row_losses(model, dataset, streams, **kw)
     # Each row is its own window of the corpus: one sample of the gain (a batch's rows were trained on

@@ -84,13 +84,40 @@ class KeptWeights:
             return torch.empty(0, dtype=torch.float32)
         return torch.from_file(self._file(round), shared=False, size=n, dtype=torch.float32)
 
+    def _blob_file(self, round: int) -> str:
+        return os.path.join(self.path, f"blob-{int(round)}.bin")
+
+    def put_blob(self, round: int, data: bytes) -> int:
+        """Write ``data`` beside round ``round``'s weights (replacing any before; verified work keeps a round's
+        contributions there once they leave memory). Returns the bytes written; deleted with the round
+        (:meth:`drop`). Raises RuntimeError when closed, OSError when the write fails (nothing is kept then)."""
+        if self._tmp is None:
+            raise RuntimeError("the kept weights' store is closed")
+        path = self._blob_file(round)
+        try:
+            with open(path, "wb") as f:
+                f.write(data)
+        except BaseException:
+            self._remove(path)
+            raise
+        return len(data)
+
+    def get_blob(self, round: int) -> Optional[bytes]:
+        """The bytes of :meth:`put_blob` for ``round``, or None (none written, or dropped)."""
+        try:
+            with open(self._blob_file(round), "rb") as f:
+                return f.read()
+        except (FileNotFoundError, TypeError):
+            return None
+
     def drop(self, round: int) -> None:
-        """Forget round ``round`` and delete its file (a tensor :meth:`get` returned stays readable until
+        """Forget round ``round`` and delete its files (a tensor :meth:`get` returned stays readable until
         dropped: the mapping outlives the name)."""
         with self._lock:
             had = self._numel.pop(int(round), None)
         if had is not None:
             self._remove(self._file(round))
+        self._remove(self._blob_file(round))
 
     def rounds(self) -> list[int]:
         """The rounds kept, ascending."""

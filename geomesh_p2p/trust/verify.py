@@ -131,19 +131,15 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import hashlib
 import logging
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence, TypedDict
 
 import torch
 
 from geomesh_p2p.net.identity import Identity
-from geomesh_p2p.net.swarm_time import swarm_time
-from geomesh_p2p.dht.chunked import ChunksPending
 from geomesh_p2p.telemetry.logonce import LogOnce
 from geomesh_p2p.trust.check_model import hollow_copy, release_
 from geomesh_p2p.trust.kept_weights import KeptWeights
@@ -153,11 +149,11 @@ from geomesh_p2p.trust.evidence import (
     Evidence,
     EvidenceError,
     EvidenceReader,
-    evidence_key,
-    publish_evidence,
     signed_contribution,
 )
+from geomesh_p2p.trust.verify_fetch import EvidenceExchange
 from geomesh_p2p.trust.verify_queue import CheckJob, CheckQueue, Pacer
+from geomesh_p2p.trust.verify_screen import Kept, Measured, Prepared, Screening, pack_packets, unpack_packets
 from geomesh_p2p.trust.verify_check import (
     FAIL,
     MARGINAL,
@@ -169,10 +165,11 @@ from geomesh_p2p.trust.verify_check import (
     packet_digest,
 )
 from geomesh_p2p.trust.verify_task import (
+    SCREEN,
     VerifyConfig,
     VerifyTask,
     derive_task,
-    evidence_lifetime_s,
+    screen_candidates,
     selection_message,
 )
 
@@ -185,37 +182,6 @@ log = logging.getLogger(__name__)
 __all__ = ["WorkVerifier", "CheckOptions", "signed_contribution", "Verdicts", "MAX_RESTORED"]
 
 
-@dataclass
-class _Kept:
-    """A kept round: its plan, part ranges and received contributions in memory; its start weights in the
-    verifier's :class:`~geomesh_p2p.trust.kept_weights.KeptWeights` (read by :meth:`WorkVerifier.kept_theta`)."""
-
-    plan: Any
-    part_ranges: list[tuple[int, int]]
-    packets: dict[str, dict[int, Any]]
-
-
-@dataclass
-class _Prepared:
-    """This node's check of ``round`` as drawn, with the accused's signed contributions (part -> bytes)."""
-
-    round: int
-    kept: _Kept
-    task: VerifyTask
-    signed: dict[int, bytes]
-
-
-@dataclass
-class _Measured:
-    """A check's measurement, not applied yet (:meth:`WorkVerifier._conclude`); ``evidence``: None when it passed."""
-
-    round: int
-    task: VerifyTask
-    stats: WorkStats
-    verdict: Verdict
-    evidence: Optional[Evidence]
-
-
 class CheckOptions(TypedDict, total=False):
     """The keyword options of :meth:`WorkVerifier.check_round`, which :meth:`WorkVerifier.run_round`
     passes on (see check_round for their meaning; an option left out is None)."""
@@ -225,7 +191,7 @@ class CheckOptions(TypedDict, total=False):
     signed_of: Optional[Callable[[int, str], Optional[bytes]]]
 
 
-class WorkVerifier(Verdicts):
+class WorkVerifier(Verdicts, Screening, EvidenceExchange):
     """One per node: keeps the last rounds' start weights and contributions, runs this node's checks,
     publishes and re-checks evidence, and keeps the set of excluded peers (:meth:`filter`).
 
@@ -262,7 +228,7 @@ class WorkVerifier(Verdicts):
         self.weight_decay = float(weight_decay)
         self.amp = bool(amp)
         self.dht = dht
-        self._kept: "OrderedDict[int, _Kept]" = OrderedDict()
+        self._kept: "OrderedDict[int, Kept]" = OrderedDict()
         # the kept rounds' start weights live in files, not on the heap (4P bytes of RSS each otherwise)
         self._weights = KeptWeights(kept_dir)
         self._compute = threading.Lock()
@@ -272,8 +238,11 @@ class WorkVerifier(Verdicts):
         self._log_once = LogOnce(log, capacity=1024)
         #: (round, task, stats, verdict) of this node's own checks, newest last (bounded)
         self.history: list[tuple[int, VerifyTask, WorkStats, Verdict]] = []
-        #: the background worker of :meth:`queue_check` / :meth:`tend` (its thread starts with the first job)
-        self.queue: CheckQueue = CheckQueue(cfg.duty, cfg.max_pending)
+        #: the background worker of :meth:`queue_check` / :meth:`queue_screens` / :meth:`tend` (its thread starts
+        #: with the first job; screens in a lane of their own, run first)
+        self.queue: CheckQueue = CheckQueue(cfg.duty, cfg.max_pending, max_screens=cfg.max_screens)
+        self._init_screening()
+        self._pending_ev: dict[str, Evidence] = {}  # evidence pending a re-check, as opened by fetch
         #: the newest round :meth:`tend` was called for (a verdict reached later counts its plan grace from it)
         self.now_round = 0
         self._queued: set[str] = set()  # evidence (sha256 of its head) whose re-check is queued
@@ -322,14 +291,34 @@ class WorkVerifier(Verdicts):
         """
         r = int(round)
         self._weights.put(r, theta)
-        self._kept[r] = _Kept(plan, [(s, e) for s, e in part_ranges], {p: dict(v) for p, v in packets.items()})
+        got = {p: dict(v) for p, v in packets.items()}
+        screened = screen_candidates(self.cfg, plan, got) if plan is not None and got else []
+        self._kept[r] = Kept(plan, [(s, e) for s, e in part_ranges], got, screened)
         self._kept.move_to_end(r)
-        # the newest keep_rounds stay, and older ones a queued check or re-check needs (at most max_pending + 1)
+        # Rounds stay re-checkable for recheck_rounds (a late verdict must find its round at the others: issue
+        # 28), and longer while a queued job needs them; past keep_rounds their contributions leave memory for a
+        # file beside their start weights (disk: 4P + contributors x P/8 bytes a round).
         busy = self.queue.rounds()
-        older = list(self._kept)[: max(0, len(self._kept) - self.cfg.keep_rounds)]
+        horizon = max(self.cfg.keep_rounds, self.cfg.recheck_rounds)
+        older = list(self._kept)[: max(0, len(self._kept) - horizon)]
         for old in [k for k in older if k not in busy]:
             del self._kept[old]
             self._weights.drop(old)
+        for old in list(self._kept)[: max(0, len(self._kept) - self.cfg.keep_rounds)]:
+            k = self._kept[old]
+            if k.packets is not None:
+                if k.packets:
+                    self._weights.put_blob(old, pack_packets(k.packets))
+                k.packets = None
+
+    def _packets(self, round: int, kept: Kept) -> dict:
+        """Round ``round``'s contributions, sender -> part -> packet: in memory for the newest ``keep_rounds``,
+        else read back from their file (blocking; {} when it is gone)."""
+        got = kept.packets
+        if got is not None:
+            return got
+        blob = self._weights.get_blob(round)
+        return unpack_packets(blob) if blob else {}
 
     def kept_theta(self, round: int) -> Optional[torch.Tensor]:
         """Round ``round``'s kept start weights, fp32 CPU ``[P]`` mapped read-only from their file (writes
@@ -376,7 +365,7 @@ class WorkVerifier(Verdicts):
     def _run(
         self,
         task: VerifyTask,
-        kept: _Kept,
+        packets: Mapping[str, Mapping[int, Any]],
         theta: torch.Tensor,
         micro_batch: Optional[int],
         deadline: Optional[float],
@@ -393,7 +382,7 @@ class WorkVerifier(Verdicts):
                     dataset=self.dataset,
                     theta=theta,
                     seed=self.seed,
-                    packets=kept.packets,
+                    packets=packets,
                     lr=self.lr,
                     checker=self.me,
                     weight_decay=self.weight_decay,
@@ -416,13 +405,13 @@ class WorkVerifier(Verdicts):
             plan=kept.plan,
             verifier=self.me,
             selection=sel,
-            packets=kept.packets,
+            packets=self._packets(round, kept),
             part_ranges=kept.part_ranges,
         )
 
     def _prepare(
         self, round: int, signed_of: Optional[Callable[[int, str], Optional[bytes]]] = None
-    ) -> Optional["_Prepared"]:
+    ) -> Optional["Prepared"]:
         """This node's check of ``round`` as drawn (None: not kept, or not drawn), with the accused's signed
         contributions taken now from ``signed_of(part, sender)`` (a late check no longer finds them in the
         collective, which keeps a few rounds). Blocking (it parses part results): off the event loop."""
@@ -435,15 +424,15 @@ class WorkVerifier(Verdicts):
             b = signed_of(j, task.accused) if signed_of is not None else None
             if b and len(b) <= MAX_VALUE_BYTES:
                 signed[j] = b
-        return _Prepared(round, kept, task, signed)
+        return Prepared(round, kept, task, signed)
 
     def _measure(
         self,
-        prep: "_Prepared",
+        prep: "Prepared",
         micro_batch: Optional[int] = None,
         deadline: Optional[float] = None,
         pace: Optional[Pacer] = None,
-    ) -> Optional[_Measured]:
+    ) -> Optional[Measured]:
         """Run a prepared check (blocking, heavy: :func:`check_contribution`; ``pace()`` between its passes).
         None when it cannot be run (its round's weights are gone, out of memory at one row, past
         ``deadline``); the evidence of a failure is built here (hashing its packets), not applied."""
@@ -456,14 +445,15 @@ class WorkVerifier(Verdicts):
                 task.accused[:10],
             )
             return None
+        packets = self._packets(prep.round, kept)
         try:
-            stats, verdict, used = self._run(task, kept, theta, micro_batch, deadline, pace)
+            stats, verdict, used = self._run(task, packets, theta, micro_batch, deadline, pace)
         except (VerifyTimeout, MemoryError) as e:  # out of memory even at one row: no verdict, no round lost
             log.debug("round %d: verified work of %s abandoned: %s", prep.round, task.accused[:10], e)
             return None
         ev = None
         if verdict.outcome != PASS:
-            mine = kept.packets[task.accused]
+            mine = packets[task.accused]
             ev = Evidence(
                 run_id=self.run_id,
                 round=prep.round,
@@ -480,9 +470,9 @@ class WorkVerifier(Verdicts):
                 reason=verdict.reason,
                 contributions=prep.signed,
             )
-        return _Measured(prep.round, task, stats, verdict, ev)
+        return Measured(prep.round, task, stats, verdict, ev)
 
-    def _conclude(self, m: _Measured) -> Optional[Evidence]:
+    def _conclude(self, m: Measured) -> Optional[Evidence]:
         """Apply a measured check here (its verdict, in the round it checked; the plan grace runs from
         :attr:`now_round` when it ends later): history, log, exclusion. Returns its evidence (None: passed)."""
         self.history = (self.history + [(m.round, m.task, m.stats, m.verdict)])[-100:]
@@ -551,7 +541,7 @@ class WorkVerifier(Verdicts):
         """What the background queue did (:meth:`~geomesh_p2p.trust.verify_queue.CheckCounts.as_dict`: queued, done, late, dropped, failed,
         waiting, busy and paced seconds), plus ``drawn``: this node's checks queued; all 0 before any."""
         c = self.queue.snapshot()
-        return {**c.as_dict(), "drawn": c.by_kind.get("check", 0)}
+        return {**c.as_dict(), "drawn": c.by_kind.get("check", 0), "screened": c.by_kind.get("screen", 0)}
 
     async def tend(self, round: int, *, micro_batch: Optional[int] = None) -> list[Evidence]:
         """The event loop's side of the background checks, once per round (``round``: the round just kept):
@@ -571,13 +561,15 @@ class WorkVerifier(Verdicts):
                     job.round,
                     error,
                 )
-                if job.kind == "recheck":
+                if job.kind in ("recheck", "rescreen"):
                     self._queued.discard(job.key)
-                    self._pending.pop(job.key, None)
-                    self._pending_round.pop(job.key, None)
-                    self._seen.add(job.key)
+                    self._forget(job.key)
+                elif job.kind == "screen":
+                    self._screen_jobs.discard(job.key)
                 continue
-            if job.kind == "check":
+            if job.kind in ("check", "screen"):
+                if job.kind == "screen":
+                    self._screen_jobs.discard(job.key)
                 ev = self._conclude(result) if result is not None else None
                 if ev is not None:
                     await self.publish(ev)
@@ -586,9 +578,7 @@ class WorkVerifier(Verdicts):
                 self._queued.discard(job.key)
                 if result == "late":
                     continue
-                self._pending.pop(job.key, None)
-                self._pending_round.pop(job.key, None)
-                self._seen.add(job.key)
+                self._forget(job.key)
         await self.fetch()
         n = 0
         for h, data in list(self._pending.items()):
@@ -596,14 +586,33 @@ class WorkVerifier(Verdicts):
                 break
             if h in self._queued:
                 continue
+            opened = self._pending_ev.get(h)
+            kind = "recheck"
+            if opened is not None and opened.task.kind == SCREEN:
+                key = (opened.round, opened.accused)
+                if key in self.screen_results:  # measured here already: settled now, no computation
+                    outcome = await asyncio.to_thread(self.recheck, data, micro_batch=micro_batch)
+                    if outcome != "late":
+                        self._forget(h)
+                    continue
+                if key in self._screen_jobs:
+                    continue  # this node's own screen of it is queued: it answers this evidence once it ends
+                kind = "rescreen"
             self._queued.add(h)
             dropped = self.queue.submit(
-                CheckJob(self._pending_round.get(h, round), "recheck", self._recheck_job(data, micro_batch), key=h)
+                CheckJob(self._pending_round.get(h, round), kind, self._recheck_job(data, micro_batch), key=h)
             )
-            if dropped is not None and dropped.kind == "recheck":
+            if dropped is not None and dropped.kind in ("recheck", "rescreen"):
                 self._queued.discard(dropped.key)  # queued again on a later call while its round is kept
             n += 1
         return out
+
+    def _forget(self, h: str) -> None:
+        """Evidence ``h`` is settled here (re-checked, refused, or its round gone): never read again."""
+        self._pending.pop(h, None)
+        self._pending_round.pop(h, None)
+        self._pending_ev.pop(h, None)
+        self._seen.add(h)
 
     def _recheck_job(self, data: bytes, micro_batch: Optional[int]) -> Callable[[Pacer], str]:
         """The background job of a re-check of ``data`` (:meth:`recheck`, paced)."""
@@ -636,15 +645,18 @@ class WorkVerifier(Verdicts):
             return "own"
         if ev.accused in self.excluded and ev.accused not in self.lone:
             return "known"  # (one excluded alone is re-checked: the others' evidence may confirm it)
+        if ev.task.kind == SCREEN:
+            return self._recheck_screen(ev, pace)
         kept = self._kept.get(ev.round)
         if kept is None or kept.plan.start_digest != ev.start_digest:
             return "unverifiable"
+        packets = self._packets(ev.round, kept)
         task = derive_task(
             self.cfg,
             plan=kept.plan,
             verifier=ev.verifier,
             selection=ev.selection,
-            packets=kept.packets,
+            packets=packets,
             part_ranges=kept.part_ranges,
         )
         if task != ev.task:
@@ -655,14 +667,14 @@ class WorkVerifier(Verdicts):
                 ev.accused[:10],
             )
             return "invalid"
-        mine = kept.packets.get(ev.accused, {})
+        mine = packets.get(ev.accused, {})
         if any(j not in mine or packet_digest(mine[j]) != h for j, h in ev.packets.items()):
             return "unverifiable"
         theta = self.kept_theta(ev.round)
         if theta is None:
             return "unverifiable"
         try:
-            stats, verdict, used = self._run(task, kept, theta, micro_batch, deadline, pace)
+            stats, verdict, used = self._run(task, packets, theta, micro_batch, deadline, pace)
         except VerifyTimeout:
             return "late"
         c = self.cfg
@@ -687,86 +699,6 @@ class WorkVerifier(Verdicts):
             return "refuted"
         return "inconclusive"
 
-    async def publish(self, ev: Evidence) -> bool:
-        """Store ``ev`` (chunked when over one DHT value) and the accused's signed contributions it carries
-        in the DHT (:func:`~geomesh_p2p.trust.evidence.publish_evidence`: bounded concurrency, a deadline
-        per store). True when the evidence itself was stored; a contribution stored nowhere is logged."""
-        if self.dht is None:
-            return False
-        kept = self._kept.get(int(ev.round))
-        round_s = None if kept is None else float(kept.plan.exchange_deadline) - float(kept.plan.created_at)
-        try:
-            out = await publish_evidence(
-                self.dht, ev, self.identity, expiration_time=swarm_time() + evidence_lifetime_s(self.cfg, round_s)
-            )
-        except Exception as e:  # never let publishing break a round (e.g. over MAX_EVIDENCE_CHUNKS)
-            log.warning("round %d: could not publish verified-work evidence: %s", ev.round, e)
-            return False
-        if not out.evidence:
-            log.warning(
-                "round %d: verified-work evidence against %s (%d parts, %d chunks) was stored nowhere",
-                ev.round,
-                ev.accused[:10],
-                len(ev.packets),
-                out.chunks,
-            )
-        elif out.contributions < out.contributions_total or out.contributions_left_out:
-            log.info(
-                "round %d: %d of %d contributions of %s published (%d over the limit, %d stored nowhere; "
-                "the round's peers hold them)",
-                ev.round,
-                out.contributions,
-                len(ev.contributions),
-                ev.accused[:10],
-                out.contributions_left_out,
-                out.contributions_total - out.contributions,
-            )
-        return out.evidence
-
-    async def fetch(self) -> int:
-        """Queue the evidence published about the kept rounds that this node has not seen yet (assembled
-        from its chunks; one whose chunks are not all there yet is retried on the next call, logged once)."""
-        if self.dht is None:
-            return 0
-        if self._reader is None or self._reader.dht is not self.dht:
-            self._reader = EvidenceReader(self.dht)
-        n = 0
-        for r in list(self._kept):
-            key = evidence_key(self.run_id, r)
-            try:
-                found = await self.dht.get(key)
-            except Exception as e:
-                log.debug("reading evidence of round %d failed: %s", r, e)
-                continue
-            for subkey, entry in (found or {}).items():
-                value, owner = entry[0], entry[2]
-                if owner is None or str(owner) != subkey:
-                    continue
-                h = hashlib.sha256(value).hexdigest()
-                if h in self._seen or h in self._pending:
-                    continue
-                try:
-                    data = await self._reader.load(key, subkey, value)
-                except ChunksPending as e:
-                    self._log_once(
-                        (h, str(e)), logging.INFO, "round %d: evidence of %s not usable yet: %s", r, subkey[:10], e
-                    )
-                    continue
-                except ValueError as e:
-                    self._log_once(h, logging.INFO, "round %d: evidence of %s refused: %s", r, subkey[:10], e)
-                    self._seen.add(h)  # the same bytes stay malformed
-                    continue
-                try:  # signatures and framing now (cheap), not when its re-check's turn comes (red team)
-                    Evidence.open(data, self.run_id)
-                except Exception as e:  # noqa: BLE001  (hostile bytes: any failure refuses the record)
-                    self._log_once(h, logging.INFO, "round %d: evidence of %s refused: %s", r, subkey[:10], e)
-                    self._seen.add(h)
-                    continue
-                self._pending[h] = data
-                self._pending_round[h] = r
-                n += 1
-        return n
-
     async def run_round(self, round: int, **options: Unpack[CheckOptions]) -> Optional[Evidence]:
         """This node's check of ``round`` (:meth:`check_round` with ``options``) off the event loop, its
         evidence published, then up to ``max_rechecks`` pending evidence records re-checked (all
@@ -789,8 +721,6 @@ class WorkVerifier(Verdicts):
                 outcome = "refused"
             if outcome == "late":
                 break
-            del self._pending[h]
-            self._pending_round.pop(h, None)
-            self._seen.add(h)
+            self._forget(h)
             done += outcome in ("confirmed", "refuted", "inconclusive")
         return ev

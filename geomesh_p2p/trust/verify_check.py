@@ -22,6 +22,7 @@ from geomesh_p2p.trust.check_model import is_hollow, load_for_check, release_
 from geomesh_p2p.trust.gain import GainStats, gain_stats
 from geomesh_p2p.trust.verify_task import (
     CONTROL_STREAM,
+    SCREEN,
     VerifyConfig,
     VerifyTask,
     gain_steps,
@@ -44,6 +45,8 @@ __all__ = [
     "judge",
     "quick_verdict",
     "check_contribution",
+    "screen_contribution",
+    "judge_screen",
 ]
 
 
@@ -376,8 +379,60 @@ def check_contribution(
     return stats, judge(cfg, task, stats, all_zero=False, max_scale=max_scale, bound=bound), used
 
 
+def judge_screen(cfg: VerifyConfig, task: VerifyTask, gain: GainStats) -> Verdict:
+    """The verdict of a screening check (the loss-gain test alone): fail below ``gain_t_hard`` (hard, as in a
+    full check), marginal below ``gain_t_min``, else pass. The thresholds are the full check's, measured on the
+    same statistic with the same batch counts (``benchmarks/verify_gain.py``)."""
+    head = f"screening (loss gain alone, first rounds): {task.steps_done} steps"
+    if gain.t < cfg.gain_t_hard:
+        return Verdict(
+            FAIL,
+            f"no loss gain on its own batches: t {gain.t:.2f} < {cfg.gain_t_hard} (gain {gain.assigned:+.4f} on its "
+            f"assigned batches vs {gain.control:+.4f} on controls): not trained on them ({head})",
+        )
+    if gain.t < cfg.gain_t_min:
+        return Verdict(
+            MARGINAL,
+            f"weak loss gain on its own batches: t {gain.t:.2f} < {cfg.gain_t_min} (gain {gain.assigned:+.4f} vs "
+            f"{gain.control:+.4f} on controls; {head})",
+        )
+    return Verdict(PASS, f"gain t {gain.t:.2f} ({head})")
+
+
+def screen_contribution(
+    cfg: VerifyConfig,
+    task: VerifyTask,
+    *,
+    model,
+    dataset,
+    theta: torch.Tensor,
+    seed: int,
+    packets: Mapping[str, Mapping[int, Any]],
+    lr: float,
+    weight_decay: float,
+    deadline: Optional[float] = None,
+    pace: Optional[Callable[[], None]] = None,
+    cache: Optional[dict] = None,
+) -> tuple[WorkStats, Verdict]:
+    """Run the screening ``task`` (:func:`~geomesh_p2p.trust.verify_task.derive_screen`): the checks that need
+    no computation (:func:`quick_verdict`), then the loss-gain test alone on ``cfg.gain_assigned`` of its steps
+    against ``cfg.gain_controls`` control batches: ``2 x (k + m)`` forward passes of ``task.batch_size`` rows, no
+    backward (``2k + m`` with the round's control losses in ``cache``, :func:`~geomesh_p2p.trust.gain.gain_stats`).
+    Returns the statistics (``plain`` / ``trace`` 0: not measured) and :func:`judge_screen`'s verdict.
+    ``deadline`` / ``pace``: as for :func:`batch_gradients`. Raises ValueError when ``task`` is not a screen."""
+    if task.kind != SCREEN:
+        raise ValueError(f"screen_contribution runs screening tasks, got a {task.kind!r}")
+    quick = quick_verdict(cfg, task, packets=packets, theta=theta, lr=lr, weight_decay=weight_decay)
+    if quick is not None:
+        return WorkStats(0.0, 0.0, 0), quick
+    gain = _gain(
+        cfg, task, model, dataset, theta, packets[task.accused], seed=seed, deadline=deadline, pace=pace, cache=cache
+    )
+    return WorkStats(0.0, 0.0, 0, gain), judge_screen(cfg, task, gain)
+
+
 def _gain(
-    cfg, task: VerifyTask, model, dataset, theta: torch.Tensor, mine, *, seed: int, deadline, pace=None
+    cfg, task: VerifyTask, model, dataset, theta: torch.Tensor, mine, *, seed: int, deadline, pace=None, cache=None
 ) -> GainStats:
     """The loss-gain test of ``task`` (:mod:`geomesh_p2p.trust.gain`): the contributor's packets of the task's
     parts, decoded one at a time and subtracted from the loaded weights (the parts it did not send, or the
@@ -403,6 +458,7 @@ def _gain(
             seq_len=task.seq_len,
             deadline=deadline,
             pace=pace,
+            cache=cache,
         )
     except TimeoutError as e:
         raise VerifyTimeout(str(e)) from None

@@ -15,6 +15,12 @@ verifier keeps (pins) while a job of that round waits or runs; a new job past ``
 the draw budget (``VerifyConfig.share``, the mean compute drawn per round) below the duty cycle, the
 worker keeps up on average (utilisation ``share / duty``, 0.67 by default), so a drop needs a burst of
 draws: rare (docs/security.md, "Verified work").
+
+Screening first (issue 28): jobs of the kinds in :data:`FIRST` (screening checks of newcomers and re-checks of
+others' screening evidence: the loss-gain test alone, forward passes only) wait in a lane of their own that the
+worker empties before it takes an ordinary check or re-check, under the same pacing (the same duty). That lane
+holds at most ``max_screens`` jobs (past it the oldest waiting one is dropped, counted): how many there are
+follows from the plans (a newcomer's first rounds, a few screeners each), not from what anyone publishes.
 """
 
 from __future__ import annotations
@@ -28,7 +34,10 @@ from typing import Any, Callable, Optional
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Pacer", "CheckJob", "CheckQueue", "CheckCounts", "QueueClosed"]
+__all__ = ["Pacer", "CheckJob", "CheckQueue", "CheckCounts", "QueueClosed", "FIRST"]
+
+#: Job kinds the worker runs before any other waiting job (screening checks and re-checks of screening evidence).
+FIRST = frozenset({"screen", "rescreen"})
 
 
 class QueueClosed(RuntimeError):
@@ -133,6 +142,7 @@ class CheckQueue:
         max_pending: jobs that may wait (besides the running one); a new one past it drops the oldest.
         on_drop: called with each dropped job (in the caller's thread), e.g. to release its round.
         pacer: the :class:`Pacer` (default: one at ``duty`` whose sleeps :meth:`close` cuts short).
+        max_screens: jobs of the :data:`FIRST` kinds that may wait (their own lane, run first); None: ``max_pending``.
 
     The worker thread starts on the first :meth:`submit` and ends at :meth:`close`.
     """
@@ -144,10 +154,15 @@ class CheckQueue:
         *,
         on_drop: Optional[Callable[[CheckJob], None]] = None,
         pacer: Optional[Pacer] = None,
+        max_screens: Optional[int] = None,
     ):
         if max_pending < 1:
             raise ValueError(f"max_pending={max_pending} must be >= 1")
         self.max_pending = int(max_pending)
+        self.max_screens = int(max_pending if max_screens is None else max_screens)
+        if self.max_screens < 1:
+            raise ValueError(f"max_screens={max_screens} must be >= 1")
+        self._first: deque[CheckJob] = deque()  # the FIRST lane, run before _waiting
         self._stop = threading.Event()
         self.pacer = pacer if pacer is not None else Pacer(duty, self._stop)
         self._on_drop = on_drop
@@ -168,7 +183,20 @@ class CheckQueue:
         with self._cond:
             if self._stop.is_set():
                 raise RuntimeError("the verified-work queue is closed")
-            if len(self._waiting) >= self.max_pending:
+            if job.kind in FIRST:
+                if len(self._first) >= self.max_screens:
+                    # re-checks of others' screening evidence go first, then the oldest screen
+                    dropped = next((j for j in self._first if j.kind != "screen"), None) or self._first[0]
+                    if job.kind != "screen" and dropped.kind == "screen":
+                        dropped = job  # a re-check never pushes out a screen of this node's own
+                    if dropped is not job:
+                        self._first.remove(dropped)
+                    self.counts.dropped += 1
+                if dropped is not job:
+                    self._first.append(job)
+                    self.counts.queued += 1
+                    self.counts.by_kind[job.kind] = self.counts.by_kind.get(job.kind, 0) + 1
+            elif len(self._waiting) >= self.max_pending:
                 # Re-checks of others' evidence go first, the oldest first, and a new re-check never pushes out
                 # a check of this node's own: anyone can publish evidence records (red team: junk records
                 # re-queued every round dropped a peer's own checks).
@@ -178,7 +206,7 @@ class CheckQueue:
                 if dropped is not job:
                     self._waiting.remove(dropped)
                 self.counts.dropped += 1
-            if dropped is not job:
+            if job.kind not in FIRST and dropped is not job:
                 self._waiting.append(job)
                 self.counts.queued += 1
                 self.counts.by_kind[job.kind] = self.counts.by_kind.get(job.kind, 0) + 1
@@ -192,7 +220,7 @@ class CheckQueue:
                 "kept weights are released)",
                 dropped.kind,
                 dropped.round,
-                self.max_pending,
+                self.max_screens if dropped.kind in FIRST else self.max_pending,
             )
             if self._on_drop is not None:
                 self._on_drop(dropped)
@@ -209,7 +237,7 @@ class CheckQueue:
     def rounds(self) -> set[int]:
         """Rounds with a job waiting or running (their kept weights must stay)."""
         with self._cond:
-            out = {j.round for j in self._waiting}
+            out = {j.round for j in self._waiting} | {j.round for j in self._first}
             if self._running is not None:
                 out.add(self._running.round)
         return out
@@ -218,7 +246,7 @@ class CheckQueue:
         """A copy of the counts, ``waiting`` and the pacer's seconds filled in."""
         with self._cond:
             c = CheckCounts(**{**self.counts.__dict__, "by_kind": dict(self.counts.by_kind)})
-            c.waiting = len(self._waiting) + (self._running is not None)
+            c.waiting = len(self._waiting) + len(self._first) + (self._running is not None)
         c.busy_s, c.slept_s = self.pacer.busy_s, self.pacer.slept_s
         return c
 
@@ -226,7 +254,7 @@ class CheckQueue:
         """Block until no job waits or runs (tests, shutdown); False on timeout."""
         end = time.monotonic() + timeout
         with self._cond:
-            while self._waiting or self._running is not None:
+            while self._waiting or self._first or self._running is not None:
                 left = end - time.monotonic()
                 if left <= 0:
                     return False
@@ -239,6 +267,7 @@ class CheckQueue:
         with self._cond:
             self._stop.set()
             self._waiting.clear()
+            self._first.clear()
             self._cond.notify_all()
             t = self._thread
         if t is not None and t is not threading.current_thread():
@@ -248,11 +277,11 @@ class CheckQueue:
     def _work(self) -> None:
         while True:
             with self._cond:
-                while not self._waiting and not self._stop.is_set():
+                while not self._waiting and not self._first and not self._stop.is_set():
                     self._cond.wait()
                 if self._stop.is_set():
                     return
-                job = self._running = self._waiting.popleft()
+                job = self._running = (self._first or self._waiting).popleft()
             result, error = None, None
             self.pacer.start()
             try:

@@ -66,7 +66,7 @@ def test_kept_weights_read_back_bitwise_and_files_go(tmp_path):
 
 def test_verifier_keeps_rounds_in_files_and_drops_them(tmp_path):
     wv = WorkVerifier(
-        VerifyConfig(keep_rounds=2), identity=Identity.generate(), run_id="run", model=None, dataset=None,
+        VerifyConfig(keep_rounds=2, recheck_rounds=2), identity=Identity.generate(), run_id="run", model=None, dataset=None,
         seed=0, lr=1e-3, weight_decay=0.1, kept_dir=str(tmp_path),
     )  # fmt: skip
     theta = _awkward(513, 1)

@@ -132,7 +132,8 @@ def test_a_check_longer_than_the_time_to_the_next_round_completes_and_its_verdic
     taken when it was queued."""
     c = flipped_case
     a = world.pid["A"]
-    wv = _verifier(world, c.v, dataclasses.replace(c.cfg, duty=0.5), c.plan, c.packets)  # 0.5: a shorter test
+    cfg = dataclasses.replace(c.cfg, duty=0.5, recheck_rounds=3)  # duty 0.5: a shorter test
+    wv = _verifier(world, c.v, cfg, c.plan, c.packets)
     try:
         wv._compute.acquire()  # the device is busy: the check cannot start (it waits in the background)
         try:
@@ -228,7 +229,7 @@ def test_closing_the_queue_stops_the_running_job_at_its_next_pace():
 def test_kept_rounds_stay_while_a_job_needs_them_and_go_when_it_is_dropped(tmp_path):
     """The newest keep_rounds rounds stay, and older ones only while a queued or running job needs them; the
     round of a job dropped from a full queue goes at the next keep (the counted reason: its weights released)."""
-    cfg = VT.VerifyConfig(keep_rounds=2, max_pending=1)
+    cfg = VT.VerifyConfig(keep_rounds=2, recheck_rounds=2, max_pending=1)
     wv = V.WorkVerifier(
         cfg, identity=Identity.generate(), run_id="run", model=None, dataset=None, seed=0, lr=1e-3,
         weight_decay=0.1, kept_dir=str(tmp_path),

@@ -106,7 +106,8 @@ class VerifiedWork:
         )
 
     def _queue_check(self, r: int, plan, a) -> None:
-        """Blocking: queue this peer's check of kept round ``r`` in the verifier's background worker, the
+        """Blocking: queue this peer's screens of the round's newcomers (:meth:`~geomesh_p2p.trust.verify.WorkVerifier.
+        queue_screens`, run first) and its sampled check of kept round ``r`` in the verifier's background worker, the
         accused's signed contributions taken now, while the collective holds them. Never skipped for time: it
         runs in the background of the next rounds (issue 28); ``due`` is when the first version gave up on it
         (the share ``time_share`` of the window after the exchange), past which it counts as late."""
@@ -114,12 +115,14 @@ class VerifiedWork:
         if wv is None:
             return
         collective = self._collective() if self._collective is not None else None
-        wv.queue_check(
-            r,
-            micro_batch=a.micro_batch,
-            due=time.time() + max(1.0, wv.cfg.time_share * float(plan.window_s)),
-            signed_of=lambda part, sender: verify.signed_contribution(collective, r, part, sender),
-        )
+        due = time.time() + max(1.0, wv.cfg.time_share * float(plan.window_s))
+
+        def signed_of(part: int, sender: str) -> Optional[bytes]:
+            return verify.signed_contribution(collective, r, part, sender)
+
+        # the newcomers' screens first (the worker runs them before any sampled check), then the sampled check
+        wv.queue_screens(r, due=due, signed_of=signed_of)
+        wv.queue_check(r, micro_batch=a.micro_batch, due=due, signed_of=signed_of)
 
     def close(self) -> None:
         """Stop the background checks and delete the kept start weights' files (blocking: call it off the event

@@ -1,0 +1,240 @@
+"""Screening newcomers (issue 28; geomesh_p2p/trust/verify_screen.py): every contributor's first rounds get the
+loss-gain test alone, ahead of the sampled checks; a newcomer trained on other data fails in its first round and
+is excluded for everyone (every screener replays the same batches and rows, so one screener's measurement is its
+re-check of another's evidence); an honest newcomer passes; nothing is skipped; rounds stay re-checkable with
+their contributions on disk.
+
+The world is tests/verify_util.py's (real tiny model, KJV corpus, batch 8 x 64). Its round under test is round 2,
+one of the swarm's first ``screen_rounds`` = 3 rounds, so every contributor is a newcomer there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import threading
+import types
+
+import pytest
+
+from geomesh_p2p.exchange import codec as compression
+from geomesh_p2p.trust import evidence as EV
+from geomesh_p2p.trust import verify_check as VC
+from geomesh_p2p.trust import verify_task as VT
+from geomesh_p2p.trust.verify_queue import CheckJob, CheckQueue
+from tests.verify_util import ROUND, RUN, FakeDHT, _fixed_identity, _packets, _plan, _signed, _verifier, world_fixture
+
+pytestmark = pytest.mark.timeout(300)
+
+world = pytest.fixture(scope="module", name="world")(world_fixture)
+
+#: no sampled checks (share 0): what runs is the screening alone
+CFG = VT.VerifyConfig(share=0.0)
+
+
+def _signed_of(world, packets):
+    a = world.pid["A"]
+    signed = {j: _signed(world.ids["A"], packets[a][j], j, s, e) for j, (s, e) in enumerate(world.part_ranges)}
+    return lambda part, sender: signed[part] if sender == a else None
+
+
+def _case(world, contribution, H, names=("V", "W")):
+    ids = {n: _fixed_identity(f"screener-{n}") for n in names}
+    plan = _plan(world, ids)
+    packets = _packets(world, contribution, H)
+    return ids, plan, packets
+
+
+def test_a_newcomer_trained_on_other_data_fails_its_first_screen_and_is_excluded_by_every_screener(world):
+    ids, plan, packets = _case(world, world.wrong_data, 10)
+    a, b, c = world.pid["A"], world.pid["B"], world.pid["C"]
+    assert VT.screen_candidates(CFG, plan, packets) == sorted([a, b, c])  # round 2 < screen_rounds: all new
+    dht = FakeDHT()
+    v = _verifier(world, ids["V"], CFG, plan, packets)
+    w = _verifier(world, ids["W"], CFG, plan, packets)
+    v.dht = w.dht = dht
+    try:
+        assert v.queue_screens(ROUND, signed_of=_signed_of(world, packets)) == 3
+        assert v.queue_check(ROUND) is False  # share 0: no sampled check drawn
+        assert v.queue.wait_idle(240)
+        [ev] = asyncio.run(v.tend(ROUND))  # the round it was queued in: concluded, published
+        assert (ev.task.kind, ev.accused, ev.round, ev.outcome) == (VT.SCREEN, a, ROUND, VC.FAIL)
+        assert "no loss gain on its own batches" in ev.reason and ev.task.steps == () and ev.task.passes() == 0
+        t_a = v.screen_results[(ROUND, a)][0].gain
+        assert t_a is not None and t_a.t < CFG.gain_t_hard and t_a.k == 8 and t_a.m == CFG.gain_controls
+        for p in (b, c):  # the honest contributors of the same round pass
+            assert v.screen_results[(ROUND, p)][1].outcome == VC.PASS and p not in v.excluded
+        assert a in v.excluded and a in v.lone  # its own measurement alone, so far
+        assert list(dht.data[EV.screen_evidence_key(RUN, ROUND, a)]) == [str(ids["V"].peer_id)]
+        assert v.counts()["screened"] == 3 and v.counts()["dropped"] == 0
+
+        # W screens the same newcomer: the same batches and rows, so the same t to the bit, and V's evidence is
+        # settled by W's own measurement (no second computation): A is out at W for everyone's reasons
+        assert w.queue_screens(ROUND, signed_of=_signed_of(world, packets)) == 3
+        assert w.queue.wait_idle(240)
+        [ev_w] = asyncio.run(w.tend(ROUND))
+        assert w.screen_results[(ROUND, a)][0].gain == t_a and ev_w.task == dataclasses.replace(
+            ev.task, verifier=str(ids["W"].peer_id)
+        )
+        assert a in w.excluded and a not in w.lone
+        assert w.counts()["queued"] == 3  # its three screens; no re-check job
+        asyncio.run(v.tend(ROUND))  # V reads W's evidence: confirmed by its own measurement
+        assert a in v.excluded and a not in v.lone
+        assert v.filter([types.SimpleNamespace(peer_id=a), types.SimpleNamespace(peer_id=b)]) == [
+            types.SimpleNamespace(peer_id=b)
+        ]
+    finally:
+        v.close()
+        w.close()
+
+
+def test_a_participant_that_screened_nothing_re_checks_the_evidence_with_the_same_screen(world):
+    cfg = dataclasses.replace(CFG, screeners=1)
+    ids, plan, packets = _case(world, world.wrong_data, 10)
+    a = world.pid["A"]
+    seed = VT.screen_seed(RUN, plan, packets)
+    [screener] = VT.screeners_of(seed, a, [x.peer_id for x in plan.assignments], 1)
+    everyone = {str(i.peer_id): i for i in [*ids.values(), world.ids["B"], world.ids["C"]]}
+    observer_id = next(p for p in everyone if p != screener)
+    dht = FakeDHT()
+    s = _verifier(world, everyone[screener], cfg, plan, packets)
+    o = _verifier(world, everyone[observer_id], cfg, plan, packets)
+    s.dht = o.dht = dht
+    try:
+        assert s.queue_screens(ROUND, signed_of=_signed_of(world, packets)) >= 1
+        assert s.queue.wait_idle(240)
+        assert [e.accused for e in asyncio.run(s.tend(ROUND))] == [a]
+        assert (ROUND, a) not in o.screen_results
+        assert asyncio.run(o.tend(ROUND)) == []  # reads the evidence, queues its re-check in the first lane
+        assert o.queue.wait_idle(240)
+        asyncio.run(o.tend(ROUND))
+        assert o.queue.counts.by_kind == {"rescreen": 1}  # the observer screened nothing itself
+        assert o.screen_results[(ROUND, a)][0].gain == s.screen_results[(ROUND, a)][0].gain  # the same screen
+        assert a in o.excluded and a not in o.lone and f"checked by {screener[:10]}" in o.excluded[a]
+    finally:
+        s.close()
+        o.close()
+
+
+def test_an_honest_newcomer_passes_its_screen(world):
+    ids, plan, packets = _case(world, world.honest[5], 5)
+    v = _verifier(world, ids["V"], CFG, plan, packets)
+    try:
+        assert v.queue_screens(ROUND) == 3
+        assert v.queue.wait_idle(240)
+        assert asyncio.run(v.tend(ROUND)) == []  # nothing failed: nothing published
+        stats, verdict = v.screen_results[(ROUND, world.pid["A"])]
+        assert verdict.outcome == VC.PASS and stats.gain is not None and stats.gain.t >= CFG.gain_t_min
+        assert stats.gain.k == 5  # H = 5: all five of its batches
+        assert not v.excluded and not v.lone
+    finally:
+        v.close()
+
+
+def test_screens_run_before_the_sampled_checks_and_none_is_skipped(world):
+    cfg = VT.VerifyConfig(share=1.0)  # a sampled check is drawn for sure
+    ids, plan, packets = _case(world, world.wrong_data, 10)
+    v = _verifier(world, ids["V"], cfg, plan, packets)
+    gate, started = threading.Event(), threading.Event()
+
+    def blocker(pace):
+        started.set()
+        gate.wait(60)
+
+    try:
+        v.queue.submit(CheckJob(ROUND, "recheck", blocker, key="blocker"))
+        assert started.wait(60)  # the worker is busy: what follows waits
+        assert v.queue_check(ROUND, signed_of=_signed_of(world, packets))  # queued first
+        assert v.queue_screens(ROUND, signed_of=_signed_of(world, packets)) == 3  # queued after it
+        gate.set()
+        assert v.queue.wait_idle(240)
+        ran = [(job.kind, job.key) for job, _, err in v.queue.results() if err is None]
+        assert [k for k, _ in ran] == ["recheck", "screen", "screen", "screen", "check"]
+        # the screening order is this verifier's own draw (its selection signature), not the plan's
+        c = v.queue.snapshot()
+        assert (c.queued, c.done, c.dropped, c.failed, c.waiting) == (5, 5, 0, 0, 0)
+    finally:
+        gate.set()
+        v.close()
+
+
+def test_the_screen_is_the_same_for_every_screener_and_fixed_only_after_the_round(world):
+    ids, plan, packets = _case(world, world.honest[10], 10)
+    a = world.pid["A"]
+    seed = VT.screen_seed(RUN, plan, packets)
+    tasks = [
+        VT.derive_screen(CFG, plan=plan, verifier=str(i.peer_id), accused=a, seed=seed, packets=packets,
+                         part_ranges=world.part_ranges)
+        for i in ids.values()
+    ]  # fmt: skip
+    assert all(t is not None for t in tasks)
+    assert dataclasses.replace(tasks[0], verifier="") == dataclasses.replace(tasks[1], verifier="")
+    assert VT.derive_screen(CFG, plan=plan, verifier=a, accused=a, seed=seed, packets=packets,
+                            part_ranges=world.part_ranges) is None  # fmt: skip
+    # another contributor's packet changes the seed: nobody can know it while it trains
+    other = dict(packets)
+    b = world.pid["B"]
+    other[b] = {**packets[b], 0: compression.encode(-world.others["B"][: world.part_ranges[0][1]], 2048, 10 * 8 * 64)}
+    assert VT.screen_seed(RUN, plan, other) != seed
+    # after the swarm's first rounds only the plan's probation peers are screened
+    late = plan.model_copy(
+        update={
+            "round": CFG.screen_rounds,
+            "assignments": [
+                x.model_copy(update={"probation": True, "part_start": 0, "part_end": 0}) if x.peer_id == a else x
+                for x in plan.assignments
+            ],
+        }
+    )
+    assert VT.screen_candidates(CFG, late, packets) == [a]
+    assert VT.screen_candidates(CFG, late.model_copy(update={"assignments": plan.assignments}), packets) == []
+    # the wire form: a screen says so; an ordinary check's dict is what earlier versions signed
+    d = tasks[0].to_dict()
+    assert d["kind"] == VT.SCREEN and VT.VerifyTask.from_dict(d) == tasks[0]
+    plain = dataclasses.replace(tasks[0], kind=VT.CHECK)
+    assert "kind" not in plain.to_dict() and VT.VerifyTask.from_dict({**plain.to_dict(), "later": 1}) == plain
+    with pytest.raises(ValueError, match="kind"):
+        VT.VerifyTask.from_dict({**d, "kind": "other"})
+
+
+def test_rounds_stay_re_checkable_with_their_contributions_on_disk(world, tmp_path):
+    cfg = dataclasses.replace(CFG, keep_rounds=1, recheck_rounds=3)
+    ids, plan, packets = _case(world, world.honest[10], 10)
+    from geomesh_p2p.trust import verify as V
+
+    wv = V.WorkVerifier(
+        cfg, identity=ids["V"], run_id=RUN, model=None, dataset=world.ds, seed=0, lr=1e-3, weight_decay=0.1,
+        kept_dir=str(tmp_path),
+    )  # fmt: skip
+    try:
+        for r in range(5):
+            wv.keep_round(r, theta=world.theta, plan=plan, part_ranges=world.part_ranges, packets=packets)
+        assert sorted(wv._kept) == [2, 3, 4]  # recheck_rounds = 3 in all
+        assert wv._kept[4].packets is not None and wv._kept[2].packets is None and wv._kept[3].packets is None
+        assert wv.kept_weights.files() == ["blob-2.bin", "blob-3.bin", "theta-2.f32", "theta-3.f32", "theta-4.f32"]
+        back = wv._packets(2, wv._kept[2])
+        assert {p: {j: x.to_bytes() for j, x in v.items()} for p, v in back.items()} == {
+            p: {j: x.to_bytes() for j, x in v.items()} for p, v in packets.items()
+        }
+    finally:
+        wv.close()
+
+
+def test_the_screening_lane_is_bounded_and_a_re_check_never_pushes_out_a_screen():
+    gate, started = threading.Event(), threading.Event()
+    q = CheckQueue(1.0, 2, max_screens=2)
+    try:
+        q.submit(CheckJob(0, "check", lambda pace: (started.set(), gate.wait(30)), key="busy"))
+        assert started.wait(30)
+        q.submit(CheckJob(1, "check", lambda pace: "c", key="c"))
+        for k in ("s1", "s2"):
+            assert q.submit(CheckJob(1, "screen", lambda pace, k=k: k, key=k)) is None
+        assert q.submit(CheckJob(1, "rescreen", lambda pace: "r", key="r")).key == "r"  # full of screens: itself
+        assert q.submit(CheckJob(2, "screen", lambda pace: "s3", key="s3")).key == "s1"  # the oldest screen
+        gate.set()
+        assert q.wait_idle(30)
+        assert [j.key for j, _, _ in q.results()] == ["busy", "s2", "s3", "c"]
+        assert q.snapshot().dropped == 2
+    finally:
+        gate.set()
+        q.close()
