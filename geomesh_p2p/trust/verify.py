@@ -588,8 +588,9 @@ class WorkVerifier(Verdicts, Screening, EvidenceExchange):
                     if outcome != "late":
                         self._forget(h)
                     continue
-                if key in self._screen_jobs:
-                    continue  # this node's own screen of it is queued: it answers this evidence once it ends
+                if key in self._screen_jobs:  # this node's own screen of it answers this evidence once it ends:
+                    self.queue.promote(key)  # run it next, so that the others' verdict is confirmed here soon
+                    continue
                 kind = "rescreen"
             self._queued.add(h)
             dropped = self.queue.submit(

@@ -226,6 +226,18 @@ class CheckQueue:
                 self._on_drop(dropped)
         return dropped
 
+    def promote(self, key: Any) -> bool:
+        """Move the waiting :data:`FIRST`-lane job named ``key`` to the front of that lane (another screener's
+        evidence about the same newcomer arrived: this node's own measurement of it settles that evidence for
+        everyone here). True when one was waiting; a running or unknown one is left as it is."""
+        with self._cond:
+            job = next((j for j in self._first if j.key == key), None)
+            if job is None:
+                return False
+            self._first.remove(job)
+            self._first.appendleft(job)
+            return True
+
     def results(self) -> list[tuple[CheckJob, Any, Optional[BaseException]]]:
         """The jobs that ended since the last call, oldest first: ``(job, its result, the exception it raised
         or None)``."""

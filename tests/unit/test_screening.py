@@ -231,9 +231,10 @@ def test_the_screening_lane_is_bounded_and_a_re_check_never_pushes_out_a_screen(
             assert q.submit(CheckJob(1, "screen", lambda pace, k=k: k, key=k)) is None
         assert q.submit(CheckJob(1, "rescreen", lambda pace: "r", key="r")).key == "r"  # full of screens: itself
         assert q.submit(CheckJob(2, "screen", lambda pace: "s3", key="s3")).key == "s1"  # the oldest screen
+        assert q.promote("s3") and not q.promote("nothing")  # another screener's evidence about s3 arrived
         gate.set()
         assert q.wait_idle(30)
-        assert [j.key for j, _, _ in q.results()] == ["busy", "s2", "s3", "c"]
+        assert [j.key for j, _, _ in q.results()] == ["busy", "s3", "s2", "c"]
         assert q.snapshot().dropped == 2
     finally:
         gate.set()
