@@ -239,7 +239,15 @@ class WorkVerifier(Verdicts, Screening, EvidenceExchange):
         self.history: list[tuple[int, VerifyTask, WorkStats, Verdict]] = []
         #: the background worker of :meth:`queue_check` / :meth:`queue_screens` / :meth:`tend` (its thread starts
         #: with the first job; screens in a lane of their own, run first)
-        self.queue: CheckQueue = CheckQueue(cfg.duty, cfg.max_pending, max_screens=cfg.max_screens)
+        params = next(iter(model.parameters()), None) if model is not None else None
+        on_cpu = params is None or params.device.type == "cpu"
+        stop = threading.Event()  # a CPU device is paced by the worker's CPU time (Pacer: not the waits for a core)
+        pacer = Pacer(
+            cfg.duty, stop, cpu_clock=time.thread_time if on_cpu else None, cpu_threads=torch.get_num_threads()
+        )
+        self.queue: CheckQueue = CheckQueue(
+            cfg.duty, cfg.max_pending, max_screens=cfg.max_screens, pacer=pacer, stop=stop
+        )
         self._init_screening()
         self._pending_ev: dict[str, Evidence] = {}  # evidence pending a re-check, as opened by fetch
         #: the newest round :meth:`tend` was called for (a verdict reached later counts its plan grace from it)

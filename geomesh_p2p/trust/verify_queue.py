@@ -50,6 +50,11 @@ class Pacer:
 
     ``stop``: an event that ends the sleeps early (the queue's close); ``clock`` (seconds) and ``sleep(s)``:
     how to read the time and wait (default: ``time.monotonic`` and ``stop.wait``; a test passes fakes).
+    ``cpu_clock``: when given (a CPU device: ``time.thread_time`` of the worker thread, read in that thread),
+    ``busy`` is the work's CPU seconds x ``cpu_threads`` (its intra-op threads), at most its wall time: on a CPU
+    shared with the peer's own training (the same process, the GIL, other processes) a pass's wall time is mostly
+    waiting for a core, and pacing on it spent the budget on waiting (session 16: a 48-pass screen counted ~5 s
+    busy for well under 1 s of compute). A GPU device keeps wall time (its kernels run outside the thread).
     Raises ValueError unless ``0 < duty <= 1``."""
 
     def __init__(
@@ -58,6 +63,8 @@ class Pacer:
         stop: Optional[threading.Event] = None,
         clock: Callable[[], float] = time.monotonic,
         sleep: Optional[Callable[[float], Any]] = None,
+        cpu_clock: Optional[Callable[[], float]] = None,
+        cpu_threads: int = 1,
     ):
         if not 0.0 < float(duty) <= 1.0:
             raise ValueError(f"duty={duty} must be in (0, 1]")
@@ -65,7 +72,10 @@ class Pacer:
         self.stop = stop if stop is not None else threading.Event()
         self.clock = clock
         self.sleep = sleep if sleep is not None else self.stop.wait
+        self.cpu_clock = cpu_clock
+        self.cpu_threads = max(1, int(cpu_threads))
         self._since = clock()
+        self._cpu_since = cpu_clock() if cpu_clock is not None else 0.0
         #: seconds computed and seconds slept so far
         self.busy_s = 0.0
         self.slept_s = 0.0
@@ -73,12 +83,16 @@ class Pacer:
     def start(self) -> None:
         """Begin a unit of work now (a job starts)."""
         self._since = self.clock()
+        if self.cpu_clock is not None:
+            self._cpu_since = self.cpu_clock()
 
     def __call__(self) -> None:
         """Pace: sleep for the work since the last call. Raises :class:`QueueClosed` once ``stop`` is set."""
         if self.stop.is_set():
             raise QueueClosed("the verified-work queue was closed")
         busy = max(0.0, self.clock() - self._since)
+        if self.cpu_clock is not None:
+            busy = min(busy, max(0.0, self.cpu_clock() - self._cpu_since) * self.cpu_threads)
         self.busy_s += busy
         rest = busy * (1.0 - self.duty) / self.duty
         if rest > 0:
@@ -86,6 +100,8 @@ class Pacer:
             self.sleep(rest)
             self.slept_s += max(0.0, self.clock() - t0)
         self._since = self.clock()
+        if self.cpu_clock is not None:
+            self._cpu_since = self.cpu_clock()
 
 
 @dataclass
@@ -143,6 +159,7 @@ class CheckQueue:
         on_drop: called with each dropped job (in the caller's thread), e.g. to release its round.
         pacer: the :class:`Pacer` (default: one at ``duty`` whose sleeps :meth:`close` cuts short).
         max_screens: jobs of the :data:`FIRST` kinds that may wait (their own lane, run first); None: ``max_pending``.
+        stop: the event :meth:`close` sets (pass the one a custom ``pacer`` waits on, so that close cuts its sleeps).
 
     The worker thread starts on the first :meth:`submit` and ends at :meth:`close`.
     """
@@ -155,6 +172,7 @@ class CheckQueue:
         on_drop: Optional[Callable[[CheckJob], None]] = None,
         pacer: Optional[Pacer] = None,
         max_screens: Optional[int] = None,
+        stop: Optional[threading.Event] = None,
     ):
         if max_pending < 1:
             raise ValueError(f"max_pending={max_pending} must be >= 1")
@@ -163,7 +181,7 @@ class CheckQueue:
         if self.max_screens < 1:
             raise ValueError(f"max_screens={max_screens} must be >= 1")
         self._first: deque[CheckJob] = deque()  # the FIRST lane, run before _waiting
-        self._stop = threading.Event()
+        self._stop = stop if stop is not None else threading.Event()
         self.pacer = pacer if pacer is not None else Pacer(duty, self._stop)
         self._on_drop = on_drop
         self._cond = threading.Condition()

@@ -239,3 +239,16 @@ def test_the_screening_lane_is_bounded_and_a_re_check_never_pushes_out_a_screen(
     finally:
         gate.set()
         q.close()
+
+
+def test_on_a_cpu_the_pacer_counts_the_checks_cpu_time_not_its_waits_for_a_core():
+    from geomesh_p2p.trust.verify_queue import Pacer
+
+    wall, cpu, sleeps = [0.0], [0.0], []
+    pace = Pacer(0.25, clock=lambda: wall[0], sleep=sleeps.append, cpu_clock=lambda: cpu[0], cpu_threads=2)
+    pace.start()
+    wall[0], cpu[0] = 4.0, 0.5  # a pass of 4 s wall time that computed 0.5 s on each of its 2 threads
+    pace()
+    wall[0], cpu[0] = 5.0, 1.5  # then one that computed more than its wall time says: the wall time bounds it
+    pace()
+    assert pace.busy_s == 2.0 and sleeps == [1.0 * 3, 1.0 * 3]
