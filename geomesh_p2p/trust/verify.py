@@ -91,7 +91,7 @@ scaling within the bound (the aggregation's clip is the defence there), anything
 nobody checks it, a contribution that claims fewer than ``min_steps`` steps (never drawn: the thresholds
 are not measured there), and everything in reencode mode (only relay mode shows every peer the signed
 contributions). A late verdict can be re-checked only by peers that still keep its round
-(``keep_rounds``): at small H it usually stays a verdict held alone (:attr:`WorkVerifier.lone`).
+(``recheck_rounds`` = 12, 3 before session 16, when at small H it usually stayed a verdict held alone).
 
 Who checks whom. Verifier ``v`` signs ``(run, round, start digest)`` with its Ed25519 key; the SHA-256
 of that signature decides whether it checks this round, whom, which steps and elements. Nobody
@@ -107,7 +107,7 @@ the selection signature, the task, the values measured and the SHA-256 of each o
 packets (chunked past one DHT value, :mod:`.evidence`); beside it (:func:`contributions_key`, one
 value per part that fits a DHT value) the accused's own signed contributions, which need no other
 signature. Every peer that holds the round's start
-weights and contributions (the participants, for :attr:`VerifyConfig.keep_rounds` rounds) re-checks
+weights and contributions (the participants, for :attr:`VerifyConfig.recheck_rounds` rounds) re-checks
 it by re-running the computation with its own contribution as the basis, and excludes the accused from
 the plans it makes when its own measurement fails too (one hard failure, or marginal failures in two
 different rounds). Re-checking, not counting accusers, because a lying verifier must gain nothing: a

@@ -6,7 +6,7 @@ starts, and the first version skipped such checks (21 of 28 in a clean 4-peer ru
 deadline, so whoever was drawn then went unchecked. Here a check is a *job* in :class:`CheckQueue`: one
 daemon thread runs the jobs one at a time, in the background of the next rounds' inner steps, and paces
 itself (:class:`Pacer`) so that it computes at most ``duty`` of the wall time: after each pass of ``t``
-seconds it sleeps ``t x (1 - duty) / duty``. A check is never skipped or abandoned for being late: it ends
+seconds it sleeps ``t x (1 - duty) / duty`` (on a CPU device ``t`` is the thread's CPU time: :class:`Pacer`). A check is never skipped or abandoned for being late: it ends
 later, and its verdict is applied when it ends (:meth:`CheckQueue.results`, drained by the event loop).
 
 Bounded: at most ``max_pending`` jobs wait. A job needs its round's kept start weights, which the
