@@ -91,7 +91,7 @@ scaling within the bound (the aggregation's clip is the defence there), anything
 nobody checks it, a contribution that claims fewer than ``min_steps`` steps (never drawn: the thresholds
 are not measured there), and everything in reencode mode (only relay mode shows every peer the signed
 contributions). A late verdict can be re-checked only by peers that still keep its round
-(``keep_rounds``): at small H it usually stays a verdict held alone (:attr:`WorkVerifier.lone`).
+(``recheck_rounds`` = 12, 3 before session 16, when at small H it usually stayed a verdict held alone).
 
 Who checks whom. Verifier ``v`` signs ``(run, round, start digest)`` with its Ed25519 key; the SHA-256
 of that signature decides whether it checks this round, whom, which steps and elements. Nobody
@@ -107,7 +107,7 @@ the selection signature, the task, the values measured and the SHA-256 of each o
 packets (chunked past one DHT value, :mod:`.evidence`); beside it (:func:`contributions_key`, one
 value per part that fits a DHT value) the accused's own signed contributions, which need no other
 signature. Every peer that holds the round's start
-weights and contributions (the participants, for :attr:`VerifyConfig.keep_rounds` rounds) re-checks
+weights and contributions (the participants, for :attr:`VerifyConfig.recheck_rounds` rounds) re-checks
 it by re-running the computation with its own contribution as the basis, and excludes the accused from
 the plans it makes when its own measurement fails too (one hard failure, or marginal failures in two
 different rounds). Re-checking, not counting accusers, because a lying verifier must gain nothing: a
@@ -240,7 +240,15 @@ class WorkVerifier(Verdicts, Screening, EvidenceExchange):
         self.history: list[tuple[int, VerifyTask, WorkStats, Verdict]] = []
         #: the background worker of :meth:`queue_check` / :meth:`queue_screens` / :meth:`tend` (its thread starts
         #: with the first job; screens in a lane of their own, run first)
-        self.queue: CheckQueue = CheckQueue(cfg.duty, cfg.max_pending, max_screens=cfg.max_screens)
+        params = next(iter(model.parameters()), None) if model is not None else None
+        on_cpu = params is None or params.device.type == "cpu"
+        stop = threading.Event()  # a CPU device is paced by the worker's CPU time (Pacer: not the waits for a core)
+        pacer = Pacer(
+            cfg.duty, stop, cpu_clock=time.thread_time if on_cpu else None, cpu_threads=torch.get_num_threads()
+        )
+        self.queue: CheckQueue = CheckQueue(
+            cfg.duty, cfg.max_pending, max_screens=cfg.max_screens, pacer=pacer, stop=stop
+        )
         self._init_screening()
         self._pending_ev: dict[str, Evidence] = {}  # evidence pending a re-check, as opened by fetch
         #: the newest round :meth:`tend` was called for (a verdict reached later counts its plan grace from it)
@@ -595,8 +603,9 @@ class WorkVerifier(Verdicts, Screening, EvidenceExchange):
                     if outcome != "late":
                         self._forget(h)
                     continue
-                if key in self._screen_jobs:
-                    continue  # this node's own screen of it is queued: it answers this evidence once it ends
+                if key in self._screen_jobs:  # this node's own screen of it answers this evidence once it ends:
+                    self.queue.promote(key)  # run it next, so that the others' verdict is confirmed here soon
+                    continue
                 kind = "rescreen"
             self._queued.add(h)
             dropped = self.queue.submit(

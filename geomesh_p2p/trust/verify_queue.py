@@ -6,7 +6,7 @@ starts, and the first version skipped such checks (21 of 28 in a clean 4-peer ru
 deadline, so whoever was drawn then went unchecked. Here a check is a *job* in :class:`CheckQueue`: one
 daemon thread runs the jobs one at a time, in the background of the next rounds' inner steps, and paces
 itself (:class:`Pacer`) so that it computes at most ``duty`` of the wall time: after each pass of ``t``
-seconds it sleeps ``t x (1 - duty) / duty``. A check is never skipped or abandoned for being late: it ends
+seconds it sleeps ``t x (1 - duty) / duty`` (on a CPU device ``t`` is the thread's CPU time: :class:`Pacer`). A check is never skipped or abandoned for being late: it ends
 later, and its verdict is applied when it ends (:meth:`CheckQueue.results`, drained by the event loop).
 
 Bounded: at most ``max_pending`` jobs wait. A job needs its round's kept start weights, which the
@@ -50,6 +50,11 @@ class Pacer:
 
     ``stop``: an event that ends the sleeps early (the queue's close); ``clock`` (seconds) and ``sleep(s)``:
     how to read the time and wait (default: ``time.monotonic`` and ``stop.wait``; a test passes fakes).
+    ``cpu_clock``: when given (a CPU device: ``time.thread_time`` of the worker thread, read in that thread),
+    ``busy`` is the work's CPU seconds x ``cpu_threads`` (its intra-op threads), at most its wall time: on a CPU
+    shared with the peer's own training (the same process, the GIL, other processes) a pass's wall time is mostly
+    waiting for a core, and pacing on it spent the budget on waiting (session 16: a 48-pass screen counted ~5 s
+    busy for well under 1 s of compute). A GPU device keeps wall time (its kernels run outside the thread).
     Raises ValueError unless ``0 < duty <= 1``."""
 
     def __init__(
@@ -58,6 +63,8 @@ class Pacer:
         stop: Optional[threading.Event] = None,
         clock: Callable[[], float] = time.monotonic,
         sleep: Optional[Callable[[float], Any]] = None,
+        cpu_clock: Optional[Callable[[], float]] = None,
+        cpu_threads: int = 1,
     ):
         if not 0.0 < float(duty) <= 1.0:
             raise ValueError(f"duty={duty} must be in (0, 1]")
@@ -65,7 +72,10 @@ class Pacer:
         self.stop = stop if stop is not None else threading.Event()
         self.clock = clock
         self.sleep = sleep if sleep is not None else self.stop.wait
+        self.cpu_clock = cpu_clock
+        self.cpu_threads = max(1, int(cpu_threads))
         self._since = clock()
+        self._cpu_since = cpu_clock() if cpu_clock is not None else 0.0
         #: seconds computed and seconds slept so far
         self.busy_s = 0.0
         self.slept_s = 0.0
@@ -73,12 +83,16 @@ class Pacer:
     def start(self) -> None:
         """Begin a unit of work now (a job starts)."""
         self._since = self.clock()
+        if self.cpu_clock is not None:
+            self._cpu_since = self.cpu_clock()
 
     def __call__(self) -> None:
         """Pace: sleep for the work since the last call. Raises :class:`QueueClosed` once ``stop`` is set."""
         if self.stop.is_set():
             raise QueueClosed("the verified-work queue was closed")
         busy = max(0.0, self.clock() - self._since)
+        if self.cpu_clock is not None:
+            busy = min(busy, max(0.0, self.cpu_clock() - self._cpu_since) * self.cpu_threads)
         self.busy_s += busy
         rest = busy * (1.0 - self.duty) / self.duty
         if rest > 0:
@@ -86,6 +100,8 @@ class Pacer:
             self.sleep(rest)
             self.slept_s += max(0.0, self.clock() - t0)
         self._since = self.clock()
+        if self.cpu_clock is not None:
+            self._cpu_since = self.cpu_clock()
 
 
 @dataclass
@@ -143,6 +159,7 @@ class CheckQueue:
         on_drop: called with each dropped job (in the caller's thread), e.g. to release its round.
         pacer: the :class:`Pacer` (default: one at ``duty`` whose sleeps :meth:`close` cuts short).
         max_screens: jobs of the :data:`FIRST` kinds that may wait (their own lane, run first); None: ``max_pending``.
+        stop: the event :meth:`close` sets (pass the one a custom ``pacer`` waits on, so that close cuts its sleeps).
 
     The worker thread starts on the first :meth:`submit` and ends at :meth:`close`.
     """
@@ -155,6 +172,7 @@ class CheckQueue:
         on_drop: Optional[Callable[[CheckJob], None]] = None,
         pacer: Optional[Pacer] = None,
         max_screens: Optional[int] = None,
+        stop: Optional[threading.Event] = None,
     ):
         if max_pending < 1:
             raise ValueError(f"max_pending={max_pending} must be >= 1")
@@ -163,7 +181,7 @@ class CheckQueue:
         if self.max_screens < 1:
             raise ValueError(f"max_screens={max_screens} must be >= 1")
         self._first: deque[CheckJob] = deque()  # the FIRST lane, run before _waiting
-        self._stop = threading.Event()
+        self._stop = stop if stop is not None else threading.Event()
         self.pacer = pacer if pacer is not None else Pacer(duty, self._stop)
         self._on_drop = on_drop
         self._cond = threading.Condition()
@@ -225,6 +243,18 @@ class CheckQueue:
             if self._on_drop is not None:
                 self._on_drop(dropped)
         return dropped
+
+    def promote(self, key: Any) -> bool:
+        """Move the waiting :data:`FIRST`-lane job named ``key`` to the front of that lane (another screener's
+        evidence about the same newcomer arrived: this node's own measurement of it settles that evidence for
+        everyone here). True when one was waiting; a running or unknown one is left as it is."""
+        with self._cond:
+            job = next((j for j in self._first if j.key == key), None)
+            if job is None:
+                return False
+            self._first.remove(job)
+            self._first.appendleft(job)
+            return True
 
     def results(self) -> list[tuple[CheckJob, Any, Optional[BaseException]]]:
         """The jobs that ended since the last call, oldest first: ``(job, its result, the exception it raised

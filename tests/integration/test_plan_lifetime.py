@@ -57,10 +57,10 @@ def test_a_plans_lifetime_covers_its_round_and_keeps_the_floor_for_short_ones():
 
 
 def test_evidence_and_round_summaries_live_as_long_as_the_rounds_they_serve():
-    cfg = VerifyConfig()  # participants keep a round re-checkable for keep_rounds = 3 rounds
+    cfg = VerifyConfig()  # participants keep a round re-checkable for recheck_rounds = 12 rounds (3 before session 16)
     assert evidence_lifetime_s(cfg, 10.0) == cfg.evidence_ttl_s == 900.0  # short rounds: as before
     assert evidence_lifetime_s(cfg, None) == 900.0
-    assert evidence_lifetime_s(cfg, 330.0) == 2 * (3 + 1) * 330.0  # 5-minute rounds: 44 minutes, not 15
+    assert evidence_lifetime_s(cfg, 330.0) == 2 * (12 + 1) * 330.0  # 5-minute rounds: 143 minutes, not 15
     rows = [SimpleNamespace(round_s=8.0), SimpleNamespace(round_s=12.0)]
     assert summary_ttl_s(rows) == SUMMARY_TTL_S == 900.0
     assert summary_ttl_s([*rows, SimpleNamespace(round_s=1200.0)]) == 3 * 1200.0  # 20-minute rounds

@@ -231,10 +231,24 @@ def test_the_screening_lane_is_bounded_and_a_re_check_never_pushes_out_a_screen(
             assert q.submit(CheckJob(1, "screen", lambda pace, k=k: k, key=k)) is None
         assert q.submit(CheckJob(1, "rescreen", lambda pace: "r", key="r")).key == "r"  # full of screens: itself
         assert q.submit(CheckJob(2, "screen", lambda pace: "s3", key="s3")).key == "s1"  # the oldest screen
+        assert q.promote("s3") and not q.promote("nothing")  # another screener's evidence about s3 arrived
         gate.set()
         assert q.wait_idle(30)
-        assert [j.key for j, _, _ in q.results()] == ["busy", "s2", "s3", "c"]
+        assert [j.key for j, _, _ in q.results()] == ["busy", "s3", "s2", "c"]
         assert q.snapshot().dropped == 2
     finally:
         gate.set()
         q.close()
+
+
+def test_on_a_cpu_the_pacer_counts_the_checks_cpu_time_not_its_waits_for_a_core():
+    from geomesh_p2p.trust.verify_queue import Pacer
+
+    wall, cpu, sleeps = [0.0], [0.0], []
+    pace = Pacer(0.25, clock=lambda: wall[0], sleep=sleeps.append, cpu_clock=lambda: cpu[0], cpu_threads=2)
+    pace.start()
+    wall[0], cpu[0] = 4.0, 0.5  # a pass of 4 s wall time that computed 0.5 s on each of its 2 threads
+    pace()
+    wall[0], cpu[0] = 5.0, 1.5  # then one that computed more than its wall time says: the wall time bounds it
+    pace()
+    assert pace.busy_s == 2.0 and sleeps == [1.0 * 3, 1.0 * 3]
