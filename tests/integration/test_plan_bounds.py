@@ -622,7 +622,7 @@ def test_a_peer_whose_training_diverges_contributes_nothing_and_keeps_going(monk
 
     sent = {}
 
-    async def fake_all_reduce(spec, delta, tokens, compute_end=None):
+    async def fake_all_reduce(spec, delta, tokens, compute_end=None, in_place=False):
         sent.update(delta=delta.clone(), tokens=tokens)
         return SimpleNamespace(missing_parts=[], contributors={}, aggregate=torch.zeros(40))
 
