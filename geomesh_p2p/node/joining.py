@@ -19,7 +19,7 @@ from geomesh_p2p.node.started import started
 from geomesh_p2p.dht import IncompatibleSwarmError, check_compatible, live_peers
 from geomesh_p2p.dht.state import DHT_PROTOCOL_VERSION
 from geomesh_p2p.config.models import RunConfig
-from geomesh_p2p.dht.join import other_run_message
+from geomesh_p2p.dht.join import final_failure, other_run_message
 from geomesh_p2p.dht.node import DHTNode
 from geomesh_p2p.dht.progress import swarm_progress
 from geomesh_p2p.dht.state import OtherRunError
@@ -186,7 +186,8 @@ async def check_bootstrap_run(node: PeerNode, tls: Optional[object], timeout_s: 
     answer, no answer, another refusal) is left to the join, which retries and words it.
 
     Raises:
-        OtherRunError: no bootstrap answered and one said it serves another run.
+        OtherRunError: no bootstrap answered, one said it serves another run, and every other failure is final
+            (:func:`~geomesh_p2p.dht.join.final_failure`: one silent or not up yet is left to the join's retries).
     """
     addresses = list(node.cfg.bootstrap or [])
     if not addresses or node.run_cfg.pow_bits <= 0:  # no proof of work: the join itself comes at once
@@ -203,6 +204,10 @@ async def check_bootstrap_run(node: PeerNode, tls: Optional[object], timeout_s: 
     finally:
         await transport.stop(grace=0)
     if any(not isinstance(r, BaseException) for r in results):
+        return
+    if not all(final_failure(r) for r in results):
+        # A bootstrap silent or not up yet is retried by the join, which may then get in through it: another
+        # run's bootstrap next to it is no reason to refuse the swarm before that (red team, session 16).
         return
     for address, r in zip(addresses, results):
         if (
