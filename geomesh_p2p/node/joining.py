@@ -220,12 +220,27 @@ async def check_bootstrap_run(node: PeerNode, tls: Optional[object], timeout_s: 
 
 def config_differences(here: dict, there: dict) -> list[str]:
     """The fields of two run configs (``RunConfig.model_dump()``) that differ, sorted by name, each as
-    ``"inner_lr: 0.001 here vs 0.0003 in the swarm"``."""
+    ``"inner_lr: 0.001 here vs 0.0003 in the swarm"``; each value's repr cut to :data:`_SHOWN_CHARS` characters
+    (``there`` is another node's word: a valid config may carry a 60 KB run id or a 4,300-digit seed)."""
     return [
-        f"{k}: {here.get(k)!r} here vs {there.get(k)!r} in the swarm"
+        f"{k}: {_shown(here.get(k))} here vs {_shown(there.get(k))} in the swarm"
         for k in sorted(set(here) | set(there))
         if here.get(k) != there.get(k)
     ]
+
+
+#: The most characters of a run-config value a refusal shows (red team, session 16).
+_SHOWN_CHARS = 60
+
+
+def _shown(value: object) -> str:
+    """``repr(value)``, cut to :data:`_SHOWN_CHARS` characters (``...`` appended when cut)."""
+    text = (
+        repr(value)
+        if not isinstance(value, int) or abs(value) < 10**_SHOWN_CHARS
+        else f"<{value.bit_length()}-bit int>"
+    )
+    return text if len(text) <= _SHOWN_CHARS else text[:_SHOWN_CHARS] + "..."
 
 
 def announced_config_differences(node: PeerNode, config: Optional[dict], config_hash: str) -> list[str]:
