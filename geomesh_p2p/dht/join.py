@@ -62,6 +62,16 @@ def _unresolvable(reason: Optional[str]) -> bool:
     return any(m in text for m in _UNRESOLVABLE)
 
 
+def final_failure(result: BaseException) -> bool:
+    """Whether a bootstrap's failed ping is final, as the join sees it: a refusal, an unresolvable name or
+    another error; False for a bootstrap that may still be starting or is slow (UNAVAILABLE, DEADLINE_EXCEEDED,
+    CANCELLED with a name that resolves), which the join retries. The join's pre-flight
+    (:func:`geomesh_p2p.node.joining.check_bootstrap_run`) stops only on final failures (red team, session 16)."""
+    if not isinstance(result, RpcError):
+        return True
+    return result.code not in _UNREACHABLE or _unresolvable(result.reason)
+
+
 def other_run_message(address: str, reason: str, own_run: str) -> str:
     """The join error for a bootstrap that answered for another run. ``reason``: its refusal, worded by
     :mod:`geomesh_p2p.net.identity` from the bootstrap's side ("message is for run 'a', this node serves 'b'")."""
@@ -144,7 +154,7 @@ class DHTJoin(DHTLookup):
                     errors[a] = f"{r.code.name}: {r.reason}" if r.reason else r.code.name
                     # A name that does not resolve is a typo, not a bootstrap still starting: no retries
                     # (a fresh-user trial waited 41 s for nosuchhost.invalid, 8 attempts).
-                    definitive &= r.code not in _UNREACHABLE or _unresolvable(r.reason)
+                    definitive &= final_failure(r)
                     if r.code not in _UNREACHABLE:
                         refused[a] = r
                 else:

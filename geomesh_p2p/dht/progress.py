@@ -123,8 +123,30 @@ def progress_of(records, by: str, seen_at: float) -> Optional[SwarmProgress]:
     pool = [r for r in mine if not getattr(r, "leaving", False)] or mine
     rounds = sorted((r.round for r in pool), reverse=True)
     newest = rounds[len(rounds) // 2]  # more than half of the pool is at this round or later
-    config = next((r.run_config for r in mine if isinstance(getattr(r, "run_config", None), dict)), None)
-    return SwarmProgress(newest, seen_at, len(mine), by, config_hash, config)
+    return SwarmProgress(newest, seen_at, len(mine), by, config_hash, _config_of(mine))
+
+
+def _config_of(records) -> Optional[dict]:
+    """The run config most of ``records`` (one config hash) carry, among those whose JSON fits
+    :data:`MAX_CONFIG_BYTES` (ties: the one announced at the later round), or None. Not the first one seen: one
+    identity copying the run's hash with another config, listed first, was remembered, and readers then dropped
+    it (it does not hash to the entry's hash): a newcomer was not told which fields differ (red team, session 16)."""
+    votes: dict[str, tuple[int, int, dict]] = {}
+    for r in records:
+        cfg = getattr(r, "run_config", None)
+        if not isinstance(cfg, dict):
+            continue
+        try:
+            text = json.dumps(cfg, sort_keys=True)
+        except (TypeError, ValueError, RecursionError):
+            continue
+        if len(text) > MAX_CONFIG_BYTES:
+            continue
+        n, rnd, _ = votes.get(text, (0, -1, cfg))
+        votes[text] = (n + 1, max(rnd, int(r.round)), cfg)
+    if not votes:
+        return None
+    return max(votes.items(), key=lambda kv: (kv[1][0], kv[1][1], kv[0]))[1][2]
 
 
 async def publish_progress(node: DHTNode, progress: SwarmProgress, identity: Optional[Identity] = None) -> bool:

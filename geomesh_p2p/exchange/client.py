@@ -29,6 +29,7 @@ from geomesh_p2p.exchange.codec._format import all_finite
 from geomesh_p2p.util.aio import wait_event
 from geomesh_p2p.exchange import accountable, audit, messages
 from geomesh_p2p.exchange import frames as wire
+from geomesh_p2p.exchange.witness import receipt_problem
 from geomesh_p2p.exchange.commitment import contribution_digest
 from geomesh_p2p.exchange.owner import OwnerService, _RoundState
 from geomesh_p2p.exchange.partition import CollectiveSpec, _pid_bytes, _short
@@ -426,8 +427,10 @@ class CollectiveService(OwnerService):
                 )
                 resp = collective_pb2.PushPartResponse.FromString(reply.payload)
                 rc = await asyncio.to_thread(accountable.open_receipt, self._inner, resp.receipt)
-                if (rc.owner, rc.part, rc.sender, rc.sha256) != (witness.peer_id, j, self.peer_id, digest):
-                    raise EnvelopeError(Code.INVALID_ARGUMENT, "the witness receipted something else")
+                # the readers' own rule (witness_problem): a receipt they would refuse costs this owner the part
+                why_not = receipt_problem(spec, j, rc, digest)
+                if why_not is not None:
+                    raise EnvelopeError(Code.INVALID_ARGUMENT, why_not)
                 part.witness_receipt = bytes(resp.receipt)
                 return
             except RpcError as e:

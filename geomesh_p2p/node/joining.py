@@ -19,7 +19,7 @@ from geomesh_p2p.node.started import started
 from geomesh_p2p.dht import IncompatibleSwarmError, check_compatible, live_peers
 from geomesh_p2p.dht.state import DHT_PROTOCOL_VERSION
 from geomesh_p2p.config.models import RunConfig
-from geomesh_p2p.dht.join import other_run_message
+from geomesh_p2p.dht.join import final_failure, other_run_message
 from geomesh_p2p.dht.node import DHTNode
 from geomesh_p2p.dht.progress import swarm_progress
 from geomesh_p2p.dht.state import OtherRunError
@@ -186,7 +186,8 @@ async def check_bootstrap_run(node: PeerNode, tls: Optional[object], timeout_s: 
     answer, no answer, another refusal) is left to the join, which retries and words it.
 
     Raises:
-        OtherRunError: no bootstrap answered and one said it serves another run.
+        OtherRunError: no bootstrap answered, one said it serves another run, and every other failure is final
+            (:func:`~geomesh_p2p.dht.join.final_failure`: one silent or not up yet is left to the join's retries).
     """
     addresses = list(node.cfg.bootstrap or [])
     if not addresses or node.run_cfg.pow_bits <= 0:  # no proof of work: the join itself comes at once
@@ -204,6 +205,10 @@ async def check_bootstrap_run(node: PeerNode, tls: Optional[object], timeout_s: 
         await transport.stop(grace=0)
     if any(not isinstance(r, BaseException) for r in results):
         return
+    if not all(isinstance(r, BaseException) and final_failure(r) for r in results):
+        # A bootstrap silent or not up yet is retried by the join, which may then get in through it: another
+        # run's bootstrap next to it is no reason to refuse the swarm before that (red team, session 16).
+        return
     for address, r in zip(addresses, results):
         if (
             isinstance(r, RpcError)
@@ -215,12 +220,27 @@ async def check_bootstrap_run(node: PeerNode, tls: Optional[object], timeout_s: 
 
 def config_differences(here: dict, there: dict) -> list[str]:
     """The fields of two run configs (``RunConfig.model_dump()``) that differ, sorted by name, each as
-    ``"inner_lr: 0.001 here vs 0.0003 in the swarm"``."""
+    ``"inner_lr: 0.001 here vs 0.0003 in the swarm"``; each value's repr cut to :data:`_SHOWN_CHARS` characters
+    (``there`` is another node's word: a valid config may carry a 60 KB run id or a 4,300-digit seed)."""
     return [
-        f"{k}: {here.get(k)!r} here vs {there.get(k)!r} in the swarm"
+        f"{k}: {_shown(here.get(k))} here vs {_shown(there.get(k))} in the swarm"
         for k in sorted(set(here) | set(there))
         if here.get(k) != there.get(k)
     ]
+
+
+#: The most characters of a run-config value a refusal shows (red team, session 16).
+_SHOWN_CHARS = 60
+
+
+def _shown(value: object) -> str:
+    """``repr(value)``, cut to :data:`_SHOWN_CHARS` characters (``...`` appended when cut)."""
+    text = (
+        repr(value)
+        if not isinstance(value, int) or abs(value) < 10**_SHOWN_CHARS
+        else f"<{value.bit_length()}-bit int>"
+    )
+    return text if len(text) <= _SHOWN_CHARS else text[:_SHOWN_CHARS] + "..."
 
 
 def announced_config_differences(node: PeerNode, config: Optional[dict], config_hash: str) -> list[str]:

@@ -247,3 +247,30 @@ async def test_an_owner_whose_witness_refuses_leaves_its_own_contribution_out_an
     assert all(r.missing_parts == [] for r in res)  # every part applied, on every reader
     assert sorted(p for p, _ in res[0].contributors[j]) == sorted(p for p in sw.pids if p != owner)
     assert all(sorted(p for p, _ in res[0].contributors[k]) == sorted(sw.pids) for k in range(4) if k != j)
+
+
+@pytest.mark.parametrize("other", ["round", "spec"])
+async def test_a_witness_receipting_another_round_or_spec_does_not_cost_the_owner_its_part(swarms, other):
+    """Red team, session 16: a hostile witness that signs its receipt for another round (or spec), with the right
+    part, sender and hash. The owner checked only the signer, part, sender and hash, listed its own contribution
+    with that receipt, and every reader then refused the honest owner's result (witness_problem checks round and
+    spec): the part was lost on every peer. The owner must check the receipt as its readers do, and leave its own
+    contribution out."""
+
+    class _OtherReceipt(CollectiveService):
+        def _witness(self, state, j, c):
+            spec = state.spec
+            fake = SimpleNamespace(
+                run_id=spec.run_id,
+                round=spec.round + (1 if other == "round" else 0),
+                spec_id=b"\x07" * 32 if other == "spec" else spec.spec_id,
+            )
+            state.witnessed.setdefault(j, c)
+            rc = accountable.build_receipt(self.transport.identity, fake, j, c)
+            return collective_pb2.PushPartResponse(accepted=True, receipt=rc)
+
+    sw, spec, _, res = await _round(swarms, [CollectiveService] * 3 + [_OtherReceipt], seed=14)
+    (j,) = [j for j in range(4) if accountable.witness_of(spec, j).peer_id == sw.pids[3]]
+    owner = spec.owners[j].peer_id
+    assert all(r.missing_parts == [] for r in res), [r.missing_parts for r in res]
+    assert sorted(p for p, _ in res[0].contributors[j]) == sorted(p for p in sw.pids if p != owner)

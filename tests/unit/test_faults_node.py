@@ -239,6 +239,18 @@ async def test_empty_swarm_of_another_run_config_names_the_fields_that_differ(mo
     assert f"{node.config_hash[:12]} here): its peers could not" in str(e.value) and "in the swarm" not in str(e.value)
 
 
+def test_the_fields_that_differ_are_shown_cut_to_a_line():
+    """Red team, session 16: a hostile bootstrap's entry (or a peer's record) may carry a valid run config with a
+    60 KB run id or a 4,300-digit seed that hashes to its own hash: the refusal names the field, not all of it."""
+    theirs = RunConfig(seq_len=32, run_id="x" * 60_000, seed=int("9" * 4299))
+    node = SimpleNamespace(run_cfg=RunConfig(seq_len=64))
+    diff = joining_mod.announced_config_differences(node, theirs.model_dump(), theirs.config_hash())
+    assert [d.split(":")[0] for d in diff] == ["run_id", "seed", "seq_len"]
+    assert diff[2] == "seq_len: 64 here vs 32 in the swarm"
+    assert all(len(d) < 200 for d in diff)
+    assert diff[0].startswith("run_id: 'geomesh-demo' here vs 'xxxx") and diff[0].endswith("... in the swarm")
+
+
 def test_progress_entries_carry_the_run_config_within_a_size_cap():
     cfg = RunConfig(seq_len=32).model_dump()
     p = SwarmProgress(7, 12.5, 3, "B", "ab" * 8, cfg)

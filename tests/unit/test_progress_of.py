@@ -43,3 +43,20 @@ def test_one_identity_of_the_runs_config_at_round_1e9_does_not_name_the_round():
     assert (
         progress_of([_rec(9, "run"), _rec(5, "run", leaving=True), _rec(5, "run", leaving=True)], "b", 1.0).round == 9
     )
+
+
+def test_the_run_config_remembered_is_the_one_most_records_of_the_hash_carry():
+    """Red team, session 16: one identity copying the run's config hash with another (or an oversized) run
+    config in its record, listed first, made the bootstrap remember that config; readers then dropped it (it
+    does not hash to the entry's hash) and a newcomer of another config was not told which fields differ."""
+    honest = {"run_id": "r", "seq_len": 32}
+
+    def rec(cfg, round=7):
+        return SimpleNamespace(round=round, run_config_hash="run", leaving=False, run_config=cfg)
+
+    for stray in ({"run_id": "r", "seq_len": 64}, {"x": "y" * 9000}):
+        recs = [rec(stray, round=8), rec(dict(honest)), rec(dict(honest)), rec(None)]
+        assert progress_of(recs, "b", 1.0).config == honest
+        assert progress_of(list(reversed(recs)), "b", 1.0).config == honest
+    # a config too large to publish is never chosen, even alone
+    assert progress_of([rec({"x": "y" * 9000})], "b", 1.0).config is None
