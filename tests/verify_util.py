@@ -85,15 +85,33 @@ def world_fixture():
             outer.step(theta, agg)
         w.prev_aggregate = agg  # what the adversary's "stale" free rider sends: the last global update
 
-        def train(n: str, H: int, data_of: str | None = None) -> torch.Tensor:
+        def train(n: str, H: int, data_of: str | None = None, peer_id: str | None = None) -> torch.Tensor:
             m = copy.deepcopy(trainers[n].model)
             load_flat_(m, theta)
             t = InnerTrainer(
-                m, w.ds, seq_len=L, lr=1e-3, warmup_steps=20, total_steps=2000, seed=0, peer_id=pid[data_of or n]
+                m,
+                w.ds,
+                seq_len=L,
+                lr=1e-3,
+                warmup_steps=20,
+                total_steps=2000,
+                seed=0,
+                peer_id=peer_id or pid[data_of or n],
             )
             t.load_state_dict(copy.deepcopy(trainers[n].state_dict()))
             t.run(round=ROUND, inner_steps=H, batch_size=B)
             return theta - flat_params(m)
+
+        own: dict[str, torch.Tensor] = {}
+
+        def honest_of(peer_id: str) -> torch.Tensor:
+            """An honest H = 10 update of a verifier's identity on its own assigned batches (B's optimizer state):
+            a verifier that contributed in the round has the loss-gain test's power reference."""
+            if peer_id not in own:
+                own[peer_id] = train("B", 10, peer_id=peer_id)
+            return own[peer_id]
+
+        w.honest_of = honest_of
 
         w.theta, w.base, w.ids, w.pid = theta, base, ids, pid
         w.others = {n: train(n, 10) for n in ("B", "C")}

@@ -378,7 +378,10 @@ class WorkVerifier(Verdicts, Screening, EvidenceExchange):
         micro_batch: Optional[int],
         deadline: Optional[float],
         pace: Optional[Pacer] = None,
+        kept: Optional[Kept] = None,
     ):
+        """:func:`check_contribution` of ``task`` here (blocking, heavy), with this node's own contribution of
+        ``kept``'s round as the loss-gain test's power reference (none without ``kept``)."""
         with self._compute:
             if pace is not None:
                 pace.start()  # the wait for the device (another check) is not this check's compute
@@ -398,6 +401,8 @@ class WorkVerifier(Verdicts, Screening, EvidenceExchange):
                     amp=self.amp,
                     deadline=deadline,
                     pace=pace,
+                    plan=kept.plan if kept is not None else None,
+                    cache=kept.controls if kept is not None else None,
                 )
             finally:
                 release_(self.model)  # a hollow model holds no weights between checks (issue 27)
@@ -455,7 +460,7 @@ class WorkVerifier(Verdicts, Screening, EvidenceExchange):
             return None
         packets = self._packets(prep.round, kept)
         try:
-            stats, verdict, used = self._run(task, packets, theta, micro_batch, deadline, pace)
+            stats, verdict, used = self._run(task, packets, theta, micro_batch, deadline, pace, kept)
         except (VerifyTimeout, MemoryError) as e:  # out of memory even at one row: no verdict, no round lost
             log.debug("round %d: verified work of %s abandoned: %s", prep.round, task.accused[:10], e)
             return None
@@ -683,7 +688,7 @@ class WorkVerifier(Verdicts, Screening, EvidenceExchange):
         if theta is None:
             return "unverifiable"
         try:
-            stats, verdict, used = self._run(task, packets, theta, micro_batch, deadline, pace)
+            stats, verdict, used = self._run(task, packets, theta, micro_batch, deadline, pace, kept)
         except VerifyTimeout:
             return "late"
         c = self.cfg

@@ -27,6 +27,7 @@ from geomesh_p2p.trust.verify_task import (
     VerifyTask,
     gain_steps,
     gather,
+    reference_task,
     sample_elements,
 )
 
@@ -47,6 +48,8 @@ __all__ = [
     "check_contribution",
     "screen_contribution",
     "judge_screen",
+    "gain_decides",
+    "reference_gain",
 ]
 
 
@@ -233,10 +236,30 @@ def scale_bound(steps: int, lr: float, weight_decay: float, theta_maxabs: float,
     return steps * lr * (factor + weight_decay * theta_maxabs)
 
 
+def gain_decides(cfg: VerifyConfig, gain: GainStats, reference: Optional[GainStats]) -> bool:
+    """Whether the loss-gain test ``gain`` may fail or mark a contribution in its round: the checker's own
+    contribution's test (``reference``, :func:`reference_gain`) reaches a t at least ``cfg.gain_t_gap`` above
+    ``gain.t``. False without a reference: a low t then says nothing (at the first rounds honest work measures
+    t ~1: the update is what any text teaches; ``VerifyConfig.gain_t_gap``)."""
+    return reference is not None and reference.t >= gain.t + cfg.gain_t_gap
+
+
+def _reference_note(reference: Optional[GainStats]) -> str:
+    return f"; this checker's own contribution: t {reference.t:.2f} on its own batches" if reference else ""
+
+
 def judge(
-    cfg: VerifyConfig, task: VerifyTask, stats: WorkStats, *, all_zero: bool, max_scale: float, bound: float
+    cfg: VerifyConfig,
+    task: VerifyTask,
+    stats: WorkStats,
+    *,
+    all_zero: bool,
+    max_scale: float,
+    bound: float,
+    reference: Optional[GainStats] = None,
 ) -> Verdict:
-    """Pass, marginal or fail (see the module docstring)."""
+    """Pass, marginal or fail (see the module docstring). The loss-gain rules apply only when the test has power
+    in the round (:func:`gain_decides` with the checker's own ``reference``)."""
     if all_zero:
         return Verdict(FAIL, f"zeros: every block scale is 0 while it claims {task.steps_done} steps")
     if not max_scale <= bound:
@@ -245,13 +268,13 @@ def judge(
             f"scale: a block scale of {max_scale:.3g} exceeds what {task.steps_done} inner "
             f"steps can move ({bound:.3g})",
         )
-    g = stats.gain
+    g = stats.gain if stats.gain is not None and gain_decides(cfg, stats.gain, reference) else None
     if g is not None and g.t < cfg.gain_t_hard:  # decided without the gradient passes (plain, trace not measured)
         return Verdict(
             FAIL,
             f"no loss gain on its own batches: t {g.t:.2f} < {cfg.gain_t_hard} (gain {g.assigned:+.4f} on its "
-            f"assigned batches vs {g.control:+.4f} on controls): not trained on them (other data, stale, "
-            f"flipped or noise)",
+            f"assigned batches vs {g.control:+.4f} on controls{_reference_note(reference)}): not trained on them "
+            f"(other data, stale, flipped or noise)",
         )
     if stats.plain < cfg.plain_min:
         return Verdict(
@@ -265,7 +288,7 @@ def judge(
         return Verdict(
             MARGINAL,
             f"weak loss gain on its own batches: t {g.t:.2f} < {cfg.gain_t_min} (gain {g.assigned:+.4f} vs "
-            f"{g.control:+.4f} on controls)",
+            f"{g.control:+.4f} on controls{_reference_note(reference)})",
         )
     if task.full_test and stats.trace < cfg.trace_min:
         return Verdict(MARGINAL, f"weak trace of its own batches: trace {stats.trace:.3f} < {cfg.trace_min}")
@@ -327,11 +350,15 @@ def check_contribution(
     amp: bool = False,
     deadline: Optional[float] = None,
     pace: Optional[Callable[[], None]] = None,
+    plan=None,
+    cache: Optional[dict] = None,
 ) -> tuple[WorkStats, Verdict, list[tuple[str, str]]]:
     """Run ``task`` (heavy: ``task.passes()`` forward/backward passes, unless :func:`quick_verdict`
     decides it) as peer ``checker``, whose own contribution (if any, in every part of the task) joins
-    the projection basis. Returns the statistics, the verdict and that basis contribution (``[(peer,
-    sha256 of its packets)]``, or []). ``deadline`` / ``pace``: as for :func:`batch_gradients`."""
+    the projection basis and, with the round's ``plan``, is the loss-gain test's power reference
+    (:func:`reference_gain`, measured only when the accused's t is low; ``cache``: the round's gain cache).
+    Returns the statistics, the verdict and that basis contribution (``[(peer, sha256 of its packets)]``, or
+    []). ``deadline`` / ``pace``: as for :func:`batch_gradients`."""
     quick = quick_verdict(cfg, task, packets=packets, theta=theta, lr=lr, weight_decay=weight_decay)
     if quick is not None:
         return WorkStats(0.0, 0.0, 0), quick, []
@@ -341,9 +368,15 @@ def check_contribution(
     # hard, and then the gradient passes are not needed. What a check of a free rider or a poisoner costs
     # halves, and the background queue (paced to a share of the device) concludes it rounds sooner.
     gain = _gain(cfg, task, model, dataset, theta, mine, seed=seed, deadline=deadline, pace=pace)
-    if gain.t < cfg.gain_t_hard:
+    reference = None
+    if gain.t < cfg.gain_t_min:  # a low t counts only where the test has power this round
+        reference = reference_gain(
+            cfg, task, model, dataset, theta, packets, plan=plan, checker=checker, seed=seed, deadline=deadline,
+            pace=pace, cache=cache,
+        )  # fmt: skip
+    if gain.t < cfg.gain_t_hard and gain_decides(cfg, gain, reference):
         early = WorkStats(0.0, 0.0, 0, gain)
-        return early, judge(cfg, task, early, all_zero=False, max_scale=max_scale, bound=bound), []
+        return early, judge(cfg, task, early, all_zero=False, max_scale=max_scale, bound=bound, reference=reference), []
     if is_hollow(model):
         release_(model)  # the gain's private copies go before the gradient passes (issue 27)
         release_freed_memory()
@@ -376,25 +409,37 @@ def check_contribution(
         )
     stats = work_statistics(c, g[:k], g[k:], others)
     stats = WorkStats(stats.plain, stats.trace, stats.basis, gain)
-    return stats, judge(cfg, task, stats, all_zero=False, max_scale=max_scale, bound=bound), used
+    return stats, judge(cfg, task, stats, all_zero=False, max_scale=max_scale, bound=bound, reference=reference), used
 
 
-def judge_screen(cfg: VerifyConfig, task: VerifyTask, gain: GainStats) -> Verdict:
+def judge_screen(
+    cfg: VerifyConfig, task: VerifyTask, gain: GainStats, reference: Optional[GainStats] = None
+) -> Verdict:
     """The verdict of a screening check (the loss-gain test alone): fail below ``gain_t_hard`` (hard, as in a
     full check), marginal below ``gain_t_min``, else pass. The thresholds are the full check's, measured on the
-    same statistic with the same batch counts (``benchmarks/verify_gain.py``)."""
+    same statistic with the same batch counts (``benchmarks/verify_gain.py``). A low t without power in the
+    round (:func:`gain_decides` with the checker's own ``reference``) passes as inconclusive: the newcomer's next
+    screened round decides."""
     head = f"screening (loss gain alone, first rounds): {task.steps_done} steps"
+    if gain.t < cfg.gain_t_min and not gain_decides(cfg, gain, reference):
+        own = f"this checker's own contribution t {reference.t:.2f}" if reference else "no contribution of its own"
+        return Verdict(
+            PASS,
+            f"inconclusive: gain t {gain.t:.2f}, but the test has no power this round ({own}, needs "
+            f">= t + {cfg.gain_t_gap}; {head})",
+        )
     if gain.t < cfg.gain_t_hard:
         return Verdict(
             FAIL,
             f"no loss gain on its own batches: t {gain.t:.2f} < {cfg.gain_t_hard} (gain {gain.assigned:+.4f} on its "
-            f"assigned batches vs {gain.control:+.4f} on controls): not trained on them ({head})",
+            f"assigned batches vs {gain.control:+.4f} on controls{_reference_note(reference)}): not trained on "
+            f"them ({head})",
         )
     if gain.t < cfg.gain_t_min:
         return Verdict(
             MARGINAL,
             f"weak loss gain on its own batches: t {gain.t:.2f} < {cfg.gain_t_min} (gain {gain.assigned:+.4f} vs "
-            f"{gain.control:+.4f} on controls; {head})",
+            f"{gain.control:+.4f} on controls{_reference_note(reference)}; {head})",
         )
     return Verdict(PASS, f"gain t {gain.t:.2f} ({head})")
 
@@ -413,12 +458,16 @@ def screen_contribution(
     deadline: Optional[float] = None,
     pace: Optional[Callable[[], None]] = None,
     cache: Optional[dict] = None,
+    plan=None,
+    checker: Optional[str] = None,
 ) -> tuple[WorkStats, Verdict]:
     """Run the screening ``task`` (:func:`~geomesh_p2p.trust.verify_task.derive_screen`): the checks that need
     no computation (:func:`quick_verdict`), then the loss-gain test alone on ``cfg.gain_assigned`` of its steps
     against ``cfg.gain_controls`` control batches: ``2 x (k + m)`` forward passes of ``task.batch_size`` rows, no
     backward (``2k + m`` with the round's control losses in ``cache``, :func:`~geomesh_p2p.trust.gain.gain_stats`).
-    Returns the statistics (``plain`` / ``trace`` 0: not measured) and :func:`judge_screen`'s verdict.
+    Returns the statistics (``plain`` / ``trace`` 0: not measured) and :func:`judge_screen`'s verdict, with
+    ``checker``'s own contribution in ``plan``'s round as the power reference (:func:`reference_gain`, measured
+    only when the newcomer's t is low).
     ``deadline`` / ``pace``: as for :func:`batch_gradients`. Raises ValueError when ``task`` is not a screen."""
     if task.kind != SCREEN:
         raise ValueError(f"screen_contribution runs screening tasks, got a {task.kind!r}")
@@ -428,7 +477,53 @@ def screen_contribution(
     gain = _gain(
         cfg, task, model, dataset, theta, packets[task.accused], seed=seed, deadline=deadline, pace=pace, cache=cache
     )
-    return WorkStats(0.0, 0.0, 0, gain), judge_screen(cfg, task, gain)
+    reference = None
+    if gain.t < cfg.gain_t_min:
+        reference = reference_gain(
+            cfg, task, model, dataset, theta, packets, plan=plan, checker=checker, seed=seed, deadline=deadline,
+            pace=pace, cache=cache,
+        )  # fmt: skip
+    return WorkStats(0.0, 0.0, 0, gain), judge_screen(cfg, task, gain, reference)
+
+
+def reference_gain(
+    cfg: VerifyConfig,
+    task: VerifyTask,
+    model,
+    dataset,
+    theta: torch.Tensor,
+    packets: Mapping[str, Mapping[int, Any]],
+    *,
+    plan,
+    checker: Optional[str],
+    seed: int,
+    deadline: Optional[float] = None,
+    pace: Optional[Callable[[], None]] = None,
+    cache: Optional[dict] = None,
+) -> Optional[GainStats]:
+    """The loss-gain test of ``checker``'s own contribution in ``plan``'s round over ``task``'s parts
+    (:func:`~geomesh_p2p.trust.verify_task.reference_task`): what honest work measures in that round, at those
+    weights, so that a low t of the accused counts only when the test has power (:func:`gain_decides`). An
+    honest checker's reference is honest by construction; a dishonest one can only harm its own verdicts, which
+    the others re-check with their own references. ``2k + m`` forward passes (``2k`` with the round's control
+    losses in ``cache``), kept in ``cache`` for the round's other accused over the same parts. None without a
+    plan, a checker, or a checkable contribution of the checker's that covers the task's parts.
+
+    Raises:
+        VerifyTimeout: ``deadline`` passed.
+    """
+    if plan is None or checker is None:
+        return None
+    rt = reference_task(cfg, task, plan=plan, packets=packets, checker=checker)
+    if rt is None:
+        return None
+    key = ("reference", rt.round, rt.accused, rt.parts, rt.batch_size, rt.seq_len)
+    if cache is not None and key in cache:
+        return cache[key]
+    ref = _gain(cfg, rt, model, dataset, theta, packets[checker], seed=seed, deadline=deadline, pace=pace, cache=cache)
+    if cache is not None:
+        cache[key] = ref
+    return ref
 
 
 def _gain(

@@ -241,6 +241,8 @@ class Screening:
                     weight_decay=self.weight_decay,
                     pace=pace,
                     cache=kept.controls,
+                    plan=kept.plan,
+                    checker=self.me,
                 )
             finally:
                 release_(self.model)  # a hollow model holds no weights between checks (issue 27)

@@ -6,6 +6,7 @@ steps and control batches) and the elements compared (:func:`sample_elements`). 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -31,6 +32,7 @@ __all__ = [
     "screen_seed",
     "screeners_of",
     "derive_screen",
+    "reference_task",
 ]
 
 
@@ -80,6 +82,14 @@ class VerifyConfig:
             data than assigned), below ``gain_t_min`` is a marginal failure. Measured (``benchmarks/verify_gain.py``,
             tiny preset, rounds 2-11, H = 5/20/40): honest t >= 2.24 / 4.09 / 5.15; wrong data, a poisoner's own
             corpus <= 1.88, below 1.5 in 96-100% of draws.
+        gain_t_gap: the gain test decides (fails or marks marginal) only when it has power in that round: the
+            checker's own contribution of the round, on its own assigned batches over the same parts
+            (:func:`reference_task`), reaches a t at least ``gain_t_gap`` above the accused's. At the swarm's first
+            rounds an honest update is mostly what any text teaches (a freshly initialised model learns the
+            token statistics first), so honest contributions measured t 0.8-1.25 there (seq_len 128, 33-42
+            steps: ``benchmarks/multi_rank.py``, session 17) and were excluded as "not trained on its batches";
+            without a reference (the checker sent nothing that round) the gain test decides nothing. 2.5: about
+            1.8 standard deviations of the difference of two unit-variance t's.
         marginal_needed, marginal_window: marginal failures (distinct rounds within the window) that
             exclude.
         keep_rounds: rounds whose start weights and contributions are kept for re-checks.
@@ -122,6 +132,7 @@ class VerifyConfig:
     gain_t_hard: float = 1.5
     gain_t_min: float = 1.75
     gain_refute_margin: float = 0.5
+    gain_t_gap: float = 2.5
     marginal_needed: int = 2
     marginal_window: int = 50
     keep_rounds: int = 3
@@ -358,6 +369,39 @@ def derive_screen(
         n_elements=0,
         full_test=False,
         kind=SCREEN,
+    )
+
+
+def reference_task(
+    cfg: VerifyConfig, task: "VerifyTask", *, plan, packets: Mapping[str, Mapping[int, Any]], checker: str
+) -> Optional["VerifyTask"]:
+    """The loss-gain test of ``checker``'s own contribution that tells whether ``task``'s gain test has power in
+    its round (``VerifyConfig.gain_t_gap``): ``task`` with the checker as the accused, its own steps and batch
+    size (by :func:`_eligible`'s rule) and an element seed of its own (from the round, the checker and the parts).
+    None when the checker is the accused, sent no checkable contribution in ``plan``'s round, or did not send
+    every part of ``task`` (the reference must cover the same parameters). Pure."""
+    if checker == task.accused:
+        return None
+    entry = next((e for e in _eligible(cfg, plan, packets) if e[0].peer_id == checker), None)
+    if entry is None:
+        return None
+    a, steps, parts = entry
+    if not set(task.parts) <= set(parts):
+        return None
+    # its own batches, drawn from the round, the checker and the parts alone: the same reference for every accused
+    # of the round over those parts (computed once: a cache key), and the checker is the one that trained on them
+    sub = hashlib.sha256(
+        b"reference\x00" + struct.pack("<Q", int(task.round)) + checker.encode() + repr(tuple(task.parts)).encode()
+    ).digest()
+    return dataclasses.replace(
+        task,
+        verifier=checker,
+        accused=checker,
+        steps_done=int(steps),
+        steps=(),
+        batch_size=int(a.batch_size),
+        element_seed=_u64(sub) & ((1 << 63) - 1),
+        full_test=False,
     )
 
 

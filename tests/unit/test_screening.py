@@ -38,23 +38,29 @@ def _signed_of(world, packets):
     return lambda part, sender: signed[part] if sender == a else None
 
 
-def _case(world, contribution, H, names=("V", "W")):
+def _case(world, contribution, H, names=("V", "W"), own=None):
+    """The round with screeners ``names`` that contributed honestly too (a screener's own contribution is the
+    loss-gain test's power reference: ``VerifyConfig.gain_t_gap``; ``own(peer_id)``: another one): everybody is a
+    newcomer, so they are screened as well (A, B, C and the screeners)."""
     ids = {n: _fixed_identity(f"screener-{n}") for n in names}
     plan = _plan(world, ids)
-    packets = _packets(world, contribution, H)
+    own = own or world.honest_of
+    packets = _packets(world, contribution, H, extra={str(i.peer_id): own(str(i.peer_id)) for i in ids.values()})
     return ids, plan, packets
 
 
 def test_a_newcomer_trained_on_other_data_fails_its_first_screen_and_is_excluded_by_every_screener(world):
     ids, plan, packets = _case(world, world.wrong_data, 10)
     a, b, c = world.pid["A"], world.pid["B"], world.pid["C"]
-    assert VT.screen_candidates(CFG, plan, packets) == sorted([a, b, c])  # round 2 < screen_rounds: all new
+    v_id, w_id = str(ids["V"].peer_id), str(ids["W"].peer_id)
+    # round 2 < screen_rounds: all new, the screeners too
+    assert VT.screen_candidates(CFG, plan, packets) == sorted([a, b, c, v_id, w_id])
     dht = FakeDHT()
     v = _verifier(world, ids["V"], CFG, plan, packets)
     w = _verifier(world, ids["W"], CFG, plan, packets)
     v.dht = w.dht = dht
     try:
-        assert v.queue_screens(ROUND, signed_of=_signed_of(world, packets)) == 3
+        assert v.queue_screens(ROUND, signed_of=_signed_of(world, packets)) == 4  # everybody else
         assert v.queue_check(ROUND) is False  # share 0: no sampled check drawn
         assert v.queue.wait_idle(240)
         [ev] = asyncio.run(v.tend(ROUND))  # the round it was queued in: concluded, published
@@ -62,22 +68,22 @@ def test_a_newcomer_trained_on_other_data_fails_its_first_screen_and_is_excluded
         assert "no loss gain on its own batches" in ev.reason and ev.task.steps == () and ev.task.passes() == 0
         t_a = v.screen_results[(ROUND, a)][0].gain
         assert t_a is not None and t_a.t < CFG.gain_t_hard and t_a.k == 8 and t_a.m == CFG.gain_controls
-        for p in (b, c):  # the honest contributors of the same round pass
+        for p in (b, c, w_id):  # the honest contributors of the same round pass
             assert v.screen_results[(ROUND, p)][1].outcome == VC.PASS and p not in v.excluded
         assert a in v.excluded and a in v.lone  # its own measurement alone, so far
         assert list(dht.data[EV.screen_evidence_key(RUN, ROUND, a)]) == [str(ids["V"].peer_id)]
-        assert v.counts()["screened"] == 3 and v.counts()["dropped"] == 0
+        assert v.counts()["screened"] == 4 and v.counts()["dropped"] == 0
 
         # W screens the same newcomer: the same batches and rows, so the same t to the bit, and V's evidence is
         # settled by W's own measurement (no second computation): A is out at W for everyone's reasons
-        assert w.queue_screens(ROUND, signed_of=_signed_of(world, packets)) == 3
+        assert w.queue_screens(ROUND, signed_of=_signed_of(world, packets)) == 4
         assert w.queue.wait_idle(240)
         [ev_w] = asyncio.run(w.tend(ROUND))
         assert w.screen_results[(ROUND, a)][0].gain == t_a and ev_w.task == dataclasses.replace(
             ev.task, verifier=str(ids["W"].peer_id)
         )
         assert a in w.excluded and a not in w.lone
-        assert w.counts()["queued"] == 3  # its three screens; no re-check job
+        assert w.counts()["queued"] == 4  # its four screens; no re-check job
         asyncio.run(v.tend(ROUND))  # V reads W's evidence: confirmed by its own measurement
         assert a in v.excluded and a not in v.lone
         assert v.filter([types.SimpleNamespace(peer_id=a), types.SimpleNamespace(peer_id=b)]) == [
@@ -116,11 +122,36 @@ def test_a_participant_that_screened_nothing_re_checks_the_evidence_with_the_sam
         o.close()
 
 
+def test_where_the_test_has_no_power_a_low_gain_is_inconclusive_not_a_failure(world):
+    """Session 17: at a swarm's first rounds honest contributions measured t 0.8-1.25 (an update of a fresh model
+    is what any text teaches) and honest peers excluded each other. A low t now counts only when the screener's
+    own contribution of the round reaches t + gain_t_gap on its own batches. Here the screeners' own updates carry
+    no trace of their batches (the last global update), so A's wrong-data contribution passes as inconclusive:
+    no evidence, nobody excluded; with honest screeners (the first test) the same contribution fails."""
+    ids, plan, packets = _case(world, world.wrong_data, 10, names=("V",), own=lambda _: world.prev_aggregate)
+    a = world.pid["A"]
+    v = _verifier(world, ids["V"], CFG, plan, packets)
+    v.dht = FakeDHT()
+    try:
+        assert v.queue_screens(ROUND) == 3  # A, B, C (V's own stale update is not screened by V)
+        assert v.queue.wait_idle(240)
+        assert asyncio.run(v.tend(ROUND)) == []  # nothing failed: nothing published
+        stats, verdict = v.screen_results[(ROUND, a)]
+        assert stats.gain is not None and stats.gain.t < CFG.gain_t_hard  # the same low t as the first test's
+        assert verdict.outcome == VC.PASS and verdict.reason.startswith("inconclusive: gain t"), verdict
+        ref = v._kept[ROUND].controls[next(k for k in v._kept[ROUND].controls if k[0] == "reference")]
+        assert ref.t < stats.gain.t + CFG.gain_t_gap, ref
+        assert f"this checker's own contribution t {ref.t:.2f}" in verdict.reason
+        assert not v.excluded and not v.lone
+    finally:
+        v.close()
+
+
 def test_an_honest_newcomer_passes_its_screen(world):
     ids, plan, packets = _case(world, world.honest[5], 5)
     v = _verifier(world, ids["V"], CFG, plan, packets)
     try:
-        assert v.queue_screens(ROUND) == 3
+        assert v.queue_screens(ROUND) == 4
         assert v.queue.wait_idle(240)
         assert asyncio.run(v.tend(ROUND)) == []  # nothing failed: nothing published
         stats, verdict = v.screen_results[(ROUND, world.pid["A"])]
@@ -145,14 +176,14 @@ def test_screens_run_before_the_sampled_checks_and_none_is_skipped(world):
         v.queue.submit(CheckJob(ROUND, "recheck", blocker, key="blocker"))
         assert started.wait(60)  # the worker is busy: what follows waits
         assert v.queue_check(ROUND, signed_of=_signed_of(world, packets))  # queued first
-        assert v.queue_screens(ROUND, signed_of=_signed_of(world, packets)) == 3  # queued after it
+        assert v.queue_screens(ROUND, signed_of=_signed_of(world, packets)) == 4  # queued after it
         gate.set()
         assert v.queue.wait_idle(240)
         ran = [(job.kind, job.key) for job, _, err in v.queue.results() if err is None]
-        assert [k for k, _ in ran] == ["recheck", "screen", "screen", "screen", "check"]
+        assert [k for k, _ in ran] == ["recheck", "screen", "screen", "screen", "screen", "check"]
         # the screening order is this verifier's own draw (its selection signature), not the plan's
         c = v.queue.snapshot()
-        assert (c.queued, c.done, c.dropped, c.failed, c.waiting) == (5, 5, 0, 0, 0)
+        assert (c.queued, c.done, c.dropped, c.failed, c.waiting) == (6, 6, 0, 0, 0)
     finally:
         gate.set()
         v.close()

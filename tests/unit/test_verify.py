@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import hashlib
 import types
 
@@ -19,6 +20,7 @@ import torch
 
 from geomesh_p2p.exchange import codec as compression
 from geomesh_p2p.trust import evidence as EV
+from geomesh_p2p.trust import gain as G
 from geomesh_p2p.trust import verify as V
 from geomesh_p2p.trust import verify_check as VC
 from geomesh_p2p.trust import verify_task as VT
@@ -80,6 +82,7 @@ def _check(w, contribution, H, others_H=10, extra=None, checker="C"):
         lr=1e-3,
         weight_decay=0.1,
         checker=w.pid.get(checker, checker),
+        plan=_plan(w, {"V": _fixed_identity("V")}),  # the checker's own contribution: the gain test's reference
     )
 
 
@@ -116,6 +119,34 @@ def test_wrong_data_stale_and_copies_fail_the_loss_gain_test(world):
             stats.gain,
         )
         assert stats.gain is not None and stats.gain.t < cfg.gain_t_hard
+
+
+def test_the_gain_test_decides_only_with_power_in_its_round():
+    """A low t fails (or marks) only when the checker's own contribution reaches t + gain_t_gap on its own batches
+    (VerifyConfig.gain_t_gap); without a reference, or with a weak one, a screen passes as inconclusive and a full
+    check leaves the decision to its sign statistics."""
+    cfg = VT.VerifyConfig()
+    task = VT.VerifyTask(round=1, verifier="v", accused="a", parts=(0,), ranges=((0, 10),), steps_done=10, steps=(),
+                         controls=4, batch_size=8, seq_len=64, element_seed=1, n_elements=0, full_test=False,
+                         kind=VT.SCREEN)  # fmt: skip
+    low = G.GainStats(assigned=1.95, control=1.92, t=0.8, k=8, m=16)
+    weak, strong = (G.GainStats(1.9, 1.9, t, 8, 16) for t in (0.8 + cfg.gain_t_gap - 0.01, 0.8 + cfg.gain_t_gap))
+    assert not VC.gain_decides(cfg, low, None) and not VC.gain_decides(cfg, low, weak)
+    assert VC.gain_decides(cfg, low, strong)
+    for ref in (None, weak):
+        v = VC.judge_screen(cfg, task, low, ref)
+        assert v.outcome == VC.PASS and v.reason.startswith("inconclusive: gain t 0.80"), v
+    v = VC.judge_screen(cfg, task, low, strong)
+    assert v.outcome == VC.FAIL and "this checker's own contribution: t 3.30" in v.reason, v
+    marginal = G.GainStats(1.95, 1.92, 1.6, 8, 16)
+    assert VC.judge_screen(cfg, task, marginal, weak).outcome == VC.PASS
+    assert VC.judge_screen(cfg, task, marginal, G.GainStats(1.9, 1.9, 4.1, 8, 16)).outcome == VC.MARGINAL
+    # a full check: without power the gain test is silent and the sign statistics decide (here: pass)
+    stats = VC.WorkStats(plain=0.7, trace=0.6, basis=5, gain=low)
+    full = dataclasses.replace(task, kind=VT.CHECK, full_test=True)
+    assert VC.judge(cfg, full, stats, all_zero=False, max_scale=0.0, bound=1.0, reference=weak).outcome == VC.PASS
+    got = VC.judge(cfg, full, stats, all_zero=False, max_scale=0.0, bound=1.0, reference=strong)
+    assert got.outcome == VC.FAIL and got.reason.startswith("no loss gain on its own batches"), got
 
 
 def test_flipped_zeros_noise_scaled_fail_hard(world):
