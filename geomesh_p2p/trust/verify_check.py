@@ -367,14 +367,17 @@ def check_contribution(
     # The loss-gain test first (forward passes only): a contribution not trained on its batches fails it
     # hard, and then the gradient passes are not needed. What a check of a free rider or a poisoner costs
     # halves, and the background queue (paced to a share of the device) concludes it rounds sooner.
-    gain = _gain(cfg, task, model, dataset, theta, mine, seed=seed, deadline=deadline, pace=pace)
+    # (not on a fresh model's first rounds, where it has no power: VerifyConfig.gain_first_round)
+    gain = None
+    if task.round >= cfg.gain_first_round:
+        gain = _gain(cfg, task, model, dataset, theta, mine, seed=seed, deadline=deadline, pace=pace)
     reference = None
-    if gain.t < cfg.gain_t_min:  # a low t counts only where the test has power this round
+    if gain is not None and gain.t < cfg.gain_t_min:  # a low t counts only where the test has power this round
         reference = reference_gain(
             cfg, task, model, dataset, theta, packets, plan=plan, checker=checker, seed=seed, deadline=deadline,
             pace=pace, cache=cache,
         )  # fmt: skip
-    if gain.t < cfg.gain_t_hard and gain_decides(cfg, gain, reference):
+    if gain is not None and gain.t < cfg.gain_t_hard and gain_decides(cfg, gain, reference):
         early = WorkStats(0.0, 0.0, 0, gain)
         return early, judge(cfg, task, early, all_zero=False, max_scale=max_scale, bound=bound, reference=reference), []
     if is_hollow(model):

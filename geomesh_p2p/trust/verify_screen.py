@@ -8,7 +8,8 @@ the wall time, so at small H it concludes ~12 rounds after the round it checked,
 every aggregate until then (docs/security.md, "The backdoor benchmark"). A newcomer is screened instead in each of
 its first rounds, by a few peers, at once:
 
-* **Who is screened**: every contributor of the swarm's first ``screen_rounds`` rounds, later every contributor a
+* **Who is screened**: every contributor of the ``screen_rounds`` rounds from ``gain_first_round`` (the loss-gain
+  test has no power on a fresh model's first updates: none before), later every contributor a
   plan marks as on probation (:func:`~geomesh_p2p.trust.verify_task.screen_candidates`): the same list at every
   participant. A contributor knows its first rounds are screened and nothing else.
 * **By whom**: ``screeners`` participants drawn after the round from a seed over every contribution received

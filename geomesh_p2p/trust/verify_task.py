@@ -103,7 +103,13 @@ class VerifyConfig:
             written beside their start weights (disk, ``4P + contributors x P/8`` bytes a round; issue 28: a late
             verdict must find its round still kept at the others). 12: a sampled check concludes within ~11
             rounds at H = 5 (the slowest measured), a screening check within 2-4.
-        screen_rounds: every contributor of the swarm's first ``screen_rounds`` rounds is screened (everybody is
+        gain_first_round: the loss-gain test runs (in checks and screens) on contributions of this round on only.
+            The swarm's first rounds train a freshly initialised model, whose update is mostly what any text teaches
+            (the token statistics): honest contributions of round 0 measured t 0.68-1.25 (seq_len 128, 33-44
+            steps, ``benchmarks/multi_rank.py``, sessions 16-17) and honest peers excluded each other, while a peer
+            of the same round with 7 steps measured t 4.61. The thresholds were measured from round 2 on
+            (``benchmarks/verify_gain.py``); before it the sign statistics decide alone, and screening starts there.
+        screen_rounds: every contributor of the ``screen_rounds`` rounds from ``gain_first_round`` is screened (everybody is
             new then); later, the contributors a plan marks as on probation (new identities, until they delivered
             :data:`~geomesh_p2p.trust.probation.PROBATION_ROUNDS` rounds). See :func:`screen_candidates`.
         screeners: verifiers that screen each newcomer in a round (drawn by :func:`screeners_of` after the round;
@@ -133,6 +139,7 @@ class VerifyConfig:
     gain_t_min: float = 1.75
     gain_refute_margin: float = 0.5
     gain_t_gap: float = 2.5
+    gain_first_round: int = 2
     marginal_needed: int = 2
     marginal_window: int = 50
     keep_rounds: int = 3
@@ -297,11 +304,15 @@ def _eligible(
 
 def screen_candidates(cfg: VerifyConfig, plan, packets: Mapping[str, Mapping[int, Any]]) -> list[str]:
     """The contributors of ``plan`` screened this round, sorted: every checkable one (:func:`derive_task`'s
-    eligibility) in the swarm's first ``cfg.screen_rounds`` rounds, later those the plan marks as on probation
-    (``PeerAssignment.probation``: identities that have not delivered ``PROBATION_ROUNDS`` rounds yet). Every
+    eligibility) in the ``cfg.screen_rounds`` rounds from ``cfg.gain_first_round`` (none before), later those the
+    plan marks as on probation (``PeerAssignment.probation``: identities that have not delivered
+    ``PROBATION_ROUNDS`` rounds yet). Every
     participant computes the same list from the same plan and contributions. A contributor knows that its first
     rounds are screened, nothing more: which batches are replayed is drawn after the round (:func:`screen_seed`)."""
-    early = int(plan.round) < cfg.screen_rounds
+    r = int(plan.round)
+    if r < cfg.gain_first_round:  # the loss-gain test has no power on a fresh model's first updates
+        return []
+    early = r < cfg.gain_first_round + cfg.screen_rounds
     return sorted(a.peer_id for a, _, _ in _eligible(cfg, plan, packets) if early or getattr(a, "probation", False))
 
 

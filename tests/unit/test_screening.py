@@ -53,7 +53,7 @@ def test_a_newcomer_trained_on_other_data_fails_its_first_screen_and_is_excluded
     ids, plan, packets = _case(world, world.wrong_data, 10)
     a, b, c = world.pid["A"], world.pid["B"], world.pid["C"]
     v_id, w_id = str(ids["V"].peer_id), str(ids["W"].peer_id)
-    # round 2 < screen_rounds: all new, the screeners too
+    # gain_first_round <= round 2 < gain_first_round + screen_rounds: all new, the screeners too
     assert VT.screen_candidates(CFG, plan, packets) == sorted([a, b, c, v_id, w_id])
     dht = FakeDHT()
     v = _verifier(world, ids["V"], CFG, plan, packets)
@@ -210,7 +210,7 @@ def test_the_screen_is_the_same_for_every_screener_and_fixed_only_after_the_roun
     # after the swarm's first rounds only the plan's probation peers are screened
     late = plan.model_copy(
         update={
-            "round": CFG.screen_rounds,
+            "round": CFG.gain_first_round + CFG.screen_rounds,
             "assignments": [
                 x.model_copy(update={"probation": True, "part_start": 0, "part_end": 0}) if x.peer_id == a else x
                 for x in plan.assignments
@@ -219,6 +219,9 @@ def test_the_screen_is_the_same_for_every_screener_and_fixed_only_after_the_roun
     )
     assert VT.screen_candidates(CFG, late, packets) == [a]
     assert VT.screen_candidates(CFG, late.model_copy(update={"assignments": plan.assignments}), packets) == []
+    # before gain_first_round nobody is screened, probation or not: the test has no power on a fresh model
+    for r in range(CFG.gain_first_round):
+        assert VT.screen_candidates(CFG, late.model_copy(update={"round": r}), packets) == []
     # the wire form: a screen says so; an ordinary check's dict is what earlier versions signed
     d = tasks[0].to_dict()
     assert d["kind"] == VT.SCREEN and VT.VerifyTask.from_dict(d) == tasks[0]

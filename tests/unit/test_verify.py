@@ -149,6 +149,20 @@ def test_the_gain_test_decides_only_with_power_in_its_round():
     assert got.outcome == VC.FAIL and got.reason.startswith("no loss gain on its own batches"), got
 
 
+def test_before_gain_first_round_the_gain_test_does_not_run(world):
+    """A contribution of the swarm's first rounds (a fresh model's update is what any text teaches: honest t
+    0.68-1.25 measured at round 0) is judged by the sign statistics alone: no gain measured, wrong data is not
+    failed for its gain."""
+    cfg = dataclasses.replace(VT.VerifyConfig(), gain_first_round=ROUND + 1)
+    packets = _packets(world, world.wrong_data, 10)
+    stats, verdict, _ = VC.check_contribution(
+        cfg, _task(10, world), model=copy.deepcopy(world.base), dataset=world.ds, theta=world.theta, seed=0,
+        packets=packets, lr=1e-3, weight_decay=0.1, checker=world.pid["C"], plan=_plan(world, {"V": _fixed_identity("V")}),
+    )  # fmt: skip
+    assert stats.gain is None and stats.basis == 4 + 1, stats  # the gradient passes ran, no gain test
+    assert not verdict.reason.startswith("no loss gain"), verdict
+
+
 def test_flipped_zeros_noise_scaled_fail_hard(world):
     h = world.honest[10]
     g = torch.Generator().manual_seed(0)
