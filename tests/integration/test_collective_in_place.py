@@ -92,3 +92,30 @@ async def test_a_result_waits_for_the_push_of_its_part_to_be_encoded(swarms):
         assert res.missing_parts == []
         assert res.aggregate.equal(outs[0].aggregate)
     assert outs[-1].aggregate.equal(reference(spec, deltas, tokens, {j: pids[:3] for j in range(3)}))
+
+
+async def test_in_place_in_accountable_mode_gives_the_same_bits(swarms):
+    """Accountable re-encoding (issue 26) in place (issue 27; the session-16 red team found no test of the two
+    together): the owners' robust aggregate, re-encoded, witnessed and receipted, lands in every reader's own update
+    storage with the same bits as in a separate buffer, on every peer."""
+    from tests.integration.test_collective_robust import ROBUST, _honest_deltas
+
+    sw = await swarms(4)
+    numel = 4 * 2048 * 2
+    deltas = _honest_deltas(sw.pids, numel, seed=3)
+    kw = dict(mode="accountable", deadline_s=5.0, **ROBUST)
+    spec1 = sw.spec(numel, round=1, **kw)
+    apart = await asyncio.gather(*[s.all_reduce(spec1, deltas[p].clone(), 100) for s, p in zip(sw.services, sw.pids)])
+    mine = {p: deltas[p].clone() for p in sw.pids}
+    ptrs = {p: mine[p].data_ptr() for p in sw.pids}
+    spec2 = sw.spec(numel, round=2, **kw)
+    inplace = await asyncio.gather(
+        *[s.all_reduce(spec2, mine[p], 100, in_place=True) for s, p in zip(sw.services, sw.pids)]
+    )
+    for p, a, b in zip(sw.pids, apart, inplace):
+        assert a.missing_parts == [] and b.missing_parts == []
+        assert b.contributors == a.contributors and len(b.contributors) == 4
+        assert b.aggregate.data_ptr() == ptrs[p]  # the update's storage: no second [numel]
+        assert b.aggregate.view(-1).equal(a.aggregate)  # bitwise, on every peer
+        assert b.aggregate.equal(inplace[0].aggregate)
+    assert bool(inplace[0].aggregate.abs().sum() > 0)  # a real aggregate, not zeros
