@@ -50,7 +50,7 @@ class RunConfig(BaseModel):
     Units: seconds, tokens (sequences of ``seq_len`` tokens), elements. Raises pydantic.ValidationError
     (a ValueError) on a value out of range or an unknown field."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     run_id: str = opt(DEFAULT_RUN_ID, "name of the training run", min_length=1)
     model: str = opt(
@@ -224,7 +224,7 @@ class NodeConfig(BaseModel):
     """Per-peer settings (not shared). Units: seconds, bytes, bytes/s (their flags may use GB, Mbit/s, ms).
     Raises pydantic.ValidationError (a ValueError) on a value out of range or an unknown field."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     bootstrap: list[str] = opt(
         help="a bootstrap (or any live peer) to join through; repeatable",
@@ -421,7 +421,7 @@ class BootstrapConfig(BaseModel):
     """A bootstrap node's settings (``geomesh-bootstrap``). Units: seconds. Ranges are checked by the CLI
     (``bootstrap.cli``) with its own one-line messages, so fields carry no pydantic bounds."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     host: str = opt("0.0.0.0", "interface to listen on; 0.0.0.0 = all", min_length=1)
     port: int = opt(DEFAULT_BOOTSTRAP_PORT, "TCP port to listen on; 0 = any free port")

@@ -244,3 +244,33 @@ def test_bootstrap_imports_nothing_from_peer():
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "[]"
+
+
+def test_no_config_takes_a_non_finite_number(tmp_path):
+    """Red team (session 16): ``RunConfig(inner_lr=inf)`` was accepted (``gt=0`` lets +inf through) and would have
+    reached training. Every float of the three configs refuses inf and nan, naming the field; from a config file
+    and from a flag the message names the key or flag."""
+    import math
+
+    from peer.cli import build_parser, with_config_file
+
+    floats = [
+        (cls, name)
+        for cls in (RunConfig, NodeConfig, BootstrapConfig)
+        for name, f in cls.model_fields.items()
+        if "float" in repr(f.annotation)
+    ]
+    assert len(floats) >= 20, floats  # inner_lr, outer_lr, window_s, quorum, speed_factor, rpc_timeout, ...
+    for cls, name in floats:
+        for bad in (math.inf, -math.inf, math.nan):
+            with pytest.raises(ValueError, match=rf"{name}\n.*finite number"):
+                cls(**{name: bad})
+    cfg = tmp_path / "peer.yaml"
+    cfg.write_text("inner_lr: .inf\n")
+    argv = ["join", "--config", str(cfg)]
+    parser = build_parser()
+    with pytest.raises(ConfigFileError, match="inner_lr"):
+        with_config_file(parser, parser.parse_args(argv), argv)
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["join", "--inner-lr", "inf"])
+    assert e.value.code == 2
