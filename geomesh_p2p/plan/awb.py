@@ -58,8 +58,15 @@ from typing import Collection, Iterable, Mapping, Optional, Sequence
 import numpy as np
 
 from geomesh_p2p.plan.assign import PlanMeta, build_plan, probation_ids
-from geomesh_p2p.plan.bounds import BUDGET_MEDIAN_FACTOR, bound_records, check_records, evidence_ceilings
-from geomesh_p2p.plan.cost import PeerModel, best_micro_batch, inner_steps, interpolate_tokens_per_s, step_and_comm
+from geomesh_p2p.plan.bounds import bound_records, budget_limit, check_records, evidence_ceilings
+from geomesh_p2p.plan.cost import (
+    PeerModel,
+    best_micro_batch,
+    inner_steps,
+    interpolate_tokens_per_s,
+    ranks_of,
+    step_and_comm,
+)
 from geomesh_p2p.plan.schema import PlanConfig, RoundPlan
 from geomesh_p2p.schema.peer import PeerRecord
 from geomesh_p2p.trust.probation import PROBATION_BUDGET_FACTOR
@@ -220,7 +227,7 @@ def plan_round(
     ``EVIDENCE_GROWTH`` x that rate, and a peer without one (a newcomer) at no more than the lower
     median of those rates (:func:`~geomesh_p2p.plan.bounds.evidence_ceilings`; followers check it):
     its ``H_i`` is lowered, the window ``T`` is not (followers recompute ``T`` from the records alone). Finally no budget exceeds ``BUDGET_MEDIAN_FACTOR`` x the
-    lower-median budget unless it is ``min_inner_steps`` steps of its batch.
+    lower-median budget (x ``ranks`` for a multi-rank peer: per device) unless it is ``min_inner_steps`` steps of its batch.
 
     The result does not depend on the order of ``records``. Raises ValueError for no peers, a
     duplicate peer_id, a peer with no measured throughput or a non-positive bandwidth (the message
@@ -239,10 +246,11 @@ def plan_round(
         models = _bound_by_evidence(recs, models, supported_tokens_per_s, cfg)
     s, c = step_and_comm(models)
     H = inner_steps(np.float64(T), s, c, cfg)
-    H = _cap_budgets(models, H, cfg)
+    ranks = [ranks_of(r) for r in recs]
+    H = _cap_budgets(models, H, cfg, ranks)
     probation = probation_ids(recs, probation)
     if probation:
-        H = _cap_budgets(models, _cap_probation(models, H, cfg, probation), cfg)
+        H = _cap_budgets(models, _cap_probation(models, H, cfg, probation), cfg, ranks)
     meta = PlanMeta(run_id, round, leader, numel, start_time, start_digest, created_at)
     return build_plan(recs, models, H, T, cfg, meta, probation, equal=False)
 
@@ -263,24 +271,25 @@ def _bound_by_evidence(
     return out
 
 
-def _cap_budgets(models: Sequence[PeerModel], H: np.ndarray, cfg: PlanConfig) -> np.ndarray:
-    """``H`` lowered so that no budget exceeds ``BUDGET_MEDIAN_FACTOR`` x the lower-median budget,
-    never below ``min_inner_steps``. The lower median is unchanged by the cap (a capped budget stays
+def _cap_budgets(models: Sequence[PeerModel], H: np.ndarray, cfg: PlanConfig, ranks: Sequence[int]) -> np.ndarray:
+    """``H`` lowered so that no budget exceeds :func:`~geomesh_p2p.plan.bounds.budget_limit` of the
+    lower-median budget (``BUDGET_MEDIAN_FACTOR`` x it, x ``ranks[i]`` for a multi-rank peer: the cap is per
+    device), never below ``min_inner_steps``. The lower median is unchanged by the cap (a capped budget stays
     >= half the limit >= the median, since the factor is >= 2), so one pass suffices."""
     step_tokens = [m.batch * cfg.seq_len for m in models]
     budgets = [int(h) * t for h, t in zip(H.tolist(), step_tokens)]
-    limit = BUDGET_MEDIAN_FACTOR * statistics.median_low(budgets)
-    return _lowered_to(H, step_tokens, limit, range(len(models)), cfg)
+    median = statistics.median_low(budgets)
+    return _lowered_to(H, step_tokens, [budget_limit(median, k) for k in ranks], range(len(models)), cfg)
 
 
 def _lowered_to(
-    H: np.ndarray, step_tokens: Sequence[int], limit: float, among: Iterable[int], cfg: PlanConfig
+    H: np.ndarray, step_tokens: Sequence[int], limits: Sequence[float], among: Iterable[int], cfg: PlanConfig
 ) -> np.ndarray:
-    """A copy of ``H`` in which each peer of index in ``among`` whose budget ``H_i x step_tokens_i``
-    exceeds ``limit`` tokens gets ``floor(limit / step_tokens_i)`` steps, never below ``min_inner_steps``."""
+    """A copy of ``H`` in which each peer of index ``i`` in ``among`` whose budget ``H_i x step_tokens_i``
+    exceeds ``limits[i]`` tokens gets ``floor(limits[i] / step_tokens_i)`` steps, never below ``min_inner_steps``."""
     out = H.copy()
     for i in among:
-        t = step_tokens[i]
+        t, limit = step_tokens[i], limits[i]
         if int(H[i]) * t > limit:
             out[i] = max(cfg.min_inner_steps, math.floor(limit / t))
     return out
@@ -298,4 +307,5 @@ def _cap_probation(
     if not est:
         return H
     limit = PROBATION_BUDGET_FACTOR * statistics.median_low(est)
-    return _lowered_to(H, step_tokens, limit, [i for i, m in enumerate(models) if m.peer_id in probation], cfg)
+    among = [i for i, m in enumerate(models) if m.peer_id in probation]
+    return _lowered_to(H, step_tokens, [limit] * len(models), among, cfg)

@@ -8,7 +8,8 @@ also pass what each peer's last *delivered* contribution supports (``supported_t
 peer's inner steps are then planned at no more than ``EVIDENCE_GROWTH`` x that rate (this only lowers
 ``H_i``; the window stays what every follower can recompute). After the inner steps are known, no
 budget exceeds ``BUDGET_MEDIAN_FACTOR`` x the plan's lower-median budget (``H_i`` is lowered; a peer
-already at ``min_inner_steps`` keeps them). Followers run :func:`~geomesh_p2p.plan.planner.check_plan` on every plan: it
+already at ``min_inner_steps`` keeps them). The caps are per device: a peer of ``ranks`` K gets K x each
+(:func:`bound_records`, :func:`budget_limit`; bandwidth is the peer's link, not scaled). Followers run :func:`~geomesh_p2p.plan.planner.check_plan` on every plan: it
 recomputes these bounds from the records they see and the run's :class:`PlanConfig` and refuses a
 plan outside them with a one-line reason (the next leader then takes over, :mod:`geomesh_p2p.round`).
 Every plan :func:`~geomesh_p2p.plan.planner.make_plan` makes passes :func:`~geomesh_p2p.plan.planner.check_plan` on the same records by construction.
@@ -20,6 +21,7 @@ import math
 import statistics
 from typing import Iterable, Mapping, Optional, Sequence
 
+from geomesh_p2p.plan.cost import ranks_of
 from geomesh_p2p.schema.peer import PeerRecord
 
 # Bounds on claims and plans (issue 11). Each is a multiple of the members' lower median, so that a
@@ -123,6 +125,11 @@ def bound_records(records: Sequence[PeerRecord]) -> list[PeerRecord]:
     values only shrink). Pure and deterministic; the leader plans on the result and every follower
     recomputes it from the same records (:func:`check_plan`).
 
+    Per device (issue 30): the spreads above are between *devices*, and a peer of ``ranks`` K devices announces
+    their sum, so its tokens/s and ``max_batch`` caps are K x the one-device caps (the median stays the
+    members' own figures: a ranks claim moves no other peer's cap). Without it a 2-rank peer 11x a slow
+    ordinary peer was planned at 8x (two one-rank peers on the same cores, 5.5x each, were not cut).
+
     Not evidence: a record is what its peer says. Delivered work bounds a peer's rate further on the
     leader (``supported_tokens_per_s`` of :func:`plan_round`); bandwidth is bounded only relative to
     the median (a peer measures its own links, not the others').
@@ -136,10 +143,11 @@ def bound_records(records: Sequence[PeerRecord]) -> list[PeerRecord]:
     out = []
     for r in records:
         update: dict = {}
-        if r.tokens_per_s and r.best_tokens_per_s() > tps_cap:
-            update["tokens_per_s"] = {b: min(v, tps_cap) for b, v in r.tokens_per_s.items()}
-        if r.max_batch > batch_cap:
-            update["max_batch"] = max(1, batch_cap)
+        k = ranks_of(r)  # the caps are per device (see above)
+        if r.tokens_per_s and r.best_tokens_per_s() > k * tps_cap:
+            update["tokens_per_s"] = {b: min(v, k * tps_cap) for b, v in r.tokens_per_s.items()}
+        if r.max_batch > k * batch_cap:
+            update["max_batch"] = max(1, k * batch_cap)
         if r.upload_bps > up_cap:
             update["upload_bps"] = up_cap
         if r.download_bps > down_cap:
@@ -148,9 +156,17 @@ def bound_records(records: Sequence[PeerRecord]) -> list[PeerRecord]:
     return out
 
 
-def max_token_share(n_peers: int) -> float:
-    """The largest share of a round's token budget one of ``n_peers`` can hold when every budget is
-    within ``BUDGET_MEDIAN_FACTOR`` (F) x the lower median: ``F / (F + n_peers // 2)`` (at least
-    ``n_peers // 2`` other budgets are >= the lower median). 2 peers: 8/9; 4 peers: 4/5; 7 peers:
-    8/11; 1 peer: 1."""
-    return BUDGET_MEDIAN_FACTOR / (BUDGET_MEDIAN_FACTOR + n_peers // 2)
+def budget_limit(median_budget: float, ranks: int = 1) -> float:
+    """The largest token budget of a peer of ``ranks`` devices in a plan whose lower-median budget is
+    ``median_budget`` (tokens): ``BUDGET_MEDIAN_FACTOR x ranks x median_budget``. Per device, as the record
+    caps (:func:`bound_records`): a K-rank peer trains K devices' share, as K one-rank peers would (issue 30)."""
+    return BUDGET_MEDIAN_FACTOR * max(1, ranks) * median_budget
+
+
+def max_token_share(n_peers: int, ranks: int = 1) -> float:
+    """The largest share of a round's token budget one of ``n_peers`` (of ``ranks`` K devices) can hold when
+    every budget is within :func:`budget_limit` (``F K`` x the lower median, F = ``BUDGET_MEDIAN_FACTOR``):
+    ``F K / (F K + n_peers // 2)`` (at least ``n_peers // 2`` other budgets are >= the lower median). One
+    rank: 2 peers: 8/9; 4 peers: 4/5; 7 peers: 8/11; 1 peer: 1. 2 ranks, 2 peers: 16/17."""
+    fk = BUDGET_MEDIAN_FACTOR * max(1, ranks)
+    return fk / (fk + n_peers // 2)

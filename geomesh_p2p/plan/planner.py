@@ -29,6 +29,7 @@ from geomesh_p2p.plan.bounds import (
     MAX_CLOCK_SKEW_S,
     PLAN_CHECK_TOLERANCE,
     bound_records,
+    budget_limit,
     check_records,
     evidence_ceilings,
     max_token_share,
@@ -255,7 +256,7 @@ def check_plan(
 
     * settings: ``seq_len`` / ``method`` / ``mode`` as in ``cfg``; every participant has a record;
     * batch: ``micro_batch`` within the record's bounded ``max_batch`` (:func:`bound_records`:
-      what it announces, at most ``BATCH_SPREAD_CAP`` x the lower median); ``accum_steps`` exactly
+      what it announces, at most ``BATCH_SPREAD_CAP`` x the lower median, x ``ranks``); ``accum_steps`` exactly
       what ``target_batch`` implies; uniform methods: the same micro-batch for all, the fixed ``H``;
     * steps: every participant gets ``min_inner_steps..max_inner_steps`` (AWB). No peer is planned
       with 0 steps: the stated rule for a peer that cannot keep up is to leave it out of the plan
@@ -265,7 +266,7 @@ def check_plan(
     * budgets: each at most ``PLAN_CHECK_TOLERANCE`` x (bounded best tokens/s x ``window_s``); at
       most ``BUDGET_MEDIAN_FACTOR`` x the plan's lower-median budget unless it is
       ``min_inner_steps`` steps of its own batch; hence a share of the total at most
-      :func:`max_token_share`;
+      :func:`max_token_share`; both per device (x ``ranks`` for a multi-rank peer, issue 30);
     * ownership: no owner without an address in its record, none with more than
       :func:`max_owner_units` x ``part_align`` elements, counting as possible owners the
       participants whose record has an address, less ``barred`` (peers this follower itself bars
@@ -329,7 +330,10 @@ def check_plan(
                 f"token budget {a.token_budget} for {a.peer_id[:10]} exceeds the {ceiling:.0f} its bounded "
                 f"throughput supports in {T:.3g} s"
             )
-    reason = _budget_problem(plan, cfg) or _probation_problem(plan, cfg) or _evidence_problem(plan, cfg, supported)
+    ranks = {r.peer_id: ranks_of(r) for r in recs}
+    reason = (
+        _budget_problem(plan, cfg, ranks) or _probation_problem(plan, cfg) or _evidence_problem(plan, cfg, supported)
+    )
     if reason is not None:
         return reason
     on_probation = set(plan.probation())
@@ -342,8 +346,15 @@ def records_needed(plan: RoundPlan, cfg: PlanConfig) -> list[str]:
     their records (issue 25): an accumulation other than a one-device peer's for its micro-batch (a K-rank
     peer's target batch is K x ``cfg.target_batch``, and only its record says K). :func:`check_plan` refuses
     a wrong accumulation as a :class:`ContentRefusal` (the full-view peers then follow the next leader): a
-    light follower must see every such lie, not a sample of them, or it follows a plan they bypass."""
-    return [a.peer_id for a in plan.assignments if a.accum_steps != accum_steps_for(a.micro_batch, cfg.target_batch)]
+    light follower must see every such lie, not a sample of them, or it follows a plan they bypass. Also a budget
+    over the one-device bounds of :func:`check_plan` (``BUDGET_MEDIAN_FACTOR`` x the median, the largest share):
+    only a multi-rank peer may hold one, and only its record says so."""
+    over = _over_budget(plan, cfg, {})
+    return [
+        a.peer_id
+        for a in plan.assignments
+        if a.accum_steps != accum_steps_for(a.micro_batch, cfg.target_batch) or a.peer_id in over
+    ]
 
 
 def check_plan_sampled(
@@ -405,7 +416,11 @@ def check_plan_sampled(
         return "its train deadline is not its start plus its window"
     if plan.created_at - now > MAX_CLOCK_SKEW_S:
         return f"it starts {plan.created_at - now:.0f} s in the future"
-    reason = _budget_problem(plan, cfg) or _probation_problem(plan, cfg) or _evidence_problem(plan, cfg, supported)
+    # a multi-rank peer's budget may pass the one-device bounds only with its record read (records_needed)
+    ranks = {pid: ranks_of(r) for pid, r in sampled.items()}
+    reason = (
+        _budget_problem(plan, cfg, ranks) or _probation_problem(plan, cfg) or _evidence_problem(plan, cfg, supported)
+    )
     if reason is not None:
         return reason
     on_probation = set(plan.probation())
@@ -423,23 +438,35 @@ def _settings_problem(plan: RoundPlan, cfg: PlanConfig) -> Optional[str]:
     return None
 
 
-def _budget_problem(plan: RoundPlan, cfg: PlanConfig) -> Optional[str]:
-    """Budgets against the plan's own median and the largest share (see :func:`check_plan`)."""
+def _over_budget(plan: RoundPlan, cfg: PlanConfig, ranks: Mapping[str, int]) -> dict[str, str]:
+    """peer id -> why its budget breaks the plan's own bounds (see :func:`check_plan`): over
+    :func:`budget_limit` of the plan's lower-median budget, or over :func:`max_token_share` of the total, each
+    per device (``ranks``: peer id -> K; a peer not in it counts as one device), unless the budget is
+    ``min_inner_steps`` steps of its batch."""
     budgets = [a.token_budget for a in plan.assignments]
-    limit = BUDGET_MEDIAN_FACTOR * statistics.median_low(budgets)
+    median = statistics.median_low(budgets)
     total = sum(budgets)
-    share = max_token_share(len(budgets))
+    out: dict[str, str] = {}
     for a in plan.assignments:
-        who = a.peer_id[:10]
+        who, k = a.peer_id[:10], ranks.get(a.peer_id, 1)
+        limit, share = budget_limit(median, k), max_token_share(len(budgets), k)
         floor = cfg.min_inner_steps * a.batch_size * cfg.seq_len
+        devices = f" ({k} ranks)" if k > 1 else ""
         if a.token_budget > max(limit, floor):
-            return (
-                f"token budget {a.token_budget} for {who} is over {BUDGET_MEDIAN_FACTOR:g}x the plan's median "
-                f"budget ({limit / BUDGET_MEDIAN_FACTOR:.0f})"
+            out[a.peer_id] = (
+                f"token budget {a.token_budget} for {who}{devices} is over {BUDGET_MEDIAN_FACTOR * k:g}x the plan's median "
+                f"budget ({median:.0f})"
             )
-        if a.token_budget > floor and a.token_budget > share * total * (1 + 1e-12):
-            return f"{who} holds {a.token_budget / total:.0%} of the round's tokens, over the {share:.0%} bound"
-    return None
+        elif a.token_budget > floor and a.token_budget > share * total * (1 + 1e-12):
+            out[a.peer_id] = (
+                f"{who}{devices} holds {a.token_budget / total:.0%} of the round's tokens, over the {share:.0%} bound"
+            )
+    return out
+
+
+def _budget_problem(plan: RoundPlan, cfg: PlanConfig, ranks: Mapping[str, int]) -> Optional[str]:
+    """Budgets against the plan's own median and the largest share, per device (see :func:`check_plan`)."""
+    return next(iter(_over_budget(plan, cfg, ranks).values()), None)
 
 
 def _evidence_problem(plan: RoundPlan, cfg: PlanConfig, supported: Optional[Mapping[str, float]]) -> Optional[str]:

@@ -26,7 +26,8 @@ from geomesh_p2p.model.ranks import (
 )
 from geomesh_p2p.node.ranks import RankLayout, layout_from, layout_from_env
 from geomesh_p2p.plan.cost import peer_uniform_micro, rank_micro, uniform_micro
-from geomesh_p2p.plan.planner import check_plan, make_plan
+from geomesh_p2p.plan.bounds import bound_records, max_token_share
+from geomesh_p2p.plan.planner import check_plan, check_plan_sampled, make_plan, records_needed
 from geomesh_p2p.plan.schema import PlanConfig
 from geomesh_p2p.schema.peer import PeerRecord
 from tests.records_util import peer_record
@@ -170,6 +171,64 @@ def test_a_follower_refuses_a_uniform_plan_that_ignores_the_ranks() -> None:
         reason is not None
         and "micro-batch 4; method diloco gives everyone 20 of 4 per device (8 for this peer)" in str(reason)
     )
+
+
+# The round-0 records of benchmarks/multi_rank.py --speed-factor 1 --other-speed-factor 0.2 --peer-args="--seq-len
+# 128 --window-s 6" (/tmp/s17/mrbq): the box's rank profile {4: 6828, 8: 7847} tokens/s, max batch 232 per rank;
+# the ordinary peer {4: 1303, 8: 1424}, max batch 256.
+BOX_RANK_TPS = {4: 6828.0, 8: 7847.0}
+SLOW_TPS = {4: 1303.0, 8: 1424.0}
+BENCH_CFG = PlanConfig(seq_len=128, target_batch=8, payload_bytes=181_000, window_s=6.0)
+
+
+def _plan_rows(plan) -> dict:
+    return {a.peer_id: (a.micro_batch, a.accum_steps, a.inner_steps, a.token_budget) for a in plan.assignments}
+
+
+def test_a_multi_rank_peer_is_bounded_per_device() -> None:
+    """Issue 30: the spread caps (tokens/s 8x the lower median, budgets 8x the lower-median budget) are per
+    device. The 2-rank box (15,694 tokens/s, 11x the slow peer) was clamped to 8 x 1424 = 11,392 tokens/s and
+    capped at 8 x 8192 tokens: 32 steps of 16 in a 5.86 s window (4.2 s of compute at its rate), where two
+    one-rank peers on the same cores (5.5x each) got 44 steps of 8 each. Now it gets what they get together."""
+    box = _rec("box", 2, BOX_RANK_TPS, 232)
+    other = _rec("other", 1, SLOW_TPS, 256)
+    assert bound_records([box, other]) == [box, other]  # 15,694 <= 2 x 8 x 1424: no claim clamped
+    plan = make_plan([box, other], BENCH_CFG, **PLAN_KW)
+    assert _plan_rows(plan) == {"box": (16, 1, 44, 90_112), "other": (8, 1, 8, 8_192)}
+    assert plan.window_s == pytest.approx(5.8564, abs=1e-4)  # 8 steps of the slow peer + its exchange
+    one_rank = make_plan(
+        [_rec("box1", 1, BOX_RANK_TPS, 232), _rec("box2", 1, BOX_RANK_TPS, 232), other], BENCH_CFG, **PLAN_KW
+    )
+    assert _plan_rows(one_rank) == {
+        "box1": (8, 1, 44, 45_056),
+        "box2": (8, 1, 44, 45_056),
+        "other": (8, 1, 8, 8_192),
+    }
+    assert plan.window_s == one_rank.window_s
+    records = {r.peer_id: r for r in (box, other)}
+    assert check_plan(plan, records, BENCH_CFG, now=plan.created_at) is None
+    # a light follower must read the box's record (only its ranks allow a budget over 8x the median) and then
+    # accepts; without it the plan is over the one-device bounds
+    assert records_needed(plan, BENCH_CFG) == ["box"]
+    assert check_plan_sampled(plan, records, BENCH_CFG, now=plan.created_at) is None
+    reason = check_plan_sampled(plan, {"other": other}, BENCH_CFG, now=plan.created_at)
+    assert reason == "token budget 90112 for box is over 8x the plan's median budget (8192)"
+    # the same figures claimed by one device are still bounded as before: 8 x 1424 tokens/s, 8 x 8192 tokens
+    solo = peer_record(
+        "box", address="box:1", tokens_per_s=box.tokens_per_s, max_batch=464, upload_bps=1e8, download_bps=1e8
+    )
+    assert bound_records([solo, other])[0].tokens_per_s == {8: 11_392.0, 16: 11_392.0}
+    assert _plan_rows(make_plan([solo, other], BENCH_CFG, **PLAN_KW))["box"] == (16, 1, 32, 65_536)
+    # and a 2-rank peer past its per-device bound is refused: 2 x 8 x 8192 tokens at most
+    rows = [
+        a.model_copy(update={"inner_steps": 65, "token_budget": 133_120}) if a.peer_id == "box" else a
+        for a in plan.assignments
+    ]
+    rogue = plan.model_copy(update={"assignments": rows})
+    assert check_plan(rogue, records, BENCH_CFG, now=plan.created_at) == (
+        "token budget 133120 for box (2 ranks) is over 16x the plan's median budget (8192)"
+    )
+    assert max_token_share(2, 2) == 16 / 17 and max_token_share(2) == 8 / 9
 
 
 # ---------------------------------------------------------------------------------------------- flags
