@@ -40,6 +40,7 @@ __all__ = [
     "ConfigFileError",
     "load_config_defaults",
     "PARSERS",
+    "capped",
 ]
 
 _DEFAULT_MARK = " (default: %(default)s)"
@@ -106,17 +107,22 @@ def _integer(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
 
 
+def _shown_bound(x: float) -> str:
+    """A bound as a message shows it: ``21600``, not ``21600.0``; ``0.5`` as it is."""
+    return str(int(x)) if float(x).is_integer() and abs(x) < 1e16 else str(x)
+
+
 def number_type(kind: type, ge=None, gt=None, le=None, lt=None) -> Callable[[str], Any]:
     """An argparse type: an int or a finite float within the given bounds. Messages name the range:
     "must be >= 1, got -3", "must be in [0, 65535], got 70000", "must be a finite number > 0, got 0"."""
     lo, lo_open = (gt, True) if gt is not None else (ge, False)
     hi, hi_open = (lt, True) if lt is not None else (le, False)
     if lo is not None and hi is not None:
-        rng = f"in {'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
+        rng = f"in {'(' if lo_open else '['}{_shown_bound(lo)}, {_shown_bound(hi)}{')' if hi_open else ']'}"
     elif lo is not None:
-        rng = f"{'>' if lo_open else '>='} {lo}"
+        rng = f"{'>' if lo_open else '>='} {_shown_bound(lo)}"
     elif hi is not None:
-        rng = f"{'<' if hi_open else '<='} {hi}"
+        rng = f"{'<' if hi_open else '<='} {_shown_bound(hi)}"
     else:
         rng = None
     what = "a finite number " if kind is float and rng and rng[0] in "<>" else ""
@@ -217,6 +223,29 @@ def _host_port(text: str) -> str:
         return canonical_address(text)
     except AddressError as e:
         raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r} ({e})") from None
+
+
+def capped(parse: Callable[[str], Any], le: Optional[float] = None, lt: Optional[float] = None) -> Callable[[str], Any]:
+    """``parse`` (a flag type of :data:`PARSERS`) that also refuses a number over the field's upper bound (``le`` /
+    ``lt``, in the flag's units), which that type does not know: "must be <= 21600, got 1e9". Its own lower bound and
+    messages stay (``--min-agreement 0`` means off, though the field is ``> 0``); None (``auto``) and non-numbers
+    pass. ``parse`` itself when there is no upper bound."""
+    if le is None and lt is None:
+        return parse
+
+    def parse_capped(text: str):
+        v = parse(text)
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            if lt is not None and not v < lt:
+                raise argparse.ArgumentTypeError(f"must be < {_shown_bound(lt)}, got {text}")
+            if le is not None and not v <= le:
+                raise argparse.ArgumentTypeError(f"must be <= {_shown_bound(le)}, got {text}")
+        return v
+
+    parse_capped.__name__ = getattr(parse, "__name__", "parse")
+    if getattr(parse, "accepts_auto", False):
+        parse_capped.accepts_auto = True  # type: ignore[attr-defined]  # to_argv renders None as "auto"
+    return parse_capped
 
 
 #: Flag types by name, for fields whose flag is not given by their annotation and range (``opt(parse=...)``).
@@ -321,7 +350,10 @@ def flag_specs(
             if typing.get_origin(ann) is Literal:
                 kw["choices"] = list(typing.get_args(ann))
             elif cli.get("parse"):
-                kw["type"] = PARSERS[cli["parse"]]
+                # the parse type keeps its own lower bound and messages; the field's upper bound is added (red
+                # team, session 16: --window-s took any finite number, a fixed window past what records outlive)
+                top = {k: v / scale if scale is not None else v for k, v in _bounds(info).items() if k in ("le", "lt")}
+                kw["type"] = capped(PARSERS[cli["parse"]], **top)
             elif ann is str and any(getattr(m, "min_length", 0) for m in info.metadata):
                 kw["type"] = _nonempty
             elif ann in (int, float):

@@ -14,6 +14,7 @@ from typing import ClassVar, Literal, Optional
 from pydantic import BaseModel, ConfigDict, model_validator
 
 from geomesh_p2p.config.flags import opt
+from geomesh_p2p.schema.peer import MAX_LINK_BPS, MIN_LINK_BPS
 
 __all__ = [
     "RunConfig",
@@ -28,6 +29,12 @@ __all__ = [
     "TUNING_GROUP",
     "DEFAULT_POW_BITS",
     "MAX_POW_BITS",
+    "MAX_WAIT_S",
+    "MAX_WINDOW_S",
+    "MAX_INNER_LR",
+    "MAX_OUTER_LR",
+    "MAX_ADDED_LATENCY_S",
+    "MAX_MEMORY_BYTES",
 ]
 
 # Every default below is written once: the CLI flags (geomesh_p2p.config.flags) and the demo read them here.
@@ -43,6 +50,27 @@ TUNING_GROUP = "tuning of this node (rarely changed)"
 DEFAULT_POW_BITS = 22
 #: Most a run may ask (2**40 hashes is days of one core); records hold the nonce as an unsigned 64-bit int.
 MAX_POW_BITS = 40
+
+# Ranges of the float fields (red team, session 16: ``inner_lr=inf`` passed ``gt=0``). Every model below refuses
+# inf and nan in every float field (``allow_inf_nan=False``); these bound the finite values to what each means.
+#: Longest wait, timeout, period or cache age of a node or a bootstrap, seconds: 24 h, the longest any record of
+#: the run lives in the DHT (``geomesh_p2p.dht.records.RecordLimits.max_ttl_s``): a longer wait outlives what it
+#: waits for.
+MAX_WAIT_S = 24 * 3600
+#: Longest sync window a run may fix, and longest announce period, seconds: a peer's record lives 4 rounds and 4
+#: announce periods (``geomesh_p2p.dht.announce.record_ttl_s``) and no record lives over 24 h.
+MAX_WINDOW_S = MAX_WAIT_S // 4
+#: Largest inner learning rate: AdamW and Lion move every weight by about lr per step, so past 1 each step moves
+#: it by more than its own scale and the model diverges at once.
+MAX_INNER_LR = 1.0
+#: Largest outer learning rate: the outer step is lr x the swarm's averaged update (DiLoCo's 0.7; 1 without
+#: momentum is plain averaging); 10 extrapolates tenfold past what the peers trained.
+MAX_OUTER_LR = 10.0
+#: Most latency ``--added-latency-ms`` may add to each call, seconds: a minute is beyond any link on Earth (WAN
+#: emulation; a geostationary hop is ~0.3 s).
+MAX_ADDED_LATENCY_S = 60
+#: Largest memory budget, bytes: 1 PiB, the most a peer record may state (``PeerRecord.memory_bytes``).
+MAX_MEMORY_BYTES = 1 << 50
 
 
 class RunConfig(BaseModel):
@@ -125,10 +153,10 @@ class RunConfig(BaseModel):
         le=16,
     )
     inner_optimizer: Literal["adamw", "lion"] = opt("adamw", "optimizer of the inner steps")
-    inner_lr: float = opt(1e-3, "peak learning rate of the inner optimizer", gt=0)
+    inner_lr: float = opt(1e-3, "peak learning rate of the inner optimizer", gt=0, le=MAX_INNER_LR)
     warmup_steps: int = opt(20, "inner steps of linear learning-rate warm-up", ge=0)
     total_inner_steps: int = opt(2000, "inner steps of the cosine learning-rate schedule", ge=1)
-    outer_lr: float = opt(0.7, "outer Nesterov lr, DiLoCo's 0.7", gt=0)
+    outer_lr: float = opt(0.7, "outer Nesterov lr, DiLoCo's 0.7", gt=0, le=MAX_OUTER_LR)
     outer_momentum: float = opt(0.9, "outer Nesterov momentum", ge=0, lt=1)
     outer_momentum_clip: float = opt(
         2.0,
@@ -147,10 +175,11 @@ class RunConfig(BaseModel):
         "measured (their records, re-profiled every round), so that the median peer runs --target-inner-steps "
         "inner steps plus its exchange in it, at least 6 s and at most the 324 s followers accept; every follower "
         "recomputes it from the same records (a joiner follows the swarm's plans, it computes none of its own). "
-        "A number fixes the window (stretched when the slowest peer cannot fit one step)",
+        f"A number fixes the window (stretched when the slowest peer cannot fit one step), at most {MAX_WINDOW_S} s",
         metavar="S",
         parse="auto_seconds",
         gt=0,
+        le=MAX_WINDOW_S,
         default_text="auto",
     )
     target_inner_steps: int = opt(
@@ -282,13 +311,14 @@ class NodeConfig(BaseModel):
         "seed = start the run again from the seed at round 0",
     )
     rounds: Optional[int] = opt(None, "stop once this many rounds are done (round numbers start at 0)", ge=0)
-    target_ppl: Optional[float] = opt(None, "stop once eval perplexity is at or below this", gt=0)
+    # a perplexity is exp(loss) >= 1: a target of 1 or less is never reached (geomesh-sim --target-ppl: "> 1")
+    target_ppl: Optional[float] = opt(None, "stop once eval perplexity is at or below this", gt=1)
     min_peers: int = opt(
         1,
         "peers to wait for before round 0; later rounds (with 2 or more) wait for one other peer and a peer left alone ends (docs/round.md)",
         ge=1,
     )
-    wait_peers_s: float = opt(60.0, "how long to wait for --min-peers, seconds", ge=0)
+    wait_peers_s: float = opt(60.0, "how long to wait for --min-peers, seconds", ge=0, le=MAX_WAIT_S)
     speed_factor: float = opt(
         1.0, "emulate a slower device: each step takes 1/f as long", parse="speed_factor", gt=0, le=1
     )
@@ -300,6 +330,7 @@ class NodeConfig(BaseModel):
         scale=2**30,
         parse="positive_float",
         gt=0,
+        le=MAX_MEMORY_BYTES,
     )
     upload_bps: Optional[float] = opt(
         None,
@@ -307,13 +338,25 @@ class NodeConfig(BaseModel):
         flag="--upload-mbps",
         scale=1e6 / 8,
         parse="mbps",
-        gt=0,
+        ge=MIN_LINK_BPS,  # what a peer record may state (the flag's own range, 0.001-1e6 Mbit/s, lies within)
+        le=MAX_LINK_BPS,
     )
     download_bps: Optional[float] = opt(
-        None, "state your download bandwidth (Mbit/s)", flag="--download-mbps", scale=1e6 / 8, parse="mbps", gt=0
+        None,
+        "state your download bandwidth (Mbit/s)",
+        flag="--download-mbps",
+        scale=1e6 / 8,
+        parse="mbps",
+        ge=MIN_LINK_BPS,
+        le=MAX_LINK_BPS,
     )
     added_latency_s: float = opt(
-        0.0, "add this latency (ms) to every outgoing call (WAN emulation)", flag="--added-latency-ms", scale=1e-3, ge=0
+        0.0,
+        "add this latency (ms) to every outgoing call (WAN emulation)",
+        flag="--added-latency-ms",
+        scale=1e-3,
+        ge=0,
+        le=MAX_ADDED_LATENCY_S,
     )
     profile_batches: list[int] = opt(
         help="batch sizes to measure tokens/s at start-up",
@@ -373,6 +416,7 @@ class NodeConfig(BaseModel):
         "refreshed every max(period, lifetime / 3); a record lives max(4 periods, 4 rounds + 2 periods))",
         group=TUNING_GROUP,
         gt=0,
+        le=MAX_WINDOW_S,
     )
     peers_max_age_s: float = opt(
         0.5,
@@ -380,6 +424,7 @@ class NodeConfig(BaseModel):
         "share it)",
         group=TUNING_GROUP,
         ge=0,
+        le=MAX_WAIT_S,
     )
     join_attempts: int = opt(
         8,
@@ -388,7 +433,7 @@ class NodeConfig(BaseModel):
         ge=1,
         le=100,
     )
-    plan_timeout_s: float = opt(4.0, "seconds to wait for the round's plan", group=TUNING_GROUP, gt=0)
+    plan_timeout_s: float = opt(4.0, "seconds to wait for the round's plan", group=TUNING_GROUP, gt=0, le=MAX_WAIT_S)
     full_view_peers: int = opt(
         8,
         "how many peers read every peer record each round: the first N of the last round's plan in the order that "
@@ -408,18 +453,22 @@ class NodeConfig(BaseModel):
         ge=1,
         le=64,
     )
-    gather_wait_s: float = opt(4.0, "seconds the leader waits for the round's peers", group=TUNING_GROUP, gt=0)
+    gather_wait_s: float = opt(
+        4.0, "seconds the leader waits for the round's peers", group=TUNING_GROUP, gt=0, le=MAX_WAIT_S
+    )
     sync_wait_cap_s: float = opt(
         30.0,
         "longest gather wait (seconds) for a peer that announces a state download in progress",
         group=TUNING_GROUP,
         gt=0,
+        le=MAX_WAIT_S,
     )
 
 
 class BootstrapConfig(BaseModel):
-    """A bootstrap node's settings (``geomesh-bootstrap``). Units: seconds. Ranges are checked by the CLI
-    (``bootstrap.cli``) with its own one-line messages, so fields carry no pydantic bounds."""
+    """A bootstrap node's settings (``geomesh-bootstrap``). Units: seconds. The float fields carry their ranges
+    (finite, > 0 or >= 0, at most :data:`MAX_WAIT_S`), which their flags apply; the other ranges are checked by the
+    CLI (``bootstrap.cli``) with its own one-line messages."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
@@ -451,12 +500,18 @@ class BootstrapConfig(BaseModel):
         default_factory=list,
         metavar="HOST:PORT",
     )
-    status_interval: float = opt(30.0, "log the number of live peers this often", metavar="SECONDS")
+    status_interval: float = opt(
+        30.0, "log the number of live peers this often", metavar="SECONDS", gt=0, le=MAX_WAIT_S
+    )
     k: int = opt(20, "Kademlia bucket size and replication")
     alpha: int = opt(3, "Kademlia lookup parallelism")
-    rpc_timeout: float = opt(3.0, "deadline of each DHT call", metavar="SECONDS")
-    refresh_period: float = opt(60.0, "refresh idle routing-table buckets this often", metavar="SECONDS")
-    republish_period: float = opt(60.0, "re-replicate held records this often", metavar="SECONDS")
+    rpc_timeout: float = opt(3.0, "deadline of each DHT call", metavar="SECONDS", gt=0, le=MAX_WAIT_S)
+    refresh_period: float = opt(
+        60.0, "refresh idle routing-table buckets this often; 0 = never", metavar="SECONDS", ge=0, le=MAX_WAIT_S
+    )
+    republish_period: float = opt(
+        60.0, "re-replicate held records this often; 0 = never", metavar="SECONDS", ge=0, le=MAX_WAIT_S
+    )
     allow_peers: Optional[str] = opt(
         None,
         "private run: serve only the peers listed in FILE (one base58 PeerID or "
@@ -475,7 +530,9 @@ class BootstrapConfig(BaseModel):
         metavar="PORT",
     )
     http_host: str = opt("127.0.0.1", "interface the status page listens on; 0.0.0.0 = all", metavar="HOST")
-    http_poll: float = opt(2.0, "how often the status page re-reads the swarm's records", metavar="SECONDS")
+    http_poll: float = opt(
+        2.0, "how often the status page re-reads the swarm's records", metavar="SECONDS", gt=0, le=MAX_WAIT_S
+    )
     pow_bits: Optional[int] = opt(
         None,
         "least proof of work (leading zero bits, as the peers' --pow-bits) a peer record must carry to count "

@@ -30,8 +30,8 @@ import signal
 import sys
 from typing import Optional
 
-from geomesh_p2p.config.flags import add_log_level
-from geomesh_p2p.config.models import DEFAULT_RUN_ID
+from geomesh_p2p.config.flags import add_log_level, number_type
+from geomesh_p2p.config.models import DEFAULT_RUN_ID, MAX_WAIT_S
 from geomesh_p2p import __version__
 from geomesh_p2p.dht import DHTJoinError, DHTNode, PeerAnnouncer, live_peers
 from geomesh_p2p.dht.progress import swarm_progress
@@ -73,8 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="store VALUE (UTF-8) under KEY, signed by this node, re-stored every period (repeatable; default: none)",
     )
     ap.add_argument("--get", action="append", default=[], metavar="KEY", help="key to read and print (repeatable)")
-    ap.add_argument("--period", type=float, default=1.0, help="seconds between prints (default: %(default)s)")
-    ap.add_argument("--ttl", type=float, default=None, help="lifetime of stored values, s (default: 3 x period)")
+    seconds = number_type(float, gt=0, le=MAX_WAIT_S)  # finite: inf and nan parse as floats
+    ap.add_argument("--period", type=seconds, default=1.0, help="seconds between prints (default: %(default)s)")
+    ap.add_argument("--ttl", type=seconds, default=None, help="lifetime of stored values, s (default: 3 x period)")
     ap.add_argument("--watch", action="store_true", help="keep printing until stopped (default: print once)")
     add_log_level(ap, "WARNING")
     return ap

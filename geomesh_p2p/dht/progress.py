@@ -28,7 +28,7 @@ from geomesh_p2p.util.atomic import atomic_write
 from geomesh_p2p.dht.node import DHTNode
 from geomesh_p2p.dht.state import Contact
 from geomesh_p2p.net.identity import Identity, PeerID
-from geomesh_p2p.util.untrusted import json_loads
+from geomesh_p2p.util.untrusted import json_loads, non_finite
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +40,8 @@ PROGRESS_TTL_S = 24 * 3600.0 - 600.0
 MAX_SAVED_CONTACTS = 256
 #: the largest run config (bytes of JSON) a progress entry carries; a run config is ~1-2 KB
 MAX_CONFIG_BYTES = 8192
+#: the latest ``seen_at`` (unix seconds) an entry may say, as ``PeerRecord.timestamp`` (year 5138)
+MAX_SEEN_AT = 1e11
 
 
 def progress_key(run_id: str) -> str:
@@ -82,9 +84,12 @@ class SwarmProgress:
 
     @classmethod
     def from_bytes(cls, data: bytes, by: str = "") -> "SwarmProgress":
-        """Raises ValueError on anything but {"round": int >= 0, "seen_at": number, "peers": int >= 0} with an
-        optional "config_hash": str of at most 128 characters and an optional "config": object."""
+        """Raises ValueError on anything but {"round": int >= 0, "seen_at": unix seconds in [0, 1e11], "peers":
+        int >= 0} with an optional "config_hash": str of at most 128 characters and an optional "config": object
+        that holds no number that is not finite (JSON's NaN, Infinity and 1e999 parse)."""
         d = json_loads(data, "swarm progress record")
+        if not isinstance(d, dict):
+            raise ValueError(f"malformed progress entry {d!r:.80}")
         rnd, seen, peers, cfg = d.get("round"), d.get("seen_at"), d.get("peers"), d.get("config_hash", "")
         config = d.get("config")
         if not (
@@ -93,9 +98,11 @@ class SwarmProgress:
             and isinstance(peers, int)
             and peers >= 0
             and isinstance(seen, (int, float))
+            and not isinstance(seen, bool)
+            and 0 <= seen <= MAX_SEEN_AT  # nan fails too; an int of 400 digits does not reach float()
             and isinstance(cfg, str)
             and len(cfg) <= 128
-            and (config is None or isinstance(config, dict))
+            and (config is None or (isinstance(config, dict) and non_finite(config) is None))
         ):
             raise ValueError(f"malformed progress entry {d!r:.80}")
         return cls(rnd, float(seen), peers, by, cfg, config)

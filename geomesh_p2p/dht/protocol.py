@@ -7,6 +7,7 @@ contact names) and the handlers it serves (``_rpc_ping``, ``_rpc_store``, ``_rpc
 from __future__ import annotations
 
 import logging
+import math
 from typing import Collection, Dict, List, Optional, Sequence, Tuple
 
 import grpc
@@ -32,6 +33,20 @@ from geomesh_p2p.dht.contacts import DHTContacts
 
 # The node was one module: its parts log under that logger name (operators filter on it).
 log = logging.getLogger("geomesh_p2p.dht.node")
+
+
+#: The latest time (unix seconds) a ping answer may state, as ``PeerRecord.timestamp`` (year 5138).
+MAX_PING_TIME = 1e11
+
+
+def ping_offset(their_time: float, t0: float, t1: float) -> Optional[float]:
+    """NTP's offset estimate from one exchange: ``their_time`` (the answer's, unix seconds) less the call's midpoint
+    (``t0``, ``t1``: this node's clock when the call went out and when the answer came). None when the answer states
+    no time (0: a node that does not say it) or one that is no time: a double from the network may be inf, nan or
+    1e308 (red team, session 16: "this machine's clock is inf s behind")."""
+    if not (math.isfinite(their_time) and 0 < their_time <= MAX_PING_TIME):
+        return None
+    return their_time - (t0 + t1) / 2
 
 
 def _check_count(n: int, limit: int, request: str, items: str, call: str) -> None:
@@ -105,10 +120,11 @@ class DHTProtocol(DHTContacts):
             if expected is not None:
                 self._on_failure(Contact(expected, address))
             raise err
-        if resp.time > 0:  # NTP's offset estimate from one exchange: their time - the call's midpoint
+        offset = ping_offset(resp.time, t0, self._clock())
+        if offset is not None:
             if len(self._offsets) > 64 * self.k:
                 self._offsets.clear()
-            self._offsets[contact.peer_id] = resp.time - (t0 + self._clock()) / 2
+            self._offsets[contact.peer_id] = offset
         if resp.dht_protocol != DHT_PROTOCOL_VERSION:
             raise DHTJoinError(
                 f"{address} speaks DHT protocol {resp.dht_protocol}, this node {DHT_PROTOCOL_VERSION} "

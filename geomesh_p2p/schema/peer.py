@@ -11,6 +11,7 @@ from typing import Optional
 from pydantic import BaseModel, Field, field_validator, model_validator
 
 from geomesh_p2p.schema.compat import WIRE_MODEL
+from geomesh_p2p.util.untrusted import non_finite
 
 RECORD_SCHEMA_VERSION = 1
 
@@ -130,6 +131,17 @@ class PeerRecord(BaseModel):
                     f"tokens_per_s[{b}]={tps}: batch must be in [1, {MAX_BATCH}] and throughput in "
                     f"[{MIN_TOKENS_PER_S:g}, {MAX_TOKENS_PER_S:g}]"
                 )
+        return v
+
+    @field_validator("run_config")
+    @classmethod
+    def _finite_run_config(cls, v: Optional[dict]) -> Optional[dict]:
+        # An untyped dict: allow_inf_nan=False does not reach into it, and JSON's Infinity, NaN and 1e999 parse. No
+        # honest peer announces one (RunConfig refuses them), and readers show, hash and forward it (red team,
+        # session 16).
+        where = non_finite(v)
+        if where is not None:
+            raise ValueError(f"run_config holds a number that is not finite at {where}")
         return v
 
     @field_validator("standing")

@@ -15,6 +15,7 @@ Exit status 2 on a bad profile, method or argument (one-line message).
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import shlex
 import sys
@@ -111,8 +112,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return _die(f"--jobs must be >= 0, got {args.jobs}")
     if args.rounds is not None and args.rounds < 1:
         return _die(f"--rounds must be >= 1, got {args.rounds}")
-    if args.target_ppl is not None and not args.target_ppl > 1:
-        return _die(f"--target-ppl must be > 1, got {args.target_ppl}")
+    if args.target_ppl is not None and not (math.isfinite(args.target_ppl) and args.target_ppl > 1):
+        return _die(f"--target-ppl must be a finite number > 1, got {args.target_ppl}")
     try:
         profile = load_profile(args.profile)
         specs = parse_methods(args.methods)

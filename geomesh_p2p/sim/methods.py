@@ -37,6 +37,7 @@ Examples: ``geomesh+ef``, ``geomesh+relay``, ``geomesh+int8``, ``geomesh+lion+lr
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Optional, cast
 
@@ -96,8 +97,8 @@ def _float(label: str, key: str, val: str) -> float:
         x = float(val)
     except ValueError:
         raise MethodError(f"method {label!r}: {key}={val!r} is not a number") from None
-    if not x > 0:
-        raise MethodError(f"method {label!r}: {key} must be > 0")
+    if not (math.isfinite(x) and x > 0):  # float("inf") and float("nan") parse (red team, session 16)
+        raise MethodError(f"method {label!r}: {key} must be a finite number > 0, got {val}")
     return x
 
 
