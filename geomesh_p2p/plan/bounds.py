@@ -74,6 +74,17 @@ def evidence_ceilings(peer_ids: Iterable[str], supported: Optional[Mapping[str, 
 #: 18%). It also bounds a peer's share of the round's tokens: :func:`max_token_share` (4 peers: 80%).
 BUDGET_MEDIAN_FACTOR = 8.0
 
+#: The per-device scale of the caps (issue 30) counts at most this many ranks. ``ranks`` is a claim like any
+#: other field of a record (a record may state up to ``MAX_RANKS`` = 64), and each rank claimed multiplies the
+#: caps; past one 8-GPU server (DGX/HGX) a larger claim buys no larger share. A real box of more devices still
+#: trains on all of them, planned as 8.
+BOUND_RANKS_MAX = 8
+
+
+def bound_ranks(ranks: int) -> int:
+    """The ranks the caps scale by: ``ranks`` within ``[1, BOUND_RANKS_MAX]``."""
+    return min(BOUND_RANKS_MAX, max(1, int(ranks)))
+
 
 #: From this many possible owners on, followers accept that the leader bars a minority of them from owning
 #: (check_plan: its owner penalties may differ from the follower's); below it, only the follower's own bars.
@@ -128,7 +139,8 @@ def bound_records(records: Sequence[PeerRecord]) -> list[PeerRecord]:
     Per device (issue 30): the spreads above are between *devices*, and a peer of ``ranks`` K devices announces
     their sum, so its tokens/s and ``max_batch`` caps are K x the one-device caps (the median stays the
     members' own figures: a ranks claim moves no other peer's cap). Without it a 2-rank peer 11x a slow
-    ordinary peer was planned at 8x (two one-rank peers on the same cores, 5.5x each, were not cut).
+    ordinary peer was planned at 8x (two one-rank peers on the same cores, 5.5x each, were not cut). K counts
+    at most ``BOUND_RANKS_MAX`` (8): a claim of more ranks loosens no cap further (:func:`bound_ranks`).
 
     Not evidence: a record is what its peer says. Delivered work bounds a peer's rate further on the
     leader (``supported_tokens_per_s`` of :func:`plan_round`); bandwidth is bounded only relative to
@@ -143,7 +155,7 @@ def bound_records(records: Sequence[PeerRecord]) -> list[PeerRecord]:
     out = []
     for r in records:
         update: dict = {}
-        k = ranks_of(r)  # the caps are per device (see above)
+        k = bound_ranks(ranks_of(r))  # the caps are per device (see above), at most BOUND_RANKS_MAX of them
         if r.tokens_per_s and r.best_tokens_per_s() > k * tps_cap:
             update["tokens_per_s"] = {b: min(v, k * tps_cap) for b, v in r.tokens_per_s.items()}
         if r.max_batch > k * batch_cap:
@@ -159,14 +171,16 @@ def bound_records(records: Sequence[PeerRecord]) -> list[PeerRecord]:
 def budget_limit(median_budget: float, ranks: int = 1) -> float:
     """The largest token budget of a peer of ``ranks`` devices in a plan whose lower-median budget is
     ``median_budget`` (tokens): ``BUDGET_MEDIAN_FACTOR x ranks x median_budget``. Per device, as the record
-    caps (:func:`bound_records`): a K-rank peer trains K devices' share, as K one-rank peers would (issue 30)."""
-    return BUDGET_MEDIAN_FACTOR * max(1, ranks) * median_budget
+    caps (:func:`bound_records`): a K-rank peer trains K devices' share, as K one-rank peers would (issue 30).
+    K counts at most ``BOUND_RANKS_MAX`` (:func:`bound_ranks`)."""
+    return BUDGET_MEDIAN_FACTOR * bound_ranks(ranks) * median_budget
 
 
 def max_token_share(n_peers: int, ranks: int = 1) -> float:
     """The largest share of a round's token budget one of ``n_peers`` (of ``ranks`` K devices) can hold when
     every budget is within :func:`budget_limit` (``F K`` x the lower median, F = ``BUDGET_MEDIAN_FACTOR``):
     ``F K / (F K + n_peers // 2)`` (at least ``n_peers // 2`` other budgets are >= the lower median). One
-    rank: 2 peers: 8/9; 4 peers: 4/5; 7 peers: 8/11; 1 peer: 1. 2 ranks, 2 peers: 16/17."""
-    fk = BUDGET_MEDIAN_FACTOR * max(1, ranks)
+    rank: 2 peers: 8/9; 4 peers: 4/5; 7 peers: 8/11; 1 peer: 1. 2 ranks, 2 peers: 16/17. K counts at most
+    ``BOUND_RANKS_MAX``: 64 ranks claimed, 4 peers: 64/66, as 8."""
+    fk = BUDGET_MEDIAN_FACTOR * bound_ranks(ranks)
     return fk / (fk + n_peers // 2)

@@ -454,7 +454,7 @@ def _over_budget(plan: RoundPlan, cfg: PlanConfig, ranks: Mapping[str, int]) -> 
         devices = f" ({k} ranks)" if k > 1 else ""
         if a.token_budget > max(limit, floor):
             out[a.peer_id] = (
-                f"token budget {a.token_budget} for {who}{devices} is over {BUDGET_MEDIAN_FACTOR * k:g}x the plan's median "
+                f"token budget {a.token_budget} for {who}{devices} is over {limit / median if median else BUDGET_MEDIAN_FACTOR * k:g}x the plan's median "
                 f"budget ({median:.0f})"
             )
         elif a.token_budget > floor and a.token_budget > share * total * (1 + 1e-12):

@@ -26,7 +26,7 @@ from geomesh_p2p.model.ranks import (
 )
 from geomesh_p2p.node.ranks import RankLayout, layout_from, layout_from_env
 from geomesh_p2p.plan.cost import peer_uniform_micro, rank_micro, uniform_micro
-from geomesh_p2p.plan.bounds import bound_records, max_token_share
+from geomesh_p2p.plan.bounds import bound_records, budget_limit, max_token_share
 from geomesh_p2p.plan.planner import check_plan, check_plan_sampled, make_plan, records_needed
 from geomesh_p2p.plan.schema import PlanConfig
 from geomesh_p2p.schema.peer import PeerRecord
@@ -229,6 +229,33 @@ def test_a_multi_rank_peer_is_bounded_per_device() -> None:
         "token budget 133120 for box (2 ranks) is over 16x the plan's median budget (8192)"
     )
     assert max_token_share(2, 2) == 16 / 17 and max_token_share(2) == 8 / 9
+
+
+def test_a_ranks_claim_loosens_the_caps_at_most_eightfold() -> None:
+    """``ranks`` is a claim: 64 ranks (MAX_RANKS) loosen the per-device caps as 8 would (BOUND_RANKS_MAX), so a
+    liar buys no more than one 8-GPU server's share; the message names the bound it applied."""
+    fast = {b: 4 * v for b, v in SLOW_TPS.items()}
+    liar = _rec("liar", 64, fast, 4 * 232)  # 256 x a slow device's rate, 256 x its max_batch
+    others = [_rec(f"o{i}", 1, SLOW_TPS, 232) for i in range(3)]
+    bounded = bound_records([liar, *others])[0]
+    # 8 devices x (8 x the lower median, 1424 tokens/s and 232 rows); 64 would allow 729,088 and 118,784
+    assert bounded.best_tokens_per_s() == 8 * 8 * 1424.0 == 91_136.0
+    assert bounded.max_batch == 8 * 8 * 232
+    assert budget_limit(100.0, 64) == budget_limit(100.0, 8) == 6_400.0 and budget_limit(100.0, 0) == 800.0
+    assert max_token_share(4, 64) == max_token_share(4, 8) == 64 / 66
+    plan = make_plan([liar, *others], BENCH_CFG, **PLAN_KW)
+    median = sorted(a.token_budget for a in plan.assignments)[1]
+    mine = next(a for a in plan.assignments if a.peer_id == "liar")
+    steps = 64 * median // (mine.batch_size * 128) + 1  # just over the 8-rank bound; 64 ranks would allow 8x more
+    assert steps <= 500
+    rows = [
+        a.model_copy(update={"inner_steps": steps, "token_budget": steps * a.batch_size * 128}) if a is mine else a
+        for a in plan.assignments
+    ]
+    records = {r.peer_id: r for r in (liar, *others)}
+    rogue = plan.model_copy(update={"assignments": rows})
+    reason = check_plan(rogue, records, BENCH_CFG, now=plan.created_at)
+    assert reason is not None and f"(64 ranks) is over 64x the plan's median budget ({median})" in reason
 
 
 # ---------------------------------------------------------------------------------------------- flags
