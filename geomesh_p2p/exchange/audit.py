@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Iterable, Optional
 
 from google.protobuf.message import DecodeError
 
-from geomesh_p2p.exchange import accountable
+from geomesh_p2p.exchange import accountable, messages
 from geomesh_p2p.exchange import frames as wire
 from geomesh_p2p.exchange.commitment import DIGEST_BYTES, contribution_digest, participant_order
 from geomesh_p2p.exchange.owner import _RoundState
@@ -180,7 +180,8 @@ async def _validate_part(
     forged: Optional[str] = None
     stats.parts += 1
     # the owner gets half the budget: one that stalls must leave the time to ask the senders
-    inputs, why = await _pull_inputs(service, spec, j, start + timeout_s / 2)
+    own = bytes(messages.push_request_contribution(state.pushed[j])) if j in state.pushed else None
+    inputs, why = await _pull_inputs(service, spec, j, start + timeout_s / 2, own)
     if inputs is not None:
         stats.from_owner += len(inputs)
         stats.bytes += sum(len(c) for c in inputs)
@@ -315,8 +316,16 @@ async def _fetch_held(
         return [bytes(c) for c in resp.contributions], ""
 
 
-async def _pull_inputs(service: "CollectiveService", spec, j: int, deadline: float) -> tuple[Optional[list], str]:
-    """(the signed inputs of part ``j`` from its owner, "") or (None, why not) by ``deadline``."""
+async def _pull_inputs(
+    service: "CollectiveService", spec, j: int, deadline: float, own: Optional[bytes] = None
+) -> tuple[Optional[list], str]:
+    """(the signed inputs of part ``j`` from its owner, "") or (None, why not) by ``deadline``.
+
+    ``own``: this node's signed contribution to part ``j`` (its push), if it made one. Then the owner is asked to
+    leave it out (``omit_caller``: an empty entry in its place, 1/N of the part's inputs not sent) and it is put
+    back here; an owner that empties any other entry serves inputs that do not match its result's commitments
+    (:func:`~.accountable.recheck_part` raises, and the senders are asked), or more than one empty entry (refused
+    here)."""
     owner = spec.owners[j]
     got: list[bytes] = []
     total: Optional[int] = None
@@ -325,7 +334,9 @@ async def _pull_inputs(service: "CollectiveService", spec, j: int, deadline: flo
         left = deadline - swarm_time()
         if left <= 0:
             return None, "the owner did not serve its inputs by the deadline"
-        req = collective_pb2.PullInputsRequest(round=spec.round, part=j, spec_id=spec.spec_id, first=len(got))
+        req = collective_pb2.PullInputsRequest(
+            round=spec.round, part=j, spec_id=spec.spec_id, first=len(got), omit_caller=own is not None
+        )
         try:
             reply = await service.transport.call(
                 owner.address, COLLECTIVE_INPUTS, req.SerializeToString(), round=spec.round, timeout=left
@@ -352,7 +363,13 @@ async def _pull_inputs(service: "CollectiveService", spec, j: int, deadline: flo
         if size > VALIDATION_BYTES + INPUT_OVERHEAD_BYTES * len(got):
             return None, f"the owner's inputs are over {VALIDATION_BYTES} bytes"
         if len(got) >= total:
-            return got[:total], ""
+            got = got[:total]
+            empty = [k for k, c in enumerate(got) if not c]
+            if len(empty) > (1 if own is not None else 0):
+                return None, f"the owner served {len(empty)} empty input(s)"
+            for k in empty:
+                got[k] = own
+            return got, ""
     return None, "the owner's inputs took too many pages"
 
 

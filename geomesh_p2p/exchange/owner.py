@@ -57,6 +57,8 @@ class _OwnedPart:
     pulled_by: set = field(default_factory=set)
     #: accountable mode: the signed contributions the result commits to, in its order (served to validators)
     inputs: list = field(default_factory=list)
+    #: accountable mode: the sender of each of ``inputs`` (base58 PeerIDs, same order)
+    input_senders: list = field(default_factory=list)
     #: accountable mode: the witness's signed receipt of this owner's own contribution (empty: none yet), and
     #: the task handing it over (the result waits for it, then leaves the own contribution out without one)
     witness_receipt: bytes = b""
@@ -504,6 +506,7 @@ class OwnerService:
             contributions = sorted(part.contributions.values(), key=lambda c: _pid_bytes(c.sender))
             if spec.mode == "accountable":
                 part.inputs = [c.signed for c in contributions]  # what the result commits to, for validators
+                part.input_senders = [c.sender for c in contributions]
             part.signed_result = await asyncio.to_thread(self._build_result, spec, part, contributions)
             part.ready.set()
         except asyncio.CancelledError:
@@ -632,7 +635,11 @@ class OwnerService:
                 raise EnvelopeError(Code.UNAVAILABLE, f"part {req.part} of round {spec.round} has no result yet")
             page: list[bytes] = []
             size = 0
-            for signed in part.inputs[int(req.first) :]:
+            first = int(req.first)
+            for signed, sender in zip(part.inputs[first:], part.input_senders[first:]):
+                if req.omit_caller and sender == caller:
+                    page.append(b"")  # the validator holds its own signed push (1/N of the inputs not sent)
+                    continue
                 if page and size + len(signed) > _INPUTS_PAGE_BYTES:
                     break
                 page.append(bytes(signed))

@@ -30,6 +30,7 @@ from geomesh_p2p.trust import fraud
 from geomesh_p2p.trust.verify import Verdicts
 
 from geomesh_p2p.net.methods import COLLECTIVE_INPUTS
+from geomesh_p2p.net.swarm_time import swarm_time
 from geomesh_p2p.net.transport import RpcError
 
 from tests.collective_util import RUN, Swarm
@@ -399,3 +400,34 @@ async def test_a_false_proof_in_the_dht_excludes_nobody(swarms):
     for acc, _ in accs:
         await acc.read(spec.round)
     assert all(v.excluded == {} for _, v in accs)
+
+
+async def test_a_validator_is_not_sent_its_own_contribution_back(swarms):
+    """``PullInputs(omit_caller)``: the owner sends an empty entry in place of the validator's own signed push
+    and the validator puts its copy back; the inputs are the same bytes as a full pull, and the reply is smaller
+    by at least that contribution (1/N of the part's inputs). A copy put back that is not the one the result
+    commits to is refused by the recheck (the senders are asked then), never taken for a forgery."""
+    sw, spec, deltas, res = await _round(swarms, [CollectiveService] * 4)
+    v = sw.services[0]
+    j = next(j for j, o in enumerate(spec.owners) if o.peer_id != sw.pids[0])
+    state = v._rounds[spec.round]
+    own = bytes(messages.push_request_contribution(state.pushed[j]))
+
+    def received() -> int:
+        return v.transport.stats.by_method.get(COLLECTIVE_INPUTS, (0, 0))[1]
+
+    deadline = swarm_time() + 10.0
+    r0 = received()
+    full, why = await audit._pull_inputs(v, spec, j, deadline)
+    r1 = received()
+    lean, why_lean = await audit._pull_inputs(v, spec, j, deadline, own)
+    r2 = received()
+    assert why == why_lean == "" and len(full) == 4 and lean == full and own in full
+    assert (r1 - r0) - (r2 - r1) >= len(own) > 0
+    assert accountable.recheck_part(v._inner, spec, j, state.cache[j], lean) is None  # the rule over its inputs
+    # another copy put back (here: a byte changed) does not match the commitment: a withholding, not a forgery
+    other = own[:-1] + bytes([own[-1] ^ 1])
+    wrong, _ = await audit._pull_inputs(v, spec, j, deadline, other)
+    assert wrong is not None and other in wrong
+    with pytest.raises(accountable.ProofError, match="is not the contribution the result commits to"):
+        accountable.recheck_part(v._inner, spec, j, state.cache[j], wrong)
