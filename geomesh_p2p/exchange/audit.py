@@ -384,7 +384,10 @@ async def _cached_copy(service: "CollectiveService", spec, j: int, hashes, deadl
     left = deadline - swarm_time()
     if left <= 0:
         return None
-    req = collective_pb2.PullPartRequest(round=spec.round, part=j, wait_s=0.0, spec_id=spec.spec_id)
+    # the helper answers "same" for a copy of the applied hash (no bytes); only a differing copy is sent, for the proof
+    req = collective_pb2.PullPartRequest(
+        round=spec.round, part=j, wait_s=0.0, spec_id=spec.spec_id, unless_sha256=hashes[j] or b""
+    )
     try:
         reply = await service.transport.call(
             helpers[pick], COLLECTIVE_PULL, req.SerializeToString(), round=spec.round, timeout=min(left, 5.0)
@@ -392,7 +395,7 @@ async def _cached_copy(service: "CollectiveService", spec, j: int, hashes, deadl
         resp = collective_pb2.PullPartResponse.FromString(reply.payload)
     except (RpcError, DecodeError):
         return None
-    if not resp.ready or not resp.signed_result:
+    if not resp.ready or resp.same or not resp.signed_result:
         return None
     other = bytes(resp.signed_result)
     try:

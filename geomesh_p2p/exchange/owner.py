@@ -548,6 +548,10 @@ class OwnerService:
                 cached = state.cache.get(req.part)
                 if cached is None:
                     raise EnvelopeError(Code.NOT_FOUND, f"part {req.part} of round {spec.round} is not held here")
+                if req.unless_sha256 and state.result_hashes.get(req.part) == bytes(req.unless_sha256):
+                    # an equivocation check whose copy is the one applied here: the hash answers it, not P/(8N) bytes
+                    same = collective_pb2.PullPartResponse(round=req.round, part=req.part, ready=True, same=True)
+                    return same.SerializeToString()
                 signed = cached
             else:
                 left = wait_s - (time.monotonic() - t0)

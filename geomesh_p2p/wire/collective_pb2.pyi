@@ -65,16 +65,18 @@ class Receipt(_message.Message):
     def __init__(self, round: _Optional[int] = ..., part: _Optional[int] = ..., spec_id: _Optional[bytes] = ..., sender: _Optional[bytes] = ..., tokens: _Optional[int] = ..., contribution_sha256: _Optional[bytes] = ...) -> None: ...
 
 class PullPartRequest(_message.Message):
-    __slots__ = ("round", "part", "wait_s", "spec_id")
+    __slots__ = ("round", "part", "wait_s", "spec_id", "unless_sha256")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     PART_FIELD_NUMBER: _ClassVar[int]
     WAIT_S_FIELD_NUMBER: _ClassVar[int]
     SPEC_ID_FIELD_NUMBER: _ClassVar[int]
+    UNLESS_SHA256_FIELD_NUMBER: _ClassVar[int]
     round: int
     part: int
     wait_s: float
     spec_id: bytes
-    def __init__(self, round: _Optional[int] = ..., part: _Optional[int] = ..., wait_s: _Optional[float] = ..., spec_id: _Optional[bytes] = ...) -> None: ...
+    unless_sha256: bytes
+    def __init__(self, round: _Optional[int] = ..., part: _Optional[int] = ..., wait_s: _Optional[float] = ..., spec_id: _Optional[bytes] = ..., unless_sha256: _Optional[bytes] = ...) -> None: ...
 
 class Contribution(_message.Message):
     __slots__ = ("signed_message",)
@@ -161,15 +163,17 @@ class AccountabilityProof(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., result: _Optional[bytes] = ..., receipt: _Optional[bytes] = ..., other_result: _Optional[bytes] = ..., contributions: _Optional[_Iterable[bytes]] = ..., spec_json: _Optional[str] = ...) -> None: ...
 
 class PullPartResponse(_message.Message):
-    __slots__ = ("round", "part", "ready", "signed_result", "held_s")
+    __slots__ = ("round", "part", "ready", "signed_result", "held_s", "same")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     PART_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
     SIGNED_RESULT_FIELD_NUMBER: _ClassVar[int]
     HELD_S_FIELD_NUMBER: _ClassVar[int]
+    SAME_FIELD_NUMBER: _ClassVar[int]
     round: int
     part: int
     ready: bool
     signed_result: bytes
     held_s: float
-    def __init__(self, round: _Optional[int] = ..., part: _Optional[int] = ..., ready: _Optional[bool] = ..., signed_result: _Optional[bytes] = ..., held_s: _Optional[float] = ...) -> None: ...
+    same: bool
+    def __init__(self, round: _Optional[int] = ..., part: _Optional[int] = ..., ready: _Optional[bool] = ..., signed_result: _Optional[bytes] = ..., held_s: _Optional[float] = ..., same: _Optional[bool] = ...) -> None: ...

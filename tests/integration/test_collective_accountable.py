@@ -29,7 +29,7 @@ from geomesh_p2p.round.rules.accountable import Accountability
 from geomesh_p2p.trust import fraud
 from geomesh_p2p.trust.verify import Verdicts
 
-from geomesh_p2p.net.methods import COLLECTIVE_INPUTS
+from geomesh_p2p.net.methods import COLLECTIVE_INPUTS, COLLECTIVE_PULL
 from geomesh_p2p.net.swarm_time import swarm_time
 from geomesh_p2p.net.transport import RpcError
 
@@ -431,3 +431,9 @@ async def test_a_validator_is_not_sent_its_own_contribution_back(swarms):
     assert wrong is not None and other in wrong
     with pytest.raises(accountable.ProofError, match="is not the contribution the result commits to"):
         accountable.recheck_part(v._inner, spec, j, state.cache[j], wrong)
+    # the equivocation check of a copy that is the one applied here: answered by its hash, not the part's bytes
+    hashes = [state.result_hashes.get(k) for k in range(len(spec.owners))]
+    pulls = v.transport.stats.by_method.get(COLLECTIVE_PULL, (0, 0))[1]
+    assert await audit._cached_copy(v, spec, j, hashes, swarm_time() + 10.0) is None
+    answered = v.transport.stats.by_method.get(COLLECTIVE_PULL, (0, 0))[1] - pulls
+    assert 0 < answered < 512 < len(state.cache[j])  # a "same" reply in its envelope, not the signed result
