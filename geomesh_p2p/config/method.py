@@ -191,13 +191,14 @@ class MethodRule:
         fp32: ``2 * 4 * numel`` (push + pull of the whole vector, the butterfly all-reduce).
         Compressed: one sign packet of the whole vector ``S`` (:func:`encoded_nbytes`,
         headers aside); reencode: ``2 * S``; relay: ``S * n_peers`` (every contribution is relayed);
-        accountable: ``(2 + V) * S + S / n_peers`` (push, pull, each of the V validations per part pulls one
-        part's inputs: ~S per peer per validator, and the owner's own contribution to its part's witness: one
-        part; docs/collective.md, "Accountable mode").
+        accountable: ``(2 + V) * S + S / n_peers - V * S / n_peers`` (push, pull, each of the V validations per
+        part pulls one part's inputs but the validator's own: ~S (n - 1) / n per peer per validator, and the
+        owner's own contribution to its part's witness: one part; docs/collective.md, "Accountable mode").
         """
         if not self.compressed:
             return 2 * encoded_nbytes("fp32", numel, self.block_size)
         s = encoded_nbytes("sign", numel, self.block_size, header=False)
         if self.mode == "accountable":
-            return (2 + self.validators_per_part) * s + s // max(1, n_peers)
+            v, n = self.validators_per_part, max(1, n_peers)
+            return (2 + v) * s + s // n - v * (s // n)
         return 2 * s if self.mode == "reencode" else s * max(1, n_peers)

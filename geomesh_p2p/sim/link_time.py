@@ -93,7 +93,7 @@ def exchange_bytes(
     ``contribution``: encoding of the pushed parts ("fp32" or "sign"); ``aggregate``: encoding of
     the owner's mean in ``reencode`` / ``accountable`` mode (ignored by ``relay``, which forwards contributions).
     ``accountable``: as ``reencode`` plus ``validators`` validations per part, each pulling the part's
-    ``n`` contributions from its owner; they are charged to the pull of the owner (up) and spread evenly
+    contributions but the validator's own (``n - 1``: it holds its own push) from its owner; they are charged to the pull of the owner (up) and spread evenly
     over the other peers (down), as the validators are drawn uniformly (receipts and input lists ignored:
     under 1% of a part); and each owner's push of its own contribution to its part's witness (the next owner,
     :func:`geomesh_p2p.exchange.accountable.witness_of`), one contribution more in the push phase.
@@ -120,9 +120,9 @@ def exchange_bytes(
                     push_up[j] += c[j]
                     push_down[w] += c[j]
             v = min(max(0, int(validators)), n - 1)
-            pull_up = [pull_up[j] + v * n * c[j] for j in range(n)]
-            # part j's v validations, n contributions each, drawn among the n - 1 others
-            pull_down = [pull_down[i] + sum(v * n * c[j] for j in range(n) if j != i) // (n - 1) for i in range(n)]
+            pull_up = [pull_up[j] + v * (n - 1) * c[j] for j in range(n)]
+            # part j's v validations, n - 1 contributions each (not the validator's own), drawn among the n - 1 others
+            pull_down = [pull_down[i] + sum(v * c[j] for j in range(n) if j != i) for i in range(n)]
     else:
         pull_up = [(n - 1) * (n - 1) * c[j] for j in range(n)]
         pull_down = [(n - 1) * (total_c - c[i]) for i in range(n)]

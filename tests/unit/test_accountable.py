@@ -50,10 +50,11 @@ def test_bytes_model_is_reencode_plus_v_part_inputs_per_part():
     # one part more each way: every owner's own contribution to its part's witness
     assert [a - b for a, b in zip(acc.push_up, ree.push_up)] == [s] * 4
     assert [a - b for a, b in zip(acc.push_down, ree.push_down)] == [s] * 4
-    assert [a - b for a, b in zip(acc.pull_up, ree.pull_up)] == [4 * s] * 4  # one validation: 4 inputs
-    assert [a - b for a, b in zip(acc.pull_down, ree.pull_down)] == [4 * s] * 4  # 3 parts x 4 inputs / 3
+    # one validation: 4 inputs but the validator's own (it holds its push: PullInputs omit_caller)
+    assert [a - b for a, b in zip(acc.pull_up, ree.pull_up)] == [3 * s] * 4
+    assert [a - b for a, b in zip(acc.pull_down, ree.pull_down)] == [3 * s] * 4  # 3 parts x 3 inputs / 3
     acc2 = exchange_bytes(parts, contribution="sign", aggregate="sign", mode="accountable", block_size=64, validators=2)
-    assert [a - b for a, b in zip(acc2.pull_up, ree.pull_up)] == [8 * s] * 4
+    assert [a - b for a, b in zip(acc2.pull_up, ree.pull_up)] == [6 * s] * 4
     with pytest.raises(ValueError, match="accountable"):
         exchange_bytes(parts, contribution="sign", aggregate="sign", mode="gossip", block_size=64)
 
@@ -61,7 +62,8 @@ def test_bytes_model_is_reencode_plus_v_part_inputs_per_part():
 def test_planner_cost_and_run_config():
     rule = MethodRule.of("geomesh", mode="accountable", validators_per_part=2)
     s = encoded_nbytes("sign", 1 << 20, 2048, header=False)
-    assert rule.payload_bytes(1 << 20, 64) == 4 * s + s // 64  # + the witness's copy of one part
+    # + the witness's copy of one part, - each validation's own input (2 validators)
+    assert rule.payload_bytes(1 << 20, 64) == 4 * s + s // 64 - 2 * (s // 64)
     assert MethodRule.of("geomesh", mode="reencode").payload_bytes(1 << 20, 64) == 2 * s
     assert exchange_passes(8, "accountable", 1) == EXCHANGE_BASE_PASSES + 2
     assert exchange_passes(8, "accountable", 3) == EXCHANGE_BASE_PASSES + 4
