@@ -58,6 +58,7 @@ from geomesh_p2p.dht.announce import PeerAnnouncer, live_peers, peers_key  # noq
 from geomesh_p2p.dht.records import DEFAULT_LIMITS, make_record  # noqa: E402
 from geomesh_p2p.dht.state import DEFAULT_READ_QUORUM, PEER_RECORD_REPLICAS, STORE_TARGET_REUSE  # noqa: E402
 from geomesh_p2p.net.identity import Identity  # noqa: E402
+from geomesh_p2p.node.joining import SAMPLED_READ_QUORUM  # noqa: E402
 from geomesh_p2p.net.methods import DHT_FIND, DHT_STORE  # noqa: E402
 from geomesh_p2p.net.transport import Transport  # noqa: E402
 from geomesh_p2p.net.transport_config import TransportConfig  # noqa: E402
@@ -148,6 +149,9 @@ class WhatIf:
     record_replicas: int = PEER_RECORD_REPLICAS
     lookup_share: float = 1.0 / STORE_TARGET_REUSE
     two_phase: bool = False
+    #: holders a light follower's sampled read waits for (built in session 18: ``SAMPLED_READ_QUORUM`` = 2;
+    #: the node's read quorum, 5, before)
+    sampled_quorum: int = SAMPLED_READ_QUORUM
 
 
 def sim_row(
@@ -245,7 +249,7 @@ def sim_row(
         s_rep = _env_bytes(me, dht_pb2.FindResponse(results=[s_res]).SerializeToString(), DHT_FIND + "+resp")
         s_req = find_req + sample * 48  # the subkeys asked: a base58 PeerID each
         hops = lookup - holders
-        asked = min(holders, READ_QUORUM + ALPHA - 1)
+        asked = min(holders, what_if.sampled_quorum + ALPHA - 1)
         s_rpcs = hops + asked
         s_read_b = s_rpcs * s_req + asked * s_rep + hops * nodes_rep
         light_rpcs = announces * (share * lookup + replicas) + 2 * s_rpcs + read_rpcs + chunk_rpcs
@@ -329,6 +333,7 @@ async def inproc_row(
     full_view: int = FULL_VIEW,
     sample: int = SAMPLE,
     announces_per_round: int = ANNOUNCES_PER_ROUND,
+    sampled_quorum: int = SAMPLED_READ_QUORUM,
 ) -> dict[str, Any]:
     """Tier 2 at ``n`` in-process DHT nodes (the DHT's defaults: peer records on 8 nodes, store targets reused 4
     times); each measured round: every node announces ``announces_per_round`` times (1: a record is stored once a
@@ -363,7 +368,8 @@ async def inproc_row(
         if full_view and i >= full_view:
             for _ in range(2):
                 picked = [recs[0].peer_id] + rnd.sample([x.peer_id for x in recs[1:] if x is not recs[i]], sample - 1)
-                sampled.append(len(await live_peers(nodes[i], RUN, latest=True, only=picked)) == len(picked))
+                got = await live_peers(nodes[i], RUN, latest=True, only=picked, quorum=sampled_quorum)
+                sampled.append(len(got) == len(picked))
             return await plan_read(i, r, published)
         for _ in range(reads):
             seen.append(len(await live_peers(nodes[i], RUN, latest=True)))
@@ -603,6 +609,13 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--two-phase-reads", action="store_true", help="sim, what-if: full reads fetch an index, then each record once"
     )
+    ap.add_argument(
+        "--sampled-quorum",
+        type=int,
+        default=None,
+        help=f"sim, inproc: holders a light follower's sampled read waits for (default: {SAMPLED_READ_QUORUM}, "
+        f"joining.SAMPLED_READ_QUORUM, for --dht-model rounds; {READ_QUORUM} else: the rule before session 18)",
+    )
     ap.add_argument("--quick", action="store_true", help="sim tier + inproc at 8, 16, one round (< 1 min)")
     ap.add_argument("--json", default=None, help="also write every row here")
     args = ap.parse_args(argv)
@@ -625,6 +638,9 @@ def main(argv=None) -> int:
                 if args.store_lookup_share is not None
                 else (1.0 / STORE_TARGET_REUSE if built else 1.0),
                 args.two_phase_reads,
+                args.sampled_quorum
+                if args.sampled_quorum is not None
+                else (SAMPLED_READ_QUORUM if built else READ_QUORUM),
             )
             rows.append(
                 sim_row(
@@ -652,6 +668,7 @@ def main(argv=None) -> int:
                         args.full_view_peers,
                         args.light_sample,
                         int(args.announces_per_round or ANNOUNCES_PER_ROUND),
+                        args.sampled_quorum or SAMPLED_READ_QUORUM,
                     )
                 )
             )

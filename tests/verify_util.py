@@ -236,5 +236,5 @@ class FakeDHT:
         self.data.setdefault(key, {})[subkey] = (value, expiration_time, owner.peer_id)
         return True
 
-    async def get(self, key, latest=True, subkeys=None):
+    async def get(self, key, latest=True, subkeys=None, quorum=None):
         return dict(self.data.get(key, {}))

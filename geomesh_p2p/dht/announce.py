@@ -141,6 +141,7 @@ async def live_peers(
     latest: bool = True,
     include_leaving: bool = False,
     only: Optional[Collection[str]] = None,
+    quorum: Optional[int] = None,
 ) -> List[PeerRecord]:
     """The unexpired, valid, compatible PeerRecords of ``run_id`` (default: the node's run), sorted by
     peer id.
@@ -151,9 +152,12 @@ async def live_peers(
     Records of peers that announced they are leaving are left out too, unless ``include_leaving``.
     Signatures and the owner rule were already checked by the DHT. ``only``: read the records of these
     PeerIDs only (a subkey read, :meth:`DHTNode.get`'s ``subkeys``: a few records, not the run's N).
+    ``quorum``: the read's quorum of holders (None: the node's ``read_quorum``; :meth:`DHTNode.get`).
     """
     run_id = run_id or node.run_id
-    found = await node.get(peers_key(run_id), latest=latest, subkeys=only)
+    # quorum only when given: a duck-typed DHT (tests' fakes, plan/wire.py's protocol) need not know it
+    extra = {} if quorum is None else {"quorum": quorum}
+    found = await node.get(peers_key(run_id), latest=latest, subkeys=only, **extra)
     out: List[PeerRecord] = []
     for subkey, item in found.items():
         who = f"peer record {subkey[:10] if subkey else '(no subkey)'}…"

@@ -83,7 +83,10 @@ class ChunkFormat:
     the chunked head ``b"H"``); ``what`` / ``owner_role`` name the value and its signer in the reasons
     (``"plan"`` / ``"leader"``); ``version``: the wire version the magic stands for (in the reason a
     foreign value is refused with); ``value_bytes``: largest head or chunk, bytes (<= ``VALUE_BYTES``
-    unless the DHT allows more); ``max_chunks``: a body needing, or a head listing, more is refused."""
+    unless the DHT allows more); ``max_chunks``: a body needing, or a head listing, more is refused;
+    ``inline_bytes``: largest inline value (None: ``value_bytes``), smaller for a value many peers read through
+    a quorum of holders (the plan): each holder's answer carries an inline body, a head only its hashes, and the
+    chunks are read from one holder each (readers accept either form at any size)."""
 
     magic: bytes
     what: str = "value"
@@ -91,6 +94,7 @@ class ChunkFormat:
     version: int = 1
     value_bytes: int = VALUE_BYTES
     max_chunks: int = MAX_CHUNKS
+    inline_bytes: Optional[int] = None
 
     @property
     def inline(self) -> bytes:
@@ -122,7 +126,8 @@ def split(body: bytes, fmt: ChunkFormat) -> ChunkedValue:
     Deterministic. Raises ValueError when it needs more than ``fmt.max_chunks`` chunks."""
     digest = sha256_hex(body)
     cb = fmt.value_bytes
-    if len(fmt.inline) + len(body) <= cb:
+    inline_max = cb if fmt.inline_bytes is None else min(cb, fmt.inline_bytes)
+    if len(fmt.inline) + len(body) <= inline_max:
         return ChunkedValue(fmt.inline + body, [], digest, len(body))
     chunks = [body[i : i + cb] for i in range(0, len(body), cb)]
     if len(chunks) > fmt.max_chunks:

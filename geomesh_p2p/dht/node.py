@@ -319,6 +319,7 @@ class DHTNode(DHTJoin):
         *,
         stats: Optional[LookupStats] = None,
         subkeys: Optional[Collection[str]] = None,
+        quorum: Optional[int] = None,
     ) -> Dict[Optional[str], DHTValue]:
         """Find ``key``: ``{subkey or None: DHTValue(value, expiration_time, owner)}``, ``{}`` if absent.
 
@@ -331,6 +332,9 @@ class DHTNode(DHTJoin):
         ``subkeys`` (at most ``limits.max_keys_per_find``): only the records under these subkeys are asked for
         and returned (a read of a few peers' records costs a few records per node, not the key's N; issue 25).
         A node holding none of them does not count towards the quorum.
+
+        ``quorum``: this read's quorum instead of the node's ``read_quorum`` (at least 1), e.g. a light follower's
+        sampled read, which tolerates a stale record (it then takes the full path) and asks fewer holders.
         """
         wanted = set(subkeys) if subkeys else None
         if wanted is not None and len(wanted) > self.limits.max_keys_per_find:
@@ -351,7 +355,8 @@ class DHTNode(DHTJoin):
             return merge.result(now)
         answered = [1 if merge.best else 0]  # nodes that answered with records (this one's store included)
         # a key stored on fewer nodes than the quorum (peer records on a small replica count) ends at all of them
-        quorum = None if self.read_quorum is None else min(self.read_quorum, self.replicas_for(key))
+        wanted_quorum = self.read_quorum if quorum is None else max(1, int(quorum))
+        quorum = None if wanted_quorum is None else min(wanted_quorum, self.replicas_for(key))
 
         def on_records(q: DHTID, records: List[VerifiedRecord], hop: int) -> bool:
             for vr in records:

@@ -48,6 +48,11 @@ _MAGIC = b"gmplan/2"
 #: Largest value this module stores: well under the DHT's 64 KiB (``RecordLimits.max_value_bytes``),
 #: room left for the record's framing (``dht.chunked.VALUE_BYTES``). Bytes.
 PLAN_VALUE_BYTES = chunked.VALUE_BYTES
+#: Largest plan body stored inline (bytes; about 40 peers): a follower reads the plan's value from a quorum of
+#: holders (up to 7 answers), so a larger body goes in chunks, each read from one holder, and the quorum answers
+#: carry the head's hashes only. At 256 peers the inline 17 KB value cost a follower 389 KB a round; chunked, ~40
+#: KB (docs/scale.md, session 18). Readers accept both forms at any size (a patch-level change).
+PLAN_INLINE_BYTES = 4096
 #: A head listing more chunks is refused: 64 x 60,000 B = 3.8 MB of compressed plan (~47,000 peers).
 MAX_PLAN_CHUNKS = 64
 #: A body decompressing to more is refused (a zlib bomb from a leader). Bytes; columnar JSON is about
@@ -78,6 +83,7 @@ def plan_format(value_bytes: int = PLAN_VALUE_BYTES) -> ChunkFormat:
         owner_role="leader",
         version=PLAN_WIRE_VERSION,
         value_bytes=value_bytes,
+        inline_bytes=PLAN_INLINE_BYTES,
         max_chunks=MAX_PLAN_CHUNKS,
     )
 

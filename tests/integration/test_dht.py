@@ -7,6 +7,8 @@ import time
 
 import pytest
 
+from geomesh_p2p.node.joining import SAMPLED_READ_QUORUM
+
 from geomesh_p2p.telemetry import events
 from geomesh_p2p.dht import DHTJoinError, DHTNode, LookupStats, key_id_of
 from geomesh_p2p.net.identity import Identity
@@ -247,6 +249,29 @@ async def test_a_read_of_chosen_subkeys_carries_only_their_records():
         assert sampled_recv < 0.6 * full_recv, (sampled_recv, full_recv)
         with pytest.raises(ValueError, match="subkeys asked"):
             await reader.get("run/peers", subkeys=[f"s{i}" for i in range(reader.limits.max_keys_per_find + 1)])
+    finally:
+        await stop_all(nodes)
+
+
+async def test_a_sampled_read_with_its_own_quorum_asks_fewer_holders_for_the_same_records():
+    # Session 18 (issue 25): a light follower's sampled read (joining.records_of) asks SAMPLED_READ_QUORUM (2)
+    # holders, not the node's read_quorum (5); a record stored on every replica is found the same way.
+    nodes = await start_swarm(12)
+    try:
+        for i, w in enumerate(nodes[:8]):
+            assert await w.store(
+                "run/peers", bytes([i]) * 500, time.time() + 120, subkey=w.peer_id.to_string(), owner=w.identity
+            )
+        reader = nodes[11]
+        wanted = [nodes[2].peer_id.to_string(), nodes[5].peer_id.to_string()]
+        default, sampled = LookupStats(), LookupStats()
+        full_q = await reader.get("run/peers", latest=True, stats=default, subkeys=wanted)
+        low_q = await reader.get("run/peers", latest=True, stats=sampled, subkeys=wanted, quorum=SAMPLED_READ_QUORUM)
+        expected = {wanted[0]: bytes([2]) * 500, wanted[1]: bytes([5]) * 500}
+        assert {sk: v.value for sk, v in full_q.items()} == expected
+        assert {sk: v.value for sk, v in low_q.items()} == expected
+        # at most quorum + alpha - 1 holders asked (the calls in flight when it ended), fewer than the default's
+        assert sampled.rpcs <= SAMPLED_READ_QUORUM + reader.alpha - 1 < default.rpcs, (sampled.rpcs, default.rpcs)
     finally:
         await stop_all(nodes)
 

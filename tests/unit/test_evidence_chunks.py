@@ -57,7 +57,7 @@ class LimitedDHT:
         finally:
             self.in_flight -= 1
 
-    async def get(self, key, latest=True, subkeys=None):
+    async def get(self, key, latest=True, subkeys=None, quorum=None):
         return {sk: DHTValue(*v) for sk, v in self.data.get(key, {}).items()}  # as DHTNode.get
 
 

@@ -169,7 +169,7 @@ class FakeDHT:
         self.release = asyncio.Event()
         self.advertised_address = "127.0.0.9:4000"
 
-    async def get(self, key, latest=True, subkeys=None):
+    async def get(self, key, latest=True, subkeys=None, quorum=None):
         self.gets += 1
         await self.release.wait()
         return dict(self.items)
@@ -267,7 +267,7 @@ async def test_announcements_run_one_at_a_time_and_each_expires_after_the_last()
         def now(self):
             return 1000.0
 
-        async def get(self, key, latest=True, subkeys=None):
+        async def get(self, key, latest=True, subkeys=None, quorum=None):
             return {}  # nothing stored for this peer yet
 
         async def store(self, key, value, expiration, subkey=None, owner=None):
@@ -320,7 +320,7 @@ class _CountingDHT:
     def now(self) -> float:
         return self.clock()
 
-    async def get(self, key, latest=True, subkeys=None):
+    async def get(self, key, latest=True, subkeys=None, quorum=None):
         return {}  # nothing stored for this peer before its first announcement
 
     async def store(self, key, value, expiration, subkey=None, owner=None):

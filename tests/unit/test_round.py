@@ -48,7 +48,7 @@ class MemoryDHT:
                     dht.stored.notify_all()
                 return True
 
-            async def get(self, key, latest=True, subkeys=None):
+            async def get(self, key, latest=True, subkeys=None, quorum=None):
                 return dict(dht.data.get(key, {}))
 
         return View()

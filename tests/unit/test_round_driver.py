@@ -47,7 +47,7 @@ class MemoryDHT:
         self.data.setdefault(key, {})[subkey] = (value, expiration_time, owner.peer_id if owner else None)
         return True
 
-    async def get(self, key, latest=True, subkeys=None):
+    async def get(self, key, latest=True, subkeys=None, quorum=None):
         return dict(self.data.get(key, {}))
 
 

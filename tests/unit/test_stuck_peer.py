@@ -49,7 +49,7 @@ class _FakeDHT:
         self.stores += 1
         return True
 
-    async def get(self, key, latest=True, subkeys=None) -> dict:
+    async def get(self, key, latest=True, subkeys=None, quorum=None) -> dict:
         return {}
 
 
