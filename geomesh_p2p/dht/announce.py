@@ -156,7 +156,7 @@ async def live_peers(
     """
     run_id = run_id or node.run_id
     # quorum only when given: a duck-typed DHT (tests' fakes, plan/wire.py's protocol) need not know it
-    extra = {} if quorum is None else {"quorum": quorum}
+    extra: dict[str, Any] = {} if quorum is None else {"quorum": quorum}
     found = await node.get(peers_key(run_id), latest=latest, subkeys=only, **extra)
     out: List[PeerRecord] = []
     for subkey, item in found.items():

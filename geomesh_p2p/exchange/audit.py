@@ -367,8 +367,8 @@ async def _pull_inputs(
             empty = [k for k, c in enumerate(got) if not c]
             if len(empty) > (1 if own is not None else 0):
                 return None, f"the owner served {len(empty)} empty input(s)"
-            for k in empty:
-                got[k] = own
+            if empty and own is not None:
+                got[empty[0]] = own
             return got, ""
     return None, "the owner's inputs took too many pages"
 
