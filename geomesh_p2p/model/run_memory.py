@@ -113,6 +113,7 @@ def run_memory_estimate(
     eager: bool = False,
     catch_up_update: bool = True,
     disk_rounds: Optional[int] = None,
+    update_on_disk: bool = False,
 ) -> RunMemory:
     """The static memory of a peer of ``method`` training ``n_params`` (P) parameters, itemized, in bytes
     (``p = P x bytes_per_element``):
@@ -126,7 +127,8 @@ def run_memory_estimate(
       the exchange and read the pseudo-gradient: both are buffers of their own then;
     * ``newest outer update``: p with ``catch_up_update`` (host): the state server keeps the last round's
       aggregate as it is for peers that fell behind (:class:`~geomesh_p2p.sync.server.UpdateLog`), through
-      the next round;
+      the next round; on ``disk`` with ``update_on_disk`` (the node since session 18: written to a file once
+      sealed, early in the next round, unless a peer is catching up: then it stays in memory to be encoded);
     * ``error-feedback residual``: p when ``error_feedback`` and the method pushes signs (host);
     * with ``verified_work``: ``verified work: a check's weights + gradients`` 2p (device) while a check
       runs, nothing between checks: on the CPU its model's parameters are views of the checked round's kept
@@ -165,7 +167,7 @@ def run_memory_estimate(
         MemoryItem("inner optimizer state", inner, "device"),
         MemoryItem("global weights + outer state", (1 + OUTER_STATE_COPIES[method]) * p, "host"),
         MemoryItem("delta + aggregate buffers", 2 * p if eager else 0, "host"),
-        MemoryItem("newest outer update", p if catch_up_update else 0, "host"),
+        MemoryItem("newest outer update", p if catch_up_update else 0, "disk" if update_on_disk else "host"),
         MemoryItem("error-feedback residual", p if error_feedback and method in COMPRESSED_METHODS else 0, "host"),
     ]
     if verified_work:

@@ -395,7 +395,8 @@ class PeerNode:
         self.transport = Transport(self.identity, self.run_cfg.run_id, tcfg, allow=self._allow)
         self.dht = DHTNode(self.transport, join_attempts=c.join_attempts)
         self.collective = CollectiveService(self.transport)
-        self.state_server = StateServer(self.transport)
+        # the newest outer update goes to a temp file once sealed (issue 27: not 4P of RAM through the next round)
+        self.state_server = StateServer(self.transport, spill_updates=True)
         LinkProbeService(self.transport)
         address = await self.transport.start()
         log.info("peer %s serving on %s", self.identity.peer_id.short(), address or "(client-only)")
@@ -767,6 +768,8 @@ class PeerNode:
             # the last round's exchange deadline (it returns as soon as none is left)
             await self.transport.stop(grace=grace)
             await asyncio.to_thread(self.verified.close)  # verified work's kept start weights: temp files
+            if self.state_server is not None:
+                await asyncio.to_thread(self.state_server.updates.close)  # spilled outer updates: temp files
             if self.round_log is not None:
                 self.round_log.close()
             events.close_sink(self.event_sink)

@@ -105,6 +105,7 @@ def run_memory(run, cfg, n_params: int) -> RunMemory:
         block_size=run.block_size,
         accountable=run.mode == "accountable",
         eager=bool(run.eager),
+        update_on_disk=True,  # the state server spills it (sync.server.UpdateLog, spill=True)
     )
 
 

@@ -19,7 +19,8 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from typing import Any, Callable, Optional, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence, Union
 
 import grpc
 import torch
@@ -31,6 +32,7 @@ from geomesh_p2p.net.methods import STATE_GET, STATE_STATUS, STATE_UPDATE
 from geomesh_p2p.wire import state_pb2
 
 from geomesh_p2p.sync.download import DEFAULT_KEEP_UPDATES, OuterUpdate, Snapshot
+from geomesh_p2p.trust.kept_weights import KeptWeights
 
 # State transfer was one module: its log lines keep that logger name (operators filter on it).
 log = logging.getLogger("geomesh_p2p.sync.transfer")
@@ -81,11 +83,15 @@ class StateServer:
         keep_snapshots: int = DEFAULT_KEEP_SNAPSHOTS,
         keep_updates: int = DEFAULT_KEEP_UPDATES,
         clock: Callable[[], float] = time.monotonic,
+        *,
+        spill_updates: bool = False,
+        spill_dir: Optional[str] = None,
     ):
         self.chunk_bytes = chunk_bytes
         self._state: Optional[GlobalState] = state
         self.keep_snapshots = int(keep_snapshots)
-        self.updates = UpdateLog(keep_updates, spawn=getattr(getattr(transport, "tasks", None), "spawn", None))
+        spawn = getattr(getattr(transport, "tasks", None), "spawn", None)
+        self.updates = UpdateLog(keep_updates, spawn=spawn, spill=spill_updates, spill_dir=spill_dir)
         self.updates.busy = self._downloading
         self._clock = clock
         self._kept: dict[int, GlobalState] = {}  # round -> copy made by retain()
@@ -270,6 +276,19 @@ class StateServer:
             ).SerializeToString()
 
 
+@dataclass(frozen=True)
+class _Spilled:
+    """An outer update whose aggregate was written to the spill store (:class:`~geomesh_p2p.trust.kept_weights.
+    KeptWeights`, keyed by round): its header fields, ``numel`` fp32 elements on disk."""
+
+    round: int
+    start_digest: str
+    end_digest: str
+    ranges: tuple
+    idle: tuple
+    numel: int
+
+
 class UpdateLog:
     """The outer updates of this node's last ``keep_rounds`` rounds, served to peers that fell behind.
 
@@ -277,15 +296,29 @@ class UpdateLog:
     with the digest after it (both in the worker thread of the outer step). Memory: the aggregate is
     copied (``4 * P`` bytes per round kept), or kept as it is with ``record(copy=False)`` (the node: its round
     buffer is its own and only read); the first request
-    for a round encodes it once (zlib, in a worker thread) and the raw copy is dropped. Thread-safe."""
+    for a round encodes it once (zlib, in a worker thread) and the raw copy is dropped. Thread-safe.
+
+    ``spill=True`` (the node, issue 27): when no peer is catching up, the newest round's raw aggregate is written
+    to a raw fp32 file once sealed (a worker thread of the ``spawn`` owner, during the next round's inner steps)
+    and the tensor is released, so the next round does not hold ``4 * P`` bytes for a peer that may never ask
+    (at ``gpt2-124m``, 356 MB of the peak); a request reads it back through a copy-on-write map, encodes it
+    and serves it bit for bit as if it had stayed in memory. Older spilled rounds stay on disk up to
+    ``keep_rounds`` (in memory only the newest raw round is kept). The files live in a private temp directory under
+    ``spill_dir`` (None: the system's), deleted by :meth:`close` (and at exit)."""
 
     def __init__(
         self,
         keep_rounds: int = DEFAULT_KEEP_UPDATES,
         spawn: Optional[Callable[..., Any]] = None,
         clock: Callable[[], float] = time.monotonic,
+        *,
+        spill: bool = False,
+        spill_dir: Optional[str] = None,
     ):
         self.keep_rounds = max(0, int(keep_rounds))
+        self._spill_on = bool(spill)
+        self._spill_dir = spill_dir
+        self._store: Optional[KeptWeights] = None  # made on the first spill (a temp directory)
         # spawn(coro, name): an owner of background tasks (the transport's TaskOwner). With it, a round
         # sealed while a peer catches up (an update asked within RETAIN_AFTER_S) is encoded at once, off
         # the loop, so that peer's next request does not wait for zlib.
@@ -341,7 +374,7 @@ class UpdateLog:
                 return
             self._done[p[0]] = OuterUpdate(p[0], p[1], end_digest, p[2], p[3], p[4])
             for r in sorted(self._done)[: -self.keep_rounds]:
-                del self._done[r]
+                self._forget(r)
             loop = self._loop if self._loop is not None and self._catching_up() else None
             eager = loop is not None
             # Memory: only the newest round stays a raw [P] copy; older raw ones are encoded now when a peer is
@@ -352,12 +385,74 @@ class UpdateLog:
             ]
             if not eager:
                 for r in stale:
-                    del self._done[r]
+                    self._forget(r)
                 stale = []
+            spill_loop = self._loop if not eager and self._spill_on and self._spawn is not None else None
         if loop is not None:  # eager
             with contextlib.suppress(RuntimeError):  # the loop is closing: nobody will ask any more
                 for r in [p[0], *stale]:
                     loop.call_soon_threadsafe(self._encode_soon, r)
+        elif spill_loop is not None:
+            with contextlib.suppress(RuntimeError):
+                spill_loop.call_soon_threadsafe(self._spill_soon, p[0])
+
+    def _forget(self, round: int) -> None:
+        """Drop ``round``'s entry and its spilled file, if any (``_mu`` held)."""
+        u = self._done.pop(round, None)
+        if isinstance(u, _Spilled) and self._store is not None:
+            self._store.drop(round)
+
+    def _spill_soon(self, round: int) -> None:
+        """Write ``round``'s raw update to the spill store, in a task of the ``spawn`` owner (on the loop)."""
+        if self._spawn is not None and round not in self._encoding:
+            self._spawn(asyncio.to_thread(self._spill, round), name=f"spill-update-{round}")
+
+    def _spill(self, round: int) -> bool:
+        """Worker thread: write ``round``'s raw aggregate to a file and keep only its header (True), unless it was
+        encoded, dropped or asked for meanwhile (False: then the raw copy stays until that ends). A failed write
+        (disk full) keeps it in memory, logged once at DEBUG: serving it matters more than the bytes."""
+        with self._mu:
+            u = self._done.get(round)
+            if not isinstance(u, OuterUpdate) or round in self._encoding:
+                return False
+            if self._store is None:
+                try:
+                    self._store = KeptWeights(self._spill_dir)
+                except OSError as e:
+                    log.debug("cannot spill outer updates to disk: %r", e)
+                    self._spill_on = False
+                    return False
+            store = self._store
+        try:
+            store.put(round, u.aggregate)
+        except (OSError, RuntimeError, ValueError) as e:
+            log.debug("spilling the update of round %d failed: %r", round, e)
+            return False
+        with self._mu:
+            if self._done.get(round) is not u or round in self._encoding:
+                store.drop(round)  # encoded, dropped or being encoded meanwhile: the file is not needed
+                return False
+            n = int(u.aggregate.numel())
+            self._done[round] = _Spilled(u.round, u.start_digest, u.end_digest, u.ranges, u.idle, n)
+        return True
+
+    def _load(self, s: _Spilled) -> Optional[OuterUpdate]:
+        """The spilled update ``s`` as an :class:`OuterUpdate` whose aggregate maps its file (copy-on-write), or
+        None when the file is gone (dropped meanwhile)."""
+        store = self._store
+        agg = None if store is None or store.closed else store.get(s.round)
+        if agg is None:
+            return None
+        return OuterUpdate(s.round, s.start_digest, s.end_digest, s.ranges, s.idle, agg)
+
+    def close(self) -> None:
+        """Delete the spilled files (the node's shutdown). Safe to call twice; later spills are not made."""
+        with self._mu:
+            store, self._store, self._spill_on = self._store, None, False
+            for r in [r for r, u in self._done.items() if isinstance(u, _Spilled)]:
+                del self._done[r]
+        if store is not None:
+            store.close()
 
     def _catching_up(self) -> bool:
         return self._clock() - self._last_asked < RETAIN_AFTER_S or self.busy()
@@ -387,10 +482,18 @@ class UpdateLog:
             return sorted(self._done)
 
     def get(self, round: int) -> Optional[OuterUpdate]:
-        """The update of ``round`` while it is kept and not yet encoded (tests, diagnostics), else None."""
+        """The update of ``round`` while it is kept and not yet encoded (tests, diagnostics), else None. A spilled
+        one is mapped from its file (blocking: a file open)."""
         with self._mu:
             u = self._done.get(round)
+        if isinstance(u, _Spilled):
+            return self._load(u)
         return u if isinstance(u, OuterUpdate) else None
+
+    def spilled(self) -> list[int]:
+        """Rounds whose update is on disk, not in memory, oldest first."""
+        with self._mu:
+            return sorted(r for r, u in self._done.items() if isinstance(u, _Spilled))
 
     async def blob(self, round: int, asked: bool = True) -> Optional[tuple[bytes, str]]:
         """(the encoded update of ``round``, its blake2b hash, 32 hex) or None when not kept. Encoded once,
@@ -403,7 +506,7 @@ class UpdateLog:
                 self._last_asked = self._clock()
         if u is None:
             return None
-        if not isinstance(u, OuterUpdate):
+        if not isinstance(u, (OuterUpdate, _Spilled)):
             return u
         fut = self._encoding.get(round)
         if fut is None:
@@ -420,10 +523,20 @@ class UpdateLog:
         if not fut.cancelled() and fut.exception() is not None:
             log.debug("encoding the update of round %d failed: %r", round, fut.exception())
 
-    def _encode(self, u: OuterUpdate) -> tuple[bytes, str]:
-        data = u.encode()
+    def _encode(self, u: Union[OuterUpdate, _Spilled]) -> Optional[tuple[bytes, str]]:
+        if isinstance(u, _Spilled):
+            loaded = self._load(u)
+            if loaded is None:
+                return None  # dropped meanwhile (no longer kept): refused as a round not kept
+            data = loaded.encode()
+            del loaded  # the file's mapping
+        else:
+            data = u.encode()
         out = (data, hashlib.blake2b(data).hexdigest()[:32])
         with self._mu:
             if u.round in self._done:
+                was = self._done[u.round]
                 self._done[u.round] = out  # the raw [P] copy is dropped
+                if isinstance(was, _Spilled) and self._store is not None:
+                    self._store.drop(u.round)
         return out

@@ -130,6 +130,9 @@ def test_run_memory_items_exact_bytes():
     sizes = {i.name: i.bytes for i in eager.items}
     assert sizes["delta + aggregate buffers"] == 8000 and sizes["newest outer update"] == 0
     assert eager.total() == 4000 + 4000 + 8000 + 8000 + 8000
+    spilled = run_memory_estimate(P, "geomesh", update_on_disk=True)
+    assert [(i.bytes, i.where) for i in spilled.items if i.name == "newest outer update"] == [(4000, "disk")]
+    assert spilled.total() == run_memory_estimate(P, "geomesh").total() - 4000
     with pytest.raises(ValueError, match="unknown method"):
         run_memory_estimate(P, "sgd")
     assert memory_budget_problem(est, None) is None and memory_budget_problem(est, 36775) is None
@@ -145,11 +148,11 @@ def test_a_budget_below_the_static_memory_fails_at_start_in_one_line(tmp_path, c
     n = count_params("tiny", vocab_size=4096)
     p = 4 * n
     gib = 2**30
-    # 24 B/param of the minimum (6p) + the newest outer update p + 2p of a verified-work check (its weights and
-    # gradients) + its kept contributions (3 rounds + the one a background check holds, x 2 contributors x sign
-    # bits and scales); the exchange's buffers take the gradients' place (issue 27)
+    # 24 B/param of the minimum (6p) + 2p of a verified-work check (its weights and gradients) + its kept
+    # contributions (3 rounds + the one a background check holds, x 2 contributors x sign bits and scales); the
+    # exchange's buffers take the gradients' place, the newest outer update is on disk (issue 27)
     contributions = 4 * 2 * (-(-n // 8) + 4 * -(-n // 2048))
-    total = 9 * p + contributions
+    total = 8 * p + contributions
     vw = 2 * p + contributions
     assert err == (
         f"geomesh-peer join: --memory-budget-gb 0.001: this run's static memory alone is {total / gib:.2f} GiB for "
@@ -164,7 +167,7 @@ def test_a_budget_below_the_static_memory_fails_at_start_in_one_line(tmp_path, c
     assert main(argv + ["--mode", "reencode", "--method", "diloco"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("geomesh-peer join: --memory-budget-gb 0.001: ") and "reencode" not in err
-    assert f"{7 * p / gib:.2f} GiB for {n:,} parameters" in err  # 6p + the newest outer update
+    assert f"{6 * p / gib:.2f} GiB for {n:,} parameters" in err  # 6p: the newest outer update is on disk
 
 
 def test_verified_work_keeps_the_start_weights_off_the_loop_and_closes(tmp_path, monkeypatch):

@@ -65,3 +65,55 @@ async def test_awaiters_still_waiting_get_the_error_and_the_next_request_encodes
     assert log._encoding == {}
     blob, digest = await log.blob(0)
     assert blob.startswith(b"GMU1") and len(digest) == 32 and calls == [0, 0]
+
+
+async def test_the_newest_update_is_spilled_to_disk_and_served_bit_for_bit(tmp_path):
+    """Issue 27: with ``spill=True`` the sealed round's raw aggregate goes to a file (a task of the owner, off the
+    loop) and leaves memory; a request maps it back and gets the same bytes as a log that kept it in memory; the
+    file goes once encoded, with rounds past ``keep_rounds``, and at close. A peer catching up keeps the eager
+    encoding instead (no spill)."""
+    from geomesh_p2p.sync.server import _Spilled
+
+    tasks: list[asyncio.Task] = []
+    names: list[str] = []
+
+    def spawn(coro, name=None):
+        tasks.append(asyncio.ensure_future(coro))
+        names.append(name)
+        return tasks[-1]
+
+    async def settle() -> None:
+        for _ in range(100):  # the seal's callback runs on the loop, then its task in a worker thread
+            await asyncio.sleep(0.01)
+            if tasks and all(t.done() for t in tasks):
+                return
+
+    spill = UpdateLog(keep_rounds=2, spawn=spawn, spill=True, spill_dir=str(tmp_path))
+    plain = UpdateLog(keep_rounds=2)
+    aggs = [torch.randn(1000, generator=torch.Generator().manual_seed(r)) for r in range(3)]
+    for r in (0, 1):
+        spill.record(r, f"{r:032x}", [(0, 1000)], [(900, 1000)], aggs[r], copy=False)
+        plain.record(r, f"{r:032x}", [(0, 1000)], [(900, 1000)], aggs[r].clone())
+        await asyncio.to_thread(spill.seal, r + 1, f"{r + 1:032x}")  # the node seals in a worker thread
+        plain.seal(r + 1, f"{r + 1:032x}")
+        await settle()
+    assert names == ["spill-update-0", "spill-update-1"]
+    # on disk an older round costs no memory: both stay (in memory only the newest was kept, older ones dropped)
+    assert spill.spilled() == [0, 1] and spill.rounds() == [0, 1] and plain.rounds() == [1]
+    assert all(isinstance(spill._done[r], _Spilled) for r in (0, 1))  # no tensor held for them
+    files = sorted(p.name for p in tmp_path.rglob("*.f32"))
+    assert files == ["theta-0.f32", "theta-1.f32"] and next(tmp_path.rglob("theta-1.f32")).stat().st_size == 4000
+    assert torch.equal(spill.get(1).aggregate, aggs[1]) and torch.equal(spill.get(0).aggregate, aggs[0])
+    assert await spill.blob(1) == await plain.blob(1)  # encoded from the file: the same bytes and hash
+    assert spill.spilled() == [0]
+    assert sorted(p.name for p in tmp_path.rglob("*.f32")) == ["theta-0.f32"]  # encoded: its file is gone
+    # a peer catching up: the next round is encoded eagerly, not spilled
+    spill.note_asked()
+    spill.record(2, f"{2:032x}", [(0, 1000)], (), aggs[2], copy=False)
+    await asyncio.to_thread(spill.seal, 3, f"{3:032x}")
+    await settle()
+    assert names[2:] == ["encode-update-2"] and spill.spilled() == []  # round 0: past keep_rounds, file gone
+    assert spill.rounds() == [1, 2] and not list(tmp_path.rglob("*.f32"))
+    await asyncio.gather(*tasks)
+    spill.close()
+    assert not any(tmp_path.iterdir())  # the private temp directory is removed
