@@ -165,13 +165,13 @@ def test_build_training_profiles_the_model_in_place_and_holds_the_budget(monkeyp
     node._build_training()
     assert seen["model"] is node.model  # profiled in place, not on a deep copy
     assert seen["budget"] == 6 << 30
-    # the rest of the run's static memory (issue 27), fp32: global weights + Nesterov momentum (8 B/param), the
-    # newest outer update (4; the exchange's buffers take the gradients' place), a verified-work check's weights +
-    # gradients (8, relay mode), and its kept contributions: 3 rounds x 2 contributors x (sign bits + one fp32
-    # scale per 2048-element block)
+    # the rest of the run's static memory (issue 27), fp32: global weights + Nesterov momentum (8 B/param), a
+    # verified-work check's weights + gradients (8, relay mode), and its kept contributions: 3 rounds x 2
+    # contributors x (sign bits + one fp32 scale per 2048-element block); the exchange's buffers take the
+    # gradients' place and the newest outer update is on disk (session 18: 4 B/param more before)
     n = node.numel
     kept = VerifyConfig().keep_rounds + 1  # the newest rounds and the one a background check holds
-    assert seen["extra"] == 20 * n + kept * 2 * (-(-n // 8) + 4 * -(-n // 2048))
+    assert seen["extra"] == 16 * n + kept * 2 * (-(-n // 8) + 4 * -(-n // 2048))
     assert torch.equal(flat_params(node.model), seen["before"])  # the profile left the weights as they were
     assert set(node.profiled_tps) <= {1, 2} and node.profiled_tps and node.max_batch >= 1
     assert seen["served"] is node.gstate and node.theta is node.gstate.theta
