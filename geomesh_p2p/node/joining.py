@@ -166,13 +166,20 @@ async def read_records(node: PeerNode) -> list[PeerRecord]:
     return recs
 
 
-async def records_of(node: PeerNode, peer_ids: Collection[str]) -> list[PeerRecord]:
+async def records_of(node: PeerNode, peer_ids: Collection[str], *, sampled: bool = True) -> list[PeerRecord]:
     """The live, admitted records of ``peer_ids`` only, of this version and run config, leaving ones
     included: one read of those subkeys (:func:`~geomesh_p2p.dht.live_peers` with ``only``; a light
     follower's sample, issue 25: a few records, not the run's N). This peer's own record, when asked for, is
     its current one (not read); no DHT read when it is the only one asked for. Read from
     :data:`SAMPLED_READ_QUORUM` holders: a sampled read decides nothing alone (a stale record sends a light follower
-    to the full path, or its digest sample waits for the next read), so it asks fewer of the 8 replicas."""
+    to the full path, or its digest sample waits for the next read), so it asks fewer of the 8 replicas.
+
+    ``sampled=False``: read with the DHT's own ``read_quorum`` (5) instead, for a read whose *absence* of a record
+    is acted on (a light follower's check that no better-ranked outsider leads,
+    :func:`~geomesh_p2p.round.light.outsider_problem`): a holder counts towards a quorum once it answers with any of the subkeys asked for, so two
+    stale or hostile holders answering first (a Sybil's record only, or the outsider's old leaving one) ended a
+    quorum-2 read without the outsider's live record, and the light follower followed a plan the full-view peers
+    did not (red team, session 18)."""
     others = [p for p in peer_ids if p != node.me]
     recs: list[PeerRecord] = []
     if others:
@@ -184,7 +191,7 @@ async def records_of(node: PeerNode, peer_ids: Collection[str]) -> list[PeerReco
             expected_config_hash=h,
             include_leaving=True,
             only=others,
-            quorum=SAMPLED_READ_QUORUM,
+            quorum=SAMPLED_READ_QUORUM if sampled else None,
         )
     out = node.admission.filter(recs)
     if node.me in peer_ids:

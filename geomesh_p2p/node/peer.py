@@ -508,9 +508,10 @@ class PeerNode:
         out[self.me] = self.my_record()
         return list(out.values())
 
-    async def records_of(self, peer_ids: Collection[str]) -> list[PeerRecord]:
-        """Live, admitted records of ``peer_ids`` only (:func:`joining.records_of`: a subkey read, issue 25)."""
-        return await joining.records_of(self, peer_ids)
+    async def records_of(self, peer_ids: Collection[str], *, sampled: bool = True) -> list[PeerRecord]:
+        """Live, admitted records of ``peer_ids`` only (:func:`joining.records_of`: a subkey read, issue 25;
+        ``sampled=False``: from the DHT's full read quorum)."""
+        return await joining.records_of(self, peer_ids, sampled=sampled)
 
     async def _read_records(self) -> list[PeerRecord]:
         """One full read of the run's records, leaving peers' included (:attr:`member_reads`' read)."""

@@ -159,7 +159,8 @@ async def outsider_problem(drv: RoundDriver, plan: RoundPlan, outsiders: set[str
     if not before:
         return None
     try:
-        live = [x.peer_id for x in await drv.membership.records_of(before[:MAX_SAMPLE]) if not x.leaving]
+        # not a sampled read: a record missing here keeps this peer light, so it is read from the full quorum
+        live = [x.peer_id for x in await drv.membership.records_of(before[:MAX_SAMPLE], sampled=False) if not x.leaving]
     except Exception as e:  # a failed read: the full path decides
         return f"reading the records of {len(before)} better-ranked leader(s) failed ({type(e).__name__}: {e})"
     if live or len(before) > MAX_SAMPLE:

@@ -74,9 +74,10 @@ class Membership(Protocol):
     async def peers(self, include_leaving: bool = False) -> list[PeerRecord]:
         """Live, admitted records of this run, this peer's own (fresh) included; one DHT read."""
 
-    async def records_of(self, peer_ids: Collection[str]) -> list[PeerRecord]:
+    async def records_of(self, peer_ids: Collection[str], *, sampled: bool = True) -> list[PeerRecord]:
         """Live, admitted records of ``peer_ids`` only (leaving ones included); one DHT read of those subkeys
-        (a light follower's sample, issue 25)."""
+        (a light follower's sample, issue 25), from a small quorum of holders unless ``sampled`` is False (a
+        read whose missing record is acted on: the DHT's full read quorum)."""
 
     async def announce(self) -> None:
         """Store this peer's record now (round, digest, leaving); one DHT write. Never raises."""

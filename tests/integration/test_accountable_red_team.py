@@ -22,10 +22,11 @@ from types import SimpleNamespace
 import grpc
 import pytest
 
-from geomesh_p2p.exchange import CollectiveService, accountable, messages
+from geomesh_p2p.exchange import CollectiveService, accountable, audit, messages
 from geomesh_p2p.exchange import owner as owner_mod
 from geomesh_p2p.net.identity import EnvelopeError
 from geomesh_p2p.net.methods import COLLECTIVE_INPUTS
+from geomesh_p2p.net.swarm_time import swarm_time
 from geomesh_p2p.net.transport import RpcError
 from geomesh_p2p.trust import fraud
 from geomesh_p2p.wire import collective_pb2
@@ -274,3 +275,104 @@ async def test_a_witness_receipting_another_round_or_spec_does_not_cost_the_owne
     owner = spec.owners[j].peer_id
     assert all(r.missing_parts == [] for r in res), [r.missing_parts for r in res]
     assert sorted(p for p, _ in res[0].contributors[j]) == sorted(p for p in sw.pids if p != owner)
+
+
+class _Emptier(_Forger):
+    """Red team (session 18, omit_caller): as an owner, answers a validator's ``PullInputs(omit_caller)`` with
+    ``mode``: ``"swap"``: the caller's own input sent in full and another sender's entry emptied in its place;
+    ``"two"``: the caller's entry and another one emptied; ``"unasked"``: the caller's entry emptied though it did
+    not ask. ``forge``: its result also doctors an input (as :class:`_Forger`)."""
+
+    mode = "swap"
+    forge = False
+
+    def _build_result(self, spec, part, contributions):
+        if type(self).forge:
+            return super()._build_result(spec, part, contributions)
+        return CollectiveService._build_result(self, spec, part, contributions)
+
+    async def _handle_inputs(self, verified, context):
+        req = collective_pb2.PullInputsRequest.FromString(verified.payload)
+        if req.from_sender:
+            return await super()._handle_inputs(verified, context)
+        caller = verified.sender.to_string()
+        part = self._rounds[req.round].parts[req.part]
+        mine = [k for k, s in enumerate(part.input_senders) if s == caller]
+        other = next(k for k, s in enumerate(part.input_senders) if s not in (caller, self.peer_id))
+        page = [bytes(c) for c in part.inputs]
+        how = type(self).mode
+        if how == "swap" and req.omit_caller:
+            page[other] = b""
+        elif how == "two" and req.omit_caller:
+            page[other] = b""
+            for k in mine:
+                page[k] = b""
+        elif how == "unasked" and not req.omit_caller:
+            page[other] = b""
+        return collective_pb2.PullInputsResponse(
+            round=req.round, part=req.part, contributions=page[int(req.first) :], total=len(page)
+        ).SerializeToString()
+
+
+@pytest.mark.parametrize("how", ["swap", "two"])
+@pytest.mark.parametrize("forge", [False, True])
+async def test_an_owner_emptying_other_inputs_than_the_callers_proves_nothing_false_and_escapes_no_proof(
+    swarms, how, forge
+):
+    """omit_caller (session 18): an owner that empties another sender's input (the validator then puts its own
+    push in that slot) or more than one entry gets no forgery proof when honest (the slot does not match the
+    commitment: the senders are asked, a ``withheld`` suspicion), and a forger does not escape its proof."""
+    _Emptier.mode, _Emptier.forge, _Forger.how = how, forge, "flip"
+    sw, spec, _, _ = await _round(swarms, [CollectiveService] * 3 + [_Emptier], validators=3, seed=12)
+    evil = spec.part_index_of(sw.pids[3])
+    findings = await asyncio.wait_for(
+        asyncio.gather(*[sw.services[k].validate_round(spec.round, timeout_s=5.0, parts=evil) for k in range(3)]), 60
+    )
+    for k, fs in enumerate(findings):
+        kinds = sorted(f.kind for f in fs)
+        assert kinds == (["forgery", "withheld"] if forge else ["withheld"]), (k, fs)
+        withheld = next(f for f in fs if f.kind == "withheld")
+        why = "served 2 empty input(s)" if how == "two" else "is not the contribution the result commits to"
+        assert why in withheld.reason and withheld.proof is None, withheld
+        for f in fs:
+            if f.proof is not None:  # the forger's proof, from the senders' copies: it checks at a third peer
+                v = accountable.verify_proof(RUN, f.proof)
+                assert (v.kind, v.accused, v.part) == ("forgery", sw.pids[3], evil[0])
+        assert sw.services[k].validation_stats[spec.round].from_senders >= 2
+
+
+async def test_a_validator_that_did_not_ask_to_omit_refuses_an_empty_input(swarms):
+    _Emptier.mode, _Emptier.forge = "unasked", False
+    sw, spec, _, _ = await _round(swarms, [CollectiveService] * 3 + [_Emptier], validators=3, seed=13)
+    j = spec.part_index_of(sw.pids[3])[0]
+    inputs, why = await audit._pull_inputs(sw.services[0], spec, j, swarm_time() + 5.0)
+    assert inputs is None and why == "the owner served 1 empty input(s)"
+
+
+async def test_omitted_inputs_page_at_one_input_a_page(swarms, monkeypatch):
+    """Paging with omit_caller: pages of one input (the empty entry rides along without counting) give the same
+    inputs as one page, and an honest round validates with no finding."""
+    sw, spec, _, _ = await _round(swarms, [CollectiveService] * 4, validators=3, seed=14)
+    v = sw.services[0]
+    state = v._rounds[spec.round]
+    j = next(j for j, o in enumerate(spec.owners) if o.peer_id != sw.pids[0])
+    own = bytes(messages.push_request_contribution(state.pushed[j]))
+    whole, why = await audit._pull_inputs(v, spec, j, swarm_time() + 5.0, own)
+    assert why == "" and len(whole) == 4 and own in whole
+    calls = []
+    orig = v.transport.call
+
+    async def counting(addr, method, payload, **kw):
+        if method == COLLECTIVE_INPUTS:
+            calls.append(collective_pb2.PullInputsRequest.FromString(payload).first)
+        return await orig(addr, method, payload, **kw)
+
+    v.transport.call = counting
+    monkeypatch.setattr(owner_mod, "_INPUTS_PAGE_BYTES", 1)
+    paged, why = await audit._pull_inputs(v, spec, j, swarm_time() + 5.0, own)
+    assert why == "" and paged == whole
+    # one input a page; the caller's empty entry is sent with the page before it (or alone when it is first)
+    assert 3 <= len(calls) <= 4 and calls == sorted(set(calls)), calls
+    calls.clear()
+    findings = await asyncio.wait_for(v.validate_round(spec.round, timeout_s=5.0), 60)
+    assert findings == [] and v.validation_stats[spec.round].from_owner == 4 * v.validation_stats[spec.round].parts

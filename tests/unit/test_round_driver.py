@@ -122,7 +122,7 @@ class FakePeer:
         drv = getattr(self, "drv", None)
         return self.round - 1 if drv is not None and drv.phase is Phase.FINISH else self.round
 
-    async def records_of(self, peer_ids):
+    async def records_of(self, peer_ids, *, sampled=True):
         self._hook("records_of")
         self.sampled_reads.append((self._read_round(), tuple(peer_ids)))
         self.swarm.records[self.me] = self.record()
