@@ -100,6 +100,21 @@ STALL_S = 15.0
 #: :meth:`PlanStore.settle_s`, which follows the DHT's store latency).
 SETTLE_S = 0.5
 
+#: From this many participants a plan's body may be over ``wire.PLAN_INLINE_BYTES`` (4 KB: ~40 peers; a lower
+#: count, so that every chunked plan is covered): its leader publishes in two steps (the chunks, then the head), so
+#: a better-ranked plan becomes visible two store latencies after its leader starts, and a follower settles twice
+#: :meth:`PlanStore.settle_s` (red team, session 18).
+CHUNKED_SETTLE_PEERS = 32
+
+
+def settle_for(plan: RoundPlan, settle_s: float) -> float:
+    """How long a follower that read ``plan`` first waits for a better-ranked one: ``settle_s`` (x 2 when plans of
+    this many participants may be chunked: :data:`CHUNKED_SETTLE_PEERS`), ended by the middle of the plan's window
+    at the latest (the inner steps run on the provisional plan meanwhile; the exchange must not start late), that
+    cap being at least :data:`SETTLE_S`. Seconds."""
+    steps = 2 if len(plan.assignments) >= CHUNKED_SETTLE_PEERS else 1
+    return min(steps * settle_s, max(SETTLE_S, plan.window_s / 2))
+
 
 def takeover_delay(
     index: int, plan_timeout_s: float, stagger_s: float, wait_candidates: int = LEADER_WAIT_CANDIDATES
@@ -438,9 +453,7 @@ async def obtain_plan(
         return reason
 
     def settle_of(plan: RoundPlan) -> float:
-        # A settle longer than SETTLE_S (one that follows slow stores) ends by the middle of the plan's window at
-        # the latest: the inner steps run on the provisional plan meanwhile, and the exchange must not start late.
-        return min(settle_s, max(SETTLE_S, plan.window_s / 2))
+        return settle_for(plan, settle_s)
 
     def rank(leader: str) -> bytes:
         return leader_rank(store.run_id, round, leader)

@@ -282,3 +282,23 @@ async def test_the_settle_lasts_as_long_as_the_slowest_recent_dht_store(monkeypa
     monkeypatch.setattr(round_mod, "obtain_plan", fake_obtain)
     await DhtPlanAgreement(store).agree(7, [], None, accept=None, candidates=[], plan_timeout_s=1.0)
     assert got["settle_s"] == 2.75
+
+
+def test_a_follower_settles_twice_as_long_for_plans_that_may_be_chunked():
+    """Red team (session 18): a plan body over 4 KB (PLAN_INLINE_BYTES, ~40 participants) is published in two steps
+    (its chunks, then the head), so it becomes visible two store latencies after its leader starts: from
+    CHUNKED_SETTLE_PEERS (32) participants a follower settles twice PlanStore.settle_s, still ended by the middle of
+    the window (at least SETTLE_S)."""
+    from geomesh_p2p.plan.agree import CHUNKED_SETTLE_PEERS, SETTLE_S, settle_for
+    from geomesh_p2p.plan.wire import PLAN_INLINE_BYTES, split_plan
+    from tests.plan_util import big_plan
+
+    small, large = big_plan(CHUNKED_SETTLE_PEERS - 1), big_plan(CHUNKED_SETTLE_PEERS)
+    assert not split_plan(small).chunks  # below the count every plan is inline ...
+    assert any(split_plan(big_plan(n)).chunks for n in range(CHUNKED_SETTLE_PEERS, 64))  # ... above it some are not
+    assert PLAN_INLINE_BYTES == 4096
+    window = small.window_s
+    assert settle_for(small, 1.0) == min(1.0, max(SETTLE_S, window / 2))
+    assert settle_for(large.model_copy(update={"window_s": 60.0}), 1.0) == 2.0
+    assert settle_for(large.model_copy(update={"window_s": 2.0}), 1.0) == 1.0  # the middle of a 2 s window
+    assert settle_for(large.model_copy(update={"window_s": 0.4}), 1.0) == SETTLE_S  # the floor of the window's cap
