@@ -115,6 +115,14 @@ def state_path(ns: argparse.Namespace) -> Optional[str]:
     return os.path.splitext(os.path.expanduser(ns.identity))[0] + ".state.json"
 
 
+def files_line(ns: argparse.Namespace) -> str:
+    """The start-up line naming what this bootstrap writes and the flags that move it (a fresh user found
+    ``~/.geomesh`` written without a word)."""
+    kept = state_path(ns)
+    progress = f"{kept} (--state-file; '' keeps none)" if kept else "not kept (--state-file '')"
+    return f"files: identity key {os.path.expanduser(ns.identity)} (--identity), run progress {progress}"
+
+
 def _check(ns: argparse.Namespace) -> Optional[str]:
     """A one-line complaint about the option values, or None."""
     if not 0 <= ns.port <= 65535:
@@ -241,6 +249,7 @@ async def _serve(ns: argparse.Namespace, identity, allow_peers, tls, stop: async
 
     print(f"{PROG} {__version__}: run {ns.run_id!r}, DHT node serving on {address}", flush=True)
     print(f"PeerID: {identity.peer_id}", flush=True)
+    print(files_line(ns), flush=True)
     print(f"peers join with: --bootstrap {address} --run-id {shlex.quote(ns.run_id)}", flush=True)
     if allow is not None:
         print(f"private run: {len(allow_peers)} allowed peer(s) from --allow-peers {ns.allow_peers}", flush=True)

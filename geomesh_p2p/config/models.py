@@ -310,7 +310,13 @@ class NodeConfig(BaseModel):
         "come back (Ctrl+C stops), resume = continue from the newest checkpoint in --checkpoint-dir, "
         "seed = start the run again from the seed at round 0",
     )
-    rounds: Optional[int] = opt(None, "stop once this many rounds are done (round numbers start at 0)", ge=0)
+    rounds: Optional[int] = opt(
+        None,
+        "stop once the swarm's state reaches round N: the swarm's round number, not a count of this peer's rounds "
+        "(round numbers start at 0; a peer that syncs to round 40 with --rounds 30 stops at once; 0: join, sync "
+        "and stop before training); unset: train until Ctrl+C or --target-ppl",
+        ge=0,
+    )
     # a perplexity is exp(loss) >= 1: a target of 1 or less is never reached (geomesh-sim --target-ppl: "> 1")
     target_ppl: Optional[float] = opt(None, "stop once eval perplexity is at or below this", gt=1)
     min_peers: int = opt(

@@ -200,10 +200,12 @@ def _median(xs: Sequence[Optional[float]]) -> Optional[float]:
 
 
 def _state(rec: PeerRecord, plan_members: Optional[set], current: Optional[int]) -> str:
-    """leaving / syncing (downloading the swarm's state) / behind (more than one round behind the
-    swarm's round) / client-only / waiting (not in the current round's plan) / training."""
+    """left (announced it leaves, in a round before the swarm's: its last record, kept until it expires) /
+    leaving (announced it leaves in the swarm's round) / syncing (downloading the swarm's state) / behind (more
+    than one round behind the swarm's round) / client-only / waiting (not in the current round's plan) /
+    training."""
     if rec.leaving:
-        return "leaving"
+        return "left" if current is not None and rec.round < current else "leaving"
     if rec.weights_digest is None:
         return "syncing"
     if current is not None and rec.round < current - 1:
@@ -383,7 +385,7 @@ class SwarmWatcher:
                     "inner_steps": a.inner_steps if a is not None else None,
                 }
             )
-        rows.sort(key=lambda x: (x["state"] == "leaving", x["peer_id"]))
+        rows.sort(key=lambda x: (x["state"] in ("leaving", "left"), x["peer_id"]))
         digests = None
         if current is not None:
             majority, agree, total = digest_majority(peers, current)
