@@ -289,6 +289,9 @@ def _print_summary(s: dict) -> None:
         f"  rounds {s['rounds']}, eval perplexity {fmt(s['initial_eval_ppl'])} -> {fmt(s['final_eval_ppl'])}"
         f" (target {s['target_ppl']}: {'reached in %.0fs' % s['time_to_target_s'] if s['reached_target'] else 'not reached'})"
     )
+    # per peer: idle seconds over all its rounds / its rounds' seconds (round 0's start-up included); the table's
+    # strag% / net% columns are each round's worst peer, so they differ (a fresh user asked why)
+    print("  per peer, share of its time over all rounds (the table: each round's worst peer):")
     for p in s["per_peer"]:
         print(
             f"  peer{p['peer']}: straggler idle {p['straggler_idle_pct']:.1f}%, network idle "
