@@ -412,9 +412,10 @@ class UpdateLog:
         encoded, dropped or asked for meanwhile (False: then the raw copy stays until that ends). A failed write
         (disk full) keeps it in memory, logged once at DEBUG: serving it matters more than the bytes."""
         with self._mu:
-            u = self._done.get(round)
-            if not isinstance(u, OuterUpdate) or round in self._encoding:
+            got = self._done.get(round)
+            if not isinstance(got, OuterUpdate) or round in self._encoding:
                 return False
+            u: OuterUpdate = got
             if self._store is None:
                 try:
                     self._store = KeptWeights(self._spill_dir)
