@@ -310,7 +310,13 @@ class NodeConfig(BaseModel):
         "come back (Ctrl+C stops), resume = continue from the newest checkpoint in --checkpoint-dir, "
         "seed = start the run again from the seed at round 0",
     )
-    rounds: Optional[int] = opt(None, "stop once this many rounds are done (round numbers start at 0)", ge=0)
+    rounds: Optional[int] = opt(
+        None,
+        "stop once the run's rounds 0 .. N-1 are done (round numbers are the swarm's, starting at 0, not a count "
+        "of this peer's rounds); N >= 1 (default: no limit, train until Ctrl+C or --target-ppl)",
+        ge=1,
+        metavar="N",
+    )
     # a perplexity is exp(loss) >= 1: a target of 1 or less is never reached (geomesh-sim --target-ppl: "> 1")
     target_ppl: Optional[float] = opt(None, "stop once eval perplexity is at or below this", gt=1)
     min_peers: int = opt(
