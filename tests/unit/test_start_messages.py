@@ -83,7 +83,7 @@ def _peer_main_error(capsys, *argv) -> tuple[int, list[str]]:
 def test_join_bad_value_is_one_line_naming_join(capsys):
     code, lines = _peer_main_error(capsys, "join", "--rounds", "-1")
     assert code == 2
-    assert lines == ["geomesh-peer join: error: argument --rounds: must be >= 0, got -1 (see geomesh-peer join --help)"]
+    assert lines == ["geomesh-peer join: error: argument --rounds: must be >= 1, got -1 (see geomesh-peer join --help)"]
 
 
 def test_join_bootstrap_without_port_is_one_line(capsys):
