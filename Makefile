@@ -13,11 +13,14 @@ STAMP   = $(VENV)/.geomesh-installed
 setup: $(STAMP)
 
 # Re-runs only when the dependency list changes; torch goes in first so that nothing pulls a CUDA build.
+# Quiet: -q, and no "new pip available" notice. Left as they are: pip's "Location ... is ignored" lines (a pip
+# config's find-links / file:// index that lacks a package: the machine's, not this file's) and setuptools'
+# "Editable installation" notice (a flat layout of several packages; silencing it would change the install).
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install -q --upgrade pip
-	$(PIP) install -q $(TORCH_PIP_ARGS) "$(TORCH)"
-	$(PIP) install -q -e ".[test]"
+	$(PIP) install -q --disable-pip-version-check --upgrade pip
+	$(PIP) install -q --disable-pip-version-check $(TORCH_PIP_ARGS) "$(TORCH)"
+	$(PIP) install -q --disable-pip-version-check -e ".[test]"
 	touch $(STAMP)
 
 demo: setup

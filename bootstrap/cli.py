@@ -115,12 +115,21 @@ def state_path(ns: argparse.Namespace) -> Optional[str]:
     return os.path.splitext(os.path.expanduser(ns.identity))[0] + ".state.json"
 
 
-def files_line(ns: argparse.Namespace) -> str:
-    """The start-up line naming what this bootstrap writes and the flags that move it (a fresh user found
-    ``~/.geomesh`` written without a word)."""
-    kept = state_path(ns)
-    progress = f"{kept} (--state-file; '' keeps none)" if kept else "not kept (--state-file '')"
-    return f"files: identity key {os.path.expanduser(ns.identity)} (--identity), run progress {progress}"
+def writes_line(ns: argparse.Namespace) -> str:
+    """The start-up line naming where this bootstrap writes (its key, and its state file unless off), e.g.
+    ``writes under /home/u/.geomesh: identity key bootstrap.key (--identity), state bootstrap.state.json
+    (--state-file; '' = none)``."""
+    key = os.path.abspath(os.path.expanduser(ns.identity))
+    state = state_path(ns)
+    state = os.path.abspath(os.path.expanduser(state)) if state else None
+    dirs = list(dict.fromkeys(os.path.dirname(p) for p in (key, state) if p))
+    one = len(dirs) == 1
+
+    def name(path: str) -> str:
+        return os.path.basename(path) if one else path
+
+    where = f"state {name(state)} (--state-file; '' = none)" if state else "no state file (--state-file '')"
+    return f"writes under {', '.join(dirs)}: identity key {name(key)} (--identity), {where}"
 
 
 def _check(ns: argparse.Namespace) -> Optional[str]:
@@ -249,7 +258,6 @@ async def _serve(ns: argparse.Namespace, identity, allow_peers, tls, stop: async
 
     print(f"{PROG} {__version__}: run {ns.run_id!r}, DHT node serving on {address}", flush=True)
     print(f"PeerID: {identity.peer_id}", flush=True)
-    print(files_line(ns), flush=True)
     print(f"peers join with: --bootstrap {address} --run-id {shlex.quote(ns.run_id)}", flush=True)
     if allow is not None:
         print(f"private run: {len(allow_peers)} allowed peer(s) from --allow-peers {ns.allow_peers}", flush=True)
@@ -412,6 +420,7 @@ def _main(argv: Optional[list[str]] = None) -> int:
     from geomesh_p2p.net.identity import Identity, IdentityError
 
     raise_fd_limit()  # gRPC's and the status page's shares of it (geomesh_p2p/util/fds.py) grow with it
+    log.info("%s", writes_line(ns))
     try:
         identity = Identity.load_or_create(ns.identity)
     except IdentityError as e:

@@ -258,6 +258,7 @@ def _summarize(ns, workdir: Path, t0: float) -> dict:
         per_peer.append(
             {
                 "peer": i,
+                "rounds": len(r),
                 "straggler_idle_pct": round(100 * sum(x["straggler_idle_s"] for x in r) / tot, 2),
                 "network_idle_pct": round(100 * sum(x["network_idle_s"] for x in r) / tot, 2),
                 "bytes_sent": sum(x["bytes_sent"] for x in r),
@@ -289,13 +290,15 @@ def _print_summary(s: dict) -> None:
         f"  rounds {s['rounds']}, eval perplexity {fmt(s['initial_eval_ppl'])} -> {fmt(s['final_eval_ppl'])}"
         f" (target {s['target_ppl']}: {'reached in %.0fs' % s['time_to_target_s'] if s['reached_target'] else 'not reached'})"
     )
-    # per peer: idle seconds over all its rounds / its rounds' seconds (round 0's start-up included); the table's
-    # strag% / net% columns are each round's worst peer, so they differ (a fresh user asked why)
-    print("  per peer, share of its time over all rounds (the table: each round's worst peer):")
+    # not the table's figures: each row's strag% max / net% max is that round's worst peer
+    print(
+        "  idle per peer: its idle seconds / its round seconds, summed over all its rounds (round 0 included),"
+        " not the table's per-round worst peer"
+    )
     for p in s["per_peer"]:
         print(
             f"  peer{p['peer']}: straggler idle {p['straggler_idle_pct']:.1f}%, network idle "
-            f"{p['network_idle_pct']:.1f}%, sent {p['bytes_sent'] / 1e6:.2f} MB"
+            f"{p['network_idle_pct']:.1f}% over {p['rounds']} round(s), sent {p['bytes_sent'] / 1e6:.2f} MB"
         )
     print(f"  digests equal on every peer every round: {s['digests_matched_every_round']}")
     w = s["workdir"]

@@ -312,10 +312,10 @@ class NodeConfig(BaseModel):
     )
     rounds: Optional[int] = opt(
         None,
-        "stop once the swarm's state reaches round N: the swarm's round number, not a count of this peer's rounds "
-        "(round numbers start at 0; a peer that syncs to round 40 with --rounds 30 stops at once; 0: join, sync "
-        "and stop before training); unset: train until Ctrl+C or --target-ppl",
-        ge=0,
+        "stop once the run's rounds 0 .. N-1 are done (round numbers are the swarm's, starting at 0, not a count "
+        "of this peer's rounds); N >= 1 (default: no limit, train until Ctrl+C or --target-ppl)",
+        ge=1,
+        metavar="N",
     )
     # a perplexity is exp(loss) >= 1: a target of 1 or less is never reached (geomesh-sim --target-ppl: "> 1")
     target_ppl: Optional[float] = opt(None, "stop once eval perplexity is at or below this", gt=1)

@@ -61,6 +61,11 @@ def summary_ttl_s(rounds: Sequence["RoundSummary"]) -> float:
     return max(SUMMARY_TTL_S, SUMMARY_TTL_ROUNDS * longest)
 
 
+#: A leaving record is shown as ``left`` once it was not stored again for this many of the swarm's rounds plus
+#: ``LEFT_SLACK_S`` seconds (:func:`_gone`), rounds being at least ``MIN_ROUND_S`` long (the auto window's floor).
+LEFT_AFTER_ROUNDS = 2.0
+LEFT_SLACK_S = 10.0
+MIN_ROUND_S = 6.0
 #: Most characters of a record string shown anywhere.
 MAX_TEXT = 64
 #: Most rounds a watcher keeps in memory.
@@ -199,13 +204,25 @@ def _median(xs: Sequence[Optional[float]]) -> Optional[float]:
     return float(statistics.median(known)) if known else None
 
 
-def _state(rec: PeerRecord, plan_members: Optional[set], current: Optional[int]) -> str:
-    """left (announced it leaves, in a round before the swarm's: its last record, kept until it expires) /
-    leaving (announced it leaves in the swarm's round) / syncing (downloading the swarm's state) / behind (more
-    than one round behind the swarm's round) / client-only / waiting (not in the current round's plan) /
-    training."""
+def _gone(rec: PeerRecord, now: float, current: Optional[int], round_s: float) -> bool:
+    """Whether the process behind a leaving record has gone: the swarm (its peers that are not leaving) is two
+    rounds past the round the record names, or the record was not stored again for ``LEFT_AFTER_ROUNDS`` rounds
+    of ``round_s`` seconds plus ``LEFT_SLACK_S`` (a running peer, leaving ones included, stores its record at
+    least every 1.3 rounds: geomesh_p2p.dht.announce.RECORD_REFRESHES, and lingers after its last round only
+    until that round's exchange deadline). The record itself lives on until it expires, about four rounds."""
+    if current is not None and rec.round + 1 < current:
+        return True
+    return now - rec.timestamp > LEFT_AFTER_ROUNDS * max(round_s, MIN_ROUND_S) + LEFT_SLACK_S
+
+
+def _state(
+    rec: PeerRecord, plan_members: Optional[set], current: Optional[int], now: float = 0.0, round_s: float = 0.0
+) -> str:
+    """left (a leaving record whose peer has gone: :func:`_gone`) / leaving / syncing (downloading the swarm's
+    state) / behind (more than one round behind the swarm's round) / client-only / waiting (not in the current
+    round's plan) / training. ``now``: swarm time; ``round_s``: the swarm's recent round length, seconds."""
     if rec.leaving:
-        return "left" if current is not None and rec.round < current else "leaving"
+        return "left" if _gone(rec, now, current, round_s) else "leaving"
     if rec.weights_digest is None:
         return "syncing"
     if current is not None and rec.round < current - 1:
@@ -361,8 +378,15 @@ class SwarmWatcher:
                 del self._history[r]
 
     # -------------------------------------------------------------------- building the views
+    def _round_s(self, plan) -> float:
+        """The swarm's recent round length, seconds: the longest of the plan's window and the median round
+        time of each of the last 3 rounds read (0.0 when none is known)."""
+        recent = [_median([x.round_s for x in self._history[r].values()]) or 0.0 for r in sorted(self._history)[-3:]]
+        return max([plan.window_s if plan is not None else 0.0, *recent])
+
     def _build(self, now, peers: List[PeerRecord], ignored: int, current, plan, members) -> Dict[str, Any]:
         assign = {a.peer_id: a for a in plan.assignments} if plan is not None else {}
+        round_s = self._round_s(plan)
         rows = []
         for r in peers:
             a = assign.get(r.peer_id)
@@ -376,7 +400,7 @@ class SwarmWatcher:
                     "up_mbps": round(r.upload_bps * 8e-6, 2),
                     "down_mbps": round(r.download_bps * 8e-6, 2),
                     "round": r.round,
-                    "state": _state(r, members, current),
+                    "state": _state(r, members, current, now, round_s),
                     "last_seen_s": round(max(0.0, now - r.timestamp), 1),
                     "address": clean_text(r.address) if r.address else None,
                     "version": clean_text(r.version, 24),

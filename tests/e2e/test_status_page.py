@@ -582,7 +582,7 @@ def test_status_page_in_headless_chromium(swarm, browser, tmp_path):
         assert rows[pid[:10]]["device"] == " ".join(clean_text(devices[pid]).split())  # as HTML lays text out
     # the hostile device name is shown as text, and is not an element
     assert rows[swarm["hostile"][:10]]["device"] == HOSTILE
-    # announced as leaving in the round it copied: "left" once the swarm is past that round
+    # announced as leaving and never stored again: "left" once two rounds passed (geomesh_p2p.status.swarm._gone)
     assert {"leaving", "left"} & set(rows[swarm["hostile"][:10]]["cells"])
     assert browser.find_elements(By.TAG_NAME, "img") == []
     with pytest.raises(NoAlertPresentException):

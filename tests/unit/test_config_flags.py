@@ -102,6 +102,31 @@ def test_join_flags_build_the_configs_in_field_units():
     assert node_cli.node_config_from(ns0) == NodeConfig()
 
 
+def test_rounds_zero_is_refused_at_start_and_help_says_what_no_flag_means(tmp_path, capsys):
+    """Fresh-user report: ``--rounds 0`` was accepted (the peer joined, profiled, then stopped before round 0
+    having trained nothing) and --help did not say what leaving it out means. 0 fails at start naming the flag,
+    from the command line and from a config file; the help says the default is no limit."""
+    from peer.cli import main
+
+    key = tmp_path / "id.key"
+    with pytest.raises(SystemExit) as e:
+        main(["join", "--identity", str(key), "--rounds", "0"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "geomesh-peer join: error: argument --rounds: must be >= 1, got 0 (see geomesh-peer join --help)"
+    cfg = tmp_path / "peer.yaml"
+    cfg.write_text("rounds: 0\n")
+    assert main(["join", "--config", str(cfg), "--identity", str(key)]) == 2
+    assert capsys.readouterr().err.strip() == f"geomesh-peer: config file {cfg}: rounds: must be >= 1, got 0"
+    assert not key.exists()  # refused before anything starts
+    with pytest.raises(ValueError, match="rounds"):
+        NodeConfig(rounds=0)
+    assert NodeConfig(rounds=1).rounds == 1 and NodeConfig().rounds is None
+    line = next(ln for ln in _help(_join_parser()).splitlines() if ln.strip().startswith("--rounds"))
+    assert line.split()[:2] == ["--rounds", "N"]
+    assert "default: no limit, train until Ctrl+C or --target-ppl" in line
+
+
 def test_flag_beats_config_file_beats_default(tmp_path):
     from peer.cli import build_parser, with_config_file
 

@@ -83,7 +83,7 @@ def _peer_main_error(capsys, *argv) -> tuple[int, list[str]]:
 def test_join_bad_value_is_one_line_naming_join(capsys):
     code, lines = _peer_main_error(capsys, "join", "--rounds", "-1")
     assert code == 2
-    assert lines == ["geomesh-peer join: error: argument --rounds: must be >= 0, got -1 (see geomesh-peer join --help)"]
+    assert lines == ["geomesh-peer join: error: argument --rounds: must be >= 1, got -1 (see geomesh-peer join --help)"]
 
 
 def test_join_bootstrap_without_port_is_one_line(capsys):
@@ -238,3 +238,38 @@ def test_help_texts_match_the_defaults():
 
     assert "small model" not in demo.__doc__ and "default: tiny" in demo.__doc__
     assert "geomesh-bootstrap --run-id" in bootstrap.cli.__doc__
+
+
+# ------------------------------------------------------------------ where the bootstrap writes (fresh-user report)
+def test_bootstrap_says_where_it_writes(tmp_path, monkeypatch, caplog):
+    """The bootstrap wrote its key and state file under ~/.geomesh without a word: one INFO line at start names
+    the folder, each file and the flag that moves it."""
+    import logging
+
+    import bootstrap.cli as b
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert b.writes_line(b.parse([])) == (
+        f"writes under {tmp_path}/home/.geomesh: identity key bootstrap.key (--identity), "
+        "state bootstrap.state.json (--state-file; '' = none)"
+    )
+    key = tmp_path / "k" / "b.key"
+    assert b.writes_line(b.parse(["--identity", str(key), "--state-file", str(tmp_path / "s.json")])) == (
+        f"writes under {tmp_path}/k, {tmp_path}: identity key {key} (--identity), "
+        f"state {tmp_path}/s.json (--state-file; '' = none)"
+    )
+    assert b.writes_line(b.parse(["--identity", str(key), "--state-file", ""])) == (
+        f"writes under {tmp_path}/k: identity key b.key (--identity), no state file (--state-file '')"
+    )
+
+    async def serve(*args):  # no socket: the line comes before the key is made and anything listens
+        return 0
+
+    monkeypatch.setattr(b, "serve", serve)
+    caplog.set_level(logging.INFO, logger="geomesh.bootstrap")
+    assert b.main(["--identity", str(key)]) == 0
+    said = [r.getMessage() for r in caplog.records if r.name == "geomesh.bootstrap" and r.levelno == logging.INFO]
+    assert said == [
+        f"writes under {tmp_path}/k: identity key b.key (--identity), state b.state.json (--state-file; '' = none)"
+    ]
+    assert key.exists()
