@@ -258,6 +258,8 @@ async def _serve(ns: argparse.Namespace, identity, allow_peers, tls, stop: async
 
     print(f"{PROG} {__version__}: run {ns.run_id!r}, DHT node serving on {address}", flush=True)
     print(f"PeerID: {identity.peer_id}", flush=True)
+    # stdout, after the address line: a start that fails stays one line on stderr, and the first line the address
+    print(writes_line(ns), flush=True)
     print(f"peers join with: --bootstrap {address} --run-id {shlex.quote(ns.run_id)}", flush=True)
     if allow is not None:
         print(f"private run: {len(allow_peers)} allowed peer(s) from --allow-peers {ns.allow_peers}", flush=True)
@@ -420,7 +422,6 @@ def _main(argv: Optional[list[str]] = None) -> int:
     from geomesh_p2p.net.identity import Identity, IdentityError
 
     raise_fd_limit()  # gRPC's and the status page's shares of it (geomesh_p2p/util/fds.py) grow with it
-    log.info("%s", writes_line(ns))
     try:
         identity = Identity.load_or_create(ns.identity)
     except IdentityError as e:

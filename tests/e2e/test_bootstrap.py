@@ -170,6 +170,7 @@ def test_bootstrap_prints_address_and_peer_id_then_exits_0_on_signal(tmp_path, p
     boot = procs(_bootstrap_argv(tmp_path, "--status-interval", "0.5"), "bootstrap")
     address = boot.wait_line(r"serving on (\S+:\d+)", START_TIMEOUT).group(1)
     peer_id = boot.wait_line(r"^PeerID: (\w+)$", 5).group(1)
+    boot.wait_line(r"^writes under \S+: identity key \S+ \(--identity\), state \S+ \(--state-file", 5)  # fresh user
     boot.wait_line(rf"--bootstrap {re.escape(address)}", 5)
     assert len(peer_id) >= 43
     deadline = time.monotonic() + 20
