@@ -104,12 +104,37 @@ class _RoundState:
     pushed: dict[int, bytes] = field(default_factory=dict)
     # accountable mode: part -> the owner's own contribution it handed to this node, the part's witness
     witnessed: dict[int, Contribution] = field(default_factory=dict)
+    # accountable mode: (caller, part, from_sender) -> input bytes served to that caller this round (a validator's
+    # pull, or a sender's copy), at most INPUT_SERVES_PER_CALLER x the inputs: a repeated pull is a retry, not a
+    # loop that turns this node's upload into someone's amplifier
+    served_inputs: dict[tuple[str, int, bool], int] = field(default_factory=dict)
 
 
 class _TooFarAhead(EnvelopeError):
     """A push/pull for a round too far ahead of this node's newest registered round
     (FAILED_PRECONDITION); logged once per sender, not per round, since a flood names a new round
     each time."""
+
+
+#: How many times over one caller may be served a part's inputs (accountable mode's PullInputs) in one round: the
+#: validation it needs (1) and one retry of it (a reply lost to a timeout). Beyond: refused (PERMISSION_DENIED,
+#: not retried by an honest validator), so a peer cannot pull the same inputs in a loop.
+INPUT_SERVES_PER_CALLER = 2
+
+
+def _charge_inputs(state: "_RoundState", caller: str, part: int, from_sender: bool, size: int, whole: int) -> None:
+    """Count ``size`` bytes of part ``part``'s inputs served to ``caller`` this round, against
+    ``INPUT_SERVES_PER_CALLER`` x ``whole`` (the bytes of all of them). Raises EnvelopeError (PERMISSION_DENIED)
+    past it, before anything is served."""
+    key = (caller, int(part), bool(from_sender))
+    done = state.served_inputs.get(key, 0)
+    if done + size > INPUT_SERVES_PER_CALLER * max(1, whole):
+        raise EnvelopeError(
+            Code.PERMISSION_DENIED,
+            f"the inputs of part {part} of round {state.spec.round} were served to this caller "
+            f"{INPUT_SERVES_PER_CALLER} times already",
+        )
+    state.served_inputs[key] = done + size
 
 
 def _with_inputs(reply: Any, held: list) -> bytes:
@@ -629,6 +654,8 @@ class OwnerService:
                 raise EnvelopeError(Code.PERMISSION_DENIED, f"{_short(caller)} is not in round {spec.round}")
             if req.from_sender:
                 held = self._own_inputs(state, int(req.part))
+                size = sum(len(h) for h in held)
+                _charge_inputs(state, caller, int(req.part), True, size, size)
                 reply = collective_pb2.PullInputsResponse(round=req.round, part=req.part, total=len(held))
                 # whole contributions are copied into the reply: off the event loop
                 return await asyncio.to_thread(_with_inputs, reply, held)
@@ -648,6 +675,7 @@ class OwnerService:
                     break
                 page.append(bytes(signed))
                 size += len(signed)
+            _charge_inputs(state, caller, int(req.part), False, size, sum(len(c) for c in part.inputs))
             resp = collective_pb2.PullInputsResponse(
                 round=req.round, part=req.part, contributions=page, total=len(part.inputs)
             )

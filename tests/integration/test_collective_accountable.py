@@ -402,11 +402,15 @@ async def test_a_false_proof_in_the_dht_excludes_nobody(swarms):
     assert all(v.excluded == {} for _, v in accs)
 
 
-async def test_a_validator_is_not_sent_its_own_contribution_back(swarms):
+async def test_a_validator_is_not_sent_its_own_contribution_back(swarms, monkeypatch):
     """``PullInputs(omit_caller)``: the owner sends an empty entry in place of the validator's own signed push
     and the validator puts its copy back; the inputs are the same bytes as a full pull, and the reply is smaller
     by at least that contribution (1/N of the part's inputs). A copy put back that is not the one the result
     commits to is refused by the recheck (the senders are asked then), never taken for a forgery."""
+    from geomesh_p2p.exchange import owner as owner_mod
+
+    # three pulls of one part here (full, lean, a wrong copy put back): over the per-caller budget of two, not the point
+    monkeypatch.setattr(owner_mod, "INPUT_SERVES_PER_CALLER", 4)
     sw, spec, deltas, res = await _round(swarms, [CollectiveService] * 4)
     v = sw.services[0]
     j = next(j for j, o in enumerate(spec.owners) if o.peer_id != sw.pids[0])
@@ -437,3 +441,34 @@ async def test_a_validator_is_not_sent_its_own_contribution_back(swarms):
     assert await audit._cached_copy(v, spec, j, hashes, swarm_time() + 10.0) is None
     answered = v.transport.stats.by_method.get(COLLECTIVE_PULL, (0, 0))[1] - pulls
     assert 0 < answered < 512 < len(state.cache[j])  # a "same" reply in its envelope, not the signed result
+
+
+async def test_a_caller_is_served_a_parts_inputs_twice_a_round_not_in_a_loop(swarms):
+    """PullInputs serves one caller a part's inputs at most INPUT_SERVES_PER_CALLER (2) times over a round (the
+    validation and one retry), from the owner and from a sender alike; a third pull is refused with the reason
+    (PERMISSION_DENIED, which an honest validator does not retry), so no peer turns another's upload into a loop."""
+    from geomesh_p2p.exchange.owner import INPUT_SERVES_PER_CALLER
+
+    sw, spec, deltas, res = await _round(swarms, [CollectiveService] * 4)
+    v = sw.services[0]
+    j = next(j for j, o in enumerate(spec.owners) if o.peer_id != sw.pids[0])
+    state = v._rounds[spec.round]
+    deadline = swarm_time() + 10.0
+    assert INPUT_SERVES_PER_CALLER == 2
+    for _ in range(2):
+        got, why = await audit._pull_inputs(v, spec, j, deadline)
+        assert why == "" and len(got) == 4
+    got, why = await audit._pull_inputs(v, spec, j, deadline)
+    assert got is None and "PERMISSION_DENIED" in why and "served to this caller 2 times already" in why
+    # the same from a sender that holds its own push to part j
+    holder = next(p for p in sw.pids[1:] if p != spec.owners[j].peer_id)
+    address = next(o.address for o in spec.owners if o.peer_id == holder)
+    for _ in range(2):
+        held, why = await audit._fetch_held(v, state, j, holder, address, deadline)
+        assert why == "" and held and len(held) >= 1
+    held, why = await audit._fetch_held(v, state, j, holder, address, deadline)
+    assert held is None and "PERMISSION_DENIED" in why
+    # another caller's budget is its own
+    other = sw.services[2] if sw.pids[2] != spec.owners[j].peer_id else sw.services[3]
+    got, why = await audit._pull_inputs(other, spec, j, deadline)
+    assert why == "" and len(got) == 4
