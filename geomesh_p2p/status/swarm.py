@@ -39,6 +39,7 @@ from geomesh_p2p.schema.peer import PeerRecord
 from geomesh_p2p.schema.compat import WIRE_MODEL
 from geomesh_p2p.config.models import MAX_POW_BITS
 from geomesh_p2p.dht import live_peers
+from geomesh_p2p.plan.awb import AUTO_WINDOW_MIN_S
 from geomesh_p2p.plan.agree import choose_plan, digest_majority, leader_order, plan_key
 from geomesh_p2p.plan.wire import PlanPending, PlanReader
 from geomesh_p2p.trust.admission import Admission
@@ -65,7 +66,7 @@ def summary_ttl_s(rounds: Sequence["RoundSummary"]) -> float:
 #: ``LEFT_SLACK_S`` seconds (:func:`_gone`), rounds being at least ``MIN_ROUND_S`` long (the auto window's floor).
 LEFT_AFTER_ROUNDS = 2.0
 LEFT_SLACK_S = 10.0
-MIN_ROUND_S = 6.0
+MIN_ROUND_S = AUTO_WINDOW_MIN_S
 #: Most characters of a record string shown anywhere.
 MAX_TEXT = 64
 #: Most rounds a watcher keeps in memory.

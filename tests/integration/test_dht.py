@@ -224,15 +224,20 @@ async def test_a_stores_lookup_asks_for_nodes_only_and_a_get_still_sees_every_re
         await stop_all(nodes)
 
 
+async def _store_peer_records(writers, size: int) -> None:
+    """Writer i stores ``bytes([i]) * size`` under ``run/peers``, its own PeerID as subkey, for 120 s."""
+    for i, w in enumerate(writers):
+        assert await w.store(
+            "run/peers", bytes([i]) * size, time.time() + 120, subkey=w.peer_id.to_string(), owner=w.identity
+        )
+
+
 async def test_a_read_of_chosen_subkeys_carries_only_their_records():
     # Issue 25: a light follower checks a sample of the plan's participants; reading their records must not
     # carry the key's N records. FindRequest.subkeys asks a node for these subkeys' records only.
     nodes = await start_swarm(6)
     try:
-        for i, w in enumerate(nodes[:5]):
-            assert await w.store(
-                "run/peers", bytes([i]) * 8000, time.time() + 120, subkey=w.peer_id.to_string(), owner=w.identity
-            )
+        await _store_peer_records(nodes[:5], 8000)
         reader = nodes[5]
         reader.read_quorum = None  # both reads ask every holder: the same nodes answer, whatever the load
         stats = reader.transport.stats
@@ -258,10 +263,7 @@ async def test_a_sampled_read_with_its_own_quorum_asks_fewer_holders_for_the_sam
     # holders, not the node's read_quorum (5); a record stored on every replica is found the same way.
     nodes = await start_swarm(12)
     try:
-        for i, w in enumerate(nodes[:8]):
-            assert await w.store(
-                "run/peers", bytes([i]) * 500, time.time() + 120, subkey=w.peer_id.to_string(), owner=w.identity
-            )
+        await _store_peer_records(nodes[:8], 500)
         reader = nodes[11]
         wanted = [nodes[2].peer_id.to_string(), nodes[5].peer_id.to_string()]
         default, sampled = LookupStats(), LookupStats()
@@ -282,10 +284,7 @@ async def test_a_latest_read_ends_at_its_quorum_of_answering_replicas_with_the_s
     # merged dictionary is the same.
     nodes = await start_swarm(12)
     try:
-        for i, w in enumerate(nodes[:8]):
-            assert await w.store(
-                "run/peers", bytes([i]) * 500, time.time() + 120, subkey=w.peer_id.to_string(), owner=w.identity
-            )
+        await _store_peer_records(nodes[:8], 500)
         reader = nodes[11]
         assert reader.read_quorum == 5
         quorum_stats = LookupStats()
