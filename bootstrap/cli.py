@@ -43,6 +43,7 @@ from geomesh_p2p.config.models import DEFAULT_BOOTSTRAP_PORT as DEFAULT_PORT  # 
 from geomesh_p2p.config.models import DEFAULT_RUN_ID, BootstrapConfig  # noqa: F401
 from geomesh_p2p.config.models import DEFAULT_POW_BITS, MAX_POW_BITS
 from geomesh_p2p.net.addr import AddressError, format_address, is_wildcard_host, normalize_host, parse_address
+from geomesh_p2p.schema.shards import check_shards
 from geomesh_p2p.telemetry.logonce import LogOnChange
 from geomesh_p2p.util.fds import raise_fd_limit
 from geomesh_p2p.util.aio import unless_set, wait_event
@@ -161,6 +162,10 @@ def _check(ns: argparse.Namespace) -> Optional[str]:
         return "--run-id: must not be empty"
     if ns.pow_bits is not None and not 0 <= ns.pow_bits <= MAX_POW_BITS:
         return f"--pow-bits {ns.pow_bits}: must be between 0 and {MAX_POW_BITS}"
+    try:
+        check_shards(ns.record_shards)
+    except ValueError as e:
+        return f"--record-shards {ns.record_shards}: {str(e).removeprefix('record_shards ')}"
     return None
 
 
@@ -248,7 +253,9 @@ async def _serve(ns: argparse.Namespace, identity, allow_peers, tls, stop: async
         from geomesh_p2p.status.http import StatusServer
         from geomesh_p2p.status.swarm import SwarmWatcher
 
-        watcher = SwarmWatcher(node, ns.run_id, poll_s=ns.http_poll, allow=allow, pow_floor=pow_floor(ns))
+        watcher = SwarmWatcher(
+            node, ns.run_id, poll_s=ns.http_poll, allow=allow, pow_floor=pow_floor(ns), shards=ns.record_shards
+        )
         status = StatusServer(watcher, ns.http_host, ns.http_port)
         try:
             url = await status.start()
@@ -285,7 +292,7 @@ async def _serve(ns: argparse.Namespace, identity, allow_peers, tls, stop: async
         nonlocal progress
         # Only records that carry the run's proof of work count: free identities announcing another config or
         # round 10^9 would otherwise outvote the run's peers in progress_of (and tell newcomers a false round).
-        everyone = await live_peers(node, ns.run_id, include_leaving=True)
+        everyone = await live_peers(node, ns.run_id, include_leaving=True, shards=ns.record_shards)
         recs = counted.filter(everyone)
         if len(recs) < len(everyone):
             below.failed(

@@ -18,6 +18,7 @@ import sys
 import time
 
 from geomesh_p2p.config.models import DEFAULT_RUN_ID
+from geomesh_p2p.schema.shards import check_shards
 from peer.node_cli import _host_port, _int_at_least, _non_negative_float, _positive_float
 
 
@@ -31,6 +32,14 @@ def _one_line(e: BaseException) -> str:
 
 
 # ----------------------------------------------------------------------------------------- status
+def _record_shards(text: str) -> int:
+    """argparse type of ``--record-shards``: a power of two in 1..256 (argparse names the flag in its error)."""
+    try:
+        return check_shards(int(text))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("record_shards ")) from None
+
+
 async def _read_swarm(ns):
     from geomesh_p2p.dht import DHTNode
     from geomesh_p2p.net.identity import Identity
@@ -44,7 +53,7 @@ async def _read_swarm(ns):
     await transport.start()
     try:
         await node.join(ns.bootstrap)
-        watcher = SwarmWatcher(node, ns.run_id)
+        watcher = SwarmWatcher(node, ns.run_id, shards=ns.record_shards)
         view = await watcher.refresh()
         return view, watcher.rounds()
     finally:
@@ -300,6 +309,13 @@ def add_subcommands(sub, add_common) -> None:
     )
     st.add_argument("--run-id", default=DEFAULT_RUN_ID, help="run to read (default: %(default)s)")
     st.add_argument("--json", action="store_true", help="print JSON (the status page's /api/swarm and rounds)")
+    st.add_argument(
+        "--record-shards",
+        type=_record_shards,
+        default=1,
+        metavar="S",
+        help="the run's --record-shards: the DHT keys its peer records are spread over (default: %(default)s)",
+    )
     st.add_argument(
         "--timeout",
         type=_positive_float,

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, model_validator
 
 from geomesh_p2p.config.flags import opt
 from geomesh_p2p.schema.peer import MAX_LINK_BPS, MIN_LINK_BPS
+from geomesh_p2p.schema.shards import MAX_RECORD_SHARDS, check_shards
 
 __all__ = [
     "RunConfig",
@@ -203,9 +204,21 @@ class RunConfig(BaseModel):
         le=MAX_POW_BITS,
         default_text=f"{DEFAULT_POW_BITS}, a few seconds of one CPU core",
     )
+    record_shards: int = opt(
+        1,
+        "DHT keys the peer records are spread over (a power of two, 1..256): 1 keeps every record under one key, "
+        "whose 8 holding nodes then serve every store and sampled read of the swarm; a swarm of hundreds sets "
+        "about N/64 (16 at 1,024 peers) so that each holder serves ~1/S of them (docs/scale.md, 'Record shards'). "
+        "Every full read then asks S keys, so leave 1 below ~100 peers. Bootstraps and the status page take the "
+        "same value (--record-shards)",
+        metavar="S",
+        ge=1,
+        le=MAX_RECORD_SHARDS,
+    )
 
     @model_validator(mode="after")
     def _check_combinations(self) -> "RunConfig":
+        check_shards(self.record_shards)
         if self.target_inner_steps > self.max_inner_steps:
             raise ValueError(
                 f"target_inner_steps {self.target_inner_steps} is over max_inner_steps {self.max_inner_steps}: "
@@ -232,7 +245,8 @@ class RunConfig(BaseModel):
     #: peers of the releases before, which do not know them, compute the same hash and train with this one.
     #: A field here must not change what a round computes at its default. ``validators_per_part`` (issue 26)
     #: is read in accountable mode only.
-    patch_fields: ClassVar[frozenset[str]] = frozenset({"validators_per_part"})
+    #: ``record_shards`` (issue 25, 0.5.1): at 1 every record stays under ``<run>/peers``, as before.
+    patch_fields: ClassVar[frozenset[str]] = frozenset({"validators_per_part", "record_shards"})
 
     def config_hash(self) -> str:
         """First 16 hex chars of SHA-256 of the canonical JSON of this config (the ``patch_fields`` at their
@@ -547,4 +561,12 @@ class BootstrapConfig(BaseModel):
         f"{DEFAULT_POW_BITS}, in an open run; 0 with --allow-peers); set it to the run's --pow-bits when "
         "that is lower",
         metavar="BITS",
+    )
+    record_shards: int = opt(
+        1,
+        "the run's --record-shards (a power of two, 1..256): the DHT keys its peer records are spread over. It must "
+        "be the peers' value: with another one this bootstrap reads keys that hold no records and counts no peer",
+        metavar="S",
+        ge=1,
+        le=MAX_RECORD_SHARDS,
     )

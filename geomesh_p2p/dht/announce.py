@@ -23,6 +23,7 @@ from pydantic import ValidationError
 from geomesh_p2p.util.aio import cancel_and_wait, wait_event
 from geomesh_p2p.dht.node import DHTNode
 from geomesh_p2p.dht.records import DEFAULT_LIMITS
+from geomesh_p2p.schema.shards import record_shard, records_key, shards_of
 from geomesh_p2p.net.identity import Identity
 from geomesh_p2p.telemetry.logonce import LogOnce
 from geomesh_p2p.schema.peer import PeerRecord
@@ -88,8 +89,43 @@ def record_ttl_s(period_s: float, round_s: Optional[float]) -> float:
 
 
 def peers_key(run_id: str) -> str:
-    """The DHT key of a run's peer records."""
+    """The DHT key of a run's peer records (a run with ``record_shards`` > 1 spreads them over
+    :func:`~geomesh_p2p.schema.shards.records_key`)."""
     return f"{run_id}/peers"
+
+
+#: Shard reads in flight at once in one :func:`live_peers` (each is a lookup and a quorum read).
+SHARD_READS_IN_FLIGHT = 16
+
+
+async def _read_shards(
+    node: DHTNode, run_id: str, shards: int, only: Optional[Collection[str]], latest: bool, extra: dict[str, Any]
+) -> dict:
+    """subkey -> item over the shard keys a read needs (every shard, or those of ``only``), at most
+    :data:`SHARD_READS_IN_FLIGHT` at a time. A record under a shard that is not its subkey's is dropped (logged
+    once): only its owner can write that subkey, but it may write it under any shard, and a reader that took it
+    would count a peer twice or from a key nobody reads."""
+    wanted = shards_of(only, shards) if only is not None else {s: None for s in range(shards)}
+    gate = asyncio.Semaphore(SHARD_READS_IN_FLIGHT)
+
+    async def one(shard: int, ids: Optional[list[str]]) -> dict:
+        async with gate:
+            return await node.get(records_key(run_id, shard, shards), latest=latest, subkeys=ids, **extra)
+
+    found: dict = {}
+    answers = await asyncio.gather(*(one(s, ids) for s, ids in wanted.items()))
+    for shard, got in zip(wanted, answers):
+        for subkey, item in got.items():
+            if subkey is not None and record_shard(subkey, shards) != shard:
+                _log_once(
+                    f"peer record {subkey[:10]}…",
+                    f"dropped: stored under shard {shard} of {shards}, not its own",
+                    subkey=subkey,
+                    reason="wrong_shard",
+                )
+                continue
+            found[subkey] = item
+    return found
 
 
 def _short(text: Optional[str], n: int = 12) -> str:
@@ -142,6 +178,7 @@ async def live_peers(
     include_leaving: bool = False,
     only: Optional[Collection[str]] = None,
     quorum: Optional[int] = None,
+    shards: int = 1,
 ) -> List[PeerRecord]:
     """The unexpired, valid, compatible PeerRecords of ``run_id`` (default: the node's run), sorted by
     peer id.
@@ -153,11 +190,16 @@ async def live_peers(
     Signatures and the owner rule were already checked by the DHT. ``only``: read the records of these
     PeerIDs only (a subkey read, :meth:`DHTNode.get`'s ``subkeys``: a few records, not the run's N).
     ``quorum``: the read's quorum of holders (None: the node's ``read_quorum``; :meth:`DHTNode.get`).
+    ``shards``: the run's ``record_shards`` (:mod:`~geomesh_p2p.schema.shards`): above 1 the read asks every shard key,
+    or with ``only`` the shards of those PeerIDs only, and drops records found under another shard than their own.
     """
     run_id = run_id or node.run_id
     # quorum only when given: a duck-typed DHT (tests' fakes, plan/wire.py's protocol) need not know it
     extra: dict[str, Any] = {} if quorum is None else {"quorum": quorum}
-    found = await node.get(peers_key(run_id), latest=latest, subkeys=only, **extra)
+    if shards == 1:
+        found = await node.get(peers_key(run_id), latest=latest, subkeys=only, **extra)
+    else:
+        found = await _read_shards(node, run_id, shards, only, latest, extra)
     out: List[PeerRecord] = []
     for subkey, item in found.items():
         who = f"peer record {subkey[:10] if subkey else '(no subkey)'}…"
@@ -238,12 +280,15 @@ class PeerAnnouncer:
         ttl_s: Optional[float] = None,
         live: Optional[Callable[[], Optional[str]]] = None,
         clock: Callable[[], float] = time.monotonic,
+        shards: int = 1,
     ):
         if period_s <= 0:
             raise ValueError("period_s must be > 0")
         self.node = node
         self.identity = identity or node.identity
         self.run_id = run_id or node.run_id
+        #: the key this peer's record lives under: ``<run>/peers``, or its shard's (the run's ``record_shards``)
+        self.key = records_key(self.run_id, record_shard(self.identity.peer_id.to_string(), shards), shards)
         self.period_s = period_s
         self.ttl_s = ttl_s if ttl_s is not None else 3 * period_s
         self._source = record
@@ -306,7 +351,7 @@ class PeerAnnouncer:
 
     async def _stored_expiration(self, mine: str) -> Optional[float]:
         """The expiration (swarm time) of the record the DHT holds for this peer's subkey, None when none."""
-        found = await self.node.get(peers_key(self.run_id), latest=True)
+        found = await self.node.get(self.key, latest=True)
         item = found.get(mine)
         return None if item is None else float(item.expiration_time)
 
@@ -351,7 +396,7 @@ class PeerAnnouncer:
         rec = rec.model_copy(update={"timestamp": now})
         data = rec.to_bytes()
         self.expires_at = expiration  # before the store: replicas it reached hold it even if the call then fails
-        ok = await self.node.store(peers_key(self.run_id), data, expiration, subkey=mine, owner=self.identity)
+        ok = await self.node.store(self.key, data, expiration, subkey=mine, owner=self.identity)
         if first:
             # After the first store (not before: a fresh peer's record is not delayed by a read): a record of a
             # previous process of this identity that expires later was kept instead; outlive it.
@@ -362,9 +407,7 @@ class PeerAnnouncer:
                 held = None
             if held is not None and held > expiration:
                 self.expires_at = held + EXPIRATION_STEP_S
-                ok = await self.node.store(
-                    peers_key(self.run_id), data, self.expires_at, subkey=mine, owner=self.identity
-                )
+                ok = await self.node.store(self.key, data, self.expires_at, subkey=mine, owner=self.identity)
         self.last = rec
         self.announced += 1
         return ok

@@ -108,7 +108,9 @@ async def check_identity_unique(node: PeerNode) -> None:
 
     transport = node._started_transport()
     mine = transport.address
-    for rec in await live_peers(started(node.dht), node.run_cfg.run_id, include_leaving=True):
+    for rec in await live_peers(
+        started(node.dht), node.run_cfg.run_id, include_leaving=True, shards=node.run_cfg.record_shards
+    ):
         if rec.peer_id != node.me or not rec.address or rec.address == mine:
             continue
         req = dht_pb2.PingRequest(
@@ -161,7 +163,10 @@ async def read_records(node: PeerNode) -> list[PeerRecord]:
         DuplicateIdentityError: another process runs this PeerID.
     """
     v, h, run = geomesh_p2p.__version__, node.config_hash, node.run_cfg.run_id
-    recs = await live_peers(started(node.dht), run, expected_version=v, expected_config_hash=h, include_leaving=True)
+    shards = node.run_cfg.record_shards
+    recs = await live_peers(
+        started(node.dht), run, expected_version=v, expected_config_hash=h, include_leaving=True, shards=shards
+    )
     await watch_identity(node, recs)
     return recs
 
@@ -192,6 +197,7 @@ async def records_of(node: PeerNode, peer_ids: Collection[str], *, sampled: bool
             include_leaving=True,
             only=others,
             quorum=SAMPLED_READ_QUORUM if sampled else None,
+            shards=node.run_cfg.record_shards,
         )
     out = node.admission.filter(recs)
     if node.me in peer_ids:
@@ -285,7 +291,8 @@ async def check_swarm(node: PeerNode, mine: Optional[PeerRecord] = None) -> None
     """
 
     mine = mine or node.my_record()
-    others = [r for r in await live_peers(started(node.dht), node.run_cfg.run_id) if r.peer_id != node.me]
+    found = await live_peers(started(node.dht), node.run_cfg.run_id, shards=node.run_cfg.record_shards)
+    others = [r for r in found if r.peer_id != node.me]
     if not others or any(check_compatible(mine, r) is None for r in others):
         return
     other = others[0]

@@ -424,7 +424,9 @@ class PeerNode:
 
         # follows the sync window (issue 25); --window-s auto: its shortest, AUTO_WINDOW_MIN_S, until rounds ran
         ttl_s = record_ttl_s(c.announce_period_s, self.run_cfg.window_s or AUTO_WINDOW_MIN_S)
-        self.announcer = PeerAnnouncer(self.dht, self.my_record, period_s=c.announce_period_s, ttl_s=ttl_s)
+        self.announcer = PeerAnnouncer(
+            self.dht, self.my_record, period_s=c.announce_period_s, ttl_s=ttl_s, shards=self.run_cfg.record_shards
+        )
         self.announcer.live = ProgressWatchdog.for_node(self).problem  # liveness is progress (issue 29 #5)
         self.plans = PlanStore(self.dht, self.identity, self.run_cfg.run_id)
         # Off the event loop: tokenizing and profiling take seconds, and the DHT must keep answering.
@@ -590,6 +592,7 @@ class PeerNode:
             checkpointing=bool(self.cfg.checkpoint_dir),
             exchanges_gradient=self.method_rule.exchanges_gradient,
             eager=self.run_cfg.eager,
+            record_shards=self.run_cfg.record_shards,
         )
         transport = self.transport
 

@@ -85,6 +85,8 @@ class DriverConfig:
     plan_timeout_s: float = _node_default("plan_timeout_s")
     full_view_peers: int = _node_default("full_view_peers")  # light followers: docs/round.md "Light followers"
     light_sample: int = _node_default("light_sample")
+    #: the run's ``record_shards`` (RunConfig): a light follower samples the participants of one shard at a time
+    record_shards: int = 1
     digest_wait_s: float = 2.0
     rounds: Optional[int] = _node_default("rounds")
     target_ppl: Optional[float] = _node_default("target_ppl")

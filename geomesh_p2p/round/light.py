@@ -42,6 +42,7 @@ from geomesh_p2p.round.context import Phase, RoundContext
 from geomesh_p2p.round.eager import drop_speculative
 from geomesh_p2p.round.planning import discard_early, may_start_early, wait_out
 from geomesh_p2p.round.steps import inner_steps
+from geomesh_p2p.schema.shards import record_shard
 from geomesh_p2p.telemetry import events
 
 if TYPE_CHECKING:
@@ -73,14 +74,32 @@ def is_light(drv: RoundDriver) -> bool:
 MAX_SAMPLE = 64
 
 
-def plan_sample(plan: RoundPlan, me: str, k: int, needed: Sequence[str] = ()) -> list[str]:
+def draw_in_shards(peers: Sequence[str], k: int, shards: int) -> list[str]:
+    """``k`` of ``peers`` (all when fewer) drawn at random. With ``shards`` > 1 (the run's ``record_shards``) they are
+    drawn a shard at a time: a peer drawn at random picks the shard, then others of that shard, and only when it
+    holds fewer than ``k`` another shard: a sampled read then asks one or two shard keys, not up to ``k`` of them
+    (each a lookup). Every peer is still equally likely to be drawn first, and the choice is this follower's own
+    (a leader cannot know which shard is checked)."""
+    if shards <= 1:
+        return _draw.sample(list(peers), min(len(peers), k))
+    left, out = list(peers), list[str]()
+    while left and len(out) < k:
+        shard = record_shard(_draw.choice(left), shards)
+        same = [p for p in left if record_shard(p, shards) == shard]
+        out += _draw.sample(same, min(len(same), k - len(out)))
+        left = [p for p in left if record_shard(p, shards) != shard]
+    return out
+
+
+def plan_sample(plan: RoundPlan, me: str, k: int, needed: Sequence[str] = (), shards: int = 1) -> list[str]:
     """The participants whose records a light follower reads to check ``plan``: its leader, every one of
     ``needed`` (whose assignment the plan alone cannot check, :func:`geomesh_p2p.plan.planner.records_needed`),
-    and others drawn at random up to ``k`` in all. This peer is in it only when needed (its own record is its
-    current one, not read: the plan's lie may be about this peer)."""
+    and others drawn at random up to ``k`` in all (by :func:`draw_in_shards` with the run's ``shards``). This peer
+    is in it only when needed (its own record is its current one, not read: the plan's lie may be about this
+    peer)."""
     first = list(dict.fromkeys([*([plan.leader] if plan.leader != me else []), *needed]))
     others = [p for p in plan.participants() if p != me and p not in first]
-    return first + _draw.sample(others, min(len(others), max(0, k - len(first))))
+    return first + draw_in_shards(others, max(0, k - len(first)), shards)
 
 
 async def agree(drv: RoundDriver, ctx: RoundContext) -> Optional[bool]:
@@ -175,7 +194,7 @@ async def check_sample(drv: RoundDriver, plan: RoundPlan) -> Optional[str]:
     needed = drv.policy.records_needed(plan)
     if len(needed) >= MAX_SAMPLE:
         return f"{len(needed)} participants' assignments need their records checked: more than one read holds"
-    sample = plan_sample(plan, drv.me, drv.cfg.light_sample, needed)
+    sample = plan_sample(plan, drv.me, drv.cfg.light_sample, needed, drv.cfg.record_shards)
     try:
         recs = await drv.membership.records_of(sample)
     except Exception as e:  # a failed read: the full path decides
@@ -211,7 +230,7 @@ async def digest_sample(drv: RoundDriver, r: int, participants: Sequence[str]) -
     backoff until all did or ``digest_wait_s``). Only ``round`` and ``weights_digest`` of each vote are read
     (:func:`~geomesh_p2p.plan.agree.digest_majority`)."""
     others = [p for p in participants if p != drv.me]
-    sample = _draw.sample(others, min(len(others), drv.cfg.light_sample))
+    sample = draw_in_shards(others, drv.cfg.light_sample, drv.cfg.record_shards)
     deadline = drv.clock.monotonic() + drv.cfg.digest_wait_s
     backoff = drv.backoff()
     recs: list = []

@@ -238,6 +238,7 @@ def _state(
 class SwarmWatcher:
     """Reads a run's records through ``node`` (:meth:`refresh`, or :meth:`start` to poll every
     ``poll_s`` seconds) and serves the last view as JSON bytes (:meth:`swarm_json`, :meth:`rounds_json`).
+    ``shards``: the run's ``record_shards`` (the keys its records live under, :mod:`geomesh_p2p.schema.shards`).
     """
 
     def __init__(
@@ -249,8 +250,10 @@ class SwarmWatcher:
         allow=None,
         self_id: Optional[str] = None,
         pow_floor: int = 0,
+        shards: int = 1,
     ):
         self.node = node
+        self.shards = shards  # the run's record_shards: the keys its records are read from
         self.run_id = run_id or node.run_id
         self.poll_s = poll_s
         self.allow = allow  # private run: callable(PeerID) -> bool, as admission.Admission takes
@@ -314,7 +317,7 @@ class SwarmWatcher:
     async def refresh(self) -> Dict[str, Any]:
         """Read the records now and rebuild both views. Returns the swarm view."""
         now = swarm_time()
-        recs = await live_peers(self.node, self.run_id, include_leaving=True)
+        recs = await live_peers(self.node, self.run_id, include_leaving=True, shards=self.shards)
         if self.self_id is not None:
             recs = [r for r in recs if r.peer_id != self.self_id]
         peers, ignored = self._admitted(recs)
