@@ -63,6 +63,7 @@ from geomesh_p2p.net.methods import DHT_FIND, DHT_STORE  # noqa: E402
 from geomesh_p2p.net.transport import Transport  # noqa: E402
 from geomesh_p2p.net.transport_config import TransportConfig  # noqa: E402
 from geomesh_p2p.plan.agree import PlanStore, plan_key  # noqa: E402
+from geomesh_p2p.round.light import draw_in_shards  # noqa: E402
 from geomesh_p2p.plan.awb import plan_round  # noqa: E402
 from geomesh_p2p.plan.schema import PlanConfig, RoundPlan  # noqa: E402
 from geomesh_p2p.plan.wire import split_plan  # noqa: E402
@@ -152,6 +153,8 @@ class WhatIf:
     #: holders a light follower's sampled read waits for (built in session 18: ``SAMPLED_READ_QUORUM`` = 2;
     #: the node's read quorum, 5, before)
     sampled_quorum: int = SAMPLED_READ_QUORUM
+    #: the run's ``record_shards`` (built in session 19, default 1): records spread over this many keys
+    record_shards: int = 1
 
 
 def sim_row(
@@ -223,6 +226,18 @@ def sim_row(
         if what_if.two_phase:  # an index of the held records from the quorum, then each record once
             read_b = read_rpcs * find_req + asked * (nodes_rep + held * 60) + hops * nodes_rep
             read_b += (find_rep - nodes_rep) + held * 48
+    # Record shards (session 19): a full read asks each of the S keys, each holding ~n/S records
+    shards = what_if.record_shards if model == "rounds" else 1
+    held_s = math.ceil(held / shards)
+    full_read_rpcs, full_read_b = read_rpcs, read_b
+    if shards > 1:
+        res_s = dht_pb2.FindResult(key=b"k" * 20, records=signed[:held_s], nearest=[info] * K)
+        find_rep_s = _env_bytes(me, dht_pb2.FindResponse(results=[res_s]).SerializeToString(), DHT_FIND + "+resp")
+        full_read_rpcs = shards * read_rpcs
+        full_read_b = shards * (read_rpcs * find_req + asked * find_rep_s + hops * nodes_rep)
+    # a light follower's sampled reads: the plan's check (its leader's shard, and one drawn: a second key unless the
+    # same) and the digest's (one shard)
+    s_reads = 2.0 if shards == 1 else 2.0 + (shards - 1) / shards
     # a chunked plan's chunks (plan/wire.py, past ~750 participants): each read once per round (PlanReader
     # caches the assembled plan), from the first holder of the leader's subkey (dht/chunked.py: every copy is
     # the same owner-signed bytes), after the lookup's hops
@@ -233,10 +248,10 @@ def sim_row(
         if chunk_rpcs
         else 0
     )
-    full_rpcs = announces * (share * lookup + replicas) + reads * read_rpcs + read_rpcs + chunk_rpcs
+    full_rpcs = announces * (share * lookup + replicas) + reads * full_read_rpcs + read_rpcs + chunk_rpcs
     full_made = (
         announces * (share * store_look_b + replicas * (store_req + store_rep))
-        + reads * read_b
+        + reads * full_read_b
         + read_rpcs * (find_req + plan_rep)
         + chunk_b
     )
@@ -245,24 +260,24 @@ def sim_row(
     if n_full < n:
         # a light follower: the same announcements and plan read, and 2 subkey reads of `sample` records
         # (FindRequest.subkeys: each holder answers with those records only) instead of `reads` full reads
-        s_res = dht_pb2.FindResult(key=b"k" * 20, records=signed[: min(sample, held)], nearest=[info] * K)
+        s_res = dht_pb2.FindResult(key=b"k" * 20, records=signed[: min(sample, held_s)], nearest=[info] * K)
         s_rep = _env_bytes(me, dht_pb2.FindResponse(results=[s_res]).SerializeToString(), DHT_FIND + "+resp")
         s_req = find_req + sample * 48  # the subkeys asked: a base58 PeerID each
         hops = lookup - holders
         asked = min(holders, what_if.sampled_quorum + ALPHA - 1)
         s_rpcs = hops + asked
         s_read_b = s_rpcs * s_req + asked * s_rep + hops * nodes_rep
-        light_rpcs = announces * (share * lookup + replicas) + 2 * s_rpcs + read_rpcs + chunk_rpcs
+        light_rpcs = announces * (share * lookup + replicas) + s_reads * s_rpcs + read_rpcs + chunk_rpcs
         light_made = (
             announces * (share * store_look_b + replicas * (store_req + store_rep))
-            + 2 * s_read_b
+            + s_reads * s_read_b
             + read_rpcs * (find_req + plan_rep)
             + chunk_b
         )
     # where a peer's bytes go (sent + received, x 2 as dht_b): its announcements, its reads of the records, the plan
     announce_b = announces * (share * store_look_b + replicas * (store_req + store_rep))
     plan_read_b = read_rpcs * (find_req + plan_rep) + chunk_b
-    full_parts = {"announce": 2 * announce_b, "records": 2 * reads * read_b, "plan": 2 * plan_read_b}
+    full_parts = {"announce": 2 * announce_b, "records": 2 * reads * full_read_b, "plan": 2 * plan_read_b}
     light_parts = (
         {"announce": 2 * announce_b, "records": 2 * (light_made - announce_b - plan_read_b), "plan": 2 * plan_read_b}
         if n_full < n
@@ -285,10 +300,14 @@ def sim_row(
     # the other peers' reads: full-view peers make `reads` full reads, light followers 2 sampled ones
     others = n - 1
     full_others = min(n_full, others)
+    # With S shards (others > k: the S keys' nearest nodes are S sets) a holder of one shard is reached by the
+    # stores of its ~others/S writers, every full read (each asks every shard) and 1/S of the sampled reads.
+    spread = shards if others > K else 1
     busiest = (
-        others * (announces * (share + 1) + (1 if others <= K else 0))
+        math.ceil(others / spread) * announces * (share + 1)
+        + (others if others <= K else 0)
         + full_others * reads
-        + (others - full_others) * 2
+        + (others - full_others) * s_reads / spread
     )
     return {
         "tier": "sim",
@@ -310,6 +329,7 @@ def sim_row(
         "exchange_bytes": x_b,
         "exchange_rpcs": 2 * (n - 1),
         "busiest_served": busiest,
+        "record_shards": shards,
         "full_view_peers": n_full,
         "dht_bytes_full_peer": 2 * full_made,
         "dht_bytes_light_peer": 2 * light_made if n_full < n else None,
@@ -334,13 +354,16 @@ async def inproc_row(
     sample: int = SAMPLE,
     announces_per_round: int = ANNOUNCES_PER_ROUND,
     sampled_quorum: int = SAMPLED_READ_QUORUM,
+    shards: int = 1,
 ) -> dict[str, Any]:
     """Tier 2 at ``n`` in-process DHT nodes (the DHT's defaults: peer records on 8 nodes, store targets reused 4
     times); each measured round: every node announces ``announces_per_round`` times (1: a record is stored once a
     round since session 16; ``round_s / ANNOUNCE_PERIOD_S`` before); the first ``full_view`` nodes read the records ``reads`` times
     (live_peers, latest), the others (light followers, ``full_view`` > 0) read ``sample`` records twice
     (live_peers with ``only``: the plan's check and the digest's); the leader (node 0) stores the real plan of
-    the n records and every follower reads it once. ``full_view`` 0: every node reads every record."""
+    the n records and every follower reads it once. ``full_view`` 0: every node reads every record. ``shards``: the
+    run's ``record_shards`` (records under that many keys; a light follower's plan check reads the leader's record
+    and others drawn a shard at a time, its digest check others drawn so: ``round.light.draw_in_shards``)."""
     ids, recs = make_records(n, seed=n)
     rnd = random.Random(n)
     nodes: list[DHTNode] = []
@@ -353,7 +376,8 @@ async def inproc_row(
         nodes.append(node)
     build_s = time.perf_counter() - t0
     announcers = [
-        PeerAnnouncer(node, rec, period_s=ANNOUNCE_PERIOD_S, ttl_s=3600.0) for node, rec in zip(nodes, recs)
+        PeerAnnouncer(node, rec, period_s=ANNOUNCE_PERIOD_S, ttl_s=3600.0, shards=shards)
+        for node, rec in zip(nodes, recs)
     ]  # a long lifetime: the benchmark's rounds run faster or slower than real time, records must not lapse
     stores = [PlanStore(node, ident, RUN) for node, ident in zip(nodes, ids)]
     plan = make_plan(recs, round=0)
@@ -366,13 +390,17 @@ async def inproc_row(
         for _ in range(announces):
             await announcers[i].announce_once()
         if full_view and i >= full_view:
-            for _ in range(2):
-                picked = [recs[0].peer_id] + rnd.sample([x.peer_id for x in recs[1:] if x is not recs[i]], sample - 1)
-                got = await live_peers(nodes[i], RUN, latest=True, only=picked, quorum=sampled_quorum)
+            others = [x.peer_id for x in recs[1:] if x is not recs[i]]
+            # the plan's check (its leader, node 0, and others), then the digest's (others only), as round/light.py
+            for picked in (
+                [recs[0].peer_id, *draw_in_shards(others, sample - 1, shards)],
+                draw_in_shards(others, sample, shards),
+            ):
+                got = await live_peers(nodes[i], RUN, latest=True, only=picked, quorum=sampled_quorum, shards=shards)
                 sampled.append(len(got) == len(picked))
             return await plan_read(i, r, published)
         for _ in range(reads):
-            seen.append(len(await live_peers(nodes[i], RUN, latest=True)))
+            seen.append(len(await live_peers(nodes[i], RUN, latest=True, shards=shards)))
         await plan_read(i, r, published)
 
     async def plan_read(i: int, r: int, published: asyncio.Event) -> None:
@@ -399,6 +427,7 @@ async def inproc_row(
     return {
         "tier": "inproc",
         "n": n,
+        "record_shards": shards,
         "rounds": rounds,
         "announces_per_round": announces,
         "store_lookups": (lookups1 - lookups0) / n / rounds,
@@ -539,7 +568,8 @@ def table(rows: list[dict]) -> str:
         if "digests_equal" in r:
             dig = "equal" if r["digests_equal"] else f"{r['digests_per_round']} in a round"
         out.append(
-            f"| {r['tier']} | {r['n']} | {_kb(r.get('dht_bytes'))} | {_n(r.get('dht_rpcs'))} | {ratio} | "
+            f"| {r['tier']}{' S=' + str(r['record_shards']) if r.get('record_shards', 1) > 1 else ''} | {r['n']} | "
+            f"{_kb(r.get('dht_bytes'))} | {_n(r.get('dht_rpcs'))} | {ratio} | "
             f"{_kb(r.get('exchange_bytes'))} | {_n(r.get('exchange_rpcs'))} | {_n(r.get('busiest_served'))} | "
             f"{plan} | {_n(r.get('overhead_s'), '{:.1f}')} | {dig} | "
             f"{_kb(r.get('dht_bytes_full_peer'))} / {_kb(r.get('dht_bytes_light_peer'))} |"
@@ -616,6 +646,12 @@ def main(argv=None) -> int:
         help=f"sim, inproc: holders a light follower's sampled read waits for (default: {SAMPLED_READ_QUORUM}, "
         f"joining.SAMPLED_READ_QUORUM, for --dht-model rounds; {READ_QUORUM} else: the rule before session 18)",
     )
+    ap.add_argument(
+        "--record-shards",
+        default="1",
+        help="sim ('rounds' model), inproc: the run's record_shards, a comma list measured side by side, e.g. 1,16 "
+        "(default: %(default)s)",
+    )
     ap.add_argument("--quick", action="store_true", help="sim tier + inproc at 8, 16, one round (< 1 min)")
     ap.add_argument("--json", default=None, help="also write every row here")
     args = ap.parse_args(argv)
@@ -629,8 +665,9 @@ def main(argv=None) -> int:
         ap.error(f"unknown tier(s) {sorted(unknown)}")
     rows: list[dict] = []
     print(f"machine: {os.cpu_count()} cpus, load {os.getloadavg()[0]:.2f}; reads {args.reads}, round {args.round_s} s")
+    shard_counts = _sizes(args.record_shards)
     if "sim" in tiers:
-        for n in _sizes(args.sim_n):
+        for n, shards in ((n, x) for n in _sizes(args.sim_n) for x in shard_counts):
             built = args.dht_model == "rounds"
             what_if = WhatIf(
                 args.record_replicas if args.record_replicas is not None else (PEER_RECORD_REPLICAS if built else K),
@@ -641,6 +678,7 @@ def main(argv=None) -> int:
                 args.sampled_quorum
                 if args.sampled_quorum is not None
                 else (SAMPLED_READ_QUORUM if built else READ_QUORUM),
+                shards,
             )
             rows.append(
                 sim_row(
@@ -656,7 +694,7 @@ def main(argv=None) -> int:
             )
             print(json.dumps(rows[-1]), flush=True)
     if "inproc" in tiers:
-        for n in _sizes(args.inproc_n):
+        for n, shards in ((n, x) for n in _sizes(args.inproc_n) for x in shard_counts):
             rows.append(
                 asyncio.run(
                     inproc_row(
@@ -669,6 +707,7 @@ def main(argv=None) -> int:
                         args.light_sample,
                         int(args.announces_per_round or ANNOUNCES_PER_ROUND),
                         args.sampled_quorum or SAMPLED_READ_QUORUM,
+                        shards,
                     )
                 )
             )
