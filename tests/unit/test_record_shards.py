@@ -67,3 +67,20 @@ def test_a_light_followers_sample_is_drawn_a_shard_at_a_time():
         assert sum(touched[s] < members[s] for s in touched) <= 1, (touched, members)
     assert sorted(draw_in_shards(peers[:5], 8, 4)) == sorted(peers[:5])  # fewer than k: all of them
     assert len(set(draw_in_shards(peers, 8, 1))) == 8
+
+
+def test_the_clis_refuse_a_shard_count_that_is_no_power_of_two_in_one_line(capsys):
+    from bootstrap.cli import _check, parse as boot_parse
+    from peer.cli import main
+
+    assert _check(boot_parse(["--record-shards", "16"])) is None
+    with pytest.raises(SystemExit) as ei:
+        boot_parse(["--record-shards", "6"])
+    assert ei.value.code == 2
+    assert "--record-shards 6: must be a power of two from 1 to 256, not 6" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as ei:
+        main(["status", "--bootstrap", "127.0.0.1:1", "--record-shards", "3"])
+    assert ei.value.code == 2
+    assert "argument --record-shards: must be a power of two from 1 to 256, not 3" in capsys.readouterr().err
+    assert main(["join", "--record-shards", "12", "--pow-bits", "0"]) == 2
+    assert "record_shards must be a power of two from 1 to 256, not 12" in capsys.readouterr().err
