@@ -23,7 +23,7 @@ from pydantic import ValidationError
 from geomesh_p2p.util.aio import cancel_and_wait, wait_event
 from geomesh_p2p.dht.node import DHTNode
 from geomesh_p2p.dht.records import DEFAULT_LIMITS
-from geomesh_p2p.schema.shards import record_shard, records_key, shards_of
+from geomesh_p2p.schema.shards import check_shards, record_shard, records_key, shards_of
 from geomesh_p2p.net.identity import Identity
 from geomesh_p2p.telemetry.logonce import LogOnce
 from geomesh_p2p.schema.peer import PeerRecord
@@ -288,7 +288,11 @@ class PeerAnnouncer:
         self.identity = identity or node.identity
         self.run_id = run_id or node.run_id
         #: the key this peer's record lives under: ``<run>/peers``, or its shard's (the run's ``record_shards``)
-        self.key = records_key(self.run_id, record_shard(self.identity.peer_id.to_string(), shards), shards)
+        self.key = (
+            peers_key(self.run_id)
+            if check_shards(shards) == 1
+            else records_key(self.run_id, record_shard(self.identity.peer_id.to_string(), shards), shards)
+        )
         self.period_s = period_s
         self.ttl_s = ttl_s if ttl_s is not None else 3 * period_s
         self._source = record

@@ -65,7 +65,7 @@ async def test_records_of_reads_the_sampled_quorum_unless_told_otherwise(sampled
         me="me",
         dht=dht,
         config_hash="h",
-        run_cfg=SimpleNamespace(run_id=RUN),
+        run_cfg=SimpleNamespace(run_id=RUN, record_shards=1),
         admission=SimpleNamespace(filter=list),
         my_record=lambda: None,
     )
