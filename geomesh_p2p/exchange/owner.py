@@ -108,6 +108,9 @@ class _RoundState:
     # pull, or a sender's copy), at most INPUT_SERVES_PER_CALLER x the inputs: a repeated pull is a retry, not a
     # loop that turns this node's upload into someone's amplifier
     served_inputs: dict[tuple[str, int, bool], int] = field(default_factory=dict)
+    # (caller, part) -> whole results of that part served to that caller this round (PullPart, the owner's or a
+    # cached copy): at most RESULT_SERVES_PER_CALLER, the same rule for results as served_inputs for inputs
+    served_results: dict[tuple[str, int], int] = field(default_factory=dict)
 
 
 class _TooFarAhead(EnvelopeError):
@@ -120,6 +123,14 @@ class _TooFarAhead(EnvelopeError):
 #: validation it needs (1) and one retry of it (a reply lost to a timeout). Beyond: refused (PERMISSION_DENIED,
 #: not retried by an honest validator), so a peer cannot pull the same inputs in a loop.
 INPUT_SERVES_PER_CALLER = 2
+
+#: Whole results of one part a node serves one caller in one round (``PullPart``, as owner or from its cache): the
+#: pull every participant makes and two retries of it (a reply lost to a timeout after it was sent). A relay result
+#: carries every contribution of the part, ~P/8 bytes at N peers, so an unbounded re-pull was a ~P/8-per-call
+#: amplifier on this node's upload (the flood kind ``INPUT_SERVES_PER_CALLER`` closed for inputs). Beyond it:
+#: PERMISSION_DENIED, which the puller does not retry. "Not ready" answers and the equivocation check's hash
+#: answer (``same``) send no result and do not count.
+RESULT_SERVES_PER_CALLER = 3
 
 
 def _charge_inputs(state: "_RoundState", caller: str, part: int, from_sender: bool, size: int, whole: int) -> None:
@@ -585,6 +596,14 @@ class OwnerService:
                 signed = part.result()
                 part.pulled_by.add(caller)
                 self._pulled.set()
+            served = state.served_results.get((caller, req.part), 0)
+            if served >= RESULT_SERVES_PER_CALLER:
+                raise EnvelopeError(
+                    Code.PERMISSION_DENIED,
+                    f"the result of part {req.part} of round {spec.round} was served to this caller "
+                    f"{RESULT_SERVES_PER_CALLER} times already",
+                )
+            state.served_results[(caller, req.part)] = served + 1
             head = collective_pb2.PullPartResponse(
                 round=req.round, part=req.part, ready=True, held_s=time.monotonic() - t0
             ).SerializeToString()

@@ -472,3 +472,36 @@ async def test_a_caller_is_served_a_parts_inputs_twice_a_round_not_in_a_loop(swa
     other = sw.services[2] if sw.pids[2] != spec.owners[j].peer_id else sw.services[3]
     got, why = await audit._pull_inputs(other, spec, j, deadline)
     assert why == "" and len(got) == 4
+
+
+@pytest.mark.parametrize("mode", ["relay", "accountable"])
+async def test_a_caller_is_served_a_parts_result_three_times_a_round_not_in_a_loop(swarms, mode):
+    """PullPart serves one caller a part's whole result at most RESULT_SERVES_PER_CALLER (3) times a round: the
+    round's own pull and two retries. A relay result carries every contribution of the part (~P/8 bytes at N
+    peers), so a loop of pulls made the owner's upload an amplifier; the fourth is refused with the reason
+    (PERMISSION_DENIED, not retried by the puller), and another caller's budget is its own."""
+    from geomesh_p2p.exchange.owner import RESULT_SERVES_PER_CALLER
+
+    sw = await swarms(4)
+    deltas = _honest_deltas(sw.pids, NUMEL, seed=3)
+    spec = sw.spec(NUMEL, mode=mode, deadline_s=3.0, **ROBUST)
+    res = await asyncio.gather(*[s.all_reduce(spec, deltas[p], 100) for s, p in zip(sw.services, sw.pids)])
+    assert all(r.missing_parts == [] for r in res)
+    v = sw.services[0]
+    j = next(j for j, o in enumerate(spec.owners) if o.peer_id != sw.pids[0])
+    owner = spec.owners[j]
+    req = collective_pb2.PullPartRequest(round=spec.round, part=j, wait_s=0.0, spec_id=spec.spec_id)
+
+    async def pull(service) -> collective_pb2.PullPartResponse:
+        reply = await service.transport.call(owner.address, COLLECTIVE_PULL, req.SerializeToString(), round=spec.round)
+        return collective_pb2.PullPartResponse.FromString(reply.payload)
+
+    assert RESULT_SERVES_PER_CALLER == 3
+    retries = [await pull(v) for _ in range(2)]  # the round's own pull was the first
+    assert all(r.ready for r in retries) and retries[0].signed_result == retries[1].signed_result != b""
+    with pytest.raises(RpcError) as ei:
+        await pull(v)
+    assert ei.value.code == grpc.StatusCode.PERMISSION_DENIED
+    assert f"the result of part {j} of round {spec.round} was served to this caller 3 times already" in ei.value.reason
+    other = next(s for s, p in zip(sw.services[1:], sw.pids[1:]) if p != owner.peer_id)
+    assert (await pull(other)).ready
