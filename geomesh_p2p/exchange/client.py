@@ -27,7 +27,7 @@ from geomesh_p2p.exchange import codec as compression
 from geomesh_p2p.telemetry import events
 from geomesh_p2p.exchange.codec._format import all_finite
 from geomesh_p2p.util.aio import wait_event
-from geomesh_p2p.exchange import accountable, audit, messages
+from geomesh_p2p.exchange import accountable, audit, messages, own_entry
 from geomesh_p2p.exchange import frames as wire
 from geomesh_p2p.exchange.witness import receipt_problem
 from geomesh_p2p.exchange.commitment import contribution_digest
@@ -127,6 +127,10 @@ class CollectiveService(OwnerService):
     Create it before ``await transport.start()`` (it registers its handlers); ``await close()`` on shutdown.
     """
 
+    #: relay mode: owners are asked to leave this peer's own contribution out of the results they serve it
+    #: (:mod:`.own_entry`; False: the whole results, as before 0.5.1: for side-by-side measurements)
+    omit_own: bool = True
+
     # ----------------------------------------------------------------------------- peer side
     async def all_reduce(
         self,
@@ -199,6 +203,7 @@ class CollectiveService(OwnerService):
         uploads = asyncio.Semaphore(self.max_concurrent_pushes)
         by_part = {j: asyncio.ensure_future(self._deliver(state, j, delta, int(tokens), uploads)) for j in order}
         pushes = [by_part[j] for j in range(n_parts)]
+        state.push_tasks = by_part
         # The round's one full-size buffer: every part's result is written into its slice.
         aggregate = state.aggregate = zeros
         # At most max_pulls_per_owner pulls (long polls) in flight per owner: an owner of many parts (parts
@@ -215,6 +220,7 @@ class CollectiveService(OwnerService):
             await asyncio.gather(*pushes, *pulls, return_exceptions=True)
             state.aggregate = None  # the result owns it now; the kept round state must not pin it
             state.delta_free = {}
+            state.push_tasks, state.own_pushed = {}, {}  # relay: the own pushes were put back where needed
 
         contributors, missing = {}, []
         packets: dict[str, dict[int, Any]] = {}
@@ -408,6 +414,8 @@ class CollectiveService(OwnerService):
             resp = collective_pb2.PushPartResponse.FromString(reply.payload)
             # The bytes were on the wire before the owner's handler ran: its hold ends the interval early.
             state.transfers.append(("up", len(payload), t_call, t_reply - _held(resp.held_s, t_reply - t_call)))
+            if resp.accepted and spec.mode == "relay" and self.omit_own:
+                state.own_pushed[j] = payload  # put back into its result, which the owner serves without it
             if resp.accepted and spec.mode == "accountable":
                 state.pushed.setdefault(j, payload)  # served to validators whose owner withholds (from_sender)
                 await self._keep_receipt(state, j, payload, resp.receipt)
@@ -613,6 +621,14 @@ class CollectiveService(OwnerService):
         reader got it: a reader whose pulls ran late (an overloaded host) still applies what the others
         applied, instead of ending the round on another state (issue 25, run 8 of docs/scale.md)."""
         await self._before_pull(spec, j)
+        # relay: the own push to j, left out of j's result when asked (own_entry); waited for, so the first pull asks
+        state = self._rounds.get(spec.round)
+        own = None
+        if state is not None and spec.mode == "relay":
+            push = state.push_tasks.get(j)
+            if push is not None:
+                await asyncio.wait({push})
+            own = state.own_pushed.get(j)
         owner = spec.owners[j]
         helpers = [
             o.address
@@ -637,14 +653,16 @@ class CollectiveService(OwnerService):
                 )
                 return None
             wait_s = 0.0 if past else max(0.0, min(self.long_poll_s, spec.pull_deadline - now - 0.25))
-            req = collective_pb2.PullPartRequest(round=spec.round, part=j, wait_s=wait_s, spec_id=spec.spec_id)
+            req = collective_pb2.PullPartRequest(
+                round=spec.round, part=j, wait_s=wait_s, spec_id=spec.spec_id, omit_caller=own is not None
+            )
             try:
                 t_call = time.monotonic()
                 reply = await self.transport.call(
                     owner.address, COLLECTIVE_PULL, req.SerializeToString(), round=spec.round, timeout=remaining
                 )
                 t_reply = time.monotonic()
-                resp = await _parse_pull(reply.payload)
+                resp = await messages.parse_pull(reply.payload)
                 if resp.ready:
                     # The long poll comes first, the result's bytes after it: the hold starts the interval late.
                     state = self._rounds.get(spec.round)
@@ -652,7 +670,13 @@ class CollectiveService(OwnerService):
                         state.transfers.append(
                             ("down", len(reply.payload), t_call + _held(resp.held_s, t_reply - t_call), t_reply)
                         )
-                    return resp.signed_result
+                    if own is None:
+                        return resp.signed_result
+                    try:
+                        return await own_entry.restore(resp.signed_result, messages.push_request_contribution(own))
+                    except EnvelopeError as e:  # not restorable: read as served, refused as tampered (the reason)
+                        log.warning("round %d: part %d: %s", spec.round, j, e.reason)
+                        return resp.signed_result
                 if past:
                     # no result at the owner after the deadline: one it signs later is left out by every peer
                     log.warning(
@@ -685,8 +709,8 @@ class CollectiveService(OwnerService):
                     reply = await self.transport.call(
                         h, COLLECTIVE_PULL, req.SerializeToString(), round=spec.round, timeout=min(1.0, left)
                     )
-                    resp = await _parse_pull(reply.payload)
-                    if resp.ready:
+                    resp = await messages.parse_pull(reply.payload)
+                    if resp.ready:  # a helper's copy is whole (only the owner leaves the caller's entry out)
                         log.info(
                             "round %d: part %d obtained from %s (owner unreachable)",
                             spec.round,
@@ -757,27 +781,6 @@ def _cpu_fp32_finite(delta: torch.Tensor) -> torch.Tensor:
     if not all_finite(delta):
         raise compression.CodecError("delta contains NaN or Inf; refusing to contribute")
     return delta
-
-
-class _PullReply:
-    """A PullPartResponse read without copying its result: the small fields parsed by protobuf,
-    ``signed_result`` a memoryview of the reply's payload."""
-
-    __slots__ = ("ready", "held_s", "signed_result")
-
-    def __init__(self, payload) -> None:
-        spans = wire.scan(payload)
-        small = collective_pb2.PullPartResponse.FromString(wire.small_fields(payload, spans, (4,)))
-        self.ready, self.held_s = small.ready, small.held_s
-        self.signed_result = wire.one_bytes_field(payload, spans, 4, "PullPartResponse")
-
-
-async def _parse_pull(payload) -> _PullReply:
-    """A PullPartResponse (:class:`_PullReply`). Raises DecodeError when malformed."""
-    try:
-        return _PullReply(payload)
-    except wire.WireError as e:
-        raise DecodeError(str(e)) from None
 
 
 def _signed_at(signed: wire.Buffer) -> float:

@@ -49,6 +49,8 @@ __all__ = [
     "check_contribution",
     "build_result",
     "read_result",
+    "PullReply",
+    "parse_pull",
 ]
 
 log = logging.getLogger(__name__)
@@ -493,3 +495,24 @@ def _read_accountable(
         )
     end = float(res.last_compute_end) if math.isfinite(res.last_compute_end) else 0.0
     return agg, listed, end, {}
+
+
+class PullReply:
+    """A PullPartResponse read without copying its result: the small fields parsed by protobuf,
+    ``signed_result`` a memoryview of the reply's payload."""
+
+    __slots__ = ("ready", "held_s", "signed_result")
+
+    def __init__(self, payload) -> None:
+        spans = wire.scan(payload)
+        small = collective_pb2.PullPartResponse.FromString(wire.small_fields(payload, spans, (4,)))
+        self.ready, self.held_s = small.ready, small.held_s
+        self.signed_result = wire.one_bytes_field(payload, spans, 4, "PullPartResponse")
+
+
+async def parse_pull(payload) -> PullReply:
+    """A PullPartResponse (:class:`PullReply`). Raises DecodeError when malformed."""
+    try:
+        return PullReply(payload)
+    except wire.WireError as e:
+        raise DecodeError(str(e)) from None

@@ -20,7 +20,7 @@ from google.protobuf.message import DecodeError
 from geomesh_p2p.telemetry import events
 from geomesh_p2p.net.swarm_time import swarm_time
 from geomesh_p2p.util.aio import wait_event
-from geomesh_p2p.exchange import accountable, messages
+from geomesh_p2p.exchange import accountable, messages, own_entry
 from geomesh_p2p.exchange import frames as wire
 from geomesh_p2p.exchange.messages import Contribution
 from geomesh_p2p.exchange.partition import CollectiveSpec, PartOwner, _pid_bytes, _short
@@ -63,6 +63,9 @@ class _OwnedPart:
     #: the task handing it over (the result waits for it, then leaves the own contribution out without one)
     witness_receipt: bytes = b""
     witness_task: Optional[asyncio.Future] = None
+    #: relay mode: the sender of each relayed contribution, in the result's order (a reader that asks is served the
+    #: result without its own entry: :func:`.own_entry.omit_entry`)
+    relay_senders: list = field(default_factory=list)
 
     def result(self) -> bytes:
         """The signed result (envelope bytes), once ``ready`` is set (it is set only after the result is built).
@@ -111,6 +114,11 @@ class _RoundState:
     # (caller, part) -> whole results of that part served to that caller this round (PullPart, the owner's or a
     # cached copy): at most RESULT_SERVES_PER_CALLER, the same rule for results as served_inputs for inputs
     served_results: dict[tuple[str, int], int] = field(default_factory=dict)
+    # relay mode: part -> this node's accepted PushPartRequest bytes to that part's owner, whose result it is served
+    # without them (PullPartRequest.omit_caller) and puts them back into; dropped when the round's all-reduce ends
+    own_pushed: dict[int, bytes] = field(default_factory=dict)
+    # part -> the task pushing this node's contribution to it (set by all_reduce for its duration)
+    push_tasks: dict[int, Any] = field(default_factory=dict)
 
 
 class _TooFarAhead(EnvelopeError):
@@ -543,6 +551,8 @@ class OwnerService:
             if spec.mode == "accountable":
                 part.inputs = [c.signed for c in contributions]  # what the result commits to, for validators
                 part.input_senders = [c.sender for c in contributions]
+            elif spec.mode == "relay":
+                part.relay_senders = [c.sender for c in contributions]
             part.signed_result = await asyncio.to_thread(self._build_result, spec, part, contributions)
             part.ready.set()
         except asyncio.CancelledError:
@@ -580,6 +590,7 @@ class OwnerService:
             if caller not in spec.participants and all(o.peer_id != caller for o in spec.owners):
                 raise EnvelopeError(Code.PERMISSION_DENIED, f"{_short(caller)} is not in round {spec.round}")
             part = state.parts.get(req.part)
+            omitted: Optional[list] = None
             if part is None:
                 cached = state.cache.get(req.part)
                 if cached is None:
@@ -596,6 +607,9 @@ class OwnerService:
                 signed = part.result()
                 part.pulled_by.add(caller)
                 self._pulled.set()
+                if req.omit_caller and caller in part.relay_senders:
+                    # relay: the caller holds its own signed push; it puts it back (own_entry.restore_entry)
+                    omitted = own_entry.omit_entry(signed, part.relay_senders.index(caller))
             served = state.served_results.get((caller, req.part), 0)
             if served >= RESULT_SERVES_PER_CALLER:
                 raise EnvelopeError(
@@ -607,7 +621,7 @@ class OwnerService:
             head = collective_pb2.PullPartResponse(
                 round=req.round, part=req.part, ready=True, held_s=time.monotonic() - t0
             ).SerializeToString()
-            parts = [head, *wire.bytes_field(4, [signed])]
+            parts = [head, *wire.bytes_field(4, omitted if omitted is not None else [signed])]
             # a whole part's result is copied into the reply (once): off the event loop when large
             return await asyncio.to_thread(b"".join, parts) if len(signed) > _THREAD_BYTES else b"".join(parts)
         except EnvelopeError as err:

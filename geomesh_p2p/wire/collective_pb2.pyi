@@ -65,18 +65,20 @@ class Receipt(_message.Message):
     def __init__(self, round: _Optional[int] = ..., part: _Optional[int] = ..., spec_id: _Optional[bytes] = ..., sender: _Optional[bytes] = ..., tokens: _Optional[int] = ..., contribution_sha256: _Optional[bytes] = ...) -> None: ...
 
 class PullPartRequest(_message.Message):
-    __slots__ = ("round", "part", "wait_s", "spec_id", "unless_sha256")
+    __slots__ = ("round", "part", "wait_s", "spec_id", "unless_sha256", "omit_caller")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     PART_FIELD_NUMBER: _ClassVar[int]
     WAIT_S_FIELD_NUMBER: _ClassVar[int]
     SPEC_ID_FIELD_NUMBER: _ClassVar[int]
     UNLESS_SHA256_FIELD_NUMBER: _ClassVar[int]
+    OMIT_CALLER_FIELD_NUMBER: _ClassVar[int]
     round: int
     part: int
     wait_s: float
     spec_id: bytes
     unless_sha256: bytes
-    def __init__(self, round: _Optional[int] = ..., part: _Optional[int] = ..., wait_s: _Optional[float] = ..., spec_id: _Optional[bytes] = ..., unless_sha256: _Optional[bytes] = ...) -> None: ...
+    omit_caller: bool
+    def __init__(self, round: _Optional[int] = ..., part: _Optional[int] = ..., wait_s: _Optional[float] = ..., spec_id: _Optional[bytes] = ..., unless_sha256: _Optional[bytes] = ..., omit_caller: _Optional[bool] = ...) -> None: ...
 
 class Contribution(_message.Message):
     __slots__ = ("signed_message",)

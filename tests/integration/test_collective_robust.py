@@ -172,3 +172,37 @@ async def test_abstaining_contributions_do_not_make_a_quorum(swarms):
     assert not res[0].aggregate[o.start : o.end].any()
     assert all((o.start, o.end) in r.idle_ranges() for r in res)
     assert sorted(res[0].contributors[evil_part]) == sorted([(sw.pids[0], 0), (sw.pids[2], 0)])
+
+
+async def test_relay_readers_are_not_sent_their_own_contributions_and_apply_the_same_bits(swarms):
+    """Issue 26: in relay mode an owner serves each reader the part's result without the reader's own signed
+    contribution (``PullPartRequest.omit_caller``), which the reader puts back before the owner's signature is
+    checked. Every reader then holds the owner's signed bytes exactly, the aggregate is bitwise the one of whole
+    results, and each reader receives about the bytes it pushed less."""
+    from geomesh_p2p.net.methods import COLLECTIVE_PULL, COLLECTIVE_PUSH
+
+    numel = 2048 * 256
+    runs = {}
+    for omit in (False, True):
+        sw = await swarms(4)
+        for s in sw.services:
+            s.omit_own = omit
+        deltas = _honest_deltas(sw.pids, numel, seed=5)
+        spec = sw.spec(numel, mode="relay", deadline_s=3.0, **ROBUST)
+        res = await asyncio.gather(*[s.all_reduce(spec, deltas[p], 100) for s, p in zip(sw.services, sw.pids)])
+        assert all(r.missing_parts == [] for r in res)
+        assert all(torch.equal(r.aggregate, res[0].aggregate) for r in res)
+        for j, o in enumerate(spec.owners):  # each reader holds the owner's signed bytes, its own entry put back
+            owner = sw.services[sw.pids.index(o.peer_id)]
+            signed = owner._rounds[spec.round].parts[j].result()
+            readers = [s for s, p in zip(sw.services, sw.pids) if p != o.peer_id]
+            assert all(bytes(s._rounds[spec.round].cache[j]) == signed for s in readers)
+        pulled = [s.transport.stats.by_method.get(COLLECTIVE_PULL, (0, 0))[1] for s in sw.services]
+        pushed = [s.transport.stats.by_method.get(COLLECTIVE_PUSH, (0, 0))[0] for s in sw.services]
+        runs[omit] = (res[0].aggregate.clone(), pulled, pushed)
+    (whole, pulled_whole, _), (omitted, pulled_omitted, pushed) = runs[False], runs[True]
+    assert torch.equal(whole, omitted)  # the same update, bit for bit
+    for i in range(4):
+        # each reader pushed its contributions to 3 other owners and is sent their 3 results without them
+        saved = pulled_whole[i] - pulled_omitted[i]
+        assert 0.9 * pushed[i] <= saved <= pushed[i], (i, saved, pushed[i])  # pushes carry their envelopes too
