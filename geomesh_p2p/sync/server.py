@@ -52,6 +52,11 @@ RETAIN_AFTER_S = 30.0
 MIN_SHARE = 64
 #: (round, caller) entries a state server tracks (least recently served dropped first; review M1).
 MAX_TRACKED_CALLERS = 256
+#: Whole states of one round a donor serves one caller (bytes, in units of the state): a download, a restart of it
+#: and a digest retry. Beyond: PERMISSION_DENIED (the joiner takes its pieces from another donor). A state is ~4P
+#: bytes, so an unbounded loop of downloads by one identity made this donor's upload an amplifier (the kind the
+#: collective's per-caller serve limits close, ``exchange.owner.RESULT_SERVES_PER_CALLER``).
+STATE_SERVES_PER_CALLER = 3
 
 
 class StateServer:
@@ -226,6 +231,13 @@ class StateServer:
             raise EnvelopeError(grpc.StatusCode.OUT_OF_RANGE, f"offset {req.offset} beyond {total} bytes")
         key = (rnd, str(verified.sender))
         end = min(total, req.offset + (req.length or total))
+        with self._mu:
+            served = self._served[key][0] if key in self._served else 0
+        if served + (end - req.offset) > STATE_SERVES_PER_CALLER * total:
+            raise EnvelopeError(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"the state of round {rnd} was served to this caller {STATE_SERVES_PER_CALLER} times already",
+            )
         for off in range(req.offset, end, self.chunk_bytes):
             try:
                 data = await self._read(gs, off, min(end, off + self.chunk_bytes), rnd, dg)

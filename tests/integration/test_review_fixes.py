@@ -102,6 +102,24 @@ async def test_callers_tracked_are_lru_capped(donor, monkeypatch):
     assert srv.tracked() == 3
 
 
+@pytest.mark.timeout(60)
+async def test_a_caller_is_served_a_rounds_state_three_times_not_in_a_loop(donor):
+    """A donor serves one caller at most STATE_SERVES_PER_CALLER (3) whole states of a round (a download, a restart,
+    a digest retry); the request that would pass it is refused with the reason before any byte (PERMISSION_DENIED: the
+    joiner takes its pieces elsewhere), while another caller is served. A state is ~4P bytes: a loop of downloads
+    made the donor's upload an amplifier."""
+    gs, srv, addr, _, client = donor
+    assert state_server.STATE_SERVES_PER_CALLER == 3
+    looper = client()
+    for _ in range(3):
+        assert await _get(looper, addr, state_pb2.StateRequest(round=5)) == gs.nbytes
+    with pytest.raises(RpcError) as e:
+        await _get(looper, addr, state_pb2.StateRequest(round=5, length=1))
+    assert e.value.code.name == "PERMISSION_DENIED"
+    assert "the state of round 5 was served to this caller 3 times already" in e.value.reason
+    assert await _get(client(), addr, state_pb2.StateRequest(round=5)) == gs.nbytes
+
+
 # --- M2: a cheap request costs no copy; a real download still gets its snapshot ---------------------------
 
 
