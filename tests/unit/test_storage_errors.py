@@ -218,6 +218,9 @@ def test_a_checkpoint_write_that_hangs_is_abandoned_and_never_commits(tmp_path, 
     assert any("still stuck" in r.getMessage() for r in caplog.records)
     monkeypatch.setattr(state, "save_checkpoint", real)
     node.state.round = 5
+    # the usual deadline again: a real write on a loaded machine can take longer than the 0.2 s hang detector
+    # (it failed the suite once at load ~17), and what is asserted here is that writes resume, not their speed
+    node.timeout_override_s = None
     assert asyncio.run(node.checkpoint_or_warn()) is not None  # the file system answers again: written
     assert [r for r, _ in state.list_checkpoints(tmp_path)] == [5]
 
