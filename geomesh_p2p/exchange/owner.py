@@ -609,7 +609,10 @@ class OwnerService:
                 self._pulled.set()
                 if req.omit_caller and caller in part.relay_senders:
                     # relay: the caller holds its own signed push; it puts it back (own_entry.restore_entry)
-                    omitted = own_entry.omit_entry(signed, part.relay_senders.index(caller))
+                    try:
+                        omitted = own_entry.omit_entry(signed, part.relay_senders.index(caller))
+                    except (IndexError, wire.WireError):  # a result built otherwise (a subclass's): sent whole
+                        omitted = None
             served = state.served_results.get((caller, req.part), 0)
             if served >= RESULT_SERVES_PER_CALLER:
                 raise EnvelopeError(
