@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import sys
+from fractions import Fraction
 from typing import Any, Optional, Sequence
 
 import torch
@@ -255,7 +256,75 @@ def _keep_mask(n_both: Sequence[int], n_agree: Sequence[int], min_agreement: flo
     return [n == 0 or a >= min_agreement * n for n, a in zip(n_both, n_agree)]
 
 
-def _table_path(pos, numel, block, rule, weight_cap, min_agreement, t_all, res) -> list[bool]:
+def _table_support(hist: torch.Tensor, act_k: torch.Tensor, c: int, sel: Sequence[int]) -> tuple[list[int], list[int]]:
+    """The support counts (:func:`_robust_sign` step 3b) of the items ``sel`` on the table path: ``hist``
+    [npat, 2^C] int64 counts of (block pattern, sign pattern), ``act_k`` [C, npat] bool (item i votes in block
+    pattern k). Per item i of ``sel``: the sum over its voting elements of ``|m|`` and of ``|m|`` where its sign is
+    the sign of ``m``, ``m`` = the vote margin of the *other* items of ``sel`` (+1 per one voting +, -1 per one
+    voting -)."""
+    ns = hist.shape[1]
+    bit = (torch.arange(ns)[None, :] >> torch.arange(c)[:, None]) & 1  # [C, ns]: 1 = negative
+    act = act_k.to(torch.int64)  # [C, npat]
+    vote = act[:, :, None] * (1 - 2 * bit)[:, None, :]  # [C, npat, ns]: item i's vote (0 where it abstains)
+    margin = vote[list(sel)].sum(dim=0)  # [npat, ns]
+    n_w, n_agree = [], []
+    for i in sel:
+        m = margin - vote[i]
+        w = m.abs() * act[i][:, None]
+        n_w.append(int((hist * w).sum()))
+        n_agree.append(int((hist * w * (vote[i] * m > 0)).sum()))
+    return n_w, n_agree
+
+
+def _support_keep(keep: list[bool], counts, min_support: float) -> list[bool]:
+    """The support filter (:func:`_robust_sign` step 3b) over the items ``keep`` leaves in: while more than two
+    remain, the one of lowest support (ties: the lowest index) is dropped if below ``min_support``, and the
+    others' supports are measured again without it. One at a time, because a dropped item must not weigh in the
+    margins the rest are judged by (with 2 honest items and 1 stealthy flip, the flip halves an honest item's
+    "others"). ``counts(sel)`` -> the support counts of the items ``sel``. Exact: integer counts compared as
+    fractions."""
+    sel = [i for i, k in enumerate(keep) if k]
+    while len(sel) > 2:
+        n_w, n_agree = counts(sel)
+        low = [(Fraction(a, n), i) for i, n, a in zip(sel, n_w, n_agree) if n > 0 and a < min_support * n]
+        if not low:
+            break
+        sel.remove(min(low)[1])
+    return [i in sel for i in range(len(keep))]
+
+
+_SUPPORT_CHUNK = 1 << 20  # elements per pass of the streaming path's support counts (bounded scratch memory)
+
+
+def _stream_support(pos, was, numel: int, block: int, sel: Sequence[int]) -> tuple[list[int], list[int]]:
+    """The support counts of :func:`_table_support` for the items ``sel`` of any number, from the packed sign
+    bits (``was[i]`` [nb] fp32: item i's per-block weight, 0 where it abstains), in chunks of whole blocks and
+    bytes: int16 votes [len(sel), chunk], so the scratch memory stays ~3 C x 2 MiB whatever the part size."""
+    unpack = _bit_unpack()
+    align = 8 * block // math.gcd(8, block)
+    chunk = max(align, _SUPPORT_CHUNK // align * align)
+    n_w, n_agree = [0] * len(sel), [0] * len(sel)
+    active = [(was[i] != 0).to(torch.int16) for i in sel]
+    for lo in range(0, numel, chunk):
+        hi = min(numel, lo + chunk)
+        n = hi - lo
+        nb = (n + block - 1) // block
+        votes = torch.empty(len(sel), n, dtype=torch.int16)
+        for j, i in enumerate(sel):
+            signs = pos[i][1].signs[lo // 8 : (hi + 7) // 8].to(torch.int32)
+            bits = torch.index_select(unpack, 0, signs).reshape(-1)[:n]
+            act = active[j][lo // block : lo // block + nb].repeat_interleave(block)[:n]
+            votes[j] = (1 - 2 * bits.to(torch.int16)) * act
+        margin = votes.sum(dim=0, dtype=torch.int32)
+        for j in range(len(sel)):
+            m = margin - votes[j]
+            w = m.abs() * (votes[j] != 0)
+            n_w[j] += int(w.sum(dtype=torch.int64))
+            n_agree[j] += int(torch.where(votes[j] * m > 0, w, 0).sum(dtype=torch.int64))
+    return n_w, n_agree
+
+
+def _table_path(pos, numel, block, rule, weight_cap, min_agreement, t_all, res, min_support=None) -> list[bool]:
     """vote / meanmed of ``pos`` (C <= 8 items, same numel and block) into ``res``; returns the keep mask."""
     c = len(pos)
     ns = 1 << c
@@ -273,7 +342,7 @@ def _table_path(pos, numel, block, rule, weight_cap, min_agreement, t_all, res) 
     multi = npat > 1
     offs = (inv * ns).to(torch.int32) if multi else None
     bounds, workers = _segments(numel, block)
-    filt = min_agreement is not None and c > 2
+    filt = (min_agreement is not None or min_support is not None) and c > 2
     hists: list[torch.Tensor] = []
 
     def keys(key: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
@@ -334,13 +403,16 @@ def _table_path(pos, numel, block, rule, weight_cap, min_agreement, t_all, res) 
     keep = [True] * c
     if filt:
         hist = torch.stack(hists).sum(dim=0).view(npat, ns)
-        cons = torch.sign(v)
-        n_both, n_agree = [], []
-        for x in xs:
-            both = (x != 0) & (cons != 0)
-            n_both.append(int(hist[both].sum()))
-            n_agree.append(int(hist[both & ((x > 0) == (cons > 0))].sum()))
-        keep = _keep_mask(n_both, n_agree, min_agreement)
+        if min_agreement is not None:
+            cons = torch.sign(v)
+            n_both, n_agree = [], []
+            for x in xs:
+                both = (x != 0) & (cons != 0)
+                n_both.append(int(hist[both].sum()))
+                n_agree.append(int(hist[both & ((x > 0) == (cons > 0))].sum()))
+            keep = _keep_mask(n_both, n_agree, min_agreement)
+        if min_support is not None:
+            keep = _support_keep(keep, lambda sel: _table_support(hist, act_k, c, sel), min_support)
         if not all(keep) and any(keep):
             sel = [i for i in range(c) if keep[i]]
             v, _ = table(sel, min(t_all, _median_int([pos[i][0] for i in sel])))
@@ -362,7 +434,7 @@ def _table_path(pos, numel, block, rule, weight_cap, min_agreement, t_all, res) 
     return keep
 
 
-def _stream_path(pos, numel, block, rule, weight_cap, min_agreement, t_all, res) -> list[bool]:
+def _stream_path(pos, numel, block, rule, weight_cap, min_agreement, t_all, res, min_support=None) -> list[bool]:
     """vote / meanmed of ``pos`` (any count) into ``res``, one decoded contribution at a time."""
     x = torch.empty(numel, dtype=torch.float32)
 
@@ -382,39 +454,42 @@ def _stream_path(pos, numel, block, rule, weight_cap, min_agreement, t_all, res)
     sel = list(range(c))
     was = combine(sel, t_all)
     keep = [True] * c
-    if min_agreement is not None and c > 2:
-        # x_i != 0 exactly where w_i a_ib != 0 (a whole block); x_i > 0 where moreover its sign bit is 0.
-        cons_nz = torch.ne(res, 0).view(torch.uint8)
-        cons_neg = torch.lt(res, 0).view(torch.uint8)
-        nz_blocks = torch.zeros(len(was[0]), dtype=torch.int64)
-        nfull = numel // block
-        if nfull:
-            nz_blocks[:nfull] = cons_nz[: nfull * block].view(nfull, block).sum(dim=1, dtype=torch.int64)
-        if nfull * block < numel:
-            nz_blocks[nfull:] = cons_nz[nfull * block :].sum(dtype=torch.int64)
-        unpack = _bit_unpack()
-        bits = torch.empty((numel + 7) // 8 * 8, dtype=torch.uint8)
-        mism = torch.empty(numel, dtype=torch.uint8)
-        n_both, n_agree = [], []
-        for wa, (_, p) in zip(was, pos):
-            votes = wa != 0
-            n = int(nz_blocks[votes].sum())
-            torch.index_select(unpack, 0, p.signs.to(torch.int32), out=bits.view(-1, 8))
-            torch.bitwise_xor(bits[:numel], cons_neg, out=mism)
-            mism.bitwise_and_(cons_nz)
-            if bool(votes.all()):
-                bad = int(mism.sum(dtype=torch.int64))
-            else:
-                per = torch.zeros(len(wa), dtype=torch.int64)
-                if nfull:
-                    per[:nfull] = mism[: nfull * block].view(nfull, block).sum(dim=1, dtype=torch.int64)
-                if nfull * block < numel:
-                    per[nfull:] = mism[nfull * block :].sum(dtype=torch.int64)
-                bad = int(per[votes].sum())
-            n_both.append(n)
-            n_agree.append(n - bad)
-        del bits, mism, cons_nz, cons_neg
-        keep = _keep_mask(n_both, n_agree, min_agreement)
+    if (min_agreement is not None or min_support is not None) and c > 2:
+        if min_agreement is not None:
+            # x_i != 0 exactly where w_i a_ib != 0 (a whole block); x_i > 0 where moreover its sign bit is 0.
+            cons_nz = torch.ne(res, 0).view(torch.uint8)
+            cons_neg = torch.lt(res, 0).view(torch.uint8)
+            nz_blocks = torch.zeros(len(was[0]), dtype=torch.int64)
+            nfull = numel // block
+            if nfull:
+                nz_blocks[:nfull] = cons_nz[: nfull * block].view(nfull, block).sum(dim=1, dtype=torch.int64)
+            if nfull * block < numel:
+                nz_blocks[nfull:] = cons_nz[nfull * block :].sum(dtype=torch.int64)
+            unpack = _bit_unpack()
+            bits = torch.empty((numel + 7) // 8 * 8, dtype=torch.uint8)
+            mism = torch.empty(numel, dtype=torch.uint8)
+            n_both, n_agree = [], []
+            for wa, (_, p) in zip(was, pos):
+                votes = wa != 0
+                n = int(nz_blocks[votes].sum())
+                torch.index_select(unpack, 0, p.signs.to(torch.int32), out=bits.view(-1, 8))
+                torch.bitwise_xor(bits[:numel], cons_neg, out=mism)
+                mism.bitwise_and_(cons_nz)
+                if bool(votes.all()):
+                    bad = int(mism.sum(dtype=torch.int64))
+                else:
+                    per = torch.zeros(len(wa), dtype=torch.int64)
+                    if nfull:
+                        per[:nfull] = mism[: nfull * block].view(nfull, block).sum(dim=1, dtype=torch.int64)
+                    if nfull * block < numel:
+                        per[nfull:] = mism[nfull * block :].sum(dtype=torch.int64)
+                    bad = int(per[votes].sum())
+                n_both.append(n)
+                n_agree.append(n - bad)
+            del bits, mism, cons_nz, cons_neg
+            keep = _keep_mask(n_both, n_agree, min_agreement)
+        if min_support is not None:
+            keep = _support_keep(keep, lambda sel: _stream_support(pos, was, numel, block, sel), min_support)
         if not all(keep) and any(keep):
             sel = [i for i in range(c) if keep[i]]
             combine(sel, min(t_all, _median_int([pos[i][0] for i in sel])))
@@ -436,6 +511,7 @@ def _robust_sign(
     min_agreement: Optional[float],
     dropped: Optional[list] = None,
     out: Optional[torch.Tensor] = None,
+    min_support: Optional[float] = None,
 ) -> torch.Tensor:
     """``vote`` / ``meanmed`` over sign packets (tokens capped by the plan), in the given order.
 
@@ -451,6 +527,16 @@ def _robust_sign(
        step 2 runs again over the kept ones, with ``T = min(T, median of the kept)``. Honest pseudo-
        gradients of one round agree with each other (> 0.5); a flipped one is anti-correlated. If every
        item would be dropped, none is.
+    3b. Support filter (``min_support``, C > 2; issue 28's stealthy flip): an item is also dropped when, over
+       the elements where it votes, its signs side with the *others'* vote margin ``m`` (+1 per other item
+       voting + there, -1 per one voting -; unweighted) on less than ``min_support`` of ``sum |m|`` (integer
+       counts: exact). Weighting by ``|m|`` counts most the elements where the others agree most, i.e. where
+       the true update is largest; an honest item of few inner steps is noisy evenly, so it still sides with
+       them there (measured: docs/security.md "Stealthy attacks"), while one that flipped its largest
+       coordinates opposes them exactly there. With ``min_support = 0.5`` the rule reads: dropped when its
+       signs are anti-correlated with the others' summed votes. Over the items step 3 keeps, one at a time:
+       while more than two remain, the lowest below ``min_support`` is dropped and the rest measured again
+       without it (:func:`_support_keep`). Then one re-run of step 2 over the items both filters keep.
     4. Magnitude ``m_b = min(M_b, median of the kept items' scales)``: ``vote`` -> ``sign(v) * m_b`` (ties
        give 0); ``meanmed`` -> ``v * m_b``. So ``|out| <= M_b``: bounded by the honest scales whenever the
        honest items are a strict majority, whatever the rest send.
@@ -474,7 +560,9 @@ def _robust_sign(
             raise ValueError(f"every packet must hold {numel} elements in blocks of {block}")
     t_all = _median_int([n for n, _ in pos])
     table = len(pos) <= _TABLE_MAX_ITEMS and numel > 0 and sys.byteorder == "little"
-    keep = (_table_path if table else _stream_path)(pos, numel, block, rule, weight_cap, min_agreement, t_all, res)
+    keep = (_table_path if table else _stream_path)(
+        pos, numel, block, rule, weight_cap, min_agreement, t_all, res, min_support
+    )
     if not all(keep) and dropped is not None:
         gone = {id(p) for (_, p), k in zip(pos, keep) if not k}
         dropped.extend(i for i, (_, p) in enumerate(items) if id(p) in gone)
@@ -492,6 +580,7 @@ def aggregate_part(
     min_agreement: Optional[float] = 0.5,
     dropped: Optional[list] = None,
     out: Optional[torch.Tensor] = None,
+    min_support: Optional[float] = None,
 ) -> torch.Tensor:
     """The aggregate of one part under ``rule``: what every peer applies for that range.
 
@@ -506,8 +595,9 @@ def aggregate_part(
         weight_cap: bound on each weight as a multiple of the median weight (None = off); applied by
             every rule.
         min_agreement: robust rules: the agreement filter's threshold (None = off).
-        dropped: if a list is given, the indices (into ``items``) of the items the agreement filter
-            dropped are appended to it (the same on every peer: the collective leaves them out of the
+        min_support: robust rules: the support filter's threshold (:func:`_robust_sign` step 3b; None = off).
+        dropped: if a list is given, the indices (into ``items``) of the items the agreement or support
+            filter dropped are appended to it (the same on every peer: the collective leaves them out of the
             part's contributors, so a peer dropped in every part counts as having delivered nothing).
         out: optional contiguous fp32 tensor [numel] the result is written into (see
             :func:`token_weighted_mean`).
@@ -525,4 +615,4 @@ def aggregate_part(
         return token_weighted_mean(
             [(w, p) for w, (_, p) in zip(weights, items)], numel, clip_k=clip_k, encoding=encoding, out=out
         )
-    return _robust_sign(items, numel, rule, weight_cap, min_agreement, dropped, out)
+    return _robust_sign(items, numel, rule, weight_cap, min_agreement, dropped, out, min_support)
