@@ -36,7 +36,15 @@ from geomesh_p2p.exchange.codec.sign import _run_parallel
 RULES = ("mean", "vote", "meanmed")
 ROBUST_RULES = ("vote", "meanmed")
 
-__all__ = ["RULES", "ROBUST_RULES", "bounded_weights", "median_rows", "token_weighted_mean", "aggregate_part"]
+__all__ = [
+    "RULES",
+    "ROBUST_RULES",
+    "bounded_weights",
+    "median_rows",
+    "token_weighted_mean",
+    "aggregate_part",
+    "support_counts",
+]
 
 
 def median_rows(x: torch.Tensor) -> torch.Tensor:
@@ -322,6 +330,22 @@ def _stream_support(pos, was, numel: int, block: int, sel: Sequence[int]) -> tup
             n_w[j] += int(w.sum(dtype=torch.int64))
             n_agree[j] += int(torch.where(votes[j] * m > 0, w, 0).sum(dtype=torch.int64))
     return n_w, n_agree
+
+
+def support_counts(packets: Sequence[Any]) -> tuple[list[int], list[int]]:
+    """The support filter's integer counts of one part's sign packets (all of ``numel`` elements and one block
+    size; :func:`_robust_sign` step 3b, every packet in, unweighted): per packet, ``sum |m|`` over its voting
+    elements and the part of it where its sign is ``m``'s, ``m`` = the other packets' vote margin. The same
+    numbers the aggregation decides on in its first pass, for the record (``trust/agreement.py``). Blocking: one
+    pass over the bits. Raises ValueError for packets of different sizes or blocks."""
+    if not packets:
+        return [], []
+    numel, block = packets[0].numel, packets[0].block_size
+    if any(p.numel != numel or p.block_size != block for p in packets):
+        raise ValueError("every packet must have the same numel and block size")
+    pos = [(1, p) for p in packets]
+    was = [(p.scales > 0).to(torch.float32) for p in packets]
+    return _stream_support(pos, was, numel, block, list(range(len(packets))))
 
 
 def _table_path(pos, numel, block, rule, weight_cap, min_agreement, t_all, res, min_support=None) -> list[bool]:

@@ -16,6 +16,7 @@ from geomesh_p2p.exchange import robust as aggregation
 from geomesh_p2p.exchange.partition import CollectiveSpec, PartOwner
 from geomesh_p2p.exchange.robust import aggregate_part
 from geomesh_p2p.net.identity import Identity
+from geomesh_p2p.trust import agreement
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -197,3 +198,21 @@ def test_the_spec_carries_the_support_filter_and_keeps_its_old_id_without_it():
     assert CollectiveSpec.from_dict({k: v for k, v in off.to_dict().items() if k != "min_support"}) == off
     with pytest.raises(ValueError, match="min_support"):
         _spec(min_support=-0.1)
+
+
+def test_the_round_record_sums_each_contributors_support_over_its_parts():
+    def pkt(signs):
+        return compression.encode(torch.tensor(signs, dtype=torch.float32), 6, 0)
+
+    good, flip = [1, 1, 1, 1, 1, 1], [-1, -1, -1, -1, 1, 1]
+    contributions = {
+        "A": {0: pkt(good), 1: pkt(good)},
+        "B": {0: pkt(good), 1: pkt(good)},
+        "C": {0: pkt(flip), 1: pkt(good)},  # flips in part 0 only
+        "D": {1: pkt(flip)},  # part 1 only
+    }
+    got = agreement.supports(contributions, [(0, 6), (6, 12)])
+    # part 0 (A, B, C): A 4/4, B 4/4, C 4/12. part 1 (A, B, C, D): margins of the others: A: B + C + D = +3 on
+    # the last two, +1 on the first four -> 10 of 10; C likewise 10 of 10; D: +3 everywhere -> 6 of 18.
+    assert got == {"A": 14 / 14, "B": 14 / 14, "C": 14 / 22, "D": 6 / 18}
+    assert aggregation.support_counts([pkt(good), pkt(good), pkt(flip)]) == ([4, 4, 12], [4, 4, 4])
