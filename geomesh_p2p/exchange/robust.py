@@ -301,35 +301,75 @@ def _support_keep(keep: list[bool], counts, min_support: float) -> list[bool]:
     return [i in sel for i in range(len(keep))]
 
 
-_SUPPORT_CHUNK = 1 << 20  # elements per pass of the streaming path's support counts (bounded scratch memory)
+_VOTE_LUT: Optional[torch.Tensor] = None  # fp32 [256, 8]: bit j of b -> -1.0 if set (negative) else +1.0
+
+
+def _vote_lut() -> torch.Tensor:
+    global _VOTE_LUT
+    if _VOTE_LUT is None:
+        _VOTE_LUT = (1.0 - 2.0 * _bit_unpack().to(torch.float32)).contiguous()
+    return _VOTE_LUT
+
+
+def _block_sums(x: torch.Tensor, block: int) -> torch.Tensor:
+    """Per block of ``x`` [n] (the chunk starts on a block boundary), the sum -> [ceil(n / block)]."""
+    n = x.numel()
+    nfull = n // block
+    parts = [x[: nfull * block].view(nfull, block).sum(dim=1)] if nfull else []
+    if nfull * block < n:
+        parts.append(x[nfull * block :].sum().reshape(1))
+    return torch.cat(parts)
 
 
 def _stream_support(pos, was, numel: int, block: int, sel: Sequence[int]) -> tuple[list[int], list[int]]:
     """The support counts of :func:`_table_support` for the items ``sel`` of any number, from the packed sign
-    bits (``was[i]`` [nb] fp32: item i's per-block weight, 0 where it abstains), in chunks of whole blocks and
-    bytes: int16 votes [len(sel), chunk], so the scratch memory stays ~3 C x 2 MiB whatever the part size."""
-    unpack = _bit_unpack()
+    bits (``was[i]`` [nb] fp32: item i's per-block weight, 0 where it abstains).
+
+    With M the margin of all of ``sel`` at an element and v in {-1, 0, +1} an item's vote, the others' margin is
+    ``m = M - v``, so an item's counts are ``sum |m| = sum_{v=+1} |M - 1| + sum_{v=-1} |M + 1|`` and ``sum of |m|
+    where v m > 0 = sum_{v=+1} relu(M - 1) + sum_{v=-1} relu(-M - 1)``. Per chunk of whole blocks and bytes: the
+    votes V [C, n] (fp32 +-1 / 0: a table lookup per packed byte, times the block's 0/1), M their sum, the four
+    functions of M as F [n, 4], and ``V @ F`` in float64; ``sum_{v=+-1} f = (|v| . f +- v . f) / 2`` with ``|v| . f``
+    from per-block sums of f (|v| is the block's 0/1). Every value is an integer below 2^53: exact."""
+    c = len(sel)
+    lut = _vote_lut()
     align = 8 * block // math.gcd(8, block)
-    chunk = max(align, _SUPPORT_CHUNK // align * align)
-    n_w, n_agree = [0] * len(sel), [0] * len(sel)
-    active = [(was[i] != 0).to(torch.int16) for i in sel]
+    # chunks under torch's grain, and every op on one row of one: it runs inline in this thread (no OpenMP team
+    # and barrier per op, which on shared loaded cores costs a time slice: see _segments)
+    chunk = (_GRAIN - 1) // align * align if align < _GRAIN else align
+    chunk = max(align, min(chunk, (1 << 24) // (c + 1) // align * align))  # fp32 sums below 2^24 (below)
+    dots = torch.zeros(c, 4, dtype=torch.float64)  # v . f
+    absd = torch.zeros(c, 4, dtype=torch.float64)  # |v| . f
+    active = [(was[i] != 0).to(torch.float32) for i in sel]
+    votes = torch.empty(c, min(chunk, numel), dtype=torch.float32)
+    f = torch.empty(4, min(chunk, numel), dtype=torch.float32)
+    total = torch.empty(min(chunk, numel), dtype=torch.float32)
     for lo in range(0, numel, chunk):
         hi = min(numel, lo + chunk)
         n = hi - lo
-        nb = (n + block - 1) // block
-        votes = torch.empty(len(sel), n, dtype=torch.int16)
+        b0, nb = lo // block, (n + block - 1) // block
+        vs, fs, tot = votes[:, :n], f[:, :n], total[:n]
+        tot.zero_()
         for j, i in enumerate(sel):
             signs = pos[i][1].signs[lo // 8 : (hi + 7) // 8].to(torch.int32)
-            bits = torch.index_select(unpack, 0, signs).reshape(-1)[:n]
-            act = active[j][lo // block : lo // block + nb].repeat_interleave(block)[:n]
-            votes[j] = (1 - 2 * bits.to(torch.int16)) * act
-        margin = votes.sum(dim=0, dtype=torch.int32)
-        for j in range(len(sel)):
-            m = margin - votes[j]
-            w = m.abs() * (votes[j] != 0)
-            n_w[j] += int(w.sum(dtype=torch.int64))
-            n_agree[j] += int(torch.where(votes[j] * m > 0, w, 0).sum(dtype=torch.int64))
-    return n_w, n_agree
+            v = vs[j]
+            v.copy_(torch.index_select(lut, 0, signs).reshape(-1)[:n])
+            _blockwise(v, active[j][b0:], block, "mul_")
+            tot.add_(v)  # exact: integers of at most C
+        fs[0].copy_(tot).sub_(1).abs_()
+        fs[1].copy_(tot).add_(1).abs_()
+        fs[2].copy_(tot).sub_(1).clamp_(min=0)
+        fs[3].copy_(tot).neg_().sub_(1).clamp_(min=0)
+        # fp32 products of integers whose sums stay below 2^24 (chunk x (C + 1)): exact in any order
+        dots += (vs @ fs.T).to(torch.float64)
+        sums = torch.stack([_block_sums(fs[k], block) for k in range(4)], dim=1).to(torch.float64)  # [nb, 4]
+        for j in range(c):
+            absd[j] += active[j][b0 : b0 + nb].to(torch.float64) @ sums
+    plus = ((absd + dots) / 2).round().to(torch.int64).tolist()
+    minus = ((absd - dots) / 2).round().to(torch.int64).tolist()
+    n_w = [p[0] + q[1] for p, q in zip(plus, minus)]
+    agree = [p[2] + q[3] for p, q in zip(plus, minus)]
+    return n_w, agree
 
 
 def support_counts(packets: Sequence[Any]) -> tuple[list[int], list[int]]:
