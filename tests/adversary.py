@@ -132,8 +132,14 @@ def stealth_flip(delta: torch.Tensor, share: float = STEALTH_SHARE) -> torch.Ten
     k = int(share * flat.numel())
     out = flat.clone()
     if k:
-        top = torch.sort(flat.abs(), descending=True, stable=True).indices[:k]
-        out[top] = -out[top]
+        # O(n) selection, not a sort: the attacker must push as early as an honest peer (a late push of a
+        # newcomer misses its parts, and the attack would test nothing)
+        mag = flat.abs()
+        thr = torch.kthvalue(mag, flat.numel() - k + 1).values  # the k-th largest magnitude
+        above = mag > thr
+        ties = torch.nonzero(mag == thr).reshape(-1)[: k - int(above.sum())]  # the lowest indices first
+        above[ties] = True
+        out[above] = -out[above]
     return out.reshape(delta.shape)
 
 

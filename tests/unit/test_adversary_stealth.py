@@ -108,3 +108,13 @@ def test_partial_trains_the_last_steps_batches_and_reports_every_planned_step():
     d = torch.tensor([0.5, -1.0, 2.0])
     out, claim = adversary.AdversaryNode.poison(node, SimpleNamespace(round=3, participants={"attacker": 5000}), d, 768)
     assert out.tolist() == [0.5, -1.0, 2.0] and claim == 5000
+
+
+def test_stealth_flip_equals_a_stable_sort_of_the_magnitudes_with_many_ties():
+    d = torch.randint(-3, 4, (5000,), generator=torch.Generator().manual_seed(0)).float()
+    k = int(0.45 * d.numel())
+    top = torch.sort(d.abs(), descending=True, stable=True).indices[:k]
+    want = d.clone()
+    want[top] = -want[top]
+    assert adversary.stealth_flip(d).equal(want)
+    assert int((adversary.stealth_flip(d) != d).sum()) == int((d[top] != 0).sum())
