@@ -13,7 +13,7 @@ steps: the worst case), using the red team's own functions (``tests/adversary.py
   stale           re-sends the previous round's aggregate
   partial         trains only the last 25% of its steps (claims all)
 
-Each run is repeated with the support filter off and on (``min_support`` 0.5). Per round and contributor it
+Each run is repeated with the support filter off and on (``min_support`` 0.5; ``--filters``). Per round and contributor it
 records the steps, the plain sign agreement with the first-pass consensus and the *support* (its signs' share of
 the others' summed vote margin, ``robust._robust_sign`` step 3b), and whether the filter dropped it; it prints
 the honest contributors' support by step count (min / mean over the runs), the attackers', and the final eval
@@ -134,6 +134,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--attacks", default=",".join(ATTACKS))
+    ap.add_argument("--filters", default="off,on", help="the support filter's settings to run (default %(default)s)")
     ap.add_argument("--threads", type=int, default=1)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
@@ -143,7 +144,7 @@ def main() -> None:
     for attack in a.attacks.split(","):
         if attack not in ATTACKS:
             ap.error(f"unknown attack {attack!r}; known: {', '.join(ATTACKS)}")
-        for support in (False, True):
+        for support in [f == "on" for f in a.filters.split(",")]:
             t0 = time.time()
             res = run(attack, support, a, ds, base)
             results.append(res)
