@@ -19,6 +19,12 @@ reference, and the threshold follows the honest spread as training tightens it. 
 almost exactly would otherwise make any float difference an outlier), and no relative test under
 ``min_contributors`` (the median of two or three says little).
 
+:func:`supports` records, per contributor, the statistic that decides instead (session 19): its share of the
+other contributors' summed vote margin, the support filter the aggregation applies per part
+(``exchange/robust.py``, ``min_support``; docs/security.md "Stealthy attacks: the support filter"). Unlike
+agreement it does not grow with the steps a contribution holds: in the clean 4-peer process run the slowest honest
+peer's support was 0.817-0.858 against the others' 0.823-0.871.
+
 Advisory so far: the node records each round's figures (the row's ``extra["verify"]["agreement"]``) and logs
 the outliers; it does not drop or exclude on them. In a clean 4-peer process run it flagged the slowest honest
 peer (1-6 steps a round against 5-23) in every round: agreement grows with the steps a contribution holds, so
