@@ -329,8 +329,9 @@ def _stream_support(pos, was, numel: int, block: int, sel: Sequence[int]) -> tup
     ``m = M - v``, so an item's counts are ``sum |m| = sum_{v=+1} |M - 1| + sum_{v=-1} |M + 1|`` and ``sum of |m|
     where v m > 0 = sum_{v=+1} relu(M - 1) + sum_{v=-1} relu(-M - 1)``. Per chunk of whole blocks and bytes: the
     votes V [C, n] (fp32 +-1 / 0: a table lookup per packed byte, times the block's 0/1), M their sum, the four
-    functions of M as F [n, 4], and ``V @ F`` in float64; ``sum_{v=+-1} f = (|v| . f +- v . f) / 2`` with ``|v| . f``
-    from per-block sums of f (|v| is the block's 0/1). Every value is an integer below 2^53: exact."""
+    functions of M as F [n, 4], and ``V @ F`` (fp32: integers whose sums stay below 2^24 in a chunk, so exact in any
+    order), accumulated in float64; ``sum_{v=+-1} f = (|v| . f +- v . f) / 2`` with ``|v| . f`` from per-block sums
+    of f (|v| is the block's 0/1). Every value is an integer below 2^53: exact."""
     c = len(sel)
     lut = _vote_lut()
     align = 8 * block // math.gcd(8, block)
