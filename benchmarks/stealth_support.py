@@ -7,7 +7,8 @@ aggregation (``exchange/robust.aggregate_part``: meanmed, agreement filter 0.5) 
 outer Nesterov 0.7 / 0.9 with the momentum clip 2. Peer 0 is the attacker in the attack runs (it holds the most
 steps: the worst case), using the red team's own functions (``tests/adversary.py``):
 
-  none            every peer honest (the reference)
+  none            every peer honest
+  absent          peer 0 sends nothing (the honest peers alone: the reference for an attacker that is dropped)
   stealth-flip    trains honestly, flips the sign of the 45% largest-magnitude coordinates
   stealth-block   the same within each codec block (the red team's milder variant)
   stale           re-sends the previous round's aggregate
@@ -43,7 +44,7 @@ from geomesh_p2p.model.optim import OuterNesterov  # noqa: E402
 from geomesh_p2p.model.training import InnerTrainer  # noqa: E402
 from tests.adversary import _StepShift, partial_steps, stealth_flip  # noqa: E402
 
-ATTACKS = ("none", "stealth-flip", "stealth-block", "stale", "partial")
+ATTACKS = ("none", "absent", "stealth-flip", "stealth-block", "stale", "partial")
 BLOCK = 2048
 
 
@@ -88,7 +89,9 @@ def run(attack: str, support: bool, a, ds, base) -> dict:
         for i, tr in enumerate(trainers):
             load_flat_(tr.model, theta)
             H = steps[i]
-            if i == 0 and attack == "stale":
+            if i == 0 and attack == "absent":
+                d = theta
+            elif i == 0 and attack == "stale":
                 d = prev.clone() if prev is not None else torch.zeros_like(theta)
             elif i == 0 and attack == "partial":
                 skip, train = partial_steps(H)
@@ -104,6 +107,8 @@ def run(attack: str, support: bool, a, ds, base) -> dict:
                     d = stealth_flip(d)
                 elif i == 0 and attack == "stealth-block":
                     d = torch.cat([stealth_flip(d[j : j + BLOCK]) for j in range(0, d.numel(), BLOCK)])
+            if i == 0 and attack == "absent":
+                continue
             tokens = H * a.batch * a.seq_len
             packets.append(compression.encode(d.contiguous(), BLOCK, tokens))
             toks.append(tokens)
@@ -121,7 +126,8 @@ def run(attack: str, support: bool, a, ds, base) -> dict:
         )
         outer.step(theta, agg)
         prev = agg.clone()
-        rows.append({"round": r, "steps": steps, "support": sup, "agreement": agr, "dropped": sorted(dropped)})
+        shown = steps[1:] if attack == "absent" else steps
+        rows.append({"round": r, "steps": shown, "support": sup, "agreement": agr, "dropped": sorted(dropped)})
     load_flat_(trainers[0].model, theta)
     ppl = trainers[0].evaluate(max_batches=16, batch_size=16)
     return {"attack": attack, "support_filter": support, "ppl": ppl, "rows": rows}
@@ -171,8 +177,8 @@ def main() -> None:
     )
     print("|---|---|---|---|---|---|")
     for res in results:
-        att = [row["support"][0] for row in res["rows"]]
-        dr = [row["round"] for row in res["rows"] if 0 in row["dropped"]]
+        att = [row["support"][0] for row in res["rows"]] if res["attack"] != "absent" else [float("nan")]
+        dr = [row["round"] for row in res["rows"] if 0 in row["dropped"] and res["attack"] != "absent"]
         x = res["ppl"] / ref[res["support_filter"]] if res["support_filter"] in ref else float("nan")
         print(
             f"| {res['attack']} | {'on' if res['support_filter'] else 'off'} | {res['ppl']:.1f} | {x:.2f} | "
@@ -183,7 +189,7 @@ def main() -> None:
     for res in results:
         for row in res["rows"]:
             for i, s in enumerate(row["support"]):
-                if i == 0 and res["attack"] != "none":
+                if i == 0 and res["attack"] not in ("none", "absent"):
                     continue
                 by.setdefault(row["steps"][i], []).append(s)
     for h in sorted(by):
