@@ -23,7 +23,7 @@ almost exactly would otherwise make any float difference an outlier), and no rel
 other contributors' summed vote margin, the support filter the aggregation applies per part
 (``exchange/robust.py``, ``min_support``; docs/security.md "Stealthy attacks: the support filter"). Unlike
 agreement it does not grow with the steps a contribution holds: in the clean 4-peer process run the slowest honest
-peer's support was 0.817-0.858 against the others' 0.823-0.871.
+peer's support was 0.817-0.858 against the others' 0.821-0.871.
 
 Advisory so far: the node records each round's figures (the row's ``extra["verify"]["agreement"]``) and logs
 the outliers; it does not drop or exclude on them. In a clean 4-peer process run it flagged the slowest honest
