@@ -303,6 +303,7 @@ class AdversaryNode(PeerNode):
                     compute_s=max(1e-3, time.perf_counter() - t0),
                     stopped_early=False,
                 )
+            # partial under --eager (a moving StepTarget) trains honestly: the benchmarks run without it
             if self.attack == "partial" and target is None and inner_steps > 0:
                 return self._partial_run(
                     honest_run, round, inner_steps, batch_size, micro_batch, deadline, progress, should_stop
