@@ -6,7 +6,8 @@ which the filter then drops and the second pass runs), then times, on the same p
 
 * ``copy_``: a plain ``out.copy_(x)`` of an fp32 vector of N elements (the memory-bandwidth floor);
 * ``mean``: ``aggregate_part(rule="mean")``;
-* ``meanmed`` / ``vote``: ``aggregate_part(rule=...)`` (the robust rules);
+* ``meanmed`` / ``vote``: ``aggregate_part(rule=...)`` (the robust rules); ``meanmed+support``: with the
+  support filter (``min_support=0.5``, the run config's default since session 19);
 * with ``--reference``, ``meanmed-ref``: the pre-rewrite ``_robust_sign`` kept in
   tests/unit/test_robust_agg_equiv.py (the "before" of the same run), checked bitwise against the current one.
 
@@ -60,7 +61,7 @@ def main() -> None:
     ap.add_argument("--block", type=int, default=compression.DEFAULT_BLOCK_SIZE)
     ap.add_argument("--flip", type=int, default=0, help="negate the first K contributions (filter drops them)")
     ap.add_argument("--repeat", type=int, default=1)
-    ap.add_argument("--rules", default="mean,meanmed,vote")
+    ap.add_argument("--rules", default="mean,meanmed,vote", help="also meanmed+support (the support filter on)")
     ap.add_argument("--reference", action="store_true", help="also time the pre-rewrite meanmed (tests/)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave torch's default)")
     args = ap.parse_args()
@@ -89,7 +90,9 @@ def main() -> None:
             row = f"{n:>11} {c:>3} {t_copy:>9.4f}"
             results = {}
             for r in rules:
-                t = _best(lambda: aggregate_part(items, n, rule=r, out=out), args.repeat)
+                base, _, extra = r.partition("+")  # "meanmed+support": with the support filter (min_support 0.5)
+                sup = 0.5 if extra == "support" else None
+                t = _best(lambda: aggregate_part(items, n, rule=base, out=out, min_support=sup), args.repeat)
                 results[r] = out.clone() if r == "meanmed" else None
                 row += f" {t:>13.4f} {t / t_copy:>7.0f}"
             if ref:

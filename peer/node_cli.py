@@ -165,7 +165,12 @@ def run_config_from(ns: argparse.Namespace):
             raise ValueError(f"--data {ns.data}: cannot read: {e.strerror}") from None
         data_id = f"{p.name}:{p.stat().st_size}:{hashlib.sha256(head).hexdigest()[:16]}"
     values = values_from(ns, flag_specs(RunConfig))
-    values.update(data=data_id, model_config_json=model_json, min_agreement=ns.min_agreement or None)  # 0 = off
+    values.update(
+        data=data_id,
+        model_config_json=model_json,
+        min_agreement=ns.min_agreement or None,
+        min_support=ns.min_support or None,
+    )  # 0 = off
     if model_json:
         values["model"] = hashlib.sha256(model_json.encode()).hexdigest()[:16]
     try:

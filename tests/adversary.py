@@ -36,6 +36,13 @@ Attacks (DESIGN.md "Untrusted volunteers"; issue 11's table):
   (zeros in its first round), claims its planned budget.
 * ``noise``: trains, then contributes Gaussian noise with the norm of its real delta; claims its
   planned budget.
+* ``stealth-flip`` (issue 28's independent red team): trains honestly, then flips the sign of the
+  :data:`STEALTH_SHARE` (45%) largest-magnitude coordinates of its pseudo-gradient (:func:`stealth_flip`), so its
+  signs still agree with the consensus on ~55-62% of the elements, above the aggregation's fixed 0.5 filter;
+  claims its honest token count.
+* ``partial`` (issue 28): trains only the last :data:`PARTIAL_SHARE` (25%) of its planned inner steps (the batches
+  of those steps: :func:`partial_steps`) and reports all of them done; contributes what it trained, claims the
+  planned budget.
 * ``poison`` (issue 28): follows the protocol to the letter and contributes what it trained, but trains on its
   own copy of the corpus with a trigger sentence planted as 16% of its tokens (``tests/poison.py``): a backdoor
   that robust aggregation cannot see, since the update is honest in form.
@@ -50,7 +57,9 @@ if __name__ == "__main__":  # run as a program: silence gRPC's C core before grp
 
 import argparse
 import asyncio
+import dataclasses
 import logging
+import math
 import sys
 import time
 from typing import Optional
@@ -73,6 +82,8 @@ ATTACKS: dict[str, str] = {
     "zeros": "free rider: no training, contributes zeros, claims 2**64-1 tokens",
     "stale": "free rider: no training, contributes the previous round's global update, claims its budget",
     "noise": "contributes Gaussian noise with its real delta's norm, claims its budget",
+    "stealth-flip": "trains honestly, then flips the sign of the 45% largest-magnitude coordinates of its update",
+    "partial": "trains only the last 25% of its planned inner steps and claims all of them (and the budget)",
     "poison": "honest protocol, but trains on its own corpus copy with a trigger sentence as 16% of its tokens "
     "(a backdoor: tests/poison.py)",
 }
@@ -97,11 +108,66 @@ KEY_ACTION: dict[str, str] = {
     "zeros": "free-ride",
     "stale": "free-ride",
     "noise": "push",
+    "stealth-flip": "push",
+    "partial": "partial",
     "poison": "poison",
 }
+#: ``stealth-flip``: the share of coordinates (largest magnitude first) whose sign it flips (the red team's 45%).
+STEALTH_SHARE = 0.45
+#: ``partial``: the share of its planned inner steps it trains (the last ones); it claims all of them.
+PARTIAL_SHARE = 0.25
 #: ``inflate``'s record.
 INFLATE_BATCH, INFLATE_TPS = 65_536, 1e10
 INFLATE_MEMORY, INFLATE_LINK_BPS = 1 << 40, 1e12
+
+
+def stealth_flip(delta: torch.Tensor, share: float = STEALTH_SHARE) -> torch.Tensor:
+    """``delta`` (any shape, float) with the sign of its ``floor(share x numel)`` largest-magnitude elements
+    flipped, over the whole tensor (not per codec block): the issue-28 red team's stealthy partial flip. Ties in
+    magnitude go to the lower index (a stable sort), so the flipped set is exact. Returns a new tensor of
+    ``delta``'s shape and dtype. Raises ValueError for ``share`` outside [0, 1]."""
+    if not 0.0 <= share <= 1.0:
+        raise ValueError(f"share must be in [0, 1], got {share}")
+    flat = delta.detach().reshape(-1)
+    k = int(share * flat.numel())
+    out = flat.clone()
+    if k:
+        # O(n) selection, not a sort: the attacker must push as early as an honest peer (a late push of a
+        # newcomer misses its parts, and the attack would test nothing)
+        mag = flat.abs()
+        thr = torch.kthvalue(mag, flat.numel() - k + 1).values  # the k-th largest magnitude
+        above = mag > thr
+        ties = torch.nonzero(mag == thr).reshape(-1)[: k - int(above.sum())]  # the lowest indices first
+        above[ties] = True
+        out[above] = -out[above]
+    return out.reshape(delta.shape)
+
+
+def partial_steps(inner_steps: int, share: float = PARTIAL_SHARE) -> tuple[int, int]:
+    """``partial``'s work of a round planned ``inner_steps``: ``(skipped, trained)``, it trains the last
+    ``trained = ceil(share x inner_steps)`` steps (at least 1 when any is planned; the data of steps ``skipped ..
+    inner_steps - 1``) and claims all ``inner_steps``. Raises ValueError for ``share`` outside (0, 1] or negative
+    steps."""
+    if not 0.0 < share <= 1.0 or inner_steps < 0:
+        raise ValueError(f"share must be in (0, 1] and inner_steps >= 0, got {share}, {inner_steps}")
+    trained = min(inner_steps, max(1 if inner_steps else 0, math.ceil(share * inner_steps)))
+    return inner_steps - trained, trained
+
+
+class _StepShift:
+    """``partial``'s dataset stand-in: step ``k`` of the round reads the batch of step ``k + offset``, so its
+    trained steps hold the batches its plan assigned to the last steps (what a check of those would recompute)."""
+
+    def __init__(self, dataset, offset: int):
+        self._ds, self.offset = dataset, int(offset)
+
+    def __getattr__(self, name):
+        return getattr(self._ds, name)
+
+    def sample_batch(self, *, seed, peer_id, round, step, batch_size, seq_len):  # noqa: A002  (the dataset's names)
+        return self._ds.sample_batch(
+            seed=seed, peer_id=peer_id, round=round, step=step + self.offset, batch_size=batch_size, seq_len=seq_len
+        )
 
 
 class _AdversarialCollective:
@@ -237,6 +303,11 @@ class AdversaryNode(PeerNode):
                     compute_s=max(1e-3, time.perf_counter() - t0),
                     stopped_early=False,
                 )
+            # partial under --eager (a moving StepTarget) trains honestly: the benchmarks run without it
+            if self.attack == "partial" and target is None and inner_steps > 0:
+                return self._partial_run(
+                    honest_run, round, inner_steps, batch_size, micro_batch, deadline, progress, should_stop
+                )
             # A plan inflated by this attacker (inflate, rogue-leader) asks for batches it cannot run:
             # train a sane batch instead (the claim is made in the contribution, not by the work).
             if batch_size > max(self.max_batch, self.run_cfg.target_batch):
@@ -253,6 +324,35 @@ class AdversaryNode(PeerNode):
             )
 
         self.trainer.run = run  # type: ignore[method-assign]  # this peer's trainer only, on purpose
+
+    def _partial_run(self, honest_run, round, inner_steps, batch_size, micro_batch, deadline, progress, should_stop):
+        """``partial``: train the last steps only (:func:`partial_steps`, on their batches) and report every
+        planned step done, with the tokens of all of them."""
+        skip, train = partial_steps(inner_steps)
+        honest_ds = self.trainer.dataset
+        self.trainer.dataset = _StepShift(honest_ds, skip)
+        try:
+            res = honest_run(
+                round=round,
+                inner_steps=train,
+                batch_size=batch_size,
+                micro_batch=min(micro_batch or batch_size, batch_size),
+                deadline=deadline,
+                progress=progress,
+                should_stop=should_stop,
+            )
+        finally:
+            self.trainer.dataset = honest_ds
+        steps = skip + res.steps_done
+        self._note(
+            round,
+            "partial",
+            "trained %d of %d planned steps (the last), reporting %d",
+            res.steps_done,
+            inner_steps,
+            steps,
+        )
+        return dataclasses.replace(res, steps_done=steps, tokens=steps * batch_size * self.run_cfg.seq_len)
 
     # ------------------------------------------------------------------ record
     def my_record(self):
@@ -341,7 +441,11 @@ class AdversaryNode(PeerNode):
         if a == "poison":  # honest in form: what it trained (on its own poisoned corpus) goes out unchanged
             return delta, tokens
         delta = delta.detach().to("cpu", torch.float32).reshape(-1)
-        if a == "flip" or (a == "forge-aggregate" and self.forge_push == "flip"):
+        if a == "partial":  # what it trained, with the claim of its whole plan (the trainer reported it)
+            out, claim = delta, max(tokens, cap)
+        elif a == "stealth-flip":
+            out, claim = stealth_flip(delta), tokens
+        elif a == "flip" or (a == "forge-aggregate" and self.forge_push == "flip"):
             out, claim = -delta, tokens
         elif a in ("inflate", "rogue-leader"):
             out, claim = -delta, max(tokens, cap)

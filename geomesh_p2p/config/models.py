@@ -138,6 +138,16 @@ class RunConfig(BaseModel):
         gt=0,
         le=1,
     )
+    min_support: Optional[float] = opt(
+        0.5,
+        "robust rules also drop a contribution whose signs side with fewer than F of the other contributors' "
+        "summed vote margin (weighted by it, so most where they agree most: a stealthy flip of the largest "
+        "coordinates; docs/security.md); 0 = off",
+        metavar="F",
+        parse="fraction",
+        gt=0,
+        le=1,
+    )
     quorum: float = opt(
         0.5,
         "a part result counts only if it holds contributions of at least F of the round's participants",

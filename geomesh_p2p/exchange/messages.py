@@ -462,6 +462,14 @@ def read_result(
     # A contribution the agreement filter dropped delivered nothing to this part: it is not listed as a
     # contributor (every reader drops the same ones), so one dropped everywhere counts as a no-show.
     listed = [(c.sender, n) for i, (c, n) in enumerate(zip(ordered, used)) if i not in set(dropped)]
+    if dropped:  # every reader drops the same ones: the same line at every peer
+        log.info(
+            "round %d: part %d: the aggregation's agreement/support filter dropped %s of %d contribution(s)",
+            spec.round,
+            j,
+            ", ".join(str(ordered[i].sender)[:10] for i in sorted(set(dropped))),
+            len(ordered),
+        )
     packets = {c.sender: c.packet for c in ordered if isinstance(c.packet, compression.SignPacket)}
     return agg, listed, max((c.compute_end for c in ordered), default=0.0), packets
 

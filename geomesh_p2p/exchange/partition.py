@@ -218,6 +218,8 @@ class CollectiveSpec:
         weight_cap: each contributor's weight is at most this multiple of the median weight (None = off).
         min_agreement: robust rules drop a contribution whose signs agree with the first-pass consensus
             on fewer than this share of elements (None = off).
+        min_support: robust rules also drop a contribution whose signs side with less than this share of the
+            others' summed vote margin (:func:`geomesh_p2p.exchange.robust.aggregate_part`; None = off).
         quorum: a part result counts only when it aggregates at least ``ceil(quorum x participants)``
             contributions (0 = any); below it every reader treats the part as missing (the same bytes
             give the same decision everywhere), so an owner cannot replace the group's update with its own.
@@ -250,6 +252,7 @@ class CollectiveSpec:
     rule: str = "mean"
     weight_cap: Optional[float] = None
     min_agreement: Optional[float] = None
+    min_support: Optional[float] = None
     quorum: float = 0.0
     probation: Sequence[str] = ()
     grace_s: float = 1.0
@@ -300,7 +303,7 @@ class CollectiveSpec:
             raise ValueError("pull_deadline must not be before deadline")
         if self.rule not in aggregation.RULES:
             raise ValueError(f"rule must be one of {aggregation.RULES}, got {self.rule!r}")
-        for name in ("weight_cap", "min_agreement"):
+        for name in ("weight_cap", "min_agreement", "min_support"):
             x = getattr(self, name)
             if x is not None:
                 object.__setattr__(self, name, float(x))
@@ -341,6 +344,7 @@ class CollectiveSpec:
             "rule": self.rule,
             "weight_cap": self.weight_cap,
             "min_agreement": self.min_agreement,
+            "min_support": self.min_support,
             "quorum": self.quorum,
             "probation": list(self.probation),
             "grace_s": self.grace_s,
@@ -362,6 +366,10 @@ class CollectiveSpec:
             d["grace_s"] = repr(self.grace_s)
         else:  # specs without probation keep the spec_id they had before the field existed
             del d["probation"], d["grace_s"]
+        if self.min_support is None:  # likewise: specs without the support filter keep their spec_id
+            del d["min_support"]
+        else:
+            d["min_support"] = repr(self.min_support)
         if self.mode != "accountable":  # likewise: only accountable specs name their validators
             del d["validators_per_part"]
         return json.dumps(d, sort_keys=True, separators=(",", ":"))
@@ -401,6 +409,7 @@ class CollectiveSpec:
             clip_k=self.clip_k,
             weight_cap=self.weight_cap,
             min_agreement=self.min_agreement,
+            min_support=self.min_support,
             dropped=dropped,
             out=out,
         )

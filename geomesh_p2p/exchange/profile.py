@@ -24,6 +24,7 @@ def measure_codec(
     rule: str = "mean",
     weight_cap: Optional[float] = None,
     min_agreement: Optional[float] = None,
+    min_support: Optional[float] = None,
     clip_k: Optional[float] = 4.0,
     contributors: int = 3,
     repeats: int = 1,
@@ -61,6 +62,7 @@ def measure_codec(
         rule=rule,
         weight_cap=weight_cap,
         min_agreement=min_agreement,
+        min_support=min_support,
         clip_k=clip_k,
     )
     verifier = Verifier("codec-probe")

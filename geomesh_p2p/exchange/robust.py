@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import sys
+from fractions import Fraction
 from typing import Any, Optional, Sequence
 
 import torch
@@ -35,7 +36,15 @@ from geomesh_p2p.exchange.codec.sign import _run_parallel
 RULES = ("mean", "vote", "meanmed")
 ROBUST_RULES = ("vote", "meanmed")
 
-__all__ = ["RULES", "ROBUST_RULES", "bounded_weights", "median_rows", "token_weighted_mean", "aggregate_part"]
+__all__ = [
+    "RULES",
+    "ROBUST_RULES",
+    "bounded_weights",
+    "median_rows",
+    "token_weighted_mean",
+    "aggregate_part",
+    "support_counts",
+]
 
 
 def median_rows(x: torch.Tensor) -> torch.Tensor:
@@ -255,7 +264,132 @@ def _keep_mask(n_both: Sequence[int], n_agree: Sequence[int], min_agreement: flo
     return [n == 0 or a >= min_agreement * n for n, a in zip(n_both, n_agree)]
 
 
-def _table_path(pos, numel, block, rule, weight_cap, min_agreement, t_all, res) -> list[bool]:
+def _table_support(hist: torch.Tensor, act_k: torch.Tensor, c: int, sel: Sequence[int]) -> tuple[list[int], list[int]]:
+    """The support counts (:func:`_robust_sign` step 3b) of the items ``sel`` on the table path: ``hist``
+    [npat, 2^C] int64 counts of (block pattern, sign pattern), ``act_k`` [C, npat] bool (item i votes in block
+    pattern k). Per item i of ``sel``: the sum over its voting elements of ``|m|`` and of ``|m|`` where its sign is
+    the sign of ``m``, ``m`` = the vote margin of the *other* items of ``sel`` (+1 per one voting +, -1 per one
+    voting -)."""
+    ns = hist.shape[1]
+    bit = (torch.arange(ns)[None, :] >> torch.arange(c)[:, None]) & 1  # [C, ns]: 1 = negative
+    act = act_k.to(torch.int64)  # [C, npat]
+    vote = act[:, :, None] * (1 - 2 * bit)[:, None, :]  # [C, npat, ns]: item i's vote (0 where it abstains)
+    margin = vote[list(sel)].sum(dim=0)  # [npat, ns]
+    n_w, n_agree = [], []
+    for i in sel:
+        m = margin - vote[i]
+        w = m.abs() * act[i][:, None]
+        n_w.append(int((hist * w).sum()))
+        n_agree.append(int((hist * w * (vote[i] * m > 0)).sum()))
+    return n_w, n_agree
+
+
+def _support_keep(keep: list[bool], counts, min_support: float) -> list[bool]:
+    """The support filter (:func:`_robust_sign` step 3b) over the items ``keep`` leaves in: while more than two
+    remain, the one of lowest support (ties: the lowest index) is dropped if below ``min_support``, and the
+    others' supports are measured again without it. One at a time, because a dropped item must not weigh in the
+    margins the rest are judged by (with 2 honest items and 1 stealthy flip, the flip halves an honest item's
+    "others"). ``counts(sel)`` -> the support counts of the items ``sel``. Exact: integer counts compared as
+    fractions."""
+    sel = [i for i, k in enumerate(keep) if k]
+    while len(sel) > 2:
+        n_w, n_agree = counts(sel)
+        low = [(Fraction(a, n), i) for i, n, a in zip(sel, n_w, n_agree) if n > 0 and a < min_support * n]
+        if not low:
+            break
+        sel.remove(min(low)[1])
+    return [i in sel for i in range(len(keep))]
+
+
+_VOTE_LUT: Optional[torch.Tensor] = None  # fp32 [256, 8]: bit j of b -> -1.0 if set (negative) else +1.0
+
+
+def _vote_lut() -> torch.Tensor:
+    global _VOTE_LUT
+    if _VOTE_LUT is None:
+        _VOTE_LUT = (1.0 - 2.0 * _bit_unpack().to(torch.float32)).contiguous()
+    return _VOTE_LUT
+
+
+def _block_sums(x: torch.Tensor, block: int) -> torch.Tensor:
+    """Per block of ``x`` [n] (the chunk starts on a block boundary), the sum -> [ceil(n / block)]."""
+    n = x.numel()
+    nfull = n // block
+    parts = [x[: nfull * block].view(nfull, block).sum(dim=1)] if nfull else []
+    if nfull * block < n:
+        parts.append(x[nfull * block :].sum().reshape(1))
+    return torch.cat(parts)
+
+
+def _stream_support(pos, was, numel: int, block: int, sel: Sequence[int]) -> tuple[list[int], list[int]]:
+    """The support counts of :func:`_table_support` for the items ``sel`` of any number, from the packed sign
+    bits (``was[i]`` [nb] fp32: item i's per-block weight, 0 where it abstains).
+
+    With M the margin of all of ``sel`` at an element and v in {-1, 0, +1} an item's vote, the others' margin is
+    ``m = M - v``, so an item's counts are ``sum |m| = sum_{v=+1} |M - 1| + sum_{v=-1} |M + 1|`` and ``sum of |m|
+    where v m > 0 = sum_{v=+1} relu(M - 1) + sum_{v=-1} relu(-M - 1)``. Per chunk of whole blocks and bytes: the
+    votes V [C, n] (fp32 +-1 / 0: a table lookup per packed byte, times the block's 0/1), M their sum, the four
+    functions of M as F [n, 4], and ``V @ F`` (fp32: integers whose sums stay below 2^24 in a chunk, so exact in any
+    order), accumulated in float64; ``sum_{v=+-1} f = (|v| . f +- v . f) / 2`` with ``|v| . f`` from per-block sums
+    of f (|v| is the block's 0/1). Every value is an integer below 2^53: exact."""
+    c = len(sel)
+    lut = _vote_lut()
+    align = 8 * block // math.gcd(8, block)
+    # chunks under torch's grain, and every op on one row of one: it runs inline in this thread (no OpenMP team
+    # and barrier per op, which on shared loaded cores costs a time slice: see _segments)
+    chunk = (_GRAIN - 1) // align * align if align < _GRAIN else align
+    chunk = max(align, min(chunk, (1 << 24) // (c + 1) // align * align))  # fp32 sums below 2^24 (below)
+    dots = torch.zeros(c, 4, dtype=torch.float64)  # v . f
+    absd = torch.zeros(c, 4, dtype=torch.float64)  # |v| . f
+    active = [(was[i] != 0).to(torch.float32) for i in sel]
+    votes = torch.empty(c, min(chunk, numel), dtype=torch.float32)
+    f = torch.empty(4, min(chunk, numel), dtype=torch.float32)
+    total = torch.empty(min(chunk, numel), dtype=torch.float32)
+    for lo in range(0, numel, chunk):
+        hi = min(numel, lo + chunk)
+        n = hi - lo
+        b0, nb = lo // block, (n + block - 1) // block
+        vs, fs, tot = votes[:, :n], f[:, :n], total[:n]
+        tot.zero_()
+        for j, i in enumerate(sel):
+            signs = pos[i][1].signs[lo // 8 : (hi + 7) // 8].to(torch.int32)
+            v = vs[j]
+            v.copy_(torch.index_select(lut, 0, signs).reshape(-1)[:n])
+            _blockwise(v, active[j][b0:], block, "mul_")
+            tot.add_(v)  # exact: integers of at most C
+        fs[0].copy_(tot).sub_(1).abs_()
+        fs[1].copy_(tot).add_(1).abs_()
+        fs[2].copy_(tot).sub_(1).clamp_(min=0)
+        fs[3].copy_(tot).neg_().sub_(1).clamp_(min=0)
+        # fp32 products of integers whose sums stay below 2^24 (chunk x (C + 1)): exact in any order
+        dots += (vs @ fs.T).to(torch.float64)
+        sums = torch.stack([_block_sums(fs[k], block) for k in range(4)], dim=1).to(torch.float64)  # [nb, 4]
+        for j in range(c):
+            absd[j] += active[j][b0 : b0 + nb].to(torch.float64) @ sums
+    plus = ((absd + dots) / 2).round().to(torch.int64).tolist()
+    minus = ((absd - dots) / 2).round().to(torch.int64).tolist()
+    n_w = [p[0] + q[1] for p, q in zip(plus, minus)]
+    agree = [p[2] + q[3] for p, q in zip(plus, minus)]
+    return n_w, agree
+
+
+def support_counts(packets: Sequence[Any]) -> tuple[list[int], list[int]]:
+    """The support filter's integer counts of one part's sign packets (all of ``numel`` elements and one block
+    size; :func:`_robust_sign` step 3b, every packet in, unweighted): per packet, ``sum |m|`` over its voting
+    elements and the part of it where its sign is ``m``'s, ``m`` = the other packets' vote margin. The same
+    numbers the aggregation decides on in its first pass, for the record (``trust/agreement.py``). Blocking: one
+    pass over the bits. Raises ValueError for packets of different sizes or blocks."""
+    if not packets:
+        return [], []
+    numel, block = packets[0].numel, packets[0].block_size
+    if any(p.numel != numel or p.block_size != block for p in packets):
+        raise ValueError("every packet must have the same numel and block size")
+    pos = [(1, p) for p in packets]
+    was = [(p.scales > 0).to(torch.float32) for p in packets]
+    return _stream_support(pos, was, numel, block, list(range(len(packets))))
+
+
+def _table_path(pos, numel, block, rule, weight_cap, min_agreement, t_all, res, min_support=None) -> list[bool]:
     """vote / meanmed of ``pos`` (C <= 8 items, same numel and block) into ``res``; returns the keep mask."""
     c = len(pos)
     ns = 1 << c
@@ -273,7 +407,7 @@ def _table_path(pos, numel, block, rule, weight_cap, min_agreement, t_all, res) 
     multi = npat > 1
     offs = (inv * ns).to(torch.int32) if multi else None
     bounds, workers = _segments(numel, block)
-    filt = min_agreement is not None and c > 2
+    filt = (min_agreement is not None or min_support is not None) and c > 2
     hists: list[torch.Tensor] = []
 
     def keys(key: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
@@ -334,13 +468,16 @@ def _table_path(pos, numel, block, rule, weight_cap, min_agreement, t_all, res) 
     keep = [True] * c
     if filt:
         hist = torch.stack(hists).sum(dim=0).view(npat, ns)
-        cons = torch.sign(v)
-        n_both, n_agree = [], []
-        for x in xs:
-            both = (x != 0) & (cons != 0)
-            n_both.append(int(hist[both].sum()))
-            n_agree.append(int(hist[both & ((x > 0) == (cons > 0))].sum()))
-        keep = _keep_mask(n_both, n_agree, min_agreement)
+        if min_agreement is not None:
+            cons = torch.sign(v)
+            n_both, n_agree = [], []
+            for x in xs:
+                both = (x != 0) & (cons != 0)
+                n_both.append(int(hist[both].sum()))
+                n_agree.append(int(hist[both & ((x > 0) == (cons > 0))].sum()))
+            keep = _keep_mask(n_both, n_agree, min_agreement)
+        if min_support is not None:
+            keep = _support_keep(keep, lambda sel: _table_support(hist, act_k, c, sel), min_support)
         if not all(keep) and any(keep):
             sel = [i for i in range(c) if keep[i]]
             v, _ = table(sel, min(t_all, _median_int([pos[i][0] for i in sel])))
@@ -362,7 +499,7 @@ def _table_path(pos, numel, block, rule, weight_cap, min_agreement, t_all, res) 
     return keep
 
 
-def _stream_path(pos, numel, block, rule, weight_cap, min_agreement, t_all, res) -> list[bool]:
+def _stream_path(pos, numel, block, rule, weight_cap, min_agreement, t_all, res, min_support=None) -> list[bool]:
     """vote / meanmed of ``pos`` (any count) into ``res``, one decoded contribution at a time."""
     x = torch.empty(numel, dtype=torch.float32)
 
@@ -382,39 +519,42 @@ def _stream_path(pos, numel, block, rule, weight_cap, min_agreement, t_all, res)
     sel = list(range(c))
     was = combine(sel, t_all)
     keep = [True] * c
-    if min_agreement is not None and c > 2:
-        # x_i != 0 exactly where w_i a_ib != 0 (a whole block); x_i > 0 where moreover its sign bit is 0.
-        cons_nz = torch.ne(res, 0).view(torch.uint8)
-        cons_neg = torch.lt(res, 0).view(torch.uint8)
-        nz_blocks = torch.zeros(len(was[0]), dtype=torch.int64)
-        nfull = numel // block
-        if nfull:
-            nz_blocks[:nfull] = cons_nz[: nfull * block].view(nfull, block).sum(dim=1, dtype=torch.int64)
-        if nfull * block < numel:
-            nz_blocks[nfull:] = cons_nz[nfull * block :].sum(dtype=torch.int64)
-        unpack = _bit_unpack()
-        bits = torch.empty((numel + 7) // 8 * 8, dtype=torch.uint8)
-        mism = torch.empty(numel, dtype=torch.uint8)
-        n_both, n_agree = [], []
-        for wa, (_, p) in zip(was, pos):
-            votes = wa != 0
-            n = int(nz_blocks[votes].sum())
-            torch.index_select(unpack, 0, p.signs.to(torch.int32), out=bits.view(-1, 8))
-            torch.bitwise_xor(bits[:numel], cons_neg, out=mism)
-            mism.bitwise_and_(cons_nz)
-            if bool(votes.all()):
-                bad = int(mism.sum(dtype=torch.int64))
-            else:
-                per = torch.zeros(len(wa), dtype=torch.int64)
-                if nfull:
-                    per[:nfull] = mism[: nfull * block].view(nfull, block).sum(dim=1, dtype=torch.int64)
-                if nfull * block < numel:
-                    per[nfull:] = mism[nfull * block :].sum(dtype=torch.int64)
-                bad = int(per[votes].sum())
-            n_both.append(n)
-            n_agree.append(n - bad)
-        del bits, mism, cons_nz, cons_neg
-        keep = _keep_mask(n_both, n_agree, min_agreement)
+    if (min_agreement is not None or min_support is not None) and c > 2:
+        if min_agreement is not None:
+            # x_i != 0 exactly where w_i a_ib != 0 (a whole block); x_i > 0 where moreover its sign bit is 0.
+            cons_nz = torch.ne(res, 0).view(torch.uint8)
+            cons_neg = torch.lt(res, 0).view(torch.uint8)
+            nz_blocks = torch.zeros(len(was[0]), dtype=torch.int64)
+            nfull = numel // block
+            if nfull:
+                nz_blocks[:nfull] = cons_nz[: nfull * block].view(nfull, block).sum(dim=1, dtype=torch.int64)
+            if nfull * block < numel:
+                nz_blocks[nfull:] = cons_nz[nfull * block :].sum(dtype=torch.int64)
+            unpack = _bit_unpack()
+            bits = torch.empty((numel + 7) // 8 * 8, dtype=torch.uint8)
+            mism = torch.empty(numel, dtype=torch.uint8)
+            n_both, n_agree = [], []
+            for wa, (_, p) in zip(was, pos):
+                votes = wa != 0
+                n = int(nz_blocks[votes].sum())
+                torch.index_select(unpack, 0, p.signs.to(torch.int32), out=bits.view(-1, 8))
+                torch.bitwise_xor(bits[:numel], cons_neg, out=mism)
+                mism.bitwise_and_(cons_nz)
+                if bool(votes.all()):
+                    bad = int(mism.sum(dtype=torch.int64))
+                else:
+                    per = torch.zeros(len(wa), dtype=torch.int64)
+                    if nfull:
+                        per[:nfull] = mism[: nfull * block].view(nfull, block).sum(dim=1, dtype=torch.int64)
+                    if nfull * block < numel:
+                        per[nfull:] = mism[nfull * block :].sum(dtype=torch.int64)
+                    bad = int(per[votes].sum())
+                n_both.append(n)
+                n_agree.append(n - bad)
+            del bits, mism, cons_nz, cons_neg
+            keep = _keep_mask(n_both, n_agree, min_agreement)
+        if min_support is not None:
+            keep = _support_keep(keep, lambda sel: _stream_support(pos, was, numel, block, sel), min_support)
         if not all(keep) and any(keep):
             sel = [i for i in range(c) if keep[i]]
             combine(sel, min(t_all, _median_int([pos[i][0] for i in sel])))
@@ -436,6 +576,7 @@ def _robust_sign(
     min_agreement: Optional[float],
     dropped: Optional[list] = None,
     out: Optional[torch.Tensor] = None,
+    min_support: Optional[float] = None,
 ) -> torch.Tensor:
     """``vote`` / ``meanmed`` over sign packets (tokens capped by the plan), in the given order.
 
@@ -451,6 +592,16 @@ def _robust_sign(
        step 2 runs again over the kept ones, with ``T = min(T, median of the kept)``. Honest pseudo-
        gradients of one round agree with each other (> 0.5); a flipped one is anti-correlated. If every
        item would be dropped, none is.
+    3b. Support filter (``min_support``, C > 2; issue 28's stealthy flip): an item is also dropped when, over
+       the elements where it votes, its signs side with the *others'* vote margin ``m`` (+1 per other item
+       voting + there, -1 per one voting -; unweighted) on less than ``min_support`` of ``sum |m|`` (integer
+       counts: exact). Weighting by ``|m|`` counts most the elements where the others agree most, i.e. where
+       the true update is largest; an honest item of few inner steps is noisy evenly, so it still sides with
+       them there (measured: docs/security.md "Stealthy attacks"), while one that flipped its largest
+       coordinates opposes them exactly there. With ``min_support = 0.5`` the rule reads: dropped when its
+       signs are anti-correlated with the others' summed votes. Over the items step 3 keeps, one at a time:
+       while more than two remain, the lowest below ``min_support`` is dropped and the rest measured again
+       without it (:func:`_support_keep`). Then one re-run of step 2 over the items both filters keep.
     4. Magnitude ``m_b = min(M_b, median of the kept items' scales)``: ``vote`` -> ``sign(v) * m_b`` (ties
        give 0); ``meanmed`` -> ``v * m_b``. So ``|out| <= M_b``: bounded by the honest scales whenever the
        honest items are a strict majority, whatever the rest send.
@@ -474,7 +625,9 @@ def _robust_sign(
             raise ValueError(f"every packet must hold {numel} elements in blocks of {block}")
     t_all = _median_int([n for n, _ in pos])
     table = len(pos) <= _TABLE_MAX_ITEMS and numel > 0 and sys.byteorder == "little"
-    keep = (_table_path if table else _stream_path)(pos, numel, block, rule, weight_cap, min_agreement, t_all, res)
+    keep = (_table_path if table else _stream_path)(
+        pos, numel, block, rule, weight_cap, min_agreement, t_all, res, min_support
+    )
     if not all(keep) and dropped is not None:
         gone = {id(p) for (_, p), k in zip(pos, keep) if not k}
         dropped.extend(i for i, (_, p) in enumerate(items) if id(p) in gone)
@@ -492,6 +645,7 @@ def aggregate_part(
     min_agreement: Optional[float] = 0.5,
     dropped: Optional[list] = None,
     out: Optional[torch.Tensor] = None,
+    min_support: Optional[float] = None,
 ) -> torch.Tensor:
     """The aggregate of one part under ``rule``: what every peer applies for that range.
 
@@ -506,8 +660,9 @@ def aggregate_part(
         weight_cap: bound on each weight as a multiple of the median weight (None = off); applied by
             every rule.
         min_agreement: robust rules: the agreement filter's threshold (None = off).
-        dropped: if a list is given, the indices (into ``items``) of the items the agreement filter
-            dropped are appended to it (the same on every peer: the collective leaves them out of the
+        min_support: robust rules: the support filter's threshold (:func:`_robust_sign` step 3b; None = off).
+        dropped: if a list is given, the indices (into ``items``) of the items the agreement or support
+            filter dropped are appended to it (the same on every peer: the collective leaves them out of the
             part's contributors, so a peer dropped in every part counts as having delivered nothing).
         out: optional contiguous fp32 tensor [numel] the result is written into (see
             :func:`token_weighted_mean`).
@@ -525,4 +680,4 @@ def aggregate_part(
         return token_weighted_mean(
             [(w, p) for w, (_, p) in zip(weights, items)], numel, clip_k=clip_k, encoding=encoding, out=out
         )
-    return _robust_sign(items, numel, rule, weight_cap, min_agreement, dropped, out)
+    return _robust_sign(items, numel, rule, weight_cap, min_agreement, dropped, out, min_support)

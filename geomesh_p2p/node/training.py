@@ -265,6 +265,7 @@ def build_training(node: PeerNode) -> None:
         rule=rule.rule,
         weight_cap=r.weight_cap,
         min_agreement=r.min_agreement,
+        min_support=r.min_support,
         clip_k=r.clip_k,
     )
     log.info(

@@ -19,6 +19,12 @@ reference, and the threshold follows the honest spread as training tightens it. 
 almost exactly would otherwise make any float difference an outlier), and no relative test under
 ``min_contributors`` (the median of two or three says little).
 
+:func:`supports` records, per contributor, the statistic that decides instead (session 19): its share of the
+other contributors' summed vote margin, the support filter the aggregation applies per part
+(``exchange/robust.py``, ``min_support``; docs/security.md "Stealthy attacks: the support filter"). Unlike
+agreement it does not grow with the steps a contribution holds: in the clean 4-peer process run the slowest honest
+peer's support was 0.817-0.858 against the others' 0.821-0.871.
+
 Advisory so far: the node records each round's figures (the row's ``extra["verify"]["agreement"]``) and logs
 the outliers; it does not drop or exclude on them. In a clean 4-peer process run it flagged the slowest honest
 peer (1-6 steps a round against 5-23) in every round: agreement grows with the steps a contribution holds, so
@@ -35,8 +41,9 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from geomesh_p2p.exchange import codec as compression
+from geomesh_p2p.exchange.robust import support_counts
 
-__all__ = ["AgreementTest", "sign_agreements", "relative_threshold", "MAD_SCALE"]
+__all__ = ["AgreementTest", "sign_agreements", "supports", "relative_threshold", "MAD_SCALE"]
 
 #: The modified z-score's constant: 0.6745 = the 0.75 quantile of the standard normal, so that
 #: ``MAD / 0.6745`` estimates the standard deviation of normal data (Iglewicz and Hoaglin 1993).
@@ -68,6 +75,32 @@ def sign_agreements(
         if both:
             out[sender] = agree / both
     return out
+
+
+def supports(
+    contributions: Mapping[str, Mapping[int, Any]], part_ranges: Sequence[tuple[int, int]]
+) -> dict[str, float]:
+    """Each contributor's *support* over the parts it sent (sign packets only): the share of the other
+    contributors' summed vote margin its signs side with, summed over the parts (integer counts, so the same
+    figures everywhere): what the aggregation's support filter decides on per part (``min_support``,
+    :func:`geomesh_p2p.exchange.robust.support_counts`), here over the round for the record. A contributor with no
+    such element is left out. Blocking: off the event loop."""
+    total: dict[str, list[int]] = {}
+    for j in range(len(part_ranges)):
+        senders = sorted(
+            s
+            for s in contributions
+            if isinstance(contributions[s].get(j), compression.SignPacket)
+            and contributions[s][j].numel == part_ranges[j][1] - part_ranges[j][0]
+        )
+        if len(senders) < 3:
+            continue
+        n_w, n_agree = support_counts([contributions[s][j] for s in senders])
+        for s, n, a in zip(senders, n_w, n_agree):
+            t = total.setdefault(s, [0, 0])
+            t[0] += n
+            t[1] += a
+    return {s: a / n for s, (n, a) in sorted(total.items()) if n}
 
 
 @dataclass(frozen=True)

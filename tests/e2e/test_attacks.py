@@ -56,7 +56,7 @@ FAST_ATTACKS = ["flipmax", "forge-aggregate", "rogue-leader", "inflate"]
 #: Flags of the attacker. In relay mode (the default) a forging owner can only drop contributions; keeping
 #: only its own 1000x one makes the forgery count (a plain flipped one moved the first version only to ~1k).
 ATTACKER_FLAGS = {"forge-aggregate": ["--forge-push", "flipmax"]}
-SLOW_ATTACKS = ["flip", "zeros", "stale", "noise"]
+SLOW_ATTACKS = ["flip", "zeros", "stale", "noise", "stealth-flip", "partial"]
 
 _ALL = os.environ.get("GEOMESH_ALL_ATTACKS") == "1"
 _slow = pytest.mark.skipif(

@@ -46,6 +46,7 @@ def _expected(spec, deltas, tokens, who):
             rule=spec.rule,
             weight_cap=spec.weight_cap,
             min_agreement=spec.min_agreement,
+            min_support=spec.min_support,
             clip_k=spec.clip_k,
         )
     return out
@@ -75,6 +76,39 @@ async def test_a_flipping_contributor_has_no_say_in_relay_mode(swarms):
     # The relayed packets are exposed for verified work: every sender, every part.
     assert set(res[0].contributions) == set(sw.pids)
     assert all(set(v) == {0, 1, 2, 3} for v in res[0].contributions.values())
+
+
+class _StealthFlip(CollectiveService):
+    """Pushes its delta with the 45% largest-magnitude coordinates flipped (the issue-28 red team's stealthy flip)."""
+
+    async def all_reduce(self, spec, delta, tokens, compute_end=None, *, in_place=False):
+        from tests.adversary import stealth_flip
+
+        return await super().all_reduce(spec, stealth_flip(delta), tokens, compute_end, in_place=in_place)
+
+
+@pytest.mark.parametrize("mode", ["relay", "reencode"])
+async def test_the_support_filter_drops_a_stealthy_flip_at_every_peer(swarms, mode):
+    sw = await swarms(4, service_cls=[CollectiveService] * 3 + [_StealthFlip])
+    numel = 4 * 2048 * 3
+    g = torch.Generator().manual_seed(3)
+    true = torch.exp(torch.randn(numel, generator=g)) * torch.sign(torch.randn(numel, generator=g))
+    deltas = {p: true + lvl * torch.randn(numel, generator=g) for p, lvl in zip(sw.pids, (0.8, 3.0, 1.5, 0.8))}
+    spec = sw.spec(numel, mode=mode, deadline_s=10.0, min_support=0.5, **ROBUST)
+    res = await asyncio.gather(*[s.all_reduce(spec, deltas[p], 1000) for s, p in zip(sw.services, sw.pids)])
+    assert all(r.missing_parts == [] for r in res)
+    assert all(torch.equal(r.aggregate, res[0].aggregate) for r in res)
+    # every part: the three honest contributors only (so the flip is a no-show for the planner)
+    assert all(sorted(dict(who)) == sorted(sw.pids[:3]) for who in res[0].contributors.values())
+    if mode == "relay":  # no say in any sign: those of the rule over the honest contributions alone (the
+        # magnitude is min(median scale of all, of the kept), so it is not the honest-only one bit for bit)
+        honest = {p: deltas[p] for p in sw.pids[:3]}
+        alone = _expected(spec, honest, {p: 1000 for p in honest}, sw.pids[:3])
+        assert torch.equal(torch.sign(res[0].aggregate), torch.sign(alone))
+    # without the support filter the fixed 0.5 agreement filter lets it in (what the red team found)
+    spec = sw.spec(numel, mode=mode, round=2, deadline_s=10.0, **ROBUST)
+    res = await asyncio.gather(*[s.all_reduce(spec, deltas[p], 1000) for s, p in zip(sw.services, sw.pids)])
+    assert all(sw.pids[3] in dict(who) for who in res[0].contributors.values())
 
 
 async def _round_with_evil_owner(swarms, evil_cls, *, seed: int):

@@ -57,6 +57,7 @@ def collective_spec(plan, run_cfg: RunConfig, numel: int, max_message_bytes: int
         rule=rule.rule,
         weight_cap=run_cfg.weight_cap,
         min_agreement=run_cfg.min_agreement,
+        min_support=run_cfg.min_support,
         quorum=run_cfg.quorum,
         probation=plan.probation(),
         grace_s=pb.early_close_grace_s(plan.window_s),

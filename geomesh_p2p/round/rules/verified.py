@@ -21,6 +21,24 @@ log = logging.getLogger("geomesh_p2p.node.peer.round")
 __all__ = ["VerifiedWork"]
 
 
+def _claimed_steps(contributions, plan) -> dict[str, int]:
+    """The inner steps each contributor's token claim implies at its planned batch (``tokens // (batch x
+    seq_len)``, from any of its sign packets); contributors the plan does not name are left out."""
+    out: dict[str, int] = {}
+    if plan is None:
+        return out
+    for p, parts in contributions.items():
+        try:
+            asg = plan.assignment(p)
+        except KeyError:  # not in the plan: nothing to say
+            continue
+        per_step = max(1, int(asg.batch_size) * int(plan.seq_len))
+        toks = [int(getattr(pk, "tokens", 0)) for pk in parts.values()]
+        if toks:
+            out[p] = max(toks) // per_step
+    return out
+
+
 class VerifiedWork:
     """This peer's verified work.
 
@@ -50,6 +68,8 @@ class VerifiedWork:
         self.task: Optional[asyncio.Future] = None
         #: (round, its relative agreement test) of the newest round measured (advisory, issue 28)
         self.agreement: Optional[tuple[int, agreement.AgreementTest]] = None
+        #: (round, each contributor's support, the inner steps its claim implies) of that round (the record)
+        self.support: Optional[tuple[int, dict[str, float], dict[str, int]]] = None
         # the verdicts while no verifier is built (a --resume's, in force from the first plan); handed over
         self._book = verify.Verdicts(state.me or "")
 
@@ -141,6 +161,9 @@ class VerifiedWork:
         if self.agreement is not None:
             r, test = self.agreement
             out["agreement"] = {"round": r, **test.as_dict()}
+            if self.support is not None and self.support[0] == r:
+                out["agreement"]["support"] = {p[:10]: round(v, 4) for p, v in self.support[1].items()}
+                out["agreement"]["claimed_steps"] = {p[:10]: h for p, h in self.support[2].items()}
         return out
 
     def verify_round(self, r: int, plan, a, ar) -> None:
@@ -158,7 +181,7 @@ class VerifiedWork:
             if running is not None and not running.done():
                 log.debug("round %d: verified work: the previous round's evidence is still being read", r)
                 return
-            self.task = asyncio.ensure_future(self._tend(wv, r, a, ar))
+            self.task = asyncio.ensure_future(self._tend(wv, r, a, ar, plan))
 
             def failed(t: asyncio.Future) -> None:
                 if not t.cancelled() and t.exception() is not None:
@@ -168,21 +191,37 @@ class VerifiedWork:
         except Exception as e:
             log.warning("round %d: verified work skipped: %s", r, e)
 
-    async def _tend(self, wv: verify.WorkVerifier, r: int, a, ar) -> None:
+    async def _tend(self, wv: verify.WorkVerifier, r: int, a, ar, plan=None) -> None:
         """The checks' results (:meth:`~geomesh_p2p.trust.verify.WorkVerifier.tend`), then the round's relative
         agreement test (:mod:`geomesh_p2p.trust.agreement`; advisory: recorded in the row and logged, nothing
         dropped or excluded on it). Off the round's path: a task of its own. The agreement is measured first, so
         the round's aggregate ([P]) is not held while the evidence is read (issue 27: into the next round)."""
         aggregate = getattr(ar, "aggregate", None)
-        found = None
+        found = support = None
         if aggregate is not None and ar.part_ranges:
             found = await asyncio.to_thread(agreement.sign_agreements, ar.contributions, aggregate, ar.part_ranges)
+            support = await asyncio.to_thread(agreement.supports, ar.contributions, ar.part_ranges)
+        steps = _claimed_steps(ar.contributions, plan)
         del aggregate, ar
         await wv.tend(r, micro_batch=a.micro_batch)
         if found is None:
             return
         test = agreement.relative_threshold(found)
         self.agreement = (r, test)
+        self.support = (r, support or {}, steps)
+        # Per contributor, for the record (docs/security.md "Stealthy attacks": measured from these lines): its
+        # plain agreement, its support (what the aggregation's support filter decides on, per part) and the
+        # inner steps its token claim implies at its planned batch.
+        log.info(
+            "round %d: contributions (agreement / support / claimed steps): %s",
+            r,
+            ", ".join(
+                f"{p[:10]} {found[p]:.3f} / {support[p]:.3f} / {steps.get(p, '?')}"
+                for p in sorted(found)
+                if support and p in support
+            )
+            or "none measured",
+        )
         if test.outliers:
             log.info(
                 "round %d: sign agreement with the aggregate below the round's relative threshold %.3f (median "
