@@ -102,3 +102,30 @@ async def test_outer_update_is_not_served_to_one_caller_in_a_loop(donor):
     assert got[3:] == ["PERMISSION_DENIED"] * 3, got
     # another caller is still served
     assert await _stream(client(), addr, STATE_UPDATE, state_pb2.StateRequest(round=5)) == got[0]
+
+
+@pytest.mark.timeout(60)
+async def test_a_stream_dropped_midway_releases_its_reserved_bytes(donor):
+    """The reservation of a stream the caller drops after one chunk is released: only the bytes sent count, so
+    the caller still gets its three whole states afterwards (less the chunk it got), and nothing stays reserved."""
+    gs, srv, addr, _, client = donor
+    joiner = client()
+    req = state_pb2.StateRequest(round=5)
+    agen = joiner.call_stream(addr, STATE_GET, req.SerializeToString(), round=5, timeout=20)
+    first = await agen.__anext__()
+    assert len(state_pb2.StateChunk.FromString(first.payload).data) == CHUNK
+    await agen.aclose()
+    for _ in range(50):
+        if not srv._pending:
+            break
+        await asyncio.sleep(0.05)
+    assert srv._pending == {}
+    sent = srv._served[(5, str(joiner.identity.peer_id))][0]  # the chunks the server got out before the close
+    assert CHUNK <= sent < gs.nbytes
+    for _ in range(2):
+        assert await _stream(joiner, addr, STATE_GET, req) == gs.nbytes
+    left = gs.nbytes - sent
+    assert await _stream(joiner, addr, STATE_GET, state_pb2.StateRequest(round=5, length=left)) == left
+    with pytest.raises(RpcError) as e:
+        await _stream(joiner, addr, STATE_GET, state_pb2.StateRequest(round=5, length=1))
+    assert e.value.code.name == "PERMISSION_DENIED"
