@@ -50,3 +50,27 @@ async def test_a_joiner_with_another_record_shards_is_refused_not_left_alone():
             await check_swarm(fake)  # type: ignore[arg-type]
     finally:
         await stop_all(nodes)
+
+
+async def test_the_dht_tool_lists_a_sharded_runs_peers(capsys):
+    """``python -m geomesh_p2p.dht`` (the hand check of docs/dht.md) read ``<run>/peers`` only: at --record-shards 4
+    it printed ``"peers": []`` for a live swarm. With ``--record-shards`` it reads the run's shard keys."""
+    import json
+
+    from geomesh_p2p.dht.__main__ import build_parser, run
+
+    nodes = await start_swarm(8)
+    try:
+        writers = nodes[:4]
+        announcers = [PeerAnnouncer(n, node_record(n), period_s=30, shards=4) for n in writers]
+        assert all(await asyncio.gather(*(a.announce_once() for a in announcers)))
+        ids = sorted(n.peer_id.to_string() for n in writers)
+        ns = build_parser().parse_args(
+            ["--bootstrap", nodes[5].address, "--run-id", RUN, "--client-only", "--record-shards", "4"]
+        )
+        capsys.readouterr()
+        assert await run(ns) == 0
+        line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert sorted(line["peers"]) == ids
+    finally:
+        await stop_all(nodes)
