@@ -39,6 +39,15 @@ from geomesh_p2p.net.identity import Identity
 from geomesh_p2p.schema.peer import PeerRecord
 from geomesh_p2p.net.transport import Transport
 from geomesh_p2p.net.transport_config import TransportConfig
+from geomesh_p2p.schema.shards import check_shards
+
+
+def _shards(text: str) -> int:
+    """A --record-shards value (:func:`~geomesh_p2p.schema.shards.check_shards`); argparse's error otherwise."""
+    try:
+        return check_shards(int(text))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -73,6 +82,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="store VALUE (UTF-8) under KEY, signed by this node, re-stored every period (repeatable; default: none)",
     )
     ap.add_argument("--get", action="append", default=[], metavar="KEY", help="key to read and print (repeatable)")
+    ap.add_argument(
+        "--record-shards",
+        type=_shards,
+        default=1,
+        metavar="S",
+        help="the run's --record-shards (a power of two, 1..256): the keys its peer records live under, read for "
+        "'peers' and used by --announce (default: %(default)s)",
+    )
     seconds = number_type(float, gt=0, le=MAX_WAIT_S)  # finite: inf and nan parse as floats
     ap.add_argument("--period", type=seconds, default=1.0, help="seconds between prints (default: %(default)s)")
     ap.add_argument("--ttl", type=seconds, default=None, help="lifetime of stored values, s (default: 3 x period)")
@@ -118,13 +135,13 @@ async def run(ns: argparse.Namespace) -> int:
                 run_config_hash="none",
                 round=ns.round,
             )
-            PeerAnnouncer(node, record, period_s=ns.period, ttl_s=ttl).start()
+            PeerAnnouncer(node, record, period_s=ns.period, ttl_s=ttl, shards=ns.record_shards).start()
         puts = [p.split("=", 1) for p in ns.put]
         while True:
             for key, value in puts:
                 # signed by this node: values under a run's keys must be, and nodes keep unsigned ones briefly
                 await node.store(key, value.encode(), node.now() + ttl, owner=identity)
-            peers = [r.peer_id for r in await live_peers(node, ns.run_id)]
+            peers = [r.peer_id for r in await live_peers(node, ns.run_id, shards=ns.record_shards)]
             values = {}
             for key in ns.get:
                 found = await node.get(key)

@@ -57,6 +57,9 @@ MAX_TRACKED_CALLERS = 256
 #: bytes, so an unbounded loop of downloads by one identity made this donor's upload an amplifier (the kind the
 #: collective's per-caller serve limits close, ``exchange.owner.RESULT_SERVES_PER_CALLER``).
 STATE_SERVES_PER_CALLER = 3
+#: Whole outer updates of one round a node serves one caller (``State/GetUpdate``, bytes in units of the encoded
+#: update): a catch-up, its restart and a retry. The update is ~4P bytes (zlib): the same amplifier as the state.
+UPDATE_SERVES_PER_CALLER = 3
 
 
 class StateServer:
@@ -103,6 +106,11 @@ class StateServer:
         # (round, caller peer id) -> [bytes served, monotonic s of the last chunk, state bytes]; only rounds
         # held or kept (a request for another round is refused first), LRU-capped: bounded whatever callers send
         self._served: OrderedDict[tuple[int, str], list] = OrderedDict()
+        # (round, caller) -> bytes of that caller's streams in progress not sent yet: checked with the bytes sent,
+        # so that concurrent streams of one caller cannot each pass the check against the same count
+        self._pending: dict[tuple[int, str], int] = {}
+        # (round, caller) -> outer-update bytes served to that caller (GetUpdate), LRU-capped like _served
+        self._served_updates: OrderedDict[tuple[int, str], int] = OrderedDict()
         self._mu = threading.Lock()  # retain() runs in a worker thread, the handlers on the loop
         transport.add_stream(STATE_GET, self._handle, max_payload_bytes=1024)
         transport.add_stream(STATE_UPDATE, self._handle_update, max_payload_bytes=1024)
@@ -233,29 +241,47 @@ class StateServer:
         end = min(total, req.offset + (req.length or total))
         with self._mu:
             served = self._served[key][0] if key in self._served else 0
-        if served + (end - req.offset) > STATE_SERVES_PER_CALLER * total:
-            raise EnvelopeError(
-                grpc.StatusCode.PERMISSION_DENIED,
-                f"the state of round {rnd} was served to this caller {STATE_SERVES_PER_CALLER} times already",
-            )
-        for off in range(req.offset, end, self.chunk_bytes):
-            try:
-                data = await self._read(gs, off, min(end, off + self.chunk_bytes), rnd, dg)
-            except StateChanged as e:
-                # the state moved on mid-stream: finish from the copy retain() made of this round
+            pending = self._pending.get(key, 0)
+            if served + pending + (end - req.offset) > STATE_SERVES_PER_CALLER * total:
+                raise EnvelopeError(
+                    grpc.StatusCode.PERMISSION_DENIED,
+                    f"the state of round {rnd} was served to this caller {STATE_SERVES_PER_CALLER} times already",
+                )
+            # reserved before the first byte (a concurrent stream of this caller counts it), released as sent
+            self._pending[key] = pending + (end - req.offset)
+        unsent = end - req.offset
+        try:
+            for off in range(req.offset, end, self.chunk_bytes):
+                try:
+                    data = await self._read(gs, off, min(end, off + self.chunk_bytes), rnd, dg)
+                except StateChanged as e:
+                    # the state moved on mid-stream: finish from the copy retain() made of this round
+                    with self._mu:
+                        kept = self._kept.get(rnd)
+                    if kept is None or kept.digest != dg:
+                        raise EnvelopeError(
+                            grpc.StatusCode.FAILED_PRECONDITION, f"state of round {rnd} no longer held: {e}"
+                        ) from None
+                    gs = kept
+                    data = await self._read(gs, off, min(end, off + self.chunk_bytes), rnd, dg)
                 with self._mu:
-                    kept = self._kept.get(rnd)
-                if kept is None or kept.digest != dg:
-                    raise EnvelopeError(
-                        grpc.StatusCode.FAILED_PRECONDITION, f"state of round {rnd} no longer held: {e}"
-                    ) from None
-                gs = kept
-                data = await self._read(gs, off, min(end, off + self.chunk_bytes), rnd, dg)
+                    self._note(key, len(data), total)
+                    self._release(key, len(data))
+                unsent -= len(data)
+                yield state_pb2.StateChunk(
+                    round=rnd, digest=dg, total_bytes=total, offset=off, data=data
+                ).SerializeToString()
+        finally:
             with self._mu:
-                self._note(key, len(data), total)
-            yield state_pb2.StateChunk(
-                round=rnd, digest=dg, total_bytes=total, offset=off, data=data
-            ).SerializeToString()
+                self._release(key, unsent)
+
+    def _release(self, key: tuple[int, str], nbytes: int) -> None:
+        """Drop ``nbytes`` of ``key``'s reservation (sent, or never to be: the stream ended). Lock held."""
+        left = self._pending.get(key, 0) - nbytes
+        if left > 0:
+            self._pending[key] = left
+        else:
+            self._pending.pop(key, None)
 
     async def _handle_update(self, verified, context):
         """``State/GetUpdate``: request StateRequest(round r, offset, length) for the outer update of round
@@ -276,16 +302,37 @@ class StateServer:
         if req.offset > total:
             raise EnvelopeError(grpc.StatusCode.OUT_OF_RANGE, f"offset {req.offset} beyond {total} bytes")
         end = min(total, req.offset + (req.length or total))
+        key = (int(req.round), str(verified.sender))
+        with self._mu:
+            # charged before the first byte (concurrent streams of one caller see it), the unsent part refunded
+            done = self._served_updates.get(key, 0)
+            if done + (end - req.offset) > UPDATE_SERVES_PER_CALLER * max(1, total):
+                raise EnvelopeError(
+                    grpc.StatusCode.PERMISSION_DENIED,
+                    f"the outer update of round {req.round} was served to this caller "
+                    f"{UPDATE_SERVES_PER_CALLER} times already",
+                )
+            self._served_updates[key] = done + (end - req.offset)
+            self._served_updates.move_to_end(key)
+            while len(self._served_updates) > MAX_TRACKED_CALLERS:
+                self._served_updates.popitem(last=False)
         served = 0
-        for off in range(req.offset, end, self.chunk_bytes):
-            piece = data[off : min(end, off + self.chunk_bytes)]
-            served += len(piece)
-            if served * MIN_SHARE >= total:
-                # a real catch-up (not a 1-byte probe): encode the next rounds as soon as they are sealed
-                self.updates.note_asked()
-            yield state_pb2.StateChunk(
-                round=req.round, digest=h, total_bytes=total, offset=off, data=piece
-            ).SerializeToString()
+        try:
+            for off in range(req.offset, end, self.chunk_bytes):
+                piece = data[off : min(end, off + self.chunk_bytes)]
+                served += len(piece)
+                if served * MIN_SHARE >= total:
+                    # a real catch-up (not a 1-byte probe): encode the next rounds as soon as they are sealed
+                    self.updates.note_asked()
+                yield state_pb2.StateChunk(
+                    round=req.round, digest=h, total_bytes=total, offset=off, data=piece
+                ).SerializeToString()
+        finally:
+            unsent = (end - req.offset) - served
+            if unsent > 0:
+                with self._mu:
+                    if key in self._served_updates:
+                        self._served_updates[key] = max(0, self._served_updates[key] - unsent)
 
 
 @dataclass(frozen=True)
