@@ -235,9 +235,9 @@ def sim_row(
         find_rep_s = _env_bytes(me, dht_pb2.FindResponse(results=[res_s]).SerializeToString(), DHT_FIND + "+resp")
         full_read_rpcs = shards * read_rpcs
         full_read_b = shards * (read_rpcs * find_req + asked * find_rep_s + hops * nodes_rep)
-    # a light follower's sampled reads: the plan's check (its leader's shard, and one drawn: a second key unless the
-    # same) and the digest's (one shard)
-    s_reads = 2.0 if shards == 1 else 2.0 + (shards - 1) / shards
+    # a light follower's sampled reads: the plan's check (its leader and sample - 1 others drawn uniformly: the keys of
+    # the distinct shards among them) and the digest's (one shard: round.light.draw_in_shards)
+    s_reads = 2.0 if shards == 1 else 1.0 + shards * (1.0 - (1.0 - 1.0 / shards) ** sample)
     # a chunked plan's chunks (plan/wire.py, past ~750 participants): each read once per round (PlanReader
     # caches the assembled plan), from the first holder of the leader's subkey (dht/chunked.py: every copy is
     # the same owner-signed bytes), after the lookup's hops
@@ -267,10 +267,18 @@ def sim_row(
         asked = min(holders, what_if.sampled_quorum + ALPHA - 1)
         s_rpcs = hops + asked
         s_read_b = s_rpcs * s_req + asked * s_rep + hops * nodes_rep
+        sampled_b = s_reads * s_read_b
+        if shards > 1:
+            # the plan check's sample spread over its s_reads - 1 keys: each read carries only its own records
+            rec_b = signed[0].ByteSize()
+            keys = s_reads - 1.0
+            per = sample / keys
+            plan_b_read = s_rpcs * (find_req + per * 48) + hops * nodes_rep + asked * (nodes_rep + per * rec_b)
+            sampled_b = keys * plan_b_read + s_read_b
         light_rpcs = announces * (share * lookup + replicas) + s_reads * s_rpcs + read_rpcs + chunk_rpcs
         light_made = (
             announces * (share * store_look_b + replicas * (store_req + store_rep))
-            + s_reads * s_read_b
+            + sampled_b
             + read_rpcs * (find_req + plan_rep)
             + chunk_b
         )
@@ -363,7 +371,7 @@ async def inproc_row(
     (live_peers with ``only``: the plan's check and the digest's); the leader (node 0) stores the real plan of
     the n records and every follower reads it once. ``full_view`` 0: every node reads every record. ``shards``: the
     run's ``record_shards`` (records under that many keys; a light follower's plan check reads the leader's record
-    and others drawn a shard at a time, its digest check others drawn so: ``round.light.draw_in_shards``)."""
+    and others drawn uniformly, its digest check others drawn a shard at a time: ``round.light.draw_in_shards``)."""
     ids, recs = make_records(n, seed=n)
     rnd = random.Random(n)
     nodes: list[DHTNode] = []
@@ -393,7 +401,7 @@ async def inproc_row(
             others = [x.peer_id for x in recs[1:] if x is not recs[i]]
             # the plan's check (its leader, node 0, and others), then the digest's (others only), as round/light.py
             for picked in (
-                [recs[0].peer_id, *draw_in_shards(others, sample - 1, shards)],
+                [recs[0].peer_id, *rnd.sample(others, sample - 1)],
                 draw_in_shards(others, sample, shards),
             ):
                 got = await live_peers(nodes[i], RUN, latest=True, only=picked, quorum=sampled_quorum, shards=shards)

@@ -293,6 +293,15 @@ class PeerAnnouncer:
             if check_shards(shards) == 1
             else records_key(self.run_id, record_shard(self.identity.peer_id.to_string(), shards), shards)
         )
+        #: shard 0's peers of a sharded run also store their record under ``<run>/peers`` (a mirror nobody of the run
+        #: reads): a node started with ``record_shards`` 1 by mistake -- a joiner, a bootstrap -- then finds those
+        #: records of another run config and is refused naming ``record_shards`` (``check_swarm``), where it saw
+        #: an empty swarm and started alone (red team, session 19). ~N/S records on that key's holders: one shard's.
+        self.mirror_key = (
+            peers_key(self.run_id)
+            if shards > 1 and record_shard(self.identity.peer_id.to_string(), shards) == 0
+            else None
+        )
         self.period_s = period_s
         self.ttl_s = ttl_s if ttl_s is not None else 3 * period_s
         self._source = record
@@ -412,6 +421,11 @@ class PeerAnnouncer:
             if held is not None and held > expiration:
                 self.expires_at = held + EXPIRATION_STEP_S
                 ok = await self.node.store(self.key, data, self.expires_at, subkey=mine, owner=self.identity)
+        if self.mirror_key is not None:
+            try:  # best effort: only misconfigured nodes read it
+                await self.node.store(self.mirror_key, data, self.expires_at, subkey=mine, owner=self.identity)
+            except Exception as e:
+                log.debug("mirroring this peer's record under %s failed: %r", self.mirror_key, e)
         self.last = rec
         self.announced += 1
         return ok

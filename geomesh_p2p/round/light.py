@@ -78,11 +78,13 @@ def draw_in_shards(peers: Sequence[str], k: int, shards: int) -> list[str]:
     """``k`` of ``peers`` (all when fewer) drawn at random. With ``shards`` > 1 (the run's ``record_shards``) they are
     drawn a shard at a time: a peer drawn at random picks the shard, then others of that shard, and only when it
     holds fewer than ``k`` another shard: a sampled read then asks one or two shard keys, not up to ``k`` of them
-    (each a lookup). Every peer is still equally likely to be drawn first, and the choice is this follower's own
-    (a leader cannot know which shard is checked)."""
+    (each a lookup). Every peer is equally likely to be drawn first, but the others come from its shard: a liar
+    whose lies fill one shard is seen ~1/S of the time (red team, session 19), so only the digest check draws
+    this way (its sample is a vote, and filling a shard with identities costs S x their proof of work); the plan
+    check draws uniformly (:func:`plan_sample`)."""
     if shards <= 1:
         return _draw.sample(list(peers), min(len(peers), k))
-    left, out = list(peers), list[str]()
+    left, out = list(peers), []
     while left and len(out) < k:
         shard = record_shard(_draw.choice(left), shards)
         same = [p for p in left if record_shard(p, shards) == shard]
@@ -91,15 +93,16 @@ def draw_in_shards(peers: Sequence[str], k: int, shards: int) -> list[str]:
     return out
 
 
-def plan_sample(plan: RoundPlan, me: str, k: int, needed: Sequence[str] = (), shards: int = 1) -> list[str]:
+def plan_sample(plan: RoundPlan, me: str, k: int, needed: Sequence[str] = ()) -> list[str]:
     """The participants whose records a light follower reads to check ``plan``: its leader, every one of
     ``needed`` (whose assignment the plan alone cannot check, :func:`geomesh_p2p.plan.planner.records_needed`),
-    and others drawn at random up to ``k`` in all (by :func:`draw_in_shards` with the run's ``shards``). This peer
-    is in it only when needed (its own record is its current one, not read: the plan's lie may be about this
+    and others drawn uniformly at random up to ``k`` in all, whatever the run's ``record_shards`` (the read then asks
+    the keys of the shards drawn, ~S(1 - (1 - 1/S)^k) of them: a leader cannot hide its lies in one shard). This
+    peer is in it only when needed (its own record is its current one, not read: the plan's lie may be about this
     peer)."""
     first = list(dict.fromkeys([*([plan.leader] if plan.leader != me else []), *needed]))
     others = [p for p in plan.participants() if p != me and p not in first]
-    return first + draw_in_shards(others, max(0, k - len(first)), shards)
+    return first + _draw.sample(others, min(len(others), max(0, k - len(first))))
 
 
 async def agree(drv: RoundDriver, ctx: RoundContext) -> Optional[bool]:
@@ -194,7 +197,7 @@ async def check_sample(drv: RoundDriver, plan: RoundPlan) -> Optional[str]:
     needed = drv.policy.records_needed(plan)
     if len(needed) >= MAX_SAMPLE:
         return f"{len(needed)} participants' assignments need their records checked: more than one read holds"
-    sample = plan_sample(plan, drv.me, drv.cfg.light_sample, needed, drv.cfg.record_shards)
+    sample = plan_sample(plan, drv.me, drv.cfg.light_sample, needed)
     try:
         recs = await drv.membership.records_of(sample)
     except Exception as e:  # a failed read: the full path decides

@@ -11,7 +11,9 @@ from geomesh_p2p.config.models import RunConfig
 from geomesh_p2p.dht import PeerAnnouncer
 from geomesh_p2p.dht.announce import IncompatibleSwarmError
 from geomesh_p2p.node.joining import check_swarm
-from tests.dht_helpers import RUN, start_swarm, stop_all
+from geomesh_p2p.net.identity import Identity
+from geomesh_p2p.schema.shards import record_shard
+from tests.dht_helpers import RUN, start_node, start_swarm, stop_all
 from tests.integration.test_dht_announce import node_record
 
 pytestmark = pytest.mark.timeout(60)
@@ -20,10 +22,13 @@ pytestmark = pytest.mark.timeout(60)
 async def test_a_joiner_with_another_record_shards_is_refused_not_left_alone():
     """The swarm runs --record-shards 4; a joiner forgot the flag (S = 1, so another run-config hash). With one key
     such a joiner was refused at start (IncompatibleSwarmError naming the field); with the records under the S = 4
-    keys it reads ``<run>/peers``, finds nobody, and starts alone: a silent split of the run. (Past round 0 a
-    bootstrap's progress entry names the swarm's config hash and ``on_empty_swarm`` refuses the joiner; at round 0,
-    or with no bootstrap progress, as here, nothing does.)"""
-    nodes = await start_swarm(10)
+    keys it read ``<run>/peers``, found nobody, and started alone: a silent split of the run. Now the swarm's shard-0
+    peers mirror their records under ``<run>/peers`` (``PeerAnnouncer.mirror_key``), so it finds them and is refused
+    naming the field, with no bootstrap progress (as here) and at round 0 too."""
+    nodes = await start_swarm(9)
+    # one writer in shard 0: a sharded run's shard-0 peers mirror their records under <run>/peers
+    ident = next(i for i in iter(Identity.generate, None) if record_shard(i.peer_id.to_string(), 4) == 0)
+    nodes.insert(0, await start_node([nodes[0].address], identity=ident))
     try:
         swarm_cfg = RunConfig(run_id=RUN, record_shards=4)
         mine_cfg = RunConfig(run_id=RUN)
