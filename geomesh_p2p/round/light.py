@@ -84,7 +84,7 @@ def draw_in_shards(peers: Sequence[str], k: int, shards: int) -> list[str]:
     check draws uniformly (:func:`plan_sample`)."""
     if shards <= 1:
         return _draw.sample(list(peers), min(len(peers), k))
-    left, out = list(peers), []
+    left, out = list(peers), list[str]()
     while left and len(out) < k:
         shard = record_shard(_draw.choice(left), shards)
         same = [p for p in left if record_shard(p, shards) == shard]
