@@ -255,6 +255,7 @@ class WorkVerifier(Verdicts, Screening, EvidenceExchange):
         self.now_round = 0
         self._queued: set[str] = set()  # evidence (sha256 of its head) whose re-check is queued
         self._pending_round: dict[str, int] = {}  # evidence -> the kept round it was read for
+        self._last_keep: Optional[float] = None  # monotonic time of the last keep_round (the round's length)
 
     @classmethod
     def for_node(cls, node, cfg: Optional[VerifyConfig] = None) -> "WorkVerifier":
@@ -298,6 +299,7 @@ class WorkVerifier(Verdicts, Screening, EvidenceExchange):
             OSError: the file could not be written (the round is not kept).
         """
         r = int(round)
+        self._set_burst(plan)
         self._weights.put(r, theta)
         got = {p: dict(v) for p, v in packets.items()}
         screened = screen_candidates(self.cfg, plan, got) if plan is not None and got else []
@@ -318,6 +320,15 @@ class WorkVerifier(Verdicts, Screening, EvidenceExchange):
                 if k.packets:
                     self._weights.put_blob(old, pack_packets(k.packets))
                 k.packets = None
+
+    def _set_burst(self, plan) -> None:
+        """The worker's burst allowance: ``duty x burst_rounds`` rounds, a round being the time since the last
+        kept round (the plan's window before there is one)."""
+        now = time.monotonic()
+        round_s = now - self._last_keep if self._last_keep is not None else float(getattr(plan, "window_s", 0) or 0)
+        self._last_keep = now
+        if round_s > 0:
+            self.queue.pacer.set_burst(self.cfg.duty * self.cfg.burst_rounds * round_s)
 
     def _packets(self, round: int, kept: Kept) -> dict:
         """Round ``round``'s contributions, sender -> part -> packet: in memory for the newest ``keep_rounds``,

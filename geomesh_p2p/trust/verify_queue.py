@@ -55,7 +55,14 @@ class Pacer:
     shared with the peer's own training (the same process, the GIL, other processes) a pass's wall time is mostly
     waiting for a core, and pacing on it spent the budget on waiting (session 16: a 48-pass screen counted ~5 s
     busy for well under 1 s of compute). A GPU device keeps wall time (its kernels run outside the thread).
-    Raises ValueError unless ``0 < duty <= 1``."""
+
+    **Burst allowance** (session 19, ``burst_s`` > 0): the budget the worker leaves unused while it has no job is
+    saved, ``idle x duty / (1 - duty)`` compute seconds for ``idle`` seconds without a job, up to ``burst_s``, and
+    a pass is paid from that saving before it is paced; so the first screens after a quiet stretch run at once
+    instead of at 15% of the wall time. The saving starts empty (at the pacer's creation), so over every stretch
+    from then on the worker's compute stays at most ``duty`` of the wall time (``busy <= duty x wall``, proved in
+    ``tests/unit/test_verify_queue.py``); ``burst_s`` only bounds how much of it one burst may spend at once.
+    Raises ValueError unless ``0 < duty <= 1`` and ``burst_s >= 0``."""
 
     def __init__(
         self,
@@ -65,9 +72,16 @@ class Pacer:
         sleep: Optional[Callable[[float], Any]] = None,
         cpu_clock: Optional[Callable[[], float]] = None,
         cpu_threads: int = 1,
+        burst_s: float = 0.0,
     ):
         if not 0.0 < float(duty) <= 1.0:
             raise ValueError(f"duty={duty} must be in (0, 1]")
+        if not float(burst_s) >= 0.0:
+            raise ValueError(f"burst_s={burst_s} must be >= 0")
+        self.burst_s = float(burst_s)
+        #: compute seconds saved from idle stretches (at most ``burst_s``), spent before any pacing sleep
+        self.bank = 0.0
+        self._idle_since: Optional[float] = clock()  # idle from the creation on, until the first job starts
         self.duty = float(duty)
         self.stop = stop if stop is not None else threading.Event()
         self.clock = clock
@@ -80,9 +94,25 @@ class Pacer:
         self.busy_s = 0.0
         self.slept_s = 0.0
 
+    def set_burst(self, burst_s: float) -> None:
+        """Cap the saving at ``burst_s`` compute seconds from now on (what is saved beyond it is lost)."""
+        self.burst_s = max(0.0, float(burst_s))
+        self.bank = min(self.bank, self.burst_s)
+
+    def idle(self) -> None:
+        """The worker has no job from now on (a job ended): the time until the next :meth:`start` is saved."""
+        if self._idle_since is None:
+            self._idle_since = self.clock()
+
     def start(self) -> None:
-        """Begin a unit of work now (a job starts)."""
-        self._since = self.clock()
+        """Begin a unit of work now (a job starts; also called again inside a job once it holds the device)."""
+        now = self.clock()
+        if self._idle_since is not None:
+            if self.duty < 1.0 and self.burst_s > 0.0:
+                saved = max(0.0, now - self._idle_since) * self.duty / (1.0 - self.duty)
+                self.bank = min(self.burst_s, self.bank + saved)
+            self._idle_since = None
+        self._since = now
         if self.cpu_clock is not None:
             self._cpu_since = self.cpu_clock()
 
@@ -94,7 +124,9 @@ class Pacer:
         if self.cpu_clock is not None:
             busy = min(busy, max(0.0, self.cpu_clock() - self._cpu_since) * self.cpu_threads)
         self.busy_s += busy
-        rest = busy * (1.0 - self.duty) / self.duty
+        paid = min(self.bank, busy)  # saved from idle stretches: no sleep owed for it
+        self.bank -= paid
+        rest = (busy - paid) * (1.0 - self.duty) / self.duty
         if rest > 0:
             t0 = self.clock()
             self.sleep(rest)
@@ -322,6 +354,9 @@ class CheckQueue:
                 self.pacer()  # the rest of the job's compute is paced too
             except QueueClosed:
                 pass
+            with self._cond:
+                if not self._waiting and not self._first:
+                    self.pacer.idle()  # no job next: the budget left unused from now is saved (burst allowance)
             with self._cond:
                 self._running = None
                 if self._stop.is_set():  # closed while it ran: nothing reported
