@@ -256,6 +256,7 @@ class WorkVerifier(Verdicts, Screening, EvidenceExchange):
         self._queued: set[str] = set()  # evidence (sha256 of its head) whose re-check is queued
         self._pending_round: dict[str, int] = {}  # evidence -> the kept round it was read for
         self._last_keep: Optional[float] = None  # monotonic time of the last keep_round (the round's length)
+        self._round_gaps: list[float] = []  # seconds between the last kept rounds (at most 5)
 
     @classmethod
     def for_node(cls, node, cfg: Optional[VerifyConfig] = None) -> "WorkVerifier":
@@ -322,13 +323,17 @@ class WorkVerifier(Verdicts, Screening, EvidenceExchange):
                 k.packets = None
 
     def _set_burst(self, plan) -> None:
-        """The worker's burst allowance: ``duty x burst_rounds`` rounds, a round being the time since the last
-        kept round (the plan's window before there is one)."""
+        """The worker's burst allowance: its duty held over ``burst_rounds`` rounds, a round being the time since the
+        last kept round (the plan's window before there is one; :meth:`~geomesh_p2p.trust.verify_queue.Pacer.set_window`)."""
         now = time.monotonic()
-        round_s = now - self._last_keep if self._last_keep is not None else float(getattr(plan, "window_s", 0) or 0)
+        if self._last_keep is not None:
+            self._round_gaps = (self._round_gaps + [now - self._last_keep])[-5:]
         self._last_keep = now
-        if round_s > 0:
-            self.queue.pacer.set_burst(self.cfg.duty * self.cfg.burst_rounds * round_s)
+        # the median of the last gaps: one stalled round does not widen the window (and the burst) eightfold
+        gaps = sorted(self._round_gaps) or [float(getattr(plan, "window_s", 0) or 0)]
+        round_s = gaps[len(gaps) // 2]
+        if round_s > 0 and isinstance(self.queue.pacer, Pacer):
+            self.queue.pacer.set_window(self.cfg.burst_rounds * round_s)
 
     def _packets(self, round: int, kept: Kept) -> dict:
         """Round ``round``'s contributions, sender -> part -> packet: in memory for the newest ``keep_rounds``,

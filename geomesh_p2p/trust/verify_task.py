@@ -118,11 +118,10 @@ class VerifyConfig:
             all participants when fewer).
         max_screens: screening jobs that may wait in the background queue (ahead of the sampled checks); past it
             the oldest is dropped (counted).
-        burst_rounds: the background worker saves the budget it leaves unused while it has no job, up to
-            ``duty x burst_rounds`` rounds of wall time (:class:`~geomesh_p2p.trust.verify_queue.Pacer`,
-            ``burst_s``), and spends it before pacing: the screens of a round run at once after a quiet stretch
-            (session 19: the first screens of the swarm concluded 5-7 rounds after their round, paced at 15%).
-            The compute stays at most ``duty`` of the wall time over every stretch since the worker began.
+        burst_rounds: the background worker holds its duty over any ``burst_rounds`` rounds of wall time rather than
+            per pass (:class:`~geomesh_p2p.trust.verify_queue.Pacer`, ``window_s``): a round's screens run at once when
+            it was quiet before, and over every such window it computes at most ``duty`` of it (session 19: paced
+            per pass at 15%, the swarm's first screens concluded 5-7 rounds after their round).
         sample_share, sample_screeners: sampled screens of established contributors (session 19, the patient
             poisoner: honest while on probation, poisoning after): every round from ``gain_first_round`` each
             established checkable contributor is screened with the probability :func:`sample_probability` sets so
