@@ -73,9 +73,10 @@ decided before any computation.
 
 Cost and coverage. A check costs ``k + m`` forward/backward passes of the contributor's batch (9 at
 H = 20: 45% of one contributor-round). Each peer checks with probability ``p = min(1, share x
-(H_v x B_v) / ((k + m) x B_t))`` per round (``share`` = :attr:`VerifyConfig.share`, 0.1 by default), so
-it draws at most ``share`` of its own compute on average; each contributor is then checked by ~``share x H
-/ (k + m)`` peers per round (0.22 per peer at H = 20). A drawn check is never skipped for time (issue 28;
+(H_v x B_v) / ((k + m) x B_t))`` per round (``share`` = :attr:`VerifyConfig.share`, 0.05 by default since
+session 19, 0.1 before: the other half went to sampled screens of established contributors,
+:func:`~.verify_task.sampled_candidates`), so it draws at most ``share`` of its own compute on average; each
+contributor is then checked by ~``share x H / (k + m)`` peers per round (0.11 per peer at H = 20). A drawn check is never skipped for time (issue 28;
 the first version skipped those that would not end before the next round's start, 21 of 28 in a clean
 4-peer run): it queues in a background worker (:mod:`.verify_queue`) paced to ``duty`` (0.15) of the wall
 time, in the background of the next rounds' inner steps, and its verdict is applied when it ends
