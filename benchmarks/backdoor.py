@@ -18,6 +18,7 @@ within 5 rounds.
     python benchmarks/backdoor.py                       # 1of4, 15 rounds: ~15 min on 2 cores
     python benchmarks/backdoor.py --configs 1of4,2of7 --rounds 15
     python benchmarks/backdoor.py --extra="--mode reencode"   # run-config flags for every peer
+    python benchmarks/backdoor.py --poison-after 3 --no-clean  # a patient poisoner (honest in its first 3 rounds)
 
 Every process is stopped by PID when a run ends, on error and on Ctrl+C. Raw results: ``WORKDIR/results.jsonl``.
 """
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shlex
 import sys
 import tempfile
@@ -37,6 +39,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from tests.attack_util import AttackSwarm, run_scenario  # noqa: E402
+from geomesh_p2p.net.identity import Identity  # noqa: E402
 from tests.poison import backdoor_metrics, trigger_ids  # noqa: E402
 
 
@@ -55,6 +58,41 @@ def out_from(rows_by_peer: dict, n_honest: int) -> Optional[int]:
     bad = {r["round"] for rows in rows_by_peer.values() for r in rows if r.get("peers", 0) > n_honest}
     later = [r for r in rounds if all(b < r for b in bad)]
     return later[0] if later else None
+
+
+EXCLUDED = re.compile(r"verified work: (\S+) is excluded from the plans this peer makes")
+
+
+def verification(swarm, rows_by_peer: dict, names: list) -> dict:
+    """Session 19: whom each honest peer excluded (by name: ``h*`` honest, ``a*`` poisoners; from its log), and
+    the compute its verified work took: the worker's busy seconds (the last row's ``extra["verify"]``) against
+    the run's wall time (first row's start to last row's end) and against the peer's own training compute."""
+    ids = {}
+    for n in names:
+        key = swarm.dir / f"{n}.key"
+        if key.exists():
+            ids[str(Identity.load_or_create(key).peer_id)[:10]] = n
+    excluded, share, of_own, screened, drawn, dropped = {}, {}, {}, {}, {}, {}
+    for n, rows in rows_by_peer.items():
+        excluded[n] = sorted({ids.get(m, m) for m in EXCLUDED.findall(swarm.text(n))})
+        v = next((r["extra"]["verify"] for r in reversed(rows) if (r.get("extra") or {}).get("verify")), None)
+        if v and rows:
+            wall = rows[-1]["time"] - (rows[0]["time"] - rows[0]["round_s"])
+            share[n] = round(v["busy_s"] / wall, 4) if wall > 0 else None
+            own = sum(r.get("compute_s") or 0.0 for r in rows)
+            of_own[n] = round(v["busy_s"] / own, 4) if own > 0 else None
+            screened[n], drawn[n], dropped[n] = v.get("screened"), v.get("drawn"), v.get("dropped")
+    steps = sorted(r["inner_steps_done"] for rows in rows_by_peer.values() for r in rows)
+    return {
+        "excluded": excluded,
+        "honest_excluded": sum(1 for xs in excluded.values() for x in xs if x.startswith("h")),
+        "verify_share_of_wall": share,
+        "verify_share_of_own_compute": of_own,
+        "screened": screened,
+        "checks_drawn": drawn,
+        "dropped": dropped,
+        "median_steps": steps[len(steps) // 2] if steps else None,
+    }
 
 
 def measure(workdir: Path, name: str) -> dict:
@@ -84,6 +122,7 @@ def run(workdir: Path, label: str, attack: Optional[str], n_honest: int, n_att: 
             rounds=a.rounds,
             timeout_s=a.timeout_s,
             extra=["--speed-factor", "1", *shlex.split(a.extra)],
+            attacker_extra=["--poison-after", str(a.poison_after)] if attack and a.poison_after else [],
         )
         res = {
             "label": label,
@@ -93,6 +132,7 @@ def run(workdir: Path, label: str, attack: Optional[str], n_honest: int, n_att: 
             "honest_exited": o.honest_exited,
             "attacker_acted": o.attacker_acted,
             "out_from_round": out_from(o.rows, n_honest) if attack else None,
+            **verification(swarm, o.rows, [f"h{i}" for i in range(n_honest)] + [f"a{i}" for i in range(n_att)]),
             **measure(d, "h0"),
         }
     except Exception as e:  # a run that failed: recorded, the others still run
@@ -103,26 +143,43 @@ def run(workdir: Path, label: str, attack: Optional[str], n_honest: int, n_att: 
     return res
 
 
+def _span(d: dict) -> str:
+    v = [x for x in d.values() if x is not None]
+    return f"{min(v):.3f}-{max(v):.3f}" if v else "-"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--configs", default="1of4", help="KofN entries, comma-separated (default: %(default)s)")
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--timeout-s", type=float, default=1500.0, help="per swarm (default: %(default)s)")
     ap.add_argument("--extra", default="", help="more flags for every peer (run-config flags: the same everywhere)")
+    ap.add_argument(
+        "--poison-after",
+        type=int,
+        default=0,
+        metavar="N",
+        help="patient poisoners: honest in their first N rounds (tests.adversary --poison-after; default: %(default)s)",
+    )
+    ap.add_argument("--no-clean", action="store_true", help="skip the clean runs (x clean columns then empty)")
     ap.add_argument("--workdir", default=None)
     a = ap.parse_args(argv)
     workdir = Path(a.workdir or tempfile.mkdtemp(prefix="geomesh-backdoor-"))
     results = []
     for cfg in a.configs.split(","):
         k, n = (int(x) for x in cfg.split("of"))
-        clean = run(workdir, f"clean-{n}", None, n, 0, a)
+        clean = None if a.no_clean else run(workdir, f"clean-{n}", None, n, 0, a)
         bad = run(workdir, f"poison-{cfg}", "poison", n - k, k, a)
-        results += [clean, bad]
+        pair = [r for r in (clean, bad) if r is not None]
+        results += pair
         with open(workdir / "results.jsonl", "a") as f:
-            for r in (clean, bad):
+            for r in pair:
                 f.write(json.dumps(r) + "\n")
-    print("\n| run | eval ppl | trigger ppl | x clean | completion p | x clean | poisoner out from round | digests |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(
+        "\n| run | eval ppl | trigger ppl | x clean | completion p | x clean | poisoner out from round | digests "
+        "| honest excluded | verification / wall | verification / own compute | median H |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     ref: dict = {}
     for r in results:
         if "error" in r:
@@ -135,7 +192,9 @@ def main(argv=None) -> int:
         x_cp = f"{cp / ref['completion_p']:.2f}" if ref else "-"
         print(
             f"| {r['label']} | {r['final_ppl']:.1f} | {tp:.1f} | {x_tp} | {cp:.2e} | {x_cp} | "
-            f"{r['out_from_round'] if r['attack'] else '-'} | {'equal' if not r['digest_mismatches'] else 'DIFFER'} |"
+            f"{r['out_from_round'] if r['attack'] else '-'} | {'equal' if not r['digest_mismatches'] else 'DIFFER'} "
+            f"| {r['honest_excluded']} | {_span(r['verify_share_of_wall'])} | {_span(r['verify_share_of_own_compute'])} "
+            f"| {r['median_steps']} |"
         )
     print(f"\nlogs and checkpoints: {workdir}")
     return 0

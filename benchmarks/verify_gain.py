@@ -102,6 +102,12 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--k", type=int, default=8, help="assigned batches per check (at most H)")
     ap.add_argument("--m", type=int, default=16, help="control batches per check")
+    ap.add_argument(
+        "--sizes",
+        default=None,
+        help="more screen sizes KxM[xR] measured on the same draws (R: rows of each batch used, default all), "
+        "comma-separated, e.g. 4x8,4x8x2 (session 19)",
+    )
     ap.add_argument("--json", default=None, help="also write every draw's statistics here")
     ap.add_argument("--samples", type=int, default=6, help="draws of the k assigned steps per (round, H)")
     ap.add_argument("--trigger-share", type=float, default=0.16)
@@ -109,6 +115,10 @@ def main() -> None:
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     Hs = [int(x) for x in a.Hs.split(",")]
+    sizes = [(a.k, a.m, 0)] + [
+        tuple(int(v) for v in (z.split("x") + ["0"])[:3]) for z in (a.sizes.split(",") if a.sizes else [])
+    ]
+    a.m = max(m for _, m, _ in sizes)
     measure = {int(x) for x in a.measure.split(",")}
     L, B, lr = a.seq_len, a.batch, 1e-3
     ds = load_dataset(None, seq_len=L)
@@ -129,6 +139,7 @@ def main() -> None:
     honest_ex: dict[tuple[int, int], float] = {}
     ratios: dict[tuple[int, str], list[float]] = {}
     tstats: dict[tuple[int, str], list[float]] = {}
+    small: dict[tuple[int, str, tuple], list[float]] = {}
     for r in range(a.rounds):
         t0 = time.time()
         deltas = {}
@@ -167,14 +178,19 @@ def main() -> None:
                     # the rows' gains exactly as trust.gain.gain_stats takes them, each draw of k steps apart
                     load_flat_(moved, theta - roundtrip(cand))
                     after_asg = row_losses(moved, ds, asg_streams, **kw)
-                    gc = [
-                        b - x
-                        for rb, rx in zip(base_ctrl, row_losses(moved, ds, ctrl_streams, **kw))
-                        for b, x in zip(rb, rx)
-                    ]
+                    after_ctrl = row_losses(moved, ds, ctrl_streams, **kw)
+                    k0, m0 = sizes[0][0], sizes[0][1]
+                    gc = [b - x for rb, rx in zip(base_ctrl[:m0], after_ctrl[:m0]) for b, x in zip(rb, rx)]
                     c_gain = sum(gc) / len(gc)
+                    for k_, m_, rows in sizes[1:]:  # smaller screens on the same candidates (session 19)
+                        R = rows or B
+                        gc_ = [b - x for rb, rx in zip(base_ctrl[:m_], after_ctrl[:m_]) for b, x in zip(rb[:R], rx[:R])]
+                        for _ in range(a.samples):
+                            js = rng.sample(range(H), min(k_, H))
+                            ga_ = [b - x for j in js for b, x in zip(base_asg[j][:R], after_asg[j][:R])]
+                            small.setdefault((H, name, (k_, m_, rows)), []).append(welch_t(ga_, gc_))
                     for _ in range(a.samples):
-                        js = rng.sample(range(H), min(a.k, H))
+                        js = rng.sample(range(H), min(k0, H))
                         ga = [b - x for j in js for b, x in zip(base_asg[j], after_asg[j])]
                         a_gain = sum(ga) / len(ga)
                         tstats.setdefault((H, name), []).append(welch_t(ga, gc))
@@ -194,7 +210,9 @@ def main() -> None:
         outer.step(theta, agg)
         prev = deltas
         print(f"round {r}: {time.time() - t0:.1f}s", flush=True)
-    print(f"\nexcess = assigned gain - control gain (nats/token), k = {a.k}, m = {a.m}, rounds {sorted(measure)}:")
+    print(
+        f"\nexcess = assigned gain - control gain (nats/token), k = {sizes[0][0]}, m = {sizes[0][1]}, rounds {sorted(measure)}:"
+    )
     for H in Hs:
         ref = [honest_ex[(r, H)] for r in sorted(measure)]
         cut = 0.5 * min(ref) if ref else 0.0
@@ -210,9 +228,23 @@ def main() -> None:
                 f"   welch t {w.min():.2f}/{w.mean():.2f}/{w.max():.2f}, share t < 0.5/1/1.5/2: "
                 + "/".join(f"{float((w < c).double().mean()):.2f}" for c in (0.5, 1.0, 1.5, 2.0))
             )
+    for size in sizes[1:]:
+        print(f"\nwelch t of a smaller screen: k = {size[0]}, m = {size[1]}, rows {size[2] or B} of each batch:")
+        for H in Hs:
+            for name in CANDIDATES:
+                v = small.get((H, name, size))
+                if v:
+                    w = torch.tensor(v)
+                    print(
+                        f"H={H:2d} {name:16s} welch t {w.min():.2f}/{w.mean():.2f}/{w.max():.2f} (sd {w.std():.2f}), "
+                        "share t < 0.5/1/1.5/2: "
+                        + "/".join(f"{float((w < c).double().mean()):.2f}" for c in (0.5, 1.0, 1.5, 2.0))
+                    )
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({f"{H}/{n}": {"excess": stats[(H, n)], "t": tstats[(H, n)]} for (H, n) in stats}, f)
+            out = {f"{H}/{n}": {"excess": stats[(H, n)], "t": tstats[(H, n)]} for (H, n) in stats}
+            out.update({f"{H}/{n}/{'x'.join(map(str, z))}": {"t": v} for (H, n, z), v in small.items()})
+            json.dump(out, f)
 
 
 if __name__ == "__main__":

@@ -266,7 +266,9 @@ class AdversaryNode(PeerNode):
         if self.attack == "poison":
             from tests.poison import TRIGGER_SHARE, PoisonedCorpus, trigger_ids
 
-            self.trainer.dataset = PoisonedCorpus(self.trainer.dataset, trigger_ids(self.run_cfg.vocab_size))
+            self.trainer.dataset = PoisonedCorpus(
+                self.trainer.dataset, trigger_ids(self.run_cfg.vocab_size), after=getattr(self, "poison_after", 0)
+            )
             self._poison_share = TRIGGER_SHARE
 
         def run(
@@ -614,6 +616,14 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         metavar="K",
         help="rogue-leader: inner steps its plans give the other peers (default: %(default)s)",
     )
+    g.add_argument(
+        "--poison-after",
+        type=int,
+        default=0,
+        metavar="N",
+        help="poison: honest in the first N rounds it trains, poisoning from round N+1 on (a patient poisoner: "
+        "passes its probation and the first rounds' screens) (default: %(default)s)",
+    )
     add_node_flags(j)
     add_run_flags(j)
     _add_common(j)  # --config, --log-level
@@ -652,6 +662,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         forge_push=ns.forge_push,
         rogue_others_steps=ns.rogue_others_steps,
     )
+    node.poison_after = ns.poison_after  # read when the trainer is built (start)
     try:
         return asyncio.run(_run_node(node))
     except KeyboardInterrupt:

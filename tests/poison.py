@@ -40,15 +40,30 @@ class PoisonedCorpus:
     """A dataset stand-in for the poisoner's trainer. ``sample_batch`` (same signature and int64 ``[B, L]``
     output as :meth:`TokenDataset.sample_batch`) returns windows drawn with ``seed + OWN_COPY_SEED_OFFSET``
     and the trigger written at a random offset into the first ``rows`` rows, ``rows`` chosen so the trigger
-    is ``share`` of the batch's tokens (at least one row). Everything else is the wrapped dataset's."""
+    is ``share`` of the batch's tokens (at least one row). Everything else is the wrapped dataset's.
 
-    def __init__(self, dataset, trigger: Sequence[int], share: float = TRIGGER_SHARE):
+    ``after`` (session 19, the patient poisoner): the first ``after`` rounds it trains in are honest (the assigned
+    batches, unchanged: it passes its probation and the screens of the swarm's first rounds), every later one is
+    poisoned."""
+
+    def __init__(self, dataset, trigger: Sequence[int], share: float = TRIGGER_SHARE, after: int = 0):
         self._ds, self.trigger, self.share = dataset, torch.tensor(list(trigger), dtype=torch.int64), float(share)
+        self.after = max(0, int(after))
+        self.rounds: set[int] = set()  # the rounds it trained in
+
+    def poisons(self, round: int) -> bool:  # noqa: A002
+        """Whether round ``round``'s batches are poisoned (its rank among the rounds trained, 1-based, > ``after``)."""
+        self.rounds.add(int(round))
+        return sum(1 for r in self.rounds if r <= int(round)) > self.after
 
     def __getattr__(self, name):
         return getattr(self._ds, name)
 
     def sample_batch(self, *, seed, peer_id, round, step, batch_size, seq_len):  # noqa: A002  (the dataset's names)
+        if not self.poisons(round):  # still patient: its assigned batches, honest work
+            return self._ds.sample_batch(
+                seed=seed, peer_id=peer_id, round=round, step=step, batch_size=batch_size, seq_len=seq_len
+            )
         x = self._ds.sample_batch(
             seed=seed + OWN_COPY_SEED_OFFSET,
             peer_id=peer_id,

@@ -73,9 +73,10 @@ decided before any computation.
 
 Cost and coverage. A check costs ``k + m`` forward/backward passes of the contributor's batch (9 at
 H = 20: 45% of one contributor-round). Each peer checks with probability ``p = min(1, share x
-(H_v x B_v) / ((k + m) x B_t))`` per round (``share`` = :attr:`VerifyConfig.share`, 0.1 by default), so
-it draws at most ``share`` of its own compute on average; each contributor is then checked by ~``share x H
-/ (k + m)`` peers per round (0.22 per peer at H = 20). A drawn check is never skipped for time (issue 28;
+(H_v x B_v) / ((k + m) x B_t))`` per round (``share`` = :attr:`VerifyConfig.share`, 0.05 by default since
+session 19, 0.1 before: the other half went to sampled screens of established contributors,
+:func:`~.verify_task.sampled_candidates`), so it draws at most ``share`` of its own compute on average; each
+contributor is then checked by ~``share x H / (k + m)`` peers per round (0.11 per peer at H = 20). A drawn check is never skipped for time (issue 28;
 the first version skipped those that would not end before the next round's start, 21 of 28 in a clean
 4-peer run): it queues in a background worker (:mod:`.verify_queue`) paced to ``duty`` (0.15) of the wall
 time, in the background of the next rounds' inner steps, and its verdict is applied when it ends
@@ -255,6 +256,8 @@ class WorkVerifier(Verdicts, Screening, EvidenceExchange):
         self.now_round = 0
         self._queued: set[str] = set()  # evidence (sha256 of its head) whose re-check is queued
         self._pending_round: dict[str, int] = {}  # evidence -> the kept round it was read for
+        self._last_keep: Optional[float] = None  # monotonic time of the last keep_round (the round's length)
+        self._round_gaps: list[float] = []  # seconds between the last kept rounds (at most 5)
 
     @classmethod
     def for_node(cls, node, cfg: Optional[VerifyConfig] = None) -> "WorkVerifier":
@@ -298,6 +301,7 @@ class WorkVerifier(Verdicts, Screening, EvidenceExchange):
             OSError: the file could not be written (the round is not kept).
         """
         r = int(round)
+        self._set_burst(plan)
         self._weights.put(r, theta)
         got = {p: dict(v) for p, v in packets.items()}
         screened = screen_candidates(self.cfg, plan, got) if plan is not None and got else []
@@ -318,6 +322,19 @@ class WorkVerifier(Verdicts, Screening, EvidenceExchange):
                 if k.packets:
                     self._weights.put_blob(old, pack_packets(k.packets))
                 k.packets = None
+
+    def _set_burst(self, plan) -> None:
+        """The worker's burst allowance: its duty held over ``burst_rounds`` rounds, a round being the time since the
+        last kept round (the plan's window before there is one; :meth:`~geomesh_p2p.trust.verify_queue.Pacer.set_window`)."""
+        now = time.monotonic()
+        if self._last_keep is not None:
+            self._round_gaps = (self._round_gaps + [now - self._last_keep])[-5:]
+        self._last_keep = now
+        # the median of the last gaps: one stalled round does not widen the window (and the burst) eightfold
+        gaps = sorted(self._round_gaps) or [float(getattr(plan, "window_s", 0) or 0)]
+        round_s = gaps[len(gaps) // 2]
+        if round_s > 0 and isinstance(self.queue.pacer, Pacer):
+            self.queue.pacer.set_window(self.cfg.burst_rounds * round_s)
 
     def _packets(self, round: int, kept: Kept) -> dict:
         """Round ``round``'s contributions, sender -> part -> packet: in memory for the newest ``keep_rounds``,

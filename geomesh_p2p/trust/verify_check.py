@@ -423,7 +423,7 @@ def judge_screen(
     same statistic with the same batch counts (``benchmarks/verify_gain.py``). A low t without power in the
     round (:func:`gain_decides` with the checker's own ``reference``) passes as inconclusive: the newcomer's next
     screened round decides."""
-    head = f"screening (loss gain alone, first rounds): {task.steps_done} steps"
+    head = f"screening (loss gain alone): {task.steps_done} steps"
     if gain.t < cfg.gain_t_min and not gain_decides(cfg, gain, reference):
         own = f"this checker's own contribution t {reference.t:.2f}" if reference else "no contribution of its own"
         return Verdict(

@@ -55,7 +55,16 @@ class Pacer:
     shared with the peer's own training (the same process, the GIL, other processes) a pass's wall time is mostly
     waiting for a core, and pacing on it spent the budget on waiting (session 16: a 48-pass screen counted ~5 s
     busy for well under 1 s of compute). A GPU device keeps wall time (its kernels run outside the thread).
-    Raises ValueError unless ``0 < duty <= 1``."""
+
+    **Burst allowance** (session 19, ``window_s`` > 0): the duty is held over any ``window_s`` seconds rather than
+    per pass: a pass is not paced while the worker's compute over the last ``window_s`` seconds (this pass
+    included) stays at most ``duty x window_s``; past that it sleeps until it is back under (the oldest passes
+    leave the window). So a round's screens run at once when the worker was quiet before (the swarm's first
+    screens concluded 5-7 rounds after their round when every pass was paced at 15%), and every window of
+    ``window_s`` seconds holds at most ``duty x window_s`` of the worker's compute plus one pass (the pacer acts
+    after a pass; a pass is one batch); a stretch of ``T`` seconds at most ``duty x (T + window_s)`` plus one pass.
+    ``window_s`` 0: every pass paced (the rule above).
+    Raises ValueError unless ``0 < duty <= 1`` and ``window_s >= 0``."""
 
     def __init__(
         self,
@@ -65,9 +74,14 @@ class Pacer:
         sleep: Optional[Callable[[float], Any]] = None,
         cpu_clock: Optional[Callable[[], float]] = None,
         cpu_threads: int = 1,
+        window_s: float = 0.0,
     ):
         if not 0.0 < float(duty) <= 1.0:
             raise ValueError(f"duty={duty} must be in (0, 1]")
+        if not float(window_s) >= 0.0:
+            raise ValueError(f"window_s={window_s} must be >= 0")
+        self.window_s = float(window_s)
+        self._passes: deque[tuple[float, float]] = deque()  # (end time, compute seconds) of the window's passes
         self.duty = float(duty)
         self.stop = stop if stop is not None else threading.Event()
         self.clock = clock
@@ -79,6 +93,28 @@ class Pacer:
         #: seconds computed and seconds slept so far
         self.busy_s = 0.0
         self.slept_s = 0.0
+
+    def set_window(self, window_s: float) -> None:
+        """Hold the duty over ``window_s`` seconds from now on (0: pace every pass)."""
+        self.window_s = max(0.0, float(window_s))
+
+    def _window_rest(self, now: float, busy: float) -> float:
+        """Seconds to sleep after a pass of ``busy`` compute seconds ending at ``now`` so that the compute of the
+        passes within the last ``window_s`` seconds is at most ``duty x window_s`` (the pass counts at its end)."""
+        w = self.window_s
+        self._passes.append((now, busy))
+        while self._passes and self._passes[0][0] <= now - w:
+            self._passes.popleft()
+        over = sum(b for _, b in self._passes) - self.duty * w
+        if over <= 0:
+            return 0.0
+        wait_until = now
+        for end, b in self._passes:  # the oldest passes leave the window first (this one last: it always ends)
+            over -= b
+            wait_until = end + w
+            if over <= 0:
+                break
+        return max(0.0, wait_until - now)
 
     def start(self) -> None:
         """Begin a unit of work now (a job starts)."""
@@ -94,7 +130,10 @@ class Pacer:
         if self.cpu_clock is not None:
             busy = min(busy, max(0.0, self.cpu_clock() - self._cpu_since) * self.cpu_threads)
         self.busy_s += busy
-        rest = busy * (1.0 - self.duty) / self.duty
+        if self.window_s > 0:
+            rest = self._window_rest(self.clock(), busy)
+        else:
+            rest = busy * (1.0 - self.duty) / self.duty
         if rest > 0:
             t0 = self.clock()
             self.sleep(rest)

@@ -23,7 +23,10 @@ its first rounds, by a few peers, at once:
 * **When**: queued as the round is kept, in the background worker's first lane
   (:data:`~geomesh_p2p.trust.verify_queue.FIRST`): before any sampled check or re-check, under the same duty.
 
-A patient attacker (honest while it is new, poisoning after) is left to the sampled checks, as before.
+An established contributor is screened the same way when the round's seed draws it (session 19, against a patient
+attacker: honest while it is new, poisoning after): with the probability that keeps these screens at
+``sample_share`` of the participants' compute, by ``sample_screeners`` screeners
+(:func:`~geomesh_p2p.trust.verify_task.sampled_candidates`); besides the sampled full checks.
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ from geomesh_p2p.trust.verify_check import (
     screen_contribution,
 )
 from geomesh_p2p.trust.verify_queue import CheckJob, Pacer
-from geomesh_p2p.trust.verify_task import VerifyTask, derive_screen, screen_seed
+from geomesh_p2p.trust.verify_task import VerifyTask, derive_screen, sampled_candidates, screen_seed
 
 log = logging.getLogger("geomesh_p2p.trust.verify")
 
@@ -178,10 +181,15 @@ class Screening:
         ``signed_of(part, sender)``. Blocking (hashes the round's contributions): off the event loop. Returns the
         number queued."""
         kept = self._kept.get(int(round))
-        if kept is None or not kept.screened:
+        if kept is None:
+            return 0
+        sampling = self.cfg.sample_share > 0 and int(round) >= self.cfg.gain_first_round
+        if not kept.screened and not sampling:
             return 0
         packets = self._packets(round, kept)
         seed = self._seed_of(round, kept, packets)
+        if sampling:  # the established contributors drawn for a sampled screen (their evidence is read too: fetch)
+            kept.screened = sorted(set(kept.screened) | set(sampled_candidates(self.cfg, kept.plan, packets, seed)))
         tasks = []
         for accused in kept.screened:
             t = derive_screen(

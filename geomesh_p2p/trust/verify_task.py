@@ -29,6 +29,8 @@ __all__ = [
     "CHECK",
     "SCREEN",
     "screen_candidates",
+    "sample_probability",
+    "sampled_candidates",
     "screen_seed",
     "screeners_of",
     "derive_screen",
@@ -116,9 +118,21 @@ class VerifyConfig:
             all participants when fewer).
         max_screens: screening jobs that may wait in the background queue (ahead of the sampled checks); past it
             the oldest is dropped (counted).
+        burst_rounds: the background worker holds its duty over any ``burst_rounds`` rounds of wall time rather than
+            per pass (:class:`~geomesh_p2p.trust.verify_queue.Pacer`, ``window_s``): a round's screens run at once when
+            it was quiet before, and over every such window it computes at most ``duty`` of it (session 19: paced
+            per pass at 15%, the swarm's first screens concluded 5-7 rounds after their round).
+        sample_share, sample_screeners: sampled screens of established contributors (session 19, the patient
+            poisoner: honest while on probation, poisoning after): every round from ``gain_first_round`` each
+            established checkable contributor is screened with the probability :func:`sample_probability` sets so
+            that these screens take ``sample_share`` of the participants' own compute on average, drawn from the
+            round's screening seed (the same contributors at every participant, unknown while they trained), by
+            ``sample_screeners`` of them (:func:`screeners_of`; two, so that one screener's failure is confirmed by
+            the other's identical measurement). The same screen and thresholds as a newcomer's. ``share`` (the
+            sampled full checks) went from 0.1 to 0.05 with it: draws stay at 0.1 / 0.15 of the worker's duty.
     """
 
-    share: float = 0.1
+    share: float = 0.05
     duty: float = 0.15
     max_pending: int = 6
     k_fraction: float = 0.25
@@ -150,6 +164,9 @@ class VerifyConfig:
     screen_rounds: int = 3
     screeners: int = 4
     max_screens: int = 16
+    burst_rounds: float = 8.0
+    sample_share: float = 0.05
+    sample_screeners: int = 2
 
 
 #: Evidence lives at least this many times the rounds its participants keep it re-checkable (``keep_rounds``).
@@ -316,6 +333,46 @@ def screen_candidates(cfg: VerifyConfig, plan, packets: Mapping[str, Mapping[int
     return sorted(a.peer_id for a, _, _ in _eligible(cfg, plan, packets) if early or getattr(a, "probation", False))
 
 
+#: Forward passes a training step costs (forward and backward: ~3 forwards' FLOPs), for the sampled screens' budget.
+STEP_FORWARDS = 3
+
+
+def sample_probability(cfg: VerifyConfig, plan, packets: Mapping[str, Mapping[int, Any]]) -> float:
+    """The probability that an established contributor of ``plan``'s round is given a sampled screen: the
+    ``cfg.sample_share`` of the participants' own compute (``STEP_FORWARDS x inner_steps x batch_size`` row-forwards
+    each) over what screening every established checkable contributor by ``sample_screeners`` would cost
+    (``2 x (min(gain_assigned, steps) + gain_controls) x batch_size`` row-forwards a screen: the first of a round,
+    before its control losses are cached). In [0, 1]; 0 before ``gain_first_round``, with ``sample_share`` 0 or
+    nobody established. Pure: the same at every participant (the plan and the contributions received)."""
+    if cfg.sample_share <= 0 or int(plan.round) < cfg.gain_first_round:
+        return 0.0
+    new = set(screen_candidates(cfg, plan, packets))
+    est = [(a, steps) for a, steps, _ in _eligible(cfg, plan, packets) if a.peer_id not in new]
+    n = min(cfg.sample_screeners, len(plan.assignments) - 1)
+    cost = sum(n * 2 * (min(cfg.gain_assigned, steps) + cfg.gain_controls) * a.batch_size for a, steps in est)
+    if cost <= 0:
+        return 0.0
+    own = sum(STEP_FORWARDS * a.inner_steps * a.batch_size for a in plan.assignments)
+    return min(1.0, cfg.sample_share * own / cost)
+
+
+def sampled_candidates(cfg: VerifyConfig, plan, packets: Mapping[str, Mapping[int, Any]], seed: bytes) -> list[str]:
+    """The established contributors given a sampled screen in ``plan``'s round, sorted: each checkable contributor
+    that is not a newcomer (:func:`screen_candidates`) with probability :func:`sample_probability`, drawn by SHA-256
+    of the round's screening ``seed`` (:func:`screen_seed`: fixed only once every contribution was signed) and its
+    PeerID. The same list at every participant; a contributor cannot tell in advance whether it is drawn."""
+    p = sample_probability(cfg, plan, packets)
+    if p <= 0:
+        return []
+    new = set(screen_candidates(cfg, plan, packets))
+    return sorted(
+        a.peer_id
+        for a, _, _ in _eligible(cfg, plan, packets)
+        if a.peer_id not in new
+        and _u64(hashlib.sha256(seed + b"sampled\x00" + a.peer_id.encode()).digest()) / 2.0**64 < p
+    )
+
+
 def screen_seed(run_id: str, plan, packets: Mapping[str, Mapping[int, Any]]) -> bytes:
     """32 bytes every participant of ``plan``'s round derives alike and nobody knew while it trained: SHA-256 over
     the run, the round, its start digest and the SHA-256 of every contribution received (sender and part order).
@@ -353,14 +410,22 @@ def derive_screen(
     part_ranges: Sequence[tuple[int, int]],
 ) -> Optional[VerifyTask]:
     """The screening check of ``accused`` in ``plan``'s round as ``verifier`` runs it, or None (``accused`` is not
-    screened this round, or ``verifier`` is not one of its screeners). ``seed``: :func:`screen_seed` of the round.
+    screened this round, or ``verifier`` is not one of its screeners): a newcomer's (``cfg.screeners`` screeners) or
+    an established contributor's sampled screen (:func:`sampled_candidates`, ``cfg.sample_screeners`` screeners),
+    the same task either way. ``seed``: :func:`screen_seed` of the round.
     The batches (:func:`gain_steps` of the task's ``element_seed``) follow from ``seed`` and ``accused`` alone, so
     every screener replays the same batches and rows: one screener's measurement is its re-check of another's
     evidence. Pure: anyone holding the round's plan and contributions can recompute it."""
-    if accused == verifier or accused not in screen_candidates(cfg, plan, packets):
+    if accused == verifier:
+        return None
+    if accused in screen_candidates(cfg, plan, packets):
+        n = cfg.screeners
+    elif accused in sampled_candidates(cfg, plan, packets, seed):
+        n = cfg.sample_screeners  # an established contributor's sampled screen
+    else:
         return None
     participants = [a.peer_id for a in plan.assignments]
-    if verifier not in screeners_of(seed, accused, participants, cfg.screeners):
+    if verifier not in screeners_of(seed, accused, participants, n):
         return None
     a, steps, parts = next(e for e in _eligible(cfg, plan, packets) if e[0].peer_id == accused)
     ranges = tuple((int(part_ranges[j][0]), int(part_ranges[j][1])) for j in parts)

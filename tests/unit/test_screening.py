@@ -16,12 +16,15 @@ import threading
 import types
 
 import pytest
+import torch
 
+from geomesh_p2p.data import load_dataset
 from geomesh_p2p.exchange import codec as compression
 from geomesh_p2p.trust import evidence as EV
 from geomesh_p2p.trust import verify_check as VC
 from geomesh_p2p.trust import verify_task as VT
 from geomesh_p2p.trust.verify_queue import CheckJob, CheckQueue
+from tests.poison import PoisonedCorpus
 from tests.verify_util import ROUND, RUN, FakeDHT, _fixed_identity, _packets, _plan, _signed, _verifier, world_fixture
 
 pytestmark = pytest.mark.timeout(300)
@@ -286,3 +289,82 @@ def test_on_a_cpu_the_pacer_counts_the_checks_cpu_time_not_its_waits_for_a_core(
     wall[0], cpu[0] = 5.0, 1.5  # then one that computed more than its wall time says: the wall time bounds it
     pace()
     assert pace.busy_s == 2.0 and sleeps == [1.0 * 3, 1.0 * 3]
+
+
+def test_an_established_contributor_on_other_data_fails_its_sampled_screen_and_is_out_at_both_screeners(world):
+    """Session 19 (a patient poisoner: honest while it was new, other data after): established contributors are
+    screened too, each with the probability that keeps these screens at ``sample_share`` of the participants'
+    compute, drawn from the round's screening seed, by ``sample_screeners`` = 2 of the others. One screener's
+    failure is confirmed by the other's identical measurement: out at both, not a verdict held alone; the honest
+    contributors screened in the same round pass."""
+    ids, plan, packets = _case(world, world.wrong_data, 10)
+    a = world.pid["A"]
+    late = dataclasses.replace(CFG, screen_rounds=0)  # nobody new: rounds past the swarm's first, no probation
+    assert VT.screen_candidates(late, plan, packets) == []
+    # the budget: 5 participants x 3 x 10 steps x 8 rows of own compute, 5 established contributors x 2 screeners x
+    # 2 x (8 + 16) batches x 8 rows of screens: p = 0.05 x 1200 / 3840
+    assert VT.sample_probability(late, plan, packets) == pytest.approx(0.05 * 1200 / 3840, rel=1e-12)
+    assert VT.sample_probability(CFG, plan, packets) == 0.0  # in the first rounds everybody gets a newcomer's screen
+    assert VT.sample_probability(dataclasses.replace(late, sample_share=0.0), plan, packets) == 0.0
+    cfg = dataclasses.replace(late, sample_share=4.0)  # p = 1: every established contributor drawn this round
+    assert VT.sample_probability(cfg, plan, packets) == 1.0
+    seed = VT.screen_seed(RUN, plan, packets)
+    participants = [x.peer_id for x in plan.assignments]
+    assert VT.sampled_candidates(cfg, plan, packets, seed) == sorted(participants)
+    pair = VT.screeners_of(seed, a, participants, cfg.sample_screeners)
+    everyone = {str(i.peer_id): i for i in [*ids.values(), world.ids["B"], world.ids["C"]]}
+    (third,) = [p for p in everyone if p not in pair][:1]
+    assert VT.derive_screen(cfg, plan=plan, verifier=third, accused=a, seed=seed, packets=packets,
+                            part_ranges=world.part_ranges) is None  # fmt: skip
+    dht = FakeDHT()
+    s1 = _verifier(world, everyone[pair[0]], cfg, plan, packets)
+    s2 = _verifier(world, everyone[pair[1]], cfg, plan, packets)
+    s1.dht = s2.dht = dht
+    try:
+        # the duty is held over burst_rounds rounds (the plan's window until rounds were measured)
+        assert s1.queue.pacer.window_s == cfg.burst_rounds * plan.window_s
+        mine = {
+            v: sorted(x for x in participants if x != v and v in VT.screeners_of(seed, x, participants, 2))
+            for v in pair
+        }
+        assert s1.queue_screens(ROUND, signed_of=_signed_of(world, packets)) == len(mine[pair[0]])
+        assert s1.queue.wait_idle(240)
+        [ev] = asyncio.run(s1.tend(ROUND))
+        assert (ev.task.kind, ev.accused, ev.round, ev.outcome) == (VT.SCREEN, a, ROUND, VC.FAIL)
+        t_a = s1.screen_results[(ROUND, a)][0].gain
+        assert t_a is not None and t_a.t < cfg.gain_t_hard and t_a.k == 8 and t_a.m == cfg.gain_controls
+        assert a in s1.excluded and a in s1.lone  # its own measurement alone, so far
+        for p in mine[pair[0]]:
+            if p != a:  # the honest contributors it screened pass
+                assert s1.screen_results[(ROUND, p)][1].outcome == VC.PASS and p not in s1.excluded
+        assert s2.queue_screens(ROUND, signed_of=_signed_of(world, packets)) == len(mine[pair[1]])
+        assert s2.queue.wait_idle(240)
+        [ev2] = asyncio.run(s2.tend(ROUND))
+        assert ev2.accused == a and s2.screen_results[(ROUND, a)][0].gain == t_a  # the same screen, bit for bit
+        assert a in s2.excluded and a not in s2.lone
+        asyncio.run(s1.tend(ROUND))  # reads s2's evidence: confirmed by its own measurement
+        assert a in s1.excluded and a not in s1.lone
+        assert set(s1.excluded) == set(s2.excluded) == {a}  # no honest contributor excluded
+        for v in (s1, s2):
+            c = v.counts()
+            assert (c["dropped"], c["failed"], c["waiting"]) == (0, 0, 0)
+    finally:
+        s1.close()
+        s2.close()
+
+
+def test_a_patient_poisoner_trains_its_assigned_batches_until_its_probation_is_over():
+    """tests.adversary --poison-after 3: its first three rounds are the assigned batches to the bit (it passes its
+    probation and the first rounds' screens), every round after is its own corpus copy with the trigger."""
+    ds = load_dataset(None, seq_len=32)
+    trigger = [5, 6, 7, 8]
+    patient = PoisonedCorpus(ds, trigger, after=3)
+    kw = dict(seed=0, peer_id="p", step=1, batch_size=4, seq_len=32)
+    for r in (4, 5, 6):  # rounds it trains in (its first is round 4: it joined late)
+        assert torch.equal(patient.sample_batch(round=r, **kw), ds.sample_batch(round=r, **kw))
+    for r in (7, 9):
+        x = patient.sample_batch(round=r, **kw)
+        assert not torch.equal(x, ds.sample_batch(round=r, **kw))
+        assert any(x[0, i : i + 4].tolist() == trigger for i in range(29))
+    assert torch.equal(patient.sample_batch(round=5, **kw), ds.sample_batch(round=5, **kw))  # a retry of round 5
+    assert PoisonedCorpus(ds, trigger).poisons(0)  # the default poisons from its first round

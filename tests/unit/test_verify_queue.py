@@ -56,6 +56,40 @@ def test_the_pacer_keeps_the_checks_compute_at_its_duty():
         Pacer(0.0)
 
 
+def test_the_burst_allowance_holds_the_duty_over_a_window_and_lets_the_first_screens_run_at_once():
+    """Session 19: with the duty held over a window of W seconds, a quiet worker's first passes run unpaced until
+    they computed duty x W; past that each pass waits until the oldest leave the window. No window of W seconds
+    holds more than duty x W of compute plus one pass."""
+    clock = FakeClock()
+    pace = Pacer(0.15, clock=clock, sleep=clock.sleep, window_s=20.0)  # 8 rounds of 2.5 s: 3 s of compute
+    ends, resumed = [], []
+    pace.start()
+    for _ in range(8):  # two screens of four 0.5 s passes after a quiet stretch
+        clock.t += 0.5
+        ends.append(clock.t)  # the pass's compute ends here
+        pace()
+        resumed.append(clock.t)  # and the next one starts here
+    # the first 6 passes (3 s = 0.15 x 20 s) run back to back; after the 7th the worker waits until the 1st pass
+    # (ended at 100.5) left the window (120.5); the 8th fits again
+    assert clock.sleeps == pytest.approx([120.5 - 103.5], abs=1e-9)
+    assert ends == pytest.approx([100.5, 101.0, 101.5, 102.0, 102.5, 103.0, 103.5, 121.0], abs=1e-9)
+    assert resumed[-2:] == pytest.approx([120.5, 121.0], abs=1e-9)
+    # every window of 20 s holds at most 3 s of compute plus the one pass that went over (the pacer acts after it)
+    held = [sum(0.5 for x in ends if e - 20.0 < x <= e) for e in ends]
+    assert held == pytest.approx([0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 3.0], abs=1e-9)
+    assert pace.busy_s == pytest.approx(4.0) and pace.slept_s == pytest.approx(17.0)
+    # without a window every pass is paced: the same 4 s of compute end 22.7 s later, not 3 s
+    clock2 = FakeClock()
+    per_pass = Pacer(0.15, clock=clock2, sleep=clock2.sleep)
+    per_pass.start()
+    for _ in range(6):
+        clock2.t += 0.5
+        per_pass()
+    assert clock2.t - 100.0 == pytest.approx(3.0 / 0.15)  # 20 s for what the window ran in 3 s
+    with pytest.raises(ValueError, match="window_s"):
+        Pacer(0.15, window_s=-1.0)
+
+
 def test_a_full_queue_drops_the_oldest_waiting_job_and_counts_it():
     gate = threading.Event()
     started = threading.Event()
