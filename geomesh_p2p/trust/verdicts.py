@@ -37,6 +37,9 @@ class Verdicts:
         #: excluded peers whose failures this node measured only in its own checks (no other verifier's
         #: evidence re-checked here fails them too): a verdict held alone, see :meth:`plan_problem`
         self.lone: set[str] = set()
+        #: excluded peers on a self-contained proof (:meth:`exclude_proven`): every reader of the proof holds the same
+        #: verdict, so followers refuse plans naming them (the only verdicts that do, see :meth:`plan_problem`)
+        self.proven: set[str] = set()
         #: peer id -> rounds of its marginal failures measured here (recent ones)
         self._marginal: dict[str, set[int]] = {}
 
@@ -47,6 +50,7 @@ class Verdicts:
             "excluded": dict(self.excluded),
             "excluded_round": dict(self.excluded_round),
             "lone": sorted(self.lone),
+            "proven": sorted(self.proven),
             "marginal": {p: sorted(r) for p, r in self._marginal.items()},
         }
 
@@ -69,6 +73,9 @@ class Verdicts:
         lone = meta.get("lone")
         if isinstance(lone, list):
             self.lone |= {p for p in lone[:MAX_RESTORED] if isinstance(p, str) and p in self.excluded}
+        proven = meta.get("proven")
+        if isinstance(proven, list):
+            self.proven |= {p for p in proven[:MAX_RESTORED] if isinstance(p, str) and p in self.excluded}
         marginal = meta.get("marginal")
         if isinstance(marginal, dict):
             for p, rs in list(marginal.items())[:MAX_RESTORED]:
@@ -80,31 +87,36 @@ class Verdicts:
         return [m for m in members if m.peer_id not in self.excluded or m.peer_id == keep]
 
     def plan_problem(self, plan, me: Optional[str] = None, grace_rounds: int = 2) -> Optional[str]:
-        """Why a follower refuses ``plan``: its leader is excluded here (it would plan itself back in), or
-        it names a peer excluded here more than ``grace_rounds`` rounds before the plan's round (honest
-        leaders re-check the same evidence within a round or two; before that, their plans still count).
+        """Why a follower refuses ``plan``: it is led by, or names more than ``grace_rounds`` rounds after the
+        exclusion, a peer excluded here on a self-contained proof (:attr:`proven`: accountable mode's drop, forgery
+        or equivocation proofs, which every reader of the proof verifies the same way). None otherwise.
 
-        A verdict this node holds alone (:attr:`lone`: only its own checks failed the peer) never makes it
-        refuse a plan (issue 28, "verdicts that cannot fork"): the checks' statistic depends on the checker
-        (its own contribution is the basis), so the others' re-checks may all pass the same contribution,
-        and a peer refusing every plan they follow sat out every round (before: formed a swarm of one). It
-        keeps following the swarm's plans, leaves the peer out of the plans it leads (:meth:`filter`: the
-        others follow those), and its evidence stays published for the others to re-check."""
+        A verdict of verified work (a check, a screen, a re-check of another's evidence) never makes a follower
+        refuse a plan (issue 28, "verdicts that cannot fork", session 19). Its statistic depends on the checker, and
+        its re-checks land at different peers in different rounds (paced background work): a follower that
+        refused the accused's plans while another honest peer had not re-checked yet split the swarm into two
+        lineages (helper-cover's backdoor run, session 19; before it, a verdict held alone made its holder a swarm
+        of one, session 15). So an exclusion takes effect through leaders: this node leaves the peer out of the
+        plans it leads (:meth:`filter`), every follower follows them, and as the evidence is confirmed at the
+        others their plans leave it out too. In any one round the accused is in the plan for everyone or for no
+        one. What it costs: rounds led by a peer that has not confirmed yet (or by the accused, while it still
+        ranks among the last round's established participants) include it."""
         bad = [
             p
             for p in plan.participants()
-            if p in self.excluded
-            and p not in self.lone
+            if p in self.proven
             and p != me
             and (p == plan.leader or plan.round > self.excluded_round.get(p, plan.round) + grace_rounds)
         ]
-        return f"it names {', '.join(p[:10] for p in bad)}, excluded by verified work" if bad else None
+        return f"it names {', '.join(p[:10] for p in bad)}, excluded by a proof" if bad else None
 
     def exclude_proven(self, peer: str, why: str, round: int) -> None:
         """Exclude ``peer`` on a self-contained proof this node re-checked (accountable mode's drop, forgery or
         equivocation proofs, :mod:`geomesh_p2p.trust.fraud`): never a verdict held alone, since every peer that
         reads the proof reaches the same one."""
         self._exclude(peer, why, round, lone=False)
+        if peer != self.me:
+            self.proven.add(peer)
 
     def _exclude(self, peer: str, why: str, round: int, lone: bool = False) -> None:
         """Exclude ``peer`` (``lone``: on this node's own checks alone); a peer excluded alone before whose
