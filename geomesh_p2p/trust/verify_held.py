@@ -6,20 +6,28 @@ The stand-ins, the screen seed and the bounded task: :mod:`.verify_commit`.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections import OrderedDict
 from typing import Any, Callable, Mapping, Optional
 
-from geomesh_p2p.trust.verify_commit import Committed, narrow
+from geomesh_p2p.trust.evidence import Evidence, fetch_contributions
+from geomesh_p2p.trust.verify_commit import Committed, materialize, narrow
 from geomesh_p2p.trust.verify_task import derive_screen
 
 __all__ = ["HeldContributions"]
 
+log = logging.getLogger("geomesh_p2p.trust.verify")
+
 
 class HeldContributions:
-    """Uses the verifier's ``cfg``, ``me``, ``_kept``, ``_packets``, ``_seed_of`` and ``own_task``."""
+    """Uses the verifier's ``cfg``, ``me``, ``run_id``, ``dht``, ``_kept``, ``_packets``, ``_seed_of`` and
+    ``own_task``."""
 
     cfg: Any
     me: str
+    run_id: str
+    dht: Any
     _kept: "OrderedDict[int, Any]"
     _packets: Callable[[int, Any], dict]
     _seed_of: Callable[..., bytes]
@@ -65,3 +73,26 @@ class HeldContributions:
             return False
         kept.packets.setdefault(accused, {}).update({int(j): p for j, p in packets.items()})
         return True
+
+    async def hold_evidence_contributions(self, ev: Evidence) -> dict[int, str]:
+        """Accountable mode: the accused's signed contributions that evidence ``ev`` published beside it
+        (:func:`~.evidence.fetch_contributions`), each held here once it matches this peer's commitment
+        (:func:`~.verify_commit.materialize`, in a worker thread), so that the evidence can be re-checked by a
+        participant that did not fetch them itself. Returns part -> why refused ({} for a relay round)."""
+        kept = self._kept.get(int(ev.round))
+        if kept is None or getattr(kept, "committed", None) is None or self.dht is None:
+            return {}
+        mine = self._packets(int(ev.round), kept).get(ev.accused, {})
+        if not any(isinstance(mine.get(j), Committed) for j in ev.packets):
+            return {}  # held already (fetched for this peer's own screen of the same newcomer)
+        got = await fetch_contributions(self.dht, ev)
+        refused = await asyncio.to_thread(materialize, kept, ev.accused, got, self.run_id, int(ev.round))
+        for j, why in refused.items():
+            log.info(
+                "round %d: evidence against %s: its contribution to part %d refused: %s",
+                ev.round,
+                ev.accused[:10],
+                j,
+                why,
+            )
+        return refused

@@ -1,0 +1,115 @@
+"""Verified work in accountable mode, the fetch (geomesh_p2p/exchange/fetch_input.py): after an accountable round
+on in-process gRPC peers, a checker fetches the accused's signed contribution to one part -- from the accused
+(``PullInputs(from_sender)``), else from the part's owner (``PullInputs(first, count=1)``: one input, not a page) --
+and takes it only when its SHA-256 is the one the owner's result commits to; a holder serving other bytes or
+refusing is a reason, never trusted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+
+import pytest
+
+from geomesh_p2p.exchange import CollectiveService, messages
+from geomesh_p2p.exchange.commitment import DIGEST_BYTES
+from geomesh_p2p.exchange.fetch_input import committed_round, fetch_input
+from geomesh_p2p.net.methods import COLLECTIVE_INPUTS
+from geomesh_p2p.trust.verify_commit import Committed, ContributionRefused, verified_packet
+from geomesh_p2p.wire import collective_pb2
+
+from tests.integration.test_collective_robust import ROBUST, _honest_deltas
+
+pytestmark = pytest.mark.timeout(120)
+
+NUMEL = 4 * 2048 * 2
+
+
+async def _round(swarms, n=4, seed=0):
+    sw = await swarms(n, service_cls=[CollectiveService] * n)
+    deltas = _honest_deltas(sw.pids, NUMEL, seed=seed)
+    spec = sw.spec(NUMEL, mode="accountable", deadline_s=3.0, validators_per_part=1, **ROBUST)
+    res = await asyncio.gather(*[s.all_reduce(spec, deltas[p], 100) for s, p in zip(sw.services, sw.pids)])
+    assert all(r.missing_parts == [] for r in res)
+    return sw, spec
+
+
+def _received(service) -> int:
+    return service.transport.stats.by_method.get(COLLECTIVE_INPUTS, (0, 0))[1]
+
+
+async def test_a_checker_fetches_the_committed_contribution_from_the_accused_and_checks_it(swarms):
+    sw, spec = await _round(swarms)
+    checker, accused = sw.services[0], sw.pids[1]
+    j = next(j for j, o in enumerate(spec.owners) if o.peer_id not in (sw.pids[0], accused))
+    held = await asyncio.to_thread(committed_round, checker, spec.round)
+    assert held is not None and set(held.inputs) == set(sw.pids)  # every sender's commitment of every part
+    assert all(set(parts) == set(range(len(spec.owners))) for parts in held.inputs.values())
+    assert set(held.own) == set(range(len(spec.owners)))  # its own contributions: pushes and its own part's
+    tokens, dropped, digest = held.inputs[accused][j]
+    theirs = await asyncio.to_thread(committed_round, sw.services[1], spec.round)
+    want = theirs.own[j]  # what the accused pushed
+    assert hashlib.sha256(want).digest()[:DIGEST_BYTES] == digest and tokens == 100 and not dropped
+    r0 = _received(checker)
+    got, why, n = await fetch_input(checker, spec.round, j, accused, digest, timeout_s=5.0)
+    assert got == want and why == [] and n == len(want)
+    # on the wire: that one contribution in a reply's envelope (a part of P/4 elements: P/32 sign bytes + scales)
+    assert len(want) < _received(checker) - r0 < len(want) + 1024
+    packet = verified_packet(
+        got, Committed(tokens, digest), run_id=spec.run_id, accused=accused, round=spec.round, part=j,
+        part_range=(spec.owners[j].start, spec.owners[j].end),
+    )  # fmt: skip
+    c = messages.check_contribution(checker._inner, spec, j, want, None)[1]
+    assert packet.to_bytes() == c.packet.to_bytes()
+
+
+async def test_an_accused_that_serves_other_bytes_is_refused_and_the_owner_serves_one_input(swarms):
+    sw, spec = await _round(swarms, seed=3)
+    checker, accused = sw.services[0], sw.pids[1]
+    j = next(j for j, o in enumerate(spec.owners) if o.peer_id not in (sw.pids[0], accused))
+    k = next(k for k in sw.services[1]._rounds[spec.round].pushed if k != j)
+    held = await asyncio.to_thread(committed_round, checker, spec.round)
+    digest = held.inputs[accused][j][2]
+    state = sw.services[1]._rounds[spec.round]
+    want = bytes(messages.push_request_contribution(state.pushed[j]))
+    state.pushed[j] = state.pushed[k]  # the accused serves its (validly signed) push to another part instead
+    r0 = _received(checker)
+    got, why, n = await fetch_input(checker, spec.round, j, accused, digest, timeout_s=5.0)
+    assert got == want  # from the owner: the committed bytes
+    assert len(why) == 1 and "the sender" in why[0] and "served other bytes than the committed contribution" in why[0]
+    # the owner served exactly one input (count = 1), not a page of the part's four
+    assert n < 2 * len(want) + 1024 and _received(checker) - r0 < 2 * len(want) + 2048
+    # the forged bytes, offered under the commitment, are refused with the reason
+    forged = bytes(messages.push_request_contribution(state.pushed[j]))
+    with pytest.raises(ContributionRefused, match="does not match the hash its owner's result commits to"):
+        verified_packet(
+            forged, Committed(100, digest), run_id=spec.run_id, accused=accused, round=spec.round, part=j,
+            part_range=(spec.owners[j].start, spec.owners[j].end),
+        )  # fmt: skip
+
+
+async def test_when_nobody_serves_the_committed_contribution_there_is_nothing_to_check_and_why(swarms):
+    sw, spec = await _round(swarms, seed=5)
+    checker, accused = sw.services[0], sw.pids[1]
+    j = next(j for j, o in enumerate(spec.owners) if o.peer_id not in (sw.pids[0], accused))
+    owner = sw.services[sw.pids.index(spec.owners[j].peer_id)]
+    digest = (await asyncio.to_thread(committed_round, checker, spec.round)).inputs[accused][j][2]
+    del sw.services[1]._rounds[spec.round].pushed[j]  # the accused holds nothing (NOT_FOUND)
+    part = owner._rounds[spec.round].parts[j]
+    part.inputs = [b"\x00" * 64 for _ in part.inputs]  # the owner serves other bytes
+    got, why, n = await fetch_input(checker, spec.round, j, accused, digest, timeout_s=5.0)
+    assert got is None and len(why) == 2
+    assert "NOT_FOUND" in why[0] and "the owner" in why[1] and "other bytes" in why[1]
+
+
+async def test_pull_inputs_count_serves_at_most_that_many_inputs(swarms):
+    sw, spec = await _round(swarms, seed=7)
+    j = spec.part_index_of(sw.pids[1])[0]
+    for count, want in ((1, 1), (2, 2), (0, 3)):  # 0: a page (every input from ``first`` on)
+        req = collective_pb2.PullInputsRequest(round=spec.round, part=j, spec_id=spec.spec_id, first=1, count=count)
+        reply = await sw.transports[0].call(
+            sw.addresses[1], COLLECTIVE_INPUTS, req.SerializeToString(), round=spec.round, timeout=5.0
+        )
+        resp = collective_pb2.PullInputsResponse.FromString(reply.payload)
+        assert resp.total == 4 and len(resp.contributions) == want
