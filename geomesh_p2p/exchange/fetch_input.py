@@ -100,7 +100,7 @@ async def fetch_input(
     timeout_s: float = 10.0,
 ) -> tuple[Optional[bytes], list[str], int]:
     """``sender``'s signed contribution to ``part`` of accountable ``round`` whose SHA-256 starts with ``digest``
-    (its result's commitment), from the sender, else the part's owner, else (when the sender owns the part) its
+    (its result's commitment), from the part's owner, else the sender, else (when the sender owns the part) its
     witness, all by one deadline ``timeout_s`` seconds from now.
 
     Returns ``(bytes or None, the reasons of each holder that did not serve it, bytes received)``. Never raises
@@ -138,12 +138,16 @@ async def fetch_input(
             why.append(f"{label} {_short(holder)} served other bytes than the committed contribution")
         return got
 
-    got = await from_holder(sender, "the sender")
-    if got is None and owner.peer_id != service.peer_id:
+    got: Optional[bytes] = None
+    if owner.peer_id == service.peer_id and part in state.parts:  # this node owns the part: it holds the inputs
+        got = await asyncio.to_thread(match, list(state.parts[part].inputs))
+    elif owner.peer_id != service.peer_id:
         got, reason, n = await _one_from_owner(service, spec, part, sender, deadline, match)
         received += n
         if got is None:
             why.append(f"the owner {_short(owner.peer_id)}: {reason}")
+    if got is None and sender != owner.peer_id:
+        got = await from_holder(sender, "the sender")
     if got is None and sender == owner.peer_id:
         witness = accountable.witness_of(spec, part)
         if witness is not None:
