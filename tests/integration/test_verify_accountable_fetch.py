@@ -112,3 +112,71 @@ async def test_pull_inputs_count_serves_at_most_that_many_inputs(swarms):
         )
         resp = collective_pb2.PullInputsResponse.FromString(reply.payload)
         assert resp.total == 4 and len(resp.contributions) == want
+
+
+async def test_the_round_side_keeps_the_commitments_fetches_what_its_screens_need_and_queues_them(swarms):
+    """rules/verified_accountable.py over a real accountable round (round 2: every contributor is screened): the
+    round is kept with every part result's commitments and this peer's own packets, the contributions its screens
+    want (CHECK_PARTS parts of each newcomer it screens) are fetched, each matches its commitment, and the screens are
+    queued with exactly those signed bytes; the sampled check draws nothing (share 0). No model runs here (the
+    queue calls are recorded): the screens themselves are tests/unit/test_verify_accountable.py's."""
+    import torch
+
+    from geomesh_p2p.plan.schema import PeerAssignment, RoundPlan
+    from geomesh_p2p.round.rules import verified_accountable
+    from geomesh_p2p.round.rules.state import RoundState
+    from geomesh_p2p.round.rules.verified import VerifiedWork
+    from geomesh_p2p.trust.verify import WorkVerifier
+    from geomesh_p2p.trust.verify_commit import CHECK_PARTS
+    from geomesh_p2p.trust.verify_task import VerifyConfig
+    from tests.collective_util import RUN
+
+    n, L, B, H = 4, 16, 1, 6
+    sw = await swarms(n, service_cls=[CollectiveService] * n)
+    budget = B * L * H
+    deltas = _honest_deltas(sw.pids, NUMEL, seed=11)
+    spec = sw.spec(NUMEL, mode="accountable", round=2, deadline_s=3.0, caps={p: budget for p in sw.pids}, **ROBUST)
+    res = await asyncio.gather(*[s.all_reduce(spec, deltas[p], 100) for s, p in zip(sw.services, sw.pids)])
+    owned = {o.peer_id: (o.start, o.end) for o in spec.owners}
+    plan = RoundPlan(
+        run_id=RUN, round=2, leader=min(sw.pids), method="geomesh", mode="accountable", numel=NUMEL, seq_len=L,
+        window_s=6.0, train_deadline=1e9 + 6, exchange_deadline=1e9 + 12, start_digest="d2", created_at=1e9,
+        assignments=[
+            PeerAssignment(
+                peer_id=p, address="x:1", batch_size=B, micro_batch=B, accum_steps=1, inner_steps=H,
+                token_budget=budget, part_start=owned[p][0], part_end=owned[p][1], predicted_compute_s=1.0,
+                predicted_comm_s=0.1, predicted_idle_s=0.0,
+            )
+            for p in sorted(sw.pids)
+        ],
+    )  # fmt: skip
+    me, service = sw.pids[0], sw.services[0]
+    cfg = VerifyConfig(share=0.0)
+    wv = WorkVerifier(cfg, identity=sw.ids[0], run_id=RUN, model=None, dataset=None, seed=0, lr=1e-3, weight_decay=0.1)
+    calls: dict = {}
+
+    def queue_screens(r, *, due=None, signed_of=None):
+        calls["screens"] = {(a, j): signed_of(j, a) for a, parts in wanted.items() for j in parts}
+
+    wv.queue_screens = queue_screens  # type: ignore[method-assign]
+    vw = VerifiedWork(RoundState(me=me), verifier=wv, theta=lambda: torch.zeros(NUMEL), collective=lambda: service)
+    vw.verify_round = lambda *a, **k: None  # type: ignore[method-assign]  (no evidence to read here)
+    try:
+        assert await verified_accountable.keep(vw, 2, plan, res[0])
+        kept = wv._kept[2]
+        assert kept.committed is not None and set(kept.committed) == set(sw.pids)
+        assert set(kept.packets) == {me} and len(kept.packets[me]) == len(spec.owners)  # its own, every part
+        assert kept.screened == sorted(sw.pids)  # round 2: everybody is new
+        wanted = wv.accountable_wants(2)
+        assert set(wanted) == set(sw.pids) - {me}  # 4 screeners per newcomer: all 3 others screen each one
+        assert all(len(parts) == CHECK_PARTS for parts in wanted.values())
+        figures = await verified_accountable.fetch_and_queue(vw, 2, plan, plan.assignments[0], res[0], timeout_s=5.0)
+        assert figures["wanted"] == figures["fetched"] == 3 * CHECK_PARTS and figures["refused"] == 0
+        assert vw.fetch_counts == figures and vw.counts()["fetch"] == figures
+        for (a, j), signed in calls["screens"].items():  # each screen gets the committed bytes of its parts
+            assert signed is not None and hashlib.sha256(signed).digest()[:DIGEST_BYTES] == kept.committed[a][j].digest
+        held = wv._packets(2, kept)
+        assert all(not isinstance(held[a][j], Committed) for a, parts in wanted.items() for j in parts)
+        assert wv.accountable_wants(2) == {}  # nothing left to fetch
+    finally:
+        wv.close()
