@@ -89,9 +89,11 @@ so only a persistent one, after many rounds). Not caught: a peer that trains a f
 batches honestly and fakes the rest (at most in proportion to what it skips, "first ... only" above),
 scaling within the bound (the aggregation's clip is the defence there), anything in a round where
 nobody checks it, a contribution that claims fewer than ``min_steps`` steps (never drawn: the thresholds
-are not measured there), and everything in reencode mode (only relay mode shows every peer the signed
-contributions). A late verdict can be re-checked only by peers that still keep its round
-(``recheck_rounds`` = 12, 3 before session 16, when at small H it usually stayed a verdict held alone).
+are not measured there), and everything in reencode mode (nobody but the owner sees a contribution). In
+accountable mode the draws read the part results' commitments and a check fetches the accused's contributions to
+at most 2 of its parts, checked against them (:mod:`.verify_commit`, session 19). A late verdict can be
+re-checked only by peers that still keep its round (``recheck_rounds`` = 12, 3 before session 16, when at small
+H it usually stayed a verdict held alone).
 
 Who checks whom. Verifier ``v`` signs ``(run, round, start digest)`` with its Ed25519 key; the SHA-256
 of that signature decides whether it checks this round, whom, which steps and elements. Nobody
@@ -293,10 +295,11 @@ class WorkVerifier(Verdicts, Screening, EvidenceExchange, HeldContributions):
         """Remember ``round``'s start weights, plan and received contributions (blocking: call it off the
         event loop). Accountable mode: ``committed`` (sender -> part -> :class:`~.verify_commit.Committed`, every
         applied part result's inputs) stands in for the contributions not held here; ``packets`` are this peer's
-        own (a check's basis) and those fetched later (:meth:`hold`). ``theta`` (fp32 CPU ``[P]``) is written to a file of the verifier's private directory
-        (``4P`` bytes; the caller may change ``theta`` once this returns) and read back, bitwise, when a
-        check or re-check needs it; the oldest rounds past ``cfg.keep_rounds`` are dropped, files included,
-        unless a check or re-check in the background queue still needs them (:meth:`queue_check`).
+        own (a check's basis) and those fetched later (:meth:`hold`). ``theta`` (fp32 CPU ``[P]``) is written to
+        a file of the verifier's private directory (``4P`` bytes; the caller may change ``theta`` once this
+        returns) and read back, bitwise, when a check or re-check needs it; the oldest rounds past
+        ``cfg.keep_rounds`` are dropped, files included, unless a check or re-check in the background queue still
+        needs them (:meth:`queue_check`).
 
         Raises:
             ValueError: ``theta`` is not fp32 on the CPU.

@@ -193,7 +193,7 @@ def test_the_accountable_screen_seed_is_the_same_at_every_participant_and_follow
     try:
         # each participant holds other packets (its own, what it fetched), the same commitments: the same seed
         kv, kw = v._kept[ROUND], w._kept[ROUND]
-        assert set(kv.packets) != set(kw.packets)
+        assert {p: set(x) for p, x in kv.packets.items()} != {p: set(x) for p, x in kw.packets.items()}
         assert v._seed_of(ROUND, kv, v._packets(ROUND, kv)) == w._seed_of(ROUND, kw, w._packets(ROUND, kw)) == seed
         a = world.pid["A"]
         tv = VT.derive_screen(CFG, plan=case.plan, verifier=str(case.ids["V"].peer_id), accused=a, seed=seed,
