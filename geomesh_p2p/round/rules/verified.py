@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import types
 from typing import Any, Callable, Optional
 
 import torch
@@ -113,7 +114,9 @@ class VerifiedWork:
         except Exception as e:  # a full disk, say: this round goes unchecked, the round itself goes on
             log.warning("round %d: verified work skipped: the round could not be kept: %s", r, e)
             return
-        task = asyncio.ensure_future(verified_accountable.fetch_and_queue(self, r, plan, assignment, ar))
+        # not the round's result itself: its aggregate ([P] fp32) must not live as long as the fetches (issue 27)
+        light = types.SimpleNamespace(contributions={}, aggregate=None, part_ranges=list(ar.part_ranges))
+        task = asyncio.ensure_future(verified_accountable.fetch_and_queue(self, r, plan, assignment, light))
         self._fetches.add(task)
 
         def done(t: asyncio.Future) -> None:
