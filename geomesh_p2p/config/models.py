@@ -255,7 +255,7 @@ class RunConfig(BaseModel):
     #: peers of the releases before, which do not know them, compute the same hash and train with this one.
     #: A field here must not change what a round computes at its default. ``validators_per_part`` (issue 26)
     #: is read in accountable mode only.
-    #: ``record_shards`` (issue 25, 0.5.1): at 1 every record stays under ``<run>/peers``, as before.
+    #: ``record_shards`` (issue 25, 0.6.0): at 1 every record stays under ``<run>/peers``, as before.
     patch_fields: ClassVar[frozenset[str]] = frozenset({"validators_per_part", "record_shards"})
 
     def config_hash(self) -> str:

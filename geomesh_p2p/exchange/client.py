@@ -128,7 +128,7 @@ class CollectiveService(OwnerService):
     """
 
     #: relay mode: owners are asked to leave this peer's own contribution out of the results they serve it
-    #: (:mod:`.own_entry`; False: the whole results, as before 0.5.1: for side-by-side measurements)
+    #: (:mod:`.own_entry`; False: the whole results, as before 0.6.0: for side-by-side measurements)
     omit_own: bool = True
 
     # ----------------------------------------------------------------------------- peer side

@@ -12,7 +12,7 @@ sampled reads (a light follower samples the participants of one shard at a time:
   shard at 2S is ``2 x`` or ``2 x + 1`` its shard at S, so a swarm that doubles S splits every shard in two.
   An identity costs proof of work (docs/admission.md), so grinding identities into one shard costs S x that.
 * :func:`records_key` -- the key of a shard (``<run>/peers`` itself at S = 1: a run at the default stores and
-  reads exactly what releases before 0.5.1 did, so they train together).
+  reads exactly what releases before 0.6.0 did, so they train together).
 * :func:`shards_of` -- the shards a read of some PeerIDs must ask (each asked once).
 
 S is in the key, so two runs' layouts never mix, and a record found under a shard that is not its PeerID's is

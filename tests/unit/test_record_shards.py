@@ -33,7 +33,7 @@ def test_a_shard_is_the_top_bits_of_the_peer_ids_hash_and_doubling_splits_each_s
 
 
 def test_shard_keys_and_counts_that_are_refused():
-    assert records_key("run", 0, 1) == "run/peers"  # the layout of every release before 0.5.1
+    assert records_key("run", 0, 1) == "run/peers"  # the layout of every release before 0.6.0
     assert records_key("run", 5, 8) == "run/peers/8/5"
     assert shards_of(["a", "b", "c"], 1) == {0: ["a", "b", "c"]}
     for bad in (0, 3, 6, 512, -4):
