@@ -102,9 +102,8 @@ SERIAL_GROUPS = {
 # its place, as does every other tests/e2e file (next) and then everything else (collection order).
 LONGEST_FIRST = (
     "e2e-swarms",  # ~490 s
-    # ~170-180 s whatever the load, nearly all of it a fixed wait (a plan read 130 s into a 170 s round; ~45 CPU-s
-    # alone): the longest single test of the last CI run (179 s). Written after the measurement above, it started
-    # behind every file listed here; first, its wait overlaps the CPU of the others from the start.
+    # mostly a fixed wait (a plan read 20 s past a 10 s --plan-ttl-floor-s; 130 s into a 170 s round until session
+    # 30, then the longest single test at ~180 s): first, its wait overlaps the CPU of the others from the start.
     "tests/e2e/test_long_window_procs.py",
     "tests/e2e/test_faults_net_procs.py",  # ~215
     "tests/e2e/test_faults_node_procs.py",  # ~170
