@@ -33,7 +33,7 @@ import sys
 import tempfile
 import threading
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional, Sequence, TextIO
 
 #: what the zygote imports before it forks: the third-party packages of a peer's start-up (not the project's)
 PRELOAD = (
@@ -61,8 +61,9 @@ START_TIMEOUT_S = 180.0  # the zygote's imports on a loaded 2-core machine (a co
 
 
 # ------------------------------------------------------------------------------ the zygote process
-def _child(req: dict, keep: Sequence[int]) -> None:
-    """In the forked child: become ``python -m MODULE ARGS`` as ``req`` says (fds, env, cwd, session, signals)."""
+def _child(req: dict, fds: Sequence[int], keep: Sequence[int]) -> None:
+    """In the forked child: become ``python -m MODULE ARGS`` as ``req`` says (env, cwd, session, signals), its
+    stdout and stderr ``fds`` (received from the test process), its stdin /dev/null."""
     for fd in keep:
         if fd > 2:  # 0-2 are replaced below (closed here, the log would open as fd 0)
             os.close(fd)
@@ -72,13 +73,12 @@ def _child(req: dict, keep: Sequence[int]) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     if req.get("new_session"):
         os.setsid()
-    log = os.open(req["log"], os.O_WRONLY | os.O_CREAT | (os.O_APPEND if req["append"] else os.O_TRUNC), 0o644)
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
-    os.dup2(log, 1)
-    os.dup2(log, 2)
-    os.close(log)
-    os.close(null)
+    os.dup2(fds[0], 1)
+    os.dup2(fds[1], 2)
+    for fd in {null, *fds} - {0, 1, 2}:
+        os.close(fd)
     os.environ.clear()
     os.environ.update(req["env"])
     os.chdir(req["cwd"])
@@ -136,17 +136,21 @@ def serve() -> Optional[dict]:
             return None  # the test process is gone: its children are stopped by PID there
         if listener in ready:
             conn, _ = listener.accept()
-            req = json.loads(_read_line(conn))
-            if threads:
+            data, fds, _, _ = socket.recv_fds(conn, 1 << 20, 2)
+            req = json.loads(data if data.endswith(b"\n") else data + _read_line(conn).encode())
+            if threads or len(fds) != 2:
+                for fd in fds:
+                    os.close(fd)
                 conn.sendall(f"refused threads {threads}\n".encode())
                 conn.close()
                 continue
             pid = os.fork()
             if pid == 0:
-                _child(
-                    req, [listener.fileno(), conn.fileno(), wake_r, wake_w, *(c.fileno() for c in children.values())]
-                )
+                keep = [listener.fileno(), conn.fileno(), wake_r, wake_w, *(c.fileno() for c in children.values())]
+                _child(req, fds, keep)
                 return req
+            for fd in fds:  # the child's now
+                os.close(fd)
             children[pid] = conn
             conn.sendall(f"pid {pid}\n".encode())
 
@@ -180,6 +184,8 @@ class ZygoteChild:
         self.args, self.pid, self._conn = args, pid, conn
         self.returncode: Optional[int] = None
         self._buf = b""
+        self.stdout: Optional[TextIO] = None  # text streams when started by spawn_piped
+        self.stderr: Optional[TextIO] = None
 
     def _read_exit(self, timeout: Optional[float]) -> None:
         if self.returncode is not None:
@@ -264,14 +270,14 @@ class Zygote:
             self.proc.kill()
             self.proc.wait()
 
-    def spawn(self, args: list[str], argv: list[str], log: Path, append: bool, env: dict, cwd, new_session: bool):
-        """Fork ``python -m ARGS`` (``argv`` the full command line, for messages); returns a :class:`ZygoteChild`,
-        or None when the zygote refuses (a thread ran in it)."""
+    def spawn(self, args: list[str], argv: list[str], fds: tuple[int, int], env: dict, cwd, new_session: bool):
+        """Fork ``python -m ARGS`` (``argv`` the full command line, for messages) with stdout and stderr ``fds``
+        (sent to the zygote; the caller closes its own); returns a :class:`ZygoteChild`, or None when the zygote
+        refuses (a thread ran in it)."""
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         conn.connect(self.socket)
-        req = {"args": args, "log": str(log), "append": append, "env": env, "cwd": str(cwd or os.getcwd())}
-        req["new_session"] = new_session
-        conn.sendall((json.dumps(req) + "\n").encode())
+        req = {"args": args, "env": env, "cwd": str(cwd or os.getcwd()), "new_session": new_session}
+        socket.send_fds(conn, [(json.dumps(req) + "\n").encode()], list(fds))
         conn.settimeout(60)
         line = b""
         while not line.endswith(b"\n"):
@@ -289,17 +295,50 @@ class Zygote:
 _zygote: Optional[Zygote] = None
 
 
+def _zygote_for(argv: Sequence[str]) -> Optional[Zygote]:
+    """This worker's zygote (started on first use) when it may fork ``argv``: ``[sys.executable, "-m", ...]``
+    under this process's environment, the zygote on and usable; else None."""
+    global _zygote
+    if not ENABLED or len(argv) < 3 or argv[0] != sys.executable or argv[1] != "-m":
+        return None
+    if _zygote is None:
+        _zygote = Zygote()
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if not _zygote.usable or _same_env(env) != _same_env(_zygote.env):
+        return None
+    return _zygote
+
+
 def spawn(argv: Sequence[str], log: Path, *, append: bool, cwd=None, new_session: bool = False):
     """Start ``argv`` (``[sys.executable, "-m", MODULE, ...]``) with stdout and stderr to ``log``, like
     :meth:`geomesh_p2p.util.procs.ProcGroup.spawn`, forked from this worker's zygote; None when it cannot be forked
     (not such a command line, a different environment, the zygote off or refusing): the caller starts it itself."""
-    global _zygote
-    argv = list(argv)
-    if not ENABLED or len(argv) < 3 or argv[0] != sys.executable or argv[1] != "-m":
+    z = _zygote_for(argv)
+    if z is None:
         return None
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    if _zygote is None:
-        _zygote = Zygote()
-    if not _zygote.usable or _same_env(env) != _same_env(_zygote.env):
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | (os.O_APPEND if append else os.O_TRUNC), 0o644)
+    try:
+        return z.spawn(list(argv[2:]), list(argv), (fd, fd), dict(os.environ, PYTHONUNBUFFERED="1"), cwd, new_session)
+    finally:
+        os.close(fd)
+
+
+def spawn_piped(argv: Sequence[str], *, cwd=None):
+    """Like ``subprocess.Popen(argv, stdout=PIPE, stderr=PIPE, text=True, cwd=cwd)`` with ``PYTHONUNBUFFERED``,
+    forked from this worker's zygote: a :class:`ZygoteChild` whose ``stdout`` and ``stderr`` are text streams to
+    read; None when it cannot be forked (see :func:`spawn`)."""
+    z = _zygote_for(argv)
+    if z is None:
         return None
-    return _zygote.spawn(argv[2:], argv, log, append, env, cwd, new_session)
+    (out_r, out_w), (err_r, err_w) = os.pipe(), os.pipe()
+    try:
+        child = z.spawn(list(argv[2:]), list(argv), (out_w, err_w), dict(os.environ, PYTHONUNBUFFERED="1"), cwd, False)
+    finally:
+        os.close(out_w)
+        os.close(err_w)
+    if child is None:
+        os.close(out_r)
+        os.close(err_r)
+        return None
+    child.stdout, child.stderr = open(out_r, encoding="utf-8"), open(err_r, encoding="utf-8")
+    return child
