@@ -301,6 +301,8 @@ def _zygote_for(argv: Sequence[str]) -> Optional[Zygote]:
     global _zygote
     if not ENABLED or len(argv) < 3 or argv[0] != sys.executable or argv[1] != "-m":
         return None
+    if any(k == "LD_PRELOAD" or k.startswith("FAKETIME") for k in os.environ):
+        return None  # libfaketime & co. act from the process's start: never forked, nor a zygote started under them
     if _zygote is None:
         _zygote = Zygote()
     env = dict(os.environ, PYTHONUNBUFFERED="1")
