@@ -121,7 +121,7 @@ class ProcSwarm(ProcGroup):
     def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
         log = self.dir / f"{name}.log"
         self._log_start[name] = log.stat().st_size if log.exists() else 0
-        # forked from this worker's pre-imported interpreter when it can be (tests/zygote.py: ~6 CPU-s less each)
+        # forked from this worker's pre-imported interpreter when it can be (tests/zygote.py: ~4 CPU-s less each)
         child = zygote.spawn(argv, log, append=True)
         if child is None:
             return self.spawn(name, argv, log, append=True)

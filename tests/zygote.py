@@ -1,6 +1,6 @@
 """A pre-imported interpreter that forks the e2e tests' ``python -m peer.cli`` / ``python -m bootstrap.cli`` processes.
 
-Why: every peer process of the e2e tier spent ~6 of its ~9 CPU-seconds importing torch, transformers (whose
+Why: every peer process of the e2e tier spent ~4-6 of its ~9 CPU-seconds importing torch, transformers (whose
 import scans its ~3,000 model files), torch.distributed and hivemind before its first line of its own, and the
 tier starts ~200 of them on 2 shared cores. A *zygote* (Android's name for the same trick) imports those
 third-party packages once per pytest worker and forks a child per process asked for; the child runs the module
