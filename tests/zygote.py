@@ -26,6 +26,7 @@ import atexit
 import json
 import os
 import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -266,9 +267,13 @@ class Zygote:
             self.stop()
 
     def stop(self) -> None:
+        """Stop the zygote by PID (its children are the tests' to stop) and remove its socket's and log's folders."""
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+        for folder in (Path(self.socket).parent if getattr(self, "socket", "") else None, self.log.parent):
+            if folder is not None:
+                shutil.rmtree(folder, ignore_errors=True)
 
     def spawn(self, args: list[str], argv: list[str], fds: tuple[int, int], env: dict, cwd, new_session: bool):
         """Fork ``python -m ARGS`` (``argv`` the full command line, for messages) with stdout and stderr ``fds``
