@@ -96,25 +96,28 @@ SERIAL_GROUPS = {
     "e2e-swarms": ("tests/e2e/test_attacks.py", "tests/e2e/test_swarm.py"),
 }
 # Longest first (LPT scheduling): a worker that is free takes the longest file still waiting, so the minutes-long
-# process files start at once and the many short unit files fill the workers' last gaps; in collection order they
-# came last and one worker ran the last swarm alone for a minute or more. The order is a measurement (seconds per
-# file in a 3-worker run on 2 cores, `pytest -n 3 --durations=0`, session 10): a file missing from it only loses
-# its place, as does every other tests/e2e file (next) and then everything else (collection order).
+# files start at once and the many short unit files fill the workers' last gaps; in collection order they came last
+# and one worker ran the last long file alone for a minute or more. The order is a measurement (seconds per file in
+# a 3-worker run on 2 cores, `pytest -n 3 --durations=0`, session 30: 968 s in all, load 1-14 from other jobs, e2e
+# processes forked from tests/zygote.py): a file missing from it only loses its place, as does every other tests/e2e
+# file (next) and then everything else (collection order).
 LONGEST_FIRST = (
-    "e2e-swarms",  # ~490 s
-    # ~170-180 s whatever the load, nearly all of it a fixed wait (a plan read 130 s into a 170 s round; ~45 CPU-s
-    # alone): the longest single test of the last CI run (179 s). Written after the measurement above, it started
-    # behind every file listed here; first, its wait overlaps the CPU of the others from the start.
-    "tests/e2e/test_long_window_procs.py",
-    "tests/e2e/test_faults_net_procs.py",  # ~215
-    "tests/e2e/test_faults_node_procs.py",  # ~170
-    "tests/e2e/test_slow_link.py",  # ~140
-    "tests/e2e/test_stalled_peer_procs.py",  # ~130
-    "tests/e2e/test_join_errors.py",  # ~110
+    "e2e-swarms",  # ~235 s (test_attacks ~120, test_swarm ~115)
+    # CPU-bound verified-work screens in process (a unit file, so it used to start after every e2e file and end
+    # the run alone on one worker)
+    "tests/unit/test_screening.py",  # ~230
+    "tests/e2e/test_join_errors.py",  # ~205
+    "tests/e2e/test_stalled_peer_procs.py",  # ~150
+    "tests/e2e/test_faults_net_procs.py",  # ~145 (~550 with cold processes)
+    "tests/e2e/test_accountable_procs.py",  # ~115
+    # mostly a fixed wait (a plan read 20 s past a 10 s --plan-ttl-floor-s; 130 s into a 170 s round until session
+    # 30, then the longest single test at ~180 s): early, its wait overlaps the CPU of the others
+    "tests/e2e/test_long_window_procs.py",  # ~60
+    "tests/e2e/test_slow_link.py",  # ~95
+    "tests/e2e/test_rank_trainer.py",  # ~95
     "tests/e2e/test_status_page.py",  # ~95
-    "tests/e2e/test_young_swarm.py",  # ~75
-    "tests/e2e/test_sybil.py",  # ~70
-    "tests/e2e/test_overload_procs.py",  # ~67
+    "tests/unit/test_verify.py",  # ~80
+    "tests/e2e/test_faults_node_procs.py",  # ~80
 )
 
 

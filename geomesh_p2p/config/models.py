@@ -448,6 +448,14 @@ class NodeConfig(BaseModel):
         gt=0,
         le=MAX_WINDOW_S,
     )
+    plan_ttl_floor_s: float = opt(
+        120.0,  # geomesh_p2p.plan.agree.PLAN_TTL_FLOOR_S (a test holds them equal)
+        "shortest lifetime (s) of a plan this peer stores as a leader; a plan lives until its round is over and "
+        "readers stopped following it when that is longer",
+        group=TUNING_GROUP,
+        gt=0,
+        le=MAX_WINDOW_S,
+    )
     peers_max_age_s: float = opt(
         0.5,
         "seconds a read of the run's peer records is reused by later asks (0: each ask reads; asks during a read "

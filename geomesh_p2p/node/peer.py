@@ -428,7 +428,7 @@ class PeerNode:
             self.dht, self.my_record, period_s=c.announce_period_s, ttl_s=ttl_s, shards=self.run_cfg.record_shards
         )
         self.announcer.live = ProgressWatchdog.for_node(self).problem  # liveness is progress (issue 29 #5)
-        self.plans = PlanStore(self.dht, self.identity, self.run_cfg.run_id)
+        self.plans = PlanStore(self.dht, self.identity, self.run_cfg.run_id, ttl_s=c.plan_ttl_floor_s)
         # Off the event loop: tokenizing and profiling take seconds, and the DHT must keep answering.
         await asyncio.to_thread(self._build_training)
         self._stop_point("after building training")

@@ -18,6 +18,7 @@ import pytest
 
 from bootstrap.cli import main, parse
 from geomesh_p2p.util.procs import stop_process
+from tests import zygote
 from tests.proc_util import bootstrap_args
 
 pytestmark = pytest.mark.timeout(180)
@@ -30,7 +31,8 @@ class Proc:
 
     def __init__(self, argv, name):
         self.name = name
-        self.p = subprocess.Popen(
+        # forked from this worker's pre-imported interpreter when it can be (tests/zygote.py), else a cold one
+        self.p = zygote.spawn_piped([sys.executable, *argv], cwd=ROOT) or subprocess.Popen(
             [sys.executable, *argv],
             cwd=ROOT,
             stdout=subprocess.PIPE,

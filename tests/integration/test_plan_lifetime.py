@@ -18,6 +18,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from geomesh_p2p.config.models import NodeConfig
 from geomesh_p2p.net import swarm_time as clock
 from geomesh_p2p.net.identity import Identity
 from geomesh_p2p.plan.agree import PLAN_STALE_AFTER_S, PLAN_TTL_FLOOR_S, PlanStore, plan_expiration, plan_key
@@ -54,6 +55,11 @@ def test_a_plans_lifetime_covers_its_round_and_keeps_the_floor_for_short_ones():
     d.update(window_s=30_000.0, train_deadline=now + 30_000, exchange_deadline=now + 90_000)
     huge = RoundPlan.model_validate(d)
     assert plan_expiration(huge, now) < now + 24 * 3600  # never past what the DHT stores
+    # --plan-ttl-floor-s (the process test's short floor): the floor moves, a long round's lifetime does not
+    assert NodeConfig().plan_ttl_floor_s == PLAN_TTL_FLOOR_S == 120.0
+    assert plan_expiration(short, now, floor_s=60.0) == now + 60.0
+    assert plan_expiration(short, now, floor_s=20.0) == now + 10 + PLAN_STALE_AFTER_S  # its round's end, then
+    assert plan_expiration(long_plan, now, floor_s=20.0) == now + 330 + PLAN_STALE_AFTER_S
 
 
 def test_evidence_and_round_summaries_live_as_long_as_the_rounds_they_serve():

@@ -1,0 +1,83 @@
+"""The test zygote (tests/zygote.py) starts a process as ``python -m`` would: a forked child of the pre-imported
+interpreter sees the same ``__name__``, argv, ``sys.path[0]``, working directory, environment, signal dispositions
+and empty stdin as a cold interpreter started by ``subprocess.Popen``, has imported nothing of the project, and
+ends with the same exit status (a code, an uncaught Ctrl+C, a SIGKILL)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests import zygote
+
+pytestmark = pytest.mark.timeout(300)
+
+ROOT = Path(__file__).resolve().parents[2]
+PROBE = [sys.executable, "-m", "tests.zygote_probe"]
+
+
+def _cold(args, tmp_path: Path, name: str) -> subprocess.Popen:
+    with open(tmp_path / name, "w") as out:
+        return subprocess.Popen(
+            PROBE + args,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            cwd=ROOT,
+            env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        )
+
+
+def _forked(args, tmp_path: Path, name: str):
+    child = zygote.spawn(PROBE + args, tmp_path / name, append=False, cwd=ROOT)
+    assert child is not None, "the zygote did not fork (off, or a thread ran in it)"
+    return child
+
+
+def _seen(tmp_path: Path, name: str) -> dict:
+    return json.loads((tmp_path / name).read_text().splitlines()[0])
+
+
+@pytest.mark.skipif(not zygote.ENABLED, reason="GEOMESH_TEST_ZYGOTE=0")
+def test_a_forked_child_sees_what_a_cold_python_m_sees_and_exits_the_same_way(tmp_path):
+    cold, forked = _cold(["exit", "3"], tmp_path, "cold.log"), _forked(["exit", "3"], tmp_path, "forked.log")
+    assert (cold.wait(120), forked.wait(120)) == (3, 3)
+    seen = _seen(tmp_path, "forked.log")
+    assert seen == _seen(tmp_path, "cold.log")
+    assert seen["name"] == "__main__" and seen["argv"] == ["exit", "3"] and seen["argv0"] == "zygote_probe.py"
+    assert seen["path0"] == str(ROOT) and seen["unbuffered"] == "1" and seen["sigint"] and seen["sigterm"]
+    assert seen["stdin"] == "" and seen["project_imported"] == []
+
+    # Ctrl+C: an uncaught KeyboardInterrupt ends both by SIGINT; SIGKILL: -9; poll() says so after wait()
+    for sig in (signal.SIGINT, signal.SIGKILL):
+        cold, forked = _cold(["wait"], tmp_path, "cold.log"), _forked(["wait"], tmp_path, "forked.log")
+        for p, log in ((cold, "cold.log"), (forked, "forked.log")):
+            _wait_text(p, tmp_path / log, "waiting")
+            p.send_signal(sig)
+        assert (cold.wait(60), forked.wait(60)) == (-sig, -sig)
+        assert forked.poll() == forked.returncode == -sig
+
+
+def test_a_piped_child_streams_its_stdout_and_stderr(tmp_path):
+    child = zygote.spawn_piped(PROBE + ["exit", "0"], cwd=ROOT)
+    if child is None:
+        pytest.skip("the zygote is off (GEOMESH_TEST_ZYGOTE=0) or refuses to fork")
+    out = child.stdout.read()
+    assert json.loads(out)["argv"] == ["exit", "0"]
+    assert child.stderr.read() == "" and child.wait(60) == 0
+
+
+def _wait_text(p, log: Path, text: str) -> None:
+    """Until ``log`` holds ``text`` (the probe wrote it and now waits for a signal); fails if ``p`` exits first."""
+    deadline = time.monotonic() + 120
+    while text not in log.read_text():
+        assert p.poll() is None, log.read_text()
+        assert time.monotonic() < deadline, f"no {text!r} in {log}"
+        time.sleep(0.05)

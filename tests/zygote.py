@@ -1,0 +1,351 @@
+"""A pre-imported interpreter that forks the e2e tests' ``python -m peer.cli`` / ``python -m bootstrap.cli`` processes.
+
+Why: every peer process of the e2e tier spent ~4-6 of its ~9 CPU-seconds importing torch, transformers (whose
+import scans its ~3,000 model files), torch.distributed and hivemind before its first line of its own, and the
+tier starts ~200 of them on 2 shared cores. A *zygote* (Android's name for the same trick) imports those
+third-party packages once per pytest worker and forks a child per process asked for; the child runs the module
+exactly as ``python -m`` would (``runpy._run_module_as_main``: ``__name__ == "__main__"``, ``sys.argv``,
+``sys.path[0]`` the working directory), with its own stdout/stderr log, environment, working directory and
+signal dispositions. Nothing of ``geomesh_p2p``, ``peer`` or ``bootstrap`` is imported before the fork: each child
+imports the project's code itself, as a fresh interpreter does (import-time state, its PID, its clocks).
+
+What a child is not: a child of the test process. :class:`ZygoteChild` stands in for ``subprocess.Popen`` (``pid``,
+``poll``, ``wait``, ``returncode``, ``send_signal``, ``kill``, ``terminate``); the zygote reaps each child and sends
+its exit status (negative: the signal that ended it, as ``Popen.returncode``) over the child's own Unix socket.
+
+Used by :class:`tests.swarm_util.ProcSwarm` only for a ``python -m MODULE`` command line whose environment is the
+zygote's own (plus ``PYTHONUNBUFFERED``): anything else (an ``ip netns exec`` wrapper, ``LD_PRELOAD``/faketime, a
+test's own variables) starts as a plain ``subprocess.Popen``. ``GEOMESH_TEST_ZYGOTE=0`` turns it off (every
+process a cold interpreter, as before). The zygote refuses to fork (and the caller falls back) if importing left
+a thread running: forking a threaded process can deadlock the child.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from typing import Optional, Sequence, TextIO
+
+#: what the zygote imports before it forks: the third-party packages of a peer's start-up (not the project's)
+PRELOAD = (
+    "numpy",
+    "torch",
+    "torch.distributed.checkpoint.state_dict",
+    "torch.distributed.fsdp",
+    "torch.distributed.tensor",
+    "torch.distributed.device_mesh",
+    "transformers",
+    "transformers.models.gpt2.modeling_gpt2",
+    "transformers.models.llama.modeling_llama",
+    "hivemind.dht.routing",
+    "hivemind.dht.storage",
+    "hivemind.dht.node",
+    "hivemind.dht.traverse",
+    "grpc",
+    "grpc.aio",
+    "pydantic",
+    "google.protobuf",
+    "cryptography",
+)
+ENABLED = os.environ.get("GEOMESH_TEST_ZYGOTE", "1") != "0"
+START_TIMEOUT_S = 180.0  # the zygote's imports on a loaded 2-core machine (a cold peer's take up to ~70 s at load 15)
+
+
+# ------------------------------------------------------------------------------ the zygote process
+def _child(req: dict, fds: Sequence[int], keep: Sequence[int]) -> None:
+    """In the forked child: become ``python -m MODULE ARGS`` as ``req`` says (env, cwd, session, signals), its
+    stdout and stderr ``fds`` (received from the test process), its stdin /dev/null."""
+    for fd in keep:
+        if fd > 2:  # 0-2 are replaced below (closed here, the log would open as fd 0)
+            os.close(fd)
+    signal.set_wakeup_fd(-1)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if req.get("new_session"):
+        os.setsid()
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.dup2(fds[0], 1)
+    os.dup2(fds[1], 2)
+    for fd in {null, *fds} - {0, 1, 2}:
+        os.close(fd)
+    os.environ.clear()
+    os.environ.update(req["env"])
+    os.chdir(req["cwd"])
+    sys.path[0] = os.getcwd()  # `python -m` puts the working directory first
+    sys.argv = ["-m", *req["args"][1:]]  # runpy replaces argv[0] with the module's file, as `python -m` does
+    if (
+        "numpy" in sys.modules
+    ):  # a fresh interpreter seeds numpy's global generator from the OS (random re-seeds itself)
+        sys.modules["numpy"].random.seed()
+
+
+def serve() -> Optional[dict]:
+    """The zygote's loop (``python -c 'import tests.zygote as z; z.main()'``): import :data:`PRELOAD`, print the
+    socket's path, then fork a child for each request. Returns the request in a forked child (the caller runs the
+    module); in the zygote it returns None when its stdin closes (the test process ended)."""
+    for name in PRELOAD:
+        try:
+            __import__(name)
+        except ImportError:
+            pass  # an optional package: the child imports what it needs itself
+    threads = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
+    path = os.path.join(tempfile.mkdtemp(prefix="geomesh-zygote-"), "sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(64)
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler, so that set_wakeup_fd writes on SIGCHLD
+    signal.set_wakeup_fd(wake_w)
+    print(json.dumps({"socket": path, "threads": threads}), flush=True)
+    children: dict[int, socket.socket] = {}
+    stdin = sys.stdin.fileno()
+    while True:
+        ready, _, _ = select.select([listener, stdin, wake_r], [], [], 1.0)
+        if wake_r in ready:
+            try:
+                os.read(wake_r, 4096)
+            except BlockingIOError:
+                pass
+        while children:  # reap: each child's status to its own socket
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            conn = children.pop(pid, None)
+            if conn is not None:
+                try:
+                    conn.sendall(f"exit {os.waitstatus_to_exitcode(status)}\n".encode())
+                except OSError:
+                    pass  # the test process no longer listens
+                conn.close()
+        if stdin in ready and not os.read(stdin, 4096):
+            return None  # the test process is gone: its children are stopped by PID there
+        if listener in ready:
+            conn, _ = listener.accept()
+            data, fds, _, _ = socket.recv_fds(conn, 1 << 20, 2)
+            req = json.loads(data if data.endswith(b"\n") else data + _read_line(conn).encode())
+            if threads or len(fds) != 2:
+                for fd in fds:
+                    os.close(fd)
+                conn.sendall(f"refused threads {threads}\n".encode())
+                conn.close()
+                continue
+            pid = os.fork()
+            if pid == 0:
+                keep = [listener.fileno(), conn.fileno(), wake_r, wake_w, *(c.fileno() for c in children.values())]
+                _child(req, fds, keep)
+                return req
+            for fd in fds:  # the child's now
+                os.close(fd)
+            children[pid] = conn
+            conn.sendall(f"pid {pid}\n".encode())
+
+
+def _read_line(conn: socket.socket) -> str:
+    buf = b""
+    while not buf.endswith(b"\n"):
+        chunk = conn.recv(65536)
+        if not chunk:
+            raise ConnectionError("the zygote's peer closed the connection")
+        buf += chunk
+    return buf.decode()
+
+
+def main() -> None:
+    """The zygote's entry point; in a forked child, runs the requested module as ``__main__``."""
+    req = serve()
+    if req is None:
+        return
+    import runpy
+
+    runpy._run_module_as_main(req["args"][0])  # type: ignore[attr-defined]  # what `python -m` calls
+
+
+# ------------------------------------------------------------------------------ the test process's side
+class ZygoteChild:
+    """A forked child seen like a ``subprocess.Popen``: ``pid``, ``returncode`` (None while it runs), ``poll()``,
+    ``wait(timeout)`` (raises ``subprocess.TimeoutExpired``), ``send_signal``, ``terminate``, ``kill``."""
+
+    def __init__(self, args: list[str], pid: int, conn: socket.socket):
+        self.args, self.pid, self._conn = args, pid, conn
+        self.returncode: Optional[int] = None
+        self._buf = b""
+        self.stdout: Optional[TextIO] = None  # text streams when started by spawn_piped
+        self.stderr: Optional[TextIO] = None
+
+    def _read_exit(self, timeout: Optional[float]) -> None:
+        if self.returncode is not None:
+            return
+        self._conn.settimeout(timeout)
+        try:
+            while b"\n" not in self._buf:
+                chunk = self._conn.recv(64)
+                if not chunk:  # the zygote died: the child is an orphan; ask the kernel whether it runs
+                    if _alive(self.pid):
+                        raise socket.timeout
+                    self.returncode = -signal.SIGKILL  # unknown status; it is gone
+                    return
+                self._buf += chunk
+        except (socket.timeout, BlockingIOError):
+            return
+        line = self._buf.split(b"\n", 1)[0].decode()
+        self.returncode = int(line.split()[1])
+        self._conn.close()
+
+    def poll(self) -> Optional[int]:
+        self._read_exit(0.0)
+        return self.returncode
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        self._read_exit(timeout)
+        if self.returncode is None:
+            raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def _same_env(env: dict) -> dict:
+    """``env`` less what pytest changes per test (``PYTEST_CURRENT_TEST``): the variables a fork must match."""
+    return {k: v for k, v in env.items() if k != "PYTEST_CURRENT_TEST"}
+
+
+class Zygote:
+    """The test process's handle on its zygote (one per pytest worker, started on first use, stopped by PID at exit)."""
+
+    def __init__(self) -> None:
+        self.env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.log = Path(tempfile.mkdtemp(prefix="geomesh-zygote-log-")) / "zygote.log"
+        with open(self.log, "w") as err:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-c", "import tests.zygote as z; z.main()"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=err,
+                env=self.env,
+                cwd=Path(__file__).resolve().parents[1],
+            )
+        atexit.register(self.stop)
+        assert self.proc.stdout is not None
+        ready, _, _ = select.select([self.proc.stdout], [], [], START_TIMEOUT_S)
+        line = self.proc.stdout.readline().decode() if ready else ""
+        hello = json.loads(line) if line else {"socket": "", "threads": ["(did not start)"]}
+        self.socket: str = hello["socket"]
+        self.usable = not hello["threads"]  # else every process starts cold (spawn returns None)
+        if not line:
+            self.stop()
+
+    def stop(self) -> None:
+        """Stop the zygote by PID (its children are the tests' to stop) and remove its socket's and log's folders."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        for folder in (Path(self.socket).parent if getattr(self, "socket", "") else None, self.log.parent):
+            if folder is not None:
+                shutil.rmtree(folder, ignore_errors=True)
+
+    def spawn(self, args: list[str], argv: list[str], fds: tuple[int, int], env: dict, cwd, new_session: bool):
+        """Fork ``python -m ARGS`` (``argv`` the full command line, for messages) with stdout and stderr ``fds``
+        (sent to the zygote; the caller closes its own); returns a :class:`ZygoteChild`, or None when the zygote
+        refuses (a thread ran in it)."""
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        conn.connect(self.socket)
+        req = {"args": args, "env": env, "cwd": str(cwd or os.getcwd()), "new_session": new_session}
+        socket.send_fds(conn, [(json.dumps(req) + "\n").encode()], list(fds))
+        conn.settimeout(60)
+        line = b""
+        while not line.endswith(b"\n"):
+            chunk = conn.recv(1)
+            if not chunk:
+                raise RuntimeError(f"the test zygote closed while forking {argv}: {self.log.read_text()[-2000:]}")
+            line += chunk
+        word, rest = line.decode().split(" ", 1)
+        if word != "pid":
+            conn.close()
+            return None
+        return ZygoteChild(argv, int(rest), conn)
+
+
+_zygote: Optional[Zygote] = None
+
+
+def _zygote_for(argv: Sequence[str]) -> Optional[Zygote]:
+    """This worker's zygote (started on first use) when it may fork ``argv``: ``[sys.executable, "-m", ...]``
+    under this process's environment, the zygote on and usable; else None."""
+    global _zygote
+    if not ENABLED or len(argv) < 3 or argv[0] != sys.executable or argv[1] != "-m":
+        return None
+    if any(k == "LD_PRELOAD" or k.startswith("FAKETIME") for k in os.environ):
+        return None  # libfaketime & co. act from the process's start: never forked, nor a zygote started under them
+    if _zygote is None:
+        _zygote = Zygote()
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if not _zygote.usable or _same_env(env) != _same_env(_zygote.env):
+        return None
+    return _zygote
+
+
+def spawn(argv: Sequence[str], log: Path, *, append: bool, cwd=None, new_session: bool = False):
+    """Start ``argv`` (``[sys.executable, "-m", MODULE, ...]``) with stdout and stderr to ``log``, like
+    :meth:`geomesh_p2p.util.procs.ProcGroup.spawn`, forked from this worker's zygote; None when it cannot be forked
+    (not such a command line, a different environment, the zygote off or refusing): the caller starts it itself."""
+    z = _zygote_for(argv)
+    if z is None:
+        return None
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | (os.O_APPEND if append else os.O_TRUNC), 0o644)
+    try:
+        return z.spawn(list(argv[2:]), list(argv), (fd, fd), dict(os.environ, PYTHONUNBUFFERED="1"), cwd, new_session)
+    finally:
+        os.close(fd)
+
+
+def spawn_piped(argv: Sequence[str], *, cwd=None):
+    """Like ``subprocess.Popen(argv, stdout=PIPE, stderr=PIPE, text=True, cwd=cwd)`` with ``PYTHONUNBUFFERED``,
+    forked from this worker's zygote: a :class:`ZygoteChild` whose ``stdout`` and ``stderr`` are text streams to
+    read; None when it cannot be forked (see :func:`spawn`)."""
+    z = _zygote_for(argv)
+    if z is None:
+        return None
+    (out_r, out_w), (err_r, err_w) = os.pipe(), os.pipe()
+    try:
+        child = z.spawn(list(argv[2:]), list(argv), (out_w, err_w), dict(os.environ, PYTHONUNBUFFERED="1"), cwd, False)
+    finally:
+        os.close(out_w)
+        os.close(err_w)
+    if child is None:
+        os.close(out_r)
+        os.close(err_r)
+        return None
+    child.stdout, child.stderr = open(out_r, encoding="utf-8"), open(err_r, encoding="utf-8")
+    return child
