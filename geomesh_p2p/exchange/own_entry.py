@@ -22,8 +22,9 @@ import grpc
 
 from geomesh_p2p.exchange import frames as wire
 from geomesh_p2p.net.identity import EnvelopeError
+from geomesh_p2p.wire import envelope_pb2
 
-__all__ = ["omit_entry", "restore_entry", "restore"]
+__all__ = ["entry_positions", "omit_entry", "restore_entry", "restore"]
 
 Code = grpc.StatusCode
 
@@ -37,6 +38,26 @@ def _split(signed: wire.Buffer) -> tuple[memoryview, memoryview, list[tuple[int,
     env = wire.one_bytes_field(signed, spans, 1, "SignedMessage")
     payload = wire.one_bytes_field(signed, spans, 2, "SignedMessage")
     return env, payload, wire.scan(payload)
+
+
+def entry_positions(signed: wire.Buffer) -> dict[bytes, int]:
+    """Raw PeerID (the sender its envelope names, 32 bytes) -> position of its relayed contribution in the result
+    ``signed``; a sender listed twice is left out (ambiguous: served whole). Read from the result itself, not from
+    what the owner meant to list (a result built otherwise, by a subclass or an adversary, keeps its own order).
+    One envelope parse per entry: the owner computes it once per part. Raises WireError / DecodeError when
+    malformed."""
+    _, payload, spans = _split(signed)
+    out: dict[bytes, int] = {}
+    twice: set[bytes] = set()
+    for k, span in enumerate(s for s in spans if s[0] == 9):
+        item = wire.value(payload, span)
+        inner = wire.one_bytes_field(item, wire.scan(item), 1, "Contribution")
+        env = wire.one_bytes_field(inner, wire.scan(inner), 1, "SignedMessage")
+        sender = bytes(envelope_pb2.Envelope.FromString(bytes(env)).sender)
+        if sender in out:
+            twice.add(sender)
+        out[sender] = k
+    return {p: k for p, k in out.items() if p not in twice}
 
 
 def omit_entry(signed: wire.Buffer, k: int) -> list[wire.Buffer]:

@@ -63,9 +63,9 @@ class _OwnedPart:
     #: the task handing it over (the result waits for it, then leaves the own contribution out without one)
     witness_receipt: bytes = b""
     witness_task: Optional[asyncio.Future] = None
-    #: relay mode: the sender of each relayed contribution, in the result's order (a reader that asks is served the
-    #: result without its own entry: :func:`.own_entry.omit_entry`)
-    relay_senders: list = field(default_factory=list)
+    #: relay mode: raw PeerID -> position of its contribution in the signed result (read from the result once, on
+    #: the first pull that asks to leave the caller's entry out: :func:`.own_entry.entry_positions`)
+    relay_positions: Optional[dict] = None
 
     def result(self) -> bytes:
         """The signed result (envelope bytes), once ``ready`` is set (it is set only after the result is built).
@@ -154,6 +154,19 @@ def _charge_inputs(state: "_RoundState", caller: str, part: int, from_sender: bo
             f"{INPUT_SERVES_PER_CALLER} times already",
         )
     state.served_inputs[key] = done + size
+
+
+def _omitted(part: "_OwnedPart", signed: bytes, caller: bytes) -> Optional[list]:
+    """``signed`` (part ``part``'s relay result) without ``caller``'s (raw PeerID) entry, as buffers to join; None to
+    serve it whole (the caller is not listed, or the result does not parse as relayed entries)."""
+    try:
+        if part.relay_positions is None:
+            part.relay_positions = own_entry.entry_positions(signed)
+        k = part.relay_positions.get(bytes(caller))
+        return None if k is None else own_entry.omit_entry(signed, k)
+    except (IndexError, wire.WireError, DecodeError):
+        part.relay_positions = {}
+        return None
 
 
 def _with_inputs(reply: Any, held: list) -> bytes:
@@ -551,8 +564,7 @@ class OwnerService:
             if spec.mode == "accountable":
                 part.inputs = [c.signed for c in contributions]  # what the result commits to, for validators
                 part.input_senders = [c.sender for c in contributions]
-            elif spec.mode == "relay":
-                part.relay_senders = [c.sender for c in contributions]
+
             part.signed_result = await asyncio.to_thread(self._build_result, spec, part, contributions)
             part.ready.set()
         except asyncio.CancelledError:
@@ -607,12 +619,9 @@ class OwnerService:
                 signed = part.result()
                 part.pulled_by.add(caller)
                 self._pulled.set()
-                if req.omit_caller and caller in part.relay_senders:
+                if req.omit_caller and spec.mode == "relay":
                     # relay: the caller holds its own signed push; it puts it back (own_entry.restore_entry)
-                    try:
-                        omitted = own_entry.omit_entry(signed, part.relay_senders.index(caller))
-                    except (IndexError, wire.WireError):  # a result built otherwise (a subclass's): sent whole
-                        omitted = None
+                    omitted = _omitted(part, signed, verified.sender)
             served = state.served_results.get((caller, req.part), 0)
             if served >= RESULT_SERVES_PER_CALLER:
                 raise EnvelopeError(
