@@ -420,6 +420,12 @@ class RankedTrainer(InnerTrainer):
             if [n for n, _ in self.sharded.named_parameters()] != names:  # the gather relies on one order
                 raise RuntimeError("sharding changed the model's parameters")
             self.optimizer = self._build_optimizer(self.sharded)  # its state is created sharded at the first step
+            # fully_shard is no collective (DDP's constructor is): without this rank 0 announced and was planned
+            # while a follower still built its model (6 s on a loaded CPU), and its first rounds trained nothing.
+            try:
+                dist.barrier(group=channel.main)
+            except RuntimeError as e:
+                raise channel.fail("the other ranks did not build their sharded model", e) from None
         else:
             self.ddp = DistributedDataParallel(
                 self.model,

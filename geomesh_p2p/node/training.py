@@ -33,7 +33,7 @@ from geomesh_p2p.model.run_memory import (
 )
 from geomesh_p2p.trust.verify_task import VerifyConfig
 from geomesh_p2p.model.optim import OuterNesterov, SyncAdamW
-from geomesh_p2p.model.ranks import RankChannel, RankedTrainer, load_sharding_modules, rank_profile
+from geomesh_p2p.model.ranks import RankChannel, RankedTrainer, RankFailure, load_sharding_modules, rank_profile
 from geomesh_p2p.model.training import DEFAULT_INNER, InnerTrainer, lr_at
 from geomesh_p2p.model.build import build_model, num_params
 from geomesh_p2p.net.methods import COLLECTIVE_PULL, COLLECTIVE_PUSH
@@ -290,15 +290,18 @@ def build_training(node: PeerNode) -> None:
     )
     transport.set_payload_limit(COLLECTIVE_PULL, PULL_REQUEST_BYTES)
     if channel is not None:  # the followers build theirs when rank 0's SETUP arrives (node/ranks.py)
-        node.trainer = RankedTrainer(
-            node.model,
-            node.dataset,
-            channel=channel,
-            shard=shard,  # --shard, or turned on above; the followers learn it from SETUP
-            device=node.device,
-            peer_id=node.me,
-            **trainer_kwargs(r, c),
-        )
+        try:
+            node.trainer = RankedTrainer(
+                node.model,
+                node.dataset,
+                channel=channel,
+                shard=shard,  # --shard, or turned on above; the followers learn it from SETUP
+                device=node.device,
+                peer_id=node.me,
+                **trainer_kwargs(r, c),
+            )
+        except RankFailure as e:  # a follower died or timed out while building its model: before joining
+            raise UserFacingError(f"{e} (--local-devices / torchrun)") from None
     else:
         node.trainer = InnerTrainer(
             node.model, node.dataset, device=node.device, peer_id=node.me, **trainer_kwargs(r, c)

@@ -90,11 +90,13 @@ def test_sharded_two_rank_peer_trains_with_a_one_rank_peer(tmp_path: Path) -> No
         sw.stop_all(10)
     a = {r["round"]: r for r in sw.rows("a")}
     b = {r["round"]: r for r in sw.rows("b")}
-    assert sorted(a) == sorted(b) == [0, 1, 2]
-    assert all(a[x]["digest"] == b[x]["digest"] for x in a)
+    # the logs' ends, so that a failure under CI load says what happened (one did: a had only round 0)
+    tails = f"\n--- a ---\n{sw.text('a')[-5000:]}\n--- b ---\n{sw.text('b')[-3000:]}"
+    assert sorted(a) == sorted(b) == [0, 1, 2], tails
+    assert all(a[x]["digest"] == b[x]["digest"] for x in a), tails
     assert all(a[x]["batch_size"] == 2 * b[x]["batch_size"] for x in a)
     full = [x for x in a if a[x]["inner_steps_done"] == a[x]["inner_steps_planned"] == b[x]["inner_steps_done"] > 0]
-    assert full and all(a[x]["tokens"] == 2 * b[x]["tokens"] for x in full)
+    assert full and all(a[x]["tokens"] == 2 * b[x]["tokens"] for x in full), tails
     log = sw.text("a")
     assert "the model sharded over them (FSDP2, --shard)" in log and "rank 1 of 2 on cpu: following" in log
     assert "Traceback" not in log and "ranks failed" not in log, log[-3000:]
