@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from tests.adversary import ATTACKS  # noqa: E402
-from tests.attack_util import OWNS_A_PART, AttackSwarm, run_scenario  # noqa: E402
+from tests.attack_util import AttackSwarm, run_scenario  # noqa: E402
 
 _CURRENT: list[AttackSwarm] = []
 
@@ -234,9 +234,6 @@ def main(argv=None) -> int:
                 runs += [(a, a, n - k, k, False) for a in attacks]
                 for name, attack, n_h, n_a, is_ref in runs:
                     label = f"{cfg}-{name.replace(' ', '_').replace('(', '').replace(')', '')}"
-                    # a forger must own a part before the support filter plans its flipped pushes out (the
-                    # flags given last win, so --attacker-extra can still state another bandwidth)
-                    owns = list(OWNS_A_PART) if attack == "forge-aggregate" else []
                     res = run_one(
                         workdir,
                         label,
@@ -247,7 +244,7 @@ def main(argv=None) -> int:
                         timeout_s=timeout,
                         lead_rounds=ns.lead_rounds,
                         extra=extra,
-                        attacker_extra=[*owns, *attacker_extra],
+                        attacker_extra=attacker_extra,
                     )
                     res.update(name=name, config=cfg, reference=is_ref)
                     results.append(res)

@@ -17,10 +17,11 @@ from typing import Optional, Sequence
 
 from tests.swarm_util import RUN_ID, ProcSwarm
 
-#: Flags for an attacker that must own a part early (a forging owner): a stated bandwidth far above the loopback
-#: probe's (~0.9 Gbit/s; plans cap a claim at BANDWIDTH_SPREAD_CAP x the median) makes the load balancer give it a
-#: part in round 0. A measured one left it no part once under CI load, and after a flipped push in round 0 the
-#: support filter plans it out for the next 3 rounds: a 4-round test then saw no forgery at all.
+#: Flags :func:`run_scenario` gives a ``forge-aggregate`` attacker (before ``attacker_extra``, whose flags win): a
+#: stated bandwidth far above the loopback probe's (~0.9 Gbit/s; plans cap a claim at BANDWIDTH_SPREAD_CAP x the
+#: median) makes the load balancer give it a part in round 0. A measured one left it no part once under CI load,
+#: and after a flipped push in round 0 the support filter plans it out for the next 3 rounds: a 4-round test then
+#: saw no forgery at all.
 OWNS_A_PART = ("--upload-mbps", "10000", "--download-mbps", "10000")
 
 
@@ -165,7 +166,8 @@ def run_scenario(
     """Start the swarm in ``swarm.dir``, wait up to ``timeout_s`` for the honest peers to exit, collect.
 
     ``attack=None`` is the clean run (``n_attackers`` ignored). ``lead_rounds``: rig identities so that an
-    attacker leads the first rounds (for ``rogue-leader``). ``extra``: more flags for every peer (run config
+    attacker leads the first rounds (for ``rogue-leader``); a ``forge-aggregate`` attacker gets
+    :data:`OWNS_A_PART` (so that it owns a part in round 0). ``extra``: more flags for every peer (run config
     flags must be the same everywhere). The processes are left to the caller's ``stop_all()``; honest
     peers still running at the timeout are reported with exit code None.
     """
@@ -177,6 +179,8 @@ def run_scenario(
         notes = [f"attackers lead rounds 0..{got - 1} (rigged identities)"] if got else []
     else:
         notes = []
+    if attack == "forge-aggregate":
+        attacker_extra = [*OWNS_A_PART, *attacker_extra]
     total = n_honest + n_att
     common = ["--rounds", str(rounds), "--min-peers", str(total), *extra]
     t0 = time.time()

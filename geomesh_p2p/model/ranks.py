@@ -396,11 +396,13 @@ class RankedTrainer(InnerTrainer):
     (its ``run`` and ``gradient`` drive the followers); a follower's runs :meth:`follow`. Build it on every rank
     at the same time: rank 0 first sends :data:`SETUP` (``vocab_size`` and ``shard``: a follower passes
     :attr:`RankChannel.setup_shard`), then every rank wraps the model in DDP (a collective that also copies rank
-    0's weights) or shards it (:func:`shard_model`; weights come with each run's :data:`WEIGHTS`).
+    0's weights) or shards it (:func:`shard_model`; weights come with each run's :data:`WEIGHTS`), then waits at a
+    barrier for the others' shards, so rank 0 joins no round before every rank can train.
 
     ``shard``: rank 0 keeps ``model`` whole (the node's view) and trains a sharded copy (:attr:`sharded`); a
     follower shards ``model`` itself (it never needs it whole). The inner optimizer then steps the shards, so its
-    state is sharded too. Raises ValueError for ``shard`` with one rank."""
+    state is sharded too. Raises ValueError for ``shard`` with one rank, RankFailure when a follower fails before the
+    barrier."""
 
     def __init__(self, model, dataset, *, channel: RankChannel, shard: bool = False, **kwargs):
         if shard and channel.world < 2:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.attack_util import OWNS_A_PART, AttackSwarm, honest_log_tails, run_scenario
+from tests.attack_util import AttackSwarm, honest_log_tails, run_scenario
 from tests.e2e.test_attacks import WINDOW
 
 
@@ -43,14 +43,7 @@ def test_a_forging_owner_is_excluded_and_the_honest_peers_stay_equal(tmp_path):
     re-checks the proof from the DHT and excludes the forger; the honest peers keep equal digests and finish."""
     s = AttackSwarm(tmp_path)
     try:
-        o = run_scenario(
-            s,
-            "forge-aggregate",
-            rounds=6,
-            timeout_s=420,
-            extra=["--mode", "accountable", *WINDOW],
-            attacker_extra=OWNS_A_PART,  # else it may own no part before it is planned out
-        )
+        o = run_scenario(s, "forge-aggregate", rounds=6, timeout_s=420, extra=["--mode", "accountable", *WINDOW])
         logs = honest_log_tails(s, o)
         assert o.attacker_acted, o.attacker_log_tail
         assert not o.honest_exited, f"{o.exit_codes}\n{logs}"

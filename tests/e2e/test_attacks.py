@@ -39,7 +39,7 @@ import os
 
 import pytest
 
-from tests.attack_util import OWNS_A_PART, AttackSwarm, honest_log_tails, run_scenario
+from tests.attack_util import AttackSwarm, honest_log_tails, run_scenario
 
 ROUNDS = 4
 #: Worst honest eval perplexity allowed after ROUNDS rounds: clean runs of 3 honest peers ended at 440-571,
@@ -55,8 +55,8 @@ SWARM_TIMEOUT_S = 400
 FAST_ATTACKS = ["flipmax", "forge-aggregate", "rogue-leader", "inflate"]
 #: Flags of the attacker. In relay mode (the default) a forging owner can only drop contributions; keeping
 #: only its own 1000x one makes the forgery count (a plain flipped one moved the first version only to ~1k).
-#: It also claims the bandwidth that makes it own a part in round 0 (attack_util.OWNS_A_PART).
-ATTACKER_FLAGS = {"forge-aggregate": ["--forge-push", "flipmax", *OWNS_A_PART]}
+#: (run_scenario also makes it claim the bandwidth that gives it a part in round 0: attack_util.OWNS_A_PART.)
+ATTACKER_FLAGS = {"forge-aggregate": ["--forge-push", "flipmax"]}
 SLOW_ATTACKS = ["flip", "zeros", "stale", "noise", "stealth-flip", "partial"]
 
 _ALL = os.environ.get("GEOMESH_ALL_ATTACKS") == "1"
