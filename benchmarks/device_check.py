@@ -18,6 +18,11 @@ section that fails is reported as failed and the next one still runs):
    127.0.0.1, ``--rounds`` rounds of geomesh with ``--swarm-model``: the global weights' digests must
    be equal on both peers after every round (the outer step runs on an fp32 CPU copy, so a GPU and a
    CPU peer agree bit for bit).
+6. **A multi-rank peer** (issue 30): the same with the device peer started as ``--local-devices`` of 2
+   ranks (two GPUs, or both ranks on one), next to a CPU peer: digests and steps x batch per round.
+7. **Real size** (issue 27): two peers of ``--real-model`` (default ``llama-150m``, the paper's size) on
+   the device with bf16 autocast (the peer's CUDA default), seq 128: digests, and each peer's peak device
+   memory and host RSS (the round row's ``extra["memory"]``) against the method's minimum (24 B/param).
 
 Writes ``--out`` (markdown; rewritten after every section, so a run cut short still leaves the
 sections done) and prints it. Exit status 0 when every step ran, its checks held and the digests
@@ -279,12 +284,22 @@ def training_step(device: str, model: str, batches: list[int], steps: int, time_
 
 
 def swarm_step(
-    device: str, rounds: int, workdir: Path, model: str, deadline_s: float, device_args: list[str] | None = None
+    device: str,
+    rounds: int,
+    workdir: Path,
+    model: str,
+    deadline_s: float,
+    device_args: list[str] | None = None,
+    other_args: list[str] | None = None,
+    seq_len: int = 64,
 ) -> tuple[str, bool]:
     """Bootstrap + a peer on ``device`` (or started with ``device_args``, e.g. ``--local-devices cuda:0,cuda:1``:
-    one peer of several ranks, issue 30) + a peer on ``cpu``; the digests of both after every round."""
+    one peer of several ranks, issue 30) + a second peer (``other_args``, default ``--device cpu``); the
+    digests of both after every round, steps x batch, and each peer's peak memory (host RSS and device)
+    against the method's minimum for ``model`` (issue 27)."""
     workdir.mkdir(parents=True, exist_ok=True)
     device_args = device_args or ["--device", device]
+    other_args = other_args or ["--device", "cpu"]
     from geomesh_p2p.util.procs import bootstrap_argv, wait_for_address
 
     env = dict(
@@ -298,7 +313,7 @@ def swarm_step(
         "--model",
         model,
         "--seq-len",
-        "64",
+        str(seq_len),
         "--window-s",
         "6",
         "--rounds",
@@ -322,7 +337,7 @@ def swarm_step(
             )
         )
         entry = wait_for_address(workdir / "bootstrap.log", procs[0], 120)
-        for name, dev in (("gpu", device), ("cpu", "cpu")):
+        for name in ("gpu", "cpu"):
             procs.append(
                 subprocess.Popen(
                     [
@@ -332,7 +347,7 @@ def swarm_step(
                         "join",
                         "--bootstrap",
                         entry,
-                        *(device_args if name == "gpu" else ["--device", dev]),
+                        *(device_args if name == "gpu" else other_args),
                         "--identity",
                         str(workdir / f"{name}.key"),
                         "--threads",
@@ -369,7 +384,7 @@ def swarm_step(
     g, c = rows("gpu"), rows("cpu")
     n = min(len(g), len(c))
     lines = [
-        "| round | digest on the device peer | digest on the CPU peer | equal | eval ppl |",
+        f"| round | digest on the device peer | digest on the `{' '.join(other_args)}` peer | equal | eval ppl |",
         "|---|---|---|---|---|",
     ]
     equal = n == rounds
@@ -378,7 +393,7 @@ def swarm_step(
         equal &= same
         lines.append(
             f"| {g[k]['round']} | {g[k]['digest'][:16]} | {c[k]['digest'][:16]} | {'yes' if same else 'NO'} "
-            f"| {g[k]['eval_ppl']:.1f} |"
+            f"| {'-' if g[k].get('eval_ppl') is None else format(g[k]['eval_ppl'], '.1f')} |"
         )
     if n < rounds:
         for name in ("gpu", "cpu"):
@@ -395,8 +410,21 @@ def swarm_step(
         ]
         if cells:
             extra.append(f"- {name} peer, inner steps x batch per round: {', '.join(cells)}")
+    from geomesh_p2p.model.memory import preset_min_memory
+
+    minimum = preset_min_memory(model).total
+    for name, rs in (("device", g), ("`" + " ".join(other_args) + "`", c)):
+        peaks = [r.get("extra", {}).get("memory", {}) for r in rs]
+        for key, what in (("device_peak_bytes", "device memory (allocator)"), ("rss_peak_bytes", "host RSS")):
+            vals = [m[key] for m in peaks if key in m]
+            if vals:
+                extra.append(
+                    f"- {name} peer, peak {what}: {max(vals) / GIB:.2f} GiB = {max(vals) / minimum:.2f}x the "
+                    f"method's minimum ({minimum / GIB:.2f} GiB, 24 B/param)"
+                )
     return (
-        f"Bootstrap + one peer (`{' '.join(device_args)}`) + one on `cpu`, model `{model}`, seq 64, 6 s windows, "
+        f"Bootstrap + one peer (`{' '.join(device_args)}`) + one (`{' '.join(other_args)}`), model `{model}`, "
+        f"seq {seq_len}, 6 s windows, "
         f"{rounds} rounds "
         f"of geomesh ({wall:.0f} s wall, processes included).\n\n"
         + "\n".join(lines)
@@ -443,11 +471,16 @@ def main(argv=None) -> int:
         help="the small budget the profile is checked under (GiB, default: %(default)s)",
     )
     ap.add_argument("--swarm-model", default="small", help="model of the mixed swarm (default: %(default)s)")
+    ap.add_argument(
+        "--real-model",
+        default="llama-150m",
+        help="model of the 2-peer real-size round on the device (default: %(default)s)",
+    )
     ap.add_argument("--rounds", type=int, default=3, help="rounds of the mixed swarm (default: %(default)s)")
     ap.add_argument(
         "--budget-s",
         type=float,
-        default=330,
+        default=420,
         help="the whole script's time budget: later sections shrink or are skipped (default: %(default)s)",
     )
     ap.add_argument("--quick", action="store_true", help="small sizes, to check the script on a CPU")
@@ -468,7 +501,7 @@ def main(argv=None) -> int:
         ns.out = str(ROOT / "docs" / "device-check.md" if ns.device.startswith("cuda") else workdir / "device-check.md")
     if ns.quick:
         ns.numel, ns.codec_repeats, ns.model, ns.batches, ns.steps, ns.rounds = 2_000_000, 3, "tiny", "4", 3, 2
-        ns.profile_models, ns.swarm_model, ns.check_budget_gib = "tiny", "tiny", 1.0
+        ns.profile_models, ns.swarm_model, ns.check_budget_gib, ns.real_model = "tiny", "tiny", 1.0, "tiny"
     batches = [int(x) for x in ns.batches.split(",") if x]
     prof_batches = [int(x) for x in ns.profile_batches.split(",") if x]
     presets = [x for x in ns.profile_models.split(",") if x]
@@ -506,6 +539,18 @@ def main(argv=None) -> int:
                 ns.swarm_model,
                 max(60.0, min(240.0, time_left())),
                 device_args=["--local-devices", two_ranks(ns.device)],
+            ),
+        ),
+        (
+            "Real size (issue 27): 2 peers of the paper's model on the device, bf16 autocast",
+            lambda: swarm_step(
+                ns.device,
+                ns.rounds,
+                workdir / "real",
+                ns.real_model,
+                max(60.0, min(240.0, time_left())),
+                other_args=["--device", ns.device],
+                seq_len=128,
             ),
         ),
     )

@@ -427,3 +427,23 @@ def cuda_probe(dev: torch.device) -> MemoryProbe:
         return int(before), int(torch.cuda.max_memory_allocated(dev))
 
     return probe
+
+
+def process_peaks() -> dict[str, int]:
+    """This process's peak memory so far, bytes: ``rss_peak_bytes`` (the kernel's VmHWM from
+    /proc/self/status; absent where unreadable) and, once CUDA is initialised, ``device_peak_bytes``
+    (``torch.cuda.max_memory_allocated`` of the current device since its last reset: the start-up
+    profile resets it, so after the first round it is the rounds' peak). Cheap (one small file read):
+    the round row carries it (issue 27's peak against the method's minimum)."""
+    out: dict[str, int] = {}
+    try:
+        with open("/proc/self/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"VmHWM:"):
+                    out["rss_peak_bytes"] = int(line.split()[1]) * 1024
+                    break
+    except (OSError, ValueError, IndexError):
+        pass
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["device_peak_bytes"] = int(torch.cuda.max_memory_allocated())
+    return out

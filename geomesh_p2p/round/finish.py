@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Optional, Sequence, cast
 
 import torch
 
+from geomesh_p2p.model.memory import process_peaks
 from geomesh_p2p.plan.agree import digest_majority
 from geomesh_p2p.plan.schema import RoundPlan
 from geomesh_p2p.sync.download import StateSyncError
@@ -210,6 +211,7 @@ def round_record(
         }
     if ctx.light:  # a light follower's round (round/light.py): no gather, sampled checks
         rec.extra["light"] = True
+    rec.extra["memory"] = process_peaks()  # peak RSS and device memory so far (issue 27)
     if drv._eval_carry is not None:  # every background evaluation lands in a row (review L3)
         rec.extra["eval_background"] = {"eval_ppl": drv._eval_carry[0], "eval_round": drv._eval_carry[1]}
         drv._eval_carry = None
