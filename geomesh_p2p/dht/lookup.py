@@ -50,13 +50,15 @@ class DHTLookup(DHTProtocol):
         stats: Optional[LookupStats] = None,
         await_all: bool = True,
         subkeys: Optional[Collection[str]] = None,
+        holders: Optional[Dict[DHTID, List[DHTID]]] = None,
     ) -> Tuple[Dict[DHTID, List[DHTID]], Dict[DHTID, Contact]]:
         """Iterative Kademlia lookup of ``key_ids`` with hivemind's traverse_dht (alpha workers), in a
         TaskScope: no task of it is left pending when it returns or is cancelled.
 
         ``on_records(key_id, records, hop) -> stop`` sees every verified record returned; without it the
         lookup asks for nodes only (FindRequest.nodes_only: a store's lookup carries no records); ``subkeys``:
-        the finds ask only for the records under these subkeys (FindRequest.subkeys).
+        the finds ask only for the records under these subkeys (FindRequest.subkeys); ``holders``: filled with the
+        nodes that answered with records, per key, in the order they answered (a read's cached holders).
         Returns (nearest node ids per key, nearest-first, never self; contact of every node seen).
         """
         stats = stats if stats is not None else LookupStats()
@@ -64,18 +66,24 @@ class DHTLookup(DHTProtocol):
         t0 = time.perf_counter()
         failures = stats.failures
         stopped: set = set()
-        nearest, contacts = await self._traverse_once(key_ids, beam, on_records, stats, await_all, stopped, subkeys)
+        nearest, contacts = await self._traverse_once(
+            key_ids, beam, on_records, stats, await_all, stopped, subkeys, holders
+        )
         if stats.failures > failures and len(stopped) < len(key_ids):
             # hivemind's traverse_dht keeps a silent node in the beam, so nodes behind it may have been
             # skipped; silent nodes are now out of the routing table and blacklisted: look again.
             again = [q for q in key_ids if q not in stopped]
-            nearest2, contacts2 = await self._traverse_once(again, beam, on_records, stats, await_all, stopped, subkeys)
+            nearest2, contacts2 = await self._traverse_once(
+                again, beam, on_records, stats, await_all, stopped, subkeys, holders
+            )
             nearest.update(nearest2)
             contacts.update(contacts2)
         stats.seconds += time.perf_counter() - t0
         return nearest, contacts
 
-    async def _traverse_once(self, key_ids, beam, on_records, stats, await_all, stopped: set, subkeys=None):
+    async def _traverse_once(
+        self, key_ids, beam, on_records, stats, await_all, stopped: set, subkeys=None, holders=None
+    ):
         contacts = self._initial(key_ids, beam)
         depth: Dict[DHTID, int] = {nid: 1 for nid in contacts}
         failed: set = set()
@@ -99,6 +107,8 @@ class DHTLookup(DHTProtocol):
                 for nid, c in nearest.items():
                     contacts.setdefault(nid, c)
                     depth.setdefault(nid, hop + 1)
+                if holders is not None and records:
+                    holders.setdefault(q, []).append(peer)
                 stop = on_records(q, records, hop) if (on_records is not None and records) else False
                 if stop:
                     stopped.add(q)

@@ -160,6 +160,12 @@ class DHTNode(DHTJoin):
         #: Lookups made by stores, and stores that reused cached targets instead (counters, since start).
         self.store_lookups = 0
         self.store_reuses = 0
+        #: Per peer-records key a sampled read asked: the holders that answered its last lookup with records, in
+        #: the order they answered, their contacts and the reads that reused them (:meth:`get`).
+        self._read_targets: "collections.OrderedDict[DHTID, _Targets]" = collections.OrderedDict()
+        #: Sampled reads that looked their key up, and those that asked cached holders alone (counters).
+        self.read_lookups = 0
+        self.read_reuses = 0
         self._serve()
 
     def recent_store_s(self) -> float:
@@ -334,9 +340,14 @@ class DHTNode(DHTJoin):
         A node holding none of them does not count towards the quorum.
 
         ``quorum``: this read's quorum instead of the node's ``read_quorum`` (at least 1), e.g. a light follower's
-        sampled read, which tolerates a stale record (it then takes the full path) and asks fewer holders.
+        sampled read, which tolerates a stale record (it then takes the full path) and asks fewer holders. Such a
+        read of a peer-records key (:func:`~geomesh_p2p.dht.state.is_peer_records_key`) asks the holders that
+        answered the last lookup of the key, without a lookup, until ``read_target_reuse`` reads used them; a
+        holder that fails or holds none of the records asked drops them and the read looks the key up (issue 25:
+        a lookup's hops before the holders, ~6 at N = 1,024, were most of a light follower's DHT calls).
         """
         wanted = set(subkeys) if subkeys else None
+        sampled = quorum is not None  # a read that tolerates a stale record: it may ask cached holders
         if wanted is not None and len(wanted) > self.limits.max_keys_per_find:
             raise ValueError(f"{len(wanted)} subkeys asked, at most {self.limits.max_keys_per_find} per find")
         key_id = key_id_of(key)
@@ -366,8 +377,74 @@ class DHTNode(DHTJoin):
             answered[0] += 1
             return not latest or (quorum is not None and answered[0] >= quorum)
 
-        await self._traverse([key_id], beam=self.k, on_records=on_records, stats=stats, await_all=False, subkeys=wanted)
+        reuse = sampled and latest and quorum is not None and is_peer_records_key(key, self.run_id)
+        local = answered[0]
+        if reuse and quorum is not None and await self._read_cached(key_id, wanted, quorum, local, merge, stats):
+            return merge.result(self.now())
+        holders: Dict[DHTID, List[DHTID]] = {}
+        _, contacts = await self._traverse(
+            [key_id],
+            beam=self.k,
+            on_records=on_records,
+            stats=stats,
+            await_all=False,
+            subkeys=wanted,
+            holders=holders if reuse else None,
+        )
+        if reuse:
+            self.read_lookups += 1
+            found = list(holders.get(key_id, ()))  # a copy: finds still in flight append to the lookup's list
+            if quorum is not None and len(found) >= max(1, quorum - local):
+                t = _Targets(list(found), {nid: contacts[nid] for nid in found if nid in contacts})
+                t.uses = 1  # the lookup's read counts, as a store's does
+                self._read_targets[key_id] = t
+                self._read_targets.move_to_end(key_id)
+                while len(self._read_targets) > MAX_CACHED_TARGETS:
+                    self._read_targets.popitem(last=False)
         return merge.result(self.now())
+
+    async def _read_cached(
+        self,
+        key_id: DHTID,
+        wanted: Optional[set],
+        quorum: int,
+        local: int,
+        merge: _Merge,
+        stats: LookupStats,
+    ) -> bool:
+        """A sampled read from ``key_id``'s cached holders (:meth:`get`): asks them, nearest-answering first and
+        in parallel, until ``quorum`` nodes (``local``: this node's own store counted) answered with records.
+        True when the quorum was met. A holder that fails or answers with none of the records asked drops the
+        cache: a spare cached holder completes this read, else the caller looks the key up (records found meanwhile
+        stay in ``merge``), and the next read looks it up in either case."""
+        t = self._read_targets.get(key_id)
+        if t is None or t.uses >= self.read_target_reuse:
+            self._read_targets.pop(key_id, None)
+            return False
+        t.uses += 1
+        need = quorum - local
+        todo = [nid for nid in t.ids if nid is not None and nid in t.contacts]
+        answered, good = 0, True
+        while need > answered and todo:
+            batch, todo = todo[: need - answered], todo[need - answered :]
+            stats.rpcs += len(batch)
+            replies = await asyncio.gather(*(self._find(t.contacts[nid], [key_id], subkeys=wanted) for nid in batch))
+            for reply in replies:
+                records = reply.get(key_id, ([], {}))[0] if reply is not None else []
+                if not records:
+                    good = False  # left, lags or lost the records: the next read looks the key up
+                    continue
+                for vr in records:
+                    merge.add(vr)
+                answered += 1
+                if stats.found_hop is None:
+                    stats.found_hop = 1
+        if not good or answered < need:
+            self._read_targets.pop(key_id, None)
+        if answered >= need:
+            self.read_reuses += 1
+            return True
+        return False
 
     # ------------------------------------------------------------------ republish
     async def republish_once(self) -> int:

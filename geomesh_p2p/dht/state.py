@@ -70,6 +70,12 @@ PEER_RECORD_REPLICAS = 8
 #: then stores on the same targets) before it looks the key up again; a target that fails ends the reuse at once
 #: (:meth:`~geomesh_p2p.dht.node.DHTNode.store`). 1: every store looks the key up (the rule before session 16).
 STORE_TARGET_REUSE = 4
+#: A sampled read of a peer-records key (an explicit, small ``quorum``: a light follower's plan and digest checks)
+#: asks the holders that answered the last lookup read of that key this many times in all before it looks the key
+#: up again; a cached holder that fails or holds none of the records asked ends the reuse at once (the read then
+#: looks the key up). A lookup at N = 1,024 costs ~6 hops before the key's holders; a reused read costs the quorum's
+#: calls alone (issue 25, session 22). 1: every read looks the key up (the rule before).
+READ_TARGET_REUSE = 8
 
 
 def is_peer_records_key(key: str, run_id: str) -> bool:
@@ -189,6 +195,7 @@ class DHTNodeState:
         num_replicas: Optional[int] = None,
         peer_record_replicas: int = PEER_RECORD_REPLICAS,
         store_target_reuse: int = STORE_TARGET_REUSE,
+        read_target_reuse: int = READ_TARGET_REUSE,
         read_quorum: Optional[int] = DEFAULT_READ_QUORUM,
         depth_modulo: int = 5,
         rpc_timeout_s: float = 3.0,
@@ -221,13 +228,14 @@ class DHTNodeState:
         self.client_only: bool = transport.config.client_only
         self.k, self.alpha = k, alpha
         self.num_replicas = num_replicas or k
-        if peer_record_replicas < 1 or store_target_reuse < 1:
+        if peer_record_replicas < 1 or store_target_reuse < 1 or read_target_reuse < 1:
             raise ValueError(
-                f"peer_record_replicas and store_target_reuse must be >= 1 "
-                f"(got {peer_record_replicas}, {store_target_reuse})"
+                f"peer_record_replicas, store_target_reuse and read_target_reuse must be >= 1 "
+                f"(got {peer_record_replicas}, {store_target_reuse}, {read_target_reuse})"
             )
         self.peer_record_replicas = peer_record_replicas
         self.store_target_reuse = store_target_reuse
+        self.read_target_reuse = read_target_reuse
         if read_quorum is not None and read_quorum < 1:
             raise ValueError(f"read_quorum must be >= 1 or None (got {read_quorum})")
         self.read_quorum = read_quorum
