@@ -56,7 +56,12 @@ os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 from geomesh_p2p.dht import DHTNode  # noqa: E402
 from geomesh_p2p.dht.announce import PeerAnnouncer, live_peers, peers_key  # noqa: E402
 from geomesh_p2p.dht.records import DEFAULT_LIMITS, make_record  # noqa: E402
-from geomesh_p2p.dht.state import DEFAULT_READ_QUORUM, PEER_RECORD_REPLICAS, STORE_TARGET_REUSE  # noqa: E402
+from geomesh_p2p.dht.state import (  # noqa: E402
+    DEFAULT_READ_QUORUM,
+    PEER_RECORD_REPLICAS,
+    READ_TARGET_REUSE,
+    STORE_TARGET_REUSE,
+)
 from geomesh_p2p.net.identity import Identity  # noqa: E402
 from geomesh_p2p.node.joining import SAMPLED_READ_QUORUM  # noqa: E402
 from geomesh_p2p.net.methods import DHT_FIND, DHT_STORE  # noqa: E402
@@ -155,6 +160,9 @@ class WhatIf:
     sampled_quorum: int = SAMPLED_READ_QUORUM
     #: the run's ``record_shards`` (built in session 19, default 1): records spread over this many keys
     record_shards: int = 1
+    #: a light follower's sampled read of a key asks the holders its last lookup of that key found, without a
+    #: lookup, this many times in all (built in session 22: ``READ_TARGET_REUSE`` = 8; 1: a lookup every read)
+    read_reuse: int = READ_TARGET_REUSE
 
 
 def sim_row(
@@ -265,15 +273,21 @@ def sim_row(
         s_req = find_req + sample * 48  # the subkeys asked: a base58 PeerID each
         hops = lookup - holders
         asked = min(holders, what_if.sampled_quorum + ALPHA - 1)
-        s_rpcs = hops + asked
-        s_read_b = s_rpcs * s_req + asked * s_rep + hops * nodes_rep
+        # 1 read in read_reuse looks its key up (hops, then the holders until the quorum, alpha - 1 calls more in
+        # flight); the others ask the quorum's cached holders alone (session 22; no churn assumed)
+        f = 1.0 / max(1, what_if.read_reuse)
+        q = min(holders, what_if.sampled_quorum)
+        s_rpcs = f * (hops + asked) + (1.0 - f) * q
+        s_read_b = f * ((hops + asked) * s_req + asked * s_rep + hops * nodes_rep) + (1.0 - f) * q * (s_req + s_rep)
         sampled_b = s_reads * s_read_b
         if shards > 1:
             # the plan check's sample spread over its s_reads - 1 keys: each read carries only its own records
             rec_b = signed[0].ByteSize()
             keys = s_reads - 1.0
             per = sample / keys
-            plan_b_read = s_rpcs * (find_req + per * 48) + hops * nodes_rep + asked * (nodes_rep + per * rec_b)
+            looked = (hops + asked) * (find_req + per * 48) + hops * nodes_rep + asked * (nodes_rep + per * rec_b)
+            cached_b = q * (find_req + per * 48 + nodes_rep + per * rec_b)
+            plan_b_read = f * looked + (1.0 - f) * cached_b
             sampled_b = keys * plan_b_read + s_read_b
         light_rpcs = announces * (share * lookup + replicas) + s_reads * s_rpcs + read_rpcs + chunk_rpcs
         light_made = (
@@ -338,6 +352,7 @@ def sim_row(
         "exchange_rpcs": 2 * (n - 1),
         "busiest_served": busiest,
         "record_shards": shards,
+        "read_reuse": what_if.read_reuse,
         "full_view_peers": n_full,
         "dht_bytes_full_peer": 2 * full_made,
         "dht_bytes_light_peer": 2 * light_made if n_full < n else None,
@@ -363,6 +378,7 @@ async def inproc_row(
     announces_per_round: int = ANNOUNCES_PER_ROUND,
     sampled_quorum: int = SAMPLED_READ_QUORUM,
     shards: int = 1,
+    read_reuse: int = READ_TARGET_REUSE,
 ) -> dict[str, Any]:
     """Tier 2 at ``n`` in-process DHT nodes (the DHT's defaults: peer records on 8 nodes, store targets reused 4
     times); each measured round: every node announces ``announces_per_round`` times (1: a record is stored once a
@@ -371,14 +387,17 @@ async def inproc_row(
     (live_peers with ``only``: the plan's check and the digest's); the leader (node 0) stores the real plan of
     the n records and every follower reads it once. ``full_view`` 0: every node reads every record. ``shards``: the
     run's ``record_shards`` (records under that many keys; a light follower's plan check reads the leader's record
-    and others drawn uniformly, its digest check others drawn a shard at a time: ``round.light.draw_in_shards``)."""
+    and others drawn uniformly, its digest check others drawn a shard at a time: ``round.light.draw_in_shards``).
+    ``read_reuse``: the nodes' ``read_target_reuse`` (a sampled read's cached holders; 1: a lookup every read)."""
     ids, recs = make_records(n, seed=n)
     rnd = random.Random(n)
     nodes: list[DHTNode] = []
     t0 = time.perf_counter()
     for ident in ids:
         t = Transport(ident, RUN, TransportConfig(host="127.0.0.1", port=0, default_timeout_s=timeout_s))
-        node = DHTNode(t, rpc_timeout_s=timeout_s, refresh_period_s=3600, republish_period_s=3600)
+        node = DHTNode(
+            t, rpc_timeout_s=timeout_s, refresh_period_s=3600, republish_period_s=3600, read_target_reuse=read_reuse
+        )
         await t.start()
         await node.join([rnd.choice(nodes).address] if nodes else [])
         nodes.append(node)
@@ -436,6 +455,9 @@ async def inproc_row(
         "tier": "inproc",
         "n": n,
         "record_shards": shards,
+        "read_reuse": read_reuse,
+        "read_lookups": sum(x.read_lookups for x in nodes) / n / rounds,
+        "read_reuses": sum(x.read_reuses for x in nodes) / n / rounds,
         "rounds": rounds,
         "announces_per_round": announces,
         "store_lookups": (lookups1 - lookups0) / n / rounds,
@@ -576,7 +598,9 @@ def table(rows: list[dict]) -> str:
         if "digests_equal" in r:
             dig = "equal" if r["digests_equal"] else f"{r['digests_per_round']} in a round"
         out.append(
-            f"| {r['tier']}{' S=' + str(r['record_shards']) if r.get('record_shards', 1) > 1 else ''} | {r['n']} | "
+            f"| {r['tier']}{' S=' + str(r['record_shards']) if r.get('record_shards', 1) > 1 else ''}"
+            f"{' R=' + str(r['read_reuse']) if r.get('read_reuse', READ_TARGET_REUSE) != READ_TARGET_REUSE else ''}"
+            f" | {r['n']} | "
             f"{_kb(r.get('dht_bytes'))} | {_n(r.get('dht_rpcs'))} | {ratio} | "
             f"{_kb(r.get('exchange_bytes'))} | {_n(r.get('exchange_rpcs'))} | {_n(r.get('busiest_served'))} | "
             f"{plan} | {_n(r.get('overhead_s'), '{:.1f}')} | {dig} | "
@@ -660,6 +684,13 @@ def main(argv=None) -> int:
         help="sim ('rounds' model), inproc: the run's record_shards, a comma list measured side by side, e.g. 1,16 "
         "(default: %(default)s)",
     )
+    ap.add_argument(
+        "--read-reuse",
+        default=str(READ_TARGET_REUSE),
+        help="sim ('rounds' model), inproc: reads of a key a light follower's sampled read makes from the holders its "
+        "last lookup found (DHTNode's read_target_reuse; 1: a lookup every read, the rule before session 22), a comma "
+        "list measured side by side, e.g. 1,8 (default: %(default)s)",
+    )
     ap.add_argument("--quick", action="store_true", help="sim tier + inproc at 8, 16, one round (< 1 min)")
     ap.add_argument("--json", default=None, help="also write every row here")
     args = ap.parse_args(argv)
@@ -674,8 +705,9 @@ def main(argv=None) -> int:
     rows: list[dict] = []
     print(f"machine: {os.cpu_count()} cpus, load {os.getloadavg()[0]:.2f}; reads {args.reads}, round {args.round_s} s")
     shard_counts = _sizes(args.record_shards)
+    reuses = _sizes(args.read_reuse)
     if "sim" in tiers:
-        for n, shards in ((n, x) for n in _sizes(args.sim_n) for x in shard_counts):
+        for n, shards, reuse in ((n, x, y) for n in _sizes(args.sim_n) for x in shard_counts for y in reuses):
             built = args.dht_model == "rounds"
             what_if = WhatIf(
                 args.record_replicas if args.record_replicas is not None else (PEER_RECORD_REPLICAS if built else K),
@@ -687,6 +719,7 @@ def main(argv=None) -> int:
                 if args.sampled_quorum is not None
                 else (SAMPLED_READ_QUORUM if built else READ_QUORUM),
                 shards,
+                reuse if built else 1,
             )
             rows.append(
                 sim_row(
@@ -702,7 +735,7 @@ def main(argv=None) -> int:
             )
             print(json.dumps(rows[-1]), flush=True)
     if "inproc" in tiers:
-        for n, shards in ((n, x) for n in _sizes(args.inproc_n) for x in shard_counts):
+        for n, shards, reuse in ((n, x, y) for n in _sizes(args.inproc_n) for x in shard_counts for y in reuses):
             rows.append(
                 asyncio.run(
                     inproc_row(
@@ -716,6 +749,7 @@ def main(argv=None) -> int:
                         int(args.announces_per_round or ANNOUNCES_PER_ROUND),
                         args.sampled_quorum or SAMPLED_READ_QUORUM,
                         shards,
+                        reuse,
                     )
                 )
             )

@@ -50,3 +50,25 @@ async def test_inproc_tier_counts_real_dht_calls_and_matches_the_models_rpcs():
     assert row["dht_bytes"] == pytest.approx(model["dht_bytes"], rel=0.35)
     assert model["busiest_served"] == (6 - 1) * (1 / 4 + 1 + 2 + 1)
     assert "| inproc | 6 |" in table([row])
+
+
+async def test_light_followers_cached_read_holders_cut_their_calls_in_both_tiers():
+    """Session 22: a light follower's sampled reads ask the holders their last lookup found (``read_target_reuse``
+    8) instead of looking the key up each time. In-process (12 nodes, 4 full-view, 2 rounds): the same reads find
+    every record asked with fewer DHT calls than with a lookup every read (``read_reuse`` 1), and the nodes count
+    reused reads. In the model at 1,024: a sampled read costs (h + Qs + alpha - 1) / 8 + 7/8 x Qs calls."""
+    rows = {}
+    for reuse in (1, 8):
+        rows[reuse] = await inproc_row(
+            12, rounds=2, reads=1, round_s=4.0, timeout_s=10.0, full_view=4, read_reuse=reuse
+        )
+        assert rows[reuse]["sampled_reads_complete"] == "32/32"  # 8 light followers x 2 checks x 2 rounds
+    assert rows[1]["read_reuses"] == 0 and rows[8]["read_reuses"] > 0
+    assert rows[8]["dht_rpcs"] < rows[1]["dht_rpcs"]
+    a, b = (
+        await asyncio.to_thread(sim_row, 1024, 3, 8.0, what_if=WhatIf(read_reuse=1)),
+        await asyncio.to_thread(sim_row, 1024, 3, 8.0, what_if=WhatIf(read_reuse=8)),
+    )
+    hops, looked = 26 - 20, 26 - 20 + 2 + 3 - 1  # L = 20 + ceil(log2(1024 / 20)); the quorum 2 + alpha - 1 more
+    assert a["dht_rpcs_light_peer"] - b["dht_rpcs_light_peer"] == pytest.approx(2 * (looked - (looked / 8 + 7 / 8 * 2)))
+    assert hops == 6 and "R=1" in table([a]) and "R=" not in table([b])
