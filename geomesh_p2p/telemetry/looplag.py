@@ -5,15 +5,42 @@ thread (hashing, encoding, tensor math over the model) stalls all of them at onc
 task that sleeps ``interval_s`` and measures how late it wakes: the lateness is the loop's stall
 (a stall of ``d`` seconds shows as a wake-up ``~d`` late). The node reports the worst stall of every
 round (``RoundRecord.loop_stall_ms``, the round log, ``--log-json`` and Prometheus).
+
+Where a stall comes from (issue 27: 0.9-1.4 s stalls at real size, not attributed): a watcher thread looks at
+the loop thread's stack while a stall lasts (``sys._current_frames``) and logs one INFO line per stall past
+``trace_after_s``, with its innermost frames. A frame in the loop's own ``select`` means the loop was idle but not
+scheduled (a CPU or the GIL taken by others: the machine's stall, not the code's); anything else names the code
+that blocked it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import logging
+import os
+import sys
+import threading
 import time
+import traceback
 from typing import Optional
 
-__all__ = ["LoopLagMonitor"]
+__all__ = ["LoopLagMonitor", "stack_summary"]
+
+log = logging.getLogger(__name__)
+
+#: Innermost frames a stall's location names.
+STALL_FRAMES = 4
+
+
+def stack_summary(frame, frames: int = STALL_FRAMES) -> str:
+    """``file:line function`` of the innermost ``frames`` frames of ``frame``'s stack, innermost first, joined
+    by `` < `` (file names relative to their package folder)."""
+    out = []
+    for fs in reversed(traceback.extract_stack(frame)[-frames:]):
+        parts = fs.filename.replace(os.sep, "/").split("/")
+        out.append(f"{'/'.join(parts[-2:])}:{fs.lineno} {fs.name}")
+    return " < ".join(out)
 
 
 class LoopLagMonitor:
@@ -26,19 +53,31 @@ class LoopLagMonitor:
 
     Attributes:
         interval_s: sleep between wake-ups, seconds (smaller: finer, at a few µs of loop time each).
+        trace_after_s: a stall this long (seconds) is located: the watcher thread logs the loop thread's innermost
+            frames once per stall (INFO) and keeps them in :attr:`stalls`; None: no watcher thread.
         worst_ever: the worst lateness seen since :meth:`start`, seconds.
         samples: wake-ups measured since :meth:`start`.
+        stalls: the last 32 located stalls, ``(seconds blocked when seen, stack summary)``.
+    Raises ValueError for ``interval_s <= 0`` or ``trace_after_s <= 0``.
     """
 
-    def __init__(self, interval_s: float = 0.02):
+    def __init__(self, interval_s: float = 0.02, trace_after_s: Optional[float] = 0.25):
         if not interval_s > 0:
             raise ValueError(f"interval_s must be > 0, got {interval_s}")
+        if trace_after_s is not None and not trace_after_s > 0:
+            raise ValueError(f"trace_after_s must be > 0 or None, got {trace_after_s}")
         self.interval_s = float(interval_s)
+        self.trace_after_s = trace_after_s
         self.worst_ever = 0.0
         self.samples = 0
+        self.stalls: collections.deque = collections.deque(maxlen=32)
         self._worst = 0.0
         self._task: Optional[asyncio.Task] = None
         self._tick: Optional[asyncio.Event] = None  # set (and replaced) at each wake-up
+        self._last = 0.0  # perf_counter of the last wake-up
+        self._loop_thread: Optional[int] = None
+        self._watch: Optional[threading.Thread] = None
+        self._watch_stop = threading.Event()
 
     @property
     def running(self) -> bool:
@@ -49,13 +88,38 @@ class LoopLagMonitor:
         if self.running:
             return
         self._task = asyncio.get_running_loop().create_task(self._run(), name="loop-lag-monitor")
+        self._last = time.perf_counter()
+        if self.trace_after_s is not None and self._watch is None:
+            self._loop_thread = threading.get_ident()
+            self._watch_stop.clear()
+            self._watch = threading.Thread(target=self._watch_loop, name="loop-lag-watch", daemon=True)
+            self._watch.start()
+
+    def _watch_loop(self) -> None:
+        """The watcher thread: while the loop has not woken the monitor for ``trace_after_s``, locate the stall once."""
+        assert self.trace_after_s is not None and self._loop_thread is not None
+        located = None  # the wake-up time of the stall already located
+        while not self._watch_stop.wait(self.interval_s):
+            last = self._last
+            blocked = time.perf_counter() - last - self.interval_s
+            if blocked < self.trace_after_s or located == last:
+                continue
+            frame = sys._current_frames().get(self._loop_thread)
+            if frame is None:
+                continue
+            located = last
+            where = stack_summary(frame)
+            del frame  # no reference cycle through the loop thread's frames
+            self.stalls.append((blocked, where))
+            log.info("event loop blocked for %.0f ms so far, in %s", blocked * 1e3, where)
 
     async def _run(self) -> None:
         clock = time.perf_counter
         while True:
             due = clock() + self.interval_s
             await asyncio.sleep(self.interval_s)
-            late = max(0.0, clock() - due)
+            self._last = clock()
+            late = max(0.0, self._last - due)
             self.samples += 1
             if late > self._worst:
                 self._worst = late
@@ -84,7 +148,11 @@ class LoopLagMonitor:
         return worst
 
     async def stop(self) -> None:
-        """Cancel the monitoring task and wait for it to end (idempotent)."""
+        """Cancel the monitoring task and wait for it to end, and end the watcher thread (idempotent)."""
+        watch, self._watch = self._watch, None
+        if watch is not None:
+            self._watch_stop.set()
+            await asyncio.to_thread(watch.join, 5.0)
         task, self._task = self._task, None
         if task is None:
             return

@@ -4,11 +4,13 @@ stopping leaves no task behind."""
 from __future__ import annotations
 
 import asyncio
+import sys
+import threading
 import time
 
 import pytest
 
-from geomesh_p2p.telemetry.looplag import LoopLagMonitor
+from geomesh_p2p.telemetry.looplag import LoopLagMonitor, stack_summary
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -58,3 +60,47 @@ async def test_stop_leaves_no_task():
     assert asyncio.all_tasks() - before == set() and not m.running
     with pytest.raises(ValueError):
         LoopLagMonitor(interval_s=0)
+
+
+def _block_the_loop_here(seconds: float) -> None:
+    time.sleep(seconds)  # the stall under test, in a function of its own: the located frame names it
+
+
+async def test_a_long_stall_is_located_once_in_the_code_that_blocked(caplog):
+    """A stall past ``trace_after_s`` is located by the watcher thread: one entry and one INFO line per stall,
+    naming the blocking function (innermost first), not the loop's own select; a short one is not located; stop
+    ends the watcher thread."""
+    m = LoopLagMonitor(interval_s=0.02, trace_after_s=0.1)
+    caplog.set_level("INFO", logger="geomesh_p2p.telemetry.looplag")
+    m.start()
+    try:
+        await _samples(m, 2)
+        assert any(t.name == "loop-lag-watch" for t in threading.enumerate())
+        _block_the_loop_here(1.0)  # ~45 watcher wake-ups while it lasts: located once
+        await _samples(m, 2)
+        assert len(m.stalls) == 1
+        blocked, where = m.stalls[0]
+        assert blocked >= 0.1 and where.startswith("unit/test_looplag.py:") and "_block_the_loop_here" in where
+        lines = [r.getMessage() for r in caplog.records if "event loop blocked" in r.getMessage()]
+        assert len(lines) == 1 and "_block_the_loop_here" in lines[0]
+        _block_the_loop_here(1.0)  # a second stall: a second entry
+        await _samples(m, 2)
+        assert len(m.stalls) == 2
+    finally:
+        await m.stop()
+    assert not any(t.name == "loop-lag-watch" for t in threading.enumerate())
+    with pytest.raises(ValueError, match="trace_after_s"):
+        LoopLagMonitor(trace_after_s=0)
+
+
+def test_stack_summary_names_the_innermost_frames_first():
+    def inner():
+        return stack_summary(sys._getframe())
+
+    def outer():
+        return inner()
+
+    got = outer().split(" < ")
+    assert len(got) == 4
+    assert got[0].endswith(" inner") and got[1].endswith(" outer")
+    assert got[2].endswith(" test_stack_summary_names_the_innermost_frames_first")
