@@ -8,9 +8,10 @@ round (``RoundRecord.loop_stall_ms``, the round log, ``--log-json`` and Promethe
 
 Where a stall comes from (issue 27: 0.9-1.4 s stalls at real size, not attributed): a watcher thread looks at
 the loop thread's stack while a stall lasts (``sys._current_frames``) and logs one INFO line per stall past
-``trace_after_s``, with its innermost frames. A frame in the loop's own ``select`` means the loop was idle but not
-scheduled (a CPU or the GIL taken by others: the machine's stall, not the code's); anything else names the code
-that blocked it.
+``trace_after_s``, with its innermost frames and how much of the stall the loop thread itself ran (its CPU time,
+``pthread_getcpuclockid``): a thread that ran most of it was blocked by the code the frames name; one that ran
+little of it waited for a CPU or for the GIL held by other threads (the machine's or another thread's stall, and the
+frames are only where it waited).
 """
 
 from __future__ import annotations
@@ -57,7 +58,8 @@ class LoopLagMonitor:
             frames once per stall (INFO) and keeps them in :attr:`stalls`; None: no watcher thread.
         worst_ever: the worst lateness seen since :meth:`start`, seconds.
         samples: wake-ups measured since :meth:`start`.
-        stalls: the last 32 located stalls, ``(seconds blocked when seen, stack summary)``.
+        stalls: the last 32 located stalls, ``(seconds blocked when seen, seconds of it the loop thread ran or
+            None where unknown, stack summary)``.
     Raises ValueError for ``interval_s <= 0`` or ``trace_after_s <= 0``.
     """
 
@@ -75,6 +77,7 @@ class LoopLagMonitor:
         self._task: Optional[asyncio.Task] = None
         self._tick: Optional[asyncio.Event] = None  # set (and replaced) at each wake-up
         self._last = 0.0  # perf_counter of the last wake-up
+        self._last_cpu = 0.0  # the loop thread's CPU seconds (time.thread_time) at the last wake-up
         self._loop_thread: Optional[int] = None
         self._watch: Optional[threading.Thread] = None
         self._watch_stop = threading.Event()
@@ -88,6 +91,7 @@ class LoopLagMonitor:
         if self.running:
             return
         self._task = asyncio.get_running_loop().create_task(self._run(), name="loop-lag-monitor")
+        self._last_cpu = time.thread_time()
         self._last = time.perf_counter()
         if self.trace_after_s is not None and self._watch is None:
             self._loop_thread = threading.get_ident()
@@ -110,14 +114,34 @@ class LoopLagMonitor:
             located = last
             where = stack_summary(frame)
             del frame  # no reference cycle through the loop thread's frames
-            self.stalls.append((blocked, where))
-            log.info("event loop blocked for %.0f ms so far, in %s", blocked * 1e3, where)
+            ran = self._thread_cpu()
+            ran = None if ran is None else max(0.0, min(blocked, ran - self._last_cpu))
+            self.stalls.append((blocked, ran, where))
+            if ran is None:
+                log.info("event loop blocked for %.0f ms so far, in %s", blocked * 1e3, where)
+            else:
+                why = "code on the loop thread" if ran >= 0.5 * blocked else "waiting for a CPU or the GIL"
+                log.info(
+                    "event loop blocked for %.0f ms so far (its thread ran %.0f ms of them: %s), in %s",
+                    blocked * 1e3,
+                    ran * 1e3,
+                    why,
+                    where,
+                )
+
+    def _thread_cpu(self) -> Optional[float]:
+        """The loop thread's CPU seconds (Linux and other POSIX systems with per-thread clocks), else None."""
+        try:
+            return time.clock_gettime(time.pthread_getcpuclockid(self._loop_thread))  # type: ignore[arg-type]
+        except (AttributeError, OSError, TypeError, ValueError):
+            return None
 
     async def _run(self) -> None:
         clock = time.perf_counter
         while True:
             due = clock() + self.interval_s
             await asyncio.sleep(self.interval_s)
+            self._last_cpu = time.thread_time()
             self._last = clock()
             late = max(0.0, self._last - due)
             self.samples += 1

@@ -66,6 +66,12 @@ def _block_the_loop_here(seconds: float) -> None:
     time.sleep(seconds)  # the stall under test, in a function of its own: the located frame names it
 
 
+def _spin_the_loop_here(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:  # computing on the loop thread (its CPU time grows)
+        pass
+
+
 async def test_a_long_stall_is_located_once_in_the_code_that_blocked(caplog):
     """A stall past ``trace_after_s`` is located by the watcher thread: one entry and one INFO line per stall,
     naming the blocking function (innermost first), not the loop's own select; a short one is not located; stop
@@ -79,13 +85,16 @@ async def test_a_long_stall_is_located_once_in_the_code_that_blocked(caplog):
         _block_the_loop_here(1.0)  # ~45 watcher wake-ups while it lasts: located once
         await _samples(m, 2)
         assert len(m.stalls) == 1
-        blocked, where = m.stalls[0]
+        blocked, ran, where = m.stalls[0]
         assert blocked >= 0.1 and where.startswith("unit/test_looplag.py:") and "_block_the_loop_here" in where
+        assert ran is not None and ran < 0.5 * blocked  # a sleep: the loop thread waited, it did not compute
         lines = [r.getMessage() for r in caplog.records if "event loop blocked" in r.getMessage()]
-        assert len(lines) == 1 and "_block_the_loop_here" in lines[0]
-        _block_the_loop_here(1.0)  # a second stall: a second entry
+        assert len(lines) == 1 and "_block_the_loop_here" in lines[0] and "waiting for a CPU or the GIL" in lines[0]
+        _spin_the_loop_here(1.0)  # a second stall, computing on the loop thread: a second entry, named so
         await _samples(m, 2)
         assert len(m.stalls) == 2
+        blocked, ran, where = m.stalls[1]
+        assert "_spin_the_loop_here" in where and ran is not None and ran > 0
     finally:
         await m.stop()
     assert not any(t.name == "loop-lag-watch" for t in threading.enumerate())
