@@ -6,12 +6,11 @@ task that sleeps ``interval_s`` and measures how late it wakes: the lateness is 
 (a stall of ``d`` seconds shows as a wake-up ``~d`` late). The node reports the worst stall of every
 round (``RoundRecord.loop_stall_ms``, the round log, ``--log-json`` and Prometheus).
 
-Where a stall comes from (issue 27: 0.9-1.4 s stalls at real size, not attributed): a watcher thread looks at
-the loop thread's stack while a stall lasts (``sys._current_frames``) and logs one INFO line per stall past
-``trace_after_s``, with its innermost frames and how much of the stall the loop thread itself ran (its CPU time,
-``pthread_getcpuclockid``): a thread that ran most of it was blocked by the code the frames name; one that ran
-little of it waited for a CPU or for the GIL held by other threads (the machine's or another thread's stall, and the
-frames are only where it waited).
+Where a stall comes from (issue 27: 0.9-1.4 s stalls at real size, not attributed): a watcher thread samples the
+loop thread's stack every ``interval_s`` while a stall lasts past ``trace_after_s`` (``sys._current_frames``) and,
+once it ends, logs one INFO line: how long, how much of it the loop thread itself ran (its CPU clock,
+``pthread_getcpuclockid``), and its most sampled locations, each marked "ran" (the thread computed there: code on
+the loop thread) or "waited" (it did not: a CPU or the GIL taken by other threads, or a blocking call).
 """
 
 from __future__ import annotations
@@ -44,6 +43,19 @@ def stack_summary(frame, frames: int = STALL_FRAMES) -> str:
     return " < ".join(out)
 
 
+class _Stall:
+    """One stall as the watcher samples it: the monitor's wake-up before it, the loop thread's CPU seconds then and
+    at the last sample, and the samples per ``(stack summary, ran)``."""
+
+    __slots__ = ("last", "start_cpu", "prev_cpu", "cpu", "blocked", "samples")
+
+    def __init__(self, last: float, start_cpu: float) -> None:
+        self.last, self.start_cpu, self.prev_cpu = last, start_cpu, start_cpu
+        self.cpu: Optional[float] = None
+        self.blocked = 0.0
+        self.samples: collections.Counter = collections.Counter()
+
+
 class LoopLagMonitor:
     """Measures the event loop's stalls: an owned task that sleeps ``interval_s`` seconds and records how
     late it woke (``time.perf_counter``).
@@ -58,8 +70,9 @@ class LoopLagMonitor:
             frames once per stall (INFO) and keeps them in :attr:`stalls`; None: no watcher thread.
         worst_ever: the worst lateness seen since :meth:`start`, seconds.
         samples: wake-ups measured since :meth:`start`.
-        stalls: the last 32 located stalls, ``(seconds blocked when seen, seconds of it the loop thread ran or
-            None where unknown, stack summary)``.
+        stalls: the last 32 located stalls once they ended, ``(seconds blocked at the last sample, seconds of it
+            the loop thread ran or None where unknown, [(samples, "ran" or "waited", stack summary)] most sampled
+            first, at most 3)``.
     Raises ValueError for ``interval_s <= 0`` or ``trace_after_s <= 0``.
     """
 
@@ -100,34 +113,44 @@ class LoopLagMonitor:
             self._watch.start()
 
     def _watch_loop(self) -> None:
-        """The watcher thread: while the loop has not woken the monitor for ``trace_after_s``, locate the stall once."""
+        """The watcher thread: samples the loop thread's stack every ``interval_s`` while a stall lasts past
+        ``trace_after_s``, and reports the stall once it ends (:meth:`_report`)."""
         assert self.trace_after_s is not None and self._loop_thread is not None
-        located = None  # the wake-up time of the stall already located
+        stall: Optional[_Stall] = None
         while not self._watch_stop.wait(self.interval_s):
             last = self._last
+            if stall is not None and stall.last != last:  # the loop ran the monitor again: the stall ended
+                self._report(stall)
+                stall = None
             blocked = time.perf_counter() - last - self.interval_s
-            if blocked < self.trace_after_s or located == last:
+            if blocked < self.trace_after_s:
                 continue
             frame = sys._current_frames().get(self._loop_thread)
             if frame is None:
                 continue
-            located = last
             where = stack_summary(frame)
             del frame  # no reference cycle through the loop thread's frames
-            ran = self._thread_cpu()
-            ran = None if ran is None else max(0.0, min(blocked, ran - self._last_cpu))
-            self.stalls.append((blocked, ran, where))
-            if ran is None:
-                log.info("event loop blocked for %.0f ms so far, in %s", blocked * 1e3, where)
-            else:
-                why = "code on the loop thread" if ran >= 0.5 * blocked else "waiting for a CPU or the GIL"
-                log.info(
-                    "event loop blocked for %.0f ms so far (its thread ran %.0f ms of them: %s), in %s",
-                    blocked * 1e3,
-                    ran * 1e3,
-                    why,
-                    where,
-                )
+            cpu = self._thread_cpu()
+            if stall is None:
+                stall = _Stall(last, self._last_cpu)
+            # a sample is "ran" when the loop thread computed for at least a fifth of the interval since the last one
+            ran = cpu is not None and cpu - stall.prev_cpu >= 0.2 * self.interval_s
+            if cpu is not None:
+                stall.prev_cpu = cpu
+                stall.cpu = cpu
+            stall.samples[(where, ran)] += 1
+            stall.blocked = blocked
+
+    def _report(self, stall: "_Stall") -> None:
+        """One INFO line and one :attr:`stalls` entry for a stall that ended: its length, the loop thread's CPU
+        seconds in it, and its most sampled locations, each as ran (computing there) or waited (for a CPU, the
+        GIL, or a blocking call)."""
+        ran = None if stall.cpu is None else max(0.0, min(stall.blocked, stall.cpu - stall.start_cpu))
+        top = [(n, "ran" if r else "waited", w) for (w, r), n in stall.samples.most_common(3)]
+        self.stalls.append((stall.blocked, ran, top))
+        spent = "" if ran is None else f" (its thread ran {ran * 1e3:.0f} ms of them)"
+        where = "; ".join(f"{n}x {state} in {w}" for n, state, w in top)
+        log.info("event loop blocked for %.0f ms%s: %s", stall.blocked * 1e3, spent, where)
 
     def _thread_cpu(self) -> Optional[float]:
         """The loop thread's CPU seconds (Linux and other POSIX systems with per-thread clocks), else None."""

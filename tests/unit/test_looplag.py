@@ -66,6 +66,13 @@ def _block_the_loop_here(seconds: float) -> None:
     time.sleep(seconds)  # the stall under test, in a function of its own: the located frame names it
 
 
+async def _reported(m: LoopLagMonitor, n: int, timeout_s: float = 20.0) -> None:
+    """Wait (polling the condition) until the watcher thread has reported ``n`` stalls."""
+    deadline = time.monotonic() + timeout_s
+    while len(m.stalls) < n and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+
+
 def _spin_the_loop_here(seconds: float) -> None:
     end = time.perf_counter() + seconds
     while time.perf_counter() < end:  # computing on the loop thread (its CPU time grows)
@@ -73,28 +80,32 @@ def _spin_the_loop_here(seconds: float) -> None:
 
 
 async def test_a_long_stall_is_located_once_in_the_code_that_blocked(caplog):
-    """A stall past ``trace_after_s`` is located by the watcher thread: one entry and one INFO line per stall,
-    naming the blocking function (innermost first), not the loop's own select; a short one is not located; stop
-    ends the watcher thread."""
+    """A stall past ``trace_after_s`` is sampled by the watcher thread and reported once it ends: one entry and one
+    INFO line per stall, naming the blocking function, marked "waited" for a sleep (the loop thread did not compute)
+    and "ran" for a busy loop; stop ends the watcher thread."""
     m = LoopLagMonitor(interval_s=0.02, trace_after_s=0.1)
     caplog.set_level("INFO", logger="geomesh_p2p.telemetry.looplag")
     m.start()
     try:
         await _samples(m, 2)
         assert any(t.name == "loop-lag-watch" for t in threading.enumerate())
-        _block_the_loop_here(1.0)  # ~45 watcher wake-ups while it lasts: located once
-        await _samples(m, 2)
+        _block_the_loop_here(1.0)  # ~45 watcher wake-ups while it lasts: reported once, after it
+        await _samples(m, 3)
+        await _reported(m, 1)  # the watcher's next wake-up sees the end
         assert len(m.stalls) == 1
-        blocked, ran, where = m.stalls[0]
-        assert blocked >= 0.1 and where.startswith("unit/test_looplag.py:") and "_block_the_loop_here" in where
-        assert ran is not None and ran < 0.5 * blocked  # a sleep: the loop thread waited, it did not compute
+        blocked, ran, top = m.stalls[0]
+        assert blocked >= 0.1 and ran is not None and ran < 0.5 * blocked  # a sleep: the thread waited
+        assert top[0][1] == "waited" and "_block_the_loop_here" in top[0][2]
+        assert top[0][2].startswith("unit/test_looplag.py:")
         lines = [r.getMessage() for r in caplog.records if "event loop blocked" in r.getMessage()]
-        assert len(lines) == 1 and "_block_the_loop_here" in lines[0] and "waiting for a CPU or the GIL" in lines[0]
-        _spin_the_loop_here(1.0)  # a second stall, computing on the loop thread: a second entry, named so
-        await _samples(m, 2)
+        assert len(lines) == 1 and "waited in unit/test_looplag.py" in lines[0] and "_block_the_loop_here" in lines[0]
+        _spin_the_loop_here(1.0)  # a second stall, computing on the loop thread: a second entry
+        await _samples(m, 3)
+        await _reported(m, 2)
         assert len(m.stalls) == 2
-        blocked, ran, where = m.stalls[1]
-        assert "_spin_the_loop_here" in where and ran is not None and ran > 0
+        blocked, ran, top = m.stalls[1]
+        assert ran is not None and ran > 0
+        assert any(state == "ran" and "_spin_the_loop_here" in w for _, state, w in top)
     finally:
         await m.stop()
     assert not any(t.name == "loop-lag-watch" for t in threading.enumerate())
