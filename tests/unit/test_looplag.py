@@ -11,6 +11,7 @@ import time
 import pytest
 
 from geomesh_p2p.telemetry.looplag import LoopLagMonitor, stack_summary
+from tests.dht_helpers import wait_for
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -68,9 +69,11 @@ def _block_the_loop_here(seconds: float) -> None:
 
 async def _reported(m: LoopLagMonitor, n: int, timeout_s: float = 20.0) -> None:
     """Wait (polling the condition) until the watcher thread has reported ``n`` stalls."""
-    deadline = time.monotonic() + timeout_s
-    while len(m.stalls) < n and time.monotonic() < deadline:
-        await asyncio.sleep(0.02)
+
+    async def done() -> bool:
+        return len(m.stalls) >= n
+
+    await wait_for(done, timeout_s, interval=0.02, what=f"{n} stall(s) reported")
 
 
 def _spin_the_loop_here(seconds: float) -> None:
