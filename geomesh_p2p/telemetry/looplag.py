@@ -113,17 +113,20 @@ class LoopLagMonitor:
             self._watch.start()
 
     def _watch_loop(self) -> None:
-        """The watcher thread: samples the loop thread's stack every ``interval_s`` while a stall lasts past
-        ``trace_after_s``, and reports the stall once it ends (:meth:`_report`)."""
+        """The watcher thread: samples the loop thread's stack every ``interval_s`` while a stall lasts (from two
+        intervals on), and reports a stall that lasted ``trace_after_s`` once it ends (:meth:`_report`)."""
         assert self.trace_after_s is not None and self._loop_thread is not None
         stall: Optional[_Stall] = None
         while not self._watch_stop.wait(self.interval_s):
             last = self._last
             if stall is not None and stall.last != last:  # the loop ran the monitor again: the stall ended
-                self._report(stall)
+                if stall.blocked >= self.trace_after_s:
+                    self._report(stall)
                 stall = None
             blocked = time.perf_counter() - last - self.interval_s
-            if blocked < self.trace_after_s:
+            # sampled from two intervals on, so that a long stall's samples cover most of it; reported only past
+            # trace_after_s
+            if blocked < 2 * self.interval_s:
                 continue
             frame = sys._current_frames().get(self._loop_thread)
             if frame is None:
