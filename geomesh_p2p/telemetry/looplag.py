@@ -43,14 +43,26 @@ def stack_summary(frame, frames: int = STALL_FRAMES) -> str:
     return " < ".join(out)
 
 
+def _threads_cpu() -> dict[int, float]:
+    """CPU seconds of every live Python thread, by ident (threads without a readable clock left out)."""
+    out = {}
+    for t in threading.enumerate():
+        try:
+            out[t.ident] = time.clock_gettime(time.pthread_getcpuclockid(t.ident))  # type: ignore[arg-type]
+        except (AttributeError, OSError, TypeError, ValueError):
+            pass
+    return out  # type: ignore[return-value]
+
+
 class _Stall:
     """One stall as the watcher samples it: the monitor's wake-up before it, the loop thread's CPU seconds then and
-    at the last sample, and the samples per ``(stack summary, ran)``."""
+    at the last sample, every thread's CPU seconds just before it (``base``), and the samples per
+    ``(stack summary, ran)``."""
 
-    __slots__ = ("last", "start_cpu", "prev_cpu", "cpu", "blocked", "samples")
+    __slots__ = ("last", "start_cpu", "prev_cpu", "cpu", "blocked", "samples", "base")
 
-    def __init__(self, last: float, start_cpu: float) -> None:
-        self.last, self.start_cpu, self.prev_cpu = last, start_cpu, start_cpu
+    def __init__(self, last: float, start_cpu: float, base: dict[int, float]) -> None:
+        self.last, self.start_cpu, self.prev_cpu, self.base = last, start_cpu, start_cpu, base
         self.cpu: Optional[float] = None
         self.blocked = 0.0
         self.samples: collections.Counter = collections.Counter()
@@ -72,7 +84,7 @@ class LoopLagMonitor:
         samples: wake-ups measured since :meth:`start`.
         stalls: the last 32 located stalls once they ended, ``(seconds blocked at the last sample, seconds of it
             the loop thread ran or None where unknown, [(samples, "ran" or "waited", stack summary)] most sampled
-            first, at most 3)``.
+            first, at most 3, [(CPU seconds, name)] of the other Python threads that ran most meanwhile, at most 2)``.
     Raises ValueError for ``interval_s <= 0`` or ``trace_after_s <= 0``.
     """
 
@@ -117,16 +129,19 @@ class LoopLagMonitor:
         intervals on), and reports a stall that lasted ``trace_after_s`` once it ends (:meth:`_report`)."""
         assert self.trace_after_s is not None and self._loop_thread is not None
         stall: Optional[_Stall] = None
+        base: dict[int, float] = {}  # every Python thread's CPU seconds at the last wake-up outside a stall
         while not self._watch_stop.wait(self.interval_s):
             last = self._last
             if stall is not None and stall.last != last:  # the loop ran the monitor again: the stall ended
                 if stall.blocked >= self.trace_after_s:
-                    self._report(stall)
+                    self._report(stall, _threads_cpu())
                 stall = None
             blocked = time.perf_counter() - last - self.interval_s
             # sampled from two intervals on, so that a long stall's samples cover most of it; reported only past
             # trace_after_s
             if blocked < 2 * self.interval_s:
+                if stall is None:
+                    base = _threads_cpu()
                 continue
             frame = sys._current_frames().get(self._loop_thread)
             if frame is None:
@@ -135,7 +150,7 @@ class LoopLagMonitor:
             del frame  # no reference cycle through the loop thread's frames
             cpu = self._thread_cpu()
             if stall is None:
-                stall = _Stall(last, self._last_cpu)
+                stall = _Stall(last, self._last_cpu, base)
             # a sample is "ran" when the loop thread computed for at least a fifth of the interval since the last one
             ran = cpu is not None and cpu - stall.prev_cpu >= 0.2 * self.interval_s
             if cpu is not None:
@@ -144,16 +159,28 @@ class LoopLagMonitor:
             stall.samples[(where, ran)] += 1
             stall.blocked = blocked
 
-    def _report(self, stall: "_Stall") -> None:
+    def _report(self, stall: "_Stall", now_cpu: dict[int, float]) -> None:
         """One INFO line and one :attr:`stalls` entry for a stall that ended: its length, the loop thread's CPU
-        seconds in it, and its most sampled locations, each as ran (computing there) or waited (for a CPU, the
-        GIL, or a blocking call)."""
+        seconds in it, its most sampled locations, each as ran (computing there) or waited (for a CPU, the GIL,
+        or a blocking call), and the other Python threads that ran most meanwhile (one of them held the GIL when
+        the loop thread waited for it; a thread that ended before the report is not seen)."""
         ran = None if stall.cpu is None else max(0.0, min(stall.blocked, stall.cpu - stall.start_cpu))
         top = [(n, "ran" if r else "waited", w) for (w, r), n in stall.samples.most_common(3)]
-        self.stalls.append((stall.blocked, ran, top))
+        names = {t.ident: t.name for t in threading.enumerate()}
+        others = sorted(
+            (
+                (now_cpu[i] - stall.base.get(i, 0.0), names.get(i, str(i)))  # a thread started meanwhile: from 0
+                for i in now_cpu
+                if i not in (self._loop_thread, threading.get_ident())
+            ),
+            reverse=True,
+        )
+        busy = [(round(c, 3), name) for c, name in others[:2] if c >= 0.05 * stall.blocked]
+        self.stalls.append((stall.blocked, ran, top, busy))
         spent = "" if ran is None else f" (its thread ran {ran * 1e3:.0f} ms of them)"
         where = "; ".join(f"{n}x {state} in {w}" for n, state, w in top)
-        log.info("event loop blocked for %.0f ms%s: %s", stall.blocked * 1e3, spent, where)
+        meanwhile = "".join(f"; thread {name!r} ran {c * 1e3:.0f} ms" for c, name in busy)
+        log.info("event loop blocked for %.0f ms%s: %s%s", stall.blocked * 1e3, spent, where, meanwhile)
 
     def _thread_cpu(self) -> Optional[float]:
         """The loop thread's CPU seconds (Linux and other POSIX systems with per-thread clocks), else None."""

@@ -96,17 +96,35 @@ async def test_a_long_stall_is_located_once_in_the_code_that_blocked(caplog):
         await _samples(m, 3)
         await _reported(m, 1)  # the watcher's next wake-up sees the end
         assert len(m.stalls) == 1
-        blocked, ran, top = m.stalls[0]
+        blocked, ran, top, busy = m.stalls[0]
         assert blocked >= 0.1 and ran is not None and ran < 0.5 * blocked  # a sleep: the thread waited
         assert top[0][1] == "waited" and "_block_the_loop_here" in top[0][2]
         assert top[0][2].startswith("unit/test_looplag.py:")
         lines = [r.getMessage() for r in caplog.records if "event loop blocked" in r.getMessage()]
         assert len(lines) == 1 and "waited in unit/test_looplag.py" in lines[0] and "_block_the_loop_here" in lines[0]
-        _spin_the_loop_here(1.0)  # a second stall, computing on the loop thread: a second entry
+        assert not any(name == "spinner" for _, name in busy)
+        # a third stall in which another Python thread computes: named as the one that ran meanwhile
+        stop = threading.Event()
+
+        def spinner() -> None:
+            while not stop.is_set():
+                pass
+
+        spin = threading.Thread(target=spinner, name="spinner")
+        spin.start()
+        try:
+            _block_the_loop_here(1.0)
+            await _samples(m, 3)
+            await _reported(m, 2)
+        finally:
+            stop.set()
+            spin.join()
+        assert any(name == "spinner" and c > 0 for c, name in m.stalls[1][3])
+        _spin_the_loop_here(1.0)  # a stall computing on the loop thread: the next entry
         await _samples(m, 3)
-        await _reported(m, 2)
-        assert len(m.stalls) == 2
-        blocked, ran, top = m.stalls[1]
+        await _reported(m, 3)
+        assert len(m.stalls) == 3
+        blocked, ran, top, busy = m.stalls[2]
         assert ran is not None and ran > 0
         assert any(state == "ran" and "_spin_the_loop_here" in w for _, state, w in top)
     finally:
