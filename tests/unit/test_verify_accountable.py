@@ -25,6 +25,8 @@ from geomesh_p2p.trust.verify_commit import (
     Committed,
     ContributionRefused,
     commitment_seed,
+    narrow,
+    overlay,
     verified_packet,
 )
 from tests.verify_util import ROUND, RUN, FakeDHT, _fixed_identity, _packets, _plan, _signed, _verifier, world_fixture
@@ -37,10 +39,37 @@ world = pytest.fixture(scope="module", name="world")(world_fixture)
 CFG = VT.VerifyConfig(share=0.0)
 
 
-def _case(world, contribution, H, names=("V", "W")):
+#: The CHECK_PARTS of A's 4 parts an accountable screen covers are drawn from the round's commitments
+#: (:func:`~geomesh_p2p.trust.verify_commit.narrow`), and they decide whether the loss-gain test has power: in this
+#: world a screener's own contribution (the power reference) reaches t 4.4-6.7 on every pair with part 0 or 1, only
+#: t 2.3 on parts (2, 3), where a wrong-data A's t (0.3-1.4, by the steps drawn) is within ``gain_t_gap`` (2.5) of it:
+#: no power, so the screen passes as inconclusive (no evidence). A test of a screen fixes the pair it draws.
+POWERED, UNPOWERED = (0, 1), (2, 3)
+
+
+def _drawn_parts(world, plan, committed) -> tuple[int, ...]:
+    """The parts of A that the round's accountable screen of A covers (the same for every screener)."""
+    seed = commitment_seed(RUN, plan, committed)
+    a = world.pid["A"]
+    [first] = VT.screeners_of(seed, a, [x.peer_id for x in plan.assignments], 1)
+    task = VT.derive_screen(CFG, plan=plan, verifier=first, accused=a, seed=seed, packets=overlay(committed, {}),
+                            part_ranges=world.part_ranges)  # fmt: skip
+    return narrow(task).parts
+
+
+def _nonce(sender: str, part: int, salt: int) -> bytes:
+    return hashlib.sha256(f"{sender}/{part}/{salt}".encode()).digest()[:16]
+
+
+def _case(world, contribution, H, names=("V", "W"), parts=None):
     """Round 2 in accountable mode with screeners ``names`` that contributed honestly too: the relay packets
     (what only the part owners received now), every contribution signed by its sender, and the commitments every
-    participant holds (sender -> part -> Committed: tokens capped by the plan, SHA-256[:16] of the signed bytes)."""
+    participant holds (sender -> part -> Committed: tokens capped by the plan, SHA-256[:16] of the signed bytes).
+
+    Every contribution is signed with a fixed nonce (:func:`~tests.verify_util._signed`): a fresh random one made
+    the commitments, so the screen seed and the parts of A a screen covers, differ on every run (a wrong-data A
+    passed its screen as inconclusive whenever parts (2, 3) were drawn: 1 run in 6). ``parts``: the first nonces
+    (by a counter) whose round draws a screen of A over those parts; None: the first nonces."""
     ids = {n: _fixed_identity(f"screener-{n}") for n in names}
     plan = _plan(world, ids)
     packets = _packets(
@@ -48,17 +77,25 @@ def _case(world, contribution, H, names=("V", "W")):
     )
     everyone = {**{str(i.peer_id): i for i in world.ids.values()}, **{str(i.peer_id): i for i in ids.values()}}
     budget = {x.peer_id: x.token_budget for x in plan.assignments}
-    signed = {
-        p: {j: _signed(everyone[p], pk, j, *world.part_ranges[j]) for j, pk in parts.items()}
-        for p, parts in packets.items()
-    }
-    committed = {
-        p: {
-            j: Committed(min(pk.tokens, budget[p]), hashlib.sha256(signed[p][j]).digest()[:16])
-            for j, pk in parts.items()
+    for salt in range(64):
+        signed = {
+            p: {
+                j: _signed(everyone[p], pk, j, *world.part_ranges[j], nonce=_nonce(p, j, salt))
+                for j, pk in parts_of.items()
+            }
+            for p, parts_of in packets.items()
         }
-        for p, parts in packets.items()
-    }
+        committed = {
+            p: {
+                j: Committed(min(pk.tokens, budget[p]), hashlib.sha256(signed[p][j]).digest()[:16])
+                for j, pk in parts_of.items()
+            }
+            for p, parts_of in packets.items()
+        }
+        if parts is None or _drawn_parts(world, plan, committed) == tuple(parts):
+            break
+    else:
+        raise AssertionError(f"no nonces of 64 draw a screen of A over parts {parts}")
     return types.SimpleNamespace(ids=ids, plan=plan, packets=packets, signed=signed, committed=committed)
 
 
@@ -100,7 +137,7 @@ def _signed_of(case):
 
 
 def test_in_accountable_mode_a_wrong_data_newcomer_fails_its_screen_and_is_excluded_by_every_screener(world):
-    case = _case(world, world.wrong_data, 10)
+    case = _case(world, world.wrong_data, 10, parts=POWERED)
     a, b, c = world.pid["A"], world.pid["B"], world.pid["C"]
     v_id, w_id = str(case.ids["V"].peer_id), str(case.ids["W"].peer_id)
     dht = FakeDHT()
@@ -112,7 +149,7 @@ def test_in_accountable_mode_a_wrong_data_newcomer_fails_its_screen_and_is_exclu
         assert len(v_fetched) == 4 * CHECK_PARTS and {p for p, _ in v_fetched} == {a, b, c, w_id}
         assert {p for p, _ in w_fetched} == {a, b, c, v_id}
         # both screeners draw the same parts of A (the task is a function of the round's commitments and A alone)
-        assert sorted(j for p, j in v_fetched if p == a) == sorted(j for p, j in w_fetched if p == a)
+        assert sorted(j for p, j in v_fetched if p == a) == sorted(j for p, j in w_fetched if p == a) == [*POWERED]
         assert v.queue_screens(ROUND, signed_of=_signed_of(case)) == 4
         assert v.queue.wait_idle(240)
         [ev] = asyncio.run(v.tend(ROUND))
@@ -143,7 +180,7 @@ def test_in_accountable_mode_a_wrong_data_newcomer_fails_its_screen_and_is_exclu
 
 def test_in_accountable_mode_a_non_screener_re_checks_with_the_contributions_the_evidence_carries(world):
     cfg = dataclasses.replace(CFG, screeners=1)
-    case = _case(world, world.wrong_data, 10)
+    case = _case(world, world.wrong_data, 10, parts=POWERED)
     a = world.pid["A"]
     seed = commitment_seed(RUN, case.plan, case.committed)
     [screener] = VT.screeners_of(seed, a, [x.peer_id for x in case.plan.assignments], 1)
@@ -181,6 +218,29 @@ def test_in_accountable_mode_an_honest_newcomer_passes_its_screen(world):
         stats, verdict = v.screen_results[(ROUND, world.pid["A"])]
         assert verdict.outcome == VC.PASS and stats.gain is not None and stats.gain.t >= CFG.gain_t_min, verdict
         assert not v.excluded and not v.lone
+    finally:
+        v.close()
+
+
+def test_in_accountable_mode_a_screen_without_power_on_the_parts_it_draws_passes_as_inconclusive(world):
+    # The parts a screen covers are drawn from the round's commitments. On parts (2, 3) the screener's own
+    # contribution reaches t 2.3 only, within gain_t_gap of a wrong-data A's t: the test has no power there, so the
+    # low t says nothing and the screen passes (the newcomer's next screened round decides): no evidence, nobody
+    # excluded. (The first merge's test drew these parts 1 run in 6 and found no evidence.)
+    case = _case(world, world.wrong_data, 10, parts=UNPOWERED)
+    a = world.pid["A"]
+    dht = FakeDHT()
+    v, fetched = _accountable_verifier(world, case, "V")
+    v.dht = dht
+    try:
+        assert sorted(j for p, j in fetched if p == a) == [*UNPOWERED]
+        assert v.queue_screens(ROUND, signed_of=_signed_of(case)) == 4
+        assert v.queue.wait_idle(240)
+        assert asyncio.run(v.tend(ROUND)) == []
+        stats, verdict = v.screen_results[(ROUND, a)]
+        assert verdict.outcome == VC.PASS and "inconclusive" in verdict.reason and "no power" in verdict.reason
+        assert stats.gain is not None and stats.gain.t < CFG.gain_t_min  # a low t, but without power: no verdict
+        assert not v.excluded and not v.lone and EV.screen_evidence_key(RUN, ROUND, a) not in dht.data
     finally:
         v.close()
 
