@@ -15,7 +15,7 @@ import types
 import torch
 
 from geomesh_p2p.exchange import codec as compression
-from geomesh_p2p.net.identity import Identity
+from geomesh_p2p.net.identity import Identity, canonical_header
 from geomesh_p2p.plan.schema import PeerAssignment, RoundPlan
 from geomesh_p2p.trust import verify as V
 from geomesh_p2p.trust import verify_task as VT
@@ -30,7 +30,13 @@ class World:
     """The round under test: start weights, identities, every candidate contribution (fp32 deltas)."""
 
 
-def _signed(ident: Identity, packet, part: int, start: int, end: int, round: int = ROUND) -> bytes:
+def _signed(
+    ident: Identity, packet, part: int, start: int, end: int, round: int = ROUND, nonce: bytes | None = None
+) -> bytes:
+    """``ident``'s signed contribution of ``packet`` to ``part`` (SignedMessage bytes). An envelope carries the
+    signing time and a fresh random nonce, so its bytes (and their SHA-256: an accountable round's commitments and
+    screen seed) differ on every call; with ``nonce`` the envelope is re-signed with that nonce at a fixed time
+    (``created_at`` of :func:`_plan`): the same bytes every run."""
     c = collective_pb2.PartContribution(
         round=round,
         part=part,
@@ -41,9 +47,11 @@ def _signed(ident: Identity, packet, part: int, start: int, end: int, round: int
         encoding="sign",
         packet=packet.to_bytes(),
     )
-    return ident.sign_message(
-        run_id=RUN, round=round, kind=CONTRIBUTION_KIND, payload=c.SerializeToString()
-    ).SerializeToString()
+    msg = ident.sign_message(run_id=RUN, round=round, kind=CONTRIBUTION_KIND, payload=c.SerializeToString())
+    if nonce is not None:
+        msg.envelope.nonce, msg.envelope.timestamp = nonce, 1e9
+        msg.envelope.signature = ident.sign(canonical_header(msg.envelope))  # Ed25519: deterministic
+    return msg.SerializeToString()
 
 
 def _fixed_identity(name: str) -> Identity:

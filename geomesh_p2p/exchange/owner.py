@@ -716,8 +716,8 @@ class OwnerService:
                 if req.omit_caller and sender == caller:
                     page.append(b"")  # the validator holds its own signed push (1/N of the inputs not sent)
                     continue
-                if page and size + len(signed) > _INPUTS_PAGE_BYTES:
-                    break
+                if page and (size + len(signed) > _INPUTS_PAGE_BYTES or (req.count and len(page) >= req.count)):
+                    break  # a page, or the ``count`` asked for (verified work fetches one contribution)
                 page.append(bytes(signed))
                 size += len(signed)
             _charge_inputs(state, caller, int(req.part), False, size, sum(len(c) for c in part.inputs))

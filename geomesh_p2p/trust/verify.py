@@ -90,9 +90,11 @@ so only a persistent one, after many rounds). Not caught: a peer that trains a f
 batches honestly and fakes the rest (at most in proportion to what it skips, "first ... only" above),
 scaling within the bound (the aggregation's clip is the defence there), anything in a round where
 nobody checks it, a contribution that claims fewer than ``min_steps`` steps (never drawn: the thresholds
-are not measured there), and everything in reencode mode (only relay mode shows every peer the signed
-contributions). A late verdict can be re-checked only by peers that still keep its round
-(``recheck_rounds`` = 12, 3 before session 16, when at small H it usually stayed a verdict held alone).
+are not measured there), and everything in reencode mode (nobody but the owner sees a contribution). In
+accountable mode the draws read the part results' commitments and a check fetches the accused's contributions to
+at most 2 of its parts, checked against them (:mod:`.verify_commit`, session 19). A late verdict can be
+re-checked only by peers that still keep its round (``recheck_rounds`` = 12, 3 before session 16, when at small
+H it usually stayed a verdict held alone).
 
 Who checks whom. Verifier ``v`` signs ``(run, round, start digest)`` with its Ed25519 key; the SHA-256
 of that signature decides whether it checks this round, whom, which steps and elements. Nobody
@@ -152,7 +154,9 @@ from geomesh_p2p.trust.evidence import (
     EvidenceReader,
     signed_contribution,
 )
+from geomesh_p2p.trust.verify_commit import Committed, materialize, narrow, overlay
 from geomesh_p2p.trust.verify_fetch import EvidenceExchange
+from geomesh_p2p.trust.verify_held import HeldContributions
 from geomesh_p2p.trust.verify_queue import CheckJob, CheckQueue, Pacer
 from geomesh_p2p.trust.verify_screen import Kept, Measured, Prepared, Screening, pack_packets, unpack_packets
 from geomesh_p2p.trust.verify_check import (
@@ -192,7 +196,7 @@ class CheckOptions(TypedDict, total=False):
     signed_of: Optional[Callable[[int, str], Optional[bytes]]]
 
 
-class WorkVerifier(Verdicts, Screening, EvidenceExchange):
+class WorkVerifier(Verdicts, Screening, EvidenceExchange, HeldContributions):
     """One per node: keeps the last rounds' start weights and contributions, runs this node's checks,
     publishes and re-checks evidence, and keeps the set of excluded peers (:meth:`filter`).
 
@@ -289,12 +293,16 @@ class WorkVerifier(Verdicts, Screening, EvidenceExchange):
         plan,
         part_ranges: Sequence[tuple[int, int]],
         packets: Mapping[str, Mapping[int, Any]],
+        committed: Optional[Mapping[str, Mapping[int, Committed]]] = None,
     ) -> None:
         """Remember ``round``'s start weights, plan and received contributions (blocking: call it off the
-        event loop). ``theta`` (fp32 CPU ``[P]``) is written to a file of the verifier's private directory
-        (``4P`` bytes; the caller may change ``theta`` once this returns) and read back, bitwise, when a
-        check or re-check needs it; the oldest rounds past ``cfg.keep_rounds`` are dropped, files included,
-        unless a check or re-check in the background queue still needs them (:meth:`queue_check`).
+        event loop). Accountable mode: ``committed`` (sender -> part -> :class:`~.verify_commit.Committed`, every
+        applied part result's inputs) stands in for the contributions not held here; ``packets`` are this peer's
+        own (a check's basis) and those fetched later (:meth:`hold`). ``theta`` (fp32 CPU ``[P]``) is written to
+        a file of the verifier's private directory (``4P`` bytes; the caller may change ``theta`` once this
+        returns) and read back, bitwise, when a check or re-check needs it; the oldest rounds past
+        ``cfg.keep_rounds`` are dropped, files included, unless a check or re-check in the background queue still
+        needs them (:meth:`queue_check`).
 
         Raises:
             ValueError: ``theta`` is not fp32 on the CPU.
@@ -304,8 +312,10 @@ class WorkVerifier(Verdicts, Screening, EvidenceExchange):
         self._set_burst(plan)
         self._weights.put(r, theta)
         got = {p: dict(v) for p, v in packets.items()}
-        screened = screen_candidates(self.cfg, plan, got) if plan is not None and got else []
-        self._kept[r] = Kept(plan, [(s, e) for s, e in part_ranges], got, screened)
+        com = None if committed is None else {p: dict(v) for p, v in committed.items()}
+        seen = got if com is None else overlay(com, got)
+        screened = screen_candidates(self.cfg, plan, seen) if plan is not None and seen else []
+        self._kept[r] = Kept(plan, [(s, e) for s, e in part_ranges], got, screened, committed=com)
         self._kept.move_to_end(r)
         # Rounds stay re-checkable for recheck_rounds (a late verdict must find its round at the others: issue
         # 28), and longer while a queued job needs them; past keep_rounds their contributions leave memory for a
@@ -340,10 +350,10 @@ class WorkVerifier(Verdicts, Screening, EvidenceExchange):
         """Round ``round``'s contributions, sender -> part -> packet: in memory for the newest ``keep_rounds``,
         else read back from their file (blocking; {} when it is gone)."""
         got = kept.packets
-        if got is not None:
-            return got
-        blob = self._weights.get_blob(round)
-        return unpack_packets(blob) if blob else {}
+        if got is None:
+            blob = self._weights.get_blob(round)
+            got = unpack_packets(blob) if blob else {}
+        return got if kept.committed is None else overlay(kept.committed, got)
 
     def kept_theta(self, round: int) -> Optional[torch.Tensor]:
         """Round ``round``'s kept start weights, fp32 CPU ``[P]`` mapped read-only from their file (writes
@@ -430,7 +440,7 @@ class WorkVerifier(Verdicts, Screening, EvidenceExchange):
         if kept is None:
             return None
         sel = self.selection(round, kept.plan.start_digest)
-        return derive_task(
+        task = derive_task(
             self.cfg,
             plan=kept.plan,
             verifier=self.me,
@@ -438,6 +448,7 @@ class WorkVerifier(Verdicts, Screening, EvidenceExchange):
             packets=self._packets(round, kept),
             part_ranges=kept.part_ranges,
         )
+        return narrow(task) if kept.committed is not None else task  # accountable: a bounded fetch
 
     def _prepare(
         self, round: int, signed_of: Optional[Callable[[int, str], Optional[bytes]]] = None
@@ -449,6 +460,13 @@ class WorkVerifier(Verdicts, Screening, EvidenceExchange):
         task = self.own_task(round)
         if kept is None or task is None:
             return None
+        if kept.committed is not None:
+            mine = self._packets(round, kept).get(task.accused, {})
+            if any(isinstance(mine.get(j), Committed) for j in task.parts):
+                log.info(
+                    "round %d: verified work of %s not run: its contribution is not held here", round, task.accused[:10]
+                )
+                return None
         signed = {}
         for j in task.parts:
             b = signed_of(j, task.accused) if signed_of is not None else None
@@ -681,6 +699,7 @@ class WorkVerifier(Verdicts, Screening, EvidenceExchange):
         kept = self._kept.get(ev.round)
         if kept is None or kept.plan.start_digest != ev.start_digest:
             return "unverifiable"
+        materialize(kept, ev.accused, ev.contributions, self.run_id, ev.round)  # accountable: the evidence's copies
         packets = self._packets(ev.round, kept)
         task = derive_task(
             self.cfg,
@@ -690,6 +709,8 @@ class WorkVerifier(Verdicts, Screening, EvidenceExchange):
             packets=packets,
             part_ranges=kept.part_ranges,
         )
+        if kept.committed is not None:
+            task = narrow(task)
         if task != ev.task:
             log.info(
                 "round %d: verified work: evidence of %s against %s is not the check its selection draws; ignored",
@@ -699,7 +720,10 @@ class WorkVerifier(Verdicts, Screening, EvidenceExchange):
             )
             return "invalid"
         mine = packets.get(ev.accused, {})
-        if any(j not in mine or packet_digest(mine[j]) != h for j, h in ev.packets.items()):
+        if any(
+            j not in mine or isinstance(mine[j], Committed) or packet_digest(mine[j]) != h
+            for j, h in ev.packets.items()
+        ):
             return "unverifiable"
         theta = self.kept_theta(ev.round)
         if theta is None:

@@ -46,6 +46,7 @@ class EvidenceExchange:
     _pending_round: dict
     _pending_ev: dict
     _log_once: Any
+    hold_evidence_contributions: Any
 
     async def publish(self, ev: Evidence) -> bool:
         """Store ``ev`` (chunked when over one DHT value) and the accused's signed contributions it carries
@@ -138,6 +139,7 @@ class EvidenceExchange:
             if (opened.task.kind == SCREEN) != (key != evidence_key(self.run_id, r)):
                 self._seen.add(h)  # a screen's evidence under a check's key, or the reverse: not where it goes
                 continue
+            await self.hold_evidence_contributions(opened)  # accountable mode: the accused's, checked (verify_held)
             self._pending[h] = data
             self._pending_round[h] = r
             self._pending_ev[h] = opened

@@ -52,6 +52,7 @@ from geomesh_p2p.trust.verify_check import (
     packet_digest,
     screen_contribution,
 )
+from geomesh_p2p.trust.verify_commit import Committed, commitment_seed, materialize, narrow
 from geomesh_p2p.trust.verify_queue import CheckJob, Pacer
 from geomesh_p2p.trust.verify_task import VerifyTask, derive_screen, sampled_candidates, screen_seed
 
@@ -76,6 +77,9 @@ class Kept:
     screened: list[str] = field(default_factory=list)
     seed: Optional[bytes] = None
     controls: dict = field(default_factory=dict)
+    #: accountable mode: sender -> part -> Committed (every part result's inputs; ``packets`` then holds only this
+    #: peer's own and fetched contributions: :mod:`.verify_commit`); None in relay mode
+    committed: Optional[dict] = None
 
 
 @dataclass
@@ -164,8 +168,13 @@ class Screening:
         self._screen_jobs: set[tuple[int, str]] = set()  # own screens queued or running
 
     def _seed_of(self, round: int, kept: Kept, packets: Mapping[str, Mapping[int, Any]]) -> bytes:
-        if kept.seed is None:
-            kept.seed = screen_seed(self.run_id, kept.plan, packets)
+        if kept.seed is None:  # accountable mode: from the committed input hashes every participant holds
+            c = kept.committed
+            kept.seed = (
+                screen_seed(self.run_id, kept.plan, packets)
+                if c is None
+                else commitment_seed(self.run_id, kept.plan, c)
+            )
         return kept.seed
 
     def queue_screens(
@@ -202,10 +211,16 @@ class Screening:
                 part_ranges=kept.part_ranges,
             )
             if t is not None:
-                tasks.append(t)
+                tasks.append(narrow(t) if kept.committed is not None else t)
         sel = self.selection(round, kept.plan.start_digest)
         tasks.sort(key=lambda t: hashlib.sha256(sel + t.accused.encode()).digest())
+        n = 0
         for task in tasks:
+            if any(isinstance(packets.get(task.accused, {}).get(j), Committed) for j in task.parts):
+                log.info(  # accountable mode: its contribution was not fetched (refused, withheld): nothing to run
+                    "round %d: screening of %s not run: its contribution is not held here", round, task.accused[:10]
+                )
+                continue
             signed = {}
             for j in task.parts:
                 b = signed_of(j, task.accused) if signed_of is not None else None
@@ -215,7 +230,8 @@ class Screening:
             key = (int(round), task.accused)
             self._screen_jobs.add(key)
             self.queue.submit(CheckJob(int(round), "screen", self._screen_job(prep), key=key, due=due))
-        return len(tasks)
+            n += 1
+        return n
 
     def _screen_job(self, prep: Prepared) -> Callable[[Pacer], Optional[Measured]]:
         """The background job of screen ``prep`` (:meth:`_measure_screen`, paced)."""
@@ -307,6 +323,7 @@ class Screening:
         kept = self._kept.get(ev.round)
         if kept is None or kept.plan.start_digest != ev.start_digest:
             return "unverifiable"
+        materialize(kept, ev.accused, ev.contributions, self.run_id, ev.round)  # accountable: the evidence's copies
         packets = self._packets(ev.round, kept)
         task = derive_screen(
             self.cfg,
@@ -317,6 +334,8 @@ class Screening:
             packets=packets,
             part_ranges=kept.part_ranges,
         )
+        if kept.committed is not None:
+            task = narrow(task)
         if task != ev.task:
             log.info(
                 "round %d: screening evidence of %s against %s is not a screen the round draws; ignored",
@@ -326,7 +345,10 @@ class Screening:
             )
             return "invalid"
         mine = packets.get(ev.accused, {})
-        if any(j not in mine or packet_digest(mine[j]) != h for j, h in ev.packets.items()):
+        if any(
+            j not in mine or isinstance(mine[j], Committed) or packet_digest(mine[j]) != h
+            for j, h in ev.packets.items()
+        ):
             return "unverifiable"
         theta = self._weights.get(ev.round)
         if theta is None:

@@ -17,6 +17,7 @@ from typing import Any, Mapping, Optional, Sequence
 import torch
 
 from geomesh_p2p.exchange import codec as compression
+from geomesh_p2p.trust.verify_commit import Committed
 
 __all__ = [
     "VerifyConfig",
@@ -309,7 +310,12 @@ def _eligible(
     L = int(plan.seq_len)
     out = []
     for a in plan.assignments:
-        got = {j: p for j, p in (packets.get(a.peer_id) or {}).items() if isinstance(p, compression.SignPacket)}
+        # a Committed stand-in (accountable mode: known by its result's commitment, verify_commit) draws alike
+        got = {
+            j: p
+            for j, p in (packets.get(a.peer_id) or {}).items()
+            if isinstance(p, (compression.SignPacket, Committed))
+        }
         if not got or a.inner_steps < cfg.min_steps:
             continue
         tokens = min(max(p.tokens for p in got.values()), a.token_budget)

@@ -121,20 +121,22 @@ class PartResult(_message.Message):
     def __init__(self, round: _Optional[int] = ..., part: _Optional[int] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., spec_id: _Optional[bytes] = ..., mode: _Optional[str] = ..., contributors: _Optional[_Iterable[bytes]] = ..., tokens: _Optional[_Iterable[int]] = ..., contributions: _Optional[_Iterable[_Union[Contribution, _Mapping]]] = ..., aggregate: _Optional[bytes] = ..., aggregate_encoding: _Optional[str] = ..., closed_by: _Optional[str] = ..., last_compute_end: _Optional[float] = ..., inputs: _Optional[bytes] = ..., witness_receipt: _Optional[bytes] = ...) -> None: ...
 
 class PullInputsRequest(_message.Message):
-    __slots__ = ("round", "part", "spec_id", "first", "from_sender", "omit_caller")
+    __slots__ = ("round", "part", "spec_id", "first", "from_sender", "omit_caller", "count")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     PART_FIELD_NUMBER: _ClassVar[int]
     SPEC_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_FIELD_NUMBER: _ClassVar[int]
     FROM_SENDER_FIELD_NUMBER: _ClassVar[int]
     OMIT_CALLER_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
     round: int
     part: int
     spec_id: bytes
     first: int
     from_sender: bool
     omit_caller: bool
-    def __init__(self, round: _Optional[int] = ..., part: _Optional[int] = ..., spec_id: _Optional[bytes] = ..., first: _Optional[int] = ..., from_sender: _Optional[bool] = ..., omit_caller: _Optional[bool] = ...) -> None: ...
+    count: int
+    def __init__(self, round: _Optional[int] = ..., part: _Optional[int] = ..., spec_id: _Optional[bytes] = ..., first: _Optional[int] = ..., from_sender: _Optional[bool] = ..., omit_caller: _Optional[bool] = ..., count: _Optional[int] = ...) -> None: ...
 
 class PullInputsResponse(_message.Message):
     __slots__ = ("round", "part", "contributions", "total")

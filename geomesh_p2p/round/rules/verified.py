@@ -9,10 +9,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import types
 from typing import Any, Callable, Optional
 
 import torch
 
+from geomesh_p2p.round.rules import verified_accountable
 from geomesh_p2p.round.rules.state import RoundState
 from geomesh_p2p.trust import agreement, verify
 
@@ -72,6 +74,9 @@ class VerifiedWork:
         self.support: Optional[tuple[int, dict[str, float], dict[str, int]]] = None
         # the verdicts while no verifier is built (a --resume's, in force from the first plan); handed over
         self._book = verify.Verdicts(state.me or "")
+        #: accountable mode: contributions to check fetched so far (wanted, fetched, refused, bytes received)
+        self.fetch_counts: dict[str, int] = {}
+        self._fetches: set[asyncio.Future] = set()  # accountable mode's fetch tasks in flight (kept referenced)
 
     def verdicts(self) -> verify.Verdicts:
         """The verdicts in force: the verifier's, or those held until it is built."""
@@ -102,7 +107,11 @@ class VerifiedWork:
         them): written to the verifier's file in a worker thread, with no copy on the heap
         (:meth:`~geomesh_p2p.trust.verify.WorkVerifier.keep_round`), and queues this peer's check of the round
         in the verifier's background worker; then tends the checks (:meth:`verify_round`). Nothing in
-        reencode mode (no contributions). Never raises."""
+        reencode mode (no contributions); in accountable mode from the results' commitments
+        (:mod:`.verified_accountable`). Never raises."""
+        if getattr(plan, "mode", None) == "accountable":
+            await self._accountable(r, plan, assignment, ar)
+            return
         if not getattr(ar, "contributions", None):
             return  # reencode mode (or nothing received): no contributions to check
         try:
@@ -115,6 +124,27 @@ class VerifiedWork:
         except Exception as e:  # the round goes on; the evidence of the others is still read and re-checked
             log.warning("round %d: verified work: this round's check could not be queued: %s", r, e)
         self.verify_round(r, plan, assignment, ar)
+
+    async def _accountable(self, r, plan, assignment, ar) -> None:
+        """Accountable mode: keep round ``r`` with its committed inputs now, then fetch, check and queue what this
+        peer's check and screens need in a task of its own (:mod:`.verified_accountable`). Never raises."""
+        try:
+            if not await verified_accountable.keep(self, r, plan, ar):
+                return
+        except Exception as e:  # a full disk, say: this round goes unchecked, the round itself goes on
+            log.warning("round %d: verified work skipped: the round could not be kept: %s", r, e)
+            return
+        # not the round's result itself: its aggregate ([P] fp32) must not live as long as the fetches (issue 27)
+        light = types.SimpleNamespace(contributions={}, aggregate=None, part_ranges=list(ar.part_ranges))
+        task = asyncio.ensure_future(verified_accountable.fetch_and_queue(self, r, plan, assignment, light))
+        self._fetches.add(task)
+
+        def done(t: asyncio.Future) -> None:
+            self._fetches.discard(t)
+            if not t.cancelled() and t.exception() is not None:
+                log.warning("round %d: verified work: fetching contributions failed: %s", r, t.exception())
+
+        task.add_done_callback(done)
 
     def _keep(self, r: int, plan, ar) -> None:
         """Blocking: build the verifier on first use (its private copy of the model, a whole-model deepcopy)
@@ -158,6 +188,8 @@ class VerifiedWork:
         if self.verifier is None:
             return None
         out = self.verifier.counts()
+        if self.fetch_counts:
+            out["fetch"] = dict(self.fetch_counts)
         if self.agreement is not None:
             r, test = self.agreement
             out["agreement"] = {"round": r, **test.as_dict()}
@@ -175,7 +207,7 @@ class VerifiedWork:
         the results wait in the queue). Never raises: a failure here must not cost the round."""
         try:
             wv = self.verifier
-            if not ar.contributions or wv is None:
+            if wv is None or (not ar.contributions and getattr(plan, "mode", None) != "accountable"):
                 return
             running = self.task
             if running is not None and not running.done():
@@ -198,7 +230,7 @@ class VerifiedWork:
         the round's aggregate ([P]) is not held while the evidence is read (issue 27: into the next round)."""
         aggregate = getattr(ar, "aggregate", None)
         found = support = None
-        if aggregate is not None and ar.part_ranges:
+        if aggregate is not None and ar.part_ranges and ar.contributions:
             found = await asyncio.to_thread(agreement.sign_agreements, ar.contributions, aggregate, ar.part_ranges)
             support = await asyncio.to_thread(agreement.supports, ar.contributions, ar.part_ranges)
         steps = _claimed_steps(ar.contributions, plan)

@@ -1,0 +1,98 @@
+"""Verified work in accountable mode, the verifier's side (:class:`HeldContributions`, a part of
+:class:`~geomesh_p2p.trust.verify.WorkVerifier`): which of the accused's contributions this peer's check and screens
+of an accountable round need (to fetch), and holding them once fetched and checked against their commitments.
+The stand-ins, the screen seed and the bounded task: :mod:`.verify_commit`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import OrderedDict
+from typing import Any, Callable, Mapping, Optional
+
+from geomesh_p2p.trust.evidence import Evidence, fetch_contributions
+from geomesh_p2p.trust.verify_commit import Committed, materialize, narrow
+from geomesh_p2p.trust.verify_task import derive_screen
+
+__all__ = ["HeldContributions"]
+
+log = logging.getLogger("geomesh_p2p.trust.verify")
+
+
+class HeldContributions:
+    """Uses the verifier's ``cfg``, ``me``, ``run_id``, ``dht``, ``_kept``, ``_packets``, ``_seed_of`` and
+    ``own_task``."""
+
+    cfg: Any
+    me: str
+    run_id: str
+    dht: Any
+    _kept: "OrderedDict[int, Any]"
+    _packets: Callable[[int, Any], dict]
+    _seed_of: Callable[..., bytes]
+    own_task: Callable[[int], Optional[Any]]
+
+    def accountable_wants(self, round: int) -> dict[str, tuple[int, ...]]:
+        """Accountable mode: accused -> the parts of its contribution this peer's check and screens of kept round
+        ``round`` need and does not hold (to fetch and :meth:`hold` before :meth:`queue_screens` /
+        :meth:`queue_check`); {} in relay mode. Blocking (draws the tasks): off the event loop."""
+        kept = self._kept.get(int(round))
+        if kept is None or kept.committed is None:
+            return {}
+        packets = self._packets(round, kept)
+        seed = self._seed_of(round, kept, packets)
+        tasks = [self.own_task(round)] + [
+            narrow(
+                derive_screen(
+                    self.cfg,
+                    plan=kept.plan,
+                    verifier=self.me,
+                    accused=a,
+                    seed=seed,
+                    packets=packets,
+                    part_ranges=kept.part_ranges,
+                )
+            )
+            for a in kept.screened
+        ]
+        out: dict[str, set[int]] = {}
+        for t in tasks:
+            if t is not None:
+                out.setdefault(t.accused, set()).update(
+                    j for j in t.parts if isinstance(packets.get(t.accused, {}).get(j), Committed)
+                )
+        return {a: tuple(sorted(js)) for a, js in out.items() if js}
+
+    def hold(self, round: int, accused: str, packets: Mapping[int, Any]) -> bool:
+        """Accountable mode: keep ``accused``'s contributions to kept round ``round`` fetched and checked against
+        their commitments (:func:`~.verify_commit.verified_packet`: part -> SignPacket). False when the round is not
+        kept any more or its contributions left memory (the check of it is then not run)."""
+        kept = self._kept.get(int(round))
+        if kept is None or kept.packets is None or kept.committed is None:
+            return False
+        kept.packets.setdefault(accused, {}).update({int(j): p for j, p in packets.items()})
+        return True
+
+    async def hold_evidence_contributions(self, ev: Evidence) -> dict[int, str]:
+        """Accountable mode: the accused's signed contributions that evidence ``ev`` published beside it
+        (:func:`~.evidence.fetch_contributions`), each held here once it matches this peer's commitment
+        (:func:`~.verify_commit.materialize`, in a worker thread), so that the evidence can be re-checked by a
+        participant that did not fetch them itself. Returns part -> why refused ({} for a relay round)."""
+        kept = self._kept.get(int(ev.round))
+        if kept is None or getattr(kept, "committed", None) is None or self.dht is None:
+            return {}
+        mine = self._packets(int(ev.round), kept).get(ev.accused, {})
+        if not any(isinstance(mine.get(j), Committed) for j in ev.packets):
+            return {}  # held already (fetched for this peer's own screen of the same newcomer)
+        got = await fetch_contributions(self.dht, ev)
+        refused = await asyncio.to_thread(materialize, kept, ev.accused, got, self.run_id, int(ev.round))
+        for j, why in refused.items():
+            log.info(
+                "round %d: evidence against %s: its contribution to part %d refused: %s",
+                ev.round,
+                ev.accused[:10],
+                j,
+                why,
+            )
+        return refused
