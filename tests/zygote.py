@@ -262,7 +262,8 @@ class Zygote:
         line = self.proc.stdout.readline().decode() if ready else ""
         hello = json.loads(line) if line else {"socket": "", "threads": ["(did not start)"]}
         self.socket: str = hello["socket"]
-        self.usable = not hello["threads"]  # else every process starts cold (spawn returns None)
+        self.threads: list = hello["threads"]
+        self.usable = not self.threads  # else every process starts cold (spawn returns None)
         if not line:
             self.stop()
 
@@ -293,6 +294,8 @@ class Zygote:
         word, rest = line.decode().split(" ", 1)
         if word != "pid":
             conn.close()
+            global last_refusal
+            last_refusal = f"the zygote refused: {line.decode().strip()}"
             return None
         return ZygoteChild(argv, int(rest), conn)
 
@@ -300,19 +303,31 @@ class Zygote:
 _zygote: Optional[Zygote] = None
 
 
+#: Why the last :func:`spawn` or :func:`spawn_piped` started nothing ("" after one that forked): for test messages.
+last_refusal = ""
+
+
 def _zygote_for(argv: Sequence[str]) -> Optional[Zygote]:
     """This worker's zygote (started on first use) when it may fork ``argv``: ``[sys.executable, "-m", ...]``
-    under this process's environment, the zygote on and usable; else None."""
-    global _zygote
+    under this process's environment, the zygote on and usable; else None (the reason in :data:`last_refusal`)."""
+    global _zygote, last_refusal
     if not ENABLED or len(argv) < 3 or argv[0] != sys.executable or argv[1] != "-m":
+        last_refusal = "off, or not a python -m command line"
         return None
     if any(k == "LD_PRELOAD" or k.startswith("FAKETIME") for k in os.environ):
+        last_refusal = "env: LD_PRELOAD/FAKETIME set"
         return None  # libfaketime & co. act from the process's start: never forked, nor a zygote started under them
     if _zygote is None:
         _zygote = Zygote()
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    if not _zygote.usable or _same_env(env) != _same_env(_zygote.env):
+    if not _zygote.usable:
+        last_refusal = f"unusable: threads after its imports {_zygote.threads}"
         return None
+    if _same_env(env) != _same_env(_zygote.env):
+        diff = sorted(k for k in set(env) | set(_zygote.env) if env.get(k) != _zygote.env.get(k))
+        last_refusal = f"env: differs from the zygote's in {diff[:5]}"
+        return None
+    last_refusal = ""
     return _zygote
 
 

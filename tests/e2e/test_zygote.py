@@ -37,7 +37,11 @@ def _cold(args, tmp_path: Path, name: str) -> subprocess.Popen:
 
 def _forked(args, tmp_path: Path, name: str):
     child = zygote.spawn(PROBE + args, tmp_path / name, append=False, cwd=ROOT)
-    assert child is not None, "the zygote did not fork (off, or a thread ran in it)"
+    if child is None and zygote.last_refusal.startswith("env:"):
+        # an earlier test of this worker started the zygote under a changed environment: this worker's processes
+        # start cold, which is correct; what this test compares cannot be seen here
+        pytest.skip(f"the zygote cannot fork in this worker: {zygote.last_refusal}")
+    assert child is not None, f"the zygote did not fork: {zygote.last_refusal}"
     return child
 
 
