@@ -324,7 +324,8 @@ def _zygote_for(argv: Sequence[str]) -> Optional[Zygote]:
         last_refusal = f"unusable: threads after its imports {_zygote.threads}"
         return None
     if _same_env(env) != _same_env(_zygote.env):
-        diff = sorted(k for k in set(env) | set(_zygote.env) if env.get(k) != _zygote.env.get(k))
+        mine, its = _same_env(env), _same_env(_zygote.env)
+        diff = sorted(k for k in set(mine) | set(its) if mine.get(k) != its.get(k))
         last_refusal = f"env: differs from the zygote's in {diff[:5]}"
         return None
     last_refusal = ""

@@ -349,7 +349,7 @@ def swarm(tmp_path_factory):
 
 
 @pytest.fixture
-def browser(tmp_path):
+def browser(tmp_path, monkeypatch):
     chromium, driver_path = _browser_paths()
     if not chromium or not driver_path:
         pytest.skip(
@@ -361,7 +361,9 @@ def browser(tmp_path):
         from selenium.webdriver.chrome.service import Service
     except ImportError:
         pytest.skip("selenium is not installed (pip install -e '.[test]')")
-    os.environ.setdefault("SE_OFFLINE", "true")  # never let Selenium Manager download anything
+    # never let Selenium Manager download anything; restored after the test: a variable left set made every later
+    # process of this pytest worker differ from its zygote's environment, so all of them started cold
+    monkeypatch.setenv("SE_OFFLINE", os.environ.get("SE_OFFLINE", "true"))
     opts = webdriver.ChromeOptions()
     opts.binary_location = chromium
     for a in (
