@@ -58,6 +58,9 @@ from geomesh_p2p.net.transport import Transport
 from geomesh_p2p.dht.state import Contact, DHTValue, LookupStats, is_peer_records_key
 from geomesh_p2p.dht.join import DHTJoin
 
+# The node's parts log under this name (operators filter on it).
+log = logging.getLogger("geomesh_p2p.dht.node")
+
 
 class _Merge:
     """Best record per slot seen during a get: signed beats unsigned, then the latest expiration."""
@@ -88,8 +91,24 @@ class _Targets:
         self.ids, self.contacts, self.uses = ids, contacts, 0
 
 
+class _ReadTargets(_Targets):
+    """A sampled read's cached holders (:meth:`DHTNode.get`), and how long a reused read waits for them: twice the
+    lookup that found them (at least :data:`MIN_READ_WAIT_S`, at most the RPC deadline). A reused read that waits
+    longer than the lookup it saves is worse than that lookup: a holder that answered the lookup first and then
+    answers just before the deadline would otherwise make each of the next reads wait for it (red team, session 22)."""
+
+    __slots__ = ("wait_s",)
+
+    def __init__(self, ids: List[Optional[DHTID]], contacts: Dict[DHTID, Contact], wait_s: float) -> None:
+        super().__init__(ids, contacts)
+        self.wait_s = wait_s
+
+
 #: Keys whose store targets a node remembers (least recently stored first out).
 MAX_CACHED_TARGETS = 64
+#: The least a reused read waits for its cached holders before it drops them and looks the key up (a lookup of a
+#: few milliseconds, on one host, would otherwise make one scheduling hiccup a lookup).
+MIN_READ_WAIT_S = 0.1
 
 
 class DHTNode(DHTJoin):
@@ -382,6 +401,7 @@ class DHTNode(DHTJoin):
         if reuse and quorum is not None and await self._read_cached(key_id, wanted, quorum, local, merge, stats):
             return merge.result(self.now())
         holders: Dict[DHTID, List[DHTID]] = {}
+        t0 = time.perf_counter()
         _, contacts = await self._traverse(
             [key_id],
             beam=self.k,
@@ -395,7 +415,8 @@ class DHTNode(DHTJoin):
             self.read_lookups += 1
             found = list(holders.get(key_id, ()))  # a copy: finds still in flight append to the lookup's list
             if quorum is not None and len(found) >= max(1, quorum - local):
-                t = _Targets(list(found), {nid: contacts[nid] for nid in found if nid in contacts})
+                wait_s = min(self.rpc_timeout_s, max(MIN_READ_WAIT_S, 2 * (time.perf_counter() - t0)))
+                t = _ReadTargets(list(found), {nid: contacts[nid] for nid in found if nid in contacts}, wait_s)
                 t.uses = 1  # the lookup's read counts, as a store's does
                 self._read_targets[key_id] = t
                 self._read_targets.move_to_end(key_id)
@@ -428,8 +449,23 @@ class DHTNode(DHTJoin):
         while need > answered and todo:
             batch, todo = todo[: need - answered], todo[need - answered :]
             stats.rpcs += len(batch)
-            replies = await asyncio.gather(*(self._find(t.contacts[nid], [key_id], subkeys=wanted) for nid in batch))
-            for reply in replies:
+            calls = [asyncio.ensure_future(self._find(t.contacts[nid], [key_id], subkeys=wanted)) for nid in batch]
+            try:
+                done, pending = await asyncio.wait(calls, timeout=getattr(t, "wait_s", self.rpc_timeout_s))
+            except BaseException:
+                for c in calls:
+                    c.cancel()
+                self._adopt_calls(set(calls))
+                raise
+            if pending:  # slower than the lookup it saves: not waited for (they finish, unread, in the background)
+                self._adopt_calls(set(pending))
+            for call in calls:
+                reply = None
+                if call in done:
+                    if call.exception() is not None:  # as a lookup's worker: a failed call, never a failed read
+                        log.error("find failed unexpectedly: %r", call.exception())
+                    else:
+                        reply = call.result()
                 records = reply.get(key_id, ([], {}))[0] if reply is not None else []
                 if not records:
                     good = False  # left, lags or lost the records: the next read looks the key up
