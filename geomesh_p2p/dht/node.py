@@ -359,11 +359,15 @@ class DHTNode(DHTJoin):
         A node holding none of them does not count towards the quorum.
 
         ``quorum``: this read's quorum instead of the node's ``read_quorum`` (at least 1), e.g. a light follower's
-        sampled read, which tolerates a stale record (it then takes the full path) and asks fewer holders. Such a
+        sampled read, which tolerates a stale record (it then takes the full path) and asks fewer holders; its quorum
+        counts remote holders only (this node's records still merge: one of them, which any node may store here, made
+        the first remote holder decide every other record asked). Such a
         read of a peer-records key (:func:`~geomesh_p2p.dht.state.is_peer_records_key`) asks the holders that
         answered the last lookup of the key, without a lookup, until ``read_target_reuse`` reads used them; a
         holder that fails or holds none of the records asked drops them and the read looks the key up (issue 25:
-        a lookup's hops before the holders, ~6 at N = 1,024, were most of a light follower's DHT calls).
+        a lookup's hops before the holders, ~6 at N = 1,024, were most of a light follower's DHT calls). A reused
+        read waits for its cached holders at most twice as long as the lookup that found them took
+        (:class:`_ReadTargets`), then drops them and looks the key up.
         """
         wanted = set(subkeys) if subkeys else None
         sampled = quorum is not None  # a read that tolerates a stale record: it may ask cached holders
@@ -383,7 +387,10 @@ class DHTNode(DHTJoin):
                 pass
         if merge.best and not latest:
             return merge.result(now)
-        answered = [1 if merge.best else 0]  # nodes that answered with records (this one's store included)
+        # nodes that answered with records (this one's store included, except in a sampled read: holding one of the
+        # records asked, e.g. one any node stored on it, made the first remote holder decide every other record alone;
+        # red team, session 22)
+        answered = [1 if merge.best and not sampled else 0]
         # a key stored on fewer nodes than the quorum (peer records on a small replica count) ends at all of them
         wanted_quorum = self.read_quorum if quorum is None else max(1, int(quorum))
         quorum = None if wanted_quorum is None else min(wanted_quorum, self.replicas_for(key))

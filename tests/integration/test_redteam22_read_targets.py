@@ -16,12 +16,14 @@ import pytest
 
 from geomesh_p2p.dht import DHTNode, PeerAnnouncer, live_peers, peers_key
 from geomesh_p2p.dht.records import key_id_of, node_id_of
+from geomesh_p2p.dht.state import Contact
 from geomesh_p2p.net.identity import Identity
 from geomesh_p2p.net.transport import Transport
 from geomesh_p2p.net.transport_config import TransportConfig
 from geomesh_p2p.dht.protocol import dht_pb2
 from tests.dht_helpers import RUN, stop_all, stop_node
 from tests.integration.test_dht_announce import node_record
+from tests.integration.test_dht_read_targets import _holds
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -233,3 +235,55 @@ async def test_an_unexpected_error_of_a_cached_find_is_a_failed_holder_not_a_fai
         assert sorted(r.peer_id for r in await live_peers(reader, RUN, only=wanted, quorum=2)) == wanted
     finally:
         await stop_all(nodes + [evil, reader])
+
+
+async def test_a_reader_holding_one_record_asked_is_not_a_holder_of_the_others():
+    """A sampled read counted the reader's own store as one of its quorum's holders once it held *any* record asked
+    (one of ``light_sample`` peers' records, or a stale one any node may store on it), so a quorum-2 read asked one
+    remote holder: the first to answer, or the first cached. One fast node near the key then decided every other
+    record of the sample alone: here it serves a participant's older, still valid record (its old address), and
+    the light follower reads that address where every full read and every honest holder has the new one (a plan
+    naming the old address passes its check). Pre-existing (the lookup stopped at the same first answer), and the
+    cache keeps that one holder for 7 more reads. Fixed: a sampled read's quorum counts remote holders only (the
+    local records still merge)."""
+    key = peers_key(RUN)
+    nodes: List[HookedNode] = [await start_hooked()]
+    for i in range(15):
+        nodes.append(await start_hooked([nodes[i // 2].address]))
+    evil = await start_hooked([nodes[0].address], identity=nearest_identity(key))
+    try:
+        for n in nodes:
+            n.find_hook = None
+            n.find_delay_s = 0.05
+        writers = nodes[:4]
+        for w in writers:
+            assert await PeerAnnouncer(w, node_record(w), period_s=30, ttl_s=60.0).announce_once()
+        reader = next(n for n in nodes[4:] if not _holds(n, key, writers[0].peer_id.to_string()))
+        p, q = writers[0], writers[1]
+        # the attacker stores p's current record (valid: any node may store it) on the reader, which held none
+        p_rec = next(r for r in evil._local_records(key_id_of(key)) if r.subkey == p.peer_id.to_string())
+        assert await evil._send_records(Contact(reader.peer_id, reader.address), [p_rec])
+        assert _holds(reader, key, p.peer_id.to_string())
+        qs = q.peer_id.to_string()
+        old = next(r for r in evil._local_records(key_id_of(key)) if r.HasField("subkey") and r.subkey == qs)
+        moved = "127.0.0.1:9"
+        assert await PeerAnnouncer(q, node_record(q, address=moved), period_s=30, ttl_s=90.0).announce_once()
+
+        async def stale_q(node, verified, context) -> bytes:
+            resp = dht_pb2.FindResponse.FromString(await DHTNode._rpc_find(node, verified, context))
+            for result in resp.results:
+                for rec in result.records:
+                    if rec.HasField("subkey") and rec.subkey == qs:
+                        rec.CopyFrom(old)  # q's older record: validly signed, unexpired, the old address
+            return resp.SerializeToString()
+
+        evil.find_hook = stale_q
+        await reader.ping(evil.address)
+        wanted = [p.peer_id.to_string(), qs]
+        full = {r.peer_id: r.address for r in await live_peers(reader, RUN, only=wanted)}
+        assert full[qs] == moved
+        for _ in range(3):
+            sampled = {r.peer_id: r.address for r in await live_peers(reader, RUN, only=wanted, quorum=2)}
+            assert sampled[qs] == moved, f"sampled read returned q's old address {sampled[qs]} (full read: {moved})"
+    finally:
+        await stop_all(nodes + [evil])
