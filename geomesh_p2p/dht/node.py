@@ -58,6 +58,9 @@ from geomesh_p2p.net.transport import Transport
 from geomesh_p2p.dht.state import Contact, DHTValue, LookupStats, is_peer_records_key
 from geomesh_p2p.dht.join import DHTJoin
 
+# The node's parts log under this name (operators filter on it).
+log = logging.getLogger("geomesh_p2p.dht.node")
+
 
 class _Merge:
     """Best record per slot seen during a get: signed beats unsigned, then the latest expiration."""
@@ -88,8 +91,24 @@ class _Targets:
         self.ids, self.contacts, self.uses = ids, contacts, 0
 
 
+class _ReadTargets(_Targets):
+    """A sampled read's cached holders (:meth:`DHTNode.get`), and how long a reused read waits for them: twice the
+    lookup that found them (at least :data:`MIN_READ_WAIT_S`, at most the RPC deadline). A reused read that waits
+    longer than the lookup it saves is worse than that lookup: a holder that answered the lookup first and then
+    answers just before the deadline would otherwise make each of the next reads wait for it (red team, session 22)."""
+
+    __slots__ = ("wait_s",)
+
+    def __init__(self, ids: List[Optional[DHTID]], contacts: Dict[DHTID, Contact], wait_s: float) -> None:
+        super().__init__(ids, contacts)
+        self.wait_s = wait_s
+
+
 #: Keys whose store targets a node remembers (least recently stored first out).
 MAX_CACHED_TARGETS = 64
+#: The least a reused read waits for its cached holders before it drops them and looks the key up (a lookup of a
+#: few milliseconds, on one host, would otherwise make one scheduling hiccup a lookup).
+MIN_READ_WAIT_S = 0.1
 
 
 class DHTNode(DHTJoin):
@@ -340,11 +359,15 @@ class DHTNode(DHTJoin):
         A node holding none of them does not count towards the quorum.
 
         ``quorum``: this read's quorum instead of the node's ``read_quorum`` (at least 1), e.g. a light follower's
-        sampled read, which tolerates a stale record (it then takes the full path) and asks fewer holders. Such a
+        sampled read, which tolerates a stale record (it then takes the full path) and asks fewer holders; its quorum
+        counts remote holders only (this node's records still merge: one of them, which any node may store here, made
+        the first remote holder decide every other record asked). Such a
         read of a peer-records key (:func:`~geomesh_p2p.dht.state.is_peer_records_key`) asks the holders that
         answered the last lookup of the key, without a lookup, until ``read_target_reuse`` reads used them; a
         holder that fails or holds none of the records asked drops them and the read looks the key up (issue 25:
-        a lookup's hops before the holders, ~6 at N = 1,024, were most of a light follower's DHT calls).
+        a lookup's hops before the holders, ~6 at N = 1,024, were most of a light follower's DHT calls). A reused
+        read waits for its cached holders at most twice as long as the lookup that found them took
+        (:class:`_ReadTargets`), then drops them and looks the key up.
         """
         wanted = set(subkeys) if subkeys else None
         sampled = quorum is not None  # a read that tolerates a stale record: it may ask cached holders
@@ -364,7 +387,10 @@ class DHTNode(DHTJoin):
                 pass
         if merge.best and not latest:
             return merge.result(now)
-        answered = [1 if merge.best else 0]  # nodes that answered with records (this one's store included)
+        # nodes that answered with records (this one's store included, except in a sampled read: holding one of the
+        # records asked, e.g. one any node stored on it, made the first remote holder decide every other record alone;
+        # red team, session 22)
+        answered = [1 if merge.best and not sampled else 0]
         # a key stored on fewer nodes than the quorum (peer records on a small replica count) ends at all of them
         wanted_quorum = self.read_quorum if quorum is None else max(1, int(quorum))
         quorum = None if wanted_quorum is None else min(wanted_quorum, self.replicas_for(key))
@@ -382,6 +408,7 @@ class DHTNode(DHTJoin):
         if reuse and quorum is not None and await self._read_cached(key_id, wanted, quorum, local, merge, stats):
             return merge.result(self.now())
         holders: Dict[DHTID, List[DHTID]] = {}
+        t0 = time.perf_counter()
         _, contacts = await self._traverse(
             [key_id],
             beam=self.k,
@@ -395,7 +422,8 @@ class DHTNode(DHTJoin):
             self.read_lookups += 1
             found = list(holders.get(key_id, ()))  # a copy: finds still in flight append to the lookup's list
             if quorum is not None and len(found) >= max(1, quorum - local):
-                t = _Targets(list(found), {nid: contacts[nid] for nid in found if nid in contacts})
+                wait_s = min(self.rpc_timeout_s, max(MIN_READ_WAIT_S, 2 * (time.perf_counter() - t0)))
+                t = _ReadTargets(list(found), {nid: contacts[nid] for nid in found if nid in contacts}, wait_s)
                 t.uses = 1  # the lookup's read counts, as a store's does
                 self._read_targets[key_id] = t
                 self._read_targets.move_to_end(key_id)
@@ -428,8 +456,23 @@ class DHTNode(DHTJoin):
         while need > answered and todo:
             batch, todo = todo[: need - answered], todo[need - answered :]
             stats.rpcs += len(batch)
-            replies = await asyncio.gather(*(self._find(t.contacts[nid], [key_id], subkeys=wanted) for nid in batch))
-            for reply in replies:
+            calls = [asyncio.ensure_future(self._find(t.contacts[nid], [key_id], subkeys=wanted)) for nid in batch]
+            try:
+                done, pending = await asyncio.wait(calls, timeout=getattr(t, "wait_s", self.rpc_timeout_s))
+            except BaseException:
+                for c in calls:
+                    c.cancel()
+                self._adopt_calls(set(calls))
+                raise
+            if pending:  # slower than the lookup it saves: not waited for (they finish, unread, in the background)
+                self._adopt_calls(set(pending))
+            for call in calls:
+                reply = None
+                if call in done:
+                    if call.exception() is not None:  # as a lookup's worker: a failed call, never a failed read
+                        log.error("find failed unexpectedly: %r", call.exception())
+                    else:
+                        reply = call.result()
                 records = reply.get(key_id, ([], {}))[0] if reply is not None else []
                 if not records:
                     good = False  # left, lags or lost the records: the next read looks the key up
