@@ -11,6 +11,8 @@ seen. SCENARIO ``die``: rank 1 exits (``os._exit(9)``) on its second STEP; rank 
 (FSDP2) one, on one channel; every rank writes its per-parameter local sizes, its bytes of parameters, gradients
 and AdamW state (measured before the last optimizer step of each trainer) and rank 0 each run's pseudo-gradient.
 ``shard_die``: a sharded trainer whose rank 1 exits on its second STEP.
+``independent``: two runs of a ``--rank-sync round`` trainer (each rank its rows alone, weights averaged at the
+end); ``independent_die``: its rank 1 exits at its second step of the first run.
 """
 
 from __future__ import annotations
@@ -145,12 +147,92 @@ def shard_main(rank: int, ch: RankChannel, out: str, die: bool = False) -> int:
     return code
 
 
+class SliceData(FakeData):
+    """Rows ``[start, stop)`` of :class:`FakeData`'s ``BATCH``-row batches: one independent rank's share."""
+
+    def __init__(self, start: int, stop: int):
+        self.start, self.stop = start, stop
+
+    def sample_batch(self, *, seed, peer_id, round, step, batch_size, seq_len):
+        return super().sample_batch(
+            seed=seed, peer_id=peer_id, round=round, step=step, batch_size=BATCH, seq_len=seq_len
+        )[self.start : self.stop]
+
+
+def independent_reference(world: int = 2, runs: int = 2) -> dict:
+    """``--rank-sync round`` on one process: ``world`` InnerTrainers, each on its rows of every step (micro-batch
+    ``MICRO // world``), their weights averaged token-weighted after each run and loaded into all of them."""
+    from geomesh_p2p.model.ranks import split_rows
+    from geomesh_p2p.model.training import InnerTrainer
+
+    shares = [split_rows(BATCH, world, r) for r in range(world)]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the ranks run (main()): the kernels' reduction order, hence the bits
+    try:
+        ts = [InnerTrainer(model(), SliceData(s, e), **KWARGS) for s, e in shares]
+        out: dict = {"flat": [], "exp_avg": []}
+        for rnd in range(runs):
+            results = [
+                t.run(round=rnd, inner_steps=STEPS, batch_size=e - s, micro_batch=MICRO // world)
+                for t, (s, e) in zip(ts, shares)
+            ]
+            total = sum(r.tokens for r in results)
+            avg = sum(flat_params(t.model) * (r.tokens / total) for t, r in zip(ts, results))
+            for t in ts:
+                load_flat_(t.model, avg)
+            out["flat"].append(avg)
+        out["exp_avg"] = [exp_avg(t) for t in ts]
+        return out
+    finally:
+        torch.set_num_threads(threads)
+
+
+def independent_main(rank: int, ch: RankChannel, out: str, die: bool = False) -> int:
+    """The ``independent`` / ``independent_die`` scenarios (see the module's docstring)."""
+    res: dict = {"flat": [], "results": [], "failures": []}
+    if rank == 0:
+        ch.on_failure = res["failures"].append
+        ch.start_keepalive(period_s=0.5)
+        t = RankedTrainer(model(), FakeData(), channel=ch, independent=True, **KWARGS)
+        for rnd in range(1 if die else 2):
+            r = t.run(round=rnd, inner_steps=STEPS, batch_size=BATCH, micro_batch=MICRO)
+            res["results"].append(
+                {"steps": r.steps_done, "tokens": r.tokens, "loss": r.mean_loss, "early": r.stopped_early}
+            )
+            res["flat"].append(flat_params(t.model))
+        code = 0
+        if not die:
+            ch.send(Command(EXIT))
+    else:
+        assert ch.wait_setup() == VOCAB
+        t = RankedTrainer(model(), NoData(VOCAB), channel=ch, **KWARGS)
+        if die:
+            real, n = t._step_batch, {"steps": 0}
+
+            def dying(rnd, step, b):
+                n["steps"] += 1
+                if n["steps"] == 2:
+                    os._exit(9)
+                return real(rnd, step, b)
+
+            t._step_batch = dying  # type: ignore[method-assign]
+        code = t.follow()
+        res["flat"].append(flat_params(t.model))
+    res["exp_avg"] = exp_avg(t)
+    res["code"] = code
+    torch.save(res, f"{out}.rank{rank}.pt")
+    ch.close(exit_followers=False)
+    return code
+
+
 def main() -> int:
     rank, world, init, scenario, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
     torch.set_num_threads(1)
     ch = RankChannel.init(rank, world, "cpu", init, timeout_s=60)
     if scenario in ("shard", "shard_die"):
         return shard_main(rank, ch, out, die=scenario == "shard_die")
+    if scenario in ("independent", "independent_die"):
+        return independent_main(rank, ch, out, die=scenario == "independent_die")
     failures: list[str] = []
     if rank == 0:
         ch.on_failure = failures.append

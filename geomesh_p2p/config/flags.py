@@ -171,7 +171,7 @@ def _speed_factor(text: str) -> float:
     return v
 
 
-#: Most ranks ``--local-devices`` may list (geomesh_p2p.model.ranks.MAX_RANKS says the same).
+#: Most ranks ``--local-devices`` may list (geomesh_p2p.model.rank_channel.MAX_RANKS says the same).
 MAX_LOCAL_DEVICES = 64
 
 

@@ -439,6 +439,14 @@ class InnerTrainer:
             self.max_micro_batch = raised
         log.info("no out of memory for %d steps: trying micro-batch %d again", self._cap_retry_after, raised)
 
+    def _step_batch(self, round: int, step: int, batch_size: int) -> torch.Tensor:
+        """The int64 ``[batch_size, seq_len]`` rows of inner step ``step`` of ``round``: the dataset's pure
+        function of (seed, peer, round, step), which verified work re-computes. A multi-rank peer's ranks that
+        step independently take their share of the peer's rows instead (:mod:`geomesh_p2p.model.rank_rounds`)."""
+        return self.dataset.sample_batch(
+            seed=self.seed, peer_id=self.peer_id, round=round, step=step, batch_size=batch_size, seq_len=self.seq_len
+        )
+
     def lr_for(self, round: int, step: int, planned_steps: int) -> float:
         """Learning rate of step ``step`` (0-based) of a round planned ``planned_steps`` inner steps:
         :func:`swarm_lr_at` with ``steps_per_round``, else :func:`lr_at` of :attr:`global_step`."""
@@ -540,9 +548,7 @@ class InnerTrainer:
                     break
             t0 = time.perf_counter()
             self._set_lr(round, k, inner_steps)
-            batch = self.dataset.sample_batch(
-                seed=self.seed, peer_id=self.peer_id, round=round, step=k, batch_size=batch_size, seq_len=self.seq_len
-            )
+            batch = self._step_batch(round, k, batch_size)
             self.optimizer.zero_grad(set_to_none=True)
             try:
                 loss = self.accumulate_fitting(batch, micro_batch)

@@ -152,6 +152,11 @@ def layout_from(cfg: NodeConfig, env: Optional[Mapping[str, str]] = None) -> Opt
             raise ValueError(f"--local-devices sets each rank's device: leave --device at auto (it is {cfg.device})")
         devices = _cuda_devices(list(cfg.local_devices))
         return RankLayout(0, len(devices), devices[0], tuple(devices), "", True)  # the port: LocalRanks.start
+    if cfg.shard and cfg.rank_sync == "round":
+        raise ValueError(
+            "--rank-sync round runs each rank's inner steps on a whole model of its own; --shard splits one model "
+            "over the ranks: use one or the other"
+        )
     if cfg.shard and under_torchrun is None:
         raise ValueError(
             "--shard shards the model over the ranks of a multi-rank peer and needs >= 2 ranks: add "
@@ -238,6 +243,9 @@ class LocalRanks:
             ",".join(layout.devices) or f"torchrun, rank 0 on {layout.device}",
             "the model sharded over them (FSDP2, --shard)"
             if cfg.shard
+            else "a whole model on each, each rank stepping alone and the ranks meeting once a round "
+            "(--rank-sync round)"
+            if cfg.rank_sync == "round"
             else "a whole model on each (DDP), sharded (FSDP2) if one does not fit a rank",
             backend or ("nccl" if layout.device.startswith("cuda") else "gloo"),
             timeout_s,

@@ -231,6 +231,8 @@ def build_training(node: PeerNode) -> None:
     # profile then counts the rank's shard of the training state, and measures with no optimizer state.
     choice = choose_rank_training(node, est, ranks, rank_memory) if channel is not None else None
     shard = choice is not None and choice.shard
+    if shard and c.rank_sync == "round":
+        log.info("--rank-sync round needs a whole model per rank; sharded, the ranks meet at every inner step")
     # Profile first: the inner optimizer and the global state are not allocated yet, so the profile's
     # static estimate (gradients + optimizer state + the estimate's other items) is what the node adds.
     try:
@@ -296,6 +298,7 @@ def build_training(node: PeerNode) -> None:
                 node.dataset,
                 channel=channel,
                 shard=shard,  # --shard, or turned on above; the followers learn it from SETUP
+                independent=c.rank_sync == "round" and not shard,
                 device=node.device,
                 peer_id=node.me,
                 **trainer_kwargs(r, c),

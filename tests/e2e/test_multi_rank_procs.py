@@ -8,7 +8,8 @@ each device's batch on each of its ranks, twice the one-rank peer's tokens in ev
 with ``--shard`` (the ranks train an FSDP2 model): the same digests as a one-rank peer, both exit 0, no orphan. And
 without ``--shard`` under a ``--memory-budget-gb`` too small for a whole copy per rank but enough sharded: the peer
 shards by itself (one INFO line with the bytes) and trains with a one-rank peer; below even the shard it is
-refused at start (exit 2, one line).
+refused at start (exit 2, one line). And with ``--rank-sync round`` (each rank steps alone, the ranks meet once a
+round): one peer to the swarm, the same digests, twice the tokens.
 """
 
 from __future__ import annotations
@@ -100,6 +101,36 @@ def test_sharded_two_rank_peer_trains_with_a_one_rank_peer(tmp_path: Path) -> No
     log = sw.text("a")
     assert "the model sharded over them (FSDP2, --shard)" in log and "rank 1 of 2 on cpu: following" in log
     assert "Traceback" not in log and "ranks failed" not in log, log[-3000:]
+
+
+@pytest.mark.timeout(120)
+def test_independent_two_rank_peer_trains_with_a_one_rank_peer(tmp_path: Path) -> None:
+    """--rank-sync round: the ranks step alone and meet once a round; the peer is one peer to the swarm (the
+    same digests, twice the one-rank peer's batch and tokens), and it ends cleanly with its follower."""
+    common = ["--method", "diloco", "--uniform-inner-steps", "2", "--min-peers", "2", "--rounds", "3"]
+    sw = ProcSwarm(tmp_path)
+    try:
+        entry = sw.start_peers(["b"], *common)
+        sw.peer("a", *common, *RANKS, "--rank-sync", "round", bootstrap=entry)
+        sw.wait_for(lambda: len(sw.rows("a")) >= 1, 90, "a to train a round")
+        follower = _children(sw.procs["a"].pid)
+        assert len(follower) == 1, follower
+        assert sw.wait_exit(["a", "b"], 90) == {"a": 0, "b": 0}
+        assert not Path(f"/proc/{follower[0]}").exists()
+    finally:
+        sw.stop_all(10)
+    a = {r["round"]: r for r in sw.rows("a")}
+    b = {r["round"]: r for r in sw.rows("b")}
+    tails = f"\n--- a ---\n{sw.text('a')[-5000:]}\n--- b ---\n{sw.text('b')[-3000:]}"
+    assert sorted(a) == sorted(b) == [0, 1, 2], tails
+    assert all(a[x]["digest"] == b[x]["digest"] for x in a), tails
+    assert len({a[x]["digest"] for x in a}) == 3  # and they moved
+    assert all(a[x]["batch_size"] == 2 * b[x]["batch_size"] for x in a)
+    full = [x for x in a if a[x]["inner_steps_done"] == a[x]["inner_steps_planned"] == b[x]["inner_steps_done"] > 0]
+    assert full and all(a[x]["tokens"] == 2 * b[x]["tokens"] for x in full), tails
+    log = sw.text("a")
+    assert "meeting once a round (--rank-sync round)" in log and "rank 1 of 2 on cpu: following" in log
+    assert "Traceback" not in log and "ranks failed" not in log and " E " not in log, log[-3000:]
 
 
 def _needs(text: str) -> tuple[int, int]:

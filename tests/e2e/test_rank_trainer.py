@@ -154,3 +154,34 @@ def test_a_dead_rank_ends_a_sharded_run_with_nothing_trained(tmp_path: Path) -> 
     assert (res["steps"], res["tokens"], res["early"]) == (0, 0, True)
     assert torch.equal(res["pg"], torch.zeros_like(res["pg"]))
     assert len(r0["failures"]) == 1
+
+
+@pytest.mark.timeout(120)
+def test_independent_ranks_average_their_own_trajectories_token_weighted(tmp_path: Path) -> None:
+    """--rank-sync round: each rank trains its rows alone, the peer's weights are the token-weighted mean, bit for
+    bit what two one-process trainers on those rows give; each rank keeps its own inner optimizer state."""
+    codes = _run(tmp_path, "independent")
+    assert codes == {0: 0, 1: 0}
+    r0 = torch.load(tmp_path / "out.rank0.pt")
+    r1 = torch.load(tmp_path / "out.rank1.pt")
+    ref = rank_worker.independent_reference()
+    assert r0["failures"] == []
+    for rnd, res in enumerate(r0["results"]):
+        assert res == {**res, "steps": rank_worker.STEPS, "early": False}
+        assert res["tokens"] == rank_worker.STEPS * rank_worker.BATCH * rank_worker.SEQ
+        assert torch.equal(r0["flat"][rnd], ref["flat"][rnd])
+    assert torch.equal(r1["flat"][0], ref["flat"][1])  # the follower ends on the peer's weights too
+    # the optimizer states are the ranks' own: rank 0's is trainer 0's, rank 1's trainer 1's, and they differ
+    assert torch.equal(r0["exp_avg"], ref["exp_avg"][0]) and torch.equal(r1["exp_avg"], ref["exp_avg"][1])
+    assert not torch.equal(r0["exp_avg"], r1["exp_avg"])
+
+
+@pytest.mark.timeout(120)
+def test_a_dead_independent_rank_leaves_rank_0_its_own_steps(tmp_path: Path) -> None:
+    codes = _run(tmp_path, "independent_die")
+    assert codes[1] == 9
+    r0 = torch.load(tmp_path / "out.rank0.pt")
+    res = r0["results"][0]
+    rows0 = 3  # split_rows(5, 2, 0)
+    assert res["tokens"] == rank_worker.STEPS * rows0 * rank_worker.SEQ and res["early"]
+    assert len(r0["failures"]) == 1

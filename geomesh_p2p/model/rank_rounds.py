@@ -1,0 +1,215 @@
+"""Ranks that meet once a round (``--rank-sync round``, issue 30): local SGD inside one multi-rank peer.
+
+Under ``--rank-sync step`` (the default, :class:`~geomesh_p2p.model.ranks.RankedTrainer` with DDP) the ranks
+meet at every inner step's gradient all-reduce, so each step waits for the slowest rank: on devices that other
+processes share (a volunteer's desktop, a CPU box) a descheduled rank holds the others back, and a 2-rank peer
+trained 0.61-0.87 of the tokens of two one-rank peers on the same cores (docs/multi-rank.md, "Measured").
+
+Here each rank runs the round's inner steps on its own, as a one-rank peer would, and the ranks meet once at the
+end. For a run of ``H`` steps of ``B`` rows (the peer's plan):
+
+* rank 0 samples the ``H`` batches exactly as a one-device peer would (the dataset's pure function of seed, peer,
+  round and step: what verified work re-computes) and sends them once, int64 ``[H, B, seq_len]`` on the command
+  channel after a :data:`~geomesh_p2p.model.ranks.RUN` command, not waited for;
+* rank ``r`` trains on rows :func:`~geomesh_p2p.model.ranks.split_rows` ``(B, K, r)`` of every step's batch, with
+  its own inner optimizer (kept across rounds, DiLoCo-style, as every peer keeps its own), up to ``H`` steps or
+  the plan's train deadline, whichever comes first (each rank times its own steps);
+* then one all-reduce of ``[tokens, loss x steps, steps]`` and one of the weights, each rank's scaled by its
+  share of the tokens: rank 0's model becomes the token-weighted mean of the ranks' trained weights, so the peer's
+  pseudo-gradient is the token-weighted mean of its ranks' pseudo-gradients (the swarm's own aggregation rule,
+  applied inside the peer first). A rank that trained nothing, or hit a non-finite loss, has weight 0.
+
+What it changes for the swarm: nothing on the wire (one peer, one pseudo-gradient, its tokens). What differs
+from one device: ``K`` trajectories of ``B / K`` rows averaged once, instead of one trajectory of ``B`` rows
+(DiLoCo's own trade, at a scale of ``K`` workers sharing one start); the inner optimizer states differ per rank.
+Verified work draws steps among those the token claim implies; when the ranks stop at different steps (the
+deadline), a drawn step may have been trained by some ranks only. Memory: rank 0 holds the run's batches,
+``8 x H x B x seq_len`` bytes, until the followers took them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import TYPE_CHECKING, Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch.nn.utils import parameters_to_vector, vector_to_parameters
+
+from geomesh_p2p.model.rank_channel import RUN, Command, RankFailure, one_line, split_rows
+from geomesh_p2p.model.training import InnerResult, InnerTrainer
+from geomesh_p2p.net.swarm_time import swarm_time
+
+if TYPE_CHECKING:
+    from geomesh_p2p.model.ranks import RankedTrainer
+
+__all__ = ["run_independent", "follow_run", "rank_rows", "NO_DEADLINE"]
+
+#: ``Command.lr`` of a RUN without a train deadline (the field carries the seconds left until it otherwise).
+NO_DEADLINE = -1.0
+
+
+def rank_rows(batch_size: int, world: int, rank: int) -> tuple[int, int]:
+    """Rows ``[start, stop)`` of every step's ``batch_size``-row batch that rank ``rank`` trains on alone:
+    :func:`~geomesh_p2p.model.ranks.split_rows`. Raises ValueError as it does."""
+    return split_rows(batch_size, world, rank)
+
+
+def _rank_micro(micro_batch: Optional[int], world: int) -> Optional[int]:
+    """One rank's micro-batch (rows per forward pass) from the peer's (a multiple of the ranks, planned for all of
+    them together): ``micro_batch // world``, at least 1; None (the whole batch) stays None."""
+    if not micro_batch:
+        return None
+    return max(1, int(micro_batch) // world)
+
+
+def run_independent(
+    t: "RankedTrainer",
+    *,
+    round: int,
+    inner_steps: int,
+    batch_size: int,
+    micro_batch: Optional[int] = None,
+    deadline: Optional[float] = None,
+    progress: Optional[Callable[[int, float, float], None]] = None,
+    should_stop: Optional[Callable[[], bool]] = None,
+) -> InnerResult:
+    """Rank 0: one run of inner steps with the ranks stepping on their own (module docstring). Returns the
+    peer's :class:`InnerResult`: the ranks' steps and tokens summed, the loss token-weighted, ``compute_s`` rank
+    0's from its first step to the end of the meeting. ``progress(k, loss, tokens/s)`` reports rank 0's steps at
+    the peer's rate (``K x`` its own). Raises RankFailure (the channel's ``on_failure`` was called) when a
+    collective fails; FloatingPointError when rank 0's loss is non-finite (after the meeting, where it counted
+    0 tokens, so the followers never wait for it)."""
+    ch = t.channel
+    H, B = int(inner_steps), int(batch_size)
+    t0 = time.perf_counter()
+    if H > 0:
+        rows = torch.stack([InnerTrainer._step_batch(t, round, k, B) for k in range(H)]).to(torch.int64)
+        left = NO_DEADLINE if deadline is None else max(0.0, float(deadline) - swarm_time())
+        cmd = Command(
+            RUN,
+            round=round,
+            step=H,
+            batch_size=B,
+            micro_batch=int(micro_batch or 0),
+            seq_len=t.seq_len,
+            lr=left,
+            arg=t.global_step,
+        )
+        ch.send(cmd, rows, wait=False)  # the followers start as soon as they take it; rank 0 trains meanwhile
+    else:
+        rows = torch.empty(0, B, t.seq_len, dtype=torch.int64)
+    world = ch.world
+
+    def peer_rate(k: int, loss: float, tps: float) -> None:
+        if progress is not None:
+            progress(k, loss, tps * world)
+
+    own, error = _train_share(t, rows, round, H, micro_batch, deadline, peer_rate, should_stop)
+    del rows
+    try:
+        steps, tokens, loss_sum = _meet(t, own)
+    except RankFailure:
+        # on_failure was called (the node leaves); rank 0's own steps are in its model: they are the peer's.
+        steps, tokens, loss_sum = own.steps_done, own.tokens, own.mean_loss * own.steps_done
+        own = dataclasses.replace(own, stopped_early=True)
+    t.optimizer.zero_grad(set_to_none=True)
+    if error is not None:
+        raise error
+    per_step = B * t.seq_len
+    return InnerResult(
+        # the peer's steps' worth of tokens, rounded up (ranks may stop at different steps at the deadline):
+        # what its telemetry compares with the plan, and a bound on how far the mean of the ranks moved
+        steps_done=-(-tokens // per_step) if per_step else 0,
+        tokens=tokens,
+        mean_loss=loss_sum / steps if steps else float("nan"),  # over every rank's steps
+        last_loss=own.last_loss,
+        compute_s=time.perf_counter() - t0,
+        stopped_early=own.stopped_early or tokens < H * per_step,
+    )
+
+
+def follow_run(t: "RankedTrainer", cmd: Command) -> None:
+    """A follower: take a RUN's batches, train this rank's share of them, meet rank 0. Raises RankFailure when a
+    collective fails."""
+    ch = t.channel
+    H, B = cmd.step, cmd.batch_size
+    if H <= 0:
+        rows = torch.empty(0, B, cmd.seq_len, dtype=torch.int64)
+    else:
+        rows = torch.empty(H, B, cmd.seq_len, dtype=torch.int64)
+        try:
+            dist.broadcast(rows, src=0, group=ch.cmd)
+        except RuntimeError as e:
+            raise RankFailure(f"rank {ch.rank}: rank 0 is gone ({one_line(e)})") from None
+    t.global_step = cmd.arg  # the lr schedule of the peer's steps (lr_for), as rank 0's
+    deadline = None if cmd.lr < 0 else swarm_time() + cmd.lr
+    own, _ = _train_share(t, rows, cmd.round, H, cmd.micro_batch or None, deadline, None, None)
+    _meet(t, own)
+    t.optimizer.zero_grad(set_to_none=True)
+
+
+def _train_share(
+    t: "RankedTrainer",
+    rows: torch.Tensor,
+    round: int,
+    H: int,
+    micro_batch: Optional[int],
+    deadline: Optional[float],
+    progress: Optional[Callable[[int, float, float], None]],
+    should_stop: Optional[Callable[[], bool]],
+) -> tuple[InnerResult, Optional[BaseException]]:
+    """This rank's inner steps on its rows of ``rows`` (int64 ``[H, B, seq_len]``): :meth:`InnerTrainer.run` with
+    the step's batch read from ``rows``. Returns its result (0 steps when it raised) and the error to raise after
+    the meeting (a non-finite loss)."""
+    ch = t.channel
+    start, stop = rank_rows(int(rows.shape[1]), ch.world, ch.rank)
+    if H <= 0 or stop <= start:
+        return InnerResult(0, 0, float("nan"), float("nan"), 0.0, H > 0), None
+    t._local_rows = rows[:, start:stop]
+    try:
+        result = InnerTrainer.run(
+            t,
+            round=round,
+            inner_steps=H,
+            batch_size=stop - start,
+            micro_batch=_rank_micro(micro_batch, ch.world),
+            deadline=deadline,
+            progress=progress,
+            should_stop=should_stop,
+        )
+        return result, None
+    except FloatingPointError as e:
+        return InnerResult(0, 0, float("nan"), float("nan"), 0.0, True), e
+    finally:
+        t._local_rows = None
+
+
+@torch.no_grad()
+def _meet(t: "RankedTrainer", own: InnerResult) -> tuple[int, int, float]:
+    """The ranks' one meeting of a run: sum ``[steps, tokens, loss x steps]`` over the ranks, then make every
+    rank's model the token-weighted mean of their trained weights (a rank of 0 tokens adds zeros: its weights may
+    be non-finite). Returns the sums ``(steps, tokens, loss x steps)``. Raises RankFailure."""
+    ch = t.channel
+    dev = t.device
+    loss_sum = own.mean_loss * own.steps_done if own.steps_done else 0.0
+    if not math.isfinite(loss_sum):
+        loss_sum = 0.0
+    stats = torch.tensor([float(own.steps_done), float(own.tokens), loss_sum], dtype=torch.float64, device=dev)
+    try:
+        dist.all_reduce(stats, group=ch.main)
+        steps, tokens, total_loss = (float(v) for v in stats.tolist())
+        if tokens > 0:
+            params = list(t.model.parameters())
+            flat = parameters_to_vector(params)
+            if own.tokens:
+                flat.mul_(own.tokens / tokens)
+            else:
+                flat.zero_()
+            dist.all_reduce(flat, group=ch.main)
+            vector_to_parameters(flat, params)
+    except RuntimeError as e:
+        raise ch.fail("the ranks' end-of-round meeting failed", e) from None
+    return int(steps), int(tokens), total_loss
