@@ -6,8 +6,10 @@ swarm's, and the tokens the box trained per round (the 2-rank peer's, or the two
 (docs/multi-rank.md): the box's collective bytes about half, its tokens within 10%. Rounds after the first
 (round 0 is warm-up: no step's time is known yet), medians over the rounds. The tiny model and short windows of
 the tests (tests.swarm_util.FAST) with the speed factor given here. Other jobs on the machine change its load from
-minute to minute: the two configurations run in turns, A B B A ... (``--pairs``), each pair's tokens ratio is
-printed with the load averages at the starts of its runs, and the table pools every run's rounds.
+minute to minute: the configurations run in turns, A B C C B A ... (``--pairs``), each repetition's tokens ratios
+are printed with the load averages at the starts of its runs, and the table pools every run's rounds. The 2-rank
+peer runs with ``--rank-sync step`` (the ranks meet at every inner step: DDP) and ``--rank-sync round`` (each rank
+steps alone, the ranks meet once a round), side by side (``--rank-sync both``, the default).
 
     .venv/bin/python benchmarks/multi_rank.py --rounds 8 --workdir /tmp/mrb
     .venv/bin/python benchmarks/multi_rank.py --rounds 8 --workdir /tmp/mrb --method diloco \
@@ -34,11 +36,17 @@ def _collective_sent(row: dict) -> int:
 
 
 def run_config(
-    workdir: Path, two_ranks: bool, rounds: int, extra: list[str], box_speed: str = "0.5", other_speed: str = "0.5"
+    workdir: Path,
+    two_ranks: bool,
+    rounds: int,
+    extra: list[str],
+    box_speed: str = "0.5",
+    other_speed: str = "0.5",
+    rank_sync: str = "step",
 ) -> dict:
     """Start the ordinary peer and the box's peer(s), train ``rounds`` rounds, return the box's per-round figures
     (round -> figure) for the rounds after round 0 that every peer trained, and the 1-minute load average at the
-    start."""
+    start. ``rank_sync``: the 2-rank peer's ``--rank-sync`` (every inner step, or once a round)."""
     workdir.mkdir(parents=True, exist_ok=True)
     load = os.getloadavg()[0]
     sw = ProcSwarm(workdir)
@@ -47,7 +55,7 @@ def run_config(
     try:
         entry = sw.start_peers(["other"], *args, "--speed-factor", other_speed)
         for name in box:
-            devices = ["--local-devices", "cpu,cpu"] if two_ranks else []
+            devices = ["--local-devices", "cpu,cpu", "--rank-sync", rank_sync] if two_ranks else []
             sw.peer(name, *args, "--speed-factor", box_speed, *devices, bootstrap=entry)
         codes = sw.wait_exit(["other", *box], 60 + 20 * rounds)
         if any(codes.values()):
@@ -83,6 +91,14 @@ def pooled(runs: list[dict]) -> dict:
     return out
 
 
+#: The configurations: (key, label, two ranks, --rank-sync).
+CONFIGS = {
+    "step": ("2 ranks, step", True, "step"),
+    "round": ("2 ranks, round", True, "round"),
+    "one": ("2 x 1 rank", False, "step"),
+}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=8)
@@ -96,45 +112,56 @@ def main() -> int:
     )
     ap.add_argument("--peer-args", default="", help="more flags for every peer, e.g. '--uniform-inner-steps 4'")
     ap.add_argument(
+        "--rank-sync",
+        choices=["step", "round", "both"],
+        default="both",
+        help="the 2-rank peer's --rank-sync: its ranks meet every inner step (DDP), once a round (each steps "
+        "alone), or both configurations side by side (default: %(default)s)",
+    )
+    ap.add_argument(
         "--pairs",
         type=int,
         default=2,
-        help="pairs of runs (a: 2 ranks, b: 2 x 1 rank), in A B B A A B ... order so that a change of the "
-        "machine's load hits both alike (default: %(default)s)",
+        help="repetitions: each runs every configuration once, in turns (A B C, then C B A, ...) so that a change "
+        "of the machine's load hits all alike (default: %(default)s)",
     )
     ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
     ns = ap.parse_args()
     extra = ["--method", ns.method, *shlex.split(ns.peer_args)]
     other_speed = ns.other_speed_factor or ns.speed_factor
-    runs: dict[bool, list[dict]] = {True: [], False: []}
+    keys = (["step", "round"] if ns.rank_sync == "both" else [ns.rank_sync]) + ["one"]
+    runs: dict[str, list[dict]] = {k: [] for k in keys}
     for i in range(ns.pairs):
-        for two_ranks in (True, False) if i % 2 == 0 else (False, True):
-            name = f"{'two_ranks' if two_ranks else 'one_rank'}{i}"
-            runs[two_ranks].append(
-                run_config(ns.workdir / name, two_ranks, ns.rounds, extra, ns.speed_factor, other_speed)
+        for key in keys if i % 2 == 0 else keys[::-1]:
+            _, two_ranks, sync = CONFIGS[key]
+            runs[key].append(
+                run_config(ns.workdir / f"{key}{i}", two_ranks, ns.rounds, extra, ns.speed_factor, other_speed, sync)
             )
-    a, b = pooled(runs[True]), pooled(runs[False])
+    agg = {k: pooled(v) for k, v in runs.items()}
     pairs = []
-    for i, (ra, rb) in enumerate(zip(runs[True], runs[False])):
-        ta, tb = (statistics.median(r["per_round"]["box_tokens"]) for r in (ra, rb))
-        sa, sb = (statistics.median(r["per_round"]["box_tokens_per_s"]) for r in (ra, rb))
-        pairs.append(
-            {
-                "pair": i,
-                "tokens": [ta, tb],
-                "ratio": ta / tb if tb else float("nan"),
-                "tokens_per_s_ratio": sa / sb if sb else float("nan"),
-                "load": [ra["load"], rb["load"]],
-            }
-        )
+    for i in range(ns.pairs):
+        base = runs["one"][i]
+        tb = statistics.median(base["per_round"]["box_tokens"])
+        sb = statistics.median(base["per_round"]["box_tokens_per_s"])
+        row: dict = {"pair": i, "load": {k: runs[k][i]["load"] for k in keys}, "tokens": {}, "ratio": {}, "rate": {}}
+        for k in keys:
+            ta = statistics.median(runs[k][i]["per_round"]["box_tokens"])
+            sa = statistics.median(runs[k][i]["per_round"]["box_tokens_per_s"])
+            row["tokens"][k] = ta
+            row["ratio"][k] = ta / tb if tb else float("nan")
+            row["rate"][k] = sa / sb if sb else float("nan")
+        pairs.append(row)
     if ns.json:
-        print(json.dumps({"one peer of 2 ranks": a, "two peers of 1 rank": b, "pairs": pairs}, indent=1))
+        print(json.dumps({"configs": agg, "pairs": pairs}, indent=1))
         return 0
     print(
-        f"method {ns.method}, speed factor {ns.speed_factor} (ordinary peer {other_speed}) {ns.peer_args}, medians over the rounds after round 0 "
-        f"that every peer trained ({a['rounds']} and {b['rounds']} rounds in {ns.pairs} run(s) each)"
+        f"method {ns.method}, speed factor {ns.speed_factor} (ordinary peer {other_speed}) {ns.peer_args}, medians "
+        f"over the rounds after round 0 that every peer trained "
+        f"({', '.join(str(agg[k]['rounds']) for k in keys)} rounds in {ns.pairs} run(s) each)"
     )
-    print(f"{'':38}{'2 ranks':>14}{'2 x 1 rank':>14}{'ratio':>9}")
+    heads = [CONFIGS[k][0] for k in keys]
+    ratio_heads = [f"{CONFIGS[k][0].split(', ')[-1]}/1" for k in keys if k != "one"]
+    print(f"{'':38}" + "".join(f"{h:>16}" for h in heads) + "".join(f"{h:>10}" for h in ratio_heads))
     for key, label in [
         ("box_collective_sent", "box: collective bytes sent"),
         ("box_sent", "box: all bytes sent (DHT, probes too)"),
@@ -144,14 +171,21 @@ def main() -> int:
         ("box_batch", "box: batch (sequences)"),
         ("other_tokens", "ordinary peer: tokens trained"),
     ]:
-        ratio = a[key] / b[key] if b[key] else float("nan")
-        print(f"{label:38}{a[key]:>14,.0f}{b[key]:>14,.0f}{ratio:>9.2f}")
-    print(f"{'digests agree every round':38}{str(a['digests_agree']):>14}{str(b['digests_agree']):>14}")
+        b = agg["one"][key]
+        vals = "".join(f"{agg[k][key]:>16,.0f}" for k in keys)
+        ratios = "".join(f"{(agg[k][key] / b if b else float('nan')):>10.2f}" for k in keys if k != "one")
+        print(f"{label:38}{vals}{ratios}")
+    print(f"{'digests agree every round':38}" + "".join(f"{str(agg[k]['digests_agree']):>16}" for k in keys))
     for p in pairs:
+        parts = ", ".join(
+            f"{CONFIGS[k][0]} {p['tokens'][k]:,.0f} ({p['ratio'][k]:.2f}, tokens/s {p['rate'][k]:.2f})"
+            for k in keys
+            if k != "one"
+        )
+        loads = ", ".join(f"{p['load'][k]:.2f}" for k in keys)
         print(
-            f"pair {p['pair']}: box tokens per round {p['tokens'][0]:,.0f} (2 ranks) / {p['tokens'][1]:,.0f} "
-            f"(2 x 1 rank) = {p['ratio']:.2f}, tokens/s {p['tokens_per_s_ratio']:.2f}; 1-minute load average at the starts {p['load'][0]:.2f}, "
-            f"{p['load'][1]:.2f}"
+            f"run {p['pair']}: box tokens per round {parts} against 2 x 1 rank {p['tokens']['one']:,.0f}; "
+            f"1-minute load at the starts {loads}"
         )
     return 0
 

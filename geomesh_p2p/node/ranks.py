@@ -139,7 +139,12 @@ def layout_from(cfg: NodeConfig, env: Optional[Mapping[str, str]] = None) -> Opt
     """This process's rank layout from ``--local-devices``, ``--shard`` and the environment (torchrun), None for
     a one-device peer. Checked at start, before anything joins. Raises ValueError naming the flag:
     ``--shard`` on one rank (FSDP shards over >= 2), ``--local-devices`` with ``--device`` or under torchrun, a
-    CUDA device this machine lacks."""
+    CUDA device this machine lacks, ``--shard`` with ``--rank-sync round``."""
+    if cfg.shard and cfg.rank_sync == "round":
+        raise ValueError(
+            "--rank-sync round runs each rank's inner steps on a whole model of its own; --shard splits one model "
+            "over the ranks: use one or the other"
+        )
     env = os.environ if env is None else env
     under_torchrun = layout_from_env(env, cfg.device)
     if cfg.local_devices:
@@ -152,11 +157,6 @@ def layout_from(cfg: NodeConfig, env: Optional[Mapping[str, str]] = None) -> Opt
             raise ValueError(f"--local-devices sets each rank's device: leave --device at auto (it is {cfg.device})")
         devices = _cuda_devices(list(cfg.local_devices))
         return RankLayout(0, len(devices), devices[0], tuple(devices), "", True)  # the port: LocalRanks.start
-    if cfg.shard and cfg.rank_sync == "round":
-        raise ValueError(
-            "--rank-sync round runs each rank's inner steps on a whole model of its own; --shard splits one model "
-            "over the ranks: use one or the other"
-        )
     if cfg.shard and under_torchrun is None:
         raise ValueError(
             "--shard shards the model over the ranks of a multi-rank peer and needs >= 2 ranks: add "

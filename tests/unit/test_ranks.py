@@ -303,6 +303,11 @@ def test_layout_from_flags_and_environment() -> None:
         (NodeConfig(device="cuda:1"), {"RANK": "0", "WORLD_SIZE": "2"}, "--device cuda:1 under torchrun"),
         (NodeConfig(), {"RANK": "3", "WORLD_SIZE": "2"}, "RANK=3 outside"),
         (NodeConfig(), {"RANK": "x", "WORLD_SIZE": "2"}, "not integers"),
+        (
+            NodeConfig(local_devices=["cpu", "cpu"], shard=True, rank_sync="round"),
+            {},
+            "--rank-sync round runs each rank's inner steps on a whole model of its own; --shard",
+        ),
     ],
 )
 def test_bad_combinations_fail_at_start_naming_the_flag(cfg: NodeConfig, env: dict, flag: str) -> None:
@@ -314,3 +319,10 @@ def test_bad_combinations_fail_at_start_naming_the_flag(cfg: NodeConfig, env: di
 def test_cuda_devices_without_cuda_fail_naming_the_flag() -> None:
     with pytest.raises(ValueError, match="--local-devices cuda:0,cuda:1: CUDA is not available"):
         layout_from(NodeConfig(local_devices=["cuda:0", "cuda:1"]), env={})
+
+
+def test_rank_sync_is_a_checked_choice() -> None:
+    assert NodeConfig().rank_sync == "step"
+    assert NodeConfig(rank_sync="round").rank_sync == "round"
+    with pytest.raises(ValueError, match="rank_sync"):
+        NodeConfig(rank_sync="epoch")
