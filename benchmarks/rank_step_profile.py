@@ -40,14 +40,8 @@ from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
 from geomesh_p2p.data import load_dataset  # noqa: E402
 from geomesh_p2p.model.build import build_model  # noqa: E402
-from geomesh_p2p.model.ranks import (  # noqa: E402
-    EXIT,
-    Command,
-    NoData,
-    RankChannel,
-    RankedTrainer,
-    ddp_bucket_cap_mb,
-)
+from geomesh_p2p.model.rank_channel import EXIT, Command, RankChannel  # noqa: E402
+from geomesh_p2p.model.ranks import NoData, RankedTrainer, ddp_bucket_cap_mb  # noqa: E402
 from geomesh_p2p.model.training import InnerTrainer  # noqa: E402
 
 KW = dict(lr=1e-3, warmup_steps=0, total_steps=1000, seed=0)

@@ -24,7 +24,8 @@ import torch
 
 from geomesh_p2p.model import ranks as ranks_mod
 from geomesh_p2p.model.build import build_model, flat_params, load_flat_
-from geomesh_p2p.model.ranks import Command, EXIT, NoData, RankChannel, RankedTrainer
+from geomesh_p2p.model.rank_channel import EXIT, Command, RankChannel
+from geomesh_p2p.model.ranks import NoData, RankedTrainer
 
 VOCAB, SEQ, STEPS, BATCH, MICRO = 64, 16, 3, 5, 2
 KWARGS = dict(seq_len=SEQ, lr=1e-3, warmup_steps=0, total_steps=100, seed=0)
@@ -159,19 +160,27 @@ class SliceData(FakeData):
         )[self.start : self.stop]
 
 
-def independent_reference(world: int = 2, runs: int = 2) -> dict:
-    """``--rank-sync round`` on one process: ``world`` InnerTrainers, each on its rows of every step (micro-batch
-    ``MICRO // world``), their weights averaged token-weighted after each run and loaded into all of them."""
-    from geomesh_p2p.model.ranks import split_rows
+#: ``independent``: rank 0's rank speeds before its second run (the first splits evenly, 3 + 2), and the rows per
+#: rank they give (rank_split: one row each, the 3 others by 1 : 4 with the largest remainder to rank 0)
+SECOND_RUN_SPEEDS, SECOND_RUN_SPLIT = [1.0, 4.0], [2, 3]
+
+
+def independent_reference(splits: list[list[int]]) -> dict:
+    """``--rank-sync round`` on one process: one InnerTrainer per rank, each on its rows of every step (``splits``:
+    rows per rank, one list per run; micro-batch ``MICRO // ranks``), their weights averaged token-weighted after
+    each run and loaded into all of them."""
     from geomesh_p2p.model.training import InnerTrainer
 
-    shares = [split_rows(BATCH, world, r) for r in range(world)]
+    world = len(splits[0])
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the ranks run (main()): the kernels' reduction order, hence the bits
     try:
-        ts = [InnerTrainer(model(), SliceData(s, e), **KWARGS) for s, e in shares]
+        ts = [InnerTrainer(model(), SliceData(0, 0), **KWARGS) for _ in range(world)]
         out: dict = {"flat": [], "exp_avg": []}
-        for rnd in range(runs):
+        for rnd, split in enumerate(splits):
+            shares = [(sum(split[:r]), sum(split[: r + 1])) for r in range(world)]
+            for t, (s, e) in zip(ts, shares):
+                t.dataset.start, t.dataset.stop = s, e
             results = [
                 t.run(round=rnd, inner_steps=STEPS, batch_size=e - s, micro_batch=MICRO // world)
                 for t, (s, e) in zip(ts, shares)
@@ -195,11 +204,14 @@ def independent_main(rank: int, ch: RankChannel, out: str, die: bool = False) ->
         ch.start_keepalive(period_s=0.5)
         t = RankedTrainer(model(), FakeData(), channel=ch, independent=True, **KWARGS)
         for rnd in range(1 if die else 2):
+            if rnd == 1:
+                t.rank_speeds = list(SECOND_RUN_SPEEDS)
             r = t.run(round=rnd, inner_steps=STEPS, batch_size=BATCH, micro_batch=MICRO)
             res["results"].append(
                 {"steps": r.steps_done, "tokens": r.tokens, "loss": r.mean_loss, "early": r.stopped_early}
             )
             res["flat"].append(flat_params(t.model))
+        res["speeds"] = t.rank_speeds
         code = 0
         if not die:
             ch.send(Command(EXIT))

@@ -179,9 +179,12 @@ class RankChannel:
         return cls(rank, world, dev, dist.group.WORLD, cmd, timeout_s)
 
     # -- rank 0 ---------------------------------------------------------------------------------------
-    def send(self, command: Command, batch: Optional[torch.Tensor] = None, *, wait: bool = True) -> None:
-        """Rank 0: broadcast ``command`` (and ``batch``, int64 ``[B, seq_len]``, for a STEP) on the command
-        channel. The command sent before, when it was not waited for, completes first (:meth:`_settle`).
+    def send(
+        self, command: Command, batch: Optional[torch.Tensor] = None, *, wait: bool = True, more: tuple = ()
+    ) -> None:
+        """Rank 0: broadcast ``command`` (and ``batch``, int64 ``[B, seq_len]``, for a STEP; int64 ``[H, B,
+        seq_len]`` for a RUN, then ``more``: a RUN's int64 ``[K]`` rows per rank) on the command channel. The
+        command sent before, when it was not waited for, completes first (:meth:`_settle`).
 
         ``wait`` False (a STEP): the broadcasts are started (``async_op``) and this returns at once, so rank 0
         does not wait for the followers to be ready to receive (they are finishing the step before, or reading
@@ -197,6 +200,7 @@ class RankChannel:
                 tensors = [command.to_tensor()]
                 if batch is not None:
                     tensors.append(batch.to("cpu", torch.int64).contiguous())
+                tensors.extend(m.to("cpu", torch.int64).contiguous() for m in more)
                 works = [dist.broadcast(t, src=0, group=self.cmd, async_op=not wait) for t in tensors]
                 if not wait:
                     self._pending = (works, tensors)  # the tensors live until their broadcasts completed

@@ -11,7 +11,9 @@ end. For a run of ``H`` steps of ``B`` rows (the peer's plan):
 * rank 0 samples the ``H`` batches exactly as a one-device peer would (the dataset's pure function of seed, peer,
   round and step: what verified work re-computes) and sends them once, int64 ``[H, B, seq_len]`` on the command
   channel after a :data:`~geomesh_p2p.model.ranks.RUN` command, not waited for;
-* rank ``r`` trains on rows :func:`~geomesh_p2p.model.ranks.split_rows` ``(B, K, r)`` of every step's batch, with
+* rank ``r`` trains on its rows of every step's batch (:func:`rank_split`: in proportion to each rank's tokens/s
+  measured at the earlier meetings, even shares at first, so that a slower rank, or rank 0 busy with the node's
+  exchange and verified work besides, finishes with the others; the rows per rank follow the batches), with
   its own inner optimizer (kept across rounds, DiLoCo-style, as every peer keeps its own), up to ``H`` steps or
   the plan's train deadline, whichever comes first (each rank times its own steps);
 * then one all-reduce of ``[tokens, loss x steps, steps]`` and one of the weights, each rank's scaled by its
@@ -32,7 +34,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -45,16 +47,54 @@ from geomesh_p2p.net.swarm_time import swarm_time
 if TYPE_CHECKING:
     from geomesh_p2p.model.ranks import RankedTrainer
 
-__all__ = ["run_independent", "follow_run", "rank_rows", "NO_DEADLINE"]
+__all__ = ["run_independent", "follow_run", "rank_split", "update_speeds", "NO_DEADLINE", "SPEED_EMA"]
 
 #: ``Command.lr`` of a RUN without a train deadline (the field carries the seconds left until it otherwise).
 NO_DEADLINE = -1.0
 
 
-def rank_rows(batch_size: int, world: int, rank: int) -> tuple[int, int]:
-    """Rows ``[start, stop)`` of every step's ``batch_size``-row batch that rank ``rank`` trains on alone:
-    :func:`~geomesh_p2p.model.ranks.split_rows`. Raises ValueError as it does."""
-    return split_rows(batch_size, world, rank)
+#: Weight of the newest run in a rank's speed estimate (:func:`update_speeds`).
+SPEED_EMA = 0.5
+
+
+def rank_split(batch_size: int, speeds: Optional[Sequence[float]], world: int) -> list[int]:
+    """Rows of every step's ``batch_size``-row batch per rank: proportional to ``speeds`` (each rank's measured
+    tokens/s, rank 0 first), so that ranks of different speeds (another device, or rank 0 busy with the node's
+    exchange and verified work besides) finish their steps together; largest remainders, ties to the lower rank;
+    every rank at least one row when ``batch_size >= world``. Equal shares (:func:`split_rows`) while the speeds
+    are unknown (None, a length other than ``world``, or one not finite and positive). Sums to ``batch_size``.
+    Raises ValueError for ``world < 1`` or ``batch_size < 0``."""
+    if world < 1 or batch_size < 0:
+        raise ValueError(f"{batch_size} rows over {world} ranks: need world >= 1 and batch_size >= 0")
+    even = [e - s for s, e in (split_rows(batch_size, world, r) for r in range(world))]
+    if speeds is None or len(speeds) != world or not all(math.isfinite(v) and v > 0 for v in speeds):
+        return even
+    floor = 1 if batch_size >= world else 0
+    spare = batch_size - floor * world
+    total = float(sum(speeds))
+    exact = [spare * v / total for v in speeds]
+    rows = [int(x) for x in exact]
+    order = sorted(range(world), key=lambda r: (-(exact[r] - rows[r]), r))
+    for r in order[: spare - sum(rows)]:
+        rows[r] += 1
+    return [floor + n for n in rows]
+
+
+def update_speeds(old: Optional[list[float]], tokens: Sequence[float], seconds: Sequence[float]) -> list[float]:
+    """Each rank's speed estimate (tokens/s) after a run: ``SPEED_EMA`` of this run's ``tokens / seconds`` and the
+    rest of ``old``; a rank without a measurement this run (no token or no time) keeps its old figure (the mean of
+    the others' when it has none)."""
+    new = [t / s if t > 0 and s > 0 else None for t, s in zip(tokens, seconds)]
+    known = [v for v in new if v is not None]
+    fill = sum(known) / len(known) if known else 1.0
+    out = []
+    for r, v in enumerate(new):
+        prev = old[r] if old is not None and r < len(old) else None
+        if v is None:
+            out.append(prev if prev is not None else fill)
+        else:
+            out.append(v if prev is None else SPEED_EMA * v + (1 - SPEED_EMA) * prev)
+    return out
 
 
 def _rank_micro(micro_batch: Optional[int], world: int) -> Optional[int]:
@@ -85,32 +125,34 @@ def run_independent(
     ch = t.channel
     H, B = int(inner_steps), int(batch_size)
     t0 = time.perf_counter()
-    if H > 0:
-        rows = torch.stack([InnerTrainer._step_batch(t, round, k, B) for k in range(H)]).to(torch.int64)
-        left = NO_DEADLINE if deadline is None else max(0.0, float(deadline) - swarm_time())
-        cmd = Command(
-            RUN,
-            round=round,
-            step=H,
-            batch_size=B,
-            micro_batch=int(micro_batch or 0),
-            seq_len=t.seq_len,
-            lr=left,
-            arg=t.global_step,
-        )
-        ch.send(cmd, rows, wait=False)  # the followers start as soon as they take it; rank 0 trains meanwhile
-    else:
-        rows = torch.empty(0, B, t.seq_len, dtype=torch.int64)
+    if H <= 0:  # nothing to train: no RUN, no meeting
+        return InnerResult(0, 0, float("nan"), float("nan"), 0.0, False)
+    split = rank_split(B, t.rank_speeds, ch.world)
+    rows = torch.stack([InnerTrainer._step_batch(t, round, k, B) for k in range(H)]).to(torch.int64)
+    left = NO_DEADLINE if deadline is None else max(0.0, float(deadline) - swarm_time())
+    cmd = Command(
+        RUN,
+        round=round,
+        step=H,
+        batch_size=B,
+        micro_batch=int(micro_batch or 0),
+        seq_len=t.seq_len,
+        lr=left,
+        arg=t.global_step,
+    )
+    # the followers start as soon as they take it; rank 0 trains meanwhile
+    ch.send(cmd, rows, wait=False, more=(torch.tensor(split, dtype=torch.int64),))
     world = ch.world
 
     def peer_rate(k: int, loss: float, tps: float) -> None:
         if progress is not None:
             progress(k, loss, tps * world)
 
-    own, error = _train_share(t, rows, round, H, micro_batch, deadline, peer_rate, should_stop)
+    own, error = _train_share(t, rows, split, round, H, micro_batch, deadline, peer_rate, should_stop)
     del rows
     try:
-        steps, tokens, loss_sum = _meet(t, own)
+        steps, tokens, loss_sum, per_rank = _meet(t, own)
+        t.rank_speeds = update_speeds(t.rank_speeds, per_rank[:, 1].tolist(), per_rank[:, 3].tolist())
     except RankFailure:
         # on_failure was called (the node leaves); rank 0's own steps are in its model: they are the peer's.
         steps, tokens, loss_sum = own.steps_done, own.tokens, own.mean_loss * own.steps_done
@@ -132,21 +174,23 @@ def run_independent(
 
 
 def follow_run(t: "RankedTrainer", cmd: Command) -> None:
-    """A follower: take a RUN's batches, train this rank's share of them, meet rank 0. Raises RankFailure when a
-    collective fails."""
+    """A follower: take a RUN's batches and rows per rank, train this rank's rows, meet rank 0. Raises RankFailure
+    when a collective fails or rank 0's split does not add up to the batch."""
     ch = t.channel
-    H, B = cmd.step, cmd.batch_size
-    if H <= 0:
-        rows = torch.empty(0, B, cmd.seq_len, dtype=torch.int64)
-    else:
-        rows = torch.empty(H, B, cmd.seq_len, dtype=torch.int64)
-        try:
-            dist.broadcast(rows, src=0, group=ch.cmd)
-        except RuntimeError as e:
-            raise RankFailure(f"rank {ch.rank}: rank 0 is gone ({one_line(e)})") from None
+    H, B = cmd.step, cmd.batch_size  # a RUN has H >= 1 (run_independent sends none for 0 steps)
+    rows = torch.empty(H, B, cmd.seq_len, dtype=torch.int64)
+    split_t = torch.zeros(ch.world, dtype=torch.int64)
+    try:
+        dist.broadcast(rows, src=0, group=ch.cmd)
+        dist.broadcast(split_t, src=0, group=ch.cmd)
+    except RuntimeError as e:
+        raise RankFailure(f"rank {ch.rank}: rank 0 is gone ({one_line(e)})") from None
+    split = [int(v) for v in split_t.tolist()]
+    if sum(split) != B or min(split) < 0:
+        raise RankFailure(f"rank {ch.rank}: rank 0 split {B} rows as {split}")
     t.global_step = cmd.arg  # the lr schedule of the peer's steps (lr_for), as rank 0's
     deadline = None if cmd.lr < 0 else swarm_time() + cmd.lr
-    own, _ = _train_share(t, rows, cmd.round, H, cmd.micro_batch or None, deadline, None, None)
+    own, _ = _train_share(t, rows, split, cmd.round, H, cmd.micro_batch or None, deadline, None, None)
     _meet(t, own)
     t.optimizer.zero_grad(set_to_none=True)
 
@@ -154,6 +198,7 @@ def follow_run(t: "RankedTrainer", cmd: Command) -> None:
 def _train_share(
     t: "RankedTrainer",
     rows: torch.Tensor,
+    split: list[int],
     round: int,
     H: int,
     micro_batch: Optional[int],
@@ -161,11 +206,12 @@ def _train_share(
     progress: Optional[Callable[[int, float, float], None]],
     should_stop: Optional[Callable[[], bool]],
 ) -> tuple[InnerResult, Optional[BaseException]]:
-    """This rank's inner steps on its rows of ``rows`` (int64 ``[H, B, seq_len]``): :meth:`InnerTrainer.run` with
-    the step's batch read from ``rows``. Returns its result (0 steps when it raised) and the error to raise after
+    """This rank's inner steps on its rows of ``rows`` (int64 ``[H, B, seq_len]``; ``split[r]`` rows for rank ``r``,
+    in rank order): :meth:`InnerTrainer.run` with the step's batch read from ``rows``. Returns its result (0 steps when it raised) and the error to raise after
     the meeting (a non-finite loss)."""
     ch = t.channel
-    start, stop = rank_rows(int(rows.shape[1]), ch.world, ch.rank)
+    start = sum(split[: ch.rank])
+    stop = start + split[ch.rank]
     if H <= 0 or stop <= start:
         return InnerResult(0, 0, float("nan"), float("nan"), 0.0, H > 0), None
     t._local_rows = rows[:, start:stop]
@@ -188,19 +234,22 @@ def _train_share(
 
 
 @torch.no_grad()
-def _meet(t: "RankedTrainer", own: InnerResult) -> tuple[int, int, float]:
-    """The ranks' one meeting of a run: sum ``[steps, tokens, loss x steps]`` over the ranks, then make every
-    rank's model the token-weighted mean of their trained weights (a rank of 0 tokens adds zeros: its weights may
-    be non-finite). Returns the sums ``(steps, tokens, loss x steps)``. Raises RankFailure."""
+def _meet(t: "RankedTrainer", own: InnerResult) -> tuple[int, int, float, torch.Tensor]:
+    """The ranks' one meeting of a run: each rank's ``[steps, tokens, loss x steps, compute seconds]`` to every rank
+    (one all-reduce of a ``[K, 4]`` float64 table, each rank filling its row), then make every rank's model the
+    token-weighted mean of their trained weights (a rank of 0 tokens adds zeros: its weights may be non-finite).
+    Returns the sums ``(steps, tokens, loss x steps)`` and the table (CPU). Raises RankFailure."""
     ch = t.channel
     dev = t.device
     loss_sum = own.mean_loss * own.steps_done if own.steps_done else 0.0
     if not math.isfinite(loss_sum):
         loss_sum = 0.0
-    stats = torch.tensor([float(own.steps_done), float(own.tokens), loss_sum], dtype=torch.float64, device=dev)
+    table = torch.zeros(ch.world, 4, dtype=torch.float64, device=dev)
+    table[ch.rank] = torch.tensor([float(own.steps_done), float(own.tokens), loss_sum, own.compute_s])
     try:
-        dist.all_reduce(stats, group=ch.main)
-        steps, tokens, total_loss = (float(v) for v in stats.tolist())
+        dist.all_reduce(table, group=ch.main)
+        table = table.cpu()
+        steps, tokens, total_loss = (float(v) for v in table[:, :3].sum(dim=0).tolist())
         if tokens > 0:
             params = list(t.model.parameters())
             flat = parameters_to_vector(params)
@@ -212,4 +261,4 @@ def _meet(t: "RankedTrainer", own: InnerResult) -> tuple[int, int, float]:
             vector_to_parameters(flat, params)
     except RuntimeError as e:
         raise ch.fail("the ranks' end-of-round meeting failed", e) from None
-    return int(steps), int(tokens), total_loss
+    return int(steps), int(tokens), total_loss, table

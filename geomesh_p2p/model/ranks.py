@@ -53,7 +53,6 @@ from torch.nn.parallel import DistributedDataParallel
 from geomesh_p2p.model.rank_channel import (
     EXIT,
     GATHER,
-    PING,
     RUN,
     SETUP,
     STEP,
@@ -61,9 +60,7 @@ from geomesh_p2p.model.rank_channel import (
     Command,
     RankChannel,
     RankFailure,
-    collective_timeout_s,
     one_line,
-    rank_profile,
     split_rows,
 )
 from geomesh_p2p.model.rank_rounds import follow_run, run_independent
@@ -83,24 +80,7 @@ def load_sharding_modules() -> None:
 
 log = logging.getLogger(__name__)
 
-__all__ = [
-    "Command",
-    "RankFailure",
-    "RankChannel",
-    "RankedTrainer",
-    "split_rows",
-    "collective_timeout_s",
-    "rank_profile",
-    "shard_model",
-    "ddp_bucket_cap_mb",
-    "PING",
-    "SETUP",
-    "WEIGHTS",
-    "STEP",
-    "EXIT",
-    "GATHER",
-    "RUN",
-]
+__all__ = ["RankedTrainer", "NoData", "shard_model", "ddp_bucket_cap_mb", "load_sharding_modules"]
 
 
 def ddp_bucket_cap_mb(model: torch.nn.Module, device: torch.device) -> Optional[int]:
@@ -155,6 +135,9 @@ class RankedTrainer(InnerTrainer):
         self.independent = bool(independent)
         #: this rank's rows of the running independent run, int64 ``[H, b, seq_len]`` (None otherwise)
         self._local_rows: Optional[torch.Tensor] = None
+        #: rank 0, independent runs: each rank's measured tokens/s (an EMA over runs), what the next run's rows
+        #: per rank follow (:func:`~geomesh_p2p.model.rank_rounds.rank_split`); None until a run measured them
+        self.rank_speeds: Optional[list[float]] = None
         super().__init__(model, dataset, **kwargs)
         self.channel = channel
         if channel.rank == 0:

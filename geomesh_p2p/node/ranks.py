@@ -36,13 +36,8 @@ import torch
 
 from geomesh_p2p.config.models import NodeConfig, RunConfig
 from geomesh_p2p.model.build import build_model
-from geomesh_p2p.model.ranks import (
-    NoData,
-    RankChannel,
-    RankedTrainer,
-    RankFailure,
-    collective_timeout_s,
-)
+from geomesh_p2p.model.rank_channel import RankChannel, RankFailure, collective_timeout_s
+from geomesh_p2p.model.ranks import NoData, RankedTrainer
 from geomesh_p2p.node.training import trainer_kwargs
 from geomesh_p2p.telemetry import events
 from geomesh_p2p.util.errors import UserFacingError

@@ -33,7 +33,8 @@ from geomesh_p2p.model.run_memory import (
 )
 from geomesh_p2p.trust.verify_task import VerifyConfig
 from geomesh_p2p.model.optim import OuterNesterov, SyncAdamW
-from geomesh_p2p.model.ranks import RankChannel, RankedTrainer, RankFailure, load_sharding_modules, rank_profile
+from geomesh_p2p.model.rank_channel import RankChannel, RankFailure, rank_profile
+from geomesh_p2p.model.ranks import RankedTrainer, load_sharding_modules
 from geomesh_p2p.model.training import DEFAULT_INNER, InnerTrainer, lr_at
 from geomesh_p2p.model.build import build_model, num_params
 from geomesh_p2p.net.methods import COLLECTIVE_PULL, COLLECTIVE_PUSH

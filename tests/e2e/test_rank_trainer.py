@@ -158,14 +158,18 @@ def test_a_dead_rank_ends_a_sharded_run_with_nothing_trained(tmp_path: Path) -> 
 
 @pytest.mark.timeout(120)
 def test_independent_ranks_average_their_own_trajectories_token_weighted(tmp_path: Path) -> None:
-    """--rank-sync round: each rank trains its rows alone, the peer's weights are the token-weighted mean, bit for
-    bit what two one-process trainers on those rows give; each rank keeps its own inner optimizer state."""
+    """--rank-sync round: each rank trains its rows alone (an even split first, then by measured speed), the peer's
+    weights are the token-weighted mean, bit for bit what two one-process trainers on those rows give; each rank
+    keeps its own inner optimizer state."""
     codes = _run(tmp_path, "independent")
     assert codes == {0: 0, 1: 0}
     r0 = torch.load(tmp_path / "out.rank0.pt")
     r1 = torch.load(tmp_path / "out.rank1.pt")
-    ref = rank_worker.independent_reference()
+    # run 0 splits the 5 rows evenly (3 + 2), run 1 by the rank speeds set before it
+    ref = rank_worker.independent_reference([[3, 2], rank_worker.SECOND_RUN_SPLIT])
     assert r0["failures"] == []
+    # and rank 0 measured both ranks' speeds at the meetings (tokens/s > 0)
+    assert len(r0["speeds"]) == 2 and all(v > 0 for v in r0["speeds"])
     for rnd, res in enumerate(r0["results"]):
         assert res == {**res, "steps": rank_worker.STEPS, "early": False}
         assert res["tokens"] == rank_worker.STEPS * rank_worker.BATCH * rank_worker.SEQ

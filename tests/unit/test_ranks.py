@@ -11,19 +11,21 @@ import torch
 
 from geomesh_p2p.config.flags import PARSERS
 from geomesh_p2p.config.models import NodeConfig
-from geomesh_p2p.model.ranks import (
+from geomesh_p2p.model.rank_channel import (
     EXIT,
     GATHER,
     PING,
+    RUN,
     SETUP,
     STEP,
     WEIGHTS,
     Command,
     collective_timeout_s,
-    ddp_bucket_cap_mb,
     rank_profile,
     split_rows,
 )
+from geomesh_p2p.model.rank_rounds import rank_split, update_speeds
+from geomesh_p2p.model.ranks import ddp_bucket_cap_mb
 from geomesh_p2p.node.ranks import RankLayout, layout_from, layout_from_env
 from geomesh_p2p.plan.cost import peer_uniform_micro, rank_micro, uniform_micro
 from geomesh_p2p.plan.bounds import bound_records, budget_limit, max_token_share
@@ -36,7 +38,7 @@ PLAN_KW = dict(run_id="run", round=3, leader="a", start_time=1_700_000_000.0, st
 
 
 # ---------------------------------------------------------------------------------------------- protocol
-@pytest.mark.parametrize("op", [PING, SETUP, WEIGHTS, STEP, EXIT, GATHER])
+@pytest.mark.parametrize("op", [PING, SETUP, WEIGHTS, STEP, EXIT, GATHER, RUN])
 def test_command_round_trips_through_its_tensor(op: int) -> None:
     c = Command(op, round=7, step=3, batch_size=24, micro_batch=8, seq_len=1024, lr=2.5e-4 / 3, arg=1)
     t = c.to_tensor()
@@ -326,3 +328,27 @@ def test_rank_sync_is_a_checked_choice() -> None:
     assert NodeConfig(rank_sync="round").rank_sync == "round"
     with pytest.raises(ValueError, match="rank_sync"):
         NodeConfig(rank_sync="epoch")
+
+
+def test_rank_split_follows_the_ranks_speeds_and_sums_to_the_batch() -> None:
+    assert rank_split(5, None, 2) == [3, 2]  # unknown speeds: split_rows' even shares
+    assert rank_split(5, [1.0, float("nan")], 2) == [3, 2] and rank_split(5, [1.0], 2) == [3, 2]
+    assert rank_split(16, [1.0, 1.0], 2) == [8, 8]
+    assert rank_split(16, [1.0, 3.0], 2) == [5, 11]  # 1 each, then 14 by 1 : 3 = 3.5 / 10.5, the tie to rank 0
+    assert rank_split(5, [1.0, 4.0], 2) == [2, 3]
+    assert rank_split(4, [1e-9, 1.0, 1.0, 1.0], 4) == [1, 1, 1, 1]  # at least one row each
+    assert rank_split(1, [1.0, 5.0], 2) == [0, 1]  # fewer rows than ranks: by speed, no floor
+    for b in range(0, 40):
+        for speeds in ([1.0, 2.0, 3.0], [0.1, 10.0, 0.5], None):
+            split = rank_split(b, speeds, 3)
+            assert sum(split) == b and min(split) >= (1 if b >= 3 else 0)
+    with pytest.raises(ValueError, match="ranks"):
+        rank_split(4, None, 0)
+
+
+def test_update_speeds_smooths_and_keeps_what_a_run_did_not_measure() -> None:
+    assert update_speeds(None, [100.0, 300.0], [1.0, 1.0]) == [100.0, 300.0]
+    assert update_speeds([100.0, 300.0], [200.0, 300.0], [1.0, 1.0]) == [150.0, 300.0]
+    # rank 1 trained nothing this run: it keeps its figure; without one it gets the others' mean
+    assert update_speeds([100.0, 300.0], [100.0, 0.0], [1.0, 0.0]) == [100.0, 300.0]
+    assert update_speeds(None, [100.0, 0.0], [1.0, 0.0]) == [100.0, 100.0]
