@@ -315,13 +315,14 @@ class NodeConfig(BaseModel):
         "shards by itself when a whole copy does not fit a rank's memory budget but a shard does (said in one "
         "line at start). Refused at start with one rank",
     )
-    rank_sync: Literal["step", "round"] = opt(
-        "step",
-        "how a multi-rank peer's ranks meet (docs/multi-rank.md): 'step' = every inner step (DDP's gradient "
-        "all-reduce: the one-device trajectory, ranks in lockstep); 'round' = once per round: each rank runs its "
-        "own inner steps on its share of every step's rows and the ranks average their weights, token-weighted, "
-        "at the end (local SGD inside the peer: a slow or descheduled rank holds no other back). Not with "
-        "--shard; under eager updates a round's run falls back to 'step'",
+    rank_sync: Literal["auto", "step", "round"] = opt(
+        "auto",
+        "how a multi-rank peer's ranks meet (docs/multi-rank.md): 'step' = at every inner step (DDP's gradient "
+        "all-reduce: the one-device trajectory, ranks in lockstep); 'round' = once a round: each rank runs its "
+        "own inner steps on its rows of every step (rows by each rank's measured speed) and the ranks average "
+        "their weights, token-weighted, at the end (local SGD inside the peer: a slow or descheduled rank holds "
+        "no other back); 'auto' = round where ranks share a device (CPU ranks, two ranks on one GPU), step where "
+        "each has its own GPU. Not 'round' with --shard; under eager updates a run falls back to lockstep",
     )
     amp: bool = opt(
         True, "on CUDA, train in fp32 instead of bf16 autocast (the outer step is always fp32)", flag="--no-amp"

@@ -47,7 +47,15 @@ from geomesh_p2p.net.swarm_time import swarm_time
 if TYPE_CHECKING:
     from geomesh_p2p.model.ranks import RankedTrainer
 
-__all__ = ["run_independent", "follow_run", "rank_split", "update_speeds", "NO_DEADLINE", "SPEED_EMA"]
+__all__ = [
+    "independent_ranks",
+    "run_independent",
+    "follow_run",
+    "rank_split",
+    "update_speeds",
+    "NO_DEADLINE",
+    "SPEED_EMA",
+]
 
 #: ``Command.lr`` of a RUN without a train deadline (the field carries the seconds left until it otherwise).
 NO_DEADLINE = -1.0
@@ -55,6 +63,21 @@ NO_DEADLINE = -1.0
 
 #: Weight of the newest run in a rank's speed estimate (:func:`update_speeds`).
 SPEED_EMA = 0.5
+
+
+def independent_ranks(rank_sync: str, device_share: int, shard: bool) -> bool:
+    """Whether a multi-rank peer's ranks meet once a round (True) or at every inner step (False), from
+    ``--rank-sync`` (``"round"``, ``"step"`` or ``"auto"``), the ranks on rank 0's device (``device_share``: CPU
+    ranks share the machine's cores, ``cuda:0,cuda:0`` one GPU) and ``shard`` (FSDP: one model over the ranks, so
+    every step). ``auto``: once a round where ranks share a device (a per-step meeting then waits for whichever
+    rank the scheduler set back: docs/multi-rank.md, "Measured"), every step where each rank has a device of its
+    own (the one-device trajectory; NCCL overlaps the meeting with the backward pass). Raises ValueError for
+    another ``rank_sync``."""
+    if rank_sync not in ("auto", "step", "round"):
+        raise ValueError(f"rank_sync {rank_sync!r}: use auto, step or round")
+    if shard or rank_sync == "step":
+        return False
+    return rank_sync == "round" or device_share > 1
 
 
 def rank_split(batch_size: int, speeds: Optional[Sequence[float]], world: int) -> list[int]:

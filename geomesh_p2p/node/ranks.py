@@ -37,6 +37,7 @@ import torch
 from geomesh_p2p.config.models import NodeConfig, RunConfig
 from geomesh_p2p.model.build import build_model
 from geomesh_p2p.model.rank_channel import RankChannel, RankFailure, collective_timeout_s
+from geomesh_p2p.model.rank_rounds import independent_ranks
 from geomesh_p2p.model.ranks import NoData, RankedTrainer
 from geomesh_p2p.node.training import trainer_kwargs
 from geomesh_p2p.telemetry import events
@@ -239,9 +240,10 @@ class LocalRanks:
             "the model sharded over them (FSDP2, --shard)"
             if cfg.shard
             else "a whole model on each, each rank stepping alone and the ranks meeting once a round "
-            "(--rank-sync round)"
-            if cfg.rank_sync == "round"
-            else "a whole model on each (DDP), sharded (FSDP2) if one does not fit a rank",
+            f"(--rank-sync {cfg.rank_sync}), sharded (FSDP2, meeting every step) if one does not fit a rank"
+            if independent_ranks(cfg.rank_sync, layout.device_share, False)
+            else f"a whole model on each (DDP, meeting every step: --rank-sync {cfg.rank_sync}), sharded (FSDP2) if "
+            "one does not fit a rank",
             backend or ("nccl" if layout.device.startswith("cuda") else "gloo"),
             timeout_s,
         )

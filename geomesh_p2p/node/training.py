@@ -34,6 +34,7 @@ from geomesh_p2p.model.run_memory import (
 from geomesh_p2p.trust.verify_task import VerifyConfig
 from geomesh_p2p.model.optim import OuterNesterov, SyncAdamW
 from geomesh_p2p.model.rank_channel import RankChannel, RankFailure, rank_profile
+from geomesh_p2p.model.rank_rounds import independent_ranks
 from geomesh_p2p.model.ranks import RankedTrainer, load_sharding_modules
 from geomesh_p2p.model.training import DEFAULT_INNER, InnerTrainer, lr_at
 from geomesh_p2p.model.build import build_model, num_params
@@ -232,8 +233,8 @@ def build_training(node: PeerNode) -> None:
     # profile then counts the rank's shard of the training state, and measures with no optimizer state.
     choice = choose_rank_training(node, est, ranks, rank_memory) if channel is not None else None
     shard = choice is not None and choice.shard
-    if shard and c.rank_sync == "round":
-        log.info("--rank-sync round needs a whole model per rank; sharded, the ranks meet at every inner step")
+    if shard and c.rank_sync != "step" and int(getattr(node, "rank_device_share", 1)) > 1:
+        log.info("sharded, the ranks meet at every inner step (--rank-sync round needs a whole model per rank)")
     # Profile first: the inner optimizer and the global state are not allocated yet, so the profile's
     # static estimate (gradients + optimizer state + the estimate's other items) is what the node adds.
     try:
@@ -299,7 +300,7 @@ def build_training(node: PeerNode) -> None:
                 node.dataset,
                 channel=channel,
                 shard=shard,  # --shard, or turned on above; the followers learn it from SETUP
-                independent=c.rank_sync == "round" and not shard,
+                independent=independent_ranks(c.rank_sync, int(getattr(node, "rank_device_share", 1)), shard),
                 device=node.device,
                 peer_id=node.me,
                 **trainer_kwargs(r, c),

@@ -24,7 +24,7 @@ from geomesh_p2p.model.rank_channel import (
     rank_profile,
     split_rows,
 )
-from geomesh_p2p.model.rank_rounds import rank_split, update_speeds
+from geomesh_p2p.model.rank_rounds import independent_ranks, rank_split, update_speeds
 from geomesh_p2p.model.ranks import ddp_bucket_cap_mb
 from geomesh_p2p.node.ranks import RankLayout, layout_from, layout_from_env
 from geomesh_p2p.plan.cost import peer_uniform_micro, rank_micro, uniform_micro
@@ -323,8 +323,18 @@ def test_cuda_devices_without_cuda_fail_naming_the_flag() -> None:
         layout_from(NodeConfig(local_devices=["cuda:0", "cuda:1"]), env={})
 
 
+def test_rank_sync_auto_meets_once_a_round_where_ranks_share_a_device() -> None:
+    # (rank_sync, ranks on rank 0's device, shard) -> once a round
+    assert independent_ranks("auto", 2, False) and independent_ranks("auto", 4, False)  # CPU ranks, cuda:0,cuda:0
+    assert not independent_ranks("auto", 1, False)  # a GPU each: DDP
+    assert independent_ranks("round", 1, False) and not independent_ranks("step", 2, False)
+    assert not independent_ranks("auto", 2, True) and not independent_ranks("round", 2, True)  # FSDP: every step
+    with pytest.raises(ValueError, match="rank_sync 'epoch'"):
+        independent_ranks("epoch", 2, False)
+
+
 def test_rank_sync_is_a_checked_choice() -> None:
-    assert NodeConfig().rank_sync == "step"
+    assert NodeConfig().rank_sync == "auto"
     assert NodeConfig(rank_sync="round").rank_sync == "round"
     with pytest.raises(ValueError, match="rank_sync"):
         NodeConfig(rank_sync="epoch")
