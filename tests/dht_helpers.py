@@ -21,14 +21,16 @@ async def start_node(
     run_id: str = RUN,
     client_only: bool = False,
     identity: Optional[Identity] = None,
+    node_cls: type = DHTNode,
     **kwargs,
 ) -> DHTNode:
-    """A DHT node on its own transport (127.0.0.1, free port), joined through ``bootstrap``."""
+    """A DHT node (``node_cls``: DHTNode or a test's subclass) on its own transport (127.0.0.1, free port), joined
+    through ``bootstrap``."""
     transport = Transport(
         identity or Identity.generate(), run_id, TransportConfig(host="127.0.0.1", port=0, client_only=client_only)
     )
     kwargs.setdefault("rpc_timeout_s", 2.0)
-    node = DHTNode(transport, **kwargs)
+    node = node_cls(transport, **kwargs)
     if not client_only:
         await transport.start()
     try:

@@ -18,10 +18,8 @@ from geomesh_p2p.dht import DHTNode, PeerAnnouncer, live_peers, peers_key
 from geomesh_p2p.dht.records import key_id_of, node_id_of
 from geomesh_p2p.dht.state import Contact
 from geomesh_p2p.net.identity import Identity
-from geomesh_p2p.net.transport import Transport
-from geomesh_p2p.net.transport_config import TransportConfig
 from geomesh_p2p.dht.protocol import dht_pb2
-from tests.dht_helpers import RUN, stop_all, stop_node
+from tests.dht_helpers import RUN, start_node, stop_all, stop_node
 from tests.integration.test_dht_announce import node_record
 from tests.integration.test_dht_read_targets import _holds
 
@@ -47,19 +45,9 @@ class HookedNode(DHTNode):
         return await super()._rpc_find(verified, context)
 
 
-async def start_hooked(bootstrap=(), *, identity=None, client_only=False, **kw) -> HookedNode:
-    transport = Transport(
-        identity or Identity.generate(), RUN, TransportConfig(host="127.0.0.1", port=0, client_only=client_only)
-    )
-    kw.setdefault("rpc_timeout_s", 2.0)
-    node = HookedNode(transport, **kw)
-    if not client_only:
-        await transport.start()
-    try:
-        await node.join(list(bootstrap))
-    except BaseException:
-        await stop_node(node)
-        raise
+async def start_hooked(bootstrap=(), **kw) -> HookedNode:
+    node = await start_node(list(bootstrap), node_cls=HookedNode, **kw)
+    assert isinstance(node, HookedNode)
     return node
 
 
