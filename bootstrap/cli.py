@@ -19,6 +19,7 @@ flags on the command line win.
 from __future__ import annotations
 
 import argparse
+import errno
 import asyncio
 import logging
 import os
@@ -261,7 +262,11 @@ async def _serve(ns: argparse.Namespace, identity, allow_peers, tls, stop: async
             url = await status.start()
         except OSError as e:
             await transport.stop(grace=0)
-            return _fail(f"cannot serve the status page on {_fmt(ns.http_host, ns.http_port)}: {e.strerror or e}")
+            why = "the port is in use" if e.errno == errno.EADDRINUSE else (e.strerror or str(e))
+            return _fail(
+                f"cannot serve the status page on {_fmt(ns.http_host, ns.http_port)}: {why} "
+                "(another --http-port, or --http-port 0 for a free one)"
+            )
 
     print(f"{PROG} {__version__}: run {ns.run_id!r}, DHT node serving on {address}", flush=True)
     print(f"PeerID: {identity.peer_id}", flush=True)

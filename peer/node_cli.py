@@ -17,6 +17,7 @@ from geomesh_p2p.config.flags import PARSERS, FlagSpec, add_flags, flag_specs, n
 from geomesh_p2p.config.models import NODE_GROUP, RUN_GROUP, NodeConfig, RunConfig
 from geomesh_p2p.net.addr import host_of, is_loopback_host
 from geomesh_p2p.util.errors import StartInputError, UserFacingError
+from geomesh_p2p.model.presets import PRESETS
 
 # Defaults of --data-column / --data-max-bytes (kept in sync with geomesh_p2p.data.hub, which is
 # not imported here so that --help stays fast; tests/unit/test_cli.py checks they are equal).
@@ -298,10 +299,10 @@ def check_model(ns: argparse.Namespace) -> None:
     mismatch with a live swarm). Builds the ``transformers`` config only, no weights (imports torch, which
     the node needs anyway). Raises ValueError naming the flag: unknown preset, model-config file missing,
     not JSON, or rejected by the model class."""
-    from geomesh_p2p.model.build import PRESETS, ConfigError, model_config
-
-    if not ns.model_config and ns.model not in PRESETS:
+    if not ns.model_config and ns.model not in PRESETS:  # before torch's import (seconds on a loaded machine)
         raise ValueError(f"--model {ns.model}: unknown model preset (known: {', '.join(PRESETS)})")
+    from geomesh_p2p.model.build import ConfigError, model_config
+
     try:
         model_config(ns.model, ns.model_config or None)
     except ConfigError as e:

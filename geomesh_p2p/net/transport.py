@@ -530,7 +530,10 @@ class Transport:
             port = 0
         if port == 0:
             self._server = None
-            raise OSError(f"cannot listen on {bind}: the port is in use or the address is not local")
+            raise OSError(
+                f"cannot listen on {bind}: the port is in use or the address is not local "
+                "(another --port, or --port 0 for a free one)"
+            )
         await self._server.start()
         self.address = f"{advertised_host}:{port}"
         return self.address

@@ -125,6 +125,9 @@ async def check_identity_unique(node: PeerNode) -> None:
         except Exception:  # nobody there (a stale record of this identity's previous run)
             continue
         if reply.sender == node.identity.peer_id:
+            # The PeerID's record is the other process's now: this one must not announce that it leaves (a
+            # leaving record under the shared PeerID made the others drop the live peer: fresh-user trial, s23).
+            node.identity_taken = True
             raise DuplicateIdentityError(
                 f"this PeerID ({node.identity.peer_id.short()}) is already live at {rec.address}: another "
                 f"process runs with the same --identity key; give each peer its own key file"

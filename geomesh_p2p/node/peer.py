@@ -39,7 +39,7 @@ from geomesh_p2p.config.models import NodeConfig, RunConfig
 from geomesh_p2p.dht import PeerAnnouncer, record_ttl_s
 from geomesh_p2p.dht import DHTNode
 from geomesh_p2p.util.aio import SharedRead
-from geomesh_p2p.util.errors import UserFacingError
+from geomesh_p2p.util.errors import StartInputError, UserFacingError
 from geomesh_p2p.net.identity import Identity, IdentityError, allow_list
 from geomesh_p2p.net.links import LinkProbeService
 from geomesh_p2p.telemetry.looplag import LoopLagMonitor
@@ -136,6 +136,8 @@ class PeerNode:
         self.transport: Optional[Transport] = None
         self.max_batch = 1
         self._leaving = False  # announced once this peer is on its way out (Ctrl+C / SIGTERM)
+        #: another live process runs this PeerID (joining.check_identity_unique): its record is not this one's
+        self.identity_taken = False
         self.round_log: Optional[RoundLog] = None  # made by start(); None once shut down
         # built by start() (None before it and in the unit tests that never start the node)
         self.event_sink: Any = None
@@ -366,7 +368,7 @@ class PeerNode:
         # This machine's own resources, one line each and before the DHT join (issue 14 #10): not found
         # out after the join, the link probe and the profile.
         if c.device.startswith("cuda") and not torch.cuda.is_available():
-            raise UserFacingError(
+            raise StartInputError(  # a flag this machine cannot serve: exit 2, as for a bad flag
                 f"--device {c.device}: CUDA is not available on this machine (torch "
                 f"{torch.__version__}, CUDA build {torch.version.cuda or 'none'}); use --device cpu "
                 f"or auto"
@@ -738,7 +740,7 @@ class PeerNode:
         # Leaving is announced first (before the checkpoint, which takes seconds on a large model), so
         # the others plan their next round without this peer whatever the reason it stops.
         try:
-            if self.announcer is not None and not self._leaving and self.ema is not None:
+            if self.announcer is not None and not self._leaving and self.ema is not None and not self.identity_taken:
                 self._leaving = True
                 events.emit(
                     log,

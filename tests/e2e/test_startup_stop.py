@@ -70,6 +70,7 @@ def test_device_cuda_without_cuda_is_one_line_before_the_dht_join(swarm):
     with dead_address() as dead:  # nothing listens there: had the join come first, it would fail after its retries
         swarm.peer("c0", "--device", "cuda", bootstrap=dead)
         text = _one_line_failure(swarm, "c0")
+    assert swarm.procs["c0"].returncode == 2  # a flag this machine cannot serve: as for a bad flag
     lines = _after_start(text)
     assert len(lines) == 1 and lines[0].startswith(
         "geomesh-peer join: --device cuda: CUDA is not available on this machine"

@@ -42,3 +42,35 @@ async def test_a_record_of_this_peer_id_elsewhere_runs_the_duplicate_check_once_
     with pytest.raises(DuplicateIdentityError, match="already live at 127.0.0.1:2"):
         await watch_identity(node, [_rec("me", "127.0.0.1:2")])
     assert checks == ["me", "me"]
+
+
+async def test_a_duplicate_marks_the_identity_taken_so_the_refused_process_announces_no_leaving(monkeypatch):
+    """The refused process's shutdown announces no leaving under the PeerID (PeerNode.shutdown reads
+    ``identity_taken``): that record would be the live process's, and the others would drop it."""
+    me = SimpleNamespace(short=lambda: "me")
+
+    class Transport:
+        address = "127.0.0.1:9"
+
+        async def call(self, address, method, payload, timeout):
+            assert address == "127.0.0.1:2" and timeout > 0
+            return SimpleNamespace(sender=me)
+
+    async def live(*a, **k):
+        return [_rec("me", "127.0.0.1:2")]
+
+    monkeypatch.setattr(joining, "live_peers", live)
+    ping = SimpleNamespace(PingRequest=lambda **k: SimpleNamespace(SerializeToString=lambda: b""))
+    monkeypatch.setattr(joining, "dht_pb2", ping)
+    dht = SimpleNamespace(self_info=lambda: None)
+    node = SimpleNamespace(
+        me="me",
+        identity=SimpleNamespace(peer_id=me),
+        identity_taken=False,
+        dht=dht,
+        run_cfg=SimpleNamespace(run_id="r", record_shards=1),
+        _started_transport=lambda: Transport(),
+    )
+    with pytest.raises(DuplicateIdentityError, match="already live at 127.0.0.1:2"):
+        await joining.check_identity_unique(node)
+    assert node.identity_taken is True
