@@ -137,8 +137,10 @@ def cmd_demo(ns: argparse.Namespace) -> int:
                 str(ns.peers),
                 "--rounds",
                 str(ns.rounds),
-                # every peer evaluates the same global weights, so all stop after the same round
-                *(["--target-ppl", str(ns.target_ppl)] if ns.target_ppl is not None else []),
+                # every peer evaluates the same global weights after every round (not auto's schedule, which
+                # each peer sets by its own timings: a fresh-user trial saw peer 0 stop at round 5 and the two
+                # others run a round 6 without it), so all see the target after the same round and stop together
+                *(["--target-ppl", str(ns.target_ppl), "--eval-every", "1"] if ns.target_ppl is not None else []),
                 "--threads",
                 str(ns.threads_per_peer),
                 "--log-json",
@@ -206,7 +208,8 @@ def _watch(ns, swarm: Swarm, workdir: Path, t0: float) -> int:
             )
             losses = [r["train_loss"] for r in rr if r["train_loss"] is not None]
             loss = sum(losses) / len(losses) if losses else float("nan")
-            ppl = rr[0]["eval_ppl"]  # None when not evaluated or not finite (strict JSON)
+            # the swarm's eval of the round: any peer's (the same global weights); None when none evaluated
+            ppl = next((r["eval_ppl"] for r in rr if r["eval_ppl"] is not None), None)
             print(
                 f"{shown:>5} {rr[0]['peers']:>5} {bh:<28} {loss:>6.3f} "
                 f"{(f'{ppl:.2f}' if ppl is not None else '-'):>9} {max(r['straggler_idle_pct'] for r in rr):>10.1f} "

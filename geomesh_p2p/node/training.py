@@ -276,7 +276,8 @@ def build_training(node: PeerNode) -> None:
         "device %s%s%s: %s tokens/s per batch, max batch %d (%.1fs to measure, peak %.2f GiB, budget %.2f GiB%s); "
         "exchange CPU %.1f ns per element pass",
         node.device_info.name,
-        f" x {ranks} ranks" if ranks > 1 else "",
+        # the peer's figures: rank 0's profile of batch b at K x the batch and K x the tokens/s (rank_profile)
+        f" x {ranks} ranks (the peer's batches and tokens/s: {ranks} x rank 0's profile)" if ranks > 1 else "",
         " (sharded, FSDP2)" if shard else "",
         {b: round(t) for b, t in node.profiled_tps.items()},
         node.max_batch,

@@ -186,5 +186,6 @@ def test_a_two_rank_peer_shards_by_itself_when_a_whole_copy_does_not_fit(tmp_pat
     need, budget = (int(g.replace(",", "")) for g in line.groups())
     assert need >= budget and abs(budget - per_rank) <= 1
     assert log.count("training sharded over 2 ranks") == 1 and "following rank 0, the model sharded (FSDP2)" in log
-    assert "x 2 ranks (sharded, FSDP2)" in log  # the profile's line: it counted the shard
+    # the profile's line: it counted the shard
+    assert "x 2 ranks (the peer's batches and tokens/s: 2 x rank 0's profile) (sharded, FSDP2)" in log
     assert "Traceback" not in log and not re.search(r"^\S+ E ", log, re.M), log[-3000:]
