@@ -80,6 +80,7 @@ def rank0(ch: RankChannel, scenario: str, out: str) -> int:
         except Exception as e:  # noqa: BLE001 - the test asserts on it
             out_r = {"error": f"{type(e).__name__}: {e}"}
         out_r["seconds"] = time.monotonic() - t0
+        out_r["pending"] = ch._pending is not None  # a RUN's batches still held after its meeting
         res["runs"].append(out_r)
         res["flat"].append(flat_params(t.model))
         torch.save(res, f"{out}.rank0.pt")  # as it goes: a hung run still leaves the runs before it

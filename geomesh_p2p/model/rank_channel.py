@@ -230,9 +230,18 @@ class RankChannel:
 
     def met(self) -> None:
         """Rank 0: the followers of a ``busy`` command (:meth:`send`) met rank 0 and wait for commands again:
-        the keep-alive resumes, its period counted from now."""
-        self._last_send = time.monotonic()
-        self._busy = False
+        the keep-alive resumes, its period counted from now, and the command's broadcasts are settled (they
+        completed: every rank took them before it trained), so their tensors (a RUN's batches, ``8 x H x B x
+        seq_len`` bytes) are not held through the round's exchange. Never raises."""
+        with self._lock:
+            if self.broken is None:
+                try:
+                    self._settle()
+                except RuntimeError as e:
+                    self.fail("a command to the other ranks failed", e)
+            self._pending = None
+            self._last_send = time.monotonic()
+            self._busy = False
 
     def _settle(self) -> None:
         """Rank 0, the lock held: wait until the last command sent without waiting (``send(wait=False)``) reached

@@ -82,6 +82,8 @@ def test_a_run_longer_than_the_collective_timeout_is_no_failure(tmp_path: Path) 
     assert codes[1] == 0, logs[-3000:]
     res = r0["runs"][0]
     assert res["seconds"] > 3 and res["tokens"] == 12 * rank_worker.BATCH * rank_worker.SEQ, res
+    # and rank 0 holds no batch of the run after its meeting (no keep-alive settled the RUN's broadcasts)
+    assert res["pending"] is False, res
 
 
 @pytest.mark.timeout(60)
