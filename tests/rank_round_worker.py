@@ -11,7 +11,9 @@ seen, its flat weights after each run; a follower its exit code and flat weights
 ``edges``: runs of 0 steps, with the deadline already past, of batch 1 (< the ranks), with speeds that overflow a
 float sum, then a normal run: no hang, the ranks stay in step;
 ``rank0error``: rank 0's second step raises a RuntimeError (not a non-finite loss); the next run must work;
-``long``: a run longer than the collective timeout (both ranks slow), keep-alive on: no failure.
+``long``: a run longer than the collective timeout (both ranks slow), keep-alive on: no failure;
+``eager``: a run with a StepTarget (eager updates) runs in lockstep, then a run once a round;
+``rank0dies``: rank 0 exits (``os._exit(9)``) at its second step of a 12-step run (the follower's 0.5 s each).
 """
 
 from __future__ import annotations
@@ -26,8 +28,14 @@ import torch
 from geomesh_p2p.model.build import flat_params
 from geomesh_p2p.model.rank_channel import EXIT, Command, RankChannel
 from geomesh_p2p.model.ranks import NoData, RankedTrainer
+from geomesh_p2p.model.training import StepTarget
 from geomesh_p2p.net.swarm_time import swarm_time
-from tests.rank_worker import BATCH, KWARGS, MICRO, STEPS, VOCAB, FakeData, model
+from tests.rank_worker import BATCH, KWARGS, MICRO, STEPS, VOCAB, FakeData, exp_avg, model
+
+
+def _moments(t: RankedTrainer) -> torch.Tensor:
+    """AdamW's ``exp_avg`` of ``t`` (empty before its first step)."""
+    return exp_avg(t) if t.optimizer.state else torch.empty(0)
 
 
 def _slow(t: RankedTrainer, seconds: float) -> None:
@@ -69,6 +77,20 @@ def rank0(ch: RankChannel, scenario: str, out: str) -> int:
     elif scenario == "long":
         _slow(t, 0.5)
         runs = [dict(inner_steps=12, batch_size=BATCH)]
+    elif scenario == "eager":  # a run with a StepTarget (eager updates): lockstep, then a run once a round
+        runs = [dict(inner_steps=STEPS, batch_size=BATCH, target=StepTarget(STEPS, None))] + runs
+    elif scenario == "rank0dies":
+        real, n = t.accumulate_grad, {"steps": 0}
+
+        def dying(batch, micro_batch=None):
+            n["steps"] += 1
+            if n["steps"] == 2:
+                os._exit(9)  # the follower took the RUN and is training its rows
+            time.sleep(0.5)
+            return real(batch, micro_batch)
+
+        t.accumulate_grad = dying  # type: ignore[method-assign]
+        runs = [dict(inner_steps=12, batch_size=BATCH)]
     for rnd, kw in enumerate(runs):
         kw = dict(kw)
         if "speeds" in kw:
@@ -81,6 +103,7 @@ def rank0(ch: RankChannel, scenario: str, out: str) -> int:
             out_r = {"error": f"{type(e).__name__}: {e}"}
         out_r["seconds"] = time.monotonic() - t0
         out_r["pending"] = ch._pending is not None  # a RUN's batches still held after its meeting
+        out_r["exp_avg"] = _moments(t)
         res["runs"].append(out_r)
         res["flat"].append(flat_params(t.model))
         torch.save(res, f"{out}.rank0.pt")  # as it goes: a hung run still leaves the runs before it
@@ -116,10 +139,10 @@ def follower(ch: RankChannel, scenario: str, out: str) -> int:
             return real(rnd, step, b)
 
         t._step_batch = stopping  # type: ignore[method-assign]
-    elif scenario == "long":
+    elif scenario in ("long", "rank0dies"):
         _slow(t, 0.5)
     code = t.follow()
-    torch.save({"code": code, "flat": flat_params(t.model)}, f"{out}.rank{ch.rank}.pt")
+    torch.save({"code": code, "flat": flat_params(t.model), "exp_avg": _moments(t)}, f"{out}.rank{ch.rank}.pt")
     ch.close(exit_followers=False)
     return code
 

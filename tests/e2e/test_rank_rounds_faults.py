@@ -120,3 +120,48 @@ def test_a_stopped_follower_ends_rank_0s_run_after_the_collective_timeout(tmp_pa
     assert res["tokens"] == rank_worker.STEPS * 3 * rank_worker.SEQ and res["early"], res
     assert 3.5 < res["seconds"] < 15, res
     assert len(r0["failures"]) == 1 and "meeting" in r0["failures"][0], r0["failures"]
+
+
+@pytest.mark.timeout(60)
+def test_a_run_with_a_step_target_falls_back_to_lockstep(tmp_path: Path) -> None:
+    """Eager updates pass a StepTarget (its steps may change while they run): that run is lockstep (STEP commands,
+    DDP), the next one once a round again; the ranks stay in step through both."""
+    r0, codes, logs = _run(tmp_path, "eager", 20)
+    assert codes[1] == 0 and r0["failures"] == [], logs[-3000:]
+    full = rank_worker.STEPS * rank_worker.BATCH * rank_worker.SEQ
+    assert [r["tokens"] for r in r0["runs"]] == [full, full], r0["runs"]
+    r1 = torch.load(tmp_path / "out.rank1.pt")
+    assert torch.equal(r1["flat"], r0["flat"][-1])
+    # after the round run the inner optimizers are each rank's own (lockstep alone would keep them equal)
+    assert not torch.equal(r1["exp_avg"], r0["runs"][-1]["exp_avg"])
+
+
+@pytest.mark.timeout(60)
+def test_a_follower_whose_rank_0_died_mid_run_exits_at_the_meeting(tmp_path: Path) -> None:
+    """Rank 0 dies while the follower trains its rows (a torchrun follower: no parent to watch): the follower
+    finishes its run (12 steps of 0.5 s), then its meeting fails at once (a closed connection), one ERROR line,
+    exit 1."""
+    init = f"tcp://127.0.0.1:{_port()}"
+    env = {"GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
+    argv = [sys.executable, str(ROOT / "tests" / "rank_round_worker.py")]
+    procs = [
+        subprocess.Popen(
+            [*argv, str(r), "2", init, "rank0dies", str(tmp_path / "out"), "30"],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        for r in range(2)
+    ]
+    try:
+        assert procs[0].wait(timeout=50) == 9
+        assert procs[1].wait(timeout=20) == 1  # well before the 30 s collective timeout
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    log1 = procs[1].stdout.read().decode(errors="replace") if procs[1].stdout else ""
+    errors = [line for line in log1.splitlines() if "; exiting" in line]
+    assert len(errors) == 1 and "meeting failed" in errors[0], log1[-2000:]
+    assert torch.load(tmp_path / "out.rank1.pt")["code"] == 1
