@@ -154,6 +154,8 @@ class RankChannel:
         self._last_send = time.monotonic()
         self._stop = threading.Event()
         self._keepalive: Optional[threading.Thread] = None
+        #: rank 0: the followers run a command on their own until the ranks meet (a RUN): no keep-alive
+        self._busy = False
         #: rank 0: the broadcasts of the last command sent without waiting, and their tensors (:meth:`send`)
         self._pending: Optional[tuple[list[Any], list[torch.Tensor]]] = None
 
@@ -180,7 +182,13 @@ class RankChannel:
 
     # -- rank 0 ---------------------------------------------------------------------------------------
     def send(
-        self, command: Command, batch: Optional[torch.Tensor] = None, *, wait: bool = True, more: tuple = ()
+        self,
+        command: Command,
+        batch: Optional[torch.Tensor] = None,
+        *,
+        wait: bool = True,
+        more: tuple = (),
+        busy: bool = False,
     ) -> None:
         """Rank 0: broadcast ``command`` (and ``batch``, int64 ``[B, seq_len]``, for a STEP; int64 ``[H, B,
         seq_len]`` for a RUN, then ``more``: a RUN's int64 ``[K]`` rows per rank) on the command channel. The
@@ -191,22 +199,49 @@ class RankChannel:
         the weights) but goes on with its rows; gloo's threads complete the broadcasts meanwhile. They are waited
         for before the next command, so a failure is still seen (the step's gradient all-reduce sees a dead rank
         first). The bytes on the wire are the same. Raises RankFailure (after :meth:`fail`) when it fails, or
-        when the channel is broken."""
+        when the channel is broken.
+
+        ``busy`` (a RUN): the followers are busy until the ranks meet (:meth:`met`); no keep-alive goes out
+        meanwhile. A follower takes no command while it trains, and gloo's broadcast waits until every rank
+        receives, so a PING sent then would wait for the whole run holding the lock, and fail the peer once a run
+        outlasts the collective timeout although every rank is healthy (the meeting's own collectives see a
+        dead or hung rank)."""
         if self.broken is not None:
             raise RankFailure(self.broken)
         with self._lock:
-            try:
-                self._settle()
-                tensors = [command.to_tensor()]
-                if batch is not None:
-                    tensors.append(batch.to("cpu", torch.int64).contiguous())
-                tensors.extend(m.to("cpu", torch.int64).contiguous() for m in more)
-                works = [dist.broadcast(t, src=0, group=self.cmd, async_op=not wait) for t in tensors]
-                if not wait:
-                    self._pending = (works, tensors)  # the tensors live until their broadcasts completed
-            except RuntimeError as e:
-                raise self.fail(f"command {command} to the other ranks failed", e) from None
+            self._send_locked(command, batch, wait, more)
+            if busy:
+                self._busy = True
+
+    def _send_locked(self, command: Command, batch: Optional[torch.Tensor], wait: bool, more: tuple) -> None:
+        """:meth:`send`'s broadcasts, the lock held. Raises RankFailure."""
+        try:
+            self._settle()
+            tensors = [command.to_tensor()]
+            if batch is not None:
+                tensors.append(batch.to("cpu", torch.int64).contiguous())
+            tensors.extend(m.to("cpu", torch.int64).contiguous() for m in more)
+            works = [dist.broadcast(t, src=0, group=self.cmd, async_op=not wait) for t in tensors]
+            if not wait:
+                self._pending = (works, tensors)  # the tensors live until their broadcasts completed
+        except RuntimeError as e:
+            raise self.fail(f"command {command} to the other ranks failed", e) from None
+        self._last_send = time.monotonic()
+
+    def met(self) -> None:
+        """Rank 0: the followers of a ``busy`` command (:meth:`send`) met rank 0 and wait for commands again:
+        the keep-alive resumes, its period counted from now, and the command's broadcasts are settled (they
+        completed: every rank took them before it trained), so their tensors (a RUN's batches, ``8 x H x B x
+        seq_len`` bytes) are not held through the round's exchange. Never raises."""
+        with self._lock:
+            if self.broken is None:
+                try:
+                    self._settle()
+                except RuntimeError as e:
+                    self.fail("a command to the other ranks failed", e)
+            self._pending = None
             self._last_send = time.monotonic()
+            self._busy = False
 
     def _settle(self) -> None:
         """Rank 0, the lock held: wait until the last command sent without waiting (``send(wait=False)``) reached
@@ -240,17 +275,24 @@ class RankChannel:
         return RankFailure(self.broken or reason)
 
     def start_keepalive(self, period_s: float = PING_PERIOD_S) -> None:
-        """Rank 0: a daemon thread sending :data:`PING` whenever no command went out for ``period_s``."""
+        """Rank 0: a daemon thread sending :data:`PING` whenever no command went out for ``period_s`` (none while
+        the followers are busy with a RUN: :meth:`send`)."""
 
         def loop() -> None:
             while not self._stop.wait(period_s / 4):
-                if time.monotonic() - self._last_send < period_s or not self._lock.acquire(blocking=False):
+                if self._busy or time.monotonic() - self._last_send < period_s:
                     continue
-                self._lock.release()
+                if not self._lock.acquire(blocking=False):
+                    continue
                 try:
-                    self.send(Command(PING))
+                    # checked again under the lock: a busy command may have gone out since (send sets it there)
+                    if self._busy or self.broken is not None or time.monotonic() - self._last_send < period_s:
+                        continue
+                    self._send_locked(Command(PING), None, True, ())
                 except RankFailure:
                     return
+                finally:
+                    self._lock.release()
 
         self._keepalive = threading.Thread(target=loop, name="rank-keepalive", daemon=True)
         self._keepalive.start()

@@ -94,8 +94,10 @@ def rank_split(batch_size: int, speeds: Optional[Sequence[float]], world: int) -
         return even
     floor = 1 if batch_size >= world else 0
     spare = batch_size - floor * world
-    total = float(sum(speeds))
-    exact = [spare * v / total for v in speeds]
+    top = max(speeds)
+    weights = [v / top for v in speeds]  # in (0, 1]: no sum or product overflows (speeds near 1e308)
+    total = sum(weights)
+    exact = [spare * (w / total) for w in weights]
     rows = [int(x) for x in exact]
     order = sorted(range(world), key=lambda r: (-(exact[r] - rows[r]), r))
     for r in order[: spare - sum(rows)]:
@@ -105,9 +107,9 @@ def rank_split(batch_size: int, speeds: Optional[Sequence[float]], world: int) -
 
 def update_speeds(old: Optional[list[float]], tokens: Sequence[float], seconds: Sequence[float]) -> list[float]:
     """Each rank's speed estimate (tokens/s) after a run: ``SPEED_EMA`` of this run's ``tokens / seconds`` and the
-    rest of ``old``; a rank without a measurement this run (no token or no time) keeps its old figure (the mean of
+    rest of ``old``; a rank without a measurement this run (no token, no time, a rate not finite) keeps its old figure (the mean of
     the others' when it has none)."""
-    new = [t / s if t > 0 and s > 0 else None for t, s in zip(tokens, seconds)]
+    new = [t / s if t > 0 and s > 0 and math.isfinite(t / s) else None for t, s in zip(tokens, seconds)]
     known = [v for v in new if v is not None]
     fill = sum(known) / len(known) if known else 1.0
     out = []
@@ -143,8 +145,9 @@ def run_independent(
     peer's :class:`InnerResult`: the ranks' steps and tokens summed, the loss token-weighted, ``compute_s`` rank
     0's from its first step to the end of the meeting. ``progress(k, loss, tokens/s)`` reports rank 0's steps at
     the peer's rate (``K x`` its own). Raises RankFailure (the channel's ``on_failure`` was called) when a
-    collective fails; FloatingPointError when rank 0's loss is non-finite (after the meeting, where it counted
-    0 tokens, so the followers never wait for it)."""
+    collective fails; FloatingPointError when rank 0's loss is non-finite, or its weights are and no rank's are
+    finite, and any other error of rank 0's own steps (each after the meeting, where rank 0 counted 0 tokens, so
+    the followers never wait for it at a meeting rank 0 skipped)."""
     ch = t.channel
     H, B = int(inner_steps), int(batch_size)
     t0 = time.perf_counter()
@@ -164,7 +167,8 @@ def run_independent(
         arg=t.global_step,
     )
     # the followers start as soon as they take it; rank 0 trains meanwhile
-    ch.send(cmd, rows, wait=False, more=(torch.tensor(split, dtype=torch.int64),))
+    # busy: no keep-alive until the meeting (the followers take no command meanwhile: RankChannel.send)
+    ch.send(cmd, rows, wait=False, more=(torch.tensor(split, dtype=torch.int64),), busy=True)
     world = ch.world
 
     def peer_rate(k: int, loss: float, tps: float) -> None:
@@ -174,12 +178,17 @@ def run_independent(
     own, error = _train_share(t, rows, split, round, H, micro_batch, deadline, peer_rate, should_stop)
     del rows
     try:
-        steps, tokens, loss_sum, per_rank = _meet(t, own)
+        steps, tokens, loss_sum, per_rank, own_finite = _meet(t, own)
         t.rank_speeds = update_speeds(t.rank_speeds, per_rank[:, 1].tolist(), per_rank[:, 3].tolist())
+        if error is None and not own_finite and tokens == 0:
+            # no rank has finite weights to give rank 0's model: what a non-finite loss gives (steps.py resets)
+            error = FloatingPointError(f"non-finite weights after round {round}'s inner steps on every rank")
     except RankFailure:
         # on_failure was called (the node leaves); rank 0's own steps are in its model: they are the peer's.
         steps, tokens, loss_sum = own.steps_done, own.tokens, own.mean_loss * own.steps_done
         own = dataclasses.replace(own, stopped_early=True)
+    finally:
+        ch.met()
     t.optimizer.zero_grad(set_to_none=True)
     if error is not None:
         raise error
@@ -213,9 +222,11 @@ def follow_run(t: "RankedTrainer", cmd: Command) -> None:
         raise RankFailure(f"rank {ch.rank}: rank 0 split {B} rows as {split}")
     t.global_step = cmd.arg  # the lr schedule of the peer's steps (lr_for), as rank 0's
     deadline = None if cmd.lr < 0 else swarm_time() + cmd.lr
-    own, _ = _train_share(t, rows, split, cmd.round, H, cmd.micro_batch or None, deadline, None, None)
+    own, error = _train_share(t, rows, split, cmd.round, H, cmd.micro_batch or None, deadline, None, None)
     _meet(t, own)
     t.optimizer.zero_grad(set_to_none=True)
+    if error is not None and not isinstance(error, FloatingPointError):
+        raise error  # after the meeting (rank 0 got this rank's 0 tokens); the follower then exits (follow)
 
 
 def _train_share(
@@ -230,8 +241,10 @@ def _train_share(
     should_stop: Optional[Callable[[], bool]],
 ) -> tuple[InnerResult, Optional[BaseException]]:
     """This rank's inner steps on its rows of ``rows`` (int64 ``[H, B, seq_len]``; ``split[r]`` rows for rank ``r``,
-    in rank order): :meth:`InnerTrainer.run` with the step's batch read from ``rows``. Returns its result (0 steps when it raised) and the error to raise after
-    the meeting (a non-finite loss)."""
+    in rank order): :meth:`InnerTrainer.run` with the step's batch read from ``rows``. Returns its result (0 steps
+    when it raised) and the error to raise after the meeting: a non-finite loss, or any other error of the steps
+    (a rank that skipped the meeting would leave the others waiting in it, then every later command of rank 0
+    out of step with them, until the collective timeout failed the peer)."""
     ch = t.channel
     start = sum(split[: ch.rank])
     stop = start + split[ch.rank]
@@ -250,20 +263,29 @@ def _train_share(
             should_stop=should_stop,
         )
         return result, None
-    except FloatingPointError as e:
+    except Exception as e:  # noqa: BLE001 - raised again after the meeting
         return InnerResult(0, 0, float("nan"), float("nan"), 0.0, True), e
     finally:
         t._local_rows = None
 
 
 @torch.no_grad()
-def _meet(t: "RankedTrainer", own: InnerResult) -> tuple[int, int, float, torch.Tensor]:
+def _meet(t: "RankedTrainer", own: InnerResult) -> tuple[int, int, float, torch.Tensor, bool]:
     """The ranks' one meeting of a run: each rank's ``[steps, tokens, loss x steps, compute seconds]`` to every rank
     (one all-reduce of a ``[K, 4]`` float64 table, each rank filling its row), then make every rank's model the
     token-weighted mean of their trained weights (a rank of 0 tokens adds zeros: its weights may be non-finite).
-    Returns the sums ``(steps, tokens, loss x steps)`` and the table (CPU). Raises RankFailure."""
+    A rank whose trained weights are not all finite (a step that overflowed after a finite loss) counts 0 steps and
+    0 tokens, and its inner optimizer starts afresh (its state is likely non-finite too, and would poison every
+    later run). Returns the sums ``(steps, tokens, loss x steps)``, the table (CPU) and whether this rank's
+    weights were finite. Raises RankFailure."""
     ch = t.channel
     dev = t.device
+    params = list(t.model.parameters())
+    flat = parameters_to_vector(params)
+    finite = bool(torch.isfinite(flat).all())
+    if not finite:
+        own = dataclasses.replace(own, steps_done=0, tokens=0)
+        t.optimizer.state.clear()
     loss_sum = own.mean_loss * own.steps_done if own.steps_done else 0.0
     if not math.isfinite(loss_sum):
         loss_sum = 0.0
@@ -274,8 +296,6 @@ def _meet(t: "RankedTrainer", own: InnerResult) -> tuple[int, int, float, torch.
         table = table.cpu()
         steps, tokens, total_loss = (float(v) for v in table[:, :3].sum(dim=0).tolist())
         if tokens > 0:
-            params = list(t.model.parameters())
-            flat = parameters_to_vector(params)
             if own.tokens:
                 flat.mul_(own.tokens / tokens)
             else:
@@ -284,4 +304,4 @@ def _meet(t: "RankedTrainer", own: InnerResult) -> tuple[int, int, float, torch.
             vector_to_parameters(flat, params)
     except RuntimeError as e:
         raise ch.fail("the ranks' end-of-round meeting failed", e) from None
-    return int(steps), int(tokens), total_loss, table
+    return int(steps), int(tokens), total_loss, table, finite

@@ -362,3 +362,19 @@ def test_update_speeds_smooths_and_keeps_what_a_run_did_not_measure() -> None:
     # rank 1 trained nothing this run: it keeps its figure; without one it gets the others' mean
     assert update_speeds([100.0, 300.0], [100.0, 0.0], [1.0, 0.0]) == [100.0, 300.0]
     assert update_speeds(None, [100.0, 0.0], [1.0, 0.0]) == [100.0, 100.0]
+
+
+@pytest.mark.parametrize(
+    "speeds",
+    [[1e308, 1.0], [1e308, 1e308], [1.0, 5e-324], [1e308, 5e-324, 1e-300], [2.0**1023, 2.0**1023, 2.0**1023]],
+)
+@pytest.mark.parametrize("batch", [0, 1, 2, 5, 64, 1001])
+def test_rank_split_with_extreme_speeds_sums_to_the_batch(speeds: list[float], batch: int) -> None:
+    # speeds near the float range once raised OverflowError (spare x 1e308) or ValueError (inf / inf), and every
+    # later run with them too
+    rows = rank_split(batch, speeds, len(speeds))
+    assert sum(rows) == batch and min(rows) >= (1 if batch >= len(speeds) else 0), rows
+
+
+def test_update_speeds_ignores_a_rate_that_is_not_finite() -> None:
+    assert update_speeds([2.0, 3.0], [1e300, 100.0], [1e-300, 10.0]) == [2.0, 0.5 * 10.0 + 0.5 * 3.0]
