@@ -33,6 +33,11 @@ from geomesh_p2p.net.swarm_time import swarm_time
 from tests.rank_worker import BATCH, KWARGS, MICRO, STEPS, VOCAB, FakeData, exp_avg, model
 
 
+#: ``long``: steps of 0.5 s a rank; with the test's 5 s collective timeout the run lasts 8 s (the margin of 5 s between
+#: the ranks absorbs a loaded machine's skew; a 3 s timeout failed once under a parallel test run)
+LONG_STEPS = 16
+
+
 def _moments(t: RankedTrainer) -> torch.Tensor:
     """AdamW's ``exp_avg`` of ``t`` (empty before its first step)."""
     return exp_avg(t) if t.optimizer.state else torch.empty(0)
@@ -76,7 +81,7 @@ def rank0(ch: RankChannel, scenario: str, out: str) -> int:
         runs = runs * 2
     elif scenario == "long":
         _slow(t, 0.5)
-        runs = [dict(inner_steps=12, batch_size=BATCH)]
+        runs = [dict(inner_steps=LONG_STEPS, batch_size=BATCH)]
     elif scenario == "eager":  # a run with a StepTarget (eager updates): lockstep, then a run once a round
         runs = [dict(inner_steps=STEPS, batch_size=BATCH, target=StepTarget(STEPS, None))] + runs
     elif scenario == "rank0dies":

@@ -233,8 +233,12 @@ def build_training(node: PeerNode) -> None:
     # profile then counts the rank's shard of the training state, and measures with no optimizer state.
     choice = choose_rank_training(node, est, ranks, rank_memory) if channel is not None else None
     shard = choice is not None and choice.shard
-    if shard and c.rank_sync != "step" and int(getattr(node, "rank_device_share", 1)) > 1:
-        log.info("sharded, the ranks meet at every inner step (--rank-sync round needs a whole model per rank)")
+    if shard and independent_ranks(c.rank_sync, int(getattr(node, "rank_device_share", 1)), False):
+        log.info(
+            "sharded, the ranks meet at every inner step (--rank-sync %s would have them meet once a round, which "
+            "needs a whole model per rank)",
+            c.rank_sync,
+        )
     # Profile first: the inner optimizer and the global state are not allocated yet, so the profile's
     # static estimate (gradients + optimizer state + the estimate's other items) is what the node adds.
     try:

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from tests import rank_worker
+from tests.rank_round_worker import LONG_STEPS
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -76,12 +77,12 @@ def test_a_rank_with_non_finite_weights_adds_nothing_to_the_average(tmp_path: Pa
 
 @pytest.mark.timeout(60)
 def test_a_run_longer_than_the_collective_timeout_is_no_failure(tmp_path: Path) -> None:
-    # 12 steps of 0.5 s on each rank (6 s), a 3 s collective timeout, a keep-alive every 0.5 s
-    r0, codes, logs = _run(tmp_path, "long", 3)
+    # 16 steps of 0.5 s on each rank (8 s), a 5 s collective timeout, a keep-alive every 0.5 s
+    r0, codes, logs = _run(tmp_path, "long", 5)
     assert r0["failures"] == [], r0["failures"]
     assert codes[1] == 0, logs[-3000:]
     res = r0["runs"][0]
-    assert res["seconds"] > 3 and res["tokens"] == 12 * rank_worker.BATCH * rank_worker.SEQ, res
+    assert res["seconds"] > 5 and res["tokens"] == LONG_STEPS * rank_worker.BATCH * rank_worker.SEQ, res
     # and rank 0 holds no batch of the run after its meeting (no keep-alive settled the RUN's broadcasts)
     assert res["pending"] is False, res
 
