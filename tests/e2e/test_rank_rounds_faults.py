@@ -9,42 +9,23 @@ a batch smaller than the ranks or with overflowing speeds neither hang nor desyn
 
 from __future__ import annotations
 
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests import rank_worker
+from tests.rank_procs import reap, spawn_ranks
 from tests.rank_round_worker import LONG_STEPS
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run(tmp_path: Path, scenario: str, timeout_s: float, follower_exits: bool = True) -> tuple[dict, dict, str]:
     """Both ranks of ``scenario``; returns rank 0's results, their exit codes and the logs. A follower that does
     not exit on its own (``follower_exits`` False: it stopped itself) is killed once rank 0 is done."""
-    init = f"tcp://127.0.0.1:{_port()}"
     out = str(tmp_path / "out")
-    env = {"GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
-    argv = [sys.executable, str(ROOT / "tests" / "rank_round_worker.py")]
-    procs = [
-        subprocess.Popen(
-            [*argv, str(r), "2", init, scenario, out, str(timeout_s)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-        )
-        for r in range(2)
-    ]
+    procs = spawn_ranks("rank_round_worker.py", 2, scenario, out, str(timeout_s))
     codes = {}
     try:
         procs[0].wait(timeout=50)
@@ -53,11 +34,7 @@ def _run(tmp_path: Path, scenario: str, timeout_s: float, follower_exits: bool =
             procs[1].wait(timeout=20)
             codes[1] = procs[1].returncode
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    logs = b"".join(p.stdout.read() for p in procs if p.stdout is not None).decode(errors="replace")
+        logs = reap(procs)
     assert codes[0] == 0, logs[-3000:]
     return torch.load(tmp_path / "out.rank0.pt"), codes, logs
 
@@ -142,27 +119,13 @@ def test_a_follower_whose_rank_0_died_mid_run_exits_at_the_meeting(tmp_path: Pat
     """Rank 0 dies while the follower trains its rows (a torchrun follower: no parent to watch): the follower
     finishes its run (12 steps of 0.5 s), then its meeting fails at once (a closed connection), one ERROR line,
     exit 1."""
-    init = f"tcp://127.0.0.1:{_port()}"
-    env = {"GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
-    argv = [sys.executable, str(ROOT / "tests" / "rank_round_worker.py")]
-    procs = [
-        subprocess.Popen(
-            [*argv, str(r), "2", init, "rank0dies", str(tmp_path / "out"), "30"],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-        )
-        for r in range(2)
-    ]
+    procs = spawn_ranks("rank_round_worker.py", 2, "rank0dies", str(tmp_path / "out"), "30")
     try:
         assert procs[0].wait(timeout=50) == 9
         assert procs[1].wait(timeout=20) == 1  # well before the 30 s collective timeout
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    log1 = procs[1].stdout.read().decode(errors="replace") if procs[1].stdout else ""
+        reap(procs[:1])
+        log1 = reap(procs[1:])
     errors = [line for line in log1.splitlines() if "; exiting" in line]
     assert len(errors) == 1 and "meeting failed" in errors[0], log1[-2000:]
     assert torch.load(tmp_path / "out.rank1.pt")["code"] == 1

@@ -11,49 +11,27 @@ parameter, gradient and AdamW moment, and a dead rank ends the round with nothin
 
 from __future__ import annotations
 
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests import rank_worker
+from tests.rank_procs import reap, spawn_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run(tmp_path: Path, scenario: str, world: int = 2, rank0: int = 0) -> dict[int, int]:
-    init = f"tcp://127.0.0.1:{_port()}"
     out = str(tmp_path / "out")
-    env = {"GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(ROOT / "tests" / "rank_worker.py"), str(r), str(world), init, scenario, out],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-        )
-        for r in range(world)
-    ]
+    procs = spawn_ranks("rank_worker.py", world, scenario, out)
     codes = {}
     try:
         for r, p in enumerate(procs):
             p.wait(timeout=90)
             codes[r] = p.returncode
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    logs = b"".join(p.stdout.read() for p in procs if p.stdout is not None).decode(errors="replace")
+        logs = reap(procs)
     assert codes[0] == rank0, logs[-3000:]
     return codes
 
