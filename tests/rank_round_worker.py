@@ -22,8 +22,10 @@ import os
 import signal
 import sys
 import time
+from datetime import timedelta
 
 import torch
+from torch.distributed import distributed_c10d
 
 from geomesh_p2p.model.build import flat_params
 from geomesh_p2p.model.rank_channel import EXIT, Command, RankChannel
@@ -36,6 +38,20 @@ from tests.rank_worker import BATCH, KWARGS, MICRO, STEPS, VOCAB, FakeData, exp_
 #: ``long``: steps of 0.5 s a rank; with the test's 5 s collective timeout the run lasts 8 s (the margin of 5 s between
 #: the ranks absorbs a loaded machine's skew; a 3 s timeout failed once under a parallel test run)
 LONG_STEPS = 16
+
+
+#: Collective timeout (seconds) while the ranks form and build their trainers: a loaded CI machine (3 test workers
+#: on 2 cores) took over 4 s for the follower's DDP set-up; the scenario's own, shorter timeout applies after it.
+SETUP_TIMEOUT_S = 60.0
+#: the scenario's collective timeout (seconds, argv[6]), set by main()
+TIMEOUT_S = [0.0]
+
+
+def _scenario_timeout(ch: RankChannel, seconds: float) -> None:
+    """Both process groups' collective timeout from now on (this process only: each rank sets its own)."""
+    for group in (ch.main, ch.cmd):
+        distributed_c10d._set_pg_timeout(timedelta(seconds=seconds), group)
+    ch.timeout_s = seconds
 
 
 def _moments(t: RankedTrainer) -> torch.Tensor:
@@ -58,6 +74,7 @@ def rank0(ch: RankChannel, scenario: str, out: str) -> int:
     ch.on_failure = res["failures"].append
     ch.start_keepalive(period_s=0.5)
     t = RankedTrainer(model(), FakeData(), channel=ch, independent=True, **KWARGS)
+    _scenario_timeout(ch, TIMEOUT_S[0])
     runs = [dict(inner_steps=STEPS, batch_size=BATCH, micro_batch=MICRO)]
     if scenario == "edges":
         runs = [
@@ -122,6 +139,7 @@ def rank0(ch: RankChannel, scenario: str, out: str) -> int:
 def follower(ch: RankChannel, scenario: str, out: str) -> int:
     assert ch.wait_setup() == VOCAB
     t = RankedTrainer(model(), NoData(VOCAB), channel=ch, **KWARGS)
+    _scenario_timeout(ch, TIMEOUT_S[0])
     if scenario == "nanweights":
         real_step, n = t.optimizer.step, {"steps": 0}
 
@@ -155,7 +173,8 @@ def follower(ch: RankChannel, scenario: str, out: str) -> int:
 def main() -> int:
     rank, world, init, scenario, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
     torch.set_num_threads(1)
-    ch = RankChannel.init(rank, world, "cpu", init, timeout_s=float(sys.argv[6]))
+    TIMEOUT_S[0] = float(sys.argv[6])
+    ch = RankChannel.init(rank, world, "cpu", init, timeout_s=SETUP_TIMEOUT_S)
     return rank0(ch, scenario, out) if rank == 0 else follower(ch, scenario, out)
 
 
