@@ -142,7 +142,8 @@ def run_independent(
     should_stop: Optional[Callable[[], bool]] = None,
 ) -> InnerResult:
     """Rank 0: one run of inner steps with the ranks stepping on their own (module docstring). Returns the
-    peer's :class:`InnerResult`: the ranks' steps and tokens summed, the loss token-weighted, ``compute_s`` rank
+    peer's :class:`InnerResult`: the ranks' tokens summed (``steps_done``: their steps' worth, rounded up), the
+    loss the mean over every rank's steps, ``compute_s`` rank
     0's from its first step to the end of the meeting. ``progress(k, loss, tokens/s)`` reports rank 0's steps at
     the peer's rate (``K x`` its own). Raises RankFailure (the channel's ``on_failure`` was called) when a
     collective fails; FloatingPointError when rank 0's loss is non-finite, or its weights are and no rank's are
