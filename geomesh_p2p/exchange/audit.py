@@ -36,7 +36,6 @@ from geomesh_p2p.exchange.commitment import DIGEST_BYTES, contribution_digest, p
 from geomesh_p2p.exchange.owner import _RoundState
 from geomesh_p2p.exchange.partition import VALIDATION_BYTES, _pid_bytes, _short
 from geomesh_p2p.net.identity import EnvelopeError
-from geomesh_p2p.net.methods import COLLECTIVE_INPUTS, COLLECTIVE_PULL
 from geomesh_p2p.net.swarm_time import swarm_time
 from geomesh_p2p.net.transport import RpcError
 from geomesh_p2p.telemetry import events
@@ -299,7 +298,7 @@ async def _fetch_held(
             return None, "not served by the deadline"
         try:
             reply = await service.transport.call(
-                address, COLLECTIVE_INPUTS, req.SerializeToString(), round=spec.round, timeout=left
+                address, service.methods.inputs, req.SerializeToString(), round=spec.round, timeout=left
             )
             resp = await asyncio.to_thread(collective_pb2.PullInputsResponse.FromString, reply.payload)
         except RpcError as e:
@@ -339,7 +338,7 @@ async def _pull_inputs(
         )
         try:
             reply = await service.transport.call(
-                owner.address, COLLECTIVE_INPUTS, req.SerializeToString(), round=spec.round, timeout=left
+                owner.address, service.methods.inputs, req.SerializeToString(), round=spec.round, timeout=left
             )
             resp = await asyncio.to_thread(collective_pb2.PullInputsResponse.FromString, reply.payload)
         except RpcError as e:
@@ -390,7 +389,7 @@ async def _cached_copy(service: "CollectiveService", spec, j: int, hashes, deadl
     )
     try:
         reply = await service.transport.call(
-            helpers[pick], COLLECTIVE_PULL, req.SerializeToString(), round=spec.round, timeout=min(left, 5.0)
+            helpers[pick], service.methods.pull, req.SerializeToString(), round=spec.round, timeout=min(left, 5.0)
         )
         resp = collective_pb2.PullPartResponse.FromString(reply.payload)
     except (RpcError, DecodeError):

@@ -16,7 +16,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import grpc
 import torch
@@ -36,7 +36,6 @@ from geomesh_p2p.exchange.partition import CollectiveSpec, _pid_bytes, _short
 from geomesh_p2p.net.identity import EnvelopeError
 from geomesh_p2p.net.links import LinkSample, link_sample
 from geomesh_p2p.net.transport import RpcError
-from geomesh_p2p.net.methods import COLLECTIVE_INPUTS, COLLECTIVE_PULL, COLLECTIVE_PUSH
 from geomesh_p2p.wire import collective_pb2
 
 __all__ = ["AllReduceResult", "CollectiveService"]
@@ -140,6 +139,7 @@ class CollectiveService(OwnerService):
         compute_end: Optional[float] = None,
         *,
         in_place: bool = False,
+        read: Optional[Sequence[int]] = None,
     ) -> AllReduceResult:
         """Contribute ``delta`` (trained on ``tokens`` tokens) and return the round's aggregate.
 
@@ -157,6 +157,9 @@ class CollectiveService(OwnerService):
                 is then ``delta`` (flattened) and its values are bitwise those of ``in_place=False``.
                 ``delta`` is garbage if the call raises. The caller must not read ``delta`` as its update
                 meanwhile (eager updates do: they pass False).
+            read: the parts whose results this node reads (default all); the others are pushed only, left out
+                of ``contributors`` and ``missing_parts``, and their slices are not written (a reduce-scatter:
+                the group level of a grouped round reads its own parts, :mod:`.groups`).
 
         Returns:
             :class:`AllReduceResult`. It returns by ``spec.pull_deadline`` (plus the time to decode),
@@ -210,7 +213,8 @@ class CollectiveService(OwnerService):
         # are cut small so that transfers and reductions overlap) would otherwise see more calls from this
         # node than its per-sender call cap; per owner, so an unreachable owner stalls only its own parts.
         state.pull_slots = {o.peer_id: asyncio.Semaphore(self.max_pulls_per_owner) for o in spec.owners}
-        pulls = [asyncio.ensure_future(self._obtain(state, j)) for j in range(n_parts)]
+        reading = list(range(n_parts)) if read is None else sorted(set(read))
+        pulls = [asyncio.ensure_future(self._obtain(state, j)) for j in reading]
         try:
             outcomes = await asyncio.gather(*pulls)
             pushed = dict(enumerate(await asyncio.gather(*pushes)))
@@ -225,7 +229,7 @@ class CollectiveService(OwnerService):
         contributors, missing = {}, []
         packets: dict[str, dict[int, Any]] = {}
         last_compute_end = 0.0
-        for j, out in enumerate(outcomes):
+        for j, out in zip(reading, outcomes):
             if out is None:
                 missing.append(j)  # its slice is zeros (_obtain zeroes a refused part)
                 continue
@@ -282,7 +286,7 @@ class CollectiveService(OwnerService):
 
     def _collective_bytes(self) -> tuple[int, int]:
         by = self.transport.stats.by_method
-        a, b, c = by.get(COLLECTIVE_PUSH, (0, 0)), by.get(COLLECTIVE_PULL, (0, 0)), by.get(COLLECTIVE_INPUTS, (0, 0))
+        a, b, c = (by.get(m, (0, 0)) for m in self.methods.all())
         return a[0] + b[0] + c[0], a[1] + b[1] + c[1]
 
     def _contribution_bytes(
@@ -383,7 +387,7 @@ class CollectiveService(OwnerService):
             try:
                 t_call = time.monotonic()
                 reply = await self.transport.call(
-                    owner.address, COLLECTIVE_PUSH, payload, round=spec.round, timeout=remaining + self.push_grace_s
+                    owner.address, self.methods.push, payload, round=spec.round, timeout=remaining + self.push_grace_s
                 )
                 t_reply = time.monotonic()
             except RpcError as e:
@@ -431,7 +435,7 @@ class CollectiveService(OwnerService):
         while spec.deadline - swarm_time() > 0:
             try:
                 reply = await self.transport.call(
-                    witness.address, COLLECTIVE_PUSH, payload, round=spec.round, timeout=spec.deadline - swarm_time()
+                    witness.address, self.methods.push, payload, round=spec.round, timeout=spec.deadline - swarm_time()
                 )
                 resp = collective_pb2.PushPartResponse.FromString(reply.payload)
                 rc = await asyncio.to_thread(accountable.open_receipt, self._inner, resp.receipt)
@@ -540,6 +544,7 @@ class CollectiveService(OwnerService):
                 # without a copy, and they gave up on a part this peer applies. Its verdict (signature,
                 # signed time) is the same on every peer, so the bytes are served before this peer's own.
                 state.cache[j] = signed
+                state.cache_event(j).set()
         free = state.delta_free.get(j)
         if free is not None and out is not None:
             # In place: the slice is this node's update until its push of part j is encoded. A result of
@@ -659,7 +664,7 @@ class CollectiveService(OwnerService):
             try:
                 t_call = time.monotonic()
                 reply = await self.transport.call(
-                    owner.address, COLLECTIVE_PULL, req.SerializeToString(), round=spec.round, timeout=remaining
+                    owner.address, self.methods.pull, req.SerializeToString(), round=spec.round, timeout=remaining
                 )
                 t_reply = time.monotonic()
                 resp = await messages.parse_pull(reply.payload)
@@ -707,7 +712,7 @@ class CollectiveService(OwnerService):
                 req = collective_pb2.PullPartRequest(round=spec.round, part=j, wait_s=0.0, spec_id=spec.spec_id)
                 try:
                     reply = await self.transport.call(
-                        h, COLLECTIVE_PULL, req.SerializeToString(), round=spec.round, timeout=min(1.0, left)
+                        h, self.methods.pull, req.SerializeToString(), round=spec.round, timeout=min(1.0, left)
                     )
                     resp = await messages.parse_pull(reply.payload)
                     if resp.ready:  # a helper's copy is whole (only the owner leaves the caller's entry out)

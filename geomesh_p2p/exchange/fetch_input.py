@@ -33,7 +33,6 @@ from geomesh_p2p.exchange.audit import _fetch_held
 from geomesh_p2p.exchange.commitment import DIGEST_BYTES, participant_order
 from geomesh_p2p.exchange.partition import CollectiveSpec, _short
 from geomesh_p2p.net.identity import EnvelopeError
-from geomesh_p2p.net.methods import COLLECTIVE_INPUTS
 from geomesh_p2p.net.swarm_time import swarm_time
 from geomesh_p2p.net.transport import RpcError
 from geomesh_p2p.wire import collective_pb2
@@ -179,7 +178,7 @@ async def _one_from_owner(service: "CollectiveService", spec, part: int, sender:
             return None, "not served by the deadline", 0
         try:
             reply = await service.transport.call(
-                owner.address, COLLECTIVE_INPUTS, req.SerializeToString(), round=spec.round, timeout=left
+                owner.address, service.methods.inputs, req.SerializeToString(), round=spec.round, timeout=left
             )
             resp = await asyncio.to_thread(collective_pb2.PullInputsResponse.FromString, reply.payload)
         except RpcError as e:

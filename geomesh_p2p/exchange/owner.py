@@ -27,7 +27,7 @@ from geomesh_p2p.exchange.partition import CollectiveSpec, PartOwner, _pid_bytes
 from geomesh_p2p.net.identity import EnvelopeError, Verified, Verifier
 from geomesh_p2p.telemetry.logonce import LogOnce
 from geomesh_p2p.net.transport import TaskOwner, Transport
-from geomesh_p2p.net.methods import COLLECTIVE_INPUTS, COLLECTIVE_PULL, COLLECTIVE_PUSH
+from geomesh_p2p.net.methods import COLLECTIVE, CollectiveMethods
 from geomesh_p2p.wire import collective_pb2
 
 __all__ = ["OwnerService"]
@@ -83,6 +83,8 @@ class _RoundState:
     spec: CollectiveSpec
     parts: dict[int, _OwnedPart]
     cache: dict[int, wire.Buffer] = field(default_factory=dict)  # owner-signed results pulled from others
+    # part -> set once this node holds the part's result in ``cache`` (grouped rounds' readers wait on it)
+    cached: dict[int, asyncio.Event] = field(default_factory=dict)
     contributing: bool = False
     compute_end: float = 0.0  # this node's, carried in its contributions
     # (direction "up"/"down", payload bytes, start, end) in monotonic seconds, server hold taken out
@@ -119,6 +121,15 @@ class _RoundState:
     own_pushed: dict[int, bytes] = field(default_factory=dict)
     # part -> the task pushing this node's contribution to it (set by all_reduce for its duration)
     push_tasks: dict[int, Any] = field(default_factory=dict)
+
+    def cache_event(self, j: int) -> asyncio.Event:
+        """The event set once part ``j``'s result is in :attr:`cache` (created on first use)."""
+        ev = self.cached.get(j)
+        if ev is None:
+            ev = self.cached[j] = asyncio.Event()
+            if j in self.cache:
+                ev.set()
+        return ev
 
 
 class _TooFarAhead(EnvelopeError):
@@ -235,10 +246,12 @@ class OwnerService:
         max_concurrent_pushes: int = 2,
         max_pulls_per_owner: int = 8,
         late_pull_s: float = 5.0,
+        methods: CollectiveMethods = COLLECTIVE,
     ):
         if transport.address is not None:
             raise RuntimeError("create the CollectiveService before transport.start()")
         self.transport = transport
+        self.methods = methods
         self.peer_id = transport.identity.peer_id.to_string()
         self.max_rounds_kept = max_rounds_kept
         self.long_poll_s = long_poll_s
@@ -266,9 +279,9 @@ class OwnerService:
         self._inner = Verifier(
             transport.run_id, max_skew_s=float("inf"), max_payload_bytes=transport.config.max_message_bytes
         )
-        transport.add_unary(COLLECTIVE_PUSH, self._handle_push)
-        transport.add_unary(COLLECTIVE_PULL, self._handle_pull)
-        transport.add_unary(COLLECTIVE_INPUTS, self._handle_inputs)
+        transport.add_unary(methods.push, self._handle_push)
+        transport.add_unary(methods.pull, self._handle_pull)
+        transport.add_unary(methods.inputs, self._handle_inputs)
 
     # --------------------------------------------------------------------------- registration
     def register(self, spec: CollectiveSpec) -> _RoundState:
@@ -599,12 +612,18 @@ class OwnerService:
             spec = state.spec
             if req.spec_id != spec.spec_id:
                 raise EnvelopeError(Code.FAILED_PRECONDITION, f"pull is for another spec of round {spec.round}")
-            if caller not in spec.participants and all(o.peer_id != caller for o in spec.owners):
+            if not spec.may_read(caller):
                 raise EnvelopeError(Code.PERMISSION_DENIED, f"{_short(caller)} is not in round {spec.round}")
             part = state.parts.get(req.part)
             omitted: Optional[list] = None
             if part is None:
                 cached = state.cache.get(req.part)
+                if cached is None and spec.readers and state.contributing and wait_s > 0:
+                    # a grouped round's reader asks the group mate that reads the part for it (groups.py): a long
+                    # poll until this node's own pull of the part has landed
+                    left = wait_s - (time.monotonic() - t0)
+                    await wait_event(state.cache_event(req.part), left)
+                    cached = state.cache.get(req.part)
                 if cached is None:
                     raise EnvelopeError(Code.NOT_FOUND, f"part {req.part} of round {spec.round} is not held here")
                 if req.unless_sha256 and state.result_hashes.get(req.part) == bytes(req.unless_sha256):

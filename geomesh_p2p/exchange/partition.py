@@ -232,6 +232,8 @@ class CollectiveSpec:
         grace_s: see ``probation`` (unused when nobody is on probation).
         validators_per_part: accountable mode: participants drawn after the round to re-check each part
             (:func:`geomesh_p2p.exchange.accountable.draw_validators`); ignored by the other modes.
+        readers: peers besides the participants that may pull the parts' results (base58 PeerIDs): a grouped
+            round's cross-group level is read by every peer of the round (:mod:`geomesh_p2p.exchange.groups`).
 
     ``spec_id`` (SHA-256 of the canonical JSON of all fields) travels in every push and pull;
     a peer with a different spec for the same round is refused with ``FAILED_PRECONDITION``.
@@ -257,6 +259,7 @@ class CollectiveSpec:
     probation: Sequence[str] = ()
     grace_s: float = 1.0
     validators_per_part: int = 1
+    readers: Sequence[str] = ()
     spec_id: bytes = field(init=False, repr=False, compare=False, default=b"")
 
     def __post_init__(self):
@@ -324,6 +327,7 @@ class CollectiveSpec:
         object.__setattr__(self, "validators_per_part", int(self.validators_per_part))
         if self.validators_per_part < 0:
             raise ValueError(f"validators_per_part must be >= 0, got {self.validators_per_part}")
+        object.__setattr__(self, "readers", tuple(sorted({_pid_str(p) for p in self.readers} - set(parts))))
         object.__setattr__(self, "spec_id", hashlib.sha256(self._canonical_json().encode()).digest())
 
     def to_dict(self) -> dict[str, Any]:
@@ -349,6 +353,7 @@ class CollectiveSpec:
             "probation": list(self.probation),
             "grace_s": self.grace_s,
             "validators_per_part": self.validators_per_part,
+            "readers": list(self.readers),
         }
 
     @classmethod
@@ -372,7 +377,13 @@ class CollectiveSpec:
             d["min_support"] = repr(self.min_support)
         if self.mode != "accountable":  # likewise: only accountable specs name their validators
             del d["validators_per_part"]
+        if not self.readers:  # likewise: only a grouped round's cross-group specs name readers
+            del d["readers"]
         return json.dumps(d, sort_keys=True, separators=(",", ":"))
+
+    def may_read(self, peer_id: str) -> bool:
+        """True when ``peer_id`` may pull this spec's results: a participant, an owner or a reader."""
+        return peer_id in self.participants or peer_id in self.readers or any(o.peer_id == peer_id for o in self.owners)
 
     def part_index_of(self, peer_id: str) -> list[int]:
         return [j for j, o in enumerate(self.owners) if o.peer_id == peer_id]

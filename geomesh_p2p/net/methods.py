@@ -6,6 +6,7 @@ by the server and the client side of :mod:`geomesh_p2p.net.transport`. Units: by
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Dict, Tuple
 
 
@@ -13,13 +14,41 @@ from typing import Dict, Tuple
 DHT_PING = "/geomesh.wire.Dht/Ping"
 DHT_STORE = "/geomesh.wire.Dht/Store"
 DHT_FIND = "/geomesh.wire.Dht/Find"
-COLLECTIVE_PUSH = "/geomesh.wire.Collective/PushPart"
-COLLECTIVE_PULL = "/geomesh.wire.Collective/PullPart"
-COLLECTIVE_INPUTS = "/geomesh.wire.Collective/PullInputs"
 STATE_GET = "/geomesh.wire.State/GetState"
 STATE_STATUS = "/geomesh.wire.State/Status"
 LINK_PROBE = "/geomesh.wire.Link/Probe"
 STATE_UPDATE = "/geomesh.wire.State/GetUpdate"
+
+
+@dataclass(frozen=True)
+class CollectiveMethods:
+    """The three methods of one collective service (one per level of the exchange: a node serves each level's
+    parts under its own names, so that a round's group level and cross-group level keep their own per-round state
+    -- :mod:`geomesh_p2p.exchange.groups`)."""
+
+    push: str
+    pull: str
+    inputs: str
+
+    @classmethod
+    def named(cls, service: str) -> "CollectiveMethods":
+        """The methods of gRPC service ``geomesh.wire.<service>``."""
+        return cls(
+            f"/geomesh.wire.{service}/PushPart",
+            f"/geomesh.wire.{service}/PullPart",
+            f"/geomesh.wire.{service}/PullInputs",
+        )
+
+    def all(self) -> tuple[str, str, str]:
+        return (self.push, self.pull, self.inputs)
+
+
+#: The one-level exchange (every round without groups) and the two levels of a grouped round (issue 26).
+COLLECTIVE = CollectiveMethods.named("Collective")
+COLLECTIVE_GROUP = CollectiveMethods.named("CollectiveGroup")
+COLLECTIVE_CROSS = CollectiveMethods.named("CollectiveCross")
+LEVELS = (COLLECTIVE, COLLECTIVE_GROUP, COLLECTIVE_CROSS)
+COLLECTIVE_PUSH, COLLECTIVE_PULL, COLLECTIVE_INPUTS = COLLECTIVE.all()
 
 #: Connection lanes. Calls that move bulk data (pseudo-gradient parts, the state, outer updates, link
 #: probes) go over their own connection to a peer, the control calls (DHT, status) over another. Why: on a
@@ -27,7 +56,7 @@ STATE_UPDATE = "/geomesh.wire.State/GetUpdate"
 #: queued behind them arrived after its record expired (a real-process DiLoCo run at 5-7 Mbit/s: peers
 #: announced as dead, planned out every round). A second TCP connection shares the link fairly instead.
 CONTROL_LANE, BULK_LANE = "control", "bulk"
-BULK_METHODS = frozenset({COLLECTIVE_PUSH, COLLECTIVE_PULL, COLLECTIVE_INPUTS, STATE_GET, STATE_UPDATE, LINK_PROBE})
+BULK_METHODS = frozenset({*(m for lv in LEVELS for m in lv.all()), STATE_GET, STATE_UPDATE, LINK_PROBE})
 
 
 def lane_of(method: str) -> str:
@@ -44,8 +73,7 @@ ENVELOPE_OVERHEAD = 4096
 
 # Payload limits of methods registered without one (their requests are small, their replies are not).
 DEFAULT_PAYLOAD_LIMITS: Dict[str, int] = {
-    COLLECTIVE_PULL: 4 << 10,
-    COLLECTIVE_INPUTS: 4 << 10,
+    **{m: 4 << 10 for lv in LEVELS for m in (lv.pull, lv.inputs)},
     STATE_GET: 1 << 10,
     STATE_STATUS: 1 << 10,
 }
@@ -55,9 +83,7 @@ METHOD_CLASS: Dict[str, str] = {
     DHT_PING: "dht",
     DHT_STORE: "dht",
     DHT_FIND: "dht",
-    COLLECTIVE_PUSH: "collective",
-    COLLECTIVE_PULL: "collective",
-    COLLECTIVE_INPUTS: "collective",
+    **{m: "collective" for lv in LEVELS for m in lv.all()},
     STATE_GET: "state",
     STATE_STATUS: "state",
     LINK_PROBE: "probe",

@@ -38,7 +38,7 @@ from geomesh_p2p.model.rank_rounds import independent_ranks
 from geomesh_p2p.model.ranks import RankedTrainer, load_sharding_modules
 from geomesh_p2p.model.training import DEFAULT_INNER, InnerTrainer, lr_at
 from geomesh_p2p.model.build import build_model, num_params
-from geomesh_p2p.net.methods import COLLECTIVE_PULL, COLLECTIVE_PUSH
+from geomesh_p2p.net.methods import LEVELS
 from geomesh_p2p.node.joining import StoppedBeforeJoining
 
 log = logging.getLogger("geomesh_p2p.node.peer")
@@ -294,10 +294,11 @@ def build_training(node: PeerNode) -> None:
     # No legitimate push exceeds one fp32 copy of the vector (the fp32 baselines' largest part) plus
     # framing: a larger one is refused from its length prefix, before it is read (issue 12).
     transport = node._started_transport()
-    transport.set_payload_limit(
-        COLLECTIVE_PUSH, min(transport.config.max_message_bytes, 4 * node.numel + PUSH_FRAMING_BYTES)
-    )
-    transport.set_payload_limit(COLLECTIVE_PULL, PULL_REQUEST_BYTES)
+    for level in LEVELS:  # the one-level exchange and both levels of a grouped round
+        transport.set_payload_limit(
+            level.push, min(transport.config.max_message_bytes, 4 * node.numel + PUSH_FRAMING_BYTES)
+        )
+        transport.set_payload_limit(level.pull, PULL_REQUEST_BYTES)
     if channel is not None:  # the followers build theirs when rank 0's SETUP arrives (node/ranks.py)
         try:
             node.trainer = RankedTrainer(

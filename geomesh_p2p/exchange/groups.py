@@ -1,0 +1,401 @@
+"""All-reduce groups that stay synchronous per round: a two-level exchange (issue 26).
+
+A one-level round is one group of all ``N`` participants: each peer pushes a part to every owner and pulls
+every owner's result, ``2(N - 1)`` calls per peer and ``N^2`` in all. Above a group size ``G`` the round's
+participants are split into ``M = ceil(N / G)`` groups (a seeded shuffle of the spec, so it changes every
+round and every peer derives the same one) and the exchange runs in three stages, as a 2-D all-reduce
+(reduce-scatter along one axis, all-reduce along the other, all-gather back):
+
+1. **Group reduce-scatter** (service ``CollectiveGroup``). The vector is cut into ``C`` *slices*, the same
+   in every group (``C`` = the fewest owners any group has). Owner ``c`` of group ``g`` aggregates slice
+   ``c`` of its group's contributions with the round's rule (meanmed, the agreement filter, ...) and reads
+   it locally: nobody else pulls it. Its result is kept in fp32 (it never crosses the network), so the
+   group level adds no compression.
+2. **Cross-group all-reduce** (service ``CollectiveCross``). The ``M`` owners of slice ``c`` (one per group,
+   the *cross set*) all-reduce their group aggregates, each weighted by its group's tokens, through one
+   *leader* that owns the whole slice (drawn per slice and round). Its result is signed by the leader.
+3. **Group all-gather.** Every peer pulls each slice it does not hold from the owner of that slice in its
+   own group, which serves the leader-signed result it pulled (a long poll until it holds it). If that
+   owner is gone, from the leader or any other member of the cross set: every copy is the leader's signed
+   bytes, so every peer of the round applies the same bits.
+
+Per peer: about ``(G - 1) + 2 + (G - 1)`` calls for the slices it does not own, and bytes about
+``P/8`` up and ``P/8`` down plus ``2 P/(8G)`` for a slice owner (a leader: ``(M - 1) P/(8 C)`` each way),
+flat in ``N`` for ``G ~ M ~ sqrt(N)``. What it trades: one more sign compression (the group aggregate is
+compressed again for the cross level) and owners are trusted as in ``reencode`` mode (``relay`` and
+``accountable`` rounds are not grouped: :func:`group_layout` returns None for them).
+
+Failures, each the one-level rule applied at its level: a member that fails is missing from its group's
+parts; a slice owner that fails leaves its group out of that slice's cross all-reduce (its group mates read
+the slice from the leader instead); a leader that fails leaves its slice missing -- zeros -- for every peer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from google.protobuf.message import DecodeError
+
+from geomesh_p2p.exchange import messages
+from geomesh_p2p.exchange.client import AllReduceResult, CollectiveService, _cpu_fp32_finite, _signed_at
+from geomesh_p2p.exchange.partition import CollectiveSpec, PartOwner, _pid_bytes, _short, max_part_elements
+from geomesh_p2p.exchange.partition import split_owners
+from geomesh_p2p.net.identity import EnvelopeError
+from geomesh_p2p.net.methods import COLLECTIVE_CROSS, COLLECTIVE_GROUP
+from geomesh_p2p.net.swarm_time import swarm_time
+from geomesh_p2p.net.transport import RpcError
+from geomesh_p2p.schema.partition import part_sizes
+from geomesh_p2p.wire import collective_pb2
+
+__all__ = ["GroupLayout", "group_layout", "level_specs", "GroupedCollective", "STAGE_SHARES"]
+
+log = logging.getLogger(__name__)
+
+#: Where each stage's deadlines fall in the exchange window (``exchange_start`` -> the spec's pull deadline), as
+#: shares of it: group pushes close, group results are due, cross pushes close, cross results are due; the
+#: all-gather runs to the end.
+STAGE_SHARES = (0.40, 0.45, 0.65, 0.80)
+
+#: Slices read concurrently in the all-gather (each a long poll to one group mate).
+GATHER_CONCURRENCY = 8
+
+
+@dataclass(frozen=True)
+class GroupLayout:
+    """Who does what in a grouped round. ``groups[g]``: the members of group ``g`` (base58 PeerIDs);
+    ``slices[c]``: ``[start, end)`` elements of slice ``c`` (the same in every group); ``slice_owners[g][c]``:
+    the member of group ``g`` that aggregates slice ``c`` there; ``leaders[c]``: the member of slice ``c``'s
+    cross set (``slice_owners[*][c]``) that owns the cross-group all-reduce of the slice."""
+
+    groups: tuple[tuple[str, ...], ...]
+    slices: tuple[tuple[int, int], ...]
+    slice_owners: tuple[tuple[str, ...], ...]
+    leaders: tuple[str, ...]
+
+    def group_of(self, peer: str) -> int:
+        """The index of ``peer``'s group. Raises KeyError for a peer of no group."""
+        for g, members in enumerate(self.groups):
+            if peer in members:
+                return g
+        raise KeyError(peer)
+
+    def slice_of(self, peer: str) -> Optional[int]:
+        """The slice ``peer`` owns in its group (each owns at most one), or None."""
+        g = self.group_of(peer)
+        return next((c for c, p in enumerate(self.slice_owners[g]) if p == peer), None)
+
+    def cross_set(self, c: int) -> list[str]:
+        """The owners of slice ``c``, one per group, in group order."""
+        return [owners[c] for owners in self.slice_owners]
+
+
+def _draw(seed: bytes, peer: str) -> bytes:
+    return hashlib.sha256(seed + b"group" + _pid_bytes(peer)).digest()
+
+
+def group_layout(spec: CollectiveSpec, group_size: int) -> Optional[GroupLayout]:
+    """The round's groups, from the spec alone (every peer derives the same one; its ``spec_id`` seeds the
+    shuffle, so groups change every round). None when the round stays one group: ``group_size`` < 2, at most
+    ``group_size`` participants, a ``relay`` or ``accountable`` round (their readers check every input or
+    every owner, which a second level would hide), fewer established participants than groups (each group
+    needs one for its quorum) or a group without an owner (client-only peers own nothing).
+
+    Groups: ``ceil(N / group_size)``, sizes within one of each other; established participants are dealt
+    first, so newcomers on probation spread over the groups. Slices: the vector cut into equal block-aligned
+    shares, one per owner of the group with the fewest owners; established owners take slices first.
+    """
+    n = len(spec.participants)
+    if group_size < 2 or n <= group_size or spec.mode != "reencode":
+        return None
+    m = math.ceil(n / group_size)
+    seed = spec.spec_id
+    probation = set(spec.probation)
+    established = sorted((p for p in spec.participants if p not in probation), key=lambda p: _draw(seed, p))
+    newcomers = sorted(probation, key=lambda p: _draw(seed, p))
+    if len(established) < m:
+        return None
+    groups: list[list[str]] = [[] for _ in range(m)]
+    for i, p in enumerate(established + newcomers):
+        groups[i % m].append(p)
+    addresses = {o.peer_id: o.address for o in spec.owners}
+    owners = [[p for p in members if p in addresses] for members in groups]  # established first (dealt first)
+    c = min(len(o) for o in owners)
+    if c == 0:
+        return None
+    sizes = [s for s in part_sizes(spec.numel, [None] * c, align=spec.block_size, equal=True) if s > 0]
+    slices, start = [], 0
+    for s in sizes:
+        slices.append((start, start + s))
+        start += s
+    c = len(slices)
+    offset = int.from_bytes(hashlib.sha256(seed + b"leaders").digest()[:8], "big")
+    leaders = tuple(owners[(k + offset) % m][k] for k in range(c))
+    return GroupLayout(tuple(tuple(g) for g in groups), tuple(slices), tuple(tuple(o[:c]) for o in owners), leaders)
+
+
+def level_specs(
+    spec: CollectiveSpec, layout: GroupLayout, exchange_start: float, max_message_bytes: int
+) -> tuple[list[CollectiveSpec], list[CollectiveSpec]]:
+    """(``group_specs[g]``, ``cross_specs[c]``): the specs of both levels of ``spec``'s round, with ``spec``'s rule,
+    codec and quorum. ``exchange_start``: unix seconds when the pushes start (the plan's train deadline); the
+    stages' deadlines are :data:`STAGE_SHARES` of ``exchange_start`` -> ``spec.pull_deadline``. A group spec's
+    participants keep their token caps and its results are fp32 (read by their owner only); a cross spec's
+    participants are the slice's cross set, each capped at its group's summed caps, its ``readers`` every
+    participant of the round. Raises ValueError when a part does not fit ``max_message_bytes``."""
+    window = max(0.0, spec.pull_deadline - exchange_start)
+    d1, p1, d2, p2 = (exchange_start + share * window for share in STAGE_SHARES)
+    addresses = {o.peer_id: o.address for o in spec.owners}
+    common = dict(
+        run_id=spec.run_id,
+        round=spec.round,
+        mode="reencode",
+        block_size=spec.block_size,
+        clip_k=spec.clip_k,
+        push_encoding=spec.push_encoding,
+        rule=spec.rule,
+        weight_cap=spec.weight_cap,
+        min_agreement=spec.min_agreement,
+        min_support=spec.min_support,
+        quorum=spec.quorum,
+    )
+
+    def cut(owners: list[PartOwner], agg: str, n: int) -> list[PartOwner]:
+        return split_owners(
+            owners,
+            max_part_elements(
+                push_encoding=spec.push_encoding,
+                mode="reencode",
+                aggregate_encoding=agg,
+                n_participants=n,
+                block_size=spec.block_size,
+                max_message_bytes=max_message_bytes,
+            ),
+        )
+
+    group_specs = []
+    for g, members in enumerate(layout.groups):
+        owners = [PartOwner(p, addresses[p], a, b) for p, (a, b) in zip(layout.slice_owners[g], layout.slices)]
+        group_specs.append(
+            CollectiveSpec(
+                participants={p: spec.participants[p] for p in members},
+                owners=tuple(cut(owners, "fp32", len(members))),
+                numel=spec.numel,
+                deadline=d1,
+                pull_deadline=p1,
+                aggregate_encoding="fp32",
+                probation=[p for p in members if p in spec.probation],
+                grace_s=spec.grace_s,
+                **common,  # type: ignore[arg-type]
+            )
+        )
+    caps = [sum(spec.participants[p] for p in members) for members in layout.groups]
+    cross_specs = []
+    for c, (a, b) in enumerate(layout.slices):
+        cross = layout.cross_set(c)
+        leader = layout.leaders[c]
+        cross_specs.append(
+            CollectiveSpec(
+                participants={p: caps[g] for g, p in enumerate(cross)},
+                owners=tuple(
+                    cut([PartOwner(leader, addresses[leader], 0, b - a)], spec.aggregate_encoding, len(cross))
+                ),
+                numel=b - a,
+                deadline=d2,
+                pull_deadline=p2,
+                aggregate_encoding=spec.aggregate_encoding,
+                readers=list(spec.participants),
+                **common,  # type: ignore[arg-type]
+            )
+        )
+    return group_specs, cross_specs
+
+
+class GroupedCollective:
+    """A node's exchange with groups: the one-level :class:`CollectiveService` (``flat``) and one service per
+    level of a grouped round (``group``, ``cross``: methods of their own, so each keeps its own per-round
+    state). Create it before ``await transport.start()``; ``await close()`` on shutdown."""
+
+    def __init__(self, flat: CollectiveService, **service_kw):
+        self.flat = flat
+        self.group = CollectiveService(flat.transport, methods=COLLECTIVE_GROUP, **service_kw)
+        self.cross = CollectiveService(flat.transport, methods=COLLECTIVE_CROSS, **service_kw)
+        self.peer_id = flat.peer_id
+
+    async def close(self) -> None:
+        await asyncio.gather(self.group.close(), self.cross.close())
+
+    def _bytes(self) -> tuple[int, int]:
+        out = [s._collective_bytes() for s in (self.flat, self.group, self.cross)]
+        return sum(x[0] for x in out), sum(x[1] for x in out)
+
+    async def all_reduce(
+        self,
+        spec: CollectiveSpec,
+        delta: torch.Tensor,
+        tokens: int,
+        compute_end: Optional[float] = None,
+        *,
+        group_size: int,
+        exchange_start: float,
+        in_place: bool = False,
+    ) -> AllReduceResult:
+        """:meth:`CollectiveService.all_reduce` of ``spec``'s round, in groups of ``group_size`` when
+        :func:`group_layout` groups it (else the one-level exchange, unchanged). ``delta``: fp32 [numel], finite;
+        ``tokens``: its tokens; ``exchange_start``: see :func:`level_specs`. Returns an :class:`AllReduceResult`
+        whose parts are the cross level's parts (global ranges in ``part_ranges``, contributors: the cross
+        sets' members with their groups' tokens); with ``in_place`` the aggregate is written into ``delta``.
+        Raises ValueError for a bad spec / delta or a peer that is not a participant."""
+        layout = group_layout(spec, group_size)
+        if layout is None:
+            return await self.flat.all_reduce(spec, delta, tokens, compute_end, in_place=in_place)
+        me = self.peer_id
+        if me not in spec.participants:
+            raise ValueError(f"this node ({_short(me)}) is not a participant of round {spec.round}")
+        started = time.monotonic()
+        before = self._bytes()
+        group_specs, cross_specs = level_specs(
+            spec, layout, exchange_start, self.flat.transport.config.max_message_bytes
+        )
+        buf = await asyncio.to_thread(_cpu_fp32_finite, delta)
+        if not in_place or buf.data_ptr() != delta.data_ptr():
+            buf = await asyncio.to_thread(buf.clone)  # the stages write into it
+        g = layout.group_of(me)
+        gspec = group_specs[g]
+        mine = gspec.part_index_of(me)
+        r1 = await self.group.all_reduce(gspec, buf, tokens, compute_end, in_place=True, read=mine)
+        c_mine = layout.slice_of(me)
+        results: dict[int, AllReduceResult] = {}
+        if c_mine is not None:
+            a, b = layout.slices[c_mine]
+            # the slice's group tokens: its parts may differ after a failed push; the fewest is the safe weight
+            group_tokens = min((r1.tokens(j) for j in mine), default=0)
+            results[c_mine] = await self.cross.all_reduce(
+                cross_specs[c_mine], buf[a:b], group_tokens, compute_end, in_place=True
+            )
+        addresses = {o.peer_id: o.address for o in spec.owners}
+        gathered = await self._all_gather(layout, cross_specs, g, c_mine, buf, addresses)
+        contributors: dict[int, list[tuple[str, int]]] = {}
+        missing: list[int] = []
+        ranges: list[tuple[int, int]] = []
+        last = r1.last_compute_end
+        for c, (a, _) in enumerate(layout.slices):
+            xs = cross_specs[c]
+            for j, o in enumerate(xs.owners):
+                k = len(ranges)
+                ranges.append((a + o.start, a + o.end))
+                got = results[c].contributors.get(j) if c in results else gathered.get((c, j))
+                if got is None:
+                    missing.append(k)
+                else:
+                    contributors[k] = got
+            if c in results:
+                last = max(last, results[c].last_compute_end)
+        if missing:
+            log.warning(
+                "round %d: grouped exchange: %d of %d parts have no result: zero update there",
+                spec.round,
+                len(missing),
+                len(ranges),
+            )
+            await asyncio.to_thread(_zero, buf, [ranges[k] for k in missing])
+        after = self._bytes()
+        return AllReduceResult(
+            buf,
+            contributors,
+            missing,
+            r1.pushed,
+            after[0] - before[0],
+            after[1] - before[1],
+            time.monotonic() - started,
+            last,
+            r1.upload,
+            r1.download,
+            {},
+            ranges,
+        )
+
+    async def _all_gather(
+        self,
+        layout: GroupLayout,
+        cross_specs: list[CollectiveSpec],
+        g: int,
+        c_mine: Optional[int],
+        buf: torch.Tensor,
+        addresses: dict[str, str],
+    ) -> dict[tuple[int, int], list[tuple[str, int]]]:
+        """Stage 3: every slice but ``c_mine``, part by part, from this group's owner of the slice first (then the
+        leader, then the rest of the cross set). Returns ``(slice, part) -> contributors`` of the parts read."""
+        slots = asyncio.Semaphore(GATHER_CONCURRENCY)
+        out: dict[tuple[int, int], list[tuple[str, int]]] = {}
+
+        async def one(c: int, j: int) -> None:
+            xs = cross_specs[c]
+            a = layout.slices[c][0]
+            o = xs.owners[j]
+            cross = layout.cross_set(c)
+            order = [cross[g], layout.leaders[c]] + [cross[(g + k) % len(cross)] for k in range(1, len(cross))]
+            sources = [(p, addresses[p]) for p in dict.fromkeys(order) if p != self.peer_id]
+            async with slots:
+                got = await self._gather_part(xs, j, sources, buf[a + o.start : a + o.end])
+            if got is not None:
+                out[(c, j)] = got
+
+        await asyncio.gather(
+            *(one(c, j) for c, xs in enumerate(cross_specs) if c != c_mine for j in range(len(xs.owners)))
+        )
+        return out
+
+    async def _gather_part(
+        self, xs: CollectiveSpec, j: int, sources: list[tuple[str, str]], out: torch.Tensor
+    ) -> Optional[list[tuple[str, int]]]:
+        """Part ``j`` of cross spec ``xs``: the leader-signed result from the first source that holds it (a long
+        poll to the first, which reads it for its group), decoded into ``out``; None (``out`` zeroed) when
+        nobody served it by the spec's pull deadline plus the service's ``late_pull_s``, or it was signed after
+        the pull deadline (the rule every cross-set member applies too)."""
+        svc = self.cross
+        end = xs.pull_deadline + svc.late_pull_s
+        first = True
+        while swarm_time() < end:
+            for p, address in sources:
+                left = end - swarm_time()
+                if left <= 0:
+                    break
+                wait_s = max(0.0, min(svc.long_poll_s, xs.pull_deadline - swarm_time())) if first else 0.0
+                req = collective_pb2.PullPartRequest(round=xs.round, part=j, wait_s=wait_s, spec_id=xs.spec_id)
+                try:
+                    reply = await svc.transport.call(
+                        address, svc.methods.pull, req.SerializeToString(), round=xs.round, timeout=left
+                    )
+                    resp = await messages.parse_pull(reply.payload)
+                except (RpcError, DecodeError):
+                    continue
+                if not resp.ready:
+                    continue
+                signed = resp.signed_result
+                try:
+                    async with svc._read_slot():
+                        res = await asyncio.to_thread(svc._read_result, xs, j, signed, out)
+                except EnvelopeError as err:
+                    log.warning("round %d: cross part %d from %s refused: %s", xs.round, j, _short(p), err.reason)
+                    continue
+                if _signed_at(signed) > xs.pull_deadline:
+                    out.zero_()
+                    return None
+                return res[1]
+            first = False
+            await asyncio.sleep(min(0.2, max(0.0, end - swarm_time())))
+        out.zero_()
+        log.warning("round %d: cross part %d: no copy from %d sources", xs.round, j, len(sources))
+        return None
+
+
+def _zero(v: torch.Tensor, ranges: list[tuple[int, int]]) -> None:
+    for s, e in ranges:
+        v[s:e].zero_()

@@ -1,0 +1,197 @@
+"""Two-level all-reduce groups (issue 26, :mod:`geomesh_p2p.exchange.groups`): 9 in-process peers in groups of 3
+hold bitwise-equal aggregates equal to the two-level rule computed apart, with a call count per peer that does not
+grow with the swarm; a slice owner or a slice's leader that is gone leaves the survivors equal."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+
+from geomesh_p2p.exchange import codec as compression
+from geomesh_p2p.exchange.aggregate import decode_aggregate, encode_aggregate
+from geomesh_p2p.exchange.groups import GroupedCollective, group_layout, level_specs
+from geomesh_p2p.net.methods import COLLECTIVE_CROSS, COLLECTIVE_GROUP
+from tests.collective_util import Swarm, deltas_for, pid_order
+
+B = 2048
+NUMEL = 3 * 4 * B  # three slices of four blocks
+G = 3
+
+
+@pytest.fixture
+async def grouped_swarm():
+    """``await grouped_swarm(n)`` -> (a started :class:`Swarm`, a GroupedCollective per peer); all stopped after."""
+    made = []
+
+    async def make(n: int):
+        sw = Swarm(n)
+        grouped = [GroupedCollective(s, long_poll_s=2.0, late_pull_s=1.0) for s in sw.services]
+        made.append((sw, grouped))
+        await sw.start()
+        return sw, grouped
+
+    try:
+        yield make
+    finally:
+        for sw, grouped in made:
+            for k, gc in enumerate(grouped):
+                if k not in sw._stopped:
+                    await gc.close()
+            await sw.stop()
+
+
+def _spec(sw, **kw):
+    return sw.spec(NUMEL, deadline_s=3.0, pull_s=3.0, **kw)
+
+
+async def _run(grouped, spec, deltas, tokens, only=None):
+    start = spec.pull_deadline - 6.0
+    which = range(len(grouped)) if only is None else only
+    return dict(
+        zip(
+            which,
+            await asyncio.gather(
+                *(
+                    grouped[k].all_reduce(
+                        spec,
+                        deltas[grouped[k].peer_id].clone(),
+                        tokens[grouped[k].peer_id],
+                        group_size=G,
+                        exchange_start=start,
+                    )
+                    for k in which
+                )
+            ),
+        )
+    )
+
+
+def _reference(spec, layout, deltas, tokens, alive) -> torch.Tensor:
+    """The two-level rule, apart from the services: each group's slice aggregate in fp32 (the group spec's rule
+    over its members' sign packets), then the cross set's rule over the group aggregates' sign packets, weighted
+    by the groups' tokens, re-encoded as the spec's aggregate encoding (what the leader signs)."""
+    gspecs, xspecs = level_specs(spec, layout, spec.pull_deadline - 6.0, 128 << 20)
+    out = torch.zeros(NUMEL)
+    for c, (a, b) in enumerate(layout.slices):
+        items = []
+        for g, members in enumerate(layout.groups):
+            owner = layout.slice_owners[g][c]
+            if owner not in alive:
+                continue
+            senders = pid_order([p for p in members if p in alive])
+            used = [min(tokens[p], spec.participants[p]) for p in senders]
+            packets = [compression.encode(deltas[p][a:b], B, n) for p, n in zip(senders, used)]
+            agg = gspecs[g].aggregate(list(zip(used, packets)), b - a)
+            items.append((owner, sum(used), agg))
+        if layout.leaders[c] not in alive:
+            continue  # the leader's slice is missing: zeros
+        order = pid_order([i[0] for i in items])
+        items.sort(key=lambda x: order.index(x[0]))
+        xs = xspecs[c]
+        mean = xs.aggregate([(t, compression.encode(v, B, t)) for _, t, v in items], b - a)
+        total = sum(t for _, t, _ in items)
+        out[a:b] = decode_aggregate("sign", encode_aggregate("sign", mean, B, total), b - a)
+    return out
+
+
+def _calls(svc, methods) -> int:
+    by = svc.transport.stats.calls_by_method
+    return sum(by.get(m, 0) for m in methods.all())
+
+
+@pytest.mark.timeout(60)
+def test_the_layout_is_the_same_for_every_peer_and_each_peer_owns_at_most_one_slice():
+    sw = Swarm(10)
+    sw.addresses = [f"127.0.0.1:{9000 + k}" for k in range(10)]
+    spec = sw.spec(NUMEL)
+    layout = group_layout(spec, 3)
+    assert layout is not None and layout == group_layout(spec, 3)
+    assert sorted(len(g) for g in layout.groups) == [2, 2, 3, 3]  # ceil(10 / 3) = 4 groups, sizes within one
+    assert sorted(p for g in layout.groups for p in g) == sorted(sw.pids)
+    assert len(layout.slices) == 2 and layout.slices[0] == (0, 6 * B) and layout.slices[-1][1] == NUMEL
+    owned = [p for owners in layout.slice_owners for p in owners]
+    assert len(owned) == len(set(owned)) == 4 * 2
+    assert all(layout.leaders[c] in layout.cross_set(c) for c in range(2))
+    # another round, other groups; one group, relay, accountable: no layout
+    assert group_layout(sw.spec(NUMEL, round=2), 3).groups != layout.groups
+    assert group_layout(spec, 10) is None
+    assert group_layout(sw.spec(NUMEL, mode="relay"), 3) is None
+    assert group_layout(sw.spec(NUMEL, mode="accountable"), 3) is None
+    # newcomers on probation are dealt after the established peers: every group keeps an established member
+    probation = sw.pids[:6]
+    spread = group_layout(sw.spec(NUMEL, probation=probation), 3)
+    assert all(any(p not in probation for p in g) for g in spread.groups)
+    # fewer established peers than groups: one group
+    assert group_layout(sw.spec(NUMEL, probation=sw.pids[:7]), 3) is None
+
+
+@pytest.mark.timeout(120)
+async def test_nine_peers_in_groups_of_three_apply_the_same_two_level_aggregate(grouped_swarm):
+    sw, grouped = await grouped_swarm(9)
+    spec = _spec(sw)
+    layout = group_layout(spec, G)
+    assert layout is not None and len(layout.groups) == 3
+    deltas = deltas_for(sw.pids, NUMEL, seed=3)
+    tokens = {p: 100 + 10 * k for k, p in enumerate(sw.pids)}
+    t0 = time.monotonic()
+    out = await _run(grouped, spec, deltas, tokens)
+    wall = time.monotonic() - t0
+    aggs = [r.aggregate for r in out.values()]
+    assert all(torch.equal(aggs[0], a) for a in aggs[1:])
+    assert torch.equal(aggs[0], _reference(spec, layout, deltas, tokens, set(sw.pids)))
+    assert all(r.missing_parts == [] for r in out.values()), [r.missing_parts for r in out.values()]
+    # every part's contributors: the slice's cross set, each with its group's tokens
+    r = out[0]
+    for k, (a, _) in enumerate(r.part_ranges):
+        c = next(c for c, (s, e) in enumerate(layout.slices) if s <= a < e)
+        want = {layout.slice_owners[g][c]: sum(tokens[p] for p in members) for g, members in enumerate(layout.groups)}
+        assert dict(r.contributors[k]) == want
+    # calls per peer: group pushes to the G - 1 other slice owners of its group, a slice owner's cross push and
+    # pull, and the all-gather of the G - 1 slices it does not own -- 2(G - 1) + 2 at most, against 2(N - 1) = 16
+    for s, gc in zip(sw.services, grouped):
+        n = _calls(s, COLLECTIVE_GROUP) + _calls(s, COLLECTIVE_CROSS)
+        assert n <= 2 * (G - 1) + 2, (n, wall)
+
+
+@pytest.mark.timeout(120)
+async def test_a_gone_slice_owner_leaves_its_group_mates_reading_the_slice_elsewhere(grouped_swarm):
+    sw, grouped = await grouped_swarm(9)
+    spec = _spec(sw)
+    layout = group_layout(spec, G)
+    # a slice owner that leads no slice: its group's share of that slice is missing, its mates read it elsewhere
+    gone = next(p for owners in layout.slice_owners for p in owners if p not in layout.leaders)
+    k_gone = sw.pids.index(gone)
+    await grouped[k_gone].close()
+    await sw.stop_one(k_gone)
+    deltas = deltas_for(sw.pids, NUMEL, seed=5)
+    tokens = {p: 200 for p in sw.pids}
+    alive = [k for k in range(9) if k != k_gone]
+    out = await _run(grouped, spec, deltas, tokens, only=alive)
+    aggs = [r.aggregate for r in out.values()]
+    assert all(torch.equal(aggs[0], a) for a in aggs[1:])
+    assert torch.equal(aggs[0], _reference(spec, layout, deltas, tokens, {sw.pids[k] for k in alive}))
+    assert all(r.missing_parts == [] for r in out.values())
+
+
+@pytest.mark.timeout(120)
+async def test_a_gone_leader_leaves_its_slice_missing_for_every_survivor(grouped_swarm):
+    sw, grouped = await grouped_swarm(9)
+    spec = _spec(sw)
+    layout = group_layout(spec, G)
+    gone = layout.leaders[1]
+    k_gone = sw.pids.index(gone)
+    await grouped[k_gone].close()
+    await sw.stop_one(k_gone)
+    deltas = deltas_for(sw.pids, NUMEL, seed=7)
+    tokens = {p: 50 for p in sw.pids}
+    alive = [k for k in range(9) if k != k_gone]
+    out = await _run(grouped, spec, deltas, tokens, only=alive)
+    aggs = [r.aggregate for r in out.values()]
+    assert all(torch.equal(aggs[0], a) for a in aggs[1:])
+    a, b = layout.slices[1]
+    assert torch.count_nonzero(aggs[0][a:b]) == 0 and torch.count_nonzero(aggs[0][:a]) > 0
+    assert torch.equal(aggs[0], _reference(spec, layout, deltas, tokens, {sw.pids[k] for k in alive}))
+    assert all(len(r.missing_parts) == 1 for r in out.values())
