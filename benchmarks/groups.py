@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hashlib
+import logging
 import math
 import os
 import platform
@@ -110,6 +111,9 @@ def main() -> None:
     if ns.numel < 1 or ns.group_size < 0 or any(n < 2 for n in ns.peers):
         ap.error("--numel >= 1, --group-size >= 0, --peers >= 2")
     torch.set_num_threads(1)
+    # the exchange's WARNINGs (late pushes, missing parts) are counted in the table; an overloaded flat round
+    # logs thousands of them
+    logging.basicConfig(level=logging.ERROR)
     print(f"command: {' '.join(sys.argv)}")
     print(
         f"machine: {platform.platform()}, {os.cpu_count()} CPUs, torch {torch.__version__}; "
