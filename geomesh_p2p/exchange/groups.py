@@ -280,7 +280,10 @@ class GroupedCollective:
                 cross_specs[c_mine], buf[a:b], group_tokens, compute_end, in_place=True
             )
         addresses = {o.peer_id: o.address for o in spec.owners}
-        gathered = await self._all_gather(layout, cross_specs, g, c_mine, buf, addresses)
+        # parts of its own slice that a slice owner got no copy of from the leader (gone, or a broken link) it reads
+        # from the rest of the cross set, as its group mates do: else they applied a result it zeroed
+        retry = [] if c_mine is None else results[c_mine].missing_parts
+        gathered = await self._all_gather(layout, cross_specs, g, c_mine, buf, addresses, retry)
         contributors: dict[int, list[tuple[str, int]]] = {}
         missing: list[int] = []
         ranges: list[tuple[int, int]] = []
@@ -290,7 +293,8 @@ class GroupedCollective:
             for j, o in enumerate(xs.owners):
                 k = len(ranges)
                 ranges.append((a + o.start, a + o.end))
-                got = results[c].contributors.get(j) if c in results else gathered.get((c, j))
+                got = results[c].contributors.get(j) if c in results else None
+                got = gathered.get((c, j)) if got is None else got
                 if got is None:
                     missing.append(k)
                 else:
@@ -329,9 +333,12 @@ class GroupedCollective:
         c_mine: Optional[int],
         buf: torch.Tensor,
         addresses: dict[str, str],
+        retry: list[int],
     ) -> dict[tuple[int, int], list[tuple[str, int]]]:
         """Stage 3: every slice but ``c_mine``, part by part, from this group's owner of the slice first (then the
-        leader, then the rest of the cross set). Returns ``(slice, part) -> contributors`` of the parts read."""
+        leader, then the rest of the cross set), and parts ``retry`` of slice ``c_mine`` (the ones this node's cross
+        all-reduce left missing) from the rest of its cross set. Returns ``(slice, part) -> contributors`` of the
+        parts read."""
         slots = asyncio.Semaphore(GATHER_CONCURRENCY)
         out: dict[tuple[int, int], list[tuple[str, int]]] = {}
 
@@ -348,7 +355,8 @@ class GroupedCollective:
                 out[(c, j)] = got
 
         await asyncio.gather(
-            *(one(c, j) for c, xs in enumerate(cross_specs) if c != c_mine for j in range(len(xs.owners)))
+            *(one(c, j) for c, xs in enumerate(cross_specs) if c != c_mine for j in range(len(xs.owners))),
+            *(one(c_mine, j) for j in retry if c_mine is not None),
         )
         return out
 

@@ -618,10 +618,17 @@ class OwnerService:
             omitted: Optional[list] = None
             if part is None:
                 cached = state.cache.get(req.part)
-                if cached is None and spec.readers and state.contributing and wait_s > 0:
+                if (
+                    cached is None
+                    and spec.readers
+                    and state.contributing
+                    and wait_s > 0
+                    and req.part < len(spec.owners)
+                ):
                     # a grouped round's reader asks the group mate that reads the part for it (groups.py): a long
-                    # poll until this node's own pull of the part has landed
-                    left = wait_s - (time.monotonic() - t0)
+                    # poll until this node's own pull of the part has landed (it pulls until the late end at most)
+                    late_end = spec.pull_deadline + self.late_pull_s
+                    left = min(wait_s - (time.monotonic() - t0), late_end - swarm_time())
                     await wait_event(state.cache_event(req.part), left)
                     cached = state.cache.get(req.part)
                 if cached is None:

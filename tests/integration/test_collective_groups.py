@@ -195,3 +195,73 @@ async def test_a_gone_leader_leaves_its_slice_missing_for_every_survivor(grouped
     assert torch.count_nonzero(aggs[0][a:b]) == 0 and torch.count_nonzero(aggs[0][:a]) > 0
     assert torch.equal(aggs[0], _reference(spec, layout, deltas, tokens, {sw.pids[k] for k in alive}))
     assert all(len(r.missing_parts) == 1 for r in out.values())
+
+
+@pytest.mark.timeout(120)
+async def test_a_slice_owner_cut_off_from_its_leader_reads_the_slice_from_the_cross_set(grouped_swarm):
+    """Red team: a slice owner whose pulls from its slice's leader fail (the leader went away after serving the
+    rest of the cross set, or a broken link) gave the slice up as zeros while its own group mates read the
+    leader's result from another member of the cross set: survivors ended the round on different aggregates."""
+    import grpc
+
+    from geomesh_p2p.net.transport import RpcError
+
+    sw, grouped = await grouped_swarm(9)
+    spec = _spec(sw)
+    layout = group_layout(spec, G)
+    c = 0
+    leader = layout.leaders[c]
+    cut = next(p for p in layout.cross_set(c) if p != leader)
+    k_cut = sw.pids.index(cut)
+    leader_addr = sw.addresses[sw.pids.index(leader)]
+    t = sw.transports[k_cut]
+    real_call = t.call
+
+    async def call(address, method, payload, **kw):
+        if address == leader_addr and method == COLLECTIVE_CROSS.pull:
+            raise RpcError(address, method, grpc.StatusCode.UNAVAILABLE, "cut off (test)", unreachable=True)
+        return await real_call(address, method, payload, **kw)
+
+    t.call = call
+    deltas = deltas_for(sw.pids, NUMEL, seed=11)
+    tokens = {p: 100 for p in sw.pids}
+    out = await _run(grouped, spec, deltas, tokens)
+    aggs = [r.aggregate for r in out.values()]
+    assert all(torch.equal(aggs[0], a) for a in aggs[1:]), [
+        sw.pids[k] == cut for k, r in out.items() if not torch.equal(r.aggregate, aggs[0])
+    ]
+    assert torch.equal(aggs[0], _reference(spec, layout, deltas, tokens, set(sw.pids)))
+    assert all(r.missing_parts == [] for r in out.values())
+
+
+@pytest.mark.timeout(60)
+async def test_a_long_poll_for_a_part_the_cross_spec_does_not_have_is_refused_at_once(grouped_swarm):
+    """Red team: the cross level's long poll on a cached result (owner._handle_pull) waited -- and kept an Event
+    -- for any part number a reader named, parts the spec does not have included."""
+    import grpc
+
+    from geomesh_p2p.net.transport import RpcError
+    from geomesh_p2p.wire import collective_pb2
+
+    sw, grouped = await grouped_swarm(9)
+    spec = _spec(sw)
+    layout = group_layout(spec, G)
+    _, xspecs = level_specs(spec, layout, spec.pull_deadline - 6.0, 128 << 20)
+    c = 0
+    member = next(p for p in layout.cross_set(c) if p != layout.leaders[c])
+    k = sw.pids.index(member)
+    svc = grouped[k].cross
+    xs = xspecs[c]
+    state = svc.register(xs)
+    state.contributing = True  # as while its cross all-reduce runs
+    asker = next(i for i, p in enumerate(sw.pids) if p not in layout.cross_set(c))
+    t0 = time.monotonic()
+    for part in (len(xs.owners), 10**6, 2**32 - 1):
+        req = collective_pb2.PullPartRequest(round=xs.round, part=part, wait_s=30.0, spec_id=xs.spec_id)
+        with pytest.raises(RpcError) as e:
+            await sw.transports[asker].call(
+                sw.addresses[k], COLLECTIVE_CROSS.pull, req.SerializeToString(), round=xs.round, timeout=10.0
+            )
+        assert e.value.code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT)
+    assert time.monotonic() - t0 < 3.0
+    assert all(j < len(xs.owners) for j in state.cached)
