@@ -156,7 +156,7 @@ def gain_stats(
     if isinstance(contribution, torch.Tensor):
         if contribution.numel() != theta.numel():
             raise ValueError(f"the contribution has {contribution.numel()} elements, theta {theta.numel()}")
-        pieces: Iterable[tuple[int, torch.Tensor]] = [(0, contribution)]
+        pieces: Iterable[Piece] = [(0, contribution)]
     else:
         pieces = contribution
     load_for_check(model, theta)
