@@ -8,23 +8,31 @@ A *hollow* copy (:func:`hollow_copy`) has the model's modules and buffers but pa
 While a check runs its parameters are views of the round's start weights (:func:`load_for_check`: the kept
 weights' copy-on-write file mapping, read, never written), and between checks they are released
 (:func:`release_`). A check then holds the start weights once (the file's pages), plus the gradients of its
-gradient passes or, for the loss-gain test's second pass, private copies of the parameters its contribution
-moves (:func:`sub_flat_`). A model that is not hollow (the GPU path: device memory, not the host's) is loaded
-by copy as before.
+gradient passes or, for the loss-gain test's second pass, ``theta - d`` of one module at a time
+(:func:`subtracted`: built just before each module's forward, dropped after it). :func:`sub_flat_` (private
+copies of every parameter the contribution moves, up to a whole ``[P]``) remains for a model that is not hollow
+(the GPU path: device memory, not the host's), which is loaded by copy as before.
 """
 
 from __future__ import annotations
 
 import copy
 import math
-from typing import Iterable
+from contextlib import contextmanager
+from typing import Iterable, Iterator, Union
 
 import torch
 
+from geomesh_p2p.exchange.codec import SignPacket
+from geomesh_p2p.exchange.codec import decode as decode_sign
 from geomesh_p2p.model.build import load_flat_
 from geomesh_p2p.model.memory import release_freed_memory
 
-__all__ = ["hollow_copy", "is_hollow", "load_for_check", "release_", "sub_flat_"]
+__all__ = ["Piece", "decode_span", "hollow_copy", "is_hollow", "load_for_check", "release_", "sub_flat_", "subtracted"]
+
+#: A piece of a contribution: ``(start, values)``, the flat elements ``[start, start + n)``; ``values`` fp32 ``[n]``
+#: (any device), or the sign packet it decodes from (decoded a span at a time where it is needed)
+Piece = tuple[int, Union[torch.Tensor, SignPacket]]
 
 #: attribute of a hollow copy: the parameters' shapes in ``named_parameters`` order
 _SHAPES = "_geomesh_hollow_shapes"
@@ -91,8 +99,9 @@ def release_(model) -> None:
         p.data = torch.empty(0, dtype=p.dtype)
 
 
-def sub_flat_(model, parts: Iterable[tuple[int, torch.Tensor]]) -> None:
-    """Subtract flat pieces from the model's parameters in place: for each ``(start, v)`` (fp32, any device),
+def sub_flat_(model, parts: Iterable[Piece]) -> None:
+    """Subtract flat pieces from the model's parameters in place: for each ``(start, v)`` (fp32, any device, or a
+    sign packet: decoded whole first),
     the flat elements ``[start, start + v.numel())`` (layout of :func:`~geomesh_p2p.model.build.flat_params`)
     minus ``v``. Bitwise what loading ``flat - d`` gives (``d`` the pieces, zero elsewhere) when the parameters
     hold ``flat`` in fp32: the same single fp32 subtraction per element. A hollow model's parameters are views
@@ -109,7 +118,7 @@ def sub_flat_(model, parts: Iterable[tuple[int, torch.Tensor]]) -> None:
     private: set[int] = set()
     with torch.no_grad():
         for start, v in parts:
-            v = v.reshape(-1)
+            v = decode_sign(v) if isinstance(v, SignPacket) else v.reshape(-1)
             end = start + v.numel()
             if start < 0 or end > total:
                 raise ValueError(f"piece [{start}, {end}) outside the model's {total} elements")
@@ -124,3 +133,137 @@ def sub_flat_(model, parts: Iterable[tuple[int, torch.Tensor]]) -> None:
                     p.data = p.data.clone()
                     private.add(k)
                 p.data.view(-1)[a - lo : b - lo].sub_(v[a - start : b - start].to(p.device, torch.float32))
+
+
+def _piece_numel(v: Union[torch.Tensor, SignPacket]) -> int:
+    return v.numel if isinstance(v, SignPacket) else v.numel()
+
+
+def _window(p: SignPacket, start: int, end: int) -> SignPacket:
+    """Elements ``[start, end)`` of ``p`` as a packet of views (no copy): ``start`` on a byte and block boundary,
+    ``end`` too or ``p.numel`` (the last byte's padding bits are then ``p``'s own, zero)."""
+    B = p.block_size
+    return SignPacket(end - start, B, p.tokens, p.signs[start // 8 : -(-end // 8)], p.scales[start // B : -(-end // B)])
+
+
+def decode_span(p: SignPacket, start: int, end: int, out: torch.Tensor) -> torch.Tensor:
+    """Decode elements ``[start, end)`` of sign packet ``p`` into ``out`` (fp32 CPU, contiguous, ``end - start``
+    elements; returned): bitwise ``decode(p)[start:end]`` (each element is the one exact product ``(+-1.0) x
+    scale`` of its bit and its block's scale, wherever a decode starts), for any ``start`` and ``end``. The part
+    between the first and last multiples of ``lcm(8, B)`` is decoded straight into ``out``; the unaligned ends
+    through one window of ``lcm(8, B)`` elements each (8 KiB at B = 2048). Raises ValueError outside ``p``."""
+    if not 0 <= start <= end <= p.numel or out.numel() != end - start:
+        raise ValueError(f"span [{start}, {end}) of a {p.numel}-element packet into {out.numel()} elements")
+    L = math.lcm(8, p.block_size)
+    mid_lo = min(-(-start // L) * L, end)
+    mid_hi = max(end // L * L, mid_lo)
+    if mid_hi > mid_lo:
+        decode_sign(_window(p, mid_lo, mid_hi), out=out[mid_lo - start : mid_hi - start])
+    for a, b in ((start, mid_lo), (mid_hi, end)):
+        if a < b:  # within one window [w, w + L)
+            w = a // L * L
+            out[a - start : b - start].copy_(decode_sign(_window(p, w, min(w + L, p.numel)))[a - w : b - w])
+    return out
+
+
+@contextmanager
+def subtracted(model, parts: Iterable[Piece]) -> Iterator[None]:
+    """While inside, a hollow ``model`` loaded with ``theta`` (:func:`load_for_check`) computes as if loaded with
+    ``theta - d``, ``d`` the pieces (zero elsewhere), without a ``[P]`` of either (issue 27): each module that
+    owns a parameter a piece touches gets, just before each of its forward calls, a new fp32 tensor of that
+    parameter (``theta``'s elements, minus the pieces' over their spans: one fp32 subtraction per element, as
+    :func:`sub_flat_` does, so bitwise the same weights), and drops it right after the call. Extra memory: the
+    parameters of the modules running at once (one leaf module in a transformer: the largest is the embedding
+    matrix), not the model. A parameter shared by modules (tied embeddings) is built for each of their calls.
+    Between the calls such a parameter holds 0 elements, so a model that read a moved parameter outside its own
+    module's forward fails loudly instead of computing with ``theta``. Parameters no piece touches stay views
+    of ``theta``. On exit, every parameter is ``theta``'s view again (whatever was raised).
+
+    ``parts``: :data:`Piece` s, kept for the block (a sign packet is decoded a span at a time, at every forward
+    call: ~2 passes over the moved elements per call on top of the forward's own work). ``theta`` must stay
+    unchanged inside, and is never written. Costs per forward call one subtraction (and decode) over the moved
+    elements. Raises ValueError for a model that is not hollow or not loaded, a piece outside the model,
+    overlapping pieces, or a moved parameter that is not fp32."""
+    if not is_hollow(model):
+        raise ValueError("subtracted() needs a hollow model (hollow_copy); use sub_flat_ on a whole copy")
+    named = [p for _, p in model.named_parameters()]
+    shapes = getattr(model, _SHAPES)
+    if [p.numel() for p in named] != [math.prod(s) for s in shapes]:
+        raise ValueError("subtracted() needs a model loaded with load_for_check")
+    offsets, off = [], 0
+    for p in named:
+        offsets.append(off)
+        off += p.numel()
+    total = off
+    # per moved parameter k: its spans (lo, hi) in its own flat elements, with the piece and the piece's offset
+    spans: dict[int, list[tuple[int, int, Union[torch.Tensor, SignPacket], int]]] = {}
+    for start, v in parts:
+        if not isinstance(v, SignPacket):
+            v = v.reshape(-1)
+        end = start + _piece_numel(v)
+        if start < 0 or end > total:
+            raise ValueError(f"piece [{start}, {end}) outside the model's {total} elements")
+        for k, p in enumerate(named):
+            lo, hi = offsets[k], offsets[k] + p.numel()
+            a, b = max(start, lo), min(end, hi)
+            if a < b:
+                if p.dtype != torch.float32:
+                    raise ValueError(f"parameter {k} is {p.dtype}, not fp32")
+                spans.setdefault(k, []).append((a - lo, b - lo, v, a - start))
+    for k, s in spans.items():
+        s.sort(key=lambda x: x[0])
+        if any(s[i][0] < s[i - 1][1] for i in range(1, len(s))):
+            raise ValueError(f"overlapping pieces over parameter {k}")
+    theta_of = {k: named[k].data for k in spans}  # the views of theta (load_for_check)
+
+    def build(k: int) -> torch.Tensor:
+        base = theta_of[k].reshape(-1)
+        out = torch.empty(base.numel(), dtype=torch.float32)
+        pos = 0
+        for a, b, v, at in spans[k]:
+            if pos < a:
+                out[pos:a].copy_(base[pos:a])
+            o = out[a:b]
+            if isinstance(v, SignPacket):
+                decode_span(v, at, at + b - a, o)
+                torch.sub(base[a:b], o, out=o)  # theta - d, d decoded in place
+            else:
+                torch.sub(base[a:b], v[at : at + b - a].to("cpu", torch.float32), out=o)
+            pos = b
+        if pos < base.numel():
+            out[pos:].copy_(base[pos:])
+        return out.view(theta_of[k].shape)
+
+    users = dict.fromkeys(spans, 0)  # live calls of the modules that use parameter k (re-entrant: counted)
+    empty = torch.empty(0, dtype=torch.float32)
+
+    def enter(ks: tuple[int, ...]) -> None:
+        for k in ks:
+            if users[k] == 0:
+                named[k].data = build(k)
+            users[k] += 1
+
+    def leave(ks: tuple[int, ...]) -> None:
+        for k in ks:
+            users[k] -= 1
+            if users[k] == 0:
+                named[k].data = empty
+
+    index = {id(named[k]): k for k in spans}
+    handles = []
+    try:
+        for m in model.modules():
+            ks = tuple(index[id(q)] for q in m._parameters.values() if q is not None and id(q) in index)
+            if ks:
+                handles.append(m.register_forward_pre_hook(lambda _m, _a, ks=ks: enter(ks)))
+                handles.append(m.register_forward_hook(lambda _m, _a, _o, ks=ks: leave(ks), always_call=True))
+        for k in spans:
+            named[k].data = empty
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+        for k, t in theta_of.items():
+            named[k].data = t
+        if spans:
+            release_freed_memory()  # the per-call tensors' heap blocks (glibc keeps them resident until a trim)

@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 import torch
 
-from geomesh_p2p.trust.check_model import load_for_check, sub_flat_
+from geomesh_p2p.trust.check_model import Piece, is_hollow, load_for_check, sub_flat_, subtracted
 
 __all__ = ["GainStats", "row_losses", "gain_stats", "welch_t"]
 
@@ -113,7 +113,7 @@ def gain_stats(
     model,
     dataset,
     theta: torch.Tensor,
-    contribution: Union[torch.Tensor, Iterable[tuple[int, torch.Tensor]]],
+    contribution: Union[torch.Tensor, Iterable[Piece]],
     assigned: Sequence[tuple[str, int]],
     controls: Sequence[tuple[str, int]],
     *,
@@ -127,13 +127,18 @@ def gain_stats(
 ) -> GainStats:
     """The loss gains of the module docstring. ``theta``: the round's start weights, fp32 ``[P]``;
     ``contribution``: the pseudo-gradient as received (decoded; zero outside the checked parts), fp32 ``[P]``,
-    or its non-zero pieces as ``(start, values)`` pairs (may be a generator: one piece decoded at a time);
+    or its non-zero pieces as ``(start, values)`` pairs, ``values`` fp32 or the sign packet itself
+    (:data:`~geomesh_p2p.trust.check_model.Piece`; non-overlapping);
     ``assigned`` / ``controls``: ``(peer_id, step)`` batch streams (at least 2 each). ``model`` (a copy nobody
     else uses) is loaded with ``theta`` (:func:`~geomesh_p2p.trust.check_model.load_for_check`: a hollow copy's
-    parameters become views of it), then the contribution is subtracted from its parameters
-    (:func:`~geomesh_p2p.trust.check_model.sub_flat_`, bitwise ``theta - contribution``; ``theta`` itself is
-    never written). ``pace``: see :func:`row_losses`. Cost: 2 x (k + m) forward passes of ``batch_size`` rows,
-    no backward, no temporary ``[P]`` (issue 27; a hollow model copies the parameters the pieces touch).
+    parameters become views of it), then the second pass runs at bitwise ``theta - contribution`` (one fp32
+    subtraction per element; ``theta`` itself is never written): a hollow model builds it one module at a time,
+    around each module's forward (:func:`~geomesh_p2p.trust.check_model.subtracted`: the extra memory is the
+    largest module's parameters, not ``[P]``; the pieces are kept for the pass, a packet decoded a span at a
+    time), any other model has it subtracted in place (:func:`~geomesh_p2p.trust.check_model.sub_flat_`).
+    ``pace``: see :func:`row_losses`. Cost: 2 x (k + m) forward passes of ``batch_size`` rows, no backward, no
+    temporary ``[P]`` (issue 27); a hollow model's second pass also subtracts (and decodes) the moved
+    parameters at each forward (~2 passes over them a batch).
     ``cache``: a dict the caller keeps for one ``theta`` (one round): the control batches' losses at ``theta`` are
     kept there and reused by the next call with the same controls, batch size and sequence length (the same bits:
     the same weights and batches), so screening a round's second contributor costs ``2k + m`` passes.
@@ -151,7 +156,7 @@ def gain_stats(
     if isinstance(contribution, torch.Tensor):
         if contribution.numel() != theta.numel():
             raise ValueError(f"the contribution has {contribution.numel()} elements, theta {theta.numel()}")
-        pieces: Iterable[tuple[int, torch.Tensor]] = [(0, contribution)]
+        pieces: Iterable[Piece] = [(0, contribution)]
     else:
         pieces = contribution
     load_for_check(model, theta)
@@ -163,8 +168,12 @@ def gain_stats(
             cache[key] = before[len(assigned) :]
     else:
         before = row_losses(model, dataset, list(assigned), **kw) + [list(r) for r in known]
-    sub_flat_(model, pieces)
-    after = row_losses(model, dataset, streams, **kw)
+    if is_hollow(model):
+        with subtracted(model, pieces):
+            after = row_losses(model, dataset, streams, **kw)
+    else:
+        sub_flat_(model, pieces)
+        after = row_losses(model, dataset, streams, **kw)
     # Each row is its own window of the corpus: one sample of the gain (a batch's rows were trained on
     # together, but each is memorised on its own); a row-level t has B times the samples of a batch-level one.
     gains = [[b - a for b, a in zip(rb, ra)] for rb, ra in zip(before, after)]

@@ -529,16 +529,24 @@ def reference_gain(
     return ref
 
 
+def _sign_packet(p) -> compression.SignPacket:
+    """``p`` if it is a sign packet (the only kind a contribution has), else CodecError as a decode raises."""
+    if not isinstance(p, compression.SignPacket):
+        raise compression.CodecError(f"a contribution is a SignPacket, got {type(p).__name__}")
+    return p
+
+
 def _gain(
     cfg, task: VerifyTask, model, dataset, theta: torch.Tensor, mine, *, seed: int, deadline, pace=None, cache=None
 ) -> GainStats:
     """The loss-gain test of ``task`` (:mod:`geomesh_p2p.trust.gain`): the contributor's packets of the task's
-    parts, decoded one at a time and subtracted from the loaded weights (the parts it did not send, or the
-    check does not hold, stay 0),
+    parts, subtracted from the loaded weights (:func:`~geomesh_p2p.trust.gain.gain_stats`; the parts it did not
+    send, or the check does not hold, stay 0),
     ``cfg.gain_assigned`` of its steps (:func:`gain_steps`) against ``cfg.gain_controls`` control batches;
     ``pace()`` between two batches (the background queue's pacing). Raises VerifyTimeout past ``deadline``."""
-    # The contribution's parts one at a time (issue 27: no [P] of it; zero elsewhere, as the gain test reads it)
-    pieces = ((s, compression.decode(mine[j])) for j, (s, _) in zip(task.parts, task.ranges))
+    # The contribution's parts as received (issue 27: no [P] of it, decoded a span at a time where a module needs
+    # it; zero elsewhere, as the gain test reads it)
+    pieces = [(s, _sign_packet(mine[j])) for j, (s, _) in zip(task.parts, task.ranges)]
     steps = gain_steps(task, cfg.gain_assigned)
     if len(steps) < 2:  # below min_steps anyway; a t needs two batches a side
         raise ValueError(f"a loss-gain test needs >= 2 steps, the task has {task.steps_done}")
