@@ -217,19 +217,72 @@ def level_specs(
     return group_specs, cross_specs
 
 
+class _CrossService(CollectiveService):
+    """The cross level's service: its contributions carry the sender's group members (``members[round]``, set
+    before its all-reduce), which the leader's result lists for every reader."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.members: dict[int, list[tuple[str, int]]] = {}
+
+    def _push_payload(
+        self, spec: CollectiveSpec, j: int, delta: torch.Tensor, tokens: int, compute_end: float
+    ) -> bytes:
+        members = self.members.get(spec.round, ())
+        return messages.push_request_bytes(
+            messages.contribution_parts(self.transport.identity, spec, j, delta, tokens, compute_end, members)
+        )
+
+    def _contribution_bytes(
+        self, spec: CollectiveSpec, j: int, delta: torch.Tensor, tokens: int, compute_end: float = 0.0
+    ) -> bytes:
+        """The own part's contribution (read locally, not pushed) carries the members too."""
+        members = self.members.get(spec.round, ())
+        return b"".join(
+            messages.contribution_parts(self.transport.identity, spec, j, delta, tokens, compute_end, members)
+        )
+
+    def signed_result(self, round: int, j: int) -> Optional[bytes]:
+        """The owner-signed result of part ``j`` of ``round`` this node applied (its own or a pulled copy)."""
+        state = self._rounds.get(round)
+        if state is None:
+            return None
+        part = state.parts.get(j)
+        if part is not None and part.ready.is_set():
+            return part.result()
+        got = state.cache.get(j)
+        return None if got is None else bytes(got)
+
+
 class GroupedCollective:
     """A node's exchange with groups: the one-level :class:`CollectiveService` (``flat``) and one service per
     level of a grouped round (``group``, ``cross``: methods of their own, so each keeps its own per-round
-    state). Create it before ``await transport.start()``; ``await close()`` on shutdown."""
+    state). Create it before ``await transport.start()``; ``await close()`` on shutdown (the flat service is
+    the caller's to close).
 
-    def __init__(self, flat: CollectiveService, **service_kw):
+    ``group_size``: the run's ``group_size`` (0: every round is one group, :meth:`all_reduce` is the flat
+    service's). ``pull_share``: the share of the exchange window the round's pull deadline leaves after the push
+    deadline (``round.rules.spec.PULL_SHARE_OF_EXCHANGE``): the exchange window starts at
+    ``pull_deadline - (pull_deadline - deadline) / pull_share`` when :meth:`all_reduce` is not told."""
+
+    def __init__(self, flat: CollectiveService, *, group_size: int = 0, pull_share: float = 0.25, **service_kw):
+        if group_size < 0 or group_size == 1:
+            raise ValueError(f"group_size must be 0 (off) or >= 2, got {group_size}")
+        if not 0 < pull_share <= 1:
+            raise ValueError(f"pull_share must be in (0, 1], got {pull_share}")
         self.flat = flat
+        self.group_size, self.pull_share = int(group_size), float(pull_share)
         self.group = CollectiveService(flat.transport, methods=COLLECTIVE_GROUP, **service_kw)
-        self.cross = CollectiveService(flat.transport, methods=COLLECTIVE_CROSS, **service_kw)
+        self.cross = _CrossService(flat.transport, methods=COLLECTIVE_CROSS, **service_kw)
         self.peer_id = flat.peer_id
 
     async def close(self) -> None:
         await asyncio.gather(self.group.close(), self.cross.close())
+
+    def note_round(self, round: int) -> None:
+        """:meth:`OwnerService.note_round` of every level (a peer that caught up holds the next rounds' pushes)."""
+        for s in (self.flat, self.group, self.cross):
+            s.note_round(round)
 
     def _bytes(self) -> tuple[int, int]:
         out = [s._collective_bytes() for s in (self.flat, self.group, self.cross)]
@@ -242,17 +295,19 @@ class GroupedCollective:
         tokens: int,
         compute_end: Optional[float] = None,
         *,
-        group_size: int,
-        exchange_start: float,
         in_place: bool = False,
+        group_size: Optional[int] = None,
+        exchange_start: Optional[float] = None,
     ) -> AllReduceResult:
         """:meth:`CollectiveService.all_reduce` of ``spec``'s round, in groups of ``group_size`` when
         :func:`group_layout` groups it (else the one-level exchange, unchanged). ``delta``: fp32 [numel], finite;
-        ``tokens``: its tokens; ``exchange_start``: see :func:`level_specs`. Returns an :class:`AllReduceResult`
-        whose parts are the cross level's parts (global ranges in ``part_ranges``, contributors: the cross
-        sets' members with their groups' tokens); with ``in_place`` the aggregate is written into ``delta``.
-        Raises ValueError for a bad spec / delta or a peer that is not a participant."""
-        layout = group_layout(spec, group_size)
+        ``tokens``: its tokens; ``group_size``: default the node's; ``exchange_start``: see :func:`level_specs`
+        (default: from the spec's deadlines and ``pull_share``). Returns an :class:`AllReduceResult` whose parts
+        are the cross level's parts (global ranges in ``part_ranges``, owners in ``part_owners``; contributors:
+        every group member the part's group aggregates counted, with its tokens, as the leader's signed result
+        lists them); with ``in_place`` the aggregate is written into ``delta``. Raises ValueError for a bad
+        spec / delta or a peer that is not a participant."""
+        layout = group_layout(spec, self.group_size if group_size is None else group_size)
         if layout is None:
             return await self.flat.all_reduce(spec, delta, tokens, compute_end, in_place=in_place)
         me = self.peer_id
@@ -260,12 +315,14 @@ class GroupedCollective:
             raise ValueError(f"this node ({_short(me)}) is not a participant of round {spec.round}")
         started = time.monotonic()
         before = self._bytes()
+        if exchange_start is None:
+            exchange_start = spec.pull_deadline - (spec.pull_deadline - spec.deadline) / self.pull_share
         group_specs, cross_specs = level_specs(
             spec, layout, exchange_start, self.flat.transport.config.max_message_bytes
         )
         buf = await asyncio.to_thread(_cpu_fp32_finite, delta)
-        if not in_place or buf.data_ptr() != delta.data_ptr():
-            buf = await asyncio.to_thread(buf.clone)  # the stages write into it
+        if not in_place and buf.data_ptr() == delta.data_ptr():
+            buf = await asyncio.to_thread(buf.clone)  # the stages write into it; the caller's delta stays
         g = layout.group_of(me)
         gspec = group_specs[g]
         mine = gspec.part_index_of(me)
@@ -274,10 +331,14 @@ class GroupedCollective:
         results: dict[int, AllReduceResult] = {}
         if c_mine is not None:
             a, b = layout.slices[c_mine]
-            # the slice's group tokens: its parts may differ after a failed push; the fewest is the safe weight
-            group_tokens = min((r1.tokens(j) for j in mine), default=0)
+            # the slice's group members: those every part of the slice counted (a failed push leaves a member out
+            # of one part); the slice's weight is their tokens
+            members = _counted_in_all([r1.contributors.get(j, []) for j in mine])
+            self.cross.members[spec.round] = members
+            for old in [r for r in self.cross.members if r < spec.round - 2]:
+                del self.cross.members[old]
             results[c_mine] = await self.cross.all_reduce(
-                cross_specs[c_mine], buf[a:b], group_tokens, compute_end, in_place=True
+                cross_specs[c_mine], buf[a:b], sum(n for _, n in members), compute_end, in_place=True
             )
         addresses = {o.peer_id: o.address for o in spec.owners}
         # parts of its own slice that a slice owner got no copy of from the leader (gone, or a broken link) it reads
@@ -287,14 +348,20 @@ class GroupedCollective:
         contributors: dict[int, list[tuple[str, int]]] = {}
         missing: list[int] = []
         ranges: list[tuple[int, int]] = []
+        owners: list[str] = []
         last = r1.last_compute_end
         for c, (a, _) in enumerate(layout.slices):
             xs = cross_specs[c]
             for j, o in enumerate(xs.owners):
                 k = len(ranges)
                 ranges.append((a + o.start, a + o.end))
-                got = results[c].contributors.get(j) if c in results else None
-                got = gathered.get((c, j)) if got is None else got
+                if c in results and j in results[c].contributors:
+                    signed = self.cross.signed_result(spec.round, j)
+                    got = messages.result_members(signed) if signed is not None else None
+                    got = results[c].contributors[j] if got is None else got
+                else:
+                    got = gathered.get((c, j))
+                owners.append(xs.owners[j].peer_id)
                 if got is None:
                     missing.append(k)
                 else:
@@ -310,7 +377,7 @@ class GroupedCollective:
             )
             await asyncio.to_thread(_zero, buf, [ranges[k] for k in missing])
         after = self._bytes()
-        return AllReduceResult(
+        out = AllReduceResult(
             buf,
             contributors,
             missing,
@@ -324,6 +391,8 @@ class GroupedCollective:
             {},
             ranges,
         )
+        out.part_owners = owners
+        return out
 
     async def _all_gather(
         self,
@@ -396,12 +465,21 @@ class GroupedCollective:
                 if _signed_at(signed) > xs.pull_deadline:
                     out.zero_()
                     return None
-                return res[1]
+                members = messages.result_members(signed)
+                return res[1] if members is None else members
             first = False
             await asyncio.sleep(min(0.2, max(0.0, end - swarm_time())))
         out.zero_()
         log.warning("round %d: cross part %d: no copy from %d sources", xs.round, j, len(sources))
         return None
+
+
+def _counted_in_all(parts: list[list[tuple[str, int]]]) -> list[tuple[str, int]]:
+    """The ``(peer, tokens)`` listed in every one of ``parts`` (in the first part's order); [] for no parts."""
+    if not parts:
+        return []
+    rest = [dict(p) for p in parts[1:]]
+    return [(p, n) for p, n in parts[0] if all(r.get(p) == n for r in rest)]
 
 
 def _zero(v: torch.Tensor, ranges: list[tuple[int, int]]) -> None:

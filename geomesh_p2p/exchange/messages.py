@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Union, cast
+from typing import Any, Callable, Optional, Sequence, Union, cast
 
 import grpc
 import torch
@@ -74,6 +74,8 @@ class Contribution:
         compute_end: unix seconds the sender says its inner steps ended (clamped to now).
         digest: accountable mode: SHA-256 of ``signed`` (what the owner's receipt and result commit to);
             empty in the other modes.
+        members: a grouped round's cross level (:mod:`.groups`): the sender's group members its group aggregate
+            counted, with their tokens (they sum to ``tokens``); empty in every other spec.
     """
 
     sender: str
@@ -82,15 +84,23 @@ class Contribution:
     signed: wire.Buffer  # SignedMessage bytes of the PartContribution (a view of the received buffer for fp32)
     compute_end: float = 0.0  # unix seconds the sender says its inner steps ended
     digest: bytes = b""  # accountable mode: SHA-256 of ``signed``
+    members: tuple[tuple[str, int], ...] = ()  # a grouped round's cross level: (member, tokens) of its group
 
 
 def contribution_parts(
-    identity: Identity, spec: CollectiveSpec, j: int, delta: torch.Tensor, tokens: int, compute_end: float = 0.0
+    identity: Identity,
+    spec: CollectiveSpec,
+    j: int,
+    delta: torch.Tensor,
+    tokens: int,
+    compute_end: float = 0.0,
+    members: Sequence[tuple[str, int]] = (),
 ) -> list[wire.Buffer]:
     """Part ``j`` of ``delta`` (fp32 [numel], CPU, contiguous) encoded as ``spec.push_encoding`` and
     signed: the SignedMessage of a PartContribution as a list of buffers (:func:`.wire.signed_parts`).
     An fp32 part is not copied: its buffer is a view of ``delta`` (which must not change until the
-    list is joined). Raises compression.CodecError on NaN / Inf (sign encoding)."""
+    list is joined). ``members``: a grouped round's cross level only, ``(member, tokens)`` of the sender's group
+    (:class:`Contribution`). Raises compression.CodecError on NaN / Inf (sign encoding)."""
     o = spec.owners[j]
     v = delta[o.start : o.end]
     packet: wire.Buffer
@@ -107,6 +117,8 @@ def contribution_parts(
         spec_id=spec.spec_id,
         encoding=spec.push_encoding,
         compute_end=compute_end,
+        members=[_pid_bytes(p) for p, _ in members],
+        member_tokens=[int(n) for _, n in members],
     ).SerializeToString()
     return wire.signed_parts(
         identity,
@@ -250,7 +262,30 @@ def check_contribution(
         signed,
         min(float(c.compute_end), swarm_time()) if math.isfinite(c.compute_end) else 0.0,
         contribution_digest(signed) if spec.mode == "accountable" else b"",
+        _members(spec, c),
     )
+
+
+def _members(spec: CollectiveSpec, c: Any) -> tuple[tuple[str, int], ...]:
+    """A contribution's group members (a grouped round's cross level, :mod:`.groups`), checked: only a spec with
+    readers (the cross level) takes them; each a participant or reader of the round, once, and their tokens sum
+    to the contribution's. Raises EnvelopeError (INVALID_ARGUMENT) otherwise."""
+    if not c.members and not c.member_tokens:
+        return ()
+    if not spec.readers:
+        raise EnvelopeError(Code.INVALID_ARGUMENT, "contribution lists group members outside a grouped round")
+    if len(c.members) != len(c.member_tokens):
+        raise EnvelopeError(Code.INVALID_ARGUMENT, "contribution's members and member tokens differ in length")
+    try:
+        out = tuple((PeerID(bytes(m)).to_string(), int(n)) for m, n in zip(c.members, c.member_tokens))
+    except Exception:
+        raise EnvelopeError(Code.INVALID_ARGUMENT, "contribution lists a malformed member") from None
+    names = [p for p, _ in out]
+    if len(set(names)) != len(names) or not all(spec.may_read(p) for p in names):
+        raise EnvelopeError(Code.INVALID_ARGUMENT, "contribution lists a member twice or one not in the round")
+    if sum(n for _, n in out) != int(c.tokens):
+        raise EnvelopeError(Code.INVALID_ARGUMENT, "contribution's member tokens do not sum to its tokens")
+    return out
 
 
 def build_result(
@@ -298,6 +333,9 @@ def build_result(
         mode=spec.mode,
         contributors=[_pid_bytes(contributions[i].sender) for i in listed],
         tokens=[used[i] for i in listed],
+        member_counts=[len(contributions[i].members) for i in listed] if spec.readers else [],
+        members=[_pid_bytes(p) for i in listed for p, _ in contributions[i].members] if spec.readers else [],
+        member_tokens=[n for i in listed for _, n in contributions[i].members] if spec.readers else [],
         aggregate_encoding=spec.aggregate_encoding if spec.mode != "relay" else "",
         closed_by=closed_by or "",
         last_compute_end=max((c.compute_end for c in contributions), default=0.0),
@@ -524,3 +562,23 @@ async def parse_pull(payload) -> PullReply:
         return PullReply(payload)
     except wire.WireError as e:
         raise DecodeError(str(e)) from None
+
+
+def result_members(signed: wire.Buffer) -> Optional[list[tuple[str, int]]]:
+    """The group members a grouped round's cross-level result counted (:mod:`.groups`): every listed contributor's
+    members with their tokens, in the result's order, from a PartResult whose owner signature the caller already
+    checked (:func:`read_result`). None when the result lists no members, or its member lists do not add up (a
+    malformed result: the caller keeps the contributors as listed)."""
+    try:
+        res, _, _ = _result_fields(wire.SignedView(signed).payload)
+    except (DecodeError, wire.WireError):
+        return None
+    counts, members, tokens = list(res.member_counts), list(res.members), list(res.member_tokens)
+    if not members or len(counts) != len(res.contributors) or sum(counts) != len(members) != len(tokens):
+        return None
+    if len(members) != len(tokens):
+        return None
+    try:
+        return [(PeerID(bytes(m)).to_string(), int(n)) for m, n in zip(members, tokens)]
+    except Exception:
+        return None

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PartContribution(_message.Message):
-    __slots__ = ("round", "part", "start", "end", "tokens", "spec_id", "encoding", "packet", "compute_end")
+    __slots__ = ("round", "part", "start", "end", "tokens", "spec_id", "encoding", "packet", "compute_end", "members", "member_tokens")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     PART_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +17,8 @@ class PartContribution(_message.Message):
     ENCODING_FIELD_NUMBER: _ClassVar[int]
     PACKET_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_END_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_TOKENS_FIELD_NUMBER: _ClassVar[int]
     round: int
     part: int
     start: int
@@ -26,7 +28,9 @@ class PartContribution(_message.Message):
     encoding: str
     packet: bytes
     compute_end: float
-    def __init__(self, round: _Optional[int] = ..., part: _Optional[int] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., tokens: _Optional[int] = ..., spec_id: _Optional[bytes] = ..., encoding: _Optional[str] = ..., packet: _Optional[bytes] = ..., compute_end: _Optional[float] = ...) -> None: ...
+    members: _containers.RepeatedScalarFieldContainer[bytes]
+    member_tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, round: _Optional[int] = ..., part: _Optional[int] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., tokens: _Optional[int] = ..., spec_id: _Optional[bytes] = ..., encoding: _Optional[str] = ..., packet: _Optional[bytes] = ..., compute_end: _Optional[float] = ..., members: _Optional[_Iterable[bytes]] = ..., member_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PushPartRequest(_message.Message):
     __slots__ = ("contribution", "witness")
@@ -87,7 +91,7 @@ class Contribution(_message.Message):
     def __init__(self, signed_message: _Optional[bytes] = ...) -> None: ...
 
 class PartResult(_message.Message):
-    __slots__ = ("round", "part", "start", "end", "spec_id", "mode", "contributors", "tokens", "contributions", "aggregate", "aggregate_encoding", "closed_by", "last_compute_end", "inputs", "witness_receipt")
+    __slots__ = ("round", "part", "start", "end", "spec_id", "mode", "contributors", "tokens", "contributions", "aggregate", "aggregate_encoding", "closed_by", "last_compute_end", "inputs", "witness_receipt", "member_counts", "members", "member_tokens")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     PART_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
@@ -103,6 +107,9 @@ class PartResult(_message.Message):
     LAST_COMPUTE_END_FIELD_NUMBER: _ClassVar[int]
     INPUTS_FIELD_NUMBER: _ClassVar[int]
     WITNESS_RECEIPT_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_TOKENS_FIELD_NUMBER: _ClassVar[int]
     round: int
     part: int
     start: int
@@ -118,7 +125,10 @@ class PartResult(_message.Message):
     last_compute_end: float
     inputs: bytes
     witness_receipt: bytes
-    def __init__(self, round: _Optional[int] = ..., part: _Optional[int] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., spec_id: _Optional[bytes] = ..., mode: _Optional[str] = ..., contributors: _Optional[_Iterable[bytes]] = ..., tokens: _Optional[_Iterable[int]] = ..., contributions: _Optional[_Iterable[_Union[Contribution, _Mapping]]] = ..., aggregate: _Optional[bytes] = ..., aggregate_encoding: _Optional[str] = ..., closed_by: _Optional[str] = ..., last_compute_end: _Optional[float] = ..., inputs: _Optional[bytes] = ..., witness_receipt: _Optional[bytes] = ...) -> None: ...
+    member_counts: _containers.RepeatedScalarFieldContainer[int]
+    members: _containers.RepeatedScalarFieldContainer[bytes]
+    member_tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, round: _Optional[int] = ..., part: _Optional[int] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., spec_id: _Optional[bytes] = ..., mode: _Optional[str] = ..., contributors: _Optional[_Iterable[bytes]] = ..., tokens: _Optional[_Iterable[int]] = ..., contributions: _Optional[_Iterable[_Union[Contribution, _Mapping]]] = ..., aggregate: _Optional[bytes] = ..., aggregate_encoding: _Optional[str] = ..., closed_by: _Optional[str] = ..., last_compute_end: _Optional[float] = ..., inputs: _Optional[bytes] = ..., witness_receipt: _Optional[bytes] = ..., member_counts: _Optional[_Iterable[int]] = ..., members: _Optional[_Iterable[bytes]] = ..., member_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PullInputsRequest(_message.Message):
     __slots__ = ("round", "part", "spec_id", "first", "from_sender", "omit_caller", "count")

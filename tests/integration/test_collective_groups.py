@@ -143,12 +143,22 @@ async def test_nine_peers_in_groups_of_three_apply_the_same_two_level_aggregate(
     assert all(torch.equal(aggs[0], a) for a in aggs[1:])
     assert torch.equal(aggs[0], _reference(spec, layout, deltas, tokens, set(sw.pids)))
     assert all(r.missing_parts == [] for r in out.values()), [r.missing_parts for r in out.values()]
-    # every part's contributors: the slice's cross set, each with its group's tokens
-    r = out[0]
-    for k, (a, _) in enumerate(r.part_ranges):
-        c = next(c for c, (s, e) in enumerate(layout.slices) if s <= a < e)
-        want = {layout.slice_owners[g][c]: sum(tokens[p] for p in members) for g, members in enumerate(layout.groups)}
-        assert dict(r.contributors[k]) == want
+    # every part's contributors, on every peer: each group member its group's aggregate counted, with its own
+    # tokens, grouped by the cross set's contributors (the leader's signed member lists); its owner: the leader
+    for r in out.values():
+        for k, (a, _) in enumerate(r.part_ranges):
+            c = next(c for c, (s, e) in enumerate(layout.slices) if s <= a < e)
+            cross = pid_order(layout.cross_set(c))
+            want = [
+                (p, tokens[p])
+                for owner in cross
+                for p, _ in sorted(
+                    ((p, 0) for p in layout.groups[layout.group_of(owner)]),
+                    key=lambda x: pid_order(sw.pids).index(x[0]),
+                )
+            ]
+            assert r.contributors[k] == want
+            assert r.part_owners[k] == layout.leaders[c]
     # calls per peer: group pushes to the G - 1 other slice owners of its group, a slice owner's cross push and
     # pull, and the all-gather of the G - 1 slices it does not own -- 2(G - 1) + 2 at most, against 2(N - 1) = 16
     for s, gc in zip(sw.services, grouped):
@@ -265,3 +275,40 @@ async def test_a_long_poll_for_a_part_the_cross_spec_does_not_have_is_refused_at
         assert e.value.code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT)
     assert time.monotonic() - t0 < 3.0
     assert all(j < len(xs.owners) for j in state.cached)
+
+
+@pytest.mark.timeout(60)
+def test_a_contributions_group_members_are_checked_by_the_owner():
+    """Members are taken on a cross spec only, each a peer of the round once, summing to the contribution's tokens:
+    anything else is refused with a reason (the leader lists what it took for every reader)."""
+    from geomesh_p2p.exchange import messages
+    from geomesh_p2p.net.identity import EnvelopeError, Verifier
+    from tests.collective_util import RUN
+
+    sw = Swarm(9)
+    sw.addresses = [f"127.0.0.1:{9000 + k}" for k in range(9)]
+    spec = sw.spec(NUMEL)
+    layout = group_layout(spec, G)
+    _, xspecs = level_specs(spec, layout, spec.pull_deadline - 6.0, 128 << 20)
+    xs = xspecs[0]
+    sender = layout.cross_set(0)[0]
+    ident = sw.ids[sw.pids.index(sender)]
+    group = layout.groups[layout.group_of(sender)]
+    verifier = Verifier(RUN, max_skew_s=float("inf"))
+    v = torch.ones(xs.numel)
+
+    def check(s, members, tokens):
+        signed = b"".join(messages.contribution_parts(ident, s, 0, v, tokens, 0.0, members))
+        return messages.check_contribution(verifier, s, 0, signed, sender)[1]
+
+    good = [(p, 10 + k) for k, p in enumerate(group)]
+    assert check(xs, good, sum(n for _, n in good)).members == tuple(good)
+    outsider = Swarm(1).pids[0]
+    for s, members, tokens, reason in [
+        (sw.spec(xs.numel, owners=[xs.owners[0]]), good, 33, "outside a grouped round"),
+        (xs, good, 34, "do not sum"),
+        (xs, good + [good[0]], 43, "twice"),
+        (xs, good[:2] + [(outsider, 12)], 33, "not in the round"),
+    ]:
+        with pytest.raises(EnvelopeError, match=reason):
+            check(s, members, tokens)

@@ -124,7 +124,7 @@ class Penalties:
         me = self.state.me
         self._note_own_no_show(plan, ar, stalled)
         for j in ar.missing_parts:
-            if spec.owners[j].peer_id != me:
+            if _owner_of(spec, ar, j) != me:  # a grouped round's parts are its cross level's (their leaders own them)
                 continue
             if me not in self.owner:
                 log.info(
@@ -161,7 +161,7 @@ class Penalties:
         if not conclusive(ar):
             return
         for j in ar.missing_parts:
-            pid = spec.owners[j].peer_id
+            pid = _owner_of(spec, ar, j)
             if pid == self.state.me:
                 continue
             if pid not in self.owner:
@@ -212,3 +212,10 @@ class Penalties:
         if not barred or all(m in barred or not m.address for m in members):
             return members
         return [m.model_copy(update={"address": None}) if m in barred else m for m in members]
+
+
+def _owner_of(spec, ar, j: int) -> str:
+    """The owner of part ``j`` of ``ar``: a grouped round's parts are its cross level's (``ar.part_owners``: their
+    leaders, :mod:`geomesh_p2p.exchange.groups`), a one-level round's the spec's."""
+    owners = getattr(ar, "part_owners", None)
+    return owners[j] if owners else spec.owners[j].peer_id
