@@ -225,10 +225,27 @@ class RunConfig(BaseModel):
         ge=1,
         le=MAX_RECORD_SHARDS,
     )
+    group_size: int = opt(
+        0,
+        "all-reduce groups (mode reencode): a round of more participants runs in groups of about G, as a two-level "
+        "exchange (a reduce-scatter in each group, an all-reduce of each slice across the groups through a leader, an "
+        "all-gather in each group: docs/collective.md, 'All-reduce groups'): ~2G calls per peer instead of 2(N - 1), "
+        "at the price of one more sign compression. About sqrt(N) keeps calls near 4 sqrt(N). 0: one group",
+        metavar="G",
+        ge=0,
+        le=4096,
+    )
 
     @model_validator(mode="after")
     def _check_combinations(self) -> "RunConfig":
         check_shards(self.record_shards)
+        if self.group_size == 1:
+            raise ValueError("group_size 1 would make every peer a group of its own: use 0 (one group) or >= 2")
+        if self.group_size and self.mode != "reencode":
+            raise ValueError(
+                f"group_size needs mode 'reencode': in mode {self.mode!r} every reader checks every input or every "
+                "owner, which a second level would hide"
+            )
         if self.target_inner_steps > self.max_inner_steps:
             raise ValueError(
                 f"target_inner_steps {self.target_inner_steps} is over max_inner_steps {self.max_inner_steps}: "
@@ -256,7 +273,8 @@ class RunConfig(BaseModel):
     #: A field here must not change what a round computes at its default. ``validators_per_part`` (issue 26)
     #: is read in accountable mode only.
     #: ``record_shards`` (issue 25, 0.6.0): at 1 every record stays under ``<run>/peers``, as before.
-    patch_fields: ClassVar[frozenset[str]] = frozenset({"validators_per_part", "record_shards"})
+    #: ``group_size`` (issue 26, 0.7.0): at 0 every round is one group, as before.
+    patch_fields: ClassVar[frozenset[str]] = frozenset({"validators_per_part", "record_shards", "group_size"})
 
     def config_hash(self) -> str:
         """First 16 hex chars of SHA-256 of the canonical JSON of this config (the ``patch_fields`` at their

@@ -47,6 +47,7 @@ from geomesh_p2p.exchange.robust import token_weighted_mean
 from geomesh_p2p.exchange.aggregate import decode_aggregate, encode_aggregate, fp32_to_bytes, fp32_view
 from geomesh_p2p.exchange.client import _RETRY_PULL, _RETRY_PUSH, _held  # noqa: F401  (older names)
 from geomesh_p2p.exchange.client import AllReduceResult, CollectiveService
+from geomesh_p2p.exchange.groups import GroupedCollective, GroupLayout, group_layout
 from geomesh_p2p.exchange.messages import CONTRIBUTION_KIND, RESULT_KIND, Contribution
 from geomesh_p2p.exchange.accountable import RECEIPT_KIND, ProofError, ProofVerdict, verify_proof
 from geomesh_p2p.exchange.audit import Finding
@@ -69,6 +70,9 @@ from geomesh_p2p.exchange.partition import (
 
 __all__ = [
     "CollectiveService",
+    "GroupedCollective",
+    "GroupLayout",
+    "group_layout",
     "CollectiveSpec",
     "PartOwner",
     "AllReduceResult",

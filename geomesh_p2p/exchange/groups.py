@@ -38,7 +38,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from google.protobuf.message import DecodeError
@@ -221,7 +221,7 @@ class _CrossService(CollectiveService):
     """The cross level's service: its contributions carry the sender's group members (``members[round]``, set
     before its all-reduce), which the leader's result lists for every reader."""
 
-    def __init__(self, *args, **kw):
+    def __init__(self, *args: Any, **kw: Any) -> None:
         super().__init__(*args, **kw)
         self.members: dict[int, list[tuple[str, int]]] = {}
 
@@ -325,6 +325,16 @@ class GroupedCollective:
             buf = await asyncio.to_thread(buf.clone)  # the stages write into it; the caller's delta stays
         g = layout.group_of(me)
         gspec = group_specs[g]
+        log.info(
+            "round %d: grouped exchange: %d groups (this peer's: %d members), %d slices; this peer owns %s",
+            spec.round,
+            len(layout.groups),
+            len(layout.groups[g]),
+            len(layout.slices),
+            "no slice"
+            if layout.slice_of(me) is None
+            else f"slice {layout.slice_of(me)}" + (" and leads it" if me in layout.leaders else ""),
+        )
         mine = gspec.part_index_of(me)
         r1 = await self.group.all_reduce(gspec, buf, tokens, compute_end, in_place=True, read=mine)
         c_mine = layout.slice_of(me)

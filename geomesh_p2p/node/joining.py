@@ -339,7 +339,8 @@ def adopt_state(node: PeerNode, round: int, theta, momentum) -> None:
     had before (red team, session 13: a peer that caught up from round 3 to 19 refused round 19's pushes to the
     part it owned, and the round's digests split)."""
     node._set_state(round, theta, momentum)
-    collective = getattr(node, "collective", None)
+    # every level of the exchange (the grouped one forwards to the one-level service)
+    collective = getattr(node, "grouped", None) or getattr(node, "collective", None)
     if collective is not None:
         collective.note_round(round)
 

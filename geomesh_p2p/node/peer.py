@@ -34,7 +34,7 @@ from geomesh_p2p.node.started import started
 from geomesh_p2p.status import swarm as swarm_status  # noqa: F401  (kept importable from here: tests patch it)
 from geomesh_p2p.trust.admission import Admission, load_or_solve_pow, pow_cache_path
 from geomesh_p2p.model.capability import ThroughputEMA
-from geomesh_p2p.exchange import CollectiveService
+from geomesh_p2p.exchange import CollectiveService, GroupedCollective
 from geomesh_p2p.config.models import NodeConfig, RunConfig
 from geomesh_p2p.dht import PeerAnnouncer, record_ttl_s
 from geomesh_p2p.dht import DHTNode
@@ -59,6 +59,7 @@ from geomesh_p2p.node.links import LinkProber
 from geomesh_p2p.round.policy import OWNER_PENALTY_ROUNDS, NodeRoundPolicy
 from geomesh_p2p.round.rules import OuterStepRule, Penalties, PlanRules, Reprofiler, RoundState, StateSync, VerifiedWork
 from geomesh_p2p.round.rules.accountable import Accountability
+from geomesh_p2p.round.rules.spec import PULL_SHARE_OF_EXCHANGE as PULL_SHARE
 from geomesh_p2p.trust import verify
 from geomesh_p2p.trust.standing import Standing
 from geomesh_p2p.sync.server import StateServer
@@ -143,6 +144,7 @@ class PeerNode:
         self.event_sink: Any = None
         self.dht: Optional[DHTNode] = None
         self.collective: Optional[CollectiveService] = None
+        self.grouped: Optional[GroupedCollective] = None  # the round's exchange: one group, or groups (issue 26)
         self.state_server: Optional[StateServer] = None
         self.announcer: Optional[PeerAnnouncer] = None
         self.plans: Optional[PlanStore] = None
@@ -397,6 +399,7 @@ class PeerNode:
         self.transport = Transport(self.identity, self.run_cfg.run_id, tcfg, allow=self._allow)
         self.dht = DHTNode(self.transport, join_attempts=c.join_attempts)
         self.collective = CollectiveService(self.transport)
+        self.grouped = GroupedCollective(self.collective, group_size=self.run_cfg.group_size, pull_share=PULL_SHARE)
         # the newest outer update goes to a temp file once sealed (issue 27: not 4P of RAM through the next round)
         self.state_server = StateServer(self.transport, spill_updates=True)
         LinkProbeService(self.transport)
@@ -607,7 +610,7 @@ class PeerNode:
             membership=self,
             plans=DhtPlanAgreement(cast(PlanStore, self.plans)),  # None only in tests driving a round by hand
             trainer=self.trainer,
-            collective=cast(CollectiveService, self.collective),
+            collective=cast(CollectiveService, self.grouped),
             state=self,
             policy=self.policy,
             cfg=cfg,
@@ -765,7 +768,7 @@ class PeerNode:
                 await self.announcer.stop()
             self.accountable.cancel()
             if self.collective is not None:
-                await self.collective.close()
+                await asyncio.gather(self.collective.close(), *([self.grouped.close()] if self.grouped else []))
             if self.dht is not None:
                 clock.follow(None)  # keep the last measured offset, drop the reference to this DHT
                 await self.dht.shutdown()

@@ -134,7 +134,7 @@ class Penalties:
                     j,
                     OWNER_PENALTY_ROUNDS,
                 )
-            self.owner[me] = spec.round + OWNER_PENALTY_ROUNDS  # type: ignore[index]
+            self.owner[me] = spec.round + OWNER_PENALTY_ROUNDS
 
     def _note_own_no_show(self, plan, ar, stalled: bool) -> None:
         """:meth:`note_own_failures`' no-show half."""
