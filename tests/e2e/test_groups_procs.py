@@ -37,3 +37,35 @@ def test_six_peers_in_two_groups_keep_one_digest(swarm):
         text = swarm.text(n)
         assert "grouped exchange: 2 groups" in text, text[-2000:]
         assert "Traceback" not in text and " E " not in text, text[-3000:]
+
+
+def test_a_leader_killed_in_the_grouped_exchange_leaves_the_survivors_on_one_digest(swarm):
+    """A slice's leader is SIGKILLed as its round-1 grouped exchange starts: the survivors finish that round on one
+    digest (the slice it led is missing for all of them, or served from a copy) and train on without it."""
+    names = [f"k{i}" for i in range(N)]
+    swarm.start_peers(names, "--min-peers", str(N), "--rounds", "5", "--mode", "reencode", "--group-size", "3")
+
+    def leader_in_round_1():
+        return next(
+            (n for n in names if "round 1: grouped exchange" in swarm.text(n) and _leads(swarm.text(n), 1)), None
+        )
+
+    swarm.wait_for(lambda: leader_in_round_1() is not None, 200, "a leader's round-1 grouped exchange")
+    victim = leader_in_round_1()
+    swarm.kill(victim)
+    rest = [n for n in names if n != victim]
+    codes = swarm.wait_exit(rest, 240)
+    assert codes == {n: 0 for n in rest}, {n: swarm.text(n)[-2000:] for n, c in codes.items() if c != 0}
+    digests: dict[int, set] = {}
+    for n in rest:
+        for x in swarm.rows(n):
+            digests.setdefault(x["round"], set()).add(x["digest"])
+    assert max(digests) == 4 and all(len(d) == 1 for d in digests.values()), {r: sorted(d) for r, d in digests.items()}
+    # after the round it died in, it is planned by nobody
+    assert all(swarm.rows(n)[-1]["peers"] == N - 1 for n in rest)
+    for n in rest:
+        assert "Traceback" not in swarm.text(n)
+
+
+def _leads(text: str, r: int) -> bool:
+    return any(f"round {r}: grouped exchange" in line and "leads it" in line for line in text.splitlines())
