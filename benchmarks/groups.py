@@ -1,6 +1,7 @@
 """All-reduce groups (issue 26): calls and bytes per peer of one round, one group of all vs groups of G, side by side.
 
     PYTHONPATH=$PWD python benchmarks/groups.py [--peers 8 16 32] [--numel 1000000] [--group-size 0]
+    PYTHONPATH=$PWD python benchmarks/groups.py --sim [--peers 8 16 ... 1024] [--numel 16000000]
 
 For each N, N in-process peers on 127.0.0.1 (one event loop; each its own Identity, Transport and services) run
 two rounds over the same transports: ``flat`` (reencode, sign: every peer pushes to and pulls from every owner)
@@ -10,6 +11,10 @@ level, answered) and served, bytes sent + received (serialized SignedMessages, b
 the peers (the max is a slice leader in grouped rounds). "identical": every peer's aggregate has the same
 SHA-256; "rel. err": ||aggregate - exact fp32 token-weighted mean|| / ||exact|| on independent Gaussian deltas
 (a worst case for sign compression, not a convergence figure). P/8 = the sign-packed vector, numel / 8 bytes.
+
+``--sim``: no processes; :func:`geomesh_p2p.sim.groups.exchange_traffic` counts the calls and encoded bytes of a
+healthy round from the real specs (the layout and level specs the peers build), one group against groups of
+``ceil(sqrt(N))`` and of 16, to N = 1,024 (default sizes 8 ... 1,024).
 """
 
 from __future__ import annotations
@@ -101,13 +106,47 @@ async def _one(n: int, numel: int, group_size: int, deadline_s: float) -> list[d
     return rows
 
 
+def _sim(peers: list[int], numel: int) -> None:
+    from geomesh_p2p.exchange import CollectiveSpec, make_partition
+    from geomesh_p2p.net.identity import Identity
+    from geomesh_p2p.sim.groups import exchange_traffic
+
+    print("| N | round | groups | calls made / peer (max) | calls served, max | bytes / peer in P/8 (max) |")
+    print("|---|---|---|---|---|---|")
+    p8 = numel / 8
+    ids = [Identity.generate().peer_id.to_string() for _ in range(max(peers))]
+    for n in peers:
+        pids = ids[:n]
+        owners = make_partition(numel, [(p, f"10.0.{k // 250}.{k % 250}:7000", None) for k, p in enumerate(pids)])
+        spec = CollectiveSpec("sim", 1, {p: 10**6 for p in pids}, owners, numel, time.time() + 60, time.time() + 80)
+        for g in dict.fromkeys((0, math.ceil(math.sqrt(n)), 16)):
+            layout = group_layout(spec, g) if g else None
+            if g and layout is None:
+                continue  # one group at this size: the flat row
+            t = exchange_traffic(spec, g)
+            made = [t.made[p] for p in pids]
+            moved = [(t.sent[p] + t.received[p]) / p8 for p in pids]
+            label = "flat" if not g else f"grouped G={g}"
+            print(
+                f"| {n} | {label} | {len(layout.groups) if layout else 1} | {sum(made) / n:.1f} ({max(made)}) | "
+                f"{max(t.served.values())} | {sum(moved) / n:.2f} ({max(moved):.2f}) |"
+            )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--peers", type=int, nargs="+", default=[8, 16, 32], help="swarm sizes N (default: 8 16 32)")
     ap.add_argument("--numel", type=int, default=1_000_000, help="elements of the vector (default: 1,000,000)")
     ap.add_argument("--group-size", type=int, default=0, help="G; 0: ceil(sqrt(N)) (default: 0)")
     ap.add_argument("--deadline-s", type=float, default=30.0, help="push deadline of a round, s (default: 30)")
+    ap.add_argument("--sim", action="store_true", help="count a healthy round from the specs, no peers (see above)")
     ns = ap.parse_args()
+    if ns.sim:
+        _sim(
+            ns.peers if ns.peers != [8, 16, 32] else [8, 16, 32, 64, 128, 256, 1024],
+            ns.numel if ns.numel != 1_000_000 else 16_000_000,
+        )
+        return
     if ns.numel < 1 or ns.group_size < 0 or any(n < 2 for n in ns.peers):
         ap.error("--numel >= 1, --group-size >= 0, --peers >= 2")
     torch.set_num_threads(1)

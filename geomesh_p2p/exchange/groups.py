@@ -13,7 +13,8 @@ round and every peer derives the same one) and the exchange runs in three stages
    group level adds no compression.
 2. **Cross-group all-reduce** (service ``CollectiveCross``). The ``M`` owners of slice ``c`` (one per group,
    the *cross set*) all-reduce their group aggregates, each weighted by its group's tokens, through one
-   *leader* that owns the whole slice (drawn per slice and round). Its result is signed by the leader.
+   *leaders* that own the slice in equal shares (``ceil(M / G)`` of them, drawn per slice and round). Each share's
+   result is signed by its leader.
 3. **Group all-gather.** Every peer pulls each slice it does not hold from the owner of that slice in its
    own group, which serves the leader-signed result it pulled (a long poll until it holds it). If that
    owner is gone, from the leader or any other member of the cross set: every copy is the leader's signed
@@ -71,13 +72,15 @@ GATHER_CONCURRENCY = 8
 class GroupLayout:
     """Who does what in a grouped round. ``groups[g]``: the members of group ``g`` (base58 PeerIDs);
     ``slices[c]``: ``[start, end)`` elements of slice ``c`` (the same in every group); ``slice_owners[g][c]``:
-    the member of group ``g`` that aggregates slice ``c`` there; ``leaders[c]``: the member of slice ``c``'s
-    cross set (``slice_owners[*][c]``) that owns the cross-group all-reduce of the slice."""
+    the member of group ``g`` that aggregates slice ``c`` there; ``leaders[c]``: the members of slice ``c``'s
+    cross set (``slice_owners[*][c]``) that own the cross-group all-reduce of the slice, each an equal share of it:
+    ``ceil(M / G)`` of them (``M`` groups of about ``G``), so that a leader takes about ``G`` pushes of ``P/(8 G L)``
+    bytes however many groups there are."""
 
     groups: tuple[tuple[str, ...], ...]
     slices: tuple[tuple[int, int], ...]
     slice_owners: tuple[tuple[str, ...], ...]
-    leaders: tuple[str, ...]
+    leaders: tuple[tuple[str, ...], ...]
 
     def group_of(self, peer: str) -> int:
         """The index of ``peer``'s group. Raises KeyError for a peer of no group."""
@@ -136,7 +139,8 @@ def group_layout(spec: CollectiveSpec, group_size: int) -> Optional[GroupLayout]
         start += s
     c = len(slices)
     offset = int.from_bytes(hashlib.sha256(seed + b"leaders").digest()[:8], "big")
-    leaders = tuple(owners[(k + offset) % m][k] for k in range(c))
+    per_slice = math.ceil(m / group_size)  # a leader hears ~group_size cross pushes, not m
+    leaders = tuple(tuple(owners[(k + offset + i) % m][k] for i in range(per_slice)) for k in range(c))
     return GroupLayout(tuple(tuple(g) for g in groups), tuple(slices), tuple(tuple(o[:c]) for o in owners), leaders)
 
 
@@ -167,17 +171,21 @@ def level_specs(
     )
 
     def cut(owners: list[PartOwner], agg: str, n: int) -> list[PartOwner]:
-        return split_owners(
-            owners,
-            max_part_elements(
+        def most(kind: str, pipeline: bool) -> int:
+            return max_part_elements(
                 push_encoding=spec.push_encoding,
                 mode="reencode",
-                aggregate_encoding=agg,
+                aggregate_encoding=kind,
                 n_participants=n,
                 block_size=spec.block_size,
                 max_message_bytes=max_message_bytes,
-            ),
-        )
+                **({} if pipeline else {"pipeline_bytes": None}),
+            )
+
+        # a group part's fp32 result never crosses the network (its owner reads it): the pushes set the pipeline's
+        # cut, the fp32 result only has to fit one message
+        size = most(agg, True) if agg != "fp32" else min(most(spec.aggregate_encoding, True), most("fp32", False))
+        return split_owners(owners, size)
 
     group_specs = []
     for g, members in enumerate(layout.groups):
@@ -199,13 +207,16 @@ def level_specs(
     cross_specs = []
     for c, (a, b) in enumerate(layout.slices):
         cross = layout.cross_set(c)
-        leader = layout.leaders[c]
+        shares = part_sizes(b - a, [None] * len(layout.leaders[c]), align=spec.block_size, equal=True)
+        leads, at = [], 0
+        for leader, size in zip(layout.leaders[c], shares):
+            if size > 0:
+                leads.append(PartOwner(leader, addresses[leader], at, at + size))
+                at += size
         cross_specs.append(
             CollectiveSpec(
                 participants={p: caps[g] for g, p in enumerate(cross)},
-                owners=tuple(
-                    cut([PartOwner(leader, addresses[leader], 0, b - a)], spec.aggregate_encoding, len(cross))
-                ),
+                owners=tuple(cut(leads, spec.aggregate_encoding, len(cross))),
                 numel=b - a,
                 deadline=d2,
                 pull_deadline=p2,
@@ -333,7 +344,7 @@ class GroupedCollective:
             len(layout.slices),
             "no slice"
             if layout.slice_of(me) is None
-            else f"slice {layout.slice_of(me)}" + (" and leads it" if me in layout.leaders else ""),
+            else f"slice {layout.slice_of(me)}" + (" and leads it" if any(me in ls for ls in layout.leaders) else ""),
         )
         mine = gspec.part_index_of(me)
         r1 = await self.group.all_reduce(gspec, buf, tokens, compute_end, in_place=True, read=mine)
@@ -426,7 +437,7 @@ class GroupedCollective:
             a = layout.slices[c][0]
             o = xs.owners[j]
             cross = layout.cross_set(c)
-            order = [cross[g], layout.leaders[c]] + [cross[(g + k) % len(cross)] for k in range(1, len(cross))]
+            order = [cross[g], o.peer_id] + [cross[(g + k) % len(cross)] for k in range(1, len(cross))]
             sources = [(p, addresses[p]) for p in dict.fromkeys(order) if p != self.peer_id]
             async with slots:
                 got = await self._gather_part(xs, j, sources, buf[a + o.start : a + o.end])

@@ -86,7 +86,7 @@ def _reference(spec, layout, deltas, tokens, alive) -> torch.Tensor:
             packets = [compression.encode(deltas[p][a:b], B, n) for p, n in zip(senders, used)]
             agg = gspecs[g].aggregate(list(zip(used, packets)), b - a)
             items.append((owner, sum(used), agg))
-        if layout.leaders[c] not in alive:
+        if layout.leaders[c][0] not in alive:
             continue  # the leader's slice is missing: zeros
         order = pid_order([i[0] for i in items])
         items.sort(key=lambda x: order.index(x[0]))
@@ -114,7 +114,14 @@ def test_the_layout_is_the_same_for_every_peer_and_each_peer_owns_at_most_one_sl
     assert len(layout.slices) == 2 and layout.slices[0] == (0, 6 * B) and layout.slices[-1][1] == NUMEL
     owned = [p for owners in layout.slice_owners for p in owners]
     assert len(owned) == len(set(owned)) == 4 * 2
-    assert all(layout.leaders[c] in layout.cross_set(c) for c in range(2))
+    # 4 groups of about 3: ceil(4 / 3) = 2 leaders per slice, each an equal share of it, from the slice's cross set
+    assert all(
+        len(set(layout.leaders[c])) == 2 and set(layout.leaders[c]) <= set(layout.cross_set(c)) for c in range(2)
+    )
+    _, xspecs = level_specs(spec, layout, spec.pull_deadline - 6.0, 128 << 20)
+    assert [[(o.peer_id, o.start, o.end) for o in xs.owners] for xs in xspecs] == [
+        [(layout.leaders[c][0], 0, 3 * B), (layout.leaders[c][1], 3 * B, 6 * B)] for c in range(2)
+    ]
     # another round, other groups; one group, relay, accountable: no layout
     assert group_layout(sw.spec(NUMEL, round=2), 3).groups != layout.groups
     assert group_layout(spec, 10) is None
@@ -158,7 +165,7 @@ async def test_nine_peers_in_groups_of_three_apply_the_same_two_level_aggregate(
                 )
             ]
             assert r.contributors[k] == want
-            assert r.part_owners[k] == layout.leaders[c]
+            assert r.part_owners[k] == layout.leaders[c][0]
     # calls per peer: group pushes to the G - 1 other slice owners of its group, a slice owner's cross push and
     # pull, and the all-gather of the G - 1 slices it does not own -- 2(G - 1) + 2 at most, against 2(N - 1) = 16
     for s, gc in zip(sw.services, grouped):
@@ -172,7 +179,7 @@ async def test_a_gone_slice_owner_leaves_its_group_mates_reading_the_slice_elsew
     spec = _spec(sw)
     layout = group_layout(spec, G)
     # a slice owner that leads no slice: its group's share of that slice is missing, its mates read it elsewhere
-    gone = next(p for owners in layout.slice_owners for p in owners if p not in layout.leaders)
+    gone = next(p for owners in layout.slice_owners for p in owners if all(p not in ls for ls in layout.leaders))
     k_gone = sw.pids.index(gone)
     await grouped[k_gone].close()
     await sw.stop_one(k_gone)
@@ -191,7 +198,7 @@ async def test_a_gone_leader_leaves_its_slice_missing_for_every_survivor(grouped
     sw, grouped = await grouped_swarm(9)
     spec = _spec(sw)
     layout = group_layout(spec, G)
-    gone = layout.leaders[1]
+    gone = layout.leaders[1][0]
     k_gone = sw.pids.index(gone)
     await grouped[k_gone].close()
     await sw.stop_one(k_gone)
@@ -220,7 +227,7 @@ async def test_a_slice_owner_cut_off_from_its_leader_reads_the_slice_from_the_cr
     spec = _spec(sw)
     layout = group_layout(spec, G)
     c = 0
-    leader = layout.leaders[c]
+    (leader,) = layout.leaders[c]
     cut = next(p for p in layout.cross_set(c) if p != leader)
     k_cut = sw.pids.index(cut)
     leader_addr = sw.addresses[sw.pids.index(leader)]
@@ -258,7 +265,7 @@ async def test_a_long_poll_for_a_part_the_cross_spec_does_not_have_is_refused_at
     layout = group_layout(spec, G)
     _, xspecs = level_specs(spec, layout, spec.pull_deadline - 6.0, 128 << 20)
     c = 0
-    member = next(p for p in layout.cross_set(c) if p != layout.leaders[c])
+    member = next(p for p in layout.cross_set(c) if p not in layout.leaders[c])
     k = sw.pids.index(member)
     svc = grouped[k].cross
     xs = xspecs[c]
@@ -312,3 +319,24 @@ def test_a_contributions_group_members_are_checked_by_the_owner():
     ]:
         with pytest.raises(EnvelopeError, match=reason):
             check(s, members, tokens)
+
+
+@pytest.mark.timeout(60)
+def test_the_traffic_model_counts_the_calls_of_each_stage():
+    """9 peers in groups of 3, one part per slice: a member pushes to its 2 mates' slices, a slice owner pushes its
+    group aggregate to the slice's leader and pulls the result (a leader neither), and every peer pulls the 2 slices
+    it does not own from its group: 6 calls made by a slice owner, 4 by a leader; 16 each in one group."""
+    from geomesh_p2p.sim.groups import exchange_traffic
+
+    sw = Swarm(9)
+    sw.addresses = [f"127.0.0.1:{9000 + k}" for k in range(9)]
+    spec = sw.spec(NUMEL)
+    layout = group_layout(spec, G)
+    t = exchange_traffic(spec, G)
+    leaders = {p for ls in layout.leaders for p in ls}
+    assert {p: t.made[p] for p in sw.pids} == {p: 4 if p in leaders else 6 for p in sw.pids}
+    # a leader serves its 2 mates' group pushes, the 2 other groups' cross pushes and pulls, its mates' 2 gathers
+    assert all(t.served[p] == (2 + 2 + 2 + 2 if p in leaders else 2 + 2) for p in sw.pids), t.served
+    assert sum(t.sent.values()) == sum(t.received.values())
+    flat = exchange_traffic(spec, 0)
+    assert set(flat.made.values()) == {16}
