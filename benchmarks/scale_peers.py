@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import asyncio
 import json
 import math
+import shlex
 import os
 import random
 import resource
@@ -47,7 +48,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -485,9 +486,10 @@ async def inproc_row(
 
 
 # ------------------------------------------------------------------------------------------ tier 3
-def proc_row(n: int, rounds: int, workdir: Path, timeout_s: float) -> dict[str, Any]:
+def proc_row(n: int, rounds: int, workdir: Path, timeout_s: float, extra: Sequence[str] = ()) -> dict[str, Any]:
     """Tier 3: ``n`` peer processes (tests.swarm_util.ProcSwarm: tiny model, one torch thread, 127.0.0.1)
-    until each wrote ``rounds`` rows or ``timeout_s``; figures from rows after each peer's first."""
+    until each wrote ``rounds`` rows or ``timeout_s``; figures from rows after each peer's first. ``extra``: more
+    ``geomesh-peer join`` flags for every peer (``--proc-args``)."""
     from tests.swarm_util import ProcSwarm  # the tests' process helper (benchmarks may use it)
 
     names = [f"p{i}" for i in range(n)]
@@ -507,6 +509,7 @@ def proc_row(n: int, rounds: int, workdir: Path, timeout_s: float) -> dict[str, 
             "2.5",
             "--speed-factor",
             "1",
+            *extra,
         )
         deadline = time.time() + timeout_s
 
@@ -623,6 +626,11 @@ def main(argv=None) -> int:
     ap.add_argument("--proc-logs", default="", help="proc: keep the peers' logs under this folder (default: deleted)")
     ap.add_argument("--proc-rounds", type=int, default=5, help="proc: rounds per peer (default: %(default)s)")
     ap.add_argument("--proc-timeout-s", type=float, default=600, help="proc: seconds per size (default: %(default)s)")
+    ap.add_argument(
+        "--proc-args",
+        default="",
+        help="proc: more geomesh-peer join flags for every peer, one string, e.g. '--mode reencode --group-size 4'",
+    )
     ap.add_argument("--reads", type=int, default=3, help="peers() reads per peer per round (default: %(default)s)")
     ap.add_argument("--round-s", type=float, default=8.0, help="round length the announces follow (default: 8)")
     ap.add_argument("--rpc-timeout-s", type=float, default=30.0, help="inproc: DHT RPC deadline (default: 30)")
@@ -759,10 +767,12 @@ def main(argv=None) -> int:
             if args.proc_logs:  # kept: the peers' logs and rows, to read what happened
                 d = Path(args.proc_logs) / f"scale{n}"
                 d.mkdir(parents=True, exist_ok=True)
-                rows.append(proc_row(n, args.proc_rounds, d, args.proc_timeout_s))
+                rows.append(proc_row(n, args.proc_rounds, d, args.proc_timeout_s, shlex.split(args.proc_args)))
             else:
                 with tempfile.TemporaryDirectory(prefix=f"scale{n}-") as t:
-                    rows.append(proc_row(n, args.proc_rounds, Path(t), args.proc_timeout_s))
+                    rows.append(
+                        proc_row(n, args.proc_rounds, Path(t), args.proc_timeout_s, shlex.split(args.proc_args))
+                    )
             print(json.dumps(rows[-1]), flush=True)
     print(table(rows))
     if args.json:
