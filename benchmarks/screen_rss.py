@@ -24,7 +24,6 @@ row losses, bit for bit::
 from __future__ import annotations
 
 import argparse
-import gc
 import hashlib
 import json
 import os
@@ -39,29 +38,12 @@ import torch
 from geomesh_p2p.data import load_dataset
 from geomesh_p2p.exchange import codec as compression
 from geomesh_p2p.model.build import build_model, flat_params
-from geomesh_p2p.model.memory import release_freed_memory
 from geomesh_p2p.trust import check_model as CM
 from geomesh_p2p.trust.gain import row_losses
 from geomesh_p2p.trust.kept_weights import KeptWeights
+from verify_check_rss import settle, status  # noqa: E402  (the benchmarks' one /proc/self/status reader)
 
 GIB = 1024**3
-
-
-def status() -> dict[str, int]:
-    """VmRSS, VmHWM, RssAnon and RssFile of this process, bytes."""
-    out = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            key, _, rest = line.partition(":")
-            if key in ("VmRSS", "VmHWM", "RssAnon", "RssFile"):
-                out[key] = int(rest.split()[0]) * 1024
-    return out
-
-
-def settle() -> dict[str, int]:
-    gc.collect()
-    release_freed_memory()
-    return status()
 
 
 def child(args) -> dict:
