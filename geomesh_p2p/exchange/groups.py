@@ -108,10 +108,12 @@ def group_layout(spec: CollectiveSpec, group_size: int) -> Optional[GroupLayout]
     shuffle, so groups change every round). None when the round stays one group: ``group_size`` < 2, at most
     ``group_size`` participants, a ``relay`` or ``accountable`` round (their readers check every input or
     every owner, which a second level would hide), fewer established participants than groups (each group
-    needs one for its quorum) or a group without an owner (client-only peers own nothing).
+    needs one for its quorum) or a group with fewer than two owners (client-only peers own nothing; one slice per
+    group would leave its owner the only witness of its mates' pushes).
 
     Groups: ``ceil(N / group_size)``, sizes within one of each other; established participants are dealt
-    first, so newcomers on probation spread over the groups. Slices: the vector cut into equal block-aligned
+    first (the owners among them first, so each group gets its share of the owners), so newcomers on probation
+    spread over the groups. Slices: the vector cut into equal block-aligned
     shares, one per owner of the group with the fewest owners; established owners take slices first.
     """
     n = len(spec.participants)
@@ -120,17 +122,22 @@ def group_layout(spec: CollectiveSpec, group_size: int) -> Optional[GroupLayout]
     m = math.ceil(n / group_size)
     seed = spec.spec_id
     probation = set(spec.probation)
-    established = sorted((p for p in spec.participants if p not in probation), key=lambda p: _draw(seed, p))
+    addresses = {o.peer_id: o.address for o in spec.owners}
+    # owners dealt first, then the other established peers, then newcomers: each group gets its share of the owners
+    established = sorted(
+        (p for p in spec.participants if p not in probation), key=lambda p: (p not in addresses, _draw(seed, p))
+    )
     newcomers = sorted(probation, key=lambda p: _draw(seed, p))
     if len(established) < m:
         return None
     groups: list[list[str]] = [[] for _ in range(m)]
     for i, p in enumerate(established + newcomers):
         groups[i % m].append(p)
-    addresses = {o.peer_id: o.address for o in spec.owners}
     owners = [[p for p in members if p in addresses] for members in groups]  # established first (dealt first)
     c = min(len(o) for o in owners)
-    if c == 0:
+    if c < 2:
+        # one slice per group: its owner would be the only witness of its mates' pushes; gone, they would be in no
+        # part's contributors, no-shows for everyone (a one-level round counts them in every other owner's part)
         return None
     sizes = [s for s in part_sizes(spec.numel, [None] * c, align=spec.block_size, equal=True) if s > 0]
     slices, start = [], 0

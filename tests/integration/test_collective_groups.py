@@ -340,3 +340,68 @@ def test_the_traffic_model_counts_the_calls_of_each_stage():
     assert sum(t.sent.values()) == sum(t.received.values())
     flat = exchange_traffic(spec, 0)
     assert set(flat.made.values()) == {16}
+
+
+@pytest.mark.timeout(120)
+async def test_a_gone_slice_owner_does_not_make_its_group_mates_no_shows(grouped_swarm):
+    """Red team: with one slice per group (the group with the fewest owners has one: 3 peers in groups of 2, or
+    client-only members), a group's only slice owner is the only witness of its mates' pushes. Gone, its mates were
+    in no part's contributors: every survivor marked them no-shows (and they marked themselves), though they pushed
+    in time to the owner the plan gave them -- a one-level round counts them in every other owner's part."""
+    from geomesh_p2p.trust.probation import absent_participants
+
+    sw, grouped = await grouped_swarm(3)
+    gone = mate = None
+    for rnd in range(1, 64):  # a round whose pair's slice owner does not lead the slice
+        spec = sw.spec(NUMEL, deadline_s=3.0, pull_s=3.0, round=rnd)
+        layout = group_layout(spec, 2)
+        if layout is None:  # one group (the fix: a slice per group is not enough to group)
+            gone, mate = sw.pids[0], sw.pids[1]
+            break
+        pair = next(g for g in layout.groups if len(g) == 2)
+        owner = layout.slice_owners[layout.groups.index(pair)][0]
+        if owner not in layout.leaders[0]:
+            gone, mate = owner, next(p for p in pair if p != owner)
+            break
+    assert gone is not None
+    k_gone = sw.pids.index(gone)
+    await grouped[k_gone].close()
+    await sw.stop_one(k_gone)
+    alive = [k for k in range(3) if k != k_gone]
+    deltas = deltas_for(sw.pids, NUMEL, seed=13)
+    out = await asyncio.gather(
+        *(
+            grouped[k].all_reduce(
+                spec,
+                deltas[sw.pids[k]].clone(),
+                100,
+                group_size=2,
+                exchange_start=spec.pull_deadline - 6.0,
+            )
+            for k in alive
+        )
+    )
+    assert torch.equal(out[0].aggregate, out[1].aggregate)
+    for r in out:
+        assert absent_participants(spec.participants, r.contributors) == [gone], (_short(mate), r.contributors)
+
+
+def _short(p: str) -> str:
+    return p[:10]
+
+
+@pytest.mark.timeout(60)
+def test_owners_are_dealt_first_so_client_only_peers_do_not_leave_a_group_one_slice():
+    """Red team: client-only peers were dealt with the owners at random, so a group could get one owner (a round of
+    one slice per group, its owner the only witness of its mates' pushes). Owners are dealt first now, and a round
+    that would still have a group with fewer than two owners is not grouped."""
+    sw = Swarm(4, 2)
+    sw.addresses = [f"127.0.0.1:{9000 + k}" for k in range(6)]
+    for rnd in range(1, 20):
+        spec = sw.spec(NUMEL, round=rnd)
+        layout = group_layout(spec, 3)
+        assert layout is not None and len(layout.slices) == 2
+        assert all(len(o) == 2 for o in layout.slice_owners)
+    three = Swarm(3)
+    three.addresses = [f"127.0.0.1:{9000 + k}" for k in range(3)]
+    assert group_layout(three.spec(NUMEL), 2) is None  # groups of 2 and 1: one slice per group
