@@ -574,9 +574,12 @@ def result_members(signed: wire.Buffer) -> Optional[list[tuple[str, int]]]:
     except (DecodeError, wire.WireError):
         return None
     counts, members, tokens = list(res.member_counts), list(res.members), list(res.member_tokens)
-    if not members or len(counts) != len(res.contributors) or sum(counts) != len(members) != len(tokens):
-        return None
-    if len(members) != len(tokens):
+    if (
+        not members
+        or len(counts) != len(res.contributors)
+        or sum(counts) != len(members)
+        or len(members) != len(tokens)
+    ):
         return None
     try:
         return [(PeerID(bytes(m)).to_string(), int(n)) for m, n in zip(members, tokens)]

@@ -405,3 +405,30 @@ def test_owners_are_dealt_first_so_client_only_peers_do_not_leave_a_group_one_sl
     three = Swarm(3)
     three.addresses = [f"127.0.0.1:{9000 + k}" for k in range(3)]
     assert group_layout(three.spec(NUMEL), 2) is None  # groups of 2 and 1: one slice per group
+
+
+@pytest.mark.timeout(60)
+def test_a_result_whose_member_counts_do_not_add_up_lists_no_members():
+    """Red team: ``result_members`` checked ``sum(counts) != len(members) != len(tokens)`` -- a chained comparison,
+    so member counts that did not add up to the members were taken when the members and their tokens had one
+    length."""
+    from geomesh_p2p.exchange import messages
+    from geomesh_p2p.exchange.messages import RESULT_KIND
+    from geomesh_p2p.exchange.partition import _pid_bytes
+    from geomesh_p2p.exchange import frames as wire
+    from geomesh_p2p.wire import collective_pb2
+    from tests.collective_util import RUN
+
+    sw = Swarm(3)
+    ident = sw.ids[0]
+    raw = [_pid_bytes(p) for p in sw.pids]
+
+    def signed(counts):
+        head = collective_pb2.PartResult(
+            round=1, contributors=raw[:2], tokens=[20, 10], member_counts=counts, members=raw, member_tokens=[10] * 3
+        ).SerializeToString()
+        return b"".join(wire.signed_parts(ident, run_id=RUN, round=1, kind=RESULT_KIND, payload=[head]))
+
+    assert messages.result_members(signed([2, 1])) == [(p, 10) for p in sw.pids]
+    assert messages.result_members(signed([2, 2])) is None
+    assert messages.result_members(signed([1, 1])) is None
