@@ -372,7 +372,9 @@ class GroupedCollective:
         # parts of its own slice that a slice owner got no copy of from the leader (gone, or a broken link) it reads
         # from the rest of the cross set, as its group mates do: else they applied a result it zeroed
         retry = [] if c_mine is None else results[c_mine].missing_parts
-        gathered = await self._all_gather(layout, cross_specs, g, c_mine, buf, addresses, retry)
+        # a slice owner vouches for its own group's members only: the members it lists outside it are left out
+        mates = {p: frozenset(ms) for ms in layout.groups for p in ms}
+        gathered = await self._all_gather(layout, cross_specs, g, c_mine, buf, addresses, retry, mates)
         contributors: dict[int, list[tuple[str, int]]] = {}
         missing: list[int] = []
         ranges: list[tuple[int, int]] = []
@@ -385,7 +387,7 @@ class GroupedCollective:
                 ranges.append((a + o.start, a + o.end))
                 if c in results and j in results[c].contributors:
                     signed = self.cross.signed_result(spec.round, j)
-                    got = messages.result_members(signed) if signed is not None else None
+                    got = messages.result_members(signed, mates) if signed is not None else None
                     got = results[c].contributors[j] if got is None else got
                 else:
                     got = gathered.get((c, j))
@@ -431,6 +433,7 @@ class GroupedCollective:
         buf: torch.Tensor,
         addresses: dict[str, str],
         retry: list[int],
+        mates: dict[str, frozenset[str]],
     ) -> dict[tuple[int, int], list[tuple[str, int]]]:
         """Stage 3: every slice but ``c_mine``, part by part, from this group's owner of the slice first (then the
         leader, then the rest of the cross set), and parts ``retry`` of slice ``c_mine`` (the ones this node's cross
@@ -447,7 +450,7 @@ class GroupedCollective:
             order = [cross[g], o.peer_id] + [cross[(g + k) % len(cross)] for k in range(1, len(cross))]
             sources = [(p, addresses[p]) for p in dict.fromkeys(order) if p != self.peer_id]
             async with slots:
-                got = await self._gather_part(xs, j, sources, buf[a + o.start : a + o.end])
+                got = await self._gather_part(xs, j, sources, buf[a + o.start : a + o.end], mates)
             if got is not None:
                 out[(c, j)] = got
 
@@ -458,7 +461,12 @@ class GroupedCollective:
         return out
 
     async def _gather_part(
-        self, xs: CollectiveSpec, j: int, sources: list[tuple[str, str]], out: torch.Tensor
+        self,
+        xs: CollectiveSpec,
+        j: int,
+        sources: list[tuple[str, str]],
+        out: torch.Tensor,
+        mates: dict[str, frozenset[str]],
     ) -> Optional[list[tuple[str, int]]]:
         """Part ``j`` of cross spec ``xs``: the leader-signed result from the first source that holds it (a long
         poll to the first, which reads it for its group), decoded into ``out``; None (``out`` zeroed) when
@@ -493,7 +501,7 @@ class GroupedCollective:
                 if _signed_at(signed) > xs.pull_deadline:
                     out.zero_()
                     return None
-                members = messages.result_members(signed)
+                members = messages.result_members(signed, mates)
                 return res[1] if members is None else members
             first = False
             await asyncio.sleep(min(0.2, max(0.0, end - swarm_time())))

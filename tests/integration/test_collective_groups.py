@@ -432,3 +432,41 @@ def test_a_result_whose_member_counts_do_not_add_up_lists_no_members():
     assert messages.result_members(signed([2, 1])) == [(p, 10) for p in sw.pids]
     assert messages.result_members(signed([2, 2])) is None
     assert messages.result_members(signed([1, 1])) is None
+
+
+@pytest.mark.timeout(120)
+async def test_a_slice_owner_lying_in_its_member_list_is_held_to_its_own_group(grouped_swarm):
+    """Red team: a slice owner's member list was checked for peers of the round only, so a lying owner (not a
+    leader) could list a peer of another group -- counted twice in that part, its tokens too -- in place of an
+    honest mate. Readers now keep a contributor's listed members in its own group only: what is left is what a
+    one-level owner can do to its own part (drop or add members of its group), and the dropped mate is still
+    counted in its other slices."""
+    from geomesh_p2p.trust.probation import absent_participants
+
+    sw, grouped = await grouped_swarm(9)
+    spec = _spec(sw)
+    layout = group_layout(spec, G)
+    liar = next(p for owners in layout.slice_owners for p in owners if all(p not in ls for ls in layout.leaders))
+    k_liar = sw.pids.index(liar)
+    mine = layout.groups[layout.group_of(liar)]
+    outsider = next(p for p in sw.pids if p not in mine)
+
+    class Lie(dict):
+        def get(self, r, default=None):
+            real = super().get(r, default)
+            if not real:
+                return real
+            mate = next(i for i, (p, _) in enumerate(real) if p != liar)
+            return [(outsider, n) if i == mate else (p, n) for i, (p, n) in enumerate(real)]
+
+    grouped[k_liar].cross.members = Lie()
+    deltas = deltas_for(sw.pids, NUMEL, seed=17)
+    tokens = {p: 100 for p in sw.pids}
+    out = await _run(grouped, spec, deltas, tokens)
+    aggs = [r.aggregate for r in out.values()]
+    assert all(torch.equal(aggs[0], a) for a in aggs[1:])
+    for r in out.values():
+        assert absent_participants(spec.participants, r.contributors) == []
+        for j, listed in r.contributors.items():
+            names = [p for p, _ in listed]
+            assert len(names) == len(set(names)), (j, _short(outsider), [_short(p) for p in names])
