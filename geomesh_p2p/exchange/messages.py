@@ -591,7 +591,8 @@ def result_members(
         return None
     if groups is None:
         return listed
-    out, at = [], 0
+    out: list[tuple[str, int]] = []
+    at = 0
     for sender, k in zip(senders, counts):
         mates = groups.get(sender, ())
         out.extend((p, n) for p, n in listed[at : at + k] if p in mates)
