@@ -191,6 +191,10 @@ async def test_a_gone_slice_owner_leaves_its_group_mates_reading_the_slice_elsew
     assert all(torch.equal(aggs[0], a) for a in aggs[1:])
     assert torch.equal(aggs[0], _reference(spec, layout, deltas, tokens, {sw.pids[k] for k in alive}))
     assert all(r.missing_parts == [] for r in out.values())
+    # the gone owner is the one no-show: its group mates are counted by their other slices' owners
+    from geomesh_p2p.trust.probation import absent_participants
+
+    assert all(absent_participants(spec.participants, r.contributors) == [gone] for r in out.values())
 
 
 @pytest.mark.timeout(120)
@@ -212,6 +216,9 @@ async def test_a_gone_leader_leaves_its_slice_missing_for_every_survivor(grouped
     assert torch.count_nonzero(aggs[0][a:b]) == 0 and torch.count_nonzero(aggs[0][:a]) > 0
     assert torch.equal(aggs[0], _reference(spec, layout, deltas, tokens, {sw.pids[k] for k in alive}))
     assert all(len(r.missing_parts) == 1 for r in out.values())
+    from geomesh_p2p.trust.probation import absent_participants
+
+    assert all(absent_participants(spec.participants, r.contributors) == [gone] for r in out.values())
 
 
 @pytest.mark.timeout(120)
