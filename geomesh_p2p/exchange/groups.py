@@ -108,10 +108,12 @@ def group_layout(spec: CollectiveSpec, group_size: int) -> Optional[GroupLayout]
     shuffle, so groups change every round). None when the round stays one group: ``group_size`` < 2, at most
     ``group_size`` participants, a ``relay`` or ``accountable`` round (their readers check every input or
     every owner, which a second level would hide), fewer established participants than groups (each group
-    needs one for its quorum) or a group without an owner (client-only peers own nothing).
+    needs one for its quorum) or a group with fewer than two owners (client-only peers own nothing; one slice per
+    group would leave its owner the only witness of its mates' pushes).
 
     Groups: ``ceil(N / group_size)``, sizes within one of each other; established participants are dealt
-    first, so newcomers on probation spread over the groups. Slices: the vector cut into equal block-aligned
+    first (the owners among them first, so each group gets its share of the owners), so newcomers on probation
+    spread over the groups. Slices: the vector cut into equal block-aligned
     shares, one per owner of the group with the fewest owners; established owners take slices first.
     """
     n = len(spec.participants)
@@ -120,17 +122,22 @@ def group_layout(spec: CollectiveSpec, group_size: int) -> Optional[GroupLayout]
     m = math.ceil(n / group_size)
     seed = spec.spec_id
     probation = set(spec.probation)
-    established = sorted((p for p in spec.participants if p not in probation), key=lambda p: _draw(seed, p))
+    addresses = {o.peer_id: o.address for o in spec.owners}
+    # owners dealt first, then the other established peers, then newcomers: each group gets its share of the owners
+    established = sorted(
+        (p for p in spec.participants if p not in probation), key=lambda p: (p not in addresses, _draw(seed, p))
+    )
     newcomers = sorted(probation, key=lambda p: _draw(seed, p))
     if len(established) < m:
         return None
     groups: list[list[str]] = [[] for _ in range(m)]
     for i, p in enumerate(established + newcomers):
         groups[i % m].append(p)
-    addresses = {o.peer_id: o.address for o in spec.owners}
     owners = [[p for p in members if p in addresses] for members in groups]  # established first (dealt first)
     c = min(len(o) for o in owners)
-    if c == 0:
+    if c < 2:
+        # one slice per group: its owner would be the only witness of its mates' pushes; gone, they would be in no
+        # part's contributors, no-shows for everyone (a one-level round counts them in every other owner's part)
         return None
     sizes = [s for s in part_sizes(spec.numel, [None] * c, align=spec.block_size, equal=True) if s > 0]
     slices, start = [], 0
@@ -365,7 +372,9 @@ class GroupedCollective:
         # parts of its own slice that a slice owner got no copy of from the leader (gone, or a broken link) it reads
         # from the rest of the cross set, as its group mates do: else they applied a result it zeroed
         retry = [] if c_mine is None else results[c_mine].missing_parts
-        gathered = await self._all_gather(layout, cross_specs, g, c_mine, buf, addresses, retry)
+        # a slice owner vouches for its own group's members only: the members it lists outside it are left out
+        mates = {p: frozenset(ms) for ms in layout.groups for p in ms}
+        gathered = await self._all_gather(layout, cross_specs, g, c_mine, buf, addresses, retry, mates)
         contributors: dict[int, list[tuple[str, int]]] = {}
         missing: list[int] = []
         ranges: list[tuple[int, int]] = []
@@ -378,7 +387,7 @@ class GroupedCollective:
                 ranges.append((a + o.start, a + o.end))
                 if c in results and j in results[c].contributors:
                     signed = self.cross.signed_result(spec.round, j)
-                    got = messages.result_members(signed) if signed is not None else None
+                    got = messages.result_members(signed, mates) if signed is not None else None
                     got = results[c].contributors[j] if got is None else got
                 else:
                     got = gathered.get((c, j))
@@ -424,6 +433,7 @@ class GroupedCollective:
         buf: torch.Tensor,
         addresses: dict[str, str],
         retry: list[int],
+        mates: dict[str, frozenset[str]],
     ) -> dict[tuple[int, int], list[tuple[str, int]]]:
         """Stage 3: every slice but ``c_mine``, part by part, from this group's owner of the slice first (then the
         leader, then the rest of the cross set), and parts ``retry`` of slice ``c_mine`` (the ones this node's cross
@@ -440,7 +450,7 @@ class GroupedCollective:
             order = [cross[g], o.peer_id] + [cross[(g + k) % len(cross)] for k in range(1, len(cross))]
             sources = [(p, addresses[p]) for p in dict.fromkeys(order) if p != self.peer_id]
             async with slots:
-                got = await self._gather_part(xs, j, sources, buf[a + o.start : a + o.end])
+                got = await self._gather_part(xs, j, sources, buf[a + o.start : a + o.end], mates)
             if got is not None:
                 out[(c, j)] = got
 
@@ -451,7 +461,12 @@ class GroupedCollective:
         return out
 
     async def _gather_part(
-        self, xs: CollectiveSpec, j: int, sources: list[tuple[str, str]], out: torch.Tensor
+        self,
+        xs: CollectiveSpec,
+        j: int,
+        sources: list[tuple[str, str]],
+        out: torch.Tensor,
+        mates: dict[str, frozenset[str]],
     ) -> Optional[list[tuple[str, int]]]:
         """Part ``j`` of cross spec ``xs``: the leader-signed result from the first source that holds it (a long
         poll to the first, which reads it for its group), decoded into ``out``; None (``out`` zeroed) when
@@ -486,7 +501,7 @@ class GroupedCollective:
                 if _signed_at(signed) > xs.pull_deadline:
                     out.zero_()
                     return None
-                members = messages.result_members(signed)
+                members = messages.result_members(signed, mates)
                 return res[1] if members is None else members
             first = False
             await asyncio.sleep(min(0.2, max(0.0, end - swarm_time())))

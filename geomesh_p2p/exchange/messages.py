@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence, Union, cast
+from typing import Any, Callable, Collection, Mapping, Optional, Sequence, Union, cast
 
 import grpc
 import torch
@@ -564,21 +564,37 @@ async def parse_pull(payload) -> PullReply:
         raise DecodeError(str(e)) from None
 
 
-def result_members(signed: wire.Buffer) -> Optional[list[tuple[str, int]]]:
+def result_members(
+    signed: wire.Buffer, groups: Optional[Mapping[str, Collection[str]]] = None
+) -> Optional[list[tuple[str, int]]]:
     """The group members a grouped round's cross-level result counted (:mod:`.groups`): every listed contributor's
     members with their tokens, in the result's order, from a PartResult whose owner signature the caller already
-    checked (:func:`read_result`). None when the result lists no members, or its member lists do not add up (a
-    malformed result: the caller keeps the contributors as listed)."""
+    checked (:func:`read_result`). ``groups``: contributor -> the peers it may list (its group); the members it
+    lists outside it are left out (a slice owner vouches for its own group only). None when the result lists no
+    members, or its member lists do not add up (a malformed result: the caller keeps the contributors as listed)."""
     try:
         res, _, _ = _result_fields(wire.SignedView(signed).payload)
     except (DecodeError, wire.WireError):
         return None
     counts, members, tokens = list(res.member_counts), list(res.members), list(res.member_tokens)
-    if not members or len(counts) != len(res.contributors) or sum(counts) != len(members) != len(tokens):
-        return None
-    if len(members) != len(tokens):
+    if (
+        not members
+        or len(counts) != len(res.contributors)
+        or sum(counts) != len(members)
+        or len(members) != len(tokens)
+    ):
         return None
     try:
-        return [(PeerID(bytes(m)).to_string(), int(n)) for m, n in zip(members, tokens)]
+        listed = [(PeerID(bytes(m)).to_string(), int(n)) for m, n in zip(members, tokens)]
+        senders = [PeerID(bytes(c)).to_string() for c in res.contributors]
     except Exception:
         return None
+    if groups is None:
+        return listed
+    out: list[tuple[str, int]] = []
+    at = 0
+    for sender, k in zip(senders, counts):
+        mates = groups.get(sender, ())
+        out.extend((p, n) for p, n in listed[at : at + k] if p in mates)
+        at += k
+    return out

@@ -69,3 +69,39 @@ def test_a_leader_killed_in_the_grouped_exchange_leaves_the_survivors_on_one_dig
 
 def _leads(text: str, r: int) -> bool:
     return any(f"round {r}: grouped exchange" in line and "leads it" in line for line in text.splitlines())
+
+
+def test_eager_peers_with_a_client_only_member_keep_one_digest_in_groups(swarm):
+    """Red team: ``--eager`` (the exchange's ``in_place=False`` path) and a ``--client-only`` peer in a grouped
+    round (it owns no slice; the owners are dealt over the groups first): one digest every round, all six counted as
+    contributors, no ERROR or traceback."""
+    names = [f"e{i}" for i in range(N)]
+    swarm.start_peers(
+        names,
+        "--min-peers",
+        str(N),
+        "--rounds",
+        str(ROUNDS),
+        "--mode",
+        "reencode",
+        "--group-size",
+        "3",
+        "--eager",
+        each=lambda i, n: ("--client-only",) if i == N - 1 else (),
+    )
+    codes = swarm.wait_exit(names, 260)
+    assert codes == {n: 0 for n in names}, {n: swarm.text(n)[-2000:] for n, c in codes.items() if c != 0}
+    digests: dict[int, set] = {}
+    for n in names:
+        for x in swarm.rows(n):
+            digests.setdefault(x["round"], set()).add(x["digest"])
+    assert max(digests) == ROUNDS - 1, sorted(digests)
+    assert all(len(d) == 1 for d in digests.values()), {r: sorted(d) for r, d in digests.items()}
+    full = [x for n in names for x in swarm.rows(n) if x["peers"] == N]
+    assert full and all(x["contributors"] == N and x["missing_parts"] == 0 for x in full), [
+        (x["round"], x["peers"], x["contributors"], x["missing_parts"]) for x in full
+    ]
+    for n in names:
+        text = swarm.text(n)
+        assert "grouped exchange: 2 groups" in text, text[-2000:]
+        assert "Traceback" not in text and " E " not in text, text[-3000:]

@@ -191,6 +191,10 @@ async def test_a_gone_slice_owner_leaves_its_group_mates_reading_the_slice_elsew
     assert all(torch.equal(aggs[0], a) for a in aggs[1:])
     assert torch.equal(aggs[0], _reference(spec, layout, deltas, tokens, {sw.pids[k] for k in alive}))
     assert all(r.missing_parts == [] for r in out.values())
+    # the gone owner is the one no-show: its group mates are counted by their other slices' owners
+    from geomesh_p2p.trust.probation import absent_participants
+
+    assert all(absent_participants(spec.participants, r.contributors) == [gone] for r in out.values())
 
 
 @pytest.mark.timeout(120)
@@ -212,6 +216,9 @@ async def test_a_gone_leader_leaves_its_slice_missing_for_every_survivor(grouped
     assert torch.count_nonzero(aggs[0][a:b]) == 0 and torch.count_nonzero(aggs[0][:a]) > 0
     assert torch.equal(aggs[0], _reference(spec, layout, deltas, tokens, {sw.pids[k] for k in alive}))
     assert all(len(r.missing_parts) == 1 for r in out.values())
+    from geomesh_p2p.trust.probation import absent_participants
+
+    assert all(absent_participants(spec.participants, r.contributors) == [gone] for r in out.values())
 
 
 @pytest.mark.timeout(120)
@@ -340,3 +347,133 @@ def test_the_traffic_model_counts_the_calls_of_each_stage():
     assert sum(t.sent.values()) == sum(t.received.values())
     flat = exchange_traffic(spec, 0)
     assert set(flat.made.values()) == {16}
+
+
+@pytest.mark.timeout(120)
+async def test_a_gone_slice_owner_does_not_make_its_group_mates_no_shows(grouped_swarm):
+    """Red team: with one slice per group (the group with the fewest owners has one: 3 peers in groups of 2, or
+    client-only members), a group's only slice owner is the only witness of its mates' pushes. Gone, its mates were
+    in no part's contributors: every survivor marked them no-shows (and they marked themselves), though they pushed
+    in time to the owner the plan gave them -- a one-level round counts them in every other owner's part."""
+    from geomesh_p2p.trust.probation import absent_participants
+
+    sw, grouped = await grouped_swarm(3)
+    gone = mate = None
+    for rnd in range(1, 64):  # a round whose pair's slice owner does not lead the slice
+        spec = sw.spec(NUMEL, deadline_s=3.0, pull_s=3.0, round=rnd)
+        layout = group_layout(spec, 2)
+        if layout is None:  # one group (the fix: a slice per group is not enough to group)
+            gone, mate = sw.pids[0], sw.pids[1]
+            break
+        pair = next(g for g in layout.groups if len(g) == 2)
+        owner = layout.slice_owners[layout.groups.index(pair)][0]
+        if owner not in layout.leaders[0]:
+            gone, mate = owner, next(p for p in pair if p != owner)
+            break
+    assert gone is not None
+    k_gone = sw.pids.index(gone)
+    await grouped[k_gone].close()
+    await sw.stop_one(k_gone)
+    alive = [k for k in range(3) if k != k_gone]
+    deltas = deltas_for(sw.pids, NUMEL, seed=13)
+    out = await asyncio.gather(
+        *(
+            grouped[k].all_reduce(
+                spec,
+                deltas[sw.pids[k]].clone(),
+                100,
+                group_size=2,
+                exchange_start=spec.pull_deadline - 6.0,
+            )
+            for k in alive
+        )
+    )
+    assert torch.equal(out[0].aggregate, out[1].aggregate)
+    for r in out:
+        assert absent_participants(spec.participants, r.contributors) == [gone], (_short(mate), r.contributors)
+
+
+def _short(p: str) -> str:
+    return p[:10]
+
+
+@pytest.mark.timeout(60)
+def test_owners_are_dealt_first_so_client_only_peers_do_not_leave_a_group_one_slice():
+    """Red team: client-only peers were dealt with the owners at random, so a group could get one owner (a round of
+    one slice per group, its owner the only witness of its mates' pushes). Owners are dealt first now, and a round
+    that would still have a group with fewer than two owners is not grouped."""
+    sw = Swarm(4, 2)
+    sw.addresses = [f"127.0.0.1:{9000 + k}" for k in range(6)]
+    for rnd in range(1, 20):
+        spec = sw.spec(NUMEL, round=rnd)
+        layout = group_layout(spec, 3)
+        assert layout is not None and len(layout.slices) == 2
+        assert all(len(o) == 2 for o in layout.slice_owners)
+    three = Swarm(3)
+    three.addresses = [f"127.0.0.1:{9000 + k}" for k in range(3)]
+    assert group_layout(three.spec(NUMEL), 2) is None  # groups of 2 and 1: one slice per group
+
+
+@pytest.mark.timeout(60)
+def test_a_result_whose_member_counts_do_not_add_up_lists_no_members():
+    """Red team: ``result_members`` checked ``sum(counts) != len(members) != len(tokens)`` -- a chained comparison,
+    so member counts that did not add up to the members were taken when the members and their tokens had one
+    length."""
+    from geomesh_p2p.exchange import messages
+    from geomesh_p2p.exchange.messages import RESULT_KIND
+    from geomesh_p2p.exchange.partition import _pid_bytes
+    from geomesh_p2p.exchange import frames as wire
+    from geomesh_p2p.wire import collective_pb2
+    from tests.collective_util import RUN
+
+    sw = Swarm(3)
+    ident = sw.ids[0]
+    raw = [_pid_bytes(p) for p in sw.pids]
+
+    def signed(counts):
+        head = collective_pb2.PartResult(
+            round=1, contributors=raw[:2], tokens=[20, 10], member_counts=counts, members=raw, member_tokens=[10] * 3
+        ).SerializeToString()
+        return b"".join(wire.signed_parts(ident, run_id=RUN, round=1, kind=RESULT_KIND, payload=[head]))
+
+    assert messages.result_members(signed([2, 1])) == [(p, 10) for p in sw.pids]
+    assert messages.result_members(signed([2, 2])) is None
+    assert messages.result_members(signed([1, 1])) is None
+
+
+@pytest.mark.timeout(120)
+async def test_a_slice_owner_lying_in_its_member_list_is_held_to_its_own_group(grouped_swarm):
+    """Red team: a slice owner's member list was checked for peers of the round only, so a lying owner (not a
+    leader) could list a peer of another group -- counted twice in that part, its tokens too -- in place of an
+    honest mate. Readers now keep a contributor's listed members in its own group only: what is left is what a
+    one-level owner can do to its own part (drop or add members of its group), and the dropped mate is still
+    counted in its other slices."""
+    from geomesh_p2p.trust.probation import absent_participants
+
+    sw, grouped = await grouped_swarm(9)
+    spec = _spec(sw)
+    layout = group_layout(spec, G)
+    liar = next(p for owners in layout.slice_owners for p in owners if all(p not in ls for ls in layout.leaders))
+    k_liar = sw.pids.index(liar)
+    mine = layout.groups[layout.group_of(liar)]
+    outsider = next(p for p in sw.pids if p not in mine)
+
+    class Lie(dict):
+        def get(self, r, default=None):
+            real = super().get(r, default)
+            if not real:
+                return real
+            mate = next(i for i, (p, _) in enumerate(real) if p != liar)
+            return [(outsider, n) if i == mate else (p, n) for i, (p, n) in enumerate(real)]
+
+    grouped[k_liar].cross.members = Lie()
+    deltas = deltas_for(sw.pids, NUMEL, seed=17)
+    tokens = {p: 100 for p in sw.pids}
+    out = await _run(grouped, spec, deltas, tokens)
+    aggs = [r.aggregate for r in out.values()]
+    assert all(torch.equal(aggs[0], a) for a in aggs[1:])
+    for r in out.values():
+        assert absent_participants(spec.participants, r.contributors) == []
+        for j, listed in r.contributors.items():
+            names = [p for p, _ in listed]
+            assert len(names) == len(set(names)), (j, _short(outsider), [_short(p) for p in names])
