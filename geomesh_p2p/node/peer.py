@@ -610,7 +610,7 @@ class PeerNode:
             membership=self,
             plans=DhtPlanAgreement(cast(PlanStore, self.plans)),  # None only in tests driving a round by hand
             trainer=self.trainer,
-            collective=cast(CollectiveService, self.grouped),
+            collective=cast(CollectiveService, self.grouped or self.collective),  # a test may set collective alone
             state=self,
             policy=self.policy,
             cfg=cfg,

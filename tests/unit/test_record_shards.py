@@ -48,9 +48,11 @@ def test_shard_keys_and_counts_that_are_refused():
 def test_the_config_hash_at_one_shard_is_the_hash_of_the_releases_before():
     cfg = RunConfig()
     d = cfg.model_dump()
-    del d["record_shards"], d["validators_per_part"]  # both patch fields, at their defaults
+    del d["record_shards"], d["validators_per_part"], d["group_size"]  # patch fields, at their defaults
     assert cfg.config_hash() == hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
     assert RunConfig(record_shards=16).config_hash() != cfg.config_hash()
+    # group_size (issue 26): 0 keeps the hash of the releases before; a grouped run's differs
+    assert RunConfig(mode="reencode", group_size=3).config_hash() != RunConfig(mode="reencode").config_hash()
 
 
 def test_a_light_followers_sample_is_drawn_a_shard_at_a_time():
