@@ -152,6 +152,14 @@ class ProcSwarm(ProcGroup):
     def rows(self, name: str) -> list[dict]:
         return read_json_rows(self.log_path(name))
 
+    def digests_by_round(self, names) -> dict[int, set]:
+        """round -> the set of digests the peers ``names`` wrote for it (one lineage: one digest a round)."""
+        out: dict[int, set] = {}
+        for n in names:
+            for x in self.rows(n):
+                out.setdefault(x["round"], set()).add(x["digest"])
+        return out
+
     def text(self, name: str) -> str:
         p = self.dir / f"{name}.log"
         return p.read_text() if p.exists() else ""

@@ -22,10 +22,7 @@ def test_six_peers_in_two_groups_keep_one_digest(swarm):
     codes = swarm.wait_exit(names, 260)
     assert codes == {n: 0 for n in names}, {n: swarm.text(n)[-2000:] for n, c in codes.items() if c != 0}
     rows = {n: swarm.rows(n) for n in names}
-    digests: dict[int, set] = {}
-    for n in names:
-        for x in rows[n]:
-            digests.setdefault(x["round"], set()).add(x["digest"])
+    digests = swarm.digests_by_round(names)
     assert max(digests) == ROUNDS - 1, sorted(digests)
     assert all(len(d) == 1 for d in digests.values()), {r: sorted(d) for r, d in digests.items()}
     # the rounds with all six planned: every peer is a contributor (each group's members, as the leaders list them)
@@ -56,10 +53,7 @@ def test_a_leader_killed_in_the_grouped_exchange_leaves_the_survivors_on_one_dig
     rest = [n for n in names if n != victim]
     codes = swarm.wait_exit(rest, 240)
     assert codes == {n: 0 for n in rest}, {n: swarm.text(n)[-2000:] for n, c in codes.items() if c != 0}
-    digests: dict[int, set] = {}
-    for n in rest:
-        for x in swarm.rows(n):
-            digests.setdefault(x["round"], set()).add(x["digest"])
+    digests = swarm.digests_by_round(rest)
     assert max(digests) == 4 and all(len(d) == 1 for d in digests.values()), {r: sorted(d) for r, d in digests.items()}
     # after the round it died in, it is planned by nobody
     assert all(swarm.rows(n)[-1]["peers"] == N - 1 for n in rest)
@@ -91,10 +85,7 @@ def test_eager_peers_with_a_client_only_member_keep_one_digest_in_groups(swarm):
     )
     codes = swarm.wait_exit(names, 260)
     assert codes == {n: 0 for n in names}, {n: swarm.text(n)[-2000:] for n, c in codes.items() if c != 0}
-    digests: dict[int, set] = {}
-    for n in names:
-        for x in swarm.rows(n):
-            digests.setdefault(x["round"], set()).add(x["digest"])
+    digests = swarm.digests_by_round(names)
     assert max(digests) == ROUNDS - 1, sorted(digests)
     assert all(len(d) == 1 for d in digests.values()), {r: sorted(d) for r, d in digests.items()}
     full = [x for n in names for x in swarm.rows(n) if x["peers"] == N]
