@@ -45,7 +45,7 @@ import torch
 from google.protobuf.message import DecodeError
 
 from geomesh_p2p.exchange import messages
-from geomesh_p2p.exchange.client import AllReduceResult, CollectiveService, _cpu_fp32_finite, _signed_at
+from geomesh_p2p.exchange.client import AllReduceResult, CollectiveService, _cpu_fp32_finite, _signed_at, _zero_ranges
 from geomesh_p2p.exchange.partition import CollectiveSpec, PartOwner, _pid_bytes, _short, max_part_elements
 from geomesh_p2p.exchange.partition import split_owners
 from geomesh_p2p.net.identity import EnvelopeError
@@ -405,7 +405,7 @@ class GroupedCollective:
                 len(missing),
                 len(ranges),
             )
-            await asyncio.to_thread(_zero, buf, [ranges[k] for k in missing])
+            await asyncio.to_thread(_zero_ranges, buf, [ranges[k] for k in missing])
         after = self._bytes()
         out = AllReduceResult(
             buf,
@@ -516,8 +516,3 @@ def _counted_in_all(parts: list[list[tuple[str, int]]]) -> list[tuple[str, int]]
         return []
     rest = [dict(p) for p in parts[1:]]
     return [(p, n) for p, n in parts[0] if all(r.get(p) == n for r in rest)]
-
-
-def _zero(v: torch.Tensor, ranges: list[tuple[int, int]]) -> None:
-    for s, e in ranges:
-        v[s:e].zero_()
