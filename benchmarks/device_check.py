@@ -402,7 +402,7 @@ def swarm_step(
                 f"\nonly {n} of {rounds} rounds logged by both peers; {name} peer's log tail:\n\n```\n{tail}\n```"
             )
     extra = []
-    for name, rs in (("device", g), ("CPU", c)):
+    for name, rs in (("device", g), ("`" + " ".join(other_args) + "`", c)):
         cells = [
             f"{r.get('inner_steps_done')}x{r.get('batch_size')}"
             + (f" at {r['tokens'] / r['compute_s']:,.0f} tok/s" if r.get("compute_s") and r.get("tokens") else "")

@@ -36,6 +36,7 @@ rounding (the reduction order and the clip's norm), not bit for bit.
 from __future__ import annotations
 
 import copy
+import inspect
 import logging
 import math
 import time
@@ -65,6 +66,15 @@ from geomesh_p2p.model.rank_channel import (
 )
 from geomesh_p2p.model.rank_rounds import follow_run, run_independent
 from geomesh_p2p.model.training import InnerResult, InnerTrainer
+
+
+# DDP's "no buffer sync per forward" flag: ``forward_sync_buffers`` from torch 2.13 (``broadcast_buffers`` is
+# deprecated there), ``broadcast_buffers`` before (torch 2.11 refused the new name on a lent H200).
+_NO_BUFFER_SYNC: dict[str, Any] = (
+    {"forward_sync_buffers": False}
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
+    else {"broadcast_buffers": False}
+)
 
 
 def load_sharding_modules() -> None:
@@ -167,7 +177,7 @@ class RankedTrainer(InnerTrainer):
                 else None,
                 process_group=channel.main,
                 # buffers (attention masks, rotary tables) are constants of the config: no sync per forward pass
-                forward_sync_buffers=False,
+                **_NO_BUFFER_SYNC,
                 bucket_cap_mb=ddp_bucket_cap_mb(self.model, dev),
             )
         self._apply_step = True
