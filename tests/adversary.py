@@ -178,14 +178,48 @@ class _AdversarialCollective:
     adversary: "AdversaryNode"
 
     async def all_reduce(self, spec, delta, tokens, *args, **kwargs):
-        delta, tokens = self.adversary.poison(spec, delta, int(tokens))
-        res = await super().all_reduce(spec, delta, tokens, *args, **kwargs)
+        out, tokens = self.adversary.poison(spec, delta, int(tokens))
+        if kwargs.get("in_place") and out is not delta:
+            # in place, the caller reads the aggregate from its own tensor (a grouped round's stages do)
+            delta.copy_(out.reshape(delta.shape))
+            out = delta
+        res = await super().all_reduce(spec, out, tokens, *args, **kwargs)
         self.adversary.remember_update(res.aggregate)
         return res
 
     def _build_result(self, *args, **kwargs):
         signed = super()._build_result(*args, **kwargs)
         return self.adversary.forge_result(signed)
+
+
+class _ForgingCollective:
+    """Mixed in front of a grouped round's cross level (``GroupedCollective.cross``): forges what this peer serves
+    as a slice's leader (``forge-aggregate``), and leaves its cross pushes alone: a slice owner's push is its
+    group's aggregate, which the group level's mixin already forged when this peer owns that slice."""
+
+    adversary: "AdversaryNode"
+
+    def _build_result(self, *args, **kwargs):
+        signed = super()._build_result(*args, **kwargs)
+        return self.adversary.forge_result(signed)
+
+
+class _RememberingExchange:
+    """Mixed in front of the node's :class:`GroupedCollective`: the round's whole aggregate, whatever the levels
+    (``stale`` copies it next round)."""
+
+    adversary: "AdversaryNode"
+
+    async def all_reduce(self, spec, delta, tokens, *args, **kwargs):
+        res = await super().all_reduce(spec, delta, tokens, *args, **kwargs)
+        self.adversary.remember_update(res.aggregate)
+        return res
+
+
+def _mix(obj, mixin, adversary: "AdversaryNode") -> None:
+    """Put ``mixin`` in front of ``obj``'s class, for this object alone (its ``adversary`` is ``adversary``)."""
+    base = type(obj)
+    obj.__class__ = type(f"Adversarial{base.__name__}", (mixin, base), {"adversary": adversary})
 
 
 class AdversaryNode(PeerNode):
@@ -251,11 +285,15 @@ class AdversaryNode(PeerNode):
     # ------------------------------------------------------------------ wiring
     async def start(self) -> None:
         await super().start()
-        base = type(self.collective)
-        # a class of this node's own (its ``adversary`` is this node): handlers are bound to the
-        # instance, so they now go through cls
-        cls = type(f"Adversarial{base.__name__}", (_AdversarialCollective, base), {"adversary": self})
-        self.collective.__class__ = cls
+        # classes of this node's own (their ``adversary`` is this node): handlers are bound to the instance, so
+        # they now go through the mixins. A one-group round is the flat service's; a grouped round (issue 26)
+        # pushes on the group level (poisoned like a flat push; its slice owner's own result, which becomes the
+        # group's cross push, forged) and serves the leaders' results on the cross level (forged).
+        _mix(self.collective, _AdversarialCollective, self)
+        if self.grouped is not None:
+            _mix(self.grouped.group, _AdversarialCollective, self)
+            _mix(self.grouped.cross, _ForgingCollective, self)
+            _mix(self.grouped, _RememberingExchange, self)
         log.warning(
             "adversary[%s]: THIS PEER ATTACKS THE SWARM (%s) -- red-team use only", self.attack, ATTACKS[self.attack]
         )

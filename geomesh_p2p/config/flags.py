@@ -259,6 +259,7 @@ PARSERS: dict[str, Callable[[str], Any]] = {
     "positive_float": number_type(float, gt=0),
     "auto_seconds": _auto_or(float, gt=0),  # --window-s auto (RunConfig.window_s None)
     "auto_rounds": _auto_or(int, ge=1),  # --eval-every auto (NodeConfig.eval_every None)
+    "auto_group": _auto_or(int, ge=0),  # --group-size auto (RunConfig.group_size None)
     "file": str,  # the flag names a file; the caller reads it into the field (--allow-peers FILE)
 }
 

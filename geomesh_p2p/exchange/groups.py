@@ -36,10 +36,11 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import functools
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 from google.protobuf.message import DecodeError
@@ -55,7 +56,16 @@ from geomesh_p2p.net.transport import RpcError
 from geomesh_p2p.schema.partition import part_sizes
 from geomesh_p2p.wire import collective_pb2
 
-__all__ = ["GroupLayout", "group_layout", "level_specs", "GroupedCollective", "STAGE_SHARES"]
+__all__ = [
+    "GroupLayout",
+    "group_layout",
+    "level_specs",
+    "GroupedCollective",
+    "STAGE_SHARES",
+    "auto_group_size",
+    "group_sizes",
+    "majority_loss",
+]
 
 log = logging.getLogger(__name__)
 
@@ -103,23 +113,94 @@ def _draw(seed: bytes, peer: str) -> bytes:
     return hashlib.sha256(seed + b"group" + _pid_bytes(peer)).digest()
 
 
+#: A group's fewest members, and a grouped round's fewest groups. The round's robust rule (``meanmed``: the median
+#: block scale, bounded weights) holds only over a strict honest majority of its inputs: over 2 inputs the median is
+#: their mean. Red team, session 25: groups of 2 let one ``flipmax`` contributor of 4 take the honest peers to
+#: perplexity 1.5e26 (one group: defended), and 2 groups let a group that lost its majority through the cross level
+#: at half weight. With >= 3 groups the cross level's rule filters a group that lost its majority, as long as most
+#: groups kept theirs.
+MIN_GROUP_MEMBERS = 3
+MIN_GROUPS = 3
+#: ``--group-size auto``: the attacker share the groups are sized against (issue 28's 1 of 4), and the most a round
+#: may lose its honest majority under it (some level of the two-level rule: more than half the groups without a
+#: strict honest majority of their members, members placed at random by the spec's seed).
+AUTO_ATTACKER_SHARE = 0.25
+AUTO_MAX_FAILURE = 1e-6
+
+
+def group_sizes(n: int, group_size: int) -> list[int]:
+    """The members of each group of a round of ``n`` participants grouped by about ``group_size``:
+    ``min(ceil(n / group_size), n // MIN_GROUP_MEMBERS)`` groups (none of fewer than :data:`MIN_GROUP_MEMBERS`
+    members), sizes within one of each other, larger first; [] when that is fewer than :data:`MIN_GROUPS` groups
+    or ``group_size`` < 2 (the round stays one group)."""
+    if group_size < 2 or n <= group_size:
+        return []
+    m = min(math.ceil(n / group_size), n // MIN_GROUP_MEMBERS)
+    if m < MIN_GROUPS:
+        return []
+    return [n // m + (1 if i < n % m else 0) for i in range(m)]
+
+
+def majority_loss(sizes: Sequence[int], share: float) -> float:
+    """The probability that a round grouped as ``sizes`` loses its honest majority when each member is an attacker
+    with probability ``share`` (independently: the groups are a shuffle nobody steers): at least half of the groups
+    hold no strict honest majority (attackers >= members / 2 in each), so the cross level's median has none either.
+    Binomial tails, exact; 1.0 for fewer than :data:`MIN_GROUPS` groups. Not modelled: a leader grinding the
+    spec's seed to place attackers together."""
+    if len(sizes) < MIN_GROUPS:
+        return 1.0
+    bad = [sum(math.comb(g, k) * share**k * (1 - share) ** (g - k) for k in range(g + 1) if 2 * k >= g) for g in sizes]
+    dist = [1.0] + [0.0] * len(sizes)  # dist[k]: P(k groups lost their majority so far)
+    for p in bad:
+        dist = [dist[k] * (1 - p) + (dist[k - 1] * p if k else 0.0) for k in range(len(sizes) + 1)]
+    return sum(q for k, q in enumerate(dist) if 2 * k >= len(sizes))
+
+
+@functools.lru_cache(maxsize=256)
+def _auto(n: int) -> int:
+    for g in range(max(MIN_GROUP_MEMBERS, math.isqrt(n - 1) + 1), n):
+        sizes = group_sizes(n, g)
+        if not sizes:
+            break
+        if majority_loss(sizes, AUTO_ATTACKER_SHARE) <= AUTO_MAX_FAILURE:
+            return g
+    return 0
+
+
+def auto_group_size(setting: Optional[int], n: int) -> int:
+    """The group size a round of ``n`` participants runs with under the run's ``group_size`` ``setting``: the number
+    itself, or for ``auto`` (None) the smallest ``G >= ceil(sqrt(n))`` whose groups (:func:`group_sizes`) lose the
+    round's honest majority with probability at most :data:`AUTO_MAX_FAILURE` at an attacker share of
+    :data:`AUTO_ATTACKER_SHARE` (:func:`majority_loss`), else 0 (one group). That is one group below 111
+    participants and about ``sqrt(n)`` from ~192 on (16 at 256, 32 at 1,024), which keeps a peer's calls near
+    ``4 sqrt(n)`` (docs/collective.md, "Choosing G"). Every peer derives the same value from the spec's
+    participants. Raises ValueError for a negative ``n``."""
+    if n < 0:
+        raise ValueError(f"n must be >= 0, got {n}")
+    if setting is not None:
+        return int(setting)
+    return _auto(n) if n > 2 * MIN_GROUP_MEMBERS else 0
+
+
 def group_layout(spec: CollectiveSpec, group_size: int) -> Optional[GroupLayout]:
     """The round's groups, from the spec alone (every peer derives the same one; its ``spec_id`` seeds the
-    shuffle, so groups change every round). None when the round stays one group: ``group_size`` < 2, at most
-    ``group_size`` participants, a ``relay`` or ``accountable`` round (their readers check every input or
+    shuffle, so groups change every round). None when the round stays one group: :func:`group_sizes` gives none
+    (``group_size`` < 2, at most ``group_size`` participants, fewer than :data:`MIN_GROUPS` groups of
+    :data:`MIN_GROUP_MEMBERS`), a ``relay`` or ``accountable`` round (their readers check every input or
     every owner, which a second level would hide), fewer established participants than groups (each group
     needs one for its quorum) or a group with fewer than two owners (client-only peers own nothing; one slice per
     group would leave its owner the only witness of its mates' pushes).
 
-    Groups: ``ceil(N / group_size)``, sizes within one of each other; established participants are dealt
+    Groups: :func:`group_sizes`, sizes within one of each other; established participants are dealt
     first (the owners among them first, so each group gets its share of the owners), so newcomers on probation
     spread over the groups. Slices: the vector cut into equal block-aligned
     shares, one per owner of the group with the fewest owners; established owners take slices first.
     """
     n = len(spec.participants)
-    if group_size < 2 or n <= group_size or spec.mode != "reencode":
+    sizes = group_sizes(n, group_size)
+    if not sizes or spec.mode != "reencode":
         return None
-    m = math.ceil(n / group_size)
+    m = len(sizes)
     seed = spec.spec_id
     probation = set(spec.probation)
     addresses = {o.peer_id: o.address for o in spec.owners}
@@ -279,17 +360,20 @@ class GroupedCollective:
     the caller's to close).
 
     ``group_size``: the run's ``group_size`` (0: every round is one group, :meth:`all_reduce` is the flat
-    service's). ``pull_share``: the share of the exchange window the round's pull deadline leaves after the push
+    service's; None: ``auto``, :func:`auto_group_size` per round). ``pull_share``: the share of the exchange window the round's pull deadline leaves after the push
     deadline (``round.rules.spec.PULL_SHARE_OF_EXCHANGE``): the exchange window starts at
     ``pull_deadline - (pull_deadline - deadline) / pull_share`` when :meth:`all_reduce` is not told."""
 
-    def __init__(self, flat: CollectiveService, *, group_size: int = 0, pull_share: float = 0.25, **service_kw):
-        if group_size < 0 or group_size == 1:
-            raise ValueError(f"group_size must be 0 (off) or >= 2, got {group_size}")
+    def __init__(
+        self, flat: CollectiveService, *, group_size: Optional[int] = 0, pull_share: float = 0.25, **service_kw
+    ):
+        if group_size is not None and (group_size < 0 or 0 < group_size < MIN_GROUP_MEMBERS):
+            raise ValueError(f"group_size must be 0 (off), >= {MIN_GROUP_MEMBERS} or None (auto), got {group_size}")
         if not 0 < pull_share <= 1:
             raise ValueError(f"pull_share must be in (0, 1], got {pull_share}")
         self.flat = flat
-        self.group_size, self.pull_share = int(group_size), float(pull_share)
+        self.group_size = None if group_size is None else int(group_size)
+        self.pull_share = float(pull_share)
         self.group = CollectiveService(flat.transport, methods=COLLECTIVE_GROUP, **service_kw)
         self.cross = _CrossService(flat.transport, methods=COLLECTIVE_CROSS, **service_kw)
         self.peer_id = flat.peer_id
@@ -325,7 +409,8 @@ class GroupedCollective:
         every group member the part's group aggregates counted, with its tokens, as the leader's signed result
         lists them); with ``in_place`` the aggregate is written into ``delta``. Raises ValueError for a bad
         spec / delta or a peer that is not a participant."""
-        layout = group_layout(spec, self.group_size if group_size is None else group_size)
+        setting = self.group_size if group_size is None else group_size
+        layout = group_layout(spec, auto_group_size(setting, len(spec.participants)))
         if layout is None:
             return await self.flat.all_reduce(spec, delta, tokens, compute_end, in_place=in_place)
         me = self.peer_id

@@ -12,7 +12,16 @@ import torch
 
 from geomesh_p2p.exchange import codec as compression
 from geomesh_p2p.exchange.aggregate import decode_aggregate, encode_aggregate
-from geomesh_p2p.exchange.groups import GroupedCollective, group_layout, level_specs
+from geomesh_p2p.exchange.groups import (
+    AUTO_ATTACKER_SHARE,
+    AUTO_MAX_FAILURE,
+    GroupedCollective,
+    auto_group_size,
+    group_layout,
+    group_sizes,
+    level_specs,
+    majority_loss,
+)
 from geomesh_p2p.net.methods import COLLECTIVE_CROSS, COLLECTIVE_GROUP
 from tests.collective_util import Swarm, deltas_for, pid_order
 
@@ -104,35 +113,56 @@ def _calls(svc, methods) -> int:
 
 @pytest.mark.timeout(60)
 def test_the_layout_is_the_same_for_every_peer_and_each_peer_owns_at_most_one_slice():
-    sw = Swarm(10)
-    sw.addresses = [f"127.0.0.1:{9000 + k}" for k in range(10)]
-    spec = sw.spec(NUMEL)
+    sw = Swarm(20)
+    sw.addresses = [f"127.0.0.1:{9000 + k}" for k in range(20)]
+    spec = sw.spec(2 * NUMEL)  # 24 blocks: one or more for each of the 20 one-level owners
     layout = group_layout(spec, 3)
     assert layout is not None and layout == group_layout(spec, 3)
-    assert sorted(len(g) for g in layout.groups) == [2, 2, 3, 3]  # ceil(10 / 3) = 4 groups, sizes within one
+    # min(ceil(20 / 3), 20 // 3) = 6 groups (none of fewer than 3 members), sizes within one
+    assert sorted(len(g) for g in layout.groups) == [3, 3, 3, 3, 4, 4]
     assert sorted(p for g in layout.groups for p in g) == sorted(sw.pids)
-    assert len(layout.slices) == 2 and layout.slices[0] == (0, 6 * B) and layout.slices[-1][1] == NUMEL
+    assert len(layout.slices) == 3 and layout.slices[0] == (0, 8 * B) and layout.slices[-1][1] == 2 * NUMEL
     owned = [p for owners in layout.slice_owners for p in owners]
-    assert len(owned) == len(set(owned)) == 4 * 2
-    # 4 groups of about 3: ceil(4 / 3) = 2 leaders per slice, each an equal share of it, from the slice's cross set
+    assert len(owned) == len(set(owned)) == 6 * 3
+    # 6 groups of about 3: ceil(6 / 3) = 2 leaders per slice, each an equal share of it, from the slice's cross set
     assert all(
-        len(set(layout.leaders[c])) == 2 and set(layout.leaders[c]) <= set(layout.cross_set(c)) for c in range(2)
+        len(set(layout.leaders[c])) == 2 and set(layout.leaders[c]) <= set(layout.cross_set(c)) for c in range(3)
     )
     _, xspecs = level_specs(spec, layout, spec.pull_deadline - 6.0, 128 << 20)
     assert [[(o.peer_id, o.start, o.end) for o in xs.owners] for xs in xspecs] == [
-        [(layout.leaders[c][0], 0, 3 * B), (layout.leaders[c][1], 3 * B, 6 * B)] for c in range(2)
+        [(layout.leaders[c][0], 0, 4 * B), (layout.leaders[c][1], 4 * B, 8 * B)] for c in range(3)
     ]
     # another round, other groups; one group, relay, accountable: no layout
-    assert group_layout(sw.spec(NUMEL, round=2), 3).groups != layout.groups
-    assert group_layout(spec, 10) is None
-    assert group_layout(sw.spec(NUMEL, mode="relay"), 3) is None
-    assert group_layout(sw.spec(NUMEL, mode="accountable"), 3) is None
+    assert group_layout(sw.spec(2 * NUMEL, round=2), 3).groups != layout.groups
+    assert group_layout(spec, 20) is None
+    assert group_layout(sw.spec(2 * NUMEL, mode="relay"), 3) is None
+    assert group_layout(sw.spec(2 * NUMEL, mode="accountable"), 3) is None
     # newcomers on probation are dealt after the established peers: every group keeps an established member
-    probation = sw.pids[:6]
-    spread = group_layout(sw.spec(NUMEL, probation=probation), 3)
+    probation = sw.pids[:12]
+    spread = group_layout(sw.spec(2 * NUMEL, probation=probation), 3)
     assert all(any(p not in probation for p in g) for g in spread.groups)
     # fewer established peers than groups: one group
-    assert group_layout(sw.spec(NUMEL, probation=sw.pids[:7]), 3) is None
+    assert group_layout(sw.spec(2 * NUMEL, probation=sw.pids[:15]), 3) is None
+
+
+@pytest.mark.timeout(60)
+def test_groups_keep_an_honest_majority_possible_at_every_level():
+    """Red team, session 25: in groups of 2 (4 peers, ``--group-size 2``) one ``flipmax`` contributor took the honest
+    peers to perplexity 1.5e26, since the median of 2 block scales is their mean; in 2 groups a group that lost its
+    majority reached the cross level's mean at half weight. Now no group has fewer than 3 members and no grouped
+    round fewer than 3 groups: a smaller round stays one group, whatever G."""
+    assert group_sizes(4, 2) == [] and group_sizes(6, 3) == [] and group_sizes(8, 2) == []
+    assert group_sizes(9, 3) == [3, 3, 3] and group_sizes(10, 2) == [4, 3, 3] and group_sizes(12, 3) == [3, 3, 3, 3]
+    six = Swarm(6)
+    six.addresses = [f"127.0.0.1:{9000 + k}" for k in range(6)]
+    assert group_layout(six.spec(NUMEL), 3) is None and group_layout(six.spec(NUMEL), 2) is None
+    # the odds the two-level rule keeps: exact binomial tails (1 - 1 attacker in 4 per member, independent)
+    assert majority_loss([3, 3], 0.25) == 1.0  # two groups: no cross-level majority to speak of
+    p3 = 3 * 0.25**2 * 0.75 + 0.25**3  # a group of 3 with >= 2 attackers
+    assert majority_loss([3, 3, 3], 0.25) == pytest.approx(3 * p3**2 * (1 - p3) + p3**3, rel=1e-12)
+    assert majority_loss([3, 3, 3], 0.0) == 0.0
+    with pytest.raises(ValueError, match=">= 3 or None"):
+        GroupedCollective.__init__(object.__new__(GroupedCollective), None, group_size=2)  # type: ignore[arg-type]
 
 
 @pytest.mark.timeout(120)
@@ -402,8 +432,8 @@ def test_owners_are_dealt_first_so_client_only_peers_do_not_leave_a_group_one_sl
     """Red team: client-only peers were dealt with the owners at random, so a group could get one owner (a round of
     one slice per group, its owner the only witness of its mates' pushes). Owners are dealt first now, and a round
     that would still have a group with fewer than two owners is not grouped."""
-    sw = Swarm(4, 2)
-    sw.addresses = [f"127.0.0.1:{9000 + k}" for k in range(6)]
+    sw = Swarm(6, 3)  # 6 owners, 3 client-only peers: 3 groups of 3
+    sw.addresses = [f"127.0.0.1:{9000 + k}" for k in range(9)]
     for rnd in range(1, 20):
         spec = sw.spec(NUMEL, round=rnd)
         layout = group_layout(spec, 3)
@@ -412,6 +442,27 @@ def test_owners_are_dealt_first_so_client_only_peers_do_not_leave_a_group_one_sl
     three = Swarm(3)
     three.addresses = [f"127.0.0.1:{9000 + k}" for k in range(3)]
     assert group_layout(three.spec(NUMEL), 2) is None  # groups of 2 and 1: one slice per group
+
+
+@pytest.mark.timeout(60)
+def test_group_size_auto_groups_only_where_the_honest_majority_holds():
+    """``--group-size auto`` (None): the smallest G >= sqrt(N) whose groups keep the two-level rule's honest majority
+    with probability >= 1 - 1e-6 per round against 1 attacker in 4; one group where none does (below 111). A number
+    is taken as it is. Every peer derives it from the spec's participants, so every peer lays out the same groups."""
+    sizes = (0, 6, 16, 64, 110, 111, 192, 256, 1024)
+    assert [auto_group_size(None, n) for n in sizes] == [0, 0, 0, 0, 0, 37, 14, 16, 32]
+    for n in (111, 192, 256, 1024):
+        g = auto_group_size(None, n)
+        assert majority_loss(group_sizes(n, g), AUTO_ATTACKER_SHARE) <= AUTO_MAX_FAILURE
+        assert majority_loss(group_sizes(n, g - 1), AUTO_ATTACKER_SHARE) > AUTO_MAX_FAILURE or g - 1 < n**0.5
+    assert [auto_group_size(g, 1024) for g in (0, 3, 16)] == [0, 3, 16]
+    with pytest.raises(ValueError, match="n must be >= 0"):
+        auto_group_size(None, -1)
+    big = Swarm(192)
+    big.addresses = [f"127.0.0.1:{9000 + k}" for k in range(192)]
+    spec = big.spec(192 * 4 * B)  # 4 blocks an owner
+    layout = group_layout(spec, auto_group_size(None, len(spec.participants)))
+    assert layout is not None and sorted(len(g) for g in layout.groups) == [13] * 4 + [14] * 10  # 14 groups
 
 
 @pytest.mark.timeout(60)

@@ -7,6 +7,7 @@ import inspect
 
 import tests.adversary as adversary
 from geomesh_p2p.exchange.client import CollectiveService
+from geomesh_p2p.exchange.groups import GroupedCollective, _CrossService
 from geomesh_p2p.node.peer import PeerNode
 
 
@@ -32,6 +33,43 @@ def test_every_super_call_of_the_adversary_reaches_a_real_method():
     coll_hooks = _super_calls(adversary._AdversarialCollective)
     assert coll_hooks == {"all_reduce", "_build_result"}
     assert [h for h in sorted(coll_hooks) if not hasattr(CollectiveService, h)] == []
+    # a grouped round's levels (issue 26): the cross level's leader results, the whole exchange's aggregate
+    assert _super_calls(adversary._ForgingCollective) == {"_build_result"}
+    assert hasattr(_CrossService, "_build_result")
+    assert _super_calls(adversary._RememberingExchange) == {"all_reduce"}
+    assert hasattr(GroupedCollective, "all_reduce")
+
+
+def test_the_adversary_mixes_into_every_level_of_a_grouped_exchange():
+    """The red team reached only the one-level service until session 25: its flip never acted in a grouped round.
+    Every service a grouped round pushes or serves on is mixed, each for this object alone."""
+    src = inspect.getsource(adversary.AdversaryNode.start)
+    for line in (
+        "_mix(self.collective, _AdversarialCollective, self)",
+        "_mix(self.grouped.group, _AdversarialCollective, self)",
+        "_mix(self.grouped.cross, _ForgingCollective, self)",
+        "_mix(self.grouped, _RememberingExchange, self)",
+    ):
+        assert line in src
+    # GroupedCollective's stages are these attributes, and the flat exchange is the node's collective
+    grouped_src = inspect.getsource(GroupedCollective.all_reduce)
+    assert "self.group.all_reduce(" in grouped_src and "self.cross.all_reduce(" in grouped_src
+    assert "self.flat.all_reduce(" in grouped_src
+
+    class Base:
+        def f(self):
+            return "base"
+
+    class Mixin:
+        adversary = None
+
+        def f(self):
+            return "mixed " + super().f()
+
+    a, b = Base(), Base()
+    adversary._mix(a, Mixin, "ADV")
+    assert (a.f(), b.f(), type(b)) == ("mixed base", "base", Base)  # one object's class, not the class
+    assert a.adversary == "ADV" and isinstance(a, Base)
 
 
 def test_the_rogue_leader_wraps_the_plan_rules_the_driver_calls():

@@ -239,3 +239,24 @@ def test_an_abbreviated_or_mistyped_flag_is_refused_with_the_flag_it_is_close_to
     with pytest.raises(SystemExit) as ei:
         boot_parse(["--pow-bit", "3"])
     assert ei.value.code == 2 and "did you mean --pow-bits?" in capsys.readouterr().err
+
+
+def test_group_size_auto_is_a_run_config_value_and_needs_mode_reencode(capsys):
+    """``--group-size auto`` (issue 26: the group size chosen per round, exchange.groups.auto_group_size) is None in
+    the run config, changes its hash (peers must agree on it) and, like a number, is refused in another mode."""
+    from peer import node_cli
+    from geomesh_p2p.config.models import RunConfig
+
+    run = node_cli.run_config_from(_join_ns("--mode", "reencode", "--group-size", "auto"))
+    assert run.group_size is None
+    assert node_cli.run_config_from(_join_ns("--mode", "reencode", "--group-size", "8")).group_size == 8
+    assert node_cli.run_config_from(_join_ns("--mode", "reencode")).group_size == 0
+    assert run.config_hash() not in (
+        RunConfig(mode="reencode").config_hash(),
+        RunConfig(mode="reencode", group_size=8).config_hash(),
+    )
+    with pytest.raises(ValueError, match="group_size needs mode 'reencode'"):
+        RunConfig(mode="relay", group_size=None)
+    with pytest.raises(SystemExit):
+        _join_ns("--group-size", "many")
+    assert "expected auto or a number, got 'many'" in capsys.readouterr().err
