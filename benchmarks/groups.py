@@ -34,7 +34,7 @@ import torch
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 
-from geomesh_p2p.exchange.groups import GroupedCollective, group_layout  # noqa: E402
+from geomesh_p2p.exchange.groups import GroupedCollective, auto_group_size, group_layout  # noqa: E402
 from geomesh_p2p.net.methods import LEVELS  # noqa: E402
 from tests.collective_util import Swarm, deltas_for  # noqa: E402
 
@@ -119,14 +119,15 @@ def _sim(peers: list[int], numel: int) -> None:
         pids = ids[:n]
         owners = make_partition(numel, [(p, f"10.0.{k // 250}.{k % 250}:7000", None) for k, p in enumerate(pids)])
         spec = CollectiveSpec("sim", 1, {p: 10**6 for p in pids}, owners, numel, time.time() + 60, time.time() + 80)
-        for g in dict.fromkeys((0, math.ceil(math.sqrt(n)), 16)):
+        auto = auto_group_size(None, n)  # --group-size auto
+        for g in dict.fromkeys((0, math.ceil(math.sqrt(n)), 16, auto)):
             layout = group_layout(spec, g) if g else None
             if g and layout is None:
                 continue  # one group at this size: the flat row
             t = exchange_traffic(spec, g)
             made = [t.made[p] for p in pids]
             moved = [(t.sent[p] + t.received[p]) / p8 for p in pids]
-            label = "flat" if not g else f"grouped G={g}"
+            label = ("flat" if not g else f"grouped G={g}") + (" (auto)" if g == auto else "")
             print(
                 f"| {n} | {label} | {len(layout.groups) if layout else 1} | {sum(made) / n:.1f} ({max(made)}) | "
                 f"{max(t.served.values())} | {sum(moved) / n:.2f} ({max(moved):.2f}) |"

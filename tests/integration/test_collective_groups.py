@@ -56,26 +56,21 @@ def _spec(sw, **kw):
     return sw.spec(NUMEL, deadline_s=3.0, pull_s=3.0, **kw)
 
 
-async def _run(grouped, spec, deltas, tokens, only=None):
+async def _run(grouped, spec, deltas, tokens, only=None, group_size=G, late=()):
+    """Every peer's (or ``only``'s) all-reduce of ``spec`` at once; the peers in ``late`` start theirs 1 s after the
+    others (their services meet the others' pushes before they registered the round)."""
     start = spec.pull_deadline - 6.0
     which = range(len(grouped)) if only is None else only
-    return dict(
-        zip(
-            which,
-            await asyncio.gather(
-                *(
-                    grouped[k].all_reduce(
-                        spec,
-                        deltas[grouped[k].peer_id].clone(),
-                        tokens[grouped[k].peer_id],
-                        group_size=G,
-                        exchange_start=start,
-                    )
-                    for k in which
-                )
-            ),
-        )
-    )
+
+    async def one(k):
+        if k in late:
+            await asyncio.sleep(1.0)
+        return await grouped[k].all_reduce(
+            spec, deltas[grouped[k].peer_id].clone(), tokens[grouped[k].peer_id], group_size=group_size,
+            exchange_start=start,
+        )  # fmt: skip
+
+    return dict(zip(which, await asyncio.gather(*(one(k) for k in which))))
 
 
 def _reference(spec, layout, deltas, tokens, alive) -> torch.Tensor:
@@ -201,6 +196,27 @@ async def test_nine_peers_in_groups_of_three_apply_the_same_two_level_aggregate(
     for s, gc in zip(sw.services, grouped):
         n = _calls(s, COLLECTIVE_GROUP) + _calls(s, COLLECTIVE_CROSS)
         assert n <= 2 * (G - 1) + 2, (n, wall)
+
+
+@pytest.mark.timeout(120)
+async def test_a_grouped_round_after_one_group_rounds_is_not_refused_as_too_far_ahead(grouped_swarm):
+    """Red team, session 25 (9 processes, one flipmax attacker of 9 planned out of rounds 1-3): rounds 1-3 had 8
+    participants, one group, and round 4 had 9, grouped. The group and cross services had registered nothing since
+    round 0, so every peer refused round 4's group pushes as "too far ahead of this node's round 0" and the swarm
+    split. The levels now follow the node's round in one-group rounds too."""
+    sw, grouped = await grouped_swarm(9)
+    deltas = deltas_for(sw.pids, NUMEL, seed=21)
+    tokens = {p: 100 for p in sw.pids}
+    for rnd, g in ((1, G), (2, 0), (3, 0), (4, 0), (5, G)):  # 0: this round is one group
+        spec = sw.spec(NUMEL, deadline_s=3.0, pull_s=3.0, round=rnd)
+        # peer 0 (a slice owner: every peer of a group of 3 owns one of its 3 slices) starts the round late, as a
+        # slower trainer does: its mates' pushes reach it before it registered the round
+        out = await _run(grouped, spec, deltas, tokens, group_size=g, late={0})
+        assert all(not r.missing_parts for r in out.values()), rnd
+        assert all(torch.equal(out[0].aggregate, r.aggregate) for r in out.values()), rnd
+        # every part counted every peer (a refused push leaves its sender out of that part alone)
+        parts = [sorted(p for p, _ in ps) for r in out.values() for ps in r.contributors.values()]
+        assert parts and all(c == sorted(sw.pids) for c in parts), rnd
 
 
 @pytest.mark.timeout(120)
