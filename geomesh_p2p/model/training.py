@@ -582,7 +582,15 @@ class InnerTrainer:
                 torch.cuda.synchronize(self.device)
             compute = time.perf_counter() - t0
             if self.speed_factor < 1.0:
-                time.sleep(compute * (1.0 / self.speed_factor - 1.0))
+                slow = compute * (1.0 / self.speed_factor - 1.0)
+                if deadline is not None:
+                    # Never past the train deadline: a step the peer was stopped in (SIGSTOP, swap, a
+                    # suspend) measures the stall as compute, and the emulated slow-down slept it again
+                    # (tests/e2e/test_stalled_peer_procs.py: stopped 42 s, then 42 s asleep through its
+                    # exchange). The steps end at the deadline anyway; a step that really computed past it
+                    # still overruns by its compute.
+                    slow = min(slow, max(0.0, deadline - swarm_time()))
+                time.sleep(slow)
             dt = time.perf_counter() - t0
             per_row = dt / batch_size
             # A step at under half the estimate replaces it (the estimate was inflated by a stall).

@@ -8,13 +8,20 @@ import sys
 
 import pytest
 
+from tests import zygote
 from tests.swarm_util import FAST, ProcSwarm, dead_address
 
 pytestmark = pytest.mark.timeout(240)
 
 
-def _join(tmp_path, *args, timeout=180):
+def _join(tmp_path, *args, timeout=180, fork=True):
+    """``geomesh-peer join`` run to its end (stdout, stderr, exit code), forked from the worker's zygote when it
+    can be (tests/zygote.py: ~2.5 s instead of ~5 s for a join that imports torch). ``fork=False``: a cold
+    interpreter, cheaper for a command line refused by argparse (0.3 s; a forked child imports the project first,
+    ~1.7 s)."""
     argv = [sys.executable, "-m", "peer.cli", "join", "--identity", str(tmp_path / "id.key"), *FAST, *args]
+    if fork:
+        return zygote.run(argv, timeout=timeout)
     return subprocess.run(
         argv, capture_output=True, text=True, timeout=timeout, env=dict(os.environ, PYTHONUNBUFFERED="1")
     )
@@ -73,7 +80,7 @@ def test_bad_flag_values_fail_at_start(tmp_path):
         (["--profile-batches", "4,x"], "argument --profile-batches: expected comma-separated"),
         (["--outer-momentum", "1"], "argument --outer-momentum: must be in [0, 1)"),
     ]:
-        r = _join(tmp_path, *args, timeout=60)
+        r = _join(tmp_path, *args, timeout=60, fork=False)
         assert r.returncode == 2 and text in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
 
 

@@ -31,8 +31,10 @@ pytestmark = pytest.mark.timeout(300)
 
 world = pytest.fixture(scope="module", name="world")(world_fixture)
 
-#: no sampled checks (share 0): what runs is the screening alone
-CFG = VT.VerifyConfig(share=0.0)
+#: no sampled checks (share 0): what runs is the screening alone. duty 1: the background worker computes flat out
+#: (the pacing is the Pacer's, tested in tests/unit/test_verify_queue.py; at the default 0.15 it only stretched
+#: each ``wait_idle`` here by up to 1 / 0.15: ~50 s of this module's sleeps on two cores)
+CFG = VT.VerifyConfig(share=0.0, duty=1.0)
 
 
 def _signed_of(world, packets):
@@ -166,7 +168,7 @@ def test_an_honest_newcomer_passes_its_screen(world):
 
 
 def test_screens_run_before_the_sampled_checks_and_none_is_skipped(world):
-    cfg = VT.VerifyConfig(share=1.0)  # a sampled check is drawn for sure
+    cfg = dataclasses.replace(CFG, share=1.0)  # a sampled check is drawn for sure
     ids, plan, packets = _case(world, world.wrong_data, 10)
     v = _verifier(world, ids["V"], cfg, plan, packets)
     gate, started = threading.Event(), threading.Event()

@@ -227,6 +227,32 @@ def test_deadline_stops_early_and_reports_real_tokens(ds):
     assert res3.steps_done == 2 and res3.stopped_early
 
 
+def test_an_emulated_slow_down_never_sleeps_past_the_train_deadline(ds, monkeypatch):
+    """speed_factor f < 1 sleeps (1/f - 1) x the step's measured compute; a step the peer was stopped in (SIGSTOP)
+    measures the stall as compute, and sleeping it again kept a resumed peer asleep through its exchange
+    (tests/e2e/test_stalled_peer_procs.py: 42 s). With a deadline the sleep ends at it; without one it is whole."""
+    import threading
+
+    tr = _trainer(ds, speed_factor=0.5)
+    tr.run(round=0, inner_steps=1, batch_size=4)  # warm up kernels
+    step = tr.accumulate_fitting
+
+    def stalled(*a, **kw):  # the step, then 0.3 s not running: measured as the step's compute
+        out = step(*a, **kw)
+        threading.Event().wait(0.3)
+        return out
+
+    monkeypatch.setattr(tr, "accumulate_fitting", stalled)
+    sleeps: list[float] = []
+    monkeypatch.setattr(training.time, "sleep", sleeps.append)
+    res = tr.run(round=1, inner_steps=5, batch_size=4, deadline=swarm_time() + 0.1)
+    assert res.steps_done == 1 and res.stopped_early  # the deadline passed during the first step
+    assert sleeps == [0.0]  # nothing slept past the deadline
+    sleeps.clear()
+    tr.run(round=2, inner_steps=1, batch_size=4)  # no deadline: the whole emulated slow-down
+    assert len(sleeps) == 1 and sleeps[0] >= 0.3
+
+
 def test_grad_accumulation_matches_full_batch(ds):
     tr = _trainer(ds)
     batch = ds.sample_batch(seed=0, peer_id="p0", round=0, step=0, batch_size=4, seq_len=SEQ)
