@@ -41,8 +41,11 @@ browser:
 # workers (session 12, 1,193 tests; 12 min 39 s in session 11 before the e2e peers ran at half speed), ~21 min
 # serially. The e2e tier is CPU-bound there: more workers do not help (4 made two namespace tests fail).
 TEST_WORKERS ?= 3
+# PYTHONDONTWRITEBYTECODE is emptied for the suite (set to 1 on some CI machines): with it every peer process of
+# the e2e tier compiled the project's modules again (~0.4 s each here) and pytest rewrote every test file's asserts
+# in each worker (~7 s a worker).
 test: setup browser lint
-	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25 tests/unit tests/integration tests/e2e
+	PYTHONDONTWRITEBYTECODE= $(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25 tests/unit tests/integration tests/e2e
 
 # The first two tiers: tests/unit (no sockets) and tests/integration (in-process gRPC on 127.0.0.1); no
 # processes, no browser.
