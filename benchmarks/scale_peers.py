@@ -75,6 +75,9 @@ from geomesh_p2p.plan.schema import PlanConfig, RoundPlan  # noqa: E402
 from geomesh_p2p.plan.wire import split_plan  # noqa: E402
 from geomesh_p2p.schema.peer import PeerRecord  # noqa: E402
 from geomesh_p2p.sim.link_time import exchange_bytes  # noqa: E402
+from geomesh_p2p.sim.groups import exchange_traffic  # noqa: E402
+from geomesh_p2p.exchange import CollectiveSpec, make_partition  # noqa: E402
+from geomesh_p2p.exchange.groups import auto_group_size  # noqa: E402
 from geomesh_p2p.wire import dht_pb2  # noqa: E402
 
 RUN = "scale-bench"
@@ -136,6 +139,24 @@ def make_plan(records: list[PeerRecord], round: int = 12) -> RoundPlan:
     )
     return plan_round(
         records, cfg, run_id=RUN, round=round, leader=records[0].peer_id, numel=TINY_NUMEL, start_time=time.time() + 5
+    )
+
+
+def grouped_exchange(ids: Sequence[Identity], numel: int) -> tuple[float, float, int]:
+    """Per peer, mean over the ``len(ids)`` participants of a healthy ``reencode`` round with ``--group-size auto``
+    (:func:`geomesh_p2p.exchange.groups.auto_group_size`; one group below 111): exchange calls made and payload bytes
+    sent + received, counted from the round's real specs (:func:`geomesh_p2p.sim.groups.exchange_traffic`); and the
+    group size (0: one group)."""
+    pids = [str(i.peer_id) for i in ids]
+    n = len(pids)
+    owners = make_partition(numel, [(p, f"10.0.{k // 250}.{k % 250}:7000", None) for k, p in enumerate(pids)])
+    spec = CollectiveSpec("sim", 1, {p: 10**6 for p in pids}, owners, numel, time.time() + 60, time.time() + 80)
+    g = auto_group_size(None, n)
+    t = exchange_traffic(spec, g)
+    return (
+        statistics.fmean(t.made.get(p, 0) for p in pids),
+        statistics.fmean(t.sent.get(p, 0) + t.received.get(p, 0) for p in pids),
+        g,
     )
 
 
@@ -317,6 +338,7 @@ def sim_row(
         block_size=BLOCK,
     )
     x_b = statistics.fmean(xb.sent(i) + xb.received(i) for i in range(n))
+    g_rpcs, g_b, g_size = grouped_exchange(ids, TINY_NUMEL)
     # served by the busiest node: each of the peers key's k nearest nodes is asked by every lookup of the
     # key (a lookup ends by querying the k nearest, the same k for every peer) and the nearest replicas are
     # reached by every store: the hot key. The plan key has its own k nearest: the same nodes only while n - 1 <= k.
@@ -351,6 +373,10 @@ def sim_row(
         "dht_rpcs": dht_rpcs,
         "exchange_bytes": x_b,
         "exchange_rpcs": 2 * (n - 1),
+        # issue 26's exchange: reencode with --group-size auto (one group below 111 peers), from the real layout
+        "exchange_bytes_auto": g_b,
+        "exchange_rpcs_auto": g_rpcs,
+        "group_size_auto": g_size,
         "busiest_served": busiest,
         "record_shards": shards,
         "read_reuse": what_if.read_reuse,
@@ -581,8 +607,9 @@ def _n(x, fmt="{:,.0f}") -> str:
 def table(rows: list[dict]) -> str:
     """A markdown table of the rows of one or more tiers, ratios against each tier's smallest N."""
     head = (
-        "| tier | N | DHT KB/peer/round (sent + received) | DHT RPCs/peer/round | x N0 (KB, RPCs) | exchange KB/peer/round | "
-        "exchange RPCs | busiest DHT node served/round | plan KB (fits 64 KiB) | overhead s | digests | "
+        "| tier | N | DHT KB/peer/round (sent + received) | DHT RPCs/peer/round | x N0 (KB, RPCs) | exchange KB/peer/round "
+        "(relay / reencode, auto groups) | exchange RPCs (relay / auto groups, G) | busiest DHT node served/round | "
+        "plan KB (fits 64 KiB) | overhead s | digests | "
         "DHT KB: full-view / light peer |"
     )
     out = [head, "|" + "---|" * 12]
@@ -597,6 +624,10 @@ def table(rows: list[dict]) -> str:
             plan = f"{r['plan_bytes'] / 1e3:.1f} ({'yes' if r['plan_fits'] else 'NO'})"
             if "plan_cpu_s" in r:
                 plan += f", planned in {r['plan_cpu_s']:.2f} s"
+        auto_b = auto_c = ""
+        if "exchange_rpcs_auto" in r:
+            auto_b = f" / {_kb(r['exchange_bytes_auto'])}"
+            auto_c = f" / {_n(r['exchange_rpcs_auto'], '{:,.1f}')}, G={r['group_size_auto'] or '-'}"
         dig = "-"
         if "digests_equal" in r:
             dig = "equal" if r["digests_equal"] else f"{r['digests_per_round']} in a round"
@@ -605,7 +636,8 @@ def table(rows: list[dict]) -> str:
             f"{' R=' + str(r['read_reuse']) if r.get('read_reuse', READ_TARGET_REUSE) != READ_TARGET_REUSE else ''}"
             f" | {r['n']} | "
             f"{_kb(r.get('dht_bytes'))} | {_n(r.get('dht_rpcs'))} | {ratio} | "
-            f"{_kb(r.get('exchange_bytes'))} | {_n(r.get('exchange_rpcs'))} | {_n(r.get('busiest_served'))} | "
+            f"{_kb(r.get('exchange_bytes'))}{auto_b} | {_n(r.get('exchange_rpcs'))}{auto_c} | "
+            f"{_n(r.get('busiest_served'))} | "
             f"{plan} | {_n(r.get('overhead_s'), '{:.1f}')} | {dig} | "
             f"{_kb(r.get('dht_bytes_full_peer'))} / {_kb(r.get('dht_bytes_light_peer'))} |"
         )

@@ -21,6 +21,9 @@ def test_sim_tier_plan_grows_per_participant_and_counts_every_message():
     assert 200 < per_peer < 500
     assert a["plan_fits"] and b["plan_fits"] and b["plan_bytes"] < DEFAULT_LIMITS.max_value_bytes
     assert b["exchange_rpcs"] == 14  # push to and pull from each of the 7 other owners
+    # reencode with --group-size auto: one group of 8 (auto groups from 111 peers), the same 14 calls
+    assert (b["group_size_auto"], b["exchange_rpcs_auto"]) == (0, 14.0)
+    assert 0 < b["exchange_bytes_auto"] < b["exchange_bytes"]  # one re-encoded result per part, not every input
     # session 16 (the default model, as built): 1 store a round on the 7 other nodes (8 replicas), a lookup of 7
     # nodes for 1 store in 4 (cached targets); 3 reads and 1 plan read of a lookup each
     assert b["lookup_rpcs"] == 7 and b["dht_rpcs"] == 1 * (7 / 4 + 7) + 3 * 7 + 7
