@@ -193,11 +193,11 @@ async def _group_inputs(
     witness = accountable.witness_of(gspec, j)
     addresses = {o.peer_id: o.address for o in gspec.owners}
     out: dict[int, bytes] = {}
-    for n, e in enumerate(entries):
-        sender = order[e.index]
+    for n, entry in enumerate(entries):
+        sender = order[entry.index]
         holder = witness.peer_id if sender == owner and witness is not None else sender
         held, why_h = await audit._fetch_held(svc, state, j, holder, addresses.get(holder), deadline)
-        match = [c for c in held or [] if contribution_digest(c)[:DIGEST_BYTES] == e.digest]
+        match = [c for c in held or [] if contribution_digest(c)[:DIGEST_BYTES] == entry.digest]
         if not match:
             return None, f"input {n} not served by the owner ({why or 'other bytes'}) nor its holder ({why_h})"
         out[n] = bytes(match[0])

@@ -44,7 +44,9 @@ from typing import Any, Optional
 import torch
 from google.protobuf.message import DecodeError
 
-from geomesh_p2p.exchange import messages
+from geomesh_p2p.exchange import frames as wire
+from geomesh_p2p.exchange import group_audit, messages
+from geomesh_p2p.exchange.handoff import overlapping_parts
 from geomesh_p2p.exchange.client import AllReduceResult, CollectiveService, _cpu_fp32_finite, _signed_at, _zero_ranges
 from geomesh_p2p.exchange.partition import CollectiveSpec, PartOwner, _pid_bytes, _short, max_part_elements
 from geomesh_p2p.exchange.partition import split_owners
@@ -253,8 +255,9 @@ class _CrossService(CollectiveService):
     def _parts(self, spec: CollectiveSpec, j: int, delta: torch.Tensor, tokens: int, compute_end: float) -> list:
         members = self.members.get(spec.round, ())
         gid, lists = self.handoff.get(spec.round, (b"", {}))
-        extra = {"group_inputs": lists.get(j, []), "group_spec_id": gid} if gid else {}
-        return messages.contribution_parts(self.transport.identity, spec, j, delta, tokens, compute_end, members, **extra)
+        return messages.contribution_parts(
+            self.transport.identity, spec, j, delta, tokens, compute_end, members, lists.get(j, []), gid
+        )
 
     def _push_payload(
         self, spec: CollectiveSpec, j: int, delta: torch.Tensor, tokens: int, compute_end: float
@@ -455,8 +458,6 @@ class GroupedCollective:
         level's parts -- a leader's result over the slice owners' contributions -- and the level-1 hand-offs of
         this node's group). Returns the findings (``audit.Finding``, proofs re-checked here); ``[]`` for rounds
         of other modes. ``parts``: the flat and cross services' part indices only (tests)."""
-        from geomesh_p2p.exchange import group_audit  # a module of its own (groups.py is at its size budget)
-
         return await group_audit.validate_grouped(self, round, timeout_s=timeout_s, parts=parts)
 
     @property
@@ -572,9 +573,6 @@ def _handoff_lists(
     """(group spec_id, cross part -> the input lists of this slice owner's signed level-1 results of the group parts
     the cross part overlaps, :func:`.handoff.overlapping_parts`): what its cross contributions commit to. A part with
     no result here gives an empty list. Worker thread (opens the results' envelopes)."""
-    from geomesh_p2p.exchange import frames as wire
-    from geomesh_p2p.exchange.handoff import overlapping_parts
-
     state = group._rounds.get(gspec.round)
     lists: dict[int, bytes] = {}
     for j, o in enumerate(gspec.owners):

@@ -113,7 +113,9 @@ def recheck_handoff(
     if len(x.group_inputs) != len(parts) or len(inputs) != len(parts):
         # the owner committed to another number of lists than its parts: its own signed bytes say so
         if len(x.group_inputs) != len(parts):
-            return f"the contribution carries {len(x.group_inputs)} group input list(s), its range overlaps {len(parts)}"
+            return (
+                f"the contribution carries {len(x.group_inputs)} group input list(s), its range overlaps {len(parts)}"
+            )
         raise HandoffError(f"{len(inputs)} input list(s) served, the contribution commits to {len(parts)}")
     order = participant_order(gspec.participants)
     a, _ = slice_start(gspec, x.sender)
@@ -126,7 +128,9 @@ def recheck_handoff(
         except InputsError as e:
             return f"the group input list of part {j} is malformed: {e}"
         if len(served) != len(entries):
-            raise HandoffError(f"{len(served)} inputs served for group part {j}, the contribution commits to {len(entries)}")
+            raise HandoffError(
+                f"{len(served)} inputs served for group part {j}, the contribution commits to {len(entries)}"
+            )
         checked: list[Contribution] = []
         for n, (entry, signed) in enumerate(zip(entries, served)):
             if contribution_digest(signed)[:DIGEST_BYTES] != entry.digest:
@@ -191,9 +195,7 @@ def split_inputs(p: collective_pb2.AccountabilityProof) -> list[list[bytes]]:
     return out
 
 
-def handoff_validators(
-    gspec: CollectiveSpec, owner: str, cross_hashes: Sequence[Optional[bytes]], k: int
-) -> list[str]:
+def handoff_validators(gspec: CollectiveSpec, owner: str, cross_hashes: Sequence[Optional[bytes]], k: int) -> list[str]:
     """The ``gspec.validators_per_part`` members of ``owner``'s group (``gspec``'s participants but ``owner``) drawn to
     check its hand-off, ranked by SHA-256(seed || raw PeerID). The seed: the run, round, the owner and the
     payload hashes of every leader-signed cross result of the round (``cross_hashes``, every slice's parts in

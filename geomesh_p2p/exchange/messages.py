@@ -285,7 +285,9 @@ def _group_inputs(spec: CollectiveSpec, c: Any) -> tuple[bytes, ...]:
     if not c.group_inputs and not c.group_spec_id:
         return ()
     if not spec.readers or spec.mode != "accountable":
-        raise EnvelopeError(Code.INVALID_ARGUMENT, "contribution carries group inputs outside an accountable grouped round")
+        raise EnvelopeError(
+            Code.INVALID_ARGUMENT, "contribution carries group inputs outside an accountable grouped round"
+        )
     if len(c.group_spec_id) != 32 or any(len(b) % RECORD_BYTES for b in c.group_inputs):
         raise EnvelopeError(Code.INVALID_ARGUMENT, "contribution's group input lists are malformed")
     return tuple(bytes(b) for b in c.group_inputs)
@@ -621,12 +623,7 @@ def result_members(
         except InputsError:
             return None
         contributors = [_pid_bytes(order[e.index]) for e in entries if not e.dropped]
-    if (
-        not members
-        or len(counts) != len(contributors)
-        or sum(counts) != len(members)
-        or len(members) != len(tokens)
-    ):
+    if not members or len(counts) != len(contributors) or sum(counts) != len(members) or len(members) != len(tokens):
         return None
     try:
         listed = [(PeerID(bytes(m)).to_string(), int(n)) for m, n in zip(members, tokens)]

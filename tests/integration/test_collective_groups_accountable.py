@@ -49,8 +49,8 @@ def _doctor_first_other(service):
     service._build_result = types.MethodType(forged, service)
 
 
-async def _round(grouped_swarm, seed, forge=None):
-    sw, grouped = await grouped_swarm(9)
+async def _round(make, seed, forge=None):
+    sw, grouped = await make(9)
     spec = _spec(sw, mode="accountable", validators_per_part=2)
     layout = group_layout(spec, G)
     assert layout is not None and len(layout.groups) == 3
@@ -73,7 +73,7 @@ async def _validate(grouped, spec):
 
 
 @pytest.mark.timeout(120)
-async def test_an_accountable_grouped_round_applies_the_same_bits_and_honest_owners_yield_no_finding(grouped_swarm):
+async def test_an_accountable_grouped_round_applies_the_same_bits_and_honest_owners_yield_no_finding(grouped_swarm):  # noqa: F811 (the imported fixture)
     sw, grouped, spec, layout, deltas, tokens, out, _ = await _round(grouped_swarm, seed=21)
     aggs = [r.aggregate for r in out.values()]
     assert all(torch.equal(aggs[0], a) for a in aggs[1:])
@@ -92,12 +92,14 @@ async def test_an_accountable_grouped_round_applies_the_same_bits_and_honest_own
     assert findings == []
     # validation ran at both levels: cross parts and hand-offs were fetched
     assert sum(gc.cross.validation_stats.get(spec.round, SimpleNamespace(parts=0)).parts for gc in grouped) > 0
-    inputs = [gc.group.transport.stats.by_method.get("/geomesh.wire.CollectiveGroup/PullInputs", (0, 0)) for gc in grouped]
+    inputs = [
+        gc.group.transport.stats.by_method.get("/geomesh.wire.CollectiveGroup/PullInputs", (0, 0)) for gc in grouped
+    ]
     assert sum(b for _, b in inputs) > 0
 
 
 @pytest.mark.timeout(120)
-async def test_a_forging_leader_is_proven_and_excluded_by_every_honest_peer(grouped_swarm):
+async def test_a_forging_leader_is_proven_and_excluded_by_every_honest_peer(grouped_swarm):  # noqa: F811 (the imported fixture)
     sw, grouped, spec, layout, _, _, out, evil = await _round(grouped_swarm, seed=22, forge="leader")
     aggs = [r.aggregate for r in out.values()]
     assert all(torch.equal(aggs[0], a) for a in aggs[1:])  # forged, but the same bits everywhere
@@ -132,7 +134,7 @@ async def test_a_forging_leader_is_proven_and_excluded_by_every_honest_peer(grou
 
 
 @pytest.mark.timeout(120)
-async def test_a_slice_owner_forging_its_group_aggregate_is_proven_by_its_handoff(grouped_swarm):
+async def test_a_slice_owner_forging_its_group_aggregate_is_proven_by_its_handoff(grouped_swarm):  # noqa: F811 (the imported fixture)
     sw, grouped, spec, layout, _, _, out, evil = await _round(grouped_swarm, seed=23, forge="slice_owner")
     aggs = [r.aggregate for r in out.values()]
     assert all(torch.equal(aggs[0], a) for a in aggs[1:])
