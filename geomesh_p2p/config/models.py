@@ -227,7 +227,7 @@ class RunConfig(BaseModel):
     )
     group_size: int = opt(
         0,
-        "all-reduce groups (mode reencode): a round of more participants runs in groups of about G, as a two-level "
+        "all-reduce groups (mode reencode or accountable): a round of more participants runs in groups of about G, as a two-level "
         "exchange (a reduce-scatter in each group, an all-reduce of each slice across the groups through a leader, an "
         "all-gather in each group: docs/collective.md, 'All-reduce groups'): ~2G calls per peer instead of 2(N - 1), "
         "at the price of one more sign compression. About sqrt(N) keeps calls near 4 sqrt(N). 0: one group",
@@ -241,10 +241,10 @@ class RunConfig(BaseModel):
         check_shards(self.record_shards)
         if self.group_size == 1:
             raise ValueError("group_size 1 would make every peer a group of its own: use 0 (one group) or >= 2")
-        if self.group_size and self.mode != "reencode":
+        if self.group_size and self.mode not in ("reencode", "accountable"):
             raise ValueError(
-                f"group_size needs mode 'reencode': in mode {self.mode!r} every reader checks every input or every "
-                "owner, which a second level would hide"
+                f"group_size needs mode 'reencode' or 'accountable': in mode {self.mode!r} every reader checks every "
+                "input, which a second level would hide"
             )
         if self.target_inner_steps > self.max_inner_steps:
             raise ValueError(
