@@ -23,8 +23,10 @@ round and every peer derives the same one) and the exchange runs in three stages
 Per peer: about ``(G - 1) + 2 + (G - 1)`` calls for the slices it does not own, and bytes about
 ``P/8`` up and ``P/8`` down plus ``2 P/(8G)`` for a slice owner (a leader: ``(M - 1) P/(8 C)`` each way),
 flat in ``N`` for ``G ~ M ~ sqrt(N)``. What it trades: one more sign compression (the group aggregate is
-compressed again for the cross level) and owners are trusted as in ``reencode`` mode (``relay`` and
-``accountable`` rounds are not grouped: :func:`group_layout` returns None for them).
+compressed again for the cross level) and, in a ``reencode`` round, owners are trusted at both levels. An
+``accountable`` round is grouped with both levels accountable specs: a leader's result is validated as any
+accountable part, a slice owner's group aggregate through its hand-off (:mod:`.handoff`, :mod:`.group_audit`).
+``relay`` rounds are not grouped (:func:`group_layout` returns None).
 
 Failures, each the one-level rule applied at its level: a member that fails is missing from its group's
 parts; a slice owner that fails leaves its group out of that slice's cross all-reduce (its group mates read
