@@ -227,7 +227,7 @@ class RunConfig(BaseModel):
     )
     group_size: Optional[int] = opt(
         0,
-        "all-reduce groups (mode reencode): a round of more participants runs in groups of about G, as a two-level "
+        "all-reduce groups (mode reencode or accountable): a round of more participants runs in groups of about G, as a two-level "
         "exchange (a reduce-scatter in each group, an all-reduce of each slice across the groups through a leader, an "
         "all-gather in each group: docs/collective.md, 'All-reduce groups'): ~2G calls per peer instead of 2(N - 1), "
         "at the price of one more sign compression and of robustness (each group and the cross level need honest "
@@ -248,10 +248,10 @@ class RunConfig(BaseModel):
                 f"group_size {self.group_size}: a group needs at least 3 members for the robust rule's honest majority "
                 "(the median of 2 is their mean): use 0 (one group), auto or >= 3"
             )
-        if self.group_size != 0 and self.mode != "reencode":  # a number or auto (None)
+        if self.group_size != 0 and self.mode not in ("reencode", "accountable"):  # a number or auto (None)
             raise ValueError(
-                f"group_size needs mode 'reencode': in mode {self.mode!r} every reader checks every input or every "
-                "owner, which a second level would hide"
+                f"group_size needs mode 'reencode' or 'accountable': in mode {self.mode!r} every reader checks every "
+                "input, which a second level would hide"
             )
         if self.target_inner_steps > self.max_inner_steps:
             raise ValueError(

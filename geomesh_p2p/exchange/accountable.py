@@ -20,7 +20,9 @@ on this exchange (docs/collective.md, "Accountable mode"):
    owner and recompute the rule and the encoding bit for bit (:func:`recheck_part`); a mismatch is a
    *forgery proof* (signed result + signed inputs + the spec, whose SHA-256 the result signed) that any
    peer re-checks in O(part).
-5. **Equivocation.** Two results an owner signed for one (round, part) with different payloads are an
+5. **Hand-offs** (a grouped round's level 1): a slice owner's signed cross contribution that is not the group
+   rule over the group inputs it commits to is a *handoff proof* (:mod:`.handoff`).
+6. **Equivocation.** Two results an owner signed for one (round, part) with different payloads are an
    *equivocation proof* (:func:`equivocation_proof`).
 
 Every proof is checked by :func:`verify_proof` from its bytes alone; it raises :class:`ProofError` with a
@@ -38,7 +40,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from geomesh_p2p.exchange import frames as wire
-from geomesh_p2p.exchange import messages
+from geomesh_p2p.exchange import handoff, messages
 from geomesh_p2p.exchange.aggregate import aggregate_buffer
 from geomesh_p2p.exchange.commitment import (
     DIGEST_BYTES,
@@ -76,7 +78,7 @@ __all__ = [
     "witness_problem",
 ]
 
-PROOF_KINDS = ("drop", "forgery", "equivocation")
+PROOF_KINDS = ("drop", "forgery", "equivocation", "handoff")
 #: A proof larger than this is refused unread (a forgery proof holds one part's inputs: N x part bytes).
 MAX_PROOF_BYTES = 256 << 20
 
@@ -197,7 +199,8 @@ def recheck_part(
     """A validator's check of ``part``'s owner-signed accountable ``result`` against the signed
     ``contributions`` the owner served (in the result's order). Returns the reason the owner is proven to
     have forged (an input it committed to that fails verification or names another sender, tokens not the
-    plan's cap, a filter decision or aggregate bytes other than the rule's over its inputs), or None when
+    plan's cap, a filter decision or aggregate bytes other than the rule's over its inputs, member lists -- a grouped
+    round's cross level -- other than the inputs'), or None when
     the result is exactly the rule over its inputs.
 
     Raises ProofError when nothing can be concluded against the owner: the result is not the part's owner's
@@ -236,6 +239,16 @@ def recheck_part(
     flags = [e.dropped for e in opened.entries]
     if flags != [k in set(dropped) for k in range(len(checked))]:
         return "the agreement filter's drops differ from the result's flags"
+    if spec.readers:  # a grouped round's cross level: the member lists readers count are the inputs' own
+        kept = [c for k, c in enumerate(checked) if k not in set(dropped)]
+        listed = (list(f.member_counts), [bytes(m) for m in f.members], list(f.member_tokens))
+        want_members = (
+            [len(c.members) for c in kept],
+            [_pid_bytes(p) for c in kept for p, _ in c.members],
+            [n for c in kept for _, n in c.members],
+        )
+        if listed != want_members:
+            return "the result's group member lists differ from those of the committed inputs"
     want = aggregate_buffer(spec.aggregate_encoding, mean, spec.block_size, sum(used_all))
     if bytes(want) != bytes(opened.aggregate):
         return "the aggregate differs from the rule recomputed over the committed inputs"
@@ -268,6 +281,18 @@ def verify_proof(run_id: str, data: bytes, max_bytes: int = MAX_PROOF_BYTES) -> 
     if p.kind not in PROOF_KINDS:
         raise ProofError(f"unknown proof kind {p.kind!r}")
     verifier = Verifier(run_id, max_skew_s=float("inf"), max_payload_bytes=max_bytes)
+    if p.kind == "handoff":  # an accountable grouped round's level 1 (:mod:`.handoff`)
+        if not p.spec_json or not p.cross_spec_json:
+            raise ProofError("a handoff proof needs the group and cross specs")
+        gspec, xspec = _spec_of(p.spec_json), _spec_of(p.cross_spec_json)
+        try:
+            k, x = handoff.open_handoff(verifier, xspec, p.contribution)
+            why_h = handoff.recheck_handoff(verifier, gspec, xspec, p.contribution, handoff.split_inputs(p))
+        except handoff.HandoffError as e:
+            raise ProofError(str(e)) from None
+        if why_h is None:
+            raise ProofError("the cross contribution is exactly the group rule over its inputs: no forgery")
+        return ProofVerdict("handoff", x.sender, xspec.round, k, why_h)
     spec = _spec_of(p.spec_json) if p.spec_json else None
     n = len(spec.participants) if spec is not None else 1 << 20
     try:

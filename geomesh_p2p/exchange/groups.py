@@ -23,8 +23,10 @@ round and every peer derives the same one) and the exchange runs in three stages
 Per peer: about ``(G - 1) + 2 + (G - 1)`` calls for the slices it does not own, and bytes about
 ``P/8`` up and ``P/8`` down plus ``2 P/(8G)`` for a slice owner (a leader: ``(M - 1) P/(8 C)`` each way),
 flat in ``N`` for ``G ~ M ~ sqrt(N)``. What it trades: one more sign compression (the group aggregate is
-compressed again for the cross level) and owners are trusted as in ``reencode`` mode (``relay`` and
-``accountable`` rounds are not grouped: :func:`group_layout` returns None for them).
+compressed again for the cross level) and, in a ``reencode`` round, owners are trusted at both levels. An
+``accountable`` round is grouped with both levels accountable specs: a leader's result is validated as any
+accountable part, a slice owner's group aggregate through its hand-off (:mod:`.handoff`, :mod:`.group_audit`).
+``relay`` rounds are not grouped (:func:`group_layout` returns None).
 
 Failures, each the one-level rule applied at its level: a member that fails is missing from its group's
 parts; a slice owner that fails leaves its group out of that slice's cross all-reduce (its group mates read
@@ -45,7 +47,9 @@ from typing import Any, Optional, Sequence
 import torch
 from google.protobuf.message import DecodeError
 
-from geomesh_p2p.exchange import messages
+from geomesh_p2p.exchange import frames as wire
+from geomesh_p2p.exchange import group_audit, messages
+from geomesh_p2p.exchange.handoff import overlapping_parts
 from geomesh_p2p.exchange.client import AllReduceResult, CollectiveService, _cpu_fp32_finite, _signed_at, _zero_ranges
 from geomesh_p2p.exchange.partition import CollectiveSpec, PartOwner, _pid_bytes, _short, max_part_elements
 from geomesh_p2p.exchange.partition import split_owners
@@ -62,6 +66,7 @@ __all__ = [
     "level_specs",
     "GroupedCollective",
     "STAGE_SHARES",
+    "GROUPED_MODES",
     "auto_group_size",
     "group_sizes",
     "majority_loss",
@@ -73,6 +78,10 @@ log = logging.getLogger(__name__)
 #: shares of it: group pushes close, group results are due, cross pushes close, cross results are due; the
 #: all-gather runs to the end.
 STAGE_SHARES = (0.40, 0.45, 0.65, 0.80)
+
+#: The modes a round may be grouped in: each stage is a spec of the round's mode (accountable: both levels commit to
+#: their inputs, :mod:`.handoff` links them). Relay stays one group (its readers re-check every input).
+GROUPED_MODES = ("reencode", "accountable")
 
 #: Slices read concurrently in the all-gather (each a long poll to one group mate).
 GATHER_CONCURRENCY = 8
@@ -186,8 +195,8 @@ def group_layout(spec: CollectiveSpec, group_size: int) -> Optional[GroupLayout]
     """The round's groups, from the spec alone (every peer derives the same one; its ``spec_id`` seeds the
     shuffle, so groups change every round). None when the round stays one group: :func:`group_sizes` gives none
     (``group_size`` < 2, at most ``group_size`` participants, fewer than :data:`MIN_GROUPS` groups of
-    :data:`MIN_GROUP_MEMBERS`), a ``relay`` or ``accountable`` round (their readers check every input or
-    every owner, which a second level would hide), fewer established participants than groups (each group
+    :data:`MIN_GROUP_MEMBERS`), a ``relay`` round (its readers check every input, which a second level would
+    hide), fewer established participants than groups (each group
     needs one for its quorum) or a group with fewer than two owners (client-only peers own nothing; one slice per
     group would leave its owner the only witness of its mates' pushes).
 
@@ -198,7 +207,7 @@ def group_layout(spec: CollectiveSpec, group_size: int) -> Optional[GroupLayout]
     """
     n = len(spec.participants)
     sizes = group_sizes(n, group_size)
-    if not sizes or spec.mode != "reencode":
+    if not sizes or spec.mode not in GROUPED_MODES:
         return None
     m = len(sizes)
     seed = spec.spec_id
@@ -247,7 +256,8 @@ def level_specs(
     common = dict(
         run_id=spec.run_id,
         round=spec.round,
-        mode="reencode",
+        mode=spec.mode,
+        validators_per_part=spec.validators_per_part,
         block_size=spec.block_size,
         clip_k=spec.clip_k,
         push_encoding=spec.push_encoding,
@@ -262,7 +272,7 @@ def level_specs(
         def most(kind: str, pipeline: bool) -> int:
             return max_part_elements(
                 push_encoding=spec.push_encoding,
-                mode="reencode",
+                mode=spec.mode,
                 aggregate_encoding=kind,
                 n_participants=n,
                 block_size=spec.block_size,
@@ -323,23 +333,26 @@ class _CrossService(CollectiveService):
     def __init__(self, *args: Any, **kw: Any) -> None:
         super().__init__(*args, **kw)
         self.members: dict[int, list[tuple[str, int]]] = {}
+        #: accountable rounds: round -> (group spec_id, cross part -> the level-1 input lists it carries)
+        self.handoff: dict[int, tuple[bytes, dict[int, list[bytes]]]] = {}
+
+    def _parts(self, spec: CollectiveSpec, j: int, delta: torch.Tensor, tokens: int, compute_end: float) -> list:
+        members = self.members.get(spec.round, ())
+        gid, lists = self.handoff.get(spec.round, (b"", {}))
+        return messages.contribution_parts(
+            self.transport.identity, spec, j, delta, tokens, compute_end, members, lists.get(j, []), gid
+        )
 
     def _push_payload(
         self, spec: CollectiveSpec, j: int, delta: torch.Tensor, tokens: int, compute_end: float
     ) -> bytes:
-        members = self.members.get(spec.round, ())
-        return messages.push_request_bytes(
-            messages.contribution_parts(self.transport.identity, spec, j, delta, tokens, compute_end, members)
-        )
+        return messages.push_request_bytes(self._parts(spec, j, delta, tokens, compute_end))
 
     def _contribution_bytes(
         self, spec: CollectiveSpec, j: int, delta: torch.Tensor, tokens: int, compute_end: float = 0.0
     ) -> bytes:
-        """The own part's contribution (read locally, not pushed) carries the members too."""
-        members = self.members.get(spec.round, ())
-        return b"".join(
-            messages.contribution_parts(self.transport.identity, spec, j, delta, tokens, compute_end, members)
-        )
+        """The own part's contribution (read locally, not pushed) carries the members (and hand-off) too."""
+        return b"".join(self._parts(spec, j, delta, tokens, compute_end))
 
     def signed_result(self, round: int, j: int) -> Optional[bytes]:
         """The owner-signed result of part ``j`` of ``round`` this node applied (its own or a pulled copy)."""
@@ -377,6 +390,11 @@ class GroupedCollective:
         self.group = CollectiveService(flat.transport, methods=COLLECTIVE_GROUP, **service_kw)
         self.cross = _CrossService(flat.transport, methods=COLLECTIVE_CROSS, **service_kw)
         self.peer_id = flat.peer_id
+        #: accountable rounds: round -> (cross spec_id, part) -> the leader-signed result this node read in the
+        #: all-gather (a slice owner's own slice is in ``cross``'s round state)
+        self.gathered: dict[int, dict[tuple[bytes, int], bytes]] = {}
+        #: accountable rounds: round -> what :mod:`.group_audit` needs of it (specs, layout)
+        self.levels: dict[int, Any] = {}
 
     async def close(self) -> None:
         await asyncio.gather(self.group.close(), self.cross.close())
@@ -455,6 +473,12 @@ class GroupedCollective:
             self.cross.members[spec.round] = members
             for old in [r for r in self.cross.members if r < spec.round - 2]:
                 del self.cross.members[old]
+            if spec.mode == "accountable":
+                self.cross.handoff[spec.round] = await asyncio.to_thread(
+                    _handoff_lists, self.group, gspec, cross_specs[c_mine], me
+                )
+                for old in [r for r in self.cross.handoff if r < spec.round - 2]:
+                    del self.cross.handoff[old]
             results[c_mine] = await self.cross.all_reduce(
                 cross_specs[c_mine], buf[a:b], sum(n for _, n in members), compute_end, in_place=True
             )
@@ -477,7 +501,7 @@ class GroupedCollective:
                 ranges.append((a + o.start, a + o.end))
                 if c in results and j in results[c].contributors:
                     signed = self.cross.signed_result(spec.round, j)
-                    got = messages.result_members(signed, mates) if signed is not None else None
+                    got = messages.result_members(signed, mates, xs.participants) if signed is not None else None
                     got = results[c].contributors[j] if got is None else got
                 else:
                     got = gathered.get((c, j))
@@ -512,6 +536,29 @@ class GroupedCollective:
             ranges,
         )
         out.part_owners = owners
+        out.proofs = list(r1.proofs) + [p for r in results.values() for p in r.proofs]
+        if spec.mode == "accountable":
+            self.levels[spec.round] = (spec, layout, group_specs, cross_specs)
+            for old in [r for r in self.levels if r < spec.round - 2]:
+                del self.levels[old]
+        return out
+
+    async def validate_round(
+        self, round: int, *, timeout_s: float = 10.0, parts: Optional[list[int]] = None
+    ) -> list[Any]:
+        """Accountable mode, after ``round``'s all-reduce returned: the parts this node is drawn to validate, at
+        each level (:func:`.group_audit.validate_grouped`: the flat service's parts of a one-group round, the cross
+        level's parts -- a leader's result over the slice owners' contributions -- and the level-1 hand-offs of
+        this node's group). Returns the findings (``audit.Finding``, proofs re-checked here); ``[]`` for rounds
+        of other modes. ``parts``: the flat and cross services' part indices only (tests)."""
+        return await group_audit.validate_grouped(self, round, timeout_s=timeout_s, parts=parts)
+
+    @property
+    def validation_stats(self) -> dict:
+        """round -> ``audit.ValidationStats`` of this node's newest validations, every level together (a round's
+        row reads the newest; the flat service's figures of a one-group round, else the cross level's)."""
+        out = dict(self.flat.validation_stats)
+        out.update(self.cross.validation_stats)
         return out
 
     async def _all_gather(
@@ -591,7 +638,12 @@ class GroupedCollective:
                 if _signed_at(signed) > xs.pull_deadline:
                     out.zero_()
                     return None
-                members = messages.result_members(signed, mates)
+                members = messages.result_members(signed, mates, xs.participants)
+                if xs.mode == "accountable":
+                    kept = self.gathered.setdefault(xs.round, {})
+                    kept[(xs.spec_id, j)] = bytes(signed)  # level-1 validation reads the leaders' results
+                    for old in [r for r in self.gathered if r < xs.round - 2]:
+                        del self.gathered[old]
                 return res[1] if members is None else members
             first = False
             await asyncio.sleep(min(0.2, max(0.0, end - swarm_time())))
@@ -606,3 +658,21 @@ def _counted_in_all(parts: list[list[tuple[str, int]]]) -> list[tuple[str, int]]
         return []
     rest = [dict(p) for p in parts[1:]]
     return [(p, n) for p, n in parts[0] if all(r.get(p) == n for r in rest)]
+
+
+def _handoff_lists(
+    group: CollectiveService, gspec: CollectiveSpec, xspec: CollectiveSpec, me: str
+) -> tuple[bytes, dict[int, list[bytes]]]:
+    """(group spec_id, cross part -> the input lists of this slice owner's signed level-1 results of the group parts
+    the cross part overlaps, :func:`.handoff.overlapping_parts`): what its cross contributions commit to. A part with
+    no result here gives an empty list. Worker thread (opens the results' envelopes)."""
+    state = group._rounds.get(gspec.round)
+    lists: dict[int, bytes] = {}
+    for j, o in enumerate(gspec.owners):
+        part = None if state is None or o.peer_id != me else state.parts.get(j)
+        if part is not None and part.ready.is_set():
+            res, _, _ = messages._result_fields(wire.SignedView(part.result()).payload)
+            lists[j] = bytes(res.inputs)
+    return gspec.spec_id, {
+        k: [lists.get(j, b"") for j in overlapping_parts(gspec, me, xspec, k)] for k in range(len(xspec.owners))
+    }

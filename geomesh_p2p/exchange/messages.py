@@ -26,6 +26,7 @@ from geomesh_p2p.exchange import codec as compression
 from geomesh_p2p.exchange import frames as wire
 from geomesh_p2p.exchange.aggregate import aggregate_buffer, decode_aggregate, fp32_buffer, fp32_view
 from geomesh_p2p.exchange.commitment import (
+    RECORD_BYTES,
     InputEntry,
     InputsError,
     contribution_digest,
@@ -76,6 +77,9 @@ class Contribution:
             empty in the other modes.
         members: a grouped round's cross level (:mod:`.groups`): the sender's group members its group aggregate
             counted, with their tokens (they sum to ``tokens``); empty in every other spec.
+        group_inputs: an accountable grouped round's cross level (:mod:`.handoff`): the sender's level-1 input
+            lists (:mod:`.commitment` bytes), one per group part its range overlaps; empty in every other spec.
+        group_spec_id: with ``group_inputs``: the SHA-256 spec_id of the group spec they are of.
     """
 
     sender: str
@@ -85,6 +89,8 @@ class Contribution:
     compute_end: float = 0.0  # unix seconds the sender says its inner steps ended
     digest: bytes = b""  # accountable mode: SHA-256 of ``signed``
     members: tuple[tuple[str, int], ...] = ()  # a grouped round's cross level: (member, tokens) of its group
+    group_inputs: tuple[bytes, ...] = ()  # an accountable grouped round's cross level: the level-1 input lists
+    group_spec_id: bytes = b""  # ... and the spec_id of the group spec they are of
 
 
 def contribution_parts(
@@ -95,12 +101,15 @@ def contribution_parts(
     tokens: int,
     compute_end: float = 0.0,
     members: Sequence[tuple[str, int]] = (),
+    group_inputs: Sequence[bytes] = (),
+    group_spec_id: bytes = b"",
 ) -> list[wire.Buffer]:
     """Part ``j`` of ``delta`` (fp32 [numel], CPU, contiguous) encoded as ``spec.push_encoding`` and
     signed: the SignedMessage of a PartContribution as a list of buffers (:func:`.wire.signed_parts`).
     An fp32 part is not copied: its buffer is a view of ``delta`` (which must not change until the
     list is joined). ``members``: a grouped round's cross level only, ``(member, tokens)`` of the sender's group
-    (:class:`Contribution`). Raises compression.CodecError on NaN / Inf (sign encoding)."""
+    (:class:`Contribution`); ``group_inputs``: an accountable grouped round's cross level only, the level-1 input
+    lists and ``group_spec_id`` the group spec's id (:mod:`.handoff`). Raises compression.CodecError on NaN / Inf (sign encoding)."""
     o = spec.owners[j]
     v = delta[o.start : o.end]
     packet: wire.Buffer
@@ -119,6 +128,8 @@ def contribution_parts(
         compute_end=compute_end,
         members=[_pid_bytes(p) for p, _ in members],
         member_tokens=[int(n) for _, n in members],
+        group_inputs=[bytes(b) for b in group_inputs],
+        group_spec_id=bytes(group_spec_id),
     ).SerializeToString()
     return wire.signed_parts(
         identity,
@@ -263,7 +274,23 @@ def check_contribution(
         min(float(c.compute_end), swarm_time()) if math.isfinite(c.compute_end) else 0.0,
         contribution_digest(signed) if spec.mode == "accountable" else b"",
         _members(spec, c),
+        _group_inputs(spec, c),
+        bytes(c.group_spec_id),
     )
+
+
+def _group_inputs(spec: CollectiveSpec, c: Any) -> tuple[bytes, ...]:
+    """A contribution's level-1 input lists (:mod:`.handoff`): taken on an accountable cross spec only, each a whole
+    number of :data:`~.commitment.RECORD_BYTES` records. Raises EnvelopeError (INVALID_ARGUMENT) otherwise."""
+    if not c.group_inputs and not c.group_spec_id:
+        return ()
+    if not spec.readers or spec.mode != "accountable":
+        raise EnvelopeError(
+            Code.INVALID_ARGUMENT, "contribution carries group inputs outside an accountable grouped round"
+        )
+    if len(c.group_spec_id) != 32 or any(len(b) % RECORD_BYTES for b in c.group_inputs):
+        raise EnvelopeError(Code.INVALID_ARGUMENT, "contribution's group input lists are malformed")
+    return tuple(bytes(b) for b in c.group_inputs)
 
 
 def _members(spec: CollectiveSpec, c: Any) -> tuple[tuple[str, int], ...]:
@@ -303,10 +330,13 @@ def build_result(
     are not listed. Accountable: as reencode, and the result commits to *every* accepted contribution
     (dropped ones flagged) in its ``inputs`` list (:mod:`.commitment`); the contributor list is left
     empty (readers derive it from the inputs), and ``witness_receipt`` (the witness's receipt of the owner's
-    own contribution, :func:`.accountable.witness_of`) is carried when given."""
+    own contribution, :func:`.accountable.witness_of`) is carried when given. A grouped round's cross level
+    (``spec.readers``) lists each counted contribution's group members, accountable results included (one member
+    list per input the filter kept, in the inputs' order)."""
     used = [min(c.tokens, spec.participants[c.sender]) for c in contributions]
     aggregate: list[wire.Buffer] = []
     listed = list(range(len(contributions)))
+    counted: Optional[list[int]] = None
     inputs = b""
     if spec.mode in ("reencode", "accountable"):
         dropped: list[int] = []
@@ -320,10 +350,12 @@ def build_result(
                     for i, (c, n) in enumerate(zip(contributions, used))
                 ]
             )
+            counted = listed  # a grouped round's cross level: the member lists of the inputs the aggregate counts
             listed = []
         # fp32: a view of ``mean`` (kept alive by the view), copied once when the result is joined
         aggregate = wire.bytes_field(10, [aggregate_buffer(spec.aggregate_encoding, mean, spec.block_size, sum(used))])
         del mean
+    with_members = listed if counted is None else counted
     head = collective_pb2.PartResult(
         round=spec.round,
         part=index,
@@ -333,9 +365,9 @@ def build_result(
         mode=spec.mode,
         contributors=[_pid_bytes(contributions[i].sender) for i in listed],
         tokens=[used[i] for i in listed],
-        member_counts=[len(contributions[i].members) for i in listed] if spec.readers else [],
-        members=[_pid_bytes(p) for i in listed for p, _ in contributions[i].members] if spec.readers else [],
-        member_tokens=[n for i in listed for _, n in contributions[i].members] if spec.readers else [],
+        member_counts=[len(contributions[i].members) for i in with_members] if spec.readers else [],
+        members=[_pid_bytes(p) for i in with_members for p, _ in contributions[i].members] if spec.readers else [],
+        member_tokens=[n for i in with_members for _, n in contributions[i].members] if spec.readers else [],
         aggregate_encoding=spec.aggregate_encoding if spec.mode != "relay" else "",
         closed_by=closed_by or "",
         last_compute_end=max((c.compute_end for c in contributions), default=0.0),
@@ -565,28 +597,37 @@ async def parse_pull(payload) -> PullReply:
 
 
 def result_members(
-    signed: wire.Buffer, groups: Optional[Mapping[str, Collection[str]]] = None
+    signed: wire.Buffer,
+    groups: Optional[Mapping[str, Collection[str]]] = None,
+    participants: Optional[Collection[str]] = None,
 ) -> Optional[list[tuple[str, int]]]:
     """The group members a grouped round's cross-level result counted (:mod:`.groups`): every listed contributor's
     members with their tokens, in the result's order, from a PartResult whose owner signature the caller already
     checked (:func:`read_result`). ``groups``: contributor -> the peers it may list (its group); the members it
     lists outside it are left out (a slice owner vouches for its own group only). None when the result lists no
-    members, or its member lists do not add up (a malformed result: the caller keeps the contributors as listed)."""
+    members, or its member lists do not add up (a malformed result: the caller keeps the contributors as listed).
+    An accountable result lists its contributors as inputs (:mod:`.commitment`): ``participants`` (the cross spec's)
+    names them; without it such a result gives None."""
     try:
         res, _, _ = _result_fields(wire.SignedView(signed).payload)
     except (DecodeError, wire.WireError):
         return None
     counts, members, tokens = list(res.member_counts), list(res.members), list(res.member_tokens)
-    if (
-        not members
-        or len(counts) != len(res.contributors)
-        or sum(counts) != len(members)
-        or len(members) != len(tokens)
-    ):
+    contributors = list(res.contributors)
+    if res.mode == "accountable":
+        if participants is None:
+            return None
+        order = participant_order(participants)
+        try:
+            entries = decode_inputs(res.inputs, len(order))
+        except InputsError:
+            return None
+        contributors = [_pid_bytes(order[e.index]) for e in entries if not e.dropped]
+    if not members or len(counts) != len(contributors) or sum(counts) != len(members) or len(members) != len(tokens):
         return None
     try:
         listed = [(PeerID(bytes(m)).to_string(), int(n)) for m, n in zip(members, tokens)]
-        senders = [PeerID(bytes(c)).to_string() for c in res.contributors]
+        senders = [PeerID(bytes(c)).to_string() for c in contributors]
     except Exception:
         return None
     if groups is None:

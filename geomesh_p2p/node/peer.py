@@ -198,7 +198,8 @@ class PeerNode:
         self.outer_rule = OuterStepRule(self.rs, theta=lambda: self.theta, outer=lambda: self.outer)
         self.accountable = Accountability(
             self.verified.verdicts,
-            collective=lambda: self.collective,
+            # the grouped exchange validates both levels of a grouped round (and the flat one's parts otherwise)
+            collective=lambda: getattr(self, "grouped", None) or self.collective,
             dht=lambda: self.dht,
             identity=self.identity,
             run_id=self.run_cfg.run_id,

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PartContribution(_message.Message):
-    __slots__ = ("round", "part", "start", "end", "tokens", "spec_id", "encoding", "packet", "compute_end", "members", "member_tokens")
+    __slots__ = ("round", "part", "start", "end", "tokens", "spec_id", "encoding", "packet", "compute_end", "members", "member_tokens", "group_inputs", "group_spec_id")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     PART_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
@@ -19,6 +19,8 @@ class PartContribution(_message.Message):
     COMPUTE_END_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     MEMBER_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    GROUP_INPUTS_FIELD_NUMBER: _ClassVar[int]
+    GROUP_SPEC_ID_FIELD_NUMBER: _ClassVar[int]
     round: int
     part: int
     start: int
@@ -30,7 +32,9 @@ class PartContribution(_message.Message):
     compute_end: float
     members: _containers.RepeatedScalarFieldContainer[bytes]
     member_tokens: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, round: _Optional[int] = ..., part: _Optional[int] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., tokens: _Optional[int] = ..., spec_id: _Optional[bytes] = ..., encoding: _Optional[str] = ..., packet: _Optional[bytes] = ..., compute_end: _Optional[float] = ..., members: _Optional[_Iterable[bytes]] = ..., member_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+    group_inputs: _containers.RepeatedScalarFieldContainer[bytes]
+    group_spec_id: bytes
+    def __init__(self, round: _Optional[int] = ..., part: _Optional[int] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., tokens: _Optional[int] = ..., spec_id: _Optional[bytes] = ..., encoding: _Optional[str] = ..., packet: _Optional[bytes] = ..., compute_end: _Optional[float] = ..., members: _Optional[_Iterable[bytes]] = ..., member_tokens: _Optional[_Iterable[int]] = ..., group_inputs: _Optional[_Iterable[bytes]] = ..., group_spec_id: _Optional[bytes] = ...) -> None: ...
 
 class PushPartRequest(_message.Message):
     __slots__ = ("contribution", "witness")
@@ -161,20 +165,26 @@ class PullInputsResponse(_message.Message):
     def __init__(self, round: _Optional[int] = ..., part: _Optional[int] = ..., contributions: _Optional[_Iterable[bytes]] = ..., total: _Optional[int] = ...) -> None: ...
 
 class AccountabilityProof(_message.Message):
-    __slots__ = ("kind", "result", "receipt", "other_result", "contributions", "spec_json")
+    __slots__ = ("kind", "result", "receipt", "other_result", "contributions", "spec_json", "contribution", "cross_spec_json", "input_counts")
     KIND_FIELD_NUMBER: _ClassVar[int]
     RESULT_FIELD_NUMBER: _ClassVar[int]
     RECEIPT_FIELD_NUMBER: _ClassVar[int]
     OTHER_RESULT_FIELD_NUMBER: _ClassVar[int]
     CONTRIBUTIONS_FIELD_NUMBER: _ClassVar[int]
     SPEC_JSON_FIELD_NUMBER: _ClassVar[int]
+    CONTRIBUTION_FIELD_NUMBER: _ClassVar[int]
+    CROSS_SPEC_JSON_FIELD_NUMBER: _ClassVar[int]
+    INPUT_COUNTS_FIELD_NUMBER: _ClassVar[int]
     kind: str
     result: bytes
     receipt: bytes
     other_result: bytes
     contributions: _containers.RepeatedScalarFieldContainer[bytes]
     spec_json: str
-    def __init__(self, kind: _Optional[str] = ..., result: _Optional[bytes] = ..., receipt: _Optional[bytes] = ..., other_result: _Optional[bytes] = ..., contributions: _Optional[_Iterable[bytes]] = ..., spec_json: _Optional[str] = ...) -> None: ...
+    contribution: bytes
+    cross_spec_json: str
+    input_counts: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, kind: _Optional[str] = ..., result: _Optional[bytes] = ..., receipt: _Optional[bytes] = ..., other_result: _Optional[bytes] = ..., contributions: _Optional[_Iterable[bytes]] = ..., spec_json: _Optional[str] = ..., contribution: _Optional[bytes] = ..., cross_spec_json: _Optional[str] = ..., input_counts: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PullPartResponse(_message.Message):
     __slots__ = ("round", "part", "ready", "signed_result", "held_s", "same")

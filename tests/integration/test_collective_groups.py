@@ -127,11 +127,11 @@ def test_the_layout_is_the_same_for_every_peer_and_each_peer_owns_at_most_one_sl
     assert [[(o.peer_id, o.start, o.end) for o in xs.owners] for xs in xspecs] == [
         [(layout.leaders[c][0], 0, 4 * B), (layout.leaders[c][1], 4 * B, 8 * B)] for c in range(3)
     ]
-    # another round, other groups; one group, relay, accountable: no layout
+    # another round, other groups; one group, relay: no layout; accountable: grouped (issue 26, both levels)
     assert group_layout(sw.spec(2 * NUMEL, round=2), 3).groups != layout.groups
     assert group_layout(spec, 20) is None
     assert group_layout(sw.spec(2 * NUMEL, mode="relay"), 3) is None
-    assert group_layout(sw.spec(2 * NUMEL, mode="accountable"), 3) is None
+    assert group_layout(sw.spec(2 * NUMEL, mode="accountable"), 3) is not None
     # newcomers on probation are dealt after the established peers: every group keeps an established member
     probation = sw.pids[:12]
     spread = group_layout(sw.spec(2 * NUMEL, probation=probation), 3)

@@ -1,0 +1,171 @@
+"""Accountable mode in grouped (two-level) rounds (issue 26): 9 in-process peers in groups of 3 on 127.0.0.1.
+
+Checked: every peer applies the same bits, the two-level rule computed apart; honest rounds yield no finding at either
+level; a leader that forges its cross result (level 2) and a slice owner that forges its group aggregate (level 1,
+the signed cross contribution it hands on) are each caught by a drawn validator, the proof verifies at a third peer
+from its bytes alone, a tampered proof is refused, and once the proof is in the DHT every honest peer excludes the
+forger and only it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import types
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from geomesh_p2p.exchange import accountable
+from geomesh_p2p.exchange import codec as compression
+from geomesh_p2p.exchange.groups import group_layout
+from geomesh_p2p.round.rules.accountable import Accountability
+from geomesh_p2p.trust import fraud
+from geomesh_p2p.trust.verify import Verdicts
+from geomesh_p2p.wire import collective_pb2
+from tests.collective_util import RUN, deltas_for
+from tests.integration.test_collective_groups import G, _reference, _run, _spec, grouped_swarm  # noqa: F401
+from tests.unit.test_evidence_chunks import LimitedDHT
+
+
+def _doctor_first_other(service):
+    """Make ``service``'s owner side aggregate a doctored copy (signs of the first block flipped) of the first other
+    sender's packet while its result still commits to the real signed contribution."""
+    real = service._build_result
+
+    def forged(self, spec, part, contributions):
+        first = next((c for c in contributions if c.sender != self.peer_id), None)
+
+        def doctor(c):
+            if c is not first:
+                return c
+            dec = compression.decode(c.packet)
+            dec[: spec.block_size] = -dec[: spec.block_size]
+            return dataclasses.replace(c, packet=compression.encode(dec, spec.block_size, c.tokens))
+
+        return real(spec, part, [doctor(c) for c in contributions])
+
+    service._build_result = types.MethodType(forged, service)
+
+
+async def _round(make, seed, forge=None):
+    sw, grouped = await make(9)
+    spec = _spec(sw, mode="accountable", validators_per_part=2)
+    layout = group_layout(spec, G)
+    assert layout is not None and len(layout.groups) == 3
+    evil = None
+    if forge == "leader":
+        evil = layout.leaders[0][0]
+        _doctor_first_other(grouped[sw.pids.index(evil)].cross)
+    elif forge == "slice_owner":  # a slice owner that leads nothing: its forgery is at level 1 only
+        evil = next(p for os in layout.slice_owners for p in os if all(p not in ls for ls in layout.leaders))
+        _doctor_first_other(grouped[sw.pids.index(evil)].group)
+    deltas = deltas_for(sw.pids, 3 * 4 * 2048, seed=seed)
+    tokens = {p: 100 for p in sw.pids}
+    out = await _run(grouped, spec, deltas, tokens)
+    return sw, grouped, spec, layout, deltas, tokens, out, evil
+
+
+async def _validate(grouped, spec):
+    found = await asyncio.gather(*(gc.validate_round(spec.round, timeout_s=5.0) for gc in grouped))
+    return [f for fs in found for f in fs]
+
+
+@pytest.mark.timeout(120)
+async def test_an_accountable_grouped_round_applies_the_same_bits_and_honest_owners_yield_no_finding(grouped_swarm):  # noqa: F811 (the imported fixture)
+    sw, grouped, spec, layout, deltas, tokens, out, _ = await _round(grouped_swarm, seed=21)
+    aggs = [r.aggregate for r in out.values()]
+    assert all(torch.equal(aggs[0], a) for a in aggs[1:])
+    assert torch.equal(aggs[0], _reference(spec, layout, deltas, tokens, set(sw.pids)))
+    assert all(r.missing_parts == [] for r in out.values())
+    # the leaders' accountable results list the group members: every peer counted, none a no-show
+    from geomesh_p2p.trust.probation import absent_participants
+
+    assert all(absent_participants(spec.participants, r.contributors) == [] for r in out.values())
+    # each slice owner's cross contribution carries its level-1 commitment (one input list of its 3 members)
+    for gc in grouped:
+        if layout.slice_of(gc.peer_id) is not None:
+            gid, lists = gc.cross.handoff[spec.round]
+            assert len(gid) == 32 and all(len(ls) == 1 and len(ls[0]) == 3 * 29 for ls in lists.values())
+    findings = await _validate(grouped, spec)
+    assert findings == []
+    # validation ran at both levels: cross parts and hand-offs were fetched
+    assert sum(gc.cross.validation_stats.get(spec.round, SimpleNamespace(parts=0)).parts for gc in grouped) > 0
+    inputs = [
+        gc.group.transport.stats.by_method.get("/geomesh.wire.CollectiveGroup/PullInputs", (0, 0)) for gc in grouped
+    ]
+    assert sum(b for _, b in inputs) > 0
+
+
+@pytest.mark.timeout(120)
+async def test_a_forging_leader_is_proven_and_excluded_by_every_honest_peer(grouped_swarm):  # noqa: F811 (the imported fixture)
+    sw, grouped, spec, layout, _, _, out, evil = await _round(grouped_swarm, seed=22, forge="leader")
+    aggs = [r.aggregate for r in out.values()]
+    assert all(torch.equal(aggs[0], a) for a in aggs[1:])  # forged, but the same bits everywhere
+    findings = await _validate(grouped, spec)
+    forged = [f for f in findings if f.kind == "forgery"]
+    assert forged and all(f.owner == evil for f in forged)
+    assert [f for f in findings if f.kind != "forgery"] == []
+    v = accountable.verify_proof(RUN, forged[0].proof)
+    assert (v.kind, v.accused) == ("forgery", evil) and "aggregate differs" in v.reason
+    # in the DHT: every honest peer excludes the leader, and only it
+    dht = LimitedDHT()
+    accs = []
+    for k, gc in enumerate(grouped):
+        verdicts = Verdicts(sw.pids[k])
+        acc = Accountability(
+            lambda v=verdicts: v,
+            collective=lambda gc=gc: gc,
+            dht=lambda: dht,
+            identity=sw.ids[k],
+            run_id=RUN,
+            validate_timeout_s=2.0,
+        )
+        accs.append((acc, verdicts))
+    assert await fraud.publish_proof(dht, forged[0].proof, sw.ids[0], run_id=RUN, slot=spec.round, expiration_time=1e12)
+    for acc, _ in accs:
+        await acc.read(spec.round)
+    for k, (_, verdicts) in enumerate(accs):
+        if sw.pids[k] == evil:
+            assert verdicts.excluded == {}
+        else:
+            assert set(verdicts.excluded) == {evil} and "forgery proven" in verdicts.excluded[evil]
+
+
+@pytest.mark.timeout(120)
+async def test_a_slice_owner_forging_its_group_aggregate_is_proven_by_its_handoff(grouped_swarm):  # noqa: F811 (the imported fixture)
+    sw, grouped, spec, layout, _, _, out, evil = await _round(grouped_swarm, seed=23, forge="slice_owner")
+    aggs = [r.aggregate for r in out.values()]
+    assert all(torch.equal(aggs[0], a) for a in aggs[1:])
+    findings = await _validate(grouped, spec)
+    forged = [f for f in findings if f.kind == "forgery"]
+    # the drawn members of its group (validators_per_part = 2 of its 2 mates) each prove it; nobody else is accused
+    assert len(forged) == 2 and all(f.owner == evil for f in forged), findings
+    assert [f for f in findings if f.kind != "forgery"] == []
+    v = accountable.verify_proof(RUN, forged[0].proof)
+    assert (v.kind, v.accused, v.round) == ("handoff", evil, spec.round)
+    assert "packet differs from the group rule" in v.reason
+    # tampering: inputs swapped (not what the owner committed to) or another group spec: refused, nobody accused
+    p = collective_pb2.AccountabilityProof.FromString(forged[0].proof)
+    p.contributions[0], p.contributions[1] = p.contributions[1], p.contributions[0]
+    with pytest.raises(accountable.ProofError, match="not the contribution committed to"):
+        accountable.verify_proof(RUN, p.SerializeToString())
+    p = collective_pb2.AccountabilityProof.FromString(forged[0].proof)
+    other_g = next(g for g in range(len(layout.groups)) if evil not in layout.groups[g])
+    from geomesh_p2p.exchange.groups import level_specs
+
+    gspecs, _ = level_specs(spec, layout, spec.pull_deadline - 6.0, 128 << 20)
+    import json
+
+    p.spec_json = json.dumps(gspecs[other_g].to_dict(), sort_keys=True)
+    with pytest.raises(accountable.ProofError, match="another group spec"):
+        accountable.verify_proof(RUN, p.SerializeToString())
+    # an honest slice owner's hand-off proves nothing
+    honest = next(p for os in layout.slice_owners for p in os if p != evil)
+    assert all(f.owner != honest for f in findings)
+    # the proof excludes the forger through the DHT
+    dht = LimitedDHT()
+    assert await fraud.publish_proof(dht, forged[0].proof, sw.ids[0], run_id=RUN, slot=spec.round, expiration_time=1e12)
+    valid, refused = await fraud.read_proofs(dht, fraud.ProofReader(dht), RUN, [spec.round])
+    assert refused == [] and [x.verdict.accused for x in valid] == [evil]
