@@ -564,13 +564,17 @@ class GroupedCollective:
         the pull deadline (the rule every cross-set member applies too)."""
         svc = self.cross
         end = xs.pull_deadline + svc.late_pull_s
-        first = True
+        pause = 0.2
         while swarm_time() < end:
             for p, address in sources:
                 left = end - swarm_time()
                 if left <= 0:
                     break
-                wait_s = max(0.0, min(svc.long_poll_s, xs.pull_deadline - swarm_time())) if first else 0.0
+                # a long poll at every source until the pull deadline, every sweep: a stage waiting for its deadline
+                # (a gone member, a gone slice owner) kept the result from every source for most of the window, and
+                # sweeps without a wait polled all of them every 0.2 s meanwhile (red team, session 26: calls per
+                # peer grew with the window, 74 in a 30 s one against 6 in a healthy round)
+                wait_s = max(0.0, min(svc.long_poll_s, xs.pull_deadline - swarm_time()))
                 req = collective_pb2.PullPartRequest(round=xs.round, part=j, wait_s=wait_s, spec_id=xs.spec_id)
                 try:
                     reply = await svc.transport.call(
@@ -593,8 +597,9 @@ class GroupedCollective:
                     return None
                 members = messages.result_members(signed, mates)
                 return res[1] if members is None else members
-            first = False
-            await asyncio.sleep(min(0.2, max(0.0, end - swarm_time())))
+            # sources that all answered at once (gone, or past the pull deadline): back off, not a poll every 0.2 s
+            await asyncio.sleep(min(pause, max(0.0, end - swarm_time())))
+            pause = min(2 * pause, 2.0)
         out.zero_()
         log.warning("round %d: cross part %d: no copy from %d sources", xs.round, j, len(sources))
         return None
