@@ -87,3 +87,37 @@ async def test_the_all_gather_does_not_spin_while_a_stage_waits_for_its_deadline
     # healthy: one pull per slice it does not own (2), and a slice owner's own (1). With a 30 s window and 2 s long
     # polls a source answers "not yet" about 15 times per part at most; the sweeps without a wait made 53-59
     assert max(attempts.values()) <= 16, attempts
+
+
+async def _run(grouped, spec, deltas, tokens, group_size=G, late=()):
+    """Every peer's all-reduce of ``spec`` at once (the peers in ``late`` 1 s after the others)."""
+    start = spec.pull_deadline - 6.0
+
+    async def one(k):
+        if k in late:
+            await asyncio.sleep(1.0)
+        gc = grouped[k]
+        return await gc.all_reduce(
+            spec, deltas[gc.peer_id].clone(), tokens[gc.peer_id], group_size=group_size, exchange_start=start
+        )
+
+    return dict(zip(range(len(grouped)), await asyncio.gather(*(one(k) for k in range(len(grouped))))))
+
+
+@pytest.mark.timeout(180)
+async def test_a_one_group_round_after_grouped_rounds_is_not_refused_as_too_far_ahead(grouped_swarm):
+    """The mirror of session 25's split: the level services note the node's round in one-group rounds, but the
+    one-level service noted nothing in grouped rounds. Rounds one group, then grouped 3 times, then one group again
+    (a participant left: 9 -> 8, or a run with ``--group-size`` at the edge): the one-level service's newest round was
+    the first one, so a peer that starts the one-group round late refused its mates' pushes as "too far ahead of
+    this node's round 1", and the round lost those parts there."""
+    sw, grouped = await grouped_swarm(9)
+    deltas = deltas_for(sw.pids, NUMEL, seed=31)
+    tokens = {p: 100 for p in sw.pids}
+    for rnd, g in ((1, 0), (2, G), (3, G), (4, G), (5, 0)):
+        spec = sw.spec(NUMEL, deadline_s=3.0, pull_s=3.0, round=rnd)
+        out = await _run(grouped, spec, deltas, tokens, group_size=g, late={0})
+        assert all(not r.missing_parts for r in out.values()), rnd
+        assert all(torch.equal(out[0].aggregate, r.aggregate) for r in out.values()), rnd
+        parts = [sorted(p for p, _ in ps) for r in out.values() for ps in r.contributors.values()]
+        assert parts and all(c == sorted(sw.pids) for c in parts), (rnd, parts)
