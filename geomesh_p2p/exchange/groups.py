@@ -42,6 +42,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
+import grpc
 import torch
 from google.protobuf.message import DecodeError
 
@@ -49,7 +50,7 @@ from geomesh_p2p.exchange import messages
 from geomesh_p2p.exchange.client import AllReduceResult, CollectiveService, _cpu_fp32_finite, _signed_at, _zero_ranges
 from geomesh_p2p.exchange.partition import CollectiveSpec, PartOwner, _pid_bytes, _short, max_part_elements
 from geomesh_p2p.exchange.partition import split_owners
-from geomesh_p2p.net.identity import EnvelopeError
+from geomesh_p2p.net.identity import EnvelopeError, Verified
 from geomesh_p2p.net.methods import COLLECTIVE_CROSS, COLLECTIVE_GROUP
 from geomesh_p2p.net.swarm_time import swarm_time
 from geomesh_p2p.net.transport import RpcError
@@ -316,6 +317,15 @@ def level_specs(
     return group_specs, cross_specs
 
 
+class _GroupService(CollectiveService):
+    """The group level's service: a slice owner's group result is fp32 and read by its owner alone (nobody pulls it
+    in a grouped round), so pulls are refused. Served, any group mate could make a slice owner upload its fp32
+    group aggregate (32x a sign result) three times over (red team, session 26)."""
+
+    async def _handle_pull(self, verified: Verified, context) -> bytes:
+        raise EnvelopeError(grpc.StatusCode.PERMISSION_DENIED, "a group result is read by its owner only")
+
+
 class _CrossService(CollectiveService):
     """The cross level's service: its contributions carry the sender's group members (``members[round]``, set
     before its all-reduce), which the leader's result lists for every reader."""
@@ -374,7 +384,7 @@ class GroupedCollective:
         self.flat = flat
         self.group_size = None if group_size is None else int(group_size)
         self.pull_share = float(pull_share)
-        self.group = CollectiveService(flat.transport, methods=COLLECTIVE_GROUP, **service_kw)
+        self.group = _GroupService(flat.transport, methods=COLLECTIVE_GROUP, **service_kw)
         self.cross = _CrossService(flat.transport, methods=COLLECTIVE_CROSS, **service_kw)
         self.peer_id = flat.peer_id
 

@@ -121,3 +121,41 @@ async def test_a_one_group_round_after_grouped_rounds_is_not_refused_as_too_far_
         assert all(torch.equal(out[0].aggregate, r.aggregate) for r in out.values()), rnd
         parts = [sorted(p for p, _ in ps) for r in out.values() for ps in r.contributors.values()]
         assert parts and all(c == sorted(sw.pids) for c in parts), (rnd, parts)
+
+
+@pytest.mark.timeout(120)
+async def test_a_group_mate_cannot_pull_a_slice_owners_fp32_group_result(grouped_swarm):
+    """A slice owner's group result is fp32 and read by its owner only: nobody pulls it in a grouped round. The group
+    service still served it to any member of the group that asked (``PullPart`` on ``CollectiveGroup``), 3 times per
+    member: 32x the bytes of a sign result per pull, an upload any group mate could make a slice owner spend, and a
+    group aggregate no round hands out. Refused now (PERMISSION_DENIED)."""
+    import grpc
+
+    from geomesh_p2p.exchange.groups import level_specs
+    from geomesh_p2p.net.methods import COLLECTIVE_GROUP
+    from geomesh_p2p.net.transport import RpcError
+    from geomesh_p2p.wire import collective_pb2
+
+    sw, grouped = await grouped_swarm(9)
+    spec = sw.spec(NUMEL, deadline_s=3.0, pull_s=3.0)
+    layout = group_layout(spec, G)
+    gspecs, _ = level_specs(spec, layout, spec.pull_deadline - 6.0, 128 << 20)
+    deltas = deltas_for(sw.pids, NUMEL, seed=37)
+    out = await _run(grouped, spec, deltas, {p: 100 for p in sw.pids})
+    assert all(not r.missing_parts for r in out.values())
+    gs = gspecs[0]
+    owner, asker = layout.slice_owners[0][0], layout.slice_owners[0][1]
+    j = gs.part_index_of(owner)[0]
+    ka, ko = sw.pids.index(asker), sw.pids.index(owner)
+    got = 0
+    for _ in range(3):
+        req = collective_pb2.PullPartRequest(round=gs.round, part=j, wait_s=1.0, spec_id=gs.spec_id)
+        try:
+            reply = await sw.transports[ka].call(
+                sw.addresses[ko], COLLECTIVE_GROUP.pull, req.SerializeToString(), round=gs.round, timeout=10.0
+            )
+        except RpcError as e:
+            assert e.code == grpc.StatusCode.PERMISSION_DENIED
+            continue
+        got += len(reply.payload)
+    assert got == 0, f"{got} bytes of fp32 group results served ({gs.owners[j].size} elements a part)"
