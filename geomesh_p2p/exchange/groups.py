@@ -44,6 +44,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
+import grpc
 import torch
 from google.protobuf.message import DecodeError
 
@@ -53,7 +54,7 @@ from geomesh_p2p.exchange.handoff import overlapping_parts
 from geomesh_p2p.exchange.client import AllReduceResult, CollectiveService, _cpu_fp32_finite, _signed_at, _zero_ranges
 from geomesh_p2p.exchange.partition import CollectiveSpec, PartOwner, _pid_bytes, _short, max_part_elements
 from geomesh_p2p.exchange.partition import split_owners
-from geomesh_p2p.net.identity import EnvelopeError
+from geomesh_p2p.net.identity import EnvelopeError, Verified
 from geomesh_p2p.net.methods import COLLECTIVE_CROSS, COLLECTIVE_GROUP
 from geomesh_p2p.net.swarm_time import swarm_time
 from geomesh_p2p.net.transport import RpcError
@@ -326,6 +327,15 @@ def level_specs(
     return group_specs, cross_specs
 
 
+class _GroupService(CollectiveService):
+    """The group level's service: a slice owner's group result is fp32 and read by its owner alone (nobody pulls it
+    in a grouped round), so pulls are refused. Served, any group mate could make a slice owner upload its fp32
+    group aggregate (32x a sign result) three times over (red team, session 26)."""
+
+    async def _handle_pull(self, verified: Verified, context) -> bytes:
+        raise EnvelopeError(grpc.StatusCode.PERMISSION_DENIED, "a group result is read by its owner only")
+
+
 class _CrossService(CollectiveService):
     """The cross level's service: its contributions carry the sender's group members (``members[round]``, set
     before its all-reduce), which the leader's result lists for every reader."""
@@ -387,7 +397,7 @@ class GroupedCollective:
         self.flat = flat
         self.group_size = None if group_size is None else int(group_size)
         self.pull_share = float(pull_share)
-        self.group = CollectiveService(flat.transport, methods=COLLECTIVE_GROUP, **service_kw)
+        self.group = _GroupService(flat.transport, methods=COLLECTIVE_GROUP, **service_kw)
         self.cross = _CrossService(flat.transport, methods=COLLECTIVE_CROSS, **service_kw)
         self.peer_id = flat.peer_id
         #: accountable rounds: round -> (cross spec_id, part) -> the leader-signed result this node read in the
@@ -429,9 +439,10 @@ class GroupedCollective:
         spec / delta or a peer that is not a participant."""
         # the levels' services follow the node's round in one-group rounds too: a swarm whose rounds go flat (8
         # participants) and grouped (9) again refused the grouped round's pushes as "round 4 is too far ahead of this
-        # node's round 0" (red team, session 25: the swarm split)
-        self.group.note_round(spec.round)
-        self.cross.note_round(spec.round)
+        # node's round 0" (red team, session 25: the swarm split). And the one-level service follows it in grouped
+        # rounds: a one-group round after 3 grouped ones was refused as "too far ahead of this node's round 1" by a
+        # peer that started it late (red team, session 26)
+        self.note_round(spec.round)
         setting = self.group_size if group_size is None else group_size
         layout = group_layout(spec, auto_group_size(setting, len(spec.participants)))
         if layout is None:
@@ -611,13 +622,17 @@ class GroupedCollective:
         the pull deadline (the rule every cross-set member applies too)."""
         svc = self.cross
         end = xs.pull_deadline + svc.late_pull_s
-        first = True
+        pause = 0.2
         while swarm_time() < end:
             for p, address in sources:
                 left = end - swarm_time()
                 if left <= 0:
                     break
-                wait_s = max(0.0, min(svc.long_poll_s, xs.pull_deadline - swarm_time())) if first else 0.0
+                # a long poll at every source until the pull deadline, every sweep: a stage waiting for its deadline
+                # (a gone member, a gone slice owner) kept the result from every source for most of the window, and
+                # sweeps without a wait polled all of them every 0.2 s meanwhile (red team, session 26: calls per
+                # peer grew with the window, 74 in a 30 s one against 6 in a healthy round)
+                wait_s = max(0.0, min(svc.long_poll_s, xs.pull_deadline - swarm_time()))
                 req = collective_pb2.PullPartRequest(round=xs.round, part=j, wait_s=wait_s, spec_id=xs.spec_id)
                 try:
                     reply = await svc.transport.call(
@@ -645,8 +660,9 @@ class GroupedCollective:
                     for old in [r for r in self.gathered if r < xs.round - 2]:
                         del self.gathered[old]
                 return res[1] if members is None else members
-            first = False
-            await asyncio.sleep(min(0.2, max(0.0, end - swarm_time())))
+            # sources that all answered at once (gone, or past the pull deadline): back off, not a poll every 0.2 s
+            await asyncio.sleep(min(pause, max(0.0, end - swarm_time())))
+            pause = min(2 * pause, 2.0)
         out.zero_()
         log.warning("round %d: cross part %d: no copy from %d sources", xs.round, j, len(sources))
         return None
