@@ -314,16 +314,38 @@ def check_offline(ns: argparse.Namespace) -> None:
     and the DHT join): the model (:func:`check_model`) and ``--resume``, which needs ``--checkpoint-dir``
     (it used to be ignored without one: the peer started at round 0 silently). The data file and
     ``--model-config``'s JSON are checked by :func:`run_config_from`. Raises ValueError naming the flag."""
+    check_resume_flags(ns)
+    check_model(ns)
+
+
+def check_resume_flags(ns: argparse.Namespace) -> None:
+    """``--resume`` and ``--on-empty-swarm resume`` need ``--checkpoint-dir``. Raises ValueError naming them."""
     if getattr(ns, "resume", False) and not getattr(ns, "checkpoint_dir", None):
         raise ValueError("--resume needs --checkpoint-dir DIR (the folder whose newest checkpoint it continues from)")
     if getattr(ns, "on_empty_swarm", None) == "resume" and not getattr(ns, "checkpoint_dir", None):
         raise ValueError(
             "--on-empty-swarm resume needs --checkpoint-dir DIR (the folder whose newest checkpoint it continues from)"
         )
-    check_model(ns)
+
+
+def check_fast(ns: argparse.Namespace) -> None:
+    """The ``join`` values checked before torch's import (seconds, up to 30 on a loaded box: a new user's bad
+    ``--group-size`` or ``--model`` was refused only after 25-35 s): the run config's fields and combinations, the
+    node config, ``--resume`` / ``--on-empty-swarm resume`` without a folder, the preset's name. Raises ValueError
+    or UserFacingError naming the flag; :func:`join_inputs` checks them all again, with the rest."""
+    run_config_from(ns)
+    node_config_from(ns)
+    check_resume_flags(ns)
+    if not ns.model_config and ns.model not in PRESETS:
+        check_model(ns)  # its message, before torch
 
 
 def cmd_join(ns: argparse.Namespace) -> int:
+    try:
+        check_fast(ns)
+    except (ValueError, UserFacingError) as e:
+        print(f"geomesh-peer join: {e}", file=sys.stderr)
+        return 2
     # torch's import, the model and the proof of work take 10-30 s on a CPU box before the next line: say so
     log.info("geomesh-peer join: starting (torch, the model, then the proof of work; 10-30 s on a CPU)")
     from geomesh_p2p.model.memory import limit_malloc_arenas

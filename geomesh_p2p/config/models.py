@@ -243,15 +243,16 @@ class RunConfig(BaseModel):
     @model_validator(mode="after")
     def _check_combinations(self) -> "RunConfig":
         check_shards(self.record_shards)
-        if self.group_size in (1, 2):
-            raise ValueError(
-                f"group_size {self.group_size}: a group needs at least 3 members for the robust rule's honest majority "
-                "(the median of 2 is their mean): use 0 (one group), auto or >= 3"
-            )
+        # the mode first: in relay no group size is valid, so a second error after fixing the first helps nobody
         if self.group_size != 0 and self.mode not in ("reencode", "accountable"):  # a number or auto (None)
             raise ValueError(
-                f"group_size needs mode 'reencode' or 'accountable': in mode {self.mode!r} every reader checks every "
-                "input, which a second level would hide"
+                f"group_size (--group-size) needs mode 'reencode' or 'accountable' (--mode): in mode {self.mode!r} "
+                "every reader checks every input, which a second level would hide"
+            )
+        if self.group_size in (1, 2):
+            raise ValueError(
+                f"group_size (--group-size) {self.group_size}: a group needs at least 3 members for the robust rule's "
+                "honest majority (the median of 2 is their mean): use 0 (one group), auto or >= 3"
             )
         if self.target_inner_steps > self.max_inner_steps:
             raise ValueError(

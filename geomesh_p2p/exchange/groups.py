@@ -330,7 +330,7 @@ def level_specs(
 class _GroupService(CollectiveService):
     """The group level's service: a slice owner's group result is fp32 and read by its owner alone (nobody pulls it
     in a grouped round), so pulls are refused. Served, any group mate could make a slice owner upload its fp32
-    group aggregate (32x a sign result) three times over (red team, session 26)."""
+    group aggregate (32x a sign result) three times over (red team, session 25)."""
 
     async def _handle_pull(self, verified: Verified, context) -> bytes:
         raise EnvelopeError(grpc.StatusCode.PERMISSION_DENIED, "a group result is read by its owner only")
@@ -441,7 +441,7 @@ class GroupedCollective:
         # participants) and grouped (9) again refused the grouped round's pushes as "round 4 is too far ahead of this
         # node's round 0" (red team, session 25: the swarm split). And the one-level service follows it in grouped
         # rounds: a one-group round after 3 grouped ones was refused as "too far ahead of this node's round 1" by a
-        # peer that started it late (red team, session 26)
+        # peer that started it late (red team, session 25)
         self.note_round(spec.round)
         setting = self.group_size if group_size is None else group_size
         layout = group_layout(spec, auto_group_size(setting, len(spec.participants)))
@@ -630,7 +630,7 @@ class GroupedCollective:
                     break
                 # a long poll at every source until the pull deadline, every sweep: a stage waiting for its deadline
                 # (a gone member, a gone slice owner) kept the result from every source for most of the window, and
-                # sweeps without a wait polled all of them every 0.2 s meanwhile (red team, session 26: calls per
+                # sweeps without a wait polled all of them every 0.2 s meanwhile (red team, session 25: calls per
                 # peer grew with the window, 74 in a 30 s one against 6 in a healthy round)
                 wait_s = max(0.0, min(svc.long_poll_s, xs.pull_deadline - swarm_time()))
                 req = collective_pb2.PullPartRequest(round=xs.round, part=j, wait_s=wait_s, spec_id=xs.spec_id)

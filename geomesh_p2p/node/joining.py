@@ -317,7 +317,12 @@ async def initial_state(node: PeerNode) -> None:
             await resume_from(node, ck)
             await node._warn_if_resumed_behind()
             return
-        log.info("--resume: no checkpoint in %s, starting fresh", node.cfg.checkpoint_dir)
+        # a WARNING, not INFO: a mistyped folder is created empty and the peer would restart from scratch unnoticed
+        log.warning(
+            "--resume: no checkpoint in %s (a new or empty folder: check --checkpoint-dir if this peer trained "
+            "before); starting fresh",
+            node.cfg.checkpoint_dir,
+        )
     # Fresh peer: join the swarm's state if it already trained, else the seed's.
     # The seed weights are written into the state buffer itself, in the worker thread (not on the loop).
     await asyncio.to_thread(

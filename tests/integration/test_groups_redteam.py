@@ -1,4 +1,4 @@
-"""Red team, session 26: the two-level all-reduce groups (:mod:`geomesh_p2p.exchange.groups`) against failures and
+"""Red team, session 25: the two-level all-reduce groups (:mod:`geomesh_p2p.exchange.groups`) against failures and
 malformed traffic, in-process (9 peers in groups of 3, as ``test_collective_groups.py``)."""
 
 from __future__ import annotations

@@ -255,8 +255,40 @@ def test_group_size_auto_is_a_run_config_value_and_needs_mode_reencode(capsys):
         RunConfig(mode="reencode").config_hash(),
         RunConfig(mode="reencode", group_size=8).config_hash(),
     )
-    with pytest.raises(ValueError, match="group_size needs mode 'reencode'"):
+    with pytest.raises(ValueError, match=r"group_size \(--group-size\) needs mode 'reencode' or 'accountable'"):
         RunConfig(mode="relay", group_size=None)
     with pytest.raises(SystemExit):
         _join_ns("--group-size", "many")
     assert "expected auto or a number, got 'many'" in capsys.readouterr().err
+
+
+def test_join_refuses_bad_run_values_before_importing_torch(tmp_path):
+    """A new user's ``--group-size 2`` or ``--model huge`` was refused only after torch's import and the model's
+    build (25-35 s on a loaded box). ``geomesh-peer join`` now checks the run and node configs, the resume flags and
+    the preset's name first: each bad value exits 2 with its one line, torch not imported, no key file written."""
+    import subprocess
+    import sys
+
+    key = tmp_path / "id.key"
+    cases = {
+        ("--group-size", "2"): "needs mode 'reencode' or 'accountable'",  # relay: the mode is named first
+        ("--mode", "reencode", "--group-size", "2"): "a group needs at least 3 members",
+        ("--model", "huge"): "--model huge: unknown model preset",
+        ("--resume",): "--resume needs --checkpoint-dir",
+        ("--data", str(tmp_path / "none.txt")): "no such file",
+    }
+    code = (
+        "import sys; from peer.cli import main; rc = main(sys.argv[1:]); "
+        "print('TORCH' if 'torch' in sys.modules else 'NO TORCH'); sys.exit(rc)"
+    )
+    for flags, message in cases.items():
+        out = subprocess.run(
+            [sys.executable, "-c", code, "join", "--identity", str(key), *flags],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert out.returncode == 2, (flags, out.stderr[-2000:])
+        assert message in out.stderr and "Traceback" not in out.stderr, (flags, out.stderr[-2000:])
+        assert out.stdout.strip().endswith("NO TORCH"), (flags, out.stdout)
+    assert not key.exists()
