@@ -30,28 +30,6 @@ NUMEL = 3 * 4 * B  # three slices of four blocks
 G = 3
 
 
-@pytest.fixture
-async def grouped_swarm():
-    """``await grouped_swarm(n)`` -> (a started :class:`Swarm`, a GroupedCollective per peer); all stopped after."""
-    made = []
-
-    async def make(n: int):
-        sw = Swarm(n)
-        grouped = [GroupedCollective(s, long_poll_s=2.0, late_pull_s=1.0) for s in sw.services]
-        made.append((sw, grouped))
-        await sw.start()
-        return sw, grouped
-
-    try:
-        yield make
-    finally:
-        for sw, grouped in made:
-            for k, gc in enumerate(grouped):
-                if k not in sw._stopped:
-                    await gc.close()
-            await sw.stop()
-
-
 def _spec(sw, **kw):
     return sw.spec(NUMEL, deadline_s=3.0, pull_s=3.0, **kw)
 

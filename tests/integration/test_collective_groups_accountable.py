@@ -25,7 +25,7 @@ from geomesh_p2p.trust import fraud
 from geomesh_p2p.trust.verify import Verdicts
 from geomesh_p2p.wire import collective_pb2
 from tests.collective_util import RUN, deltas_for
-from tests.integration.test_collective_groups import G, _reference, _run, _spec, grouped_swarm  # noqa: F401
+from tests.integration.test_collective_groups import G, _reference, _run, _spec
 from tests.unit.test_evidence_chunks import LimitedDHT
 
 
@@ -73,7 +73,7 @@ async def _validate(grouped, spec):
 
 
 @pytest.mark.timeout(120)
-async def test_an_accountable_grouped_round_applies_the_same_bits_and_honest_owners_yield_no_finding(grouped_swarm):  # noqa: F811 (the imported fixture)
+async def test_an_accountable_grouped_round_applies_the_same_bits_and_honest_owners_yield_no_finding(grouped_swarm):
     sw, grouped, spec, layout, deltas, tokens, out, _ = await _round(grouped_swarm, seed=21)
     aggs = [r.aggregate for r in out.values()]
     assert all(torch.equal(aggs[0], a) for a in aggs[1:])
@@ -99,7 +99,7 @@ async def test_an_accountable_grouped_round_applies_the_same_bits_and_honest_own
 
 
 @pytest.mark.timeout(120)
-async def test_a_forging_leader_is_proven_and_excluded_by_every_honest_peer(grouped_swarm):  # noqa: F811 (the imported fixture)
+async def test_a_forging_leader_is_proven_and_excluded_by_every_honest_peer(grouped_swarm):
     sw, grouped, spec, layout, _, _, out, evil = await _round(grouped_swarm, seed=22, forge="leader")
     aggs = [r.aggregate for r in out.values()]
     assert all(torch.equal(aggs[0], a) for a in aggs[1:])  # forged, but the same bits everywhere
@@ -134,7 +134,7 @@ async def test_a_forging_leader_is_proven_and_excluded_by_every_honest_peer(grou
 
 
 @pytest.mark.timeout(120)
-async def test_a_slice_owner_forging_its_group_aggregate_is_proven_by_its_handoff(grouped_swarm):  # noqa: F811 (the imported fixture)
+async def test_a_slice_owner_forging_its_group_aggregate_is_proven_by_its_handoff(grouped_swarm):
     sw, grouped, spec, layout, _, _, out, evil = await _round(grouped_swarm, seed=23, forge="slice_owner")
     aggs = [r.aggregate for r in out.values()]
     assert all(torch.equal(aggs[0], a) for a in aggs[1:])

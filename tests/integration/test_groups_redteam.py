@@ -9,35 +9,13 @@ import time
 import pytest
 import torch
 
-from geomesh_p2p.exchange.groups import GroupedCollective, group_layout
+from geomesh_p2p.exchange.groups import group_layout
 from geomesh_p2p.net.methods import COLLECTIVE_CROSS
-from tests.collective_util import Swarm, deltas_for
+from tests.collective_util import deltas_for
 
 B = 2048
 NUMEL = 3 * 4 * B  # three slices of four blocks
 G = 3
-
-
-@pytest.fixture
-async def grouped_swarm():
-    """``await grouped_swarm(n)`` -> (a started :class:`Swarm`, a GroupedCollective per peer); all stopped after."""
-    made = []
-
-    async def make(n: int, **kw):
-        sw = Swarm(n)
-        grouped = [GroupedCollective(s, **{"long_poll_s": 2.0, "late_pull_s": 1.0, **kw}) for s in sw.services]
-        made.append((sw, grouped))
-        await sw.start()
-        return sw, grouped
-
-    try:
-        yield make
-    finally:
-        for sw, grouped in made:
-            for k, gc in enumerate(grouped):
-                if k not in sw._stopped:
-                    await gc.close()
-            await sw.stop()
 
 
 def _count_attempts(sw, which, methods) -> dict[int, int]:
