@@ -49,6 +49,7 @@ from geomesh_p2p.exchange.commitment import (
     contribution_digest,
     decode_inputs,
     participant_order,
+    rank_by_seed,
 )
 from geomesh_p2p.exchange.messages import RESULT_KIND, Contribution
 from geomesh_p2p.exchange.partition import CollectiveSpec, _pid_bytes
@@ -369,8 +370,5 @@ def draw_validators(spec: CollectiveSpec, result_hashes: Sequence[Optional[bytes
     """The ``k`` validators of ``part``: the participants other than its owner ranked by
     SHA-256(seed || raw PeerID), lowest first (:func:`validator_seed`). Every peer with the same result
     hashes draws the same ones; ``k`` above the candidates gives them all."""
-    seed = validator_seed(spec, result_hashes, part)
     owner = spec.owners[part].peer_id
-    candidates = [p for p in spec.participants if p != owner]
-    candidates.sort(key=lambda p: hashlib.sha256(seed + _pid_bytes(p)).digest())
-    return candidates[: max(0, int(k))]
+    return rank_by_seed(validator_seed(spec, result_hashes, part), (p for p in spec.participants if p != owner), k)

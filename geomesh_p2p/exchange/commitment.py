@@ -37,6 +37,7 @@ __all__ = [
     "decode_inputs",
     "encode_inputs",
     "participant_order",
+    "rank_by_seed",
 ]
 
 _RECORD = struct.Struct("<IQB16s")
@@ -70,6 +71,14 @@ def participant_order(participants: Iterable[str]) -> list[str]:
     """The participants (base58 PeerIDs: a spec's ``participants`` mapping or any iterable of them)
     sorted by raw PeerID bytes: the index space of :class:`InputEntry`."""
     return sorted(participants, key=lambda p: bytes(PeerID.from_string(p)))
+
+
+def rank_by_seed(seed: bytes, candidates: Iterable[str], k: int) -> list[str]:
+    """The first ``k`` of ``candidates`` (base58 PeerIDs) ranked by SHA-256(``seed`` || raw PeerID), lowest first: a
+    draw every peer with the same seed repeats (the accountable validators, a slice owner's hand-off checkers).
+    ``k`` above the candidates gives them all, ``k`` <= 0 none."""
+    ranked = sorted(candidates, key=lambda p: hashlib.sha256(seed + bytes(PeerID.from_string(p))).digest())
+    return ranked[: max(0, int(k))]
 
 
 def contribution_digest(signed: Union[bytes, bytearray, memoryview]) -> bytes:

@@ -34,6 +34,7 @@ from geomesh_p2p.exchange.commitment import (
     contribution_digest,
     decode_inputs,
     participant_order,
+    rank_by_seed,
 )
 from geomesh_p2p.exchange.messages import Contribution
 from geomesh_p2p.exchange.partition import CollectiveSpec, _pid_bytes
@@ -205,8 +206,4 @@ def handoff_validators(gspec: CollectiveSpec, owner: str, cross_hashes: Sequence
     h.update(gspec.round.to_bytes(8, "little") + _pid_bytes(owner) + int(k).to_bytes(4, "little"))
     for rh in cross_hashes:
         h.update(rh if rh is not None and len(rh) == 32 else bytes(32))
-    seed = h.digest()
-    candidates = sorted(
-        (p for p in gspec.participants if p != owner), key=lambda p: hashlib.sha256(seed + _pid_bytes(p)).digest()
-    )
-    return candidates[: max(0, int(gspec.validators_per_part))]
+    return rank_by_seed(h.digest(), (p for p in gspec.participants if p != owner), gspec.validators_per_part)
