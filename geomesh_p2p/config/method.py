@@ -30,6 +30,9 @@ __all__ = [
     "encoded_nbytes",
     "bytes_per_element",
     "MethodRule",
+    "MODES",
+    "AUTO_ACCOUNTABLE_FROM",
+    "round_mode",
 ]
 
 #: encodings a vector travels in: uncompressed fp32 and the codec's kinds (geomesh_p2p.exchange.codec)
@@ -44,6 +47,29 @@ METHODS = ("geomesh", "awb", "css", "diloco", "ddp")
 BALANCED_METHODS = frozenset({"geomesh", "awb"})
 #: methods whose contributions are CSS sign packets; the others push fp32
 COMPRESSED_METHODS = frozenset({"geomesh", "css"})
+
+#: a run's exchange modes (``RunConfig.mode``); a round's (the plan's, the spec's) is one of the first three
+MODES = ("relay", "reencode", "accountable", "auto")
+#: ``--mode auto``: rounds of this many participants or more run ``accountable``, smaller ones ``relay``. The
+#: crossover is measured (docs/collective.md, "Cheaper than relay from N = 4"): accountable with verified work's
+#: fetches costs less than relay from 4 participants in the steady state and in the measurement, from 5 by every
+#: figure (the model's screened rounds included), so 5.
+AUTO_ACCOUNTABLE_FROM = 5
+
+
+def round_mode(mode: str, n_participants: int, method: str = "geomesh") -> str:
+    """The exchange mode of one round: ``mode`` itself unless it is ``"auto"``; then ``"accountable"`` for a
+    sign-compressed ``method`` (:data:`COMPRESSED_METHODS`) in a round of at least :data:`AUTO_ACCOUNTABLE_FROM`
+    participants (where it moves fewer bytes than relay: ~(3 - 2/N) P/8 against ~N P/8 per peer), else
+    ``"relay"`` (cheaper below, and every reader sees every signed contribution). The same at every peer: it
+    depends on the plan's participant count alone, which every follower checks.
+
+    Raises ValueError for an unknown mode."""
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r} ({', '.join(MODES)})")
+    if mode != "auto":
+        return mode
+    return "accountable" if method in COMPRESSED_METHODS and n_participants >= AUTO_ACCOUNTABLE_FROM else "relay"
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -93,8 +119,10 @@ class MethodRule:
 
     Attributes:
         method: "geomesh", "awb", "css", "diloco" or "ddp".
-        mode: "relay" (every peer aggregates the signed contributions), "reencode" or "accountable"
-            (reencode with receipts, committed results and validators: ``exchange.accountable``).
+        mode: "relay" (every peer aggregates the signed contributions), "reencode", "accountable"
+            (reencode with receipts, committed results and validators: ``exchange.accountable``) or "auto"
+            (per round, :func:`round_mode`: relay below :data:`AUTO_ACCOUNTABLE_FROM` participants, else
+            accountable).
         compressed: contributions are sign packets (geomesh, css); else fp32.
         push_encoding: "sign" or "fp32": encoding of the contributions pushed to part owners.
         aggregate_encoding: reencode-mode encoding of an owner's aggregate: the run's
@@ -147,8 +175,8 @@ class MethodRule:
         """
         if method not in METHODS:
             raise ValueError(f"unknown method {method!r} (known: {', '.join(METHODS)})")
-        if mode not in ("relay", "reencode", "accountable"):
-            raise ValueError(f"unknown mode {mode!r} (relay, reencode, accountable)")
+        if mode not in MODES:
+            raise ValueError(f"unknown mode {mode!r} ({', '.join(MODES)})")
         if block_size < 1 or uniform_inner_steps < 1:
             raise ValueError(f"block_size={block_size} and uniform_inner_steps={uniform_inner_steps} must be >= 1")
         compressed = method in COMPRESSED_METHODS
@@ -193,12 +221,14 @@ class MethodRule:
         headers aside); reencode: ``2 * S``; relay: ``S * n_peers`` (every contribution is relayed);
         accountable: ``(2 + V) * S + S / n_peers - V * S / n_peers`` (push, pull, each of the V validations per
         part pulls one part's inputs but the validator's own: ~S (n - 1) / n per peer per validator, and the
-        owner's own contribution to its part's witness: one part; docs/collective.md, "Accountable mode").
+        owner's own contribution to its part's witness: one part; docs/collective.md, "Accountable mode");
+        auto: that of the round's mode (:func:`round_mode` of ``n_peers``).
         """
         if not self.compressed:
             return 2 * encoded_nbytes("fp32", numel, self.block_size)
         s = encoded_nbytes("sign", numel, self.block_size, header=False)
-        if self.mode == "accountable":
+        mode = round_mode(self.mode, n_peers, self.method)
+        if mode == "accountable":
             v, n = self.validators_per_part, max(1, n_peers)
             return (2 + v) * s + s // n - v * (s // n)
-        return 2 * s if self.mode == "reencode" else s * max(1, n_peers)
+        return 2 * s if mode == "reencode" else s * max(1, n_peers)

@@ -14,6 +14,7 @@ from typing import ClassVar, Literal, Optional
 from pydantic import BaseModel, ConfigDict, model_validator
 
 from geomesh_p2p.config.flags import opt
+from geomesh_p2p.config.method import COMPRESSED_METHODS
 from geomesh_p2p.schema.peer import MAX_LINK_BPS, MIN_LINK_BPS
 from geomesh_p2p.schema.shards import MAX_RECORD_SHARDS, check_shards
 
@@ -100,14 +101,16 @@ class RunConfig(BaseModel):
         "geomesh = AWB + sign compression; awb / css = one of them; diloco = neither; "
         "ddp = fp32 gradient sync every step, AdamW on the mean",
     )
-    mode: Literal["relay", "reencode", "accountable"] = opt(
-        "relay",
+    mode: Literal["relay", "reencode", "accountable", "auto"] = opt(
+        "auto",
         "how part owners serve a part: relay = forward the signed contributions, every peer "
         "aggregates them itself (an owner cannot forge the update; bytes grow with the group); "
         "reencode = send the owner's re-encoded aggregate (~2 P/8 bytes per peer; trusted owners only); "
         "accountable = reencode with signed receipts, results committed to their inputs and validators "
         "drawn after the round (a drop, forgery or equivocation is proven, the owner excluded; "
-        "~(2 + V) P/8 bytes per peer, docs/collective.md)",
+        "~(2 + V) P/8 bytes per peer, docs/collective.md); auto (the default, for open swarms) = per round, "
+        "relay below 5 participants and accountable from 5 (geomesh, css; other methods relay), whichever "
+        "moves fewer bytes",
     )
     aggregate_encoding: Literal["sign", "int8", "fp16"] = opt("sign", "reencode mode: encoding of the aggregate")
     block_size: int = opt(2048, "elements per sign-codec scale", ge=1)
@@ -244,10 +247,13 @@ class RunConfig(BaseModel):
     def _check_combinations(self) -> "RunConfig":
         check_shards(self.record_shards)
         # the mode first: in relay no group size is valid, so a second error after fixing the first helps nobody
-        if self.group_size != 0 and self.mode not in ("reencode", "accountable"):  # a number or auto (None)
+        # a number or auto (None). Mode auto groups only accountable rounds: a grouped round has >= 9
+        # participants (3 groups of 3), where auto is accountable (config.method.AUTO_ACCOUNTABLE_FROM = 5)
+        grouped_modes = ("reencode", "accountable") + (("auto",) if self.method in COMPRESSED_METHODS else ())
+        if self.group_size != 0 and self.mode not in grouped_modes:
             raise ValueError(
-                f"group_size (--group-size) needs mode 'reencode' or 'accountable' (--mode): in mode {self.mode!r} "
-                "every reader checks every input, which a second level would hide"
+                f"group_size (--group-size) needs mode 'reencode', 'accountable' or 'auto' (--mode): in mode "
+                f"{self.mode!r} every reader checks every input, which a second level would hide"
             )
         if self.group_size in (1, 2):
             raise ValueError(
@@ -266,13 +272,14 @@ class RunConfig(BaseModel):
                 "eager updates overlap a round's exchange with the next round's inner steps; method 'ddp' "
                 "has none (one gradient per round): use geomesh, awb, css or diloco, or leave eager off"
             )
-        if self.eager and self.method in ("geomesh", "css") and self.mode == "relay":
+        if self.eager and self.method in ("geomesh", "css") and self.mode in ("relay", "auto"):
             # Verified work (geomesh_p2p.trust.verify) recomputes a relayed sign contribution's gradients at the
             # global start weights; an eager contributor starts from its own outer step, so honest work
             # would be judged against the wrong weights (docs/eager.md, "What eager refuses").
             raise ValueError(
-                f"eager updates with method '{self.method}' need mode 'reencode': in relay mode verified work "
-                "checks each sign contribution at the global start weights, and an eager peer starts elsewhere"
+                f"eager updates with method '{self.method}' need mode 'reencode' (--mode; mode {self.mode!r} runs "
+                "relay rounds): in relay mode verified work checks each sign contribution at the global start "
+                "weights, and an eager peer starts elsewhere"
             )
         return self
 
@@ -281,7 +288,7 @@ class RunConfig(BaseModel):
     #: A field here must not change what a round computes at its default. ``validators_per_part`` (issue 26)
     #: is read in accountable mode only.
     #: ``record_shards`` (issue 25, 0.6.0): at 1 every record stays under ``<run>/peers``, as before.
-    #: ``group_size`` (issue 26, 0.7.0): at 0 every round is one group, as before.
+    #: ``group_size`` (issue 26, 0.6.x): at 0 every round is one group, as before.
     patch_fields: ClassVar[frozenset[str]] = frozenset({"validators_per_part", "record_shards", "group_size"})
 
     def config_hash(self) -> str:

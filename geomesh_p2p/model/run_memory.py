@@ -94,8 +94,9 @@ class RunMemory:
 
 def verified_work_on(method: str, mode: str) -> bool:
     """Whether a peer of ``method`` in exchange ``mode`` runs verified work (it checks relayed sign
-    contributions only: relay mode and a sign-compressed method, ``COMPRESSED_METHODS``)."""
-    return mode == "relay" and method in COMPRESSED_METHODS
+    contributions only: relay mode, or auto, whose small rounds are relay, and a sign-compressed method,
+    ``COMPRESSED_METHODS``)."""
+    return mode in ("relay", "auto") and method in COMPRESSED_METHODS
 
 
 def run_memory_estimate(

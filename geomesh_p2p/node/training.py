@@ -105,7 +105,7 @@ def run_memory(run, cfg, n_params: int) -> RunMemory:
         disk_rounds=max(VerifyConfig().keep_rounds, VerifyConfig().recheck_rounds) + 1,
         contributors=max(2, int(cfg.min_peers)),
         block_size=run.block_size,
-        accountable=run.mode == "accountable",
+        accountable=run.mode in ("accountable", "auto"),  # auto: its rounds of 5 or more are accountable
         eager=bool(run.eager),
         update_on_disk=True,  # the state server spills it (sync.server.UpdateLog, spill=True)
     )

@@ -7,12 +7,13 @@ vector among the peers that accept connections (:func:`partition`, sized by
 from __future__ import annotations
 
 import math
-from typing import Collection, NamedTuple, Optional, Sequence
+from typing import Collection, NamedTuple, Optional, Sequence, cast
 
 import numpy as np
 
+from geomesh_p2p.config import method as _method
 from geomesh_p2p.plan.cost import PeerModel
-from geomesh_p2p.plan.schema import PeerAssignment, PlanConfig, RoundPlan
+from geomesh_p2p.plan.schema import Mode, PeerAssignment, PlanConfig, RoundPlan
 from geomesh_p2p.schema.partition import part_sizes
 from geomesh_p2p.schema.peer import PeerRecord
 
@@ -108,7 +109,7 @@ def build_plan(
         round=meta.round,
         leader=meta.leader,
         method=cfg.method,
-        mode=cfg.mode,
+        mode=cast(Mode, _method.round_mode(cfg.mode, len(assignments), cfg.method)),
         numel=meta.numel,
         seq_len=cfg.seq_len,
         window_s=T,

@@ -72,6 +72,8 @@ def exchange_passes(n_participants: int, mode: str, validators: int = 1) -> int:
     """
     if n_participants < 1:
         raise ValueError(f"n_participants={n_participants} must be >= 1")
+    if mode == "auto":  # a run's mode: the round's (callers that know the method pass the round's mode)
+        mode = _method.round_mode(mode, n_participants)
     if mode == "relay":
         return EXCHANGE_BASE_PASSES + int(n_participants)
     if mode == "reencode":
@@ -429,11 +431,13 @@ def check_plan_sampled(
 
 
 def _settings_problem(plan: RoundPlan, cfg: PlanConfig) -> Optional[str]:
-    """``seq_len`` / ``method`` / ``mode`` of the plan against ``cfg``'s."""
-    if plan.seq_len != cfg.seq_len or plan.method != cfg.method or plan.mode != cfg.mode:
+    """``seq_len`` / ``method`` / ``mode`` of the plan against ``cfg``'s (the round's mode of ``cfg.mode``:
+    :func:`~geomesh_p2p.config.method.round_mode` of the plan's participant count)."""
+    mode = _method.round_mode(cfg.mode, len(plan.assignments), cfg.method)
+    if plan.seq_len != cfg.seq_len or plan.method != cfg.method or plan.mode != mode:
         return (
             f"its seq_len/method/mode {plan.seq_len}/{plan.method}/{plan.mode} differ from the run's "
-            f"{cfg.seq_len}/{cfg.method}/{cfg.mode}"
+            f"{cfg.seq_len}/{cfg.method}/{mode}"
         )
     return None
 

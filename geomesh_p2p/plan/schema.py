@@ -18,7 +18,8 @@ PLAN_SCHEMA_VERSION = 1
 Method = Literal["geomesh", "awb", "diloco", "css", "ddp"]
 
 
-Mode = Literal["relay", "reencode", "accountable"]
+Mode = Literal["relay", "reencode", "accountable"]  # a round's (the plan's)
+RunMode = Literal["relay", "reencode", "accountable", "auto"]  # a run's (config.method.MODES)
 
 
 class ContentRefusal(str):
@@ -67,7 +68,11 @@ class PlanConfig(BaseModel):
     exchange_timeout_s: float = Field(
         default=30.0, gt=0, description="seconds after the training deadline by which the collective must finish"
     )
-    mode: Mode = "reencode"
+    mode: RunMode = Field(
+        default="reencode",
+        description="the run's exchange mode; auto: each plan's mode from its participant count "
+        "(geomesh_p2p.config.method.round_mode)",
+    )
     method: Method = "geomesh"
     uniform_inner_steps: int = Field(default=20, ge=1, description="H for the uniform (DiLoCo) plan")
     max_window_s: Optional[float] = Field(

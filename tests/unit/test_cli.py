@@ -255,7 +255,7 @@ def test_group_size_auto_is_a_run_config_value_and_needs_mode_reencode(capsys):
         RunConfig(mode="reencode").config_hash(),
         RunConfig(mode="reencode", group_size=8).config_hash(),
     )
-    with pytest.raises(ValueError, match=r"group_size \(--group-size\) needs mode 'reencode' or 'accountable'"):
+    with pytest.raises(ValueError, match=r"group_size \(--group-size\) needs mode 'reencode', 'accountable' or 'auto'"):
         RunConfig(mode="relay", group_size=None)
     with pytest.raises(SystemExit):
         _join_ns("--group-size", "many")
@@ -271,7 +271,7 @@ def test_join_refuses_bad_run_values_before_importing_torch(tmp_path):
 
     key = tmp_path / "id.key"
     cases = {
-        ("--group-size", "2"): "needs mode 'reencode' or 'accountable'",  # relay: the mode is named first
+        ("--mode", "relay", "--group-size", "2"): "needs mode 'reencode', 'accountable' or 'auto'",  # mode first
         ("--mode", "reencode", "--group-size", "2"): "a group needs at least 3 members",
         ("--model", "huge"): "--model huge: unknown model preset",
         ("--resume",): "--resume needs --checkpoint-dir",

@@ -81,7 +81,7 @@ def test_exchange_timeout_floor_and_safety():
 def _policy_node(cost, numel=150_000_000, n_mode="relay"):
     """The node's planning rules (exchange window) and re-profiling (exchange cost) over a ``numel`` model."""
     return make_rules(
-        types.SimpleNamespace(mode=n_mode, window_s=30.0),
+        types.SimpleNamespace(mode=n_mode, method="geomesh", window_s=30.0),
         types.SimpleNamespace(plan_timeout_s=4.0),
         numel=numel,
         ema=types.SimpleNamespace(upload_bps=1e8, download_bps=1e8),
@@ -93,6 +93,13 @@ def test_exchange_window_grows_with_the_model_and_the_measured_cost():
     # llama-150m-sized vector, 3 peers, relay, 10 ns per pass: 3 x (2 x 1e8 B / 1e8 B/s + 1.5e8 x 1e-8 x 5)
     node = _policy_node(1e-8)
     assert node.planning.exchange_window(3, 100_000_000) == pytest.approx(3 * (2.0 + 7.5))
+    # mode auto (the default) charges the round's mode: relay's passes at 3 peers, accountable's at 5
+    auto = _policy_node(1e-8, n_mode="auto").planning
+    assert auto.exchange_window(3, 100_000_000) == node.planning.exchange_window(3, 100_000_000)
+    acct = _policy_node(1e-8, n_mode="accountable").planning
+    assert (
+        auto.exchange_window(5, 100_000_000) == acct.exchange_window(5, 100_000_000) == pytest.approx(3 * (2.0 + 6.0))
+    )  # 4 passes
     assert _policy_node(1e-8, numel=1_000).planning.exchange_window(3, 1_000) == 12.0  # tiny model: the floor
     assert _policy_node(None).planning.exchange_window(3, 100_000_000) == 12.0  # not calibrated: the floor
     # a huge cost is capped at 90% of what followers accept for a 30 s window: 0.9 x (4 x 30 + 120) s
@@ -156,7 +163,7 @@ def test_build_training_profiles_the_model_in_place_and_holds_the_budget(monkeyp
 
     monkeypatch.setattr("geomesh_p2p.node.training.profile_training", spy)
     node = PeerNode(
-        RunConfig(seq_len=32),
+        RunConfig(seq_len=32, mode="relay"),  # the figures below are relay's (auto adds accountable's kept pushes)
         NodeConfig(profile_batches=[1, 2], memory_budget_bytes=6 << 30, device="cpu"),
         identity=Identity.generate(),
     )

@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Optional, Sequence
 
-from geomesh_p2p.config.method import MethodRule
+from geomesh_p2p.config.method import MethodRule, round_mode
 from geomesh_p2p.net.swarm_time import swarm_time
 from geomesh_p2p.plan import planner
 from geomesh_p2p.plan.agree import PlanDeferred
@@ -141,7 +141,8 @@ class PlanRules:
         up = (getattr(ema, "upload_bps", None) or 0) or 1e8
         down = (getattr(ema, "download_bps", None) or 0) or 1e8
         comm = payload_bytes / up + payload_bytes / down
-        cpu = planner.exchange_cpu_s(numel, max(1, n_peers), self.run_cfg.mode, cost)
+        n = max(1, n_peers)
+        cpu = planner.exchange_cpu_s(numel, n, round_mode(self.run_cfg.mode, n, self.run_cfg.method), cost)
         # Never past what followers accept (plan_problem: "deadlines unreasonably far"), with 10% to spare.
         horizon = EXCHANGE_HORIZON_SHARE * plan_horizon_s(self.run_cfg.window_s)
         return max(floor, min(planner.exchange_timeout(comm, cpu, floor), horizon))
@@ -306,7 +307,8 @@ class PlanRules:
         rc, numel = self.run_cfg, self.state.numel
         if plan.numel != numel:
             return ContentRefusal(f"it is for {plan.numel} parameters, the model has {numel}")
-        if plan.seq_len != rc.seq_len or plan.method != rc.method or plan.mode != rc.mode:
+        mode = round_mode(rc.mode, len(plan.assignments), rc.method)
+        if plan.seq_len != rc.seq_len or plan.method != rc.method or plan.mode != mode:
             return ContentRefusal("its seq_len / method / mode differ from the run config")
         return None
 
