@@ -442,7 +442,7 @@ def trust_warning(ns: argparse.Namespace) -> str | None:
         # --eager refuses relay mode for the sign methods (docs/eager.md): the defaults are not an option there
         ". --eager needs --mode reencode: use it only when every peer is trusted (docs/security.md, docs/eager.md)"
         if getattr(ns, "eager", False)
-        else ". Use the defaults (--mode relay --aggregation meanmed) unless every peer is trusted (docs/security.md)"
+        else ". Use the defaults (--mode auto --aggregation meanmed) unless every peer is trusted (docs/security.md)"
     )
     return "open run (no --allow-peers): " + "; ".join(trusting) + advice
 
