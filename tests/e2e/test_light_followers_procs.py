@@ -63,3 +63,12 @@ def test_light_followers_keep_one_digest_and_read_less_of_the_dht(swarm):
         sorted(map(_dht_received, light)),
         sorted(map(_dht_received, full)),
     )
+    # No --mode: the default (auto, 0.7.0) runs these 5-participant rounds accountable: every row carries the
+    # validation figures (extra["accountable"], set once an accountable round was applied), and the validators'
+    # re-checks found nothing
+    figures = [x["extra"].get("accountable") for n in names for x in rows[n]]
+    assert None not in figures and sum(f.get("parts", 0) for f in figures) > 0, figures
+    assert all(
+        f.get("proofs", 0) + f.get("suspicions", 0) + f.get("unvalidatable", 0) + f.get("excluded", 0) == 0
+        for f in figures
+    ), figures
