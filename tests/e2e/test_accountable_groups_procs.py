@@ -1,0 +1,103 @@
+"""Accountable grouped rounds in a swarm of 16 peer processes (issue 26, docs/collective.md "Accountable grouped
+rounds").
+
+15 honest tiny-model peers and one ``forge-aggregate`` attacker (tests.adversary: as a slice owner it forges its
+group aggregate, as a leader its cross results), ``--mode accountable --group-size 5``: 16 participants are 4
+groups of 4, 15 are 3 of 5, 14 are 3 of 5, 5 and 4, so every round of the run is grouped. An honest slice leader is
+SIGKILLed as its round-1 grouped exchange starts. What must hold for the 14 honest survivors: every one exits 0,
+their digests are bitwise equal after every round, the rounds after the kill train (rows with contributors and
+without the victim), every one of them excludes the forger on a proof (and nobody else), and no honest log has an
+ERROR or a traceback.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from tests.attack_util import OWNS_A_PART, AttackSwarm
+
+pytestmark = pytest.mark.timeout(600)
+
+N = 16
+ROUNDS = 4
+KILL_ROUND = 1
+#: a log line at ERROR or CRITICAL (peer.cli's format: "date time L name: message")
+_ERROR = re.compile(r"^\S+ \S+ [EC] ", re.M)
+
+
+@pytest.fixture
+def swarm(tmp_path):
+    s = AttackSwarm(tmp_path)
+    try:
+        yield s
+    finally:
+        s.stop_all()
+
+
+def _leads(text: str, r: int) -> bool:
+    return any(f"round {r}: grouped exchange" in line and "leads it" in line for line in text.splitlines())
+
+
+def _peer_id(swarm: AttackSwarm, name: str) -> str:
+    from geomesh_p2p.net.identity import Identity
+
+    return str(Identity.load_or_create(swarm.dir / f"{name}.key").peer_id)
+
+
+def test_a_killed_leader_and_a_forging_owner_leave_the_honest_survivors_equal_and_training(swarm):
+    """16 peers in accountable grouped rounds: the forger is proven and excluded by every honest peer, an honest
+    leader killed mid-round is planned out, and the 14 honest survivors stay on one digest every round and train."""
+    honest = [f"h{i:02d}" for i in range(N - 1)]
+    common = ["--rounds", str(ROUNDS), "--min-peers", str(N), "--mode", "accountable", "--group-size", "5"]
+    swarm.peer(honest[0], *common)
+    entry = swarm.address(honest[0])
+    for n in honest[1:8]:
+        swarm.peer(n, *common, bootstrap=entry)
+    swarm.attacker("a0", "forge-aggregate", *common, bootstrap=entry, extra=OWNS_A_PART)
+    for n in honest[8:]:
+        swarm.peer(n, *common, bootstrap=entry)
+
+    def leader() -> str | None:
+        return next((n for n in honest if _leads(swarm.text(n), KILL_ROUND)), None)
+
+    swarm.wait_for(lambda: leader() is not None, 400, f"an honest leader's round-{KILL_ROUND} grouped exchange")
+    victim = leader()
+    assert victim is not None
+    swarm.kill(victim)
+    rest = [n for n in honest if n != victim]
+    codes = swarm.wait_exit(rest, 400)
+    assert codes == {n: 0 for n in rest}, {n: swarm.text(n)[-2000:] for n, c in codes.items() if c != 0}
+
+    # bitwise equal: one digest string per round over all survivors, every round of the run
+    digests = swarm.digests_by_round(rest)
+    assert sorted(digests) == list(range(ROUNDS)), sorted(digests)
+    assert all(len(d) == 1 for d in digests.values()), {r: sorted(d) for r, d in digests.items()}
+    rows = {n: swarm.rows(n) for n in rest}
+    assert all([x["round"] for x in rs] == list(range(ROUNDS)) for rs in rows.values()), {
+        n: [x["round"] for x in rs] for n, rs in rows.items()
+    }
+    # the run was grouped from round 0, and every peer took part in the grouped exchange of the killed round
+    for n in rest:
+        text = swarm.text(n)
+        assert "round 0: grouped exchange: 4 groups" in text, text[-2000:]
+        assert f"round {KILL_ROUND}: grouped exchange" in text, text[-2000:]
+    # training went on after the kill: later rounds have contributors, and the victim is planned by nobody at the end
+    for n, rs in rows.items():
+        after = [x for x in rs if x["round"] > KILL_ROUND]
+        assert after and all(x["contributors"] > 0 for x in after), [(x["round"], x["contributors"]) for x in after]
+        assert rs[-1]["peers"] == N - 2, [(x["round"], x["peers"]) for x in rs]
+
+    # the forger is excluded by every honest survivor, on a proof, and nobody else is excluded by anyone
+    forger = _peer_id(swarm, "a0")[:10]
+    excluded = re.compile(r"verified work: (\S+) is excluded from the plans this peer makes: (.*)")
+    for n in rest:
+        text = swarm.text(n)
+        found = {m.group(1): m.group(2) for m in excluded.finditer(text)}
+        assert set(found) == {forger}, (n, found)
+        assert "Traceback" not in text and not _ERROR.search(text), text[-3000:]
+    assert any(
+        "proven" in re.search(rf"{forger} is excluded from the plans this peer makes: (.*)", swarm.text(n)).group(1)
+        for n in rest
+    ), {n: excluded.findall(swarm.text(n)) for n in rest}
