@@ -75,19 +75,22 @@ def test_a_killed_leader_and_a_forging_owner_leave_the_honest_survivors_equal_an
     assert sorted(digests) == list(range(ROUNDS)), sorted(digests)
     assert all(len(d) == 1 for d in digests.values()), {r: sorted(d) for r, d in digests.items()}
     rows = {n: swarm.rows(n) for n in rest}
-    assert all([x["round"] for x in rs] == list(range(ROUNDS)) for rs in rows.values()), {
-        n: [x["round"] for x in rs] for n, rs in rows.items()
-    }
-    # the run was grouped from round 0, and every peer took part in the grouped exchange of the killed round
-    for n in rest:
-        text = swarm.text(n)
-        assert "round 0: grouped exchange: 4 groups" in text, text[-2000:]
-        assert f"round {KILL_ROUND}: grouped exchange" in text, text[-2000:]
-    # training went on after the kill: later rounds have contributors, and the victim is planned by nobody at the end
+    # every round was grouped, for every peer in it (16, 15 and 14 participants: 4, 3 and 3 groups)
     for n, rs in rows.items():
-        after = [x for x in rs if x["round"] > KILL_ROUND]
-        assert after and all(x["contributors"] > 0 for x in after), [(x["round"], x["contributors"]) for x in after]
-        assert rs[-1]["peers"] == N - 2, [(x["round"], x["peers"]) for x in rs]
+        text = swarm.text(n)
+        assert all(f"round {x['round']}: grouped exchange: " in text for x in rs), (n, text[-2000:])
+    # training went on after the kill, every survivor in it: a survivor planned out of a round (a link or device
+    # figure that did not fit the window) re-measures and is back in a later one; a peer planned out for good
+    # would have no row after the kill (before the device re-measurement: the first peer, its start-up profile
+    # taken while 15 peers started, trained 0 of 4 rounds)
+    after = {n: [x for x in rs if x["round"] > KILL_ROUND] for n, rs in rows.items()}
+    assert all(after.values()), {n: [x["round"] for x in rs] for n, rs in rows.items()}
+    assert all(x["contributors"] > 0 for xs in after.values() for x in xs), {
+        n: [(x["round"], x["contributors"]) for x in xs] for n, xs in after.items()
+    }
+    # the victim and the forger are planned by nobody in the last round
+    last = [x for xs in after.values() for x in xs if x["round"] == ROUNDS - 1]
+    assert last and all(x["peers"] <= N - 2 for x in last), [x["peers"] for x in last]
 
     # the forger is excluded by every honest survivor, on a proof, and nobody else is excluded by anyone
     forger = _peer_id(swarm, "a0")[:10]
