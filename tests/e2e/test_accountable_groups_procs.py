@@ -23,8 +23,8 @@ pytestmark = pytest.mark.timeout(600)
 N = 16
 ROUNDS = 4
 KILL_ROUND = 1
-#: a log line at ERROR or CRITICAL (peer.cli's format: "date time L name: message")
-_ERROR = re.compile(r"^\S+ \S+ [EC] ", re.M)
+#: a log line at ERROR or CRITICAL (peer.cli's format: "HH:MM:SS L name: message")
+_ERROR = re.compile(r"^\d\d:\d\d:\d\d [EC] ", re.M)
 
 
 @pytest.fixture
