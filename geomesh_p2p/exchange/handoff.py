@@ -101,8 +101,9 @@ def recheck_handoff(
 
     Returns the reason the owner is proven to have forged -- an input it committed to that fails verification
     for ``gspec`` or names another sender, tokens that are not the plan's cap, filter flags, a packet (sign of
-    the group rule's fp32 mean over ``X``'s range, ``X``'s tokens) or a member list other than the rule's over
-    its inputs -- or None when ``X`` is exactly that. Raises HandoffError when nothing can be concluded (the
+    the group rule's fp32 mean over ``X``'s range, ``X``'s tokens; zeros for a part whose kept inputs miss the
+    spec's quorum, as its owner's own read refuses it) or a member list other than the rule's over its inputs --
+    or None when ``X`` is exactly that. Raises HandoffError when nothing can be concluded (the
     bytes are not the owner's for these specs, the inputs served are not those committed to). Worker thread:
     verifies and aggregates ``X``'s range (fp32, ``len(inputs)`` x group size contributions)."""
     if (gspec.run_id, gspec.round) != (xspec.run_id, xspec.round) or xspec.mode != "accountable":
@@ -151,6 +152,12 @@ def recheck_handoff(
         if [e.dropped for e in entries] != [n in set(dropped) for n in range(len(entries))]:
             return f"the agreement filter's drops of group part {j} differ from the list's flags"
         kept = [(c.sender, t) for n, (c, t) in enumerate(zip(checked, used)) if n not in set(dropped)]
+        if not gspec.quorum_met(p for p, _ in kept):
+            # the reader's rule (messages._read_accountable): a result below the quorum counts for nobody, its owner
+            # included, which hands on zeros for that range and counts no member there. Without this an honest owner
+            # whose part closed short of the quorum (pushes past its deadline, under load) was "proven" to forge
+            # (16 peer processes on 2 cores, session 26: excluded by every peer)
+            mean, kept = torch.zeros_like(mean), []
         counted = kept if counted is None else [(p, t) for p, t in counted if (p, t) in set(kept)]
         lo, hi = max(o.start, a + xspec.owners[k].start), min(o.end, a + xspec.owners[k].end)
         pieces.append(mean[lo - o.start : hi - o.start])

@@ -106,6 +106,41 @@ def measure_throughput(
     return result
 
 
+def remeasure_tps(
+    model: torch.nn.Module,
+    seq_len: int,
+    batch: int,
+    device: Union[str, torch.device],
+    vocab_size: int,
+    *,
+    speed_factor: float = 1.0,
+    amp: bool = False,
+    budget_s: float = 10.0,
+    seed: int = 0,
+) -> float:
+    """Tokens/s of one training step at ``batch`` sequences of ``seq_len`` tokens on the live ``model``: a
+    warm-up step, then one timed step when the warm-up took under half of ``budget_s`` (seconds; else the
+    warm-up's own time, the slower figure, stands). The weights stay bit-identical and the caller's RNG state
+    untouched (:class:`MeasureSession`: lr=0 AdamW, forked RNG, gradients dropped after). The caller makes sure
+    nothing else steps or loads ``model`` meanwhile. Worker thread: it blocks for one or two steps.
+
+    Raises ValueError for ``seq_len``, ``batch`` or ``vocab_size`` < 1 or ``speed_factor`` outside (0, 1]; an
+    out-of-memory error propagates (the batch was planned, so it fitted before).
+    """
+    if seq_len < 1 or batch < 1 or vocab_size < 1:
+        raise ValueError(f"seq_len={seq_len}, batch={batch} and vocab_size={vocab_size} must be >= 1")
+    if not (0 < speed_factor <= 1):
+        raise ValueError(f"speed_factor={speed_factor} must be in (0, 1]")
+    dev = parse_device(device)
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, vocab_size, (batch, seq_len), generator=gen).to(dev)
+    with MeasureSession(model, dev, None, amp=amp) as sess:
+        dt = timed_step(sess, x, dev, speed_factor)
+        if dt < budget_s / 2:
+            dt = timed_step(sess, x, dev, speed_factor)
+    return batch * seq_len / dt
+
+
 @dataclass(frozen=True)
 class TrainingProfile:
     """Result of :func:`profile_training`.

@@ -55,6 +55,7 @@ from geomesh_p2p.node import joining, report, training
 from geomesh_p2p.node.checkpoints import Checkpointer, check_writable_dir
 from geomesh_p2p.node.watchdog import ProgressWatchdog
 from geomesh_p2p.node.joining import DuplicateIdentityError, StoppedBeforeJoining
+from geomesh_p2p.node.device_probe import DeviceProber
 from geomesh_p2p.node.links import LinkProber
 from geomesh_p2p.round.policy import OWNER_PENALTY_ROUNDS, NodeRoundPolicy
 from geomesh_p2p.round.rules import OuterStepRule, Penalties, PlanRules, Reprofiler, RoundState, StateSync, VerifiedWork
@@ -184,6 +185,7 @@ class PeerNode:
             address=lambda: self.record_address,
         )
         self.links = LinkProber(self.cfg, transport=lambda: self.transport, ema=lambda: self.profile.ema)
+        self.device_probe = DeviceProber.for_node(self)  # its device half (model, EMAs: late-bound)
         self.checkpoints = Checkpointer(
             self.run_cfg,
             self.cfg,
@@ -453,10 +455,10 @@ class PeerNode:
         worker thread)."""
         training.build_training(self)
 
-    async def remeasure_links(self) -> None:
-        """Round driver port (:meth:`~geomesh_p2p.round.ports.Membership.remeasure_links`): a planned-out peer
-        probes its link again (:meth:`~geomesh_p2p.node.links.LinkProber.remeasure`)."""
-        await self.links.remeasure()
+    async def remeasure(self) -> None:
+        """Round driver port (:meth:`~geomesh_p2p.round.ports.Membership.remeasure`): a planned-out peer probes its
+        link (:class:`~geomesh_p2p.node.links.LinkProber`) and times its device (:class:`DeviceProber`) again."""
+        await asyncio.gather(self.links.remeasure(), self.device_probe.remeasure())
 
     def _init_ema(self, probed) -> None:
         c = self.cfg

@@ -274,7 +274,7 @@ async def wait_out(drv: RoundDriver, ctx: RoundContext, refused: bool = False) -
     )
     drv.state.syncing, drv.state.round = True, r + 1
     await drv.membership.announce()
-    # Left out by the leader: re-measure the link while the round ends (bounded, see the port), and
+    # Left out by the leader: re-measure link and device while the round ends (bounded, see the port), and
     # announce the fresh figure as soon as it is known, before the next round is planned.
     reprobe = None if planned_in or refused else asyncio.ensure_future(reprobe_and_announce(drv))
     try:
@@ -292,13 +292,13 @@ async def wait_out(drv: RoundDriver, ctx: RoundContext, refused: bool = False) -
 
 
 async def reprobe_and_announce(drv: RoundDriver) -> None:
-    """A planned-out peer's link re-probe (:meth:`Membership.remeasure_links`), then its announcement.
-    A failure is logged once at DEBUG: the peer keeps the figures it had."""
+    """A planned-out peer's link and device re-measurement (:meth:`Membership.remeasure`), then its
+    announcement. A failure is logged once at DEBUG: the peer keeps the figures it had."""
     try:
-        await drv.membership.remeasure_links()
+        await drv.membership.remeasure()
         await drv.membership.announce()
     except Exception as e:  # never fail the wait for the round's end over a probe
-        log.debug("link re-probe failed: %r", e)
+        log.debug("link or device re-measurement failed: %r", e)
 
 
 async def wait_for_round(drv: RoundDriver, r: int, timeout_s: float = 30.0) -> bool:

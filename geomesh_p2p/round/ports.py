@@ -82,10 +82,11 @@ class Membership(Protocol):
     async def announce(self) -> None:
         """Store this peer's record now (round, digest, leaving); one DHT write. Never raises."""
 
-    async def remeasure_links(self) -> None:
-        """Measure this peer's link afresh (a probe) when a leader planned it out: its announced link
-        figures came from its last exchange, and a peer left out of the exchange never measures again,
-        so one pessimistic figure (a congested round, a loaded CPU) would keep it out for good."""
+    async def remeasure(self) -> None:
+        """Measure this peer's link (a probe) and device (a timed step) afresh when a leader planned it out:
+        its announced figures came from its last exchange and inner steps (or its start-up profile), and a
+        peer left out of the round never measures again, so one pessimistic figure (a congested round, a
+        profile taken on a loaded CPU) would keep it out for good."""
         ...
 
 

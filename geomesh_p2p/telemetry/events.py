@@ -37,6 +37,8 @@ kind                         where                            fields
 ``contributing_nothing``     round.steps, round.train         peer, round, reason (``loss_not_finite`` |
                                                               ``update_not_finite`` | ``out_of_memory``),
                                                               detail (if any)
+``device_reprobed``          node.device_probe (planned out)  batch, tokens_per_s (measured),
+                                                              was_tokens_per_s, announced_tokens_per_s
 ``digest_mismatch``          round.finish.check_digest        peer, round, digest, majority_digest,
                                                               agree, total
 ``dht_join_retry``           dht.join.DHTJoin.join            peer, attempt, attempts, wait_s
@@ -51,7 +53,7 @@ kind                         where                            fields
                                                               elements
 ``leaving_announced``        round.finish.announce, node      peer, round, reason (``stop`` | ``rounds``
                              shutdown, round.driver (stop)    | ``target_ppl`` | ``shutdown``)
-``link_reprobed``            node.remeasure_links (planned     upload_bps, download_bps, was_upload_bps,
+``link_reprobed``            node.links (planned              upload_bps, download_bps, was_upload_bps,
                              out)                             was_download_bps (bytes/s)
 ``older_state_adopted``      round.rules.state_sync (once         peer, round (the older state's), digest,
                              per pair of states; WARNING)     held_round, held_digest (the state it

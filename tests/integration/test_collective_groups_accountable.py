@@ -20,6 +20,8 @@ import torch
 from geomesh_p2p.exchange import accountable
 from geomesh_p2p.exchange import codec as compression
 from geomesh_p2p.exchange.groups import group_layout
+from geomesh_p2p.net.identity import EnvelopeError
+from grpc import StatusCode as Code
 from geomesh_p2p.round.rules.accountable import Accountability
 from geomesh_p2p.trust import fraud
 from geomesh_p2p.trust.verify import Verdicts
@@ -169,3 +171,44 @@ async def test_a_slice_owner_forging_its_group_aggregate_is_proven_by_its_handof
     assert await fraud.publish_proof(dht, forged[0].proof, sw.ids[0], run_id=RUN, slot=spec.round, expiration_time=1e12)
     valid, refused = await fraud.read_proofs(dht, fraud.ProofReader(dht), RUN, [spec.round])
     assert refused == [] and [x.verdict.accused for x in valid] == [evil]
+
+
+@pytest.mark.timeout(120)
+async def test_a_slice_owner_whose_group_part_missed_the_quorum_is_not_proven_to_forge(grouped_swarm):
+    """Red team, session 26 (16 peer processes on 2 cores, tests/e2e/test_accountable_groups_procs.py): an honest
+    slice owner's group part closed short of the quorum (pushes past its deadline under load). Its own read refuses
+    that result, so it hands on zeros for the part's range and counts no member, while its commitment lists the
+    inputs it had. The drawn mates recomputed the group rule over those inputs, "proved" a forgery, and every peer
+    excluded the honest owner. Here: quorum 1.0 (every member in every part) and one mate's contribution left out
+    of the owner's part (as a push that came after the part closed): no finding against it."""
+    sw, grouped = await grouped_swarm(9)
+    spec = _spec(sw, mode="accountable", validators_per_part=2, quorum=1.0)
+    layout = group_layout(spec, G)
+    assert layout is not None and len(layout.groups) == 3
+    short = next(p for os in layout.slice_owners for p in os if all(p not in ls for ls in layout.leaders))
+    mate = next(p for p in layout.groups[layout.group_of(short)] if p != short)
+    service = grouped[sw.pids.index(short)].group
+    real = service._accept
+
+    def closed_before_the_mate(self, state, part, c):
+        if c.sender == mate:
+            raise EnvelopeError(
+                Code.FAILED_PRECONDITION, f"part {part.index} closed (deadline) before this push arrived"
+            )
+        return real(state, part, c)
+
+    service._accept = types.MethodType(closed_before_the_mate, service)
+    deltas = deltas_for(sw.pids, 3 * 4 * 2048, seed=24)
+    out = await _run(grouped, spec, deltas, {p: 100 for p in sw.pids})
+    aggs = [r.aggregate for r in out.values()]
+    assert all(torch.equal(aggs[0], a) for a in aggs[1:])
+    # the owner's hand-off commits to the 2 inputs it had, and hands on zeros with no member for that range
+    _, lists = grouped[sw.pids.index(short)].cross.handoff[spec.round]
+    assert [len(x) for ls in lists.values() for x in ls] == [2 * 29] * sum(len(ls) for ls in lists.values())
+    findings = await _validate(grouped, spec)
+    assert [f for f in findings if f.owner == short] == [], [(f.kind, f.owner[:10], f.reason) for f in findings]
+    # the hand-off was validated (its mates fetched the group inputs), and found exactly what the owner handed on
+    stats = [
+        gc.group.transport.stats.by_method.get("/geomesh.wire.CollectiveGroup/PullInputs", (0, 0)) for gc in grouped
+    ]
+    assert sum(b for _, b in stats) > 0

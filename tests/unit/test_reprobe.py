@@ -80,3 +80,71 @@ def test_stated_links_are_not_probed_and_one_stated_direction_is_kept(monkeypatc
     asyncio.run(up_only.remeasure())
     assert len(calls) == 1
     assert (up_only.ema.upload_bps, up_only.ema.download_bps) == (2.9e5, 920000.0)
+
+
+# ------------------------------------------------------------------ the device half (node.device_probe)
+# 16 peer processes started on 2 cores: the first one profiled while the 15 others started and announced 8 tokens/s
+# at batch 4 (its peers 60-370). Every leader planned it out as too slow for the window, and a peer that never
+# trains never measured again: it trained 0 of 4 rounds (tests/e2e/test_accountable_groups_procs.py, session 26).
+SEQ, VOCAB = 16, 64
+
+
+def _device(tps: dict, measured: bool = False, multi_rank: bool = False):
+    """A DeviceProber over a tiny model with the announced tokens/s ``tps``, past the start-up's interval."""
+    import torch
+
+    from geomesh_p2p.model.build import build_model
+    from geomesh_p2p.node.device_probe import DeviceProber
+
+    model = build_model("tiny", vocab_size=VOCAB, seed=0)
+    ema = ThroughputEMA(tokens_per_s=tps)
+    p = DeviceProber(
+        SEQ,
+        1.0,
+        False,
+        model=lambda: model,
+        device=lambda: torch.device("cpu"),
+        vocab_size=lambda: VOCAB,
+        ema=lambda: ema,
+        measured_in_swarm=lambda: measured,
+        multi_rank=lambda: multi_rank,
+    )
+    p.measured_at -= node_mod.REPROBE_MIN_INTERVAL_S
+    return p, model, ema
+
+
+def test_a_planned_out_peer_replaces_a_start_up_profile_taken_on_a_busy_machine():
+    import torch
+
+    p, model, ema = _device({4: 1e-3, 8: 5e-4})  # a step of batch 4 "takes" 64,000 s
+    before = [t.detach().clone() for t in model.parameters()]
+    with events.capture("device_reprobed") as got:
+        tps = asyncio.run(p.remeasure())
+        assert asyncio.run(p.remeasure()) is None  # within REPROBE_MIN_INTERVAL_S: no second measurement
+    # never measured in a round: a second start-up profile, taken as is; batch 8 scaled by the same ratio
+    assert tps is not None and tps > 1.0 and ema.tokens_per_s[4] == pytest.approx(tps)
+    assert ema.tokens_per_s[8] == pytest.approx(tps / 2)
+    # the live weights, bit for bit (int32 views: -0.0 and 0.0 differ)
+    assert all(
+        torch.equal(a.view(torch.int32), b.detach().view(torch.int32)) for a, b in zip(before, model.parameters())
+    )
+    assert all(t.grad is None for t in model.parameters())
+    [ev] = got
+    assert (ev["batch"], ev["was_tokens_per_s"]) == (4, 1e-3)
+
+
+def test_a_re_measured_device_grows_at_most_2x_once_a_round_measured_it_and_is_never_lowered():
+    p, _, ema = _device({4: 1e-3}, measured=True)
+    asyncio.run(p.remeasure())
+    assert ema.tokens_per_s[4] == pytest.approx(2e-3)  # capability.MAX_TPS_GROWTH_PER_UPDATE, as a round's
+    fast, _, ema_fast = _device({4: 1e12})
+    assert asyncio.run(fast.remeasure()) < 1e12
+    assert ema_fast.tokens_per_s == {4: 1e12}  # a busy moment never lowers the announced figure
+
+
+def test_no_device_re_measurement_in_the_start_up_interval_or_for_a_multi_rank_peer():
+    p, _, ema = _device({4: 1e-3}, multi_rank=True)
+    assert asyncio.run(p.remeasure()) is None and ema.tokens_per_s == {4: 1e-3}
+    q, _, ema_q = _device({4: 1e-3})
+    q.measured_at = time.monotonic()
+    assert asyncio.run(q.remeasure()) is None and ema_q.tokens_per_s == {4: 1e-3}

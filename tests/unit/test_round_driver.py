@@ -131,7 +131,7 @@ class FakePeer:
     async def announce(self):
         self.swarm.records[self.me] = self.record()
 
-    async def remeasure_links(self):
+    async def remeasure(self):
         self.remeasured = getattr(self, "remeasured", 0) + 1
 
     # GlobalStatePort
@@ -380,7 +380,7 @@ async def test_a_planned_out_peer_waits_for_the_round_and_resyncs():
         (out.me, 0, order[0], "not_in_plan")
     ]
     assert out.drv.history == [] and out.catch_ups == 1
-    # the planned-out peer re-measured its link (its next record must not keep the figure that left it out)
+    # the planned-out peer re-measured its link and device (its next record must not keep what left it out)
     assert getattr(out, "remeasured", 0) == 1 and getattr(leader, "remeasured", 0) == 0
     assert (out.round, out.digest) == (1, leader.digest) and torch.equal(out.theta, leader.theta)
     assert [p.drv.history[0].peers for p in (leader, PEERS[order[1]])] == [2, 2]

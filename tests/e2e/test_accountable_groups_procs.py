@@ -1,0 +1,134 @@
+"""Accountable grouped rounds in a swarm of 16 peer processes (issue 26, docs/collective.md "Accountable grouped
+rounds").
+
+15 honest tiny-model peers and one ``forge-aggregate`` attacker (tests.adversary: as a slice owner it forges its
+group aggregate, as a leader its cross results), ``--mode accountable --group-size 5``: 16 participants are 4
+groups of 4, 15 are 3 of 5, 14 are 3 of 5, 5 and 4, so every round of the run is grouped. An honest slice leader is
+SIGKILLed as its round-1 grouped exchange starts. What must hold for the 14 honest survivors: every one exits 0,
+their digests are bitwise equal after every round, the rounds after the kill train (rows with contributors and
+without the victim), every one of them excludes the forger on a proof (and nobody else), and no honest log has an
+ERROR or a traceback.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from tests.attack_util import OWNS_A_PART, AttackSwarm
+
+#: a hang guard: one swarm took 142-490 s on 2 shared cores at load 17-45, and a second swarm may be needed (TRIES)
+pytestmark = pytest.mark.timeout(900)
+
+N = 16
+ROUNDS = 4
+KILL_ROUND = 1
+#: a log line at ERROR or CRITICAL (peer.cli's format: "HH:MM:SS L name: message")
+_ERROR = re.compile(r"^\d\d:\d\d:\d\d [EC] ", re.M)
+
+
+#: fresh swarms (new identities, so new groups and slices) when the forger owned no slice in round 0 (below)
+TRIES = 2
+
+
+def _leads(text: str, r: int) -> bool:
+    return any(f"round {r}: grouped exchange" in line and "leads it" in line for line in text.splitlines())
+
+
+def _peer_id(swarm: AttackSwarm, name: str) -> str:
+    from geomesh_p2p.net.identity import Identity
+
+    return str(Identity.load_or_create(swarm.dir / f"{name}.key").peer_id)
+
+
+def test_a_killed_leader_and_a_forging_owner_leave_the_honest_survivors_equal_and_training(tmp_path):
+    """16 peers in accountable grouped rounds: the forger is proven and excluded by every honest peer, an honest
+    leader killed mid-round is planned out, and the 14 honest survivors stay on one digest every round and train.
+
+    The forger forges only as a slice owner, and only in round 0: its own flipped push counts in no part, so it is
+    planned out of rounds 1-3 as a no-show. Not every participant of a grouped round owns a slice (a group with more
+    owners than the fewest any group has, and peers the plan gives no part), and a round-0 forger without one did
+    nothing to prove (run 8 of session 26: 3 of 15 owned none, the forger among them; nobody excluded it). So a
+    swarm whose forger owned no slice in round 0 is stopped and a fresh one started, up to TRIES swarms."""
+    for attempt in range(TRIES):
+        swarm = AttackSwarm(tmp_path / f"swarm{attempt}")
+        swarm.dir.mkdir()
+        try:
+            if _forger_owned_a_slice_then_check(swarm):
+                return
+        finally:
+            swarm.stop_all()
+    pytest.fail(f"the forger owned no slice in round 0 in {TRIES} fresh swarms")
+
+
+def _forger_owned_a_slice_then_check(swarm: AttackSwarm) -> bool:
+    """Start the swarm; False (to be stopped) when the forger owned no slice in round 0, else every assertion of the
+    test, then True."""
+    honest = [f"h{i:02d}" for i in range(N - 1)]
+    common = ["--rounds", str(ROUNDS), "--min-peers", str(N), "--mode", "accountable", "--group-size", "5"]
+    swarm.peer(honest[0], *common)
+    entry = swarm.address(honest[0])
+    for n in honest[1:8]:
+        swarm.peer(n, *common, bootstrap=entry)
+    swarm.attacker("a0", "forge-aggregate", *common, bootstrap=entry, extra=OWNS_A_PART)
+    for n in honest[8:]:
+        swarm.peer(n, *common, bootstrap=entry)
+
+    def forger_round_0() -> str | None:
+        return next((ln for ln in swarm.text("a0").splitlines() if ("round 0: grouped exchange" in ln
+                     or "round 0: not in the plan" in ln)), None)  # fmt: skip
+
+    swarm.wait_for(lambda: forger_round_0() is not None, 400, "the forger's round 0")
+    if "owns slice" not in str(forger_round_0()):
+        return False
+
+    def leader() -> str | None:
+        return next((n for n in honest if _leads(swarm.text(n), KILL_ROUND)), None)
+
+    swarm.wait_for(lambda: leader() is not None, 400, f"an honest leader's round-{KILL_ROUND} grouped exchange")
+    victim = leader()
+    assert victim is not None
+    swarm.kill(victim)
+    rest = [n for n in honest if n != victim]
+    codes = swarm.wait_exit(rest, 400)
+    assert codes == {n: 0 for n in rest}, {n: swarm.text(n)[-2000:] for n, c in codes.items() if c != 0}
+
+    # bitwise equal: one digest string per round over all survivors, every round of the run
+    digests = swarm.digests_by_round(rest)
+    assert sorted(digests) == list(range(ROUNDS)), sorted(digests)
+    assert all(len(d) == 1 for d in digests.values()), {r: sorted(d) for r, d in digests.items()}
+    rows = {n: swarm.rows(n) for n in rest}
+    # every round was grouped, for every peer in it (16, 15 and 14 participants: 4, 3 and 3 groups)
+    for n, rs in rows.items():
+        text = swarm.text(n)
+        assert all(f"round {x['round']}: grouped exchange: " in text for x in rs), (n, text[-2000:])
+    # training went on after the kill: every round after it has rows, each with contributors
+    after = {n: [x for x in rs if x["round"] > KILL_ROUND] for n, rs in rows.items()}
+    assert {x["round"] for xs in after.values() for x in xs} == set(range(KILL_ROUND + 1, ROUNDS)), sorted(digests)
+    assert all(x["contributors"] > 0 for xs in after.values() for x in xs), {
+        n: [(x["round"], x["contributors"]) for x in xs] for n, xs in after.items()
+    }
+    # and every survivor trained in some round. Not in every round after the kill: a survivor that refuses a plan
+    # it reads against older records ("token budget 384 ... exceeds the 331 its bounded throughput supports") sits
+    # that round out and is planned out of the next one (run 8 of session 26: rounds 2 and 3 of 4). A peer planned
+    # out for good has no row at all (before the device re-measurement of node/device_probe.py: the first peer,
+    # its start-up profile taken while 15 peers started, trained 0 of 4 rounds)
+    assert all(rows.values()), {n: [x["round"] for x in rs] for n, rs in rows.items()}
+    # the victim and the forger are planned by nobody in the last round
+    last = [x for xs in after.values() for x in xs if x["round"] == ROUNDS - 1]
+    assert last and all(x["peers"] <= N - 2 for x in last), [x["peers"] for x in last]
+
+    # the forger is excluded by every honest survivor, on a proof, and nobody else is excluded by anyone
+    forger = _peer_id(swarm, "a0")[:10]
+    excluded = re.compile(r"verified work: (\S+) is excluded from the plans this peer makes: (.*)")
+    for n in rest:
+        text = swarm.text(n)
+        found = {m.group(1): m.group(2) for m in excluded.finditer(text)}
+        assert set(found) == {forger}, (n, found)
+        assert "Traceback" not in text and not _ERROR.search(text), text[-3000:]
+    assert any(
+        "proven" in re.search(rf"{forger} is excluded from the plans this peer makes: (.*)", swarm.text(n)).group(1)
+        for n in rest
+    ), {n: excluded.findall(swarm.text(n)) for n in rest}
+    return True
