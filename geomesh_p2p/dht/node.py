@@ -188,7 +188,7 @@ class DHTNode(DHTJoin):
         self.store_reuses = 0
         #: Per peer-records key a sampled read asked: the holders that answered its last lookup with records, in
         #: the order they answered, their contacts and the reads that reused them (:meth:`get`).
-        self._read_targets: "collections.OrderedDict[DHTID, _Targets]" = collections.OrderedDict()
+        self._read_targets: "collections.OrderedDict[DHTID, _ReadTargets]" = collections.OrderedDict()
         #: Reads that looked their key up to fill or renew the cache, and those that asked cached holders alone
         #: (sampled reads, full reads with ``cached``, chunk reads with ``cached``; counters).
         self.read_lookups = 0
@@ -432,7 +432,7 @@ class DHTNode(DHTJoin):
         local = answered[0]
         limit = self.full_read_reuse if full else self.read_target_reuse
         prev = self._read_targets.get(key_id)
-        seen = dict(prev.seen) if full and prev is not None and getattr(prev, "seen", None) is not None else {}
+        seen = dict(prev.seen) if full and prev is not None and prev.seen is not None else {}
         if reuse and quorum is not None and await self._read_cached(key_id, wanted, quorum, local, merge, stats, limit):
             result = merge.result(self.now())
             if not full:
@@ -504,7 +504,9 @@ class DHTNode(DHTJoin):
         named = {sk for sk in missing if sk is not None}
         # more than a find may name (or an unnamed record): a full lookup read
         subkeys = named if len(named) == len(missing) and len(named) <= self.limits.max_keys_per_find else None
-        await self._traverse([key_id], beam=self.k, on_records=on_records, stats=stats, await_all=False, subkeys=subkeys)
+        await self._traverse(
+            [key_id], beam=self.k, on_records=on_records, stats=stats, await_all=False, subkeys=subkeys
+        )
         return merge.result(self.now())
 
     def forget_read_targets(self, key: str) -> None:
@@ -534,7 +536,7 @@ class DHTNode(DHTJoin):
         t.uses += 1
         need = quorum - local
         todo = [nid for nid in t.ids if nid is not None and nid in t.contacts]
-        if getattr(t, "spread", False):
+        if t.spread:
             random.shuffle(todo)
         answered, good = 0, True
         while need > answered and todo:
@@ -542,7 +544,7 @@ class DHTNode(DHTJoin):
             stats.rpcs += len(batch)
             calls = [asyncio.ensure_future(self._find(t.contacts[nid], [key_id], subkeys=wanted)) for nid in batch]
             try:
-                done, pending = await asyncio.wait(calls, timeout=getattr(t, "wait_s", self.rpc_timeout_s))
+                done, pending = await asyncio.wait(calls, timeout=t.wait_s)
             except BaseException:
                 for c in calls:
                     c.cancel()
