@@ -58,7 +58,7 @@ async def test_stable_chunks_are_read_from_one_cached_holder_each_round_after_th
     """Round 7: the reader looks each of the 3 chunk keys up once. Round 9 (the same keys: 9 % 2 = 7 % 2), a new body:
     exactly one Find call per chunk and no lookup, and the body is the new one. The chunks are also under the keys of
     the layout before (readers of earlier releases)."""
-    nodes = await start_swarm(16)
+    nodes = await start_swarm(16, rpc_timeout_s=20.0)  # stores that time out on loaded cores would leave stale copies
     try:
         leader, reader = nodes[0], nodes[9]
         owner = leader.peer_id.to_string()
@@ -84,7 +84,7 @@ async def test_a_holder_answering_an_older_chunk_costs_a_lookup_not_the_value(mo
     held it): it does not match round 9's head, so the reader drops the key's holders and reads it through a lookup
     at the DHT's quorum, where the newest copy wins. The body is round 9's."""
     monkeypatch.setattr("geomesh_p2p.dht.node.random.shuffle", lambda xs: None)  # ask the cache's first holder
-    nodes = await start_swarm(16)
+    nodes = await start_swarm(16, rpc_timeout_s=20.0)  # stores that time out on loaded cores would leave stale copies
     try:
         leader, reader = nodes[0], nodes[9]
         owner = leader.peer_id.to_string()
