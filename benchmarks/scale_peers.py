@@ -493,7 +493,9 @@ async def inproc_row(
 
     async def plan_read(i: int, r: int, published: asyncio.Event) -> None:
         if i == 0:
-            plan_ok.append(await stores[0].publish(plan.model_copy(update={"round": r})))
+            # a plan of its own each round (later deadlines: a later expiry, as a real leader's; the stable chunk
+            # slot of round r - 2 is replaced by round r's only when it expires later)
+            plan_ok.append(await stores[0].publish(make_plan(recs, round=r)))
             published.set()
         else:
             await published.wait()  # one read once the plan is there (real followers poll until it is)

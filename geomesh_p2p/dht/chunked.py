@@ -20,8 +20,9 @@ compressed by the caller) and a format whose magic is ``M`` (e.g. ``b"gmplan/2"`
   reader asks the holders it found once (``DHTNode.get(..., cached=True)``: one Find per chunk, no
   lookup) instead of a lookup per chunk (~7 calls at N = 1,024; issue 25, session 26). The owner's slot
   there holds its latest chunk i: a holder that missed a newer store answers an older one, which does not
-  match the head's hash, and the reader then looks the key up at its quorum (the newest copy wins). The
-  writer also stores the chunks under :func:`chunk_key` (readers of the releases before it look there).
+  match the head's hash. The writer also stores every chunk under :func:`chunk_key` (and only those stores
+  decide whether the value was stored: the stable copies are a shortcut), so a reader whose stable read
+  fails reads the chunk there, as before; readers of the releases before it look there too.
 
 Writers: :func:`split` then :func:`store_chunked` (chunks first, with bounded concurrency and a deadline
 each, then the head, so a reader that sees the head finds the chunks); :func:`store_many` is the bounded
@@ -46,7 +47,7 @@ import json
 import logging
 import zlib
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Generic, Iterable, Optional, TypeVar
 from geomesh_p2p.util.untrusted import json_loads
 
@@ -297,9 +298,11 @@ async def store_chunked(
 ) -> StoreOutcome:
     """Store ``value``'s chunks (:func:`store_many`: bounded concurrency, ``timeout_s`` each) under
     :func:`chunk_key` (and, for a head of the stable layout, also under :func:`stable_chunk_key`), then,
-    only if all were stored, its head under ``key``; all under ``subkey``, signed by ``owner``. A head
-    store that times out counts as not stored; one that raises propagates (as the caller's own store would)."""
+    only if all were stored under :func:`chunk_key`, its head under ``key``; all under ``subkey``, signed by
+    ``owner``. A stable copy stored nowhere is logged at DEBUG only (its readers fall back to :func:`chunk_key`).
+    A head store that times out counts as not stored; one that raises propagates (as the caller's own store would)."""
     if value.chunks:
+        n = len(value.chunks)
         items = [(chunk_key(key, value.sha256, i), subkey, c) for i, c in enumerate(value.chunks)]
         if value.stable:
             items += [(stable_chunk_key(key, i), subkey, c) for i, c in enumerate(value.chunks)]
@@ -311,8 +314,10 @@ async def store_chunked(
             timeout_s=timeout_s,
             concurrency=concurrency,
         )
-        if not all(stored):
-            return StoreOutcome(False, stored.count(False), len(stored))
+        if not all(stored[n:]):
+            log.debug("%d of %d stable chunk copies of %s were stored nowhere", stored[n:].count(False), n, key)
+        if not all(stored[:n]):
+            return StoreOutcome(False, stored[:n].count(False), n)
     coro = dht.store(key, value.head, expiration_time=expiration_time, subkey=subkey, owner=owner)
     try:
         ok = await (coro if timeout_s is None else asyncio.wait_for(coro, timeout_s))
@@ -421,22 +426,19 @@ class ChunkedReader(Generic[T]):
     async def _stable_chunk(self, key: str, owner: str, head: Head, i: int) -> bytes:
         """Chunk ``i`` of a stable-layout head: from one holder the last lookup of its key found, drawn at random
         (``DHTNode.get(..., quorum=1, cached=True)``); a copy that is missing or not the head's (an older chunk of
-        the owner's slot, a lagging holder) drops those holders and the key is read again through a lookup at the
-        DHT's quorum, whose newest copy wins. Raises :class:`ChunksPending` as :meth:`load`."""
+        the owner's slot, a lagging holder) drops those holders, and the chunk is read under :func:`chunk_key`
+        (the key of its hash, where the writer always stores it: a lookup, as before session 26). Raises
+        :class:`ChunksPending` as :meth:`load`."""
         ckey = stable_chunk_key(key, i)
-        reason: Optional[str] = None
         try:
-            for attempt in range(2):
-                extra: dict[str, Any] = {"quorum": 1, "cached": True} if attempt == 0 else {}
-                got = await asyncio.wait_for(
-                    self.dht.get(ckey, latest=True, subkeys=[owner], **extra), self.chunk_timeout_s
-                )
-                reason = self._check(got, owner, head, i)
-                if reason is None:
-                    return got[owner][0]
-                forget = getattr(self.dht, "forget_read_targets", None)
-                if callable(forget):
-                    forget(ckey)
+            got = await asyncio.wait_for(
+                self.dht.get(ckey, latest=True, subkeys=[owner], quorum=1, cached=True), self.chunk_timeout_s
+            )
+            if self._check(got, owner, head, i) is None:
+                return got[owner][0]
         except asyncio.TimeoutError:
-            raise ChunksPending(f"chunk {i + 1}/{len(head.chunks)} not read within {self.chunk_timeout_s:g}s") from None
-        raise ChunksPending(reason or "chunk not read")
+            pass  # the key of its hash, below, with a deadline of its own
+        forget = getattr(self.dht, "forget_read_targets", None)
+        if callable(forget):
+            forget(ckey)
+        return await self._chunk(key, owner, replace(head, stable=False), i)
