@@ -17,6 +17,7 @@ from geomesh_p2p.dht import PeerAnnouncer, live_peers, peers_key
 from geomesh_p2p.dht.announce import records_key
 from geomesh_p2p.dht.records import key_id_of
 from geomesh_p2p.dht.state import DEFAULT_READ_QUORUM, FULL_READ_TARGET_REUSE
+from geomesh_p2p.schema.shards import record_shard
 from geomesh_p2p.net.methods import DHT_FIND
 from tests.dht_helpers import RUN, start_swarm, stop_all
 from tests.integration.test_dht_announce import node_record
@@ -144,9 +145,12 @@ async def test_live_peers_reads_shard_keys_cached_only_with_shards():
     read at S = 1, are as before."""
     nodes = await start_swarm(12)
     try:
-        for w in nodes[:6]:
-            assert await PeerAnnouncer(w, node_record(w), period_s=30, ttl_s=60.0, shards=2).announce_once()
         reader = nodes[11]
+        by_shard = [[n for n in nodes[:11] if record_shard(n.peer_id.to_string(), 2) == s] for s in range(2)]
+        writers = by_shard[0][:3] + by_shard[1][:3]  # both keys hold records (a random 6 may all fall in one shard)
+        assert len(writers) == 6
+        for w in writers:
+            assert await PeerAnnouncer(w, node_record(w), period_s=30, ttl_s=60.0, shards=2).announce_once()
         assert len(await live_peers(reader, RUN, shards=2)) == 6
         assert reader.read_lookups == 2  # one per shard key, each caching its holders
         assert {key_id_of(records_key(RUN, s, 2)) for s in range(2)} <= set(reader._read_targets)
