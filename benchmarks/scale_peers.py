@@ -59,6 +59,7 @@ from geomesh_p2p.dht.announce import PeerAnnouncer, live_peers, peers_key  # noq
 from geomesh_p2p.dht.records import DEFAULT_LIMITS, make_record  # noqa: E402
 from geomesh_p2p.dht.state import (  # noqa: E402
     DEFAULT_READ_QUORUM,
+    FULL_READ_TARGET_REUSE,
     PEER_RECORD_REPLICAS,
     READ_TARGET_REUSE,
     STORE_TARGET_REUSE,
@@ -68,7 +69,7 @@ from geomesh_p2p.node.joining import SAMPLED_READ_QUORUM  # noqa: E402
 from geomesh_p2p.net.methods import DHT_FIND, DHT_STORE  # noqa: E402
 from geomesh_p2p.net.transport import Transport  # noqa: E402
 from geomesh_p2p.net.transport_config import TransportConfig  # noqa: E402
-from geomesh_p2p.plan.agree import PlanStore, plan_key  # noqa: E402
+from geomesh_p2p.plan.agree import PlanStore  # noqa: E402
 from geomesh_p2p.round.light import draw_in_shards  # noqa: E402
 from geomesh_p2p.plan.awb import plan_round  # noqa: E402
 from geomesh_p2p.plan.schema import PlanConfig, RoundPlan  # noqa: E402
@@ -183,8 +184,15 @@ class WhatIf:
     #: the run's ``record_shards`` (built in session 19, default 1): records spread over this many keys
     record_shards: int = 1
     #: a light follower's sampled read of a key asks the holders its last lookup of that key found, without a
-    #: lookup, this many times in all (built in session 22: ``READ_TARGET_REUSE`` = 8; 1: a lookup every read)
+    #: lookup, this many times in all (built in session 22: 8; ``READ_TARGET_REUSE`` = 32 since session 26; 1: a
+    #: lookup every read); also the reuse of a stable chunk key's holders (``stable_parts``)
     read_reuse: int = READ_TARGET_REUSE
+    #: a full read of a sharded run (S > 1) asks the holders its key's last lookup found, this many reads in all
+    #: (built in session 26: ``FULL_READ_TARGET_REUSE`` = 8 when S > 1; 1: a lookup every read, the rule before)
+    full_read_reuse: int = 1
+    #: a chunked plan's chunks under stable keys, each read from one cached holder (built in session 26 for S > 1;
+    #: False: a lookup per chunk, the rule before)
+    stable_parts: bool = False
 
 
 def sim_row(
@@ -263,8 +271,15 @@ def sim_row(
     if shards > 1:
         res_s = dht_pb2.FindResult(key=b"k" * 20, records=signed[:held_s], nearest=[info] * K)
         find_rep_s = _env_bytes(me, dht_pb2.FindResponse(results=[res_s]).SerializeToString(), DHT_FIND + "+resp")
-        full_read_rpcs = shards * read_rpcs
-        full_read_b = shards * (read_rpcs * find_req + asked * find_rep_s + hops * nodes_rep)
+        # 1 full read of a key in full_read_reuse looks it up; the others ask the quorum's cached holders alone
+        # (session 26; no churn assumed, so no record goes missing and the guard's lookup never runs)
+        ff = 1.0 / max(1, what_if.full_read_reuse)
+        q_full = min(holders, READ_QUORUM)
+        full_read_rpcs = shards * (ff * read_rpcs + (1.0 - ff) * q_full)
+        full_read_b = shards * (
+            ff * (read_rpcs * find_req + asked * find_rep_s + hops * nodes_rep)
+            + (1.0 - ff) * q_full * (find_req + find_rep_s)
+        )
     # a light follower's sampled reads: the plan's check (its leader and sample - 1 others drawn uniformly: the keys of
     # the distinct shards among them) and the digest's (one shard: round.light.draw_in_shards)
     s_reads = 2.0 if shards == 1 else 1.0 + shards * (1.0 - (1.0 - 1.0 / shards) ** sample)
@@ -278,6 +293,17 @@ def sim_row(
         if chunk_rpcs
         else 0
     )
+    # stable chunk keys (session 26): 1 read in read_reuse looks the key up (quorum 1: the hops, then up to alpha
+    # holders answer with the chunk), the others ask one cached holder drawn among the key's k nearest nodes
+    fc = 1.0 / max(1, what_if.read_reuse)
+    asked_c = min(holders, ALPHA)
+    if what_if.stable_parts and chunk_rpcs:
+        chunk_rpcs = len(wire.chunks) * (fc * (hops_q + asked_c) + (1.0 - fc))
+        chunk_b = sum(
+            fc * ((hops_q + asked_c) * find_req + hops_q * nodes_rep + asked_c * (nodes_rep + len(c) + 300))
+            + (1.0 - fc) * (find_req + nodes_rep + len(c) + 300)
+            for c in wire.chunks
+        )
     full_rpcs = announces * (share * lookup + replicas) + reads * full_read_rpcs + read_rpcs + chunk_rpcs
     full_made = (
         announces * (share * store_look_b + replicas * (store_req + store_rep))
@@ -354,6 +380,10 @@ def sim_row(
         + full_others * reads
         + (others - full_others) * s_reads / spread
     )
+    if what_if.stable_parts and wire.chunks and others > K:
+        # a stable chunk key's nearest node: its share of the cached reads (one of k holders at random) and every
+        # lookup read of the key (which ends at its nearest holders)
+        busiest = max(busiest, others * ((1.0 - fc) / K + fc))
     return {
         "tier": "sim",
         "n": n,
@@ -380,6 +410,9 @@ def sim_row(
         "busiest_served": busiest,
         "record_shards": shards,
         "read_reuse": what_if.read_reuse,
+        "full_read_reuse": what_if.full_read_reuse,
+        "stable_parts": what_if.stable_parts,
+        "plan_chunks": len(wire.chunks),
         "full_view_peers": n_full,
         "dht_bytes_full_peer": 2 * full_made,
         "dht_bytes_light_peer": 2 * light_made if n_full < n else None,
@@ -433,7 +466,8 @@ async def inproc_row(
         PeerAnnouncer(node, rec, period_s=ANNOUNCE_PERIOD_S, ttl_s=3600.0, shards=shards)
         for node, rec in zip(nodes, recs)
     ]  # a long lifetime: the benchmark's rounds run faster or slower than real time, records must not lapse
-    stores = [PlanStore(node, ident, RUN) for node, ident in zip(nodes, ids)]
+    # S > 1: a chunked plan's chunks under stable keys too (node/peer.py does the same; session 26)
+    stores = [PlanStore(node, ident, RUN, stable_parts=shards > 1) for node, ident in zip(nodes, ids)]
     plan = make_plan(recs, round=0)
     announces = announces_per_round
     seen: list[int] = []
@@ -459,11 +493,14 @@ async def inproc_row(
 
     async def plan_read(i: int, r: int, published: asyncio.Event) -> None:
         if i == 0:
-            plan_ok.append(await stores[0].publish(plan.model_copy(update={"round": r})))
+            # a plan of its own each round (later deadlines: a later expiry, as a real leader's; the stable chunk
+            # slot of round r - 2 is replaced by round r's only when it expires later)
+            plan_ok.append(await stores[0].publish(make_plan(recs, round=r)))
             published.set()
         else:
             await published.wait()  # one read once the plan is there (real followers poll until it is)
-            plan_ok.append(bool(await nodes[i].get(plan_key(RUN, r))))
+            # the head and, for a chunked plan, its chunks (since session 26; the head only before)
+            plan_ok.append(bool(await stores[i].read(r)))
 
     await asyncio.gather(*(a.announce_once() for a in announcers))  # warm-up: every record stored once
     before = [_dht_counts(x.transport) for x in nodes]
@@ -485,6 +522,7 @@ async def inproc_row(
         "read_reuse": read_reuse,
         "read_lookups": sum(x.read_lookups for x in nodes) / n / rounds,
         "read_reuses": sum(x.read_reuses for x in nodes) / n / rounds,
+        "read_rechecks": sum(x.read_rechecks for x in nodes),
         "rounds": rounds,
         "announces_per_round": announces,
         "store_lookups": (lookups1 - lookups0) / n / rounds,
@@ -634,6 +672,8 @@ def table(rows: list[dict]) -> str:
         out.append(
             f"| {r['tier']}{' S=' + str(r['record_shards']) if r.get('record_shards', 1) > 1 else ''}"
             f"{' R=' + str(r['read_reuse']) if r.get('read_reuse', READ_TARGET_REUSE) != READ_TARGET_REUSE else ''}"
+            f"{' F=' + str(r['full_read_reuse']) if r.get('full_read_reuse', 1) > 1 else ''}"
+            f"{' stable-parts' if r.get('stable_parts') else ''}"
             f" | {r['n']} | "
             f"{_kb(r.get('dht_bytes'))} | {_n(r.get('dht_rpcs'))} | {ratio} | "
             f"{_kb(r.get('exchange_bytes'))}{auto_b} | {_n(r.get('exchange_rpcs'))}{auto_c} | "
@@ -731,6 +771,20 @@ def main(argv=None) -> int:
         "last lookup found (DHTNode's read_target_reuse; 1: a lookup every read, the rule before session 22), a comma "
         "list measured side by side, e.g. 1,8 (default: %(default)s)",
     )
+    ap.add_argument(
+        "--full-read-reuse",
+        type=int,
+        default=None,
+        help=f"sim: full reads of a sharded run (S > 1) per lookup of a key (default: {FULL_READ_TARGET_REUSE}, "
+        "DHTNode's full_read_reuse, when S > 1; 1 at S = 1; 1 is the rule before session 26)",
+    )
+    ap.add_argument(
+        "--plan-parts",
+        choices=("auto", "stable", "legacy"),
+        default="auto",
+        help="sim: a chunked plan's chunk keys: 'stable' (read from a cached holder, session 26), 'legacy' (a lookup "
+        "per chunk, the rule before), 'auto' (stable when S > 1, as PlanStore in a peer) (default: %(default)s)",
+    )
     ap.add_argument("--quick", action="store_true", help="sim tier + inproc at 8, 16, one round (< 1 min)")
     ap.add_argument("--json", default=None, help="also write every row here")
     args = ap.parse_args(argv)
@@ -760,6 +814,8 @@ def main(argv=None) -> int:
                 else (SAMPLED_READ_QUORUM if built else READ_QUORUM),
                 shards,
                 reuse if built else 1,
+                (args.full_read_reuse or FULL_READ_TARGET_REUSE) if built and shards > 1 else 1,
+                built and (args.plan_parts == "stable" or (args.plan_parts == "auto" and shards > 1)),
             )
             rows.append(
                 sim_row(

@@ -191,11 +191,17 @@ async def live_peers(
     PeerIDs only (a subkey read, :meth:`DHTNode.get`'s ``subkeys``: a few records, not the run's N).
     ``quorum``: the read's quorum of holders (None: the node's ``read_quorum``; :meth:`DHTNode.get`).
     ``shards``: the run's ``record_shards`` (:mod:`~geomesh_p2p.schema.shards`): above 1 the read asks every shard key,
-    or with ``only`` the shards of those PeerIDs only, and drops records found under another shard than their own.
+    or with ``only`` the shards of those PeerIDs only, and drops records found under another shard than their own;
+    a full read there (no ``only``, no ``quorum``) asks each key's cached holders (:meth:`DHTNode.get`'s ``cached``:
+    ``full_read_reuse`` reads, a record that went missing looked up before it is taken as gone).
     """
     run_id = run_id or node.run_id
     # quorum only when given: a duck-typed DHT (tests' fakes, plan/wire.py's protocol) need not know it
     extra: dict[str, Any] = {} if quorum is None else {"quorum": quorum}
+    if shards > 1 and only is None and quorum is None and latest:
+        # a full read of S keys (three a round for each full-view peer): from the holders each key's last lookup
+        # found, a record the last read found and the holders miss looked up again (DHTNode.get's ``cached``)
+        extra["cached"] = True
     if shards == 1:
         found = await node.get(peers_key(run_id), latest=latest, subkeys=only, **extra)
     else:

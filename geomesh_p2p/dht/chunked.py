@@ -13,7 +13,16 @@ compressed by the caller) and a format whose magic is ``M`` (e.g. ``b"gmplan/2"`
 * chunk i is ``body[i*C : (i+1)*C]``, stored under :func:`chunk_key` (``<key>/part/<first 16 hex of
   the body's sha256>/<i>``, same subkey, same owner): each chunk has its own key, so chunks land on
   different DHT nodes, and a value republished with other content (another hash) never mixes its
-  chunks with the first one's.
+  chunks with the first one's;
+* or, for a head whose JSON also says ``"layout": 2`` (``split(..., stable=True)``; a value under a key
+  ``<prefix>/<round>``, the plan of a run with record shards S > 1), under :func:`stable_chunk_key`
+  (``<prefix>/parts/<round % 2>/<i>``, same subkey, same owner): the same keys round after round, so a
+  reader asks the holders it found once (``DHTNode.get(..., cached=True)``: one Find per chunk, no
+  lookup) instead of a lookup per chunk (~7 calls at N = 1,024; issue 25, session 26). The owner's slot
+  there holds its latest chunk i: a holder that missed a newer store answers an older one, which does not
+  match the head's hash. The writer also stores every chunk under :func:`chunk_key` (and only those stores
+  decide whether the value was stored: the stable copies are a shortcut), so a reader whose stable read
+  fails reads the chunk there, as before; readers of the releases before it look there too.
 
 Writers: :func:`split` then :func:`store_chunked` (chunks first, with bounded concurrency and a deadline
 each, then the head, so a reader that sees the head finds the chunks); :func:`store_many` is the bounded
@@ -38,7 +47,7 @@ import json
 import logging
 import zlib
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Generic, Iterable, Optional, TypeVar
 from geomesh_p2p.util.untrusted import json_loads
 
@@ -113,32 +122,57 @@ def sha256_hex(data: bytes) -> str:
 @dataclass(frozen=True)
 class ChunkedValue:
     """A body ready to store: ``head`` (the value under the caller's key) and ``chunks`` (chunk i's
-    bytes; empty when the head holds the body). ``sha256``: hex of the body; ``body_bytes``: its size."""
+    bytes; empty when the head holds the body). ``sha256``: hex of the body; ``body_bytes``: its size;
+    ``stable``: the chunks go under :func:`stable_chunk_key` too (the head says so)."""
 
     head: bytes
     chunks: list[bytes]
     sha256: str
     body_bytes: int
+    stable: bool = False
 
 
-def split(body: bytes, fmt: ChunkFormat) -> ChunkedValue:
-    """Frame ``body`` as a head and chunks of at most ``fmt.value_bytes`` each (module doc).
-    Deterministic. Raises ValueError when it needs more than ``fmt.max_chunks`` chunks."""
+def split(body: bytes, fmt: ChunkFormat, stable: bool = False) -> ChunkedValue:
+    """Frame ``body`` as a head and chunks of at most ``fmt.value_bytes`` each (module doc); ``stable``: a
+    chunked head says ``"layout": 2`` (chunks under :func:`stable_chunk_key`). Deterministic. Raises
+    ValueError when it needs more than ``fmt.max_chunks`` chunks."""
     digest = sha256_hex(body)
     cb = fmt.value_bytes
     inline_max = cb if fmt.inline_bytes is None else min(cb, fmt.inline_bytes)
     if len(fmt.inline) + len(body) <= inline_max:
-        return ChunkedValue(fmt.inline + body, [], digest, len(body))
+        return ChunkedValue(fmt.inline + body, [], digest, len(body))  # inline: no chunks, no layout
     chunks = [body[i : i + cb] for i in range(0, len(body), cb)]
     if len(chunks) > fmt.max_chunks:
         raise ValueError(f"{fmt.what} of {len(body)} bytes needs {len(chunks)} chunks, over {fmt.max_chunks}")
-    head = {"sha256": digest, "size": len(body), "chunk_bytes": cb, "chunks": [sha256_hex(c) for c in chunks]}
-    return ChunkedValue(fmt.head_prefix + json.dumps(head, separators=(",", ":")).encode(), chunks, digest, len(body))
+    head: dict[str, Any] = {
+        "sha256": digest,
+        "size": len(body),
+        "chunk_bytes": cb,
+        "chunks": [sha256_hex(c) for c in chunks],
+    }
+    if stable:
+        head["layout"] = STABLE_LAYOUT
+    framed = fmt.head_prefix + json.dumps(head, separators=(",", ":")).encode()
+    return ChunkedValue(framed, chunks, digest, len(body), stable)
 
 
 def chunk_key(key: str, sha256: str, index: int) -> str:
     """DHT key of chunk ``index`` of the body hashing to ``sha256`` whose head is under ``key``."""
     return f"{key}/part/{sha256[:16]}/{index}"
+
+
+#: A head's ``layout`` for chunks under :func:`stable_chunk_key` (absent: :func:`chunk_key`).
+STABLE_LAYOUT = 2
+
+
+def stable_chunk_key(key: str, index: int) -> str:
+    """DHT key of chunk ``index`` of a stable-layout value whose head is under ``key`` = ``<prefix>/<round>``:
+    ``<prefix>/parts/<round % 2>/<index>`` (two sets of keys, so that a leader of rounds r and r + 1 does not
+    replace round r's chunks while round r is read). Raises ValueError when ``key`` does not end in a round."""
+    prefix, _, last = key.rpartition("/")
+    if not prefix or not last.isdigit():
+        raise ValueError(f"a stable chunk layout needs a key ending in /<round>, not {key!r}")
+    return f"{prefix}/parts/{int(last) % 2}/{index}"
 
 
 @dataclass(frozen=True)
@@ -150,6 +184,8 @@ class Head:
     size: int = 0
     chunk_bytes: int = 0
     chunks: list[str] = field(default_factory=list)
+    #: chunks under :func:`stable_chunk_key` (the head's ``"layout": 2``), else under :func:`chunk_key`
+    stable: bool = False
 
     def chunk_size(self, i: int) -> int:
         """Bytes chunk ``i`` must have."""
@@ -183,7 +219,8 @@ def parse_head(value: bytes, fmt: ChunkFormat) -> Head:
         raise ValueError(f"{w} head lists {len(chunks)} chunks, over the limit of {fmt.max_chunks}")
     if len(chunks) != -(-size // cb):
         raise ValueError(f"{w} head: {len(chunks)} chunks do not hold {size} bytes in chunks of {cb}")
-    return Head(sha256=d["sha256"], size=size, chunk_bytes=cb, chunks=chunks)
+    stable = d.get("layout") == STABLE_LAYOUT
+    return Head(sha256=d["sha256"], size=size, chunk_bytes=cb, chunks=chunks, stable=stable)
 
 
 def decompress_capped(data: bytes, max_bytes: int, what: str = "value") -> bytes:
@@ -260,20 +297,27 @@ async def store_chunked(
     concurrency: int = STORE_CONCURRENCY,
 ) -> StoreOutcome:
     """Store ``value``'s chunks (:func:`store_many`: bounded concurrency, ``timeout_s`` each) under
-    :func:`chunk_key`, then, only if all were stored, its head under ``key``; all under ``subkey``,
-    signed by ``owner``. A head store that times out counts as not stored; one that raises propagates
-    (as the caller's own store would)."""
+    :func:`chunk_key` (and, for a head of the stable layout, also under :func:`stable_chunk_key`), then,
+    only if all were stored under :func:`chunk_key`, its head under ``key``; all under ``subkey``, signed by
+    ``owner``. A stable copy stored nowhere is logged at DEBUG only (its readers fall back to :func:`chunk_key`).
+    A head store that times out counts as not stored; one that raises propagates (as the caller's own store would)."""
     if value.chunks:
+        n = len(value.chunks)
+        items = [(chunk_key(key, value.sha256, i), subkey, c) for i, c in enumerate(value.chunks)]
+        if value.stable:
+            items += [(stable_chunk_key(key, i), subkey, c) for i, c in enumerate(value.chunks)]
         stored = await store_many(
             dht,
-            ((chunk_key(key, value.sha256, i), subkey, c) for i, c in enumerate(value.chunks)),
+            items,
             owner=owner,
             expiration_time=expiration_time,
             timeout_s=timeout_s,
             concurrency=concurrency,
         )
-        if not all(stored):
-            return StoreOutcome(False, stored.count(False), len(stored))
+        if not all(stored[n:]):
+            log.debug("%d of %d stable chunk copies of %s were stored nowhere", stored[n:].count(False), n, key)
+        if not all(stored[:n]):
+            return StoreOutcome(False, stored[:n].count(False), n)
     coro = dht.store(key, value.head, expiration_time=expiration_time, subkey=subkey, owner=owner)
     try:
         ok = await (coro if timeout_s is None else asyncio.wait_for(coro, timeout_s))
@@ -344,6 +388,8 @@ class ChunkedReader(Generic[T]):
         return body
 
     async def _chunk(self, key: str, owner: str, head: Head, i: int) -> bytes:
+        if head.stable:
+            return await self._stable_chunk(key, owner, head, i)
         n = len(head.chunks)
         try:
             # One holder's copy is enough: the key names the body's hash and the slot is the owner's (a record
@@ -363,3 +409,36 @@ class ChunkedReader(Generic[T]):
         if len(data) != head.chunk_size(i) or sha256_hex(data) != head.chunks[i]:
             raise ChunksPending(f"chunk {i + 1}/{n} does not match the head's hash")
         return data
+
+    def _check(self, found: Optional[dict], owner: str, head: Head, i: int) -> Optional[str]:
+        """Why the entry of ``owner`` in ``found`` is not chunk ``i`` of ``head`` (None: it is)."""
+        n = len(head.chunks)
+        entry = (found or {}).get(owner)
+        if entry is None:
+            return f"chunk {i + 1}/{n} not found"
+        data, _expiration, signer = entry
+        if signer is None or str(signer) != owner:
+            return f"chunk {i + 1}/{n} is not signed by the {self.fmt.owner_role}"
+        if len(data) != head.chunk_size(i) or sha256_hex(data) != head.chunks[i]:
+            return f"chunk {i + 1}/{n} does not match the head's hash"
+        return None
+
+    async def _stable_chunk(self, key: str, owner: str, head: Head, i: int) -> bytes:
+        """Chunk ``i`` of a stable-layout head: from one holder the last lookup of its key found, drawn at random
+        (``DHTNode.get(..., quorum=1, cached=True)``); a copy that is missing or not the head's (an older chunk of
+        the owner's slot, a lagging holder) drops those holders, and the chunk is read under :func:`chunk_key`
+        (the key of its hash, where the writer always stores it: a lookup, as before session 26). Raises
+        :class:`ChunksPending` as :meth:`load`."""
+        ckey = stable_chunk_key(key, i)
+        try:
+            got = await asyncio.wait_for(
+                self.dht.get(ckey, latest=True, subkeys=[owner], quorum=1, cached=True), self.chunk_timeout_s
+            )
+            if self._check(got, owner, head, i) is None:
+                return got[owner][0]
+        except asyncio.TimeoutError:
+            pass  # the key of its hash, below, with a deadline of its own
+        forget = getattr(self.dht, "forget_read_targets", None)
+        if callable(forget):
+            forget(ckey)
+        return await self._chunk(key, owner, replace(head, stable=False), i)

@@ -47,6 +47,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import random
 import time
 from typing import Any, Collection, Dict, List, Optional, Sequence
 
@@ -92,16 +93,22 @@ class _Targets:
 
 
 class _ReadTargets(_Targets):
-    """A sampled read's cached holders (:meth:`DHTNode.get`), and how long a reused read waits for them: twice the
+    """A read's cached holders (:meth:`DHTNode.get`), and how long a reused read waits for them: twice the
     lookup that found them (at least :data:`MIN_READ_WAIT_S`, at most the RPC deadline). A reused read that waits
     longer than the lookup it saves is worse than that lookup: a holder that answered the lookup first and then
-    answers just before the deadline would otherwise make each of the next reads wait for it (red team, session 22)."""
+    answers just before the deadline would otherwise make each of the next reads wait for it (red team, session 22).
+    ``spread``: each reused read asks its quorum drawn at random among ``ids`` (a value every reader reads from one
+    holder: its reads spread over the key's nodes), else the first that answered. ``seen``: a full read's records of
+    its last read (subkey -> expiration time, unix seconds), which the next cached read must find again."""
 
-    __slots__ = ("wait_s",)
+    __slots__ = ("wait_s", "spread", "seen")
 
-    def __init__(self, ids: List[Optional[DHTID]], contacts: Dict[DHTID, Contact], wait_s: float) -> None:
+    def __init__(
+        self, ids: List[Optional[DHTID]], contacts: Dict[DHTID, Contact], wait_s: float, spread: bool = False
+    ) -> None:
         super().__init__(ids, contacts)
-        self.wait_s = wait_s
+        self.wait_s, self.spread = wait_s, spread
+        self.seen: Optional[Dict[Optional[str], float]] = None
 
 
 #: Keys whose store targets a node remembers (least recently stored first out).
@@ -181,10 +188,13 @@ class DHTNode(DHTJoin):
         self.store_reuses = 0
         #: Per peer-records key a sampled read asked: the holders that answered its last lookup with records, in
         #: the order they answered, their contacts and the reads that reused them (:meth:`get`).
-        self._read_targets: "collections.OrderedDict[DHTID, _Targets]" = collections.OrderedDict()
-        #: Sampled reads that looked their key up, and those that asked cached holders alone (counters).
+        self._read_targets: "collections.OrderedDict[DHTID, _ReadTargets]" = collections.OrderedDict()
+        #: Reads that looked their key up to fill or renew the cache, and those that asked cached holders alone
+        #: (sampled reads, full reads with ``cached``, chunk reads with ``cached``; counters).
         self.read_lookups = 0
         self.read_reuses = 0
+        #: Cached full reads that missed a record the previous read found, and looked those records up (counter).
+        self.read_rechecks = 0
         self._serve()
 
     def recent_store_s(self) -> float:
@@ -345,6 +355,7 @@ class DHTNode(DHTJoin):
         stats: Optional[LookupStats] = None,
         subkeys: Optional[Collection[str]] = None,
         quorum: Optional[int] = None,
+        cached: bool = False,
     ) -> Dict[Optional[str], DHTValue]:
         """Find ``key``: ``{subkey or None: DHTValue(value, expiration_time, owner)}``, ``{}`` if absent.
 
@@ -368,6 +379,17 @@ class DHTNode(DHTJoin):
         a lookup's hops before the holders, ~6 at N = 1,024, were most of a light follower's DHT calls). A reused
         read waits for its cached holders at most twice as long as the lookup that found them took
         (:class:`_ReadTargets`), then drops them and looks the key up.
+
+        ``cached`` (issue 25, session 26; a run with record shards S > 1 sets it, :func:`~geomesh_p2p.dht.announce.live_peers`):
+        a full read (``latest``, the node's quorum, no ``subkeys``) of a peer-records key asks the holders its last
+        lookup found, ``full_read_reuse`` reads in all. It decides from a record's absence, so a record that the
+        previous read of the key returned and that has not expired, missing from the cached holders' answers, is
+        looked up (a lookup of those subkeys, which only holders of them end) before the read returns without it;
+        records stored since on other nodes than the cached holders are seen by the next lookup at the latest (stores
+        reach the key's 8 nearest nodes, the cached holders are among them unless they changed). With an explicit
+        ``quorum``, a read of any other key (a plan chunk: :mod:`~geomesh_p2p.dht.chunked`, whose reader checks every
+        byte against the head's hash) asks ``quorum`` of the key's nearest nodes (those the last lookup found) drawn
+        at random, ``read_target_reuse`` reads in all; :meth:`forget_read_targets` drops them.
         """
         wanted = set(subkeys) if subkeys else None
         sampled = quorum is not None  # a read that tolerates a stale record: it may ask cached holders
@@ -403,13 +425,22 @@ class DHTNode(DHTJoin):
             answered[0] += 1
             return not latest or (quorum is not None and answered[0] >= quorum)
 
-        reuse = sampled and latest and quorum is not None and is_peer_records_key(key, self.run_id)
+        peer_key = is_peer_records_key(key, self.run_id)
+        full = cached and latest and not sampled and wanted is None and peer_key  # guarded against absence
+        spread = cached and latest and sampled and not peer_key  # e.g. a plan chunk: any holder's copy is checked
+        reuse = latest and quorum is not None and ((sampled and peer_key) or full or spread)
         local = answered[0]
-        if reuse and quorum is not None and await self._read_cached(key_id, wanted, quorum, local, merge, stats):
-            return merge.result(self.now())
+        limit = self.full_read_reuse if full else self.read_target_reuse
+        prev = self._read_targets.get(key_id)
+        seen = dict(prev.seen) if full and prev is not None and prev.seen is not None else {}
+        if reuse and quorum is not None and await self._read_cached(key_id, wanted, quorum, local, merge, stats, limit):
+            result = merge.result(self.now())
+            if not full:
+                return result
+            return await self._recheck(key, key_id, seen, result, merge, stats)
         holders: Dict[DHTID, List[DHTID]] = {}
         t0 = time.perf_counter()
-        _, contacts = await self._traverse(
+        nearest, contacts = await self._traverse(
             [key_id],
             beam=self.k,
             on_records=on_records,
@@ -421,15 +452,67 @@ class DHTNode(DHTJoin):
         if reuse:
             self.read_lookups += 1
             found = list(holders.get(key_id, ()))  # a copy: finds still in flight append to the lookup's list
+            if spread:  # the key's nearest nodes (all hold it once stored): the holders that answered first, then them
+                found += [nid for nid in nearest.get(key_id, [])[: self.replicas_for(key)] if nid not in found]
             if quorum is not None and len(found) >= max(1, quorum - local):
                 wait_s = min(self.rpc_timeout_s, max(MIN_READ_WAIT_S, 2 * (time.perf_counter() - t0)))
-                t = _ReadTargets(list(found), {nid: contacts[nid] for nid in found if nid in contacts}, wait_s)
+                t = _ReadTargets(list(found), {nid: contacts[nid] for nid in found if nid in contacts}, wait_s, spread)
                 t.uses = 1  # the lookup's read counts, as a store's does
+                result = merge.result(self.now())
+                if full:
+                    t.seen = {sk: v.expiration_time for sk, v in result.items()}
                 self._read_targets[key_id] = t
                 self._read_targets.move_to_end(key_id)
                 while len(self._read_targets) > MAX_CACHED_TARGETS:
                     self._read_targets.popitem(last=False)
+                return result
         return merge.result(self.now())
+
+    async def _recheck(
+        self,
+        key: str,
+        key_id: DHTID,
+        seen: Dict[Optional[str], float],
+        result: Dict[Optional[str], DHTValue],
+        merge: _Merge,
+        stats: LookupStats,
+    ) -> Dict[Optional[str], DHTValue]:
+        """A cached full read's guard (:meth:`get`, ``cached``): the records the previous read of ``key`` found
+        (``seen``: subkey -> expiration) that have not expired and are missing from ``result`` are looked up (only
+        holders of one of them end that lookup, at the read's quorum, or the key's k nearest nodes all answered) and
+        merged. Returns the read's result; the cache is dropped when any was missing (the next full read looks the key
+        up)."""
+        now = self.now()
+        missing = {sk for sk, exp in seen.items() if exp > now and sk not in result}
+        t = self._read_targets.get(key_id)
+        if not missing:
+            if t is not None:
+                t.seen = {sk: v.expiration_time for sk, v in result.items()}
+            return result
+        self._read_targets.pop(key_id, None)  # what the cached holders answered is not taken as anyone's absence
+        self.read_rechecks += 1
+        self.read_lookups += 1
+        quorum = min(self.read_quorum or self.k, self.replicas_for(key))
+        answered = [0]
+
+        def on_records(q: DHTID, records: List[VerifiedRecord], hop: int) -> bool:
+            for vr in records:
+                merge.add(vr)
+            answered[0] += 1
+            return answered[0] >= quorum
+
+        named = {sk for sk in missing if sk is not None}
+        # more than a find may name (or an unnamed record): a full lookup read
+        subkeys = named if len(named) == len(missing) and len(named) <= self.limits.max_keys_per_find else None
+        await self._traverse(
+            [key_id], beam=self.k, on_records=on_records, stats=stats, await_all=False, subkeys=subkeys
+        )
+        return merge.result(self.now())
+
+    def forget_read_targets(self, key: str) -> None:
+        """Drop the holders cached for ``key``'s reads (:meth:`get`): the next read looks the key up. A reader whose
+        cached holder answered with a copy it cannot use (a chunk that does not match its head) calls it."""
+        self._read_targets.pop(key_id_of(key), None)
 
     async def _read_cached(
         self,
@@ -439,26 +522,29 @@ class DHTNode(DHTJoin):
         local: int,
         merge: _Merge,
         stats: LookupStats,
+        limit: int,
     ) -> bool:
         """A sampled read from ``key_id``'s cached holders (:meth:`get`): asks them, nearest-answering first and
         in parallel, until ``quorum`` nodes (``local``: this node's own store counted) answered with records.
         True when the quorum was met. A holder that fails or answers with none of the records asked drops the
         cache: a spare cached holder completes this read, else the caller looks the key up (records found meanwhile
-        stay in ``merge``), and the next read looks it up in either case."""
+        stay in ``merge``), and the next read looks it up in either case. ``limit``: reads the cache serves in all."""
         t = self._read_targets.get(key_id)
-        if t is None or t.uses >= self.read_target_reuse:
+        if t is None or t.uses >= limit:
             self._read_targets.pop(key_id, None)
             return False
         t.uses += 1
         need = quorum - local
         todo = [nid for nid in t.ids if nid is not None and nid in t.contacts]
+        if t.spread:
+            random.shuffle(todo)
         answered, good = 0, True
         while need > answered and todo:
             batch, todo = todo[: need - answered], todo[need - answered :]
             stats.rpcs += len(batch)
             calls = [asyncio.ensure_future(self._find(t.contacts[nid], [key_id], subkeys=wanted)) for nid in batch]
             try:
-                done, pending = await asyncio.wait(calls, timeout=getattr(t, "wait_s", self.rpc_timeout_s))
+                done, pending = await asyncio.wait(calls, timeout=t.wait_s)
             except BaseException:
                 for c in calls:
                     c.cancel()

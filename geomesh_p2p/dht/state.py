@@ -74,8 +74,17 @@ STORE_TARGET_REUSE = 4
 #: asks the holders that answered the last lookup read of that key this many times in all before it looks the key
 #: up again; a cached holder that fails or holds none of the records asked ends the reuse at once (the read then
 #: looks the key up). A lookup at N = 1,024 costs ~6 hops before the key's holders; a reused read costs the quorum's
-#: calls alone (issue 25, session 22). 1: every read looks the key up (the rule before).
-READ_TARGET_REUSE = 8
+#: calls alone (issue 25, session 22: 8). 32 since session 26: a sampled read tolerates a stale record (it sends the
+#: light follower to the full path), and a holder that left or lost the records ends the reuse at once, so only a
+#: node that joined nearer to the key than the cached holders goes unasked for longer (its records are also on them:
+#: stores reach 8 holders). 1: every read looks the key up (the rule before session 22).
+READ_TARGET_REUSE = 32
+#: A full read (the node's quorum, no subkeys) that opts in (``DHTNode.get(..., cached=True)``: a run with record
+#: shards S > 1, whose full-view peers read S keys three times a round) asks the holders the last lookup of the key
+#: found, at most this many times in all, then looks the key up again. Such a read decides from a record's absence
+#: (a peer that left), so a record the previous read of the key found and that has not expired, missing from the
+#: cached holders' answers, is looked up before it is taken as gone (issue 25, session 26).
+FULL_READ_TARGET_REUSE = 8
 
 
 def is_peer_records_key(key: str, run_id: str) -> bool:
@@ -196,6 +205,7 @@ class DHTNodeState:
         peer_record_replicas: int = PEER_RECORD_REPLICAS,
         store_target_reuse: int = STORE_TARGET_REUSE,
         read_target_reuse: int = READ_TARGET_REUSE,
+        full_read_reuse: int = FULL_READ_TARGET_REUSE,
         read_quorum: Optional[int] = DEFAULT_READ_QUORUM,
         depth_modulo: int = 5,
         rpc_timeout_s: float = 3.0,
@@ -228,14 +238,15 @@ class DHTNodeState:
         self.client_only: bool = transport.config.client_only
         self.k, self.alpha = k, alpha
         self.num_replicas = num_replicas or k
-        if peer_record_replicas < 1 or store_target_reuse < 1 or read_target_reuse < 1:
+        if min(peer_record_replicas, store_target_reuse, read_target_reuse, full_read_reuse) < 1:
             raise ValueError(
-                f"peer_record_replicas, store_target_reuse and read_target_reuse must be >= 1 "
-                f"(got {peer_record_replicas}, {store_target_reuse}, {read_target_reuse})"
+                f"peer_record_replicas, store_target_reuse, read_target_reuse and full_read_reuse must be >= 1 "
+                f"(got {peer_record_replicas}, {store_target_reuse}, {read_target_reuse}, {full_read_reuse})"
             )
         self.peer_record_replicas = peer_record_replicas
         self.store_target_reuse = store_target_reuse
         self.read_target_reuse = read_target_reuse
+        self.full_read_reuse = full_read_reuse
         if read_quorum is not None and read_quorum < 1:
             raise ValueError(f"read_quorum must be >= 1 or None (got {read_quorum})")
         self.read_quorum = read_quorum

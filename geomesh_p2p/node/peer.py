@@ -436,7 +436,8 @@ class PeerNode:
             self.dht, self.my_record, period_s=c.announce_period_s, ttl_s=ttl_s, shards=self.run_cfg.record_shards
         )
         self.announcer.live = ProgressWatchdog.for_node(self).problem  # liveness is progress (issue 29 #5)
-        self.plans = PlanStore(self.dht, self.identity, self.run_cfg.run_id, ttl_s=c.plan_ttl_floor_s)
+        stable = self.run_cfg.record_shards > 1  # a chunked plan's chunks from cached holders (issue 25, session 26)
+        self.plans = PlanStore(self.dht, self.identity, self.run_cfg.run_id, c.plan_ttl_floor_s, stable_parts=stable)
         # Off the event loop: tokenizing and profiling take seconds, and the DHT must keep answering.
         await asyncio.to_thread(self._build_training)
         self._stop_point("after building training")

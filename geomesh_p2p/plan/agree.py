@@ -191,6 +191,9 @@ class PlanStore:
     keys that the head lists by hash. ``chunk_timeout_s``: deadline of each chunk's get, seconds.
     ``ttl_s``: the shortest lifetime of a stored plan, seconds; a plan lives until its round is over
     (:func:`plan_expiration`). ``stale_after_s``: a plan whose exchange deadline is this long past is ignored.
+    ``stable_parts`` (a run with record shards S > 1): a chunked plan's chunks are also stored under the keys of
+    :func:`geomesh_p2p.dht.chunked.stable_chunk_key`, the same every other round, and its head says so: followers read
+    each chunk from one holder they found before (a Find call, no lookup; issue 25, session 26).
     """
 
     def __init__(
@@ -201,8 +204,10 @@ class PlanStore:
         ttl_s: float = PLAN_TTL_FLOOR_S,
         stale_after_s: float = PLAN_STALE_AFTER_S,
         chunk_timeout_s: float = 5.0,
+        stable_parts: bool = False,
     ):
         self.dht, self.identity, self.run_id, self.ttl_s = dht, identity, run_id, ttl_s
+        self.stable_parts = stable_parts
         self.stale_after_s = stale_after_s
         self.reader = PlanReader(dht, chunk_timeout_s=chunk_timeout_s)
         self._refused: set = set()
@@ -226,9 +231,9 @@ class PlanStore:
         me = str(self.identity.peer_id)
         try:
             if len(plan.assignments) > THREAD_ABOVE_PEERS:
-                enc = await asyncio.to_thread(split_plan, plan)
+                enc = await asyncio.to_thread(split_plan, plan, stable=self.stable_parts)
             else:
-                enc = split_plan(plan)
+                enc = split_plan(plan, stable=self.stable_parts)
         except ValueError as e:  # ~47,000 peers: the next leader will not do better, but the node lives on
             log.error("round %d: my plan cannot be stored: %s", plan.round, e)
             return False

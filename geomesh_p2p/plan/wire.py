@@ -113,10 +113,11 @@ def decode_body(body: bytes) -> RoundPlan:
     return RoundPlan.model_validate(d)
 
 
-def split_plan(plan: RoundPlan, value_bytes: int = PLAN_VALUE_BYTES) -> PlanWire:
-    """Encode ``plan`` into a head and chunks of at most ``value_bytes`` each (see the module doc).
+def split_plan(plan: RoundPlan, value_bytes: int = PLAN_VALUE_BYTES, stable: bool = False) -> PlanWire:
+    """Encode ``plan`` into a head and chunks of at most ``value_bytes`` each (see the module doc); ``stable``:
+    chunks under the keys of :func:`geomesh_p2p.dht.chunked.stable_chunk_key` too (a run with record shards S > 1).
     Raises ValueError when it needs more than ``MAX_PLAN_CHUNKS`` chunks. CPU: ~20 ms at 1,024 peers."""
-    return chunked.split(encode_body(plan), plan_format(value_bytes))
+    return chunked.split(encode_body(plan), plan_format(value_bytes), stable=stable)
 
 
 def parse_head(value: bytes) -> PlanHead:

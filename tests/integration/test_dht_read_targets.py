@@ -42,7 +42,7 @@ async def test_sampled_reads_reuse_the_holders_then_look_up_again():
         key = peers_key(RUN)
         wanted = [w.peer_id.to_string() for w in nodes[:2]]
         reader = next(n for n in nodes[6:] if not any(_holds(n, key, s) for s in wanted))
-        assert READ_TARGET_REUSE == reader.read_target_reuse == 8
+        assert READ_TARGET_REUSE == reader.read_target_reuse == 32
 
         async def sampled() -> list[str]:
             return [r.peer_id for r in await live_peers(reader, RUN, only=wanted, quorum=2)]

@@ -62,3 +62,23 @@ async def test_a_1024_peer_plan_is_stored_in_chunks_and_read_back_from_every_nod
         assert await fresh.read(7) == [plan]
     finally:
         await stop_all(nodes)
+
+
+async def test_a_sharded_runs_plan_is_read_from_stable_chunk_keys_round_after_round():
+    """``PlanStore(stable_parts=True)`` (a run with record shards S > 1): the head says ``layout`` 2 and its chunks are
+    also under ``<run>/plan/parts/<r % 2>/<i>``. Every node reads rounds 7 and 9 (the same chunk keys) back; a reader
+    that looked those keys up in round 7 reads round 9's chunks through one Find call each, without a lookup."""
+    nodes: list[DHTNode] = await start_swarm(6)
+    try:
+        leader = nodes[0].transport.identity
+        plans = {r: big_plan(1024, run_id=RUN, round=r, leader=str(leader.peer_id)) for r in (7, 9)}
+        assert b'"layout":2' in split_plan(plans[7], stable=True).head
+        readers = [PlanStore(node, Identity.generate(), RUN, stable_parts=True) for node in nodes[1:]]
+        for r, plan in plans.items():
+            assert await PlanStore(nodes[0], leader, RUN, stable_parts=True).publish(plan)
+            for store in readers:
+                assert await store.read(r) == [plan]
+        for node in nodes[1:]:
+            assert node.read_reuses >= 2  # round 9's two chunks from the holders round 7's lookups found
+    finally:
+        await stop_all(nodes)

@@ -55,11 +55,13 @@ async def test_inproc_tier_counts_real_dht_calls_and_matches_the_models_rpcs():
     assert "| inproc | 6 |" in table([row])
 
 
+@pytest.mark.timeout(300)  # two 1,024-peer plans (~15 s of CPU each, minutes on loaded cores)
 async def test_light_followers_cached_read_holders_cut_their_calls_in_both_tiers():
     """Session 22: a light follower's sampled reads ask the holders their last lookup found (``read_target_reuse``
-    8) instead of looking the key up each time. In-process (12 nodes, 4 full-view, 2 rounds): the same reads find
-    every record asked with fewer DHT calls than with a lookup every read (``read_reuse`` 1), and the nodes count
-    reused reads. In the model at 1,024: a sampled read costs (h + Qs + alpha - 1) / 8 + 7/8 x Qs calls."""
+    8; 32 since session 26) instead of looking the key up each time. In-process (12 nodes, 4 full-view, 2 rounds):
+    the same reads find every record asked with fewer DHT calls than with a lookup every read (``read_reuse`` 1), and
+    the nodes count reused reads. In the model at 1,024: a sampled read costs (h + Qs + alpha - 1) / 32 + 31/32 x Qs
+    calls."""
     rows = {}
     for reuse in (1, 8):
         rows[reuse] = await inproc_row(
@@ -70,8 +72,25 @@ async def test_light_followers_cached_read_holders_cut_their_calls_in_both_tiers
     assert rows[8]["dht_rpcs"] < rows[1]["dht_rpcs"]
     a, b = (
         await asyncio.to_thread(sim_row, 1024, 3, 8.0, what_if=WhatIf(read_reuse=1)),
-        await asyncio.to_thread(sim_row, 1024, 3, 8.0, what_if=WhatIf(read_reuse=8)),
+        await asyncio.to_thread(sim_row, 1024, 3, 8.0, what_if=WhatIf(read_reuse=32)),
     )
     hops, looked = 26 - 20, 26 - 20 + 2 + 3 - 1  # L = 20 + ceil(log2(1024 / 20)); the quorum 2 + alpha - 1 more
-    assert a["dht_rpcs_light_peer"] - b["dht_rpcs_light_peer"] == pytest.approx(2 * (looked - (looked / 8 + 7 / 8 * 2)))
+    saved = 2 * (looked - (looked / 32 + 31 / 32 * 2))
+    assert a["dht_rpcs_light_peer"] - b["dht_rpcs_light_peer"] == pytest.approx(saved)
     assert hops == 6 and "R=1" in table([a]) and "R=" not in table([b])
+
+
+def test_sim_models_cached_full_reads_and_stable_plan_chunks():
+    """Session 26, at 64 peers with S = 4 (L = 20 + 2 = 22: 2 hops; a plan of 64 is one chunk): a full read of a key
+    costs (h + Q + alpha - 1) / 8 + 7/8 x Q calls (F = 8), and the plan's chunk (h + alpha) / 32 + 31/32 calls
+    (stable parts, R = 32) where it was h + 1."""
+    base = WhatIf(record_shards=4, read_reuse=32)
+    a = sim_row(64, 3, 8.0, what_if=base)
+    b = sim_row(64, 3, 8.0, what_if=WhatIf(record_shards=4, read_reuse=32, full_read_reuse=8, stable_parts=True))
+    assert a["lookup_rpcs"] == 22 and a["plan_chunks"] == 1
+    read, cached = 2 + 5 + 2, 5
+    full_saved = 3 * 4 * (read - (read / 8 + 7 / 8 * cached))
+    chunk_saved = (2 + 1) - ((2 + 3) / 32 + 31 / 32)
+    assert a["dht_rpcs_light_peer"] - b["dht_rpcs_light_peer"] == pytest.approx(chunk_saved)
+    assert a["dht_rpcs"] - b["dht_rpcs"] == pytest.approx(8 / 64 * full_saved + chunk_saved)
+    assert "F=8 stable-parts" in table([b])
