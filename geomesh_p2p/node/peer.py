@@ -452,8 +452,7 @@ class PeerNode:
             raise StoppedBeforeJoining(f"stop requested during start-up ({where})")
 
     def _build_training(self) -> None:
-        """Data, model, profile, trainers and the global state (:func:`geomesh_p2p.node.training.build_training`;
-        worker thread)."""
+        """Data, model, profile, trainers, global state (:func:`.training.build_training`; worker thread)."""
         training.build_training(self)
 
     async def remeasure(self) -> None:
