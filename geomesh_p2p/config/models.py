@@ -221,7 +221,7 @@ class RunConfig(BaseModel):
         1,
         "DHT keys the peer records are spread over (a power of two, 1..256): 1 keeps every record under one key, "
         "whose 8 holding nodes then serve every store and sampled read of the swarm; a swarm of hundreds sets "
-        "about N/64 (16 at 1,024 peers) so that each holder serves ~1/S of them (docs/scale.md, 'Record shards'). "
+        "about N/32 (8 at 256, 32 at 1,024 peers) so that each holder serves ~1/S of them (docs/scale.md, 'Session 26'). "
         "Every full read then asks S keys, so leave 1 below ~100 peers. Bootstraps and the status page take the "
         "same value (--record-shards)",
         metavar="S",
