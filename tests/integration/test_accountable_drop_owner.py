@@ -1,0 +1,81 @@
+"""The red team's ``drop-owner`` (tests/adversary.py, issue 26, session 26) in accountable mode, in-process gRPC on
+127.0.0.1: an owner that receipts every push, then leaves receipted contributions out of its result with a
+consistent commitment (its input list and aggregate both lack them), so a validator's recomputation matches and
+only the dropped sender's receipt proves it. Checked: each dropped sender holds a drop proof that verifies from its
+bytes, the validators find nothing, every honest peer excludes the owner once the proof is in the DHT (the owner
+itself excludes nobody), and no honest peer is excluded anywhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from geomesh_p2p.exchange import CollectiveService, accountable
+
+from tests.adversary import drop_contributions
+from tests.integration.test_collective_accountable import _accountability, _round, _validate_all
+from tests.collective_util import RUN
+from tests.unit.test_evidence_chunks import LimitedDHT
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _drop_owner(k: int) -> type:
+    class _DropOwner(CollectiveService):
+        """As an owner, the adversary's cut: the first ``k`` other senders (0: all) out of inputs and aggregate."""
+
+        def _build_result(self, spec, part, contributions):
+            kept, _ = drop_contributions(contributions, self.peer_id, k)
+            part.inputs = [c.signed for c in kept]  # the commitment follows: validators see a rule-exact result
+            part.input_senders = [c.sender for c in kept]
+            return super()._build_result(spec, part, kept)
+
+    return _DropOwner
+
+
+def test_drop_contributions_cuts_the_first_other_senders_and_keeps_the_owners_own():
+    cs = [SimpleNamespace(sender=s) for s in ("a", "me", "b", "c")]
+    kept, gone = drop_contributions(cs, "me", 1)
+    assert [c.sender for c in kept] == ["me", "b", "c"] and gone == ["a"]
+    kept, gone = drop_contributions(cs, "me", 2)
+    assert [c.sender for c in kept] == ["me", "c"] and gone == ["a", "b"]
+    kept, gone = drop_contributions(cs, "me", 0)
+    assert [c.sender for c in kept] == ["me"] and gone == ["a", "b", "c"]
+    assert drop_contributions(cs[1:2], "me", 1) == (cs[1:2], [])
+
+
+@pytest.mark.parametrize("k", [1, 0])
+async def test_a_dropping_owner_is_proven_by_its_victims_and_excluded_by_every_honest_peer(swarms, k):
+    sw, spec, _, res = await _round(swarms, [CollectiveService] * 3 + [_drop_owner(k)], validators=3, seed=11)
+    evil = sw.pids[3]
+    parts = spec.part_index_of(evil)
+    assert parts and all(torch.equal(r.aggregate, res[0].aggregate) for r in res)  # one set of bytes everywhere
+    # the victims (the first other sender in the owner's order, or all 3 honest peers) hold a verified drop proof
+    holders = [i for i, r in enumerate(res) if r.proofs]
+    assert len(holders) == (1 if k == 1 else 3) and 3 not in holders
+    for i in holders:
+        v = accountable.verify_proof(RUN, res[i].proofs[0])  # from the bytes alone, as any third peer
+        assert (v.kind, v.accused, v.round, v.part) == ("drop", evil, spec.round, parts[0])
+        assert "not in the result" in v.reason
+    # its commitment is consistent: every other peer validating its part recomputes the same bytes, no proof
+    assert await _validate_all(sw, spec, parts=parts) == []
+    # after the round: the victims publish, every peer reads and re-checks (the forger test's sequence)
+    dht = LimitedDHT()
+    accs = [_accountability(sw, i, dht) for i in range(4)]
+    plan = SimpleNamespace(mode="accountable")
+    for (acc, _), r in zip(accs, res):
+        acc.after_round(spec.round, plan, r)
+    await asyncio.gather(*[acc.task for acc, _ in accs])
+    for acc, _ in accs:
+        await acc.read(spec.round)  # a peer that read before the proof was stored reads again next round
+    assert sum(acc.published for acc, _ in accs) == len(holders)
+    for i in range(3):
+        verdicts = accs[i][1]
+        assert set(verdicts.excluded) == {evil} and evil not in verdicts.lone
+        assert "owner drop proven" in verdicts.excluded[evil]
+        assert verdicts.plan_problem(SimpleNamespace(participants=lambda: sw.pids, leader=evil, round=2))
+    assert accs[3][1].excluded == {}  # the accused's own verdicts: nobody (an honest peer is never excluded)
