@@ -15,9 +15,11 @@ import pytest
 import torch
 
 from geomesh_p2p.exchange import CollectiveService, accountable
+from geomesh_p2p.trust import fraud
 
 from tests.adversary import drop_contributions
-from tests.integration.test_collective_accountable import _accountability, _round, _validate_all
+from tests.integration.test_collective_accountable import NUMEL, _accountability, _round, _validate_all
+from tests.integration.test_collective_robust import ROBUST, _honest_deltas
 from tests.collective_util import RUN
 from tests.unit.test_evidence_chunks import LimitedDHT
 
@@ -79,3 +81,55 @@ async def test_a_dropping_owner_is_proven_by_its_victims_and_excluded_by_every_h
         assert "owner drop proven" in verdicts.excluded[evil]
         assert verdicts.plan_problem(SimpleNamespace(participants=lambda: sw.pids, leader=evil, round=2))
     assert accs[3][1].excluded == {}  # the accused's own verdicts: nobody (an honest peer is never excluded)
+
+
+class _VictimDropper(CollectiveService):
+    """As an owner, leaves ``victim``'s receipted contribution out (inputs and aggregate): colluding droppers that
+    all pick one victim, so that victim alone holds every proof."""
+
+    victim = ""
+
+    def _build_result(self, spec, part, contributions):
+        kept = [c for c in contributions if c.sender != type(self).victim]
+        part.inputs, part.input_senders = [c.signed for c in kept], [c.sender for c in kept]
+        return super()._build_result(spec, part, kept)
+
+
+async def test_two_owners_dropping_one_victim_are_both_excluded_from_its_first_publication(swarms):
+    """Before session 26 an accuser published one proof a round: k owners that all dropped one victim were out only
+    after k rounds. Now its first record bundles one proof per owner, and every honest peer excludes both."""
+    sw = await swarms(5, service_cls=[CollectiveService] * 3 + [_VictimDropper] * 2)
+    _VictimDropper.victim = sw.pids[0]
+    deltas = _honest_deltas(sw.pids, NUMEL, seed=12)
+    spec = sw.spec(NUMEL, mode="accountable", deadline_s=3.0, **ROBUST)
+    res = await asyncio.gather(*[s.all_reduce(spec, deltas[p], 100) for s, p in zip(sw.services, sw.pids)])
+    evil = set(sw.pids[3:])
+    assert {accountable.verify_proof(RUN, p).accused for p in res[0].proofs} == evil
+    assert all(r.proofs == [] for r in res[1:])
+    dht = LimitedDHT()
+    accs = [_accountability(sw, i, dht) for i in range(5)]
+    plan = SimpleNamespace(mode="accountable")
+    for (acc, _), r in zip(accs, res):
+        acc.after_round(spec.round, plan, r)
+    await asyncio.gather(*[acc.task for acc, _ in accs])
+    for acc, _ in accs:
+        await acc.read(spec.round)
+    assert accs[0][0].published == 2 and accs[0][0].pending == []  # both in this round's one record
+    for i in range(3):
+        assert set(accs[i][1].excluded) == evil, i
+        assert all("owner drop proven" in accs[i][1].excluded[e] for e in evil)
+    assert all(set(accs[i][1].excluded) == evil - {sw.pids[i]} for i in (3, 4))  # never an honest peer
+
+
+def test_a_bundle_round_trips_and_a_broken_one_is_refused():
+    assert fraud.unbundle(fraud.bundle([b"\x0aone"])) == [b"\x0aone"]  # one proof: the plain form
+    assert fraud.unbundle(fraud.bundle([b"a", b"bc", b"def"])) == [b"a", b"bc", b"def"]
+    whole = fraud.bundle([b"a", b"bc"])
+    for bad in (whole[:-1], whole + b"\x01", b"gmpb/1\0" + bytes(4) + b"x"):
+        with pytest.raises(ValueError):
+            fraud.unbundle(bad)
+    with pytest.raises(ValueError):
+        fraud.bundle([])
+    with pytest.raises(ValueError):
+        fraud.unbundle(b"gmpb/1\0" + b"".join((1).to_bytes(4, "little") + b"x" for _ in range(17)))
+    assert fraud.accused_of(b"junk") == ""
