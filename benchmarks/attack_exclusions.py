@@ -11,7 +11,9 @@ perplexity columns of ``results.jsonl``::
 
     python benchmarks/attack_exclusions.py WORKDIR [WORKDIR ...] [--out FILE]
 
-``lag`` = exclusion round - first owner action round (0: excluded in the round it first forged or dropped).
+``lag`` = exclusion round - first owner action round (0: excluded in the round it first forged or dropped),
+over the honest peers that applied a round after that action (a peer planned out meanwhile, e.g. by a loaded
+machine's timings, reads no proofs: it is counted in "excluded by" only, and named in brackets).
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ def analyse(run: Path) -> dict:
     attackers = sorted(p.stem for p in run.glob("a*.log"))
     ids = {n: _pid10(run / f"{n}.log") for n in honest + attackers}
     honest_ids = {ids[n] for n in honest if ids[n]}
+    rows = {h: _rounds_done(run / f"{h}.jsonl") for h in honest}
     per_attacker = {}
     wrongly = set()
     for a in attackers:
@@ -81,7 +84,23 @@ def analyse(run: Path) -> dict:
                 if ids[a] == who and h not in per_attacker[a]["by"]:
                     kind = "proof" if why.startswith("owner ") and " proven" in why else "verified work"
                     per_attacker[a]["by"][h] = {"round": rnd, "kind": kind, "why": why[:160]}
+    for a in per_attacker.values():  # honest peers that applied a round after the attacker's first owner action
+        f = a["first_owner_action"]
+        a["active"] = sorted(h for h in honest if any(r > (-1 if f is None else f) for r in rows[h]))
     return {"run": run.name, "honest": honest, "attackers": per_attacker, "honest_excluded": sorted(wrongly)}
+
+
+def _rounds_done(path: Path) -> list[int]:
+    """The rounds a peer applied (its JSON rows), [] without rows."""
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            out.append(int(json.loads(line)["round"]))
+        except (ValueError, KeyError):
+            continue
+    return out
 
 
 def _fmt_exclusions(a: dict, n_honest: int) -> tuple[str, str, str]:
@@ -90,8 +109,11 @@ def _fmt_exclusions(a: dict, n_honest: int) -> tuple[str, str, str]:
     by = a["by"]
     kinds = sorted({v["kind"] for v in by.values()})
     rounds = sorted(v["round"] for v in by.values())
+    active = a.get("active", [])
     who = f"{len(by)} of {n_honest}" + (f" ({', '.join(kinds)})" if kinds else "")
-    if len(by) < n_honest:
+    if len(active) < n_honest:
+        who += f" [{len(active)} applied a round after it]"
+    if not set(active) <= set(by):
         all_in = "not all"
     elif f is None:  # not an owner attack: when verified work had it out everywhere
         all_in = f"- (round {rounds[-1]})"
