@@ -133,3 +133,23 @@ def test_a_bundle_round_trips_and_a_broken_one_is_refused():
     with pytest.raises(ValueError):
         fraud.unbundle(b"gmpb/1\0" + b"".join((1).to_bytes(4, "little") + b"x" for _ in range(17)))
     assert fraud.accused_of(b"junk") == ""
+
+
+async def test_a_peer_sitting_rounds_out_still_reads_the_proofs_and_excludes_the_owner(swarms):
+    """Session 26, 16 peers: an honest peer planned out for 7 rounds never read a proof (only an applied round read
+    them), then followed an excluded forger's plan. A peer that sits a round out now reads them all the same."""
+    sw, spec, _, res = await _round(swarms, [CollectiveService] * 3 + [_drop_owner(1)], seed=13)
+    dht = LimitedDHT()
+    accs = [_accountability(sw, i, dht) for i in range(4)]
+    plan = SimpleNamespace(mode="accountable")
+    for (acc, _), r in zip(accs, res):
+        acc.after_round(spec.round, plan, r)
+    await asyncio.gather(*[acc.task for acc, _ in accs])
+    # an honest peer that took no part in the round (its own Accountability, nothing applied, nothing validated)
+    out, verdicts = _accountability(sw, 0, dht)
+    out.read_in_background(spec.round + 1, SimpleNamespace(mode="reencode"))  # not accountable: nothing read
+    assert out.task is None
+    out.read_in_background(spec.round + 1, plan)
+    await out.task
+    assert set(verdicts.excluded) == {sw.pids[3]} and "owner drop proven" in verdicts.excluded[sw.pids[3]]
+    assert out.published == 0 and out.counts() is None  # it read; it published and validated nothing
