@@ -74,7 +74,8 @@ def unbundle(data: bytes) -> list[bytes]:
     here). Raises ValueError when a bundle is truncated, empty or lists more than :data:`MAX_BUNDLE_PROOFS`."""
     if not data.startswith(_BUNDLE):  # an AccountabilityProof's first byte is a field tag, never "g"
         return [data]
-    out, i = [], len(_BUNDLE)
+    out: list[bytes] = []
+    i = len(_BUNDLE)
     while i < len(data):
         if len(out) == MAX_BUNDLE_PROOFS or i + 4 > len(data):
             raise ValueError("proof bundle lists too many proofs or is truncated")

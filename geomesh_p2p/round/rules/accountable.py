@@ -141,7 +141,9 @@ class Accountability:
         bundle). Other proofs against those owners, and any against an owner a proof already excluded here, are
         dropped: one proof excludes an owner, and a slot a round spent on a second one delayed the next owner's
         (k colluding owners that all dropped one victim were out only after k rounds, session 26)."""
-        batch, owners, rest = [], set(), []
+        batch: list[bytes] = []
+        rest: list[bytes] = []
+        owners: set[str] = set()
         for proof in self.pending:
             who = fraud.accused_of(proof)
             if who and (who in self.proven or who in owners):
