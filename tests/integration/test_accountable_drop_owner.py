@@ -79,7 +79,7 @@ async def test_a_dropping_owner_is_proven_by_its_victims_and_excluded_by_every_h
         verdicts = accs[i][1]
         assert set(verdicts.excluded) == {evil} and evil not in verdicts.lone
         assert "owner drop proven" in verdicts.excluded[evil]
-        assert verdicts.plan_problem(SimpleNamespace(participants=lambda: sw.pids, leader=evil, round=2))
+        assert verdicts.plan_problem(SimpleNamespace(participants=lambda: sw.pids, leader=evil, round=spec.round + 3))
     assert accs[3][1].excluded == {}  # the accused's own verdicts: nobody (an honest peer is never excluded)
 
 
@@ -153,3 +153,17 @@ async def test_a_peer_sitting_rounds_out_still_reads_the_proofs_and_excludes_the
     await out.task
     assert set(verdicts.excluded) == {sw.pids[3]} and "owner drop proven" in verdicts.excluded[sw.pids[3]]
     assert out.published == 0 and out.counts() is None  # it read; it published and validated nothing
+
+
+def test_a_plan_the_proven_owner_leads_is_followed_within_the_grace_then_refused():
+    """Session 26, 8 peers: the drop's victim holds its proof a round before the others; refusing the dropper's
+    round-1 plan at once, it split that round from the honest peers that followed it. The grace holds for leaders."""
+    from geomesh_p2p.trust.verify import Verdicts
+
+    v = Verdicts("me")
+    v.exclude_proven("evil", "owner drop proven (round 0, part 1): gone", 0)
+    led = lambda r: SimpleNamespace(participants=lambda: ["me", "evil", "h"], leader="evil", round=r)  # noqa: E731
+    assert v.plan_problem(led(1)) is None and v.plan_problem(led(2)) is None
+    assert "excluded by a proof" in v.plan_problem(led(3))
+    named = SimpleNamespace(participants=lambda: ["me", "evil"], leader="me", round=3)
+    assert "evil" in v.plan_problem(named)
