@@ -167,3 +167,17 @@ def test_a_plan_the_proven_owner_leads_is_followed_within_the_grace_then_refused
     assert "excluded by a proof" in v.plan_problem(led(3))
     named = SimpleNamespace(participants=lambda: ["me", "evil"], leader="me", round=3)
     assert "evil" in v.plan_problem(named)
+
+
+async def test_a_proof_held_by_a_peer_that_sits_rounds_out_is_still_published(swarms):
+    sw, spec, _, res = await _round(swarms, [CollectiveService] * 3 + [_drop_owner(1)], seed=14)
+    dht = LimitedDHT()
+    holder = next(i for i, r in enumerate(res) if r.proofs)
+    acc, _ = _accountability(sw, holder, dht)
+    acc.pending.extend(res[holder].proofs)  # found in its last round, not published yet (then planned out)
+    acc.read_in_background(spec.round + 1, SimpleNamespace(mode="accountable"))
+    await acc.task
+    assert acc.published == 1 and acc.pending == [] and list(dht.data) == [fraud.proofs_key(RUN, spec.round + 1)]
+    other, verdicts = _accountability(sw, (holder + 1) % 3, dht)
+    await other.read(spec.round + 1)
+    assert set(verdicts.excluded) == {sw.pids[3]}

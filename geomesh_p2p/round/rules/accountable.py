@@ -91,8 +91,9 @@ class Accountability:
             log.warning("round %d: accountable validation not started: %s", r, e)
 
     def read_in_background(self, r: int, plan) -> None:
-        """Round ``r`` runs without this peer (planned out, syncing): read and act on the proofs of the last slots
-        all the same, in the background (one task at a time, as :meth:`after_round`). Before session 26 only an
+        """Round ``r`` runs without this peer (planned out, syncing): publish the proofs it holds and read and act on
+        those of the last slots all the same, in the background (one task at a time, as :meth:`after_round`; a
+        validator planned out after its validation otherwise never published what it found). Before session 26 only an
         applied round read them: at 16 peers an honest peer planned out for 7 rounds (a loaded machine's timings)
         never learnt that the swarm had excluded a forger, followed that forger's 2-peer plan once the others had
         left and applied its forged part. Never raises."""
@@ -101,11 +102,11 @@ class Accountability:
                 return
             if self.task is not None and not self.task.done():
                 return
-            self.task = asyncio.ensure_future(self.read(r))
+            self.task = asyncio.ensure_future(self.publish_and_read(r))
 
             def failed(t: asyncio.Future) -> None:
                 if not t.cancelled() and t.exception() is not None:
-                    log.warning("round %d: reading the accountability proofs failed: %s", r, t.exception())
+                    log.warning("round %d: publishing or reading accountability proofs failed: %s", r, t.exception())
 
             self.task.add_done_callback(failed)
         except Exception as e:  # the wait for the round's end must go on
@@ -119,6 +120,10 @@ class Accountability:
             for f in await collective.validate_round(r, timeout_s=self.validate_timeout_s):
                 if f.proof is not None:
                     self.pending.append(f.proof)
+        await self.publish_and_read(r)
+
+    async def publish_and_read(self, r: int) -> None:
+        """Publish the proofs held here in slot ``r`` (one record: :meth:`_next_batch`), then :meth:`read`."""
         dht = self._dht()
         if dht is None:
             return
