@@ -43,6 +43,10 @@ Attacks (DESIGN.md "Untrusted volunteers"; issue 11's table):
 * ``partial`` (issue 28): trains only the last :data:`PARTIAL_SHARE` (25%) of its planned inner steps (the batches
   of those steps: :func:`partial_steps`) and reports all of them done; contributes what it trained, claims the
   planned budget.
+* ``drop-owner`` (issue 26, session 26): trains and pushes honestly; as a part owner it receipts every push, then
+  leaves the first ``--drop-senders K`` other senders' contributions (default 1; 0: all of them) out of its result,
+  its input list and its aggregate alike (:func:`drop_contributions`): a censoring owner whose commitment is
+  consistent, so only the dropped sender's receipt proves it (accountable mode's drop proof).
 * ``poison`` (issue 28): follows the protocol to the letter and contributes what it trained, but trains on its
   own copy of the corpus with a trigger sentence planted as 16% of its tokens (``tests/poison.py``): a backdoor
   that robust aggregation cannot see, since the update is honest in form.
@@ -84,6 +88,8 @@ ATTACKS: dict[str, str] = {
     "noise": "contributes Gaussian noise with its real delta's norm, claims its budget",
     "stealth-flip": "trains honestly, then flips the sign of the 45% largest-magnitude coordinates of its update",
     "partial": "trains only the last 25% of its planned inner steps and claims all of them (and the budget)",
+    "drop-owner": "pushes honestly; as an owner receipts every push, then leaves the first K other senders' "
+    "contributions out of its result (its input list and aggregate alike)",
     "poison": "honest protocol, but trains on its own corpus copy with a trigger sentence as 16% of its tokens "
     "(a backdoor: tests/poison.py)",
 }
@@ -111,6 +117,7 @@ KEY_ACTION: dict[str, str] = {
     "stealth-flip": "push",
     "partial": "partial",
     "poison": "poison",
+    "drop-owner": "drop",
 }
 #: ``stealth-flip``: the share of coordinates (largest magnitude first) whose sign it flips (the red team's 45%).
 STEALTH_SHARE = 0.45
@@ -141,6 +148,15 @@ def stealth_flip(delta: torch.Tensor, share: float = STEALTH_SHARE) -> torch.Ten
         above[ties] = True
         out[above] = -out[above]
     return out.reshape(delta.shape)
+
+
+def drop_contributions(contributions: list, me: str, k: int) -> tuple[list, list[str]]:
+    """``drop-owner``'s cut of a part's accepted contributions (objects with a ``sender``, in the owner's order):
+    ``(kept, dropped senders)``, the first ``k`` senders other than ``me`` dropped (``k <= 0``: every other
+    sender), the owner's own contribution always kept, the order otherwise unchanged."""
+    others = [c.sender for c in contributions if c.sender != me]
+    gone = others if k <= 0 else others[:k]
+    return [c for c in contributions if c.sender not in set(gone)], gone
 
 
 def partial_steps(inner_steps: int, share: float = PARTIAL_SHARE) -> tuple[int, int]:
@@ -187,8 +203,9 @@ class _AdversarialCollective:
         self.adversary.remember_update(res.aggregate)
         return res
 
-    def _build_result(self, *args, **kwargs):
-        signed = super()._build_result(*args, **kwargs)
+    def _build_result(self, spec, part, contributions, *args, **kwargs):
+        contributions = self.adversary.drop_from(spec, part, contributions)
+        signed = super()._build_result(spec, part, contributions, *args, **kwargs)
         return self.adversary.forge_result(signed)
 
 
@@ -236,6 +253,7 @@ class AdversaryNode(PeerNode):
         forge_factor: float = FORGE_FACTOR,
         forge_push: str = "flip",
         rogue_others_steps: int = 0,
+        drop_senders: int = 1,
         seed: int = 1234,
     ):
         if attack not in ATTACKS:
@@ -250,6 +268,7 @@ class AdversaryNode(PeerNode):
         self.forge_factor = float(forge_factor)
         self.forge_push = forge_push
         self.rogue_others_steps = max(0, int(rogue_others_steps))
+        self.drop_senders = int(drop_senders)
         self._rng = torch.Generator().manual_seed(seed)
         self._last_update: Optional[torch.Tensor] = None
         self._acted: set[tuple] = set()
@@ -478,7 +497,7 @@ class AdversaryNode(PeerNode):
         """What this attacker pushes instead of (``delta``, ``tokens``)."""
         r, a = spec.round, self.attack
         cap = int(spec.participants.get(self.me, 0))
-        if a == "poison":  # honest in form: what it trained (on its own poisoned corpus) goes out unchanged
+        if a in ("poison", "drop-owner"):  # honest in form: what it trained goes out unchanged
             return delta, tokens
         delta = delta.detach().to("cpu", torch.float32).reshape(-1)
         if a == "partial":  # what it trained, with the claim of its whole plan (the trainer reported it)
@@ -523,6 +542,28 @@ class AdversaryNode(PeerNode):
         self._last_update = aggregate.detach().clone()
 
     # ------------------------------------------------------------------ owner
+    def drop_from(self, spec, part, contributions: list) -> list:
+        """``drop-owner``: the contributions part ``part`` (the owner's ``_OwnedPart``) aggregates, receipted
+        senders cut (:func:`drop_contributions`); its committed inputs follow, so a validator's recomputation
+        matches and only a dropped sender's receipt proves the drop. Other attacks: ``contributions``."""
+        if self.attack != "drop-owner":
+            return contributions
+        kept, gone = drop_contributions(contributions, self.me, self.drop_senders)
+        if gone:
+            if spec.mode == "accountable":
+                part.inputs = [c.signed for c in kept]
+                part.input_senders = [c.sender for c in kept]
+            self._note(
+                spec.round,
+                "drop",
+                "left %d receipted contribution(s) of part %d out of its result: %s",
+                len(gone),
+                part.index,
+                ", ".join(g[:10] for g in gone),
+                key=str(part.index),
+            )
+        return kept
+
     def forge_result(self, signed: bytes) -> bytes:
         """The owner-signed PartResult this attacker serves instead of ``signed`` (its honest one)."""
         if self.attack != "forge-aggregate":
@@ -655,6 +696,13 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         help="rogue-leader: inner steps its plans give the other peers (default: %(default)s)",
     )
     g.add_argument(
+        "--drop-senders",
+        type=int,
+        default=1,
+        metavar="K",
+        help="drop-owner: other senders it leaves out of each part it owns, the first K (0: all) (default: %(default)s)",
+    )
+    g.add_argument(
         "--poison-after",
         type=int,
         default=0,
@@ -699,6 +747,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         forge_factor=ns.forge_factor,
         forge_push=ns.forge_push,
         rogue_others_steps=ns.rogue_others_steps,
+        drop_senders=ns.drop_senders,
     )
     node.poison_after = ns.poison_after  # read when the trainer is built (start)
     try:

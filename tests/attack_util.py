@@ -166,9 +166,9 @@ def run_scenario(
     """Start the swarm in ``swarm.dir``, wait up to ``timeout_s`` for the honest peers to exit, collect.
 
     ``attack=None`` is the clean run (``n_attackers`` ignored). ``lead_rounds``: rig identities so that an
-    attacker leads the first rounds (for ``rogue-leader``); a ``forge-aggregate`` attacker gets
-    :data:`OWNS_A_PART` (so that it owns a part in round 0). ``extra``: more flags for every peer (run config
-    flags must be the same everywhere). The processes are left to the caller's ``stop_all()``; honest
+    attacker leads the first rounds (for ``rogue-leader``); a ``forge-aggregate`` or ``drop-owner`` attacker
+    gets :data:`OWNS_A_PART` (so that it owns a part in round 0). ``extra``: more flags for every peer (run
+    config flags must be the same everywhere). The processes are left to the caller's ``stop_all()``; honest
     peers still running at the timeout are reported with exit code None.
     """
     n_att = 0 if attack is None else n_attackers
@@ -179,7 +179,7 @@ def run_scenario(
         notes = [f"attackers lead rounds 0..{got - 1} (rigged identities)"] if got else []
     else:
         notes = []
-    if attack == "forge-aggregate":
+    if attack in ("forge-aggregate", "drop-owner"):
         attacker_extra = [*OWNS_A_PART, *attacker_extra]
     total = n_honest + n_att
     common = ["--rounds", str(rounds), "--min-peers", str(total), *extra]

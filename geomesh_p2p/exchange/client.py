@@ -503,6 +503,10 @@ class CollectiveService(OwnerService):
             )
             if out is not None:
                 out.zero_()  # a refused result may have been decoded in part: the part is a zero update
+            if spec.mode == "accountable":
+                # refused, yet still the owner's signed word: an owner that drops enough receipted pushes to
+                # fall under the quorum must not escape its drop proof (session 26's drop-owner, K = all)
+                await self._note_accountable(state, j, signed, applied=False)
             return None
         signed_at = _signed_at(signed)
         if signed_at > spec.pull_deadline:
@@ -519,21 +523,29 @@ class CollectiveService(OwnerService):
             )
             if out is not None:
                 out.zero_()
+            if spec.mode == "accountable":
+                await self._note_accountable(state, j, signed, applied=False)
             return None
         if spec.mode == "accountable":
             await self._note_accountable(state, j, signed)
         return res
 
-    async def _note_accountable(self, state: _RoundState, j: int, signed: wire.Buffer) -> None:
-        """Keep the applied result's hash of part ``j`` and check that this node's receipted push is in it; a
-        drop proof is kept in ``state.proofs`` and logged (event ``owner_dropped_contribution``)."""
+    async def _note_accountable(self, state: _RoundState, j: int, signed: wire.Buffer, applied: bool = True) -> None:
+        """Keep the applied result's hash of part ``j`` (``applied``: only then, it seeds the validator draw) and
+        check that this node's receipted push is in it; a drop proof is kept in ``state.proofs`` and logged
+        (event ``owner_dropped_contribution``). A result every reader refuses (quorum, a late signature) still
+        proves a drop: the receipt and the result are both the owner's signed word, whatever the readers did."""
         spec, owner = state.spec, state.spec.owners[j]
         try:
             digest, proof = await asyncio.to_thread(self._check_inclusion, spec, j, signed)
-        except (EnvelopeError, accountable.ProofError) as e:  # read_result accepted it: should not happen
-            log.warning("round %d: part %d: accountable result unreadable: %s", spec.round, j, e)
+        except (EnvelopeError, accountable.ProofError) as e:
+            # an applied result was accepted by read_result: should not happen; a refused one may be malformed
+            (log.warning if applied else log.debug)(
+                "round %d: part %d: accountable result unreadable: %s", spec.round, j, e
+            )
             return
-        state.result_hashes[j] = digest
+        if applied:
+            state.result_hashes[j] = digest
         if proof is not None:
             state.proofs.append(proof)
             events.emit(

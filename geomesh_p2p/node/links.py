@@ -78,7 +78,7 @@ class LinkProber:
         return None
 
     async def remeasure(self) -> None:
-        """Round driver port (:meth:`~geomesh_p2p.round.ports.Membership.remeasure_links`): a planned-out
+        """Round driver port (:meth:`~geomesh_p2p.round.ports.Membership.remeasure`): a planned-out
         peer probes its link again against a bootstrap (:func:`~geomesh_p2p.net.links.probe_link`, as at
         start-up: ``--probe-bytes`` each way, one repeat; bootstraps in random order, so peers planned out
         together do not all queue at the first), so its next record is not the pessimistic figure of the

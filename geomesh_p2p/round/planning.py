@@ -273,6 +273,7 @@ async def wait_out(drv: RoundDriver, ctx: RoundContext, refused: bool = False) -
         reason="refused" if refused else "not_in_plan" if not planned_in else "weights_differ",
     )
     drv.state.syncing, drv.state.round = True, r + 1
+    drv.policy.planned_out(r, plan)  # e.g. proofs still read: a peer out for rounds must not follow an excluded leader
     await drv.membership.announce()
     # Left out by the leader: re-measure link and device while the round ends (bounded, see the port), and
     # announce the fresh figure as soon as it is known, before the next round is planned.

@@ -157,6 +157,12 @@ class NodeRoundPolicy:
         if self.accountable is not None:
             self.accountable.after_round(r, plan, ar)
 
+    def planned_out(self, r: int, plan) -> None:
+        """This peer sits round ``r`` out (planned out, or refusing ``plan``): accountable mode reads the proofs in
+        the DHT all the same (:meth:`Accountability.read_in_background`), so its verdicts follow the swarm's."""
+        if self.accountable is not None:
+            self.accountable.read_in_background(r, plan)
+
     def publish_record(self, rec) -> None:
         """The round's row to the log, Prometheus and the status page. Raises RuntimeError after shutdown
         (the round log is closed). The row carries verified work's counts (``extra["verify"]``: checks drawn,

@@ -285,5 +285,9 @@ class RoundPolicy(Protocol):
     ) -> None:
         """Re-profiling (EMAs), delivered rates, standing credits."""
 
+    def planned_out(self, r: int, plan: RoundPlan) -> None:
+        """This peer sits round ``r`` out (planned out or refusing ``plan``): what must go on regardless (accountable
+        mode's read of the proofs; never raises)."""
+
     def publish_record(self, record: RoundRecord) -> None:
         """The round's row to the log, Prometheus and the status page."""

@@ -6,9 +6,12 @@ and only then excludes the accused (BTARD's ACCUSE and ban, Gorbunov et al., ICM
 Wire form: zlib of the proof's bytes, framed by :mod:`geomesh_p2p.dht.chunked` (magic ``gmpf/1``): inline
 when it fits one DHT value, else a head plus chunks, under :func:`proofs_key` ``<run>/proofs/<slot>`` with
 subkey = the accuser's PeerID (a slot only the accuser can write: the DHT's owner rule). ``slot`` is the round
-in which the accuser publishes, not necessarily the round the proof is about (the proof says that): one proof
-per accuser and slot, so an accuser holding several publishes one per round (any one proof excludes its
-owner). Readers read the slots of the last rounds (:func:`read_proofs`). A proof whose compressed bytes need more than :data:`MAX_PROOF_CHUNKS` chunks
+in which the accuser publishes, not necessarily the round the proof is about (the proof says that): one record
+per accuser and slot. A record holds one proof, or (session 26) a *bundle* of proofs against distinct owners
+(:func:`bundle`: ``gmpb/1`` then each proof length-prefixed), so an accuser that k colluding owners all dropped
+publishes the k proofs in one round, not one a round (any one proof excludes its owner); a reader that predates
+bundles refuses such a record as malformed (single proofs are published as before). Readers read the slots of
+the last rounds (:func:`read_proofs`). A proof whose compressed bytes need more than :data:`MAX_PROOF_CHUNKS` chunks
 (~1.9 MB: a forgery proof holds a part's N signed inputs) is not published (:class:`ValueError`): the DHT's
 quota per signer is 2 MiB. Such parts need smaller parts or a proof served by RPC (not built; docs/collective.md).
 """
@@ -24,16 +27,21 @@ from typing import Iterable, Optional
 from geomesh_p2p.dht import chunked
 from geomesh_p2p.dht.chunked import ChunkedValue, ChunkFormat, ChunksPending
 from geomesh_p2p.exchange import accountable
-from geomesh_p2p.net.identity import Identity
+from geomesh_p2p.net.identity import Identity, PeerID
+from geomesh_p2p.wire import collective_pb2, envelope_pb2
 
 __all__ = [
+    "MAX_BUNDLE_PROOFS",
     "MAX_PROOF_CHUNKS",
     "ProofReader",
     "PublishedProof",
+    "accused_of",
+    "bundle",
     "encode_value",
     "proofs_key",
     "publish_proof",
     "read_proofs",
+    "unbundle",
 ]
 
 log = logging.getLogger(__name__)
@@ -45,6 +53,52 @@ MAX_PROOF_CHUNKS = 32
 MAX_PROOF_INFLATED = 64 << 20
 #: Deadline of each store and get, seconds.
 STORE_TIMEOUT_S = 10.0
+#: A bundle (one record) holds at most this many proofs; a record listing more is refused.
+MAX_BUNDLE_PROOFS = 16
+_BUNDLE = b"gmpb/1\0"
+
+
+def bundle(proofs: list[bytes]) -> bytes:
+    """One record's bytes for ``proofs`` (1 to :data:`MAX_BUNDLE_PROOFS`): a single proof as it is (what every
+    reader reads), several as ``gmpb/1\\0`` then each as 4-byte little-endian length + bytes. Raises ValueError
+    for none or too many."""
+    if not 0 < len(proofs) <= MAX_BUNDLE_PROOFS:
+        raise ValueError(f"a bundle holds 1 to {MAX_BUNDLE_PROOFS} proofs, got {len(proofs)}")
+    if len(proofs) == 1:
+        return bytes(proofs[0])
+    return _BUNDLE + b"".join(len(p).to_bytes(4, "little") + bytes(p) for p in proofs)
+
+
+def unbundle(data: bytes) -> list[bytes]:
+    """The proofs of one record's bytes (:func:`bundle`'s inverse; a plain proof is a list of one, not checked
+    here). Raises ValueError when a bundle is truncated, empty or lists more than :data:`MAX_BUNDLE_PROOFS`."""
+    if not data.startswith(_BUNDLE):  # an AccountabilityProof's first byte is a field tag, never "g"
+        return [data]
+    out: list[bytes] = []
+    i = len(_BUNDLE)
+    while i < len(data):
+        if len(out) == MAX_BUNDLE_PROOFS or i + 4 > len(data):
+            raise ValueError("proof bundle lists too many proofs or is truncated")
+        n = int.from_bytes(data[i : i + 4], "little")
+        if n == 0 or i + 4 + n > len(data):
+            raise ValueError("proof bundle is truncated or holds an empty proof")
+        out.append(data[i + 4 : i + 4 + n])
+        i += 4 + n
+    if not out:
+        raise ValueError("proof bundle is empty")
+    return out
+
+
+def accused_of(proof: bytes) -> str:
+    """The base58 PeerID a proof accuses, read *without* checking it (the signer of its result, or of its
+    cross contribution for a handoff proof): for grouping proofs held here, never for a verdict. "" when the
+    bytes do not parse."""
+    try:
+        p = collective_pb2.AccountabilityProof.FromString(proof)
+        signed = p.contribution if p.kind == "handoff" else p.result
+        return PeerID(envelope_pb2.SignedMessage.FromString(signed).envelope.sender).to_string()
+    except Exception:  # noqa: BLE001  (any malformed bytes: no grouping, the proof stands alone)
+        return ""
 
 
 def proofs_key(run_id: str, slot: int) -> str:
@@ -144,22 +198,30 @@ async def read_proofs(
                 refused.append(f"proof record {subkey} of round {r} is not signed by its accuser")
                 continue
             try:
-                data = await reader.load(key, accuser, value)
-                verdict = await asyncio.to_thread(accountable.verify_proof, run_id, data)
+                proofs = unbundle(await reader.load(key, accuser, value))
             except ChunksPending:
                 continue
-            except Exception as e:  # noqa: BLE001
-                # Any failure of one record refuses that record only: an exception that escaped here (the red
-                # team's part=99 record: IndexError) lost every valid proof of the read, and marked them seen.
-                why = str(e) if isinstance(e, (ValueError, accountable.ProofError)) else f"{type(e).__name__}: {e}"
-                refused.append(f"proof {subkey} of round {r} refused: {why[:300]}")
+            except Exception as e:  # noqa: BLE001  (as below: this record only)
+                refused.append(f"proof {subkey} of round {r} refused: {_why(e)}")
                 if seen is not None:
                     seen.add(h)
                 continue
-            valid.append(PublishedProof(verdict, accuser, data))
+            for data in proofs:
+                try:
+                    verdict = await asyncio.to_thread(accountable.verify_proof, run_id, data)
+                except Exception as e:  # noqa: BLE001
+                    # Any failure of one proof refuses that proof only: an exception that escaped here (the red
+                    # team's part=99 record: IndexError) lost every valid proof of the read, and marked them seen.
+                    refused.append(f"proof {subkey} of round {r} refused: {_why(e)}")
+                    continue
+                valid.append(PublishedProof(verdict, accuser, data))
             if seen is not None:
                 seen.add(h)
     return valid, refused
+
+
+def _why(e: Exception) -> str:
+    return (str(e) if isinstance(e, (ValueError, accountable.ProofError)) else f"{type(e).__name__}: {e}")[:300]
 
 
 def _owner_id(owner) -> Optional[str]:

@@ -87,9 +87,15 @@ class Verdicts:
         return [m for m in members if m.peer_id not in self.excluded or m.peer_id == keep]
 
     def plan_problem(self, plan, me: Optional[str] = None, grace_rounds: int = 2) -> Optional[str]:
-        """Why a follower refuses ``plan``: it is led by, or names more than ``grace_rounds`` rounds after the
-        exclusion, a peer excluded here on a self-contained proof (:attr:`proven`: accountable mode's drop, forgery
-        or equivocation proofs, which every reader of the proof verifies the same way). None otherwise.
+        """Why a follower refuses ``plan``: more than ``grace_rounds`` rounds after the exclusion (the proven
+        round), it is led by or names a peer excluded here on a self-contained proof (:attr:`proven`: accountable
+        mode's drop, forgery or equivocation proofs, which every reader of the proof verifies the same way). None
+        otherwise.
+
+        The grace holds for a plan the accused *leads* too (session 26): refused at once, the victim of a drop, which
+        holds its proof a round before anyone else, refused the round-1 plan of the dropper that led it while the
+        other honest peers followed it, and the round split (8 peers, 2 droppers). Within the grace the accused is in
+        the plan for every follower or for none; honest leaders leave it out at once (:meth:`filter`).
 
         A verdict of verified work (a check, a screen, a re-check of another's evidence) never makes a follower
         refuse a plan (issue 28, "verdicts that cannot fork", session 19). Its statistic depends on the checker, and
@@ -104,9 +110,7 @@ class Verdicts:
         bad = [
             p
             for p in plan.participants()
-            if p in self.proven
-            and p != me
-            and (p == plan.leader or plan.round > self.excluded_round.get(p, plan.round) + grace_rounds)
+            if p in self.proven and p != me and plan.round > self.excluded_round.get(p, plan.round) + grace_rounds
         ]
         return f"it names {', '.join(p[:10] for p in bad)}, excluded by a proof" if bad else None
 

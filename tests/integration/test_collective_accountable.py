@@ -306,7 +306,9 @@ async def test_a_forger_is_excluded_by_every_peer_once_its_proof_is_in_the_dht(s
         verdicts = accs[k][1]
         assert set(verdicts.excluded) == {sw.pids[3]} and sw.pids[3] not in verdicts.lone
         assert "forgery proven" in verdicts.excluded[sw.pids[3]]
-        assert verdicts.plan_problem(SimpleNamespace(participants=lambda: sw.pids, leader=sw.pids[3], round=2))
+        assert verdicts.plan_problem(
+            SimpleNamespace(participants=lambda: sw.pids, leader=sw.pids[3], round=spec.round + 3)
+        )
     assert accs[3][1].excluded == {}  # the accused's own verdicts: not itself
 
 

@@ -269,6 +269,9 @@ class FakePeer:
     def after_outer_step(self, r, plan, assignment, result, ar):
         pass
 
+    def planned_out(self, r, plan):
+        self.sat_out = [*getattr(self, "sat_out", []), r]
+
     def publish_record(self, rec):
         self.rows.append(rec)
 
@@ -380,6 +383,7 @@ async def test_a_planned_out_peer_waits_for_the_round_and_resyncs():
         (out.me, 0, order[0], "not_in_plan")
     ]
     assert out.drv.history == [] and out.catch_ups == 1
+    assert getattr(out, "sat_out", []) == [0] and not hasattr(leader, "sat_out")  # the policy heard (proofs read)
     # the planned-out peer re-measured its link and device (its next record must not keep what left it out)
     assert getattr(out, "remeasured", 0) == 1 and getattr(leader, "remeasured", 0) == 0
     assert (out.round, out.digest) == (1, leader.digest) and torch.equal(out.theta, leader.theta)
