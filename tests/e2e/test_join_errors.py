@@ -89,7 +89,7 @@ def test_incompatible_run_config_is_refused_saying_what_differs(tmp_path):
     try:
         # port 0: it binds a free port and prints it. --min-peers 2 (a node flag, not the run config the joiners
         # are compared with): it waits, live and announced, for a second peer instead of training alone meanwhile
-        # (~half a core for the whole test until session 31)
+        # (it trained alone through the whole test before: ~15 CPU-s)
         swarm.peer("a", "--rounds", "50", "--min-peers", "2", "--wait-peers-s", "3600")
         entry = swarm.address("a")
         swarm.wait_for(lambda: "round 0: eval perplexity" in swarm.text("a"), 180, "the first peer to start")
@@ -152,9 +152,7 @@ def test_ctrl_c_while_the_bootstrap_is_unreachable_exits_0_at_once(tmp_path):
     p = zygote.spawn(argv, log, append=False)
     if p is None:
         with log.open("w") as out:
-            p = subprocess.Popen(
-                argv, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1")
-            )
+            p = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     try:
         deadline = time.time() + 120
         while "retrying in" not in log.read_text() and time.time() < deadline and p.poll() is None:

@@ -192,7 +192,9 @@ def test_screens_run_before_the_sampled_checks_and_none_is_skipped(world):
         ran = [(job.kind, job.key) for job, _, err in v.queue.results() if err is None]
         assert [k for k, _ in ran] == ["recheck", "screen", "screen", "screen", "screen", "check"]
         assert [k for k, _ in measured] == ["screen"] * 4 + ["check"]
-        assert sorted(p for k, p in measured if k == "screen") == sorted(x.peer_id for x in plan.assignments if x.peer_id != v.me)
+        assert sorted(p for k, p in measured if k == "screen") == sorted(
+            x.peer_id for x in plan.assignments if x.peer_id != v.me
+        )
         # the screening order is this verifier's own draw (its selection signature), not the plan's
         c = v.queue.snapshot()
         assert (c.queued, c.done, c.dropped, c.failed, c.waiting) == (6, 6, 0, 0, 0)
