@@ -3,10 +3,13 @@ test process must not join one): started on a fresh local port, reaped with thei
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
 from pathlib import Path
+
+from tests import zygote
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -18,25 +21,36 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn_ranks(script: str, world: int, scenario: str, out: str, *extra: str) -> list[subprocess.Popen]:
-    """``python tests/<script> RANK WORLD INIT SCENARIO OUT *extra`` for every rank, output piped (stderr too)."""
+def spawn_ranks(script: str, world: int, scenario: str, out: str, *extra: str) -> list:
+    """``python -m tests.<script's module> RANK WORLD INIT SCENARIO OUT *extra`` for every rank (stdout, stderr
+    piped), forked from this worker's zygote when it can be (tests/zygote.py: torch, torch.distributed and
+    transformers imported once, ~4 CPU-s less a rank; the workers set ``GLOO_SOCKET_IFNAME=lo`` themselves), else a
+    cold interpreter with ``GLOO_SOCKET_IFNAME=lo``. Returns ``subprocess.Popen`` or :class:`tests.zygote.ZygoteChild`
+    objects (:func:`reap` reads either)."""
     init = f"tcp://127.0.0.1:{free_port()}"
-    env = {"GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
-    return [
-        subprocess.Popen(
-            [sys.executable, str(ROOT / "tests" / script), str(r), str(world), init, scenario, out, *extra],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-        )
-        for r in range(world)
-    ]
+    module = "tests." + Path(script).stem
+    procs: list = []
+    for r in range(world):
+        argv = [sys.executable, "-m", module, str(r), str(world), init, scenario, out, *extra]
+        child = zygote.spawn_piped(argv, cwd=ROOT)
+        if child is None:
+            env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", PYTHONPATH=str(ROOT))
+            child = subprocess.Popen(argv, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        procs.append(child)
+    return procs
 
 
-def reap(procs: list[subprocess.Popen]) -> str:
-    """Kill what still runs of ``procs``, wait for all; returns their output, rank by rank."""
+def _read(stream) -> str:
+    if stream is None:
+        return ""
+    data = stream.read()
+    return data.decode(errors="replace") if isinstance(data, bytes) else data
+
+
+def reap(procs: list) -> str:
+    """Kill what still runs of ``procs``, wait for all; returns their output (stdout, then stderr), rank by rank."""
     for p in procs:
         if p.poll() is None:
             p.kill()
         p.wait()
-    return b"".join(p.stdout.read() for p in procs if p.stdout is not None).decode(errors="replace")
+    return "".join(_read(p.stdout) + _read(getattr(p, "stderr", None)) for p in procs)

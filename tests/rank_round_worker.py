@@ -172,6 +172,7 @@ def follower(ch: RankChannel, scenario: str, out: str) -> int:
 
 def main() -> int:
     rank, world, init, scenario, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo on the loopback (tests/rank_procs.py)
     torch.set_num_threads(1)
     TIMEOUT_S[0] = float(sys.argv[6])
     ch = RankChannel.init(rank, world, "cpu", init, timeout_s=SETUP_TIMEOUT_S)

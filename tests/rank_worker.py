@@ -239,6 +239,7 @@ def independent_main(rank: int, ch: RankChannel, out: str, die: bool = False) ->
 
 def main() -> int:
     rank, world, init, scenario, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo on the loopback (tests/rank_procs.py)
     torch.set_num_threads(1)
     ch = RankChannel.init(rank, world, "cpu", init, timeout_s=60)
     if scenario in ("shard", "shard_die"):

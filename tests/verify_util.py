@@ -3,7 +3,7 @@ the shipped KJV corpus (seq_len 64, batch 8: the measured setting of the thresho
 DiLoCo rounds with their own persistent AdamW, then the round under test: the accused "A" contributes honestly
 with H = 5, 10, 20 inner steps, or one of the attacks of issue 11. The module fixtures (``world``,
 ``flipped_case``: ``pytest.fixture(scope="module")`` of :func:`world_fixture` / :func:`flipped_case_fixture` in each
-test module) compute it once per module (~10-30 s on two cores).
+test module) build it once per module; its training (~15 CPU-s) runs once per pytest session (:func:`world_fixture`).
 """
 
 from __future__ import annotations
@@ -60,11 +60,74 @@ def _fixed_identity(name: str) -> Identity:
     return Identity(Ed25519PrivateKey.from_private_bytes(hashlib.sha256(f"verify-test/{name}".encode()).digest()))
 
 
-def world_fixture():
-    from geomesh_p2p.data import load_dataset
-    from geomesh_p2p.model.optim import OuterNesterov
-    from geomesh_p2p.model.build import build_model, flat_params, load_flat_
+#: the world's trained tensors (:func:`_train_world`), saved once per pytest session (see :func:`world_fixture`)
+WORLD_CACHE = "verify-world.pt"
+
+
+def _new_trainer(model, ds, peer_id: str):
     from geomesh_p2p.model.training import InnerTrainer
+
+    return InnerTrainer(model, ds, seq_len=L, lr=1e-3, warmup_steps=20, total_steps=2000, seed=0, peer_id=peer_id)
+
+
+def _train_world(ds, base, pid: dict[str, str]) -> dict:
+    """The world's training (one intra-op thread; ~15 CPU-s): three peers' two DiLoCo rounds, then the round
+    under test's contributions. Returns the tensors the tests read and B's inner optimizer state (``B_state``:
+    :func:`world_fixture`'s ``honest_of`` trains from it)."""
+    from geomesh_p2p.model.build import flat_params, load_flat_
+    from geomesh_p2p.model.optim import OuterNesterov
+
+    theta = flat_params(base)
+    trainers = {n: _new_trainer(copy.deepcopy(base), ds, pid[n]) for n in pid}
+    enc = lambda v: compression.encode(v, 2048, 0)  # noqa: E731
+    outer = OuterNesterov(0.7, 0.9)
+    for r in range(ROUND):
+        deltas = {}
+        for n, t in trainers.items():
+            load_flat_(t.model, theta)
+            t.run(round=r, inner_steps=10, batch_size=B)
+            deltas[n] = theta - flat_params(t.model)
+        agg = torch.stack([compression.decode(enc(d)) for d in deltas.values()]).mean(0)
+        outer.step(theta, agg)
+    states = {n: t.state_dict() for n, t in trainers.items()}
+
+    def train(n: str, H: int, data_of: str | None = None) -> torch.Tensor:
+        return _train_round(base, ds, theta, states[n], H, pid[data_of or n])
+
+    return {
+        "theta": theta,
+        "prev_aggregate": agg,  # what the adversary's "stale" free rider sends: the last global update
+        "others": {n: train(n, 10) for n in ("B", "C")},
+        "honest": {H: train("A", H) for H in (5, 10, 20)},
+        "wrong_data": train("A", 10, data_of="B"),  # A's own optimizer, B's batches
+        "B_state": states["B"],
+    }
+
+
+def _train_round(base, ds, theta: torch.Tensor, state: dict, H: int, peer_id: str) -> torch.Tensor:
+    """One peer's contribution to the round under test: ``H`` inner steps from ``theta`` with the inner optimizer
+    ``state`` (not changed) on ``peer_id``'s batches; the fp32 delta ``theta - weights after``."""
+    from geomesh_p2p.model.build import flat_params, load_flat_
+
+    m = copy.deepcopy(base)
+    load_flat_(m, theta)
+    t = _new_trainer(m, ds, peer_id)
+    t.load_state_dict(copy.deepcopy(state))
+    t.run(round=ROUND, inner_steps=H, batch_size=B)
+    return theta - flat_params(m)
+
+
+def world_fixture(tmp_path_factory):
+    """The :class:`World` (a generator: ``pytest.fixture(scope="module")`` of it in each test module). Four test
+    modules use it, and under ``make test``'s xdist workers each module ran the same training in its own worker
+    (~15 CPU-s each): its tensors are computed once per pytest session, by the first module that asks, and saved
+    in the session's base temp folder (shared by its workers; a file lock orders them); the others load them
+    (torch.save/load: the same bits). Nothing outlives the session's temp folder."""
+    import fcntl
+    import os
+
+    from geomesh_p2p.data import load_dataset
+    from geomesh_p2p.model.build import build_model
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -72,59 +135,34 @@ def world_fixture():
         w = World()
         w.ds = load_dataset(None, seq_len=L)
         base = build_model("tiny", vocab_size=w.ds.vocab_size, seed=0)
-        theta = flat_params(base)
         ids = {n: _fixed_identity(n) for n in ("A", "B", "C")}  # fixed keys: fixed batches, fixed values
         pid = {n: str(i.peer_id) for n, i in ids.items()}
-        trainers = {
-            n: InnerTrainer(
-                copy.deepcopy(base), w.ds, seq_len=L, lr=1e-3, warmup_steps=20, total_steps=2000, seed=0, peer_id=pid[n]
-            )
-            for n in ids
-        }
-        enc = lambda v: compression.encode(v, 2048, 0)  # noqa: E731
-        outer = OuterNesterov(0.7, 0.9)
-        for r in range(ROUND):
-            deltas = {}
-            for n, t in trainers.items():
-                load_flat_(t.model, theta)
-                t.run(round=r, inner_steps=10, batch_size=B)
-                deltas[n] = theta - flat_params(t.model)
-            agg = torch.stack([compression.decode(enc(d)) for d in deltas.values()]).mean(0)
-            outer.step(theta, agg)
-        w.prev_aggregate = agg  # what the adversary's "stale" free rider sends: the last global update
-
-        def train(n: str, H: int, data_of: str | None = None, peer_id: str | None = None) -> torch.Tensor:
-            m = copy.deepcopy(trainers[n].model)
-            load_flat_(m, theta)
-            t = InnerTrainer(
-                m,
-                w.ds,
-                seq_len=L,
-                lr=1e-3,
-                warmup_steps=20,
-                total_steps=2000,
-                seed=0,
-                peer_id=peer_id or pid[data_of or n],
-            )
-            t.load_state_dict(copy.deepcopy(trainers[n].state_dict()))
-            t.run(round=ROUND, inner_steps=H, batch_size=B)
-            return theta - flat_params(m)
-
+        root = tmp_path_factory.getbasetemp()
+        if os.environ.get("PYTEST_XDIST_WORKER"):
+            root = root.parent  # an xdist worker's base temp is <session's>/popen-gwN
+        with open(root / f"{WORLD_CACHE}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+            cache = root / WORLD_CACHE
+            if cache.exists():
+                saved = torch.load(cache, weights_only=True)
+            else:
+                saved = _train_world(w.ds, base, pid)
+                torch.save(saved, root / f"{WORLD_CACHE}.part")
+                os.replace(root / f"{WORLD_CACHE}.part", cache)
+        theta = saved["theta"]
+        w.prev_aggregate = saved["prev_aggregate"]
         own: dict[str, torch.Tensor] = {}
 
         def honest_of(peer_id: str) -> torch.Tensor:
             """An honest H = 10 update of a verifier's identity on its own assigned batches (B's optimizer state):
             a verifier that contributed in the round has the loss-gain test's power reference."""
             if peer_id not in own:
-                own[peer_id] = train("B", 10, peer_id=peer_id)
+                own[peer_id] = _train_round(base, w.ds, theta, saved["B_state"], 10, peer_id)
             return own[peer_id]
 
         w.honest_of = honest_of
-
         w.theta, w.base, w.ids, w.pid = theta, base, ids, pid
-        w.others = {n: train(n, 10) for n in ("B", "C")}
-        w.honest = {H: train("A", H) for H in (5, 10, 20)}
-        w.wrong_data = train("A", 10, data_of="B")  # A's own optimizer, B's batches
+        w.others, w.honest, w.wrong_data = saved["others"], saved["honest"], saved["wrong_data"]
         w.P = theta.numel()
         bounds = [0, 112 * 2048, 224 * 2048, 336 * 2048, w.P]
         w.part_ranges = list(zip(bounds[:-1], bounds[1:]))

@@ -43,16 +43,16 @@ def test_three_peers_train_then_resume_with_identical_weights(swarm, tmp_path):
     ppl = [x["eval_ppl"] for x in rows]
     assert ppl[-1] < ppl[0] < 4500, ppl
 
-    # Stop-and-resume: the same three peers continue at round 4 from identical weights.
-    start("--rounds", "6", "--resume")
+    # Stop-and-resume: the same three peers continue at round 4 from identical weights (one round shows it: a
+    # second one, --rounds 6 before, repeated the same check).
+    start("--rounds", "5", "--resume")
     assert swarm.wait_exit(names, 300) == {n: 0 for n in names}
     last = rows[-1]["digest"]
     for n in names:
         resumed = swarm.events(n, "resumed_from_checkpoint")
         assert [(e["round"], e["digest"][: len(last)]) for e in resumed] == [(4, last)], swarm.text(n)[-2000:]
-        assert [x["round"] for x in swarm.rows(n)] == [0, 1, 2, 3, 4, 5]
-    for r in (4, 5):
-        assert len({_digest(swarm, n, r) for n in names}) == 1
+        assert [x["round"] for x in swarm.rows(n)] == [0, 1, 2, 3, 4]
+    assert len({_digest(swarm, n, 4) for n in names}) == 1
 
 
 def test_peer_killed_mid_round_then_restarts_and_catches_up(swarm, tmp_path):
@@ -100,15 +100,14 @@ def test_ddp_baseline_runs_as_a_swarm_mode(swarm, tmp_path):
     ppl = [x["eval_ppl"] for x in rows if x["eval_ppl"] is not None]
     assert ppl[-1] < ppl[0], ppl
 
-    # Resume: the checkpoint holds the AdamW moments ([2P]); both continue in step from round 6.
-    swarm.start_peers(names, *ddp, "--rounds", "8", "--resume", each=checkpoints)
+    # Resume: the checkpoint holds the AdamW moments ([2P]); both continue in step from round 6 (one round).
+    swarm.start_peers(names, *ddp, "--rounds", "7", "--resume", each=checkpoints)
     assert swarm.wait_exit(names, 300) == {n: 0 for n in names}
     last = rows[-1]["digest"]
     for n in names:
         resumed = swarm.events(n, "resumed_from_checkpoint")
         assert [(e["round"], e["digest"][: len(last)]) for e in resumed] == [(6, last)], swarm.text(n)[-2000:]
-    for r in (6, 7):
-        assert len({_digest(swarm, n, r) for n in names}) == 1, f"digests differ after round {r}"
+    assert len({_digest(swarm, n, 6) for n in names}) == 1, "digests differ after round 6"
 
 
 def test_ctrl_c_peer_leaves_cleanly_and_the_others_plan_without_it(swarm):

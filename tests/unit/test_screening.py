@@ -177,6 +177,11 @@ def test_screens_run_before_the_sampled_checks_and_none_is_skipped(world):
         started.set()
         gate.wait(60)
 
+    # The order is what is tested here, not the measurements (this module's other tests run them): the jobs
+    # queued are the real ones, each recording what it would measure (~10-20 CPU-s of screens and a check less)
+    measured = []
+    v._measure_screen = lambda prep, pace=None: measured.append(("screen", prep.task.accused))
+    v._measure = lambda prep, micro_batch=None, deadline=None, pace=None: measured.append(("check", prep.task.accused))
     try:
         v.queue.submit(CheckJob(ROUND, "recheck", blocker, key="blocker"))
         assert started.wait(60)  # the worker is busy: what follows waits
@@ -186,6 +191,10 @@ def test_screens_run_before_the_sampled_checks_and_none_is_skipped(world):
         assert v.queue.wait_idle(240)
         ran = [(job.kind, job.key) for job, _, err in v.queue.results() if err is None]
         assert [k for k, _ in ran] == ["recheck", "screen", "screen", "screen", "screen", "check"]
+        assert [k for k, _ in measured] == ["screen"] * 4 + ["check"]
+        assert sorted(p for k, p in measured if k == "screen") == sorted(
+            x.peer_id for x in plan.assignments if x.peer_id != v.me
+        )
         # the screening order is this verifier's own draw (its selection signature), not the plan's
         c = v.queue.snapshot()
         assert (c.queued, c.done, c.dropped, c.failed, c.waiting) == (6, 6, 0, 0, 0)
