@@ -19,6 +19,7 @@ from typing import NoReturn
 from geomesh_p2p import __version__
 from geomesh_p2p.config.flags import ConfigFileError, StrictParser, add_log_level, load_config_defaults
 from geomesh_p2p.config.models import DEFAULT_IDENTITY
+from geomesh_p2p.util.exit_gc import skip_exit_collections
 from geomesh_p2p.util.fds import raise_fd_limit
 
 
@@ -141,6 +142,9 @@ def with_config_file(
 def main(argv: list[str] | None = None) -> int:
     # gRPC's C core lines are silenced when the package is imported (geomesh_p2p.util.grpc_env): setting
     # GRPC_VERBOSITY here would be too late, grpc is loaded by then.
+    # The interpreter's exit would otherwise spend seconds to minutes (on a loaded machine) in full collections
+    # over torch's and transformers' objects after the node has shut down (geomesh_p2p/util/exit_gc.py).
+    skip_exit_collections()
     parser = build_parser()
     ns = parse(parser, argv)
     if ns.command is None:
