@@ -5,7 +5,7 @@ imported (functions, tuples, dicts, cells of those packages; the node's own stat
 ``Py_FinalizeEx`` runs full collections over all of them after the ``atexit`` handlers (when it clears
 ``sys.modules`` and again when it clears the interpreter). Each pass costs ~0.3-0.5 CPU-s; on a loaded machine
 (the e2e tier: 2 cores, 17-45 runnable processes) the process exited 6-88 s after its node had shut down, and
-py-spy saw only ``gc_collect_main`` in that time (docs/EXIT_LAG.md). ``gc.freeze()`` moves every object alive
+py-spy saw only ``gc_collect_main`` in that time (docs/exit-lag.md). ``gc.freeze()`` moves every object alive
 at that point into the permanent generation, which those passes skip; refcounting still frees what module
 teardown releases, and objects created afterwards are still collected.
 
