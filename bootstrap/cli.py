@@ -30,6 +30,7 @@ import sys
 import time
 from typing import NoReturn, Optional
 
+from geomesh_p2p.util.exit_gc import skip_exit_collections
 from geomesh_p2p import __version__
 from geomesh_p2p.config.flags import (
     ConfigFileError,
@@ -413,6 +414,7 @@ async def _serve(ns: argparse.Namespace, identity, allow_peers, tls, stop: async
 
 def main(argv: Optional[list[str]] = None) -> int:
     """Entry point of ``geomesh-bootstrap``. Returns 0 on a clean stop (SIGINT/SIGTERM), 2 on bad options."""
+    skip_exit_collections()  # as the peer's: no full GC passes over the imported packages at exit (docs/exit-lag.md)
     try:
         return _main(argv)
     except KeyboardInterrupt:  # Ctrl+C before serve() catches it (imports take seconds): no traceback
