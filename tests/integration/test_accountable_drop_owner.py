@@ -18,7 +18,7 @@ from geomesh_p2p.exchange import CollectiveService, accountable
 from geomesh_p2p.trust import fraud
 
 from tests.adversary import drop_contributions
-from tests.integration.test_collective_accountable import NUMEL, _accountability, _round, _validate_all
+from tests.integration.test_collective_accountable import NUMEL, _accountability, _round, _settle, _validate_all
 from tests.integration.test_collective_robust import ROBUST, _honest_deltas
 from tests.collective_util import RUN
 from tests.unit.test_evidence_chunks import LimitedDHT
@@ -66,14 +66,7 @@ async def test_a_dropping_owner_is_proven_by_its_victims_and_excluded_by_every_h
     # its commitment is consistent: every other peer validating its part recomputes the same bytes, no proof
     assert await _validate_all(sw, spec, parts=parts) == []
     # after the round: the victims publish, every peer reads and re-checks (the forger test's sequence)
-    dht = LimitedDHT()
-    accs = [_accountability(sw, i, dht) for i in range(4)]
-    plan = SimpleNamespace(mode="accountable")
-    for (acc, _), r in zip(accs, res):
-        acc.after_round(spec.round, plan, r)
-    await asyncio.gather(*[acc.task for acc, _ in accs])
-    for acc, _ in accs:
-        await acc.read(spec.round)  # a peer that read before the proof was stored reads again next round
+    accs = await _settle(sw, spec, res, LimitedDHT())
     assert sum(acc.published for acc, _ in accs) == len(holders)
     for i in range(3):
         verdicts = accs[i][1]
@@ -106,14 +99,7 @@ async def test_two_owners_dropping_one_victim_are_both_excluded_from_its_first_p
     evil = set(sw.pids[3:])
     assert {accountable.verify_proof(RUN, p).accused for p in res[0].proofs} == evil
     assert all(r.proofs == [] for r in res[1:])
-    dht = LimitedDHT()
-    accs = [_accountability(sw, i, dht) for i in range(5)]
-    plan = SimpleNamespace(mode="accountable")
-    for (acc, _), r in zip(accs, res):
-        acc.after_round(spec.round, plan, r)
-    await asyncio.gather(*[acc.task for acc, _ in accs])
-    for acc, _ in accs:
-        await acc.read(spec.round)
+    accs = await _settle(sw, spec, res, LimitedDHT())
     assert accs[0][0].published == 2 and accs[0][0].pending == []  # both in this round's one record
     for i in range(3):
         assert set(accs[i][1].excluded) == evil, i
@@ -140,11 +126,8 @@ async def test_a_peer_sitting_rounds_out_still_reads_the_proofs_and_excludes_the
     them), then followed an excluded forger's plan. A peer that sits a round out now reads them all the same."""
     sw, spec, _, res = await _round(swarms, [CollectiveService] * 3 + [_drop_owner(1)], seed=13)
     dht = LimitedDHT()
-    accs = [_accountability(sw, i, dht) for i in range(4)]
+    await _settle(sw, spec, res, dht, read=False)
     plan = SimpleNamespace(mode="accountable")
-    for (acc, _), r in zip(accs, res):
-        acc.after_round(spec.round, plan, r)
-    await asyncio.gather(*[acc.task for acc, _ in accs])
     # an honest peer that took no part in the round (its own Accountability, nothing applied, nothing validated)
     out, verdicts = _accountability(sw, 0, dht)
     out.read_in_background(spec.round + 1, SimpleNamespace(mode="reencode"))  # not accountable: nothing read

@@ -31,7 +31,7 @@ from geomesh_p2p.net.transport import RpcError
 from geomesh_p2p.trust import fraud
 from geomesh_p2p.wire import collective_pb2
 from tests.collective_util import RUN, Swarm
-from tests.integration.test_collective_accountable import _accountability, _Forger, _round
+from tests.integration.test_collective_accountable import _accountability, _Forger, _round, _settle
 from tests.unit.test_evidence_chunks import LimitedDHT
 
 pytestmark = pytest.mark.timeout(120)
@@ -124,14 +124,7 @@ async def test_a_forger_that_withholds_every_input_is_excluded_by_every_honest_p
     _Forger.how = "flip"
     sw, spec, _, res = await _round(swarms, [CollectiveService] * 3 + [_WithholdingForger], validators=1, seed=6)
     evil = spec.part_index_of(sw.pids[3])[0]
-    dht = LimitedDHT()
-    accs = [_accountability(sw, k, dht) for k in range(4)]
-    plan = SimpleNamespace(mode="accountable")
-    for (acc, _), r in zip(accs, res):
-        acc.after_round(spec.round, plan, r)
-    await asyncio.gather(*[acc.task for acc, _ in accs])
-    for acc, _ in accs:
-        await acc.read(spec.round)
+    accs = await _settle(sw, spec, res, LimitedDHT())
     for k in range(3):
         assert set(accs[k][1].excluded) == {sw.pids[3]}, k
         assert "forgery proven" in accs[k][1].excluded[sw.pids[3]]

@@ -288,16 +288,27 @@ def _accountability(sw, k, dht):
     return acc, verdicts
 
 
+async def _settle(sw, spec, res, dht, *, read=True):
+    """Every peer's :class:`Accountability` after the round ``res`` came from: validation and publication in the
+    background (``after_round``), awaited; then (``read``) each reads the proofs again, as its next round does (a
+    peer that read before a proof was stored). Returns ``[(accountability, verdicts)]`` in peer order."""
+    accs = [_accountability(sw, k, dht) for k in range(len(res))]
+    plan = SimpleNamespace(mode="accountable")
+    for (acc, _), r in zip(accs, res):
+        acc.after_round(spec.round, plan, r)
+    await asyncio.gather(*[acc.task for acc, _ in accs])
+    if read:
+        for acc, _ in accs:
+            await acc.read(spec.round)
+    return accs
+
+
 async def test_a_forger_is_excluded_by_every_peer_once_its_proof_is_in_the_dht(swarms):
     _Forger.how = "flip"
     sw, spec, _, res = await _round(swarms, [CollectiveService] * 3 + [_Forger], validators=1, seed=6)
     dht = LimitedDHT()
-    accs = [_accountability(sw, k, dht) for k in range(4)]
-    plan = SimpleNamespace(mode="accountable")
     # validation, publication and the read run in the background after the round (after_round)
-    for (acc, _), r in zip(accs, res):
-        acc.after_round(spec.round, plan, r)
-    await asyncio.gather(*[acc.task for acc, _ in accs])
+    accs = await _settle(sw, spec, res, dht, read=False)
     assert list(dht.data) == [fraud.proofs_key(RUN, spec.round)]  # the validator's one proof
     # the peers that read before the proof was stored read again next round: all honest peers now exclude it
     for acc, _ in accs:
