@@ -80,13 +80,7 @@ class Accountability:
             if self.task is not None and not self.task.done():
                 log.debug("round %d: accountable validation skipped: the previous one still runs", r)
                 return
-            self.task = asyncio.ensure_future(self.run(r))
-
-            def failed(t: asyncio.Future) -> None:
-                if not t.cancelled() and t.exception() is not None:
-                    log.warning("round %d: accountable validation failed: %s", r, t.exception())
-
-            self.task.add_done_callback(failed)
+            self._start(self.run(r), r, "accountable validation failed")
         except Exception as e:  # the round must go on
             log.warning("round %d: accountable validation not started: %s", r, e)
 
@@ -102,15 +96,20 @@ class Accountability:
                 return
             if self.task is not None and not self.task.done():
                 return
-            self.task = asyncio.ensure_future(self.publish_and_read(r))
-
-            def failed(t: asyncio.Future) -> None:
-                if not t.cancelled() and t.exception() is not None:
-                    log.warning("round %d: publishing or reading accountability proofs failed: %s", r, t.exception())
-
-            self.task.add_done_callback(failed)
+            self._start(self.publish_and_read(r), r, "publishing or reading accountability proofs failed")
         except Exception as e:  # the wait for the round's end must go on
             log.warning("round %d: accountability proofs not read: %s", r, e)
+
+    def _start(self, coro, r: int, failure: str) -> None:
+        """Own ``coro`` as :attr:`task` (cancelled by the node's shutdown); its exception, if any, is logged as
+        ``round r: <failure>: <exception>`` (one WARNING), never left unretrieved."""
+        self.task = asyncio.ensure_future(coro)
+
+        def failed(t: asyncio.Future) -> None:
+            if not t.cancelled() and t.exception() is not None:
+                log.warning("round %d: %s: %s", r, failure, t.exception())
+
+        self.task.add_done_callback(failed)
 
     async def run(self, r: int) -> None:
         """Validate round ``r``'s drawn parts, publish one held proof in slot ``r``, then read and act on the
