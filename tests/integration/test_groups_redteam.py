@@ -63,8 +63,10 @@ async def test_the_all_gather_does_not_spin_while_a_stage_waits_for_its_deadline
     )
     assert all(torch.equal(out[0].aggregate, r.aggregate) for r in out[1:])
     # healthy: one pull per slice it does not own (2), and a slice owner's own (1). With a 30 s window and 2 s long
-    # polls a source answers "not yet" about 15 times per part at most; the sweeps without a wait made 53-59
-    assert max(attempts.values()) <= 16, attempts
+    # polls a source answers "not yet" about 15 times per part at most; the sweeps without a wait made 53-59. At
+    # load ~10 (a full suite beside other jobs) one run counted 19: a long poll cut short by a late server still
+    # counts, so the bound leaves that room and stays far below the spin's
+    assert max(attempts.values()) <= 24, attempts
 
 
 async def _run(grouped, spec, deltas, tokens, group_size=G, late=()):
