@@ -137,7 +137,7 @@ def test_open_runs_are_warned_about_trusting_settings():
     ns = argparse.Namespace(allow_peers=None, mode="reencode", method="geomesh", aggregation="mean")
     w = trust_warning(ns)
     assert "--mode reencode" in w and "--aggregation mean" in w and "docs/security.md" in w
-    assert "Use the defaults (--mode relay" in w
+    assert "Use the defaults (--mode auto" in w
     # with --eager the advice is not the relay mode eager refuses
     eager = trust_warning(
         argparse.Namespace(allow_peers=None, mode="reencode", method="geomesh", aggregation="meanmed", eager=True)
