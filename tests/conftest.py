@@ -103,9 +103,6 @@ SERIAL_GROUPS = {
 # file (next) and then everything else (collection order).
 LONGEST_FIRST = (
     "e2e-swarms",  # ~235 s (test_attacks ~120, test_swarm ~115)
-    # 16 peer processes, one test (session 26: 142-278 s alone at load 17-40 from other jobs; it replaced the 9-peer
-    # killed-leader test of test_groups_procs.py, ~55 s)
-    "tests/e2e/test_accountable_groups_procs.py",
     # CPU-bound verified-work screens in process (a unit file, so it used to start after every e2e file and end
     # the run alone on one worker)
     "tests/unit/test_screening.py",  # ~230
