@@ -743,8 +743,7 @@ class PeerNode:
                 round_log.close()
                 self.round_log = None
             return
-        # Leaving is announced first (before the checkpoint, which takes seconds on a large model), so
-        # the others plan their next round without this peer whatever the reason it stops.
+        # Leaving is announced first (before a checkpoint of seconds), so the others plan the next round without it
         try:
             if self.announcer is not None and not self._leaving and self.ema is not None and not self.identity_taken:
                 self._leaving = True
@@ -770,6 +769,7 @@ class PeerNode:
             if self.announcer is not None:
                 await self.announcer.stop()
             self.accountable.cancel()
+            self.verified.cancel()
             if self.collective is not None:
                 await asyncio.gather(self.collective.close(), *([self.grouped.close()] if self.grouped else []))
             if self.dht is not None:

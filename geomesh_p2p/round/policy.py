@@ -159,7 +159,9 @@ class NodeRoundPolicy:
 
     def planned_out(self, r: int, plan) -> None:
         """This peer sits round ``r`` out (planned out, or refusing ``plan``): accountable mode reads the proofs in
-        the DHT all the same (:meth:`Accountability.read_in_background`), so its verdicts follow the swarm's."""
+        the DHT all the same (:meth:`Accountability.read_in_background`), and verified work applies its ended checks
+        and reads the swarm's evidence (:meth:`VerifiedWork.planned_out`), so its verdicts follow the swarm's."""
+        self.verified.planned_out(r)
         if self.accountable is not None:
             self.accountable.read_in_background(r, plan)
 

@@ -68,6 +68,8 @@ class VerifiedWork:
         self._collective = collective
         self.verifier = verifier
         self.task: Optional[asyncio.Future] = None
+        #: the micro-batch of the last round this peer trained: its re-checks' batch while it is planned out
+        self._micro_batch: Optional[int] = None
         #: (round, its relative agreement test) of the newest round measured (advisory, issue 28)
         self.agreement: Optional[tuple[int, agreement.AgreementTest]] = None
         #: (round, each contributor's support, the inner steps its claim implies) of that round (the record)
@@ -174,6 +176,13 @@ class VerifiedWork:
         wv.queue_screens(r, due=due, signed_of=signed_of)
         wv.queue_check(r, micro_batch=a.micro_batch, due=due, signed_of=signed_of)
 
+    def cancel(self) -> None:
+        """Stop the event loop's side in flight (shutdown): the tending task and accountable mode's fetches. The
+        checks in the worker thread stop in :meth:`close`."""
+        for t in [self.task, *self._fetches]:
+            if t is not None and not t.done():
+                t.cancel()
+
     def close(self) -> None:
         """Stop the background checks and delete the kept start weights' files (blocking: call it off the event
         loop). Safe to call twice."""
@@ -213,15 +222,38 @@ class VerifiedWork:
             if running is not None and not running.done():
                 log.debug("round %d: verified work: the previous round's evidence is still being read", r)
                 return
-            self.task = asyncio.ensure_future(self._tend(wv, r, a, ar, plan))
-
-            def failed(t: asyncio.Future) -> None:
-                if not t.cancelled() and t.exception() is not None:
-                    log.warning("round %d: verified work failed: %s", r, t.exception())
-
-            self.task.add_done_callback(failed)
+            self._micro_batch = a.micro_batch
+            self._own_task(self._tend(wv, r, a, ar, plan), r)
         except Exception as e:
             log.warning("round %d: verified work skipped: %s", r, e)
+
+    def planned_out(self, r: int) -> None:
+        """Round ``r`` runs without this peer (planned out, or refusing the plan): the background checks that ended
+        are applied and the evidence published about the kept rounds is read and re-checked all the same
+        (:meth:`~geomesh_p2p.trust.verify.WorkVerifier.tend`, at the micro-batch of the last round this peer
+        trained), one tending task at a time as :meth:`verify_round`. Before session 27 only a round this peer
+        applied tended them: a peer planned out for rounds neither published the verdicts its worker reached nor
+        learnt the swarm's, and as a leader it planned a peer everyone else had excluded back in (the gap session
+        26 closed for accountable proofs, :meth:`Accountability.read_in_background`). Never raises."""
+        try:
+            wv = self.verifier
+            running = self.task
+            if wv is None or (running is not None and not running.done()):
+                return
+            self._own_task(wv.tend(r, micro_batch=self._micro_batch), r)
+        except Exception as e:  # the wait for the round's end must go on
+            log.warning("round %d: verified work not tended: %s", r, e)
+
+    def _own_task(self, coro, r: int) -> None:
+        """Own ``coro`` as :attr:`task` (cancelled by :meth:`cancel`); its exception, if any, is one WARNING
+        (``round r: verified work failed: ...``), never left unretrieved."""
+        self.task = asyncio.ensure_future(coro)
+
+        def failed(t: asyncio.Future) -> None:
+            if not t.cancelled() and t.exception() is not None:
+                log.warning("round %d: verified work failed: %s", r, t.exception())
+
+        self.task.add_done_callback(failed)
 
     async def _tend(self, wv: verify.WorkVerifier, r: int, a, ar, plan=None) -> None:
         """The checks' results (:meth:`~geomesh_p2p.trust.verify.WorkVerifier.tend`), then the round's relative
