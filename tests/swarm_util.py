@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import socket
 import subprocess
@@ -28,7 +29,7 @@ FAST = [
     # tests at once), and its peers fill their windows with steps: this halves that CPU. A test that needs the
     # steps (the attacks' perplexity bound) passes "--speed-factor", "1" after it (the last value counts).
     "--speed-factor",
-    "0.5",
+    os.environ.get("GEOMESH_TEST_SPEED", "0.5"),
     "--profile-batches",
     "4,8",
     "--target-batch",

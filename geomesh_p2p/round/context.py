@@ -53,7 +53,9 @@ class SwarmEnded:
         why: one sentence for the log.
         cause: why, in one word (the ``swarm_ended`` event's ``cause``): ``"others_left"`` (every other
             peer announced leaving), ``"alone"`` (after its first round no other peer was live for
-            ``wait_peers_s``), ``"digest_differs"`` (its last state is not the one the others hold).
+            ``wait_peers_s``), ``"digest_differs"`` (its last state is not the one the others hold),
+            ``"finished_without"`` (a round it was planned out of ran, and its participants left before this peer
+            got their state: ``resync.hold_finished_round``).
     """
 
     round: int

@@ -18,6 +18,7 @@ from geomesh_p2p.schema.peer import PeerRecord
 from geomesh_p2p.telemetry import events
 from geomesh_p2p.util.aio import wait_event
 from geomesh_p2p.util.backoff import Backoff
+from geomesh_p2p.round import resync as resync_rules
 from geomesh_p2p.round.context import Phase, RoundContext
 from geomesh_p2p.round.eager import drop_speculative
 from geomesh_p2p.round.gather import ROUND_END_SLACK_S
@@ -290,6 +291,9 @@ async def wait_out(drv: RoundDriver, ctx: RoundContext, refused: bool = False) -
             with contextlib.suppress(asyncio.CancelledError):
                 await reprobe
     await drv.resync("planned out")
+    if drv.state.round <= r and drv.ended is None and not drv.stop.is_set():
+        # no state to adopt: never run round r again while its plan's participants are past it (a fork)
+        await resync_rules.hold_finished_round(drv, r, plan.participants())
 
 
 async def reprobe_and_announce(drv: RoundDriver) -> None:

@@ -155,6 +155,39 @@ async def check_end(drv: RoundDriver) -> None:
         )
 
 
+async def hold_finished_round(drv: RoundDriver, r: int, participants: Sequence[str]) -> None:
+    """Round ``r`` ran on a plan of ``participants`` without this peer (planned out, or refusing it), and the
+    catch-up after it found no state to adopt, so this peer is back at round ``r``. Running round ``r`` again
+    with the peers left would fork the run: session 27, 9 peers with ``--rounds 3``, the three planned out of round 2
+    found no donor after the six others finished it and left together, ran a round 2 of their own and ended "done"
+    on another digest. So once a participant of that plan announced a later round (its signed record, leaving
+    ones included), round ``r`` is taken: this peer retries the catch-up (:data:`RESYNC_RETRY_PAUSE_S` apart) until
+    it adopts a later state, and ends the run not synced (:func:`end_run`, cause ``"finished_without"``: exit 3,
+    never "done") once none of those participants is live. When no participant is past round ``r`` (the round
+    failed and is planned again) it returns at once: the round is open."""
+    members = set(participants) - {drv.me}
+    past_seen: dict[str, int] = {}  # participant -> the later round it announced (kept after its record expires)
+    while not drv.stop.is_set() and drv.ended is None and drv.state.round <= r:
+        recs = await drv.membership.peers(include_leaving=True)
+        past = [x for x in recs if x.peer_id in members and x.round > r and x.weights_digest]
+        past_seen.update((x.peer_id, x.round) for x in past)
+        if not past_seen:
+            return
+        if not [x for x in past if not x.leaving]:
+            swarm_round = max(past_seen.values())
+            why = (
+                f"the plan of round {r} ran without this peer; its {len(past_seen)} participant(s) seen past it "
+                f"(to round {swarm_round}) all left or are gone, and no donor gave this peer their state: it holds "
+                f"round {r}, digest {(drv.state.digest or '')[:8]}, NOT the swarm's (running round {r} again with "
+                "the peers left would fork the run)"
+            )
+            end_run(drv, SwarmEnded(r, swarm_round, False, why, "finished_without"), participants=len(members))
+            return
+        if await drv.pause(RESYNC_RETRY_PAUSE_S):
+            return
+        await drv.resync(f"round {r} ran without this peer")
+
+
 async def resync(drv: RoundDriver, why: str) -> None:
     """Download the swarm's state; a failure is one warning and a pause (the donors may come back), or,
     when every other peer announced leaving, the end of the run (:attr:`ended`, one WARNING)."""

@@ -338,3 +338,112 @@ async def test_peers_whose_record_reads_lose_records_keep_one_lineage():
     detail = {p.me[:10]: [(row.round, row.leader, row.digest[:6], row.peers) for row in p.drv.history] for p in peers}
     assert by_round and all(len(v) == 1 for v in by_round.values()), detail
     assert len({p.digest for p in peers}) == 1
+
+
+# ------------------------------------------------------------------------------ a round run without this peer
+class _NoDonorPeer:
+    """Mixed into the driver tests' FakePeer: its catch-up finds no state to adopt (no donor answered the vote)
+    and it keeps the state it holds, as ``StateSync.catch_up`` does."""
+
+    async def catch_up(self):
+        self.catch_ups += 1
+        self.round, self.syncing = self.held, False
+
+
+async def test_peers_planned_out_of_the_last_round_never_run_it_again_after_its_participants_left():
+    """Session 27 (9 peers, ``--rounds 3``, a loaded machine): the three peers planned out of round 2 found no
+    donor once the six others had finished it and left, ran a round 2 of their own and ended "done" on another
+    digest. Now they end not synced (cause ``finished_without``, never "done") and train nothing."""
+    from tests.unit.test_round_driver import PEERS, RUN as DRIVER_RUN, FakePeer, _peers, _run_all
+
+    class NoDonor(_NoDonorPeer, FakePeer):
+        held = 0
+
+    peers = _peers(4, cls=NoDonor)
+    order = leader_order(DRIVER_RUN, 0, [p.me for p in peers])
+    leader, second = PEERS[order[0]], PEERS[order[1]]
+    leader.plan_only = {order[0], order[1]}
+    with events.capture("swarm_ended") as ended:
+        await _run_all(peers, rounds=1)
+    out = [PEERS[order[2]], PEERS[order[3]]]
+    assert [len(p.drv.history) for p in (leader, second)] == [1, 1] and leader.digest == second.digest
+    for p in out:
+        assert p.drv.history == [] and p.round == 0 and p.catch_ups >= 1  # round 0 never run again
+        assert (p.drv.ended.cause, p.drv.ended.synced, p.drv.ended.round, p.drv.ended.swarm_round) == (
+            "finished_without",
+            False,
+            0,
+            1,
+        )
+    assert sorted(e["peer"] for e in ended) == sorted(p.me for p in out)
+
+
+async def test_a_round_whose_participants_are_not_past_it_is_open_again():
+    """The plan's participants are still at its round (the round failed and is planned again): nothing held."""
+    from types import SimpleNamespace
+
+    from geomesh_p2p.round.resync import hold_finished_round
+
+    me, a, b = (str(Identity.generate().peer_id) for _ in range(3))
+    recs = [peer_record(p, address="127.0.0.1:1", round=4, weights_digest="d") for p in (me, a, b)]
+    reads = []
+
+    async def peers(include_leaving=False):
+        reads.append(include_leaving)
+        return recs
+
+    calls = []
+
+    async def resync(why):
+        calls.append(why)
+
+    drv = SimpleNamespace(
+        me=me,
+        stop=asyncio.Event(),
+        ended=None,
+        state=SimpleNamespace(round=4, digest="d"),
+        membership=SimpleNamespace(peers=peers),
+        resync=resync,
+    )
+    await hold_finished_round(drv, 4, [me, a, b])
+    assert (reads, calls, drv.ended) == ([True], [], None)
+
+
+async def test_a_live_participant_past_the_round_is_waited_for_until_its_state_is_adopted():
+    """One participant already left, one is live at the next round: the catch-up is retried, not the round."""
+    from types import SimpleNamespace
+
+    from geomesh_p2p.round.resync import hold_finished_round
+
+    me, a, b = (str(Identity.generate().peer_id) for _ in range(3))
+    recs = [
+        peer_record(a, address="127.0.0.1:1", round=5, weights_digest="e", leaving=True),
+        peer_record(b, address="127.0.0.1:2", round=5, weights_digest="e"),
+    ]
+
+    async def peers(include_leaving=False):
+        return recs
+
+    calls, pauses = [], []
+
+    async def resync(why):
+        calls.append(why)
+        if len(calls) == 2:  # the donor answers on the second try
+            drv.state.round = 5
+
+    async def pause(seconds):
+        pauses.append(seconds)
+        return False
+
+    drv = SimpleNamespace(
+        me=me,
+        stop=asyncio.Event(),
+        ended=None,
+        state=SimpleNamespace(round=4, digest="d"),
+        membership=SimpleNamespace(peers=peers),
+        resync=resync,
+        pause=pause,
+    )
+    await hold_finished_round(drv, 4, [me, a, b])
+    assert calls == ["round 4 ran without this peer"] * 2 and len(pauses) == 2
+    assert drv.ended is None and drv.state.round == 5
