@@ -70,7 +70,8 @@ def _child(req: dict, fds: Sequence[int], keep: Sequence[int]) -> None:
             os.close(fd)
     signal.set_wakeup_fd(-1)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    # as a cold interpreter: SIGINT ignored when its spawner ignores it (a job started with `&` by a script)
+    signal.signal(signal.SIGINT, signal.SIG_IGN if req.get("sigint_ignored") else signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     if req.get("new_session"):
         os.setsid()
@@ -282,7 +283,13 @@ class Zygote:
         refuses (a thread ran in it)."""
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         conn.connect(self.socket)
-        req = {"args": args, "env": env, "cwd": str(cwd or os.getcwd()), "new_session": new_session}
+        req = {
+            "args": args,
+            "env": env,
+            "cwd": str(cwd or os.getcwd()),
+            "new_session": new_session,
+            "sigint_ignored": signal.getsignal(signal.SIGINT) is signal.SIG_IGN,
+        }
         socket.send_fds(conn, [(json.dumps(req) + "\n").encode()], list(fds))
         conn.settimeout(60)
         line = b""
