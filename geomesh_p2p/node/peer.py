@@ -763,6 +763,7 @@ class PeerNode:
         if self.cfg.summary_json:
             self.write_summary(self.cfg.summary_json)
         grace = await self._serve_last_parts()
+        await report.serve_final_state(self)  # peers planned out of the last round download it now
         try:
             if self.looplag is not None:
                 await self.looplag.stop()
@@ -787,8 +788,7 @@ class PeerNode:
             events.close_sink(self.event_sink)
             self.transport = None
 
-    async def _serve_last_parts(self) -> float:
-        """Serve the last round's owned parts before the server stops (:func:`report.serve_last_parts`)."""
+    async def _serve_last_parts(self) -> float:  # :func:`report.serve_last_parts`, before the server stops
         return await report.serve_last_parts(self, MAX_LINGER_S)
 
     def summary(self) -> dict:

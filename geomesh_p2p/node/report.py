@@ -4,9 +4,11 @@ line ("done", or a WARNING and an exit code when the swarm ended without it) and
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -14,13 +16,24 @@ from typing import TYPE_CHECKING
 from geomesh_p2p.net.swarm_time import swarm_time
 from geomesh_p2p.telemetry import events
 from geomesh_p2p.telemetry.metrics import json_safe
+from geomesh_p2p.util.aio import wait_event
+from geomesh_p2p.util.backoff import Backoff
 
 if TYPE_CHECKING:
     from geomesh_p2p.node.peer import PeerNode
 
 log = logging.getLogger("geomesh_p2p.node.peer")
 
-__all__ = ["EXIT_NOT_SYNCED", "log_swarm_ended", "log_done", "summary", "write_summary"]
+__all__ = [
+    "EXIT_NOT_SYNCED",
+    "FINAL_STATE_LINGER_S",
+    "catching_up",
+    "log_swarm_ended",
+    "log_done",
+    "serve_final_state",
+    "summary",
+    "write_summary",
+]
 
 #: Exit code of a peer whose run ended on a state that is not the swarm's (the swarm ended while it was behind,
 #: or its last rounds were trained on a state the others never had): docs/round.md, "A stalled peer and a swarm that ended".
@@ -174,3 +187,70 @@ async def serve_last_parts(node: PeerNode, max_linger_s: float) -> float:
                 len({p for ps in left.values() for p in ps}),
             )
     return max(0.5, until - swarm_time())
+
+
+#: The longest a peer whose run ended waits for peers still downloading its last state (:func:`serve_final_state`)
+FINAL_STATE_LINGER_S = 30.0
+
+
+def catching_up(records, me: str, round: int) -> list[str]:
+    """The peers of ``records`` (:class:`~geomesh_p2p.schema.peer.PeerRecord`) that wait for the state of
+    ``round``: live, syncing (no digest) and announcing that round (a peer planned out of the last round
+    announces the round after it while it waits for it), ``me`` left out."""
+    return sorted(
+        x.peer_id
+        for x in records
+        if x.peer_id != me and not x.leaving and x.weights_digest is None and x.round == round
+    )
+
+
+async def serve_final_state(
+    node: PeerNode, max_linger_s: float = FINAL_STATE_LINGER_S, poll_s: float = 1.0
+) -> list[str]:
+    """Before the server stops at the end of a run this peer finished (its ``--rounds`` or target reached, no stop
+    asked): keep serving its state to the peers that are still catching up to it (:func:`catching_up`), until
+    each announces a state (or leaves) or ``max_linger_s`` seconds passed, reading the records with a backoff from
+    ``poll_s`` to 4 x ``poll_s`` seconds; one INFO line when it waits. A peer planned out of the last round waits for that round to end before it
+    downloads: when every participant exited at once, it found no donor (session 27: three of nine peers planned
+    out of round 2 then ran a round 2 of their own; now they end "not synced", and with this wait they get the
+    state). Returns the peers still catching up when it stopped waiting. Never raises: a failed read ends it."""
+    if node._stop.is_set():
+        return []  # Ctrl+C: the user wants the process gone
+    deadline = time.monotonic() + max_linger_s
+    backoff = Backoff(poll_s, 4 * poll_s)
+    said = False
+    waiting: list[str] = []
+    try:
+        while True:
+            waiting = catching_up(await node.peers(include_leaving=True), node.me, node.round)
+            if not waiting or time.monotonic() >= deadline:
+                break
+            if not said:
+                said = True
+                events.emit(
+                    log,
+                    logging.INFO,
+                    "serving_final_state",
+                    "round %d: %d peer(s) still catching up to this peer's last state (%s); serving it for at most "
+                    "%.0f s",
+                    node.round,
+                    len(waiting),
+                    ", ".join(p[:10] for p in waiting[:5]),
+                    max_linger_s,
+                    peer=node.me,
+                    round=node.round,
+                    readers=waiting,
+                )
+            if await wait_event(node._stop, min(backoff.next(), max(0.0, deadline - time.monotonic()))):
+                return waiting
+    except (asyncio.CancelledError, KeyboardInterrupt):
+        raise
+    except Exception as e:  # the DHT may be gone already: stop waiting
+        log.debug("reading who still catches up failed: %r", e)
+    if said and waiting:
+        log.info(
+            "round %d: %d peer(s) did not catch up to this peer's last state in time; stopping",
+            node.round,
+            len(waiting),
+        )
+    return waiting

@@ -99,6 +99,7 @@ kind                         where                            fields
                                                               cause, exit_code
 ``serving_last_parts``       node.PeerNode._serve_last_parts  peer, round, readers (PeerIDs still pulling),
                                                               wait_s (the most it waits)
+``serving_final_state``      node.report.serve_final_state    peer, round, readers (PeerIDs still catching up)
 ``stalled_round_not_blamed`` round.exchange.exchange          peer, round, stalled_s, window_s
 ``state_downloaded``         round.rules.state_sync               peer, round, donors (addresses), digest,
                                                               vote (``standing`` | ``fresh`` | ``solo``)
