@@ -19,6 +19,15 @@ from geomesh_p2p.schema.peer import PeerRecord
 #: slowly; a real speed-up (a profile taken under load) is reached in a few rounds (2x per round).
 MAX_TPS_GROWTH_PER_UPDATE = 2.0
 
+#: the most a peer's announced tokens/s may fall in one re-profiling update (x). Below the followers' plan check
+#: tolerance (``plan.bounds.PLAN_CHECK_TOLERANCE``, 1.5), so that a plan made from a record one update older still
+#: passes the check of a follower that read the newer one: in session 26's 16-peer run a first in-swarm measurement
+#: far below a start-up profile taken alone made a follower refuse its leader's plan ("token budget 384 ... exceeds
+#: the 331 its bounded throughput supports") and sit the round out. A device that really got k x slower is
+#: announced so after log(k) / log(1.4) rounds; meanwhile its budgets are too large and it trains what it can by the
+#: plan's deadline, as any straggler.
+MAX_TPS_DROP_PER_UPDATE = 1.4
+
 
 class ThroughputEMA:
     """Exponential moving averages of a peer's throughput and link speeds, updated every round.
@@ -61,20 +70,29 @@ class ThroughputEMA:
         return x if old is None else a * x + (1.0 - a) * old
 
     def update(
-        self, batch: int, tokens: int, seconds: float, alpha: Optional[float] = None, max_growth: Optional[float] = None
+        self,
+        batch: int,
+        tokens: int,
+        seconds: float,
+        alpha: Optional[float] = None,
+        max_growth: Optional[float] = None,
+        max_drop: Optional[float] = None,
     ) -> float:
         """Fold in ``tokens`` trained in ``seconds`` at micro-batch ``batch``; returns the new tokens/s.
 
         ``alpha`` overrides the weight of this observation (1.0: replace, e.g. a start-up profile
         by the first measurement taken in the swarm). ``max_growth`` (>= 1): the new figure is at
         most that many times the previous one for ``batch`` (or, when ``batch`` is new, the best
-        figure known), e.g. :data:`MAX_TPS_GROWTH_PER_UPDATE`. Raises ValueError for ``batch < 1``,
-        ``tokens <= 0``, ``seconds <= 0``, ``alpha`` outside (0, 1] or ``max_growth < 1``.
+        figure known), e.g. :data:`MAX_TPS_GROWTH_PER_UPDATE`; ``max_drop`` (>= 1): at least the previous figure
+        for ``batch`` over that, e.g. :data:`MAX_TPS_DROP_PER_UPDATE`. Raises ValueError for ``batch < 1``,
+        ``tokens <= 0``, ``seconds <= 0``, ``alpha`` outside (0, 1], ``max_growth < 1`` or ``max_drop < 1``.
         """
         if alpha is not None and not (0 < alpha <= 1):
             raise ValueError(f"alpha={alpha} must be in (0, 1]")
         if max_growth is not None and not max_growth >= 1:
             raise ValueError(f"max_growth={max_growth} must be >= 1")
+        if max_drop is not None and not max_drop >= 1:
+            raise ValueError(f"max_drop={max_drop} must be >= 1")
         if batch < 1:
             raise ValueError(f"batch={batch} must be >= 1")
         if tokens <= 0 or not (math.isfinite(seconds) and seconds > 0):
@@ -84,6 +102,8 @@ class ThroughputEMA:
         ref = old if old is not None else max(self._tps.values(), default=None)
         if max_growth is not None and ref is not None:
             new = min(new, ref * max_growth)
+        if max_drop is not None and old is not None:
+            new = max(new, old / max_drop)
         if old is not None and self.rescale_others:
             ratio = new / old
             for b in self._tps:

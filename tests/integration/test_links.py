@@ -11,7 +11,7 @@ import grpc
 import pytest
 import torch
 
-from geomesh_p2p.model.capability import ThroughputEMA
+from geomesh_p2p.model.capability import MAX_TPS_DROP_PER_UPDATE, ThroughputEMA
 from geomesh_p2p.net.identity import Identity
 from geomesh_p2p.net.links import MAX_PROBE_BYTES, LinkProbeService, LinkSample, busy_seconds, link_sample, probe_link
 from geomesh_p2p.net.transport import RpcError, Transport
@@ -207,14 +207,17 @@ def test_first_measurement_replaces_the_start_up_figure():
 def test_announced_throughput_grows_at_most_2x_per_round():
     """A self-measured compute time is not evidence: a free rider reporting 1 ms for its planned work
     moves its announced tokens/s by at most MAX_TPS_GROWTH_PER_UPDATE (2x) per round, the first
-    measurement included; slowing down is taken as measured."""
+    measurement included; slowing down moves it by at most MAX_TPS_DROP_PER_UPDATE (1.4x) per round (session 27: a
+    plan made from the record one update older must still pass the followers' check)."""
     node = _node_with()
     node.measured = set()
     for expected in (200.0, 400.0, 800.0):
         node.update_throughput(8, SimpleNamespace(tokens=204_800, compute_s=1e-3))
         assert node.ema.tokens_per_s == {8: expected}
-    node.update_throughput(8, SimpleNamespace(tokens=80, compute_s=1.0))
-    assert node.ema.tokens_per_s == {8: 0.5 * 80.0 + 0.5 * 800.0}
+    node.update_throughput(8, SimpleNamespace(tokens=80, compute_s=1.0))  # EMA 440: under 800 / 1.4
+    assert node.ema.tokens_per_s == {8: 800.0 / MAX_TPS_DROP_PER_UPDATE}
+    node.update_throughput(8, SimpleNamespace(tokens=480, compute_s=1.0))  # EMA 525.7: within the bound, as measured
+    assert node.ema.tokens_per_s == {8: pytest.approx(0.5 * 480.0 + 0.5 * 800.0 / MAX_TPS_DROP_PER_UPDATE)}
 
 
 async def test_probe_flood_is_refused_per_caller_and_by_reply_budget():

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from geomesh_p2p import __version__
 from geomesh_p2p.telemetry import events
-from geomesh_p2p.model.capability import MAX_TPS_GROWTH_PER_UPDATE, ThroughputEMA
+from geomesh_p2p.model.capability import MAX_TPS_DROP_PER_UPDATE, MAX_TPS_GROWTH_PER_UPDATE, ThroughputEMA
 from geomesh_p2p.net.identity import Identity
 from geomesh_p2p.telemetry.metrics import RoundLog, RoundRecord, format_row, json_safe
 from geomesh_p2p.node.peer import NodeConfig, PeerNode, RunConfig
@@ -32,6 +32,7 @@ from geomesh_p2p.plan.bounds import (
     BATCH_SPREAD_CAP,
     BUDGET_MEDIAN_FACTOR,
     EVIDENCE_GROWTH,
+    PLAN_CHECK_TOLERANCE,
     THROUGHPUT_SPREAD_CAP,
     bound_records,
     max_token_share,
@@ -489,6 +490,38 @@ def test_throughput_ema_growth_bound():
     assert ema.update(32, 10**9, 1e-3, max_growth=2.0) == 600.0  # a new batch: 2x the best figure known
     with pytest.raises(ValueError):
         ema.update(8, 10, 1.0, max_growth=0.5)
+
+
+def test_throughput_ema_drop_bound():
+    ema = ThroughputEMA(alpha=0.3, tokens_per_s={8: 140.0, 16: 280.0})
+    assert ema.update(8, 1, 1.0, alpha=1.0, max_drop=MAX_TPS_DROP_PER_UPDATE) == pytest.approx(100.0)
+    assert ema.tokens_per_s == pytest.approx({8: 100.0, 16: 200.0})  # the others rescaled alike
+    assert ema.update(8, 90, 1.0, alpha=1.0, max_drop=1.4) == 90.0  # within the bound: as measured
+    with pytest.raises(ValueError):
+        ema.update(8, 10, 1.0, max_drop=0.5)
+
+
+def test_a_plan_from_the_record_one_update_older_passes_a_follower_that_read_the_newer_one():
+    """Session 26's 16-peer run: a follower refused round 2's plan ("token budget 384 ... exceeds the 331 its bounded
+    throughput supports") and sat the round out. Its leader had planned from a peer's record before that peer's
+    first in-swarm measurement (far below its start-up profile, taken alone), the follower checked the record after
+    it. A figure now falls at most MAX_TPS_DROP_PER_UPDATE x per update, under the check's tolerance."""
+    assert MAX_TPS_DROP_PER_UPDATE < PLAN_CHECK_TOLERANCE
+    recs, cfg = paper_swarm(), paper_cfg()
+    plan = make_plan(recs, cfg, numel=150_000_000, **KW)
+    slow = recs[0]  # the fastest device: the largest budget, the first measured 5x below its profile
+
+    def newer(max_drop):
+        ema = ThroughputEMA(tokens_per_s=slow.tokens_per_s)
+        b = max(ema.tokens_per_s)
+        tokens = b * cfg.seq_len
+        ema.update(b, tokens, tokens / (ema.tokens_per_s[b] / 5), alpha=1.0, max_drop=max_drop)
+        return by_id([slow.model_copy(update={"tokens_per_s": ema.tokens_per_s})] + recs[1:])
+
+    assert check_plan(plan, by_id(recs), cfg, now=T0) is None
+    assert check_plan(plan, newer(MAX_TPS_DROP_PER_UPDATE), cfg, now=T0) is None
+    unbounded = check_plan(plan, newer(None), cfg, now=T0)
+    assert unbounded is not None and "p0" in unbounded, unbounded
 
 
 # ------------------------------------------------------------------------------------------

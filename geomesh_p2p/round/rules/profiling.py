@@ -127,7 +127,8 @@ class Reprofiler:
     def update_throughput(self, micro_batch: int, result) -> None:
         """Re-profiling (beyond the paper's one-off profile): EMA of this round's measured tokens/s
         (the other micro-batch sizes are rescaled by the same ratio, capability.ThroughputEMA), growing
-        at most ``capability.MAX_TPS_GROWTH_PER_UPDATE`` x per round."""
+        at most ``capability.MAX_TPS_GROWTH_PER_UPDATE`` x and falling at most ``capability.MAX_TPS_DROP_PER_UPDATE``
+        x per round."""
         if result.compute_s > 0 and result.tokens > 0:
             # The start-up profile is a prior, taken alone and with other processes starting up; the
             # first measurement in the swarm replaces it (then the EMA smooths round-to-round noise).
@@ -141,6 +142,7 @@ class Reprofiler:
                 result.compute_s,
                 alpha=1.0 if first else None,
                 max_growth=capability.MAX_TPS_GROWTH_PER_UPDATE,
+                max_drop=capability.MAX_TPS_DROP_PER_UPDATE,  # a plan from the record before still passes
             )
 
     def update_links(self, ar) -> None:
