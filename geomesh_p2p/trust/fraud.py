@@ -95,7 +95,7 @@ def accused_of(proof: bytes) -> str:
     bytes do not parse."""
     try:
         p = collective_pb2.AccountabilityProof.FromString(proof)
-        signed = p.contribution if p.kind == "handoff" else p.result
+        signed = {"handoff": p.contribution, "handoff-drop": p.commitment}.get(p.kind, p.result)
         return PeerID(envelope_pb2.SignedMessage.FromString(signed).envelope.sender).to_string()
     except Exception:  # noqa: BLE001  (any malformed bytes: no grouping, the proof stands alone)
         return ""
