@@ -321,9 +321,41 @@ async def test_a_slice_owner_that_drops_a_receipted_mate_is_proven_by_that_mate_
     # the receipt of a part of another owner (not the commitment's signer)
     p = collective_pb2.AccountabilityProof.FromString(findings[0].proof)
     p.receipt = next(
-        rc.signed
-        for rc in grouped[sw.pids.index(mate)].group._rounds[spec.round].receipts.values()
-        if rc.owner != evil
+        rc.signed for rc in grouped[sw.pids.index(mate)].group._rounds[spec.round].receipts.values() if rc.owner != evil
     )
     with pytest.raises(accountable.ProofError, match="signed by different peers"):
         accountable.verify_proof(RUN, p.SerializeToString())
+    # the leader refuses an X whose level-1 commitment is missing or not its sender's (else an owner could hand on a
+    # contribution whose lists no member can check without the packet)
+    from geomesh_p2p.exchange import group_commitment, messages
+
+    c = layout.slice_of(evil)
+    xs = grouped[0].levels[spec.round][3][c]
+    leader = grouped[sw.pids.index(xs.owners[0].peer_id)]
+    signed_x = next(
+        bytes(x)
+        for x, who in zip(
+            leader.cross._rounds[spec.round].parts[0].inputs, leader.cross._rounds[spec.round].parts[0].input_senders
+        )
+        if who == evil
+    )
+    env_pb2 = __import__("geomesh_p2p.wire.envelope_pb2", fromlist=["x"])
+    head = collective_pb2.PartContribution.FromString(env_pb2.SignedMessage.FromString(signed_x).payload)
+    verifier = accountable.Verifier(RUN, max_skew_s=float("inf"))
+    assert messages.check_contribution(verifier, xs, None, signed_x, evil)[1].group_inputs == tuple(head.group_inputs)
+    mate_id = sw.ids[sw.pids.index(mate)]
+    for commitment, why in [
+        (b"", "not its own: message has no envelope"),
+        (
+            group_commitment.sign_commitment(
+                mate_id, RUN, spec.round, xs.spec_id, 0, head.group_spec_id, list(head.group_inputs)
+            ),
+            "signed by another peer",
+        ),
+    ]:
+        head.group_commitment = commitment
+        resigned = evil_id.sign_message(
+            run_id=RUN, round=spec.round, kind=messages.CONTRIBUTION_KIND, payload=head.SerializeToString()
+        ).SerializeToString()
+        with pytest.raises(EnvelopeError, match=why):
+            messages.check_contribution(verifier, xs, None, resigned, evil)
