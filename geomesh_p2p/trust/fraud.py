@@ -91,7 +91,7 @@ def unbundle(data: bytes) -> list[bytes]:
 
 def accused_of(proof: bytes) -> str:
     """The base58 PeerID a proof accuses, read *without* checking it (the signer of its result, or of its
-    cross contribution for a handoff proof): for grouping proofs held here, never for a verdict. "" when the
+    cross contribution for a handoff proof, of its level-1 commitment for a handoff-drop proof): for grouping proofs held here, never for a verdict. "" when the
     bytes do not parse."""
     try:
         p = collective_pb2.AccountabilityProof.FromString(proof)

@@ -2,7 +2,8 @@
 
 Checked: every peer applies the same bits, the two-level rule computed apart; honest rounds yield no finding at either
 level; a leader that forges its cross result (level 2) and a slice owner that forges its group aggregate (level 1,
-the signed cross contribution it hands on) are each caught by a drawn validator, the proof verifies at a third peer
+the signed cross contribution it hands on) are each caught by a drawn validator, a slice owner that drops a
+receipted group push from its level-1 commitment is caught by the dropped member (a handoff-drop proof), the proof verifies at a third peer
 from its bytes alone, a tampered proof is refused, and once the proof is in the DHT every honest peer excludes the
 forger and only it.
 """
