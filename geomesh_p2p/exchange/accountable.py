@@ -21,7 +21,8 @@ on this exchange (docs/collective.md, "Accountable mode"):
    *forgery proof* (signed result + signed inputs + the spec, whose SHA-256 the result signed) that any
    peer re-checks in O(part).
 5. **Hand-offs** (a grouped round's level 1): a slice owner's signed cross contribution that is not the group
-   rule over the group inputs it commits to is a *handoff proof* (:mod:`.handoff`).
+   rule over the group inputs it commits to is a *handoff proof* (:mod:`.handoff`); a receipted group push its
+   signed level-1 commitment omits is a *handoff-drop proof* (:mod:`.handoff_drop`).
 6. **Equivocation.** Two results an owner signed for one (round, part) with different payloads are an
    *equivocation proof* (:func:`equivocation_proof`).
 
@@ -40,7 +41,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from geomesh_p2p.exchange import frames as wire
-from geomesh_p2p.exchange import handoff, messages
+from geomesh_p2p.exchange import handoff, handoff_drop, messages
 from geomesh_p2p.exchange.aggregate import aggregate_buffer
 from geomesh_p2p.exchange.commitment import (
     DIGEST_BYTES,
@@ -79,7 +80,7 @@ __all__ = [
     "witness_problem",
 ]
 
-PROOF_KINDS = ("drop", "forgery", "equivocation", "handoff")
+PROOF_KINDS = ("drop", "forgery", "equivocation", "handoff", handoff_drop.HANDOFF_DROP)
 #: A proof larger than this is refused unread (a forgery proof holds one part's inputs: N x part bytes).
 MAX_PROOF_BYTES = 256 << 20
 
@@ -150,20 +151,7 @@ def open_result(verifier: Verifier, signed: wire.Buffer, n_participants: int) ->
 def inclusion_problem(spec: CollectiveSpec, result: OpenedResult, receipt: Receipt) -> Optional[str]:
     """Why ``result`` contradicts ``receipt`` (the same owner's: the contribution it receipted is missing,
     or listed with other tokens than ``min(claimed, cap)``), or None when it is in as receipted."""
-    order = participant_order(spec.participants)
-    if receipt.sender not in spec.participants:
-        return None  # not this round's participant: the owner should not have receipted it, nothing to prove
-    me = order.index(receipt.sender)
-    mine = [e for e in result.entries if e.index == me]
-    if not mine:
-        return "the receipted contribution is not in the result's inputs"
-    e = mine[0]
-    if e.digest != receipt.sha256[:DIGEST_BYTES]:
-        return "the result lists another contribution than the receipted one"
-    want = min(receipt.tokens, spec.participants[receipt.sender])
-    if e.tokens != want:
-        return f"the result lists {e.tokens} tokens, the receipt's claim capped by the plan is {want}"
-    return None
+    return handoff_drop.entries_problem(spec, result.entries, receipt)  # one rule at both levels
 
 
 def drop_proof(receipt: bytes, result: wire.Buffer, spec: Optional[CollectiveSpec] = None) -> bytes:
@@ -294,6 +282,15 @@ def verify_proof(run_id: str, data: bytes, max_bytes: int = MAX_PROOF_BYTES) -> 
         if why_h is None:
             raise ProofError("the cross contribution is exactly the group rule over its inputs: no forgery")
         return ProofVerdict("handoff", x.sender, xspec.round, k, why_h)
+    if p.kind == handoff_drop.HANDOFF_DROP:  # a grouped round's level 1: a receipted push its owner's commitment omits
+        if not p.spec_json or not p.cross_spec_json:
+            raise ProofError("a handoff-drop proof needs the group and cross specs")
+        gspec, xspec = _spec_of(p.spec_json), _spec_of(p.cross_spec_json)
+        try:
+            accused, j, why_d = handoff_drop.verify_handoff_drop(verifier, gspec, xspec, p.receipt, p.commitment)
+        except handoff.HandoffError as e:
+            raise ProofError(str(e)) from None
+        return ProofVerdict(handoff_drop.HANDOFF_DROP, accused, gspec.round, j, why_d)
     spec = _spec_of(p.spec_json) if p.spec_json else None
     n = len(spec.participants) if spec is not None else 1 << 20
     try:

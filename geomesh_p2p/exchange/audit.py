@@ -94,7 +94,7 @@ class Finding:
     """What validating one part found against its owner.
 
     Attributes:
-        kind: ``"forgery"``, ``"equivocation"`` (with ``proof``), ``"withheld"`` or ``"unvalidatable"``
+        kind: ``"forgery"``, ``"equivocation"``, ``"drop"`` (with ``proof``), ``"withheld"`` or ``"unvalidatable"``
             (suspicions, no proof).
         owner: base58 PeerID of the part's owner.
         round / part: the part.
@@ -416,6 +416,7 @@ def _report(service: "CollectiveService", f: Finding) -> None:
         {
             "forgery": "forged its result (proof held)",
             "equivocation": "signed two results (proof held)",
+            "drop": "left a receipted push out of its signed inputs (proof held)",
             "unvalidatable": "committed to inputs nobody served (a suspicion, no proof)",
         }.get(f.kind, "withheld its inputs (a suspicion, no proof)"),
         f.reason,

@@ -2,6 +2,10 @@
 
 * **Level 2** (a leader's result over the slice owners' cross contributions) is an ordinary accountable part of
   the slice's cross spec: :func:`.audit.validate_round` on the cross service (validators drawn in the cross set).
+* **Level-1 drops**: every member of a group that holds a slice owner's receipt of its push checks the push is in
+  the owner's signed level-1 commitment (:mod:`.group_commitment`, fetched alone from the leader that counted the
+  owner's ``X``: ``PullInputs`` with ``commitments_only``); a receipted push left out is a handoff-drop proof
+  (:mod:`.handoff_drop`), verified here before it is returned (:func:`check_handoff_drops`).
 * **Level 1** (a slice owner's group aggregate, handed on as its signed cross contribution ``X``): the members of
   its group drawn by :func:`.handoff.handoff_validators` fetch ``X`` (one input of the leader's result: from the
   leader, ``PullInputs`` with ``first``/``count``, its hash checked against the leader's signed list) and the group
@@ -16,11 +20,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from typing import TYPE_CHECKING, Any, Optional
 
 from google.protobuf.message import DecodeError
 
-from geomesh_p2p.exchange import accountable, audit, handoff
+from geomesh_p2p.exchange import accountable, audit, handoff, handoff_drop
 from geomesh_p2p.exchange.audit import Finding
 from geomesh_p2p.exchange.commitment import (
     DIGEST_BYTES,
@@ -29,8 +34,9 @@ from geomesh_p2p.exchange.commitment import (
     decode_inputs,
     participant_order,
 )
+from geomesh_p2p.exchange.group_commitment import commitment_of_contribution, open_commitment
 from geomesh_p2p.exchange.partition import CollectiveSpec
-from geomesh_p2p.net.identity import EnvelopeError
+from geomesh_p2p.net.identity import EnvelopeError, Verifier
 from geomesh_p2p.net.swarm_time import swarm_time
 from geomesh_p2p.net.transport import RpcError
 from geomesh_p2p.wire import collective_pb2
@@ -38,7 +44,7 @@ from geomesh_p2p.wire import collective_pb2
 if TYPE_CHECKING:
     from geomesh_p2p.exchange.groups import GroupedCollective
 
-__all__ = ["validate_grouped", "validate_handoffs"]
+__all__ = ["validate_grouped", "validate_handoffs", "check_handoff_drops"]
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +59,7 @@ async def validate_grouped(
     out += await gc.cross.validate_round(round, timeout_s=timeout_s, parts=parts)
     if parts is None:
         out += await validate_handoffs(gc, round, timeout_s=timeout_s)
+        out += await check_handoff_drops(gc, round, timeout_s=timeout_s)
     return out
 
 
@@ -202,3 +209,100 @@ async def _group_inputs(
             return None, f"input {n} not served by the owner ({why or 'other bytes'}) nor its holder ({why_h})"
         out[n] = bytes(match[0])
     return [out[n] for n in range(len(entries))], ""
+
+
+async def check_handoff_drops(gc: "GroupedCollective", round: int, *, timeout_s: float = 10.0) -> list[Finding]:
+    """Level-1 drops: for each slice owner of this node's group that receipted this node's group push (its
+    receipts, ``state.receipts``) and whose cross contribution ``X`` a leader counted (listed, not filtered out, in
+    the leader-signed cross result read in the all-gather: else the drop changed nothing), fetch ``X``'s signed
+    commitment from that leader (one ``PullInputs`` with ``commitments_only`` per cross part; ``timeout_s``: the
+    deadline of them all) and check each receipted push of the parts it covers is listed as receipted
+    (:func:`.handoff_drop.drop_problem`). Returns ``drop`` findings with a handoff-drop proof (verified here); a
+    commitment not served is skipped (logged at DEBUG; nothing is proven from it). Counts the fetches and bytes
+    received in ``gc.drop_checks[round]``."""
+    levels = gc.levels.get(round)
+    state = gc.group._rounds.get(round)
+    if levels is None or state is None or not state.receipts:
+        return []
+    spec, layout, group_specs, cross_specs = levels
+    me = gc.peer_id
+    g = layout.group_of(me)
+    gspec = group_specs[g]
+    if state.spec.spec_id != gspec.spec_id:
+        return []
+    results = _cross_results(gc, cross_specs, round)
+    verifier = Verifier(gspec.run_id, max_skew_s=math.inf)  # checked after the round: the signing time is past
+    deadline = swarm_time() + timeout_s
+    findings: list[Finding] = []
+    calls = received = 0
+    for c, owner in enumerate(layout.slice_owners[g]):
+        mine = {j: rc for j, rc in state.receipts.items() if gspec.owners[j].peer_id == owner}
+        if owner == me or not mine:
+            continue
+        xs = cross_specs[c]
+        order = participant_order(xs.participants)
+        for k in range(len(xs.owners)):
+            try:
+                parts = [j for j in handoff.overlapping_parts(gspec, owner, xs, k) if j in mine]
+                res = (
+                    None
+                    if (c, k) not in results
+                    else accountable.open_result(gc.cross._inner, results[(c, k)], len(order))
+                )
+            except (handoff.HandoffError, EnvelopeError):
+                continue
+            pos = (
+                None
+                if res is None
+                else next((n for n, e in enumerate(res.entries) if order[e.index] == owner and not e.dropped), None)
+            )
+            if not parts or pos is None:
+                continue  # no receipt of this node here, or the leader did not count X: the drop changed nothing
+            signed, n_bytes = await _fetch_commitment(gc, xs, k, pos, deadline)
+            calls, received = calls + 1, received + n_bytes
+            try:
+                cm = open_commitment(verifier, signed)
+            except EnvelopeError as e:
+                log.debug("round %d: cross part %d: no commitment of %s checked: %s", round, k, owner[:10], e.reason)
+                continue
+            for j in parts:
+                try:
+                    why = handoff_drop.drop_problem(gspec, xs, cm, mine[j])
+                except handoff.HandoffError as e:
+                    log.debug("round %d: group part %d: drop check of %s: %s", round, j, owner[:10], e)
+                    continue
+                if why is not None:
+                    proof = handoff_drop.handoff_drop_proof(gspec, xs, mine[j].signed, signed)
+                    verdict = await asyncio.to_thread(accountable.verify_proof, gspec.run_id, proof)
+                    findings.append(Finding("drop", verdict.accused, round, j, verdict.reason, proof))
+    gc.drop_checks[round] = (calls, received)
+    for f in findings:
+        audit._report(gc.group, f)
+    return findings
+
+
+async def _fetch_commitment(
+    gc: "GroupedCollective", xs: CollectiveSpec, k: int, pos: int, deadline: float
+) -> tuple[bytes, int]:
+    """(the signed level-1 commitment of input ``pos`` of cross part ``k``, the reply's bytes): from the part's leader
+    (this node's own copy when it leads the part); b"" when it is not served in time."""
+    leader = xs.owners[k]
+    if leader.peer_id == gc.peer_id:
+        state = gc.cross._rounds.get(xs.round)
+        part = None if state is None else state.parts.get(k)
+        held = None if part is None or pos >= len(part.inputs) else part.inputs[pos]
+        return (b"", 0) if held is None else (commitment_of_contribution(held), 0)
+    left = deadline - swarm_time()
+    if left <= 0:
+        return b"", 0
+    req = collective_pb2.PullInputsRequest(
+        round=xs.round, part=k, spec_id=xs.spec_id, first=pos, count=1, commitments_only=True
+    )
+    try:
+        reply = await gc.cross.transport.call(
+            leader.address, gc.cross.methods.inputs, req.SerializeToString(), round=xs.round, timeout=left
+        )
+        resp = collective_pb2.PullInputsResponse.FromString(reply.payload)  # small: a few hundred bytes
+    except (RpcError, DecodeError):
+        return b"", 0
+    return (bytes(resp.contributions[0]) if resp.contributions else b""), len(reply.payload)

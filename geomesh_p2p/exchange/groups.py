@@ -405,6 +405,8 @@ class GroupedCollective:
         self.gathered: dict[int, dict[tuple[bytes, int], bytes]] = {}
         #: accountable rounds: round -> what :mod:`.group_audit` needs of it (specs, layout)
         self.levels: dict[int, Any] = {}
+        #: accountable rounds: round -> (commitments fetched, bytes received) of the level-1 drop check
+        self.drop_checks: dict[int, tuple[int, int]] = {}
 
     async def close(self) -> None:
         await asyncio.gather(self.group.close(), self.cross.close())

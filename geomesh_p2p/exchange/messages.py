@@ -34,6 +34,7 @@ from geomesh_p2p.exchange.commitment import (
     encode_inputs,
     participant_order,
 )
+from geomesh_p2p.exchange.group_commitment import open_commitment, sign_commitment, signed_commitment_of
 from geomesh_p2p.exchange.partition import CollectiveSpec, PartOwner, _pid_bytes, _short
 from geomesh_p2p.exchange.witness import witness_problem
 from geomesh_p2p.net.identity import EnvelopeError, Identity, PeerID, Verifier
@@ -130,6 +131,12 @@ def contribution_parts(
         member_tokens=[int(n) for _, n in members],
         group_inputs=[bytes(b) for b in group_inputs],
         group_spec_id=bytes(group_spec_id),
+        # the same lists signed on their own: a group member checks them without the packet (a level-1 drop)
+        group_commitment=sign_commitment(
+            identity, spec.run_id, spec.round, spec.spec_id, j, group_spec_id, group_inputs
+        )
+        if group_spec_id
+        else b"",
     ).SerializeToString()
     return wire.signed_parts(
         identity,
@@ -274,15 +281,17 @@ def check_contribution(
         min(float(c.compute_end), swarm_time()) if math.isfinite(c.compute_end) else 0.0,
         contribution_digest(signed) if spec.mode == "accountable" else b"",
         _members(spec, c),
-        _group_inputs(spec, c),
+        _group_inputs(verifier, spec, c, sender),
         bytes(c.group_spec_id),
     )
 
 
-def _group_inputs(spec: CollectiveSpec, c: Any) -> tuple[bytes, ...]:
+def _group_inputs(verifier: Verifier, spec: CollectiveSpec, c: Any, sender: str) -> tuple[bytes, ...]:
     """A contribution's level-1 input lists (:mod:`.handoff`): taken on an accountable cross spec only, each a whole
-    number of :data:`~.commitment.RECORD_BYTES` records. Raises EnvelopeError (INVALID_ARGUMENT) otherwise."""
-    if not c.group_inputs and not c.group_spec_id:
+    number of :data:`~.commitment.RECORD_BYTES` records, with the sender's own signature over them
+    (:mod:`.group_commitment`: without it a member could not prove a drop from them without the packet).
+    Raises EnvelopeError (INVALID_ARGUMENT) otherwise."""
+    if not c.group_inputs and not c.group_spec_id and not c.group_commitment:
         return ()
     if not spec.readers or spec.mode != "accountable":
         raise EnvelopeError(
@@ -290,6 +299,13 @@ def _group_inputs(spec: CollectiveSpec, c: Any) -> tuple[bytes, ...]:
         )
     if len(c.group_spec_id) != 32 or any(len(b) % RECORD_BYTES for b in c.group_inputs):
         raise EnvelopeError(Code.INVALID_ARGUMENT, "contribution's group input lists are malformed")
+    try:
+        if open_commitment(verifier, signed_commitment_of(c)).owner != sender:
+            raise EnvelopeError(Code.INVALID_ARGUMENT, "signed by another peer")
+    except EnvelopeError as e:
+        raise EnvelopeError(
+            Code.INVALID_ARGUMENT, f"contribution's group commitment is not its own: {e.reason}"
+        ) from None
     return tuple(bytes(b) for b in c.group_inputs)
 
 

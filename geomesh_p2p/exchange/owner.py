@@ -22,6 +22,7 @@ from geomesh_p2p.net.swarm_time import swarm_time
 from geomesh_p2p.util.aio import wait_event
 from geomesh_p2p.exchange import accountable, messages, own_entry
 from geomesh_p2p.exchange import frames as wire
+from geomesh_p2p.exchange.group_commitment import commitment_of_contribution
 from geomesh_p2p.exchange.messages import Contribution
 from geomesh_p2p.exchange.partition import CollectiveSpec, PartOwner, _pid_bytes, _short
 from geomesh_p2p.net.identity import EnvelopeError, Verified, Verifier
@@ -735,9 +736,15 @@ class OwnerService:
                 raise EnvelopeError(Code.NOT_FOUND, f"this node does not own part {req.part} of round {spec.round}")
             if not part.ready.is_set():
                 raise EnvelopeError(Code.UNAVAILABLE, f"part {req.part} of round {spec.round} has no result yet")
-            page: list[bytes] = []
-            size = 0
             first = int(req.first)
+            if req.commitments_only:  # a level-1 drop check (issue 26): each input's small signed commitment only
+                want = part.inputs[first : first + (int(req.count) or len(part.inputs))]
+                page = [commitment_of_contribution(c) for c in want]
+                return collective_pb2.PullInputsResponse(
+                    round=req.round, part=req.part, contributions=page, total=len(part.inputs)
+                ).SerializeToString()
+            page = []
+            size = 0
             for signed, sender in zip(part.inputs[first:], part.input_senders[first:]):
                 if req.omit_caller and sender == caller:
                     page.append(b"")  # the validator holds its own signed push (1/N of the inputs not sent)

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PartContribution(_message.Message):
-    __slots__ = ("round", "part", "start", "end", "tokens", "spec_id", "encoding", "packet", "compute_end", "members", "member_tokens", "group_inputs", "group_spec_id")
+    __slots__ = ("round", "part", "start", "end", "tokens", "spec_id", "encoding", "packet", "compute_end", "members", "member_tokens", "group_inputs", "group_spec_id", "group_commitment")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     PART_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
@@ -21,6 +21,7 @@ class PartContribution(_message.Message):
     MEMBER_TOKENS_FIELD_NUMBER: _ClassVar[int]
     GROUP_INPUTS_FIELD_NUMBER: _ClassVar[int]
     GROUP_SPEC_ID_FIELD_NUMBER: _ClassVar[int]
+    GROUP_COMMITMENT_FIELD_NUMBER: _ClassVar[int]
     round: int
     part: int
     start: int
@@ -34,7 +35,22 @@ class PartContribution(_message.Message):
     member_tokens: _containers.RepeatedScalarFieldContainer[int]
     group_inputs: _containers.RepeatedScalarFieldContainer[bytes]
     group_spec_id: bytes
-    def __init__(self, round: _Optional[int] = ..., part: _Optional[int] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., tokens: _Optional[int] = ..., spec_id: _Optional[bytes] = ..., encoding: _Optional[str] = ..., packet: _Optional[bytes] = ..., compute_end: _Optional[float] = ..., members: _Optional[_Iterable[bytes]] = ..., member_tokens: _Optional[_Iterable[int]] = ..., group_inputs: _Optional[_Iterable[bytes]] = ..., group_spec_id: _Optional[bytes] = ...) -> None: ...
+    group_commitment: bytes
+    def __init__(self, round: _Optional[int] = ..., part: _Optional[int] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., tokens: _Optional[int] = ..., spec_id: _Optional[bytes] = ..., encoding: _Optional[str] = ..., packet: _Optional[bytes] = ..., compute_end: _Optional[float] = ..., members: _Optional[_Iterable[bytes]] = ..., member_tokens: _Optional[_Iterable[int]] = ..., group_inputs: _Optional[_Iterable[bytes]] = ..., group_spec_id: _Optional[bytes] = ..., group_commitment: _Optional[bytes] = ...) -> None: ...
+
+class GroupCommitment(_message.Message):
+    __slots__ = ("round", "spec_id", "part", "group_spec_id", "group_inputs")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    SPEC_ID_FIELD_NUMBER: _ClassVar[int]
+    PART_FIELD_NUMBER: _ClassVar[int]
+    GROUP_SPEC_ID_FIELD_NUMBER: _ClassVar[int]
+    GROUP_INPUTS_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    spec_id: bytes
+    part: int
+    group_spec_id: bytes
+    group_inputs: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, round: _Optional[int] = ..., spec_id: _Optional[bytes] = ..., part: _Optional[int] = ..., group_spec_id: _Optional[bytes] = ..., group_inputs: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class PushPartRequest(_message.Message):
     __slots__ = ("contribution", "witness")
@@ -135,7 +151,7 @@ class PartResult(_message.Message):
     def __init__(self, round: _Optional[int] = ..., part: _Optional[int] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., spec_id: _Optional[bytes] = ..., mode: _Optional[str] = ..., contributors: _Optional[_Iterable[bytes]] = ..., tokens: _Optional[_Iterable[int]] = ..., contributions: _Optional[_Iterable[_Union[Contribution, _Mapping]]] = ..., aggregate: _Optional[bytes] = ..., aggregate_encoding: _Optional[str] = ..., closed_by: _Optional[str] = ..., last_compute_end: _Optional[float] = ..., inputs: _Optional[bytes] = ..., witness_receipt: _Optional[bytes] = ..., member_counts: _Optional[_Iterable[int]] = ..., members: _Optional[_Iterable[bytes]] = ..., member_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PullInputsRequest(_message.Message):
-    __slots__ = ("round", "part", "spec_id", "first", "from_sender", "omit_caller", "count")
+    __slots__ = ("round", "part", "spec_id", "first", "from_sender", "omit_caller", "count", "commitments_only")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     PART_FIELD_NUMBER: _ClassVar[int]
     SPEC_ID_FIELD_NUMBER: _ClassVar[int]
@@ -143,6 +159,7 @@ class PullInputsRequest(_message.Message):
     FROM_SENDER_FIELD_NUMBER: _ClassVar[int]
     OMIT_CALLER_FIELD_NUMBER: _ClassVar[int]
     COUNT_FIELD_NUMBER: _ClassVar[int]
+    COMMITMENTS_ONLY_FIELD_NUMBER: _ClassVar[int]
     round: int
     part: int
     spec_id: bytes
@@ -150,7 +167,8 @@ class PullInputsRequest(_message.Message):
     from_sender: bool
     omit_caller: bool
     count: int
-    def __init__(self, round: _Optional[int] = ..., part: _Optional[int] = ..., spec_id: _Optional[bytes] = ..., first: _Optional[int] = ..., from_sender: _Optional[bool] = ..., omit_caller: _Optional[bool] = ..., count: _Optional[int] = ...) -> None: ...
+    commitments_only: bool
+    def __init__(self, round: _Optional[int] = ..., part: _Optional[int] = ..., spec_id: _Optional[bytes] = ..., first: _Optional[int] = ..., from_sender: _Optional[bool] = ..., omit_caller: _Optional[bool] = ..., count: _Optional[int] = ..., commitments_only: _Optional[bool] = ...) -> None: ...
 
 class PullInputsResponse(_message.Message):
     __slots__ = ("round", "part", "contributions", "total")
@@ -165,7 +183,7 @@ class PullInputsResponse(_message.Message):
     def __init__(self, round: _Optional[int] = ..., part: _Optional[int] = ..., contributions: _Optional[_Iterable[bytes]] = ..., total: _Optional[int] = ...) -> None: ...
 
 class AccountabilityProof(_message.Message):
-    __slots__ = ("kind", "result", "receipt", "other_result", "contributions", "spec_json", "contribution", "cross_spec_json", "input_counts")
+    __slots__ = ("kind", "result", "receipt", "other_result", "contributions", "spec_json", "contribution", "cross_spec_json", "input_counts", "commitment")
     KIND_FIELD_NUMBER: _ClassVar[int]
     RESULT_FIELD_NUMBER: _ClassVar[int]
     RECEIPT_FIELD_NUMBER: _ClassVar[int]
@@ -175,6 +193,7 @@ class AccountabilityProof(_message.Message):
     CONTRIBUTION_FIELD_NUMBER: _ClassVar[int]
     CROSS_SPEC_JSON_FIELD_NUMBER: _ClassVar[int]
     INPUT_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    COMMITMENT_FIELD_NUMBER: _ClassVar[int]
     kind: str
     result: bytes
     receipt: bytes
@@ -184,7 +203,8 @@ class AccountabilityProof(_message.Message):
     contribution: bytes
     cross_spec_json: str
     input_counts: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, kind: _Optional[str] = ..., result: _Optional[bytes] = ..., receipt: _Optional[bytes] = ..., other_result: _Optional[bytes] = ..., contributions: _Optional[_Iterable[bytes]] = ..., spec_json: _Optional[str] = ..., contribution: _Optional[bytes] = ..., cross_spec_json: _Optional[str] = ..., input_counts: _Optional[_Iterable[int]] = ...) -> None: ...
+    commitment: bytes
+    def __init__(self, kind: _Optional[str] = ..., result: _Optional[bytes] = ..., receipt: _Optional[bytes] = ..., other_result: _Optional[bytes] = ..., contributions: _Optional[_Iterable[bytes]] = ..., spec_json: _Optional[str] = ..., contribution: _Optional[bytes] = ..., cross_spec_json: _Optional[str] = ..., input_counts: _Optional[_Iterable[int]] = ..., commitment: _Optional[bytes] = ...) -> None: ...
 
 class PullPartResponse(_message.Message):
     __slots__ = ("round", "part", "ready", "signed_result", "held_s", "same")

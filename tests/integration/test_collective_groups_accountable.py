@@ -2,7 +2,8 @@
 
 Checked: every peer applies the same bits, the two-level rule computed apart; honest rounds yield no finding at either
 level; a leader that forges its cross result (level 2) and a slice owner that forges its group aggregate (level 1,
-the signed cross contribution it hands on) are each caught by a drawn validator, the proof verifies at a third peer
+the signed cross contribution it hands on) are each caught by a drawn validator, a slice owner that drops a
+receipted group push from its level-1 commitment is caught by the dropped member (a handoff-drop proof), the proof verifies at a third peer
 from its bytes alone, a tampered proof is refused, and once the proof is in the DHT every honest peer excludes the
 forger and only it.
 """
@@ -92,6 +93,11 @@ async def test_an_accountable_grouped_round_applies_the_same_bits_and_honest_own
             assert len(gid) == 32 and all(len(ls) == 1 and len(ls[0]) == 3 * 29 for ls in lists.values())
     findings = await _validate(grouped, spec)
     assert findings == []
+    # every member checked its receipted pushes in its slice owners' signed level-1 commitments (no packet fetched):
+    # each of the 9 holds receipts of its 2 mates' slices; the bytes received are a few hundred per commitment
+    checks = [gc.drop_checks.get(spec.round, (0, 0)) for gc in grouped]
+    assert all(n >= 2 for n, _ in checks), checks
+    assert all(b <= n * 600 for n, b in checks), checks
     # validation ran at both levels: cross parts and hand-offs were fetched
     assert sum(gc.cross.validation_stats.get(spec.round, SimpleNamespace(parts=0)).parts for gc in grouped) > 0
     inputs = [
@@ -212,3 +218,145 @@ async def test_a_slice_owner_whose_group_part_missed_the_quorum_is_not_proven_to
         gc.group.transport.stats.by_method.get("/geomesh.wire.CollectiveGroup/PullInputs", (0, 0)) for gc in grouped
     ]
     assert sum(b for _, b in stats) > 0
+
+
+def _drop_from_commitment(service, mate):
+    """Make ``service``'s owner side receipt ``mate``'s push as usual, then leave it out of its signed result (its
+    input list and its aggregate): a slice owner's level-1 drop, which no recomputation catches."""
+    real = service._build_result
+
+    def dropping(self, spec, part, contributions):
+        kept = [c for c in contributions if c.sender != mate]
+        part.inputs, part.input_senders = [c.signed for c in kept], [c.sender for c in kept]  # served consistently
+        return real(spec, part, kept)
+
+    service._build_result = types.MethodType(dropping, service)
+
+
+async def _excluded_everywhere(sw, grouped, proof, round):
+    """The peers that exclude someone once ``proof`` is in the DHT, each with who it excludes and why."""
+    dht = LimitedDHT()
+    accs = []
+    for k, gc in enumerate(grouped):
+        verdicts = Verdicts(sw.pids[k])
+        acc = Accountability(
+            lambda v=verdicts: v,
+            collective=lambda gc=gc: gc,
+            dht=lambda: dht,
+            identity=sw.ids[k],
+            run_id=RUN,
+            validate_timeout_s=2.0,
+        )
+        accs.append((acc, verdicts))
+    assert await fraud.publish_proof(dht, proof, sw.ids[0], run_id=RUN, slot=round, expiration_time=1e12)
+    for acc, _ in accs:
+        await acc.read(round)
+    return {sw.pids[k]: dict(v.excluded) for k, (_, v) in enumerate(accs)}
+
+
+@pytest.mark.timeout(120)
+async def test_a_slice_owner_that_drops_a_receipted_mate_is_proven_by_that_mate_and_excluded(grouped_swarm):
+    """A slice owner receipts a group mate's push, then leaves it out of its group result, so of the level-1
+    commitment its cross contribution carries, and of the aggregate it hands on. Before session 27 nobody proved it
+    (the recomputation over the committed inputs matches). Now the mate checks the owner's signed commitment
+    (fetched alone from the leader that counted it) against its receipt: a handoff-drop proof, which excludes the
+    owner at every honest peer; tampered copies are refused with a reason."""
+    sw, grouped = await grouped_swarm(9)
+    spec = _spec(sw, mode="accountable", validators_per_part=2)
+    layout = group_layout(spec, G)
+    assert layout is not None and len(layout.groups) == 3
+    evil = next(p for os in layout.slice_owners for p in os if all(p not in ls for ls in layout.leaders))
+    g = layout.group_of(evil)
+    mate, other = [p for p in layout.groups[g] if p != evil]
+    _drop_from_commitment(grouped[sw.pids.index(evil)].group, mate)
+    deltas = deltas_for(sw.pids, 3 * 4 * 2048, seed=25)
+    out = await _run(grouped, spec, deltas, {p: 100 for p in sw.pids})
+    aggs = [r.aggregate for r in out.values()]
+    assert all(torch.equal(aggs[0], a) for a in aggs[1:])
+    findings = await _validate(grouped, spec)
+    # the dropped mate, and only it, proves the drop (once per group part of the owner it pushed to); the
+    # hand-off recomputation finds nothing (list and aggregate agree), nobody else is accused
+    assert findings and all((f.kind, f.owner) == ("drop", evil) for f in findings), [
+        (f.kind, f.owner[:10], f.reason) for f in findings
+    ]
+    gspec = grouped[sw.pids.index(mate)].levels[spec.round][2][g]
+    owned = [j for j, o in enumerate(gspec.owners) if o.peer_id == evil]
+    assert sorted(f.part for f in findings) == owned
+    v = accountable.verify_proof(RUN, findings[0].proof)
+    assert (v.kind, v.accused, v.round) == ("handoff-drop", evil, spec.round)
+    assert "not in the result's inputs" in v.reason
+    assert fraud.accused_of(findings[0].proof) == evil
+    excluded = await _excluded_everywhere(sw, grouped, findings[0].proof, spec.round)
+    for p, ex in excluded.items():
+        if p == evil:
+            assert ex == {}
+        else:
+            assert set(ex) == {evil} and "handoff-drop proven" in ex[evil], (p[:10], ex)
+    # tampering: each refused with its reason
+    good = collective_pb2.AccountabilityProof.FromString(findings[0].proof)
+    j = good_part = findings[0].part
+    listed = grouped[sw.pids.index(other)].group._rounds[spec.round].receipts[good_part]
+    p = collective_pb2.AccountabilityProof.FromString(findings[0].proof)
+    p.receipt = listed.signed  # another mate's receipt: its push is in the commitment
+    with pytest.raises(accountable.ProofError, match="in the commitment as receipted: no drop"):
+        accountable.verify_proof(RUN, p.SerializeToString())
+    p = collective_pb2.AccountabilityProof.FromString(findings[0].proof)
+    env = __import__("geomesh_p2p.wire.envelope_pb2", fromlist=["x"]).SignedMessage.FromString(p.commitment)
+    env.payload = env.payload[:-1] + bytes([env.payload[-1] ^ 1])  # a forged commitment: not what was signed
+    p.commitment = env.SerializeToString()
+    with pytest.raises(accountable.ProofError, match="the commitment does not open"):
+        accountable.verify_proof(RUN, p.SerializeToString())
+    # a receipt the owner signed for another round's spec (same part, same push hash)
+    rc = accountable.open_receipt(accountable.Verifier(RUN, max_skew_s=float("inf")), good.receipt)
+    body = collective_pb2.Receipt(
+        round=spec.round + 1, part=j, spec_id=bytes(32), sender=bytes(32), tokens=rc.tokens,
+        contribution_sha256=rc.sha256,
+    ).SerializeToString()  # fmt: skip
+    evil_id = sw.ids[sw.pids.index(evil)]
+    p = collective_pb2.AccountabilityProof.FromString(findings[0].proof)
+    p.receipt = evil_id.sign_message(
+        run_id=RUN, round=spec.round + 1, kind=accountable.RECEIPT_KIND, payload=body
+    ).SerializeToString()
+    with pytest.raises(accountable.ProofError, match="not for the proof's group spec"):
+        accountable.verify_proof(RUN, p.SerializeToString())
+    # the receipt of a part of another owner (not the commitment's signer)
+    p = collective_pb2.AccountabilityProof.FromString(findings[0].proof)
+    p.receipt = next(
+        rc.signed for rc in grouped[sw.pids.index(mate)].group._rounds[spec.round].receipts.values() if rc.owner != evil
+    )
+    with pytest.raises(accountable.ProofError, match="signed by different peers"):
+        accountable.verify_proof(RUN, p.SerializeToString())
+    # the leader refuses an X whose level-1 commitment is missing or not its sender's (else an owner could hand on a
+    # contribution whose lists no member can check without the packet)
+    from geomesh_p2p.exchange import group_commitment, messages
+
+    c = layout.slice_of(evil)
+    xs = grouped[0].levels[spec.round][3][c]
+    leader = grouped[sw.pids.index(xs.owners[0].peer_id)]
+    signed_x = next(
+        bytes(x)
+        for x, who in zip(
+            leader.cross._rounds[spec.round].parts[0].inputs, leader.cross._rounds[spec.round].parts[0].input_senders
+        )
+        if who == evil
+    )
+    env_pb2 = __import__("geomesh_p2p.wire.envelope_pb2", fromlist=["x"])
+    head = collective_pb2.PartContribution.FromString(env_pb2.SignedMessage.FromString(signed_x).payload)
+    verifier = accountable.Verifier(RUN, max_skew_s=float("inf"))
+    assert messages.check_contribution(verifier, xs, None, signed_x, evil)[1].group_inputs == tuple(head.group_inputs)
+    mate_id = sw.ids[sw.pids.index(mate)]
+    for commitment, why in [
+        (b"", "not its own: message has no envelope"),
+        (
+            group_commitment.sign_commitment(
+                mate_id, RUN, spec.round, xs.spec_id, 0, head.group_spec_id, list(head.group_inputs)
+            ),
+            "signed by another peer",
+        ),
+    ]:
+        head.group_commitment = commitment
+        resigned = evil_id.sign_message(
+            run_id=RUN, round=spec.round, kind=messages.CONTRIBUTION_KIND, payload=head.SerializeToString()
+        ).SerializeToString()
+        with pytest.raises(EnvelopeError, match=why):
+            messages.check_contribution(verifier, xs, None, resigned, evil)
