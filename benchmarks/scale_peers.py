@@ -427,6 +427,16 @@ def _dht_counts(t: Transport) -> dict[str, int]:
     return t.stats.by_class().get("dht", {"sent": 0, "received": 0, "calls": 0, "served": 0})
 
 
+def inproc_max_channels(n: int) -> int:
+    """Client channels each of ``n`` in-process nodes keeps open (LRU closed first): a third of this process's
+    descriptor limit shared by the nodes (each channel is two descriptors here, its client and server ends), at
+    least 16. Real peers each have a process and a limit of their own; before session 27 every in-process node
+    took the default (1,024, at most a quarter of the limit) and 128 nodes ran out of descriptors."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    limit = 20_000 if soft == resource.RLIM_INFINITY else int(soft)
+    return max(16, limit // (3 * n))
+
+
 async def inproc_row(
     n: int,
     rounds: int,
@@ -452,9 +462,11 @@ async def inproc_row(
     ids, recs = make_records(n, seed=n)
     rnd = random.Random(n)
     nodes: list[DHTNode] = []
+    channels = inproc_max_channels(n)
     t0 = time.perf_counter()
     for ident in ids:
-        t = Transport(ident, RUN, TransportConfig(host="127.0.0.1", port=0, default_timeout_s=timeout_s))
+        tcfg = TransportConfig(host="127.0.0.1", port=0, default_timeout_s=timeout_s, max_channels=channels)
+        t = Transport(ident, RUN, tcfg)
         node = DHTNode(
             t, rpc_timeout_s=timeout_s, refresh_period_s=3600, republish_period_s=3600, read_target_reuse=read_reuse
         )
@@ -518,6 +530,7 @@ async def inproc_row(
     return {
         "tier": "inproc",
         "n": n,
+        "max_channels": channels,
         "record_shards": shards,
         "read_reuse": read_reuse,
         "read_lookups": sum(x.read_lookups for x in nodes) / n / rounds,
