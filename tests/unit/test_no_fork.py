@@ -378,41 +378,45 @@ async def test_peers_planned_out_of_the_last_round_never_run_it_again_after_its_
     assert sorted(e["peer"] for e in ended) == sorted(p.me for p in out)
 
 
+class _HoldDriver:
+    """The driver's side of ``resync.hold_finished_round``: records read (``recs``), catch-ups and pauses counted;
+    the catch-up adopts round ``adopt_at[1]`` on call ``adopt_at[0]`` (None: never)."""
+
+    def __init__(self, me: str, recs: list, round: int, adopt_at=None):
+        from types import SimpleNamespace
+
+        self.me, self.recs, self.adopt_at = me, recs, adopt_at
+        self.stop, self.ended = asyncio.Event(), None
+        self.state = SimpleNamespace(round=round, digest="d")
+        self.membership = SimpleNamespace(peers=self._peers)
+        self.reads, self.calls, self.pauses = [], [], []
+
+    async def _peers(self, include_leaving=False):
+        self.reads.append(include_leaving)
+        return self.recs
+
+    async def resync(self, why):
+        self.calls.append(why)
+        if self.adopt_at is not None and len(self.calls) == self.adopt_at[0]:
+            self.state.round = self.adopt_at[1]
+
+    async def pause(self, seconds):
+        self.pauses.append(seconds)
+        return False
+
+
 async def test_a_round_whose_participants_are_not_past_it_is_open_again():
     """The plan's participants are still at its round (the round failed and is planned again): nothing held."""
-    from types import SimpleNamespace
-
     from geomesh_p2p.round.resync import hold_finished_round
 
     me, a, b = (str(Identity.generate().peer_id) for _ in range(3))
-    recs = [peer_record(p, address="127.0.0.1:1", round=4, weights_digest="d") for p in (me, a, b)]
-    reads = []
-
-    async def peers(include_leaving=False):
-        reads.append(include_leaving)
-        return recs
-
-    calls = []
-
-    async def resync(why):
-        calls.append(why)
-
-    drv = SimpleNamespace(
-        me=me,
-        stop=asyncio.Event(),
-        ended=None,
-        state=SimpleNamespace(round=4, digest="d"),
-        membership=SimpleNamespace(peers=peers),
-        resync=resync,
-    )
+    drv = _HoldDriver(me, [peer_record(p, address="127.0.0.1:1", round=4, weights_digest="d") for p in (me, a, b)], 4)
     await hold_finished_round(drv, 4, [me, a, b])
-    assert (reads, calls, drv.ended) == ([True], [], None)
+    assert (drv.reads, drv.calls, drv.pauses, drv.ended) == ([True], [], [], None)
 
 
 async def test_a_live_participant_past_the_round_is_waited_for_until_its_state_is_adopted():
     """One participant already left, one is live at the next round: the catch-up is retried, not the round."""
-    from types import SimpleNamespace
-
     from geomesh_p2p.round.resync import hold_finished_round
 
     me, a, b = (str(Identity.generate().peer_id) for _ in range(3))
@@ -420,30 +424,7 @@ async def test_a_live_participant_past_the_round_is_waited_for_until_its_state_i
         peer_record(a, address="127.0.0.1:1", round=5, weights_digest="e", leaving=True),
         peer_record(b, address="127.0.0.1:2", round=5, weights_digest="e"),
     ]
-
-    async def peers(include_leaving=False):
-        return recs
-
-    calls, pauses = [], []
-
-    async def resync(why):
-        calls.append(why)
-        if len(calls) == 2:  # the donor answers on the second try
-            drv.state.round = 5
-
-    async def pause(seconds):
-        pauses.append(seconds)
-        return False
-
-    drv = SimpleNamespace(
-        me=me,
-        stop=asyncio.Event(),
-        ended=None,
-        state=SimpleNamespace(round=4, digest="d"),
-        membership=SimpleNamespace(peers=peers),
-        resync=resync,
-        pause=pause,
-    )
+    drv = _HoldDriver(me, recs, 4, adopt_at=(2, 5))  # the donor answers on the second try
     await hold_finished_round(drv, 4, [me, a, b])
-    assert calls == ["round 4 ran without this peer"] * 2 and len(pauses) == 2
+    assert drv.calls == ["round 4 ran without this peer"] * 2 and len(drv.pauses) == 2
     assert drv.ended is None and drv.state.round == 5
