@@ -217,8 +217,9 @@ async def check_handoff_drops(gc: "GroupedCollective", round: int, *, timeout_s:
     the leader-signed cross result read in the all-gather: else the drop changed nothing), fetch ``X``'s signed
     commitment from that leader (one ``PullInputs`` with ``commitments_only`` per cross part; ``timeout_s``: the
     deadline of them all) and check each receipted push of the parts it covers is listed as receipted
-    (:func:`.handoff_drop.drop_problem`). Returns ``drop`` findings with a handoff-drop proof (verified here); a
-    commitment not served is skipped (logged at DEBUG; nothing is proven from it). Counts the fetches and bytes
+    (:func:`.handoff_drop.drop_problem`). Returns ``drop`` findings with a handoff-drop proof (verified here), and an
+    ``unvalidatable`` finding against the leader for a commitment it counted and did not serve (a suspicion, never
+    acted on: nothing is proven from it). Counts the fetches and bytes
     received in ``gc.drop_checks[round]``."""
     levels = gc.levels.get(round)
     state = gc.group._rounds.get(round)
@@ -262,8 +263,10 @@ async def check_handoff_drops(gc: "GroupedCollective", round: int, *, timeout_s:
             calls, received = calls + 1, received + n_bytes
             try:
                 cm = open_commitment(verifier, signed)
-            except EnvelopeError as e:
+            except EnvelopeError as e:  # a suspicion of the leader that counted X and did not serve its commitment
                 log.debug("round %d: cross part %d: no commitment of %s checked: %s", round, k, owner[:10], e.reason)
+                why = f"the level-1 commitment of {owner[:10]} it counted was not served: {e.reason}"
+                findings.append(Finding("unvalidatable", xs.owners[k].peer_id, round, k, why))
                 continue
             for j in parts:
                 try:
@@ -277,7 +280,8 @@ async def check_handoff_drops(gc: "GroupedCollective", round: int, *, timeout_s:
                     findings.append(Finding("drop", verdict.accused, round, j, verdict.reason, proof))
     gc.drop_checks[round] = (calls, received)
     for f in findings:
-        audit._report(gc.group, f)
+        if f.proof is not None:  # a leader gone at the run's end is no news: the suspicion is counted, not logged
+            audit._report(gc.group, f)
     return findings
 
 
