@@ -265,8 +265,8 @@ async def check_handoff_drops(gc: "GroupedCollective", round: int, *, timeout_s:
                 cm = open_commitment(verifier, signed)
             except EnvelopeError as e:  # a suspicion of the leader that counted X and did not serve its commitment
                 log.debug("round %d: cross part %d: no commitment of %s checked: %s", round, k, owner[:10], e.reason)
-                why = f"the level-1 commitment of {owner[:10]} it counted was not served: {e.reason}"
-                findings.append(Finding("unvalidatable", xs.owners[k].peer_id, round, k, why))
+                unserved = f"the level-1 commitment of {owner[:10]} it counted was not served: {e.reason}"
+                findings.append(Finding("unvalidatable", xs.owners[k].peer_id, round, k, unserved))
                 continue
             for j in parts:
                 try:
