@@ -9,6 +9,7 @@ import pytest
 #: the peers' --rounds (GEOMESH_STALLED_ROUNDS overrides it while investigating)
 ROUNDS = int(os.environ.get("GEOMESH_STALLED_ROUNDS", "7"))
 
+
 # ------------------------------------------------------------------------------ processes (H1)
 @pytest.mark.timeout(600)
 def test_a_peer_stopped_while_the_swarm_finishes_ends_on_the_swarms_state_or_says_it_is_not(tmp_path):
