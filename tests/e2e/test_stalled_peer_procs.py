@@ -6,8 +6,9 @@ import os
 import signal
 import pytest
 
-#: the peers' --rounds (GEOMESH_STALLED_ROUNDS overrides it while investigating)
-ROUNDS = int(os.environ.get("GEOMESH_STALLED_ROUNDS", "7"))
+#: the peers' --rounds (GEOMESH_STALLED_ROUNDS overrides it). 5 since session 27: the split once seen at 5 was
+#: traced and fixed (docs/round.md, "The split seen with a stopped peer"), then 3 runs passed at load 8-11.
+ROUNDS = int(os.environ.get("GEOMESH_STALLED_ROUNDS", "5"))
 
 
 # ------------------------------------------------------------------------------ processes (H1)
