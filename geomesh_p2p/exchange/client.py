@@ -461,6 +461,7 @@ class CollectiveService(OwnerService):
             part = state.parts[j]
             left = spec.pull_deadline - swarm_time()
             if not await wait_event(part.ready, left):
+                part.late = True  # left out here: a result landing from now on is never served either (_finish)
                 log.warning("round %d: my own part %d is not reduced by the pull deadline", spec.round, j)
                 return None
             signed = part.result()
@@ -512,7 +513,8 @@ class CollectiveService(OwnerService):
         if signed_at > spec.pull_deadline:
             # The same rule on every peer, from the owner's signed timestamp: readers that got the result late
             # and those that gave up agree (see _pull). The owner itself waits for its part only until the
-            # deadline, so it never applies such a result either.
+            # deadline, so it never applies such a result either; and one that reaches the owner's loop after
+            # the deadline, though signed before it, is served to nobody (OwnerService._finish).
             log.warning(
                 "round %d: result of part %d from %s was signed %.1f s after the pull deadline: left out (as on "
                 "every peer)",

@@ -54,6 +54,9 @@ class _OwnedPart:
     closing_early: bool = False  # every established participant pushed: the close is scheduled
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     signed_result: Optional[bytes] = None
+    #: the pull deadline passed on this node before the result reached its event loop (or a wait for it gave up
+    #: there): the result is never served, so every peer, this owner included, leaves the part out (_finish)
+    late: bool = False
     #: PeerIDs this owner handed the result to (a pull answered ready): what a leaving owner waits for
     pulled_by: set = field(default_factory=set)
     #: accountable mode: the signed contributions the result commits to, in its order (served to validators)
@@ -579,7 +582,26 @@ class OwnerService:
                 part.inputs = [c.signed for c in contributions]  # what the result commits to, for validators
                 part.input_senders = [c.sender for c in contributions]
 
-            part.signed_result = await asyncio.to_thread(self._build_result, spec, part, contributions)
+            signed = await asyncio.to_thread(self._build_result, spec, part, contributions)
+            if part.late or swarm_time() > spec.pull_deadline:
+                # Signed in the worker thread, possibly before the pull deadline, but on this loop only after it
+                # (a loaded host): this owner already left its part out, readers past the deadline were told
+                # "not ready" (they leave it out), and one asking now would apply it by its signed time. Served,
+                # it split the round (the stalled-peer fork, docs/round.md); one decision on this loop instead.
+                part.late = True
+                events.emit(
+                    log,
+                    logging.WARNING,
+                    "part_late",
+                    "round %d: the result of part %d was built only after the pull deadline: not served (every "
+                    "peer leaves the part out)",
+                    spec.round,
+                    part.index,
+                    round=spec.round,
+                    part=part.index,
+                )
+                return
+            part.signed_result = signed
             part.ready.set()
         except asyncio.CancelledError:
             raise
@@ -642,6 +664,8 @@ class OwnerService:
             else:
                 left = wait_s - (time.monotonic() - t0)
                 if not await wait_event(part.ready, left):
+                    if swarm_time() >= spec.pull_deadline:
+                        part.late = True  # "not ready" after the deadline is final for the reader: so it is here
                     return not_ready.SerializeToString()
                 signed = part.result()
                 part.pulled_by.add(caller)

@@ -24,6 +24,7 @@ from geomesh_p2p.telemetry.metrics import RoundRecord
 from geomesh_p2p.round.context import LineageEntry, Phase, RoundContext, Speculative
 from geomesh_p2p.round import light
 from geomesh_p2p.round.eager import drop_speculative
+from geomesh_p2p.round.gather import ROUND_END_SLACK_S
 from geomesh_p2p.round.ports import EagerStatePort, SnapshotEvaluator
 
 if TYPE_CHECKING:
@@ -375,22 +376,47 @@ def advance(drv: RoundDriver, r: int, plan: RoundPlan, aggregate: torch.Tensor, 
 
 async def check_digest(drv: RoundDriver, r: int, participants: Sequence[str]) -> Optional[bool]:
     """This peer's digest against the majority of the round's participants (waits up to
-    ``digest_wait_s`` for their records, backoff). None: nobody else to compare with."""
-    deadline = drv.clock.monotonic() + drv.cfg.digest_wait_s
+    ``digest_wait_s`` for their records, backoff; longer for one still finishing the round:
+    :func:`finishing_until`). None: nobody else to compare with."""
+    t0 = drv.clock.monotonic()
+    deadline = t0 + drv.cfg.digest_wait_s
+    finishing = finishing_until(drv, r, t0)
     backoff = drv.backoff()
     counted = -1
     while True:
         # leaving peers count too: their last record carries the digest they ended the round with
         recs = [x for x in await drv.membership.peers(include_leaving=True) if x.peer_id in participants]
         majority, agree, total = digest_majority(recs, r)
-        if total >= len(participants) or drv.clock.monotonic() > deadline:
+        if total >= len(participants):
+            break
+        now = drv.clock.monotonic()
+        late = any(x.round == r - 1 and x.weights_digest for x in recs)  # a voter still finishing round r - 1
+        until = max(deadline, finishing) if late else deadline
+        if now > until:
             break
         if total != counted:
             counted = total
             backoff.reset()
-        if await drv.pause(min(backoff.next(), max(0.0, deadline - drv.clock.monotonic()) + 0.01)):
+        if await drv.pause(min(backoff.next(), max(0.0, until - now) + 0.01)):
             break
     return judge_digest(drv, r, majority, agree, total)
+
+
+def finishing_until(drv: RoundDriver, r: int, t0: float) -> float:
+    """Until when (monotonic seconds, from ``t0`` = now) the digest check of round ``r`` (the state after round
+    ``r - 1``) waits for a voter whose live record still shows round ``r - 1``: it is finishing that round (its
+    last pulls end by the exchange deadline; outer step, commit and announcement follow), until the plan's
+    exchange deadline plus ``ROUND_END_SLACK_S``, the bound the next gather waits for it anyway
+    (:func:`~geomesh_p2p.round.gather.finishing_waits`). ``t0`` when this peer applied no plan of round ``r - 1``.
+
+    Why (the stalled-peer fork, docs/round.md): on a loaded host one of two voters announced its digest 3 s
+    after the other; the early one's check ended at ``digest_wait_s`` with its own vote alone (None, no
+    comparison) while the late one's saw both and kept its digest on the tie's break. A split round then went
+    on as a fork: neither re-synced, and each trained the next round alone (the other was live, not in sync)."""
+    plan = drv._last_plan
+    if plan is None or plan.round != r - 1:
+        return t0
+    return t0 + float(plan.exchange_deadline) - drv.clock.time() + ROUND_END_SLACK_S
 
 
 def judge_digest(

@@ -447,17 +447,20 @@ async def test_a_result_signed_after_the_pull_deadline_is_left_out_by_every_read
     spec, deltas, tokens = setup_round(sw, mode="reencode")
     owner = sw.services[1]
 
+    built: list[bytes] = []
+
     def late_build(spec_, part, contributions, _orig=owner._build_result):
         time.sleep(max(0.0, spec_.pull_deadline - time.time() + 0.2))  # a worker thread: the owner is starved
-        return _orig(spec_, part, contributions)
+        built.append(_orig(spec_, part, contributions))
+        return built[-1]
 
     owner._build_result = late_build
     outs = {k: await t for k, t in start_round(sw, spec, deltas, tokens, [0, 1, 2, 3]).items()}
     check_survivors(sw, spec, deltas, tokens, outs, missing=[1])
-    # and the timestamp rule alone: the owner's late result, handed to a reader, is refused
-    state = owner._rounds[spec.round]
-    await asyncio.wait_for(state.parts[1].ready.wait(), 10)
-    signed = state.parts[1].result()
+    # and the timestamp rule alone: the owner's late result (never served: it landed after the deadline), handed
+    # to a reader, is refused
+    await until(lambda: built, 10)
+    signed = built[0]
     reader = sw.services[0]
     rstate = reader._rounds[spec.round]
 
@@ -466,3 +469,33 @@ async def test_a_result_signed_after_the_pull_deadline_is_left_out_by_every_read
 
     reader._pull = handed
     assert await reader._obtain(rstate, 1) is None
+
+
+@pytest.mark.parametrize("mode", ["relay", "reencode"])
+async def test_a_result_signed_by_the_deadline_that_lands_after_it_is_left_out_by_its_owner_and_every_reader(
+    swarm, mode
+):
+    """The stalled-peer fork (docs/round.md): on a loaded host an owner's result was signed (worker thread) before
+    the pull deadline and reached its event loop after it. The owner's own wait ended at the deadline (part left
+    out), a reader asking at once was told "not ready" (left out), a reader asking later got it, signed in time, and
+    applied it: one round, two states. Now a result that lands on the owner's loop after the deadline is served to
+    nobody: all four leave the part out, bit for bit the same aggregate."""
+    sw = await swarm()
+    spec, deltas, tokens = setup_round(sw, mode=mode)
+    owner, late = sw.services[1], sw.services[3]
+
+    def lands_late(spec_, part, contributions, _orig=owner._build_result):
+        signed = _orig(spec_, part, contributions)  # signed now, before the pull deadline
+        time.sleep(max(0.0, spec_.pull_deadline - time.time() + 0.3))  # ... and on the owner's loop after it
+        return signed
+
+    async def overloaded(spec_, part):  # this reader's pulls start after the result landed
+        await asyncio.sleep(max(0.0, spec_.pull_deadline - time.time() + 0.6))
+
+    owner._build_result = lands_late
+    late.pull_fault = overloaded
+    outs = {k: await t for k, t in start_round(sw, spec, deltas, tokens, [0, 1, 2, 3]).items()}
+    # before the fix: {0: [1], 1: [1], 2: [1], 3: []}
+    assert {k: r.missing_parts for k, (r, _) in outs.items()} == {k: [1] for k in outs}
+    check_survivors(sw, spec, deltas, tokens, outs, missing=[1])
+    assert owner._rounds[spec.round].parts[1].signed_result is None  # nor served to a validator

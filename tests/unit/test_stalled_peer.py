@@ -9,6 +9,7 @@ processes (a bootstrap and three peers, SIGSTOP / SIGCONT by PID) and is marked 
 from __future__ import annotations
 
 import asyncio
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -328,3 +329,40 @@ async def test_leaving_records_of_a_previous_session_do_not_end_a_restarted_run(
     with events.capture("swarm_ended") as ended2:
         await asyncio.wait_for(drv2.run(), 30)
     assert [(e["cause"], e["synced"]) for e in ended2] == [("others_left", True)]
+
+
+@pytest.mark.parametrize("i_win_the_tie", [True, False])
+async def test_the_digest_check_waits_for_a_voter_still_finishing_the_round(i_win_the_tie):
+    """The stalled-peer fork (docs/round.md, session 27): p1 stopped, p0 and p2 split a round and p2 announced
+    its digest 3 s after p0 (a loaded host). p0's check ended after ``digest_wait_s`` (2 s) with its own vote
+    alone (None: no re-sync) while p2's saw both and kept its digest on the tie's break: the fork went on, each
+    trained the next round alone. Now a voter whose record still shows the round being finished is waited for
+    (until the exchange deadline + ROUND_END_SLACK_S), so both judge the same two votes: exactly one re-syncs."""
+    me, b = _peers(2)
+    digests = [_digest(torch.full_like(me.theta, s)) for s in (0.25, 0.5)]
+    mine, theirs = sorted(digests, reverse=i_win_the_tie)  # the tie breaks on the larger digest
+    me.round, me.digest = 5, mine
+    b.round = 4  # still finishing round 4: its record shows the round's start
+    b.swarm.records[b.me] = b.record()
+    clock = FakeClock()
+    t0 = clock.t
+
+    def b_announces(t):  # 3 s after this peer's check began, b commits round 4 and announces round 5
+        if t - t0 >= 3.0 and b.round == 4:
+            b.round, b.digest = 5, theirs
+            b.swarm.records[b.me] = b.record()
+
+    clock.on_wait = b_announces
+    drv = me.driver(rounds=9, min_peers=2, clock=clock)
+    drv._last_plan = SimpleNamespace(round=4, exchange_deadline=time.time())  # its exchange just ended
+    verdict = await asyncio.wait_for(drv.check_digest(5, [me.me, b.me]), 10)
+    assert verdict is i_win_the_tie  # before: None (b's vote came after digest_wait_s)
+    # a voter that never finishes (died mid-round) is waited for only until that bound: None, as before
+    me2, dead = _peers(2)
+    me2.round, dead.round = 5, 4
+    dead.swarm.records[dead.me] = dead.record()
+    clock2 = FakeClock()
+    drv2 = me2.driver(rounds=9, min_peers=2, clock=clock2)
+    drv2._last_plan = SimpleNamespace(round=4, exchange_deadline=time.time())
+    assert await asyncio.wait_for(drv2.check_digest(5, [me2.me, dead.me]), 10) is None
+    assert 5.0 <= clock2.t - 1000.0 <= 7.0  # ROUND_END_SLACK_S past the deadline (virtual seconds)
