@@ -3,7 +3,8 @@
 ``K`` processes start at once (several peers on one host), each an event loop with a 5 ms ticker that records how
 late each tick wakes while ``asyncio.to_thread`` workers do ``kind``'s work (``benchmarks/loop_lag_switch.py``'s
 ``train``: AdamW steps of an MLP with torch's intra-op threads; ``pyloop``: small torch ops with Python between
-them) for ``secs`` seconds. With nice ``N`` the default executor's workers raise their own nice to ``N`` when they
+them) for ``secs`` seconds. A negative ``N`` nices only the threads that run no Python (torch's OpenMP teams,
+reniced ~1 s in) and leaves the GIL-taking workers at 0. With nice ``N`` the default executor's workers raise their own nice to ``N`` when they
 start (``geomesh_p2p.util.thread_priority.nice_initializer``), so their OpenMP teams inherit it; the loop thread
 stays at 0. Nice 0 and nice N are interleaved three times. Usage::
 
@@ -18,19 +19,31 @@ import json
 import statistics
 import subprocess
 import sys
+import threading
 import time
 
 import torch
 
-from geomesh_p2p.util.thread_priority import nice_initializer, thread_nice
+from geomesh_p2p.util.thread_priority import nice_initializer, renice_threads, thread_nice
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from loop_lag_switch import work  # noqa: E402
 
 
+def omp_only(nice: int, secs: float) -> None:
+    """Raise the nice of the threads that run no Python (torch's OpenMP teams) once they exist, leaving every Python
+    thread (the loop, the GIL-taking workers) at 0."""
+    time.sleep(min(1.0, secs / 4))
+    renice_threads(nice, keep=[t.native_id for t in threading.enumerate() if t.native_id is not None])
+
+
 async def one(kind: str, secs: float, nice: int) -> dict:
     loop = asyncio.get_running_loop()
-    loop.set_default_executor(concurrent.futures.ThreadPoolExecutor(4, initializer=nice_initializer(nice)))
+    init = nice_initializer(nice)
+    if nice < 0:  # "omp only": a negative N names the OpenMP-only variant of nice -N
+        init, nice = nice_initializer(0), -nice
+        threading.Thread(target=omp_only, args=(nice, secs), daemon=True).start()
+    loop.set_default_executor(concurrent.futures.ThreadPoolExecutor(4, initializer=init))
     lags: list = []
 
     async def ticker():
