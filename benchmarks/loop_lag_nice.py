@@ -5,7 +5,7 @@ late each tick wakes while ``asyncio.to_thread`` workers do ``kind``'s work (``b
 ``train``: AdamW steps of an MLP with torch's intra-op threads; ``pyloop``: small torch ops with Python between
 them) for ``secs`` seconds. A negative ``N`` nices only the threads that run no Python (torch's OpenMP teams,
 reniced ~1 s in) and leaves the GIL-taking workers at 0. With nice ``N`` the default executor's workers raise their own nice to ``N`` when they
-start (``geomesh_p2p.util.thread_priority.nice_initializer``), so their OpenMP teams inherit it; the loop thread
+start (``benchmarks/thread_priority.py``: ``nice_initializer``), so their OpenMP teams inherit it; the loop thread
 stays at 0. Nice 0 and nice N are interleaved three times. Usage::
 
     PYTHONPATH=$PWD python benchmarks/loop_lag_nice.py [K=3] [N=10] [secs=6] [kind=train+pyloop]
@@ -24,10 +24,9 @@ import time
 
 import torch
 
-from geomesh_p2p.util.thread_priority import nice_initializer, renice_threads, thread_nice
-
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from loop_lag_switch import work  # noqa: E402
+from thread_priority import nice_initializer, renice_threads, thread_nice  # noqa: E402
 
 
 def omp_only(nice: int, secs: float) -> None:

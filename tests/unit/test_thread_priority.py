@@ -1,4 +1,4 @@
-"""geomesh_p2p.util.thread_priority: a pool worker raises its own nice (and a thread it starts inherits it), the
+"""benchmarks/thread_priority.py (kept with its benchmark, unused by the peer: session 27): a pool worker raises its own nice (and a thread it starts inherits it), the
 calling (loop) thread's nice is unchanged, renice_threads skips the kept threads, and nothing raises."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import threading
 
 import pytest
 
-from geomesh_p2p.util.thread_priority import lower_current_thread, nice_initializer, renice_threads, thread_nice
+from benchmarks.thread_priority import lower_current_thread, nice_initializer, renice_threads, thread_nice
 
 pytestmark = [
     pytest.mark.timeout(30),
