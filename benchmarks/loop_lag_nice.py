@@ -25,7 +25,7 @@ import time
 import torch
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from loop_lag_switch import work  # noqa: E402
+from loop_lag_switch import lateness  # noqa: E402
 from thread_priority import nice_initializer, renice_threads, thread_nice  # noqa: E402
 
 
@@ -43,20 +43,7 @@ async def one(kind: str, secs: float, nice: int) -> dict:
         init, nice = nice_initializer(0), -nice
         threading.Thread(target=omp_only, args=(nice, secs), daemon=True).start()
     loop.set_default_executor(concurrent.futures.ThreadPoolExecutor(4, initializer=init))
-    lags: list = []
-
-    async def ticker():
-        while True:
-            t0 = time.perf_counter()
-            await asyncio.sleep(0.005)
-            lags.append(time.perf_counter() - t0 - 0.005)
-
-    tk = asyncio.create_task(ticker())
-    await asyncio.sleep(0.2)
-    lags.clear()
-    await asyncio.gather(*(asyncio.to_thread(work, k, secs) for k in kind.split("+")))
-    tk.cancel()
-    lags.sort()
+    lags = await lateness(kind, secs)
     return {
         "max": max(lags) * 1e3,
         "p99": lags[int(0.99 * len(lags))] * 1e3,
