@@ -7,6 +7,7 @@ abandoned lineage), or left by it (:func:`swarm_ended`, :func:`left_alone`, :fun
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from geomesh_p2p.plan.agree import digest_majority
@@ -155,25 +156,38 @@ async def check_end(drv: RoundDriver) -> None:
         )
 
 
+#: How long a peer holding a round that ran without it retries its catch-up once every participant seen past that
+#: round announced leaving (they serve their last state while they linger: ``node.report.FINAL_STATE_LINGER_S``)
+HOLD_LEAVING_S = 40.0
+
+
 async def hold_finished_round(drv: RoundDriver, r: int, participants: Sequence[str]) -> None:
     """Round ``r`` ran on a plan of ``participants`` without this peer (planned out, or refusing it), and the
     catch-up after it found no state to adopt, so this peer is back at round ``r``. Running round ``r`` again
     with the peers left would fork the run: session 27, 9 peers with ``--rounds 3``, the three planned out of round 2
     found no donor after the six others finished it and left together, ran a round 2 of their own and ended "done"
     on another digest. So once a participant of that plan announced a later round (its signed record, leaving
-    ones included), round ``r`` is taken: this peer retries the catch-up (:data:`RESYNC_RETRY_PAUSE_S` apart) until
-    it adopts a later state, and ends the run not synced (:func:`end_run`, cause ``"finished_without"``: exit 3,
-    never "done") once none of those participants is live. When no participant is past round ``r`` (the round
-    failed and is planned again) it returns at once: the round is open."""
+    ones included), round ``r`` is taken: this peer announces that it syncs to round ``r + 1`` (finished peers wait
+    for it: ``node.report.serve_final_state``) and retries the catch-up :data:`RESYNC_RETRY_PAUSE_S` apart until it
+    adopts a later state. While a participant past ``r`` is live it retries as long as it takes; once all of them
+    announced leaving, for :data:`HOLD_LEAVING_S` more, then it ends the run not synced (:func:`end_run`, cause
+    ``"finished_without"``: exit 3, never "done"). When no participant is past round ``r`` (the round failed and is
+    planned again) it returns at once: the round is open."""
     members = set(participants) - {drv.me}
     past_seen: dict[str, int] = {}  # participant -> the later round it announced (kept after its record expires)
+    all_leaving_since: Optional[float] = None
     while not drv.stop.is_set() and drv.ended is None and drv.state.round <= r:
         recs = await drv.membership.peers(include_leaving=True)
         past = [x for x in recs if x.peer_id in members and x.round > r and x.weights_digest]
         past_seen.update((x.peer_id, x.round) for x in past)
         if not past_seen:
             return
-        if not [x for x in past if not x.leaving]:
+        now = time.monotonic()
+        if [x for x in past if not x.leaving]:
+            all_leaving_since = None
+        elif all_leaving_since is None:
+            all_leaving_since = now
+        elif now - all_leaving_since >= HOLD_LEAVING_S:
             swarm_round = max(past_seen.values())
             why = (
                 f"the plan of round {r} ran without this peer; its {len(past_seen)} participant(s) seen past it "
@@ -183,7 +197,15 @@ async def hold_finished_round(drv: RoundDriver, r: int, participants: Sequence[s
             )
             end_run(drv, SwarmEnded(r, swarm_round, False, why, "finished_without"), participants=len(members))
             return
-        if await drv.pause(RESYNC_RETRY_PAUSE_S):
+        # announced as syncing to round r + 1 (the catch-up's failure announced round r with its digest): a peer
+        # that finished round r serves it its state before it exits
+        drv.state.syncing, drv.state.round = True, r + 1
+        try:
+            await drv.membership.announce()
+            stopped = await drv.pause(RESYNC_RETRY_PAUSE_S)
+        finally:
+            drv.state.syncing, drv.state.round = False, r
+        if stopped:
             return
         await drv.resync(f"round {r} ran without this peer")
 

@@ -350,11 +350,14 @@ class _NoDonorPeer:
         self.round, self.syncing = self.held, False
 
 
-async def test_peers_planned_out_of_the_last_round_never_run_it_again_after_its_participants_left():
+async def test_peers_planned_out_of_the_last_round_never_run_it_again_after_its_participants_left(monkeypatch):
     """Session 27 (9 peers, ``--rounds 3``, a loaded machine): the three peers planned out of round 2 found no
     donor once the six others had finished it and left, ran a round 2 of their own and ended "done" on another
     digest. Now they end not synced (cause ``finished_without``, never "done") and train nothing."""
+    from geomesh_p2p.round import resync
     from tests.unit.test_round_driver import PEERS, RUN as DRIVER_RUN, FakePeer, _peers, _run_all
+
+    monkeypatch.setattr(resync, "HOLD_LEAVING_S", 0.0)  # the leavers are gone for good here: no linger to wait out
 
     class NoDonor(_NoDonorPeer, FakePeer):
         held = 0
@@ -388,8 +391,12 @@ class _HoldDriver:
         self.me, self.recs, self.adopt_at = me, recs, adopt_at
         self.stop, self.ended = asyncio.Event(), None
         self.state = SimpleNamespace(round=round, digest="d")
-        self.membership = SimpleNamespace(peers=self._peers)
-        self.reads, self.calls, self.pauses = [], [], []
+        self.cfg = SimpleNamespace(rounds=round + 2)
+        self.membership = SimpleNamespace(peers=self._peers, announce=self._announce)
+        self.reads, self.calls, self.pauses, self.announced = [], [], [], []
+
+    async def _announce(self):
+        self.announced.append((self.state.round, getattr(self.state, "syncing", None)))
 
     async def _peers(self, include_leaving=False):
         self.reads.append(include_leaving)
@@ -427,4 +434,31 @@ async def test_a_live_participant_past_the_round_is_waited_for_until_its_state_i
     drv = _HoldDriver(me, recs, 4, adopt_at=(2, 5))  # the donor answers on the second try
     await hold_finished_round(drv, 4, [me, a, b])
     assert drv.calls == ["round 4 ran without this peer"] * 2 and len(drv.pauses) == 2
+    assert drv.announced == [(5, True), (5, True)]  # syncing to round 5 while it waits: finished peers serve it
     assert drv.ended is None and drv.state.round == 5
+
+
+async def test_participants_that_all_announced_leaving_are_retried_for_a_while_then_the_run_ends_not_synced(
+    monkeypatch,
+):
+    """Leaving peers linger while a peer syncs to their state (serve_final_state): the catch-up is retried for
+    HOLD_LEAVING_S, not given up at the first failure (CI, session 27: a catch-up run while only one participant had
+    announced the next round found no majority, and the peer ended at once), then the run ends not synced."""
+    from geomesh_p2p.round import resync
+    from geomesh_p2p.round.resync import hold_finished_round
+
+    clock = [100.0]
+    monkeypatch.setattr(resync.time, "monotonic", lambda: clock[0])
+    me, a = (str(Identity.generate().peer_id) for _ in range(2))
+    drv = _HoldDriver(me, [peer_record(a, address="127.0.0.1:1", round=5, weights_digest="e", leaving=True)], 4)
+
+    async def pause(seconds):
+        drv.pauses.append(seconds)
+        clock[0] += seconds
+        return False
+
+    drv.pause = pause
+    await hold_finished_round(drv, 4, [me, a])
+    tries = int(resync.HOLD_LEAVING_S // resync.RESYNC_RETRY_PAUSE_S) + 1
+    assert len(drv.calls) == tries and drv.state.round == 4
+    assert (drv.ended.cause, drv.ended.synced, drv.ended.swarm_round) == ("finished_without", False, 5)
