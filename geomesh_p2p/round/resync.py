@@ -7,7 +7,6 @@ abandoned lineage), or left by it (:func:`swarm_ended`, :func:`left_alone`, :fun
 from __future__ import annotations
 
 import logging
-import time
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from geomesh_p2p.plan.agree import digest_majority
@@ -182,8 +181,8 @@ async def hold_finished_round(drv: RoundDriver, r: int, participants: Sequence[s
         past_seen.update((x.peer_id, x.round) for x in past)
         if not past_seen:
             return
-        now = time.monotonic()
-        if [x for x in past if not x.leaving]:
+        now = drv.clock.monotonic()
+        if any(not x.leaving for x in past):
             all_leaving_since = None
         elif all_leaving_since is None:
             all_leaving_since = now

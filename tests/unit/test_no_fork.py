@@ -392,6 +392,8 @@ class _HoldDriver:
         self.stop, self.ended = asyncio.Event(), None
         self.state = SimpleNamespace(round=round, digest="d")
         self.cfg = SimpleNamespace(rounds=round + 2)
+        self.now = 100.0
+        self.clock = SimpleNamespace(monotonic=lambda: self.now)
         self.membership = SimpleNamespace(peers=self._peers, announce=self._announce)
         self.reads, self.calls, self.pauses, self.announced = [], [], [], []
 
@@ -438,23 +440,19 @@ async def test_a_live_participant_past_the_round_is_waited_for_until_its_state_i
     assert drv.ended is None and drv.state.round == 5
 
 
-async def test_participants_that_all_announced_leaving_are_retried_for_a_while_then_the_run_ends_not_synced(
-    monkeypatch,
-):
+async def test_participants_that_all_announced_leaving_are_retried_for_a_while_then_the_run_ends_not_synced():
     """Leaving peers linger while a peer syncs to their state (serve_final_state): the catch-up is retried for
     HOLD_LEAVING_S, not given up at the first failure (CI, session 27: a catch-up run while only one participant had
     announced the next round found no majority, and the peer ended at once), then the run ends not synced."""
     from geomesh_p2p.round import resync
     from geomesh_p2p.round.resync import hold_finished_round
 
-    clock = [100.0]
-    monkeypatch.setattr(resync.time, "monotonic", lambda: clock[0])
     me, a = (str(Identity.generate().peer_id) for _ in range(2))
     drv = _HoldDriver(me, [peer_record(a, address="127.0.0.1:1", round=5, weights_digest="e", leaving=True)], 4)
 
     async def pause(seconds):
         drv.pauses.append(seconds)
-        clock[0] += seconds
+        drv.now += seconds
         return False
 
     drv.pause = pause
