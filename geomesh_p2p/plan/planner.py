@@ -377,7 +377,8 @@ def check_plan_sampled(
     :func:`max_owner_units` among the participants the plan gives an address, less ``barred``). Checked for
     the sampled participants, against their records as announced (not bounded by the median of all, which
     needs every record; the announced figure is the looser bound, so a plan :func:`make_plan` makes always
-    passes): the address the plan gives them, micro-batch within ``max_batch``, ``accum_steps`` for the
+    passes): the address the plan gives them (none is accepted for a participant on probation or in ``barred``:
+    client-only by the leader's rules), micro-batch within ``max_batch``, ``accum_steps`` for the
     target batch, token budget within ``PLAN_CHECK_TOLERANCE`` x best tokens/s x window. What it cannot
     see: the window against the slowest record, and a lie about an unsampled participant's figures; a lie
     about one participant is seen by each follower with probability (sample size / participants), and the
@@ -401,7 +402,11 @@ def check_plan_sampled(
         r = sampled.get(a.peer_id)
         if r is None:
             continue
-        if a.address != r.address:
+        # client-only with an address in its record: the leader's call for a peer on probation or one this
+        # follower bars from owning (an owner penalty), as make_plan does; otherwise an address stripped to
+        # shrink the possible owners (the ownership bound below counts the plan's addresses)
+        client_only_ok = a.address is None and (a.probation or a.peer_id in barred)
+        if a.address != r.address and not client_only_ok:
             return f"{who} is placed at {a.address}, its record says {r.address}"
         if a.micro_batch > r.max_batch:
             return f"micro-batch {a.micro_batch} for {who} exceeds the {r.max_batch} its record supports"

@@ -342,6 +342,36 @@ def test_a_light_follower_refuses_the_rogue_variants_it_can_see_from_the_plan_an
     assert check_plan_sampled(cases["micro-batch"], {"p0": sampled["p0"]}, cfg, now=T0) is None
 
 
+def test_a_light_follower_accepts_a_client_only_participant_it_bars_or_the_plan_puts_on_probation():
+    """Found at 32 processes (session 28): three owners whose parts failed in round 0 were planned client-only for
+    5 rounds (an owner penalty every peer held), and every light follower whose sample drew one refused the honest
+    plan ("placed at None, its record says ...") and took the full path. A participant placed client-only is
+    accepted when this follower bars it too, or when the plan marks it on probation (make_plan strips both);
+    an address stripped for no reason this follower knows is still refused."""
+    recs = paper_swarm()
+    cfg = paper_cfg()
+    live = by_id(recs)
+    sampled = {pid: live[pid] for pid in ("p0", "p2", "p3")}
+    # the leader's penalty, as the node plans it: the penalised peer's record without its address
+    penalised = [r.model_copy(update={"address": None}) if r.peer_id == "p2" else r for r in recs]
+    plan = plan_round(penalised, cfg, numel=150_000_000, **KW)
+    assert plan.assignment("p2").address is None and not plan.assignment("p2").owns_part
+    assert check_plan_sampled(plan, sampled, cfg, now=T0, barred=("p2",)) is None
+    assert check_plan(plan, live, cfg, now=T0, barred=("p2",)) is None  # the full check agrees
+    reason = check_plan_sampled(plan, sampled, cfg, now=T0)
+    assert reason == "p2 is placed at None, its record says p2.example:7000"
+    # a newcomer on probation is client-only by the plan's own marking (the node strips its address:
+    # penalties.without_parts)
+    newcomer = [r.model_copy(update={"address": None}) if r.peer_id == "p3" else r for r in recs]
+    on_probation = plan_round(newcomer, cfg, numel=150_000_000, probation=("p3",), **KW)
+    assert on_probation.assignment("p3").address is None and on_probation.assignment("p3").probation
+    assert check_plan_sampled(on_probation, sampled, cfg, now=T0) is None
+    # a stripped address with no penalty and no probation is still refused
+    stripped = with_assignment(plan, "p3", address=None)
+    reason = check_plan_sampled(stripped, sampled, cfg, now=T0, barred=("p2",))
+    assert reason is not None and "p3 owns a part and has no address" in reason
+
+
 def test_the_rogue_leader_plan_and_its_variants_are_refused():
     recs = paper_swarm()
     cfg = paper_cfg()
