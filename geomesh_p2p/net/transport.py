@@ -146,6 +146,26 @@ except ImportError:  # another grpcio layout: nothing special to catch
     _WRITE_FAILED = ()
 
 
+class _ReplyToGoneCaller(logging.Filter):
+    """Demotes gRPC core's ERROR + traceback for a unary reply that could not be sent because the caller had
+    gone (its deadline passed, or it left): ``ExecuteBatchError raised in core by servicer method [...]``, raised
+    inside grpc.aio after the handler returned, so no handler can catch it. On a loaded host (32 peers on 2
+    cores) callers give up on slow Find replies routinely; the caller already counts the call as failed, so the
+    server's side is a DEBUG line (shown only with ``--log-level DEBUG``), not an ERROR."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if not (_WRITE_FAILED and isinstance(exc, _WRITE_FAILED)):
+            return True
+        record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+        record.msg, record.args = "%s (the caller had gone: reply not sent)", (record.getMessage(),)
+        record.exc_info = record.exc_text = None
+        return logging.getLogger(__name__).isEnabledFor(logging.DEBUG)
+
+
+logging.getLogger("grpc._cython.cygrpc").addFilter(_ReplyToGoneCaller())
+
+
 # gRPC core's wording (the status details) for a connection that could not be made or was lost, as
 # opposed to a server that answered UNAVAILABLE itself ("round N is not open on this node yet").
 _CONNECTION_LOST = (

@@ -424,17 +424,26 @@ def judge_digest(
 ) -> Optional[bool]:
     """This peer's digest of round ``r`` against a :func:`digest_majority` tally (``agree`` of ``total`` votes
     for ``majority``; ``of``: what was counted, for the log line). None: nobody else to compare with; False:
-    the majority holds another digest (one ERROR line; the caller re-syncs); True: confirmed."""
+    the majority holds another digest (one ERROR line, or a WARNING when this peer applied nothing of round
+    ``r - 1`` and so holds its start state, behind the majority rather than apart; the caller re-syncs);
+    True: confirmed."""
     if majority is None or total <= 1:
         return None
     if majority != drv.state.digest:
+        # behind, not apart: this peer's round r - 1 applied nothing (every part refused or missing: its plan lost
+        # the agreement, or its pulls missed the deadline), so it holds the round's start state, an ancestor of
+        # the majority's; the re-sync is routine under load (WARNING). Any other digest is a state off the
+        # swarm's line (ERROR).
+        plan = drv._last_plan
+        behind = plan is not None and plan.round == r - 1 and plan.start_digest == drv.state.digest
         events.emit(
             log,
-            logging.ERROR,
+            logging.WARNING if behind else logging.ERROR,
             "digest_mismatch",
-            f"round %d: my digest %s differs from the majority's %s (%d/%d{of}); re-syncing",
+            f"round %d: my digest %s %s the majority's %s (%d/%d{of}); re-syncing",
             r,
             (drv.state.digest or "")[:8],
+            "is the start state of the round this peer applied nothing of, behind" if behind else "differs from",
             majority[:8],
             agree,
             total,
@@ -444,6 +453,7 @@ def judge_digest(
             majority_digest=majority,
             agree=agree,
             total=total,
+            behind=behind,
         )
         return False
     drv._confirmed_round = max(drv._confirmed_round, r)

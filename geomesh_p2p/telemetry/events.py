@@ -40,7 +40,7 @@ kind                         where                            fields
 ``device_reprobed``          node.device_probe (planned out)  batch, tokens_per_s (measured),
                                                               was_tokens_per_s, announced_tokens_per_s
 ``digest_mismatch``          round.finish.check_digest        peer, round, digest, majority_digest,
-                                                              agree, total
+                                                              agree, total, behind
 ``dht_join_retry``           dht.join.DHTJoin.join            peer, attempt, attempts, wait_s
 ``early_steps_discarded``    round.planning.discard_early     peer, round, started_leader,
                                                               followed_leader (None: no plan)

@@ -94,6 +94,7 @@ class FakePeer:
         self.exchange_timeout_s = exchange_timeout_s
         self.rows, self.catch_ups, self.agreements = [], 0, 0
         self.corrupt_outer_step = False
+        self.aggregate_nothing = False  # every part of its exchange missed: a zero aggregate
         self.plan_only = None  # a leader planning only these peers
         self.hooks: dict = {}  # phase name -> callable run inside it
         self.full_reads: list[int] = []  # the round of every peers() call (_read_round)
@@ -202,6 +203,8 @@ class FakePeer:
         got = {p: v for p, v in pushes.items() if v[1] > 0}
         total = sum(t for _, t in got.values())
         agg = (sum(d * t for d, t in got.values()) / total) if total else torch.zeros(NUMEL)
+        if self.aggregate_nothing:
+            agg = torch.zeros(NUMEL)
         if in_place:  # as the real collective: the aggregate in the update's own storage
             agg = delta.copy_(agg)
         return SimpleNamespace(
@@ -401,7 +404,26 @@ async def test_a_digest_mismatch_resyncs_from_the_majority():
         (odd.me, 1, peers[0].digest, 2, 3)  # the round of the state the outer step made
     ]
     assert mismatches[0]["digest"] != peers[0].digest and mismatches[0]["level"] == "ERROR"
+    assert mismatches[0]["behind"] is False
     assert odd.catch_ups == 1 and odd.digest == peers[0].digest and torch.equal(odd.theta, peers[0].theta)
+
+
+async def test_a_peer_that_applied_nothing_of_a_round_is_behind_the_majority_a_warning_not_an_error():
+    """32 processes on 2 cores (session 28): three peers followed a plan that lost the agreement, every part was
+    refused, they applied a zero update and held the round's start state; the digest check re-synced them with
+    an ERROR each. Their state is the majority's ancestor, not a state off the swarm's line: a WARNING, marked
+    ``behind``, and the same re-sync."""
+    peers = _peers(3)
+    late = peers[2]
+    late.aggregate_nothing = True
+    start = late.digest
+    with events.capture("digest_mismatch") as mismatches:
+        await _run_all(peers, rounds=1)
+    assert [p.drv.history[0].digest_agree for p in peers] == [True, True, False]
+    assert [(e["peer"], e["digest"], e["majority_digest"], e["behind"], e["level"]) for e in mismatches] == [
+        (late.me, start, peers[0].digest, True, "WARNING")
+    ]
+    assert late.catch_ups == 1 and late.digest == peers[0].digest and torch.equal(late.theta, peers[0].theta)
 
 
 async def test_a_rogue_plan_is_left_unread_and_the_next_leaders_plan_followed(caplog):
