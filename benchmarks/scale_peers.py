@@ -44,6 +44,7 @@ import os
 import random
 import resource
 import statistics
+from collections import Counter
 import sys
 import tempfile
 import time
@@ -601,9 +602,12 @@ def proc_row(n: int, rounds: int, workdir: Path, timeout_s: float, extra: Sequen
     rows = {x: [r for r in swarm.rows(x) if "round" in r and "digest" in r] for x in names}
     use = [r for x in names for r in rows[x][1:] if isinstance(r.get("extra", {}).get("traffic"), dict)]
     by_round: dict[int, set] = {}
+    votes: dict[int, Counter] = {}
     for x in names:
         for r in rows[x]:
             by_round.setdefault(r["round"], set()).add(r["digest"])
+            votes.setdefault(r["round"], Counter())[r["digest"]] += 1
+    behind, apart = lineage(votes)
 
     def mean(f) -> Optional[float]:
         xs = [f(r) for r in use]
@@ -639,7 +643,25 @@ def proc_row(n: int, rounds: int, workdir: Path, timeout_s: float, extra: Sequen
         ),
         "digests_per_round": max((len(v) for v in by_round.values()), default=0),
         "digests_equal": bool(by_round) and all(len(v) == 1 for v in by_round.values()),
+        "rows_behind": behind,
+        "rows_apart": apart,
     }
+
+
+def lineage(votes: dict[int, Counter]) -> tuple[int, int]:
+    """(rows behind, rows apart) of a run's round rows, ``votes``: round -> Counter of the digests peers wrote.
+    One lineage means every row holds its round's majority digest or an earlier round's majority digest (a peer
+    whose round applied nothing holds its start state: behind, and the digest check re-syncs it); a row with any
+    other digest is apart, a state off the swarm's line (a fork, or a split the digest check repaired)."""
+    line: set = set()
+    behind = apart = 0
+    for rnd in sorted(votes):
+        major = votes[rnd].most_common(1)[0][0]
+        for d, k in votes[rnd].items():
+            if d != major:
+                behind, apart = (behind + k, apart) if d in line else (behind, apart + k)
+        line.add(major)
+    return behind, apart
 
 
 def _mean_of(xs: list) -> Optional[float]:
@@ -682,6 +704,8 @@ def table(rows: list[dict]) -> str:
         dig = "-"
         if "digests_equal" in r:
             dig = "equal" if r["digests_equal"] else f"{r['digests_per_round']} in a round"
+            if not r["digests_equal"] and "rows_apart" in r:
+                dig += f": {r['rows_behind']} rows behind, {r['rows_apart']} apart"
         out.append(
             f"| {r['tier']}{' S=' + str(r['record_shards']) if r.get('record_shards', 1) > 1 else ''}"
             f"{' R=' + str(r['read_reuse']) if r.get('read_reuse', READ_TARGET_REUSE) != READ_TARGET_REUSE else ''}"

@@ -5,10 +5,11 @@ class on real nodes; the sim tier's model agrees with them on the RPC count."""
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 
 import pytest
 
-from benchmarks.scale_peers import K, WhatIf, inproc_row, sim_row, table
+from benchmarks.scale_peers import K, WhatIf, inproc_row, lineage, sim_row, table
 from geomesh_p2p.dht.records import DEFAULT_LIMITS
 
 pytestmark = pytest.mark.timeout(120)
@@ -94,3 +95,16 @@ def test_sim_models_cached_full_reads_and_stable_plan_chunks():
     assert a["dht_rpcs_light_peer"] - b["dht_rpcs_light_peer"] == pytest.approx(chunk_saved)
     assert a["dht_rpcs"] - b["dht_rpcs"] == pytest.approx(8 / 64 * full_saved + chunk_saved)
     assert "F=8 stable-parts" in table([b])
+
+
+def test_the_proc_tiers_lineage_tells_rows_behind_from_rows_apart():
+    """Session 28's three 32-process runs: a row on an earlier round's majority digest is behind (its round applied
+    nothing), a row on any other digest is apart (a state off the line)."""
+    votes = {
+        0: Counter({"a": 32}),
+        1: Counter({"b": 29, "a": 3}),  # 3 applied nothing of round 1: behind
+        2: Counter({"c": 31, "x": 1}),  # one applied a subset of round 2's parts: apart
+        3: Counter({"d": 30, "b": 1, "c": 1}),  # b: two rounds behind
+    }
+    assert lineage(votes) == (5, 1)
+    assert lineage({0: Counter({"a": 8}), 1: Counter({"b": 8})}) == (0, 0)
