@@ -311,7 +311,11 @@ def check_plan(
                 " (a peer that cannot keep up is left out of the plan, not given 0 steps)"
             )
         want = rank_micro(peer_uniform_micro(micro_u, r), r)
-        if not balanced and (a.inner_steps != uniform_H or a.micro_batch != want):
+        if not balanced and a.inner_steps != uniform_H:
+            # the plan and the run config alone: every honest follower refuses it, so it is bypassed (a rogue
+            # leader's 0 steps for everyone else in a css run blocked the honest followers, session 28)
+            return ContentRefusal(f"{who} gets {a.inner_steps} steps; method {cfg.method} gives everyone {uniform_H}")
+        if not balanced and a.micro_batch != want:
             return (
                 f"{who} gets {a.inner_steps} steps of micro-batch {a.micro_batch}; method {cfg.method} gives "
                 f"everyone {uniform_H} of {micro_u} per device ({want} for this peer)"
@@ -322,7 +326,7 @@ def check_plan(
     if not T_ref / PLAN_CHECK_TOLERANCE <= T <= T_ref * PLAN_CHECK_TOLERANCE:
         return f"its window {T:.3g} s is far from the {T_ref:.3g} s the records support"
     if abs(plan.train_deadline - plan.created_at - T) > 1e-6 * T + 1e-3:
-        return "its train deadline is not its start plus its window"
+        return ContentRefusal("its train deadline is not its start plus its window")
     if plan.created_at - now > MAX_CLOCK_SKEW_S:
         return f"it starts {plan.created_at - now:.0f} s in the future"
     for a in plan.assignments:
@@ -396,7 +400,9 @@ def check_plan_sampled(
                 f"{a.inner_steps} inner steps for {who}, outside {cfg.min_inner_steps}..{cfg.max_inner_steps}"
             )
         if not rule.balanced and a.inner_steps != rule.uniform_inner_steps:
-            return f"{who} gets {a.inner_steps} steps; method {cfg.method} gives everyone {rule.uniform_inner_steps}"
+            return ContentRefusal(
+                f"{who} gets {a.inner_steps} steps; method {cfg.method} gives everyone {rule.uniform_inner_steps}"
+            )
         if a.owns_part and a.address is None:
             return f"{who} owns a part and has no address in the plan"
         r = sampled.get(a.peer_id)
@@ -420,7 +426,7 @@ def check_plan_sampled(
         if a.token_budget > ceiling:
             return f"token budget {a.token_budget} for {who} exceeds the {ceiling:.0f} its record supports in {T:.3g} s"
     if abs(plan.train_deadline - plan.created_at - T) > 1e-6 * T + 1e-3:
-        return "its train deadline is not its start plus its window"
+        return ContentRefusal("its train deadline is not its start plus its window")
     if plan.created_at - now > MAX_CLOCK_SKEW_S:
         return f"it starts {plan.created_at - now:.0f} s in the future"
     # a multi-rank peer's budget may pass the one-device bounds only with its record read (records_needed)
@@ -522,25 +528,26 @@ def _ownership_problem(plan: RoundPlan, cfg: PlanConfig, possible: set, barred: 
 
 
 def _probation_problem(plan: RoundPlan, cfg: PlanConfig) -> Optional[str]:
-    """Count, ownership and budgets of the participants ``plan`` marks as on probation (see check_plan)."""
+    """Count, ownership and budgets of the participants ``plan`` marks as on probation (see check_plan). Every
+    reason follows from the plan and ``cfg`` alone: a ContentRefusal (honest followers bypass the plan)."""
     marked = [a for a in plan.assignments if a.probation]
     if not marked:
         return None
     est = [a for a in plan.assignments if not a.probation]
     if not est:
-        return "it marks every participant as on probation"
+        return ContentRefusal("it marks every participant as on probation")
     slots = probation_slots(len(est))
     if len(marked) > slots:
-        return (
+        return ContentRefusal(
             f"it plans {len(marked)} peers on probation with {len(est)} established; at most {slots} may join a round"
         )
     limit = PLAN_CHECK_TOLERANCE * PROBATION_BUDGET_FACTOR * statistics.median_low([a.token_budget for a in est])
     for a in marked:
         if a.owns_part:
-            return f"{a.peer_id[:10]} is on probation and owns a part"
+            return ContentRefusal(f"{a.peer_id[:10]} is on probation and owns a part")
         floor = cfg.min_inner_steps * a.batch_size * cfg.seq_len
         if a.token_budget > max(limit, floor):
-            return (
+            return ContentRefusal(
                 f"token budget {a.token_budget} for {a.peer_id[:10]} (on probation) is over "
                 f"{PROBATION_BUDGET_FACTOR:g}x the established peers' median budget"
             )

@@ -38,7 +38,7 @@ from geomesh_p2p.plan.bounds import (
     max_token_share,
 )
 from geomesh_p2p.plan.planner import check_plan, check_plan_sampled, make_plan, records_needed
-from geomesh_p2p.plan.schema import PlanConfig, RoundPlan
+from geomesh_p2p.plan.schema import ContentRefusal, PlanConfig, RoundPlan
 from geomesh_p2p.schema.partition import OWNER_SHARE_FACTOR, max_owner_units
 from geomesh_p2p.schema.peer import (
     MAX_BATCH,
@@ -370,6 +370,39 @@ def test_a_light_follower_accepts_a_client_only_participant_it_bars_or_the_plan_
     stripped = with_assignment(plan, "p3", address=None)
     reason = check_plan_sampled(stripped, sampled, cfg, now=T0, barred=("p2",))
     assert reason is not None and "p3 owns a part and has no address" in reason
+
+
+@pytest.mark.parametrize("method", ["css", "diloco"])
+def test_a_uniform_plan_with_other_steps_is_refused_for_its_content_so_honest_followers_bypass_it(method):
+    """Session 28, the attack suite with ``--method css`` (fixed work): the rogue leader's plan gave every other
+    peer 0 steps, and the uniform check refused it with a plain reason, one a follower's view may cause, so every
+    honest follower blocked on it (waited for the round to end, then synced) instead of following the next leader:
+    3 of 6 honest peers applied no round in 8, 1.12x the clean perplexity. Steps other than the run's H follow from
+    the plan and the config alone (ContentRefusal), for full-view and light followers alike; so does a train
+    deadline that is not the plan's start plus its window."""
+    recs = paper_swarm()
+    cfg = paper_cfg(method=method, uniform_inner_steps=4)
+    live = by_id(recs)
+    honest = make_plan(recs, cfg, numel=150_000_000, **KW)
+    sampled = {pid: live[pid] for pid in ("p0", "p2")}
+    assert check_plan(honest, live, cfg, now=T0) is None
+    assert check_plan_sampled(honest, sampled, cfg, now=T0) is None
+    zero = with_assignment(honest, "p1", inner_steps=0)
+    for reason in (check_plan(zero, live, cfg, now=T0), check_plan_sampled(zero, sampled, cfg, now=T0)):
+        assert isinstance(reason, ContentRefusal) and reason == f"p1 gets 0 steps; method {method} gives everyone 4"
+    late = RoundPlan.model_validate({**honest.model_dump(), "train_deadline": honest.train_deadline + 5.0})
+    for reason in (check_plan(late, live, cfg, now=T0), check_plan_sampled(late, sampled, cfg, now=T0)):
+        assert isinstance(reason, ContentRefusal) and reason == "its train deadline is not its start plus its window"
+    # the probation rules read the plan alone too: two newcomers marked where one slot is open
+    newcomers = [r.model_copy(update={"address": None}) if r.peer_id in ("p2", "p3") else r for r in recs]
+    marked = make_plan(newcomers, cfg, numel=150_000_000, probation=("p2", "p3"), **KW)
+    for reason in (check_plan(marked, live, cfg, now=T0), check_plan_sampled(marked, sampled, cfg, now=T0)):
+        assert isinstance(reason, ContentRefusal) and "it plans 2 peers on probation with 2 established" in reason
+    # a micro-batch other than the uniform one depends on the records: a plain reason (it blocks)
+    a1 = honest.assignment("p1")
+    odd = with_assignment(honest, "p1", micro_batch=a1.micro_batch // 2, accum_steps=2 * a1.accum_steps)
+    reason = check_plan(odd, live, cfg, now=T0)
+    assert reason is not None and not isinstance(reason, ContentRefusal)
 
 
 def test_the_rogue_leader_plan_and_its_variants_are_refused():
