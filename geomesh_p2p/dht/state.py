@@ -36,6 +36,10 @@ from geomesh_p2p.telemetry.logonce import LogOnce
 from geomesh_p2p.net.transport import RpcError, TaskOwner, Transport
 from geomesh_p2p.wire import dht_pb2
 
+#: ``(key, subkey, value, owner) -> reason or None``: a check of a signed record's content by the layers above
+#: the DHT, run on every store this node accepts (``owner``: the signer's PeerID; bytes of the value).
+StoreCheck = Callable[[str, Optional[str], bytes, PeerID], Optional[str]]
+
 # The node was one module: its parts log under that logger name (operators filter on it).
 log = logging.getLogger("geomesh_p2p.dht.node")
 
@@ -227,6 +231,7 @@ class DHTNodeState:
         max_clock_skew_s: float = 60.0,
         clock: Callable[[], float] = time.time,
         steady_clock: Optional[Callable[[], float]] = None,
+        store_check: Optional[StoreCheck] = None,
     ):
         if k < 1 or alpha < 1:
             raise ValueError(f"k and alpha must be >= 1 (got k={k}, alpha={alpha})")
@@ -254,6 +259,9 @@ class DHTNodeState:
         self.refresh_period_s = refresh_period_s
         self.republish_period_s = republish_period_s
         self.limits = limits
+        #: content rules of the layers above for a signed record offered here (e.g. a run's peer records must be
+        #: PeerRecords with the run's proof of work): a reason refuses the store (:meth:`DHTStorage._store_local`)
+        self.store_check = store_check
         self.join_attempts, self.join_backoff_s = join_attempts, join_backoff_s
         self.routing_table = RoutingTable(self.node_id, k, depth_modulo)
         self.storage = DHTLocalStorage(maxsize=storage_size)

@@ -63,6 +63,12 @@ class DHTStorage(DHTNodeState):
                 rec.CopyFrom(vr.record)
                 rec.expiration_time = now + self.limits.max_unsigned_ttl_s
                 vr = dataclasses.replace(vr, expiration_time=rec.expiration_time, record=rec)
+            if self.store_check is not None and vr.owner is not None:
+                # before the subkey count: junk must not take a slot (2,046 junk peer records locked a run's key
+                # for 24 h, red team of session 28)
+                why = self.store_check(vr.key, vr.subkey, vr.value, vr.owner)
+                if why is not None:
+                    raise RecordError(grpc.StatusCode.INVALID_ARGUMENT, why)
             held = self.storage.get(vr.key_id)
             cur_bytes: Optional[bytes] = None
             cur_exp = float("-inf")

@@ -38,6 +38,7 @@ import base58
 
 from geomesh_p2p.config.models import DEFAULT_POW_BITS, MAX_POW_BITS  # noqa: F401  (kept importable from here)
 from geomesh_p2p.net.identity import PUBLIC_KEY_BYTES, Identity, PeerID
+from geomesh_p2p.schema.peer import PeerRecord
 from geomesh_p2p.telemetry.logonce import LogOnce
 
 log = logging.getLogger(__name__)
@@ -187,6 +188,39 @@ def read_allow_file(path: str | os.PathLike) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------- records
+def peer_record_store_check(run_id: str, pow_bits: int) -> Callable[[str, Optional[str], bytes, PeerID], Optional[str]]:
+    """A DHT node's store check (:class:`~geomesh_p2p.dht.state.DHTNodeState`'s ``store_check``) for the records
+    of run ``run_id``: a signed value under ``<run>/peers`` or one of its shard keys (``<run>/peers/<S>/<i>``) is
+    stored only if it is a PeerRecord (the schema readers apply) naming its signer, under its signer's PeerID
+    subkey, with proof of work for ``pow_bits`` bits (0: none asked). Other keys pass. Returns the refusal's
+    one-line reason, or None.
+
+    Why at store time (red team, session 28): readers dropped junk, but storage holds at most
+    ``RecordLimits.max_subkeys_per_key`` (2,048) subkeys per key and refuses new ones when full, so 2,046
+    junk records signed by throwaway keys (no work), stored for 24 h, locked every newcomer out of the run's
+    records key. Now each slot costs an identity's proof of work (2**pow_bits hashes), as a counted record does.
+    Cost: one JSON parse and at most one SHA-256 per store of a peer record (a few tens of microseconds)."""
+    base = f"{run_id}/peers"
+
+    def check(key: str, subkey: Optional[str], value: bytes, owner: PeerID) -> Optional[str]:
+        if key != base and not key.startswith(base + "/"):
+            return None
+        who = owner.to_string()
+        if subkey != who:
+            return "a peer record is stored under its signer's PeerID subkey"
+        try:
+            rec = PeerRecord.from_bytes(value)
+        except ValueError as e:  # pydantic's ValidationError is a ValueError
+            return f"not a PeerRecord ({str(e).splitlines()[0][:120]})"
+        if rec.peer_id != who:
+            return f"the record names peer {rec.peer_id[:10]}, its signer is {who[:10]}"
+        if pow_bits > 0 and (rec.pow_nonce is None or not check_pow(run_id, bytes(owner), rec.pow_nonce, pow_bits)):
+            return f"no valid proof of work (this node asks {pow_bits} bits for a peer record of run {run_id!r})"
+        return None
+
+    return check
+
+
 class Admission:
     """Which PeerRecords count: valid proof of work for ``pow_bits`` and, in a private run, on ``allow``.
 
