@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 from typing import Any, Awaitable, Callable, Collection, List, Optional, Union
 
 from pydantic import ValidationError
@@ -162,6 +163,10 @@ def check_compatible(mine: PeerRecord, other: PeerRecord) -> Optional[str]:
     return "; ".join(diffs) or None
 
 
+#: Dropped records of one :func:`live_peers` read logged one by one; the rest of the read's drops are one line.
+DROP_LINES_PER_READ = 3
+
+
 def _log_once(who: str, msg: str, level: int = logging.WARNING, **fields) -> None:
     """Log and emit ``peer_record_dropped`` for record ``who`` once per (who, msg); fields: subkey, reason."""
     _dropped_log((who, msg), level, "%s: %s", who, msg, event="peer_record_dropped", **fields)
@@ -207,16 +212,25 @@ async def live_peers(
     else:
         found = await _read_shards(node, run_id, shards, only, latest, extra)
     out: List[PeerRecord] = []
+    dropped: Counter = Counter()  # reason -> records of this read dropped for it
+
+    def drop(who: str, msg: str, **fields) -> None:
+        # the first few of a read each have their line; a flood of junk (the red team's 2,046 records, one WARNING
+        # each) is one summary line below
+        dropped[fields.get("reason", "other")] += 1
+        if sum(dropped.values()) <= DROP_LINES_PER_READ:
+            _log_once(who, msg, **fields)
+
     for subkey, item in found.items():
         who = f"peer record {subkey[:10] if subkey else '(no subkey)'}…"
         if subkey is None or item.owner is None or subkey != item.owner.to_string():
-            _log_once(who, "dropped: not under its owner's PeerID subkey", subkey=subkey, reason="not_owner_subkey")
+            drop(who, "dropped: not under its owner's PeerID subkey", subkey=subkey, reason="not_owner_subkey")
             continue
         try:
             rec = PeerRecord.from_bytes(item.value)
         except ValidationError as e:
             first = e.errors()[0] if e.errors() else {"loc": (), "msg": str(e)}
-            _log_once(
+            drop(
                 who,
                 f"dropped: malformed PeerRecord ({'.'.join(map(str, first['loc']))}: {first['msg']})",
                 subkey=subkey,
@@ -224,7 +238,7 @@ async def live_peers(
             )
             continue
         if rec.peer_id != subkey:
-            _log_once(
+            drop(
                 who,
                 f"dropped: record names peer {rec.peer_id[:10]}…, signed by {subkey[:10]}…",
                 subkey=subkey,
@@ -241,7 +255,7 @@ async def live_peers(
             if diff and diff not in reasons:
                 reasons.append(diff)
         if reasons:
-            _log_once(
+            drop(
                 who,
                 "incompatible, ignored: " + "; ".join(reasons),
                 subkey=subkey,
@@ -252,6 +266,19 @@ async def live_peers(
         if rec.leaving and not include_leaving:
             continue
         out.append(rec)
+    if sum(dropped.values()) > DROP_LINES_PER_READ:
+        what = ", ".join(f"{k} {v}" for k, v in sorted(dropped.items()))
+        _dropped_log(
+            ("many", tuple(sorted(dropped))),
+            logging.WARNING,
+            "a read of the peer records dropped %d of %d records (%s); only the first %d were logged one by one",
+            sum(dropped.values()),
+            len(found),
+            what,
+            DROP_LINES_PER_READ,
+            event="peer_records_dropped",
+            dropped=dict(dropped),
+        )
     out.sort(key=lambda r: r.peer_id)
     return out
 

@@ -69,8 +69,11 @@ kind                         where                            fields
 ``part_closed``              collective.owner._close          round, part, reason, absent (PeerIDs)
 ``partition_lost``           round.resync.log_dropped         peer, round, digest, discarded_rounds,
                                                               side (PeerIDs), tokens, own_tokens
-``peer_record_dropped``      dht.announce (once per record)   subkey (the record's PeerID), reason;
-                                                              incompatible: differs (list)
+``peer_record_dropped``      dht.announce (once per record,   subkey (the record's PeerID), reason;
+                             the first 3 of a read)           incompatible: differs (list)
+``peer_records_dropped``     dht.announce.live_peers (a read  dropped (reason -> count)
+                             that dropped more than 3; once
+                             per set of reasons)
 ``plan_refused``             round.plans.PlanStore.read       peer, round, leader, reason
 ``plan_last_resort``         round.planning.last_resort (once peer, round, candidates (PeerIDs it defers
                              per round and state)             to), attempts (without a plan so far)

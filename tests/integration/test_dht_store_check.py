@@ -9,12 +9,13 @@ bits (:func:`geomesh_p2p.trust.admission.peer_record_store_check`). Other keys a
 
 from __future__ import annotations
 
+import logging
 import time
 
 import grpc
 import pytest
 
-from geomesh_p2p.dht import peers_key
+from geomesh_p2p.dht import live_peers, peers_key
 from geomesh_p2p.dht.records import key_id_of, make_record
 from geomesh_p2p.net.identity import Identity
 from geomesh_p2p.schema.shards import records_key
@@ -71,5 +72,26 @@ async def test_without_a_check_the_node_stores_what_it_did_before():
     try:
         junk = Identity.generate()
         assert node.store_check is None and _offer(node, peers_key(RUN), b"x" * 100, junk).stored
+    finally:
+        await stop_all([node])
+
+
+async def test_a_read_that_drops_many_records_says_so_in_one_line(caplog):
+    """Junk a holder still serves (one that does not check, or checked less): the first 3 dropped records of a read
+    have a line each, the rest one summary line, not one WARNING per record (the red team's 2,046 lines)."""
+    (node,) = await start_swarm(1)
+    try:
+        for _ in range(10):
+            assert _offer(node, peers_key(RUN), b"x" * 50, Identity.generate()).stored  # no store check here
+        honest = Identity.generate()
+        assert _offer(node, peers_key(RUN), _record(honest), honest).stored
+        with caplog.at_level(logging.WARNING, logger="geomesh_p2p.dht.announce"):
+            live = await live_peers(node)
+        assert [r.peer_id for r in live] == [str(honest.peer_id)]
+        lines = [r.getMessage() for r in caplog.records]
+        assert len(lines) == 4 and all("dropped: malformed PeerRecord" in x for x in lines[:3])
+        assert lines[3] == (
+            "a read of the peer records dropped 10 of 11 records (malformed 10); only the first 3 were logged one by one"
+        )
     finally:
         await stop_all([node])
