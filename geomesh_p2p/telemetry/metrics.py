@@ -220,6 +220,8 @@ class RoundLog:
             "loop_stall": g("loop_stall_seconds", "worst event-loop stall of the last round"),
             "compute_share": g("compute_share_ratio", "inner steps' share of this peer's last round cycle"),
         }
+        # no evaluation yet: NaN, not the Gauge's 0 (a perplexity of 0 is impossible; dashboards showed it)
+        self._gauges["eval_ppl"].set(float("nan"))
         self._phase = Gauge(
             "geomesh_round_phase_seconds",
             "seconds of each round-driver phase in the last cycle",

@@ -529,10 +529,17 @@ class WorkVerifier(Verdicts, Screening, EvidenceExchange, HeldContributions):
         )
         if m.verdict.outcome == PASS:
             return None
+        # a marginal measurement alone accuses nobody (cfg.marginal_needed of them in cfg.marginal_window rounds
+        # do): said so, not "does not reproduce" (a fresh user read an honest demo peer's marginal one as fraud)
+        marginal = m.verdict.outcome == MARGINAL
         log.info(
-            "round %d: verified work: the contribution of %s does not reproduce: %s%s",
+            "round %d: verified work: the contribution of %s %s: %s%s",
             m.round,
             m.task.accused[:10],
+            f"is marginal (a doubt, not a failure: {self.cfg.marginal_needed} within {self.cfg.marginal_window} "
+            "rounds exclude)"
+            if marginal
+            else "does not reproduce",
             m.verdict.reason,
             f" (checked in the background, concluded in round {self.now_round})"
             if self.now_round > m.round + 1

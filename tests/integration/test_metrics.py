@@ -88,6 +88,8 @@ def test_prometheus_gauges_exact(served):
     port = rl.metrics_port
     assert isinstance(port, int) and port > 0
     assert rl._server.server_address[0] == "127.0.0.1"
+    # before any evaluation the perplexity is NaN ("no value"), not 0 (fresh-user trial, session 28)
+    assert math.isnan(_scrape(port)["geomesh_eval_perplexity"])
     rl.add(_record())
     assert printed == [HEADER, format_row(_record())]
     assert printed[1].split()[-3:-1] == ["30ms", "abcdef01"]  # the round's worst loop stall

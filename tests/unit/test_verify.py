@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import logging
 import dataclasses
 import hashlib
 import types
@@ -502,6 +503,25 @@ def test_marginal_failures_exclude_after_two_rounds(world):
     w2._record(t, VC.Verdict(VC.MARGINAL, "weak"), "v1")
     w2._record(VT.VerifyTask(**{**t.__dict__, "round": ROUND + cfg.marginal_window}), VC.Verdict(VC.MARGINAL, "w"), "v")
     assert not w2.excluded  # too far apart
+
+
+def test_a_marginal_measurement_is_logged_as_a_doubt_not_as_a_failure(world, caplog):
+    """Fresh-user trial (session 28): an honest demo peer's marginal check was logged "does not reproduce", which
+    reads as proof of cheating; a marginal measurement accuses nobody until marginal_needed of them agree."""
+    cfg = VT.VerifyConfig()
+    w = V.WorkVerifier(
+        cfg, identity=Identity.generate(), run_id=RUN, model=None, dataset=None, seed=0, lr=1e-3, weight_decay=0.1
+    )
+    t = _task(10, world)
+    with caplog.at_level(logging.INFO, logger="geomesh_p2p.trust.verify"):
+        w._conclude(V.Measured(ROUND, t, None, VC.Verdict(VC.MARGINAL, "weak trace 0.510 < 0.515"), None))
+        w._conclude(V.Measured(ROUND + 1, t, None, VC.Verdict(VC.FAIL, "trace 0.400 < 0.500"), None))
+    a = world.pid["A"][:10]
+    assert [r.getMessage() for r in caplog.records if "verified work: the contribution" in r.getMessage()] == [
+        f"round {ROUND}: verified work: the contribution of {a} is marginal (a doubt, not a failure: "
+        f"{cfg.marginal_needed} within {cfg.marginal_window} rounds exclude): weak trace 0.510 < 0.515",
+        f"round {ROUND + 1}: verified work: the contribution of {a} does not reproduce: trace 0.400 < 0.500",
+    ]
 
 
 def test_published_evidence_is_fetched_and_rechecked(world, flipped_case):
