@@ -118,6 +118,23 @@ def state_path(ns: argparse.Namespace) -> Optional[str]:
     return os.path.splitext(os.path.expanduser(ns.identity))[0] + ".state.json"
 
 
+def check_state_file(ns: argparse.Namespace) -> Optional[str]:
+    """A one-line complaint about the --state-file (the flag's or the default next to --identity), or None. A
+    file that exists must be a state file this program wrote (of any run or version: one of another run is
+    replaced, as before): a binary or other file there was logged as "ignoring" and then overwritten, the
+    user's file lost to a typo (red team, session 28). An absent file is fine (it is created)."""
+    from geomesh_p2p.dht.progress import BootstrapState, StateFileError
+
+    path = state_path(ns)
+    if not path:
+        return None
+    try:
+        BootstrapState.read(path)
+    except StateFileError as e:
+        return f"--state-file {path}: {e}; give another path, or move the file away"
+    return None
+
+
 def writes_line(ns: argparse.Namespace) -> str:
     """The start-up line naming where this bootstrap writes (its key, and its state file unless off), e.g.
     ``writes under /home/u/.geomesh: identity key bootstrap.key (--identity), state bootstrap.state.json
@@ -439,6 +456,9 @@ def _main(argv: Optional[list[str]] = None) -> int:
     from geomesh_p2p.net.identity import Identity, IdentityError
 
     raise_fd_limit()  # gRPC's and the status page's shares of it (geomesh_p2p/util/fds.py) grow with it
+    problem = check_state_file(ns)  # before the key is created: a refused start leaves nothing behind
+    if problem:
+        return _fail(problem)
     try:
         identity = Identity.load_or_create(ns.identity)
     except IdentityError as e:

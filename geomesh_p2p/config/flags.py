@@ -28,6 +28,7 @@ from pydantic import BaseModel, Field
 from pydantic.fields import FieldInfo
 
 from geomesh_p2p.net.addr import AddressError, canonical_address
+from geomesh_p2p.schema.run_id import check_run_id
 
 __all__ = [
     "opt",
@@ -197,6 +198,30 @@ def _device_list(text: str) -> list[str]:
     return items
 
 
+def _device(text: str) -> str:
+    """``--device``: ``auto``, ``cpu``, ``cuda`` or ``cuda:N`` (N a GPU index without leading zeros), as given.
+    A subset of what :func:`geomesh_p2p.model.device.parse_device` takes (it is not imported: torch), so a value it
+    refuses (``tpu:7``, ``meta``, ``cuda:x``) fails at parse time, not in the node's training setup after the join;
+    whether this machine has that GPU is checked when the node starts."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must not be empty")
+    kind, colon, index = text.partition(":")
+    ok = text in ("auto", "cpu", "cuda") or (
+        kind == "cuda" and colon and index.isascii() and index.isdigit() and (index == "0" or index[0] != "0")
+    )
+    if not ok:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a device: use auto, cpu, cuda or cuda:N")
+    return text
+
+
+def _run_id(text: str) -> str:
+    """``--run-id``: :func:`geomesh_p2p.schema.run_id.check_run_id` (every DHT key of the run fits a node's limit)."""
+    try:
+        return check_run_id(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _auto_or(kind: type, **bounds) -> Callable[[str], Any]:
     """An argparse type: ``auto`` (None: the node derives the value from what it measures) or a number of
     ``kind`` within ``bounds`` (:func:`number_type`'s messages)."""
@@ -256,6 +281,8 @@ PARSERS: dict[str, Callable[[str], Any]] = {
     "speed_factor": _speed_factor,
     "host_port": _host_port,
     "device_list": _device_list,
+    "device": _device,
+    "run_id": _run_id,
     "positive_float": number_type(float, gt=0),
     "auto_seconds": _auto_or(float, gt=0),  # --window-s auto (RunConfig.window_s None)
     "auto_rounds": _auto_or(int, ge=1),  # --eval-every auto (NodeConfig.eval_every None)

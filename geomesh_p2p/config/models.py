@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, model_validator
 from geomesh_p2p.config.flags import opt
 from geomesh_p2p.config.method import COMPRESSED_METHODS
 from geomesh_p2p.schema.peer import MAX_LINK_BPS, MIN_LINK_BPS
+from geomesh_p2p.schema.run_id import MAX_RUN_ID_BYTES
 from geomesh_p2p.schema.shards import MAX_RECORD_SHARDS, check_shards
 
 __all__ = [
@@ -82,7 +83,12 @@ class RunConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
-    run_id: str = opt(DEFAULT_RUN_ID, "name of the training run", min_length=1)
+    run_id: str = opt(
+        DEFAULT_RUN_ID,
+        f"name of the training run (at most {MAX_RUN_ID_BYTES} bytes of UTF-8)",
+        parse="run_id",
+        min_length=1,
+    )
     model: str = opt(
         "tiny",
         "model preset: tiny, small, llama-tiny, gpt2-124m, llama-150m; README 'Memory a preset "
@@ -323,7 +329,7 @@ class NodeConfig(BaseModel):
     advertise_host: Optional[str] = opt(None, "address others dial (default: --host)")
     client_only: bool = opt(False, "behind NAT: accept no connections, own no part")
     identity: str = opt(DEFAULT_IDENTITY, "Ed25519 key file", metavar="PATH", min_length=1)
-    device: str = opt("auto", "auto, cpu, cuda or cuda:N", min_length=1)
+    device: str = opt("auto", "auto, cpu, cuda or cuda:N", parse="device", min_length=1)
     threads: Optional[int] = opt(
         None,
         "torch CPU threads",
@@ -570,11 +576,16 @@ class BootstrapConfig(BaseModel):
         None,
         "where the routing table and the run's last known round are saved (every "
         "--status-interval and on exit) and read back after a restart, so the "
-        "swarm's peers are re-dialled at once; '' = none (default: the --identity "
-        "path with the suffix .state.json)",
+        "swarm's peers are re-dialled at once; an existing file that is not such a state file is refused; "
+        "'' = none (default: the --identity path with the suffix .state.json)",
         metavar="PATH",
     )
-    run_id: str = opt(DEFAULT_RUN_ID, "training run this swarm serves; peers of other runs are refused", min_length=1)
+    run_id: str = opt(
+        DEFAULT_RUN_ID,
+        f"training run this swarm serves (at most {MAX_RUN_ID_BYTES} bytes of UTF-8); peers of other runs are refused",
+        parse="run_id",
+        min_length=1,
+    )
     bootstrap: list[str] = opt(
         help="another bootstrap node of the same swarm to join (repeatable; default: none, start a new swarm)",
         default_factory=list,

@@ -236,23 +236,60 @@ class BootstrapState:
         atomic_write(Path(path).expanduser(), write)
 
     @classmethod
-    def load(cls, path: str, run_id: str) -> Optional["BootstrapState"]:
-        """The state saved at ``path`` for ``run_id``; None when there is none, it is of another run or
-        version, or it does not parse (logged). Blocking file I/O: call it in a worker thread."""
+    def read(cls, path: str) -> Optional["BootstrapState"]:
+        """The state file at ``path`` as :meth:`save` wrote it (of any run and version), or None when there is
+        no file. Blocking file I/O: call it in a worker thread. Raises :class:`StateFileError` (why, one line)
+        when something else is there: a folder, an unreadable file, bytes that are not UTF-8 JSON, or JSON that
+        is not an object of the fields :meth:`save` writes (a mistyped ``--state-file`` naming the user's own
+        file: the bootstrap must not replace it with its state, red team, session 28)."""
         p = Path(path).expanduser()
         try:
-            d = json.loads(p.read_text())
-            state = cls(
-                run_id=d["run_id"],
-                contacts=list(d.get("contacts") or []),
-                progress=d.get("progress"),
-                saved_at=float(d.get("saved_at", 0.0)),
-                version=int(d.get("version", 0)),
-            )
+            raw = p.read_bytes()
         except FileNotFoundError:
             return None
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            log.warning("ignoring the saved bootstrap state %s: %s", p, e)
+        except IsADirectoryError:
+            raise StateFileError("is a folder, not a bootstrap state file") from None
+        except OSError as e:
+            raise StateFileError(f"cannot be read: {e.strerror or e}") from None
+        try:
+            d = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError as e:
+            raise StateFileError(f"is not a bootstrap state file: not UTF-8 text (byte {e.start})") from None
+        except json.JSONDecodeError as e:
+            raise StateFileError(
+                f"is not a bootstrap state file: not JSON ({e.msg}, line {e.lineno} column {e.colno})"
+            ) from None
+        except (ValueError, RecursionError) as e:  # an integer of 4,300 digits, nesting thousands deep
+            raise StateFileError(f"is not a bootstrap state file: not JSON ({e})") from None
+        if not isinstance(d, dict):
+            raise StateFileError(f"is not a bootstrap state file: JSON {type(d).__name__}, not an object")
+        if not _STATE_FIELDS <= d.keys():
+            raise StateFileError(f"is not a bootstrap state file: no {', '.join(sorted(_STATE_FIELDS - d.keys()))}")
+        progress, saved_at, version = d["progress"], d["saved_at"], d["version"]
+        if not (
+            isinstance(d["run_id"], str)
+            and isinstance(d["contacts"], list)
+            and (progress is None or isinstance(progress, dict))
+            and isinstance(saved_at, (int, float))
+            and not isinstance(saved_at, bool)
+            and isinstance(version, int)
+            and not isinstance(version, bool)
+        ):
+            raise StateFileError("is not a bootstrap state file: a field of the wrong type")
+        return cls(d["run_id"], list(d["contacts"]), progress, float(saved_at), version)
+
+    @classmethod
+    def load(cls, path: str, run_id: str) -> Optional["BootstrapState"]:
+        """The state saved at ``path`` for ``run_id``; None when there is none, it is of another run or
+        version, or it is not a state file (logged; the CLI refuses that one at start). Blocking file I/O:
+        call it in a worker thread."""
+        p = Path(path).expanduser()
+        try:
+            state = cls.read(path)
+        except StateFileError as e:
+            log.warning("ignoring the saved bootstrap state %s: it %s", p, e)
+            return None
+        if state is None:
             return None
         if state.version != STATE_VERSION or state.run_id != run_id:
             log.info(
@@ -260,3 +297,12 @@ class BootstrapState:
             )
             return None
         return state
+
+
+class StateFileError(ValueError):
+    """A state file that exists but is not one :meth:`BootstrapState.save` wrote; the message says why, to follow
+    "<path> " ("is not a bootstrap state file: not UTF-8 text (byte 0)")."""
+
+
+#: The fields :meth:`BootstrapState.save` writes (every version so far).
+_STATE_FIELDS = frozenset({"run_id", "contacts", "progress", "saved_at", "version"})

@@ -48,19 +48,20 @@ from geomesh_p2p.net.identity import (
     PeerID,
     verify_signature,
 )
+from geomesh_p2p.schema.run_id import MAX_KEY_BYTES
+from geomesh_p2p.schema.run_id import OWNER_MARK as OWNER_MARK  # re-exported: the run id's rule is sized to it
 from geomesh_p2p.wire import dht_pb2
 
 SignedRecord = dht_pb2.SignedRecord
 
 RECORD_DOMAIN = b"geomesh-p2p/dht-record/v1\x00"
-OWNER_MARK = "/owner:"
 
 
 @dataclass(frozen=True)
 class RecordLimits:
     """Size and lifetime limits every node enforces on store and on find. Units: bytes, seconds."""
 
-    max_key_bytes: int = 512
+    max_key_bytes: int = MAX_KEY_BYTES  # the run id's rule (geomesh_p2p.schema.run_id) is sized to it
     max_subkey_bytes: int = 256
     max_value_bytes: int = 64 << 10
     max_ttl_s: float = 24 * 3600.0

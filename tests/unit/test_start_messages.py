@@ -4,6 +4,8 @@ checked before anything joins, run-id and TLS hints in the join error. No socket
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 
 pytestmark = pytest.mark.timeout(120)
@@ -259,3 +261,148 @@ def test_bootstrap_says_where_it_writes(tmp_path, monkeypatch, caplog):
     assert b.writes_line(b.parse(["--identity", str(key), "--state-file", ""])) == (
         f"writes under {tmp_path}/k: identity key b.key (--identity), no state file (--state-file '')"
     )
+
+
+# ------------------------------------------------------------------ start-time checks (red team, session 28)
+def _no_node(monkeypatch) -> None:
+    """The node must not be built: a value refused at parse time never reaches it."""
+    import geomesh_p2p.node.peer
+
+    def no_node(*a, **k):
+        raise AssertionError("the node must not start")
+
+    monkeypatch.setattr(geomesh_p2p.node.peer, "PeerNode", no_node)
+
+
+@pytest.mark.parametrize("device", ["tpu:7", "meta", "cuda:x", "mps", "cuda:01", "CUDA"])
+def test_join_refuses_at_parse_time_a_device_the_node_cannot_build(capsys, monkeypatch, tmp_path, device):
+    """``--device tpu:7`` (or ``meta``) passed the start checks (they looked at values starting with "cuda" only):
+    the peer served, joined, loaded its data and then died with two tracebacks of parse_device's ValueError."""
+    _no_node(monkeypatch)
+    code, lines = _peer_main_error(capsys, "join", "--identity", str(tmp_path / "id.key"), "--device", device)
+    assert code == 2
+    assert lines == [
+        f"geomesh-peer join: error: argument --device: {device!r} is not a device: use auto, cpu, cuda or cuda:N "
+        "(see geomesh-peer join --help)"
+    ]
+    assert not (tmp_path / "id.key").exists()
+
+
+def test_the_device_flag_takes_only_what_parse_device_takes():
+    from geomesh_p2p.config.flags import PARSERS
+    from geomesh_p2p.model.device import parse_device
+
+    values = ["auto", "cpu", "cuda", "cuda:0", "cuda:7", "cuda:12", "cpu:0", "cuda:00", "cuda:01", "cuda:-1"]
+    values += ["cuda:x", "cuda: 1", " cuda", "CUDA", "Cpu", "tpu:7", "meta", "mps", "xla", "hpu:0", "cuda:٣", "cu da"]
+    flag_ok = set()
+    for v in values:
+        try:
+            assert PARSERS["device"](v) == v
+            flag_ok.add(v)
+        except argparse.ArgumentTypeError as e:
+            assert str(e) == f"{v!r} is not a device: use auto, cpu, cuda or cuda:N"
+    assert flag_ok == {"auto", "cpu", "cuda", "cuda:0", "cuda:7", "cuda:12"}
+    for v in flag_ok:
+        parse_device(v)  # every value the flag takes, the node takes (whether the GPU is there: checked at start)
+
+
+def test_both_clis_refuse_a_run_id_whose_keys_a_node_would_refuse(capsys):
+    """A 600-character --run-id was accepted by both CLIs, and the peer then never announced: "announce failed:
+    INVALID_ARGUMENT: key of 606 bytes is over the limit of 512"."""
+    import bootstrap.cli as b
+    from geomesh_p2p.schema.run_id import MAX_RUN_ID_BYTES
+    from peer.cli import build_parser, parse
+
+    assert MAX_RUN_ID_BYTES == 346
+    ok, long = "r" * 346, "r" * 347
+    assert parse(build_parser(), ["join", "--run-id", ok]).run_id == ok
+    assert b.parse(["--run-id", ok]).run_id == ok
+    why = "is 347 bytes long, over the maximum of 346 bytes (UTF-8): the run's longest DHT key must fit 512 bytes"
+    code, lines = _peer_main_error(capsys, "join", "--run-id", long)
+    assert (code, lines) == (2, [f"geomesh-peer join: error: argument --run-id: {why} (see geomesh-peer join --help)"])
+    with pytest.raises(SystemExit) as ei:
+        b.parse(["--run-id", long])
+    out, err = capsys.readouterr()
+    assert (ei.value.code, out) == (2, "")
+    assert err.splitlines() == [f"geomesh-bootstrap: error: argument --run-id: {why} (see --help)"]
+    # bytes, not characters: 174 two-byte characters are 348 bytes
+    code, lines = _peer_main_error(capsys, "join", "--run-id", "é" * 174)
+    assert lines == [
+        "geomesh-peer join: error: argument --run-id: is 348 bytes long, over the maximum of 346 bytes (UTF-8): the "
+        "run's longest DHT key must fit 512 bytes (see geomesh-peer join --help)"
+    ]
+
+
+@pytest.mark.parametrize(
+    "run_id, why",
+    [
+        ("a/owner:b", "must not contain '/owner:' (it marks the owner of a DHT key)"),
+        ("a\udcff", "is not UTF-8 text (character 2 is an undecodable byte)"),  # a byte argv could not decode
+    ],
+)
+def test_both_clis_refuse_a_run_id_that_cannot_be_in_a_key(capsys, run_id, why):
+    import bootstrap.cli as b
+
+    code, lines = _peer_main_error(capsys, "join", "--run-id", run_id)
+    assert (code, lines) == (2, [f"geomesh-peer join: error: argument --run-id: {why} (see geomesh-peer join --help)"])
+    with pytest.raises(SystemExit) as ei:
+        b.parse(["--run-id", run_id])
+    assert ei.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [f"geomesh-bootstrap: error: argument --run-id: {why} (see --help)"]
+
+
+def _bootstrap_main(capsys, monkeypatch, tmp_path, state) -> tuple[int, list[str]]:
+    """``geomesh-bootstrap --state-file STATE`` up to the point it would serve: (exit status, stderr lines)."""
+    import bootstrap.cli as b
+
+    async def served(*a, **k):
+        return 0
+
+    monkeypatch.setattr(b, "serve", served)
+    rc = b.main(["--identity", str(tmp_path / "b.key"), "--state-file", str(state), "--port", "0"])
+    out, err = capsys.readouterr()
+    assert "Traceback" not in out + err
+    return rc, err.splitlines()
+
+
+def test_bootstrap_refuses_a_state_file_it_did_not_write(capsys, monkeypatch, tmp_path):
+    """A --state-file naming binary junk was logged as "ignoring the saved bootstrap state F: 'utf-8' codec can't
+    decode..." and then overwritten with the bootstrap's JSON: a mistyped path cost the user that file."""
+    junk = tmp_path / "photo.jpg"
+    body = b"\xff\xd8\xff\xe0" + bytes(range(256))
+    junk.write_bytes(body)
+    rc, lines = _bootstrap_main(capsys, monkeypatch, tmp_path, junk)
+    assert rc == 2
+    assert lines == [
+        f"geomesh-bootstrap: --state-file {junk}: is not a bootstrap state file: not UTF-8 text (byte 0); "
+        "give another path, or move the file away"
+    ]
+    assert junk.read_bytes() == body and not (tmp_path / "b.key").exists()  # nothing written, no key created
+    other = tmp_path / "config.json"
+    other.write_text('{"run_id": "x", "port": 1}')
+    rc, lines = _bootstrap_main(capsys, monkeypatch, tmp_path, other)
+    assert (rc, lines) == (
+        2,
+        [
+            f"geomesh-bootstrap: --state-file {other}: is not a bootstrap state file: no contacts, progress, "
+            "saved_at, version; give another path, or move the file away"
+        ],
+    )
+
+
+def test_bootstrap_takes_an_absent_or_an_older_state_file(capsys, monkeypatch, tmp_path):
+    """An absent file is created later; one an older release wrote (its progress without config_hash), or one of
+    another run, is a state file of this program: taken (and replaced, as before) without a word."""
+    from geomesh_p2p.dht.progress import BootstrapState
+
+    assert _bootstrap_main(capsys, monkeypatch, tmp_path, tmp_path / "absent.json") == (0, [])
+    older = tmp_path / "older.json"
+    older.write_text(
+        '{"run_id": "geomesh-demo", "contacts": [], "progress": {"round": 3, "seen_at": 1.0, "peers": 2}, '
+        '"saved_at": 5.0, "version": 1}'
+    )
+    assert _bootstrap_main(capsys, monkeypatch, tmp_path, older) == (0, [])
+    state = BootstrapState.load(str(older), "geomesh-demo")
+    assert state is not None and state.swarm_progress() is not None and state.swarm_progress().round == 3
+    assert BootstrapState.read(str(older)) == BootstrapState("geomesh-demo", [], state.progress, 5.0, 1)
+    assert BootstrapState.load(str(older), "another-run") is None
