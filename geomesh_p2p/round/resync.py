@@ -110,14 +110,16 @@ def end_run(drv: RoundDriver, ended: SwarmEnded, **facts: Any) -> None:
     """Record that the run ends without reaching its goal because the swarm ended (one WARNING, the
     ``swarm_ended`` event; ``facts``: more event fields of the call site)."""
     drv.ended = ended
+    goal = [f"--rounds {drv.cfg.rounds}"] if drv.cfg.rounds is not None else []
+    goal += [f"--target-ppl {drv.cfg.target_ppl:g}"] if drv.cfg.target_ppl is not None else []
     events.emit(
         log,
         logging.WARNING,
         "swarm_ended",
-        "round %d: %s; ending without reaching %s",
+        "round %d: %s; %s",
         ended.round,
         ended.why,
-        f"--rounds {drv.cfg.rounds}" if drv.cfg.rounds is not None else "the target",
+        f"ending without reaching {' or '.join(goal)}" if goal else "ending (no --rounds or --target-ppl was set)",
         peer=drv.me,
         round=ended.round,
         swarm_round=ended.swarm_round,

@@ -128,7 +128,13 @@ class StateServer:
             return sorted(self._kept)
 
     async def _status(self, verified, context) -> bytes:
-        """This node's round and digest: a cheap liveness and sync check for operators and tests."""
+        """This node's round and digest: a cheap liveness and sync check for operators and tests. Raises
+        EnvelopeError (INVALID_ARGUMENT) for a payload that is not a StatusRequest (red team, session 28: junk was
+        answered as if valid)."""
+        try:
+            state_pb2.StatusRequest.FromString(verified.payload)
+        except Exception:  # protobuf's DecodeError and friends: any malformed payload
+            raise EnvelopeError(grpc.StatusCode.INVALID_ARGUMENT, "StatusRequest is malformed") from None
         gs = self._state
         if gs is None or gs.digest is None:  # not ready: round 0, no digest
             return state_pb2.StatusResponse(round=0, digest="", peer_id=self.peer_id).SerializeToString()

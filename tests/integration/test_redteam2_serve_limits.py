@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import asyncio
 
+import grpc
 import pytest
 import torch
 
 from geomesh_p2p.model.optim import OuterNesterov, outer_step_per_part
 from geomesh_p2p.model.state import GlobalState
 from geomesh_p2p.net.identity import Identity
-from geomesh_p2p.net.methods import STATE_GET, STATE_UPDATE
+from geomesh_p2p.net.methods import STATE_GET, STATE_STATUS, STATE_UPDATE
 from geomesh_p2p.net.transport import RpcError, Transport
 from geomesh_p2p.net.transport_config import TransportConfig
 from geomesh_p2p.sync import server as state_server
@@ -129,3 +130,16 @@ async def test_a_stream_dropped_midway_releases_its_reserved_bytes(donor):
     with pytest.raises(RpcError) as e:
         await _stream(joiner, addr, STATE_GET, state_pb2.StateRequest(round=5, length=1))
     assert e.value.code.name == "PERMISSION_DENIED"
+
+
+async def test_a_status_request_that_is_not_one_is_refused_and_a_valid_one_answered(donor):
+    """Red team (session 28): Status answered OK to a payload that is not a StatusRequest (a length prefix past
+    its end); it never parsed it."""
+    gs, _srv, addr, _outer, client = donor
+    c = client()
+    with pytest.raises(RpcError) as ei:
+        await c.call(addr, STATE_STATUS, b"\x0a\xff\xff\xff\xff\x0f", timeout=10)
+    assert (ei.value.code, ei.value.reason) == (grpc.StatusCode.INVALID_ARGUMENT, "StatusRequest is malformed")
+    v = await c.call(addr, STATE_STATUS, state_pb2.StatusRequest().SerializeToString(), timeout=10)
+    got = state_pb2.StatusResponse.FromString(v.payload)
+    assert (got.round, got.digest) == (gs.round, gs.digest)
