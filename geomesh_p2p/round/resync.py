@@ -110,8 +110,9 @@ def end_run(drv: RoundDriver, ended: SwarmEnded, **facts: Any) -> None:
     """Record that the run ends without reaching its goal because the swarm ended (one WARNING, the
     ``swarm_ended`` event; ``facts``: more event fields of the call site)."""
     drv.ended = ended
+    target = getattr(drv.cfg, "target_ppl", None)
     goal = [f"--rounds {drv.cfg.rounds}"] if drv.cfg.rounds is not None else []
-    goal += [f"--target-ppl {drv.cfg.target_ppl:g}"] if drv.cfg.target_ppl is not None else []
+    goal += [f"--target-ppl {target:g}"] if target is not None else []
     events.emit(
         log,
         logging.WARNING,
