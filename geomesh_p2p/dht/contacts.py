@@ -117,7 +117,14 @@ class DHTContacts(DHTStorage):
         """An unknown node called us naming ``contact.address``: ping it back there (in the background)
         and add it only if it answers, signed by the same PeerID. Bounded: one check per PeerID, at
         most ``max_contact_checks`` at once, an address that did not answer is not tried again for
-        ``refresh_period_s``."""
+        ``refresh_period_s``.
+
+        Unlike CheckReachable it may dial an address of another IP than the caller's (a node behind a
+        NAT or multi-homed calls out from another IP than it serves on), because it tells the caller
+        nothing: the call that named the address was answered before the ping, whose outcome is never
+        sent back, and the node is added only when the reply is signed by the caller's own PeerID
+        (nobody else's answer can show up in the routing table). Dialling addresses other nodes name is
+        Kademlia's lookup anyway (find replies list contacts that are then dialled)."""
         if not self._alive or contact.peer_id in self._checking:
             return
         failed_at = self._unanswered.get(contact.address)

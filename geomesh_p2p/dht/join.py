@@ -29,6 +29,7 @@ from geomesh_p2p.dht.state import (
     ClockSkewError,
     Contact,
     DHTJoinError,
+    NOT_CHECKED,
     IdentityInUseError,
     OtherRunError,
     Reachability,
@@ -411,8 +412,13 @@ class DHTJoin(DHTLookup):
     async def check_reachable(self, bootstraps: Sequence[str]) -> Reachability:
         """Ask each of ``bootstraps`` (at once) to dial this node back at its advertised address.
 
-        Reachable when any of them reached it; unreachable when every one that supports the check
-        failed to; None (unknown) when none supports it (older software) or none answered. Never raises.
+        Reachable when any of them reached it; unreachable when every one that answered failed to or
+        refused to dial; None (unknown) when none supports it (older software) or none answered. Never
+        raises. A bootstrap dials back only the IP it sees the call come from: an address naming another
+        host (a wrong --advertise-host, a host name, or a public IP while this node reaches the bootstrap
+        over a LAN or VPC) is refused ("not checked: ..." with both IPs) and counts as unreachable, so the
+        node goes client-only (it still trains; it owns no part) rather than own parts at an address
+        nobody may reach. A NAT that shows the advertised public IP to the bootstrap is checked as usual.
         Deadline of each call: 2 x ``rpc_timeout_s`` + 1 s (the dial-back itself has ``rpc_timeout_s``).
         """
         address = self.transport.address
@@ -430,9 +436,13 @@ class DHTJoin(DHTLookup):
                     b, DHT_CHECK_REACHABLE, req.SerializeToString(), timeout=2 * self.rpc_timeout_s + 1.0
                 )
                 return dht_pb2.StoreOutcome.FromString(reply.payload)
-            except (RpcError, DecodeError) as e:
+            except RpcError as e:
                 log.debug("reachability check at %s failed: %s", b, e)
-                return None
+                if e.code == grpc.StatusCode.PERMISSION_DENIED and e.reason.startswith(NOT_CHECKED):
+                    return dht_pb2.StoreOutcome(stored=False, code=e.code.value[0], reason=e.reason)
+            except DecodeError as e:
+                log.debug("reachability check at %s failed: %s", b, e)
+            return None
 
         outs = await asyncio.gather(*(ask(b) for b in bootstraps))
         asked = tuple(b for b, o in zip(bootstraps, outs) if o is not None)

@@ -16,6 +16,8 @@ from hivemind.dht.routing import DHTID
 
 from geomesh_p2p import __version__
 from geomesh_p2p.dht.records import RecordError, SignedRecord, VerifiedRecord, node_id_of, verify_record
+from geomesh_p2p.net.addr import ip_of, parse_address
+from geomesh_p2p.net.guard import peer_ip
 from geomesh_p2p.net.identity import PeerID, Verified
 from geomesh_p2p.net.transport import RpcError
 from geomesh_p2p.net.methods import CONTROL_LANE, DHT_FIND, DHT_PING, DHT_STORE
@@ -24,12 +26,22 @@ from geomesh_p2p.dht.state import (
     _UNREACHABLE,
     DHT_CHECK_REACHABLE,
     DHT_PROTOCOL_VERSION,
+    NOT_CHECKED,
     Contact,
     DHTJoinError,
     _valid_address,
     _WrongPeer,
 )
 from geomesh_p2p.dht.contacts import DHTContacts
+
+# Statuses of a dial-back answered by something that is no geomesh node (an HTTP/2 server: 404 ->
+# UNIMPLEMENTED; a malformed reply: DATA_LOSS) or by a node of another run whose reply fails verification.
+_NOT_GEOMESH = {
+    grpc.StatusCode.UNIMPLEMENTED,
+    grpc.StatusCode.DATA_LOSS,
+    grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.UNKNOWN,
+}
 
 # The node was one module: its parts log under that logger name (operators filter on it).
 log = logging.getLogger("geomesh_p2p.dht.node")
@@ -261,17 +273,33 @@ class DHTProtocol(DHTContacts):
 
     async def _rpc_check_reachable(self, verified: Verified, context) -> bytes:
         """Dial the caller back at the address its request names and say whether it answered there,
-        signed by its PeerID (at most one dial-back per caller at a time; the address must be the one
-        its NodeInfo claims, so this node dials no third party's address on request)."""
+        signed by its PeerID: a StoreOutcome, ``stored`` True when it did, else a coarse ``reason``
+        (:func:`_reach_class`: "refused", "timeout", "wrong identity", "not a geomesh node", "error
+        reply"; never the raw gRPC error nor who else answered there).
+
+        Only an address whose host is the IP the call comes from (``context.peer()``) is dialled, so
+        this node dials no third party's address on request (it was a port scanner for anyone: red team,
+        session 28). Any other address, a host name included (resolving it on request would be a DNS
+        rebinding hole), is refused with PERMISSION_DENIED and not dialled. A peer behind a NAT that
+        advertises the NAT's public IP and calls from behind it is seen at that same IP, so it is
+        checked; one that calls the bootstrap over another path (same LAN or VPC, advertising its
+        public IP) is refused: :meth:`~geomesh_p2p.dht.join.DHTJoin.check_reachable` counts that as not
+        reachable (the node goes client-only, with a warning naming both IPs).
+        At most one dial-back per caller at a time. Raises RecordError (the status answered) on a bad
+        request."""
         self._alive_check()
         req = _parse(dht_pb2.PingRequest, verified.payload, "PingRequest")
         info = req.sender
         if info.peer_id and info.peer_id != bytes(verified.sender):
             raise RecordError(grpc.StatusCode.INVALID_ARGUMENT, "sender NodeInfo names another PeerID than the signer")
-        if not _valid_address(info.address):
+        address = info.address
+        if not _valid_address(address):
             raise RecordError(
-                grpc.StatusCode.INVALID_ARGUMENT, f"no address to dial back ({info.address[:60]!r} is not host:port)"
+                grpc.StatusCode.INVALID_ARGUMENT, f"no address to dial back ({address[:60]!r} is not host:port)"
             )
+        refusal = dial_back_refusal(address, context.peer())
+        if refusal:
+            raise RecordError(grpc.StatusCode.PERMISSION_DENIED, f"{NOT_CHECKED}: {refusal}")
         if verified.sender in self._dialing_back:
             raise RecordError(grpc.StatusCode.RESOURCE_EXHAUSTED, "a dial-back of this peer is under way")
         self._dialing_back.add(verified.sender)
@@ -280,21 +308,21 @@ class DHTProtocol(DHTContacts):
         )
         try:
             try:
-                answered, resp = await self._call(info.address, DHT_PING, ping, dht_pb2.PingResponse, verified.sender)
+                answered, resp = await self._call(address, DHT_PING, ping, dht_pb2.PingResponse, verified.sender)
             except RpcError as err:
                 # A channel cached from an earlier process at that address (the caller restarted on the
                 # same port) fails at once with its old "connection refused" while in reconnect backoff.
                 # Transport.call already redials a lost connection once; this covers an UNAVAILABLE whose
                 # wording it does not recognise. Only UNAVAILABLE (fast): a deadline is not retried.
                 if err.code != grpc.StatusCode.UNAVAILABLE or not self.transport.drop_channel(
-                    info.address, lane=CONTROL_LANE
+                    address, lane=CONTROL_LANE
                 ):
                     raise
-                answered, resp = await self._call(info.address, DHT_PING, ping, dht_pb2.PingResponse, verified.sender)
+                answered, resp = await self._call(address, DHT_PING, ping, dht_pb2.PingResponse, verified.sender)
         except RpcError as err:
-            return dht_pb2.StoreOutcome(
-                stored=False, code=err.code.value[0], reason=f"{err.code.name}: {err.reason or 'no answer'}"[:300]
-            ).SerializeToString()
+            code, reason = _reach_class(err)
+            log.debug("dial-back of %s at %s failed: %s", verified.sender.short(), address, err)
+            return dht_pb2.StoreOutcome(stored=False, code=code.value[0], reason=reason).SerializeToString()
         finally:
             self._dialing_back.discard(verified.sender)
         if resp.dht_protocol == DHT_PROTOCOL_VERSION:
@@ -354,6 +382,36 @@ class DHTProtocol(DHTContacts):
 def _unusable(err: RpcError) -> bool:
     """True when a failed call means the node cannot serve us (not merely a refusal of our records)."""
     return err.code in _UNREACHABLE or isinstance(err, _WrongPeer) or err.reason.startswith("reply refused")
+
+
+def dial_back_refusal(address: str, peer: str) -> str:
+    """Why CheckReachable must not dial ``address`` (a valid ``host:port``) for a caller whose
+    ``context.peer()`` is ``peer`` ("ipv4:1.2.3.4:5", "ipv6:[::1]:5"); "" when it may: its host is an IP
+    literal equal to the caller's (an IPv4-mapped IPv6 address counts as its IPv4 address)."""
+    host = parse_address(address)[0]
+    seen = ip_of(peer_ip(peer))
+    if seen is None:
+        return f"the caller's IP is unknown ({peer[:60]!r})"
+    want = ip_of(host)
+    if want is None:
+        return f"the address names host name {host[:60]!r}, not an IP; only the caller's own IP is dialled back"
+    if want != seen:
+        return f"the address names {want}, but the call comes from {seen}; only the caller's own IP is dialled back"
+    return ""
+
+
+def _reach_class(err: RpcError) -> Tuple[grpc.StatusCode, str]:
+    """The coarse class of a failed dial-back, as (code, reason) for the caller: what it needs to fix its
+    address, and nothing about the remote (its PeerID, the raw gRPC error text)."""
+    if isinstance(err, _WrongPeer):
+        return grpc.StatusCode.FAILED_PRECONDITION, "wrong identity: another node answers at this address"
+    if err.code == grpc.StatusCode.UNAVAILABLE:
+        return grpc.StatusCode.UNAVAILABLE, "refused: no connection could be made to this address"
+    if err.code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return grpc.StatusCode.DEADLINE_EXCEEDED, "timeout: nothing answered at this address in time"
+    if err.code in _NOT_GEOMESH or err.reason.startswith("reply refused"):
+        return grpc.StatusCode.UNIMPLEMENTED, "not a geomesh node of this run: something else answers at this address"
+    return grpc.StatusCode.UNKNOWN, "error reply: the node at this address answered the ping with an error"
 
 
 def _code(value: int) -> grpc.StatusCode:

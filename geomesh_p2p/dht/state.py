@@ -47,6 +47,9 @@ DHT_PROTOCOL_VERSION = 1
 # "Dial me back" (as Petals' bootstraps do): request PingRequest naming the address to check; reply
 # StoreOutcome with stored = reached, code = the gRPC status of the dial-back, reason = why not.
 DHT_CHECK_REACHABLE = "/geomesh.wire.Dht/CheckReachable"
+#: How a CheckReachable refusal to dial begins (PERMISSION_DENIED: the address's host is not the IP the call
+#: comes from); the caller counts it as "not reachable" (it goes client-only: see DHTJoin.check_reachable).
+NOT_CHECKED = "not checked"
 
 # RPC failures that mean "this node cannot serve us" (as opposed to "it refused this record").
 _UNREACHABLE = {
@@ -140,10 +143,11 @@ class Reachability:
     """Whether other nodes can dial this one at the address it advertises, as a bootstrap found by
     dialling it back during :meth:`DHTNode.join`.
 
-    ``reachable``: True (a bootstrap reached it), False (every bootstrap asked failed to: the node then
-    serves nobody and advertises no address, like a client-only node), None (not checked: client-only,
-    no bootstrap, or no bootstrap supports the check). ``checked_by``: the bootstrap addresses asked;
-    ``reason``: one line, why not reached.
+    ``reachable``: True (a bootstrap reached it), False (every bootstrap asked failed to, or refused to
+    dial an address whose host is not the IP it sees the node call from: the node then serves nobody and
+    advertises no address, like a client-only node), None (not checked: client-only, no bootstrap, or no
+    bootstrap supports the check). ``checked_by``: the bootstrap addresses that answered the check;
+    ``reason``: one line, why not reached (a coarse class, or "not checked: ..." naming both IPs).
     """
 
     address: Optional[str]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from urllib.parse import unquote
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Callable, Dict, Optional
 
@@ -45,11 +46,11 @@ def _sized_parser(max_message: Callable[[], int]) -> Callable[[bytes], object]:
 
 
 def peer_ip(peer: str) -> str:
-    """The remote IP of a gRPC ``context.peer()`` string ("ipv4:1.2.3.4:5", "ipv6:[::1]:5"); the
-    string itself when it has no port (e.g. "unix:...")."""
+    """The remote IP of a gRPC ``context.peer()`` string ("ipv4:1.2.3.4:5", "ipv6:[::1]:5", which gRPC
+    writes percent-encoded: "ipv6:%5B::1%5D:5"); the string itself when it has no port (e.g. "unix:...")."""
     kind, _, rest = peer.partition(":")
     if kind in ("ipv4", "ipv6") and rest:
-        host = rest.rsplit(":", 1)[0]
+        host = unquote(rest).rsplit(":", 1)[0]
         return host.strip("[]")
     return peer
 

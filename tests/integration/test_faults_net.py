@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import time
 
 import grpc
@@ -15,7 +16,7 @@ from geomesh_p2p.net.transport import RpcError, Transport
 from geomesh_p2p.net.transport_config import TransportConfig
 from tests.dht_helpers import RUN, start_node, stop_all, stop_node
 from tests.e2e.test_bootstrap import START_TIMEOUT, procs  # noqa: F401  (the fixture)
-from tests.proc_util import bootstrap_args
+from tests.proc_util import bootstrap_args, closed_ports
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -36,13 +37,17 @@ async def test_a_node_advertising_an_address_nobody_listens_on_becomes_client_on
         good = await start_node([boot.address])
         nodes.append(good)
         assert good.reachability.reachable is True and good.advertised_address == good.address
-        # 127.0.0.9 is loopback, but the node listens on 127.0.0.1 only: nothing answers there
-        bad = await _node_advertising("127.0.0.9", [boot.address])
+        # it listens on one port but advertises another of its own IP, where nothing listens (a port
+        # forward or a firewall rule missing); a bootstrap dials back only the caller's IP
+        t = Transport(Identity.generate(), RUN, TransportConfig(host="127.0.0.1", port=0))
+        bad = DHTNode(t, rpc_timeout_s=2.0)
         nodes.append(bad)
-        assert bad.address.startswith("127.0.0.9:")
+        await t.start()
+        t.address = f"127.0.0.1:{closed_ports(1)[0]}"
+        await bad.join([boot.address])
         r = bad.reachability
         assert (r.reachable, r.checked_by, r.address) == (False, (boot.address,), bad.address)
-        assert r.reason.startswith("UNAVAILABLE") or r.reason.startswith("DEADLINE_EXCEEDED"), r.reason
+        assert r.reason == "refused: no connection could be made to this address"
         assert bad.advertised_address is None and not bad.serving
         assert bad.self_info().address == ""  # it names no address in its calls: nobody adds it
         # it still uses the DHT as a client, and no node lists it as a contact
@@ -52,6 +57,33 @@ async def test_a_node_advertising_an_address_nobody_listens_on_becomes_client_on
             assert bad.peer_id not in {c.peer_id for c in n.contacts()}
         nearest = await good.find_nearest_nodes([bad.node_id])
         assert bad.peer_id not in {c.peer_id for _, c in nearest[bad.node_id]}
+    finally:
+        await stop_all(nodes)
+
+
+async def test_a_node_advertising_another_ip_than_it_calls_from_is_not_dialled_and_goes_client_only(caplog):
+    """127.0.0.9 is loopback, but the node calls the bootstrap from 127.0.0.1: the bootstrap does not dial
+    an address of another IP than the caller's (it would be a port scanner for anyone, red team session
+    28); the node is told so, and goes client-only as when nothing answers (fault 5: no unreachable owner)."""
+    boot = await start_node()
+    nodes = [boot]
+    try:
+        with caplog.at_level(logging.WARNING, logger="geomesh_p2p.dht.node"):
+            bad = await _node_advertising("127.0.0.9", [boot.address])
+        nodes.append(bad)
+        assert bad.address.startswith("127.0.0.9:")
+        r = bad.reachability
+        why = (
+            "not checked: the address names 127.0.0.9, but the call comes from 127.0.0.1; "
+            "only the caller's own IP is dialled back"
+        )
+        assert (r.reachable, r.checked_by, r.address, r.reason) == (False, (boot.address,), bad.address, why)
+        assert bad.advertised_address is None and not bad.serving
+        warnings = [m.getMessage() for m in caplog.records if m.levelno == logging.WARNING]
+        assert warnings == [
+            f"nobody can dial this node at {bad.address} (bootstrap {boot.address} could not: {why}); continuing "
+            "as a client-only node that owns no part. Check --advertise-host, --port and the firewall"
+        ]
     finally:
         await stop_all(nodes)
 
