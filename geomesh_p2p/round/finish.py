@@ -435,7 +435,7 @@ def judge_digest(
         # the majority's; the re-sync is routine under load (WARNING). Any other digest is a state off the
         # swarm's line (ERROR).
         plan = drv._last_plan
-        behind = plan is not None and plan.round == r - 1 and getattr(plan, "start_digest", None) == drv.state.digest
+        behind = plan is not None and plan.round == r - 1 and plan.start_digest == drv.state.digest
         events.emit(
             log,
             logging.WARNING if behind else logging.ERROR,

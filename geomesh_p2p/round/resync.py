@@ -110,7 +110,7 @@ def end_run(drv: RoundDriver, ended: SwarmEnded, **facts: Any) -> None:
     """Record that the run ends without reaching its goal because the swarm ended (one WARNING, the
     ``swarm_ended`` event; ``facts``: more event fields of the call site)."""
     drv.ended = ended
-    target = getattr(drv.cfg, "target_ppl", None)
+    target = drv.cfg.target_ppl
     goal = [f"--rounds {drv.cfg.rounds}"] if drv.cfg.rounds is not None else []
     goal += [f"--target-ppl {target:g}"] if target is not None else []
     events.emit(

@@ -199,8 +199,9 @@ def peer_record_store_check(run_id: str, pow_bits: int) -> Callable[[str, Option
     ``RecordLimits.max_subkeys_per_key`` (2,048) subkeys per key and refuses new ones when full, so 2,046
     junk records signed by throwaway keys (no work), stored for 24 h, locked every newcomer out of the run's
     records key. Now each slot costs an identity's proof of work (2**pow_bits hashes), as a counted record does.
-    Cost: one JSON parse and at most one SHA-256 per store of a peer record (a few tens of microseconds)."""
+    Cost: one JSON parse per store of a peer record, and one SHA-256 per new (peer, nonce) (:class:`Admission`'s cache)."""
     base = f"{run_id}/peers"
+    work = Admission(run_id, pow_bits)  # its check of the work, and its cache of records already checked
 
     def check(key: str, subkey: Optional[str], value: bytes, owner: PeerID) -> Optional[str]:
         if key != base and not key.startswith(base + "/"):
@@ -214,7 +215,7 @@ def peer_record_store_check(run_id: str, pow_bits: int) -> Callable[[str, Option
             return f"not a PeerRecord ({str(e).splitlines()[0][:120]})"
         if rec.peer_id != who:
             return f"the record names peer {rec.peer_id[:10]}, its signer is {who[:10]}"
-        if pow_bits > 0 and (rec.pow_nonce is None or not check_pow(run_id, bytes(owner), rec.pow_nonce, pow_bits)):
+        if work.problem(rec) is not None:
             return f"no valid proof of work (this node asks {pow_bits} bits for a peer record of run {run_id!r})"
         return None
 

@@ -391,7 +391,7 @@ class _HoldDriver:
         self.me, self.recs, self.adopt_at = me, recs, adopt_at
         self.stop, self.ended = asyncio.Event(), None
         self.state = SimpleNamespace(round=round, digest="d")
-        self.cfg = SimpleNamespace(rounds=round + 2)
+        self.cfg = SimpleNamespace(rounds=round + 2, target_ppl=None)
         self.now = 100.0
         self.clock = SimpleNamespace(monotonic=lambda: self.now)
         self.membership = SimpleNamespace(peers=self._peers, announce=self._announce)

@@ -354,7 +354,9 @@ async def test_the_digest_check_waits_for_a_voter_still_finishing_the_round(i_wi
 
     clock.on_wait = b_announces
     drv = me.driver(rounds=9, min_peers=2, clock=clock)
-    drv._last_plan = SimpleNamespace(round=4, exchange_deadline=time.time())  # its exchange just ended
+    drv._last_plan = SimpleNamespace(
+        round=4, exchange_deadline=time.time(), start_digest=None
+    )  # its exchange just ended
     verdict = await asyncio.wait_for(drv.check_digest(5, [me.me, b.me]), 10)
     assert verdict is i_win_the_tie  # before: None (b's vote came after digest_wait_s)
     # a voter that never finishes (died mid-round) is waited for only until that bound: None, as before
@@ -363,6 +365,6 @@ async def test_the_digest_check_waits_for_a_voter_still_finishing_the_round(i_wi
     dead.swarm.records[dead.me] = dead.record()
     clock2 = FakeClock()
     drv2 = me2.driver(rounds=9, min_peers=2, clock=clock2)
-    drv2._last_plan = SimpleNamespace(round=4, exchange_deadline=time.time())
+    drv2._last_plan = SimpleNamespace(round=4, exchange_deadline=time.time(), start_digest=None)
     assert await asyncio.wait_for(drv2.check_digest(5, [me2.me, dead.me]), 10) is None
     assert 5.0 <= clock2.t - 1000.0 <= 7.0  # ROUND_END_SLACK_S past the deadline (virtual seconds)
