@@ -149,16 +149,24 @@ def choose_plan(run_id: str, round: int, plans: Sequence[RoundPlan]) -> Optional
     return min(valid, key=lambda p: leader_rank(run_id, round, p.leader))
 
 
-def digest_majority(records: Iterable[PeerRecord], round: int) -> tuple[Optional[str], int, int]:
+def digest_majority(
+    records: Iterable[PeerRecord], round: int, behind: Optional[str] = None
+) -> tuple[Optional[str], int, int]:
     """Majority weights digest among records announced at ``round``.
 
-    Returns (digest or None, votes for it, records counted). Ties break on the digest string so
-    every peer picks the same one.
+    Returns (digest or None, votes for it, records counted). A tie breaks against ``behind`` first, then on the
+    digest string, so every peer that counts the same votes picks the same one. ``behind``: the start digest of
+    round ``round - 1`` (the plan's ``start_digest``), the state of a peer that applied nothing of that round.
+
+    Why ``behind`` loses a tie (session 28's backdoor pair b): two honest peers advanced to X while a third, which
+    had followed a plan that lost the agreement and applied nothing, still held the start state S, backed by the
+    poisoner. The 2-2 tie broke on the string for S, so the third kept it and trained on with the poisoner: a fork.
+    A side that advanced is ahead of one that stood still (one lineage); the reverse is never true.
     """
     votes = Counter(r.weights_digest for r in records if r.round == round and r.weights_digest)
     if not votes:
         return None, 0, 0
-    digest, n = max(votes.items(), key=lambda kv: (kv[1], kv[0]))
+    digest, n = max(votes.items(), key=lambda kv: (kv[1], kv[0] != behind, kv[0]))
     return digest, n, sum(votes.values())
 
 

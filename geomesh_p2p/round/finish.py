@@ -77,7 +77,7 @@ async def digest_check(drv: RoundDriver, ctx: RoundContext) -> Optional[bool]:
     with drv.timed("digest_check"):
         if ctx.light:  # a light follower: against a sample of the voters (round/light.py)
             votes = await light.digest_sample(drv, r, voters)
-            majority, agree, total = digest_majority(votes, r)
+            majority, agree, total = digest_majority(drv.policy.digest_voters(votes), r, behind_digest(drv, r))
             if majority is not None and majority != drv.state.digest and 2 * agree <= total:
                 # no strict majority of the sample against this peer (a tie, e.g. one rogue digest of two): the
                 # full check decides, not a sample that small
@@ -386,7 +386,7 @@ async def check_digest(drv: RoundDriver, r: int, participants: Sequence[str]) ->
     while True:
         # leaving peers count too: their last record carries the digest they ended the round with
         recs = [x for x in await drv.membership.peers(include_leaving=True) if x.peer_id in participants]
-        majority, agree, total = digest_majority(recs, r)
+        majority, agree, total = digest_majority(drv.policy.digest_voters(recs), r, behind_digest(drv, r))
         if total >= len(participants):
             break
         now = drv.clock.monotonic()
@@ -400,6 +400,13 @@ async def check_digest(drv: RoundDriver, r: int, participants: Sequence[str]) ->
         if await drv.pause(min(backoff.next(), max(0.0, until - now) + 0.01)):
             break
     return judge_digest(drv, r, majority, agree, total)
+
+
+def behind_digest(drv: RoundDriver, r: int) -> Optional[str]:
+    """The start digest of round ``r - 1``'s plan this peer followed (the state a peer that applied nothing of it
+    still holds: it loses a digest tie, :func:`digest_majority`); None when this peer followed no plan of ``r - 1``."""
+    plan = drv._last_plan
+    return plan.start_digest if plan is not None and plan.round == r - 1 else None
 
 
 def finishing_until(drv: RoundDriver, r: int, t0: float) -> float:
@@ -434,8 +441,8 @@ def judge_digest(
         # the agreement, or its pulls missed the deadline), so it holds the round's start state, an ancestor of
         # the majority's; the re-sync is routine under load (WARNING). Any other digest is a state off the
         # swarm's line (ERROR).
-        plan = drv._last_plan
-        behind = plan is not None and plan.round == r - 1 and plan.start_digest == drv.state.digest
+        start = behind_digest(drv, r)
+        behind = start is not None and start == drv.state.digest
         events.emit(
             log,
             logging.WARNING if behind else logging.ERROR,

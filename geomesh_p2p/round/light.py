@@ -246,11 +246,11 @@ async def digest_sample(drv: RoundDriver, r: int, participants: Sequence[str]) -
             break
         if await drv.pause(min(backoff.next(), max(0.0, deadline - drv.clock.monotonic()) + 0.01)):
             break
-    return recs + [_Vote(r, drv.state.digest)]
+    return recs + [_Vote(r, drv.state.digest, drv.me)]
 
 
 class _Vote:
-    """This peer's own vote in :func:`digest_majority` (its round and digest; nothing else is read)."""
+    """This peer's own vote in :func:`digest_majority` (its round, digest and PeerID; nothing else is read)."""
 
-    def __init__(self, round: int, digest: Optional[str]):
-        self.round, self.weights_digest = round, digest
+    def __init__(self, round: int, digest: Optional[str], peer_id: str):
+        self.round, self.weights_digest, self.peer_id = round, digest, peer_id

@@ -116,6 +116,16 @@ class NodeRoundPolicy:
         """The round the swarm's vote backs (:meth:`StateSync.swarm_round`), None when none is backed."""
         return self.sync.swarm_round(records) if self.sync is not None else None
 
+    def digest_voters(self, records) -> list:
+        """``records`` without those of the peers verified work or a proof excludes here (:meth:`VerifiedWork.members`):
+        an excluded peer's digest neither confirms this peer's state nor outvotes it in the digest check.
+
+        Why (session 28's backdoor pair b): the poisoner's vote made a 2-2 tie of a round in which two honest peers
+        had advanced and a third had not; the tie kept the third on the poisoner's side. Leaving a vote out can
+        only turn an excluded peer's tie into the honest side's majority, never make an honest peer's vote count
+        less."""
+        return self.verified.members(records)
+
     def standing_established(self, records, peer_id: str) -> bool:
         return self.planning.standing_view(records).established(peer_id)
 

@@ -260,6 +260,9 @@ class RoundPolicy(Protocol):
     def swarm_round(self, records: Sequence[PeerRecord]) -> Optional[int]:
         """The round the swarm's vote backs, None when none is backed."""
 
+    def digest_voters(self, records: Sequence[PeerRecord]) -> list[PeerRecord]:
+        """``records`` without those of peers this peer excludes: their digests neither confirm nor outvote its own."""
+
     def standing_established(self, records: Sequence[PeerRecord], peer_id: str) -> bool:
         """Whether ``peer_id`` is established in this peer's view (syncing peers on probation are not waited for)."""
 

@@ -67,7 +67,7 @@ def swarm_ended(drv: RoundDriver, everyone: Sequence[PeerRecord]) -> Optional[Sw
     if since is not None and all(float(x.timestamp) < since - PREVIOUS_SESSION_MARGIN_S for x in others):
         return None
     r = drv.state.round
-    majority, _, _ = digest_majority(others, r)
+    majority, _, _ = digest_majority(drv.policy.digest_voters(others), r)  # an excluded peer's state never counts
     swarm_round = max(x.round for x in others)
     synced = majority is not None and majority == drv.state.digest and swarm_round <= r
     state = (
@@ -138,7 +138,7 @@ async def check_end(drv: RoundDriver) -> None:
     everyone = await drv.membership.peers(include_leaving=True)
     others = [x for x in everyone if x.peer_id != drv.me]
     r = drv.state.round
-    majority, agree, total = digest_majority(others, r)
+    majority, agree, total = digest_majority(drv.policy.digest_voters(others), r)
     if majority is not None and majority != drv.state.digest:
         later = max((x.round for x in others), default=r)
         end_run(

@@ -100,6 +100,7 @@ class FakePeer:
         self.full_reads: list[int] = []  # the round of every peers() call (_read_round)
         self.sampled_reads: list[tuple] = []  # (round, peer ids) of every records_of() call
         self.stop = asyncio.Event()
+        self.excluded: set[str] = set()  # peers whose digest votes this peer leaves out (policy.digest_voters)
 
     # Membership
     def record(self) -> PeerRecord:
@@ -253,6 +254,9 @@ class FakePeer:
     def swarm_round(self, records):
         rounds = [r.round for r in records if r.peer_id != self.me and r.weights_digest]
         return max(rounds) if rounds and all(x == rounds[0] for x in rounds) else None
+
+    def digest_voters(self, records):
+        return [r for r in records if r.peer_id not in self.excluded]
 
     def standing_established(self, records, peer_id):
         return True

@@ -368,3 +368,43 @@ async def test_the_digest_check_waits_for_a_voter_still_finishing_the_round(i_wi
     drv2._last_plan = SimpleNamespace(round=4, exchange_deadline=time.time(), start_digest=None)
     assert await asyncio.wait_for(drv2.check_digest(5, [me2.me, dead.me]), 10) is None
     assert 5.0 <= clock2.t - 1000.0 <= 7.0  # ROUND_END_SLACK_S past the deadline (virtual seconds)
+
+
+def _tie(start_loses: bool):
+    """Session 28's backdoor pair b at its round-10 digest check, seen by h1: h1 and the poisoner a0 hold the start
+    state S of round 9 (h1 followed a0's plan, which lost the agreement: it applied nothing), h0 and h2 advanced to
+    X. Returns (h1's driver, S, X); the string order of S and X is chosen so the old tie break kept S."""
+    h1, a0, h0, h2 = _peers(4)
+    s, x = sorted((_digest(torch.full_like(h1.theta, v)) for v in (0.25, 0.5)), reverse=True)  # S wins on the string
+    for p, d in ((h1, s), (a0, s), (h0, x), (h2, x)):
+        p.round, p.digest = 10, d
+        p.swarm.records[p.me] = p.record()
+    drv = h1.driver(rounds=12, min_peers=2, clock=FakeClock())
+    drv._last_plan = SimpleNamespace(round=9, exchange_deadline=time.time(), start_digest=s if start_loses else None)
+    return h1, a0, drv, [p.me for p in (h1, a0, h0, h2)], s, x
+
+
+async def test_a_peer_that_applied_nothing_loses_a_digest_tie_to_the_peers_that_advanced():
+    """The kind: a tie between the round's start state (peers that applied nothing) and an advanced state kept the
+    behind side on its own line when the digest string favoured it; the behind side now re-syncs (one lineage)."""
+    h1, _a0, drv, voters, s, x = _tie(start_loses=True)
+    with events.capture("digest_mismatch") as seen:
+        verdict = await asyncio.wait_for(drv.check_digest(10, voters), 10)
+    assert verdict is False  # before the fix: True (S won the 2-2 tie on the string), and h1 trained on with a0
+    assert [(e["digest"], e["majority_digest"], e["agree"], e["total"], e["behind"]) for e in seen] == [
+        (s, x, 2, 4, True)
+    ]
+    # without a plan of round 9 (nothing says which side stood still) the string decides, as before
+    _h1, _a0, drv2, voters2, _s, _x = _tie(start_loses=False)
+    assert await asyncio.wait_for(drv2.check_digest(10, voters2), 10) is True
+
+
+async def test_an_excluded_peers_digest_vote_is_left_out_of_the_check():
+    """The other half of the kind: the vote of a peer this peer excludes (verified work, a proof) made the tie. Left
+    out, the tally is 1 against 2 and this peer re-syncs, whatever the tie break."""
+    h1, a0, drv, voters, s, x = _tie(start_loses=False)
+    h1.excluded = {a0.me}
+    with events.capture("digest_mismatch") as seen:
+        verdict = await asyncio.wait_for(drv.check_digest(10, voters), 10)
+    assert verdict is False
+    assert [(e["majority_digest"], e["agree"], e["total"]) for e in seen] == [(x, 2, 3)]
