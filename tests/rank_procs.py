@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 from tests import zygote
@@ -36,8 +37,22 @@ def spawn_ranks(script: str, world: int, scenario: str, out: str, *extra: str) -
         if child is None:
             env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", PYTHONPATH=str(ROOT))
             child = subprocess.Popen(argv, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        _drain(child)
         procs.append(child)
     return procs
+
+
+def _drain(child) -> None:
+    """Read ``child``'s stdout and stderr in daemon threads as it writes them (into ``child.drained``): a child that
+    writes more than a pipe holds (64 KiB: a traceback per step, gloo's warnings under load) would otherwise block
+    on its write while the test waits for it to exit, and the test would hang to its timeout."""
+    child.drained, child.readers = [], []
+    for stream in (child.stdout, getattr(child, "stderr", None)):
+        if stream is None:
+            continue
+        t = threading.Thread(target=lambda s=stream: child.drained.append(_read(s)), daemon=True)
+        t.start()
+        child.readers.append(t)
 
 
 def _read(stream) -> str:
@@ -53,4 +68,13 @@ def reap(procs: list) -> str:
         if p.poll() is None:
             p.kill()
         p.wait()
-    return "".join(_read(p.stdout) + _read(getattr(p, "stderr", None)) for p in procs)
+    out = []
+    for p in procs:
+        readers = getattr(p, "readers", None)
+        if readers is None:  # not started by spawn_ranks
+            out.append(_read(p.stdout) + _read(getattr(p, "stderr", None)))
+            continue
+        for t in readers:
+            t.join(timeout=10)  # the child is gone: its pipes end at once
+        out.append("".join(p.drained))
+    return "".join(out)
