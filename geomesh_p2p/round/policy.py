@@ -71,6 +71,8 @@ class NodeRoundPolicy:
         self.profile = profile if profile is not None else planning.profile
         self.verified = verified if verified is not None else VerifiedWork(self.state)
         self.sync = sync
+        if sync is not None:  # the catch-up's state vote leaves out the votes the digest check leaves out
+            sync.voters = self.digest_voters
         self._publish = publish
         self._max_message_bytes = max_message_bytes
         self.accountable = accountable

@@ -261,3 +261,41 @@ def test_credits_from_before_a_gap_do_not_make_a_resumed_peer_established():
     for r in range(160, 163):  # it delivers again
         ledger.credit(r, [me, other])
     assert pb.StandingView(ledger, (), round=163, me=me).established(me)
+
+
+async def test_catch_up_leaves_out_the_state_of_a_peer_this_peer_excludes(monkeypatch):
+    """The digest check leaves an excluded peer's vote out (session 28's backdoor fork); so does the catch-up's state
+    vote that follows it: a poisoner with more standing than the one honest peer left would otherwise be the state
+    this peer downloads. Wired by the policy (``NodeRoundPolicy`` sets ``sync.voters`` to ``digest_voters``)."""
+    from geomesh_p2p.sync.download import Snapshot
+    from tests.rules_util import make_rules
+
+    honest, poisoner = Identity.generate(), Identity.generate()
+    recs = [
+        _rec(honest, round=7, digest="good", address="127.0.0.1:7001"),
+        _rec(poisoner, round=7, digest="bad", address="127.0.0.1:7002"),
+    ]
+    got = []
+
+    async def fake_download(transport, donors, *, round, numel, expected_digest, state_numel=None, **kw):
+        got.append(expected_digest)
+        return Snapshot(round, torch.zeros(2), torch.zeros(2), expected_digest)
+
+    async def peers(include_leaving=False):
+        return recs
+
+    import geomesh_p2p.sync.download as ss
+
+    monkeypatch.setattr(ss, "download_state", fake_download)
+    for excluded in (False, True):
+        rules = make_rules(me=str(Identity.generate().peer_id), round=6, digest="mine", numel=2, history=[object()])
+        sync, state = rules.sync, rules.state
+        state.state_numel = 2
+        for r in range(6):  # the poisoner delivered every round, the honest peer two of them
+            state.standing.credit(r, [str(poisoner.peer_id)] + ([str(honest.peer_id)] if r >= 4 else []))
+        sync._peers = peers
+        sync._set_state_fn = lambda rnd, theta, mom: None
+        if excluded:
+            rules.verified.verdicts()._exclude(str(poisoner.peer_id), "failed its screen", 3)
+        await sync.catch_up()
+    assert got == ["bad", "good"]

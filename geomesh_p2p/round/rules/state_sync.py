@@ -127,6 +127,9 @@ class StateSync:
         self._back_once = LogOnce(log)
         self._vote_log = OnceLog()
         self._dialback: Optional[DialBack] = None  # built on the first vote of addresses
+        #: the records whose votes count in the catch-up's state vote (the policy's ``digest_voters``: without the
+        #: peers this peer excludes); all of them when unset
+        self.voters: Callable[[list[PeerRecord]], list[PeerRecord]] = list
 
     def progress(self) -> Optional[SyncProgress]:
         """The ``sync_progress`` of this peer's record: the meter's progress while it syncs, else None.
@@ -225,6 +228,7 @@ class StateSync:
                 # leaving peers vote and donate too: they serve their last state until they exit, and a peer
                 # stalled while the swarm finished must catch up to it rather than train alone (docs/round.md)
                 recs = [r for r in await self._peers(include_leaving=True) if r.peer_id != self.state.me]
+                recs = self.voters(recs)  # an excluded peer's state is neither voted for nor downloaded
                 vote = self.state_vote(recs)
                 if vote.choice is None or vote.choice.mode != "standing":
                     # a vote of addresses (this peer knows nobody): only those that answer as their records'
