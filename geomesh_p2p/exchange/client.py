@@ -506,8 +506,11 @@ class CollectiveService(OwnerService):
                 out.zero_()  # a refused result may have been decoded in part: the part is a zero update
             if spec.mode == "accountable":
                 # refused, yet still the owner's signed word: an owner that drops enough receipted pushes to
-                # fall under the quorum must not escape its drop proof (session 26's drop-owner, K = all)
-                await self._note_accountable(state, j, signed, applied=False)
+                # fall under the quorum must not escape its drop proof (session 26's drop-owner, K = all); one
+                # above the scale bound is validated as if applied (every reader refuses it alike, so its hash
+                # seeds the same validator draw everywhere), so its forger is proven, not only refused
+                over = isinstance(err, messages.OverBoundError)
+                await self._note_accountable(state, j, signed, applied=over)
             return None
         signed_at = _signed_at(signed)
         if signed_at > spec.pull_deadline:

@@ -24,7 +24,7 @@ from google.protobuf.message import DecodeError
 from geomesh_p2p.net.swarm_time import swarm_time
 from geomesh_p2p.exchange import codec as compression
 from geomesh_p2p.exchange import frames as wire
-from geomesh_p2p.exchange.aggregate import aggregate_buffer, decode_aggregate, fp32_buffer, fp32_view
+from geomesh_p2p.exchange.aggregate import ScaleBoundError, aggregate_buffer, decode_aggregate, fp32_buffer, fp32_view
 from geomesh_p2p.exchange.commitment import (
     RECORD_BYTES,
     InputEntry,
@@ -41,6 +41,7 @@ from geomesh_p2p.net.identity import EnvelopeError, Identity, PeerID, Verifier
 from geomesh_p2p.wire import collective_pb2, envelope_pb2
 
 __all__ = [
+    "OverBoundError",
     "CONTRIBUTION_KIND",
     "RESULT_KIND",
     "Contribution",
@@ -492,10 +493,7 @@ def read_result(
     if spec.mode == "reencode":
         if len(res.contributors) != len(res.tokens):
             raise EnvelopeError(Code.INVALID_ARGUMENT, "part result lists contributors and tokens of different lengths")
-        try:
-            agg = decode_aggregate(spec.aggregate_encoding, aggregate, o.size, out=out)
-        except compression.CodecError as e:
-            raise EnvelopeError(Code.INVALID_ARGUMENT, f"bad aggregate: {e}") from None
+        agg = _decode(spec, aggregate, o.size, out)
         if not spec.quorum_met(PeerID(bytes(p)).to_string() for p in res.contributors):
             raise EnvelopeError(
                 Code.FAILED_PRECONDITION,
@@ -560,6 +558,23 @@ def read_result(
     return agg, listed, max((c.compute_end for c in ordered), default=0.0), packets
 
 
+class OverBoundError(EnvelopeError):
+    """A result every reader refuses because its aggregate is above the round's scale bound
+    (:class:`~geomesh_p2p.exchange.aggregate.ScaleBoundError`): a forgery in form, so an accountable result is still
+    validated (its hash seeds the validator draw) and its owner proven."""
+
+
+def _decode(spec: CollectiveSpec, aggregate: memoryview, size: int, out: Optional[torch.Tensor]) -> torch.Tensor:
+    """A re-encoded result's aggregate, fp32 [size] (into ``out`` when given), held to ``spec.max_scale``.
+    Raises :class:`OverBoundError` above the bound, EnvelopeError (INVALID_ARGUMENT) when it does not decode."""
+    try:
+        return decode_aggregate(spec.aggregate_encoding, aggregate, size, out=out, max_scale=spec.max_scale)
+    except ScaleBoundError as e:
+        raise OverBoundError(Code.INVALID_ARGUMENT, f"bad aggregate: {e}") from None
+    except compression.CodecError as e:
+        raise EnvelopeError(Code.INVALID_ARGUMENT, f"bad aggregate: {e}") from None
+
+
 def _read_accountable(
     verifier: Verifier, spec: CollectiveSpec, j: int, res: Any, aggregate: memoryview, out: Optional[torch.Tensor]
 ) -> tuple[torch.Tensor, list[tuple[str, int]], float, dict[str, Any]]:
@@ -576,10 +591,7 @@ def _read_accountable(
     why = witness_problem(verifier, spec, j, bytes(res.witness_receipt), entries)
     if why is not None:  # an input only its owner could serve: validators could be kept from checking the part
         raise EnvelopeError(Code.INVALID_ARGUMENT, f"accountable part result refused: {why}")
-    try:
-        agg = decode_aggregate(spec.aggregate_encoding, aggregate, o.size, out=out)
-    except compression.CodecError as e:
-        raise EnvelopeError(Code.INVALID_ARGUMENT, f"bad aggregate: {e}") from None
+    agg = _decode(spec, aggregate, o.size, out)
     listed = [(order[e.index], int(e.tokens)) for e in entries if not e.dropped]
     if not spec.quorum_met(p for p, _ in listed):
         raise EnvelopeError(

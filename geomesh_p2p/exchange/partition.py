@@ -234,6 +234,10 @@ class CollectiveSpec:
             (:func:`geomesh_p2p.exchange.accountable.draw_validators`); ignored by the other modes.
         readers: peers besides the participants that may pull the parts' results (base58 PeerIDs): a grouped
             round's cross-group level is read by every peer of the round (:mod:`geomesh_p2p.exchange.groups`).
+        max_scale: the largest block scale (mean ``|x|`` of a block, the unit of the pseudo-gradient) an honest
+            ``"sign"`` aggregate of this round can have (:func:`geomesh_p2p.round.rules.spec.aggregate_scale_bound`);
+            every reader refuses a result above it (:func:`~geomesh_p2p.exchange.aggregate.decode_aggregate`).
+            None: no bound (other encodings, grouped levels, a peer that holds no committed state).
 
     ``spec_id`` (SHA-256 of the canonical JSON of all fields) travels in every push and pull;
     a peer with a different spec for the same round is refused with ``FAILED_PRECONDITION``.
@@ -260,6 +264,7 @@ class CollectiveSpec:
     grace_s: float = 1.0
     validators_per_part: int = 1
     readers: Sequence[str] = ()
+    max_scale: Optional[float] = None
     spec_id: bytes = field(init=False, repr=False, compare=False, default=b"")
 
     def __post_init__(self):
@@ -328,6 +333,10 @@ class CollectiveSpec:
         if self.validators_per_part < 0:
             raise ValueError(f"validators_per_part must be >= 0, got {self.validators_per_part}")
         object.__setattr__(self, "readers", tuple(sorted({_pid_str(p) for p in self.readers} - set(parts))))
+        if self.max_scale is not None:
+            object.__setattr__(self, "max_scale", float(self.max_scale))
+            if not (math.isfinite(self.max_scale) and self.max_scale > 0):
+                raise ValueError(f"max_scale must be finite and > 0 or None, got {self.max_scale}")
         object.__setattr__(self, "spec_id", hashlib.sha256(self._canonical_json().encode()).digest())
 
     def to_dict(self) -> dict[str, Any]:
@@ -354,6 +363,7 @@ class CollectiveSpec:
             "grace_s": self.grace_s,
             "validators_per_part": self.validators_per_part,
             "readers": list(self.readers),
+            "max_scale": self.max_scale,
         }
 
     @classmethod
@@ -379,6 +389,10 @@ class CollectiveSpec:
             del d["validators_per_part"]
         if not self.readers:  # likewise: only a grouped round's cross-group specs name readers
             del d["readers"]
+        if self.max_scale is None:  # likewise: specs without an aggregate scale bound (0.9.0)
+            del d["max_scale"]
+        else:
+            d["max_scale"] = repr(self.max_scale)
         return json.dumps(d, sort_keys=True, separators=(",", ":"))
 
     def may_read(self, peer_id: str) -> bool:

@@ -392,6 +392,8 @@ class GlobalState:
         self.opt_state = buffer[P:]
         self.round = 0
         self.digest: str | None = None
+        #: max |theta| of the committed state (:meth:`commit`; None before): the round's aggregate scale bound
+        self.theta_maxabs: float | None = None
         self.lock = threading.RLock()
 
     @property
@@ -438,9 +440,11 @@ class GlobalState:
 
     def commit(self, round: int) -> str:
         """After an in-place change of the views (the outer step): hash the buffer (no copy), set
-        ``round`` and ``digest``; returns the digest. Synchronous: run it in a thread."""
+        ``round``, ``digest`` and ``theta_maxabs``; returns the digest. Synchronous: run it in a thread."""
         with self.lock:
             self.digest = self.compute_digest()
+            lo, hi = torch.aminmax(self.theta)  # no [P] temporary of |theta|; one pass at memory speed
+            self.theta_maxabs = max(-float(lo), float(hi))
             self.round = int(round)
             return self.digest
 

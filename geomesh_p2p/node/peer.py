@@ -544,7 +544,7 @@ class PeerNode:
                 gs.theta.copy_(theta.detach().reshape(-1))
             if momentum is not None:
                 gs.opt_state.copy_(momentum.detach().to(torch.float32).reshape(-1))
-            self.digest = gs.commit(round)
+            self.digest, self.rs.theta_maxabs = gs.commit(round), gs.theta_maxabs
         self.round = round
         self.theta = gs.theta
         if load_model:

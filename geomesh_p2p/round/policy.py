@@ -112,7 +112,9 @@ class NodeRoundPolicy:
         """
         if self._max_message_bytes is None:
             raise RuntimeError("the round rules were built without the transport's message limit")
-        return collective_spec(plan, self.planning.run_cfg, self.state.numel, self._max_message_bytes())
+        return collective_spec(
+            plan, self.planning.run_cfg, self.state.numel, self._max_message_bytes(), self.state.theta_maxabs
+        )
 
     def swarm_round(self, records) -> Optional[int]:
         """The round the swarm's vote backs (:meth:`StateSync.swarm_round`), None when none is backed."""

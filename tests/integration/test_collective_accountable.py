@@ -518,3 +518,43 @@ async def test_a_caller_is_served_a_parts_result_three_times_a_round_not_in_a_lo
     assert f"the result of part {j} of round {spec.round} was served to this caller 3 times already" in ei.value.reason
     other = next(s for s, p in zip(sw.services[1:], sw.pids[1:]) if p != owner.peer_id)
     assert (await pull(other)).ready
+
+
+class _Inflater(CollectiveService):
+    """As an owner, aggregates every contribution multiplied by -20 (tests.adversary's ``forge-aggregate``) while
+    its result still commits to the real signed contributions."""
+
+    def _build_result(self, spec, part, contributions):
+        def doctor(c):
+            dec = compression.decode(c.packet) * -20.0
+            return dataclasses.replace(c, packet=compression.encode(dec, spec.block_size, c.tokens))
+
+        return super()._build_result(spec, part, [doctor(c) for c in contributions])
+
+
+async def test_an_aggregate_above_the_rounds_scale_bound_is_refused_everywhere_and_its_owner_still_proven(swarms):
+    """Issue 26: a forged -20x aggregate stayed applied until its owner's proof (4 forgers of 16: 1.11x the honest
+    perplexity). With the round's scale bound in the spec (``max_scale``: the plan's steps x lr, from the start
+    state, the same at every reader) every reader refuses it before decoding: the part is a zero update at every
+    peer, the honest parts are applied, and the refused result is still validated, so its owner is proven."""
+    sw = await swarms(4, service_cls=[CollectiveService] * 3 + [_Inflater])
+    deltas = _honest_deltas(sw.pids, NUMEL, seed=5)  # |x| ~ 1: honest block scales ~ 1
+    spec = sw.spec(NUMEL, mode="accountable", deadline_s=3.0, validators_per_part=1, max_scale=3.0, **ROBUST)
+    res = await asyncio.gather(*[s.all_reduce(spec, deltas[p], 100) for s, p in zip(sw.services, sw.pids)])
+    evil = spec.part_index_of(sw.pids[3])
+    assert evil and all(r.missing_parts == evil for r in res)  # refused by every reader, the owner too
+    assert all(torch.equal(r.aggregate, res[0].aggregate) for r in res)
+    for j, o in enumerate(spec.owners):
+        part = res[0].aggregate[o.start : o.end]
+        assert bool((part == 0).all()) is (j in evil)  # the forged part a zero update, the honest ones applied
+    findings = await _validate_all(sw, spec)
+    forged = [f for f in findings if f.kind == "forgery"]
+    assert [f.part for f in forged] == evil and all(f.owner == sw.pids[3] for f in forged)
+    v = accountable.verify_proof(RUN, forged[0].proof)
+    assert (v.kind, v.accused) == ("forgery", sw.pids[3])
+    # without the bound the same forger's aggregate is applied everywhere (the behaviour before 0.9.0)
+    sw2 = await swarms(4, service_cls=[CollectiveService] * 3 + [_Inflater])
+    spec2 = sw2.spec(NUMEL, mode="accountable", deadline_s=3.0, validators_per_part=1, **ROBUST)
+    deltas2 = _honest_deltas(sw2.pids, NUMEL, seed=5)
+    res2 = await asyncio.gather(*[s.all_reduce(spec2, deltas2[p], 100) for s, p in zip(sw2.services, sw2.pids)])
+    assert all(r.missing_parts == [] for r in res2)

@@ -4,7 +4,8 @@ message carries), the participants' token budgets and the run's aggregation sett
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import math
+from typing import TYPE_CHECKING, Optional
 
 from geomesh_p2p import exchange as collective
 from geomesh_p2p.config.method import MethodRule
@@ -13,15 +14,44 @@ from geomesh_p2p.trust import probation as pb
 if TYPE_CHECKING:
     from geomesh_p2p.config.models import RunConfig
 
-__all__ = ["collective_spec", "PULL_SHARE_OF_EXCHANGE"]
+__all__ = ["collective_spec", "aggregate_scale_bound", "PULL_SHARE_OF_EXCHANGE", "AGGREGATE_SCALE_FACTOR"]
 
 #: The pushes close this share of the exchange before its deadline: the last part is left to the pulls.
 PULL_SHARE_OF_EXCHANGE = 0.25
 
+#: Per inner step, the largest mean |delta| of a block an honest aggregate may reach, in units of the inner lr (plus
+#: weight decay's share): twice verified work's bound for one contribution (``VerifyConfig.scale_factor`` 1.5; honest
+#: contributions peaked at 0.92 x H x lr, trust/verify.py), so a peer that ran more steps than planned (an eager
+#: peer's adopted speculative steps) or a round of larger steps stays inside.
+AGGREGATE_SCALE_FACTOR = 3.0
+#: The inner optimizer's weight decay (node/training.py's, the same on every peer)
+INNER_WEIGHT_DECAY = 0.1
 
-def collective_spec(plan, run_cfg: RunConfig, numel: int, max_message_bytes: int) -> collective.CollectiveSpec:
+
+def aggregate_scale_bound(plan, run_cfg: "RunConfig", theta_maxabs: Optional[float]) -> Optional[float]:
+    """The largest block scale (mean ``|x|`` of a block of the pseudo-gradient, fp32 units of the weights) an honest
+    ``"sign"`` aggregate of ``plan`` can have: ``H_max x inner_lr x (AGGREGATE_SCALE_FACTOR + wd x max|theta|)``,
+    ``H_max`` the most inner steps the plan gives anyone, ``theta_maxabs`` max ``|theta|`` of the round's start state.
+
+    Why it holds: AdamW or Lion move a weight by at most about lr per step plus ``lr x wd x |theta|`` (the mean of a
+    block by less), each contribution is bounded so, and every rule (the token-weighted mean, meanmed, the filters)
+    and the sign re-encoding (a block's mean |x|) take a convex combination or less. The same on every peer that
+    holds the start state: the plan, the run config and ``theta`` are. None (no bound) with error feedback (a
+    residual carries earlier rounds' steps), without a committed state, or when the plan trains nothing."""
+    if theta_maxabs is None or run_cfg.error_feedback or not math.isfinite(theta_maxabs):
+        return None
+    steps = max((a.inner_steps for a in plan.assignments), default=0)
+    if steps <= 0:
+        return None
+    return steps * run_cfg.inner_lr * (AGGREGATE_SCALE_FACTOR + INNER_WEIGHT_DECAY * theta_maxabs)
+
+
+def collective_spec(
+    plan, run_cfg: RunConfig, numel: int, max_message_bytes: int, theta_maxabs: Optional[float] = None
+) -> collective.CollectiveSpec:
     """The collective's spec for ``plan`` (``numel``: P, the model's parameters; ``max_message_bytes``: the
-    transport's largest gRPC message). Raises ValueError when the plan cannot be executed."""
+    transport's largest gRPC message; ``theta_maxabs``: max ``|theta|`` of the start state, for a ``"sign"``
+    aggregate's scale bound, :func:`aggregate_scale_bound`). Raises ValueError when the plan cannot be executed."""
     r = plan.round
     rule = MethodRule.from_run(run_cfg)
     push, agg = rule.push_encoding, rule.aggregate_encoding
@@ -64,4 +94,7 @@ def collective_spec(plan, run_cfg: RunConfig, numel: int, max_message_bytes: int
         validators_per_part=run_cfg.validators_per_part,
         deadline=plan.exchange_deadline - PULL_SHARE_OF_EXCHANGE * (plan.exchange_deadline - plan.train_deadline),
         pull_deadline=plan.exchange_deadline,
+        max_scale=aggregate_scale_bound(plan, run_cfg, theta_maxabs)
+        if agg == "sign" and plan.mode != "relay"
+        else None,
     )

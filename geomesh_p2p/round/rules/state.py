@@ -27,6 +27,8 @@ class RoundState:
         state_numel: elements of the outer optimizer's state (k x P).
         standing: the standing ledger (rounds seen delivered; replaced on ``--resume``).
         history: the rows of the rounds this peer trained (a vote counts standing once it trained).
+        theta_maxabs: max |theta| of the global state held (set with its commit; None before one): the
+            round's aggregate scale bound (:func:`~geomesh_p2p.round.rules.spec.aggregate_scale_bound`).
     """
 
     me: Optional[str] = None
@@ -36,3 +38,4 @@ class RoundState:
     state_numel: int = 0
     standing: Standing = field(default_factory=Standing)
     history: list[Any] = field(default_factory=list)
+    theta_maxabs: Optional[float] = None

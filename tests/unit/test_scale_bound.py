@@ -1,0 +1,83 @@
+"""The round's aggregate scale bound (issue 26, release 0.9.0): ``CollectiveSpec.max_scale``, computed from the plan,
+the run config and the start state (:func:`geomesh_p2p.round.rules.spec.aggregate_scale_bound`), held by every reader
+of a ``"sign"`` aggregate (:func:`geomesh_p2p.exchange.aggregate.decode_aggregate`). The in-swarm behaviour (a forged
+-20x aggregate refused everywhere, its owner still proven) is in
+``tests/integration/test_collective_accountable.py``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from geomesh_p2p.exchange import codec as compression
+from geomesh_p2p.exchange.aggregate import ScaleBoundError, decode_aggregate
+from geomesh_p2p.exchange.partition import CollectiveSpec, PartOwner
+from geomesh_p2p.model.state import GlobalState
+from geomesh_p2p.net.identity import Identity
+from geomesh_p2p.round.rules.spec import aggregate_scale_bound, collective_spec
+from tests.unit.test_mode_auto import NUMEL, _plan
+
+pytestmark = pytest.mark.timeout(60)
+
+_PID = str(Identity.generate().peer_id)
+
+
+def _spec(**kw) -> CollectiveSpec:
+    return CollectiveSpec(
+        run_id="r",
+        round=1,
+        participants={_PID: 10},
+        owners=(PartOwner(peer_id=_PID, address="127.0.0.1:1", start=0, end=4096),),
+        numel=4096,
+        deadline=1000.0,
+        pull_deadline=1001.0,
+        mode="accountable",
+        **kw,
+    )
+
+
+def test_the_bound_is_the_plans_most_steps_times_the_lr_and_weight_decays_share():
+    run, _recs, plan = _plan(5)  # 5 peers: an accountable round of the sign method
+    steps = max(a.inner_steps for a in plan.assignments)
+    assert steps > 0
+    assert aggregate_scale_bound(plan, run, 2.0) == steps * run.inner_lr * (3.0 + 0.1 * 2.0)
+    assert aggregate_scale_bound(plan, run, None) is None  # no committed state: no bound
+    assert aggregate_scale_bound(plan, run.model_copy(update={"error_feedback": True}), 2.0) is None
+    idle = plan.model_copy(update={"assignments": [a.model_copy(update={"inner_steps": 0}) for a in plan.assignments]})
+    assert aggregate_scale_bound(idle, run, 2.0) is None
+    # the round's spec carries it for the accountable sign aggregate, and not without a state or in relay mode
+    assert collective_spec(plan, run, NUMEL, 64 << 20, 2.0).max_scale == steps * run.inner_lr * 3.2
+    assert collective_spec(plan, run, NUMEL, 64 << 20).max_scale is None
+    run4, _r, relay = _plan(4)
+    assert relay.mode == "relay" and collective_spec(relay, run4, NUMEL, 64 << 20, 2.0).max_scale is None
+
+
+def test_specs_without_the_bound_keep_their_spec_id_and_a_bad_bound_is_refused():
+    off, on = _spec(), _spec(max_scale=0.25)
+    assert "max_scale" not in off._canonical_json()  # specs of 0.8 peers keep the spec_id they had
+    assert on.spec_id != off.spec_id
+    back = CollectiveSpec.from_dict(on.to_dict())
+    assert back.max_scale == 0.25 and back.spec_id == on.spec_id
+    assert CollectiveSpec.from_dict({k: v for k, v in off.to_dict().items() if k != "max_scale"}) == off
+    for bad in (0.0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="max_scale"):
+            _spec(max_scale=bad)
+
+
+def test_a_sign_aggregate_above_the_bound_is_refused_before_it_is_decoded():
+    x = torch.linspace(-1.0, 1.0, 4096)  # block scales 0.5 (two blocks of 2048)
+    data = compression.encode(x, 2048, 10).to_bytes()
+    top = float(compression.decode(compression.packet_from_bytes(data)).abs().max())
+    assert torch.equal(decode_aggregate("sign", data, 4096, max_scale=top), decode_aggregate("sign", data, 4096))
+    out = torch.full((4096,), 7.0)
+    with pytest.raises(ScaleBoundError, match="above the round's bound"):
+        decode_aggregate("sign", data, 4096, out=out, max_scale=top * 0.999)
+    assert bool((out == 7.0).all())  # checked on the packet's scales: nothing was written
+
+
+def test_a_commit_records_the_states_largest_weight():
+    gs = GlobalState(4, 1)
+    assert gs.theta_maxabs is None
+    gs.theta.copy_(torch.tensor([0.5, -3.25, 2.0, 0.0]))
+    gs.commit(3)
+    assert gs.theta_maxabs == 3.25 and gs.round == 3
