@@ -14,7 +14,8 @@ from geomesh_p2p.exchange.aggregate import ScaleBoundError, decode_aggregate
 from geomesh_p2p.exchange.partition import CollectiveSpec, PartOwner
 from geomesh_p2p.model.state import GlobalState
 from geomesh_p2p.net.identity import Identity
-from geomesh_p2p.round.rules.spec import aggregate_scale_bound, collective_spec
+from geomesh_p2p.model.training import swarm_lr_at
+from geomesh_p2p.round.rules.spec import aggregate_scale_bound, collective_spec, round_lr_sum
 from tests.unit.test_mode_auto import NUMEL, _plan
 
 pytestmark = pytest.mark.timeout(60)
@@ -36,17 +37,24 @@ def _spec(**kw) -> CollectiveSpec:
     )
 
 
-def test_the_bound_is_the_plans_most_steps_times_the_lr_and_weight_decays_share():
-    run, _recs, plan = _plan(5)  # 5 peers: an accountable round of the sign method
+def test_the_bound_is_the_rounds_learning_rates_over_the_plans_most_steps_plus_weight_decays_share():
+    run, _recs, plan = _plan(5)  # 5 peers: an accountable round of the sign method, round 2
     steps = max(a.inner_steps for a in plan.assignments)
     assert steps > 0
-    assert aggregate_scale_bound(plan, run, 2.0) == steps * run.inner_lr * (3.0 + 0.1 * 2.0)
+    lrs = [
+        swarm_lr_at(2, i, steps, steps_per_round=20, lr=1e-3, warmup_steps=20, total_steps=2000) for i in range(steps)
+    ]
+    assert (run.uniform_inner_steps, run.inner_lr, run.warmup_steps, run.total_inner_steps) == (20, 1e-3, 20, 2000)
+    assert round_lr_sum(run, 2, steps) == sum(lrs)
+    assert aggregate_scale_bound(plan, run, 2.0) == sum(lrs) * (3.0 + 0.1 * 2.0)
+    # the warm-up's rounds: a bound as small as their steps (round 0 of 4 uniform steps: lr x (1 + 2 + 3 + 4) / 20)
+    assert round_lr_sum(run.model_copy(update={"uniform_inner_steps": 4}), 0, 4) == pytest.approx(1e-3 * 10 / 20)
     assert aggregate_scale_bound(plan, run, None) is None  # no committed state: no bound
     assert aggregate_scale_bound(plan, run.model_copy(update={"error_feedback": True}), 2.0) is None
     idle = plan.model_copy(update={"assignments": [a.model_copy(update={"inner_steps": 0}) for a in plan.assignments]})
     assert aggregate_scale_bound(idle, run, 2.0) is None
     # the round's spec carries it for the accountable sign aggregate, and not without a state or in relay mode
-    assert collective_spec(plan, run, NUMEL, 64 << 20, 2.0).max_scale == steps * run.inner_lr * 3.2
+    assert collective_spec(plan, run, NUMEL, 64 << 20, 2.0).max_scale == sum(lrs) * 3.2
     assert collective_spec(plan, run, NUMEL, 64 << 20).max_scale is None
     run4, _r, relay = _plan(4)
     assert relay.mode == "relay" and collective_spec(relay, run4, NUMEL, 64 << 20, 2.0).max_scale is None

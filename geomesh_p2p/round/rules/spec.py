@@ -9,12 +9,19 @@ from typing import TYPE_CHECKING, Optional
 
 from geomesh_p2p import exchange as collective
 from geomesh_p2p.config.method import MethodRule
+from geomesh_p2p.model.training import swarm_lr_at
 from geomesh_p2p.trust import probation as pb
 
 if TYPE_CHECKING:
     from geomesh_p2p.config.models import RunConfig
 
-__all__ = ["collective_spec", "aggregate_scale_bound", "PULL_SHARE_OF_EXCHANGE", "AGGREGATE_SCALE_FACTOR"]
+__all__ = [
+    "collective_spec",
+    "aggregate_scale_bound",
+    "round_lr_sum",
+    "PULL_SHARE_OF_EXCHANGE",
+    "AGGREGATE_SCALE_FACTOR",
+]
 
 #: The pushes close this share of the exchange before its deadline: the last part is left to the pulls.
 PULL_SHARE_OF_EXCHANGE = 0.25
@@ -28,10 +35,30 @@ AGGREGATE_SCALE_FACTOR = 3.0
 INNER_WEIGHT_DECAY = 0.1
 
 
+def round_lr_sum(run_cfg: "RunConfig", round: int, steps: int) -> float:
+    """The sum of the inner learning rates of ``steps`` inner steps of round ``round`` (a peer planned ``steps``):
+    the swarm's schedule (:func:`~geomesh_p2p.model.training.swarm_lr_at`), a function of the round only, so every
+    peer computes the same sum. A peer planned fewer steps samples the same curve over the round: its sum is
+    smaller."""
+    return sum(
+        swarm_lr_at(
+            round,
+            i,
+            steps,
+            steps_per_round=run_cfg.uniform_inner_steps,
+            lr=run_cfg.inner_lr,
+            warmup_steps=run_cfg.warmup_steps,
+            total_steps=run_cfg.total_inner_steps,
+        )
+        for i in range(steps)
+    )
+
+
 def aggregate_scale_bound(plan, run_cfg: "RunConfig", theta_maxabs: Optional[float]) -> Optional[float]:
     """The largest block scale (mean ``|x|`` of a block of the pseudo-gradient, fp32 units of the weights) an honest
-    ``"sign"`` aggregate of ``plan`` can have: ``H_max x inner_lr x (AGGREGATE_SCALE_FACTOR + wd x max|theta|)``,
-    ``H_max`` the most inner steps the plan gives anyone, ``theta_maxabs`` max ``|theta|`` of the round's start state.
+    ``"sign"`` aggregate of ``plan`` can have: ``L x (AGGREGATE_SCALE_FACTOR + wd x max|theta|)``, ``L`` the sum of the
+    inner learning rates of the most inner steps the plan gives anyone (:func:`round_lr_sum`: the warm-up's rounds
+    get a bound as small as their steps), ``theta_maxabs`` max ``|theta|`` of the round's start state.
 
     Why it holds: AdamW or Lion move a weight by at most about lr per step plus ``lr x wd x |theta|`` (the mean of a
     block by less), each contribution is bounded so, and every rule (the token-weighted mean, meanmed, the filters)
@@ -43,7 +70,7 @@ def aggregate_scale_bound(plan, run_cfg: "RunConfig", theta_maxabs: Optional[flo
     steps = max((a.inner_steps for a in plan.assignments), default=0)
     if steps <= 0:
         return None
-    return steps * run_cfg.inner_lr * (AGGREGATE_SCALE_FACTOR + INNER_WEIGHT_DECAY * theta_maxabs)
+    return round_lr_sum(run_cfg, plan.round, steps) * (AGGREGATE_SCALE_FACTOR + INNER_WEIGHT_DECAY * theta_maxabs)
 
 
 def collective_spec(
