@@ -145,3 +145,22 @@ def test_stack_summary_names_the_innermost_frames_first():
     assert len(got) == 4
     assert got[0].endswith(" inner") and got[1].endswith(" outer")
     assert got[2].endswith(" test_stack_summary_names_the_innermost_frames_first")
+
+
+def test_a_stall_spent_idle_in_the_selector_is_a_debug_line_and_a_blocking_call_stays_info(caplog):
+    """Fresh-user trial (session 29): on a busy host every peer logged 57-67 INFO stall lines in 8 minutes, each
+    "its thread ran 0 ms ... waited in selectors.py select": the loop was idle and not scheduled, nothing blocked it.
+    Those are DEBUG now; a stall in the process's own code (a blocking call, here a sleep) stays INFO."""
+    from geomesh_p2p.telemetry import looplag
+
+    m = LoopLagMonitor(interval_s=0.02, trace_after_s=0.1)
+    caplog.set_level("DEBUG", logger="geomesh_p2p.telemetry.looplag")
+    m._loop_thread = threading.get_ident()
+    base: dict = {}
+    for where, ran in (("python3.11/selectors.py:468 select", 0.0), ("unit/test_looplag.py:80 _block", 0.0)):
+        stall = looplag._Stall(0.0, 0.0, base)
+        stall.blocked, stall.cpu, stall.start_cpu = 1.0, ran, 0.0
+        stall.samples[(where, False)] = 10
+        m._report(stall, {})
+    levels = [(r.levelname, "selectors.py" in r.getMessage()) for r in caplog.records if "blocked" in r.getMessage()]
+    assert levels == [("DEBUG", True), ("INFO", False)]
