@@ -167,6 +167,9 @@ def format_row(r: RoundRecord) -> str:
     ppl = f"{r.eval_ppl:9.2f}" if r.eval_ppl is not None else f"{'-':>9}"
     h = f"{r.inner_steps_done}/{r.inner_steps_planned}" + ("!" if r.underfilled else "")
     agree = {None: "", True: " ok", False: " MISMATCH"}[r.digest_agree]
+    # a round whose exchange aggregated nobody's work (every part refused or missing): its state did not move, which
+    # "ok" alone hid (fresh-user trial, session 29: a resumed leader's plan refused by the others)
+    agree += " (nothing applied)" if r.contributors == 0 and r.missing_parts > 0 else ""
     loss = f"{r.train_loss:>7.3f}" if math.isfinite(r.train_loss) else f"{'-':>7}"
     share = r.compute_share
     comp = f"{100 * share:>5.1f}" if share is not None else f"{'-':>5}"

@@ -292,3 +292,16 @@ def test_a_round_that_trains_less_than_half_its_plan_is_flagged():
     assert low.underfilled and not ok.underfilled
     assert " 1/4! " in format_row(low) and " 2/4 " in format_row(ok)
     assert _json.loads(low.to_json())["underfilled"] is True
+
+
+def test_a_row_whose_exchange_applied_nothing_says_so():
+    """Fresh-user trial (session 29): a round in which every part was refused printed "ok" like any other."""
+    from geomesh_p2p.telemetry.metrics import RoundRecord, format_row
+
+    base = dict(round=8, peers=3, batch_size=8, inner_steps_done=79, inner_steps_planned=79, tokens=40448)
+    kw = dict(train_loss=4.75, round_s=26.0, digest="323098d9" * 4, digest_agree=True, leader="L", eval_ppl=None)
+    kw.update(compute_s=20.0, straggler_idle_s=0.0, network_idle_s=6.0, bytes_sent=0, bytes_received=0)
+    lost = RoundRecord(**base, **kw, contributors=0, missing_parts=3)
+    fine = RoundRecord(**base, **kw, contributors=3, missing_parts=0)
+    assert format_row(lost).endswith("323098d9 ok (nothing applied)")
+    assert format_row(fine).endswith("323098d9 ok")
