@@ -34,6 +34,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from geomesh_p2p.model.optim import outer_step_per_part
 from geomesh_p2p.trust.kept_weights import KeptWeights
 
 log = logging.getLogger("geomesh_p2p.node.peer.round")
@@ -66,8 +67,6 @@ def replay_step(outer: Any, theta: torch.Tensor, r: int, parts: Sequence[Range],
     """One outer step exactly as :meth:`~geomesh_p2p.round.rules.outer.OuterStepRule.apply` takes it (no
     events): nothing when ``idle`` covers the whole vector, else
     :func:`~geomesh_p2p.model.optim.outer_step_per_part` over ``parts`` (``[(0, P)]`` when empty)."""
-    from geomesh_p2p.model.optim import outer_step_per_part
-
     p = theta.numel()
     if idle and sum(e - s for s, e in idle) >= p:
         return
@@ -93,6 +92,26 @@ class UndoLog:
         self._rounds: dict[int, _Round] = {}
         self._mu = threading.RLock()
         self._too_old: set[tuple[int, int, int]] = set()  # forgeries logged as past the kept rounds (once each)
+        self._after: Optional[tuple[int, tuple]] = None  # (round, state key) right after the newest recorded step
+
+    @staticmethod
+    def _key(theta: torch.Tensor, outer: Any) -> tuple:
+        """What changes when anything but the recorded steps writes the state: torch's in-place version counters
+        (a re-sync, a catch-up's update, a checkpoint load) or a new buffer, and the step count."""
+        buf = getattr(outer, "buf", None)
+        b = (buf.data_ptr(), buf._version) if buf is not None else None
+        return (theta.data_ptr(), theta._version, b, int(outer.steps))
+
+    def begin(self, r: int, theta: torch.Tensor, outer: Any) -> None:
+        """Round ``r``'s outer step is next: unless the state is exactly where round ``r - 1``'s recorded step
+        left it (the same buffers, unwritten since), forget every kept round: a replay from them would rebuild
+        another line than the state's (this peer re-synced, caught up or skipped a round)."""
+        with self._mu:
+            after, self._after = self._after, None
+            if after is not None and after == (r - 1, self._key(theta, outer)):
+                return
+            for old in list(self._rounds):
+                self._drop(old)
 
     # -- keeping -------------------------------------------------------------------------------------------
     def keep_start(self, r: int, theta: torch.Tensor, outer: Any) -> None:
@@ -128,6 +147,11 @@ class UndoLog:
             k.parts = [(int(s), int(e)) for s, e in parts]
             k.idle = [(int(s), int(e)) for s, e in idle]
 
+    def after_step(self, r: int, theta: torch.Tensor, outer: Any) -> None:
+        """Round ``r``'s step is done and recorded: note the state's key (:meth:`begin` of ``r + 1`` checks it)."""
+        with self._mu:
+            self._after = (int(r), self._key(theta, outer))
+
     def rounds(self) -> list[int]:
         """Rounds kept complete (start and applied step), ascending."""
         with self._mu:
@@ -141,7 +165,12 @@ class UndoLog:
 
     # -- undo ----------------------------------------------------------------------------------------------
     def undo(
-        self, forged: Sequence[tuple[int, int, int]], now: int, theta: torch.Tensor, outer: Any, step: StepFn = None
+        self,
+        forged: Sequence[tuple[int, int, int]],
+        now: int,
+        theta: torch.Tensor,
+        outer: Any,
+        step: Optional[StepFn] = None,
     ) -> list[tuple[int, int, int]]:
         """Take the forged ranges out of the state at the start of round ``now`` (``theta`` fp32 ``[P]`` and
         ``outer``, changed in place): ``forged`` lists ``(round, start, end)``. Forgeries whose round is not
@@ -151,12 +180,14 @@ class UndoLog:
         Raises:
             OSError: a kept file cannot be read (the state may then be half-replayed: the caller re-syncs).
         """
-        step = step or (lambda r, parts, agg, idle: replay_step(outer, theta, r, parts, agg, idle))
+        if step is None:
+            step = lambda r, parts, agg, idle: replay_step(outer, theta, r, parts, agg, idle)  # noqa: E731
         with self._mu:
             ok = [f for f in forged if self.can_undo(int(f[0]), now)]
             for f in forged:
-                if f not in ok and tuple(f) not in self._too_old:
-                    self._too_old.add(tuple(f))
+                key = (int(f[0]), int(f[1]), int(f[2]))
+                if f not in ok and key not in self._too_old:
+                    self._too_old.add(key)
                     log.info(
                         "round %d: forged part [%d, %d) of round %d is older than the kept rounds %s: left applied",
                         now,
