@@ -4,6 +4,7 @@ idle from the start (same later aggregates)."""
 
 from __future__ import annotations
 
+import zlib
 from types import SimpleNamespace
 
 import pytest
@@ -116,3 +117,96 @@ def test_kept_bytes_per_round(tmp_path):
         assert total == UNDO_ROUNDS * undo_bytes_per_round(P) == 3 * 12 * P
     finally:
         log.close()
+
+
+def test_the_plans_undo_list_is_absent_while_empty_and_round_trips_when_set():
+    from geomesh_p2p.plan.schema import RoundPlan
+    from geomesh_p2p.plan.wire import decode_body, encode_body
+    from tests.plan_util import big_plan
+
+    plan = big_plan(4, round=5)
+    assert b"undo" not in plan.to_bytes()  # the bytes (and so the signatures) of plans without undos as before
+    assert b"undo" not in zlib.decompress(encode_body(plan))
+    listed = plan.model_copy(update={"undo": [(3, 1), (4, 0)]})
+    assert RoundPlan.from_bytes(listed.to_bytes()).undo == [(3, 1), (4, 0)]
+    assert decode_body(encode_body(listed)).undo == [(3, 1), (4, 0)]
+
+
+def test_a_plans_undo_list_is_refused_by_content_only_when_the_plan_alone_says_so():
+    from geomesh_p2p.plan.schema import ContentRefusal
+    from geomesh_p2p.round.rules.accountable import Accountability
+    from tests.plan_util import big_plan
+
+    acc = Accountability(lambda: None, collective=lambda: None, dht=lambda: None, identity=None, run_id="r")
+    plan = big_plan(4, round=5).model_copy(update={"mode": "accountable"})
+
+    def listing(*undo):
+        return plan.model_copy(update={"undo": list(undo)})
+
+    assert acc.undo_problem(plan, True) is None
+    # --undo-forged off; the plan's own round; past the kept rounds; a part twice; not an accountable round
+    for bad, on in [
+        (listing((4, 0)), False),
+        (listing((5, 0)), True),
+        (listing((1, 0)), True),
+        (listing((3, 0), (3, 0)), True),
+        (listing((4, 0)).model_copy(update={"mode": "reencode"}), True),
+    ]:
+        why = acc.undo_problem(bad, on)
+        assert isinstance(why, ContentRefusal), (bad.undo, why)
+    # a proof this peer has not read yet: a refusal of its view (read again), not a content refusal
+    why = acc.undo_problem(listing((3, 1)), True)
+    assert isinstance(why, str) and not isinstance(why, ContentRefusal) and "not read" in why
+    acc.forged[(3, 1)] = (10, 20)
+    assert acc.undo_problem(listing((3, 1)), True) is None
+    assert acc.undo_list(5) == [(3, 1)] and acc.undo_list(7) == []  # round 3 is past the kept rounds at 7
+    acc.undone.add((3, 1))
+    assert acc.undo_list(5) == []
+
+
+class _UndoPlan(_Plan):
+    mode = "accountable"
+
+    def __init__(self, undo=()):
+        self.undo = list(undo)
+
+
+def _rule_run(tmp_path, rounds: int, undo_at, write_between=None):
+    """The node's path: :meth:`OuterStepRule.apply` with an :class:`UndoLog`, the plan of ``undo_at`` listing the
+    forged part as (round, part) and the forgeries read from proofs mapping it to its range."""
+    theta, outer = torch.linspace(-1, 1, P), OuterNesterov()
+    forged, undone = {(FORGED_ROUND, 1): FORGED}, set()
+    rule = OuterStepRule(
+        SimpleNamespace(me="me"),
+        lambda: theta,
+        lambda: outer,
+        UndoLog(dir=str(tmp_path)),
+        lambda: forged,
+        lambda: undone,
+    )
+    aggs = _aggregates(rounds)
+    try:
+        for r in range(rounds):
+            if write_between == r:
+                theta.add_(0.0)  # a write the rule did not make (a re-sync's load): the kept rounds are forgotten
+            rule.apply(r, _UndoPlan([(FORGED_ROUND, 1)] if r == undo_at else []), aggs[r], [])
+    finally:
+        rule.undo.close()
+    return theta, undone
+
+
+def test_the_rule_undoes_what_the_plan_lists_once(tmp_path, caplog):
+    want, _ = _run(OuterNesterov(), 5, idle_from_start=True)
+    with caplog.at_level("WARNING"):
+        theta, undone = _rule_run(tmp_path, 5, undo_at=3)
+    assert torch.equal(theta, want) and undone == {(FORGED_ROUND, 1)}
+    assert [r.getMessage() for r in caplog.records if "undone" in r.getMessage()] == [
+        "round 3: forged part(s) [[1, 24, 48]] undone: outer steps of rounds 1..2 replayed with them idle"
+    ]
+
+
+def test_a_state_written_outside_the_steps_forgets_the_kept_rounds(tmp_path):
+    forged, _ = _run(OuterNesterov(), 5, idle_from_start=False)
+    theta, undone = _rule_run(tmp_path, 5, undo_at=3, write_between=2)
+    assert torch.equal(theta, forged)  # no replay from a line the state left: left applied, as too old
+    assert undone == {(FORGED_ROUND, 1)}
