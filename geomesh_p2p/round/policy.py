@@ -77,6 +77,8 @@ class NodeRoundPolicy:
         self._publish = publish
         self._max_message_bytes = max_message_bytes
         self.accountable = accountable
+        if accountable is not None:
+            accountable.undo_on = self.undo_on
 
     def make_plan(self, members, leader):
         """This peer's plan when it leads (:meth:`PlanRules.make_plan`; raises PlanDeferred), listing the forged

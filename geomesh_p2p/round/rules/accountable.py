@@ -72,6 +72,7 @@ class Accountability:
         # exact undo (issue 26, RunConfig.undo_forged): forgeries proven here, (round, part) -> [start, end) of [P]
         self.forged: dict[tuple[int, int], tuple[int, int]] = {}
         self.undone: set[tuple[int, int]] = set()  # forgeries this peer's state no longer holds (undone, or too old)
+        self.undo_on = False  # RunConfig.undo_forged (set by the policy): every forgery proof is published
 
     def after_round(self, r: int, plan, ar) -> None:
         """Round ``r`` was applied: start its validation, publication and the read of recent proofs in the
@@ -149,13 +150,16 @@ class Accountability:
         owner not yet excluded here, at most :data:`~geomesh_p2p.trust.fraud.MAX_BUNDLE_PROOFS` (one record, a
         bundle). Other proofs against those owners, and any against an owner a proof already excluded here, are
         dropped: one proof excludes an owner, and a slot a round spent on a second one delayed the next owner's
-        (k colluding owners that all dropped one victim were out only after k rounds, session 26)."""
+        (k colluding owners that all dropped one victim were out only after k rounds, session 26). With the exact undo
+        on (:attr:`undo_on`), forgery proofs are all kept: each one's part can be undone."""
         batch: list[bytes] = []
         rest: list[bytes] = []
         owners: set[str] = set()
         for proof in self.pending:
             who = fraud.accused_of(proof)
-            if who and (who in self.proven or who in owners):
+            # with the exact undo on, every forgery's proof is worth its slot: each one lets its part be undone
+            undoable = self.undo_on and accountable.forged_range(proof) is not None
+            if who and (who in self.proven or who in owners) and not undoable:
                 continue
             if len(batch) < fraud.MAX_BUNDLE_PROOFS:
                 batch.append(proof)
