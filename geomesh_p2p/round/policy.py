@@ -93,7 +93,7 @@ class NodeRoundPolicy:
     @property
     def undo_on(self) -> bool:
         """The run undoes proven forged parts exactly (RunConfig.undo_forged, docs/collective.md "State and repair")."""
-        return bool(getattr(self.planning.run_cfg, "undo_forged", False))
+        return bool(getattr(getattr(self.planning, "run_cfg", None), "undo_forged", False))
 
     def undo_problem(self, plan) -> Optional[str]:
         """Why this peer refuses ``plan``'s undo list (:meth:`Accountability.undo_problem`); a plan listing undos is
