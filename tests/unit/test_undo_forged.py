@@ -210,3 +210,15 @@ def test_a_state_written_outside_the_steps_forgets_the_kept_rounds(tmp_path):
     theta, undone = _rule_run(tmp_path, 5, undo_at=3, write_between=2)
     assert torch.equal(theta, forged)  # no replay from a line the state left: left applied, as too old
     assert undone == {(FORGED_ROUND, 1)}
+
+
+def test_the_run_memory_lists_the_kept_rounds_on_disk():
+    from geomesh_p2p.config.models import RunConfig, NodeConfig
+    from geomesh_p2p.node.training import run_memory
+
+    def kept(**kw):
+        est = run_memory(RunConfig(run_id="r", mode="accountable", **kw), NodeConfig(), 1000)
+        return [(i.bytes, i.where) for i in est.items if i.name == "exact undo: kept rounds"]
+
+    assert kept() == []
+    assert kept(undo_forged=True) == [(UNDO_ROUNDS * undo_bytes_per_round(1000), "disk")]  # 3 x 12 P bytes
