@@ -172,6 +172,12 @@ class RunConfig(BaseModel):
         ge=0,
         le=16,
     )
+    undo_forged: bool = opt(
+        False,
+        "accountable mode: a forged part proven in the DHT within the last 3 rounds is undone exactly: the leader "
+        "lists it in its plan and every peer replays the outer steps since with that part idle (keeps 12 x P bytes "
+        'per kept round on disk; docs/collective.md, "State and repair")',
+    )
     inner_optimizer: Literal["adamw", "lion"] = opt("adamw", "optimizer of the inner steps")
     inner_lr: float = opt(1e-3, "peak learning rate of the inner optimizer", gt=0, le=MAX_INNER_LR)
     warmup_steps: int = opt(20, "inner steps of linear learning-rate warm-up", ge=0)
@@ -295,7 +301,10 @@ class RunConfig(BaseModel):
     #: is read in accountable mode only.
     #: ``record_shards`` (issue 25, 0.6.0): at 1 every record stays under ``<run>/peers``, as before.
     #: ``group_size`` (issue 26, 0.6.x): at 0 every round is one group, as before.
-    patch_fields: ClassVar[frozenset[str]] = frozenset({"validators_per_part", "record_shards", "group_size"})
+    #: ``undo_forged`` (issue 26, session 29): off, no plan lists an undo and no round is replayed, as before.
+    patch_fields: ClassVar[frozenset[str]] = frozenset(
+        {"validators_per_part", "record_shards", "group_size", "undo_forged"}
+    )
 
     def config_hash(self) -> str:
         """First 16 hex chars of SHA-256 of the canonical JSON of this config (the ``patch_fields`` at their

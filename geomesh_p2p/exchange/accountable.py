@@ -74,6 +74,7 @@ __all__ = [
     "forgery_proof",
     "equivocation_proof",
     "verify_proof",
+    "forged_range",
     "draw_validators",
     "validator_seed",
     "witness_of",
@@ -336,6 +337,22 @@ def verify_proof(run_id: str, data: bytes, max_bytes: int = MAX_PROOF_BYTES) -> 
     if why_forged is None:
         raise ProofError("the result is exactly the rule over its inputs: no forgery")
     return ProofVerdict("forgery", res.owner, res.round, int(f.part), why_forged)
+
+
+def forged_range(data: bytes) -> Optional[tuple[int, int]]:
+    """``[start, end)`` (elements of ``[P]``) of the part a forgery proof is about: its spec's owner of the result's
+    part. Read *without* checking the proof (call :func:`verify_proof` first); None when ``data`` is no forgery
+    proof or does not parse."""
+    try:
+        p = collective_pb2.AccountabilityProof.FromString(data)
+        if p.kind != "forgery" or not p.spec_json:
+            return None
+        spec = _spec_of(p.spec_json)
+        res, _, _ = messages._result_fields(wire.SignedView(p.result).payload)
+        o = spec.owners[int(res.part)]
+        return int(o.start), int(o.end)
+    except Exception:  # noqa: BLE001  (malformed bytes: no range)
+        return None
 
 
 def _spec_of(spec_json: str) -> CollectiveSpec:

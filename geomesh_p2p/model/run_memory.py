@@ -115,6 +115,7 @@ def run_memory_estimate(
     catch_up_update: bool = True,
     disk_rounds: Optional[int] = None,
     update_on_disk: bool = False,
+    undo_rounds: int = 0,
 ) -> RunMemory:
     """The static memory of a peer of ``method`` training ``n_params`` (P) parameters, itemized, in bytes
     (``p = P x bytes_per_element``):
@@ -141,6 +142,9 @@ def run_memory_estimate(
       packets), and ``verified work: kept start weights`` ``keep_rounds x p`` on disk (``disk_rounds x p`` when
       given: the rounds kept re-checkable in all, and then ``verified work: kept contributions on disk`` for the
       ``disk_rounds - keep_rounds`` older ones, the same bytes per round as in memory);
+    * with ``undo_rounds`` (``--undo-forged``, issue 26's exact undo: :mod:`geomesh_p2p.round.rules.undo`):
+      ``exact undo: kept rounds`` ``undo_rounds x p x (2 + outer copies)`` on disk (each round's start weights,
+      outer state and applied aggregate);
     * with ``accountable`` (``--mode accountable``, issue 26): ``accountable: one validation's inputs`` (host:
       one part's signed inputs while a validator re-checks it, about one sign packet of the vector, at most
       256 MiB). The signed contributions an owner serves to validators are the ones every mode keeps for the
@@ -183,6 +187,10 @@ def run_memory_estimate(
         if disk_rounds is not None:
             older = max(0, int(disk_rounds) - keep_rounds)
             items.append(MemoryItem("verified work: kept contributions on disk", older * contributors * packet, "disk"))
+    if undo_rounds:
+        items.append(
+            MemoryItem("exact undo: kept rounds", int(undo_rounds) * (2 + OUTER_STATE_COPIES[method]) * p, "disk")
+        )
     if accountable:
         packet = math.ceil(n / 8) + 4 * math.ceil(n / block_size)
         items.append(

@@ -196,7 +196,7 @@ class PeerNode:
             feedback=lambda: self.feedback,  # --error-feedback's residual (start)
             verdicts=lambda: {"verified": self.verified.to_meta(), "penalties": self.penalties.to_meta()},  # issue 28
         )
-        self.outer_rule = OuterStepRule(self.rs, theta=lambda: self.theta, outer=lambda: self.outer)
+        self.outer_rule = OuterStepRule.for_node(self)  # with the exact undo of RunConfig.undo_forged
         self.accountable = Accountability(
             self.verified.verdicts,
             # the grouped exchange validates both levels of a grouped round (and the flat one's parts otherwise)

@@ -23,6 +23,7 @@ from geomesh_p2p.model.profile import ProfileStopped, memory_in_use, profile_tra
 from geomesh_p2p.model.device import detect_device
 from geomesh_p2p.exchange.profile import measure_codec
 from geomesh_p2p.model.memory import release_freed_memory
+from geomesh_p2p.round.rules.undo import UNDO_ROUNDS
 from geomesh_p2p.model.run_memory import (
     RunMemory,
     ShardChoice,
@@ -108,6 +109,8 @@ def run_memory(run, cfg, n_params: int) -> RunMemory:
         accountable=run.mode in ("accountable", "auto"),  # auto: its rounds of 5 or more are accountable
         eager=bool(run.eager),
         update_on_disk=True,  # the state server spills it (sync.server.UpdateLog, spill=True)
+        # the exact undo's kept rounds (round.rules.undo; not with eager updates: OuterStepRule.for_node)
+        undo_rounds=UNDO_ROUNDS if getattr(run, "undo_forged", False) and not run.eager else 0,
     )
 
 

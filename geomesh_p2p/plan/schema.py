@@ -167,6 +167,11 @@ class RoundPlan(BaseModel):
     start_digest: Optional[str] = None
     created_at: float
     assignments: list[PeerAssignment] = Field(min_length=1)
+    # Exact undo (issue 26, RunConfig.undo_forged, docs/collective.md "State and repair"): (round, part) of
+    # forged parts proven in the DHT that this round's outer step takes out of the state. Left out of the JSON
+    # while empty (peers of the releases before the compatibility policy refuse unknown fields); a run that
+    # uses it has ``undo_forged`` set, a patch field, so older peers refuse its config hash (docs/compat.md).
+    undo: list[tuple[int, int]] = Field(default_factory=list, max_length=16)
 
     @field_validator("schema_version")
     @classmethod
@@ -235,7 +240,7 @@ class RoundPlan(BaseModel):
 
     def to_bytes(self) -> bytes:
         """JSON bytes (deterministic for equal plans)."""
-        return self.model_dump_json().encode()
+        return self.model_dump_json(exclude=None if self.undo else {"undo"}).encode()
 
     @classmethod
     def from_bytes(cls, data: bytes) -> "RoundPlan":

@@ -18,6 +18,7 @@ from geomesh_p2p.round.rules.spec import collective_spec
 from geomesh_p2p.round.rules.state import RoundState
 from geomesh_p2p.round.rules.verified import VerifiedWork
 from geomesh_p2p.round.rules.accountable import Accountability
+from geomesh_p2p.plan.schema import ContentRefusal
 from geomesh_p2p.trust import probation as pb
 
 if TYPE_CHECKING:
@@ -76,19 +77,48 @@ class NodeRoundPolicy:
         self._publish = publish
         self._max_message_bytes = max_message_bytes
         self.accountable = accountable
+        if accountable is not None:
+            accountable.undo_on = self.undo_on
 
     def make_plan(self, members, leader):
-        """This peer's plan when it leads (:meth:`PlanRules.make_plan`; raises PlanDeferred)."""
-        return self.planning.make_plan(members, leader)
+        """This peer's plan when it leads (:meth:`PlanRules.make_plan`; raises PlanDeferred), listing the forged
+        parts to undo (:meth:`Accountability.undo_list`) when the run undoes them (``undo_forged``)."""
+        plan = self.planning.make_plan(members, leader)
+        if self.undo_on and getattr(plan, "mode", None) == "accountable" and self.accountable is not None:
+            undo = self.accountable.undo_list(plan.round)
+            if undo:
+                plan = plan.model_copy(update={"undo": undo})
+        return plan
+
+    @property
+    def undo_on(self) -> bool:
+        """The run undoes proven forged parts exactly (RunConfig.undo_forged, docs/collective.md "State and repair")."""
+        return bool(getattr(getattr(self.planning, "run_cfg", None), "undo_forged", False))
+
+    def undo_problem(self, plan) -> Optional[str]:
+        """Why this peer refuses ``plan``'s undo list (:meth:`Accountability.undo_problem`); a plan listing undos is
+        refused by every follower (ContentRefusal) where no accountability runs."""
+        if self.accountable is None:
+            return (
+                ContentRefusal("it lists undos, and this peer runs no accountable mode")
+                if getattr(plan, "undo", None)
+                else None
+            )
+        return self.accountable.undo_problem(plan, self.undo_on)
 
     def plan_problem(self, plan, live: dict) -> Optional[str]:
-        """Why this peer refuses ``plan``: :meth:`PlanRules.plan_problem`, then verified work's objection."""
-        return self.planning.plan_problem(plan, live) or self.verified.plan_problem(plan)
+        """Why this peer refuses ``plan``: :meth:`PlanRules.plan_problem`, then verified work's objection, then its
+        undo list's (:meth:`undo_problem`)."""
+        return self.planning.plan_problem(plan, live) or self.verified.plan_problem(plan) or self.undo_problem(plan)
 
     def sampled_plan_problem(self, plan, sampled: dict, sample) -> Optional[str]:
         """A light follower's :meth:`plan_problem` (:meth:`PlanRules.sampled_plan_problem`: the records of a
         sample only), then verified work's objection."""
-        return self.planning.sampled_plan_problem(plan, sampled, sample) or self.verified.plan_problem(plan)
+        return (
+            self.planning.sampled_plan_problem(plan, sampled, sample)
+            or self.verified.plan_problem(plan)
+            or self.undo_problem(plan)
+        )
 
     def records_needed(self, plan) -> list[str]:
         """Participants whose records a light follower must read to check ``plan`` (:meth:`PlanRules.records_needed`)."""

@@ -60,3 +60,32 @@ def test_a_forging_owner_is_excluded_and_the_honest_peers_stay_equal(tmp_path):
         }
     finally:
         s.stop_all()
+
+
+@pytest.mark.timeout(520)
+def test_a_proven_forgery_is_undone_and_the_honest_peers_stay_equal(tmp_path):
+    """As above with ``--undo-forged`` (issue 26, exact undo): once the forgery's proof is in the DHT, a leader lists
+    it in its plan and every honest peer that follows the plan rewinds to the forged round's kept start and replays
+    the outer steps with the forged range idle (event ``forged_part_undone``); the honest peers keep equal digests
+    after it, the round rows' digests show it, and nobody re-syncs for it."""
+    s = AttackSwarm(tmp_path)
+    try:
+        o = run_scenario(
+            s, "forge-aggregate", rounds=7, timeout_s=460, extra=["--mode", "accountable", "--undo-forged", *WINDOW]
+        )
+        logs = honest_log_tails(s, o)
+        assert o.attacker_acted, o.attacker_log_tail
+        assert not o.honest_exited, f"{o.exit_codes}\n{logs}"
+        assert o.digests_equal, f"honest digests differ after rounds {o.digest_mismatches()}\n{logs}"
+        undone = {n: s.events(n, "forged_part_undone") for n in o.rows}
+        assert any(undone.values()), logs
+        # the forger's range, in the forged round: what every peer that undid it names, and the same at each
+        names = {tuple(map(tuple, e["undone"])) for evs in undone.values() for e in evs}
+        assert len(names) == 1, names
+        forged_round = min(r for r, _, _ in next(iter(names)))
+        at = {e["round"] for evs in undone.values() for e in evs}
+        assert all(forged_round < r <= forged_round + 3 for r in at), (forged_round, at)
+        for n in o.rows:
+            assert "Traceback" not in s.text(n), logs
+    finally:
+        s.stop_all()

@@ -19,6 +19,8 @@ from typing import Any, Callable, Optional
 
 from geomesh_p2p.exchange import accountable
 from geomesh_p2p.net.swarm_time import swarm_time
+from geomesh_p2p.plan.schema import ContentRefusal
+from geomesh_p2p.round.rules.undo import UNDO_ROUNDS
 from geomesh_p2p.trust import fraud
 from geomesh_p2p.trust.verify import Verdicts
 
@@ -67,6 +69,10 @@ class Accountability:
         self._seen: set[str] = set()  # proof records already decided here (bounded: cleared past 4,096)
         self.active = False  # an accountable round was applied here (rows then carry extra["accountable"])
         self.published = 0  # proofs this peer stored in the DHT
+        # exact undo (issue 26, RunConfig.undo_forged): forgeries proven here, (round, part) -> [start, end) of [P]
+        self.forged: dict[tuple[int, int], tuple[int, int]] = {}
+        self.undone: set[tuple[int, int]] = set()  # forgeries this peer's state no longer holds (undone, or too old)
+        self.undo_on = False  # RunConfig.undo_forged (set by the policy): every forgery proof is published
 
     def after_round(self, r: int, plan, ar) -> None:
         """Round ``r`` was applied: start its validation, publication and the read of recent proofs in the
@@ -144,13 +150,16 @@ class Accountability:
         owner not yet excluded here, at most :data:`~geomesh_p2p.trust.fraud.MAX_BUNDLE_PROOFS` (one record, a
         bundle). Other proofs against those owners, and any against an owner a proof already excluded here, are
         dropped: one proof excludes an owner, and a slot a round spent on a second one delayed the next owner's
-        (k colluding owners that all dropped one victim were out only after k rounds, session 26)."""
+        (k colluding owners that all dropped one victim were out only after k rounds, session 26). With the exact undo
+        on (:attr:`undo_on`), forgery proofs are all kept: each one's part can be undone."""
         batch: list[bytes] = []
         rest: list[bytes] = []
         owners: set[str] = set()
         for proof in self.pending:
             who = fraud.accused_of(proof)
-            if who and (who in self.proven or who in owners):
+            # with the exact undo on, every forgery's proof is worth its slot: each one lets its part be undone
+            undoable = self.undo_on and accountable.forged_range(proof) is not None
+            if who and (who in self.proven or who in owners) and not undoable:
                 continue
             if len(batch) < fraud.MAX_BUNDLE_PROOFS:
                 batch.append(proof)
@@ -179,8 +188,8 @@ class Accountability:
             log.warning("round %d: a proof cannot be published in the DHT (%s): it is not acted on", r, e)
             return True  # dropped, not retried
 
-    async def read(self, r: int) -> None:
-        """Read the proofs of slots ``r - READ_SLOTS + 1 .. r``, re-check each, exclude the accused."""
+    async def read(self, r: int, slots: int = READ_SLOTS) -> None:
+        """Read the proofs of slots ``r - slots + 1 .. r``, re-check each, exclude the accused."""
         dht = self._dht()
         if dht is None:
             return
@@ -189,12 +198,69 @@ class Accountability:
         if len(self._seen) > 4096:
             self._seen.clear()
         valid, refused = await fraud.read_proofs(
-            dht, self._reader, self.run_id, range(max(0, r - READ_SLOTS + 1), r + 1), seen=self._seen
+            dht, self._reader, self.run_id, range(max(0, r - slots + 1), r + 1), seen=self._seen
         )
         for why in refused:
             log.info("accountable: %s", why)
         for p in valid:
+            self.note_forgery(p.verdict, p.proof)
             self.apply(p.verdict)
+
+    def note_forgery(self, verdict: accountable.ProofVerdict, proof: bytes) -> None:
+        """Keep the part a re-checked forgery proof is about (:attr:`forged`), for an exact undo: every forgery,
+        not only the first one that excluded its owner. Other kinds are not undone (a drop left out an input, an
+        equivocation split the readers: the digest check repairs those)."""
+        if verdict.kind != "forgery":
+            return
+        span = accountable.forged_range(proof)
+        if span is not None:
+            self.forged.setdefault((int(verdict.round), int(verdict.part)), span)
+        for key in [k for k in self.forged if k[0] < verdict.round - 64]:  # bounded: far past any kept round
+            self.forged.pop(key, None)
+            self.undone.discard(key)
+
+    def undo_list(self, r: int) -> list[tuple[int, int]]:
+        """What the leader's plan of round ``r`` lists to undo (``RoundPlan.undo``): forgeries re-checked here, of
+        rounds ``r - UNDO_ROUNDS .. r - 1``, that this peer's state still holds; sorted, at most 16."""
+        keys = sorted(k for k in self.forged if r - UNDO_ROUNDS <= k[0] < r and k not in self.undone)
+        return keys[:16]
+
+    def undo_problem(self, plan, enabled: bool) -> Optional[str]:
+        """Why this peer refuses the undo list of ``plan`` (None: no objection). From the plan and the run config
+        alone (a :class:`~geomesh_p2p.plan.schema.ContentRefusal`: every honest follower gives it, the next leader
+        takes over): an undo listed while ``enabled`` (RunConfig.undo_forged) is off or the round is not
+        accountable, a round outside ``plan.round - UNDO_ROUNDS .. plan.round - 1``, a duplicate. From this peer's
+        view (a plain reason, read again until the plan's settle ends: docs/security.md, "What the rogue-leader row
+        found"): a listed forgery whose proof this peer has not read and re-checked yet; the read starts now in
+        the background (:meth:`fetch_soon`), so a proof in the DHT lets this peer follow the plan within its settle,
+        and a leader that lists a forgery nobody can prove is followed by nobody."""
+        listed = [(int(a), int(b)) for a, b in (getattr(plan, "undo", None) or [])]
+        if not listed:
+            return None
+        if not enabled or getattr(plan, "mode", None) != "accountable":
+            return ContentRefusal("it lists undos, and this run does not undo forged parts (--undo-forged off)")
+        if len(set(listed)) != len(listed):
+            return ContentRefusal("its undo list names a part twice")
+        out = [k for k in listed if not plan.round - UNDO_ROUNDS <= k[0] < plan.round]
+        if out:
+            return ContentRefusal(f"it lists undos of rounds {sorted({k[0] for k in out})} outside the kept rounds")
+        unknown = [k for k in listed if k not in self.forged]
+        if unknown:
+            self.fetch_soon(plan.round)
+            return f"it lists forged parts {unknown} whose proofs this peer has not read and re-checked yet"
+        return None
+
+    def fetch_soon(self, r: int) -> None:
+        """Read the proofs of the last slots now, in the background, unless a task runs (a plan lists an undo
+        whose proof this peer has not read yet: the plan's refusal is read again until its settle ends, so a
+        proof read meanwhile lets this peer follow it). Never raises."""
+        try:
+            if self._dht() is None or (self.task is not None and not self.task.done()):
+                return
+            # from the oldest round an undo may name (UNDO_ROUNDS back) to this one
+            self._start(self.read(r, slots=UNDO_ROUNDS + 2), r, "reading accountability proofs failed")
+        except Exception as e:  # the plan check must go on
+            log.warning("round %d: accountability proofs not read: %s", r, e)
 
     def apply(self, verdict: accountable.ProofVerdict) -> None:
         """Exclude ``verdict.accused`` for good (a proof re-checked here)."""

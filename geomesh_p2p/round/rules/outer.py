@@ -7,12 +7,13 @@ leaves the idle ranges unchanged and says what it skipped (events ``idle_parts_u
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 
 from geomesh_p2p.model.optim import outer_step_per_part
 from geomesh_p2p.round.rules.state import RoundState
+from geomesh_p2p.round.rules.undo import UndoLog
 from geomesh_p2p.telemetry import events
 
 log = logging.getLogger("geomesh_p2p.node.peer.round")
@@ -34,12 +35,88 @@ class OuterStepRule:
         state: RoundState,
         theta: Callable[[], Optional[torch.Tensor]],
         outer: Callable[[], Any],
+        undo: Optional[UndoLog] = None,
+        forged: Callable[[], Mapping[tuple[int, int], tuple[int, int]]] = dict,
+        undone: Callable[[], set] = set,
     ):
         self.state = state
         self._theta = theta
         self._outer = outer
+        #: exact undo of proven forged parts (RunConfig.undo_forged; None: off): :mod:`.undo`
+        self.undo = undo
+        self._forged = forged  # (round, part) -> [start, end): forgeries re-checked here (Accountability.forged)
+        self._undone = undone  # (round, part) this peer's state no longer holds (Accountability.undone)
+
+    @classmethod
+    def for_node(cls, node) -> "OuterStepRule":
+        """The node's rule over its state (``node.theta``, ``node.outer``), with the exact undo when its run config
+        sets ``undo_forged`` (the forgeries from ``node.accountable``, late-bound)."""
+        return cls(
+            node.rs,
+            theta=lambda: node.theta,
+            outer=lambda: node.outer,
+            # not with eager updates: their next round trains from the un-undone state already
+            undo=UndoLog() if node.run_cfg.undo_forged and not node.run_cfg.eager else None,
+            forged=lambda: node.accountable.forged,
+            undone=lambda: node.accountable.undone,
+        )
 
     def apply(self, r: int, plan, aggregate: torch.Tensor, idle=()) -> None:
+        """:meth:`step`, with the exact undo around it when on (:meth:`undo_listed` first, the round kept for later
+        undos: :class:`~geomesh_p2p.round.rules.undo.UndoLog`). A failure to keep a round is logged (WARNING) and
+        leaves it out of later undos; the step itself goes on."""
+        undo = self.undo
+        theta = self._theta()
+        if undo is None or theta is None or getattr(plan, "mode", None) != "accountable":
+            return self.step(r, plan, aggregate, idle)
+        outer = self._outer()
+        undo.begin(r, theta, outer)
+        self.undo_listed(r, plan, theta, outer)
+        try:
+            undo.keep_start(r, theta, outer)
+        except OSError as e:
+            log.warning("round %d: its start could not be kept for an undo (%s): a forgery of it stays applied", r, e)
+        self.step(r, plan, aggregate, idle)
+        try:
+            undo.record(r, [(s, e) for _, s, e in plan.owners()], idle, aggregate)
+        except OSError as e:
+            log.warning("round %d: its step could not be kept for an undo (%s): a forgery of it stays applied", r, e)
+        undo.after_step(r, theta, outer)
+
+    def undo_listed(self, r: int, plan, theta: torch.Tensor, outer) -> None:
+        """Undo the forgeries ``plan.undo`` lists (``(round, part)``; the plan check made sure this peer re-checked
+        each one's proof) that this peer's state still holds: :meth:`UndoLog.undo` to the start of round ``r``.
+        One WARNING line per undo (event ``forged_part_undone``). A read error of the kept files leaves the state
+        half-replayed: the digest check then finds it off the swarm's and the peer re-syncs."""
+        assert self.undo is not None
+        listed = [(int(a), int(b)) for a, b in (getattr(plan, "undo", None) or [])]
+        forged, undone = self._forged(), self._undone()
+        todo = [(k, forged[k]) for k in listed if k not in undone and k in forged]
+        if not todo:
+            return
+        try:
+            done = self.undo.undo([(k[0], s, e) for k, (s, e) in todo], r, theta, outer)
+        except OSError as e:
+            log.error("round %d: the undo of %s failed reading the kept rounds: %s", r, [k for k, _ in todo], e)
+            return
+        for k, _ in todo:
+            undone.add(k)  # undone here, or older than the kept rounds (left applied): never tried again
+        if done:
+            events.emit(
+                log,
+                logging.WARNING,
+                "forged_part_undone",
+                "round %d: forged part(s) %s undone: outer steps of rounds %d..%d replayed with them idle",
+                r,
+                [[a, b, c] for a, b, c in done],
+                min(a for a, _, _ in done),
+                r - 1,
+                peer=self.state.me,
+                round=r,
+                undone=[[a, b, c] for a, b, c in done],
+            )
+
+    def step(self, r: int, plan, aggregate: torch.Tensor, idle=()) -> None:
         """Apply the outer step to the global weights and the outer optimizer's state part by part
         (:func:`~geomesh_p2p.model.optim.outer_step_per_part`): parts whose aggregate has a non-finite value,
         or whose new weights or optimizer state would not be finite, keep their values (one WARNING line).
