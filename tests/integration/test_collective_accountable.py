@@ -539,7 +539,7 @@ async def test_an_aggregate_above_the_rounds_scale_bound_is_refused_everywhere_a
     peer, the honest parts are applied, and the refused result is still validated, so its owner is proven."""
     sw = await swarms(4, service_cls=[CollectiveService] * 3 + [_Inflater])
     deltas = _honest_deltas(sw.pids, NUMEL, seed=5)  # |x| ~ 1: honest block scales ~ 1
-    spec = sw.spec(NUMEL, mode="accountable", deadline_s=3.0, validators_per_part=1, max_scale=3.0, **ROBUST)
+    spec = sw.spec(NUMEL, mode="accountable", deadline_s=5.0, validators_per_part=1, max_scale=3.0, **ROBUST)
     res = await asyncio.gather(*[s.all_reduce(spec, deltas[p], 100) for s, p in zip(sw.services, sw.pids)])
     evil = spec.part_index_of(sw.pids[3])
     assert evil and all(r.missing_parts == evil for r in res)  # refused by every reader, the owner too
@@ -554,7 +554,7 @@ async def test_an_aggregate_above_the_rounds_scale_bound_is_refused_everywhere_a
     assert (v.kind, v.accused) == ("forgery", sw.pids[3])
     # without the bound the same forger's aggregate is applied everywhere (the behaviour before 0.9.0)
     sw2 = await swarms(4, service_cls=[CollectiveService] * 3 + [_Inflater])
-    spec2 = sw2.spec(NUMEL, mode="accountable", deadline_s=3.0, validators_per_part=1, **ROBUST)
+    spec2 = sw2.spec(NUMEL, mode="accountable", deadline_s=5.0, validators_per_part=1, **ROBUST)
     deltas2 = _honest_deltas(sw2.pids, NUMEL, seed=5)
     res2 = await asyncio.gather(*[s.all_reduce(spec2, deltas2[p], 100) for s, p in zip(sw2.services, sw2.pids)])
     assert all(r.missing_parts == [] for r in res2)
