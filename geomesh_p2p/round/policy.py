@@ -18,6 +18,7 @@ from geomesh_p2p.round.rules.spec import collective_spec
 from geomesh_p2p.round.rules.state import RoundState
 from geomesh_p2p.round.rules.verified import VerifiedWork
 from geomesh_p2p.round.rules.accountable import Accountability
+from geomesh_p2p.config.method import MethodRule
 from geomesh_p2p.plan.schema import ContentRefusal
 from geomesh_p2p.trust import probation as pb
 
@@ -125,13 +126,31 @@ class NodeRoundPolicy:
         return self.planning.records_needed(plan)
 
     def leader_candidates(self, members, live: dict):
-        """(members without the peers verified work excluded, the established ones that may lead)."""
+        """(members without the peers verified work excluded, the established ones that may lead).
+
+        This peer also leaves itself out, for a method of per-peer budgets, while it holds no delivered-work evidence
+        of the last round (:meth:`PlanRules.delivered_evidence`: it did not apply round ``r - 1``: resumed, caught
+        up, planned out) and another candidate remains: the followers that applied that round check budgets against
+        what each participant delivered in it, and its plan, made from the records alone, broke that check (fresh-user
+        trial, session 29: a peer resumed with ``--resume`` led at once, planned itself 79 steps, both others refused
+        the plan and the round was lost for all three). If every member does so, the last resort publishes
+        (:func:`geomesh_p2p.round.planning.last_resort`)."""
         members = self.verified.members(members)
-        return members, pb.leader_candidates(
+        cands = pb.leader_candidates(
             self.planning.standing_view(list(live.values())),
             [m.peer_id for m in members],
             barred=self.penalties.noshows(),
         )
+        me, r = self.state.me, self.state.round
+        if (
+            me in cands
+            and len(cands) > 1
+            and r > 0
+            and MethodRule.from_run(self.planning.run_cfg).balanced
+            and self.planning.delivered_evidence(r) is None
+        ):
+            cands = [c for c in cands if c != me]
+        return members, cands
 
     def collective_spec(self, plan):
         """The collective's spec of ``plan`` (:func:`~geomesh_p2p.round.rules.spec.collective_spec`).

@@ -194,3 +194,30 @@ async def test_two_last_resorts_that_refuse_each_other_do_not_both_lead():
         first if pid == first else "PlanRefused" for pid in (a, b)
     ]
     assert set(dht.data[next(iter(dht.data))]) == {first}
+
+
+def test_a_peer_without_the_last_rounds_delivered_evidence_does_not_lead():
+    """Fresh-user trial (session 29): a peer restarted with --resume caught up by outer updates and led at once; its
+    plan, made from the records alone, gave it a budget its delivered work did not support in the eyes of the two
+    peers that applied the last round, both refused, and the round was lost. A peer that did not apply round r - 1
+    now leaves itself out of its own leader candidates (AWB methods), while another candidate remains."""
+    from geomesh_p2p.config.models import NodeConfig, RunConfig
+    from tests.rules_util import make_rules
+
+    ids = [str(Identity.generate().peer_id) for _ in range(3)]
+    recs = [peer_record(p, address=f"127.0.0.1:{7001 + k}", round=5, weights_digest="d") for k, p in enumerate(ids)]
+    live = {r.peer_id: r for r in recs}
+
+    def candidates(run: RunConfig, evidence) -> list:
+        rules = make_rules(run, NodeConfig(), me=ids[0], round=5, digest="d")
+        for r in range(5):  # all three delivered rounds 0-4 in its ledger: established
+            rules.state.standing.credit(r, ids)
+        rules.profile.supported_tps = evidence
+        return rules.leader_candidates(recs, live)[1]
+
+    awb = RunConfig()
+    assert ids[0] in candidates(awb, (4, {p: 1000.0 for p in ids}))  # it applied round 4: it may lead round 5
+    assert ids[0] not in candidates(awb, None) and len(candidates(awb, None)) == 2  # resumed: the others lead
+    assert ids[0] not in candidates(awb, (3, {p: 1000.0 for p in ids}))  # evidence of an older round only
+    css = RunConfig(method="css")  # the same steps for everyone: no budget to refuse, it may lead
+    assert ids[0] in candidates(css, None)
