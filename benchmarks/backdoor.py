@@ -52,10 +52,18 @@ class CheckpointingSwarm(AttackSwarm):
         )
 
 
-def out_from(rows_by_peer: dict, n_honest: int) -> Optional[int]:
-    """The first round from which every honest row names only the honest peers (``peers <= n_honest``), or None."""
+def out_from(rows_by_peer: dict, n_honest: int, attacker_rows: Optional[dict] = None) -> Optional[int]:
+    """The first round from which no poisoner is in any plan, or None (still in by the last round).
+
+    A poisoner is in round ``r`` when it wrote a row for ``r`` (``attacker_rows``: poisoner -> its JSON rows; a peer
+    writes a row for every round whose plan named it) or an honest row of ``r`` names more than ``n_honest`` peers.
+    Session 29: the count alone (``peers <= n_honest``) was the whole test before, and it missed every round whose
+    plan named the poisoner but left an honest peer out (pair b of session 29: the excluded poisoner led round 13,
+    left h0 out, 3 peers; a run whose h0 was planned out for speed: "out from round 1" with the poisoner in rounds
+    1-4 and 14)."""
     rounds = sorted({r["round"] for rows in rows_by_peer.values() for r in rows})
     bad = {r["round"] for rows in rows_by_peer.values() for r in rows if r.get("peers", 0) > n_honest}
+    bad |= {r["round"] for rows in (attacker_rows or {}).values() for r in rows}
     later = [r for r in rounds if all(b < r for b in bad)]
     return later[0] if later else None
 
@@ -131,7 +139,9 @@ def run(workdir: Path, label: str, attack: Optional[str], n_honest: int, n_att: 
             "digest_mismatches": o.digest_mismatches(),
             "honest_exited": o.honest_exited,
             "attacker_acted": o.attacker_acted,
-            "out_from_round": out_from(o.rows, n_honest) if attack else None,
+            "out_from_round": out_from(o.rows, n_honest, {f"a{i}": swarm.rows(f"a{i}") for i in range(n_att)})
+            if attack
+            else None,
             **verification(swarm, o.rows, [f"h{i}" for i in range(n_honest)] + [f"a{i}" for i in range(n_att)]),
             **measure(d, "h0"),
         }

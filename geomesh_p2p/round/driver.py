@@ -190,6 +190,8 @@ class RoundDriver:
         #: the plan of the last round this peer applied: the next gather waits for its contributors still
         #: finishing it until its exchange deadline (:func:`~geomesh_p2p.round.gather.finishing_waits`)
         self._last_plan: Optional[RoundPlan] = None
+        #: the plan this peer obtained for its last agreed round, followed or not (``planning.last_round_leaders``)
+        self._plan_seen: Optional[RoundPlan] = None
         #: light followers (issue 25, round/light.py): the round this peer may run light (set when it confirmed
         #: the previous round's digest), and a round sent back to the full path
         self._light_ok_round = -1

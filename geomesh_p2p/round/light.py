@@ -164,6 +164,7 @@ async def agree(drv: RoundDriver, ctx: RoundContext) -> Optional[bool]:
     if ctx.early is not None and (ctx.early_plan is None or plan.to_bytes() != ctx.early_plan.to_bytes()):
         await discard_early(drv, ctx, plan)
     ctx.plan = plan
+    drv._plan_seen = plan  # the next round's leaders (planning.last_round_leaders)
     if drv.me not in plan.participants() or plan.start_digest != drv.state.digest:
         await drop_speculative(drv, "not in the plan" if drv.me not in plan.participants() else "weights differ")
         await wait_out(drv, ctx)

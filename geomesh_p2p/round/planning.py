@@ -13,7 +13,7 @@ import threading
 from typing import TYPE_CHECKING, Optional, Sequence
 
 from geomesh_p2p.plan.agree import PlanDeferred, PlanRefused, PlanStalled
-from geomesh_p2p.plan.schema import RoundPlan
+from geomesh_p2p.plan.schema import ContentRefusal, RoundPlan
 from geomesh_p2p.schema.peer import PeerRecord
 from geomesh_p2p.telemetry import events
 from geomesh_p2p.util.aio import wait_event
@@ -62,6 +62,33 @@ def known_view(live: dict, leaving: dict, recent: Optional[dict] = None) -> dict
     return {**(recent or {}), **leaving, **live}
 
 
+def last_round_leaders(seen: Optional[RoundPlan], r: int, candidates: Sequence[str]) -> Optional[frozenset]:
+    """Who may lead round ``r``: the participants of round ``r - 1``'s plan ``seen`` (the plan this peer obtained
+    for it, followed or not), when one of ``candidates`` is among them; None (no such rule this round) when
+    ``seen`` is of another round or names none of them.
+
+    Why (session 29): a peer that verified work excludes is left out of the plans of the leaders that hold the
+    verdict, but stays established in everyone's standing for the window's rounds, so it kept leading the rounds
+    whose rendezvous rank it won, planning itself back in (the backdoor benchmark: the poisoner, out of rounds 6-11
+    and 13, was in 12 and 14, both led by it; out from round 6 otherwise). Round ``r - 1``'s plan is the same at
+    every peer that obtained it, so this rule is too: a leader left out of it leads nothing in round ``r``, for
+    everyone or for no one, and an exclusion that one honest leader applied keeps the accused out of the next
+    round's leadership whoever holds the verdict."""
+    if seen is None or seen.round != r - 1:
+        return None
+    took = frozenset(seen.participants())
+    return took if any(c in took for c in candidates) else None
+
+
+def lead_problem(plan: RoundPlan, took: Optional[frozenset]) -> Optional[ContentRefusal]:
+    """Why a plan's leader may not lead (:func:`last_round_leaders`: it had no part in the last round's plan), as
+    a :class:`ContentRefusal`: every peer that obtained that plan gives it, so the plan is ignored as absent and
+    the next candidate's is followed (no sit-out). None: no objection."""
+    if took is None or plan.leader in took:
+        return None
+    return ContentRefusal(f"its leader {plan.leader[:10]} had no part in the last round's plan")
+
+
 async def agree(drv: RoundDriver, ctx: RoundContext) -> bool:
     """Phase PLAN: the plan this peer follows (it publishes one when its turn as leader comes). A peer
     alone in the run plans its own round at once (no DHT round trips eat its window). False: no
@@ -77,6 +104,9 @@ async def agree(drv: RoundDriver, ctx: RoundContext) -> bool:
     drv._gathered_leaving = {}
     live.update(gathered if gathered is not None else {x.peer_id: x for x in await drv.membership.peers()})
     members, candidates = drv.policy.leader_candidates(ctx.members, live)
+    took = last_round_leaders(drv._plan_seen, r, candidates)
+    if took is not None:
+        candidates = [c for c in candidates if c in took]
     refused_before = drv._refused_leaders[2] if drv._refused_leaders[:2] == (r, drv.state.digest) else frozenset()
     if refused_before:
         # An earlier attempt at this round and state sat out a plan this peer refuses: its leader is no
@@ -89,7 +119,7 @@ async def agree(drv: RoundDriver, ctx: RoundContext) -> bool:
     authorities = [
         p
         for p in drv.policy.leader_candidates(list(seen.values()), seen)[1]
-        if p not in candidates and p not in refused_before and p != drv.me
+        if p not in candidates and p not in refused_before and p != drv.me and (took is None or p in took)
     ]
     plan: Optional[RoundPlan]
     refused_plan: Optional[RoundPlan] = None  # a plan others may follow that this peer refuses: it sits out
@@ -135,7 +165,7 @@ async def agree(drv: RoundDriver, ctx: RoundContext) -> bool:
                 r,
                 members,
                 make_plan,
-                accept=lambda p: drv.policy.plan_problem(p, known_view(live, leaving, recent)),
+                accept=lambda p: lead_problem(p, took) or drv.policy.plan_problem(p, known_view(live, leaving, recent)),
                 # the plans accept could take (their leader must be in this view): the others stay unread
                 leaders=lambda: known_view(live, leaving, recent),
                 candidates=candidates,
@@ -193,6 +223,7 @@ async def agree(drv: RoundDriver, ctx: RoundContext) -> bool:
             log.warning("round %d: no plan appeared; retrying", r)
         return False
     ctx.plan = plan
+    drv._plan_seen = plan
     if drv.stop.is_set() and drv.me not in plan.participants():
         await drop_speculative(drv, "stopping, not in the plan")
         return False
