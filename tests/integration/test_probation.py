@@ -395,6 +395,8 @@ def test_own_attestations_never_establish_an_identity_this_node_did_not_see_deli
     hon, honest, sybils = _swarm()
     selfish = [x.model_copy(update={"standing": {**x.standing, attest_key(x.peer_id): 32}}) for x in sybils]
     node = _trained_node(honest)
+    # it applied round 4 (its delivered-work evidence): a peer without it leaves itself out of its candidates
+    node.profile.supported_tps = (4, {r.peer_id: 1000.0 for r in honest})
     view = node.planning.standing_view(honest + selfish)
     assert not any(view.established(x.peer_id) or view.plausible(x.peer_id) for x in selfish)
     assert node.leader_candidates(honest + selfish, {r.peer_id: r for r in honest + selfish})[1] == sorted(
