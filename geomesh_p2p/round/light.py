@@ -56,8 +56,8 @@ _draw = random.SystemRandom()
 
 def is_light(drv: RoundDriver) -> bool:
     """Whether this peer runs round ``drv.state.round`` as a light follower: it followed, applied and confirmed
-    the previous round's plan, is in it, is ranked ``full_view_peers`` or later among its participants for
-    leading this round, and nothing sent it back to the full path for this round. Never with eager updates
+    the previous round's plan, is in it, is ranked ``full_view_peers`` or later among its participants (its leader
+    left out) for leading this round, and nothing sent it back to the full path for this round. Never with eager updates
     (their speculative steps span the plan agreement) or while stopping or leaving."""
     cfg, plan, r = drv.cfg, drv._last_plan, drv.state.round
     if cfg.full_view_peers <= 0 or cfg.eager or plan is None or plan.round != r - 1:
@@ -66,7 +66,10 @@ def is_light(drv: RoundDriver) -> bool:
         return False
     if drv.stop.is_set() or drv.leaving or drv.state.syncing:
         return False
-    order = leader_order(plan.run_id, r, plan.participants())
+    # ranked among the candidates of the full path (planning.last_round_leaders: not the last round's leader, unless
+    # alone), so that full_view_peers candidates stay full-view peers and every light follower's candidate can lead
+    took = [p for p in plan.participants() if p != plan.leader] or plan.participants()
+    order = leader_order(plan.run_id, r, took)
     return drv.me in order and order.index(drv.me) >= cfg.full_view_peers
 
 
@@ -113,6 +116,8 @@ async def agree(drv: RoundDriver, ctx: RoundContext) -> Optional[bool]:
     r, prev = ctx.round, drv._last_plan
     assert prev is not None  # is_light checked it
     established = [a.peer_id for a in prev.assignments if not a.probation]
+    if any(p != prev.leader for p in established):  # no self-succession (planning.last_round_leaders)
+        established = [p for p in established if p != prev.leader]
     # The candidates whose turns pace the plan reads (obtain_plan wakes at each take-over instant): the first
     # full_view_peers in the order; every stored plan is read whoever leads it, so this changes no choice.
     candidates = [p for p in leader_order(prev.run_id, r, established) if p != drv.me][: drv.cfg.full_view_peers]
@@ -131,7 +136,8 @@ async def agree(drv: RoundDriver, ctx: RoundContext) -> Optional[bool]:
     def accept(p: RoundPlan) -> Optional[str]:
         if p.leader not in established:
             # Not followed from here (its leader may be a Sybil: it would send every light follower to the full
-            # path each round); whether the full-view peers may follow it is asked once the choice is made.
+            # path each round, or the last round's leader, which the full path refuses as content); whether the
+            # full-view peers may follow it is asked once the choice is made.
             outsiders.add(p.leader)
             return f"its leader {p.leader[:10]} was no established participant of round {prev.round}"
         return drv.policy.sampled_plan_problem(p, {}, ())

@@ -64,8 +64,8 @@ def known_view(live: dict, leaving: dict, recent: Optional[dict] = None) -> dict
 
 def last_round_leaders(seen: Optional[RoundPlan], r: int, candidates: Sequence[str]) -> Optional[frozenset]:
     """Who may lead round ``r``: the participants of round ``r - 1``'s plan ``seen`` (the plan this peer obtained
-    for it, followed or not), when one of ``candidates`` is among them; None (no such rule this round) when
-    ``seen`` is of another round or names none of them.
+    for it, followed or not) other than its leader, when one of ``candidates`` is among them; with its leader when
+    no other candidate is; None (no such rule this round) when ``seen`` is of another round or names none of them.
 
     Why (session 29): a peer that verified work excludes is left out of the plans of the leaders that hold the
     verdict, but stays established in everyone's standing for the window's rounds, so it kept leading the rounds
@@ -77,16 +77,27 @@ def last_round_leaders(seen: Optional[RoundPlan], r: int, candidates: Sequence[s
     if seen is None or seen.round != r - 1:
         return None
     took = frozenset(seen.participants())
-    return took if any(c in took for c in candidates) else None
+    if not any(c in took for c in candidates):
+        return None
+    # No self-succession (session 30): round r - 1's leader leads round r only when no other candidate took part.
+    # The benchmark's poisoner, held excluded by every honest peer from round 5, led rounds 6 and 7: it had led 6
+    # (planned into round 5 before the verdicts), so it was in round 6's plan, its own, and won round 7's rank too.
+    # A plan names its leader, so this is a function of round r - 1's plan as well; an accused that leads a round
+    # hands the next one to somebody else, and a leader holding the verdict leaves it out of the round after.
+    others = took - {seen.leader}
+    return others if any(c in others for c in candidates) else took
 
 
 def lead_problem(plan: RoundPlan, took: Optional[frozenset]) -> Optional[ContentRefusal]:
-    """Why a plan's leader may not lead (:func:`last_round_leaders`: it had no part in the last round's plan), as
+    """Why a plan's leader may not lead (:func:`last_round_leaders`: it had no part in the last round's plan, or
+    led it while another candidate took part), as
     a :class:`ContentRefusal`: every peer that obtained that plan gives it, so the plan is ignored as absent and
     the next candidate's is followed (no sit-out). None: no objection."""
     if took is None or plan.leader in took:
         return None
-    return ContentRefusal(f"its leader {plan.leader[:10]} had no part in the last round's plan")
+    return ContentRefusal(
+        f"its leader {plan.leader[:10]} may not lead: it had no part in the last round's plan, or led it"
+    )
 
 
 async def agree(drv: RoundDriver, ctx: RoundContext) -> bool:

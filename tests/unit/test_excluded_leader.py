@@ -35,9 +35,11 @@ def test_a_leader_left_out_of_the_last_rounds_plan_is_ignored_and_the_honest_pla
     round_11 = _Plan(run_id=RUN, round=11, leader=honest[0], peers=honest)  # an honest leader left a0 out
     candidates = honest  # the honest view: a0 is no member there (excluded), or is, when not held yet
     took = last_round_leaders(round_11, 12, candidates + [a0])
-    assert took == frozenset(honest)
+    assert took == frozenset(honest[1:])  # round 11's leader hands round 12 on (no self-succession)
     theirs = _Plan(run_id=RUN, round=12, leader=a0, peers=[a0, *honest])
-    ours = _Plan(run_id=RUN, round=12, leader=sorted(honest, key=lambda p: leader_rank(RUN, 12, p))[0], peers=honest)
+    ours = _Plan(
+        run_id=RUN, round=12, leader=sorted(honest[1:], key=lambda p: leader_rank(RUN, 12, p))[0], peers=honest
+    )
     assert choose_plan(RUN, 12, [theirs, ours]) is theirs  # before: the lowest rank won, a0 planned itself in
     why = lead_problem(theirs, took)
     assert isinstance(why, ContentRefusal) and a0[:10] in why  # every follower that obtained round 11's plan
@@ -54,3 +56,26 @@ def test_no_rule_without_the_last_rounds_plan_or_when_no_candidate_was_in_it():
     alone = _Plan(run_id=RUN, round=11, leader=a0, peers=[a0])
     assert last_round_leaders(alone, 12, honest) is None  # none of the candidates took part: anyone may lead
     assert lead_problem(_Plan(run_id=RUN, round=12, leader=a0, peers=[a0]), None) is None
+
+
+def test_the_last_rounds_leader_leads_the_next_round_only_when_no_other_candidate_took_part():
+    """Session 30's backdoor run: every honest peer held the verdict against the poisoner by round 5, but it led
+    round 6 (planned into round 5 before the verdicts) and won round 7's rank as well, so it planned itself into
+    both; out from round 8. Now round 6's leader may not lead round 7 while another participant of round 6 can."""
+    a0, honest = _ids(7)
+    round_6 = _Plan(run_id=RUN, round=6, leader=a0, peers=[a0, *honest])  # it led round 6 and planned itself in
+    took = last_round_leaders(round_6, 7, [a0, *honest])
+    assert took == frozenset(honest)
+    theirs = _Plan(run_id=RUN, round=7, leader=a0, peers=[a0, *honest])
+    ours = _Plan(run_id=RUN, round=7, leader=sorted(honest, key=lambda p: leader_rank(RUN, 7, p))[0], peers=honest)
+    assert choose_plan(RUN, 7, [theirs, ours]) is theirs  # ranked first: before, every follower followed it
+    why = lead_problem(theirs, took)
+    assert isinstance(why, ContentRefusal) and a0[:10] in why and "led it" in why
+    assert [p for p in (theirs, ours) if lead_problem(p, took) is None] == [ours]
+    # the same plan seen from a peer whose only live candidate is the last leader: it may lead again (a swarm of one
+    # that was led by it, or the others gone), else the round would have no leader at all
+    assert last_round_leaders(round_6, 7, [a0]) == frozenset([a0, *honest])
+    assert lead_problem(theirs, last_round_leaders(round_6, 7, [a0])) is None
+    # a light follower's candidates drop it alike (round/light.py): the established participants but the leader
+    two = _Plan(run_id=RUN, round=6, leader=honest[0], peers=[honest[0]])
+    assert last_round_leaders(two, 7, [honest[0]]) == frozenset([honest[0]])

@@ -21,7 +21,7 @@ import pytest
 from geomesh_p2p.plan.schema import ContentRefusal
 from geomesh_p2p.round import leader_order
 from geomesh_p2p.telemetry import events
-from tests.unit.test_round_driver import RUN, FakePeer, _peers
+from tests.unit.test_round_driver import RUN, FakePeer, _leader_of, _peers
 from geomesh_p2p.net.identity import Identity
 
 pytestmark = pytest.mark.timeout(60)
@@ -60,7 +60,8 @@ class Peer(FakePeer):
 async def test_a_rogue_plan_full_view_peers_ignore_as_a_content_refusal_is_not_followed_by_light_followers():
     peers = _peers(5, cls=Peer)
     ids = [p.me for p in peers]
-    order = leader_order(RUN, ROGUE_ROUND, ids)
+    last = _leader_of(ids, ROGUE_ROUND - 1)  # round 1's leader leads no round 2 (no self-succession)
+    order = leader_order(RUN, ROGUE_ROUND, [i for i in ids if i != last])
     Peer.rogue = order[0]  # the best-ranked leader of round 2 (a full-view peer)
     Peer.bad = order[-1]  # a light follower the rogue plan lies about (unsampled: the sample is the leader)
     with events.capture("light_fallback") as fallbacks:
@@ -106,7 +107,8 @@ async def test_a_sybil_plan_sends_every_light_follower_to_the_full_path():
         await asyncio.wait_for(
             asyncio.gather(*[p.driver(rounds=3, min_peers=5, full_view_peers=2).run() for p in peers]), 40
         )
-    light2 = set(leader_order(RUN, 2, ids)[2:])
+    last = _leader_of(ids, 1)
+    light2 = set(leader_order(RUN, 2, [i for i in ids if i != last])[2:])
     assert published and await published[0]
     assert len({p.digest for p in peers}) == 1
     # a light follower should not be sent to the full path by a plan nobody in the swarm follows
