@@ -82,6 +82,13 @@ class Verdicts:
                 if peer(p) and isinstance(rs, list):
                     self._marginal.setdefault(p, set()).update(r for r in rs[:64] if type(r) is int)
 
+    def settled(self, accused: str) -> bool:
+        """Whether ``accused`` is excluded here on more than this peer's own measurement (a proof, or another
+        verifier's evidence that confirmed it: not :attr:`lone`), so another screen of it can change nothing here
+        (its later screens are not fetched or run: session 30, the backdoor runs spent the budget re-screening an
+        excluded poisoner's rounds 3-4 up to round 11)."""
+        return accused in self.excluded and accused not in self.lone
+
     def filter(self, members: Iterable, keep: Optional[str] = None) -> list:
         """``members`` (PeerRecords or anything with ``peer_id``) without the excluded peers (never ``keep``)."""
         return [m for m in members if m.peer_id not in self.excluded or m.peer_id == keep]

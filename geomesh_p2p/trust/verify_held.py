@@ -21,7 +21,7 @@ log = logging.getLogger("geomesh_p2p.trust.verify")
 
 
 class HeldContributions:
-    """Uses the verifier's ``cfg``, ``me``, ``run_id``, ``dht``, ``_kept``, ``_packets``, ``_seed_of`` and
+    """Uses the verifier's ``cfg``, ``me``, ``run_id``, ``dht``, ``_kept``, ``_packets``, ``_seed_of``, ``settled`` and
     ``own_task``."""
 
     cfg: Any
@@ -32,6 +32,7 @@ class HeldContributions:
     _packets: Callable[[int, Any], dict]
     _seed_of: Callable[..., bytes]
     own_task: Callable[[int], Optional[Any]]
+    settled: Callable[[str], bool]
 
     def accountable_wants(self, round: int) -> dict[str, tuple[int, ...]]:
         """Accountable mode: accused -> the parts of its contribution this peer's check and screens of kept round
@@ -55,6 +56,7 @@ class HeldContributions:
                 )
             )
             for a in kept.screened
+            if not self.settled(a)  # nothing to learn here: not fetched either
         ]
         out: dict[str, set[int]] = {}
         for t in tasks:

@@ -160,6 +160,7 @@ class Screening:
     _packets: Callable[[int, Kept], dict]
     selection: Callable[[int, Optional[str]], bytes]
     _record: Callable[..., None]
+    settled: Callable[[str], bool]
     _exclude: Callable[..., None]
 
     def _init_screening(self) -> None:
@@ -201,6 +202,8 @@ class Screening:
             kept.screened = sorted(set(kept.screened) | set(sampled_candidates(self.cfg, kept.plan, packets, seed)))
         tasks = []
         for accused in kept.screened:
+            if self.settled(accused):  # excluded here on more than its own measurement: a screen changes nothing
+                continue
             t = derive_screen(
                 self.cfg,
                 plan=kept.plan,
@@ -279,6 +282,9 @@ class Screening:
     def _measure_screen(self, prep: Prepared, pace: Optional[Pacer] = None) -> Optional[Measured]:
         """Run a prepared screen (the background job). None when its round's weights are gone or memory ran out
         at one row; the evidence of a failure is built here, applied by ``_conclude``."""
+        if self.settled(prep.task.accused):  # confirmed while the job waited: its budget goes to the others
+            log.debug("round %d: screening of %s not run: excluded here already", prep.round, prep.task.accused[:10])
+            return None
         theta = self._weights.get(prep.round)
         if theta is None:
             log.info(

@@ -29,6 +29,7 @@ from geomesh_p2p.trust.verify_commit import (
     overlay,
     verified_packet,
 )
+from geomesh_p2p.trust.verify_screen import Prepared
 from tests.verify_util import ROUND, RUN, FakeDHT, _fixed_identity, _packets, _plan, _signed, _verifier, world_fixture
 
 pytestmark = pytest.mark.timeout(300)
@@ -308,3 +309,76 @@ def test_a_fetched_contribution_that_is_not_the_committed_one_is_refused_with_a_
         assert v.queue_screens(ROUND) == 0 and not v.excluded
     finally:
         v.close()
+
+
+def test_a_newcomer_excluded_here_on_more_than_this_peers_own_measurement_is_neither_fetched_nor_screened(world):
+    """Session 30: the backdoor runs re-screened an excluded poisoner's rounds 3-4 up to round 11, on the budget the
+    honest newcomers' screens wait for. A verdict confirmed here (or a proof) settles the accused: its later screens
+    are not fetched, not queued, and a queued one is not run; a verdict held alone (``lone``) still screens it."""
+    case = _case(world, world.honest[5], 5)
+    a = world.pid["A"]
+    ident = case.ids["V"]
+    me = str(ident.peer_id)
+
+    def fresh(excluded: bool, lone: bool):
+        wv = _verifier(world, ident, CFG, case.plan, {me: case.packets[me]})
+        if excluded:
+            wv.excluded[a] = "round 2: no loss gain on its own batches (checked by another verifier)"
+        if lone:
+            wv.lone.add(a)
+        wv.keep_round(
+            ROUND,
+            theta=world.theta,
+            plan=case.plan,
+            part_ranges=world.part_ranges,
+            packets={me: case.packets[me]},
+            committed=case.committed,
+        )
+        return wv
+
+    settled, alone, none = fresh(True, False), fresh(True, True), fresh(False, False)
+    try:
+        assert settled.settled(a) and not alone.settled(a) and not none.settled(a)
+        assert a not in settled.accountable_wants(ROUND)  # not fetched
+        assert len(alone.accountable_wants(ROUND)[a]) == CHECK_PARTS == len(none.accountable_wants(ROUND)[a])
+        for wv in (settled, alone, none):  # what the round's side fetches and holds (from the owners, here case.signed)
+            for accused, parts in wv.accountable_wants(ROUND).items():
+                held = {
+                    j: verified_packet(
+                        case.signed[accused][j],
+                        case.committed[accused][j],
+                        run_id=RUN,
+                        accused=accused,
+                        round=ROUND,
+                        part=j,
+                        part_range=world.part_ranges[j],
+                    )
+                    for j in parts
+                }
+                assert wv.hold(ROUND, accused, held)
+        assert settled.queue_screens(ROUND, signed_of=_signed_of(case)) == 3  # B, C and W; not A
+        assert alone.queue_screens(ROUND, signed_of=_signed_of(case)) == 4
+        assert settled.queue.wait_idle(240) and alone.queue.wait_idle(240)
+        assert (ROUND, a) not in settled.screen_results and (ROUND, a) in alone.screen_results
+        # a screen queued before the verdict was confirmed here is not run once it is (the job checks first)
+        assert none.queue_screens(ROUND, signed_of=_signed_of(case)) == 4
+        assert none.queue.wait_idle(240) and (ROUND, a) in none.screen_results
+        none.screen_results.clear()
+        none.excluded[a] = "a proof"
+        kept = none._kept[ROUND]
+        packets = none._packets(ROUND, kept)
+        task = VT.derive_screen(
+            CFG,
+            plan=case.plan,
+            verifier=me,
+            accused=a,
+            seed=none._seed_of(ROUND, kept, packets),
+            packets=packets,
+            part_ranges=world.part_ranges,
+        )
+        prep = Prepared(ROUND, kept, narrow(task), {})
+        assert none._measure_screen(prep) is None and (ROUND, a) not in none.screen_results
+    finally:
+        settled.close()
+        alone.close()
+        none.close()
