@@ -239,7 +239,7 @@ async def _serve(ns: argparse.Namespace, identity, allow_peers, tls, stop: async
     from geomesh_p2p.net.identity import allow_list
     from geomesh_p2p.net.transport import Transport
     from geomesh_p2p.net.transport_config import TransportConfig
-    from geomesh_p2p.trust.admission import peer_record_store_check
+    from geomesh_p2p.trust.admission import run_record_store_check
 
     advertise = ns.advertise_host
     if advertise is None and is_wildcard_host(ns.host):
@@ -256,7 +256,7 @@ async def _serve(ns: argparse.Namespace, identity, allow_peers, tls, stop: async
         refresh_period_s=ns.refresh_period,
         republish_period_s=ns.republish_period,
         # junk under the run's records key is refused, not stored (each slot costs an identity's work)
-        store_check=peer_record_store_check(ns.run_id, pow_floor(ns)),
+        store_check=run_record_store_check(ns.run_id, pow_floor(ns)),
     )
     from geomesh_p2p.net.links import LinkProbeService
 

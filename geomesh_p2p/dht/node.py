@@ -237,7 +237,16 @@ class DHTNode(DHTJoin):
         re-stores it every ``republish_period_s``.
         This node republishes the record until it expires (see ``republish_period_s``).
         """
-        rec = make_record(key, value, expiration_time, subkey=subkey, owner=owner, run_id=self.run_id)
+        mine = owner is not None and owner.public_key_bytes == self.identity.public_key_bytes
+        rec = make_record(
+            key,
+            value,
+            expiration_time,
+            subkey=subkey,
+            owner=owner,
+            run_id=self.run_id,
+            pow_nonce=self.pow_nonce if mine else None,
+        )
         vr = self._check_own(rec)
         self._published[(vr.key_id, vr.subkey)] = rec
         t0 = time.monotonic()

@@ -224,11 +224,16 @@ def make_record(
     subkey: Optional[str] = None,
     owner: Optional[Identity] = None,
     run_id: str,
+    pow_nonce: Optional[int] = None,
 ) -> SignedRecord:
-    """Build a record; signed by ``owner`` when given (unsigned otherwise). Does not validate it."""
+    """Build a record; signed by ``owner`` when given (unsigned otherwise), carrying ``pow_nonce`` (the owner's
+    proof of work for the run, :func:`geomesh_p2p.trust.admission.check_pow`) when both are given. Does not
+    validate it."""
     rec = SignedRecord(key=key, value=bytes(value), expiration_time=float(expiration_time))
     if subkey is not None:
         rec.subkey = subkey
+    if owner is not None and pow_nonce is not None:
+        rec.pow_nonce = int(pow_nonce)
     if owner is not None:
         signed = canonical_record_bytes(run_id, key, subkey, rec.value, rec.expiration_time, owner.public_key_bytes)
         signature = owner.sign(signed)

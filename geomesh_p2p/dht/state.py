@@ -38,7 +38,9 @@ from geomesh_p2p.wire import dht_pb2
 
 #: ``(key, subkey, value, owner) -> reason or None``: a check of a signed record's content by the layers above
 #: the DHT, run on every store this node accepts (``owner``: the signer's PeerID; bytes of the value).
-StoreCheck = Callable[[str, Optional[str], bytes, PeerID], Optional[str]]
+#: ``(key, subkey, value, owner, pow_nonce) -> reason or None``: a layer above's content rule for a signed record
+#: offered here (``pow_nonce``: the record's proof-of-work nonce, None when it carries none)
+StoreCheck = Callable[[str, Optional[str], bytes, PeerID, Optional[int]], Optional[str]]
 
 # The node was one module: its parts log under that logger name (operators filter on it).
 log = logging.getLogger("geomesh_p2p.dht.node")
@@ -236,6 +238,7 @@ class DHTNodeState:
         clock: Callable[[], float] = time.time,
         steady_clock: Optional[Callable[[], float]] = None,
         store_check: Optional[StoreCheck] = None,
+        pow_nonce: Optional[int] = None,
     ):
         if k < 1 or alpha < 1:
             raise ValueError(f"k and alpha must be >= 1 (got k={k}, alpha={alpha})")
@@ -266,6 +269,9 @@ class DHTNodeState:
         #: content rules of the layers above for a signed record offered here (e.g. a run's peer records must be
         #: PeerRecords with the run's proof of work): a reason refuses the store (:meth:`DHTStorage._store_local`)
         self.store_check = store_check
+        #: this node's identity's proof of work for the run, attached to the records it signs (0.10.0: a node with a
+        #: ``store_check`` of :func:`geomesh_p2p.trust.admission.run_record_store_check` asks for it on run keys)
+        self.pow_nonce = pow_nonce
         self.join_attempts, self.join_backoff_s = join_attempts, join_backoff_s
         self.routing_table = RoutingTable(self.node_id, k, depth_modulo)
         self.storage = DHTLocalStorage(maxsize=storage_size)

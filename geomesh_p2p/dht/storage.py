@@ -66,7 +66,8 @@ class DHTStorage(DHTNodeState):
             if self.store_check is not None and vr.owner is not None:
                 # before the subkey count: junk must not take a slot (2,046 junk peer records locked a run's key
                 # for 24 h, red team of session 28)
-                why = self.store_check(vr.key, vr.subkey, vr.value, vr.owner)
+                nonce = int(vr.record.pow_nonce) if vr.record.HasField("pow_nonce") else None
+                why = self.store_check(vr.key, vr.subkey, vr.value, vr.owner, nonce)
                 if why is not None:
                     raise RecordError(grpc.StatusCode.INVALID_ARGUMENT, why)
             held = self.storage.get(vr.key_id)

@@ -32,7 +32,7 @@ import torch
 import geomesh_p2p
 from geomesh_p2p.node.started import started
 from geomesh_p2p.status import swarm as swarm_status  # noqa: F401  (kept importable from here: tests patch it)
-from geomesh_p2p.trust.admission import Admission, load_or_solve_pow, peer_record_store_check, pow_cache_path
+from geomesh_p2p.trust.admission import Admission, load_or_solve_pow, pow_cache_path, run_record_store_check
 from geomesh_p2p.model.capability import ThroughputEMA
 from geomesh_p2p.exchange import CollectiveService, GroupedCollective
 from geomesh_p2p.config.models import NodeConfig, RunConfig
@@ -399,8 +399,8 @@ class PeerNode:
         await joining.check_bootstrap_run(self, tls)  # a wrong --run-id named now, not after the proof of work
         await self._prove_work()
         self.transport = Transport(self.identity, self.run_cfg.run_id, tcfg, allow=self._allow)
-        store_check = peer_record_store_check(self.run_cfg.run_id, self.run_cfg.pow_bits)  # junk takes no slot
-        self.dht = DHTNode(self.transport, join_attempts=c.join_attempts, store_check=store_check)
+        check = run_record_store_check(self.run_cfg.run_id, self.run_cfg.pow_bits)  # junk takes no slot, on any run key
+        self.dht = DHTNode(self.transport, join_attempts=c.join_attempts, store_check=check, pow_nonce=self.pow_nonce)
         self.collective = CollectiveService(self.transport)
         self.grouped = GroupedCollective(self.collective, group_size=self.run_cfg.group_size, pull_share=PULL_SHARE)
         # the newest outer update goes to a temp file once sealed (issue 27: not 4P of RAM through the next round)

@@ -31,6 +31,7 @@ import os
 import struct
 import time
 from collections import OrderedDict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Optional
 
@@ -188,25 +189,40 @@ def read_allow_file(path: str | os.PathLike) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------- records
-def peer_record_store_check(run_id: str, pow_bits: int) -> Callable[[str, Optional[str], bytes, PeerID], Optional[str]]:
-    """A DHT node's store check (:class:`~geomesh_p2p.dht.state.DHTNodeState`'s ``store_check``) for the records
-    of run ``run_id``: a signed value under ``<run>/peers`` or one of its shard keys (``<run>/peers/<S>/<i>``) is
-    stored only if it is a PeerRecord (the schema readers apply) naming its signer, under its signer's PeerID
-    subkey, with proof of work for ``pow_bits`` bits (0: none asked). Other keys pass. Returns the refusal's
-    one-line reason, or None.
+def run_record_store_check(
+    run_id: str, pow_bits: int
+) -> Callable[[str, Optional[str], bytes, PeerID, Optional[int]], Optional[str]]:
+    """A DHT node's store check (:class:`~geomesh_p2p.dht.state.DHTNodeState`'s ``store_check``) for the signed
+    records of run ``run_id``. Returns the refusal's one-line reason, or None. Keys outside the run pass.
 
-    Why at store time (red team, session 28): readers dropped junk, but storage holds at most
-    ``RecordLimits.max_subkeys_per_key`` (2,048) subkeys per key and refuses new ones when full, so 2,046
-    junk records signed by throwaway keys (no work), stored for 24 h, locked every newcomer out of the run's
-    records key. Now each slot costs an identity's proof of work (2**pow_bits hashes), as a counted record does.
-    Cost: one JSON parse per store of a peer record, and one SHA-256 per new (peer, nonce) (:class:`Admission`'s cache)."""
+    * Under ``<run>/peers`` or one of its shard keys (``<run>/peers/<S>/<i>``): a PeerRecord (the schema readers
+      apply) naming its signer, under its signer's PeerID subkey, with proof of work for ``pow_bits`` bits.
+    * Under any other key of the run (plan heads and chunks, proofs, evidence, the status page's rounds; session
+      30): the record's own ``pow_nonce`` (``SignedRecord.pow_nonce``, 0.10.0) must be its owner's proof of work for
+      ``pow_bits`` bits.
+
+    ``pow_bits`` 0 asks no work. Why at store time (red team, session 28): readers dropped junk, but storage holds
+    at most ``RecordLimits.max_subkeys_per_key`` (2,048) subkeys per key and refuses new ones when full, so 2,046
+    junk records signed by throwaway keys (no work), stored for 24 h, locked every newcomer out of the run's records
+    key; the same junk under ``<run>/plan/<r>`` would have kept round r's leaders from storing their plans. Now
+    each slot under a run key costs an identity's proof of work (2**pow_bits hashes). Cost: one JSON parse per
+    store of a peer record, one SHA-256 per new (peer, nonce) (:class:`Admission`'s cache)."""
     base = f"{run_id}/peers"
     work = Admission(run_id, pow_bits)  # its check of the work, and its cache of records already checked
 
-    def check(key: str, subkey: Optional[str], value: bytes, owner: PeerID) -> Optional[str]:
-        if key != base and not key.startswith(base + "/"):
+    def check(
+        key: str, subkey: Optional[str], value: bytes, owner: PeerID, pow_nonce: Optional[int] = None
+    ) -> Optional[str]:
+        if not key.startswith(run_id + "/"):
             return None
         who = owner.to_string()
+        if key != base and not key.startswith(base + "/"):
+            if pow_bits <= 0:
+                return None
+            if work.problem(_Claim(who, pow_nonce)) is None:
+                return None
+            what = "no proof of work" if pow_nonce is None else "an invalid proof of work"
+            return f"a record under run key {key[:60]!r} carries {what} (this node asks {pow_bits} bits for run {run_id!r})"
         if subkey != who:
             return "a peer record is stored under its signer's PeerID subkey"
         try:
@@ -220,6 +236,18 @@ def peer_record_store_check(run_id: str, pow_bits: int) -> Callable[[str, Option
         return None
 
     return check
+
+
+#: The name of session 28 (peer records only); the check now covers every run key.
+peer_record_store_check = run_record_store_check
+
+
+@dataclass(frozen=True)
+class _Claim:
+    """What :meth:`Admission.problem` reads of a record: the signer's PeerID and its proof-of-work nonce."""
+
+    peer_id: str
+    pow_nonce: Optional[int]
 
 
 class Admission:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ageomesh_p2p/wire/dht.proto\x12\x0cgeomesh.wire\"=\n\x08NodeInfo\x12\x0f\n\x07node_id\x18\x01 \x01(\x0c\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0f\n\x07peer_id\x18\x03 \x01(\x0c\"\x90\x01\n\x0cSignedRecord\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x13\n\x06subkey\x18\x02 \x01(\tH\x00\x88\x01\x01\x12\r\n\x05value\x18\x03 \x01(\x0c\x12\x17\n\x0f\x65xpiration_time\x18\x04 \x01(\x01\x12\x18\n\x10owner_public_key\x18\x05 \x01(\x0c\x12\x11\n\tsignature\x18\x06 \x01(\x0c\x42\t\n\x07_subkey\"e\n\x0bPingRequest\x12&\n\x06sender\x18\x01 \x01(\x0b\x32\x16.geomesh.wire.NodeInfo\x12\x14\n\x0c\x64ht_protocol\x18\x02 \x01(\r\x12\x18\n\x10software_version\x18\x03 \x01(\t\"r\n\x0cPingResponse\x12$\n\x04node\x18\x01 \x01(\x0b\x32\x16.geomesh.wire.NodeInfo\x12\x0c\n\x04time\x18\x02 \x01(\x01\x12\x14\n\x0c\x64ht_protocol\x18\x03 \x01(\r\x12\x18\n\x10software_version\x18\x04 \x01(\t\"c\n\x0cStoreRequest\x12&\n\x06sender\x18\x01 \x01(\x0b\x32\x16.geomesh.wire.NodeInfo\x12+\n\x07records\x18\x02 \x03(\x0b\x32\x1a.geomesh.wire.SignedRecord\"<\n\x0cStoreOutcome\x12\x0e\n\x06stored\x18\x01 \x01(\x08\x12\x0c\n\x04\x63ode\x18\x02 \x01(\r\x12\x0e\n\x06reason\x18\x03 \x01(\t\"=\n\rStoreResponse\x12,\n\x08outcomes\x18\x01 \x03(\x0b\x32\x1a.geomesh.wire.StoreOutcome\"h\n\x0b\x46indRequest\x12&\n\x06sender\x18\x01 \x01(\x0b\x32\x16.geomesh.wire.NodeInfo\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12\x12\n\nnodes_only\x18\x03 \x01(\x08\x12\x0f\n\x07subkeys\x18\x04 \x03(\t\"o\n\nFindResult\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12+\n\x07records\x18\x02 \x03(\x0b\x32\x1a.geomesh.wire.SignedRecord\x12\'\n\x07nearest\x18\x03 \x03(\x0b\x32\x16.geomesh.wire.NodeInfo\"9\n\x0c\x46indResponse\x12)\n\x07results\x18\x01 \x03(\x0b\x32\x18.geomesh.wire.FindResultb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ageomesh_p2p/wire/dht.proto\x12\x0cgeomesh.wire\"=\n\x08NodeInfo\x12\x0f\n\x07node_id\x18\x01 \x01(\x0c\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0f\n\x07peer_id\x18\x03 \x01(\x0c\"\xb6\x01\n\x0cSignedRecord\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x13\n\x06subkey\x18\x02 \x01(\tH\x00\x88\x01\x01\x12\r\n\x05value\x18\x03 \x01(\x0c\x12\x17\n\x0f\x65xpiration_time\x18\x04 \x01(\x01\x12\x18\n\x10owner_public_key\x18\x05 \x01(\x0c\x12\x11\n\tsignature\x18\x06 \x01(\x0c\x12\x16\n\tpow_nonce\x18\x07 \x01(\x04H\x01\x88\x01\x01\x42\t\n\x07_subkeyB\x0c\n\n_pow_nonce\"e\n\x0bPingRequest\x12&\n\x06sender\x18\x01 \x01(\x0b\x32\x16.geomesh.wire.NodeInfo\x12\x14\n\x0c\x64ht_protocol\x18\x02 \x01(\r\x12\x18\n\x10software_version\x18\x03 \x01(\t\"r\n\x0cPingResponse\x12$\n\x04node\x18\x01 \x01(\x0b\x32\x16.geomesh.wire.NodeInfo\x12\x0c\n\x04time\x18\x02 \x01(\x01\x12\x14\n\x0c\x64ht_protocol\x18\x03 \x01(\r\x12\x18\n\x10software_version\x18\x04 \x01(\t\"c\n\x0cStoreRequest\x12&\n\x06sender\x18\x01 \x01(\x0b\x32\x16.geomesh.wire.NodeInfo\x12+\n\x07records\x18\x02 \x03(\x0b\x32\x1a.geomesh.wire.SignedRecord\"<\n\x0cStoreOutcome\x12\x0e\n\x06stored\x18\x01 \x01(\x08\x12\x0c\n\x04\x63ode\x18\x02 \x01(\r\x12\x0e\n\x06reason\x18\x03 \x01(\t\"=\n\rStoreResponse\x12,\n\x08outcomes\x18\x01 \x03(\x0b\x32\x1a.geomesh.wire.StoreOutcome\"h\n\x0b\x46indRequest\x12&\n\x06sender\x18\x01 \x01(\x0b\x32\x16.geomesh.wire.NodeInfo\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12\x12\n\nnodes_only\x18\x03 \x01(\x08\x12\x0f\n\x07subkeys\x18\x04 \x03(\t\"o\n\nFindResult\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12+\n\x07records\x18\x02 \x03(\x0b\x32\x1a.geomesh.wire.SignedRecord\x12\'\n\x07nearest\x18\x03 \x03(\x0b\x32\x16.geomesh.wire.NodeInfo\"9\n\x0c\x46indResponse\x12)\n\x07results\x18\x01 \x03(\x0b\x32\x18.geomesh.wire.FindResultb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,21 +34,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_NODEINFO']._serialized_start=44
   _globals['_NODEINFO']._serialized_end=105
   _globals['_SIGNEDRECORD']._serialized_start=108
-  _globals['_SIGNEDRECORD']._serialized_end=252
-  _globals['_PINGREQUEST']._serialized_start=254
-  _globals['_PINGREQUEST']._serialized_end=355
-  _globals['_PINGRESPONSE']._serialized_start=357
-  _globals['_PINGRESPONSE']._serialized_end=471
-  _globals['_STOREREQUEST']._serialized_start=473
-  _globals['_STOREREQUEST']._serialized_end=572
-  _globals['_STOREOUTCOME']._serialized_start=574
-  _globals['_STOREOUTCOME']._serialized_end=634
-  _globals['_STORERESPONSE']._serialized_start=636
-  _globals['_STORERESPONSE']._serialized_end=697
-  _globals['_FINDREQUEST']._serialized_start=699
-  _globals['_FINDREQUEST']._serialized_end=803
-  _globals['_FINDRESULT']._serialized_start=805
-  _globals['_FINDRESULT']._serialized_end=916
-  _globals['_FINDRESPONSE']._serialized_start=918
-  _globals['_FINDRESPONSE']._serialized_end=975
+  _globals['_SIGNEDRECORD']._serialized_end=290
+  _globals['_PINGREQUEST']._serialized_start=292
+  _globals['_PINGREQUEST']._serialized_end=393
+  _globals['_PINGRESPONSE']._serialized_start=395
+  _globals['_PINGRESPONSE']._serialized_end=509
+  _globals['_STOREREQUEST']._serialized_start=511
+  _globals['_STOREREQUEST']._serialized_end=610
+  _globals['_STOREOUTCOME']._serialized_start=612
+  _globals['_STOREOUTCOME']._serialized_end=672
+  _globals['_STORERESPONSE']._serialized_start=674
+  _globals['_STORERESPONSE']._serialized_end=735
+  _globals['_FINDREQUEST']._serialized_start=737
+  _globals['_FINDREQUEST']._serialized_end=841
+  _globals['_FINDRESULT']._serialized_start=843
+  _globals['_FINDRESULT']._serialized_end=954
+  _globals['_FINDRESPONSE']._serialized_start=956
+  _globals['_FINDRESPONSE']._serialized_end=1013
 # @@protoc_insertion_point(module_scope)

@@ -17,20 +17,22 @@ class NodeInfo(_message.Message):
     def __init__(self, node_id: _Optional[bytes] = ..., address: _Optional[str] = ..., peer_id: _Optional[bytes] = ...) -> None: ...
 
 class SignedRecord(_message.Message):
-    __slots__ = ("key", "subkey", "value", "expiration_time", "owner_public_key", "signature")
+    __slots__ = ("key", "subkey", "value", "expiration_time", "owner_public_key", "signature", "pow_nonce")
     KEY_FIELD_NUMBER: _ClassVar[int]
     SUBKEY_FIELD_NUMBER: _ClassVar[int]
     VALUE_FIELD_NUMBER: _ClassVar[int]
     EXPIRATION_TIME_FIELD_NUMBER: _ClassVar[int]
     OWNER_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    POW_NONCE_FIELD_NUMBER: _ClassVar[int]
     key: str
     subkey: str
     value: bytes
     expiration_time: float
     owner_public_key: bytes
     signature: bytes
-    def __init__(self, key: _Optional[str] = ..., subkey: _Optional[str] = ..., value: _Optional[bytes] = ..., expiration_time: _Optional[float] = ..., owner_public_key: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
+    pow_nonce: int
+    def __init__(self, key: _Optional[str] = ..., subkey: _Optional[str] = ..., value: _Optional[bytes] = ..., expiration_time: _Optional[float] = ..., owner_public_key: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., pow_nonce: _Optional[int] = ...) -> None: ...
 
 class PingRequest(_message.Message):
     __slots__ = ("sender", "dht_protocol", "software_version")
