@@ -239,7 +239,7 @@ async def _serve(ns: argparse.Namespace, identity, allow_peers, tls, stop: async
     from geomesh_p2p.net.identity import allow_list
     from geomesh_p2p.net.transport import Transport
     from geomesh_p2p.net.transport_config import TransportConfig
-    from geomesh_p2p.trust.admission import run_record_store_check
+    from geomesh_p2p.trust.admission import load_or_solve_pow, pow_cache_path, run_record_store_check
 
     advertise = ns.advertise_host
     if advertise is None and is_wildcard_host(ns.host):
@@ -255,7 +255,7 @@ async def _serve(ns: argparse.Namespace, identity, allow_peers, tls, stop: async
         rpc_timeout_s=ns.rpc_timeout,
         refresh_period_s=ns.refresh_period,
         republish_period_s=ns.republish_period,
-        # junk under the run's records key is refused, not stored (each slot costs an identity's work)
+        # junk under the run's keys is refused, not stored (each slot costs an identity's work)
         store_check=run_record_store_check(ns.run_id, pow_floor(ns)),
     )
     from geomesh_p2p.net.links import LinkProbeService
@@ -269,6 +269,16 @@ async def _serve(ns: argparse.Namespace, identity, allow_peers, tls, stop: async
         if not reason.startswith("cannot listen"):
             reason = f"cannot listen on {_fmt(ns.host, ns.port)}: {reason}"
         return _fail(reason)
+    # its own proof of work at the floor it asks, once it listens (0.10.0: the run's nodes store its progress record
+    # under a run key only with it); cached beside --identity, as a peer's is; a second or so for the default 22 bits
+    if pow_floor(ns) > 0:
+        cache = pow_cache_path(ns.identity) if ns.identity else None
+        node.pow_nonce, _took, _cached = await asyncio.to_thread(
+            load_or_solve_pow, identity, ns.run_id, pow_floor(ns), cache, stop.is_set
+        )
+        if node.pow_nonce is None:  # stopped while computing it
+            await transport.stop(grace=0)
+            return 0
 
     status = None
     if ns.http_port is not None:
