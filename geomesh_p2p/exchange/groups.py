@@ -250,7 +250,8 @@ def level_specs(
     stages' deadlines are :data:`STAGE_SHARES` of ``exchange_start`` -> ``spec.pull_deadline``. A group spec's
     participants keep their token caps and its results are fp32 (read by their owner only); a cross spec's
     participants are the slice's cross set, each capped at its group's summed caps, its ``readers`` every
-    participant of the round. Raises ValueError when a part does not fit ``max_message_bytes``."""
+    participant of the round, its ``max_scale`` the round's (the level-2 aggregate's scale bound). Raises
+    ValueError when a part does not fit ``max_message_bytes``."""
     window = max(0.0, spec.pull_deadline - exchange_start)
     d1, p1, d2, p2 = (exchange_start + share * window for share in STAGE_SHARES)
     addresses = {o.peer_id: o.address for o in spec.owners}
@@ -321,6 +322,10 @@ def level_specs(
                 pull_deadline=p2,
                 aggregate_encoding=spec.aggregate_encoding,
                 readers=list(spec.participants),
+                # the round's scale bound holds at level 2 too: a leader's aggregate is the token-weighted mean (a
+                # convex combination, or less under the robust rules) of the slice owners' group aggregates, each a
+                # convex combination of bounded contributions, and the sign re-encoding takes a block's mean |x|
+                max_scale=spec.max_scale,
                 **common,  # type: ignore[arg-type]
             )
         )
@@ -649,6 +654,15 @@ class GroupedCollective:
                 try:
                     async with svc._read_slot():
                         res = await asyncio.to_thread(svc._read_result, xs, j, signed, out)
+                except messages.OverBoundError as err:
+                    # the leader's signed word above the round's bound: every source serves the same bytes and every
+                    # reader refuses them (the cross set too), so the part is a zero update here at once; kept as the
+                    # cross set keeps it, so the level-1 validator draw (a seed over every cross result) agrees
+                    log.warning("round %d: cross part %d from %s refused: %s", xs.round, j, _short(p), err.reason)
+                    out.zero_()
+                    if xs.mode == "accountable":
+                        self._keep_gathered(xs, j, signed)
+                    return None
                 except EnvelopeError as err:
                     log.warning("round %d: cross part %d from %s refused: %s", xs.round, j, _short(p), err.reason)
                     continue
@@ -657,10 +671,7 @@ class GroupedCollective:
                     return None
                 members = messages.result_members(signed, mates, xs.participants)
                 if xs.mode == "accountable":
-                    kept = self.gathered.setdefault(xs.round, {})
-                    kept[(xs.spec_id, j)] = bytes(signed)  # level-1 validation reads the leaders' results
-                    for old in [r for r in self.gathered if r < xs.round - 2]:
-                        del self.gathered[old]
+                    self._keep_gathered(xs, j, signed)
                 return res[1] if members is None else members
             # sources that all answered at once (gone, or past the pull deadline): back off, not a poll every 0.2 s
             await asyncio.sleep(min(pause, max(0.0, end - swarm_time())))
@@ -668,6 +679,14 @@ class GroupedCollective:
         out.zero_()
         log.warning("round %d: cross part %d: no copy from %d sources", xs.round, j, len(sources))
         return None
+
+    def _keep_gathered(self, xs: CollectiveSpec, j: int, signed: Any) -> None:
+        """Keep the leader-signed result (SignedMessage bytes or a view of them) of cross part ``j`` of ``xs``
+        (accountable rounds; the last 3 rounds kept): level-1 validation reads the leaders' results."""
+        kept = self.gathered.setdefault(xs.round, {})
+        kept[(xs.spec_id, j)] = bytes(signed)
+        for old in [r for r in self.gathered if r < xs.round - 2]:
+            del self.gathered[old]
 
 
 def _counted_in_all(parts: list[list[tuple[str, int]]]) -> list[tuple[str, int]]:

@@ -20,7 +20,7 @@ import torch
 
 from geomesh_p2p.exchange import accountable
 from geomesh_p2p.exchange import codec as compression
-from geomesh_p2p.exchange.groups import group_layout
+from geomesh_p2p.exchange.groups import group_layout, level_specs
 from geomesh_p2p.net.identity import EnvelopeError
 from grpc import StatusCode as Code
 from geomesh_p2p.round.rules.accountable import Accountability
@@ -345,3 +345,66 @@ async def test_a_slice_owner_that_drops_a_receipted_mate_is_proven_by_that_mate_
         ).SerializeToString()
         with pytest.raises(EnvelopeError, match=why):
             messages.check_contribution(verifier, xs, None, resigned, evil)
+
+
+def _inflate(service):
+    """Make ``service``'s owner side aggregate every contribution multiplied by -20 (tests.adversary's
+    ``forge-aggregate``) while its result still commits to the real signed contributions."""
+    real = service._build_result
+
+    def forged(self, spec, part, contributions):
+        def doctor(c):
+            dec = compression.decode(c.packet) * -20.0
+            return dataclasses.replace(c, packet=compression.encode(dec, spec.block_size, c.tokens))
+
+        return real(spec, part, [doctor(c) for c in contributions])
+
+    service._build_result = types.MethodType(forged, service)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", ["reencode", "accountable"])
+async def test_a_slice_owner_leading_a_cross_part_that_serves_a_minus_20x_aggregate_is_refused_by_every_reader(
+    grouped_swarm, mode
+):
+    """Issue 26, session 30: the round's scale bound on grouped levels. A slice owner that leads a cross part serves
+    -20x the true level-2 aggregate; every reader (its cross set, which reads the leader, and the group members,
+    which gather the part from their slice owner) refuses it before decoding: the part is a zero update everywhere,
+    every other part is the two-level rule's exact value, and in accountable mode the forger is still proven."""
+    sw, grouped = await grouped_swarm(9)
+    bound = 10.0
+    spec = _spec(sw, mode=mode, validators_per_part=2, max_scale=bound)
+    layout = group_layout(spec, G)
+    assert layout is not None and len(layout.groups) == 3
+    evil = layout.leaders[0][0]
+    assert layout.slice_of(evil) is not None  # a slice owner that also leads a part of a cross level
+    _inflate(grouped[sw.pids.index(evil)].cross)
+    deltas = deltas_for(sw.pids, 3 * 4 * 2048, seed=24)
+    tokens = {p: 100 for p in sw.pids}
+    out = await _run(grouped, spec, deltas, tokens)
+    ref = _reference(spec, layout, deltas, tokens, set(sw.pids))
+    assert 0 < float(ref.abs().max()) < bound < 20 * float(ref.abs().max())  # honest within, the forgery above
+    _, xspecs = level_specs(spec, layout, spec.pull_deadline - 6.0, 128 << 20)
+    ranges = [(a + o.start, a + o.end, o.peer_id) for (a, _), xs in zip(layout.slices, xspecs) for o in xs.owners]
+    bad = [k for k, (_, _, p) in enumerate(ranges) if p == evil]
+    assert bad
+    expected = ref.clone()
+    for k in bad:
+        expected[ranges[k][0] : ranges[k][1]] = 0.0
+    for k, r in out.items():
+        assert r.missing_parts == bad, (k, r.missing_parts)
+        assert torch.equal(r.aggregate, expected), k  # bitwise the same everywhere, the forgery applied nowhere
+    if mode != "accountable":
+        return
+    # every peer keeps the refused results as the leader signed them, as it keeps applied ones: the level-1
+    # validator draw (a seed over every cross result's hash) is the same everywhere
+    from geomesh_p2p.exchange.group_audit import _cross_results
+
+    held = [_cross_results(gc, gc.levels[spec.round][3], spec.round) for gc in grouped]
+    assert all(h == held[0] for h in held) and len(held[0]) == len(ranges)
+    findings = await _validate(grouped, spec)
+    forged = [f for f in findings if f.kind == "forgery"]
+    assert forged and all(f.owner == evil for f in forged), findings
+    assert [f for f in findings if f.kind != "forgery"] == []
+    v = accountable.verify_proof(RUN, forged[0].proof)
+    assert (v.kind, v.accused) == ("forgery", evil)

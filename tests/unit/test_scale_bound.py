@@ -6,16 +6,21 @@ of a ``"sign"`` aggregate (:func:`geomesh_p2p.exchange.aggregate.decode_aggregat
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from geomesh_p2p.exchange import codec as compression
-from geomesh_p2p.exchange.aggregate import ScaleBoundError, decode_aggregate
+from geomesh_p2p.exchange import messages
+from geomesh_p2p.exchange.aggregate import ScaleBoundError, decode_aggregate, encode_aggregate
+from geomesh_p2p.exchange.groups import group_layout, level_specs
 from geomesh_p2p.exchange.partition import CollectiveSpec, PartOwner
 from geomesh_p2p.model.state import GlobalState
-from geomesh_p2p.net.identity import Identity
+from geomesh_p2p.net.identity import Identity, Verifier
 from geomesh_p2p.model.training import swarm_lr_at
 from geomesh_p2p.round.rules.spec import aggregate_scale_bound, collective_spec, round_lr_sum
+from tests.collective_util import pid_order
 from tests.unit.test_mode_auto import NUMEL, _plan
 
 pytestmark = pytest.mark.timeout(60)
@@ -89,3 +94,45 @@ def test_a_commit_records_the_states_largest_weight():
     gs.theta.copy_(torch.tensor([0.5, -3.25, 2.0, 0.0]))
     gs.commit(3)
     assert gs.theta_maxabs == 3.25 and gs.round == 3
+
+
+def test_a_grouped_rounds_cross_level_refuses_a_leaders_aggregate_above_the_bound_and_reads_an_honest_one():
+    """Issue 26, session 30: a grouped round's level 2 (a leader's ``"sign"`` aggregate of the slice owners' group
+    aggregates, read by every participant) carries the round's bound; its level 1 (fp32, read by its owner) none."""
+    ids = [Identity.generate() for _ in range(9)]
+    pids = [str(i.peer_id) for i in ids]
+    numel, b = 3 * 4 * 2048, 2048
+    cuts = [0, 2, 4, 6, 7, 8, 9, 10, 11, 12]  # 12 blocks over 9 owners, as the swarm's helpers cut them
+    owners = tuple(PartOwner(p, f"127.0.0.1:{k + 1}", cuts[k] * b, cuts[k + 1] * b) for k, p in enumerate(pids))
+    spec = CollectiveSpec("r", 1, {p: 100 for p in pids}, owners, numel, 1000.0, 1001.0, max_scale=1.5)
+    layout = group_layout(spec, 3)
+    assert layout is not None and len(layout.groups) == 3
+    gspecs, xspecs = level_specs(spec, layout, 990.0, 64 << 20)
+    assert all(x.max_scale == 1.5 for x in xspecs) and all(g.max_scale is None for g in gspecs)
+    assert all(x.spec_id != dataclasses.replace(x, max_scale=None).spec_id for x in xspecs)  # the bound is in it
+    xs = xspecs[0]
+    leader = ids[pids.index(xs.owners[0].peer_id)]
+    size = xs.owners[0].size
+    cross = list(xs.participants)
+    # the slice owners' group aggregates: |x| ~ 1, so honest block scales ~ 1 (under the bound of 1.5)
+    gen = torch.Generator().manual_seed(3)
+    xs_in = [torch.randn(size, generator=gen).clamp(-2, 2) for _ in cross]
+
+    def signed(scale: float) -> bytes:
+        contributions = [
+            messages.Contribution(
+                p, 300, compression.encode(xs_in[cross.index(p)] * scale, b, 300), b"", members=((p, 300),)
+            )
+            for p in pid_order(cross)
+        ]
+        return messages.build_result(leader, xs, 0, xs.owners[0], "", contributions)
+
+    verifier = Verifier("r", max_skew_s=float("inf"))
+    agg, _contributors, _end, _packets = messages.read_result(verifier, xs, 0, signed(1.0))
+    mean = xs.aggregate([(300, compression.encode(xs_in[cross.index(p)], b, 300)) for p in pid_order(cross)], size)
+    assert torch.equal(agg, decode_aggregate("sign", encode_aggregate("sign", mean, b, 900), size))
+    assert 0 < float(agg.abs().max()) <= 1.5
+    out = torch.full((size,), 7.0)
+    with pytest.raises(messages.OverBoundError, match="above the round's bound 1.5"):
+        messages.read_result(verifier, xs, 0, signed(-20.0), out=out)  # a forging leader's -20x aggregate
+    assert bool((out == 7.0).all())  # refused before it was decoded
