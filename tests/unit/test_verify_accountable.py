@@ -100,13 +100,16 @@ def _case(world, contribution, H, names=("V", "W"), parts=None):
     return types.SimpleNamespace(ids=ids, plan=plan, packets=packets, signed=signed, committed=committed)
 
 
-def _accountable_verifier(world, case, name, cfg=CFG):
+def _accountable_verifier(world, case, name, cfg=CFG, before=None):
     """A participant of the accountable round: it holds its own packets and the commitments; then it fetches (here:
     takes from ``case.signed``, as a holder serves them) what its screens and check want, each checked against its
-    commitment, and holds it. Returns the verifier and what it fetched ((accused, part) pairs)."""
+    commitment, and holds it. ``before(wv)``: called on the new verifier before it keeps the round (e.g. to give it
+    verdicts). Returns the verifier and what it fetched ((accused, part) pairs)."""
     ident = case.ids.get(name) or world.ids[name]
     me = str(ident.peer_id)
     wv = _verifier(world, ident, cfg, case.plan, {me: case.packets[me]})
+    if before is not None:
+        before(wv)
     wv.keep_round(
         ROUND,
         theta=world.theta,
@@ -317,45 +320,24 @@ def test_a_newcomer_excluded_here_on_more_than_this_peers_own_measurement_is_nei
     are not fetched, not queued, and a queued one is not run; a verdict held alone (``lone``) still screens it."""
     case = _case(world, world.honest[5], 5)
     a = world.pid["A"]
-    ident = case.ids["V"]
-    me = str(ident.peer_id)
 
-    def fresh(excluded: bool, lone: bool):
-        wv = _verifier(world, ident, CFG, case.plan, {me: case.packets[me]})
-        if excluded:
-            wv.excluded[a] = "round 2: no loss gain on its own batches (checked by another verifier)"
-        if lone:
-            wv.lone.add(a)
-        wv.keep_round(
-            ROUND,
-            theta=world.theta,
-            plan=case.plan,
-            part_ranges=world.part_ranges,
-            packets={me: case.packets[me]},
-            committed=case.committed,
-        )
-        return wv
+    def verdicts(excluded: bool, lone: bool):
+        def give(wv) -> None:
+            if excluded:
+                wv.excluded[a] = "round 2: no loss gain on its own batches (checked by another verifier)"
+            if lone:
+                wv.lone.add(a)
 
-    settled, alone, none = fresh(True, False), fresh(True, True), fresh(False, False)
+        return give
+
+    (settled, got_s), (alone, got_a), (none, got_n) = (
+        _accountable_verifier(world, case, "V", before=verdicts(x, lone)) for x, lone in ((1, 0), (1, 1), (0, 0))
+    )
+    me = str(case.ids["V"].peer_id)
     try:
         assert settled.settled(a) and not alone.settled(a) and not none.settled(a)
-        assert a not in settled.accountable_wants(ROUND)  # not fetched
-        assert len(alone.accountable_wants(ROUND)[a]) == CHECK_PARTS == len(none.accountable_wants(ROUND)[a])
-        for wv in (settled, alone, none):  # what the round's side fetches and holds (from the owners, here case.signed)
-            for accused, parts in wv.accountable_wants(ROUND).items():
-                held = {
-                    j: verified_packet(
-                        case.signed[accused][j],
-                        case.committed[accused][j],
-                        run_id=RUN,
-                        accused=accused,
-                        round=ROUND,
-                        part=j,
-                        part_range=world.part_ranges[j],
-                    )
-                    for j in parts
-                }
-                assert wv.hold(ROUND, accused, held)
+        assert [j for p, j in got_s if p == a] == []  # not fetched
+        assert len([j for p, j in got_a if p == a]) == CHECK_PARTS == len([j for p, j in got_n if p == a])
         assert settled.queue_screens(ROUND, signed_of=_signed_of(case)) == 3  # B, C and W; not A
         assert alone.queue_screens(ROUND, signed_of=_signed_of(case)) == 4
         assert settled.queue.wait_idle(240) and alone.queue.wait_idle(240)
