@@ -19,7 +19,7 @@ from geomesh_p2p.dht.records import key_id_of
 from geomesh_p2p.dht.state import DEFAULT_READ_QUORUM, FULL_READ_TARGET_REUSE
 from geomesh_p2p.schema.shards import record_shard
 from geomesh_p2p.net.methods import DHT_FIND
-from tests.dht_helpers import RUN, start_swarm, stop_all
+from tests.dht_helpers import wait_for, RUN, start_swarm, stop_all
 from tests.integration.test_dht_announce import node_record
 
 pytestmark = pytest.mark.timeout(120)
@@ -151,6 +151,14 @@ async def test_live_peers_reads_shard_keys_cached_only_with_shards():
         assert len(writers) == 6
         for w in writers:
             assert await PeerAnnouncer(w, node_record(w), period_s=30, ttl_s=60.0, shards=2).announce_once()
+        # under load a store may still be replicating: wait until another node reads all 6 (the reader's own counts
+        # below stay exact: it has not read yet)
+        probe = nodes[10]
+
+        async def all_six() -> bool:
+            return len(await live_peers(probe, RUN, shards=2)) == 6
+
+        await wait_for(all_six, 30, what="the 6 records readable")
         assert len(await live_peers(reader, RUN, shards=2)) == 6
         assert reader.read_lookups == 2  # one per shard key, each caching its holders
         assert {key_id_of(records_key(RUN, s, 2)) for s in range(2)} <= set(reader._read_targets)
