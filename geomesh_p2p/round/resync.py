@@ -44,6 +44,22 @@ async def behind(drv: RoundDriver) -> bool:
     return sr is not None and sr > drv.state.round
 
 
+def plan_voters(drv: RoundDriver, records: Sequence[PeerRecord], r: int) -> list[PeerRecord]:
+    """``records`` of the participants of the plan of round ``r - 1`` this peer followed (the plan that made the
+    state of round ``r``), all of them when this peer followed no plan of that round.
+
+    Why (session 30's red team, by reading): the end-of-run checks counted the digest of every record of the run,
+    while the round's own check (:func:`~geomesh_p2p.round.finish.check_digest`) counts only the plan's
+    participants. A few signed identities that took no part in the round (each costs one proof of work) could then
+    back another digest at this peer's round and make an honest peer end "NOT synced" (a failed exit). Only the
+    peers that made the state vote on it; peers of a later round are counted as before, by their round."""
+    plan = drv._last_plan
+    if plan is None or plan.round != r - 1:
+        return list(records)
+    members = set(plan.participants())
+    return [x for x in records if x.peer_id in members]
+
+
 #: Seconds of clock difference between peers tolerated when a leaving record's time is compared with this
 #: process's start (swarm time is agreed within about this)
 PREVIOUS_SESSION_MARGIN_S = 5.0
@@ -67,8 +83,10 @@ def swarm_ended(drv: RoundDriver, everyone: Sequence[PeerRecord]) -> Optional[Sw
     if since is not None and all(float(x.timestamp) < since - PREVIOUS_SESSION_MARGIN_S for x in others):
         return None
     r = drv.state.round
-    majority, _, _ = digest_majority(drv.policy.digest_voters(others), r)  # an excluded peer's state never counts
-    swarm_round = max(x.round for x in others)
+    # an excluded peer's state never counts, nor one of an identity outside the plan that made it
+    voters = plan_voters(drv, others, r) or others
+    majority, _, _ = digest_majority(drv.policy.digest_voters(voters), r)
+    swarm_round = max(x.round for x in voters)
     synced = majority is not None and majority == drv.state.digest and swarm_round <= r
     state = (
         f"the swarm's last state (round {r}, digest {(drv.state.digest or '')[:8]})"
@@ -138,7 +156,7 @@ async def check_end(drv: RoundDriver) -> None:
     everyone = await drv.membership.peers(include_leaving=True)
     others = [x for x in everyone if x.peer_id != drv.me]
     r = drv.state.round
-    majority, agree, total = digest_majority(drv.policy.digest_voters(others), r)
+    majority, agree, total = digest_majority(drv.policy.digest_voters(plan_voters(drv, others, r)), r)
     if majority is not None and majority != drv.state.digest:
         later = max((x.round for x in others), default=r)
         end_run(

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from geomesh_p2p.telemetry import events
+from geomesh_p2p.round import resync
 from geomesh_p2p.round.driver import STALL_VOID_SHARE
 from geomesh_p2p.trust.probation import noshow_penalty_rounds
 from geomesh_p2p.round.rules import OWNER_PENALTY_ROUNDS, Penalties, RoundState
@@ -152,6 +153,34 @@ async def test_a_peer_whose_last_round_is_not_the_swarms_state_does_not_end_sync
     drv2 = me.driver(rounds=7)
     await drv2._check_end()
     assert drv2.ended is None
+
+
+async def test_identities_outside_the_plan_that_made_the_state_do_not_vote_on_it_at_the_end():
+    """The kind (session 30's red team, by reading): the end-of-run checks counted every record of the run, where the
+    round's digest check counts the plan's participants only. Three signed identities that took no part in round 6
+    announce another state at round 7: the peer still ends synced (before: "NOT the swarm's", 3 of 5 against it)."""
+    me, a, b, s1, s2, s3 = _peers(6)
+    for p in (me, a, b):
+        _finished(p, 7, 0.25)
+    for p in (s1, s2, s3):
+        _finished(p, 7, 0.75)  # a state nobody of the plan holds
+    plan = SimpleNamespace(
+        round=6, participants=lambda: [me.me, a.me, b.me], exchange_deadline=time.time(), start_digest=None
+    )
+    drv = me.driver(rounds=7)
+    drv._last_plan = plan
+    await drv._check_end()
+    assert drv.ended is None
+    # the round's own check already counted only the participants (kept so)
+    assert await asyncio.wait_for(drv.check_digest(7, [me.me, a.me, b.me]), 10) is True
+    # every other peer left: the swarm ended on this peer's state
+    ended = resync.swarm_ended(drv, list(me.swarm.records.values()))
+    assert ended is not None and (ended.synced, ended.round, ended.swarm_round) == (True, 7, 7)
+    # without a plan of round 6 (nothing says who made the state) every record counts, as before
+    drv2 = me.driver(rounds=7)
+    await drv2._check_end()
+    assert drv2.ended is not None and drv2.ended.synced is False
+    assert f"3 of 5 other peer(s) hold digest {s1.digest[:8]}" in drv2.ended.why
 
 
 class _FailedRound:
