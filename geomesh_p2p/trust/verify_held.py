@@ -21,8 +21,8 @@ log = logging.getLogger("geomesh_p2p.trust.verify")
 
 
 class HeldContributions:
-    """Uses the verifier's ``cfg``, ``me``, ``run_id``, ``dht``, ``_kept``, ``_packets``, ``_seed_of``, ``settled`` and
-    ``own_task``."""
+    """Uses the verifier's ``cfg``, ``me``, ``run_id``, ``dht``, ``_kept``, ``_packets``, ``_seed_of``, ``settled``,
+    ``screen_targets`` and ``own_task``."""
 
     cfg: Any
     me: str
@@ -33,6 +33,7 @@ class HeldContributions:
     _seed_of: Callable[..., bytes]
     own_task: Callable[[int], Optional[Any]]
     settled: Callable[[str], bool]
+    screen_targets: Callable[..., list]
 
     def accountable_wants(self, round: int) -> dict[str, tuple[int, ...]]:
         """Accountable mode: accused -> the parts of its contribution this peer's check and screens of kept round
@@ -55,7 +56,7 @@ class HeldContributions:
                     part_ranges=kept.part_ranges,
                 )
             )
-            for a in kept.screened
+            for a in self.screen_targets(round, kept, packets, seed)  # sampled screens included: fetched too
             if not self.settled(a)  # nothing to learn here: not fetched either
         ]
         out: dict[str, set[int]] = {}

@@ -193,15 +193,12 @@ class Screening:
         kept = self._kept.get(int(round))
         if kept is None:
             return 0
-        sampling = self.cfg.sample_share > 0 and int(round) >= self.cfg.gain_first_round
-        if not kept.screened and not sampling:
+        if not kept.screened and not self._sampling(round):
             return 0
         packets = self._packets(round, kept)
         seed = self._seed_of(round, kept, packets)
-        if sampling:  # the established contributors drawn for a sampled screen (their evidence is read too: fetch)
-            kept.screened = sorted(set(kept.screened) | set(sampled_candidates(self.cfg, kept.plan, packets, seed)))
         tasks = []
-        for accused in kept.screened:
+        for accused in self.screen_targets(round, kept, packets, seed):
             if self.settled(accused):  # excluded here on more than its own measurement: a screen changes nothing
                 continue
             t = derive_screen(
@@ -235,6 +232,26 @@ class Screening:
             self.queue.submit(CheckJob(int(round), "screen", self._screen_job(prep), key=key, due=due))
             n += 1
         return n
+
+    def _sampling(self, round: int) -> bool:
+        """Whether kept round ``round`` draws established contributors for sampled screens."""
+        return self.cfg.sample_share > 0 and int(round) >= self.cfg.gain_first_round
+
+    def screen_targets(
+        self, round: int, kept: Kept, packets: Mapping[str, Mapping[int, Any]], seed: bytes
+    ) -> list[str]:
+        """The contributors screened in kept round ``round``: its newcomers and the established contributors its
+        seed draws for a sampled screen (:func:`~geomesh_p2p.trust.verify_task.sampled_candidates`), added to
+        ``kept.screened`` (their evidence is read too: :meth:`fetch`). Sorted PeerIDs; this node is a screener of
+        some of them only (:func:`~geomesh_p2p.trust.verify_task.derive_screen` says which).
+
+        Why one list for both callers (session 31): accountable mode fetches the contributions its screens need
+        before it queues them (:meth:`accountable_wants`), and drew the sampled ones only when queueing, so a
+        sampled screen in accountable mode never had its contribution ("not run: its contribution is not held
+        here", every one of them in the backdoor benchmark): the patient poisoner went unscreened."""
+        if self._sampling(round):
+            kept.screened = sorted(set(kept.screened) | set(sampled_candidates(self.cfg, kept.plan, packets, seed)))
+        return list(kept.screened)
 
     def _screen_job(self, prep: Prepared) -> Callable[[Pacer], Optional[Measured]]:
         """The background job of screen ``prep`` (:meth:`_measure_screen`, paced)."""

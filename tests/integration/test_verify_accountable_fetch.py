@@ -114,12 +114,10 @@ async def test_pull_inputs_count_serves_at_most_that_many_inputs(swarms):
         assert resp.total == 4 and len(resp.contributions) == want
 
 
-async def test_the_round_side_keeps_the_commitments_fetches_what_its_screens_need_and_queues_them(swarms):
-    """rules/verified_accountable.py over a real accountable round (round 2: every contributor is screened): the
-    round is kept with every part result's commitments and this peer's own packets, the contributions its screens
-    want (CHECK_PARTS parts of each newcomer it screens) are fetched, each matches its commitment, and the screens are
-    queued with exactly those signed bytes; the sampled check draws nothing (share 0). No model runs here (the
-    queue calls are recorded): the screens themselves are tests/unit/test_verify_accountable.py's."""
+async def _kept_round(swarms, r: int, cfg):
+    """A real accountable round ``r`` of 4 in-process peers kept by peer 0's verified work (rules/verified_accountable.py)
+    under ``cfg``, its ``queue_screens`` recorded (no model runs): (sw, plan, res, wv, vw, calls); ``calls["screens"]``
+    maps (accused, part) -> the signed bytes each queued screen got. The caller closes ``wv``."""
     import torch
 
     from geomesh_p2p.plan.schema import PeerAssignment, RoundPlan
@@ -127,19 +125,17 @@ async def test_the_round_side_keeps_the_commitments_fetches_what_its_screens_nee
     from geomesh_p2p.round.rules.state import RoundState
     from geomesh_p2p.round.rules.verified import VerifiedWork
     from geomesh_p2p.trust.verify import WorkVerifier
-    from geomesh_p2p.trust.verify_commit import CHECK_PARTS
-    from geomesh_p2p.trust.verify_task import VerifyConfig
     from tests.collective_util import RUN
 
     n, L, B, H = 4, 16, 1, 6
     sw = await swarms(n, service_cls=[CollectiveService] * n)
     budget = B * L * H
     deltas = _honest_deltas(sw.pids, NUMEL, seed=11)
-    spec = sw.spec(NUMEL, mode="accountable", round=2, deadline_s=3.0, caps={p: budget for p in sw.pids}, **ROBUST)
+    spec = sw.spec(NUMEL, mode="accountable", round=r, deadline_s=3.0, caps={p: budget for p in sw.pids}, **ROBUST)
     res = await asyncio.gather(*[s.all_reduce(spec, deltas[p], 100) for s, p in zip(sw.services, sw.pids)])
     owned = {o.peer_id: (o.start, o.end) for o in spec.owners}
     plan = RoundPlan(
-        run_id=RUN, round=2, leader=min(sw.pids), method="geomesh", mode="accountable", numel=NUMEL, seq_len=L,
+        run_id=RUN, round=r, leader=min(sw.pids), method="geomesh", mode="accountable", numel=NUMEL, seq_len=L,
         window_s=6.0, train_deadline=1e9 + 6, exchange_deadline=1e9 + 12, start_digest="d2", created_at=1e9,
         assignments=[
             PeerAssignment(
@@ -151,23 +147,38 @@ async def test_the_round_side_keeps_the_commitments_fetches_what_its_screens_nee
         ],
     )  # fmt: skip
     me, service = sw.pids[0], sw.services[0]
-    cfg = VerifyConfig(share=0.0)
     wv = WorkVerifier(cfg, identity=sw.ids[0], run_id=RUN, model=None, dataset=None, seed=0, lr=1e-3, weight_decay=0.1)
     calls: dict = {}
 
-    def queue_screens(r, *, due=None, signed_of=None):
+    def queue_screens(rr, *, due=None, signed_of=None):
+        wanted = calls["wanted"]
         calls["screens"] = {(a, j): signed_of(j, a) for a, parts in wanted.items() for j in parts}
 
     wv.queue_screens = queue_screens  # type: ignore[method-assign]
     vw = VerifiedWork(RoundState(me=me), verifier=wv, theta=lambda: torch.zeros(NUMEL), collective=lambda: service)
     vw.verify_round = lambda *a, **k: None  # type: ignore[method-assign]  (no evidence to read here)
+    assert await verified_accountable.keep(vw, r, plan, res[0])
+    return sw, plan, res, wv, vw, calls
+
+
+async def test_the_round_side_keeps_the_commitments_fetches_what_its_screens_need_and_queues_them(swarms):
+    """rules/verified_accountable.py over a real accountable round (round 2: every contributor is screened): the
+    round is kept with every part result's commitments and this peer's own packets, the contributions its screens
+    want (CHECK_PARTS parts of each newcomer it screens) are fetched, each matches its commitment, and the screens are
+    queued with exactly those signed bytes; the sampled check draws nothing (share 0). No model runs here (the
+    queue calls are recorded): the screens themselves are tests/unit/test_verify_accountable.py's."""
+    from geomesh_p2p.round.rules import verified_accountable
+    from geomesh_p2p.trust.verify_commit import CHECK_PARTS
+    from geomesh_p2p.trust.verify_task import VerifyConfig
+
+    sw, plan, res, wv, vw, calls = await _kept_round(swarms, 2, VerifyConfig(share=0.0))
+    me = sw.pids[0]
     try:
-        assert await verified_accountable.keep(vw, 2, plan, res[0])
         kept = wv._kept[2]
         assert kept.committed is not None and set(kept.committed) == set(sw.pids)
-        assert set(kept.packets) == {me} and len(kept.packets[me]) == len(spec.owners)  # its own, every part
+        assert set(kept.packets) == {me} and len(kept.packets[me]) == len(plan.assignments)  # its own, every part
         assert kept.screened == sorted(sw.pids)  # round 2: everybody is new
-        wanted = wv.accountable_wants(2)
+        wanted = calls["wanted"] = wv.accountable_wants(2)
         assert set(wanted) == set(sw.pids) - {me}  # 4 screeners per newcomer: all 3 others screen each one
         assert all(len(parts) == CHECK_PARTS for parts in wanted.values())
         figures = await verified_accountable.fetch_and_queue(vw, 2, plan, plan.assignments[0], res[0], timeout_s=5.0)
@@ -178,5 +189,34 @@ async def test_the_round_side_keeps_the_commitments_fetches_what_its_screens_nee
         held = wv._packets(2, kept)
         assert all(not isinstance(held[a][j], Committed) for a, parts in wanted.items() for j in parts)
         assert wv.accountable_wants(2) == {}  # nothing left to fetch
+    finally:
+        wv.close()
+
+
+async def test_an_established_contributors_sampled_screen_gets_its_contribution_fetched_too(swarms):
+    """The kind (session 31, the backdoor benchmark's logs: "screening of ... not run: its contribution is not held
+    here" for every sampled screen): accountable mode fetched what its screens need before it queued them, and drew
+    the sampled screens of established contributors (the patient poisoner's defence) only when queueing, so none of
+    them ever had its contribution. Round 7 has no newcomer; every established contributor is drawn here (a sampled
+    share that makes the probability 1, 3 screeners each): all three are fetched (before: nothing) and screened."""
+    from geomesh_p2p.round.rules import verified_accountable
+    from geomesh_p2p.trust.verify_commit import CHECK_PARTS
+    from geomesh_p2p.trust.verify_task import VerifyConfig
+
+    cfg = VerifyConfig(share=0.0, sample_share=100.0, sample_screeners=3)
+    sw, plan, res, wv, vw, calls = await _kept_round(swarms, 7, cfg)
+    me = sw.pids[0]
+    try:
+        kept = wv._kept[7]
+        assert kept.screened == []  # no newcomer in round 7
+        wanted = calls["wanted"] = wv.accountable_wants(7)
+        assert set(wanted) == set(sw.pids) - {me}
+        assert all(len(parts) == CHECK_PARTS for parts in wanted.values())
+        assert kept.screened == sorted(sw.pids)  # the drawn ones (this peer too: others screen it)
+        figures = await verified_accountable.fetch_and_queue(vw, 7, plan, plan.assignments[0], res[0], timeout_s=5.0)
+        assert figures["wanted"] == figures["fetched"] == 3 * CHECK_PARTS and figures["refused"] == 0
+        for (a, j), signed in calls["screens"].items():
+            assert signed is not None and hashlib.sha256(signed).digest()[:DIGEST_BYTES] == kept.committed[a][j].digest
+        assert wv.accountable_wants(7) == {}
     finally:
         wv.close()
