@@ -204,7 +204,16 @@ class NodeRoundPolicy:
         self.penalties.note_own_failures(spec, plan, ar, stalled=stalled)
 
     def forget_marks_since(self, round: int) -> list[str]:
-        """:meth:`Penalties.forget_marks_since` (the driver calls it after a re-sync)."""
+        """:meth:`Penalties.forget_marks_since` and the standing credits of the same rounds
+        (:meth:`~geomesh_p2p.trust.standing.Standing.forget_since`, one INFO line when any go); the driver calls
+        it after a re-sync to a state this peer did not make. Returns the PeerIDs whose penalty marks went."""
+        credits = self.state.standing.forget_since(round)
+        if credits:
+            log.info(
+                "re-synced to the swarm's state: the standing credits of round(s) %s (a lineage the swarm did not "
+                "confirm) dropped",
+                ", ".join(str(r) for r in credits),
+            )
         return self.penalties.forget_marks_since(round)
 
     async def before_outer_step(self, r, plan, assignment, ar) -> None:

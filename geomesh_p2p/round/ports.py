@@ -277,8 +277,9 @@ class RoundPolicy(Protocol):
         exchange window, so the others' failures are not held against them."""
 
     def forget_marks_since(self, round: int) -> list[str]:
-        """Drop the penalty marks this peer noted in rounds ``round`` and later (a lineage the swarm did not
-        confirm, abandoned by a re-sync); returns the PeerIDs whose marks were dropped."""
+        """Drop the penalty marks this peer noted, and the standing credits it gave, in rounds ``round`` and later
+        (a lineage the swarm did not confirm, abandoned by a re-sync); returns the PeerIDs whose marks were
+        dropped."""
 
     async def before_outer_step(self, r: int, plan: RoundPlan, assignment: PeerAssignment, ar: AllReduceResult) -> None:
         """Verified work keeps round ``r``'s start weights (never raises)."""

@@ -101,6 +101,24 @@ class Standing:
                 if self._counts[p] <= 0:
                     del self._counts[p]
 
+    def forget_since(self, round: int) -> list[int]:
+        """Drop the credits of round ``round`` and later; returns the rounds dropped (oldest first).
+
+        For a re-sync to a state this peer did not make (:func:`geomesh_p2p.round.resync.forget_blame`): the rounds
+        since its last confirmed state were of a lineage the swarm discarded, and who delivered in them is no
+        standing (session 31, the 2-of-7 backdoor run: the peer that started the swarm trained rounds 0-1 alone
+        before the others were up, re-synced to their state, and still counted itself established on those two
+        rounds: it published plans every other peer refused as a probation leader's, followed its own, was
+        marked a no-show and sat out the rest of the run)."""
+        gone = [r for r, _ in self._rounds if r >= round]
+        if gone:
+            keep = [(r, ids) for r, ids in self._rounds if r < round]
+            self._rounds = deque(keep)
+            self._counts = Counter()
+            for _, ids in keep:
+                self._counts.update(ids)
+        return gone
+
     def weight(self, peer_id: str) -> int:
         return self._counts.get(peer_id, 0)
 

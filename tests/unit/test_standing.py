@@ -299,3 +299,43 @@ async def test_catch_up_leaves_out_the_state_of_a_peer_this_peer_excludes(monkey
             rules.verified.verdicts()._exclude(str(poisoner.peer_id), "failed its screen", 3)
         await sync.catch_up()
     assert got == ["bad", "good"]
+
+
+def test_a_lineage_abandoned_on_resync_takes_its_standing_credits_with_it():
+    """The kind (session 31, the 2-of-7 backdoor run): the peer that started the swarm trained rounds 0-1 alone
+    before the others were up, re-synced to their state in round 3, and took part in round 4 with all of them. Its
+    ledger still credited it rounds 0 and 1: established in its own view at round 5 (3 of 3 rounds), on probation in
+    everyone else's (1). It led round 5 with a plan the others refused, followed its own, was marked a no-show
+    and sat out the rest of the run. The re-sync now drops the credits of the rounds the swarm never confirmed."""
+    from geomesh_p2p.trust.probation import leader_candidates
+    from tests.rules_util import make_rules
+
+    me, *others = [Identity.generate() for _ in range(4)]
+    me_id, ids = str(me.peer_id), [str(o.peer_id) for o in others]
+    members = [me_id, *ids]
+
+    def round_5_view(resync: bool):
+        ledger = Standing()
+        ledger.credit(0, [me_id])
+        ledger.credit(1, [me_id])
+        rules = make_rules(me=me_id, round=3, standing=ledger)
+        if resync:  # round 3: re-synced to the others' state; no state of its own was ever confirmed (round 0 on)
+            assert rules.forget_marks_since(0) == []  # no penalty marks to drop; the credits of rounds 0-1 go
+            assert ledger.credited_rounds() == []
+        ledger.credit(4, members)
+        rules.state.round = 5
+        # the others trained rounds 2-4 together (3 each); they saw this peer deliver round 4 only
+        recs = [
+            _rec(o, round=5, digest="d5", address=f"127.0.0.1:{7000 + k}",
+                 standing={**{attest_key(i): 3 for i in ids if i != str(o.peer_id)}, attest_key(me_id): 1})
+            for k, o in enumerate(others)
+        ]  # fmt: skip
+        own = ledger.attestations(me_id, own=True)
+        recs.append(_rec(me, round=5, digest="d5", address="127.0.0.1:7999", standing=own))
+        return rules.planning.standing_view(recs)
+
+    before = round_5_view(resync=False)
+    assert before.established(me_id) and leader_candidates(before, members) == [me_id]  # it led alone
+    after = round_5_view(resync=True)
+    assert not after.established(me_id) and all(after.established(i) for i in ids)
+    assert sorted(leader_candidates(after, members)) == sorted(ids)
