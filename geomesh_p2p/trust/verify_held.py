@@ -13,7 +13,7 @@ from typing import Any, Callable, Mapping, Optional
 
 from geomesh_p2p.trust.evidence import Evidence, fetch_contributions
 from geomesh_p2p.trust.verify_commit import Committed, materialize, narrow
-from geomesh_p2p.trust.verify_task import derive_screen
+from geomesh_p2p.trust.verify_task import derive_screen, sampled_candidates
 
 __all__ = ["HeldContributions"]
 
@@ -43,6 +43,11 @@ class HeldContributions:
             return {}
         packets = self._packets(round, kept)
         seed = self._seed_of(round, kept, packets)
+        screened = set(kept.screened)
+        if self.cfg.sample_share > 0 and int(round) >= self.cfg.gain_first_round:
+            # the established contributors drawn for a sampled screen too, as queue_screens adds them (session 31:
+            # before, only the newcomers' were fetched, and every sampled screen was "not run: not held here")
+            screened |= set(sampled_candidates(self.cfg, kept.plan, packets, seed))
         tasks = [self.own_task(round)] + [
             narrow(
                 derive_screen(
@@ -55,7 +60,7 @@ class HeldContributions:
                     part_ranges=kept.part_ranges,
                 )
             )
-            for a in kept.screened
+            for a in sorted(screened)
             if not self.settled(a)  # nothing to learn here: not fetched either
         ]
         out: dict[str, set[int]] = {}

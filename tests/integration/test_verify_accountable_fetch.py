@@ -117,7 +117,7 @@ async def test_pull_inputs_count_serves_at_most_that_many_inputs(swarms):
 async def test_the_round_side_keeps_the_commitments_fetches_what_its_screens_need_and_queues_them(swarms):
     """rules/verified_accountable.py over a real accountable round (round 2: every contributor is screened): the
     round is kept with every part result's commitments and this peer's own packets, the contributions its screens
-    want (CHECK_PARTS parts of each newcomer it screens) are fetched, each matches its commitment, and the screens are
+    want (every part of each newcomer it screens: a screen covers the whole contribution, session 31) are fetched, each matches its commitment, and the screens are
     queued with exactly those signed bytes; the sampled check draws nothing (share 0). No model runs here (the
     queue calls are recorded): the screens themselves are tests/unit/test_verify_accountable.py's."""
     import torch
@@ -127,7 +127,6 @@ async def test_the_round_side_keeps_the_commitments_fetches_what_its_screens_nee
     from geomesh_p2p.round.rules.state import RoundState
     from geomesh_p2p.round.rules.verified import VerifiedWork
     from geomesh_p2p.trust.verify import WorkVerifier
-    from geomesh_p2p.trust.verify_commit import CHECK_PARTS
     from geomesh_p2p.trust.verify_task import VerifyConfig
     from tests.collective_util import RUN
 
@@ -169,9 +168,9 @@ async def test_the_round_side_keeps_the_commitments_fetches_what_its_screens_nee
         assert kept.screened == sorted(sw.pids)  # round 2: everybody is new
         wanted = wv.accountable_wants(2)
         assert set(wanted) == set(sw.pids) - {me}  # 4 screeners per newcomer: all 3 others screen each one
-        assert all(len(parts) == CHECK_PARTS for parts in wanted.values())
+        assert all(len(parts) == len(spec.owners) for parts in wanted.values())
         figures = await verified_accountable.fetch_and_queue(vw, 2, plan, plan.assignments[0], res[0], timeout_s=5.0)
-        assert figures["wanted"] == figures["fetched"] == 3 * CHECK_PARTS and figures["refused"] == 0
+        assert figures["wanted"] == figures["fetched"] == 3 * len(spec.owners) and figures["refused"] == 0
         assert vw.fetch_counts == figures and vw.counts()["fetch"] == figures
         for (a, j), signed in calls["screens"].items():  # each screen gets the committed bytes of its parts
             assert signed is not None and hashlib.sha256(signed).digest()[:DIGEST_BYTES] == kept.committed[a][j].digest
