@@ -99,9 +99,10 @@ def narrow(task, max_parts: int = CHECK_PARTS):
     drawn by SHA-256 of its ``element_seed`` (which follows from the verifier's selection signature): a pure function
     of the task, so every peer cuts it alike. ``n_elements`` is capped by the parts kept. ``task`` itself when it has
     no more parts than that, and always for a screen (``kind`` ``"screen"``, the loss-gain test alone): its t is
-    calibrated on the whole contribution only. Session 31: on 2 of 4 parts of the tiny model an honest contribution
-    measured t -0.31 to 2.6 where the parts held no token embedding (the whole: >= 2.6), so a screen over such a pair
-    failed honest work whenever the screener's own reference happened to reach t + gain_t_gap (docs/security.md,
+    calibrated on the whole contribution only. Session 31 (``benchmarks/gain_parts.py``, tiny preset): honest t over
+    parts (2, 3) of 4 (the embedding's tail and both blocks) -0.62 / 0.96 / 3.39 (min / median / max), the whole
+    1.94 / 4.85 / 10.39, so a screen over such a pair failed honest work whenever the screener's own reference happened
+    to reach t + gain_t_gap (docs/security.md,
     "Issue 28 (session 31): 100 honest rounds"). A screen fetches the accused's whole contribution (P/8 bytes)."""
     if task is None or task.kind == _SCREEN or len(task.parts) <= max_parts:
         return task
