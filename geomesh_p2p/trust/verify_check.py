@@ -240,12 +240,13 @@ def scale_bound(steps: int, lr: float, weight_decay: float, theta_maxabs: float,
 
 def covers_whole(task: VerifyTask, packets: Mapping[str, Mapping[int, Any]]) -> bool:
     """Whether ``task`` covers every part the accused contributed (``packets[task.accused]``: held sign packets or, in
-    accountable mode, their commitments' stand-ins; what :func:`~.verify_task.derive_task` draws from). The loss-gain test runs only then (issue 28, session 31): its
-    thresholds and the power reference were measured on whole contributions, and its power is not spread evenly over
-    the parameters (tiny preset, honest work, ``benchmarks/gain_parts.py``: t 3.50-14.86 on the two parts of 4 that
-    hold the token embedding, -0.62 to 3.39 on the last two; session 29's lone false positive, t -0.12 against the
-    screener's own 3.36, was such a pair). Accountable mode's sampled checks cover 2 parts (:func:`~.verify_commit.narrow`), so their
-    sign statistics decide; its screens cover the whole contribution."""
+    accountable mode, their commitments' stand-ins; what :func:`~.verify_task.derive_task` draws from). The loss-gain
+    test runs only then (issue 28, session 31): its thresholds and the power reference were measured on whole
+    contributions, and its power is not spread evenly over the parameters (tiny preset, honest work,
+    ``benchmarks/gain_parts.py``: t 3.50-14.86 on the two parts of 4 that hold the token embedding, -0.62 to 3.39 on
+    the last two; session 29's lone false positive, t -0.12 against the screener's own 3.36, was such a pair).
+    Accountable mode's sampled checks cover 2 parts (:func:`~.verify_commit.narrow`), so their sign statistics decide;
+    its screens cover the whole contribution."""
     sent = {j for j, p in packets.get(task.accused, {}).items() if isinstance(p, (compression.SignPacket, Committed))}
     return set(task.parts) >= sent
 

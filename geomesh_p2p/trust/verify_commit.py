@@ -20,8 +20,8 @@ tokens used, SHA-256[:16] of the signed contribution). That is enough to run ver
   drawn from the task's own seed, the same at every peer), so it fetches at most that many signed contributions:
   about ``CHECK_PARTS x P / (8 N)`` bytes with N equal parts (sign packets), instead of ``P/8`` for the whole
   contribution; its loss-gain test then decides nothing (its sign statistics do). A screen (the loss-gain test alone)
-  covers and fetches the whole contribution (session 31: the test's t is calibrated on the whole only). The contribution is fetched (by the round's side, :mod:`geomesh_p2p.round.rules.verified_accountable`)
-  and accepted only when its SHA-256 matches the committed one and it is the accused's signed contribution to that
+  covers and fetches the whole contribution (session 31: the test's t is calibrated on the whole only). The
+  contribution is fetched (by the round's side, :mod:`geomesh_p2p.round.rules.verified_accountable`) and accepted only when its SHA-256 matches the committed one and it is the accused's signed contribution to that
   part (:func:`verified_packet`); anything else is refused with the reason, never trusted.
 * **Re-checks** of another verifier's evidence take the accused's contributions from the evidence itself (it
   carries them, signed), each checked against this participant's own commitment (:func:`materialize`).
@@ -102,8 +102,8 @@ def narrow(task, max_parts: int = CHECK_PARTS):
     calibrated on the whole contribution only. Session 31 (``benchmarks/gain_parts.py``, tiny preset): honest t over
     parts (2, 3) of 4 (the embedding's tail and both blocks) -0.62 / 0.96 / 3.39 (min / median / max), the whole
     1.94 / 4.85 / 10.39, so a screen over such a pair failed honest work whenever the screener's own reference happened
-    to reach t + gain_t_gap (docs/security.md,
-    "Issue 28 (session 31): 100 honest rounds"). A screen fetches the accused's whole contribution (P/8 bytes)."""
+    to reach t + gain_t_gap (docs/security.md, "Issue 28 (session 31): 100 honest rounds"). A screen fetches the
+    accused's whole contribution (P/8 bytes)."""
     if task is None or task.kind == _SCREEN or len(task.parts) <= max_parts:
         return task
     key = int(task.element_seed).to_bytes(8, "little") + b"parts"
