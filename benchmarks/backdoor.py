@@ -19,6 +19,7 @@ within 5 rounds.
     python benchmarks/backdoor.py --configs 1of4,2of7 --rounds 15
     python benchmarks/backdoor.py --extra="--mode reencode"   # run-config flags for every peer
     python benchmarks/backdoor.py --poison-after 3 --no-clean  # a patient poisoner (honest in its first 3 rounds)
+    python benchmarks/backdoor.py --clean-only --rounds 100 --extra="--mode accountable"  # honest swarm only
 
 Every process is stopped by PID when a run ends, on error and on Ctrl+C. Raw results: ``WORKDIR/results.jsonl``.
 """
@@ -172,14 +173,21 @@ def main(argv=None) -> int:
         help="patient poisoners: honest in their first N rounds (tests.adversary --poison-after; default: %(default)s)",
     )
     ap.add_argument("--no-clean", action="store_true", help="skip the clean runs (x clean columns then empty)")
+    ap.add_argument(
+        "--clean-only",
+        action="store_true",
+        help="only the clean runs (an honest swarm: the screen's false positives, issue 28's 100 honest rounds)",
+    )
     ap.add_argument("--workdir", default=None)
     a = ap.parse_args(argv)
+    if a.clean_only and a.no_clean:
+        ap.error("--clean-only and --no-clean exclude each other")
     workdir = Path(a.workdir or tempfile.mkdtemp(prefix="geomesh-backdoor-"))
     results = []
     for cfg in a.configs.split(","):
         k, n = (int(x) for x in cfg.split("of"))
         clean = None if a.no_clean else run(workdir, f"clean-{n}", None, n, 0, a)
-        bad = run(workdir, f"poison-{cfg}", "poison", n - k, k, a)
+        bad = None if a.clean_only else run(workdir, f"poison-{cfg}", "poison", n - k, k, a)
         pair = [r for r in (clean, bad) if r is not None]
         results += pair
         with open(workdir / "results.jsonl", "a") as f:

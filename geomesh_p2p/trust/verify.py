@@ -524,10 +524,10 @@ class WorkVerifier(Verdicts, Screening, EvidenceExchange, HeldContributions):
         """Apply a measured check here (its verdict, in the round it checked; the plan grace runs from
         :attr:`now_round` when it ends later): history, log, exclusion. Returns its evidence (None: passed)."""
         self.history = (self.history + [(m.round, m.task, m.stats, m.verdict)])[-100:]
-        log.debug(
-            "round %d: verified work of %s: %s (%s)", m.round, m.task.accused[:10], m.verdict.outcome, m.verdict.reason
-        )
         if m.verdict.outcome == PASS:
+            # at INFO too (issue 28, session 31): a false positive is judged against the statistic's honest
+            # distribution, which only the passes show (one line per check or screen: a few per round at most)
+            log.info("round %d: verified work of %s passes: %s", m.round, m.task.accused[:10], m.verdict.reason)
             return None
         # a marginal measurement alone accuses nobody (cfg.marginal_needed of them in cfg.marginal_window rounds
         # do): said so, not "does not reproduce" (a fresh user read an honest demo peer's marginal one as fraud)

@@ -20,6 +20,7 @@ from geomesh_p2p.model.device import free_after_oom, is_oom
 from geomesh_p2p.model.memory import release_freed_memory
 from geomesh_p2p.trust.check_model import is_hollow, load_for_check, release_
 from geomesh_p2p.trust.gain import GainStats, gain_stats
+from geomesh_p2p.trust.verify_commit import Committed
 from geomesh_p2p.trust.verify_task import (
     CONTROL_STREAM,
     SCREEN,
@@ -49,6 +50,7 @@ __all__ = [
     "screen_contribution",
     "judge_screen",
     "gain_decides",
+    "covers_whole",
     "reference_gain",
 ]
 
@@ -236,6 +238,19 @@ def scale_bound(steps: int, lr: float, weight_decay: float, theta_maxabs: float,
     return steps * lr * (factor + weight_decay * theta_maxabs)
 
 
+def covers_whole(task: VerifyTask, packets: Mapping[str, Mapping[int, Any]]) -> bool:
+    """Whether ``task`` covers every part the accused contributed (``packets[task.accused]``: held sign packets or, in
+    accountable mode, their commitments' stand-ins; what :func:`~.verify_task.derive_task` draws from). The loss-gain
+    test runs only then (issue 28, session 31): its thresholds and the power reference were measured on whole
+    contributions, and its power is not spread evenly over the parameters (tiny preset, honest work,
+    ``benchmarks/gain_parts.py``: t 3.50-14.86 on the two parts of 4 that hold the token embedding, -0.62 to 3.39 on
+    the last two; session 29's lone false positive, t -0.12 against the screener's own 3.36, was such a pair).
+    Accountable mode's sampled checks cover 2 parts (:func:`~.verify_commit.narrow`), so their sign statistics decide;
+    its screens cover the whole contribution."""
+    sent = {j for j, p in packets.get(task.accused, {}).items() if isinstance(p, (compression.SignPacket, Committed))}
+    return set(task.parts) >= sent
+
+
 def gain_decides(cfg: VerifyConfig, gain: GainStats, reference: Optional[GainStats]) -> bool:
     """Whether the loss-gain test ``gain`` may fail or mark a contribution in its round: the checker's own
     contribution's test (``reference``, :func:`reference_gain`) reaches a t at least ``cfg.gain_t_gap`` above
@@ -367,9 +382,10 @@ def check_contribution(
     # The loss-gain test first (forward passes only): a contribution not trained on its batches fails it
     # hard, and then the gradient passes are not needed. What a check of a free rider or a poisoner costs
     # halves, and the background queue (paced to a share of the device) concludes it rounds sooner.
-    # (not on a fresh model's first rounds, where it has no power: VerifyConfig.gain_first_round)
+    # (not on a fresh model's first rounds, where it has no power: VerifyConfig.gain_first_round; not on some of the
+    # contribution's parts, accountable mode's bounded check: its t is calibrated on the whole only, covers_whole)
     gain = None
-    if task.round >= cfg.gain_first_round:
+    if task.round >= cfg.gain_first_round and covers_whole(task, packets):
         gain = _gain(cfg, task, model, dataset, theta, mine, seed=seed, deadline=deadline, pace=pace)
     reference = None
     if gain is not None and gain.t < cfg.gain_t_min:  # a low t counts only where the test has power this round
@@ -477,6 +493,11 @@ def screen_contribution(
     quick = quick_verdict(cfg, task, packets=packets, theta=theta, lr=lr, weight_decay=weight_decay)
     if quick is not None:
         return WorkStats(0.0, 0.0, 0), quick
+    if not covers_whole(task, packets):  # a t over some parts only is not the calibrated statistic (covers_whole)
+        n = len(packets.get(task.accused, {}))
+        return WorkStats(0.0, 0.0, 0), Verdict(
+            PASS, f"inconclusive: the screen covers {len(task.parts)} of the {n} parts contributed, not measured"
+        )
     gain = _gain(
         cfg, task, model, dataset, theta, packets[task.accused], seed=seed, deadline=deadline, pace=pace, cache=cache
     )

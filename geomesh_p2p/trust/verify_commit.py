@@ -16,11 +16,12 @@ tokens used, SHA-256[:16] of the signed contribution). That is enough to run ver
   these results (it applied them), and each hash is of a contribution signed before its sender saw any other's.
   What it leaves: an owner chooses which late pushes its result takes, so it can vary the seed a little
   (as it can the validators' draw, docs/collective.md, "Validators").
-* **A bounded fetch.** A check covers at most :data:`CHECK_PARTS` of the accused's parts (:func:`narrow`: drawn
-  from the task's own seed, the same at every peer), so it fetches at most that many signed contributions: about
-  ``CHECK_PARTS x P / (8 N)`` bytes with N equal parts (sign packets), instead of ``P/8`` for the whole
-  contribution. The contribution is fetched (by the round's side, :mod:`geomesh_p2p.round.rules.verified_accountable`)
-  and accepted only when its SHA-256 matches the committed one and it is the accused's signed contribution to that
+* **A bounded fetch.** A sampled check covers at most :data:`CHECK_PARTS` of the accused's parts (:func:`narrow`:
+  drawn from the task's own seed, the same at every peer), so it fetches at most that many signed contributions:
+  about ``CHECK_PARTS x P / (8 N)`` bytes with N equal parts (sign packets), instead of ``P/8`` for the whole
+  contribution; its loss-gain test then decides nothing (its sign statistics do). A screen (the loss-gain test alone)
+  covers and fetches the whole contribution (session 31: the test's t is calibrated on the whole only). The
+  contribution is fetched (by the round's side, :mod:`geomesh_p2p.round.rules.verified_accountable`) and accepted only when its SHA-256 matches the committed one and it is the accused's signed contribution to that
   part (:func:`verified_packet`); anything else is refused with the reason, never trusted.
 * **Re-checks** of another verifier's evidence take the accused's contributions from the evidence itself (it
   carries them, signed), each checked against this participant's own commitment (:func:`materialize`).
@@ -56,6 +57,7 @@ __all__ = [
 CHECK_PARTS = 2
 
 _SEED_DOMAIN = b"geomesh-p2p/verify-screen-accountable/v1\x00"
+_SCREEN = "screen"  # verify_task.SCREEN (verify_task imports this module)
 _CONTRIBUTION_KIND = "geomesh.collective/Contribution"
 
 
@@ -94,10 +96,15 @@ def commitment_seed(run_id: str, plan, committed: Mapping[str, Mapping[int, Comm
 
 def narrow(task, max_parts: int = CHECK_PARTS):
     """``task`` (a :class:`~geomesh_p2p.trust.verify_task.VerifyTask`) cut to at most ``max_parts`` of its parts,
-    drawn by SHA-256 of its ``element_seed`` (which follows from the verifier's selection signature or, for a screen,
-    from the round's seed and the accused): a pure function of the task, so every peer cuts it alike. ``n_elements``
-    is capped by the parts kept. ``task`` itself when it has no more parts than that."""
-    if task is None or len(task.parts) <= max_parts:
+    drawn by SHA-256 of its ``element_seed`` (which follows from the verifier's selection signature): a pure function
+    of the task, so every peer cuts it alike. ``n_elements`` is capped by the parts kept. ``task`` itself when it has
+    no more parts than that, and always for a screen (``kind`` ``"screen"``, the loss-gain test alone): its t is
+    calibrated on the whole contribution only. Session 31 (``benchmarks/gain_parts.py``, tiny preset): honest t over
+    parts (2, 3) of 4 (the embedding's tail and both blocks) -0.62 / 0.96 / 3.39 (min / median / max), the whole
+    1.94 / 4.85 / 10.39, so a screen over such a pair failed honest work whenever the screener's own reference happened
+    to reach t + gain_t_gap (docs/security.md, "Issue 28 (session 31): 100 honest rounds"). A screen fetches the
+    accused's whole contribution (P/8 bytes)."""
+    if task is None or task.kind == _SCREEN or len(task.parts) <= max_parts:
         return task
     key = int(task.element_seed).to_bytes(8, "little") + b"parts"
     pick = sorted(task.parts, key=lambda j: hashlib.sha256(key + struct.pack("<Q", int(j))).digest())[:max_parts]

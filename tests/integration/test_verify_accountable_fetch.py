@@ -164,11 +164,10 @@ async def _kept_round(swarms, r: int, cfg):
 async def test_the_round_side_keeps_the_commitments_fetches_what_its_screens_need_and_queues_them(swarms):
     """rules/verified_accountable.py over a real accountable round (round 2: every contributor is screened): the
     round is kept with every part result's commitments and this peer's own packets, the contributions its screens
-    want (CHECK_PARTS parts of each newcomer it screens) are fetched, each matches its commitment, and the screens are
+    want (every part of each newcomer it screens: a screen covers the whole contribution, session 31) are fetched, each matches its commitment, and the screens are
     queued with exactly those signed bytes; the sampled check draws nothing (share 0). No model runs here (the
     queue calls are recorded): the screens themselves are tests/unit/test_verify_accountable.py's."""
     from geomesh_p2p.round.rules import verified_accountable
-    from geomesh_p2p.trust.verify_commit import CHECK_PARTS
     from geomesh_p2p.trust.verify_task import VerifyConfig
 
     sw, plan, res, wv, vw, calls = await _kept_round(swarms, 2, VerifyConfig(share=0.0))
@@ -180,9 +179,10 @@ async def test_the_round_side_keeps_the_commitments_fetches_what_its_screens_nee
         assert kept.screened == sorted(sw.pids)  # round 2: everybody is new
         wanted = calls["wanted"] = wv.accountable_wants(2)
         assert set(wanted) == set(sw.pids) - {me}  # 4 screeners per newcomer: all 3 others screen each one
-        assert all(len(parts) == CHECK_PARTS for parts in wanted.values())
+        n_parts = len(plan.assignments)  # one part per peer
+        assert all(len(parts) == n_parts for parts in wanted.values())
         figures = await verified_accountable.fetch_and_queue(vw, 2, plan, plan.assignments[0], res[0], timeout_s=5.0)
-        assert figures["wanted"] == figures["fetched"] == 3 * CHECK_PARTS and figures["refused"] == 0
+        assert figures["wanted"] == figures["fetched"] == 3 * n_parts and figures["refused"] == 0
         assert vw.fetch_counts == figures and vw.counts()["fetch"] == figures
         for (a, j), signed in calls["screens"].items():  # each screen gets the committed bytes of its parts
             assert signed is not None and hashlib.sha256(signed).digest()[:DIGEST_BYTES] == kept.committed[a][j].digest
@@ -200,7 +200,6 @@ async def test_an_established_contributors_sampled_screen_gets_its_contribution_
     them ever had its contribution. Round 7 has no newcomer; every established contributor is drawn here (a sampled
     share that makes the probability 1, 3 screeners each): all three are fetched (before: nothing) and screened."""
     from geomesh_p2p.round.rules import verified_accountable
-    from geomesh_p2p.trust.verify_commit import CHECK_PARTS
     from geomesh_p2p.trust.verify_task import VerifyConfig
 
     cfg = VerifyConfig(share=0.0, sample_share=100.0, sample_screeners=3)
@@ -211,10 +210,11 @@ async def test_an_established_contributors_sampled_screen_gets_its_contribution_
         assert kept.screened == []  # no newcomer in round 7
         wanted = calls["wanted"] = wv.accountable_wants(7)
         assert set(wanted) == set(sw.pids) - {me}
-        assert all(len(parts) == CHECK_PARTS for parts in wanted.values())
+        n_parts = len(plan.assignments)
+        assert all(len(parts) == n_parts for parts in wanted.values())  # a screen covers the whole contribution
         assert kept.screened == sorted(sw.pids)  # the drawn ones (this peer too: others screen it)
         figures = await verified_accountable.fetch_and_queue(vw, 7, plan, plan.assignments[0], res[0], timeout_s=5.0)
-        assert figures["wanted"] == figures["fetched"] == 3 * CHECK_PARTS and figures["refused"] == 0
+        assert figures["wanted"] == figures["fetched"] == 3 * n_parts and figures["refused"] == 0
         for (a, j), signed in calls["screens"].items():
             assert signed is not None and hashlib.sha256(signed).digest()[:DIGEST_BYTES] == kept.committed[a][j].digest
         assert wv.accountable_wants(7) == {}

@@ -4,6 +4,7 @@ peers'). The rows are those of pair b of session 29 (``/tmp/s29/bd/b``: the excl
 left h0 out) and of a run whose h0 was planned out for speed from round 1."""
 
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -44,3 +45,25 @@ def test_an_honest_peer_planned_out_does_not_make_the_poisoner_out():
     assert out_from(honest, 3) == 1
     assert out_from(honest, 3, {"a0": a0}) is None
     assert out_from(honest, 3, {"a0": a0[:-1]}) == 7  # had it not led round 14
+
+
+def test_clean_only_runs_the_honest_swarm_alone(tmp_path, capsys):
+    """Session 31 (issue 28's 100 honest rounds): ``--clean-only`` runs one clean swarm per config, no poisoned one,
+    and records it; it excludes ``--no-clean``."""
+    mod = _backdoor()
+    ran = []
+
+    def fake_run(workdir, label, attack, n_honest, n_att, a):
+        ran.append((label, attack, n_honest, n_att, a.rounds))
+        return {"label": label, "attack": attack, "error": "not run (test)"}
+
+    mod.run = fake_run
+    assert mod.main(["--clean-only", "--configs", "0of4,1of7", "--rounds", "100", "--workdir", str(tmp_path)]) == 0
+    assert ran == [("clean-4", None, 4, 0, 100), ("clean-7", None, 7, 0, 100)]
+    assert [json.loads(x)["label"] for x in (tmp_path / "results.jsonl").read_text().splitlines()] == [
+        "clean-4",
+        "clean-7",
+    ]
+    with pytest.raises(SystemExit):
+        mod.main(["--clean-only", "--no-clean"])
+    assert "exclude each other" in capsys.readouterr().err

@@ -1,7 +1,8 @@
 """Verified work in accountable mode (issues 26 and 28; geomesh_p2p/trust/verify_commit.py, verify_held.py): each
 participant holds its own contributions and, of the others, only what the owner-signed part results commit to
 (tokens, SHA-256[:16]); the screens and checks are drawn from those commitments, the accused's contribution to the
-(at most CHECK_PARTS) parts checked is fetched, refused unless it is the committed one, and the check runs unchanged.
+parts checked (every part for a screen, at most CHECK_PARTS for a sampled check) is fetched, refused unless it is the
+committed one, and the check runs unchanged.
 
 The world is tests/verify_util.py's (real tiny model, KJV corpus, batch 8 x 64, 4 parts), its round under test
 round 2 (every contributor is a newcomer there, so every one is screened). The fetch over gRPC:
@@ -21,12 +22,10 @@ from geomesh_p2p.trust import evidence as EV
 from geomesh_p2p.trust import verify_check as VC
 from geomesh_p2p.trust import verify_task as VT
 from geomesh_p2p.trust.verify_commit import (
-    CHECK_PARTS,
     Committed,
     ContributionRefused,
     commitment_seed,
     narrow,
-    overlay,
     verified_packet,
 )
 from geomesh_p2p.trust.verify_screen import Prepared
@@ -40,37 +39,24 @@ world = pytest.fixture(scope="module", name="world")(world_fixture)
 CFG = VT.VerifyConfig(share=0.0)
 
 
-#: The CHECK_PARTS of A's 4 parts an accountable screen covers are drawn from the round's commitments
-#: (:func:`~geomesh_p2p.trust.verify_commit.narrow`), and they decide whether the loss-gain test has power: in this
-#: world a screener's own contribution (the power reference) reaches t 4.4-6.7 on every pair with part 0 or 1, only
-#: t 2.3 on parts (2, 3), where a wrong-data A's t (0.3-1.4, by the steps drawn) is within ``gain_t_gap`` (2.5) of it:
-#: no power, so the screen passes as inconclusive (no evidence). A test of a screen fixes the pair it draws.
-POWERED, UNPOWERED = (0, 1), (2, 3)
+#: Before session 31 an accountable screen covered CHECK_PARTS of A's 4 parts, drawn from the round's commitments,
+#: and the pair decided whether the loss-gain test had power: in this world a screener's own contribution reached
+#: t 4.4-6.7 on every pair with part 0 or 1, only t 2.3 on parts (2, 3), where a wrong-data A passed as inconclusive.
+#: A screen now covers the whole contribution (tests/unit/test_screen_coverage.py: the honest side of the same cut).
+ALL_PARTS = (0, 1, 2, 3)
 
 
-def _drawn_parts(world, plan, committed) -> tuple[int, ...]:
-    """The parts of A that the round's accountable screen of A covers (the same for every screener)."""
-    seed = commitment_seed(RUN, plan, committed)
-    a = world.pid["A"]
-    [first] = VT.screeners_of(seed, a, [x.peer_id for x in plan.assignments], 1)
-    task = VT.derive_screen(CFG, plan=plan, verifier=first, accused=a, seed=seed, packets=overlay(committed, {}),
-                            part_ranges=world.part_ranges)  # fmt: skip
-    return narrow(task).parts
+def _nonce(sender: str, part: int) -> bytes:
+    return hashlib.sha256(f"{sender}/{part}/0".encode()).digest()[:16]
 
 
-def _nonce(sender: str, part: int, salt: int) -> bytes:
-    return hashlib.sha256(f"{sender}/{part}/{salt}".encode()).digest()[:16]
-
-
-def _case(world, contribution, H, names=("V", "W"), parts=None):
+def _case(world, contribution, H, names=("V", "W")):
     """Round 2 in accountable mode with screeners ``names`` that contributed honestly too: the relay packets
     (what only the part owners received now), every contribution signed by its sender, and the commitments every
     participant holds (sender -> part -> Committed: tokens capped by the plan, SHA-256[:16] of the signed bytes).
 
     Every contribution is signed with a fixed nonce (:func:`~tests.verify_util._signed`): a fresh random one made
-    the commitments, so the screen seed and the parts of A a screen covers, differ on every run (a wrong-data A
-    passed its screen as inconclusive whenever parts (2, 3) were drawn: 1 run in 6). ``parts``: the first nonces
-    (by a counter) whose round draws a screen of A over those parts; None: the first nonces."""
+    the commitments, so the screen seed (and the steps a screen draws), differ on every run."""
     ids = {n: _fixed_identity(f"screener-{n}") for n in names}
     plan = _plan(world, ids)
     packets = _packets(
@@ -78,25 +64,17 @@ def _case(world, contribution, H, names=("V", "W"), parts=None):
     )
     everyone = {**{str(i.peer_id): i for i in world.ids.values()}, **{str(i.peer_id): i for i in ids.values()}}
     budget = {x.peer_id: x.token_budget for x in plan.assignments}
-    for salt in range(64):
-        signed = {
-            p: {
-                j: _signed(everyone[p], pk, j, *world.part_ranges[j], nonce=_nonce(p, j, salt))
-                for j, pk in parts_of.items()
-            }
-            for p, parts_of in packets.items()
+    signed = {
+        p: {j: _signed(everyone[p], pk, j, *world.part_ranges[j], nonce=_nonce(p, j)) for j, pk in parts_of.items()}
+        for p, parts_of in packets.items()
+    }
+    committed = {
+        p: {
+            j: Committed(min(pk.tokens, budget[p]), hashlib.sha256(signed[p][j]).digest()[:16])
+            for j, pk in parts_of.items()
         }
-        committed = {
-            p: {
-                j: Committed(min(pk.tokens, budget[p]), hashlib.sha256(signed[p][j]).digest()[:16])
-                for j, pk in parts_of.items()
-            }
-            for p, parts_of in packets.items()
-        }
-        if parts is None or _drawn_parts(world, plan, committed) == tuple(parts):
-            break
-    else:
-        raise AssertionError(f"no nonces of 64 draw a screen of A over parts {parts}")
+        for p, parts_of in packets.items()
+    }
     return types.SimpleNamespace(ids=ids, plan=plan, packets=packets, signed=signed, committed=committed)
 
 
@@ -141,7 +119,7 @@ def _signed_of(case):
 
 
 def test_in_accountable_mode_a_wrong_data_newcomer_fails_its_screen_and_is_excluded_by_every_screener(world):
-    case = _case(world, world.wrong_data, 10, parts=POWERED)
+    case = _case(world, world.wrong_data, 10)
     a, b, c = world.pid["A"], world.pid["B"], world.pid["C"]
     v_id, w_id = str(case.ids["V"].peer_id), str(case.ids["W"].peer_id)
     dht = FakeDHT()
@@ -149,16 +127,16 @@ def test_in_accountable_mode_a_wrong_data_newcomer_fails_its_screen_and_is_exclu
     w, w_fetched = _accountable_verifier(world, case, "W")
     v.dht = w.dht = dht
     try:
-        # each screen covers CHECK_PARTS of the 4 parts: only those are fetched (4 others x 2 parts), nothing else
-        assert len(v_fetched) == 4 * CHECK_PARTS and {p for p, _ in v_fetched} == {a, b, c, w_id}
+        # each screen covers the whole contribution (session 31): every part of the 4 others is fetched (V holds
+        # its own only), nothing else
+        assert len(v_fetched) == 4 * len(ALL_PARTS) and {p for p, _ in v_fetched} == {a, b, c, w_id}
         assert {p for p, _ in w_fetched} == {a, b, c, v_id}
-        # both screeners draw the same parts of A (the task is a function of the round's commitments and A alone)
-        assert sorted(j for p, j in v_fetched if p == a) == sorted(j for p, j in w_fetched if p == a) == [*POWERED]
+        assert sorted(j for p, j in v_fetched if p == a) == sorted(j for p, j in w_fetched if p == a) == [*ALL_PARTS]
         assert v.queue_screens(ROUND, signed_of=_signed_of(case)) == 4
         assert v.queue.wait_idle(240)
         [ev] = asyncio.run(v.tend(ROUND))
         assert (ev.task.kind, ev.accused, ev.outcome) == (VT.SCREEN, a, VC.FAIL)
-        assert len(ev.task.parts) == CHECK_PARTS and set(ev.contributions) == set(ev.task.parts)
+        assert ev.task.parts == ALL_PARTS and set(ev.contributions) == set(ev.task.parts)
         assert "no loss gain on its own batches" in ev.reason
         t_a = v.screen_results[(ROUND, a)][0].gain
         assert t_a is not None and t_a.t < CFG.gain_t_hard
@@ -184,7 +162,7 @@ def test_in_accountable_mode_a_wrong_data_newcomer_fails_its_screen_and_is_exclu
 
 def test_in_accountable_mode_a_non_screener_re_checks_with_the_contributions_the_evidence_carries(world):
     cfg = dataclasses.replace(CFG, screeners=1)
-    case = _case(world, world.wrong_data, 10, parts=POWERED)
+    case = _case(world, world.wrong_data, 10)
     a = world.pid["A"]
     seed = commitment_seed(RUN, case.plan, case.committed)
     [screener] = VT.screeners_of(seed, a, [x.peer_id for x in case.plan.assignments], 1)
@@ -226,25 +204,35 @@ def test_in_accountable_mode_an_honest_newcomer_passes_its_screen(world):
         v.close()
 
 
-def test_in_accountable_mode_a_screen_without_power_on_the_parts_it_draws_passes_as_inconclusive(world):
-    # The parts a screen covers are drawn from the round's commitments. On parts (2, 3) the screener's own
-    # contribution reaches t 2.3 only, within gain_t_gap of a wrong-data A's t: the test has no power there, so the
-    # low t says nothing and the screen passes (the newcomer's next screened round decides): no evidence, nobody
-    # excluded. (The first merge's test drew these parts 1 run in 6 and found no evidence.)
-    case = _case(world, world.wrong_data, 10, parts=UNPOWERED)
-    a = world.pid["A"]
-    dht = FakeDHT()
-    v, fetched = _accountable_verifier(world, case, "V")
-    v.dht = dht
+def test_in_accountable_mode_the_contributions_of_sampled_screens_are_fetched_and_the_screens_run(world):
+    """Session 31 (100 honest rounds, 4 peers): each of the 8 sampled screens of established contributors drawn was
+    "not run: its contribution is not held here": the fetch asked only for the newcomers' screens (the sampled ones
+    are drawn when the screens are queued, after the fetch). Now it fetches theirs too."""
+    cfg = dataclasses.replace(CFG, screen_rounds=0, sample_share=10.0)  # round 2: nobody new; every one sampled
+    case = _case(world, world.honest[10], 10)
+    me = str(case.ids["V"].peer_id)
+    v, fetched = _accountable_verifier(world, case, "V", cfg)
     try:
-        assert sorted(j for p, j in fetched if p == a) == [*UNPOWERED]
-        assert v.queue_screens(ROUND, signed_of=_signed_of(case)) == 4
+        kept = v._kept[ROUND]
+        packets = v._packets(ROUND, kept)
+        seed = v._seed_of(ROUND, kept, packets)
+        assert VT.sample_probability(cfg, case.plan, packets) == 1.0
+        # nobody new: what is screened is what the seed drew (recorded by the fetch, Screening.screen_targets)
+        assert kept.screened == VT.sampled_candidates(cfg, case.plan, packets, seed)
+        everyone = [x.peer_id for x in case.plan.assignments]
+        mine = [
+            x
+            for x in VT.sampled_candidates(cfg, case.plan, packets, seed)
+            if x != me and me in VT.screeners_of(seed, x, everyone, cfg.sample_screeners)
+        ]
+        assert len(mine) >= 1  # V is one of the 2 screeners of these
+        assert sorted(fetched) == sorted((x, j) for x in mine for j in ALL_PARTS)  # their whole contributions
+        assert v.queue_screens(ROUND, signed_of=_signed_of(case)) == len(mine)
         assert v.queue.wait_idle(240)
         assert asyncio.run(v.tend(ROUND)) == []
-        stats, verdict = v.screen_results[(ROUND, a)]
-        assert verdict.outcome == VC.PASS and "inconclusive" in verdict.reason and "no power" in verdict.reason
-        assert stats.gain is not None and stats.gain.t < CFG.gain_t_min  # a low t, but without power: no verdict
-        assert not v.excluded and not v.lone and EV.screen_evidence_key(RUN, ROUND, a) not in dht.data
+        for x in mine:  # honest, measured on the whole contribution: a pass with a t, not "not held here"
+            stats, verdict = v.screen_results[(ROUND, x)]
+            assert verdict.outcome == VC.PASS and stats.gain is not None and stats.gain.t >= cfg.gain_t_min, verdict
     finally:
         v.close()
 
@@ -255,8 +243,10 @@ def test_the_accountable_screen_seed_is_the_same_at_every_participant_and_follow
     v, _ = _accountable_verifier(world, case, "V")
     w, _ = _accountable_verifier(world, case, "W")
     try:
-        # each participant holds other packets (its own, what it fetched), the same commitments: the same seed
+        # each participant holds other packets (its own, what it fetched; here V's fetch of one of B's parts failed),
+        # the same commitments: the same seed
         kv, kw = v._kept[ROUND], w._kept[ROUND]
+        del kv.packets[world.pid["B"]][1]
         assert {p: set(x) for p, x in kv.packets.items()} != {p: set(x) for p, x in kw.packets.items()}
         assert v._seed_of(ROUND, kv, v._packets(ROUND, kv)) == w._seed_of(ROUND, kw, w._packets(ROUND, kw)) == seed
         a = world.pid["A"]
@@ -337,7 +327,7 @@ def test_a_newcomer_excluded_here_on_more_than_this_peers_own_measurement_is_nei
     try:
         assert settled.settled(a) and not alone.settled(a) and not none.settled(a)
         assert [j for p, j in got_s if p == a] == []  # not fetched
-        assert len([j for p, j in got_a if p == a]) == CHECK_PARTS == len([j for p, j in got_n if p == a])
+        assert len([j for p, j in got_a if p == a]) == len(ALL_PARTS) == len([j for p, j in got_n if p == a])
         assert settled.queue_screens(ROUND, signed_of=_signed_of(case)) == 3  # B, C and W; not A
         assert alone.queue_screens(ROUND, signed_of=_signed_of(case)) == 4
         assert settled.queue.wait_idle(240) and alone.queue.wait_idle(240)
