@@ -171,6 +171,7 @@ def run_config_from(ns: argparse.Namespace):
         model_config_json=model_json,
         min_agreement=ns.min_agreement or None,
         min_support=ns.min_support or None,
+        support_z=ns.support_z or None,
     )  # 0 = off
     if model_json:
         values["model"] = hashlib.sha256(model_json.encode()).hexdigest()[:16]

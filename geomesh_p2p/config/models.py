@@ -157,6 +157,15 @@ class RunConfig(BaseModel):
         gt=0,
         le=1,
     )
+    support_z: Optional[float] = opt(
+        3.0,
+        "with --min-support, also drop a contribution whose support is within Z standard deviations of "
+        "random signs' (a noise sender sides with the others on half of their margin whatever --min-support "
+        "is; honest work by tens of deviations; docs/security.md); 0 = off",
+        metavar="Z",
+        gt=0,
+        le=100,
+    )
     quorum: float = opt(
         0.5,
         "a part result counts only if it holds contributions of at least F of the round's participants",

@@ -267,6 +267,7 @@ def level_specs(
         weight_cap=spec.weight_cap,
         min_agreement=spec.min_agreement,
         min_support=spec.min_support,
+        support_z=spec.support_z,
         quorum=spec.quorum,
     )
 

@@ -220,6 +220,8 @@ class CollectiveSpec:
             on fewer than this share of elements (None = off).
         min_support: robust rules also drop a contribution whose signs side with less than this share of the
             others' summed vote margin (:func:`geomesh_p2p.exchange.robust.aggregate_part`; None = off).
+        support_z: with ``min_support``, the support filter also drops a contribution whose support is within this
+            many standard deviations of random signs' (noise senders; None = off; 0.11.0).
         quorum: a part result counts only when it aggregates at least ``ceil(quorum x participants)``
             contributions (0 = any); below it every reader treats the part as missing (the same bytes
             give the same decision everywhere), so an owner cannot replace the group's update with its own.
@@ -259,6 +261,7 @@ class CollectiveSpec:
     weight_cap: Optional[float] = None
     min_agreement: Optional[float] = None
     min_support: Optional[float] = None
+    support_z: Optional[float] = None
     quorum: float = 0.0
     probation: Sequence[str] = ()
     grace_s: float = 1.0
@@ -311,7 +314,7 @@ class CollectiveSpec:
             raise ValueError("pull_deadline must not be before deadline")
         if self.rule not in aggregation.RULES:
             raise ValueError(f"rule must be one of {aggregation.RULES}, got {self.rule!r}")
-        for name in ("weight_cap", "min_agreement", "min_support"):
+        for name in ("weight_cap", "min_agreement", "min_support", "support_z"):
             x = getattr(self, name)
             if x is not None:
                 object.__setattr__(self, name, float(x))
@@ -358,6 +361,7 @@ class CollectiveSpec:
             "weight_cap": self.weight_cap,
             "min_agreement": self.min_agreement,
             "min_support": self.min_support,
+            "support_z": self.support_z,
             "quorum": self.quorum,
             "probation": list(self.probation),
             "grace_s": self.grace_s,
@@ -385,6 +389,10 @@ class CollectiveSpec:
             del d["min_support"]
         else:
             d["min_support"] = repr(self.min_support)
+        if self.support_z is None:  # likewise (0.11.0)
+            del d["support_z"]
+        else:
+            d["support_z"] = repr(self.support_z)
         if self.mode != "accountable":  # likewise: only accountable specs name their validators
             del d["validators_per_part"]
         if not self.readers:  # likewise: only a grouped round's cross-group specs name readers
@@ -435,6 +443,7 @@ class CollectiveSpec:
             weight_cap=self.weight_cap,
             min_agreement=self.min_agreement,
             min_support=self.min_support,
+            support_z=self.support_z,
             dropped=dropped,
             out=out,
         )

@@ -284,17 +284,32 @@ def _table_support(hist: torch.Tensor, act_k: torch.Tensor, c: int, sel: Sequenc
     return n_w, n_agree
 
 
-def _support_keep(keep: list[bool], counts, min_support: float) -> list[bool]:
+def _random_like(n: int, a: int, others: int, z2: Fraction) -> bool:
+    """Whether support counts ``a`` of ``n`` (:func:`_table_support`) are within ``sqrt(z2)`` standard deviations of
+    what signs drawn at random give: ``2a - n < sqrt(z2 x Q)``, with ``Q = sum m^2`` bounded by ``others x n``
+    (``|m| <= others``), so the test is exact in integers and errs toward "random". Signs independent of the
+    others' margins side with it on half of ``sum |m|`` on average, with variance ``Q / 4``."""
+    d = 2 * a - n
+    return d < 0 or d * d < z2 * others * n
+
+
+def _support_keep(keep: list[bool], counts, min_support: float, support_z: Optional[float] = None) -> list[bool]:
     """The support filter (:func:`_robust_sign` step 3b) over the items ``keep`` leaves in: while more than two
-    remain, the one of lowest support (ties: the lowest index) is dropped if below ``min_support``, and the
+    remain, the one of lowest support (ties: the lowest index) is dropped if below ``min_support`` (or, with
+    ``support_z``, when its support is no better than random signs': :func:`_random_like`), and the
     others' supports are measured again without it. One at a time, because a dropped item must not weigh in the
     margins the rest are judged by (with 2 honest items and 1 stealthy flip, the flip halves an honest item's
     "others"). ``counts(sel)`` -> the support counts of the items ``sel``. Exact: integer counts compared as
     fractions."""
     sel = [i for i, k in enumerate(keep) if k]
+    z2 = Fraction(support_z) ** 2 if support_z is not None else None
     while len(sel) > 2:
         n_w, n_agree = counts(sel)
-        low = [(Fraction(a, n), i) for i, n, a in zip(sel, n_w, n_agree) if n > 0 and a < min_support * n]
+        low = [
+            (Fraction(a, n), i)
+            for i, n, a in zip(sel, n_w, n_agree)
+            if n > 0 and (a < min_support * n or (z2 is not None and _random_like(n, a, len(sel) - 1, z2)))
+        ]
         if not low:
             break
         sel.remove(min(low)[1])
@@ -389,7 +404,9 @@ def support_counts(packets: Sequence[Any]) -> tuple[list[int], list[int]]:
     return _stream_support(pos, was, numel, block, list(range(len(packets))))
 
 
-def _table_path(pos, numel, block, rule, weight_cap, min_agreement, t_all, res, min_support=None) -> list[bool]:
+def _table_path(
+    pos, numel, block, rule, weight_cap, min_agreement, t_all, res, min_support=None, support_z=None
+) -> list[bool]:
     """vote / meanmed of ``pos`` (C <= 8 items, same numel and block) into ``res``; returns the keep mask."""
     c = len(pos)
     ns = 1 << c
@@ -477,7 +494,7 @@ def _table_path(pos, numel, block, rule, weight_cap, min_agreement, t_all, res, 
                 n_agree.append(int(hist[both & ((x > 0) == (cons > 0))].sum()))
             keep = _keep_mask(n_both, n_agree, min_agreement)
         if min_support is not None:
-            keep = _support_keep(keep, lambda sel: _table_support(hist, act_k, c, sel), min_support)
+            keep = _support_keep(keep, lambda sel: _table_support(hist, act_k, c, sel), min_support, support_z)
         if not all(keep) and any(keep):
             sel = [i for i in range(c) if keep[i]]
             v, _ = table(sel, min(t_all, _median_int([pos[i][0] for i in sel])))
@@ -499,7 +516,9 @@ def _table_path(pos, numel, block, rule, weight_cap, min_agreement, t_all, res, 
     return keep
 
 
-def _stream_path(pos, numel, block, rule, weight_cap, min_agreement, t_all, res, min_support=None) -> list[bool]:
+def _stream_path(
+    pos, numel, block, rule, weight_cap, min_agreement, t_all, res, min_support=None, support_z=None
+) -> list[bool]:
     """vote / meanmed of ``pos`` (any count) into ``res``, one decoded contribution at a time."""
     x = torch.empty(numel, dtype=torch.float32)
 
@@ -554,7 +573,7 @@ def _stream_path(pos, numel, block, rule, weight_cap, min_agreement, t_all, res,
             del bits, mism, cons_nz, cons_neg
             keep = _keep_mask(n_both, n_agree, min_agreement)
         if min_support is not None:
-            keep = _support_keep(keep, lambda sel: _stream_support(pos, was, numel, block, sel), min_support)
+            keep = _support_keep(keep, lambda sel: _stream_support(pos, was, numel, block, sel), min_support, support_z)
         if not all(keep) and any(keep):
             sel = [i for i in range(c) if keep[i]]
             combine(sel, min(t_all, _median_int([pos[i][0] for i in sel])))
@@ -577,6 +596,7 @@ def _robust_sign(
     dropped: Optional[list] = None,
     out: Optional[torch.Tensor] = None,
     min_support: Optional[float] = None,
+    support_z: Optional[float] = None,
 ) -> torch.Tensor:
     """``vote`` / ``meanmed`` over sign packets (tokens capped by the plan), in the given order.
 
@@ -601,7 +621,12 @@ def _robust_sign(
        coordinates opposes them exactly there. With ``min_support = 0.5`` the rule reads: dropped when its
        signs are anti-correlated with the others' summed votes. Over the items step 3 keeps, one at a time:
        while more than two remain, the lowest below ``min_support`` is dropped and the rest measured again
-       without it (:func:`_support_keep`). Then one re-run of step 2 over the items both filters keep.
+       without it (:func:`_support_keep`). With ``support_z`` (issue 28's noise senders, session 31), an item is
+       also "below" when its support is within ``support_z`` standard deviations of what random signs give
+       (:func:`_random_like`: ``2a - n < support_z sqrt((C' - 1) n)``, C' the items measured, integers): a noise
+       contribution sides with the others on half of ``sum |m|`` whatever ``min_support`` is, and passed the
+       filters at 0.5, while honest work sides with them by tens of such deviations over any part of
+       thousands of elements. Then one re-run of step 2 over the items both filters keep.
     4. Magnitude ``m_b = min(M_b, median of the kept items' scales)``: ``vote`` -> ``sign(v) * m_b`` (ties
        give 0); ``meanmed`` -> ``v * m_b``. So ``|out| <= M_b``: bounded by the honest scales whenever the
        honest items are a strict majority, whatever the rest send.
@@ -626,7 +651,7 @@ def _robust_sign(
     t_all = _median_int([n for n, _ in pos])
     table = len(pos) <= _TABLE_MAX_ITEMS and numel > 0 and sys.byteorder == "little"
     keep = (_table_path if table else _stream_path)(
-        pos, numel, block, rule, weight_cap, min_agreement, t_all, res, min_support
+        pos, numel, block, rule, weight_cap, min_agreement, t_all, res, min_support, support_z
     )
     if not all(keep) and dropped is not None:
         gone = {id(p) for (_, p), k in zip(pos, keep) if not k}
@@ -646,6 +671,7 @@ def aggregate_part(
     dropped: Optional[list] = None,
     out: Optional[torch.Tensor] = None,
     min_support: Optional[float] = None,
+    support_z: Optional[float] = None,
 ) -> torch.Tensor:
     """The aggregate of one part under ``rule``: what every peer applies for that range.
 
@@ -661,6 +687,8 @@ def aggregate_part(
             every rule.
         min_agreement: robust rules: the agreement filter's threshold (None = off).
         min_support: robust rules: the support filter's threshold (:func:`_robust_sign` step 3b; None = off).
+        support_z: with ``min_support``: the support filter also drops an item whose support is within this many
+            standard deviations of random signs' (:func:`_random_like`; None = off).
         dropped: if a list is given, the indices (into ``items``) of the items the agreement or support
             filter dropped are appended to it (the same on every peer: the collective leaves them out of the
             part's contributors, so a peer dropped in every part counts as having delivered nothing).
@@ -680,4 +708,4 @@ def aggregate_part(
         return token_weighted_mean(
             [(w, p) for w, (_, p) in zip(weights, items)], numel, clip_k=clip_k, encoding=encoding, out=out
         )
-    return _robust_sign(items, numel, rule, weight_cap, min_agreement, dropped, out, min_support)
+    return _robust_sign(items, numel, rule, weight_cap, min_agreement, dropped, out, min_support, support_z)

@@ -216,3 +216,64 @@ def test_the_round_record_sums_each_contributors_support_over_its_parts():
     # the last two, +1 on the first four -> 10 of 10; C likewise 10 of 10; D: +3 everywhere -> 6 of 18.
     assert got == {"A": 14 / 14, "B": 14 / 14, "C": 14 / 22, "D": 6 / 18}
     assert aggregation.support_counts([pkt(good), pkt(good), pkt(flip)]) == ([4, 4, 12], [4, 4, 4])
+
+
+def _noise_round(seed: int, numel: int = 1 << 15, n_noise: int = 2):
+    """5 honest items (a shared update + per-item noise of 0.5x-4x its mean magnitude, as few-step contributions are)
+    and ``n_noise`` noise senders (random signs at honest-like scale), the issue's 2 of 7."""
+    g = torch.Generator().manual_seed(seed)
+    true = torch.exp(torch.randn(numel, generator=g)) * torch.sign(torch.randn(numel, generator=g))
+    scale = true.abs().mean()
+    items = [
+        (1000, compression.encode(true + lvl * scale * torch.randn(numel, generator=g), 2048, 0))
+        for lvl in (0.5, 1.0, 1.5, 2.5, 4.0)
+    ]
+    items += [(1000, compression.encode(scale * torch.randn(numel, generator=g), 2048, 0)) for _ in range(n_noise)]
+    return items
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_noise_senders_side_with_the_others_like_random_signs_and_support_z_drops_them(seed):
+    """Session 31's attack table (2 of 7, noise: 1.18x the clean run): a noise contribution sides with the others'
+    margin on about half of it, so the support filter at 0.5 keeps it about half the time; within 3 standard
+    deviations of random signs it is dropped, and no honest item is, down to the 4x-noisy one."""
+    items = _noise_round(seed)
+    numel = items[0][1].numel
+    n_w, n_a = _reference_support(items)
+    for i in (5, 6):  # the noise senders: within ~3 sd of half (sd = sqrt(sum m^2) / 2 <= sqrt(6 n) / 2)
+        assert abs(2 * n_a[i] - n_w[i]) < 4 * (6 * n_w[i]) ** 0.5
+    assert all(2 * n_a[i] - n_w[i] > 20 * (6 * n_w[i]) ** 0.5 for i in range(5))  # honest: tens of sds
+    plain: list = []
+    aggregate_part(items, numel, rule="meanmed", min_agreement=0.5, min_support=0.5, dropped=plain)
+    assert set(plain) <= {5, 6}  # what the 0.5 filters drop of the noise is chance
+    dropped: list = []
+    aggregate_part(items, numel, rule="meanmed", min_agreement=0.5, min_support=0.5, support_z=3.0, dropped=dropped)
+    assert sorted(dropped) == [5, 6]
+    old = aggregation._TABLE_MAX_ITEMS
+    aggregation._TABLE_MAX_ITEMS = 0  # the streaming path drops the same
+    try:
+        streamed: list = []
+        aggregate_part(
+            items, numel, rule="meanmed", min_agreement=0.5, min_support=0.5, support_z=3.0, dropped=streamed
+        )
+    finally:
+        aggregation._TABLE_MAX_ITEMS = old
+    assert sorted(streamed) == [5, 6]
+
+
+def test_support_z_is_an_exact_integer_rule_on_a_hand_computed_case():
+    # 2a - n against z * sqrt(others * n): a = 52, n = 100, 2 others: 4 < 3 * sqrt(200) ~ 42.4 -> random-like
+    assert aggregation._random_like(100, 52, 2, aggregation.Fraction(3) ** 2)
+    assert not aggregation._random_like(100, 80, 2, aggregation.Fraction(3) ** 2)  # 60 > 42.4
+    assert aggregation._random_like(100, 49, 2, aggregation.Fraction(0))  # below half is always "random or worse"
+    assert not aggregation._random_like(100, 51, 2, aggregation.Fraction(0))
+
+
+def test_the_spec_carries_support_z_and_keeps_its_old_id_without_it():
+    off, on = _spec(min_support=0.5), _spec(min_support=0.5, support_z=3.0)
+    assert "support_z" not in off._canonical_json()
+    assert on.spec_id != off.spec_id
+    back = CollectiveSpec.from_dict(on.to_dict())
+    assert back.support_z == 3.0 and back.spec_id == on.spec_id
+    with pytest.raises(ValueError, match="support_z"):
+        _spec(min_support=0.5, support_z=0.0)

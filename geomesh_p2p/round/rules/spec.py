@@ -115,6 +115,7 @@ def collective_spec(
         weight_cap=run_cfg.weight_cap,
         min_agreement=run_cfg.min_agreement,
         min_support=run_cfg.min_support,
+        support_z=run_cfg.support_z,
         quorum=run_cfg.quorum,
         probation=plan.probation(),
         grace_s=pb.early_close_grace_s(plan.window_s),
