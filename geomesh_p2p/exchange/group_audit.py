@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from google.protobuf.message import DecodeError
 
-from geomesh_p2p.exchange import accountable, audit, handoff, handoff_drop
+from geomesh_p2p.exchange import accountable, audit, handoff, handoff_drop, handoff_equivocation
 from geomesh_p2p.exchange.audit import Finding
 from geomesh_p2p.exchange.commitment import (
     DIGEST_BYTES,
@@ -238,6 +238,7 @@ async def check_handoff_drops(gc: "GroupedCollective", round: int, *, timeout_s:
     calls = received = 0
     for c, owner in enumerate(layout.slice_owners[g]):
         mine = {j: rc for j, rc in state.receipts.items() if gspec.owners[j].peer_id == owner}
+        seen: dict[int, tuple[Any, bytes]] = {}  # group part -> (its list, the commitment) first seen here
         if owner == me or not mine:
             continue
         xs = cross_specs[c]
@@ -268,6 +269,7 @@ async def check_handoff_drops(gc: "GroupedCollective", round: int, *, timeout_s:
                 unserved = f"the level-1 commitment of {owner[:10]} it counted was not served: {e.reason}"
                 findings.append(Finding("unvalidatable", xs.owners[k].peer_id, round, k, unserved))
                 continue
+            findings += await _check_equivocation(gspec, xs, cm, signed, parts, seen)
             for j in parts:
                 try:
                     why = handoff_drop.drop_problem(gspec, xs, cm, mine[j])
@@ -283,6 +285,37 @@ async def check_handoff_drops(gc: "GroupedCollective", round: int, *, timeout_s:
         if f.proof is not None:  # a leader gone at the run's end is no news: the suspicion is counted, not logged
             audit._report(gc.group, f)
     return findings
+
+
+async def _check_equivocation(
+    gspec: CollectiveSpec, xs: CollectiveSpec, cm: Any, signed: bytes, parts: list[int], seen: dict
+) -> list[Finding]:
+    """Level-1 equivocation: compare the lists slice owner's commitment ``cm`` (``signed``: its bytes) carries for
+    the receipted group ``parts`` with those of the first commitment of the same owner seen for each (``seen``,
+    updated); a difference is a handoff-equivocation proof (verified here), one per group part. Costs no fetch:
+    every commitment covering a receipted part is fetched for the drop check anyway."""
+    out: list[Finding] = []
+    try:
+        lists = handoff_equivocation.lists_by_part(gspec, xs, cm)
+    except handoff.HandoffError as e:  # a count or format matter of X itself: the hand-off check's
+        log.debug("round %d: equivocation check of %s: %s", gspec.round, cm.owner[:10], e)
+        return out
+    for j in parts:
+        if j not in seen:
+            seen[j] = (lists.get(j), signed)
+            continue
+        first, first_signed = seen[j]
+        if first is None or lists.get(j) == first:
+            continue
+        seen[j] = (None, b"")  # one proof per group part is enough
+        proof = handoff_equivocation.handoff_equivocation_proof(gspec, xs, first_signed, signed)
+        try:
+            verdict = await asyncio.to_thread(accountable.verify_proof, gspec.run_id, proof)
+        except accountable.ProofError as e:  # the other commitment covers no common part: nothing to prove
+            log.debug("round %d: group part %d: equivocation of %s not proven: %s", gspec.round, j, cm.owner[:10], e)
+            continue
+        out.append(Finding("equivocation", verdict.accused, gspec.round, verdict.part, verdict.reason, proof))
+    return out
 
 
 async def _fetch_commitment(
