@@ -39,7 +39,8 @@ def lists_by_part(gspec: CollectiveSpec, xspec: CollectiveSpec, c: GroupCommitme
     """Group part -> the decoded input list commitment ``c`` (a slice owner's, for ``xspec``) carries for it, for
     every group part its cross part overlaps (:func:`.handoff.overlapping_parts`). Raises HandoffError when the
     commitment is not for these specs, carries another number of lists than its parts, or a list is malformed."""
-    if (gspec.run_id, gspec.round, gspec.mode) != (xspec.run_id, xspec.round, "accountable") or xspec.mode != gspec.mode:
+    same_round = (gspec.run_id, gspec.round) == (xspec.run_id, xspec.round)
+    if not same_round or gspec.mode != "accountable" or xspec.mode != "accountable":
         raise HandoffError("the group and cross specs are not one accountable round's")
     if (c.round, c.spec_id, c.group_spec_id) != (xspec.round, xspec.spec_id, gspec.spec_id):
         raise HandoffError("a commitment is not for the proof's cross and group specs")

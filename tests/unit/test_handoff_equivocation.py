@@ -49,9 +49,7 @@ def world():
     assert len(xs.owners) == 2 and xs.owners[0].peer_id != xs.owners[1].peer_id
     assert parts[0] == parts[1] and len(parts[0]) == 1
     order = participant_order(gspec.participants)
-    entries = [
-        InputEntry(order.index(p), 100, False, hashlib.sha256(p.encode()).digest()[:16]) for p in sorted(order)
-    ]
+    entries = [InputEntry(order.index(p), 100, False, hashlib.sha256(p.encode()).digest()[:16]) for p in sorted(order)]
     entries.sort(key=lambda e: e.index)
     idx = {i.peer_id.to_string(): i for i in ids}
     return dict(ids=idx, gspec=gspec, gspecs=gspecs, xs=xs, owner=owner, j=parts[0][0], entries=entries)
@@ -61,7 +59,9 @@ def _sign(w, lists, k, signer=None, group_spec_id=None):
     gid = w["gspec"].spec_id if group_spec_id is None else group_spec_id
     env = sign_commitment(w["ids"][signer or w["owner"]], RUN, w["gspec"].round, w["xs"].spec_id, k, gid, lists)
     payload = commitment_payload(w["gspec"].round, w["xs"].spec_id, k, gid, lists)
-    return envelope_pb2.SignedMessage(envelope=envelope_pb2.Envelope.FromString(env), payload=payload).SerializeToString()
+    return envelope_pb2.SignedMessage(
+        envelope=envelope_pb2.Envelope.FromString(env), payload=payload
+    ).SerializeToString()
 
 
 def _proof(w, a, b, gspec=None):
