@@ -5,7 +5,9 @@
 * **Level-1 drops**: every member of a group that holds a slice owner's receipt of its push checks the push is in
   the owner's signed level-1 commitment (:mod:`.group_commitment`, fetched alone from the leader that counted the
   owner's ``X``: ``PullInputs`` with ``commitments_only``); a receipted push left out is a handoff-drop proof
-  (:mod:`.handoff_drop`), verified here before it is returned (:func:`check_handoff_drops`).
+  (:mod:`.handoff_drop`), verified here before it is returned (:func:`check_handoff_drops`). The same fetches
+  cover a group part twice where two cross parts (two leaders) overlap it: two lists of the owner for it that
+  differ are a handoff-equivocation proof (:mod:`.handoff_equivocation`), at no extra fetch.
 * **Level 1** (a slice owner's group aggregate, handed on as its signed cross contribution ``X``): the members of
   its group drawn by :func:`.handoff.handoff_validators` fetch ``X`` (one input of the leader's result: from the
   leader, ``PullInputs`` with ``first``/``count``, its hash checked against the leader's signed list) and the group
@@ -217,7 +219,9 @@ async def check_handoff_drops(gc: "GroupedCollective", round: int, *, timeout_s:
     the leader-signed cross result read in the all-gather: else the drop changed nothing), fetch ``X``'s signed
     commitment from that leader (one ``PullInputs`` with ``commitments_only`` per cross part; ``timeout_s``: the
     deadline of them all) and check each receipted push of the parts it covers is listed as receipted
-    (:func:`.handoff_drop.drop_problem`). Returns ``drop`` findings with a handoff-drop proof (verified here), and an
+    (:func:`.handoff_drop.drop_problem`), and that the owner's commitments fetched here list the same inputs for each
+    receipted group part several cross parts overlap (:func:`_check_equivocation`). Returns ``drop`` findings with a
+    handoff-drop proof and ``equivocation`` findings with a handoff-equivocation proof (verified here), and an
     ``unvalidatable`` finding against the leader for a commitment it counted and did not serve (a suspicion, never
     acted on: nothing is proven from it). Counts the fetches and bytes
     received in ``gc.drop_checks[round]``."""
