@@ -22,7 +22,9 @@ on this exchange (docs/collective.md, "Accountable mode"):
    peer re-checks in O(part).
 5. **Hand-offs** (a grouped round's level 1): a slice owner's signed cross contribution that is not the group
    rule over the group inputs it commits to is a *handoff proof* (:mod:`.handoff`); a receipted group push its
-   signed level-1 commitment omits is a *handoff-drop proof* (:mod:`.handoff_drop`).
+   signed level-1 commitment omits is a *handoff-drop proof* (:mod:`.handoff_drop`); two signed level-1
+   commitments with different input lists for one group part are a *handoff-equivocation proof*
+   (:mod:`.handoff_equivocation`).
 6. **Equivocation.** Two results an owner signed for one (round, part) with different payloads are an
    *equivocation proof* (:func:`equivocation_proof`).
 
@@ -41,7 +43,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from geomesh_p2p.exchange import frames as wire
-from geomesh_p2p.exchange import handoff, handoff_drop, messages
+from geomesh_p2p.exchange import handoff, handoff_drop, handoff_equivocation, messages
 from geomesh_p2p.exchange.aggregate import aggregate_buffer
 from geomesh_p2p.exchange.commitment import (
     DIGEST_BYTES,
@@ -81,7 +83,14 @@ __all__ = [
     "witness_problem",
 ]
 
-PROOF_KINDS = ("drop", "forgery", "equivocation", "handoff", handoff_drop.HANDOFF_DROP)
+PROOF_KINDS = (
+    "drop",
+    "forgery",
+    "equivocation",
+    "handoff",
+    handoff_drop.HANDOFF_DROP,
+    handoff_equivocation.HANDOFF_EQUIVOCATION,
+)
 #: A proof larger than this is refused unread (a forgery proof holds one part's inputs: N x part bytes).
 MAX_PROOF_BYTES = 256 << 20
 
@@ -292,6 +301,17 @@ def verify_proof(run_id: str, data: bytes, max_bytes: int = MAX_PROOF_BYTES) -> 
         except handoff.HandoffError as e:
             raise ProofError(str(e)) from None
         return ProofVerdict(handoff_drop.HANDOFF_DROP, accused, gspec.round, j, why_d)
+    if p.kind == handoff_equivocation.HANDOFF_EQUIVOCATION:  # level 1: two lists of one group part
+        if not p.spec_json or not p.cross_spec_json:
+            raise ProofError("a handoff-equivocation proof needs the group and cross specs")
+        gspec, xspec = _spec_of(p.spec_json), _spec_of(p.cross_spec_json)
+        try:
+            accused, j, why_e = handoff_equivocation.verify_handoff_equivocation(
+                verifier, gspec, xspec, p.commitment, p.other_commitment
+            )
+        except handoff.HandoffError as e:
+            raise ProofError(str(e)) from None
+        return ProofVerdict(handoff_equivocation.HANDOFF_EQUIVOCATION, accused, gspec.round, j, why_e)
     spec = _spec_of(p.spec_json) if p.spec_json else None
     n = len(spec.participants) if spec is not None else 1 << 20
     try:

@@ -5,7 +5,9 @@
 * **Level-1 drops**: every member of a group that holds a slice owner's receipt of its push checks the push is in
   the owner's signed level-1 commitment (:mod:`.group_commitment`, fetched alone from the leader that counted the
   owner's ``X``: ``PullInputs`` with ``commitments_only``); a receipted push left out is a handoff-drop proof
-  (:mod:`.handoff_drop`), verified here before it is returned (:func:`check_handoff_drops`).
+  (:mod:`.handoff_drop`), verified here before it is returned (:func:`check_handoff_drops`). The same fetches
+  cover a group part twice where two cross parts (two leaders) overlap it: two lists of the owner for it that
+  differ are a handoff-equivocation proof (:mod:`.handoff_equivocation`), at no extra fetch.
 * **Level 1** (a slice owner's group aggregate, handed on as its signed cross contribution ``X``): the members of
   its group drawn by :func:`.handoff.handoff_validators` fetch ``X`` (one input of the leader's result: from the
   leader, ``PullInputs`` with ``first``/``count``, its hash checked against the leader's signed list) and the group
@@ -25,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from google.protobuf.message import DecodeError
 
-from geomesh_p2p.exchange import accountable, audit, handoff, handoff_drop
+from geomesh_p2p.exchange import accountable, audit, handoff, handoff_drop, handoff_equivocation
 from geomesh_p2p.exchange.audit import Finding
 from geomesh_p2p.exchange.commitment import (
     DIGEST_BYTES,
@@ -217,7 +219,9 @@ async def check_handoff_drops(gc: "GroupedCollective", round: int, *, timeout_s:
     the leader-signed cross result read in the all-gather: else the drop changed nothing), fetch ``X``'s signed
     commitment from that leader (one ``PullInputs`` with ``commitments_only`` per cross part; ``timeout_s``: the
     deadline of them all) and check each receipted push of the parts it covers is listed as receipted
-    (:func:`.handoff_drop.drop_problem`). Returns ``drop`` findings with a handoff-drop proof (verified here), and an
+    (:func:`.handoff_drop.drop_problem`), and that the owner's commitments fetched here list the same inputs for each
+    receipted group part several cross parts overlap (:func:`_check_equivocation`). Returns ``drop`` findings with a
+    handoff-drop proof and ``equivocation`` findings with a handoff-equivocation proof (verified here), and an
     ``unvalidatable`` finding against the leader for a commitment it counted and did not serve (a suspicion, never
     acted on: nothing is proven from it). Counts the fetches and bytes
     received in ``gc.drop_checks[round]``."""
@@ -238,6 +242,7 @@ async def check_handoff_drops(gc: "GroupedCollective", round: int, *, timeout_s:
     calls = received = 0
     for c, owner in enumerate(layout.slice_owners[g]):
         mine = {j: rc for j, rc in state.receipts.items() if gspec.owners[j].peer_id == owner}
+        seen: dict[int, tuple[Any, bytes]] = {}  # group part -> (its list, the commitment) first seen here
         if owner == me or not mine:
             continue
         xs = cross_specs[c]
@@ -268,6 +273,7 @@ async def check_handoff_drops(gc: "GroupedCollective", round: int, *, timeout_s:
                 unserved = f"the level-1 commitment of {owner[:10]} it counted was not served: {e.reason}"
                 findings.append(Finding("unvalidatable", xs.owners[k].peer_id, round, k, unserved))
                 continue
+            findings += await _check_equivocation(gspec, xs, cm, signed, parts, seen)
             for j in parts:
                 try:
                     why = handoff_drop.drop_problem(gspec, xs, cm, mine[j])
@@ -283,6 +289,37 @@ async def check_handoff_drops(gc: "GroupedCollective", round: int, *, timeout_s:
         if f.proof is not None:  # a leader gone at the run's end is no news: the suspicion is counted, not logged
             audit._report(gc.group, f)
     return findings
+
+
+async def _check_equivocation(
+    gspec: CollectiveSpec, xs: CollectiveSpec, cm: Any, signed: bytes, parts: list[int], seen: dict
+) -> list[Finding]:
+    """Level-1 equivocation: compare the lists slice owner's commitment ``cm`` (``signed``: its bytes) carries for
+    the receipted group ``parts`` with those of the first commitment of the same owner seen for each (``seen``,
+    updated); a difference is a handoff-equivocation proof (verified here), one per group part. Costs no fetch:
+    every commitment covering a receipted part is fetched for the drop check anyway."""
+    out: list[Finding] = []
+    try:
+        lists = handoff_equivocation.lists_by_part(gspec, xs, cm)
+    except handoff.HandoffError as e:  # a count or format matter of X itself: the hand-off check's
+        log.debug("round %d: equivocation check of %s: %s", gspec.round, cm.owner[:10], e)
+        return out
+    for j in parts:
+        if j not in seen:
+            seen[j] = (lists.get(j), signed)
+            continue
+        first, first_signed = seen[j]
+        if first is None or lists.get(j) == first:
+            continue
+        seen[j] = (None, b"")  # one proof per group part is enough
+        proof = handoff_equivocation.handoff_equivocation_proof(gspec, xs, first_signed, signed)
+        try:
+            verdict = await asyncio.to_thread(accountable.verify_proof, gspec.run_id, proof)
+        except accountable.ProofError as e:  # the other commitment covers no common part: nothing to prove
+            log.debug("round %d: group part %d: equivocation of %s not proven: %s", gspec.round, j, cm.owner[:10], e)
+            continue
+        out.append(Finding("equivocation", verdict.accused, gspec.round, verdict.part, verdict.reason, proof))
+    return out
 
 
 async def _fetch_commitment(

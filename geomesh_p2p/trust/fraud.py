@@ -91,11 +91,13 @@ def unbundle(data: bytes) -> list[bytes]:
 
 def accused_of(proof: bytes) -> str:
     """The base58 PeerID a proof accuses, read *without* checking it (the signer of its result, or of its
-    cross contribution for a handoff proof, of its level-1 commitment for a handoff-drop proof): for grouping proofs held here, never for a verdict. "" when the
+    cross contribution for a handoff proof, of its (first) level-1 commitment for a handoff-drop or -equivocation proof): for grouping proofs held here, never for a verdict. "" when the
     bytes do not parse."""
     try:
         p = collective_pb2.AccountabilityProof.FromString(proof)
-        signed = {"handoff": p.contribution, "handoff-drop": p.commitment}.get(p.kind, p.result)
+        signed = {"handoff": p.contribution, "handoff-drop": p.commitment, "handoff-equivocation": p.commitment}.get(
+            p.kind, p.result
+        )
         return PeerID(envelope_pb2.SignedMessage.FromString(signed).envelope.sender).to_string()
     except Exception:  # noqa: BLE001  (any malformed bytes: no grouping, the proof stands alone)
         return ""

@@ -183,7 +183,7 @@ class PullInputsResponse(_message.Message):
     def __init__(self, round: _Optional[int] = ..., part: _Optional[int] = ..., contributions: _Optional[_Iterable[bytes]] = ..., total: _Optional[int] = ...) -> None: ...
 
 class AccountabilityProof(_message.Message):
-    __slots__ = ("kind", "result", "receipt", "other_result", "contributions", "spec_json", "contribution", "cross_spec_json", "input_counts", "commitment")
+    __slots__ = ("kind", "result", "receipt", "other_result", "contributions", "spec_json", "contribution", "cross_spec_json", "input_counts", "commitment", "other_commitment")
     KIND_FIELD_NUMBER: _ClassVar[int]
     RESULT_FIELD_NUMBER: _ClassVar[int]
     RECEIPT_FIELD_NUMBER: _ClassVar[int]
@@ -194,6 +194,7 @@ class AccountabilityProof(_message.Message):
     CROSS_SPEC_JSON_FIELD_NUMBER: _ClassVar[int]
     INPUT_COUNTS_FIELD_NUMBER: _ClassVar[int]
     COMMITMENT_FIELD_NUMBER: _ClassVar[int]
+    OTHER_COMMITMENT_FIELD_NUMBER: _ClassVar[int]
     kind: str
     result: bytes
     receipt: bytes
@@ -204,7 +205,8 @@ class AccountabilityProof(_message.Message):
     cross_spec_json: str
     input_counts: _containers.RepeatedScalarFieldContainer[int]
     commitment: bytes
-    def __init__(self, kind: _Optional[str] = ..., result: _Optional[bytes] = ..., receipt: _Optional[bytes] = ..., other_result: _Optional[bytes] = ..., contributions: _Optional[_Iterable[bytes]] = ..., spec_json: _Optional[str] = ..., contribution: _Optional[bytes] = ..., cross_spec_json: _Optional[str] = ..., input_counts: _Optional[_Iterable[int]] = ..., commitment: _Optional[bytes] = ...) -> None: ...
+    other_commitment: bytes
+    def __init__(self, kind: _Optional[str] = ..., result: _Optional[bytes] = ..., receipt: _Optional[bytes] = ..., other_result: _Optional[bytes] = ..., contributions: _Optional[_Iterable[bytes]] = ..., spec_json: _Optional[str] = ..., contribution: _Optional[bytes] = ..., cross_spec_json: _Optional[str] = ..., input_counts: _Optional[_Iterable[int]] = ..., commitment: _Optional[bytes] = ..., other_commitment: _Optional[bytes] = ...) -> None: ...
 
 class PullPartResponse(_message.Message):
     __slots__ = ("round", "part", "ready", "signed_result", "held_s", "same")
