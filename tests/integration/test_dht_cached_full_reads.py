@@ -146,8 +146,12 @@ async def test_live_peers_reads_shard_keys_cached_only_with_shards():
     nodes = await start_swarm(12)
     try:
         reader = nodes[11]
-        by_shard = [[n for n in nodes[:11] if record_shard(n.peer_id.to_string(), 2) == s] for s in range(2)]
-        writers = by_shard[0][:3] + by_shard[1][:3]  # both keys hold records (a random 6 may all fall in one shard)
+        by_shard = [[n for n in nodes[:10] if record_shard(n.peer_id.to_string(), 2) == s] for s in range(2)]
+        # both keys hold records (a random 6 may all fall in one shard); a shard may hold fewer than 3 of the random
+        # PeerIDs (~7 % of runs with 11, the failure of session 31's suite run), so the other one makes up the 6
+        small, big = sorted(by_shard, key=len)
+        assert small, "all 10 PeerIDs fell in one shard (p = 2 / 1024)"
+        writers = small[:3] + big[: 6 - len(small[:3])]
         assert len(writers) == 6
         for w in writers:
             assert await PeerAnnouncer(w, node_record(w), period_s=30, ttl_s=60.0, shards=2).announce_once()
