@@ -94,6 +94,12 @@ class HeldContributions:
         kept = self._kept.get(int(round))
         if kept is None or accused == self.me or self.settled(accused):
             return False
+        log.info(
+            "round %d: verified work: the contribution of %s was not served to this peer (%s): a marginal failure",
+            round,
+            accused[:10],
+            why,
+        )
         self._record(
             _Withheld(int(round), accused),
             Verdict(MARGINAL, f"its contribution was not served to this peer's screen or check ({why})"),
