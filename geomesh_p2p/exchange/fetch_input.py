@@ -3,7 +3,7 @@
 
 A verified-work check needs the accused's signed contribution to the parts it checks. In accountable mode only the
 part's owner received it; every participant holds the owner-signed result, which commits to the SHA-256 of each
-input (:mod:`.commitment`). So the checker asks, in this order, each with the same deadline:
+input (:mod:`.commitment`). So the checker asks, in this order, by one deadline (the owner by :data:`OWNER_SHARE` of it):
 
 1. **the accused itself** (``PullInputs(from_sender)``, the RPC validators use when an owner withholds): it keeps
    its signed push of every part for the kept rounds and serves it, at most 2 contributions (its push, and the
@@ -40,7 +40,13 @@ from geomesh_p2p.wire import collective_pb2
 if TYPE_CHECKING:
     from geomesh_p2p.exchange.client import CollectiveService
 
-__all__ = ["CommittedRound", "committed_round", "fetch_input"]
+__all__ = ["CommittedRound", "committed_round", "fetch_input", "OWNER_SHARE"]
+
+#: Share of a fetch's time the part's owner gets before the sender (or the witness) is asked. Why (red team,
+#: session 31): by one deadline for all, an owner that never answered left the others no time: an accused that owns
+#: a part kept its own contribution to it from every screener (its witness, which holds it, was asked too late),
+#: and the contributions of every other sender to that part with it (their screens "not run").
+OWNER_SHARE = 0.5
 
 
 @dataclass
@@ -100,7 +106,8 @@ async def fetch_input(
 ) -> tuple[Optional[bytes], list[str], int]:
     """``sender``'s signed contribution to ``part`` of accountable ``round`` whose SHA-256 starts with ``digest``
     (its result's commitment), from the part's owner, else the sender, else (when the sender owns the part) its
-    witness, all by one deadline ``timeout_s`` seconds from now.
+    witness, all by one deadline ``timeout_s`` seconds from now; the owner by :data:`OWNER_SHARE` of it (a stalling
+    owner leaves the other holder the rest).
 
     Returns ``(bytes or None, the reasons of each holder that did not serve it, bytes received)``. Never raises
     for what a holder does: a refusal, a timeout, a malformed reply or bytes that do not match are reasons."""
@@ -109,6 +116,7 @@ async def fetch_input(
         return None, [f"round {round} is not an accountable round held here"], 0
     spec = state.spec
     deadline = swarm_time() + float(timeout_s)
+    owner_deadline = swarm_time() + OWNER_SHARE * float(timeout_s)  # the rest is the fallback holder's
     owner = spec.owners[part]
     addresses: dict[str, str] = {}
     for o in spec.owners:
@@ -141,7 +149,7 @@ async def fetch_input(
     if owner.peer_id == service.peer_id and part in state.parts:  # this node owns the part: it holds the inputs
         got = await asyncio.to_thread(match, list(state.parts[part].inputs))
     elif owner.peer_id != service.peer_id:
-        got, reason, n = await _one_from_owner(service, spec, part, sender, deadline, match)
+        got, reason, n = await _one_from_owner(service, spec, part, sender, owner_deadline, match)
         received += n
         if got is None:
             why.append(f"the owner {_short(owner.peer_id)}: {reason}")

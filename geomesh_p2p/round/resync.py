@@ -46,18 +46,24 @@ async def behind(drv: RoundDriver) -> bool:
 
 def plan_voters(drv: RoundDriver, records: Sequence[PeerRecord], r: int) -> list[PeerRecord]:
     """``records`` of the participants of the plan of round ``r - 1`` this peer followed (the plan that made the
-    state of round ``r``), all of them when this peer followed no plan of that round.
+    state of round ``r``) and of the peers established in this peer's view (``policy.standing_established``), all of
+    them when this peer followed no plan of that round.
 
     Why (session 30's red team, by reading): the end-of-run checks counted the digest of every record of the run,
     while the round's own check (:func:`~geomesh_p2p.round.finish.check_digest`) counts only the plan's
     participants. A few signed identities that took no part in the round (each costs one proof of work) could then
     back another digest at this peer's round and make an honest peer end "NOT synced" (a failed exit). Only the
-    peers that made the state vote on it; peers of a later round are counted as before, by their round."""
+    peers that made the state vote on it, and the peers established here (a fork's other side); peers of a later
+    round are counted as before, by their round."""
     plan = drv._last_plan
     if plan is None or plan.round != r - 1:
         return list(records)
     members = set(plan.participants())
-    return [x for x in records if x.peer_id in members]
+    # and the peers established in this peer's view (they delivered in the rounds it applied: no fresh identity):
+    # a lineage that forked off follows plans of its own side only, which agree with it by construction, so
+    # counting the plan alone hid every fork whose side was this peer's, the end-of-run check's whole point
+    # (red team, session 31: test_a_fork_whose_last_plan_names_only_its_own_side_is_still_reported_at_the_end)
+    return [x for x in records if x.peer_id in members or drv.policy.standing_established(records, x.peer_id)]
 
 
 #: Seconds of clock difference between peers tolerated when a leaving record's time is compared with this

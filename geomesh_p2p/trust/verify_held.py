@@ -12,6 +12,7 @@ from collections import OrderedDict
 from typing import Any, Callable, Mapping, Optional
 
 from geomesh_p2p.trust.evidence import Evidence, fetch_contributions
+from geomesh_p2p.trust.verify_check import MARGINAL, Verdict
 from geomesh_p2p.trust.verify_commit import Committed, materialize, narrow
 from geomesh_p2p.trust.verify_task import derive_screen
 
@@ -20,9 +21,18 @@ __all__ = ["HeldContributions"]
 log = logging.getLogger("geomesh_p2p.trust.verify")
 
 
+class _Withheld:
+    """What :meth:`~geomesh_p2p.trust.verify.WorkVerifier._record` reads of a task (its round and accused) for a
+    contribution withheld from this peer (:meth:`HeldContributions.note_withheld`)."""
+
+    def __init__(self, round: int, accused: str):
+        self.round = round
+        self.accused = accused
+
+
 class HeldContributions:
     """Uses the verifier's ``cfg``, ``me``, ``run_id``, ``dht``, ``_kept``, ``_packets``, ``_seed_of``, ``settled``,
-    ``screen_targets`` and ``own_task``."""
+    ``screen_targets``, ``own_task`` and ``_record``."""
 
     cfg: Any
     me: str
@@ -34,6 +44,7 @@ class HeldContributions:
     own_task: Callable[[int], Optional[Any]]
     settled: Callable[[str], bool]
     screen_targets: Callable[..., list]
+    _record: Callable[..., None]
 
     def accountable_wants(self, round: int) -> dict[str, tuple[int, ...]]:
         """Accountable mode: accused -> the parts of its contribution this peer's check and screens of kept round
@@ -66,6 +77,35 @@ class HeldContributions:
                     j for j in t.parts if isinstance(packets.get(t.accused, {}).get(j), Committed)
                 )
         return {a: tuple(sorted(js)) for a, js in out.items() if js}
+
+    def note_withheld(self, round: int, accused: str, why: str) -> bool:
+        """Accountable mode: ``accused``'s contribution to kept round ``round``, wanted by this peer's check or screen
+        of it (:meth:`accountable_wants`), was served by none of its holders (``why``): a marginal failure of the
+        accused measured here (lone; ``cfg.marginal_needed`` of them within ``cfg.marginal_window`` rounds exclude it
+        from the plans this peer leads). False (nothing noted) when the round is not kept or ``accused`` is this
+        peer or settled.
+
+        Why (red team, session 31): the check or screen was "not run" and that counted nothing, so a poisoner with
+        one colluding part owner (or, before :data:`~geomesh_p2p.exchange.fetch_input.OWNER_SHARE`, alone, by
+        stalling its own part) skipped every screen at no cost. A non-delivery proves nothing to a third party, so
+        it is no evidence and publishes nothing; but every honest screener observes it itself. It cannot frame an
+        honest accused at an honest screener: the accused serves its own contribution when the part's owner does
+        not (:func:`~geomesh_p2p.exchange.fetch_input.fetch_input`)."""
+        kept = self._kept.get(int(round))
+        if kept is None or accused == self.me or self.settled(accused):
+            return False
+        log.info(
+            "round %d: verified work: the contribution of %s was not served to this peer (%s): a marginal failure",
+            round,
+            accused[:10],
+            why,
+        )
+        self._record(
+            _Withheld(int(round), accused),
+            Verdict(MARGINAL, f"its contribution was not served to this peer's screen or check ({why})"),
+            self.me,
+        )
+        return True
 
     def hold(self, round: int, accused: str, packets: Mapping[int, Any]) -> bool:
         """Accountable mode: keep ``accused``'s contributions to kept round ``round`` fetched and checked against

@@ -167,6 +167,7 @@ async def test_identities_outside_the_plan_that_made_the_state_do_not_vote_on_it
     plan = SimpleNamespace(
         round=6, participants=lambda: [me.me, a.me, b.me], exchange_deadline=time.time(), start_digest=None
     )
+    me.standing_established = lambda records, peer_id: peer_id in (a.me, b.me)  # the Sybils never delivered here
     drv = me.driver(rounds=7)
     drv._last_plan = plan
     await drv._check_end()
@@ -181,6 +182,34 @@ async def test_identities_outside_the_plan_that_made_the_state_do_not_vote_on_it
     await drv2._check_end()
     assert drv2.ended is not None and drv2.ended.synced is False
     assert f"3 of 5 other peer(s) hold digest {s1.digest[:8]}" in drv2.ended.why
+
+
+async def test_a_fork_whose_last_plan_names_only_its_own_side_is_still_reported_at_the_end():
+    """Red team (session 31) of the check above: the end-of-run checks count only the participants of this peer's
+    last plan, and a lineage that forked off follows plans naming its own side only, so they agree with it by
+    construction. Here this peer and ``a`` followed a round-6 plan of the two of them while ``b``, ``c`` and ``d``,
+    established peers this peer trained with, went on with another state: the run must not end as if healthy
+    (before the check above: "3 of 4 hold digest ..."). A peer alone in its last plan was never checked at all.
+    Sybil identities (no standing here) still do not vote."""
+    me, a, b, c, d, s1 = _peers(6)
+    for p in (me, a):
+        _finished(p, 7, 0.25)
+    for p in (b, c, d):
+        _finished(p, 7, 0.75)  # the swarm's state: the other side of the fork
+    _finished(s1, 7, 0.5)
+    established = {a.me, b.me, c.me, d.me}  # s1: an identity that never delivered here
+    me.standing_established = lambda records, peer_id: peer_id in established
+    for members in ([me.me, a.me], [me.me]):
+        plan = SimpleNamespace(
+            round=6, participants=lambda m=members: m, exchange_deadline=time.time(), start_digest=None
+        )
+        drv = me.driver(rounds=7)
+        drv._last_plan = plan
+        await drv._check_end()
+        assert drv.ended is not None and drv.ended.synced is False, members
+        assert f"3 of 4 other peer(s) hold digest {b.digest[:8]}" in drv.ended.why
+        ended = resync.swarm_ended(drv, list(me.swarm.records.values()))
+        assert ended is not None and ended.synced is False
 
 
 class _FailedRound:

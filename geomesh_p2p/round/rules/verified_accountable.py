@@ -9,7 +9,9 @@ each wanted contribution is fetched by one deadline (:func:`~geomesh_p2p.exchang
 refused unless it is the committed one (:func:`~geomesh_p2p.trust.verify_commit.verified_packet`), and the
 screens and the sampled check whose contributions arrived are queued in the background worker. A check whose
 contribution nobody served is not run (logged with the reasons, counted as ``refused``): withholding one's own
-contribution is a suspicion nobody else can re-check, never a verdict.
+contribution is a suspicion nobody else can re-check, never evidence; but this peer notes it as a marginal
+failure of the accused (:meth:`~geomesh_p2p.trust.verify_held.HeldContributions.note_withheld`, lone: red team,
+session 31), so that a poisoner cannot skip every screen at no cost.
 """
 
 from __future__ import annotations
@@ -134,6 +136,11 @@ async def fetch_and_queue(vw: "VerifiedWork", r: int, plan, a, ar, *, timeout_s:
                 by.setdefault(acc, {})[res[0]] = res[1]
         for acc, packets in by.items():
             wv.hold(r, acc, packets)
+        if out["fetched"] > 0:  # this peer could fetch (it was not itself cut off or stalled): a withholding
+            for acc, parts in wants.items():
+                missing = [j for j in parts if j not in by.get(acc, {})]
+                if missing:
+                    wv.note_withheld(r, acc, f"part(s) {', '.join(map(str, missing))} served by none of its holders")
     for k, v in out.items():
         vw.fetch_counts[k] = vw.fetch_counts.get(k, 0) + v
     due = time.time() + max(1.0, wv.cfg.time_share * float(plan.window_s))
