@@ -266,6 +266,11 @@ class RoundDriver:
     async def run(self) -> None:
         """Rounds until done. Catches up first whenever the swarm holds a later round. A background
         evaluation still running at the end is waited for (its thread cannot be cancelled)."""
+        # The state this session starts from (round 0, or a checkpoint's round on --resume) counts as confirmed: what
+        # this peer noted before it (its restored standing credits and penalties) is never dropped as an
+        # unconfirmed lineage's by a re-sync (a fresh-user trial, session 31: a peer resumed at round 24 behind the
+        # swarm caught up to round 30 and dropped its standing of rounds 0-23, all of them digest-checked)
+        self._confirmed_round = max(self._confirmed_round, int(self.state.round))
         watcher = asyncio.ensure_future(self._say_leaving_on_stop())
         try:
             await self._rounds()

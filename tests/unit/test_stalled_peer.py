@@ -54,6 +54,23 @@ async def test_a_stalled_peer_catches_up_to_a_swarm_whose_peers_all_left_and_doe
     ]
 
 
+async def test_a_resumed_peer_behind_the_swarm_keeps_what_it_noted_before_this_session_on_catching_up():
+    """Fresh-user trial, session 31: a peer resumed at round 3 while the swarm was at round 5 caught up (a state not
+    of its lineage) and dropped its standing credits and penalty marks of rounds 0-2 as an unconfirmed lineage's,
+    though each of those rounds was digest-checked before it stopped. The session's starting state counts as
+    confirmed: only what is noted from round 3 on may go."""
+    stale, a, b = _peers(3)
+    for p in (a, b):
+        _finished(p, 5, 0.25)
+    stale.round = 3  # restored from its checkpoint
+    forgot: list = []
+    stale.forget_marks_since = lambda r: forgot.append(r) or []
+    drv = stale.driver(rounds=7, min_peers=2, clock=FakeClock())
+    await asyncio.wait_for(drv.run(), 30)
+    assert stale.catch_ups == 1 and (stale.round, stale.digest) == (5, a.digest)
+    assert forgot == [3]  # before: [0], every restored credit and mark
+
+
 async def test_a_peer_that_cannot_catch_up_from_a_swarm_that_left_ends_not_synced():
     stale, a, b = _peers(3)
     for p in (a, b):
