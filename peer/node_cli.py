@@ -491,6 +491,12 @@ def cmd_profile(ns: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"geomesh-peer profile: {e}", file=sys.stderr)
         return 2
+    from geomesh_p2p.node.host import set_threads
+
+    # the threads join would use (--threads, else the host's cores shared by its peers): torch's default of every
+    # core measured 13-30x fewer tokens/s than join then trained at on a loaded 2-core host (fresh-user trial,
+    # session 31: 115 against 3,661 tokens/s at batch 1)
+    set_threads(getattr(ns, "threads", None))
     probed = None
     if ns.probe:  # first: a wrong --run-id or a dead address fails before the device is measured
         try:
@@ -571,7 +577,9 @@ def add_subcommands(sub, add_common) -> None:
     )
     add_flags(
         prof,
-        flag_specs(NodeConfig, only=("device", "speed_factor", "memory_budget_bytes", "upload_bps", "download_bps")),
+        flag_specs(
+            NodeConfig, only=("device", "speed_factor", "memory_budget_bytes", "upload_bps", "download_bps", "threads")
+        ),
     )
     prof.add_argument(
         "--probe",

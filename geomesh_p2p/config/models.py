@@ -414,14 +414,21 @@ class NodeConfig(BaseModel):
         "peers to wait for before round 0; later rounds (with 2 or more) wait for one other peer and a peer left alone ends (docs/round.md)",
         ge=1,
     )
-    wait_peers_s: float = opt(60.0, "how long to wait for --min-peers, seconds", ge=0, le=MAX_WAIT_S)
+    wait_peers_s: float = opt(
+        60.0,
+        "how long to wait for --min-peers, seconds; also how long a peer left alone waits before it ends, and how "
+        "long --resume waits for the others to come back",
+        ge=0,
+        le=MAX_WAIT_S,
+    )
     speed_factor: float = opt(
         1.0, "emulate a slower device: each step takes 1/f as long", parse="speed_factor", gt=0, le=1
     )
     memory_budget_bytes: Optional[int] = opt(
         None,
         "memory budget of this peer in GB (CPU RAM, or GPU memory on CUDA): the start-up profile never "
-        "tries a batch whose predicted peak exceeds it (default: the memory available)",
+        "tries a batch whose predicted peak exceeds it (default: on CUDA the device's free memory, on CPU "
+        "half of the memory available)",
         flag="--memory-budget-gb",
         scale=2**30,
         parse="positive_float",
