@@ -71,6 +71,21 @@ CHECKPOINT_TIMEOUT_MIN_S = 120.0
 CHECKPOINT_TIMEOUT_WINDOWS = 10.0
 
 
+def node_verdicts(node) -> dict:
+    """What a checkpoint's meta keeps of ``node``'s judgements of the others (``--resume`` restores them,
+    :func:`geomesh_p2p.node.joining`): verified-work exclusions, owner and no-show penalties, and the delivered-work
+    evidence of the last round it applied (:meth:`~geomesh_p2p.round.rules.profiling.Reprofiler.delivered_meta`).
+
+    Why the evidence (fresh-user trial, session 31): without it every peer of a swarm resumed at once left itself out
+    of the leader candidates (no evidence of the last round: ``RoundPolicy.leader_candidates``), each deferred to the
+    others, and the first round took a whole plan attempt and a take-over (~20 s) with two WARNING lines a peer."""
+    out = {"verified": node.verified.to_meta(), "penalties": node.penalties.to_meta()}
+    delivered = node.profile.delivered_meta()
+    if delivered is not None:
+        out["delivered"] = delivered
+    return out
+
+
 class CheckpointAbandoned(OSError):
     """A checkpoint write that outlived its timeout reached its commit: it is not committed."""
 

@@ -383,6 +383,7 @@ async def resume_from(node: PeerNode, ck) -> None:
     if isinstance(verdicts, dict):  # checkpoints before issue 28 hold none
         node.verified.restore(verdicts.get("verified"))
         node.penalties.restore(verdicts.get("penalties"))
+        node.profile.restore_delivered(verdicts.get("delivered"), rnd)
     events.emit(
         log,
         logging.INFO,

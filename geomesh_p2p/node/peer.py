@@ -52,7 +52,7 @@ from geomesh_p2p.net.swarm_time import swarm_time
 from geomesh_p2p.round import DhtPlanAgreement, DriverConfig, PlanStore, RoundDriver
 from geomesh_p2p.plan.awb import AUTO_WINDOW_MIN_S
 from geomesh_p2p.node import joining, report, training
-from geomesh_p2p.node.checkpoints import Checkpointer, check_writable_dir
+from geomesh_p2p.node.checkpoints import Checkpointer, check_writable_dir, node_verdicts
 from geomesh_p2p.node.watchdog import ProgressWatchdog
 from geomesh_p2p.node.joining import DuplicateIdentityError, StoppedBeforeJoining
 from geomesh_p2p.node.device_probe import DeviceProber
@@ -194,7 +194,7 @@ class PeerNode:
             outer=lambda: self.outer,
             gstate=lambda: self.gstate,  # built by start()
             feedback=lambda: self.feedback,  # --error-feedback's residual (start)
-            verdicts=lambda: {"verified": self.verified.to_meta(), "penalties": self.penalties.to_meta()},  # issue 28
+            verdicts=lambda: node_verdicts(self),  # issue 28: exclusions, penalties, the last round's delivered work
         )
         self.outer_rule = OuterStepRule.for_node(self)  # with the exact undo of RunConfig.undo_forged
         self.accountable = Accountability(

@@ -6,6 +6,7 @@ CPU cost per element pass, and the rates the last round's deliveries support (th
 from __future__ import annotations
 
 import logging
+import math
 from typing import TYPE_CHECKING, Optional
 
 from geomesh_p2p.model import capability
@@ -23,6 +24,8 @@ __all__ = ["Reprofiler", "EXCHANGE_COST_STEP"]
 
 #: The measured cost per element pass of the exchange moves at most this factor per round (either way).
 EXCHANGE_COST_STEP = 4.0
+#: delivered-work rates a checkpoint may restore (as many as a round's participants, with room)
+MAX_RESTORED_RATES = 4096
 
 
 class Reprofiler:
@@ -71,6 +74,34 @@ class Reprofiler:
         self.update_throughput(micro_batch, result)
         self.update_links(ar)
         self.supported_tps = (r, self.delivered_rates(plan, ar))
+
+    def delivered_meta(self) -> Optional[dict]:
+        """:attr:`supported_tps` as JSON-able data for a checkpoint (``{"round": r, "tps": {peer: tokens/s}}``), or
+        None before any round was applied."""
+        if self.supported_tps is None:
+            return None
+        r, tps = self.supported_tps
+        return {"round": int(r), "tps": {str(p): float(v) for p, v in tps.items()}}
+
+    def restore_delivered(self, meta, state_round: int) -> bool:
+        """Take :meth:`delivered_meta` back from a checkpoint of the state of round ``state_round`` (``--resume``):
+        only the evidence of round ``state_round - 1``, the round that made that state (the evidence every peer
+        that applied it holds), with at most :data:`MAX_RESTORED_RATES` finite, non-negative rates; anything else
+        is ignored (an edited file must not end the node). Returns whether it was taken."""
+        if not isinstance(meta, dict) or type(meta.get("round")) is not int or meta["round"] != int(state_round) - 1:
+            return False
+        tps = meta.get("tps")
+        if not isinstance(tps, dict) or len(tps) > MAX_RESTORED_RATES:
+            return False
+        rates: dict[str, float] = {}
+        for p, v in tps.items():
+            if not isinstance(p, str) or not 0 < len(p) <= 64 or isinstance(v, bool) or not isinstance(v, (int, float)):
+                return False
+            if not (math.isfinite(v) and v >= 0):
+                return False
+            rates[p] = float(v)
+        self.supported_tps = (meta["round"], rates)
+        return True
 
     def update_exchange_cost(self, spec, ar) -> None:
         """Fold this round's exchange into ``codec_s_per_element`` (seconds per element pass), as the link
