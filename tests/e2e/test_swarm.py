@@ -52,6 +52,9 @@ def test_three_peers_train_then_resume_with_identical_weights(swarm, tmp_path):
         resumed = swarm.events(n, "resumed_from_checkpoint")
         assert [(e["round"], e["digest"][: len(last)]) for e in resumed] == [(4, last)], swarm.text(n)[-2000:]
         assert [x["round"] for x in swarm.rows(n)] == [0, 1, 2, 3, 4]
+        # each restored its evidence of round 3's deliveries, so none defers its lead to the others (session 31: all
+        # three did, and round 4 waited a whole plan attempt for a last resort)
+        assert swarm.events(n, "plan_last_resort") == [], swarm.text(n)[-2000:]
     assert len({_digest(swarm, n, 4) for n in names}) == 1
 
 
