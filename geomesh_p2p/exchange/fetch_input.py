@@ -5,10 +5,11 @@ A verified-work check needs the accused's signed contribution to the parts it ch
 part's owner received it; every participant holds the owner-signed result, which commits to the SHA-256 of each
 input (:mod:`.commitment`). So the checker asks, in this order, by one deadline (the owner by :data:`OWNER_SHARE` of it):
 
-1. **the accused itself** (``PullInputs(from_sender)``, the RPC validators use when an owner withholds): it keeps
+1. **the part's owner** (``PullInputs(first = the input's index, count = 1)``): one input of its committed list,
+   within :data:`OWNER_SHARE` of the deadline (a stalling owner leaves the next holder the rest);
+2. **the accused itself** (``PullInputs(from_sender)``, the RPC validators use when an owner withholds): it keeps
    its signed push of every part for the kept rounds and serves it, at most 2 contributions (its push, and the
    owner's own one when it is the part's witness): exactly the bytes wanted;
-2. **the part's owner** (``PullInputs(first = the input's index, count = 1)``): one input of its committed list;
 3. **the part's witness**, when the accused owns the part (its own contribution has no other sender).
 
 Only bytes whose SHA-256 matches the commitment are returned (the caller then checks the signature, sender, round
