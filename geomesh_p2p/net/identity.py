@@ -17,7 +17,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import math
-import logging
 import os
 import secrets
 import stat
@@ -42,9 +41,6 @@ PEER_ID_BYTES = 32
 NONCE_BYTES = 16
 SIGNATURE_BYTES = 64
 _DOMAIN = b"geomesh-p2p/envelope/v1\x00"
-
-
-log = logging.getLogger(__name__)
 
 
 class IdentityError(Exception):
@@ -162,10 +158,6 @@ class Identity:
                 fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
                 with os.fdopen(fd, "wb") as f:
                     f.write(raw)
-                # said once: a typo in the path makes a new identity, with no standing (fresh-user trial, session 31)
-                log.info(
-                    "created a new identity %s at %s (this peer's name in the swarm: keep the file)", ident.peer_id, p
-                )
                 return ident
             except OSError as e:
                 raise IdentityError(f"cannot create identity file {p}: {e.strerror}") from None
