@@ -54,12 +54,19 @@ def test_two_rank_peer_trains_and_a_dead_rank_makes_it_leave(tmp_path: Path) -> 
         sw.stop_all(10)
     a, b, c = (sw.rows(n) for n in "abc")
     by_round = {n: {r["round"]: r for r in rows} for n, rows in (("a", a), ("b", b), ("c", c))}
-    # every round a trained: the same digest as the others
+    # every round a trained: the same digest as the others that trained it (under load a one-rank peer may be
+    # planned out of a round and re-sync after it: a fresh-clone run of session 31 had b out of round 0)
     for rnd, ra in by_round["a"].items():
-        assert ra["digest"] == by_round["b"][rnd]["digest"] == by_round["c"][rnd]["digest"], rnd
+        others = [by_round[n][rnd]["digest"] for n in "bc" if rnd in by_round[n]]
+        assert others and all(d == ra["digest"] for d in others), rnd
+    assert sum(rnd in by_round["b"] and rnd in by_round["c"] for rnd in by_round["a"]) >= 2, by_round
     # the 2-rank peer's batch is twice the one-rank peers', and so are its tokens when both did every step
-    assert all(r["batch_size"] == 2 * by_round["b"][r["round"]]["batch_size"] for r in a)
-    full = [r["round"] for r in a if _trained_fully(r) and _trained_fully(by_round["b"][r["round"]])]
+    assert all(r["batch_size"] == 2 * by_round["b"][r["round"]]["batch_size"] for r in a if r["round"] in by_round["b"])
+    full = [
+        r["round"]
+        for r in a
+        if r["round"] in by_round["b"] and _trained_fully(r) and _trained_fully(by_round["b"][r["round"]])
+    ]
     assert full, a
     assert all(by_round["a"][x]["tokens"] == 2 * by_round["b"][x]["tokens"] for x in full)
     # after a left, b and c trained on together and agree
