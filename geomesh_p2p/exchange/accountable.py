@@ -228,11 +228,11 @@ def recheck_part(
             return f"input {k} the owner committed to fails verification: {err.reason}"
         if c.sender != order[entry.index]:
             return f"input {k} is signed by {c.sender[:10]}, the result names participant {entry.index}"
-        used = min(c.tokens, spec.participants[c.sender])
+        used = spec.counted_tokens(c.sender, c.tokens)
         if entry.tokens != used:
             return f"input {k} lists {entry.tokens} tokens, the claim capped by the plan is {used}"
         checked.append(c)
-    used_all = [min(c.tokens, spec.participants[c.sender]) for c in checked]
+    used_all = [spec.counted_tokens(c.sender, c.tokens) for c in checked]
     dropped: list[int] = []
     mean = spec.aggregate([(n, c.packet) for n, c in zip(used_all, checked)], o.size, dropped)
     flags = [e.dropped for e in opened.entries]

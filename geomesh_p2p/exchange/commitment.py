@@ -7,7 +7,7 @@ order (raw PeerID), as one fixed 29-byte record each (``inputs``, field 14):
 bytes  type    meaning
 ====== ======= =========================================================================
 4      uint32  the sender's index in :func:`participant_order` (the spec's participants by raw PeerID)
-8      uint64  tokens used (the claim capped by the plan: ``min(claimed, cap)``)
+8      uint64  tokens used (the claim capped by the plan, 0 below its floor: ``CollectiveSpec.counted_tokens``)
 1      uint8   flags: 1 = dropped by the robust rule's agreement filter (delivered nothing here)
 16     bytes   SHA-256 of the contribution's SignedMessage bytes, first 16 bytes
 ====== ======= =========================================================================

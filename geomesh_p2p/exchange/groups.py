@@ -294,6 +294,7 @@ def level_specs(
         group_specs.append(
             CollectiveSpec(
                 participants={p: spec.participants[p] for p in members},
+                token_floor={p: spec.token_floor[p] for p in members if p in spec.token_floor},
                 owners=tuple(cut(owners, "fp32", len(members))),
                 numel=spec.numel,
                 deadline=d1,

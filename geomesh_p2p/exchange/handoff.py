@@ -143,7 +143,7 @@ def recheck_handoff(
                 return f"input {n} of group part {j} the owner committed to fails verification: {err.reason}"
             if c.sender != order[entry.index]:
                 return f"input {n} of group part {j} is signed by {c.sender[:10]}, the list names another participant"
-            if entry.tokens != min(c.tokens, gspec.participants[c.sender]):
+            if entry.tokens != gspec.counted_tokens(c.sender, c.tokens):
                 return f"input {n} of group part {j} lists {entry.tokens} tokens, not the claim capped by the plan"
             checked.append(c)
         used = [e.tokens for e in entries]

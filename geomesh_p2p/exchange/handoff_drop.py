@@ -47,7 +47,7 @@ def entries_problem(spec: CollectiveSpec, entries: Sequence[InputEntry], receipt
     e = mine[0]
     if e.digest != receipt.sha256[:DIGEST_BYTES]:
         return "the result lists another contribution than the receipted one"
-    want = min(receipt.tokens, spec.participants[receipt.sender])
+    want = spec.counted_tokens(receipt.sender, receipt.tokens)
     if e.tokens != want:
         return f"the result lists {e.tokens} tokens, the receipt's claim capped by the plan is {want}"
     return None

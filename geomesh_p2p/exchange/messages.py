@@ -350,7 +350,7 @@ def build_result(
     own contribution, :func:`.accountable.witness_of`) is carried when given. A grouped round's cross level
     (``spec.readers``) lists each counted contribution's group members, accountable results included (one member
     list per input the filter kept, in the inputs' order)."""
-    used = [min(c.tokens, spec.participants[c.sender]) for c in contributions]
+    used = [spec.counted_tokens(c.sender, c.tokens) for c in contributions]
     aggregate: list[wire.Buffer] = []
     listed = list(range(len(contributions)))
     counted: Optional[list[int]] = None
@@ -533,7 +533,7 @@ def read_result(
             f"{spec.quorum_count()} of {len(spec.established())} established participant(s)",
         )
     ordered = sorted(taken.values(), key=lambda c: _pid_bytes(c.sender))
-    used = [min(c.tokens, spec.participants[c.sender]) for c in ordered]
+    used = [spec.counted_tokens(c.sender, c.tokens) for c in ordered]
     if not spec.quorum_met(c.sender for c, n in zip(ordered, used) if _votes(c, n)):
         # Enough valid contributions, too few votes: nothing trustworthy to aggregate here.
         if out is None:

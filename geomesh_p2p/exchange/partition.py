@@ -236,6 +236,10 @@ class CollectiveSpec:
             (:func:`geomesh_p2p.exchange.accountable.draw_validators`); ignored by the other modes.
         readers: peers besides the participants that may pull the parts' results (base58 PeerIDs): a grouped
             round's cross-group level is read by every peer of the round (:mod:`geomesh_p2p.exchange.groups`).
+        token_floor: base58 PeerID -> fewest tokens its claim must carry to count: a claim below it (after the cap)
+            counts 0 tokens, so the contribution has no weight and is left out (issue 28's ``min_steps`` dodge:
+            what no verified-work check can screen, :data:`geomesh_p2p.trust.verify_task.VerifyConfig.min_steps`,
+            is not aggregated). Absent or 0: no floor. See :meth:`counted_tokens`.
         max_scale: the largest block scale (mean ``|x|`` of a block, the unit of the pseudo-gradient) an honest
             ``"sign"`` aggregate of this round can have (:func:`geomesh_p2p.round.rules.spec.aggregate_scale_bound`);
             every reader refuses a result above it (:func:`~geomesh_p2p.exchange.aggregate.decode_aggregate`).
@@ -268,6 +272,7 @@ class CollectiveSpec:
     validators_per_part: int = 1
     readers: Sequence[str] = ()
     max_scale: Optional[float] = None
+    token_floor: Mapping[str, int] = field(default_factory=dict)
     spec_id: bytes = field(init=False, repr=False, compare=False, default=b"")
 
     def __post_init__(self):
@@ -340,6 +345,16 @@ class CollectiveSpec:
             object.__setattr__(self, "max_scale", float(self.max_scale))
             if not (math.isfinite(self.max_scale) and self.max_scale > 0):
                 raise ValueError(f"max_scale must be finite and > 0 or None, got {self.max_scale}")
+        floor = {}
+        for p, n in dict(self.token_floor).items():
+            p, n = _pid_str(p), int(n)
+            if p not in parts:
+                raise ValueError(f"token floor of {p} names no participant")
+            if n < 0:
+                raise ValueError(f"token floor of {p} is negative")
+            if n:
+                floor[p] = n
+        object.__setattr__(self, "token_floor", floor)
         object.__setattr__(self, "spec_id", hashlib.sha256(self._canonical_json().encode()).digest())
 
     def to_dict(self) -> dict[str, Any]:
@@ -368,6 +383,7 @@ class CollectiveSpec:
             "validators_per_part": self.validators_per_part,
             "readers": list(self.readers),
             "max_scale": self.max_scale,
+            "token_floor": dict(sorted(self.token_floor.items())),
         }
 
     @classmethod
@@ -401,7 +417,17 @@ class CollectiveSpec:
             del d["max_scale"]
         else:
             d["max_scale"] = repr(self.max_scale)
+        if not self.token_floor:  # likewise: specs without a token floor (0.12.0)
+            del d["token_floor"]
         return json.dumps(d, sort_keys=True, separators=(",", ":"))
+
+    def counted_tokens(self, sender: str, claimed: int) -> int:
+        """Tokens ``sender``'s claim of ``claimed`` tokens counts for in this round's aggregate: the claim capped by the
+        plan (``participants``), or 0 when that is below the sender's ``token_floor`` (its contribution is then
+        left out, like one of 0 tokens). Every owner, reader and validator computes it alike from the signed
+        claim and the spec. Raises KeyError for a sender that is no participant."""
+        n = min(int(claimed), self.participants[sender])
+        return n if n >= self.token_floor.get(sender, 0) else 0
 
     def may_read(self, peer_id: str) -> bool:
         """True when ``peer_id`` may pull this spec's results: a participant, an owner or a reader."""

@@ -21,6 +21,7 @@ from geomesh_p2p.round.rules.accountable import Accountability
 from geomesh_p2p.config.method import MethodRule
 from geomesh_p2p.plan.schema import ContentRefusal
 from geomesh_p2p.trust import probation as pb
+from geomesh_p2p.trust.standing import delivered
 
 if TYPE_CHECKING:
     from geomesh_p2p.telemetry.metrics import RoundRecord
@@ -225,7 +226,7 @@ class NodeRoundPolicy:
         checks the plan against (planner.check_plan); delivered rates; standing credits (standing.py); accountable
         mode's validation of round ``r`` in the background (:meth:`Accountability.after_round`)."""
         self.profile.after_round(r, plan, assignment.micro_batch, result, ar)
-        self.state.standing.credit(r, {pid for part in ar.contributors.values() for pid, _ in part})
+        self.state.standing.credit(r, delivered(ar.contributors))
         if self.accountable is not None:
             self.accountable.after_round(r, plan, ar)
 

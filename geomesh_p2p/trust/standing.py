@@ -43,7 +43,7 @@ import hashlib
 import logging
 from collections import Counter, deque
 from dataclasses import dataclass, field
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, Mapping, Optional, Sequence
 
 from geomesh_p2p.telemetry.logonce import LogOnce
 
@@ -59,6 +59,17 @@ ATTEST_ID_CHARS = 16
 def attest_key(peer_id: str) -> str:
     """How a record names a peer it vouches for: the first 16 base58 characters of its PeerID (~94 bits)."""
     return peer_id[:ATTEST_ID_CHARS]
+
+
+def delivered(contributors: Mapping[int, Sequence[tuple[str, int]]]) -> set[str]:
+    """The peers that delivered work in a round: listed with more than 0 tokens in at least one part's contributors
+    (``CollectiveResult.contributors``: part index -> ``(peer id, tokens counted)``).
+
+    A contribution counted at 0 tokens (a 0-token claim, or one below its token floor:
+    :meth:`~geomesh_p2p.exchange.partition.CollectiveSpec.counted_tokens`) is listed but had no weight: crediting it
+    let an identity that claims nothing, or too little to be screened, become established on rounds it never trained
+    (issue 28, session 32)."""
+    return {str(pid) for part in contributors.values() for pid, n in part if int(n) > 0}
 
 
 class Standing:

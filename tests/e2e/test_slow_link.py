@@ -189,39 +189,58 @@ def test_a_joiner_behind_a_slow_link_downloads_once_and_trains_within_3_rounds(l
     assert sw.rows("j")[0].get("digest_agree") is not False
 
 
-@pytest.mark.timeout(240)
+#: A download that failed because the other donor no longer held the round asked (its round moved on between the
+#: joiner's vote and the first request): the frozen donor's cost is not what it measured
+_ROUND_MOVED = r"state piece \d+ from \S+ failed: .*(this node holds round|no longer held)"
+
+
+@pytest.mark.timeout(300)
 @BOTH_LINKS
 def test_a_donor_frozen_during_the_download_costs_at_most_5_s(lab):
     link, sw = lab
     boot = _start(link, sw)
-    # The premise needs both donors in the joiner's vote. A record read while a donor seals its round can
-    # leave one donor (the vote then backs the other's state alone): that joiner is stopped and a fresh one
-    # (a new identity) joins, at most 3 times.
-    name = "j"
+    # The premise needs both donors in the joiner's download, and that download to be the one measured. A record
+    # read while a donor seals its round can leave one donor (the vote then backs the other's state alone), or name
+    # a round the other donor left before the first request (refused at once: that download fails and the retry
+    # has one donor, CI at 115e0ac). Either way that joiner is stopped and a fresh one (a new identity) joins, at
+    # most 3 times.
+    name, m, why = "j", None, ""
     for attempt in range(3):
+        if attempt:
+            sw.kill(name)
+            name = f"j{attempt + 1}"
+            _joiner(link, sw, boot, name)
         sw.wait_for(lambda: "downloading the state of round" in sw.text(name), 150, "the joiner's download")
         started = re.search(r"downloading the state of round \d+ \(\d+ bytes\) from (\d+) donor", sw.text(name))
-        if started and int(started.group(1)) == 2:
-            break
-        sw.kill(name)
-        name = f"j{attempt + 2}"
-        _joiner(link, sw, boot, name)
-    else:
-        pytest.fail("three joiners each saw one donor: " + sw.text(name)[-2000:])
-    os.kill(sw.procs["b"].pid, signal.SIGSTOP)  # one of the two donors freezes mid-download
-    try:
-        sw.wait_for(
-            lambda: re.search(r"state of round \d+: \d+ bytes from", sw.text(name)), 120, "the download to finish"
+        if not started or int(started.group(1)) != 2:
+            why = "one donor in the vote"
+            continue
+        os.kill(sw.procs["b"].pid, signal.SIGSTOP)  # one of the two donors freezes mid-download
+        try:
+            sw.wait_for(
+                lambda: re.search(
+                    r"state of round \d+: \d+ bytes from|state download for round \d+ failed", sw.text(name)
+                ),
+                120,
+                "the download to finish or fail",
+            )
+        finally:
+            os.kill(sw.procs["b"].pid, signal.SIGCONT)
+        text = sw.text(name)
+        m = re.search(
+            r"state of round \d+: \d+ bytes from (\d) donor\(s\) in ([\d.]+) s; (\d+) piece move\(s\), "
+            r"longest gap ([\d.]+) s",
+            text,
         )
-    finally:
-        os.kill(sw.procs["b"].pid, signal.SIGCONT)
+        failed = re.search(r"state download for round \d+ failed", text)
+        if failed and (not m or failed.start() < m.start()):
+            # the download the freeze hit failed: only because the other donor's round moved on is that no finding
+            assert re.search(_ROUND_MOVED, text[: failed.end()]), text[-6000:]
+            why, m = "the other donor's round moved on before the first request", None
+            continue
+        break
+    assert m, f"three joiners never measured a two-donor download ({why}): " + sw.text(name)[-4000:]
     text = sw.text(name)
-    m = re.search(
-        r"state of round \d+: \d+ bytes from (\d) donor\(s\) in ([\d.]+) s; (\d+) piece move\(s\), "
-        r"longest gap ([\d.]+) s",
-        text,
-    )
-    assert m, text[-4000:]
     print(f"\nfrozen donor: download {m.group(2)} s, {m.group(3)} piece move(s), longest gap {m.group(4)} s")
-    assert int(m.group(1)) == 2 and int(m.group(3)) >= 1  # B's piece moved to A
+    assert int(m.group(1)) == 2 and int(m.group(3)) >= 1, text[-6000:]  # B's piece moved to A
     assert float(m.group(4)) <= 5.0, m.group(0)

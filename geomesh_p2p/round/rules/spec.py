@@ -11,6 +11,7 @@ from geomesh_p2p import exchange as collective
 from geomesh_p2p.config.method import MethodRule
 from geomesh_p2p.model.training import swarm_lr_at
 from geomesh_p2p.trust import probation as pb
+from geomesh_p2p.trust.verify_task import VerifyConfig
 
 if TYPE_CHECKING:
     from geomesh_p2p.config.models import RunConfig
@@ -73,6 +74,26 @@ def aggregate_scale_bound(plan, run_cfg: "RunConfig", theta_maxabs: Optional[flo
     return round_lr_sum(run_cfg, plan.round, steps) * (AGGREGATE_SCALE_FACTOR + INNER_WEIGHT_DECAY * theta_maxabs)
 
 
+def screen_token_floor(plan, push_encoding: str) -> dict[str, int]:
+    """PeerID -> fewest tokens its contribution must claim to count in the aggregate of ``plan``'s round: the tokens
+    of ``VerifyConfig.min_steps`` inner steps at the peer's planned batch (``min_steps x batch_size x seq_len``) for
+    every peer planned at least that many steps, in the modes where verified work checks contributions (relay and
+    accountable rounds of a sign-compressed method); empty otherwise.
+
+    Why (issue 28, the ``min_steps`` dodge): a check or screen is drawn only over contributions of at least
+    ``min_steps`` steps (its thresholds are measured there, :func:`geomesh_p2p.trust.verify_task._eligible`), so a
+    contributor planned 20 steps could claim 4 steps' tokens and never be checked, whatever it sent. A claim below
+    the floor now counts 0 tokens (:meth:`~geomesh_p2p.exchange.partition.CollectiveSpec.counted_tokens`): what no
+    check can screen has no weight. An honest peer reaches it unless the deadline stopped it within its first
+    ``min_steps`` steps; that round's work (fewer than ``min_steps`` steps) is then left out and counts as no
+    delivered work (:class:`~geomesh_p2p.round.rules.profiling.Reprofiler` evidence), as a straggler's would."""
+    if push_encoding != "sign" or plan.mode not in ("relay", "accountable"):
+        return {}
+    steps = VerifyConfig.min_steps
+    L = int(plan.seq_len)
+    return {a.peer_id: steps * int(a.batch_size) * L for a in plan.assignments if int(a.inner_steps) >= steps}
+
+
 def collective_spec(
     plan, run_cfg: RunConfig, numel: int, max_message_bytes: int, theta_maxabs: Optional[float] = None
 ) -> collective.CollectiveSpec:
@@ -122,6 +143,7 @@ def collective_spec(
         validators_per_part=run_cfg.validators_per_part,
         deadline=plan.exchange_deadline - PULL_SHARE_OF_EXCHANGE * (plan.exchange_deadline - plan.train_deadline),
         pull_deadline=plan.exchange_deadline,
+        token_floor=screen_token_floor(plan, push),
         max_scale=aggregate_scale_bound(plan, run_cfg, theta_maxabs)
         if agg == "sign" and plan.mode != "relay"
         else None,
