@@ -93,10 +93,15 @@ class RunMemory:
 
 
 def verified_work_on(method: str, mode: str) -> bool:
-    """Whether a peer of ``method`` in exchange ``mode`` runs verified work (it checks relayed sign
-    contributions only: relay mode, or auto, whose small rounds are relay, and a sign-compressed method,
-    ``COMPRESSED_METHODS``)."""
-    return mode in ("relay", "auto") and method in COMPRESSED_METHODS
+    """Whether a peer of ``method`` in exchange ``mode`` runs verified work: a sign-compressed method
+    (``COMPRESSED_METHODS``) in relay mode (it checks the relayed contributions), accountable mode (its checks and
+    screens fetch the committed contributions they draw, :mod:`geomesh_p2p.trust.verify_commit`) or auto (relay or
+    accountable rounds). Not in reencode mode: nobody but a part's owner sees a contribution there.
+
+    Accountable mode was left out before session 32, so ``--memory-budget-gb`` did not count the check's model
+    copy and the kept rounds of a peer that runs them in every accountable round
+    (:meth:`~geomesh_p2p.round.rules.verified.VerifiedWork.verify_round`)."""
+    return mode in ("relay", "auto", "accountable") and method in COMPRESSED_METHODS
 
 
 def run_memory_estimate(
@@ -204,8 +209,8 @@ def memory_budget_problem(
 ) -> Optional[str]:
     """Why ``--memory-budget-gb`` (``budget_bytes``) cannot hold this run, in one line, or None (no budget,
     or the static memory fits): the budget, the estimate and its three largest items, and what to do (a
-    larger budget, a smaller model, and ``--mode reencode`` when ``verified_work``: verified work only
-    runs in relay mode)."""
+    larger budget, a smaller model, and ``--mode reencode`` when ``verified_work``: verified work runs
+    in relay, accountable and auto mode, not in reencode)."""
     if budget_bytes is None:
         return None
     need = est.total(device_type)

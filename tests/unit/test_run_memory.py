@@ -163,6 +163,9 @@ def test_a_budget_below_the_static_memory_fails_at_start_in_one_line(tmp_path, c
         f"{vw / gib:.2f} GiB less)"
     )
     assert not key.exists()  # refused before the identity, the proof of work and the DHT join
+    # accountable mode runs verified work too (its checks and screens fetch the contributions): counted and offered
+    assert main(argv + ["--mode", "accountable"]) == 2
+    assert capsys.readouterr().err.strip() == err  # the same static memory as auto (relay and accountable rounds)
     # reencode mode: no verified work, so the hint is not offered
     assert main(argv + ["--mode", "reencode", "--method", "diloco"]) == 2
     err = capsys.readouterr().err.strip()
