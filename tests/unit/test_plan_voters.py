@@ -1,5 +1,6 @@
-"""The end-of-run voters (:func:`geomesh_p2p.round.resync.plan_voters`) ask who is established from ONE standing
-view over the records, not one view per record (O(N^2) on the event loop at hundreds of records), with the same answer as before.
+"""The end-of-run voters (:func:`geomesh_p2p.round.resync.plan_voters`) and a gather's syncing peers
+(:func:`geomesh_p2p.round.gather.note_standing`) ask who is established from ONE standing view over the
+records, not one view per record (O(N^2) on the event loop at hundreds of records), with the same answer as before.
 
 The view is this peer's real one (:class:`~geomesh_p2p.round.policy.NodeRoundPolicy` over a ledger, tests/rules_util):
 at round 10 it credited rounds 5-9 only, so it missed 5 and also reads what trusted records attest."""
@@ -11,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from geomesh_p2p.round import resync
+from geomesh_p2p.round.gather import SyncWaits, note_standing
 from geomesh_p2p.trust import probation as pb
 from geomesh_p2p.trust.standing import Standing, attest_key
 from tests.rules_util import make_rules
@@ -94,3 +96,19 @@ def test_standing_established_of_one_id_is_unchanged(monkeypatch):
     assert views[0] == len(expect)
     assert rules.standing_established_ids(records) == frozenset({A, B, C, D})
     assert rules.standing_established_ids(records, [ME, E, SYBILS[3]]) == frozenset({ME})
+
+
+def test_a_gather_asks_the_standing_of_its_syncing_peers_from_one_view(monkeypatch):
+    rules, records, views = _setup(monkeypatch)
+    drv = SimpleNamespace(policy=rules)
+    waits = SyncWaits(0.0)
+    syncing = [x for x in records if x.peer_id not in (A, B)]  # 50 Sybils, c, d, e
+    note_standing(drv, syncing, records, waits)
+    assert views[0] == 1
+    assert waits.established == {C, D}
+    assert waits.probation == {E, *SYBILS}
+    note_standing(drv, syncing, records, waits)  # asked once per gather: no view for peers already asked about
+    assert views[0] == 1
+    note_standing(drv, syncing + [records[21]], records, waits)  # a newly syncing: one more view, for it only
+    assert views[0] == 2
+    assert A in waits.established
