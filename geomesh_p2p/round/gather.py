@@ -121,6 +121,7 @@ async def gather(drv: RoundDriver, expected: set[str], *, first: bool) -> Option
                 and r.peer_id not in ids
                 and r.peer_id != drv.me
             ]
+            note_standing(drv, syncing, recs, waits)
             ends = {r.peer_id: sync_deadline(drv, r, recs, waits, now, wait_s) for r in syncing}
             if not short:
                 ends.update(finishing_waits(drv, expected - ids, recs, finish_end, now, finish_logged))
@@ -221,6 +222,18 @@ def finishing_waits(
     return out
 
 
+def note_standing(drv: RoundDriver, syncing: list[PeerRecord], recs: list[PeerRecord], waits: SyncWaits) -> None:
+    """Ask the standing of the ``syncing`` peers this gather has not asked about yet, from one view of ``recs``
+    (:meth:`~geomesh_p2p.round.ports.RoundPolicy.standing_established_ids`): :func:`sync_deadline` asked once per
+    peer, a view each, and a burst of identities announcing downloads cost O(N^2) on the event loop."""
+    new = [r.peer_id for r in syncing if r.peer_id not in waits.established and r.peer_id not in waits.probation]
+    if not new:
+        return
+    established = drv.policy.standing_established_ids(recs, new)
+    for pid in new:
+        (waits.established if pid in established else waits.probation).add(pid)
+
+
 def sync_deadline(drv, rec: PeerRecord, recs: list[PeerRecord], waits: SyncWaits, now: float, wait_s: float) -> float:
     """Until when (monotonic seconds) this gather waits for syncing peer ``rec`` (issue 14 #3).
 
@@ -243,7 +256,7 @@ def sync_deadline(drv, rec: PeerRecord, recs: list[PeerRecord], waits: SyncWaits
         established = True
     elif pid in waits.probation:
         established = False
-    else:
+    else:  # a direct call: gather asked every syncing peer of its read at once (note_standing)
         established = bool(drv.policy.standing_established(recs, pid))
         (waits.established if established else waits.probation).add(pid)
     plain = t0 + (wait_s if established else PROBATION_SYNC_WAIT_S)

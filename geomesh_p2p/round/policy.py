@@ -8,7 +8,7 @@ over its state; tests build them directly with fakes (tests/rules_util.py).
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Callable, Iterable, Optional
 
 from geomesh_p2p.round.rules.penalties import OWNER_PENALTY_ROUNDS, Penalties, conclusive
 from geomesh_p2p.round.rules.planning import PlanRules, plan_horizon_s
@@ -181,7 +181,15 @@ class NodeRoundPolicy:
         return self.verified.members(records)
 
     def standing_established(self, records, peer_id: str) -> bool:
-        return self.planning.standing_view(records).established(peer_id)
+        """Whether ``peer_id`` is established in this peer's view of ``records`` (:meth:`standing_established_ids`)."""
+        return peer_id in self.standing_established_ids(records, (peer_id,))
+
+    def standing_established_ids(self, records, peer_ids: Optional[Iterable[str]] = None) -> frozenset[str]:
+        """The ids among ``peer_ids`` (default: the ``records``' peers) established in this peer's view of ``records``:
+        one :meth:`PlanRules.standing_view` for all of them (callers that asked :meth:`standing_established` once per
+        record built a view per record: O(N^2) on the event loop at hundreds of records)."""
+        ids = [x.peer_id for x in records] if peer_ids is None else peer_ids
+        return self.planning.standing_view(records).established_ids(ids)
 
     def after_exchange(self, spec, plan, ar) -> None:
         """Penalties for this peer's own failures, failed owners and no-shows (none from a round that

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING, Any, Callable, Collection, Optional, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Any, Callable, Collection, Iterable, Optional, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -265,6 +265,12 @@ class RoundPolicy(Protocol):
 
     def standing_established(self, records: Sequence[PeerRecord], peer_id: str) -> bool:
         """Whether ``peer_id`` is established in this peer's view (syncing peers on probation are not waited for)."""
+
+    def standing_established_ids(
+        self, records: Sequence[PeerRecord], peer_ids: Optional[Iterable[str]] = None
+    ) -> frozenset[str]:
+        """The ids among ``peer_ids`` (default: the ``records``' peers) established in this peer's view of
+        ``records``, from one view for all of them (ask this, not :meth:`standing_established` per record)."""
 
     def after_exchange(self, spec: CollectiveSpec, plan: RoundPlan, ar: AllReduceResult) -> None:
         """Penalties for failed owners and no-shows."""

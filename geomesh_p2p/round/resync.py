@@ -63,7 +63,9 @@ def plan_voters(drv: RoundDriver, records: Sequence[PeerRecord], r: int) -> list
     # a lineage that forked off follows plans of its own side only, which agree with it by construction, so
     # counting the plan alone hid every fork whose side was this peer's, the end-of-run check's whole point
     # (red team, session 31: test_a_fork_whose_last_plan_names_only_its_own_side_is_still_reported_at_the_end)
-    return [x for x in records if x.peer_id in members or drv.policy.standing_established(records, x.peer_id)]
+    # (one standing view for all of them: one per record cost O(N^2) on the event loop at hundreds of records)
+    established = drv.policy.standing_established_ids(records, [x.peer_id for x in records if x.peer_id not in members])
+    return [x for x in records if x.peer_id in members or x.peer_id in established]
 
 
 #: Seconds of clock difference between peers tolerated when a leaving record's time is compared with this

@@ -187,6 +187,29 @@ class StandingView:
     def established(self, peer_id: str) -> bool:
         return self.score(peer_id) >= self.threshold
 
+    def established_ids(self, peer_ids: Iterable[str]) -> frozenset[str]:
+        """The ids among ``peer_ids`` that are :meth:`established` in this view.
+
+        For many ids the attestations are read in one pass over the trusted records (each vouches for at most
+        ``MAX_ATTESTED`` peers), not one pass per id: the end-of-run voters and a gather's syncing peers ask
+        for every record of the run, hundreds of them."""
+        ids = frozenset(peer_ids)
+        pending = ids - self._hist.keys()
+        if self.missed and len(pending) > 1:
+            self._attest_all(pending)
+        return frozenset(p for p in ids if self.established(p))
+
+    def _attest_all(self, peer_ids: Collection[str]) -> None:
+        """:meth:`attested` of each of ``peer_ids`` (into its cache), from one pass over the trusted records."""
+        keys = {attest_key(p) for p in peer_ids}
+        best = dict.fromkeys(keys, 0)
+        for r in self._trusted():
+            for key, n in (getattr(r, "standing", None) or {}).items():
+                if key in keys:
+                    best[key] = max(best[key], min(int(n), DEFAULT_WINDOW))
+        for p in peer_ids:
+            self._hist[p] = best[attest_key(p)]
+
     def plausible(self, peer_id: str) -> bool:
         """Could ``peer_id`` be established in a view that saw the rounds this node missed? A follower
         accepts a leader's claim that it is when this holds."""

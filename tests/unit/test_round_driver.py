@@ -261,6 +261,11 @@ class FakePeer:
     def standing_established(self, records, peer_id):
         return True
 
+    def standing_established_ids(self, records, peer_ids=None):
+        # by standing_established, which tests replace per peer
+        ids = [r.peer_id for r in records] if peer_ids is None else peer_ids
+        return frozenset(p for p in ids if self.standing_established(records, p))
+
     def after_exchange(self, spec, plan, ar):
         pass
 
