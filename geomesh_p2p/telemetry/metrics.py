@@ -254,6 +254,12 @@ class RoundLog:
         """The port the metrics server listens on (the one chosen when 0 was asked), or None."""
         return self._server.server_address[1] if self._server is not None else None
 
+    def note_state_round(self, round: int) -> None:
+        """This peer holds the state of ``round`` without having finished a round in this process (``--resume``):
+        the ``geomesh_round`` gauge (last finished round) reads ``round - 1``, not 0, until the next row."""
+        if self._gauges and round > 0:
+            self._gauges["round"].set(round - 1)
+
     def add(self, r: RoundRecord) -> None:
         if not self._printed_header:
             self.print_fn(HEADER)

@@ -90,6 +90,10 @@ def test_prometheus_gauges_exact(served):
     assert rl._server.server_address[0] == "127.0.0.1"
     # before any evaluation the perplexity is NaN ("no value"), not 0 (fresh-user trial, session 28)
     assert math.isnan(_scrape(port)["geomesh_eval_perplexity"])
+    # a peer resumed at the state of round 7 finished round 6 (it said 0 until its first row: fresh-user trial)
+    assert _scrape(port)["geomesh_round"] == 0.0
+    rl.note_state_round(7)
+    assert _scrape(port)["geomesh_round"] == 6.0
     rl.add(_record())
     assert printed == [HEADER, format_row(_record())]
     assert printed[1].split()[-3:-1] == ["30ms", "abcdef01"]  # the round's worst loop stall
