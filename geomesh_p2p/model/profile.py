@@ -314,7 +314,8 @@ def profile_training(
             )
         log.info(
             "profile: %d parameters, seq_len %d, budget %.2f GiB: batch 1 step %.2fs, measured peak %.2f GiB "
-            "(+ %.2f GiB the rest of the run's static memory); predicted %.0f MiB per sequence, max batch %d",
+            "(+ %.2f GiB the rest of the run's static memory); predicted %.0f MiB per sequence, max batch %d at first "
+            "(the larger batches' peaks may lower it)",
             n_params,
             seq_len,
             memory_bytes / gib,
@@ -390,6 +391,9 @@ def profile_training(
             max_sizes,
             time_budget_s,
         )
+    # the final figure, the one the table and the record give: the first estimate above was of batch 1 alone
+    # (a fresh-user trial read two different max batches in the log and the table)
+    log.info("profile: max batch %d (%.0f MiB per sequence as measured)", max(1, max_fit()), per_seq / 2**20)
     est = MemoryEstimate(static_bytes=static, per_sequence_bytes=per_seq, n_params=n_params)
     return TrainingProfile(
         tokens_per_s=tps,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import time
 
 import pytest
@@ -224,7 +225,8 @@ def test_throughput_ema_math():
             bad()
 
 
-def test_profile_and_table():
+def test_profile_and_table(caplog):
+    caplog.set_level(logging.INFO, logger="geomesh_p2p.model.profile")
     m = GPT2LMHeadModel(tiny_config())
     fake = FakeMemory(m, base=GIB, per_seq=8 * MIB)
     budget = fake.base + fake.grad_opt + 8 * m.num_parameters() + 4 * fake.per_seq + MIB
@@ -246,6 +248,9 @@ def test_profile_and_table():
     table = format_profile_table(result)
     print("\n" + table)
     assert "max batch" in table and result["device"]["name"] in table
+    # the log's last word on it is the table's (the batch-1 estimate is only a first one)
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("profile: max batch")]
+    assert said == ["profile: max batch 4 (8 MiB per sequence as measured)"] and "max batch   4 sequences" in table
     assert format_profile_table(json.loads(json.dumps(result)))  # also from parsed JSON (string keys)
     # by preset name, as `geomesh-peer profile --model tiny` calls it (the real RSS probe)
     by_name = profile(preset="tiny", seq_len=32, device="cpu", batch_sizes=[1, 2], memory_budget_bytes=4 * GIB, steps=1)
