@@ -308,6 +308,9 @@ async def _serve(ns: argparse.Namespace, identity, allow_peers, tls, stop: async
         print(f"private run: {len(allow_peers)} allowed peer(s) from --allow-peers {ns.allow_peers}", flush=True)
     if status is not None:
         print(f"status page on {url} (JSON: {url}api/swarm, {url}api/rounds)", flush=True)
+    new_key = identity.keep_created()  # said once it serves, last: a start that fails stays one line
+    if new_key:
+        print(new_key, flush=True)
     from geomesh_p2p.dht.progress import BootstrapState, SwarmProgress, progress_of, publish_progress
 
     from geomesh_p2p.trust.admission import Admission
@@ -473,6 +476,18 @@ def _main(argv: Optional[list[str]] = None) -> int:
         identity = Identity.load_or_create(ns.identity)
     except IdentityError as e:
         return _fail(f"--identity: {e}")
+    from geomesh_p2p.trust.admission import discard_new_identity
+
+    try:
+        return _start(ns, identity)
+    finally:
+        # a key file this start created goes with a failed start (kept once it served: _serve)
+        discard_new_identity(identity)
+
+
+def _start(ns: argparse.Namespace, identity) -> int:
+    """The rest of :func:`_main` once ``identity`` is loaded or created: the allow-list and TLS files, then
+    :func:`serve`. Returns the exit status."""
     allow_peers = None
     if ns.allow_peers:
         from geomesh_p2p.trust.admission import read_allow_file

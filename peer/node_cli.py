@@ -352,6 +352,7 @@ def cmd_join(ns: argparse.Namespace) -> int:
     from geomesh_p2p.model.memory import limit_malloc_arenas
     from geomesh_p2p.node.host import set_threads
     from geomesh_p2p.node.peer import PeerNode
+    from geomesh_p2p.trust.admission import discard_new_identity
 
     limit_malloc_arenas()  # before the node's worker threads exist (docs/real-size.md)
     set_threads(getattr(ns, "threads", None))  # --threads, else the host's cores shared by its peers (issue 27)
@@ -372,9 +373,9 @@ def cmd_join(ns: argparse.Namespace) -> int:
     inputs = join_inputs(ns, "geomesh-peer join")
     if inputs is None:
         return 2
-    node = PeerNode(*inputs)
     ranks = None
     try:
+        node = PeerNode(*inputs)
         if layout is not None:
             from geomesh_p2p.node.ranks import LocalRanks
 
@@ -390,6 +391,8 @@ def cmd_join(ns: argparse.Namespace) -> int:
     finally:
         if ranks is not None:
             ranks.close()
+        # a key file this start created goes with a failed start (kept once the node served: PeerNode.run)
+        discard_new_identity(inputs[2])
 
 
 def rank_layout(ns: argparse.Namespace, prog: str):

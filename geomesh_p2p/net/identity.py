@@ -122,6 +122,30 @@ def key_permission_problem(
     )
 
 
+@dataclass
+class CreatedKeyFile:
+    """A key file :meth:`Identity.load_or_create` created in this process (it did not exist): said in one line
+    once the program's start-up succeeded (:meth:`Identity.keep_created`), removed when it failed
+    (:meth:`Identity.discard_created`). A mistyped ``--identity`` made a new identity silently, and a start that
+    failed left it behind for the next try to use (fresh-user trial, session 32)."""
+
+    path: Path  #: as given (``~`` expanded): what the line names
+    absolute: Path  #: what is removed, whatever the working folder is by then
+    folders: tuple[Path, ...]  #: the parent folders created with it, innermost first (removed when left empty)
+    dev_ino: tuple[int, int]  #: the file's device and inode: only this very file is ever removed
+    kept: bool = False
+
+
+def _missing_parents(p: Path) -> tuple[Path, ...]:
+    """The parent folders of ``p`` that do not exist (``mkdir(parents=True)`` creates them), innermost first."""
+    out = []
+    parent = p.absolute().parent
+    while not parent.exists() and parent != parent.parent:
+        out.append(parent)
+        parent = parent.parent
+    return tuple(out)
+
+
 class Identity:
     """An Ed25519 key pair and its PeerID."""
 
@@ -131,6 +155,8 @@ class Identity:
             serialization.Encoding.Raw, serialization.PublicFormat.Raw
         )
         self.peer_id = PeerID.from_public_key(self.public_key_bytes)
+        #: the key file this process created for it (:meth:`load_or_create`), None when loaded or never stored
+        self.created: Optional[CreatedKeyFile] = None
 
     @classmethod
     def generate(cls) -> "Identity":
@@ -138,7 +164,8 @@ class Identity:
 
     @classmethod
     def load_or_create(cls, path: str | os.PathLike) -> "Identity":
-        """Load the key at ``path``, or create it (mode 0600, parent folders 0700) when absent.
+        """Load the key at ``path``, or create it (mode 0600, parent folders 0700) when absent; a created one is
+        recorded in ``created`` (:meth:`keep_created`, :meth:`discard_created`).
 
         Raises IdentityError (one line) when the file is readable by group/others (except a secret
         mounted read-only: :func:`key_permission_problem`), writable by them, unreadable, not a 32-byte
@@ -149,6 +176,7 @@ class Identity:
             raise IdentityError(f"identity path {p} is a folder, expected a key file")
         if not p.exists():
             try:
+                folders = _missing_parents(p)
                 p.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
                 ident = cls.generate()
                 raw = ident._private_key.private_bytes(
@@ -157,7 +185,9 @@ class Identity:
                 # O_EXCL: never overwrite a key that appeared meanwhile; 0600 from birth, no chmod race.
                 fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
                 with os.fdopen(fd, "wb") as f:
+                    st = os.fstat(f.fileno())
                     f.write(raw)
+                ident.created = CreatedKeyFile(p, p.absolute(), folders, (st.st_dev, st.st_ino))
                 return ident
             except OSError as e:
                 raise IdentityError(f"cannot create identity file {p}: {e.strerror}") from None
@@ -174,6 +204,43 @@ class Identity:
         if len(raw) != 32:
             raise IdentityError(f"identity file {p} is corrupt: expected a 32-byte Ed25519 key, found {len(raw)} bytes")
         return cls(Ed25519PrivateKey.from_private_bytes(raw))
+
+    def keep_created(self) -> Optional[str]:
+        """The program started (it serves): the key file :meth:`load_or_create` created in this process stays.
+        Returns the one line that says so, to print once start-up succeeded (never before: a start that fails
+        prints one line, its error); None when the key was loaded, or kept already."""
+        new = self.created
+        if new is None or new.kept:
+            return None
+        new.kept = True
+        return (
+            f"created a new identity at {new.path} (peer id {self.peer_id.short()}…); "
+            "pass the same --identity to keep it"
+        )
+
+    def discard_created(self) -> Optional[Path]:
+        """The program's start-up failed: remove the key file :meth:`load_or_create` created in this process, and
+        the parent folders it created for it when they are left empty, so that a failed start leaves nothing
+        behind (the next try would take that identity silently). Never a key it loaded, one kept
+        (:meth:`keep_created`), nor a file that replaced it at that path. Returns the path removed, or None.
+        A file that cannot be removed is left (this runs on the way out of a failed start)."""
+        new = self.created
+        if new is None or new.kept:
+            return None
+        self.created = None
+        try:
+            st = new.absolute.lstat()
+            if (st.st_dev, st.st_ino) != new.dev_ino:
+                return None
+            new.absolute.unlink()
+        except OSError:
+            return None
+        for folder in new.folders:
+            try:
+                folder.rmdir()  # only when empty: anything else written there meanwhile stays
+            except OSError:
+                break
+        return new.path
 
     def sign(self, data: bytes) -> bytes:
         """Ed25519 signature (64 bytes) of ``data``."""

@@ -318,7 +318,6 @@ class PeerNode:
 
     def _init_admission(self) -> None:
         """Standing ledger, proof-of-work state and the record filter (issue 12); allow-list when private."""
-
         self.pow_nonce: Optional[int] = None
         # The nonce is cached next to the key file, only when that file holds this identity's key.
         self._pow_cache = None
@@ -335,7 +334,6 @@ class PeerNode:
 
     async def _prove_work(self) -> None:
         """This identity's proof of work for the run: cached next to the key file, else computed (seconds)."""
-
         bits = self.run_cfg.pow_bits
         if bits <= 0:
             return
@@ -565,6 +563,8 @@ class PeerNode:
         try:
             try:
                 await self.start()
+                if new_key := self.identity.keep_created():  # said once it serves: a failed start prints one line
+                    log.info("%s", new_key)
                 await joining.initial_state(self)
             except StoppedBeforeJoining as e:
                 log.info("stop requested before this peer joined the swarm: leaving (%s)", e)

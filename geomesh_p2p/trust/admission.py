@@ -160,6 +160,23 @@ def load_or_solve_pow(
     return nonce, took, False
 
 
+def discard_new_identity(identity: Identity) -> Optional[Path]:
+    """A failed start: remove the key file this process created for ``identity`` and the proof of work cached
+    beside it (:meth:`Identity.discard_created`; nothing once its creation was said, :meth:`Identity.keep_created`).
+    The cache goes only when it names this identity: a key born in this process, so only this process wrote it.
+    Returns the key's path when it was removed, else None."""
+    new = identity.created
+    if new is None or new.kept:
+        return None
+    cache = pow_cache_path(new.absolute)
+    try:
+        if json.loads(cache.read_text()).get("peer_id") == str(identity.peer_id):
+            cache.unlink()
+    except (OSError, ValueError, AttributeError):  # none, unreadable, or not this identity's JSON object: left
+        pass
+    return identity.discard_created()
+
+
 # ---------------------------------------------------------------------------------------- allow-lists
 def read_allow_file(path: str | os.PathLike) -> list[str]:
     """Entries of an ``--allow-peers`` file: one base58 PeerID or Ed25519 public key per line; blank lines

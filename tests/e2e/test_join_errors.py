@@ -65,6 +65,8 @@ def test_bootstrap_that_does_not_answer(tmp_path):
     line = _one_line_error(r)
     assert "could not join the DHT" in line and entry in line
     assert "attempt" in line  # it retried with backoff before giving up
+    # the key it created (and the proof of work cached beside it) went with the failed start (session 32)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("id.key")) == []
 
 
 def test_bad_flag_values_fail_at_start(tmp_path):

@@ -54,3 +54,4 @@ def test_busy_port_is_one_line_and_exit_2(tmp_path, busy_port, script):
     prog = "geomesh-bootstrap" if script == "geomesh-bootstrap" else "geomesh-peer join"
     assert len(lines) == 1 and lines[0].startswith(f"{prog}: cannot listen on 127.0.0.1:{busy_port}"), r.stderr
     assert "add_port.cc" not in r.stderr and "Failed to add port" not in r.stderr, r.stderr
+    assert not (tmp_path / "id.key").exists()  # the key it created went with the failed start (session 32)

@@ -547,6 +547,8 @@ def test_bootstrap_status_page_stops_with_the_bootstrap(tmp_path):
         assert busy.returncode == 2
         err = [x for x in busy.stderr.splitlines() if x.strip()]
         assert len(err) == 1 and "cannot serve the status page" in err[0], busy.stderr
+        # the key it created, and the proof of work it cached beside it, went with the failed start (session 32)
+        assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("c.key")) == []
         s.interrupt("b")
         assert s.wait_exit(["b"], 30) == {"b": 0}
         with pytest.raises(OSError):
