@@ -131,7 +131,8 @@ def run(workdir: Path, label: str, attack: Optional[str], n_honest: int, n_att: 
             rounds=a.rounds,
             timeout_s=a.timeout_s,
             extra=["--speed-factor", "1", *shlex.split(a.extra)],
-            attacker_extra=["--poison-after", str(a.poison_after)] if attack and a.poison_after else [],
+            attacker_extra=(["--poison-after", str(a.poison_after)] if attack and a.poison_after else [])
+            + (["--claim-steps", str(a.claim_steps)] if attack and a.claim_steps else []),
         )
         res = {
             "label": label,
@@ -171,6 +172,14 @@ def main(argv=None) -> int:
         default=0,
         metavar="N",
         help="patient poisoners: honest in their first N rounds (tests.adversary --poison-after; default: %(default)s)",
+    )
+    ap.add_argument(
+        "--claim-steps",
+        type=int,
+        default=0,
+        metavar="K",
+        help="poisoners claim K steps' tokens whatever they trained (tests.adversary --claim-steps: the min_steps "
+        "dodge; default: %(default)s, off)",
     )
     ap.add_argument("--no-clean", action="store_true", help="skip the clean runs (x clean columns then empty)")
     ap.add_argument(

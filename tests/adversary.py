@@ -339,6 +339,7 @@ class AdversaryNode(PeerNode):
             should_stop=None,
             target=None,
         ):
+            self._batch = batch_size  # --claim-steps: its claim is counted in steps of the planned batch
             if self.attack == "poison":
                 self._note(
                     round,
@@ -497,6 +498,11 @@ class AdversaryNode(PeerNode):
         """What this attacker pushes instead of (``delta``, ``tokens``)."""
         r, a = spec.round, self.attack
         cap = int(spec.participants.get(self.me, 0))
+        if a == "poison" and getattr(self, "claim_steps", 0) and getattr(self, "_batch", 0):
+            # the min_steps dodge (issue 28): what it trained, claimed as fewer steps than a check draws
+            claim = min(tokens, int(self.claim_steps) * int(self._batch) * int(self.run_cfg.seq_len))
+            self._note(r, "push", "claiming %d tokens (%d steps' worth; trained %d)", claim, self.claim_steps, tokens)
+            return delta, claim
         if a in ("poison", "drop-owner"):  # honest in form: what it trained goes out unchanged
             return delta, tokens
         delta = delta.detach().to("cpu", torch.float32).reshape(-1)
@@ -710,6 +716,15 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         help="poison: honest in the first N rounds it trains, poisoning from round N+1 on (a patient poisoner: "
         "passes its probation and the first rounds' screens) (default: %(default)s)",
     )
+    g.add_argument(
+        "--claim-steps",
+        type=int,
+        default=0,
+        metavar="K",
+        help="poison: claim the tokens of K steps at its planned batch whatever it trained (issue 28's min_steps "
+        "dodge: K below VerifyConfig.min_steps is never drawn for a check; 0: claim what it trained) "
+        "(default: %(default)s)",
+    )
     add_node_flags(j)
     add_run_flags(j)
     _add_common(j)  # --config, --log-level
@@ -750,6 +765,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         drop_senders=ns.drop_senders,
     )
     node.poison_after = ns.poison_after  # read when the trainer is built (start)
+    node.claim_steps = ns.claim_steps
     try:
         return asyncio.run(_run_node(node))
     except KeyboardInterrupt:

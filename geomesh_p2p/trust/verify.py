@@ -89,8 +89,9 @@ in ~50%, marginal in 84-100% of the checks); updates computed on other data or c
 so only a persistent one, after many rounds). Not caught: a peer that trains a fair share of its
 batches honestly and fakes the rest (at most in proportion to what it skips, "first ... only" above),
 scaling within the bound (the aggregation's clip is the defence there), anything in a round where
-nobody checks it, a contribution that claims fewer than ``min_steps`` steps (never drawn: the thresholds
-are not measured there), and everything in reencode mode (nobody but the owner sees a contribution). In
+nobody checks it, a contribution of a peer planned fewer than ``min_steps`` steps (never drawn: the thresholds
+are not measured there; one planned more that claims fewer counts 0 tokens since session 32:
+:func:`geomesh_p2p.round.rules.spec.screen_token_floor`), and everything in reencode mode (nobody but the owner sees a contribution). In
 accountable mode the draws read the part results' commitments and a check fetches the accused's contributions to
 at most 2 of its parts, checked against them (:mod:`.verify_commit`, session 19). A late verdict can be
 re-checked only by peers that still keep its round (``recheck_rounds`` = 12, 3 before session 16, when at small

@@ -118,3 +118,15 @@ def test_stealth_flip_equals_a_stable_sort_of_the_magnitudes_with_many_ties():
     want[top] = -want[top]
     assert adversary.stealth_flip(d).equal(want)
     assert int((adversary.stealth_flip(d) != d).sum()) == int((d[top] != 0).sum())
+
+
+def test_a_dodging_poisoner_claims_k_steps_of_its_planned_batch():
+    node = _stub("poison")
+    node.run_cfg = SimpleNamespace(seq_len=16)
+    node.claim_steps, node._batch = 4, 8
+    d = torch.tensor([0.5, -1.0, 2.0])
+    spec = SimpleNamespace(round=3, participants={"attacker": 5000})
+    out, claim = adversary.AdversaryNode.poison(node, spec, d, 20 * 8 * 16)  # trained 20 steps
+    assert out.tolist() == [0.5, -1.0, 2.0] and claim == 4 * 8 * 16  # 4 steps' worth: below min_steps (5)
+    node.claim_steps = 0  # off: what it trained, unchanged
+    assert adversary.AdversaryNode.poison(node, spec, d, 2560)[1] == 2560
