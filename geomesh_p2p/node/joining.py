@@ -378,8 +378,9 @@ async def resume_from(node: PeerNode, ck) -> None:
             f"needs {node.state_numel}); was it written by another --method?"
         )
     await asyncio.to_thread(node._set_state, rnd, theta, momentum)
-    if getattr(node, "round_log", None) is not None:  # /metrics said round 0 until the first round after a resume
-        node.round_log.note_state_round(rnd)
+    round_log = getattr(node, "round_log", None)
+    if round_log is not None:  # /metrics said round 0 until the first round after a resume
+        round_log.note_state_round(rnd)
     node.standing = Standing.from_meta((meta.get("meta") or {}).get("standing"))
     verdicts = (meta.get("meta") or {}).get("verdicts") or {}
     if isinstance(verdicts, dict):  # checkpoints before issue 28 hold none
