@@ -219,10 +219,11 @@ class StandingView:
 def split(view: StandingView, peer_ids: Iterable[str]) -> tuple[list[str], list[str]]:
     """(established, probation) among ``peer_ids`` (sorted). Nobody established -> all are (bootstrap)."""
     ids = sorted(set(peer_ids))
-    est = [p for p in ids if view.established(p)]
+    known = view.established_ids(ids)  # one pass over the attestations for all of them
+    est = [p for p in ids if p in known]
     if not est:
         return ids, []
-    return est, [p for p in ids if p not in set(est)]
+    return est, [p for p in ids if p not in known]
 
 
 def select_probation(run_id: str, round: int, view: StandingView, candidates: Iterable[str], slots: int) -> list[str]:
@@ -265,13 +266,13 @@ def marking_problem(plan, view: StandingView, live_ids: Collection[str]) -> Opti
     The count bound, part ownership and budgets of probation peers are checked by
     :func:`geomesh_p2p.plan.planner.check_plan` (they do not depend on the view).
     """
-    if any(view.established(p) for p in live_ids) and not view.plausible(plan.leader):
+    if view.established_ids(live_ids) and not view.plausible(plan.leader):
         return (
             f"its leader {plan.leader[:10]} is on probation here (standing {view.score(plan.leader)} of the "
             f"{view.threshold} rounds needed to lead)"
         )
     participants = plan.participants()
-    if not any(view.established(p) for p in participants):
+    if not view.established_ids(participants):
         return None
     wrong = [
         a.peer_id for a in plan.assignments if not getattr(a, "probation", False) and not view.plausible(a.peer_id)
