@@ -122,7 +122,8 @@ def cmd_identity(ns: argparse.Namespace) -> int:
         return 2
     print(f"PeerID: {ident.peer_id}")
     print(f"short:  {ident.peer_id.short()}")
-    print(f"key:    {ns.identity}")
+    # said either way: a mistyped path makes a new identity, and this is where a user looks (fresh-user trial)
+    print(f"key:    {ns.identity} ({'created now' if ident.keep_created() else 'loaded'})")
     return 0
 
 
