@@ -4,9 +4,9 @@ test process must not join one): started on a fresh local port, reaped with thei
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
+import tempfile
 import threading
 from pathlib import Path
 
@@ -15,11 +15,11 @@ from tests import zygote
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now (the ranks' store binds it)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def store_init(out: str) -> str:
+    """The ranks' ``init_method``: a rendezvous file in a fresh folder beside ``out`` (as the peer's self-started
+    ranks use, ``geomesh_p2p.node.ranks._store_dir``). A ``tcp://`` port found free here was bound by rank 0 only
+    later, and another test's socket took it once in CI: rank 0 died in 2 s, its follower waited to the timeout."""
+    return "file://" + tempfile.mkdtemp(prefix="rank-store-", dir=Path(out).parent) + "/store"
 
 
 def spawn_ranks(script: str, world: int, scenario: str, out: str, *extra: str) -> list:
@@ -28,7 +28,7 @@ def spawn_ranks(script: str, world: int, scenario: str, out: str, *extra: str) -
     transformers imported once, ~4 CPU-s less a rank; the workers set ``GLOO_SOCKET_IFNAME=lo`` themselves), else a
     cold interpreter with ``GLOO_SOCKET_IFNAME=lo``. Returns ``subprocess.Popen`` or :class:`tests.zygote.ZygoteChild`
     objects (:func:`reap` reads either)."""
-    init = f"tcp://127.0.0.1:{free_port()}"
+    init = store_init(out)
     module = "tests." + Path(script).stem
     procs: list = []
     for r in range(world):

@@ -23,10 +23,11 @@ import asyncio
 import json
 import logging
 import os
+import shutil
 import signal
-import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -65,7 +66,7 @@ EXIT_WAIT_S = 10.0
 class RankLayout:
     """Where this process stands among its peer's ranks: ``rank`` of ``world``, this rank's ``device``, the
     devices of every rank (``devices``; empty under torchrun, where each rank picks its own), the process
-    group's ``init_method`` (``""``: rank 0 picks a local port when it starts them) and whether rank 0 starts the
+    group's ``init_method`` (``""``: rank 0 makes a rendezvous file when it starts them, :func:`_store_dir`) and whether rank 0 starts the
     others itself (``spawn``)."""
 
     rank: int
@@ -83,10 +84,14 @@ class RankLayout:
         return sum(1 for d in self.devices if d == self.device)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def _store_dir() -> str:
+    """A fresh private folder for the self-started ranks' rendezvous file (``file://<dir>/store``).
+
+    Why a file and not ``tcp://127.0.0.1:<a free port>``: a port found free is bound by rank 0's store only later,
+    and anything on the machine may take it meanwhile (a test suite's gRPC servers and outgoing sockets did:
+    rank 0 failed to bind within 2 s and its follower waited for the store until its timeout). A file in a
+    folder nobody else knows cannot be taken, and the ranks share one machine anyway."""
+    return tempfile.mkdtemp(prefix="geomesh-ranks-")
 
 
 def _cuda_devices(devices: list[str]) -> list[str]:
@@ -152,7 +157,9 @@ def layout_from(cfg: NodeConfig, env: Optional[Mapping[str, str]] = None) -> Opt
         if cfg.device != "auto":
             raise ValueError(f"--local-devices sets each rank's device: leave --device at auto (it is {cfg.device})")
         devices = _cuda_devices(list(cfg.local_devices))
-        return RankLayout(0, len(devices), devices[0], tuple(devices), "", True)  # the port: LocalRanks.start
+        return RankLayout(
+            0, len(devices), devices[0], tuple(devices), "", True
+        )  # the rendezvous file: LocalRanks.start
     if cfg.shard and under_torchrun is None:
         raise ValueError(
             "--shard shards the model over the ranks of a multi-rank peer and needs >= 2 ranks: add "
@@ -189,8 +196,12 @@ class LocalRanks:
     :meth:`close` ends them all. Raises UserFacingError from :meth:`start` when the ranks do not form.
     """
 
-    def __init__(self, layout: RankLayout, channel: RankChannel, procs: list[subprocess.Popen]):
+    def __init__(
+        self, layout: RankLayout, channel: RankChannel, procs: list[subprocess.Popen], store: Optional[str] = None
+    ):
         self.layout, self.channel, self.procs = layout, channel, procs
+        #: the self-started ranks' rendezvous folder (:func:`_store_dir`), removed by :meth:`close`
+        self.store = store
         self._closing = False
 
     @classmethod
@@ -198,7 +209,8 @@ class LocalRanks:
         """Start ranks 1..K-1 (``layout.spawn``) and join the process groups with them (blocks until they
         joined, at most :func:`collective_timeout_s` of the window). Raises UserFacingError."""
         timeout_s = collective_timeout_s(run.window_s)
-        init = layout.init_method or f"tcp://127.0.0.1:{_free_port()}"  # self-started: rank 0's store
+        store = None if layout.init_method else _store_dir()  # self-started: a rendezvous file (_store_dir)
+        init = layout.init_method or f"file://{store}/store"
         procs: list[subprocess.Popen] = []
         # NCCL refuses two ranks on one GPU ("duplicate GPU"): ranks sharing a device all-reduce with gloo.
         backend = "gloo" if len(set(layout.devices)) < len(layout.devices) else None
@@ -231,6 +243,7 @@ class LocalRanks:
             channel = RankChannel.init(0, layout.world, layout.device, init, timeout_s, backend=backend)
         except RankFailure as e:
             _end(procs, 0.0)
+            _remove(store)
             raise UserFacingError(f"{e} (--local-devices / torchrun)") from None
         channel.start_keepalive()
         log.info(
@@ -247,7 +260,7 @@ class LocalRanks:
             backend or ("nccl" if layout.device.startswith("cuda") else "gloo"),
             timeout_s,
         )
-        return cls(layout, channel, procs)
+        return cls(layout, channel, procs, store)
 
     def attach(self, node: Any, loop: asyncio.AbstractEventLoop) -> None:
         """Give ``node`` (a PeerNode) the channel (``node.rank_channel``, read by its training build) and make a
@@ -293,6 +306,13 @@ class LocalRanks:
         broken = self.channel.broken is not None
         self.channel.close()
         _end(self.procs, 0.0 if broken else EXIT_WAIT_S)
+        _remove(self.store)
+
+
+def _remove(folder: Optional[str]) -> None:
+    """Remove the ranks' rendezvous folder (:func:`_store_dir`), if any. Never raises."""
+    if folder is not None:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _end(procs: list[subprocess.Popen], wait_s: float) -> None:

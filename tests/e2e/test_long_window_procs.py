@@ -14,6 +14,7 @@ processes (the peers sleep between slowed steps)."""
 from __future__ import annotations
 
 import json
+import re
 import socket
 import time
 import urllib.request
@@ -31,10 +32,19 @@ PLAN_TTL_FLOOR_S = 10.0
 PAST_FLOOR_S = 20.0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _status_port(sw: ProcSwarm) -> int:
+    """The port of the status page the bootstrap ``boot`` serves with ``--http-port 0`` (the line it prints). A
+    port found free by the test and bound by the bootstrap later can be taken meanwhile (the kind of a CI flake)."""
+    found: list[int] = []
+
+    def printed() -> bool:
+        m = re.search(r"status page on http://127\.0\.0\.1:(\d+)/", sw.text("boot"))
+        if m:
+            found.append(int(m.group(1)))
+        return bool(found)
+
+    sw.wait_for(printed, 120, "the bootstrap's status page line")
+    return found[0]
 
 
 def _plan(port: int):
@@ -47,10 +57,10 @@ def _plan(port: int):
 @pytest.mark.timeout(420)
 def test_a_plan_of_a_long_window_is_still_read_past_the_plan_lifetime_floor(tmp_path: Path) -> None:
     sw = ProcSwarm(tmp_path)
-    http = _free_port()
     try:
-        sw.bootstrap("boot", "--http-port", str(http))
+        sw.bootstrap("boot", "--http-port", "0")
         entry = sw.address("boot")
+        http = _status_port(sw)
         # The planned steps fill the window at the profiled speed (a peer faster than its profile ended a 170 s
         # window at 87 s in CI: half of it is still far past the check below).
         slow = ["--window-s", str(WINDOW_S), "--speed-factor", "0.05", "--rounds", "1", "--min-peers", "2"]
@@ -88,11 +98,11 @@ def test_a_real_bootstrap_under_slowloris_still_answers_its_page_and_its_dht(tmp
     from tests.dht_helpers import start_node, stop_node
 
     sw = ProcSwarm(tmp_path)
-    http = _free_port()
     socks: list[socket.socket] = []
     try:
-        sw.bootstrap("boot", "--http-port", str(http))
+        sw.bootstrap("boot", "--http-port", "0")
         entry = sw.address("boot")
+        http = _status_port(sw)
         sw.wait_for(lambda: _plan_or_none_answers(http), 60, "the status page to answer")
         for i in range(10):
             for _ in range(30):

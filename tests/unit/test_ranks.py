@@ -283,7 +283,7 @@ def test_layout_from_flags_and_environment() -> None:
     assert layout_from(NodeConfig(), env={}) is None
     lay = layout_from(NodeConfig(local_devices=["cpu", "cpu", "cpu"]), env={})
     assert (lay.rank, lay.world, lay.device, lay.spawn) == (0, 3, "cpu", True)
-    assert lay.init_method == "" and lay.device_share == 3  # rank 0 picks its store's port when it starts them
+    assert lay.init_method == "" and lay.device_share == 3  # rank 0 makes its rendezvous file when it starts them
     env = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
     tr = layout_from(NodeConfig(device="cpu"), env=env)
     assert tr == RankLayout(1, 2, "cpu") and tr.device_share == 2
@@ -378,3 +378,27 @@ def test_rank_split_with_extreme_speeds_sums_to_the_batch(speeds: list[float], b
 
 def test_update_speeds_ignores_a_rate_that_is_not_finite() -> None:
     assert update_speeds([2.0, 3.0], [1e300, 100.0], [1e-300, 10.0]) == [2.0, 0.5 * 10.0 + 0.5 * 3.0]
+
+
+@pytest.mark.timeout(60)
+def test_self_started_ranks_meet_at_a_private_file_removed_when_the_start_fails(monkeypatch, tmp_path) -> None:
+    """Rank 0's own ranks rendezvous at ``file://<fresh folder>/store``, not at a port found free and bound later
+    (another socket took one in CI: rank 0 died, its follower waited to the timeout); a failed start removes it."""
+    from geomesh_p2p.config.models import RunConfig
+    from geomesh_p2p.model.rank_channel import RankFailure
+    from geomesh_p2p.node import ranks as node_ranks
+    from geomesh_p2p.util.errors import UserFacingError
+
+    monkeypatch.setattr(node_ranks.tempfile, "tempdir", str(tmp_path))
+    seen: list[str] = []
+
+    def refuse(rank, world, device, init, timeout_s, backend=None):
+        seen.append(init)
+        raise RankFailure("rank 0 of 2: the peer's ranks did not form (test)")
+
+    monkeypatch.setattr(node_ranks.RankChannel, "init", refuse)
+    layout = RankLayout(0, 2, "cpu", ("cpu", "cpu"), "", spawn=False)  # no follower processes: rank 0's side only
+    with pytest.raises(UserFacingError, match="did not form"):
+        node_ranks.LocalRanks.start(RunConfig(), NodeConfig(), layout)
+    assert len(seen) == 1 and seen[0].startswith(f"file://{tmp_path}/geomesh-ranks-") and seen[0].endswith("/store")
+    assert list(tmp_path.iterdir()) == []  # the folder went with the failed start
