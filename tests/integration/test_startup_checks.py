@@ -12,6 +12,7 @@ import socket
 from types import SimpleNamespace
 
 import grpc
+import torch
 import pytest
 
 from geomesh_p2p.config.models import NodeConfig, RunConfig
@@ -272,3 +273,34 @@ def test_version_after_a_command(capsys, command):
         main([command, "--version"])
     assert ei.value.code == 0
     assert capsys.readouterr().out == f"geomesh-peer {__version__}\n"
+
+
+async def test_resume_from_a_checkpoint_of_another_peer_id_warns_then_resumes(caplog, tmp_path):
+    """resume_from itself: the warning comes before the state is taken, and the resume goes on."""
+    caplog.set_level(logging.INFO, logger="geomesh_p2p.node.peer")
+    run = RunConfig(seq_len=32)
+    ident = Identity.generate()
+    taken = []
+    node = SimpleNamespace(
+        me=str(ident.peer_id),
+        identity=ident,
+        cfg=NodeConfig(identity=str(tmp_path / "id.key"), checkpoint_dir=str(tmp_path / "ck")),
+        config_hash=run.config_hash(),
+        run_cfg=run,
+        state_numel=4,
+        _set_state=lambda rnd, theta, momentum: taken.append(rnd),
+        verified=SimpleNamespace(restore=lambda m: None),
+        penalties=SimpleNamespace(restore=lambda m: None),
+        profile=SimpleNamespace(restore_delivered=lambda m, r: None),
+        digest=None,
+    )
+    old = str(Identity.generate().peer_id)
+    meta = {"run_config_hash": run.config_hash(), "meta": {"peer_id": old, "identity": "/old/id.key"}}
+    await joining.resume_from(node, (7, torch.zeros(4), torch.zeros(4), meta))
+    assert taken == [7]
+    messages = [r.getMessage() for r in caplog.records]
+    warned = [m for m in messages if m.startswith("--resume: the checkpoint of round 7")]
+    assert len(warned) == 1 and old in warned[0] and node.me in warned[0] and "/old/id.key" in warned[0]
+    assert messages.index(warned[0]) < next(
+        i for i, m in enumerate(messages) if m.startswith("resumed from checkpoint")
+    )
