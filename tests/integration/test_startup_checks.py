@@ -304,3 +304,28 @@ async def test_resume_from_a_checkpoint_of_another_peer_id_warns_then_resumes(ca
     assert messages.index(warned[0]) < next(
         i for i, m in enumerate(messages) if m.startswith("resumed from checkpoint")
     )
+
+
+def test_a_checkpoint_records_the_peer_id_and_the_key_it_came_from(tmp_path, monkeypatch):
+    """What the resume's warning reads: the writer's PeerID and its --identity as an absolute path."""
+    from geomesh_p2p.model import state
+    from geomesh_p2p.model.optim import OuterNesterov
+    from geomesh_p2p.node.checkpoints import Checkpointer
+    from geomesh_p2p.round.rules import RoundState
+    from geomesh_p2p.trust.standing import Standing
+
+    monkeypatch.chdir(tmp_path)
+    outer = OuterNesterov(lr=0.7, momentum=0.9)
+    theta = torch.arange(8, dtype=torch.float32)
+    outer.buf = torch.zeros(8)
+    writer = Checkpointer(
+        RunConfig(),
+        NodeConfig(checkpoint_dir=str(tmp_path / "ck"), identity="keys/p1.key"),
+        RoundState(me="PEER-1", round=3, digest="d" * 64, standing=Standing()),
+        "h",
+        theta=lambda: theta,
+        outer=lambda: outer,
+    )
+    assert writer.checkpoint() is not None
+    meta = state.load_latest_checkpoint(tmp_path / "ck")[3]["meta"]
+    assert (meta["peer_id"], meta["identity"]) == ("PEER-1", str(tmp_path / "keys" / "p1.key"))
