@@ -44,7 +44,14 @@ from geomesh_p2p.config.models import DEFAULT_BOOTSTRAP_IDENTITY as DEFAULT_IDEN
 from geomesh_p2p.config.models import DEFAULT_BOOTSTRAP_PORT as DEFAULT_PORT  # noqa: F401
 from geomesh_p2p.config.models import DEFAULT_RUN_ID, BootstrapConfig  # noqa: F401
 from geomesh_p2p.config.models import DEFAULT_POW_BITS, MAX_POW_BITS
-from geomesh_p2p.net.addr import AddressError, format_address, is_wildcard_host, normalize_host, parse_address
+from geomesh_p2p.net.addr import (
+    AddressError,
+    format_address,
+    is_wildcard_host,
+    listen_problem,
+    normalize_host,
+    parse_address,
+)
 from geomesh_p2p.schema.shards import check_shards
 from geomesh_p2p.telemetry.logonce import LogOnChange
 from geomesh_p2p.util.fds import raise_fd_limit
@@ -469,7 +476,7 @@ def _main(argv: Optional[list[str]] = None) -> int:
     from geomesh_p2p.net.identity import Identity, IdentityError
 
     raise_fd_limit()  # gRPC's and the status page's shares of it (geomesh_p2p/util/fds.py) grow with it
-    problem = check_state_file(ns)  # before the key is created: a refused start leaves nothing behind
+    problem = check_state_file(ns) or check_ports(ns)  # before the key is created: a refused start leaves nothing
     if problem:
         return _fail(problem)
     try:
@@ -483,6 +490,16 @@ def _main(argv: Optional[list[str]] = None) -> int:
     finally:
         # a key file this start created goes with a failed start (kept once it served: _serve)
         discard_new_identity(identity)
+
+
+def check_ports(ns: argparse.Namespace) -> Optional[str]:
+    """``--port`` and ``--http-port`` checked by binding them at start (:func:`~geomesh_p2p.net.addr.listen_problem`):
+    a busy status port was found only after the node listened and made its proof of work. A one-line complaint
+    naming the flag, or None."""
+    problem = listen_problem(ns.host, ns.port)
+    if problem is None and ns.http_port:
+        problem = listen_problem(ns.http_host, ns.http_port, port_flag="--http-port", host_flag="--http-host")
+    return problem
 
 
 def _start(ns: argparse.Namespace, identity) -> int:

@@ -26,6 +26,8 @@ from geomesh_p2p.util.fds import raise_fd_limit
 def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", metavar="FILE", help="YAML/JSON file of option values (flags on the command line win)")
     add_log_level(p)
+    # after a command too (`geomesh-peer join --version` was refused as an unknown flag: fresh-user trial)
+    p.add_argument("--version", action="version", version=f"geomesh-peer {__version__}")
 
 
 class _Formatter(argparse.HelpFormatter):

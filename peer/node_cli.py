@@ -15,7 +15,7 @@ log = logging.getLogger("geomesh-peer")
 from geomesh_p2p.config.models import DEFAULT_POW_BITS, MAX_POW_BITS  # noqa: F401  (re-exported for tests)
 from geomesh_p2p.config.flags import PARSERS, FlagSpec, add_flags, flag_specs, number_type, to_argv, values_from
 from geomesh_p2p.config.models import NODE_GROUP, RUN_GROUP, NodeConfig, RunConfig
-from geomesh_p2p.net.addr import host_of, is_loopback_host
+from geomesh_p2p.net.addr import host_of, is_loopback_host, listen_problem
 from geomesh_p2p.util.errors import StartInputError, UserFacingError
 from geomesh_p2p.model.presets import PRESETS
 
@@ -332,13 +332,31 @@ def check_resume_flags(ns: argparse.Namespace) -> None:
 def check_fast(ns: argparse.Namespace) -> None:
     """The ``join`` values checked before torch's import (seconds, up to 30 on a loaded box: a new user's bad
     ``--group-size`` or ``--model`` was refused only after 25-35 s): the run config's fields and combinations, the
-    node config, ``--resume`` / ``--on-empty-swarm resume`` without a folder, the preset's name. Raises ValueError
+    node config, ``--resume`` / ``--on-empty-swarm resume`` without a folder, the preset's name, the ports
+    (:func:`check_ports`). Raises ValueError
     or UserFacingError naming the flag; :func:`join_inputs` checks them all again, with the rest."""
     run_config_from(ns)
     node_config_from(ns)
     check_resume_flags(ns)
     if not ns.model_config and ns.model not in PRESETS:
         check_model(ns)  # its message, before torch
+    check_ports(ns)
+
+
+def check_ports(ns: argparse.Namespace) -> None:
+    """``--port`` (unless ``--client-only``) and ``--metrics-port`` can be listened on, checked by binding them
+    at start (:func:`~geomesh_p2p.net.addr.listen_problem`): a busy port was reported after torch's import and
+    the proof of work (~30 s). The node checks ``--port`` again before its proof of work. Raises ValueError
+    naming the flag."""
+    if os.environ.get("RANK", "0") not in ("", "0"):
+        return  # a torchrun follower rank: rank 0 listens on these ports (and may be doing so already)
+    checks = [] if getattr(ns, "client_only", False) else [(ns.host, ns.port, "--port", "--host")]
+    if getattr(ns, "metrics_port", None):
+        checks.append((ns.metrics_host, ns.metrics_port, "--metrics-port", "--metrics-host"))
+    for host, port, port_flag, host_flag in checks:
+        problem = listen_problem(host, port, port_flag=port_flag, host_flag=host_flag)
+        if problem is not None:
+            raise ValueError(problem)
 
 
 def cmd_join(ns: argparse.Namespace) -> int:

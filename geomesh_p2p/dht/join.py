@@ -63,6 +63,52 @@ def _unresolvable(reason: Optional[str]) -> bool:
     return any(m in text for m in _UNRESOLVABLE)
 
 
+#: What gRPC says of a call that got no connection, worded short for a log line (substring, lower case -> words).
+_SHORT_REASONS = (
+    ("connection refused", "connection refused"),
+    ("deadline", "timed out"),
+    ("timed out", "timed out"),
+    ("timeout", "timed out"),
+    ("no route to host", "no route to host"),
+    ("network is unreachable", "network is unreachable"),
+    ("socket closed", "connection closed during set-up"),
+    ("handshake", "TLS handshake failed"),
+    ("ssl", "TLS handshake failed"),
+)
+
+#: The most characters of a gRPC reason that :func:`short_reason` keeps when it has no shorter word for it.
+_SHORT_REASON_CHARS = 80
+
+
+def short_reason(error: BaseException) -> str:
+    """``error`` (a failed ping's) in a few words for one log line: "connection refused", "timed out", "host
+    name does not resolve", ...; else the status code and the reason's first :data:`_SHORT_REASON_CHARS`
+    characters (gRPC's own text for a refused connection is ~150 characters: "failed to connect to all
+    addresses; last error: UNKNOWN: ipv4:...", and a retry line named each bootstrap's: fresh-user trial)."""
+    if not isinstance(error, RpcError):
+        return str(error)[:_SHORT_REASON_CHARS] or type(error).__name__
+    if _unresolvable(error.reason):
+        return "host name does not resolve"
+    text = (error.reason or "").lower()
+    if error.code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return "timed out"
+    if error.code in _UNREACHABLE:
+        for marker, words in _SHORT_REASONS:
+            if marker in text:
+                return words
+    reason = (error.reason or "").strip()
+    if len(reason) > _SHORT_REASON_CHARS:
+        reason = reason[:_SHORT_REASON_CHARS] + "..."
+    return f"{error.code.name}: {reason}" if reason else error.code.name
+
+
+def _with_code(error: str, short: str) -> str:
+    """``short`` (a :func:`short_reason`) prefixed with the status code of ``error`` ("CODE: reason") when it
+    does not carry one."""
+    code = error.split(":", 1)[0]
+    return short if short.startswith(code) or not code.isupper() else f"{code}: {short}"
+
+
 def final_failure(result: BaseException) -> bool:
     """Whether a bootstrap's failed ping is final, as the join sees it: a refusal, an unresolvable name or
     another error; False for a bootstrap that may still be starting or is slow (UNAVAILABLE, DEADLINE_EXCEEDED,
@@ -133,6 +179,7 @@ class DHTJoin(DHTLookup):
         attempts = max(1, attempts or self.join_attempts)
         delay = self.join_backoff_s
         errors: Dict[str, str] = {}
+        short: Dict[str, str] = {}  # the same, in a few words (short_reason): the retry lines
         refused: Dict[str, RpcError] = {}  # bootstraps that answered with a refusal (not silence)
         ok: List[Contact] = []
         t0 = time.monotonic()
@@ -153,13 +200,14 @@ class DHTJoin(DHTLookup):
             for a, r in zip(addresses, results):
                 if isinstance(r, RpcError):
                     errors[a] = f"{r.code.name}: {r.reason}" if r.reason else r.code.name
+                    short[a] = short_reason(r)
                     # A name that does not resolve is a typo, not a bootstrap still starting: no retries
                     # (a fresh-user trial waited 41 s for nosuchhost.invalid, 8 attempts).
                     definitive &= final_failure(r)
                     if r.code not in _UNREACHABLE:
                         refused[a] = r
                 else:
-                    errors[a] = str(r)
+                    errors[a] = short[a] = str(r)
             if definitive or attempt == attempts - 1:
                 break
             wait = delay * random.uniform(0.8, 1.2)
@@ -168,7 +216,7 @@ class DHTJoin(DHTLookup):
                 logging.INFO,
                 "dht_join_retry",
                 "no bootstrap answered yet (%s); retrying in %.1f s (attempt %d of %d)",
-                "; ".join(f"{a}: {e}" for a, e in errors.items()),
+                "; ".join(f"{a}: {e}" for a, e in short.items()),  # one short line, not gRPC's whole text
                 wait,
                 attempt + 1,
                 attempts,
@@ -180,7 +228,8 @@ class DHTJoin(DHTLookup):
             await asyncio.sleep(wait)
             delay = min(delay * 2, 8.0)
         if not ok:
-            detail = "; ".join(f"{a}: {e}" for a, e in errors.items())
+            # the code, then the short reason unless it is a refusal (whose reason is the bootstrap's own sentence)
+            detail = "; ".join(f"{a}: {errors[a] if a in refused else _with_code(errors[a], short[a])}" for a in errors)
             other_run = [
                 a
                 for a, r in refused.items()

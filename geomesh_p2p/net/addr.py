@@ -144,3 +144,45 @@ def ip_of(host: str) -> Optional[ipaddress.IPv4Address | ipaddress.IPv6Address]:
     if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
         return ip.ipv4_mapped
     return ip
+
+
+def listen_problem(host: str, port: int, *, port_flag: str = "--port", host_flag: str = "--host") -> Optional[str]:
+    """Why a server could not listen on ``host:port``, found by binding a socket there and closing it at once
+    (at start, before the seconds of imports and proof of work that come before the real server: a busy
+    ``--port`` was reported ~30 s in), or None when it can (or when only the server itself can tell: a host
+    name that does not resolve, another error). The port may be taken between this check and the server's
+    bind: that tiny race only moves the report to where it was before. Port 0 (a free one) is not checked.
+
+    The message starts with the flag, as ``--metrics-port``'s always did: ``--port 5: cannot listen on
+    127.0.0.1:5: the port is in use (another --port, or --port 0 for a free one)``; ``--host 203.0.113.1:
+    cannot listen on 203.0.113.1:5: not an address of this machine``; a port below 1024 without the
+    privilege to bind it."""
+    import errno
+    import socket
+
+    if not port:
+        return None
+    try:
+        where = format_address(host, port)
+        infos = socket.getaddrinfo(normalize_host(host), port, 0, socket.SOCK_STREAM, 0, socket.AI_PASSIVE)
+    except (AddressError, OSError, UnicodeError):
+        return None
+    first: Optional[OSError] = None
+    for family, kind, proto, _name, sockaddr in infos:
+        try:
+            with socket.socket(family, kind, proto) as s:
+                # as gRPC binds (SO_REUSEADDR; no SO_REUSEPORT, transport.py): a port in TIME_WAIT is free
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                s.bind(sockaddr)
+            return None  # gRPC listens when any of the host's addresses binds
+        except OSError as e:
+            first = first or e
+    if first is None:
+        return None
+    if first.errno == errno.EADDRINUSE:
+        return f"{port_flag} {port}: cannot listen on {where}: the port is in use (another {port_flag}, or {port_flag} 0 for a free one)"
+    if first.errno == errno.EADDRNOTAVAIL:
+        return f"{host_flag} {host}: cannot listen on {where}: not an address of this machine"
+    if first.errno == errno.EACCES:
+        return f"{port_flag} {port}: cannot listen on {where}: permission denied (a port below 1024 needs privileges)"
+    return None

@@ -302,6 +302,8 @@ class Checkpointer:
             meta={
                 "run_config_hash": self.config_hash,
                 "peer_id": self.state.me,
+                # the key it came from: a resume under another identity names it (joining.warn_if_other_identity)
+                "identity": str(Path(self.cfg.identity).expanduser().absolute()),
                 "run_config": self.run_cfg.model_dump(),
                 "standing": self.state.standing.to_meta(),
                 "verdicts": self._verdicts() if verdicts is None else verdicts,

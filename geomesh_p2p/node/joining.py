@@ -19,7 +19,7 @@ from geomesh_p2p.node.started import started
 from geomesh_p2p.dht import IncompatibleSwarmError, check_compatible, live_peers
 from geomesh_p2p.dht.state import DHT_PROTOCOL_VERSION
 from geomesh_p2p.config.models import RunConfig
-from geomesh_p2p.dht.join import final_failure, other_run_message
+from geomesh_p2p.dht.join import final_failure, other_run_message, short_reason
 from geomesh_p2p.dht.node import DHTNode
 from geomesh_p2p.dht.progress import swarm_progress
 from geomesh_p2p.dht.state import OtherRunError
@@ -32,8 +32,9 @@ from geomesh_p2p.telemetry import events
 from geomesh_p2p.trust.standing import Standing
 from geomesh_p2p.util.aio import wait_event
 from geomesh_p2p.util.backoff import Backoff
-from geomesh_p2p.util.errors import UserFacingError
+from geomesh_p2p.util.errors import StartInputError, UserFacingError
 from geomesh_p2p.exchange.codec.feedback import PushFeedback
+from geomesh_p2p.net.addr import listen_problem
 from geomesh_p2p.net.methods import DHT_PING
 from geomesh_p2p.wire import dht_pb2
 
@@ -59,6 +60,7 @@ __all__ = [
     "check_swarm",
     "initial_state",
     "resume_from",
+    "warn_if_other_identity",
     "warn_if_resumed_behind",
     "on_empty_swarm",
 ]
@@ -208,11 +210,29 @@ async def records_of(node: PeerNode, peer_ids: Collection[str], *, sampled: bool
     return out
 
 
+async def check_before_proof_of_work(node: PeerNode, tls: Optional[object]) -> None:
+    """What can be checked before the proof of work (seconds to tens of seconds) and the DHT join: ``--port``
+    can be listened on (:func:`~geomesh_p2p.net.addr.listen_problem`, unless ``--client-only``), then each
+    ``--bootstrap`` (:func:`check_bootstrap_run`).
+
+    Raises:
+        StartInputError: the port is in use, the host not this machine's (exit 2, as for a bad flag).
+        OtherRunError: as :func:`check_bootstrap_run`.
+    """
+    c = node.cfg
+    problem = None if c.client_only else listen_problem(c.host, c.port)
+    if problem is not None:
+        raise StartInputError(problem)
+    await check_bootstrap_run(node, tls)
+
+
 async def check_bootstrap_run(node: PeerNode, tls: Optional[object], timeout_s: float = 5.0) -> None:
     """Before the proof of work (tens of seconds for a new identity): one ping to each ``--bootstrap`` from a
     client-only transport that lives for this check only, so a bootstrap of another run (a wrong ``--run-id``)
     is named at once, not after the proof of work (a fresh user waited 41 s for it). Any other outcome (an
     answer, no answer, another refusal) is left to the join, which retries and words it.
+
+    When no bootstrap answered, one WARNING line names each address and why (:func:`unanswered_bootstraps_line`).
 
     Raises:
         OtherRunError: no bootstrap answered, one said it serves another run, and every other failure is final
@@ -234,17 +254,32 @@ async def check_bootstrap_run(node: PeerNode, tls: Optional[object], timeout_s: 
         await transport.stop(grace=0)
     if any(not isinstance(r, BaseException) for r in results):
         return
-    if not all(isinstance(r, BaseException) and final_failure(r) for r in results):
-        # A bootstrap silent or not up yet is retried by the join, which may then get in through it: another
-        # run's bootstrap next to it is no reason to refuse the swarm before that (red team, session 16).
-        return
+    # A bootstrap silent or not up yet is retried by the join, which may then get in through it: another
+    # run's bootstrap next to it is no reason to refuse the swarm before that (red team, session 16).
+    if all(isinstance(r, BaseException) and final_failure(r) for r in results):
+        for address, r in zip(addresses, results):
+            if (
+                isinstance(r, RpcError)
+                and r.code == grpc.StatusCode.FAILED_PRECONDITION
+                and "this node serves" in (r.reason or "")
+            ):
+                raise OtherRunError(other_run_message(address, r.reason, node.run_cfg.run_id))
+    # said now, before the proof of work (a wrong address was reported ~50 s later, after it and the retries)
+    log.warning(unanswered_bootstraps_line(addresses, results))  # type: ignore[arg-type]
+
+
+def unanswered_bootstraps_line(addresses: list[str], results: list[BaseException]) -> str:
+    """One line for ``--bootstrap`` addresses none of which answered a ping (``results``: each one's error, in
+    the order of ``addresses``), each named with the flag and why in a few words
+    (:func:`~geomesh_p2p.dht.join.short_reason`: connection refused, timed out, ...), and what comes next."""
+    parts = []
     for address, r in zip(addresses, results):
-        if (
-            isinstance(r, RpcError)
-            and r.code == grpc.StatusCode.FAILED_PRECONDITION
-            and "this node serves" in (r.reason or "")
-        ):
-            raise OtherRunError(other_run_message(address, r.reason, node.run_cfg.run_id))
+        # silent (not up, slow) or final (a refusal, a name that does not resolve): final_failure's split
+        parts.append(f"--bootstrap {address}: {'failed' if final_failure(r) else 'no answer'} ({short_reason(r)})")
+    return (
+        "; ".join(parts) + "; check the address and that the bootstrap runs (the join tries again after the proof "
+        "of work, with retries while a bootstrap may be restarting)"
+    )
 
 
 def config_differences(here: dict, there: dict) -> list[str]:
@@ -377,6 +412,7 @@ async def resume_from(node: PeerNode, ck) -> None:
             f"state ({0 if momentum is None else momentum.numel()} elements, this run "
             f"needs {node.state_numel}); was it written by another --method?"
         )
+    warn_if_other_identity(node, rnd, meta.get("meta") or {})
     await asyncio.to_thread(node._set_state, rnd, theta, momentum)
     round_log = getattr(node, "round_log", None)
     if round_log is not None:  # /metrics said round 0 until the first round after a resume
@@ -405,6 +441,30 @@ async def resume_from(node: PeerNode, ck) -> None:
             "error feedback: %s",
             "residual resumed from the checkpoint" if got == "loaded" else f"residual starts at zero ({got})",
         )
+
+
+def warn_if_other_identity(node: PeerNode, rnd: int, meta: dict) -> Optional[str]:
+    """A resumed checkpoint written under another PeerID than this peer's (a mistyped ``--identity`` creates a
+    new key, and the resume went on under it with only the key's INFO line: fresh-user trial): one WARNING naming
+    both PeerIDs, the checkpoint's folder and both key files (the checkpoint's when it recorded one, from 0.11).
+    Not refused: the state is the swarm's, any peer may start from it (a copy given to a new volunteer); what
+    stays with the old key is its standing with the other peers. Returns the line, None when the IDs agree or
+    the checkpoint recorded none."""
+    theirs = meta.get("peer_id")
+    if not isinstance(theirs, str) or not theirs or theirs == node.me:
+        return None
+    key = meta.get("identity")
+    created = getattr(node.identity, "created", None) is not None
+    line = (
+        f"--resume: the checkpoint of round {rnd} in {node.cfg.checkpoint_dir} was written by PeerID {theirs[:60]}"
+        + (f" (key {str(key)[:300]})" if isinstance(key, str) and key else "")
+        + f", but this peer runs as PeerID {node.me} from --identity {node.cfg.identity}"
+        + (" (a key created now)" if created else "")
+        + ": continuing under the new PeerID, without the standing the swarm gave the old one; if --identity is "
+        "mistyped, stop (Ctrl+C) and pass the key file that wrote the checkpoint"
+    )
+    log.warning(line)
+    return line
 
 
 async def warn_if_resumed_behind(node: PeerNode) -> None:

@@ -33,6 +33,7 @@ import geomesh_p2p
 from geomesh_p2p.node.started import started
 from geomesh_p2p.status import swarm as swarm_status  # noqa: F401  (kept importable from here: tests patch it)
 from geomesh_p2p.trust.admission import Admission, load_or_solve_pow, pow_cache_path, run_record_store_check
+from geomesh_p2p.trust.admission import pow_done_line
 from geomesh_p2p.model.capability import ThroughputEMA
 from geomesh_p2p.exchange import CollectiveService, GroupedCollective
 from geomesh_p2p.config.models import NodeConfig, RunConfig
@@ -351,8 +352,7 @@ class PeerNode:
         if nonce is None:
             raise UserFacingError("stopped while computing the proof of work")
         self.pow_nonce = nonce
-        if not cached:
-            log.info("proof of work done in %.1fs%s", took, f" (cached in {cache})" if cache else "")
+        log.info("%s", pow_done_line(bits, took, cached, cache))  # computed or reused, said either way
 
     def request_stop(self) -> None:
         """Ask the node to stop after the current step (or after the exchange, if one is under way)."""
@@ -394,7 +394,7 @@ class PeerNode:
             added_latency_s=c.added_latency_s,
             tls=tls,
         )
-        await joining.check_bootstrap_run(self, tls)  # a wrong --run-id named now, not after the proof of work
+        await joining.check_before_proof_of_work(self, tls)  # a busy --port, a wrong --bootstrap or --run-id: now
         await self._prove_work()
         self.transport = Transport(self.identity, self.run_cfg.run_id, tcfg, allow=self._allow)
         check = run_record_store_check(self.run_cfg.run_id, self.run_cfg.pow_bits)  # junk takes no slot, on any run key

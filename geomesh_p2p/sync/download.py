@@ -27,12 +27,14 @@ import copy
 import hashlib
 import json
 import logging
+import re
 import struct
 import time
 import zlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, AsyncGenerator, Callable, Optional, Protocol, Sequence
 
+import grpc
 import torch
 from google.protobuf.message import DecodeError
 
@@ -137,6 +139,17 @@ class StreamCaller(Protocol):
         ...
 
 
+def donor_moved_on(error: BaseException, asked: int) -> Optional[int]:
+    """The round a donor holds when it refused the state of round ``asked`` because it moved on past it (its
+    FAILED_PRECONDITION "state for round N asked, this node holds round M", :mod:`geomesh_p2p.sync.server`,
+    M > N), else None."""
+    if not isinstance(error, RpcError) or error.code != grpc.StatusCode.FAILED_PRECONDITION:
+        return None
+    m = re.search(r"this node holds round (\d+)", error.reason or "")
+    held = int(m.group(1)) if m else None
+    return held if held is not None and held > asked else None
+
+
 async def download_state(
     transport: StreamCaller,
     donors: Sequence[str],
@@ -149,6 +162,7 @@ async def download_state(
     stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
     on_event: Optional[EventFn] = None,
     busy_until: Optional[BusyFn] = None,
+    last_attempt: bool = False,
 ) -> Snapshot:
     """Download the round-``round`` state (P = ``numel``) from ``donors`` (addresses), in parallel.
 
@@ -164,6 +178,10 @@ async def download_state(
     other donors, and then its stall clock starts only once that busy time is over (a donor inside its
     exchange window is slow, not gone; one ``"held"`` event per such attempt). A first attempt keeps the
     plain limit, so a frozen donor still costs a piece with another donor only that limit.
+
+    Each failed piece attempt is one ``state_piece_failed`` line: INFO for a donor that moved on past ``round``
+    (:func:`donor_moved_on`: the caller asks again for the newer round) unless ``last_attempt`` (the caller's
+    last try), WARNING otherwise.
 
     Returns a :class:`Snapshot` whose ``theta`` [P] and ``momentum`` [state_numel] are views of its
     ``buffer`` (``snap.to_global_state()`` adopts it without a copy).
@@ -314,15 +332,20 @@ async def download_state(
                 moving[piece] = True
                 errors.append(str(e))
                 event(kind, piece, donor, str(e))
+                moved_on = donor_moved_on(e, round)
                 events.emit(
                     log,
-                    logging.WARNING,
+                    # a donor past the round asked is expected while the swarm trains: the catch-up asks again
+                    # for the round it moved to (INFO); WARNING on the caller's last attempt, or any other failure
+                    logging.INFO if moved_on is not None and not last_attempt else logging.WARNING,
                     "state_piece_failed",
                     "state piece %d from %s %s: %s",
                     piece,
                     donor,
                     kind,
-                    e,
+                    e
+                    if moved_on is None
+                    else f"the donor moved on to round {moved_on} (round {round} asked); asked again at the newer round",
                     round=round,
                     piece=piece,
                     donor=donor,

@@ -107,7 +107,9 @@ kind                         where                            fields
 ``state_downloaded``         round.rules.state_sync               peer, round, donors (addresses), digest,
                                                               vote (``standing`` | ``fresh`` | ``solo``)
 ``state_piece_failed``       state_sync.download_state        round, piece, donor (address), outcome
-                                                              (``failed`` | ``stalled``), error
+                                                              (``failed`` | ``stalled``), error; INFO for a
+                                                              donor that moved on past the round (asked
+                                                              again), WARNING otherwise or on the last try
 ``state_refused``            round.rules.state_sync (vote, once)  peer, round, digest, identities, backing,
                                                               total
 ``sync_wait_capped``         round.gather.sync_deadline       peer, round, syncing_peer (on probation, no

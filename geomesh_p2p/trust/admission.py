@@ -160,6 +160,21 @@ def load_or_solve_pow(
     return nonce, took, False
 
 
+def pow_done_line(bits: int, took: float, cached: bool, cache: Optional[str | os.PathLike]) -> str:
+    """The log line of :func:`load_or_solve_pow`'s outcome: reused from ``cache`` (``cached``), or computed in
+    ``took`` seconds and saved in ``cache`` for later starts. "done in 0.0s (cached in FILE)" was printed for a
+    nonce just computed (a new key; fast at low ``--pow-bits`` or by luck) and read as if it came from the cache
+    (fresh-user trial). Durations under 10 s get two decimals."""
+    if cached:
+        return f"proof of work ({bits} bits) reused from {cache}, computed at an earlier start of this key"
+    text = (
+        f"proof of work ({bits} bits) computed in {took:.2f}s"
+        if took < 10
+        else f"proof of work ({bits} bits) computed in {took:.0f}s"
+    )
+    return text + (f"; saved in {cache} for later starts of this key" if cache else "")
+
+
 def discard_new_identity(identity: Identity) -> Optional[Path]:
     """A failed start: remove the key file this process created for ``identity`` and the proof of work cached
     beside it (:meth:`Identity.discard_created`; nothing once its creation was said, :meth:`Identity.keep_created`).

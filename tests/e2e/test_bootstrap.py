@@ -193,9 +193,9 @@ def test_bootstrap_prints_address_and_peer_id_then_exits_0_on_signal(tmp_path, p
     )
     assert busy.p.wait(START_TIMEOUT) == 2
     time.sleep(0.5)
-    assert len(busy.err) == 1 and busy.err[0].startswith(f"geomesh-bootstrap: cannot listen on 127.0.0.1:{port}"), (
-        busy.err
-    )
+    assert len(busy.err) == 1 and busy.err[0].startswith(
+        f"geomesh-bootstrap: --port {port}: cannot listen on 127.0.0.1:{port}: the port is in use"
+    ), busy.err
 
 
 def test_bootstrap_that_cannot_listen_fails_with_one_line(tmp_path, procs):

@@ -65,6 +65,14 @@ def test_bootstrap_that_does_not_answer(tmp_path):
     line = _one_line_error(r)
     assert "could not join the DHT" in line and entry in line
     assert "attempt" in line  # it retried with backoff before giving up
+    # named at once, before the proof of work (session 33: ~52 s in), with the flag and the reason
+    log = r.stderr.splitlines()
+    first = next(i for i, x in enumerate(log) if f"--bootstrap {entry}: no answer (connection refused)" in x)
+    assert first < next(i for i, x in enumerate(log) if "proof of work (" in x and "computed in" in x), r.stderr
+    # each retry one short line (no ~250-character gRPC text)
+    retries = [x for x in log if "no bootstrap answered yet" in x]
+    assert len(retries) == 2 and all(f"({entry}: connection refused); retrying in" in x for x in retries), retries
+    assert max(map(len, retries)) < 140, retries
     # the key it created (and the proof of work cached beside it) went with the failed start (session 32)
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("id.key")) == []
 

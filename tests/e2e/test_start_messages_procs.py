@@ -52,6 +52,11 @@ def test_busy_port_is_one_line_and_exit_2(tmp_path, busy_port, script):
     assert "Traceback" not in r.stderr
     lines = [x for x in r.stderr.splitlines() if x.strip() and not x[:2].isdigit()]  # log lines start HH:MM:SS
     prog = "geomesh-bootstrap" if script == "geomesh-bootstrap" else "geomesh-peer join"
-    assert len(lines) == 1 and lines[0].startswith(f"{prog}: cannot listen on 127.0.0.1:{busy_port}"), r.stderr
+    # named with the flag, at start (session 33: the peer's came after torch's import and the proof of work)
+    assert len(lines) == 1 and lines[0] == (
+        f"{prog}: --port {busy_port}: cannot listen on 127.0.0.1:{busy_port}: the port is in use (another --port, "
+        "or --port 0 for a free one)"
+    ), r.stderr
+    assert "proof of work" not in r.stderr and "starting (" not in r.stderr, r.stderr
     assert "add_port.cc" not in r.stderr and "Failed to add port" not in r.stderr, r.stderr
     assert not (tmp_path / "id.key").exists()  # the key it created went with the failed start (session 32)

@@ -59,10 +59,12 @@ def test_a_busy_metrics_port_is_one_line_before_the_dht_join(swarm):
         with dead_address() as dead:
             swarm.peer("m0", "--metrics-port", str(port), bootstrap=dead)
             text = _one_line_failure(swarm, "m0")
-    lines = _after_start(text)  # nothing of the DHT join, probe or profile before it
-    assert len(lines) == 1 and lines[0].startswith(
-        f"geomesh-peer join: --metrics-port {port}: cannot listen on 127.0.0.1:{port}: "
-    ), text[-3000:]
+    # refused with the flags, before torch's import (session 33): not even join's "starting" line before it
+    lines = text.strip().splitlines()
+    assert lines == [
+        f"geomesh-peer join: --metrics-port {port}: cannot listen on 127.0.0.1:{port}: the port is in use "
+        "(another --metrics-port, or --metrics-port 0 for a free one)"
+    ], text[-3000:]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")

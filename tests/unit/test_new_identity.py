@@ -122,7 +122,11 @@ def fake_join(monkeypatch):
     import geomesh_p2p.node.host
     import geomesh_p2p.node.peer
 
+    import peer.node_cli
+
     monkeypatch.setattr(geomesh_p2p.node.peer, "PeerNode", _FakeNode)
+    # --port is checked by binding it (tests/integration/test_startup_checks.py): no socket in a unit test
+    monkeypatch.setattr(peer.node_cli, "check_ports", lambda ns: None)
     monkeypatch.setattr(geomesh_p2p.node.host, "set_threads", lambda n: None)
     monkeypatch.setattr(geomesh_p2p.model.memory, "limit_malloc_arenas", lambda: None)
     monkeypatch.setattr(_FakeNode, "fail", None)
@@ -208,7 +212,7 @@ def test_bootstrap_that_fails_to_start_removes_the_key_it_created(tmp_path, caps
     key = tmp_path / "new" / "boot.key"
     bad = tmp_path / "allow.txt"
     bad.write_text("not-a-peer-id\n")
-    argv = ["--identity", str(key), "--state-file", "", "--allow-peers", str(bad)]
+    argv = ["--identity", str(key), "--state-file", "", "--allow-peers", str(bad), "--port", "0"]  # no bind test
     assert b._main(argv) == 2
     assert not key.exists() and not key.parent.exists()
     assert capsys.readouterr().err.count("\n") == 1

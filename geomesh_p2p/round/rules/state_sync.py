@@ -392,6 +392,7 @@ class StateSync:
                         state_numel=self.state.state_numel,
                         timeout_s=sync_call_timeout_s(self.run_cfg.window_s),
                         busy_until=lambda d: busy.get(d, 0.0),
+                        last_attempt=attempt == STATE_SYNC_ATTEMPTS - 1,
                     )
                 except state_sync.StateSyncError as e:
                     log.info("state download for round %d failed (%s); retrying", top, e)
