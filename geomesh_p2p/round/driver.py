@@ -151,6 +151,7 @@ class RoundDriver:
         self._phases: dict[str, float] = {}
         self._t_row: Optional[float] = None
         self._traffic_row: dict = {}  # traffic_classes() at the previous row (empty: none yet)
+        self._verify_busy_row = 0.0  # verified work's compute seconds at the previous row (finish.publish_row)
         #: the background evaluation under way (DriverConfig.eval_background) and the round it measures
         self._eval_task: Optional[asyncio.Future] = None
         self._eval_round: Optional[int] = None

@@ -245,6 +245,10 @@ def traffic_delta(now: dict, before: dict) -> dict[str, dict[str, int]]:
     return {c: {f: v - before.get(c, {}).get(f, 0) for f, v in x.items()} for c, x in now.items()}
 
 
+#: Seconds of verified work's compute in a round past which an underfilled round's warning names it.
+VERIFY_NAMED_S = 0.5
+
+
 def publish_row(drv: RoundDriver, rec: RoundRecord) -> None:
     """The row's phase seconds, cycle and cycle traffic per method class (``extra["traffic"]``: the DHT
     traffic of gather, planning, evaluation and the digest check included, unlike ``bytes_sent``), into the
@@ -260,16 +264,23 @@ def publish_row(drv: RoundDriver, rec: RoundRecord) -> None:
     drv.history.append(rec)
     if sys.stdout.isatty():
         sys.stdout.write("\r\x1b[K")  # clear the progress line before the row
+    drv.policy.publish_record(rec)
+    busy = float((rec.extra.get("verify") or {}).get("busy_s") or 0.0)  # cumulative since the node started
+    verify_s, drv._verify_busy_row = max(0.0, busy - drv._verify_busy_row), busy
     if rec.underfilled and not drv.stop.is_set():
         # Flagged in the table ("!"), the JSON row and Prometheus too; the next plan already follows the
-        # re-measured tokens/s, so a mis-profiled peer gets fewer steps.
+        # re-measured tokens/s, so a mis-profiled peer gets fewer steps. Verified work's checks and screens run
+        # on the same cores in the background of the inner steps: when they computed in this cycle, say so (a
+        # fresh user read "device slower than profiled" on an idle machine in the rounds of the first screens).
         log.warning(
-            "round %d: trained %d of %d planned inner steps (device slower than profiled, or busy)",
+            "round %d: trained %d of %d planned inner steps (%sdevice slower than profiled, or busy)",
             rec.round,
             rec.inner_steps_done,
             rec.inner_steps_planned,
+            f"verified work computed {verify_s:.1f} s of this round on the same cores; or the "
+            if verify_s >= VERIFY_NAMED_S
+            else "",
         )
-    drv.policy.publish_record(rec)
 
 
 async def resync_after_mismatch(drv: RoundDriver) -> None:
