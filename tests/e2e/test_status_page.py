@@ -537,8 +537,9 @@ def test_bootstrap_status_page_stops_with_the_bootstrap(tmp_path):
         with socket.socket() as taken:
             taken.bind(("127.0.0.1", 0))
             taken.listen()
+            port = taken.getsockname()[1]
             busy = subprocess.run(
-                bootstrap_argv(RUN, tmp_path / "c.key", "--http-port", str(taken.getsockname()[1])),
+                bootstrap_argv(RUN, tmp_path / "c.key", "--http-port", str(port)),
                 cwd=ROOT,
                 capture_output=True,
                 text=True,
@@ -546,7 +547,8 @@ def test_bootstrap_status_page_stops_with_the_bootstrap(tmp_path):
             )
         assert busy.returncode == 2
         err = [x for x in busy.stderr.splitlines() if x.strip()]
-        assert len(err) == 1 and "cannot serve the status page" in err[0], busy.stderr
+        # refused at start, before the key and the proof of work (session 33: the flag, then the reason)
+        assert len(err) == 1 and f"--http-port {port}: cannot listen on 127.0.0.1:{port}: the port is in use" in err[0]
         # the key it created, and the proof of work it cached beside it, went with the failed start (session 32)
         assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("c.key")) == []
         s.interrupt("b")
