@@ -13,7 +13,6 @@ import sys
 log = logging.getLogger("geomesh-peer")
 
 from geomesh_p2p.config.models import DEFAULT_POW_BITS, MAX_POW_BITS  # noqa: F401  (re-exported for tests)
-from geomesh_p2p.config.method import BALANCED_METHODS
 from geomesh_p2p.config.flags import PARSERS, FlagSpec, add_flags, flag_specs, number_type, to_argv, values_from
 from geomesh_p2p.config.models import NODE_GROUP, RUN_GROUP, NodeConfig, RunConfig
 from geomesh_p2p.net.addr import host_of, is_loopback_host, listen_problem
@@ -478,11 +477,10 @@ def unscreened_warning(ns: argparse.Namespace) -> str | None:
     ``VerifyConfig.min_steps``: verified work draws no contribution of fewer steps (its thresholds are measured
     from there), so in such a run nothing is ever checked or screened (issue 28). Balanced plans (geomesh) are
     planned at least that many steps in the rounds it checks (``round.rules.spec.screened_min_steps``)."""
-    from geomesh_p2p.model.run_memory import verified_work_on
     from geomesh_p2p.trust.verify_task import VerifyConfig
 
     H, low = getattr(ns, "uniform_inner_steps", None), VerifyConfig.min_steps
-    if ns.method in BALANCED_METHODS or not verified_work_on(ns.method, ns.mode) or H is None or H >= low:
+    if ns.method != "css" or ns.mode == "reencode" or H is None or H >= low:
         return None
     return (
         f"--uniform-inner-steps {H} is below {low}: verified work checks no contribution of fewer than {low} "

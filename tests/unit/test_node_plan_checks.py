@@ -143,8 +143,8 @@ def test_a_plan_below_what_verified_work_screens_is_refused_where_it_screens(nod
         ("reencode", "geomesh", 3, 1),  # nobody but the owner sees a contribution: nothing to screen
         ("relay", "diloco", 3, 1),  # fp32: no verified work
     ]:
-        assert screened_min_steps(RunConfig(mode=mode, method=method)) == want, (mode, method, n)
+        assert screened_min_steps(RunConfig(mode=mode, method=method), n) == want, (mode, method, n)
     assert (
-        screened_min_steps(RunConfig(mode="relay", max_inner_steps=3, target_inner_steps=3)) == 3
+        screened_min_steps(RunConfig(mode="relay", max_inner_steps=3, target_inner_steps=3), 3) == 3
     )  # never above the maximum
     assert node.plan_config(2).min_inner_steps == 5

@@ -124,7 +124,7 @@ class PlanRules:
             uniform_inner_steps=r.uniform_inner_steps,
             max_inner_steps=r.max_inner_steps,
             # issue 28: no peer planned below what verified work can screen (and followers refuse such a plan)
-            min_inner_steps=screened_min_steps(r),
+            min_inner_steps=screened_min_steps(r, n_peers),
             exchange_timeout_s=self.exchange_window(n_peers, payload),
         )
 

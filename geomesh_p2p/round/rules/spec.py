@@ -8,8 +8,7 @@ import math
 from typing import TYPE_CHECKING, Optional
 
 from geomesh_p2p import exchange as collective
-from geomesh_p2p.config.method import MethodRule
-from geomesh_p2p.model.run_memory import verified_work_on
+from geomesh_p2p.config.method import COMPRESSED_METHODS, MethodRule, round_mode
 from geomesh_p2p.model.training import swarm_lr_at
 from geomesh_p2p.trust import probation as pb
 from geomesh_p2p.trust.verify_task import VerifyConfig
@@ -95,8 +94,8 @@ def screen_token_floor(plan, push_encoding: str) -> dict[str, int]:
     return {a.peer_id: steps * int(a.batch_size) * L for a in plan.assignments if int(a.inner_steps) >= steps}
 
 
-def screened_min_steps(run_cfg: RunConfig) -> int:
-    """The fewest inner steps a balanced (AWB) plan of the run may give a participant: the
+def screened_min_steps(run_cfg: RunConfig, n_participants: int) -> int:
+    """The fewest inner steps a balanced (AWB) plan of ``n_participants`` may give a participant: the
     ``VerifyConfig.min_steps`` (5) below which no check or screen draws a contribution, in the rounds where verified
     work checks contributions (a sign-compressed method in a relay or accountable round); 1 elsewhere. At most
     ``run_cfg.max_inner_steps``.
@@ -107,8 +106,9 @@ def screened_min_steps(run_cfg: RunConfig) -> int:
     plans with this minimum (a peer too slow for it is left out of the plan by the window exclusion, as one too slow
     for 1 step was) and every follower refuses a plan below it (:func:`geomesh_p2p.plan.planner.check_plan`, from
     the same :class:`~geomesh_p2p.plan.schema.PlanConfig`). Uniform methods keep their fixed ``H``."""
-    # the run's predicate, not a copy of it: every round of an auto run of a sign method is relay or accountable
-    if not verified_work_on(run_cfg.method, run_cfg.mode):
+    if run_cfg.method not in COMPRESSED_METHODS:
+        return 1
+    if round_mode(run_cfg.mode, max(1, n_participants), run_cfg.method) not in ("relay", "accountable"):
         return 1
     return max(1, min(VerifyConfig.min_steps, int(run_cfg.max_inner_steps)))
 
