@@ -383,9 +383,6 @@ def cmd_join(ns: argparse.Namespace) -> int:
     trust = trust_warning(ns)
     if trust:
         log.warning(trust)
-    unscreened = unscreened_warning(ns)
-    if unscreened:
-        log.warning(unscreened)
     layout = rank_layout(ns, "geomesh-peer join")  # several local devices as one peer (issue 30)
     if layout is False:
         return 2
@@ -470,22 +467,6 @@ def trust_warning(ns: argparse.Namespace) -> str | None:
         else ". Use the defaults (--mode auto --aggregation meanmed) unless every peer is trusted (docs/security.md)"
     )
     return "open run (no --allow-peers): " + "; ".join(trusting) + advice
-
-
-def unscreened_warning(ns: argparse.Namespace) -> str | None:
-    """A one-line warning when the run's uniform ``H`` (``--uniform-inner-steps`` of ``--method css``) is below
-    ``VerifyConfig.min_steps``: verified work draws no contribution of fewer steps (its thresholds are measured
-    from there), so in such a run nothing is ever checked or screened (issue 28). Balanced plans (geomesh) are
-    planned at least that many steps in the rounds it checks (``round.rules.spec.screened_min_steps``)."""
-    from geomesh_p2p.trust.verify_task import VerifyConfig
-
-    H, low = getattr(ns, "uniform_inner_steps", None), VerifyConfig.min_steps
-    if ns.method != "css" or ns.mode == "reencode" or H is None or H >= low:
-        return None
-    return (
-        f"--uniform-inner-steps {H} is below {low}: verified work checks no contribution of fewer than {low} "
-        "inner steps, so nothing in this run is ever checked or screened (docs/security.md)"
-    )
 
 
 def _is_loopback(host: str) -> bool:

@@ -68,7 +68,6 @@ IN_FUNCTION_IMPORTS: dict[tuple[str, str], str] = {
     ("peer/node_cli.py", "geomesh_p2p.model.memory"): _CLI,
     ("peer/node_cli.py", "geomesh_p2p.node.host"): _CLI,
     ("peer/node_cli.py", "geomesh_p2p.model.state"): _CLI,
-    ("peer/node_cli.py", "geomesh_p2p.trust.verify_task"): _CLI,
     ("peer/node_cli.py", "geomesh_p2p.net.identity"): _CLI,
     ("peer/node_cli.py", "geomesh_p2p.net.links"): _CLI,
     ("peer/node_cli.py", "geomesh_p2p.net.transport"): _CLI,

@@ -155,30 +155,6 @@ def test_open_runs_are_warned_about_trusting_settings():
     )
 
 
-def test_a_uniform_h_below_what_verified_work_screens_is_warned_about():
-    """Issue 28: with --method css --uniform-inner-steps 4 no contribution is ever drawn by a check or screen."""
-    import argparse
-
-    from peer.cli import build_parser
-    from peer.node_cli import unscreened_warning
-
-    w = unscreened_warning(argparse.Namespace(method="css", mode="accountable", uniform_inner_steps=4))
-    assert w == (
-        "--uniform-inner-steps 4 is below 5: verified work checks no contribution of fewer than 5 inner steps, "
-        "so nothing in this run is ever checked or screened (docs/security.md)"
-    )
-    for ns in (
-        argparse.Namespace(method="css", mode="auto", uniform_inner_steps=5),
-        argparse.Namespace(method="css", mode="reencode", uniform_inner_steps=4),  # nothing is checked there anyway
-        argparse.Namespace(method="geomesh", mode="relay", uniform_inner_steps=4),  # balanced: planned >= 5
-        argparse.Namespace(method="diloco", mode="relay", uniform_inner_steps=2),  # fp32: no verified work
-    ):
-        assert unscreened_warning(ns) is None, ns
-    # the flag's dest is the attribute the warning reads
-    ns = build_parser().parse_args(["join", "--method", "css", "--uniform-inner-steps", "3"])
-    assert "--uniform-inner-steps 3 is below 5" in unscreened_warning(ns)
-
-
 def test_abstaining_zero_contributions_do_not_shrink_the_update():
     """Two free riders of seven sending zeros used to scale every coordinate by 5/7 and pull the median
     scale down (1.23x clean perplexity in the 2-of-7 benchmark): now the mean and the median are over the

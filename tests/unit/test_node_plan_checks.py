@@ -113,38 +113,3 @@ def test_records_refuse_values_that_would_break_the_planner():
 def test_a_peer_too_slow_to_train_one_sequence_in_half_the_window_is_planned_out():
     plan, recs = _leader_plan_with_third_record({"tokens_per_s": {8: 2.0}})  # 32 s for one 64-token sequence
     assert sorted(plan.participants()) == sorted([recs[0].peer_id, recs[1].peer_id])
-
-
-def test_a_plan_below_what_verified_work_screens_is_refused_where_it_screens(node_and_plan):
-    """Issue 28: a peer planned fewer than VerifyConfig.min_steps (5) steps is never drawn by a check or screen, and
-    the token floor binds only peers planned at least that many; a colluding leader planned its partner at 4 steps.
-    Relay/accountable rounds of a sign method now plan at least 5 and refuse a plan below; reencode (no checks)
-    keeps 1."""
-    from geomesh_p2p.round.rules.spec import screened_min_steps
-    from geomesh_p2p.trust.verify_task import VerifyConfig
-
-    node, plan, live = node_and_plan
-    assert node.plan_problem(plan, live) is None and min(a.inner_steps for a in plan.assignments) >= 5
-    mine = plan.assignments[0].peer_id
-    four = [
-        a.model_copy(update={"inner_steps": 4, "token_budget": 4 * a.batch_size * plan.seq_len})
-        if a.peer_id == mine
-        else a
-        for a in plan.assignments
-    ]
-    reason = node.plan_problem(plan.model_copy(update={"assignments": four}), live)
-    assert reason is not None and "4 inner steps for" in str(reason) and "outside 5.." in str(reason)
-    assert VerifyConfig.min_steps == 5
-    for mode, method, n, want in [
-        ("relay", "geomesh", 3, 5),
-        ("accountable", "geomesh", 9, 5),
-        ("auto", "geomesh", 2, 5),
-        ("auto", "geomesh", 40, 5),
-        ("reencode", "geomesh", 3, 1),  # nobody but the owner sees a contribution: nothing to screen
-        ("relay", "diloco", 3, 1),  # fp32: no verified work
-    ]:
-        assert screened_min_steps(RunConfig(mode=mode, method=method), n) == want, (mode, method, n)
-    assert (
-        screened_min_steps(RunConfig(mode="relay", max_inner_steps=3, target_inner_steps=3), 3) == 3
-    )  # never above the maximum
-    assert node.plan_config(2).min_inner_steps == 5

@@ -16,7 +16,6 @@ from geomesh_p2p.plan.planner import PlanConfig
 from geomesh_p2p.plan.schema import ContentRefusal
 from geomesh_p2p.round.rules.penalties import Penalties
 from geomesh_p2p.round.rules.profiling import Reprofiler
-from geomesh_p2p.round.rules.spec import screened_min_steps
 from geomesh_p2p.round.rules.state import RoundState
 from geomesh_p2p.trust import probation as pb
 
@@ -123,8 +122,6 @@ class PlanRules:
             method=r.method,
             uniform_inner_steps=r.uniform_inner_steps,
             max_inner_steps=r.max_inner_steps,
-            # issue 28: no peer planned below what verified work can screen (and followers refuse such a plan)
-            min_inner_steps=screened_min_steps(r, n_peers),
             exchange_timeout_s=self.exchange_window(n_peers, payload),
         )
 

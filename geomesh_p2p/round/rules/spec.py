@@ -8,7 +8,7 @@ import math
 from typing import TYPE_CHECKING, Optional
 
 from geomesh_p2p import exchange as collective
-from geomesh_p2p.config.method import COMPRESSED_METHODS, MethodRule, round_mode
+from geomesh_p2p.config.method import MethodRule
 from geomesh_p2p.model.training import swarm_lr_at
 from geomesh_p2p.trust import probation as pb
 from geomesh_p2p.trust.verify_task import VerifyConfig
@@ -92,25 +92,6 @@ def screen_token_floor(plan, push_encoding: str) -> dict[str, int]:
     steps = VerifyConfig.min_steps
     L = int(plan.seq_len)
     return {a.peer_id: steps * int(a.batch_size) * L for a in plan.assignments if int(a.inner_steps) >= steps}
-
-
-def screened_min_steps(run_cfg: RunConfig, n_participants: int) -> int:
-    """The fewest inner steps a balanced (AWB) plan of ``n_participants`` may give a participant: the
-    ``VerifyConfig.min_steps`` (5) below which no check or screen draws a contribution, in the rounds where verified
-    work checks contributions (a sign-compressed method in a relay or accountable round); 1 elsewhere. At most
-    ``run_cfg.max_inner_steps``.
-
-    Why (issue 28): a peer *planned* fewer than ``min_steps`` steps was never screened and its contribution still
-    counted (the token floor, :func:`screen_token_floor`, binds only peers planned at least ``min_steps``), so a
-    colluding leader could plan its partner at 4 steps, and an honest slow peer went unchecked for ever. The leader
-    plans with this minimum (a peer too slow for it is left out of the plan by the window exclusion, as one too slow
-    for 1 step was) and every follower refuses a plan below it (:func:`geomesh_p2p.plan.planner.check_plan`, from
-    the same :class:`~geomesh_p2p.plan.schema.PlanConfig`). Uniform methods keep their fixed ``H``."""
-    if run_cfg.method not in COMPRESSED_METHODS:
-        return 1
-    if round_mode(run_cfg.mode, max(1, n_participants), run_cfg.method) not in ("relay", "accountable"):
-        return 1
-    return max(1, min(VerifyConfig.min_steps, int(run_cfg.max_inner_steps)))
 
 
 def collective_spec(
