@@ -73,6 +73,14 @@ def test_peer_killed_mid_round_then_restarts_and_catches_up(swarm, tmp_path):
     # DHT): it downloads the state and trains in step with the others.
     swarm.peer("late", "--rounds", "60", "--identity", str(tmp_path / "k2.key"), bootstrap=entry)
     swarm.wait_for(lambda: len(swarm.rows("late")) >= 2, 300, "the late joiner to train two rounds")
+    # each survivor writes its row of a round a moment after the late joiner may (session 33's CI: k0 had no row
+    # yet for the round "late" wrote when all were stopped)
+    joined = [x["round"] for x in swarm.rows("late")[:2]]
+    swarm.wait_for(
+        lambda: all({x["round"] for x in swarm.rows(n)} >= set(joined) for n in ("k0", "k1")),
+        120,
+        "the survivors' rows of the late joiner's first two rounds",
+    )
     swarm.stop_all()
     assert {n: swarm.procs[n].returncode for n in ("k0", "k1", "late")} == {"k0": 0, "k1": 0, "late": 0}
     assert swarm.events("late", "state_downloaded"), swarm.text("late")[-2000:]

@@ -129,7 +129,7 @@ def test_a_fresh_swarm_plans_everyone_established_exactly_as_before():
         start_digest="d",
     )
     assert [a.model_dump() for a in plain.assignments] == [a.model_dump() for a in plan.assignments]
-    # round 1: those who delivered round 0 are established (threshold min(K, r) = 1), a late joiner is not
+    # round 1: those who delivered round 0 are established (threshold min(K, ceil(r / 2)) = 1), a late joiner is not
     late = _rec(Identity.generate(), 7200, round=1)
     node = _node(recs[0].peer_id, round=1, credited=[(0, [r.peer_id for r in recs])])
     assert node.planning.build_plan(recs + [late], recs[0].peer_id).probation() == [late.peer_id]
@@ -137,7 +137,7 @@ def test_a_fresh_swarm_plans_everyone_established_exactly_as_before():
 
 def test_a_view_fills_missed_rounds_from_attestations_of_peers_it_saw_deliver():
     _, honest, sybils = _swarm()
-    assert [pb.threshold(r) for r in range(6)] == [0, 1, 2, 3, 3, 3]
+    assert [pb.threshold(r) for r in range(8)] == [0, 1, 1, 2, 2, 3, 3, 3]
     # a late joiner with an empty ledger: the honest peers vouch for each other, nobody for it
     me = Identity.generate()
     view = pb.StandingView(Standing(), honest + sybils + [_rec(me, 7300)], round=5, me=str(me.peer_id))
