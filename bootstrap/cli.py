@@ -48,7 +48,7 @@ from geomesh_p2p.net.addr import (
     AddressError,
     format_address,
     is_wildcard_host,
-    listen_problem,
+    first_listen_problem,
     normalize_host,
     parse_address,
 )
@@ -496,10 +496,9 @@ def check_ports(ns: argparse.Namespace) -> Optional[str]:
     """``--port`` and ``--http-port`` checked by binding them at start (:func:`~geomesh_p2p.net.addr.listen_problem`):
     a busy status port was found only after the node listened and made its proof of work. A one-line complaint
     naming the flag, or None."""
-    problem = listen_problem(ns.host, ns.port)
-    if problem is None and ns.http_port:
-        problem = listen_problem(ns.http_host, ns.http_port, port_flag="--http-port", host_flag="--http-host")
-    return problem
+    return first_listen_problem(
+        [(ns.host, ns.port, "--port", "--host"), (ns.http_host, ns.http_port, "--http-port", "--http-host")]
+    )
 
 
 def _start(ns: argparse.Namespace, identity) -> int:

@@ -15,7 +15,7 @@ log = logging.getLogger("geomesh-peer")
 from geomesh_p2p.config.models import DEFAULT_POW_BITS, MAX_POW_BITS  # noqa: F401  (re-exported for tests)
 from geomesh_p2p.config.flags import PARSERS, FlagSpec, add_flags, flag_specs, number_type, to_argv, values_from
 from geomesh_p2p.config.models import NODE_GROUP, RUN_GROUP, NodeConfig, RunConfig
-from geomesh_p2p.net.addr import host_of, is_loopback_host, listen_problem
+from geomesh_p2p.net.addr import host_of, is_loopback_host, first_listen_problem
 from geomesh_p2p.util.errors import StartInputError, UserFacingError
 from geomesh_p2p.model.presets import PRESETS
 
@@ -351,12 +351,12 @@ def check_ports(ns: argparse.Namespace) -> None:
     if os.environ.get("RANK", "0") not in ("", "0"):
         return  # a torchrun follower rank: rank 0 listens on these ports (and may be doing so already)
     checks = [] if getattr(ns, "client_only", False) else [(ns.host, ns.port, "--port", "--host")]
-    if getattr(ns, "metrics_port", None):
-        checks.append((ns.metrics_host, ns.metrics_port, "--metrics-port", "--metrics-host"))
-    for host, port, port_flag, host_flag in checks:
-        problem = listen_problem(host, port, port_flag=port_flag, host_flag=host_flag)
-        if problem is not None:
-            raise ValueError(problem)
+    checks.append(
+        (getattr(ns, "metrics_host", ""), getattr(ns, "metrics_port", None), "--metrics-port", "--metrics-host")
+    )
+    problem = first_listen_problem(checks)
+    if problem is not None:
+        raise ValueError(problem)
 
 
 def cmd_join(ns: argparse.Namespace) -> int:

@@ -17,7 +17,7 @@ gRPC reads it as a host name ("Misformatted domain name").
 from __future__ import annotations
 
 import ipaddress
-from typing import Optional, Tuple
+from typing import Optional, Sequence, Tuple
 
 MAX_ADDRESS_CHARS = 256  # longer strings are refused (they come from other nodes)
 
@@ -185,4 +185,14 @@ def listen_problem(host: str, port: int, *, port_flag: str = "--port", host_flag
         return f"{host_flag} {host}: cannot listen on {where}: not an address of this machine"
     if first.errno == errno.EACCES:
         return f"{port_flag} {port}: cannot listen on {where}: permission denied (a port below 1024 needs privileges)"
+    return None
+
+
+def first_listen_problem(listens: Sequence[tuple[str, Optional[int], str, str]]) -> Optional[str]:
+    """:func:`listen_problem` of each ``(host, port, port_flag, host_flag)`` in order (a port of None or 0 is
+    skipped); the first complaint, or None. The peer's and the bootstrap's start-up checks of their ports."""
+    for host, port, port_flag, host_flag in listens:
+        problem = listen_problem(host, port or 0, port_flag=port_flag, host_flag=host_flag)
+        if problem is not None:
+            return problem
     return None
