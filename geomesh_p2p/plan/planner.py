@@ -44,7 +44,7 @@ from geomesh_p2p.plan.cost import (
     step_and_comm,
     uniform_micro,
 )
-from geomesh_p2p.plan.schema import ContentRefusal, PlanConfig, RoundPlan
+from geomesh_p2p.plan.schema import ContentRefusal, PeerAssignment, PlanConfig, RoundPlan
 from geomesh_p2p.plan.uniform import plan_uniform
 from geomesh_p2p.schema.partition import OWNER_SHARE_FACTOR, max_owner_units
 from geomesh_p2p.schema.peer import PeerRecord
@@ -265,9 +265,10 @@ def check_plan(
       (``PlanRules.build_plan``: exchange or one sequence longer than half the window);
     * window: ``window_s`` within ``PLAN_CHECK_TOLERANCE`` x (either way) of :func:`reference_window`,
       ``train_deadline = created_at + window_s``, ``created_at`` at most ``MAX_CLOCK_SKEW_S`` ahead;
-    * budgets: each at most ``PLAN_CHECK_TOLERANCE`` x (bounded best tokens/s x ``window_s``); at
-      most ``BUDGET_MEDIAN_FACTOR`` x the plan's lower-median budget unless it is
-      ``min_inner_steps`` steps of its own batch; hence a share of the total at most
+    * budgets: each at most ``PLAN_CHECK_TOLERANCE`` x (bounded best tokens/s x ``window_s``) and at
+      most ``BUDGET_MEDIAN_FACTOR`` x the plan's lower-median budget, unless (either bound) it is
+      ``min_inner_steps`` steps of its own batch (a slow peer kept under a window capped at
+      ``max_window_s`` still gets them: :func:`_min_steps_tokens`); hence a share of the total at most
       :func:`max_token_share`; both per device (x ``ranks`` for a multi-rank peer, issue 30);
     * ownership: no owner without an address in its record, none with more than
       :func:`max_owner_units` x ``part_align`` elements, counting as possible owners the
@@ -330,7 +331,7 @@ def check_plan(
     if plan.created_at - now > MAX_CLOCK_SKEW_S:
         return f"it starts {plan.created_at - now:.0f} s in the future"
     for a in plan.assignments:
-        ceiling = PLAN_CHECK_TOLERANCE * by_id[a.peer_id].best_tokens_per_s() * T
+        ceiling = max(PLAN_CHECK_TOLERANCE * by_id[a.peer_id].best_tokens_per_s() * T, _min_steps_tokens(a, cfg))
         if a.token_budget > ceiling:
             return (
                 f"token budget {a.token_budget} for {a.peer_id[:10]} exceeds the {ceiling:.0f} its bounded "
@@ -383,7 +384,8 @@ def check_plan_sampled(
     needs every record; the announced figure is the looser bound, so a plan :func:`make_plan` makes always
     passes): the address the plan gives them (none is accepted for a participant on probation or in ``barred``:
     client-only by the leader's rules), micro-batch within ``max_batch``, ``accum_steps`` for the
-    target batch, token budget within ``PLAN_CHECK_TOLERANCE`` x best tokens/s x window. What it cannot
+    target batch, token budget within ``PLAN_CHECK_TOLERANCE`` x best tokens/s x window (or ``min_inner_steps``
+    steps of its batch, as in :func:`check_plan`). What it cannot
     see: the window against the slowest record, and a lie about an unsampled participant's figures; a lie
     about one participant is seen by each follower with probability (sample size / participants), and the
     full-view peers check it all (docs/round.md, "Light followers").
@@ -422,7 +424,7 @@ def check_plan_sampled(
                 f"{who} accumulates {a.accum_steps} micro-batches of {a.micro_batch}; target batch "
                 f"{target} means {accum_steps_for(a.micro_batch, target)}"
             )
-        ceiling = PLAN_CHECK_TOLERANCE * r.best_tokens_per_s() * T
+        ceiling = max(PLAN_CHECK_TOLERANCE * r.best_tokens_per_s() * T, _min_steps_tokens(a, cfg))
         if a.token_budget > ceiling:
             return f"token budget {a.token_budget} for {who} exceeds the {ceiling:.0f} its record supports in {T:.3g} s"
     if abs(plan.train_deadline - plan.created_at - T) > 1e-6 * T + 1e-3:
@@ -439,6 +441,16 @@ def check_plan_sampled(
     on_probation = set(plan.probation())
     possible = {a.peer_id for a in plan.assignments if a.address is not None and a.peer_id not in on_probation}
     return _ownership_problem(plan, cfg, possible, barred)
+
+
+def _min_steps_tokens(a: PeerAssignment, cfg: PlanConfig) -> int:
+    """Tokens of ``min_inner_steps`` steps of assignment ``a``'s own batch: a budget every throughput ceiling
+    accepts, as the median rule does (:func:`_over_budget`). The leader gives a peer at least that many steps
+    (:func:`~geomesh_p2p.plan.cost.inner_steps`) even where the window, capped at ``cfg.max_window_s``, holds
+    fewer (the train deadline then stops it early): with issue 28's 5 steps, a slow peer the exclusion rule
+    keeps (never fewer than 2 peers) was over ``PLAN_CHECK_TOLERANCE`` x its tokens/s x the window, and every
+    follower, the leader too, refused every honest plan of that swarm."""
+    return cfg.min_inner_steps * int(a.batch_size) * cfg.seq_len
 
 
 def _settings_problem(plan: RoundPlan, cfg: PlanConfig) -> Optional[str]:
@@ -465,7 +477,7 @@ def _over_budget(plan: RoundPlan, cfg: PlanConfig, ranks: Mapping[str, int]) -> 
     for a in plan.assignments:
         who, k = a.peer_id[:10], ranks.get(a.peer_id, 1)
         limit, share = budget_limit(median, k), max_token_share(len(budgets), k)
-        floor = cfg.min_inner_steps * a.batch_size * cfg.seq_len
+        floor = _min_steps_tokens(a, cfg)
         devices = f" ({k} ranks)" if k > 1 else ""
         if a.token_budget > max(limit, floor):
             out[a.peer_id] = (
@@ -495,7 +507,7 @@ def _evidence_problem(plan: RoundPlan, cfg: PlanConfig, supported: Optional[Mapp
     T = plan.window_s
     for a in plan.assignments:
         limit = PLAN_CHECK_TOLERANCE * ceilings[a.peer_id] * T
-        floor = cfg.min_inner_steps * a.batch_size * cfg.seq_len
+        floor = _min_steps_tokens(a, cfg)
         if a.token_budget > max(limit, floor):
             rate = (supported or {}).get(a.peer_id)
             basis = f"{rate:.0f} tokens/s delivered last round" if rate else "a newcomer: the median delivered rate"
@@ -545,7 +557,7 @@ def _probation_problem(plan: RoundPlan, cfg: PlanConfig) -> Optional[str]:
     for a in marked:
         if a.owns_part:
             return ContentRefusal(f"{a.peer_id[:10]} is on probation and owns a part")
-        floor = cfg.min_inner_steps * a.batch_size * cfg.seq_len
+        floor = _min_steps_tokens(a, cfg)
         if a.token_budget > max(limit, floor):
             return ContentRefusal(
                 f"token budget {a.token_budget} for {a.peer_id[:10]} (on probation) is over "

@@ -15,9 +15,9 @@ from hypothesis import strategies as st
 from geomesh_p2p import __version__
 from geomesh_p2p.plan.assign import partition
 from geomesh_p2p.plan.awb import plan_round
-from geomesh_p2p.plan.bounds import BUDGET_MEDIAN_FACTOR
+from geomesh_p2p.plan.bounds import BUDGET_MEDIAN_FACTOR, PLAN_CHECK_TOLERANCE
 from geomesh_p2p.plan.cost import best_micro_batch, comm_time, interpolate_tokens_per_s
-from geomesh_p2p.plan.planner import check_plan, make_plan, window_exclusions
+from geomesh_p2p.plan.planner import check_plan, check_plan_sampled, make_plan, window_exclusions
 from geomesh_p2p.plan.schema import PLAN_SCHEMA_VERSION, PlanConfig, RoundPlan, format_plan_table
 from geomesh_p2p.plan.uniform import plan_uniform
 from geomesh_p2p.schema.peer import PeerRecord
@@ -184,6 +184,52 @@ def test_a_window_stretched_for_slow_peers_stops_at_max_window_s():
     assert plan.window_s <= 2.5 and check_plan(plan, {r.peer_id: r for r in recs}, capped, now=plan.created_at) is None
     slow = [recs[2], make_record("d", 1.0, 8, 1e8)]
     assert window_exclusions(slow, capped, keep_at_least=2).excluded == ()  # never below 2 peers
+
+
+def test_a_slow_peer_kept_under_the_capped_window_gets_its_minimum_steps_and_the_plan_passes():
+    """Issue 28's ``min_inner_steps`` = 5 with ``max_window_s``: the window stops at the cap, a slow peer the
+    exclusion rule keeps (never fewer than 2 peers) still gets its 5 steps (the train deadline stops it early),
+    and their budget is over ``PLAN_CHECK_TOLERANCE`` x its tokens/s x the window. Followers (the leader too)
+    refused every such plan, round after round; they accept ``min_inner_steps``
+    steps of the peer's own batch, as the median rule does. One step (``min_inner_steps`` = 1) fits as before."""
+    fast, slow = make_record("a", 2000.0, 8, 1e8), make_record("c", 10.0, 8, 1e8)  # c: 6.7 tokens/s at batch 8
+    slow2 = make_record("b", 10.0, 8, 1e8)  # as slow as c: the exclusion rule leaves it out (ties by id)
+    cfg = PlanConfig(
+        seq_len=32, target_batch=8, payload_bytes=10_000, window_s=2.5, min_inner_steps=5, max_window_s=117.0
+    )
+    recs = [fast, slow, slow2]
+    ex = window_exclusions(recs, cfg)
+    assert ex.excluded == ("b",) and ex.need_s["c"] > 117.0  # c stays: never fewer than 2 peers
+    kept = [r for r in recs if r.peer_id not in ex.excluded]
+    plan = make_plan(kept, cfg, numel=1000, **PLAN_KW)
+    a = plan.assignment("c")
+    assert plan.window_s == 117.0 and a.inner_steps == 5 and a.batch_size == 8
+    ceiling = PLAN_CHECK_TOLERANCE * slow.best_tokens_per_s() * plan.window_s
+    assert a.token_budget == 5 * 8 * 32 == 1280 and round(ceiling) == 1170  # over the throughput ceiling
+    by = {r.peer_id: r for r in recs}
+    assert check_plan(plan, by, cfg, now=plan.created_at) is None
+    assert check_plan_sampled(plan, {"c": slow}, cfg, now=plan.created_at) is None
+    # a sixth step is over both ceilings: still refused
+    over = plan.model_copy(
+        update={
+            "assignments": [
+                x.model_copy(update={"inner_steps": 6, "token_budget": 6 * 8 * 32}) if x.peer_id == "c" else x
+                for x in plan.assignments
+            ]
+        }
+    )
+    assert "token budget 1536 for c exceeds" in str(check_plan(over, by, cfg, now=plan.created_at))
+    assert "token budget 1536 for c exceeds" in str(check_plan_sampled(over, {"c": slow}, cfg, now=plan.created_at))
+    one = cfg.model_copy(update={"min_inner_steps": 1})
+    plan1 = make_plan(kept, one, numel=1000, **PLAN_KW)
+    # one step fits the stretched window: the throughput ceiling binds as before
+    assert plan1.window_s < 39.0 and plan1.assignment("c").inner_steps == 1
+    assert check_plan(plan1, by, one, now=plan1.created_at) is None
+    # a uniform method's budgets follow from H alone: its plan passes as before
+    css = cfg.model_copy(update={"method": "css", "uniform_inner_steps": 3})
+    plan_u = make_plan(kept, css, numel=1000, **PLAN_KW)
+    assert [x.token_budget for x in plan_u.assignments] == [3 * 8 * 32] * 2
+    assert check_plan(plan_u, by, css, now=plan_u.created_at) is None
 
 
 def test_bad_input_raises_value_error_naming_the_peer():
