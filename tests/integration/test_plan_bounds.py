@@ -217,6 +217,9 @@ def node_configs(draw):
         comm_share=0.1,
         payload_bytes=draw(st.sampled_from([2 * sign, 8 * p])),
         max_inner_steps=200,
+        # issue 28's screening minimum, and the cap under which a slow peer still gets it
+        min_inner_steps=draw(st.sampled_from([1, 5])),
+        max_window_s=draw(st.none() | st.floats(2.0, 20.0)),
         method=draw(st.sampled_from(["geomesh", "awb", "diloco", "css", "ddp"])),
         mode=draw(st.sampled_from(["relay", "reencode"])),
         part_align=2048,
