@@ -447,9 +447,10 @@ def _min_steps_tokens(a: PeerAssignment, cfg: PlanConfig) -> int:
     """Tokens of ``min_inner_steps`` steps of assignment ``a``'s own batch: a budget every throughput ceiling
     accepts, as the median rule does (:func:`_over_budget`). The leader gives a peer at least that many steps
     (:func:`~geomesh_p2p.plan.cost.inner_steps`) even where the window, capped at ``cfg.max_window_s``, holds
-    fewer (the train deadline then stops it early): with issue 28's 5 steps, a slow peer the exclusion rule
-    keeps (never fewer than 2 peers) was over ``PLAN_CHECK_TOLERANCE`` x its tokens/s x the window, and every
-    follower, the leader too, refused every honest plan of that swarm."""
+    fewer (the train deadline then stops it early): with a minimum of 5 steps (issue 28's screened minimum, tried
+    in session 33 and not on by default), a slow peer the exclusion rule keeps (never fewer than 2 peers) was over
+    ``PLAN_CHECK_TOLERANCE`` x its tokens/s x the window, and every follower, the leader too, refused every honest
+    plan of that swarm (tests/unit/test_planner.py)."""
     return cfg.min_inner_steps * int(a.batch_size) * cfg.seq_len
 
 
