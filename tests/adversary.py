@@ -338,6 +338,7 @@ class AdversaryNode(PeerNode):
             progress=None,
             should_stop=None,
             target=None,
+            **floor,  # floor_steps / floor_grace_s (the token floor's grace), passed on to honest steps
         ):
             self._batch = batch_size  # --claim-steps: its claim is counted in steps of the planned batch
             if self.attack == "poison":
@@ -381,6 +382,7 @@ class AdversaryNode(PeerNode):
                 progress=progress,
                 should_stop=should_stop,
                 target=target,
+                **floor,
             )
 
         self.trainer.run = run  # type: ignore[method-assign]  # this peer's trainer only, on purpose

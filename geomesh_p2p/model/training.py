@@ -489,8 +489,17 @@ class InnerTrainer:
         progress: Callable[[int, float, float], None] | None = None,
         should_stop: Callable[[], bool] | None = None,
         target: StepTarget | None = None,
+        floor_steps: int = 0,
+        floor_grace_s: float = 0.0,
     ) -> InnerResult:
         """Run up to ``inner_steps`` optimizer steps of ``batch_size`` rows each.
+
+        ``floor_steps`` / ``floor_grace_s``: the first ``floor_steps`` steps may run until ``deadline +
+        floor_grace_s`` (seconds) rather than ``deadline``: the token floor of a screened round (issue 28,
+        :func:`geomesh_p2p.round.rules.spec.screen_token_floor`) counts a contribution of fewer steps as 0
+        tokens, so a peer the deadline stops within them (a busy machine, a slow first step) trained for
+        nothing; it finishes them a little late instead, and the owners (who wait for every established
+        participant's push until the part deadline) take them.
 
         ``target``: a :class:`StepTarget` read before every step instead of ``inner_steps`` and
         ``deadline`` (which are then ignored): another thread may change both while the steps run
@@ -537,13 +546,15 @@ class InnerTrainer:
             if should_stop is not None and should_stop():
                 stopped = True
                 break
-            if deadline is not None:
+            # this step's deadline: the floor's steps may run a grace past it (see above)
+            step_deadline = None if deadline is None else deadline + (floor_grace_s if k < floor_steps else 0.0)
+            if step_deadline is not None:
                 now = swarm_time()
                 est = (self._row_time_ema or 0.0) * batch_size
                 # The round's first step is not skipped on the estimate alone (only past the deadline): it
                 # re-measures, so one stall (SIGSTOP, swap, a suspend) cannot keep the estimate, and the
                 # peer, at 0 steps for every round after (an adversarial review saw 100 such rounds).
-                if now >= deadline or (k > 0 and now + est > deadline):
+                if now >= step_deadline or (k > 0 and now + est > step_deadline):
                     stopped = True
                     break
             t0 = time.perf_counter()
@@ -583,13 +594,13 @@ class InnerTrainer:
             compute = time.perf_counter() - t0
             if self.speed_factor < 1.0:
                 slow = compute * (1.0 / self.speed_factor - 1.0)
-                if deadline is not None:
-                    # Never past the train deadline: a step the peer was stopped in (SIGSTOP, swap, a
+                if step_deadline is not None:
+                    # Never past the step's deadline: a step the peer was stopped in (SIGSTOP, swap, a
                     # suspend) measures the stall as compute, and the emulated slow-down slept it again
                     # (tests/e2e/test_stalled_peer_procs.py: stopped 42 s, then 42 s asleep through its
                     # exchange). The steps end at the deadline anyway; a step that really computed past it
                     # still overruns by its compute.
-                    slow = min(slow, max(0.0, deadline - swarm_time()))
+                    slow = min(slow, max(0.0, step_deadline - swarm_time()))
                 time.sleep(slow)
             dt = time.perf_counter() - t0
             per_row = dt / batch_size

@@ -367,8 +367,7 @@ class PeerNode:
             torch.set_num_threads(c.threads)
         if c.checkpoint_dir:
             check_writable_dir(c.checkpoint_dir, "--checkpoint-dir")
-        # This machine's own resources, one line each and before the DHT join (issue 14 #10): not found
-        # out after the join, the link probe and the profile.
+        # This machine's own resources, one line each and before the DHT join (issue 14 #10), not after the probes.
         if c.device.startswith("cuda") and not torch.cuda.is_available():
             raise StartInputError(  # a flag this machine cannot serve: exit 2, as for a bad flag
                 f"--device {c.device}: CUDA is not available on this machine (torch "
@@ -599,6 +598,7 @@ class PeerNode:
             self.cfg,
             checkpointing=bool(self.cfg.checkpoint_dir),
             exchanges_gradient=self.method_rule.exchanges_gradient,
+            push_encoding=self.method_rule.push_encoding,
             eager=self.run_cfg.eager,
             record_shards=self.run_cfg.record_shards,
         )

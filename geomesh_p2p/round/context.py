@@ -101,6 +101,9 @@ class DriverConfig:
     checkpoint_every: int = _node_default("checkpoint_every")
     checkpointing: bool = False
     exchanges_gradient: bool = False  # ddp (MethodRule.exchanges_gradient): one batch's gradient, no pseudo-gradient
+    #: MethodRule.push_encoding of the run ("sign" for the sign-compressed methods): whether a round has a token
+    #: floor (round.rules.spec.screen_token_floor), whose steps may run past the train deadline (round.steps)
+    push_encoding: str = ""
     #: eager updates (RunConfig.eager, docs/eager.md): a round's exchange runs in the background while the next
     #: round's inner steps run from this peer's own start ``O(θ, v; w Δ)``; needs an :class:`EagerStatePort`
     eager: bool = False

@@ -136,8 +136,11 @@ class Trainer(Protocol):
         progress=None,
         should_stop=None,
         target: Optional[StepTarget] = None,
+        floor_steps: int = 0,
+        floor_grace_s: float = 0.0,
     ) -> InnerResult:
         """Inner steps on the model; returns an InnerResult (steps_done, tokens, mean_loss, compute_s).
+        ``floor_steps`` may run ``floor_grace_s`` past ``deadline`` (the token floor, InnerTrainer.run).
         ``target``: a :class:`~geomesh_p2p.model.training.StepTarget` read before every step instead of
         ``inner_steps`` / ``deadline`` (eager updates: only passed when ``DriverConfig.eager``)."""
 

@@ -5,6 +5,7 @@ plan's settle and by eager updates' speculative steps."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import sys
 import threading
@@ -14,6 +15,7 @@ from typing import TYPE_CHECKING, Callable, Optional, cast
 import torch
 
 from geomesh_p2p.plan.schema import RoundPlan
+from geomesh_p2p.round.rules.spec import screen_token_floor
 from geomesh_p2p.telemetry import events
 from geomesh_p2p.round.context import RoundContext, no_work
 from geomesh_p2p.round.ports import EagerStatePort
@@ -21,6 +23,10 @@ from geomesh_p2p.round.ports import EagerStatePort
 if TYPE_CHECKING:
     from geomesh_p2p.model.training import InnerResult
     from geomesh_p2p.round.driver import RoundDriver
+
+#: At most this share of the exchange window (train deadline to exchange deadline) is given to the token floor's
+#: steps past the train deadline (:func:`floor_grace_s`); the owners close a part at 75% of it (spec.py).
+FLOOR_GRACE_EXCHANGE_SHARE = 0.25
 
 # Round log lines keep the node's logger name: operators' filters and the tests' caplog select on it.
 log = logging.getLogger("geomesh_p2p.node.peer.round")
@@ -42,8 +48,15 @@ async def inner_steps(
             return await asyncio.to_thread(
                 lambda: drv.trainer.gradient(round=r, batch_size=a.batch_size, micro_batch=a.micro_batch)
             )
+        k = floor_steps(drv, plan, a)
+        # only where the round has a floor for this peer: a trainer (a test's fake) may lack the two arguments
+        run = (
+            functools.partial(drv.trainer.run, floor_steps=k, floor_grace_s=floor_grace_s(plan))
+            if k
+            else drv.trainer.run
+        )
         return None, await asyncio.to_thread(
-            lambda: drv.trainer.run(
+            lambda: run(
                 round=r,
                 inner_steps=a.inner_steps,
                 batch_size=a.batch_size,
@@ -65,6 +78,21 @@ async def inner_steps(
         say_contributing_nothing(drv, r, e, "out_of_memory")
         await reset_to_start(drv, ctx)
         return None, no_work(time.perf_counter() - t_train)
+
+
+def floor_steps(drv: RoundDriver, plan: RoundPlan, a) -> int:
+    """Inner steps this peer's contribution to ``plan`` must carry to count (its token floor over its batch's
+    tokens, :func:`~geomesh_p2p.round.rules.spec.screen_token_floor`); 0 where the round has no floor for it."""
+    tokens = screen_token_floor(plan, drv.cfg.push_encoding).get(drv.me, 0)
+    per_step = int(a.batch_size) * int(plan.seq_len)
+    return -(-int(tokens) // per_step) if tokens and per_step else 0
+
+
+def floor_grace_s(plan: RoundPlan) -> float:
+    """Seconds past the train deadline the token floor's steps may run (:meth:`InnerTrainer.run`): one window, at
+    most ``FLOOR_GRACE_EXCHANGE_SHARE`` of the exchange window (the owners take pushes until well after it)."""
+    exchange_s = max(0.0, float(plan.exchange_deadline) - float(plan.train_deadline))
+    return min(float(plan.window_s), FLOOR_GRACE_EXCHANGE_SHARE * exchange_s)
 
 
 def say_assignment(drv: RoundDriver, plan: RoundPlan, steps: int, batch: int) -> None:

@@ -77,3 +77,20 @@ def test_standing_credits_only_contributions_that_counted_tokens():
     for r in range(6):
         s.credit(r, delivered(contributors))
     assert s.weight("z") == 0 and s.weight("a") == 6 and s.weight("b") == 6
+
+
+def test_a_peer_with_a_floor_may_finish_its_floor_steps_a_grace_past_the_train_deadline():
+    """``round.steps.floor_steps`` / ``floor_grace_s`` (session 34): the steps the trainer may run past the train
+    deadline are exactly the floor's (``min_steps``) for a peer that has one, none otherwise; the grace is one
+    window, at most a quarter of the exchange window (the owners close a part at 75% of it)."""
+    from geomesh_p2p.round.steps import floor_grace_s, floor_steps
+
+    plan = _plan("relay", [20, 5, 4])
+    plan.window_s, plan.train_deadline, plan.exchange_deadline = 6.0, 100.0, 130.0
+    drv = lambda me, push="sign": SimpleNamespace(me=me, cfg=SimpleNamespace(push_encoding=push))  # noqa: E731
+    a = {x.peer_id: x for x in plan.assignments}
+    assert [floor_steps(drv(p), plan, a[p]) for p in ("p0", "p1", "p2")] == [VerifyConfig.min_steps] * 2 + [0]
+    assert floor_steps(drv("p0", push="fp32"), plan, a["p0"]) == 0  # no floor where nothing is screened
+    assert floor_grace_s(plan) == 6.0
+    plan.exchange_deadline = 108.0  # an exchange window of 8 s: a quarter of it, 2 s
+    assert floor_grace_s(plan) == 2.0

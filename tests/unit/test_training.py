@@ -227,6 +227,24 @@ def test_deadline_stops_early_and_reports_real_tokens(ds):
     assert res3.steps_done == 2 and res3.stopped_early
 
 
+def test_the_token_floors_steps_run_past_the_deadline_within_their_grace(ds):
+    """``floor_steps`` / ``floor_grace_s`` (issue 28's token floor, session 34): a deadline already past stops the
+    steps at 0 (above); with a floor of 3 steps and a grace the steps run on to exactly 3 (the floor), not to the
+    plan's 5; a grace already spent too stops them at 0, like the deadline alone; the floor's steps train the same
+    batches and learning rates as steps within the window (the weights equal a run without any deadline)."""
+    tr = _trainer(ds)
+    past = swarm_time() - 1.0
+    res = tr.run(round=0, inner_steps=5, batch_size=4, deadline=past, floor_steps=3, floor_grace_s=600.0)
+    assert (res.steps_done, res.tokens, res.stopped_early) == (3, 3 * 4 * SEQ, True)
+    spent = tr.run(round=1, inner_steps=5, batch_size=4, deadline=past, floor_steps=3, floor_grace_s=0.5)
+    assert spent.steps_done == 0 and spent.stopped_early
+    # the same 3 steps with no deadline at all: the same weights, bit for bit
+    ref = _trainer(ds)
+    ref.run(round=0, inner_steps=5, batch_size=4, should_stop=lambda: ref.global_step >= 3)
+    assert ref.global_step == tr.global_step == 3
+    assert torch.equal(flat_params(ref.model), flat_params(tr.model))
+
+
 def test_an_emulated_slow_down_never_sleeps_past_the_train_deadline(ds, monkeypatch):
     """speed_factor f < 1 sleeps (1/f - 1) x the step's measured compute; a step the peer was stopped in (SIGSTOP)
     measures the stall as compute, and sleeping it again kept a resumed peer asleep through its exchange
