@@ -4,6 +4,7 @@ share in :mod:`.context`), its injected collaborators (:mod:`.ports`) and the no
 (:mod:`.policy`); plan agreement itself is :mod:`geomesh_p2p.plan.agree`. Every name of the former
 ``geomesh_p2p/round.py`` is importable from here."""
 
+import asyncio
 import logging
 
 from geomesh_p2p.util.backoff import Backoff
@@ -110,3 +111,24 @@ class DhtPlanAgreement:
             authorities=authorities,
             leaders=leaders,
         )
+
+    async def names(self, round: int, peer_id: str, wait_s: float, poll_s: float = 0.25) -> bool:
+        """Whether a signed plan of ``round`` names ``peer_id``, polled for up to ``wait_s`` seconds (a peer stopped
+        between rounds asks it: a leader that read its record before it announced leaving planned it, and then
+        its part would go missing); False at once when the round's plans name others only. Never raises: a failed
+        read counts as no plan."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + max(0.0, float(wait_s))
+        while True:
+            try:
+                plans = await self.store.read(round)
+            except Exception as e:  # the DHT may be unreachable while the peer stops: then nobody planned with it
+                logging.getLogger(__name__).debug("plans of round %d not read: %r", round, e)
+                plans = []
+            if any(peer_id in p.participants() for p in plans):
+                return True
+            if plans:  # the round is planned without it (its leaving was read): no need to wait on
+                return False
+            if loop.time() + poll_s > end:
+                return False
+            await asyncio.sleep(poll_s)

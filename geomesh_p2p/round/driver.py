@@ -312,7 +312,9 @@ class RoundDriver:
     async def _rounds(self) -> None:
         expected: set[str] = set()
         first = True
-        while not self.stop.is_set() and self.ended is None:  # ended: the swarm ended without this peer
+        while self.ended is None:  # ended: the swarm ended without this peer
+            if self.stop.is_set() and (first or not await self._planned_after_stop()):
+                break
             if self.cfg.rounds is not None and self.state.round >= self.cfg.rounds:
                 break
             light_round = light_phase.is_light(self)
@@ -352,6 +354,25 @@ class RoundDriver:
         if self.ended is None and not self.stop.is_set() and self.history:
             await self._check_end()
         self.phase = Phase.DONE
+
+    async def _planned_after_stop(self) -> bool:
+        """Stopped between two rounds: does a leader's plan of the next round name this peer anyway? A leader that
+        read this peer's record before it announced leaving planned it; had it left, its part went missing (half
+        the model without an update in a 2-peer swarm) and it was marked a no-show for stopping cleanly (a
+        fresh-user trial, session 34). Such a round is taken part in (0 inner steps: the stop holds; its part
+        served). Asked for up to ``plan_timeout_s`` (the plans are read; nothing is published here); a plan
+        agreement without ``names`` (a test's fake) says no."""
+        names = getattr(self.plans, "names", None)
+        if names is None:
+            return False
+        planned = bool(await names(self.state.round, self.me, self.cfg.plan_timeout_s))
+        if planned:
+            log.info(
+                "round %d: stop requested, but a leader's plan of this round names this peer: taking part (no inner "
+                "steps, its part served), then leaving",
+                self.state.round,
+            )
+        return planned
 
     def reached_target(self) -> bool:
         """True once the last row's evaluation is at or under ``target_ppl``."""

@@ -309,6 +309,10 @@ class FakePeer:
                 if publish is not None:
                     publish(plan)
 
+            async def names(self, *a, **k):
+                names = getattr(agreement, "names", None)
+                return False if names is None else await names(*a, **k)
+
         cfg = DriverConfig(
             min_peers=min_peers,
             wait_peers_s=wait_peers_s,
@@ -832,3 +836,28 @@ async def test_a_light_follower_whose_sample_is_missing_takes_the_full_path_for_
     assert not victim.drv.history[1].extra.get("light") and 1 in victim.full_reads
     assert bool(victim.drv.history[2].extra.get("light")) is (victim.me in _light_of(ids, 2, 1))
     assert len({p.drv.history[1].leader for p in peers}) == 1
+
+
+async def test_a_plan_agreement_says_whether_the_plans_of_a_round_name_a_peer():
+    """``DhtPlanAgreement.names`` (asked by a peer stopped between rounds, session 34): True once a signed plan of the
+    round names the peer; False at its first read that finds plans naming others only (its leaving was read); False
+    after the wait when there is no plan at all."""
+    a, b, c = _peers(3)
+    store = PlanStore(a.swarm.dht, a.ident, RUN)
+    reads: list[int] = []
+    read = store.read
+
+    async def counted(round, *args, **kw):
+        reads.append(round)
+        return await read(round, *args, **kw)
+
+    store.read = counted  # type: ignore[method-assign]
+    agreement = DhtPlanAgreement(store)
+    assert not await agreement.names(0, c.me, 0.3, poll_s=0.1)
+    assert 2 <= len(reads) <= 4  # polled through the wait
+    await store.publish(a.make_plan([a.record(), b.record()], a.me))  # c left out
+    assert await agreement.names(0, b.me, 5.0)
+    reads.clear()
+    assert not await agreement.names(0, c.me, 5.0, poll_s=0.1)
+    assert reads == [0]  # one read: the round is planned without it
+    assert not await agreement.names(1, b.me, 0.0)  # another round: none
