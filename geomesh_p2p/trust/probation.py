@@ -66,6 +66,11 @@ from typing import Collection, Iterable, Mapping, Optional, Sequence
 
 from geomesh_p2p.trust.standing import DEFAULT_WINDOW, Standing, attest_key
 
+#: Trusted attestors that must vouch for a standing before a node that missed rounds counts it
+#: (:meth:`StandingView.attested`; fewer when fewer are trusted): with one, a single established attacker's record
+#: attested 16 identities that never delivered into a late joiner's established set, leader candidates all
+#: (red team, session 34). Honest peers attest each other (and themselves), so each has every honest attestor.
+ATTESTORS = 2
 #: Rounds a new identity must have delivered (in a node's ledger) before it is established: K.
 PROBATION_ROUNDS = 3
 #: At most ``max(1, n_established // PROBATION_SHARE)`` probation peers join a round (3 established: 1;
@@ -170,19 +175,25 @@ class StandingView:
         return self._attestors
 
     def attested(self, peer_id: str) -> int:
-        """The highest standing a trusted record attests for ``peer_id`` (bounded by the window). A
+        """The standing at least ``min(ATTESTORS, trusted records)`` trusted records attest for ``peer_id`` (the
+        k-th highest of their attestations, bounded by the window: one attestor alone cannot make an identity
+        established once two are trusted; an attestor's omission can lower an honest peer's score only where this
+        node's own ledger does not already hold it). A
         record's entry for its own peer counts too (:meth:`Standing.attestations` with ``own``): a peer
         that trained alone has nobody else to vouch for it, and a newcomer must see it established as it
         sees itself (docs/admission.md, "A young swarm"); trusted attestors are the peers this node saw
         deliver (anyone's only while it credited nothing, when identities vouching for each other do the
         same), and the score stays bounded by the rounds this node missed."""
         if peer_id not in self._hist:
-            key = attest_key(peer_id)
-            best = 0
-            for r in self._trusted():
-                best = max(best, min(int((getattr(r, "standing", None) or {}).get(key, 0)), DEFAULT_WINDOW))
-            self._hist[peer_id] = best
+            self._attest_all([peer_id])
         return self._hist[peer_id]
+
+    def _vouchers(self) -> int:
+        """How many trusted attestors must vouch for a standing before it counts: ``min(ATTESTORS, n)``, ``n`` the
+        trusted records that attest anything (a newcomer's own record, empty, vouches for nobody: with it counted,
+        the peer whose state it downloaded, alone in the run, would never be established in its view)."""
+        n = sum(1 for r in self._trusted() if getattr(r, "standing", None) and r.peer_id != self.me)
+        return max(1, min(ATTESTORS, n))
 
     def score(self, peer_id: str) -> int:
         """Standing of ``peer_id`` as this node counts it: its ledger, filled in from attestations for at
@@ -211,13 +222,16 @@ class StandingView:
     def _attest_all(self, peer_ids: Collection[str]) -> None:
         """:meth:`attested` of each of ``peer_ids`` (into its cache), from one pass over the trusted records."""
         keys = {attest_key(p) for p in peer_ids}
-        best = dict.fromkeys(keys, 0)
+        said: dict = {key: [] for key in keys}
         for r in self._trusted():
             for key, n in (getattr(r, "standing", None) or {}).items():
                 if key in keys:
-                    best[key] = max(best[key], min(int(n), DEFAULT_WINDOW))
+                    said[key].append(min(int(n), DEFAULT_WINDOW))
+        k = self._vouchers()
         for p in peer_ids:
-            self._hist[p] = best[attest_key(p)]
+            got = sorted(said[attest_key(p)], reverse=True)
+            # the k-th highest: what at least k trusted attestors vouch for (one alone cannot make identities)
+            self._hist[p] = got[k - 1] if len(got) >= k else 0
 
     def plausible(self, peer_id: str) -> bool:
         """Could ``peer_id`` be established in a view that saw the rounds this node missed? A follower

@@ -402,3 +402,33 @@ def test_own_attestations_never_establish_an_identity_this_node_did_not_see_deli
     assert node.leader_candidates(honest + selfish, {r.peer_id: r for r in honest + selfish})[1] == sorted(
         r.peer_id for r in honest
     )
+
+
+def test_one_established_attestor_alone_cannot_vouch_identities_into_a_late_joiners_established_set():
+    """Red team, session 34: a node that missed rounds reads attestations from the peers it saw deliver; with the
+    highest attestation counted, one established attacker's record attesting ``ATTEST_TOP`` identities that never
+    delivered made all of them established (leader candidates) in a late joiner's view. Now a standing counts when
+    ``ATTESTORS`` (2) trusted attestors vouch for it: the honest peers, who attest each other, stay established;
+    the attacker's 16 stay on probation."""
+    from geomesh_p2p.trust.standing import ATTEST_TOP, attest_key
+
+    honest = [str(Identity.generate().peer_id) for _ in range(3)]
+    attacker = str(Identity.generate().peer_id)
+    sybils = [str(Identity.generate().peer_id) for _ in range(ATTEST_TOP)]
+    ledger = Standing()
+    for r in range(20, 30):  # joined at round 20: 10 rounds credited, 20 of the window missed
+        ledger.credit(r, honest + [attacker])
+    everyone = {attest_key(p): 30 for p in honest + [attacker]}
+    recs = [SimpleNamespace(peer_id=p, standing=everyone) for p in honest]
+    recs.append(SimpleNamespace(peer_id=attacker, standing={**everyone, **{attest_key(p): 32 for p in sybils}}))
+    recs += [SimpleNamespace(peer_id=p, standing={}) for p in sybils]
+    view = pb.StandingView(ledger, recs, round=30, me=honest[0])
+    assert (view.threshold, view.credited, view.missed, pb.ATTESTORS) == (3, 10, 20, 2)
+    est, probation = pb.split(view, honest + [attacker] + sybils)
+    assert est == sorted(honest + [attacker]) and probation == sorted(sybils)
+    assert [view.attested(p) for p in sybils] == [0] * ATTEST_TOP
+    assert view.attested(honest[1]) == 30  # 4 attestors at 30
+    # a second attestor vouching for the same identities is what it takes (two colluding established peers)
+    recs[0] = SimpleNamespace(peer_id=honest[0], standing={**everyone, attest_key(sybils[0]): 32})
+    view = pb.StandingView(ledger, recs, round=30, me=honest[1])
+    assert view.established(sybils[0]) and not view.established(sybils[1])

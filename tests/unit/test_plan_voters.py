@@ -38,8 +38,8 @@ def _rec(peer_id: str, standing: dict | None = None):
 def _setup(monkeypatch):
     """(the policy, the records, the number of standing views built so far as a one-item list).
 
-    a, b: this peer's last plan's participants (with one Sybil); c: established by this peer's ledger; d: by a's
-    attestation (4 rounds, within the 5 this peer missed); e: delivered once here, b attests 1 (on probation);
+    a, b: this peer's last plan's participants (with one Sybil); c: established by this peer's ledger; d: by a's and
+    b's attestations (4 and 5 rounds: two trusted attestors vouch for 4, within the 5 this peer missed); e: delivered once here, b attests 1 (on probation);
     the Sybils: fresh identities vouching for each other (32 rounds), which nobody trusted attests."""
     ledger = Standing()
     for r in range(5, ROUND):
@@ -50,7 +50,7 @@ def _setup(monkeypatch):
         [_rec(s, vouch) for s in SYBILS[:20]]
         + [_rec(D), _rec(A, {attest_key(D): 4}), _rec(E)]
         + [_rec(s, vouch) for s in SYBILS[20:35]]
-        + [_rec(C), _rec(B, {attest_key(E): 1})]
+        + [_rec(C), _rec(B, {attest_key(E): 1, attest_key(D): 5})]
         + [_rec(s, vouch) for s in SYBILS[35:]]
     )
     views = [0]
