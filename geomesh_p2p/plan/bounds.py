@@ -99,6 +99,12 @@ PLAN_CHECK_TOLERANCE = 1.5
 
 #: how far in the future a plan may say it was created (the envelope's clock-skew window, identity.Verifier)
 MAX_CLOCK_SKEW_S = 30.0
+#: how far in the past (seconds before a follower checks it) a plan may say it was created: a rogue leader dating its
+#: plan most of a window back left honest peers a sliver of the window, under their token floor, so their work
+#: counted 0 tokens while accomplices that trained ahead claimed theirs (red team, session 34). An honest plan is read
+#: within the plan timeouts (seconds); the clock-skew window is the margin. Below it (short windows) the token floor's
+#: grace (round.steps.floor_grace_s) still gives honest peers their floor steps.
+MAX_PLAN_AGE_S = MAX_CLOCK_SKEW_S
 
 
 def check_records(records: Sequence[PeerRecord]) -> list[PeerRecord]:

@@ -27,6 +27,7 @@ from geomesh_p2p.plan.bounds import (
     BUDGET_MEDIAN_FACTOR,
     LEADER_BAR_MIN_OWNERS,
     MAX_CLOCK_SKEW_S,
+    MAX_PLAN_AGE_S,
     PLAN_CHECK_TOLERANCE,
     bound_records,
     budget_limit,
@@ -264,7 +265,8 @@ def check_plan(
       with 0 steps: the stated rule for a peer that cannot keep up is to leave it out of the plan
       (``PlanRules.build_plan``: exchange or one sequence longer than half the window);
     * window: ``window_s`` within ``PLAN_CHECK_TOLERANCE`` x (either way) of :func:`reference_window`,
-      ``train_deadline = created_at + window_s``, ``created_at`` at most ``MAX_CLOCK_SKEW_S`` ahead;
+      ``train_deadline = created_at + window_s``, ``created_at`` at most ``MAX_CLOCK_SKEW_S`` ahead and at most
+      ``MAX_PLAN_AGE_S`` behind ``now``;
     * budgets: each at most ``PLAN_CHECK_TOLERANCE`` x (bounded best tokens/s x ``window_s``) and at
       most ``BUDGET_MEDIAN_FACTOR`` x the plan's lower-median budget, unless (either bound) it is
       ``min_inner_steps`` steps of its own batch (a slow peer kept under a window capped at
@@ -330,6 +332,8 @@ def check_plan(
         return ContentRefusal("its train deadline is not its start plus its window")
     if plan.created_at - now > MAX_CLOCK_SKEW_S:
         return f"it starts {plan.created_at - now:.0f} s in the future"
+    if now - plan.created_at > MAX_PLAN_AGE_S:
+        return _too_old(plan, now)
     for a in plan.assignments:
         ceiling = max(PLAN_CHECK_TOLERANCE * by_id[a.peer_id].best_tokens_per_s() * T, _min_steps_tokens(a, cfg))
         if a.token_budget > ceiling:
@@ -431,6 +435,8 @@ def check_plan_sampled(
         return ContentRefusal("its train deadline is not its start plus its window")
     if plan.created_at - now > MAX_CLOCK_SKEW_S:
         return f"it starts {plan.created_at - now:.0f} s in the future"
+    if now - plan.created_at > MAX_PLAN_AGE_S:
+        return _too_old(plan, now)
     # a multi-rank peer's budget may pass the one-device bounds only with its record read (records_needed)
     ranks = {pid: ranks_of(r) for pid, r in sampled.items()}
     reason = (
@@ -441,6 +447,14 @@ def check_plan_sampled(
     on_probation = set(plan.probation())
     possible = {a.peer_id for a in plan.assignments if a.address is not None and a.peer_id not in on_probation}
     return _ownership_problem(plan, cfg, possible, barred)
+
+
+def _too_old(plan: RoundPlan, now: float) -> str:
+    """The refusal of a plan made more than ``MAX_PLAN_AGE_S`` before ``now`` (see that constant)."""
+    return (
+        f"it was made {now - plan.created_at:.0f} s in the past (at most {MAX_PLAN_AGE_S:.0f} s): its window is "
+        "spent before anyone trains"
+    )
 
 
 def _min_steps_tokens(a: PeerAssignment, cfg: PlanConfig) -> int:

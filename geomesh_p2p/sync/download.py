@@ -64,6 +64,11 @@ class StateSyncError(RuntimeError):
     """No donor could provide a state with the expected digest."""
 
 
+class DonorsUnreachable(StateSyncError):
+    """Every donor asked for a piece was unreachable (gRPC ``UNAVAILABLE``: connection refused, no route): the
+    donors have most likely left (their records outlive them by a TTL), so asking them again at once is futile."""
+
+
 #: Seconds without a chunk after which a piece moves to another donor (4 s: with the move and the new
 #: donor's first chunk a frozen donor costs at most ~5 s, issue 14 #3; the call's own deadline is
 #: ``timeout_s``, 120 s by default: far too long to wait on a donor that went quiet).
@@ -202,6 +207,7 @@ async def download_state(
     n = len(donors)
     bounds = [(total * i // n, total * (i + 1) // n) for i in range(n)]
     unhealthy: set[str] = set()
+    unreachable: set[str] = set()  # donors whose answer was UNAVAILABLE (DonorsUnreachable when all are)
 
     def event(kind: str, piece: int, donor: str, detail: str = "") -> None:
         if on_event is not None:
@@ -329,6 +335,8 @@ async def download_state(
                 elif isinstance(e, TimeoutError) and not second and stall_limit(piece) < stall_timeout_s:
                     stalled_early.add(donor)
                 unhealthy.add(donor)
+                if isinstance(e, RpcError) and e.code == grpc.StatusCode.UNAVAILABLE:
+                    unreachable.add(donor)
                 moving[piece] = True
                 errors.append(str(e))
                 event(kind, piece, donor, str(e))
@@ -361,7 +369,8 @@ async def download_state(
                     # sibling piece failed) left "Task exception was never retrieved" (an ERROR with traceback)
                     task.exception()
         if got[0] != end:
-            raise StateSyncError(f"piece {piece} failed on every donor: {errors[-1] if errors else 'no healthy donor'}")
+            why = f"piece {piece} failed on every donor: {errors[-1] if errors else 'no healthy donor'}"
+            raise DonorsUnreachable(why) if donors and set(donors) <= unreachable else StateSyncError(why)
 
     loop = asyncio.get_running_loop()
     t0 = time.monotonic()

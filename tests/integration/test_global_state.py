@@ -368,3 +368,37 @@ async def test_an_attempt_that_fails_as_it_is_cancelled_leaves_no_unretrieved_ta
     # asyncio's own flag (no public accessor): set while a task's exception was never asked for
     assert [t._log_traceback for t in attempts] == [False] * len(attempts)
     assert all(isinstance(t.exception(), RpcError) for t in attempts)
+
+
+@pytest.mark.timeout(60)
+async def test_donors_that_all_refuse_the_connection_are_reported_as_unreachable():
+    """Session 34 (a fresh-user trial: a peer resumed after the run's peers had exited asked the gone donors 44
+    times in 25 s): when every donor is unreachable (gRPC UNAVAILABLE) the download raises DonorsUnreachable, which
+    the catch-up gives up on after ``UNREACHABLE_ATTEMPTS``; a donor that answers with a refusal is a plain
+    StateSyncError (the catch-up keeps asking)."""
+    from geomesh_p2p.sync.download import DonorsUnreachable
+    from tests.swarm_util import dead_address
+
+    gs = _state()
+    other_round = _state(round=4)
+    donors = await _donors([other_round])
+    client = Transport(Identity.generate(), RUN, TransportConfig(client_only=True))
+    try:
+        with dead_address() as gone_a, dead_address() as gone_b:
+            with pytest.raises(DonorsUnreachable, match="failed on every donor"):
+                await download_state(
+                    client, [gone_a, gone_b], round=5, numel=gs.num_params, expected_digest=gs.digest, timeout_s=10.0
+                )
+            # one donor that answers (it holds round 4, not 5) beside a gone one: not every donor is unreachable
+            with pytest.raises(StateSyncError, match="failed on every donor") as info:
+                await download_state(
+                    client,
+                    [donors[0][2], gone_a],
+                    round=5,
+                    numel=gs.num_params,
+                    expected_digest=gs.digest,
+                    timeout_s=10.0,
+                )
+            assert not isinstance(info.value, DonorsUnreachable)
+    finally:
+        await _stop(client, donors)

@@ -283,6 +283,14 @@ def rogue_variants(honest: RoundPlan, cfg: PlanConfig) -> dict[str, RoundPlan]:
                 "exchange_deadline": T0 + 3700 + honest.window_s,
             }
         ),
+        # made a minute ago: its window spent before anyone read it (red team, session 34)
+        "in the past": honest.model_copy(
+            update={
+                "created_at": T0 - 60,
+                "train_deadline": T0 - 60 + honest.window_s,
+                "exchange_deadline": honest.exchange_deadline - 60,
+            }
+        ),
         # sole owner of every element, all else honest
         "owns": RoundPlan.model_validate(
             {
@@ -328,6 +336,7 @@ def test_a_light_follower_refuses_the_rogue_variants_it_can_see_from_the_plan_an
             ("median budget", "median budget"),
             ("owns", "owns"),
             ("in the future", "in the future"),
+            ("in the past", "in the past"),
         ]
     }
     # a sampled peer placed at another address than its record's (or made client-only)

@@ -187,6 +187,41 @@ async def test_fresh_joiner_downloads_the_honest_state(monkeypatch):
     assert (node.state.round, node.state.digest) == (7, "honest")
 
 
+async def test_a_catch_up_gives_up_on_donors_that_all_refuse_the_connection(monkeypatch):
+    """Session 34: donors whose every piece is refused at the connection (DonorsUnreachable: they have exited, their
+    records outlive them) are asked ``UNREACHABLE_ATTEMPTS`` times, not ``STATE_SYNC_ATTEMPTS`` (30: 44 tries and 87
+    WARNING lines in a fresh-user trial); then the catch-up raises, holding its own state."""
+    from geomesh_p2p.round.rules.state_sync import STATE_SYNC_ATTEMPTS, UNREACHABLE_ATTEMPTS
+    from geomesh_p2p.sync.download import DonorsUnreachable, StateSyncError
+
+    ids, honest = _honest(round=7, digest="honest")
+    node = _node(round=0, digest="seed", trained=False)
+    tries = []
+
+    async def gone(transport, donors, *, round, **kw):
+        tries.append(round)
+        raise DonorsUnreachable("piece 0 failed on every donor: UNAVAILABLE: connection refused")
+
+    async def peers(include_leaving=False):
+        return honest
+
+    async def announce():
+        pass
+
+    import geomesh_p2p.round.rules.state_sync as rs
+    import geomesh_p2p.sync.download as ss
+
+    monkeypatch.setattr(ss, "download_state", gone)
+    real_sleep = asyncio.sleep
+    monkeypatch.setattr(rs.asyncio, "sleep", lambda s: real_sleep(0))  # the 0.5 s between tries
+    node.state.numel, node.state.state_numel = 2, 2
+    sync = _sync(node.state, peers=peers, announce=announce)
+    with pytest.raises(StateSyncError, match=f"after {UNREACHABLE_ATTEMPTS} attempt"):
+        await sync.catch_up()
+    assert tries == [7] * UNREACHABLE_ATTEMPTS and UNREACHABLE_ATTEMPTS < STATE_SYNC_ATTEMPTS
+    assert node.state.round == 0
+
+
 def test_young_swarm_counts_addresses_not_identities():
     """Nobody has delivered yet (no history anywhere): one address, one vote; 30 identities behind one
     address lose to 2 honest addresses, and a lone record still leads a 2-peer swarm."""

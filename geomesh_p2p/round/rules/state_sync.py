@@ -41,6 +41,11 @@ __all__ = ["StateSync", "NO_MAJORITY_RETRIES", "STATE_SYNC_ATTEMPTS", "BUSY_REFR
 NO_MAJORITY_RETRIES = 8
 #: Full state downloads tried before a joiner gives up: donors may leave or lag mid-download for minutes.
 STATE_SYNC_ATTEMPTS = 30
+#: Full state downloads in a row whose every donor was unreachable (connection refused) after which a sync gives
+#: up: leaving peers serve their last state until they exit and their records outlive them by a TTL, so a peer
+#: resumed after the run's peers had all left asked the gone ones 44 times in 25 s (87 WARNING lines; a fresh-user
+#: trial, session 34).
+UNREACHABLE_ATTEMPTS = 3
 #: Seconds between reads of the swarm's plans while a sync runs: the donors' busy windows (their exchange
 #: deadlines) that the download's stall clock waits for (state_sync.BusyFn).
 BUSY_REFRESH_S = 1.0
@@ -221,6 +226,7 @@ class StateSync:
         own_tried = False
         downloaded: Optional[state_sync.Snapshot] = None  # the last full download, kept whole
         caught_from: Optional[int] = None  # the round the incremental catch-up started from
+        unreachable = 0  # downloads in a row whose donors were all unreachable
         try:
             for attempt in range(STATE_SYNC_ATTEMPTS):
                 if self._stop.is_set():
@@ -394,7 +400,23 @@ class StateSync:
                         busy_until=lambda d: busy.get(d, 0.0),
                         last_attempt=attempt == STATE_SYNC_ATTEMPTS - 1,
                     )
+                except state_sync.DonorsUnreachable as e:
+                    unreachable += 1
+                    if unreachable >= UNREACHABLE_ATTEMPTS:
+                        log.warning(
+                            "state download for round %d: its %d donor(s) did not answer %d times in a row (%s): "
+                            "they have left; giving up the download",
+                            top,
+                            len(donors),
+                            unreachable,
+                            e,
+                        )
+                        break
+                    log.info("state download for round %d failed (%s); retrying", top, e)
+                    await asyncio.sleep(0.5)
+                    continue
                 except state_sync.StateSyncError as e:
+                    unreachable = 0
                     log.info("state download for round %d failed (%s); retrying", top, e)
                     await asyncio.sleep(0.5)
                     continue
@@ -417,7 +439,7 @@ class StateSync:
                 base = downloaded = snap  # the next pass adopts it, or brings it to the round the swarm moved on to
             self.state.round = held_round if held_digest else start_round  # nothing adopted: it holds its own state
             raise state_sync.StateSyncError(
-                f"could not download the swarm's state after {STATE_SYNC_ATTEMPTS} attempts; see the log for why"
+                f"could not download the swarm's state after {attempt + 1} attempt(s); see the log for why"
             )
         finally:
             if watcher is not None:
