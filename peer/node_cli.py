@@ -376,7 +376,12 @@ def cmd_join(ns: argparse.Namespace) -> int:
     set_threads(getattr(ns, "threads", None))  # --threads, else the host's cores shared by its peers (issue 27)
 
     if not ns.bootstrap:
-        log.info("no --bootstrap given: starting a new swarm (others can join through this peer)")
+        # said plainly: a volunteer who forgot the flag trained alone, told only "starting a new swarm" (session 34)
+        log.info(
+            "no --bootstrap given: this peer starts a NEW swarm of its own for run %r (others join it through this "
+            "peer's address); to join an existing swarm, stop and pass --bootstrap HOST:PORT",
+            getattr(ns, "run_id", None) or "?",
+        )
     warning = reachability_warning(ns)
     if warning:
         log.warning(warning)

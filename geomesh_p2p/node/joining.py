@@ -287,7 +287,7 @@ def config_differences(here: dict, there: dict) -> list[str]:
     ``"inner_lr: 0.001 here vs 0.0003 in the swarm"``; each value's repr cut to :data:`_SHOWN_CHARS` characters
     (``there`` is another node's word: a valid config may carry a 60 KB run id or a 4,300-digit seed)."""
     return [
-        f"{k}: {_shown(here.get(k))} here vs {_shown(there.get(k))} in the swarm"
+        f"{k}: {_shown(here.get(k), k)} here vs {_shown(there.get(k), k)} in the swarm"
         for k in sorted(set(here) | set(there))
         if here.get(k) != there.get(k)
     ]
@@ -297,8 +297,16 @@ def config_differences(here: dict, there: dict) -> list[str]:
 _SHOWN_CHARS = 60
 
 
-def _shown(value: object) -> str:
-    """``repr(value)``, cut to :data:`_SHOWN_CHARS` characters (``...`` appended when cut)."""
+#: What an unset run-config field means, shown instead of Python's ``None`` ("window_s: 1.0 here vs None in the swarm"
+#: read as internals to a fresh user, session 34; the flag says ``--window-s auto``).
+_NONE_SHOWN = {"window_s": "auto", "group_size": "auto"}
+
+
+def _shown(value: object, key: str = "") -> str:
+    """``repr(value)``, cut to :data:`_SHOWN_CHARS` characters (``...`` appended when cut); None as the flag says it
+    (``auto`` for ``window_s`` and ``group_size``, else ``none``)."""
+    if value is None:
+        return _NONE_SHOWN.get(key, "none")
     text = (
         repr(value)
         if not isinstance(value, int) or abs(value) < 10**_SHOWN_CHARS

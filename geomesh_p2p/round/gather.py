@@ -134,14 +134,18 @@ async def gather(drv: RoundDriver, expected: set[str], *, first: bool) -> Option
                     log,
                     logging.INFO,
                     "waiting_for_peers",
-                    "round %d: waiting for %d peers, %d live (up to %.0f s)",
+                    # "live" alone read as a contradiction ("waiting for 2 peers, 2 live": one of them was syncing or
+                    # at another round; a fresh-user trial, session 34): say how many are in step
+                    "round %d: waiting for %d peers; %d in step at this round, %d live (up to %.0f s)",
                     drv.state.round,
                     min_peers,
+                    len(ids),
                     len(recs),
                     wait_s,
                     peer=drv.me,
                     round=drv.state.round,
                     min_peers=min_peers,
+                    in_step=len(ids),
                     live=len(recs),
                     wait_s=wait_s,
                 )

@@ -94,3 +94,26 @@ def test_a_peer_with_a_floor_may_finish_its_floor_steps_a_grace_past_the_train_d
     assert floor_grace_s(plan) == 6.0
     plan.exchange_deadline = 108.0  # an exchange window of 8 s: a quarter of it, 2 s
     assert floor_grace_s(plan) == 2.0
+
+
+def test_an_unscreenable_contribution_at_a_large_batch_counts_its_steps_at_the_median_batch():
+    """``screen_token_cap`` (red team, session 34): a newcomer announcing a batch 64x the others' was planned 1 step,
+    exempt from every budget bound, and weighed a whole honest round unscreened. In screened modes a peer planned
+    fewer than ``min_steps`` steps at a batch above the plan's lower median counts at most its steps at that median;
+    peers at an ordinary batch, peers planned ``min_steps`` or more (their floor applies) and unscreened modes are
+    not capped; the spec's participants carry the cap, so every owner, reader and validator counts alike."""
+    from geomesh_p2p.round.rules.spec import _capped_budgets, screen_token_cap
+
+    rows = [
+        SimpleNamespace(peer_id="big", batch_size=256, inner_steps=1, token_budget=256 * 16),
+        SimpleNamespace(peer_id="slow", batch_size=4, inner_steps=3, token_budget=3 * 4 * 16),
+        SimpleNamespace(peer_id="h1", batch_size=4, inner_steps=20, token_budget=20 * 4 * 16),
+        SimpleNamespace(peer_id="h2", batch_size=8, inner_steps=12, token_budget=12 * 8 * 16),
+    ]
+    plan = SimpleNamespace(mode="relay", seq_len=16, assignments=rows)
+    assert screen_token_cap(plan, "sign") == {"big": 1 * 4 * 16}  # lower median of (4, 4, 8, 256): 4
+    assert _capped_budgets(plan, "sign") == {"big": 64, "slow": 192, "h1": 1280, "h2": 1536}
+    assert screen_token_cap(SimpleNamespace(mode="reencode", seq_len=16, assignments=rows), "sign") == {}
+    assert screen_token_cap(plan, "fp32") == {}
+    # the cap and the floor never meet: one binds under min_steps steps, the other from min_steps on
+    assert not set(screen_token_cap(plan, "sign")) & set(screen_token_floor(plan, "sign"))

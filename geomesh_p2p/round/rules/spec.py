@@ -94,6 +94,33 @@ def screen_token_floor(plan, push_encoding: str) -> dict[str, int]:
     return {a.peer_id: steps * int(a.batch_size) * L for a in plan.assignments if int(a.inner_steps) >= steps}
 
 
+def screen_token_cap(plan, push_encoding: str) -> dict[str, int]:
+    """PeerID -> most tokens its contribution counts for in ``plan``'s round, for the peers planned fewer than
+    ``VerifyConfig.min_steps`` (but some) steps whose batch is larger than the plan's lower-median batch, in the modes
+    of :func:`screen_token_floor` (relay and accountable rounds of a sign-compressed method); empty otherwise. The cap
+    is their steps at the lower-median batch: ``inner_steps x median batch x seq_len``.
+
+    Why (issue 28, red team of session 34): no check or screen draws a contribution of fewer than ``min_steps`` steps,
+    and the plan checks exempt ``min_inner_steps`` steps of a peer's *own* batch from every budget bound, so a newcomer
+    announcing a batch at the spread cap (x its ranks: 64x the median) was planned 1 step and weighed as much as an
+    honest peer's whole round, unscreened; 30 such identities held 0.88 of the aggregate's weight after 40 rounds in
+    a simulation of the leader's rules. Capped, an unscreenable step weighs what an ordinary step does. An honest peer
+    planned under ``min_steps`` steps at an ordinary batch is not capped."""
+    if push_encoding != "sign" or plan.mode not in ("relay", "accountable"):
+        return {}
+    steps = VerifyConfig.min_steps
+    batches = sorted(int(a.batch_size) for a in plan.assignments)
+    if not batches:
+        return {}
+    median = batches[(len(batches) - 1) // 2]  # lower median: half the plan's peers at or above it
+    L = int(plan.seq_len)
+    return {
+        a.peer_id: int(a.inner_steps) * median * L
+        for a in plan.assignments
+        if 0 < int(a.inner_steps) < steps and int(a.batch_size) > median
+    }
+
+
 def collective_spec(
     plan, run_cfg: RunConfig, numel: int, max_message_bytes: int, theta_maxabs: Optional[float] = None
 ) -> collective.CollectiveSpec:
@@ -124,7 +151,7 @@ def collective_spec(
     return collective.CollectiveSpec(
         run_id=run_cfg.run_id,
         round=r,
-        participants={x.peer_id: x.token_budget for x in plan.assignments},
+        participants=_capped_budgets(plan, push),
         owners=owners,  # type: ignore[arg-type]  # split_owners' list, as the spec always got
         numel=numel,
         mode=plan.mode,
@@ -148,3 +175,9 @@ def collective_spec(
         if agg == "sign" and plan.mode != "relay"
         else None,
     )
+
+
+def _capped_budgets(plan, push_encoding: str) -> dict[str, int]:
+    """PeerID -> tokens its claim may count for: its plan budget, at most :func:`screen_token_cap`."""
+    cap = screen_token_cap(plan, push_encoding)
+    return {x.peer_id: min(int(x.token_budget), cap.get(x.peer_id, int(x.token_budget))) for x in plan.assignments}
