@@ -57,6 +57,17 @@ CLOCK_CONFIRM_SPREAD_S = 2.0
 _UNRESOLVABLE = ("dns resolution failed", "address lookup failed", "domain name not found", "name or service not known")
 
 
+#: What gRPC says when the server at the address does not speak HTTP/2 (an HTTP/1 server: a bootstrap's status page on
+#: its --http-port, given as --bootstrap by a fresh user, session 34): lower-case substrings.
+_NOT_GRPC = ("failed parsing http/2", "http1.x server")
+
+
+def _not_grpc(reason: Optional[str]) -> bool:
+    """Whether a call failed because the server there is not a gRPC server (no point in retrying)."""
+    text = (reason or "").lower()
+    return any(m in text for m in _NOT_GRPC)
+
+
 def _unresolvable(reason: Optional[str]) -> bool:
     """Whether a call failed because its host name does not resolve (a typo: no point in retrying)."""
     text = (reason or "").lower()
@@ -89,6 +100,8 @@ def short_reason(error: BaseException) -> str:
         return str(error)[:_SHORT_REASON_CHARS] or type(error).__name__
     if _unresolvable(error.reason):
         return "host name does not resolve"
+    if _not_grpc(error.reason):
+        return "not a gRPC server (an HTTP server? a bootstrap's status page is its --http-port, not its --port)"
     text = (error.reason or "").lower()
     if error.code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return "timed out"
@@ -116,7 +129,7 @@ def final_failure(result: BaseException) -> bool:
     (:func:`geomesh_p2p.node.joining.check_bootstrap_run`) stops only on final failures (red team, session 16)."""
     if not isinstance(result, RpcError):
         return True
-    return result.code not in _UNREACHABLE or _unresolvable(result.reason)
+    return result.code not in _UNREACHABLE or _unresolvable(result.reason) or _not_grpc(result.reason)
 
 
 def other_run_message(address: str, reason: str, own_run: str) -> str:

@@ -17,7 +17,7 @@ import pytest
 
 from geomesh_p2p.config.models import NodeConfig, RunConfig
 from geomesh_p2p.dht import DHTJoinError
-from geomesh_p2p.dht.join import short_reason
+from geomesh_p2p.dht.join import final_failure, short_reason
 from geomesh_p2p.net.addr import listen_problem
 from geomesh_p2p.net.identity import Identity
 from geomesh_p2p.net.transport import RpcError
@@ -65,6 +65,16 @@ def test_short_reason_words_grpc_failures_in_a_few_words():
         "Domain name not found]",
     )
     assert short_reason(typo) == "host name does not resolve"
+    # gRPC's words for an HTTP/1 server (a bootstrap's status page given as --bootstrap: a fresh user, session 34)
+    http = RpcError(
+        "127.0.0.1:8080",
+        "/dht/Ping",
+        grpc.StatusCode.UNAVAILABLE,
+        "failed to connect to all addresses; last error: UNAVAILABLE: ipv4:127.0.0.1:8080: Failed parsing HTTP/2 "
+        "(Expected SETTINGS frame as the first frame, got frame type 79)",
+    )
+    assert short_reason(http).startswith("not a gRPC server (an HTTP server? ")
+    assert final_failure(http) and not final_failure(refused)  # no retries for it; a refused one may be restarting
     other = RpcError("h:5", "/dht/Ping", grpc.StatusCode.PERMISSION_DENIED, "x" * 200)
     assert short_reason(other) == "PERMISSION_DENIED: " + "x" * 80 + "..."
 
