@@ -142,6 +142,7 @@ class RoundDriver:
         self.phase = Phase.IDLE
         self.in_exchange = False
         self.leaving = False
+        self._rounds_after_stop = 0  # rounds taken part in after a stop request (_planned_after_stop: at most one)
         self._waiting_logged: Optional[tuple[int, int]] = None
         #: peer -> (progress-derived waits it did not arrive from, the round of the last): round/gather.py
         self._sync_misses: dict[str, tuple[int, int]] = {}
@@ -361,12 +362,14 @@ class RoundDriver:
         the model without an update in a 2-peer swarm) and it was marked a no-show for stopping cleanly (a
         fresh-user trial, session 34). Such a round is taken part in (0 inner steps: the stop holds; its part
         served). Asked for up to ``plan_timeout_s`` (the plans are read; nothing is published here); a plan
-        agreement without ``names`` (a test's fake) says no."""
+        agreement without ``names`` (a test's fake) says no, and so does every ask after one such round (a leader
+        that kept planning a leaving peer must not keep it from leaving)."""
         names = getattr(self.plans, "names", None)
-        if names is None:
+        if names is None or self._rounds_after_stop >= 1:
             return False
         planned = bool(await names(self.state.round, self.me, self.cfg.plan_timeout_s))
         if planned:
+            self._rounds_after_stop += 1
             log.info(
                 "round %d: stop requested, but a leader's plan of this round names this peer: taking part (no inner "
                 "steps, its part served), then leaving",
