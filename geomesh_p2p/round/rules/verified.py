@@ -276,15 +276,18 @@ class VerifiedWork:
         # Per contributor, for the record (docs/security.md "Stealthy attacks": measured from these lines): its
         # plain agreement, its support (what the aggregation's support filter decides on, per part) and the
         # inner steps its token claim implies at its planned batch.
-        log.info(
+        measured = ", ".join(
+            f"{p[:10]} {found[p]:.3f} / {support[p]:.3f} / {steps.get(p, '?')}"
+            for p in sorted(found)
+            if support and p in support
+        )
+        # nothing measured (1-2 contributors: no support to speak of) is no news: DEBUG ("contributions: none
+        # measured" every round read as noise to a fresh user, session 34)
+        log.log(
+            logging.INFO if measured else logging.DEBUG,
             "round %d: contributions (agreement / support / claimed steps): %s",
             r,
-            ", ".join(
-                f"{p[:10]} {found[p]:.3f} / {support[p]:.3f} / {steps.get(p, '?')}"
-                for p in sorted(found)
-                if support and p in support
-            )
-            or "none measured",
+            measured or "none measured",
         )
         if test.outliers:
             log.info(
