@@ -217,6 +217,9 @@ class RoundLog:
             "peers": g("peers", "participants of the last round"),
             "train_loss": g("train_loss", "mean inner-step loss of the last round"),
             "eval_ppl": g("eval_perplexity", "eval perplexity of the global weights"),
+            # which round's weights it measured: the perplexity stays while rounds go by unevaluated (a fresh user
+            # read a round-2 figure at geomesh_round 4, session 34)
+            "eval_round": g("eval_round", "round whose end state geomesh_eval_perplexity measured"),
             "straggler_idle": g("straggler_idle_ratio", "straggler idle share of the last round"),
             "network_idle": g("network_idle_ratio", "network idle share of the last round"),
             "round_s": g("round_seconds", "wall time of the last round"),
@@ -225,6 +228,7 @@ class RoundLog:
         }
         # no evaluation yet: NaN, not the Gauge's 0 (a perplexity of 0 is impossible; dashboards showed it)
         self._gauges["eval_ppl"].set(float("nan"))
+        self._gauges["eval_round"].set(float("nan"))
         self._phase = Gauge(
             "geomesh_round_phase_seconds",
             "seconds of each round-driver phase in the last cycle",
@@ -296,6 +300,7 @@ class RoundLog:
             gz["train_loss"].set(r.train_loss)
             if r.eval_ppl is not None:
                 gz["eval_ppl"].set(r.eval_ppl)
+                gz["eval_round"].set(r.round if r.eval_round is None else r.eval_round)
             gz["straggler_idle"].set(r.straggler_idle_pct / 100)
             gz["network_idle"].set(r.network_idle_pct / 100)
             gz["round_s"].set(r.round_s)

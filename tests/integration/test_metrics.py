@@ -89,7 +89,7 @@ def test_prometheus_gauges_exact(served):
     assert isinstance(port, int) and port > 0
     assert rl._server.server_address[0] == "127.0.0.1"
     # before any evaluation the perplexity is NaN ("no value"), not 0 (fresh-user trial, session 28)
-    assert math.isnan(_scrape(port)["geomesh_eval_perplexity"])
+    assert math.isnan(_scrape(port)["geomesh_eval_perplexity"]) and math.isnan(_scrape(port)["geomesh_eval_round"])
     # a peer resumed at the state of round 7 finished round 6 (it said 0 until its first row: fresh-user trial)
     assert _scrape(port)["geomesh_round"] == 0.0
     rl.note_state_round(7)
@@ -114,6 +114,7 @@ def test_prometheus_gauges_exact(served):
         "geomesh_peers": 3.0,
         "geomesh_train_loss": 4.5,
         "geomesh_eval_perplexity": 250.25,
+        "geomesh_eval_round": 7.0,
         "geomesh_straggler_idle_ratio": 0.125,  # 1.0 s of an 8.0 s round
         "geomesh_network_idle_ratio": 0.0625,  # 0.5 s of 8.0 s
         "geomesh_round_seconds": 8.0,
@@ -157,6 +158,7 @@ def test_prometheus_gauges_exact(served):
         "geomesh_peers": 2.0,
         "geomesh_train_loss": 4.25,
         "geomesh_eval_perplexity": 250.25,
+        "geomesh_eval_round": 7.0,  # the perplexity kept is round 7's
         "geomesh_straggler_idle_ratio": 0.0,
         "geomesh_network_idle_ratio": 0.5,
         "geomesh_round_seconds": 4.0,
