@@ -367,6 +367,18 @@ class RoundDriver:
         names = getattr(self.plans, "names", None)
         if names is None or self._rounds_after_stop >= 1:
             return False
+        try:
+            others = [r for r in await self.membership.peers() if r.peer_id != self.me]
+        except Exception as e:  # the DHT may be gone while the peer stops: nobody to plan with it then
+            log.debug("round %d: records not read after the stop request: %r", self.state.round, e)
+            others = []
+        if not others:
+            return False  # the others ended (or left) too: no plan will come (a 4 s wait on every Ctrl+C, session 34)
+        log.info(
+            "round %d: stop requested between rounds; reading whether the round's plan names this peer (up to %.0f s)",
+            self.state.round,
+            self.cfg.plan_timeout_s,
+        )
         planned = bool(await names(self.state.round, self.me, self.cfg.plan_timeout_s))
         if planned:
             self._rounds_after_stop += 1
