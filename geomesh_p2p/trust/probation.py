@@ -161,6 +161,7 @@ class StandingView:
         self._records = list(records)
         self._hist: dict[str, int] = {}
         self._attestors: Optional[list] = None
+        self._k: Optional[int] = None  # _vouchers(), computed once
 
     def own(self, peer_id: str) -> int:
         """Rounds of the window this node itself saw ``peer_id`` deliver (its ledger)."""
@@ -192,8 +193,10 @@ class StandingView:
         """How many trusted attestors must vouch for a standing before it counts: ``min(ATTESTORS, n)``, ``n`` the
         trusted records that attest anything (a newcomer's own record, empty, vouches for nobody: with it counted,
         the peer whose state it downloaded, alone in the run, would never be established in its view)."""
-        n = sum(1 for r in self._trusted() if getattr(r, "standing", None) and r.peer_id != self.me)
-        return max(1, min(ATTESTORS, n))
+        if self._k is None:  # once per view: attested() asks per peer id, over the same trusted records
+            n = sum(1 for r in self._trusted() if getattr(r, "standing", None) and r.peer_id != self.me)
+            self._k = max(1, min(ATTESTORS, n))
+        return self._k
 
     def score(self, peer_id: str) -> int:
         """Standing of ``peer_id`` as this node counts it: its ledger, filled in from attestations for at
