@@ -65,7 +65,7 @@ class StateSyncError(RuntimeError):
 
 
 class DonorsUnreachable(StateSyncError):
-    """Every donor asked for a piece was unreachable (gRPC ``UNAVAILABLE``: connection refused, no route): the
+    """Every donor asked for a piece was unreachable (no connection: refused, no route; ``RpcError.unreachable``): the
     donors have most likely left (their records outlive them by a TTL), so asking them again at once is futile."""
 
 
@@ -207,7 +207,7 @@ async def download_state(
     n = len(donors)
     bounds = [(total * i // n, total * (i + 1) // n) for i in range(n)]
     unhealthy: set[str] = set()
-    unreachable: set[str] = set()  # donors whose answer was UNAVAILABLE (DonorsUnreachable when all are)
+    unreachable: set[str] = set()  # donors no connection reached (DonorsUnreachable when all are)
 
     def event(kind: str, piece: int, donor: str, detail: str = "") -> None:
         if on_event is not None:
@@ -335,7 +335,8 @@ async def download_state(
                 elif isinstance(e, TimeoutError) and not second and stall_limit(piece) < stall_timeout_s:
                     stalled_early.add(donor)
                 unhealthy.add(donor)
-                if isinstance(e, RpcError) and e.code == grpc.StatusCode.UNAVAILABLE:
+                if isinstance(e, RpcError) and e.unreachable:
+                    # no connection (a gone donor); a donor answering UNAVAILABLE itself ("no state yet") is there
                     unreachable.add(donor)
                 moving[piece] = True
                 errors.append(str(e))

@@ -375,13 +375,14 @@ async def test_donors_that_all_refuse_the_connection_are_reported_as_unreachable
     """Session 34 (a fresh-user trial: a peer resumed after the run's peers had exited asked the gone donors 44
     times in 25 s): when every donor is unreachable (gRPC UNAVAILABLE) the download raises DonorsUnreachable, which
     the catch-up gives up on after ``UNREACHABLE_ATTEMPTS``; a donor that answers with a refusal is a plain
-    StateSyncError (the catch-up keeps asking)."""
+    StateSyncError (the catch-up keeps asking), and so is one that answers UNAVAILABLE itself (session 35: it has no
+    state yet; it was counted as unreachable when the test read the status code, not the connection)."""
     from geomesh_p2p.sync.download import DonorsUnreachable
     from tests.swarm_util import dead_address
 
     gs = _state()
     other_round = _state(round=4)
-    donors = await _donors([other_round])
+    donors = await _donors([other_round, (None, {})])
     client = Transport(Identity.generate(), RUN, TransportConfig(client_only=True))
     try:
         with dead_address() as gone_a, dead_address() as gone_b:
@@ -394,6 +395,17 @@ async def test_donors_that_all_refuse_the_connection_are_reported_as_unreachable
                 await download_state(
                     client,
                     [donors[0][2], gone_a],
+                    round=5,
+                    numel=gs.num_params,
+                    expected_digest=gs.digest,
+                    timeout_s=10.0,
+                )
+            assert not isinstance(info.value, DonorsUnreachable)
+            # a donor with no state yet answers UNAVAILABLE: reachable, so a plain StateSyncError
+            with pytest.raises(StateSyncError, match="no state yet") as info:
+                await download_state(
+                    client,
+                    [donors[1][2], gone_b],
                     round=5,
                     numel=gs.num_params,
                     expected_digest=gs.digest,

@@ -400,8 +400,9 @@ class StateSync:
                         busy_until=lambda d: busy.get(d, 0.0),
                         last_attempt=attempt == STATE_SYNC_ATTEMPTS - 1,
                     )
-                except state_sync.DonorsUnreachable as e:
-                    unreachable += 1
+                except state_sync.StateSyncError as e:
+                    # all donors gone (no connection) several times in a row: they have left; anything else resets it
+                    unreachable = unreachable + 1 if isinstance(e, state_sync.DonorsUnreachable) else 0
                     if unreachable >= UNREACHABLE_ATTEMPTS:
                         log.warning(
                             "state download for round %d: its %d donor(s) did not answer %d times in a row (%s): "
@@ -412,11 +413,6 @@ class StateSync:
                             e,
                         )
                         break
-                    log.info("state download for round %d failed (%s); retrying", top, e)
-                    await asyncio.sleep(0.5)
-                    continue
-                except state_sync.StateSyncError as e:
-                    unreachable = 0
                     log.info("state download for round %d failed (%s); retrying", top, e)
                     await asyncio.sleep(0.5)
                     continue
