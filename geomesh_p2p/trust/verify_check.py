@@ -211,7 +211,12 @@ def work_statistics(
         rms = v.pow(2).mean().sqrt()
         return v / rms if rms > 0 else v
 
-    plain = float((sc == torch.sign(_total(unit(g) for g in own))).double().mean())
+    # elements no batch moved (summed gradient exactly 0: position rows past seq_len, a dead unit) carry no trace of
+    # the batches: the contribution's sign there is weight decay or old momentum, and counting it as a disagreement
+    # lowered honest and random alike (session 35)
+    signs = torch.sign(_total(unit(g) for g in own))
+    moved = signs != 0
+    plain = float((sc[moved] == signs[moved]).double().mean()) if bool(moved.any()) else 0.5
     basis = [unit(g) for g in ctrl.double()] + [unit(o.double()) for o in others if bool((o != 0).any())]
     if basis:
         q, _ = torch.linalg.qr(torch.stack(basis, 1))
@@ -291,14 +296,19 @@ def judge(
             f"assigned batches vs {g.control:+.4f} on controls{_reference_note(reference)}): not trained on them "
             f"(other data, stale, flipped or noise)",
         )
-    if stats.plain < cfg.plain_min:
+    if stats.plain < cfg.plain_hard:
         return Verdict(
             FAIL,
             f"signs: plain agreement {stats.plain:.3f} with its own batches' gradients "
-            f"(< {cfg.plain_min}: flipped or random)",
+            f"(< {cfg.plain_hard}: flipped or random)",
         )
     if task.full_test and stats.trace < cfg.trace_hard:
         return Verdict(FAIL, f"no trace of its own batches: trace {stats.trace:.3f} < {cfg.trace_hard}")
+    if stats.plain < cfg.plain_min:
+        return Verdict(
+            MARGINAL,
+            f"signs: weak plain agreement {stats.plain:.3f} with its own batches' gradients (< {cfg.plain_min})",
+        )
     if g is not None and g.t < cfg.gain_t_min:
         return Verdict(
             MARGINAL,

@@ -73,7 +73,12 @@ class VerifyConfig:
             when fewer).
         min_steps: contributions with fewer steps are not checked (below the measured range).
         max_full_steps: above this, ``k < steps/4``: only the scale and plain tests run.
-        plain_min: ``plain`` below it fails (hard).
+        plain_hard, plain_min: ``plain`` below ``plain_hard`` fails (hard: flipped or random); from it to
+            ``plain_min`` it is marginal. Session 35: ``plain_min`` (0.55) alone was hard, and an honest 40-step
+            contribution measured 0.544 in a CI run (accountable mode: a check reads 2 of 4 parts). ``plain`` is
+            the same at every re-checker (it does not depend on the basis), so one low draw confirmed everywhere
+            would exclude an honest peer for good. Noise measures 0.49-0.51 and a flipped contribution
+            ``1 - plain`` of its honest self (<= 0.47), so 0.52 keeps them hard.
         trace_hard: ``trace`` below it fails (hard).
         trace_min: ``trace`` below it is a marginal failure.
         scale_factor: block scale bound ``steps x lr x (scale_factor + weight_decay x max|theta|)``.
@@ -143,6 +148,7 @@ class VerifyConfig:
     sample_elements: int = 1 << 18
     min_steps: int = 5
     max_full_steps: int = 64
+    plain_hard: float = 0.52
     plain_min: float = 0.55
     trace_hard: float = 0.50
     trace_min: float = 0.515

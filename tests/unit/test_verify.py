@@ -150,6 +150,42 @@ def test_the_gain_test_decides_only_with_power_in_its_round():
     assert got.outcome == VC.FAIL and got.reason.startswith("no loss gain on its own batches"), got
 
 
+def test_plain_agreement_is_hard_below_plain_hard_and_marginal_up_to_plain_min():
+    """Session 35: an honest 40-step contribution measured plain 0.544 (a CI run, accountable mode), a hard failure
+    under the single 0.55 threshold that every re-checker reproduces. Now below ``plain_hard`` (0.52: noise, flipped)
+    fails hard, up to ``plain_min`` (0.55) is marginal, above it passes."""
+    cfg = VT.VerifyConfig()
+    assert (cfg.plain_hard, cfg.plain_min) == (0.52, 0.55)
+    task = VT.VerifyTask(round=3, verifier="v", accused="a", parts=(0,), ranges=((0, 10),), steps_done=40, steps=(),
+                         controls=4, batch_size=8, seq_len=64, element_seed=1, n_elements=0, full_test=True,
+                         kind=VT.CHECK)  # fmt: skip
+
+    def outcome(plain, trace=0.6):
+        v = VC.judge(
+            cfg, task, VC.WorkStats(plain=plain, trace=trace, basis=5), all_zero=False, max_scale=0.0, bound=1.0
+        )
+        return v.outcome, v.reason
+
+    assert outcome(0.494)[0] == VC.FAIL and "flipped or random" in outcome(0.494)[1]
+    assert outcome(0.519)[0] == VC.FAIL
+    assert outcome(0.544) == (VC.MARGINAL, "signs: weak plain agreement 0.544 with its own batches' gradients (< 0.55)")
+    assert outcome(0.55)[0] == VC.PASS
+    # a missing trace is still hard whatever the plain agreement
+    assert outcome(0.544, trace=0.45)[0] == VC.FAIL
+
+
+def test_plain_agreement_counts_only_the_elements_some_batch_moved():
+    """``plain`` leaves out the elements whose summed batch gradient is exactly 0 (position rows past seq_len): the
+    contribution's sign there is weight decay, no trace of the batches. 8 elements, 4 unmoved: 3 of the 4 moved ones
+    agree, so 0.75 (counting the unmoved ones as disagreements gave 0.375)."""
+    c = torch.tensor([1.0, -1.0, 1.0, 1.0, 1.0, -1.0, 1.0, -1.0])
+    own = torch.tensor([[2.0, -1.0, 3.0, -1.0, 0.0, 0.0, 0.0, 0.0], [1.0, -2.0, 1.0, -2.0, 0.0, 0.0, 0.0, 0.0]])
+    ctrl = torch.zeros(0, 8)
+    assert VC.work_statistics(c, own, ctrl).plain == 0.75
+    # nothing moved: no evidence either way
+    assert VC.work_statistics(c, torch.zeros(2, 8), ctrl).plain == 0.5
+
+
 def test_before_gain_first_round_the_gain_test_does_not_run(world):
     """A contribution of the swarm's first rounds (a fresh model's update is what any text teaches: honest t
     0.68-1.25 measured at round 0) is judged by the sign statistics alone: no gain measured, wrong data is not
