@@ -277,9 +277,15 @@ def judge(
     max_scale: float,
     bound: float,
     reference: Optional[GainStats] = None,
+    whole: bool = True,
 ) -> Verdict:
     """Pass, marginal or fail (see the module docstring). The loss-gain rules apply only when the test has power
-    in the round (:func:`gain_decides` with the checker's own ``reference``)."""
+    in the round (:func:`gain_decides` with the checker's own ``reference``). ``whole``: the task covers every part
+    the accused sent (:func:`covers_whole`). When it does not (accountable mode's bounded check, 2 parts), only the
+    hard tests a part pair still separates decide: zeros, scale and ``plain`` < ``plain_hard``. The trace and the
+    plain marginal band were measured on whole contributions; over a pair of parts honest work measured trace 0.465-
+    0.497 and plain 0.536-0.544 at the tiny preset (session 35: the red team's ``benchmarks/plain_parts.py``, and a
+    CI run in which two honest peers failed each other's 40-step contributions on plain 0.544 / 0.548)."""
     if all_zero:
         return Verdict(FAIL, f"zeros: every block scale is 0 while it claims {task.steps_done} steps")
     if not max_scale <= bound:
@@ -302,6 +308,9 @@ def judge(
             f"signs: plain agreement {stats.plain:.3f} with its own batches' gradients "
             f"(< {cfg.plain_hard}: flipped or random)",
         )
+    if not whole:
+        gain = f", gain t {g.t:.2f}" if g is not None else ""
+        return Verdict(PASS, f"plain {stats.plain:.3f} on {len(task.parts)} of its parts{gain}")
     if task.full_test and stats.trace < cfg.trace_hard:
         return Verdict(FAIL, f"no trace of its own batches: trace {stats.trace:.3f} < {cfg.trace_hard}")
     if stats.plain < cfg.plain_min:
@@ -438,7 +447,11 @@ def check_contribution(
         )
     stats = work_statistics(c, g[:k], g[k:], others)
     stats = WorkStats(stats.plain, stats.trace, stats.basis, gain)
-    return stats, judge(cfg, task, stats, all_zero=False, max_scale=max_scale, bound=bound, reference=reference), used
+    verdict = judge(
+        cfg, task, stats, all_zero=False, max_scale=max_scale, bound=bound, reference=reference,
+        whole=covers_whole(task, packets),
+    )  # fmt: skip
+    return stats, verdict, used
 
 
 def judge_screen(

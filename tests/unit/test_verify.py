@@ -153,7 +153,8 @@ def test_the_gain_test_decides_only_with_power_in_its_round():
 def test_plain_agreement_is_hard_below_plain_hard_and_marginal_up_to_plain_min():
     """Session 35: an honest 40-step contribution measured plain 0.544 (a CI run, accountable mode), a hard failure
     under the single 0.55 threshold that every re-checker reproduces. Now below ``plain_hard`` (0.52: noise, flipped)
-    fails hard, up to ``plain_min`` (0.55) is marginal, above it passes."""
+    fails hard, up to ``plain_min`` (0.55) is marginal, above it passes; on some of the parts only, the hard tests
+    alone decide."""
     cfg = VT.VerifyConfig()
     assert (cfg.plain_hard, cfg.plain_min) == (0.52, 0.55)
     task = VT.VerifyTask(round=3, verifier="v", accused="a", parts=(0,), ranges=((0, 10),), steps_done=40, steps=(),
@@ -172,6 +173,21 @@ def test_plain_agreement_is_hard_below_plain_hard_and_marginal_up_to_plain_min()
     assert outcome(0.55)[0] == VC.PASS
     # a missing trace is still hard whatever the plain agreement
     assert outcome(0.544, trace=0.45)[0] == VC.FAIL
+
+    # a check of 2 of the accused's parts (accountable mode): only plain < plain_hard decides; the honest values the
+    # red team measured over part pairs (trace 0.465, plain 0.536) pass, noise and flips still fail hard
+    def part_outcome(plain, trace):
+        stats = VC.WorkStats(plain=plain, trace=trace, basis=5)
+        return VC.judge(cfg, task, stats, all_zero=False, max_scale=0.0, bound=1.0, whole=False)
+
+    assert part_outcome(0.536, 0.465) == VC.Verdict(VC.PASS, "plain 0.536 on 1 of its parts")
+    assert part_outcome(0.544, 0.6).outcome == VC.PASS
+    assert part_outcome(0.501, 0.5).outcome == VC.FAIL and part_outcome(0.30, 0.2).outcome == VC.FAIL
+    # zeros and an out-of-bound scale decide whatever was fetched
+    zeros = VC.judge(cfg, task, VC.WorkStats(0.7, 0.6, 5), all_zero=True, max_scale=0.0, bound=1.0, whole=False)
+    assert zeros.outcome == VC.FAIL and zeros.reason.startswith("zeros")
+    big = VC.judge(cfg, task, VC.WorkStats(0.7, 0.6, 5), all_zero=False, max_scale=2.0, bound=1.0, whole=False)
+    assert big.outcome == VC.FAIL and big.reason.startswith("scale")
 
 
 def test_plain_agreement_counts_only_the_elements_some_batch_moved():
