@@ -290,7 +290,10 @@ class VerifiedWork:
             measured or "none measured",
         )
         if test.outliers:
-            log.info(
+            # DEBUG: it flags the honest peer holding the fewest steps in most rounds (agreement grows with the steps a
+            # contribution holds; agreement.py), which a volunteer read as being taken for an attacker (session 35);
+            # the row keeps the figures (extra["verify"]["agreement"])
+            log.debug(
                 "round %d: sign agreement with the aggregate below the round's relative threshold %.3f (median "
                 "%.3f, MAD %.3f): %s (advisory: nothing is dropped on it)",
                 r,
