@@ -133,15 +133,17 @@ def left_alone(drv: RoundDriver, everyone: Sequence[PeerRecord], waited_s: float
 
 
 def end_run(drv: RoundDriver, ended: SwarmEnded, **facts: Any) -> None:
-    """Record that the run ends without reaching its goal because the swarm ended (one WARNING, the
-    ``swarm_ended`` event; ``facts``: more event fields of the call site)."""
+    """Record that the run ends without reaching its goal because the swarm ended (one line, the ``swarm_ended``
+    event; ``facts``: more event fields of the call site): INFO when this peer holds the swarm's last state (the
+    others finished or left: a normal end, which a fresh user read as a fault at WARNING, session 35), WARNING
+    when it does not."""
     drv.ended = ended
     target = drv.cfg.target_ppl
     goal = [f"--rounds {drv.cfg.rounds}"] if drv.cfg.rounds is not None else []
     goal += [f"--target-ppl {target:g}"] if target is not None else []
     events.emit(
         log,
-        logging.WARNING,
+        logging.INFO if ended.synced else logging.WARNING,
         "swarm_ended",
         "round %d: %s; %s",
         ended.round,
