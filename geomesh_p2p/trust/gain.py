@@ -40,13 +40,15 @@ __all__ = ["GainStats", "row_losses", "gain_stats", "welch_t"]
 class GainStats:
     """``assigned`` / ``control``: mean loss gain (nats per token) of the contribution on the sender's assigned
     batches / on control batches; ``t``: Welch's t of ``assigned - control`` (0.0 when both spreads are 0);
-    ``k`` / ``m``: batches on each side."""
+    ``k`` / ``m``: batches on each side; ``steps``: the inner steps the contribution holds (its task's
+    ``steps_done``; 0: not known), what :func:`~geomesh_p2p.trust.verify_check.gain_decides` compares t's at."""
 
     assigned: float
     control: float
     t: float
     k: int
     m: int
+    steps: int = 0
 
     @property
     def excess(self) -> float:

@@ -7,8 +7,10 @@ runs one :class:`~geomesh_p2p.trust.verify_task.VerifyTask`. The thresholds and 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
+import math
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
@@ -258,10 +260,22 @@ def covers_whole(task: VerifyTask, packets: Mapping[str, Mapping[int, Any]]) -> 
 
 def gain_decides(cfg: VerifyConfig, gain: GainStats, reference: Optional[GainStats]) -> bool:
     """Whether the loss-gain test ``gain`` may fail or mark a contribution in its round: the checker's own
-    contribution's test (``reference``, :func:`reference_gain`) reaches a t at least ``cfg.gain_t_gap`` above
-    ``gain.t``. False without a reference: a low t then says nothing (at the first rounds honest work measures
-    t ~1: the update is what any text teaches; ``VerifyConfig.gain_t_gap``)."""
-    return reference is not None and reference.t >= gain.t + cfg.gain_t_gap
+    contribution's test (``reference``, :func:`reference_gain`), brought to the accused's steps, reaches a t at
+    least ``cfg.gain_t_gap`` above ``gain.t``. False without a reference: a low t then says nothing (at the first
+    rounds honest work measures t ~1: the update is what any text teaches; ``VerifyConfig.gain_t_gap``).
+
+    Honest t grows with the steps a contribution holds (``benchmarks/verify_gain.py``, honest minima 2.24 / 4.09 /
+    5.15 at H = 5 / 20 / 40), so a reference of more steps than the accused's is scaled by
+    ``sqrt(gain.steps / reference.steps)``: below what was measured between those H (the sqrt predicts 1.82 at H = 5
+    from 5.15 at 40), so it errs towards no decision. Session 35 (red team): an honest peer that trained 5 of its 26
+    planned steps under load measured t 0.91 against a screener's 14-step reference at t 5.60 and failed hard;
+    scaled, the reference is 3.35, under 0.91 + 2.5: no decision. Steps unknown (0) on either side: no scaling."""
+    if reference is None:
+        return False
+    scale = 1.0
+    if gain.steps > 0 and reference.steps > gain.steps:
+        scale = math.sqrt(gain.steps / reference.steps)
+    return reference.t * scale >= gain.t + cfg.gain_t_gap
 
 
 def _reference_note(reference: Optional[GainStats]) -> str:
@@ -595,7 +609,7 @@ def _gain(
     if len(steps) < 2:  # below min_steps anyway; a t needs two batches a side
         raise ValueError(f"a loss-gain test needs >= 2 steps, the task has {task.steps_done}")
     try:
-        return gain_stats(
+        stats = gain_stats(
             model,
             dataset,
             theta,
@@ -612,3 +626,4 @@ def _gain(
         )
     except TimeoutError as e:
         raise VerifyTimeout(str(e)) from None
+    return dataclasses.replace(stats, steps=int(task.steps_done))

@@ -150,6 +150,29 @@ def test_the_gain_test_decides_only_with_power_in_its_round():
     assert got.outcome == VC.FAIL and got.reason.startswith("no loss gain on its own batches"), got
 
 
+def test_the_gain_tests_power_is_judged_at_the_accuseds_steps():
+    """Session 35 (red team, an honest soak under load): an honest peer that trained 5 of its 26 planned steps
+    measured t 0.91 against a screener's own 14-step contribution at t 5.60 (gap 4.69 >= 2.5): a hard failure.
+    Honest t grows with the steps, so the reference is scaled by sqrt(5 / 14) to 3.35 < 0.91 + 2.5: no decision.
+    A reference of the accused's steps or fewer is not scaled; unknown steps (0) are not either."""
+    cfg = VT.VerifyConfig()
+    task = VT.VerifyTask(round=5, verifier="v", accused="a", parts=(0,), ranges=((0, 10),), steps_done=5, steps=(),
+                         controls=4, batch_size=4, seq_len=32, element_seed=11, n_elements=0, full_test=False,
+                         kind=VT.SCREEN)  # fmt: skip
+    accused = G.GainStats(assigned=0.3797, control=0.3486, t=0.91, k=5, m=16, steps=5)
+    reference = G.GainStats(assigned=0.40, control=0.35, t=5.60, k=8, m=16, steps=14)
+    assert not VC.gain_decides(cfg, accused, reference)
+    v = VC.judge_screen(cfg, task, accused, reference)
+    assert v.outcome == VC.PASS and v.reason.startswith("inconclusive: gain t 0.91"), v
+    # the same reference from a contribution of 5 steps (or steps unknown) decides, as before
+    for ref_steps in (5, 3, 0):
+        same = dataclasses.replace(reference, steps=ref_steps)
+        assert VC.gain_decides(cfg, accused, same)
+        assert VC.judge_screen(cfg, task, accused, same).outcome == VC.FAIL
+    # a reference strong enough at the accused's steps still decides: 8.0 x sqrt(5 / 14) = 4.78 >= 3.41
+    assert VC.gain_decides(cfg, accused, dataclasses.replace(reference, t=8.0))
+
+
 def test_plain_agreement_is_hard_below_plain_hard_and_marginal_up_to_plain_min():
     """Session 35: an honest 40-step contribution measured plain 0.544 (a CI run, accountable mode), a hard failure
     under the single 0.55 threshold that every re-checker reproduces. Now below ``plain_hard`` (0.52: noise, flipped)
