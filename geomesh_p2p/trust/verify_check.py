@@ -258,7 +258,9 @@ def covers_whole(task: VerifyTask, packets: Mapping[str, Mapping[int, Any]]) -> 
     return set(task.parts) >= sent
 
 
-def gain_decides(cfg: VerifyConfig, gain: GainStats, reference: Optional[GainStats]) -> bool:
+def gain_decides(
+    cfg: VerifyConfig, gain: GainStats, reference: Optional[GainStats], tokens: Optional[int] = None
+) -> bool:
     """Whether the loss-gain test ``gain`` may fail or mark a contribution in its round: the checker's own
     contribution's test (``reference``, :func:`reference_gain`), brought to the accused's steps, reaches a t at
     least ``cfg.gain_t_gap`` above ``gain.t``. False without a reference: a low t then says nothing (at the first
@@ -269,13 +271,25 @@ def gain_decides(cfg: VerifyConfig, gain: GainStats, reference: Optional[GainSta
     ``sqrt(gain.steps / reference.steps)``: below what was measured between those H (the sqrt predicts 1.82 at H = 5
     from 5.15 at 40), so it errs towards no decision. Session 35 (red team): an honest peer that trained 5 of its 26
     planned steps under load measured t 0.91 against a screener's 14-step reference at t 5.60 and failed hard;
-    scaled, the reference is 3.35, under 0.91 + 2.5: no decision. Steps unknown (0) on either side: no scaling."""
+    scaled, the reference is 3.35, under 0.91 + 2.5: no decision. Steps unknown (0) on either side: no scaling.
+
+    ``tokens``: what the accused's contribution was trained on (steps x batch x seq_len); under
+    ``cfg.gain_min_tokens`` the test decides nothing. Its t is over rows, so a small batch has little power: at
+    batch 4 x 32 honest 5-step contributions measured t down to 0.96 and failed in 10-18% of draws whatever the
+    reference's steps, 14-step ones (1,792 tokens) never (red team, ``benchmarks/gain_parts.py``, session 35)."""
     if reference is None:
+        return False
+    if tokens is not None and tokens < cfg.gain_min_tokens:
         return False
     scale = 1.0
     if gain.steps > 0 and reference.steps > gain.steps:
         scale = math.sqrt(gain.steps / reference.steps)
     return reference.t * scale >= gain.t + cfg.gain_t_gap
+
+
+def _tokens(task: VerifyTask) -> int:
+    """Tokens the task's contribution holds: its steps x batch x seq_len."""
+    return int(task.steps_done) * int(task.batch_size) * int(task.seq_len)
 
 
 def _reference_note(reference: Optional[GainStats]) -> str:
@@ -308,7 +322,7 @@ def judge(
             f"scale: a block scale of {max_scale:.3g} exceeds what {task.steps_done} inner "
             f"steps can move ({bound:.3g})",
         )
-    g = stats.gain if stats.gain is not None and gain_decides(cfg, stats.gain, reference) else None
+    g = stats.gain if stats.gain is not None and gain_decides(cfg, stats.gain, reference, _tokens(task)) else None
     if g is not None and g.t < cfg.gain_t_hard:  # decided without the gradient passes (plain, trace not measured)
         return Verdict(
             FAIL,
@@ -426,7 +440,7 @@ def check_contribution(
             cfg, task, model, dataset, theta, packets, plan=plan, checker=checker, seed=seed, deadline=deadline,
             pace=pace, cache=cache,
         )  # fmt: skip
-    if gain is not None and gain.t < cfg.gain_t_hard and gain_decides(cfg, gain, reference):
+    if gain is not None and gain.t < cfg.gain_t_hard and gain_decides(cfg, gain, reference, _tokens(task)):
         early = WorkStats(0.0, 0.0, 0, gain)
         return early, judge(cfg, task, early, all_zero=False, max_scale=max_scale, bound=bound, reference=reference), []
     if is_hollow(model):
@@ -477,7 +491,7 @@ def judge_screen(
     round (:func:`gain_decides` with the checker's own ``reference``) passes as inconclusive: the newcomer's next
     screened round decides."""
     head = f"screening (loss gain alone): {task.steps_done} steps"
-    if gain.t < cfg.gain_t_min and not gain_decides(cfg, gain, reference):
+    if gain.t < cfg.gain_t_min and not gain_decides(cfg, gain, reference, _tokens(task)):
         own = f"this checker's own contribution t {reference.t:.2f}" if reference else "no contribution of its own"
         return Verdict(
             PASS,

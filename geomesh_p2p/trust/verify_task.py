@@ -98,6 +98,10 @@ class VerifyConfig:
             steps: ``benchmarks/multi_rank.py``, session 17) and were excluded as "not trained on its batches";
             without a reference (the checker sent nothing that round) the gain test decides nothing. 2.5: about
             1.8 standard deviations of the difference of two unit-variance t's.
+        gain_min_tokens: the gain test decides nothing on a contribution trained on fewer tokens (steps x batch x
+            seq_len): its row-level t has too little power there (session 35: honest 5-step contributions at batch
+            4 x 32 failed in 10-18% of draws, 14-step ones, 1,792 tokens, never; ``benchmarks/gain_parts.py``).
+            Such a contribution weighs its few tokens in the token-weighted mean.
         marginal_needed, marginal_window: marginal failures (distinct rounds within the window) that
             exclude.
         keep_rounds: rounds whose start weights and contributions are kept for re-checks.
@@ -160,6 +164,7 @@ class VerifyConfig:
     gain_t_min: float = 1.75
     gain_refute_margin: float = 0.5
     gain_t_gap: float = 2.5
+    gain_min_tokens: int = 1792
     gain_first_round: int = 2
     marginal_needed: int = 2
     marginal_window: int = 50

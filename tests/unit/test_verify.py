@@ -154,10 +154,11 @@ def test_the_gain_tests_power_is_judged_at_the_accuseds_steps():
     """Session 35 (red team, an honest soak under load): an honest peer that trained 5 of its 26 planned steps
     measured t 0.91 against a screener's own 14-step contribution at t 5.60 (gap 4.69 >= 2.5): a hard failure.
     Honest t grows with the steps, so the reference is scaled by sqrt(5 / 14) to 3.35 < 0.91 + 2.5: no decision.
-    A reference of the accused's steps or fewer is not scaled; unknown steps (0) are not either."""
+    A reference of the accused's steps or fewer is not scaled; unknown steps (0) are not either. Under
+    ``gain_min_tokens`` (the red team's case was 5 steps of batch 4 x 32: 640 tokens) the test decides nothing."""
     cfg = VT.VerifyConfig()
     task = VT.VerifyTask(round=5, verifier="v", accused="a", parts=(0,), ranges=((0, 10),), steps_done=5, steps=(),
-                         controls=4, batch_size=4, seq_len=32, element_seed=11, n_elements=0, full_test=False,
+                         controls=4, batch_size=8, seq_len=64, element_seed=11, n_elements=0, full_test=False,
                          kind=VT.SCREEN)  # fmt: skip
     accused = G.GainStats(assigned=0.3797, control=0.3486, t=0.91, k=5, m=16, steps=5)
     reference = G.GainStats(assigned=0.40, control=0.35, t=5.60, k=8, m=16, steps=14)
@@ -171,6 +172,13 @@ def test_the_gain_tests_power_is_judged_at_the_accuseds_steps():
         assert VC.judge_screen(cfg, task, accused, same).outcome == VC.FAIL
     # a reference strong enough at the accused's steps still decides: 8.0 x sqrt(5 / 14) = 4.78 >= 3.41
     assert VC.gain_decides(cfg, accused, dataclasses.replace(reference, t=8.0))
+    # 5 steps of batch 4 x 32 (640 tokens < 1,792): no decision whatever the reference; 14 steps (1,792) decide
+    same = dataclasses.replace(reference, steps=5)
+    small = dataclasses.replace(task, batch_size=4, seq_len=32)
+    assert cfg.gain_min_tokens == 1792 and not VC.gain_decides(cfg, accused, same, tokens=640)
+    assert VC.judge_screen(cfg, small, accused, same).reason.startswith("inconclusive"), small
+    assert VC.gain_decides(cfg, accused, same, tokens=1792)
+    assert VC.judge_screen(cfg, dataclasses.replace(small, steps_done=14), accused, same).outcome == VC.FAIL
 
 
 def test_plain_agreement_is_hard_below_plain_hard_and_marginal_up_to_plain_min():
