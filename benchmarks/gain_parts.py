@@ -104,6 +104,24 @@ def main() -> None:
                     fp += t < cfg.gain_t_hard and ref >= t + cfg.gain_t_gap
         what = "the whole contribution" if whole else f"2 of {N} parts"
         print(f"{what}: (accused, reference) honest pairs {n}, failed by the gate {fp} ({fp / max(1, n):.3f})")
+    # by (accused H, reference H), whole contributions (session 32 red team: under load an honest peer trains
+    # fewer steps than planned, and a screener whose own contribution had more steps reaches t + gain_t_gap)
+    byh = collections.defaultdict(lambda: [0, 0, []])
+    cell = collections.defaultdict(list)
+    for r, p, H, sel, t in rows:
+        if len(sel) == N:
+            cell[r].append((p, H, t))
+    for xs in cell.values():
+        for (p, h, t), (q, hr, ref) in itertools.product(xs, xs):
+            if p != q:
+                c = byh[(h, hr)]
+                c[0] += 1
+                c[1] += t < cfg.gain_t_hard and ref >= t + cfg.gain_t_gap
+                c[2].append(t)
+    for (h, hr), (n, fp, ts) in sorted(byh.items()):
+        print(
+            f"accused H {h:>3}, reference H {hr:>3}: pairs {n}, failed {fp} ({fp / max(1, n):.3f}), accused t min {min(ts):.2f}"
+        )
 
 
 if __name__ == "__main__":
