@@ -359,12 +359,50 @@ def check_ports(ns: argparse.Namespace) -> None:
         raise ValueError(problem)
 
 
+def ping_bootstraps_first(ns: argparse.Namespace) -> bool:
+    """Each ``--bootstrap`` pinged before torch's import (:func:`~geomesh_p2p.dht.preflight.check_bootstraps`, 5 s
+    deadline): a wrong ``--run-id`` or an address nobody answers at was named only after torch, the model and the
+    proof of work (~60 s on a loaded 2-core box, session 35). Signed with ``--identity``'s key when the file exists
+    (a private run's bootstrap may admit only it), else a throwaway one: a ping needs no proof of work. When none
+    answered, one WARNING line (the node's, word for word). Returns whether it pinged (the node then does not
+    again: :func:`geomesh_p2p.node.joining.check_before_proof_of_work`).
+
+    Raises:
+        OtherRunError: a bootstrap serves another run (and every other failure is final), naming ``--run-id``.
+        ValueError: ``--identity`` cannot be loaded; TlsError (a ValueError): a ``--tls-*`` file, named.
+    """
+    if os.environ.get("RANK", "0") not in ("", "0") or not ns.bootstrap:
+        return False  # a torchrun follower rank does not join (rank 0 does), nor a peer that starts a swarm
+    from pathlib import Path
+
+    from geomesh_p2p.dht.preflight import check_bootstraps
+    from geomesh_p2p.net.identity import Identity, IdentityError
+    from geomesh_p2p.net.tls import tls_from_flags
+
+    tls = tls_from_flags(getattr(ns, "tls_cert", None), getattr(ns, "tls_key", None), getattr(ns, "tls_ca", None))
+    try:
+        # loaded only: a key this start would create is created by join_inputs (and removed if the start fails)
+        identity = Identity.load_or_create(ns.identity) if Path(ns.identity).expanduser().exists() else None
+    except IdentityError as e:
+        raise ValueError(str(e)) from None
+    line = asyncio.run(check_bootstraps(identity or Identity.generate(), ns.run_id, ns.bootstrap, tls))
+    if line is not None:
+        logging.getLogger("geomesh_p2p.node.peer").warning(line)  # the node's logger: the line it logged before
+    return True
+
+
 def cmd_join(ns: argparse.Namespace) -> int:
+    from geomesh_p2p.dht.preflight import OtherRunError
+
     try:
         check_fast(ns)
+        pinged = ping_bootstraps_first(ns)
     except (ValueError, UserFacingError) as e:
         print(f"geomesh-peer join: {e}", file=sys.stderr)
         return 2
+    except OtherRunError as e:  # exit 1, as when the node raised it (start_error_status)
+        print(f"geomesh-peer join: {e}", file=sys.stderr)
+        return 1
     # torch's import, the model and the proof of work take 10-30 s on a CPU box before the next line: say so
     log.info("geomesh-peer join: starting (torch, the model, then the proof of work; 10-30 s on a CPU)")
     from geomesh_p2p.model.memory import limit_malloc_arenas
@@ -399,6 +437,7 @@ def cmd_join(ns: argparse.Namespace) -> int:
     ranks = None
     try:
         node = PeerNode(*inputs)
+        node.bootstraps_pinged = pinged  # pinged above, before torch: not again before the proof of work
         if layout is not None:
             from geomesh_p2p.node.ranks import LocalRanks
 

@@ -18,6 +18,7 @@ import sys
 import time
 
 from geomesh_p2p.config.models import DEFAULT_RUN_ID
+from geomesh_p2p.model.ckpt_files import checkpoint_dir_problem
 from geomesh_p2p.schema.shards import check_shards
 from peer.node_cli import _host_port, _int_at_least, _non_negative_float, _positive_float
 
@@ -194,7 +195,19 @@ def _status(ns: argparse.Namespace) -> int:
 
 
 # ------------------------------------------------------------------------------------ checkpoints
+def _no_checkpoint(cmd: str, directory: str) -> bool:
+    """Before torch's import (~27 s on a loaded 2-core box for a mistyped folder, session 35): says on stderr why
+    ``directory`` holds no checkpoint (the words :mod:`geomesh_p2p.model.export` uses) and returns True, or
+    returns False when it holds one."""
+    problem = checkpoint_dir_problem(directory)
+    if problem is not None:
+        _say(cmd, problem)
+    return problem is not None
+
+
 def cmd_checkpoints(ns: argparse.Namespace) -> int:
+    if _no_checkpoint("checkpoints", ns.directory):
+        return 1
     from geomesh_p2p.model.export import ExportError, list_checkpoint_info
 
     try:
@@ -256,6 +269,8 @@ def cmd_checkpoints(ns: argparse.Namespace) -> int:
 
 # ------------------------------------------------------------------------------- export / generate
 def cmd_export(ns: argparse.Namespace) -> int:
+    if _no_checkpoint("export", ns.checkpoint_dir):
+        return 1
     from geomesh_p2p.model.export import ExportError, export_checkpoint
 
     try:
@@ -277,6 +292,8 @@ def cmd_export(ns: argparse.Namespace) -> int:
 
 
 def cmd_generate(ns: argparse.Namespace) -> int:
+    if _no_checkpoint("generate", ns.checkpoint_dir):
+        return 1
     from geomesh_p2p.model.export import ExportError, build_exported, generate
 
     try:

@@ -92,8 +92,11 @@ IN_FUNCTION_IMPORTS: dict[tuple[str, str], str] = {
     ("peer/node_cli.py", "geomesh_p2p.net.transport_config"): _CLI,
     ("peer/tools_cli.py", "geomesh_p2p.net.transport_config"): _CLI,
     ("peer/tools_cli.py", "geomesh_p2p.dht.state"): _CLI,
+    ("peer/node_cli.py", "geomesh_p2p.dht.preflight"): _CLI,
+    ("peer/node_cli.py", "geomesh_p2p.net.tls"): _CLI,
     ("geomesh_p2p/sim/cli.py", "geomesh_p2p.model.build"): "CLI: torch is loaded only by the commands that train",
     # the library
+    ("geomesh_p2p/dht/progress.py", "geomesh_p2p.dht.state"): "hivemind: a --state-file is read before its import",
 }
 
 

@@ -37,6 +37,11 @@ from geomesh_p2p.dht.state import (
 )
 from geomesh_p2p.dht.lookup import DHTLookup
 
+# Shared with the CLI's pre-flight ping (importable without hivemind there), re-exported here.
+from geomesh_p2p.dht.preflight import final_failure as final_failure
+from geomesh_p2p.dht.preflight import other_run_message as other_run_message
+from geomesh_p2p.dht.preflight import short_reason as short_reason
+
 # The node was one module: its parts log under that logger name (operators filter on it).
 log = logging.getLogger("geomesh_p2p.dht.node")
 
@@ -53,93 +58,11 @@ CLOCK_CONFIRM_SPREAD_S = 2.0
 #: peer refuses its envelopes (a red-team run moved a peer by 100,000 s with one bootstrap).
 
 
-#: What gRPC's resolvers say of a host name that does not resolve (c-ares, native; versions word it apart).
-_UNRESOLVABLE = ("dns resolution failed", "address lookup failed", "domain name not found", "name or service not known")
-
-
-#: What gRPC says when the server at the address does not speak HTTP/2 (an HTTP/1 server: a bootstrap's status page on
-#: its --http-port, given as --bootstrap by a fresh user, session 34): lower-case substrings.
-_NOT_GRPC = ("failed parsing http/2", "http1.x server")
-
-
-def _not_grpc(reason: Optional[str]) -> bool:
-    """Whether a call failed because the server there is not a gRPC server (no point in retrying)."""
-    text = (reason or "").lower()
-    return any(m in text for m in _NOT_GRPC)
-
-
-def _unresolvable(reason: Optional[str]) -> bool:
-    """Whether a call failed because its host name does not resolve (a typo: no point in retrying)."""
-    text = (reason or "").lower()
-    return any(m in text for m in _UNRESOLVABLE)
-
-
-#: What gRPC says of a call that got no connection, worded short for a log line (substring, lower case -> words).
-_SHORT_REASONS = (
-    ("connection refused", "connection refused"),
-    ("deadline", "timed out"),
-    ("timed out", "timed out"),
-    ("timeout", "timed out"),
-    ("no route to host", "no route to host"),
-    ("network is unreachable", "network is unreachable"),
-    ("socket closed", "connection closed during set-up"),
-    ("handshake", "TLS handshake failed"),
-    ("ssl", "TLS handshake failed"),
-)
-
-#: The most characters of a gRPC reason that :func:`short_reason` keeps when it has no shorter word for it.
-_SHORT_REASON_CHARS = 80
-
-
-def short_reason(error: BaseException) -> str:
-    """``error`` (a failed ping's) in a few words for one log line: "connection refused", "timed out", "host
-    name does not resolve", ...; else the status code and the reason's first :data:`_SHORT_REASON_CHARS`
-    characters (gRPC's own text for a refused connection is ~150 characters: "failed to connect to all
-    addresses; last error: UNKNOWN: ipv4:...", and a retry line named each bootstrap's: fresh-user trial)."""
-    if not isinstance(error, RpcError):
-        return str(error)[:_SHORT_REASON_CHARS] or type(error).__name__
-    if _unresolvable(error.reason):
-        return "host name does not resolve"
-    if _not_grpc(error.reason):
-        return "not a gRPC server (an HTTP server? a bootstrap's status page is its --http-port, not its --port)"
-    text = (error.reason or "").lower()
-    if error.code == grpc.StatusCode.DEADLINE_EXCEEDED:
-        return "timed out"
-    if error.code in _UNREACHABLE:
-        for marker, words in _SHORT_REASONS:
-            if marker in text:
-                return words
-    reason = (error.reason or "").strip()
-    if len(reason) > _SHORT_REASON_CHARS:
-        reason = reason[:_SHORT_REASON_CHARS] + "..."
-    return f"{error.code.name}: {reason}" if reason else error.code.name
-
-
 def _with_code(error: str, short: str) -> str:
     """``short`` (a :func:`short_reason`) prefixed with the status code of ``error`` ("CODE: reason") when it
     does not carry one."""
     code = error.split(":", 1)[0]
     return short if short.startswith(code) or not code.isupper() else f"{code}: {short}"
-
-
-def final_failure(result: BaseException) -> bool:
-    """Whether a bootstrap's failed ping is final, as the join sees it: a refusal, an unresolvable name or
-    another error; False for a bootstrap that may still be starting or is slow (UNAVAILABLE, DEADLINE_EXCEEDED,
-    CANCELLED with a name that resolves), which the join retries. The join's pre-flight
-    (:func:`geomesh_p2p.node.joining.check_bootstrap_run`) stops only on final failures (red team, session 16)."""
-    if not isinstance(result, RpcError):
-        return True
-    return result.code not in _UNREACHABLE or _unresolvable(result.reason) or _not_grpc(result.reason)
-
-
-def other_run_message(address: str, reason: str, own_run: str) -> str:
-    """The join error for a bootstrap that answered for another run. ``reason``: its refusal, worded by
-    :mod:`geomesh_p2p.net.identity` from the bootstrap's side ("message is for run 'a', this node serves 'b'")."""
-    import re
-
-    m = re.search(r"this node serves ('.*')", reason)
-    theirs = m.group(1) if m else "another run"
-    return f"could not join the DHT: bootstrap {address} serves run {theirs}, this peer asked for run {own_run!r}: check --run-id"
 
 
 def _tls_hint(errors: Iterable[str], tls: bool) -> str:

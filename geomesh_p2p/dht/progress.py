@@ -22,13 +22,15 @@ import logging
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import List, Optional
+from typing import TYPE_CHECKING, List, Optional
 
 from geomesh_p2p.util.atomic import atomic_write
-from geomesh_p2p.dht.node import DHTNode
-from geomesh_p2p.dht.state import Contact
 from geomesh_p2p.net.identity import Identity, PeerID
 from geomesh_p2p.util.untrusted import json_loads, non_finite
+
+if TYPE_CHECKING:  # annotations only: reading a --state-file imports no hivemind (a bootstrap's start-up check)
+    from geomesh_p2p.dht.node import DHTNode
+    from geomesh_p2p.dht.state import Contact
 
 log = logging.getLogger(__name__)
 
@@ -207,6 +209,8 @@ class BootstrapState:
 
     def contact_list(self) -> List[Contact]:
         """The saved contacts (malformed entries skipped)."""
+        from geomesh_p2p.dht.state import Contact  # here: the module imports hivemind (see the imports above)
+
         out = []
         for entry in self.contacts:
             try:

@@ -30,11 +30,18 @@ from geomesh_p2p.net.swarm_time import StepWatch
 from geomesh_p2p.net.swarm_time import steady_clock as steady_clock_default
 from geomesh_p2p.dht.records import DEFAULT_LIMITS, RecordLimits, SignedRecord, node_id_of
 from geomesh_p2p.dht.quota import DEFAULT_QUOTA, StorageLedger, StorageQuota
-from geomesh_p2p.util.errors import UserFacingError
 from geomesh_p2p.net.identity import EnvelopeError, Identity, PeerID
 from geomesh_p2p.telemetry.logonce import LogOnce
 from geomesh_p2p.net.transport import RpcError, TaskOwner, Transport
 from geomesh_p2p.wire import dht_pb2
+
+# Defined where they import without hivemind (the CLI's pre-flight ping, before torch), re-exported here.
+from geomesh_p2p.dht.preflight import _UNREACHABLE as _UNREACHABLE
+from geomesh_p2p.dht.preflight import DHT_PROTOCOL_VERSION as DHT_PROTOCOL_VERSION
+from geomesh_p2p.dht.preflight import ClockSkewError as ClockSkewError
+from geomesh_p2p.dht.preflight import DHTJoinError as DHTJoinError
+from geomesh_p2p.dht.preflight import IdentityInUseError as IdentityInUseError
+from geomesh_p2p.dht.preflight import OtherRunError as OtherRunError
 
 #: ``(key, subkey, value, owner) -> reason or None``: a check of a signed record's content by the layers above
 #: the DHT, run on every store this node accepts (``owner``: the signer's PeerID; bytes of the value).
@@ -45,23 +52,12 @@ StoreCheck = Callable[[str, Optional[str], bytes, PeerID, Optional[int]], Option
 # The node was one module: its parts log under that logger name (operators filter on it).
 log = logging.getLogger("geomesh_p2p.dht.node")
 
-DHT_PROTOCOL_VERSION = 1
 # "Dial me back" (as Petals' bootstraps do): request PingRequest naming the address to check; reply
 # StoreOutcome with stored = reached, code = the gRPC status of the dial-back, reason = why not.
 DHT_CHECK_REACHABLE = "/geomesh.wire.Dht/CheckReachable"
 #: How a CheckReachable refusal to dial begins (PERMISSION_DENIED: the address's host is not the IP the call
 #: comes from); the caller counts it as "not reachable" (it goes client-only: see DHTJoin.check_reachable).
 NOT_CHECKED = "not checked"
-
-# RPC failures that mean "this node cannot serve us" (as opposed to "it refused this record").
-_UNREACHABLE = {
-    grpc.StatusCode.UNAVAILABLE,
-    grpc.StatusCode.DEADLINE_EXCEEDED,
-    grpc.StatusCode.CANCELLED,
-    grpc.StatusCode.UNKNOWN,
-    grpc.StatusCode.INTERNAL,
-    grpc.StatusCode.UNIMPLEMENTED,
-}
 
 
 #: A ``get(latest=True)`` ends once this many nodes have answered with records of the key (the local store
@@ -102,23 +98,6 @@ def is_peer_records_key(key: str, run_id: str) -> bool:
     store targets (``STORE_TARGET_REUSE``)."""
     base = f"{run_id}/peers"
     return key == base or key.startswith(base + "/")
-
-
-class DHTJoinError(RuntimeError):
-    """No bootstrap node answered (after retries with backoff), or all of them refused us."""
-
-
-class IdentityInUseError(DHTJoinError):
-    """A bootstrap answered signed by this node's own PeerID: another live process holds the same key."""
-
-
-class OtherRunError(DHTJoinError):
-    """A bootstrap answered, but it serves another run (``--run-id``): it was reached, so no "cannot reach"."""
-
-
-class ClockSkewError(DHTJoinError, UserFacingError):
-    """This machine's clock and its bootstrap's differ by more than the swarm tolerates
-    (``DHTNode.max_clock_skew_s``): records and deadlines would be misjudged. One line, says what to do."""
 
 
 class _WrongPeer(RpcError):

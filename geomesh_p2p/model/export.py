@@ -39,6 +39,7 @@ from geomesh_p2p.model.state import (
     read_checkpoint_files,
     verify_checkpoint_digest,
 )
+from geomesh_p2p.model.ckpt_files import checkpoint_dir_problem
 from geomesh_p2p.model.build import ConfigError, build_model, load_flat_, num_params
 from geomesh_p2p.util.errors import UserFacingError
 
@@ -64,11 +65,10 @@ def list_checkpoint_info(directory: str | os.PathLike, verify: bool = False) -> 
     Raises ExportError when ``directory`` is not a directory or holds no checkpoint."""
 
     d = Path(directory).expanduser()
-    if not d.is_dir():
-        raise ExportError(f"{d}: not a directory")
+    problem = checkpoint_dir_problem(d)
+    if problem is not None:
+        raise ExportError(problem)
     found = list_checkpoints(d)
-    if not found:
-        raise ExportError(f"{d}: no checkpoint (ckpt-NNNNNNNN.json) in this directory")
     out = []
     for rnd, meta_path in found:
         row: dict[str, Any] = {
@@ -123,11 +123,10 @@ def load_checkpoint(directory: str | os.PathLike, round: Optional[int] = None):
     ``directory``; the digest of the tensors is checked against the metadata. Raises ExportError."""
 
     d = Path(directory).expanduser()
-    if not d.is_dir():
-        raise ExportError(f"{d}: not a directory")
+    problem = checkpoint_dir_problem(d)
+    if problem is not None:
+        raise ExportError(problem)
     found = dict(list_checkpoints(d))
-    if not found:
-        raise ExportError(f"{d}: no checkpoint (ckpt-NNNNNNNN.json) in this directory")
     if round is None:
         round = max(found)
     if round not in found:

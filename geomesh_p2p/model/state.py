@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import threading
 import time
 from pathlib import Path
@@ -23,6 +22,8 @@ from typing import Any, Callable
 
 import torch
 
+# which files are checkpoints: without torch there (the CLIs check a folder before torch's import)
+from geomesh_p2p.model.ckpt_files import list_checkpoints as list_checkpoints
 from geomesh_p2p.model.digest import DIGEST_ALGO, LEGACY_DIGEST_ALGO, legacy_digest, tree_digest
 from geomesh_p2p.util.atomic import atomic_write
 
@@ -39,7 +40,6 @@ __all__ = [
     "StateChanged",
 ]
 
-_CKPT_RE = re.compile(r"^ckpt-(\d{8,})\.json$")
 CKPT_FORMAT = "geomesh-ckpt-v1"
 
 
@@ -133,19 +133,6 @@ def _fsync_dir(d: Path) -> None:
 
 
 _atomic_write = atomic_write  # the project's one atomic write (geomesh_p2p.util.atomic)
-
-
-def list_checkpoints(directory: str | os.PathLike) -> list[tuple[int, Path]]:
-    """``[(round, metadata_path)]`` of the committed checkpoints in ``directory``, oldest first."""
-    d = Path(directory)
-    if not d.is_dir():
-        return []
-    out = []
-    for p in d.iterdir():
-        m = _CKPT_RE.match(p.name)
-        if m:
-            out.append((int(m.group(1)), p))
-    return sorted(out)
 
 
 def read_checkpoint_files(meta_path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], Path]:

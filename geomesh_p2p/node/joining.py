@@ -12,18 +12,14 @@ import time
 from typing import TYPE_CHECKING, Collection, Optional
 
 
-import grpc
-
 import geomesh_p2p
 from geomesh_p2p.node.started import started
 from geomesh_p2p.dht import IncompatibleSwarmError, check_compatible, live_peers
 from geomesh_p2p.dht.state import DHT_PROTOCOL_VERSION
 from geomesh_p2p.config.models import RunConfig
-from geomesh_p2p.dht.join import final_failure, other_run_message, short_reason
-from geomesh_p2p.dht.node import DHTNode
+from geomesh_p2p.dht.preflight import check_bootstraps
+from geomesh_p2p.dht.preflight import unanswered_bootstraps_line as unanswered_bootstraps_line  # re-exported
 from geomesh_p2p.dht.progress import swarm_progress
-from geomesh_p2p.dht.state import OtherRunError
-from geomesh_p2p.net.transport import RpcError, Transport, TransportConfig
 from geomesh_p2p.model import state as gstate  # module-qualified: tests replace gstate.load_latest_checkpoint
 from geomesh_p2p.model.build import flat_params
 from geomesh_p2p.net.swarm_time import swarm_time
@@ -213,7 +209,8 @@ async def records_of(node: PeerNode, peer_ids: Collection[str], *, sampled: bool
 async def check_before_proof_of_work(node: PeerNode, tls: Optional[object]) -> None:
     """What can be checked before the proof of work (seconds to tens of seconds) and the DHT join: ``--port``
     can be listened on (:func:`~geomesh_p2p.net.addr.listen_problem`, unless ``--client-only``), then each
-    ``--bootstrap`` (:func:`check_bootstrap_run`).
+    ``--bootstrap`` (:func:`check_bootstrap_run`), unless ``geomesh-peer join`` pinged them already before torch's
+    import (``node.bootstraps_pinged``: one ping, one WARNING at most).
 
     Raises:
         StartInputError: the port is in use, the host not this machine's (exit 2, as for a bad flag).
@@ -223,14 +220,16 @@ async def check_before_proof_of_work(node: PeerNode, tls: Optional[object]) -> N
     problem = None if c.client_only else listen_problem(c.host, c.port)
     if problem is not None:
         raise StartInputError(problem)
-    await check_bootstrap_run(node, tls)
+    if not getattr(node, "bootstraps_pinged", False):
+        await check_bootstrap_run(node, tls)
 
 
 async def check_bootstrap_run(node: PeerNode, tls: Optional[object], timeout_s: float = 5.0) -> None:
     """Before the proof of work (tens of seconds for a new identity): one ping to each ``--bootstrap`` from a
-    client-only transport that lives for this check only, so a bootstrap of another run (a wrong ``--run-id``)
-    is named at once, not after the proof of work (a fresh user waited 41 s for it). Any other outcome (an
-    answer, no answer, another refusal) is left to the join, which retries and words it.
+    client-only transport that lives for this check only (:func:`~geomesh_p2p.dht.preflight.check_bootstraps`), so
+    a bootstrap of another run (a wrong ``--run-id``) is named at once, not after the proof of work (a fresh user
+    waited 41 s for it). Any other outcome (an answer, no answer, another refusal) is left to the join, which
+    retries and words it. ``geomesh-peer join`` runs the same check earlier, before torch's import.
 
     When no bootstrap answered, one WARNING line names each address and why (:func:`unanswered_bootstraps_line`).
 
@@ -241,45 +240,10 @@ async def check_bootstrap_run(node: PeerNode, tls: Optional[object], timeout_s: 
     addresses = list(node.cfg.bootstrap or [])
     if not addresses or node.run_cfg.pow_bits <= 0:  # no proof of work: the join itself comes at once
         return
-    transport = Transport(
-        node.identity,
-        node.run_cfg.run_id,
-        TransportConfig(client_only=True, tls=tls),  # type: ignore[arg-type]
-    )
-    dht = DHTNode(transport, join_attempts=1, rpc_timeout_s=timeout_s)
-    try:
-        await transport.start()
-        results = await asyncio.gather(*(dht.ping(a) for a in addresses), return_exceptions=True)
-    finally:
-        await transport.stop(grace=0)
-    if any(not isinstance(r, BaseException) for r in results):
-        return
-    # A bootstrap silent or not up yet is retried by the join, which may then get in through it: another
-    # run's bootstrap next to it is no reason to refuse the swarm before that (red team, session 16).
-    if all(isinstance(r, BaseException) and final_failure(r) for r in results):
-        for address, r in zip(addresses, results):
-            if (
-                isinstance(r, RpcError)
-                and r.code == grpc.StatusCode.FAILED_PRECONDITION
-                and "this node serves" in (r.reason or "")
-            ):
-                raise OtherRunError(other_run_message(address, r.reason, node.run_cfg.run_id))
-    # said now, before the proof of work (a wrong address was reported ~50 s later, after it and the retries)
-    log.warning(unanswered_bootstraps_line(addresses, results))  # type: ignore[arg-type]
-
-
-def unanswered_bootstraps_line(addresses: list[str], results: list[BaseException]) -> str:
-    """One line for ``--bootstrap`` addresses none of which answered a ping (``results``: each one's error, in
-    the order of ``addresses``), each named with the flag and why in a few words
-    (:func:`~geomesh_p2p.dht.join.short_reason`: connection refused, timed out, ...), and what comes next."""
-    parts = []
-    for address, r in zip(addresses, results):
-        # silent (not up, slow) or final (a refusal, a name that does not resolve): final_failure's split
-        parts.append(f"--bootstrap {address}: {'failed' if final_failure(r) else 'no answer'} ({short_reason(r)})")
-    return (
-        "; ".join(parts) + "; check the address and that the bootstrap runs (the join tries again after the proof "
-        "of work, with retries while a bootstrap may be restarting)"
-    )
+    line = await check_bootstraps(node.identity, node.run_cfg.run_id, addresses, tls, timeout_s)
+    if line is not None:
+        # said now, before the proof of work (a wrong address was reported ~50 s later, after it and the retries)
+        log.warning(line)
 
 
 def config_differences(here: dict, there: dict) -> list[str]:

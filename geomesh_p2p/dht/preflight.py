@@ -1,0 +1,235 @@
+"""The join's pre-flight: one ping to each ``--bootstrap`` from a client-only transport that lives for that check
+only (:func:`check_bootstraps`), and what it shares with the join (:mod:`~geomesh_p2p.dht.join`): the DHT protocol
+version, the join's errors, and how a failed call is classified (:func:`final_failure`) and worded
+(:func:`short_reason`, :func:`other_run_message`).
+
+This module imports neither hivemind nor torch (nor does :mod:`geomesh_p2p.dht`'s package, whose names load on
+first use): ``geomesh-peer join`` runs the pre-flight before torch's import, so a wrong ``--run-id`` or a
+bootstrap that does not answer is named seconds after start, not after torch, the model and the proof of work
+(a fresh user waited ~60 s for either on a loaded 2-core machine, session 35).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Optional, Sequence, Union
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from geomesh_p2p import __version__
+from geomesh_p2p.net.identity import Identity, PeerID
+from geomesh_p2p.net.methods import DHT_PING
+from geomesh_p2p.net.transport import RpcError, Transport
+from geomesh_p2p.net.transport_config import TransportConfig
+from geomesh_p2p.util.errors import UserFacingError
+from geomesh_p2p.wire import dht_pb2
+
+DHT_PROTOCOL_VERSION = 1
+
+#: Seconds each bootstrap has to answer the pre-flight ping.
+PREFLIGHT_TIMEOUT_S = 5.0
+
+# RPC failures that mean "this node cannot serve us" (as opposed to "it refused this record").
+_UNREACHABLE = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.UNIMPLEMENTED,
+}
+
+
+class DHTJoinError(RuntimeError):
+    """No bootstrap node answered (after retries with backoff), or all of them refused us."""
+
+
+class IdentityInUseError(DHTJoinError):
+    """A bootstrap answered signed by this node's own PeerID: another live process holds the same key."""
+
+
+class OtherRunError(DHTJoinError):
+    """A bootstrap answered, but it serves another run (``--run-id``): it was reached, so no "cannot reach"."""
+
+
+class ClockSkewError(DHTJoinError, UserFacingError):
+    """This machine's clock and its bootstrap's differ by more than the swarm tolerates
+    (``DHTNode.max_clock_skew_s``): records and deadlines would be misjudged. One line, says what to do."""
+
+
+#: What gRPC's resolvers say of a host name that does not resolve (c-ares, native; versions word it apart).
+_UNRESOLVABLE = ("dns resolution failed", "address lookup failed", "domain name not found", "name or service not known")
+
+
+#: What gRPC says when the server at the address does not speak HTTP/2 (an HTTP/1 server: a bootstrap's status page on
+#: its --http-port, given as --bootstrap by a fresh user, session 34): lower-case substrings.
+_NOT_GRPC = ("failed parsing http/2", "http1.x server")
+
+
+def _not_grpc(reason: Optional[str]) -> bool:
+    """Whether a call failed because the server there is not a gRPC server (no point in retrying)."""
+    text = (reason or "").lower()
+    return any(m in text for m in _NOT_GRPC)
+
+
+def _unresolvable(reason: Optional[str]) -> bool:
+    """Whether a call failed because its host name does not resolve (a typo: no point in retrying)."""
+    text = (reason or "").lower()
+    return any(m in text for m in _UNRESOLVABLE)
+
+
+#: What gRPC says of a call that got no connection, worded short for a log line (substring, lower case -> words).
+_SHORT_REASONS = (
+    ("connection refused", "connection refused"),
+    ("deadline", "timed out"),
+    ("timed out", "timed out"),
+    ("timeout", "timed out"),
+    ("no route to host", "no route to host"),
+    ("network is unreachable", "network is unreachable"),
+    ("socket closed", "connection closed during set-up"),
+    ("handshake", "TLS handshake failed"),
+    ("ssl", "TLS handshake failed"),
+)
+
+#: The most characters of a gRPC reason that :func:`short_reason` keeps when it has no shorter word for it.
+_SHORT_REASON_CHARS = 80
+
+
+def short_reason(error: BaseException) -> str:
+    """``error`` (a failed ping's) in a few words for one log line: "connection refused", "timed out", "host
+    name does not resolve", ...; else the status code and the reason's first :data:`_SHORT_REASON_CHARS`
+    characters (gRPC's own text for a refused connection is ~150 characters: "failed to connect to all
+    addresses; last error: UNKNOWN: ipv4:...", and a retry line named each bootstrap's: fresh-user trial)."""
+    if not isinstance(error, RpcError):
+        return str(error)[:_SHORT_REASON_CHARS] or type(error).__name__
+    if _unresolvable(error.reason):
+        return "host name does not resolve"
+    if _not_grpc(error.reason):
+        return "not a gRPC server (an HTTP server? a bootstrap's status page is its --http-port, not its --port)"
+    text = (error.reason or "").lower()
+    if error.code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return "timed out"
+    if error.code in _UNREACHABLE:
+        for marker, words in _SHORT_REASONS:
+            if marker in text:
+                return words
+    reason = (error.reason or "").strip()
+    if len(reason) > _SHORT_REASON_CHARS:
+        reason = reason[:_SHORT_REASON_CHARS] + "..."
+    return f"{error.code.name}: {reason}" if reason else error.code.name
+
+
+def final_failure(result: BaseException) -> bool:
+    """Whether a bootstrap's failed ping is final, as the join sees it: a refusal, an unresolvable name or
+    another error; False for a bootstrap that may still be starting or is slow (UNAVAILABLE, DEADLINE_EXCEEDED,
+    CANCELLED with a name that resolves), which the join retries. The join's pre-flight
+    (:func:`geomesh_p2p.node.joining.check_bootstrap_run`) stops only on final failures (red team, session 16)."""
+    if not isinstance(result, RpcError):
+        return True
+    return result.code not in _UNREACHABLE or _unresolvable(result.reason) or _not_grpc(result.reason)
+
+
+def other_run_message(address: str, reason: str, own_run: str) -> str:
+    """The join error for a bootstrap that answered for another run. ``reason``: its refusal, worded by
+    :mod:`geomesh_p2p.net.identity` from the bootstrap's side ("message is for run 'a', this node serves 'b'")."""
+    import re
+
+    m = re.search(r"this node serves ('.*')", reason)
+    theirs = m.group(1) if m else "another run"
+    return f"could not join the DHT: bootstrap {address} serves run {theirs}, this peer asked for run {own_run!r}: check --run-id"
+
+
+async def ping_bootstraps(
+    identity: Identity,
+    run_id: str,
+    addresses: Sequence[str],
+    tls: Optional[object] = None,
+    timeout_s: float = PREFLIGHT_TIMEOUT_S,
+) -> list[Union[PeerID, BaseException]]:
+    """One DHT ping to each of ``addresses`` at once, from a client-only transport started for it and stopped
+    after: per address, the PeerID that answered, or the error (RpcError: no answer, a refusal, a bad reply;
+    DHTJoinError: another DHT protocol). The ping is the join's (``DHTProtocol.ping``): no address of this node
+    in it (nothing to dial back), no proof of work (a node's ping handler asks for none; only records carry it).
+    ``tls``: the checked ``TlsConfig`` of ``--tls-*``, None for plaintext."""
+    transport = Transport(identity, run_id, TransportConfig(client_only=True, tls=tls))  # type: ignore[arg-type]
+    request = dht_pb2.PingRequest(
+        sender=dht_pb2.NodeInfo(peer_id=bytes(identity.peer_id)),
+        dht_protocol=DHT_PROTOCOL_VERSION,
+        software_version=__version__,
+    ).SerializeToString()
+
+    async def one(address: str) -> PeerID:
+        reply = await transport.call(address, DHT_PING, request, timeout=timeout_s)
+        try:
+            resp = dht_pb2.PingResponse.FromString(reply.payload)
+        except DecodeError as e:
+            raise RpcError(address, DHT_PING, grpc.StatusCode.DATA_LOSS, f"malformed reply: {e}") from None
+        if resp.dht_protocol != DHT_PROTOCOL_VERSION:
+            raise DHTJoinError(
+                f"{address} speaks DHT protocol {resp.dht_protocol}, this node {DHT_PROTOCOL_VERSION} "
+                f"(software {resp.software_version or '?'} vs {__version__})"
+            )
+        return reply.sender
+
+    try:
+        await transport.start()
+        return list(await asyncio.gather(*(one(a) for a in addresses), return_exceptions=True))
+    finally:
+        await transport.stop(grace=0)
+
+
+def preflight_verdict(
+    addresses: Sequence[str], results: Sequence[Union[PeerID, BaseException]], run_id: str
+) -> Optional[str]:
+    """What :func:`ping_bootstraps`' ``results`` mean before the join: None when a bootstrap answered; else the
+    WARNING line naming each address and why (:func:`unanswered_bootstraps_line`).
+
+    Raises:
+        OtherRunError: no bootstrap answered, one said it serves another run, and every other failure is final
+            (:func:`final_failure`: one silent or not up yet is left to the join's retries, which may get in
+            through it: another run's bootstrap next to it is no reason to refuse the swarm before that; red
+            team, session 16).
+    """
+    if any(not isinstance(r, BaseException) for r in results):
+        return None
+    if all(isinstance(r, BaseException) and final_failure(r) for r in results):
+        for address, r in zip(addresses, results):
+            if (
+                isinstance(r, RpcError)
+                and r.code == grpc.StatusCode.FAILED_PRECONDITION
+                and "this node serves" in (r.reason or "")
+            ):
+                raise OtherRunError(other_run_message(address, r.reason, run_id))
+    return unanswered_bootstraps_line(list(addresses), list(results))  # type: ignore[arg-type]
+
+
+async def check_bootstraps(
+    identity: Identity,
+    run_id: str,
+    addresses: Sequence[str],
+    tls: Optional[object] = None,
+    timeout_s: float = PREFLIGHT_TIMEOUT_S,
+) -> Optional[str]:
+    """The pre-flight: :func:`ping_bootstraps` (each address once, duplicates dropped), judged by
+    :func:`preflight_verdict`. Returns the WARNING line to log when none answered, None when one did or there is
+    none to ping. Raises OtherRunError as :func:`preflight_verdict`."""
+    addresses = list(dict.fromkeys(a.strip() for a in addresses if a and a.strip()))
+    if not addresses:
+        return None
+    results = await ping_bootstraps(identity, run_id, addresses, tls, timeout_s)
+    return preflight_verdict(addresses, results, run_id)
+
+
+def unanswered_bootstraps_line(addresses: list[str], results: list[BaseException]) -> str:
+    """One line for ``--bootstrap`` addresses none of which answered a ping (``results``: each one's error, in
+    the order of ``addresses``), each named with the flag and why in a few words
+    (:func:`short_reason`: connection refused, timed out, ...), and what comes next."""
+    parts = []
+    for address, r in zip(addresses, results):
+        # silent (not up, slow) or final (a refusal, a name that does not resolve): final_failure's split
+        parts.append(f"--bootstrap {address}: {'failed' if final_failure(r) else 'no answer'} ({short_reason(r)})")
+    return (
+        "; ".join(parts) + "; check the address and that the bootstrap runs (the join tries again after the proof "
+        "of work, with retries while a bootstrap may be restarting)"
+    )

@@ -1,0 +1,180 @@
+"""Start-up mistakes named before torch's import (session 35: on a loaded 2-core box a fresh user waited ~60 s for
+each): ``geomesh-peer join``'s ping of each ``--bootstrap`` (a wrong ``--run-id``, an address nobody answers at),
+``geomesh-bootstrap``'s busy ``--port``, ``geomesh-peer checkpoints`` of a missing folder. Each runs the real CLI
+in a fresh interpreter (this one has torch loaded) that says which of torch / hivemind / transformers were imported
+when the check ran; the messages are the ones the node and the commands printed before."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from geomesh_p2p.config.models import NodeConfig, RunConfig
+from geomesh_p2p.dht import DHTNode
+from geomesh_p2p.net.identity import Identity
+from geomesh_p2p.net.transport import Transport
+from geomesh_p2p.net.transport_config import TransportConfig
+from geomesh_p2p.node import joining
+from tests.dht_helpers import start_node, stop_node
+from tests.swarm_util import dead_address
+
+# a cold interpreter imports the CLI (1-10 s on a loaded 2-core box), no torch
+pytestmark = pytest.mark.timeout(120)
+
+ROOT = Path(__file__).resolve().parents[2]
+HEAVY = ("torch", "hivemind", "transformers")
+
+#: ``geomesh-peer join`` that reports the heavy packages imported when its pre-flight ping ended, then exits 7
+#: (what comes after it, torch, the model and the proof of work, is not this test's).
+JOIN = f"""
+import sys
+import peer.node_cli as nc
+from peer.cli import main
+
+ping = nc.ping_bootstraps_first
+
+def first(ns):
+    try:
+        return ping(ns)
+    finally:
+        print("imported at the ping:", sorted(m for m in {HEAVY!r} if m in sys.modules), file=sys.stderr, flush=True)
+        if sys.exc_info()[0] is None:
+            raise SystemExit(7)
+
+nc.ping_bootstraps_first = first
+sys.exit(main(sys.argv[1:]))
+"""
+
+#: ``MODULE.main(argv)``, then the heavy packages imported by then.
+MAIN = f"""
+import importlib, sys
+rc = importlib.import_module(sys.argv[1]).main(sys.argv[2:])
+print("imported at the end:", sorted(m for m in {HEAVY!r} if m in sys.modules), file=sys.stderr, flush=True)
+sys.exit(rc)
+"""
+
+
+async def _run(code: str, *argv: str) -> tuple[int, list[str]]:
+    """``python -c code argv...`` from the repository root: (exit status, stderr lines). Run off the event loop's
+    thread (asyncio's subprocess), so that a bootstrap of this loop answers meanwhile."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        code,
+        *argv,
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1"),
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    _, err = await asyncio.wait_for(proc.communicate(), 100)
+    return proc.returncode, err.decode().splitlines()
+
+
+def _join_argv(tmp_path, *args: str) -> list[str]:
+    return ["join", "--identity", str(tmp_path / "id.key"), "--threads", "1", *args]
+
+
+async def test_a_wrong_run_id_is_refused_before_torch(tmp_path):
+    boot = await start_node(run_id="run-a")
+    try:
+        rc, err = await _run(JOIN, *_join_argv(tmp_path, "--bootstrap", boot.address, "--run-id", "run-b"))
+    finally:
+        await stop_node(boot)
+    assert rc == 1, err  # as when the node raised it
+    assert "imported at the ping: []" in err, err
+    assert [x for x in err if x.startswith("geomesh-peer")] == [
+        f"geomesh-peer join: could not join the DHT: bootstrap {boot.address} serves run 'run-a', this peer asked "
+        "for run 'run-b': check --run-id"
+    ]
+    assert list(tmp_path.iterdir()) == []  # no key made for a start refused this early
+
+
+async def test_no_bootstrap_answering_is_one_warning_before_torch(tmp_path):
+    with dead_address() as dead:
+        rc, err = await _run(JOIN, *_join_argv(tmp_path, "--bootstrap", dead))
+    assert rc == 7, err
+    assert "imported at the ping: []" in err, err
+    warnings = [x.split(" ", 1)[1] for x in err if x[8:11] == " W "]
+    assert warnings == [
+        f"W geomesh_p2p.node.peer: --bootstrap {dead}: no answer (connection refused); check the address and that "
+        "the bootstrap runs (the join tries again after the proof of work, with retries while a bootstrap may be "
+        "restarting)"
+    ], err
+
+
+async def test_the_ping_is_signed_with_the_identity_file_when_it_exists(tmp_path):
+    """A private run's bootstrap admits only its listed keys: the ping is --identity's (no WARNING), not a
+    throwaway key's (refused: a WARNING naming the bootstrap)."""
+    key = Identity.load_or_create(tmp_path / "id.key")
+    key.keep_created()
+    transport = Transport(
+        Identity.generate(), "run-a", TransportConfig(host="127.0.0.1", port=0), allow=lambda p: p == key.peer_id
+    )
+    boot = DHTNode(transport)
+    await transport.start()
+    try:
+        rc, err = await _run(JOIN, *_join_argv(tmp_path, "--bootstrap", boot.address, "--run-id", "run-a"))
+        assert rc == 7, err
+        assert [x for x in err if x[8:11] == " W "] == [], err  # answered: nothing to say
+        rc, err = await _run(
+            JOIN, "join", "--identity", str(tmp_path / "none.key"), "--bootstrap", boot.address, "--run-id", "run-a"
+        )
+        assert rc == 7, err
+        assert [x for x in err if x[8:11] == " W " and f"--bootstrap {boot.address}: failed (" in x], err
+        assert not (tmp_path / "none.key").exists()  # the throwaway key was not stored
+    finally:
+        await stop_node(boot)
+
+
+async def test_the_node_does_not_ping_again_after_the_cli(caplog):
+    caplog.set_level(logging.INFO, logger="geomesh_p2p.node.peer")
+    with dead_address() as dead:
+        node = SimpleNamespace(
+            cfg=NodeConfig(bootstrap=[dead], host="127.0.0.1", port=0),
+            run_cfg=RunConfig(seq_len=32, run_id="run-b", pow_bits=40),
+            identity=Identity.generate(),
+            bootstraps_pinged=True,
+        )
+        await asyncio.wait_for(joining.check_before_proof_of_work(node, None), 20)
+        assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+        node.bootstraps_pinged = False  # a node started by other code (the simulator, tests) pings itself
+        await asyncio.wait_for(joining.check_before_proof_of_work(node, None), 20)
+    assert [r.getMessage()[:60] for r in caplog.records if r.levelno >= logging.WARNING] == [
+        f"--bootstrap {dead}: no answer (connection refused); check the address"[:60]
+    ]
+
+
+async def test_a_busy_bootstrap_port_is_refused_before_torch(tmp_path):
+    with socket.socket() as s:
+        s.bind(("0.0.0.0", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        rc, err = await _run(MAIN, "bootstrap.cli", "--port", str(port), "--identity", str(tmp_path / "b.key"))
+    assert rc == 2, err
+    assert err == [
+        f"geomesh-bootstrap: --port {port}: cannot listen on 0.0.0.0:{port}: the port is in use (another --port, or "
+        "--port 0 for a free one)",
+        "imported at the end: []",
+    ]
+
+
+async def test_a_missing_checkpoint_folder_is_named_before_torch(tmp_path):
+    nope = tmp_path / "nope"
+    rc, err = await _run(MAIN, "peer.cli", "checkpoints", str(nope))
+    assert (rc, err) == (1, [f"geomesh-peer checkpoints: {nope}: not a directory", "imported at the end: []"])
+    rc, err = await _run(MAIN, "peer.cli", "export", "--checkpoint-dir", str(tmp_path), "--out", str(nope))
+    assert (rc, err) == (
+        1,
+        [
+            f"geomesh-peer export: {tmp_path}: no checkpoint (ckpt-NNNNNNNN.json) in this directory",
+            "imported at the end: []",
+        ],
+    )
