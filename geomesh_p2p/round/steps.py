@@ -36,8 +36,9 @@ async def inner_steps(
     drv: RoundDriver, ctx: RoundContext, plan: RoundPlan, abort: Optional[threading.Event] = None
 ) -> tuple[Optional[torch.Tensor], InnerResult]:
     """This peer's inner steps of ``plan`` in a worker thread, until the plan's train deadline, a stop
-    request (once the token floor's steps are done: :func:`stop_after_floor`) or ``abort``; ddp: one batch's gradient. Returns ``(grad or None, InnerResult)``; a
-    non-finite loss gives ``(None, no_work(...))`` and the model back at the global weights."""
+    request (once the token floor's steps are done: :func:`stop_after_floor`) or ``abort``; ddp: one batch's
+    gradient. Returns ``(grad or None, InnerResult)``; a non-finite loss gives ``(None, no_work(...))`` and the
+    model back at the global weights."""
     r = ctx.round
     a = plan.assignment(drv.me)
     say_assignment(drv, plan, a.inner_steps, a.batch_size)
