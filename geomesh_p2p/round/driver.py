@@ -360,10 +360,11 @@ class RoundDriver:
         """Stopped between two rounds: does a leader's plan of the next round name this peer anyway? A leader that
         read this peer's record before it announced leaving planned it; had it left, its part went missing (half
         the model without an update in a 2-peer swarm) and it was marked a no-show for stopping cleanly (a
-        fresh-user trial, session 34). Such a round is taken part in (0 inner steps: the stop holds; its part
-        served). Asked for up to ``plan_timeout_s`` (the plans are read; nothing is published here); a plan
-        agreement without ``names`` (a test's fake) says no, and so does every ask after one such round (a leader
-        that kept planning a leaving peer must not keep it from leaving)."""
+        fresh-user trial, session 34). Such a round is taken part in (the stop holds once the token floor's steps
+        are done, at once without a floor: round.steps.stop_after_floor; its part served). Asked for up to
+        ``plan_timeout_s`` (the plans are read; nothing is published here); a plan agreement without ``names`` (a
+        test's fake) says no, and so does every ask after one such round (a leader that kept planning a leaving
+        peer must not keep it from leaving)."""
         names = getattr(self.plans, "names", None)
         if names is None or self._rounds_after_stop >= 1:
             return False
@@ -383,8 +384,8 @@ class RoundDriver:
         if planned:
             self._rounds_after_stop += 1
             log.info(
-                "round %d: stop requested, but a leader's plan of this round names this peer: taking part (no inner "
-                "steps, its part served), then leaving",
+                "round %d: stop requested, but a leader's plan of this round names this peer: taking part (only its "
+                "token floor's inner steps, its part served), then leaving",
                 self.state.round,
             )
         return planned

@@ -154,7 +154,7 @@ async def agree(drv: RoundDriver, ctx: RoundContext) -> bool:
         drv.plans.publish_background(plan)  # for the status page; nobody waits for it
     else:
         # Not cancelled by a stop request (bounded by the plan timeouts): once the others follow a plan
-        # naming this peer, it must serve its part and contribute (0 steps if stopping). The live view
+        # naming this peer, it must serve its part and contribute (only the floor's steps if stopping). The live view
         # stays fresh meanwhile: a peer that (re)joined just now may lead a better-ranked plan.
         done = asyncio.Event()
         refresher = asyncio.ensure_future(refresh_live(drv, live, done, leaving))

@@ -196,12 +196,19 @@ class NodeRoundPolicy:
         aggregated no token: :func:`~geomesh_p2p.round.rules.penalties.conclusive`, one INFO line says so);
         the exchange's cost EMA."""
         if not conclusive(ar) and plan.participants() != [self.state.me]:
+            # Two ways to aggregate nothing, named apart (session 35: "0 of 3 without a result" read as if
+            # every part had succeeded): no result at all, or a result of 0 tokens (too few contributions
+            # counted tokens for the quorum: a claim under its token floor counts 0).
+            parts, missing = len(spec.owners), len(ar.missing_parts)
             log.info(
-                "round %d: no part aggregated a token (%d of %d without a result); nobody is marked a no-show "
-                "or a failed owner for it",
+                "round %d: no part aggregated a token: %d of %d part(s) had a result of 0 tokens (fewer "
+                "contributions counted tokens than the quorum of %d, or none did; work under a peer's token floor "
+                "counts 0), %d had no result; nobody is marked a no-show or a failed owner for it",
                 spec.round,
-                len(ar.missing_parts),
-                len(spec.owners),
+                parts - missing,
+                parts,
+                spec.quorum_count(),
+                missing,
             )
         self.penalties.note_own_failures(spec, plan, ar)
         self.penalties.note_failed_owners(spec, ar)

@@ -36,12 +36,12 @@ async def inner_steps(
     drv: RoundDriver, ctx: RoundContext, plan: RoundPlan, abort: Optional[threading.Event] = None
 ) -> tuple[Optional[torch.Tensor], InnerResult]:
     """This peer's inner steps of ``plan`` in a worker thread, until the plan's train deadline, a stop
-    request or ``abort``; ddp: one batch's gradient. Returns ``(grad or None, InnerResult)``; a
-    non-finite loss gives ``(None, no_work(...))`` and the model back at the global weights."""
+    request (once the token floor's steps are done: :func:`stop_after_floor`) or ``abort``; ddp: one batch's
+    gradient. Returns ``(grad or None, InnerResult)``; a non-finite loss gives ``(None, no_work(...))`` and the
+    model back at the global weights."""
     r = ctx.round
     a = plan.assignment(drv.me)
     say_assignment(drv, plan, a.inner_steps, a.batch_size)
-    should_stop = drv.stop.is_set if abort is None else (lambda: drv.stop.is_set() or abort.is_set())
     t_train = time.perf_counter()
     try:
         if drv.cfg.exchanges_gradient:
@@ -49,6 +49,9 @@ async def inner_steps(
                 lambda: drv.trainer.gradient(round=r, batch_size=a.batch_size, micro_batch=a.micro_batch)
             )
         k = floor_steps(drv, plan, a)
+        done = StepsDone(progress_printer(r, a.inner_steps))
+        stop = stop_after_floor(drv, done, k)
+        should_stop = stop if abort is None else (lambda: stop() or abort.is_set())
         # only where the round has a floor for this peer: a trainer (a test's fake) may lack the two arguments
         run = (
             functools.partial(drv.trainer.run, floor_steps=k, floor_grace_s=floor_grace_s(plan))
@@ -63,7 +66,7 @@ async def inner_steps(
                 micro_batch=a.micro_batch,
                 deadline=plan.train_deadline,
                 should_stop=should_stop,
-                progress=progress_printer(r, a.inner_steps),
+                progress=done,
             )
         )
     except FloatingPointError as e:
@@ -86,6 +89,37 @@ def floor_steps(drv: RoundDriver, plan: RoundPlan, a) -> int:
     tokens = screen_token_floor(plan, drv.cfg.push_encoding).get(drv.me, 0)
     per_step = int(a.batch_size) * int(plan.seq_len)
     return -(-int(tokens) // per_step) if tokens and per_step else 0
+
+
+class StepsDone:
+    """The trainer's ``progress`` callback that counts the inner steps done (``steps``) and passes each call on to
+    ``show`` (the live progress line, or None)."""
+
+    def __init__(self, show: Optional[Callable[[int, float, float], None]] = None) -> None:
+        self.steps = 0
+        self.show = show
+
+    def __call__(self, step: int, loss: float, tokens_per_s: float) -> None:
+        self.steps = max(self.steps, int(step))
+        if self.show is not None:
+            self.show(step, loss, tokens_per_s)
+
+
+def stop_after_floor(drv: RoundDriver, done: StepsDone, floor: int) -> Callable[[], bool]:
+    """The inner steps' ``should_stop`` for this peer's stop request (Ctrl+C, SIGTERM): true once a stop was requested
+    and ``done`` counts ``floor`` steps (:func:`floor_steps`; 0: at once). The floor's steps stay bounded by the train
+    deadline plus :func:`floor_grace_s`, as when the deadline stops a peer within them.
+
+    Why (session 35, a fresh user's trial): cut under its token floor, a stopping peer's work counts 0 tokens and its
+    contribution abstains. Two of three peers stopped together after 1 and 3 of their ~30 steps: one voting
+    contribution of three is below the quorum (2), so every part aggregated zeros at every peer and the survivor's
+    full round was thrown away (``no part aggregated a token``). The floor's few steps make a stopper's work count;
+    it waits for the exchange anyway (its parts stay served until the others' pushes at their train deadline)."""
+
+    def stop() -> bool:
+        return drv.stop.is_set() and done.steps >= floor
+
+    return stop
 
 
 def floor_grace_s(plan: RoundPlan) -> float:

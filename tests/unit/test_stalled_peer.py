@@ -9,6 +9,7 @@ processes (a bootstrap and three peers, SIGSTOP / SIGCONT by PID) and is marked 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from types import SimpleNamespace
 
@@ -361,16 +362,25 @@ def test_forget_marks_since_drops_penalties_noted_from_that_round_on_and_keeps_o
     assert pol.forget_marks_since(3) == []
 
 
-def test_a_round_that_aggregated_no_token_marks_nobody():
+def test_a_round_that_aggregated_no_token_marks_nobody(caplog):
     """Issue 25, 32 processes on 2 cores: round 0's parts closed below their quorum or with 0-token
     contributions; each peer marked the no-shows and failed owners its own pulls showed, the marks differed,
-    and two lineages followed. A round that changed nothing concludes nothing, for anyone."""
+    and two lineages followed. A round that changed nothing concludes nothing, for anyone. Its one line names
+    the parts without a result apart from those whose result aggregated 0 tokens (session 35: "0 of 3 without
+    a result" read as if every part had succeeded)."""
     owners = [SimpleNamespace(peer_id=p) for p in ("a", "me", "b")]
     plan = SimpleNamespace(round=3, participants=lambda: ["a", "me", "b", "c"], probation=lambda: ())
-    spec = SimpleNamespace(round=3, owners=owners)
+    spec = SimpleNamespace(round=3, owners=owners, quorum_count=lambda: 2)
     zero = SimpleNamespace(missing_parts=[0, 2], contributors={1: [("a", 0), ("me", 0)]})
     rules = make_rules(me="me", round=3)
-    rules.after_exchange(spec, plan, zero)
+    with caplog.at_level(logging.INFO, logger="geomesh_p2p.node.peer.round"):
+        rules.after_exchange(spec, plan, zero)
+    said = [x.getMessage() for x in caplog.records if "no part aggregated a token" in x.getMessage()]
+    assert said == [
+        "round 3: no part aggregated a token: 1 of 3 part(s) had a result of 0 tokens (fewer contributions counted "
+        "tokens than the quorum of 2, or none did; work under a peer's token floor counts 0), 2 had no result; "
+        "nobody is marked a no-show or a failed owner for it"
+    ]
     assert rules.penalties.owner == {} and rules.penalties.noshows() == {} and rules.penalties.noted == {}
     # the same round with one token applied in part 1: the failed owners and the no-shows are marked
     one = SimpleNamespace(missing_parts=[0, 2], contributors={1: [("a", 1), ("me", 0)]})

@@ -245,6 +245,44 @@ def test_the_token_floors_steps_run_past_the_deadline_within_their_grace(ds):
     assert torch.equal(flat_params(ref.model), flat_params(tr.model))
 
 
+def test_a_stop_request_holds_once_the_token_floors_steps_are_done(ds):
+    """``round.steps.stop_after_floor`` (session 35: 2 of 3 peers stopped together after 1 and 3 steps, under their
+    floor of 5; both counted 0 tokens, no part met its quorum and the survivor's round was thrown away): a stop
+    requested before the first step still lets the floor's 3 steps run (not the plan's 8), counted by the trainer's
+    progress calls, which still reach the live line; with no floor it stops at once, as before; past a spent
+    deadline and grace the floor's steps stop too (the stop adds no time of its own)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from geomesh_p2p.round.steps import StepsDone, stop_after_floor
+
+    stop = asyncio.Event()
+    stop.set()  # Ctrl+C before the steps
+    drv = SimpleNamespace(stop=stop)
+    shown: list[int] = []
+    tr = _trainer(ds)
+    done = StepsDone(lambda k, loss, tps: shown.append(k))
+    res = tr.run(round=0, inner_steps=8, batch_size=4, should_stop=stop_after_floor(drv, done, 3), progress=done)
+    assert (res.steps_done, res.tokens, res.stopped_early) == (3, 3 * 4 * SEQ, True)
+    assert done.steps == 3 and shown == [1, 2, 3]
+    none = StepsDone()
+    res0 = tr.run(round=1, inner_steps=8, batch_size=4, should_stop=stop_after_floor(drv, none, 0), progress=none)
+    assert (res0.steps_done, none.steps) == (0, 0)
+    past = swarm_time() - 1.0
+    spent = StepsDone()
+    cut = tr.run(
+        round=2,
+        inner_steps=8,
+        batch_size=4,
+        deadline=past,
+        floor_steps=3,
+        floor_grace_s=0.5,
+        should_stop=stop_after_floor(drv, spent, 3),
+        progress=spent,
+    )
+    assert cut.steps_done == 0 and cut.stopped_early
+
+
 def test_an_emulated_slow_down_never_sleeps_past_the_train_deadline(ds, monkeypatch):
     """speed_factor f < 1 sleeps (1/f - 1) x the step's measured compute; a step the peer was stopped in (SIGSTOP)
     measures the stall as compute, and sleeping it again kept a resumed peer asleep through its exchange

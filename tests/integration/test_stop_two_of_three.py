@@ -1,0 +1,151 @@
+"""Ctrl+C on 2 of 3 peers at the same moment, mid-round (a fresh user's trial, session 35): 3 in-process
+:class:`~geomesh_p2p.node.peer.PeerNode`\\ s (tiny model, geomesh in relay mode: sign pushes, so every peer planned
+``VerifyConfig.min_steps`` steps or more has a token floor; the real DHT, plans, collective, state and trainer) on
+127.0.0.1. Two of them are asked to stop (``request_stop``, what the CLI's SIGINT handler calls) right after the
+first inner step of round ``STOP_ROUND``; the third trains on.
+
+Before the fix both stoppers cut their steps at 1 (under their floor of ``min_steps`` steps): each contribution
+counted 0 tokens, the quorum (2 of 3 *voting* contributions) was not met in any part, and every part aggregated
+zeros at every peer: ``no part aggregated a token`` and the whole model unchanged, the survivor's full round
+thrown away. Now a stop request lets a peer finish its floor's steps (bounded by the train deadline plus the
+floor's grace, as the deadline does): its work counts, the round aggregates all three and moves the weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+
+import pytest
+
+from geomesh_p2p.config.models import NodeConfig, RunConfig
+from geomesh_p2p.dht import DHTNode
+from geomesh_p2p.model.training import InnerTrainer
+from geomesh_p2p.net.identity import Identity
+from geomesh_p2p.net.transport import Transport
+from geomesh_p2p.net.transport_config import TransportConfig
+from geomesh_p2p.node.peer import PeerNode
+from geomesh_p2p.round.policy import NodeRoundPolicy
+from geomesh_p2p.trust.verify_task import VerifyConfig
+
+pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("one_thread")]
+
+RUN_ID = "stop-two-of-three-test"
+STOP_ROUND = 2
+PEERS = 3
+STOPPERS = (0, 2)  # node indices asked to stop together; node 1 trains on
+
+
+async def test_two_of_three_peers_stopped_together_still_apply_the_round(tmp_path, monkeypatch, caplog):
+    caplog.set_level(logging.INFO, logger="geomesh_p2p.node.peer.round")
+    loop = asyncio.get_running_loop()
+    nodes: list[PeerNode] = []
+    asked: dict[str, int] = {}  # stopper -> the inner step after which its stop was requested
+    real_run = InnerTrainer.run
+
+    def run(self, **kw):
+        """Ctrl+C on a stopper right after its first inner step of STOP_ROUND (from the trainer's thread: the
+        node's stop is set on its loop before the steps go on, as a SIGINT handler would)."""
+        node = next((n for n in nodes if getattr(n, "trainer", None) is self), None)
+        if node is None or kw.get("round") != STOP_ROUND or nodes.index(node) not in STOPPERS:
+            return real_run(self, **kw)
+        shown = kw.get("progress")
+
+        def progress(step: int, loss: float, tokens_per_s: float) -> None:
+            if shown is not None:
+                shown(step, loss, tokens_per_s)
+            if step == 1 and node.me not in asked:
+                asked[node.me] = step
+
+                async def ctrl_c() -> None:
+                    node.request_stop()
+
+                asyncio.run_coroutine_threadsafe(ctrl_c(), loop).result(timeout=30)
+
+        return real_run(self, **{**kw, "progress": progress})
+
+    monkeypatch.setattr(InnerTrainer, "run", run)
+    exchanged: dict[tuple[str, int], dict[int, list[tuple[str, int]]]] = {}  # (peer, round) -> part -> listed
+    real_after = NodeRoundPolicy.after_exchange
+
+    def after_exchange(self, spec, plan, ar):
+        exchanged[(self.state.me, spec.round)] = {j: list(c) for j, c in ar.contributors.items()}
+        return real_after(self, spec, plan, ar)
+
+    monkeypatch.setattr(NodeRoundPolicy, "after_exchange", after_exchange)
+
+    # transformers resolves its names lazily: importing the model class from 3 start-up threads at once races.
+    from transformers import AutoModelForCausalLM  # noqa: F401
+
+    boot = Transport(Identity.generate(), RUN_ID, TransportConfig(host="127.0.0.1", port=0))
+    dht = DHTNode(boot, rpc_timeout_s=2.0)
+    address = await boot.start()
+    await dht.join([])
+    run_cfg = RunConfig(
+        run_id=RUN_ID, method="geomesh", mode="relay", seq_len=32, window_s=3.0, target_batch=4, pow_bits=0
+    )
+    for k in range(PEERS):
+        cfg = NodeConfig(
+            bootstrap=[address],
+            identity=str(tmp_path / f"p{k}.key"),
+            threads=1,
+            rounds=STOP_ROUND + 1,  # the survivor ends after the stoppers' round (so do they, by their stop)
+            min_peers=PEERS,
+            wait_peers_s=60.0,
+            profile_batches=[4],
+            probe_bytes=64 << 10,
+            eval_batches=2,
+            announce_period_s=0.5,
+        )
+        nodes.append(PeerNode(run_cfg, cfg, identity=Identity.generate()))
+    build_lock = threading.Lock()
+
+    def one_build_at_a_time(node: PeerNode) -> None:
+        # The seed's weights are drawn from torch's global RNG (seeded in a fork_rng), which the three start-up
+        # threads of one process share (separate processes never race on it): one build at a time.
+        real_build = node._build_training
+
+        def build() -> None:
+            with build_lock:
+                real_build()
+
+        node._build_training = build  # type: ignore[method-assign]
+
+    for n in nodes:
+        one_build_at_a_time(n)
+    try:
+        codes = await asyncio.gather(*(n.run() for n in nodes))
+    finally:
+        await dht.shutdown()
+        await boot.stop(grace=0)
+    assert codes == [0] * PEERS
+    stoppers = [nodes[k].me for k in STOPPERS]
+    assert sorted(asked) == sorted(stoppers) and set(asked.values()) == {1}
+
+    rows = {n.me: {row.round: row for row in n.history} for n in nodes}
+    seen = {n.me[:8]: sorted(rows[n.me]) for n in nodes}
+    assert all(set(rows[n.me]) == set(range(STOP_ROUND + 1)) for n in nodes), seen
+    r = STOP_ROUND
+    # Bitwise the same weights everywhere after the stop round, and not those it started from: it was applied.
+    assert len({rows[n.me][r].digest for n in nodes}) == 1, f"round {r}: digests differ"
+    assert all(rows[n.me][r].digest_agree is True for n in nodes)
+    assert rows[nodes[1].me][r].digest != rows[nodes[1].me][r - 1].digest, "the stop round changed no weight"
+    floor = VerifyConfig.min_steps
+    for me in stoppers:
+        row = rows[me][r]
+        # each stopper had a token floor (planned min_steps or more), and its stop held once the floor's steps ran
+        assert row.inner_steps_planned > floor, (me[:8], row.inner_steps_planned)
+        assert row.inner_steps_done == floor, (me[:8], row.inner_steps_done, row.inner_steps_planned)
+    survivor = rows[nodes[1].me][r]
+    assert survivor.inner_steps_done >= floor
+    # Every peer aggregated every part from all three contributions, each with the tokens its steps trained.
+    batch = {me: rows[me][r].batch_size for me in rows}
+    done = {me: rows[me][r].inner_steps_done for me in rows}
+    want = sorted((me, done[me] * batch[me] * run_cfg.seq_len) for me in rows)
+    for n in nodes:
+        parts = exchanged[(n.me, r)]
+        assert parts and all(sorted(listed) == want for listed in parts.values()), (n.me[:8], parts, want)
+    said = [rec.getMessage() for rec in caplog.records]
+    assert not [m for m in said if f"round {r}:" in m and "aggregated" in m and "no token" in m], said
+    assert not [m for m in said if f"round {r}: no part aggregated" in m], said
