@@ -9,7 +9,7 @@ seen, its flat weights after each run; a follower its exit code and flat weights
 ``nanweights``: rank 1's last optimizer step of the run leaves a NaN weight (its losses stay finite);
 ``stop``: rank 1 stops itself (SIGSTOP) at its second step; rank 0 must end its run after the collective timeout;
 ``edges``: runs of 0 steps, with the deadline already past, of batch 1 (< the ranks), with speeds that overflow a
-float sum, then a normal run: no hang, the ranks stay in step;
+float sum, then a normal run and one with a token floor: no hang, the ranks stay in step;
 ``rank0error``: rank 0's second step raises a RuntimeError (not a non-finite loss); the next run must work;
 ``long``: a run longer than the collective timeout (both ranks slow), keep-alive on: no failure;
 ``eager``: a run with a StepTarget (eager updates) runs in lockstep, then a run once a round;
@@ -84,6 +84,8 @@ def rank0(ch: RankChannel, scenario: str, out: str) -> int:
             dict(inner_steps=STEPS, batch_size=BATCH, speeds=[1e308, 1.0]),
             dict(inner_steps=STEPS, batch_size=BATCH, speeds=[1e308, 1e308]),
             dict(inner_steps=STEPS, batch_size=BATCH, micro_batch=MICRO),
+            # a relay round's token floor (round/steps.py passes it): not a TypeError of the independent run
+            dict(inner_steps=STEPS, batch_size=BATCH, floor_steps=2, floor_grace_s=0.5),
         ]
     elif scenario == "rank0error":
         real, n = t.accumulate_grad, {"steps": 0}

@@ -86,10 +86,10 @@ def test_an_error_in_rank_0s_steps_still_meets_the_followers(tmp_path: Path) -> 
 def test_degenerate_runs_neither_hang_nor_desync_the_ranks(tmp_path: Path) -> None:
     r0, codes, logs = _run(tmp_path, "edges", 20)
     assert codes[1] == 0 and r0["failures"] == [], logs[-3000:]
-    zero, past, small, huge, inf, normal = r0["runs"]
+    zero, past, small, huge, inf, normal, floored = r0["runs"]
     assert (zero["steps"], zero["tokens"]) == (0, 0) and (past["steps"], past["tokens"]) == (0, 0)
     assert small["tokens"] == rank_worker.STEPS * 1 * rank_worker.SEQ  # one row: rank 0's, rank 1 trains none
-    for res in (huge, inf, normal):  # speeds of 1e308: a split that sums to the batch, no OverflowError
+    for res in (huge, inf, normal, floored):  # speeds of 1e308: a split that sums to the batch, no OverflowError
         assert "error" not in res, res
         assert res["tokens"] == rank_worker.STEPS * rank_worker.BATCH * rank_worker.SEQ, res
     assert all(r["seconds"] < 10 for r in r0["runs"]), r0["runs"]
