@@ -72,6 +72,7 @@ import torch
 
 from geomesh_p2p.telemetry import events
 from geomesh_p2p.node.peer import PeerNode
+from geomesh_p2p.util.exit_gc import skip_exit_collections
 
 log = logging.getLogger("tests.adversary")
 
@@ -734,6 +735,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    # as geomesh-peer: no full GC passes over the imported packages at exit (docs/exit-lag.md); run_scenario
+    # waits up to 10 s for an attacker to exit, which they spent there
+    skip_exit_collections()
     ap, join = build_parser()
     ns = ap.parse_args(argv)
     if ns.command == "list":

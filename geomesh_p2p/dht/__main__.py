@@ -40,6 +40,7 @@ from geomesh_p2p.schema.peer import PeerRecord
 from geomesh_p2p.net.transport import Transport
 from geomesh_p2p.net.transport_config import TransportConfig
 from geomesh_p2p.schema.shards import check_shards
+from geomesh_p2p.util.exit_gc import skip_exit_collections
 
 
 def _shards(text: str) -> int:
@@ -174,6 +175,7 @@ async def run(ns: argparse.Namespace) -> int:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    skip_exit_collections()  # as geomesh-peer's (docs/exit-lag.md): ~220,000 objects imported with grpc and pydantic
     ns = build_parser().parse_args(argv)
     if any("=" not in p for p in ns.put):
         print("python -m geomesh_p2p.dht: --put expects KEY=VALUE", file=sys.stderr)

@@ -43,6 +43,7 @@ from geomesh_p2p.model.ranks import NoData, RankedTrainer
 from geomesh_p2p.node.training import trainer_kwargs
 from geomesh_p2p.telemetry import events
 from geomesh_p2p.util.errors import UserFacingError
+from geomesh_p2p.util.exit_gc import skip_exit_collections
 
 log = logging.getLogger("geomesh_p2p.node.ranks")
 
@@ -420,6 +421,9 @@ def follower_spec_from_flags(run: RunConfig, cfg: NodeConfig, layout: RankLayout
 
 def worker_main() -> int:
     """Entry of a follower started by :class:`LocalRanks` (its spec in :data:`SPEC_ENV`). Returns the exit status."""
+    # as rank 0's geomesh-peer: no full GC passes over torch's and transformers' objects at exit, which rank 0's
+    # close() waits for (docs/exit-lag.md: 6-7 s at load 13, up to EXIT_WAIT_S and a SIGTERM under more)
+    skip_exit_collections()
     spec = FollowerSpec(**json.loads(os.environ[SPEC_ENV]))
     # Ctrl+C in a terminal reaches every process of the group: rank 0 alone decides (it finishes its round's
     # exchange, which needs no follower, then tells them to exit); a follower never outlives it (_watch_parent).

@@ -1,16 +1,22 @@
 """A peer's command registers the heap freeze that spares its exit the full collections over imported modules
-(geomesh_p2p/util/exit_gc.py), once per process, and the handler leaves the heap frozen for finalization."""
+(geomesh_p2p/util/exit_gc.py), once per process, and the handler leaves the heap frozen for finalization; so do
+the other programs whose exit something waits for (a self-started follower rank, the tests' attacker, the DHT tool)."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import subprocess
 import sys
 import textwrap
 
 import pytest
 
+import geomesh_p2p.dht.__main__ as dht_tool
 import peer.cli
+from geomesh_p2p.node import ranks
 from geomesh_p2p.util import exit_gc
+from tests import adversary
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -41,3 +47,36 @@ def test_the_heap_is_frozen_when_the_interpreter_finalizes():
     frozen = [int(line.split()[1]) for line in out.stdout.splitlines() if line.startswith("frozen")]
     assert len(frozen) == 1 and frozen[0] > 1000, out
     assert out.stderr == ""
+
+
+def _follower_main(monkeypatch) -> int:
+    """A self-started follower rank's entry (what ``LocalRanks`` runs with ``python -c``), its work stubbed out:
+    rank 0's close() waits for that process to exit."""
+    spec = ranks.FollowerSpec(
+        rank=1, world=2, device="cpu", init_method="file:///nowhere", timeout_s=1.0, run={},
+        model_config_file=None, threads=1, speed_factor=1.0, amp=False,
+    )  # fmt: skip
+    monkeypatch.setenv(ranks.SPEC_ENV, json.dumps(dataclasses.asdict(spec)))
+    monkeypatch.setattr(ranks, "run_follower", lambda s: 7 if s == spec else 1)
+    monkeypatch.setattr(ranks.signal, "signal", lambda *a: None)  # pytest keeps its SIGINT handler
+    monkeypatch.setattr(ranks.logging, "basicConfig", lambda **kw: None)
+    return ranks.worker_main()
+
+
+@pytest.mark.parametrize(
+    "entry, status",
+    [
+        (_follower_main, 7),
+        (lambda mp: adversary.main(["list"]), 0),  # the attackers of the e2e attack tests
+        (lambda mp: dht_tool.main(["--put", "novalue"]), 2),  # python -m geomesh_p2p.dht: refused before any dial
+    ],
+    ids=["follower-rank", "adversary", "dht-tool"],
+)
+def test_other_process_entry_points_register_the_freeze(monkeypatch, capsys, entry, status):
+    # each is a process holding torch's or grpc's ~200,000-400,000 objects, and something waits for its exit
+    registered: list = []
+    monkeypatch.setattr(exit_gc, "_installed", False)
+    monkeypatch.setattr(exit_gc.atexit, "register", registered.append)
+    assert entry(monkeypatch) == status
+    capsys.readouterr()
+    assert registered == [exit_gc.freeze_heap]
