@@ -355,9 +355,9 @@ class PeerNode:
         log.info("%s", pow_done_line(bits, took, cached, cache))  # computed or reused, said either way
 
     def request_stop(self) -> None:
-        """Ask the node to stop after the current step (or after the exchange, if one is under way)."""
-        if not self._stop.is_set():
-            log.info("stop requested: %s", "finishing the exchange first" if self._in_exchange else "leaving")
+        """Stop after the current step (or the exchange under way); a second request says so too (was silent)."""
+        what = "finishing the exchange first" if self._in_exchange else "leaving"
+        log.info("stop requested%s: %s", " again (already under way)" if self._stop.is_set() else "", what)
         self._stop.set()
 
     async def start(self) -> None:
