@@ -307,4 +307,4 @@ def _print_summary(s: dict) -> None:
     w = s["workdir"]
     print(f"\nresults in {w}: each peer's round rows (peerN.jsonl), log (peerN.log) and checkpoints (ckptN/)")
     print(f"next: geomesh-peer generate --checkpoint-dir {w}/ckpt0 --prompt 'And God said'  (text from the model)")
-    print("      README 'Joining a swarm as a volunteer': run a bootstrap and peers yourself")
+    print("      README 'A swarm on one machine, to try it': run a bootstrap and peers yourself")
