@@ -395,9 +395,10 @@ async def test_the_own_start_is_released_before_the_next_eager_start_allocates()
     await trd._run_all(peers, rounds=rounds, min_peers=3)
     for p in peers:
         # Under load (CI at ~10) a peer can fall a round or two behind and catch up by a download, which trains
-        # no row: the rows it did train are eager from round 1 on, and that is what this test needs.
+        # no row: the rows it did train are eager from round 1 on, and that is what this test needs (one eager row
+        # after the first is enough: session 35's suite, with 16 peer processes beside it, left a peer 2 rows).
         steps = [row.extra["eager"]["steps"] for row in p.drv.history]
-        assert steps[0] == "global" and len(steps) >= 3 and set(steps[1:]) == {"adopted"}, steps
+        assert steps[0] == "global" and len(steps) >= 2 and set(steps[1:]) == {"adopted"}, steps
         # every eager start after the first found its predecessor's own start gone
         assert len(p.prev_alive) >= 1 and not any(p.prev_alive), p.prev_alive
 
