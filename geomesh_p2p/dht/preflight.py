@@ -12,6 +12,7 @@ bootstrap that does not answer is named seconds after start, not after torch, th
 from __future__ import annotations
 
 import asyncio
+import re
 from typing import Optional, Sequence, Union
 
 import grpc
@@ -133,11 +134,23 @@ def final_failure(result: BaseException) -> bool:
 def other_run_message(address: str, reason: str, own_run: str) -> str:
     """The join error for a bootstrap that answered for another run. ``reason``: its refusal, worded by
     :mod:`geomesh_p2p.net.identity` from the bootstrap's side ("message is for run 'a', this node serves 'b'")."""
-    import re
-
     m = re.search(r"this node serves ('.*')", reason)
     theirs = m.group(1) if m else "another run"
     return f"could not join the DHT: bootstrap {address} serves run {theirs}, this peer asked for run {own_run!r}: check --run-id"
+
+
+def ping_request(sender: "dht_pb2.NodeInfo") -> "dht_pb2.PingRequest":
+    """The DHT ping from ``sender``: this node's protocol and software version (the join's and the pre-flight's)."""
+    return dht_pb2.PingRequest(sender=sender, dht_protocol=DHT_PROTOCOL_VERSION, software_version=__version__)
+
+
+def check_ping_protocol(address: str, resp: "dht_pb2.PingResponse") -> None:
+    """Raises DHTJoinError when the node at ``address`` answered ``resp`` in another DHT protocol."""
+    if resp.dht_protocol != DHT_PROTOCOL_VERSION:
+        raise DHTJoinError(
+            f"{address} speaks DHT protocol {resp.dht_protocol}, this node {DHT_PROTOCOL_VERSION} "
+            f"(software {resp.software_version or '?'} vs {__version__})"
+        )
 
 
 async def ping_bootstraps(
@@ -153,11 +166,7 @@ async def ping_bootstraps(
     in it (nothing to dial back), no proof of work (a node's ping handler asks for none; only records carry it).
     ``tls``: the checked ``TlsConfig`` of ``--tls-*``, None for plaintext."""
     transport = Transport(identity, run_id, TransportConfig(client_only=True, tls=tls))  # type: ignore[arg-type]
-    request = dht_pb2.PingRequest(
-        sender=dht_pb2.NodeInfo(peer_id=bytes(identity.peer_id)),
-        dht_protocol=DHT_PROTOCOL_VERSION,
-        software_version=__version__,
-    ).SerializeToString()
+    request = ping_request(dht_pb2.NodeInfo(peer_id=bytes(identity.peer_id))).SerializeToString()
 
     async def one(address: str) -> PeerID:
         reply = await transport.call(address, DHT_PING, request, timeout=timeout_s)
@@ -165,11 +174,7 @@ async def ping_bootstraps(
             resp = dht_pb2.PingResponse.FromString(reply.payload)
         except DecodeError as e:
             raise RpcError(address, DHT_PING, grpc.StatusCode.DATA_LOSS, f"malformed reply: {e}") from None
-        if resp.dht_protocol != DHT_PROTOCOL_VERSION:
-            raise DHTJoinError(
-                f"{address} speaks DHT protocol {resp.dht_protocol}, this node {DHT_PROTOCOL_VERSION} "
-                f"(software {resp.software_version or '?'} vs {__version__})"
-            )
+        check_ping_protocol(address, resp)
         return reply.sender
 
     try:

@@ -28,11 +28,11 @@ from geomesh_p2p.dht.state import (
     DHT_PROTOCOL_VERSION,
     NOT_CHECKED,
     Contact,
-    DHTJoinError,
     _valid_address,
     _WrongPeer,
 )
 from geomesh_p2p.dht.contacts import DHTContacts
+from geomesh_p2p.dht.preflight import check_ping_protocol, ping_request
 
 # Statuses of a dial-back answered by something that is no geomesh node (an HTTP/2 server: 404 ->
 # UNIMPLEMENTED; a malformed reply: DATA_LOSS) or by a node of another run whose reply fails verification.
@@ -122,9 +122,7 @@ class DHTProtocol(DHTContacts):
 
         Raises RpcError when it does not answer or refuses, DHTJoinError on a DHT protocol mismatch.
         """
-        req = dht_pb2.PingRequest(
-            sender=self.self_info(), dht_protocol=DHT_PROTOCOL_VERSION, software_version=__version__
-        )
+        req = ping_request(self.self_info())
         t0 = self._clock()
         try:
             contact, resp = await self._call(address, DHT_PING, req, dht_pb2.PingResponse, expected)
@@ -137,11 +135,7 @@ class DHTProtocol(DHTContacts):
             if len(self._offsets) > 64 * self.k:
                 self._offsets.clear()
             self._offsets[contact.peer_id] = offset
-        if resp.dht_protocol != DHT_PROTOCOL_VERSION:
-            raise DHTJoinError(
-                f"{address} speaks DHT protocol {resp.dht_protocol}, this node {DHT_PROTOCOL_VERSION} "
-                f"(software {resp.software_version or '?'} vs {__version__})"
-            )
+        check_ping_protocol(address, resp)
         self._on_contact(contact)
         return contact
 
@@ -303,9 +297,7 @@ class DHTProtocol(DHTContacts):
         if verified.sender in self._dialing_back:
             raise RecordError(grpc.StatusCode.RESOURCE_EXHAUSTED, "a dial-back of this peer is under way")
         self._dialing_back.add(verified.sender)
-        ping = dht_pb2.PingRequest(
-            sender=self.self_info(), dht_protocol=DHT_PROTOCOL_VERSION, software_version=__version__
-        )
+        ping = ping_request(self.self_info())
         try:
             try:
                 answered, resp = await self._call(address, DHT_PING, ping, dht_pb2.PingResponse, verified.sender)

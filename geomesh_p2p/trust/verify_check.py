@@ -336,9 +336,8 @@ def judge(
             f"signs: plain agreement {stats.plain:.3f} with its own batches' gradients "
             f"(< {cfg.plain_hard}: flipped or random)",
         )
-    if not whole:
-        gain = f", gain t {g.t:.2f}" if g is not None else ""
-        return Verdict(PASS, f"plain {stats.plain:.3f} on {len(task.parts)} of its parts{gain}")
+    if not whole:  # (no gain test either: it runs on whole contributions only, covers_whole)
+        return Verdict(PASS, f"plain {stats.plain:.3f} on {len(task.parts)} of its parts")
     if task.full_test and stats.trace < cfg.trace_hard:
         return Verdict(FAIL, f"no trace of its own batches: trace {stats.trace:.3f} < {cfg.trace_hard}")
     if stats.plain < cfg.plain_min:
