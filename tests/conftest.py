@@ -114,6 +114,9 @@ LONGEST_FIRST = (
     # 30, then the longest single test at ~180 s): early, its wait overlaps the CPU of the others
     "tests/e2e/test_long_window_procs.py",  # ~60
     "tests/e2e/test_slow_link.py",  # ~95
+    # 16 peer processes (~85 CPU-s, 57-84 s): not at the start, where they took the attack tests' honest peers below
+    # their perplexity bound (session 26); here they start once test_attacks is about done (session 36)
+    "tests/e2e/test_accountable_groups_procs.py",  # ~70
     "tests/e2e/test_rank_trainer.py",  # ~95
     "tests/e2e/test_status_page.py",  # ~95
     "tests/unit/test_verify.py",  # ~80
