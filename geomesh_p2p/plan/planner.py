@@ -267,7 +267,8 @@ def check_plan(
       what ``target_batch`` implies; uniform methods: the same micro-batch for all, the fixed ``H``;
     * steps: every participant gets ``min_inner_steps..max_inner_steps`` (AWB). No peer is planned
       with 0 steps: the stated rule for a peer that cannot keep up is to leave it out of the plan
-      (``PlanRules.build_plan``: exchange or one sequence longer than half the window);
+      (``PlanRules.build_plan``: exchange or one sequence longer than half the window); and none far under what
+      its window fits when no cap of the plan explains it (AWB, session 36: :func:`_under_plan_problem`);
     * window: ``window_s`` within ``PLAN_CHECK_TOLERANCE`` x (either way) of :func:`reference_window`,
       ``train_deadline = created_at + window_s``, ``created_at`` at most ``MAX_CLOCK_SKEW_S`` ahead and at most
       ``MAX_PLAN_AGE_S`` behind ``now``;
@@ -396,7 +397,9 @@ def check_plan_sampled(
     passes): the address the plan gives them (none is accepted for a participant on probation or in ``barred``:
     client-only by the leader's rules), micro-batch within ``max_batch``, ``accum_steps`` for the
     target batch, token budget within ``PLAN_CHECK_TOLERANCE`` x best tokens/s x window (or ``min_inner_steps``
-    steps of its batch, as in :func:`check_plan`). What it cannot
+    steps of its batch, as in :func:`check_plan`), and no participant far under what its window fits
+    (:func:`_under_plan_problem`: the plan's own times for all, the records of sampled ones within the spread caps
+    of the plan's figures, :func:`_bounded_by_plan`). What it cannot
     see: the window against the slowest record, and a lie about an unsampled participant's figures; a lie
     about one participant is seen by each follower with probability (sample size / participants), and the
     full-view peers check it all (docs/round.md, "Light followers").
