@@ -262,13 +262,33 @@ def _bound_by_evidence(
     ``EVIDENCE_GROWTH`` x its delivered rate, a newcomer the lower median of the delivered rates). Longer
     steps only: the record can only lower the rate; with no usable evidence at all the models stay."""
     ceilings = evidence_ceilings([r.peer_id for r in recs], supported)
-    out = []
-    for r, m in zip(recs, models):
-        ceiling = ceilings.get(r.peer_id)
-        if ceiling is not None and interpolate_tokens_per_s(r.tokens_per_s, m.micro) > ceiling:
-            m = m.with_step_s(m.batch * cfg.seq_len / ceiling)
-        out.append(m)
-    return out
+    return [_at_evidence(r, m, ceilings.get(r.peer_id), cfg) for r, m in zip(recs, models)]
+
+
+def _at_evidence(record: PeerRecord, m: PeerModel, ceiling: Optional[float], cfg: PlanConfig) -> PeerModel:
+    """``m`` at a step time of at least ``m.batch x seq_len / ceiling`` (tokens/s; None: ``m`` as it is)."""
+    if ceiling is not None and interpolate_tokens_per_s(record.tokens_per_s, m.micro) > ceiling:
+        return m.with_step_s(m.batch * cfg.seq_len / ceiling)
+    return m
+
+
+def window_fit(record: PeerRecord, T: float, cfg: PlanConfig, ceiling: Optional[float] = None) -> tuple[int, int]:
+    """(whole steps, tokens per step) the peer of ``record`` fits in window ``T`` (seconds) as :func:`plan_round`
+    plans it before the budget caps (the 8x median, probation): the micro-batch that trains the most tokens in
+    ``T``, its step time at no less than ``ceiling`` tokens/s allows (delivered work, ``evidence_ceilings``; None:
+    none), then ``floor((T - c) / s)`` up to ``max_inner_steps``, *not* raised to ``min_inner_steps``: 0 steps
+    when that micro-batch does not fit its minimum steps (the leader then plans the minimum steps of whichever
+    micro-batch, a budget no window bounds). ``record`` is bounded as the leader's are (:func:`bound_records`).
+    The steps are monotone in the record's figures (a faster record fits as many tokens or more), so followers
+    check each participant against this fit at a slower view of its record
+    (:func:`~geomesh_p2p.plan.planner.check_plan`, session 36)."""
+    m = _best_in_window(record, PeerModel(record, cfg, best_micro_batch(record)), T, cfg)
+    tokens = m.batch * cfg.seq_len
+    if cfg.min_inner_steps * m.step_s + m.comm_s > T * (1 + 1e-9):
+        return 0, tokens
+    m = _at_evidence(record, m, ceiling, cfg)
+    raw = math.floor((T - m.comm_s) / m.step_s + 1e-9)
+    return int(min(max(raw, 0), cfg.max_inner_steps)), tokens
 
 
 def _cap_budgets(models: Sequence[PeerModel], H: np.ndarray, cfg: PlanConfig, ranks: Sequence[int]) -> np.ndarray:

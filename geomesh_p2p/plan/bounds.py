@@ -97,6 +97,14 @@ LEADER_BAR_MIN_OWNERS = 4
 PLAN_CHECK_TOLERANCE = 1.5
 
 
+#: how far under what its record fits in the plan's window a follower accepts a participant's budget (x, after one
+#: step of slack; session 36, a leader that under-plans honest peers): the record a follower reads may be one update
+#: newer than the leader's, and a re-profiled figure grows at most ``MAX_TPS_GROWTH_PER_UPDATE`` = 2x per update
+#: (geomesh_p2p.model.capability): followers divide each figure by this before they fit the window
+#: (planner._under_plan_problem), so a leader that held the older record still plans at least that fit.
+UNDER_PLAN_TOLERANCE = 2.0
+
+
 #: how far in the future a plan may say it was created (the envelope's clock-skew window, identity.Verifier)
 MAX_CLOCK_SKEW_S = 30.0
 #: how far in the past (seconds before a follower checks it) a plan may say it was created: a rogue leader dating its

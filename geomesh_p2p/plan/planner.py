@@ -22,14 +22,18 @@ import numpy as np
 
 from geomesh_p2p.trust.probation import PROBATION_BUDGET_FACTOR, probation_slots
 from geomesh_p2p.config import method as _method
-from geomesh_p2p.plan.awb import auto_window, choose_window, plan_round
+from geomesh_p2p.plan.awb import auto_window, choose_window, plan_round, window_fit
 from geomesh_p2p.plan.bounds import (
+    BATCH_SPREAD_CAP,
     BUDGET_MEDIAN_FACTOR,
     LEADER_BAR_MIN_OWNERS,
     MAX_CLOCK_SKEW_S,
     MAX_PLAN_AGE_S,
     PLAN_CHECK_TOLERANCE,
+    THROUGHPUT_SPREAD_CAP,
+    UNDER_PLAN_TOLERANCE,
     bound_records,
+    bound_ranks,
     budget_limit,
     check_records,
     evidence_ceilings,
@@ -263,7 +267,8 @@ def check_plan(
       what ``target_batch`` implies; uniform methods: the same micro-batch for all, the fixed ``H``;
     * steps: every participant gets ``min_inner_steps..max_inner_steps`` (AWB). No peer is planned
       with 0 steps: the stated rule for a peer that cannot keep up is to leave it out of the plan
-      (``PlanRules.build_plan``: exchange or one sequence longer than half the window);
+      (``PlanRules.build_plan``: exchange or one sequence longer than half the window); and none far under what
+      its window fits when no cap of the plan explains it (AWB, session 36: :func:`_under_plan_problem`);
     * window: ``window_s`` within ``PLAN_CHECK_TOLERANCE`` x (either way) of :func:`reference_window`,
       ``train_deadline = created_at + window_s``, ``created_at`` at most ``MAX_CLOCK_SKEW_S`` ahead and at most
       ``MAX_PLAN_AGE_S`` behind ``now``;
@@ -343,7 +348,10 @@ def check_plan(
             )
     ranks = {r.peer_id: ranks_of(r) for r in recs}
     reason = (
-        _budget_problem(plan, cfg, ranks) or _probation_problem(plan, cfg) or _evidence_problem(plan, cfg, supported)
+        _budget_problem(plan, cfg, ranks)
+        or _probation_problem(plan, cfg)
+        or _evidence_problem(plan, cfg, supported)
+        or _under_plan_problem(plan, cfg, by_id, ranks, supported)
     )
     if reason is not None:
         return reason
@@ -389,7 +397,9 @@ def check_plan_sampled(
     passes): the address the plan gives them (none is accepted for a participant on probation or in ``barred``:
     client-only by the leader's rules), micro-batch within ``max_batch``, ``accum_steps`` for the
     target batch, token budget within ``PLAN_CHECK_TOLERANCE`` x best tokens/s x window (or ``min_inner_steps``
-    steps of its batch, as in :func:`check_plan`). What it cannot
+    steps of its batch, as in :func:`check_plan`), and no participant far under what its window fits
+    (:func:`_under_plan_problem`: the plan's own times for all, the records of sampled ones within the spread caps
+    of the plan's figures, :func:`_bounded_by_plan`). What it cannot
     see: the window against the slowest record, and a lie about an unsampled participant's figures; a lie
     about one participant is seen by each follower with probability (sample size / participants), and the
     full-view peers check it all (docs/round.md, "Light followers").
@@ -440,7 +450,10 @@ def check_plan_sampled(
     # a multi-rank peer's budget may pass the one-device bounds only with its record read (records_needed)
     ranks = {pid: ranks_of(r) for pid, r in sampled.items()}
     reason = (
-        _budget_problem(plan, cfg, ranks) or _probation_problem(plan, cfg) or _evidence_problem(plan, cfg, supported)
+        _budget_problem(plan, cfg, ranks)
+        or _probation_problem(plan, cfg)
+        or _evidence_problem(plan, cfg, supported)
+        or _under_plan_problem(plan, cfg, _bounded_by_plan(plan, cfg, sampled), ranks, supported)
     )
     if reason is not None:
         return reason
@@ -579,3 +592,133 @@ def _probation_problem(plan: RoundPlan, cfg: PlanConfig) -> Optional[str]:
                 f"{PROBATION_BUDGET_FACTOR:g}x the established peers' median budget"
             )
     return None
+
+
+def _under_plan_problem(
+    plan: RoundPlan,
+    cfg: PlanConfig,
+    records: Mapping[str, PeerRecord],
+    ranks: Mapping[str, int],
+    supported: Optional[Mapping[str, float]],
+) -> Optional[str]:
+    """A participant planned far fewer tokens than it fits in the plan's window when no cap of the plan explains
+    it (session 36; red team of session 34, #3: a rogue leader planned its partner at 4 steps and every honest
+    peer at 1, so the partner held most of the round's weight). None for uniform methods.
+
+    Each participant's expected budget is ``min(fit, caps)`` in tokens: ``fit`` what its window holds, the caps
+    those an honest leader applies after it and a follower can recompute from the plan, each rounded down to whole
+    steps of the plan's batch: :func:`budget_limit` of the plan's lower-median budget (x ``ranks``), and for a
+    participant marked ``probation`` ``PROBATION_BUDGET_FACTOR`` x the established participants' lower median.
+    Both are at most what the leader capped with (a cap lowers budgets over the median only, so the plan's median
+    is the one of the last cap; probation's median is taken before the last cap lowers it). It is refused when
+    ``tolerance x (budget + one step) <= expected``, one step being the larger of the plan's and the fit's, so
+    that whole steps cannot refuse an honest plan. Two fits, in this order:
+
+    * the plan's own figures (``tolerance`` ``PLAN_CHECK_TOLERANCE``): ``inner_steps`` plus the whole steps of
+      ``predicted_compute_s / inner_steps`` its ``predicted_idle_s`` holds. Plan and config alone: a
+      :class:`ContentRefusal` (every honest follower gives it and bypasses the plan).
+    * ``records`` (bounded as the leader's), every tokens/s figure divided by ``UNDER_PLAN_TOLERANCE`` (a leader
+      may hold the record one update older, at most 2x slower), and no further tolerance:
+      :func:`~geomesh_p2p.plan.awb.window_fit` at the delivered-work ceiling of ``supported``, what an honest
+      leader holding that slower record plans before the caps (the fit is monotone in the figures, so a leader
+      with a faster view plans as many tokens or more, up to a step). Only with usable ``supported`` rates:
+      without them this follower cannot tell a leader's evidence cap (a peer that delivered little is planned at
+      twice that) from an under-plan. It depends on the view: a plain str (the follower sits the round out).
+    """
+    if not _method_rule(cfg).balanced:
+        return None
+    T = plan.window_s
+    found = _under_planned(plan, cfg, _plan_fits(plan, cfg), {}, PLAN_CHECK_TOLERANCE)
+    if found is not None:
+        a, expected = found
+        return ContentRefusal(
+            f"{a.peer_id[:10]} gets {a.inner_steps} inner steps ({a.token_budget} tokens), under "
+            f"1/{PLAN_CHECK_TOLERANCE:g} of the {expected} its own predicted times fit in the {T:.3g} s window, "
+            "and no cap of the plan explains fewer"
+        )
+    ceilings = evidence_ceilings(plan.participants(), supported)
+    if not ceilings:
+        return None
+    fits: dict[str, tuple[int, int]] = {}
+    for pid, r in records.items():
+        try:
+            # the oldest view of the record a leader may plan from: every figure UNDER_PLAN_TOLERANCE x slower
+            slower = {b: v / UNDER_PLAN_TOLERANCE for b, v in check_records([r])[0].tokens_per_s.items()}
+            fits[pid] = window_fit(r.model_copy(update={"tokens_per_s": slower}), T, cfg, ceilings.get(pid))
+        except (ValueError, ArithmeticError):
+            continue  # a record the planner cannot plan: the other checks judge it
+    found = _under_planned(plan, cfg, fits, ranks, 1.0)
+    if found is not None:
+        a, expected = found
+        return (
+            f"{a.peer_id[:10]} gets {a.inner_steps} inner steps ({a.token_budget} tokens), under the {expected} "
+            f"its record at 1/{UNDER_PLAN_TOLERANCE:g} of its tokens/s and its delivered work fit in the {T:.3g} s "
+            "window, and no cap of the plan explains fewer"
+        )
+    return None
+
+
+def _plan_fits(plan: RoundPlan, cfg: PlanConfig) -> dict[str, tuple[int, int]]:
+    """peer id -> (inner steps its plan's own predicted times fit in the window, tokens per step): ``inner_steps``
+    plus the whole steps of ``predicted_compute_s / inner_steps`` in ``predicted_idle_s``, at most
+    ``max_inner_steps`` (an honest plan's idle is under one step unless a cap lowered the steps)."""
+    out = {}
+    for a in plan.assignments:
+        if a.inner_steps < 1:
+            continue  # refused by the step range
+        step_s = a.predicted_compute_s / a.inner_steps
+        more = a.predicted_idle_s / step_s if step_s > 0 else math.inf
+        steps = a.inner_steps + math.floor(more + 1e-9) if more < cfg.max_inner_steps else cfg.max_inner_steps
+        out[a.peer_id] = (min(cfg.max_inner_steps, steps), int(a.batch_size) * cfg.seq_len)
+    return out
+
+
+def _under_planned(
+    plan: RoundPlan,
+    cfg: PlanConfig,
+    fits: Mapping[str, tuple[int, int]],
+    ranks: Mapping[str, int],
+    tolerance: float,
+) -> Optional[tuple[PeerAssignment, int]]:
+    """The first participant with a fit in ``fits`` (peer id -> (steps, tokens per step)) whose budget is under
+    ``1 / tolerance`` of its expected one (see :func:`_under_plan_problem`), with that expected budget (tokens)."""
+    median = statistics.median_low([a.token_budget for a in plan.assignments])
+    est = [a.token_budget for a in plan.assignments if not a.probation]
+    for a in plan.assignments:
+        fit = fits.get(a.peer_id)
+        step = int(a.batch_size) * cfg.seq_len
+        if fit is None or step < 1:
+            continue
+        caps = [budget_limit(median, ranks.get(a.peer_id, 1))]
+        if a.probation and est:
+            caps.append(PROBATION_BUDGET_FACTOR * statistics.median_low(est))
+        expected = min([fit[0] * fit[1]] + [math.floor(c / step) * step for c in caps])
+        if tolerance * (a.token_budget + max(step, fit[1])) <= expected:
+            return a, expected
+    return None
+
+
+def _bounded_by_plan(plan: RoundPlan, cfg: PlanConfig, sampled: Mapping[str, PeerRecord]) -> dict[str, PeerRecord]:
+    """The ``sampled`` records (as announced) that :func:`bound_records` leaves as they are whatever the records
+    this light follower did not read, for :func:`_under_plan_problem`: best tokens/s at most ``THROUGHPUT_SPREAD_CAP``
+    x the lower median of the rates the plan implies (``batch_size x seq_len x inner_steps / predicted_compute_s``:
+    an honest plan's rate is at most the bounded best one, so that median is at most the records'), ``max_batch``
+    at most ``BATCH_SPREAD_CAP`` x the plan's lower-median micro-batch, both x ``ranks``. A record over either may be
+    clamped by the leader (not in proportion: a tokens/s figure to a cap, the others kept), so it is left to the
+    full-view peers. Bandwidths stay as announced (their cap, 64x the median,
+    moves a window fit by less than the tolerance). Empty when the plan implies no rate."""
+    rates = [
+        a.batch_size * cfg.seq_len * a.inner_steps / a.predicted_compute_s
+        for a in plan.assignments
+        if a.predicted_compute_s > 0
+    ]
+    if not rates:
+        return {}
+    tps_cap = THROUGHPUT_SPREAD_CAP * statistics.median_low(rates)
+    batch_cap = BATCH_SPREAD_CAP * statistics.median_low([a.micro_batch for a in plan.assignments])
+    out = {}
+    for pid, r in sampled.items():
+        k = bound_ranks(ranks_of(r))
+        if r.tokens_per_s and r.best_tokens_per_s() <= k * tps_cap and r.max_batch <= k * batch_cap:
+            out[pid] = r
+    return out
