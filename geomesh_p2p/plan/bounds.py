@@ -103,6 +103,10 @@ PLAN_CHECK_TOLERANCE = 1.5
 #: (geomesh_p2p.model.capability): followers divide each figure by this before they fit the window
 #: (planner._under_plan_problem), so a leader that held the older record still plans at least that fit.
 UNDER_PLAN_TOLERANCE = 2.0
+#: the same for a record's link figures (upload / download bytes/s): a round's link sample moves the figure by at most
+#: ``link_step_ratio`` (4 by default) either way, so followers fit the window at links this many times slower
+#: (red team 36, F1)
+UNDER_PLAN_LINK_TOLERANCE = 4.0
 
 
 #: how far in the future a plan may say it was created (the envelope's clock-skew window, identity.Verifier)
