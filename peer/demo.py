@@ -306,5 +306,10 @@ def _print_summary(s: dict) -> None:
     print(f"  digests equal on every peer every round: {s['digests_matched_every_round']}")
     w = s["workdir"]
     print(f"\nresults in {w}: each peer's round rows (peerN.jsonl), log (peerN.log) and checkpoints (ckptN/)")
-    print(f"next: geomesh-peer generate --checkpoint-dir {w}/ckpt0 --prompt 'And God said'  (text from the model)")
+    # the console script by the name a user can run in this shell: not on PATH after `make demo` without the venv's
+    # activate (a fresh user's report, session 36)
+    prog = "geomesh-peer"
+    if shutil.which(prog) is None and (Path(sys.executable).parent / prog).exists():
+        prog = str(Path(sys.executable).parent / prog)
+    print(f"next: {prog} generate --checkpoint-dir {w}/ckpt0 --prompt 'And God said'  (text from the model)")
     print("      README 'A swarm on one machine, to try it': run a bootstrap and peers yourself")
