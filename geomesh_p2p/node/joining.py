@@ -441,8 +441,10 @@ def warn_if_other_identity(node: PeerNode, rnd: int, meta: dict) -> Optional[str
 
 async def warn_if_resumed_behind(node: PeerNode) -> None:
     """After ``--resume``: when no other peer of the run is live but a bootstrap saw the run at a later
-    round than the checkpoint's, say so in one WARNING (event ``resumed_behind_swarm``): this peer now
-    trains alone from an older state, a fork of the run if its peers come back (a fresh-user trial resumed
+    round than the checkpoint's, say so in one WARNING (event ``resumed_behind_swarm``): unless a peer of the
+    run joins and hands it the later state (peers restarted together, whose records are not in yet: session 36's
+    fresh user read the earlier wording, "trains alone ... a fork", as a failure while it adopted round 16 in the
+    same second), this peer trains alone from an older state, a fork of the run (a fresh-user trial resumed
     round 6 of a run that had reached round 12, untold). Live peers at a later round need no line: the
     first round's behind-check catches up to them."""
     if [r for r in await node.peers() if r.peer_id != node.me]:
@@ -454,13 +456,16 @@ async def warn_if_resumed_behind(node: PeerNode) -> None:
         log,
         logging.WARNING,
         "resumed_behind_swarm",
-        "resumed at round %d, but bootstrap %s saw run %r at round %d and no peer of it is live now: this peer "
-        "trains alone from an older state (a fork of the run if its peers come back); to continue the run, "
-        "resume from a checkpoint of round %d, or wait for its peers (--on-empty-swarm wait, without --resume)",
+        "resumed at round %d, but bootstrap %s saw run %r at round %d and no other peer of it is live yet: "
+        "if one joins (peers restarted together), this peer adopts the swarm's state of round %d from it; if none "
+        "does, this peer trains alone from round %d, a fork of the run (to avoid that, resume from a checkpoint "
+        "of round %d)",
         node.round,
         prog.by[:8] or "?",
         node.run_cfg.run_id,
         prog.round,
+        prog.round,
+        node.round,
         prog.round,
         peer=node.me,
         round=node.round,
