@@ -45,6 +45,7 @@ from geomesh_p2p.plan.cost import (
     accum_steps_for,
     best_micro_batch,
     comm_time,
+    interpolate_tokens_per_s,
     peer_uniform_micro,
     rank_micro,
     ranks_of,
@@ -348,6 +349,9 @@ def check_plan(
                 f"token budget {a.token_budget} for {a.peer_id[:10]} exceeds the {ceiling:.0f} its bounded "
                 f"throughput supports in {T:.3g} s"
             )
+        reason = _micro_rate_problem(a, by_id[a.peer_id], cfg, T)
+        if reason is not None:
+            return reason
     ranks = {r.peer_id: ranks_of(r) for r in recs}
     reason = (
         _budget_problem(plan, cfg, ranks)
@@ -443,6 +447,9 @@ def check_plan_sampled(
         ceiling = max(PLAN_CHECK_TOLERANCE * r.best_tokens_per_s() * T, _min_steps_tokens(a, cfg))
         if a.token_budget > ceiling:
             return f"token budget {a.token_budget} for {who} exceeds the {ceiling:.0f} its record supports in {T:.3g} s"
+        reason = _micro_rate_problem(a, r, cfg, T)
+        if reason is not None:
+            return reason
     if abs(plan.train_deadline - plan.created_at - T) > 1e-6 * T + 1e-3:
         return ContentRefusal("its train deadline is not its start plus its window")
     if plan.created_at - now > MAX_CLOCK_SKEW_S:
@@ -481,6 +488,32 @@ def _min_steps_tokens(a: PeerAssignment, cfg: PlanConfig) -> int:
     ``PLAN_CHECK_TOLERANCE`` x its tokens/s x the window, and every follower, the leader too, refused every honest
     plan of that swarm (tests/unit/test_planner.py)."""
     return cfg.min_inner_steps * int(a.batch_size) * cfg.seq_len
+
+
+def _micro_rate_problem(a: PeerAssignment, record: PeerRecord, cfg: PlanConfig, T: float) -> Optional[str]:
+    """Why assignment ``a`` cannot be trained in the window ``T`` (seconds) at the micro-batch it is planned, or
+    None: its token budget over ``PLAN_CHECK_TOLERANCE`` x ``record``'s tokens/s *at that micro-batch* x ``T``
+    (the best figure's bound, taken at the planned micro-batch), unless it is ``min_inner_steps`` steps of its batch.
+    AWB plans only (uniform methods fix the micro-batch). Red team 36, B1: a rogue leader planned honest peers at
+    micro-batch 1 x 32 accumulation steps with the budgets their best micro-batch fits; at 0.21x the speed the
+    deadline stopped them at a fifth of it, and the leader and its partner took 79 % of the round's tokens (41.5 %
+    honest). An honest leader plans ``floor((T - c) / s)`` steps at the step time of the micro-batch it picks, and a
+    record falls at most ``MAX_TPS_DROP_PER_UPDATE`` (1.4) x per update, under the tolerance. View-dependent: a
+    plain reason."""
+    if not _method_rule(cfg).balanced:
+        return None
+    try:
+        rate = interpolate_tokens_per_s(record.tokens_per_s, a.micro_batch)
+    except ValueError:
+        return None  # no measured throughput: the record checks refuse it
+    ceiling = max(PLAN_CHECK_TOLERANCE * rate * T, _min_steps_tokens(a, cfg))
+    if a.token_budget <= ceiling:
+        return None
+    return (
+        f"token budget {a.token_budget} for {a.peer_id[:10]} at micro-batch {a.micro_batch} exceeds the "
+        f"{ceiling:.0f} its record's {rate:.0f} tokens/s at that micro-batch supports in {T:.3g} s (a micro-batch "
+        "that slow trains a fraction of the budget by the deadline)"
+    )
 
 
 def _settings_problem(plan: RoundPlan, cfg: PlanConfig) -> Optional[str]:

@@ -3,7 +3,7 @@
 Each ``test_f*`` is an honest plan an honest follower must accept; each ``test_b*`` a rogue plan that under-plans
 honest peers. F1 (a link figure that improved between the leader's read and the follower's) refused 92 of 400
 random honest swarms before the records check fitted the exchange at the plan's stated time (up to 4x the record's,
-one link update). F2 and B1 are open: marked xfail (strict), so a fix shows. B2 measures the documented limit (half
+one link update). B1 (a slow micro-batch for the honest peers) is refused since the budget is bounded at the planned micro-batch's rate. F2 is open: marked xfail (strict), so a fix shows. B2 measures the documented limit (half
 the fit passes) and passes.
 """
 
@@ -162,35 +162,33 @@ def with_micro_batch_one(honest: RoundPlan, victims, cfg: PlanConfig) -> RoundPl
     return RoundPlan.model_validate({**honest.model_dump(), "assignments": out})
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="open (session 36): under AWB nothing bounds a plan's micro-batch below; a slow one under-plans by time",
-)
-def test_b1_a_slow_micro_batch_under_plans_honest_peers_and_passes_every_check():
-    """BYPASS. Nothing checks the micro-batch beyond ``max_batch``: a rogue leader (p0, partner p1) plans the three
-    honest peers at micro-batch 1 with their honest token budgets. The budgets equal their window fits (both
-    layers pass, full and light, with or without evidence), but at micro-batch 1 they run at 0.21x and the deadline
-    stops them after 3 steps of 32 (98,304 tokens, 19-21% of what they fit). Delivered tokens: p0 + p1 from 41.5% to
-    79.1% of the round's tokens, p1 alone from 19.5% to 37.2%; and their delivered rates next round are ~0.2x their records,
-    so honest leaders then plan them at 2x that (the evidence ceiling) -- the damage outlives the round."""
+def test_b1_a_slow_micro_batch_for_honest_peers_is_refused_by_every_follower_that_reads_their_record():
+    """Bypass found, now refused. A rogue leader (p0, partner p1) planned the three honest peers at micro-batch 1 with
+    the token budgets their best micro-batch fits: the budgets passed every check, but at micro-batch 1 they run at
+    0.21x and the deadline stops them after 3 steps of 32 (98,304 tokens, 19-21% of their fit): p0 + p1 from 41.5%
+    to 79.1% of the round's tokens. The budget is now bounded at the planned micro-batch's rate too
+    (``planner._micro_rate_problem``): the full check, with and without delivered rates, and every light follower
+    that sampled a victim's record refuse it, naming the victim; one that sampled p0 or p1 cannot see it."""
     recs, cfg = five_peers_small_batches(), paper_cfg(window_s=5.0)
     supported = delivered(recs)
     honest = make_plan(recs, cfg, numel=NUMEL, supported_tokens_per_s=supported, **KW)
+    assert check_plan(honest, by_id(recs), cfg, now=T0, supported=supported) is None
+    assert all(check_plan_sampled(honest, by_id([r]), cfg, now=T0, supported=supported) is None for r in recs)
     rogue = with_micro_batch_one(honest, ["p2", "p3", "p4"], cfg)
-    passed = [
-        check_plan(rogue, by_id(recs), cfg, now=T0, supported=supported),
-        check_plan(rogue, by_id(recs), cfg, now=T0),
-        *(check_plan_sampled(rogue, by_id([r]), cfg, now=T0, supported=supported) for r in recs),
-    ]
-    assert passed == [None] * 7
     got, fair = trained_tokens(rogue, recs, cfg), trained_tokens(honest, recs, cfg)
     assert [got[p] for p in ("p2", "p3", "p4")] == [98_304] * 3
     share = lambda t, ps: sum(t[p] for p in ps) / sum(t.values())  # noqa: E731
     assert (round(share(fair, ["p0", "p1"]), 3), round(share(got, ["p0", "p1"]), 3)) == (0.415, 0.791)
-    assert (round(share(fair, ["p1"]), 3), round(share(got, ["p1"]), 3)) == (0.195, 0.372)
-    # what the rule should do: refuse a micro-batch whose record throughput is far under the fit's choice
-    reason = check_plan(rogue, by_id(recs), cfg, now=T0, supported=supported)
-    assert reason is not None, "a rogue plan at micro-batch 1 for three honest peers passed check_plan"
+    full = [
+        check_plan(rogue, by_id(recs), cfg, now=T0, supported=supported),
+        check_plan(rogue, by_id(recs), cfg, now=T0),
+    ]
+    assert all(r is not None and r.startswith("token budget 458752 for p2 at micro-batch 1 exceeds") for r in full), (
+        full
+    )
+    light = {r.peer_id: check_plan_sampled(rogue, by_id([r]), cfg, now=T0, supported=supported) for r in recs}
+    assert light["p0"] is None and light["p1"] is None, light
+    assert all(f"for {p} at micro-batch 1 exceeds" in str(light[p]) for p in ("p2", "p3", "p4")), light
 
 
 def test_b2_half_the_fit_with_covered_times_passes_measured():
