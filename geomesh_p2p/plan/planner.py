@@ -343,13 +343,7 @@ def check_plan(
     if now - plan.created_at > MAX_PLAN_AGE_S:
         return _too_old(plan, now)
     for a in plan.assignments:
-        ceiling = max(PLAN_CHECK_TOLERANCE * by_id[a.peer_id].best_tokens_per_s() * T, _min_steps_tokens(a, cfg))
-        if a.token_budget > ceiling:
-            return (
-                f"token budget {a.token_budget} for {a.peer_id[:10]} exceeds the {ceiling:.0f} its bounded "
-                f"throughput supports in {T:.3g} s"
-            )
-        reason = _micro_rate_problem(a, by_id[a.peer_id], cfg, T)
+        reason = _throughput_problem(a, by_id[a.peer_id], cfg, T, balanced, "its bounded throughput")
         if reason is not None:
             return reason
     ranks = {r.peer_id: ranks_of(r) for r in recs}
@@ -444,10 +438,7 @@ def check_plan_sampled(
                 f"{who} accumulates {a.accum_steps} micro-batches of {a.micro_batch}; target batch "
                 f"{target} means {accum_steps_for(a.micro_batch, target)}"
             )
-        ceiling = max(PLAN_CHECK_TOLERANCE * r.best_tokens_per_s() * T, _min_steps_tokens(a, cfg))
-        if a.token_budget > ceiling:
-            return f"token budget {a.token_budget} for {who} exceeds the {ceiling:.0f} its record supports in {T:.3g} s"
-        reason = _micro_rate_problem(a, r, cfg, T)
+        reason = _throughput_problem(a, r, cfg, T, rule.balanced, "its record")
         if reason is not None:
             return reason
     if abs(plan.train_deadline - plan.created_at - T) > 1e-6 * T + 1e-3:
@@ -490,23 +481,31 @@ def _min_steps_tokens(a: PeerAssignment, cfg: PlanConfig) -> int:
     return cfg.min_inner_steps * int(a.batch_size) * cfg.seq_len
 
 
-def _micro_rate_problem(a: PeerAssignment, record: PeerRecord, cfg: PlanConfig, T: float) -> Optional[str]:
-    """Why assignment ``a`` cannot be trained in the window ``T`` (seconds) at the micro-batch it is planned, or
-    None: its token budget over ``PLAN_CHECK_TOLERANCE`` x ``record``'s tokens/s *at that micro-batch* x ``T``
-    (the best figure's bound, taken at the planned micro-batch), unless it is ``min_inner_steps`` steps of its batch.
-    AWB plans only (uniform methods fix the micro-batch). Red team 36, B1: a rogue leader planned honest peers at
-    micro-batch 1 x 32 accumulation steps with the budgets their best micro-batch fits; at 0.21x the speed the
-    deadline stopped them at a fifth of it, and the leader and its partner took 79 % of the round's tokens (41.5 %
-    honest). An honest leader plans ``floor((T - c) / s)`` steps at the step time of the micro-batch it picks, and a
-    record falls at most ``MAX_TPS_DROP_PER_UPDATE`` (1.4) x per update, under the tolerance. View-dependent: a
-    plain reason."""
-    if not _method_rule(cfg).balanced:
+def _throughput_problem(
+    a: PeerAssignment, record: PeerRecord, cfg: PlanConfig, T: float, balanced: bool, basis: str
+) -> Optional[str]:
+    """Why assignment ``a``'s token budget cannot be trained in the window ``T`` (seconds), or None: over
+    ``PLAN_CHECK_TOLERANCE`` x ``record``'s best tokens/s x ``T``, or (``balanced``: AWB; uniform methods fix the
+    micro-batch) over the same at its tokens/s *at the planned micro-batch*, unless it is ``min_inner_steps`` steps
+    of its batch (:func:`_min_steps_tokens`). ``basis`` names the record in the reason ("its record"). View-dependent:
+    a plain reason.
+
+    The micro-batch bound is red team 36's B1: a rogue leader planned honest peers at micro-batch 1 x 32
+    accumulation steps with the budgets their best micro-batch fits; at 0.21x the speed the deadline stopped them at
+    a fifth of it, and the leader and its partner took 79 % of the round's tokens (41.5 % honest). An honest leader
+    plans ``floor((T - c) / s)`` steps at the step time of the micro-batch it picks, and a record falls at most
+    ``MAX_TPS_DROP_PER_UPDATE`` (1.4) x per update, under the tolerance."""
+    floor = _min_steps_tokens(a, cfg)
+    ceiling = max(PLAN_CHECK_TOLERANCE * record.best_tokens_per_s() * T, floor)
+    if a.token_budget > ceiling:
+        return f"token budget {a.token_budget} for {a.peer_id[:10]} exceeds the {ceiling:.0f} {basis} supports in {T:.3g} s"
+    if not balanced:
         return None
     try:
         rate = interpolate_tokens_per_s(record.tokens_per_s, a.micro_batch)
     except ValueError:
         return None  # no measured throughput: the record checks refuse it
-    ceiling = max(PLAN_CHECK_TOLERANCE * rate * T, _min_steps_tokens(a, cfg))
+    ceiling = max(PLAN_CHECK_TOLERANCE * rate * T, floor)
     if a.token_budget <= ceiling:
         return None
     return (
