@@ -250,14 +250,17 @@ class RunConfig(BaseModel):
         le=MAX_RECORD_SHARDS,
     )
     group_size: Optional[int] = opt(
-        0,
-        "all-reduce groups (mode reencode or accountable): a round of more participants runs in groups of about G, as a two-level "
+        None,
+        "all-reduce groups (re-encoding rounds: mode reencode, accountable, or auto's accountable rounds): a round of "
+        "more participants runs in groups of about G, as a two-level "
         "exchange (a reduce-scatter in each group, an all-reduce of each slice across the groups through a leader, an "
         "all-gather in each group: docs/collective.md, 'All-reduce groups'): ~2G calls per peer instead of 2(N - 1), "
         "at the price of one more sign compression and of robustness (each group and the cross level need honest "
-        "majorities: at least 3 groups of at least 3). About sqrt(N) keeps calls near 4 sqrt(N). 0: one group. auto: "
-        "the smallest G >= sqrt(N) that keeps the honest majority with probability 1 - 1e-6 per round against 1 "
-        "attacker in 4 (one group below 111 participants, 16 at 256, 32 at 1,024)",
+        "majorities: at least 3 groups of at least 3). About sqrt(N) keeps calls near 4 sqrt(N). 0: one group. auto "
+        "(the default since 0.12): the smallest G >= sqrt(N) that keeps the honest majority with probability 1 - 1e-6 "
+        "per round against 1 attacker in 4 (one group below 111 participants, 16 at 256, 32 at 1,024); relay rounds "
+        "stay one group",
+        default_text="auto",
         metavar="G",
         parse="auto_group",
         ge=0,
@@ -271,7 +274,8 @@ class RunConfig(BaseModel):
         # a number or auto (None). Mode auto groups only accountable rounds: a grouped round has >= 9
         # participants (3 groups of 3), where auto is accountable (config.method.AUTO_ACCOUNTABLE_FROM = 5)
         grouped_modes = ("reencode", "accountable") + (("auto",) if self.method in COMPRESSED_METHODS else ())
-        if self.group_size != 0 and self.mode not in grouped_modes:
+        # auto (None, the default) groups the rounds it can and leaves the others one group; a number is a request
+        if self.group_size not in (0, None) and self.mode not in grouped_modes:
             raise ValueError(
                 f"group_size (--group-size) needs mode 'reencode', 'accountable' or 'auto' (--mode): in mode "
                 f"{self.mode!r} every reader checks every input, which a second level would hide"
@@ -309,7 +313,8 @@ class RunConfig(BaseModel):
     #: A field here must not change what a round computes at its default. ``validators_per_part`` (issue 26)
     #: is read in accountable mode only.
     #: ``record_shards`` (issue 25, 0.6.0): at 1 every record stays under ``<run>/peers``, as before.
-    #: ``group_size`` (issue 26, 0.6.x): at 0 every round is one group, as before.
+    #: ``group_size`` (issue 26, 0.6.x): at its default every round is one group, as before (0 until 0.11; auto from
+    #: 0.12, a minor release: auto groups rounds of 111 participants and more).
     #: ``undo_forged`` (issue 26, session 29): off, no plan lists an undo and no round is replayed, as before.
     patch_fields: ClassVar[frozenset[str]] = frozenset(
         {"validators_per_part", "record_shards", "group_size", "undo_forged"}

@@ -77,12 +77,14 @@ class _SleepyLM(torch.nn.Module):
         return type("Out", (), {"loss": loss})()
 
 
-def test_speed_factor_sleeps_in_proportion():
+def test_a_measured_step_cannot_beat_its_sleep():
+    """Real time, bounded on the side load cannot break (load only slows a step); the speed factor's proportion is
+    checked on a fake clock below (a ratio of two real timings failed at load ~5, session 37)."""
     m = _SleepyLM(0.04)
     full = measure_throughput(m, 8, [2], "cpu", steps=3, warmup=0)[2]
     slow = measure_throughput(m, 8, [2], "cpu", steps=3, warmup=0, speed_factor=0.25)[2]
-    assert full <= 2 * 8 / 0.04  # a step cannot beat its sleep
-    assert 0.18 < slow / full < 0.32
+    assert 0 < full <= 2 * 8 / 0.04
+    assert 0 < slow <= 0.25 * 2 * 8 / 0.04
 
 
 def test_speed_factor_halves_measured_throughput(model, monkeypatch):

@@ -242,22 +242,32 @@ def test_an_abbreviated_or_mistyped_flag_is_refused_with_the_flag_it_is_close_to
     assert ei.value.code == 2 and "did you mean --pow-bits?" in capsys.readouterr().err
 
 
-def test_group_size_auto_is_a_run_config_value_and_needs_mode_reencode(capsys):
+def test_group_size_auto_is_the_default_and_a_number_needs_a_re_encoding_mode(capsys):
     """``--group-size auto`` (issue 26: the group size chosen per round, exchange.groups.auto_group_size) is None in
-    the run config, changes its hash (peers must agree on it) and, like a number, is refused in another mode."""
+    the run config and its default since 0.12; a number changes the hash (peers must agree on it) and is refused in
+    a mode whose rounds relay (auto there leaves every round one group)."""
     from peer import node_cli
     from geomesh_p2p.config.models import RunConfig
 
     run = node_cli.run_config_from(_join_ns("--mode", "reencode", "--group-size", "auto"))
     assert run.group_size is None
     assert node_cli.run_config_from(_join_ns("--mode", "reencode", "--group-size", "8")).group_size == 8
-    assert node_cli.run_config_from(_join_ns("--mode", "reencode")).group_size == 0
-    assert run.config_hash() not in (
-        RunConfig(mode="reencode").config_hash(),
-        RunConfig(mode="reencode", group_size=8).config_hash(),
+    assert node_cli.run_config_from(_join_ns("--mode", "reencode")).group_size is None
+    assert node_cli.run_config_from(_join_ns("--mode", "reencode", "--group-size", "0")).group_size == 0
+    assert run.config_hash() == RunConfig(mode="reencode").config_hash()
+    assert (
+        len(
+            {
+                run.config_hash(),
+                RunConfig(mode="reencode", group_size=0).config_hash(),
+                RunConfig(mode="reencode", group_size=8).config_hash(),
+            }
+        )
+        == 3
     )
+    assert RunConfig(mode="relay").group_size is None  # the default in relay: every round one group
     with pytest.raises(ValueError, match=r"group_size \(--group-size\) needs mode 'reencode', 'accountable' or 'auto'"):
-        RunConfig(mode="relay", group_size=None)
+        RunConfig(mode="relay", group_size=8)
     with pytest.raises(SystemExit):
         _join_ns("--group-size", "many")
     assert "expected auto or a number, got 'many'" in capsys.readouterr().err

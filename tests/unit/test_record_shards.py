@@ -54,6 +54,8 @@ def test_the_config_hash_at_one_shard_is_the_hash_of_the_releases_before():
     assert RunConfig(record_shards=16).config_hash() != cfg.config_hash()
     # group_size (issue 26): 0 keeps the hash of the releases before; a grouped run's differs
     assert RunConfig(mode="reencode", group_size=3).config_hash() != RunConfig(mode="reencode").config_hash()
+    # 0.12: auto (None) is the default and hashes as left out; one group asked for (0) is a setting of its own
+    assert RunConfig(group_size=None).config_hash() == cfg.config_hash() != RunConfig(group_size=0).config_hash()
 
 
 def test_a_light_followers_sample_is_drawn_a_shard_at_a_time():
