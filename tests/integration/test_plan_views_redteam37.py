@@ -98,9 +98,9 @@ def test_ceiling_range_spans_the_rate_and_the_seeds_of_a_map_less_one_entry():
 
 
 def test_a_light_follower_that_does_not_bar_the_leaders_barred_owner_passes():
-    """FALSE REFUSAL, fixed. The leader bars g-owner p3 from owning (an owner penalty it saw: planned client-only,
+    """FALSE REFUSAL, fixed. The leader bars owner p3 from owning (an owner penalty it saw: planned client-only,
     no address in the plan); a light follower that did not see the penalty and sampled p3 refused "p3 is placed at
-    None, its record says p3.example:7000" -- in the search, 233 of 300 swarms where the leader barred some owners
+    None, its record says p3.example:7000" -- in the search, 183 of 300 swarms where the leader barred some owners
     had a light follower refuse so. The full check accepts a minority of such bars from 4 possible owners; the light
     check now does the same (the peer counts as a possible owner)."""
     recs, cfg = fast_p0()
@@ -153,6 +153,23 @@ def test_rogue_gain_from_the_delivered_map_tolerance():
         assert check_plan(rogue, by_id(recs), cfg, now=T0, supported=sup) is None
         fair, got = trained_tokens(honest, recs, cfg), trained_tokens(rogue, recs, cfg)
         assert (share(fair, pair), share(got, pair)) == want
+
+
+def test_rogue_gain_from_the_highest_ceiling():
+    """The other side of the tolerance, measured: a peer whose delivered rate is under half the seed may be planned
+    at the seed (as if the leader lacked its rate), the budget a newcomer gets. F2's swarm, partner p2 delivered a
+    quarter of its record last round: honest 3 steps, the rogue leader p1 plans it 7 (the seed of the map less its
+    lowest rate), accepted; p1 + p2 from 16.9 % to 21.7 % of the round's tokens. What sitting a round out gets too."""
+    recs, cfg = fast_p0()
+    sup = delivered(recs)
+    sup["p2"] *= 0.25
+    honest = make_plan(recs, cfg, numel=NUMEL, supported_tokens_per_s=sup, **KW)
+    hi = evidence_ceiling_range(honest.participants(), sup)["p2"][1]
+    rogue = make_plan(recs, cfg, numel=NUMEL, supported_tokens_per_s={**sup, "p2": hi / 2}, **KW)
+    assert check_plan(rogue, by_id(recs), cfg, now=T0, supported=sup) is None
+    assert (honest.assignment("p2").inner_steps, rogue.assignment("p2").inner_steps) == (3, 7)
+    fair, got = trained_tokens(honest, recs, cfg), trained_tokens(rogue, recs, cfg)
+    assert (share(fair, ["p1", "p2"]), share(got, ["p1", "p2"])) == (0.169, 0.217)
 
 
 # ------------------------------------------------------------------------------------------------------- open
