@@ -75,12 +75,13 @@ def evidence_ceiling_range(
     leader seeds that peer at the newcomer seed, and its seed is the lower median of the rates less that entry:
     each peer's range spans :func:`evidence_ceilings`' ``EVIDENCE_GROWTH`` x its rate (when it has one) and the
     seeds of the map less its highest or its lowest rate (the map's own seed lies between). Empty as
-    :func:`evidence_ceilings`; with one usable rate, the leader may have had none at all: the highest is inf."""
+    :func:`evidence_ceilings`. A leader with no usable rate at all plans by the records alone and is not tolerated
+    (that would drop the bound for any leader claiming so): with one rate the seed is that rate."""
     rates = sorted(float(v) for v in (supported or {}).values() if v is not None and math.isfinite(v) and v > 0)
     if not rates:
         return {}
     n = len(rates)
-    lo, hi = (rates[(n - 2) // 2], rates[(n - 2) // 2 + 1]) if n > 1 else (rates[0], math.inf)
+    lo, hi = (rates[(n - 2) // 2], rates[(n - 2) // 2 + 1]) if n > 1 else (rates[0], rates[0])
     own = evidence_ceilings(peer_ids, supported)
     known = {p for p, v in (supported or {}).items() if v is not None and math.isfinite(v) and v > 0}
     return {p: (min(c, lo), max(c, hi)) if p in known else (lo, hi) for p, c in own.items()}
