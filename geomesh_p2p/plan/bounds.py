@@ -66,6 +66,27 @@ def evidence_ceilings(peer_ids: Iterable[str], supported: Optional[Mapping[str, 
     return {p: EVIDENCE_GROWTH * rates[p] if p in rates else seed for p in peer_ids}
 
 
+def evidence_ceiling_range(
+    peer_ids: Iterable[str], supported: Optional[Mapping[str, float]]
+) -> dict[str, tuple[float, float]]:
+    """peer id -> (lowest, highest) tokens/s ceiling an honest leader may have planned it at, for a follower whose
+    delivered map is ``supported``: the leader's map may lack one entry this one has (red team 37: a node computes
+    it from the part results it read, so one that missed the parts listing a peer has it as a newcomer). Such a
+    leader seeds that peer at the newcomer seed, and its seed is the lower median of the rates less that entry:
+    each peer's range spans :func:`evidence_ceilings`' ``EVIDENCE_GROWTH`` x its rate (when it has one) and the
+    seeds of the map less its highest or its lowest rate (the map's own seed lies between). Empty as
+    :func:`evidence_ceilings`. A leader with no usable rate at all plans by the records alone and is not tolerated
+    (that would drop the bound for any leader claiming so): with one rate the seed is that rate."""
+    rates = sorted(float(v) for v in (supported or {}).values() if v is not None and math.isfinite(v) and v > 0)
+    if not rates:
+        return {}
+    n = len(rates)
+    lo, hi = (rates[(n - 2) // 2], rates[(n - 2) // 2 + 1]) if n > 1 else (rates[0], rates[0])
+    own = evidence_ceilings(peer_ids, supported)
+    known = {p for p, v in (supported or {}).items() if v is not None and math.isfinite(v) and v > 0}
+    return {p: (min(c, lo), max(c, hi)) if p in known else (lo, hi) for p, c in own.items()}
+
+
 #: no token budget exceeds this many times the plan's lower-median budget (unless it is a single
 #: ``min_inner_steps`` block of its own batch). Honest budgets spread by throughput *and* by link:
 #: a slow link leaves a peer less of the window (the paper's 4 GPUs with an fp32 exchange, sim

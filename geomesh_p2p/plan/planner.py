@@ -37,7 +37,7 @@ from geomesh_p2p.plan.bounds import (
     bound_ranks,
     budget_limit,
     check_records,
-    evidence_ceilings,
+    evidence_ceiling_range,
     max_token_share,
 )
 from geomesh_p2p.plan.cost import (
@@ -424,11 +424,10 @@ def check_plan_sampled(
         r = sampled.get(a.peer_id)
         if r is None:
             continue
-        # client-only with an address in its record: the leader's call for a peer on probation or one this
-        # follower bars from owning (an owner penalty), as make_plan does; otherwise an address stripped to
-        # shrink the possible owners (the ownership bound below counts the plan's addresses)
-        client_only_ok = a.address is None and (a.probation or a.peer_id in barred)
-        if a.address != r.address and not client_only_ok:
+        # client-only with an address in its record: the leader's owner bar (or probation), as make_plan does; it
+        # still counts as a possible owner below, so only the full check's minority of leader's bars passes (red
+        # team 37: a light follower that did not bar it refused every plan of a leader that did)
+        if a.address != r.address and a.address is not None:
             return f"{who} is placed at {a.address}, its record says {r.address}"
         if a.micro_batch > r.max_batch:
             return f"micro-batch {a.micro_batch} for {who} exceeds the {r.max_batch} its record supports"
@@ -458,7 +457,10 @@ def check_plan_sampled(
     if reason is not None:
         return reason
     on_probation = set(plan.probation())
-    possible = {a.peer_id for a in plan.assignments if a.address is not None and a.peer_id not in on_probation}
+    placed = {
+        a.peer_id: a.address or (sampled[a.peer_id].address if a.peer_id in sampled else None) for a in plan.assignments
+    }
+    possible = {pid for pid, addr in placed.items() if addr is not None and pid not in on_probation}
     return _ownership_problem(plan, cfg, possible, barred)
 
 
@@ -559,16 +561,16 @@ def _budget_problem(plan: RoundPlan, cfg: PlanConfig, ranks: Mapping[str, int]) 
 
 
 def _evidence_problem(plan: RoundPlan, cfg: PlanConfig, supported: Optional[Mapping[str, float]]) -> Optional[str]:
-    """Budgets against what delivered work supports (see :func:`check_plan`); None for uniform methods (every
-    peer gets the same steps) and when ``supported`` has no usable rate."""
+    """Budgets against what delivered work supports (see :func:`check_plan`), at the highest ceiling an honest leader
+    may use (:func:`evidence_ceiling_range`); None for uniform methods and when ``supported`` has no usable rate."""
     if not _method_rule(cfg).balanced:
         return None
-    ceilings = evidence_ceilings(plan.participants(), supported)
+    ceilings = evidence_ceiling_range(plan.participants(), supported)
     if not ceilings:
         return None
     T = plan.window_s
     for a in plan.assignments:
-        limit = PLAN_CHECK_TOLERANCE * ceilings[a.peer_id] * T
+        limit = PLAN_CHECK_TOLERANCE * ceilings[a.peer_id][1] * T
         floor = _min_steps_tokens(a, cfg)
         if a.token_budget > max(limit, floor):
             rate = (supported or {}).get(a.peer_id)
@@ -653,7 +655,7 @@ def _under_plan_problem(
       :class:`ContentRefusal` (every honest follower gives it and bypasses the plan).
     * ``records`` (bounded as the leader's), every tokens/s figure divided by ``UNDER_PLAN_TOLERANCE`` (a leader
       may hold the record one update older, at most 2x slower), and no further tolerance:
-      :func:`~geomesh_p2p.plan.awb.window_fit` at the delivered-work ceiling of ``supported``, what an honest
+      :func:`~geomesh_p2p.plan.awb.window_fit` at the lowest ceiling of ``evidence_ceiling_range(supported)``, what an honest
       leader holding that slower record plans before the caps (the fit is monotone in the figures, so a leader
       with a faster view plans as many tokens or more, up to a step). Only with usable ``supported`` rates:
       without them this follower cannot tell a leader's evidence cap (a peer that delivered little is planned at
@@ -670,7 +672,7 @@ def _under_plan_problem(
             f"1/{PLAN_CHECK_TOLERANCE:g} of the {expected} its own predicted times fit in the {T:.3g} s window, "
             "and no cap of the plan explains fewer"
         )
-    ceilings = evidence_ceilings(plan.participants(), supported)
+    ceilings = evidence_ceiling_range(plan.participants(), supported)  # the lowest (red team 37, F2)
     if not ceilings:
         return None
     fits: dict[str, tuple[int, int]] = {}
@@ -686,7 +688,7 @@ def _under_plan_problem(
             older = r.model_copy(
                 update={"tokens_per_s": slower, "upload_bps": r.upload_bps / k, "download_bps": r.download_bps / k}
             )
-            fits[pid] = window_fit(older, T, cfg, ceilings.get(pid))
+            fits[pid] = window_fit(older, T, cfg, ceilings[pid][0] if pid in ceilings else None)
         except (ValueError, ArithmeticError):
             continue  # a record the planner cannot plan: the other checks judge it
     found = _under_planned(plan, cfg, fits, ranks, 1.0)

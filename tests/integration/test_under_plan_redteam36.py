@@ -3,7 +3,7 @@
 Each ``test_f*`` is an honest plan an honest follower must accept; each ``test_b*`` a rogue plan that under-plans
 honest peers. F1 (a link figure that improved between the leader's read and the follower's) refused 92 of 400
 random honest swarms before the records check fitted the exchange at the plan's stated time (up to 4x the record's,
-one link update). B1 (a slow micro-batch for the honest peers) is refused since the budget is bounded at the planned micro-batch's rate. F2 is open: marked xfail (strict), so a fix shows. B2 measures the documented limit (half
+one link update). B1 (a slow micro-batch for the honest peers) is refused since the budget is bounded at the planned micro-batch's rate. F2 is fixed since session 37 (bounds.evidence_ceiling_range). B2 measures the documented limit (half
 the fit passes) and passes.
 """
 
@@ -102,11 +102,6 @@ def test_f1_random_honest_swarms_refused_after_one_link_update():
     assert not refused, (len(refused), refused[:3])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="open (session 36): a follower whose delivered map has a rate the leader's lacks fits the peer faster than "
-    "the leader's newcomer seed; the maps are the same at every peer that applied the round (not shown in a run)",
-)
 def test_f2_delivered_maps_that_differ_refuse_the_honest_plan():
     """FALSE REFUSAL (plain), conditional on the leader's and the follower's delivered-rate maps differing (the
     docs say every peer that applied the round computes the same one; a peer computes it from the part results it
@@ -123,7 +118,9 @@ def test_f2_delivered_maps_that_differ_refuse_the_honest_plan():
     assert plan.assignment("p0").inner_steps == 8
     assert check_plan(plan, by_id(recs), cfg, now=T0, supported=leader_sup) is None
     reason = check_plan(plan, by_id(recs), cfg, now=T0, supported=follower_sup)
-    assert reason is None, reason  # fails: "p0 gets 8 inner steps (524288 tokens), under the 1179648 ..."
+    assert reason is None, (
+        reason
+    )  # was "p0 gets 8 inner steps (524288 tokens), under the 1179648 ..." (fixed, session 37)
 
 
 # --------------------------------------------------------------------------------------------------- bypasses
