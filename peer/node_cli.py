@@ -408,6 +408,7 @@ def cmd_join(ns: argparse.Namespace) -> int:
     from geomesh_p2p.model.memory import limit_malloc_arenas
     from geomesh_p2p.node.host import set_threads
     from geomesh_p2p.node.peer import PeerNode
+    from geomesh_p2p.node.checkpoints import remove_empty_folders
     from geomesh_p2p.trust.admission import discard_new_identity
 
     limit_malloc_arenas()  # before the node's worker threads exist (docs/real-size.md)
@@ -434,7 +435,7 @@ def cmd_join(ns: argparse.Namespace) -> int:
     inputs = join_inputs(ns, "geomesh-peer join")
     if inputs is None:
         return 2
-    ranks = None
+    ranks, node = None, None
     try:
         node = PeerNode(*inputs)
         node.bootstraps_pinged = pinged  # pinged above, before torch: not again before the proof of work
@@ -455,6 +456,8 @@ def cmd_join(ns: argparse.Namespace) -> int:
             ranks.close()
         # a key file this start created goes with a failed start (kept once the node served: PeerNode.run)
         discard_new_identity(inputs[2])
+        if node is not None:  # folders it made and left empty (a refused start: fresh user, session 37)
+            remove_empty_folders(node.made_dirs)
 
 
 def rank_layout(ns: argparse.Namespace, prog: str):

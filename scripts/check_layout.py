@@ -67,6 +67,7 @@ IN_FUNCTION_IMPORTS: dict[tuple[str, str], str] = {
     ("peer/node_cli.py", "geomesh_p2p.dht"): _CLI,
     ("peer/node_cli.py", "geomesh_p2p.model.memory"): _CLI,
     ("peer/node_cli.py", "geomesh_p2p.node.host"): _CLI,
+    ("peer/node_cli.py", "geomesh_p2p.node.checkpoints"): _CLI,
     ("peer/node_cli.py", "geomesh_p2p.model.state"): _CLI,
     ("peer/node_cli.py", "geomesh_p2p.net.identity"): _CLI,
     ("peer/node_cli.py", "geomesh_p2p.net.links"): _CLI,

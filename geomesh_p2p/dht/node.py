@@ -346,7 +346,7 @@ class DHTNode(DHTJoin):
                 while len(self._targets) > MAX_CACHED_TARGETS:
                     self._targets.popitem(last=False)
             if not all(result[q]) and reasons:
-                self._once(logging.INFO, f"store {records[0].key!r}", f"not accepted: {reasons[0]}")
+                self._once(logging.INFO, f"store {records[0].key!r}", f"not stored everywhere: {reasons[0]}")
 
         await asyncio.gather(*(store_key(q) for q in key_ids))
         return result

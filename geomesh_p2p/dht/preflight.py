@@ -136,7 +136,7 @@ def other_run_message(address: str, reason: str, own_run: str) -> str:
     :mod:`geomesh_p2p.net.identity` from the bootstrap's side ("message is for run 'a', this node serves 'b'")."""
     m = re.search(r"this node serves ('.*')", reason)
     theirs = m.group(1) if m else "another run"
-    return f"could not join the DHT: bootstrap {address} serves run {theirs}, this peer asked for run {own_run!r}: check --run-id"
+    return f"could not join the DHT: bootstrap {address} serves run {theirs}, not the run {own_run!r} asked for: check --run-id"
 
 
 def ping_request(sender: "dht_pb2.NodeInfo") -> "dht_pb2.PingRequest":

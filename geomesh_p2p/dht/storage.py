@@ -111,7 +111,9 @@ class DHTStorage(DHTNodeState):
                     return dht_pb2.StoreOutcome(
                         stored=False,
                         code=0,
-                        reason=f"a value expiring {cur_exp - vr.expiration_time:+.1f}s later is held",
+                        # worded for a volunteer who restarted (fresh user, session 37: "reads like an error")
+                        reason=f"a replica keeps an earlier store of this slot, which expires "
+                        f"{cur_exp - vr.expiration_time:.1f} s after this one (e.g. from before a restart)",
                     )
             data = rec.SerializeToString()
             slot = (vr.key_id, vr.subkey)

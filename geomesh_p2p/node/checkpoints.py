@@ -33,23 +33,37 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("geomesh_p2p.node.peer")
 
-__all__ = ["Checkpointer", "CheckpointAbandoned", "check_writable_dir"]
+__all__ = ["Checkpointer", "CheckpointAbandoned", "check_writable_dir", "remove_empty_folders"]
 
 
-def check_writable_dir(path: str, flag: str) -> Path:
-    """Create ``path`` if needed and check that a file can be written there (then removed).
+def check_writable_dir(path: str, flag: str, made: Optional[list[Path]] = None) -> Path:
+    """Create ``path`` if needed and check that a file can be written there (then removed). ``made``, when given,
+    gets the folders this call created, deepest first (a failed start removes them again when they are empty:
+    :func:`remove_empty_folders`; fresh user, session 37: a refused start left an empty checkpoint folder).
 
     Raises:
         UserFacingError: one line naming ``flag`` and the reason (read-only, not a directory, no permission).
     """
     d = Path(path).expanduser()
     try:
+        if made is not None:
+            made.extend(p for p in (d, *d.parents) if not p.exists())
         d.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=d, prefix=".write-check-"):
             pass
     except OSError as e:
         raise UserFacingError(f"{flag} {path}: cannot write there ({e.strerror or e})") from None
     return d
+
+
+def remove_empty_folders(folders: list[Path]) -> None:
+    """Remove ``folders`` (deepest first) while each is empty; stops at the first that is not, or cannot be
+    removed. Raises nothing (it runs on the way out of a failed start)."""
+    for folder in folders:
+        try:
+            folder.rmdir()
+        except OSError:
+            break
 
 
 def _none() -> None:

@@ -75,18 +75,12 @@ from geomesh_p2p.model.build import pseudo_gradient
 from geomesh_p2p.net.transport import Transport, TransportConfig
 from geomesh_p2p.net.tls import tls_from_flags
 
+#: the second Ctrl+C's hint (fresh user, session 37)
+_FORCE_HINT = "(seconds: the round's exchange and a checkpoint; SIGKILL forces it, and the others then wait out this peer's parts)"
 log = logging.getLogger(__name__)
 
-__all__ = [
-    "PeerNode",
-    "RunConfig",
-    "NodeConfig",
-    "StoppedBeforeJoining",
-    "DuplicateIdentityError",
-    "check_writable_dir",
-    "OWNER_PENALTY_ROUNDS",
-    "RoundRecord",
-]
+__all__ = ["PeerNode", "RunConfig", "NodeConfig", "StoppedBeforeJoining", "DuplicateIdentityError"]
+__all__ += ["check_writable_dir", "OWNER_PENALTY_ROUNDS", "RoundRecord"]
 
 #: Bandwidth assumed for a direction that is neither stated nor measured yet (bytes/s, 800 Mbit/s).
 DEFAULT_LINK_BPS = 1e8
@@ -138,6 +132,7 @@ class PeerNode:
         self.transport: Optional[Transport] = None
         self.max_batch = 1
         self._leaving = False  # announced once this peer is on its way out (Ctrl+C / SIGTERM)
+        self.made_dirs: list[Path] = []  # folders start() made (--checkpoint-dir): the CLI removes them left empty
         #: another live process runs this PeerID (joining.check_identity_unique): its record is not this one's
         self.identity_taken = False
         self.round_log: Optional[RoundLog] = None  # made by start(); None once shut down
@@ -357,6 +352,8 @@ class PeerNode:
     def request_stop(self) -> None:
         """Stop after the current step (or the exchange under way); a second request says so too (was silent)."""
         what = "finishing the exchange first" if self._in_exchange else "leaving"
+        if self._stop.is_set():  # fresh user, session 37: a second Ctrl+C gave no hint how long, or how to force
+            what += f" cleanly {_FORCE_HINT}"
         log.info("stop requested%s: %s", " again (already under way)" if self._stop.is_set() else "", what)
         self._stop.set()
 
@@ -366,7 +363,7 @@ class PeerNode:
         if c.threads:
             torch.set_num_threads(c.threads)
         if c.checkpoint_dir:
-            check_writable_dir(c.checkpoint_dir, "--checkpoint-dir")
+            check_writable_dir(c.checkpoint_dir, "--checkpoint-dir", self.made_dirs)
         # This machine's own resources, one line each and before the DHT join (issue 14 #10), not after the probes.
         if c.device.startswith("cuda") and not torch.cuda.is_available():
             raise StartInputError(  # a flag this machine cannot serve: exit 2, as for a bad flag

@@ -110,9 +110,12 @@ def test_incompatible_run_config_is_refused_saying_what_differs(tmp_path):
         # refused right after joining the DHT: no data loading, no device profiling first
         assert "tokens/s per batch" not in r.stdout + r.stderr
         # the same key in a second process (issue 14 #7): refused, naming where it already runs
-        r = _join(tmp_path, "--bootstrap", entry, "--identity", str(tmp_path / "a.key"))
+        # with a --checkpoint-dir that did not exist: the refused start leaves no empty folder (fresh user, s37)
+        ckpt = tmp_path / "new" / "ckpt"
+        r = _join(tmp_path, "--bootstrap", entry, "--identity", str(tmp_path / "a.key"), "--checkpoint-dir", str(ckpt))
         line = _one_line_error(r)
         assert "is already live at 127.0.0.1:" in line and "own key file" in line
+        assert not (tmp_path / "new").exists()
         assert swarm.procs["a"].poll() is None  # the first one goes on
     finally:
         swarm.stop_all()

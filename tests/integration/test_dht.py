@@ -160,7 +160,7 @@ async def test_join_refused_by_another_run_says_so_without_retrying():
             await start_node([other.address], identity=me, join_attempts=5, join_backoff_s=1.0)
         assert str(ei.value) == (
             f"could not join the DHT: bootstrap {other.address} serves run 'another-run', "
-            f"this peer asked for run '{RUN}': check --run-id"
+            f"not the run '{RUN}' asked for: check --run-id"
         )
         # a refusal is final: no backoff, no second attempt
         assert [e for e in retries if e["peer"] == me.peer_id.to_string()] == []

@@ -77,7 +77,7 @@ async def test_a_wrong_run_id_is_not_reported_as_no_answer():
         msg = str(ei.value)
         assert msg == (
             f"could not join the DHT: bootstrap {boot.transport.address} serves run 'run-a', "
-            f"this peer asked for run 'run-b': check --run-id"
+            f"not the run 'run-b' asked for: check --run-id"
         )
     finally:
         await stop_node(boot)
@@ -141,7 +141,7 @@ async def test_a_wrong_run_id_is_named_before_the_proof_of_work(caplog):
             await asyncio.wait_for(node.start(), 30)
         assert str(ei.value) == (
             f"could not join the DHT: bootstrap {boot.transport.address} serves run 'run-a', "
-            f"this peer asked for run 'run-b': check --run-id"
+            f"not the run 'run-b' asked for: check --run-id"
         )
         assert not [r for r in caplog.records if "proof of work" in r.getMessage()]
         assert getattr(node, "transport", None) is None  # the node itself never listened

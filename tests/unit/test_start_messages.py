@@ -196,8 +196,8 @@ def test_other_run_message_names_both_runs_from_this_peers_side():
 
     msg = other_run_message("127.0.0.1:31337", "message is for run 'lonely', this node serves 'my-run'", "lonely")
     assert msg == (
-        "could not join the DHT: bootstrap 127.0.0.1:31337 serves run 'my-run', this peer asked for "
-        "run 'lonely': check --run-id"
+        "could not join the DHT: bootstrap 127.0.0.1:31337 serves run 'my-run', not the run 'lonely' asked "
+        "for: check --run-id"
     )
 
 
@@ -229,7 +229,7 @@ def test_status_says_it_reached_a_bootstrap_of_another_run(capsys, monkeypatch):
     _, err = capsys.readouterr()
     assert err.splitlines() == [
         "geomesh-peer status: reached the bootstrap, but bootstrap 127.0.0.1:31337 serves run "
-        "'my-run', this peer asked for run 'lonely': check --run-id"
+        "'my-run', not the run 'lonely' asked for: check --run-id"
     ]
 
 

@@ -23,5 +23,6 @@ def test_a_second_stop_request_is_said_and_changes_nothing(caplog):
     assert node._stop.is_set()
     assert [r.getMessage() for r in caplog.records] == [
         "stop requested: leaving",
-        "stop requested again (already under way): finishing the exchange first",
+        "stop requested again (already under way): finishing the exchange first cleanly (seconds: the round's "
+        "exchange and a checkpoint; SIGKILL forces it, and the others then wait out this peer's parts)",
     ]
