@@ -24,7 +24,7 @@ import torch
 
 # which files are checkpoints: without torch there (the CLIs check a folder before torch's import)
 from geomesh_p2p.model.ckpt_files import list_checkpoints as list_checkpoints
-from geomesh_p2p.model.digest import DIGEST_ALGO, LEGACY_DIGEST_ALGO, legacy_digest, tree_digest
+from geomesh_p2p.model.digest import DIGEST_ALGO, LEGACY_DIGEST_ALGO, SHA256_TREE_ALGO, legacy_digest, tree_digest
 from geomesh_p2p.util.atomic import atomic_write
 
 __all__ = [
@@ -68,10 +68,11 @@ def digest(theta: torch.Tensor, momentum: torch.Tensor | None = None, *, workers
     """Identity of a global state: 32 hex chars.
 
     :data:`~geomesh_p2p.model.digest.DIGEST_ALGO` (:func:`~geomesh_p2p.model.digest.tree_digest`): a tree of
-    SHA-256 over 8 MiB chunks of the raw little-endian fp32 bytes of ``theta`` followed, when given, by those
+    BLAKE3 over 8 MiB chunks of the raw little-endian fp32 bytes of ``theta`` followed, when given, by those
     of ``momentum``, the chunks hashed on ``workers`` threads (default: torch's thread count); the same value
     for any thread count. Any bit flip changes it; ``-0.0`` and ``0.0`` differ, as do NaN payloads.
-    Throughput ~1.6 GiB/s per thread with SHA-NI (issue 27; blake2b before 0.3.0: 0.66 GiB/s, one thread).
+    Throughput ~3.9 GB/s per thread here (issue 27; a SHA-256 tree from 0.3.0 to 0.11, ~1.3 GB/s; blake2b before
+    0.3.0, ~0.7 GB/s in one thread).
 
     Raises:
         StateError: a tensor is not fp32.
@@ -100,18 +101,21 @@ def verify_checkpoint_digest(
         if got != record.get("digest"):
             raise CheckpointError(f"corrupt checkpoint {where}: digest {got} != recorded {record.get('digest')}")
         return got
-    if algo == LEGACY_DIGEST_ALGO:
-        views = [_le_bytes(theta)] + ([_le_bytes(momentum)] if momentum is not None else [])
-        old = legacy_digest(views)
+    older = {  # the digests of earlier releases: verified with theirs, the state takes this release's
+        SHA256_TREE_ALGO: (lambda v: tree_digest(v, algo=SHA256_TREE_ALGO), "the digest of releases 0.3.0 to 0.11"),
+        LEGACY_DIGEST_ALGO: (legacy_digest, "blake2b, the digest of releases before 0.3.0"),
+    }
+    if algo in older:
+        fn, what = older[algo]
+        old = fn([_le_bytes(theta)] + ([_le_bytes(momentum)] if momentum is not None else []))
         if old != record.get("digest"):
             raise CheckpointError(
-                f"corrupt checkpoint {where}: digest {old} != recorded {record.get('digest')} (blake2b, the digest "
-                "of releases before 0.3.0)"
+                f"corrupt checkpoint {where}: digest {old} != recorded {record.get('digest')} ({what})"
             )
         return digest(theta, momentum)
     raise CheckpointError(
         f"checkpoint {where}: its digest is {str(algo)[:40]!r}, which this release does not know (it verifies "
-        f"{DIGEST_ALGO} and, for checkpoints of releases before 0.3.0, {LEGACY_DIGEST_ALGO}): written by a newer "
+        f"{DIGEST_ALGO}, {SHA256_TREE_ALGO} of 0.3.0-0.11 and {LEGACY_DIGEST_ALGO} of older releases): written by a newer "
         "release?"
     )
 

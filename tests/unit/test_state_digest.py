@@ -1,17 +1,19 @@
-"""The state digest at memory speed (issue 27): a tree of SHA-256 over 8 MiB leaves hashed on threads
-(geomesh_p2p.model.digest), the same value for any thread count, the GlobalState's buffer hash equal to
-``digest(theta, momentum)``; checkpoints record the algorithm, and those of releases before 0.3.0 (blake2b, no
-``digest_algo``) are still read, verified with blake2b, and take the new digest."""
+"""The state digest at memory speed (issue 27): a tree of BLAKE3 over 8 MiB leaves hashed on threads
+(geomesh_p2p.model.digest; SHA-256 from 0.3.0 to 0.11), the same value for any thread count, the GlobalState's
+buffer hash equal to ``digest(theta, momentum)``; checkpoints record the algorithm, and those of earlier releases
+(the SHA-256 tree; blake2b, no ``digest_algo``, before 0.3.0) are still read, verified with theirs, and take the
+new digest."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 
+import blake3
 import pytest
 import torch
 
-from geomesh_p2p.model.digest import DIGEST_ALGO, DIGEST_CHUNK_BYTES, legacy_digest, tree_digest
+from geomesh_p2p.model.digest import DIGEST_ALGO, DIGEST_CHUNK_BYTES, SHA256_TREE_ALGO, legacy_digest, tree_digest
 from geomesh_p2p.model.export import ExportError, load_checkpoint
 from geomesh_p2p.model.state import (
     CheckpointError,
@@ -24,11 +26,16 @@ from geomesh_p2p.model.state import (
 pytestmark = pytest.mark.timeout(60)
 
 
-def reference(data: bytes, chunk: int = DIGEST_CHUNK_BYTES) -> str:
-    """The algorithm as docs/real-size.md states it, written independently of the code under test."""
-    leaves = b"".join(hashlib.sha256(data[i : i + chunk]).digest() for i in range(0, len(data), chunk))
-    head = b"geomesh-state-digest-v2" + len(data).to_bytes(8, "little") + chunk.to_bytes(8, "little")
-    return hashlib.sha256(head + leaves).hexdigest()[:32]
+def reference(data: bytes, chunk: int = DIGEST_CHUNK_BYTES, h=blake3.blake3, prefix=b"geomesh-state-digest-v3") -> str:
+    """The algorithm as docs/real-size.md states it, written independently of the code under test (``h`` and
+    ``prefix``: hashlib.sha256 and ``-v2`` for the tree of releases 0.3.0 to 0.11)."""
+    leaves = b"".join(h(data[i : i + chunk]).digest() for i in range(0, len(data), chunk))
+    head = prefix + len(data).to_bytes(8, "little") + chunk.to_bytes(8, "little")
+    return h(head + leaves).hexdigest()[:32]
+
+
+def sha256_reference(data: bytes, chunk: int = DIGEST_CHUNK_BYTES) -> str:
+    return reference(data, chunk, hashlib.sha256, b"geomesh-state-digest-v2")
 
 
 def le(t: torch.Tensor) -> bytes:
@@ -41,7 +48,7 @@ def test_tree_digest_is_the_stated_algorithm_for_any_thread_count():
     theta = torch.randn(5 * 2**20 + 3, generator=g)
     mom = torch.randn(theta.numel(), generator=g)
     want = reference(le(theta) + le(mom))
-    assert DIGEST_ALGO == "sha256-tree-8MiB"
+    assert (DIGEST_ALGO, SHA256_TREE_ALGO) == ("blake3-tree-8MiB", "sha256-tree-8MiB")
     assert [digest(theta, mom, workers=w) for w in (1, 2, 3, 8)] == [want] * 4
     gs = GlobalState(theta.numel(), k=1)
     gs.load(0, theta, mom)
@@ -51,9 +58,15 @@ def test_tree_digest_is_the_stated_algorithm_for_any_thread_count():
     for chunk in (1, 7, 4096):
         data = le(theta[:1000]) + le(mom[:777])
         assert tree_digest(views, workers=3, chunk_bytes=chunk) == reference(data, chunk)
+        assert tree_digest(views, workers=2, chunk_bytes=chunk, algo=SHA256_TREE_ALGO) == sha256_reference(data, chunk)
     assert digest(theta[:0]) == reference(b"")
+    assert tree_digest([memoryview(le(theta) + le(mom))], algo=SHA256_TREE_ALGO) == sha256_reference(
+        le(theta) + le(mom)
+    )
     with pytest.raises(ValueError):
         tree_digest(views, chunk_bytes=0)
+    with pytest.raises(ValueError, match="unknown digest algorithm 'md5'"):
+        tree_digest(views, algo="md5")
 
 
 def test_every_bit_counts_and_the_layout_is_part_of_it():
@@ -105,9 +118,29 @@ def test_a_checkpoint_records_its_algorithm_and_an_unknown_one_is_refused(tmp_pa
     record = json.loads(meta.read_text())
     assert (record["digest_algo"], record["digest"]) == (DIGEST_ALGO, digest(theta))
     assert load_latest_checkpoint(tmp_path)[3]["digest"] == digest(theta)
-    record["digest_algo"] = "blake3-tree"
+    record["digest_algo"] = "blake4-tree"
     meta.write_text(json.dumps(record))
-    with pytest.raises(CheckpointError, match="its digest is 'blake3-tree', which this release does not know"):
+    with pytest.raises(CheckpointError, match="its digest is 'blake4-tree', which this release does not know"):
         load_latest_checkpoint(tmp_path)
     with pytest.raises(ExportError, match="written by a newer release"):
         load_checkpoint(tmp_path)
+
+
+def test_a_checkpoint_of_0_3_to_0_11_is_verified_with_the_sha256_tree_and_takes_the_new_digest(tmp_path):
+    """0.12.0 changed the tree's hash to BLAKE3 (session 37): a checkpoint that names ``sha256-tree-8MiB`` is checked
+    with it, loads, and its state takes this release's digest; a damaged one is refused naming that algorithm."""
+    g = torch.Generator().manual_seed(2)
+    theta, mom = torch.randn(10_000, generator=g), torch.randn(10_000, generator=g)
+    meta = save_checkpoint(tmp_path, round=3, theta=theta, momentum=mom, meta={"run_config_hash": "abc"})
+    record = json.loads(meta.read_text())
+    old = sha256_reference(le(theta) + le(mom))
+    record.update(digest_algo=SHA256_TREE_ALGO, digest=old)
+    meta.write_text(json.dumps(record))
+    rnd, th, mo, rec = load_latest_checkpoint(tmp_path)
+    assert rnd == 3 and torch.equal(th, theta) and torch.equal(mo, mom)
+    assert (rec["digest"], rec["legacy_digest"], rec["digest_algo"]) == (digest(theta, mom), old, DIGEST_ALGO)
+    assert digest(theta, mom) != old
+    record["digest"] = "f" * 32
+    meta.write_text(json.dumps(record))
+    with pytest.raises(CheckpointError, match=r"!= recorded f{32} \(the digest of releases 0.3.0 to 0.11\)"):
+        load_latest_checkpoint(tmp_path)
