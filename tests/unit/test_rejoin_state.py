@@ -85,3 +85,6 @@ async def test_at_the_same_round_the_minority_digest_rejoins_the_majority(monkey
     assert node.rejoin_state(view) == (46, "r46")
     node.syncing = True  # a catch-up under way: nothing to decide
     assert node.rejoin_state(view) is None
+    # a ledger that knows none of them (a vote of addresses): fresh identities pull nobody off its state
+    node, _ = _node(me, Standing(), view, monkeypatch, round=46, digest="fork")
+    assert node.state_vote(view).choice.mode == "fresh" and node.rejoin_state(view) is None

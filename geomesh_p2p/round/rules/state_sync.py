@@ -625,6 +625,8 @@ class StateSync:
         the live swarm trains on). The state is :meth:`state_vote`'s choice over the live others' records
         (standing-weighted, as a healed partition's, ``standing.choose_state``) when all of these hold:
 
+        * the vote is by standing (its backers delivered in rounds this peer applied): a vote of addresses (a
+          ledger that knows none of them) would let fresh identities pull a peer off its state;
         * it is at this peer's round or an earlier one, with another digest (a later one: :meth:`behind`);
         * more live peers announce it than announce this peer's state, this peer counted: the minority side
           moves, never the majority (one peer claiming a state of its own moves nobody);
@@ -639,7 +641,7 @@ class StateSync:
             return None
         live = self.voters([r for r in recs if not r.leaving and r.peer_id != self.state.me and r.weights_digest])
         choice = self.state_vote(live).choice
-        if choice is None or choice.round > held_round or choice.digest == held_digest:
+        if choice is None or choice.mode != "standing" or choice.round > held_round or choice.digest == held_digest:
             return None
         backers = sum(1 for r in live if (r.round, r.weights_digest) == (choice.round, choice.digest))
         mine = 1 + sum(1 for r in live if (r.round, r.weights_digest) == (held_round, held_digest))
