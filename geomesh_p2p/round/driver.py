@@ -180,6 +180,9 @@ class RoundDriver:
         self._confirmed_round: int = 0
         #: the latest round the swarm's vote was seen at (behind / gather), for the line of a peer left alone
         self._swarm_seen: int = 0
+        #: the (round, digest) states a start-up gather re-synced toward (:func:`~geomesh_p2p.round.gather.rejoin`):
+        #: each is tried once, a catch-up that kept this peer's state is not repeated every read of the wait
+        self._rejoin_tried: set[tuple[int, str]] = set()
         #: swarm seconds when this driver (this process's session of the run) began: leaving records announced
         #: before it are a previous session's, no sign that the swarm ended now (resync.swarm_ended)
         self.started_at: float = swarm_time()

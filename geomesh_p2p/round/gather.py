@@ -112,6 +112,8 @@ async def gather(drv: RoundDriver, expected: set[str], *, first: bool) -> Option
             if ended is not None and left_reads >= 2:
                 end_run(drv, ended)
                 return None
+            if first and short and not drv.stop.is_set() and await rejoin(drv, everyone):
+                return None  # re-synced (or tried to): the next pass gathers at the state this peer holds now
             wait_s = drv.cfg.wait_peers_s if first or short else drv.cfg.gather_wait_s
             syncing = [
                 r
@@ -173,6 +175,43 @@ async def gather(drv: RoundDriver, expected: set[str], *, first: bool) -> Option
                 return synced
     finally:
         note_sync_outcomes(drv, waits, {r.peer_id for r in synced})
+
+
+async def rejoin(drv: RoundDriver, everyone: list[PeerRecord]) -> bool:
+    """A start-up gather short of ``min_peers``: when the live others' vote backs a state at this peer's round or
+    an earlier one that more of them hold than hold this peer's (``policy.rejoin_state``: the rule a healed
+    partition follows, docs/round.md "Peers resumed at different rounds"), re-sync to it now (one INFO line, then
+    the catch-up's own WARNING says what is discarded) instead of waiting the whole ``wait_peers_s`` and forking
+    (a fresh-user trial, session 37: a whole swarm stopped at once resumed at rounds 46, 46 and 47; each side
+    waited 60 s for the other). True when it re-synced or tried to; each state is tried once per session."""
+    target = drv.policy.rejoin_state(everyone)
+    if target is None or target in drv._rejoin_tried:
+        return False
+    drv._rejoin_tried.add(target)
+    before, confirmed = (drv.state.round, drv.state.digest), drv._confirmed_round
+    events.emit(
+        log,
+        logging.INFO,
+        "rejoin_resync",
+        "round %d: the live peers' vote backs the state of round %d (digest %s), held by more of them than hold "
+        "this peer's (digest %s): re-syncing to it now instead of waiting for --min-peers",
+        drv.state.round,
+        target[0],
+        target[1][:8],
+        (drv.state.digest or "")[:8],
+        peer=drv.me,
+        round=target[0],
+        digest=target[1],
+        held_round=drv.state.round,
+        held_digest=drv.state.digest,
+    )
+    # the rounds this peer held past that state were never confirmed by the live swarm: penalties and standing
+    # credits noted in them go with them (resync.forget_blame)
+    drv._confirmed_round = min(confirmed, target[0])
+    await drv.resync(f"the live swarm holds the state of round {target[0]}")
+    if (drv.state.round, drv.state.digest) == before:
+        drv._confirmed_round = confirmed  # kept its state: nothing of it was discarded
+    return True
 
 
 def finishing_end(drv: RoundDriver, t0: float) -> Optional[float]:

@@ -213,10 +213,27 @@ async def agree(drv: RoundDriver, ctx: RoundContext) -> bool:
         finally:
             done.set()  # the lookup under way finishes (bounded by the DHT's RPC timeouts)
             await asyncio.gather(refresher, return_exceptions=True)
+    alone = plan is not None and left_alone_in_plan(drv, ctx, plan, leaving)
     if ctx.early is not None and (
-        plan is None or ctx.early_plan is None or plan.to_bytes() != ctx.early_plan.to_bytes()
+        plan is None or alone or ctx.early_plan is None or plan.to_bytes() != ctx.early_plan.to_bytes()
     ):
-        await discard_early(drv, ctx, plan)
+        await discard_early(drv, ctx, None if alone else plan)
+    if alone and plan is not None:
+        await drop_speculative(drv, "every other member left")
+        events.emit(
+            log,
+            logging.INFO,
+            "round_alone_skipped",
+            "round %d: the plan names only this peer and every other peer gathered for the round (%d) announced "
+            "leaving since: not training it alone (a lineage of one that the others would refuse on their return)",
+            r,
+            len(ctx.members) - 1,
+            peer=drv.me,
+            round=r,
+            leader=plan.leader,
+            left=sorted(m.peer_id for m in ctx.members if m.peer_id != drv.me),
+        )
+        return False
     if stalled:
         await drop_speculative(drv, "stalled during the plan agreement")
         return False
@@ -243,6 +260,21 @@ async def agree(drv: RoundDriver, ctx: RoundContext) -> bool:
         await wait_out(drv, ctx)
         return False
     return True
+
+
+def left_alone_in_plan(drv: RoundDriver, ctx: RoundContext, plan: RoundPlan, leaving: dict) -> bool:
+    """Whether ``plan`` names this peer alone while the round was gathered with others, every one of whom
+    announced leaving since (``leaving``: their records; a fresh-user trial, session 37: all three peers were
+    stopped at once, one had gathered the others just before their announcement, took over as leader, trained
+    the round by itself and resumed on a state of its own lineage). Only with ``--min-peers`` 2 or more, or
+    while this peer stops too: ``--min-peers 1`` asks to train on alone."""
+    others = {m.peer_id for m in ctx.members} - {drv.me}
+    return (
+        plan.participants() == [drv.me]
+        and bool(others)
+        and others <= set(leaving)
+        and (drv.cfg.min_peers >= 2 or drv.stop.is_set())
+    )
 
 
 def last_resort(drv: RoundDriver, r: int, members: Sequence[PeerRecord], candidates: Sequence[str]) -> list[str]:

@@ -170,6 +170,11 @@ class NodeRoundPolicy:
         """The round the swarm's vote backs (:meth:`StateSync.swarm_round`), None when none is backed."""
         return self.sync.swarm_round(records) if self.sync is not None else None
 
+    def rejoin_state(self, records) -> Optional[tuple[int, str]]:
+        """The state to re-sync to before training though the swarm is at no later round
+        (:meth:`StateSync.rejoin_state`), None when none (or no state sync)."""
+        return self.sync.rejoin_state(records) if self.sync is not None else None
+
     def digest_voters(self, records) -> list:
         """``records`` without those of the peers verified work or a proof excludes here (:meth:`VerifiedWork.members`):
         an excluded peer's digest neither confirms this peer's state nor outvotes it in the digest check.

@@ -57,7 +57,9 @@ kind                         where                            fields
                              out)                             was_download_bps (bytes/s)
 ``older_state_adopted``      round.rules.state_sync (once         peer, round (the older state's), digest,
                              per pair of states; WARNING)     held_round, held_digest (the state it
-                                                              leaves), live (PeerIDs live at the time)
+                                                              leaves), live (PeerIDs live at the time),
+                                                              discarded_rounds (the rounds it held past
+                                                              the older state's)
 ``older_state_declined``     round.rules.state_sync (once         peer, round (the older state's), digest,
                              per pair of states)              held_round, held_digest, reason
 ``out_of_memory``            training.InnerTrainer (a micro-  peer, micro_batch, new_micro_batch (the
@@ -94,10 +96,15 @@ kind                         where                            fields
 ``record_not_dialled``       round.rules.state_sync (a vote   peer, subject (the record's PeerID),
                              of addresses; once per record    reason
                              and reason; INFO)
+``rejoin_resync``            round.gather.rejoin (a start-up  peer, round, digest (the state re-synced
+                             gather; once per state)          to), held_round, held_digest
 ``residual_zeroed``          round.exchange.drop_feedback     peer, round
 ``resumed_behind_swarm``     node._warn_if_resumed_behind     peer, round (resumed at), swarm_round (the
                                                               bootstrap's), bootstrap
 ``resumed_from_checkpoint``  node._resume_from                peer, round, digest
+``round_alone_skipped``      round.planning.agree (a plan of  peer, round, leader, left (the PeerIDs
+                             this peer alone, the others      gathered that announced leaving)
+                             left since the gather)
 ``run_not_done``             node (a swarm that ended)        peer, round, rounds_trained, synced,
                                                               cause, exit_code
 ``serving_last_parts``       node.PeerNode._serve_last_parts  peer, round, readers (PeerIDs still pulling),

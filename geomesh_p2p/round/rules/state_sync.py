@@ -506,7 +506,8 @@ class StateSync:
             logging.WARNING,
             "going back from the state of round %d (digest %s) to the OLDER state of round %d (digest %s): no "
             "live peer is at round %d or later, and none of the %d live peer(s) at round %d would adopt this "
-            "peer's state; the only way to rejoin the live swarm (%s)",
+            "peer's state; the only way to rejoin the live swarm (%s); discarded: this peer's %d round(s) since "
+            "that state (%s), a lineage the live swarm does not hold",
             held_round,
             held_digest[:8],
             choice.round,
@@ -515,6 +516,8 @@ class StateSync:
             len(live),
             choice.round,
             choice.describe(),
+            held_round - choice.round,
+            f"round {choice.round}" if held_round - choice.round == 1 else f"rounds {choice.round}-{held_round - 1}",
             event="older_state_adopted",
             peer=self.state.me,
             round=choice.round,
@@ -522,6 +525,7 @@ class StateSync:
             held_round=held_round,
             held_digest=held_digest,
             live=live,
+            discarded_rounds=list(range(choice.round, held_round)),
         )
 
     async def _watch_busy_donors(self, busy: dict[str, float]) -> None:
@@ -612,6 +616,40 @@ class StateSync:
         vouch for. One record alone cannot drag a peer to a round nobody else is at."""
         vote = self.state_vote(recs)
         return vote.choice.round if vote.choice is not None else None
+
+    def rejoin_state(self, recs) -> Optional[tuple[int, str]]:
+        """The (round, digest) this peer should re-sync to now, before training a round, though the swarm is at
+        no later round: None when there is none (docs/round.md, "Peers resumed at different rounds").
+
+        ``recs``: the run's records (this peer's own and leaving ones are skipped: the question is which state
+        the live swarm trains on). The state is :meth:`state_vote`'s choice over the live others' records
+        (standing-weighted, as a healed partition's, ``standing.choose_state``) when all of these hold:
+
+        * the vote is by standing (its backers delivered in rounds this peer applied): a vote of addresses (a
+          ledger that knows none of them) would let fresh identities pull a peer off its state;
+        * it is at this peer's round or an earlier one, with another digest (a later one: :meth:`behind`);
+        * more live peers announce it than announce this peer's state, this peer counted: the minority side
+          moves, never the majority (one peer claiming a state of its own moves nobody);
+        * for an earlier round, :meth:`_why_not_back` finds no reason to wait (no live peer at this peer's
+          round or later, none of its backers would adopt this peer's state by its own vote).
+
+        Why: a whole swarm stopped at once resumed from checkpoints of different rounds (the peer that did not
+        see the others leave trained one more round alone); each side waited the whole ``--min-peers`` wait
+        for the other, then they forked (a fresh-user trial, session 37)."""
+        held_round, held_digest = self.state.round, self.state.digest
+        if not held_digest or self.syncing:
+            return None
+        live = self.voters([r for r in recs if not r.leaving and r.peer_id != self.state.me and r.weights_digest])
+        choice = self.state_vote(live).choice
+        if choice is None or choice.mode != "standing" or choice.round > held_round or choice.digest == held_digest:
+            return None
+        backers = sum(1 for r in live if (r.round, r.weights_digest) == (choice.round, choice.digest))
+        mine = 1 + sum(1 for r in live if (r.round, r.weights_digest) == (held_round, held_digest))
+        if backers <= mine:
+            return None
+        if choice.round < held_round and self._why_not_back(choice, live, held_round, held_digest) is not None:
+            return None
+        return choice.round, choice.digest
 
     def state_vote(self, recs):
         """:func:`~geomesh_p2p.trust.standing.choose_state` for this peer; logs once a state that most identities
