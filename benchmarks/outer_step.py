@@ -2,8 +2,8 @@
 """The outer step and the state digest at real size (issue 27), each against a ``copy_`` of the state it
 touches, side by side in one run on one thread: ``outer_step_per_part`` (the fused in-place path), the same
 with the fused path off (the copy-and-check path every part took before), the whole-vector
-``OuterNesterov.step``, and ``state.digest`` of θ and the momentum: the SHA-256 tree of 0.3.0 on 1 and 2 worker
-threads (``--digest-workers``) and the blake2b of the releases before it.
+``OuterNesterov.step``, and ``state.digest`` of θ and the momentum: the BLAKE3 tree of 0.12.0 and the SHA-256
+tree of 0.3.0-0.11 on 1 and 2 worker threads (``--digest-workers``), and the blake2b of the releases before them.
 
 Usage::
 
@@ -22,7 +22,7 @@ import torch
 
 from geomesh_p2p.model import optim
 from geomesh_p2p.model.optim import OuterNesterov, outer_step_per_part
-from geomesh_p2p.model.digest import legacy_digest
+from geomesh_p2p.model.digest import SHA256_TREE_ALGO, legacy_digest, tree_digest
 from geomesh_p2p.model.state import _le_bytes, digest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -66,10 +66,12 @@ def main() -> None:
             ("outer_step_per_part, copy-and-check (before)", checked_s),
             ("OuterNesterov.step, whole vector", whole_s),
         ]
+    views = [_le_bytes(theta), _le_bytes(outer.buf)]
     for w in (int(x) for x in ns.digest_workers.split(",")):
         s = best_of(lambda w=w: digest(theta, outer.buf, workers=w), n=2)
-        rows.append((f"state.digest(theta, momentum), SHA-256 tree, {w} worker(s)", s))
-    views = [_le_bytes(theta), _le_bytes(outer.buf)]
+        rows.append((f"state.digest(theta, momentum), BLAKE3 tree (0.12.0), {w} worker(s)", s))
+        s = best_of(lambda w=w: tree_digest(views, w, algo=SHA256_TREE_ALGO), n=2)
+        rows.append((f"the SHA-256 tree of 0.3.0-0.11, {w} worker(s)", s))
     rows.append(("blake2b of theta and momentum (the digest before 0.3.0)", best_of(lambda: legacy_digest(views), n=2)))
     print(f"P = {p:,} fp32, {ns.parts} parts, {ns.threads} thread(s); state touched: theta + momentum")
     print()
