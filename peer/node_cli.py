@@ -457,7 +457,7 @@ def cmd_join(ns: argparse.Namespace) -> int:
         # a key file this start created goes with a failed start (kept once the node served: PeerNode.run)
         discard_new_identity(inputs[2])
         if node is not None:  # folders it made and left empty (a refused start: fresh user, session 37)
-            remove_empty_folders(node.made_dirs)
+            remove_empty_folders(getattr(node, "made_dirs", []))
 
 
 def rank_layout(ns: argparse.Namespace, prog: str):
