@@ -91,8 +91,8 @@ async def test_a_wrong_run_id_is_refused_before_torch(tmp_path):
     assert rc == 1, err  # as when the node raised it
     assert "imported at the ping: []" in err, err
     assert [x for x in err if x.startswith("geomesh-peer")] == [
-        f"geomesh-peer join: could not join the DHT: bootstrap {boot.address} serves run 'run-a', this peer asked "
-        "for run 'run-b': check --run-id"
+        f"geomesh-peer join: could not join the DHT: bootstrap {boot.address} serves run 'run-a', not the run "
+        "'run-b' asked for: check --run-id"
     ]
     assert list(tmp_path.iterdir()) == []  # no key made for a start refused this early
 

@@ -1,8 +1,8 @@
 """Outer optimizer, state digests and checkpoints (optim, state)."""
 
-import hashlib
 import os
 
+import blake3
 import numpy as np
 import pytest
 import torch
@@ -109,13 +109,13 @@ def test_digest_definition_and_sensitivity():
     theta, (mom, *_) = _inputs(4, steps=1)
     d = digest(theta)
     assert len(d) == 32 and int(d, 16) >= 0
-    # a tree of SHA-256 over 8 MiB leaves (model/digest.py); one leaf here: tests/unit/test_state_digest.py has more
+    # a tree of BLAKE3 over 8 MiB leaves (model/digest.py, 0.12.0); one leaf here: tests/unit/test_state_digest.py has more
     data = theta.numpy().astype("<f4").tobytes()
 
     def root(data: bytes) -> str:
-        leaf = hashlib.sha256(data).digest()
-        head = b"geomesh-state-digest-v2" + len(data).to_bytes(8, "little") + (8 << 20).to_bytes(8, "little")
-        return hashlib.sha256(head + leaf).hexdigest()[:32]
+        leaf = blake3.blake3(data).digest()
+        head = b"geomesh-state-digest-v3" + len(data).to_bytes(8, "little") + (8 << 20).to_bytes(8, "little")
+        return blake3.blake3(head + leaf).hexdigest()[:32]
 
     assert d == root(data)
     both = root(data + mom.numpy().astype("<f4").tobytes())
