@@ -84,7 +84,8 @@ def _named_state(
             params.append([n, list(p.shape)])
             if not with_tensors:
                 continue
-            for k, v in trainer.optimizer.state.get(p, {}).items():
+            # list(): taken at once (under --eager the next round's first steps may fill a state meanwhile)
+            for k, v in list(trainer.optimizer.state.get(p, {}).items()):
                 if isinstance(v, torch.Tensor):
                     tensors[f"{n}:{k}"] = v.detach()
                 else:
