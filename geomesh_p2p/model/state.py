@@ -24,6 +24,7 @@ import torch
 
 # which files are checkpoints: without torch there (the CLIs check a folder before torch's import)
 from geomesh_p2p.model.ckpt_files import list_checkpoints as list_checkpoints
+from geomesh_p2p.model.inner_ckpt import remove_inner_state
 from geomesh_p2p.model.digest import DIGEST_ALGO, LEGACY_DIGEST_ALGO, SHA256_TREE_ALGO, legacy_digest, tree_digest
 from geomesh_p2p.util.atomic import atomic_write
 
@@ -174,6 +175,7 @@ def save_checkpoint(
     keep: int = 3,
     digest_hex: str | None = None,
     before_commit: Callable[[], None] | None = None,
+    sidecar: Callable[[Path, str, str], None] | None = None,
 ) -> Path:
     """Write the global state after ``round`` and return the metadata file's path.
 
@@ -199,6 +201,12 @@ def save_checkpoint(
     raises abandons the checkpoint (the weights file is removed). A caller that stopped waiting for a
     write that hung (issue 29 #5) makes it raise: the state may have moved on meanwhile, and weights read
     while it moved must never be committed under the digest computed before.
+
+    ``sidecar(directory, stem, digest)``: writes this peer's local files of the checkpoint (the inner optimizer's state,
+    :func:`~geomesh_p2p.model.inner_ckpt.save_inner_state`) after the weights, before ``before_commit`` and the
+    JSON (which commits them too); they are deleted with the checkpoint (:func:`prune_checkpoints`) and when the
+    checkpoint is abandoned. Without it, inner state files left under this stem are deleted (they would not go
+    with the new checkpoint). What it raises abandons the checkpoint as ``before_commit``'s does.
 
     Raises:
         StateError: tensors not fp32 or of different lengths. TypeError: ``meta`` not
@@ -250,13 +258,18 @@ def save_checkpoint(
             f.write(text)
 
     meta_path = d / (stem + ".json")
-    if before_commit is not None:
-        try:
+    try:
+        if sidecar is not None:
+            sidecar(d, stem, dg)
+        else:
+            remove_inner_state(d, stem)
+        if before_commit is not None:
             before_commit()
-        except BaseException:
-            if not meta_path.exists():  # an older commit of this round keeps its weights
-                (d / (stem + ".safetensors")).unlink(missing_ok=True)
-            raise
+    except BaseException:
+        if not meta_path.exists():  # an older commit of this round keeps its weights
+            (d / (stem + ".safetensors")).unlink(missing_ok=True)
+            remove_inner_state(d, stem)
+        raise
     _atomic_write(meta_path, _write_json)
     _fsync_dir(d)
     if keep > 0:
@@ -266,7 +279,7 @@ def save_checkpoint(
 
 def prune_checkpoints(directory: str | os.PathLike, keep: int) -> list[int]:
     """Delete all but the newest ``keep`` (>= 1) committed checkpoints of ``directory``, each JSON first (the
-    checkpoint disappears atomically) then its weights; returns the rounds deleted, oldest first. A file
+    checkpoint disappears atomically) then its weights and its inner optimizer state; returns the rounds deleted, oldest first. A file
     already gone is skipped; another OSError is raised."""
     deleted = []
     for rnd, old in list_checkpoints(directory)[: -max(1, int(keep))]:
@@ -275,6 +288,7 @@ def prune_checkpoints(directory: str | os.PathLike, keep: int) -> list[int]:
                 p.unlink()
             except FileNotFoundError:
                 pass
+        remove_inner_state(old.parent, old.stem)
         deleted.append(rnd)
     return deleted
 

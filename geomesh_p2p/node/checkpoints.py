@@ -22,6 +22,7 @@ import torch
 
 from geomesh_p2p.exchange.codec.feedback import PushFeedback
 from geomesh_p2p.model import state as gstate  # module-qualified: tests replace gstate.save_checkpoint
+from geomesh_p2p.model.inner_ckpt import remove_inner_state, save_inner_state
 from geomesh_p2p.round.rules import RoundState
 from geomesh_p2p.telemetry import events
 from geomesh_p2p.telemetry.logonce import LogOnChange
@@ -118,6 +119,8 @@ class Checkpointer:
         feedback: the ``--error-feedback`` residual, saved next to the checkpoint (None: off).
         verdicts: this peer's verdicts on the others (a JSON-able dict: verified-work exclusions, owner and
             no-show penalties), saved in the meta and restored by ``--resume``; taken on the event loop.
+        inner: the :class:`~geomesh_p2p.model.training.InnerTrainer` whose inner optimizer state and
+            ``global_step`` are saved beside each checkpoint (:mod:`geomesh_p2p.model.inner_ckpt`; None: none).
 
     Attributes:
         skip: no final checkpoint (the node stopped before it held any state of the run).
@@ -135,6 +138,7 @@ class Checkpointer:
         gstate: Callable[[], Any] = _none,
         feedback: Callable[[], Optional[PushFeedback]] = _none,
         verdicts: Callable[[], dict] = dict,
+        inner: Callable[[], Any] = _none,
     ):
         self.run_cfg = run_cfg
         self.cfg = cfg
@@ -145,6 +149,8 @@ class Checkpointer:
         self._gstate = gstate
         self._feedback = feedback
         self._verdicts = verdicts
+        self._inner = inner
+        self._inner_off: Optional[str] = None  # why the inner state is not saved (said once), None: it is
         self.skip = False
         #: seconds a write may take (None: :meth:`timeout_s` derives it)
         self.timeout_override_s: Optional[float] = None
@@ -163,6 +169,8 @@ class Checkpointer:
         buf = getattr(outer, "buf", None)
         if isinstance(buf, torch.Tensor):
             nbytes += buf.numel() * 4
+        if self._inner() is not None:  # the inner optimizer's state beside it (AdamW: 2P fp32)
+            nbytes += 0 if theta is None else 2 * theta.numel() * 4
         window = self.run_cfg.window_s or 0.0
         return max(CHECKPOINT_TIMEOUT_MIN_S, nbytes / MIN_DISK_BPS, CHECKPOINT_TIMEOUT_WINDOWS * window)
 
@@ -325,6 +333,9 @@ class Checkpointer:
         )
         if before_commit is not None:
             kwargs["before_commit"] = before_commit
+        trainer = self._inner()
+        if trainer is not None and self._inner_off is None:
+            kwargs["sidecar"] = lambda d, stem, dg: self._save_inner(trainer, d, stem, held, dg)
         try:
             path = gstate.save_checkpoint(self.cfg.checkpoint_dir, **kwargs)
         except OSError as e:
@@ -351,3 +362,22 @@ class Checkpointer:
         if fb is not None:  # next to the checkpoint, tagged with its state
             fb.save(self.cfg.checkpoint_dir, state_round=held, digest=digest)
         return path
+
+    def _save_inner(self, trainer, directory: Path, stem: str, held: int, digest: str) -> None:
+        """The inner optimizer's state beside checkpoint ``stem`` of round ``held`` and ``digest`` (the record's),
+        in the checkpoint's worker thread before its JSON commits it. A trainer whose state cannot be saved (a
+        multi-rank peer) is said once at INFO and not tried again; the checkpoint goes on without it. Raises OSError (a full disk: :meth:`checkpoint` prunes and retries)."""
+        try:
+            save_inner_state(trainer, directory, stem, round=held, digest=digest, config_hash=self.config_hash)
+        except ValueError as e:
+            self._inner_off = str(e)
+            remove_inner_state(directory, stem)
+            events.emit(
+                log,
+                logging.INFO,
+                "inner_state_not_saved",
+                "checkpoints hold no inner optimizer state (%s): a --resume starts it fresh",
+                e,
+                round=held,
+                reason=str(e),
+            )

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Collection, Optional
 
 
@@ -22,6 +23,7 @@ from geomesh_p2p.dht.preflight import unanswered_bootstraps_line as unanswered_b
 from geomesh_p2p.dht.progress import swarm_progress
 from geomesh_p2p.model import state as gstate  # module-qualified: tests replace gstate.load_latest_checkpoint
 from geomesh_p2p.model.build import flat_params
+from geomesh_p2p.model.inner_ckpt import load_inner_state
 from geomesh_p2p.net.swarm_time import swarm_time
 from geomesh_p2p.schema.peer import PeerRecord
 from geomesh_p2p.telemetry import events
@@ -406,6 +408,7 @@ async def resume_from(node: PeerNode, ck) -> None:
         round=rnd,
         digest=node.digest,
     )
+    await resume_inner_state(node, rnd, meta)
     fb: Optional[PushFeedback] = getattr(node, "feedback", None)  # absent before _build_training
     if fb is not None and node.digest is not None:  # _set_state set the digest
         got = await asyncio.to_thread(fb.load, node.cfg.checkpoint_dir, state_round=rnd, digest=node.digest)
@@ -413,6 +416,56 @@ async def resume_from(node: PeerNode, ck) -> None:
             "error feedback: %s",
             "residual resumed from the checkpoint" if got == "loaded" else f"residual starts at zero ({got})",
         )
+
+
+async def resume_inner_state(node: PeerNode, rnd: int, record: dict) -> None:
+    """After :func:`resume_from` took checkpoint ``record`` (of round ``rnd``): this peer's inner optimizer state
+    and global step saved beside it (:func:`~geomesh_p2p.model.inner_ckpt.load_inner_state`, worker thread), when
+    they match. One line either way: INFO ``inner_state_resumed``; INFO ``inner_state_fresh`` for a checkpoint
+    without the file (an older release: it resumes as before, from zero moments); WARNING ``inner_state_fresh``
+    naming the mismatch (another optimizer, run config, checkpoint digest, parameter names or shapes, a damaged
+    file). Why (fresh user, session 37): every peer resumed with zero AdamW moments, and the eval perplexity got
+    worse for rounds (122.97 before the stop, 129.02 after)."""
+    trainer = getattr(node, "trainer", None)
+    if trainer is None or not node.cfg.checkpoint_dir or node.digest is None:
+        return
+    stem = Path(str(record.get("weights") or f"ckpt-{rnd:08d}.safetensors")).stem
+    ok, why = await asyncio.to_thread(
+        load_inner_state,
+        trainer,
+        node.cfg.checkpoint_dir,
+        stem,
+        round=rnd,
+        digest=str(record.get("digest")),
+        config_hash=node.config_hash,
+    )
+    if ok:
+        events.emit(
+            log,
+            logging.INFO,
+            "inner_state_resumed",
+            "inner optimizer state resumed from the checkpoint of round %d (%s, global step %d)",
+            rnd,
+            why,
+            trainer.global_step,
+            peer=node.me,
+            round=rnd,
+            global_step=trainer.global_step,
+        )
+        return
+    missing = why == "missing"
+    events.emit(
+        log,
+        logging.INFO if missing else logging.WARNING,
+        "inner_state_fresh",
+        "the inner optimizer starts fresh (zero moments): %s",
+        f"the checkpoint of round {rnd} holds no inner optimizer state (written by an older release)"
+        if missing
+        else f"its state beside the checkpoint of round {rnd} does not match ({why})",
+        peer=node.me,
+        round=rnd,
+        reason=why,
+    )
 
 
 def warn_if_other_identity(node: PeerNode, rnd: int, meta: dict) -> Optional[str]:

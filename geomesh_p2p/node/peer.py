@@ -191,6 +191,7 @@ class PeerNode:
             gstate=lambda: self.gstate,  # built by start()
             feedback=lambda: self.feedback,  # --error-feedback's residual (start)
             verdicts=lambda: node_verdicts(self),  # issue 28: exclusions, penalties, the last round's delivered work
+            inner=lambda: getattr(self, "trainer", None),  # its inner optimizer state beside each checkpoint
         )
         self.outer_rule = OuterStepRule.for_node(self)  # with the exact undo of RunConfig.undo_forged
         self.accountable = Accountability(

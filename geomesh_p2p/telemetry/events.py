@@ -51,6 +51,11 @@ kind                         where                            fields
 ``eval_not_finite``          training.InnerTrainer.evaluate   peer, loss (nats/token; NaN or huge)
 ``idle_parts_unchanged``     round.rules.outer                peer, round, idle (ranges), idle_elements,
                                                               elements
+``inner_state_fresh``        node.joining.resume_inner_state  peer, round, reason (``missing``: an older
+                             (INFO when missing, else         checkpoint; else the mismatch)
+                             WARNING)
+``inner_state_not_saved``    node.checkpoints (once)          round, reason (a multi-rank peer)
+``inner_state_resumed``      node.joining.resume_inner_state  peer, round, global_step
 ``leaving_announced``        round.finish.announce, node      peer, round, reason (``stop`` | ``rounds``
                              shutdown, round.driver (stop)    | ``target_ppl`` | ``shutdown``)
 ``link_reprobed``            node.links (planned              upload_bps, download_bps, was_upload_bps,

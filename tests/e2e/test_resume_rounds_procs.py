@@ -54,6 +54,12 @@ def test_a_swarm_resumed_at_rounds_r_r_and_r_plus_1_converges_without_the_whole_
         n: [(e["round"], e["digest"][:8]) for e in new[n] if e["event"] == "resumed_from_checkpoint"] for n in NAMES
     }
     assert resumed == {"a": [(1, common[:8])], "b": [(1, common[:8])], "c": [(2, solo[:8])]}
+    # each peer's inner optimizer state (AdamW moments, step counts) came back with its checkpoint, not zeros
+    inner = {
+        n: [(e["event"], e["round"], e.get("global_step", 0) > 0) for e in new[n] if "inner_state" in e["event"]]
+        for n in NAMES
+    }
+    assert inner == {n: [("inner_state_resumed", 2 if n == "c" else 1, True)] for n in NAMES}
     # c re-synced to the others' state, saying what it discarded (its round 1), before any round of its own
     [rejoin] = [e for e in new["c"] if e["event"] == "rejoin_resync"]
     assert (rejoin["held_round"], rejoin["round"], rejoin["digest"][:8]) == (2, 1, common[:8])
