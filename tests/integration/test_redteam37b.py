@@ -17,11 +17,13 @@ from geomesh_p2p.config.models import RunConfig
 from geomesh_p2p.model import state as gstate
 from geomesh_p2p.model.digest import SHA256_TREE_ALGO, tree_digest
 from geomesh_p2p.model.export import ExportError, export_checkpoint
+from geomesh_p2p.node.joining import hashed_defaults, resume_from
 from geomesh_p2p.plan.bounds import evidence_ceiling_range
 from geomesh_p2p.plan.planner import check_plan, make_plan
 from geomesh_p2p.round import gather
 from geomesh_p2p.round.planning import left_alone_in_plan
 from geomesh_p2p.trust.standing import Standing
+from geomesh_p2p.util.errors import UserFacingError
 from tests.integration.test_plan_bounds import KW, T0, by_id, paper_cfg, rec
 from tests.integration.test_plan_views_redteam37 import NUMEL, random_swarm, share
 from tests.integration.test_under_plan_redteam36 import delivered, trained_tokens
@@ -257,3 +259,21 @@ def test_a_previous_sessions_leaving_record_does_not_make_a_peer_skip_the_round(
     assert not left_alone_in_plan(drv, ctx, plan, {b: stale})  # type: ignore[arg-type]
     fresh = members[1].model_copy(update={"timestamp": 1001.0, "leaving": True})
     assert left_alone_in_plan(drv, ctx, plan, {b: fresh})  # type: ignore[arg-type]
+
+
+def test_resuming_a_0_11_checkpoint_with_group_size_0_says_which_flag_to_leave_out():
+    """A peer of 0.11 that passed --group-size 0 (then the default: left out of the run config's hash) resumes with
+    the same command under 0.12, where 0 is no longer the default and counts in the hash: refused with "from another
+    run config (<hash> vs <hash>); resume with the same flags" though the flags were the same. Now the line says
+    which flag and why."""
+    old = RunConfig().model_dump() | {"group_size": 0}  # the 0.11 checkpoint's meta: its run config, 0 there
+    meta = {"run_config_hash": RunConfig().config_hash(), "meta": {"run_config": old}}
+    here = RunConfig(group_size=0)
+    node = SimpleNamespace(run_cfg=here, config_hash=here.config_hash(), cfg=SimpleNamespace(checkpoint_dir="ck"))
+    with pytest.raises(UserFacingError) as ei:
+        asyncio.run(resume_from(node, (3, torch.zeros(4), torch.zeros(8), meta)))  # type: ignore[arg-type]
+    assert "from another run config (group_size: 0 here, the same value there, but its run hashed it as the " in str(
+        ei.value
+    )
+    assert "(this release's default: auto): leave its flag out to resume" in str(ei.value)
+    assert hashed_defaults(RunConfig(), RunConfig().config_hash()) == []
