@@ -401,6 +401,11 @@ async def resume_from(node: PeerNode, ck) -> None:
             f"state ({0 if momentum is None else momentum.numel()} elements, this run "
             f"needs {node.state_numel}); was it written by another --method?"
         )
+    # a consistent but edited file of another size: copy_ raised a RuntimeError's traceback (red team 37b)
+    if getattr(node, "numel", 0) and theta.numel() != node.numel:
+        raise UserFacingError(
+            f"checkpoint in {node.cfg.checkpoint_dir} holds {theta.numel()} weights, this run's model has {node.numel}"
+        )
     warn_if_other_identity(node, rnd, meta.get("meta") or {})
     await asyncio.to_thread(node._set_state, rnd, theta, momentum)
     round_log = getattr(node, "round_log", None)

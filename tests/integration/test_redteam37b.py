@@ -277,3 +277,20 @@ def test_resuming_a_0_11_checkpoint_with_group_size_0_says_which_flag_to_leave_o
     )
     assert "(this release's default: auto): leave its flag out to resume" in str(ei.value)
     assert hashed_defaults(RunConfig(), RunConfig().config_hash()) == []
+
+
+def test_resuming_a_checkpoint_of_another_size_is_one_line():
+    """A checkpoint edited to hold 500 weights and 2,000 optimizer elements (its digest recomputed, the same run
+    config hash): the optimizer-state check passed (2,000 = this run's state) and the copy into the 1,000-weight
+    state buffer raised a RuntimeError (a traceback at --resume). Now a UserFacingError naming both sizes."""
+    run = RunConfig()
+    node = SimpleNamespace(
+        run_cfg=run,
+        config_hash=run.config_hash(),
+        numel=1000,
+        state_numel=2000,
+        cfg=SimpleNamespace(checkpoint_dir="ck"),
+    )
+    meta = {"run_config_hash": run.config_hash(), "meta": {}}
+    with pytest.raises(UserFacingError, match="holds 500 weights, this run's model has 1000"):
+        asyncio.run(resume_from(node, (3, torch.zeros(500), torch.zeros(2000), meta)))  # type: ignore[arg-type]
