@@ -275,6 +275,13 @@ class RunConfig(BaseModel):
         # participants (3 groups of 3), where auto is accountable (config.method.AUTO_ACCOUNTABLE_FROM = 5)
         grouped_modes = ("reencode", "accountable") + (("auto",) if self.method in COMPRESSED_METHODS else ())
         # auto (None, the default) groups the rounds it can and leaves the others one group; a number is a request
+        if self.group_size not in (0, None) and self.mode == "auto" and self.mode not in grouped_modes:
+            # "needs mode ... 'auto': in mode 'auto'" read as a contradiction (red team 37b): the method is why
+            raise ValueError(
+                f"group_size (--group-size) {self.group_size} needs re-encoding rounds, which mode 'auto' runs only "
+                f"for methods {', '.join(sorted(COMPRESSED_METHODS))} (--method is {self.method!r}): use --mode "
+                "reencode or accountable, or --group-size auto or 0"
+            )
         if self.group_size not in (0, None) and self.mode not in grouped_modes:
             raise ValueError(
                 f"group_size (--group-size) needs mode 'reencode', 'accountable' or 'auto' (--mode): in mode "

@@ -97,6 +97,12 @@ def verify_checkpoint_digest(
             digest algorithm this release does not know (a newer release's checkpoint).
     """
     algo = record.get("digest_algo", LEGACY_DIGEST_ALGO)
+    # a JSON list or object is unhashable: a TypeError's traceback at --resume and export (red team 37b)
+    if not isinstance(algo, str):
+        raise CheckpointError(f"corrupt checkpoint {where}: its digest_algo {str(algo)[:40]!r} is not a name")
+    bad = [t.dtype for t in (theta, momentum) if t is not None and t.dtype != torch.float32]
+    if bad:  # the digest's own StateError named no file (red team 37b: an fp16 momentum)
+        raise CheckpointError(f"corrupt checkpoint {where}: its tensors must be fp32, got {bad[0]}")
     if algo == DIGEST_ALGO:
         got = digest(theta, momentum)
         if got != record.get("digest"):

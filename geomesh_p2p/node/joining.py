@@ -359,6 +359,21 @@ def adopt_state(node: PeerNode, round: int, theta, momentum) -> None:
         collective.note_round(round)
 
 
+def hashed_defaults(run: RunConfig, want: object) -> list[str]:
+    """The ``patch_fields`` of ``run`` that, back at this release's default, give the run-config hash ``want``
+    (a checkpoint's), each as a line for the refusal: its run left the field out of its hash as that release's
+    default (``--group-size 0`` was the default until 0.11; given now, it counts in the hash); [] when none does."""
+    out = []
+    for k in sorted(run.patch_fields):
+        default = type(run).model_fields[k].get_default(call_default_factory=True)
+        if getattr(run, k) != default and run.model_copy(update={k: default}).config_hash() == want:
+            out.append(
+                f"{k}: {getattr(run, k)!r} here, the same value there, but its run hashed it as the default of its "
+                f"release (this release's default: {_shown(default, k)}): leave its flag out to resume"
+            )
+    return out
+
+
 async def resume_from(node: PeerNode, ck) -> None:
     """Take the global state of checkpoint ``ck`` (``gstate.load_latest_checkpoint``'s tuple: round,
     theta [P] fp32, optimizer state [k * P] fp32 or None, meta), the standing ledger it saved and this peer's
@@ -375,6 +390,8 @@ async def resume_from(node: PeerNode, ck) -> None:
             for k, v in node.run_cfg.model_dump().items()
             if k in old and old[k] != v
         ]
+        if not diff:  # the same values: a patch field given at a value its run hashed as the default (red team 37b)
+            diff = hashed_defaults(node.run_cfg, meta.get("run_config_hash"))
         raise UserFacingError(
             f"checkpoint in {node.cfg.checkpoint_dir} is from another run config ("
             + ("; ".join(diff) or f"{meta.get('run_config_hash')} vs {node.config_hash}")
@@ -385,6 +402,11 @@ async def resume_from(node: PeerNode, ck) -> None:
             f"checkpoint in {node.cfg.checkpoint_dir} holds no or another optimizer "
             f"state ({0 if momentum is None else momentum.numel()} elements, this run "
             f"needs {node.state_numel}); was it written by another --method?"
+        )
+    # a consistent but edited file of another size: copy_ raised a RuntimeError's traceback (red team 37b)
+    if getattr(node, "numel", 0) and theta.numel() != node.numel:
+        raise UserFacingError(
+            f"checkpoint in {node.cfg.checkpoint_dir} holds {theta.numel()} weights, this run's model has {node.numel}"
         )
     warn_if_other_identity(node, rnd, meta.get("meta") or {})
     await asyncio.to_thread(node._set_state, rnd, theta, momentum)

@@ -38,6 +38,7 @@ from geomesh_p2p.plan.bounds import (
     budget_limit,
     check_records,
     evidence_ceiling_range,
+    evidence_ceilings,
     max_token_share,
 )
 from geomesh_p2p.plan.cost import (
@@ -569,6 +570,7 @@ def _evidence_problem(plan: RoundPlan, cfg: PlanConfig, supported: Optional[Mapp
     if not ceilings:
         return None
     T = plan.window_s
+    own = evidence_ceilings(plan.participants(), supported)
     for a in plan.assignments:
         limit = PLAN_CHECK_TOLERANCE * ceilings[a.peer_id][1] * T
         floor = _min_steps_tokens(a, cfg)
@@ -579,6 +581,12 @@ def _evidence_problem(plan: RoundPlan, cfg: PlanConfig, supported: Optional[Mapp
                 f"token budget {a.token_budget} for {a.peer_id[:10]} exceeds the {limit:.0f} its delivered work "
                 f"supports in {T:.3g} s ({basis})"
             )
+    # a leader's map lacks one entry at most: one rated peer planned over its own ceiling (red team 37b: every one)
+    rated = {p for p, v in (supported or {}).items() if (v or 0) > 0}
+    over = [a.peer_id for a in plan.assignments if a.peer_id in rated and a.token_budget > max(
+        PLAN_CHECK_TOLERANCE * own[a.peer_id] * T, _min_steps_tokens(a, cfg))]  # fmt: skip
+    if len(over) > 1:
+        return f"{len(over)} peers ({', '.join(p[:10] for p in over[:4])}) get more than their delivered work supports"
     return None
 
 
@@ -676,6 +684,7 @@ def _under_plan_problem(
     if not ceilings:
         return None
     fits: dict[str, tuple[int, int]] = {}
+    own, own_fits = evidence_ceilings(plan.participants(), supported), {}
     assigned = {a.peer_id: a for a in plan.assignments}
     for pid, r in records.items():
         try:
@@ -689,6 +698,8 @@ def _under_plan_problem(
                 update={"tokens_per_s": slower, "upload_bps": r.upload_bps / k, "download_bps": r.download_bps / k}
             )
             fits[pid] = window_fit(older, T, cfg, ceilings[pid][0] if pid in ceilings else None)
+            if ceilings.get(pid, (0.0, 0.0))[0] < own.get(pid, 0.0) and ((supported or {}).get(pid) or 0) > 0:
+                own_fits[pid] = window_fit(older, T, cfg, own[pid])
         except (ValueError, ArithmeticError):
             continue  # a record the planner cannot plan: the other checks judge it
     found = _under_planned(plan, cfg, fits, ranks, 1.0)
@@ -699,6 +710,10 @@ def _under_plan_problem(
             f"its record at 1/{UNDER_PLAN_TOLERANCE:g} of its tokens/s and its delivered work fit in the {T:.3g} s "
             "window, and no cap of the plan explains fewer"
         )
+    # a leader's map lacks one entry at most: one rated peer under its own fit (red team 37b: a rogue took every one)
+    under = [p for p in own_fits if _under_planned(plan, cfg, {p: own_fits[p]}, ranks, 1.0) is not None]
+    if len(under) > 1:
+        return f"{len(under)} peers ({', '.join(p[:10] for p in under[:4])}) get fewer tokens than their work fits"
     return None
 
 

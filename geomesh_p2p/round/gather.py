@@ -31,6 +31,10 @@ SYNC_WAIT_MARGIN_S = 2.0
 #: times the seconds this peer's own last outer step and commit took (``phase_s`` of its last row), the same
 #: work on the same model. 2 s alone was short at real size (issue 29 #7: gpt2-124m, ~5 s per update).
 SYNC_APPLY_FACTOR = 2.0
+#: Start-up rejoins (:func:`rejoin`) a session tries: peers resumed at different rounds need one; a standing
+#: majority announcing a new made-up digest every read kept a peer re-syncing from it, its --min-peers wait
+#: restarted each time (red team 37b). Past it the gather waits as before 0.12.
+MAX_REJOINS = 2
 #: A planned-out peer waits for the next round until the plan's exchange deadline plus this (at least this).
 #: The gather waits as long for a contributor of the last round still finishing it (its outer step, commit
 #: and announcement come after its last pull, which ends by the exchange deadline at the latest).
@@ -183,9 +187,10 @@ async def rejoin(drv: RoundDriver, everyone: list[PeerRecord]) -> bool:
     partition follows, docs/round.md "Peers resumed at different rounds"), re-sync to it now (one INFO line, then
     the catch-up's own WARNING says what is discarded) instead of waiting the whole ``wait_peers_s`` and forking
     (a fresh-user trial, session 37: a whole swarm stopped at once resumed at rounds 46, 46 and 47; each side
-    waited 60 s for the other). True when it re-synced or tried to; each state is tried once per session."""
+    waited 60 s for the other). True when it re-synced or tried to; each state is tried once per session, and
+    :data:`MAX_REJOINS` states at most."""
     target = drv.policy.rejoin_state(everyone)
-    if target is None or target in drv._rejoin_tried:
+    if target is None or target in drv._rejoin_tried or len(drv._rejoin_tried) >= MAX_REJOINS:
         return False
     drv._rejoin_tried.add(target)
     before, confirmed = (drv.state.round, drv.state.digest), drv._confirmed_round

@@ -269,10 +269,14 @@ def left_alone_in_plan(drv: RoundDriver, ctx: RoundContext, plan: RoundPlan, lea
     the round by itself and resumed on a state of its own lineage). Only with ``--min-peers`` 2 or more, or
     while this peer stops too: ``--min-peers 1`` asks to train on alone."""
     others = {m.peer_id for m in ctx.members} - {drv.me}
+    gathered = {m.peer_id: float(m.timestamp) for m in ctx.members}
+    # a leaving record older than the live one gathered is a previous session's, served by a stale or hostile
+    # holder (red team 37b): that member did not leave
+    left = {p for p, x in leaving.items() if float(getattr(x, "timestamp", 0.0)) >= gathered.get(p, 0.0)}
     return (
         plan.participants() == [drv.me]
         and bool(others)
-        and others <= set(leaving)
+        and others <= left
         and (drv.cfg.min_peers >= 2 or drv.stop.is_set())
     )
 

@@ -628,8 +628,9 @@ class StateSync:
         * the vote is by standing (its backers delivered in rounds this peer applied): a vote of addresses (a
           ledger that knows none of them) would let fresh identities pull a peer off its state;
         * it is at this peer's round or an earlier one, with another digest (a later one: :meth:`behind`);
-        * more live peers announce it than announce this peer's state, this peer counted: the minority side
-          moves, never the majority (one peer claiming a state of its own moves nobody);
+        * more live peers with standing here announce it than announce this peer's state, this peer counted:
+          the minority side moves, never the majority (one peer claiming a state of its own, with fresh
+          identities beside it, moves nobody);
         * for an earlier round, :meth:`_why_not_back` finds no reason to wait (no live peer at this peer's
           round or later, none of its backers would adopt this peer's state by its own vote).
 
@@ -640,11 +641,15 @@ class StateSync:
         if not held_digest or self.syncing:
             return None
         live = self.voters([r for r in recs if not r.leaving and r.peer_id != self.state.me and r.weights_digest])
-        choice = self.state_vote(live).choice
+        vote = self.state_vote(live)
+        choice = vote.choice
         if choice is None or choice.mode != "standing" or choice.round > held_round or choice.digest == held_digest:
             return None
-        backers = sum(1 for r in live if (r.round, r.weights_digest) == (choice.round, choice.digest))
-        mine = 1 + sum(1 for r in live if (r.round, r.weights_digest) == (held_round, held_digest))
+        # identities with standing here only: one standing attacker and a fresh identity of its own announcing
+        # the same state outnumbered this peer and moved it to a state only the attacker serves (red team 37b)
+        voting = [r for r in live if vote.weights.get(r.peer_id, 0) > 0]
+        backers = sum(1 for r in voting if (r.round, r.weights_digest) == (choice.round, choice.digest))
+        mine = 1 + sum(1 for r in voting if (r.round, r.weights_digest) == (held_round, held_digest))
         if backers <= mine:
             return None
         if choice.round < held_round and self._why_not_back(choice, live, held_round, held_digest) is not None:
