@@ -22,22 +22,14 @@ from geomesh_p2p.plan.bounds import evidence_ceiling_range
 from geomesh_p2p.plan.planner import check_plan, make_plan
 from geomesh_p2p.round import gather
 from geomesh_p2p.round.planning import left_alone_in_plan
-from geomesh_p2p.trust.standing import Standing
 from geomesh_p2p.util.errors import UserFacingError
 from tests.integration.test_plan_bounds import KW, T0, by_id, paper_cfg, rec
 from tests.integration.test_plan_views_redteam37 import NUMEL, random_swarm, share
 from tests.integration.test_under_plan_redteam36 import delivered, trained_tokens
 from tests.unit.test_never_back import _node, _pid, _rec
+from tests.unit.test_rejoin_state import _ledger
 
 pytestmark = pytest.mark.timeout(300)
-
-
-def _ledger(me: str, peers: list[str], rounds: int) -> Standing:
-    """A ledger that saw ``peers`` and ``me`` deliver rounds ``0 .. rounds - 1`` together."""
-    ledger = Standing()
-    for r in range(rounds):
-        ledger.credit(r, [*peers, me])
-    return ledger
 
 
 # --- 1. the start-up rejoin (StateSync.rejoin_state) ---------------------------------------------------------
