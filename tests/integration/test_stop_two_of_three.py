@@ -44,10 +44,17 @@ async def test_two_of_three_peers_stopped_together_still_apply_the_round(tmp_pat
     asked: dict[str, int] = {}  # stopper -> the inner step after which its stop was requested
     real_run = InnerTrainer.run
 
+    survivor_trains = threading.Event()  # the survivor entered STOP_ROUND's inner steps
+
     def run(self, **kw):
         """Ctrl+C on a stopper right after its first inner step of STOP_ROUND (from the trainer's thread: the
-        node's stop is set on its loop before the steps go on, as a SIGINT handler would)."""
+        node's stop is set on its loop before the steps go on, as a SIGINT handler would), once the survivor trains
+        that round too: the stop comes while all three are in the round. (At load the survivor could still be in
+        the round's gather when the stoppers' leaving records came; it then ended the run without the round: a
+        separate case, session 37's note, not this test's.)"""
         node = next((n for n in nodes if getattr(n, "trainer", None) is self), None)
+        if node is not None and kw.get("round") == STOP_ROUND and nodes.index(node) not in STOPPERS:
+            survivor_trains.set()
         if node is None or kw.get("round") != STOP_ROUND or nodes.index(node) not in STOPPERS:
             return real_run(self, **kw)
         shown = kw.get("progress")
@@ -57,6 +64,7 @@ async def test_two_of_three_peers_stopped_together_still_apply_the_round(tmp_pat
                 shown(step, loss, tokens_per_s)
             if step == 1 and node.me not in asked:
                 asked[node.me] = step
+                survivor_trains.wait(timeout=60)  # bounded: a survivor that never trains fails the asserts below
 
                 async def ctrl_c() -> None:
                     node.request_stop()
