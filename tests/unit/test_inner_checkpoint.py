@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import zlib
 from types import SimpleNamespace
 
 import pytest
@@ -26,6 +25,7 @@ from geomesh_p2p.node.joining import resume_inner_state
 from geomesh_p2p.round.rules import RoundState
 from geomesh_p2p.telemetry import events
 from geomesh_p2p.trust.standing import Standing
+from tests.unit.test_lr_schedule import RandomTokens as _RandomTokens
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -33,15 +33,11 @@ SEQ = 16
 HASH = "h" * 16
 
 
-class RandomTokens:
-    """The part of TokenDataset the trainer uses: batches drawn from (seed, peer, round, step) alone."""
+class RandomTokens(_RandomTokens):
+    """:class:`tests.unit.test_lr_schedule.RandomTokens` over ``vocab_size`` ids (the model's)."""
 
     def __init__(self, vocab_size: int = 512):
         self.vocab_size = vocab_size
-
-    def sample_batch(self, *, seed, peer_id, round, step, batch_size, seq_len):
-        g = torch.Generator().manual_seed(zlib.crc32(repr((seed, peer_id, round, step)).encode()))
-        return torch.randint(0, self.vocab_size, (batch_size, seq_len), generator=g)
 
 
 @pytest.fixture(autouse=True, scope="module")
