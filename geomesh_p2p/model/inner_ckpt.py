@@ -29,24 +29,13 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from geomesh_p2p.util.atomic import atomic_write
 
 __all__ = ["INNER_FORMAT", "inner_paths", "save_inner_state", "load_inner_state", "remove_inner_state"]
 
 INNER_FORMAT = "geomesh-inner-v1"
-
-#: safetensors' dtype names of the dtypes an optimizer state holds
-_ST_DTYPE = {
-    torch.float32: "F32",
-    torch.float64: "F64",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-}
 
 
 def inner_paths(directory: str | os.PathLike, stem: str) -> tuple[Path, Path]:
@@ -95,30 +84,6 @@ def _named_state(
     return groups, tensors, other
 
 
-def _write_safetensors(path: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
-    """The safetensors format written one tensor at a time from its own memory: a CPU tensor is not copied, a
-    device tensor is copied to the host one at a time (safetensors' ``save_file`` converts every tensor before
-    writing: the whole state twice in memory). Little-endian host, as the checkpoints assume."""
-    header: dict[str, Any] = {"__metadata__": metadata}
-    offset = 0
-    for name, t in tensors.items():
-        if t.dtype not in _ST_DTYPE:
-            raise ValueError(f"optimizer state {name}: dtype {t.dtype} not saved")
-        n = t.numel() * t.element_size()
-        header[name] = {"dtype": _ST_DTYPE[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
-        offset += n
-    head = json.dumps(header, separators=(",", ":")).encode()
-    head += b" " * (-len(head) % 8)  # the data starts 8-byte aligned
-    with open(path, "wb") as f:
-        f.write(len(head).to_bytes(8, "little"))
-        f.write(head)
-        for t in tensors.values():
-            host = t if t.device.type == "cpu" else t.to("cpu")
-            if host.numel():
-                f.write(host.contiguous().reshape(-1).view(torch.uint8).numpy().data)  # its memory, no copy
-            del host
-
-
 def save_inner_state(
     trainer, directory: str | os.PathLike, stem: str, *, round: int, digest: str, config_hash: Optional[str]
 ) -> Path:
@@ -127,8 +92,8 @@ def save_inner_state(
     Returns the record's path.
 
     Raises:
-        ValueError: the optimizer steps parameters that are not the model's (a multi-rank peer's shards), or a
-            state tensor of an unsupported dtype. OSError: the directory cannot be written, the disk is full.
+        ValueError: the optimizer steps parameters that are not the model's (a multi-rank peer's shards).
+            OSError: the directory cannot be written, the disk is full.
     """
     groups, tensors, other = _named_state(trainer)
     record = {
@@ -145,7 +110,10 @@ def save_inner_state(
     text = json.dumps(record, indent=1, sort_keys=True, default=str)
     tpath, rpath = inner_paths(directory, stem)
     meta = {"format": INNER_FORMAT, "round": str(int(round)), "digest": str(digest)}
-    atomic_write(tpath, lambda tmp: _write_safetensors(tmp, tensors, meta))
+    # safetensors writes a CPU tensor from its memory (0.8: no second copy of the moments; as save_checkpoint's
+    # weights); a GPU peer's state is copied to the host first
+    host = {k: (t if t.device.type == "cpu" else t.to("cpu")).contiguous() for k, t in tensors.items()}
+    atomic_write(tpath, lambda tmp: save_file(host, tmp, metadata=meta))
 
     def write_record(tmp: str) -> None:
         Path(tmp).write_text(text, encoding="utf-8")
@@ -171,8 +139,6 @@ def load_inner_state(
         rec = json.loads(rpath.read_text(encoding="utf-8"))
         if not isinstance(rec, dict) or rec.get("format") != INNER_FORMAT:
             return False, f"{rpath.name}: not a {INNER_FORMAT} record"
-        from safetensors.torch import load_file
-
         saved = load_file(str(tpath))
     except Exception as e:  # a damaged file costs the moments only, never the resume
         return False, f"unreadable ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
