@@ -59,11 +59,16 @@ def evidence_ceilings(peer_ids: Iterable[str], supported: Optional[Mapping[str, 
     usable rate (round 0, or a node that did not apply the last round: records alone bound the plan then).
     Pure: the leader plans with it (:func:`~geomesh_p2p.plan.awb.plan_round`) and followers check the plan
     against it (:func:`~geomesh_p2p.plan.planner.check_plan`)."""
-    rates = {p: float(v) for p, v in (supported or {}).items() if v is not None and math.isfinite(v) and v > 0}
+    rates = usable_rates(supported)
     if not rates:
         return {}
     seed = statistics.median_low(sorted(rates.values()))
     return {p: EVIDENCE_GROWTH * rates[p] if p in rates else seed for p in peer_ids}
+
+
+def usable_rates(supported: Optional[Mapping[str, float]]) -> dict[str, float]:
+    """The entries of a delivered-rate map (peer id -> tokens/s) that bound a plan: finite and positive."""
+    return {p: float(v) for p, v in (supported or {}).items() if v is not None and math.isfinite(v) and v > 0}
 
 
 def evidence_ceiling_range(
@@ -77,13 +82,13 @@ def evidence_ceiling_range(
     seeds of the map less its highest or its lowest rate (the map's own seed lies between). Empty as
     :func:`evidence_ceilings`. A leader with no usable rate at all plans by the records alone and is not tolerated
     (that would drop the bound for any leader claiming so): with one rate the seed is that rate."""
-    rates = sorted(float(v) for v in (supported or {}).values() if v is not None and math.isfinite(v) and v > 0)
+    known = usable_rates(supported)
+    rates = sorted(known.values())
     if not rates:
         return {}
     n = len(rates)
     lo, hi = (rates[(n - 2) // 2], rates[(n - 2) // 2 + 1]) if n > 1 else (rates[0], rates[0])
     own = evidence_ceilings(peer_ids, supported)
-    known = {p for p, v in (supported or {}).items() if v is not None and math.isfinite(v) and v > 0}
     return {p: (min(c, lo), max(c, hi)) if p in known else (lo, hi) for p, c in own.items()}
 
 

@@ -40,6 +40,7 @@ from geomesh_p2p.plan.bounds import (
     evidence_ceiling_range,
     evidence_ceilings,
     max_token_share,
+    usable_rates,
 )
 from geomesh_p2p.plan.cost import (
     PeerModel,
@@ -582,7 +583,7 @@ def _evidence_problem(plan: RoundPlan, cfg: PlanConfig, supported: Optional[Mapp
                 f"supports in {T:.3g} s ({basis})"
             )
     # a leader's map lacks one entry at most: one rated peer planned over its own ceiling (red team 37b: every one)
-    rated = {p for p, v in (supported or {}).items() if (v or 0) > 0}
+    rated = usable_rates(supported)
     over = [a.peer_id for a in plan.assignments if a.peer_id in rated and a.token_budget > max(
         PLAN_CHECK_TOLERANCE * own[a.peer_id] * T, _min_steps_tokens(a, cfg))]  # fmt: skip
     if len(over) > 1:
@@ -684,7 +685,7 @@ def _under_plan_problem(
     if not ceilings:
         return None
     fits: dict[str, tuple[int, int]] = {}
-    own, own_fits = evidence_ceilings(plan.participants(), supported), {}
+    own, own_fits, rated = evidence_ceilings(plan.participants(), supported), {}, usable_rates(supported)
     assigned = {a.peer_id: a for a in plan.assignments}
     for pid, r in records.items():
         try:
@@ -698,7 +699,7 @@ def _under_plan_problem(
                 update={"tokens_per_s": slower, "upload_bps": r.upload_bps / k, "download_bps": r.download_bps / k}
             )
             fits[pid] = window_fit(older, T, cfg, ceilings[pid][0] if pid in ceilings else None)
-            if ceilings.get(pid, (0.0, 0.0))[0] < own.get(pid, 0.0) and ((supported or {}).get(pid) or 0) > 0:
+            if ceilings.get(pid, (0.0, 0.0))[0] < own.get(pid, 0.0) and pid in rated:
                 own_fits[pid] = window_fit(older, T, cfg, own[pid])
         except (ValueError, ArithmeticError):
             continue  # a record the planner cannot plan: the other checks judge it
