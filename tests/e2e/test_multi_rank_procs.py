@@ -118,8 +118,9 @@ def _two_rank_peer_with_a_one_rank_peer(tmp_path: Path, *flags: str) -> str:
     assert all(a[x]["digest"] == b[x]["digest"] for x in a), tails
     assert len({a[x]["digest"] for x in a}) == 3  # and they moved
     assert all(a[x]["batch_size"] == 2 * b[x]["batch_size"] for x in a)
-    # tokens 2x in the rounds both trained fully (under load a deadline can cut every round short: then none)
-    assert all(a[x]["tokens"] > 0 and b[x]["tokens"] > 0 for x in a), tails
+    # tokens 2x in the rounds both trained fully (under load a deadline can cut every round short: then none). Both
+    # trained in some round; not in every one: a CI run's one-rank peer trained 0 of 2 steps in round 0's 0.4 s window
+    assert any(a[x]["tokens"] > 0 and b[x]["tokens"] > 0 for x in a), tails
     full = [x for x in a if _trained_fully(a[x]) and _trained_fully(b[x])]
     assert all(a[x]["tokens"] == 2 * b[x]["tokens"] for x in full), tails
     log = sw.text("a")
