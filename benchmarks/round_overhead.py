@@ -76,6 +76,29 @@ def print_table(res: dict) -> None:
         )
 
 
+def print_memory(files: list[str]) -> None:
+    """Per peer and row: anonymous RSS at the row (MiB), the process's peak so far, and the MiB each phase
+    added in the row's cycle (``extra["phase_rss_mib"]``, 0.13.0+; phases within +-8 MiB are left out): where
+    a growth over the first rounds comes from (issue 27). What no phase accounts for (background verified
+    work or evaluation, the time between phases) is the row's growth minus the phases' sum ("between")."""
+    print("\nmemory: peer | round | anon MiB | peak MiB | MiB added per phase (|x| > 8) | between")
+    for f in files:
+        prev = None
+        for line in Path(f).read_text().splitlines():
+            r = json.loads(line) if line.strip() else {}
+            ex = r.get("extra") or {}
+            rss = (ex.get("rss_mib") or {}).get("RssAnon")
+            if rss is None:
+                continue
+            by_phase = ex.get("phase_rss_mib") or {}
+            big = {k: v for k, v in by_phase.items() if abs(v) > 8}
+            between = "" if prev is None else f"{rss - prev - sum(by_phase.values()):+.0f}"
+            peak = (ex.get("memory") or {}).get("rss_peak_bytes", 0) / 2**20
+            added = ", ".join(f"{k} {v:+.0f}" for k, v in big.items()) or "-"
+            print(f"{Path(f).stem} | {r.get('round')} | {rss:.0f} | {peak:.0f} | {added} | {between}")
+            prev = rss
+
+
 def run_swarm(ns: argparse.Namespace) -> list[str]:
     """Start the swarm (processes owned by peer.demo.Swarm, stopped by PID at the end), wait for every
     peer to finish ``--rounds``; returns the peers' JSON row files."""
@@ -84,7 +107,8 @@ def run_swarm(ns: argparse.Namespace) -> list[str]:
 
     workdir = Path(ns.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    for old in list(workdir.glob("peer*.jsonl")) + list(workdir.glob("*.log")):
+    # a new run each time: the bootstrap's remembered state would have the peers wait for the last run's peers
+    for old in [*workdir.glob("peer*.jsonl"), *workdir.glob("*.log"), *workdir.glob("bootstrap.state.json")]:
         old.unlink()
     swarm = Swarm(workdir)
     speeds = [float(x) for x in ns.speed_factors.split(",")]
@@ -142,6 +166,7 @@ def main() -> int:
         print("no rows with a cycle", file=sys.stderr)
         return 1
     print_table(res)
+    print_memory(files)
     if ns.json:
         Path(ns.json).write_text(json.dumps(res, indent=1))
     return 0

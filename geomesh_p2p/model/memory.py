@@ -20,6 +20,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 
 from geomesh_p2p.config.method import COMPRESSED_METHODS
+from geomesh_p2p.util.procstat import status_bytes
 from geomesh_p2p.model.build import count_params
 from geomesh_p2p.model.device import (
     DeviceInfo,
@@ -435,15 +436,7 @@ def process_peaks() -> dict[str, int]:
     (``torch.cuda.max_memory_allocated`` of the current device since its last reset: the start-up
     profile resets it, so after the first round it is the rounds' peak). Cheap (one small file read):
     the round row carries it (issue 27's peak against the method's minimum)."""
-    out: dict[str, int] = {}
-    try:
-        with open("/proc/self/status", "rb") as f:
-            for line in f:
-                if line.startswith(b"VmHWM:"):
-                    out["rss_peak_bytes"] = int(line.split()[1]) * 1024
-                    break
-    except (OSError, ValueError, IndexError):
-        pass
+    out = {"rss_peak_bytes": v for v in status_bytes("VmHWM").values()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         out["device_peak_bytes"] = int(torch.cuda.max_memory_allocated())
     return out

@@ -27,6 +27,7 @@ from geomesh_p2p.schema.peer import PeerRecord
 from geomesh_p2p.telemetry import events
 from geomesh_p2p.telemetry.metrics import RoundRecord
 from geomesh_p2p.util.backoff import Backoff
+from geomesh_p2p.util.procstat import status_bytes
 from geomesh_p2p.round import eager, exchange, finish, gather, planning, resync, train
 from geomesh_p2p.round import light as light_phase
 from geomesh_p2p.round.context import (
@@ -150,6 +151,10 @@ class RoundDriver:
         self.lineage: collections.deque[LineageEntry] = collections.deque(maxlen=LINEAGE_ROUNDS)
         #: seconds per phase (metrics.PHASES) since this peer's previous row, and that row's monotonic time
         self._phases: dict[str, float] = {}
+        #: anonymous RSS (bytes) each phase added since the previous row: end minus start, summed (issue 27: which
+        #: phase the growth over the first rounds comes from); memory that a background task (verified work,
+        #: background evaluation) takes between phases counts in none
+        self._phase_rss: dict[str, int] = {}
         self._t_row: Optional[float] = None
         self._traffic_row: dict = {}  # traffic_classes() at the previous row (empty: none yet)
         self._verify_busy_row = 0.0  # verified work's compute seconds at the previous row (finish.publish_row)
@@ -254,10 +259,14 @@ class RoundDriver:
         """Add the monotonic seconds the block takes to phase ``name`` of the current cycle (issue 17: the
         round row's ``phase_s``, what the non-compute share of a round is made of)."""
         t0 = self.clock.monotonic()
+        rss0 = status_bytes("RssAnon").get("RssAnon")
         try:
             yield
         finally:
             self.add_phase_s(name, max(0.0, self.clock.monotonic() - t0))
+            rss1 = status_bytes("RssAnon").get("RssAnon")
+            if rss0 is not None and rss1 is not None:
+                self._phase_rss[name] = self._phase_rss.get(name, 0) + rss1 - rss0
 
     async def pause(self, seconds: float) -> bool:
         """Wait ``seconds`` or until stop; True when stopped. (The only sleep of the driver: backoff.) A loop

@@ -21,6 +21,7 @@ from geomesh_p2p.plan.schema import RoundPlan
 from geomesh_p2p.sync.download import StateSyncError
 from geomesh_p2p.telemetry import events
 from geomesh_p2p.telemetry.metrics import RoundRecord
+from geomesh_p2p.util.procstat import status_bytes
 from geomesh_p2p.round.context import LineageEntry, Phase, RoundContext, Speculative
 from geomesh_p2p.round import light
 from geomesh_p2p.round.eager import drop_speculative
@@ -257,6 +258,11 @@ def publish_row(drv: RoundDriver, rec: RoundRecord) -> None:
     rec.phase_s = {k: round(v, 4) for k, v in drv._phases.items()}
     rec.cycle_s = now - drv._t_row if drv._t_row is not None else None
     drv._phases, drv._t_row = {}, now
+    mem = status_bytes("RssAnon", "RssFile")
+    if mem:  # memory by phase (issue 27): MiB added per phase this cycle, and where the process stands now
+        rec.extra["phase_rss_mib"] = {k: round(v / 2**20, 1) for k, v in drv._phase_rss.items()}
+        rec.extra["rss_mib"] = {k: round(v / 2**20, 1) for k, v in mem.items()}
+    drv._phase_rss = {}
     traffic = drv.traffic_classes()
     if traffic:  # the cycle's bytes and calls per method class; the first row's: since the node started
         rec.extra["traffic"] = traffic_delta(traffic, drv._traffic_row)
