@@ -21,6 +21,7 @@ import math
 import statistics
 from typing import Iterable, Mapping, Optional, Sequence
 
+from geomesh_p2p.model.capability import MAX_TPS_GROWTH_PER_UPDATE
 from geomesh_p2p.plan.cost import ranks_of
 from geomesh_p2p.schema.peer import PeerRecord
 
@@ -72,7 +73,9 @@ def usable_rates(supported: Optional[Mapping[str, float]]) -> dict[str, float]:
 
 
 def evidence_ceiling_range(
-    peer_ids: Iterable[str], supported: Optional[Mapping[str, float]]
+    peer_ids: Iterable[str],
+    supported: Optional[Mapping[str, float]],
+    unseen: Optional[Mapping[str, float]] = None,
 ) -> dict[str, tuple[float, float]]:
     """peer id -> (lowest, highest) tokens/s ceiling an honest leader may have planned it at, for a follower whose
     delivered map is ``supported``: the leader's map may lack one entry this one has (red team 37: a node computes
@@ -81,15 +84,31 @@ def evidence_ceiling_range(
     each peer's range spans :func:`evidence_ceilings`' ``EVIDENCE_GROWTH`` x its rate (when it has one) and the
     seeds of the map less its highest or its lowest rate (the map's own seed lies between). Empty as
     :func:`evidence_ceilings`. A leader with no usable rate at all plans by the records alone and is not tolerated
-    (that would drop the bound for any leader claiming so): with one rate the seed is that rate."""
+    (that would drop the bound for any leader claiming so): with one rate the seed is that rate.
+
+    ``unseen`` (session 38): peer id -> the rate its last round's plan gave it (token budget / predicted compute
+    seconds, the most its delivered rate can be) for the participants of that round absent from ``supported`` because
+    this follower missed a part that would list them (:meth:`~geomesh_p2p.round.rules.profiling.Reprofiler.unseen_rates`):
+    a leader that read those parts may hold any rate up to that, so their range is (0, the larger of the seed's and
+    ``EVIDENCE_GROWTH`` x it); 0: no lower bound (the under-plan fit is skipped; with one known rate the leader's
+    seed may be an unseen rate, so every peer's). A peer that delivered nothing in the parts this follower read is
+    not unseen: it stays at the newcomer seed."""
     known = usable_rates(supported)
     rates = sorted(known.values())
     if not rates:
         return {}
     n = len(rates)
     lo, hi = (rates[(n - 2) // 2], rates[(n - 2) // 2 + 1]) if n > 1 else (rates[0], rates[0])
+    missed = {p: v for p, v in usable_rates(unseen).items() if p not in known}
+    if missed and n == 1:
+        lo = 0.0  # the leader's map may hold a second rate, lower than any known: its seed
     own = evidence_ceilings(peer_ids, supported)
-    return {p: (min(c, lo), max(c, hi)) if p in known else (lo, hi) for p, c in own.items()}
+    return {
+        p: (min(c, lo), max(c, hi))
+        if p in known
+        else ((0.0, max(hi, EVIDENCE_GROWTH * missed[p])) if p in missed else (lo, hi))
+        for p, c in own.items()
+    }
 
 
 #: no token budget exceeds this many times the plan's lower-median budget (unless it is a single
@@ -121,6 +140,15 @@ LEADER_BAR_MIN_OWNERS = 4
 #: the records can differ between leader and follower by one re-announcement. Followers' recomputation
 #: from the same records is exact; attacks are orders of magnitude outside.
 PLAN_CHECK_TOLERANCE = 1.5
+
+
+#: how far over a participant's record (best tokens/s, and tokens/s at the planned micro-batch, x the window) a follower
+#: accepts its budget (session 38): the record a leader reads may be one update newer than the follower's, and a
+#: re-profiled figure grows at most ``MAX_TPS_GROWTH_PER_UPDATE`` = 2x per update (a first in-swarm measurement
+#: reaches it: docs/collective.md, a start-up profile 8 tokens/s against 60-370 measured). At 1.5 a follower one update
+#: behind refused 22 of 400 honest swarms. What it concedes: a budget 2 / 1.5 = 1.33x larger where the record is the
+#: binding bound (the delivered-work bound, EVIDENCE_GROWTH x the delivered rate x 1.5, still applies).
+RECORD_VIEW_TOLERANCE = MAX_TPS_GROWTH_PER_UPDATE
 
 
 #: how far under what its record fits in the plan's window a follower accepts a participant's budget (x, after one

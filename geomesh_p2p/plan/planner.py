@@ -31,7 +31,6 @@ from geomesh_p2p.plan.bounds import (
     MAX_PLAN_AGE_S,
     PLAN_CHECK_TOLERANCE,
     THROUGHPUT_SPREAD_CAP,
-    UNDER_PLAN_LINK_TOLERANCE,
     UNDER_PLAN_TOLERANCE,
     bound_records,
     bound_ranks,
@@ -46,8 +45,6 @@ from geomesh_p2p.plan.cost import (
     PeerModel,
     accum_steps_for,
     best_micro_batch,
-    comm_time,
-    interpolate_tokens_per_s,
     peer_uniform_micro,
     rank_micro,
     ranks_of,
@@ -56,6 +53,7 @@ from geomesh_p2p.plan.cost import (
 )
 from geomesh_p2p.plan.schema import ContentRefusal, PeerAssignment, PlanConfig, RoundPlan
 from geomesh_p2p.plan.uniform import plan_uniform
+from geomesh_p2p.plan.views import link_slowdown, min_steps_tokens, records_at_stated_links, throughput_problem
 from geomesh_p2p.schema.partition import OWNER_SHARE_FACTOR, max_owner_units
 from geomesh_p2p.schema.peer import PeerRecord
 
@@ -258,13 +256,15 @@ def check_plan(
     now: float,
     barred: Collection[str] = (),
     supported: Optional[Mapping[str, float]] = None,
+    unseen: Optional[Mapping[str, float]] = None,
 ) -> Optional[str]:
     """Why a follower must refuse ``plan`` (a one-line reason), or None when it is within bounds.
 
     A pure function of the plan, the follower's view of the records (``peer_id -> PeerRecord``), the
     :class:`PlanConfig` the run implies (the one the follower would plan with for these participants)
-    and ``now`` (unix seconds). Every plan that :func:`make_plan` makes from the same records and
-    config passes; a rogue or broken leader's plan is refused when any of these fails:
+    and ``now`` (unix seconds); ``supported`` / ``unseen``: this follower's delivered-rate map of the last round and
+    the planned rates of the participants whose delivery it missed (:func:`evidence_ceiling_range`). Every plan that
+    :func:`make_plan` makes from the same records and config passes; a rogue or broken leader's plan is refused when any of these fails:
 
     * settings: ``seq_len`` / ``method`` / ``mode`` as in ``cfg``; every participant has a record;
     * batch: ``micro_batch`` within the record's bounded ``max_batch`` (:func:`bound_records`:
@@ -280,7 +280,7 @@ def check_plan(
     * budgets: each at most ``PLAN_CHECK_TOLERANCE`` x (bounded best tokens/s x ``window_s``) and at
       most ``BUDGET_MEDIAN_FACTOR`` x the plan's lower-median budget, unless (either bound) it is
       ``min_inner_steps`` steps of its own batch (a slow peer kept under a window capped at
-      ``max_window_s`` still gets them: :func:`_min_steps_tokens`); hence a share of the total at most
+      ``max_window_s`` still gets them: :func:`~geomesh_p2p.plan.views.min_steps_tokens`); hence a share of the total at most
       :func:`max_token_share`; both per device (x ``ranks`` for a multi-rank peer, issue 30);
     * ownership: no owner without an address in its record, none with more than
       :func:`max_owner_units` x ``part_align`` elements, counting as possible owners the
@@ -337,7 +337,10 @@ def check_plan(
             return f"client-only peer {who} owns a part"
     T = plan.window_s
     if not T_ref / PLAN_CHECK_TOLERANCE <= T <= T_ref * PLAN_CHECK_TOLERANCE:
-        return f"its window {T:.3g} s is far from the {T_ref:.3g} s the records support"
+        # the leader's read of a link may be one update apart (session 38): the window of the links the plan states
+        T_view = reference_window(records_at_stated_links(plan, recs, cfg), cfg)
+        if not T_view / PLAN_CHECK_TOLERANCE <= T <= T_view * PLAN_CHECK_TOLERANCE:
+            return f"its window {T:.3g} s is far from the {T_ref:.3g} s the records support"
     if abs(plan.train_deadline - plan.created_at - T) > 1e-6 * T + 1e-3:
         return ContentRefusal("its train deadline is not its start plus its window")
     if plan.created_at - now > MAX_CLOCK_SKEW_S:
@@ -345,15 +348,15 @@ def check_plan(
     if now - plan.created_at > MAX_PLAN_AGE_S:
         return _too_old(plan, now)
     for a in plan.assignments:
-        reason = _throughput_problem(a, by_id[a.peer_id], cfg, T, balanced, "its bounded throughput")
+        reason = throughput_problem(a, by_id[a.peer_id], cfg, T, balanced, "its bounded throughput")
         if reason is not None:
             return reason
     ranks = {r.peer_id: ranks_of(r) for r in recs}
     reason = (
         _budget_problem(plan, cfg, ranks)
         or _probation_problem(plan, cfg)
-        or _evidence_problem(plan, cfg, supported)
-        or _under_plan_problem(plan, cfg, by_id, ranks, supported)
+        or _evidence_problem(plan, cfg, supported, unseen)
+        or _under_plan_problem(plan, cfg, by_id, ranks, supported, unseen)
     )
     if reason is not None:
         return reason
@@ -386,6 +389,7 @@ def check_plan_sampled(
     now: float,
     barred: Collection[str] = (),
     supported: Optional[Mapping[str, float]] = None,
+    unseen: Optional[Mapping[str, float]] = None,
 ) -> Optional[str]:
     """:func:`check_plan` for a light follower (issue 25) that holds the records of a sample of the plan's
     participants only (``sampled``: ``peer_id -> PeerRecord``, each a participant). One-line reason, or None.
@@ -439,7 +443,7 @@ def check_plan_sampled(
                 f"{who} accumulates {a.accum_steps} micro-batches of {a.micro_batch}; target batch "
                 f"{target} means {accum_steps_for(a.micro_batch, target)}"
             )
-        reason = _throughput_problem(a, r, cfg, T, rule.balanced, "its record")
+        reason = throughput_problem(a, r, cfg, T, rule.balanced, "its record")
         if reason is not None:
             return reason
     if abs(plan.train_deadline - plan.created_at - T) > 1e-6 * T + 1e-3:
@@ -453,8 +457,8 @@ def check_plan_sampled(
     reason = (
         _budget_problem(plan, cfg, ranks)
         or _probation_problem(plan, cfg)
-        or _evidence_problem(plan, cfg, supported)
-        or _under_plan_problem(plan, cfg, _bounded_by_plan(plan, cfg, sampled), ranks, supported)
+        or _evidence_problem(plan, cfg, supported, unseen)
+        or _under_plan_problem(plan, cfg, _bounded_by_plan(plan, cfg, sampled), ranks, supported, unseen)
     )
     if reason is not None:
         return reason
@@ -471,51 +475,6 @@ def _too_old(plan: RoundPlan, now: float) -> str:
     return (
         f"it was made {now - plan.created_at:.0f} s in the past (at most {MAX_PLAN_AGE_S:.0f} s): its window is "
         "spent before anyone trains"
-    )
-
-
-def _min_steps_tokens(a: PeerAssignment, cfg: PlanConfig) -> int:
-    """Tokens of ``min_inner_steps`` steps of assignment ``a``'s own batch: a budget every throughput ceiling
-    accepts, as the median rule does (:func:`_over_budget`). The leader gives a peer at least that many steps
-    (:func:`~geomesh_p2p.plan.cost.inner_steps`) even where the window, capped at ``cfg.max_window_s``, holds
-    fewer (the train deadline then stops it early): with a minimum of 5 steps (issue 28's screened minimum, tried
-    in session 33 and not on by default), a slow peer the exclusion rule keeps (never fewer than 2 peers) was over
-    ``PLAN_CHECK_TOLERANCE`` x its tokens/s x the window, and every follower, the leader too, refused every honest
-    plan of that swarm (tests/unit/test_planner.py)."""
-    return cfg.min_inner_steps * int(a.batch_size) * cfg.seq_len
-
-
-def _throughput_problem(
-    a: PeerAssignment, record: PeerRecord, cfg: PlanConfig, T: float, balanced: bool, basis: str
-) -> Optional[str]:
-    """Why assignment ``a``'s token budget cannot be trained in the window ``T`` (seconds), or None: over
-    ``PLAN_CHECK_TOLERANCE`` x ``record``'s best tokens/s x ``T``, or (``balanced``: AWB; uniform methods fix the
-    micro-batch) over the same at its tokens/s *at the planned micro-batch*, unless it is ``min_inner_steps`` steps
-    of its batch (:func:`_min_steps_tokens`). ``basis`` names the record in the reason ("its record"). View-dependent:
-    a plain reason.
-
-    The micro-batch bound is red team 36's B1: a rogue leader planned honest peers at micro-batch 1 x 32
-    accumulation steps with the budgets their best micro-batch fits; at 0.21x the speed the deadline stopped them at
-    a fifth of it, and the leader and its partner took 79 % of the round's tokens (41.5 % honest). An honest leader
-    plans ``floor((T - c) / s)`` steps at the step time of the micro-batch it picks, and a record falls at most
-    ``MAX_TPS_DROP_PER_UPDATE`` (1.4) x per update, under the tolerance."""
-    floor = _min_steps_tokens(a, cfg)
-    ceiling = max(PLAN_CHECK_TOLERANCE * record.best_tokens_per_s() * T, floor)
-    if a.token_budget > ceiling:
-        return f"token budget {a.token_budget} for {a.peer_id[:10]} exceeds the {ceiling:.0f} {basis} supports in {T:.3g} s"
-    if not balanced:
-        return None
-    try:
-        rate = interpolate_tokens_per_s(record.tokens_per_s, a.micro_batch)
-    except ValueError:
-        return None  # no measured throughput: the record checks refuse it
-    ceiling = max(PLAN_CHECK_TOLERANCE * rate * T, floor)
-    if a.token_budget <= ceiling:
-        return None
-    return (
-        f"token budget {a.token_budget} for {a.peer_id[:10]} at micro-batch {a.micro_batch} exceeds the "
-        f"{ceiling:.0f} its record's {rate:.0f} tokens/s at that micro-batch supports in {T:.3g} s (a micro-batch "
-        "that slow trains a fraction of the budget by the deadline)"
     )
 
 
@@ -543,7 +502,7 @@ def _over_budget(plan: RoundPlan, cfg: PlanConfig, ranks: Mapping[str, int]) -> 
     for a in plan.assignments:
         who, k = a.peer_id[:10], ranks.get(a.peer_id, 1)
         limit, share = budget_limit(median, k), max_token_share(len(budgets), k)
-        floor = _min_steps_tokens(a, cfg)
+        floor = min_steps_tokens(a, cfg)
         devices = f" ({k} ranks)" if k > 1 else ""
         if a.token_budget > max(limit, floor):
             out[a.peer_id] = (
@@ -562,19 +521,24 @@ def _budget_problem(plan: RoundPlan, cfg: PlanConfig, ranks: Mapping[str, int]) 
     return next(iter(_over_budget(plan, cfg, ranks).values()), None)
 
 
-def _evidence_problem(plan: RoundPlan, cfg: PlanConfig, supported: Optional[Mapping[str, float]]) -> Optional[str]:
+def _evidence_problem(
+    plan: RoundPlan,
+    cfg: PlanConfig,
+    supported: Optional[Mapping[str, float]],
+    unseen: Optional[Mapping[str, float]] = None,
+) -> Optional[str]:
     """Budgets against what delivered work supports (see :func:`check_plan`), at the highest ceiling an honest leader
     may use (:func:`evidence_ceiling_range`); None for uniform methods and when ``supported`` has no usable rate."""
     if not _method_rule(cfg).balanced:
         return None
-    ceilings = evidence_ceiling_range(plan.participants(), supported)
+    ceilings = evidence_ceiling_range(plan.participants(), supported, unseen)
     if not ceilings:
         return None
     T = plan.window_s
     own = evidence_ceilings(plan.participants(), supported)
     for a in plan.assignments:
         limit = PLAN_CHECK_TOLERANCE * ceilings[a.peer_id][1] * T
-        floor = _min_steps_tokens(a, cfg)
+        floor = min_steps_tokens(a, cfg)
         if a.token_budget > max(limit, floor):
             rate = (supported or {}).get(a.peer_id)
             basis = f"{rate:.0f} tokens/s delivered last round" if rate else "a newcomer: the median delivered rate"
@@ -585,7 +549,7 @@ def _evidence_problem(plan: RoundPlan, cfg: PlanConfig, supported: Optional[Mapp
     # a leader's map lacks one entry at most: one rated peer planned over its own ceiling (red team 37b: every one)
     rated = usable_rates(supported)
     over = [a.peer_id for a in plan.assignments if a.peer_id in rated and a.token_budget > max(
-        PLAN_CHECK_TOLERANCE * own[a.peer_id] * T, _min_steps_tokens(a, cfg))]  # fmt: skip
+        PLAN_CHECK_TOLERANCE * own[a.peer_id] * T, min_steps_tokens(a, cfg))]  # fmt: skip
     if len(over) > 1:
         return f"{len(over)} peers ({', '.join(p[:10] for p in over[:4])}) get more than their delivered work supports"
     return None
@@ -630,7 +594,7 @@ def _probation_problem(plan: RoundPlan, cfg: PlanConfig) -> Optional[str]:
     for a in marked:
         if a.owns_part:
             return ContentRefusal(f"{a.peer_id[:10]} is on probation and owns a part")
-        floor = _min_steps_tokens(a, cfg)
+        floor = min_steps_tokens(a, cfg)
         if a.token_budget > max(limit, floor):
             return ContentRefusal(
                 f"token budget {a.token_budget} for {a.peer_id[:10]} (on probation) is over "
@@ -645,6 +609,7 @@ def _under_plan_problem(
     records: Mapping[str, PeerRecord],
     ranks: Mapping[str, int],
     supported: Optional[Mapping[str, float]],
+    unseen: Optional[Mapping[str, float]] = None,
 ) -> Optional[str]:
     """A participant planned far fewer tokens than it fits in the plan's window when no cap of the plan explains
     it (session 36; red team of session 34, #3: a rogue leader planned its partner at 4 steps and every honest
@@ -681,7 +646,7 @@ def _under_plan_problem(
             f"1/{PLAN_CHECK_TOLERANCE:g} of the {expected} its own predicted times fit in the {T:.3g} s window, "
             "and no cap of the plan explains fewer"
         )
-    ceilings = evidence_ceiling_range(plan.participants(), supported)  # the lowest (red team 37, F2)
+    ceilings = evidence_ceiling_range(plan.participants(), supported, unseen)  # the lowest (red team 37, F2)
     if not ceilings:
         return None
     fits: dict[str, tuple[int, int]] = {}
@@ -694,10 +659,12 @@ def _under_plan_problem(
             # and its exchange as long as the plan states it, up to UNDER_PLAN_LINK_TOLERANCE x what the record
             # gives: a link figure moves up to that much per update, so a leader's older read may give the exchange
             # more time (red team 36, F1: 92 of 400 honest swarms refused after one link update, links as read)
-            k = _link_slowdown(r, assigned.get(pid), cfg)
+            k = link_slowdown(r, assigned.get(pid), cfg)
             older = r.model_copy(
                 update={"tokens_per_s": slower, "upload_bps": r.upload_bps / k, "download_bps": r.download_bps / k}
             )
+            if ceilings.get(pid, (1.0, 1.0))[0] <= 0:
+                continue  # a rate this follower did not see (unseen): any up to its ceiling may be the leader's
             fits[pid] = window_fit(older, T, cfg, ceilings[pid][0] if pid in ceilings else None)
             if ceilings.get(pid, (0.0, 0.0))[0] < own.get(pid, 0.0) and pid in rated:
                 own_fits[pid] = window_fit(older, T, cfg, own[pid])
@@ -782,17 +749,3 @@ def _bounded_by_plan(plan: RoundPlan, cfg: PlanConfig, sampled: Mapping[str, Pee
         if r.tokens_per_s and r.best_tokens_per_s() <= k * tps_cap and r.max_batch <= k * batch_cap:
             out[pid] = r
     return out
-
-
-def _link_slowdown(record: PeerRecord, a: Optional[PeerAssignment], cfg: PlanConfig) -> float:
-    """Factor (1 to ``UNDER_PLAN_LINK_TOLERANCE``) to divide ``record``'s bandwidths by so that its exchange takes
-    the ``predicted_comm_s`` its assignment ``a`` states (seconds; 1 without ``a`` or when the record's is longer):
-    what the leader's read of the record implies, within one link update of the follower's (red team 36, F1)."""
-    if a is None:
-        return 1.0
-    fixed = 2 * cfg.latency_s
-    mine = comm_time(record, cfg) - fixed
-    stated = a.predicted_comm_s - fixed
-    if mine <= 0 or stated <= mine:
-        return 1.0
-    return min(UNDER_PLAN_LINK_TOLERANCE, stated / mine)

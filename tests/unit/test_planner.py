@@ -209,17 +209,17 @@ def test_a_slow_peer_kept_under_the_capped_window_gets_its_minimum_steps_and_the
     by = {r.peer_id: r for r in recs}
     assert check_plan(plan, by, cfg, now=plan.created_at) is None
     assert check_plan_sampled(plan, {"c": slow}, cfg, now=plan.created_at) is None
-    # a sixth step is over both ceilings: still refused
+    # a seventh step is over both ceilings (2 x 6.7 tokens/s x 117 s = 1560 since session 38): still refused
     over = plan.model_copy(
         update={
             "assignments": [
-                x.model_copy(update={"inner_steps": 6, "token_budget": 6 * 8 * 32}) if x.peer_id == "c" else x
+                x.model_copy(update={"inner_steps": 7, "token_budget": 7 * 8 * 32}) if x.peer_id == "c" else x
                 for x in plan.assignments
             ]
         }
     )
-    assert "token budget 1536 for c exceeds" in str(check_plan(over, by, cfg, now=plan.created_at))
-    assert "token budget 1536 for c exceeds" in str(check_plan_sampled(over, {"c": slow}, cfg, now=plan.created_at))
+    assert "token budget 1792 for c exceeds" in str(check_plan(over, by, cfg, now=plan.created_at))
+    assert "token budget 1792 for c exceeds" in str(check_plan_sampled(over, {"c": slow}, cfg, now=plan.created_at))
     one = cfg.model_copy(update={"min_inner_steps": 1})
     plan1 = make_plan(kept, one, numel=1000, **PLAN_KW)
     # one step fits the stretched window: the throughput ceiling binds as before

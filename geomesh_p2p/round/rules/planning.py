@@ -256,6 +256,7 @@ class PlanRules:
             now=swarm_time(),
             barred=barred,
             supported=self.delivered_evidence(plan.round),
+            unseen=self.unseen_evidence(plan.round),
         )
 
     def sampled_plan_problem(self, plan, sampled: dict, sample: Sequence[str]) -> Optional[str]:
@@ -286,6 +287,7 @@ class PlanRules:
             now=swarm_time(),
             barred=self.penalties.barred(),
             supported=self.delivered_evidence(plan.round),
+            unseen=self.unseen_evidence(plan.round),
         )
 
     def delivered_evidence(self, round: int) -> Optional[dict]:
@@ -297,6 +299,12 @@ class PlanRules:
         alone."""
         evidence = self.profile.supported_tps
         return evidence[1] if evidence is not None and evidence[0] == round - 1 else None
+
+    def unseen_evidence(self, round: int) -> Optional[dict]:
+        """peer id -> the tokens/s round ``round - 1``'s plan gave it, for its participants whose delivery this peer
+        did not see (it missed a part: :meth:`Reprofiler.unseen_rates`); None as :meth:`delivered_evidence`."""
+        unseen = self.profile.unseen_tps
+        return unseen[1] if unseen is not None and unseen[0] == round - 1 else None
 
     def records_needed(self, plan) -> list[str]:
         """Participants a light follower must sample to check ``plan`` (:func:`planner.records_needed`)."""

@@ -42,6 +42,7 @@ class Reprofiler:
         measured: quantities measured in a round at least once ("tps", "up", "down"): the first sample of
             each replaces the start-up figure.
         supported_tps: (round, peer id -> tokens/s its delivered contribution supports), or None.
+        unseen_tps: (round, :meth:`unseen_rates` of it), or None.
     """
 
     def __init__(
@@ -58,6 +59,7 @@ class Reprofiler:
         self.measured: set[str] = set()
         self.exchange_cost_measured = False
         self.supported_tps: Optional[tuple[int, dict[str, float]]] = None
+        self.unseen_tps: Optional[tuple[int, dict[str, float]]] = None
 
     def throughput_ema(self) -> ThroughputEMA:
         """``self.ema``: the re-profiled tokens/s and link figures.
@@ -74,6 +76,7 @@ class Reprofiler:
         self.update_throughput(micro_batch, result)
         self.update_links(ar)
         self.supported_tps = (r, self.delivered_rates(plan, ar))
+        self.unseen_tps = (r, self.unseen_rates(plan, ar))
 
     def delivered_meta(self) -> Optional[dict]:
         """:attr:`supported_tps` as JSON-able data for a checkpoint (``{"round": r, "tps": {peer: tokens/s}}``), or
@@ -154,6 +157,23 @@ class Reprofiler:
             if n > 0 and a.predicted_compute_s > 0:
                 rates[a.peer_id] = n / a.predicted_compute_s
         return rates
+
+    @staticmethod
+    def unseen_rates(plan, ar) -> dict[str, float]:
+        """peer_id -> tokens/s its plan gave it (token budget over predicted compute seconds: the most
+        :meth:`delivered_rates` can give it) for the participants of ``plan`` that no part result this peer read
+        lists, when it missed a part (``ar.missing_parts``): they may have contributed there, and a leader that
+        read that part holds their rate (session 38: a follower lacking a fast peer's rate bounded it at the
+        newcomer seed and refused 85 of 400 honest plans). Empty when every part was read: a participant absent
+        from all of them delivered nothing, for every reader alike."""
+        if not getattr(ar, "missing_parts", None):
+            return {}
+        listed = {pid for part in ar.contributors.values() for pid, _ in part}
+        return {
+            a.peer_id: a.token_budget / a.predicted_compute_s
+            for a in plan.assignments
+            if a.peer_id not in listed and a.predicted_compute_s > 0 and a.token_budget > 0
+        }
 
     def update_throughput(self, micro_batch: int, result) -> None:
         """Re-profiling (beyond the paper's one-off profile): EMA of this round's measured tokens/s
