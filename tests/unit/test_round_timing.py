@@ -55,6 +55,29 @@ async def test_a_lone_peers_rows_carry_the_seconds_of_each_phase_and_the_cycle()
     assert rows[1].compute_share == pytest.approx(0.1 / 5.75, abs=1e-12)
 
 
+async def test_rows_carry_the_anonymous_memory_each_phase_added():
+    """Issue 27's memory by phase: a train phase that keeps 64 MiB (written, so resident) shows it in that row's
+    ``phase_rss_mib["train"]``; the next row's train phase keeps nothing more; every row says the process's RssAnon."""
+    (peer,) = _peers(1)
+    kept: list[bytes] = []
+    peer.hooks = {"train": lambda: kept.append(bytes(range(256)) * (2**18)) if not kept else None}
+    drv = peer.driver(rounds=2, clock=SteppingClock())
+    await drv.run()
+    first, second = drv.history
+    assert len(kept[0]) == 64 * 2**20
+    assert first.extra["phase_rss_mib"]["train"] >= 63.0  # the allocator may round up, never down
+    assert abs(second.extra["phase_rss_mib"].get("train", 0.0)) < 16.0
+    assert all(r.extra["rss_mib"]["RssAnon"] >= 64.0 for r in (first, second))
+
+
+def test_status_bytes_reads_the_named_fields_and_leaves_out_unknown_ones():
+    from geomesh_p2p.util.procstat import status_bytes
+
+    got = status_bytes("RssAnon", "VmHWM", "NoSuchField")
+    assert set(got) == {"RssAnon", "VmHWM"}
+    assert 0 < got["RssAnon"] <= got["VmHWM"] and got["RssAnon"] % 1024 == 0
+
+
 # ---------------------------------------------------------------- training during the plan's settle
 
 
