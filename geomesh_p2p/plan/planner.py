@@ -53,7 +53,14 @@ from geomesh_p2p.plan.cost import (
 )
 from geomesh_p2p.plan.schema import ContentRefusal, PeerAssignment, PlanConfig, RoundPlan
 from geomesh_p2p.plan.uniform import plan_uniform
-from geomesh_p2p.plan.views import link_slowdown, min_steps_tokens, records_at_stated_links, throughput_problem
+from geomesh_p2p.plan.views import (
+    compute_problems,
+    link_slowdown,
+    lowest_ceilings,
+    min_steps_tokens,
+    records_at_stated_links,
+    throughput_problem,
+)
 from geomesh_p2p.schema.partition import OWNER_SHARE_FACTOR, max_owner_units
 from geomesh_p2p.schema.peer import PeerRecord
 
@@ -357,6 +364,9 @@ def check_plan(
         or _probation_problem(plan, cfg)
         or _evidence_problem(plan, cfg, supported, unseen)
         or _under_plan_problem(plan, cfg, by_id, ranks, supported, unseen)
+        or compute_problems(
+            plan, cfg, balanced, by_id, lowest_ceilings(plan, supported, unseen, balanced), "its bounded record"
+        )
     )
     if reason is not None:
         return reason
@@ -454,11 +464,16 @@ def check_plan_sampled(
         return _too_old(plan, now)
     # a multi-rank peer's budget may pass the one-device bounds only with its record read (records_needed)
     ranks = {pid: ranks_of(r) for pid, r in sampled.items()}
+    unclamped, lows = _bounded_by_plan(plan, cfg, sampled), lowest_ceilings(plan, supported, unseen, rule.balanced)
     reason = (
         _budget_problem(plan, cfg, ranks)
         or _probation_problem(plan, cfg)
         or _evidence_problem(plan, cfg, supported, unseen)
-        or _under_plan_problem(plan, cfg, _bounded_by_plan(plan, cfg, sampled), ranks, supported, unseen)
+        or _under_plan_problem(plan, cfg, unclamped, ranks, supported, unseen)
+        # the rate's lower end only where the leader cannot have clamped the record (the spread caps of the plan)
+        or compute_problems(
+            plan, cfg, rule.balanced, sampled, {p: lows[p] if p in unclamped else 0.0 for p in lows}, "its record"
+        )
     )
     if reason is not None:
         return reason

@@ -9,9 +9,15 @@ newer or older than the follower's; a rogue leader may use the same slack (docs/
 
 from __future__ import annotations
 
+import math
 from typing import Mapping, Optional, Sequence
 
-from geomesh_p2p.plan.bounds import RECORD_VIEW_TOLERANCE, UNDER_PLAN_LINK_TOLERANCE
+from geomesh_p2p.plan.bounds import (
+    RECORD_VIEW_TOLERANCE,
+    UNDER_PLAN_LINK_TOLERANCE,
+    UNDER_PLAN_TOLERANCE,
+    evidence_ceiling_range,
+)
 from geomesh_p2p.plan.cost import comm_time, interpolate_tokens_per_s
 from geomesh_p2p.plan.schema import PeerAssignment, PlanConfig, RoundPlan
 from geomesh_p2p.schema.peer import PeerRecord
@@ -63,6 +69,83 @@ def throughput_problem(
         f"{ceiling:.0f} its record's {rate:.0f} tokens/s at that micro-batch supports in {T:.3g} s (a micro-batch "
         "that slow trains a fraction of the budget by the deadline)"
     )
+
+
+def compute_problem(a: PeerAssignment, record: PeerRecord, lowest: Optional[float], basis: str) -> Optional[str]:
+    """Why the rate assignment ``a`` implies (``token_budget / predicted_compute_s``, tokens/s) is not one an honest
+    leader plans with, or None. The next round's delivered map is that rate (every reader computes ``delivered /
+    predicted_compute_s``, :meth:`~geomesh_p2p.round.rules.profiling.Reprofiler.delivered_rates`), so it must lie
+    where an honest leader's does: at most ``RECORD_VIEW_TOLERANCE`` x ``record``'s tokens/s at the planned
+    micro-batch (the leader's read one update newer), and at least the smaller of that rate over
+    ``UNDER_PLAN_TOLERANCE`` (one update older) and ``lowest`` (tokens/s: the lowest delivered-work ceiling the leader
+    may plan the peer at, :func:`~geomesh_p2p.plan.bounds.evidence_ceiling_range`; None: no evidence; 0: any).
+    An honest plan's rate is the record's at that micro-batch, or the evidence ceiling where that is lower
+    (:func:`~geomesh_p2p.plan.awb.plan_round`). View-dependent: a plain reason; ``basis`` names the record.
+
+    Red team 38: the rate was unchecked. A rogue leader that stated its partner's compute as 1 us gave it a delivered
+    rate of 1.2e12 tokens/s, and the next honest leader planned it at the 8x median cap (36 % -> 67 % of the round's
+    tokens, at once instead of after two rounds of doubling); one that stated three victims' compute as 1e9 s left
+    them a delivered rate of 5e-4 tokens/s, and the next 25 honest leaders planned them at one step (leader and
+    partner 41.5 % -> 84.2 % of each round's tokens)."""
+    try:
+        rate = interpolate_tokens_per_s(record.tokens_per_s, a.micro_batch)
+    except ValueError:
+        return None  # no measured throughput: the record checks refuse it
+    implied = a.token_budget / a.predicted_compute_s if a.predicted_compute_s > 0 else math.inf
+    low = rate / UNDER_PLAN_TOLERANCE if lowest is None else min(rate / UNDER_PLAN_TOLERANCE, lowest)
+    if low * (1 - 1e-6) <= implied <= RECORD_VIEW_TOLERANCE * rate * (1 + 1e-6):
+        return None
+    return (
+        f"{a.peer_id[:10]}'s predicted compute {a.predicted_compute_s:.4g} s for {a.token_budget} tokens is "
+        f"{implied:.4g} tokens/s, outside the {low:.4g}..{RECORD_VIEW_TOLERANCE * rate:.4g} {basis} gives at "
+        f"micro-batch {a.micro_batch} (the next round's delivered rate is that figure)"
+    )
+
+
+def compute_problems(
+    plan: RoundPlan,
+    cfg: PlanConfig,
+    balanced: bool,
+    records: Mapping[str, PeerRecord],
+    lowest: Mapping[str, Optional[float]],
+    basis: str,
+) -> Optional[str]:
+    """The first :func:`compute_problem` of ``plan``'s participants with a record in ``records`` (``lowest``: peer id
+    -> its ``lowest``, :func:`lowest_ceilings`), after, for AWB plans (``balanced``) and every participant, a predicted compute over
+    the window at more than ``min_inner_steps`` steps: AWB fits ``floor((T - c) / s)`` steps and its caps only lower
+    them, so only the raised minimum runs past the window (plan and config alone; a light follower's lower bound on
+    the rate of the participants it did not sample)."""
+    if balanced:
+        for a in plan.assignments:
+            if a.inner_steps > cfg.min_inner_steps and a.predicted_compute_s > plan.window_s * (1 + 1e-6):
+                return (
+                    f"{a.peer_id[:10]}'s predicted compute {a.predicted_compute_s:.4g} s of {a.inner_steps} steps "
+                    f"exceeds the {plan.window_s:.3g} s window"
+                )
+    for a in plan.assignments:
+        r = records.get(a.peer_id)
+        reason = None if r is None else compute_problem(a, r, lowest.get(a.peer_id), basis)
+        if reason is not None:
+            return reason
+    return None
+
+
+def lowest_ceilings(
+    plan: RoundPlan,
+    supported: Optional[Mapping[str, float]],
+    unseen: Optional[Mapping[str, float]],
+    balanced: bool,
+) -> dict[str, Optional[float]]:
+    """peer id -> the ``lowest`` of :func:`compute_problem` for each participant of ``plan``: the lowest delivered-work
+    ceiling (tokens/s) of :func:`~geomesh_p2p.plan.bounds.evidence_ceiling_range`. Without a usable map at this
+    follower 0 (the leader may hold one: this follower sat the last round out, or missed every part listing a rate),
+    but in round 0 (nobody holds one) and for uniform methods (no evidence planning) None."""
+    if not balanced:
+        return {p: None for p in plan.participants()}
+    ranges = evidence_ceiling_range(plan.participants(), supported, unseen)
+    if ranges:
+        return {p: lo for p, (lo, _) in ranges.items()}
+    return {p: None if plan.round == 0 else 0.0 for p in plan.participants()}
 
 
 def link_slowdown(record: PeerRecord, a: Optional[PeerAssignment], cfg: PlanConfig) -> float:

@@ -326,7 +326,8 @@ def test_a_window_past_the_stated_links_is_still_refused():
 
 
 def with_budget(plan, pid: str, steps: int, step: int):
-    """``plan`` with ``pid`` given ``steps`` inner steps of ``step`` tokens (its times scaled alike)."""
+    """``plan`` with ``pid`` given ``steps`` inner steps of ``step`` tokens (its times scaled alike, at most the
+    window: a faster view's steps, red team 38)."""
     out = []
     for a in plan.assignments:
         if a.peer_id == pid:
@@ -335,7 +336,7 @@ def with_budget(plan, pid: str, steps: int, step: int):
                 update={
                     "inner_steps": steps,
                     "token_budget": steps * step,
-                    "predicted_compute_s": a.predicted_compute_s * k,
+                    "predicted_compute_s": min(plan.window_s, a.predicted_compute_s * k),
                 }
             )
         out.append(a)

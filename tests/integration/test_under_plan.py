@@ -100,7 +100,11 @@ def test_a_participant_planned_at_half_its_fit_passes_and_under_half_is_refused(
 
     def at(h):
         d = {**a0.model_dump(), "inner_steps": h, "token_budget": h * 64 * 1024}
-        d["predicted_compute_s"], d["predicted_idle_s"] = honest.window_s - a0.predicted_comm_s, 0.0
+        # its steps at half the record's rate (a leader one update older; covering the whole window would state a
+        # rate under that, refused since red team 38 as the next round's delivered rate)
+        step_s = a0.predicted_compute_s / a0.inner_steps
+        d["predicted_compute_s"] = min(honest.window_s - a0.predicted_comm_s, 2 * h * step_s)
+        d["predicted_idle_s"] = 0.0
         rest = [a.model_dump() for a in honest.assignments if a.peer_id != "p0"]
         return RoundPlan.model_validate({**honest.model_dump(), "assignments": [d] + rest})
 

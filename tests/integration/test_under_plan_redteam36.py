@@ -205,7 +205,10 @@ def test_b2_half_the_fit_with_covered_times_passes_measured():
                 d.update(
                     inner_steps=h[a.peer_id],
                     token_budget=h[a.peer_id] * a.batch_size * 1024,
-                    predicted_compute_s=honest.window_s - a.predicted_comm_s,
+                    # at half the record's rate (red team 38: a rate under that, the next delivered one, is refused)
+                    predicted_compute_s=min(
+                        honest.window_s - a.predicted_comm_s, 2 * h[a.peer_id] * a.predicted_compute_s / a.inner_steps
+                    ),
                     predicted_idle_s=0.0,
                 )
             out.append(d)
