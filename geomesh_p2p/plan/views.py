@@ -87,6 +87,8 @@ def compute_problem(a: PeerAssignment, record: PeerRecord, lowest: Optional[floa
     tokens, at once instead of after two rounds of doubling); one that stated three victims' compute as 1e9 s left
     them a delivered rate of 5e-4 tokens/s, and the next 25 honest leaders planned them at one step (leader and
     partner 41.5 % -> 84.2 % of each round's tokens)."""
+    if a.token_budget == 0 and a.predicted_compute_s == 0:
+        return None  # no steps planned: no rate implied (the delivered map skips a zero compute)
     try:
         rate = interpolate_tokens_per_s(record.tokens_per_s, a.micro_batch)
     except ValueError:

@@ -168,3 +168,17 @@ def test_victims_stated_with_a_4x_exchange_are_under_planned():
     assert (share(fair, ["p0", "p1"]), share(got, ["p0", "p1"])) == (0.419, 0.905)
     assert [honest.assignment(p).inner_steps for p in steps] == [24, 26, 29]
     assert check_plan(rogue, by_id(recs), cfg, now=T0, supported=sup) is not None
+
+
+def test_an_assignment_of_no_steps_implies_no_rate():
+    """A participant planned 0 steps (budget 0, compute 0 s) implies no delivered rate (the map skips it): the compute
+    check passes it rather than reading 0 / 0 as an infinite rate; 0 tokens over 1 s is still refused (0 tokens/s)."""
+    from geomesh_p2p.plan.views import compute_problem
+
+    recs, cfg = five_peers_small_batches(), paper_cfg(window_s=5.0)
+    plan = make_plan(recs, cfg, numel=NUMEL, supported_tokens_per_s=delivered(recs), **KW)
+    a = plan.assignment("p2")
+    idle = a.model_copy(update={"inner_steps": 0, "token_budget": 0, "predicted_compute_s": 0.0})
+    assert compute_problem(idle, recs[2], None, "its record") is None
+    slow = idle.model_copy(update={"predicted_compute_s": 1.0})
+    assert str(compute_problem(slow, recs[2], None, "its record")).startswith("p2's predicted compute 1 s for 0 tokens")
