@@ -127,6 +127,7 @@ class PeerNode:
         self.outer: Optional[OuterNesterov | SyncAdamW] = None
         self._stop = asyncio.Event()
         self.initial_ppl: Optional[float] = None
+        self.initial_round: Optional[int] = None  # the round whose start state initial_ppl measured
         self.time_to_target: Optional[float] = None
         self._t_start = time.time()
         self.transport: Optional[Transport] = None
@@ -573,6 +574,7 @@ class PeerNode:
             started(self.announcer).start()
             t0 = time.monotonic()
             self.initial_ppl = await asyncio.to_thread(self.trainer.evaluate, max_batches=self.cfg.eval_batches)
+            self.initial_round = self.round
             eval_s = time.monotonic() - t0
             log.info("round %d: eval perplexity %.2f (initial, %.1f s)", self.round, self.initial_ppl, eval_s)
             driver = self._driver()

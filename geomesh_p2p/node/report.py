@@ -10,7 +10,7 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 
 from geomesh_p2p.net.swarm_time import swarm_time
@@ -90,15 +90,29 @@ def log_done(node: PeerNode) -> None:
         if node._reached_target()
         else f"--rounds {node.cfg.rounds} reached"
     )
-    ppl = next((r.eval_ppl for r in reversed(h) if r.eval_ppl is not None), node.initial_ppl)
+    ppl, at = last_eval(node)
+    # a state adopted after the last evaluation here (a restarted peer that caught up, a sparse --eval-every) was not
+    # measured: say which state the figure is (fresh-user 38: a restart printed its old checkpoint's as the swarm's)
+    older = f" of round {at}'s state (round {node.round}'s was not evaluated here)" if at != node.round else ""
     log.info(
-        "done (%s): %d round(s) trained here, now at round %d, eval perplexity %.2f (from %.2f)",
+        "done (%s): %d round(s) trained here, now at round %d, eval perplexity %.2f%s (from %.2f)",
         why,
         len(h),
         node.round,
         ppl if ppl is not None else float("nan"),
+        older,
         node.initial_ppl if node.initial_ppl is not None else float("nan"),
     )
+
+
+def last_eval(node: PeerNode) -> tuple[Optional[float], Optional[int]]:
+    """The newest eval perplexity this node measured and the round whose start state it measured (a row of round r
+    measured the state after it, ``eval_round`` + 1 for a background evaluation; the initial one, the state it
+    started at): (None, None) before any."""
+    for r in reversed(node.history):
+        if r.eval_ppl is not None:
+            return r.eval_ppl, (r.eval_round if r.eval_round is not None else r.round) + 1
+    return node.initial_ppl, node.initial_round
 
 
 def summary(node: PeerNode) -> dict:
@@ -108,7 +122,7 @@ def summary(node: PeerNode) -> dict:
         "rounds": len(h),
         "last_round": node.round,
         "initial_eval_ppl": node.initial_ppl,
-        "final_eval_ppl": next((r.eval_ppl for r in reversed(h) if r.eval_ppl is not None), node.initial_ppl),
+        "final_eval_ppl": last_eval(node)[0],
         "time_to_target_s": node.time_to_target,
         "straggler_idle_pct": (sum(r.straggler_idle_s for r in h) / max(1e-9, sum(r.round_s for r in h)) * 100)
         if h
