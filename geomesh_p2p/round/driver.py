@@ -388,9 +388,9 @@ class RoundDriver:
         # plan (session 38: a peer still gathering when the others left ended the run without the round naming it)
         wait_s = self.cfg.plan_timeout_s if others else 0.0
         log.info(
-            "round %d: stop requested between rounds; reading whether the round's plan names this peer (up to %.0f s)",
+            "round %d: stop requested between rounds; reading whether the round's plan names this peer (%s)",
             self.state.round,
-            wait_s,
+            f"up to {wait_s:.0f} s" if others else "once: every other peer announced leaving at this round",
         )
         planned = bool(await names(self.state.round, self.me, wait_s))
         if planned:
