@@ -6,6 +6,7 @@ share in :mod:`.context`), its injected collaborators (:mod:`.ports`) and the no
 
 import asyncio
 import logging
+from typing import Collection
 
 from geomesh_p2p.util.backoff import Backoff
 from geomesh_p2p.plan.agree import (
@@ -112,10 +113,14 @@ class DhtPlanAgreement:
             leaders=leaders,
         )
 
-    async def names(self, round: int, peer_id: str, wait_s: float, poll_s: float = 0.25) -> bool:
+    async def names(
+        self, round: int, peer_id: str, wait_s: float, poll_s: float = 0.25, among: Collection[str] = ()
+    ) -> bool:
         """Whether a signed plan of ``round`` names ``peer_id``, polled for up to ``wait_s`` seconds (a peer stopped
         between rounds asks it: a leader that read its record before it announced leaving planned it, and then
-        its part would go missing); False at once when the round's plans name others only. Never raises: a failed
+        its part would go missing); False at once when the round's plans name others only. ``among``, when given:
+        only a plan that also names one of these peers counts (a gather asks whether the peers that left during the
+        round planned it with this peer; this peer's own plan of itself alone is none). Never raises: a failed
         read counts as no plan."""
         loop = asyncio.get_running_loop()
         end = loop.time() + max(0.0, float(wait_s))
@@ -125,7 +130,7 @@ class DhtPlanAgreement:
             except Exception as e:  # the DHT may be unreachable while the peer stops: then nobody planned with it
                 logging.getLogger(__name__).debug("plans of round %d not read: %r", round, e)
                 plans = []
-            if any(peer_id in p.participants() for p in plans):
+            if any(peer_id in p.participants() and (not among or set(among) & set(p.participants())) for p in plans):
                 return True
             if plans:  # the round is planned without it (its leaving was read): no need to wait on
                 return False

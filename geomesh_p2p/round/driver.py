@@ -188,6 +188,9 @@ class RoundDriver:
         #: the (round, digest) states a start-up gather re-synced toward (:func:`~geomesh_p2p.round.gather.rejoin`):
         #: each is tried once, a catch-up that kept this peer's state is not repeated every read of the wait
         self._rejoin_tried: set[tuple[int, str]] = set()
+        #: the (round, digest) at which a gather asked whether a plan naming this peer was made with peers that
+        #: announced leaving since (:func:`~geomesh_p2p.round.gather.planned_with_leavers`): asked once
+        self._leavers_plan_read: tuple[int, Optional[str]] = (-1, None)
         #: swarm seconds when this driver (this process's session of the run) began: leaving records announced
         #: before it are a previous session's, no sign that the swarm ended now (resync.swarm_ended)
         self.started_at: float = swarm_time()
@@ -374,25 +377,31 @@ class RoundDriver:
         the model without an update in a 2-peer swarm) and it was marked a no-show for stopping cleanly (a
         fresh-user trial, session 34). Such a round is taken part in (the stop holds once the token floor's steps
         are done, at once without a floor: round.steps.stop_after_floor; its part served). Asked for up to
-        ``plan_timeout_s`` (the plans are read; nothing is published here); a plan agreement without ``names`` (a
-        test's fake) says no, and so does every ask after one such round (a leader that kept planning a leaving
-        peer must not keep it from leaving)."""
+        ``plan_timeout_s`` (the plans are read; nothing is published here), once without a wait when the only
+        others are peers that announced leaving during this round (``resync.leavers_of_round``: they may have planned
+        it before they left; session 38); a plan agreement without ``names`` (a test's fake) says no, and so does
+        every ask after one such round (a leader that kept planning a leaving peer must not keep it from leaving)."""
         names = getattr(self.plans, "names", None)
         if names is None or self._rounds_after_stop >= 1:
             return False
         try:
-            others = [r for r in await self.membership.peers() if r.peer_id != self.me]
+            everyone = await self.membership.peers(include_leaving=True)
         except Exception as e:  # the DHT may be gone while the peer stops: nobody to plan with it then
             log.debug("round %d: records not read after the stop request: %r", self.state.round, e)
-            others = []
-        if not others:
+            everyone = []
+        others = [r for r in everyone if r.peer_id != self.me and not r.leaving]
+        if not others and not resync.leavers_of_round(self, everyone):
             return False  # the others ended (or left) too: no plan will come (a 4 s wait on every Ctrl+C, session 34)
+        # Only peers that announced leaving during this round: one read, no wait (a plan they made with this peer is
+        # there already, unless a leader stopped during its agreement); a leave at round r is no leave from its
+        # plan (session 38: a peer still gathering when the others left ended the run without the round naming it)
+        wait_s = self.cfg.plan_timeout_s if others else 0.0
         log.info(
-            "round %d: stop requested between rounds; reading whether the round's plan names this peer (up to %.0f s)",
+            "round %d: stop requested between rounds; reading whether the round's plan names this peer (%s)",
             self.state.round,
-            self.cfg.plan_timeout_s,
+            f"up to {wait_s:.0f} s" if others else "once: every other peer announced leaving at this round",
         )
-        planned = bool(await names(self.state.round, self.me, self.cfg.plan_timeout_s))
+        planned = bool(await names(self.state.round, self.me, wait_s))
         if planned:
             self._rounds_after_stop += 1
             log.info(

@@ -13,7 +13,7 @@ from geomesh_p2p.schema.peer import PeerRecord
 from geomesh_p2p.telemetry import events
 from geomesh_p2p.trust.probation import PROBATION_NOSHOW_PENALTY_ROUNDS, PROBATION_SYNC_WAIT_S
 from geomesh_p2p.round.context import Phase
-from geomesh_p2p.round.resync import end_run, left_alone, swarm_ended
+from geomesh_p2p.round.resync import end_run, leavers_of_round, left_alone, swarm_ended
 
 if TYPE_CHECKING:
     from geomesh_p2p.round.driver import RoundDriver
@@ -107,6 +107,12 @@ async def gather(drv: RoundDriver, expected: set[str], *, first: bool) -> Option
             synced = [r for r in recs if r.round == drv.state.round and r.weights_digest == drv.state.digest]
             ids = {r.peer_id for r in synced}
             short = len(ids) < min_peers
+            if ids <= {drv.me}:
+                # Nobody else in step: before this peer ends the run ("the swarm ended") or plans a round alone,
+                # the others that announced leaving during this round may have been planned with it already.
+                joined = await planned_with_leavers(drv, everyone)
+                if joined:
+                    return synced + joined
             ended = swarm_ended(drv, everyone) if short and not drv.stop.is_set() else None
             # A record of a peer still live may be a moment old (it re-announces at its loop top): the end
             # is confirmed by the next read, one backoff pause later. Not a longer wait: the leaving
@@ -179,6 +185,44 @@ async def gather(drv: RoundDriver, expected: set[str], *, first: bool) -> Option
                 return synced
     finally:
         note_sync_outcomes(drv, waits, {r.peer_id for r in synced})
+
+
+async def planned_with_leavers(drv: RoundDriver, everyone: list[PeerRecord]) -> list[PeerRecord]:
+    """The leaving records (of ``everyone``, the gather's read) of peers that announced leaving *during* this peer's
+    round -- at its round, with its digest, in this session -- when a signed plan of the round names this peer and
+    one of them (``plans.names``: polled up to ``plan_timeout_s``, one read while this peer stops too); ``[]``
+    otherwise, and after the first ask at a round and state (a gather's later reads do not ask again).
+
+    Why (CI, session 38: ``test_stop_two_of_three``, ~1 in 8 at load): a leave announced at round r says "plan the
+    rounds after r without me", not "round r is off". A leader that read this peer's record in sync planned round r
+    with it; the others trained and stopped, announcing leaving at once (``RoundDriver._say_leaving_on_stop``). A
+    peer still in the round's gather then saw every other peer leaving and ended the run ("the swarm ended"), or,
+    alone in step with ``--min-peers 1``, planned the round by itself: the parts it owned in the others' plan went
+    without an update and their round without its work. Returned as members, they send the round to the plan
+    agreement, which reads the leavers' plans (``planning.known_view``) and follows the one naming this peer."""
+    r, digest = drv.state.round, drv.state.digest
+    leavers = leavers_of_round(drv, everyone)
+    names = getattr(drv.plans, "names", None)
+    if not leavers or names is None or drv._leavers_plan_read == (r, digest):
+        return []
+    drv._leavers_plan_read = (r, digest)
+    # a stopping peer asks once (no wait on every Ctrl+C, as RoundDriver._planned_after_stop); otherwise a leader
+    # stopped during its plan agreement may still publish the plan within a plan timeout
+    wait_s = 0.0 if drv.stop.is_set() else drv.cfg.plan_timeout_s
+    if not await names(r, drv.me, wait_s, among=[x.peer_id for x in leavers]):
+        return []
+    events.emit(
+        log,
+        logging.INFO,
+        "planned_with_leavers",
+        "round %d: %d peer(s) announced leaving during this round, but a plan of it names this peer: following it",
+        r,
+        len(leavers),
+        peer=drv.me,
+        round=r,
+        leavers=sorted(x.peer_id for x in leavers),
+    )
+    return leavers
 
 
 async def rejoin(drv: RoundDriver, everyone: list[PeerRecord]) -> bool:

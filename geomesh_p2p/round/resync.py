@@ -73,6 +73,25 @@ def plan_voters(drv: RoundDriver, records: Sequence[PeerRecord], r: int) -> list
 PREVIOUS_SESSION_MARGIN_S = 5.0
 
 
+def leavers_of_round(drv: RoundDriver, everyone: Sequence[PeerRecord]) -> list[PeerRecord]:
+    """The records of ``everyone`` of other peers that announced leaving at this peer's round with its digest, in
+    this session (not before :attr:`RoundDriver.started_at`, less :data:`PREVIOUS_SESSION_MARGIN_S`): peers that
+    left during this round or right before it, whom a leader may have planned into it with this peer (a leave
+    announced at round r takes the peer out of the rounds after r, not out of a plan of r made before it)."""
+    r, digest = drv.state.round, drv.state.digest
+    since = getattr(drv, "started_at", None)
+    return [
+        x
+        for x in everyone
+        if x.leaving
+        and x.peer_id != drv.me
+        and x.round == r
+        and digest is not None
+        and x.weights_digest == digest
+        and (since is None or float(x.timestamp) >= since - PREVIOUS_SESSION_MARGIN_S)
+    ]
+
+
 def swarm_ended(drv: RoundDriver, everyone: Sequence[PeerRecord]) -> Optional[SwarmEnded]:
     """A :class:`SwarmEnded` when ``everyone`` (the run's records, leaving peers included) holds at least
     one other peer and every other peer announced leaving; None while another peer is live.

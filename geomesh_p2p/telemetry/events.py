@@ -92,6 +92,9 @@ kind                         where                            fields
 ``planned_out``              round.planning.wait_out          peer, round, leader, reason
                                                               (``not_in_plan`` | ``weights_differ`` |
                                                               ``refused``: a plan others may follow)
+``planned_with_leavers``     round.gather (a gather with      peer, round, leavers (PeerIDs that announced
+                             nobody else in step; INFO, once  leaving during the round whose plan names
+                             per round and state)             them and this peer)
 ``profile_batch``            profile.profile_training         batch, tokens_per_s, step_s, steps,
                                                               peak_bytes, extra_bytes, budget_bytes
 ``pull_refused``             collective.owner (pull handler)  peer, round, sender, code, reason

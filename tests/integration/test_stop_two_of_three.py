@@ -9,6 +9,11 @@ counted 0 tokens, the quorum (2 of 3 *voting* contributions) was not met in any 
 zeros at every peer: ``no part aggregated a token`` and the whole model unchanged, the survivor's full round
 thrown away. Now a stop request lets a peer finish its floor's steps (bounded by the train deadline plus the
 floor's grace, as the deadline does): its work counts, the round aggregates all three and moves the weights.
+
+The second test forces the interleaving the first one avoids (CI, session 38: ~1 in 8 at load before the first
+test waited for it): the survivor's gather of ``STOP_ROUND`` reads the swarm only once both stoppers, planned with
+it and training, announced leaving. It used to end the run there ("the swarm ended": every other peer left) without
+the round whose plan named it; now it follows that plan (``round.gather.planned_with_leavers``).
 """
 
 from __future__ import annotations
@@ -26,7 +31,9 @@ from geomesh_p2p.net.identity import Identity
 from geomesh_p2p.net.transport import Transport
 from geomesh_p2p.net.transport_config import TransportConfig
 from geomesh_p2p.node.peer import PeerNode
+from geomesh_p2p.round import gather as gather_phase
 from geomesh_p2p.round.policy import NodeRoundPolicy
+from geomesh_p2p.telemetry import events
 from geomesh_p2p.trust.verify_task import VerifyConfig
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("one_thread")]
@@ -37,8 +44,12 @@ PEERS = 3
 STOPPERS = (0, 2)  # node indices asked to stop together; node 1 trains on
 
 
-async def test_two_of_three_peers_stopped_together_still_apply_the_round(tmp_path, monkeypatch, caplog):
-    caplog.set_level(logging.INFO, logger="geomesh_p2p.node.peer.round")
+async def run_swarm(tmp_path, monkeypatch, *, gather_after_leaving: bool):
+    """Run the 3 peers (the stoppers asked to stop after their first inner step of ``STOP_ROUND``); returns (the
+    nodes, their exit codes, stopper -> the step its stop came after, (peer, round) -> part -> contributors listed).
+    ``gather_after_leaving`` False: the stop comes once the survivor trains the round. True: the survivor's gather
+    of ``STOP_ROUND`` starts reading only once both stoppers' records say they leave (its own record, at the round
+    with its digest, was announced when it finished the round before: the stoppers' leader planned it in)."""
     loop = asyncio.get_running_loop()
     nodes: list[PeerNode] = []
     asked: dict[str, int] = {}  # stopper -> the inner step after which its stop was requested
@@ -55,6 +66,8 @@ async def test_two_of_three_peers_stopped_together_still_apply_the_round(tmp_pat
         node = next((n for n in nodes if getattr(n, "trainer", None) is self), None)
         if node is not None and kw.get("round") == STOP_ROUND and nodes.index(node) not in STOPPERS:
             survivor_trains.set()
+        if gather_after_leaving:
+            survivor_trains.set()  # the stop comes at once: the survivor gathers after it
         if node is None or kw.get("round") != STOP_ROUND or nodes.index(node) not in STOPPERS:
             return real_run(self, **kw)
         shown = kw.get("progress")
@@ -82,6 +95,21 @@ async def test_two_of_three_peers_stopped_together_still_apply_the_round(tmp_pat
         return real_after(self, spec, plan, ar)
 
     monkeypatch.setattr(NodeRoundPolicy, "after_exchange", after_exchange)
+    real_gather = gather_phase.gather
+    held: list[int] = []  # rounds whose gather the survivor began only after both stoppers announced leaving
+
+    async def gather(drv, expected, *, first):
+        if gather_after_leaving and drv.me == nodes[1].me and drv.state.round == STOP_ROUND and not held:
+            stoppers = {nodes[k].me for k in STOPPERS}
+            for _ in range(1200):  # bounded (60 s): a stopper that never leaves fails the asserts
+                left = {x.peer_id for x in await drv.membership.peers(include_leaving=True) if x.leaving}
+                if stoppers <= left:
+                    held.append(drv.state.round)
+                    break
+                await asyncio.sleep(0.05)
+        return await real_gather(drv, expected, first=first)
+
+    monkeypatch.setattr(gather_phase, "gather", gather)
 
     # transformers resolves its names lazily: importing the model class from 3 start-up threads at once races.
     from transformers import AutoModelForCausalLM  # noqa: F401
@@ -127,6 +155,15 @@ async def test_two_of_three_peers_stopped_together_still_apply_the_round(tmp_pat
     finally:
         await dht.shutdown()
         await boot.stop(grace=0)
+    if gather_after_leaving:
+        assert held == [STOP_ROUND]  # the interleaving was forced
+    return nodes, codes, asked, exchanged
+
+
+async def test_two_of_three_peers_stopped_together_still_apply_the_round(tmp_path, monkeypatch, caplog):
+    caplog.set_level(logging.INFO, logger="geomesh_p2p.node.peer.round")
+    nodes, codes, asked, exchanged = await run_swarm(tmp_path, monkeypatch, gather_after_leaving=False)
+    run_cfg = nodes[0].run_cfg
     assert codes == [0] * PEERS
     stoppers = [nodes[k].me for k in STOPPERS]
     assert sorted(asked) == sorted(stoppers) and set(asked.values()) == {1}
@@ -157,3 +194,39 @@ async def test_two_of_three_peers_stopped_together_still_apply_the_round(tmp_pat
     said = [rec.getMessage() for rec in caplog.records]
     assert not [m for m in said if f"round {r}:" in m and "aggregated" in m and "no token" in m], said
     assert not [m for m in said if f"round {r}: no part aggregated" in m], said
+
+
+async def test_a_survivor_still_gathering_when_both_others_leave_follows_the_plan_naming_it(tmp_path, monkeypatch):
+    """Session 38 (CI, ~1 in 8 at load): the survivor's gather of the stop round reads the swarm only once both
+    stoppers, planned with it and training, announced leaving. Before the fix it ended the run there ("the swarm
+    ended": every other peer left, on two reads) with no row of the round its plan named it in, and the stoppers'
+    parts owned by it went without an update. Now it follows that plan: one ``planned_with_leavers`` event, its
+    round applied on the same digest as theirs, every part aggregated from all three, no ``swarm_ended``."""
+    with events.capture() as said:
+        nodes, codes, asked, exchanged = await run_swarm(tmp_path, monkeypatch, gather_after_leaving=True)
+    assert codes == [0] * PEERS
+    stoppers = [nodes[k].me for k in STOPPERS]
+    survivor = nodes[1].me
+    assert sorted(asked) == sorted(stoppers)
+    r = STOP_ROUND
+    assert [(e["peer"], e["cause"]) for e in said if e["event"] == "swarm_ended"] == []
+    followed = [(e["peer"], e["round"], sorted(e["leavers"])) for e in said if e["event"] == "planned_with_leavers"]
+    assert followed == [(survivor, r, sorted(stoppers))]
+    rows = {n.me: {row.round: row for row in n.history} for n in nodes}
+    assert all(set(rows[n.me]) == set(range(r + 1)) for n in nodes), {n.me[:8]: sorted(rows[n.me]) for n in nodes}
+    assert len({rows[n.me][r].digest for n in nodes}) == 1, f"round {r}: digests differ"
+    assert all(rows[n.me][r].digest_agree is True for n in nodes)
+    assert rows[survivor][r].digest != rows[survivor][r - 1].digest, "the stop round changed no weight"
+    floor = VerifyConfig.min_steps
+    assert all(rows[me][r].inner_steps_done == floor for me in stoppers), [rows[me][r] for me in stoppers]
+    seq_len = nodes[0].run_cfg.seq_len
+
+    def counted(me: str) -> int:
+        # a contribution under its token floor counts 0 tokens (round.rules.spec.screen_token_floor)
+        done = rows[me][r].inner_steps_done
+        return done * rows[me][r].batch_size * seq_len if done >= floor else 0
+
+    want = sorted((me, counted(me)) for me in rows)
+    for n in nodes:
+        parts = exchanged[(n.me, r)]
+        assert parts and all(sorted(listed) == want for listed in parts.values()), (n.me[:8], parts, want)
