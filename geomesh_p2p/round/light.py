@@ -69,8 +69,15 @@ def is_light(drv: RoundDriver) -> bool:
     # ranked among the candidates of the full path (planning.last_round_leaders: not the last round's leader, unless
     # alone), so that full_view_peers candidates stay full-view peers and every light follower's candidate can lead
     took = [p for p in plan.participants() if p != plan.leader] or plan.participants()
-    order = leader_order(plan.run_id, r, took)
-    return drv.me in order and order.index(drv.me) >= cfg.full_view_peers
+    if drv.me not in took:
+        return False
+    # ... and among those the full path lets lead: the established ones (trust.probation.leader_candidates). A peer
+    # that applied the last round missed none, so its own ledger decides, no record read. Ranked among every
+    # participant instead, the only established peer of a loaded e2e run (the others' underfilled round 0 earned no
+    # standing) ran light and waited a whole plan attempt for plans from peers that deferred to it (session 38)
+    est = drv.policy.standing_established_ids((), took)
+    order = leader_order(plan.run_id, r, [p for p in took if p in est] or took)
+    return drv.me not in order[: cfg.full_view_peers]
 
 
 #: Most records one sampled read asks for (the DHT's subkeys per find, RecordLimits.max_keys_per_find).

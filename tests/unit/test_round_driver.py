@@ -889,3 +889,38 @@ async def test_a_peer_stopped_between_rounds_asks_once_whether_the_next_plan_nam
     drv = p.driver(plans=Naming(PlanStore(p.swarm.dht, p.ident, RUN)))
     assert await drv._planned_after_stop() is True and asked == [0]
     assert await drv._planned_after_stop() is False and asked == [0]  # not asked again
+
+
+def test_a_light_follower_is_ranked_among_the_peers_that_may_lead():
+    """``light.is_light`` ranks this peer among the last plan's participants (its leader left out) that its own
+    ledger holds established, as the full path's leader candidates are (trust.probation.leader_candidates). Session
+    38's e2e run: the others' underfilled round 0 earned them no standing, the one established peer ranked second
+    among all four ran light and waited a whole plan attempt for plans from peers that deferred to it."""
+    import threading
+    from types import SimpleNamespace
+
+    from geomesh_p2p.round.light import is_light
+
+    ids = [f"peer{i}" for i in range(5)]
+    leader, took = ids[0], ids[1:]
+    order = leader_order(RUN, 1, took)
+    lone = order[1]  # the only established peer, ranked second among all participants
+
+    def drv(me, established):
+        return SimpleNamespace(
+            cfg=SimpleNamespace(full_view_peers=1, eager=False),
+            _last_plan=SimpleNamespace(round=0, leader=leader, run_id=RUN, participants=lambda: ids),
+            state=SimpleNamespace(round=1, syncing=False),
+            _light_ok_round=1,
+            _light_fallback_round=None,
+            stop=threading.Event(),
+            leaving=False,
+            me=me,
+            policy=SimpleNamespace(standing_established_ids=lambda records, peer_ids: frozenset(established)),
+        )
+
+    assert not is_light(drv(lone, {lone}))  # the full path's only candidate reads every record
+    assert is_light(drv(order[0], {lone}))  # ranked first among all, but no candidate: light
+    # nobody established in its ledger (a fresh swarm): every participant is a candidate, as before
+    assert [is_light(drv(p, set())) for p in order] == [False, True, True, True]
+    assert not is_light(drv(leader, {lone}))  # the last round's leader is no participant of the ranking
