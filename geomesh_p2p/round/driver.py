@@ -18,6 +18,7 @@ import asyncio
 import collections
 import contextlib
 import logging
+import time
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 from geomesh_p2p.exchange.codec.feedback import PushFeedback
@@ -150,6 +151,7 @@ class RoundDriver:
         self.lineage: collections.deque[LineageEntry] = collections.deque(maxlen=LINEAGE_ROUNDS)
         #: seconds per phase (metrics.PHASES) since this peer's previous row, and that row's monotonic time
         self._phases: dict[str, float] = {}
+        self._phase_cpu: dict[str, float] = {}  # the process's CPU seconds (all threads) in each phase
         self._t_row: Optional[float] = None
         self._traffic_row: dict = {}  # traffic_classes() at the previous row (empty: none yet)
         self._verify_busy_row = 0.0  # verified work's compute seconds at the previous row (finish.publish_row)
@@ -245,19 +247,23 @@ class RoundDriver:
         now = self.clock.monotonic()
         return {p: r for p, (r, t) in self._recent.items() if now - t <= RECENT_RECORD_S}
 
-    def add_phase_s(self, name: str, seconds: float) -> None:
-        """Add ``seconds`` (may be negative: a share moved to another phase) to phase ``name`` of the cycle."""
+    def add_phase_s(self, name: str, seconds: float, cpu_s: float = 0.0) -> None:
+        """Add ``seconds`` (may be negative: a share moved to another phase) to phase ``name`` of the cycle, and
+        ``cpu_s`` to the process's CPU seconds in it (``extra["phase_cpu_s"]`` of the row)."""
         self._phases[name] = self._phases.get(name, 0.0) + seconds
+        self._phase_cpu[name] = self._phase_cpu.get(name, 0.0) + cpu_s
 
     @contextlib.contextmanager
     def timed(self, name: str) -> Iterator[None]:
         """Add the monotonic seconds the block takes to phase ``name`` of the current cycle (issue 17: the
-        round row's ``phase_s``, what the non-compute share of a round is made of)."""
-        t0 = self.clock.monotonic()
+        round row's ``phase_s``, what the non-compute share of a round is made of), and the CPU seconds every
+        thread of the process used meanwhile to its ``extra["phase_cpu_s"]`` (issue 27, session 38: a phase far
+        longer than its CPU waited, for a core or for the others; one using more CPU than in isolation worked more)."""
+        t0, c0 = self.clock.monotonic(), time.process_time()
         try:
             yield
         finally:
-            self.add_phase_s(name, max(0.0, self.clock.monotonic() - t0))
+            self.add_phase_s(name, max(0.0, self.clock.monotonic() - t0), max(0.0, time.process_time() - c0))
 
     async def pause(self, seconds: float) -> bool:
         """Wait ``seconds`` or until stop; True when stopped. (The only sleep of the driver: backoff.) A loop
