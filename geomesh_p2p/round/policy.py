@@ -246,6 +246,7 @@ class NodeRoundPolicy:
         checks the plan against (planner.check_plan); delivered rates; standing credits (standing.py); accountable
         mode's validation of round ``r`` in the background (:meth:`Accountability.after_round`)."""
         self.profile.after_round(r, plan, assignment.micro_batch, result, ar)
+        self.verified.after_commit(r + 1, plan)  # round r + 1's start weights written while it trains
         self.state.standing.credit(r, delivered(ar.contributors))
         if self.accountable is not None:
             self.accountable.after_round(r, plan, ar)
