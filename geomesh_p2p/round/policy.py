@@ -263,7 +263,9 @@ class NodeRoundPolicy:
         """The round's row to the log, Prometheus and the status page. Raises RuntimeError after shutdown
         (the round log is closed). The row carries verified work's counts (``extra["verify"]``: checks drawn,
         done, late, dropped, waiting; issue 28) and accountable mode's validation (``extra["accountable"]``:
-        :meth:`Accountability.counts`)."""
+        :meth:`Accountability.counts`). The round's advisory agreement measurement runs from now on
+        (:meth:`VerifiedWork.round_done`)."""
+        self.verified.round_done(rec.round)
         counts = self.verified.counts()
         if counts is not None:
             rec.extra["verify"] = counts

@@ -22,6 +22,10 @@ log = logging.getLogger("geomesh_p2p.node.peer.round")
 
 __all__ = ["VerifiedWork"]
 
+#: The longest the round's advisory agreement measurement waits for the round's row (:meth:`VerifiedWork.round_done`)
+#: before it runs anyway (a round that ends without a row: a failure, a re-sync).
+AGREEMENT_WAIT_S = 60.0
+
 
 def _version_key(theta: torch.Tensor) -> tuple[int, int]:
     """``theta``'s storage and in-place version: equal while nothing wrote it (every write of the global state is an
@@ -92,6 +96,8 @@ class VerifiedWork:
         self._fetches: set[asyncio.Future] = set()  # accountable mode's fetch tasks in flight (kept referenced)
         #: (round, θ's version key when it was read, the write task) of the start weights written early (:meth:`after_commit`)
         self._early: Optional[tuple[int, tuple[int, int], asyncio.Future]] = None
+        self._done_round = -1  # the newest round whose row is out (round_done)
+        self._round_done_ev: Optional[asyncio.Event] = None
 
     def verdicts(self) -> verify.Verdicts:
         """The verdicts in force: the verifier's, or those held until it is built."""
@@ -305,6 +311,25 @@ class VerifiedWork:
         except Exception as e:
             log.warning("round %d: verified work skipped: %s", r, e)
 
+    def round_done(self, r: int) -> None:
+        """Round ``r``'s row is out (its outer step, digest and digest check are over): its advisory agreement
+        measurement (:meth:`_tend`), held until then, runs now."""
+        self._done_round = max(self._done_round, int(r))
+        if self._round_done_ev is not None:
+            self._round_done_ev.set()
+
+    async def _after_round(self, r: int) -> None:
+        """Until :meth:`round_done` of round ``r`` or later, at most :data:`AGREEMENT_WAIT_S` seconds."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + AGREEMENT_WAIT_S
+        while self._done_round < r:
+            ev = self._round_done_ev = self._round_done_ev or asyncio.Event()
+            ev.clear()
+            try:
+                await asyncio.wait_for(ev.wait(), max(0.0, deadline - loop.time()))
+            except asyncio.TimeoutError:
+                return
+
     def planned_out(self, r: int) -> None:
         """Round ``r`` runs without this peer (planned out, or refusing the plan): the background checks that ended
         are applied and the evidence published about the kept rounds is read and re-checked all the same
@@ -336,11 +361,15 @@ class VerifiedWork:
     async def _tend(self, wv: verify.WorkVerifier, r: int, a, ar, plan=None) -> None:
         """The checks' results (:meth:`~geomesh_p2p.trust.verify.WorkVerifier.tend`), then the round's relative
         agreement test (:mod:`geomesh_p2p.trust.agreement`; advisory: recorded in the row and logged, nothing
-        dropped or excluded on it). Off the round's path: a task of its own. The agreement is measured first, so
-        the round's aggregate ([P]) is not held while the evidence is read (issue 27: into the next round)."""
+        dropped or excluded on it). Off the round's path: a task of its own. The agreement is measured first, once
+        the round's row is out (:meth:`round_done`), so the round's aggregate ([P]) is not held while the evidence
+        is read (issue 27: into the next round)."""
         aggregate = getattr(ar, "aggregate", None)
         found = support = None
         if aggregate is not None and ar.part_ranges and ar.contributions:
+            # After the round's row: decoding every contribution took ~0.5 s of CPU beside the outer step and the
+            # digest, on the core they run on (issue 27, session 38); the aggregate is held until the row anyway.
+            await self._after_round(r)
             found = await asyncio.to_thread(agreement.sign_agreements, ar.contributions, aggregate, ar.part_ranges)
             support = await asyncio.to_thread(agreement.supports, ar.contributions, ar.part_ranges)
         steps = _claimed_steps(ar.contributions, plan)
