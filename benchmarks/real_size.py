@@ -341,6 +341,8 @@ def run_one(model: str, method: str, args, workdir: Path, procs: Procs, results:
             ]
             + common
         )
+        if args.pin:  # one core each, as peers on separate machines (taskset execs the peer: same PID)
+            argv = ["taskset", "-c", str(sorted(os.sched_getaffinity(0))[i % len(os.sched_getaffinity(0))])] + argv
         peers.append(procs.spawn(name, argv, d / f"peer{i}.log"))
     last = None
     status = "ok"
@@ -609,6 +611,11 @@ def main(argv=None) -> int:
     ap.add_argument("--inner-steps", type=int, default=4, help="--uniform-inner-steps (default: %(default)s)")
     ap.add_argument("--window-s", type=float, default=60.0, help="--window-s of the peers (default: %(default)s)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per peer (default: %(default)s)")
+    ap.add_argument(
+        "--pin",
+        action="store_true",
+        help="start peer i on core i modulo the cores (taskset -c): no peer's threads run on another's core",
+    )
     ap.add_argument("--profile-batches", default="1,2", help="(default: %(default)s)")
     ap.add_argument("--memory-budget-gb", type=float, help="passed to every peer")
     ap.add_argument("--vocab-size", type=int, default=4096)

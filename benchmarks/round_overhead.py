@@ -46,7 +46,10 @@ def _summary(rows: list[dict]) -> dict:
     cycle = statistics.mean(r["cycle_s"] for r in rows)
     compute = statistics.mean(r["compute_s"] for r in rows)
     phases = {k: statistics.mean(r["phase_s"].get(k, 0.0) for r in rows) for k in PHASES}
+    # the process's CPU seconds (all threads) in each phase (extra["phase_cpu_s"]; rows before it have none)
+    cpu = {k: statistics.mean(r.get("extra", {}).get("phase_cpu_s", {}).get(k, 0.0) for r in rows) for k in PHASES}
     return {
+        "phase_cpu_s": cpu,
         "rows": len(rows),
         "cycle_s": cycle,
         "compute_s": compute,
@@ -74,6 +77,11 @@ def print_table(res: dict) -> None:
                 + [f"{p['other_s']:.3f}"]
             )
         )
+    if any(any(p["phase_cpu_s"].values()) for p in res["peers"].values()):
+        print("CPU seconds of the process (all threads) in each phase, mean per row:")
+        print(" | ".join(["peer"] + names))
+        for name, p in list(res["peers"].items()) + ([("all", res["all"])] if "all" in res else []):
+            print(" | ".join([name] + [f"{p['phase_cpu_s'][k]:.3f}" for k in names]))
 
 
 def print_memory(files: list[str]) -> None:

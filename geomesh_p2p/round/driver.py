@@ -18,6 +18,7 @@ import asyncio
 import collections
 import contextlib
 import logging
+import time
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 from geomesh_p2p.exchange.codec.feedback import PushFeedback
@@ -155,6 +156,7 @@ class RoundDriver:
         #: phase the growth over the first rounds comes from); memory that a background task (verified work,
         #: background evaluation) takes between phases counts in none
         self._phase_rss: dict[str, int] = {}
+        self._phase_cpu: dict[str, float] = {}  # the process's CPU seconds (all threads) in each phase
         self._t_row: Optional[float] = None
         self._traffic_row: dict = {}  # traffic_classes() at the previous row (empty: none yet)
         self._verify_busy_row = 0.0  # verified work's compute seconds at the previous row (finish.publish_row)
@@ -253,20 +255,25 @@ class RoundDriver:
         now = self.clock.monotonic()
         return {p: r for p, (r, t) in self._recent.items() if now - t <= RECENT_RECORD_S}
 
-    def add_phase_s(self, name: str, seconds: float) -> None:
-        """Add ``seconds`` (may be negative: a share moved to another phase) to phase ``name`` of the cycle."""
+    def add_phase_s(self, name: str, seconds: float, cpu_s: float = 0.0) -> None:
+        """Add ``seconds`` (may be negative: a share moved to another phase) to phase ``name`` of the cycle, and
+        ``cpu_s`` to the process's CPU seconds in it (``extra["phase_cpu_s"]`` of the row)."""
         self._phases[name] = self._phases.get(name, 0.0) + seconds
+        self._phase_cpu[name] = self._phase_cpu.get(name, 0.0) + cpu_s
 
     @contextlib.contextmanager
     def timed(self, name: str) -> Iterator[None]:
         """Add the monotonic seconds the block takes to phase ``name`` of the current cycle (issue 17: the
-        round row's ``phase_s``, what the non-compute share of a round is made of)."""
-        t0 = self.clock.monotonic()
+        round row's ``phase_s``, what the non-compute share of a round is made of), the CPU seconds every
+        thread of the process used meanwhile to its ``extra["phase_cpu_s"]`` (issue 27, session 38: a phase far
+        longer than its CPU waited, for a core or for the others; one using more CPU than in isolation worked more),
+        and the anonymous RSS it added to ``extra["phase_rss_mib"]`` (which phase a growth over rounds comes from)."""
+        t0, c0 = self.clock.monotonic(), time.process_time()
         rss0 = status_bytes("RssAnon").get("RssAnon")
         try:
             yield
         finally:
-            self.add_phase_s(name, max(0.0, self.clock.monotonic() - t0))
+            self.add_phase_s(name, max(0.0, self.clock.monotonic() - t0), max(0.0, time.process_time() - c0))
             rss1 = status_bytes("RssAnon").get("RssAnon")
             if rss0 is not None and rss1 is not None:
                 self._phase_rss[name] = self._phase_rss.get(name, 0) + rss1 - rss0

@@ -251,13 +251,14 @@ VERIFY_NAMED_S = 0.5
 
 
 def publish_row(drv: RoundDriver, rec: RoundRecord) -> None:
-    """The row's phase seconds, cycle and cycle traffic per method class (``extra["traffic"]``: the DHT
+    """The row's phase seconds (and the process's CPU seconds in each: ``extra["phase_cpu_s"]``), cycle and cycle traffic per method class (``extra["traffic"]``: the DHT
     traffic of gather, planning, evaluation and the digest check included, unlike ``bytes_sent``), into the
     history, the log (an underfilled round warns) and the policy (Prometheus, the status page)."""
     now = drv.clock.monotonic()
     rec.phase_s = {k: round(v, 4) for k, v in drv._phases.items()}
+    rec.extra["phase_cpu_s"] = {k: round(v, 4) for k, v in drv._phase_cpu.items()}
     rec.cycle_s = now - drv._t_row if drv._t_row is not None else None
-    drv._phases, drv._t_row = {}, now
+    drv._phases, drv._phase_cpu, drv._t_row = {}, {}, now
     mem = status_bytes("RssAnon", "RssFile")
     if mem:  # memory by phase (issue 27): MiB added per phase this cycle, and where the process stands now
         rec.extra["phase_rss_mib"] = {k: round(v / 2**20, 1) for k, v in drv._phase_rss.items()}
@@ -376,7 +377,7 @@ def advance(drv: RoundDriver, r: int, plan: RoundPlan, aggregate: torch.Tensor, 
     has one, so a reader never sees the stepped buffer under round ``r``'s digest."""
     with drv.state.state_lock or contextlib.nullcontext():
         drv.state.outer_step(r, plan, aggregate, idle)
-        t0 = time.monotonic()
+        t0, c0 = time.monotonic(), time.process_time()
         if drv._spec is not None:
             # Eager: the next round's speculative steps train on the model; θ^{r+1} is committed (digest,
             # served state) without being loaded into it.
@@ -386,9 +387,9 @@ def advance(drv: RoundDriver, r: int, plan: RoundPlan, aggregate: torch.Tensor, 
         # The commit (load, digest, snapshot) is the "digest" phase; the caller's timer counts the whole
         # call as "outer_step", so the commit's seconds move from there (a float add: GIL-atomic enough
         # for the one writer, the driver's own worker thread, while the loop awaits it).
-        dt = time.monotonic() - t0
-        drv.add_phase_s("digest", dt)
-        drv.add_phase_s("outer_step", -dt)
+        dt, dc = time.monotonic() - t0, time.process_time() - c0
+        drv.add_phase_s("digest", dt, dc)
+        drv.add_phase_s("outer_step", -dt, -dc)
 
 
 async def check_digest(drv: RoundDriver, r: int, participants: Sequence[str]) -> Optional[bool]:

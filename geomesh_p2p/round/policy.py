@@ -246,6 +246,7 @@ class NodeRoundPolicy:
         checks the plan against (planner.check_plan); delivered rates; standing credits (standing.py); accountable
         mode's validation of round ``r`` in the background (:meth:`Accountability.after_round`)."""
         self.profile.after_round(r, plan, assignment.micro_batch, result, ar)
+        self.verified.after_commit(r + 1, plan)  # round r + 1's start weights written while it trains
         self.state.standing.credit(r, delivered(ar.contributors))
         if self.accountable is not None:
             self.accountable.after_round(r, plan, ar)
@@ -262,7 +263,9 @@ class NodeRoundPolicy:
         """The round's row to the log, Prometheus and the status page. Raises RuntimeError after shutdown
         (the round log is closed). The row carries verified work's counts (``extra["verify"]``: checks drawn,
         done, late, dropped, waiting; issue 28) and accountable mode's validation (``extra["accountable"]``:
-        :meth:`Accountability.counts`)."""
+        :meth:`Accountability.counts`). The round's advisory agreement measurement runs from now on
+        (:meth:`VerifiedWork.round_done`)."""
+        self.verified.round_done(rec.round)
         counts = self.verified.counts()
         if counts is not None:
             rec.extra["verify"] = counts

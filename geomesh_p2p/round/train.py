@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Optional, cast
 
 import torch
 
+from geomesh_p2p.exchange.codec._format import all_finite
 from geomesh_p2p.telemetry import events
 from geomesh_p2p.round.context import Phase, RoundContext, no_work
 from geomesh_p2p.round.eager import adopt_speculative, drop_speculative
@@ -88,7 +89,9 @@ async def _update(
         ctx.start = None
     else:
         delta = await asyncio.to_thread(drv.state.pseudo_gradient)
-    if not await asyncio.to_thread(lambda: bool(torch.isfinite(delta).all())):
+    # One aminmax pass, no [P] bool temporary: at gpt2-124m ``isfinite(delta).all()`` took 0.47 s of CPU a round
+    # (the page faults of its fresh 89 MB and the reduction), aminmax 0.015 s (issue 27, session 38).
+    if not await asyncio.to_thread(all_finite, delta):
         events.emit(
             log,
             logging.WARNING,

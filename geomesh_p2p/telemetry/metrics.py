@@ -12,7 +12,9 @@ Idle accounting of a round (all in seconds of wall-clock, shown as % of the roun
 *cycle* that ends with this row: from the previous row of this peer to this one, so it also holds the
 previous round's checkpoint and this round's gather (see :data:`PHASES`). ``cycle_s`` is that cycle's
 length; ``compute_share`` = ``compute_s / cycle_s`` (the inner steps' share of this peer's time) and
-``other_s`` the part of the cycle no phase accounts for.
+``other_s`` the part of the cycle no phase accounts for. ``extra["phase_cpu_s"]`` (issue 27): the CPU seconds
+every thread of the process used during each phase (a phase much longer than its CPU waited: for a core, or
+for the other peers; the plan phase also holds inner steps started during the plan's settle).
 
 ``loop_stall_ms``: the worst event-loop stall of the round (:class:`geomesh_p2p.telemetry.looplag.LoopLagMonitor`):
 while the loop is stalled this peer serves nothing (parts, state, DHT), so slower peers wait on it.

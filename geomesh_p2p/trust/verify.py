@@ -292,7 +292,7 @@ class WorkVerifier(Verdicts, Screening, EvidenceExchange, HeldContributions):
         self,
         round: int,
         *,
-        theta: torch.Tensor,
+        theta: Optional[torch.Tensor],
         plan,
         part_ranges: Sequence[tuple[int, int]],
         packets: Mapping[str, Mapping[int, Any]],
@@ -303,7 +303,7 @@ class WorkVerifier(Verdicts, Screening, EvidenceExchange, HeldContributions):
         applied part result's inputs) stands in for the contributions not held here; ``packets`` are this peer's
         own (a check's basis) and those fetched later (:meth:`hold`). ``theta`` (fp32 CPU ``[P]``) is written to
         a file of the verifier's private directory (``4P`` bytes; the caller may change ``theta`` once this
-        returns) and read back, bitwise, when a check or re-check needs it; the oldest rounds past
+        returns; None: written already by ``kept_weights.put``) and read back, bitwise, when a check needs it; the oldest rounds past
         ``cfg.keep_rounds`` are dropped, files included, unless a check or re-check in the background queue still
         needs them (:meth:`queue_check`).
 
@@ -313,7 +313,8 @@ class WorkVerifier(Verdicts, Screening, EvidenceExchange, HeldContributions):
         """
         r = int(round)
         self._set_burst(plan)
-        self._weights.put(r, theta)
+        if theta is not None:  # None: written already (kept_weights.put of this round)
+            self._weights.put(r, theta)
         got = {p: dict(v) for p, v in packets.items()}
         com = None if committed is None else {p: dict(v) for p, v in committed.items()}
         seen = got if com is None else overlay(com, got)
@@ -363,6 +364,10 @@ class WorkVerifier(Verdicts, Screening, EvidenceExchange, HeldContributions):
         stay private to the tensor), or None when the round is not kept. Drop the tensor when done: its
         pages leave the process then."""
         return self._weights.get(round) if int(round) in self._kept else None
+
+    def is_kept(self, round: int) -> bool:
+        """Whether ``round`` is kept (:meth:`keep_round`, not dropped since)."""
+        return int(round) in self._kept
 
     @property
     def kept_weights(self) -> KeptWeights:

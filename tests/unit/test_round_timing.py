@@ -325,3 +325,24 @@ def test_a_follower_settles_twice_as_long_for_plans_that_may_be_chunked():
     assert settle_for(large.model_copy(update={"window_s": 60.0}), 1.0) == 2.0
     assert settle_for(large.model_copy(update={"window_s": 2.0}), 1.0) == 1.0  # the middle of a 2 s window
     assert settle_for(large.model_copy(update={"window_s": 0.4}), 1.0) == SETTLE_S  # the floor of the window's cap
+
+
+async def test_each_phase_carries_the_cpu_seconds_the_process_used_in_it():
+    """Issue 27 (session 38): ``extra["phase_cpu_s"]`` holds, for every timed phase, the process's CPU seconds
+    meanwhile: a hook that burns 0.05 s of CPU in the inner steps shows at least that in "train"."""
+    (peer,) = _peers(1)
+    clock = SteppingClock()
+
+    def burn() -> None:
+        c0 = time.process_time()
+        while time.process_time() - c0 < 0.05:
+            pass
+        clock.advance(5.0)
+
+    peer.hooks = {"train": burn}
+    drv = peer.driver(rounds=2, clock=clock)
+    await drv.run()
+    for row in drv.history:
+        cpu = row.extra["phase_cpu_s"]
+        assert set(cpu) == set(row.phase_s) and all(v >= 0.0 for v in cpu.values())
+        assert cpu["train"] >= 0.05

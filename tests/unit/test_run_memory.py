@@ -204,3 +204,58 @@ def test_verified_work_keeps_the_start_weights_off_the_loop_and_closes(tmp_path,
     assert started == [4] and made[0].kept_weights.rounds() == [4]
     vw.close()
     assert os.listdir(tmp_path) == []
+
+
+def test_start_weights_written_early_are_taken_unless_changed_and_untaken_ones_go(tmp_path):
+    """Issue 27 (session 38): after a round's commit the next round's start weights go to the verifier's file in
+    the background (VerifiedWork.after_commit); the round's keep takes that file when the weights did not change
+    since, writes them again when they did (a re-sync's load), and a file no kept round took is deleted."""
+    from geomesh_p2p.round.rules import RoundState, VerifiedWork
+
+    theta = _awkward(300, 3)
+    wv = WorkVerifier(
+        VerifyConfig(), identity=Identity.generate(), run_id="run", model=None, dataset=None, seed=0,
+        lr=1e-3, weight_decay=0.1, kept_dir=str(tmp_path),
+    )  # fmt: skip
+    vw = VerifiedWork(RoundState(me="me"), lambda: wv, theta=lambda: theta)
+    vw.verify_round = lambda r, plan, a, ar: None  # type: ignore[method-assign]
+    store = wv.kept_weights
+    puts: list[int] = []
+    put = store.put
+    store.put = lambda r, t: (puts.append(r), put(r, t))[1]  # type: ignore[method-assign]
+    ar = types.SimpleNamespace(contributions={"peer": {0: object()}}, part_ranges=[(0, 300)])
+
+    async def rounds() -> dict[int, list[int]]:
+        want: dict[int, list[int]] = {}
+        vw.after_commit(4, None)  # no verifier yet: nothing written early
+        assert vw._early is None
+        want[4] = _bits(theta)
+        await vw.before_outer_step(4, None, None, ar)
+        theta.add_(1.0)  # round 4's outer step and commit
+        vw.after_commit(5, None)
+        want[5] = _bits(theta)
+        await vw.before_outer_step(5, None, None, ar)  # takes the early file
+        theta.add_(1.0)
+        vw.after_commit(6, None)
+        assert vw._early is not None
+        await asyncio.wait({vw._early[2]})
+        theta.copy_(_awkward(300, 4))  # a re-sync loads other weights before round 6's outer step
+        want[6] = _bits(theta)
+        await vw.before_outer_step(6, None, None, ar)  # written again
+        theta.add_(1.0)
+        vw.after_commit(7, None)  # round 7 never kept (planned out, say)
+        assert vw._early is not None
+        await asyncio.wait({vw._early[2]})
+        theta.add_(1.0)
+        vw.after_commit(8, None)
+        await vw.before_outer_step(8, None, None, types.SimpleNamespace(contributions={}, part_ranges=[]))
+        return want
+
+    want = asyncio.run(rounds())
+    assert puts == [4, 5, 6, 6, 7, 8]
+    for r in (4, 5, 6):
+        kept = wv.kept_theta(r)
+        assert kept is not None and _bits(kept) == want[r]
+    assert store.rounds() == [4, 5, 6] and sorted(os.listdir(store.path)) == [f"theta-{r}.f32" for r in (4, 5, 6)]
+    vw.close()
+    assert os.listdir(tmp_path) == []

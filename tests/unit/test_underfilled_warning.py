@@ -37,6 +37,7 @@ def test_the_warning_names_verified_works_seconds_of_this_round_only(caplog) -> 
     drv = SimpleNamespace(
         clock=SimpleNamespace(monotonic=lambda: 100.0),
         _phases={},
+        _phase_cpu={},
         _phase_rss={},
         _t_row=None,
         _traffic_row={},

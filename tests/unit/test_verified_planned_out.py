@@ -80,3 +80,36 @@ def test_without_a_verifier_sitting_out_does_nothing():
     rules = make_rules(me="me")
     rules.planned_out(1, _plan())  # no event loop needed: nothing started
     assert rules.verified.task is None
+
+
+@pytest.mark.timeout(30)
+def test_the_agreement_of_a_round_is_measured_once_its_row_is_out(monkeypatch):
+    """Issue 27 (session 38): the advisory agreement measurement (decoding every contribution) waited for nothing and
+    ran beside the outer step and the digest on their core; it now starts when the round's row is published."""
+    import torch
+
+    from geomesh_p2p.round.rules import verified as verified_mod
+
+    wv = _Verifier()
+    rules = make_rules(me="me", verifier=wv)
+    measured: list[int] = []
+
+    def sign_agreements(contributions, aggregate, part_ranges):
+        measured.append(int(aggregate.numel()))
+        return {"a": 1.0}
+
+    monkeypatch.setattr(verified_mod.agreement, "sign_agreements", sign_agreements)
+    monkeypatch.setattr(verified_mod.agreement, "supports", lambda c, p: {})
+
+    async def main() -> None:
+        ar = SimpleNamespace(contributions={"a": {0: object()}}, aggregate=torch.zeros(8), part_ranges=[(0, 8)])
+        rules.verified.verify_round(3, _plan(), SimpleNamespace(micro_batch=6), ar)
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert measured == [] and not rules.verified.task.done()  # the round's finish is still under way
+        rules.verified.counts = lambda: None  # type: ignore[method-assign]  # the fake verifier counts nothing
+        rules.publish_record(SimpleNamespace(round=3, extra={}))  # round 3's row
+        await rules.verified.task
+
+    asyncio.run(main())
+    assert measured == [8] and wv.calls == [(3, 6)] and rules.verified.agreement[0] == 3

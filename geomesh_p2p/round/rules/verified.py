@@ -22,6 +22,21 @@ log = logging.getLogger("geomesh_p2p.node.peer.round")
 
 __all__ = ["VerifiedWork"]
 
+#: The longest the round's advisory agreement measurement waits for the round's row (:meth:`VerifiedWork.round_done`)
+#: before it runs anyway (a round that ends without a row: a failure, a re-sync).
+AGREEMENT_WAIT_S = 60.0
+
+
+def _version_key(theta: torch.Tensor) -> tuple[int, int]:
+    """``theta``'s storage and in-place version: equal while nothing wrote it (every write of the global state is an
+    in-place torch op: the outer step, a load, a re-sync's copy)."""
+    return theta.data_ptr(), theta._version
+
+
+def _say_early_failed(task: asyncio.Future) -> None:
+    if not task.cancelled() and task.exception() is not None:  # before_outer_step writes them again
+        log.debug("verified work: the start weights written early failed: %r", task.exception())
+
 
 def _claimed_steps(contributions, plan) -> dict[str, int]:
     """The inner steps each contributor's token claim implies at its planned batch (``tokens // (batch x
@@ -79,6 +94,10 @@ class VerifiedWork:
         #: accountable mode: contributions to check fetched so far (wanted, fetched, refused, bytes received)
         self.fetch_counts: dict[str, int] = {}
         self._fetches: set[asyncio.Future] = set()  # accountable mode's fetch tasks in flight (kept referenced)
+        #: (round, θ's version key when it was read, the write task) of the start weights written early (:meth:`after_commit`)
+        self._early: Optional[tuple[int, tuple[int, int], asyncio.Future]] = None
+        self._done_round = -1  # the newest round whose row is out (round_done)
+        self._round_done_ev: Optional[asyncio.Event] = None
 
     def verdicts(self) -> verify.Verdicts:
         """The verdicts in force: the verifier's, or those held until it is built."""
@@ -107,19 +126,25 @@ class VerifiedWork:
     async def before_outer_step(self, r, plan, assignment, ar) -> None:
         """Verified work keeps round ``r``'s start weights (the global weights, before the outer step moves
         them): written to the verifier's file in a worker thread, with no copy on the heap
-        (:meth:`~geomesh_p2p.trust.verify.WorkVerifier.keep_round`), and queues this peer's check of the round
+        (:meth:`~geomesh_p2p.trust.verify.WorkVerifier.keep_round`; already there when :meth:`after_commit` wrote
+        them early and they did not change since), and queues this peer's check of the round
         in the verifier's background worker; then tends the checks (:meth:`verify_round`). Nothing in
         reencode mode (no contributions); in accountable mode from the results' commitments
         (:mod:`.verified_accountable`). Never raises."""
         if getattr(plan, "mode", None) == "accountable":
             await self._accountable(r, plan, assignment, ar)
             return
+        written = await self._take_early(r)
         if not getattr(ar, "contributions", None):
+            if written:
+                self._drop_unkept(r)
             return  # reencode mode (or nothing received): no contributions to check
         try:
-            await asyncio.to_thread(self._keep, r, plan, ar)
+            await asyncio.to_thread(self._keep, r, plan, ar, written)
         except Exception as e:  # a full disk, say: this round goes unchecked, the round itself goes on
             log.warning("round %d: verified work skipped: its start weights could not be kept: %s", r, e)
+            if written:
+                self._drop_unkept(r)
             return
         try:
             await asyncio.to_thread(self._queue_check, r, plan, assignment)
@@ -148,14 +173,72 @@ class VerifiedWork:
 
         task.add_done_callback(done)
 
-    def _keep(self, r: int, plan, ar) -> None:
+    def _keep(self, r: int, plan, ar, written: bool = False) -> None:
         """Blocking: build the verifier on first use (its private copy of the model, a whole-model deepcopy)
-        and keep round ``r`` (its start weights written to a file)."""
+        and keep round ``r`` (its start weights written to a file, unless ``written`` already: :meth:`after_commit`)."""
         if self.verifier is None:
             self.verifier = self._new_verifier()
-        self.verifier.keep_round(
-            r, theta=self._global_theta(), plan=plan, part_ranges=ar.part_ranges, packets=ar.contributions
-        )
+        theta = None if written else self._global_theta()
+        self.verifier.keep_round(r, theta=theta, plan=plan, part_ranges=ar.part_ranges, packets=ar.contributions)
+
+    def after_commit(self, r: int, plan) -> None:
+        """Round ``r``'s start weights (the state just committed) stay as they are until round ``r``'s outer step:
+        write them to the verifier's file now, in a worker thread, while this peer announces, checks the digest,
+        plans and trains. Written by :meth:`before_outer_step`, between the exchange and the outer step, those
+        ``4P`` bytes took 0.5-1.6 s of every ``gpt2-124m`` round (issue 27, session 38). :meth:`before_outer_step`
+        of round ``r`` takes the file when the weights did not change since (their in-place version: a re-sync
+        loads others), else writes them again; a file no round took is deleted. Nothing before the verifier
+        exists (built when the first round is kept), in accountable mode (it keeps its rounds itself), for a round
+        kept already, or without a running event loop. ``plan``: the plan of the round just stepped."""
+        wv = self.verifier
+        if wv is None or self._theta is None or getattr(plan, "mode", None) == "accountable":
+            return
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        self._drop_early()
+        if wv.is_kept(r):  # never rewritten under a check that may read it
+            return
+        theta = self._global_theta()
+        key = _version_key(theta)
+        task = asyncio.ensure_future(asyncio.to_thread(wv.kept_weights.put, r, theta))
+        task.add_done_callback(_say_early_failed)
+        self._early = (r, key, task)
+
+    async def _take_early(self, r: int) -> bool:
+        """Whether round ``r``'s start weights were written early (:meth:`after_commit`) and still are the global
+        weights (waits for that write; a cancelled wait leaves it running). An early write of another round is
+        deleted unless that round is kept."""
+        early = self._early
+        if early is None:
+            return False
+        er, key, task = early
+        await asyncio.wait({task})
+        self._early = None
+        ok = not task.cancelled() and task.exception() is None
+        if er != r:
+            self._drop_early_file(er, task)
+            return False
+        return ok and key == _version_key(self._global_theta())
+
+    def _drop_early(self) -> None:
+        """Forget the early write nobody took (its file deleted once written, unless its round is kept)."""
+        early, self._early = self._early, None
+        if early is not None:
+            self._drop_early_file(early[0], early[2])
+
+    def _drop_early_file(self, r: int, task: asyncio.Future) -> None:
+        if task.done():
+            self._drop_unkept(r)
+        else:
+            task.add_done_callback(lambda _t: self._drop_unkept(r))
+
+    def _drop_unkept(self, r: int) -> None:
+        """Delete round ``r``'s start weights written early when the verifier does not keep the round."""
+        wv = self.verifier
+        if wv is not None and not wv.is_kept(r):
+            wv.kept_weights.drop(r)
 
     def _queue_check(self, r: int, plan, a) -> None:
         """Blocking: queue this peer's screens of the round's newcomers (:meth:`~geomesh_p2p.trust.verify.WorkVerifier.
@@ -182,6 +265,7 @@ class VerifiedWork:
         for t in [self.task, *self._fetches]:
             if t is not None and not t.done():
                 t.cancel()
+        self._early = None  # its thread ends on its own; close() deletes the file with the others
 
     def close(self) -> None:
         """Stop the background checks and delete the kept start weights' files (blocking: call it off the event
@@ -227,6 +311,25 @@ class VerifiedWork:
         except Exception as e:
             log.warning("round %d: verified work skipped: %s", r, e)
 
+    def round_done(self, r: int) -> None:
+        """Round ``r``'s row is out (its outer step, digest and digest check are over): its advisory agreement
+        measurement (:meth:`_tend`), held until then, runs now."""
+        self._done_round = max(self._done_round, int(r))
+        if self._round_done_ev is not None:
+            self._round_done_ev.set()
+
+    async def _after_round(self, r: int) -> None:
+        """Until :meth:`round_done` of round ``r`` or later, at most :data:`AGREEMENT_WAIT_S` seconds."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + AGREEMENT_WAIT_S
+        while self._done_round < r:
+            ev = self._round_done_ev = self._round_done_ev or asyncio.Event()
+            ev.clear()
+            try:
+                await asyncio.wait_for(ev.wait(), max(0.0, deadline - loop.time()))
+            except asyncio.TimeoutError:
+                return
+
     def planned_out(self, r: int) -> None:
         """Round ``r`` runs without this peer (planned out, or refusing the plan): the background checks that ended
         are applied and the evidence published about the kept rounds is read and re-checked all the same
@@ -258,11 +361,15 @@ class VerifiedWork:
     async def _tend(self, wv: verify.WorkVerifier, r: int, a, ar, plan=None) -> None:
         """The checks' results (:meth:`~geomesh_p2p.trust.verify.WorkVerifier.tend`), then the round's relative
         agreement test (:mod:`geomesh_p2p.trust.agreement`; advisory: recorded in the row and logged, nothing
-        dropped or excluded on it). Off the round's path: a task of its own. The agreement is measured first, so
-        the round's aggregate ([P]) is not held while the evidence is read (issue 27: into the next round)."""
+        dropped or excluded on it). Off the round's path: a task of its own. The agreement is measured first, once
+        the round's row is out (:meth:`round_done`), so the round's aggregate ([P]) is not held while the evidence
+        is read (issue 27: into the next round)."""
         aggregate = getattr(ar, "aggregate", None)
         found = support = None
         if aggregate is not None and ar.part_ranges and ar.contributions:
+            # After the round's row: decoding every contribution took ~0.5 s of CPU beside the outer step and the
+            # digest, on the core they run on (issue 27, session 38); the aggregate is held until the row anyway.
+            await self._after_round(r)
             found = await asyncio.to_thread(agreement.sign_agreements, ar.contributions, aggregate, ar.part_ranges)
             support = await asyncio.to_thread(agreement.supports, ar.contributions, ar.part_ranges)
         steps = _claimed_steps(ar.contributions, plan)
