@@ -63,6 +63,16 @@ def share(tokens: dict[str, int], peers) -> float:
     return round(sum(tokens[p] for p in peers) / sum(tokens.values()), 3)
 
 
+def maps_less_one(seeds):
+    """``(seed, records, cfg, delivered map, the map less one entry the seed draws)`` of each of the random swarms of
+    ``seeds`` that has a delivered map: a leader's or a follower's map that missed the parts listing one peer."""
+    for seed in seeds:
+        recs, cfg, sup, R = random_swarm(seed)
+        if sup:
+            gone = R.choice(sorted(sup))
+            yield seed, recs, cfg, sup, {p: v for p, v in sup.items() if p != gone}
+
+
 # ------------------------------------------------------------------------------------------------------ fixed
 
 
@@ -74,12 +84,7 @@ def test_a_leader_whose_delivered_map_lacks_one_rate_passes():
     under the 15466496 ..."; now each peer is checked against the range of ceilings such a leader may use
     (bounds.evidence_ceiling_range). The first 150 seeds here."""
     refused = []
-    for seed in range(150):
-        recs, cfg, sup, R = random_swarm(seed)
-        if not sup:
-            continue
-        gone = R.choice(sorted(sup))
-        lacking = {p: v for p, v in sup.items() if p != gone}
+    for seed, recs, cfg, sup, lacking in maps_less_one(range(150)):
         try:
             plan = make_plan(recs, cfg, numel=NUMEL, supported_tokens_per_s=lacking, **KW)
         except ValueError:

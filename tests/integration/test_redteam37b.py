@@ -24,7 +24,7 @@ from geomesh_p2p.round import gather
 from geomesh_p2p.round.planning import left_alone_in_plan
 from geomesh_p2p.util.errors import UserFacingError
 from tests.integration.test_plan_bounds import KW, T0, by_id, paper_cfg, rec
-from tests.integration.test_plan_views_redteam37 import NUMEL, random_swarm, share
+from tests.integration.test_plan_views_redteam37 import NUMEL, maps_less_one, share
 from tests.integration.test_under_plan_redteam36 import delivered, trained_tokens
 from tests.unit.test_never_back import _node, _pid, _rec
 from tests.unit.test_rejoin_state import _ledger
@@ -219,12 +219,7 @@ def test_the_one_entry_rule_refuses_no_honest_plan_of_the_random_swarms():
     """Red team 37's random swarms (the first 150 seeds), honest plans from the same map, from a leader's map
     lacking one entry, from a follower's lacking one: the rules above refuse none of them (the other checks' known
     refusals of the follower-lacks view are test_plan_views_redteam37's open case)."""
-    for seed in range(150):
-        recs, cfg, sup, R = random_swarm(seed)
-        if not sup:
-            continue
-        gone = R.choice(sorted(sup))
-        lacking = {p: v for p, v in sup.items() if p != gone}
+    for seed, recs, cfg, sup, lacking in maps_less_one(range(150)):
         for lead, follow in ((sup, sup), (lacking, sup), (sup, lacking)):
             try:
                 plan = make_plan(recs, cfg, numel=NUMEL, supported_tokens_per_s=lead, **KW)
