@@ -2,7 +2,8 @@
 
 ``predicted_compute_s`` was unchecked, and it is what every reader divides delivered tokens by for the next round's
 delivered map (``Reprofiler.delivered_rates``, and ``unseen_rates``): fixed (``plan/views.compute_problem``), tests
-below. The stated-link tolerance (4x) compounded with the under-plan tolerance (2x) is open (xfail strict).
+below. The stated-link tolerance (4x) lets a rogue leader under-plan victims as an honest leader with slower
+reads of their links would: open (xfail strict).
 """
 
 from __future__ import annotations
@@ -141,9 +142,10 @@ def slow_links():
 
 @pytest.mark.xfail(
     strict=True,
-    reason="OPEN: the stated-link tolerance (4x) compounds with the under-plan tolerance (2x): victims stated with "
-    "a 4x exchange fit (T - 4c) / 2s; at 100 Mbit/s they are accepted at 1/1/4 steps of 24/26/29, leader + partner "
-    "41.9 % -> 90.5 % of the trained tokens (links as read: 12/13/14, 59.4 %; 800 Mbit/s at 5 s: 60.7 % -> 81.0 %)",
+    reason="OPEN: the 4x link tolerance itself (an honest leader whose view of the victims' links is 3.1/3.1/2.9x "
+    "slower plans these very steps, docs/security.md 'Red team 38'): victims stated with a 4x exchange are accepted at "
+    "1/1/4 steps of 24/26/29, leader + partner 41.9 % -> 90.5 % of the trained tokens at 100 Mbit/s (links as read: "
+    "12/13/14, 59.4 %; 800 Mbit/s at 5 s: 60.7 % -> 81.0 %)",
 )
 def test_victims_stated_with_a_4x_exchange_are_under_planned():
     recs, cfg = slow_links()
