@@ -193,6 +193,8 @@ class RoundDriver:
         #: the (round, digest) at which a gather asked whether a plan naming this peer was made with peers that
         #: announced leaving since (:func:`~geomesh_p2p.round.gather.planned_with_leavers`): asked once
         self._leavers_plan_read: tuple[int, Optional[str]] = (-1, None)
+        #: ((round, digest), the other peers a gather read live in step at it): leavers it may wait a plan for
+        self._in_step_seen: tuple[tuple[int, Optional[str]], set[str]] = ((-1, None), set())
         #: swarm seconds when this driver (this process's session of the run) began: leaving records announced
         #: before it are a previous session's, no sign that the swarm ended now (resync.swarm_ended)
         self.started_at: float = swarm_time()

@@ -106,6 +106,9 @@ async def gather(drv: RoundDriver, expected: set[str], *, first: bool) -> Option
                 return None
             synced = [r for r in recs if r.round == drv.state.round and r.weights_digest == drv.state.digest]
             ids = {r.peer_id for r in synced}
+            if drv._in_step_seen[0] != (drv.state.round, drv.state.digest):
+                drv._in_step_seen = ((drv.state.round, drv.state.digest), set())
+            drv._in_step_seen[1].update(ids - {drv.me})  # seen live in step at this round (planned_with_leavers)
             short = len(ids) < min_peers
             if ids <= {drv.me}:
                 # Nobody else in step: before this peer ends the run ("the swarm ended") or plans a round alone,
@@ -201,7 +204,15 @@ async def planned_with_leavers(drv: RoundDriver, everyone: list[PeerRecord]) -> 
     without an update and their round without its work. Returned as members, they send the round to the plan
     agreement, which reads the leavers' plans (``planning.known_view``) and follows the one naming this peer."""
     r, digest = drv.state.round, drv.state.digest
-    leavers = leavers_of_round(drv, everyone)
+    # Only leavers this peer knows took part with it: in its last applied plan (the round before) or read live in step
+    # at this round. Anyone can announce a leaving record and sign a plan: a record re-announced each round made a
+    # lone peer wait a plan timeout every round, and with a signed plan naming both, which the checks refuse, sit the
+    # round out to its end (red team 38, stop)
+    last = drv._last_plan
+    known = set(last.participants()) if last is not None and last.round == r - 1 else set()
+    if drv._in_step_seen[0] == (r, digest):
+        known |= drv._in_step_seen[1]
+    leavers = [x for x in leavers_of_round(drv, everyone) if x.peer_id in known]
     names = getattr(drv.plans, "names", None)
     if not leavers or names is None or drv._leavers_plan_read == (r, digest):
         return []
