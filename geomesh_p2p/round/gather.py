@@ -204,12 +204,11 @@ async def planned_with_leavers(drv: RoundDriver, everyone: list[PeerRecord]) -> 
     without an update and their round without its work. Returned as members, they send the round to the plan
     agreement, which reads the leavers' plans (``planning.known_view``) and follows the one naming this peer."""
     r, digest = drv.state.round, drv.state.digest
-    # Only leavers this peer knows took part with it: in its last applied plan (the round before) or read live in step
-    # at this round. Anyone can announce a leaving record and sign a plan: a record re-announced each round made a
-    # lone peer wait a plan timeout every round, and with a signed plan naming both, which the checks refuse, sit the
-    # round out to its end (red team 38, stop)
-    last = drv._last_plan
-    known = set(last.participants()) if last is not None and last.round == r - 1 else set()
+    # Only leavers this peer knows took part with it: in the last plan it applied or obtained (a catch-up by download
+    # may stand between that round and this one) or read live in step at this round. Anyone can announce a leaving
+    # record and sign a plan: a record re-announced each round made a lone peer wait a plan timeout every round, and
+    # with a signed plan naming both, which the checks refuse, sit the round out to its end (red team 38, stop)
+    known = {p for plan in (drv._last_plan, drv._plan_seen) if plan is not None for p in plan.participants()}
     if drv._in_step_seen[0] == (r, digest):
         known |= drv._in_step_seen[1]
     leavers = [x for x in leavers_of_round(drv, everyone) if x.peer_id in known]
