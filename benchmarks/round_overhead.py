@@ -86,7 +86,7 @@ def print_table(res: dict) -> None:
 
 def print_memory(files: list[str]) -> None:
     """Per peer and row: anonymous RSS at the row (MiB), the process's peak so far, and the MiB each phase
-    added in the row's cycle (``extra["phase_rss_mib"]``, 0.13.0+; phases within +-8 MiB are left out): where
+    added in the row's cycle (``extra["phase_rss_mib"]``, 0.12.1+; phases within +-8 MiB are left out): where
     a growth over the first rounds comes from (issue 27). What no phase accounts for (background verified
     work or evaluation, the time between phases) is the row's growth minus the phases' sum ("between")."""
     print("\nmemory: peer | round | anon MiB | peak MiB | MiB added per phase (|x| > 8) | between")
