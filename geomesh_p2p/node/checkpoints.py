@@ -89,7 +89,8 @@ CHECKPOINT_TIMEOUT_WINDOWS = 10.0
 def node_verdicts(node) -> dict:
     """What a checkpoint's meta keeps of ``node``'s judgements of the others (``--resume`` restores them,
     :func:`geomesh_p2p.node.joining`): verified-work exclusions, owner and no-show penalties, and the delivered-work
-    evidence of the last round it applied (:meth:`~geomesh_p2p.round.rules.profiling.Reprofiler.delivered_meta`).
+    evidence of the last round it applied (:meth:`~geomesh_p2p.round.rules.profiling.Reprofiler.delivered_meta`, with
+    the unseen rates of the participants of a part it missed: a resumed follower checks plans as before its restart).
 
     Why the evidence (fresh-user trial, session 31): without it every peer of a swarm resumed at once left itself out
     of the leader candidates (no evidence of the last round: ``RoundPolicy.leader_candidates``), each deferred to the

@@ -57,8 +57,9 @@ _draw = random.SystemRandom()
 def is_light(drv: RoundDriver) -> bool:
     """Whether this peer runs round ``drv.state.round`` as a light follower: it followed, applied and confirmed
     the previous round's plan, is in it, is ranked ``full_view_peers`` or later among its participants (its leader
-    left out) for leading this round, and nothing sent it back to the full path for this round. Never with eager updates
-    (their speculative steps span the plan agreement) or while stopping or leaving."""
+    left out) that the full path lets lead this round (:func:`lead_order`: established in its own ledger, no
+    no-show, none that verified work excludes), and nothing sent it back to the full path for this round. Never
+    with eager updates (their speculative steps span the plan agreement) or while stopping or leaving."""
     cfg, plan, r = drv.cfg, drv._last_plan, drv.state.round
     if cfg.full_view_peers <= 0 or cfg.eager or plan is None or plan.round != r - 1:
         return False
@@ -66,18 +67,29 @@ def is_light(drv: RoundDriver) -> bool:
         return False
     if drv.stop.is_set() or drv.leaving or drv.state.syncing:
         return False
-    # ranked among the candidates of the full path (planning.last_round_leaders: not the last round's leader, unless
-    # alone), so that full_view_peers candidates stay full-view peers and every light follower's candidate can lead
-    took = [p for p in plan.participants() if p != plan.leader] or plan.participants()
-    if drv.me not in took:
+    if drv.me not in _may_take_over(plan):
         return False
-    # ... and among those the full path lets lead: the established ones (trust.probation.leader_candidates). A peer
-    # that applied the last round missed none, so its own ledger decides, no record read. Ranked among every
+    return drv.me not in lead_order(drv, plan, r)[: cfg.full_view_peers]
+
+
+def _may_take_over(plan: RoundPlan) -> list[str]:
+    """The participants of ``plan`` that may lead the next round (planning.last_round_leaders: not its leader,
+    unless alone), so that full_view_peers candidates stay full-view peers and every light follower's candidate
+    can lead. PeerIDs."""
+    return [p for p in plan.participants() if p != plan.leader] or plan.participants()
+
+
+def lead_order(drv: RoundDriver, plan: RoundPlan, r: int) -> list[str]:
+    """The participants of ``plan`` (round ``r - 1``) that the full path lets lead round ``r``, in the order of
+    its leader election (:func:`leader_order`): the first ``full_view_peers`` are the full-view peers, the turns
+    that pace a light follower's plan reads. PeerIDs."""
+    took = _may_take_over(plan)
+    # ranked among those the full path lets lead (RoundPolicy.may_lead_ids: the bars of its leader_candidates). A
+    # peer that applied the last round missed none, so its own ledger decides, no record read. Ranked among every
     # participant instead, the only established peer of a loaded e2e run (the others' underfilled round 0 earned no
-    # standing) ran light and waited a whole plan attempt for plans from peers that deferred to it (session 38)
-    est = drv.policy.standing_established_ids((), took)
-    order = leader_order(plan.run_id, r, [p for p in took if p in est] or took)
-    return drv.me not in order[: cfg.full_view_peers]
+    # standing) ran light and waited a whole plan attempt for plans from peers that deferred to it (session 38);
+    # ranked among every established one, a crashed no-show ranked first held the only full-view slot (session 39)
+    return leader_order(plan.run_id, r, drv.policy.may_lead_ids((), took))
 
 
 #: Most records one sampled read asks for (the DHT's subkeys per find, RecordLimits.max_keys_per_find).
@@ -125,9 +137,10 @@ async def agree(drv: RoundDriver, ctx: RoundContext) -> Optional[bool]:
     established = [a.peer_id for a in prev.assignments if not a.probation]
     if any(p != prev.leader for p in established):  # no self-succession (planning.last_round_leaders)
         established = [p for p in established if p != prev.leader]
-    # The candidates whose turns pace the plan reads (obtain_plan wakes at each take-over instant): the first
-    # full_view_peers in the order; every stored plan is read whoever leads it, so this changes no choice.
-    candidates = [p for p in leader_order(prev.run_id, r, established) if p != drv.me][: drv.cfg.full_view_peers]
+    # The candidates whose turns pace the plan reads (obtain_plan wakes at each take-over instant): the full-view
+    # peers (is_light's order, so a barred no-show neither paces the reads nor blocks as a refused candidate); every
+    # stored plan is read whoever leads it.
+    candidates = [p for p in lead_order(drv, prev, r)[: drv.cfg.full_view_peers] if p != drv.me]
 
     def on_provisional(p: RoundPlan) -> None:
         # as the full path (planning.agree): train on the plan most likely followed while the settle runs

@@ -141,7 +141,7 @@ class NodeRoundPolicy:
             self.planning.standing_view(list(live.values())),
             [m.peer_id for m in members],
             barred=self.penalties.noshows(),
-        )
+        )  # the bars of may_lead_ids, and this peer's own-standing rule
         me, r = self.state.me, self.state.round
         if (
             me in cands
@@ -152,6 +152,18 @@ class NodeRoundPolicy:
         ):
             cands = [c for c in cands if c != me]
         return members, cands
+
+    def may_lead_ids(self, records, peer_ids: Iterable[str]) -> list[str]:
+        """The ids among ``peer_ids`` that :meth:`leader_candidates` lets lead in this peer's view of ``records``
+        (``()``: its own ledger), without its own-standing and delivered-evidence rules about this peer itself:
+        verified work's exclusions out (never this peer), the established ones, no-shows out
+        (:func:`~geomesh_p2p.trust.probation.may_lead`). Sorted PeerIDs. A light follower ranks itself among
+        these (:func:`geomesh_p2p.round.light.is_light`): ranked among every established participant, a
+        crashed no-show ranked first held the only full-view slot of ``--full-view-peers 1`` while the full path
+        let the next one lead, and that one ran light (issue 28, session 39)."""
+        return pb.may_lead(
+            self.planning.standing_view(records), self.verified.member_ids(peer_ids), barred=self.penalties.noshows()
+        )
 
     def collective_spec(self, plan):
         """The collective's spec of ``plan`` (:func:`~geomesh_p2p.round.rules.spec.collective_spec`).

@@ -257,6 +257,11 @@ class RoundPolicy(Protocol):
     def leader_candidates(self, members: Sequence[PeerRecord], live: dict) -> tuple[list[PeerRecord], list[str]]:
         """(the members to plan, the PeerIDs that may lead)."""
 
+    def may_lead_ids(self, records: Sequence[PeerRecord], peer_ids: Iterable[str]) -> list[str]:
+        """The ids among ``peer_ids`` that :meth:`leader_candidates` lets lead in this peer's view of ``records``
+        (``()``: its own ledger), bars included, without the rules about this peer itself (what a light follower
+        ranks itself among)."""
+
     def collective_spec(self, plan: RoundPlan) -> CollectiveSpec:
         """The collective's spec of ``plan`` (raises ValueError when it cannot be executed)."""
 

@@ -259,8 +259,18 @@ def select_probation(run_id: str, round: int, view: StandingView, candidates: It
     return order[: max(0, int(slots))]
 
 
+def may_lead(view: StandingView, member_ids: Iterable[str], barred: Collection[str] = ()) -> list[str]:
+    """Members that may lead, as every view that holds the same standing and bars sees them: the established ones
+    not ``barred`` (no-shows). When none is, the established ones; when nobody is established, every member (a
+    fresh swarm). Sorted PeerIDs. :func:`leader_candidates` adds this node's own-standing rule; a light follower
+    ranks itself among these (:func:`geomesh_p2p.round.light.is_light`), so that the peers the full path lets
+    lead are the full-view ones."""
+    est, _ = split(view, member_ids)
+    return [p for p in est if p not in barred] or est
+
+
 def leader_candidates(view: StandingView, member_ids: Iterable[str], barred: Collection[str] = ()) -> list[str]:
-    """Members that may lead: the established ones not ``barred`` (no-shows). When none is, the
+    """Members that may lead (:func:`may_lead`): the established ones not ``barred`` (no-shows). When none is, the
     established ones; when nobody is established, every member (a fresh swarm).
 
     This node itself (``view.me``) is left out while it is not established in its own view and another
@@ -274,8 +284,7 @@ def leader_candidates(view: StandingView, member_ids: Iterable[str], barred: Col
     round driver then makes such a member the last resort after an attempt without any plan
     (:meth:`RoundDriver._last_resort <geomesh_p2p.round.driver.RoundDriver._last_resort>`; docs/round.md,
     "Leader election when nobody leads")."""
-    est, _ = split(view, member_ids)
-    ok = [p for p in est if p not in barred] or est
+    ok = may_lead(view, member_ids, barred)
     me = view.me
     if me in ok and len(ok) > 1 and not view.established(me):
         ok = [p for p in ok if p != me]

@@ -13,6 +13,7 @@ from geomesh_p2p.net.identity import Identity
 from geomesh_p2p.plan.agree import PlanStore, leader_order
 from geomesh_p2p.round import DhtPlanAgreement, light
 from geomesh_p2p.telemetry import events
+from geomesh_p2p.trust.probation import may_lead
 from tests.unit.test_alone_after_leaving import _pair
 from tests.unit.test_round_driver import PEER_INDEX, PEERS, RUN, FakePeer, Swarm
 
@@ -140,7 +141,9 @@ def _light_drv(me: str, took_plan, established: set[str], full_view_peers: int =
         leaving=False,
         me=me,
         policy=SimpleNamespace(
-            standing_established_ids=lambda recs, ids: frozenset(p for p in ids if p in established)
+            may_lead_ids=lambda recs, ids: may_lead(
+                SimpleNamespace(established_ids=lambda xs: frozenset(p for p in xs if p in established)), ids
+            )
         ),
     )
 

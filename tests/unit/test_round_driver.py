@@ -26,6 +26,7 @@ from geomesh_p2p.round.rules.state_sync import StateSync
 from geomesh_p2p.sync.progress import SyncMeter
 from geomesh_p2p.model.optim import outer_step_per_part
 from geomesh_p2p.sync.download import StateSyncError
+from geomesh_p2p.trust.probation import may_lead
 
 pytestmark = pytest.mark.timeout(60)
 RUN = "driver-test"
@@ -268,6 +269,11 @@ class FakePeer:
         # by standing_established, which tests replace per peer
         ids = [r.peer_id for r in records] if peer_ids is None else peer_ids
         return frozenset(p for p in ids if self.standing_established(records, p))
+
+    def may_lead_ids(self, records, peer_ids):
+        # the real bar rule over this fake's standing (standing_established_ids, replaced per peer by tests)
+        view = SimpleNamespace(established_ids=lambda ids: self.standing_established_ids(records, ids))
+        return may_lead(view, peer_ids)
 
     def after_exchange(self, spec, plan, ar):
         pass
@@ -916,7 +922,11 @@ def test_a_light_follower_is_ranked_among_the_peers_that_may_lead():
             stop=threading.Event(),
             leaving=False,
             me=me,
-            policy=SimpleNamespace(standing_established_ids=lambda records, peer_ids: frozenset(established)),
+            policy=SimpleNamespace(
+                may_lead_ids=lambda records, peer_ids: may_lead(
+                    SimpleNamespace(established_ids=lambda ids: frozenset(established)), peer_ids
+                )
+            ),
         )
 
     assert not is_light(drv(lone, {lone}))  # the full path's only candidate reads every record

@@ -28,6 +28,21 @@ EXCHANGE_COST_STEP = 4.0
 MAX_RESTORED_RATES = 4096
 
 
+def _restored_rates(tps) -> Optional[dict[str, float]]:
+    """``tps`` (a checkpoint's ``{peer id: tokens/s}``) when it holds at most :data:`MAX_RESTORED_RATES` entries of
+    PeerID-length ids and finite, non-negative rates; None otherwise (the whole map: an edited file)."""
+    if not isinstance(tps, dict) or len(tps) > MAX_RESTORED_RATES:
+        return None
+    rates: dict[str, float] = {}
+    for p, v in tps.items():
+        if not isinstance(p, str) or not 0 < len(p) <= 64 or isinstance(v, bool) or not isinstance(v, (int, float)):
+            return None
+        if not (math.isfinite(v) and v >= 0):
+            return None
+        rates[p] = float(v)
+    return rates
+
+
 class Reprofiler:
     """This peer's re-profiled figures.
 
@@ -79,31 +94,38 @@ class Reprofiler:
         self.unseen_tps = (r, self.unseen_rates(plan, ar))
 
     def delivered_meta(self) -> Optional[dict]:
-        """:attr:`supported_tps` as JSON-able data for a checkpoint (``{"round": r, "tps": {peer: tokens/s}}``), or
-        None before any round was applied."""
+        """:attr:`supported_tps` as JSON-able data for a checkpoint (``{"round": r, "tps": {peer: tokens/s}}``), with
+        :attr:`unseen_tps` of the same round as ``"unseen": {peer: tokens/s}`` when it names any peer; None before
+        any round was applied.
+
+        Why the unseen rates (issue 28, session 39): without them a follower resumed from the checkpoint of a round
+        in which it missed a part bounded the participants that part would list at the newcomer seed again, and
+        refused the next honest plan that gave one of them its rate (session 38's 85 of 400). Older releases read
+        ``round`` and ``tps`` only, and a checkpoint without ``unseen`` resumes with none (as before)."""
         if self.supported_tps is None:
             return None
         r, tps = self.supported_tps
-        return {"round": int(r), "tps": {str(p): float(v) for p, v in tps.items()}}
+        out: dict = {"round": int(r), "tps": {str(p): float(v) for p, v in tps.items()}}
+        if self.unseen_tps is not None and self.unseen_tps[0] == r and self.unseen_tps[1]:
+            out["unseen"] = {str(p): float(v) for p, v in self.unseen_tps[1].items()}
+        return out
 
     def restore_delivered(self, meta, state_round: int) -> bool:
         """Take :meth:`delivered_meta` back from a checkpoint of the state of round ``state_round`` (``--resume``):
         only the evidence of round ``state_round - 1``, the round that made that state (the evidence every peer
         that applied it holds), with at most :data:`MAX_RESTORED_RATES` finite, non-negative rates; anything else
-        is ignored (an edited file must not end the node). Returns whether it was taken."""
+        is ignored (an edited file must not end the node). Its ``unseen`` rates (absent in checkpoints before
+        0.12.1's session 39) are taken into :attr:`unseen_tps` under the same rules; a malformed ``unseen`` alone
+        is dropped (the follower then bounds those peers at the seed, as before). Returns whether the delivered
+        rates were taken."""
         if not isinstance(meta, dict) or type(meta.get("round")) is not int or meta["round"] != int(state_round) - 1:
             return False
-        tps = meta.get("tps")
-        if not isinstance(tps, dict) or len(tps) > MAX_RESTORED_RATES:
+        rates = _restored_rates(meta.get("tps"))
+        if rates is None:
             return False
-        rates: dict[str, float] = {}
-        for p, v in tps.items():
-            if not isinstance(p, str) or not 0 < len(p) <= 64 or isinstance(v, bool) or not isinstance(v, (int, float)):
-                return False
-            if not (math.isfinite(v) and v >= 0):
-                return False
-            rates[p] = float(v)
         self.supported_tps = (meta["round"], rates)
+        unseen = _restored_rates(meta.get("unseen")) if "unseen" in meta else None
+        self.unseen_tps = (meta["round"], unseen) if unseen else None
         return True
 
     def update_exchange_cost(self, spec, ar) -> None:

@@ -10,7 +10,7 @@ import asyncio
 import logging
 import time
 import types
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 
@@ -419,3 +419,8 @@ class VerifiedWork:
         """The planner's input without the peers that verified work excluded (their evidence re-checked
         here, :meth:`geomesh_p2p.trust.verify.WorkVerifier.filter`); this peer itself always stays."""
         return self.verdicts().filter(members, keep=self.state.me)
+
+    def member_ids(self, peer_ids: Iterable[str]) -> list[str]:
+        """:meth:`members` of PeerIDs (the peers that verified work excluded left out; this peer itself stays)."""
+        excluded, me = self.verdicts().excluded, self.state.me
+        return [p for p in peer_ids if p not in excluded or p == me]
