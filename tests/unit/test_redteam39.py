@@ -18,7 +18,9 @@ import json
 from types import SimpleNamespace
 
 import pytest
+import torch
 
+from geomesh_p2p.model import state as gstate
 from geomesh_p2p.plan.agree import leader_order
 from geomesh_p2p.round import light
 from geomesh_p2p.trust.standing import Standing
@@ -49,6 +51,21 @@ def test_a_standing_round_of_infinity_gives_an_empty_ledger_not_a_traceback():
     meta = json.loads('{"window": 32, "rounds": [[Infinity, ["abc"]], [3, ["abc"]]]}')
     s = Standing.from_meta(meta)
     assert s.credited_rounds() == [] and s.weight("abc") == 0
+
+
+@pytest.mark.parametrize(
+    "field, value, said", [("meta", [1, 2], "its meta is not a JSON object"), ("round", 2.5, "round")]
+)
+def test_an_edited_json_field_names_the_json_file(tmp_path, field, value, said):
+    """An edited record's ``meta`` or ``round`` is refused in one line naming the JSON file that holds it (it named
+    the weights file)."""
+    path = gstate.save_checkpoint(tmp_path, round=3, theta=torch.zeros(4), momentum=torch.zeros(4), meta={})
+    rec = json.loads(path.read_text())
+    rec[field] = value
+    path.write_text(json.dumps(rec))
+    with pytest.raises(gstate.CheckpointError) as e:
+        gstate.load_latest_checkpoint(tmp_path)
+    assert str(e.value).startswith(f"corrupt checkpoint metadata {path}: ") and said in str(e.value)
 
 
 # --- the light ranking of a peer whose ledger is too short ---------------------------------------------------------
