@@ -337,10 +337,11 @@ def load_latest_checkpoint(
     if record.get("digest") != current:
         record = {**record, "legacy_digest": record.get("digest"), "digest": current, "digest_algo": DIGEST_ALGO}
     got_round = record.get("round", rnd)
+    # fields of the JSON record: its file is named (red team 39: the weights file was, for an edited JSON)
     if type(got_round) is not int or not 0 <= got_round <= MAX_CHECKPOINT_ROUND:
-        raise CheckpointError(f"corrupt checkpoint {wpath}: round {got_round!r:.40} is not a round number")
+        raise CheckpointError(f"corrupt checkpoint metadata {meta_path}: round {got_round!r:.40} is not a round number")
     if not isinstance(record.get("meta", {}), dict):
-        raise CheckpointError(f"corrupt checkpoint {wpath}: its meta is not a JSON object")
+        raise CheckpointError(f"corrupt checkpoint metadata {meta_path}: its meta is not a JSON object")
     return got_round, theta, momentum, record
 
 

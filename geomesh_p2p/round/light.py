@@ -69,7 +69,8 @@ def is_light(drv: RoundDriver) -> bool:
         return False
     if drv.me not in _may_take_over(plan):
         return False
-    return drv.me not in lead_order(drv, plan, r)[: cfg.full_view_peers]
+    order = lead_order(drv, plan, r)
+    return order is not None and drv.me not in order[: cfg.full_view_peers]
 
 
 def _may_take_over(plan: RoundPlan) -> list[str]:
@@ -79,17 +80,19 @@ def _may_take_over(plan: RoundPlan) -> list[str]:
     return [p for p in plan.participants() if p != plan.leader] or plan.participants()
 
 
-def lead_order(drv: RoundDriver, plan: RoundPlan, r: int) -> list[str]:
+def lead_order(drv: RoundDriver, plan: RoundPlan, r: int) -> Optional[list[str]]:
     """The participants of ``plan`` (round ``r - 1``) that the full path lets lead round ``r``, in the order of
     its leader election (:func:`leader_order`): the first ``full_view_peers`` are the full-view peers, the turns
-    that pace a light follower's plan reads. PeerIDs."""
+    that pace a light follower's plan reads. PeerIDs; None when this peer's ledger is too short to rank them
+    (``RoundPolicy.may_lead_ids``: it takes the full path)."""
     took = _may_take_over(plan)
     # ranked among those the full path lets lead (RoundPolicy.may_lead_ids: the bars of its leader_candidates). A
     # peer that applied the last round missed none, so its own ledger decides, no record read. Ranked among every
     # participant instead, the only established peer of a loaded e2e run (the others' underfilled round 0 earned no
     # standing) ran light and waited a whole plan attempt for plans from peers that deferred to it (session 38);
     # ranked among every established one, a crashed no-show ranked first held the only full-view slot (session 39)
-    return leader_order(plan.run_id, r, drv.policy.may_lead_ids((), took))
+    ids = drv.policy.may_lead_ids((), took)
+    return None if ids is None else leader_order(plan.run_id, r, ids)
 
 
 #: Most records one sampled read asks for (the DHT's subkeys per find, RecordLimits.max_keys_per_find).
@@ -140,7 +143,7 @@ async def agree(drv: RoundDriver, ctx: RoundContext) -> Optional[bool]:
     # The candidates whose turns pace the plan reads (obtain_plan wakes at each take-over instant): the full-view
     # peers (is_light's order, so a barred no-show neither paces the reads nor blocks as a refused candidate); every
     # stored plan is read whoever leads it.
-    candidates = [p for p in lead_order(drv, prev, r)[: drv.cfg.full_view_peers] if p != drv.me]
+    candidates = [p for p in (lead_order(drv, prev, r) or [])[: drv.cfg.full_view_peers] if p != drv.me]
 
     def on_provisional(p: RoundPlan) -> None:
         # as the full path (planning.agree): train on the plan most likely followed while the settle runs

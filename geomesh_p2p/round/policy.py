@@ -153,17 +153,25 @@ class NodeRoundPolicy:
             cands = [c for c in cands if c != me]
         return members, cands
 
-    def may_lead_ids(self, records, peer_ids: Iterable[str]) -> list[str]:
+    def may_lead_ids(self, records, peer_ids: Iterable[str]) -> Optional[list[str]]:
         """The ids among ``peer_ids`` that :meth:`leader_candidates` lets lead in this peer's view of ``records``
         (``()``: its own ledger), without its own-standing and delivered-evidence rules about this peer itself:
         verified work's exclusions out (never this peer), the established ones, no-shows out
         (:func:`~geomesh_p2p.trust.probation.may_lead`). Sorted PeerIDs. A light follower ranks itself among
         these (:func:`geomesh_p2p.round.light.is_light`): ranked among every established participant, a
         crashed no-show ranked first held the only full-view slot of ``--full-view-peers 1`` while the full path
-        let the next one lead, and that one ran light (issue 28, session 39)."""
-        return pb.may_lead(
-            self.planning.standing_view(records), self.verified.member_ids(peer_ids), barred=self.penalties.noshows()
-        )
+        let the next one lead, and that one ran light (issue 28, session 39).
+
+        None when ``records`` is empty and the ledger alone cannot tell: it missed rounds of its window and credited
+        fewer than the standing threshold (a peer restarted without its checkpoint, or resumed after a long gap). It
+        then holds nobody established and :func:`~geomesh_p2p.trust.probation.split` takes every id for
+        established, newcomers on probation included, where the full path reads the others' attestations (red team
+        39: such a peer, the full path's first candidate everywhere, ranked a probation newcomer first, ran light,
+        and every other participant ran light deferring to it: nobody published for a whole plan attempt)."""
+        view = self.planning.standing_view(records)
+        if not records and view.missed and view.credited < view.threshold:
+            return None
+        return pb.may_lead(view, self.verified.member_ids(peer_ids), barred=self.penalties.noshows())
 
     def collective_spec(self, plan):
         """The collective's spec of ``plan`` (:func:`~geomesh_p2p.round.rules.spec.collective_spec`).

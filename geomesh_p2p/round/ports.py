@@ -257,10 +257,10 @@ class RoundPolicy(Protocol):
     def leader_candidates(self, members: Sequence[PeerRecord], live: dict) -> tuple[list[PeerRecord], list[str]]:
         """(the members to plan, the PeerIDs that may lead)."""
 
-    def may_lead_ids(self, records: Sequence[PeerRecord], peer_ids: Iterable[str]) -> list[str]:
+    def may_lead_ids(self, records: Sequence[PeerRecord], peer_ids: Iterable[str]) -> Optional[list[str]]:
         """The ids among ``peer_ids`` that :meth:`leader_candidates` lets lead in this peer's view of ``records``
         (``()``: its own ledger), bars included, without the rules about this peer itself (what a light follower
-        ranks itself among)."""
+        ranks itself among); None when its own ledger is too short to tell (the peer then takes the full path)."""
 
     def collective_spec(self, plan: RoundPlan) -> CollectiveSpec:
         """The collective's spec of ``plan`` (raises ValueError when it cannot be executed)."""

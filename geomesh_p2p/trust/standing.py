@@ -180,7 +180,8 @@ class Standing:
         try:
             for r, ids in meta["rounds"]:
                 s.credit(int(r), [str(p) for p in ids])
-        except (KeyError, TypeError, ValueError) as e:
+        # OverflowError: a round of Infinity (int(inf)) ended --resume in a traceback (red team 39)
+        except (KeyError, TypeError, ValueError, OverflowError) as e:
             log.warning("ignoring malformed standing in checkpoint metadata (%s)", e)
             return cls(window)
         return s

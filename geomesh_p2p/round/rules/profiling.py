@@ -30,16 +30,21 @@ MAX_RESTORED_RATES = 4096
 
 def _restored_rates(tps) -> Optional[dict[str, float]]:
     """``tps`` (a checkpoint's ``{peer id: tokens/s}``) when it holds at most :data:`MAX_RESTORED_RATES` entries of
-    PeerID-length ids and finite, non-negative rates; None otherwise (the whole map: an edited file)."""
+    PeerID-length ids and finite, non-negative rates (an integer too large for a float is not finite); None
+    otherwise (the whole map: an edited file)."""
     if not isinstance(tps, dict) or len(tps) > MAX_RESTORED_RATES:
         return None
     rates: dict[str, float] = {}
     for p, v in tps.items():
         if not isinstance(p, str) or not 0 < len(p) <= 64 or isinstance(v, bool) or not isinstance(v, (int, float)):
             return None
-        if not (math.isfinite(v) and v >= 0):
+        try:
+            rate = float(v)
+        except OverflowError:  # a JSON integer past a float's range (red team 39: it ended --resume in a traceback)
             return None
-        rates[p] = float(v)
+        if not (math.isfinite(rate) and rate >= 0):
+            return None
+        rates[p] = rate
     return rates
 
 
