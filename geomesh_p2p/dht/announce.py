@@ -255,9 +255,15 @@ async def live_peers(
             if diff and diff not in reasons:
                 reasons.append(diff)
         if reasons:
+            # a hash alone says nothing to act on (fresh user 39): say what it stands for and where the fields are
+            hint = (
+                " (other training flags or data; a joining peer's start-up names the fields that differ from the swarm's)"
+                if any(r.startswith("run-config hash") for r in reasons)
+                else ""
+            )
             drop(
                 who,
-                "incompatible, ignored: " + "; ".join(reasons),
+                "incompatible, ignored: " + "; ".join(reasons) + hint,
                 subkey=subkey,
                 reason="incompatible",
                 differs=reasons,
