@@ -27,6 +27,7 @@ import torch
 
 from geomesh_p2p.model.build import load_flat_
 from geomesh_p2p.model.device import free_after_oom, is_oom
+from geomesh_p2p.model.grad_buffer import FlatGradBuffer
 from geomesh_p2p.model.memory import release_freed_memory
 from geomesh_p2p.net.swarm_time import swarm_time
 from geomesh_p2p.telemetry import events
@@ -242,6 +243,9 @@ class InnerTrainer:
         min_lr_ratio: final lr as a fraction of ``lr``.
     """
 
+    #: gradients in one reused CPU buffer (:class:`FlatGradBuffer`); off where another layout owns them (ranks)
+    flat_grads = True
+
     def __init__(
         self,
         model,
@@ -306,6 +310,8 @@ class InnerTrainer:
         self._row_time_ema: float | None = None  # seconds per batch row, for the deadline
 
         self.optimizer = self._build_optimizer(self.model)
+        # the gradients and, after the steps, the round's pseudo-gradient: one reused [P] (issue 27, session 39)
+        self._grads = FlatGradBuffer(list(self.model.parameters()), enabled=self.flat_grads)  # CPU fp32 only
 
     # -- pieces ---------------------------------------------------------------------
 
@@ -326,6 +332,10 @@ class InnerTrainer:
         except ImportError:
             raise ImportError("optimizer='lion' needs lion-pytorch (pip install lion-pytorch)") from None
         return Lion(groups, lr=self.lr, betas=defaults["betas"])
+
+    def update_buffer(self) -> torch.Tensor | None:
+        """fp32 CPU ``[P]`` for the pseudo-gradient after the steps: the gradients' (:class:`FlatGradBuffer`), or None."""
+        return self._grads.take()
 
     def _trained_parameters(self) -> Iterable[torch.nn.Parameter]:
         """The parameters the inner optimizer steps (and the gradient clip sees): the model's here; a sharded
@@ -560,7 +570,7 @@ class InnerTrainer:
             t0 = time.perf_counter()
             self._set_lr(round, k, inner_steps)
             batch = self._step_batch(round, k, batch_size)
-            self.optimizer.zero_grad(set_to_none=True)
+            self._grads.zero(self.optimizer)
             try:
                 loss = self.accumulate_fitting(batch, micro_batch)
             except MemoryError as e:
