@@ -114,3 +114,30 @@ def test_a_trainers_steps_wait_for_the_pass_under_way():
         done.set()
         c.join(10)
     assert res.steps_done == 4 and log.events.count("step") == 4 and log.overlaps == 0
+
+
+def test_a_pass_given_back_and_taken_again_lets_the_waiting_step_in_first():
+    """A check in a burst (no sleep between its passes) gave the turn back and took it again before the waiting
+    trainer woke: a round trained 1 of 18 steps (session 39's first measurement). When both wait they alternate."""
+    turns = Turns()
+    turns.take_check()
+    stepped = threading.Event()
+
+    def one_step() -> None:
+        with turns.step():
+            stepped.set()
+
+    t = threading.Thread(target=one_step)
+    t.start()
+    for _ in range(1000):  # until the step waits for the turn
+        with turns._cv:
+            if turns._step_waits:
+                break
+        stepped.wait(0.01)
+    assert turns._step_waits == 1 and not stepped.is_set()
+    turns.give_check()
+    turns.take_check()  # at once, as the next pass of a burst: after the waiting step
+    assert stepped.is_set()
+    turns.give_check()
+    t.join(10)
+    assert not t.is_alive()
