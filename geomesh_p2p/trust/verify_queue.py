@@ -32,6 +32,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+from geomesh_p2p.model.memory import release_freed_memory
 from geomesh_p2p.model.turns import Turns
 
 log = logging.getLogger(__name__)
@@ -134,6 +135,9 @@ class Pacer:
         """Pace: sleep for the work since the last call (the turn given back meanwhile, taken again for the next pass
         unless ``last``). Raises :class:`QueueClosed` once ``stop`` is set."""
         if self.turns is not None:
+            # The pass's activations were freed in this thread's malloc arena, which the steps' thread does not
+            # reuse: returned to the OS before the steps go on, or the two arenas' peaks add up anyway (session 39)
+            release_freed_memory()
             self.turns.give_check()
         if self.stop.is_set():
             raise QueueClosed("the verified-work queue was closed")
