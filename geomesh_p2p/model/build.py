@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -199,19 +199,24 @@ def flat_params(model, out: torch.Tensor | None = None) -> torch.Tensor:
         return torch.cat(parts) if parts else torch.empty(0, dtype=torch.float32)
 
 
-def pseudo_gradient(model, theta: torch.Tensor) -> torch.Tensor:
+def pseudo_gradient(model, theta: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``theta - flat_params(model)``: the pseudo-gradient of a round's inner steps, fp32 CPU ``[P]``.
 
     Computed parameter by parameter into the one result tensor, so the peak is one ``[P]`` (the
     result) instead of two (the flattened copy and the difference). Bitwise equal to
     ``theta - flat_params(model)``. ``theta``: fp32 CPU ``[P]`` (layout of :func:`flat_params`).
-    Raises ``ValueError`` on a size mismatch.
+    ``out``: fp32 CPU ``[P]`` written and returned (a buffer reused across rounds, issue 27: no fresh
+    ``[P]`` to fault in); None allocates one. Raises ``ValueError`` on a size mismatch.
     """
     theta = theta.reshape(-1)
     total = num_params(model)
     if theta.numel() != total:
         raise ValueError(f"theta has {theta.numel()} elements, the model has {total}")
-    out = torch.empty(total, dtype=torch.float32)
+    if out is None:
+        out = torch.empty(total, dtype=torch.float32)
+    elif out.numel() != total or out.dtype != torch.float32 or out.device.type != "cpu" or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous fp32 CPU tensor of {total} elements")
+    out = out.reshape(-1)
     off = 0
     with torch.no_grad():
         for _, p in model.named_parameters():

@@ -134,6 +134,8 @@ class RankedTrainer(InnerTrainer):
     state is sharded too. Raises ValueError for ``shard`` with one rank, RankFailure when a follower fails before the
     barrier."""
 
+    flat_grads = False  # DDP/FSDP own the gradients' layout
+
     def __init__(
         self, model, dataset, *, channel: RankChannel, shard: bool = False, independent: bool = False, **kwargs
     ):

@@ -128,10 +128,10 @@ def run_memory_estimate(
     * ``weights``, ``gradients``: p each (device);
     * ``inner optimizer state``: AdamW 2p, Lion p; 0 for ``ddp`` (no inner step) (device);
     * ``global weights + outer state``: p x (1 + outer copies: Nesterov 1, ``ddp``'s AdamW 2) (host);
-    * ``delta + aggregate buffers``: 0, or 2p with ``eager`` (host). The pseudo-gradient is made after the
-      inner steps freed the gradients (it takes their place) and the collective writes the aggregate into it,
-      part by part once pushed (issue 27). With eager updates the next round's steps (and gradients) run during
-      the exchange and read the pseudo-gradient: both are buffers of their own then;
+    * ``delta + aggregate buffers``: 0, or 2p with ``eager`` (host). The pseudo-gradient is written into the
+      gradients' own buffer once the inner steps are over (:mod:`.grad_buffer`); the collective writes the
+      aggregate into it, part by part once pushed (issue 27). With eager updates the next round's steps (and
+      gradients) run during the exchange and read the pseudo-gradient: both are buffers of their own then;
     * ``newest outer update``: p with ``catch_up_update`` (host): the state server keeps the last round's
       aggregate as it is for peers that fell behind (:class:`~geomesh_p2p.sync.server.UpdateLog`), through
       the next round; on ``disk`` with ``update_on_disk`` (the node since session 18: written to a file once

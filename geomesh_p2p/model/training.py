@@ -27,6 +27,8 @@ import torch
 
 from geomesh_p2p.model.build import load_flat_
 from geomesh_p2p.model.device import free_after_oom, is_oom
+from geomesh_p2p.model.grad_buffer import FlatGradBuffer
+from geomesh_p2p.model.turns import Turns
 from geomesh_p2p.model.memory import release_freed_memory
 from geomesh_p2p.net.swarm_time import swarm_time
 from geomesh_p2p.telemetry import events
@@ -242,6 +244,9 @@ class InnerTrainer:
         min_lr_ratio: final lr as a fraction of ``lr``.
     """
 
+    #: gradients in one reused CPU buffer (:class:`FlatGradBuffer`); off where another layout owns them (ranks)
+    flat_grads = True
+
     def __init__(
         self,
         model,
@@ -306,6 +311,8 @@ class InnerTrainer:
         self._row_time_ema: float | None = None  # seconds per batch row, for the deadline
 
         self.optimizer = self._build_optimizer(self.model)
+        # the gradients, then the round's pseudo-gradient, in one reused [P] (CPU fp32); turns with verified work's
+        self._grads, self.turns = FlatGradBuffer(list(self.model.parameters()), enabled=self.flat_grads), Turns()
 
     # -- pieces ---------------------------------------------------------------------
 
@@ -326,6 +333,10 @@ class InnerTrainer:
         except ImportError:
             raise ImportError("optimizer='lion' needs lion-pytorch (pip install lion-pytorch)") from None
         return Lion(groups, lr=self.lr, betas=defaults["betas"])
+
+    def update_buffer(self) -> torch.Tensor | None:
+        """fp32 CPU ``[P]`` for the pseudo-gradient after the steps: the gradients' (FlatGradBuffer), or None."""
+        return self._grads.take()
 
     def _trained_parameters(self) -> Iterable[torch.nn.Parameter]:
         """The parameters the inner optimizer steps (and the gradient clip sees): the model's here; a sharded
@@ -546,49 +557,49 @@ class InnerTrainer:
             if should_stop is not None and should_stop():
                 stopped = True
                 break
-            # this step's deadline: the floor's steps may run a grace past it (see above)
-            step_deadline = None if deadline is None else deadline + (floor_grace_s if k < floor_steps else 0.0)
-            if step_deadline is not None:
-                now = swarm_time()
-                est = (self._row_time_ema or 0.0) * batch_size
-                # The round's first step is not skipped on the estimate alone (only past the deadline): it
-                # re-measures, so one stall (SIGSTOP, swap, a suspend) cannot keep the estimate, and the
-                # peer, at 0 steps for every round after (an adversarial review saw 100 such rounds).
-                if now >= step_deadline or (k > 0 and now + est > step_deadline):
+            with self.turns.step():  # no check pass of verified work beside a step (model/turns.py)
+                # this step's deadline: the floor's steps may run a grace past it (see above)
+                step_deadline = None if deadline is None else deadline + (floor_grace_s if k < floor_steps else 0.0)
+                if step_deadline is not None:
+                    now = swarm_time()
+                    est = (self._row_time_ema or 0.0) * batch_size
+                    # The round's first step is not skipped on the estimate alone (only past the deadline): it
+                    # re-measures, so one stall (SIGSTOP, a suspend) cannot keep the peer at 0 steps for good.
+                    if now >= step_deadline or (k > 0 and now + est > step_deadline):
+                        stopped = True
+                        break
+                t0 = time.perf_counter()
+                self._set_lr(round, k, inner_steps)
+                batch = self._step_batch(round, k, batch_size)
+                self._grads.zero(self.optimizer)
+                try:
+                    loss = self.accumulate_fitting(batch, micro_batch)
+                except MemoryError as e:
+                    # Not even one sequence fits now (the device's owner started something else): the steps
+                    # done so far are contributed; the next round starts again at micro-batch 1.
+                    events.emit(
+                        log,
+                        logging.WARNING,
+                        "out_of_memory",
+                        "round %d: %s; contributing the %d inner step(s) done",
+                        round,
+                        e,
+                        len(losses),
+                        peer=self.peer_id,
+                        round=round,
+                        micro_batch=1,
+                    )
                     stopped = True
                     break
-            t0 = time.perf_counter()
-            self._set_lr(round, k, inner_steps)
-            batch = self._step_batch(round, k, batch_size)
-            self.optimizer.zero_grad(set_to_none=True)
-            try:
-                loss = self.accumulate_fitting(batch, micro_batch)
-            except MemoryError as e:
-                # Not even one sequence fits now (the device's owner started something else): the steps
-                # done so far are contributed; the next round starts again at micro-batch 1.
-                events.emit(
-                    log,
-                    logging.WARNING,
-                    "out_of_memory",
-                    "round %d: %s; contributing the %d inner step(s) done",
-                    round,
-                    e,
-                    len(losses),
-                    peer=self.peer_id,
-                    round=round,
-                    micro_batch=1,
-                )
-                stopped = True
-                break
-            if not math.isfinite(loss):
-                self.optimizer.zero_grad(set_to_none=True)
-                raise FloatingPointError(
-                    f"non-finite training loss {loss} at round {round} step {k} (global step {self.global_step})"
-                )
-            if self.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(self._trained_parameters(), self.grad_clip)
-            self.optimizer.step()
-            self.global_step += 1
+                if not math.isfinite(loss):
+                    self.optimizer.zero_grad(set_to_none=True)
+                    raise FloatingPointError(
+                        f"non-finite training loss {loss} at round {round} step {k} (global step {self.global_step})"
+                    )
+                if self.grad_clip > 0:
+                    torch.nn.utils.clip_grad_norm_(self._trained_parameters(), self.grad_clip)
+                self.optimizer.step()
+                self.global_step += 1
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             compute = time.perf_counter() - t0

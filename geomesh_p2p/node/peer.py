@@ -650,7 +650,7 @@ class PeerNode:
 
     def pseudo_gradient(self) -> torch.Tensor:
         """Global weights minus the model's after the inner steps: [P] fp32 (worker thread)."""
-        return pseudo_gradient(self.model, self._global_theta())  # one [P], no flattened copy of the model
+        return pseudo_gradient(self.model, self._global_theta(), self.trainer.update_buffer())  # the gradients' [P]
 
     @property
     def state_lock(self):

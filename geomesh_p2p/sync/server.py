@@ -398,6 +398,8 @@ class UpdateLog:
         self.busy: Callable[[], bool] = lambda: False
         self._mu = threading.Lock()
         self._pending: Optional[tuple] = None  # (round, start digest, ranges, idle, aggregate copy)
+        self._spilling: set[int] = set()  # rounds whose spill is being written
+        self._written: Optional[tuple] = None  # (round, id of the aggregate): spilled before its seal (seal takes it)
         self._done: dict[int, Any] = {}  # round -> OuterUpdate, or (blob, hash) once encoded
         self._encoding: dict[int, asyncio.Future] = {}
 
@@ -429,6 +431,14 @@ class UpdateLog:
                 tuple(tuple(map(int, r)) for r in idle),
                 agg,
             )
+            self._drop_written()  # a round recorded and spilled but never sealed
+            # Issue 27 (session 39): the spill starts now, beside the outer step (which only reads the aggregate),
+            # not once sealed: sealed, the next round's inner steps start within a second, and the aggregate's
+            # [P], which is this peer's gradient buffer, was still held by the write (a second [P] of gradients)
+            loop = self._loop if self._spill_on and self._spawn is not None and not self._catching_up() else None
+        if loop is not None:
+            with contextlib.suppress(RuntimeError):  # the loop is closing
+                loop.call_soon_threadsafe(self._spill_soon, int(round))
 
     def seal(self, round_after: int, end_digest: str) -> None:
         """The state is now at ``round_after`` with ``end_digest``: the update recorded for
@@ -436,8 +446,12 @@ class UpdateLog:
         with self._mu:
             p, self._pending = self._pending, None
             if p is None or p[0] != round_after - 1 or not end_digest:
+                self._drop_written()
                 return
             self._done[p[0]] = OuterUpdate(p[0], p[1], end_digest, p[2], p[3], p[4])
+            if self._written == (p[0], id(p[4])) and self._store is not None:
+                self._written = None
+                self._done[p[0]] = _Spilled(p[0], p[1], end_digest, p[2], p[3], int(p[4].numel()))  # written already
             for r in sorted(self._done)[: -self.keep_rounds]:
                 self._forget(r)
             loop = self._loop if self._loop is not None and self._catching_up() else None
@@ -452,7 +466,13 @@ class UpdateLog:
                 for r in stale:
                     self._forget(r)
                 stale = []
+            elif isinstance(self._done[p[0]], _Spilled):  # a peer catches up: kept raw, to be encoded
+                self._done[p[0]] = OuterUpdate(p[0], p[1], end_digest, p[2], p[3], p[4])
+                if self._store is not None:
+                    self._store.drop(p[0])
             spill_loop = self._loop if not eager and self._spill_on and self._spawn is not None else None
+            if isinstance(self._done[p[0]], _Spilled) or p[0] in self._spilling:
+                spill_loop = None  # written, or being written: taken when the write ends
         if loop is not None:  # eager
             with contextlib.suppress(RuntimeError):  # the loop is closing: nobody will ask any more
                 for r in [p[0], *stale]:
@@ -460,6 +480,12 @@ class UpdateLog:
         elif spill_loop is not None:
             with contextlib.suppress(RuntimeError):
                 spill_loop.call_soon_threadsafe(self._spill_soon, p[0])
+
+    def _drop_written(self) -> None:
+        """Delete the file of a round spilled before a seal that did not come (``_mu`` held)."""
+        written, self._written = self._written, None
+        if written is not None and written[0] not in self._done and self._store is not None:
+            self._store.drop(written[0])
 
     def _forget(self, round: int) -> None:
         """Drop ``round``'s entry and its spilled file, if any (``_mu`` held)."""
@@ -469,18 +495,37 @@ class UpdateLog:
 
     def _spill_soon(self, round: int) -> None:
         """Write ``round``'s raw update to the spill store, in a task of the ``spawn`` owner (on the loop)."""
-        if self._spawn is not None and round not in self._encoding:
-            self._spawn(asyncio.to_thread(self._spill, round), name=f"spill-update-{round}")
+        with self._mu:
+            if self._spawn is None or round in self._encoding or round in self._spilling:
+                return
+            self._spilling.add(round)
+        try:
+            self._spawn(asyncio.to_thread(self._spill_guarded, round), name=f"spill-update-{round}")
+        except BaseException:
+            with self._mu:
+                self._spilling.discard(round)
+            raise
+
+    def _spill_guarded(self, round: int) -> bool:
+        try:
+            return self._spill(round)
+        finally:
+            with self._mu:
+                self._spilling.discard(round)
 
     def _spill(self, round: int) -> bool:
         """Worker thread: write ``round``'s raw aggregate to a file and keep only its header (True), unless it was
-        encoded, dropped or asked for meanwhile (False: then the raw copy stays until that ends). A failed write
-        (disk full) keeps it in memory, logged once at DEBUG: serving it matters more than the bytes."""
+        encoded, dropped or asked for meanwhile (False: then the raw copy stays until that ends). A round recorded
+        and not sealed yet is written all the same; its seal then takes the file. A failed write (disk full) keeps
+        it in memory, logged once at DEBUG: serving it matters more than the bytes."""
         with self._mu:
-            got = self._done.get(round)
-            if not isinstance(got, OuterUpdate) or round in self._encoding:
+            got, pend = self._done.get(round), self._pending
+            if isinstance(got, OuterUpdate) and round not in self._encoding:
+                agg = got.aggregate
+            elif got is None and pend is not None and pend[0] == round:
+                agg = pend[4]  # recorded, its outer step under way
+            else:
                 return False
-            u: OuterUpdate = got
             if self._store is None:
                 try:
                     self._store = KeptWeights(self._spill_dir)
@@ -490,17 +535,20 @@ class UpdateLog:
                     return False
             store = self._store
         try:
-            store.put(round, u.aggregate)
+            store.put(round, agg)
         except (OSError, RuntimeError, ValueError) as e:
             log.debug("spilling the update of round %d failed: %r", round, e)
             return False
         with self._mu:
-            if self._done.get(round) is not u or round in self._encoding:
-                store.drop(round)  # encoded, dropped or being encoded meanwhile: the file is not needed
-                return False
-            n = int(u.aggregate.numel())
-            self._done[round] = _Spilled(u.round, u.start_digest, u.end_digest, u.ranges, u.idle, n)
-        return True
+            u, pend = self._done.get(round), self._pending
+            if isinstance(u, OuterUpdate) and u.aggregate is agg and round not in self._encoding:
+                self._done[round] = _Spilled(u.round, u.start_digest, u.end_digest, u.ranges, u.idle, int(agg.numel()))
+                return True
+            if u is None and pend is not None and pend[0] == round and pend[4] is agg:
+                self._written = (round, id(agg))  # not sealed yet: its seal takes the file
+                return True
+            store.drop(round)  # encoded, dropped or being encoded meanwhile: the file is not needed
+            return False
 
     def _load(self, s: _Spilled) -> Optional[OuterUpdate]:
         """The spilled update ``s`` as an :class:`OuterUpdate` whose aggregate maps its file (copy-on-write), or

@@ -50,12 +50,23 @@ __all__ = ["AgreementTest", "sign_agreements", "supports", "relative_threshold",
 MAD_SCALE = 0.6745
 
 
+def signs_of(aggregate: torch.Tensor, chunk: int = 1 << 22) -> torch.Tensor:
+    """``torch.sign(aggregate)`` as int8 ``[P]`` (-1, 0, 1), made ``chunk`` elements at a time (no fp32 ``[P]``
+    temporary): all :func:`sign_agreements` reads of the aggregate, in a quarter of its bytes, so the round's
+    aggregate need not be held while the agreement is measured (issue 27, session 39). ``aggregate``: finite fp32."""
+    flat = aggregate.reshape(-1)
+    out = torch.empty(flat.numel(), dtype=torch.int8)
+    for s in range(0, flat.numel(), chunk):
+        out[s : s + chunk].copy_(torch.sign(flat[s : s + chunk]))
+    return out
+
+
 def sign_agreements(
     contributions: Mapping[str, Mapping[int, Any]], aggregate: torch.Tensor, part_ranges: Sequence[tuple[int, int]]
 ) -> dict[str, float]:
     """Each contributor's sign agreement with the round's aggregate: over the parts it sent (sign packets;
-    other encodings are skipped), the elements where both its decoded value and ``aggregate`` (fp32 ``[P]``)
-    are non-zero, the share where their signs are equal. A contributor with no such element is left out.
+    other encodings are skipped), the elements where both its decoded value and ``aggregate`` (fp32 ``[P]``, or
+    its :func:`signs_of`: the same figures) are non-zero, the share where their signs are equal. A contributor with no such element is left out.
     Integer counts, so the same inputs give the same figures on every machine. Blocking (it decodes every
     contribution): off the event loop."""
     out: dict[str, float] = {}

@@ -274,7 +274,7 @@ class WorkVerifier(Verdicts, Screening, EvidenceExchange, HeldContributions):
         rc = node.run_cfg
         hollow = all(p.device.type == "cpu" and p.dtype == torch.float32 for p in node.model.parameters())
         model = hollow_copy(node.model) if hollow else copy.deepcopy(node.model)
-        return cls(
+        wv = cls(
             cfg or VerifyConfig(),
             identity=node.identity,
             run_id=rc.run_id,
@@ -286,6 +286,9 @@ class WorkVerifier(Verdicts, Screening, EvidenceExchange, HeldContributions):
             amp=bool(node.cfg.amp) and node.device.type == "cuda",
             dht=getattr(node, "dht", None),
         )
+        # a CPU peer's check passes take turns with its inner steps (issue 27, session 39: model/turns.py)
+        wv.queue.pacer.turns = getattr(getattr(node, "trainer", None), "turns", None) if hollow else None
+        return wv
 
     # -- bookkeeping ----------------------------------------------------------------------------------
     def keep_round(

@@ -108,6 +108,7 @@ def batch_gradients(
         )
         mb = batch_size if not micro_batch or micro_batch >= batch_size else int(micro_batch)
         while True:
+            picked = _PickedGrads(params, picks)
             try:
                 _accumulate(model, x, mb, device, use_amp)
                 break
@@ -118,21 +119,50 @@ def batch_gradients(
                     raise
                 for p in params:
                     p.grad = None
+                picked.sums.clear()
                 free_after_oom(device)
                 if mb <= 1:
                     raise MemoryError(f"verified work ran out of memory at micro-batch 1 on {device}") from None
                 log.warning("verified work ran out of memory at micro-batch %d; checking at %d", mb, mb // 2)
                 micro_batch = mb = mb // 2  # the later batches of this check too
+            finally:
+                picked.remove()
         with torch.no_grad():
             row = out[i]
-            for p, where, local in picks:
-                if p.grad is None:
-                    row[where] = 0.0  # no gradient: zeros, as the flat gradient had
-                else:
-                    row[where] = p.grad.reshape(-1)[local.to(p.grad.device)].float().cpu()
+            for p, where, _ in picks:
+                got = picked.sums.get(id(p))
+                row[where] = 0.0 if got is None else got.float().cpu()  # no gradient: zeros, as the flat one had
     for p in params:
         p.grad = None
     return out
+
+
+class _PickedGrads:
+    """Each parameter's gradient at its picked elements, summed over the micro-batches in the gradient's dtype (the
+    bits ``.grad`` accumulated in place held there), its ``.grad`` dropped as soon as it is accumulated: a check
+    holds one parameter's gradient at a time instead of the model's ``[P]`` (issue 27, session 39: the check runs
+    beside the inner steps, whose gradients are the peer's own ``[P]``)."""
+
+    def __init__(self, params: Sequence[torch.Tensor], picks) -> None:
+        self.local = {id(p): local for p, _, local in picks}
+        self.sums: dict[int, torch.Tensor] = {}
+        self.handles = [
+            p.register_post_accumulate_grad_hook(self._hook) for p in params if p.requires_grad and p.is_leaf
+        ]
+
+    def _hook(self, p: torch.Tensor) -> None:
+        g, p.grad = p.grad, None
+        local = self.local.get(id(p))
+        if g is None or local is None:
+            return
+        with torch.no_grad():
+            vals = g.reshape(-1)[local.to(g.device)]
+            prev = self.sums.get(id(p))
+            self.sums[id(p)] = vals if prev is None else prev + vals
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
 
 
 def _picks(

@@ -32,6 +32,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+from geomesh_p2p.model.memory import release_freed_memory
+from geomesh_p2p.model.turns import Turns
+
 log = logging.getLogger(__name__)
 
 __all__ = ["Pacer", "CheckJob", "CheckQueue", "CheckCounts", "QueueClosed", "FIRST"]
@@ -75,6 +78,7 @@ class Pacer:
         cpu_clock: Optional[Callable[[], float]] = None,
         cpu_threads: int = 1,
         window_s: float = 0.0,
+        turns: Optional[Turns] = None,
     ):
         if not 0.0 < float(duty) <= 1.0:
             raise ValueError(f"duty={duty} must be in (0, 1]")
@@ -88,6 +92,9 @@ class Pacer:
         self.sleep = sleep if sleep is not None else self.stop.wait
         self.cpu_clock = cpu_clock
         self.cpu_threads = max(1, int(cpu_threads))
+        #: the peer's :class:`~geomesh_p2p.model.turns.Turns`: each pass (from :meth:`start` or a pace to the next
+        #: pace) holds the check's turn, so no inner step runs beside it (issue 27, session 39); None: no turns
+        self.turns = turns
         self._since = clock()
         self._cpu_since = cpu_clock() if cpu_clock is not None else 0.0
         #: seconds computed and seconds slept so far
@@ -117,13 +124,21 @@ class Pacer:
         return max(0.0, wait_until - now)
 
     def start(self) -> None:
-        """Begin a unit of work now (a job starts)."""
+        """Begin a unit of work now (a job starts; it takes the turn)."""
+        if self.turns is not None:
+            self.turns.take_check()
         self._since = self.clock()
         if self.cpu_clock is not None:
             self._cpu_since = self.cpu_clock()
 
-    def __call__(self) -> None:
-        """Pace: sleep for the work since the last call. Raises :class:`QueueClosed` once ``stop`` is set."""
+    def __call__(self, last: bool = False) -> None:
+        """Pace: sleep for the work since the last call (the turn given back meanwhile, taken again for the next pass
+        unless ``last``). Raises :class:`QueueClosed` once ``stop`` is set."""
+        if self.turns is not None:
+            # The pass's activations were freed in this thread's malloc arena, which the steps' thread does not
+            # reuse: returned to the OS before the steps go on, or the two arenas' peaks add up anyway (session 39)
+            release_freed_memory()
+            self.turns.give_check()
         if self.stop.is_set():
             raise QueueClosed("the verified-work queue was closed")
         busy = max(0.0, self.clock() - self._since)
@@ -138,6 +153,8 @@ class Pacer:
             t0 = self.clock()
             self.sleep(rest)
             self.slept_s += max(0.0, self.clock() - t0)
+        if self.turns is not None and not last:
+            self.turns.take_check()  # before the clocks are read: the wait for a step to end is not compute
         self._since = self.clock()
         if self.cpu_clock is not None:
             self._cpu_since = self.cpu_clock()
@@ -358,7 +375,7 @@ class CheckQueue:
             except Exception as e:  # noqa: BLE001  a job's failure is reported with its result, never ends the worker
                 error = e
             try:
-                self.pacer()  # the rest of the job's compute is paced too
+                self.pacer(last=True)  # the rest of the job's compute is paced too (and the turn given back)
             except QueueClosed:
                 pass
             with self._cond:

@@ -15,7 +15,7 @@ import torch
 
 from geomesh_p2p.exchange import codec as compression
 from geomesh_p2p.exchange.robust import aggregate_part
-from geomesh_p2p.trust.agreement import MAD_SCALE, relative_threshold, sign_agreements
+from geomesh_p2p.trust.agreement import MAD_SCALE, relative_threshold, sign_agreements, signs_of
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -103,3 +103,21 @@ def test_agreements_count_only_elements_where_both_are_nonzero():
     # part 0: elements 0, 1, 3 both non-zero (2 agree); part 1: elements 4, 5 (1 agrees); 6, 7 abstain
     assert sign_agreements(packets, agg, parts) == {"p": 3 / 5}
     assert sign_agreements({"q": {0: torch.ones(4)}}, agg, parts) == {}  # fp32 pushes are skipped
+
+
+def test_the_aggregates_signs_give_the_same_agreements():
+    """Issue 27 (session 39): verified work measures on :func:`signs_of` (int8) and lets the aggregate go."""
+    g = torch.Generator().manual_seed(5)
+    truth = torch.randn(P, generator=g)
+    contributions = {
+        f"h{i}": {
+            j: compression.encode((truth[a:b] + torch.randn(b - a, generator=g)).contiguous(), 2048, 1000)
+            for j, (a, b) in enumerate(PARTS)
+        }
+        for i in range(4)
+    }
+    aggregate = truth.clone()
+    aggregate[::7] = 0.0  # zeros are left out of both counts
+    signs = signs_of(aggregate, chunk=1000)
+    assert signs.dtype == torch.int8 and torch.equal(signs.float(), torch.sign(aggregate))
+    assert sign_agreements(contributions, signs, PARTS) == sign_agreements(contributions, aggregate, PARTS)

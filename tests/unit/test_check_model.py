@@ -120,3 +120,33 @@ def test_sample_elements_draws_the_same_elements_as_the_int64_permutation():
         starts, offsets = torch.tensor([0, 5000, 100_000]), torch.tensor([0, 3000, 88_001])
         which = torch.searchsorted(offsets, pos, right=True) - 1
         assert torch.equal(sample_elements(ranges, 1000, seed), starts[which] + (pos - offsets[which]))
+
+
+@pytest.mark.timeout(120)
+def test_a_check_holds_one_parameters_gradient_at_a_time_with_the_same_bits(ds, monkeypatch):
+    """Issue 27 (session 39): each parameter's gradient is read at its sampled elements and dropped as soon as it is
+    accumulated (the check runs beside the inner steps and their [P] of gradients); summed over micro-batches in
+    the gradient's dtype, the rows keep the bits of the whole accumulated gradient indexed."""
+    model = build_model("tiny", vocab_size=ds.vocab_size, seed=0)
+    theta = flat_params(model)
+    n = theta.numel()
+    index = torch.cat([torch.arange(3, n, 89), torch.tensor([n - 1, 0])])
+    kw = dict(seed=0, round=2, batch_size=4, seq_len=SEQ, micro_batch=2)
+    held: list[int] = []
+    accumulate = verify_check._accumulate
+
+    def counted(m, x, mb, device, use_amp):
+        accumulate(m, x, mb, device, use_amp)
+        held.append(sum(p.grad is not None for p in m.parameters()))
+
+    monkeypatch.setattr(verify_check, "_accumulate", counted)
+    got = verify_check.batch_gradients(CM.hollow_copy(model), ds, theta, [("p0", 0), ("p0", 1)], index=index, **kw)
+    assert held == [0, 0]  # no gradient left once a batch's backward passes are over
+    for i, step in enumerate([0, 1]):  # the old way: the whole gradient accumulated over the micro-batches
+        ref = copy.deepcopy(model)
+        load_flat_(ref, theta)
+        ref.train()
+        x = ds.sample_batch(seed=0, peer_id="p0", round=2, step=step, batch_size=4, seq_len=SEQ)
+        accumulate(ref, x, 2, torch.device("cpu"), False)
+        flat = torch.cat([p.grad.reshape(-1) for _, p in ref.named_parameters()])
+        assert torch.equal(_bits(got[i]), _bits(flat[index]))

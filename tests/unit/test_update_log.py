@@ -117,3 +117,48 @@ async def test_the_newest_update_is_spilled_to_disk_and_served_bit_for_bit(tmp_p
     await asyncio.gather(*tasks)
     spill.close()
     assert not any(tmp_path.iterdir())  # the private temp directory is removed
+
+
+async def test_the_spill_starts_when_the_round_is_recorded_and_its_seal_takes_the_file(tmp_path):
+    """Issue 27 (session 39): the aggregate is the peer's gradient buffer, and the next round's steps start within a
+    second of the seal; written only once sealed, it was still held (a second [P]) when they did. The write now
+    starts at ``record`` (the outer step only reads it); the seal takes the file and holds no tensor. A round
+    recorded, written and never sealed leaves no file behind."""
+    import weakref
+
+    from geomesh_p2p.sync.server import _Spilled
+
+    tasks: list[asyncio.Task] = []
+
+    def spawn(coro, name=None):
+        tasks.append(asyncio.ensure_future(coro))
+        return tasks[-1]
+
+    async def settle(n: int) -> None:  # the record's callback runs on the loop, then its task in a worker thread
+        for _ in range(200):
+            await asyncio.sleep(0.01)
+            if len(tasks) >= n and all(t.done() for t in tasks):
+                return
+
+    log = UpdateLog(keep_rounds=2, spawn=spawn, spill=True, spill_dir=str(tmp_path))
+    agg = torch.randn(1000, generator=torch.Generator().manual_seed(4))
+    want = agg.clone()
+    log.record(0, f"{0:032x}", [(0, 1000)], (), agg, copy=False)
+    await settle(1)
+    assert len(tasks) == 1 and await tasks[0] is True  # written before the seal
+    held = log._pending[4]  # the log's view of the aggregate
+    assert log.rounds() == [] and log._written == (0, id(held))
+    ref = weakref.ref(held)
+    del agg, held
+    await asyncio.to_thread(log.seal, 1, f"{1:032x}")
+    await asyncio.sleep(0.05)
+    assert len(tasks) == 1 and isinstance(log._done[0], _Spilled) and ref() is None  # no second write, no tensor
+    assert torch.equal(log.get(0).aggregate, want)
+    # recorded and written, then replaced without a seal (its outer step failed): the file goes
+    log.record(1, f"{1:032x}", [(0, 1000)], (), torch.ones(1000), copy=False)
+    await settle(2)
+    assert sorted(p.name for p in tmp_path.rglob("*.f32")) == ["theta-0.f32", "theta-1.f32"]
+    log.record(2, f"{2:032x}", [(0, 1000)], (), torch.ones(1000), copy=False)
+    await settle(3)
+    assert sorted(p.name for p in tmp_path.rglob("*.f32")) == ["theta-0.f32", "theta-2.f32"]
+    log.close()

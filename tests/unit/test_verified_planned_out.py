@@ -113,3 +113,40 @@ def test_the_agreement_of_a_round_is_measured_once_its_row_is_out(monkeypatch):
 
     asyncio.run(main())
     assert measured == [8] and wv.calls == [(3, 6)] and rules.verified.agreement[0] == 3
+
+
+@pytest.mark.timeout(30)
+def test_the_agreement_is_measured_on_the_signs_with_the_aggregate_let_go(monkeypatch):
+    """Issue 27 (session 39): the aggregate is the buffer of the next round's gradients; the measurement, which runs
+    into the next round, holds its int8 signs only (the same figures: test_agreement_relative)."""
+    import gc
+    import weakref
+
+    import torch
+
+    from geomesh_p2p.round.rules import verified as verified_mod
+
+    rules = make_rules(me="me", verifier=_Verifier())
+    seen: list[tuple[torch.dtype, list[int], bool]] = []
+    ref: list[weakref.ref] = []
+
+    def sign_agreements(contributions, signs, part_ranges):
+        gc.collect()
+        seen.append((signs.dtype, signs.tolist(), ref[0]() is None))
+        return {"a": 1.0}
+
+    monkeypatch.setattr(verified_mod.agreement, "sign_agreements", sign_agreements)
+    monkeypatch.setattr(verified_mod.agreement, "supports", lambda c, p: {})
+
+    async def main() -> None:
+        agg = torch.tensor([0.5, -2.0, 0.0, 3.0])
+        ref.append(weakref.ref(agg))
+        ar = SimpleNamespace(contributions={"a": {0: object()}}, aggregate=agg, part_ranges=[(0, 4)])
+        rules.verified.verify_round(3, _plan(), SimpleNamespace(micro_batch=6), ar)
+        del ar, agg  # the round's result is gone once its row is out
+        rules.verified.counts = lambda: None  # type: ignore[method-assign]
+        rules.publish_record(SimpleNamespace(round=3, extra={}))
+        await rules.verified.task
+
+    asyncio.run(main())
+    assert seen == [(torch.int8, [1, -1, 0, 1], True)]

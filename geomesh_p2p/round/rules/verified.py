@@ -363,17 +363,24 @@ class VerifiedWork:
         agreement test (:mod:`geomesh_p2p.trust.agreement`; advisory: recorded in the row and logged, nothing
         dropped or excluded on it). Off the round's path: a task of its own. The agreement is measured first, once
         the round's row is out (:meth:`round_done`), so the round's aggregate ([P]) is not held while the evidence
-        is read (issue 27: into the next round)."""
+        is read (issue 27: into the next round). Once the row is out only the aggregate's signs are held (int8,
+        a quarter of its bytes): the aggregate itself, the buffer of the next round's gradients (issue 27, session
+        39: :class:`~geomesh_p2p.model.grad_buffer.FlatGradBuffer`), is let go before the measurement."""
         aggregate = getattr(ar, "aggregate", None)
+        contributions, ranges = ar.contributions, ar.part_ranges
+        del ar
         found = support = None
-        if aggregate is not None and ar.part_ranges and ar.contributions:
+        if aggregate is not None and ranges and contributions:
             # After the round's row: decoding every contribution took ~0.5 s of CPU beside the outer step and the
             # digest, on the core they run on (issue 27, session 38); the aggregate is held until the row anyway.
             await self._after_round(r)
-            found = await asyncio.to_thread(agreement.sign_agreements, ar.contributions, aggregate, ar.part_ranges)
-            support = await asyncio.to_thread(agreement.supports, ar.contributions, ar.part_ranges)
-        steps = _claimed_steps(ar.contributions, plan)
-        del aggregate, ar
+            signs = await asyncio.to_thread(agreement.signs_of, aggregate)
+            del aggregate
+            found = await asyncio.to_thread(agreement.sign_agreements, contributions, signs, ranges)
+            del signs
+            support = await asyncio.to_thread(agreement.supports, contributions, ranges)
+        aggregate = None
+        steps = _claimed_steps(contributions, plan)
         await wv.tend(r, micro_batch=a.micro_batch)
         if found is None:
             return

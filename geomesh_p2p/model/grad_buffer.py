@@ -1,0 +1,116 @@
+"""One fp32 CPU ``[P]`` buffer for a trainer's gradients and, between its runs of inner steps, the round's
+pseudo-gradient (issue 27, session 39).
+
+Before, each inner step's ``zero_grad(set_to_none=True)`` freed the gradients, the first backward of the next
+step allocated them again, and after the round's steps the pseudo-gradient allocated a fresh ``[P]`` (which the
+exchange turns into the aggregate, in place): ~1P of page faults twice a round (0.13-0.19 s at ``gpt2-124m``)
+and, in glibc's heap, blocks that stay resident until a trim. Here the gradients are views of one flat buffer,
+zeroed before each step, and once the steps are over the same buffer takes the pseudo-gradient
+(:meth:`FlatGradBuffer.take`). Whoever holds the round's update or aggregate afterwards (the exchange, the outer
+step, the update log until it is spilled, verified work) holds a view of it; when the next steps begin, the
+buffer is used again only if nothing else references its storage (:func:`storage_shared`), else a fresh one
+takes its place and the old one lives on with its holders. So a round never holds more ``[P]`` than before, and
+one fewer once the holders let go before the next steps.
+
+Bitwise the same training: a backward into a zeroed gradient adds ``0 + g`` (= ``g`` but for the sign of a zero,
+which no optimizer here reads: AdamW's moments and the clip's norm give the same bits). A parameter that gets
+no gradient in a step would get a zero one instead of none (AdamW would then decay it): the buffer is only used
+once a step gave every parameter a gradient (:meth:`FlatGradBuffer.zero`), else never.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+__all__ = ["FlatGradBuffer", "storage_shared"]
+
+
+def _use_count(t: torch.Tensor) -> Optional[int]:
+    """References to ``t``'s storage (tensors and the storage's Python object), or None where torch does not say."""
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    if count is None:
+        return None
+    return int(count(t.untyped_storage()._cdata))
+
+
+def storage_shared(t: torch.Tensor) -> bool:
+    """True unless ``t`` is the only tensor on its storage (views, ``detach()`` copies, numpy arrays and memoryviews
+    made from it all count); True as well where torch cannot say (then nothing is reused)."""
+    n = _use_count(t)
+    # t itself and the storage's Python object, which untyped_storage() above keeps alive while it is read
+    return n is None or n > 2
+
+
+class FlatGradBuffer:
+    """The gradients of ``params`` as views of one fp32 CPU ``[P]`` buffer (layout of
+    :func:`~geomesh_p2p.model.build.flat_params` when ``params`` are the model's parameters in order).
+
+    ``enabled=False`` (a device other than the CPU, non-fp32 or sharded parameters): :meth:`zero` is
+    ``zero_grad(set_to_none=True)`` and :meth:`take` None, as without this class."""
+
+    def __init__(self, params: Sequence[torch.nn.Parameter], *, enabled: bool = True):
+        self.params = list(params)
+        self.numel = sum(p.numel() for p in self.params)
+        self.enabled = bool(enabled) and all(
+            type(p.data) is torch.Tensor
+            and p.device.type == "cpu"
+            and p.dtype == torch.float32
+            and p.requires_grad
+            and p.is_contiguous()
+            for p in self.params
+        )
+        self._checked = False  # a step gave every parameter a gradient (see the module's docstring)
+        self._buf: Optional[torch.Tensor] = None
+        #: times a fresh buffer was allocated (the first one included): a reused buffer keeps it unchanged
+        self.allocations = 0
+
+    def _free_buffer(self) -> torch.Tensor:
+        """The buffer when nothing else holds its storage, else a fresh one (the old one left to its holders)."""
+        if self._buf is None or storage_shared(self._buf):
+            self._buf = None  # dropped before the fresh one is made: freed now when nothing holds it any more
+            self._buf = torch.empty(self.numel, dtype=torch.float32)
+            self.allocations += 1
+        return self._buf
+
+    def zero(self, optimizer: torch.optim.Optimizer) -> None:
+        """Before an inner step: the gradients zeroed, as views of the buffer once that is known to be safe;
+        else ``optimizer.zero_grad(set_to_none=True)``."""
+        if self.enabled and not self._checked:
+            got = [p.grad is not None for p in self.params]
+            if all(got):
+                self._checked = True
+            elif any(got):  # a parameter without a gradient: zeros would change what the optimizer does
+                self.enabled = False
+        if not (self.enabled and self._checked):
+            optimizer.zero_grad(set_to_none=True)
+            return
+        buf = self._buf
+        if buf is None or any(p.grad is None or not _is_view_of(p.grad, buf) for p in self.params):
+            for p in self.params:
+                p.grad = None
+            buf = self._free_buffer()
+            off = 0
+            for p in self.params:
+                n = p.numel()
+                p.grad = buf[off : off + n].view_as(p)
+                off += n
+        with torch.no_grad():
+            buf.zero_()
+
+    def take(self) -> Optional[torch.Tensor]:
+        """After the steps (the gradients released, ``.grad`` None): a view of the buffer for the round's
+        pseudo-gradient, fp32 ``[P]`` (its values are garbage: the caller overwrites all of them), or None when
+        the buffer is off or a gradient is still set (the caller then allocates one)."""
+        if not (self.enabled and self._checked) or any(p.grad is not None for p in self.params):
+            return None
+        return self._free_buffer().view(-1)
+
+    def release(self) -> None:
+        """Drop the buffer (the trainer's share of it; its holders keep theirs)."""
+        self._buf = None
+
+
+def _is_view_of(t: torch.Tensor, buf: torch.Tensor) -> bool:
+    return t.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()

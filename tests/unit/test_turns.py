@@ -1,0 +1,143 @@
+"""A CPU peer's inner steps and verified work's check passes take turns (issue 27, session 39): never both at once
+(their activations were the peak RSS together), and a pass that asks is not overtaken by the steps."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from geomesh_p2p.data import load_dataset
+from geomesh_p2p.model.build import build_model
+from geomesh_p2p.model.training import InnerTrainer
+from geomesh_p2p.model.turns import Turns
+from geomesh_p2p.trust.verify_queue import Pacer
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class _Log:
+    """Who holds the turn, as events: an overlap is a step entered while a pass runs or the reverse."""
+
+    def __init__(self) -> None:
+        self.mu = threading.Lock()
+        self.step = self.check = 0
+        self.overlaps = 0
+        self.events: list[str] = []
+
+    def enter(self, kind: str) -> None:
+        with self.mu:
+            setattr(self, kind, getattr(self, kind) + 1)
+            self.overlaps += int(self.step > 0 and self.check > 0)
+            self.events.append(kind)
+
+    def leave(self, kind: str) -> None:
+        with self.mu:
+            setattr(self, kind, getattr(self, kind) - 1)
+
+
+def test_steps_and_check_passes_never_overlap_and_a_pass_is_not_overtaken():
+    turns, log = Turns(), _Log()
+    stop = threading.Event()
+    steps = 0
+
+    def train() -> None:
+        nonlocal steps
+        while not stop.is_set():
+            with turns.step():
+                log.enter("step")
+                sum(range(20000))  # a little work
+                log.leave("step")
+            steps += 1
+
+    t = threading.Thread(target=train)
+    t.start()
+    try:
+        for _ in range(50):  # each pass gets its turn although the steps run back to back
+            turns.take_check()
+            log.enter("check")
+            assert turns.checking
+            sum(range(20000))
+            log.leave("check")
+            turns.give_check()
+    finally:
+        stop.set()
+        t.join(10)
+    assert not t.is_alive() and log.overlaps == 0 and log.events.count("check") == 50 and steps > 0
+
+
+def test_the_pacer_holds_the_turn_through_a_pass_and_gives_it_back_at_the_last_pace():
+    turns = Turns()
+    pacer = Pacer(1.0, turns=turns)
+    pacer.start()
+    assert turns.checking  # a pass runs
+    pacer()
+    assert turns.checking  # between two passes: given back, then taken again for the next
+    pacer(last=True)
+    assert not turns.checking
+    with turns.step():  # the steps go on
+        pass
+
+
+def test_a_trainers_steps_wait_for_the_pass_under_way():
+    ds = load_dataset(None, 32)
+    tr = InnerTrainer(build_model("tiny", vocab_size=ds.vocab_size, seed=0), ds, seq_len=32)
+    log = _Log()
+    inner = tr.turns.step
+
+    class Recorded:
+        def __enter__(self):
+            self.cm = inner()
+            self.cm.__enter__()
+            log.enter("step")
+
+        def __exit__(self, *exc):
+            log.leave("step")
+            return self.cm.__exit__(*exc)
+
+    tr.turns.step = Recorded  # type: ignore[method-assign]
+    done = threading.Event()
+
+    def checker() -> None:
+        while not done.is_set():
+            tr.turns.take_check()
+            log.enter("check")
+            sum(range(50000))
+            log.leave("check")
+            tr.turns.give_check()
+
+    c = threading.Thread(target=checker)
+    c.start()
+    try:
+        res = tr.run(round=0, inner_steps=4, batch_size=2)
+    finally:
+        done.set()
+        c.join(10)
+    assert res.steps_done == 4 and log.events.count("step") == 4 and log.overlaps == 0
+
+
+def test_a_pass_given_back_and_taken_again_lets_the_waiting_step_in_first():
+    """A check in a burst (no sleep between its passes) gave the turn back and took it again before the waiting
+    trainer woke: a round trained 1 of 18 steps (session 39's first measurement). When both wait they alternate."""
+    turns = Turns()
+    turns.take_check()
+    stepped = threading.Event()
+
+    def one_step() -> None:
+        with turns.step():
+            stepped.set()
+
+    t = threading.Thread(target=one_step)
+    t.start()
+    for _ in range(1000):  # until the step waits for the turn
+        with turns._cv:
+            if turns._step_waits:
+                break
+        stepped.wait(0.01)
+    assert turns._step_waits == 1 and not stepped.is_set()
+    turns.give_check()
+    turns.take_check()  # at once, as the next pass of a burst: after the waiting step
+    assert stepped.is_set()
+    turns.give_check()
+    t.join(10)
+    assert not t.is_alive()
