@@ -765,7 +765,7 @@ def test_a_peer_whose_training_diverges_contributes_nothing_and_keeps_going(monk
             SimpleNamespace(steps_done=1, tokens=128, mean_loss=3.0, last_loss=3.0, compute_s=0.5, stopped_early=False),
         )[1],
     ):
-        node.trainer = SimpleNamespace(run=trainer_run)
+        node.trainer = SimpleNamespace(run=trainer_run, update_buffer=lambda: None)  # no gradient buffer
         sent.clear()
         caplog.clear()
         with caplog.at_level("WARNING", logger="geomesh_p2p.node.peer"), events.capture("contributing_nothing") as none:
