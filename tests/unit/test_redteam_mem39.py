@@ -1,0 +1,93 @@
+"""Red team (session 39) on the reused gradient buffer and the turns of steps and check passes: a holder of the
+round's aggregate the buffer's reuse does not see, and a check job that ends its worker while holding the turn."""
+
+from __future__ import annotations
+
+import copy
+import threading
+
+import pytest
+import torch
+
+from geomesh_p2p.data import load_dataset
+from geomesh_p2p.model.build import build_model, flat_params, load_flat_, pseudo_gradient
+from geomesh_p2p.model.grad_buffer import storage_shared
+from geomesh_p2p.model.training import InnerTrainer
+from geomesh_p2p.model.turns import Turns
+from geomesh_p2p.trust.verify_queue import CheckJob, CheckQueue, Pacer
+
+pytestmark = pytest.mark.timeout(120)
+
+SEQ = 32
+
+
+def _round(t: InnerTrainer, theta: torch.Tensor, r: int) -> torch.Tensor:
+    load_flat_(t.model, theta)
+    t.run(round=r, inner_steps=2, batch_size=4)
+    return pseudo_gradient(t.model, theta, t.update_buffer())
+
+
+def test_storage_shared_counts_a_holder_of_only_the_storage_object():
+    """torch keeps one Python object per storage: a holder of ``agg.untyped_storage()`` alone (a zero-copy server,
+    a writer handed the storage) left the C++ use count at 2, as if nothing held it."""
+    t = torch.zeros(8)
+    st = t.untyped_storage()
+    assert storage_shared(t)
+    del st
+    assert not storage_shared(t)
+
+
+def test_an_aggregate_held_by_its_storage_alone_is_not_overwritten_by_the_next_steps():
+    ds = load_dataset(None, SEQ)
+    base = build_model("tiny", vocab_size=ds.vocab_size, seed=0)
+    theta = flat_params(base)
+    t = InnerTrainer(copy.deepcopy(base), ds, seq_len=SEQ, lr=1e-3, weight_decay=0.1, total_steps=50)
+    _round(t, theta, 0)  # (the step that checks every parameter gets a gradient)
+    agg = _round(t, theta, 1)
+    n, kept = agg.numel(), agg.clone()
+    held = agg.untyped_storage()  # the only reference a holder keeps
+    del agg
+    _round(t, theta, 2)  # the next round's steps zero and fill the gradients' buffer
+    now = torch.empty(0).set_(held, 0, (n,))
+    assert torch.equal(now, kept)
+
+
+class _Killed(BaseException):
+    """Not an Exception: what ends a thread (a cancellation, SystemExit) rather than a job's failure."""
+
+
+def test_a_check_job_ended_by_a_base_exception_gives_the_turn_back():
+    """A job that raised past ``except Exception`` ended the worker holding the check's turn: the inner steps
+    (``with turns.step()``) then waited for ever."""
+    turns = Turns()
+    stop = threading.Event()
+    q = CheckQueue(1.0, 4, pacer=Pacer(1.0, stop, turns=turns), stop=stop)
+    entered = threading.Event()
+
+    def job(pace):
+        entered.set()
+        raise _Killed()
+
+    hook, seen = threading.excepthook, []
+    threading.excepthook = lambda a: seen.append(a.exc_type)  # the worker's end is expected here
+    try:
+        q.submit(CheckJob(1, "check", job))
+        assert entered.wait(30)
+        q._thread.join(30)
+        assert seen == [_Killed]
+    finally:
+        threading.excepthook = hook
+    stepped = threading.Event()
+
+    def step():
+        with turns.step():
+            stepped.set()
+
+    s = threading.Thread(target=step, daemon=True)
+    s.start()
+    ok = stepped.wait(10)
+    q.close()
+    if not ok:  # let the stuck step thread end
+        turns.give_check()
+    s.join(10)
+    assert ok and not turns.checking
