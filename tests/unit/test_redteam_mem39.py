@@ -11,7 +11,7 @@ import torch
 
 from geomesh_p2p.data import load_dataset
 from geomesh_p2p.model.build import build_model, flat_params, load_flat_, pseudo_gradient
-from geomesh_p2p.model.grad_buffer import storage_shared
+from geomesh_p2p.model.grad_buffer import FlatGradBuffer, storage_shared
 from geomesh_p2p.model.training import InnerTrainer
 from geomesh_p2p.model.turns import Turns
 from geomesh_p2p.trust.verify_queue import CheckJob, CheckQueue, Pacer
@@ -91,3 +91,39 @@ def test_a_check_job_ended_by_a_base_exception_gives_the_turn_back():
         turns.give_check()
     s.join(10)
     assert ok and not turns.checking
+
+
+class _Branchy(torch.nn.Module):
+    """``b`` takes part in a step only when asked: a parameter that gets no gradient in some steps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(4, 4)
+        self.b = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, use_b: bool) -> torch.Tensor:
+        return (self.b(self.a(x)) if use_b else self.a(x)).square().mean()
+
+
+def _train(flat: bool) -> torch.Tensor:
+    torch.manual_seed(0)
+    m = _Branchy()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)
+    buf = FlatGradBuffer(list(m.parameters()), enabled=flat)
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
+    for use_b in (True, True, False, False):
+        buf.zero(opt)
+        m(x, use_b).backward()
+        opt.step()
+    return torch.cat([p.detach().reshape(-1) for p in m.b.parameters()])
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="FlatGradBuffer checks only the first step that had gradients: a later step in which a parameter gets "
+    "none leaves it a zeroed view, and AdamW steps it (momentum and decay) where a None gradient skipped it. No "
+    "model built here has such a parameter (GPT-2's all get one every step); the fix needs a per-step record of "
+    "which gradients were accumulated (post-accumulate hooks) before optimizer.step",
+)
+def test_a_parameter_without_gradient_in_a_later_step_is_not_stepped():
+    assert torch.equal(_train(True), _train(False))
