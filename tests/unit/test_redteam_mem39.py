@@ -14,6 +14,7 @@ from geomesh_p2p.model.build import build_model, flat_params, load_flat_, pseudo
 from geomesh_p2p.model.grad_buffer import FlatGradBuffer, storage_shared
 from geomesh_p2p.model.training import InnerTrainer
 from geomesh_p2p.model.turns import Turns
+from geomesh_p2p.trust import verify_check
 from geomesh_p2p.trust.verify_queue import CheckJob, CheckQueue, Pacer
 
 pytestmark = pytest.mark.timeout(120)
@@ -127,3 +128,38 @@ def _train(flat: bool) -> torch.Tensor:
 )
 def test_a_parameter_without_gradient_in_a_later_step_is_not_stepped():
     assert torch.equal(_train(True), _train(False))
+
+
+def test_picked_gradients_after_an_oom_past_a_micro_batchs_hooks_and_no_hook_left_after_a_failure():
+    """Verified work's post-accumulate hooks (verify_check._PickedGrads): an out-of-memory error on the second
+    micro-batch, after the first one's hooks summed their picks, retries the batch without counting them twice;
+    a failure that is no out-of-memory error leaves no hook on the check model (GPT-2's tied wte/lm_head
+    included)."""
+    ds = load_dataset(None, SEQ)
+    model = build_model("tiny", vocab_size=ds.vocab_size, seed=0)
+    theta = flat_params(model).clone()
+    index = torch.cat([torch.arange(0, theta.numel(), 89), torch.tensor([theta.numel() - 1])])
+    args = dict(seed=0, round=1, batch_size=4, seq_len=SEQ, index=index)
+    streams = [("p0", 0), ("p0", 1)]
+    want = verify_check.batch_gradients(copy.deepcopy(model), ds, theta, streams, micro_batch=1, **args)
+    real, calls = model.forward, []
+
+    def forward(*a, input_ids=None, **k):
+        calls.append(input_ids.shape[0])
+        if len(calls) == 2:  # the second micro-batch of 2 rows: the first one's backward ran its hooks
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+        return real(*a, input_ids=input_ids, **k)
+
+    model.forward = forward  # type: ignore[method-assign]
+    got = verify_check.batch_gradients(model, ds, theta, streams, micro_batch=2, **args)
+    assert calls[:2] == [2, 2] and set(calls[2:]) == {1}
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-7)
+    assert all(not p._post_accumulate_grad_hooks for p in model.parameters())
+
+    def broken(*a, input_ids=None, **k):
+        raise ValueError("not an out-of-memory error")
+
+    model.forward = broken  # type: ignore[method-assign]
+    with pytest.raises(ValueError):
+        verify_check.batch_gradients(model, ds, theta, streams, micro_batch=2, **args)
+    assert all(not p._post_accumulate_grad_hooks for p in model.parameters())
