@@ -410,6 +410,9 @@ class InnerTrainer:
                 if not is_oom(e):
                     raise
                 self.optimizer.zero_grad(set_to_none=True)
+                # the gradients' buffer too: kept, the retry's backward allocated a second [P] of gradients beside
+                # it (red team 39); the next step's zero() takes a buffer again
+                self._grads.release()
                 free_after_oom(self.device)
                 if mb <= 1:
                     raise MemoryError(f"out of memory at micro-batch 1 on {self.device}") from None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import weakref
 
 import pytest
 import torch
@@ -163,3 +164,32 @@ def test_picked_gradients_after_an_oom_past_a_micro_batchs_hooks_and_no_hook_lef
     with pytest.raises(ValueError):
         verify_check.batch_gradients(model, ds, theta, streams, micro_batch=2, **args)
     assert all(not p._post_accumulate_grad_hooks for p in model.parameters())
+
+
+def test_an_out_of_memory_retry_does_not_keep_the_gradients_buffer_beside_fresh_gradients():
+    """accumulate_fitting drops the gradients on an out-of-memory error and accumulates the batch again at half the
+    micro-batch: the trainer kept the gradients' [P] buffer meanwhile, so the retry's backward allocated a second
+    [P] of gradients beside it, on a peer that had just run out of memory (before the buffer: one [P])."""
+    ds = load_dataset(None, SEQ)
+    base = build_model("tiny", vocab_size=ds.vocab_size, seed=0)
+    theta = flat_params(base)
+    t = InnerTrainer(copy.deepcopy(base), ds, seq_len=SEQ, lr=1e-3, weight_decay=0.1, total_steps=50)
+    _round(t, theta, 0)
+    _round(t, theta, 1)  # the buffer in use
+    assert t._grads._buf is not None
+    old = weakref.ref(t._grads._buf)
+    real, alive = t.accumulate_grad, []
+
+    def accumulate_grad(batch, mb):
+        if not alive:
+            alive.append(True)
+            real(batch, mb)  # into the buffer's views, then out of memory
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1 GB")
+        alive.append(old() is not None)
+        return real(batch, mb)
+
+    t.accumulate_grad = accumulate_grad  # type: ignore[method-assign]
+    load_flat_(t.model, theta)
+    t.run(round=2, inner_steps=1, batch_size=4, micro_batch=4)
+    assert alive[1:] == [False]  # freed before the retry's gradients were allocated
+    assert t.max_micro_batch == 2
