@@ -127,6 +127,13 @@ class FlatGradBuffer:
         """Drop the buffer (the trainer's share of it; its holders keep theirs)."""
         self._buf = None
 
+    def drop(self, optimizer: torch.optim.Optimizer) -> None:
+        """The gradients freed (``zero_grad(set_to_none=True)``) and the buffer with them (:meth:`release`): after an
+        out-of-memory error, so the retry's gradients are the only ``[P]`` of them (the next :meth:`zero` takes a
+        buffer again)."""
+        optimizer.zero_grad(set_to_none=True)
+        self.release()
+
 
 def _is_view_of(t: torch.Tensor, buf: torch.Tensor) -> bool:
     return t.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
