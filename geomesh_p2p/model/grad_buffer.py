@@ -20,6 +20,7 @@ once a step gave every parameter a gradient (:meth:`FlatGradBuffer.zero`), else 
 
 from __future__ import annotations
 
+import sys
 from typing import Optional, Sequence
 
 import torch
@@ -37,10 +38,25 @@ def _use_count(t: torch.Tensor) -> Optional[int]:
 
 def storage_shared(t: torch.Tensor) -> bool:
     """True unless ``t`` is the only tensor on its storage (views, ``detach()`` copies, numpy arrays and memoryviews
-    made from it all count); True as well where torch cannot say (then nothing is reused)."""
+    made from it, and its storage object held by anyone, all count); True as well where torch cannot say (then
+    nothing is reused)."""
     n = _use_count(t)
     # t itself and the storage's Python object, which untyped_storage() above keeps alive while it is read
-    return n is None or n > 2
+    if n is None or n > 2:
+        return True
+    # torch keeps one Python object per storage: a holder of the storage object alone (not of a tensor) is one
+    # C++ reference for all of them, so counted above only as the object's own. Its Python references tell
+    # (red team 39: an aggregate held so was overwritten), over those of a storage nobody holds (_PY_REFS).
+    return _storage_py_refs(t) > _PY_REFS
+
+
+def _storage_py_refs(t: torch.Tensor) -> int:
+    st = t.untyped_storage()
+    return sys.getrefcount(st)
+
+
+#: :func:`_storage_py_refs` of a tensor's storage that nobody else holds (this torch's own references included)
+_PY_REFS = _storage_py_refs(torch.zeros(1))
 
 
 class FlatGradBuffer:
@@ -110,6 +126,13 @@ class FlatGradBuffer:
     def release(self) -> None:
         """Drop the buffer (the trainer's share of it; its holders keep theirs)."""
         self._buf = None
+
+    def drop(self, optimizer: torch.optim.Optimizer) -> None:
+        """The gradients freed (``zero_grad(set_to_none=True)``) and the buffer with them (:meth:`release`): after an
+        out-of-memory error, so the retry's gradients are the only ``[P]`` of them (the next :meth:`zero` takes a
+        buffer again)."""
+        optimizer.zero_grad(set_to_none=True)
+        self.release()
 
 
 def _is_view_of(t: torch.Tensor, buf: torch.Tensor) -> bool:

@@ -409,7 +409,7 @@ class InnerTrainer:
             except (RuntimeError, MemoryError) as e:
                 if not is_oom(e):
                     raise
-                self.optimizer.zero_grad(set_to_none=True)
+                self._grads.drop(self.optimizer)  # and the buffer: no second [P] beside the retry's (red team 39)
                 free_after_oom(self.device)
                 if mb <= 1:
                     raise MemoryError(f"out of memory at micro-batch 1 on {self.device}") from None

@@ -374,6 +374,13 @@ class CheckQueue:
                 result = job.run(self.pacer)
             except Exception as e:  # noqa: BLE001  a job's failure is reported with its result, never ends the worker
                 error = e
+            except BaseException:
+                # what ends the thread (SystemExit, a cancellation) ends it without the turn: else the inner steps
+                # wait for ever for the pass it held (red team 39)
+                turns = getattr(self.pacer, "turns", None)
+                if turns is not None:
+                    turns.give_check()
+                raise
             try:
                 self.pacer(last=True)  # the rest of the job's compute is paced too (and the turn given back)
             except QueueClosed:
