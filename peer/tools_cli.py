@@ -42,7 +42,7 @@ def _record_shards(text: str) -> int:
 
 
 async def _read_swarm(ns):
-    from geomesh_p2p.dht import DHTNode
+    from geomesh_p2p.dht import DHTNode, swarm_progress
     from geomesh_p2p.net.identity import Identity
     from geomesh_p2p.status.swarm import SwarmWatcher
     from geomesh_p2p.net.transport import Transport
@@ -56,6 +56,12 @@ async def _read_swarm(ns):
         await node.join(ns.bootstrap)
         watcher = SwarmWatcher(node, ns.run_id, shards=ns.record_shards)
         view = await watcher.refresh()
+        if not view.get("peers"):
+            # nobody live: what the bootstrap saved of the run tells a user where it was (fresh user 39: after a
+            # bootstrap restart "no live peer" alone did not say that the peers resume with --resume)
+            p = await swarm_progress(node, ns.run_id)
+            if p is not None:
+                view["progress"] = {"round": p.round, "seen_at": p.seen_at, "peers": p.peers}
         return view, watcher.rounds()
     finally:
         await node.shutdown()
@@ -128,6 +134,15 @@ def render_status(view: dict, rounds: dict, console=None) -> None:
         console.print(t)
     else:
         console.print(Text(f"no live peer in run {view.get('run_id')} (or none has announced itself yet)"))
+        saved = view.get("progress")
+        if saved:
+            ago = max(0.0, time.time() - float(saved["seen_at"]))
+            console.print(
+                Text(
+                    f"its bootstrap last saw {saved['peers']} peer(s) at round {saved['round']}, {ago / 60:.0f} min "
+                    "ago: restart them with the same flags plus --resume to go on from their checkpoints"
+                )
+            )
     if view.get("ignored"):
         console.print(Text(f"{view['ignored']} record(s) ignored (other run config, no proof of work, not allowed)"))
     rows = (rounds or {}).get("rounds") or []
