@@ -10,6 +10,7 @@ state vote, with no DHT: its ``peers`` returns nothing until a test replaces it)
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 from typing import Any, Optional
 
 from geomesh_p2p.config.models import NodeConfig, RunConfig
@@ -57,4 +58,26 @@ def make_rules(
         PlanRules(run_cfg, cfg, state, penalties, profile),
         verified=VerifiedWork(state, verifier=verifier),
         sync=sync,
+    )
+
+
+def light_driver(
+    rules: NodeRoundPolicy, *, me: str, ids: list[str], leader: str, run_id: str, full_view_peers: int = 1
+):
+    """A round driver stand-in for :func:`geomesh_p2p.round.light.is_light` at ``rules``' round R: it applied and
+    confirmed round R - 1, whose plan (led by ``leader``) named ``ids`` (every one delivered: 1000 tokens/s)."""
+    r = rules.state.round
+    plan = SimpleNamespace(round=r - 1, leader=leader, run_id=run_id, participants=lambda: list(ids))
+    rules.state.syncing = False
+    rules.profile.supported_tps = (r - 1, {p: 1000.0 for p in ids})
+    return SimpleNamespace(
+        cfg=SimpleNamespace(full_view_peers=full_view_peers, eager=False),
+        _last_plan=plan,
+        state=rules.state,
+        _light_ok_round=r,
+        _light_fallback_round=-1,
+        stop=asyncio.Event(),
+        leaving=False,
+        me=me,
+        policy=rules,
     )

@@ -4,7 +4,6 @@ barred peer ranked first does not hold a full-view slot while the full path's le
 
 from __future__ import annotations
 
-import asyncio
 from types import SimpleNamespace
 
 import pytest
@@ -12,7 +11,7 @@ import pytest
 from geomesh_p2p.plan.agree import leader_order
 from geomesh_p2p.round import light
 from geomesh_p2p.trust.standing import Standing
-from tests.rules_util import make_rules
+from tests.rules_util import light_driver, make_rules
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -30,20 +29,7 @@ def _drv(me: str, noshow: dict[str, int] | None = None, full_view_peers: int = 1
     for r in range(R):
         standing.credit(r, IDS)
     rules = make_rules(me=me, round=R, standing=standing, noshow_penalty=noshow)
-    plan = SimpleNamespace(round=R - 1, leader=LEADER, run_id=RUN, participants=lambda: list(IDS))
-    drv = SimpleNamespace(
-        cfg=SimpleNamespace(full_view_peers=full_view_peers, eager=False),
-        _last_plan=plan,
-        state=rules.state,
-        _light_ok_round=R,
-        _light_fallback_round=-1,
-        stop=asyncio.Event(),
-        leaving=False,
-        me=me,
-        policy=rules,
-    )
-    rules.state.syncing = False
-    rules.profile.supported_tps = (R - 1, {p: 1000.0 for p in IDS})  # it applied round R - 1 (light: _light_ok_round)
+    drv = light_driver(rules, me=me, ids=IDS, leader=LEADER, run_id=RUN, full_view_peers=full_view_peers)
     return drv, rules
 
 

@@ -13,9 +13,7 @@ ranking (``light.is_light`` over ``RoundPolicy.may_lead_ids``).
 
 from __future__ import annotations
 
-import asyncio
 import json
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -25,7 +23,7 @@ from geomesh_p2p.plan.agree import leader_order
 from geomesh_p2p.round import light
 from geomesh_p2p.trust.standing import Standing
 from tests.records_util import peer_record
-from tests.rules_util import make_rules
+from tests.rules_util import light_driver, make_rules
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -99,20 +97,7 @@ def _ledgers() -> tuple[Standing, Standing]:
 def _drv(me: str, standing: Standing):
     """A driver stand-in at round R (tests/unit/test_light_bars.py's): it applied and confirmed round R - 1."""
     rules = make_rules(me=me, round=R, standing=standing)
-    rules.profile.supported_tps = (R - 1, {p: 1000.0 for p in IDS})
-    plan = SimpleNamespace(round=R - 1, leader=LEADER, run_id=RUN, participants=lambda: list(IDS))
-    drv = SimpleNamespace(
-        cfg=SimpleNamespace(full_view_peers=1, eager=False),
-        _last_plan=plan,
-        state=rules.state,
-        _light_ok_round=R,
-        _light_fallback_round=-1,
-        stop=asyncio.Event(),
-        leaving=False,
-        me=me,
-        policy=rules,
-    )
-    rules.state.syncing = False
+    drv = light_driver(rules, me=me, ids=IDS, leader=LEADER, run_id=RUN)
     return drv, rules
 
 
