@@ -448,14 +448,19 @@ class UpdateLog:
             if p is None or p[0] != round_after - 1 or not end_digest:
                 self._drop_written()
                 return
-            self._done[p[0]] = OuterUpdate(p[0], p[1], end_digest, p[2], p[3], p[4])
-            if self._written == (p[0], id(p[4])) and self._store is not None:
-                self._written = None
-                self._done[p[0]] = _Spilled(p[0], p[1], end_digest, p[2], p[3], int(p[4].numel()))  # written already
-            for r in sorted(self._done)[: -self.keep_rounds]:
-                self._forget(r)
             loop = self._loop if self._loop is not None and self._catching_up() else None
             eager = loop is not None
+            written = self._written == (p[0], id(p[4])) and self._store is not None
+            if written:  # spilled since record(): a syncing peer wants it raw (to encode), else the seal takes the file
+                self._written = None
+            if written and not eager:
+                self._done[p[0]] = _Spilled(p[0], p[1], end_digest, p[2], p[3], int(p[4].numel()))
+            else:
+                self._done[p[0]] = OuterUpdate(p[0], p[1], end_digest, p[2], p[3], p[4])
+                if written and self._store is not None:  # written implies a store; said again for the checker
+                    self._store.drop(p[0])
+            for r in sorted(self._done)[: -self.keep_rounds]:
+                self._forget(r)
             # Memory: only the newest round stays a raw [P] copy; older raw ones are encoded now when a peer is
             # syncing, else dropped (a planned-out peer needs only the newest; a joiner's download makes
             # this node eager before the rounds it will need are sealed).
@@ -466,10 +471,6 @@ class UpdateLog:
                 for r in stale:
                     self._forget(r)
                 stale = []
-            elif isinstance(self._done[p[0]], _Spilled):  # a peer catches up: kept raw, to be encoded
-                self._done[p[0]] = OuterUpdate(p[0], p[1], end_digest, p[2], p[3], p[4])
-                if self._store is not None:
-                    self._store.drop(p[0])
             spill_loop = self._loop if not eager and self._spill_on and self._spawn is not None else None
             if isinstance(self._done[p[0]], _Spilled) or p[0] in self._spilling:
                 spill_loop = None  # written, or being written: taken when the write ends

@@ -91,7 +91,11 @@ class Verdicts:
 
     def filter(self, members: Iterable, keep: Optional[str] = None) -> list:
         """``members`` (PeerRecords or anything with ``peer_id``) without the excluded peers (never ``keep``)."""
-        return [m for m in members if m.peer_id not in self.excluded or m.peer_id == keep]
+        return [m for m in members if self.kept(m.peer_id, keep)]
+
+    def kept(self, peer_id: str, keep: Optional[str] = None) -> bool:
+        """Whether :meth:`filter` keeps ``peer_id``: not excluded here, or ``keep``."""
+        return peer_id not in self.excluded or peer_id == keep
 
     def plan_problem(self, plan, me: Optional[str] = None, grace_rounds: int = 2) -> Optional[str]:
         """Why a follower refuses ``plan``: more than ``grace_rounds`` rounds after the exclusion (the proven

@@ -429,5 +429,5 @@ class VerifiedWork:
 
     def member_ids(self, peer_ids: Iterable[str]) -> list[str]:
         """:meth:`members` of PeerIDs (the peers that verified work excluded left out; this peer itself stays)."""
-        excluded, me = self.verdicts().excluded, self.state.me
-        return [p for p in peer_ids if p not in excluded or p == me]
+        v = self.verdicts()
+        return [p for p in peer_ids if v.kept(p, keep=self.state.me)]
