@@ -14,14 +14,19 @@ one fewer once the holders let go before the next steps.
 
 Bitwise the same training: a backward into a zeroed gradient adds ``0 + g`` (= ``g`` but for the sign of a zero,
 which no optimizer here reads: AdamW's moments and the clip's norm give the same bits). A parameter that gets
-no gradient in a step would get a zero one instead of none (AdamW would then decay it): the buffer is only used
-once a step gave every parameter a gradient (:meth:`FlatGradBuffer.zero`), else never.
+no gradient in a step would keep a zeroed one instead of none (AdamW would then decay it and move its moments):
+each parameter's post-accumulate hook marks the steps whose backward reached it, and a step pre-hook on the
+optimizer sets the gradient of every unmarked one to None before the step, as ``zero_grad(set_to_none=True)``
+would have left it (red team 39's xfail, fixed in session 40). The clip (before the step) sees a zero there
+instead of nothing: its norm adds 0.0 once more. The buffer is only used once a step gave every parameter a
+gradient (:meth:`FlatGradBuffer.zero`), else never.
 """
 
 from __future__ import annotations
 
+import functools
 import sys
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -81,6 +86,24 @@ class FlatGradBuffer:
         self._buf: Optional[torch.Tensor] = None
         #: times a fresh buffer was allocated (the first one included): a reused buffer keeps it unchanged
         self.allocations = 0
+        self._touched = [False] * len(self.params)  # this step's backward reached params[i] (its hook ran)
+        self._hooks: list[Any] = []  # removable handles: the parameters' hooks and the optimizer's pre-hook
+
+    def _mark(self, i: int, _param: torch.Tensor) -> None:
+        self._touched[i] = True
+
+    def _settle(self, _optimizer: Any, _args: Any, _kwargs: Any) -> None:
+        """The optimizer's step pre-hook: a parameter this step's backward did not reach gets no gradient."""
+        if self.enabled and self._checked:
+            for p, touched in zip(self.params, self._touched):
+                if not touched:
+                    p.grad = None
+
+    def _arm(self, optimizer: torch.optim.Optimizer) -> None:
+        if not self._hooks:
+            self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(self._mark, i))
+                           for i, p in enumerate(self.params)]  # fmt: skip
+            self._hooks.append(optimizer.register_step_pre_hook(self._settle))
 
     def _free_buffer(self) -> torch.Tensor:
         """The buffer when nothing else holds its storage, else a fresh one (the old one left to its holders)."""
@@ -102,6 +125,8 @@ class FlatGradBuffer:
         if not (self.enabled and self._checked):
             optimizer.zero_grad(set_to_none=True)
             return
+        self._arm(optimizer)
+        self._touched = [False] * len(self.params)
         buf = self._buf
         if buf is None or any(p.grad is None or not _is_view_of(p.grad, buf) for p in self.params):
             for p in self.params:

@@ -4,7 +4,9 @@ rounds").
 15 honest tiny-model peers and one ``forge-aggregate`` attacker (tests.adversary: as a slice owner it forges its
 group aggregate, as a leader its cross results), ``--mode accountable --group-size 5``: 16 participants are 4
 groups of 4, 15 are 3 of 5, 14 are 3 of 5, 5 and 4, so every round of the run is grouped. An honest slice leader is
-SIGKILLed as its round-1 grouped exchange starts. What must hold for the 14 honest survivors: every one exits 0,
+SIGKILLed as the first grouped exchange after round 0 that one leads starts (round 1, or round 2 when round 1 went
+flat: under CI load 5 of 16 peers still synced in round 1, and a round with fewer established participants than
+groups stays one group). What must hold for the 14 honest survivors: every one exits 0,
 their digests are bitwise equal after every round, the rounds after the kill train (rows with contributors and
 without the victim), every one of them excludes the forger on a proof (and nobody else), and no honest log has an
 ERROR or a traceback.
@@ -24,7 +26,8 @@ pytestmark = pytest.mark.timeout(600)
 
 N = 16
 ROUNDS = 4
-KILL_ROUND = 1
+#: the rounds whose grouped exchange may be the kill's: one after it must still train
+KILL_ROUNDS = (1, 2)
 #: a log line at ERROR or CRITICAL (peer.cli's format: "HH:MM:SS L name: message")
 _ERROR = re.compile(r"^\d\d:\d\d:\d\d [EC] ", re.M)
 
@@ -84,12 +87,15 @@ def _forger_owned_a_slice_then_check(swarm: AttackSwarm) -> bool:
     if "owns slice" not in str(forger_round_0()):
         return False
 
-    def leader() -> str | None:
-        return next((n for n in honest if _leads(swarm.text(n), KILL_ROUND)), None)
+    def leader() -> tuple[str, int] | None:
+        return next(((n, r) for r in KILL_ROUNDS for n in honest if _leads(swarm.text(n), r)), None)
 
-    swarm.wait_for(lambda: leader() is not None, 400, f"an honest leader's round-{KILL_ROUND} grouped exchange")
-    victim = leader()
-    assert victim is not None
+    swarm.wait_for(
+        lambda: leader() is not None, 400, f"an honest slice leader's grouped exchange in rounds {KILL_ROUNDS}"
+    )
+    found = leader()
+    assert found is not None
+    victim, kill_round = found
     swarm.kill(victim)
     rest = [n for n in honest if n != victim]
     codes = swarm.wait_exit(rest, 400)
@@ -100,13 +106,17 @@ def _forger_owned_a_slice_then_check(swarm: AttackSwarm) -> bool:
     assert sorted(digests) == list(range(ROUNDS)), sorted(digests)
     assert all(len(d) == 1 for d in digests.values()), {r: sorted(d) for r, d in digests.items()}
     rows = {n: swarm.rows(n) for n in rest}
-    # every round was grouped, for every peer in it (16, 15 and 14 participants: 4, 3 and 3 groups)
+    # round 0 and the kill's round were grouped, for every peer in them (a later round of 14 established
+    # participants is 3 groups too, but one where peers still sync may go flat: see the module's docstring)
     for n, rs in rows.items():
         text = swarm.text(n)
-        assert all(f"round {x['round']}: grouped exchange: " in text for x in rs), (n, text[-2000:])
+        assert all(f"round {x['round']}: grouped exchange: " in text for x in rs if x["round"] in (0, kill_round)), (
+            n,
+            text[-2000:],
+        )
     # training went on after the kill: every round after it has rows, each with contributors
-    after = {n: [x for x in rs if x["round"] > KILL_ROUND] for n, rs in rows.items()}
-    assert {x["round"] for xs in after.values() for x in xs} == set(range(KILL_ROUND + 1, ROUNDS)), sorted(digests)
+    after = {n: [x for x in rs if x["round"] > kill_round] for n, rs in rows.items()}
+    assert {x["round"] for xs in after.values() for x in xs} == set(range(kill_round + 1, ROUNDS)), sorted(digests)
     assert all(x["contributors"] > 0 for xs in after.values() for x in xs), {
         n: [(x["round"], x["contributors"]) for x in xs] for n, xs in after.items()
     }
