@@ -24,11 +24,12 @@ gradient (:meth:`FlatGradBuffer.zero`), else never.
 
 from __future__ import annotations
 
-import functools
 import sys
-from typing import Any, Optional, Sequence
+import weakref
+from typing import Any, Callable, Optional, Sequence
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 __all__ = ["FlatGradBuffer", "storage_shared"]
 
@@ -87,10 +88,9 @@ class FlatGradBuffer:
         #: times a fresh buffer was allocated (the first one included): a reused buffer keeps it unchanged
         self.allocations = 0
         self._touched = [False] * len(self.params)  # this step's backward reached params[i] (its hook ran)
-        self._hooks: list[Any] = []  # removable handles: the parameters' hooks and the optimizer's pre-hook
-
-    def _mark(self, i: int, _param: torch.Tensor) -> None:
-        self._touched[i] = True
+        self._param_hooks: list[RemovableHandle] = []  # the parameters' post-accumulate hooks
+        self._step_hook: Optional[RemovableHandle] = None  # the step pre-hook, on the optimizer _armed refers to
+        self._armed: Optional[weakref.ref] = None
 
     def _settle(self, _optimizer: Any, _args: Any, _kwargs: Any) -> None:
         """The optimizer's step pre-hook: a parameter this step's backward did not reach gets no gradient."""
@@ -100,10 +100,18 @@ class FlatGradBuffer:
                     p.grad = None
 
     def _arm(self, optimizer: torch.optim.Optimizer) -> None:
-        if not self._hooks:
-            self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(self._mark, i))
-                           for i, p in enumerate(self.params)]  # fmt: skip
-            self._hooks.append(optimizer.register_step_pre_hook(self._settle))
+        if not self._param_hooks:
+            # The hooks hold the marks, never the buffer: Python's cycle collector does not see a parameter's
+            # post-accumulate hooks, so hooks holding the buffer (which holds the parameters) kept a dropped
+            # trainer's weights and buffer for good (red team 40). Removed once the buffer is freed.
+            self._param_hooks = [p.register_post_accumulate_grad_hook(_marker(self._touched, i))
+                                 for i, p in enumerate(self.params)]  # fmt: skip
+            weakref.finalize(self, _remove_all, self._param_hooks)
+        if self._armed is None or self._armed() is not optimizer:  # the first optimizer, or a rebuilt one
+            if self._step_hook is not None:
+                self._step_hook.remove()
+            self._step_hook = optimizer.register_step_pre_hook(self._settle)
+            self._armed = weakref.ref(optimizer)
 
     def _free_buffer(self) -> torch.Tensor:
         """The buffer when nothing else holds its storage, else a fresh one (the old one left to its holders)."""
@@ -126,7 +134,7 @@ class FlatGradBuffer:
             optimizer.zero_grad(set_to_none=True)
             return
         self._arm(optimizer)
-        self._touched = [False] * len(self.params)
+        self._touched[:] = [False] * len(self.params)  # in place: the hooks hold this list
         buf = self._buf
         if buf is None or any(p.grad is None or not _is_view_of(p.grad, buf) for p in self.params):
             for p in self.params:
@@ -158,6 +166,20 @@ class FlatGradBuffer:
         buffer again)."""
         optimizer.zero_grad(set_to_none=True)
         self.release()
+
+
+def _marker(touched: list[bool], i: int) -> Callable[[torch.Tensor], None]:
+    """The post-accumulate hook of the ``i``-th parameter: marks ``touched[i]``."""
+
+    def mark(_param: torch.Tensor) -> None:
+        touched[i] = True
+
+    return mark
+
+
+def _remove_all(handles: list[RemovableHandle]) -> None:
+    for h in handles:
+        h.remove()
 
 
 def _is_view_of(t: torch.Tensor, buf: torch.Tensor) -> bool:
