@@ -17,9 +17,10 @@ which no optimizer here reads: AdamW's moments and the clip's norm give the same
 no gradient in a step would keep a zeroed one instead of none (AdamW would then decay it and move its moments):
 each parameter's post-accumulate hook marks the steps whose backward reached it, and a step pre-hook on the
 optimizer sets the gradient of every unmarked one to None before the step, as ``zero_grad(set_to_none=True)``
-would have left it (red team 39's xfail, fixed in session 40). The clip (before the step) sees a zero there
-instead of nothing: its norm adds 0.0 once more. The buffer is only used once a step gave every parameter a
-gradient (:meth:`FlatGradBuffer.zero`), else never.
+would have left it (red team 39's xfail, fixed in session 40). The trainer calls that
+(:meth:`FlatGradBuffer.settle`) before its clip as well: a zero there instead of nothing in the clip's norms
+sums them in another order (red team 40). The hooks hold the marks, not the buffer, and go with it. The buffer
+is only used once a step gave every parameter a gradient (:meth:`FlatGradBuffer.zero`), else never.
 """
 
 from __future__ import annotations
@@ -92,12 +93,19 @@ class FlatGradBuffer:
         self._step_hook: Optional[RemovableHandle] = None  # the step pre-hook, on the optimizer _armed refers to
         self._armed: Optional[weakref.ref] = None
 
-    def _settle(self, _optimizer: Any, _args: Any, _kwargs: Any) -> None:
-        """The optimizer's step pre-hook: a parameter this step's backward did not reach gets no gradient."""
+    def settle(self) -> None:
+        """After a step's backward passes, before its clip and step: a parameter they did not reach gets no
+        gradient (None), as ``zero_grad(set_to_none=True)`` would have left it. The optimizer's step pre-hook
+        calls it too, but a clip before the step would see the zeroed view: its norm (0.0) joins the list of
+        per-tensor norms, which then sums in another order (other last bits of the clip's factor, red team 40)."""
         if self.enabled and self._checked:
             for p, touched in zip(self.params, self._touched):
                 if not touched:
                     p.grad = None
+
+    def _settle(self, _optimizer: Any, _args: Any, _kwargs: Any) -> None:
+        """The optimizer's step pre-hook: :meth:`settle`."""
+        self.settle()
 
     def _arm(self, optimizer: torch.optim.Optimizer) -> None:
         if not self._param_hooks:

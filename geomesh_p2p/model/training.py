@@ -365,10 +365,9 @@ class InnerTrainer:
     def accumulate_grad(self, batch: torch.Tensor, micro_batch: int | None = None) -> float:
         """Forward/backward one batch (int64 ``[B, seq_len]``) into ``.grad``.
 
-        Splits it into micro-batches of ``micro_batch`` rows (the last may be smaller),
-        scaling each micro-batch loss by ``rows / B`` so the accumulated gradient equals
-        that of the whole batch. Does not zero gradients or step. Returns the batch's
-        mean loss (nats per predicted token).
+        Splits it into micro-batches of ``micro_batch`` rows (the last may be smaller), scaling each micro-batch
+        loss by ``rows / B`` so the accumulated gradient equals that of the whole batch. Does not zero gradients
+        or step. Returns the batch's mean loss (nats per predicted token).
         """
         b = batch.shape[0]
         mb = b if not micro_batch or micro_batch >= b else int(micro_batch)
@@ -596,6 +595,7 @@ class InnerTrainer:
                     raise FloatingPointError(
                         f"non-finite training loss {loss} at round {round} step {k} (global step {self.global_step})"
                     )
+                self._grads.settle()  # before the clip: an unreached parameter's zeroed view is not in its norm
                 if self.grad_clip > 0:
                     torch.nn.utils.clip_grad_norm_(self._trained_parameters(), self.grad_clip)
                 self.optimizer.step()
