@@ -242,6 +242,11 @@ async def serve(ns: argparse.Namespace, identity, allow_peers: Optional[list[str
 
 async def _serve(ns: argparse.Namespace, identity, allow_peers, tls, stop: asyncio.Event) -> int:
     """:func:`serve` with its stop event (set by SIGINT/SIGTERM)."""
+    # the DHT's imports (hivemind, which loads torch) take seconds, a minute on a loaded machine: said first (a
+    # fresh-user trial saw ~50 s of silence at load 12 before the "serving on" line). On stdout, with the banner:
+    # stderr's lines are the log and a failed start's one line
+    print(f"{PROG} {__version__}: starting run {ns.run_id!r}: loading the DHT's libraries (seconds; longer on a "
+          "loaded machine)", flush=True)  # fmt: skip
     from geomesh_p2p.dht import DHTJoinError, DHTNode, live_peers
     from geomesh_p2p.net.identity import allow_list
     from geomesh_p2p.net.transport import Transport

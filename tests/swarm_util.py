@@ -38,9 +38,13 @@ FAST = [
     "test-swarm",
     "--pow-bits",
     "8",
-    # Every row evaluated: tests read eval_ppl per round (auto would follow this loaded machine's timings).
+    # Every row evaluated: tests read eval_ppl per round (auto would follow this loaded machine's timings), on
+    # 2 batches, not 8: the evaluation was ~70 % of a FAST peer's training CPU (py-spy, session 40). Tests that
+    # bound a perplexity (test_attacks) pass the default 8 after these flags.
     "--eval-every",
     "1",
+    "--eval-batches",
+    "2",
 ]
 RUN_ID = FAST[FAST.index("--run-id") + 1]  # the run FAST peers join; a bootstrap for them must serve it
 

@@ -576,7 +576,7 @@ class PeerNode:
             self.initial_ppl = await asyncio.to_thread(self.trainer.evaluate, max_batches=self.cfg.eval_batches)
             self.initial_round = self.round
             eval_s = time.monotonic() - t0
-            log.info("round %d: eval perplexity %.2f (initial, %.1f s)", self.round, self.initial_ppl, eval_s)
+            log.info("round %d: eval perplexity %.2f (at start, %.1f s)", self.round, self.initial_ppl, eval_s)
             driver = self._driver()
             driver.eval_schedule.note_eval(-1, eval_s)  # --eval-every auto schedules from it (eval_schedule.py)
             await driver.run()

@@ -46,7 +46,8 @@ ROUNDS = 4
 #: the undefended first version at >= 4,380 under every attack of FAST_ATTACKS (as run here).
 PPL_LIMIT = 1000.0
 #: The window PPL_LIMIT was measured with (the shared FAST flags now use 1.5 s): its perplexities need those steps.
-WINDOW = ["--window-s", "2.5", "--speed-factor", "1"]  # full speed: the perplexity bound needs the steps
+#: And the evaluation PPL_LIMIT was measured with (8 batches; the FAST flags evaluate 2).
+WINDOW = ["--window-s", "2.5", "--speed-factor", "1", "--eval-batches", "8"]  # full speed: the bound needs the steps
 #: Seconds a swarm may take before its honest peers count as hung (a 4-round run takes 45-60 s on 2 idle
 #: cores, up to ~120 s when other jobs share them; at load 12-20 the four start-ups alone took ~80 s and the
 #: run did not end within 200 s: a hang guard, so generous).

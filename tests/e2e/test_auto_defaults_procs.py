@@ -37,4 +37,4 @@ def test_two_peers_plan_from_their_measured_step_times(swarm):
         assert len(said) == 1 and float(said[0]) >= 6.0, (n, said)
     for n in names:
         assert rows[n][-1]["eval_ppl"] is not None  # the last round is always evaluated
-        assert "(initial, " in swarm.text(n)  # the initial evaluation's seconds: the schedule starts from them
+        assert "(at start, " in swarm.text(n)  # the initial evaluation's seconds: the schedule starts from them

@@ -186,7 +186,7 @@ def test_bootstrap_prints_address_and_peer_id_then_exits_0_on_signal(tmp_path, p
     # same identity file => same PeerID on restart; a second bootstrap on its port fails with one line
     again = procs(_bootstrap_argv(tmp_path), "bootstrap-again")
     assert again.wait_line(r"^PeerID: (\w+)$", START_TIMEOUT).group(1) == peer_id
-    port = again.out[0].rsplit(":", 1)[1]
+    port = next(x for x in again.out if "serving on" in x).rsplit(":", 1)[1]
     busy = procs(
         ["-m", "bootstrap.cli", "--host", "127.0.0.1", "--port", port, "--identity", str(tmp_path / "other.key")],
         "busy",
