@@ -16,6 +16,7 @@ from geomesh_p2p.model.build import build_model
 from geomesh_p2p.model.grad_buffer import FlatGradBuffer
 from geomesh_p2p.model.training import InnerTrainer
 from geomesh_p2p.trust.check_model import hollow_copy
+from tests.unit.test_redteam_mem39 import _Branchy
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -65,16 +66,6 @@ def test_the_clip_sees_no_gradient_where_the_step_did_not_reach_a_parameter(micr
         assert t._grads.enabled == flat and t._grads.allocations == (1 if flat else 0)
         out.append(torch.cat([p.detach().reshape(-1) for p in t.model.parameters()]))
     assert torch.equal(out[0], out[1])
-
-
-class _Branchy(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = torch.nn.Linear(4, 4)
-        self.b = torch.nn.Linear(4, 4)
-
-    def forward(self, x: torch.Tensor, use_b: bool) -> torch.Tensor:
-        return (self.b(self.a(x)) if use_b else self.a(x)).square().mean()
 
 
 def _train_rebuilt(flat: bool) -> tuple[torch.Tensor, list[torch.optim.Optimizer]]:
