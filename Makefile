@@ -39,7 +39,9 @@ browser:
 # takes the longest file still waiting (tests/conftest.py: pytest_xdist_make_scheduler), so the process swarms of
 # tests/e2e start first and the short unit files fill the last gaps. On 2 cores, fresh clone: 10 min 15 s - 13 min 3 s with 3
 # workers (session 12, 1,193 tests; 12 min 39 s in session 11 before the e2e peers ran at half speed), ~21 min
-# serially. The e2e tier is CPU-bound there: more workers do not help (4 made two namespace tests fail).
+# serially. The e2e tier is CPU-bound there: more workers do not help (4 made two namespace tests fail; session 40:
+# the cores 97-100 % busy through a whole run with 4). Session 40, 2,024 tests: 10 min 36 s and 11 min 53 s (12 min 14 s before the
+# e2e peers evaluated 2 batches instead of 8); a test peer's largest CPU share is verified work's screens.
 TEST_WORKERS ?= 3
 # PYTHONDONTWRITEBYTECODE is emptied for the suite (set to 1 on some CI machines): with it every peer process of
 # the e2e tier compiled the project's modules again (~0.4 s each here) and pytest rewrote every test file's asserts
