@@ -126,9 +126,11 @@ def _forger_owned_a_slice_then_check(swarm: AttackSwarm) -> bool:
     # out for good has no row at all (before the device re-measurement of node/device_probe.py: the first peer,
     # its start-up profile taken while 15 peers started, trained 0 of 4 rounds)
     assert all(rows.values()), {n: [x["round"] for x in rs] for n, rs in rows.items()}
-    # the victim and the forger are planned by nobody in the last round
+    # the victim and the forger are planned by nobody in the last round; after a kill in round 2 the last round is
+    # the next one, whose plan may still name the victim (it may have pushed before the SIGKILL: no no-show yet)
     last = [x for xs in after.values() for x in xs if x["round"] == ROUNDS - 1]
-    assert last and all(x["peers"] <= N - 2 for x in last), [x["peers"] for x in last]
+    most = N - 2 if kill_round < ROUNDS - 2 else N - 1
+    assert last and all(x["peers"] <= most for x in last), (kill_round, [x["peers"] for x in last])
 
     # the forger is excluded by every honest survivor, on a proof, and nobody else is excluded by anyone
     forger = _peer_id(swarm, "a0")[:10]
