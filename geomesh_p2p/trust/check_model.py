@@ -27,8 +27,20 @@ from geomesh_p2p.exchange.codec import SignPacket
 from geomesh_p2p.exchange.codec import decode as decode_sign
 from geomesh_p2p.model.build import load_flat_
 from geomesh_p2p.model.memory import release_freed_memory
+from geomesh_p2p.trust.kept_weights import file_map_range
+from geomesh_p2p.util.pages import drop_file_pages
 
-__all__ = ["Piece", "decode_span", "hollow_copy", "is_hollow", "load_for_check", "release_", "sub_flat_", "subtracted"]
+__all__ = [
+    "Piece",
+    "abs_max",
+    "decode_span",
+    "hollow_copy",
+    "is_hollow",
+    "load_for_check",
+    "release_",
+    "sub_flat_",
+    "subtracted",
+]
 
 #: A piece of a contribution: ``(start, values)``, the flat elements ``[start, start + n)``; ``values`` fp32 ``[n]``
 #: (any device), or the sign packet it decodes from (decoded a span at a time where it is needed)
@@ -36,6 +48,8 @@ Piece = tuple[int, Union[torch.Tensor, SignPacket]]
 
 #: attribute of a hollow copy: the parameters' shapes in ``named_parameters`` order
 _SHAPES = "_geomesh_hollow_shapes"
+#: attribute of a hollow copy loaded from a kept map: the hooks that hand its pages back (:func:`_install_drops`)
+_DROPS = "_geomesh_page_drops"
 
 
 def hollow_copy(model: torch.nn.Module) -> torch.nn.Module:
@@ -69,6 +83,8 @@ def load_for_check(model, theta: torch.Tensor) -> None:
     if shapes is None:
         load_flat_(model, theta)
         return
+    _remove_drops(model)
+    mapped = file_map_range(theta)
     flat = theta.detach().reshape(-1)
     if flat.dtype != torch.float32 or flat.device.type != "cpu" or not flat.is_contiguous():
         flat = flat.to("cpu", torch.float32).contiguous()
@@ -83,10 +99,33 @@ def load_for_check(model, theta: torch.Tensor) -> None:
         p.data = flat[off : off + n].view(shape)
         p.grad = None
         off += n
+    if mapped is not None and flat.data_ptr() == mapped[0]:
+        _install_drops(model, *mapped)
     if had_private:
         # the private copies of the loss-gain test (:func:`sub_flat_`) are freed now: back to the OS before the
         # gradient passes allocate (glibc keeps freed heap blocks resident until a trim)
         release_freed_memory()
+
+
+#: elements per slice of :func:`abs_max` (16 MiB of fp32)
+_SLICE = 1 << 22
+
+
+def abs_max(theta: torch.Tensor) -> float:
+    """``max |theta|`` (0.0 when empty) without a ``[P]`` temporary of ``|theta|``: ``aminmax`` over slices of
+    :data:`_SLICE` elements, the same value as over the whole. On a kept map
+    (:func:`~geomesh_p2p.trust.kept_weights.file_map_range`) each slice's pages go back to the page cache once
+    read, so the scan does not make the round's 4P bytes resident at once (issue 27, session 41)."""
+    mapped = file_map_range(theta)
+    flat = theta.detach().reshape(-1)
+    out = 0.0
+    for a in range(0, flat.numel(), _SLICE):
+        s = flat[a : a + _SLICE]
+        lo, hi = torch.aminmax(s)
+        out = max(out, -float(lo), float(hi))
+        if mapped is not None:
+            drop_file_pages(s.data_ptr(), 4 * s.numel(), *mapped)
+    return out
 
 
 def release_(model) -> None:
@@ -94,9 +133,45 @@ def release_(model) -> None:
     Nothing for another model."""
     if not is_hollow(model):
         return
+    _remove_drops(model)
     for _, p in model.named_parameters():
         p.grad = None
         p.data = torch.empty(0, dtype=p.dtype)
+
+
+def _install_drops(model, lo: int, hi: int) -> None:
+    """Hand a hollow model's weight pages back to the page cache after each use (issue 27, session 41): after each
+    module's forward call its parameters' pages, after each parameter's gradient is accumulated that parameter's.
+    A pass then holds about one module's weights of the kept file's map at a time, not the round's 4P bytes, and
+    reads the rest back from the page cache as it goes (minor faults). Only for a model whose parameters are views
+    of a :class:`~geomesh_p2p.trust.kept_weights.KeptWeights` map ``[lo, hi)`` (never written: see
+    :mod:`geomesh_p2p.util.pages`)."""
+
+    # each parameter's bytes in the map, taken now: while :func:`subtracted` swaps a parameter for a private tensor
+    # around a forward call, its build still read the map's pages, which go back all the same
+    where = {id(p): (p.data_ptr(), 4 * p.numel()) for p in model.parameters() if p.numel()}
+
+    def drop(ps) -> None:
+        for p in ps:
+            at = where.get(id(p))
+            if at is not None:
+                drop_file_pages(at[0], at[1], lo, hi)
+
+    handles = []
+    for m in model.modules():
+        ps = tuple(q for q in m._parameters.values() if q is not None)
+        if ps:
+            handles.append(m.register_forward_hook(lambda _m, _a, _o, ps=ps: drop(ps), always_call=True))
+    for p in dict.fromkeys(model.parameters()):  # tied parameters once
+        if p.requires_grad:
+            handles.append(p.register_post_accumulate_grad_hook(lambda q: drop((q,))))
+    object.__setattr__(model, _DROPS, handles)
+
+
+def _remove_drops(model) -> None:
+    for h in getattr(model, _DROPS, ()):
+        h.remove()
+    object.__setattr__(model, _DROPS, ())
 
 
 def sub_flat_(model, parts: Iterable[Piece]) -> None:

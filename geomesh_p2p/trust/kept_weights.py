@@ -22,7 +22,17 @@ from typing import Optional
 
 import torch
 
-__all__ = ["KeptWeights"]
+__all__ = ["KeptWeights", "FILE_MAP_ATTR", "file_map_range"]
+
+#: attribute of a tensor :meth:`KeptWeights.get` returned: ``(lo, hi)``, the bytes of its private file mapping
+FILE_MAP_ATTR = "_geomesh_file_map"
+
+
+def file_map_range(t: torch.Tensor) -> Optional[tuple[int, int]]:
+    """``(lo, hi)`` byte addresses of ``t``'s copy-on-write file mapping when ``t`` is a tensor
+    :meth:`KeptWeights.get` returned (not a view or copy of it), else None."""
+    r = getattr(t, FILE_MAP_ATTR, None)
+    return r if isinstance(r, tuple) and len(r) == 2 else None
 
 
 class KeptWeights:
@@ -75,14 +85,18 @@ class KeptWeights:
     def get(self, round: int) -> Optional[torch.Tensor]:
         """Round ``round``'s weights: fp32 CPU ``[numel]`` mapped from its file copy-on-write (writes to
         it never reach the file), bitwise what :meth:`put` was given; None when not kept. The pages are
-        read on first touch and leave the process's memory when the tensor is dropped."""
+        read on first touch and leave the process's memory when the tensor is dropped. Never write it: a check
+        hands its pages back to the page cache between uses (:func:`file_map_range`), which would lose a write."""
         with self._lock:
             n = self._numel.get(int(round))
         if n is None:
             return None
         if n == 0:
             return torch.empty(0, dtype=torch.float32)
-        return torch.from_file(self._file(round), shared=False, size=n, dtype=torch.float32)
+        t = torch.from_file(self._file(round), shared=False, size=n, dtype=torch.float32)
+        # marks the map for load_for_check, which hands a check's pages back between its uses (issue 27)
+        setattr(t, FILE_MAP_ATTR, (t.data_ptr(), t.data_ptr() + 4 * n))
+        return t
 
     def _blob_file(self, round: int) -> str:
         return os.path.join(self.path, f"blob-{int(round)}.bin")

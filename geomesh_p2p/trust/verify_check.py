@@ -20,7 +20,7 @@ import torch
 from geomesh_p2p.exchange import codec as compression
 from geomesh_p2p.model.device import free_after_oom, is_oom
 from geomesh_p2p.model.memory import release_freed_memory
-from geomesh_p2p.trust.check_model import is_hollow, load_for_check, release_
+from geomesh_p2p.trust.check_model import abs_max, is_hollow, load_for_check, release_
 from geomesh_p2p.trust.gain import GainStats, gain_stats
 from geomesh_p2p.trust.verify_commit import Committed
 from geomesh_p2p.trust.verify_task import (
@@ -404,8 +404,7 @@ def _scales(
     scales = torch.cat([mine[j].scales for j in task.parts])
     tokens = max(mine[j].tokens for j in task.parts)
     all_zero = tokens > 0 and scales.numel() > 0 and not bool((scales > 0).any())
-    lo, hi = torch.aminmax(theta)  # max |theta| without a [P] temporary of |theta| (issue 27): the same value
-    bound = scale_bound(task.steps_done, lr, weight_decay, max(-float(lo), float(hi)), cfg.scale_factor)
+    bound = scale_bound(task.steps_done, lr, weight_decay, abs_max(theta), cfg.scale_factor)
     return all_zero, float(scales.max()) if scales.numel() else 0.0, bound
 
 

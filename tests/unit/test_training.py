@@ -62,6 +62,33 @@ def test_presets_build_from_config_only():
     assert (big.n_layer, big.n_embd, big.n_head, big.n_positions, big.vocab_size) == (12, 768, 12, 1024, 50257)
 
 
+def test_gpt2_takes_the_fused_tanh_gelu_which_keeps_a_quarter_of_its_activations(tmp_path):
+    """Issue 27 (session 41): GPT-2's default "gelu_new" is written in Python, and autograd keeps four [B, T, 4d]
+    tensors per layer for it; "gelu_pytorch_tanh" is the same function as one op and keeps one."""
+    from transformers import AutoModelForCausalLM
+
+    from geomesh_p2p.model.memory import _saved_activation_bytes
+
+    cfg = model_config("tiny")
+    assert cfg.activation_function == "gelu_pytorch_tanh"
+    assert model_config("gpt2-124m").activation_function == "gelu_pytorch_tanh"
+    f = tmp_path / "m.json"
+    f.write_text(json.dumps({"preset": "tiny", "activation_function": "relu"}))
+    assert model_config(config_file=f).activation_function == "relu"  # another choice is the user's
+    ours = build_model("tiny", seed=0)
+    cfg.activation_function = "gelu_new"
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        theirs = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").float()
+    x = torch.randint(0, 4096, (1, 32), generator=torch.Generator().manual_seed(0))
+    # 3 fewer fp32 [1, 32, 512] tensors in each of the 2 layers, exactly
+    assert _saved_activation_bytes(theirs, x) - _saved_activation_bytes(ours, x) == 3 * 2 * 32 * 512 * 4
+    with torch.no_grad():
+        a, b = ours(input_ids=x).logits, theirs(input_ids=x).logits
+    assert torch.equal(flat_params(ours), flat_params(theirs))  # the same weights: only the op differs
+    assert torch.allclose(a, b, rtol=0, atol=1e-5)
+
+
 def test_llama_150m_preset_and_exact_counts():
     # The paper's ~150M LLaMA-style model at the shipped tokenizer's vocabulary (4096, tied
     # embeddings): 12 layers x (4 x 1024^2 attention + 3 x 1024 x 2688 SwiGLU + 2 x 1024 norms)
