@@ -50,6 +50,8 @@ Piece = tuple[int, Union[torch.Tensor, SignPacket]]
 _SHAPES = "_geomesh_hollow_shapes"
 #: attribute of a hollow copy loaded from a kept map: the hooks that hand its pages back (:func:`_install_drops`)
 _DROPS = "_geomesh_page_drops"
+#: attribute of such a copy: the map's tensor, held while the hooks live
+_DROPS_MAP = "_geomesh_page_drops_map"
 
 
 def hollow_copy(model: torch.nn.Module) -> torch.nn.Module:
@@ -100,7 +102,7 @@ def load_for_check(model, theta: torch.Tensor) -> None:
         p.grad = None
         off += n
     if mapped is not None and flat.data_ptr() == mapped[0]:
-        _install_drops(model, *mapped)
+        _install_drops(model, flat, *mapped)
     if had_private:
         # the private copies of the loss-gain test (:func:`sub_flat_`) are freed now: back to the OS before the
         # gradient passes allocate (glibc keeps freed heap blocks resident until a trim)
@@ -139,13 +141,15 @@ def release_(model) -> None:
         p.data = torch.empty(0, dtype=p.dtype)
 
 
-def _install_drops(model, lo: int, hi: int) -> None:
+def _install_drops(model, flat: torch.Tensor, lo: int, hi: int) -> None:
     """Hand a hollow model's weight pages back to the page cache after each use (issue 27, session 41): after each
     module's forward call its parameters' pages, after each parameter's gradient is accumulated that parameter's.
     A pass then holds about one module's weights of the kept file's map at a time, not the round's 4P bytes, and
     reads the rest back from the page cache as it goes (minor faults). Only for a model whose parameters are views
     of a :class:`~geomesh_p2p.trust.kept_weights.KeptWeights` map ``[lo, hi)`` (never written: see
-    :mod:`geomesh_p2p.util.pages`)."""
+    :mod:`geomesh_p2p.util.pages`). The hooks hold ``flat`` (the map's tensor) until they are removed: were the
+    map unmapped while they lived, its addresses could be anonymous memory by the next call, which a drop would
+    zero (:func:`sub_flat_` can leave no parameter viewing it)."""
 
     # each parameter's bytes in the map, taken now: while :func:`subtracted` swaps a parameter for a private tensor
     # around a forward call, its build still read the map's pages, which go back all the same
@@ -166,12 +170,15 @@ def _install_drops(model, lo: int, hi: int) -> None:
         if p.requires_grad:
             handles.append(p.register_post_accumulate_grad_hook(lambda q: drop((q,))))
     object.__setattr__(model, _DROPS, handles)
+    object.__setattr__(model, _DROPS_MAP, flat)  # the mapping lives as long as the hooks (docstring)
 
 
 def _remove_drops(model) -> None:
+    """Remove :func:`_install_drops`' hooks, then let go of the map they kept alive (in that order)."""
     for h in getattr(model, _DROPS, ()):
         h.remove()
     object.__setattr__(model, _DROPS, ())
+    object.__setattr__(model, _DROPS_MAP, None)
 
 
 def sub_flat_(model, parts: Iterable[Piece]) -> None:

@@ -112,5 +112,13 @@ def test_a_checks_passes_leave_the_map_unresident_with_the_same_bits(ds, kept):
     assert getattr(hollow, CM._DROPS) == ()
     CM.load_for_check(hollow, t)
     assert len(getattr(hollow, CM._DROPS)) > 0
+    # no parameter views the map any more, and the caller drops it: the hooks keep it mapped, so a drop can only
+    # ever hand back the map's own pages (an unmapped range could be anonymous memory by then)
+    CM.sub_flat_(hollow, [(0, torch.zeros(n))])
+    assert getattr(hollow, CM._DROPS_MAP).data_ptr() == lo
+    del t
+    x = ds.sample_batch(seed=0, peer_id="p0", round=1, step=0, batch_size=1, seq_len=SEQ)
+    with torch.no_grad():
+        hollow(input_ids=x)  # every hook fires on the still-mapped range
     CM.release_(hollow)
-    assert getattr(hollow, CM._DROPS) == ()
+    assert getattr(hollow, CM._DROPS) == () and getattr(hollow, CM._DROPS_MAP) is None
