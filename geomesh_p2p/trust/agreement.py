@@ -42,12 +42,16 @@ import torch
 
 from geomesh_p2p.exchange import codec as compression
 from geomesh_p2p.exchange.robust import support_counts
+from geomesh_p2p.trust.check_model import decode_span
 
 __all__ = ["AgreementTest", "sign_agreements", "supports", "relative_threshold", "MAD_SCALE"]
 
 #: The modified z-score's constant: 0.6745 = the 0.75 quantile of the standard normal, so that
 #: ``MAD / 0.6745`` estimates the standard deviation of normal data (Iglewicz and Hoaglin 1993).
 MAD_SCALE = 0.6745
+
+#: elements per slice of :func:`sign_agreements` (16 MiB of fp32)
+_SLICE = 1 << 22
 
 
 def signs_of(aggregate: torch.Tensor, chunk: int = 1 << 22) -> torch.Tensor:
@@ -66,9 +70,11 @@ def sign_agreements(
 ) -> dict[str, float]:
     """Each contributor's sign agreement with the round's aggregate: over the parts it sent (sign packets;
     other encodings are skipped), the elements where both its decoded value and ``aggregate`` (fp32 ``[P]``, or
-    its :func:`signs_of`: the same figures) are non-zero, the share where their signs are equal. A contributor with no such element is left out.
-    Integer counts, so the same inputs give the same figures on every machine. Blocking (it decodes every
-    contribution): off the event loop."""
+    its :func:`signs_of`: the same figures) are non-zero, the share where their signs are equal. A contributor with
+    no such element is left out. Integer counts, so the same inputs give the same figures on every machine.
+    Decodes :data:`_SLICE` elements at a time (:func:`~geomesh_p2p.trust.check_model.decode_span`, bitwise the
+    whole decode's): its temporaries are a few slices, not a part's. Blocking (it decodes every contribution): off
+    the event loop."""
     out: dict[str, float] = {}
     for sender in sorted(contributions):
         both = agree = 0
@@ -76,13 +82,19 @@ def sign_agreements(
             if not isinstance(packet, compression.SignPacket) or not 0 <= j < len(part_ranges):
                 continue
             s, e = part_ranges[j]
-            mine = torch.sign(compression.decode(packet))
-            ref = torch.sign(aggregate[s:e])
-            if mine.numel() != ref.numel():
+            n = packet.numel
+            if aggregate[s:e].numel() != n:
                 continue
-            live = (mine != 0) & (ref != 0)
-            both += int(live.sum())
-            agree += int((live & (mine == ref)).sum())
+            # a slice at a time (issue 27, session 41): the whole part's decode, its signs and their masks were
+            # ~1 GB of temporaries at gpt2-124m, the peak of a peer whose next inner steps ran beside them
+            buf = torch.empty(min(n, _SLICE), dtype=torch.float32)
+            for a in range(0, n, _SLICE):
+                b = min(n, a + _SLICE)
+                mine = torch.sign(decode_span(packet, a, b, buf[: b - a]))
+                ref = torch.sign(aggregate[s + a : s + b])
+                live = (mine != 0) & (ref != 0)
+                both += int(live.sum())
+                agree += int((live & (mine == ref)).sum())
         if both:
             out[sender] = agree / both
     return out

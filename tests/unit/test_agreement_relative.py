@@ -121,3 +121,41 @@ def test_the_aggregates_signs_give_the_same_agreements():
     signs = signs_of(aggregate, chunk=1000)
     assert signs.dtype == torch.int8 and torch.equal(signs.float(), torch.sign(aggregate))
     assert sign_agreements(contributions, signs, PARTS) == sign_agreements(contributions, aggregate, PARTS)
+
+
+def test_sign_agreements_a_slice_at_a_time_count_what_the_whole_decode_counts(monkeypatch):
+    """Issue 27 (session 41): the measurement decodes a slice at a time; the same integer counts as decoding each
+    part whole (the code before), on slices that cut blocks and bytes, with zero blocks and zero aggregate elements."""
+    import geomesh_p2p.trust.agreement as A
+
+    g = torch.Generator().manual_seed(9)
+    truth = torch.randn(P, generator=g)
+    contributions = {}
+    for i in range(3):
+        v = truth + torch.randn(P, generator=g)
+        v[4096:6144] = 0.0  # a whole block of zeros: scale 0, signs 0
+        contributions[f"h{i}"] = {
+            j: compression.encode(v[a:b].contiguous(), 2048, 1000) for j, (a, b) in enumerate(PARTS)
+        }
+    aggregate = truth.clone()
+    aggregate[::5] = 0.0
+
+    def whole(contributions, aggregate, part_ranges):
+        out = {}
+        for sender in sorted(contributions):
+            both = agree = 0
+            for j, packet in sorted(contributions[sender].items()):
+                s, e = part_ranges[j]
+                mine, ref = torch.sign(compression.decode(packet)), torch.sign(aggregate[s:e])
+                live = (mine != 0) & (ref != 0)
+                both += int(live.sum())
+                agree += int((live & (mine == ref)).sum())
+            out[sender] = agree / both
+        return out
+
+    want = whole(contributions, aggregate, PARTS)
+    assert 0.6 < min(want.values()) and max(want.values()) < 0.95
+    for slice_ in (1000, 2048, 1 << 22):
+        monkeypatch.setattr(A, "_SLICE", slice_)
+        assert sign_agreements(contributions, aggregate, PARTS) == want
+        assert sign_agreements(contributions, signs_of(aggregate), PARTS) == want
