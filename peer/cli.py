@@ -21,6 +21,7 @@ from geomesh_p2p.config.flags import ConfigFileError, StrictParser, add_log_leve
 from geomesh_p2p.config.models import DEFAULT_IDENTITY
 from geomesh_p2p.util.exit_gc import skip_exit_collections
 from geomesh_p2p.util.fds import raise_fd_limit
+from geomesh_p2p.util.malloc import limit_malloc_arenas
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
@@ -148,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     # The interpreter's exit would otherwise spend seconds to minutes (on a loaded machine) in full collections
     # over torch's and transformers' objects after the node has shut down (geomesh_p2p/util/exit_gc.py).
     skip_exit_collections()
+    # first of all: glibc fixes its arena limit when a second thread first allocates (geomesh_p2p/util/malloc.py)
+    limit_malloc_arenas()
     parser = build_parser()
     ns = parse(parser, argv)
     if ns.command is None:

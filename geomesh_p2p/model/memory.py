@@ -9,8 +9,6 @@ on the CPU, the allocator's peak on CUDA) and :func:`release_freed_memory` (glib
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import math
 import os
 import threading
@@ -20,6 +18,14 @@ from typing import Any, Callable, Optional, Union
 import torch
 
 from geomesh_p2p.config.method import COMPRESSED_METHODS
+from geomesh_p2p.util.malloc import (  # noqa: F401  (re-exported: callers import them from here)
+    _M_ARENA_MAX,
+    _M_MMAP_THRESHOLD,
+    _M_TRIM_THRESHOLD,
+    MALLOC_ARENAS,
+    _glibc,
+    limit_malloc_arenas,
+)
 from geomesh_p2p.util.procstat import status_bytes
 from geomesh_p2p.model.build import count_params
 from geomesh_p2p.model.device import (
@@ -323,39 +329,6 @@ def _rss_bytes() -> Optional[int]:
 
 #: A memory probe runs a callable and returns (bytes in use just before, peak bytes while it ran).
 MemoryProbe = Callable[[Callable[[], None]], "tuple[int, int]"]
-
-
-#: glibc mallopt parameters (malloc.h).
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8
-
-#: glibc malloc arenas a peer process uses at most (:func:`limit_malloc_arenas`).
-MALLOC_ARENAS = 2
-
-
-def limit_malloc_arenas(arenas: int = MALLOC_ARENAS) -> bool:
-    """Cap glibc's malloc arenas at ``arenas`` for the rest of this process (``mallopt(M_ARENA_MAX)``), unless
-    the environment sets ``MALLOC_ARENA_MAX`` (the user's value wins). True when the cap was set.
-
-    glibc gives threads that allocate at once their own arenas (up to 8 per core), and memory freed in one
-    arena is reused by that arena only: a peer's worker threads (encoding, verification, evaluation, the
-    outer step) each keep freed tensors' memory resident. On ``benchmarks/real_size.py --quick`` (gpt2-124m,
-    3 peers on 2 cores) two arenas lowered the peak RSS per peer from 6.75-6.86 to 6.30-6.38 GiB with the
-    same step and round times (docs/real-size.md, session 11). Call it early, before the worker threads
-    start: threads that already have an arena keep it. Other C libraries: nothing happens, False."""
-    if os.environ.get("MALLOC_ARENA_MAX"):
-        return False
-    libc = _glibc()
-    return libc is not None and bool(libc.mallopt(_M_ARENA_MAX, int(arenas)))
-
-
-def _glibc() -> Optional[ctypes.CDLL]:
-    """The C library when it has glibc's ``malloc_trim`` and ``mallopt``; None elsewhere (musl, macOS)."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.malloc_trim, libc.mallopt  # noqa: B018  (AttributeError where they are missing)
-    except (OSError, AttributeError):
-        return None
-    return libc
 
 
 #: Allocations from this size (bytes) are mmapped by glibc once :func:`release_freed_memory` configured it,
