@@ -84,10 +84,16 @@ class KeptWeights:
         if self._tmp is None:
             raise RuntimeError("the kept weights' store is closed")
         path = self._file(round)
+        part = path + ".part"
         flat = theta.detach().reshape(-1)  # a view when contiguous: written without a copy
         try:
-            flat.numpy().tofile(path)
+            # a new file in its place, not the old one truncated and written again: a tensor :meth:`get` returned
+            # maps the old one, whose pages a truncation takes away (a read past the new end is a SIGBUS, later
+            # ones read the new weights, under a check of the old; red team 41)
+            flat.numpy().tofile(part)
+            os.replace(part, path)
         except BaseException:
+            self._remove(part)
             self._remove(path)
             raise
         with self._lock:

@@ -134,3 +134,16 @@ def test_a_nan_weight_fails_the_scale_test_as_before(kept):
     for th in (theta, kept.get(3)):
         v = VC.quick_verdict(cfg, task, packets=packets, theta=th, lr=1e-3, weight_decay=0.1)
         assert v is not None and v.outcome == VC.FAIL and v.reason.startswith("scale:"), v
+
+
+def test_rewriting_a_kept_round_leaves_a_live_map_as_it_was(kept):
+    """``put`` of a round kept already (``keep_round`` writes its weights whether or not the round is kept, while a
+    background check may hold its map) truncated the mapped file and wrote it again: the map then read the new
+    weights (and a read during the write, past the new end, is a SIGBUS). Pre-existing, with the page drops more
+    of a check's reads go back to the file."""
+    a, b = (torch.randn(1 << 18, generator=torch.Generator().manual_seed(s)) for s in (5, 6))
+    kept.put(4, a)
+    t = kept.get(4)
+    kept.put(4, b)
+    assert torch.equal(t, a)
+    assert torch.equal(kept.get(4), b) and kept.files() == ["theta-4.f32"]
