@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import copy
 import math
+import weakref
 from contextlib import contextmanager
-from typing import Iterable, Iterator, Union
+from typing import Iterable, Iterator, Optional, Union
 
 import torch
 
@@ -114,20 +115,25 @@ _SLICE = 1 << 22
 
 
 def abs_max(theta: torch.Tensor) -> float:
-    """``max |theta|`` (0.0 when empty) without a ``[P]`` temporary of ``|theta|``: ``aminmax`` over slices of
-    :data:`_SLICE` elements, the same value as over the whole. On a kept map
+    """``max |theta|`` (0.0 when empty; NaN when ``theta`` holds a NaN) without a ``[P]`` temporary of ``|theta|``:
+    ``aminmax`` over slices of :data:`_SLICE` elements, the same value as over the whole. On a kept map
     (:func:`~geomesh_p2p.trust.kept_weights.file_map_range`) each slice's pages go back to the page cache once
     read, so the scan does not make the round's 4P bytes resident at once (issue 27, session 41)."""
     mapped = file_map_range(theta)
     flat = theta.detach().reshape(-1)
-    out = 0.0
+    out: Optional[float] = None
     for a in range(0, flat.numel(), _SLICE):
         s = flat[a : a + _SLICE]
         lo, hi = torch.aminmax(s)
-        out = max(out, -float(lo), float(hi))
+        m = max(-float(lo), float(hi))  # the whole's expression, per slice
         if mapped is not None:
             drop_file_pages(s.data_ptr(), 4 * s.numel(), *mapped)
-    return out
+        if m != m:
+            # a NaN: aminmax over the whole gave NaN, and so did this (a verdict's scale bound is NaN then, which
+            # fails every contribution); Python's max() would skip it (red team 41)
+            return m
+        out = m if out is None else max(out, m)
+    return 0.0 if out is None else out
 
 
 def release_(model) -> None:
@@ -154,12 +160,20 @@ def _install_drops(model, flat: torch.Tensor, lo: int, hi: int) -> None:
     # each parameter's bytes in the map, taken now: while :func:`subtracted` swaps a parameter for a private tensor
     # around a forward call, its build still read the map's pages, which go back all the same
     where = {id(p): (p.data_ptr(), 4 * p.numel()) for p in model.parameters() if p.numel()}
+    # The hooks live in the modules' dicts, which copy.deepcopy copies (the closures shared): a copy of the model
+    # would keep calling them after this model let go of the map, on addresses anonymous memory may hold by then
+    # (red team 41). They drop only while ``flat`` lives, and hold it while they do.
+    alive = weakref.ref(flat)
 
     def drop(ps) -> None:
+        held = alive()
+        if held is None:
+            return
         for p in ps:
             at = where.get(id(p))
             if at is not None:
                 drop_file_pages(at[0], at[1], lo, hi)
+        del held
 
     handles = []
     for m in model.modules():

@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import tempfile
 import threading
+import weakref
 from typing import Optional
 
 import torch
@@ -27,12 +28,23 @@ __all__ = ["KeptWeights", "FILE_MAP_ATTR", "file_map_range"]
 #: attribute of a tensor :meth:`KeptWeights.get` returned: ``(lo, hi)``, the bytes of its private file mapping
 FILE_MAP_ATTR = "_geomesh_file_map"
 
+#: the tensors :meth:`KeptWeights.get` returned and that live, by ``id``: a tensor's ``__dict__`` (and so
+#: :data:`FILE_MAP_ATTR`) travels with ``copy.deepcopy`` and pickle, the map does not (red team 41)
+_MAPS: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
+
 
 def file_map_range(t: torch.Tensor) -> Optional[tuple[int, int]]:
     """``(lo, hi)`` byte addresses of ``t``'s copy-on-write file mapping when ``t`` is a tensor
-    :meth:`KeptWeights.get` returned (not a view or copy of it), else None."""
+    :meth:`KeptWeights.get` returned (not a view or copy of it) and still holds that mapping, else None."""
     r = getattr(t, FILE_MAP_ATTR, None)
-    return r if isinstance(r, tuple) and len(r) == 2 else None
+    if not (isinstance(r, tuple) and len(r) == 2) or _MAPS.get(id(t)) is not t:
+        # a copy (deepcopy, pickle, torch.save) carries the attribute, not the map: its memory is anonymous, and
+        # after the map is gone it may even lie at the map's addresses, where a page drop would zero it
+        return None
+    s = t.untyped_storage()
+    if t.data_ptr() != r[0] or s.data_ptr() != r[0] or s.nbytes() != r[1] - r[0]:
+        return None  # another storage since (set_, .data =): not the map any more
+    return r
 
 
 class KeptWeights:
@@ -72,10 +84,16 @@ class KeptWeights:
         if self._tmp is None:
             raise RuntimeError("the kept weights' store is closed")
         path = self._file(round)
+        part = path + ".part"
         flat = theta.detach().reshape(-1)  # a view when contiguous: written without a copy
         try:
-            flat.numpy().tofile(path)
+            # a new file in its place, not the old one truncated and written again: a tensor :meth:`get` returned
+            # maps the old one, whose pages a truncation takes away (a read past the new end is a SIGBUS, later
+            # ones read the new weights, under a check of the old; red team 41)
+            flat.numpy().tofile(part)
+            os.replace(part, path)
         except BaseException:
+            self._remove(part)
             self._remove(path)
             raise
         with self._lock:
@@ -96,6 +114,7 @@ class KeptWeights:
         t = torch.from_file(self._file(round), shared=False, size=n, dtype=torch.float32)
         # marks the map for load_for_check, which hands a check's pages back between its uses (issue 27)
         setattr(t, FILE_MAP_ATTR, (t.data_ptr(), t.data_ptr() + 4 * n))
+        _MAPS[id(t)] = t
         return t
 
     def _blob_file(self, round: int) -> str:
