@@ -19,7 +19,7 @@ import os
 import tempfile
 import threading
 import weakref
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -66,6 +66,7 @@ class KeptWeights:
         self.path = self._tmp.name
         self._numel: dict[int, int] = {}
         self._lock = threading.Lock()
+        self._writing = threading.Lock()  # held through a file's write and close's removal (:meth:`_write`)
 
     def _file(self, round: int) -> str:
         return os.path.join(self.path, f"theta-{int(round)}.f32")
@@ -81,21 +82,9 @@ class KeptWeights:
         """
         if theta.dtype != torch.float32 or theta.device.type != "cpu":
             raise ValueError(f"kept weights must be fp32 on the CPU, got {theta.dtype} on {theta.device}")
-        if self._tmp is None:
-            raise RuntimeError("the kept weights' store is closed")
         path = self._file(round)
-        part = path + ".part"
         flat = theta.detach().reshape(-1)  # a view when contiguous: written without a copy
-        try:
-            # a new file in its place, not the old one truncated and written again: a tensor :meth:`get` returned
-            # maps the old one, whose pages a truncation takes away (a read past the new end is a SIGBUS, later
-            # ones read the new weights, under a check of the old; red team 41)
-            flat.numpy().tofile(part)
-            os.replace(part, path)
-        except BaseException:
-            self._remove(part)
-            self._remove(path)
-            raise
+        self._write(path, flat.numpy().tofile)
         with self._lock:
             self._numel[int(round)] = int(flat.numel())
         return 4 * int(flat.numel())
@@ -124,16 +113,33 @@ class KeptWeights:
         """Write ``data`` beside round ``round``'s weights (replacing any before; verified work keeps a round's
         contributions there once they leave memory). Returns the bytes written; deleted with the round
         (:meth:`drop`). Raises RuntimeError when closed, OSError when the write fails (nothing is kept then)."""
-        if self._tmp is None:
-            raise RuntimeError("the kept weights' store is closed")
-        path = self._blob_file(round)
-        try:
-            with open(path, "wb") as f:
+
+        def write(part: str) -> None:
+            with open(part, "wb") as f:
                 f.write(data)
-        except BaseException:
-            self._remove(path)
-            raise
+
+        self._write(self._blob_file(round), write)
         return len(data)
+
+    def _write(self, path: str, write: Callable[[str], Any]) -> None:
+        """``write(part)`` a new file, then put it in ``path``'s place, under the store's write lock.
+
+        A new file, not the old one truncated and written again: a tensor :meth:`get` returned maps the old one,
+        whose pages a truncation takes away (a read past the new end is a SIGBUS, later ones read the new weights
+        under a check of the old; red team 41). The lock keeps :meth:`close` from removing the directory while a
+        write is under way (its removal then failed with "Directory not empty", and the peer's exit with it:
+        session 41). Raises RuntimeError when closed, OSError when the write fails (nothing is kept then)."""
+        with self._writing:
+            if self._tmp is None:
+                raise RuntimeError("the kept weights' store is closed")
+            part = path + ".part"
+            try:
+                write(part)
+                os.replace(part, path)
+            except BaseException:
+                self._remove(part)
+                self._remove(path)
+                raise
 
     def get_blob(self, round: int) -> Optional[bytes]:
         """The bytes of :meth:`put_blob` for ``round``, or None (none written, or dropped)."""
@@ -167,7 +173,8 @@ class KeptWeights:
 
     def close(self) -> None:
         """Delete every file and the directory. Safe to call twice."""
-        tmp, self._tmp = self._tmp, None
+        with self._writing:  # after a write under way (:meth:`_write`)
+            tmp, self._tmp = self._tmp, None
         with self._lock:
             self._numel.clear()
         if tmp is not None:

@@ -122,3 +122,45 @@ def test_a_checks_passes_leave_the_map_unresident_with_the_same_bits(ds, kept):
         hollow(input_ids=x)  # every hook fires on the still-mapped range
     CM.release_(hollow)
     assert getattr(hollow, CM._DROPS) == () and getattr(hollow, CM._DROPS_MAP) is None
+
+
+def test_close_waits_for_a_write_under_way_and_then_removes_everything(tmp_path, monkeypatch):
+    """Session 41: a peer's exit failed with "[Errno 39] Directory not empty" when the store was closed while the
+    start weights were still being written beside it; close now waits for the write and removes its file too."""
+    import os
+    import threading
+
+    import geomesh_p2p.trust.kept_weights as KW
+
+    k = KeptWeights(str(tmp_path))
+    inside, go = threading.Event(), threading.Event()
+    real = os.replace
+
+    def slow_replace(a, b):
+        inside.set()
+        assert go.wait(30)
+        real(a, b)
+
+    monkeypatch.setattr(KW.os, "replace", slow_replace)
+    errors: list[BaseException] = []
+    writer = threading.Thread(target=lambda: k.put(7, torch.ones(1000)))
+    writer.start()
+    assert inside.wait(30)
+
+    def close() -> None:
+        try:
+            k.close()
+        except BaseException as e:  # noqa: BLE001  (the failure this test is about)
+            errors.append(e)
+
+    closer = threading.Thread(target=close)
+    closer.start()
+    closer.join(0.3)
+    assert closer.is_alive()  # held back by the write under way
+    go.set()
+    writer.join(30)
+    closer.join(30)
+    assert not closer.is_alive() and errors == []
+    assert not os.path.exists(k.path) and k.closed
+    with pytest.raises(RuntimeError, match="closed"):
+        k.put(8, torch.ones(10))
