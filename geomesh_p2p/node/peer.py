@@ -285,11 +285,7 @@ class PeerNode:
         return self.planning.method_rule
 
     def _global_theta(self) -> torch.Tensor:
-        """The global weights ``self.theta``: [P] fp32 CPU.
-
-        Raises:
-            RuntimeError: the global state does not exist yet (called before the node built it in ``start``).
-        """
+        """The global weights ``self.theta``: [P] fp32 CPU. Raises RuntimeError before ``start`` built them."""
         if self.theta is None:
             raise RuntimeError("the global weights do not exist yet (the node has not built its training state)")
         return self.theta
@@ -305,11 +301,7 @@ class PeerNode:
             self.announcer.follow_rounds(rec.cycle_s, self.run_cfg.window_s or AUTO_WINDOW_MIN_S)
 
     def _started_transport(self) -> Transport:
-        """``self.transport``, the node's gRPC transport.
-
-        Raises:
-            RuntimeError: the node is not started yet (``start``) or already shut down.
-        """
+        """``self.transport``, the node's gRPC transport. Raises RuntimeError before ``start`` or after shutdown."""
         if self.transport is None:
             raise RuntimeError("the node's transport is not running (the node is not started, or shut down)")
         return self.transport
@@ -564,9 +556,13 @@ class PeerNode:
                 if new_key := self.identity.keep_created():  # said once it serves: a failed start prints one line
                     log.info("%s", new_key)
                 await joining.initial_state(self)
-            except StoppedBeforeJoining as e:
+            except BaseException as e:
+                # stopped, refused or failed before it took the run's state: no checkpoint of the seed, which a
+                # later --resume would start from (a refused join wrote one: fresh-user trial 41)
+                self.checkpoints.skip = True
+                if not isinstance(e, StoppedBeforeJoining):
+                    raise
                 log.info("stop requested before this peer joined the swarm: leaving (%s)", e)
-                self.checkpoints.skip = True  # it holds no state of the run: a checkpoint would be the seed's
                 return 0
             if self._stop.is_set():  # Ctrl+C during start-up: no initial evaluation (seconds at real size)
                 log.info("stop requested during start-up: leaving before the first round")

@@ -392,3 +392,32 @@ async def test_resuming_behind_a_run_the_bootstrap_saw_further_along_says_so(mon
     with events.capture("resumed_behind_swarm") as said:
         await node._warn_if_resumed_behind()
     assert said == []
+
+
+@pytest.mark.parametrize("where", ["start", "initial_state"])
+async def test_a_peer_refused_before_it_took_the_runs_state_writes_no_checkpoint(monkeypatch, tmp_path, where):
+    """Fresh-user trial 41: a join refused after start-up (the remembered swarm had another run config) wrote a
+    679 MB round-0 checkpoint of the seed on its way out, which a later ``--resume`` would have started from."""
+    from geomesh_p2p.node import joining
+
+    node = _bare_node(checkpoint_dir=str(tmp_path / "ck"))
+    refused = IncompatibleSwarmError("run 'R' was at round 7 with another run config")
+
+    async def ok(*a, **k):
+        return None
+
+    async def refuse(*a, **k):
+        raise refused
+
+    monkeypatch.setattr(node, "start", refuse if where == "start" else ok)
+    monkeypatch.setattr(joining, "initial_state", refuse if where == "initial_state" else ok)
+    shut = []
+
+    async def shutdown():
+        shut.append(node.checkpoints.skip)
+        assert await node.checkpoints.final_checkpoint() is None
+
+    monkeypatch.setattr(node, "shutdown", shutdown)
+    with pytest.raises(IncompatibleSwarmError):
+        await node.run()
+    assert shut == [True] and not (tmp_path / "ck").exists()
