@@ -247,7 +247,10 @@ def _host_port(text: str) -> str:
     try:
         return canonical_address(text)
     except AddressError as e:
-        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r} ({e})") from None
+        msg = str(e)  # once: "'127.0.0.1' has no port: expected HOST:PORT" said it twice in a wrapper (fresh user 41)
+        raise argparse.ArgumentTypeError(
+            msg if "HOST:PORT" in msg else f"expected HOST:PORT, got {text!r} ({msg})"
+        ) from None
 
 
 def capped(parse: Callable[[str], Any], le: Optional[float] = None, lt: Optional[float] = None) -> Callable[[str], Any]:

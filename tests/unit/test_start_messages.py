@@ -92,8 +92,8 @@ def test_join_bootstrap_without_port_is_one_line(capsys):
     code, lines = _peer_main_error(capsys, "join", "--bootstrap", "127.0.0.1")
     assert code == 2
     assert lines == [
-        "geomesh-peer join: error: argument --bootstrap: expected HOST:PORT, got '127.0.0.1' "
-        "('127.0.0.1' has no port: expected HOST:PORT) (see geomesh-peer join --help)"
+        "geomesh-peer join: error: argument --bootstrap: '127.0.0.1' has no port: expected HOST:PORT "
+        "(see geomesh-peer join --help)"
     ]
 
 
