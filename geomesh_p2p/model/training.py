@@ -367,8 +367,7 @@ class InnerTrainer:
 
         Splits it into micro-batches of ``micro_batch`` rows (the last may be smaller), scaling each micro-batch
         loss by ``rows / B`` so the accumulated gradient equals that of the whole batch. Does not zero gradients
-        or step. Returns the batch's mean loss (nats per predicted token).
-        """
+        or step. Returns the batch's mean loss (nats per predicted token)."""
         b = batch.shape[0]
         mb = b if not micro_batch or micro_batch >= b else int(micro_batch)
         total = 0.0
@@ -393,8 +392,7 @@ class InnerTrainer:
 
         Raises:
             MemoryError: still out of memory at micro-batch 1 (gradients dropped); the caller contributes
-                the steps done so far.
-        """
+                the steps done so far."""
         b = batch.shape[0]
         mb = b if not micro_batch or micro_batch >= b else int(micro_batch)
         self._largest_micro = max(self._largest_micro, mb)
@@ -537,6 +535,8 @@ class InnerTrainer:
         if inner_steps < 0 or batch_size < 1:
             raise ValueError("inner_steps must be >= 0 and batch_size >= 1")
         self.model.train()
+        if self.device.type == "cpu":  # what the exchange, outer step and digest freed since the last trim (s. 41)
+            release_freed_memory()
         losses: list[float] = []
         stopped = False
         tokens_per_step = batch_size * self.seq_len

@@ -411,3 +411,15 @@ def test_one_stall_does_not_keep_a_peer_at_zero_steps(ds):
     assert tr._row_time_ema < 100 * normal + 1.0
     # a deadline already past still does nothing
     assert tr.run(round=2, inner_steps=3, batch_size=4, deadline=swarm_time() - 1).steps_done == 0
+
+
+def test_a_cpu_round_returns_the_exchanges_freed_memory_before_its_first_step(ds, monkeypatch):
+    """Session 41: the exchange, the outer step and the digest free their slices into glibc's heap, resident until a
+    trim; the next round's steps ran beside them. Now the inner steps trim first, and once more when they end."""
+    tr = _trainer(ds)
+    events: list[str] = []
+    monkeypatch.setattr(training, "release_freed_memory", lambda: events.append("trim"))
+    real = tr.accumulate_fitting
+    monkeypatch.setattr(tr, "accumulate_fitting", lambda *a, **k: (events.append("step"), real(*a, **k))[1])
+    tr.run(round=0, inner_steps=2, batch_size=2)
+    assert events == ["trim", "step", "step", "trim"]

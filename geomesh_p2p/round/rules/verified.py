@@ -14,6 +14,7 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
+from geomesh_p2p.model.memory import release_freed_memory
 from geomesh_p2p.round.rules import verified_accountable
 from geomesh_p2p.round.rules.state import RoundState
 from geomesh_p2p.trust import agreement, verify
@@ -379,6 +380,7 @@ class VerifiedWork:
             found = await asyncio.to_thread(agreement.sign_agreements, contributions, signs, ranges)
             del signs
             support = await asyncio.to_thread(agreement.supports, contributions, ranges)
+            await asyncio.to_thread(release_freed_memory)  # their slices, beside the next steps (session 41)
         aggregate = None
         steps = _claimed_steps(contributions, plan)
         await wv.tend(r, micro_batch=a.micro_batch)
