@@ -14,6 +14,7 @@ import struct
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Mapping, Optional, Sequence
 
+import numpy as np
 import torch
 
 from geomesh_p2p.exchange import codec as compression
@@ -507,6 +508,26 @@ def gain_steps(task: "VerifyTask", n: int) -> tuple[int, ...]:
     return tuple(sorted(order[: min(n, task.steps_done)]))
 
 
+def _randperm_prefix(total: int, n: int, seed: int) -> list[int]:
+    """``torch.randperm(total, generator=torch.Generator().manual_seed(seed))[:n]`` (as ints), without the ``[total]``
+    permutation (issue 27, session 41: its int32 copy, 356 MB at 89M elements, was the rest of a check's peak).
+
+    torch's CPU ``randperm`` is Fisher-Yates over the generator's raw 32-bit MT19937 draws: step ``i`` swaps
+    positions ``i`` and ``i + draw_i % (total - i)``, and no later step touches position ``i``, so the first ``n``
+    values need only the first ``n`` draws and the positions they moved (a dict). The draws are those of the same
+    MT19937 seeded with the low 32 bits of ``seed``, as torch seeds it (numpy's legacy ``RandomState``).
+    ``tests/unit/test_check_model.py`` compares it with ``torch.randperm``; ``n < total < 2**31``."""
+    draws = np.random.RandomState(seed & 0xFFFFFFFF).randint(0, 2**32, size=n, dtype=np.uint64).tolist()
+    moved: dict[int, int] = {}
+    out = []
+    for i, d in enumerate(draws):
+        j = i + d % (total - i)
+        vi, vj = moved.get(i, i), moved.get(j, j)
+        moved[j] = vi  # position i is final after this step: only j keeps a record
+        out.append(vj)
+    return out
+
+
 def sample_elements(ranges: Sequence[tuple[int, int]], n: int, seed: int) -> torch.Tensor:
     """Sorted int64 element indices from the union of ``ranges`` (disjoint ``[start, end)``): all of
     them when they hold at most ``n``, else ``n`` distinct ones drawn with a CPU generator seeded with
@@ -517,13 +538,12 @@ def sample_elements(ranges: Sequence[tuple[int, int]], n: int, seed: int) -> tor
     total = int(sizes.sum()) if len(ranges) else 0
     if total <= n:
         pos = torch.arange(total, dtype=torch.int64)
+    elif total < 2**31 and 0 <= int(seed) < 2**64:
+        pos = torch.tensor(sorted(_randperm_prefix(total, n, int(seed))), dtype=torch.int64)
     else:
         g = torch.Generator(device="cpu")
         g.manual_seed(int(seed))
-        # int32 below 2^31: the same permutation as int64 (one algorithm, one generator draw per element) in half
-        # the memory (at 89M elements the int64 one was 712 MB, the peak of a check: issue 27)
-        small = torch.int32 if total < 2**31 else torch.int64
-        pos = torch.randperm(total, generator=g, dtype=small)[:n].to(torch.int64).sort().values
+        pos = torch.randperm(total, generator=g)[:n].sort().values
     starts = torch.tensor([s for s, _ in ranges], dtype=torch.int64)
     offsets = torch.cumsum(sizes, 0) - sizes  # position of each range's first element in the union
     which = torch.searchsorted(offsets, pos, right=True) - 1

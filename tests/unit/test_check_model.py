@@ -122,6 +122,25 @@ def test_sample_elements_draws_the_same_elements_as_the_int64_permutation():
         assert torch.equal(sample_elements(ranges, 1000, seed), starts[which] + (pos - offsets[which]))
 
 
+def test_the_permutations_prefix_is_torchs_without_the_permutation(monkeypatch):
+    """Session 41: ``sample_elements`` draws its elements without ``torch.randperm``'s ``[total]`` (356 MB at 89M
+    elements, the rest of a check's peak): the same first values for any seed torch takes (its MT19937 keeps the low
+    32 bits), and ``randperm`` is not called below 2^31 elements."""
+    from geomesh_p2p.trust import verify_task as VT
+
+    for total, n, seed in [(1000, 999, 0), (5_000_000, 4096, 2**40 + 5), (20_000_000, 512, 2**63 - 1), (17, 16, 3)]:
+        want = torch.randperm(total, generator=torch.Generator().manual_seed(seed))[:n].tolist()
+        assert VT._randperm_prefix(total, n, seed) == want, (total, n, seed)
+    ranges = [(0, 3000), (5000, 90_001)]
+    want = VT.sample_elements(ranges, 1000, 11)
+
+    def no_randperm(*a, **k):
+        raise AssertionError("randperm called")
+
+    monkeypatch.setattr(VT.torch, "randperm", no_randperm)
+    assert torch.equal(VT.sample_elements(ranges, 1000, 11), want) and want.dtype == torch.int64
+
+
 @pytest.mark.timeout(120)
 def test_a_check_holds_one_parameters_gradient_at_a_time_with_the_same_bits(ds, monkeypatch):
     """Issue 27 (session 39): each parameter's gradient is read at its sampled elements and dropped as soon as it is
