@@ -405,13 +405,11 @@ def cmd_join(ns: argparse.Namespace) -> int:
         return 1
     # torch's import, the model and the proof of work take 10-30 s on a CPU box before the next line: say so
     log.info("geomesh-peer join: starting (torch, the model, then the proof of work; 10-30 s on a CPU)")
-    from geomesh_p2p.model.memory import limit_malloc_arenas
     from geomesh_p2p.node.host import set_threads
     from geomesh_p2p.node.peer import PeerNode
     from geomesh_p2p.node.checkpoints import remove_empty_folders
     from geomesh_p2p.trust.admission import discard_new_identity
 
-    limit_malloc_arenas()  # before the node's worker threads exist (docs/real-size.md)
     set_threads(getattr(ns, "threads", None))  # --threads, else the host's cores shared by its peers (issue 27)
 
     if not ns.bootstrap:

@@ -65,7 +65,6 @@ IN_FUNCTION_IMPORTS: dict[tuple[str, str], str] = {
     ("peer/node_cli.py", "geomesh_p2p.data.corpus"): _CLI,
     ("peer/node_cli.py", "geomesh_p2p.data.hub"): _CLI,
     ("peer/node_cli.py", "geomesh_p2p.dht"): _CLI,
-    ("peer/node_cli.py", "geomesh_p2p.model.memory"): _CLI,
     ("peer/node_cli.py", "geomesh_p2p.node.host"): _CLI,
     ("peer/node_cli.py", "geomesh_p2p.node.checkpoints"): _CLI,
     ("peer/node_cli.py", "geomesh_p2p.model.state"): _CLI,

@@ -18,14 +18,8 @@ from typing import Any, Callable, Optional, Union
 import torch
 
 from geomesh_p2p.config.method import COMPRESSED_METHODS
-from geomesh_p2p.util.malloc import (  # noqa: F401  (re-exported: callers import them from here)
-    _M_ARENA_MAX,
-    _M_MMAP_THRESHOLD,
-    _M_TRIM_THRESHOLD,
-    MALLOC_ARENAS,
-    _glibc,
-    limit_malloc_arenas,
-)
+from geomesh_p2p.util.malloc import _M_MMAP_THRESHOLD, _M_TRIM_THRESHOLD, _glibc
+from geomesh_p2p.util.malloc import limit_malloc_arenas  # noqa: F401  (re-exported: callers import it from here)
 from geomesh_p2p.util.procstat import status_bytes
 from geomesh_p2p.model.build import count_params
 from geomesh_p2p.model.device import (

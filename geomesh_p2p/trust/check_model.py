@@ -28,6 +28,7 @@ from geomesh_p2p.exchange.codec import SignPacket
 from geomesh_p2p.exchange.codec import decode as decode_sign
 from geomesh_p2p.model.build import load_flat_
 from geomesh_p2p.model.memory import release_freed_memory
+from geomesh_p2p.model.optim import _abs_max
 from geomesh_p2p.trust.kept_weights import file_map_range
 from geomesh_p2p.util.pages import drop_file_pages
 
@@ -124,13 +125,12 @@ def abs_max(theta: torch.Tensor) -> float:
     out: Optional[float] = None
     for a in range(0, flat.numel(), _SLICE):
         s = flat[a : a + _SLICE]
-        lo, hi = torch.aminmax(s)
-        m = max(-float(lo), float(hi))  # the whole's expression, per slice
+        m = _abs_max(s)  # NaN for a slice with a NaN
         if mapped is not None:
             drop_file_pages(s.data_ptr(), 4 * s.numel(), *mapped)
         if m != m:
-            # a NaN: aminmax over the whole gave NaN, and so did this (a verdict's scale bound is NaN then, which
-            # fails every contribution); Python's max() would skip it (red team 41)
+            # aminmax over the whole gave NaN too (a verdict's scale bound is NaN then, which fails every
+            # contribution); Python's max() would skip it (red team 41)
             return m
         out = m if out is None else max(out, m)
     return 0.0 if out is None else out

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import os
 from typing import Optional
 
-__all__ = ["MALLOC_ARENAS", "limit_malloc_arenas"]
+__all__ = ["MALLOC_ARENAS", "libc", "limit_malloc_arenas"]
 
 #: glibc mallopt parameters (malloc.h).
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8
@@ -39,11 +40,16 @@ def limit_malloc_arenas(arenas: int = MALLOC_ARENAS) -> bool:
     return libc is not None and bool(libc.mallopt(_M_ARENA_MAX, int(arenas)))
 
 
+@functools.cache
+def libc() -> Optional[ctypes.CDLL]:
+    """The C library, loaded once (None where it cannot be loaded)."""
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
+
+
 def _glibc() -> Optional[ctypes.CDLL]:
     """The C library when it has glibc's ``malloc_trim`` and ``mallopt``; None elsewhere (musl, macOS)."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.malloc_trim, libc.mallopt  # noqa: B018  (AttributeError where they are missing)
-    except (OSError, AttributeError):
-        return None
-    return libc
+    lib = libc()
+    return lib if lib is not None and hasattr(lib, "malloc_trim") and hasattr(lib, "mallopt") else None

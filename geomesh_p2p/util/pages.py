@@ -15,9 +15,11 @@ which are the mapping's. On anonymous memory, or on a page written since it was 
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
+import functools
 import os
-from typing import Optional
+from typing import Callable, Optional
+
+from geomesh_p2p.util.malloc import libc
 
 __all__ = ["PAGE_BYTES", "drop_file_pages"]
 
@@ -26,22 +28,16 @@ PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 _MADV_DONTNEED = 4  # Linux's value (asm-generic/mman-common.h)
 
-_libc: Optional[ctypes.CDLL] = None
-_tried = False
 
-
-def _madvise() -> Optional[ctypes.CDLL]:
-    global _libc, _tried
-    if not _tried:
-        _tried = True
-        try:
-            lib = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-            lib.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-            lib.madvise.restype = ctypes.c_int
-            _libc = lib
-        except (OSError, AttributeError):
-            _libc = None
-    return _libc
+@functools.cache
+def _madvise() -> Optional[Callable[..., int]]:
+    """libc's ``madvise`` with its C signature (set once, here: its only caller), or None where it is missing."""
+    lib = libc()
+    fn = getattr(lib, "madvise", None) if lib is not None else None
+    if fn is not None:
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        fn.restype = ctypes.c_int
+    return fn
 
 
 def drop_file_pages(addr: int, nbytes: int, lo: int, hi: int) -> bool:
@@ -51,9 +47,9 @@ def drop_file_pages(addr: int, nbytes: int, lo: int, hi: int) -> bool:
     for an empty or outside range, or where ``madvise`` is missing or refuses (nothing changes then)."""
     if nbytes <= 0 or addr < lo or addr + nbytes > hi:
         return False
-    libc = _madvise()
-    if libc is None or not hasattr(libc, "madvise"):
+    madvise = _madvise()
+    if madvise is None:
         return False
     start = max(lo, addr // PAGE_BYTES * PAGE_BYTES)
     end = min(-(-hi // PAGE_BYTES) * PAGE_BYTES, -(-(addr + nbytes) // PAGE_BYTES) * PAGE_BYTES)
-    return libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_DONTNEED) == 0
+    return madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_DONTNEED) == 0
