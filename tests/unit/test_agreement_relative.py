@@ -106,7 +106,8 @@ def test_agreements_count_only_elements_where_both_are_nonzero():
 
 
 def test_the_aggregates_signs_give_the_same_agreements():
-    """Issue 27 (session 39): verified work measures on :func:`signs_of` (int8) and lets the aggregate go."""
+    """Issue 27 (session 39): verified work measures on :func:`signs_of` and lets the aggregate go (session 42: two
+    bitmaps, P/4 bytes, instead of int8 signs, P bytes)."""
     g = torch.Generator().manual_seed(5)
     truth = torch.randn(P, generator=g)
     contributions = {
@@ -119,7 +120,9 @@ def test_the_aggregates_signs_give_the_same_agreements():
     aggregate = truth.clone()
     aggregate[::7] = 0.0  # zeros are left out of both counts
     signs = signs_of(aggregate, chunk=1000)
-    assert signs.dtype == torch.int8 and torch.equal(signs.float(), torch.sign(aggregate))
+    assert signs.numel == P and signs.nonzero.dtype == signs.positive.dtype == torch.uint8
+    assert signs.nonzero.numel() == signs.positive.numel() == -(-P // 8)
+    assert torch.equal(signs.span(0, P).float(), torch.sign(aggregate))
     assert sign_agreements(contributions, signs, PARTS) == sign_agreements(contributions, aggregate, PARTS)
 
 
@@ -159,3 +162,23 @@ def test_sign_agreements_a_slice_at_a_time_count_what_the_whole_decode_counts(mo
         monkeypatch.setattr(A, "_SLICE", slice_)
         assert sign_agreements(contributions, aggregate, PARTS) == want
         assert sign_agreements(contributions, signs_of(aggregate), PARTS) == want
+
+
+def test_packed_signs_spans_are_the_signs_at_any_offset_and_size():
+    """Issue 27 (session 42): :class:`PackedSigns` keeps 2 bits an element; any span (cutting bytes, an odd length,
+    a chunk that is not a multiple of 8) reads back ``torch.sign`` exactly, the bytes are the little-endian bit
+    order, and a span outside is refused."""
+    g = torch.Generator().manual_seed(11)
+    for n in (1, 7, 8, 13, 1001):
+        v = torch.randn(n, generator=g)
+        v[::3] = 0.0
+        for chunk in (1, 8, 13, 4096):
+            packed = signs_of(v, chunk=chunk)
+            assert torch.equal(packed.span(0, n), torch.sign(v).to(torch.int8))
+            for a, b in ((0, 0), (1, n), (n // 2, n), (n // 3, n - n // 3)):
+                if a <= b:
+                    assert torch.equal(packed.span(a, b), torch.sign(v[a:b]).to(torch.int8)), (n, chunk, a, b)
+    exact = signs_of(torch.tensor([0.0, 1.0, -1.0, 2.0, 0.0, 0.0, 0.0, 3.0, -5.0]))
+    assert exact.nonzero.tolist() == [0b10001110, 0b1] and exact.positive.tolist() == [0b10001010, 0b0]
+    with pytest.raises(ValueError, match="span"):
+        exact.span(3, 10)

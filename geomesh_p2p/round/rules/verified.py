@@ -364,9 +364,9 @@ class VerifiedWork:
         agreement test (:mod:`geomesh_p2p.trust.agreement`; advisory: recorded in the row and logged, nothing
         dropped or excluded on it). Off the round's path: a task of its own. The agreement is measured first, once
         the round's row is out (:meth:`round_done`), so the round's aggregate ([P]) is not held while the evidence
-        is read (issue 27: into the next round). Once the row is out only the aggregate's signs are held (int8,
-        a quarter of its bytes): the aggregate itself, the buffer of the next round's gradients (issue 27, session
-        39: :class:`~geomesh_p2p.model.grad_buffer.FlatGradBuffer`), is let go before the measurement."""
+        is read (issue 27: into the next round). Once the row is out only the aggregate's signs are held (two
+        bitmaps, a sixteenth of its bytes; session 42): the aggregate itself, the buffer of the next round's gradients
+        (issue 27, session 39: :class:`~geomesh_p2p.model.grad_buffer.FlatGradBuffer`), is let go before the measurement."""
         aggregate = getattr(ar, "aggregate", None)
         contributions, ranges = ar.contributions, ar.part_ranges
         del ar
