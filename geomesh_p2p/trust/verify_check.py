@@ -137,6 +137,13 @@ def batch_gradients(
     return out
 
 
+#: A check's gradient pass returns the heap's free pages to the OS each time this many bytes of CPU gradients were
+#: dropped (:class:`_PickedGrads`): ~11 trims a pass at gpt2-124m (P = 89M), each ~1 ms plus its pages faulted in
+#: again. `benchmarks/verify_check_rss.py --model gpt2-124m`: a check's peak over its start 1.05-1.11p -> 0.48-0.50p
+#: (p = 4P bytes); 64 MiB gave 0.61-0.68p, 16 MiB 0.47p (session 42).
+TRIM_EVERY_BYTES = 32 << 20
+
+
 class _PickedGrads:
     """Each parameter's gradient at its picked elements, summed over the micro-batches in the gradient's dtype (the
     bits ``.grad`` accumulated in place held there), its ``.grad`` dropped as soon as it is accumulated: a check
@@ -146,6 +153,8 @@ class _PickedGrads:
     def __init__(self, params: Sequence[torch.Tensor], picks) -> None:
         self.local = {id(p): local for p, _, local in picks}
         self.sums: dict[int, torch.Tensor] = {}
+        self.freed = 0  # bytes of CPU gradients dropped since the last trim
+        self.trims = 0
         self.handles = [
             p.register_post_accumulate_grad_hook(self._hook) for p in params if p.requires_grad and p.is_leaf
         ]
@@ -153,12 +162,24 @@ class _PickedGrads:
     def _hook(self, p: torch.Tensor) -> None:
         g, p.grad = p.grad, None
         local = self.local.get(id(p))
-        if g is None or local is None:
+        if g is None:
             return
-        with torch.no_grad():
-            vals = g.reshape(-1)[local.to(g.device)]
-            prev = self.sums.get(id(p))
-            self.sums[id(p)] = vals if prev is None else prev + vals
+        if local is not None:
+            with torch.no_grad():
+                vals = g.reshape(-1)[local.to(g.device)]
+                prev = self.sums.get(id(p))
+                self.sums[id(p)] = vals if prev is None else prev + vals
+        if g.device.type == "cpu":
+            self.freed += g.numel() * g.element_size()
+            del g
+            if self.freed >= TRIM_EVERY_BYTES:
+                # glibc splits each freed gradient for the pass's smaller blocks and takes the next gradient from
+                # fresh heap: free but resident heap grew ~0.7p over one gpt2-124m pass (session 42: mallinfo's
+                # free bytes, RssAnon +0.7p while the bytes in use stayed flat), the peak of a check beside the
+                # inner steps. A trim every TRIM_EVERY_BYTES hands it back as it grows.
+                release_freed_memory()
+                self.freed = 0
+                self.trims += 1
 
     def remove(self) -> None:
         for h in self.handles:
