@@ -45,7 +45,7 @@ def add_flags(p: argparse.ArgumentParser) -> None:
         help="stop once the swarm's eval perplexity reaches this; the initial is ~4200 (default: %(default)s)",
     )
     g.add_argument("--workdir", help="where logs, keys and checkpoints go (default: a temporary folder)")
-    g.add_argument("--summary-json", help="write the demo summary here")
+    g.add_argument("--summary-json", help="write the demo summary here, JSON (default: none written)")
     g.add_argument(
         "--threads-per-peer", type=_int_at_least(1), default=1, help="torch threads per peer (default: %(default)s)"
     )
@@ -165,7 +165,7 @@ def cmd_demo(ns: argparse.Namespace) -> int:
     summary = _summarize(ns, workdir, t0)
     if ns.summary_json:
         Path(ns.summary_json).write_text(json.dumps(summary, indent=1))
-    _print_summary(summary)
+    _print_summary(summary, ns.summary_json)
     if rc == 0 and ns.target_ppl is not None and not summary["reached_target"]:
         rc = 1
     return rc
@@ -286,7 +286,7 @@ def _summarize(ns, workdir: Path, t0: float) -> dict:
     }
 
 
-def _print_summary(s: dict) -> None:
+def _print_summary(s: dict, summary_json: str | None = None) -> None:
     print("\nsummary:")
     fmt = lambda v: "?" if v is None else f"{v:.2f}"  # noqa: E731
     print(
@@ -306,6 +306,8 @@ def _print_summary(s: dict) -> None:
     print(f"  digests equal on every peer every round: {s['digests_matched_every_round']}")
     w = s["workdir"]
     print(f"\nresults in {w}: each peer's round rows (peerN.jsonl), log (peerN.log) and checkpoints (ckptN/)")
+    if summary_json:
+        print(f"summary (JSON): {summary_json}")
     # the console script by the name a user can run in this shell: not on PATH after `make demo` without the venv's
     # activate (a fresh user's report, session 36)
     prog = "geomesh-peer"

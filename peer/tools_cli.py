@@ -415,14 +415,24 @@ def add_subcommands(sub, add_common) -> None:
     )
     source_flags(gen)
     gen.add_argument("--prompt", required=True, help="text to continue")
-    gen.add_argument("--max-new-tokens", type=_int_at_least(1, 4096), default=40, help="(default: %(default)s)")
+    gen.add_argument(
+        "--max-new-tokens",
+        type=_int_at_least(1, 4096),
+        default=40,
+        help="tokens to generate after the prompt (default: %(default)s)",
+    )
     gen.add_argument(
         "--temperature",
         type=_non_negative_float,
         default=0.8,
         help="sampling temperature; 0 = greedy (default: %(default)s)",
     )
-    gen.add_argument("--top-k", type=_int_at_least(1), default=40, help="(default: %(default)s)")
+    gen.add_argument(
+        "--top-k",
+        type=_int_at_least(1),
+        default=40,
+        help="sample among the k most likely next tokens only (default: %(default)s)",
+    )
     gen.add_argument("--seed", type=int, default=0, help="sampling seed (default: %(default)s)")
     add_common(gen)
     gen.set_defaults(handler=cmd_generate)

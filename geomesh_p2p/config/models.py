@@ -420,7 +420,9 @@ class NodeConfig(BaseModel):
         metavar="N",
     )
     # a perplexity is exp(loss) >= 1: a target of 1 or less is never reached (geomesh-sim --target-ppl: "> 1")
-    target_ppl: Optional[float] = opt(None, "stop once eval perplexity is at or below this", gt=1)
+    target_ppl: Optional[float] = opt(
+        None, "stop once eval perplexity is at or below this (default: none, no perplexity target)", gt=1
+    )
     min_peers: int = opt(
         1,
         "peers to wait for before round 0; later rounds (with 2 or more) wait for one other peer and a peer left alone ends (docs/round.md)",

@@ -27,9 +27,11 @@ def list_checkpoints(directory: str | os.PathLike) -> list[tuple[int, Path]]:
 
 
 def checkpoint_dir_problem(directory: str | os.PathLike) -> Optional[str]:
-    """Why ``directory`` (``~`` expanded) holds no checkpoint to read, in one line naming it (``"D: not a
-    directory"``, ``"D: no checkpoint (ckpt-NNNNNNNN.json) in this directory"``), or None when it holds one."""
+    """Why ``directory`` (``~`` expanded) holds no checkpoint to read, in one line naming it (``"D: no such
+    directory"``, ``"D: not a directory"``, ``"D: no checkpoint (ckpt-NNNNNNNN.json) in this directory"``), or None when it holds one."""
     d = Path(directory).expanduser()
+    if not d.exists():
+        return f"{d}: no such directory"
     if not d.is_dir():
         return f"{d}: not a directory"
     if not list_checkpoints(d):

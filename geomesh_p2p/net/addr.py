@@ -64,12 +64,17 @@ def parse_address(address: str) -> Tuple[str, int]:
     """``(host, port)`` of a ``host:port`` string; the host comes back without brackets.
 
     Accepts ``1.2.3.4:5``, ``name:5``, ``[::1]:5``. Raises AddressError (one line) when the port is
-    missing or not in 1..65535, the host is empty, or an IPv6 literal is not in brackets (``::1:5``:
+    missing or not in 1..65535, the host is empty, it is a URL (``http://h:5``), or an IPv6 literal is not in brackets (``::1:5``:
     which colon starts the port is a guess, so it is refused with the bracketed form to use).
     """
     text = address.strip()
     if len(text) > MAX_ADDRESS_CHARS:
         raise AddressError(f"address of {len(text)} characters (at most {MAX_ADDRESS_CHARS})")
+    scheme, sep, rest = text.partition("://")
+    if sep and scheme and "[" not in scheme and ":" not in scheme:
+        # a URL (http://host:port): the IPv6 advice below would have told a user to bracket "http://host" (a fresh
+        # user's trial, session 42)
+        raise AddressError(f"{address!r} is a URL: expected HOST:PORT without {scheme}://, e.g. {rest.rstrip('/')}")
     if text.startswith("["):
         end = text.find("]")
         if end < 0 or text[end + 1 : end + 2] != ":":

@@ -69,6 +69,8 @@ def test_parse_round_trips(text, parsed):
     "text,says",
     [
         ("::1:31337", "needs brackets, e.g. [::1]:31337"),
+        ("http://127.0.0.1:31337", "is a URL: expected HOST:PORT without http://, e.g. 127.0.0.1:31337"),
+        ("grpc://[::1]:5/", "is a URL: expected HOST:PORT without grpc://, e.g. [::1]:5"),
         ("127.0.0.1", "has no port"),
         (":5", "has no host"),
         ("[::1]", "is not [IPV6]:PORT"),

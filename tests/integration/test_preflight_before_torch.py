@@ -169,7 +169,13 @@ async def test_a_busy_bootstrap_port_is_refused_before_torch(tmp_path):
 async def test_a_missing_checkpoint_folder_is_named_before_torch(tmp_path):
     nope = tmp_path / "nope"
     rc, err = await _run(MAIN, "peer.cli", "checkpoints", str(nope))
-    assert (rc, err) == (1, [f"geomesh-peer checkpoints: {nope}: not a directory", "imported at the end: []"])
+    assert (rc, err) == (1, [f"geomesh-peer checkpoints: {nope}: no such directory", "imported at the end: []"])
+    (tmp_path / "file").write_text("x")
+    rc, err = await _run(MAIN, "peer.cli", "checkpoints", str(tmp_path / "file"))
+    assert (rc, err) == (
+        1,
+        [f"geomesh-peer checkpoints: {tmp_path / 'file'}: not a directory", "imported at the end: []"],
+    )
     rc, err = await _run(MAIN, "peer.cli", "export", "--checkpoint-dir", str(tmp_path), "--out", str(nope))
     assert (rc, err) == (
         1,

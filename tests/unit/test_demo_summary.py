@@ -57,3 +57,6 @@ def test_summary_idle_is_time_weighted_over_all_rounds_and_says_so(tmp_path, cap
         "  peer0: straggler idle 25.0%, network idle 10.0% over 3 round(s), sent 0.00 MB",
         "  peer1: straggler idle 0.0%, network idle 0.0% over 3 round(s), sent 0.01 MB",
     ]
+    assert not any(line.startswith("summary (JSON)") for line in out)  # none written: none named
+    _print_summary(s, "runs/demo/summary.json")  # the Makefile's demo writes one: the last lines name it
+    assert "summary (JSON): runs/demo/summary.json" in capsys.readouterr().out.splitlines()
