@@ -38,6 +38,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
+import numpy as np
 import torch
 
 from geomesh_p2p.exchange import codec as compression
@@ -77,18 +78,10 @@ class PackedSigns:
         return (2 * pos.to(torch.int8) - 1) * nz.to(torch.int8)
 
 
-#: bit weights of a byte's 8 elements, little-endian (element k at bit k)
-_BITS = torch.tensor([1 << k for k in range(8)], dtype=torch.uint8)
-
-
 def _unpack(b: torch.Tensor) -> torch.Tensor:
-    """uint8 ``[n]`` -> bool ``[8n]``, bit ``k`` of byte ``j`` at ``8j + k``."""
-    return (b.unsqueeze(1) & _BITS).ne(0).reshape(-1)
-
-
-def _pack(mask: torch.Tensor) -> torch.Tensor:
-    """bool ``[n]``, ``n`` a multiple of 8 -> uint8 ``[n / 8]``, the inverse of :func:`_unpack`."""
-    return (mask.view(-1, 8).to(torch.uint8) * _BITS).sum(dim=1, dtype=torch.uint8)
+    """uint8 ``[n]`` -> bool ``[8n]``, bit ``k`` of byte ``j`` at ``8j + k`` (the inverse of ``np.packbits(...,
+    bitorder="little")``)."""
+    return torch.from_numpy(np.unpackbits(b.numpy(), bitorder="little").view(np.bool_))
 
 
 def _ref_signs(aggregate: torch.Tensor | PackedSigns, start: int, end: int) -> torch.Tensor:
@@ -103,18 +96,17 @@ def signs_of(aggregate: torch.Tensor, chunk: int = 1 << 22) -> PackedSigns:
     elements at a time (rounded up to a multiple of 8; no fp32 ``[P]`` temporary): all :func:`sign_agreements`
     reads of the aggregate, in a sixteenth of its bytes, so the round's aggregate need not be held while the
     agreement is measured (issue 27: session 39 held int8 signs, session 42 two bitmaps)."""
-    flat = aggregate.reshape(-1)
+    flat = aggregate.detach().reshape(-1)
     n = flat.numel()
-    chunk = max(8, -(-chunk // 8) * 8)
-    nonzero = torch.empty(-(-n // 8), dtype=torch.uint8)
-    positive = torch.empty_like(nonzero)
+    chunk = max(8, -(-chunk // 8) * 8)  # whole bytes per chunk: only the last one is padded (with 0 bits)
+    nonzero = np.empty(-(-n // 8), dtype=np.uint8)
+    positive = np.empty_like(nonzero)
     for s in range(0, n, chunk):
-        v = flat[s : s + chunk]
-        if v.numel() % 8:  # the last chunk: pad with zeros (neither bit set)
-            v = torch.cat([v, v.new_zeros(8 - v.numel() % 8)])
-        nonzero[s // 8 : s // 8 + v.numel() // 8] = _pack(v != 0)
-        positive[s // 8 : s // 8 + v.numel() // 8] = _pack(v > 0)
-    return PackedSigns(n, nonzero, positive)
+        v = flat[s : s + chunk].cpu().numpy()  # a chunk at a time off a device, too
+        lo, hi = s // 8, s // 8 + -(-v.size // 8)
+        nonzero[lo:hi] = np.packbits(v != 0, bitorder="little")
+        positive[lo:hi] = np.packbits(v > 0, bitorder="little")
+    return PackedSigns(n, torch.from_numpy(nonzero), torch.from_numpy(positive))
 
 
 def sign_agreements(
