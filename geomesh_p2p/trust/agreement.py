@@ -57,21 +57,25 @@ _SLICE = 1 << 22
 
 @dataclass(frozen=True)
 class PackedSigns:
-    """The signs of an fp32 ``[numel]`` vector in two bitmaps of ``ceil(numel / 8)`` uint8 each, element ``i`` at
+    """The signs of an fp32 ``[n]`` vector in two bitmaps of ``ceil(n / 8)`` uint8 each, element ``i`` at
     bit ``i % 8`` of byte ``i // 8`` (little-endian bit order, as the sign codec packs): ``nonzero`` (the element is
     not 0) and ``positive`` (it is > 0). A quarter of an int8 sign vector's bytes (P/4 against P: 22 MB against
     89 MB at ``gpt2-124m``): what :func:`sign_agreements` reads of the round's aggregate while the next round's
     inner steps run beside it (issue 27, session 42)."""
 
-    numel: int
+    n: int
     nonzero: torch.Tensor
     positive: torch.Tensor
 
+    def numel(self) -> int:
+        """The elements the signs are of (as ``Tensor.numel``)."""
+        return self.n
+
     def span(self, start: int, end: int) -> torch.Tensor:
         """``torch.sign`` of elements ``[start, end)`` as int8 ``[end - start]`` (-1, 0, 1). Raises ValueError
-        outside ``[0, numel]``."""
-        if not 0 <= start <= end <= self.numel:
-            raise ValueError(f"span [{start}, {end}) of {self.numel} signs")
+        outside ``[0, n]``."""
+        if not 0 <= start <= end <= self.n:
+            raise ValueError(f"span [{start}, {end}) of {self.n} signs")
         lo, hi = start // 8, -(-end // 8)
         nz = _unpack(self.nonzero[lo:hi])[start - 8 * lo : end - 8 * lo]
         pos = _unpack(self.positive[lo:hi])[start - 8 * lo : end - 8 * lo]
@@ -121,7 +125,7 @@ def sign_agreements(
     Decodes :data:`_SLICE` elements at a time (:func:`~geomesh_p2p.trust.check_model.decode_span`, bitwise the
     whole decode's): its temporaries are a few slices, not a part's. Blocking (it decodes every contribution): off
     the event loop."""
-    total = aggregate.numel if isinstance(aggregate, PackedSigns) else aggregate.numel()
+    total = aggregate.numel()
 
     out: dict[str, float] = {}
     for sender in sorted(contributions):

@@ -120,7 +120,7 @@ def test_the_aggregates_signs_give_the_same_agreements():
     aggregate = truth.clone()
     aggregate[::7] = 0.0  # zeros are left out of both counts
     signs = signs_of(aggregate, chunk=1000)
-    assert signs.numel == P and signs.nonzero.dtype == signs.positive.dtype == torch.uint8
+    assert signs.numel() == P and signs.nonzero.dtype == signs.positive.dtype == torch.uint8
     assert signs.nonzero.numel() == signs.positive.numel() == -(-P // 8)
     assert torch.equal(signs.span(0, P).float(), torch.sign(aggregate))
     assert sign_agreements(contributions, signs, PARTS) == sign_agreements(contributions, aggregate, PARTS)

@@ -118,7 +118,7 @@ def test_the_agreement_of_a_round_is_measured_once_its_row_is_out(monkeypatch):
 @pytest.mark.timeout(30)
 def test_the_agreement_is_measured_on_the_signs_with_the_aggregate_let_go(monkeypatch):
     """Issue 27 (session 39): the aggregate is the buffer of the next round's gradients; the measurement, which runs
-    into the next round, holds its int8 signs only (the same figures: test_agreement_relative)."""
+    into the next round, holds its signs only (session 42: two bitmaps; the same figures: test_agreement_relative)."""
     import gc
     import weakref
 
@@ -127,12 +127,12 @@ def test_the_agreement_is_measured_on_the_signs_with_the_aggregate_let_go(monkey
     from geomesh_p2p.round.rules import verified as verified_mod
 
     rules = make_rules(me="me", verifier=_Verifier())
-    seen: list[tuple[torch.dtype, list[int], bool]] = []
+    seen: list[tuple[type, list[int], bool]] = []
     ref: list[weakref.ref] = []
 
     def sign_agreements(contributions, signs, part_ranges):
         gc.collect()
-        seen.append((signs.dtype, signs.tolist(), ref[0]() is None))
+        seen.append((type(signs), signs.span(0, signs.numel()).tolist(), ref[0]() is None))
         return {"a": 1.0}
 
     monkeypatch.setattr(verified_mod.agreement, "sign_agreements", sign_agreements)
@@ -149,4 +149,4 @@ def test_the_agreement_is_measured_on_the_signs_with_the_aggregate_let_go(monkey
         await rules.verified.task
 
     asyncio.run(main())
-    assert seen == [(torch.int8, [1, -1, 0, 1], True)]
+    assert seen == [(verified_mod.agreement.PackedSigns, [1, -1, 0, 1], True)]
