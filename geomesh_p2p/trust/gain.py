@@ -104,7 +104,13 @@ def row_losses(
                 seed=seed, peer_id=peer, round=round, step=step, batch_size=batch_size, seq_len=seq_len
             ).to(device)
             logits = model(input_ids=x).logits[:, :-1].float()
-            nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), x[:, 1:], reduction="none")
+            rows, cols, vocab = logits.shape
+            # over [rows x cols, vocab], the vocabulary contiguous: a third of a tiny-preset pass less than over the
+            # transposed [rows, vocab, cols] (session 42: a screen is ~80 of these passes; the same losses to ~2e-6
+            # nats, as far from fp64 as before)
+            nll = torch.nn.functional.cross_entropy(
+                logits.reshape(rows * cols, vocab), x[:, 1:].reshape(-1), reduction="none"
+            ).view(rows, cols)
             out.append([float(v) for v in nll.mean(dim=1).cpu()])
         return out
     finally:
