@@ -28,12 +28,19 @@ def list_checkpoints(directory: str | os.PathLike) -> list[tuple[int, Path]]:
 
 def checkpoint_dir_problem(directory: str | os.PathLike) -> Optional[str]:
     """Why ``directory`` (``~`` expanded) holds no checkpoint to read, in one line naming it (``"D: no such
-    directory"``, ``"D: not a directory"``, ``"D: no checkpoint (ckpt-NNNNNNNN.json) in this directory"``), or None when it holds one."""
-    d = Path(directory).expanduser()
-    if not d.exists():
-        return f"{d}: no such directory"
-    if not d.is_dir():
-        return f"{d}: not a directory"
-    if not list_checkpoints(d):
-        return f"{d}: no checkpoint (ckpt-NNNNNNNN.json) in this directory"
+    directory"``, ``"D: not a directory"``, ``"D: no checkpoint (ckpt-NNNNNNNN.json) in this directory"``, ``"D: cannot
+    be read (Permission denied)"``), or None when it holds one."""
+    try:
+        d = Path(directory).expanduser()
+    except RuntimeError:  # "~name/..." where no user is called name (red team 42: a traceback)
+        return f"{directory}: no such directory"
+    try:
+        if not d.exists():
+            return f"{d}: no such directory"
+        if not d.is_dir():
+            return f"{d}: not a directory"
+        if not list_checkpoints(d):
+            return f"{d}: no checkpoint (ckpt-NNNNNNNN.json) in this directory"
+    except OSError as e:  # a folder, or one above it, this user may not read (red team 42: a traceback)
+        return f"{d}: cannot be read ({e.strerror or e})"
     return None

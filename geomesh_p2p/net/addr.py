@@ -17,9 +17,11 @@ gRPC reads it as a host name ("Misformatted domain name").
 from __future__ import annotations
 
 import ipaddress
+import re
 from typing import Optional, Sequence, Tuple
 
 MAX_ADDRESS_CHARS = 256  # longer strings are refused (they come from other nodes)
+_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*")  # a URL's scheme (RFC 3986 section 3.1)
 
 
 class AddressError(ValueError):
@@ -64,17 +66,21 @@ def parse_address(address: str) -> Tuple[str, int]:
     """``(host, port)`` of a ``host:port`` string; the host comes back without brackets.
 
     Accepts ``1.2.3.4:5``, ``name:5``, ``[::1]:5``. Raises AddressError (one line) when the port is
-    missing or not in 1..65535, the host is empty, it is a URL (``http://h:5``), or an IPv6 literal is not in brackets (``::1:5``:
+    missing or not ASCII digits in 1..65535, the host is empty or holds a ":" without being IPv6, it is a URL
+    (``http://h:5``: its host:port suggested when that parses), or an IPv6 literal is not in brackets (``::1:5``:
     which colon starts the port is a guess, so it is refused with the bracketed form to use).
     """
     text = address.strip()
     if len(text) > MAX_ADDRESS_CHARS:
         raise AddressError(f"address of {len(text)} characters (at most {MAX_ADDRESS_CHARS})")
     scheme, sep, rest = text.partition("://")
-    if sep and scheme and "[" not in scheme and ":" not in scheme:
+    if sep:  # no HOST:PORT holds "//"
         # a URL (http://host:port): the IPv6 advice below would have told a user to bracket "http://host" (a fresh
-        # user's trial, session 42)
-        raise AddressError(f"{address!r} is a URL: expected HOST:PORT without {scheme}://, e.g. {rest.rstrip('/')}")
+        # user's trial, session 42). Only its host:port is suggested (no user@, path or query), and only when it
+        # parses and prints on one line (red team 42: "http://h:5\n..." wrote its second line into the message).
+        named = f" without {scheme}://" if _SCHEME.fullmatch(scheme) else ""
+        authority = re.split(r"[/?#]", rest, maxsplit=1)[0].rpartition("@")[2]
+        raise AddressError(f"{address!r} is a URL: expected HOST:PORT{named}{_example(authority)}")
     if text.startswith("["):
         end = text.find("]")
         if end < 0 or text[end + 1 : end + 2] != ":":
@@ -85,12 +91,33 @@ def parse_address(address: str) -> Tuple[str, int]:
         if not sep:
             raise AddressError(f"{address!r} has no port: expected HOST:PORT")
         if ":" in host:
-            raise AddressError(f"{address!r}: an IPv6 address needs brackets, e.g. [{host}]:{port}")
+            # the bracket advice for an IPv6 host only (red team 42: "user:pw@h:5" was told "[user:pw@h]:5")
+            if _is_ipv6(host):
+                raise AddressError(f"{address!r}: an IPv6 address needs brackets{_example(f'[{host}]:{port}')}")
+            if _is_ipv6(text):
+                raise AddressError(f"{address!r} has no port: expected [IPV6]:PORT")
+            raise AddressError(f"{address!r}: host {host!r} holds ':' but is not an IPv6 address")
     if not host:
         raise AddressError(f"{address!r} has no host: expected HOST:PORT")
-    if not port.isdigit() or not 0 < int(port) < 65536:
+    # ASCII digits only: str.isdigit() holds for "²", which int() refuses (a ValueError, red team 42)
+    if not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
         raise AddressError(f"{address!r}: port {port!r} is not a number in 1..65535")
     return normalize_host(host), int(port)
+
+
+def _is_ipv6(host: str) -> bool:
+    """Whether ``host`` (no brackets) is an IPv6 literal, a ``%zone`` allowed."""
+    try:
+        ipaddress.IPv6Address(host.split("%", 1)[0])
+        return True
+    except ValueError:
+        return False
+
+
+def _example(address: str) -> str:
+    """``", e.g. ADDRESS"`` when ``address`` is one :func:`parse_address` accepts and prints on one line, else "":
+    no suggestion that would be refused in turn."""
+    return f", e.g. {address}" if address.isprintable() and valid_address(address) else ""
 
 
 def valid_address(address: str) -> bool:

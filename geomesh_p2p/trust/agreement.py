@@ -96,9 +96,9 @@ def _ref_signs(aggregate: torch.Tensor | PackedSigns, start: int, end: int) -> t
 
 
 def signs_of(aggregate: torch.Tensor, chunk: int = 1 << 22) -> PackedSigns:
-    """The signs of ``aggregate`` (finite fp32, any shape, read flat) as :class:`PackedSigns`, made ``chunk``
-    elements at a time (rounded up to a multiple of 8; no fp32 ``[P]`` temporary): all :func:`sign_agreements`
-    reads of the aggregate, in a sixteenth of its bytes, so the round's aggregate need not be held while the
+    """The signs of ``aggregate`` (fp32, any shape, read flat; a NaN reads 0, as ``torch.sign`` reads it) as
+    :class:`PackedSigns`, made ``chunk`` elements at a time (rounded up to a multiple of 8; no fp32 ``[P]``
+    temporary): all :func:`sign_agreements` reads of the aggregate, in a sixteenth of its bytes, so the round's aggregate need not be held while the
     agreement is measured (issue 27: session 39 held int8 signs, session 42 two bitmaps)."""
     flat = aggregate.detach().reshape(-1)
     n = flat.numel()
@@ -108,8 +108,10 @@ def signs_of(aggregate: torch.Tensor, chunk: int = 1 << 22) -> PackedSigns:
     for s in range(0, n, chunk):
         v = flat[s : s + chunk].cpu().numpy()  # a chunk at a time off a device, too
         lo, hi = s // 8, s // 8 + -(-v.size // 8)
-        nonzero[lo:hi] = np.packbits(v != 0, bitorder="little")
-        positive[lo:hi] = np.packbits(v > 0, bitorder="little")
+        pos = v > 0
+        positive[lo:hi] = np.packbits(pos, bitorder="little")
+        # > 0 or < 0, not != 0: a NaN (a part the outer step skips) is no sign, as torch.sign reads it (red team 42)
+        nonzero[lo:hi] = np.packbits(np.logical_or(pos, v < 0, out=pos), bitorder="little")
     return PackedSigns(n, torch.from_numpy(nonzero), torch.from_numpy(positive))
 
 

@@ -79,12 +79,29 @@ def test_parse_round_trips(text, parsed):
         ("h:x", "port 'x'"),
         ("[nonsense:]:5", "is not an IPv6 address"),
         ("h" * 300 + ":5", "at most 256"),
+        # red team 42: what a URL or a non-IPv6 host with ':' is told (one line; no advice that fails in turn)
+        ("http://h:5\nINJECTED", "is a URL: expected HOST:PORT without http://"),
+        ("http://h:5\x1b[31m", "is a URL: expected HOST:PORT without http://"),
+        ("a\nb://h:5", "is a URL: expected HOST:PORT"),
+        ("::1:5\nx", "needs brackets"),
+        ("http://h:5/path?q=1", "without http://, e.g. h:5"),
+        ("http://user:pw@h:5", "without http://, e.g. h:5"),
+        ("http://", "is a URL: expected HOST:PORT without http://"),
+        ("://x:5", "is a URL: expected HOST:PORT"),
+        ("a:b://c:5", "is a URL: expected HOST:PORT"),
+        ("user:pw@host:5", "holds ':' but is not an IPv6 address"),
+        ("http:/h:5", "holds ':' but is not an IPv6 address"),
+        ("2001:db8::7", "has no port: expected [IPV6]:PORT"),
+        ("h:\u00b2", "port '\u00b2' is not a number"),
+        ("h:\uff15", "port '\uff15' is not a number"),
     ],
 )
 def test_parse_refuses_with_one_line_naming_the_problem(text, says):
     with pytest.raises(AddressError) as e:
         parse_address(text)
-    assert says in str(e.value) and "\n" not in str(e.value)
+    assert says in str(e.value) and str(e.value).isprintable()
+    if ", e.g. " in str(e.value):  # the address it suggests is one
+        assert valid_address(str(e.value).partition(", e.g. ")[2]), str(e.value)
     assert not valid_address(text)
 
 

@@ -182,3 +182,16 @@ def test_packed_signs_spans_are_the_signs_at_any_offset_and_size():
     assert exact.nonzero.tolist() == [0b10001110, 0b1] and exact.positive.tolist() == [0b10001010, 0b0]
     with pytest.raises(ValueError, match="span"):
         exact.span(3, 10)
+
+
+def test_packed_signs_read_a_nan_as_torch_sign_does():
+    """Red team 42: a part of the aggregate may hold a NaN (the outer step skips such a part:
+    ``optim.outer_step_per_part``); ``torch.sign`` reads it as 0, so the fp32 path leaves it out of both counts. The
+    bitmaps read it as -1 (non-zero, not positive): other counts than the fp32 path's."""
+    agg = torch.tensor([float("nan"), 1.0, -1.0, float("nan"), -0.0, float("inf"), -float("inf"), 2.0] * 2)
+    mine = torch.tensor([-1.0, 1.0, -1.0, 1.0, 1.0, 1.0, 1.0, -1.0] * 2)
+    packets = {"p": {0: compression.encode(mine, 4, 10)}}
+    assert torch.equal(signs_of(agg).span(0, agg.numel()), torch.sign(agg).to(torch.int8))
+    want = sign_agreements(packets, agg, [(0, 16)])
+    assert want == {"p": 6 / 10}  # the NaNs and -0.0 abstain; +-inf count as their signs
+    assert sign_agreements(packets, signs_of(agg, chunk=3), [(0, 16)]) == want
