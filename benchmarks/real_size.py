@@ -313,6 +313,8 @@ def run_one(model: str, method: str, args, workdir: Path, procs: Procs, results:
     ]
     if args.memory_budget_gb:
         common += ["--memory-budget-gb", str(args.memory_budget_gb)]
+    if args.mmap_threshold_mib is not None:
+        common += ["--mmap-threshold-mib", str(args.mmap_threshold_mib)]
     names = [f"{tag}/peer{i}" for i in range(args.peers)]
     peers = []
     t0 = time.time()
@@ -618,6 +620,11 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--profile-batches", default="1,2", help="(default: %(default)s)")
     ap.add_argument("--memory-budget-gb", type=float, help="passed to every peer")
+    ap.add_argument(
+        "--mmap-threshold-mib",
+        type=float,
+        help="passed to every peer (default: the peers' own, geomesh-peer join --help)",
+    )
     ap.add_argument("--vocab-size", type=int, default=4096)
     ap.add_argument("--timeout-s", type=float, default=3600.0, help="per wait (default: %(default)s)")
     ap.add_argument("--grace-s", type=float, default=90.0, help="SIGINT to SIGKILL (default: %(default)s)")

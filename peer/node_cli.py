@@ -17,6 +17,7 @@ from geomesh_p2p.config.flags import PARSERS, FlagSpec, add_flags, flag_specs, n
 from geomesh_p2p.config.models import NODE_GROUP, RUN_GROUP, NodeConfig, RunConfig
 from geomesh_p2p.net.addr import host_of, is_loopback_host, first_listen_problem
 from geomesh_p2p.util.errors import StartInputError, UserFacingError
+from geomesh_p2p.util.malloc import LOW_MEMORY_MMAP_MIB, set_mmap_threshold
 from geomesh_p2p.model.presets import PRESETS
 
 # Defaults of --data-column / --data-max-bytes (kept in sync with geomesh_p2p.data.hub, which is
@@ -411,6 +412,7 @@ def cmd_join(ns: argparse.Namespace) -> int:
     from geomesh_p2p.trust.admission import discard_new_identity
 
     set_threads(getattr(ns, "threads", None))  # --threads, else the host's cores shared by its peers (issue 27)
+    _mmap_threshold(ns)
 
     if not ns.bootstrap:
         # said plainly: a volunteer who forgot the flag trained alone, told only "starting a new swarm" (session 34)
@@ -590,6 +592,16 @@ def cmd_profile(ns: argparse.Namespace) -> int:
         }
     print(json.dumps(result, indent=1, default=str) if ns.json else format_profile_table(result))
     return 0
+
+
+def _mmap_threshold(ns) -> None:
+    """``--mmap-threshold-mib`` (else 4 MiB with ``--memory-budget-gb``, else glibc's own): one INFO line when set
+    (:func:`geomesh_p2p.util.malloc.set_mmap_threshold`; issue 27, session 42)."""
+    mib = getattr(ns, "mmap_threshold_mib", None)
+    if mib is None:
+        mib = LOW_MEMORY_MMAP_MIB if getattr(ns, "memory_budget_gb", None) else 0.0
+    if mib > 0 and set_mmap_threshold(max(1, int(mib * 2**20))):
+        log.info("malloc: blocks of %g MiB or more are mapped and handed back when freed (--mmap-threshold-mib)", mib)
 
 
 async def _probe(address: str, run_id: str, mb: float):

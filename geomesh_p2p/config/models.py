@@ -449,6 +449,15 @@ class NodeConfig(BaseModel):
         gt=0,
         le=MAX_MEMORY_BYTES,
     )
+    mmap_threshold_mib: Optional[float] = opt(
+        None,
+        "glibc malloc: blocks of this many MiB or more are mapped, and handed back to the OS when freed: a lower "
+        "peak RAM (gpt2-124m: 1.47-1.49x the method's minimum instead of 1.52-1.58x) for slower inner steps "
+        "(1.03x at 1,024-token rows, 1.2x at 64; docs/real-size.md); 0 = glibc's own threshold",
+        ge=0,
+        le=32,
+        default_text="4 with --memory-budget-gb, else 0",
+    )
     upload_bps: Optional[float] = opt(
         None,
         "state your upload bandwidth (Mbit/s) instead of measuring",

@@ -12,13 +12,17 @@ import functools
 import os
 from typing import Optional
 
-__all__ = ["MALLOC_ARENAS", "libc", "limit_malloc_arenas"]
+__all__ = ["MALLOC_ARENAS", "LOW_MEMORY_MMAP_MIB", "libc", "limit_malloc_arenas", "set_mmap_threshold"]
 
 #: glibc mallopt parameters (malloc.h).
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8
 
 #: glibc malloc arenas a peer process uses at most (:func:`limit_malloc_arenas`).
 MALLOC_ARENAS = 2
+
+#: ``geomesh-peer join``'s mmap threshold, MiB, when ``--memory-budget-gb`` is given and ``--mmap-threshold-mib``
+#: is not (:func:`set_mmap_threshold`).
+LOW_MEMORY_MMAP_MIB = 4.0
 
 
 def limit_malloc_arenas(arenas: int = MALLOC_ARENAS) -> bool:
@@ -38,6 +42,30 @@ def limit_malloc_arenas(arenas: int = MALLOC_ARENAS) -> bool:
         return False
     libc = _glibc()
     return libc is not None and bool(libc.mallopt(_M_ARENA_MAX, int(arenas)))
+
+
+def set_mmap_threshold(nbytes: int) -> bool:
+    """Fix glibc's mmap threshold at ``nbytes`` (``mallopt(M_MMAP_THRESHOLD)``, 1 .. 32 MiB) for the rest of this
+    process, unless the environment sets ``MALLOC_MMAP_THRESHOLD_`` (the user's value wins). True when set.
+
+    glibc serves a block under its threshold from the heap; the threshold starts at 128 KiB and rises, up to 32
+    MiB, to the size of each mapped block freed, so a peer's 2-30 MiB tensors (a weight's gradient, a codec
+    slice) soon all come from the heap, where a freed block is split for smaller ones and the next big one takes
+    fresh heap: free but resident memory, 0.3-0.6 GiB of a ``gpt2-124m`` peer (``mallinfo2``'s free bytes,
+    docs/real-size.md session 42). At a fixed threshold every block from ``nbytes`` on is mapped, and unmapped
+    when freed. The price: those blocks are faulted in afresh each time (an inner step 1.2x slower at
+    ``gpt2-124m`` with 64-token rows and at the tiny preset, 1.03x at 1,024-token rows, 4 MiB; a 1 MiB threshold
+    made tiny-preset steps 1.5-3x slower, session 11). Other C libraries: nothing happens, False.
+
+    Raises:
+        ValueError: ``nbytes`` outside 1 .. 32 MiB (glibc's own bound on 64-bit).
+    """
+    if not 0 < int(nbytes) <= 32 << 20:
+        raise ValueError(f"an mmap threshold of {nbytes} bytes is outside 1 .. 32 MiB")
+    if os.environ.get("MALLOC_MMAP_THRESHOLD_"):
+        return False
+    lib = _glibc()
+    return lib is not None and bool(lib.mallopt(_M_MMAP_THRESHOLD, int(nbytes)))
 
 
 @functools.cache

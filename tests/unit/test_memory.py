@@ -69,3 +69,41 @@ print(f.read().decode().count("<heap nr="))
 
     assert arenas("early") <= 2
     assert arenas("late") > 2
+
+
+def test_the_mmap_threshold_is_fixed_unless_the_environment_sets_it_and_refused_out_of_glibcs_range(monkeypatch):
+    """set_mmap_threshold (issue 27, session 42): glibc's mallopt(M_MMAP_THRESHOLD) succeeds (True) in 1 .. 32 MiB;
+    a MALLOC_MMAP_THRESHOLD_ in the environment is the user's (False); outside the range a ValueError."""
+    import pytest
+
+    from geomesh_p2p.util.malloc import set_mmap_threshold
+
+    with pytest.raises(ValueError, match="outside 1 .. 32 MiB"):
+        set_mmap_threshold(0)
+    with pytest.raises(ValueError, match="outside 1 .. 32 MiB"):
+        set_mmap_threshold((32 << 20) + 1)
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "1048576")
+    assert set_mmap_threshold(4 << 20) is False
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_")
+    assert set_mmap_threshold(32 << 20) is True  # glibc's default maximum: the dynamic threshold's own ceiling
+
+
+def test_join_fixes_the_mmap_threshold_from_its_flag_or_the_memory_budget(monkeypatch):
+    """``--mmap-threshold-mib`` wins; unset, ``--memory-budget-gb`` means 4 MiB (LOW_MEMORY_MMAP_MIB); neither:
+    glibc's own threshold is left alone; 0 leaves it alone too."""
+    from types import SimpleNamespace
+
+    import peer.node_cli as node_cli
+
+    calls: list[int] = []
+    monkeypatch.setattr(node_cli, "set_mmap_threshold", lambda n: calls.append(n) or True)
+    for mib, budget, want in [
+        (None, None, []),
+        (None, 6.0, [4 << 20]),
+        (0.0, 6.0, []),
+        (2.5, None, [int(2.5 * 2**20)]),
+        (16, 6.0, [16 << 20]),
+    ]:
+        calls.clear()
+        node_cli._mmap_threshold(SimpleNamespace(mmap_threshold_mib=mib, memory_budget_gb=budget))
+        assert calls == want, (mib, budget)
