@@ -150,8 +150,9 @@ async def gather(drv: RoundDriver, expected: set[str], *, first: bool) -> Option
                     logging.INFO,
                     "waiting_for_peers",
                     # "live" alone read as a contradiction ("waiting for 2 peers, 2 live": one of them was syncing or
-                    # at another round; a fresh-user trial, session 34): say how many are in step
-                    "round %d: waiting for %d peers; %d in step at this round, %d live (up to %.0f s)",
+                    # at another round; a fresh-user trial, session 34): say how many are in step; "in all (this one
+                    # included)": "waiting for 2 peers" read as two others when only one other existed (session 42)
+                    "round %d: waiting for %d peers in all (this one included); %d in step at this round, %d live (up to %.0f s)",
                     drv.state.round,
                     min_peers,
                     len(ids),

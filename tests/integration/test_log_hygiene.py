@@ -91,7 +91,10 @@ async def test_a_peer_that_starts_below_min_peers_says_so(caplog):
     with caplog.at_level(logging.INFO, logger="geomesh_p2p.node.peer.round"):
         await asyncio.wait_for(lone.driver(rounds=1, min_peers=2, wait_peers_s=30.0, clock=FakeClock()).run(), 30)
     lines = [r.getMessage() for r in caplog.records if "peers" in r.getMessage() and "round 0:" in r.getMessage()]
-    assert lines[0] == "round 0: waiting for 2 peers; 1 in step at this round, 1 live (up to 30 s)"
+    assert (
+        lines[0]
+        == "round 0: waiting for 2 peers in all (this one included); 1 in step at this round, 1 live (up to 30 s)"
+    )
     assert re.fullmatch(r"round 0: starting with 1 of the 2 peers wanted \(--min-peers\): waited 3\d s", lines[1]), (
         lines
     )
