@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 
 from geomesh_p2p.config.method import COMPRESSED_METHODS
-from geomesh_p2p.util.malloc import _M_MMAP_THRESHOLD, _M_TRIM_THRESHOLD, _glibc
+from geomesh_p2p.util.malloc import _glibc
 from geomesh_p2p.util.malloc import limit_malloc_arenas  # noqa: F401  (re-exported: callers import it from here)
 from geomesh_p2p.util.procstat import status_bytes
 from geomesh_p2p.model.build import count_params
@@ -325,31 +325,20 @@ def _rss_bytes() -> Optional[int]:
 MemoryProbe = Callable[[Callable[[], None]], "tuple[int, int]"]
 
 
-#: Allocations from this size (bytes) are mmapped by glibc once :func:`release_freed_memory` configured it,
-#: so a freed tensor of this size or more goes back to the OS at once (a weight, gradient or optimizer slice
-#: of a 100M model is 2-12 MiB: under glibc's dynamic threshold it lands in the heap and stays resident).
-MMAP_THRESHOLD_BYTES = 1 << 20
-
-
-def release_freed_memory(configure: bool = False) -> bool:
+def release_freed_memory() -> bool:
     """Give memory freed by tensors back to the OS (glibc's ``malloc_trim(0)``); True when it could.
 
     PyTorch's CPU allocator is glibc malloc. glibc raises its mmap threshold (up to 32 MiB) each time
     an mmapped block is freed, after which blocks below it come from the heap, and a freed heap block
     stays in the process's RSS until a trim: call this where big blocks were just freed (after the
     start-up profile, after a round's gradients are freed), off the event loop. ``malloc_trim(0)``
-    returns every whole free page of the heap, not only its top. ``configure=True`` also fixes the
-    threshold at :data:`MMAP_THRESHOLD_BYTES` (and the trim threshold at twice it), so every block from
-    that size on is mmapped and unmapped when freed: not for a training process, where every step then
-    maps and faults in its activations and gradients afresh (the tiny preset's inner steps ran 1.5-3x
-    slower in a 4-peer swarm on 2 cores). Other C libraries (musl, macOS): nothing happens, False.
+    returns every whole free page of the heap, not only its top. A fixed mmap threshold instead is
+    :func:`geomesh_p2p.util.malloc.set_mmap_threshold` (``join --mmap-threshold-mib``). Other C libraries
+    (musl, macOS): nothing happens, False.
     """
     libc = _glibc()
     if libc is None:
         return False
-    if configure:
-        libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
-        libc.mallopt(_M_TRIM_THRESHOLD, 2 * MMAP_THRESHOLD_BYTES)
     libc.malloc_trim(0)
     return True
 

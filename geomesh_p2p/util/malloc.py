@@ -15,7 +15,7 @@ from typing import Optional
 __all__ = ["MALLOC_ARENAS", "LOW_MEMORY_MMAP_MIB", "libc", "limit_malloc_arenas", "set_mmap_threshold"]
 
 #: glibc mallopt parameters (malloc.h).
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8
+_M_MMAP_THRESHOLD, _M_ARENA_MAX = -3, -8
 
 #: glibc malloc arenas a peer process uses at most (:func:`limit_malloc_arenas`).
 MALLOC_ARENAS = 2
@@ -38,10 +38,7 @@ def limit_malloc_arenas(arenas: int = MALLOC_ARENAS) -> bool:
     ``mallopt`` changes nothing (a process whose thread pool had allocated before the call still made 9; peers
     capped after their imports peaked at 1.65-1.70x the minimum where ``MALLOC_ARENA_MAX=2`` gave 1.59x, one
     run each: session 41). Other C libraries: nothing happens, False."""
-    if os.environ.get("MALLOC_ARENA_MAX"):
-        return False
-    libc = _glibc()
-    return libc is not None and bool(libc.mallopt(_M_ARENA_MAX, int(arenas)))
+    return _mallopt(_M_ARENA_MAX, int(arenas), "MALLOC_ARENA_MAX")
 
 
 def set_mmap_threshold(nbytes: int) -> bool:
@@ -62,10 +59,7 @@ def set_mmap_threshold(nbytes: int) -> bool:
     """
     if not 0 < int(nbytes) <= 32 << 20:
         raise ValueError(f"an mmap threshold of {nbytes} bytes is outside 1 .. 32 MiB")
-    if os.environ.get("MALLOC_MMAP_THRESHOLD_"):
-        return False
-    lib = _glibc()
-    return lib is not None and bool(lib.mallopt(_M_MMAP_THRESHOLD, int(nbytes)))
+    return _mallopt(_M_MMAP_THRESHOLD, int(nbytes), "MALLOC_MMAP_THRESHOLD_")
 
 
 @functools.cache
@@ -75,6 +69,15 @@ def libc() -> Optional[ctypes.CDLL]:
         return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
     except OSError:
         return None
+
+
+def _mallopt(param: int, value: int, env: str) -> bool:
+    """``mallopt(param, value)`` unless the environment variable ``env`` (glibc's own spelling of the same setting)
+    is set: the user's value wins. True when glibc took it."""
+    if os.environ.get(env):
+        return False
+    lib = _glibc()
+    return lib is not None and bool(lib.mallopt(param, value))
 
 
 def _glibc() -> Optional[ctypes.CDLL]:

@@ -10,10 +10,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from geomesh_p2p.exchange import codec as compression
 from geomesh_p2p.model.grad_buffer import storage_shared
 from geomesh_p2p.trust.agreement import sign_agreements
 from tests.rules_util import make_rules
+from tests.unit.test_agreement_relative import noisy_contributions
 
 P = 6000
 PARTS = [(0, 3000), (3000, 6000)]
@@ -32,16 +32,9 @@ class _Verifier:
 def test_the_aggregate_is_let_go_before_the_row_and_the_agreement_measured_after_it():
     g = torch.Generator().manual_seed(3)
     truth = torch.randn(P, generator=g)
-    contributions = {
-        f"h{i}": {
-            j: compression.encode((truth[a:b] + torch.randn(b - a, generator=g)).contiguous(), 512, 100)
-            for j, (a, b) in enumerate(PARTS)
-        }
-        for i in range(4)
-    }
-    buf = (
-        truth.clone()
-    )  # the next round's gradient buffer; the round's aggregate is a view of it, as FlatGradBuffer.take
+    contributions = noisy_contributions(truth, PARTS, g, 512, 100)
+    # the next round's gradient buffer; the round's aggregate is a view of it, as FlatGradBuffer.take gives it
+    buf = truth.clone()
     want = sign_agreements(contributions, buf, PARTS)
     wv = _Verifier()
     rules = make_rules(me="me", verifier=wv)

@@ -105,18 +105,23 @@ def test_agreements_count_only_elements_where_both_are_nonzero():
     assert sign_agreements({"q": {0: torch.ones(4)}}, agg, parts) == {}  # fp32 pushes are skipped
 
 
+def noisy_contributions(truth, parts, g, block: int, tokens: int, n: int = 4) -> dict:
+    """``n`` contributors ``h0..``, each ``truth`` plus unit Gaussian noise (drawn from ``g``), sign-encoded per part."""
+    return {
+        f"h{i}": {
+            j: compression.encode((truth[a:b] + torch.randn(b - a, generator=g)).contiguous(), block, tokens)
+            for j, (a, b) in enumerate(parts)
+        }
+        for i in range(n)
+    }
+
+
 def test_the_aggregates_signs_give_the_same_agreements():
     """Issue 27 (session 39): verified work measures on :func:`signs_of` and lets the aggregate go (session 42: two
     bitmaps, P/4 bytes, instead of int8 signs, P bytes)."""
     g = torch.Generator().manual_seed(5)
     truth = torch.randn(P, generator=g)
-    contributions = {
-        f"h{i}": {
-            j: compression.encode((truth[a:b] + torch.randn(b - a, generator=g)).contiguous(), 2048, 1000)
-            for j, (a, b) in enumerate(PARTS)
-        }
-        for i in range(4)
-    }
+    contributions = noisy_contributions(truth, PARTS, g, 2048, 1000)
     aggregate = truth.clone()
     aggregate[::7] = 0.0  # zeros are left out of both counts
     signs = signs_of(aggregate, chunk=1000)
