@@ -10,14 +10,14 @@ most one of them joins a round, on probation (no part, bounded weight, outside t
 close parts a short grace after the established peers pushed, a no-show is not planned again for a
 while, and they never lead. The test takes ~70-80 s on 2 shared cores.
 
-Asserted for the honest peers: all exit 0 after every round, digests equal after every round, the median
-round time once the Sybils are announced is within 3x of the clean rounds (a wall-time bound with room for the suite's load), no Sybil ever contributes to
+Asserted for the honest peers: all exit 0 after every round, digests equal after every round, every part closed
+once the honest peers pushed (never at the exchange deadline), at most one Sybil left out a round and never the same
+one twice (the round times are printed, not asserted), no Sybil ever contributes to
 an aggregate, eval perplexity falls further once they are there, and the Sybils were really in view (an honest leader logged them on probation).
 """
 
 from __future__ import annotations
 
-import statistics
 import sys
 import time
 
@@ -80,9 +80,21 @@ def test_thirty_sybil_identities_that_never_take_part_do_not_slow_or_split_the_h
     print(f"\nround_s clean {clean}, with {N_SYBILS} Sybils {attacked}")
     print("eval_ppl", {x["round"]: round(x["eval_ppl"], 1) for x in h}, "steps", [x.get("steps") for x in h])
     assert clean and len(attacked) >= 3, (clean, attacked, logs)
-    # 3x, not 2x: a wall-time bound under the suite's load (3 workers on 2 cores) once measured 2.1x with nothing
-    # wrong (session 24's third fresh-clone run); what the test guards against is a swarm the Sybils stall
-    assert statistics.median(attacked) <= 3 * statistics.median(clean), (clean, attacked, logs)
+    # What a Sybil costs the honest peers is counted, not timed (a wall-time bound of 3x the clean rounds failed
+    # CI at stop 55 with nothing wrong: one clean round of 0.95 s against 3.1-4.6 s at load): every part of every
+    # round closed once the honest peers had pushed (all of them, or the established ones + the probation grace),
+    # never at the exchange deadline; each attacked round left out at most one Sybil, never the same one twice
+    # (a no-show is not planned again for a while). Before probation every part waited for them to the deadline.
+    closed = [e for n in honest for e in swarm.events(n, "part_closed")]
+    assert closed and {e["reason"] for e in closed} <= {"all pushed", "established pushed"}, [
+        (e["round"], e["reason"], e["absent"]) for e in closed
+    ]
+    absent = {}
+    for e in closed:
+        absent.setdefault(e["round"], set()).update(e["absent"])
+    assert all(len(a) <= 1 for a in absent.values()), absent
+    no_shows = [p for a in absent.values() for p in a]
+    assert len(no_shows) == len(set(no_shows)), absent
 
     # The Sybils were in view and got (at most) a probation slot, never a part or the lead.
     text = "".join(swarm.text(n) for n in honest)
