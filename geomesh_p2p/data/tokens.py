@@ -39,7 +39,7 @@ from tokenizers import Tokenizer
 
 from geomesh_p2p.data.format import DOC_SEPARATOR, DataError
 from geomesh_p2p.data.tokenizer import encode_corpus, tokenizer_fingerprint
-from geomesh_p2p.util.atomic import atomic_write
+from geomesh_p2p.util.atomic import atomic_write, sweep_stale_writes
 
 __all__ = [
     "PIECE_BYTES",
@@ -328,6 +328,7 @@ def build_token_file(
                 counted[0] += len(raw) // np_dtype.itemsize
 
     t0 = time.monotonic()
+    sweep_stale_writes(cache_dir)  # a token file a killed start left half-written (up to 2-4x the corpus' bytes)
     try:
         atomic_write(bin_path, write)
     finally:

@@ -26,7 +26,7 @@ from geomesh_p2p.model.inner_ckpt import remove_inner_state, save_inner_state
 from geomesh_p2p.round.rules import RoundState
 from geomesh_p2p.telemetry import events
 from geomesh_p2p.telemetry.logonce import LogOnChange
-from geomesh_p2p.util.atomic import MIN_DISK_BPS
+from geomesh_p2p.util.atomic import MIN_DISK_BPS, sweep_stale_writes
 from geomesh_p2p.util.errors import UserFacingError
 
 if TYPE_CHECKING:
@@ -38,7 +38,8 @@ __all__ = ["Checkpointer", "CheckpointAbandoned", "check_writable_dir", "remove_
 
 
 def check_writable_dir(path: str, flag: str, made: Optional[list[Path]] = None) -> Path:
-    """Create ``path`` if needed and check that a file can be written there (then removed). ``made``, when given,
+    """Create ``path`` if needed and check that a file can be written there (then removed); partial writes a killed
+    process left there are removed (:func:`~geomesh_p2p.util.atomic.sweep_stale_writes`). ``made``, when given,
     gets the folders this call created, deepest first (a failed start removes them again when they are empty:
     :func:`remove_empty_folders`; fresh user, session 37: a refused start left an empty checkpoint folder).
 
@@ -54,6 +55,7 @@ def check_writable_dir(path: str, flag: str, made: Optional[list[Path]] = None) 
             pass
     except OSError as e:
         raise UserFacingError(f"{flag} {path}: cannot write there ({e.strerror or e})") from None
+    sweep_stale_writes(d)  # a checkpoint a killed run left half-written (0.5 GB at gpt2-124m each time)
     return d
 
 

@@ -11,11 +11,20 @@ The directory is made by :class:`tempfile.TemporaryDirectory` under ``dir`` (def
 ``$TMPDIR`` or ``/tmp``); it is removed by :meth:`KeptWeights.close`, and, if nobody calls that, when the
 store is garbage-collected or the interpreter exits (the class's finalizer). On a tmpfs ``/tmp`` the files
 still take RAM (shared memory, outside the process's RSS): point ``TMPDIR`` at a disk there.
+
+A process that dies without either (SIGKILL, the kernel's OOM killer, a power cut) leaves its directory behind: up to
+``keep_rounds`` x 4P bytes (1.4 GB at ``gpt2-124m``), again at every crash of a restarted peer (132 such folders, up to
+340 MB each, had piled up in this machine's ``/tmp`` from killed test peers). So each store holds an exclusive
+``flock`` on a lock file in its directory while it is open (the kernel releases it when the process dies, however it
+dies, and across PID namespaces), and a new store removes the sibling directories whose lock it can take
+(:func:`sweep_orphans`).
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import shutil
 import tempfile
 import threading
 import weakref
@@ -23,7 +32,19 @@ from typing import Any, Callable, Optional
 
 import torch
 
-__all__ = ["KeptWeights", "FILE_MAP_ATTR", "file_map_range"]
+try:  # POSIX; elsewhere a store holds no lock and sweeps nothing
+    import fcntl
+except ImportError:  # pragma: no cover - not on Linux
+    fcntl = None  # type: ignore[assignment]
+
+__all__ = ["KeptWeights", "FILE_MAP_ATTR", "file_map_range", "sweep_orphans", "PREFIX", "LOCK_NAME"]
+
+log = logging.getLogger(__name__)
+
+#: the name prefix of a store's private directory
+PREFIX = "geomesh-verify-"
+#: the file in a store's directory its process holds an exclusive ``flock`` on while the store is open
+LOCK_NAME = ".owner.lock"
 
 #: attribute of a tensor :meth:`KeptWeights.get` returned: ``(lo, hi)``, the bytes of its private file mapping
 FILE_MAP_ATTR = "_geomesh_file_map"
@@ -60,10 +81,12 @@ class KeptWeights:
     """
 
     def __init__(self, dir: Optional[str] = None):
-        self._tmp: Optional[tempfile.TemporaryDirectory] = tempfile.TemporaryDirectory(
-            prefix="geomesh-verify-", dir=dir
-        )
+        self._tmp: Optional[tempfile.TemporaryDirectory] = tempfile.TemporaryDirectory(prefix=PREFIX, dir=dir)
         self.path = self._tmp.name
+        fd = _hold_lock(self.path)
+        # the lock's descriptor is closed by close(), or when the store is collected (as the directory is)
+        self._unlock = weakref.finalize(self, os.close, fd) if fd is not None else None
+        sweep_orphans(os.path.dirname(self.path))
         self._numel: dict[int, int] = {}
         self._lock = threading.Lock()
         self._writing = threading.Lock()  # held through a file's write and close's removal (:meth:`_write`)
@@ -164,8 +187,8 @@ class KeptWeights:
             return sorted(self._numel)
 
     def files(self) -> list[str]:
-        """The names of the files in the store's directory (for tests and diagnostics)."""
-        return sorted(os.listdir(self.path)) if os.path.isdir(self.path) else []
+        """The names of the rounds' files in the store's directory (for tests and diagnostics; the lock file left out)."""
+        return sorted(n for n in os.listdir(self.path) if n != LOCK_NAME) if os.path.isdir(self.path) else []
 
     @property
     def closed(self) -> bool:
@@ -179,6 +202,8 @@ class KeptWeights:
             self._numel.clear()
         if tmp is not None:
             tmp.cleanup()
+        if self._unlock is not None:
+            self._unlock()  # after the removal (once): a sweeper never takes the lock of a directory being emptied
 
     @staticmethod
     def _remove(path: str) -> None:
@@ -186,3 +211,64 @@ class KeptWeights:
             os.unlink(path)
         except FileNotFoundError:
             pass
+
+
+def _hold_lock(path: str) -> Optional[int]:
+    """Make ``path``/:data:`LOCK_NAME` already locked (exclusive ``flock``): locked under a temporary name, then
+    renamed (the lock is the inode's), so a sweeper never finds the name unlocked. Returns the descriptor to keep
+    open while the store lives; None where ``flock`` is missing or fails (the store works, nobody can sweep it)."""
+    if fcntl is None:
+        return None
+    part = os.path.join(path, LOCK_NAME + ".part")
+    try:
+        fd = os.open(part, os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.replace(part, os.path.join(path, LOCK_NAME))
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def sweep_orphans(parent: str) -> list[str]:
+    """Remove the store directories under ``parent`` (``geomesh-verify-*``) whose owner died without closing them:
+    those with a :data:`LOCK_NAME` whose exclusive ``flock`` this call can take (a live store holds its own until
+    :meth:`KeptWeights.close`). Directories without a lock file (made before 0.12.4, or by a store on a system without
+    ``flock``) and those this user cannot open are left alone. Logs one INFO line when it removed any.
+
+    Returns the paths removed. Never raises (a directory that vanished or resists removal is skipped)."""
+    if fcntl is None:
+        return []
+    removed, freed = [], 0
+    try:
+        names = [n for n in os.listdir(parent) if n.startswith(PREFIX)]
+    except OSError:
+        return []
+    for name in names:
+        d = os.path.join(parent, name)
+        try:
+            fd = os.open(os.path.join(d, LOCK_NAME), os.O_RDWR)
+        except OSError:
+            continue  # no lock file (older store, or not ours to open)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            continue  # its owner lives
+        try:
+            size = sum(e.stat().st_size for e in os.scandir(d) if e.is_file(follow_symlinks=False))
+            shutil.rmtree(d)
+        except OSError:
+            continue
+        finally:
+            os.close(fd)
+        removed.append(d)
+        freed += size
+    if removed:
+        log.info(
+            "removed %d kept-weights folder(s) of ended processes under %s (%.1f MB)", len(removed), parent, freed / 1e6
+        )
+    return removed

@@ -3,13 +3,36 @@
 from __future__ import annotations
 
 import errno
+import logging
 import os
+import re
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Callable, Optional
 
-__all__ = ["atomic_write", "bounded_write_s", "MIN_DISK_BPS", "WRITE_TIMEOUT_MIN_S"]
+try:  # POSIX; elsewhere a write holds no lock and nothing is swept
+    import fcntl
+except ImportError:  # pragma: no cover - not on Linux
+    fcntl = None  # type: ignore[assignment]
+
+__all__ = [
+    "atomic_write",
+    "bounded_write_s",
+    "sweep_stale_writes",
+    "MIN_DISK_BPS",
+    "WRITE_TIMEOUT_MIN_S",
+    "STALE_WRITE_AGE_S",
+]
+
+log = logging.getLogger(__name__)
+
+#: A temporary file of :func:`atomic_write` at least this old (seconds since its last change) whose lock nobody holds
+#: is a dead process's (:func:`sweep_stale_writes`); younger ones are left (the instant between its creation and lock)
+STALE_WRITE_AGE_S = 60.0
+#: the temporary files :func:`atomic_write` makes: ``.<name>.<8 random characters>.tmp``
+_TMP_NAME = re.compile(r"^\..+\.[a-z0-9_]{8}\.tmp$")
 
 #: A write that is allowed to fail (a cache) may take at least this long (seconds) ...
 WRITE_TIMEOUT_MIN_S = 60.0
@@ -59,8 +82,11 @@ def atomic_write(
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix="." + p.name + ".", suffix=".tmp", dir=p.parent)
-    os.close(fd)
     try:
+        # held while the file is written: a process killed mid-write (a checkpoint, a 1 GB token file) leaves it
+        # unlocked, and a later start removes it (sweep_stale_writes); the lock is the inode's, so write may reopen it
+        if fcntl is not None:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         write(tmp)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
@@ -72,3 +98,47 @@ def atomic_write(
         except OSError:
             pass
         raise
+    finally:
+        os.close(fd)
+
+
+def sweep_stale_writes(folder: str | os.PathLike, min_age_s: float = STALE_WRITE_AGE_S) -> list[str]:
+    """Remove the temporary files :func:`atomic_write` left in ``folder`` when its process died mid-write (SIGKILL,
+    the OOM killer, a power cut: a partial checkpoint or token file each time): ``.<name>.<random>.tmp`` files
+    unchanged for ``min_age_s`` seconds whose exclusive ``flock`` this call can take (a write under way, in any
+    process, holds it). Logs one INFO line when it removed any.
+
+    Returns the paths removed. Never raises (a file that vanished or resists removal is skipped)."""
+    if fcntl is None:
+        return []
+    removed: list[str] = []
+    freed = 0
+    try:
+        entries = [
+            e
+            for e in os.scandir(str(os.fspath(folder)))
+            if _TMP_NAME.match(e.name) and e.is_file(follow_symlinks=False)
+        ]
+    except OSError:
+        return []
+    now = time.time()
+    for e in entries:
+        try:
+            st = e.stat(follow_symlinks=False)
+            if now - st.st_mtime < min_age_s:
+                continue
+            fd = os.open(e.path, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.unlink(e.path)
+        except OSError:
+            continue  # being written (locked), or gone
+        finally:
+            os.close(fd)
+        removed.append(e.path)
+        freed += st.st_size
+    if removed:
+        log.info("removed %d partial write(s) of ended processes in %s (%.1f MB)", len(removed), folder, freed / 1e6)
+    return removed

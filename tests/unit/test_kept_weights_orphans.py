@@ -1,0 +1,65 @@
+"""A kept-weights store whose process died without closing it (SIGKILL, the OOM killer) leaves up to 4P bytes a
+round in its directory; the next store removes such directories and only those (trust/kept_weights.sweep_orphans)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from geomesh_p2p.trust.kept_weights import LOCK_NAME, PREFIX, KeptWeights, sweep_orphans
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_a_killed_processs_store_is_removed_by_the_next_and_a_live_ones_is_kept(tmp_path):
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, torch; from geomesh_p2p.trust.kept_weights import KeptWeights\n"
+            f"k = KeptWeights(dir={str(tmp_path)!r}); k.put(3, torch.ones(1000)); print(k.path, flush=True)\n"
+            "sys.stdin.read()",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.getcwd()},
+    )
+    try:
+        dead = child.stdout.readline().strip()
+        assert sorted(os.listdir(dead)) == [LOCK_NAME, "theta-3.f32"]
+        live = KeptWeights(dir=str(tmp_path))
+        live.put(1, torch.zeros(10))
+        assert os.path.isdir(dead)  # its owner lives: the new store's sweep left it
+        child.send_signal(signal.SIGKILL)
+        child.wait(30)
+        legacy = tmp_path / (PREFIX + "old12345")  # made before the lock file existed: never swept
+        legacy.mkdir()
+        (legacy / "theta-0.f32").write_bytes(b"\0" * 8)
+        other = KeptWeights(dir=str(tmp_path))
+        assert not os.path.exists(dead)
+        assert sorted(os.listdir(tmp_path)) == sorted(os.path.basename(p) for p in (live.path, other.path, str(legacy)))
+        assert live.get(1).tolist() == [0.0] * 10 and sweep_orphans(str(tmp_path)) == []
+        live.close()
+        other.close()
+        assert sorted(os.listdir(tmp_path)) == [legacy.name]
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait(30)
+
+
+def test_a_closed_stores_lock_is_released_and_a_collected_ones_too(tmp_path):
+    k = KeptWeights(dir=str(tmp_path))
+    d = k.path
+    del k  # collected: the directory goes with the store (its finalizer), and the lock descriptor with it
+    assert not os.path.exists(d)
+    k2 = KeptWeights(dir=str(tmp_path))
+    k2.close()
+    k2.close()  # twice: the descriptor is closed once
+    assert os.listdir(tmp_path) == []
