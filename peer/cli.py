@@ -19,7 +19,7 @@ from typing import NoReturn
 from geomesh_p2p import __version__
 from geomesh_p2p.config.flags import ConfigFileError, StrictParser, add_log_level, load_config_defaults
 from geomesh_p2p.config.models import DEFAULT_IDENTITY
-from geomesh_p2p.util.exit_gc import skip_exit_collections
+from geomesh_p2p.util.exit_gc import arm_startup_freeze, skip_exit_collections
 from geomesh_p2p.util.fds import raise_fd_limit
 from geomesh_p2p.util.malloc import limit_malloc_arenas
 
@@ -149,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     # The interpreter's exit would otherwise spend seconds to minutes (on a loaded machine) in full collections
     # over torch's and transformers' objects after the node has shut down (geomesh_p2p/util/exit_gc.py).
     skip_exit_collections()
+    if argv is None:  # this process's own command line (not main([...]) in a test): freeze the start-up heap
+        arm_startup_freeze()
     # first of all: glibc fixes its arena limit when a second thread first allocates (geomesh_p2p/util/malloc.py)
     limit_malloc_arenas()
     parser = build_parser()

@@ -17,6 +17,7 @@ from geomesh_p2p.config.flags import PARSERS, FlagSpec, add_flags, flag_specs, n
 from geomesh_p2p.config.models import NODE_GROUP, RUN_GROUP, NodeConfig, RunConfig
 from geomesh_p2p.net.addr import host_of, is_loopback_host, first_listen_problem
 from geomesh_p2p.util.errors import StartInputError, UserFacingError
+from geomesh_p2p.util.exit_gc import freeze_startup_heap
 from geomesh_p2p.util.malloc import LOW_MEMORY_MMAP_MIB, set_mmap_threshold
 from geomesh_p2p.model.presets import PRESETS
 
@@ -438,6 +439,7 @@ def cmd_join(ns: argparse.Namespace) -> int:
     ranks, node = None, None
     try:
         node = PeerNode(*inputs)
+        freeze_startup_heap()  # the run's full collections skip the imports' and the model's objects (issue 27)
         node.bootstraps_pinged = pinged  # pinged above, before torch: not again before the proof of work
         if layout is not None:
             from geomesh_p2p.node.ranks import LocalRanks
