@@ -5,6 +5,7 @@ line ("done", or a WARNING and an exit code when the swarm ended without it) and
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 import os
@@ -15,6 +16,7 @@ from typing import TYPE_CHECKING, Optional
 
 from geomesh_p2p.net.swarm_time import swarm_time
 from geomesh_p2p.telemetry import events
+from geomesh_p2p.telemetry.looplag import gc_clock
 from geomesh_p2p.telemetry.metrics import json_safe
 from geomesh_p2p.util.aio import wait_event
 from geomesh_p2p.util.backoff import Backoff
@@ -150,6 +152,13 @@ def summary(node: PeerNode) -> dict:
             },
         },
         "rows": [json.loads(r.to_json()) for r in h],
+        # Python's cyclic collector in this process since its loop-lag monitor started (issue 27: a full collection
+        # over the unfrozen start-up heap held the GIL for 234-600 ms)
+        "gc": {
+            "seconds": round(gc_clock.now_s(), 4),
+            "collections": list(gc_clock.collections),
+            "frozen": gc.get_freeze_count(),
+        },
     }
 
 

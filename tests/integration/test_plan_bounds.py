@@ -671,6 +671,8 @@ def test_summary_json_is_strict_with_an_infinite_perplexity(tmp_path):
     node.write_summary(str(tmp_path / "s.json"))
     data = json.loads((tmp_path / "s.json").read_text(), parse_constant=lambda c: pytest.fail(f"not JSON: {c}"))
     assert data["initial_eval_ppl"] is None and data["final_eval_ppl"] is None
+    # the collector's time in this process (issue 27's stalls): generations 0-2 counted, what is frozen
+    assert len(data["gc"]["collections"]) == 3 and data["gc"]["seconds"] >= 0 and data["gc"]["frozen"] >= 0
 
 
 def _outer_node(outer, theta):
