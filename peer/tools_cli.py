@@ -11,6 +11,7 @@ Every failure a person can cause is one line on stderr and a non-zero exit statu
 from __future__ import annotations
 
 import argparse
+import collections
 import asyncio
 import json
 import math
@@ -74,6 +75,15 @@ def _fmt(x, digits=1) -> str:
     return f"{x:,.{digits}f}"
 
 
+def _peer_count(peers: list[dict]) -> str:
+    """``"3"``, or with the states when they differ: ``"3 (2 training, 1 leaving)"`` (a fresh user read "peers 3"
+    beside a plan of 2 after a peer left: the leaving record still counts until it expires)."""
+    states = collections.Counter(str(p.get("state")) for p in peers)
+    if len(states) <= 1:
+        return str(len(peers))
+    return f"{len(peers)} (" + ", ".join(f"{n} {s}" for s, n in states.most_common()) + ")"
+
+
 def render_status(view: dict, rounds: dict, console=None) -> None:
     """The swarm as rich tables: a header line, the peers, the last rounds."""
     from rich.console import Console
@@ -91,7 +101,7 @@ def render_status(view: dict, rounds: dict, console=None) -> None:
     head.append(f"run {view.get('run_id')}  ", style="bold")
     head.append(f"round {view.get('round') if view.get('round') is not None else '-'}  ")
     head.append(f"leader {view.get('leader') or '-'}  ")
-    head.append(f"peers {len(view.get('peers') or [])}  ")
+    head.append(f"peers {_peer_count(view.get('peers') or [])}  ")
     head.append(f"digests {digests}", style="green" if d.get("equal") else ("red" if d.get("total") else ""))
     console.print(head)
     plan = view.get("plan")

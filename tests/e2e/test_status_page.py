@@ -654,3 +654,37 @@ def test_peer_status_cli_table_and_json(swarm):
     for pid in swarm["ids"].values():
         assert pid[:10] in table.stdout
     assert HOSTILE in table.stdout and "round" in table.stdout
+
+
+@pytest.mark.timeout(60)
+def test_the_status_header_counts_peers_by_state_when_they_differ():
+    """A leaving record counts until it expires: "peers 3" beside a plan of 2 read as a third trainer (fresh user 42)."""
+    from io import StringIO
+
+    from rich.console import Console
+
+    from peer.tools_cli import render_status
+
+    def peer(i, state):
+        return {
+            "short": f"peer00000{i}",
+            "device": "cpu",
+            "memory_gib": 1.0,
+            "tokens_per_s": 1.0,
+            "up_mbps": 1.0,
+            "down_mbps": 1.0,
+            "round": 3,
+            "state": state,
+            "batch": 8,
+            "inner_steps": 4,
+            "last_seen_s": 1.0,
+        }
+
+    for peers, want in (
+        ([peer(1, "training"), peer(2, "leaving"), peer(3, "training")], "peers 3 (2 training, 1 leaving)  "),
+        ([peer(1, "training"), peer(2, "training")], "peers 2  "),
+    ):
+        buf = StringIO()
+        view = {"run_id": RUN, "round": 3, "leader": "abc", "digests": {}, "plan": None, "ignored": 0, "peers": peers}
+        render_status(view, {"rounds": []}, Console(file=buf, width=200, color_system=None))
+        assert want in buf.getvalue().splitlines()[0], buf.getvalue()
