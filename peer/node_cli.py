@@ -567,6 +567,7 @@ def cmd_profile(ns: argparse.Namespace) -> int:
     # core measured 13-30x fewer tokens/s than join then trained at on a loaded 2-core host (fresh-user trial,
     # session 31: 115 against 3,661 tokens/s at batch 1)
     set_threads(getattr(ns, "threads", None))
+    _mmap_threshold(ns)  # the heap join would run with (4 MiB with --memory-budget-gb): the peak it measures is join's
     probed = None
     if ns.probe:  # first: a wrong --run-id or a dead address fails before the device is measured
         try:

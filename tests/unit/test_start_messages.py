@@ -406,3 +406,23 @@ def test_bootstrap_takes_an_absent_or_an_older_state_file(capsys, monkeypatch, t
     assert state is not None and state.swarm_progress() is not None and state.swarm_progress().round == 3
     assert BootstrapState.read(str(older)) == BootstrapState("geomesh-demo", [], state.progress, 5.0, 1)
     assert BootstrapState.load(str(older), "another-run") is None
+
+
+def test_profile_with_a_memory_budget_measures_with_joins_mmap_threshold(monkeypatch, capsys):
+    """``profile --memory-budget-gb`` sets the 4 MiB mmap threshold ``join`` sets with that flag (session 42 left
+    profile on glibc's own, so the peak it measured was not the one join would see); without the flag, glibc's own."""
+    import geomesh_p2p.model.profile
+    import geomesh_p2p.node.host
+
+    import peer.node_cli
+
+    set_to = []
+    monkeypatch.setattr(peer.node_cli, "set_mmap_threshold", lambda b: set_to.append(b) or True)
+    monkeypatch.setattr(geomesh_p2p.node.host, "set_threads", lambda n: None)
+    monkeypatch.setattr(geomesh_p2p.model.profile, "profile", lambda **kw: {"budget": kw["memory_budget_bytes"]})
+    monkeypatch.setattr(geomesh_p2p.model.profile, "format_profile_table", lambda r: str(r))
+    from peer.cli import main
+
+    assert main(["profile", "--model", "tiny"]) == 0 and set_to == []
+    assert main(["profile", "--model", "tiny", "--memory-budget-gb", "6"]) == 0 and set_to == [4 * 2**20]
+    assert capsys.readouterr().out.splitlines() == ["{'budget': None}", "{'budget': 6442450944}"]
