@@ -42,6 +42,7 @@ __all__ = [
     "ConfigFileError",
     "load_config_defaults",
     "unknown_home",
+    "home_problem",
     "PARSERS",
     "capped",
 ]
@@ -619,9 +620,18 @@ def unknown_home(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> Opt
             continue
         value = getattr(ns, action.dest, None)
         for v in value if isinstance(value, list) else [value]:
-            if not isinstance(v, str) or not v.startswith("~"):
-                continue
-            if os.path.expanduser(v) == v:  # os.path's leaves it as it is where pathlib's raises
-                user = v[1:].split("/", 1)[0] or "~"
-                return f"{action.option_strings[0]} {v}: no user {user!r} (~NAME is NAME's home folder)"
+            problem = home_problem(action.option_strings[0], v)
+            if problem is not None:
+                return problem
     return None
+
+
+def home_problem(flag: str, value: Any) -> Optional[str]:
+    """``"FLAG ~NAME/...: no user 'NAME' (...)"`` when ``value`` is a path that starts with ``~NAME`` where no user
+    is called NAME (``Path.expanduser`` raises RuntimeError for it), else None."""
+    if not isinstance(value, str) or not value.startswith("~"):
+        return None
+    if os.path.expanduser(value) != value:  # os.path's leaves it as it is where pathlib's raises
+        return None
+    user = value[1:].split("/", 1)[0] or "~"
+    return f"{flag} {value}: no user {user!r} (~NAME is NAME's home folder)"
