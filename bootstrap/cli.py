@@ -39,6 +39,7 @@ from geomesh_p2p.config.flags import (
     add_log_level,
     flag_specs,
     load_config_defaults,
+    unknown_home,
 )
 from geomesh_p2p.config.models import DEFAULT_BOOTSTRAP_IDENTITY as DEFAULT_IDENTITY  # noqa: F401  (re-exported)
 from geomesh_p2p.config.models import DEFAULT_BOOTSTRAP_PORT as DEFAULT_PORT  # noqa: F401
@@ -215,7 +216,7 @@ def parse(argv: Optional[list[str]] = None) -> argparse.Namespace:
         ns = parser.parse_args(argv)
         if isinstance(ns.bootstrap, str):
             ns.bootstrap = [ns.bootstrap]
-    problem = _check(ns)
+    problem = _check(ns) or unknown_home(parser, ns)  # ~NAME of nobody: a traceback from pathlib (red team 43)
     if problem:
         parser.exit(2, f"{PROG}: {problem}\n")
     return ns

@@ -17,7 +17,13 @@ import sys
 from typing import NoReturn
 
 from geomesh_p2p import __version__
-from geomesh_p2p.config.flags import ConfigFileError, StrictParser, add_log_level, load_config_defaults
+from geomesh_p2p.config.flags import (
+    ConfigFileError,
+    StrictParser,
+    add_log_level,
+    load_config_defaults,
+    unknown_home,
+)
 from geomesh_p2p.config.models import DEFAULT_IDENTITY
 from geomesh_p2p.util.exit_gc import arm_startup_freeze, skip_exit_collections
 from geomesh_p2p.util.fds import raise_fd_limit
@@ -162,6 +168,10 @@ def main(argv: list[str] | None = None) -> int:
         ns = with_config_file(parser, ns, argv)
     except ConfigFileError as e:
         print(f"geomesh-peer: {e}", file=sys.stderr)
+        return 2
+    home = unknown_home(_command_parser(parser, ns.command), ns)
+    if home is not None:  # ~NAME of nobody: pathlib's expanduser raised it as a traceback (red team 43)
+        print(f"geomesh-peer {ns.command}: {home}", file=sys.stderr)
         return 2
     logging.basicConfig(
         level=getattr(ns, "log_level", "INFO"),

@@ -102,15 +102,24 @@ def cmd_demo(ns: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    from peer.node_cli import check_model
+    from peer.node_cli import _check_writable, check_model
 
     try:  # a wrong --model fails here in one line, not in each peer's log after it started
         check_model(ns)
+        # the files too: a --summary-json written after the whole swarm had run was a traceback that lost the
+        # summary, a --workdir naming a file FileExistsError's (red team 43)
+        if ns.summary_json:
+            _check_writable("--summary-json", ns.summary_json)
+        if ns.workdir and Path(ns.workdir).exists() and not Path(ns.workdir).is_dir():
+            raise ValueError(f"--workdir {ns.workdir}: exists and is not a folder")
+        workdir = Path(ns.workdir or tempfile.mkdtemp(prefix="geomesh-demo-"))
+        workdir.mkdir(parents=True, exist_ok=True)
     except ValueError as e:
         print(f"geomesh-peer demo: {e}", file=sys.stderr)
         return 2
-    workdir = Path(ns.workdir or tempfile.mkdtemp(prefix="geomesh-demo-"))
-    workdir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a --workdir this user may not create
+        print(f"geomesh-peer demo: --workdir {ns.workdir}: cannot create it ({e.strerror or e})", file=sys.stderr)
+        return 2
     _clean_workdir(workdir)
     swarm = Swarm(workdir)
     print(f"GeoMesh demo: bootstrap + {ns.peers} peers on 127.0.0.1, method {ns.method}, logs in {workdir}")
@@ -164,7 +173,7 @@ def cmd_demo(ns: argparse.Namespace) -> int:
             signal.signal(s, h)
     summary = _summarize(ns, workdir, t0)
     if ns.summary_json:
-        Path(ns.summary_json).write_text(json.dumps(summary, indent=1))
+        Path(ns.summary_json).expanduser().write_text(json.dumps(summary, indent=1))  # as checked at start
     _print_summary(summary, ns.summary_json)
     if rc == 0 and ns.target_ppl is not None and not summary["reached_target"]:
         rc = 1

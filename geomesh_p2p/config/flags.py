@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import typing
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +41,8 @@ __all__ = [
     "to_argv",
     "ConfigFileError",
     "load_config_defaults",
+    "unknown_home",
+    "home_problem",
     "PARSERS",
     "capped",
 ]
@@ -597,3 +600,38 @@ def _checked(path: Path, key, action: argparse.Action, value):
     if isinstance(action, argparse._AppendAction):
         return [one(v) for v in value]
     return one(value)
+
+
+# ---------------------------------------------------------------------------------------------- paths
+#: Metavars of the flags that name a file or folder (and dests of those that have none: demo's).
+_PATH_METAVARS = frozenset({"FILE", "DIR", "PATH"})
+_PATH_DESTS = frozenset({"workdir", "summary_json"})
+
+
+def unknown_home(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> Optional[str]:
+    """``"FLAG ~NAME/...: no user 'NAME' (...)"`` for the first path flag of ``parser`` (metavar FILE, DIR or PATH,
+    or one of them first: ``PATH|hf:...``)
+    whose value in ``ns`` starts with ``~NAME`` where no user is called NAME, else None. ``pathlib``'s expanduser,
+    which every reader of those flags calls, raises RuntimeError for it: a traceback at start, or once the node
+    had started (red team 43; red team 42 caught it for the checkpoint folder only)."""
+    for action in parser._actions:
+        shown = str(action.metavar or "").split("|", 1)[0]  # --data PATH|hf:NAME...
+        if not action.option_strings or not (shown in _PATH_METAVARS or action.dest in _PATH_DESTS):
+            continue
+        value = getattr(ns, action.dest, None)
+        for v in value if isinstance(value, list) else [value]:
+            problem = home_problem(action.option_strings[0], v)
+            if problem is not None:
+                return problem
+    return None
+
+
+def home_problem(flag: str, value: Any) -> Optional[str]:
+    """``"FLAG ~NAME/...: no user 'NAME' (...)"`` when ``value`` is a path that starts with ``~NAME`` where no user
+    is called NAME (``Path.expanduser`` raises RuntimeError for it), else None."""
+    if not isinstance(value, str) or not value.startswith("~"):
+        return None
+    if os.path.expanduser(value) != value:  # os.path's leaves it as it is where pathlib's raises
+        return None
+    user = value[1:].split("/", 1)[0] or "~"
+    return f"{flag} {value}: no user {user!r} (~NAME is NAME's home folder)"

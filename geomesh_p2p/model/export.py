@@ -93,9 +93,14 @@ def list_checkpoint_info(directory: str | os.PathLike, verify: bool = False) -> 
             out.append(row)
             continue
         meta: dict = rec["meta"] if isinstance(rec.get("meta"), dict) else {}
+        wrong = _wrong_field(rec, meta)
+        if wrong is not None:  # parsed, but a field of another type: the table formats them (red team 43)
+            row["problem"] = f"unreadable metadata ({wrong})"
+            out.append(row)
+            continue
         weights = meta_path.parent / str(rec.get("weights", meta_path.stem + ".safetensors"))
         row.update(
-            round=int(rec.get("round", rnd)),
+            round=rec.get("round", rnd),
             digest=rec.get("digest"),
             time=rec.get("time"),
             num_params=rec.get("num_params"),
@@ -115,6 +120,45 @@ def list_checkpoint_info(directory: str | os.PathLike, verify: bool = False) -> 
                 row["problem"] = str(e)
         out.append(row)
     return out
+
+
+#: The record's fields :func:`list_checkpoint_info` lists, each None or of these types (bool is no int here).
+_RECORD_TYPES: dict[str, tuple[type, ...]] = {
+    "round": (int,),
+    "digest": (str,),
+    "time": (int, float),
+    "num_params": (int,),
+    "has_momentum": (bool,),
+    "run_config_hash": (str,),
+    "weights": (str,),
+}
+_META_TYPES: dict[str, tuple[type, ...]] = {"peer_id": (str,), "run_config": (dict,)}
+#: Unix seconds a record's ``time`` may say (to the year 2999: ``time.localtime`` takes it on every platform).
+_MAX_TIME = 32503680000.0
+
+
+def _wrong_field(rec: dict, meta: dict) -> Optional[str]:
+    """``"FIELD VALUE is not TYPE"`` for the first field of a checkpoint record (or of its ``meta``) that is
+    neither absent, None (but ``round``) nor of its type (a round below 0, a time that is no unix time), else None. A
+    hand-edited record parsed as JSON reached int(), slicing and number formatting with these (red team 43)."""
+    for fields, where in ((_RECORD_TYPES, rec), (_META_TYPES, meta)):
+        for name, types in fields.items():
+            if name not in where:
+                continue
+            v = where[name]
+            # a round is the file's, or an int: null is no round (the listing read it with int())
+            ok = (v is None and name != "round") or (
+                isinstance(v, types) and (bool in types or not isinstance(v, bool))
+            )
+            if ok and name == "round" and v is not None:
+                ok = v >= 0
+            if ok and name == "time" and v is not None:
+                ok = 0 <= v <= _MAX_TIME  # NaN and the infinities too
+            if ok and name == "num_params" and v is not None:
+                ok = v >= 0
+            if not ok:
+                return f"{name} {v!r:.40} is not {' or '.join(t.__name__ for t in types)}"
+    return None
 
 
 # ------------------------------------------------------------------------------------ loading
@@ -148,7 +192,10 @@ def load_checkpoint(directory: str | os.PathLike, round: Optional[int] = None):
         raise ExportError(f"{e} (damaged or altered file)" if "corrupt" in str(e) else str(e)) from None
     if record.get("digest") != current:  # a legacy checkpoint: its state's digest in this release
         record = {**record, "legacy_digest": record.get("digest"), "digest": current, "digest_algo": DIGEST_ALGO}
-    return int(record.get("round", round)), theta, momentum, record
+    got = record.get("round", round)
+    if type(got) is not int or got < 0:  # int() of it: a traceback for "x" or null, round 1 for 1.5 (red team 43)
+        raise ExportError(f"corrupt checkpoint metadata {meta_path}: round {got!r:.40} is not a round number")
+    return got, theta, momentum, record
 
 
 def run_config_of(record: dict, where: str = "checkpoint"):

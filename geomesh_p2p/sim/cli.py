@@ -21,6 +21,7 @@ import shlex
 import sys
 from typing import Optional, Sequence
 
+from geomesh_p2p.config.flags import home_problem
 from geomesh_p2p.sim.charge import Charger
 from geomesh_p2p.sim.hardware import Profile, load_profile, shipped_profiles
 from geomesh_p2p.sim.methods import parse_method, parse_methods
@@ -99,6 +100,33 @@ def _die(msg: str) -> int:
     return 2
 
 
+def _file_problem(args) -> Optional[str]:
+    """Why a file flag cannot be used, in one line naming it, or None: ``--profile`` / ``--data`` / ``--json`` /
+    ``--plot`` of ``~NAME`` where no user is called NAME, an output (``--json``, ``--plot``) that is a folder or whose
+    folder does not exist or is not writable. Before the run: the outputs are written once every method was
+    simulated, and an unwritable one was a traceback that lost the results (red team 43)."""
+    for flag, value in (
+        ("--profile", args.profile),
+        ("--data", args.data),
+        ("--json", args.json_path),
+        ("--plot", args.plot),
+    ):
+        problem = home_problem(flag, value)
+        if problem is not None:
+            return problem
+    for flag, value in (("--json", args.json_path), ("--plot", args.plot)):
+        if not value:
+            continue
+        parent = os.path.dirname(value) or "."
+        if os.path.isdir(value):
+            return f"{flag} {value}: is a folder, expected a file path"
+        if not os.path.isdir(parent):
+            return f"{flag} {value}: folder {parent} does not exist"
+        if not os.access(value if os.path.exists(value) else parent, os.W_OK):
+            return f"{flag} {value}: {'file' if os.path.exists(value) else 'folder ' + parent} is not writable"
+    return None
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     if args.list_profiles:
@@ -114,6 +142,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return _die(f"--rounds must be >= 1, got {args.rounds}")
     if args.target_ppl is not None and not (math.isfinite(args.target_ppl) and args.target_ppl > 1):
         return _die(f"--target-ppl must be a finite number > 1, got {args.target_ppl}")
+    problem = _file_problem(args)
+    if problem is not None:
+        return _die(problem)
     try:
         profile = load_profile(args.profile)
         specs = parse_methods(args.methods)

@@ -1,0 +1,36 @@
+"""Red team 43: ``geomesh-peer demo``'s files. ``--summary-json`` naming a folder, or a file in a folder that does
+not exist, was found only after the whole demo swarm had run (51 s for one round on a 2-core box): its summary lost
+to an IsADirectoryError / NotADirectoryError traceback. ``--workdir`` naming a file: FileExistsError's traceback.
+Now both fail before any process starts, exit 2, one line naming the flag."""
+
+from __future__ import annotations
+
+import pytest
+
+import peer.demo as demo
+from peer.cli import main
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class _NoSwarm:
+    def __init__(self, *a, **k):
+        raise AssertionError("the demo swarm started before its files were checked")
+
+
+@pytest.mark.parametrize(
+    "flag,name,line",
+    [
+        ("--summary-json", "", "--summary-json {p}: is a folder, expected a file path"),
+        ("--summary-json", "no/s.json", "--summary-json {p}: folder {d}/no does not exist"),
+        ("--workdir", "afile", "--workdir {p}: exists and is not a folder"),
+    ],
+)
+def test_a_demo_file_that_cannot_be_used_fails_before_the_swarm(tmp_path, capsys, monkeypatch, flag, name, line):
+    monkeypatch.setattr(demo, "Swarm", _NoSwarm)
+    (tmp_path / "afile").write_text("x")
+    p = str(tmp_path / name) if name else str(tmp_path)
+    assert main(["demo", flag, p, "--rounds", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "geomesh-peer demo: " + line.format(p=p, d=tmp_path)
+    assert (tmp_path / "afile").read_text() == "x"
