@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 from typing import NoReturn
 
@@ -185,10 +186,15 @@ def main(argv: list[str] | None = None) -> int:
     if handler is None:
         print(f"geomesh-peer {ns.command}: not available yet in this build; see README.md", file=sys.stderr)
         return 0
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        # started in the background by a shell (`join ... &`), which ignores SIGINT for it: a `kill -INT` was then
+        # ignored during the start (imports, model, proof of work) and obeyed once the node ran (fresh user 43)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         return handler(ns)
-    except KeyboardInterrupt:
-        return 130
+    except KeyboardInterrupt:  # before the node's own handler: nothing joined yet (a new key file is discarded)
+        print(f"geomesh-peer {ns.command}: stopped during start-up", file=sys.stderr, flush=True)
+        return 0
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ from geomesh_p2p.config.models import NodeConfig, RunConfig
 from geomesh_p2p.dht import PeerAnnouncer, record_ttl_s
 from geomesh_p2p.dht import DHTNode
 from geomesh_p2p.util.aio import SharedRead
-from geomesh_p2p.util.errors import StartInputError, UserFacingError
+from geomesh_p2p.util.errors import StartInputError, StoppedAtStart, UserFacingError
 from geomesh_p2p.net.identity import Identity, IdentityError, allow_list
 from geomesh_p2p.net.links import LinkProbeService
 from geomesh_p2p.telemetry.looplag import LoopLagMonitor
@@ -339,7 +339,7 @@ class PeerNode:
             load_or_solve_pow, self.identity, self.run_cfg.run_id, bits, cache, self._stop.is_set
         )
         if nonce is None:
-            raise UserFacingError("stopped while computing the proof of work")
+            raise StoppedAtStart("stopped while computing the proof of work")
         self.pow_nonce = nonce
         log.info("%s", pow_done_line(bits, took, cached, cache))  # computed or reused, said either way
 

@@ -60,3 +60,56 @@ def test_busy_port_is_one_line_and_exit_2(tmp_path, busy_port, script):
     assert "proof of work" not in r.stderr and "starting (" not in r.stderr, r.stderr
     assert "add_port.cc" not in r.stderr and "Failed to add port" not in r.stderr, r.stderr
     assert not (tmp_path / "id.key").exists()  # the key it created went with the failed start (session 32)
+
+
+def _ignoring_sigint() -> None:
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # as a shell does for `geomesh-peer join ... &`
+
+
+@pytest.mark.parametrize("when", ["import", "proof of work"])
+def test_sigint_during_the_start_of_a_background_join_stops_it_with_exit_0(tmp_path, when):
+    """A peer started in the background (SIGINT ignored by the shell) and sent SIGINT while it starts: it stopped
+    only once the node ran, and a stop in the proof of work exited 1 (fresh user, session 43). Now exit 0 with one
+    line saying it stopped, no traceback, and no key file left (none existed before)."""
+    import signal
+    import threading
+
+    exe = BIN / "geomesh-peer"
+    if not exe.exists():
+        pytest.skip("geomesh-peer is not installed in this environment")
+    key = tmp_path / "id.key"
+    argv = [str(exe), "join", "--host", "127.0.0.1", "--port", "0", "--identity", str(key)]
+    # 32 bits: minutes of hashing, so the signal surely lands in it
+    argv += ["--pow-bits", "32"] if when == "proof of work" else []
+    wait_for = "computing this identity's proof of work" if when == "proof of work" else "geomesh-peer join: starting"
+    p = subprocess.Popen(
+        argv, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=_fresh_env(), preexec_fn=_ignoring_sigint
+    )
+    lines: list[str] = []
+    seen = threading.Event()
+
+    def read() -> None:
+        for line in p.stderr:
+            lines.append(line)
+            if wait_for in line:
+                seen.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        assert seen.wait(120), "".join(lines)  # (the proof of work runs under the node's loop and its handler)
+        p.send_signal(signal.SIGINT)
+        assert p.wait(60) == 0, "".join(lines)
+        reader.join(10)
+        text = "".join(lines)
+        assert "Traceback" not in text, text
+        said = [x.strip() for x in lines if x.startswith("geomesh-peer join: stopped")]
+        want = "stopped while computing the proof of work" if when == "proof of work" else "stopped"
+        assert len(said) == 1 and want in said[0], text
+        assert not key.exists()
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(30)
