@@ -345,8 +345,12 @@ async def download_state(
                 events.emit(
                     log,
                     # a donor past the round asked is expected while the swarm trains: the catch-up asks again
-                    # for the round it moved to (INFO); WARNING on the caller's last attempt, or any other failure
-                    logging.INFO if moved_on is not None and not last_attempt else logging.WARNING,
+                    # for the round it moved to (INFO); a donor that cannot be reached is gone (its record outlives
+                    # it), and the download's own line says so once (fresh user 43: 23 WARNING lines in 15 s for two
+                    # gone donors); WARNING on the caller's last attempt, or any other failure
+                    logging.INFO
+                    if (moved_on is not None or (isinstance(e, RpcError) and e.unreachable)) and not last_attempt
+                    else logging.WARNING,
                     "state_piece_failed",
                     "state piece %d from %s %s: %s",
                     piece,

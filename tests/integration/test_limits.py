@@ -300,6 +300,35 @@ async def test_state_download_retries_a_bad_donor_and_closes_its_stream():
             await t.stop(grace=0)
 
 
+async def test_a_gone_donors_failed_pieces_are_info_and_the_download_goes_on():
+    """A donor whose record outlives it (nothing listens at its address): each piece tried there fails at INFO, not
+    WARNING (fresh user 43: 23 WARNING lines in 15 s for two gone donors; the download's own line says it once), and
+    the good donor serves the state."""
+    import socket
+
+    from geomesh_p2p.model.state import digest
+    from geomesh_p2p.sync.download import download_state
+
+    theta, momentum = torch.randn(1 << 16), torch.randn(1 << 16)
+    good = digest(theta, momentum)
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    gone = f"127.0.0.1:{s.getsockname()[1]}"
+    s.close()  # nothing listens there now
+    t = Transport(Identity.generate(), RUN)
+    StateServer(t, chunk_bytes=16 << 10).publish(Snapshot(5, theta, momentum, good))
+    address = await t.start()
+    client = Transport(Identity.generate(), RUN, TransportConfig(client_only=True))
+    try:
+        with events.capture("state_piece_failed") as failed:
+            snap = await download_state(client, [gone, address], round=5, numel=theta.numel(), expected_digest=good)
+        assert snap.digest == good and torch.equal(snap.theta, theta)
+        assert failed and {(e["donor"], e["level"]) for e in failed} == {(gone, "INFO")}, failed
+    finally:
+        await client.stop()
+        await t.stop(grace=0)
+
+
 async def _throttled_proxy(target_port: int, rate_bps: float):
     """A TCP proxy on 127.0.0.1 that forwards client -> server at ``rate_bps`` bytes/s per connection
     (a slow uplink); returns (server, port). Its copy tasks end with their connections."""
