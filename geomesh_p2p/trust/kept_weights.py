@@ -46,6 +46,9 @@ PREFIX = "geomesh-verify-"
 #: the file in a store's directory its process holds an exclusive ``flock`` on while the store is open
 LOCK_NAME = ".owner.lock"
 
+#: the parent folders this process's stores have swept (:func:`sweep_orphans`)
+_SWEPT: set[str] = set()
+
 #: attribute of a tensor :meth:`KeptWeights.get` returned: ``(lo, hi)``, the bytes of its private file mapping
 FILE_MAP_ATTR = "_geomesh_file_map"
 
@@ -86,7 +89,10 @@ class KeptWeights:
         fd = _hold_lock(self.path)
         # the lock's descriptor is closed by close(), or when the store is collected (as the directory is)
         self._unlock = weakref.finalize(self, os.close, fd) if fd is not None else None
-        sweep_orphans(os.path.dirname(self.path))
+        parent = os.path.dirname(self.path)
+        if parent not in _SWEPT:  # once a folder per process: a process makes ~5 stores (undo log, spill, verifier)
+            _SWEPT.add(parent)
+            sweep_orphans(parent)
         self._numel: dict[int, int] = {}
         self._lock = threading.Lock()
         self._writing = threading.Lock()  # held through a file's write and close's removal (:meth:`_write`)

@@ -11,12 +11,13 @@ import sys
 import pytest
 import torch
 
+from geomesh_p2p.trust import kept_weights
 from geomesh_p2p.trust.kept_weights import LOCK_NAME, PREFIX, KeptWeights, sweep_orphans
 
 pytestmark = pytest.mark.timeout(60)
 
 
-def test_a_killed_processs_store_is_removed_by_the_next_and_a_live_ones_is_kept(tmp_path):
+def test_a_killed_processs_store_is_removed_by_the_next_and_a_live_ones_is_kept(tmp_path, monkeypatch):
     child = subprocess.Popen(
         [
             sys.executable,
@@ -41,6 +42,10 @@ def test_a_killed_processs_store_is_removed_by_the_next_and_a_live_ones_is_kept(
         legacy = tmp_path / (PREFIX + "old12345")  # made before the lock file existed: never swept
         legacy.mkdir()
         (legacy / "theta-0.f32").write_bytes(b"\0" * 8)
+        other = KeptWeights(dir=str(tmp_path))
+        assert os.path.exists(dead)  # this process swept that folder already (at `live`): once a process
+        monkeypatch.setattr(kept_weights, "_SWEPT", set())  # as a new process
+        other.close()
         other = KeptWeights(dir=str(tmp_path))
         assert not os.path.exists(dead)
         assert sorted(os.listdir(tmp_path)) == sorted(os.path.basename(p) for p in (live.path, other.path, str(legacy)))
