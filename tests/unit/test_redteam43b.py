@@ -34,3 +34,24 @@ def test_atomic_write_works_where_the_file_system_refuses_flock(tmp_path, monkey
     t = time.time() - 3600
     os.utime(old, (t, t))
     assert sweep_stale_writes(tmp_path) == [] and old.exists()
+
+
+@pytest.mark.parametrize("command", ["export", "generate"])
+def test_ctrl_c_in_export_or_generate_is_not_a_success(tmp_path, monkeypatch, capsys, command):
+    """A Ctrl+C that stops ``export``/``generate`` half-way left no model (or no text): exit 130 as before session 43,
+    not join's 'stopped during start-up' with exit 0, which a script's ``export ... && upload`` read as done."""
+    import geomesh_p2p.model.export as export
+
+    import peer.tools_cli
+    from peer.cli import main
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(peer.tools_cli, "_no_checkpoint", lambda cmd, d: False)
+    monkeypatch.setattr(export, "export_checkpoint", interrupted)
+    monkeypatch.setattr(export, "build_exported", interrupted)
+    argv = [command, "--checkpoint-dir", str(tmp_path)]
+    argv += ["--out", str(tmp_path / "hf")] if command == "export" else ["--prompt", "hi"]
+    assert main(argv) == 130
+    assert "start-up" not in capsys.readouterr().err
