@@ -193,6 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return handler(ns)
     except KeyboardInterrupt:  # before the node's own handler: nothing joined yet (a new key file is discarded)
+        if ns.command != "join":
+            return 130  # export, generate, profile, status stopped half-way did not do their work: `... && next` stops
         print(f"geomesh-peer {ns.command}: stopped during start-up", file=sys.stderr, flush=True)
         return 0
 

@@ -86,7 +86,12 @@ def atomic_write(
         # held while the file is written: a process killed mid-write (a checkpoint, a 1 GB token file) leaves it
         # unlocked, and a later start removes it (sweep_stale_writes); the lock is the inode's, so write may reopen it
         if fcntl is not None:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                # a file system without flock (Lustre's default ENOSYS, NFS without its lock daemon ENOLCK): the
+                # write goes on unlocked, as before the lock existed; a sweep there cannot lock either and keeps it
+                pass
         write(tmp)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
