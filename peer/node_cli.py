@@ -16,8 +16,7 @@ from geomesh_p2p.config.models import DEFAULT_POW_BITS, MAX_POW_BITS  # noqa: F4
 from geomesh_p2p.config.flags import PARSERS, FlagSpec, add_flags, flag_specs, number_type, to_argv, values_from
 from geomesh_p2p.config.models import NODE_GROUP, RUN_GROUP, NodeConfig, RunConfig
 from geomesh_p2p.net.addr import host_of, is_loopback_host, first_listen_problem
-from geomesh_p2p.util.errors import StartInputError, StoppedAtStart, UserFacingError
-from geomesh_p2p.util.exit_gc import freeze_startup_heap
+from geomesh_p2p.util.errors import StartInputError, UserFacingError
 from geomesh_p2p.util.malloc import LOW_MEMORY_MMAP_MIB, set_mmap_threshold
 from geomesh_p2p.model.presets import PRESETS
 
@@ -439,7 +438,6 @@ def cmd_join(ns: argparse.Namespace) -> int:
     ranks, node = None, None
     try:
         node = PeerNode(*inputs)
-        freeze_startup_heap()  # the run's full collections skip the imports' and the model's objects (issue 27)
         node.bootstraps_pinged = pinged  # pinged above, before torch: not again before the proof of work
         if layout is not None:
             from geomesh_p2p.node.ranks import LocalRanks
@@ -493,10 +491,7 @@ def follow_rank_0(ns: argparse.Namespace, layout) -> int:
 def start_error_status(e: BaseException) -> int:
     """The exit status of a failed start: 2 for bad start-up input (a flag's value, a file, a port that
     cannot be listened on: what argparse and ``geomesh-bootstrap`` also exit 2 for), 1 for a failure of
-    the run itself (no bootstrap answered, the swarm runs another config), 0 for a stop asked for before the node
-    joined (:class:`~geomesh_p2p.util.errors.StoppedAtStart`)."""
-    if isinstance(e, StoppedAtStart):
-        return 0  # asked to stop: a stop, not a failure (README's exit codes)
+    the run itself (no bootstrap answered, the swarm runs another config)."""
     return 2 if isinstance(e, StartInputError) or "cannot listen on" in str(e) else 1
 
 

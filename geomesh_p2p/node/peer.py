@@ -40,7 +40,8 @@ from geomesh_p2p.config.models import NodeConfig, RunConfig
 from geomesh_p2p.dht import PeerAnnouncer, record_ttl_s
 from geomesh_p2p.dht import DHTNode
 from geomesh_p2p.util.aio import SharedRead
-from geomesh_p2p.util.errors import StartInputError, StoppedAtStart, UserFacingError
+from geomesh_p2p.util.errors import StartInputError, UserFacingError
+from geomesh_p2p.util.exit_gc import freeze_startup_heap
 from geomesh_p2p.net.identity import Identity, IdentityError, allow_list
 from geomesh_p2p.net.links import LinkProbeService
 from geomesh_p2p.telemetry.looplag import LoopLagMonitor
@@ -339,7 +340,7 @@ class PeerNode:
             load_or_solve_pow, self.identity, self.run_cfg.run_id, bits, cache, self._stop.is_set
         )
         if nonce is None:
-            raise StoppedAtStart("stopped while computing the proof of work")
+            raise StoppedBeforeJoining("stopped while computing the proof of work")
         self.pow_nonce = nonce
         log.info("%s", pow_done_line(bits, took, cached, cache))  # computed or reused, said either way
 
@@ -428,6 +429,7 @@ class PeerNode:
         self.plans = PlanStore(self.dht, self.identity, self.run_cfg.run_id, c.plan_ttl_floor_s, stable_parts=stable)
         # Off the event loop: tokenizing and profiling take seconds, and the DHT must keep answering.
         await asyncio.to_thread(self._build_training)
+        freeze_startup_heap()  # the run's full collections skip the imports' and the model's objects (join's own process)
         self._stop_point("after building training")
         self._init_ema(probed)
         self.looplag = LoopLagMonitor()  # worst event-loop stall per round, in each row (loop_stall_ms)

@@ -12,7 +12,7 @@ once it ends, logs one INFO line: how long, how much of it the loop thread itsel
 ``pthread_getcpuclockid``), and its most sampled locations, each marked "ran" (the thread computed there: code on
 the loop thread) or "waited" (it did not: a CPU or the GIL taken by other threads, or a blocking call), and how much
 of it Python's cyclic garbage collector ran (in any thread: it holds the GIL; :class:`GcClock`). A full collection
-over a peer's ~418,000 start-up objects took 234 ms on this machine; ``geomesh-peer join`` freezes them once the node
+over a peer's ~418,000 start-up objects took 234 ms on this machine; ``geomesh-peer join`` freezes them once its model
 is built (:func:`geomesh_p2p.util.exit_gc.freeze_startup_heap`).
 """
 

@@ -5,6 +5,8 @@ each checks several things."""
 
 from __future__ import annotations
 
+import json
+
 
 import pytest
 
@@ -30,11 +32,17 @@ def test_three_peers_train_then_resume_with_identical_weights(swarm, tmp_path):
                 str(tmp_path / f"ck_{n}"),
                 "--speed-factor",
                 ["1.0", "0.6", "0.4"][i],
+                "--summary-json",
+                str(tmp_path / f"{n}.summary.json"),
             ],
         )
 
     start("--rounds", "4")
     assert swarm.wait_exit(names, 300) == {n: 0 for n in names}
+    # each peer, a `geomesh-peer join` process of its own, froze its start-up heap once built (issue 27: the run's
+    # full collections skip the imports' and the model's ~350,000 objects)
+    frozen = [json.loads((tmp_path / f"{n}.summary.json").read_text())["gc"]["frozen"] for n in names]
+    assert all(f > 100_000 for f in frozen), frozen
     rows = swarm.rows("p0")
     assert [x["round"] for x in rows] == [0, 1, 2, 3]
     for r in range(4):

@@ -222,19 +222,21 @@ def test_bootstrap_that_fails_to_start_removes_the_key_it_created(tmp_path, caps
     assert key.read_bytes() == raw
 
 
-def test_join_freezes_the_start_up_heap_only_as_its_own_process(tmp_path, fake_join, monkeypatch):
-    """``main()`` from the command line freezes the heap once the node is built (the run's full collections skip the
-    start's ~418,000 objects); ``main([...])`` in a test process never does (its objects would never be collected)."""
+def test_join_arms_the_start_up_freeze_only_as_its_own_process(tmp_path, fake_join, monkeypatch):
+    """``main()`` from the command line arms the freeze the node does once its model is built (the run's full
+    collections skip the start's ~350,000 objects); ``main([...])`` in a test process never does (its objects would
+    never be collected); an armed freeze acts once."""
     import gc
 
     from geomesh_p2p.util import exit_gc
     from peer.cli import main
 
     frozen = []
-    monkeypatch.setattr(gc, "freeze", lambda: frozen.append(len(fake_join.made)))
+    monkeypatch.setattr(gc, "freeze", lambda: frozen.append(1))
     monkeypatch.setattr(exit_gc, "_armed", False)
-    argv = ["join", "--identity", str(tmp_path / "id.key"), "--port", "0"]
-    assert main(argv) == 0 and frozen == []
+    assert main(["join", "--identity", str(tmp_path / "id.key"), "--port", "0"]) == 0
+    assert exit_gc.freeze_startup_heap() is False and frozen == []
     monkeypatch.setattr("sys.argv", ["geomesh-peer", "join", "--identity", str(tmp_path / "id2.key"), "--port", "0"])
-    assert main() == 0 and frozen == [2]  # after the second node was built
-    assert exit_gc.freeze_startup_heap() is False and frozen == [2]  # once
+    assert main() == 0 and exit_gc._armed is True
+    assert exit_gc.freeze_startup_heap() is True and frozen == [1]
+    assert exit_gc.freeze_startup_heap() is False and frozen == [1]  # once
