@@ -31,8 +31,9 @@ log = logging.getLogger(__name__)
 #: A temporary file of :func:`atomic_write` at least this old (seconds since its last change) whose lock nobody holds
 #: is a dead process's (:func:`sweep_stale_writes`); younger ones are left (the instant between its creation and lock)
 STALE_WRITE_AGE_S = 60.0
-#: the temporary files :func:`atomic_write` makes: ``.<name>.<8 random characters>.tmp``
-_TMP_NAME = re.compile(r"^\..+\.[a-z0-9_]{8}\.tmp$")
+#: the temporary files :func:`atomic_write` makes: ``.<name>.gm-<8 random characters>.tmp`` (``gm-``: a sweep of a
+#: folder the user shares with other programs, ``--checkpoint-dir .``, never takes theirs; red team 43b)
+_TMP_NAME = re.compile(r"^\..+\.gm-[a-z0-9_]{8}\.tmp$")
 
 #: A write that is allowed to fail (a cache) may take at least this long (seconds) ...
 WRITE_TIMEOUT_MIN_S = 60.0
@@ -81,7 +82,7 @@ def atomic_write(
         return
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix="." + p.name + ".", suffix=".tmp", dir=p.parent)
+    fd, tmp = tempfile.mkstemp(prefix="." + p.name + ".gm-", suffix=".tmp", dir=p.parent)
     try:
         # held while the file is written: a process killed mid-write (a checkpoint, a 1 GB token file) leaves it
         # unlocked, and a later start removes it (sweep_stale_writes); the lock is the inode's, so write may reopen it
@@ -109,7 +110,7 @@ def atomic_write(
 
 def sweep_stale_writes(folder: str | os.PathLike, min_age_s: float = STALE_WRITE_AGE_S) -> list[str]:
     """Remove the temporary files :func:`atomic_write` left in ``folder`` when its process died mid-write (SIGKILL,
-    the OOM killer, a power cut: a partial checkpoint or token file each time): ``.<name>.<random>.tmp`` files
+    the OOM killer, a power cut: a partial checkpoint or token file each time): ``.<name>.gm-<random>.tmp`` files
     unchanged for ``min_age_s`` seconds whose exclusive ``flock`` this call can take (a write under way, in any
     process, holds it). Logs one INFO line when it removed any.
 

@@ -29,7 +29,7 @@ def test_atomic_write_works_where_the_file_system_refuses_flock(tmp_path, monkey
     assert target.read_text() == '{"round": 1}'
     assert sorted(os.listdir(tmp_path)) == ["ckpt-00000001.json"]
     # and such a file system's sweep removes nothing: it cannot tell a dead write from a live one there
-    old = tmp_path / ".ckpt-00000002.json.abcd1234.tmp"
+    old = tmp_path / ".ckpt-00000002.json.gm-abcd1234.tmp"
     old.write_bytes(b"{}")
     t = time.time() - 3600
     os.utime(old, (t, t))

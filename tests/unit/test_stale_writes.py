@@ -55,12 +55,15 @@ def test_a_killed_writers_partial_file_is_removed_and_a_live_writers_is_kept(tmp
             _age(p, 3600)
         (tmp_path / "notes.tmp").write_bytes(b"mine")  # not a name atomic_write makes
         _age(str(tmp_path / "notes.tmp"), 3600)
+        other = tmp_path / ".notes.txt.abcd1234.tmp"  # another program's temporary file (mkstemp's shape, no gm-)
+        other.write_bytes(b"theirs")
+        _age(str(other), 3600)
         atomic_write(tmp_path / "ckpt-00000002.json", lambda t: open(t, "w").write("{}"))
-        young = tmp_path / ".ckpt-00000005.json.abcd1234.tmp"  # an instant after its creation: not yet locked
+        young = tmp_path / ".ckpt-00000005.json.gm-abcd1234.tmp"  # an instant after its creation: not yet locked
         young.write_bytes(b"")
         check_writable_dir(str(tmp_path), "--checkpoint-dir")
         assert sorted(os.listdir(tmp_path)) == sorted(
-            [os.path.basename(live_tmp), "notes.tmp", "ckpt-00000002.json", young.name]
+            [os.path.basename(live_tmp), "notes.tmp", other.name, "ckpt-00000002.json", young.name]
         )
         assert open(tmp_path / "ckpt-00000002.json").read() == "{}"
         procs[1].send_signal(signal.SIGKILL)
