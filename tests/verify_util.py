@@ -161,6 +161,7 @@ def world_fixture(tmp_path_factory):
             return own[peer_id]
 
         w.honest_of = honest_of
+        w.b_state = saved["B_state"]  # trains other updates from the same state (tests/unit/test_gain_stages.py)
         w.theta, w.base, w.ids, w.pid = theta, base, ids, pid
         w.others, w.honest, w.wrong_data = saved["others"], saved["honest"], saved["wrong_data"]
         w.P = theta.numel()
