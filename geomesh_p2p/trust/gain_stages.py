@@ -148,8 +148,13 @@ def staged_gain(
     passes += extra
     by_step = dict(zip(s1 + s2, got[: len(s1)] + more[: len(s2)]))
     whole = gain_of([by_step[j] for j in sorted(order)], got[len(s1) :] + more[len(s2) :], steps=steps)
-    if whole.t >= cfg.gain_t_min or rt is None or ref_steps is None:
+    if whole.t >= cfg.gain_t_min or rt is None:
         return Staged(dataclasses.replace(whole, passes=passes))
+    if ref_steps is None:  # a reference of an odd number of batches: measured whole, as unstaged
+        reference = _reference_whole(
+            rt, packets, rows, (sorted(gain_order(rt, cfg.gain_assigned)), []), c1 + c2, [], cache
+        )
+        return Staged(dataclasses.replace(whole, passes=passes + reference.passes), reference)
     if ref_half is None:
         ref_half = _reference_half(rt, packets, rows, ref_steps[0], c1, cache)
         passes += ref_half.passes
@@ -199,16 +204,19 @@ def _reference_half(rt: VerifyTask, packets, rows: RowsFn, steps, controls, cach
 
 def _reference_whole(rt: VerifyTask, packets, rows: RowsFn, halves_, c1, c2, cache: Optional[dict]) -> GainStats:
     """The reference's whole test (``reference_gain``'s statistic: the same rows in the same order), its first
-    half's rows reused; kept in ``cache`` under ``reference_gain``'s key (``passes`` 0 when it was kept)."""
+    half's rows reused (``halves_``: its steps in two; the second empty when the reference is not staged, then ``c1``
+    holds every control); kept in ``cache`` under ``reference_gain``'s key (``passes`` 0 when it was kept)."""
     key = _ref_key(rt)
     if cache is not None and key in cache:
         return dataclasses.replace(cache[key], passes=0)
     s1, s2 = halves_
-    first = cache.get(key + ("half", "rows")) if cache is not None else None
-    passes = 0
+    first = cache.get(key + ("half", "rows")) if cache is not None and s2 else None
+    passes = extra = 0
     if first is None:
         first, passes = rows(rt, packets[rt.accused], s1, c1)
-    more, extra = rows(rt, packets[rt.accused], s2, c2)
+    more: list[list[float]] = []
+    if s2 or c2:
+        more, extra = rows(rt, packets[rt.accused], s2, c2)
     by_step = dict(zip(s1 + s2, first[: len(s1)] + more[: len(s2)]))
     ref = gain_of(
         [by_step[j] for j in sorted(s1 + s2)], first[len(s1) :] + more[len(s2) :], steps=int(rt.steps_done),

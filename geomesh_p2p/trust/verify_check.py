@@ -618,7 +618,11 @@ def screen_contribution(
     rows = _rows_of(cfg, model, dataset, theta, seed=seed, deadline=deadline, pace=pace, cache=cache)
     k = len(gain_steps(task, cfg.gain_assigned))
     if cfg.gain_staged and can_stage(k, cfg.gain_controls):
-        rt = reference_task(cfg, task, plan=plan, packets=packets, checker=checker) if plan and checker else None
+        rt = (
+            None
+            if plan is None or checker is None
+            else reference_task(cfg, task, plan=plan, packets=packets, checker=checker)
+        )
         st = staged_gain(cfg, task, rt, packets, rows, cache, tokens=_tokens(task))
         return WorkStats(0.0, 0.0, 0, st.gain), judge_screen(
             cfg, task, st.gain, st.reference, power=st.power, stage=st.stage

@@ -65,13 +65,17 @@ def contributions(world):
     }
 
 
-def _screen(world, cfg, contribution, *, H=10):
-    """Screener V (its own honest H = 10 update: the power reference) screens A's ``contribution`` of round 2 from a
-    fresh cache. Returns (stats, verdict, forward passes)."""
+def _screen(world, cfg, contribution, *, H=10, own_H=10):
+    """Screener V (its own honest update of ``own_H`` steps: the power reference) screens A's ``contribution`` of
+    round 2 (``H`` steps) from a fresh cache. Returns (stats, verdict, forward passes)."""
     v = _fixed_identity("screener-V")
     vid, a = str(v.peer_id), world.pid["A"]
-    packets = _packets(world, contribution, H, extra={vid: world.honest_of(vid)})
-    plan = _plan(world, {"V": v}, steps={"A": H})
+    if own_H == 10:
+        own = world.honest_of(vid)
+    else:
+        own = _train_round(world.base, world.ds, world.theta, world.b_state, own_H, vid)
+    packets = _packets(world, contribution, H, extra={vid: own}, extra_H=own_H)
+    plan = _plan(world, {"V": v}, steps={"A": H, "V": own_H})
     task = VT.derive_screen(
         cfg, plan=plan, verifier=vid, accused=a, seed=SEED, packets=packets, part_ranges=world.part_ranges
     )
@@ -157,3 +161,14 @@ def test_a_contribution_of_an_odd_number_of_batches_is_screened_whole(world):
         lr=1e-3, weight_decay=0.1, plan=plan, checker=vid, cache={},
     )  # fmt: skip
     assert stats.gain.k == 5 and ds.batches == 2 * (5 + 16) and verdict.outcome == VC.PASS
+
+
+def test_a_reference_of_an_odd_number_of_batches_is_measured_whole(world, contributions, screened):
+    """Session 43's first benchmark run: a screener that trained 5 steps (k = 5: its reference has no halves of
+    equal information) took that for no reference at all and passed the poisoner as inconclusive. Its whole
+    reference decides now, as unstaged."""
+    stats, verdict, passes = _screen(world, CFG, contributions["backdoor"], own_H=5)
+    whole, whole_verdict, whole_passes = _screen(world, WHOLE, contributions["backdoor"], own_H=5)
+    assert verdict.outcome == whole_verdict.outcome == VC.FAIL and verdict.reason == whole_verdict.reason
+    assert stats.gain == whole.gain == screened["backdoor"][0][0].gain  # the accused's whole test, as before
+    assert passes == whole_passes == 48 + 2 * 5 + 16  # the reference: 5 + 5 + 16 (controls kept)
